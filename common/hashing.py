@@ -1,0 +1,72 @@
+"""Chained prefix-block hashes, shared by the engine's prefix cache and the router's index.
+
+A full block of ``block_size`` tokens is named by
+
+    H(parent_hash || len(token_ids) || token_ids || extra)
+
+where ``H`` is sha256, the parent hash of the first block is a seed derived from an optional
+per-tenant salt, token ids are little-endian uint32 and ``extra`` is optional bytes (for
+multimodal or LoRA keys later). The encoding is canonical, so the same tokens give the same
+hash in every process, on every machine, in every Python version. Python's ``hash()`` is
+never used: it is salted per process and collides on purpose-built inputs.
+
+Only full blocks are hashed; a trailing partial block has no hash and is never shared.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+BlockHash = bytes
+"""A 32-byte sha256 digest naming one full block and, through its parent, its whole prefix."""
+
+_ROOT_DOMAIN = b"pdserve-block-hash-v1"
+
+
+def root_hash(salt: str | bytes | None = None) -> BlockHash:
+    """The parent hash of a sequence's first block. Different salts never share blocks."""
+    if salt is None:
+        salt_bytes = b""
+    elif isinstance(salt, str):
+        salt_bytes = salt.encode()
+    else:
+        salt_bytes = bytes(salt)
+    return hashlib.sha256(_ROOT_DOMAIN + struct.pack("<I", len(salt_bytes)) + salt_bytes).digest()
+
+
+def hash_block(
+    parent_hash: BlockHash, token_ids: Sequence[int], extra: bytes | None = None
+) -> BlockHash:
+    """Hash of one full block given its parent's hash."""
+    h = hashlib.sha256(parent_hash)
+    h.update(struct.pack(f"<I{len(token_ids)}I", len(token_ids), *token_ids))
+    if extra:
+        h.update(struct.pack("<I", len(extra)))
+        h.update(extra)
+    return h.digest()
+
+
+def hash_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    salt: str | bytes | None = None,
+    parent_hash: BlockHash | None = None,
+    start_block: int = 0,
+) -> list[BlockHash]:
+    """Hashes of every full block of ``token_ids`` from block index ``start_block`` on.
+
+    ``parent_hash`` is the hash of block ``start_block - 1`` (or the salt's root when
+    ``start_block`` is 0), which lets a caller extend a list incrementally as tokens arrive.
+    """
+    assert block_size > 0
+    parent = root_hash(salt) if parent_hash is None else parent_hash
+    assert start_block == 0 or parent_hash is not None, "a non-zero start needs its parent"
+    num_full_blocks = len(token_ids) // block_size
+    hashes: list[BlockHash] = []
+    for block_idx in range(start_block, num_full_blocks):
+        start = block_idx * block_size
+        parent = hash_block(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes

@@ -1,0 +1,60 @@
+"""KV-cache events: what a worker tells routers about the blocks it caches.
+
+Events are tagged msgspec structs so that they encode to compact msgpack and decode
+without pickle. A worker batches the events of one engine step into a ``KVEventBatch``
+with a per-publisher sequence number; a router that sees a gap asks for a replay.
+
+``medium`` names the tier that holds the block: ``gpu`` is the engine's primary KV pool
+(on whatever device the engine runs, CPU included), ``cpu`` the CPU offload tier.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+import msgspec
+
+
+class Medium(StrEnum):
+    GPU = "gpu"
+    CPU = "cpu"
+
+
+class BlockStored(msgspec.Struct, tag=True, frozen=True, array_like=True):
+    """Blocks newly cached, in prefix order; ``parent_block_hash`` precedes the first one."""
+
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+    block_size: int
+    medium: Medium = Medium.GPU
+
+
+class BlockRemoved(msgspec.Struct, tag=True, frozen=True, array_like=True):
+    """Blocks no longer held by this tier."""
+
+    block_hashes: list[bytes]
+    medium: Medium = Medium.GPU
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, frozen=True, array_like=True):
+    """Every block of every tier is gone (reset or restart)."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventBatch(msgspec.Struct, frozen=True, array_like=True):
+    """The events of one engine step. ``seq`` increases by one per batch per publisher."""
+
+    seq: int
+    ts: float
+    events: list[KVEvent]
+
+
+def encode_batch(batch: KVEventBatch) -> bytes:
+    return msgspec.msgpack.encode(batch)
+
+
+def decode_batch(data: bytes) -> KVEventBatch:
+    return msgspec.msgpack.decode(data, type=KVEventBatch)

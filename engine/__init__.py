@@ -1,0 +1,16 @@
+"""The paged-attention engine shared by both worker roles, and its offline ``LLM`` API."""
+
+from engine.errors import InvalidRequestError
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "InvalidRequestError",
+    "LLMEngine",
+    "RequestOutput",
+    "SamplingParams",
+]

@@ -1,0 +1,37 @@
+"""Attention backends by name. ``auto`` is triton on CUDA and torch elsewhere."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from common.config import AttentionBackendName
+from engine.attention.backend import AttentionBackend
+from engine.attention.torch_backend import TorchAttentionBackend
+
+
+def _triton_backend() -> AttentionBackend:
+    try:
+        from engine.attention.triton_backend import TritonAttentionBackend
+    except ImportError as exc:
+        raise RuntimeError(
+            f"attention_backend=triton needs the triton package and its backend: {exc}"
+        ) from exc
+    return TritonAttentionBackend()
+
+
+_BACKENDS: dict[AttentionBackendName, Callable[[], AttentionBackend]] = {
+    AttentionBackendName.TORCH: TorchAttentionBackend,
+    AttentionBackendName.TRITON: _triton_backend,
+}
+
+
+def resolve_backend_name(name: AttentionBackendName, device: torch.device) -> AttentionBackendName:
+    if name is AttentionBackendName.AUTO:
+        return AttentionBackendName.TRITON if device.type == "cuda" else AttentionBackendName.TORCH
+    return name
+
+
+def create_backend(name: AttentionBackendName, device: torch.device) -> AttentionBackend:
+    return _BACKENDS[resolve_backend_name(name, device)]()

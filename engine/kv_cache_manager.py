@@ -1,0 +1,144 @@
+"""Which blocks each request holds, prefix-cache lookups, and slot allocation. Torch-free.
+
+A request's blocks cover its tokens in order: token ``i`` lives in block
+``blocks[i // block_size]`` at offset ``i % block_size``. Full blocks are hashed (see
+``common/hashing.py``) and registered in the prefix cache as soon as their tokens are
+scheduled; the KV lands in the same engine step, before any other request can read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from common.hashing import hash_blocks
+from engine.block_pool import BlockPool, BlockPoolObserver, KVBlock
+from engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        observers: Iterable[BlockPoolObserver] = (),
+    ) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching, observers)
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        # How many leading blocks of each request are registered in the prefix cache.
+        self.num_cached_blocks: dict[str, int] = {}
+        # Prefix-cache statistics, in tokens.
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.num_used_blocks / self.pool.num_blocks
+
+    def update_block_hashes(self, request: Request) -> None:
+        """Extend ``request.block_hashes`` to every full block of its tokens."""
+        num_full_blocks = request.num_tokens // self.block_size
+        num_hashed = len(request.block_hashes)
+        if num_full_blocks <= num_hashed:
+            return
+        parent = request.block_hashes[-1] if num_hashed else None
+        request.block_hashes.extend(
+            hash_blocks(
+                request.all_token_ids,
+                self.block_size,
+                salt=request.cache_salt,
+                parent_hash=parent,
+                start_block=num_hashed,
+            )
+        )
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of a new request: (blocks, number of tokens they hold).
+
+        At least one token is always left to compute, because the last token's hidden state
+        is needed to sample the next one.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.num_query_tokens += request.num_tokens
+        self.num_hit_tokens += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVBlock] | None = None,
+    ) -> bool:
+        """Give ``request`` room for ``num_new_tokens`` more tokens after what it has computed
+        (plus ``new_computed_blocks`` found in the cache). False, with nothing changed, if the
+        pool cannot hold them."""
+        new_computed_blocks = new_computed_blocks or []
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed_tokens = request.num_computed_tokens + len(new_computed_blocks) * (
+            self.block_size
+        )
+        num_tokens_after = num_computed_tokens + num_new_tokens
+        num_new_blocks = cdiv(num_tokens_after, self.block_size) - len(req_blocks)
+        num_new_blocks -= len(new_computed_blocks)
+        # Cache hits that sit in the free queue stop being allocatable once we take them.
+        num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_free_hits:
+            if not req_blocks:
+                del self.req_to_blocks[request.request_id]
+            return False
+        self.pool.touch(new_computed_blocks)
+        req_blocks.extend(new_computed_blocks)
+        if num_new_blocks > 0:
+            req_blocks.extend(self.pool.allocate(num_new_blocks))
+        self._cache_full_blocks(request, req_blocks, num_tokens_after)
+        return True
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks; its tail is evicted before its prefix."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_blocks.pop(request.request_id, None)
+        self.pool.free(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
+
+    def leak_report(self) -> list[str]:
+        problems = [f"request {rid} still holds blocks" for rid in self.req_to_blocks]
+        return problems + self.pool.leak_report()
+
+    def _cache_full_blocks(
+        self, request: Request, req_blocks: list[KVBlock], num_tokens: int
+    ) -> None:
+        if not self.enable_caching:
+            return
+        num_cached = self.num_cached_blocks.get(request.request_id, 0)
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        if num_full <= num_cached:
+            return
+        bs = self.block_size
+        self.pool.cache_blocks(
+            req_blocks[num_cached:num_full],
+            request.block_hashes[num_cached:num_full],
+            request.block_hashes[num_cached - 1] if num_cached else None,
+            request.all_token_ids[num_cached * bs : num_full * bs],
+            bs,
+        )
+        self.num_cached_blocks[request.request_id] = num_full

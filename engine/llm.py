@@ -1,0 +1,105 @@
+"""The offline API, shaped like vLLM's ``LLM``: batch in, outputs in input order out.
+
+from engine import LLM, SamplingParams
+llm = LLM(model="/path/to/checkpoint", max_num_seqs=32)
+outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from common.config import EngineConfig
+from common.tokenizer import Tokenizer
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) for p in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+class LLM:
+    def __init__(self, model: str | Path | None = None, **engine_overrides: Any) -> None:
+        """``model``: a local Hugging Face checkpoint directory; None makes and uses the
+        built-in demo model. Keyword arguments override ``EngineConfig`` fields."""
+        if model is None:
+            from engine.models.maker import ensure_model
+
+            model = ensure_model()
+        config = EngineConfig().replace(**engine_overrides)
+        self.model_dir = Path(model)
+        self.engine = LLMEngine(model, config)
+        self.tokenizer = Tokenizer(model)
+        self._next_id = 0
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text, or a list of token ids). Outputs come back in
+        input order with ``text`` decoded. Invalid input raises before anything runs."""
+        prompt_list = _normalize_prompts(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"{len(params_list)} sampling params for {len(prompt_list)} prompts"
+                )
+        token_lists = [
+            self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt_list
+        ]
+        for tokens in token_lists:
+            self.engine.validate_prompt(tokens)
+        request_ids = []
+        for tokens, params in zip(token_lists, params_list, strict=True):
+            request_id = f"offline-{self._next_id}"
+            self._next_id += 1
+            self.engine.add_request(request_id, tokens, params)
+            request_ids.append(request_id)
+        return self._run(request_ids, prompt_list, use_tqdm)
+
+    def _run(
+        self, request_ids: list[str], prompts: list[Prompt], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="generate", unit="req", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        except BaseException:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
+        finally:
+            bar.close()
+        results = []
+        for request_id, prompt in zip(request_ids, prompts, strict=True):
+            output = finished[request_id]
+            output.prompt = prompt if isinstance(prompt, str) else None
+            completion = output.outputs[0]
+            completion.text = self.tokenizer.decode(completion.token_ids)
+            results.append(output)
+        return results

@@ -1,0 +1,228 @@
+"""The engine loop: admit requests, schedule a step, run it, report what changed.
+
+    add_request ─► Scheduler.schedule ─► ModelRunner.execute ─► Scheduler.update_from_output
+                       (blocks, budget)      (one forward pass)        (tokens, stops, frees)
+
+Single-threaded by contract: a service drives ``step`` from one thread and hands requests
+in and results out through queues.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+from common.config import DType, EngineConfig
+from engine.block_pool import BlockPoolObserver
+from engine.errors import (
+    DuplicateRequestError,
+    EmptyPromptError,
+    InvalidRequestError,
+    PromptTooLongError,
+)
+from engine.model_runner import ModelRunner, SequenceChunk
+from engine.models.arch import ModelArchConfig, read_arch_config
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import FINISH_REASONS, Request, RequestStatus
+from engine.sampler import SamplingRow
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+
+_DTYPES = {
+    DType.FLOAT32: torch.float32,
+    DType.FLOAT16: torch.float16,
+    DType.BFLOAT16: torch.bfloat16,
+}
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    if config.device.value == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(config.device.value)
+
+
+def resolve_dtype(config: EngineConfig, arch: ModelArchConfig, device: torch.device) -> torch.dtype:
+    if config.dtype is not DType.AUTO:
+        return _DTYPES[config.dtype]
+    if device.type == "cpu":
+        return torch.float32  # no fast bf16/fp16 matmuls on most CPUs
+    if arch.torch_dtype in ("bfloat16", "float16"):
+        return _DTYPES[DType(arch.torch_dtype)]
+    return torch.bfloat16
+
+
+def resolve_max_model_len(config: EngineConfig, arch: ModelArchConfig) -> int:
+    limit = arch.max_position_embeddings
+    if config.max_model_len is None:
+        return limit
+    return min(config.max_model_len, limit)
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: EngineConfig | None = None,
+        observers: Iterable[BlockPoolObserver] = (),
+    ) -> None:
+        self.config = config or EngineConfig()
+        self.model_dir = Path(model_dir)
+        self.arch = read_arch_config(model_dir)
+        self.device = resolve_device(self.config)
+        self.dtype = resolve_dtype(self.config, self.arch, self.device)
+        self.max_model_len = resolve_max_model_len(self.config, self.arch)
+        self.runner = ModelRunner(
+            model_dir, self.arch, self.config, self.device, self.dtype, self.max_model_len
+        )
+        self.scheduler = Scheduler(self.config, self.runner.num_blocks, observers)
+        self.eos_token_ids = frozenset(self.arch.eos_token_ids)
+        self._rng = random.Random(self.config.seed)
+        self._generators: dict[str, torch.Generator] = {}
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> Request:
+        """Validate and queue a request. Raises ``InvalidRequestError`` (engine unchanged)."""
+        prompt = self.validate_prompt(prompt_token_ids)
+        if request_id in self.scheduler.requests:
+            raise DuplicateRequestError(request_id)
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling params must be a SamplingParams", "params")
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+            cache_salt=cache_salt,
+        )
+        if not params.greedy:
+            generator = torch.Generator(device=self.device)
+            seed = params.seed if params.seed is not None else self._rng.randrange(2**63)
+            generator.manual_seed(seed % 2**64)
+            self._generators[request_id] = generator
+        self.scheduler.add_request(request)
+        return request
+
+    def validate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise EmptyPromptError()
+        if len(prompt) > self.max_model_len:
+            raise PromptTooLongError(len(prompt), self.max_model_len)
+        vocab_size = self.arch.vocab_size
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:3]}",
+                "prompt",
+            )
+        return prompt
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.scheduler.abort_request(request_id)
+        if request is None:
+            return None
+        self._generators.pop(request_id, None)
+        return self._output(request, [])
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step. Returns an output for every request that produced a token."""
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.scheduled:
+            return []
+        chunks = self._chunks(scheduler_output)
+        sampled = self.runner.execute(chunks)
+        progressed = self.scheduler.update_from_output(scheduler_output, sampled)
+        self.num_steps += 1
+        outputs = []
+        for request in progressed:
+            if request.status.finished:
+                self._generators.pop(request.request_id, None)
+            outputs.append(self._output(request, request.output_token_ids[-1:]))
+        return outputs
+
+    def _chunks(self, scheduler_output: SchedulerOutput) -> list[SequenceChunk]:
+        kv = self.scheduler.kv
+        chunks = []
+        for item in scheduler_output.scheduled:
+            request = item.request
+            start = request.num_computed_tokens
+            end = start + item.num_scheduled_tokens
+            sampling = None
+            if item.samples:
+                sampling = SamplingRow(
+                    request.sampling_params,
+                    self._generators.get(request.request_id),
+                    request.token_ids_banned_now(),
+                )
+            chunks.append(
+                SequenceChunk(
+                    request_id=request.request_id,
+                    token_ids=_token_slice(request, start, end),
+                    start_pos=start,
+                    block_ids=kv.get_block_ids(request.request_id),
+                    sampling=sampling,
+                )
+            )
+        return chunks
+
+    def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
+        finish_reason = FINISH_REASONS.get(request.status)
+        completion = CompletionOutput(
+            index=0,
+            token_ids=list(request.output_token_ids),
+            finish_reason=finish_reason.value if finish_reason else None,
+            stop_reason=request.stop_reason,
+            logprobs=(
+                list(request.output_logprobs)
+                if request.sampling_params.logprobs is not None
+                else None
+            ),
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[completion],
+            finished=request.status.finished,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            new_token_ids=list(new_token_ids),
+        )
+
+    # ------------------------------------------------------------------ checks
+
+    def leak_report(self) -> list[str]:
+        """Everything still held: empty when the engine is idle and clean."""
+        problems = self.scheduler.leak_report()
+        if self._generators:
+            problems.append(f"{len(self._generators)} sampling generators still held")
+        return problems
+
+    @property
+    def status_counts(self) -> dict[RequestStatus, int]:
+        counts: dict[RequestStatus, int] = {}
+        for request in self.scheduler.requests.values():
+            counts[request.status] = counts.get(request.status, 0) + 1
+        return counts
+
+
+def _token_slice(request: Request, start: int, end: int) -> list[int]:
+    num_prompt = request.num_prompt_tokens
+    if end <= num_prompt:
+        return request.prompt_token_ids[start:end]
+    return request.all_token_ids[start:end]

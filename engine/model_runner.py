@@ -1,0 +1,155 @@
+"""Owns the model and the KV cache tensors; turns one step's chunks into one forward pass.
+
+Per step the runner builds a single flattened batch (``input_ids``, ``positions``,
+``slot_mapping``, block table, query start offsets, sequence lengths), runs the model,
+computes logits only at the last token of chunks that sample, and samples.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from common.config import ConfigError, EngineConfig
+from engine.attention.backend import BatchLayout
+from engine.attention.registry import create_backend
+from engine.models.arch import ModelArchConfig
+from engine.models.loader import load_model
+from engine.request import TokenLogprobs
+from engine.sampler import SamplingRow, sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class SequenceChunk:
+    """The tokens one request computes this step."""
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int  # position of token_ids[0]: the request's num_computed_tokens
+    block_ids: list[int]  # every block of the request, covering start_pos + len(token_ids)
+    sampling: SamplingRow | None  # None: a prompt chunk that is not the last
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        arch: ModelArchConfig,
+        config: EngineConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+    ) -> None:
+        self.arch = arch
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        self.backend = create_backend(config.attention_backend, device)
+        self.model = load_model(model_dir, arch, max_model_len, self.backend, device, dtype)
+        self.num_blocks = self._num_blocks(config)
+        shape = (self.num_blocks, 2, self.block_size, arch.num_kv_heads, arch.head_dim)
+        # One tensor per layer; a block id names the same slot in every layer.
+        self.kv_caches = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)
+        ]
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s",
+            self.num_blocks,
+            self.block_size,
+            self.num_blocks * self.bytes_per_block / 2**20,
+            self.backend.name,
+        )
+
+    @property
+    def bytes_per_block(self) -> int:
+        arch = self.arch
+        elements = arch.num_layers * 2 * self.block_size * arch.num_kv_heads * arch.head_dim
+        return elements * torch.finfo(self.dtype).bits // 8
+
+    def _num_blocks(self, config: EngineConfig) -> int:
+        min_blocks = cdiv(self.max_model_len, self.block_size)
+        if config.num_blocks is not None:
+            num_blocks = config.num_blocks
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - int(total * (1.0 - config.gpu_memory_utilization))
+            num_blocks = budget // self.bytes_per_block
+        else:
+            num_blocks = config.kv_cache_bytes // self.bytes_per_block
+        if num_blocks < min_blocks:
+            raise ConfigError(
+                "engine.num_blocks",
+                f"{num_blocks} KV blocks cannot hold one request of max_model_len="
+                f"{self.max_model_len} ({min_blocks} blocks of {self.block_size} tokens); "
+                "give the KV cache more memory or lower engine.max_model_len",
+            )
+        return num_blocks
+
+    def _layout(
+        self, chunks: list[SequenceChunk]
+    ) -> tuple[torch.Tensor, torch.Tensor, BatchLayout]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        block_rows: list[list[int]] = []
+        for chunk in chunks:
+            n = len(chunk.token_ids)
+            end = chunk.start_pos + n
+            input_ids.extend(chunk.token_ids)
+            chunk_positions = range(chunk.start_pos, end)
+            positions.extend(chunk_positions)
+            blocks = chunk.block_ids
+            slot_mapping.extend(blocks[p // bs] * bs + p % bs for p in chunk_positions)
+            query_start_loc.append(query_start_loc[-1] + n)
+            seq_lens.append(end)
+            block_rows.append(blocks[: cdiv(end, bs)])
+        max_blocks = max(len(row) for row in block_rows)
+        table = [row + [0] * (max_blocks - len(row)) for row in block_rows]
+        num_decodes = sum(1 for chunk in chunks if len(chunk.token_ids) == 1)
+
+        def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+        layout = BatchLayout(
+            slot_mapping=to_device(slot_mapping, torch.int64),
+            query_start_loc=to_device(query_start_loc, torch.int32),
+            seq_lens=to_device(seq_lens, torch.int32),
+            block_table=to_device(table, torch.int32),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+            num_decodes=num_decodes,
+            max_query_len=max(len(c.token_ids) for c in chunks),
+            max_seq_len=max(seq_lens),
+        )
+        return to_device(input_ids, torch.int64), to_device(positions, torch.int64), layout
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[SequenceChunk]) -> dict[str, tuple[int, TokenLogprobs | None]]:
+        """Run one step. Returns the sampled token (and log-probs) of each sampling chunk."""
+        if not chunks:
+            return {}
+        # Decodes first: backends batch single-token segments together.
+        chunks = sorted(chunks, key=lambda c: len(c.token_ids) != 1)
+        input_ids, positions, layout = self._layout(chunks)
+        metadata = self.backend.build_metadata(layout)
+        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        sampling = [(i, c) for i, c in enumerate(chunks) if c.sampling is not None]
+        if not sampling:
+            return {}
+        last_token_index = [layout.query_start_loc_cpu[i + 1] - 1 for i, _ in sampling]
+        logits = self.model.compute_logits(hidden[last_token_index])  # [num_sampling, vocab]
+        results = sample(logits, [c.sampling for _, c in sampling])
+        return {c.request_id: r for (_, c), r in zip(sampling, results, strict=True)}

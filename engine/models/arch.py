@@ -1,0 +1,181 @@
+"""What the engine needs to know about a checkpoint's architecture, read from config.json.
+
+Supported: the Llama family (decoder-only, RMSNorm, SwiGLU, rotary positions, GQA):
+Llama (default, linear and llama3 rope scaling), Mistral (sliding window), Qwen2 (q/k/v
+bias), Qwen3 (per-head q/k RMSNorm). Both the transformers 4 layout (``rope_theta`` +
+``rope_scaling``) and the transformers 5 layout (``rope_parameters``) are read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class ModelLoadError(RuntimeError):
+    """The checkpoint cannot be loaded; the message names what is missing or unsupported."""
+
+
+@dataclass(frozen=True, slots=True)
+class ArchFlags:
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+
+ARCHITECTURES: dict[str, ArchFlags] = {
+    "LlamaForCausalLM": ArchFlags(),
+    "MistralForCausalLM": ArchFlags(),
+    "Qwen2ForCausalLM": ArchFlags(qkv_bias=True),
+    "Qwen3ForCausalLM": ArchFlags(qk_norm=True),
+}
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class ModelArchConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    qk_norm: bool
+    # Per layer: attend to only this many most recent tokens, or None for all.
+    sliding_windows: tuple[int | None, ...]
+    torch_dtype: str | None
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_q_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def _require(cfg: dict[str, Any], key: str, path: Path) -> Any:
+    if key not in cfg:
+        raise ModelLoadError(f"{path}: config.json has no {key!r}")
+    return cfg[key]
+
+
+def _rope_config(cfg: dict[str, Any], path: Path) -> RopeConfig:
+    params = dict(cfg.get("rope_parameters") or {})
+    legacy = cfg.get("rope_scaling") or {}
+    params = {**legacy, **params}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(
+            f"{path}: rope type {rope_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    return RopeConfig(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _sliding_windows(cfg: dict[str, Any], architecture: str, num_layers: int) -> tuple:
+    window = cfg.get("sliding_window")
+    if not window:
+        return (None,) * num_layers
+    layer_types = cfg.get("layer_types")
+    if layer_types:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    if architecture.startswith("Qwen"):
+        # Qwen2/3 before layer_types: sliding only with use_sliding_window, and only from
+        # layer max_window_layers on.
+        if not cfg.get("use_sliding_window", False):
+            return (None,) * num_layers
+        first = cfg.get("max_window_layers", num_layers)
+        return tuple(window if i >= first else None for i in range(num_layers))
+    return (window,) * num_layers
+
+
+def _eos_ids(cfg: dict[str, Any], model_dir: Path) -> tuple[int, ...]:
+    eos = cfg.get("eos_token_id")
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.exists():
+        gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        eos = gen_eos if gen_eos is not None else eos
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
+    model_dir = Path(model_dir)
+    path = model_dir / "config.json"
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model directory {model_dir} does not exist")
+    if not path.exists():
+        raise ModelLoadError(f"{model_dir} has no config.json: not a Hugging Face checkpoint")
+    cfg = json.loads(path.read_text())
+    architectures = cfg.get("architectures") or []
+    architecture = next((a for a in architectures if a in ARCHITECTURES), None)
+    if architecture is None:
+        raise ModelLoadError(
+            f"{path}: architecture {architectures or cfg.get('model_type')!r} is not supported "
+            f"(supported: {', '.join(ARCHITECTURES)})"
+        )
+    flags = ARCHITECTURES[architecture]
+    num_layers = int(_require(cfg, "num_hidden_layers", path))
+    hidden_size = int(_require(cfg, "hidden_size", path))
+    num_q_heads = int(_require(cfg, "num_attention_heads", path))
+    head_dim = cfg.get("head_dim") or hidden_size // num_q_heads
+    # Llama and Qwen3 put attention_bias on q/k/v/o; Qwen2 always biases q/k/v only;
+    # Mistral never has attention biases.
+    config_bias = bool(cfg.get("attention_bias", False)) and architecture != "MistralForCausalLM"
+    qkv_bias = flags.qkv_bias or config_bias
+    o_bias = config_bias and not flags.qkv_bias
+    if cfg.get("mlp_bias"):
+        raise ModelLoadError(f"{path}: mlp_bias=true is not supported")
+    return ModelArchConfig(
+        architecture=architecture,
+        vocab_size=int(_require(cfg, "vocab_size", path)),
+        hidden_size=hidden_size,
+        intermediate_size=int(_require(cfg, "intermediate_size", path)),
+        num_layers=num_layers,
+        num_q_heads=num_q_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_q_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope=_rope_config(cfg, path),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        qk_norm=flags.qk_norm,
+        sliding_windows=_sliding_windows(cfg, architecture, num_layers),
+        torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        eos_token_ids=_eos_ids(cfg, model_dir),
+        bos_token_id=cfg.get("bos_token_id"),
+    )

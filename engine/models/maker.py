@@ -1,0 +1,166 @@
+"""Write random-weight checkpoints of real architectures, with an offline-trained tokenizer.
+
+``make_model("llama", "tiny", out)`` builds the model with ``transformers`` (so the files
+are exactly what a real checkpoint of that architecture looks like), scales the random
+weights so that logits are well separated (greedy decoding is then stable under float
+rounding, which makes token-exact parity tests meaningful), and saves config.json,
+generation_config.json, model.safetensors and the tokenizer with a ChatML chat template.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.models.tokenizer_trainer import (
+    BOS_TOKEN,
+    CHAT_TEMPLATE,
+    EOS_TOKEN,
+    IM_END,
+    PAD_TOKEN,
+    train_tokenizer,
+)
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+SIZES = ("tiny", "small")
+DEMO_ARCH, DEMO_SIZE = "llama", "tiny"
+
+
+@dataclass(frozen=True, slots=True)
+class SizeSpec:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position_embeddings: int
+
+
+_SIZES = {
+    # ~3.5M parameters: fast enough for CPU tests.
+    "tiny": SizeSpec(2048, 256, 4, 4, 2, 64, 512, 4096),
+    # ~150M parameters: the benchmark model.
+    "small": SizeSpec(8192, 1024, 12, 16, 4, 64, 2816, 4096),
+}
+
+
+def _hf_config(arch: str, spec: SizeSpec, tokenizer_ids: dict[str, int]):
+    import transformers
+
+    common = dict(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        rms_norm_eps=1e-6,
+        bos_token_id=tokenizer_ids["bos"],
+        eos_token_id=tokenizer_ids["eos"],
+        pad_token_id=tokenizer_ids["pad"],
+        initializer_range=1.6 / spec.hidden_size**0.5,
+    )
+    if arch == "llama":
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 1024,
+        }
+        return transformers.LlamaConfig(**common, rope_parameters=rope)
+    if arch == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=None, rope_theta=1e6)
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common, tie_word_embeddings=True)
+    if arch == "qwen3":
+        return transformers.Qwen3Config(**common, attention_bias=False)
+    raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(ARCHS)}")
+
+
+def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
+    """Write a checkpoint to ``out`` (created; must not hold one already). Returns ``out``."""
+    import torch
+    import transformers
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(ARCHS)}")
+    if size not in _SIZES:
+        raise ValueError(f"unknown size {size!r}; choose from {', '.join(SIZES)}")
+    spec = _SIZES[size]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    raw_tokenizer = train_tokenizer(spec.vocab_size)
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=raw_tokenizer,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=spec.max_position_embeddings,
+    )
+    ids = {
+        "bos": tokenizer.convert_tokens_to_ids(BOS_TOKEN),
+        "eos": tokenizer.convert_tokens_to_ids(EOS_TOKEN),
+        "pad": tokenizer.convert_tokens_to_ids(PAD_TOKEN),
+        "im_end": tokenizer.convert_tokens_to_ids(IM_END),
+    }
+    # The model's vocabulary is exactly the tokenizer's, so every sampled id decodes.
+    spec = dataclasses.replace(spec, vocab_size=len(tokenizer))
+    config = _hf_config(arch, spec, ids)
+    config.dtype = "float32"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                # Non-trivial norm gains, so that norm weights are exercised by parity tests.
+                param.uniform_(0.8, 1.2)
+    model.generation_config.eos_token_id = [ids["eos"], ids["im_end"]]
+    model.generation_config.bos_token_id = ids["bos"]
+    model.generation_config.pad_token_id = ids["pad"]
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "pdserve_model.json").write_text(
+        json.dumps({"arch": arch, "size": size, "seed": seed, "random_weights": True}) + "\n"
+    )
+    return out
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
+
+
+def ensure_model(arch: str = DEMO_ARCH, size: str = DEMO_SIZE) -> Path:
+    """The path of a made model in the cache, making it on first use.
+
+    Safe when several processes start at once: one makes it under a file lock, in a
+    temporary directory renamed into place, and the others wait and reuse it.
+    """
+    root = cache_dir() / "models"
+    target = root / f"demo-{arch}-{size}"
+    if (target / "config.json").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "config.json").exists():
+            tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{target.name}-"))
+            try:
+                make_model(arch, size, tmp)
+                tmp.rename(target)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return target

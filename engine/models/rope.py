@@ -1,0 +1,67 @@
+"""Rotary position embeddings, computed exactly as transformers computes them (float32)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.models.arch import RopeConfig
+
+
+def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:  # [head_dim // 2]
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        old_len = rope.original_max_position_embeddings
+        low_freq_wavelen = old_len / rope.low_freq_factor
+        high_freq_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    assert rope.rope_type == "default", rope.rope_type
+    return inv_freq
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """A cos/sin table for every position up to ``max_positions``, indexed per token.
+
+    The tables are built by ``build_tables`` once the module sits on its final device (the
+    loader creates the model on the meta device first, so nothing is computed twice)."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        self.rope, self.head_dim, self.max_positions = rope, head_dim, max_positions
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+
+    def build_tables(self, device: torch.device) -> None:
+        """(Re)compute the float32 tables; call after the module moved or changed dtype."""
+        inv_freq = inverse_frequencies(self.rope, self.head_dim)
+        positions = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
+        self.cos = emb.cos().to(device)
+        self.sin = emb.sin().to(device)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [num_tokens]
+        query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(query.dtype)[:, None, :]  # [num_tokens, 1, head_dim]
+        sin = self.sin[positions].to(query.dtype)[:, None, :]
+        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,76 @@
+"""Train a byte-level BPE tokenizer offline, on text that ships with Python itself.
+
+No downloads: the corpus is the source of a fixed list of standard-library modules (code
+and English docstrings), read from this interpreter's installation. The same Python
+version gives the same tokenizer.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+BOS_TOKEN = "<s>"
+EOS_TOKEN = "</s>"
+PAD_TOKEN = "<pad>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, IM_START, IM_END]
+
+# ChatML; the generation prompt opens an assistant turn.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_CORPUS_MODULES = [
+    "argparse", "asyncio/base_events", "collections/__init__", "contextlib", "csv",
+    "dataclasses", "datetime", "decimal", "difflib", "email/message", "enum", "fractions",
+    "functools", "gettext", "heapq", "http/client", "inspect", "ipaddress", "json/decoder",
+    "logging/__init__", "mailbox", "pathlib", "pickle", "random", "shutil", "smtplib",
+    "statistics", "string", "subprocess", "tarfile", "textwrap", "threading", "typing",
+    "unittest/case", "urllib/parse", "uuid", "zipfile",
+]  # fmt: skip
+
+
+def corpus_lines(max_bytes: int = 3_000_000) -> Iterator[str]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    total = 0
+    for module in _CORPUS_MODULES:
+        path = stdlib / f"{module}.py"
+        if not path.exists():
+            path = stdlib / module / "__init__.py"
+        if not path.exists():
+            continue
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.strip():
+                total += len(line)
+                yield line + "\n"
+            if total >= max_bytes:
+                return
+
+
+def train_tokenizer(vocab_size: int):  # -> tokenizers.Tokenizer
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(corpus_lines(), trainer)
+    bos_id = tokenizer.token_to_id(BOS_TOKEN)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A",
+        pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
+        special_tokens=[(BOS_TOKEN, bos_id)],
+    )
+    return tokenizer

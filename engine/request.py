@@ -1,0 +1,135 @@
+"""A request inside the engine: its tokens, how far its KV is computed, and its state.
+
+There is no prefill or decode phase. ``num_computed_tokens`` catches up with
+``num_tokens``; each step the scheduler hands a request some of the difference. A request
+whose KV arrives from another worker waits in ``WAITING_FOR_REMOTE_KV`` until it lands and
+then continues like any other.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from common.hashing import BlockHash
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KV = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+}
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """Log-probs for one sampled token: its own and the top ``n`` of the distribution."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top_token_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    max_model_len: int
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Prompt tokens served from the prefix cache (or a remote worker) at first scheduling.
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    # Hashes of the request's full blocks, extended as tokens are appended.
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    stop_reason: int | None = None  # the stop token id that ended it, if any
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def max_tokens(self) -> int:
+        """Output tokens allowed: the request's own limit, bounded by max_model_len."""
+        room = self.max_model_len - self.num_prompt_tokens
+        limit = self.sampling_params.max_tokens
+        return max(1, room if limit is None else min(limit, room))
+
+    def append_output_token(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
+        self.output_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+
+    def check_stop(self) -> RequestStatus | None:
+        """The finished status the last appended token puts the request in, if any."""
+        num_output = self.num_output_tokens
+        params = self.sampling_params
+        last = self.output_token_ids[-1]
+        if num_output >= params.min_tokens:
+            if last in params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and last in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if num_output >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def token_ids_banned_now(self) -> frozenset[int]:
+        """Tokens that may not be sampled yet because min_tokens is not reached."""
+        if self.num_output_tokens >= self.sampling_params.min_tokens:
+            return frozenset()
+        banned = set(self.sampling_params.stop_token_ids)
+        if not self.sampling_params.ignore_eos:
+            banned |= self.eos_token_ids
+        return frozenset(banned)

@@ -1,0 +1,64 @@
+"""How to pick each next token, and when to stop."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidSamplingParamsError
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling settings. ``temperature == 0`` means greedy.
+
+    ``max_tokens`` None means "until max_model_len". ``top_k`` 0 or -1 disables top-k.
+    ``seed`` makes the request's random choices reproducible whatever it is batched with.
+    ``logprobs`` is the number of top log-probs returned per sampled token (None: none;
+    0: only the sampled token's own). Log-probs are of the model's raw distribution,
+    before temperature, top-k and top-p.
+    """
+
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(param: str, message: str) -> InvalidSamplingParamsError:
+            return InvalidSamplingParamsError(f"{param} {message}", param)
+
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad(
+                "min_tokens", f"must be <= max_tokens={self.max_tokens}, got {self.min_tokens}"
+            )
+        if not 0.0 <= self.temperature <= 100.0 or self.temperature != self.temperature:
+            raise bad("temperature", f"must be in [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise bad("top_k", f"must be -1 (disabled), 0 (disabled) or >= 1, got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise bad("seed", f"must fit in 64 bits, got {self.seed}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
