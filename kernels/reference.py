@@ -42,7 +42,7 @@ def gather_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``num_tokens`` keys and values of a sequence: two [num_tokens, H, D]."""
     blocks = kv_cache.index_select(0, block_ids)  # [n, 2, block_size, H, D]
-    _, _, block_size, num_heads, head_dim = blocks.shape
+    num_heads, head_dim = blocks.shape[-2:]
     key = blocks[:, 0].reshape(-1, num_heads, head_dim)[:num_tokens]
     value = blocks[:, 1].reshape(-1, num_heads, head_dim)[:num_tokens]
     return key, value
