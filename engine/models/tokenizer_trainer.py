@@ -7,6 +7,7 @@ version gives the same tokenizer.
 
 from __future__ import annotations
 
+import functools
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,7 +54,19 @@ def corpus_lines(max_bytes: int = 3_000_000) -> Iterator[str]:
                 return
 
 
+@functools.cache
+def _trained_json(vocab_size: int) -> str:
+    return _train(vocab_size).to_str()
+
+
 def train_tokenizer(vocab_size: int):  # -> tokenizers.Tokenizer
+    """A fresh tokenizer object; training runs once per vocab size per process."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_str(_trained_json(vocab_size))
+
+
+def _train(vocab_size: int):  # -> tokenizers.Tokenizer
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())

@@ -1,0 +1,34 @@
+"""Shared fixtures: tiny random-weight checkpoints of each architecture, made once per run."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Tests never touch the user's cache: the demo model and other state go under the run's tmp.
+os.environ.setdefault("PDSERVE_HOME", str(Path(os.environ.get("TMPDIR", "/tmp")) / "pdserve-test-home"))
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory: pytest.TempPathFactory):
+    """make(arch, size="tiny") -> checkpoint directory, cached for the whole session."""
+    from engine.models.maker import make_model
+
+    made: dict[tuple[str, str], Path] = {}
+
+    def make(arch: str, size: str = "tiny") -> Path:
+        key = (arch, size)
+        if key not in made:
+            made[key] = make_model(arch, size, tmp_path_factory.mktemp(f"{arch}-{size}"))
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(model_factory) -> Path:
+    return model_factory("llama")

@@ -1,0 +1,43 @@
+"""The console script, run as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "deploy.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_make_model_then_generate(tmp_path):
+    out = tmp_path / "qwen3"
+    made = run_cli("make-model", "--arch", "qwen3", "--size", "tiny", "--out", str(out))
+    assert made.returncode == 0, made.stderr
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    again = run_cli("make-model", "--arch", "qwen3", "--out", str(out))
+    assert again.returncode == 2 and "already holds" in again.stderr
+    gen = run_cli("generate", "--model", str(out), "--prompt", "hello", "--max-tokens", "5")
+    assert gen.returncode == 0, gen.stderr
+    assert "output (5 tokens, length)" in gen.stdout
+
+
+def test_generate_uses_the_demo_model(tmp_path):
+    result = run_cli("generate", "--max-tokens", "4", env={"PDSERVE_HOME": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("--- prompt:") == 4
+    assert (tmp_path / "models" / "demo-llama-tiny" / "config.json").exists()
+
+
+def test_bad_input_is_a_clear_error(tiny_llama):
+    result = run_cli("generate", "--model", str(tiny_llama), "--temperature", "-1")
+    assert result.returncode == 2
+    assert "temperature must be in [0, 100]" in result.stderr

@@ -1,0 +1,36 @@
+"""Prompts and references shared by engine tests."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+PROMPT_LENGTHS = (5, 17, 33, 50, 64, 71, 100, 130)  # several longer than 3 blocks of 16
+
+
+def random_prompts(lengths=PROMPT_LENGTHS, seed: int = 0, vocab: int = 2000) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Ids from 5 up: skip the special tokens (pad, bos, eos, chat markers).
+    return [[rng.randrange(5, vocab) for _ in range(n)] for n in lengths]
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+    """transformers' greedy tokens, one prompt at a time (no padding), EOS banned like
+    ``min_tokens=num_tokens``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    outputs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            generated = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=num_tokens,
+                min_new_tokens=num_tokens,
+                do_sample=False,
+            )
+            outputs.append(generated[0, len(prompt) :].tolist())
+    return outputs

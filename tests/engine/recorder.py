@@ -1,0 +1,31 @@
+"""A block-pool observer that records what it sees, for tests."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from common.hashing import BlockHash
+from engine.block_pool import KVBlock
+
+
+class EventRecorder:
+    def __init__(self) -> None:
+        self.stored: list[list[BlockHash]] = []
+        self.removed: list[BlockHash] = []
+        self.cleared = 0
+
+    def on_blocks_stored(
+        self,
+        blocks: Sequence[KVBlock],
+        parent_hash: BlockHash | None,
+        token_ids: Sequence[int],
+        block_size: int,
+    ) -> None:
+        assert len(token_ids) == len(blocks) * block_size
+        self.stored.append([block.block_hash for block in blocks])
+
+    def on_block_evicted(self, block: KVBlock, block_hash: BlockHash) -> None:
+        self.removed.append(block_hash)
+
+    def on_all_cleared(self) -> None:
+        self.cleared += 1

@@ -1,0 +1,220 @@
+"""Engine behaviour on a real tiny model: caching, chunking, preemption, sampling, stops."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.errors import (
+    EmptyPromptError,
+    InvalidRequestError,
+    InvalidSamplingParamsError,
+    PromptTooLongError,
+)
+from tests.engine.helpers import random_prompts
+
+GREEDY = SamplingParams(max_tokens=24, min_tokens=24, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return random_prompts(seed=1)
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_llama, prompts) -> list[list[int]]:
+    llm = LLM(tiny_llama, enable_prefix_caching=False)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.engine.leak_report() == []
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"enable_prefix_caching": True},
+        {"prefill_chunk_tokens": 1},
+        {"prefill_chunk_tokens": 7},
+        {"prefill_chunk_tokens": None, "max_num_batched_tokens": 4096},
+        {"max_num_batched_tokens": 40, "max_num_seqs": 3},
+        {"block_size": 32},
+    ],
+    ids=["prefix-cache", "chunk-1", "chunk-7", "unlimited", "tight-budget", "block-32"],
+)
+def test_identical_output_across_configs(tiny_llama, prompts, baseline, overrides):
+    llm = LLM(tiny_llama, **overrides)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == baseline
+    assert llm.engine.leak_report() == []
+
+
+def test_identical_output_under_preemption(tiny_llama, prompts, baseline):
+    # 20 blocks of 16 tokens hold 320 tokens; the batch needs ~660 at once.
+    llm = LLM(tiny_llama, num_blocks=20, max_model_len=256)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outputs] == baseline
+    assert llm.engine.leak_report() == []
+
+
+def test_shared_prefix_is_served_from_cache(tiny_llama, prompts):
+    llm = LLM(tiny_llama)
+    prefix = prompts[-1][:64]
+    first = llm.generate([prefix + [7, 8, 9]], GREEDY, use_tqdm=False)[0]
+    second = llm.generate([prefix + [10, 11]], GREEDY, use_tqdm=False)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 64
+    fresh = LLM(tiny_llama, enable_prefix_caching=False)
+    expected = fresh.generate([prefix + [10, 11]], GREEDY, use_tqdm=False)[0]
+    assert second.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert llm.engine.leak_report() == [] and fresh.engine.leak_report() == []
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_llama, prompts):
+    llm = LLM(tiny_llama)
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=1234)
+    alone = llm.generate([prompts[2]], params, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(max_tokens=16, temperature=1.0)] * 3
+    batch = llm.generate(prompts[:4], [others[0], others[1], params, others[2]], use_tqdm=False)
+    assert batch[2].outputs[0].token_ids == alone
+    other_seed = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=99)
+    different = llm.generate([prompts[2]], other_seed, use_tqdm=False)[0].outputs[0].token_ids
+    assert different != alone
+    assert llm.engine.leak_report() == []
+
+
+def test_top_k_one_is_greedy(tiny_llama, prompts, baseline):
+    llm = LLM(tiny_llama)
+    params = SamplingParams(max_tokens=24, min_tokens=24, temperature=1.5, top_k=1, seed=3)
+    outputs = llm.generate(prompts[:3], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == baseline[:3]
+    assert llm.engine.leak_report() == []
+
+
+def test_stop_token_ids_and_max_tokens(tiny_llama, prompts, baseline):
+    llm = LLM(tiny_llama)
+    stop_token = baseline[0][5]
+    first_index = baseline[0].index(stop_token)
+    out = llm.generate(
+        [prompts[0]],
+        SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[stop_token]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.token_ids == baseline[0][: first_index + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_token
+    short = llm.generate([prompts[0]], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+    assert short[0].outputs[0].token_ids == baseline[0][:3]
+    assert short[0].outputs[0].finish_reason == "length"
+    assert llm.engine.leak_report() == []
+
+
+@pytest.fixture(scope="module")
+def eos_model(tiny_llama, baseline, tmp_path_factory):
+    """The tiny model with its EOS set to a token that greedy decoding of prompt 0 emits."""
+    target = tmp_path_factory.mktemp("eos-model")
+    shutil.copytree(tiny_llama, target, dirs_exist_ok=True)
+    eos = baseline[0][6]
+    gen = json.loads((target / "generation_config.json").read_text())
+    gen["eos_token_id"] = [eos]
+    (target / "generation_config.json").write_text(json.dumps(gen))
+    return target, eos, baseline[0].index(eos)
+
+
+def test_eos_ignore_eos_and_min_tokens(eos_model, prompts, baseline):
+    model_dir, eos, eos_index = eos_model
+    llm = LLM(model_dir)
+    stops = llm.generate([prompts[0]], SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)
+    assert stops[0].outputs[0].token_ids == baseline[0][: eos_index + 1]
+    assert stops[0].outputs[0].finish_reason == "stop"
+    ignored = llm.generate(
+        [prompts[0]], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False
+    )
+    assert ignored[0].outputs[0].token_ids == baseline[0]
+    assert ignored[0].outputs[0].finish_reason == "length"
+    min_tokens = eos_index + 3
+    held = llm.generate(
+        [prompts[0]],
+        SamplingParams(max_tokens=24, min_tokens=min_tokens, temperature=0),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert len(held.token_ids) >= min_tokens
+    assert eos not in held.token_ids[:min_tokens]
+    assert llm.engine.leak_report() == []
+
+
+def test_logprobs_match_transformers(tiny_llama, prompts):
+    from transformers import AutoModelForCausalLM
+
+    llm = LLM(tiny_llama)
+    out = llm.generate(
+        [prompts[3]], SamplingParams(max_tokens=1, temperature=0, logprobs=5), use_tqdm=False
+    )[0].outputs[0]
+    (lp,) = out.logprobs
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompts[3]])).logits[0, -1]
+    reference = logits.log_softmax(-1).topk(5)
+    assert lp.token_id == out.token_ids[0] == reference.indices[0].item()
+    assert lp.rank == 1
+    assert list(lp.top_token_ids) == reference.indices.tolist()
+    assert torch.allclose(torch.tensor(lp.top_logprobs), reference.values, atol=1e-4)
+    assert lp.logprob == pytest.approx(lp.top_logprobs[0])
+    assert llm.engine.leak_report() == []
+
+
+def test_bad_input_is_rejected_and_engine_keeps_serving(tiny_llama, prompts, baseline):
+    llm = LLM(tiny_llama, max_model_len=128)
+    with pytest.raises(EmptyPromptError):
+        llm.generate([[]], GREEDY, use_tqdm=False)
+    with pytest.raises(PromptTooLongError, match="maximum context length is 128"):
+        llm.generate([[5] * 129], GREEDY, use_tqdm=False)
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        llm.generate([[5, 10**6]], GREEDY, use_tqdm=False)
+    for bad in (
+        {"temperature": -1.0},
+        {"top_p": 0.0},
+        {"top_k": -5},
+        {"max_tokens": 0},
+        {"min_tokens": 10, "max_tokens": 5},
+        {"logprobs": 100},
+    ):
+        with pytest.raises(InvalidSamplingParamsError) as info:
+            SamplingParams(**bad)
+        assert info.value.param in bad
+    # Nothing half-admitted: a batch with one bad prompt admits none of them.
+    with pytest.raises(EmptyPromptError):
+        llm.generate([prompts[0], []], GREEDY, use_tqdm=False)
+    assert llm.engine.leak_report() == []
+    out = llm.generate([prompts[0]], GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == baseline[0]
+    assert llm.engine.leak_report() == []
+
+
+def test_abort_mid_generation_frees_everything(tiny_llama, prompts):
+    llm = LLM(tiny_llama)
+    engine = llm.engine
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=50, temperature=0))
+    for _ in range(5):
+        engine.step()
+    assert engine.scheduler.kv.pool.num_used_blocks > 0
+    for i in range(len(prompts)):
+        output = engine.abort_request(f"r{i}")
+        assert output is not None and output.outputs[0].finish_reason == "abort"
+    assert not engine.has_unfinished_requests()
+    assert engine.leak_report() == []
+
+
+def test_text_prompts_and_order(tiny_llama):
+    llm = LLM(tiny_llama)
+    texts = ["def main():", "The quick brown fox", "x"]
+    outputs = llm.generate(texts, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert [o.prompt for o in outputs] == texts
+    for text, output in zip(texts, outputs, strict=True):
+        assert output.prompt_token_ids == llm.tokenizer.encode(text)
+        assert output.outputs[0].text == llm.tokenizer.decode(output.outputs[0].token_ids)
+    assert llm.engine.leak_report() == []

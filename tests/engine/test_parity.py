@@ -1,0 +1,25 @@
+"""Greedy tokens equal transformers' on the same weights, for every supported architecture."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.conftest import ARCHS
+from tests.engine.helpers import hf_greedy, random_prompts
+
+NUM_TOKENS = 32
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_parity_with_transformers(model_factory, arch):
+    model_dir = model_factory(arch)
+    prompts = random_prompts()
+    llm = LLM(model_dir)
+    params = SamplingParams(max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, temperature=0)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    expected = hf_greedy(model_dir, prompts, NUM_TOKENS)
+    for prompt, output, reference in zip(prompts, outputs, expected, strict=True):
+        assert output.outputs[0].token_ids == reference, f"prompt of {len(prompt)} tokens"
+        assert output.outputs[0].finish_reason == "length"
+    assert llm.engine.leak_report() == []
