@@ -54,7 +54,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        self.backend = create_backend(config.attention_backend, device)
+        self.backend = create_backend(config.attention_backend, device, config.block_size)
         self.model = load_model(model_dir, arch, max_model_len, self.backend, device, dtype)
         self.num_blocks = self._num_blocks(config)
         shape = (self.num_blocks, 2, self.block_size, arch.num_kv_heads, arch.head_dim)

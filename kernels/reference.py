@@ -41,11 +41,12 @@ def gather_kv(
     kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``num_tokens`` keys and values of a sequence: two [num_tokens, H, D]."""
-    blocks = kv_cache.index_select(0, block_ids)  # [n, 2, block_size, H, D]
-    num_heads, head_dim = blocks.shape[-2:]
-    key = blocks[:, 0].reshape(-1, num_heads, head_dim)[:num_tokens]
-    value = blocks[:, 1].reshape(-1, num_heads, head_dim)[:num_tokens]
-    return key, value
+    num_heads, head_dim = kv_cache.shape[-2:]
+    # Indexing the K (or V) view yields a contiguous [n, block_size, H, D]: one copy, and
+    # the reshape below is free.
+    key = kv_cache[:, 0].index_select(0, block_ids).reshape(-1, num_heads, head_dim)
+    value = kv_cache[:, 1].index_select(0, block_ids).reshape(-1, num_heads, head_dim)
+    return key[:num_tokens], value[:num_tokens]
 
 
 def causal_mask(
@@ -67,14 +68,21 @@ def _attend(
     query: torch.Tensor,  # [B, Hq, Lq, D]
     key: torch.Tensor,  # [B, Hkv, Lk, D]
     value: torch.Tensor,  # [B, Hkv, Lk, D]
-    mask: torch.Tensor,  # bool, broadcastable to [B, Hq, Lq, Lk]
+    mask: torch.Tensor,  # bool [B or 1, 1, Lq, Lk]
     scale: float,
-) -> torch.Tensor:
-    num_groups = query.shape[1] // key.shape[1]
-    if num_groups > 1:
-        key = key.repeat_interleave(num_groups, dim=1)
-        value = value.repeat_interleave(num_groups, dim=1)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+) -> torch.Tensor:  # [B, Hq, Lq, D]
+    """SDPA with grouped-query attention done by folding each KV head's query heads into
+    the query length, so K and V are never copied per query head."""
+    batch, num_q_heads, query_len, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    group = num_q_heads // num_kv_heads
+    if group > 1:
+        # Query head h reads KV head h // group (transformers' repeat_kv convention).
+        query = query.reshape(batch, num_kv_heads, group * query_len, head_dim)
+        mask = mask.unsqueeze(2).expand(*mask.shape[:2], group, *mask.shape[2:])
+        mask = mask.reshape(mask.shape[0], 1, group * query_len, mask.shape[-1])
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+    return out.reshape(batch, num_q_heads, query_len, head_dim)
 
 
 def paged_attention(
@@ -98,7 +106,7 @@ def paged_attention(
             continue
         num_blocks = -(-seq_len // block_size)
         key, value = gather_kv(kv_cache, block_table[i, :num_blocks].long(), seq_len)
-        mask = causal_mask(query_len, seq_len, sliding_window, query.device)
+        mask = causal_mask(query_len, seq_len, sliding_window, query.device)[None, None]
         seg = _attend(
             query[q_start:q_end].transpose(0, 1)[None],  # [1, Hq, Lq, D]
             key.transpose(0, 1)[None].to(query.dtype),  # [1, Hkv, Lk, D]
@@ -110,6 +118,20 @@ def paged_attention(
     return out
 
 
+def decode_mask(
+    seq_lens: torch.Tensor,  # [num_seqs]
+    num_key_slots: int,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [num_seqs, 1, 1, num_key_slots] bool
+    """Which of the padded key slots each single-token query attends to."""
+    k_pos = torch.arange(num_key_slots, device=seq_lens.device)[None, :]
+    last = (seq_lens.long() - 1)[:, None]
+    mask = k_pos <= last
+    if sliding_window is not None:
+        mask &= k_pos > last - sliding_window
+    return mask[:, None, None, :]
+
+
 def decode_attention(
     query: torch.Tensor,  # [num_seqs, num_q_heads, head_dim], one query token per sequence
     kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
@@ -117,28 +139,28 @@ def decode_attention(
     block_table: torch.Tensor,  # [num_seqs, max_blocks_per_seq]
     scale: float,
     sliding_window: int | None = None,
+    attn_mask: torch.Tensor | None = None,  # decode_mask(...), or its additive float form
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
-    """Single-token queries for many sequences in one batched call (padded to the longest)."""
+    """Single-token queries for many sequences in one batched call (padded to the longest).
+
+    ``attn_mask`` lets a caller build the mask once per step instead of once per layer; it
+    must cover ``ceil(max(seq_lens) / block_size) * block_size`` key slots."""
     num_seqs = query.shape[0]
     if num_seqs == 0:
         return query.clone()
-    block_size = kv_cache.shape[2]
-    max_seq_len = int(seq_lens.max())
-    max_blocks = -(-max_seq_len // block_size)
-    blocks = kv_cache[block_table[:, :max_blocks].long()]  # [B, nb, 2, bs, Hkv, D]
-    num_kv_heads, head_dim = blocks.shape[-2:]
-    key = blocks[:, :, 0].reshape(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-    value = blocks[:, :, 1].reshape(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-    k_pos = torch.arange(key.shape[2], device=query.device)[None, :]
-    last = (seq_lens.to(query.device).long() - 1)[:, None]
-    mask = k_pos <= last
-    if sliding_window is not None:
-        mask &= k_pos > last - sliding_window
+    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+    max_blocks = -(-int(seq_lens.max()) // block_size)
+    table = block_table[:, :max_blocks].long()
+    # [B, nb, bs, Hkv, D] → [B, Hkv, nb * bs, D]
+    key = kv_cache[:, 0][table].reshape(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    value = kv_cache[:, 1][table].reshape(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    if attn_mask is None:
+        attn_mask = decode_mask(seq_lens.to(query.device), key.shape[2], sliding_window)
     out = _attend(
         query[:, :, None, :],  # [B, Hq, 1, D]
         key.to(query.dtype),
         value.to(query.dtype),
-        mask[:, None, None, :],  # [B, 1, 1, Lk]
+        attn_mask,
         scale,
     )
     return out[:, :, 0, :]

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 # Tests never touch the user's cache: the demo model and other state go under the run's tmp.
-os.environ.setdefault("PDSERVE_HOME", str(Path(os.environ.get("TMPDIR", "/tmp")) / "pdserve-test-home"))
+_TMP = Path(os.environ.get("TMPDIR", "/tmp"))
+os.environ.setdefault("PDSERVE_HOME", str(_TMP / "pdserve-test-home"))
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 

@@ -11,7 +11,7 @@ from engine.attention.backend import AttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 
 
-def _triton_backend() -> AttentionBackend:
+def _triton_backend(block_size: int) -> AttentionBackend:
     try:
         from engine.attention.triton_backend import TritonAttentionBackend
     except ImportError as exc:
@@ -21,7 +21,7 @@ def _triton_backend() -> AttentionBackend:
     return TritonAttentionBackend()
 
 
-_BACKENDS: dict[AttentionBackendName, Callable[[], AttentionBackend]] = {
+_BACKENDS: dict[AttentionBackendName, Callable[[int], AttentionBackend]] = {
     AttentionBackendName.TORCH: TorchAttentionBackend,
     AttentionBackendName.TRITON: _triton_backend,
 }
@@ -33,5 +33,7 @@ def resolve_backend_name(name: AttentionBackendName, device: torch.device) -> At
     return name
 
 
-def create_backend(name: AttentionBackendName, device: torch.device) -> AttentionBackend:
-    return _BACKENDS[resolve_backend_name(name, device)]()
+def create_backend(
+    name: AttentionBackendName, device: torch.device, block_size: int
+) -> AttentionBackend:
+    return _BACKENDS[resolve_backend_name(name, device)](block_size)

@@ -1,7 +1,12 @@
 """Attention in plain torch: works on every device. Decodes run as one padded batch, prompt
-segments one at a time through ``scaled_dot_product_attention``."""
+segments one at a time through ``scaled_dot_product_attention``.
+
+Per-step work (the decode masks) is done once in ``build_metadata``, not once per layer.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -9,8 +14,35 @@ from engine.attention.backend import AttentionBackend, BatchLayout, LayerSpec
 from kernels import reference
 
 
+@dataclass(slots=True)
+class TorchMetadata:
+    layout: BatchLayout
+    num_decode_key_slots: int
+    # sliding window (None: full) → additive float mask [num_decodes, 1, 1, key slots]
+    decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def decode_mask(self, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        mask = self.decode_masks.get(sliding_window)
+        if mask is None:
+            seq_lens = self.layout.seq_lens[: self.layout.num_decodes]
+            allowed = reference.decode_mask(seq_lens, self.num_decode_key_slots, sliding_window)
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            mask.masked_fill_(~allowed, float("-inf"))
+            self.decode_masks[sliding_window] = mask
+        return mask
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+    def build_metadata(self, layout: BatchLayout) -> TorchMetadata:
+        num_decodes = layout.num_decodes
+        max_decode_len = max(layout.seq_lens_cpu[:num_decodes], default=0)
+        num_slots = -(-max_decode_len // self.block_size) * self.block_size
+        return TorchMetadata(layout, num_slots)
 
     def forward(
         self,
@@ -21,8 +53,8 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: object,
         layer: LayerSpec,
     ) -> torch.Tensor:
-        layout = metadata
-        assert isinstance(layout, BatchLayout)
+        assert isinstance(metadata, TorchMetadata)
+        layout = metadata.layout
         reference.store_kv(key, value, kv_cache, layout.slot_mapping)
         num_decodes = layout.num_decodes
         out = torch.empty_like(query)
@@ -34,6 +66,7 @@ class TorchAttentionBackend(AttentionBackend):
                 layout.block_table[:num_decodes],
                 layer.scale,
                 layer.sliding_window,
+                attn_mask=metadata.decode_mask(layer.sliding_window, query.dtype),
             )
         if num_decodes < layout.num_seqs:
             start = layout.query_start_loc_cpu[num_decodes]

@@ -1,0 +1,46 @@
+"""Turns block-pool changes into KV events (``common/kv_events.py``) for publishers.
+
+The collector is a ``BlockPoolObserver``; the engine drains it once per step and hands the
+batch to whatever publishes it (a ZMQ PUB socket in the services, nothing offline).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from common.hashing import BlockHash
+from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Medium
+from engine.block_pool import KVBlock
+
+
+class KVEventCollector:
+    def __init__(self, medium: Medium = Medium.GPU) -> None:
+        self.medium = medium
+        self._events: list[KVEvent] = []
+
+    def on_blocks_stored(
+        self,
+        blocks: Sequence[KVBlock],
+        parent_hash: BlockHash | None,
+        token_ids: Sequence[int],
+        block_size: int,
+    ) -> None:
+        hashes = [block.block_hash for block in blocks]
+        assert all(h is not None for h in hashes)
+        self._events.append(
+            BlockStored(hashes, parent_hash, list(token_ids), block_size, self.medium)
+        )
+
+    def on_block_evicted(self, block: KVBlock, block_hash: BlockHash) -> None:
+        last = self._events[-1] if self._events else None
+        if isinstance(last, BlockRemoved) and last.medium == self.medium:
+            last.block_hashes.append(block_hash)  # coalesce evictions of one allocation
+        else:
+            self._events.append(BlockRemoved([block_hash], self.medium))
+
+    def on_all_cleared(self) -> None:
+        self._events.append(AllBlocksCleared())
+
+    def drain(self) -> list[KVEvent]:
+        events, self._events = self._events, []
+        return events
