@@ -86,10 +86,14 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: list[KVBlock] | None = None,
+        cache: bool = True,
     ) -> bool:
         """Give ``request`` room for ``num_new_tokens`` more tokens after what it has computed
         (plus ``new_computed_blocks`` found in the cache). False, with nothing changed, if the
-        pool cannot hold them."""
+        pool cannot hold them.
+
+        ``cache=False`` leaves the new full blocks out of the prefix cache: their KV arrives
+        later from another worker, and ``cache_full_blocks`` registers them once it has."""
         new_computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_computed_tokens = request.num_computed_tokens + len(new_computed_blocks) * (
@@ -108,7 +112,8 @@ class KVCacheManager:
         req_blocks.extend(new_computed_blocks)
         if num_new_blocks > 0:
             req_blocks.extend(self.pool.allocate(num_new_blocks))
-        self._cache_full_blocks(request, req_blocks, num_tokens_after)
+        if cache:
+            self.cache_full_blocks(request, num_tokens_after)
         return True
 
     def free(self, request: Request) -> None:
@@ -124,11 +129,11 @@ class KVCacheManager:
         problems = [f"request {rid} still holds blocks" for rid in self.req_to_blocks]
         return problems + self.pool.leak_report()
 
-    def _cache_full_blocks(
-        self, request: Request, req_blocks: list[KVBlock], num_tokens: int
-    ) -> None:
+    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's full blocks among its first ``num_tokens`` tokens."""
         if not self.enable_caching:
             return
+        req_blocks = self.req_to_blocks[request.request_id]
         num_cached = self.num_cached_blocks.get(request.request_id, 0)
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         if num_full <= num_cached:

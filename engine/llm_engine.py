@@ -23,11 +23,13 @@ from engine.errors import (
     InvalidRequestError,
     PromptTooLongError,
 )
+from engine.kv_cache_manager import cdiv
+from engine.kv_connector import KVPuller
 from engine.model_runner import ModelRunner, SequenceChunk
 from engine.models.arch import ModelArchConfig, read_arch_config
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.request import FINISH_REASONS, Request, RequestStatus
-from engine.sampler import SamplingRow
+from engine.request import FINISH_REASONS, RemoteKV, Request, RequestStatus
+from engine.sampler import SamplingRow, advance_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 
@@ -67,8 +69,15 @@ class LLMEngine:
         model_dir: str | Path,
         config: EngineConfig | None = None,
         observers: Iterable[BlockPoolObserver] = (),
+        kv_puller: KVPuller | None = None,
+        recompute_on_pull_failure: bool = True,
     ) -> None:
+        """``kv_puller`` pulls prompt KV for requests that come with ``remote_kv`` (decode
+        role); when a pull fails the request is prefilled locally, or fails with an error
+        if ``recompute_on_pull_failure`` is false."""
         self.config = config or EngineConfig()
+        self.kv_puller = kv_puller
+        self.recompute_on_pull_failure = recompute_on_pull_failure
         self.model_dir = Path(model_dir)
         self.arch = read_arch_config(model_dir)
         self.device = resolve_device(self.config)
@@ -82,6 +91,7 @@ class LLMEngine:
         self._rng = random.Random(self.config.seed)
         self._generators: dict[str, torch.Generator] = {}
         self.num_steps = 0
+        self.num_pull_failures = 0
 
     # ------------------------------------------------------------------ requests
 
@@ -91,13 +101,34 @@ class LLMEngine:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         cache_salt: str | None = None,
+        *,
+        prefill_only: bool = False,
+        remote_kv: RemoteKV | None = None,
+        output_token_ids: Sequence[int] = (),
     ) -> Request:
-        """Validate and queue a request. Raises ``InvalidRequestError`` (engine unchanged)."""
+        """Validate and queue a request. Raises ``InvalidRequestError`` (engine unchanged).
+
+        ``prefill_only``: finish after the first token and hold the prompt's blocks until
+        ``release_kv``. ``output_token_ids``: tokens already generated elsewhere (the first
+        token, sampled by a prefill worker); ``remote_kv``: where the prompt's KV is.
+        """
         prompt = self.validate_prompt(prompt_token_ids)
-        if request_id in self.scheduler.requests:
+        outputs = self.validate_prompt(output_token_ids, allow_empty=True)
+        if request_id in self.scheduler.requests or request_id in self.scheduler.held:
             raise DuplicateRequestError(request_id)
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling params must be a SamplingParams", "params")
+        if remote_kv is not None:
+            if self.kv_puller is None:
+                raise InvalidRequestError("this engine cannot pull remote KV", "kv")
+            if remote_kv.num_tokens != len(prompt) or len(remote_kv.block_ids) != cdiv(
+                len(prompt), self.config.block_size
+            ):
+                raise InvalidRequestError(
+                    f"the KV handle covers {remote_kv.num_tokens} tokens in "
+                    f"{len(remote_kv.block_ids)} blocks; the prompt has {len(prompt)}",
+                    "kv",
+                )
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt,
@@ -105,18 +136,26 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
             cache_salt=cache_salt,
+            prefill_only=prefill_only,
+            remote_kv=remote_kv,
+            output_token_ids=outputs,
         )
         if not params.greedy:
             generator = torch.Generator(device=self.device)
             seed = params.seed if params.seed is not None else self._rng.randrange(2**63)
             generator.manual_seed(seed % 2**64)
+            # Continue the random stream where the worker that drew the earlier tokens
+            # left it, so a seeded request draws the same tokens split or not.
+            advance_generator(generator, len(outputs), self.arch.vocab_size)
             self._generators[request_id] = generator
         self.scheduler.add_request(request)
         return request
 
-    def validate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
+    def validate_prompt(
+        self, prompt_token_ids: Sequence[int], allow_empty: bool = False
+    ) -> list[int]:
         prompt = list(prompt_token_ids)
-        if not prompt:
+        if not prompt and not allow_empty:
             raise EmptyPromptError()
         if len(prompt) > self.max_model_len:
             raise PromptTooLongError(len(prompt), self.max_model_len)
@@ -136,25 +175,72 @@ class LLMEngine:
         self._generators.pop(request_id, None)
         return self._output(request, [])
 
+    def release_kv(self, request_id: str) -> bool:
+        """Free the blocks a finished prefill-only request held. False if none were held."""
+        return self.scheduler.release_held(request_id)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
+
+    def has_work(self) -> bool:
+        """Unfinished requests or KV pulls in flight: keep calling ``step``."""
+        return self.scheduler.has_work
 
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[RequestOutput]:
-        """One engine step. Returns an output for every request that produced a token."""
+        """One engine step. Returns an output for every request that produced a token or
+        finished. Returns at once, with no forward pass, when only pulls are in flight."""
+        outputs = self._poll_fetches()
         scheduler_output = self.scheduler.schedule()
+        outputs += self._start_fetches(scheduler_output)
         if not scheduler_output.scheduled:
-            return []
+            return outputs
         chunks = self._chunks(scheduler_output)
         sampled = self.runner.execute(chunks)
         progressed = self.scheduler.update_from_output(scheduler_output, sampled)
         self.num_steps += 1
-        outputs = []
         for request in progressed:
             if request.status.finished:
                 self._generators.pop(request.request_id, None)
             outputs.append(self._output(request, request.output_token_ids[-1:]))
+        return outputs
+
+    def _start_fetches(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
+        outputs = []
+        for order in scheduler_output.fetches:
+            request = order.request
+            if not order.local_block_ids:  # everything was in the local prefix cache
+                self.scheduler.finish_fetch(request.request_id, ok=True)
+                continue
+            assert self.kv_puller is not None and request.remote_kv is not None
+            hashes = request.block_hashes
+            self.kv_puller.start_fetch(
+                request.request_id,
+                request.remote_kv,
+                order.remote_block_ids,
+                order.local_block_ids,
+                [hashes[i] if i < len(hashes) else None for i in order.block_indices],
+            )
+        return outputs
+
+    def _poll_fetches(self) -> list[RequestOutput]:
+        if self.kv_puller is None or not self.scheduler.fetching:
+            return []
+        done, failed = self.kv_puller.poll_fetches()
+        outputs = []
+        for request_id, ok in [(r, True) for r in done] + [(r, False) for r in failed]:
+            request = self.scheduler.fetching.get(request_id)
+            if request is None:
+                continue
+            self.scheduler.finish_fetch(request_id, ok, self.recompute_on_pull_failure)
+            if not ok:
+                self.num_pull_failures += 1
+                if request.error is not None:
+                    request.error += f": {failed[request_id]}"
+            if request.status is RequestStatus.FINISHED_ABORTED and request.error is not None:
+                self._generators.pop(request_id, None)
+                outputs.append(self._output(request, []))
         return outputs
 
     def _chunks(self, scheduler_output: SchedulerOutput) -> list[SequenceChunk]:
@@ -195,6 +281,7 @@ class LLMEngine:
                 else None
             ),
         )
+        held = request.status is RequestStatus.FINISHED_PREFILLED
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -202,6 +289,11 @@ class LLMEngine:
             finished=request.status.finished,
             num_cached_tokens=max(request.num_cached_tokens, 0),
             new_token_ids=list(new_token_ids),
+            error=request.error,
+            kv_block_ids=self.scheduler.kv.get_block_ids(request.request_id) if held else None,
+            kv_block_hashes=list(request.block_hashes) if held else None,
+            num_remote_blocks_pulled=request.num_remote_blocks_pulled,
+            times=request.times,
         )
 
     # ------------------------------------------------------------------ checks

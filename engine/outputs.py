@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.request import TokenLogprobs
+from engine.request import RequestTimes, TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -33,3 +33,11 @@ class RequestOutput:
     num_cached_tokens: int = 0
     new_token_ids: list[int] = field(default_factory=list)
     prompt: str | None = None
+    # Set when a request failed rather than being aborted by its caller.
+    error: str | None = None
+    # A finished prefill-only request: the blocks holding its prompt's KV, kept for a
+    # decode worker until the engine's release_kv(request_id).
+    kv_block_ids: list[int] | None = None
+    kv_block_hashes: list[bytes] | None = None
+    num_remote_blocks_pulled: int = 0
+    times: RequestTimes | None = None

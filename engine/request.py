@@ -4,6 +4,10 @@ There is no prefill or decode phase. ``num_computed_tokens`` catches up with
 ``num_tokens``; each step the scheduler hands a request some of the difference. A request
 whose KV arrives from another worker waits in ``WAITING_FOR_REMOTE_KV`` until it lands and
 then continues like any other.
+
+Role differences are two fields, set by the services: ``prefill_only`` (finish after the
+first sampled token and keep the blocks for a decode worker to pull) and ``remote_kv``
+(the prompt's KV is pulled from another worker instead of computed).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    # A prefill-only request that sampled its first token; it continues on a decode worker.
+    FINISHED_PREFILLED = enum.auto()
 
     @property
     def finished(self) -> bool:
@@ -34,6 +40,7 @@ _FINISHED = {
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_PREFILLED,
 }
 
 
@@ -48,6 +55,31 @@ FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
 }
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteKV:
+    """Where a request's prompt KV lives on another worker (see ``engine/kv_connector.py``).
+
+    ``block_ids[i]`` holds the remote tokens ``[i * block_size, (i + 1) * block_size)``;
+    ``source`` is opaque to the engine: the connector's reference to the peer."""
+
+    transfer_id: str
+    num_tokens: int
+    block_ids: tuple[int, ...]
+    source: object = None
+
+
+@dataclass(slots=True)
+class RequestTimes:
+    """Monotonic timestamps (seconds) of a request's milestones on this worker."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    fetch_started: float | None = None
+    fetch_finished: float | None = None
+    finished: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +101,9 @@ class Request:
     eos_token_ids: frozenset[int]
     max_model_len: int
     cache_salt: str | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
+    prefill_only: bool = False
+    remote_kv: RemoteKV | None = None
+    times: RequestTimes = field(default_factory=RequestTimes)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -81,6 +115,8 @@ class Request:
     # Hashes of the request's full blocks, extended as tokens are appended.
     block_hashes: list[BlockHash] = field(default_factory=list)
     stop_reason: int | None = None  # the stop token id that ended it, if any
+    error: str | None = None  # why an aborted request failed, if it did not just get aborted
+    num_remote_blocks_pulled: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -123,6 +159,8 @@ class Request:
                 return RequestStatus.FINISHED_STOPPED
         if num_output >= self.max_tokens:
             return RequestStatus.FINISHED_LENGTH
+        if self.prefill_only:
+            return RequestStatus.FINISHED_PREFILLED
         return None
 
     def token_ids_banned_now(self) -> frozenset[int]:

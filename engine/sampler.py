@@ -52,6 +52,19 @@ def _logprobs_for(raw_logprobs: torch.Tensor, token_id: int, num_top: int) -> To
     )
 
 
+def advance_generator(generator: torch.Generator, num_draws: int, vocab_size: int) -> None:
+    """Consume the random numbers ``num_draws`` sampled tokens would have consumed.
+
+    ``torch.multinomial`` draws the same amount of randomness for one sample from any
+    distribution of a given size, so drawing from a uniform one advances the stream
+    exactly as the real draws did."""
+    if num_draws == 0:
+        return
+    uniform = torch.full((vocab_size,), 1.0 / vocab_size, device=generator.device)
+    for _ in range(num_draws):
+        torch.multinomial(uniform, 1, generator=generator)
+
+
 def sample(
     logits: torch.Tensor,  # [num_rows, vocab] float32
     rows: Sequence[SamplingRow],

@@ -6,19 +6,27 @@ arrival order, until the budget runs out; then waiting requests are admitted the
 A request that cannot get blocks preempts the most recently admitted running request,
 which frees everything and later recomputes (mostly from the prefix cache).
 
-Requests in ``WAITING_FOR_REMOTE_KV`` stay in the waiting queue without blocking the ones
-behind them until their KV has landed (``finish_remote_kv``).
+Two role-specific paths, both at the edges of the same loop:
+
+* a request with ``remote_kv`` is admitted by allocating blocks for its prompt, reusing
+  what the local prefix cache holds, and asking for the rest to be pulled (``fetches`` of
+  the step's output). It waits in ``fetching`` without blocking anyone until
+  ``finish_fetch`` says the KV landed (it then continues like any request) or failed
+  (it is prefilled locally, or fails, as the caller decides);
+* a ``prefill_only`` request finishes after its first token but keeps its blocks in
+  ``held`` until ``release_held`` (the decode worker pulled them, or the lease expired).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from common.config import EngineConfig
 from engine.block_pool import BlockPoolObserver
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_manager import KVCacheManager, cdiv
 from engine.request import Request, RequestStatus, TokenLogprobs
 
 
@@ -32,9 +40,20 @@ class ScheduledRequest:
 
 
 @dataclass(slots=True)
+class FetchOrder:
+    """Pull ``remote_block_ids`` into ``local_block_ids`` for ``request``."""
+
+    request: Request
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+    block_indices: list[int]  # positions of these blocks in the request's block list
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    fetches: list[FetchOrder] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -51,26 +70,37 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.prefill_chunk_tokens = config.prefill_chunk_tokens
+        self.block_size = config.block_size
         self.kv = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching, observers
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+        self.fetching: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # every unfinished request
         self.num_preemptions = 0
+        self.num_blocks_reused_for_remote = 0
 
     # ------------------------------------------------------------------ admission
 
     def add_request(self, request: Request) -> None:
         assert request.request_id not in self.requests
+        assert request.request_id not in self.held
         self.kv.update_block_hashes(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def abort_request(self, request_id: str) -> Request | None:
+        """Abort an unfinished request. One whose KV is being pulled stays in ``fetching``
+        (its blocks are still being written) until ``finish_fetch`` frees it."""
         request = self.requests.get(request_id)
         if request is None:
             return None
+        if request_id in self.fetching:
+            request.status = RequestStatus.FINISHED_ABORTED
+            del self.requests[request_id]
+            return request
         if request in self.running:
             self.running.remove(request)
         else:
@@ -78,9 +108,30 @@ class Scheduler:
         self._finish(request, RequestStatus.FINISHED_ABORTED)
         return request
 
+    def release_held(self, request_id: str) -> bool:
+        """Free the blocks a finished prefill-only request kept for its decode worker."""
+        request = self.held.pop(request_id, None)
+        if request is None:
+            return False
+        self.kv.free(request)
+        return True
+
     @property
     def num_unfinished(self) -> int:
         return len(self.requests)
+
+    @property
+    def has_work(self) -> bool:
+        """Anything the engine loop must keep stepping for (pulls in flight included)."""
+        return bool(self.requests or self.fetching)
+
+    @property
+    def num_queued_prefill_tokens(self) -> int:
+        """Prompt tokens admitted but not yet computed: the prefill backlog."""
+        queued = sum(r.num_prompt_tokens - r.num_computed_tokens for r in self.waiting)
+        return queued + sum(
+            max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in self.running
+        )
 
     # ------------------------------------------------------------------ one step
 
@@ -116,16 +167,20 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
+            if len(self.running) + len(self.fetching) >= self.max_num_seqs:
+                break
             request = self.waiting[0]
-            if request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
-                skipped.append(self.waiting.popleft())
+            if request.remote_kv is not None and request.num_computed_tokens == 0:
+                if not self._start_fetch(request, out):
+                    break
+                self.waiting.popleft()
                 continue
             hits, num_hit_tokens = [], 0
             if request.num_computed_tokens == 0:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-            num_new = self._num_new_tokens(request, num_hit_tokens, budget)
+            num_computed = request.num_computed_tokens + num_hit_tokens
+            num_new = self._num_new_tokens(request, num_computed, budget)
             if not self.kv.allocate_slots(request, num_new, hits):
                 break
             self.waiting.popleft()
@@ -133,10 +188,69 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
+            if request.times.first_scheduled is None:
+                request.times.first_scheduled = time.monotonic()
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
-        self.waiting.extendleft(reversed(skipped))
+
+    def _start_fetch(self, request: Request, out: SchedulerOutput) -> bool:
+        """Allocate blocks for a remote prompt and order the pull of those not cached here."""
+        remote = request.remote_kv
+        assert remote is not None
+        hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+        num_remote_tokens = remote.num_tokens
+        if num_hit_tokens >= num_remote_tokens:
+            hits = hits[: num_remote_tokens // self.block_size]
+            num_hit_tokens = len(hits) * self.block_size
+        if not self.kv.allocate_slots(
+            request, num_remote_tokens - num_hit_tokens, hits, cache=False
+        ):
+            return False
+        request.num_cached_tokens = num_hit_tokens
+        self.num_blocks_reused_for_remote += len(hits)
+        first, last = len(hits), cdiv(num_remote_tokens, self.block_size)
+        local_ids = self.kv.get_block_ids(request.request_id)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        request.times.fetch_started = time.monotonic()
+        self.fetching[request.request_id] = request
+        out.fetches.append(
+            FetchOrder(
+                request,
+                remote_block_ids=list(remote.block_ids[first:last]),
+                local_block_ids=local_ids[first:last],
+                block_indices=list(range(first, last)),
+            )
+        )
+        return True
+
+    def finish_fetch(self, request_id: str, ok: bool, recompute_on_failure: bool = True) -> None:
+        """The pull of ``request_id`` ended. On success the request continues from the end
+        of its remote prompt; on failure it is prefilled locally (``recompute_on_failure``)
+        or finishes aborted with an error."""
+        request = self.fetching.pop(request_id)
+        request.times.fetch_finished = time.monotonic()
+        if request.status is RequestStatus.FINISHED_ABORTED:  # aborted while pulling
+            self.kv.free(request)
+            return
+        remote = request.remote_kv
+        assert remote is not None
+        if ok:
+            first = cdiv(request.num_cached_tokens, self.block_size)
+            request.num_remote_blocks_pulled = cdiv(remote.num_tokens, self.block_size) - first
+            request.num_computed_tokens = remote.num_tokens
+            self.kv.cache_full_blocks(request, remote.num_tokens)
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+        elif recompute_on_failure:
+            self.kv.free(request)
+            request.remote_kv = None
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
+        else:
+            request.error = f"pulling the prompt's KV from {remote.transfer_id} failed"
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         samples = request.num_computed_tokens + num_new == request.num_tokens
@@ -160,6 +274,7 @@ class Scheduler:
         """Advance the scheduled requests by what the step computed and sampled. Returns the
         requests that produced a token this step (finished ones included)."""
         progressed = []
+        now = time.monotonic()
         for item in out.scheduled:
             request = item.request
             request.num_computed_tokens += item.num_scheduled_tokens
@@ -167,6 +282,8 @@ class Scheduler:
                 continue
             token_id, logprobs = sampled[request.request_id]
             request.append_output_token(token_id, logprobs)
+            if request.times.first_token is None:
+                request.times.first_token = now
             self.kv.update_block_hashes(request)
             progressed.append(request)
             status = request.check_stop()
@@ -177,11 +294,17 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        self.kv.free(request)
+        request.times.finished = time.monotonic()
         del self.requests[request.request_id]
+        if status is RequestStatus.FINISHED_PREFILLED:
+            self.held[request.request_id] = request
+        else:
+            self.kv.free(request)
 
     def leak_report(self) -> list[str]:
         problems = [f"request {rid} still in the scheduler" for rid in self.requests]
+        problems += [f"request {rid} still pulling KV" for rid in self.fetching]
+        problems += [f"request {rid} still holds KV for a decode worker" for rid in self.held]
         if self.waiting or self.running:
             problems.append(f"{len(self.waiting)} waiting, {len(self.running)} running")
         return problems + self.kv.leak_report()

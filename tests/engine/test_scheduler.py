@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from common.config import EngineConfig
-from engine.request import Request, RequestStatus
+from engine.request import RemoteKV, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
@@ -102,15 +102,52 @@ def test_abort_frees_everything():
     assert scheduler.leak_report() == []
 
 
-def test_remote_kv_wait_does_not_block_others():
+def test_remote_kv_pull_does_not_block_others():
     scheduler = Scheduler(EngineConfig(block_size=4), num_blocks=16)
-    waiting = make_request("remote", 10)
-    waiting.status = RequestStatus.WAITING_FOR_REMOTE_KV
-    scheduler.add_request(waiting)
+    remote = make_request("remote", 10)
+    remote.output_token_ids.append(99)  # the first token came from the prefill worker
+    remote.remote_kv = RemoteKV("lease-1", 10, (7, 8, 9))
+    scheduler.add_request(remote)
     scheduler.add_request(make_request("local", 5, start=30))
-    assert run_step(scheduler) == {"local": 5}
-    assert scheduler.waiting[0] is waiting
-    waiting.status = RequestStatus.WAITING
-    assert run_step(scheduler) == {"local": 1, "remote": 10}
+    out = scheduler.schedule()
+    assert [s.request.request_id for s in out.scheduled] == ["local"]
+    (order,) = out.fetches
+    assert order.remote_block_ids == [7, 8, 9] and len(order.local_block_ids) == 3
+    assert remote.status is RequestStatus.WAITING_FOR_REMOTE_KV
+    scheduler.update_from_output(out, {"local": (7, None)})
+    scheduler.finish_fetch("remote", ok=True)
+    # Only the first token is computed: the prompt's KV arrived.
+    assert run_step(scheduler) == {"local": 1, "remote": 1}
     drain(scheduler)
+    assert scheduler.leak_report() == []
+
+
+def test_remote_kv_reuses_local_prefix_and_abort_waits_for_the_pull():
+    scheduler = Scheduler(EngineConfig(block_size=4), num_blocks=16)
+    scheduler.add_request(make_request("local", 9))
+    drain(scheduler)
+    remote = make_request("remote", 10)
+    remote.output_token_ids.append(99)
+    remote.remote_kv = RemoteKV("lease-2", 10, (4, 5, 6))
+    scheduler.add_request(remote)
+    (order,) = scheduler.schedule().fetches
+    assert order.remote_block_ids == [6]  # blocks 0 and 1 were cached locally
+    assert scheduler.num_blocks_reused_for_remote == 2
+    scheduler.abort_request("remote")
+    # Aborted, but its blocks stay reserved until the pull that writes them has ended.
+    assert "request remote still pulling KV" in scheduler.leak_report()
+    scheduler.finish_fetch("remote", ok=True)
+    assert scheduler.leak_report() == []
+
+
+def test_prefill_only_holds_blocks_until_released():
+    scheduler = Scheduler(EngineConfig(block_size=4), num_blocks=16)
+    request = make_request("p", 10, max_tokens=16)
+    request.prefill_only = True
+    scheduler.add_request(request)
+    run_step(scheduler)
+    assert request.status is RequestStatus.FINISHED_PREFILLED
+    assert scheduler.num_unfinished == 0 and "p" in scheduler.held
+    assert len(scheduler.kv.get_block_ids("p")) == 3
+    assert scheduler.release_held("p") and not scheduler.release_held("p")
     assert scheduler.leak_report() == []

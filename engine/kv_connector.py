@@ -1,0 +1,33 @@
+"""What the engine needs from a KV connector to pull a prompt's KV from another worker.
+
+The engine orders pulls when it admits a request with ``remote_kv`` and polls for their
+end once per step; it never blocks on a transfer. A pull writes into local blocks the
+engine has allocated and keeps reserved until the pull is reported done or failed, even
+if the request is aborted meanwhile, so a late write can never land in reused blocks.
+``kv_transfer`` adapts each transport to this protocol.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from common.hashing import BlockHash
+from engine.request import RemoteKV
+
+
+class KVPuller(Protocol):
+    def start_fetch(
+        self,
+        request_id: str,
+        remote: RemoteKV,
+        remote_block_ids: list[int],
+        local_block_ids: list[int],
+        block_hashes: list[BlockHash | None],
+    ) -> None:
+        """Begin pulling; must not block. ``block_hashes[i]`` names block i when it is
+        full (None for a trailing partial block)."""
+        ...
+
+    def poll_fetches(self) -> tuple[list[str], dict[str, str]]:
+        """Pulls that ended since the last poll: (done request ids, failed id → reason)."""
+        ...

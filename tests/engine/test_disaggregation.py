@@ -1,0 +1,144 @@
+"""Prefill on one engine, decode on another: the same tokens as one engine alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.config import EngineConfig
+from engine import LLMEngine, SamplingParams
+from engine.request import RemoteKV
+from tests.engine.helpers import random_prompts
+from tests.engine.local_puller import LocalPuller
+
+
+def run(engine: LLMEngine) -> dict:
+    finished = {}
+    while engine.has_work():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    return finished
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llama):
+    puller = LocalPuller()
+    prefill = LLMEngine(tiny_llama, EngineConfig())
+    decode = LLMEngine(tiny_llama, EngineConfig(), kv_puller=puller)
+    puller.sources["prefill-0"] = prefill
+    puller.target = decode
+    return prefill, decode, puller
+
+
+def disaggregated(prefill, decode, prompts, params, fail_pull=False, policy=True):
+    for i, prompt in enumerate(prompts):
+        prefill.add_request(f"r{i}", prompt, params, prefill_only=True)
+    firsts = run(prefill)
+    decode.recompute_on_pull_failure = policy
+    for i, prompt in enumerate(prompts):
+        first = firsts[f"r{i}"]
+        assert first.finished and first.outputs[0].finish_reason is None
+        remote = RemoteKV(f"lease-{i}", len(prompt), tuple(first.kv_block_ids), "prefill-0")
+        decode.add_request(
+            f"r{i}",
+            prompt,
+            params,
+            remote_kv=remote,
+            output_token_ids=first.outputs[0].token_ids,
+        )
+    outputs = run(decode)
+    for i in range(len(prompts)):
+        assert prefill.release_kv(f"r{i}")
+    return outputs
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=20, min_tokens=20, temperature=0),
+        SamplingParams(max_tokens=20, min_tokens=20, temperature=0.8, top_p=0.95, seed=7),
+    ],
+    ids=["greedy", "seeded"],
+)
+def test_split_equals_colocated(tiny_llama, pair, params):
+    prefill, decode, puller = pair
+    prompts = random_prompts(seed=5)
+    colocated = LLMEngine(tiny_llama, EngineConfig())
+    for i, prompt in enumerate(prompts):
+        colocated.add_request(f"r{i}", prompt, params)
+    expected = run(colocated)
+    outputs = disaggregated(prefill, decode, prompts, params)
+    for i in range(len(prompts)):
+        assert outputs[f"r{i}"].outputs[0].token_ids == expected[f"r{i}"].outputs[0].token_ids
+    assert puller.num_blocks_pulled > 0
+    for engine in (prefill, decode, colocated):
+        assert engine.leak_report() == []
+
+
+def test_decode_pulls_only_blocks_it_does_not_cache(pair):
+    prefill, decode, puller = pair
+    prefix = random_prompts((64,), seed=9)[0]
+    params = SamplingParams(max_tokens=4, temperature=0)
+    disaggregated(prefill, decode, [prefix + [11, 12, 13]], params)
+    before = puller.num_blocks_pulled
+    out = disaggregated(prefill, decode, [prefix + [21, 22, 23, 24, 25]], params)["r0"]
+    # 69 prompt tokens = 5 blocks; the decode worker already caches the first 4.
+    assert puller.num_blocks_pulled - before == 1 == out.num_remote_blocks_pulled
+    assert out.num_cached_tokens == 64
+    assert decode.leak_report() == [] and prefill.leak_report() == []
+
+
+def test_failed_pull_recomputes_or_fails(tiny_llama, pair):
+    prefill, decode, puller = pair
+    prompts = random_prompts((40,), seed=11)
+    params = SamplingParams(max_tokens=8, temperature=0)
+    expected = disaggregated(prefill, decode, prompts, params)["r0"].outputs[0].token_ids
+    fresh_decode = LLMEngine(tiny_llama, EngineConfig(), kv_puller=puller)
+    puller.target = fresh_decode
+    try:
+        puller.fail_next = True
+        recomputed = disaggregated(prefill, fresh_decode, prompts, params)["r0"]
+        assert recomputed.outputs[0].token_ids == expected and recomputed.error is None
+        assert fresh_decode.num_pull_failures == 1
+        puller.fail_next = True
+        fresh_prompt = random_prompts((40,), seed=12)
+        failed = disaggregated(prefill, fresh_decode, fresh_prompt, params, policy=False)["r0"]
+        assert failed.outputs[0].finish_reason == "abort"
+        assert "pulling the prompt's KV" in failed.error and "peer unreachable" in failed.error
+    finally:
+        puller.target = decode
+    assert fresh_decode.leak_report() == [] and prefill.leak_report() == []
+
+
+def test_abort_while_pulling_frees_after_the_pull(pair):
+    prefill, decode, _ = pair
+    prompt = random_prompts((50,), seed=13)[0]
+    params = SamplingParams(max_tokens=8, temperature=0)
+    prefill.add_request("x", prompt, params, prefill_only=True)
+    first = run(prefill)["x"]
+    decode.add_request(
+        "x",
+        prompt,
+        params,
+        remote_kv=RemoteKV("lease-x", len(prompt), tuple(first.kv_block_ids), "prefill-0"),
+        output_token_ids=first.outputs[0].token_ids,
+    )
+    decode.step()  # admits it and orders the pull
+    assert decode.scheduler.fetching
+    aborted = decode.abort_request("x")
+    assert aborted.outputs[0].finish_reason == "abort"
+    assert "still pulling" in " ".join(decode.leak_report())
+    run(decode)  # the pull ends; only then are the blocks freed
+    assert decode.leak_report() == []
+    assert prefill.release_kv("x")
+    assert prefill.leak_report() == []
+
+
+def test_first_token_that_finishes_needs_no_decode(pair):
+    prefill, _, _ = pair
+    prompt = random_prompts((20,), seed=3)[0]
+    prefill.add_request("y", prompt, SamplingParams(max_tokens=1, temperature=0), prefill_only=True)
+    out = run(prefill)["y"]
+    assert out.outputs[0].finish_reason == "length" and out.kv_block_ids is None
+    assert not prefill.release_kv("y")
+    assert prefill.leak_report() == []
