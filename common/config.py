@@ -106,3 +106,157 @@ class EngineConfig:
         if unknown:
             raise ConfigError(f"engine.{sorted(unknown)[0]}", "unknown engine setting")
         return dataclasses.replace(self, **changes)
+
+
+class Role(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class FailurePolicy(StrEnum):
+    RECOMPUTE = "recompute"  # prefill locally on the decode worker; output unchanged
+    FAIL = "fail"  # the request fails with a clear error
+
+
+# Each worker owns PORT_STRIDE consecutive ports from its base port (see ``WorkerPorts``).
+PORT_STRIDE = 10
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerPorts:
+    """The ports of one worker, all bound to its role's host."""
+
+    grpc: int
+    events: int  # ZMQ PUB: KV events
+    replay: int  # ZMQ ROUTER: replay of recent event batches
+    kv_transfer: int  # the connector's own listener, if it has one
+    kv_store: int  # the connector's rendezvous store, if it has one
+
+    @classmethod
+    def from_base(cls, base: int) -> WorkerPorts:
+        return cls(base, base + 1, base + 2, base + 3, base + 4)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRoleConfig:
+    """How many workers of one role, where they listen, and their engine differences."""
+
+    replicas: int = 1
+    host: str = "127.0.0.1"
+    # Base port of replica 0; replica i starts at port + i * PORT_STRIDE.
+    port: int = 50100
+    # EngineConfig fields that differ for this role (e.g. a larger max_num_seqs on decode).
+    engine: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # SIGTERM: stop accepting, let in-flight requests finish for at most this long.
+    drain_grace_s: float = 30.0
+
+    def ports(self, index: int) -> WorkerPorts:
+        return WorkerPorts.from_base(self.port + index * PORT_STRIDE)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRoleConfig(WorkerRoleConfig):
+    port: int = 50100
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRoleConfig(WorkerRoleConfig):
+    port: int = 50200
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferSettings:
+    connector: str = "nixl"  # nixl | nccl | shared_storage
+    lease_s: float = 30.0  # a prefill worker frees un-pulled KV after this long
+    failure_policy: FailurePolicy = FailurePolicy.RECOMPUTE
+    timeout_s: float = 10.0  # a pull that has not finished by then fails
+    shared_dir: str | None = None  # shared_storage: the shared directory
+
+    def __post_init__(self) -> None:
+        _coerce_enums(self)
+        if self.lease_s <= 0:
+            raise ConfigError("kv_transfer.lease_s", f"must be > 0, got {self.lease_s}")
+        if self.timeout_s <= 0:
+            raise ConfigError("kv_transfer.timeout_s", f"must be > 0, got {self.timeout_s}")
+        if self.timeout_s >= self.lease_s:
+            raise ConfigError(
+                "kv_transfer.timeout_s",
+                f"must be below lease_s={self.lease_s}: a pull may not outlive its lease",
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadConfig:
+    cpu_bytes: int = 0  # size of the CPU tier; 0 disables it
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: list[str] = dataclasses.field(default_factory=list)
+    # Prompts whose uncached part is shorter than this are prefilled on the decode worker.
+    min_disagg_tokens: int = 256
+
+
+@dataclass(frozen=True, slots=True)
+class RegistryConfig:
+    redis_url: str | None = None  # None: the static list this config implies
+    ttl_s: float = 10.0
+    heartbeat_s: float = 2.0
+    key_prefix: str = "pdserve"
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_s <= 0 or self.heartbeat_s >= self.ttl_s:
+            raise ConfigError("registry.heartbeat_s", "must be > 0 and below registry.ttl_s")
+
+
+@dataclass(frozen=True, slots=True)
+class PdserveConfig:
+    """One deployment: the model, the engine, the xPyD layout and the services around it."""
+
+    model: str | None = None  # a local checkpoint; None: the built-in demo model
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    prefill: PrefillRoleConfig = dataclasses.field(default_factory=PrefillRoleConfig)
+    decode: DecodeRoleConfig = dataclasses.field(default_factory=DecodeRoleConfig)
+    kv_transfer: KVTransferSettings = dataclasses.field(default_factory=KVTransferSettings)
+    offload: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
+    router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
+    registry: RegistryConfig = dataclasses.field(default_factory=RegistryConfig)
+
+    def __post_init__(self) -> None:
+        for role in Role:
+            section = self.role(role)
+            if section.replicas < 0:
+                raise ConfigError(f"{role}.replicas", f"must be >= 0, got {section.replicas}")
+            try:
+                self.engine_for(role)
+            except ConfigError as exc:
+                message = str(exc).split(": ", 1)[-1]
+                raise ConfigError(f"{role}.engine.{exc.key.split('.')[-1]}", message) from None
+        if self.decode.replicas < 1:
+            raise ConfigError("decode.replicas", "at least one decode worker is needed")
+        self._check_ports()
+
+    def role(self, role: Role) -> WorkerRoleConfig:
+        return self.prefill if role is Role.PREFILL else self.decode
+
+    def engine_for(self, role: Role) -> EngineConfig:
+        return self.engine.replace(**self.role(role).engine)
+
+    def _check_ports(self) -> None:
+        owners: dict[tuple[str, int], str] = {}
+
+        def claim(host: str, port: int, owner: str) -> None:
+            if not 0 < port < 65536:
+                raise ConfigError(owner, f"port {port} is outside 1-65535")
+            other = owners.setdefault((host, port), owner)
+            if other != owner:
+                raise ConfigError(owner, f"port {port} on {host} is also used by {other}")
+
+        claim(self.router.host, self.router.port, "router.port")
+        for role in Role:
+            section = self.role(role)
+            for index in range(section.replicas):
+                for port in dataclasses.astuple(section.ports(index)):
+                    claim(section.host, port, f"{role}.port (replica {index})")

@@ -10,7 +10,9 @@ in and results out through queues.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -63,6 +65,13 @@ def resolve_max_model_len(config: EngineConfig, arch: ModelArchConfig) -> int:
     return min(config.max_model_len, limit)
 
 
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    num_prompt_tokens: int  # prompt tokens computed (prefill work)
+    num_tokens: int  # all tokens computed
+    duration_s: float  # the forward pass and sampling
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -92,6 +101,7 @@ class LLMEngine:
         self._generators: dict[str, torch.Generator] = {}
         self.num_steps = 0
         self.num_pull_failures = 0
+        self.last_step: StepStats | None = None
 
     # ------------------------------------------------------------------ requests
 
@@ -197,7 +207,20 @@ class LLMEngine:
         if not scheduler_output.scheduled:
             return outputs
         chunks = self._chunks(scheduler_output)
+        start = time.perf_counter()
         sampled = self.runner.execute(chunks)
+        self.last_step = StepStats(
+            num_prompt_tokens=sum(
+                max(min(len(c.token_ids), prompt_len - c.start_pos), 0)
+                for c, prompt_len in zip(
+                    chunks,
+                    (s.request.num_prompt_tokens for s in scheduler_output.scheduled),
+                    strict=True,
+                )
+            ),
+            num_tokens=scheduler_output.num_scheduled_tokens,
+            duration_s=time.perf_counter() - start,
+        )
         progressed = self.scheduler.update_from_output(scheduler_output, sampled)
         self.num_steps += 1
         for request in progressed:

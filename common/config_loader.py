@@ -1,0 +1,174 @@
+"""Build frozen config dataclasses from YAML-shaped dicts, with errors that name the key.
+
+``build(cls, data)`` walks the dataclass's type hints: nested dataclasses, enums, ``X | None``,
+``list[...]``/``tuple[...]`` of scalars, and scalars (an int is accepted for a float, a bool
+is never accepted for an int). Unknown keys are errors. ``apply_overrides`` implements
+``--set dotted.key=value`` (the value parsed as YAML, so ``--set engine.block_size=32`` is an
+int and ``--set model=null`` is None). ``to_dict`` gives back plain YAML-able data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from enum import Enum
+from typing import Any, TypeVar
+
+import yaml
+
+from common.config import ConfigError
+
+T = TypeVar("T")
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(key, "must not be null")
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, key)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(key, f"{value!r} is not a valid {_union_name(args)}")
+    if value is None:
+        raise ConfigError(key, "must not be null")
+    if dataclasses.is_dataclass(tp):
+        return build(tp, value, key)
+    if origin in (list, tuple):
+        if isinstance(value, str | bytes) or not isinstance(value, list | tuple):
+            raise ConfigError(key, f"must be a list, got {value!r}")
+        (item_type, *_) = typing.get_args(tp) or (Any,)
+        items = [_convert(v, item_type, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"must be a mapping, got {value!r}")
+        _, value_type = typing.get_args(tp)
+        return {str(k): _convert(v, value_type, f"{key}.{k}") for k, v in value.items()}
+    if isinstance(tp, type) and issubclass(tp, Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            choices = ", ".join(str(m.value) for m in tp)
+            raise ConfigError(key, f"{value!r} is not one of: {choices}") from None
+    if tp is Any:
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(key, f"must be a number, got {value!r}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(key, f"must be an integer, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(key, f"must be true or false, got {value!r}")
+        return value
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(key, f"must be a string, got {value!r}")
+        return value
+    raise ConfigError(key, f"unsupported type {_type_name(tp)}")
+
+
+def _union_name(args: tuple) -> str:
+    return " or ".join(_type_name(a) for a in args if a is not type(None))
+
+
+def build(cls: type[T], data: Any, prefix: str = "") -> T:
+    """An instance of dataclass ``cls`` from a mapping; missing keys take their defaults."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(prefix or "config", f"must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        key = f"{prefix}.{unknown[0]}" if prefix else str(unknown[0])
+        raise ConfigError(key, f"unknown key (known: {', '.join(sorted(fields))})")
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{prefix}.{name}" if prefix else name
+        kwargs[name] = _convert(value, hints[name], key)
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        if prefix and not exc.key.startswith(prefix):
+            raise ConfigError(f"{prefix}.{exc.key.split('.')[-1]}", str(exc).split(": ", 1)[1])
+        raise
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """``["engine.block_size=32", ...]`` applied to a nested dict (a new one is returned)."""
+    result = _deep_copy(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(item, "an override must look like dotted.key=value")
+        dotted, raw = item.split("=", 1)
+        keys = dotted.strip().split(".")
+        if not all(keys):
+            raise ConfigError(dotted, "empty key in override")
+        node = result
+        for key in keys[:-1]:
+            child = node.get(key)
+            if child is None:
+                child = node[key] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(dotted, f"{key} is not a section")
+            node = child
+        node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    return result
+
+
+def _deep_copy(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _deep_copy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_deep_copy(v) for v in data]
+    return data
+
+
+def to_dict(config: Any) -> Any:
+    """Plain data (dicts, lists, scalars) of a config, enums as their values."""
+    if dataclasses.is_dataclass(config):
+        return {f.name: to_dict(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    if isinstance(config, list | tuple):
+        return [to_dict(v) for v in config]
+    if isinstance(config, dict):
+        return {k: to_dict(v) for k, v in config.items()}
+    if isinstance(config, Enum):
+        return config.value
+    return config
+
+
+def load_config(path: str | None = None, overrides: list[str] | None = None):
+    """The deployment config from a YAML file (or defaults) plus ``--set`` overrides."""
+    from pathlib import Path
+
+    from common.config import PdserveConfig
+
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError("config", f"cannot read {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError("config", f"{path} is not valid YAML: {exc}") from None
+        data = loaded or {}
+    return build(PdserveConfig, apply_overrides(data, overrides or []))

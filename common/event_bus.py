@@ -1,0 +1,164 @@
+"""KV events over ZMQ: one publisher per worker, any number of subscribers (routers).
+
+Wire format (msgpack via msgspec, never pickle):
+
+    PUB    [b"kv", seq: 8-byte big-endian, KVEventBatch]       one message per batch
+    PUB    [b"kv", last seq, b""]                                heartbeat (idle: ~1/s)
+    replay request  (DEALER → ROUTER)  [start_seq: 8 bytes]
+    replay response                    [seq, KVEventBatch] ... then [seq = -1, b""]
+
+The publisher keeps the last ``buffer_size`` batches. Heartbeats carry the last sequence
+number, so a subscriber also notices batches lost at the end of a burst. A subscriber that sees a gap in the
+sequence asks the replay socket for everything from the first missing batch; if the buffer
+no longer reaches that far it is told so (the first replayed seq is later than asked) and
+must resynchronise (forget the worker's blocks and rebuild from new events).
+
+Sockets bind to the configured host only. A publisher is used from one thread (the
+engine's); ``serve_replay`` is non-blocking and is called from the same thread.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import zmq
+
+from common.kv_events import KVEvent, KVEventBatch, decode_batch, encode_batch
+
+TOPIC = b"kv"
+_END = struct.pack(">q", -1)
+
+
+class KVEventPublisher:
+    def __init__(self, host: str, pub_port: int, replay_port: int, buffer_size: int = 4096):
+        self._ctx = zmq.Context.instance()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.bind(f"tcp://{host}:{pub_port}")
+        self._replay = self._ctx.socket(zmq.ROUTER)
+        self._replay.setsockopt(zmq.LINGER, 0)
+        self._replay.bind(f"tcp://{host}:{replay_port}")
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_size)
+        self.next_seq = 0
+
+    def publish(self, events: list[KVEvent]) -> None:
+        if not events:
+            return
+        seq = self.next_seq
+        self.next_seq += 1
+        payload = encode_batch(KVEventBatch(seq=seq, ts=time.time(), events=events))
+        self._buffer.append((seq, payload))
+        self._pub.send_multipart([TOPIC, struct.pack(">q", seq), payload], copy=False)
+
+    def heartbeat(self) -> None:
+        """Tell subscribers the last sequence number (call about once a second)."""
+        self._pub.send_multipart([TOPIC, struct.pack(">q", self.next_seq - 1), b""])
+
+    def serve_replay(self) -> None:
+        """Answer pending replay requests; returns at once when there are none."""
+        while self._replay.poll(0):
+            identity, *frames = self._replay.recv_multipart()
+            if len(frames) != 1 or len(frames[0]) != 8:
+                continue  # not our protocol: ignore
+            (start,) = struct.unpack(">q", frames[0])
+            for seq, payload in self._buffer:
+                if seq >= start:
+                    self._replay.send_multipart([identity, struct.pack(">q", seq), payload])
+            self._replay.send_multipart([identity, _END, b""])
+
+    def close(self) -> None:
+        self._pub.close(0)
+        self._replay.close(0)
+
+
+@dataclass(slots=True)
+class SubscriberState:
+    next_seq: int | None = None
+    gaps: int = 0
+    replayed: int = 0
+    resyncs: int = 0
+    batches: list[KVEventBatch] = field(default_factory=list)
+
+
+class KVEventSubscriber:
+    """Receives one worker's batches in order, filling gaps from its replay socket.
+
+    ``poll(timeout_ms)`` returns the batches that arrived (in sequence order) and whether
+    the subscriber had to resynchronise (some batches are lost for good: the caller must
+    drop what it knows of this worker first)."""
+
+    def __init__(self, pub_endpoint: str, replay_endpoint: str, replay_timeout_s: float = 2.0):
+        self._ctx = zmq.Context.instance()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        self._sub.connect(pub_endpoint)
+        self._replay_endpoint = replay_endpoint
+        self._replay_timeout_ms = int(replay_timeout_s * 1000)
+        self.state = SubscriberState()
+        self._last_replay_incomplete = False
+
+    @property
+    def socket(self) -> zmq.Socket:
+        return self._sub
+
+    def poll(self, timeout_ms: int = 0) -> tuple[list[KVEventBatch], bool]:
+        batches: list[KVEventBatch] = []
+        resync = False
+        while self._sub.poll(timeout_ms):
+            timeout_ms = 0
+            _, seq_bytes, payload = self._sub.recv_multipart()
+            (seq,) = struct.unpack(">q", seq_bytes)
+            expected = self.state.next_seq
+            if not payload:  # heartbeat: ``seq`` is the publisher's last batch
+                if expected is not None and seq >= expected:
+                    batches += self._catch_up(expected, seq + 1)
+                    resync |= self._last_replay_incomplete
+                    self.state.next_seq = seq + 1
+                continue
+            if expected is None and seq > 0:
+                # Joined a running worker: catch up on what it still buffers.
+                batches += self._replay(0, seq)[0]
+            elif expected is not None and seq < expected:
+                continue  # already seen (through a replay)
+            elif expected is not None and seq > expected:
+                batches += self._catch_up(expected, seq)
+                resync |= self._last_replay_incomplete
+            batches.append(decode_batch(payload))
+            self.state.next_seq = seq + 1
+        return batches, resync
+
+    def _catch_up(self, start: int, stop: int) -> list[KVEventBatch]:
+        self.state.gaps += 1
+        replayed, complete = self._replay(start, stop)
+        self._last_replay_incomplete = not complete
+        if not complete:
+            self.state.resyncs += 1
+        return replayed
+
+    def _replay(self, start: int, stop: int) -> tuple[list[KVEventBatch], bool]:
+        """Batches [start, stop) from the replay socket; complete=False if some are gone."""
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self._replay_endpoint)
+        got: list[KVEventBatch] = []
+        try:
+            dealer.send(struct.pack(">q", start))
+            while dealer.poll(self._replay_timeout_ms):
+                seq_bytes, payload = dealer.recv_multipart()
+                if seq_bytes == _END:
+                    break
+                (seq,) = struct.unpack(">q", seq_bytes)
+                if start <= seq < stop:
+                    got.append(decode_batch(payload))
+        finally:
+            dealer.close(0)
+        self.state.replayed += len(got)
+        complete = [b.seq for b in got] == list(range(start, stop))
+        return got, complete
+
+    def close(self) -> None:
+        self._sub.close(0)

@@ -1,0 +1,203 @@
+"""Runs an ``LLMEngine`` on its own thread and serves it to asyncio code.
+
+The engine is single-threaded by contract: every call into it (admit, abort, release,
+step, connector polling) happens on the engine thread. asyncio callers send commands
+through a queue and get results back on their loop:
+
+    gRPC handler ──submit(cmd)──► queue ──► engine thread: run cmds, step(), hooks
+         ▲                                        │
+         └──── asyncio.Queue per request ◄────────┘ (call_soon_threadsafe)
+
+``hooks`` run on the engine thread after every loop turn (publishing KV events, expiring
+leases, polling connector notifications); they must be quick and must not raise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.05  # how long the idle loop sleeps waiting for a command
+_PULL_WAIT_S = 0.0005  # how long it sleeps when only KV pulls are in flight
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot of the engine, taken on its thread after each loop turn."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_fetching: int = 0
+    num_held: int = 0
+    queued_prefill_tokens: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    kv_blocks_total: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0  # exponentially averaged over busy steps
+    num_pull_failures: int = 0
+    num_blocks_reused_for_remote: int = 0
+    num_steps: int = 0
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.hooks: list[Callable[[], None]] = []
+        self.stats = EngineStats()
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._prefill_rate = 0.0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put(lambda: None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    # ------------------------------------------------------------------ asyncio side
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread and return its result (or raise)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def command() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(self.engine))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        self._commands.put(command)
+        return await asyncio.wrap_future(future)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        **kwargs: Any,
+    ) -> AsyncIterator[RequestOutput]:
+        """Admit a request and yield its outputs until it finishes. Leaving the iterator
+        early (the caller was cancelled or disconnected) aborts the request."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+
+        def admit(engine: LLMEngine) -> None:
+            engine.add_request(request_id, prompt_token_ids, params, **kwargs)
+            self._streams[request_id] = (loop, outputs)
+
+        await self.call(admit)
+        finished = False
+        try:
+            while not finished:
+                output = await outputs.get()
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                await asyncio.shield(self.abort(request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        def abort(engine: LLMEngine) -> bool:
+            output = engine.abort_request(request_id)
+            if output is not None:
+                self._deliver(output)
+            return output is not None
+
+        return await self.call(abort)
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _deliver(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is None:
+            return
+        if output.finished:
+            del self._streams[output.request_id]
+        loop, outputs = stream
+        try:
+            loop.call_soon_threadsafe(outputs.put_nowait, output)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening
+            pass
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            busy = engine.has_work()
+            self._run_commands(block=not busy)
+            if engine.has_work():
+                had_requests = engine.scheduler.num_unfinished > 0
+                for output in engine.step():
+                    self._deliver(output)
+                self._update_rate()
+                if not had_requests:
+                    time.sleep(_PULL_WAIT_S)  # only pulls in flight: do not spin
+            for hook in self.hooks:
+                try:
+                    hook()
+                except Exception:
+                    logger.exception("engine hook failed")
+            self._snapshot()
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=_IDLE_WAIT_S) if block else None
+            if command is None:
+                command = self._commands.get_nowait()
+            while True:
+                command()
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _update_rate(self) -> None:
+        step = self.engine.last_step
+        if step is None or step.num_prompt_tokens < 16 or step.duration_s <= 0:
+            return
+        rate = step.num_prompt_tokens / step.duration_s
+        self._prefill_rate = rate if not self._prefill_rate else 0.8 * self._prefill_rate + 0.2 * rate
+
+    def _snapshot(self) -> None:
+        scheduler = self.engine.scheduler
+        kv = scheduler.kv
+        self.stats = EngineStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_fetching=len(scheduler.fetching),
+            num_held=len(scheduler.held),
+            queued_prefill_tokens=scheduler.num_queued_prefill_tokens,
+            kv_blocks_used=kv.pool.num_used_blocks,
+            kv_blocks_free=kv.pool.num_free_blocks,
+            kv_blocks_total=kv.pool.num_blocks,
+            prefix_query_tokens=kv.num_query_tokens,
+            prefix_hit_tokens=kv.num_hit_tokens,
+            prefill_tokens_per_s=self._prefill_rate,
+            num_pull_failures=self.engine.num_pull_failures,
+            num_blocks_reused_for_remote=scheduler.num_blocks_reused_for_remote,
+            num_steps=self.engine.num_steps,
+        )

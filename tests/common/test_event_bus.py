@@ -1,0 +1,139 @@
+"""KV events over real ZMQ sockets: order, gap replay, resync when history is gone."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import zmq
+
+from common.event_bus import KVEventPublisher, KVEventSubscriber
+from common.kv_events import BlockRemoved, BlockStored
+
+
+def free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def connected_pair(buffer_size: int = 4096):
+    pub_port, replay_port = free_ports(2)
+    publisher = KVEventPublisher("127.0.0.1", pub_port, replay_port, buffer_size)
+    subscriber = KVEventSubscriber(
+        f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}"
+    )
+    # Slow joiner: publish until the subscriber sees something.
+    deadline = time.monotonic() + 5
+    seen: list = []
+    while not seen and time.monotonic() < deadline:
+        publisher.publish([BlockRemoved([b"\0" * 32])])
+        publisher.serve_replay()
+        seen, _ = subscriber.poll(20)
+    assert seen, "subscriber never connected"
+    return publisher, subscriber
+
+
+def serve_while_polling(publisher, subscriber, timeout_s=5.0, until=None):
+    """Poll the subscriber while the publisher answers replays (one thread, like a worker's
+    engine loop and a router would run them in two processes)."""
+    import threading
+
+    stop = threading.Event()
+
+    def serve():
+        last_beat = 0.0
+        while not stop.is_set():
+            publisher.serve_replay()
+            if time.monotonic() - last_beat > 0.2:
+                publisher.heartbeat()
+                last_beat = time.monotonic()
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    batches, resync = [], False
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            got, flag = subscriber.poll(50)
+            batches += got
+            resync |= flag
+            if until is not None and until(batches):
+                break
+    finally:
+        stop.set()
+        thread.join()
+    return batches, resync
+
+
+def test_events_arrive_in_order_and_late_joiners_catch_up():
+    publisher, subscriber = connected_pair()
+    first_seq = subscriber.state.next_seq
+    for i in range(5):
+        publisher.publish([BlockStored([bytes([i]) * 32], None, list(range(16)), 16)])
+    batches, resync = serve_while_polling(
+        publisher, subscriber, until=lambda b: len(b) == 5
+    )
+    assert not resync
+    assert [b.seq for b in batches] == list(range(first_seq, first_seq + 5))
+    assert batches[2].events[0].block_hashes == [bytes([2]) * 32]
+    publisher.close()
+    subscriber.close()
+
+
+def publish_unseen(publisher, subscriber, count: int) -> None:
+    """Publish ``count`` batches the subscriber does not receive (it unsubscribes)."""
+    subscriber.socket.setsockopt(zmq.UNSUBSCRIBE, b"kv")
+    time.sleep(0.3)  # let the unsubscription reach the publisher
+    for i in range(count):
+        publisher.publish([BlockRemoved([i.to_bytes(32, "big")])])
+    subscriber.socket.setsockopt(zmq.SUBSCRIBE, b"kv")
+    time.sleep(0.3)
+
+
+def test_gaps_are_replayed():
+    publisher, subscriber = connected_pair()
+    start = subscriber.state.next_seq
+    publish_unseen(publisher, subscriber, 50)
+    publisher.publish([BlockRemoved([b"\1" * 32])])
+    last = publisher.next_seq - 1
+    batches, resync = serve_while_polling(
+        publisher, subscriber, until=lambda b: b and b[-1].seq == last
+    )
+    assert not resync
+    assert [b.seq for b in batches] == list(range(start, last + 1))
+    assert subscriber.state.gaps == 1 and subscriber.state.replayed == 50
+    publisher.close()
+    subscriber.close()
+
+
+def test_lost_tail_is_noticed_by_heartbeat():
+    publisher, subscriber = connected_pair()
+    start = subscriber.state.next_seq
+    publish_unseen(publisher, subscriber, 5)
+    last = publisher.next_seq - 1
+    batches, resync = serve_while_polling(
+        publisher, subscriber, until=lambda b: subscriber.state.next_seq == last + 1
+    )
+    assert not resync and [b.seq for b in batches] == list(range(start, last + 1))
+    publisher.close()
+    subscriber.close()
+
+
+def test_lost_history_asks_for_a_resync():
+    publisher, subscriber = connected_pair(buffer_size=8)
+    publish_unseen(publisher, subscriber, 50)
+    publisher.publish([BlockRemoved([b"\1" * 32])])
+    last = publisher.next_seq - 1
+    batches, resync = serve_while_polling(
+        publisher, subscriber, until=lambda b: subscriber.state.next_seq == last + 1
+    )
+    assert resync and subscriber.state.resyncs == 1
+    assert batches[-1].seq == last
+    publisher.close()
+    subscriber.close()
