@@ -109,7 +109,8 @@ def build(cls: type[T], data: Any, prefix: str = "") -> T:
         return cls(**kwargs)
     except ConfigError as exc:
         if prefix and not exc.key.startswith(prefix):
-            raise ConfigError(f"{prefix}.{exc.key.split('.')[-1]}", str(exc).split(": ", 1)[1])
+            key = f"{prefix}.{exc.key.split('.')[-1]}"
+            raise ConfigError(key, str(exc).split(": ", 1)[1]) from None
         raise
 
 

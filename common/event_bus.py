@@ -8,10 +8,10 @@ Wire format (msgpack via msgspec, never pickle):
     replay response                    [seq, KVEventBatch] ... then [seq = -1, b""]
 
 The publisher keeps the last ``buffer_size`` batches. Heartbeats carry the last sequence
-number, so a subscriber also notices batches lost at the end of a burst. A subscriber that sees a gap in the
-sequence asks the replay socket for everything from the first missing batch; if the buffer
-no longer reaches that far it is told so (the first replayed seq is later than asked) and
-must resynchronise (forget the worker's blocks and rebuild from new events).
+number, so a subscriber also notices batches lost at the end of a burst. A subscriber that
+sees a gap in the sequence asks the replay socket for everything from the first missing
+batch; if the buffer no longer reaches that far it is told so (the first replayed seq is
+later than asked) and must resynchronise (forget the worker's blocks and rebuild from new events).
 
 Sockets bind to the configured host only. A publisher is used from one thread (the
 engine's); ``serve_replay`` is non-blocking and is called from the same thread.

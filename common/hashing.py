@@ -70,3 +70,20 @@ def hash_blocks(
         parent = hash_block(parent, token_ids[start : start + block_size])
         hashes.append(parent)
     return hashes
+
+
+def transfer_block_hashes(
+    token_ids: Sequence[int], block_size: int, salt: str | bytes | None = None
+) -> list[BlockHash]:
+    """A name for every block of ``token_ids``, the trailing partial block included.
+
+    Full blocks get their prefix-cache hash; a partial block is hashed over its own tokens
+    (the encoding includes the length, so it never collides with a full block). Transfers
+    keyed by content (the shared-storage connector) use these names on both sides.
+    """
+    hashes = hash_blocks(token_ids, block_size, salt)
+    remainder = len(token_ids) % block_size
+    if remainder:
+        parent = hashes[-1] if hashes else root_hash(salt)
+        hashes.append(hash_block(parent, token_ids[len(token_ids) - remainder :]))
+    return hashes

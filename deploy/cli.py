@@ -8,7 +8,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from deploy import generate_cmd, make_model_cmd
+from deploy import generate_cmd, make_model_cmd, worker_cmd
 
 # name → (help, add_arguments, run)
 Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
@@ -16,6 +16,8 @@ Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argpar
 COMMANDS: dict[str, Command] = {
     "make-model": make_model_cmd.COMMAND,
     "generate": generate_cmd.COMMAND,
+    "prefill": worker_cmd.PREFILL,
+    "decode": worker_cmd.DECODE,
 }
 
 

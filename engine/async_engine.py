@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -140,10 +141,9 @@ class AsyncEngine:
         if output.finished:
             del self._streams[output.request_id]
         loop, outputs = stream
-        try:
+        # A closed loop means nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(outputs.put_nowait, output)
-        except RuntimeError:  # the caller's loop is closed: nobody is listening
-            pass
 
     def _run(self) -> None:
         engine = self.engine
@@ -180,7 +180,9 @@ class AsyncEngine:
         if step is None or step.num_prompt_tokens < 16 or step.duration_s <= 0:
             return
         rate = step.num_prompt_tokens / step.duration_s
-        self._prefill_rate = rate if not self._prefill_rate else 0.8 * self._prefill_rate + 0.2 * rate
+        self._prefill_rate = (
+            rate if not self._prefill_rate else 0.8 * self._prefill_rate + 0.2 * rate
+        )
 
     def _snapshot(self) -> None:
         scheduler = self.engine.scheduler

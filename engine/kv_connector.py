@@ -22,10 +22,10 @@ class KVPuller(Protocol):
         remote: RemoteKV,
         remote_block_ids: list[int],
         local_block_ids: list[int],
-        block_hashes: list[BlockHash | None],
+        block_hashes: list[BlockHash],
     ) -> None:
-        """Begin pulling; must not block. ``block_hashes[i]`` names block i when it is
-        full (None for a trailing partial block)."""
+        """Begin pulling; must not block. ``block_hashes[i]`` names the pulled block i
+        (``common.hashing.transfer_block_hashes``: partial blocks have names too)."""
         ...
 
     def poll_fetches(self) -> tuple[list[str], dict[str, str]]:

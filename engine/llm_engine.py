@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from common.config import DType, EngineConfig
+from common.hashing import transfer_block_hashes
 from engine.block_pool import BlockPoolObserver
 from engine.errors import (
     DuplicateRequestError,
@@ -237,13 +238,18 @@ class LLMEngine:
                 self.scheduler.finish_fetch(request.request_id, ok=True)
                 continue
             assert self.kv_puller is not None and request.remote_kv is not None
-            hashes = request.block_hashes
+            remote = request.remote_kv
+            names = transfer_block_hashes(
+                request.prompt_token_ids[: remote.num_tokens],
+                self.config.block_size,
+                request.cache_salt,
+            )
             self.kv_puller.start_fetch(
                 request.request_id,
-                request.remote_kv,
+                remote,
                 order.remote_block_ids,
                 order.local_block_ids,
-                [hashes[i] if i < len(hashes) else None for i in order.block_indices],
+                [names[i] for i in order.block_indices],
             )
         return outputs
 

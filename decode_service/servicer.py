@@ -1,0 +1,112 @@
+"""DecodeService: continue a request from its first token, pulling the prompt's KV from the
+prefill worker named in its KV handle (or prefilling locally when there is none), and
+stream the tokens. A thin translator: proto → engine call → proto."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from engine.errors import InvalidRequestError
+from engine.request import RemoteKV
+from kv_transfer import PeerRef
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from worker.convert import logprobs_to_proto, sampling_from_proto, timings_to_proto, usage_to_proto
+from worker.grpc_errors import RequestFailedError, grpc_errors, grpc_stream_errors
+from worker.runtime import WorkerRuntime
+from worker.stats import stats_reply
+
+
+class DecodeServicer(pb_grpc.DecodeServiceServicer):
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self.runtime = runtime
+        self.num_active = 0
+        self.num_blocks_pulled = 0
+
+    def in_flight(self) -> int:
+        return self.num_active
+
+    def _remote_kv(self, request: pb.GenerateRequest) -> RemoteKV | None:
+        if not request.HasField("kv"):
+            return None
+        kv = request.kv
+        ours = self.runtime.config.kv_transfer.connector
+        if kv.connector != ours:
+            raise InvalidRequestError(
+                f"the KV handle is for connector {kv.connector!r}; this worker uses {ours!r}",
+                "kv",
+            )
+        block_size = self.runtime.config.engine_for(self.runtime.role).block_size
+        if kv.block_size != block_size:
+            raise InvalidRequestError(
+                f"the KV handle has block_size {kv.block_size}; this worker uses {block_size}",
+                "kv",
+            )
+        return RemoteKV(
+            transfer_id=kv.lease_id,
+            num_tokens=kv.num_tokens,
+            block_ids=tuple(kv.block_ids),
+            source=PeerRef(engine_id=kv.engine_id, endpoint=kv.endpoint),
+        )
+
+    @grpc_stream_errors
+    async def Generate(
+        self, request: pb.GenerateRequest, context
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        async_engine = self.runtime.check_accepting()
+        params = sampling_from_proto(request.sampling)
+        salt = request.cache_salt if request.HasField("cache_salt") else None
+        remote_kv = self._remote_kv(request)
+        self.num_active += 1
+        try:
+            async for output in async_engine.generate(
+                request.request_id,
+                list(request.prompt_token_ids),
+                params,
+                cache_salt=salt,
+                remote_kv=remote_kv,
+                output_token_ids=list(request.output_token_ids),
+            ):
+                if output.error:
+                    raise RequestFailedError(output.error)
+                completion = output.outputs[0]
+                reply = pb.GenerateResponse(token_ids=output.new_token_ids)
+                if completion.logprobs and output.new_token_ids:
+                    new = completion.logprobs[-len(output.new_token_ids) :]
+                    reply.logprobs.extend(logprobs_to_proto(lp) for lp in new)
+                if output.finished:
+                    reply.finish_reason = completion.finish_reason or ""
+                    reply.usage.CopyFrom(usage_to_proto(output))
+                    reply.timings.CopyFrom(timings_to_proto(output.times))
+                    reply.num_blocks_pulled = output.num_remote_blocks_pulled
+                    self.num_blocks_pulled += output.num_remote_blocks_pulled
+                    self.runtime.timer.add(reply.timings)
+                yield reply
+        finally:
+            self.num_active -= 1
+
+    @grpc_errors
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        found = await self.runtime.check_ready().abort(request.request_id)
+        return pb.AbortResponse(found=found)
+
+    @grpc_errors
+    async def GetTransferMetadata(self, request, context) -> pb.TransferMetadataResponse:
+        self.runtime.check_ready()
+        return pb.TransferMetadataResponse(
+            connector=self.runtime.config.kv_transfer.connector, metadata=self.runtime.metadata
+        )
+
+    @grpc_errors
+    async def Stats(self, request, context) -> pb.StatsResponse:
+        runtime = self.runtime
+        if runtime.async_engine is None:
+            return pb.StatsResponse(engine_id=runtime.engine_id, role="decode")
+        return stats_reply(
+            runtime.engine_id,
+            "decode",
+            runtime.async_engine.stats,
+            runtime.timer,
+            runtime.draining,
+            blocks_pulled=self.num_blocks_pulled,
+        )

@@ -1,0 +1,144 @@
+"""PrefillService: compute a prompt's KV and first token, then hold the KV under a lease.
+
+A thin translator: proto → engine call → proto. Everything that touches the engine or the
+connector runs on the engine thread (``AsyncEngine.call`` / hooks).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from common.hashing import transfer_block_hashes
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from prefill_service.leases import LeaseTable
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from worker.convert import logprobs_to_proto, sampling_from_proto, timings_to_proto
+from worker.grpc_errors import RequestFailedError, grpc_errors
+from worker.runtime import WorkerRuntime
+from worker.stats import stats_reply
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillServicer(pb_grpc.PrefillServiceServicer):
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self.runtime = runtime
+        self.leases = LeaseTable(runtime.config.kv_transfer.lease_s)
+        self.num_active = 0
+
+    def in_flight(self) -> int:
+        """Prefills running plus leases a decode worker may still pull."""
+        return self.num_active + len(self.leases)
+
+    def engine_hook(self) -> None:
+        """Engine thread, every loop turn: end the leases whose pulls finished or expired."""
+        runtime = self.runtime
+        engine = runtime.async_engine.engine
+        for lease_id in runtime.connector.poll_finished_exports():
+            lease = self.leases.release(lease_id)
+            if lease is not None:
+                engine.release_kv(lease.request_id)
+        for lease in self.leases.pop_expired():
+            logger.info("lease %s of %s expired unpulled", lease.lease_id, lease.request_id)
+            runtime.connector.release_export(lease.lease_id)
+            engine.release_kv(lease.request_id)
+
+    @grpc_errors
+    async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
+        async_engine = self.runtime.check_accepting()
+        params = sampling_from_proto(request.sampling)
+        salt = request.cache_salt if request.HasField("cache_salt") else None
+        self.num_active += 1
+        try:
+            final: RequestOutput | None = None
+            async for output in async_engine.generate(
+                request.request_id,
+                list(request.token_ids),
+                params,
+                cache_salt=salt,
+                prefill_only=True,
+            ):
+                final = output
+            assert final is not None and final.finished
+            if final.error:
+                raise RequestFailedError(final.error)
+            completion = final.outputs[0]
+            if completion.finish_reason == "abort":
+                await context.abort(grpc.StatusCode.CANCELLED, "request aborted")
+            reply = pb.PrefillResponse(
+                first_token_id=completion.token_ids[0],
+                finish_reason=completion.finish_reason or "",
+                num_cached_tokens=final.num_cached_tokens,
+                timings=timings_to_proto(final.times),
+            )
+            if completion.logprobs:
+                reply.first_logprobs.CopyFrom(logprobs_to_proto(completion.logprobs[0]))
+            if final.kv_block_ids is not None:
+                reply.kv.CopyFrom(await async_engine.call(lambda e: self._export(e, final, salt)))
+            self.runtime.timer.add(reply.timings)
+            return reply
+        finally:
+            self.num_active -= 1
+
+    def _export(self, engine: LLMEngine, output: RequestOutput, salt: str | None) -> pb.KVHandle:
+        """Engine thread: put the prompt's blocks under a lease and offer them to peers."""
+        runtime = self.runtime
+        lease = self.leases.grant(output.request_id)
+        block_ids = output.kv_block_ids or []
+        names = transfer_block_hashes(output.prompt_token_ids, engine.config.block_size, salt)
+        runtime.connector.export_blocks(lease.lease_id, block_ids, names)
+        return pb.KVHandle(
+            engine_id=runtime.engine_id,
+            endpoint=runtime.address,
+            connector=runtime.config.kv_transfer.connector,
+            block_ids=block_ids,
+            num_tokens=len(output.prompt_token_ids),
+            lease_id=lease.lease_id,
+            block_size=engine.config.block_size,
+            block_hashes=names,
+            lease_expires_at=lease.expires_at_unix,
+        )
+
+    @grpc_errors
+    async def ReleaseKV(self, request: pb.ReleaseKVRequest, context) -> pb.ReleaseKVResponse:
+        def release(engine: LLMEngine) -> bool:
+            lease = self.leases.release(request.lease_id)
+            if lease is None:
+                return False
+            self.runtime.connector.release_export(lease.lease_id)
+            return engine.release_kv(lease.request_id)
+
+        released = await self.runtime.check_ready().call(release)
+        return pb.ReleaseKVResponse(released=released)
+
+    @grpc_errors
+    async def GetTransferMetadata(self, request, context) -> pb.TransferMetadataResponse:
+        self.runtime.check_ready()
+        return pb.TransferMetadataResponse(
+            connector=self.runtime.config.kv_transfer.connector, metadata=self.runtime.metadata
+        )
+
+    @grpc_errors
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        found = await self.runtime.check_ready().abort(request.request_id)
+        return pb.AbortResponse(found=found)
+
+    @grpc_errors
+    async def Stats(self, request, context) -> pb.StatsResponse:
+        runtime = self.runtime
+        if runtime.async_engine is None:
+            return pb.StatsResponse(engine_id=runtime.engine_id, role="prefill")
+        return stats_reply(
+            runtime.engine_id,
+            "prefill",
+            runtime.async_engine.stats,
+            runtime.timer,
+            runtime.draining,
+            live_leases=len(self.leases),
+            leases_expired=self.leases.num_expired,
+            leases_released=self.leases.num_released,
+        )

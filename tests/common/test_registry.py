@@ -1,0 +1,67 @@
+"""Worker registry: static from the config, and Redis with TTL (a real redis-server)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from common.config import Role
+from common.config_loader import load_config
+from common.registry import (
+    RedisRegistry,
+    RegistryError,
+    StaticRegistry,
+    WorkerInfo,
+    create_registry,
+)
+from tests.common.redis_server import free_port, redis_server
+
+
+def info(name: str, role: Role = Role.PREFILL) -> WorkerInfo:
+    return WorkerInfo(
+        worker_id=name,
+        role=role,
+        grpc_address="127.0.0.1:1",
+        events_endpoint="tcp://127.0.0.1:2",
+        replay_endpoint="tcp://127.0.0.1:3",
+        engine_id="e-1",
+        kv_blocks_total=100,
+        block_size=16,
+        draining=False,
+    )
+
+
+def test_static_registry_lists_the_configured_layout():
+    config = load_config(None, ["prefill.replicas=2", "decode.replicas=3"])
+    registry = create_registry(config)
+    assert isinstance(registry, StaticRegistry)
+    prefill = registry.list_workers(Role.PREFILL)
+    assert [w.grpc_address for w in prefill] == ["127.0.0.1:50100", "127.0.0.1:50110"]
+    assert len(registry.list_workers(Role.DECODE)) == 3
+    assert prefill[1].events_endpoint == "tcp://127.0.0.1:50111"
+
+
+def test_redis_entries_expire_without_heartbeat(tmp_path):
+    with redis_server(tmp_path) as url:
+        registry = RedisRegistry(url, ttl_s=0.5, prefix="t")
+        a, b = info("prefill-a"), info("decode-b", Role.DECODE)
+        registry.register(a)
+        registry.register(b)
+        assert registry.list_workers() == [b, a]
+        assert registry.list_workers(Role.DECODE) == [b]
+        for _ in range(4):  # b keeps beating, a does not
+            time.sleep(0.2)
+            registry.heartbeat(b)
+        assert [w.worker_id for w in registry.list_workers()] == ["decode-b"]
+        registry.heartbeat(a)  # a comes back: its entry is re-created
+        assert len(registry.list_workers()) == 2
+        registry.deregister("decode-b")
+        assert [w.worker_id for w in registry.list_workers()] == ["prefill-a"]
+        registry.close()
+
+
+def test_unreachable_redis_is_a_clear_error():
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    with pytest.raises(RegistryError, match="cannot reach the Redis registry"):
+        RedisRegistry(url, ttl_s=1)

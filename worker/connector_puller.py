@@ -1,0 +1,50 @@
+"""Adapts a ``kv_transfer.KVConnector`` to the engine's ``KVPuller`` seam.
+
+The engine names pulls by request id, connectors by transfer id (the prefill worker's
+lease id); this keeps the mapping. Called only from the engine thread.
+"""
+
+from __future__ import annotations
+
+from common.hashing import BlockHash
+from engine.request import RemoteKV
+from kv_transfer import KVConnector, PeerRef
+
+
+class ConnectorPuller:
+    def __init__(self, connector: KVConnector) -> None:
+        self.connector = connector
+        self._request_of: dict[str, str] = {}  # transfer id → request id
+        self._refused: dict[str, str] = {}  # request id → why start_fetch refused it
+        self.num_blocks_pulled = 0
+
+    def start_fetch(
+        self,
+        request_id: str,
+        remote: RemoteKV,
+        remote_block_ids: list[int],
+        local_block_ids: list[int],
+        block_hashes: list[BlockHash],
+    ) -> None:
+        assert isinstance(remote.source, PeerRef)
+        try:
+            self.connector.start_fetch(
+                remote.transfer_id, remote.source, remote_block_ids, local_block_ids, block_hashes
+            )
+        except (ValueError, RuntimeError) as exc:  # refused up front: report at next poll
+            self._refused[request_id] = f"{type(exc).__name__}: {exc}"
+            return
+        self._request_of[remote.transfer_id] = request_id
+        self.num_blocks_pulled += len(remote_block_ids)
+
+    def poll_fetches(self) -> tuple[list[str], dict[str, str]]:
+        results = self.connector.poll_fetches()
+        done = [self._request_of.pop(t) for t in results.done if t in self._request_of]
+        failed = {
+            self._request_of.pop(t): f"{type(e).__name__}: {e}"
+            for t, e in results.failed.items()
+            if t in self._request_of
+        }
+        failed.update(self._refused)
+        self._refused.clear()
+        return done, failed

@@ -1,0 +1,85 @@
+"""proto ↔ engine types, at the service boundary and nowhere else."""
+
+from __future__ import annotations
+
+from engine.outputs import RequestOutput
+from engine.request import RequestTimes, TokenLogprobs
+from engine.sampling_params import SamplingParams
+from proto import pdserve_pb2 as pb
+
+
+def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    """Raises ``InvalidSamplingParamsError`` for out-of-range values."""
+    return SamplingParams(
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
+        min_tokens=msg.min_tokens,
+        temperature=msg.temperature,
+        top_p=msg.top_p or 1.0,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+    )
+
+
+def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        min_tokens=params.min_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+    )
+    if params.max_tokens is not None:
+        msg.max_tokens = params.max_tokens
+    if params.seed is not None:
+        msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
+    return msg
+
+
+def logprobs_to_proto(lp: TokenLogprobs) -> pb.TokenLogprobs:
+    return pb.TokenLogprobs(
+        token_id=lp.token_id,
+        logprob=lp.logprob,
+        rank=lp.rank,
+        top_token_ids=list(lp.top_token_ids),
+        top_logprobs=list(lp.top_logprobs),
+    )
+
+
+def logprobs_from_proto(msg: pb.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(
+        token_id=msg.token_id,
+        logprob=msg.logprob,
+        rank=msg.rank,
+        top_token_ids=tuple(msg.top_token_ids),
+        top_logprobs=tuple(msg.top_logprobs),
+    )
+
+
+def _ms(start: float | None, end: float | None) -> float:
+    return (end - start) * 1000.0 if start is not None and end is not None else 0.0
+
+
+def timings_to_proto(times: RequestTimes | None) -> pb.StageTimings:
+    if times is None:
+        return pb.StageTimings()
+    decode_start = times.fetch_finished or times.first_token
+    return pb.StageTimings(
+        queue_ms=_ms(times.arrival, times.first_scheduled or times.fetch_started),
+        prefill_ms=_ms(times.first_scheduled, times.first_token),
+        transfer_ms=_ms(times.fetch_started, times.fetch_finished),
+        decode_ms=_ms(decode_start, times.finished),
+    )
+
+
+def usage_to_proto(output: RequestOutput) -> pb.Usage:
+    return pb.Usage(
+        prompt_tokens=len(output.prompt_token_ids),
+        completion_tokens=len(output.outputs[0].token_ids),
+        cached_tokens=output.num_cached_tokens,
+    )

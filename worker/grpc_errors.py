@@ -1,0 +1,70 @@
+"""The one place where worker exceptions become gRPC status codes."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from engine.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+
+class DrainingError(RuntimeError):
+    """The worker is shutting down and takes no new requests."""
+
+
+class RequestFailedError(RuntimeError):
+    """The request was admitted but could not be completed (e.g. its KV pull failed under
+    failure_policy=fail)."""
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT, exc.message
+    if isinstance(exc, DrainingError):
+        return grpc.StatusCode.UNAVAILABLE, f"worker is draining: {exc}"
+    if isinstance(exc, RequestFailedError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+def grpc_errors(method: Callable) -> Callable:
+    """Decorate an async unary servicer method: map exceptions to status codes."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except (grpc.aio.AbortError, grpc.RpcError):
+            raise
+        except Exception as exc:
+            code, message = status_for(exc)
+            if code is grpc.StatusCode.INTERNAL:
+                logger.exception("%s failed", method.__name__)
+            await context.abort(code, message)
+
+    return wrapper
+
+
+def grpc_stream_errors(method: Callable) -> Callable:
+    """Decorate an async server-streaming servicer method the same way."""
+
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            async for item in method(self, request, context):
+                yield item
+        except (grpc.aio.AbortError, grpc.RpcError):
+            raise
+        except Exception as exc:
+            code, message = status_for(exc)
+            if code is grpc.StatusCode.INTERNAL:
+                logger.exception("%s failed", method.__name__)
+            await context.abort(code, message)
+
+    return wrapper

@@ -1,0 +1,271 @@
+"""One worker process: the engine on its thread, its connector, KV events, registry entry,
+gRPC server with health, and graceful drain. Both roles run this; they differ only in the
+servicer they add and in which half of the connector they use.
+
+Lifecycle:
+
+    start():  gRPC server up (health NOT_SERVING) → model + KV cache loaded (in a thread,
+              health keeps answering) → connector registered → engine thread started →
+              SERVING → registered in the registry, heartbeat running
+    drain():  NOT_SERVING + registry entry marked draining → new requests get UNAVAILABLE
+              → wait (at most drain_grace_s) for in-flight work → deregister → stop
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from common.config import FailurePolicy, PdserveConfig, Role
+from common.event_bus import KVEventPublisher
+from common.registry import Registry, WorkerInfo, create_registry, worker_id
+from engine.async_engine import AsyncEngine
+from engine.kv_events import KVEventCollector
+from engine.llm_engine import LLMEngine
+from kv_transfer import KVConnector, KVTransferConfig, create_connector
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from worker.connector_puller import ConnectorPuller
+from worker.grpc_errors import DrainingError
+from worker.stats import StageTimer
+
+logger = logging.getLogger(__name__)
+
+_EVENT_HEARTBEAT_S = 1.0
+
+
+class PeerMetadataClient:
+    """``fetch_peer_metadata(endpoint)`` for connectors: GetTransferMetadata over gRPC.
+    Called from connector threads; channels are cached per endpoint."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._stubs: dict[str, pb_grpc.PrefillServiceStub] = {}
+        self._channels: list[grpc.Channel] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, endpoint: str) -> bytes:
+        with self._lock:
+            stub = self._stubs.get(endpoint)
+            if stub is None:
+                channel = grpc.insecure_channel(endpoint)
+                self._channels.append(channel)
+                stub = self._stubs[endpoint] = pb_grpc.PrefillServiceStub(channel)
+        reply = stub.GetTransferMetadata(pb.TransferMetadataRequest(), timeout=self.timeout_s)
+        return reply.metadata
+
+    def close(self) -> None:
+        with self._lock:
+            for channel in self._channels:
+                channel.close()
+            self._channels.clear()
+            self._stubs.clear()
+
+
+def model_namespace(model_dir: Path) -> str:
+    """A directory-safe name per model, so shared-storage files of different models with
+    equal token prefixes never mix."""
+    digest = hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()[:12]
+    return f"{model_dir.name}-{digest}"
+
+
+class WorkerRuntime:
+    def __init__(self, config: PdserveConfig, role: Role, index: int) -> None:
+        self.config = config
+        self.role = role
+        self.index = index
+        section = config.role(role)
+        if not 0 <= index < max(section.replicas, 1):
+            raise ValueError(f"{role}.replicas is {section.replicas}: no replica {index}")
+        self.host = section.host
+        self.ports = section.ports(index)
+        self.engine_id = f"{role.value}-{index}-{uuid.uuid4().hex[:8]}"
+        self.worker_id = worker_id(role, self.host, self.ports.grpc)
+        self.address = f"{self.host}:{self.ports.grpc}"
+        self.ready = False
+        self.draining = False
+        self.timer = StageTimer()
+        self.async_engine: AsyncEngine | None = None
+        self.connector: KVConnector | None = None
+        self.publisher: KVEventPublisher | None = None
+        self.registry: Registry | None = None
+        self.server: grpc.aio.Server | None = None
+        self.health = health.aio.HealthServicer()
+        self.metadata: bytes = b""
+        self._metadata_client = PeerMetadataClient(config.kv_transfer.timeout_s)
+        self._heartbeat_task: asyncio.Task | None = None
+        self._stopped = asyncio.Event()
+
+    # ------------------------------------------------------------------ start
+
+    async def start(self, add_servicer: Callable[[grpc.aio.Server], None]) -> None:
+        # The registry first: an unreachable Redis fails the start before the model loads.
+        self.registry = await asyncio.to_thread(create_registry, self.config)
+        self.server = grpc.aio.server()
+        add_servicer(self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        bound = self.server.add_insecure_port(self.address)
+        if bound == 0:
+            raise RuntimeError(f"cannot listen on {self.address}: port in use?")
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+        logger.info("%s listening on %s, loading the model", self.worker_id, self.address)
+        await asyncio.get_running_loop().run_in_executor(None, self._build_engine)
+        await asyncio.to_thread(self.registry.register, self.info())
+        self._heartbeat_task = asyncio.create_task(self._heartbeat())
+        self.ready = True
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        logger.info("%s ready (engine %s)", self.worker_id, self.engine_id)
+
+    def _build_engine(self) -> None:
+        from engine.models.maker import ensure_model
+
+        model_dir = Path(self.config.model) if self.config.model else ensure_model()
+        transfer = self.config.kv_transfer
+        connector_config = KVTransferConfig(
+            connector=transfer.connector,
+            host=self.host,
+            port=self.ports.kv_transfer,
+            store_port=self.ports.kv_store,
+            timeout_s=transfer.timeout_s,
+            shared_dir=transfer.shared_dir,
+            shared_namespace=model_namespace(model_dir),
+        )
+        self.connector = create_connector(connector_config, self.engine_id, self._metadata_client)
+        puller = ConnectorPuller(self.connector) if self.role is Role.DECODE else None
+        collector = KVEventCollector()
+        engine = LLMEngine(
+            model_dir,
+            self.config.engine_for(self.role),
+            observers=[collector],
+            kv_puller=puller,
+            recompute_on_pull_failure=transfer.failure_policy is FailurePolicy.RECOMPUTE,
+        )
+        self.connector.register_kv_caches(engine.runner.kv_caches)
+        self.metadata = self.connector.metadata()
+        self.model_dir = model_dir
+        self.puller = puller
+        self.publisher = KVEventPublisher(self.host, self.ports.events, self.ports.replay)
+        self.async_engine = AsyncEngine(engine)
+        self.async_engine.hooks.append(self._events_hook(collector))
+        self.async_engine.start()
+
+    def _events_hook(self, collector: KVEventCollector) -> Callable[[], None]:
+        publisher = self.publisher
+        assert publisher is not None
+        last_beat = [0.0]
+
+        def publish() -> None:
+            publisher.publish(collector.drain())
+            publisher.serve_replay()
+            now = time.monotonic()
+            if now - last_beat[0] >= _EVENT_HEARTBEAT_S:
+                publisher.heartbeat()
+                last_beat[0] = now
+
+        return publish
+
+    def info(self) -> WorkerInfo:
+        engine = self.async_engine.engine if self.async_engine else None
+        return WorkerInfo(
+            worker_id=self.worker_id,
+            role=self.role,
+            grpc_address=self.address,
+            events_endpoint=f"tcp://{self.host}:{self.ports.events}",
+            replay_endpoint=f"tcp://{self.host}:{self.ports.replay}",
+            model=self.config.model or "demo",
+            engine_id=self.engine_id,
+            kv_blocks_total=engine.runner.num_blocks if engine else 0,
+            block_size=self.config.engine_for(self.role).block_size,
+            connector=self.config.kv_transfer.connector,
+            draining=self.draining,
+        )
+
+    async def _heartbeat(self) -> None:
+        interval = self.config.registry.heartbeat_s
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await asyncio.to_thread(self.registry.heartbeat, self.info())
+            except Exception as exc:  # a registry outage must not kill the worker
+                logger.warning("registry heartbeat failed: %s", exc)
+
+    async def _set_health(self, status: int) -> None:
+        for service in ("", self._service_name()):
+            await self.health.set(service, status)
+
+    def _service_name(self) -> str:
+        return f"pdserve.v1.{'Prefill' if self.role is Role.PREFILL else 'Decode'}Service"
+
+    # ------------------------------------------------------------------ requests
+
+    def check_ready(self) -> AsyncEngine:
+        """The engine, once started (draining included: in-flight work still needs it)."""
+        if not self.ready or self.async_engine is None:
+            raise DrainingError(f"{self.worker_id} is still starting")
+        return self.async_engine
+
+    def check_accepting(self) -> AsyncEngine:
+        """The engine, if this worker takes new requests; raises ``DrainingError`` else."""
+        if self.draining:
+            raise DrainingError(self.worker_id)
+        return self.check_ready()
+
+    # ------------------------------------------------------------------ stop
+
+    async def drain(self, in_flight: Callable[[], int]) -> None:
+        """Stop taking work, let in-flight work finish (bounded by the grace period), and
+        shut down."""
+        if self.draining:
+            return
+        self.draining = True
+        grace_s = self.config.role(self.role).drain_grace_s
+        logger.info("%s draining (grace %.0fs)", self.worker_id, grace_s)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.registry is not None:
+            try:
+                await asyncio.to_thread(self.registry.register, self.info())
+            except Exception as exc:
+                logger.warning("could not mark the registry entry draining: %s", exc)
+        deadline = time.monotonic() + grace_s
+        while in_flight() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if in_flight():
+            logger.warning(
+                "%s: %d requests still in flight after the grace period",
+                self.worker_id,
+                in_flight(),
+            )
+        await self.stop()
+
+    async def stop(self) -> None:
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+        if self.registry is not None:
+            try:
+                await asyncio.to_thread(self.registry.deregister, self.worker_id)
+            except Exception as exc:
+                logger.warning("could not deregister: %s", exc)
+            self.registry.close()
+        if self.server is not None:
+            await self.server.stop(grace=1.0)
+        if self.async_engine is not None:
+            self.async_engine.stop()
+        if self.connector is not None:
+            self.connector.close()
+        if self.publisher is not None:
+            self.publisher.close()
+        self._metadata_client.close()
+        self._stopped.set()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()

@@ -1,0 +1,64 @@
+"""Per-stage timing averages and the Stats reply both roles serve."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.async_engine import EngineStats
+from proto import pdserve_pb2 as pb
+
+
+@dataclass(slots=True)
+class StageTimer:
+    """Running sums of per-request stage times (ms); read for means in Stats."""
+
+    count: int = 0
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    transfer_ms: float = 0.0
+    decode_ms: float = 0.0
+
+    def add(self, timings: pb.StageTimings) -> None:
+        self.count += 1
+        self.queue_ms += timings.queue_ms
+        self.prefill_ms += timings.prefill_ms
+        self.transfer_ms += timings.transfer_ms
+        self.decode_ms += timings.decode_ms
+
+    def means(self) -> pb.StageTimings:
+        n = max(self.count, 1)
+        return pb.StageTimings(
+            queue_ms=self.queue_ms / n,
+            prefill_ms=self.prefill_ms / n,
+            transfer_ms=self.transfer_ms / n,
+            decode_ms=self.decode_ms / n,
+        )
+
+
+def stats_reply(
+    engine_id: str,
+    role: str,
+    stats: EngineStats,
+    timer: StageTimer,
+    draining: bool,
+    **extra: int,
+) -> pb.StatsResponse:
+    return pb.StatsResponse(
+        engine_id=engine_id,
+        role=role,
+        queued_prefill_tokens=stats.queued_prefill_tokens,
+        num_running=stats.num_running,
+        num_waiting=stats.num_waiting + stats.num_fetching,
+        kv_blocks_used=stats.kv_blocks_used,
+        kv_blocks_free=stats.kv_blocks_free,
+        kv_blocks_total=stats.kv_blocks_total,
+        prefill_tokens_per_s=stats.prefill_tokens_per_s,
+        prefix_query_tokens=stats.prefix_query_tokens,
+        prefix_hit_tokens=stats.prefix_hit_tokens,
+        blocks_reused_locally=stats.num_blocks_reused_for_remote,
+        transfer_failures=stats.num_pull_failures,
+        requests_finished=timer.count,
+        mean_timings=timer.means(),
+        draining=draining,
+        **extra,
+    )
