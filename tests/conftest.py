@@ -8,6 +8,16 @@ from pathlib import Path
 import pytest
 
 # Tests never touch the user's cache: the demo model and other state go under the run's tmp.
+# Triton picks interpret-or-compile when a kernel module is imported: without CUDA, every
+# test (whoever imports kernels first) runs them in the interpreter.
+try:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    pass
+
 _TMP = Path(os.environ.get("TMPDIR", "/tmp"))
 os.environ.setdefault("PDSERVE_HOME", str(_TMP / "pdserve-test-home"))
 

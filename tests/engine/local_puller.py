@@ -27,7 +27,7 @@ class LocalPuller:
         remote: RemoteKV,
         remote_block_ids: list[int],
         local_block_ids: list[int],
-        block_hashes: list[BlockHash | None],
+        block_hashes: list[BlockHash],
     ) -> None:
         assert len(remote_block_ids) == len(local_block_ids) == len(block_hashes)
         self.pending.append((request_id, remote, remote_block_ids, local_block_ids))

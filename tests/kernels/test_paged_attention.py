@@ -1,0 +1,221 @@
+"""The Triton paged-attention kernel against ``kernels.reference`` (fp32 oracle).
+
+On CPU the kernels run in Triton's interpreter, so shapes stay small; the ``gpu`` tests add
+long contexts and production head counts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.attention_config import LaunchConfig
+from kernels.paged_attention import decode_attention, paged_attention
+from tests.kernels.paged_batch import TOLERANCES, PagedBatch, make_batch, poisoned_out
+from tests.kernels.triton_env import DEVICE
+
+
+def mixed_segments(block_size: int) -> list[tuple[int, int]]:
+    """Decodes first (a first token, mid-block, block-aligned), then prompt chunks: a fresh
+    prompt with a partial last block, a chunk on a cached prefix that ends mid-block, a
+    one-token chunk in the prefill launch, and a segment with no query rows."""
+    return [
+        (1, 1),
+        (1, 37),
+        (1, 2 * block_size),
+        (block_size + 3, block_size + 3),
+        (7, 2 * block_size + 11),
+        (1, 20),
+        (0, 9),
+    ]
+
+
+def run(batch: PagedBatch, num_decodes: int, sliding_window: int | None = None, **kw):
+    out = poisoned_out(batch)
+    paged_attention(
+        batch.query,
+        batch.kv_cache,
+        batch.query_start_loc,
+        batch.seq_lens,
+        batch.block_table,
+        batch.scale,
+        sliding_window,
+        num_decodes=num_decodes,
+        out=out,
+        **kw,
+    )
+    return out
+
+
+def check(out: torch.Tensor, batch: PagedBatch, sliding_window: int | None = None) -> None:
+    assert not out.isnan().any(), "a row was not written (or a poisoned slot was read)"
+    expected = batch.expected(sliding_window)
+    torch.testing.assert_close(out.float(), expected, **TOLERANCES[batch.query.dtype])
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_mixed_batch_matches_reference(block_size, group):
+    batch = make_batch(
+        mixed_segments(block_size),
+        num_q_heads=2 * group,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=block_size,
+        dtype=torch.float32,
+        device=DEVICE,
+        seed=block_size + group,
+    )
+    assert batch.num_decodes == 3
+    check(run(batch, num_decodes=3), batch)  # decode launch + prefill launch
+    check(run(batch, num_decodes=0), batch)  # everything in the prefill launch
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "segments"),
+    [
+        (torch.float16, 64, [(1, 40), (1, 17), (12, 30), (5, 5)]),
+        (torch.float16, 128, [(1, 40), (9, 25)]),
+        (torch.bfloat16, 64, [(1, 23), (6, 20)]),
+        (torch.bfloat16, 128, [(1, 18), (3, 19)]),
+        (torch.float32, 128, [(1, 40), (9, 25)]),
+        (torch.float32, 80, [(1, 33), (4, 21)]),  # head_dim not a power of two
+    ],
+)
+def test_dtypes_and_head_dims(dtype, head_dim, segments):
+    batch = make_batch(
+        segments,
+        num_q_heads=4,
+        num_kv_heads=1,
+        head_dim=head_dim,
+        block_size=16,
+        dtype=dtype,
+        device=DEVICE,
+    )
+    check(run(batch, num_decodes=batch.num_decodes), batch)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 4, 16])
+def test_split_kv_decode(num_splits):
+    """16 splits over at most 5 tiles: most splits are empty and must weigh nothing."""
+    batch = make_batch(
+        [(1, 1), (1, 70), (1, 150), (1, 33)],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float32,
+        device=DEVICE,
+        seed=num_splits,
+    )
+    out = run(batch, num_decodes=4, num_splits=num_splits, decode=LaunchConfig(16, 32))
+    check(out, batch)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 40])
+def test_sliding_window(window):
+    batch = make_batch(
+        [(1, 3), (1, 45), (1, 100), (30, 30), (17, 75)],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float32,
+        device=DEVICE,
+        seed=window,
+    )
+    small = {"decode": LaunchConfig(16, 16), "prefill": LaunchConfig(32, 16)}
+    check(run(batch, 3, window, num_splits=2, **small), batch, window)
+    check(run(batch, 0, window), batch, window)
+
+
+def test_small_tiles_and_rows():
+    """Tiles smaller than a block, and q blocks of two tokens (block_m 16, group 8)."""
+    batch = make_batch(
+        mixed_segments(32),
+        num_q_heads=8,
+        num_kv_heads=1,
+        head_dim=64,
+        block_size=32,
+        dtype=torch.float32,
+        device=DEVICE,
+    )
+    config = LaunchConfig(block_m=16, tile_n=16)
+    check(run(batch, 3, decode=config, prefill=config, num_splits=4), batch)
+
+
+def test_degenerate_batches():
+    heads = {"num_q_heads": 4, "num_kv_heads": 2, "head_dim": 64, "block_size": 16}
+    # No segments, no tokens.
+    empty = make_batch([], dtype=torch.float32, device=DEVICE, **heads)
+    assert run(empty, 0).shape == (0, 4, 64)
+    # Segments without query rows only.
+    idle = make_batch([(0, 5), (0, 0)], dtype=torch.float32, device=DEVICE, **heads)
+    assert run(idle, 0).shape == (0, 4, 64)
+    # A context of zero tokens gives zeros, like the reference.
+    zero = make_batch([(1, 0), (2, 0)], dtype=torch.float32, device=DEVICE, **heads)
+    out = run(zero, 1, num_splits=2)
+    assert torch.equal(out, torch.zeros_like(out))
+    torch.testing.assert_close(out, zero.expected())
+    # One single decode, one single-token prompt.
+    one = make_batch([(1, 1)], dtype=torch.float32, device=DEVICE, **heads)
+    check(run(one, 1), one)
+    check(run(one, 0), one)
+
+
+def test_decode_attention_matches_reference_decode():
+    batch = make_batch(
+        [(1, 5), (1, 64), (1, 99)],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=32,
+        dtype=torch.float32,
+        device=DEVICE,
+    )
+    # reference.decode_attention pads to the longest context: NaN padding would poison it.
+    kv_cache = batch.kv_cache.nan_to_num(0.0)
+    args = (batch.query, kv_cache, batch.seq_lens, batch.block_table, batch.scale)
+    expected = reference.decode_attention(*args, sliding_window=20)
+    torch.testing.assert_close(decode_attention(*args, sliding_window=20), expected)
+    expected = reference.decode_attention(*args)
+    torch.testing.assert_close(decode_attention(*args, max_seq_len=99, num_splits=2), expected)
+
+
+def test_bad_arguments():
+    batch = make_batch(
+        [(1, 4)], num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
+        dtype=torch.float32, device=DEVICE,
+    )  # fmt: skip
+    args = (batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens)
+    with pytest.raises(ValueError, match="KV heads"):
+        paged_attention(batch.query[:, :3], *args[1:], batch.block_table, 1.0)
+    with pytest.raises(ValueError, match="power of two"):
+        paged_attention(*args, batch.block_table, 1.0, num_decodes=1, num_splits=3)
+    with pytest.raises(ValueError, match="sliding_window"):
+        paged_attention(*args, batch.block_table, 1.0, 0)
+    with pytest.raises(ValueError, match="block_m"):
+        LaunchConfig(block_m=8, tile_n=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_long_contexts_gpu(dtype, block_size):
+    """Production shapes: 32 query heads over 8 KV heads of dim 128, 4k-token contexts,
+    a 1k-token chunk on a 3k cached prefix, decodes on the split-KV path."""
+    segments = [(1, 4099), (1, 1000), (1, 17), (1, 2048), (1024, 3000), (300, 300)]
+    batch = make_batch(
+        segments,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        block_size=block_size,
+        dtype=dtype,
+        device=DEVICE,
+    )
+    check(run(batch, num_decodes=4), batch)
+    check(run(batch, num_decodes=4, sliding_window=1000), batch, 1000)
+    check(run(batch, num_decodes=0), batch)

@@ -1,0 +1,158 @@
+"""Real worker processes for integration tests: configs on free ports, start, wait, stop."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.config import PORT_STRIDE
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port_base(span: int) -> int:
+    """A base port with ``span`` free consecutive ports after it."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000 - span, PORT_STRIDE)
+        if all(_is_free(base + i) for i in range(span)):
+            return base
+    raise RuntimeError("no free port range")
+
+
+def write_config(
+    path: Path, model: Path, num_prefill: int = 1, num_decode: int = 1, **sections: dict[str, Any]
+) -> Path:
+    """A deployment YAML with the tiny model on free ports; ``sections`` merge in."""
+    config: dict[str, Any] = {
+        "model": str(model),
+        "engine": {"kv_cache_bytes": 64 << 20, "max_model_len": 1024},
+        "prefill": {
+            "replicas": num_prefill,
+            "port": free_port_base(PORT_STRIDE * max(num_prefill, 1)),
+            "drain_grace_s": 10,
+        },
+        "decode": {
+            "replicas": num_decode,
+            "port": free_port_base(PORT_STRIDE * num_decode),
+            "drain_grace_s": 10,
+        },
+        "router": {"port": free_port_base(1)},
+        "kv_transfer": {"lease_s": 4.0, "timeout_s": 2.0},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict):
+            config.setdefault(key, {}).update(value)
+        else:
+            config[key] = value
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@dataclass
+class WorkerProcess:
+    role: str
+    index: int
+    config_path: Path
+    log_path: Path
+    overrides: list[str] = field(default_factory=list)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        config = yaml.safe_load(self.config_path.read_text())
+        for item in self.overrides:
+            key, value = item.split("=", 1)
+            if key == f"{self.role}.port":
+                config[self.role]["port"] = int(value)
+        return f"127.0.0.1:{config[self.role]['port'] + self.index * PORT_STRIDE}"
+
+    def start(self) -> WorkerProcess:
+        cmd = [
+            sys.executable,
+            "-m",
+            "deploy.cli",
+            "--log-level",
+            "INFO",
+            self.role,
+            "--config",
+            str(self.config_path),
+            "--index",
+            str(self.index),
+        ]
+        for item in self.overrides:
+            cmd += ["--set", item]
+        log = open(self.log_path, "ab")  # noqa: SIM115 (owned by the child)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        return self
+
+    def wait_ready(self, timeout: float = 90.0) -> WorkerProcess:
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.role} {self.index} exited:\n{self.log()}")
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return self
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        raise TimeoutError(f"{self.role} {self.index} not ready:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def signal(self, signum: int) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signum)
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_workers(workers: list[WorkerProcess], timeout: float = 120.0) -> list[WorkerProcess]:
+    """Start all at once (model loading overlaps), then wait for each."""
+    for worker in workers:
+        worker.start()
+    try:
+        for worker in workers:
+            worker.wait_ready(timeout)
+    except BaseException:
+        for worker in workers:
+            worker.stop(5)
+        raise
+    return workers

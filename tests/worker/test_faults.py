@@ -1,0 +1,152 @@
+"""Workers under failure: a prefill worker dies after answering, Redis registration and
+expiry after SIGKILL, an unreachable Redis, and SIGTERM drain with requests in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from common.config import Role
+from common.registry import RedisRegistry
+from engine import LLM, SamplingParams
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from tests.common.redis_server import free_port, redis_server
+from tests.engine.helpers import random_prompts
+from tests.support.pd_client import PDClient
+from tests.support.processes import ROOT, WorkerProcess, start_workers, write_config
+
+GREEDY = pb.SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
+
+
+def offline_tokens(model, prompts) -> list[list[int]]:
+    llm = LLM(model)
+    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_prefill_killed_after_answering(tiny_llama, tmp_path):
+    """Recompute: identical tokens from the decode worker alone. Fail: a clear error, and
+    nothing held on the decode worker either way."""
+    config = write_config(tmp_path / "c.yaml", tiny_llama, num_decode=2)
+    prefill = WorkerProcess("prefill", 0, config, tmp_path / "p.log")
+    recompute = WorkerProcess("decode", 0, config, tmp_path / "d0.log")
+    fail = WorkerProcess(
+        "decode", 1, config, tmp_path / "d1.log", ["kv_transfer.failure_policy=fail"]
+    )
+    start_workers([prefill, recompute, fail])
+    prompts = random_prompts((45, 70), seed=61)
+    expected = offline_tokens(tiny_llama, prompts)
+
+    async def body():
+        prefill_stub = pb_grpc.PrefillServiceStub(grpc.aio.insecure_channel(prefill.address))
+        firsts = [
+            await prefill_stub.Prefill(
+                pb.PrefillRequest(request_id=f"k{i}", token_ids=p, sampling=GREEDY), timeout=30
+            )
+            for i, p in enumerate(prompts)
+        ]
+        prefill.proc.kill()
+        prefill.proc.wait()
+        results = []
+        for worker, prompt, first in zip((recompute, fail), prompts, firsts, strict=True):
+            channel = grpc.aio.insecure_channel(worker.address)
+            decode = pb_grpc.DecodeServiceStub(channel)
+            request = pb.GenerateRequest(
+                request_id="after-kill",
+                prompt_token_ids=prompt,
+                output_token_ids=[first.first_token_id],
+                sampling=GREEDY,
+                kv=first.kv,
+            )
+            tokens = [first.first_token_id]
+            try:
+                async for chunk in decode.Generate(request, timeout=30):
+                    tokens.extend(chunk.token_ids)
+                results.append(tokens)
+            except grpc.aio.AioRpcError as exc:
+                results.append(exc)
+            stats = await decode.Stats(pb.StatsRequest(), timeout=5)
+            assert stats.kv_blocks_used == 0 and stats.num_running + stats.num_waiting == 0
+            assert stats.transfer_failures == 1
+            await channel.close()
+        return results
+
+    try:
+        recomputed, failed = asyncio.run(body())
+        assert recomputed == expected[0]
+        assert isinstance(failed, grpc.aio.AioRpcError)
+        assert failed.code() == grpc.StatusCode.UNAVAILABLE
+        assert "pulling the prompt's KV" in failed.details()
+    finally:
+        codes = [w.stop() for w in (recompute, fail)]
+    assert codes == [0, 0]
+
+
+def test_redis_registration_expiry_and_drain(tiny_llama, tmp_path):
+    """Workers register in a real redis-server; a SIGKILLed one vanishes after the TTL; a
+    SIGTERMed one finishes its stream, refuses new work, deregisters and exits 0."""
+    with redis_server(tmp_path) as url:
+        registry_section = {"redis_url": url, "ttl_s": 2.0, "heartbeat_s": 0.5}
+        config = write_config(tmp_path / "c.yaml", tiny_llama, registry=registry_section)
+        prefill = WorkerProcess("prefill", 0, config, tmp_path / "p.log")
+        decode = WorkerProcess("decode", 0, config, tmp_path / "d.log")
+        start_workers([prefill, decode])
+        registry = RedisRegistry(url, ttl_s=2.0)
+        try:
+            listed = {w.role: w for w in registry.list_workers()}
+            assert listed[Role.PREFILL].grpc_address == prefill.address
+            assert listed[Role.DECODE].kv_blocks_total > 0 and not listed[Role.DECODE].draining
+
+            # Drain: a long stream in flight survives SIGTERM; new requests are refused.
+            prompt = random_prompts((30,), seed=71)[0]
+            long = pb.SamplingParams(max_tokens=150, min_tokens=150, temperature=0)
+
+            async def drain_under_load():
+                client = PDClient(prefill.address, decode.address)
+                stream = asyncio.create_task(client.generate("long", prompt, long))
+                await asyncio.sleep(0.5)
+                decode.signal(signal.SIGTERM)
+                await asyncio.sleep(0.3)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await client.generate("late", prompt, GREEDY)
+                result = await stream
+                await client.close()
+                return result, refused.value
+
+            result, refused = asyncio.run(drain_under_load())
+            assert len(result.token_ids) == 150 and result.finish_reason == "length"
+            assert refused.code() == grpc.StatusCode.UNAVAILABLE
+            assert decode.proc.wait(30) == 0
+            assert [w.role for w in registry.list_workers()] == [Role.PREFILL]
+
+            # SIGKILL: no deregistration, the entry expires with its TTL.
+            prefill.proc.kill()
+            prefill.proc.wait()
+            assert registry.list_workers()
+            time.sleep(2.5)
+            assert registry.list_workers() == []
+        finally:
+            for worker in (prefill, decode):
+                worker.stop(5)
+            registry.close()
+
+
+def test_unreachable_redis_fails_fast_with_a_clear_error(tiny_llama, tmp_path):
+    registry_section = {"redis_url": f"redis://127.0.0.1:{free_port()}/0"}
+    config = write_config(tmp_path / "c.yaml", tiny_llama, registry=registry_section)
+    result = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "prefill", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert result.returncode == 2
+    assert "cannot reach the Redis registry" in result.stderr

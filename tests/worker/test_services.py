@@ -1,0 +1,229 @@
+"""Prefill and decode workers as real processes, for each connector: same tokens as the
+offline engine, prefix reuse, aborts, lease expiry and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from engine import LLM, SamplingParams
+from proto import pdserve_pb2 as pb
+from tests.engine.helpers import random_prompts
+from tests.support.pd_client import PDClient
+from tests.support.processes import WorkerProcess, start_workers, write_config
+
+CONNECTORS = ["nixl", "nccl", "shared_storage"]
+GREEDY = pb.SamplingParams(max_tokens=16, min_tokens=16, temperature=0)
+LENGTHS = (3, 9, 16, 17, 30, 33, 48, 50, 64, 65, 70, 90, 100, 128, 129, 150)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama) -> list[list[int]]:
+    llm = LLM(tiny_llama)
+    params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0)
+    outputs = llm.generate(random_prompts(LENGTHS, seed=21), params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module", params=CONNECTORS)
+def stack(request, tiny_llama, tmp_path_factory):
+    connector = request.param
+    tmp = tmp_path_factory.mktemp(f"stack-{connector}")
+    transfer = {"connector": connector}
+    if connector == "shared_storage":
+        transfer["shared_dir"] = str(tmp / "shared")
+    config = write_config(tmp / "config.yaml", tiny_llama, kv_transfer=transfer)
+    workers = start_workers(
+        [
+            WorkerProcess("prefill", 0, config, tmp / "prefill.log"),
+            WorkerProcess("decode", 0, config, tmp / "decode.log"),
+        ]
+    )
+    yield workers
+    codes = [worker.stop() for worker in workers]
+    assert codes == [0, 0], "\n".join(w.log() for w in workers)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def with_client(stack, body):
+    client = PDClient(stack[0].address, stack[1].address)
+    try:
+        return await body(client)
+    finally:
+        await client.close()
+
+
+async def assert_idle(client: PDClient, timeout: float = 10.0) -> None:
+    """Nothing held on either worker: no used blocks, no leases, no requests."""
+    deadline = time.monotonic() + timeout
+    while True:
+        prefill, decode = await client.stats()
+        idle = (
+            prefill.kv_blocks_used == 0
+            and decode.kv_blocks_used == 0
+            and prefill.live_leases == 0
+            and prefill.num_running + prefill.num_waiting == 0
+            and decode.num_running + decode.num_waiting == 0
+        )
+        if idle or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.1)
+    assert idle, f"still held:\nprefill {prefill}\ndecode {decode}"
+
+
+def test_disaggregated_tokens_equal_offline(stack, offline):
+    prompts = random_prompts(LENGTHS, seed=21)
+
+    async def body(client: PDClient):
+        results = await asyncio.gather(
+            *(client.generate(f"parity-{i}", p, GREEDY) for i, p in enumerate(prompts))
+        )
+        for i, result in enumerate(results):
+            assert result.token_ids == offline[i], f"prompt {i} ({len(prompts[i])} tokens)"
+            assert result.finish_reason == "length"
+            assert result.chunks[-1].usage.completion_tokens == 16
+        await assert_idle(client)
+        prefill, decode = await client.stats()
+        assert decode.blocks_pulled > 0 and prefill.leases_released >= len(prompts)
+
+    run(with_client(stack, body))
+
+
+def test_decode_reuses_its_prefix_cache(stack):
+    prefix = random_prompts((96,), seed=33)[0]
+
+    async def body(client: PDClient):
+        first = await client.generate("reuse-a", prefix + [5, 6, 7], GREEDY)
+        _, before = await client.stats()
+        second = await client.generate("reuse-b", prefix + [8, 9, 10, 11], GREEDY)
+        _, after = await client.stats()
+        # 100 tokens = 7 blocks; the first 6 (96 tokens) are cached on the decode worker.
+        assert first.chunks[-1].num_blocks_pulled == 7
+        assert second.chunks[-1].num_blocks_pulled == 1
+        assert after.blocks_pulled - before.blocks_pulled == 1
+        assert after.blocks_reused_locally - before.blocks_reused_locally == 6
+        assert second.prefill.num_cached_tokens == 96
+        await assert_idle(client)
+
+    run(with_client(stack, body))
+
+
+def test_abort_and_client_cancel_leave_nothing(stack):
+    long = pb.SamplingParams(max_tokens=400, min_tokens=400, temperature=0)
+    prompt = random_prompts((40,), seed=44)[0]
+
+    async def body(client: PDClient):
+        # Client cancellation mid-stream.
+        first = await client.prefill.Prefill(
+            pb.PrefillRequest(request_id="cancel", token_ids=prompt, sampling=long), timeout=30
+        )
+        call = client.decode.Generate(
+            pb.GenerateRequest(
+                request_id="cancel",
+                prompt_token_ids=prompt,
+                output_token_ids=[first.first_token_id],
+                sampling=long,
+                kv=first.kv,
+            )
+        )
+        received = 0
+        async for chunk in call:
+            received += len(chunk.token_ids)
+            if received >= 3:
+                break
+        call.cancel()
+        # Abort through the API mid-stream.
+        first = await client.prefill.Prefill(
+            pb.PrefillRequest(request_id="abort", token_ids=prompt, sampling=long), timeout=30
+        )
+        call = client.decode.Generate(
+            pb.GenerateRequest(
+                request_id="abort",
+                prompt_token_ids=prompt,
+                output_token_ids=[first.first_token_id],
+                sampling=long,
+                kv=first.kv,
+            )
+        )
+        reasons = []
+        async for chunk in call:
+            if len(reasons) == 0 and chunk.token_ids:
+                reply = await client.decode.Abort(pb.AbortRequest(request_id="abort"))
+                assert reply.found
+            reasons.append(chunk.finish_reason)
+        assert reasons[-1] == "abort" and len(reasons) < 400
+        await assert_idle(client)
+
+    run(with_client(stack, body))
+
+
+def test_unpulled_lease_expires(stack, request):
+    connector = request.node.callspec.params["stack"]
+
+    async def body(client: PDClient):
+        before, _ = await client.stats()
+        reply = await client.prefill.Prefill(
+            pb.PrefillRequest(
+                request_id="orphan", token_ids=random_prompts((50,), seed=55)[0], sampling=GREEDY
+            ),
+            timeout=30,
+        )
+        assert reply.kv.lease_id and len(reply.kv.block_ids) == 4
+        held, _ = await client.stats()
+        assert held.live_leases == 1 and held.kv_blocks_used == 4
+        await asyncio.sleep(4.5)  # lease_s is 4 in the test config
+        after, _ = await client.stats()
+        if connector == "shared_storage":
+            # The blocks were written to the shared directory: the export ends at once.
+            assert after.leases_released == before.leases_released + 1
+        else:
+            assert after.leases_expired == before.leases_expired + 1
+        await assert_idle(client)
+
+    run(with_client(stack, body))
+
+
+def test_bad_requests_are_invalid_argument_and_the_worker_keeps_serving(stack, offline):
+    prompt = random_prompts(LENGTHS, seed=21)[0]
+
+    async def body(client: PDClient):
+        bad = [
+            pb.PrefillRequest(request_id="e1", token_ids=[], sampling=GREEDY),
+            pb.PrefillRequest(request_id="e2", token_ids=[5] * 1025, sampling=GREEDY),
+            pb.PrefillRequest(
+                request_id="e3", token_ids=prompt, sampling=pb.SamplingParams(temperature=-1)
+            ),
+            pb.PrefillRequest(request_id="e4", token_ids=[10**6], sampling=GREEDY),
+        ]
+        for request in bad:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await client.prefill.Prefill(request, timeout=10)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        first = await client.prefill.Prefill(
+            pb.PrefillRequest(request_id="ok", token_ids=prompt, sampling=GREEDY), timeout=10
+        )
+        wrong = pb.KVHandle()
+        wrong.CopyFrom(first.kv)
+        wrong.block_size = 32
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in client.decode.Generate(
+                pb.GenerateRequest(
+                    request_id="ok", prompt_token_ids=prompt, sampling=GREEDY, kv=wrong
+                ),
+                timeout=10,
+            ):
+                pass
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "block_size" in info.value.details()
+        await client.prefill.ReleaseKV(pb.ReleaseKVRequest(lease_id=first.kv.lease_id))
+        result = await client.generate("after-errors", prompt, GREEDY)
+        assert result.token_ids == offline[0]
+        await assert_idle(client)
+
+    run(with_client(stack, body))
