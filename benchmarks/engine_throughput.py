@@ -17,13 +17,18 @@ import argparse
 import json
 import platform
 import random
+import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
-from engine import LLM, SamplingParams
+# Run as a script, this folder is first on sys.path and its kernels.py would shadow the
+# kernels package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+from engine import LLM, SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -103,6 +108,8 @@ def main() -> None:
     parser.add_argument("--latency-output-len", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tag", default=None, help="suffix of the results file")
+    parser.add_argument("--attention-backend", default="auto", help="auto, torch or triton")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -110,7 +117,12 @@ def main() -> None:
     from engine.models.maker import ensure_model
 
     model_dir = Path(args.model) if args.model else ensure_model("llama", "small")
-    llm = LLM(model_dir, max_num_seqs=max(args.num_prompts, 1))
+    llm = LLM(
+        model_dir,
+        max_num_seqs=max(args.num_prompts, 1),
+        attention_backend=args.attention_backend,
+        dtype=args.dtype,
+    )
     device = llm.engine.device
     dtype = llm.engine.dtype
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
@@ -155,6 +167,7 @@ def main() -> None:
         "machine": machine(),
         "torch": torch.__version__,
         "dtype": str(dtype),
+        "attention_backend": llm.engine.runner.backend.name,
         "model": str(model_dir.name),
         "num_params": sum(p.numel() for p in hf.parameters()),
         "num_prompts": args.num_prompts,

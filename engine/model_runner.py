@@ -81,6 +81,8 @@ class ModelRunner:
         if config.num_blocks is not None:
             num_blocks = config.num_blocks
         elif self.device.type == "cuda":
+            # Memory torch's allocator caches but does not use counts as free.
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - int(total * (1.0 - config.gpu_memory_utilization))
             num_blocks = budget // self.bytes_per_block

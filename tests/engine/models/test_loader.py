@@ -71,7 +71,7 @@ def test_parity_on_architecture_variants(variant, tiny_llama, tmp_path):
     config_cls, overrides = VARIANTS[variant]
     model_dir = write_checkpoint(tmp_path, tiny_llama, config_cls, **overrides)
     prompts = random_prompts((5, 30, 50, 71))
-    llm = LLM(model_dir)
+    llm = LLM(model_dir, dtype="float32")
     params = SamplingParams(max_tokens=24, min_tokens=24, temperature=0)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(model_dir, prompts, 24)
@@ -84,7 +84,7 @@ def test_sharded_bf16_checkpoint(tiny_llama, tmp_path):
     )
     assert (model_dir / "model.safetensors.index.json").exists()
     prompts = random_prompts((9, 64))
-    llm = LLM(model_dir)  # float32 on CPU, from bf16 weights
+    llm = LLM(model_dir, dtype="float32")  # float32 compute from bf16 weights
     outputs = llm.generate(prompts, SamplingParams(max_tokens=16, min_tokens=16, temperature=0))
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(model_dir, prompts, 16)
 
