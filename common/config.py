@@ -194,9 +194,42 @@ class OffloadConfig:
 class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
+    # Bearer keys accepted on /v1 and /tokenize; empty: no authentication.
     api_keys: list[str] = dataclasses.field(default_factory=list)
-    # Prompts whose uncached part is shorter than this are prefilled on the decode worker.
+    # The name clients pass as "model"; empty: the checkpoint directory's name ("demo" for
+    # the built-in model).
+    served_model_name: str = ""
+    # Prompts whose part not cached on the chosen decode worker is shorter than this are
+    # prefilled there (no transfer); longer ones go to a prefill worker.
     min_disagg_tokens: int = 256
+    # Placement weights. A CPU-tier hit saves this fraction of a GPU hit's prefill work.
+    cpu_hit_credit: float = 0.5
+    # Assumed prefill speed of a worker that has not reported one yet (tokens/s).
+    default_prefill_tokens_per_s: float = 5000.0
+    # Decode score = load - decode_prefix_weight * (cached fraction of the prompt).
+    decode_prefix_weight: float = 0.5
+    # Requests in flight beyond which new ones get 429 (Retry-After).
+    max_inflight_requests: int = 1024
+    prefill_timeout_s: float = 120.0
+    request_timeout_s: float = 600.0
+    # How often the router refreshes the worker list, health and load.
+    refresh_interval_s: float = 1.0
+    drain_grace_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.cpu_hit_credit <= 1.0:
+            raise ConfigError("router.cpu_hit_credit", "must be in [0, 1]")
+        for key in ("min_disagg_tokens", "max_inflight_requests"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"router.{key}", "must be >= 0")
+        for key in (
+            "default_prefill_tokens_per_s",
+            "prefill_timeout_s",
+            "request_timeout_s",
+            "refresh_interval_s",
+        ):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"router.{key}", "must be > 0")
 
 
 @dataclass(frozen=True, slots=True)

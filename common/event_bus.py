@@ -114,7 +114,10 @@ class KVEventSubscriber:
             (seq,) = struct.unpack(">q", seq_bytes)
             expected = self.state.next_seq
             if not payload:  # heartbeat: ``seq`` is the publisher's last batch
-                if expected is not None and seq >= expected:
+                if expected is None:  # joined an idle worker: fetch what it still buffers
+                    batches += self._replay(0, seq + 1)[0]
+                    self.state.next_seq = seq + 1
+                elif seq >= expected:
                     batches += self._catch_up(expected, seq + 1)
                     resync |= self._last_replay_incomplete
                     self.state.next_seq = seq + 1

@@ -1,50 +1,124 @@
-"""Tokenizer loading and chat templates, torch-free (the router tokenizes without torch).
+"""Tokenizer and chat templates without transformers or torch (the router must start fast
+and torch-free).
 
-Wraps the checkpoint's own Hugging Face tokenizer (tokenizer.json + tokenizer_config.json,
-chat template from tokenizer_config.json or chat_template.jinja), so real checkpoints
-tokenize exactly as they do in transformers.
+Reads a checkpoint's ``tokenizer.json`` with the ``tokenizers`` library (the same Rust code
+transformers' fast tokenizers run), its special tokens from ``tokenizer_config.json``, and
+its chat template from ``tokenizer_config.json`` or ``chat_template.jinja``, rendered in a
+sandboxed Jinja environment the way transformers renders it. Tests check token-for-token
+agreement with ``transformers.AutoTokenizer``.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 
+class TokenizerError(ValueError):
+    pass
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token from tokenizer_config.json: a string or an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
-        from transformers import AutoTokenizer
+        from tokenizers import Tokenizer as RustTokenizer
 
         self.model_dir = Path(model_dir)
-        self._tok = AutoTokenizer.from_pretrained(str(model_dir))
+        path = self.model_dir / "tokenizer.json"
+        if not path.exists():
+            raise TokenizerError(f"{self.model_dir} has no tokenizer.json")
+        self._tok = RustTokenizer.from_file(str(path))
+        config_path = self.model_dir / "tokenizer_config.json"
+        self._config: dict[str, Any] = (
+            json.loads(config_path.read_text()) if config_path.exists() else {}
+        )
+        self.bos_token = _token_text(self._config.get("bos_token"))
+        self.eos_token = _token_text(self._config.get("eos_token"))
+        self.chat_template = self._load_chat_template()
+
+    def _load_chat_template(self) -> str | None:
+        template = self._config.get("chat_template")
+        if isinstance(template, list):  # named templates: use "default"
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        jinja_file = self.model_dir / "chat_template.jinja"
+        if template is None and jinja_file.exists():
+            template = jinja_file.read_text()
+        return template
 
     @property
     def eos_token_id(self) -> int | None:
-        return self._tok.eos_token_id
+        return self._tok.token_to_id(self.eos_token) if self.eos_token else None
 
     @property
     def vocab_size(self) -> int:
-        return len(self._tok)
+        return self._tok.get_vocab_size(with_added_tokens=True)
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(self._tok.chat_template)
+        return bool(self.chat_template)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tok(text, add_special_tokens=add_special_tokens).input_ids)
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
-        return self._tok.convert_ids_to_tokens(list(token_ids))
+        return [self._tok.id_to_token(t) or "" for t in token_ids]
+
+    @cached_property
+    def _template(self):  # -> jinja2.Template
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise jinja2.exceptions.TemplateError(message)
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(
+                x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                sort_keys=sort_keys,
+            )  # fmt: skip
+
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        return env.from_string(self.chat_template)
+
+    def render_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        if not self.chat_template:
+            raise TokenizerError("this model has no chat template; use the completions API")
+        import jinja2
+
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except jinja2.exceptions.TemplateError as exc:
+            raise TokenizerError(f"the chat template rejected the messages: {exc}") from exc
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:
         """Render the model's own template and tokenize it (special tokens come from it)."""
-        text = self._tok.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
-        )
+        text = self.render_chat(messages, add_generation_prompt)
         return self.encode(text, add_special_tokens=False)

@@ -18,6 +18,8 @@ COMMANDS: dict[str, Command] = {
     "generate": generate_cmd.COMMAND,
     "prefill": worker_cmd.PREFILL,
     "decode": worker_cmd.DECODE,
+    "router": worker_cmd.ROUTER,
+    "up": worker_cmd.UP,
 }
 
 

@@ -37,5 +37,44 @@ def _runner(role: Role):
     return run
 
 
+def _run_router(args: argparse.Namespace) -> int:
+    from common.config_loader import load_config
+    from common.registry import RegistryError
+    from router.main import run as run_router
+
+    try:
+        config = load_config(args.config, args.overrides)
+        return run_router(config)
+    except (ConfigError, RegistryError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _router_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, help="deployment YAML (default: built-in)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key (repeatable)",
+    )
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    from common.config_loader import load_config
+    from deploy.up import run as run_up
+
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return run_up(config)
+
+
+ROUTER = ("run the OpenAI-compatible router", _router_arguments, _run_router)
+UP = ("run the router and every worker of the config on this machine", _router_arguments, _run_up)
 PREFILL = ("run a prefill worker", add_arguments, _runner(Role.PREFILL))
 DECODE = ("run a decode worker", add_arguments, _runner(Role.DECODE))

@@ -1,0 +1,43 @@
+"""What the router needs to know about the served model, read without torch: where it is,
+its context limit and its name. The built-in demo model's path is computed here too (its
+files are made by ``engine.models.maker`` on first use)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.config import PdserveConfig
+
+DEMO_ARCH, DEMO_SIZE = "llama", "tiny"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
+
+
+def made_model_dir(arch: str = DEMO_ARCH, size: str = DEMO_SIZE) -> Path:
+    return cache_dir() / "models" / f"demo-{arch}-{size}"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    model_dir: Path
+    served_name: str
+    max_model_len: int
+    block_size: int
+
+
+def model_info(config: PdserveConfig) -> ModelInfo:
+    model_dir = Path(config.model) if config.model else made_model_dir()
+    config_path = model_dir / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"{model_dir} holds no checkpoint (config.json missing)")
+    hf_config = json.loads(config_path.read_text())
+    limit = int(hf_config.get("max_position_embeddings", 2048))
+    engine = config.engine
+    max_model_len = min(engine.max_model_len, limit) if engine.max_model_len else limit
+    name = config.router.served_model_name or ("demo" if not config.model else model_dir.name)
+    return ModelInfo(model_dir, name, max_model_len, engine.block_size)

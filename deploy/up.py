@@ -1,0 +1,162 @@
+"""``pdserve up``: the whole stack on this machine — N prefill + M decode workers and the
+router, as the config says — until Ctrl-C or SIGTERM.
+
+The resolved config (file + ``--set`` overrides) is written once and handed to every child,
+so all processes agree on ports, model and connector. Workers log to
+``$PDSERVE_HOME/logs/``; the launcher prints the URL once the router answers /health.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.config import PdserveConfig, Role
+from common.config_loader import to_dict
+from common.model_info import cache_dir, made_model_dir
+
+
+class StackError(RuntimeError):
+    pass
+
+
+class Stack:
+    def __init__(self, config: PdserveConfig, log_dir: Path) -> None:
+        self.config = config
+        self.log_dir = log_dir
+        self.children: list[tuple[str, subprocess.Popen]] = []
+        handle, path = tempfile.mkstemp(prefix="pdserve-", suffix=".yaml")
+        os.close(handle)
+        self.config_path = Path(path)
+        self.config_path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (owned by the child)
+        command = [sys.executable, "-m", "deploy.cli", "--log-level", "INFO", *args,
+                   "--config", str(self.config_path)]  # fmt: skip
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        self.children.append((name, proc))
+        return proc
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        workers = []
+        for role in Role:
+            section = self.config.role(role)
+            for index in range(section.replicas):
+                name = f"{role.value}-{index}"
+                proc = self._spawn(name, [role.value, "--index", str(index)])
+                workers.append((name, proc, f"{section.host}:{section.ports(index).grpc}"))
+        print(f"starting {len(workers)} workers (logs in {self.log_dir})", flush=True)
+        deadline = time.monotonic() + timeout_s
+        for name, proc, address in workers:
+            self._wait_grpc(name, proc, address, deadline)
+            print(f"  {name} ready on {address}", flush=True)
+        router = self._spawn("router", ["router"])
+        self._wait_http(router, deadline)
+
+    def _wait_grpc(self, name: str, proc: subprocess.Popen, address: str, deadline: float):
+        with grpc.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    raise StackError(f"{name} exited ({proc.returncode}); see {self._log(name)}")
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        raise StackError(f"{name} was not ready in time; see {self._log(name)}")
+
+    def _wait_http(self, proc: subprocess.Popen, deadline: float) -> None:
+        url = f"{self.url_root}/health"
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise StackError(
+                    f"the router exited ({proc.returncode}); see {self._log('router')}"
+                )
+            try:
+                with urllib.request.urlopen(url, timeout=1) as reply:
+                    if reply.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise StackError(f"the router was not ready in time; see {self._log('router')}")
+
+    def _log(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
+
+    @property
+    def url_root(self) -> str:
+        return f"http://{self.config.router.host}:{self.config.router.port}"
+
+    def wait(self) -> int:
+        """Until a signal, or until a child dies (then everything stops)."""
+        stop = {"signal": 0}
+
+        def on_signal(signum: int, _frame) -> None:
+            stop["signal"] = signum
+
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+        while not stop["signal"]:
+            for name, proc in self.children:
+                if proc.poll() is not None:
+                    print(f"{name} exited ({proc.returncode}); stopping", file=sys.stderr)
+                    return 1
+            time.sleep(0.2)
+        return 0
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """Router first (no new requests), then the workers drain and exit."""
+        for _, proc in reversed(self.children):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+            if proc is self.children[-1][1]:
+                _wait(proc, grace_s)
+        for _, proc in self.children:
+            _wait(proc, grace_s)
+        self.config_path.unlink(missing_ok=True)
+
+
+def _wait(proc: subprocess.Popen, grace_s: float) -> None:
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def ensure_demo_model(config: PdserveConfig) -> None:
+    if config.model is None and not (made_model_dir() / "config.json").exists():
+        print("making the demo model (first use)", flush=True)
+        from engine.models.maker import ensure_model
+
+        ensure_model()
+
+
+def run(config: PdserveConfig) -> int:
+    ensure_demo_model(config)
+    stack = Stack(config, cache_dir() / "logs")
+    try:
+        stack.start()
+        print(f"pdserve is up: {stack.url_root}/v1  (OpenAI API; Ctrl-C stops)", flush=True)
+        return stack.wait()
+    except StackError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        stack.stop()

@@ -1,0 +1,227 @@
+"""The OpenAI-compatible HTTP gateway (FastAPI). Routes translate HTTP to choices and
+choices back to JSON or SSE; placement and transport live in ``dispatch.py``.
+
+Errors are turned into the OpenAI envelope here and only here.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from common.tokenizer import TokenizerError
+from router.choices import build_choices, merge_choices, new_id
+from router.detokenizer import IncrementalDetokenizer
+from router.errors import (
+    APIError,
+    bad_request,
+    internal,
+    model_not_found,
+    overloaded,
+    unauthorized,
+    unavailable,
+)
+from router.formatting import SSE_DONE, Formatter, sse
+from router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from router.state import RouterState
+
+logger = logging.getLogger(__name__)
+
+_OPEN_PATHS = {"/health", "/metrics"}
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def create_app(state: RouterState) -> FastAPI:
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        state.metrics.rejected.labels(status=str(exc.status)).inc()
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        message = first.get("msg", "invalid request").removeprefix("Value error, ")
+        return await api_error(request, bad_request(message, param))
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        keys = state.config.router.api_keys
+        if keys and request.url.path not in _OPEN_PATHS:
+            header = request.headers.get("authorization", "")
+            token = header[7:] if header.lower().startswith("bearer ") else ""
+            # Compare with every key in constant time, so timing reveals nothing.
+            matched = False
+            for key in keys:
+                matched |= hmac.compare_digest(token.encode(), key.encode())
+            if not matched:
+                state.metrics.rejected.labels(status="401").inc()
+                return _error_response(unauthorized())
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        ready = bool(state.pool.candidates_for_health())
+        return JSONResponse({"status": "ok" if ready else "no_workers"},
+                            status_code=200 if ready else 503)  # fmt: skip
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        state.metrics.running.set(state.num_running)
+        state.metrics.waiting.set(state.num_waiting)
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [{
+                "id": state.model.served_name,
+                "object": "model",
+                "created": state.started_at,
+                "owned_by": "pdserve",
+                "max_model_len": state.model.max_model_len,
+            }],
+        }  # fmt: skip
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        if body.messages is not None:
+            tokens = apply_template(body.messages, body.add_generation_prompt)
+        else:
+            tokens = state.tokenizer.encode(body.prompt or "", body.add_special_tokens)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": state.model.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        if any(t < 0 or t >= state.tokenizer.vocab_size for t in body.tokens):
+            raise bad_request("token ids must be in the vocabulary", "tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        prompts = completion_prompts(body)
+        return await respond(body, prompts, chat=False, logprobs=body.logprobs)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        prompt = apply_template(body.messages, body.add_generation_prompt)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return await respond(body, [prompt], chat=True, logprobs=logprobs)
+
+    # ------------------------------------------------------------------ helpers
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != state.model.served_name:
+            raise model_not_found(model)
+
+    def apply_template(messages, add_generation_prompt: bool) -> list[int]:
+        try:
+            return state.tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.text()} for m in messages], add_generation_prompt
+            )
+        except (TokenizerError, ValueError) as exc:
+            raise bad_request(str(exc), "messages") from None
+
+    def completion_prompts(body: CompletionRequest) -> list[list[int]]:
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            prompts = [state.tokenizer.encode(prompt)]
+        elif all(isinstance(p, str) for p in prompt):
+            prompts = [state.tokenizer.encode(p) for p in prompt]
+        elif all(isinstance(p, int) for p in prompt):
+            prompts = [list(prompt)]
+        else:
+            prompts = [list(p) for p in prompt]
+        vocab = state.tokenizer.vocab_size
+        for tokens in prompts:
+            if not tokens:
+                raise bad_request("prompt must not be empty", "prompt")
+            if any(t < 0 or t >= vocab for t in tokens):
+                raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
+        return prompts
+
+    async def respond(body, prompts: list[list[int]], chat: bool, logprobs: int | None):
+        if state.draining:
+            raise unavailable("the router is draining")
+        if state.num_inflight >= state.config.router.max_inflight_requests:
+            raise overloaded()
+        sampling = state.sampling_params(body, logprobs, chat)
+        response_id = new_id("chatcmpl" if chat else "cmpl")
+        choices = build_choices(
+            response_id,
+            prompts,
+            body.n,
+            sampling,
+            body.stop_strings,
+            state.model.max_model_len,
+            state.model.block_size,
+            lambda stop: IncrementalDetokenizer(state.tokenizer, stop),
+            getattr(body, "cache_salt", None),
+        )
+        formatter = Formatter(
+            response_id, state.model.served_name, chat, logprobs is not None, state.token_text
+        )
+        arrival = time.perf_counter()
+        if body.stream:
+            return StreamingResponse(
+                stream(formatter, choices, body.include_usage, arrival),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        state.num_inflight += 1
+        try:
+            async for _ in merge_choices(state.dispatcher, choices, state.metrics, arrival):
+                pass
+        except APIError:
+            raise
+        except Exception as exc:
+            logger.exception("request %s failed", response_id)
+            raise internal(f"{type(exc).__name__}: {exc}") from None
+        finally:
+            state.num_inflight -= 1
+        state.record_finished(choices)
+        return JSONResponse(formatter.final(choices))
+
+    async def stream(formatter: Formatter, choices, include_usage: bool, arrival: float
+                     ) -> AsyncIterator[bytes]:  # fmt: skip
+        state.num_inflight += 1
+        try:
+            async for event in merge_choices(state.dispatcher, choices, state.metrics, arrival):
+                yield sse(formatter.chunk(event))
+            if include_usage:
+                yield sse(formatter.usage_chunk(choices))
+            state.record_finished(choices)
+        except APIError as exc:
+            yield sse(exc.body())
+        except Exception as exc:
+            logger.exception("stream %s failed", formatter.response_id)
+            yield sse(internal(f"{type(exc).__name__}: {exc}").body())
+        finally:
+            state.num_inflight -= 1
+        yield SSE_DONE
+
+    return app

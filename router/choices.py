@@ -1,0 +1,162 @@
+"""From an OpenAI request to sequences on the workers and back to text, per choice.
+
+A request fans out into ``len(prompts) * n`` choices; each is one sequence for the
+dispatcher. Its token deltas go through the choice's incremental detokenizer, which also
+applies stop strings: a matched stop string ends the choice with ``stop`` and closes the
+sequence (which aborts it on the decode worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from common.hashing import hash_blocks
+from proto import pdserve_pb2 as pb
+from router.detokenizer import IncrementalDetokenizer
+from router.dispatch import Dispatcher, SequenceRequest
+from router.errors import APIError, context_too_long
+from router.metrics import RouterMetrics
+
+
+@dataclass(slots=True)
+class Choice:
+    index: int
+    prompt_index: int
+    request: SequenceRequest
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[pb.TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: pb.Usage | None = None
+
+
+@dataclass(slots=True)
+class ChoiceEvent:
+    """New text of one choice; ``finish_reason`` set on its last event."""
+
+    choice: Choice
+    text: str
+    token_ids: list[int]
+    logprobs: list[pb.TokenLogprobs]
+    finish_reason: str | None = None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def build_choices(
+    request_id: str,
+    prompts: list[list[int]],
+    n: int,
+    sampling: pb.SamplingParams,
+    stop: list[str],
+    max_model_len: int,
+    block_size: int,
+    detokenizer_factory,
+    cache_salt: str | None = None,
+) -> list[Choice]:
+    """One choice per (prompt, sample); checks each prompt against the context limit."""
+    choices = []
+    for prompt_index, prompt in enumerate(prompts):
+        limit = sampling.max_tokens if sampling.HasField("max_tokens") else 0
+        if len(prompt) + limit > max_model_len or len(prompt) >= max_model_len:
+            raise context_too_long(len(prompt), limit, max_model_len)
+        hashes = hash_blocks(prompt, block_size, cache_salt)
+        for sample in range(n):
+            params = pb.SamplingParams()
+            params.CopyFrom(sampling)
+            if not params.HasField("max_tokens"):
+                params.max_tokens = max_model_len - len(prompt)
+            if params.HasField("seed") and sample:
+                params.seed = params.seed + sample  # n seeded samples differ, reproducibly
+            index = prompt_index * n + sample
+            choices.append(
+                Choice(
+                    index=index,
+                    prompt_index=prompt_index,
+                    request=SequenceRequest(
+                        f"{request_id}-{index}", prompt, hashes, params, cache_salt
+                    ),
+                    detokenizer=detokenizer_factory(stop),
+                )
+            )
+    return choices
+
+
+async def run_choice(
+    dispatcher: Dispatcher, choice: Choice, metrics: RouterMetrics, arrival: float
+) -> AsyncIterator[ChoiceEvent]:
+    last = None
+    generator = dispatcher.generate(choice.request)
+    try:
+        async for delta in generator:
+            now = time.perf_counter()
+            if delta.token_ids:
+                if last is None:
+                    metrics.ttft.observe(now - arrival)
+                else:
+                    metrics.itl.observe((now - last) / len(delta.token_ids))
+                last = now
+            choice.token_ids.extend(delta.token_ids)
+            choice.logprobs.extend(delta.logprobs)
+            detok = choice.detokenizer
+            text = detok.add(delta.token_ids)
+            finish = delta.finish_reason
+            if detok.stopped:
+                finish = "stop"
+            if finish:
+                text += detok.finish()
+                choice.finish_reason = finish
+                choice.usage = delta.usage or pb.Usage(
+                    prompt_tokens=len(choice.request.prompt_token_ids),
+                    completion_tokens=len(choice.token_ids),
+                )
+                yield ChoiceEvent(choice, text, delta.token_ids, delta.logprobs, finish)
+                return
+            if text or delta.token_ids:
+                yield ChoiceEvent(choice, text, delta.token_ids, delta.logprobs)
+    finally:
+        await generator.aclose()  # a stop string or a gone client: abort the sequence
+        metrics.e2e.observe(time.perf_counter() - arrival)
+
+
+async def merge_choices(
+    dispatcher: Dispatcher, choices: list[Choice], metrics: RouterMetrics, arrival: float
+) -> AsyncIterator[ChoiceEvent]:
+    """Events of all choices as they come. Stopping the iteration cancels every choice;
+    the first error of any choice is raised."""
+    if len(choices) == 1:
+        async for event in run_choice(dispatcher, choices[0], metrics, arrival):
+            yield event
+        return
+    queue: asyncio.Queue[ChoiceEvent | BaseException | None] = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        try:
+            async for event in run_choice(dispatcher, choice, metrics, arrival):
+                await queue.put(event)
+        except (APIError, Exception) as exc:
+            await queue.put(exc)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(choice)) for choice in choices]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

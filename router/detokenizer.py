@@ -1,0 +1,73 @@
+"""Incremental detokenization and stop strings, per generated sequence.
+
+Text is decoded from a sliding window of tokens (as vLLM does), so each new token costs
+O(window), and characters still incomplete (a multi-byte character split across tokens
+shows up as U+FFFD) are held back until complete. Stop strings are matched on the text;
+the text that could still be the start of a stop string is held back too, so a stream
+never shows the client part of a stop string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from common.tokenizer import Tokenizer
+
+_WINDOW = 6  # tokens of left context decoded with the new ones
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self._hold = max((len(s) for s in self.stop), default=1) - 1
+        self.token_ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+        self.text = ""  # everything decoded so far (stop string excluded once stopped)
+        self._emitted = 0  # characters of ``text`` already handed out
+        self.stopped = False
+        self.stop_string: str | None = None
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Append tokens; return the new text that is safe to show."""
+        if self.stopped:
+            return ""
+        self.token_ids.extend(token_ids)
+        prefix = self.tokenizer.decode(self.token_ids[self._prefix_offset : self._read_offset])
+        full = self.tokenizer.decode(self.token_ids[self._prefix_offset :])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix) :]
+            self._prefix_offset = max(len(self.token_ids) - _WINDOW, self._read_offset)
+            self._read_offset = len(self.token_ids)
+        self._check_stop()
+        return self._take(final=False)
+
+    def finish(self) -> str:
+        """The rest of the text once the sequence ended."""
+        if not self.stopped and self._read_offset < len(self.token_ids):
+            prefix = self.tokenizer.decode(self.token_ids[self._prefix_offset : self._read_offset])
+            full = self.tokenizer.decode(self.token_ids[self._prefix_offset :])
+            self.text += full[len(prefix) :]
+            self._read_offset = len(self.token_ids)
+            self._check_stop()
+        return self._take(final=True)
+
+    def _check_stop(self) -> None:
+        if not self.stop or self.stopped:
+            return
+        start = max(self._emitted - self._hold, 0)
+        found = [(self.text.find(s, start), s) for s in self.stop]
+        found = [(i, s) for i, s in found if i >= 0]
+        if found:
+            index, stop = min(found)
+            self.text = self.text[:index]
+            self.stopped = True
+            self.stop_string = stop
+
+    def _take(self, final: bool) -> str:
+        end = len(self.text) if final or self.stopped else max(len(self.text) - self._hold, 0)
+        end = max(end, self._emitted)
+        piece = self.text[self._emitted : end]
+        self._emitted = end
+        return piece

@@ -1,0 +1,266 @@
+"""One sequence's journey through the workers, as a stream of token deltas.
+
+    place ─► Prefill on a prefill worker ──► first token ─► Generate on a decode worker
+      │        (other prefill workers on failure;             (pulls the KV, streams; other
+      │         local prefill when none answers)               decode workers before the
+      └────────────────────► Generate without KV (local prefill) ───── first byte only)
+
+Retries happen only before the client saw anything from that hop. Cancelling the
+iterator (the client went away) cancels the gRPC call in flight, which aborts the request
+on the worker; an unpulled prefill lease expires by itself (and is released early once
+the decode side has the KV).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from common.config import Role, RouterConfig
+from common.hashing import BlockHash
+from proto import pdserve_pb2 as pb
+from router.errors import APIError, bad_request, unavailable
+from router.metrics import RouterMetrics
+from router.policy import Placement, PlacementPolicy
+from router.prefix_index import PrefixIndex
+from router.workers import WorkerPool, WorkerState
+
+logger = logging.getLogger(__name__)
+
+_RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    block_hashes: list[BlockHash]
+    sampling: pb.SamplingParams
+    cache_salt: str | None = None
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    token_ids: list[int]
+    logprobs: list[pb.TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: pb.Usage | None = None
+
+
+def _client_error(exc: grpc.aio.AioRpcError) -> APIError | None:
+    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        return bad_request(exc.details() or "invalid request")
+    return None
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        config: RouterConfig,
+        pool: WorkerPool,
+        index: PrefixIndex,
+        index_lock: threading.Lock,
+        policy: PlacementPolicy,
+        metrics: RouterMetrics,
+        block_size: int,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.index = index
+        self.index_lock = index_lock
+        self.policy = policy
+        self.metrics = metrics
+        self.block_size = block_size
+        self._background: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------------ placement
+
+    def place(self, request: SequenceRequest) -> Placement:
+        decode = self.pool.candidates(Role.DECODE)
+        if not decode:
+            raise unavailable("no decode worker is available")
+        prefill = self.pool.candidates(Role.PREFILL)
+        start = time.perf_counter()
+        with self.index_lock:
+            ids = [w.worker_id for w in decode + prefill]
+            matches = self.index.match(request.block_hashes, ids)
+            placement = self.policy.place(
+                len(request.prompt_token_ids),
+                [w.load() for w in decode],
+                [w.load() for w in prefill],
+                matches,
+                matches,
+            )
+            # Optimistic: the next request with this prefix should find it here.
+            self.index.insert_optimistic(placement.decode_worker, request.block_hashes)
+            if placement.prefill_worker:
+                self.index.insert_optimistic(placement.prefill_worker, request.block_hashes)
+        self.metrics.observe_placement(placement, time.perf_counter() - start)
+        self.metrics.prefix_cache(
+            len(request.prompt_token_ids),
+            placement.prefill_cached_tokens if placement.disaggregated
+            else placement.decode_cached_tokens,
+        )  # fmt: skip
+        return placement
+
+    # ------------------------------------------------------------------ the journey
+
+    async def generate(self, request: SequenceRequest) -> AsyncIterator[TokenDelta]:
+        placement = self.place(request)
+        first: pb.PrefillResponse | None = None
+        prefill_worker: WorkerState | None = None
+        if placement.disaggregated:
+            first, prefill_worker = await self._prefill(request, placement)
+            if first is not None:
+                yield TokenDelta(
+                    [first.first_token_id],
+                    [first.first_logprobs] if first.HasField("first_logprobs") else [],
+                )
+                if first.finish_reason:
+                    yield TokenDelta(
+                        [],
+                        finish_reason=first.finish_reason,
+                        usage=pb.Usage(
+                            prompt_tokens=len(request.prompt_token_ids),
+                            completion_tokens=1,
+                            cached_tokens=first.num_cached_tokens,
+                        ),
+                    )
+                    return
+        async for delta in self._decode(request, placement, first, prefill_worker):
+            yield delta
+
+    async def _prefill(
+        self, request: SequenceRequest, placement: Placement
+    ) -> tuple[pb.PrefillResponse | None, WorkerState | None]:
+        """First token and KV handle from a prefill worker, or (None, None) to prefill
+        locally on the decode worker."""
+        chosen = self.pool.get(placement.prefill_worker or "")
+        others = [w for w in self.pool.candidates(Role.PREFILL) if w is not chosen]
+        others.sort(key=lambda w: w.queued_prefill_tokens)
+        uncached = len(request.prompt_token_ids) - placement.prefill_cached_tokens
+        message = pb.PrefillRequest(
+            request_id=request.request_id,
+            token_ids=request.prompt_token_ids,
+            sampling=request.sampling,
+        )
+        if request.cache_salt is not None:
+            message.cache_salt = request.cache_salt
+        for worker in [w for w in [chosen, *others] if w is not None]:
+            worker.queued_prefill_tokens += uncached
+            call = worker.prefill.Prefill(message, timeout=self.config.prefill_timeout_s)
+            try:
+                reply = await call
+            except grpc.aio.AioRpcError as exc:
+                client_error = _client_error(exc)
+                if client_error is not None:
+                    raise client_error from None
+                if exc.code() not in _RETRYABLE:
+                    raise
+                logger.warning("prefill on %s failed: %s", worker.worker_id, exc.details())
+                self.metrics.prefill_failures.inc()
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
+                    self.pool.mark_unhealthy(worker.worker_id)
+                continue
+            finally:
+                worker.queued_prefill_tokens -= uncached
+                if not call.done():
+                    call.cancel()
+            self.metrics.observe_prefill(reply.timings)
+            return reply, worker
+        self.metrics.prefill_fallbacks.inc()
+        return None, None
+
+    async def _decode(
+        self,
+        request: SequenceRequest,
+        placement: Placement,
+        first: pb.PrefillResponse | None,
+        prefill_worker: WorkerState | None,
+    ) -> AsyncIterator[TokenDelta]:
+        message = pb.GenerateRequest(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling=request.sampling,
+        )
+        if request.cache_salt is not None:
+            message.cache_salt = request.cache_salt
+        if first is not None:
+            message.output_token_ids.append(first.first_token_id)
+            message.kv.CopyFrom(first.kv)
+        chosen = self.pool.get(placement.decode_worker)
+        others = [w for w in self.pool.candidates(Role.DECODE) if w is not chosen]
+        others.sort(key=lambda w: w.running)
+        last_error: Exception | None = None
+        for worker in [w for w in [chosen, *others] if w is not None]:
+            started = False
+            num_tokens = len(request.prompt_token_ids) + len(message.output_token_ids)
+            blocks = -(-num_tokens // self.block_size)
+            worker.running += 1
+            worker.kv_blocks_in_use += blocks
+            call = worker.decode.Generate(message, timeout=self.config.request_timeout_s)
+            try:
+                async for chunk in call:
+                    if not started:
+                        started = True
+                        if first is not None and prefill_worker is not None:
+                            self._release_lease(prefill_worker, first.kv.lease_id)
+                    num_tokens += len(chunk.token_ids)
+                    grown = -(-num_tokens // self.block_size) - blocks
+                    worker.kv_blocks_in_use += grown
+                    blocks += grown
+                    delta = TokenDelta(list(chunk.token_ids), list(chunk.logprobs))
+                    if chunk.finish_reason:
+                        delta.finish_reason = chunk.finish_reason
+                        delta.usage = chunk.usage
+                        if first is not None:  # the prompt was computed (or reused) there
+                            delta.usage.cached_tokens = first.num_cached_tokens
+                        self.metrics.observe_decode(chunk.timings, chunk.num_blocks_pulled)
+                    yield delta
+                return
+            except grpc.aio.AioRpcError as exc:
+                client_error = _client_error(exc)
+                if client_error is not None:
+                    raise client_error from None
+                if started or exc.code() not in _RETRYABLE:
+                    raise unavailable(f"decode failed: {exc.details()}") from None
+                logger.warning("decode on %s failed: %s", worker.worker_id, exc.details())
+                self.metrics.decode_failures.inc()
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
+                    self.pool.mark_unhealthy(worker.worker_id)
+                last_error = exc
+            finally:
+                worker.running -= 1
+                worker.kv_blocks_in_use -= blocks
+                if not call.done():
+                    call.cancel()
+        if first is not None and prefill_worker is not None:
+            self._release_lease(prefill_worker, first.kv.lease_id)
+        detail = last_error.details() if isinstance(last_error, grpc.aio.AioRpcError) else ""
+        raise unavailable(f"no decode worker could serve the request {detail}".strip())
+
+    def _release_lease(self, worker: WorkerState, lease_id: str) -> None:
+        """The decode side has the KV (or gave up on it): free the prefill blocks now
+        instead of at lease expiry. Fire and forget."""
+
+        async def release() -> None:
+            with contextlib.suppress(grpc.aio.AioRpcError):  # else the lease just expires
+                await worker.prefill.ReleaseKV(pb.ReleaseKVRequest(lease_id=lease_id), timeout=5)
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

@@ -1,0 +1,82 @@
+"""Prometheus metrics: vLLM's names where they exist, ``pdserve:*`` for the rest.
+
+Each router owns one registry (no global state), served at /metrics.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from proto import pdserve_pb2 as pb
+from router.policy import Placement
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3, 1e-2)
+
+
+class RouterMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        r = self.registry
+
+        def histogram(name: str, doc: str, buckets=_LATENCY_BUCKETS) -> Histogram:
+            return Histogram(name, doc, ["model_name"], registry=r, buckets=buckets).labels(
+                **labels
+            )
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, ["model_name"], registry=r).labels(**labels)
+
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.")
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between tokens.")
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Request latency.")
+        self.running = Gauge("vllm:num_requests_running", "Requests generating.",
+                             ["model_name"], registry=r).labels(**labels)  # fmt: skip
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests before their first token.",
+                             ["model_name"], registry=r).labels(**labels)  # fmt: skip
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found cached.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens served.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
+        self.requests = Counter("vllm:request_success", "Finished requests.",
+                                ["model_name", "finished_reason"], registry=r)  # fmt: skip
+        self.decisions = Counter("pdserve:routing_decisions", "Placements by kind.",
+                                 ["kind", "worker"], registry=r)  # fmt: skip
+        self.decision_latency = histogram(
+            "pdserve:routing_decision_seconds", "Time to place a request.", _DECISION_BUCKETS
+        )
+        self.ttft_queue = histogram("pdserve:ttft_queue_seconds", "Prefill-side queueing.")
+        self.ttft_prefill = histogram("pdserve:ttft_prefill_seconds", "Prompt computation.")
+        self.transfer = histogram("pdserve:kv_transfer_seconds", "KV pull on the decode side.")
+        self.blocks_pulled = counter("pdserve:kv_blocks_pulled", "KV blocks moved.")
+        self.prefill_failures = counter("pdserve:prefill_failures", "Failed prefill hops.")
+        self.prefill_fallbacks = counter(
+            "pdserve:prefill_fallbacks", "Requests prefilled locally after prefill failures."
+        )
+        self.decode_failures = counter("pdserve:decode_failures", "Failed decode hops.")
+        self.rejected = Counter("pdserve:requests_rejected", "Requests refused by status.",
+                                ["status"], registry=r)  # fmt: skip
+
+    def observe_placement(self, placement: Placement, seconds: float) -> None:
+        kind = "disaggregated" if placement.disaggregated else "local"
+        worker = placement.prefill_worker or placement.decode_worker
+        self.decisions.labels(kind=kind, worker=worker).inc()
+        self.decision_latency.observe(seconds)
+
+    def prefix_cache(self, num_tokens: int, cached_tokens: int) -> None:
+        self.prefix_queries.inc(num_tokens)
+        self.prefix_hits.inc(cached_tokens)
+
+    def observe_prefill(self, timings: pb.StageTimings) -> None:
+        self.ttft_queue.observe(timings.queue_ms / 1000)
+        self.ttft_prefill.observe(timings.prefill_ms / 1000)
+
+    def observe_decode(self, timings: pb.StageTimings, blocks_pulled: int) -> None:
+        if timings.transfer_ms:
+            self.transfer.observe(timings.transfer_ms / 1000)
+        self.blocks_pulled.inc(blocks_pulled)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,119 @@
+"""Where a request goes: which decode worker, and whether a prefill worker computes its
+prompt first (disaggregated) or the decode worker does it itself (local).
+
+Decode workers are scored by load minus prefix overlap:
+
+    score = max(kv_blocks_in_use / kv_blocks_total, running / max_running)
+            - decode_prefix_weight * cached_tokens / prompt_tokens
+
+Prefill workers by estimated time to first token, in seconds:
+
+    ttft = (queued_prefill_tokens + uncached_tokens) / prefill_tokens_per_s
+
+where a CPU-tier hit counts ``cpu_hit_credit`` of a GPU hit. A prompt whose part the
+chosen decode worker does not cache is shorter than ``min_disagg_tokens`` is prefilled
+locally: moving its KV would cost more than computing it. Torch-free, no I/O: the router
+feeds it snapshots (``WorkerLoad``) and the prefix index's matches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from common.config import RouterConfig
+from router.prefix_index import PrefixMatch
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """What placement knows of one worker at decision time."""
+
+    worker_id: str
+    queued_prefill_tokens: int = 0  # prefill: uncached prompt tokens sent, not yet done
+    prefill_tokens_per_s: float = 0.0  # prefill: measured speed (0: unknown)
+    running: int = 0  # decode: requests in flight
+    kv_blocks_in_use: int = 0  # decode: blocks its in-flight requests hold (estimated)
+    kv_blocks_total: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    decode_worker: str
+    prefill_worker: str | None  # None: prefill locally on the decode worker
+    decode_cached_tokens: int
+    prefill_cached_tokens: int
+    estimated_ttft_s: float
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill_worker is not None
+
+
+class PlacementPolicy:
+    def __init__(self, config: RouterConfig, block_size: int, max_running: int) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.max_running = max(max_running, 1)
+        self._turn = 0  # rotates the tie-break between equally good workers
+
+    def cached_tokens(self, match: PrefixMatch, num_tokens: int) -> float:
+        """Prefill work a worker saves, in tokens (CPU hits at their credit)."""
+        tokens = (match.gpu_blocks + self.config.cpu_hit_credit * match.cpu_blocks) * (
+            self.block_size
+        )
+        return min(tokens, num_tokens - 1)
+
+    def decode_score(self, load: WorkerLoad, cached: float, num_tokens: int) -> float:
+        kv_fraction = load.kv_blocks_in_use / load.kv_blocks_total if load.kv_blocks_total else 0
+        running_fraction = load.running / self.max_running
+        overlap = cached / max(num_tokens, 1)
+        return max(kv_fraction, running_fraction) - self.config.decode_prefix_weight * overlap
+
+    def prefill_ttft(self, load: WorkerLoad, cached: float, num_tokens: int) -> float:
+        rate = load.prefill_tokens_per_s or self.config.default_prefill_tokens_per_s
+        return (load.queued_prefill_tokens + num_tokens - cached) / rate
+
+    def _pick(self, scores: list[tuple[float, str]]) -> tuple[float, str]:
+        best = min(score for score, _ in scores)
+        ties = [item for item in scores if item[0] <= best + 1e-9]
+        self._turn += 1
+        return ties[self._turn % len(ties)]
+
+    def place(
+        self,
+        num_tokens: int,
+        decode: Sequence[WorkerLoad],
+        prefill: Sequence[WorkerLoad],
+        decode_matches: dict[str, PrefixMatch],
+        prefill_matches: dict[str, PrefixMatch],
+    ) -> Placement:
+        """Choose workers for a prompt of ``num_tokens``. ``decode`` must not be empty."""
+        if not decode:
+            raise ValueError("no decode worker available")
+        decode_cached = self._cached(decode, decode_matches, num_tokens)
+        decode_scores = [
+            (self.decode_score(w, decode_cached[w.worker_id], num_tokens), w.worker_id)
+            for w in decode
+        ]
+        _, decode_id = self._pick(decode_scores)
+        on_decode = decode_cached[decode_id]
+        if not prefill or num_tokens - on_decode < self.config.min_disagg_tokens:
+            return Placement(decode_id, None, int(on_decode), 0, 0.0)
+        prefill_cached = self._cached(prefill, prefill_matches, num_tokens)
+        prefill_scores = [
+            (self.prefill_ttft(w, prefill_cached[w.worker_id], num_tokens), w.worker_id)
+            for w in prefill
+        ]
+        ttft, prefill_id = self._pick(prefill_scores)
+        return Placement(
+            decode_id, prefill_id, int(on_decode), int(prefill_cached[prefill_id]), ttft
+        )
+
+    def _cached(
+        self, workers: Sequence[WorkerLoad], matches: dict[str, PrefixMatch], num_tokens: int
+    ) -> dict[str, float]:
+        return {
+            w.worker_id: self.cached_tokens(matches.get(w.worker_id, PrefixMatch()), num_tokens)
+            for w in workers
+        }

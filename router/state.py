@@ -1,0 +1,107 @@
+"""Everything one router process holds, built once from the config at start-up."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from dataclasses import dataclass, field
+
+from common.config import PdserveConfig, Role
+from common.model_info import ModelInfo, model_info
+from common.registry import create_registry
+from common.tokenizer import Tokenizer
+from proto import pdserve_pb2 as pb
+from router.choices import Choice
+from router.dispatch import Dispatcher
+from router.events import EventListener
+from router.metrics import RouterMetrics
+from router.policy import PlacementPolicy
+from router.prefix_index import PrefixIndex
+from router.workers import WorkerPool
+
+
+class _Pool(WorkerPool):
+    def candidates_for_health(self) -> list:
+        return self.candidates(Role.DECODE)
+
+
+@dataclass
+class RouterState:
+    config: PdserveConfig
+    model: ModelInfo
+    tokenizer: Tokenizer
+    index: PrefixIndex
+    index_lock: threading.Lock
+    events: EventListener
+    pool: _Pool
+    metrics: RouterMetrics
+    dispatcher: Dispatcher
+    started_at: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False
+    num_inflight: int = 0
+    num_finished: int = 0
+
+    @classmethod
+    def build(cls, config: PdserveConfig) -> RouterState:
+        model = model_info(config)
+        index = PrefixIndex()
+        lock = threading.Lock()
+        events = EventListener(index, lock)
+        pool = _Pool(create_registry(config), events, config.router.refresh_interval_s)
+        metrics = RouterMetrics(model.served_name)
+        decode_engine = config.engine_for(Role.DECODE)
+        policy = PlacementPolicy(config.router, model.block_size, decode_engine.max_num_seqs)
+        dispatcher = Dispatcher(config.router, pool, index, lock, policy, metrics, model.block_size)
+        return cls(config, model, Tokenizer(model.model_dir), index, lock, events, pool,
+                   metrics, dispatcher)  # fmt: skip
+
+    async def start(self) -> None:
+        self.events.start()
+        await self.pool.start()
+
+    async def stop(self) -> None:
+        self.draining = True
+        await self.pool.close()
+        self.events.stop()
+        self.pool.registry.close()
+
+    @property
+    def num_running(self) -> int:
+        return sum(w.running for w in self.pool.workers.values())
+
+    @property
+    def num_waiting(self) -> int:
+        return max(self.num_inflight - self.num_running, 0)
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 (one state per process)
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def sampling_params(self, body, logprobs: int | None, chat: bool) -> pb.SamplingParams:
+        params = pb.SamplingParams(
+            min_tokens=body.min_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos,
+        )
+        limit = body.completion_limit if chat else body.max_tokens
+        if limit is not None:
+            params.max_tokens = limit
+        if body.seed is not None:
+            params.seed = body.seed
+        if logprobs is not None:
+            params.logprobs = logprobs
+        return params
+
+    def record_finished(self, choices: list[Choice]) -> None:
+        self.num_finished += 1
+        metrics = self.metrics
+        for choice in choices:
+            metrics.requests.labels(
+                model_name=self.model.served_name, finished_reason=choice.finish_reason or ""
+            ).inc()
+            metrics.generation_tokens.inc(len(choice.token_ids))
+        metrics.prompt_tokens.inc(sum(len(c.request.prompt_token_ids) for c in choices))

@@ -1,0 +1,160 @@
+"""The router's view of the workers: who exists (registry), who is healthy (gRPC health),
+how loaded each is (Stats plus the router's own in-flight accounting), and their stubs.
+
+A worker that is draining, fails its health check, or leaves the registry stops being a
+candidate at once; requests already on it finish. New registry entries are picked up on
+the next refresh, so workers can be added and removed while the router runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from common.config import Role
+from common.registry import Registry, WorkerInfo
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from router.events import EventListener
+from router.policy import WorkerLoad
+
+logger = logging.getLogger(__name__)
+
+_CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.max_receive_message_length", 64 << 20),
+]
+
+
+@dataclass
+class WorkerState:
+    info: WorkerInfo
+    channel: grpc.aio.Channel
+    prefill: pb_grpc.PrefillServiceStub | None
+    decode: pb_grpc.DecodeServiceStub | None
+    health: health_pb2_grpc.HealthStub
+    healthy: bool = False
+    stats: pb.StatsResponse = field(default_factory=pb.StatsResponse)
+    # The router's own accounting, exact between Stats polls.
+    queued_prefill_tokens: int = 0
+    running: int = 0
+    kv_blocks_in_use: int = 0
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id
+
+    @property
+    def available(self) -> bool:
+        return self.healthy and not self.info.draining and not self.stats.draining
+
+    def load(self) -> WorkerLoad:
+        return WorkerLoad(
+            worker_id=self.worker_id,
+            queued_prefill_tokens=self.queued_prefill_tokens,
+            prefill_tokens_per_s=self.stats.prefill_tokens_per_s,
+            running=self.running,
+            kv_blocks_in_use=self.kv_blocks_in_use,
+            kv_blocks_total=self.stats.kv_blocks_total or self.info.kv_blocks_total,
+        )
+
+
+class WorkerPool:
+    def __init__(self, registry: Registry, events: EventListener, refresh_s: float) -> None:
+        self.registry = registry
+        self.events = events
+        self.refresh_s = refresh_s
+        self.workers: dict[str, WorkerState] = {}
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._loop())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for state in self.workers.values():
+            await state.channel.close()
+
+    def candidates(self, role: Role) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.info.role is role and w.available]
+
+    def get(self, worker_id: str) -> WorkerState | None:
+        return self.workers.get(worker_id)
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self.refresh()
+            except Exception:
+                logger.exception("worker refresh failed")
+
+    async def refresh(self) -> None:
+        """Sync with the registry, then check health and load of every worker."""
+        try:
+            listed = await asyncio.to_thread(self.registry.list_workers)
+        except Exception as exc:
+            logger.warning("registry unreachable, keeping the last worker list: %s", exc)
+            listed = [w.info for w in self.workers.values()]
+        current = {info.worker_id: info for info in listed}
+        for worker_id in list(self.workers):
+            if worker_id not in current:
+                state = self.workers.pop(worker_id)
+                self.events.remove(worker_id)
+                logger.info("worker %s left", worker_id)
+                await state.channel.close()
+        for worker_id, info in current.items():
+            state = self.workers.get(worker_id)
+            if state is None or (state.info.engine_id != info.engine_id and info.engine_id):
+                if state is not None:  # restarted: its cache is new
+                    await state.channel.close()
+                self.workers[worker_id] = self._connect(info)
+                self.events.add(info)
+                logger.info("worker %s joined (%s)", worker_id, info.role)
+            else:
+                state.info = info
+        await asyncio.gather(*(self._probe(state) for state in self.workers.values()))
+
+    def _connect(self, info: WorkerInfo) -> WorkerState:
+        channel = grpc.aio.insecure_channel(info.grpc_address, options=_CHANNEL_OPTIONS)
+        return WorkerState(
+            info=info,
+            channel=channel,
+            prefill=pb_grpc.PrefillServiceStub(channel) if info.role is Role.PREFILL else None,
+            decode=pb_grpc.DecodeServiceStub(channel) if info.role is Role.DECODE else None,
+            health=health_pb2_grpc.HealthStub(channel),
+        )
+
+    async def _probe(self, state: WorkerState) -> None:
+        try:
+            reply = await state.health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
+            stub = state.prefill or state.decode
+            if healthy:
+                stats = await stub.Stats(pb.StatsRequest(), timeout=1.0)
+                if state.stats.engine_id and stats.engine_id != state.stats.engine_id:
+                    # Restarted behind the same address: its cache and event stream are new.
+                    logger.info("worker %s restarted", state.worker_id)
+                    self.events.add(state.info)
+                state.stats = stats
+        except grpc.aio.AioRpcError:
+            healthy = False
+        if healthy != state.healthy:
+            logger.info("worker %s is %s", state.worker_id, "up" if healthy else "down")
+        state.healthy = healthy
+
+    def mark_unhealthy(self, worker_id: str) -> None:
+        """A call to the worker failed as if it were down: skip it until the next probe."""
+        state = self.workers.get(worker_id)
+        if state is not None:
+            state.healthy = False
