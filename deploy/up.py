@@ -104,7 +104,7 @@ class Stack:
         return f"http://{self.config.router.host}:{self.config.router.port}"
 
     def wait(self) -> int:
-        """Until a signal, or until a child dies (then everything stops)."""
+        """Until a signal, or until the router dies (a dead worker is only reported)."""
         stop = {"signal": 0}
 
         def on_signal(signum: int, _frame) -> None:
@@ -112,11 +112,18 @@ class Stack:
 
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
+        reported: set[str] = set()
         while not stop["signal"]:
             for name, proc in self.children:
-                if proc.poll() is not None:
-                    print(f"{name} exited ({proc.returncode}); stopping", file=sys.stderr)
+                if proc.poll() is None or name in reported:
+                    continue
+                if name == "router":
+                    print(f"the router exited ({proc.returncode}); stopping", file=sys.stderr)
                     return 1
+                # The router routes around a dead worker; the stack keeps serving.
+                print(f"{name} exited ({proc.returncode}); see {self._log(name)}",
+                      file=sys.stderr)  # fmt: skip
+                reported.add(name)
             time.sleep(0.2)
         return 0
 

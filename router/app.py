@@ -180,10 +180,15 @@ def create_app(state: RouterState) -> FastAPI:
             state.model.max_model_len,
             state.model.block_size,
             lambda stop: IncrementalDetokenizer(state.tokenizer, stop),
-            getattr(body, "cache_salt", None),
+            body.cache_salt,
         )
         formatter = Formatter(
-            response_id, state.model.served_name, chat, logprobs is not None, state.token_text
+            response_id,
+            state.model.served_name,
+            chat,
+            logprobs is not None,
+            state.token_text,
+            body.return_token_ids,
         )
         arrival = time.perf_counter()
         if body.stream:

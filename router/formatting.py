@@ -68,7 +68,8 @@ class Formatter:
     """Builds the bodies of one response; ``chat`` selects the chat shapes."""
 
     def __init__(self, response_id: str, model: str, chat: bool, logprobs: bool,
-                 token_text: TokenText) -> None:  # fmt: skip
+                 token_text: TokenText, token_ids: bool = False) -> None:  # fmt: skip
+        self.token_ids = token_ids
         self.response_id = response_id
         self.model = model
         self.chat = chat
@@ -104,6 +105,8 @@ class Formatter:
         else:
             choice = {"index": index, "text": event.text, "logprobs": logprobs,
                       "finish_reason": event.finish_reason}  # fmt: skip
+        if self.token_ids:
+            choice["token_ids"] = list(event.token_ids)
         return self._envelope([choice], "chat.completion.chunk" if self.chat else None)
 
     def usage_chunk(self, choices: list[Choice]) -> dict[str, Any]:
@@ -126,6 +129,8 @@ class Formatter:
             else:
                 items.append({"index": choice.index, "text": text, "logprobs": logprobs,
                               "finish_reason": choice.finish_reason})  # fmt: skip
+            if self.token_ids:
+                items[-1]["token_ids"] = list(choice.token_ids)
         body = self._envelope(items, None)
         body["usage"] = usage_body(choices)
         return body

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
+import time
 
 import uvicorn
 
@@ -33,7 +35,9 @@ def run(config: PdserveConfig) -> int:
             await state.stop()
 
     app.router.lifespan_context = lifespan
-    server = uvicorn.Server(
+    server = DrainingServer(
+        state,
+        config.router.drain_grace_s,
         uvicorn.Config(
             app,
             host=config.router.host,
@@ -41,7 +45,32 @@ def run(config: PdserveConfig) -> int:
             log_level="warning",
             timeout_graceful_shutdown=int(config.router.drain_grace_s),
             lifespan="on",
-        )
+        ),
     )
     server.run()
     return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """SIGTERM/SIGINT: answer 503 (Retry-After) to new requests and /health, let the
+    requests in flight finish (at most ``grace_s``), then stop."""
+
+    def __init__(self, state: RouterState, grace_s: float, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.state = state
+        self.grace_s = grace_s
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.state.draining:  # a second signal: stop now
+            super().handle_exit(sig, frame)
+            return
+        logger.info("draining: %d requests in flight", self.state.num_inflight)
+        self.state.draining = True
+        deadline = time.monotonic() + self.grace_s
+
+        def watch() -> None:
+            while self.state.num_inflight and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.should_exit = True
+
+        threading.Thread(target=watch, daemon=True).start()

@@ -36,6 +36,10 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     user: str | None = None
+    # Extensions (vLLM's names): per-tenant prefix-cache isolation, and the generated token
+    # ids next to the text of each choice.
+    cache_salt: str | None = None
+    return_token_ids: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None

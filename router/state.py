@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ class RouterState:
     draining: bool = False
     num_inflight: int = 0
     num_finished: int = 0
+    _token_texts: dict[int, str] = field(default_factory=dict)
 
     @classmethod
     def build(cls, config: PdserveConfig) -> RouterState:
@@ -74,9 +74,14 @@ class RouterState:
     def num_waiting(self) -> int:
         return max(self.num_inflight - self.num_running, 0)
 
-    @functools.lru_cache(maxsize=65536)  # noqa: B019 (one state per process)
     def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        """A token's own text (for logprobs); cached, the vocabulary bounds the cache."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode(
+                [token_id], skip_special_tokens=False
+            )
+        return text
 
     def sampling_params(self, body, logprobs: int | None, chat: bool) -> pb.SamplingParams:
         params = pb.SamplingParams(

@@ -1,0 +1,292 @@
+"""The OpenAI gateway through the official ``openai`` client, against a real ``pdserve up``
+stack (router + 2 prefill + 1 decode workers): conformance, parity with the offline engine,
+errors, prefix-aware placement, and a prefill worker dying under load."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import urllib.request
+
+import httpx
+import openai
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.engine.helpers import random_prompts
+from tests.support.processes import write_config
+from tests.support.stack import get_json, start_up_stack
+
+KEY = "sk-pdserve-test"
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gateway")
+    config = write_config(
+        tmp / "config.yaml",
+        tiny_llama,
+        num_prefill=2,
+        router={
+            "api_keys": [KEY],
+            "served_model_name": MODEL,
+            "min_disagg_tokens": 0,
+            "max_inflight_requests": 8,
+            "refresh_interval_s": 0.5,
+        },
+    )
+    stack = start_up_stack(config, tmp / "home")
+    yield stack
+    assert stack.stop() == 0, stack.log()
+
+
+@pytest.fixture(scope="module")
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=KEY, max_retries=0)
+
+
+class _AsyncClient:
+    """An AsyncOpenAI made on first use inside the running event loop (each test's
+    ``asyncio.run`` has its own loop, and a client's connections belong to one)."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+
+    @property
+    def completions(self):
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=KEY, max_retries=0).completions
+
+
+@pytest.fixture(scope="module")
+def aclient(stack) -> _AsyncClient:
+    return _AsyncClient(f"{stack.base_url}/v1")
+
+
+def metric(stack, name: str, **labels: str) -> float:
+    text = urllib.request.urlopen(f"{stack.base_url}/metrics", timeout=10).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_models_health_and_auth(stack, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert get_json(f"{stack.base_url}/health")[0] == 200  # open without a key
+    status, body = get_json(f"{stack.base_url}/v1/models", key="wrong")
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=client.base_url, api_key="nope", max_retries=0).models.list()
+
+
+def test_greedy_completions_equal_offline(client, tiny_llama):
+    prompts = random_prompts((5, 40, 100), seed=81)
+    offline = LLM(tiny_llama).generate(
+        prompts, SamplingParams(max_tokens=12, min_tokens=12, temperature=0), use_tqdm=False
+    )
+    reply = client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=12, temperature=0,
+        extra_body={"min_tokens": 12, "return_token_ids": True},
+    )  # fmt: skip
+    by_index = sorted(reply.choices, key=lambda c: c.index)
+    for choice, expected in zip(by_index, offline, strict=True):
+        assert choice.model_extra["token_ids"] == expected.outputs[0].token_ids
+        assert choice.text == expected.outputs[0].text
+        assert choice.finish_reason == "length"
+    assert reply.usage.prompt_tokens == sum(len(p) for p in prompts)
+    assert reply.usage.completion_tokens == 36
+    # Streamed, the same tokens arrive in order.
+    stream = client.completions.create(
+        model=MODEL, prompt=prompts[2], max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"min_tokens": 12, "return_token_ids": True},
+    )  # fmt: skip
+    tokens, text, usage = [], "", None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            tokens += choice.model_extra["token_ids"]
+            text += choice.text
+    assert tokens == offline[2].outputs[0].token_ids and text == offline[2].outputs[0].text
+    assert usage.completion_tokens == 12 and usage.prompt_tokens == 100
+
+
+def test_chat_stream_equals_non_stream(client):
+    messages = [{"role": "user", "content": "Say something about gRPC."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
+                                           temperature=0)  # fmt: skip
+    assert whole.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    text, roles, usage, reasons = "", [], None, []
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            roles.append(choice.delta.role)
+            reasons.append(choice.finish_reason)
+    assert text == whole.choices[0].message.content
+    assert roles[0] == "assistant" and reasons[-1] == whole.choices[0].finish_reason
+    assert usage.total_tokens == whole.usage.total_tokens
+
+
+def test_stop_strings(client):
+    prompt = random_prompts((20,), seed=82)[0]
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                     extra_body={"min_tokens": 24}).choices[0].text  # fmt: skip
+    words = re.findall(r"[A-Za-z]{3,}", full)
+    assert words, full
+    stop = words[len(words) // 2]
+    expected = full[: full.index(stop)]
+    for stream in (False, True):
+        reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24,
+                                          temperature=0, stop=[stop, "\x00never"],
+                                          stream=stream)  # fmt: skip
+        chunks = list(reply) if stream else [reply]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        assert text == expected and reason == "stop"
+
+
+def test_seeds_and_n(client):
+    def sample(seed: int, n: int = 1):
+        reply = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=12,
+            temperature=1.0, top_p=0.9, seed=seed, n=n,
+        )  # fmt: skip
+        return [c.message.content for c in sorted(reply.choices, key=lambda c: c.index)]
+
+    assert sample(7) == sample(7)
+    assert sample(7) != sample(8)
+    two = sample(7, n=2)
+    assert len(two) == 2 and two[0] == sample(7)[0] and two[0] != two[1]
+
+
+def test_logprobs(client):
+    reply = client.completions.create(model=MODEL, prompt="def main():", max_tokens=5,
+                                      temperature=0, logprobs=3)  # fmt: skip
+    lp = reply.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) <= 3 and logprob <= 0
+        assert max(top.values()) == pytest.approx(logprob, abs=1e-5)  # greedy: the top one
+        assert token in top
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        temperature=0, logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+
+
+def test_error_codes(stack, client):
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL, prompt="x", temperature=5.0)
+    assert bad.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as long:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=100_000)
+    assert "maximum context length" in long.value.message
+    assert long.value.code == "context_length_exceeded"
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-17", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="chat templates"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       extra_body={"chat_template": "{{ 1 }}"})  # fmt: skip
+    # An error after the stream started: an error event, then [DONE].
+    with httpx.stream(
+        "POST", f"{stack.base_url}/v1/completions",
+        headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": MODEL, "prompt": "x", "max_tokens": 2, "min_tokens": 5, "stream": True},
+        timeout=30,
+    ) as response:  # fmt: skip
+        lines = [line for line in response.iter_lines() if line]
+    assert response.status_code == 200
+    assert '"error"' in lines[-2] and "min_tokens" in lines[-2] and lines[-1] == "data: [DONE]"
+
+
+def test_overload_is_429_with_retry_after(stack, aclient):
+    async def burst():
+        async def one():
+            try:
+                await aclient.completions.create(model=MODEL, prompt="x", max_tokens=200,
+                                                 extra_body={"min_tokens": 200})  # fmt: skip
+                return 200
+            except openai.RateLimitError as exc:
+                assert exc.response.headers["retry-after"]
+                return 429
+
+        return await asyncio.gather(*(one() for _ in range(14)))
+
+    codes = asyncio.run(burst())
+    assert 429 in codes and 200 in codes
+
+
+def test_shared_prefixes_stick_and_unrelated_load_spreads(stack, aclient):
+    prefill_workers = [f"prefill@127.0.0.1:{stack.config['prefill']['port'] + 10 * i}"
+                       for i in range(2)]  # fmt: skip
+
+    def decisions() -> list[float]:
+        return [metric(stack, "pdserve:routing_decisions_total", worker=w) for w in prefill_workers]
+
+    async def run(prompts):
+        await asyncio.gather(*(
+            aclient.completions.create(model=MODEL, prompt=p, max_tokens=2, temperature=0)
+            for p in prompts
+        ))  # fmt: skip
+
+    # Two families of prompts, each sharing a 256-token prefix, sent one at a time.
+    families = random_prompts((256, 256), seed=83)
+    for family in families:
+        before = decisions()
+        for i in range(4):
+            asyncio.run(run([family + [100 + i, 200 + i]]))
+        moved = [a - b for a, b in zip(decisions(), before, strict=True)]
+        assert sorted(moved) == [0, 4], f"a family was split across workers: {moved}"
+    # Unrelated prompts in a burst use both workers.
+    before = decisions()
+    asyncio.run(run(random_prompts((64,) * 8, seed=84)))
+    moved = [a - b for a, b in zip(decisions(), before, strict=True)]
+    assert min(moved) >= 2, f"unrelated load did not spread: {moved}"
+
+
+def test_killing_a_prefill_worker_loses_no_request(stack, aclient):
+    """Runs last: it kills prefill-1."""
+    prompts = random_prompts((48,) * 6, seed=85)
+
+    async def load():
+        async def one(prompt):
+            reply = await aclient.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                extra_body={"min_tokens": 24},
+            )  # fmt: skip
+            return reply.choices[0].finish_reason, reply.usage.completion_tokens
+
+        tasks = [asyncio.create_task(one(p)) for p in prompts]
+        await asyncio.sleep(0.3)
+        os.kill(stack.children()["prefill-1"], signal.SIGKILL)
+        return await asyncio.gather(*tasks)
+
+    results = asyncio.run(load())
+    assert results == [("length", 24)] * len(prompts)
+    # Afterwards everything goes to the surviving prefill worker.
+    more = asyncio.run(load_after(aclient, random_prompts((48,) * 3, seed=86)))
+    assert more == [("length", 4)] * 3
+
+
+async def load_after(aclient, prompts):
+    replies = await asyncio.gather(*(
+        aclient.completions.create(model=MODEL, prompt=p, max_tokens=4, temperature=0,
+                                   extra_body={"min_tokens": 4})
+        for p in prompts
+    ))  # fmt: skip
+    return [(r.choices[0].finish_reason, r.usage.completion_tokens) for r in replies]

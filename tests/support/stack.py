@@ -1,0 +1,95 @@
+"""A whole ``pdserve up`` stack as a subprocess, for gateway and end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from tests.support.processes import ROOT
+
+
+@dataclass
+class UpStack:
+    config_path: Path
+    proc: subprocess.Popen
+    log_path: Path
+
+    @property
+    def config(self) -> dict:
+        return yaml.safe_load(self.config_path.read_text())
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.config['router']['port']}"
+
+    def children(self) -> dict[str, int]:
+        """Child process name (role-index or router) → pid."""
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True)
+        result = {}
+        for pid in map(int, out.stdout.split()):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            args = [a.decode() for a in argv]
+            if "router" in args:
+                result["router"] = pid
+            for role in ("prefill", "decode"):
+                if role in args:
+                    result[f"{role}-{args[args.index('--index') + 1]}"] = pid
+        return result
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_up_stack(config_path: Path, home: Path, timeout: float = 180.0) -> UpStack:
+    log_path = config_path.with_suffix(".up.log")
+    env = {**os.environ, "PDSERVE_HOME": str(home), "PYTHONUNBUFFERED": "1",
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "deploy.cli", "up", "--config", str(config_path)],
+            stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+        )  # fmt: skip
+    stack = UpStack(config_path, proc, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"pdserve up exited ({proc.returncode}):\n{stack.log()}")
+        if "pdserve is up" in log_path.read_text(errors="replace"):
+            return stack
+        time.sleep(0.3)
+    stack.stop()
+    raise TimeoutError(f"pdserve up not ready:\n{stack.log()}")
+
+
+def get_json(url: str, key: str | None = None) -> tuple[int, dict]:
+    import json
+
+    request = urllib.request.Request(url)
+    if key:
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
