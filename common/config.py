@@ -206,6 +206,9 @@ class RouterConfig:
     cpu_hit_credit: float = 0.5
     # Assumed prefill speed of a worker that has not reported one yet (tokens/s).
     default_prefill_tokens_per_s: float = 5000.0
+    # Prefill cost also charges this much per token a worker would recompute that another
+    # already caches: work wasted system-wide, which delays everyone's later requests.
+    prefill_recompute_penalty: float = 4.0
     # Decode score = load - decode_prefix_weight * (cached fraction of the prompt).
     decode_prefix_weight: float = 0.5
     # Requests in flight beyond which new ones get 429 (Retry-After).

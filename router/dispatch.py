@@ -86,6 +86,7 @@ class Dispatcher:
         self.metrics = metrics
         self.block_size = block_size
         self._background: set[asyncio.Task] = set()
+        self._last_expiry = 0.0
 
     # ------------------------------------------------------------------ placement
 
@@ -96,6 +97,9 @@ class Dispatcher:
         prefill = self.pool.candidates(Role.PREFILL)
         start = time.perf_counter()
         with self.index_lock:
+            if start - self._last_expiry > 1.0:
+                self.index.expire_optimistic()
+                self._last_expiry = start
             ids = [w.worker_id for w in decode + prefill]
             matches = self.index.match(request.block_hashes, ids)
             placement = self.policy.place(

@@ -6,11 +6,18 @@ Decode workers are scored by load minus prefix overlap:
     score = max(kv_blocks_in_use / kv_blocks_total, running / max_running)
             - decode_prefix_weight * cached_tokens / prompt_tokens
 
-Prefill workers by estimated time to first token, in seconds:
+Prefill workers by estimated time to first token, in seconds, plus a charge for work that
+another worker would not have to do:
 
-    ttft = (queued_prefill_tokens + uncached_tokens) / prefill_tokens_per_s
+    cost = (queued_prefill_tokens + uncached_tokens
+            + prefill_recompute_penalty * (best_cached_tokens - cached_tokens))
+           / prefill_tokens_per_s
 
-where a CPU-tier hit counts ``cpu_hit_credit`` of a GPU hit. A prompt whose part the
+where a CPU-tier hit counts ``cpu_hit_credit`` of a GPU hit. Pure TTFT-greedy placement
+moves a request off the worker holding its prefix as soon as that worker's queue is a bit
+longer; the recomputation then lengthens every queue, and the conversation's later turns
+find their prefix split. The penalty makes a move pay for the work it wastes (see
+benchmarks/routing_sim.py for the trade-off on real traces). A prompt whose part the
 chosen decode worker does not cache is shorter than ``min_disagg_tokens`` is prefilled
 locally: moving its KV would cost more than computing it. Torch-free, no I/O: the router
 feeds it snapshots (``WorkerLoad``) and the prefix index's matches.
@@ -70,9 +77,12 @@ class PlacementPolicy:
         overlap = cached / max(num_tokens, 1)
         return max(kv_fraction, running_fraction) - self.config.decode_prefix_weight * overlap
 
-    def prefill_ttft(self, load: WorkerLoad, cached: float, num_tokens: int) -> float:
+    def prefill_cost(
+        self, load: WorkerLoad, cached: float, num_tokens: int, best_cached: float = 0.0
+    ) -> float:
         rate = load.prefill_tokens_per_s or self.config.default_prefill_tokens_per_s
-        return (load.queued_prefill_tokens + num_tokens - cached) / rate
+        wasted = self.config.prefill_recompute_penalty * (best_cached - cached)
+        return (load.queued_prefill_tokens + num_tokens - cached + wasted) / rate
 
     def _pick(self, scores: list[tuple[float, str]]) -> tuple[float, str]:
         best = min(score for score, _ in scores)
@@ -101,8 +111,9 @@ class PlacementPolicy:
         if not prefill or num_tokens - on_decode < self.config.min_disagg_tokens:
             return Placement(decode_id, None, int(on_decode), 0, 0.0)
         prefill_cached = self._cached(prefill, prefill_matches, num_tokens)
+        best = max(prefill_cached.values())
         prefill_scores = [
-            (self.prefill_ttft(w, prefill_cached[w.worker_id], num_tokens), w.worker_id)
+            (self.prefill_cost(w, prefill_cached[w.worker_id], num_tokens, best), w.worker_id)
             for w in prefill
         ]
         ttft, prefill_id = self._pick(prefill_scores)

@@ -1,6 +1,6 @@
 """Which worker caches which blocks, fed by the workers' KV events. Torch-free.
 
-    blocks:      block hash → {worker id → medium}        (what events confirmed)
+    gpu / cpu:   block hash → {worker ids}                (what events confirmed, per tier)
     optimistic:  block hash → {worker id → expiry}        (what we just sent there)
 
 A prompt's blocks form a chain (each hash covers its whole prefix), so a worker can reuse
@@ -31,12 +31,22 @@ class PrefixMatch:
         return self.gpu_blocks + self.cpu_blocks
 
 
+_EMPTY: frozenset[str] = frozenset()
+
+
 class PrefixIndex:
     def __init__(self, optimistic_ttl_s: float = 30.0) -> None:
         self.optimistic_ttl_s = optimistic_ttl_s
-        self._blocks: dict[BlockHash, dict[str, Medium]] = {}
+        # Per tier, block hash → the workers holding it (sets: ``match`` intersects them).
+        self._gpu: dict[BlockHash, set[str]] = {}
+        self._cpu: dict[BlockHash, set[str]] = {}
+        # Optimistic entries: block hash → {worker id → expiry}; ``expire_optimistic``
+        # (called periodically) drops old ones, ``match`` takes the rest at face value.
         self._optimistic: dict[BlockHash, dict[str, float]] = {}
         self._worker_blocks: dict[str, set[BlockHash]] = {}
+
+    def _tier(self, medium: Medium) -> dict[BlockHash, set[str]]:
+        return self._cpu if medium is Medium.CPU else self._gpu
 
     # ------------------------------------------------------------------ updates
 
@@ -44,27 +54,30 @@ class PrefixIndex:
         held = self._worker_blocks.setdefault(worker_id, set())
         for event in events:
             if isinstance(event, BlockStored):
+                tier = self._tier(event.medium)
                 for block_hash in event.block_hashes:
-                    self._blocks.setdefault(block_hash, {})[worker_id] = event.medium
+                    tier.setdefault(block_hash, set()).add(worker_id)
                     held.add(block_hash)
                     self._drop_optimistic(block_hash, worker_id)
             elif isinstance(event, BlockRemoved):
+                tier = self._tier(event.medium)
                 for block_hash in event.block_hashes:
-                    self._remove(block_hash, worker_id, event.medium, held)
+                    owners = tier.get(block_hash)
+                    if owners is None or worker_id not in owners:
+                        continue
+                    owners.discard(worker_id)
+                    if not owners:
+                        del tier[block_hash]
+                    if not self._holds_any(block_hash, worker_id):
+                        held.discard(block_hash)
             elif isinstance(event, AllBlocksCleared):
                 self.clear_worker(worker_id)
                 held = self._worker_blocks.setdefault(worker_id, set())
 
-    def _remove(
-        self, block_hash: BlockHash, worker_id: str, medium: Medium, held: set[BlockHash]
-    ) -> None:
-        owners = self._blocks.get(block_hash)
-        if owners is None or owners.get(worker_id) != medium:
-            return  # a block moved tiers: the removal of its old copy arrives after
-        del owners[worker_id]
-        if not owners:
-            del self._blocks[block_hash]
-        held.discard(block_hash)
+    def _holds_any(self, block_hash: BlockHash, worker_id: str) -> bool:
+        return worker_id in self._gpu.get(block_hash, _EMPTY) or worker_id in self._cpu.get(
+            block_hash, _EMPTY
+        )
 
     def insert_optimistic(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
         expiry = time.monotonic() + self.optimistic_ttl_s
@@ -81,11 +94,12 @@ class PrefixIndex:
     def clear_worker(self, worker_id: str) -> None:
         """Forget everything about a worker (it left, restarted or needs a resync)."""
         for block_hash in self._worker_blocks.pop(worker_id, set()):
-            owners = self._blocks.get(block_hash)
-            if owners is not None:
-                owners.pop(worker_id, None)
-                if not owners:
-                    del self._blocks[block_hash]
+            for tier in (self._gpu, self._cpu):
+                owners = tier.get(block_hash)
+                if owners is not None:
+                    owners.discard(worker_id)
+                    if not owners:
+                        del tier[block_hash]
         for block_hash in [h for h, o in self._optimistic.items() if worker_id in o]:
             self._drop_optimistic(block_hash, worker_id)
 
@@ -106,25 +120,35 @@ class PrefixIndex:
     def match(
         self, block_hashes: Sequence[BlockHash], worker_ids: Sequence[str]
     ) -> dict[str, PrefixMatch]:
-        """The leading run of ``block_hashes`` each worker holds."""
-        now = time.monotonic()
-        gpu = dict.fromkeys(worker_ids, 0)
-        cpu = dict.fromkeys(worker_ids, 0)
+        """The leading run of ``block_hashes`` each worker holds. Set operations per block,
+        so the cost grows with the matched prefix, barely with the number of workers."""
         active = set(worker_ids)
-        for block_hash in block_hashes:
+        run = dict.fromkeys(worker_ids, 0)
+        cpu = dict.fromkeys(worker_ids, 0)
+        gpu_tier, cpu_tier, optimistic = self._gpu, self._cpu, self._optimistic
+        depth = 0
+        for depth, block_hash in enumerate(block_hashes):
+            on_gpu = gpu_tier.get(block_hash, _EMPTY)
+            on_cpu = cpu_tier.get(block_hash, _EMPTY)
+            hopeful = optimistic.get(block_hash)
+            holders = active & on_gpu
+            if hopeful:
+                holders |= active & hopeful.keys()
+            if on_cpu:
+                cpu_only = (active & on_cpu) - holders
+                for worker_id in cpu_only:
+                    cpu[worker_id] += 1
+                holders |= cpu_only
+            for worker_id in active - holders:
+                run[worker_id] = depth
+            active = holders
             if not active:
                 break
-            owners = self._blocks.get(block_hash, {})
-            hopeful = self._optimistic.get(block_hash, {})
-            for worker_id in list(active):
-                medium = owners.get(worker_id)
-                if medium is Medium.GPU or (medium is None and hopeful.get(worker_id, 0) > now):
-                    gpu[worker_id] += 1
-                elif medium is Medium.CPU:
-                    cpu[worker_id] += 1
-                else:
-                    active.discard(worker_id)
-        return {w: PrefixMatch(gpu[w], cpu[w]) for w in worker_ids}
+        else:
+            depth = len(block_hashes)
+        for worker_id in active:
+            run[worker_id] = depth
+        return {w: PrefixMatch(run[w] - cpu[w], cpu[w]) for w in worker_ids}
 
     def num_blocks(self, worker_id: str) -> int:
         return len(self._worker_blocks.get(worker_id, ()))

@@ -1,0 +1,76 @@
+"""Settings of the KV-transfer layer, one frozen dataclass per process.
+
+It will be folded into the deployment config (``kv_transfer:`` section); until then the
+service builds it at its entry point. Each connector reads only the fields it uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from common.config import ConfigError
+
+
+class ConnectorName(StrEnum):
+    NIXL = "nixl"
+    NCCL = "nccl"  # torch.distributed: NCCL on CUDA, gloo on CPU
+    SHARED_STORAGE = "shared_storage"
+
+
+@dataclass(frozen=True, slots=True)
+class KVTransferConfig:
+    connector: ConnectorName = ConnectorName.NIXL
+    # Address every socket of the connector binds to, and advertises to peers.
+    host: str = "127.0.0.1"
+    # nccl: control socket (ZMQ) and rendezvous store (TCPStore) ports; 0 picks a free port
+    # and the chosen one travels in the handshake metadata.
+    port: int = 0
+    store_port: int = 0
+    # A fetch that has not finished this long after start_fetch fails (handshake included).
+    # Keep it well below the exporter's lease: see ``KVConnector`` in base.py.
+    timeout_s: float = 10.0
+    # shared_storage: the shared directory, and a sub-directory per model so that equal
+    # token prefixes of different models never share a file.
+    shared_dir: str | None = None
+    shared_namespace: str = "default"
+    # nccl: bytes of one staging buffer; a transfer moves ceil(bytes / staging_bytes)
+    # layer groups, each one send/recv (double-buffered).
+    staging_bytes: int = 64 << 20
+    nixl_backends: tuple[str, ...] = ("UCX",)
+    # UCX_NET_DEVICES for NIXL (UCX listens on every network device otherwise). None: "lo"
+    # when ``host`` is loopback, else UCX's own choice; multi-node deployments name their
+    # RDMA devices here (e.g. "mlx5_0:1"). An UCX_NET_DEVICES already in the environment wins.
+    nixl_net_devices: str | None = None
+    # UCX's own progress thread spins; on CPU hosts it halves the bandwidth, so by default
+    # the connector's driver thread makes progress itself, only while transfers are in flight.
+    nixl_progress_thread: bool = False
+    # How often idle background threads look for new work or notifications.
+    poll_interval_s: float = 0.002
+    io_threads: int = 2  # shared_storage: concurrent file transfers
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.connector, ConnectorName):
+            try:
+                object.__setattr__(self, "connector", ConnectorName(self.connector))
+            except ValueError:
+                choices = ", ".join(name.value for name in ConnectorName)
+                raise ConfigError(
+                    "kv_transfer.connector", f"{self.connector!r} is not one of: {choices}"
+                ) from None
+        object.__setattr__(self, "nixl_backends", tuple(self.nixl_backends))
+        if self.timeout_s <= 0:
+            raise ConfigError("kv_transfer.timeout_s", "must be positive")
+        if self.poll_interval_s <= 0:
+            raise ConfigError("kv_transfer.poll_interval_s", "must be positive")
+        if self.staging_bytes <= 0:
+            raise ConfigError("kv_transfer.staging_bytes", "must be positive")
+        if self.io_threads < 1:
+            raise ConfigError("kv_transfer.io_threads", "must be at least 1")
+        for key, port in (("port", self.port), ("store_port", self.store_port)):
+            if not 0 <= port < 65536:
+                raise ConfigError(f"kv_transfer.{key}", f"{port} is not a TCP port")
+        if self.connector is ConnectorName.SHARED_STORAGE and not self.shared_dir:
+            raise ConfigError("kv_transfer.shared_dir", "shared_storage needs a directory")
+        if "/" in self.shared_namespace or self.shared_namespace in ("", ".", ".."):
+            raise ConfigError("kv_transfer.shared_namespace", "must be one path component")

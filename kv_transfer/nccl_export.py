@@ -1,0 +1,207 @@
+"""Exporter half of the NCCL connector: a control thread and one sender thread per pair.
+
+The control thread owns the ZMQ ROUTER socket: it answers ``Connect`` (start a pair's
+sender) and ``FetchRequest`` (check the export, queue the send) and turns ``Done`` /
+``Abort`` into finished exports. Replies come only from this thread, so no socket is
+shared. A pair's sender gathers each layer group into one of two staging buffers and
+sends it while gathering the next. A failed pair is aborted and forgotten; the fetcher
+reconnects with a new pair id, so one broken peer never blocks another.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from kv_transfer.layout import KVCaches
+from kv_transfer.nccl_protocol import (
+    Abort,
+    Accepted,
+    Connect,
+    Done,
+    FetchRequest,
+    Rejected,
+    abort_group,
+    decode_to_exporter,
+    encode,
+    open_pair_group,
+    tag,
+    wait_work,
+)
+from kv_transfer.packing import (
+    bind_device,
+    block_id_tensor,
+    gather_layers,
+    groups_of,
+    staging_numel,
+    staging_view,
+)
+from kv_transfer.tracker import ExportTracker
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 50  # control loop wake-up, bounds the close() latency
+
+
+@dataclass(frozen=True, slots=True)
+class ExportSettings:
+    host: str
+    backend: str
+    timeout_s: float
+
+
+class PairSender(threading.Thread):
+    """Sends the transfers of one fetcher, in order, over the pair's process group."""
+
+    def __init__(
+        self,
+        pair_id: str,
+        store: dist.Store,
+        kv: KVCaches,
+        exports: ExportTracker,
+        settings: ExportSettings,
+    ) -> None:
+        super().__init__(name=f"nccl-send-{pair_id[:8]}", daemon=True)
+        self.pair_id = pair_id
+        self._store, self._kv, self._exports, self._settings = store, kv, exports, settings
+        self._jobs: queue.SimpleQueue[FetchRequest | None] = queue.SimpleQueue()
+        self._group: dist.ProcessGroup | None = None
+        self._staging: list[torch.Tensor] = []
+        self.failed = False
+
+    def submit(self, request: FetchRequest | None) -> None:
+        """Queue a send; None stops the thread."""
+        self._jobs.put(request)
+
+    def run(self) -> None:
+        settings = self._settings
+        try:
+            bind_device(self._kv.device)
+            self._group = open_pair_group(
+                self._store, self.pair_id, 0, settings.backend, settings.host, settings.timeout_s
+            )
+            while (request := self._jobs.get()) is not None:
+                self._send(request)
+        except Exception as exc:
+            logger.warning("pair %s failed, dropping it: %s", self.pair_id, exc)
+        finally:
+            self.failed = True
+            abort_group(self._group)
+
+    def _buffers(self, numel: int) -> list[torch.Tensor]:
+        if not self._staging or self._staging[0].numel() < numel:
+            kv = self._kv
+            self._staging = [
+                torch.empty(numel, dtype=kv.layout.torch_dtype, device=kv.device) for _ in range(2)
+            ]
+        return self._staging
+
+    def _send(self, request: FetchRequest) -> None:
+        kv, layout = self._kv, self._kv.layout
+        num_blocks = len(request.block_ids)
+        if num_blocks == 0:
+            return
+        groups = groups_of(layout.num_layers, request.layers_per_group)
+        buffers = self._buffers(staging_numel(layout, len(groups[0]), num_blocks))
+        ids = block_id_tensor(request.block_ids, kv.device)
+        deadline = time.monotonic() + self._settings.timeout_s
+        pending: list[dist.Work | None] = [None, None]
+        for i, layers in enumerate(groups):
+            slot = i % 2
+            if pending[slot] is not None:
+                wait_work(pending[slot], deadline, kv.device)
+            staging = staging_view(buffers[slot], layout, len(layers), num_blocks)
+            with self._exports.reading(request.transfer_id) as export:
+                if export is None:
+                    raise RuntimeError(f"export {request.transfer_id} released mid-transfer")
+                gather_layers(kv, layers, ids, out=staging)
+            assert self._group is not None
+            pending[slot] = self._group.send([staging], 1, tag(request.seq, i, len(groups)))
+        for work in pending:
+            if work is not None:
+                wait_work(work, deadline, kv.device)
+
+
+class ExportServer(threading.Thread):
+    """The exporter's control loop: owns the ROUTER socket and the pair senders."""
+
+    def __init__(
+        self,
+        router: zmq.Socket,
+        store: dist.Store,
+        kv: KVCaches,
+        exports: ExportTracker,
+        settings: ExportSettings,
+    ) -> None:
+        super().__init__(name="nccl-export-control", daemon=True)
+        self._router, self._store, self._kv = router, store, kv
+        self._exports, self._settings = exports, settings
+        self._pairs: dict[str, PairSender] = {}
+        self._stopping = threading.Event()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    def run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                if self._router.poll(_POLL_MS):
+                    identity, payload = self._router.recv_multipart()
+                    self._handle(identity, payload)
+                self._reap()
+        finally:
+            for pair in self._pairs.values():
+                pair.submit(None)
+            self._router.close(linger=0)
+
+    def _handle(self, identity: bytes, payload: bytes) -> None:
+        try:
+            message = decode_to_exporter(payload)
+        except Exception as exc:
+            logger.warning("ignoring a malformed control message: %s", exc)
+            return
+        if isinstance(message, Connect):
+            reply = self._connect(message)
+        elif isinstance(message, FetchRequest):
+            reply = self._fetch(message)
+        else:
+            assert isinstance(message, Done | Abort)
+            if isinstance(message, Abort):
+                logger.info("peer aborted transfer %s", message.transfer_id)
+            self._exports.finish(message.transfer_id)
+            return
+        self._router.send_multipart([identity, encode(reply)])
+
+    def _connect(self, message: Connect) -> Accepted | Rejected:
+        if message.layout != self._kv.layout:
+            reason = f"layout mismatch: ours {self._kv.layout}, theirs {message.layout}"
+            return Rejected(message.pair_id, reason, layout_mismatch=True)
+        pair = PairSender(message.pair_id, self._store, self._kv, self._exports, self._settings)
+        self._pairs[message.pair_id] = pair
+        pair.start()
+        return Accepted(message.pair_id)
+
+    def _fetch(self, message: FetchRequest) -> Accepted | Rejected:
+        pair = self._pairs.get(message.pair_id)
+        if pair is None or pair.failed:
+            return Rejected(message.transfer_id, "unknown or failed pair; reconnect")
+        export = self._exports.get(message.transfer_id)
+        if export is None:
+            return Rejected(message.transfer_id, "no such export (unknown or released lease)")
+        if not set(message.block_ids) <= set(export.block_ids):
+            return Rejected(message.transfer_id, "asked for blocks outside the export")
+        if not 1 <= message.layers_per_group <= self._kv.layout.num_layers:
+            return Rejected(message.transfer_id, "bad layers_per_group")
+        pair.submit(message)
+        return Accepted(message.transfer_id)
+
+    def _reap(self) -> None:
+        for pair_id in [p for p, pair in self._pairs.items() if not pair.is_alive()]:
+            del self._pairs[pair_id]

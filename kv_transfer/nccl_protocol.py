@@ -1,0 +1,150 @@
+"""Wire pieces of the NCCL connector: control messages, the handshake section, and the
+process group that one (exporter, fetcher) pair shares.
+
+Control messages are msgspec-tagged structs over ZMQ (exporter ROUTER, fetcher DEALER):
+
+    fetcher                                   exporter
+    Connect(pair_id, engine_id, layout)  -->  check layout, start the pair's sender
+                                         <--  Accepted(pair_id) | Rejected(pair_id, why)
+    both open a 2-rank process group on the exporter's TCPStore, under prefix pair_id
+    FetchRequest(pair_id, transfer_id,   -->  check the export holds those blocks
+                 block_ids, layers_per_group, seq)
+                                         <--  Accepted(transfer_id) | Rejected(...)
+    <== one send/recv per layer group, tags tag(seq, group) ==
+    Done(transfer_id) | Abort(transfer_id) -> the export is finished
+
+The process group is a dedicated ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` object over a
+``PrefixStore``: it never touches torch.distributed's global default group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import time
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from kv_transfer.errors import TransferTimeoutError
+from kv_transfer.layout import KVLayout
+
+
+class NcclPayload(msgspec.Struct, frozen=True, kw_only=True):
+    """The NCCL section of the handshake envelope."""
+
+    host: str
+    control_port: int
+    store_port: int
+    backend: str  # "gloo" (CPU caches) or "nccl" (CUDA caches)
+
+
+class Connect(msgspec.Struct, frozen=True, tag=True):
+    pair_id: str
+    engine_id: str
+    layout: KVLayout
+
+
+class FetchRequest(msgspec.Struct, frozen=True, tag=True):
+    pair_id: str
+    transfer_id: str
+    block_ids: list[int]
+    layers_per_group: int
+    seq: int  # per pair, so that tags of consecutive transfers never collide
+
+
+class Done(msgspec.Struct, frozen=True, tag=True):
+    transfer_id: str
+
+
+class Abort(msgspec.Struct, frozen=True, tag=True):
+    transfer_id: str
+
+
+class Accepted(msgspec.Struct, frozen=True, tag=True):
+    request_id: str  # pair id or transfer id
+
+
+class Rejected(msgspec.Struct, frozen=True, tag=True):
+    request_id: str
+    reason: str
+    layout_mismatch: bool = False
+
+
+ToExporter = Connect | FetchRequest | Done | Abort
+ToFetcher = Accepted | Rejected
+
+_TO_EXPORTER = msgspec.msgpack.Decoder(ToExporter)
+_TO_FETCHER = msgspec.msgpack.Decoder(ToFetcher)
+
+
+def encode(message: ToExporter | ToFetcher) -> bytes:
+    return msgspec.msgpack.encode(message)
+
+
+def decode_to_exporter(data: bytes) -> ToExporter:
+    return _TO_EXPORTER.decode(data)
+
+
+def decode_to_fetcher(data: bytes) -> ToFetcher:
+    return _TO_FETCHER.decode(data)
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def open_pair_group(
+    store: dist.Store, pair_id: str, rank: int, backend: str, host: str, timeout_s: float
+) -> dist.ProcessGroup:
+    """The 2-rank group of one pair (rank 0 exports, rank 1 fetches). Blocks until both
+    ranks have joined or ``timeout_s`` passes. Gloo binds its sockets to ``host``."""
+    prefixed = dist.PrefixStore(f"kv_transfer/{pair_id}/", store)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        options._timeout = timeout
+        return dist.ProcessGroupGloo(prefixed, rank, 2, options)
+    nccl_group = getattr(dist, "ProcessGroupNCCL", None)
+    if nccl_group is None:
+        raise RuntimeError("this torch build has no NCCL")
+    options = nccl_group.Options()
+    options._timeout = timeout
+    return nccl_group(prefixed, rank, 2, options)
+
+
+def tag(seq: int, group: int, num_groups: int) -> int:
+    """A tag unique per (transfer, group) within a pair, kept below 2**31."""
+    return (seq * num_groups + group) % (1 << 31)
+
+
+def wait_work(work: dist.Work, deadline: float, device: torch.device) -> None:
+    """Wait for a send/recv until the monotonic ``deadline``; raise on timeout or error."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TransferTimeoutError("transfer deadline passed")
+    if device.type == "cuda":
+        # NCCL's wait() only orders streams; poll for CPU-side completion instead.
+        while not work.is_completed():
+            if time.monotonic() >= deadline:
+                raise TransferTimeoutError("NCCL transfer still running at the deadline")
+            time.sleep(50e-6)
+        work.wait()
+        torch.cuda.current_stream(device).synchronize()
+        return
+    try:
+        work.wait(datetime.timedelta(seconds=remaining))
+    except RuntimeError as exc:
+        if "Timed out" in str(exc) and time.monotonic() >= deadline - 1e-3:
+            raise TransferTimeoutError(f"transfer still running at the deadline: {exc}") from exc
+        raise
+
+
+def abort_group(group: dist.ProcessGroup | None) -> None:
+    """Abort a pair's group after a failure, so that no pending op touches its buffers."""
+    if group is None:
+        return
+    with contextlib.suppress(Exception):  # best effort: the group is being discarded
+        group.abort()

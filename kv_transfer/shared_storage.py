@@ -1,0 +1,238 @@
+"""Shared-storage connector: one file per block on a shared directory, named by block hash.
+
+    <shared_dir>/<namespace>/<hash[:2]>/<hash>.kvblock      (format: blockfile.py)
+
+Because files are named by the chained prefix hash, the directory is also a cross-worker
+prefix store: any worker with the same layout and namespace can load a block another one
+wrote (``lookup_prefix`` counts how many leading blocks are stored). The exporter writes
+the files on background threads and reports the export finished once they are on disk:
+from then on the data lives in the files, not in its blocks, so the lease can go at once.
+The fetcher waits for each file until the deadline (the exporter may still be writing),
+verifies it, and copies it into its local block. No handshake is needed: every file
+carries its layout, and the reader checks it. Files are never deleted here; bounding the
+directory (LRU by access time) is the operator's job for now.
+
+A transfer is cut into chunks that the I/O threads process in parallel (checksums and
+copies release the GIL); each thread reuses one staging buffer, so steady-state transfers
+allocate nothing. A transfer settles when its last chunk does, so a failed fetch is
+reported only once no chunk can write its blocks any more.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import msgspec
+import torch
+
+from kernels.reference import scatter_blocks
+from kv_transfer.base import KVConnector
+from kv_transfer.blockfile import read_block_file, write_block_file
+from kv_transfer.config import ConnectorName, KVTransferConfig
+from kv_transfer.errors import (
+    BlockNotFoundError,
+    ConnectorClosedError,
+    KVTransferError,
+    TransferFailedError,
+)
+from kv_transfer.handshake import MetadataFetcher
+from kv_transfer.layout import KVCaches
+from kv_transfer.packing import as_bytes, block_id_tensor, gather_layers
+from kv_transfer.records import ExportRecord, FetchRecord
+
+logger = logging.getLogger(__name__)
+
+_MAX_POLL_S = 0.02
+_MAX_CHUNK_BYTES = 16 << 20
+
+Items = list[tuple[int, bytes]]  # (block id, block hash)
+
+
+class _Countdown:
+    """Settles a chunked transfer once, when its last chunk is done; keeps the first error."""
+
+    def __init__(self, num_chunks: int, on_done: Callable[[KVTransferError | None], None]):
+        self._lock = threading.Lock()
+        self._remaining = num_chunks
+        self._on_done = on_done
+        self.error: KVTransferError | None = None
+
+    def chunk_done(self, error: KVTransferError | None = None) -> None:
+        with self._lock:
+            self.error = self.error or error
+            self._remaining -= 1
+            last = self._remaining == 0
+        if last:
+            self._on_done(self.error)
+
+
+class SharedStorageConnector(KVConnector):
+    name = ConnectorName.SHARED_STORAGE
+
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        engine_id: str,
+        fetch_peer_metadata: MetadataFetcher | None = None,
+    ) -> None:
+        super().__init__(config, engine_id, fetch_peer_metadata)
+        assert config.shared_dir is not None  # KVTransferConfig checks it
+        self.root = Path(config.shared_dir) / config.shared_namespace
+        self._pool: ThreadPoolExecutor | None = None
+        self._local = threading.local()  # per I/O thread: its staging buffers
+
+    def _needs_hashes(self) -> bool:
+        return True
+
+    def _on_register(self, kv: KVCaches) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._pool = ThreadPoolExecutor(
+            self.config.io_threads, thread_name_prefix=f"kv-storage-{self.engine_id}"
+        )
+
+    def _transport_metadata(self) -> bytes:
+        # Informational (no handshake is needed): lets an operator check both sides agree.
+        return msgspec.msgpack.encode({"namespace": self.config.shared_namespace})
+
+    def path_for(self, block_hash: bytes) -> Path:
+        name = block_hash.hex()
+        return self.root / name[:2] / f"{name}.kvblock"
+
+    def lookup_prefix(self, block_hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of this chain are stored (not verified until read)."""
+        for i, block_hash in enumerate(block_hashes):
+            if not self.path_for(block_hash).exists():
+                return i
+        return len(block_hashes)
+
+    def _chunks(self, items: Items) -> list[Items]:
+        per_chunk = min(self.config.staging_bytes, _MAX_CHUNK_BYTES) // self.layout.block_bytes
+        per_chunk = max(1, per_chunk)
+        return [items[i : i + per_chunk] for i in range(0, len(items), per_chunk)]
+
+    def _buffer(self, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """This thread's reusable staging tensor ``name``, at least ``shape`` large."""
+        layout = self.layout
+        numel = 1
+        for size in shape:
+            numel *= size
+        flat = getattr(self._local, name, None)
+        if flat is None or flat.numel() < numel:
+            flat = torch.empty(numel, dtype=layout.torch_dtype, device=device)
+            setattr(self._local, name, flat)
+        return flat[:numel].view(shape)
+
+    def _submit(self, chunks: list[Items], work: Callable[[Items], None], countdown: _Countdown):
+        assert self._pool is not None
+
+        def run(chunk: Items) -> None:
+            try:
+                if countdown.error is None:  # a failed transfer skips its remaining chunks
+                    work(chunk)
+            except KVTransferError as exc:
+                countdown.chunk_done(exc)
+            except Exception as exc:
+                logger.exception("shared-storage chunk failed")
+                countdown.chunk_done(TransferFailedError(f"{type(exc).__name__}: {exc}"))
+            else:
+                countdown.chunk_done()
+
+        for chunk in chunks:
+            self._pool.submit(run, chunk)
+
+    # -- export: blocks -> files --------------------------------------------------------
+
+    def _on_export(self, record: ExportRecord) -> None:
+        assert record.block_hashes is not None
+        tid = record.transfer_id
+        todo = [
+            (block_id, block_hash)
+            for block_id, block_hash in zip(record.block_ids, record.block_hashes, strict=True)
+            if not self.path_for(block_hash).exists()  # content-addressed: already stored
+        ]
+        chunks = self._chunks(todo)
+        if not chunks:
+            self._exports.finish(tid)
+            return
+
+        def on_done(error: KVTransferError | None) -> None:
+            if error is not None:
+                logger.error("writing the blocks of export %s failed: %s", tid, error)
+            # Finished either way: the blocks are no longer read for this transfer.
+            self._exports.finish(tid)
+
+        self._submit(
+            chunks, lambda chunk: self._write_chunk(tid, chunk), _Countdown(len(chunks), on_done)
+        )
+
+    def _write_chunk(self, transfer_id: str, items: Items) -> None:
+        layout, kv = self.layout, self.kv
+        staging = self._buffer(
+            "gather", (layout.num_layers, len(items), *layout.block_shape), kv.device
+        )
+        ids = block_id_tensor([block_id for block_id, _ in items], kv.device)
+        with self._exports.reading(transfer_id) as export:
+            if export is None:
+                return  # released meanwhile: its blocks may hold other data now
+            gather_layers(kv, range(layout.num_layers), ids, out=staging)  # [L, n, 2, bs, H, D]
+        block = self._buffer("block", (layout.num_layers, *layout.block_shape), torch.device("cpu"))
+        for j, (_, block_hash) in enumerate(items):
+            block.copy_(staging[:, j])  # [L, 2, bs, H, D], the file's payload order
+            path = self.path_for(block_hash)
+            path.parent.mkdir(exist_ok=True)
+            write_block_file(path, layout, block_hash, as_bytes(block))
+
+    # -- fetch: files -> blocks ---------------------------------------------------------
+
+    def _on_fetch(self, record: FetchRecord) -> None:
+        assert record.block_hashes is not None
+        tid = record.transfer_id
+        items = list(zip(record.local_block_ids, record.block_hashes, strict=True))
+        chunks = self._chunks(items)
+        if not chunks:
+            self._fetches.complete(tid)
+            return
+
+        def on_done(error: KVTransferError | None) -> None:
+            if error is None:
+                self._fetches.complete(tid)
+            else:
+                self._fetches.fail(tid, error)
+
+        countdown = _Countdown(len(chunks), on_done)
+        self._submit(chunks, lambda chunk: self._read_chunk(record, chunk), countdown)
+
+    def _read_chunk(self, record: FetchRecord, items: Items) -> None:
+        layout, kv = self.layout, self.kv
+        shape = (len(items), layout.num_layers, *layout.block_shape)
+        host = self._buffer("read", shape, torch.device("cpu"))  # [n, L, 2, bs, H, D]
+        for j, (_, block_hash) in enumerate(items):
+            path = self.path_for(block_hash)
+            self._await_file(path, record)
+            read_block_file(path, layout, block_hash, as_bytes(host[j]))
+        staging = host if kv.device.type == "cpu" else host.to(kv.device)
+        ids = block_id_tensor([block_id for block_id, _ in items], kv.device)
+        for layer in range(layout.num_layers):
+            scatter_blocks(staging[:, layer], kv.tensors[layer], ids)
+        if kv.device.type == "cuda":
+            torch.cuda.current_stream(kv.device).synchronize()
+
+    def _await_file(self, path: Path, record: FetchRecord) -> None:
+        delay = 0.001
+        while not path.exists():
+            if self._closed:
+                raise ConnectorClosedError("connector closed")
+            remaining = record.remaining_s()
+            if remaining <= 0:
+                raise BlockNotFoundError(f"{path.name} did not appear within the timeout")
+            time.sleep(min(delay, remaining))
+            delay = min(2 * delay, _MAX_POLL_S)
+
+    def _close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,70 @@
+"""Every socket a connector opens listens on the configured host (127.0.0.1 by default),
+never on every interface: checked from /proc after a real transfer, in one process."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from kv_transfer import KVTransferConfig, PeerRef, create_connector
+
+SHAPE = (8, 2, 4, 2, 16)  # [num_blocks, 2, block_size, H, D]
+
+
+def listening_addresses() -> dict[str, str]:
+    """inode -> local address of this process's listening TCP sockets."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                found[fields[9]] = fields[1].split(":")[0]
+    return found
+
+
+def is_loopback(hex_address: str) -> bool:
+    raw = bytes.fromhex(hex_address)
+    if len(raw) == 4:
+        return ipaddress.IPv4Address(raw[::-1]).is_loopback  # /proc prints little-endian
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
+    address = ipaddress.IPv6Address(words)
+    return address.is_loopback or bool(address.ipv4_mapped and address.ipv4_mapped.is_loopback)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("connector", ["nixl", "nccl"])
+def test_listeners_stay_on_loopback(connector):
+    before = listening_addresses()
+    metadata: dict[str, bytes] = {}
+    config = KVTransferConfig(connector=connector, timeout_s=10)
+    exporter = create_connector(config, f"bind-exporter-{connector}", metadata.__getitem__)
+    fetcher = create_connector(config, f"bind-fetcher-{connector}", metadata.__getitem__)
+    try:
+        src = [torch.randn(SHAPE) for _ in range(2)]
+        dst = [torch.zeros(SHAPE) for _ in range(2)]
+        exporter.register_kv_caches(src)
+        fetcher.register_kv_caches(dst)
+        metadata["exporter"] = exporter.metadata()
+        exporter.export_blocks("bind", [1, 2])
+        peer = PeerRef(f"bind-exporter-{connector}", "exporter")
+        fetcher.start_fetch("bind", peer, [1, 2], [3, 4])
+        fetcher.wait("bind", 10)  # pairs, process groups and UCX endpoints now exist
+        assert all(torch.equal(d[[3, 4]], s[[1, 2]]) for s, d in zip(src, dst, strict=True))
+        opened = {k: v for k, v in listening_addresses().items() if k not in before}
+        assert opened, "expected the connector to listen somewhere"
+        assert all(is_loopback(address) for address in opened.values()), opened
+    finally:
+        exporter.close()
+        fetcher.close()

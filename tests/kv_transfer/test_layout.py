@@ -1,0 +1,135 @@
+"""Layout, handshake envelope, config and registry: the checks that run before any byte moves."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+
+from common.config import ConfigError
+from kv_transfer import (
+    ConnectorName,
+    HandshakeError,
+    KVLayout,
+    KVTransferConfig,
+    LayoutMismatchError,
+    create_connector,
+)
+from kv_transfer.handshake import (
+    HANDSHAKE_VERSION,
+    PeerMetadata,
+    decode_peer_metadata,
+    encode_metadata,
+)
+from kv_transfer.layout import KVCaches
+
+LAYOUT = KVLayout(num_layers=2, block_size=16, num_kv_heads=4, head_dim=64, dtype="bfloat16")
+
+
+def caches(num_layers=2, shape=(8, 2, 16, 4, 64), dtype=torch.bfloat16) -> list[torch.Tensor]:
+    return [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+
+
+def test_layout_from_caches_and_sizes():
+    kv = KVCaches.from_tensors(caches())
+    assert kv.layout == LAYOUT and kv.num_blocks == 8
+    assert LAYOUT.block_bytes_per_layer == 2 * 16 * 4 * 64 * 2
+    assert LAYOUT.block_bytes == 2 * LAYOUT.block_bytes_per_layer
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        caches(shape=(8, 3, 16, 4, 64)),  # not K/V
+        [*caches(1), torch.zeros(8, 2, 16, 4, 32, dtype=torch.bfloat16)],  # layers differ
+        [torch.zeros(2, 8, 16, 4, 64, dtype=torch.bfloat16).transpose(0, 1)],  # strided
+        [],
+    ],
+)
+def test_invalid_caches_are_refused(bad):
+    with pytest.raises(ValueError):
+        KVCaches.from_tensors(bad)
+
+
+def test_check_compatible_names_every_difference():
+    other = msgspec.structs.replace(LAYOUT, dtype="float16", block_size=32)
+    LAYOUT.check_compatible(msgspec.structs.replace(LAYOUT))
+    with pytest.raises(LayoutMismatchError) as info:
+        LAYOUT.check_compatible(other)
+    assert set(info.value.mismatches) == {"dtype", "block_size"}
+    assert info.value.mismatches["dtype"] == ("bfloat16", "float16")
+
+
+def envelope(**overrides) -> bytes:
+    fields = dict(
+        version=HANDSHAKE_VERSION,
+        connector="nixl",
+        engine_id="prefill-0",
+        layout=LAYOUT,
+        num_blocks=100,
+        transport=b"\x01",
+    )
+    return encode_metadata(PeerMetadata(**{**fields, **overrides}))
+
+
+def test_envelope_round_trip():
+    metadata = decode_peer_metadata(
+        envelope(), connector=ConnectorName.NIXL, local_layout=LAYOUT, engine_id="prefill-0"
+    )
+    assert metadata.num_blocks == 100 and metadata.transport == b"\x01"
+
+
+@pytest.mark.parametrize(
+    ("data", "error"),
+    [
+        (b"\xc1garbage", HandshakeError),
+        (envelope(version=HANDSHAKE_VERSION + 1), HandshakeError),
+        (envelope(connector="nccl"), HandshakeError),
+        (envelope(engine_id="prefill-1"), HandshakeError),  # a stale endpoint
+        (envelope(layout=msgspec.structs.replace(LAYOUT, num_kv_heads=8)), LayoutMismatchError),
+    ],
+)
+def test_bad_envelopes_are_refused(data, error):
+    with pytest.raises(error):
+        decode_peer_metadata(
+            data, connector=ConnectorName.NIXL, local_layout=LAYOUT, engine_id="prefill-0"
+        )
+
+
+def test_config_validates_and_coerces():
+    assert KVTransferConfig(connector="nccl").connector is ConnectorName.NCCL
+    assert KVTransferConfig().host == "127.0.0.1"  # never every interface by default
+    with pytest.raises(ConfigError, match="connector"):
+        KVTransferConfig(connector="carrier-pigeon")
+    with pytest.raises(ConfigError, match="shared_dir"):
+        KVTransferConfig(connector="shared_storage")
+    with pytest.raises(ConfigError, match="timeout_s"):
+        KVTransferConfig(timeout_s=0)
+
+
+def test_registry_builds_each_connector(tmp_path):
+    for name in ConnectorName:
+        config = KVTransferConfig(connector=name, shared_dir=str(tmp_path))
+        connector = create_connector(config, f"engine-{name}")
+        try:
+            assert connector.name is name
+            connector.register_kv_caches(caches())
+            decode_peer_metadata(connector.metadata(), connector=name, local_layout=LAYOUT)
+        finally:
+            connector.close()
+
+
+def test_misuse_raises_value_errors(tmp_path):
+    config = KVTransferConfig(connector="shared_storage", shared_dir=str(tmp_path))
+    with create_connector(config, "engine") as connector:
+        connector.register_kv_caches(caches())
+        h = [bytes(32)]
+        with pytest.raises(ValueError, match="outside"):
+            connector.export_blocks("t", [8], h)
+        with pytest.raises(ValueError, match="block_hashes"):
+            connector.export_blocks("t", [1])  # shared storage names blocks by hash
+        connector.export_blocks("t", [1], h)
+        with pytest.raises(ValueError, match="already active"):
+            connector.export_blocks("t", [2], h)
+        with pytest.raises(ValueError, match="remote block ids for"):
+            connector.start_fetch("f", None, [1, 2], [3], None)  # type: ignore[arg-type]

@@ -1,0 +1,86 @@
+"""The block-file format and the shared-storage connector in one process."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+
+import pytest
+import torch
+
+from common.hashing import hash_blocks
+from kv_transfer import CorruptBlockError, KVTransferConfig, LayoutMismatchError, PeerRef
+from kv_transfer.blockfile import MAGIC, read_block_file, write_block_file
+from kv_transfer.layout import KVLayout
+from kv_transfer.shared_storage import SharedStorageConnector
+
+LAYOUT = KVLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype="float16")
+HASH = hashlib.sha256(b"block").digest()
+
+
+def payload() -> bytearray:
+    return bytearray(os.urandom(LAYOUT.block_bytes))
+
+
+def test_round_trip_and_no_temp_files_left(tmp_path):
+    data = payload()
+    path = tmp_path / "b.kvblock"
+    write_block_file(path, LAYOUT, HASH, memoryview(data))
+    out = bytearray(LAYOUT.block_bytes)
+    read_block_file(path, LAYOUT, HASH, memoryview(out))
+    assert out == data
+    assert [p.name for p in tmp_path.iterdir()] == ["b.kvblock"]
+    assert path.read_bytes().startswith(MAGIC)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda raw: raw[:-1],  # truncated
+        lambda raw: raw + b"x",  # trailing garbage
+        lambda raw: raw[:-1] + bytes([raw[-1] ^ 1]),  # one payload bit
+        lambda raw: b"NOTAKVB!" + raw[8:],  # magic
+        lambda raw: raw[:8] + b"\xff\xff\x00\x00" + raw[12:],  # header length
+        lambda raw: raw[:14] + bytes([raw[14] ^ 0xFF]) + raw[15:],  # header bytes
+    ],
+)
+def test_damaged_files_are_refused(tmp_path, damage):
+    path = tmp_path / "b.kvblock"
+    write_block_file(path, LAYOUT, HASH, memoryview(payload()))
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises((CorruptBlockError, LayoutMismatchError)):
+        read_block_file(path, LAYOUT, HASH, memoryview(bytearray(LAYOUT.block_bytes)))
+
+
+def test_wrong_block_and_wrong_layout_are_refused(tmp_path):
+    path = tmp_path / "b.kvblock"
+    write_block_file(path, LAYOUT, HASH, memoryview(payload()))
+    out = memoryview(bytearray(LAYOUT.block_bytes))
+    with pytest.raises(CorruptBlockError, match="holds block"):
+        read_block_file(path, LAYOUT, hashlib.sha256(b"other").digest(), out)
+    other = KVLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype="bfloat16")
+    with pytest.raises(LayoutMismatchError):
+        read_block_file(path, other, HASH, out)
+
+
+def test_connector_stores_a_prefix_other_workers_can_load(tmp_path):
+    config = KVTransferConfig(connector="shared_storage", shared_dir=str(tmp_path))
+    shape = (16, 2, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    src = [torch.randn(shape).half() for _ in range(2)]
+    dst = [torch.zeros(shape).half() for _ in range(2)]
+    hashes = hash_blocks(list(range(3 * LAYOUT.block_size)), LAYOUT.block_size, salt="t")
+    with SharedStorageConnector(config, "a") as a, SharedStorageConnector(config, "b") as b:
+        a.register_kv_caches(src)
+        b.register_kv_caches(dst)
+        assert b.lookup_prefix(hashes) == 0
+        a.export_blocks("lease", [5, 6], hashes[:2])
+        deadline = time.monotonic() + 10
+        while not a.poll_finished_exports():  # written: the lease may go now
+            assert time.monotonic() < deadline, "export never finished"
+            time.sleep(0.01)
+        assert b.lookup_prefix(hashes) == 2
+        b.start_fetch("f", PeerRef("a", "unused"), [5, 6], [1, 9], hashes[:2])
+        b.wait("f", 10)
+        for layer in range(2):
+            assert torch.equal(dst[layer][[1, 9]], src[layer][[5, 6]])

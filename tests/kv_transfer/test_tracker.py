@@ -1,0 +1,67 @@
+"""Outcome bookkeeping: reported exactly once, waits bounded, releases wait for readers."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kv_transfer.errors import DuplicateTransferError, TransferFailedError
+from kv_transfer.records import ExportRecord, FetchRecord, PeerRef
+from kv_transfer.tracker import ExportTracker, FetchTracker
+
+
+def fetch(tid: str) -> FetchRecord:
+    return FetchRecord(tid, PeerRef("p", "e"), (1,), (2,), None, time.monotonic() + 10)
+
+
+def test_fetch_outcomes_are_reported_once():
+    tracker = FetchTracker()
+    for tid in ("a", "b", "c"):
+        tracker.add(fetch(tid))
+    with pytest.raises(DuplicateTransferError):
+        tracker.add(fetch("a"))
+    error = TransferFailedError("peer died")
+    assert tracker.complete("a") and tracker.fail("b", error)
+    assert not tracker.complete("a") and not tracker.fail("a", error)  # already settled
+    results = tracker.drain()
+    assert results.done == ["a"] and results.failed == {"b": error}
+    assert not tracker.drain() and len(tracker) == 1
+
+
+def test_wait_is_bounded_and_consumes():
+    tracker = FetchTracker()
+    tracker.add(fetch("a"))
+    with pytest.raises(TimeoutError):
+        tracker.wait("a", 0.01)
+    threading.Timer(0.05, tracker.complete, args=("a",)).start()
+    assert tracker.wait("a", 5) is None
+    assert not tracker.drain()  # wait() consumed it
+    with pytest.raises(KeyError):
+        tracker.wait("a", 0)
+
+
+def test_release_waits_for_readers_and_hides_the_export():
+    tracker = ExportTracker()
+    tracker.add(ExportRecord("x", (1, 2), None))
+    released = threading.Event()
+    with tracker.reading("x") as record:
+        assert record is not None
+        thread = threading.Thread(target=lambda: (tracker.release("x"), released.set()))
+        thread.start()
+        time.sleep(0.05)
+        assert not released.is_set(), "release returned while a transport was reading"
+    thread.join(5)
+    assert released.is_set()
+    with tracker.reading("x") as record:
+        assert record is None
+    assert not tracker.finish("x")  # a late notification does not resurrect it
+
+
+def test_finished_exports_are_reported_once_then_forgotten():
+    tracker = ExportTracker()
+    tracker.add(ExportRecord("x", (1,), None))
+    assert tracker.finish("x") and not tracker.finish("x")
+    assert tracker.drain_finished() == ["x"]
+    assert tracker.drain_finished() == [] and len(tracker) == 0

@@ -1,0 +1,103 @@
+"""Every transport between two real processes on 127.0.0.1: bit-exact transfers, several at
+once, layout mismatch, unknown transfers. Fault injection (killed peers) is in
+``test_faults.py``."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.kv_transfer.harness import SMALL_LAYOUT, start_peers
+from tests.kv_transfer.links import open_link, random_hashes
+
+CONNECTORS = ["nixl", "nccl", "shared_storage"]
+NUM_BLOCKS = SMALL_LAYOUT["num_blocks"]
+BLOCK_SIZE = SMALL_LAYOUT["block_size"]
+
+
+@pytest.fixture(scope="module")
+def peers():
+    exporter, fetcher = start_peers("exporter", "fetcher")
+    yield exporter, fetcher
+    exporter.close()
+    fetcher.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("connector", CONNECTORS)
+def test_concurrent_random_subsets_arrive_bit_exact(peers, connector, tmp_path):
+    link = open_link(*peers, connector, tmp_path)
+    rng = random.Random(f"subsets-{connector}")
+    free_local = rng.sample(range(NUM_BLOCKS), NUM_BLOCKS)
+    transfers = {}
+    for i in range(5):
+        n = 0 if i == 0 else rng.randint(1, 10)  # an empty transfer too: all blocks cached
+        remote = rng.sample(range(NUM_BLOCKS), n)
+        local = [free_local.pop() for _ in range(n)]
+        transfers[f"t{i}-{connector}"] = (remote, local, random_hashes(n, BLOCK_SIZE, rng))
+    untouched = sorted(free_local)
+    untouched_before = link.dest_digests(untouched)
+
+    for tid, (remote, _, hashes) in transfers.items():
+        link.export(tid, remote, hashes)
+    for tid, (remote, local, hashes) in transfers.items():  # all in flight at once
+        link.fetch(tid, remote, local, hashes)
+    results = link.wait(list(transfers), wait_s=30)
+
+    for tid, (remote, local, _) in transfers.items():
+        assert results[tid]["ok"], results[tid]
+        assert link.dest_digests(local) == link.source_digests(remote), tid
+    assert link.dest_digests(untouched) == untouched_before, "a block outside the fetch changed"
+    assert set(link.finished_exports(expect=list(transfers))) >= set(transfers)
+    exporter_counts, fetcher_counts = link.counts()
+    assert exporter_counts["exports"] == 0 and fetcher_counts["fetches"] == 0, "leaked"
+    link.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("connector", CONNECTORS)
+def test_layout_mismatch_is_rejected_and_nothing_is_written(peers, connector, tmp_path):
+    # Same bytes per block, other dtype: a byte-level copy would "work" and be garbage.
+    other = {**SMALL_LAYOUT, "dtype": "float16"}
+    link = open_link(*peers, connector, tmp_path, exporter_layout=other)
+    rng = random.Random(f"mismatch-{connector}")
+    remote, local = [1, 2, 3], [10, 11, 12]
+    hashes = random_hashes(3, BLOCK_SIZE, rng)
+    before = link.dest_digests(local)
+
+    link.export("mismatch", remote, hashes)
+    if connector == "shared_storage":  # the mismatch shows in the files' headers
+        link.finished_exports(expect=["mismatch"])
+    link.fetch("mismatch", remote, local, hashes)
+    result = link.wait(["mismatch"], wait_s=20)["mismatch"]
+
+    assert not result["ok"]
+    assert result["error_type"] == "LayoutMismatchError", result
+    assert "dtype" in result["error"]
+    assert link.dest_digests(local) == before
+    assert link.counts()[1]["fetches"] == 0
+    link.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("connector", "error_type"),
+    [("nccl", "TransferRejectedError"), ("shared_storage", "BlockNotFoundError")],
+)
+def test_fetching_what_was_never_exported_fails_typed(peers, connector, error_type, tmp_path):
+    # NIXL reads one-sidedly and cannot know; the lease contract (base.py) covers it.
+    timeout_s = 1.0
+    link = open_link(*peers, connector, tmp_path, timeout_s=timeout_s)
+    hashes = random_hashes(2, BLOCK_SIZE, random.Random(connector))
+    link.fetch("never-exported", [4, 5], [6, 7], hashes)
+    result = link.wait(["never-exported"], wait_s=timeout_s + 10)["never-exported"]
+    assert not result["ok"] and result["error_type"] == error_type, result
+    assert result["elapsed_s"] < timeout_s + 2
+
+    # The same link still works afterwards.
+    link.export("after", [4, 5], hashes)
+    link.fetch("after", [4, 5], [6, 7], hashes)
+    assert link.wait(["after"], wait_s=10)["after"]["ok"]
+    assert link.dest_digests([6, 7]) == link.source_digests([4, 5])
+    link.close()
