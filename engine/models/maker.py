@@ -12,12 +12,12 @@ from __future__ import annotations
 import dataclasses
 import fcntl
 import json
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.model_info import DEMO_ARCH, DEMO_SIZE, made_model_dir
 from engine.models.tokenizer_trainer import (
     BOS_TOKEN,
     CHAT_TEMPLATE,
@@ -29,7 +29,6 @@ from engine.models.tokenizer_trainer import (
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 SIZES = ("tiny", "small")
-DEMO_ARCH, DEMO_SIZE = "llama", "tiny"
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,18 +138,14 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
     return out
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
-
-
 def ensure_model(arch: str = DEMO_ARCH, size: str = DEMO_SIZE) -> Path:
     """The path of a made model in the cache, making it on first use.
 
     Safe when several processes start at once: one makes it under a file lock, in a
     temporary directory renamed into place, and the others wait and reuse it.
     """
-    root = cache_dir() / "models"
-    target = root / f"demo-{arch}-{size}"
+    target = made_model_dir(arch, size)
+    root = target.parent
     if (target / "config.json").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
