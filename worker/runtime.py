@@ -84,7 +84,10 @@ class WorkerRuntime:
         self.role = role
         self.index = index
         section = config.role(role)
-        if not 0 <= index < max(section.replicas, 1):
+        # With the Redis registry, workers beyond the configured count may join (scale-out);
+        # with the static list, the router only knows the configured ones.
+        dynamic = config.registry.redis_url is not None
+        if index < 0 or (not dynamic and index >= max(section.replicas, 1)):
             raise ValueError(f"{role}.replicas is {section.replicas}: no replica {index}")
         self.host = section.host
         self.ports = section.ports(index)
