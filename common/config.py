@@ -84,6 +84,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: AttentionBackendName = AttentionBackendName.AUTO
     seed: int = 0
+    # Bytes of CPU memory for offloaded KV blocks (the deployment's offload.cpu_bytes);
+    # 0: evicted blocks are dropped.
+    cpu_offload_bytes: int = 0
 
     def __post_init__(self) -> None:
         _coerce_enums(self)
@@ -91,6 +94,8 @@ class EngineConfig:
         for key in positive:
             if getattr(self, key) <= 0:
                 raise ConfigError(f"engine.{key}", f"must be > 0, got {getattr(self, key)}")
+        if self.cpu_offload_bytes < 0:
+            raise ConfigError("engine.cpu_offload_bytes", "must be >= 0")
         for key in ("num_blocks", "max_model_len", "prefill_chunk_tokens"):
             value = getattr(self, key)
             if value is not None and value <= 0:
@@ -187,7 +192,13 @@ class KVTransferSettings:
 
 @dataclass(frozen=True, slots=True)
 class OffloadConfig:
-    cpu_bytes: int = 0  # size of the CPU tier; 0 disables it
+    # Size of each worker's CPU tier (pinned memory on CUDA); 0 disables it. A role's
+    # engine.cpu_offload_bytes overrides it.
+    cpu_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.cpu_bytes < 0:
+            raise ConfigError("offload.cpu_bytes", f"must be >= 0, got {self.cpu_bytes}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,7 +289,8 @@ class PdserveConfig:
         return self.prefill if role is Role.PREFILL else self.decode
 
     def engine_for(self, role: Role) -> EngineConfig:
-        return self.engine.replace(**self.role(role).engine)
+        overrides = {"cpu_offload_bytes": self.offload.cpu_bytes, **self.role(role).engine}
+        return self.engine.replace(**overrides)
 
     def _check_ports(self) -> None:
         owners: dict[tuple[str, int], str] = {}

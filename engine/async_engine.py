@@ -53,6 +53,12 @@ class EngineStats:
     num_pull_failures: int = 0
     num_blocks_reused_for_remote: int = 0
     num_steps: int = 0
+    cpu_blocks_total: int = 0
+    cpu_blocks_used: int = 0
+    offloaded_blocks: int = 0
+    offloaded_bytes: int = 0
+    cpu_hit_blocks: int = 0
+    cpu_load_seconds: float = 0.0
 
 
 class AsyncEngine:
@@ -187,6 +193,17 @@ class AsyncEngine:
     def _snapshot(self) -> None:
         scheduler = self.engine.scheduler
         kv = scheduler.kv
+        tier = self.engine.cpu_tier
+        tier_stats = {}
+        if tier is not None:
+            tier_stats = dict(
+                cpu_blocks_total=tier.num_blocks,
+                cpu_blocks_used=tier.num_used_blocks,
+                offloaded_blocks=tier.stats.offloaded_blocks,
+                offloaded_bytes=tier.stats.offloaded_bytes,
+                cpu_hit_blocks=tier.stats.hit_blocks,
+                cpu_load_seconds=tier.stats.load_seconds,
+            )
         self.stats = EngineStats(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
@@ -202,4 +219,5 @@ class AsyncEngine:
             num_pull_failures=self.engine.num_pull_failures,
             num_blocks_reused_for_remote=scheduler.num_blocks_reused_for_remote,
             num_steps=self.engine.num_steps,
+            **tier_stats,
         )

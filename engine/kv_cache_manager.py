@@ -8,11 +8,20 @@ scheduled; the KV lands in the same engine step, before any other request can re
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
-from common.hashing import hash_blocks
+from common.hashing import BlockHash, hash_blocks
 from engine.block_pool import BlockPool, BlockPoolObserver, KVBlock
 from engine.request import Request
+
+
+class SecondaryTier(Protocol):
+    """A second place cached blocks may live (the CPU tier): torch-free view for lookups."""
+
+    def lookup(self, block_hashes: Sequence[BlockHash]) -> int: ...
+
+    def reserve(self, block_hashes: Sequence[BlockHash]) -> None: ...
 
 
 def cdiv(a: int, b: int) -> int:
@@ -26,8 +35,10 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         observers: Iterable[BlockPoolObserver] = (),
+        secondary: SecondaryTier | None = None,
     ) -> None:
         self.block_size = block_size
+        self.secondary = secondary if enable_caching else None
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching, observers)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
@@ -36,6 +47,7 @@ class KVCacheManager:
         # Prefix-cache statistics, in tokens.
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
+        self.num_secondary_hit_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -80,6 +92,17 @@ class KVCacheManager:
         self.num_query_tokens += request.num_tokens
         self.num_hit_tokens += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def get_secondary_hits(self, request: Request, num_device_hits: int) -> list[BlockHash]:
+        """Hashes of the blocks right after the device hits that the secondary tier holds
+        (again leaving at least one token to compute)."""
+        if self.secondary is None:
+            return []
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        candidates = request.block_hashes[num_device_hits:max_hit_blocks]
+        hits = candidates[: self.secondary.lookup(candidates)]
+        self.num_secondary_hit_tokens += len(hits) * self.block_size
+        return hits
 
     def allocate_slots(
         self,

@@ -41,6 +41,10 @@ class KVEventCollector:
     def on_all_cleared(self) -> None:
         self._events.append(AllBlocksCleared())
 
+    def emit(self, event: KVEvent) -> None:
+        """An event from elsewhere (the CPU tier), kept in order with the pool's."""
+        self._events.append(event)
+
     def drain(self) -> list[KVEvent]:
         events, self._events = self._events, []
         return events

@@ -20,6 +20,7 @@ import torch
 from common.config import DType, EngineConfig
 from common.hashing import transfer_block_hashes
 from engine.block_pool import BlockPoolObserver
+from engine.cpu_tier import CpuTier
 from engine.errors import (
     DuplicateRequestError,
     EmptyPromptError,
@@ -28,6 +29,7 @@ from engine.errors import (
 )
 from engine.kv_cache_manager import cdiv
 from engine.kv_connector import KVPuller
+from engine.kv_events import KVEventCollector
 from engine.model_runner import ModelRunner, SequenceChunk
 from engine.models.arch import ModelArchConfig, read_arch_config
 from engine.outputs import CompletionOutput, RequestOutput
@@ -81,6 +83,7 @@ class LLMEngine:
         observers: Iterable[BlockPoolObserver] = (),
         kv_puller: KVPuller | None = None,
         recompute_on_pull_failure: bool = True,
+        kv_events: KVEventCollector | None = None,
     ) -> None:
         """``kv_puller`` pulls prompt KV for requests that come with ``remote_kv`` (decode
         role); when a pull fails the request is prefilled locally, or fails with an error
@@ -96,13 +99,27 @@ class LLMEngine:
         self.runner = ModelRunner(
             model_dir, self.arch, self.config, self.device, self.dtype, self.max_model_len
         )
-        self.scheduler = Scheduler(self.config, self.runner.num_blocks, observers)
+        observers = list(observers)
+        if kv_events is not None:
+            observers.append(kv_events)
+        self.cpu_tier: CpuTier | None = None
+        if self.config.cpu_offload_bytes:
+            self.cpu_tier = CpuTier(
+                self.runner.kv_caches,
+                self.config.cpu_offload_bytes,
+                kv_events.emit if kv_events is not None else None,
+            )
+            observers.append(self.cpu_tier)
+        self.scheduler = Scheduler(
+            self.config, self.runner.num_blocks, observers, secondary=self.cpu_tier
+        )
         self.eos_token_ids = frozenset(self.arch.eos_token_ids)
         self._rng = random.Random(self.config.seed)
         self._generators: dict[str, torch.Generator] = {}
         self.num_steps = 0
         self.num_pull_failures = 0
         self.last_step: StepStats | None = None
+        self.num_prompt_tokens_computed = 0  # prefill work actually done
 
     # ------------------------------------------------------------------ requests
 
@@ -204,6 +221,12 @@ class LLMEngine:
         finished. Returns at once, with no forward pass, when only pulls are in flight."""
         outputs = self._poll_fetches()
         scheduler_output = self.scheduler.schedule()
+        if self.cpu_tier is not None:
+            # Save the blocks this schedule evicted before anything may overwrite them
+            # (pulls below, the forward pass), then load this step's CPU hits into theirs.
+            self.cpu_tier.flush()
+            for load in scheduler_output.loads:
+                self.cpu_tier.load(load.block_hashes, load.block_ids)
         outputs += self._start_fetches(scheduler_output)
         if not scheduler_output.scheduled:
             return outputs
@@ -222,6 +245,7 @@ class LLMEngine:
             num_tokens=scheduler_output.num_scheduled_tokens,
             duration_s=time.perf_counter() - start,
         )
+        self.num_prompt_tokens_computed += self.last_step.num_prompt_tokens
         progressed = self.scheduler.update_from_output(scheduler_output, sampled)
         self.num_steps += 1
         for request in progressed:
@@ -330,6 +354,8 @@ class LLMEngine:
     def leak_report(self) -> list[str]:
         """Everything still held: empty when the engine is idle and clean."""
         problems = self.scheduler.leak_report()
+        if self.cpu_tier is not None:
+            problems += self.cpu_tier.leak_report()
         if self._generators:
             problems.append(f"{len(self._generators)} sampling generators still held")
         return problems

@@ -25,8 +25,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from common.config import EngineConfig
+from common.hashing import BlockHash
 from engine.block_pool import BlockPoolObserver
-from engine.kv_cache_manager import KVCacheManager, cdiv
+from engine.kv_cache_manager import KVCacheManager, SecondaryTier, cdiv
 from engine.request import Request, RequestStatus, TokenLogprobs
 
 
@@ -50,10 +51,19 @@ class FetchOrder:
 
 
 @dataclass(slots=True)
+class LoadOrder:
+    """Copy these blocks from the secondary (CPU) tier into device blocks, this step."""
+
+    block_hashes: list[BlockHash]
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     fetches: list[FetchOrder] = field(default_factory=list)
+    loads: list[LoadOrder] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -66,13 +76,14 @@ class Scheduler:
         config: EngineConfig,
         num_blocks: int,
         observers: Iterable[BlockPoolObserver] = (),
+        secondary: SecondaryTier | None = None,
     ) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.prefill_chunk_tokens = config.prefill_chunk_tokens
         self.block_size = config.block_size
         self.kv = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, observers
+            num_blocks, config.block_size, config.enable_prefix_caching, observers, secondary
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -176,14 +187,22 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 continue
-            hits, num_hit_tokens = [], 0
+            hits, num_hit_tokens, loaded = [], 0, []
             if request.num_computed_tokens == 0:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-            num_computed = request.num_computed_tokens + num_hit_tokens
+                loaded = self.kv.get_secondary_hits(request, len(hits))
+            num_loaded_tokens = len(loaded) * self.block_size
+            num_computed = request.num_computed_tokens + num_hit_tokens + num_loaded_tokens
             num_new = self._num_new_tokens(request, num_computed, budget)
-            if not self.kv.allocate_slots(request, num_new, hits):
+            if not self.kv.allocate_slots(request, num_loaded_tokens + num_new, hits):
                 break
             self.waiting.popleft()
+            if loaded:
+                block_ids = self.kv.get_block_ids(request.request_id)
+                first = len(hits)
+                out.loads.append(LoadOrder(loaded, block_ids[first : first + len(loaded)]))
+                self.kv.secondary.reserve(loaded)
+            num_hit_tokens += num_loaded_tokens
             request.num_computed_tokens += num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens

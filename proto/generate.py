@@ -6,6 +6,7 @@ regenerates them into a temporary directory and fails if they differ.
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,19 +14,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def generate(out_dir: Path) -> list[Path]:
-    from grpc_tools import protoc
-
+    """Run protoc in a child process: grpc_tools' compiler extension can crash a process
+    that already loaded other protobuf/gRPC native code (seen inside the test run)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     args = [
-        "protoc",
+        sys.executable,
+        "-m",
+        "grpc_tools.protoc",
         f"-I{ROOT}",
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",
         str(ROOT / "proto" / "pdserve.proto"),
     ]
-    if protoc.main(args) != 0:
-        raise RuntimeError("protoc failed on proto/pdserve.proto")
+    result = subprocess.run(args, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"protoc failed on proto/pdserve.proto: {result.stderr}")
     return sorted((out_dir / "proto").glob("pdserve_pb2*"))
 
 

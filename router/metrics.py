@@ -56,6 +56,19 @@ class RouterMetrics:
             "pdserve:prefill_fallbacks", "Requests prefilled locally after prefill failures."
         )
         self.decode_failures = counter("pdserve:decode_failures", "Failed decode hops.")
+        worker_gauge = lambda name, doc: Gauge(name, doc, ["worker"], registry=r)  # noqa: E731
+        self.worker_kv_used = worker_gauge("pdserve:worker_kv_blocks_used", "Device KV blocks.")
+        self.worker_cpu_used = worker_gauge("pdserve:worker_cpu_blocks_used", "CPU-tier blocks.")
+        self.worker_cpu_total = worker_gauge("pdserve:worker_cpu_blocks_total", "CPU-tier size.")
+        self.worker_offloaded = worker_gauge(
+            "pdserve:worker_offloaded_bytes", "Bytes copied to the CPU tier (cumulative)."
+        )
+        self.worker_cpu_hits = worker_gauge(
+            "pdserve:worker_cpu_hit_blocks", "Blocks loaded back from the CPU tier (cumulative)."
+        )
+        self.worker_cpu_load = worker_gauge(
+            "pdserve:worker_cpu_load_seconds", "Time spent loading blocks back (cumulative)."
+        )
         self.rejected = Counter("pdserve:requests_rejected", "Requests refused by status.",
                                 ["status"], registry=r)  # fmt: skip
 
@@ -77,6 +90,14 @@ class RouterMetrics:
         if timings.transfer_ms:
             self.transfer.observe(timings.transfer_ms / 1000)
         self.blocks_pulled.inc(blocks_pulled)
+
+    def observe_worker(self, worker_id: str, stats: pb.StatsResponse) -> None:
+        self.worker_kv_used.labels(worker=worker_id).set(stats.kv_blocks_used)
+        self.worker_cpu_used.labels(worker=worker_id).set(stats.cpu_blocks_used)
+        self.worker_cpu_total.labels(worker=worker_id).set(stats.cpu_blocks_total)
+        self.worker_offloaded.labels(worker=worker_id).set(stats.offloaded_bytes)
+        self.worker_cpu_hits.labels(worker=worker_id).set(stats.cpu_hit_blocks)
+        self.worker_cpu_load.labels(worker=worker_id).set(stats.cpu_load_ms_total / 1000)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -149,7 +149,7 @@ class WorkerRuntime:
         engine = LLMEngine(
             model_dir,
             self.config.engine_for(self.role),
-            observers=[collector],
+            kv_events=collector,
             kv_puller=puller,
             recompute_on_pull_failure=transfer.failure_policy is FailurePolicy.RECOMPUTE,
         )

@@ -60,5 +60,11 @@ def stats_reply(
         requests_finished=timer.count,
         mean_timings=timer.means(),
         draining=draining,
+        cpu_blocks_total=stats.cpu_blocks_total,
+        cpu_blocks_used=stats.cpu_blocks_used,
+        offloaded_blocks=stats.offloaded_blocks,
+        offloaded_bytes=stats.offloaded_bytes,
+        cpu_hit_blocks=stats.cpu_hit_blocks,
+        cpu_load_ms_total=stats.cpu_load_seconds * 1000,
         **extra,
     )

@@ -1,0 +1,130 @@
+"""The CPU offload tier on a real tiny model: evicted prefixes come back from CPU memory,
+outputs stay identical, events follow both tiers, nothing leaks under churn and aborts."""
+
+from __future__ import annotations
+
+import random
+
+from common.config import EngineConfig
+from common.hashing import hash_blocks
+from common.kv_events import BlockRemoved, BlockStored, Medium
+from engine import LLMEngine, SamplingParams
+from engine.kv_events import KVEventCollector
+from router.prefix_index import PrefixIndex
+from tests.engine.helpers import random_prompts
+
+GREEDY = SamplingParams(max_tokens=8, min_tokens=8, temperature=0)
+SMALL_POOL = dict(num_blocks=24, max_model_len=256)  # 384 tokens of device KV
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], prefix: str = "r") -> list[list[int]]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{prefix}{i}", prompt, GREEDY)
+    done = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output
+    return [done[f"{prefix}{i}"] for i in range(len(prompts))]
+
+
+def test_evicted_prefix_is_served_from_the_cpu_tier(tiny_llama):
+    prefix = random_prompts((160,), seed=91)[0]  # 10 full blocks
+    fillers = random_prompts((200, 200, 200), seed=92)
+    question = prefix + [7, 8, 9]
+    results = {}
+    for tier_bytes in (0, 64 << 20):
+        engine = LLMEngine(tiny_llama, EngineConfig(cpu_offload_bytes=tier_bytes, **SMALL_POOL))
+        run(engine, [prefix + [1, 2, 3]], "warm")
+        run(engine, fillers, "fill")  # pushes the prefix out of the device pool
+        assert engine.scheduler.kv.get_computed_blocks(_probe(engine, question))[1] == 0, (
+            "the prefix should have left the device pool"
+        )
+        before = engine.num_prompt_tokens_computed
+        (out,) = run(engine, [question], "q")
+        results[tier_bytes] = (out, engine.num_prompt_tokens_computed - before)
+        assert engine.leak_report() == []
+        if tier_bytes:
+            assert engine.cpu_tier.stats.hit_blocks == 10
+    (plain, plain_work), (tiered, tiered_work) = results[0], results[64 << 20]
+    assert plain.num_cached_tokens == 0 and tiered.num_cached_tokens == 160
+    assert plain_work == len(question) and tiered_work == len(question) - 160
+    assert tiered.outputs[0].token_ids == plain.outputs[0].token_ids
+
+
+def _probe(engine: LLMEngine, tokens: list[int]):
+    from engine.request import Request
+
+    request = Request("probe", tokens, GREEDY, frozenset(), 256)
+    engine.scheduler.kv.update_block_hashes(request)
+    return request
+
+
+def test_cpu_events_follow_the_tier_and_the_router_index_follows_them(tiny_llama):
+    collector = KVEventCollector()
+    block_bytes = 4 * 2 * 16 * 2 * 64 * 4  # layers * K/V * block * heads * dim * fp32
+    engine = LLMEngine(
+        tiny_llama,
+        EngineConfig(cpu_offload_bytes=12 * block_bytes, **SMALL_POOL),
+        kv_events=collector,
+    )
+    index = PrefixIndex()
+    prompts = random_prompts((160, 200, 200, 200, 200), seed=93)
+    first_hashes = hash_blocks(prompts[0], 16)
+    run(engine, prompts[:1], "a")
+    index.apply("w", collector.drain())
+    assert index.match(first_hashes, ["w"])["w"].gpu_blocks == 10
+    run(engine, prompts[1:3], "b")  # evicts the first prompt to the CPU tier
+    events = collector.drain()
+    index.apply("w", events)
+    cpu_stored = {h for e in events if isinstance(e, BlockStored) and e.medium is Medium.CPU
+                  for h in e.block_hashes}  # fmt: skip
+    assert set(first_hashes) & cpu_stored
+    match = index.match(first_hashes, ["w"])["w"]
+    assert match.cpu_blocks > 0
+    run(engine, prompts[3:], "c")  # the 12-block CPU tier overflows: its LRU blocks go
+    events = collector.drain()
+    cpu_removed = [h for e in events if isinstance(e, BlockRemoved) and e.medium is Medium.CPU
+                   for h in e.block_hashes]  # fmt: skip
+    assert set(first_hashes) & set(cpu_removed)
+    index.apply("w", events)
+    assert index.match(first_hashes, ["w"])["w"].num_blocks < match.num_blocks
+    assert engine.leak_report() == []
+
+
+def test_churn_with_aborts_leaks_nothing_and_keeps_outputs(tiny_llama):
+    rng = random.Random(94)
+    stems = random_prompts((48, 80, 112), seed=95)
+    prompts = [rng.choice(stems) + [rng.randrange(5, 2000) for _ in range(rng.randrange(1, 40))]
+               for _ in range(30)]  # fmt: skip
+    reference = LLMEngine(tiny_llama, EngineConfig(max_model_len=256))
+    expected = [o.outputs[0].token_ids for o in run(reference, prompts, "ref")]
+    block_bytes = 4 * 2 * 16 * 2 * 64 * 4
+    engine = LLMEngine(
+        tiny_llama,
+        EngineConfig(cpu_offload_bytes=20 * block_bytes, max_num_seqs=6, **SMALL_POOL),
+    )
+    aborted = set()
+    done = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    step = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output
+        step += 1
+        if step % 5 == 0:  # abort a random unfinished request now and then
+            live = sorted(engine.scheduler.requests)
+            if live:
+                victim = rng.choice(live)
+                engine.abort_request(victim)
+                aborted.add(victim)
+    tier = engine.cpu_tier
+    assert tier.stats.offloaded_blocks > 0 and tier.stats.hit_blocks > 0
+    assert tier.stats.evicted_blocks > 0
+    for i in range(len(prompts)):
+        if f"r{i}" not in aborted:
+            assert done[f"r{i}"].outputs[0].token_ids == expected[i]
+    assert engine.leak_report() == []
+    assert reference.leak_report() == []
