@@ -217,6 +217,10 @@ class RouterConfig:
     cpu_hit_credit: float = 0.5
     # Assumed prefill speed of a worker that has not reported one yet (tokens/s).
     default_prefill_tokens_per_s: float = 5000.0
+    # Use each prefill worker's own measured speed (heterogeneous hardware). Off: the
+    # median over the prefill workers, since on identical hardware differences between
+    # measurements are noise (a worker that only saw short prompts looks slow).
+    per_worker_prefill_rate: bool = False
     # Prefill cost also charges this much per token a worker would recompute that another
     # already caches: work wasted system-wide, which delays everyone's later requests.
     prefill_recompute_penalty: float = 4.0

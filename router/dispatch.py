@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -28,7 +29,7 @@ from common.hashing import BlockHash
 from proto import pdserve_pb2 as pb
 from router.errors import APIError, bad_request, unavailable
 from router.metrics import RouterMetrics
-from router.policy import Placement, PlacementPolicy
+from router.policy import Placement, PlacementPolicy, WorkerLoad
 from router.prefix_index import PrefixIndex
 from router.workers import WorkerPool, WorkerState
 
@@ -59,6 +60,15 @@ class TokenDelta:
     logprobs: list[pb.TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     usage: pb.Usage | None = None
+
+
+def _pooled_rate(loads: list[WorkerLoad]) -> list[WorkerLoad]:
+    """Every worker at the median measured prefill speed (identical hardware assumed)."""
+    rates = sorted(load.prefill_tokens_per_s for load in loads if load.prefill_tokens_per_s)
+    if not rates:
+        return loads
+    median = rates[len(rates) // 2]
+    return [dataclasses.replace(load, prefill_tokens_per_s=median) for load in loads]
 
 
 def _client_error(exc: grpc.aio.AioRpcError) -> APIError | None:
@@ -102,10 +112,13 @@ class Dispatcher:
                 self._last_expiry = start
             ids = [w.worker_id for w in decode + prefill]
             matches = self.index.match(request.block_hashes, ids)
+            prefill_loads = [w.load() for w in prefill]
+            if not self.config.per_worker_prefill_rate:
+                prefill_loads = _pooled_rate(prefill_loads)
             placement = self.policy.place(
                 len(request.prompt_token_ids),
                 [w.load() for w in decode],
-                [w.load() for w in prefill],
+                prefill_loads,
                 matches,
                 matches,
             )
