@@ -168,6 +168,9 @@ def main() -> None:
         "torch": torch.__version__,
         "dtype": str(dtype),
         "attention_backend": llm.engine.runner.backend.name,
+        "decode_graph_replays": (
+            llm.engine.runner.decode_graphs.num_replays if llm.engine.runner.decode_graphs else 0
+        ),
         "model": str(model_dir.name),
         "num_params": sum(p.numel() for p in hf.parameters()),
         "num_prompts": args.num_prompts,

@@ -83,6 +83,8 @@ class EngineConfig:
     prefill_chunk_tokens: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: AttentionBackendName = AttentionBackendName.AUTO
+    # Replay decode steps from CUDA graphs (CUDA with the triton backend only).
+    cuda_graphs: bool = True
     seed: int = 0
     # Bytes of CPU memory for offloaded KV blocks (the deployment's offload.cpu_bytes);
     # 0: evicted blocks are dropped.

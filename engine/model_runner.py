@@ -8,7 +8,7 @@ computes logits only at the last token of chunks that sample, and samples.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -16,6 +16,7 @@ import torch
 from common.config import ConfigError, EngineConfig
 from engine.attention.backend import BatchLayout
 from engine.attention.registry import create_backend
+from engine.cuda_graphs import DecodeGraphs
 from engine.models.arch import ModelArchConfig
 from engine.models.loader import load_model
 from engine.request import TokenLogprobs
@@ -33,6 +34,18 @@ class SequenceChunk:
     start_pos: int  # position of token_ids[0]: the request's num_computed_tokens
     block_ids: list[int]  # every block of the request, covering start_pos + len(token_ids)
     sampling: SamplingRow | None  # None: a prompt chunk that is not the last
+
+
+@dataclass(slots=True)
+class HostBatch:
+    """One step's flattened batch as host lists, before it becomes device tensors."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    query_start_loc: list[int] = field(default_factory=lambda: [0])
+    seq_lens: list[int] = field(default_factory=list)
+    block_rows: list[list[int]] = field(default_factory=list)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -62,6 +75,9 @@ class ModelRunner:
         self.kv_caches = [
             torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_layers)
         ]
+        self.decode_graphs: DecodeGraphs | None = None
+        if config.cuda_graphs and device.type == "cuda" and self.backend.name == "triton":
+            self._capture(config)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s",
             self.num_blocks,
@@ -69,6 +85,18 @@ class ModelRunner:
             self.num_blocks * self.bytes_per_block / 2**20,
             self.backend.name,
         )
+
+    def _capture(self, config: EngineConfig) -> None:
+        graphs = DecodeGraphs(
+            self.model, self.backend, self.kv_caches, config.max_num_seqs,
+            self.max_model_len, self.block_size, self.device,
+        )  # fmt: skip
+        try:
+            graphs.capture()
+        except Exception as exc:  # eager steps still work: never fail the engine for this
+            logger.warning("CUDA graph capture failed, decoding eagerly: %s", exc)
+            return
+        self.decode_graphs = graphs
 
     @property
     def bytes_per_block(self) -> int:
@@ -97,46 +125,53 @@ class ModelRunner:
             )
         return num_blocks
 
-    def _layout(
-        self, chunks: list[SequenceChunk]
-    ) -> tuple[torch.Tensor, torch.Tensor, BatchLayout]:
+    def _host_batch(self, chunks: list[SequenceChunk]) -> HostBatch:
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        query_start_loc = [0]
-        seq_lens: list[int] = []
-        block_rows: list[list[int]] = []
+        batch = HostBatch()
         for chunk in chunks:
             n = len(chunk.token_ids)
             end = chunk.start_pos + n
-            input_ids.extend(chunk.token_ids)
+            batch.input_ids.extend(chunk.token_ids)
             chunk_positions = range(chunk.start_pos, end)
-            positions.extend(chunk_positions)
+            batch.positions.extend(chunk_positions)
             blocks = chunk.block_ids
-            slot_mapping.extend(blocks[p // bs] * bs + p % bs for p in chunk_positions)
-            query_start_loc.append(query_start_loc[-1] + n)
-            seq_lens.append(end)
-            block_rows.append(blocks[: cdiv(end, bs)])
-        max_blocks = max(len(row) for row in block_rows)
-        table = [row + [0] * (max_blocks - len(row)) for row in block_rows]
-        num_decodes = sum(1 for chunk in chunks if len(chunk.token_ids) == 1)
+            batch.slot_mapping.extend(blocks[p // bs] * bs + p % bs for p in chunk_positions)
+            batch.query_start_loc.append(batch.query_start_loc[-1] + n)
+            batch.seq_lens.append(end)
+            batch.block_rows.append(blocks[: cdiv(end, bs)])
+        return batch
 
-        def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
-        layout = BatchLayout(
-            slot_mapping=to_device(slot_mapping, torch.int64),
-            query_start_loc=to_device(query_start_loc, torch.int32),
-            seq_lens=to_device(seq_lens, torch.int32),
-            block_table=to_device(table, torch.int32),
-            query_start_loc_cpu=query_start_loc,
-            seq_lens_cpu=seq_lens,
-            num_decodes=num_decodes,
+    def _layout(self, chunks: list[SequenceChunk], batch: HostBatch) -> BatchLayout:
+        max_blocks = max(len(row) for row in batch.block_rows)
+        table = [row + [0] * (max_blocks - len(row)) for row in batch.block_rows]
+        return BatchLayout(
+            slot_mapping=self._to_device(batch.slot_mapping, torch.int64),
+            query_start_loc=self._to_device(batch.query_start_loc, torch.int32),
+            seq_lens=self._to_device(batch.seq_lens, torch.int32),
+            block_table=self._to_device(table, torch.int32),
+            query_start_loc_cpu=batch.query_start_loc,
+            seq_lens_cpu=batch.seq_lens,
+            num_decodes=sum(1 for chunk in chunks if len(chunk.token_ids) == 1),
             max_query_len=max(len(c.token_ids) for c in chunks),
-            max_seq_len=max(seq_lens),
+            max_seq_len=max(batch.seq_lens),
         )
-        return to_device(input_ids, torch.int64), to_device(positions, torch.int64), layout
+
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    def _forward(self, chunks: list[SequenceChunk], batch: HostBatch) -> torch.Tensor:
+        """Hidden states of every token: replayed from a CUDA graph for decode-only steps
+        that fit one, eagerly otherwise."""
+        graphs = self.decode_graphs
+        if graphs is not None and len(chunks) == len(batch.input_ids) and graphs.fits(len(chunks)):
+            return graphs.run(
+                batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
+                batch.block_rows,
+            )  # fmt: skip
+        metadata = self.backend.build_metadata(self._layout(chunks, batch))
+        input_ids = self._to_device(batch.input_ids, torch.int64)
+        positions = self._to_device(batch.positions, torch.int64)
+        return self.model(input_ids, positions, self.kv_caches, metadata)
 
     @torch.inference_mode()
     def execute(self, chunks: list[SequenceChunk]) -> dict[str, tuple[int, TokenLogprobs | None]]:
@@ -145,13 +180,12 @@ class ModelRunner:
             return {}
         # Decodes first: backends batch single-token segments together.
         chunks = sorted(chunks, key=lambda c: len(c.token_ids) != 1)
-        input_ids, positions, layout = self._layout(chunks)
-        metadata = self.backend.build_metadata(layout)
-        hidden = self.model(input_ids, positions, self.kv_caches, metadata)
+        batch = self._host_batch(chunks)
+        hidden = self._forward(chunks, batch)
         sampling = [(i, c) for i, c in enumerate(chunks) if c.sampling is not None]
         if not sampling:
             return {}
-        last_token_index = [layout.query_start_loc_cpu[i + 1] - 1 for i, _ in sampling]
+        last_token_index = [batch.query_start_loc[i + 1] - 1 for i, _ in sampling]
         logits = self.model.compute_logits(hidden[last_token_index])  # [num_sampling, vocab]
         results = sample(logits, [c.sampling for _, c in sampling])
         return {c.request_id: r for (_, c), r in zip(sampling, results, strict=True)}
