@@ -1,0 +1,158 @@
+"""A pdserve stack started piece by piece, each worker pinned to one CPU core with
+``taskset`` (``pdserve up`` cannot pin), for benchmarks that compare deployments on equal
+cores. The router is not pinned. Ports are free ones; logs go to a temporary directory
+that is removed after a clean stop and kept (and named) otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from common.config import PORT_STRIDE
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    role: str  # "prefill" or "decode"
+    index: int
+    core: int
+
+
+def _free_base(span: int, rng: random.Random) -> int:
+    for _ in range(500):
+        base = rng.randrange(20000, 60000 - span, PORT_STRIDE)
+        ok = True
+        for port in range(base, base + span):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free port range")
+
+
+class PinnedStack:
+    def __init__(self, name: str, model: Path, placements: list[Placement],
+                 kv_cache_bytes: int = 256 << 20) -> None:  # fmt: skip
+        self.name = name
+        self.placements = placements
+        self.dir = Path(tempfile.mkdtemp(prefix=f"pdserve-{name}-"))
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        rng = random.Random()
+        replicas = {r: sum(p.role == r for p in placements) for r in ("prefill", "decode")}
+        config = {
+            "model": str(model),
+            "engine": {"kv_cache_bytes": kv_cache_bytes},
+            "prefill": {"replicas": replicas["prefill"], "drain_grace_s": 5,
+                        "port": _free_base(PORT_STRIDE * max(1, replicas["prefill"]), rng)},
+            "decode": {"replicas": replicas["decode"], "drain_grace_s": 5,
+                       "port": _free_base(PORT_STRIDE * replicas["decode"], rng)},
+            "router": {"port": _free_base(1, rng), "min_disagg_tokens": 0, "drain_grace_s": 5},
+        }  # fmt: skip
+        self.port = config["router"]["port"]
+        self.config_path = self.dir / "config.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+
+    @staticmethod
+    def model_dir(model: Path | None) -> Path:
+        """``model``, or the built-in demo model (made on first use)."""
+        if model is not None:
+            return model
+        from common.model_info import made_model_dir
+
+        if not (made_model_dir() / "config.json").exists():
+            from engine.models.maker import ensure_model
+
+            ensure_model()
+        return made_model_dir()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def _spawn(self, name: str, args: list[str], core: int | None) -> None:
+        command = [sys.executable, "-m", "deploy.cli", "--log-level", "INFO", *args,
+                   "--config", str(self.config_path)]  # fmt: skip
+        if core is not None:
+            command = ["taskset", "-c", str(core), *command]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        with open(self.dir / f"{name}.log", "ab") as log:
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                    cwd=REPO_ROOT, env=env)  # fmt: skip
+        self.procs.append((name, proc))
+
+    def start(self) -> None:
+        """Start the workers (the router starts once they are ready)."""
+        for p in self.placements:
+            self._spawn(f"{p.role}-{p.index}", [p.role, "--index", str(p.index)], p.core)
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for name, proc in list(self.procs):
+            self._wait(name, proc, deadline, lambda n=name: "ready on" in self._log(n))
+        self._spawn("router", ["router"], None)
+        self._wait("router", self.procs[-1][1], deadline, self._healthy)
+        time.sleep(2.5)  # the router's refresh (1 s) sees every worker healthy
+
+    def _wait(self, name: str, proc: subprocess.Popen, deadline: float, ready) -> None:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{self.name}/{name} exited:\n{self._log(name)[-3000:]}")
+            if ready():
+                return
+            time.sleep(0.3)
+        raise TimeoutError(f"{self.name}/{name} not ready; see {self.dir / name}.log")
+
+    def _log(self, name: str) -> str:
+        return (self.dir / f"{name}.log").read_text(errors="replace")
+
+    def _healthy(self) -> bool:
+        try:
+            url = f"http://127.0.0.1:{self.port}/health"
+            with urllib.request.urlopen(url, timeout=1) as reply:
+                return reply.status == 200
+        except OSError:
+            return False
+
+    def metrics_text(self) -> str:
+        """The router's Prometheus exposition."""
+        url = f"http://127.0.0.1:{self.port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            return reply.read().decode()
+
+    def stop(self, grace_s: float = 20.0) -> bool:
+        """Router first, then the workers; True if all exited cleanly on SIGTERM."""
+        clean = True
+        for _, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for _, proc in reversed(self.procs):
+            try:
+                clean &= proc.wait(grace_s) == 0
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                clean = False
+        if clean:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        else:
+            print(f"{self.name}: unclean stop; logs kept in {self.dir}", file=sys.stderr)
+        return clean
