@@ -171,6 +171,10 @@ class DecodeRoleConfig(WorkerRoleConfig):
     port: int = 50200
 
 
+# The connectors kv_transfer implements (kv_transfer.ConnectorName; common cannot import it).
+CONNECTORS = ("nixl", "nccl", "shared_storage")
+
+
 @dataclass(frozen=True, slots=True)
 class KVTransferSettings:
     connector: str = "nixl"  # nixl | nccl | shared_storage
@@ -181,6 +185,15 @@ class KVTransferSettings:
 
     def __post_init__(self) -> None:
         _coerce_enums(self)
+        if self.connector not in CONNECTORS:
+            raise ConfigError(
+                "kv_transfer.connector",
+                f"{self.connector!r} is not one of: {', '.join(CONNECTORS)}",
+            )
+        if self.connector == "shared_storage" and not self.shared_dir:
+            raise ConfigError(
+                "kv_transfer.shared_dir", "the shared_storage connector needs a directory"
+            )
         if self.lease_s <= 0:
             raise ConfigError("kv_transfer.lease_s", f"must be > 0, got {self.lease_s}")
         if self.timeout_s <= 0:
@@ -250,6 +263,13 @@ class RouterConfig:
         ):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"router.{key}", "must be > 0")
+        if self.drain_grace_s < 0:
+            raise ConfigError("router.drain_grace_s", f"must be >= 0, got {self.drain_grace_s}")
+        if not self.host:
+            raise ConfigError("router.host", "must not be empty")
+
+
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,8 +280,18 @@ class RegistryConfig:
     key_prefix: str = "pdserve"
 
     def __post_init__(self) -> None:
+        if self.ttl_s <= 0:
+            raise ConfigError("registry.ttl_s", f"must be > 0, got {self.ttl_s}")
+        if self.redis_url is not None and not self.redis_url.startswith(_REDIS_SCHEMES):
+            raise ConfigError(
+                "registry.redis_url",
+                f"{self.redis_url!r} is not a Redis URL ({', '.join(_REDIS_SCHEMES)}...)",
+            )
         if self.heartbeat_s <= 0 or self.heartbeat_s >= self.ttl_s:
             raise ConfigError("registry.heartbeat_s", "must be > 0 and below registry.ttl_s")
+
+
+_WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "*"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,6 +312,12 @@ class PdserveConfig:
             section = self.role(role)
             if section.replicas < 0:
                 raise ConfigError(f"{role}.replicas", f"must be >= 0, got {section.replicas}")
+            if not section.host:
+                raise ConfigError(f"{role}.host", "must not be empty")
+            if section.drain_grace_s < 0:
+                raise ConfigError(
+                    f"{role}.drain_grace_s", f"must be >= 0, got {section.drain_grace_s}"
+                )
             try:
                 self.engine_for(role)
             except ConfigError as exc:
@@ -299,14 +335,18 @@ class PdserveConfig:
         return self.engine.replace(**overrides)
 
     def _check_ports(self) -> None:
-        owners: dict[tuple[str, int], str] = {}
+        """Every port the layout binds on one machine is distinct. A wildcard host (0.0.0.0,
+        ::) binds every interface, so it clashes with the same port on any host."""
+        owners: dict[int, list[tuple[str, str]]] = {}
 
         def claim(host: str, port: int, owner: str) -> None:
             if not 0 < port < 65536:
                 raise ConfigError(owner, f"port {port} is outside 1-65535")
-            other = owners.setdefault((host, port), owner)
-            if other != owner:
-                raise ConfigError(owner, f"port {port} on {host} is also used by {other}")
+            host = "127.0.0.1" if host == "localhost" else host
+            for other_host, other in owners.setdefault(port, []):
+                if other != owner and (other_host == host or _WILDCARD_HOSTS & {host, other_host}):
+                    raise ConfigError(owner, f"port {port} on {host} is also used by {other}")
+            owners[port].append((host, owner))
 
         claim(self.router.host, self.router.port, "router.port")
         for role in Role:

@@ -114,6 +114,31 @@ def build(cls: type[T], data: Any, prefix: str = "") -> T:
         raise
 
 
+def typed_role_engines(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with each role's ``engine`` overrides converted like ``engine`` itself.
+
+    The role sections hold their engine differences as a free mapping; without this a
+    ``decode.engine.max_num_seqs: lots`` would reach the engine as a string. Unknown or
+    mistyped settings are named as ``decode.engine.<key>``.
+    """
+    from common.config import EngineConfig
+
+    hints = typing.get_type_hints(EngineConfig)
+    result = dict(data)
+    for role in ("prefill", "decode"):
+        section = result.get(role)
+        if not isinstance(section, dict) or not isinstance(section.get("engine"), dict):
+            continue
+        converted = {}
+        for name, value in section["engine"].items():
+            key = f"{role}.engine.{name}"
+            if name not in hints:
+                raise ConfigError(key, f"unknown engine setting (known: {', '.join(hints)})")
+            converted[name] = _convert(value, hints[name], key)
+        result[role] = {**section, "engine": converted}
+    return result
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """``["engine.block_size=32", ...]`` applied to a nested dict (a new one is returned)."""
     result = _deep_copy(data)
@@ -158,10 +183,14 @@ def to_dict(config: Any) -> Any:
 
 
 def load_config(path: str | None = None, overrides: list[str] | None = None):
-    """The deployment config from a YAML file (or defaults) plus ``--set`` overrides."""
+    """The deployment config from a YAML file (or defaults) plus ``--set`` overrides,
+    validated as a whole: types, values, ports and, when the model's config.json is on this
+    machine, whether each role's KV cache fits (``common.kv_budget``). Every entry point
+    loads through here, so a bad config stops them all before anything starts."""
     from pathlib import Path
 
     from common.config import PdserveConfig
+    from common.kv_budget import check_kv_fit
 
     data: dict[str, Any] = {}
     if path is not None:
@@ -172,4 +201,9 @@ def load_config(path: str | None = None, overrides: list[str] | None = None):
         except yaml.YAMLError as exc:
             raise ConfigError("config", f"{path} is not valid YAML: {exc}") from None
         data = loaded or {}
-    return build(PdserveConfig, apply_overrides(data, overrides or []))
+    if not isinstance(data, dict):
+        raise ConfigError("config", f"{path} must hold a mapping of sections, got {data!r}")
+    data = typed_role_engines(apply_overrides(data, overrides or []))
+    config = build(PdserveConfig, data)
+    check_kv_fit(config)
+    return config

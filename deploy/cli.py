@@ -8,7 +8,15 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
-from deploy import generate_cmd, make_model_cmd, worker_cmd
+from deploy import (
+    bench_cmd,
+    config_cmd,
+    deploy_cmd,
+    generate_cmd,
+    health_cmd,
+    make_model_cmd,
+    worker_cmd,
+)
 
 # name → (help, add_arguments, run)
 Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
@@ -20,6 +28,10 @@ COMMANDS: dict[str, Command] = {
     "decode": worker_cmd.DECODE,
     "router": worker_cmd.ROUTER,
     "up": worker_cmd.UP,
+    "bench": bench_cmd.COMMAND,
+    "config": config_cmd.COMMAND,
+    "deploy": deploy_cmd.COMMAND,
+    "health": health_cmd.COMMAND,
 }
 
 

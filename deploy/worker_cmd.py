@@ -6,19 +6,13 @@ import argparse
 import sys
 
 from common.config import ConfigError, Role
+from deploy.config_args import add_overrides, load_or_report
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="deployment YAML (default: built-in)")
     parser.add_argument("--index", type=int, default=0, help="which replica of the role")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key, e.g. --set engine.block_size=32 (repeatable)",
-    )
+    add_overrides(parser)
 
 
 def _runner(role: Role):
@@ -52,26 +46,14 @@ def _run_router(args: argparse.Namespace) -> int:
 
 def _router_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="deployment YAML (default: built-in)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key (repeatable)",
-    )
+    add_overrides(parser)
 
 
 def _run_up(args: argparse.Namespace) -> int:
-    from common.config_loader import load_config
     from deploy.up import run as run_up
 
-    try:
-        config = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return run_up(config)
+    config = load_or_report(args.config, args.overrides)
+    return 2 if config is None else run_up(config)
 
 
 ROUTER = ("run the OpenAI-compatible router", _router_arguments, _run_router)

@@ -248,6 +248,8 @@ class WorkerRuntime:
                 self.worker_id,
                 in_flight(),
             )
+        else:
+            logger.info("%s drained; stopping", self.worker_id)
         await self.stop()
 
     async def stop(self) -> None:

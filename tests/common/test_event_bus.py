@@ -24,9 +24,7 @@ def free_ports(n: int) -> list[int]:
 def connected_pair(buffer_size: int = 4096):
     pub_port, replay_port = free_ports(2)
     publisher = KVEventPublisher("127.0.0.1", pub_port, replay_port, buffer_size)
-    subscriber = KVEventSubscriber(
-        f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}"
-    )
+    subscriber = KVEventSubscriber(f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}")
     # Slow joiner: publish until the subscriber sees something.
     deadline = time.monotonic() + 5
     seen: list = []
@@ -76,9 +74,7 @@ def test_events_arrive_in_order_and_late_joiners_catch_up():
     first_seq = subscriber.state.next_seq
     for i in range(5):
         publisher.publish([BlockStored([bytes([i]) * 32], None, list(range(16)), 16)])
-    batches, resync = serve_while_polling(
-        publisher, subscriber, until=lambda b: len(b) == 5
-    )
+    batches, resync = serve_while_polling(publisher, subscriber, until=lambda b: len(b) == 5)
     assert not resync
     assert [b.seq for b in batches] == list(range(first_seq, first_seq + 5))
     assert batches[2].events[0].block_hashes == [bytes([2]) * 32]

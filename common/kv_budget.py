@@ -1,0 +1,175 @@
+"""Does each role's KV cache fit? Checked from the model's config.json, without torch,
+before any process starts.
+
+A worker sizes its pool when it starts (``engine.model_runner``): ``engine.num_blocks`` if
+set, else ``kv_cache_bytes // bytes_per_block`` on CPU, else what ``gpu_memory_utilization``
+leaves free on CUDA; a pool smaller than one request of ``max_model_len`` is refused. This
+module does the same arithmetic up front, so ``pdserve config check`` and every entry point
+reject an impossible layout with the key to change, instead of a worker dying after it
+loaded the weights.
+
+What can be known here depends on the device. ``device: cpu`` is fully checked. On CUDA
+the pool size depends on free GPU memory, so only an explicit ``num_blocks`` is checked.
+``device: auto`` is checked for what holds on any device; the CPU-only arithmetic becomes
+a warning, since this machine need not be the one that serves.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.config import ConfigError, Device, DType, EngineConfig, PdserveConfig, Role
+from common.model_info import made_model_dir
+
+_DTYPE_BYTES = {DType.FLOAT32: 4, DType.FLOAT16: 2, DType.BFLOAT16: 2}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The parts of a checkpoint's config.json that size its KV cache."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+
+    @classmethod
+    def read(cls, model_dir: Path) -> ModelShape | None:
+        """None when ``model_dir`` holds no config.json (e.g. it exists only where the
+        deployment runs)."""
+        path = model_dir / "config.json"
+        if not path.is_file():
+            return None
+        try:
+            cfg = json.loads(path.read_text())
+            num_heads = int(cfg["num_attention_heads"])
+            return cls(
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+                head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // num_heads),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError("model", f"{path} is not a usable checkpoint config: {exc}") from None
+
+    def bytes_per_block(self, block_size: int, dtype_bytes: int) -> int:
+        """K and V of ``block_size`` tokens in every layer (one block id, all layers)."""
+        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class KVBudget:
+    """One role's KV pool as far as it can be known before start."""
+
+    role: Role
+    block_size: int
+    max_model_len: int
+    min_blocks: int  # one request of max_model_len
+    # Bytes per block at the dtype the worker will use; None when that depends on the
+    # device (auto dtype on an auto device); ``cpu_bytes_per_block`` is the CPU figure.
+    bytes_per_block: int | None
+    cpu_bytes_per_block: int
+    # The pool size, when known before start (explicit, or from kv_cache_bytes on CPU).
+    num_blocks: int | None
+    warnings: tuple[str, ...] = ()
+
+
+def model_dir_of(config: PdserveConfig) -> Path:
+    return Path(config.model) if config.model else made_model_dir()
+
+
+def kv_budgets(config: PdserveConfig) -> list[KVBudget] | None:
+    """Each role's budget (roles with replicas only), or None when the model's config.json
+    is not on this machine. Raises ``ConfigError`` naming the key for a pool that cannot
+    hold one request, or that exceeds the CPU KV budget it was given."""
+    shape = ModelShape.read(model_dir_of(config))
+    if shape is None:
+        return None
+    # Every role, even one with no replicas: with a Redis registry it may still join.
+    return [_budget(config, role, shape) for role in Role]
+
+
+def check_kv_fit(config: PdserveConfig) -> None:
+    kv_budgets(config)
+
+
+def _key(config: PdserveConfig, role: Role, name: str) -> str:
+    """The key that set ``name`` for ``role``: its override if it has one."""
+    if name in config.role(role).engine:
+        return f"{role}.engine.{name}"
+    return "offload.cpu_bytes" if name == "cpu_offload_bytes" else f"engine.{name}"
+
+
+def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
+    engine = config.engine_for(role)
+    max_model_len = min(engine.max_model_len or shape.max_position_embeddings,
+                        shape.max_position_embeddings)  # fmt: skip
+    min_blocks = -(-max_model_len // engine.block_size)
+    cpu_bpb = shape.bytes_per_block(engine.block_size, _dtype_bytes(engine, Device.CPU))
+    bpb = None
+    if engine.device is not Device.AUTO or engine.dtype is not DType.AUTO:
+        bpb = shape.bytes_per_block(engine.block_size, _dtype_bytes(engine, engine.device))
+    too_small = (
+        f"cannot hold one request of max_model_len={max_model_len} ({min_blocks} blocks of "
+        f"{engine.block_size} tokens); give the KV cache more memory or lower "
+        f"{_key(config, role, 'max_model_len')}"
+    )
+    if engine.num_blocks is not None and engine.num_blocks < min_blocks:
+        message = f"{engine.num_blocks} KV blocks {too_small}"
+        raise ConfigError(_key(config, role, "num_blocks"), message)
+    problems = _cpu_problems(config, role, engine, cpu_bpb, min_blocks, too_small)
+    if engine.device is Device.CPU and problems:
+        raise ConfigError(*problems[0])
+    warnings = [f"{key}: on a host without CUDA, {message}" for key, message in problems]
+    if 0 < engine.cpu_offload_bytes < (bpb or cpu_bpb):
+        warnings.append(
+            f"{_key(config, role, 'cpu_offload_bytes')}: {engine.cpu_offload_bytes} bytes hold "
+            f"no block of {bpb or cpu_bpb} bytes; the offload tier would stay empty"
+        )
+    num_blocks = engine.num_blocks
+    if num_blocks is None and engine.device is Device.CPU:
+        num_blocks = engine.kv_cache_bytes // cpu_bpb
+    return KVBudget(role, engine.block_size, max_model_len, min_blocks, bpb, cpu_bpb,
+                    num_blocks, tuple(warnings))  # fmt: skip
+
+
+def _cpu_problems(
+    config: PdserveConfig,
+    role: Role,
+    engine: EngineConfig,
+    cpu_bpb: int,
+    min_blocks: int,
+    too_small: str,
+) -> list[tuple[str, str]]:
+    """(key, message) for what would be impossible if this role's engine ran on CPU."""
+    if engine.device is Device.CUDA:
+        return []
+    budget_key = _key(config, role, "kv_cache_bytes")
+    if engine.num_blocks is not None:
+        needed = engine.num_blocks * cpu_bpb
+        if needed > engine.kv_cache_bytes:
+            return [(
+                _key(config, role, "num_blocks"),
+                f"{engine.num_blocks} blocks of {cpu_bpb} bytes need {_mib(needed)}, more than "
+                f"{budget_key}={engine.kv_cache_bytes} ({_mib(engine.kv_cache_bytes)}), the KV "
+                "budget on CPU; lower num_blocks or raise kv_cache_bytes",
+            )]  # fmt: skip
+        return []
+    derived = engine.kv_cache_bytes // cpu_bpb
+    if derived < min_blocks:
+        return [(budget_key, f"{_mib(engine.kv_cache_bytes)} is {derived} KV blocks, which "
+                             f"{too_small}")]  # fmt: skip
+    return []
+
+
+def _dtype_bytes(engine: EngineConfig, device: Device) -> int:
+    if engine.dtype is not DType.AUTO:
+        return _DTYPE_BYTES[engine.dtype]
+    # auto: float32 on CPU; on CUDA the checkpoint's 16-bit dtype, else bfloat16.
+    return 4 if device is Device.CPU else 2
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.1f} MiB"

@@ -1,0 +1,101 @@
+"""``pdserve config check|show FILE``: validate a deployment config before anything starts,
+or print it resolved (defaults filled in, ``--set`` applied).
+
+``check`` exits 0 with a summary of the layout, or 2 with the error naming the key; it
+loads the config exactly as every other entry point does (``load_config``), so a config
+that passes here is one ``pdserve up``, the workers and the router accept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import yaml
+
+from common.config import ConfigError, PdserveConfig, Role
+from common.kv_budget import KVBudget, kv_budgets, model_dir_of
+from deploy.config_args import add_overrides
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    for name, help_text in (
+        ("check", "validate the config; print a summary (exit 0) or the error (exit 2)"),
+        ("show", "print the resolved config (defaults filled in, overrides applied)"),
+    ):
+        sub = actions.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument("file", help="deployment YAML")
+        add_overrides(sub)
+
+
+def run(args: argparse.Namespace) -> int:
+    from common.config_loader import load_config, to_dict
+
+    try:
+        config = load_config(args.file, args.overrides)
+        budgets = kv_budgets(config)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.action == "show":
+        print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
+        return 0
+    print(f"{args.file}: ok")
+    for line in summary(config, budgets):
+        print(f"  {line}")
+    for budget in budgets or []:
+        for warning in budget.warnings:
+            print(f"warning: {budget.role}: {warning}", file=sys.stderr)
+    return 0
+
+
+def summary(config: PdserveConfig, budgets: list[KVBudget] | None) -> list[str]:
+    """Human-readable lines: the xPyD layout, where everything listens, and the KV pools."""
+    prefill, decode = config.prefill, config.decode
+    lines = [f"layout    {prefill.replicas}P{decode.replicas}D"]
+    for role in Role:
+        section = config.role(role)
+        if section.replicas:
+            last = section.ports(section.replicas - 1).kv_store
+            lines.append(
+                f"{role.value:<9} {section.replicas} x {section.host}, ports "
+                f"{section.port}-{last} (drain grace {section.drain_grace_s:g}s)"
+            )
+    router = config.router
+    lines.append(f"router    http://{router.host}:{router.port}/v1")
+    registry = config.registry.redis_url or "static list from this file"
+    lines.append(f"registry  {registry}")
+    transfer = config.kv_transfer
+    lines.append(
+        f"transfer  {transfer.connector}, lease {transfer.lease_s:g}s, pull timeout "
+        f"{transfer.timeout_s:g}s, on failure {transfer.failure_policy.value}"
+    )
+    model = config.model or f"demo ({model_dir_of(config)})"
+    lines.append(f"model     {model}")
+    if budgets is None:
+        lines.append("kv cache  not sized: the model's config.json is not on this machine")
+    for budget in budgets or []:
+        lines.append(f"kv cache  {budget.role.value}: {_pool(config, budget)}")
+    return lines
+
+
+def _pool(config: PdserveConfig, budget: KVBudget) -> str:
+    engine = config.engine_for(budget.role)
+    per_block = budget.bytes_per_block or budget.cpu_bytes_per_block
+    blocks = f"{budget.block_size}-token blocks of {_kib(per_block)}"
+    if budget.num_blocks is not None:
+        size = f"{budget.num_blocks} {blocks}"
+    elif engine.device.value == "cuda":
+        size = f"{blocks}, {engine.gpu_memory_utilization:g} of GPU memory"
+    else:
+        cpu_blocks = engine.kv_cache_bytes // budget.cpu_bytes_per_block
+        size = f"{cpu_blocks} {blocks} on CPU (CUDA: {engine.gpu_memory_utilization:g} of GPU)"
+    return f"{size}; one request of {budget.max_model_len} tokens needs {budget.min_blocks}"
+
+
+def _kib(num_bytes: int) -> str:
+    return f"{num_bytes / 1024:g} KiB"
+
+
+COMMAND = ("validate a deployment config or print it resolved", add_arguments, run)

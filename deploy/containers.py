@@ -1,0 +1,95 @@
+"""How one deployment config becomes containers: the choices compose and Kubernetes share.
+
+The config a user writes describes one machine (every host 127.0.0.1, the static worker
+list, local paths). Containers differ in four ways, and ``container_config`` rewrites just
+those, so the layout (replicas, ports, engine, connector, timeouts) stays the user's:
+
+- **Discovery.** Container addresses are not known in advance, so workers register in
+  Redis: ``registry.redis_url`` points at the bundled Redis service, unless the config
+  already names a Redis that is not on loopback (an external one; then none is bundled).
+- **Binding.** A worker binds every socket (gRPC, KV events, connector) on its role's
+  host *and* advertises that same address to the router and to peers, so it must be an
+  address others can reach: never 0.0.0.0. Each worker container therefore gets its own
+  host on its command line (``--set prefill.host=...``): its service name in compose
+  (resolvable by every container, and bindable in its own), its pod IP in Kubernetes.
+  The router is advertised nowhere, so it binds 0.0.0.0.
+- **Paths.** The shared-storage directory is a shared volume at ``SHARED_KV_DIR``; a
+  local model directory is mounted read-only under ``MODELS_DIR`` with its name kept (the
+  served model name defaults to it). Without a model, the image's baked-in demo is used.
+- **Config file.** The rewritten config is mounted at ``CONFIG_PATH`` in every container.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from urllib.parse import urlparse
+
+import yaml
+
+from common.config import PdserveConfig, Role
+from common.config_loader import to_dict
+
+CONFIG_PATH = "/etc/pdserve/config.yaml"
+SHARED_KV_DIR = "/var/lib/pdserve/kv-shared"
+MODELS_DIR = "/models"
+REDIS_PORT = 6379
+REDIS_IMAGE = "redis:7.4-alpine"
+IMAGE_NAME = "pdserve"  # tags: cpu, cuda (deploy/Dockerfile's VARIANT)
+_LOOPBACK = {"localhost", "127.0.0.1", "::1", ""}
+
+
+def uses_bundled_redis(config: PdserveConfig) -> bool:
+    """False when the config names an external Redis (not on loopback)."""
+    url = config.registry.redis_url
+    return url is None or (urlparse(url).hostname or "") in _LOOPBACK
+
+
+def container_config(config: PdserveConfig, redis_host: str) -> PdserveConfig:
+    """The config every container reads (see the module docstring for what changes)."""
+    registry = config.registry
+    if uses_bundled_redis(config):
+        url = f"redis://{redis_host}:{REDIS_PORT}/0"
+        registry = dataclasses.replace(registry, redis_url=url)
+    transfer = config.kv_transfer
+    if transfer.connector == "shared_storage":
+        transfer = dataclasses.replace(transfer, shared_dir=SHARED_KV_DIR)
+    return dataclasses.replace(
+        config,
+        model=container_model_path(config),
+        router=dataclasses.replace(config.router, host="0.0.0.0"),
+        registry=registry,
+        kv_transfer=transfer,
+    )
+
+
+def container_model_path(config: PdserveConfig) -> str | None:
+    if config.model is None:
+        return None
+    return f"{MODELS_DIR}/{Path(config.model).name}"
+
+
+def config_yaml(config: PdserveConfig, source: str) -> str:
+    header = (
+        f"# pdserve config for containers, rendered from {source}.\n"
+        "# Re-render after editing the source; see deploy/README.md.\n"
+    )
+    return header + yaml.safe_dump(to_dict(config), sort_keys=False)
+
+
+def worker_args(role: Role, index: int, host: str) -> list[str]:
+    """Arguments after the image's ``pdserve`` entry point for one worker."""
+    return [
+        "--log-level", "INFO", role.value, "--config", CONFIG_PATH,
+        "--index", str(index), "--set", f"{role.value}.host={host}",
+    ]  # fmt: skip
+
+
+def router_args() -> list[str]:
+    return ["--log-level", "INFO", "router", "--config", CONFIG_PATH]
+
+
+def stop_grace_s(drain_grace_s: float, margin_s: float = 15.0) -> int:
+    """How long the platform waits after SIGTERM before SIGKILL: the drain plus time to
+    deregister and close (gRPC stop grace, engine thread, connector)."""
+    return int(drain_grace_s + margin_s + 0.999)

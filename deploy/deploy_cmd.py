@@ -1,0 +1,67 @@
+"""``pdserve deploy compose|k8s --config FILE``: render the container deployment of a config.
+
+    pdserve deploy compose --config F [--out FILE] [--variant cpu|cuda] [--image I] [--gpus N]
+    pdserve deploy k8s     --config F [--out DIR]  [--image I]
+
+The config is validated first (exit 2 with the named key, as ``pdserve config check``).
+Without ``--out`` the result goes to stdout: the compose file, or the Kubernetes base as
+one stream for ``kubectl apply -f -``. With ``--out DIR`` the k8s command writes a
+kustomize tree: ``DIR/base`` and ``DIR/overlays/gpu``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from deploy.config_args import add_overrides, load_or_report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    targets = parser.add_subparsers(dest="target", required=True, metavar="TARGET")
+    compose = targets.add_parser("compose", help="render a docker-compose file")
+    _common(compose, "the compose file to write (default: stdout)")
+    compose.add_argument("--variant", choices=("cpu", "cuda"), default="cpu")
+    compose.add_argument(
+        "--gpus", type=int, default=0, help="cuda: GPUs on the host (0: one per worker)"
+    )
+    k8s = targets.add_parser("k8s", help="render Kubernetes manifests (kustomize base + GPU)")
+    _common(k8s, "directory for base/ and overlays/gpu/ (default: the base to stdout)")
+
+
+def _common(parser: argparse.ArgumentParser, out_help: str) -> None:
+    parser.add_argument("--config", required=True, help="deployment YAML")
+    parser.add_argument("--out", type=Path, default=None, help=out_help)
+    parser.add_argument("--image", default="", help="image (default: pdserve:VARIANT)")
+    add_overrides(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_or_report(args.config, args.overrides)
+    if config is None:
+        return 2
+    source = Path(args.config).name
+    if args.target == "compose":
+        from deploy.render_compose import render
+
+        text = render(config, source, args.variant, args.image, args.gpus)
+        if args.out is None:
+            sys.stdout.write(text)
+        else:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(text)
+            print(f"wrote {args.out}")
+        return 0
+    from deploy.render_k8s import render_files, render_stream, write
+
+    if args.out is None:
+        sys.stdout.write(render_stream(config, source, args.image))
+        return 0
+    files = render_files(config, source, args.image)
+    write(files, args.out)
+    print(f"wrote {len(files)} files under {args.out} (kubectl apply -k {args.out}/base)")
+    return 0
+
+
+COMMAND = ("render docker-compose or Kubernetes manifests from a config", add_arguments, run)

@@ -1,0 +1,198 @@
+"""The Kubernetes objects of a pdserve deployment, one builder per component.
+
+Probes and shutdown, per component (reasons in deploy/README.md):
+
+- worker: readiness = gRPC health (SERVING once the model and KV cache are ready;
+  NOT_SERVING while loading or draining); liveness = the gRPC port accepting, since
+  NOT_SERVING is a normal state, not a hung process. No preStop: SIGTERM itself starts the
+  drain (registry entry marked draining, new requests refused and retried elsewhere by the
+  router); terminationGracePeriodSeconds covers drain_grace_s plus shutdown.
+- router: readiness = HTTP /health (503 while no decode worker is available or while
+  draining); liveness = /metrics (always 200 while the server runs: a router without
+  workers must not be restarted for it). preStop sleeps so the Service stops sending
+  before the router starts refusing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from common.config import PdserveConfig, Role
+from deploy import containers as c
+
+CONFIG = "pdserve-config"
+REDIS = "pdserve-redis"
+ROUTER = "pdserve-router"
+KV_CLAIM = "pdserve-kv-shared"
+MODEL_CLAIM = "pdserve-models"
+WORKER_CONTAINER = "worker"
+ROLE_LABEL = "pdserve.io/role"
+CHECKSUM_ANNOTATION = "pdserve.io/config-sha256"
+ROUTER_PRESTOP_S = 5
+UID = 1000  # the image's pdserve user
+
+
+def labels(component: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/component": component}
+
+
+def worker_name(role: Role) -> str:
+    return f"pdserve-{role.value}"
+
+
+def claims(config: PdserveConfig) -> list[dict[str, Any]]:
+    """PersistentVolumeClaims: the shared-storage directory (read-write by every worker)
+    and the model directory (filled by you with the checkpoint; mounted read-only)."""
+    result = []
+    if config.kv_transfer.connector == "shared_storage":
+        result.append(_claim(KV_CLAIM, "50Gi"))
+    if config.model is not None:
+        result.append(_claim(MODEL_CLAIM, "100Gi"))
+    return result
+
+
+def _claim(name: str, size: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": name, "labels": labels("storage")},
+        "spec": {
+            "accessModes": ["ReadWriteMany"],
+            "resources": {"requests": {"storage": size}},
+        },
+    }
+
+
+def redis() -> list[dict[str, Any]]:
+    container = {
+        "name": "redis",
+        "image": c.REDIS_IMAGE,
+        "args": ["--save", "", "--appendonly", "no"],
+        "ports": [{"name": "redis", "containerPort": c.REDIS_PORT}],
+        "readinessProbe": {"exec": {"command": ["redis-cli", "ping"]}, "periodSeconds": 2},
+        "livenessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 10},
+        "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}},
+    }
+    return [_deployment(REDIS, "redis", 1, {"containers": [container]}), _service(REDIS, "redis",
+            [{"name": "redis", "port": c.REDIS_PORT, "targetPort": "redis"}])]  # fmt: skip
+
+
+def router(config: PdserveConfig, image: str, checksum: str) -> list[dict[str, Any]]:
+    port = config.router.port
+    container = {
+        "name": "router",
+        "image": image,
+        "args": c.router_args(),
+        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "ports": [{"name": "http", "containerPort": port}],
+        "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 2},
+        "livenessProbe": {"httpGet": {"path": "/metrics", "port": "http"},
+                          "initialDelaySeconds": 30, "periodSeconds": 10,
+                          "failureThreshold": 6},
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(ROUTER_PRESTOP_S)]}}},
+        "resources": {"requests": {"cpu": "1", "memory": "1Gi"}},
+        "volumeMounts": _mounts(config, worker=False),
+    }  # fmt: skip
+    grace = ROUTER_PRESTOP_S + c.stop_grace_s(config.router.drain_grace_s)
+    spec = _pod_spec(config, container, grace, worker=False)
+    ports = [{"name": "http", "port": port, "targetPort": "http"}]
+    return [_deployment(ROUTER, "router", 1, spec, checksum), _service(ROUTER, "router", ports)]
+
+
+def worker(config: PdserveConfig, role: Role, image: str, checksum: str) -> dict[str, Any]:
+    section = config.role(role)
+    ports = section.ports(0)
+    named = [(f"{name.replace('_', '-')}", port)
+             for name, port in dataclasses.asdict(ports).items()]  # fmt: skip
+    engine = config.engine_for(role)
+    memory_mib = (engine.kv_cache_bytes + engine.cpu_offload_bytes) // 2**20 + 1024
+    container = {
+        "name": WORKER_CONTAINER,
+        "image": image,
+        "args": c.worker_args(role, 0, host="$(POD_IP)"),
+        "env": [
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "PYTHONUNBUFFERED", "value": "1"},
+        ],
+        "ports": [{"name": name, "containerPort": port} for name, port in named],
+        "readinessProbe": {"grpc": {"port": ports.grpc}, "periodSeconds": 2},
+        "livenessProbe": {"tcpSocket": {"port": "grpc"}, "initialDelaySeconds": 30,
+                          "periodSeconds": 10, "failureThreshold": 6},
+        "resources": {"requests": {"cpu": "1", "memory": f"{memory_mib}Mi"}},
+        "volumeMounts": _mounts(config, worker=True),
+    }  # fmt: skip
+    spec = _pod_spec(config, container, c.stop_grace_s(section.drain_grace_s), worker=True)
+    # Never below the configured capacity during a rollout: a new pod is ready (model
+    # loaded) before an old one drains.
+    strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    deployment = _deployment(
+        worker_name(role), role.value, section.replicas, spec, checksum, strategy
+    )
+    for meta in (deployment["metadata"], deployment["spec"]["template"]["metadata"]):
+        meta["labels"][ROLE_LABEL] = role.value
+    return deployment
+
+
+def _mounts(config: PdserveConfig, worker: bool) -> list[dict[str, Any]]:
+    mounts = [{"name": "config", "mountPath": "/etc/pdserve", "readOnly": True}]
+    if worker:
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+        if config.kv_transfer.connector == "shared_storage":
+            mounts.append({"name": "kv-shared", "mountPath": c.SHARED_KV_DIR})
+    model_path = c.container_model_path(config)
+    if model_path is not None:
+        mounts.append({"name": "models", "mountPath": model_path, "readOnly": True})
+    return mounts
+
+
+def _pod_spec(
+    config: PdserveConfig, container: dict[str, Any], grace_s: int, worker: bool
+) -> dict[str, Any]:
+    volumes: list[dict[str, Any]] = [{"name": "config", "configMap": {"name": CONFIG}}]
+    if worker:
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        if config.kv_transfer.connector == "shared_storage":
+            volumes.append({"name": "kv-shared",
+                            "persistentVolumeClaim": {"claimName": KV_CLAIM}})  # fmt: skip
+    if config.model is not None:
+        volumes.append({"name": "models", "persistentVolumeClaim": {
+            "claimName": MODEL_CLAIM, "readOnly": True}})  # fmt: skip
+    return {
+        "terminationGracePeriodSeconds": grace_s,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": UID, "fsGroup": UID},
+        "containers": [container],
+        "volumes": volumes,
+    }
+
+
+def _deployment(
+    name: str,
+    component: str,
+    replicas: int,
+    pod_spec: dict[str, Any],
+    checksum: str = "",
+    strategy: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    template_meta: dict[str, Any] = {"labels": labels(component)}
+    if checksum:  # a changed config rolls the pods
+        template_meta["annotations"] = {CHECKSUM_ANNOTATION: checksum}
+    spec: dict[str, Any] = {"replicas": replicas, "selector": {"matchLabels": labels(component)}}
+    if strategy is not None:
+        spec["strategy"] = strategy
+    spec["template"] = {"metadata": template_meta, "spec": pod_spec}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "labels": labels(component)},
+        "spec": spec,
+    }
+
+
+def _service(name: str, component: str, ports: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "labels": labels(component)},
+        "spec": {"selector": labels(component), "ports": ports},
+    }

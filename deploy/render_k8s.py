@@ -1,0 +1,98 @@
+"""Render Kubernetes manifests from a deployment config: a kustomize base plus a GPU overlay.
+
+    base/       ConfigMap (the container config), Redis, router Deployment + Service,
+                prefill and decode Deployments (replicas from the config), PVCs if needed
+    overlays/gpu/  the CUDA image and one nvidia.com/gpu per worker pod
+
+Every worker pod is replica 0 of its own network namespace: same ports in every pod, host
+= its pod IP (downward API), discovery through Redis; so a Deployment's replica count is
+the config's, and ``kubectl scale`` adds or removes workers the router picks up (scaled-in
+pods drain on SIGTERM). Pod specs are built in ``deploy/k8s_pods.py``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from common.config import PdserveConfig, Role
+from deploy import containers as c
+from deploy import k8s_pods as pods
+from deploy.yaml_text import dump_all
+
+KUSTOMIZE_API = "kustomize.config.k8s.io/v1beta1"
+
+
+def render_files(config: PdserveConfig, source: str, image: str = "") -> dict[str, str]:
+    """Relative path → YAML text: ``base/...`` and ``overlays/gpu/...``."""
+    image = image or f"{c.IMAGE_NAME}:cpu"
+    base = base_resources(config, source, image)
+    header = f"# Rendered by `pdserve deploy k8s` from {source}; re-render, do not edit.\n"
+    files = {f"base/{name}": header + dump_all(docs) for name, docs in base.items()}
+    kustomization = {"apiVersion": KUSTOMIZE_API, "kind": "Kustomization",
+                     "resources": list(base)}  # fmt: skip
+    files["base/kustomization.yaml"] = header + dump_all([kustomization])
+    for name, docs in gpu_overlay(image).items():
+        files[f"overlays/gpu/{name}"] = header + dump_all(docs)
+    return files
+
+
+def render_stream(config: PdserveConfig, source: str, image: str = "") -> str:
+    """The base as one multi-document stream (``kubectl apply -f -``), no kustomize."""
+    image = image or f"{c.IMAGE_NAME}:cpu"
+    docs = [doc for group in base_resources(config, source, image).values() for doc in group]
+    return f"# Rendered by `pdserve deploy k8s` from {source}.\n" + dump_all(docs)
+
+
+def write(files: dict[str, str], out_dir: Path) -> None:
+    for relative, text in files.items():
+        path = out_dir / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def base_resources(config: PdserveConfig, source: str, image: str) -> dict[str, list[dict]]:
+    """File name → the resources it holds, in apply order."""
+    inner = c.container_config(config, redis_host=pods.REDIS)
+    config_text = c.config_yaml(inner, source)
+    checksum = hashlib.sha256(config_text.encode()).hexdigest()[:16]
+    configmap = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": pods.CONFIG, "labels": pods.labels("config")},
+        "data": {"config.yaml": config_text},
+    }
+    resources: dict[str, list[dict]] = {"configmap.yaml": [configmap]}
+    claims = pods.claims(config)
+    if claims:
+        resources["volumes.yaml"] = claims
+    if c.uses_bundled_redis(config):
+        resources["redis.yaml"] = pods.redis()
+    resources["router.yaml"] = pods.router(config, image, checksum)
+    for role in Role:
+        resources[f"{role.value}.yaml"] = [pods.worker(config, role, image, checksum)]
+    return resources
+
+
+def gpu_overlay(image: str) -> dict[str, list[dict]]:
+    name = image.rsplit(":", 1)[0] if ":" in image.rsplit("/", 1)[-1] else image
+    patch = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "pdserve-workers"},  # the target selector picks the workers
+        "spec": {"template": {"spec": {
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
+                             "effect": "NoSchedule"}],
+            "containers": [{"name": pods.WORKER_CONTAINER,
+                            "resources": {"limits": {"nvidia.com/gpu": 1}}}],
+        }}},
+    }  # fmt: skip
+    kustomization = {
+        "apiVersion": KUSTOMIZE_API,
+        "kind": "Kustomization",
+        "resources": ["../../base"],
+        "images": [{"name": name, "newTag": "cuda"}],
+        "patches": [{"path": "gpu-workers.yaml",
+                     "target": {"kind": "Deployment", "labelSelector": pods.ROLE_LABEL}}],
+    }  # fmt: skip
+    return {"kustomization.yaml": [kustomization], "gpu-workers.yaml": [patch]}

@@ -1,0 +1,169 @@
+"""Config validation before anything starts: the example configs pass, broken configs fail
+with the key named, through ``pdserve config check|show`` and the worker entry point."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from common.config import ConfigError, PdserveConfig
+from common.config_loader import build, load_config, to_dict
+from deploy.cli import main
+from tests.support.processes import ROOT
+
+EXAMPLES = sorted((ROOT / "deploy" / "configs").glob("*.yaml"))
+
+
+def test_the_four_example_layouts_exist():
+    layouts = {p.stem: load_config(str(p)) for p in EXAMPLES}
+    ratios = {(c.prefill.replicas, c.decode.replicas) for c in layouts.values()}
+    assert {(1, 1), (2, 1), (1, 2)} <= ratios
+    assert any(c.registry.redis_url for c in layouts.values())
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_example_config_checks_ok(path, tiny_llama, capsys):
+    """Valid as written, and with a real checkpoint its KV cache is sized and fits."""
+    assert main(["config", "check", str(path)]) == 0
+    assert f"{path}: ok" in capsys.readouterr().out
+    assert main(["config", "check", str(path), "--set", f"model={tiny_llama}"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("kv cache  ") == 2 and "one request of 4096 tokens needs 256" in out
+
+
+def test_check_summarises_the_layout(capsys):
+    path = ROOT / "deploy" / "configs" / "2p1d-long-prompt.yaml"
+    assert main(["config", "check", str(path), "--set", "decode.replicas=3"]) == 0
+    out = capsys.readouterr().out
+    assert "layout    2P3D" in out
+    assert "prefill   2 x 127.0.0.1, ports 50100-50114" in out
+    assert "decode    3 x 127.0.0.1, ports 50200-50224" in out
+
+
+def test_show_prints_every_default_and_round_trips(tmp_path, capsys):
+    path = ROOT / "deploy" / "configs" / "1p2d-long-output.yaml"
+    assert main(["config", "show", str(path), "--set", "router.port=9000"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["router"]["port"] == 9000
+    assert shown["engine"]["gpu_memory_utilization"] == 0.85  # a default, not in the file
+    assert shown["decode"]["engine"]["max_num_seqs"] == 128
+    assert build(PdserveConfig, shown) == load_config(str(path), ["router.port=9000"])
+    assert to_dict(build(PdserveConfig, shown)) == shown
+
+
+BROKEN = [
+    ("engin: {}", "engin", "unknown key"),
+    ("decode: {replica: 2}", "decode.replica", "unknown key"),
+    ("prefill: {replicas: two}", "prefill.replicas", "must be an integer"),
+    ("engine: {block_size: true}", "engine.block_size", "must be an integer"),
+    ("router: {port: '8000'}", "router.port", "must be an integer"),
+    ("prefill: {replicas: -1}", "prefill.replicas", "must be >= 0"),
+    ("decode: {replicas: 0}", "decode.replicas", "at least one decode worker"),
+    ("engine: {max_num_seqs: 0}", "engine.max_num_seqs", "must be > 0"),
+    ("prefill: {replicas: 2, port: 50190}", "decode.port (replica 0)", "also used by prefill"),
+    ("router: {port: 50100}", "prefill.port (replica 0)", "also used by router.port"),
+    ("router: {host: 0.0.0.0, port: 50201}", "decode.port (replica 0)", "also used by router"),
+    ("decode: {port: 65533}", "decode.port (replica 0)", "outside 1-65535"),
+    ("decode: {engine: {max_num_seqs: many}}", "decode.engine.max_num_seqs", "an integer"),
+    ("prefill: {engine: {batch: 8}}", "prefill.engine.batch", "unknown engine setting"),
+    ("decode: {drain_grace_s: -1}", "decode.drain_grace_s", "must be >= 0"),
+    ("kv_transfer: {connector: rdma}", "kv_transfer.connector", "not one of: nixl"),
+    ("kv_transfer: {connector: shared_storage}", "kv_transfer.shared_dir", "needs a dir"),
+    ("kv_transfer: {lease_s: 5, timeout_s: 5}", "kv_transfer.timeout_s", "below lease_s"),
+    ("kv_transfer: {failure_policy: retry}", "kv_transfer.failure_policy", "not one of"),
+    ("registry: {redis_url: 'localhost:6379'}", "registry.redis_url", "not a Redis URL"),
+    ("registry: {ttl_s: 2, heartbeat_s: 2}", "registry.heartbeat_s", "below registry.ttl_s"),
+    ("engine: {gpu_memory_utilization: 1.5}", "engine.gpu_memory_utilization", "(0, 1]"),
+    ("- prefill\n- decode", "config", "must hold a mapping"),
+    ("prefill: [1, 2", "config", "not valid YAML"),
+]
+
+
+@pytest.mark.parametrize(("text", "key", "message"), BROKEN, ids=[b[1] for b in BROKEN])
+def test_broken_config_names_the_key(text, key, message, tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text(text + "\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(str(path))
+    assert error.value.key == key
+    assert message in str(error.value)
+
+
+KV_BROKEN = [
+    (["engine.device=cpu", "engine.num_blocks=10"], "engine.num_blocks",
+     "10 KV blocks cannot hold one request of max_model_len=4096"),
+    (["decode.engine.num_blocks=3"], "decode.engine.num_blocks", "3 KV blocks cannot hold"),
+    (["engine.device=cpu", "engine.kv_cache_bytes=1000000"], "engine.kv_cache_bytes",
+     "15 KV blocks, which cannot hold one request"),
+    (["engine.device=cpu", "engine.num_blocks=100000"], "engine.num_blocks",
+     "need 6250.0 MiB, more than engine.kv_cache_bytes=1073741824"),
+    (["prefill.engine.device=cpu", "prefill.engine.kv_cache_bytes=4194304"],
+     "prefill.engine.kv_cache_bytes", "64 KV blocks"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("overrides", "key", "message"), KV_BROKEN, ids=[k[1] for k in KV_BROKEN])
+def test_kv_blocks_that_do_not_fit_are_named(overrides, key, message, tiny_llama):
+    """Sized from the checkpoint's config.json (4 layers, 2 KV heads of 64, float32 on CPU:
+    64 KiB per 16-token block; 4096 positions need 256 blocks)."""
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [f"model={tiny_llama}", *overrides])
+    assert error.value.key == key
+    assert message in str(error.value)
+
+
+def test_a_fitting_pool_passes_and_auto_devices_only_warn(tiny_llama, capsys):
+    fits = [f"model={tiny_llama}", "engine.device=cpu", "engine.max_model_len=1024",
+            "engine.kv_cache_bytes=4194304"]  # fmt: skip
+    load_config(None, fits)  # 64 blocks hold 1024 tokens exactly
+    # device auto may be CUDA where it runs: the CPU arithmetic is a warning, exit 0.
+    auto = ["--set", f"model={tiny_llama}", "--set", "engine.kv_cache_bytes=1000000"]
+    assert main(["config", "check", str(EXAMPLES[0]), *auto]) == 0
+    assert "warning: prefill: engine.kv_cache_bytes: on a host without CUDA" in (
+        capsys.readouterr().err
+    )
+
+
+def test_check_and_workers_refuse_before_starting(tmp_path):
+    """Exit 2 with the named error from the console script, and a worker given the same
+    config refuses before it loads anything."""
+    path = tmp_path / "broken.yaml"
+    path.write_text("decode: {replicas: 2, port: 50100}\n")
+    for args in (["config", "check", str(path)], ["decode", "--config", str(path)]):
+        result = subprocess.run(
+            [sys.executable, "-m", "deploy.cli", *args],
+            capture_output=True, text=True, timeout=60, cwd=ROOT,
+        )  # fmt: skip
+        assert result.returncode == 2, result.stderr
+        assert "error: decode.port (replica 0): port 50100 on 127.0.0.1 is also used by " \
+               "prefill.port (replica 0)" in result.stderr  # fmt: skip
+        assert result.stdout == ""
+
+
+def test_examples_are_documented():
+    """Each example says what its ratio is for and when to change it."""
+    for path in EXAMPLES:
+        comments = "\n".join(line for line in path.read_text().splitlines() if line.startswith("#"))
+        assert "What the ratio is for" in comments, path.name
+        assert "When to change it" in comments or "when to change it" in comments, path.name
+
+
+def test_torch_free_sizing_agrees_with_the_engine(tiny_llama):
+    """The up-front arithmetic is the engine's: same bytes per block, same pool size."""
+    from common.config import Role
+    from common.kv_budget import kv_budgets
+    from engine.llm_engine import LLMEngine
+
+    overrides = [f"model={tiny_llama}", "engine.device=cpu", "engine.max_model_len=512",
+                 "engine.kv_cache_bytes=5000000", "engine.block_size=32"]  # fmt: skip
+    config = load_config(None, overrides)
+    budget = next(b for b in kv_budgets(config) if b.role is Role.DECODE)
+    runner = LLMEngine(tiny_llama, config.engine_for(Role.DECODE)).runner
+    assert (budget.bytes_per_block, budget.num_blocks) == (
+        runner.bytes_per_block,
+        runner.num_blocks,
+    )
+    assert budget.min_blocks == 16 and budget.num_blocks == 38

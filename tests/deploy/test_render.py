@@ -1,0 +1,286 @@
+"""Rendered compose files and Kubernetes manifests: they parse, carry the config's replica
+counts and ports, reference only services, volumes, ports, images and keys that exist, and
+the committed deploy/compose.yaml and deploy/k8s/ are the renderer's output for the demo
+config. Schema validation runs where the validators are installed (compose-spec,
+kubernetes-validate); no docker engine or cluster is needed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from common.config import PdserveConfig, Role
+from common.config_loader import build, load_config
+from deploy import containers
+from deploy.render_compose import render
+from deploy.render_k8s import render_files, render_stream
+from tests.support.processes import ROOT
+
+EXAMPLES = sorted((ROOT / "deploy" / "configs").glob("*.yaml"))
+DEMO = ROOT / "deploy" / "configs" / "1p1d-demo.yaml"
+
+
+def unusual_config(tmp_path: Path) -> Path:
+    """A layout no example uses: 3P2D, shared storage, a local model, custom ports."""
+    model = tmp_path / "my-model"
+    model.mkdir(exist_ok=True)
+    path = tmp_path / "unusual.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": str(model),
+        "prefill": {"replicas": 3, "port": 41000, "drain_grace_s": 90},
+        "decode": {"replicas": 2, "port": 42000, "engine": {"max_num_seqs": 8}},
+        "kv_transfer": {"connector": "shared_storage", "shared_dir": str(tmp_path / "kv")},
+        "router": {"host": "0.0.0.0", "port": 9000, "drain_grace_s": 20},
+    }))  # fmt: skip
+    return path
+
+
+def configs(tmp_path: Path) -> list[Path]:
+    return [*EXAMPLES, unusual_config(tmp_path)]
+
+
+# ---------------------------------------------------------------------------- compose
+
+
+def check_compose(document: dict, config: PdserveConfig, image: str) -> None:
+    services = document["services"]
+    expected = [f"{role.value}-{i}" for role in Role for i in range(config.role(role).replicas)]
+    assert [s for s in services if s not in ("redis", "router")] == expected
+    assert "redis" in services and "router" in services
+    inner = build(PdserveConfig, yaml.safe_load(document["configs"]["pdserve-config"]["content"]))
+    assert inner.registry.redis_url == "redis://redis:6379/0"
+    assert (inner.prefill.replicas, inner.decode.replicas) == (
+        config.prefill.replicas, config.decode.replicas)  # fmt: skip
+    assert inner.router.host == "0.0.0.0" and inner.router.port == config.router.port
+    for name, service in services.items():
+        assert service["image"] in (image, containers.REDIS_IMAGE)
+        for dependency in service.get("depends_on", {}):
+            assert dependency in services, (name, dependency)
+        for mount in service.get("volumes", []):
+            source = mount.split(":")[0]
+            assert source.startswith("/") or source in document.get("volumes", {}), mount
+        for ref in service.get("configs", []):
+            assert ref["source"] in document["configs"]
+            assert ref["target"] == containers.CONFIG_PATH
+    for role in Role:
+        for index in range(config.role(role).replicas):
+            name = f"{role.value}-{index}"
+            service = services[name]
+            command = service["command"]
+            assert command[command.index("--index") + 1] == str(index)
+            assert f"{role.value}.host={name}" in command and service["hostname"] == name
+            grpc_port = config.role(role).ports(index).grpc
+            assert service["healthcheck"]["test"][-2:] == ["--grpc", f"{name}:{grpc_port}"]
+            grace = int(service["stop_grace_period"].rstrip("s"))
+            assert grace > config.role(role).drain_grace_s
+    router = services["router"]
+    assert router["ports"][0].endswith(f"{config.router.port}:{config.router.port}")
+    assert router["healthcheck"]["test"][-1] == f"http://127.0.0.1:{config.router.port}/health"
+    assert set(router["depends_on"]) == {"redis", *expected}
+
+
+def validate_compose_schema(text: str) -> None:
+    import compose_spec  # a test dependency: the Compose Specification's JSON schema
+
+    compose_spec.PyCompose.from_yaml(text).validate()
+
+
+def test_compose_carries_each_config(tmp_path):
+    for path in configs(tmp_path):
+        config = load_config(str(path))
+        for variant in ("cpu", "cuda"):
+            text = render(config, path.name, variant)
+            check_compose(yaml.safe_load(text), config, f"pdserve:{variant}")
+
+
+def test_compose_details_of_an_unusual_layout(tmp_path):
+    path = unusual_config(tmp_path)
+    document = yaml.safe_load(render(load_config(str(path)), path.name, "cuda", gpus=2))
+    services = document["services"]
+    assert services["router"]["ports"] == ["9000:9000"]  # router.host 0.0.0.0: all interfaces
+    assert services["prefill-2"]["volumes"] == [
+        f"{tmp_path / 'my-model'}:/models/my-model:ro",
+        f"kv-shared:{containers.SHARED_KV_DIR}",
+    ]
+    gpus = [s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+            for name, s in services.items() if name[-1].isdigit()]  # fmt: skip
+    assert gpus == [["0"], ["1"], ["0"], ["1"], ["0"]]
+    inner = yaml.safe_load(document["configs"]["pdserve-config"]["content"])
+    assert inner["model"] == "/models/my-model"
+    assert inner["kv_transfer"]["shared_dir"] == containers.SHARED_KV_DIR
+    assert services["prefill-0"]["stop_grace_period"] == "105s"
+
+
+def test_an_external_redis_is_kept_and_none_bundled():
+    config = load_config(str(DEMO), ["registry.redis_url=redis://redis.internal:6379/3"])
+    document = yaml.safe_load(render(config, "demo.yaml"))
+    assert "redis" not in document["services"]
+    inner = yaml.safe_load(document["configs"]["pdserve-config"]["content"])
+    assert inner["registry"]["redis_url"] == "redis://redis.internal:6379/3"
+    files = render_files(config, "demo.yaml")
+    assert "redis.yaml" not in files["base/kustomization.yaml"]
+
+
+def test_compose_schema(tmp_path):
+    for path in configs(tmp_path):
+        validate_compose_schema(render(load_config(str(path)), path.name, "cuda"))
+
+
+# ---------------------------------------------------------------------------- kubernetes
+
+
+def k8s_docs(files: dict[str, str], prefix: str = "base/") -> list[dict]:
+    docs = []
+    for name, text in files.items():
+        if name.startswith(prefix) and not name.endswith("kustomization.yaml"):
+            docs.extend(d for d in yaml.safe_load_all(text) if d)
+    return docs
+
+
+def check_k8s(files: dict[str, str], config: PdserveConfig, image: str) -> None:
+    kustomization = yaml.safe_load(files["base/kustomization.yaml"])
+    assert sorted(f"base/{r}" for r in kustomization["resources"]) == sorted(
+        n for n in files if n.startswith("base/") and not n.endswith("kustomization.yaml")
+    )
+    docs = k8s_docs(files)
+    by_kind: dict[str, dict[str, dict]] = {}
+    for doc in docs:
+        by_kind.setdefault(doc["kind"], {})[doc["metadata"]["name"]] = doc
+    deployments = by_kind["Deployment"]
+    for role in Role:
+        deployment = deployments[f"pdserve-{role.value}"]
+        assert deployment["spec"]["replicas"] == config.role(role).replicas
+        assert deployment["spec"]["template"]["metadata"]["labels"]["pdserve.io/role"] == role
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        ports = config.role(role).ports(0)
+        assert [p["containerPort"] for p in container["ports"]] == [
+            ports.grpc, ports.events, ports.replay, ports.kv_transfer, ports.kv_store]  # fmt: skip
+        assert container["readinessProbe"]["grpc"]["port"] == ports.grpc
+        assert f"{role.value}.host=$(POD_IP)" in container["args"]
+        assert "POD_IP" in [e["name"] for e in container["env"]]
+        grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert grace > config.role(role).drain_grace_s
+    router = deployments["pdserve-router"]["spec"]["template"]["spec"]
+    assert router["terminationGracePeriodSeconds"] > config.router.drain_grace_s + 5
+    assert router["containers"][0]["lifecycle"]["preStop"]
+    assert router["containers"][0]["ports"][0]["containerPort"] == config.router.port
+    configmap = by_kind["ConfigMap"]["pdserve-config"]
+    inner = build(PdserveConfig, yaml.safe_load(configmap["data"]["config.yaml"]))
+    assert inner.registry.redis_url == "redis://pdserve-redis:6379/0"
+    assert inner.router.host == "0.0.0.0"
+    claims = by_kind.get("PersistentVolumeClaim", {})
+    for name, deployment in deployments.items():
+        pod = deployment["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        for container in pod["containers"]:
+            assert container["image"] in (image, containers.REDIS_IMAGE), name
+            port_names = {p["name"] for p in container["ports"]}
+            for probe in ("readinessProbe", "livenessProbe"):
+                for action in container[probe].values():
+                    if isinstance(action, dict) and isinstance(action.get("port"), str):
+                        assert action["port"] in port_names, (name, probe)
+            for mount in container.get("volumeMounts", []):
+                assert mount["name"] in volumes, (name, mount)
+        for volume in volumes.values():
+            if "configMap" in volume:
+                assert volume["configMap"]["name"] in by_kind["ConfigMap"]
+            if "persistentVolumeClaim" in volume:
+                assert volume["persistentVolumeClaim"]["claimName"] in claims
+    for service in by_kind["Service"].values():
+        targets = [d for d in deployments.values()
+                   if service["spec"]["selector"].items()
+                   <= d["spec"]["template"]["metadata"]["labels"].items()]  # fmt: skip
+        assert len(targets) == 1, service["metadata"]["name"]
+        port_names = {p["name"] for p in targets[0]["spec"]["template"]["spec"]["containers"][0]
+                      ["ports"]}  # fmt: skip
+        assert all(p["targetPort"] in port_names for p in service["spec"]["ports"])
+
+
+def check_gpu_overlay(files: dict[str, str], image: str) -> None:
+    overlay = yaml.safe_load(files["overlays/gpu/kustomization.yaml"])
+    assert overlay["resources"] == ["../../base"]
+    assert overlay["images"][0]["name"] == image.rsplit(":", 1)[0]
+    patch_entry = overlay["patches"][0]
+    patch = yaml.safe_load(files[f"overlays/gpu/{patch_entry['path']}"])
+    selector = patch_entry["target"]["labelSelector"]
+    targets = [d for d in k8s_docs(files) if d["kind"] == "Deployment"
+               and selector in d["metadata"]["labels"]]  # fmt: skip
+    assert sorted(d["metadata"]["name"] for d in targets) == ["pdserve-decode", "pdserve-prefill"]
+    patched = patch["spec"]["template"]["spec"]["containers"][0]
+    assert patched["resources"]["limits"]["nvidia.com/gpu"] == 1
+    for target in targets:
+        names = [c["name"] for c in target["spec"]["template"]["spec"]["containers"]]
+        assert patched["name"] in names
+
+
+def test_k8s_carries_each_config(tmp_path):
+    for path in configs(tmp_path):
+        config = load_config(str(path))
+        files = render_files(config, path.name, "registry.example.com:5000/pdserve:v1")
+        check_k8s(files, config, "registry.example.com:5000/pdserve:v1")
+        check_gpu_overlay(files, "registry.example.com:5000/pdserve:v1")
+
+
+def test_k8s_volumes_of_an_unusual_layout(tmp_path):
+    path = unusual_config(tmp_path)
+    files = render_files(load_config(str(path)), path.name)
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in k8s_docs(files)}
+    assert ("PersistentVolumeClaim", "pdserve-kv-shared") in docs
+    assert ("PersistentVolumeClaim", "pdserve-models") in docs
+    prefill = docs[("Deployment", "pdserve-prefill")]["spec"]["template"]["spec"]
+    mounts = {m["name"]: m["mountPath"] for m in prefill["containers"][0]["volumeMounts"]}
+    assert mounts["kv-shared"] == containers.SHARED_KV_DIR
+    assert mounts["models"] == "/models/my-model"
+    assert prefill["terminationGracePeriodSeconds"] == 105
+
+
+def test_k8s_schema(tmp_path):
+    from kubernetes_validate import validate  # a test dependency: bundled k8s schemas
+
+    for path in configs(tmp_path):
+        files = render_files(load_config(str(path)), path.name)
+        for doc in k8s_docs(files) + k8s_docs(files, "overlays/"):
+            if doc["metadata"]["name"] != "pdserve-workers":  # a patch, not a resource
+                validate(doc, "1.30.0", strict=True)
+
+
+def test_stream_equals_the_base(tmp_path):
+    config = load_config(str(unusual_config(tmp_path)))
+    stream = [d for d in yaml.safe_load_all(render_stream(config, "u.yaml")) if d]
+    assert stream == k8s_docs(render_files(config, "u.yaml"))
+
+
+# ---------------------------------------------------------------------------- committed
+
+
+def test_committed_files_are_the_demo_rendering():
+    """deploy/compose.yaml and deploy/k8s/ are `pdserve deploy` of the 1P1D demo config;
+    re-render them when the renderers or the demo config change (deploy/README.md)."""
+    config = load_config(str(DEMO))
+    assert (ROOT / "deploy" / "compose.yaml").read_text() == render(config, DEMO.name)
+    files = render_files(config, DEMO.name)
+    committed = {str(p.relative_to(ROOT / "deploy" / "k8s")): p.read_text()
+                 for p in (ROOT / "deploy" / "k8s").rglob("*.yaml")}  # fmt: skip
+    assert committed == files
+
+
+def test_cli_renders_and_refuses_broken_configs(tmp_path):
+    def pdserve(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "deploy.cli", *args], capture_output=True,
+                              text=True, timeout=60, cwd=ROOT)  # fmt: skip
+
+    path = unusual_config(tmp_path)
+    out = tmp_path / "k8s"
+    result = pdserve("deploy", "k8s", "--config", str(path), "--out", str(out),
+                     "--set", "decode.replicas=4")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    decode = yaml.safe_load((out / "base" / "decode.yaml").read_text())
+    assert decode["spec"]["replicas"] == 4
+    assert (out / "overlays" / "gpu" / "kustomization.yaml").exists()
+    broken = pdserve("deploy", "compose", "--config", str(path), "--set", "decode.replicas=-2")
+    assert broken.returncode == 2 and "decode.replicas: must be >= 0" in broken.stderr
