@@ -1,6 +1,6 @@
 """Which worker caches which blocks, fed by the workers' KV events. Torch-free.
 
-    gpu / cpu:   block hash → {worker ids}                (what events confirmed, per tier)
+    gpu / cpu:   block hash → bit mask of worker ids      (what events confirmed, per tier)
     optimistic:  block hash → {worker id → expiry}        (what we just sent there)
 
 A prompt's blocks form a chain (each hash covers its whole prefix), so a worker can reuse
@@ -14,7 +14,7 @@ Not thread-safe by itself: the router applies events and queries under one lock.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from common.hashing import BlockHash
@@ -31,55 +31,67 @@ class PrefixMatch:
         return self.gpu_blocks + self.cpu_blocks
 
 
-_EMPTY: frozenset[str] = frozenset()
-
-
 class PrefixIndex:
+    """Owners are bit masks over worker *slots* (one bit per worker id, reused after a
+    worker leaves): ``match`` intersects ints instead of sets, and the big maps hold only
+    bytes and ints, which CPython's cycle collector does not track, so a million-block index
+    adds no GC pauses to routing decisions."""
+
     def __init__(self, optimistic_ttl_s: float = 30.0) -> None:
         self.optimistic_ttl_s = optimistic_ttl_s
-        # Per tier, block hash → the workers holding it (sets: ``match`` intersects them).
-        self._gpu: dict[BlockHash, set[str]] = {}
-        self._cpu: dict[BlockHash, set[str]] = {}
+        # Per tier, block hash → bit mask of the workers holding it.
+        self._gpu: dict[BlockHash, int] = {}
+        self._cpu: dict[BlockHash, int] = {}
         # Optimistic entries: block hash → {worker id → expiry}; ``expire_optimistic``
         # (called periodically) drops old ones, ``match`` takes the rest at face value.
         self._optimistic: dict[BlockHash, dict[str, float]] = {}
-        self._worker_blocks: dict[str, set[BlockHash]] = {}
+        # Per worker, the hashes it holds in either tier (a dict used as an ordered set).
+        self._worker_blocks: dict[str, dict[BlockHash, None]] = {}
+        self._bits: dict[str, int] = {}  # worker id → its bit (1 << slot)
+        self._free_bits: list[int] = []
 
-    def _tier(self, medium: Medium) -> dict[BlockHash, set[str]]:
+    def _bit(self, worker_id: str) -> int:
+        bit = self._bits.get(worker_id)
+        if bit is None:
+            bit = self._free_bits.pop() if self._free_bits else 1 << len(self._bits)
+            self._bits[worker_id] = bit
+        return bit
+
+    def _tier(self, medium: Medium) -> dict[BlockHash, int]:
         return self._cpu if medium is Medium.CPU else self._gpu
 
     # ------------------------------------------------------------------ updates
 
     def apply(self, worker_id: str, events: Iterable[KVEvent]) -> None:
-        held = self._worker_blocks.setdefault(worker_id, set())
+        bit = self._bit(worker_id)
+        held = self._worker_blocks.setdefault(worker_id, {})
         for event in events:
             if isinstance(event, BlockStored):
                 tier = self._tier(event.medium)
                 for block_hash in event.block_hashes:
-                    tier.setdefault(block_hash, set()).add(worker_id)
-                    held.add(block_hash)
+                    tier[block_hash] = tier.get(block_hash, 0) | bit
+                    held[block_hash] = None
                     self._drop_optimistic(block_hash, worker_id)
             elif isinstance(event, BlockRemoved):
                 tier = self._tier(event.medium)
                 for block_hash in event.block_hashes:
-                    owners = tier.get(block_hash)
-                    if owners is None or worker_id not in owners:
+                    owners = tier.get(block_hash, 0)
+                    if not owners & bit:
                         continue
-                    owners.discard(worker_id)
-                    if not owners:
+                    owners &= ~bit
+                    if owners:
+                        tier[block_hash] = owners
+                    else:
                         del tier[block_hash]
-                    if not self._holds_any(block_hash, worker_id):
-                        held.discard(block_hash)
+                    if not (self._gpu.get(block_hash, 0) | self._cpu.get(block_hash, 0)) & bit:
+                        held.pop(block_hash, None)
             elif isinstance(event, AllBlocksCleared):
                 self.clear_worker(worker_id)
-                held = self._worker_blocks.setdefault(worker_id, set())
-
-    def _holds_any(self, block_hash: BlockHash, worker_id: str) -> bool:
-        return worker_id in self._gpu.get(block_hash, _EMPTY) or worker_id in self._cpu.get(
-            block_hash, _EMPTY
-        )
+                bit = self._bit(worker_id)
+                held = self._worker_blocks.setdefault(worker_id, {})
 
     def insert_optimistic(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
+        self._bit(worker_id)
         expiry = time.monotonic() + self.optimistic_ttl_s
         for block_hash in block_hashes:
             self._optimistic.setdefault(block_hash, {})[worker_id] = expiry
@@ -92,16 +104,20 @@ class PrefixIndex:
                 del self._optimistic[block_hash]
 
     def clear_worker(self, worker_id: str) -> None:
-        """Forget everything about a worker (it left, restarted or needs a resync)."""
-        for block_hash in self._worker_blocks.pop(worker_id, set()):
+        """Forget everything about a worker (it left, restarted or needs a resync); its
+        bit is free for the next worker id."""
+        bit = self._bits.pop(worker_id, 0)
+        for block_hash in self._worker_blocks.pop(worker_id, {}):
             for tier in (self._gpu, self._cpu):
-                owners = tier.get(block_hash)
-                if owners is not None:
-                    owners.discard(worker_id)
-                    if not owners:
-                        del tier[block_hash]
+                owners = tier.get(block_hash, 0) & ~bit
+                if owners:
+                    tier[block_hash] = owners
+                else:
+                    tier.pop(block_hash, None)
         for block_hash in [h for h, o in self._optimistic.items() if worker_id in o]:
             self._drop_optimistic(block_hash, worker_id)
+        if bit:
+            self._free_bits.append(bit)
 
     def expire_optimistic(self, now: float | None = None) -> int:
         now = time.monotonic() if now is None else now
@@ -120,35 +136,50 @@ class PrefixIndex:
     def match(
         self, block_hashes: Sequence[BlockHash], worker_ids: Sequence[str]
     ) -> dict[str, PrefixMatch]:
-        """The leading run of ``block_hashes`` each worker holds. Set operations per block,
-        so the cost grows with the matched prefix, barely with the number of workers."""
-        active = set(worker_ids)
-        run = dict.fromkeys(worker_ids, 0)
-        cpu = dict.fromkeys(worker_ids, 0)
+        """The leading run of ``block_hashes`` each worker holds. A few int operations per
+        block, so the cost grows with the matched prefix, barely with the number of
+        workers; per-worker bookkeeping happens only when a worker's run ends."""
+        bits = {w: self._bits.get(w, 0) for w in worker_ids}
+        active = 0
+        for bit in bits.values():
+            active |= bit
+        run: dict[int, int] = {}  # bit → depth where its run ended
+        cpu: dict[int, int] = {}  # bit → CPU-only blocks in its run
         gpu_tier, cpu_tier, optimistic = self._gpu, self._cpu, self._optimistic
         depth = 0
         for depth, block_hash in enumerate(block_hashes):
-            on_gpu = gpu_tier.get(block_hash, _EMPTY)
-            on_cpu = cpu_tier.get(block_hash, _EMPTY)
+            holders = active & gpu_tier.get(block_hash, 0)
             hopeful = optimistic.get(block_hash)
-            holders = active & on_gpu
             if hopeful:
-                holders |= active & hopeful.keys()
-            if on_cpu:
-                cpu_only = (active & on_cpu) - holders
-                for worker_id in cpu_only:
-                    cpu[worker_id] += 1
+                for worker_id in hopeful:
+                    holders |= active & self._bits.get(worker_id, 0)
+            cpu_only = active & cpu_tier.get(block_hash, 0) & ~holders
+            if cpu_only:
+                for bit in _bits_of(cpu_only):
+                    cpu[bit] = cpu.get(bit, 0) + 1
                 holders |= cpu_only
-            for worker_id in active - holders:
-                run[worker_id] = depth
+            for bit in _bits_of(active & ~holders):
+                run[bit] = depth
             active = holders
             if not active:
                 break
         else:
             depth = len(block_hashes)
-        for worker_id in active:
-            run[worker_id] = depth
-        return {w: PrefixMatch(run[w] - cpu[w], cpu[w]) for w in worker_ids}
+        for bit in _bits_of(active):
+            run[bit] = depth
+        result = {}
+        for worker_id, bit in bits.items():
+            matched, on_cpu = run.get(bit, 0), cpu.get(bit, 0)
+            result[worker_id] = PrefixMatch(matched - on_cpu, on_cpu)
+        return result
 
     def num_blocks(self, worker_id: str) -> int:
         return len(self._worker_blocks.get(worker_id, ()))
+
+
+def _bits_of(mask: int) -> Iterator[int]:
+    """The set bits of ``mask``, lowest first, each as its own power of two."""
+    while mask:
+        bit = mask & -mask
+        yield bit
+        mask ^= bit

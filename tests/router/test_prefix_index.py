@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import random
 import subprocess
 import sys
 
@@ -42,6 +44,59 @@ def test_optimistic_entries_expire_unless_confirmed():
     index.apply("a", [stored(H[:1])])  # confirmed: no longer optimistic
     assert index.expire_optimistic(now=1e18) == 2
     assert index.match(H[:3], ["a"])["a"].gpu_blocks == 1
+
+
+def oracle_match(held: dict[str, dict[bytes, str]], hashes, worker_ids):
+    """The leading run per worker, by brute force: ``held[w][h]`` is "gpu" or "cpu"."""
+    result = {}
+    for worker_id in worker_ids:
+        blocks = held.get(worker_id, {})
+        run = 0
+        while run < len(hashes) and hashes[run] in blocks:
+            run += 1
+        on_cpu = sum(blocks[h] == "cpu" for h in hashes[:run])
+        result[worker_id] = PrefixMatch(run - on_cpu, on_cpu)
+    return result
+
+
+def test_random_events_match_a_brute_force_oracle_across_many_workers():
+    """70 workers (more bits than a machine word), random stores, removals in both tiers,
+    workers leaving and new ones taking their freed bits."""
+    rng = random.Random(7)
+    hashes = [i.to_bytes(8, "little") for i in range(40)]
+    index, held = PrefixIndex(), {}
+    workers = [f"w{i}" for i in range(70)]
+    for step in range(3000):
+        worker_id = rng.choice(workers)
+        blocks = held.setdefault(worker_id, {})
+        action = rng.random()
+        if action < 0.5:
+            start = rng.randrange(40)
+            run = hashes[start : start + rng.randrange(1, 8)]
+            medium = rng.choice([Medium.GPU, Medium.CPU])
+            tier = "cpu" if medium is Medium.CPU else "gpu"
+            run = [h for h in run if blocks.get(h, tier) == tier]  # one tier per block
+            index.apply(worker_id, [stored(run, medium)])
+            blocks.update(dict.fromkeys(run, tier))
+        elif action < 0.9 and blocks:
+            gone = rng.sample(sorted(blocks), min(len(blocks), rng.randrange(1, 4)))
+            for h in gone:
+                medium = Medium.CPU if blocks[h] == "cpu" else Medium.GPU
+                index.apply(worker_id, [BlockRemoved([h], medium)])
+                del blocks[h]
+        elif action < 0.95:
+            index.clear_worker(worker_id)
+            held.pop(worker_id)
+            workers.remove(worker_id)
+            workers.append(f"w{70 + step}")  # a newcomer reuses the freed bit
+        if step % 50 == 0:
+            asked = rng.sample(workers, 12) + ["never-seen"]
+            query = hashes[: rng.randrange(1, 40)]
+            assert index.match(query, asked) == oracle_match(held, query, asked)
+    for worker_id in workers:
+        assert index.num_blocks(worker_id) == len(held.get(worker_id, {}))
+    # The big maps hold only bytes and ints: nothing for the cycle collector to traverse.
+    assert not gc.is_tracked(index._gpu) and not gc.is_tracked(index._cpu)
 
 
 def test_policy_prefers_cache_then_load_and_keeps_short_prompts_local():
