@@ -34,12 +34,19 @@ COMMANDS: dict[str, Command] = {
     "health": health_cmd.COMMAND,
 }
 
+# Long-running processes: an operator reads their logs, so they log at INFO by default.
+SERVICES = frozenset({"prefill", "decode", "router"})
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve", description="LLM serving with disaggregated prefill and decode."
     )
-    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING, ERROR")
+    parser.add_argument(
+        "--log-level",
+        default=None,
+        help="DEBUG, INFO, WARNING, ERROR (default: INFO for the services, WARNING otherwise)",
+    )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (help_text, add_arguments, run) in COMMANDS.items():
         sub = subparsers.add_parser(name, help=help_text, description=help_text)
@@ -50,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    level = args.log_level or ("INFO" if args.command in SERVICES else "WARNING")
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
         return args.run(args)
