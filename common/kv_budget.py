@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import ConfigError, Device, DType, EngineConfig, PdserveConfig, Role
-from common.model_info import made_model_dir
+from common.model_info import model_dir_of
 
 _DTYPE_BYTES = {DType.FLOAT32: 4, DType.FLOAT16: 2, DType.BFLOAT16: 2}
 
@@ -74,10 +74,6 @@ class KVBudget:
     # The pool size, when known before start (explicit, or from kv_cache_bytes on CPU).
     num_blocks: int | None
     warnings: tuple[str, ...] = ()
-
-
-def model_dir_of(config: PdserveConfig) -> Path:
-    return Path(config.model) if config.model else made_model_dir()
 
 
 def kv_budgets(config: PdserveConfig) -> list[KVBudget] | None:

@@ -22,6 +22,11 @@ def made_model_dir(arch: str = DEMO_ARCH, size: str = DEMO_SIZE) -> Path:
     return cache_dir() / "models" / f"demo-{arch}-{size}"
 
 
+def model_dir_of(config: PdserveConfig) -> Path:
+    """The checkpoint directory the config serves: ``model``, else the built-in demo."""
+    return Path(config.model) if config.model else made_model_dir()
+
+
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
     model_dir: Path
@@ -31,7 +36,7 @@ class ModelInfo:
 
 
 def model_info(config: PdserveConfig) -> ModelInfo:
-    model_dir = Path(config.model) if config.model else made_model_dir()
+    model_dir = model_dir_of(config)
     config_path = model_dir / "config.json"
     if not config_path.exists():
         raise FileNotFoundError(f"{model_dir} holds no checkpoint (config.json missing)")

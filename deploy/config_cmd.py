@@ -14,7 +14,8 @@ import sys
 import yaml
 
 from common.config import ConfigError, PdserveConfig, Role
-from common.kv_budget import KVBudget, kv_budgets, model_dir_of
+from common.kv_budget import KVBudget, kv_budgets
+from common.model_info import model_dir_of
 from deploy.config_args import add_overrides
 
 

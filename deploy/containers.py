@@ -39,6 +39,10 @@ IMAGE_NAME = "pdserve"  # tags: cpu, cuda (deploy/Dockerfile's VARIANT)
 _LOOPBACK = {"localhost", "127.0.0.1", "::1", ""}
 
 
+def default_image(variant: str = "cpu") -> str:
+    return f"{IMAGE_NAME}:{variant}"
+
+
 def uses_bundled_redis(config: PdserveConfig) -> bool:
     """False when the config names an external Redis (not on loopback)."""
     url = config.registry.redis_url

@@ -32,7 +32,7 @@ def render(
     header = (
         f"# Rendered by `pdserve deploy compose` from {source}; re-render, do not edit.\n"
         f"# Build the image first (repo root): docker build -f deploy/Dockerfile "
-        f"--build-arg VARIANT={variant} -t {image or _default_image(variant)} .\n"
+        f"--build-arg VARIANT={variant} -t {image or c.default_image(variant)} .\n"
         "# Run: docker compose -f THIS_FILE up -d   Stop (drains): docker compose down\n"
     )
     return header + dump_all([document])
@@ -44,7 +44,7 @@ def compose_document(
     """``gpus`` (cuda): worker k of all workers gets GPU k mod gpus; 0 = one GPU each."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
-    image = image or _default_image(variant)
+    image = image or c.default_image(variant)
     inner = c.container_config(config, redis_host="redis")
     services: dict[str, Any] = {}
     if c.uses_bundled_redis(config):
@@ -62,10 +62,6 @@ def compose_document(
     if config.kv_transfer.connector == "shared_storage":
         document["volumes"] = {KV_VOLUME: {}}
     return document
-
-
-def _default_image(variant: str) -> str:
-    return f"{c.IMAGE_NAME}:{variant}"
 
 
 def _escape(text: str) -> str:

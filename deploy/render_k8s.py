@@ -25,7 +25,7 @@ KUSTOMIZE_API = "kustomize.config.k8s.io/v1beta1"
 
 def render_files(config: PdserveConfig, source: str, image: str = "") -> dict[str, str]:
     """Relative path → YAML text: ``base/...`` and ``overlays/gpu/...``."""
-    image = image or f"{c.IMAGE_NAME}:cpu"
+    image = image or c.default_image()
     base = base_resources(config, source, image)
     header = f"# Rendered by `pdserve deploy k8s` from {source}; re-render, do not edit.\n"
     files = {f"base/{name}": header + dump_all(docs) for name, docs in base.items()}
@@ -39,7 +39,7 @@ def render_files(config: PdserveConfig, source: str, image: str = "") -> dict[st
 
 def render_stream(config: PdserveConfig, source: str, image: str = "") -> str:
     """The base as one multi-document stream (``kubectl apply -f -``), no kustomize."""
-    image = image or f"{c.IMAGE_NAME}:cpu"
+    image = image or c.default_image()
     docs = [doc for group in base_resources(config, source, image).values() for doc in group]
     return f"# Rendered by `pdserve deploy k8s` from {source}.\n" + dump_all(docs)
 

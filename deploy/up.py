@@ -14,16 +14,15 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
-import grpc
 import yaml
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import PdserveConfig, Role
 from common.config_loader import to_dict
 from common.model_info import cache_dir, made_model_dir
+from deploy.health_cmd import check_grpc, check_http
 
 
 class StackError(RuntimeError):
@@ -60,41 +59,24 @@ class Stack:
         print(f"starting {len(workers)} workers (logs in {self.log_dir})", flush=True)
         deadline = time.monotonic() + timeout_s
         for name, proc, address in workers:
-            self._wait_grpc(name, proc, address, deadline)
+            self._wait_ready(name, proc, lambda a=address: check_grpc(a, "", 1.0)[0], deadline)
             print(f"  {name} ready on {address}", flush=True)
         router = self._spawn("router", ["router"])
-        self._wait_http(router, deadline)
-
-    def _wait_grpc(self, name: str, proc: subprocess.Popen, address: str, deadline: float):
-        with grpc.insecure_channel(address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                if proc.poll() is not None:
-                    raise StackError(f"{name} exited ({proc.returncode}); see {self._log(name)}")
-                try:
-                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.2)
-        raise StackError(f"{name} was not ready in time; see {self._log(name)}")
-
-    def _wait_http(self, proc: subprocess.Popen, deadline: float) -> None:
         url = f"{self.url_root}/health"
+        self._wait_ready("router", router, lambda: check_http(url, 1.0)[0], deadline)
+
+    def _wait_ready(
+        self, name: str, proc: subprocess.Popen, probe: Callable[[], bool], deadline: float
+    ) -> None:
+        """Until ``probe`` passes (the checks ``pdserve health`` runs); fails fast if the
+        process exits."""
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise StackError(
-                    f"the router exited ({proc.returncode}); see {self._log('router')}"
-                )
-            try:
-                with urllib.request.urlopen(url, timeout=1) as reply:
-                    if reply.status == 200:
-                        return
-            except OSError:
-                pass
+                raise StackError(f"{name} exited ({proc.returncode}); see {self._log(name)}")
+            if probe():
+                return
             time.sleep(0.2)
-        raise StackError(f"the router was not ready in time; see {self._log('router')}")
+        raise StackError(f"{name} was not ready in time; see {self._log(name)}")
 
     def _log(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
