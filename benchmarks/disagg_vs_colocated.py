@@ -31,13 +31,18 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.loadgen.arrivals import LoadSpec  # noqa: E402
-from benchmarks.loadgen.bench import BenchConfig, machine_info, run_benchmark  # noqa: E402
+from benchmarks.loadgen.bench import (  # noqa: E402
+    BenchConfig,
+    machine_info,
+    run_benchmark,
+    sample_totals,
+)
 from benchmarks.loadgen.metrics import SLO, Summary  # noqa: E402
 from benchmarks.loadgen.pinned_stack import PinnedStack, Placement  # noqa: E402
 from benchmarks.loadgen.report import jsonable  # noqa: E402
 from benchmarks.loadgen.spec import DatasetSpec  # noqa: E402
+from benchmarks.records import write_markdown  # noqa: E402
 
-NOTES_MARKER = "<!-- notes: hand-written, kept across runs -->"
 DEPLOYMENTS = ("disaggregated", "colocated")
 
 
@@ -117,17 +122,11 @@ BREAKDOWN = {
 
 def histogram_means_ms(text: str) -> dict[str, float | None]:
     """Mean of each BREAKDOWN histogram over the stack's life (ms; None if empty)."""
-    sums: dict[str, list[float]] = {}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        for suffix, slot in (("_sum", 0), ("_count", 1)):
-            if name.endswith(suffix) and name.removesuffix(suffix) in BREAKDOWN.values():
-                sums.setdefault(name.removesuffix(suffix), [0.0, 0.0])[slot] += float(
-                    line.rsplit(" ", 1)[1]
-                )
+    names = [f"{metric}{suffix}" for metric in BREAKDOWN.values() for suffix in ("_sum", "_count")]
+    totals = sample_totals(text, names)
     means = {}
     for label, metric in BREAKDOWN.items():
-        total, count = sums.get(metric, [0.0, 0.0])
+        total, count = totals.get(f"{metric}_sum", 0.0), totals.get(f"{metric}_count", 0.0)
         means[label] = 1000 * total / count if count else None
     return means
 
@@ -232,10 +231,6 @@ def write_results(
     }
     out.with_suffix(".json").write_text(json.dumps(body, indent=1) + "\n")
     plot(rates, summaries, slo, out.with_suffix(".png"))
-    md_path = out.with_suffix(".md")
-    notes = ""
-    if md_path.exists() and NOTES_MARKER in md_path.read_text():
-        notes = md_path.read_text().split(NOTES_MARKER, 1)[1]
     m = body["machine"]
     md = [
         "# Disaggregated vs colocated (CPU)",
@@ -255,10 +250,8 @@ def write_results(
         breakdown_table(setup["router_means_ms"]),
         "",
         f"![disagg vs colocated]({out.with_suffix('.png').name})",
-        "",
-        NOTES_MARKER + notes,
     ]
-    md_path.write_text("\n".join(md).rstrip() + "\n")
+    write_markdown(out.with_suffix(".md"), "\n".join(md))
 
 
 def main(argv: list[str] | None = None) -> int:

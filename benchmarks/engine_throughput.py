@@ -28,6 +28,7 @@ import torch
 # kernels package.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
+from benchmarks.records import cpu_model  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -36,13 +37,8 @@ RESULTS = Path(__file__).parent / "results"
 def machine() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} ({torch.get_num_threads()} threads)"
-    except OSError:
-        pass
-    return platform.processor()
+    cpu = cpu_model()
+    return f"{cpu} ({torch.get_num_threads()} threads)" if cpu else platform.processor()
 
 
 def make_prompts(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:

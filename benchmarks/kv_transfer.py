@@ -39,6 +39,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
+from benchmarks.records import cpu_model, write_markdown  # noqa: E402
 from kv_transfer import KVTransferConfig, PeerRef, create_connector  # noqa: E402
 
 # Llama-8B-like per-layer block (16 tokens x 8 KV heads x 128 dims, bf16): 64 KiB per layer,
@@ -46,7 +47,6 @@ from kv_transfer import KVTransferConfig, PeerRef, create_connector  # noqa: E40
 LAYOUT = {"num_layers": 8, "block_size": 16, "num_kv_heads": 8, "head_dim": 128}
 DTYPE = torch.bfloat16
 MB = 1 << 20
-NOTES_MARKER = "<!-- notes: hand-written, kept across runs -->"
 
 
 def block_bytes() -> int:
@@ -253,16 +253,8 @@ def bench_connector(args: argparse.Namespace, connector: str) -> list[dict[str, 
 
 
 def machine_info(device: str) -> dict[str, Any]:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     info = {
-        "cpu": cpu,
+        "cpu": cpu_model() or "unknown",
         "cores": os.cpu_count(),
         "platform": platform.platform(),
         "python": platform.python_version(),
@@ -305,10 +297,7 @@ def write_results(out: Path, machine: dict[str, Any], rows: list[dict[str, Any]]
         for r in rows
     ]
     lines += ["", *target_lines(rows, args.device)]
-    md = out.with_suffix(".md")
-    # Hand-written analysis below the marker survives a re-run.
-    notes = md.read_text().partition(NOTES_MARKER)[2] if md.exists() else ""
-    md.write_text("\n".join(lines) + "\n\n" + NOTES_MARKER + (notes or "\n"))
+    write_markdown(out.with_suffix(".md"), "\n".join(lines))
 
 
 def target_lines(rows: list[dict[str, Any]], device: str) -> list[str]:

@@ -25,13 +25,14 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.loadgen.traces import traces_dir
 from common.config import EngineConfig
 from engine.cpu_tier import CpuTier
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake"
+TRACES = traces_dir() / "mooncake"
 RESULTS = Path(__file__).parent / "results"
 SIM_BLOCK = 16
 

@@ -31,13 +31,14 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+from benchmarks.loadgen.traces import MOONCAKE_BLOCK_TOKENS, traces_dir
 from common.config import RouterConfig
 from common.kv_events import BlockRemoved, BlockStored
 from router.policy import PlacementPolicy, WorkerLoad
 from router.prefix_index import PrefixIndex
 
-TRACE_BLOCK = 512  # tokens per Mooncake hash id
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake"
+TRACE_BLOCK = MOONCAKE_BLOCK_TOKENS  # tokens per Mooncake hash id
+TRACES = traces_dir() / "mooncake"
 RESULTS = Path(__file__).parent / "results"
 
 

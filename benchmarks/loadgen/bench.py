@@ -13,6 +13,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -26,6 +27,7 @@ from benchmarks.loadgen.datasets import DatasetSpec, build_workload
 from benchmarks.loadgen.metrics import SLO, Summary, summarize
 from benchmarks.loadgen.runner import run_load
 from benchmarks.loadgen.tokens import DEFAULT_VOCAB_SIZE, TokenSource
+from benchmarks.records import cpu_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,17 +77,9 @@ class BenchReport:
 
 def machine_info() -> dict[str, Any]:
     """Where the client ran (the server may be elsewhere)."""
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in open("/proc/cpuinfo").read().splitlines():  # noqa: SIM115
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
         "platform": platform.platform(),
-        "cpu": cpu,
+        "cpu": cpu_model() or platform.processor() or "unknown",
         "cpu_count": os.cpu_count(),
         "python": sys.version.split()[0],
     }
@@ -126,14 +120,23 @@ def prefix_counters(base_url: str) -> tuple[float, float] | None:
         text = httpx.get(f"{root}/metrics", timeout=10).text
     except httpx.HTTPError:
         return None
-    totals = dict.fromkeys(_PREFIX_COUNTERS, 0.0)
-    seen = False
+    totals = sample_totals(text, _PREFIX_COUNTERS)
+    if not totals:
+        return None
+    return totals.get(_PREFIX_COUNTERS[0], 0.0), totals.get(_PREFIX_COUNTERS[1], 0.0)
+
+
+def sample_totals(text: str, names: Iterable[str]) -> dict[str, float]:
+    """In a Prometheus text exposition, each of ``names`` (sample names, e.g.
+    ``x_total`` or ``x_sum``) summed over its label sets; names with no sample are left
+    out."""
+    wanted = set(names)
+    totals: dict[str, float] = {}
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in totals:
-            totals[name] += float(line.rsplit(" ", 1)[1])
-            seen = True
-    return (totals[_PREFIX_COUNTERS[0]], totals[_PREFIX_COUNTERS[1]]) if seen else None
+        if name in wanted:
+            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return totals
 
 
 def hit_rate(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:

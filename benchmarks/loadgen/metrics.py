@@ -144,6 +144,18 @@ class Summary:
         return dataclasses.asdict(self)
 
 
+def latency_samples_s(done: Sequence[RequestResult]) -> dict[str, list[float]]:
+    """The values each latency metric is computed from, in seconds, for completed
+    requests: ``ttft``, ``tpot`` and ``e2e`` one per request that has it, ``itl`` one
+    per output token after the first. Summaries and plots both read these."""
+    return {
+        "ttft": [r.ttft_s for r in done if r.ttft_s is not None],
+        "tpot": [t for t in map(tpot_s, done) if t is not None],
+        "itl": [gap for r in done for gap in itl_s(r)],
+        "e2e": [r.e2e_s for r in done if r.e2e_s is not None],
+    }
+
+
 def window_s(results: Sequence[RequestResult]) -> float:
     """From the first start to the last end (0 for no finished request)."""
     ends = [r.end_s for r in results if r.end_s is not None]
@@ -170,7 +182,7 @@ def summarize(results: Sequence[RequestResult], slo: SLO) -> Summary:
     input_tokens = sum(r.prompt_tokens for r in done)
     output_tokens = sum(r.output_tokens for r in done)
     good = None if slo.empty else sum(slo.met_by(r) for r in done)
-    tpots = [t for t in map(tpot_s, done) if t is not None]
+    samples = latency_samples_s(done)
     return Summary(
         num_requests=len(results),
         completed=len(done),
@@ -186,8 +198,8 @@ def summarize(results: Sequence[RequestResult], slo: SLO) -> Summary:
         good_requests=good,
         goodput=None if good is None else per_s(good),
         slo=str(slo),
-        ttft_ms=Stats.of_seconds([r.ttft_s for r in done if r.ttft_s is not None]),
-        tpot_ms=Stats.of_seconds(tpots),
-        itl_ms=Stats.of_seconds([gap for r in done for gap in itl_s(r)]),
-        e2e_ms=Stats.of_seconds([r.e2e_s for r in done if r.e2e_s is not None]),
+        ttft_ms=Stats.of_seconds(samples["ttft"]),
+        tpot_ms=Stats.of_seconds(samples["tpot"]),
+        itl_ms=Stats.of_seconds(samples["itl"]),
+        e2e_ms=Stats.of_seconds(samples["e2e"]),
     )

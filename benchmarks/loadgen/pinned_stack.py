@@ -22,6 +22,7 @@ from pathlib import Path
 import yaml
 
 from common.config import PORT_STRIDE
+from deploy.health_cmd import check_http
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,13 +77,9 @@ class PinnedStack:
         """``model``, or the built-in demo model (made on first use)."""
         if model is not None:
             return model
-        from common.model_info import made_model_dir
+        from engine.models.maker import ensure_model
 
-        if not (made_model_dir() / "config.json").exists():
-            from engine.models.maker import ensure_model
-
-            ensure_model()
-        return made_model_dir()
+        return ensure_model()
 
     @property
     def base_url(self) -> str:
@@ -125,12 +122,7 @@ class PinnedStack:
         return (self.dir / f"{name}.log").read_text(errors="replace")
 
     def _healthy(self) -> bool:
-        try:
-            url = f"http://127.0.0.1:{self.port}/health"
-            with urllib.request.urlopen(url, timeout=1) as reply:
-                return reply.status == 200
-        except OSError:
-            return False
+        return check_http(f"http://127.0.0.1:{self.port}/health", 1.0)[0]
 
     def metrics_text(self) -> str:
         """The router's Prometheus exposition."""

@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from benchmarks.loadgen.bench import BenchReport
-from benchmarks.loadgen.metrics import itl_s, tpot_s
+from benchmarks.loadgen.metrics import latency_samples_s
 
 
 def _ecdf(ax: plt.Axes, values_ms: list[float], label: str) -> None:
@@ -29,15 +29,9 @@ def plot_latency_cdfs(report: BenchReport, path: Path) -> Path:
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
     panels = (("TTFT", axes[0][0]), ("TPOT", axes[0][1]), ("ITL", axes[1][0]), ("E2E", axes[1][1]))
     for run in report.runs:
-        done = [r for r in run.results if r.ok]
-        series = {
-            "TTFT": [r.ttft_s * 1000 for r in done if r.ttft_s is not None],
-            "TPOT": [t * 1000 for t in map(tpot_s, done) if t is not None],
-            "ITL": [g * 1000 for r in done for g in itl_s(r)],
-            "E2E": [r.e2e_s * 1000 for r in done if r.e2e_s is not None],
-        }
+        samples = latency_samples_s([r for r in run.results if r.ok])
         for name, ax in panels:
-            _ecdf(ax, series[name], run.label)
+            _ecdf(ax, [value * 1000 for value in samples[name.lower()]], run.label)
     for name, ax in panels:
         ax.set_xlabel(f"{name} (ms)")
         ax.set_ylabel("fraction of " + ("tokens" if name == "ITL" else "requests"))

@@ -42,7 +42,7 @@ class TokenSource:
         if block_id < 0:
             raise ValueError(f"block ids must be >= 0, got {block_id}")
         rng = np.random.default_rng([self.seed, _BLOCK_DOMAIN, block_id])
-        return self._draw(rng, num_tokens)
+        return self.draw(rng, num_tokens)
 
     def stream(self, stream_id: int) -> np.random.Generator:
         """A generator for fresh tokens of one dataset (use :meth:`draw` on it)."""
@@ -50,9 +50,6 @@ class TokenSource:
 
     def draw(self, rng: np.random.Generator, num_tokens: int) -> tuple[int, ...]:
         """``num_tokens`` fresh ids from ``rng``."""
-        return self._draw(rng, num_tokens)
-
-    def _draw(self, rng: np.random.Generator, num_tokens: int) -> tuple[int, ...]:
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         return tuple(rng.integers(FIRST_ID, self.vocab_size, size=num_tokens).tolist())

@@ -1,0 +1,27 @@
+"""What every benchmark record shares: where it ran (the CPU's model name; the GPU's comes
+from torch), and Markdown files whose hand-written analysis survives a re-run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+NOTES_MARKER = "<!-- notes: hand-written, kept across runs -->"
+
+
+def cpu_model() -> str | None:
+    """The ``model name`` of /proc/cpuinfo; None where there is none (not Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def write_markdown(path: Path, generated: str) -> None:
+    """``generated`` followed by the notes marker and whatever the existing file held
+    below it (nothing on the first run)."""
+    notes = path.read_text().partition(NOTES_MARKER)[2] if path.exists() else ""
+    notes = notes.rstrip() + "\n" if notes.strip() else "\n"
+    path.write_text(generated.rstrip("\n") + "\n\n" + NOTES_MARKER + notes)
