@@ -45,6 +45,11 @@ class KVTransferConfig:
     # UCX's own progress thread spins; on CPU hosts it halves the bandwidth, so by default
     # the connector's driver thread makes progress itself, only while transfers are in flight.
     nixl_progress_thread: bool = False
+    # NIXL read lanes (agent + thread each) a fetch is split over; 0: one per usable core
+    # up to 4 on DRAM, where UCX copies on the CPU, and 1 on VRAM. A fetch is cut into
+    # parts of at least nixl_lane_min_bytes, since a hand-off costs more than a small copy.
+    nixl_read_lanes: int = 0
+    nixl_lane_min_bytes: int = 32 << 20
     # How often idle background threads look for new work or notifications.
     poll_interval_s: float = 0.002
     io_threads: int = 2  # shared_storage: concurrent file transfers
@@ -65,6 +70,10 @@ class KVTransferConfig:
             raise ConfigError("kv_transfer.poll_interval_s", "must be positive")
         if self.staging_bytes <= 0:
             raise ConfigError("kv_transfer.staging_bytes", "must be positive")
+        if self.nixl_read_lanes < 0:
+            raise ConfigError("kv_transfer.nixl_read_lanes", "must be >= 0 (0: automatic)")
+        if self.nixl_lane_min_bytes < 0:
+            raise ConfigError("kv_transfer.nixl_lane_min_bytes", "must be >= 0")
         if self.io_threads < 1:
             raise ConfigError("kv_transfer.io_threads", "must be at least 1")
         for key, port in (("port", self.port), ("store_port", self.store_port)):

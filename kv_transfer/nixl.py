@@ -1,26 +1,31 @@
 """NIXL connector: the fetcher READs the exporter's registered KV memory directly (UCX).
 
 Memory is registered once, at ``register_kv_caches``; each side describes its cache as one
-descriptor per (layer, block) (``nixl_protocol.py``), so a fetch is one READ request listing
-the (layer, block) pairs, which NIXL merges where blocks are adjacent. The exporter is
+descriptor per (layer, block) (``nixl_protocol.py``), so a fetch is a READ listing the
+(layer, block) pairs, which NIXL merges where blocks are adjacent. The exporter is
 passive: once the READ is done the fetcher sends it a NIXL notification ("done"; "abort"
 when it gives up), and the exporter reports the export finished.
 
-Notifications leave from a second, data-less agent (the *notifier*). With UCX's peer error
-handling, an active message on an endpoint makes the next READ on it wait for the remote
-agent to make progress, i.e. for the exporter's next poll: ~1-2 ms per fetch when the
-notification rides on (or beside) the READ. On its own endpoint a notification only waits
-for that poll itself, and READs stay one-sided (measured: 1 MiB in 0.2 ms instead of 1.2).
-Handshake metadata (agent metadata, base addresses, layout) travels in the envelope that
-``fetch_peer_metadata`` returns.
+Agents. The *primary* agent holds the registration peers read from and receives their
+notifications. READs run on *read lanes* (``nixl_lane.py``): each its own agent and
+thread, so a large fetch is split over several cores where the copy happens on the CPU
+(DRAM; ``nixl_read_lanes``, default one lane per core up to 4, and one lane on VRAM).
+Notifications leave from a data-less *notifier* agent: with UCX's peer error handling, an
+active message on an endpoint makes the next READ on it wait for the remote agent's next
+poll (~1-2 ms per fetch when the notification rides on or beside the READ; on its own
+endpoint it waits only for that poll, and READs stay one-sided: 1 MiB in 0.2 ms instead of
+1.2). Handshake metadata (agent metadata, base addresses, layout) travels in the envelope
+that ``fetch_peer_metadata`` returns.
 
-Threads. The NIXL agent is owned by one driver thread: it posts READs, polls their state
-(driving UCX progress only while transfers are in flight; UCX's own progress thread spins
-and halves CPU bandwidth), expires overdue fetches, and collects notifications. Handshakes
-run on a small pool because ``fetch_peer_metadata`` may block on gRPC. Public methods only
-enqueue commands, so the engine thread never waits on the network. On shared-memory
-transports (UCX ``cma``) a READ copies synchronously inside the driver thread, with the GIL
-released; that copy is the one thing a deadline cannot interrupt.
+Threads. A driver thread owns the primary and notifier agents: it dispatches fetches
+(splitting each into parts for the lanes), loads peers after their handshake, gathers the
+lanes' part outcomes, expires fetches still waiting for a handshake, and collects
+notifications. Handshakes run on a small pool because ``fetch_peer_metadata`` may block on
+gRPC. Public methods only enqueue commands, so the engine thread never waits on the
+network. On ``cma`` a READ copies synchronously inside its lane thread, with the GIL
+released; that copy is the one thing a deadline cannot interrupt. UCX's own progress
+thread spins and halves CPU bandwidth, so each lane drives progress itself, only while its
+READs are in flight.
 
 On GPUs, UCX 1.23 turns off cuda_ipc reads when it sees no NVLink and falls back to active
 messages over TCP; single-GPU or PCIe hosts must run with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y.
@@ -33,11 +38,11 @@ import logging
 import os
 import queue
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import msgspec
+import numpy as np
 from nixl._api import nixl_agent, nixl_agent_config
 
 from kv_transfer.base import KVConnector
@@ -51,19 +56,19 @@ from kv_transfer.errors import (
 )
 from kv_transfer.handshake import MetadataFetcher, decode_transport, fetch_peer_metadata
 from kv_transfer.layout import KVCaches
+from kv_transfer.nixl_lane import NixlLane, PartOutcome, ReadPart
 from kv_transfer.nixl_protocol import NixlPayload, Notif, block_descs, desc_indices
 from kv_transfer.packing import bind_device
 from kv_transfer.records import ExportRecord, FetchRecord, PeerRef
 
 logger = logging.getLogger(__name__)
 
-_BUSY_POLL_S = 50e-6  # between state checks while a READ is in flight
+MAX_AUTO_LANES = 4
 
 
 @dataclass(slots=True)
 class _RemotePeer:
     agent_name: str
-    dlist: object  # nixl_prepped_dlist_handle over the peer's (layer, block) descriptors
     num_blocks: int
 
 
@@ -71,9 +76,8 @@ class _RemotePeer:
 class _InFlight:
     record: FetchRecord
     peer_id: str
-    handle: object  # nixl_xfer_handle
-    outcome: KVTransferError | None = None  # set once settled but not yet released
-    settled: bool = False
+    pending_parts: int
+    error: KVTransferError | None = None  # the first part's error
 
 
 def _restrict_ucx_net_devices(config: KVTransferConfig) -> None:
@@ -95,6 +99,29 @@ def _restrict_ucx_net_devices(config: KVTransferConfig) -> None:
         os.environ.setdefault("UCX_NET_DEVICES", devices)
 
 
+def read_lane_count(config: KVTransferConfig, mem_type: str) -> int:
+    """``nixl_read_lanes``, or by default one lane per usable core (up to 4) on DRAM,
+    where lanes copy on the CPU, and one on VRAM, where the copy engines do."""
+    if config.nixl_read_lanes:
+        return config.nixl_read_lanes
+    if mem_type == "VRAM":
+        return 1
+    return max(1, min(MAX_AUTO_LANES, len(os.sched_getaffinity(0))))
+
+
+def split_parts(
+    local: np.ndarray, remote: np.ndarray, num_lanes: int, bytes_per_desc: int, min_bytes: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Cut a fetch's descriptor lists into at most ``num_lanes`` runs of equal length (every
+    descriptor has the same size), none smaller than ``min_bytes`` unless the fetch is."""
+    total = len(local) * bytes_per_desc
+    num_parts = num_lanes if min_bytes <= 0 else min(num_lanes, total // min_bytes)
+    num_parts = max(1, min(num_parts, len(local)))
+    return list(
+        zip(np.array_split(local, num_parts), np.array_split(remote, num_parts), strict=True)
+    )
+
+
 class NixlConnector(KVConnector):
     name = ConnectorName.NIXL
 
@@ -106,11 +133,12 @@ class NixlConnector(KVConnector):
     ) -> None:
         super().__init__(config, engine_id, fetch_peer_metadata)
         _restrict_ucx_net_devices(config)
-        agent_config = nixl_agent_config(
+        self._agent_config = nixl_agent_config(
             enable_prog_thread=config.nixl_progress_thread, backends=list(config.nixl_backends)
         )
-        self._agent = nixl_agent(engine_id, agent_config)
-        self._notifier = nixl_agent(f"{engine_id}/notifier", agent_config)
+        self._agent = nixl_agent(engine_id, self._agent_config)
+        self._notifier = nixl_agent(f"{engine_id}/notifier", self._agent_config)
+        self._lanes: list[NixlLane] = []
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._driver = threading.Thread(target=self._run, name=f"nixl-{engine_id}", daemon=True)
@@ -119,6 +147,7 @@ class NixlConnector(KVConnector):
         self._peers: dict[str, _RemotePeer] = {}
         self._waiting: dict[str, list[FetchRecord]] = {}  # peer id -> fetches awaiting handshake
         self._inflight: dict[str, _InFlight] = {}
+        self._next_lane = 0
 
     # -- setup (engine thread, before the driver starts) ---------------------------------
 
@@ -135,9 +164,19 @@ class NixlConnector(KVConnector):
         descs = block_descs(
             self._base_addrs, kv.num_blocks, kv.layout.block_bytes_per_layer, self._device_id
         )
-        self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, self._mem_type)
         # Static after registration; cached so that no other thread touches the agent.
         self._agent_metadata = self._agent.get_agent_metadata()
+        for index in range(read_lane_count(self.config, self._mem_type)):
+            lane = NixlLane(
+                f"{self.engine_id}/read{index}",
+                self._agent_config,
+                list(kv.tensors),
+                descs,
+                self._mem_type,
+                self.config.poll_interval_s,
+                lambda outcome: self._commands.put(("part", outcome)),
+            )
+            self._lanes.append(lane)
         self._driver.start()
 
     def _transport_metadata(self) -> bytes:
@@ -179,26 +218,24 @@ class NixlConnector(KVConnector):
         bind_device(self.kv.device)
         while not self._stop.is_set():
             try:
-                self._drain_commands(0.0 if self._inflight else self.config.poll_interval_s)
-                self._progress()
+                self._drain_commands(self.config.poll_interval_s)
                 self._expire_waiting()
                 self._collect_notifs()
             except Exception:
                 logger.exception("NIXL driver step failed")
-            if self._inflight:
-                time.sleep(_BUSY_POLL_S)
 
     def _drain_commands(self, block_s: float) -> None:
         try:
-            command = (
-                self._commands.get(timeout=block_s) if block_s else self._commands.get_nowait()
-            )
+            command = self._commands.get(timeout=block_s)
         except queue.Empty:
             return
         while True:
-            if command[0] == "fetch":
+            kind = command[0]
+            if kind == "part":
+                self._on_part(command[1])
+            elif kind == "fetch":
                 self._dispatch(command[1])
-            else:
+            elif kind == "peer":
                 self._on_handshake_done(command[1], command[2])
             try:
                 command = self._commands.get_nowait()
@@ -223,17 +260,17 @@ class NixlConnector(KVConnector):
             return
         num_blocks, payload = result
         try:
-            agent_name = self._agent.add_remote_agent(payload.agent_metadata)
-            self._notifier.add_remote_agent(payload.agent_metadata)
+            agent_name = self._notifier.add_remote_agent(payload.agent_metadata)
             descs = block_descs(
                 payload.base_addrs, num_blocks, self.layout.block_bytes_per_layer, payload.device_id
             )
-            dlist = self._agent.prep_xfer_dlist(agent_name, descs, payload.mem_type)
         except Exception as exc:
             for record in waiting:
                 self._fetches.fail(record.transfer_id, HandshakeError(f"loading peer: {exc}"))
             return
-        self._peers[peer_id] = _RemotePeer(agent_name, dlist, num_blocks)
+        for lane in self._lanes:
+            lane.add_peer(peer_id, payload.agent_metadata, descs, payload.mem_type)
+        self._peers[peer_id] = _RemotePeer(agent_name, num_blocks)
         for record in waiting:
             self._post(record, peer_id)
 
@@ -247,73 +284,45 @@ class NixlConnector(KVConnector):
             error = TransferRejectedError(f"remote block id outside [0, {peer.num_blocks})")
             self._fetches.fail(tid, error)
             return
-        try:
-            if not record.remote_block_ids:
-                self._notify(peer_id, Notif("done", tid))
-                self._fetches.complete(tid)
-                return
-            num_layers = self.layout.num_layers
-            local = desc_indices(record.local_block_ids, num_layers, self.kv.num_blocks)
-            remote = desc_indices(record.remote_block_ids, num_layers, peer.num_blocks)
-            handle = self._agent.make_prepped_xfer(
-                "READ", self._local_dlist, local, peer.dlist, remote
-            )
-        except Exception as exc:
-            self._fetches.fail(tid, TransferFailedError(f"preparing the READ failed: {exc}"))
-            self._drop_peer(peer_id)
+        if not record.remote_block_ids:
+            self._notify(peer_id, Notif("done", tid))
+            self._fetches.complete(tid)
             return
-        flight = _InFlight(record, peer_id, handle)
-        self._inflight[tid] = flight
-        try:
-            state = self._agent.transfer(handle)
-        except Exception as exc:
-            self._settle(flight, TransferFailedError(f"READ from {peer_id!r} failed: {exc}"))
-            self._drop_peer(peer_id)
+        num_layers = self.layout.num_layers
+        parts = split_parts(
+            desc_indices(record.local_block_ids, num_layers, self.kv.num_blocks),
+            desc_indices(record.remote_block_ids, num_layers, peer.num_blocks),
+            len(self._lanes),
+            self.layout.block_bytes_per_layer,
+            self.config.nixl_lane_min_bytes,
+        )
+        self._inflight[tid] = _InFlight(record, peer_id, len(parts))
+        for index, (local, remote) in enumerate(parts):
+            lane = self._lanes[self._next_lane]
+            self._next_lane = (self._next_lane + 1) % len(self._lanes)
+            lane.read(ReadPart(tid, index, peer_id, local, remote, record.deadline))
+
+    def _on_part(self, outcome: PartOutcome) -> None:
+        """A lane finished a part; the fetch settles once all its parts have."""
+        tid = outcome.part.transfer_id
+        flight = self._inflight.get(tid)
+        if flight is None:
             return
-        self._on_state(flight, state)
-
-    def _progress(self) -> None:
-        for flight in list(self._inflight.values()):
-            if flight.record.transfer_id not in self._inflight:
-                continue  # settled meanwhile, by a peer dropped earlier in this loop
-            if flight.settled:
-                self._settle(flight, flight.outcome)  # retry releasing the handle
-                continue
-            try:
-                state = self._agent.check_xfer_state(flight.handle)
-            except Exception as exc:
-                self._settle(flight, TransferFailedError(f"READ failed: {exc}"))
-                self._drop_peer(flight.peer_id)
-                continue
-            self._on_state(flight, state)
-
-    def _on_state(self, flight: _InFlight, state: str) -> None:
-        if state == "DONE":
-            self._settle(flight, None)
-        elif state != "PROC":
-            self._settle(flight, TransferFailedError(f"READ ended in state {state}"))
+        flight.pending_parts -= 1
+        if outcome.error is not None and flight.error is None:
+            flight.error = outcome.error
+        if outcome.peer_broken:
             self._drop_peer(flight.peer_id)
-        elif flight.record.remaining_s() <= 0:
-            self._settle(flight, TransferTimeoutError("READ still running at the deadline"))
-            self._notify(flight.peer_id, Notif("abort", flight.record.transfer_id))
-
-    def _settle(self, flight: _InFlight, outcome: KVTransferError | None) -> None:
-        """Report the outcome once the handle is released (a running READ is cancelled
-        by the release); until then the local blocks may still change, so keep trying."""
-        flight.settled, flight.outcome = True, outcome
-        try:
-            flight.handle.release()
-        except Exception as exc:
-            logger.warning("cannot release READ %s yet: %s", flight.record.transfer_id, exc)
+        if flight.pending_parts:
             return
-        tid = flight.record.transfer_id
-        self._inflight.pop(tid, None)
-        if outcome is None:
+        del self._inflight[tid]
+        if flight.error is None:
             # Standalone, not attached to the READ: see the module docstring.
             self._notify(flight.peer_id, Notif("done", tid))
             self._fetches.complete(tid)
         else:
-            self._fetches.fail(tid, outcome)
+            self._notify(flight.peer_id, Notif("abort", tid))  # if the peer is still known
+            self._fetches.fail(tid, flight.error)
 
     def _expire_waiting(self) -> None:
         for peer_id, records in self._waiting.items():
@@ -323,16 +332,14 @@ class NixlConnector(KVConnector):
                 self._fetches.fail(record.transfer_id, error)
 
     def _drop_peer(self, peer_id: str) -> None:
-        """Forget a peer after a transport error; the next fetch handshakes again."""
+        """Forget a peer after a transport error; the next fetch handshakes again. The
+        lanes fail its parts still in flight."""
         peer = self._peers.pop(peer_id, None)
         if peer is None:
             return
-        for flight in [f for f in self._inflight.values() if f.peer_id == peer_id]:
-            if not flight.settled:
-                self._settle(flight, TransferFailedError(f"peer {peer_id!r} disconnected"))
+        for lane in self._lanes:
+            lane.drop_peer(peer_id)
         try:
-            peer.dlist.release()
-            self._agent.remove_remote_agent(peer.agent_name)
             self._notifier.remove_remote_agent(peer.agent_name)
         except Exception as exc:
             logger.warning("forgetting NIXL peer %s: %s", peer_id, exc)
@@ -365,14 +372,10 @@ class NixlConnector(KVConnector):
         if self._driver.is_alive():
             self._driver.join()
         self._handshakes.shutdown(wait=False, cancel_futures=True)
-        for flight in list(self._inflight.values()):
-            try:
-                flight.handle.release()
-            except Exception as exc:
-                logger.warning("releasing READ %s at close: %s", flight.record.transfer_id, exc)
+        for lane in self._lanes:  # releases the READs still in flight
+            lane.close()
         self._inflight.clear()
         for peer_id in list(self._peers):
             self._drop_peer(peer_id)
         if self._kv is not None:
-            self._local_dlist.release()
             self._agent.deregister_memory(self._registration)

@@ -14,6 +14,15 @@ from tests.kv_transfer.harness import SMALL_LAYOUT, PeerProcess
 
 
 def connector_config(connector: str, shared_dir: Path, timeout_s: float) -> dict[str, Any]:
+    """Settings per connector name; ``nixl_split`` is NIXL with every fetch split over
+    three read lanes, however small, so that the tests' fetches exercise the split."""
+    if connector == "nixl_split":
+        return {
+            "connector": "nixl",
+            "timeout_s": timeout_s,
+            "nixl_read_lanes": 3,
+            "nixl_lane_min_bytes": 0,
+        }
     config: dict[str, Any] = {"connector": connector, "timeout_s": timeout_s}
     if connector == "nccl":
         config["staging_bytes"] = 2048  # several layer groups even for small transfers

@@ -76,7 +76,7 @@ def check_healthy_transfer(link: Link, tid: str) -> None:
 
 
 @pytest.mark.timeout(90)
-@pytest.mark.parametrize("connector", ["nixl", "nccl", "shared_storage"])
+@pytest.mark.parametrize("connector", ["nixl", "nixl_split", "nccl", "shared_storage"])
 def test_exporter_killed_mid_transfer(peers, connector, tmp_path):
     exporter, fetcher = peers
     (victim,) = start_peers("victim-exporter")

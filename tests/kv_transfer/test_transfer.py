@@ -11,7 +11,7 @@ import pytest
 from tests.kv_transfer.harness import SMALL_LAYOUT, start_peers
 from tests.kv_transfer.links import open_link, random_hashes
 
-CONNECTORS = ["nixl", "nccl", "shared_storage"]
+CONNECTORS = ["nixl", "nixl_split", "nccl", "shared_storage"]
 NUM_BLOCKS = SMALL_LAYOUT["num_blocks"]
 BLOCK_SIZE = SMALL_LAYOUT["block_size"]
 

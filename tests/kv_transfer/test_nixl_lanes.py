@@ -1,0 +1,85 @@
+"""NIXL read lanes: how a fetch is split, how many lanes, and that closing leaves no
+thread behind. Transfers over lanes between processes are in test_transfer/test_faults
+(the ``nixl_split`` connector name)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from common.config import ConfigError
+from kv_transfer import KVTransferConfig, PeerRef, create_connector
+from kv_transfer.nixl import MAX_AUTO_LANES, read_lane_count, split_parts
+
+
+def indices(n: int) -> tuple[np.ndarray, np.ndarray]:
+    local = np.arange(n, dtype=np.int32)
+    return local, np.arange(1000, 1000 + n, dtype=np.int32)
+
+
+@pytest.mark.parametrize(
+    ("num_descs", "num_lanes", "min_bytes", "expected_parts"),
+    [
+        (12, 3, 0, 3),  # no minimum: one part per lane
+        (2, 3, 0, 2),  # never more parts than descriptors
+        (12, 3, 4 * 100, 3),  # 1200 bytes, 400 per part at least: 3
+        (12, 3, 5 * 100, 2),  # 1200 // 500 = 2
+        (12, 3, 10_000, 1),  # smaller than the minimum: one part
+        (12, 1, 0, 1),
+    ],
+)
+def test_split_parts_counts(num_descs, num_lanes, min_bytes, expected_parts):
+    local, remote = indices(num_descs)
+    parts = split_parts(local, remote, num_lanes, 100, min_bytes)
+    assert len(parts) == expected_parts
+    # Order and pairing are kept: the parts put end to end are the input.
+    assert np.array_equal(np.concatenate([p[0] for p in parts]), local)
+    assert np.array_equal(np.concatenate([p[1] for p in parts]), remote)
+    sizes = [len(p[0]) for p in parts]
+    assert max(sizes) - min(sizes) <= 1  # balanced: every descriptor has the same size
+
+
+def test_read_lane_count():
+    assert read_lane_count(KVTransferConfig(nixl_read_lanes=3), "DRAM") == 3
+    assert read_lane_count(KVTransferConfig(nixl_read_lanes=3), "VRAM") == 3
+    assert read_lane_count(KVTransferConfig(), "VRAM") == 1
+    assert 1 <= read_lane_count(KVTransferConfig(), "DRAM") <= MAX_AUTO_LANES
+    with pytest.raises(ConfigError, match="nixl_read_lanes"):
+        KVTransferConfig(nixl_read_lanes=-1)
+    with pytest.raises(ConfigError, match="nixl_lane_min_bytes"):
+        KVTransferConfig(nixl_lane_min_bytes=-1)
+
+
+@pytest.mark.timeout(60)
+def test_split_fetch_in_one_process_is_exact_and_close_leaves_no_threads():
+    shape = (32, 2, 4, 2, 16)
+    generator = torch.Generator().manual_seed(0)
+    source = [torch.randn(shape, generator=generator) for _ in range(3)]
+    dest = [torch.zeros(shape) for _ in range(3)]
+    config = KVTransferConfig(timeout_s=10, nixl_read_lanes=3, nixl_lane_min_bytes=0)
+    known: dict[str, bytes] = {}
+    before = {t.name for t in threading.enumerate()}
+    exporter = create_connector(config, "lanes-exporter", known.__getitem__)
+    fetcher = create_connector(config, "lanes-fetcher", known.__getitem__)
+    try:
+        exporter.register_kv_caches(source)
+        fetcher.register_kv_caches(dest)
+        known["exporter"] = exporter.metadata()
+        assert sum(t.name.startswith("nixl-lanes-fetcher/read") for t in threading.enumerate()) == 3
+        remote, local = [5, 9, 2, 30, 17], [0, 1, 2, 3, 31]
+        exporter.export_blocks("t1", remote)
+        fetcher.start_fetch("t1", PeerRef("lanes-exporter", "exporter"), remote, local)
+        fetcher.wait("t1", timeout_s=20)
+        for src_layer, dst_layer in zip(source, dest, strict=True):
+            assert torch.equal(dst_layer[local], src_layer[remote])
+        untouched = [b for b in range(32) if b not in local]
+        assert not dest[0][untouched].any()
+        assert fetcher.num_active_fetches == 0
+    finally:
+        fetcher.close()
+        exporter.close()
+    leftover = {t.name for t in threading.enumerate() if t.is_alive()} - before
+    assert not [name for name in leftover if name.startswith("nixl")], leftover
