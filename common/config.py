@@ -182,6 +182,9 @@ class KVTransferSettings:
     failure_policy: FailurePolicy = FailurePolicy.RECOMPUTE
     timeout_s: float = 10.0  # a pull that has not finished by then fails
     shared_dir: str | None = None  # shared_storage: the shared directory
+    # nixl: read lanes (agent + thread each) a large pull is split over; 0: one per core up
+    # to 4 on CPU memory, 1 on GPU memory. Lower it where the decode engine needs the cores.
+    nixl_read_lanes: int = 0
 
     def __post_init__(self) -> None:
         _coerce_enums(self)
@@ -196,6 +199,11 @@ class KVTransferSettings:
             )
         if self.lease_s <= 0:
             raise ConfigError("kv_transfer.lease_s", f"must be > 0, got {self.lease_s}")
+        if self.nixl_read_lanes < 0:
+            raise ConfigError(
+                "kv_transfer.nixl_read_lanes",
+                f"must be >= 0 (0: automatic), got {self.nixl_read_lanes}",
+            )
         if self.timeout_s <= 0:
             raise ConfigError("kv_transfer.timeout_s", f"must be > 0, got {self.timeout_s}")
         if self.timeout_s >= self.lease_s:

@@ -166,17 +166,23 @@ class NixlConnector(KVConnector):
         )
         # Static after registration; cached so that no other thread touches the agent.
         self._agent_metadata = self._agent.get_agent_metadata()
-        for index in range(read_lane_count(self.config, self._mem_type)):
-            lane = NixlLane(
-                f"{self.engine_id}/read{index}",
-                self._agent_config,
-                list(kv.tensors),
-                descs,
-                self._mem_type,
-                self.config.poll_interval_s,
-                lambda outcome: self._commands.put(("part", outcome)),
-            )
-            self._lanes.append(lane)
+        try:
+            for index in range(read_lane_count(self.config, self._mem_type)):
+                lane = NixlLane(
+                    f"{self.engine_id}/read{index}",
+                    self._agent_config,
+                    list(kv.tensors),
+                    descs,
+                    self._mem_type,
+                    lambda outcome: self._commands.put(("part", outcome)),
+                )
+                self._lanes.append(lane)
+        except BaseException:  # leave nothing registered or running behind
+            for lane in self._lanes:
+                lane.close()
+            self._lanes.clear()
+            self._agent.deregister_memory(self._registration)
+            raise
         self._driver.start()
 
     def _transport_metadata(self) -> bytes:

@@ -9,9 +9,10 @@ lane suffices. Each lane is its own agent (its own UCX worker, memory registrati
 endpoints), used by its own thread only, so no NIXL call is ever made from two threads.
 
 A lane takes commands in order (peer added, peer dropped, read a part, stop), drives UCX
-progress only while its READs are in flight, and reports every part it was given exactly
-once through ``on_done``: DONE, failed, past its deadline, dropped with its peer, or
-abandoned at close. Reports are called on the lane thread and must not block.
+progress only while its READs are in flight (idle, it sleeps on its queue), and reports
+every part it was given exactly once through ``on_done``: DONE, failed, past its
+deadline, dropped with its peer, or abandoned at close. Reports are called on the lane
+thread and must not block.
 """
 
 from __future__ import annotations
@@ -22,11 +23,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from nixl._api import nixl_agent, nixl_agent_config
 
 from kv_transfer.errors import KVTransferError, TransferFailedError, TransferTimeoutError
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -63,14 +68,18 @@ class _Flight:
 
 
 class NixlLane:
+    """A NIXL agent registered over this process's KV caches, and the thread that owns it.
+
+    Public methods only enqueue commands; ``close`` joins the thread, then frees what the
+    thread owned."""
+
     def __init__(
         self,
         name: str,
         agent_config: nixl_agent_config,
-        tensors: list,
+        tensors: list[torch.Tensor],
         descs: np.ndarray,
         mem_type: str,
-        poll_interval_s: float,
         on_done: PartReport,
     ) -> None:
         """``descs``: this process's (layer, block) descriptor table, [L * B, 3] uint64."""
@@ -78,7 +87,6 @@ class NixlLane:
         self._agent = nixl_agent(name, agent_config)
         self._registration = self._agent.register_memory(tensors)
         self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, mem_type)
-        self._poll_interval_s = poll_interval_s
         self._on_done = on_done
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -90,7 +98,9 @@ class NixlLane:
 
     # -- commands (any thread) -----------------------------------------------------------
 
-    def add_peer(self, peer_id: str, agent_metadata: bytes, descs: np.ndarray, mem_type: str):
+    def add_peer(
+        self, peer_id: str, agent_metadata: bytes, descs: np.ndarray, mem_type: str
+    ) -> None:
         self._commands.put(("add", peer_id, agent_metadata, descs, mem_type))
 
     def drop_peer(self, peer_id: str) -> None:
@@ -128,14 +138,16 @@ class NixlLane:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self._drain(0.0 if self._inflight else self._poll_interval_s)
+                # Idle, a lane sleeps until a command comes (close sends one).
+                self._drain(0.0 if self._inflight else None)
                 self._progress()
             except Exception:
                 logger.exception("%s: lane step failed", self.name)
             if self._inflight:
                 time.sleep(_BUSY_POLL_S)
 
-    def _drain(self, block_s: float) -> None:
+    def _drain(self, block_s: float | None) -> None:
+        """Run queued commands; wait up to ``block_s`` for the first (None: for ever)."""
         command = self._next_command(block_s)
         while command is not None and not self._stop.is_set():
             kind = command[0]
@@ -149,15 +161,15 @@ class NixlLane:
         if command is not None and command[0] == "read":  # the stop came first: close reports it
             self._commands.put(command)
 
-    def _next_command(self, block_s: float) -> tuple | None:
+    def _next_command(self, block_s: float | None) -> tuple | None:
         try:
-            if block_s:
-                return self._commands.get(timeout=block_s)
-            return self._commands.get_nowait()
+            if block_s == 0.0:
+                return self._commands.get_nowait()
+            return self._commands.get(timeout=block_s)
         except queue.Empty:
             return None
 
-    def _add(self, peer_id: str, agent_metadata: bytes, descs: np.ndarray, mem_type: str):
+    def _add(self, peer_id: str, agent_metadata: bytes, descs: np.ndarray, mem_type: str) -> None:
         if peer_id in self._peers:
             return
         try:

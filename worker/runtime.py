@@ -142,6 +142,7 @@ class WorkerRuntime:
             timeout_s=transfer.timeout_s,
             shared_dir=transfer.shared_dir,
             shared_namespace=model_namespace(model_dir),
+            nixl_read_lanes=transfer.nixl_read_lanes,
         )
         self.connector = create_connector(connector_config, self.engine_id, self._metadata_client)
         puller = ConnectorPuller(self.connector) if self.role is Role.DECODE else None
