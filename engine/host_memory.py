@@ -3,9 +3,8 @@
 Why: a CPU KV cache is large, lives as long as the process, and other processes read it.
 The NIXL connector reads a peer's blocks with UCX ``cma`` (``process_vm_readv``), which
 pins every page of every descriptor on every call; with 2 MiB pages instead of 4 KiB the
-kernel walks 512x fewer pages. Measured on the 2-core CI host: +30-45% NIXL read
-bandwidth (``benchmarks/results/kv_transfer_cpu.md``). The engine's own attention reads
-also take fewer TLB misses.
+kernel walks 512x fewer pages. Measured on the 2-core CI host: +20-57% NIXL read
+bandwidth (``benchmarks/results/kv_transfer_cpu.md``).
 
 It is advice, not a requirement: where THP is off (``never``) or ``madvise`` fails, the
 tensor is an ordinary allocation and only the speed differs.

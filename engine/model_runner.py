@@ -73,7 +73,7 @@ class ModelRunner:
         self.num_blocks = self._num_blocks(config)
         shape = (self.num_blocks, 2, self.block_size, arch.num_kv_heads, arch.head_dim)
         # One tensor per layer; a block id names the same slot in every layer. On the CPU
-        # they sit on huge pages, for peers that read them (kv_transfer) and for the TLB.
+        # they sit on huge pages, which peers read faster (kv_transfer, host_memory.py).
         self.kv_caches = [
             zeros_on_huge_pages(shape, dtype)
             if device.type == "cpu"
