@@ -43,7 +43,7 @@ class KVTransferConfig:
     # RDMA devices here (e.g. "mlx5_0:1"). An UCX_NET_DEVICES already in the environment wins.
     nixl_net_devices: str | None = None
     # UCX's own progress thread spins; on CPU hosts it halves the bandwidth, so by default
-    # the connector's driver thread makes progress itself, only while transfers are in flight.
+    # the connector's read lanes make progress themselves, only while READs are in flight.
     nixl_progress_thread: bool = False
     # NIXL read lanes (agent + thread each) a fetch is split over; 0: one per usable core
     # up to 4 on DRAM, where UCX copies on the CPU, and 1 on VRAM. A fetch is cut into
