@@ -107,7 +107,7 @@ class Role:
         self.process.wait(timeout=60)
 
 
-def empty_host_or_device(shape: tuple[int, ...], dtype: torch.dtype, device, huge: bool):
+def zeros_as_engine_allocates(shape: tuple[int, ...], dtype: torch.dtype, device, huge: bool):
     """A zeroed tensor allocated as the engine allocates KV caches (huge pages on the CPU)."""
     if device.type == "cpu" and huge:
         return zeros_on_huge_pages(shape, dtype)
@@ -124,7 +124,7 @@ def run_role(args: argparse.Namespace) -> None:
     kv_caches = []
     for _ in range(LAYOUT["num_layers"]):
         bits = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=generator)
-        layer = empty_host_or_device(shape, torch.int16, device, huge)
+        layer = zeros_as_engine_allocates(shape, torch.int16, device, huge)
         kv_caches.append(layer.copy_(bits).view(DTYPE))
     known: dict[str, bytes] = {}
     config = KVTransferConfig(
@@ -137,11 +137,18 @@ def run_role(args: argparse.Namespace) -> None:
     connector = create_connector(config, f"bench-{args.role}-{os.getpid()}", known.__getitem__)
     connector.register_kv_caches(kv_caches)
     copies: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    rotation = [0]
+    copies_made: dict[int, int] = {}  # per size: cold copies so far, to rotate the pairs
 
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+
+    def timed_copy(src: torch.Tensor, dst: torch.Tensor) -> float:
+        sync()
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        return time.perf_counter() - start
 
     def handle(op: str, req: dict[str, Any]) -> dict[str, Any]:
         if op == "metadata":
@@ -169,25 +176,21 @@ def run_role(args: argparse.Namespace) -> None:
         if op == "memcpy":
             nbytes = req["nbytes"]
             if nbytes not in copies:
+                # Cold pairs make up COLD_BYTES; the hot pair is one more, unless one pair
+                # is already that big.
+                num_cold = max(1, -(-COLD_BYTES // (2 * nbytes)))
                 pairs = []
-                for _ in range(max(1, -(-COLD_BYTES // (2 * nbytes)))):
-                    src = empty_host_or_device((nbytes,), torch.uint8, device, huge)
-                    dst = empty_host_or_device((nbytes,), torch.uint8, device, huge)
+                for _ in range(num_cold + (num_cold > 1)):
+                    src = zeros_as_engine_allocates((nbytes,), torch.uint8, device, huge)
+                    dst = zeros_as_engine_allocates((nbytes,), torch.uint8, device, huge)
                     pairs.append((src.random_(0, 255), dst))
                 copies[nbytes] = pairs
-            seconds = {}
-            for temperature in ("cold", "hot"):
-                pairs = copies[nbytes]
-                rotation[0] += 1
-                src, dst = pairs[rotation[0] % len(pairs)] if temperature == "cold" else pairs[0]
-                if temperature == "hot":
-                    dst.copy_(src)  # the same pair as last time: in cache where it fits
-                sync()
-                start = time.perf_counter()
-                dst.copy_(src)
-                sync()
-                seconds[temperature] = time.perf_counter() - start
-            return seconds
+            pairs = copies[nbytes]
+            (hot_src, hot_dst), cold_pairs = pairs[0], pairs[1:] or pairs
+            made = copies_made[nbytes] = copies_made.get(nbytes, 0) + 1
+            cold_s = timed_copy(*cold_pairs[made % len(cold_pairs)])
+            hot_dst.copy_(hot_src)  # the same pair right before: in cache where it fits
+            return {"cold": cold_s, "hot": timed_copy(hot_src, hot_dst)}
         if op == "digest":
             h = hashlib.sha256()
             ids = torch.tensor(req["block_ids"], device=device)

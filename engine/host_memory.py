@@ -24,12 +24,10 @@ HUGE_PAGE_BYTES = 2 << 20  # x86-64 and arm64 (4 KiB base pages) PMD size
 _MADV_HUGEPAGE = 14
 
 
-def _madvise_hugepage(addr: int, num_bytes: int) -> bool:
+def _madvise_hugepage(addr: int, num_bytes: int) -> None:
     libc = ctypes.CDLL(None, use_errno=True)
-    result = libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(num_bytes), _MADV_HUGEPAGE)
-    if result != 0:
+    if libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(num_bytes), _MADV_HUGEPAGE) != 0:
         logger.debug("madvise(MADV_HUGEPAGE) failed: errno %d", ctypes.get_errno())
-    return result == 0
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
