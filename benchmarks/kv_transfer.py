@@ -11,16 +11,21 @@ or one contiguous run on each side (a fresh cache: NIXL merges them per layer). 
 are allocated as the engine allocates them (on the CPU: on transparent huge pages).
 
 The baseline is a torch ``copy_`` of the same number of bytes between two contiguous
-tensors allocated the same way, timed in the fetcher process between transfers (memcpy /
-device-to-device copy), with torch's default thread count. It is timed twice: *cold*, over
-a rotation of buffer pairs of at least 256 MB in all (the STREAM rule: the transfer's
-source was written long before, so it is not in the cache either), which is the ratio's
-denominator; and *hot*, the same pair every time, which at 1-16 MB sits in the CPU's L3
-cache. The ratio is of medians.
+tensors allocated the same way, timed in the fetcher process (memcpy / device-to-device
+copy), with torch's default thread count, in a loop of its own right after the transfers
+of that size: torch's OpenMP workers spin for ~10 ms after a parallel copy, and copies
+interleaved with the transfers took a core from the next transfer. It is timed twice:
+*cold*, over a rotation of buffer pairs of at least 256 MB in all (the STREAM rule: the
+transfer's source was written long before, so it is not in the cache either), which is
+the ratio's denominator; and *hot*, the same pair every time, which at 1-16 MB sits in the
+CPU's L3 cache. Before each transfer the fetcher copies 128 MB with numpy (one thread), so
+that the transfer starts cache-cold as well. The ratio is of medians.
 
 Variants of NIXL, for side-by-side runs (``--connectors nixl nixl-1lane nixl-4k``):
-``nixl-1lane`` reads on one lane, ``nixl-4k`` keeps the KV caches and the copy's buffers
-on 4 KiB pages, ``nixl-1lane-4k`` both (the connector before read lanes and huge pages).
+``nixl-nopin`` leaves the lanes unpinned, ``nixl-32m`` splits only fetches of 64 MB and
+more (the minimum part before 2 MiB), ``nixl-1lane`` reads on one lane, ``nixl-4k`` keeps
+the KV caches and the copy's buffers on 4 KiB pages, ``nixl-1lane-4k`` both (the connector
+before read lanes and huge pages).
 Shared storage counts the exporter's write (until the export is finished) plus the
 fetcher's read, since the bytes pass through files. The last transfer of each size is
 checked bit for bit. Results: a table on stdout, and ``<out>.md`` / ``<out>.json``.
@@ -44,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -59,10 +65,13 @@ LAYOUT = {"num_layers": 8, "block_size": 16, "num_kv_heads": 8, "head_dim": 128}
 DTYPE = torch.bfloat16
 MB = 1 << 20
 COLD_BYTES = 256 * MB  # the memcpy baseline rotates over at least this much memory
+EVICT_BYTES = 128 * MB  # touched before each transfer, so that it starts cache-cold too
 
 # name -> (connector, KVTransferConfig overrides, huge pages on the CPU)
 VARIANTS: dict[str, tuple[str, dict[str, Any], bool]] = {
     "nixl": ("nixl", {}, True),
+    "nixl-nopin": ("nixl", {"nixl_pin_lanes": False}, True),
+    "nixl-32m": ("nixl", {"nixl_lane_min_bytes": 32 << 20}, True),
     "nixl-1lane": ("nixl", {"nixl_read_lanes": 1}, True),
     "nixl-4k": ("nixl", {}, False),
     "nixl-1lane-4k": ("nixl", {"nixl_read_lanes": 1}, False),
@@ -138,6 +147,7 @@ def run_role(args: argparse.Namespace) -> None:
     connector.register_kv_caches(kv_caches)
     copies: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     copies_made: dict[int, int] = {}  # per size: cold copies so far, to rotate the pairs
+    evict = (np.ones(EVICT_BYTES // 2, np.uint8), np.zeros(EVICT_BYTES // 2, np.uint8))
 
     def sync() -> None:
         if device.type == "cuda":
@@ -166,6 +176,9 @@ def run_role(args: argparse.Namespace) -> None:
             else:
                 connector.poll_finished_exports()  # earlier transfers' notifications
             return {"seconds": time.perf_counter() - start}
+        if op == "evict":  # one thread, numpy: no OpenMP workers left spinning after it
+            np.copyto(evict[1], evict[0])
+            return {}
         if op == "fetch":
             hashes = [bytes.fromhex(h) for h in req["hashes"]]
             peer = PeerRef(req["engine_id"], "exporter")
@@ -238,13 +251,18 @@ def measure(
         remote = pick_blocks(rng, order, num_blocks, args.num_blocks)
         local = pick_blocks(rng, order, num_blocks, args.num_blocks)
         hashes = [os.urandom(32).hex() for _ in range(num_blocks)]
+        fetcher.call("evict")
         write = exporter.call("export", tid=tid, block_ids=remote, hashes=hashes)
         read = fetcher.call(
             "fetch", tid=tid, engine_id=engine_id, remote=remote, local=local, hashes=hashes
         )
-        copy = fetcher.call("memcpy", nbytes=nbytes)
         if rep >= args.warmup:
             transfer_s.append(write["seconds"] + read["seconds"])
+    # The copies in a loop of their own: torch's OpenMP workers spin ~10 ms after a
+    # parallel copy_, and interleaved with the transfers they took a core from the next one.
+    for rep in range(args.warmup + args.repeats):
+        copy = fetcher.call("memcpy", nbytes=nbytes)
+        if rep >= args.warmup:
             memcpy_s.append(copy["cold"])
             memcpy_hot_s.append(copy["hot"])
     exact = (

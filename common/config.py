@@ -185,6 +185,9 @@ class KVTransferSettings:
     # nixl: read lanes (agent + thread each) a large pull is split over; 0: one per core up
     # to 4 on CPU memory, 1 on GPU memory. Lower it where the decode engine needs the cores.
     nixl_read_lanes: int = 0
+    # nixl, CPU memory, two lanes or more: pin each lane to its own core. Turn it off where
+    # several decode workers share the same cores (or give each worker its own cpuset).
+    nixl_pin_lanes: bool = True
 
     def __post_init__(self) -> None:
         _coerce_enums(self)

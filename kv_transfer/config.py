@@ -49,7 +49,11 @@ class KVTransferConfig:
     # up to 4 on DRAM, where UCX copies on the CPU, and 1 on VRAM. A fetch is cut into
     # parts of at least nixl_lane_min_bytes, since a hand-off costs more than a small copy.
     nixl_read_lanes: int = 0
-    nixl_lane_min_bytes: int = 32 << 20
+    nixl_lane_min_bytes: int = 2 << 20
+    # On DRAM with two lanes or more, pin lane i to the i-th core the process may use:
+    # left to the scheduler, lanes woken together often queued on one core while another
+    # idled. Turn it off where several fetching workers share the same cores.
+    nixl_pin_lanes: bool = True
     # How often idle background threads look for new work or notifications.
     poll_interval_s: float = 0.002
     io_threads: int = 2  # shared_storage: concurrent file transfers

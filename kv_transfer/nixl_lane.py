@@ -18,6 +18,7 @@ thread and must not block.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -81,8 +82,10 @@ class NixlLane:
         descs: np.ndarray,
         mem_type: str,
         on_done: PartReport,
+        cpu: int | None = None,
     ) -> None:
-        """``descs``: this process's (layer, block) descriptor table, [L * B, 3] uint64."""
+        """``descs``: this process's (layer, block) descriptor table, [L * B, 3] uint64.
+        ``cpu``: the core the lane thread is pinned to (None: wherever the scheduler puts it)."""
         self.name = name
         self._agent = nixl_agent(name, agent_config)
         self._registration = self._agent.register_memory(tensors)
@@ -95,6 +98,11 @@ class NixlLane:
         self._inflight: list[_Flight] = []
         self._thread = threading.Thread(target=self._run, name=f"nixl-{name}", daemon=True)
         self._thread.start()
+        if cpu is not None:
+            try:  # the lane thread only; set here, so it holds before the first READ
+                os.sched_setaffinity(self._thread.native_id, {cpu})
+            except OSError as exc:
+                logger.warning("%s: cannot pin to core %d: %s", name, cpu, exc)
 
     # -- commands (any thread) -----------------------------------------------------------
 

@@ -143,6 +143,7 @@ class WorkerRuntime:
             shared_dir=transfer.shared_dir,
             shared_namespace=model_namespace(model_dir),
             nixl_read_lanes=transfer.nixl_read_lanes,
+            nixl_pin_lanes=transfer.nixl_pin_lanes,
         )
         self.connector = create_connector(connector_config, self.engine_id, self._metadata_client)
         puller = ConnectorPuller(self.connector) if self.role is Role.DECODE else None

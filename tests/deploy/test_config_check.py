@@ -75,6 +75,7 @@ BROKEN = [
     ("kv_transfer: {lease_s: 5, timeout_s: 5}", "kv_transfer.timeout_s", "below lease_s"),
     ("kv_transfer: {failure_policy: retry}", "kv_transfer.failure_policy", "not one of"),
     ("kv_transfer: {nixl_read_lanes: -2}", "kv_transfer.nixl_read_lanes", "must be >= 0"),
+    ("kv_transfer: {nixl_pin_lanes: 2}", "kv_transfer.nixl_pin_lanes", "must be true or false"),
     ("registry: {redis_url: 'localhost:6379'}", "registry.redis_url", "not a Redis URL"),
     ("registry: {ttl_s: 2, heartbeat_s: 2}", "registry.heartbeat_s", "below registry.ttl_s"),
     ("engine: {gpu_memory_utilization: 1.5}", "engine.gpu_memory_utilization", "(0, 1]"),

@@ -4,6 +4,7 @@ thread behind. Transfers over lanes between processes are in test_transfer/test_
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 
 from common.config import ConfigError
 from kv_transfer import KVTransferConfig, PeerRef, create_connector
-from kv_transfer.nixl import MAX_AUTO_LANES, read_lane_count, split_parts
+from kv_transfer.nixl import MAX_AUTO_LANES, lane_cpus, read_lane_count, split_parts
 
 
 def indices(n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -53,6 +54,15 @@ def test_read_lane_count():
         KVTransferConfig(nixl_lane_min_bytes=-1)
 
 
+def test_lane_cpus_pins_dram_lanes_round_robin_over_the_allowed_cores():
+    cpus = sorted(os.sched_getaffinity(0))
+    pinned = lane_cpus(KVTransferConfig(), 5, "DRAM")
+    assert pinned == [cpus[i % len(cpus)] for i in range(5)]
+    assert lane_cpus(KVTransferConfig(), 1, "DRAM") == [None]  # nothing to spread
+    assert lane_cpus(KVTransferConfig(), 3, "VRAM") == [None] * 3  # copy engines copy
+    assert lane_cpus(KVTransferConfig(nixl_pin_lanes=False), 3, "DRAM") == [None] * 3
+
+
 @pytest.mark.timeout(60)
 def test_split_fetch_in_one_process_is_exact_and_close_leaves_no_threads():
     shape = (32, 2, 4, 2, 16)
@@ -68,7 +78,12 @@ def test_split_fetch_in_one_process_is_exact_and_close_leaves_no_threads():
         exporter.register_kv_caches(source)
         fetcher.register_kv_caches(dest)
         known["exporter"] = exporter.metadata()
-        assert sum(t.name.startswith("nixl-lanes-fetcher/read") for t in threading.enumerate()) == 3
+        lanes = [t for t in threading.enumerate() if t.name.startswith("nixl-lanes-fetcher/read")]
+        assert len(lanes) == 3
+        cpus = sorted(os.sched_getaffinity(0))
+        affinities = sorted(sorted(os.sched_getaffinity(t.native_id)) for t in lanes)
+        assert affinities == sorted([cpus[i % len(cpus)]] for i in range(3))
+        assert os.sched_getaffinity(0) == set(cpus)  # only the lane threads are pinned
         remote, local = [5, 9, 2, 30, 17], [0, 1, 2, 3, 31]
         exporter.export_blocks("t1", remote)
         fetcher.start_fetch("t1", PeerRef("lanes-exporter", "exporter"), remote, local)
