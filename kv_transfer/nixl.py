@@ -9,7 +9,8 @@ when it gives up), and the exporter reports the export finished.
 Agents. The *primary* agent holds the registration peers read from and receives their
 notifications. READs run on *read lanes* (``nixl_lane.py``): each its own agent and
 thread, so a large fetch is split over several cores where the copy happens on the CPU
-(DRAM; ``nixl_read_lanes``, default one lane per core up to 4, and one lane on VRAM).
+(DRAM; ``nixl_read_lanes``, default one lane per core up to 4, each pinned to its core; one
+lane on VRAM).
 Notifications leave from a data-less *notifier* agent: with UCX's peer error handling, an
 active message on an endpoint makes the next READ on it wait for the remote agent's next
 poll (~1-2 ms per fetch when the notification rides on or beside the READ; on its own

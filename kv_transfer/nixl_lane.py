@@ -2,9 +2,10 @@
 
 Why lanes: on DRAM the only zero-copy path UCX has between two processes is ``cma``
 (``process_vm_readv``), which copies inside the thread that posts the READ, on one core.
-Splitting a large fetch over lanes copies on several cores at once (measured on the
-2-core CI host: 5.9 -> 8.5 GB/s for 256 MB of scattered blocks, see
-``benchmarks/results/kv_transfer_cpu.md``). On VRAM the copy engines do the work and one
+Splitting a fetch over lanes copies on several cores at once (measured on the 2-core CI
+host: 6.5 -> 9.8 GB/s for 256 MB of scattered blocks, see
+``benchmarks/results/kv_transfer_cpu.md``); the connector may pin each lane's thread to
+its own core (``nixl.lane_cpus``). On VRAM the copy engines do the work and one
 lane suffices. Each lane is its own agent (its own UCX worker, memory registration and
 endpoints), used by its own thread only, so no NIXL call is ever made from two threads.
 
