@@ -115,9 +115,10 @@ def lane_cpus(config: KVTransferConfig, num_lanes: int, mem_type: str) -> list[i
     """The core each read lane is pinned to (None: not pinned). On DRAM with two lanes or
     more, lane i gets the i-th core this process may use, round robin. Why: a fetch wakes
     its lanes together, and the scheduler often queued two on one core while the other
-    idled, so the parts were copied one after the other (traced on the 2-core CI host:
-    16 MB in two parts overlapped in 17 of 27 fetches unpinned, 27 of 27 pinned). On VRAM
-    the copy engines copy and one lane suffices."""
+    idled, so the parts were copied one after the other (``benchmarks/nixl_lanes_trace.py``
+    on the 2-core CI host, 16 MB in two parts: side by side in 40 of 40 fetches pinned and
+    34 unpinned; 28 and 3 right after a parallel torch op). On VRAM the copy engines copy
+    and one lane suffices."""
     if not config.nixl_pin_lanes or mem_type == "VRAM" or num_lanes < 2:
         return [None] * num_lanes
     cpus = sorted(os.sched_getaffinity(0))
