@@ -56,7 +56,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.records import cpu_model, write_markdown  # noqa: E402
-from engine.host_memory import zeros_on_huge_pages  # noqa: E402
+from engine.host_memory import zeros_for_kv  # noqa: E402
 from kv_transfer import KVTransferConfig, PeerRef, create_connector  # noqa: E402
 
 # Llama-8B-like per-layer block (16 tokens x 8 KV heads x 128 dims, bf16): 64 KiB per layer,
@@ -117,9 +117,10 @@ class Role:
 
 
 def zeros_as_engine_allocates(shape: tuple[int, ...], dtype: torch.dtype, device, huge: bool):
-    """A zeroed tensor allocated as the engine allocates KV caches (huge pages on the CPU)."""
-    if device.type == "cpu" and huge:
-        return zeros_on_huge_pages(shape, dtype)
+    """A zeroed tensor allocated as the engine allocates KV caches (``huge=False``: on
+    ordinary pages, for the 4 KiB variants)."""
+    if huge:
+        return zeros_for_kv(shape, dtype, device)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 

@@ -48,6 +48,14 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     return tensor.zero_()
 
 
+def zeros_for_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV-cache tensor as the engine allocates it: on huge pages on the CPU (peers
+    read it faster), an ordinary allocation on other devices."""
+    if device.type == "cpu":
+        return zeros_on_huge_pages(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 def huge_page_bytes(tensor: torch.Tensor) -> int:
     """Huge-page bytes (``AnonHugePages`` in /proc/self/smaps) of the memory mappings that
     hold ``tensor``'s data; 0 where the kernel does not report it. For tests and
