@@ -95,7 +95,8 @@ def main() -> None:
     instrument(lanes, spans)
     lane_tids = [lane._thread.native_id for lane in lanes]
     # Between fetches: evict the caches with one numpy thread, or a parallel torch copy.
-    evict = (np.ones(64 * MB, np.uint8), np.zeros(64 * MB, np.uint8))
+    half = bench.EVICT_BYTES // 2  # the same eviction as the benchmark's
+    evict = (np.ones(half, np.uint8), np.zeros(half, np.uint8))
     torch_pair = (torch.ones(64 * MB, dtype=torch.uint8), torch.zeros(64 * MB, dtype=torch.uint8))
 
     rng = random.Random(0)
