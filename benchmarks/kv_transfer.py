@@ -6,9 +6,9 @@
 
 For each size (1, 16, 256 MB) an exporter process exports block ids and a fetcher process
 pulls them into local blocks; the fetcher times ``start_fetch`` -> ``wait``. Block ids are
-either scattered at random (a fragmented paged cache: one descriptor per layer and block)
-or one contiguous run on each side (a fresh cache: NIXL merges them per layer). KV caches
-are allocated as the engine allocates them (on the CPU: on transparent huge pages).
+either scattered at random (a fragmented paged cache: NIXL reads one descriptor per block)
+or one contiguous run on each side (a fresh cache: NIXL merges them). KV caches are
+allocated as the engine allocates them (block-major; on the CPU on transparent huge pages).
 
 The baseline is a torch ``copy_`` of the same number of bytes between two contiguous
 tensors allocated the same way, timed in the fetcher process (memcpy / device-to-device
@@ -22,10 +22,12 @@ CPU's L3 cache. Before each transfer the fetcher copies 128 MB with numpy (one t
 that the transfer starts cache-cold as well. The ratio is of medians.
 
 Variants of NIXL, for side-by-side runs (``--connectors nixl nixl-1lane nixl-4k``):
-``nixl-nopin`` leaves the lanes unpinned, ``nixl-32m`` splits only fetches of 64 MB and
-more (the minimum part before 2 MiB), ``nixl-1lane`` reads on one lane, ``nixl-4k`` keeps
-the KV caches and the copy's buffers on 4 KiB pages, ``nixl-1lane-4k`` both (the connector
-before read lanes and huge pages).
+``nixl-layers`` gives each layer its own tensor (one descriptor per layer and block, the
+engine's arrangement before block-major caches), ``nixl-nopin`` leaves the lanes
+unpinned, ``nixl-32m`` splits only fetches of 64 MB and more (the minimum part before
+2 MiB), ``nixl-1lane`` reads on one lane, ``nixl-4k`` keeps the KV caches and the copy's
+buffers on 4 KiB pages, ``nixl-1lane-4k`` both, with per-layer tensors (the connector
+before read lanes, huge pages and block-major caches).
 Shared storage counts the exporter's write (until the export is finished) plus the
 fetcher's read, since the bytes pass through files. The last transfer of each size is
 checked bit for bit. Results: a table on stdout, and ``<out>.md`` / ``<out>.json``.
@@ -56,7 +58,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.records import cpu_model, write_markdown  # noqa: E402
-from engine.host_memory import zeros_for_kv  # noqa: E402
+from engine.host_memory import zeros_for_kv_caches, zeros_on_huge_pages  # noqa: E402
 from kv_transfer import KVTransferConfig, PeerRef, create_connector  # noqa: E402
 
 # Llama-8B-like per-layer block (16 tokens x 8 KV heads x 128 dims, bf16): 64 KiB per layer,
@@ -67,16 +69,17 @@ MB = 1 << 20
 COLD_BYTES = 256 * MB  # the memcpy baseline rotates over at least this much memory
 EVICT_BYTES = 128 * MB  # touched before each transfer, so that it starts cache-cold too
 
-# name -> (connector, KVTransferConfig overrides, huge pages on the CPU)
-VARIANTS: dict[str, tuple[str, dict[str, Any], bool]] = {
-    "nixl": ("nixl", {}, True),
-    "nixl-nopin": ("nixl", {"nixl_pin_lanes": False}, True),
-    "nixl-32m": ("nixl", {"nixl_lane_min_bytes": 32 << 20}, True),
-    "nixl-1lane": ("nixl", {"nixl_read_lanes": 1}, True),
-    "nixl-4k": ("nixl", {}, False),
-    "nixl-1lane-4k": ("nixl", {"nixl_read_lanes": 1}, False),
-    "nccl": ("nccl", {}, True),
-    "shared_storage": ("shared_storage", {}, True),
+# name -> (connector, KVTransferConfig overrides, huge pages on the CPU, block-major caches)
+VARIANTS: dict[str, tuple[str, dict[str, Any], bool, bool]] = {
+    "nixl": ("nixl", {}, True, True),
+    "nixl-layers": ("nixl", {}, True, False),
+    "nixl-nopin": ("nixl", {"nixl_pin_lanes": False}, True, True),
+    "nixl-32m": ("nixl", {"nixl_lane_min_bytes": 32 << 20}, True, True),
+    "nixl-1lane": ("nixl", {"nixl_read_lanes": 1}, True, True),
+    "nixl-4k": ("nixl", {}, False, True),
+    "nixl-1lane-4k": ("nixl", {"nixl_read_lanes": 1}, False, False),
+    "nccl": ("nccl", {}, True, True),
+    "shared_storage": ("shared_storage", {}, True, True),
 }
 
 
@@ -116,25 +119,37 @@ class Role:
         self.process.wait(timeout=60)
 
 
-def zeros_as_engine_allocates(shape: tuple[int, ...], dtype: torch.dtype, device, huge: bool):
-    """A zeroed tensor allocated as the engine allocates KV caches (``huge=False``: on
-    ordinary pages, for the 4 KiB variants)."""
-    if huge:
-        return zeros_for_kv(shape, dtype, device)
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, huge: bool):
+    """A zeroed tensor, on huge pages where ``huge`` and on the CPU."""
+    if huge and device.type == "cpu":
+        return zeros_on_huge_pages(shape, dtype)
     return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def kv_caches_for(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, huge: bool, block_major: bool
+) -> list[torch.Tensor]:
+    """Zeroed per-layer caches: as the engine allocates them (huge and block-major), or
+    in one of the older arrangements the variants compare against."""
+    num_layers = LAYOUT["num_layers"]
+    if huge and block_major:
+        return zeros_for_kv_caches(num_layers, shape, dtype, device)
+    if block_major:
+        buffer = zeros((shape[0], num_layers, *shape[1:]), dtype, device, huge)
+        return [buffer[:, layer] for layer in range(num_layers)]
+    return [zeros(shape, dtype, device, huge) for _ in range(num_layers)]
 
 
 def run_role(args: argparse.Namespace) -> None:
     out = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)  # library logs must not corrupt the protocol
     device = torch.device(args.device)
-    connector_name, overrides, huge = VARIANTS[args.variant]
+    connector_name, overrides, huge, block_major = VARIANTS[args.variant]
     shape = (args.num_blocks, 2, LAYOUT["block_size"], LAYOUT["num_kv_heads"], LAYOUT["head_dim"])
     generator = torch.Generator().manual_seed(1 if args.role == "exporter" else 2)
     kv_caches = []
-    for _ in range(LAYOUT["num_layers"]):
+    for layer in kv_caches_for(shape, torch.int16, device, huge, block_major):
         bits = torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=generator)
-        layer = zeros_as_engine_allocates(shape, torch.int16, device, huge)
         kv_caches.append(layer.copy_(bits).view(DTYPE))
     known: dict[str, bytes] = {}
     config = KVTransferConfig(
@@ -195,8 +210,8 @@ def run_role(args: argparse.Namespace) -> None:
                 num_cold = max(1, -(-COLD_BYTES // (2 * nbytes)))
                 pairs = []
                 for _ in range(num_cold + (num_cold > 1)):
-                    src = zeros_as_engine_allocates((nbytes,), torch.uint8, device, huge)
-                    dst = zeros_as_engine_allocates((nbytes,), torch.uint8, device, huge)
+                    src = zeros((nbytes,), torch.uint8, device, huge)
+                    dst = zeros((nbytes,), torch.uint8, device, huge)
                     pairs.append((src.random_(0, 255), dst))
                 copies[nbytes] = pairs
             pairs = copies[nbytes]
@@ -365,14 +380,15 @@ def write_results(out: Path, machine: dict[str, Any], rows: list[dict[str, Any]]
         f"Layout: {LAYOUT['num_layers']} layers, blocks of {LAYOUT['block_size']} tokens x "
         f"{LAYOUT['num_kv_heads']} KV heads x {LAYOUT['head_dim']} dims, bf16 "
         f"({block_bytes() // 1024} KiB per block). Block ids on both sides either random "
-        "(scattered, one descriptor per layer and block) or one contiguous run. Median of "
+        "(scattered: NIXL reads one descriptor per block) or one contiguous run. Median of "
         f"{args.repeats} transfers after {args.warmup} warm-up, each started cache-cold; "
         f"{args.rounds} round(s) of every variant in turn, medians of the rounds' medians. "
         "memcpy = torch `copy_` of the same bytes on the same device in the fetcher process, "
         "in a loop of its own after each size's transfers: *cold* rotates over >= "
         f"{COLD_BYTES // MB} MB of buffers (the ratio's denominator), *hot* copies the same "
         "pair again (cache-resident where it fits). Variants: see the benchmark's docstring "
-        "(`nixl` = the defaults: read lanes pinned to cores, 2 MiB parts, huge pages).",
+        "(`nixl` = the defaults: block-major KV caches on huge pages, read lanes pinned to "
+        "cores, 2 MiB parts).",
         "",
         "| connector | block ids | MB | GB/s (median) | GB/s (best) | memcpy cold GB/s "
         "| memcpy hot GB/s | ratio (cold) | ratio range | ratio (hot) | bit-exact |",

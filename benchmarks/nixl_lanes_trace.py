@@ -32,7 +32,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import kv_transfer as bench  # noqa: E402
-from engine.host_memory import zeros_on_huge_pages  # noqa: E402
+from engine.host_memory import zeros_for_kv_caches  # noqa: E402
 from kv_transfer import KVTransferConfig, PeerRef, create_connector  # noqa: E402
 
 MB = 1 << 20
@@ -81,7 +81,7 @@ def main() -> None:
     known = {"exporter": bytes.fromhex(metadata["metadata"])}
     layout = bench.LAYOUT
     shape = (640, 2, layout["block_size"], layout["num_kv_heads"], layout["head_dim"])
-    kv_caches = [zeros_on_huge_pages(shape, bench.DTYPE) for _ in range(layout["num_layers"])]
+    kv_caches = zeros_for_kv_caches(layout["num_layers"], shape, bench.DTYPE, torch.device("cpu"))
     config = KVTransferConfig(
         timeout_s=60,
         nixl_read_lanes=args.lanes,

@@ -17,7 +17,7 @@ from common.config import ConfigError, EngineConfig
 from engine.attention.backend import BatchLayout
 from engine.attention.registry import create_backend
 from engine.cuda_graphs import DecodeGraphs
-from engine.host_memory import zeros_for_kv
+from engine.host_memory import zeros_for_kv_caches
 from engine.models.arch import ModelArchConfig
 from engine.models.loader import load_model
 from engine.request import TokenLogprobs
@@ -72,9 +72,9 @@ class ModelRunner:
         self.model = load_model(model_dir, arch, max_model_len, self.backend, device, dtype)
         self.num_blocks = self._num_blocks(config)
         shape = (self.num_blocks, 2, self.block_size, arch.num_kv_heads, arch.head_dim)
-        # One tensor per layer; a block id names the same slot in every layer. On the CPU
-        # they sit on huge pages, which peers read faster (kv_transfer, host_memory.py).
-        self.kv_caches = [zeros_for_kv(shape, dtype, device) for _ in range(arch.num_layers)]
+        # One view per layer of a block-major buffer; a block id names the same slot in
+        # every layer (host_memory.zeros_for_kv_caches says why).
+        self.kv_caches = zeros_for_kv_caches(arch.num_layers, shape, dtype, device)
         self.decode_graphs: DecodeGraphs | None = None
         if config.cuda_graphs and device.type == "cuda" and self.backend.name == "triton":
             self._capture(config)

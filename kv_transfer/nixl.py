@@ -1,10 +1,11 @@
 """NIXL connector: the fetcher READs the exporter's registered KV memory directly (UCX).
 
 Memory is registered once, at ``register_kv_caches``; each side describes its cache as one
-descriptor per (layer, block) (``nixl_protocol.py``), so a fetch is a READ listing the
-(layer, block) pairs, which NIXL merges where blocks are adjacent. The exporter is
-passive: once the READ is done the fetcher sends it a NIXL notification ("done"; "abort"
-when it gives up), and the exporter reports the export finished.
+descriptor per block when its caches are block-major (the engine's arrangement), else per
+(layer, block) (``nixl_protocol.py``). A fetch is a READ listing whole blocks when both
+sides are block-major, else (layer, block) pairs; NIXL merges adjacent descriptors. The
+exporter is passive: once the READ is done the fetcher sends it a NIXL notification
+("done"; "abort" when it gives up), and the exporter reports the export finished.
 
 Agents. The *primary* agent holds the registration peers read from and receives their
 notifications. READs run on *read lanes* (``nixl_lane.py``): each its own agent and
@@ -59,7 +60,14 @@ from kv_transfer.errors import (
 from kv_transfer.handshake import MetadataFetcher, decode_transport, fetch_peer_metadata
 from kv_transfer.layout import KVCaches
 from kv_transfer.nixl_lane import NixlLane, PartOutcome, ReadPart
-from kv_transfer.nixl_protocol import NixlPayload, Notif, block_descs, desc_indices
+from kv_transfer.nixl_protocol import (
+    NixlPayload,
+    Notif,
+    desc_indices,
+    is_block_major,
+    layer_block_descs,
+    whole_block_descs,
+)
 from kv_transfer.packing import bind_device
 from kv_transfer.records import ExportRecord, FetchRecord, PeerRef
 
@@ -72,6 +80,7 @@ MAX_AUTO_LANES = 4
 class _RemotePeer:
     agent_name: str
     num_blocks: int
+    whole_blocks: bool  # both sides block-major: one descriptor per block
 
 
 @dataclass(slots=True)
@@ -175,10 +184,26 @@ class NixlConnector(KVConnector):
         self._mem_type = "VRAM" if kv.device.type == "cuda" else "DRAM"
         self._device_id = kv.device.index or 0
         self._base_addrs = [tensor.data_ptr() for tensor in kv.tensors]
-        self._registration = self._agent.register_memory(list(kv.tensors))
-        descs = block_descs(
-            self._base_addrs, kv.num_blocks, kv.layout.block_bytes_per_layer, self._device_id
+        block_bytes_per_layer = kv.layout.block_bytes_per_layer
+        self._block_major = is_block_major(
+            self._base_addrs, kv.block_stride_bytes, block_bytes_per_layer
         )
+        regions = np.array(
+            [(addr, size, self._device_id) for addr, size in kv.regions()], dtype=np.uint64
+        )
+        self._registration = self._agent.register_memory(regions, self._mem_type)
+        layer_descs = layer_block_descs(
+            self._base_addrs,
+            kv.num_blocks,
+            block_bytes_per_layer,
+            kv.block_stride_bytes,
+            self._device_id,
+        )
+        whole_descs = None
+        if self._block_major:
+            whole_descs = whole_block_descs(
+                self._base_addrs[0], kv.num_blocks, kv.layout.block_bytes, self._device_id
+            )
         # Static after registration; cached so that no other thread touches the agent.
         self._agent_metadata = self._agent.get_agent_metadata()
         num_lanes = read_lane_count(self.config, self._mem_type)
@@ -187,9 +212,10 @@ class NixlConnector(KVConnector):
                 lane = NixlLane(
                     f"{self.engine_id}/read{index}",
                     self._agent_config,
-                    list(kv.tensors),
-                    descs,
+                    regions,
                     self._mem_type,
+                    layer_descs,
+                    whole_descs,
                     lambda outcome: self._commands.put(("part", outcome)),
                     cpu,
                 )
@@ -209,6 +235,7 @@ class NixlConnector(KVConnector):
                 mem_type=self._mem_type,
                 device_id=self._device_id,
                 base_addrs=self._base_addrs,
+                block_stride=self.kv.block_stride_bytes,
             )
         )
 
@@ -228,6 +255,8 @@ class NixlConnector(KVConnector):
             payload = decode_transport(metadata.transport, NixlPayload)
             if len(payload.base_addrs) != metadata.layout.num_layers:
                 raise HandshakeError("peer metadata lists the wrong number of layers")
+            if 0 < payload.block_stride < metadata.layout.block_bytes_per_layer:
+                raise HandshakeError("peer metadata has blocks that overlap (block_stride)")
             result: object = (metadata.num_blocks, payload)
         except KVTransferError as exc:
             result = exc
@@ -282,18 +311,32 @@ class NixlConnector(KVConnector):
                 self._fetches.fail(record.transfer_id, result)
             return
         num_blocks, payload = result
+        layout = self.layout
+        stride = payload.block_stride or layout.block_bytes_per_layer
+        whole = self._block_major and is_block_major(
+            payload.base_addrs, stride, layout.block_bytes_per_layer
+        )
         try:
             agent_name = self._notifier.add_remote_agent(payload.agent_metadata)
-            descs = block_descs(
-                payload.base_addrs, num_blocks, self.layout.block_bytes_per_layer, payload.device_id
-            )
+            if whole:
+                descs = whole_block_descs(
+                    payload.base_addrs[0], num_blocks, layout.block_bytes, payload.device_id
+                )
+            else:
+                descs = layer_block_descs(
+                    payload.base_addrs,
+                    num_blocks,
+                    layout.block_bytes_per_layer,
+                    stride,
+                    payload.device_id,
+                )
         except Exception as exc:
             for record in waiting:
                 self._fetches.fail(record.transfer_id, HandshakeError(f"loading peer: {exc}"))
             return
         for lane in self._lanes:
-            lane.add_peer(peer_id, payload.agent_metadata, descs, payload.mem_type)
-        self._peers[peer_id] = _RemotePeer(agent_name, num_blocks)
+            lane.add_peer(peer_id, payload.agent_metadata, descs, payload.mem_type, whole)
+        self._peers[peer_id] = _RemotePeer(agent_name, num_blocks, whole)
         for record in waiting:
             self._post(record, peer_id)
 
@@ -311,12 +354,12 @@ class NixlConnector(KVConnector):
             self._notify(peer_id, Notif("done", tid))
             self._fetches.complete(tid)
             return
-        num_layers = self.layout.num_layers
+        layout, whole = self.layout, peer.whole_blocks
         parts = split_parts(
-            desc_indices(record.local_block_ids, num_layers, self.kv.num_blocks),
-            desc_indices(record.remote_block_ids, num_layers, peer.num_blocks),
+            desc_indices(record.local_block_ids, layout.num_layers, self.kv.num_blocks, whole),
+            desc_indices(record.remote_block_ids, layout.num_layers, peer.num_blocks, whole),
             len(self._lanes),
-            self.layout.block_bytes_per_layer,
+            layout.block_bytes if whole else layout.block_bytes_per_layer,
             self.config.nixl_lane_min_bytes,
         )
         self._inflight[tid] = _InFlight(record, peer_id, len(parts))

@@ -25,15 +25,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 from nixl._api import nixl_agent, nixl_agent_config
 
 from kv_transfer.errors import KVTransferError, TransferFailedError, TransferTimeoutError
-
-if TYPE_CHECKING:
-    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -79,23 +75,33 @@ class NixlLane:
         self,
         name: str,
         agent_config: nixl_agent_config,
-        tensors: list[torch.Tensor],
-        descs: np.ndarray,
+        regions: np.ndarray,
         mem_type: str,
+        layer_descs: np.ndarray,
+        whole_descs: np.ndarray | None,
         on_done: PartReport,
         cpu: int | None = None,
     ) -> None:
-        """``descs``: this process's (layer, block) descriptor table, [L * B, 3] uint64.
+        """``regions``: the KV memory to register, [R, 3] uint64 (addr, len, device).
+        ``layer_descs`` / ``whole_descs``: this process's descriptor tables per (layer,
+        block) and per whole block (None unless block-major), ``nixl_protocol.py``.
         ``cpu``: the core the lane thread is pinned to (None: wherever the scheduler puts it)."""
         self.name = name
         self._agent = nixl_agent(name, agent_config)
-        self._registration = self._agent.register_memory(tensors)
-        self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", descs, mem_type)
+        self._registration = self._agent.register_memory(regions, mem_type)
+        self._local_dlists = {
+            False: self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", layer_descs, mem_type)
+        }
+        if whole_descs is not None:
+            self._local_dlists[True] = self._agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", whole_descs, mem_type
+            )
         self._on_done = on_done
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._stop = threading.Event()
         # Owned by the lane thread:
-        self._peers: dict[str, tuple[str, object]] = {}  # peer id -> (agent name, dlist)
+        # peer id -> (agent name, its dlist, whether both use whole-block descriptors)
+        self._peers: dict[str, tuple[str, object, bool]] = {}
         self._inflight: list[_Flight] = []
         self._thread = threading.Thread(target=self._run, name=f"nixl-{name}", daemon=True)
         self._thread.start()
@@ -108,9 +114,16 @@ class NixlLane:
     # -- commands (any thread) -----------------------------------------------------------
 
     def add_peer(
-        self, peer_id: str, agent_metadata: bytes, descs: np.ndarray, mem_type: str
+        self,
+        peer_id: str,
+        agent_metadata: bytes,
+        descs: np.ndarray,
+        mem_type: str,
+        whole_blocks: bool,
     ) -> None:
-        self._commands.put(("add", peer_id, agent_metadata, descs, mem_type))
+        """``descs``: the peer's table, per whole block if ``whole_blocks`` (both sides
+        block-major), else per (layer, block)."""
+        self._commands.put(("add", peer_id, agent_metadata, descs, mem_type, whole_blocks))
 
     def drop_peer(self, peer_id: str) -> None:
         self._commands.put(("drop", peer_id))
@@ -139,7 +152,8 @@ class NixlLane:
                 self._report(_failed(command[1], "connector closed"))
         for peer_id in list(self._peers):
             self._forget(peer_id)
-        self._local_dlist.release()
+        for dlist in self._local_dlists.values():
+            dlist.release()
         self._agent.deregister_memory(self._registration)
 
     # -- lane thread ---------------------------------------------------------------------
@@ -178,13 +192,20 @@ class NixlLane:
         except queue.Empty:
             return None
 
-    def _add(self, peer_id: str, agent_metadata: bytes, descs: np.ndarray, mem_type: str) -> None:
+    def _add(
+        self,
+        peer_id: str,
+        agent_metadata: bytes,
+        descs: np.ndarray,
+        mem_type: str,
+        whole_blocks: bool,
+    ) -> None:
         if peer_id in self._peers:
             return
         try:
             agent_name = self._agent.add_remote_agent(agent_metadata)
             dlist = self._agent.prep_xfer_dlist(agent_name, descs, mem_type)
-            self._peers[peer_id] = (agent_name, dlist)
+            self._peers[peer_id] = (agent_name, dlist, whole_blocks)
         except Exception as exc:  # its parts fail as "not loaded"; the connector forgets it
             logger.warning("%s: loading peer %s failed: %s", self.name, peer_id, exc)
 
@@ -198,8 +219,9 @@ class NixlLane:
             self._report(_failed(part, f"peer {part.peer_id!r} is not loaded", peer_broken=True))
             return
         try:
+            local_dlist = self._local_dlists[peer[2]]
             handle = self._agent.make_prepped_xfer(
-                "READ", self._local_dlist, part.local_indices, peer[1], part.remote_indices
+                "READ", local_dlist, part.local_indices, peer[1], part.remote_indices
             )
         except Exception as exc:
             self._report(_failed(part, f"preparing the READ failed: {exc}", peer_broken=True))

@@ -1,10 +1,18 @@
 """Wire pieces of the NIXL connector: the handshake section, notifications, descriptors.
 
-Descriptor lists cover every (layer, block) of a cache, layer-major:
+A process describes its cache to NIXL in one of two granularities:
 
-    index = layer * num_blocks + block_id
-    desc[index] = (base_addr[layer] + block_id * block_bytes_per_layer,
-                   block_bytes_per_layer, device_id)
+- per (layer, block), layer-major, for any arrangement of the memory (``layout.py``):
+
+      index = layer * num_blocks + block_id
+      desc[index] = (base_addr[layer] + block_id * block_stride, block_bytes_per_layer, dev)
+
+- per whole block, where the caches are block-major (a block's layers side by side):
+
+      desc[block_id] = (base_addr[0] + block_id * block_bytes, block_bytes, dev)
+
+A fetch uses whole blocks when both sides are block-major (num_layers times fewer
+descriptors, each num_layers times longer), else (layer, block) pairs.
 """
 
 from __future__ import annotations
@@ -19,7 +27,10 @@ class NixlPayload(msgspec.Struct, frozen=True, kw_only=True):
     agent_metadata: bytes
     mem_type: str  # "DRAM" or "VRAM"
     device_id: int
-    base_addrs: list[int]  # per layer
+    base_addrs: list[int]  # per layer: where its block 0 starts
+    # Bytes from one block of a layer to the next; 0 from peers that predate block-major
+    # caches, whose layers were each contiguous (the stride was one layer's block).
+    block_stride: int = 0
 
 
 class Notif(msgspec.Struct, frozen=True, array_like=True):
@@ -27,20 +38,46 @@ class Notif(msgspec.Struct, frozen=True, array_like=True):
     transfer_id: str
 
 
-def block_descs(
-    base_addrs: list[int], num_blocks: int, block_bytes: int, device_id: int
+def is_block_major(base_addrs: list[int], block_stride: int, block_bytes_per_layer: int) -> bool:
+    """Does every block's memory form one run, layer 0 to the last (whole-block descriptors)?"""
+    block_bytes = len(base_addrs) * block_bytes_per_layer
+    return block_stride == block_bytes and all(
+        addr == base_addrs[0] + layer * block_bytes_per_layer
+        for layer, addr in enumerate(base_addrs)
+    )
+
+
+def layer_block_descs(
+    base_addrs: list[int],
+    num_blocks: int,
+    block_bytes_per_layer: int,
+    block_stride: int,
+    device_id: int,
 ) -> np.ndarray:
     """[num_layers * num_blocks, 3] uint64 (addr, len, device): one row per (layer, block)."""
     bases = np.asarray(base_addrs, dtype=np.uint64)[:, None]
-    offsets = np.arange(num_blocks, dtype=np.uint64)[None, :] * np.uint64(block_bytes)
+    offsets = np.arange(num_blocks, dtype=np.uint64)[None, :] * np.uint64(block_stride)
     descs = np.empty((len(base_addrs) * num_blocks, 3), dtype=np.uint64)
     descs[:, 0] = (bases + offsets).reshape(-1)
-    descs[:, 1] = block_bytes
+    descs[:, 1] = block_bytes_per_layer
     descs[:, 2] = device_id
     return descs
 
 
-def desc_indices(block_ids: tuple[int, ...], num_layers: int, num_blocks: int) -> np.ndarray:
-    """Descriptor indices of ``block_ids`` in every layer, layer-major: [L * n] int32."""
+def whole_block_descs(
+    base_addr: int, num_blocks: int, block_bytes: int, device_id: int
+) -> np.ndarray:
+    """[num_blocks, 3] uint64 (addr, len, device): one row per block, all its layers."""
+    return layer_block_descs([base_addr], num_blocks, block_bytes, block_bytes, device_id)
+
+
+def desc_indices(
+    block_ids: tuple[int, ...], num_layers: int, num_blocks: int, whole_blocks: bool
+) -> np.ndarray:
+    """Descriptor indices of ``block_ids``: the ids themselves with whole-block
+    descriptors ([n] int32), else the ids in every layer, layer-major ([L * n] int32)."""
+    ids = np.asarray(block_ids, dtype=np.int64)
+    if whole_blocks:
+        return ids.astype(np.int32)
     layers = np.arange(num_layers, dtype=np.int64)[:, None] * num_blocks
-    return (layers + np.asarray(block_ids, dtype=np.int64)[None, :]).reshape(-1).astype(np.int32)
+    return (layers + ids[None, :]).reshape(-1).astype(np.int32)

@@ -1,4 +1,5 @@
-"""Huge-page-backed host tensors: zeroed, aligned, and on huge pages where THP allows."""
+"""Huge-page-backed host tensors: zeroed, aligned, and on huge pages where THP allows; the
+engine's KV caches as views of one block-major buffer."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.host_memory import HUGE_PAGE_BYTES, huge_page_bytes, zeros_on_huge_pages
+from engine.host_memory import (
+    HUGE_PAGE_BYTES,
+    huge_page_bytes,
+    zeros_for_kv_caches,
+    zeros_on_huge_pages,
+)
+from kv_transfer.layout import KVCaches
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -41,3 +48,18 @@ def test_pages_are_huge_where_the_kernel_allows():
     assert huge_page_bytes(huge) >= 8 * HUGE_PAGE_BYTES
     if "[madvise]" in THP_MODE.read_text():
         assert huge_page_bytes(plain) < huge_page_bytes(huge)
+
+
+def test_kv_caches_are_layer_views_of_one_block_major_buffer():
+    shape = (40, 2, 16, 8, 128)
+    layers = zeros_for_kv_caches(3, shape, torch.float32, torch.device("cpu"))
+    assert [tuple(layer.shape) for layer in layers] == [shape] * 3
+    assert layers[0].data_ptr() % HUGE_PAGE_BYTES == 0 and not any(x.any() for x in layers)
+    block_bytes = layers[0][0].numel() * 4
+    for index, layer in enumerate(layers):  # block b of layer l: b * 3 + l blocks in
+        assert layer.data_ptr() == layers[0].data_ptr() + index * block_bytes
+        assert layer.stride(0) == 3 * layers[0][0].numel() and layer[0].is_contiguous()
+    layers[1][7].fill_(2.0)  # one layer's block: no other layer or block sees it
+    assert layers[1].sum().item() == 2.0 * layers[1][7].numel()
+    assert not layers[0].any() and not layers[2].any()
+    assert KVCaches.from_tensors(layers).block_major

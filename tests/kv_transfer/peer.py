@@ -34,14 +34,25 @@ class Slot:
 
 
 def random_kv_caches(
-    num_layers: int, num_blocks: int, block_shape: list[int], dtype: str, seed: int
+    num_layers: int,
+    num_blocks: int,
+    block_shape: list[int],
+    dtype: str,
+    seed: int,
+    block_major: bool = False,
 ) -> list[torch.Tensor]:
     """Caches of random *bit patterns* (NaNs and infinities included), so that any copy
-    through float arithmetic instead of raw bytes would show."""
+    through float arithmetic instead of raw bytes would show. ``block_major``: the layers
+    are views of one [num_blocks, num_layers, ...] buffer, as the engine allocates them;
+    else each layer is its own tensor."""
     torch_dtype = getattr(torch, dtype)
     bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[torch_dtype.itemsize]
     generator = torch.Generator().manual_seed(seed)
     low, high = -(2 ** (8 * torch_dtype.itemsize - 1)), 2 ** (8 * torch_dtype.itemsize - 1)
+    if block_major:
+        shape = (num_blocks, num_layers, *block_shape)
+        buffer = torch.randint(low, high, shape, dtype=bits, generator=generator)
+        return [buffer[:, layer].view(torch_dtype) for layer in range(num_layers)]
     shape = (num_blocks, *block_shape)
     return [
         torch.randint(low, high, shape, dtype=bits, generator=generator).view(torch_dtype)
@@ -76,6 +87,7 @@ class Peer:
             [2, layout["block_size"], layout["num_kv_heads"], layout["head_dim"]],
             layout["dtype"],
             seed,
+            layout.get("block_major", False),
         )
         connector = create_connector(
             KVTransferConfig(**config), engine_id, self.fetch_peer_metadata

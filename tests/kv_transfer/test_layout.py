@@ -37,6 +37,38 @@ def test_layout_from_caches_and_sizes():
     assert LAYOUT.block_bytes == 2 * LAYOUT.block_bytes_per_layer
 
 
+def block_major_views(num_layers=2, shape=(8, 2, 16, 4, 64), extra_layers=0):
+    buffer = torch.zeros((shape[0], num_layers + extra_layers, *shape[1:]), dtype=torch.bfloat16)
+    return [buffer[:, layer] for layer in range(num_layers)]
+
+
+def test_separate_and_block_major_arrangements():
+    separate = KVCaches.from_tensors(caches())
+    assert not separate.block_major
+    assert separate.block_stride_bytes == LAYOUT.block_bytes_per_layer
+    assert separate.regions() == [
+        (t.data_ptr(), 8 * LAYOUT.block_bytes_per_layer) for t in separate.tensors
+    ]
+    views = block_major_views()
+    kv = KVCaches.from_tensors(views)
+    assert kv.layout == LAYOUT and kv.num_blocks == 8  # peers see the same layout
+    assert kv.block_major and kv.block_stride_bytes == LAYOUT.block_bytes
+    assert kv.regions() == [(views[0].data_ptr(), 8 * LAYOUT.block_bytes)]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        block_major_views()[::-1],  # layers out of order
+        block_major_views(extra_layers=1),  # a gap between blocks
+        block_major_views(shape=(8, 2, 16, 4, 64))[:1] + caches(1),  # half a buffer
+    ],
+)
+def test_strided_caches_that_are_not_block_major_are_refused(bad):
+    with pytest.raises(ValueError, match="views of one contiguous"):
+        KVCaches.from_tensors(bad)
+
+
 @pytest.mark.parametrize(
     "bad",
     [

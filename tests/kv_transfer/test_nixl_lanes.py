@@ -98,3 +98,59 @@ def test_split_fetch_in_one_process_is_exact_and_close_leaves_no_threads():
         exporter.close()
     leftover = {t.name for t in threading.enumerate() if t.is_alive()} - before
     assert not [name for name in leftover if name.startswith("nixl")], leftover
+
+
+def caches(block_major: bool, seed: int, shape=(32, 2, 4, 2, 16), num_layers=3):
+    """Random per-layer caches: views of one block-major buffer, or separate tensors."""
+    generator = torch.Generator().manual_seed(seed)
+    if block_major:
+        buffer = torch.randn((shape[0], num_layers, *shape[1:]), generator=generator)
+        return [buffer[:, layer] for layer in range(num_layers)]
+    return [torch.randn(shape, generator=generator) for _ in range(num_layers)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("exporter_block_major", "fetcher_block_major"),
+    [(True, True), (True, False), (False, True), (False, False)],
+)
+def test_whole_block_descriptors_only_when_both_sides_are_block_major(
+    exporter_block_major, fetcher_block_major
+):
+    """Both block-major: a READ lists one descriptor per block; otherwise one per (layer,
+    block), whatever the mix. Every combination lands the same bytes."""
+    source = caches(exporter_block_major, seed=1)
+    dest = caches(fetcher_block_major, seed=2)
+    before = [layer.clone() for layer in dest]
+    config = KVTransferConfig(timeout_s=10, nixl_read_lanes=2, nixl_lane_min_bytes=0)
+    known: dict[str, bytes] = {}
+    exporter = create_connector(config, "desc-exporter", known.__getitem__)
+    fetcher = create_connector(config, "desc-fetcher", known.__getitem__)
+    posted: list[int] = []
+    try:
+        exporter.register_kv_caches(source)
+        fetcher.register_kv_caches(dest)
+        assert fetcher.kv.block_major == fetcher_block_major
+        known["exporter"] = exporter.metadata()
+        for lane in fetcher._lanes:  # count the descriptors each READ lists
+            prep = lane._agent.make_prepped_xfer
+
+            def counted(op, local_dlist, local_indices, *rest, _prep=prep):
+                posted.append(len(local_indices))
+                return _prep(op, local_dlist, local_indices, *rest)
+
+            lane._agent.make_prepped_xfer = counted
+        remote, local = [5, 9, 2, 30, 17, 18], [0, 1, 2, 3, 31, 4]
+        exporter.export_blocks("t1", remote)
+        fetcher.start_fetch("t1", PeerRef("desc-exporter", "exporter"), remote, local)
+        fetcher.wait("t1", timeout_s=20)
+        per_block = 1 if exporter_block_major and fetcher_block_major else len(source)
+        assert sum(posted) == len(remote) * per_block and len(posted) == 2
+        for layer, (src, dst) in enumerate(zip(source, dest, strict=True)):
+            assert torch.equal(dst[local], src[remote]), layer
+            untouched = [b for b in range(32) if b not in local]
+            assert torch.equal(dst[untouched], before[layer][untouched]), layer
+        assert fetcher.num_active_fetches == 0
+    finally:
+        fetcher.close()
+        exporter.close()

@@ -24,18 +24,41 @@ def peers():
     fetcher.close()
 
 
+# How each side's caches are arranged (exporter, fetcher): the engine's block-major views of
+# one buffer, or a tensor per layer (layout.py). Only NIXL addresses the memory itself, so
+# it alone also runs the mixed pairs.
+ARRANGEMENTS = {
+    "block_major": (True, True),
+    "separate": (False, False),
+    "exporter_block_major": (True, False),
+    "fetcher_block_major": (False, True),
+}
+CASES = [(connector, "block_major") for connector in CONNECTORS] + [
+    (connector, "separate") for connector in CONNECTORS
+]
+CASES += [("nixl", "exporter_block_major"), ("nixl_split", "fetcher_block_major")]
+
+
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("connector", CONNECTORS)
-def test_concurrent_random_subsets_arrive_bit_exact(peers, connector, tmp_path):
-    link = open_link(*peers, connector, tmp_path)
-    rng = random.Random(f"subsets-{connector}")
+@pytest.mark.parametrize(("connector", "arrangement"), CASES)
+def test_concurrent_random_subsets_arrive_bit_exact(peers, connector, arrangement, tmp_path):
+    exporter_block_major, fetcher_block_major = ARRANGEMENTS[arrangement]
+    link = open_link(
+        *peers,
+        connector,
+        tmp_path,
+        layout={**SMALL_LAYOUT, "block_major": fetcher_block_major},
+        exporter_layout={**SMALL_LAYOUT, "block_major": exporter_block_major},
+    )
+    rng = random.Random(f"subsets-{connector}-{arrangement}")
     free_local = rng.sample(range(NUM_BLOCKS), NUM_BLOCKS)
     transfers = {}
     for i in range(5):
         n = 0 if i == 0 else rng.randint(1, 10)  # an empty transfer too: all blocks cached
         remote = rng.sample(range(NUM_BLOCKS), n)
         local = [free_local.pop() for _ in range(n)]
-        transfers[f"t{i}-{connector}"] = (remote, local, random_hashes(n, BLOCK_SIZE, rng))
+        hashes = random_hashes(n, BLOCK_SIZE, rng)
+        transfers[f"t{i}-{connector}-{arrangement}"] = (remote, local, hashes)
     untouched = sorted(free_local)
     untouched_before = link.dest_digests(untouched)
 
