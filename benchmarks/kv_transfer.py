@@ -243,7 +243,7 @@ def run_role(args: argparse.Namespace) -> None:
 
 def pick_blocks(rng: random.Random, order: str, num_blocks: int, capacity: int) -> list[int]:
     """Block ids as a paged cache might hand them out: scattered, or one contiguous run
-    (which NIXL merges into one descriptor per layer)."""
+    (which NIXL merges into one region: one per layer with a tensor per layer)."""
     if order == "random":
         return rng.sample(range(capacity), num_blocks)
     start = rng.randrange(capacity - num_blocks + 1)

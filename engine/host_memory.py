@@ -59,10 +59,11 @@ def zeros_for_kv_caches(
 
     Why block-major: every layer of a block sits in one run of memory, so a transport that
     reads a peer's memory directly moves one region per block, not one per (layer, block)
-    (NIXL: 8x fewer descriptors on an 8-layer model, +15% at 16 MB on the CI host,
-    ``benchmarks/results/kv_transfer_cpu.md``). Attention and the block copies address a
-    block through the layer's strides, so nothing else changes. On the CPU the buffer sits
-    on huge pages (peers read it faster); elsewhere it is an ordinary allocation.
+    (NIXL: 8x fewer descriptors on an 8-layer model, +15-25% for scattered blocks at
+    16-256 MB on the CI host, ``benchmarks/results/kv_transfer_cpu.md``). Attention and
+    the block copies address a block through the layer's strides, so nothing else
+    changes. On the CPU the buffer sits on huge pages (peers read it faster); elsewhere it
+    is an ordinary allocation.
     """
     num_blocks, *block_shape = shape
     buffer_shape = (num_blocks, num_layers, *block_shape)

@@ -59,7 +59,7 @@ from kv_transfer.errors import (
 )
 from kv_transfer.handshake import MetadataFetcher, decode_transport, fetch_peer_metadata
 from kv_transfer.layout import KVCaches
-from kv_transfer.nixl_lane import NixlLane, PartOutcome, ReadPart
+from kv_transfer.nixl_lane import LanePeer, NixlLane, PartOutcome, ReadPart
 from kv_transfer.nixl_protocol import (
     NixlPayload,
     Notif,
@@ -334,8 +334,9 @@ class NixlConnector(KVConnector):
             for record in waiting:
                 self._fetches.fail(record.transfer_id, HandshakeError(f"loading peer: {exc}"))
             return
+        lane_peer = LanePeer(payload.agent_metadata, descs, payload.mem_type, whole)
         for lane in self._lanes:
-            lane.add_peer(peer_id, payload.agent_metadata, descs, payload.mem_type, whole)
+            lane.add_peer(peer_id, lane_peer)
         self._peers[peer_id] = _RemotePeer(agent_name, num_blocks, whole)
         for record in waiting:
             self._post(record, peer_id)

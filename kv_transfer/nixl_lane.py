@@ -58,6 +58,18 @@ class PartOutcome:
 PartReport = Callable[[PartOutcome], None]
 
 
+@dataclass(frozen=True, slots=True)
+class LanePeer:
+    """What a lane needs to read from a peer."""
+
+    agent_metadata: bytes
+    descs: np.ndarray  # the peer's descriptor table (``nixl_protocol``)
+    mem_type: str
+    whole_blocks: (
+        bool  # ``descs`` per whole block (both sides block-major), else per (layer, block)
+    )
+
+
 @dataclass(slots=True)
 class _Flight:
     part: ReadPart
@@ -113,17 +125,8 @@ class NixlLane:
 
     # -- commands (any thread) -----------------------------------------------------------
 
-    def add_peer(
-        self,
-        peer_id: str,
-        agent_metadata: bytes,
-        descs: np.ndarray,
-        mem_type: str,
-        whole_blocks: bool,
-    ) -> None:
-        """``descs``: the peer's table, per whole block if ``whole_blocks`` (both sides
-        block-major), else per (layer, block)."""
-        self._commands.put(("add", peer_id, agent_metadata, descs, mem_type, whole_blocks))
+    def add_peer(self, peer_id: str, peer: LanePeer) -> None:
+        self._commands.put(("add", peer_id, peer))
 
     def drop_peer(self, peer_id: str) -> None:
         self._commands.put(("drop", peer_id))
@@ -177,7 +180,7 @@ class NixlLane:
             if kind == "read":
                 self._post(command[1])
             elif kind == "add":
-                self._add(*command[1:])
+                self._add(command[1], command[2])
             elif kind == "drop":
                 self._drop(command[1])
             command = self._next_command(0.0)
@@ -192,20 +195,13 @@ class NixlLane:
         except queue.Empty:
             return None
 
-    def _add(
-        self,
-        peer_id: str,
-        agent_metadata: bytes,
-        descs: np.ndarray,
-        mem_type: str,
-        whole_blocks: bool,
-    ) -> None:
+    def _add(self, peer_id: str, peer: LanePeer) -> None:
         if peer_id in self._peers:
             return
         try:
-            agent_name = self._agent.add_remote_agent(agent_metadata)
-            dlist = self._agent.prep_xfer_dlist(agent_name, descs, mem_type)
-            self._peers[peer_id] = (agent_name, dlist, whole_blocks)
+            agent_name = self._agent.add_remote_agent(peer.agent_metadata)
+            dlist = self._agent.prep_xfer_dlist(agent_name, peer.descs, peer.mem_type)
+            self._peers[peer_id] = (agent_name, dlist, peer.whole_blocks)
         except Exception as exc:  # its parts fail as "not loaded"; the connector forgets it
             logger.warning("%s: loading peer %s failed: %s", self.name, peer_id, exc)
 
