@@ -69,6 +69,9 @@ def decode_peer_metadata(
             f"endpoint answered for engine {metadata.engine_id!r}, expected {engine_id!r}"
         )
     local_layout.check_compatible(metadata.layout)
+    # Descriptor indices are int32 (NIXL); anything larger is no real cache.
+    if not 0 <= metadata.num_blocks * max(1, metadata.layout.num_layers) < 2**31:
+        raise HandshakeError(f"peer claims {metadata.num_blocks} blocks: out of range")
     return metadata
 
 

@@ -24,7 +24,7 @@ from kv_transfer.base import KVConnector
 from kv_transfer.config import ConnectorName, KVTransferConfig
 from kv_transfer.handshake import MetadataFetcher, fetch_peer_metadata
 from kv_transfer.layout import KVCaches
-from kv_transfer.nccl_export import ExportServer, ExportSettings
+from kv_transfer.nccl_export import MAX_CONTROL_MESSAGE_BYTES, ExportServer, ExportSettings
 from kv_transfer.nccl_fetch import FetchSettings, PeerFetcher
 from kv_transfer.nccl_protocol import NcclPayload, backend_for
 from kv_transfer.records import ExportRecord, FetchRecord
@@ -62,6 +62,7 @@ class NcclConnector(KVConnector):
         )
         router = self._context.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE_BYTES)
         if config.port:
             router.bind(f"tcp://{config.host}:{config.port}")
             self._control_port = config.port
@@ -116,6 +117,9 @@ class NcclConnector(KVConnector):
         if self._server is not None:
             self._server.stop()
             self._server.join()
+            # The TCPStore server listens until its last reference goes: let it go now.
+            self._server = None
+            del self._store
         for fetcher in fetchers:
             fetcher.join(timeout=self.config.timeout_s)
         if all(not fetcher.is_alive() for fetcher in fetchers):

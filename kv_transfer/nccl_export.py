@@ -48,6 +48,11 @@ from kv_transfer.tracker import ExportTracker
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 50  # control loop wake-up, bounds the close() latency
+# Fetcher processes connected at once. One per decode worker in practice; the bound keeps a
+# misbehaving peer from starting sender threads without end.
+MAX_PAIRS = 256
+# Control messages list block ids: a few bytes each. Larger frames are dropped by ZMQ.
+MAX_CONTROL_MESSAGE_BYTES = 16 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,8 +158,13 @@ class ExportServer(threading.Thread):
         try:
             while not self._stopping.is_set():
                 if self._router.poll(_POLL_MS):
-                    identity, payload = self._router.recv_multipart()
-                    self._handle(identity, payload)
+                    frames = self._router.recv_multipart()
+                    try:  # one bad message, or one failed reply, must not end the loop
+                        if len(frames) != 2:
+                            raise ValueError(f"{len(frames) - 1} payload frames, expected 1")
+                        self._handle(frames[0], frames[1])
+                    except Exception:
+                        logger.exception("dropping a control message")
                 self._reap()
         finally:
             for pair in self._pairs.values():
@@ -183,6 +193,11 @@ class ExportServer(threading.Thread):
         if message.layout != self._kv.layout:
             reason = f"layout mismatch: ours {self._kv.layout}, theirs {message.layout}"
             return Rejected(message.pair_id, reason, layout_mismatch=True)
+        old = self._pairs.pop(message.pair_id, None)
+        if old is not None:  # the fetcher reconnects: its old sender stops
+            old.submit(None)
+        if len(self._pairs) >= MAX_PAIRS:
+            return Rejected(message.pair_id, f"too many fetchers connected ({MAX_PAIRS})")
         pair = PairSender(message.pair_id, self._store, self._kv, self._exports, self._settings)
         self._pairs[message.pair_id] = pair
         pair.start()
@@ -195,8 +210,9 @@ class ExportServer(threading.Thread):
         export = self._exports.get(message.transfer_id)
         if export is None:
             return Rejected(message.transfer_id, "no such export (unknown or released lease)")
-        if not set(message.block_ids) <= set(export.block_ids):
-            return Rejected(message.transfer_id, "asked for blocks outside the export")
+        requested = set(message.block_ids)
+        if len(requested) != len(message.block_ids) or not requested <= set(export.block_ids):
+            return Rejected(message.transfer_id, "asked for repeated blocks or ones outside it")
         if not 1 <= message.layers_per_group <= self._kv.layout.num_layers:
             return Rejected(message.transfer_id, "bad layers_per_group")
         pair.submit(message)

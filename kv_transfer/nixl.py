@@ -192,22 +192,22 @@ class NixlConnector(KVConnector):
             [(addr, size, self._device_id) for addr, size in kv.regions()], dtype=np.uint64
         )
         self._registration = self._agent.register_memory(regions, self._mem_type)
-        layer_descs = layer_block_descs(
-            self._base_addrs,
-            kv.num_blocks,
-            block_bytes_per_layer,
-            kv.block_stride_bytes,
-            self._device_id,
-        )
-        whole_descs = None
-        if self._block_major:
-            whole_descs = whole_block_descs(
-                self._base_addrs[0], kv.num_blocks, kv.layout.block_bytes, self._device_id
+        try:  # leave nothing registered or running behind
+            layer_descs = layer_block_descs(
+                self._base_addrs,
+                kv.num_blocks,
+                block_bytes_per_layer,
+                kv.block_stride_bytes,
+                self._device_id,
             )
-        # Static after registration; cached so that no other thread touches the agent.
-        self._agent_metadata = self._agent.get_agent_metadata()
-        num_lanes = read_lane_count(self.config, self._mem_type)
-        try:
+            whole_descs = None
+            if self._block_major:
+                whole_descs = whole_block_descs(
+                    self._base_addrs[0], kv.num_blocks, kv.layout.block_bytes, self._device_id
+                )
+            # Static after registration; cached so that no other thread touches the agent.
+            self._agent_metadata = self._agent.get_agent_metadata()
+            num_lanes = read_lane_count(self.config, self._mem_type)
             for index, cpu in enumerate(lane_cpus(self.config, num_lanes, self._mem_type)):
                 lane = NixlLane(
                     f"{self.engine_id}/read{index}",
@@ -220,7 +220,7 @@ class NixlConnector(KVConnector):
                     cpu,
                 )
                 self._lanes.append(lane)
-        except BaseException:  # leave nothing registered or running behind
+        except BaseException:
             for lane in self._lanes:
                 lane.close()
             self._lanes.clear()
@@ -230,12 +230,13 @@ class NixlConnector(KVConnector):
 
     def _transport_metadata(self) -> bytes:
         return msgspec.msgpack.encode(
-            NixlPayload(
-                agent_metadata=self._agent_metadata,
-                mem_type=self._mem_type,
-                device_id=self._device_id,
-                base_addrs=self._base_addrs,
-                block_stride=self.kv.block_stride_bytes,
+            NixlPayload.for_caches(
+                self._agent_metadata,
+                self._mem_type,
+                self._device_id,
+                self._base_addrs,
+                self.kv.block_stride_bytes,
+                self.layout.block_bytes_per_layer,
             )
         )
 
@@ -253,9 +254,10 @@ class NixlConnector(KVConnector):
                 self._fetch_peer_metadata, peer, connector=self.name, local_layout=self.layout
             )
             payload = decode_transport(metadata.transport, NixlPayload)
-            if len(payload.base_addrs) != metadata.layout.num_layers:
+            addrs, stride = payload.layer_addressing(metadata.layout.block_bytes_per_layer)
+            if len(addrs) != metadata.layout.num_layers:
                 raise HandshakeError("peer metadata lists the wrong number of layers")
-            if 0 < payload.block_stride < metadata.layout.block_bytes_per_layer:
+            if stride < metadata.layout.block_bytes_per_layer:
                 raise HandshakeError("peer metadata has blocks that overlap (block_stride)")
             result: object = (metadata.num_blocks, payload)
         except KVTransferError as exc:
@@ -312,23 +314,17 @@ class NixlConnector(KVConnector):
             return
         num_blocks, payload = result
         layout = self.layout
-        stride = payload.block_stride or layout.block_bytes_per_layer
-        whole = self._block_major and is_block_major(
-            payload.base_addrs, stride, layout.block_bytes_per_layer
-        )
+        addrs, stride = payload.layer_addressing(layout.block_bytes_per_layer)
+        whole = self._block_major and is_block_major(addrs, stride, layout.block_bytes_per_layer)
         try:
             agent_name = self._notifier.add_remote_agent(payload.agent_metadata)
             if whole:
                 descs = whole_block_descs(
-                    payload.base_addrs[0], num_blocks, layout.block_bytes, payload.device_id
+                    addrs[0], num_blocks, layout.block_bytes, payload.device_id
                 )
             else:
                 descs = layer_block_descs(
-                    payload.base_addrs,
-                    num_blocks,
-                    layout.block_bytes_per_layer,
-                    stride,
-                    payload.device_id,
+                    addrs, num_blocks, layout.block_bytes_per_layer, stride, payload.device_id
                 )
         except Exception as exc:
             for record in waiting:
@@ -447,3 +443,7 @@ class NixlConnector(KVConnector):
             self._drop_peer(peer_id)
         if self._kv is not None:
             self._agent.deregister_memory(self._registration)
+        # Free the agents (and their UCX listeners) now, not whenever the connector is
+        # garbage-collected.
+        self._lanes.clear()
+        del self._agent, self._notifier

@@ -101,13 +101,18 @@ class NixlLane:
         self.name = name
         self._agent = nixl_agent(name, agent_config)
         self._registration = self._agent.register_memory(regions, mem_type)
-        self._local_dlists = {
-            False: self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", layer_descs, mem_type)
-        }
-        if whole_descs is not None:
-            self._local_dlists[True] = self._agent.prep_xfer_dlist(
-                "NIXL_INIT_AGENT", whole_descs, mem_type
-            )
+        self._local_dlists: dict[bool, object] = {}  # whole_blocks -> prepped local list
+        try:
+            for whole, descs in ((False, layer_descs), (True, whole_descs)):
+                if descs is not None:
+                    self._local_dlists[whole] = self._agent.prep_xfer_dlist(
+                        "NIXL_INIT_AGENT", descs, mem_type
+                    )
+        except BaseException:  # no thread yet: undo the registration here
+            for dlist in self._local_dlists.values():
+                dlist.release()
+            self._agent.deregister_memory(self._registration)
+            raise
         self._on_done = on_done
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -158,6 +163,7 @@ class NixlLane:
         for dlist in self._local_dlists.values():
             dlist.release()
         self._agent.deregister_memory(self._registration)
+        del self._agent  # its UCX worker and listener go now, not at garbage collection
 
     # -- lane thread ---------------------------------------------------------------------
 

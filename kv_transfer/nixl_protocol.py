@@ -27,10 +27,41 @@ class NixlPayload(msgspec.Struct, frozen=True, kw_only=True):
     agent_metadata: bytes
     mem_type: str  # "DRAM" or "VRAM"
     device_id: int
-    base_addrs: list[int]  # per layer: where its block 0 starts
-    # Bytes from one block of a layer to the next; 0 from peers that predate block-major
-    # caches, whose layers were each contiguous (the stride was one layer's block).
+    # Per layer, where its block 0 starts, when the layers are each contiguous (a block
+    # stride of one layer's block). Empty when they are not: peers that predate
+    # ``block_stride`` read only this field and would address strided layers wrongly, so
+    # an empty list makes them refuse the handshake ("wrong number of layers").
+    base_addrs: list[int]
+    # Per layer, where its block 0 starts, in any arrangement, and the bytes from one block
+    # of a layer to the next (``layout.py``). Absent from older peers (stride 0).
+    layer_addrs: list[int] = []
     block_stride: int = 0
+
+    def layer_addressing(self, block_bytes_per_layer: int) -> tuple[list[int], int]:
+        """(per-layer base addresses, block stride), from whichever fields the peer sent."""
+        if self.block_stride:
+            return self.layer_addrs, self.block_stride
+        return self.base_addrs, block_bytes_per_layer
+
+    @classmethod
+    def for_caches(
+        cls,
+        agent_metadata: bytes,
+        mem_type: str,
+        device_id: int,
+        layer_addrs: list[int],
+        block_stride: int,
+        block_bytes_per_layer: int,
+    ) -> NixlPayload:
+        contiguous_layers = block_stride == block_bytes_per_layer
+        return cls(
+            agent_metadata=agent_metadata,
+            mem_type=mem_type,
+            device_id=device_id,
+            base_addrs=layer_addrs if contiguous_layers else [],
+            layer_addrs=layer_addrs,
+            block_stride=block_stride,
+        )
 
 
 class Notif(msgspec.Struct, frozen=True, array_like=True):

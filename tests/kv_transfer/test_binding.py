@@ -45,7 +45,7 @@ def is_loopback(hex_address: str) -> bool:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("connector", ["nixl", "nccl"])
-def test_listeners_stay_on_loopback(connector):
+def test_listeners_stay_on_loopback_and_close_with_the_connector(connector):
     before = listening_addresses()
     metadata: dict[str, bytes] = {}
     config = KVTransferConfig(connector=connector, timeout_s=10)
@@ -68,3 +68,7 @@ def test_listeners_stay_on_loopback(connector):
     finally:
         exporter.close()
         fetcher.close()
+    # close() frees its listeners itself, not whenever the objects are garbage-collected.
+    left = {k: v for k, v in listening_addresses().items() if k not in before}
+    assert not left, f"still listening after close: {left}"
+    assert exporter and fetcher  # still alive here

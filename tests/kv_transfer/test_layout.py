@@ -119,6 +119,8 @@ def test_envelope_round_trip():
         (envelope(connector="nccl"), HandshakeError),
         (envelope(engine_id="prefill-1"), HandshakeError),  # a stale endpoint
         (envelope(layout=msgspec.structs.replace(LAYOUT, num_kv_heads=8)), LayoutMismatchError),
+        (envelope(num_blocks=-1), HandshakeError),
+        (envelope(num_blocks=2**30), HandshakeError),  # x 2 layers: past int32 descriptors
     ],
 )
 def test_bad_envelopes_are_refused(data, error):

@@ -1,0 +1,48 @@
+"""The NCCL exporter's control loop survives what a peer may send it."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+import torch
+import zmq
+
+from kv_transfer import KVTransferConfig, PeerRef, create_connector
+from kv_transfer.handshake import PeerMetadata
+from kv_transfer.nccl_protocol import NcclPayload
+
+SHAPE = (8, 2, 4, 2, 16)
+
+
+@pytest.mark.timeout(60)
+def test_malformed_control_messages_are_dropped_and_the_exporter_still_serves():
+    config = KVTransferConfig(connector="nccl", timeout_s=10)
+    known: dict[str, bytes] = {}
+    exporter = create_connector(config, "ctl-exporter", known.__getitem__)
+    fetcher = create_connector(config, "ctl-fetcher", known.__getitem__)
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    try:
+        source = [torch.randn(SHAPE) for _ in range(2)]
+        dest = [torch.zeros(SHAPE) for _ in range(2)]
+        exporter.register_kv_caches(source)
+        fetcher.register_kv_caches(dest)
+        known["exporter"] = exporter.metadata()
+        envelope = msgspec.msgpack.decode(known["exporter"], type=PeerMetadata)
+        port = msgspec.msgpack.decode(envelope.transport, type=NcclPayload).control_port
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send_multipart([b"two", b"frames"])  # the ROUTER sees three
+        sock.send(b"\xc1 not msgpack")
+        sock.send(msgspec.msgpack.encode({"type": "nonsense"}))
+
+        exporter.export_blocks("t1", [1, 2, 5])
+        fetcher.start_fetch("t1", PeerRef("ctl-exporter", "exporter"), [1, 2, 5], [3, 4, 0])
+        fetcher.wait("t1", timeout_s=30)
+        for src, dst in zip(source, dest, strict=True):
+            assert torch.equal(dst[[3, 4, 0]], src[[1, 2, 5]])
+        assert fetcher.num_active_fetches == 0
+    finally:
+        sock.close(0)
+        context.term()
+        fetcher.close()
+        exporter.close()
