@@ -116,7 +116,10 @@ class CpuTier:
         slot_ids = torch.tensor(slots, dtype=torch.long)
         for device_cache, cpu_cache in zip(self.device_caches, self.cpu_caches, strict=True):
             staging = reference.gather_blocks(device_cache, device_ids)  # [n, 2, bs, H, D]
-            cpu_cache.index_copy_(0, slot_ids, staging.to("cpu", non_blocking=True))
+            # Blocking: index_copy_ runs on the host at once, so an asynchronous copy from
+            # a GPU could still be in flight when it reads. Costs little: the engine read
+            # the last step's tokens back before scheduling, so the GPU is idle here.
+            cpu_cache.index_copy_(0, slot_ids, staging.to("cpu"))
         for block_hash, slot in zip(stored, slots, strict=True):
             self._slots[block_hash] = slot
         self.stats.offloaded_blocks += len(stored)
