@@ -58,6 +58,7 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         salt = request.cache_salt if request.HasField("cache_salt") else None
         remote_kv = self._remote_kv(request)
         self.num_active += 1
+        first = True
         try:
             async for output in async_engine.generate(
                 request.request_id,
@@ -74,9 +75,11 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 if completion.logprobs and output.new_token_ids:
                     new = completion.logprobs[-len(output.new_token_ids) :]
                     reply.logprobs.extend(logprobs_to_proto(lp) for lp in new)
+                if output.finished or first:  # the first reply says what was cached
+                    reply.usage.CopyFrom(usage_to_proto(output))
+                    first = False
                 if output.finished:
                     reply.finish_reason = completion.finish_reason or ""
-                    reply.usage.CopyFrom(usage_to_proto(output))
                     reply.timings.CopyFrom(timings_to_proto(output.times))
                     reply.num_blocks_pulled = output.num_remote_blocks_pulled
                     self.num_blocks_pulled += output.num_remote_blocks_pulled

@@ -32,6 +32,7 @@ class Choice:
     logprobs: list[pb.TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     usage: pb.Usage | None = None
+    cached_tokens: int = 0  # prompt tokens the worker reused, as soon as it says
 
 
 @dataclass(slots=True)
@@ -73,7 +74,8 @@ def build_choices(
             if not params.HasField("max_tokens"):
                 params.max_tokens = max_model_len - len(prompt)
             if params.HasField("seed") and sample:
-                params.seed = params.seed + sample  # n seeded samples differ, reproducibly
+                # n seeded samples differ, reproducibly; wrapped to stay an int64
+                params.seed = (params.seed + sample + 2**63) % 2**64 - 2**63
             index = prompt_index * n + sample
             choices.append(
                 Choice(
@@ -102,6 +104,8 @@ async def run_choice(
                 else:
                     metrics.itl.observe((now - last) / len(delta.token_ids))
                 last = now
+            if delta.cached_tokens is not None:
+                choice.cached_tokens = delta.cached_tokens
             choice.token_ids.extend(delta.token_ids)
             choice.logprobs.extend(delta.logprobs)
             detok = choice.detokenizer
@@ -112,9 +116,10 @@ async def run_choice(
             if finish:
                 text += detok.finish()
                 choice.finish_reason = finish
-                choice.usage = delta.usage or pb.Usage(
+                choice.usage = delta.usage or pb.Usage(  # a stop string ended it here
                     prompt_tokens=len(choice.request.prompt_token_ids),
                     completion_tokens=len(choice.token_ids),
+                    cached_tokens=choice.cached_tokens,
                 )
                 yield ChoiceEvent(choice, text, delta.token_ids, delta.logprobs, finish)
                 return

@@ -60,6 +60,7 @@ class TokenDelta:
     logprobs: list[pb.TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     usage: pb.Usage | None = None
+    cached_tokens: int | None = None  # known before the end: on a choice's first delta
 
 
 def _pooled_rate(loads: list[WorkerLoad]) -> list[WorkerLoad]:
@@ -241,6 +242,10 @@ class Dispatcher:
                     worker.kv_blocks_in_use += grown
                     blocks += grown
                     delta = TokenDelta(list(chunk.token_ids), list(chunk.logprobs))
+                    if first is not None:  # the prompt was computed (or reused) there
+                        delta.cached_tokens = first.num_cached_tokens
+                    elif chunk.HasField("usage"):
+                        delta.cached_tokens = chunk.usage.cached_tokens
                     if chunk.finish_reason:
                         delta.finish_reason = chunk.finish_reason
                         delta.usage = chunk.usage

@@ -13,6 +13,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_N = 128
 MAX_LOGPROBS = 20
+# The gRPC fields these values travel in (proto/pdserve.proto): bounds checked here give a
+# 400 naming the field instead of a 500 from protobuf.
+UINT32_MAX = 2**32 - 1
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 class StreamOptions(BaseModel):
@@ -26,15 +31,15 @@ class _SamplingFields(BaseModel):
     model: str
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
+    min_tokens: int = Field(default=0, ge=0, le=UINT32_MAX)
     user: str | None = None
     # Extensions (vLLM's names): per-tenant prefix-cache isolation, and the generated token
     # ids next to the text of each choice.
@@ -55,8 +60,8 @@ class _SamplingFields(BaseModel):
     @field_validator("stop_token_ids")
     @classmethod
     def _stop_ids(cls, value: list[int] | None) -> list[int] | None:
-        if value and any(t < 0 for t in value):
-            raise ValueError("token ids must be >= 0")
+        if value and any(not 0 <= t <= UINT32_MAX for t in value):
+            raise ValueError(f"token ids must be in [0, {UINT32_MAX}]")
         return value
 
     @model_validator(mode="after")
@@ -83,7 +88,7 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=1, le=UINT32_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
@@ -129,8 +134,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True

@@ -48,7 +48,12 @@ class RouterState:
         index = PrefixIndex()
         lock = threading.Lock()
         events = EventListener(index, lock)
-        pool = _Pool(create_registry(config), events, config.router.refresh_interval_s)
+        pool = _Pool(
+            create_registry(config),
+            events,
+            config.router.refresh_interval_s,
+            config.router.request_timeout_s,
+        )
         metrics = RouterMetrics(model.served_name)
         decode_engine = config.engine_for(Role.DECODE)
         policy = PlacementPolicy(config.router, model.block_size, decode_engine.max_num_seqs)

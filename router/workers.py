@@ -66,12 +66,20 @@ class WorkerState:
 
 
 class WorkerPool:
-    def __init__(self, registry: Registry, events: EventListener, refresh_s: float) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        events: EventListener,
+        refresh_s: float,
+        request_timeout_s: float,
+    ) -> None:
         self.registry = registry
         self.events = events
         self.refresh_s = refresh_s
+        self.request_timeout_s = request_timeout_s
         self.workers: dict[str, WorkerState] = {}
         self._task: asyncio.Task | None = None
+        self._retiring: set[asyncio.Task] = set()  # channels closing with a grace period
 
     async def start(self) -> None:
         await self.refresh()
@@ -84,6 +92,10 @@ class WorkerPool:
                 await self._task
         for state in self.workers.values():
             await state.channel.close()
+        for task in list(self._retiring):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     def candidates(self, role: Role) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.info.role is role and w.available]
@@ -112,18 +124,27 @@ class WorkerPool:
                 state = self.workers.pop(worker_id)
                 self.events.remove(worker_id)
                 logger.info("worker %s left", worker_id)
-                await state.channel.close()
+                self._retire(state)
         for worker_id, info in current.items():
             state = self.workers.get(worker_id)
             if state is None or (state.info.engine_id != info.engine_id and info.engine_id):
                 if state is not None:  # restarted: its cache is new
-                    await state.channel.close()
+                    self._retire(state)
                 self.workers[worker_id] = self._connect(info)
                 self.events.add(info)
                 logger.info("worker %s joined (%s)", worker_id, info.role)
             else:
                 state.info = info
         await asyncio.gather(*(self._probe(state) for state in self.workers.values()))
+
+    def _retire(self, state: WorkerState) -> None:
+        """No new calls go to ``state``; the ones in flight may finish. A worker can leave
+        the registry while it still serves (its entry expired, say, or Redis lost its
+        keys): closing the channel at once would cut those streams short. So the channel
+        closes with a grace period as long as a request may last."""
+        task = asyncio.create_task(state.channel.close(grace=self.request_timeout_s))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
 
     def _connect(self, info: WorkerInfo) -> WorkerState:
         channel = grpc.aio.insecure_channel(info.grpc_address, options=_CHANNEL_OPTIONS)

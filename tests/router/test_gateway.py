@@ -155,6 +155,8 @@ def test_stop_strings(client):
         text = "".join(c.choices[0].text for c in chunks if c.choices)
         reason = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
         assert text == expected and reason == "stop"
+        if not stream:  # ended by the router, yet the usage still counts the cached prefix
+            assert reply.usage.prompt_tokens_details.cached_tokens > 0, reply.usage
 
 
 def test_seeds_and_n(client):
@@ -199,6 +201,15 @@ def test_error_codes(stack, client):
     assert long.value.code == "context_length_exceeded"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-17", prompt="x")
+    # Values past what the gRPC fields hold: a 400 naming the field, not a 500.
+    for param, value in [("max_tokens", 2**40), ("min_tokens", 2**40), ("top_k", 2**40),
+                         ("seed", 2**63), ("stop_token_ids", [2**40])]:  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as huge:
+            client.completions.create(model=MODEL, prompt="x", extra_body={param: value})
+        assert huge.value.body["param"] == param, huge.value.body
+    reply = client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=2,
+                                      seed=2**63 - 1, temperature=1.0)  # fmt: skip
+    assert len(reply.choices) == 2  # the second sample's seed wraps instead of overflowing
     with pytest.raises(openai.BadRequestError, match="chat templates"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                        extra_body={"chat_template": "{{ 1 }}"})  # fmt: skip

@@ -1,0 +1,77 @@
+"""The router's worker pool: a worker that leaves the registry gets no new requests, but
+the streams already on it run to their end."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2_grpc
+
+from common.config import Role
+from common.registry import RedisRegistry, WorkerInfo
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from router.events import EventListener
+from router.prefix_index import PrefixIndex
+from router.workers import WorkerPool
+from tests.common.redis_server import redis_server
+
+NUM_CHUNKS = 6
+
+
+class SlowDecode(pb_grpc.DecodeServiceServicer):
+    async def Generate(self, request, context):
+        for token in range(NUM_CHUNKS):
+            await asyncio.sleep(0.05)
+            yield pb.GenerateResponse(token_ids=[token])
+
+    async def Stats(self, request, context):
+        return pb.StatsResponse()
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_leaving_the_registry_finishes_its_streams(tmp_path):
+    """Say its Redis entry expired (a stalled heartbeat) or Redis lost its keys."""
+
+    async def scenario(registry: RedisRegistry) -> list[int]:
+        server = grpc.aio.server()
+        pb_grpc.add_DecodeServiceServicer_to_server(SlowDecode(), server)
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        info = WorkerInfo(
+            worker_id=f"decode@127.0.0.1:{port}",
+            role=Role.DECODE,
+            grpc_address=f"127.0.0.1:{port}",
+            events_endpoint="tcp://127.0.0.1:1",
+            replay_endpoint="tcp://127.0.0.1:2",
+        )
+        registry.register(info)
+        pool = WorkerPool(registry, EventListener(PrefixIndex(), threading.Lock()), 60.0, 30.0)
+        try:
+            await pool.refresh()
+            state = pool.get(info.worker_id)
+            assert state is not None and state.healthy
+            call = state.decode.Generate(pb.GenerateRequest(request_id="r1"))
+            tokens = []
+            async for chunk in call:
+                tokens.extend(chunk.token_ids)
+                if len(tokens) == 2:  # mid-stream, the worker's registry entry goes
+                    registry.deregister(info.worker_id)
+                    await pool.refresh()
+                    assert pool.get(info.worker_id) is None
+                    assert pool.candidates(Role.DECODE) == []
+            return tokens
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    with redis_server(tmp_path) as url:
+        registry = RedisRegistry(url, ttl_s=30.0)
+        try:
+            assert asyncio.run(scenario(registry)) == list(range(NUM_CHUNKS))
+        finally:
+            registry.close()
