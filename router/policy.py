@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common.config import RouterConfig
+from common.config import Role, RouterConfig
 from router.prefix_index import PrefixMatch
 
 
@@ -62,7 +62,10 @@ class PlacementPolicy:
         self.config = config
         self.block_size = block_size
         self.max_running = max(max_running, 1)
-        self._turn = 0  # rotates the tie-break between equally good workers
+        # Rotates the tie-break between equally good workers; one turn per role, since a
+        # shared one stepped twice per disaggregated placement and with two tied workers
+        # per role always landed on the same pair.
+        self._turns = {Role.PREFILL: 0, Role.DECODE: 0}
 
     def cached_tokens(self, match: PrefixMatch, num_tokens: int) -> float:
         """Prefill work a worker saves, in tokens (CPU hits at their credit)."""
@@ -84,11 +87,11 @@ class PlacementPolicy:
         wasted = self.config.prefill_recompute_penalty * (best_cached - cached)
         return (load.queued_prefill_tokens + num_tokens - cached + wasted) / rate
 
-    def _pick(self, scores: list[tuple[float, str]]) -> tuple[float, str]:
+    def _pick(self, scores: list[tuple[float, str]], role: Role) -> tuple[float, str]:
         best = min(score for score, _ in scores)
         ties = [item for item in scores if item[0] <= best + 1e-9]
-        self._turn += 1
-        return ties[self._turn % len(ties)]
+        self._turns[role] += 1
+        return ties[self._turns[role] % len(ties)]
 
     def place(
         self,
@@ -106,7 +109,7 @@ class PlacementPolicy:
             (self.decode_score(w, decode_cached[w.worker_id], num_tokens), w.worker_id)
             for w in decode
         ]
-        _, decode_id = self._pick(decode_scores)
+        _, decode_id = self._pick(decode_scores, Role.DECODE)
         on_decode = decode_cached[decode_id]
         if not prefill or num_tokens - on_decode < self.config.min_disagg_tokens:
             return Placement(decode_id, None, int(on_decode), 0, 0.0)
@@ -116,7 +119,7 @@ class PlacementPolicy:
             (self.prefill_cost(w, prefill_cached[w.worker_id], num_tokens, best), w.worker_id)
             for w in prefill
         ]
-        ttft, prefill_id = self._pick(prefill_scores)
+        ttft, prefill_id = self._pick(prefill_scores, Role.PREFILL)
         return Placement(
             decode_id, prefill_id, int(on_decode), int(prefill_cached[prefill_id]), ttft
         )

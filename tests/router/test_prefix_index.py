@@ -121,6 +121,16 @@ def test_policy_prefers_cache_then_load_and_keeps_short_prompts_local():
     assert cpu == 0.5 * 160
 
 
+def test_ties_rotate_over_every_worker_of_each_role():
+    policy = PlacementPolicy(RouterConfig(), block_size=16, max_running=64)
+    decode = [WorkerLoad("d0", kv_blocks_total=1000), WorkerLoad("d1", kv_blocks_total=1000)]
+    prefill = [WorkerLoad("p0"), WorkerLoad("p1")]
+    places = [policy.place(1000, decode, prefill, {}, {}) for _ in range(4)]
+    assert all(place.disaggregated for place in places)
+    assert {place.decode_worker for place in places} == {"d0", "d1"}
+    assert {place.prefill_worker for place in places} == {"p0", "p1"}
+
+
 def test_router_starts_without_torch():
     code = "import sys, router.app, router.main; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
