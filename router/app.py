@@ -6,6 +6,7 @@ Errors are turned into the OpenAI envelope here and only here.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
@@ -109,9 +110,13 @@ def create_app(state: RouterState) -> FastAPI:
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         check_model(body.model)
         if body.messages is not None:
-            tokens = apply_template(body.messages, body.add_generation_prompt)
+            tokens = await asyncio.to_thread(
+                apply_template, body.messages, body.add_generation_prompt
+            )
         else:
-            tokens = state.tokenizer.encode(body.prompt or "", body.add_special_tokens)
+            tokens = await asyncio.to_thread(
+                state.tokenizer.encode, body.prompt or "", body.add_special_tokens
+            )
         return {"tokens": tokens, "count": len(tokens), "max_model_len": state.model.max_model_len}
 
     @app.post("/detokenize")
@@ -124,13 +129,15 @@ def create_app(state: RouterState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        prompts = completion_prompts(body)
+        # Tokenizing a long prompt takes a while: off the event loop, so that other
+        # requests' streams keep flowing meanwhile.
+        prompts = await asyncio.to_thread(completion_prompts, body)
         return await respond(body, prompts, chat=False, logprobs=body.logprobs)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        prompt = apply_template(body.messages, body.add_generation_prompt)
+        prompt = await asyncio.to_thread(apply_template, body.messages, body.add_generation_prompt)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         return await respond(body, [prompt], chat=True, logprobs=logprobs)
 
