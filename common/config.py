@@ -336,6 +336,12 @@ class PdserveConfig:
                 raise ConfigError(f"{role}.engine.{exc.key.split('.')[-1]}", message) from None
         if self.decode.replicas < 1:
             raise ConfigError("decode.replicas", "at least one decode worker is needed")
+        if self.engine_for(Role.PREFILL).block_size != self.engine_for(Role.DECODE).block_size:
+            raise ConfigError(
+                "decode.engine.block_size",
+                "prefill and decode must use the same block size: KV blocks move between them "
+                "block for block, and the router hashes a prompt's blocks once for both",
+            )
         self._check_ports()
 
     def role(self, role: Role) -> WorkerRoleConfig:

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.config import PdserveConfig
+from common.config import PdserveConfig, Role
 
 DEMO_ARCH, DEMO_SIZE = "llama", "tiny"
 
@@ -42,7 +42,9 @@ def model_info(config: PdserveConfig) -> ModelInfo:
         raise FileNotFoundError(f"{model_dir} holds no checkpoint (config.json missing)")
     hf_config = json.loads(config_path.read_text())
     limit = int(hf_config.get("max_position_embeddings", 2048))
-    engine = config.engine
-    max_model_len = min(engine.max_model_len, limit) if engine.max_model_len else limit
+    # The tightest limit of the roles that run (per-role engine overrides included): a
+    # request must fit every worker it may be placed on.
+    engines = [config.engine_for(role) for role in Role if config.role(role).replicas > 0]
+    max_model_len = min([limit, *(e.max_model_len for e in engines if e.max_model_len)])
     name = config.router.served_model_name or ("demo" if not config.model else model_dir.name)
-    return ModelInfo(model_dir, name, max_model_len, engine.block_size)
+    return ModelInfo(model_dir, name, max_model_len, config.engine_for(Role.DECODE).block_size)

@@ -70,6 +70,7 @@ BROKEN = [
     ("decode: {engine: {max_num_seqs: many}}", "decode.engine.max_num_seqs", "an integer"),
     ("prefill: {engine: {batch: 8}}", "prefill.engine.batch", "unknown engine setting"),
     ("decode: {drain_grace_s: -1}", "decode.drain_grace_s", "must be >= 0"),
+    ("decode: {engine: {block_size: 32}}", "decode.engine.block_size", "same block size"),
     ("kv_transfer: {connector: rdma}", "kv_transfer.connector", "not one of: nixl"),
     ("kv_transfer: {connector: shared_storage}", "kv_transfer.shared_dir", "needs a dir"),
     ("kv_transfer: {lease_s: 5, timeout_s: 5}", "kv_transfer.timeout_s", "below lease_s"),
