@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -61,6 +61,10 @@ class TokenDelta:
     finish_reason: str | None = None
     usage: pb.Usage | None = None
     cached_tokens: int | None = None  # known before the end: on a choice's first delta
+
+
+def _no_lease() -> None:
+    """Nothing to release: the prompt was not prefilled elsewhere."""
 
 
 def _pooled_rate(loads: list[WorkerLoad]) -> list[WorkerLoad]:
@@ -140,9 +144,14 @@ class Dispatcher:
     async def generate(self, request: SequenceRequest) -> AsyncIterator[TokenDelta]:
         placement = self.place(request)
         first: pb.PrefillResponse | None = None
-        prefill_worker: WorkerState | None = None
+        release = _no_lease
         if placement.disaggregated:
             first, prefill_worker = await self._prefill(request, placement)
+            if first is not None and prefill_worker is not None and first.kv.lease_id:
+                release = self._lease_releaser(prefill_worker, first.kv.lease_id)
+        # However the choice ends (a client gone, a stop string on the first token, a decode
+        # worker refusing it), the prefill worker's blocks are freed now, not at expiry.
+        try:
             if first is not None:
                 yield TokenDelta(
                     [first.first_token_id],
@@ -159,8 +168,10 @@ class Dispatcher:
                         ),
                     )
                     return
-        async for delta in self._decode(request, placement, first, prefill_worker):
-            yield delta
+            async for delta in self._decode(request, placement, first, release):
+                yield delta
+        finally:
+            release()
 
     async def _prefill(
         self, request: SequenceRequest, placement: Placement
@@ -208,7 +219,7 @@ class Dispatcher:
         request: SequenceRequest,
         placement: Placement,
         first: pb.PrefillResponse | None,
-        prefill_worker: WorkerState | None,
+        release_lease: Callable[[], None],
     ) -> AsyncIterator[TokenDelta]:
         message = pb.GenerateRequest(
             request_id=request.request_id,
@@ -233,10 +244,9 @@ class Dispatcher:
             call = worker.decode.Generate(message, timeout=self.config.request_timeout_s)
             try:
                 async for chunk in call:
-                    if not started:
+                    if not started:  # the decode worker has the KV: free the prefill copy
                         started = True
-                        if first is not None and prefill_worker is not None:
-                            self._release_lease(prefill_worker, first.kv.lease_id)
+                        release_lease()
                     num_tokens += len(chunk.token_ids)
                     grown = -(-num_tokens // self.block_size) - blocks
                     worker.kv_blocks_in_use += grown
@@ -270,19 +280,26 @@ class Dispatcher:
                 worker.kv_blocks_in_use -= blocks
                 if not call.done():
                     call.cancel()
-        if first is not None and prefill_worker is not None:
-            self._release_lease(prefill_worker, first.kv.lease_id)
+        release_lease()
         detail = last_error.details() if isinstance(last_error, grpc.aio.AioRpcError) else ""
         raise unavailable(f"no decode worker could serve the request {detail}".strip())
 
-    def _release_lease(self, worker: WorkerState, lease_id: str) -> None:
-        """The decode side has the KV (or gave up on it): free the prefill blocks now
-        instead of at lease expiry. Fire and forget."""
+    def _lease_releaser(self, worker: WorkerState, lease_id: str) -> Callable[[], None]:
+        """A call that frees the prefill worker's blocks for ``lease_id`` now instead of at
+        lease expiry, once however often it is called; fire and forget. Safe while a pull
+        may still be reading them: the decode side either has the KV already or has given
+        the request up, and an abandoned pull's blocks are never cached there."""
+        pending = [True]
 
         async def release() -> None:
             with contextlib.suppress(grpc.aio.AioRpcError):  # else the lease just expires
                 await worker.prefill.ReleaseKV(pb.ReleaseKVRequest(lease_id=lease_id), timeout=5)
 
-        task = asyncio.get_running_loop().create_task(release())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        def release_once() -> None:
+            if pending:
+                pending.clear()
+                task = asyncio.get_running_loop().create_task(release())
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
+        return release_once

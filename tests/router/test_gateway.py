@@ -8,13 +8,18 @@ import asyncio
 import os
 import re
 import signal
+import time
 import urllib.request
 
+import grpc
 import httpx
 import openai
 import pytest
 
+from common.config_loader import load_config
 from engine import LLM, SamplingParams
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
 from tests.engine.helpers import random_prompts
 from tests.support.processes import write_config
 from tests.support.stack import get_json, start_up_stack
@@ -157,6 +162,33 @@ def test_stop_strings(client):
         assert text == expected and reason == "stop"
         if not stream:  # ended by the router, yet the usage still counts the cached prefix
             assert reply.usage.prompt_tokens_details.cached_tokens > 0, reply.usage
+
+
+def live_leases(stack) -> int:
+    """Prefill blocks held for decode workers, over every prefill worker."""
+    config = load_config(str(stack.config_path))
+    total = 0
+    for index in range(config.prefill.replicas):
+        address = f"{config.prefill.host}:{config.prefill.ports(index).grpc}"
+        with grpc.insecure_channel(address) as channel:
+            stats = pb_grpc.PrefillServiceStub(channel).Stats(pb.StatsRequest(), timeout=5)
+        total += stats.live_leases
+    return total
+
+
+def test_a_choice_ended_by_its_first_token_frees_the_prefill_lease(stack, client):
+    """A stop string in the token the prefill worker sampled ends the choice before any
+    decode worker pulls the KV: the router releases the lease at once (lease_s is 4 here)."""
+    prompt = random_prompts((40,), seed=83)[0]
+    text = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0,
+                                     extra_body={"min_tokens": 3}).choices[0].text  # fmt: skip
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                      stop=[text[0]])  # fmt: skip
+    assert reply.choices[0].finish_reason == "stop" and reply.choices[0].text == ""
+    deadline = time.monotonic() + 1.5
+    while live_leases(stack) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert live_leases(stack) == 0
 
 
 def test_seeds_and_n(client):
