@@ -7,6 +7,7 @@ Errors are turned into the OpenAI envelope here and only here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import time
@@ -16,6 +17,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.tokenizer import TokenizerError
 from router.choices import build_choices, merge_choices, new_id
@@ -40,11 +43,37 @@ from router.state import RouterState
 
 logger = logging.getLogger(__name__)
 
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks its client is still there
+
 _OPEN_PATHS = {"/health", "/metrics"}
 
 
 def _error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+class _ApiKeyAuth:
+    """Bearer-key check for every path but health and metrics. A plain ASGI middleware,
+    not ``@app.middleware("http")``: that one wraps ``receive``, and behind it
+    ``Request.is_disconnected`` never reports a gone client."""
+
+    def __init__(self, app: ASGIApp, state: RouterState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        keys = self.state.config.router.api_keys
+        if scope["type"] == "http" and keys and scope["path"] not in _OPEN_PATHS:
+            header = Headers(scope=scope).get("authorization", "")
+            token = header[7:] if header.lower().startswith("bearer ") else ""
+            # Compare with every key in constant time, so timing reveals nothing.
+            matched = False
+            for key in keys:
+                matched |= hmac.compare_digest(token.encode(), key.encode())
+            if not matched:
+                self.state.metrics.rejected.labels(status="401").inc()
+                await _error_response(unauthorized())(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def create_app(state: RouterState) -> FastAPI:
@@ -62,20 +91,7 @@ def create_app(state: RouterState) -> FastAPI:
         message = first.get("msg", "invalid request").removeprefix("Value error, ")
         return await api_error(request, bad_request(message, param))
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        keys = state.config.router.api_keys
-        if keys and request.url.path not in _OPEN_PATHS:
-            header = request.headers.get("authorization", "")
-            token = header[7:] if header.lower().startswith("bearer ") else ""
-            # Compare with every key in constant time, so timing reveals nothing.
-            matched = False
-            for key in keys:
-                matched |= hmac.compare_digest(token.encode(), key.encode())
-            if not matched:
-                state.metrics.rejected.labels(status="401").inc()
-                return _error_response(unauthorized())
-        return await call_next(request)
+    app.add_middleware(_ApiKeyAuth, state=state)
 
     @app.get("/health")
     async def health() -> Response:
@@ -132,14 +148,14 @@ def create_app(state: RouterState) -> FastAPI:
         # Tokenizing a long prompt takes a while: off the event loop, so that other
         # requests' streams keep flowing meanwhile.
         prompts = await asyncio.to_thread(completion_prompts, body)
-        return await respond(body, prompts, chat=False, logprobs=body.logprobs)
+        return await respond(request, body, prompts, chat=False, logprobs=body.logprobs)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
         prompt = await asyncio.to_thread(apply_template, body.messages, body.add_generation_prompt)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return await respond(body, [prompt], chat=True, logprobs=logprobs)
+        return await respond(request, body, [prompt], chat=True, logprobs=logprobs)
 
     # ------------------------------------------------------------------ helpers
 
@@ -173,7 +189,9 @@ def create_app(state: RouterState) -> FastAPI:
                 raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
         return prompts
 
-    async def respond(body, prompts: list[list[int]], chat: bool, logprobs: int | None):
+    async def respond(
+        request: Request, body, prompts: list[list[int]], chat: bool, logprobs: int | None
+    ):
         if state.draining:
             raise unavailable("the router is draining")
         if state.num_inflight >= state.config.router.max_inflight_requests:
@@ -206,10 +224,15 @@ def create_app(state: RouterState) -> FastAPI:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        state.num_inflight += 1
-        try:
+
+        async def collect() -> None:
             async for _ in merge_choices(state.dispatcher, choices, state.metrics, arrival):
                 pass
+
+        state.num_inflight += 1
+        try:
+            if not await finish_unless_disconnected(request, collect()):
+                return Response(status_code=499)  # nobody is listening; the work is aborted
         except APIError:
             raise
         except Exception as exc:
@@ -219,6 +242,25 @@ def create_app(state: RouterState) -> FastAPI:
             state.num_inflight -= 1
         state.record_finished(choices)
         return JSONResponse(formatter.final(choices))
+
+    async def finish_unless_disconnected(request: Request, work) -> bool:
+        """Run ``work``; if the client goes away first, cancel it (which aborts its
+        sequences on the workers) and return False. Streams notice a gone client when a
+        write fails; a non-streaming response writes only at the end, so it is watched."""
+        task = asyncio.ensure_future(work)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    task.result()
+                    return True
+                if await request.is_disconnected():
+                    return False
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     async def stream(formatter: Formatter, choices, include_usage: bool, arrival: float
                      ) -> AsyncIterator[bytes]:  # fmt: skip

@@ -5,9 +5,11 @@ errors, prefix-aware placement, and a prefill worker dying under load."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
+import socket
 import time
 import urllib.request
 
@@ -164,16 +166,41 @@ def test_stop_strings(client):
             assert reply.usage.prompt_tokens_details.cached_tokens > 0, reply.usage
 
 
+def worker_stats(stack, role: str) -> list[pb.StatsResponse]:
+    config = load_config(str(stack.config_path))
+    section = config.prefill if role == "prefill" else config.decode
+    stub = pb_grpc.PrefillServiceStub if role == "prefill" else pb_grpc.DecodeServiceStub
+    replies = []
+    for index in range(section.replicas):
+        with grpc.insecure_channel(f"{section.host}:{section.ports(index).grpc}") as channel:
+            replies.append(stub(channel).Stats(pb.StatsRequest(), timeout=5))
+    return replies
+
+
 def live_leases(stack) -> int:
     """Prefill blocks held for decode workers, over every prefill worker."""
-    config = load_config(str(stack.config_path))
-    total = 0
-    for index in range(config.prefill.replicas):
-        address = f"{config.prefill.host}:{config.prefill.ports(index).grpc}"
-        with grpc.insecure_channel(address) as channel:
-            stats = pb_grpc.PrefillServiceStub(channel).Stats(pb.StatsRequest(), timeout=5)
-        total += stats.live_leases
-    return total
+    return sum(stats.live_leases for stats in worker_stats(stack, "prefill"))
+
+
+def test_a_client_gone_from_a_non_streaming_request_stops_its_generation(stack):
+    body = json.dumps({"model": MODEL, "prompt": "hello there", "max_tokens": 900,
+                       "min_tokens": 900}).encode()  # fmt: skip
+    host, port = stack.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        deadline = time.monotonic() + 10
+        while not sum(s.num_running for s in worker_stats(stack, "decode")):
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.05)
+    # 900 tokens take ~10 s on this model; a watched request is aborted within a second.
+    deadline = time.monotonic() + 3
+    while sum(s.num_running for s in worker_stats(stack, "decode")):
+        assert time.monotonic() < deadline, "still generating for a client that left"
+        time.sleep(0.1)
 
 
 def test_a_choice_ended_by_its_first_token_frees_the_prefill_lease(stack, client):
