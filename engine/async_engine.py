@@ -10,6 +10,11 @@ through a queue and get results back on their loop:
 
 ``hooks`` run on the engine thread after every loop turn (publishing KV events, expiring
 leases, polling connector notifications); they must be quick and must not raise.
+
+If a step raises (a bug, or the device out of memory), the engine's state can no longer be
+trusted: the thread fails every open request and every pending or later call with
+``EngineFailedError`` and stops, and ``failure`` says why (the worker then reports itself
+unhealthy). Nothing waits for ever on a dead thread.
 """
 
 from __future__ import annotations
@@ -33,6 +38,10 @@ logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05  # how long the idle loop sleeps waiting for a command
 _PULL_WAIT_S = 0.0005  # how long it sleeps when only KV pulls are in flight
+
+
+class EngineFailedError(RuntimeError):
+    """The engine thread stopped after a step raised; the message says what it raised."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +75,10 @@ class AsyncEngine:
         self.engine = engine
         self.hooks: list[Callable[[], None]] = []
         self.stats = EngineStats()
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[tuple[concurrent.futures.Future, Callable]] = (
+            queue.SimpleQueue()
+        )
+        self.failure: str | None = None  # set, once, when a step raised (see the docstring)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
@@ -77,7 +89,7 @@ class AsyncEngine:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
-        self._commands.put(lambda: None)
+        self._commands.put((concurrent.futures.Future(), lambda engine: None))  # a wake-up
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -88,18 +100,14 @@ class AsyncEngine:
     # ------------------------------------------------------------------ asyncio side
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run ``fn(engine)`` on the engine thread and return its result (or raise)."""
+        """Run ``fn(engine)`` on the engine thread and return its result (or raise;
+        ``EngineFailedError`` once the engine thread has failed)."""
+        if self.failure is not None:
+            raise EngineFailedError(self.failure)
         future: concurrent.futures.Future = concurrent.futures.Future()
-
-        def command() -> None:
-            if not future.set_running_or_notify_cancel():
-                return
-            try:
-                future.set_result(fn(self.engine))
-            except BaseException as exc:
-                future.set_exception(exc)
-
-        self._commands.put(command)
+        self._commands.put((future, fn))
+        if self.failure is not None:  # failed meanwhile: nobody would run it
+            self._fail_pending_commands()
         return await asyncio.wrap_future(future)
 
     async def generate(
@@ -158,7 +166,13 @@ class AsyncEngine:
             self._run_commands(block=not busy)
             if engine.has_work():
                 had_requests = engine.scheduler.num_unfinished > 0
-                for output in engine.step():
+                try:
+                    outputs = engine.step()
+                except Exception as exc:
+                    logger.exception("engine step failed: failing every request and stopping")
+                    self._fail(f"{type(exc).__name__}: {exc}")
+                    return
+                for output in outputs:
                     self._deliver(output)
                 self._update_rate()
                 if not had_requests:
@@ -176,10 +190,35 @@ class AsyncEngine:
             if command is None:
                 command = self._commands.get_nowait()
             while True:
-                command()
+                future, fn = command
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(self.engine))
+                    except BaseException as exc:
+                        future.set_exception(exc)
                 command = self._commands.get_nowait()
         except queue.Empty:
             pass
+
+    def _fail(self, reason: str) -> None:
+        """The engine cannot go on: end every open stream with an error and refuse every
+        command, pending or later."""
+        self.failure = reason
+        for request_id, (loop, outputs) in list(self._streams.items()):
+            failed = RequestOutput(request_id, [], [], finished=True, error=reason)
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody listens
+                loop.call_soon_threadsafe(outputs.put_nowait, failed)
+        self._streams.clear()
+        self._fail_pending_commands()
+
+    def _fail_pending_commands(self) -> None:
+        while True:
+            try:
+                future, _ = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineFailedError(self.failure))
 
     def _update_rate(self) -> None:
         step = self.engine.last_step

@@ -142,13 +142,34 @@ class LLMEngine:
         """
         prompt = self.validate_prompt(prompt_token_ids)
         outputs = self.validate_prompt(output_token_ids, allow_empty=True)
-        if request_id in self.scheduler.requests or request_id in self.scheduler.held:
+        scheduler = self.scheduler
+        if request_id in scheduler.requests or request_id in scheduler.held:
+            raise DuplicateRequestError(request_id)
+        if request_id in scheduler.fetching:  # aborted, but its pull still writes its blocks
             raise DuplicateRequestError(request_id)
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling params must be a SamplingParams", "params")
+        if len(prompt) + len(outputs) > self.max_model_len:
+            raise InvalidRequestError(
+                f"{len(prompt)} prompt + {len(outputs)} output tokens exceed "
+                f"max_model_len={self.max_model_len}",
+                "output_token_ids",
+            )
+        if params.max_tokens is not None and len(outputs) >= params.max_tokens:
+            raise InvalidRequestError(
+                f"{len(outputs)} tokens were already generated; max_tokens is "
+                f"{params.max_tokens}: nothing is left to generate",
+                "output_token_ids",
+            )
         if remote_kv is not None:
             if self.kv_puller is None:
                 raise InvalidRequestError("this engine cannot pull remote KV", "kv")
+            if not outputs:
+                raise InvalidRequestError(
+                    "a KV handle comes with the token sampled after the prompt "
+                    "(output_token_ids), which the KV does not cover",
+                    "output_token_ids",
+                )
             if remote_kv.num_tokens != len(prompt) or len(remote_kv.block_ids) != cdiv(
                 len(prompt), self.config.block_size
             ):

@@ -259,6 +259,10 @@ class Scheduler:
             request.num_remote_blocks_pulled = cdiv(remote.num_tokens, self.block_size) - first
             request.num_computed_tokens = remote.num_tokens
             self.kv.cache_full_blocks(request, remote.num_tokens)
+            # The KV is here now. Preempted later, the request recomputes it (its full
+            # blocks may still be cached) and never pulls again: the router releases the
+            # lease once decoding starts, and the peer may have reused those blocks.
+            request.remote_kv = None
             request.status = RequestStatus.WAITING
             self.waiting.appendleft(request)
         elif recompute_on_failure:

@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 
+from engine.async_engine import EngineFailedError
 from engine.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, f"worker is draining: {exc}"
     if isinstance(exc, RequestFailedError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, EngineFailedError):  # this worker is out; the router tries another
+        return grpc.StatusCode.UNAVAILABLE, f"engine failed: {exc}"
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 

@@ -41,6 +41,7 @@ from worker.stats import StageTimer
 logger = logging.getLogger(__name__)
 
 _EVENT_HEARTBEAT_S = 1.0
+_ENGINE_WATCH_S = 0.5  # how soon a failed engine takes the worker out of service
 
 
 class PeerMetadataClient:
@@ -106,6 +107,7 @@ class WorkerRuntime:
         self.metadata: bytes = b""
         self._metadata_client = PeerMetadataClient(config.kv_transfer.timeout_s)
         self._heartbeat_task: asyncio.Task | None = None
+        self.engine_failed = False  # its thread stopped after a step raised
         self._stopped = asyncio.Event()
 
     # ------------------------------------------------------------------ start
@@ -192,17 +194,32 @@ class WorkerRuntime:
             kv_blocks_total=engine.runner.num_blocks if engine else 0,
             block_size=self.config.engine_for(self.role).block_size,
             connector=self.config.kv_transfer.connector,
-            draining=self.draining,
+            draining=self.draining or self.engine_failed,
         )
 
     async def _heartbeat(self) -> None:
         interval = self.config.registry.heartbeat_s
         while True:
-            await asyncio.sleep(interval)
+            await self._wait_or_engine_failed(interval)
             try:
                 await asyncio.to_thread(self.registry.heartbeat, self.info())
             except Exception as exc:  # a registry outage must not kill the worker
                 logger.warning("registry heartbeat failed: %s", exc)
+
+    async def _wait_or_engine_failed(self, interval_s: float) -> None:
+        """Sleep ``interval_s``, watching the engine: once its thread has failed, this
+        worker takes no more requests (health NOT_SERVING, listed as draining), so routers
+        stop sending it work instead of waiting on it."""
+        deadline = time.monotonic() + interval_s
+        while time.monotonic() < deadline:
+            await asyncio.sleep(min(_ENGINE_WATCH_S, interval_s))
+            engine = self.async_engine
+            if engine is not None and engine.failure is not None and not self.engine_failed:
+                logger.error("%s: engine failed (%s); taking no more work", self.worker_id,
+                             engine.failure)  # fmt: skip
+                self.engine_failed = True
+                await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+                return
 
     async def _set_health(self, status: int) -> None:
         for service in ("", self._service_name()):
@@ -221,7 +238,7 @@ class WorkerRuntime:
 
     def check_accepting(self) -> AsyncEngine:
         """The engine, if this worker takes new requests; raises ``DrainingError`` else."""
-        if self.draining:
+        if self.draining or self.engine_failed:
             raise DrainingError(self.worker_id)
         return self.check_ready()
 

@@ -6,6 +6,7 @@ import pytest
 
 from common.config import EngineConfig
 from engine import LLMEngine, SamplingParams
+from engine.errors import InvalidRequestError
 from engine.request import RemoteKV
 from tests.engine.helpers import random_prompts
 from tests.engine.local_puller import LocalPuller
@@ -142,3 +143,70 @@ def test_first_token_that_finishes_needs_no_decode(pair):
     assert out.outputs[0].finish_reason == "length" and out.kv_block_ids is None
     assert not prefill.release_kv("y")
     assert prefill.leak_report() == []
+
+
+def test_handles_that_cannot_be_served_are_refused(tiny_llama, pair):
+    _, decode, _ = pair
+    params = SamplingParams(max_tokens=4, temperature=0)
+    limit = decode.max_model_len
+    prompt = random_prompts((32,), seed=9)[0]
+    handle = RemoteKV("lease-x", 32, (1, 2), "prefill-0")
+    cases = [  # (prompt, output_token_ids, params, handle)
+        ([5] * limit, [7], params, None),  # no room left for the first token
+        (prompt, [], params, handle),  # a handle without the token sampled after it
+        (prompt, [7, 8], SamplingParams(max_tokens=2, temperature=0), None),  # nothing left
+    ]
+    for tokens, outputs, sampling, remote in cases:
+        with pytest.raises(InvalidRequestError):
+            decode.add_request("bad", tokens, sampling, remote_kv=remote,
+                               output_token_ids=outputs)  # fmt: skip
+    assert "bad" not in decode.scheduler.requests and decode.leak_report() == []
+
+
+def test_a_request_preempted_after_its_pull_never_pulls_again(tiny_llama):
+    """The router releases the lease once decoding starts and the prefill worker reuses
+    the blocks; a preempted request must recompute, not read them again."""
+    params = SamplingParams(max_tokens=40, min_tokens=40, temperature=0)
+    prompts = random_prompts((20, 20), seed=5)
+    config = EngineConfig(max_model_len=64, num_blocks=16)
+    colocated = LLMEngine(tiny_llama, config)
+    for i, prompt in enumerate(prompts):
+        colocated.add_request(f"r{i}", prompt, params)
+    expected = {rid: out.outputs[0].token_ids for rid, out in run(colocated).items()}
+
+    class CountingPuller(LocalPuller):
+        def __init__(self) -> None:
+            super().__init__()
+            self.started: list[str] = []
+
+        def start_fetch(self, request_id, *args):
+            self.started.append(request_id)
+            super().start_fetch(request_id, *args)
+
+    puller = CountingPuller()
+    prefill = LLMEngine(tiny_llama, config)
+    decode = LLMEngine(tiny_llama, EngineConfig(max_model_len=64, num_blocks=6), kv_puller=puller)
+    puller.sources["prefill-0"], puller.target = prefill, decode
+    for i, prompt in enumerate(prompts):
+        prefill.add_request(f"r{i}", prompt, params, prefill_only=True)
+    firsts = run(prefill)
+    for i, prompt in enumerate(prompts):
+        first = firsts[f"r{i}"]
+        remote = RemoteKV(f"lease-{i}", len(prompt), tuple(first.kv_block_ids), "prefill-0")
+        decode.add_request(f"r{i}", prompt, params, remote_kv=remote,
+                           output_token_ids=first.outputs[0].token_ids)  # fmt: skip
+    released, got = set(), {}
+    while decode.has_work():
+        for output in decode.step():
+            rid = output.request_id
+            if output.new_token_ids and rid not in released:  # the router's ReleaseKV
+                released.add(rid)
+                assert prefill.release_kv(rid)
+                for layer in prefill.runner.kv_caches:  # the blocks go to other prompts
+                    layer.zero_()
+            if output.finished:
+                got[rid] = output.outputs[0].token_ids
+    assert decode.scheduler.num_preemptions >= 1  # the 6-block pool forced one
+    assert sorted(puller.started) == ["r0", "r1"]  # each pulled once
+    assert got == expected
+    assert decode.leak_report() == [] and prefill.leak_report() == []
