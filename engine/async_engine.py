@@ -121,30 +121,38 @@ class AsyncEngine:
         early (the caller was cancelled or disconnected) aborts the request."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        admitted = [False]  # written on the engine thread
 
         def admit(engine: LLMEngine) -> None:
             engine.add_request(request_id, prompt_token_ids, params, **kwargs)
             self._streams[request_id] = (loop, outputs)
+            admitted[0] = True
 
-        await self.call(admit)
+        def abort_if_admitted(engine: LLMEngine) -> None:
+            # Runs after ``admit`` (commands run in order): it was admitted, or skipped.
+            if admitted[0]:
+                self._abort(engine, request_id)
+
         finished = False
         try:
+            await self.call(admit)
             while not finished:
                 output = await outputs.get()
                 finished = output.finished
                 yield output
         finally:
-            if not finished:
-                await asyncio.shield(self.abort(request_id))
+            if not finished:  # cancelled, even between admit and its reply: abort it
+                with contextlib.suppress(EngineFailedError):
+                    await asyncio.shield(self.call(abort_if_admitted))
 
     async def abort(self, request_id: str) -> bool:
-        def abort(engine: LLMEngine) -> bool:
-            output = engine.abort_request(request_id)
-            if output is not None:
-                self._deliver(output)
-            return output is not None
+        return await self.call(lambda engine: self._abort(engine, request_id))
 
-        return await self.call(abort)
+    def _abort(self, engine: LLMEngine, request_id: str) -> bool:
+        output = engine.abort_request(request_id)
+        if output is not None:
+            self._deliver(output)
+        return output is not None
 
     # ------------------------------------------------------------------ engine thread
 

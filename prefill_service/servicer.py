@@ -6,11 +6,14 @@ connector runs on the engine thread (``AsyncEngine.call`` / hooks).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 
 import grpc
 
 from common.hashing import transfer_block_hashes
+from engine.async_engine import EngineFailedError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from prefill_service.leases import LeaseTable
@@ -53,8 +56,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         params = sampling_from_proto(request.sampling)
         salt = request.cache_salt if request.HasField("cache_salt") else None
         self.num_active += 1
+        final: RequestOutput | None = None
+        exported = [False]  # written on the engine thread by _export
         try:
-            final: RequestOutput | None = None
             async for output in async_engine.generate(
                 request.request_id,
                 list(request.token_ids),
@@ -78,16 +82,30 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             if completion.logprobs:
                 reply.first_logprobs.CopyFrom(logprobs_to_proto(completion.logprobs[0]))
             if final.kv_block_ids is not None:
-                reply.kv.CopyFrom(await async_engine.call(lambda e: self._export(e, final, salt)))
+                handle = await async_engine.call(lambda e: self._export(e, final, salt, exported))
+                reply.kv.CopyFrom(handle)
             self.runtime.timer.add(reply.timings)
             return reply
+        except BaseException:
+            # Held blocks without a lease (cancelled or failed before the export ran) have
+            # no one else to free them. Once exported, the lease does (release or expiry).
+            if final is not None and final.kv_block_ids is not None:
+                request_id = final.request_id
+                with contextlib.suppress(EngineFailedError):
+                    await asyncio.shield(
+                        async_engine.call(lambda e: exported[0] or e.release_kv(request_id))
+                    )
+            raise
         finally:
             self.num_active -= 1
 
-    def _export(self, engine: LLMEngine, output: RequestOutput, salt: str | None) -> pb.KVHandle:
+    def _export(
+        self, engine: LLMEngine, output: RequestOutput, salt: str | None, exported: list[bool]
+    ) -> pb.KVHandle:
         """Engine thread: put the prompt's blocks under a lease and offer them to peers."""
         runtime = self.runtime
         lease = self.leases.grant(output.request_id)
+        exported[0] = True
         block_ids = output.kv_block_ids or []
         names = transfer_block_hashes(output.prompt_token_ids, engine.config.block_size, salt)
         runtime.connector.export_blocks(lease.lease_id, block_ids, names)
