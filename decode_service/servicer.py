@@ -42,11 +42,16 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 f"the KV handle has block_size {kv.block_size}; this worker uses {block_size}",
                 "kv",
             )
+        # The pull must start early enough to end before the lease does (clocks of the two
+        # hosts are assumed within a second or so: NTP).
+        timeout_s = self.runtime.config.kv_transfer.timeout_s
+        start_by = kv.lease_expires_at - timeout_s if kv.lease_expires_at else None
         return RemoteKV(
             transfer_id=kv.lease_id,
             num_tokens=kv.num_tokens,
             block_ids=tuple(kv.block_ids),
             source=PeerRef(engine_id=kv.engine_id, endpoint=kv.endpoint),
+            start_by=start_by,
         )
 
     @grpc_stream_errors

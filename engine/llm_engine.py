@@ -277,6 +277,7 @@ class LLMEngine:
 
     def _start_fetches(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
         outputs = []
+        now = time.time()
         for order in scheduler_output.fetches:
             request = order.request
             if not order.local_block_ids:  # everything was in the local prefix cache
@@ -284,6 +285,16 @@ class LLMEngine:
                 continue
             assert self.kv_puller is not None and request.remote_kv is not None
             remote = request.remote_kv
+            if remote.start_by is not None and now > remote.start_by:  # see RemoteKV
+                self.num_pull_failures += 1
+                self.scheduler.finish_fetch(
+                    request.request_id, False, self.recompute_on_pull_failure
+                )
+                if request.error is not None:
+                    request.error += ": its lease ran out while it waited to be scheduled"
+                    self._generators.pop(request.request_id, None)
+                    outputs.append(self._output(request, []))
+                continue
             names = transfer_block_hashes(
                 request.prompt_token_ids[: remote.num_tokens],
                 self.config.block_size,

@@ -235,7 +235,12 @@ class Dispatcher:
         others = [w for w in self.pool.candidates(Role.DECODE) if w is not chosen]
         others.sort(key=lambda w: w.running)
         last_error: Exception | None = None
-        for worker in [w for w in [chosen, *others] if w is not None]:
+        for attempt, worker in enumerate(w for w in [chosen, *others] if w is not None):
+            if attempt and message.HasField("kv"):
+                # The worker that failed may have pulled and then aborted, which releases
+                # the lease: another pull could read reused blocks. Recompute instead.
+                message.ClearField("kv")
+                release_lease()
             started = False
             num_tokens = len(request.prompt_token_ids) + len(message.output_token_ids)
             blocks = -(-num_tokens // self.block_size)

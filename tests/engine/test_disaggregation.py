@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from common.config import EngineConfig
@@ -209,4 +211,34 @@ def test_a_request_preempted_after_its_pull_never_pulls_again(tiny_llama):
     assert decode.scheduler.num_preemptions >= 1  # the 6-block pool forced one
     assert sorted(puller.started) == ["r0", "r1"]  # each pulled once
     assert got == expected
+    assert decode.leak_report() == [] and prefill.leak_report() == []
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_a_handle_past_its_start_by_is_never_pulled(tiny_llama, recompute):
+    """The request waited too long to be scheduled: the lease could run out mid-pull (and
+    released blocks hold other prompts' KV), so it recomputes, or fails without recompute."""
+    puller = LocalPuller()
+    prefill = LLMEngine(tiny_llama, EngineConfig())
+    decode = LLMEngine(tiny_llama, EngineConfig(), kv_puller=puller)
+    puller.sources["prefill-0"], puller.target = prefill, decode
+    decode.recompute_on_pull_failure = recompute
+    params = SamplingParams(max_tokens=6, min_tokens=6, temperature=0)
+    prompt = random_prompts((40,), seed=13)[0]
+    colocated = LLMEngine(tiny_llama, EngineConfig())
+    colocated.add_request("r", prompt, params)
+    expected = run(colocated)["r"].outputs[0].token_ids
+    prefill.add_request("r", prompt, params, prefill_only=True)
+    first = run(prefill)["r"]
+    stale = RemoteKV("lease-r", len(prompt), tuple(first.kv_block_ids), "prefill-0",
+                     start_by=time.time() - 1)  # fmt: skip
+    decode.add_request("r", prompt, params, remote_kv=stale,
+                       output_token_ids=first.outputs[0].token_ids)  # fmt: skip
+    out = run(decode)["r"]
+    assert decode.num_pull_failures == 1 and puller.num_blocks_pulled == 0
+    if recompute:
+        assert out.outputs[0].token_ids == expected and out.error is None
+    else:
+        assert out.outputs[0].finish_reason == "abort" and "lease ran out" in out.error
+    assert prefill.release_kv("r")
     assert decode.leak_report() == [] and prefill.leak_report() == []
