@@ -117,9 +117,9 @@ class NcclConnector(KVConnector):
         if self._server is not None:
             self._server.stop()
             self._server.join()
-            # The TCPStore server listens until its last reference goes: let it go now.
-            self._server = None
-            del self._store
+            # The TCPStore server keeps listening (on the configured host) until the
+            # connector is collected: dropping it here, while a pair's process group may
+            # still hold it, aborted the process at exit (std::terminate) in CI.
         for fetcher in fetchers:
             fetcher.join(timeout=self.config.timeout_s)
         if all(not fetcher.is_alive() for fetcher in fetchers):

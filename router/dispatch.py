@@ -139,6 +139,17 @@ class Dispatcher:
         )  # fmt: skip
         return placement
 
+    def _moved(self, hashes: list[BlockHash], planned: str | None, actual: str | None) -> None:
+        """The prompt's KV went to ``actual`` (None: nowhere), not to ``planned``: correct
+        the optimistic entries ``place`` made."""
+        if planned == actual:
+            return
+        with self.index_lock:
+            if planned is not None:
+                self.index.withdraw_optimistic(planned, hashes)
+            if actual is not None:
+                self.index.insert_optimistic(actual, hashes)
+
     # ------------------------------------------------------------------ the journey
 
     async def generate(self, request: SequenceRequest) -> AsyncIterator[TokenDelta]:
@@ -147,6 +158,8 @@ class Dispatcher:
         release = _no_lease
         if placement.disaggregated:
             first, prefill_worker = await self._prefill(request, placement)
+            actual = prefill_worker.worker_id if prefill_worker is not None else None
+            self._moved(request.block_hashes, placement.prefill_worker, actual)
             if first is not None and prefill_worker is not None and first.kv.lease_id:
                 release = self._lease_releaser(prefill_worker, first.kv.lease_id)
         # However the choice ends (a client gone, a stop string on the first token, a decode
@@ -157,7 +170,8 @@ class Dispatcher:
                     [first.first_token_id],
                     [first.first_logprobs] if first.HasField("first_logprobs") else [],
                 )
-                if first.finish_reason:
+                if first.finish_reason:  # no decode worker will hold this prompt
+                    self._moved(request.block_hashes, placement.decode_worker, None)
                     yield TokenDelta(
                         [],
                         finish_reason=first.finish_reason,
@@ -235,7 +249,10 @@ class Dispatcher:
         others = [w for w in self.pool.candidates(Role.DECODE) if w is not chosen]
         others.sort(key=lambda w: w.running)
         last_error: Exception | None = None
+        holder: str | None = placement.decode_worker  # where the index expects the prompt
         for attempt, worker in enumerate(w for w in [chosen, *others] if w is not None):
+            self._moved(request.block_hashes, holder, worker.worker_id)
+            holder = worker.worker_id
             if attempt and message.HasField("kv"):
                 # The worker that failed may have pulled and then aborted, which releases
                 # the lease: another pull could read reused blocks. Recompute instead.
@@ -286,6 +303,7 @@ class Dispatcher:
                 if not call.done():
                     call.cancel()
         release_lease()
+        self._moved(request.block_hashes, holder, None)
         detail = last_error.details() if isinstance(last_error, grpc.aio.AioRpcError) else ""
         raise unavailable(f"no decode worker could serve the request {detail}".strip())
 

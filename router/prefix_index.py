@@ -96,6 +96,12 @@ class PrefixIndex:
         for block_hash in block_hashes:
             self._optimistic.setdefault(block_hash, {})[worker_id] = expiry
 
+    def withdraw_optimistic(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
+        """The blocks did not go to ``worker_id`` after all (it failed, or the request
+        ended before it got them)."""
+        for block_hash in block_hashes:
+            self._drop_optimistic(block_hash, worker_id)
+
     def _drop_optimistic(self, block_hash: BlockHash, worker_id: str) -> None:
         owners = self._optimistic.get(block_hash)
         if owners is not None:

@@ -46,6 +46,15 @@ def test_optimistic_entries_expire_unless_confirmed():
     assert index.match(H[:3], ["a"])["a"].gpu_blocks == 1
 
 
+def test_optimistic_entries_are_withdrawn_when_the_blocks_went_elsewhere():
+    index = PrefixIndex(optimistic_ttl_s=10)
+    index.insert_optimistic("d0", H[:3])
+    index.apply("d0", [stored(H[:1])])  # what events confirmed stays
+    index.withdraw_optimistic("d0", H[:3])  # e.g. the first token ended the request
+    assert index.match(H[:3], ["d0"])["d0"].gpu_blocks == 1
+    assert index.expire_optimistic(now=1e18) == 0  # nothing optimistic was left
+
+
 def oracle_match(held: dict[str, dict[bytes, str]], hashes, worker_ids):
     """The leading run per worker, by brute force: ``held[w][h]`` is "gpu" or "cpu"."""
     result = {}
