@@ -1,0 +1,99 @@
+"""The dispatcher's decode retry: a second decode worker gets the request without the KV
+handle (it recomputes the prompt), since the first may have released the lease by aborting
+its pull."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2_grpc
+
+from common.config import Role, RouterConfig
+from common.registry import RedisRegistry, WorkerInfo
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from router.dispatch import Dispatcher, SequenceRequest
+from router.events import EventListener
+from router.metrics import RouterMetrics
+from router.policy import Placement, PlacementPolicy
+from router.prefix_index import PrefixIndex
+from router.workers import WorkerPool
+from tests.common.redis_server import redis_server
+
+
+class Decode(pb_grpc.DecodeServiceServicer):
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+        self.requests: list[pb.GenerateRequest] = []
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        if self.fail:  # as a worker whose engine failed mid-pull answers
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine failed")
+        yield pb.GenerateResponse(token_ids=[42], finish_reason="length")
+
+    async def Stats(self, request, context):
+        return pb.StatsResponse()
+
+
+async def serve(servicer: Decode) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server()
+    pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
+@pytest.mark.timeout(60)
+def test_a_retried_decode_recomputes_instead_of_pulling_again(tmp_path):
+    failing, healthy = Decode(fail=True), Decode(fail=False)
+
+    async def scenario(registry: RedisRegistry) -> list[int]:
+        servers = [await serve(failing), await serve(healthy)]
+        ids = []
+        for _, port in servers:
+            info = WorkerInfo(
+                worker_id=f"decode@127.0.0.1:{port}", role=Role.DECODE,
+                grpc_address=f"127.0.0.1:{port}", events_endpoint="tcp://127.0.0.1:1",
+                replay_endpoint="tcp://127.0.0.1:2",
+            )  # fmt: skip
+            registry.register(info)
+            ids.append(info.worker_id)
+        lock = threading.Lock()
+        pool = WorkerPool(registry, EventListener(PrefixIndex(), lock), 60.0, 30.0)
+        config = RouterConfig()
+        dispatcher = Dispatcher(config, pool, PrefixIndex(), lock,
+                                PlacementPolicy(config, 16, 8), RouterMetrics("m"), 16)  # fmt: skip
+        released: list[bool] = []
+        try:
+            await pool.refresh()
+            request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams())
+            first = pb.PrefillResponse(first_token_id=7)
+            first.kv.lease_id = "lease-1"
+            first.kv.num_tokens = 35
+            placement = Placement(ids[0], "prefill@x", 0, 0, 0.0)
+            tokens = []
+            async for delta in dispatcher._decode(
+                request, placement, first, lambda: released.append(True)
+            ):
+                tokens += delta.token_ids
+            assert released  # nobody will pull that lease any more
+            return tokens
+        finally:
+            await pool.close()
+            for server, _ in servers:
+                await server.stop(None)
+
+    with redis_server(tmp_path) as url:
+        registry = RedisRegistry(url, ttl_s=30.0)
+        try:
+            assert asyncio.run(scenario(registry)) == [42]
+        finally:
+            registry.close()
+    assert failing.requests[0].HasField("kv")  # the first try pulls
+    retried = healthy.requests[0]
+    assert not retried.HasField("kv") and list(retried.output_token_ids) == [7]
