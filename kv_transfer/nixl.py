@@ -185,9 +185,6 @@ class NixlConnector(KVConnector):
         self._device_id = kv.device.index or 0
         self._base_addrs = [tensor.data_ptr() for tensor in kv.tensors]
         block_bytes_per_layer = kv.layout.block_bytes_per_layer
-        self._block_major = is_block_major(
-            self._base_addrs, kv.block_stride_bytes, block_bytes_per_layer
-        )
         regions = np.array(
             [(addr, size, self._device_id) for addr, size in kv.regions()], dtype=np.uint64
         )
@@ -201,7 +198,7 @@ class NixlConnector(KVConnector):
                 self._device_id,
             )
             whole_descs = None
-            if self._block_major:
+            if kv.block_major:
                 whole_descs = whole_block_descs(
                     self._base_addrs[0], kv.num_blocks, kv.layout.block_bytes, self._device_id
                 )
@@ -315,7 +312,7 @@ class NixlConnector(KVConnector):
         num_blocks, payload = result
         layout = self.layout
         addrs, stride = payload.layer_addressing(layout.block_bytes_per_layer)
-        whole = self._block_major and is_block_major(addrs, stride, layout.block_bytes_per_layer)
+        whole = self.kv.block_major and is_block_major(addrs, stride, layout.block_bytes_per_layer)
         try:
             agent_name = self._notifier.add_remote_agent(payload.agent_metadata)
             if whole:

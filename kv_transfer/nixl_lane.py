@@ -63,11 +63,11 @@ class LanePeer:
     """What a lane needs to read from a peer."""
 
     agent_metadata: bytes
-    descs: np.ndarray  # the peer's descriptor table (``nixl_protocol``)
+    # The peer's descriptor table (``nixl_protocol``): per whole block if ``whole_blocks``
+    # (both sides block-major), else per (layer, block).
+    descs: np.ndarray
     mem_type: str
-    whole_blocks: (
-        bool  # ``descs`` per whole block (both sides block-major), else per (layer, block)
-    )
+    whole_blocks: bool
 
 
 @dataclass(slots=True)
