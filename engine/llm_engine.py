@@ -286,14 +286,10 @@ class LLMEngine:
             assert self.kv_puller is not None and request.remote_kv is not None
             remote = request.remote_kv
             if remote.start_by is not None and now > remote.start_by:  # see RemoteKV
-                self.num_pull_failures += 1
-                self.scheduler.finish_fetch(
-                    request.request_id, False, self.recompute_on_pull_failure
-                )
-                if request.error is not None:
-                    request.error += ": its lease ran out while it waited to be scheduled"
-                    self._generators.pop(request.request_id, None)
-                    outputs.append(self._output(request, []))
+                reason = "its lease ran out while it waited to be scheduled"
+                output = self._end_fetch(request, False, reason)
+                if output is not None:
+                    outputs.append(output)
                 continue
             names = transfer_block_hashes(
                 request.prompt_token_ids[: remote.num_tokens],
@@ -318,15 +314,23 @@ class LLMEngine:
             request = self.scheduler.fetching.get(request_id)
             if request is None:
                 continue
-            self.scheduler.finish_fetch(request_id, ok, self.recompute_on_pull_failure)
-            if not ok:
-                self.num_pull_failures += 1
-                if request.error is not None:
-                    request.error += f": {failed[request_id]}"
-            if request.status is RequestStatus.FINISHED_ABORTED and request.error is not None:
-                self._generators.pop(request_id, None)
-                outputs.append(self._output(request, []))
+            output = self._end_fetch(request, ok, "" if ok else failed[request_id])
+            if output is not None:
+                outputs.append(output)
         return outputs
+
+    def _end_fetch(self, request: Request, ok: bool, reason: str) -> RequestOutput | None:
+        """A pull ended (or will never start): the request continues, recomputes its
+        prompt, or finishes with an error; that last one's output is returned."""
+        self.scheduler.finish_fetch(request.request_id, ok, self.recompute_on_pull_failure)
+        if not ok:
+            self.num_pull_failures += 1
+            if request.error is not None:
+                request.error += f": {reason}"
+        if request.status is RequestStatus.FINISHED_ABORTED and request.error is not None:
+            self._generators.pop(request.request_id, None)
+            return self._output(request, [])
+        return None
 
     def _chunks(self, scheduler_output: SchedulerOutput) -> list[SequenceChunk]:
         kv = self.scheduler.kv
