@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kv_transfer import KVTransferConfig, PeerRef, create_connector
+from kv_transfer import KVTransferConfig
+from tests.kv_transfer.pair import wired_pair
 
 SHAPE = (8, 2, 4, 2, 16)  # [num_blocks, 2, block_size, H, D]
 
@@ -47,18 +48,12 @@ def is_loopback(hex_address: str) -> bool:
 @pytest.mark.parametrize("connector", ["nixl", "nccl"])
 def test_listeners_stay_on_loopback_and_close_with_the_connector(connector):
     before = listening_addresses()
-    metadata: dict[str, bytes] = {}
     config = KVTransferConfig(connector=connector, timeout_s=10)
-    exporter = create_connector(config, f"bind-exporter-{connector}", metadata.__getitem__)
-    fetcher = create_connector(config, f"bind-fetcher-{connector}", metadata.__getitem__)
+    src = [torch.randn(SHAPE) for _ in range(2)]
+    dst = [torch.zeros(SHAPE) for _ in range(2)]
+    exporter, fetcher, peer = wired_pair(config, f"bind-{connector}", src, dst)
     try:
-        src = [torch.randn(SHAPE) for _ in range(2)]
-        dst = [torch.zeros(SHAPE) for _ in range(2)]
-        exporter.register_kv_caches(src)
-        fetcher.register_kv_caches(dst)
-        metadata["exporter"] = exporter.metadata()
         exporter.export_blocks("bind", [1, 2])
-        peer = PeerRef(f"bind-exporter-{connector}", "exporter")
         fetcher.start_fetch("bind", peer, [1, 2], [3, 4])
         fetcher.wait("bind", 10)  # pairs, process groups and UCX endpoints now exist
         assert all(torch.equal(d[[3, 4]], s[[1, 2]]) for s, d in zip(src, dst, strict=True))

@@ -7,9 +7,10 @@ import pytest
 import torch
 import zmq
 
-from kv_transfer import KVTransferConfig, PeerRef, create_connector
+from kv_transfer import KVTransferConfig
 from kv_transfer.handshake import PeerMetadata
 from kv_transfer.nccl_protocol import NcclPayload
+from tests.kv_transfer.pair import wired_pair
 
 SHAPE = (8, 2, 4, 2, 16)
 
@@ -17,18 +18,13 @@ SHAPE = (8, 2, 4, 2, 16)
 @pytest.mark.timeout(60)
 def test_malformed_control_messages_are_dropped_and_the_exporter_still_serves():
     config = KVTransferConfig(connector="nccl", timeout_s=10)
-    known: dict[str, bytes] = {}
-    exporter = create_connector(config, "ctl-exporter", known.__getitem__)
-    fetcher = create_connector(config, "ctl-fetcher", known.__getitem__)
+    source = [torch.randn(SHAPE) for _ in range(2)]
+    dest = [torch.zeros(SHAPE) for _ in range(2)]
+    exporter, fetcher, peer = wired_pair(config, "ctl", source, dest)
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     try:
-        source = [torch.randn(SHAPE) for _ in range(2)]
-        dest = [torch.zeros(SHAPE) for _ in range(2)]
-        exporter.register_kv_caches(source)
-        fetcher.register_kv_caches(dest)
-        known["exporter"] = exporter.metadata()
-        envelope = msgspec.msgpack.decode(known["exporter"], type=PeerMetadata)
+        envelope = msgspec.msgpack.decode(exporter.metadata(), type=PeerMetadata)
         port = msgspec.msgpack.decode(envelope.transport, type=NcclPayload).control_port
         sock.connect(f"tcp://127.0.0.1:{port}")
         sock.send_multipart([b"two", b"frames"])  # the ROUTER sees three
@@ -36,7 +32,7 @@ def test_malformed_control_messages_are_dropped_and_the_exporter_still_serves():
         sock.send(msgspec.msgpack.encode({"type": "nonsense"}))
 
         exporter.export_blocks("t1", [1, 2, 5])
-        fetcher.start_fetch("t1", PeerRef("ctl-exporter", "exporter"), [1, 2, 5], [3, 4, 0])
+        fetcher.start_fetch("t1", peer, [1, 2, 5], [3, 4, 0])
         fetcher.wait("t1", timeout_s=30)
         for src, dst in zip(source, dest, strict=True):
             assert torch.equal(dst[[3, 4, 0]], src[[1, 2, 5]])

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from common.config import ConfigError
-from kv_transfer import KVTransferConfig, PeerRef, create_connector
+from kv_transfer import KVTransferConfig
 from kv_transfer.nixl import MAX_AUTO_LANES, lane_cpus, read_lane_count, split_parts
+from tests.kv_transfer.pair import wired_pair
 
 
 def indices(n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -70,14 +71,9 @@ def test_split_fetch_in_one_process_is_exact_and_close_leaves_no_threads():
     source = [torch.randn(shape, generator=generator) for _ in range(3)]
     dest = [torch.zeros(shape) for _ in range(3)]
     config = KVTransferConfig(timeout_s=10, nixl_read_lanes=3, nixl_lane_min_bytes=0)
-    known: dict[str, bytes] = {}
     before = {t.name for t in threading.enumerate()}
-    exporter = create_connector(config, "lanes-exporter", known.__getitem__)
-    fetcher = create_connector(config, "lanes-fetcher", known.__getitem__)
+    exporter, fetcher, peer = wired_pair(config, "lanes", source, dest)
     try:
-        exporter.register_kv_caches(source)
-        fetcher.register_kv_caches(dest)
-        known["exporter"] = exporter.metadata()
         lanes = [t for t in threading.enumerate() if t.name.startswith("nixl-lanes-fetcher/read")]
         assert len(lanes) == 3
         cpus = sorted(os.sched_getaffinity(0))
@@ -86,7 +82,7 @@ def test_split_fetch_in_one_process_is_exact_and_close_leaves_no_threads():
         assert os.sched_getaffinity(0) == set(cpus)  # only the lane threads are pinned
         remote, local = [5, 9, 2, 30, 17], [0, 1, 2, 3, 31]
         exporter.export_blocks("t1", remote)
-        fetcher.start_fetch("t1", PeerRef("lanes-exporter", "exporter"), remote, local)
+        fetcher.start_fetch("t1", peer, remote, local)
         fetcher.wait("t1", timeout_s=20)
         for src_layer, dst_layer in zip(source, dest, strict=True):
             assert torch.equal(dst_layer[local], src_layer[remote])
@@ -123,15 +119,10 @@ def test_whole_block_descriptors_only_when_both_sides_are_block_major(
     dest = caches(fetcher_block_major, seed=2)
     before = [layer.clone() for layer in dest]
     config = KVTransferConfig(timeout_s=10, nixl_read_lanes=2, nixl_lane_min_bytes=0)
-    known: dict[str, bytes] = {}
-    exporter = create_connector(config, "desc-exporter", known.__getitem__)
-    fetcher = create_connector(config, "desc-fetcher", known.__getitem__)
+    exporter, fetcher, peer = wired_pair(config, "desc", source, dest)
     posted: list[int] = []
     try:
-        exporter.register_kv_caches(source)
-        fetcher.register_kv_caches(dest)
         assert fetcher.kv.block_major == fetcher_block_major
-        known["exporter"] = exporter.metadata()
         for lane in fetcher._lanes:  # count the descriptors each READ lists
             prep = lane._agent.make_prepped_xfer
 
@@ -142,7 +133,7 @@ def test_whole_block_descriptors_only_when_both_sides_are_block_major(
             lane._agent.make_prepped_xfer = counted
         remote, local = [5, 9, 2, 30, 17, 18], [0, 1, 2, 3, 31, 4]
         exporter.export_blocks("t1", remote)
-        fetcher.start_fetch("t1", PeerRef("desc-exporter", "exporter"), remote, local)
+        fetcher.start_fetch("t1", peer, remote, local)
         fetcher.wait("t1", timeout_s=20)
         per_block = 1 if exporter_block_major and fetcher_block_major else len(source)
         assert sum(posted) == len(remote) * per_block and len(posted) == 2
