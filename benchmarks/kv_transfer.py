@@ -58,7 +58,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.records import cpu_model, write_markdown  # noqa: E402
-from engine.host_memory import zeros_for_kv_caches, zeros_on_huge_pages  # noqa: E402
+from engine.host_memory import zeros_for_kv_caches, zeros_on_device  # noqa: E402
 from kv_transfer import KVTransferConfig, PeerRef, create_connector  # noqa: E402
 
 # Llama-8B-like per-layer block (16 tokens x 8 KV heads x 128 dims, bf16): 64 KiB per layer,
@@ -121,8 +121,8 @@ class Role:
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, huge: bool):
     """A zeroed tensor, on huge pages where ``huge`` and on the CPU."""
-    if huge and device.type == "cpu":
-        return zeros_on_huge_pages(shape, dtype)
+    if huge:
+        return zeros_on_device(*shape, dtype=dtype, device=device)
     return torch.zeros(shape, dtype=dtype, device=device)
 
 

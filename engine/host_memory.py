@@ -66,12 +66,15 @@ def zeros_for_kv_caches(
     is an ordinary allocation.
     """
     num_blocks, *block_shape = shape
-    buffer_shape = (num_blocks, num_layers, *block_shape)
-    if device.type == "cpu":
-        buffer = zeros_on_huge_pages(buffer_shape, dtype)
-    else:
-        buffer = torch.zeros(buffer_shape, dtype=dtype, device=device)
+    buffer = zeros_on_device(num_blocks, num_layers, *block_shape, dtype=dtype, device=device)
     return [buffer[:, layer] for layer in range(num_layers)]
+
+
+def zeros_on_device(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor: on huge pages on the CPU, an ordinary allocation elsewhere."""
+    if device.type == "cpu":
+        return zeros_on_huge_pages(shape, dtype)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def huge_page_bytes(tensor: torch.Tensor) -> int:
