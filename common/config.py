@@ -252,8 +252,9 @@ class RouterConfig:
     prefill_recompute_penalty: float = 4.0
     # Decode score = load - decode_prefix_weight * (cached fraction of the prompt).
     decode_prefix_weight: float = 0.5
-    # Requests in flight beyond which new ones get 429 (Retry-After).
-    max_inflight_requests: int = 1024
+    # Sequences in flight (a request runs len(prompts) * n of them) beyond which new
+    # requests get 429 (Retry-After); a single request asking for more gets 400.
+    max_inflight_sequences: int = 1024
     prefill_timeout_s: float = 120.0
     request_timeout_s: float = 600.0
     # How often the router refreshes the worker list, health and load.
@@ -263,7 +264,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.cpu_hit_credit <= 1.0:
             raise ConfigError("router.cpu_hit_credit", "must be in [0, 1]")
-        for key in ("min_disagg_tokens", "max_inflight_requests"):
+        for key in ("min_disagg_tokens", "max_inflight_sequences"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"router.{key}", "must be >= 0")
         for key in (

@@ -11,7 +11,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -50,6 +50,23 @@ _OPEN_PATHS = {"/health", "/metrics"}
 
 def _error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+class _AdmittedStream(StreamingResponse):
+    """A streamed response that gives its admission back when the response ends, however
+    it ends: also when the client left before the first byte, in which case the body's
+    generator never starts and its own ``finally`` would never run."""
+
+    def __init__(self, content: AsyncIterator[bytes], release: Callable[[], None],
+                 **kwargs: Any) -> None:  # fmt: skip
+        super().__init__(content, **kwargs)
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
 
 
 class _ApiKeyAuth:
@@ -194,7 +211,15 @@ def create_app(state: RouterState) -> FastAPI:
     ):
         if state.draining:
             raise unavailable("the router is draining")
-        if state.num_inflight >= state.config.router.max_inflight_requests:
+        num_sequences = len(prompts) * body.n
+        limit = state.config.router.max_inflight_sequences
+        if num_sequences > limit:
+            raise bad_request(
+                f"the request asks for {num_sequences} sequences (prompts x n); this server "
+                f"runs at most {limit} at once",
+                "n",
+            )
+        if state.num_inflight + num_sequences > limit:
             raise overloaded()
         sampling = state.sampling_params(body, logprobs, chat)
         response_id = new_id("chatcmpl" if chat else "cmpl")
@@ -206,7 +231,7 @@ def create_app(state: RouterState) -> FastAPI:
             body.stop_strings,
             state.model.max_model_len,
             state.model.block_size,
-            lambda stop: IncrementalDetokenizer(state.tokenizer, stop),
+            lambda stop: IncrementalDetokenizer(state.tokenizer, stop, body.min_tokens),
             body.cache_salt,
         )
         formatter = Formatter(
@@ -218,9 +243,15 @@ def create_app(state: RouterState) -> FastAPI:
             body.return_token_ids,
         )
         arrival = time.perf_counter()
+        state.num_inflight += num_sequences  # admitted: checked and taken with no await between
+
+        def release() -> None:
+            state.num_inflight -= num_sequences
+
         if body.stream:
-            return StreamingResponse(
+            return _AdmittedStream(
                 stream(formatter, choices, body.include_usage, arrival),
+                release,
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -229,17 +260,16 @@ def create_app(state: RouterState) -> FastAPI:
             async for _ in merge_choices(state.dispatcher, choices, state.metrics, arrival):
                 pass
 
-        state.num_inflight += 1
         try:
             if not await finish_unless_disconnected(request, collect()):
                 return Response(status_code=499)  # nobody is listening; the work is aborted
         except APIError:
             raise
-        except Exception as exc:
+        except Exception:
             logger.exception("request %s failed", response_id)
-            raise internal(f"{type(exc).__name__}: {exc}") from None
+            raise internal(response_id) from None
         finally:
-            state.num_inflight -= 1
+            release()
         state.record_finished(choices)
         return JSONResponse(formatter.final(choices))
 
@@ -264,7 +294,6 @@ def create_app(state: RouterState) -> FastAPI:
 
     async def stream(formatter: Formatter, choices, include_usage: bool, arrival: float
                      ) -> AsyncIterator[bytes]:  # fmt: skip
-        state.num_inflight += 1
         try:
             async for event in merge_choices(state.dispatcher, choices, state.metrics, arrival):
                 yield sse(formatter.chunk(event))
@@ -273,11 +302,9 @@ def create_app(state: RouterState) -> FastAPI:
             state.record_finished(choices)
         except APIError as exc:
             yield sse(exc.body())
-        except Exception as exc:
+        except Exception:
             logger.exception("stream %s failed", formatter.response_id)
-            yield sse(internal(f"{type(exc).__name__}: {exc}").body())
-        finally:
-            state.num_inflight -= 1
+            yield sse(internal(formatter.response_id).body())
         yield SSE_DONE
 
     return app

@@ -5,6 +5,10 @@ O(window), and characters still incomplete (a multi-byte character split across 
 shows up as U+FFFD) are held back until complete. Stop strings are matched on the text;
 the text that could still be the start of a stop string is held back too, so a stream
 never shows the client part of a stop string.
+
+Stop strings are not looked for in the text of the first ``min_tokens`` tokens (a match may
+still begin there and end after), as in vLLM: ``min_tokens`` means "at least this many",
+and the engine likewise keeps EOS and stop token ids from ending the sequence earlier.
 """
 
 from __future__ import annotations
@@ -17,10 +21,13 @@ _WINDOW = 6  # tokens of left context decoded with the new ones
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), min_tokens: int = 0
+                 ) -> None:  # fmt: skip
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.min_tokens = min_tokens
         self._hold = max((len(s) for s in self.stop), default=1) - 1
+        self._search_from = 0  # characters of ``text`` before the first min_tokens ended
         self.token_ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -33,6 +40,17 @@ class IncrementalDetokenizer:
         """Append tokens; return the new text that is safe to show."""
         if self.stopped:
             return ""
+        exempt = max(self.min_tokens - len(self.token_ids), 0)  # tokens that may not stop
+        if exempt:
+            self._decode(token_ids[:exempt])
+            self._search_from = len(self.text)
+            token_ids = token_ids[exempt:]
+        if token_ids:
+            self._decode(token_ids)
+            self._check_stop()
+        return self._take(final=False)
+
+    def _decode(self, token_ids: Sequence[int]) -> None:
         self.token_ids.extend(token_ids)
         prefix = self.tokenizer.decode(self.token_ids[self._prefix_offset : self._read_offset])
         full = self.tokenizer.decode(self.token_ids[self._prefix_offset :])
@@ -40,8 +58,6 @@ class IncrementalDetokenizer:
             self.text += full[len(prefix) :]
             self._prefix_offset = max(len(self.token_ids) - _WINDOW, self._read_offset)
             self._read_offset = len(self.token_ids)
-        self._check_stop()
-        return self._take(final=False)
 
     def finish(self) -> str:
         """The rest of the text once the sequence ended."""
@@ -54,9 +70,9 @@ class IncrementalDetokenizer:
         return self._take(final=True)
 
     def _check_stop(self) -> None:
-        if not self.stop or self.stopped:
+        if not self.stop or self.stopped or len(self.token_ids) <= self.min_tokens:
             return
-        start = max(self._emitted - self._hold, 0)
+        start = max(max(self._emitted, self._search_from) - self._hold, 0)
         found = [(self.text.find(s, start), s) for s in self.stop]
         found = [(i, s) for i, s in found if i >= 0]
         if found:

@@ -248,7 +248,6 @@ class Dispatcher:
         chosen = self.pool.get(placement.decode_worker)
         others = [w for w in self.pool.candidates(Role.DECODE) if w is not chosen]
         others.sort(key=lambda w: w.running)
-        last_error: Exception | None = None
         holder: str | None = placement.decode_worker  # where the index expects the prompt
         for attempt, worker in enumerate(w for w in [chosen, *others] if w is not None):
             self._moved(request.block_hashes, holder, worker.worker_id)
@@ -290,13 +289,14 @@ class Dispatcher:
                 client_error = _client_error(exc)
                 if client_error is not None:
                     raise client_error from None
+                logger.warning("decode of %s on %s failed: %s %s", request.request_id,
+                               worker.worker_id, exc.code().name, exc.details())  # fmt: skip
                 if started or exc.code() not in _RETRYABLE:
-                    raise unavailable(f"decode failed: {exc.details()}") from None
-                logger.warning("decode on %s failed: %s", worker.worker_id, exc.details())
+                    # Details stay in the log: they name hosts and internals.
+                    raise unavailable("the decode worker failed; retry the request") from None
                 self.metrics.decode_failures.inc()
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
                     self.pool.mark_unhealthy(worker.worker_id)
-                last_error = exc
             finally:
                 worker.running -= 1
                 worker.kv_blocks_in_use -= blocks
@@ -304,8 +304,7 @@ class Dispatcher:
                     call.cancel()
         release_lease()
         self._moved(request.block_hashes, holder, None)
-        detail = last_error.details() if isinstance(last_error, grpc.aio.AioRpcError) else ""
-        raise unavailable(f"no decode worker could serve the request {detail}".strip())
+        raise unavailable("no decode worker could serve the request; retry shortly")
 
     def _lease_releaser(self, worker: WorkerState, lease_id: str) -> Callable[[], None]:
         """A call that frees the prefill worker's blocks for ``lease_id`` now instead of at

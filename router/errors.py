@@ -89,5 +89,13 @@ def unavailable(message: str, retry_after_s: int = 1) -> APIError:
                     {"Retry-After": str(retry_after_s)})  # fmt: skip
 
 
-def internal(message: str) -> APIError:
-    return APIError(500, message, "internal_error", None, "internal_error")
+def internal(request_id: str) -> APIError:
+    """A bug or an unexpected worker error. The details (which may name hosts, paths or
+    internals) go to the router's log, not to the client; the id ties the two together."""
+    return APIError(
+        500,
+        f"The server had an error while processing request {request_id}; its log has the details.",
+        "internal_error",
+        None,
+        "internal_error",
+    )

@@ -64,7 +64,7 @@ class DrainingServer(uvicorn.Server):
         if self.state.draining:  # a second signal: stop now
             super().handle_exit(sig, frame)
             return
-        logger.info("draining: %d requests in flight", self.state.num_inflight)
+        logger.info("draining: %d sequences in flight", self.state.num_inflight)
         self.state.draining = True
         deadline = time.monotonic() + self.grace_s
 

@@ -38,7 +38,7 @@ class RouterState:
     dispatcher: Dispatcher
     started_at: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
-    num_inflight: int = 0
+    num_inflight: int = 0  # sequences admitted and not yet ended (see app.respond)
     num_finished: int = 0
     _token_texts: dict[int, str] = field(default_factory=dict)
 

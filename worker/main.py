@@ -38,13 +38,14 @@ async def serve(config: PdserveConfig, role: Role, index: int) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
     try:
-        await runtime.start(add)
+        started = await runtime.start(add)
     except BaseException:
         await runtime.stop()
         raise
-    if role is Role.PREFILL:
-        runtime.async_engine.hooks.append(servicer.engine_hook)
-    print(f"pdserve {role.value} worker {index} ready on {runtime.address}", flush=True)
+    if started:  # else a signal came while loading, and its drain stops the worker
+        if role is Role.PREFILL:
+            runtime.async_engine.hooks.append(servicer.engine_hook)
+        print(f"pdserve {role.value} worker {index} ready on {runtime.address}", flush=True)
     await runtime.wait_stopped()
 
 

@@ -6,9 +6,10 @@ Lifecycle:
 
     start():  gRPC server up (health NOT_SERVING) → model + KV cache loaded (in a thread,
               health keeps answering) → connector registered → engine thread started →
-              SERVING → registered in the registry, heartbeat running
+              registered in the registry, heartbeat running → SERVING
     drain():  NOT_SERVING + registry entry marked draining → new requests get UNAVAILABLE
               → wait (at most drain_grace_s) for in-flight work → deregister → stop
+              (a drain during start waits for the load, and the worker never serves)
 """
 
 from __future__ import annotations
@@ -108,11 +109,20 @@ class WorkerRuntime:
         self._metadata_client = PeerMetadataClient(config.kv_transfer.timeout_s)
         self._heartbeat_task: asyncio.Task | None = None
         self.engine_failed = False  # its thread stopped after a step raised
+        self._start_done = asyncio.Event()  # start returned or raised
         self._stopped = asyncio.Event()
 
     # ------------------------------------------------------------------ start
 
-    async def start(self, add_servicer: Callable[[grpc.aio.Server], None]) -> None:
+    async def start(self, add_servicer: Callable[[grpc.aio.Server], None]) -> bool:
+        """Start serving; False if ``drain`` was called before the model finished loading
+        (the worker then never turns SERVING, and the drain releases what was built)."""
+        try:
+            return await self._start(add_servicer)
+        finally:
+            self._start_done.set()
+
+    async def _start(self, add_servicer: Callable[[grpc.aio.Server], None]) -> bool:
         # The registry first: an unreachable Redis fails the start before the model loads.
         self.registry = await asyncio.to_thread(create_registry, self.config)
         self.server = grpc.aio.server()
@@ -125,11 +135,15 @@ class WorkerRuntime:
         await self.server.start()
         logger.info("%s listening on %s, loading the model", self.worker_id, self.address)
         await asyncio.get_running_loop().run_in_executor(None, self._build_engine)
+        if self.draining:
+            logger.info("%s told to stop while loading; not serving", self.worker_id)
+            return False
         await asyncio.to_thread(self.registry.register, self.info())
         self._heartbeat_task = asyncio.create_task(self._heartbeat())
         self.ready = True
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         logger.info("%s ready (engine %s)", self.worker_id, self.engine_id)
+        return True
 
     def _build_engine(self) -> None:
         from engine.models.maker import ensure_model
@@ -250,10 +264,13 @@ class WorkerRuntime:
         if self.draining:
             return
         self.draining = True
+        # A drain during start waits for it (model loading cannot be interrupted); start
+        # sees the flag and gives up before serving, and nothing is in flight then.
+        await self._start_done.wait()
         grace_s = self.config.role(self.role).drain_grace_s
         logger.info("%s draining (grace %.0fs)", self.worker_id, grace_s)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        if self.registry is not None:
+        if self.ready and self.registry is not None:
             try:
                 await asyncio.to_thread(self.registry.register, self.info())
             except Exception as exc:
@@ -272,6 +289,10 @@ class WorkerRuntime:
         await self.stop()
 
     async def stop(self) -> None:
+        """Release everything started so far, once. Servicers may still read the engine
+        and connector afterwards (a request past the grace period), so they stay set."""
+        if self._stopped.is_set():
+            return
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()
         if self.registry is not None:

@@ -34,3 +34,24 @@ def test_stop_string_cuts_and_is_never_streamed(tiny_llama):
     assert streamed == "alpha beta "
     assert detok.stop_string == "gamma"
     assert "gam" not in streamed
+
+
+def test_stop_strings_wait_for_min_tokens(tiny_llama):
+    """As in vLLM: a stop string inside the first min_tokens tokens does not stop the
+    sequence, the next one does; the same whether tokens arrive one by one or at once."""
+    tokenizer = Tokenizer(tiny_llama)
+    text = "alpha beta gamma delta gamma epsilon"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    first_gamma_ends = next(
+        n for n in range(1, len(ids) + 1) if "gamma" in tokenizer.decode(ids[:n])
+    )
+    for min_tokens, expected in ((0, "alpha beta "), (first_gamma_ends, "alpha beta gamma delta ")):
+        for step in (1, len(ids)):
+            detok = IncrementalDetokenizer(tokenizer, stop=["gamma"], min_tokens=min_tokens)
+            streamed = ""
+            for start in range(0, len(ids), step):
+                streamed += detok.add(ids[start : start + step])
+                if detok.stopped:
+                    break
+            streamed += detok.finish()
+            assert (streamed, detok.stopped) == (expected, True), (min_tokens, step)

@@ -41,7 +41,7 @@ def stack(tiny_llama, tmp_path_factory):
             "api_keys": [KEY],
             "served_model_name": MODEL,
             "min_disagg_tokens": 0,
-            "max_inflight_requests": 8,
+            "max_inflight_sequences": 8,
             "refresh_interval_s": 0.5,
         },
     )
@@ -299,6 +299,35 @@ def test_overload_is_429_with_retry_after(stack, aclient):
 
     codes = asyncio.run(burst())
     assert 429 in codes and 200 in codes
+
+
+def test_admission_counts_sequences_not_requests(stack, client):
+    """The limit (8 here) is on sequences: two streams of n=4 fill it, a third request is
+    refused until they end, and one request asking for more than the limit is a 400."""
+    with pytest.raises(openai.BadRequestError) as too_many:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1, n=9)
+    assert too_many.value.body["param"] == "n"
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": MODEL, "prompt": "x", "n": 4, "stream": True, "max_tokens": 400,
+            "min_tokens": 400}  # fmt: skip
+    with httpx.Client(base_url=stack.base_url, headers=headers, timeout=30) as http:
+        with (
+            http.stream("POST", "/v1/completions", json=body) as first,
+            http.stream("POST", "/v1/completions", json=body) as second,
+        ):
+            assert first.status_code == second.status_code == 200
+            with pytest.raises(openai.RateLimitError):
+                client.completions.create(model=MODEL, prompt="x", max_tokens=1)
+        # Both streams are closed: their sequences are given back and aborted.
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                reply = client.completions.create(model=MODEL, prompt="x", max_tokens=1, n=8)
+                break
+            except openai.RateLimitError:
+                assert time.monotonic() < deadline, "closed streams kept their admission"
+                time.sleep(0.2)
+    assert len(reply.choices) == 8
 
 
 def test_shared_prefixes_stick_and_unrelated_load_spreads(stack, aclient):

@@ -22,7 +22,7 @@ from common.config import PORT_STRIDE
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _is_free(port: int) -> bool:
+def port_is_free(port: int) -> bool:
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1", port))
@@ -36,7 +36,7 @@ def free_port_base(span: int) -> int:
     rng = random.Random()
     for _ in range(200):
         base = rng.randrange(20000, 60000 - span, PORT_STRIDE)
-        if all(_is_free(base + i) for i in range(span)):
+        if all(port_is_free(base + i) for i in range(span)):
             return base
     raise RuntimeError("no free port range")
 

@@ -1,5 +1,6 @@
 """Workers under failure: a prefill worker dies after answering, Redis registration and
-expiry after SIGKILL, an unreachable Redis, and SIGTERM drain with requests in flight."""
+expiry after SIGKILL, an unreachable Redis, SIGTERM drain with requests in flight, and a
+drain that arrives while the model is still loading."""
 
 from __future__ import annotations
 
@@ -7,20 +8,31 @@ import asyncio
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import Role
+from common.config_loader import load_config
 from common.registry import RedisRegistry
+from decode_service.servicer import DecodeServicer
 from engine import LLM, SamplingParams
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from tests.common.redis_server import free_port, redis_server
 from tests.engine.helpers import random_prompts
 from tests.support.pd_client import PDClient
-from tests.support.processes import ROOT, WorkerProcess, start_workers, write_config
+from tests.support.processes import (
+    ROOT,
+    WorkerProcess,
+    port_is_free,
+    start_workers,
+    write_config,
+)
+from worker.runtime import WorkerRuntime
 
 GREEDY = pb.SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
 
@@ -150,3 +162,47 @@ def test_unreachable_redis_fails_fast_with_a_clear_error(tiny_llama, tmp_path):
     )
     assert result.returncode == 2
     assert "cannot reach the Redis registry" in result.stderr
+
+
+def test_a_drain_while_the_model_loads_never_serves_and_releases_everything(tiny_llama, tmp_path):
+    """SIGTERM during model load (here: drain while the real load is held at a gate) must
+    not let the worker turn SERVING afterwards with its engine thread, connector and event
+    sockets left running."""
+    config = load_config(str(write_config(tmp_path / "c.yaml", tiny_llama)))
+    runtime = WorkerRuntime(config, Role.DECODE, 0)
+    servicer = DecodeServicer(runtime)
+    loading, release = threading.Event(), threading.Event()
+    build = runtime._build_engine
+
+    def gated_build() -> None:
+        loading.set()
+        release.wait(30)
+        build()
+
+    runtime._build_engine = gated_build
+
+    async def health() -> int:
+        async with grpc.aio.insecure_channel(runtime.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            return reply.status
+
+    async def body() -> tuple[bool, int]:
+        add = lambda server: pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)  # noqa: E731
+        start = asyncio.create_task(runtime.start(add))
+        await asyncio.to_thread(loading.wait, 30)
+        drain = asyncio.create_task(runtime.drain(servicer.in_flight))
+        await asyncio.sleep(0.2)
+        status_while_loading = await health()
+        release.set()
+        started = await asyncio.wait_for(start, 60)
+        await asyncio.wait_for(drain, 30)
+        return started, status_while_loading
+
+    started, status_while_loading = asyncio.run(body())
+    assert status_while_loading == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert started is False and not runtime.ready
+    assert runtime.async_engine is not None, "the gate let the real load run to its end"
+    assert not runtime.async_engine._thread.is_alive()
+    ports = runtime.ports
+    assert all(port_is_free(p) for p in (ports.grpc, ports.events, ports.replay, ports.kv_transfer))
