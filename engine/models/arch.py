@@ -93,18 +93,33 @@ def _rope_config(cfg: dict[str, Any], path: Path) -> RopeConfig:
             f"{path}: rope type {rope_type!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
+    # As transformers: the scaled types need their factors (a KeyError there), and llama3's
+    # original context defaults to max_position_embeddings.
+    required = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor",
+                                                  "high_freq_factor")}  # fmt: skip
+    missing = [key for key in required.get(rope_type, ()) if key not in params]
+    if missing:
+        raise ModelLoadError(f"{path}: rope type {rope_type!r} needs {', '.join(missing)}")
+    original = params.get("original_max_position_embeddings")
+    if original is None:
+        original = cfg.get("max_position_embeddings", 2048)
     return RopeConfig(
         theta=float(theta),
         rope_type=rope_type,
         factor=float(params.get("factor", 1.0)),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=int(original),
     )
 
 
+# transformers' config defaults where a checkpoint's config.json leaves the key out.
+_DEFAULT_SLIDING_WINDOW = {"MistralForCausalLM": 4096}
+_DEFAULT_MAX_WINDOW_LAYERS = 28  # Qwen2Config, Qwen3Config
+
+
 def _sliding_windows(cfg: dict[str, Any], architecture: str, num_layers: int) -> tuple:
-    window = cfg.get("sliding_window")
+    window = cfg.get("sliding_window", _DEFAULT_SLIDING_WINDOW.get(architecture))
     if not window:
         return (None,) * num_layers
     layer_types = cfg.get("layer_types")
@@ -115,7 +130,7 @@ def _sliding_windows(cfg: dict[str, Any], architecture: str, num_layers: int) ->
         # layer max_window_layers on.
         if not cfg.get("use_sliding_window", False):
             return (None,) * num_layers
-        first = cfg.get("max_window_layers", num_layers)
+        first = cfg.get("max_window_layers", _DEFAULT_MAX_WINDOW_LAYERS)
         return tuple(window if i >= first else None for i in range(num_layers))
     return (window,) * num_layers
 
@@ -158,6 +173,12 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
     o_bias = config_bias and not flags.qkv_bias
     if cfg.get("mlp_bias"):
         raise ModelLoadError(f"{path}: mlp_bias=true is not supported")
+    activation = cfg.get("hidden_act", "silu")
+    if activation not in ("silu", "swish"):
+        raise ModelLoadError(f"{path}: hidden_act {activation!r} is not supported (only silu)")
+    if cfg.get("quantization_config"):
+        method = cfg["quantization_config"].get("quant_method", "?")
+        raise ModelLoadError(f"{path}: quantized checkpoints ({method}) are not supported")
     return ModelArchConfig(
         architecture=architecture,
         vocab_size=int(_require(cfg, "vocab_size", path)),

@@ -2,13 +2,16 @@
 
 Handles one file (``model.safetensors``) or shards (``model.safetensors.index.json``), maps
 the checkpoint's separate q/k/v and gate/up tensors into the fused projections, ties the
-LM head to the embeddings when the config says so, and fails with a message naming the
+LM head to the embeddings when the config says so (unless the file stores a different
+head, which transformers then uses untied), and fails with a message naming the
 missing file or tensor.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -19,6 +22,9 @@ from engine.attention.backend import AttentionBackend
 from engine.models.arch import ModelArchConfig, ModelLoadError
 from engine.models.llama import LlamaForCausalLM
 
+logger = logging.getLogger(__name__)
+
+_HEAD, _EMBED = "lm_head.weight", "model.embed_tokens.weight"
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 _FUSED = re.compile(r"^(model\.layers\.\d+\.)(self_attn|mlp)\.(q|k|v|gate|up)_proj\.(weight|bias)$")
 
@@ -58,6 +64,23 @@ def _fused_target(name: str, arch: ModelArchConfig) -> tuple[str, int, int] | No
     return f"{prefix}mlp.gate_up_proj.{kind}", start, arch.intermediate_size
 
 
+def _stored_head_differs(files: list[Path]) -> bool:
+    """Whether the checkpoint stores an ``lm_head.weight`` that is not the embeddings."""
+    where: dict[str, Path] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in (_HEAD, _EMBED):
+                if name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    where[name] = path
+    if len(where) < 2:
+        return False
+    tensors = []
+    for name in (_HEAD, _EMBED):
+        with safe_open(str(where[name]), framework="pt", device="cpu") as f:
+            tensors.append(f.get_tensor(name))
+    return not torch.equal(tensors[0], tensors[1])
+
+
 def load_model(
     model_dir: str | Path,
     arch: ModelArchConfig,
@@ -68,6 +91,11 @@ def load_model(
 ) -> LlamaForCausalLM:
     model_dir = Path(model_dir)
     files = safetensors_files(model_dir)
+    if arch.tie_word_embeddings and _stored_head_differs(files):
+        # transformers (5) keeps such a head untied and uses it; so do we, for parity.
+        logger.warning("%s: tie_word_embeddings is set but lm_head.weight differs from the "
+                       "embeddings; using it untied, as transformers does", model_dir)  # fmt: skip
+        arch = dataclasses.replace(arch, tie_word_embeddings=False)
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, max_positions, backend)
     model = model.to_empty(device=device).to(dtype)
@@ -79,7 +107,7 @@ def load_model(
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if _IGNORED.match(name) or (arch.tie_word_embeddings and name == "lm_head.weight"):
+                if _IGNORED.match(name) or (arch.tie_word_embeddings and name == _HEAD):
                     continue
                 fused = _fused_target(name, arch)
                 target, start = (fused[0], fused[1]) if fused else (name, 0)

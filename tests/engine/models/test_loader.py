@@ -110,11 +110,16 @@ def test_missing_and_unsupported_are_named(tiny_llama, tmp_path):
     with pytest.raises(ModelLoadError, match="no model.safetensors"):
         LLM(broken)
     config = json.loads((tiny_llama / "config.json").read_text())
-    for key, value, message in (
-        ("architectures", ["GPT2LMHeadModel"], "GPT2LMHeadModel.*not supported"),
-        ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1.0}, "yarn.*not supported"),
+    for case, (key, value, message) in enumerate(
+        (
+            ("architectures", ["GPT2LMHeadModel"], "GPT2LMHeadModel.*not supported"),
+            ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1.0}, "yarn.*not supported"),
+            ("rope_parameters", {"rope_type": "llama3", "factor": 8.0}, "needs low_freq_factor"),
+            ("hidden_act", "gelu_pytorch_tanh", "hidden_act.*not supported"),
+            ("quantization_config", {"quant_method": "awq"}, r"quantized.*\(awq\)"),
+        )
     ):
-        odd = tmp_path / f"odd-{key}"
+        odd = tmp_path / f"odd-{case}"
         shutil.copytree(tiny_llama, odd)
         (odd / "config.json").write_text(json.dumps({**config, key: value}))
         with pytest.raises(ModelLoadError, match=message):
@@ -124,3 +129,46 @@ def test_missing_and_unsupported_are_named(tiny_llama, tmp_path):
     (fewer / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 5}))
     with pytest.raises(ModelLoadError, match=r"missing from the checkpoint.*layers\.4"):
         LLM(fewer)
+
+
+def test_config_keys_left_out_take_transformers_defaults(tiny_llama, tmp_path):
+    """config.json written with use_diff leaves out keys equal to transformers' defaults:
+    Mistral's 4096-token window, Qwen's max_window_layers=28, llama3's original context
+    (= max_position_embeddings)."""
+    config = json.loads((tiny_llama / "config.json").read_text())
+    config.pop("sliding_window", None)
+    cases = {
+        "mistral": ({**config, "architectures": ["MistralForCausalLM"]}, "sliding_windows",
+                    (4096,) * config["num_hidden_layers"]),
+        "qwen": ({**config, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True,
+                  "sliding_window": 64}, "sliding_windows", (None,) * config["num_hidden_layers"]),
+        "llama3": ({**config, "max_position_embeddings": 777, "rope_parameters": {
+                    "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
+                    "low_freq_factor": 1.0, "high_freq_factor": 4.0}}, "rope", None),
+    }  # fmt: skip
+    for name, (values, field, expected) in cases.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(values))
+        arch = read_arch_config(tmp_path / name)
+        if name == "llama3":
+            assert arch.rope.original_max_position_embeddings == 777
+        else:
+            assert getattr(arch, field) == expected, name
+
+
+def test_a_tied_config_with_a_different_stored_head_uses_it_as_transformers_does(
+    tiny_llama, tmp_path
+):
+    from safetensors.torch import load_file, save_file
+
+    model_dir = write_checkpoint(
+        tmp_path, tiny_llama, transformers.LlamaConfig, tie_word_embeddings=True
+    )
+    weights = load_file(model_dir / "model.safetensors")
+    torch.manual_seed(2)
+    weights["lm_head.weight"] = torch.randn_like(weights["model.embed_tokens.weight"]) * 0.2
+    save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
+    prompts = random_prompts((5, 40))
+    llm = LLM(model_dir, dtype="float32")
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=12, min_tokens=12, temperature=0))
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(model_dir, prompts, 12)
