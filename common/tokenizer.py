@@ -3,8 +3,10 @@ and torch-free).
 
 Reads a checkpoint's ``tokenizer.json`` with the ``tokenizers`` library (the same Rust code
 transformers' fast tokenizers run), its special tokens from ``tokenizer_config.json``, and
-its chat template from ``tokenizer_config.json`` or ``chat_template.jinja``, rendered in a
-sandboxed Jinja environment the way transformers renders it. Tests check token-for-token
+its chat template from ``chat_template.jinja`` or else ``tokenizer_config.json`` (the file
+wins, as in transformers), rendered in a sandboxed Jinja environment the way transformers
+renders it: the same variables (every special token, ``tools`` and ``documents`` None), the
+same filters and globals, and its ``{% generation %}`` tag. Tests check token-for-token
 agreement with ``transformers.AutoTokenizer``.
 """
 
@@ -42,18 +44,28 @@ class Tokenizer:
         self._config: dict[str, Any] = (
             json.loads(config_path.read_text()) if config_path.exists() else {}
         )
-        self.bos_token = _token_text(self._config.get("bos_token"))
-        self.eos_token = _token_text(self._config.get("eos_token"))
+        # What templates see as bos_token, eos_token, pad_token, ... (transformers passes
+        # its whole special-tokens map).
+        self.special_tokens: dict[str, Any] = {
+            key: text
+            for key, value in self._config.items()
+            if key.endswith("_token") and (text := _token_text(value)) is not None
+        }
+        extra = self._config.get("additional_special_tokens")
+        if isinstance(extra, list):
+            self.special_tokens["additional_special_tokens"] = [_token_text(t) for t in extra]
+        self.bos_token = self.special_tokens.get("bos_token")
+        self.eos_token = self.special_tokens.get("eos_token")
         self.chat_template = self._load_chat_template()
 
     def _load_chat_template(self) -> str | None:
+        jinja_file = self.model_dir / "chat_template.jinja"
+        if jinja_file.exists():
+            return jinja_file.read_text()
         template = self._config.get("chat_template")
         if isinstance(template, list):  # named templates: use "default"
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default") or next(iter(named.values()), None)
-        jinja_file = self.model_dir / "chat_template.jinja"
-        if template is None and jinja_file.exists():
-            template = jinja_file.read_text()
         return template
 
     @property
@@ -80,6 +92,7 @@ class Tokenizer:
     @cached_property
     def _template(self):  # -> jinja2.Template
         import jinja2
+        import jinja2.ext
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str) -> None:
@@ -91,8 +104,20 @@ class Tokenizer:
                 sort_keys=sort_keys,
             )  # fmt: skip
 
+        class GenerationTag(jinja2.ext.Extension):
+            """``{% generation %}...{% endgeneration %}`` marks assistant text for training
+            masks in transformers; rendering its body unchanged is all serving needs."""
+
+            tags = frozenset({"generation"})
+
+            def parse(self, parser):
+                next(parser.stream)
+                return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
         env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            trim_blocks=True,
+            lstrip_blocks=True,
+            extensions=["jinja2.ext.loopcontrols", GenerationTag],
         )
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
@@ -104,16 +129,16 @@ class Tokenizer:
     ) -> str:
         if not self.chat_template:
             raise TokenizerError("this model has no chat template; use the completions API")
-        import jinja2
-
+        variables = {"bos_token": "", "eos_token": "", **self.special_tokens}
         try:
             return self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
+                tools=None,
+                documents=None,
+                **variables,
             )
-        except jinja2.exceptions.TemplateError as exc:
+        except Exception as exc:  # the template's own checks, or its code failing on input
             raise TokenizerError(f"the chat template rejected the messages: {exc}") from exc
 
     def apply_chat_template(

@@ -37,6 +37,49 @@ def test_matches_transformers(model_factory, arch):
     assert ours.vocab_size == len(theirs)
 
 
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TEMPLATE_CASES = {  # name: (tokenizer_config.json template, chat_template.jinja)
+    "the jinja file wins": ("OLD " + CHATML, CHATML),
+    "tools and documents are none": (
+        "{% if tools is not none %}{{ tools | tojson }}{% endif %}"
+        "{% if documents is not none %}DOCS{% endif %}" + CHATML,
+        None,
+    ),
+    "every special token": ("[{{ unk_token }}|{{ pad_token }}]" + CHATML, None),
+    "generation tag": (
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}"
+        "{{ m['content'] }}{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}"
+        "{% endfor %}",
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", TEMPLATE_CASES)
+def test_templates_render_as_in_transformers(tiny_llama, tmp_path, case):
+    """Where the template comes from and what it may use, checked against transformers."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    template, jinja_file = TEMPLATE_CASES[case]
+    (tmp_path / "tokenizer.json").write_bytes((tiny_llama / "tokenizer.json").read_bytes())
+    config = json.loads((tiny_llama / "tokenizer_config.json").read_text())
+    config.update(chat_template=template, unk_token="<pad>", pad_token="<pad>")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    if jinja_file is not None:
+        (tmp_path / "chat_template.jinja").write_text(jinja_file)
+    theirs = AutoTokenizer.from_pretrained(tmp_path)
+    for generation_prompt in (True, False):
+        expected = theirs.apply_chat_template(
+            MESSAGES, add_generation_prompt=generation_prompt, tokenize=False
+        )
+        assert Tokenizer(tmp_path).render_chat(MESSAGES, generation_prompt) == expected
+
+
 def test_no_template_is_a_clear_error(tiny_llama, tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes((tiny_llama / name).read_bytes())
