@@ -14,6 +14,7 @@ from typing import Any
 from tqdm import tqdm
 
 from common.config import EngineConfig
+from common.generation_config import GenerationDefaults
 from common.tokenizer import Tokenizer
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -45,6 +46,17 @@ class LLM:
         self.tokenizer = Tokenizer(model)
         self._next_id = 0
 
+    def default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the checkpoint's generation_config.json defaults (as
+        vLLM's ``LLM.get_default_sampling_params``)."""
+        defaults = GenerationDefaults.read(self.model_dir)
+        overrides = {
+            key: value
+            for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+            if (value := getattr(defaults, key)) is not None
+        }
+        return SamplingParams(**overrides)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -56,7 +68,7 @@ class LLM:
         input order with ``text`` decoded. Invalid input raises before anything runs."""
         prompt_list = _normalize_prompts(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:

@@ -345,6 +345,8 @@ class LLMEngine:
                     request.sampling_params,
                     self._generators.get(request.request_id),
                     request.token_ids_banned_now(),
+                    request.prompt_token_ids,
+                    request.output_token_ids,
                 )
             chunks.append(
                 SequenceChunk(

@@ -1,9 +1,10 @@
-"""Pick each request's next token from its logits: greedy, or temperature / top-k / top-p.
+"""Pick each request's next token from its logits: bans and penalties, then greedy, or
+temperature / min-p / top-k / top-p (vLLM's order).
 
 Each request samples with its own ``torch.Generator`` (seeded from its ``seed``, or from
 the engine's seed when it has none), one row at a time, so a seeded request draws the same
 tokens whatever it is batched with. Log-probs are of the raw distribution (before bans,
-temperature, top-k and top-p), like vLLM's default.
+penalties, temperature, min-p, top-k and top-p), like vLLM's default.
 """
 
 from __future__ import annotations
@@ -22,6 +23,33 @@ class SamplingRow:
     params: SamplingParams
     generator: torch.Generator | None
     banned_token_ids: frozenset[int]
+    # The request's tokens so far; read only when it has penalties.
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+
+
+def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
+    """Penalise, in place, tokens already seen. logits: [V]. Costs O(prompt + output)
+    per step for a penalised request, nothing for the others."""
+    params = row.params
+    device = logits.device
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(
+            [*row.prompt_token_ids, *row.output_token_ids], dtype=torch.long, device=device
+        ).unique()
+        values = logits[seen]
+        penalty = params.repetition_penalty
+        logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    if (params.frequency_penalty or params.presence_penalty) and row.output_token_ids:
+        output = torch.tensor(list(row.output_token_ids), dtype=torch.long, device=device)
+        token_ids, counts = output.unique(return_counts=True)
+        logits[token_ids] -= params.frequency_penalty * counts + params.presence_penalty
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Mask tokens less likely than ``min_p`` x the likeliest. logits: [V], scaled."""
+    probs = logits.softmax(-1)
+    return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -75,6 +103,8 @@ def sample(
     for i, row in enumerate(rows):
         if row.banned_token_ids:
             logits[i, list(row.banned_token_ids)] = float("-inf")
+        if row.params.has_penalties:
+            _apply_penalties(logits[i], row)
     greedy_ids = logits.argmax(-1).tolist()
     results: list[tuple[int, TokenLogprobs | None]] = []
     for i, row in enumerate(rows):
@@ -82,7 +112,10 @@ def sample(
         if params.greedy:
             token_id = greedy_ids[i]
         else:
-            scaled = _apply_top_k_top_p(logits[i] / params.temperature, params.top_k, params.top_p)
+            scaled = logits[i] / params.temperature
+            if params.min_p > 0.0:
+                scaled = _apply_min_p(scaled, params.min_p)
+            scaled = _apply_top_k_top_p(scaled, params.top_k, params.top_p)
             probs = scaled.softmax(-1)
             token_id = int(torch.multinomial(probs, 1, generator=row.generator))
         token_logprobs = None

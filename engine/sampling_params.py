@@ -17,7 +17,14 @@ class SamplingParams:
     ``seed`` makes the request's random choices reproducible whatever it is batched with.
     ``logprobs`` is the number of top log-probs returned per sampled token (None: none;
     0: only the sampled token's own). Log-probs are of the model's raw distribution,
-    before temperature, top-k and top-p.
+    before penalties, temperature, min-p, top-k and top-p.
+
+    Penalties, with vLLM's and OpenAI's meanings: ``repetition_penalty`` (1: off) divides
+    positive logits and multiplies negative ones of every token in the prompt or the
+    output (as transformers); ``frequency_penalty`` subtracts itself times each token's
+    count in the output, ``presence_penalty`` itself once per token in the output.
+    ``min_p`` (0: off) drops tokens less likely than ``min_p`` times the likeliest one,
+    after temperature.
     """
 
     max_tokens: int | None = 16
@@ -29,6 +36,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -58,6 +69,20 @@ class SamplingParams:
             raise bad("seed", f"must fit in 64 bits, got {self.seed}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:  # NaN fails too
+                raise bad(name, f"must be in [-2, 2], got {value}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+        )
 
     @property
     def greedy(self) -> bool:

@@ -11,9 +11,10 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -46,6 +47,7 @@ logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks its client is still there
 
 _OPEN_PATHS = {"/health", "/metrics"}
+_GONE = object()  # what ``until_disconnected`` returns when the client left first
 
 
 def _error_response(error: APIError) -> JSONResponse:
@@ -53,13 +55,15 @@ def _error_response(error: APIError) -> JSONResponse:
 
 
 class _AdmittedStream(StreamingResponse):
-    """A streamed response that gives its admission back when the response ends, however
-    it ends: also when the client left before the first byte, in which case the body's
-    generator never starts and its own ``finally`` would never run."""
+    """A streamed response that, however it ends, gives its admission back and closes the
+    choices' event stream (which aborts sequences still running): also when the client
+    left before the first byte, when the body's generator never starts and its own
+    ``finally`` would never run."""
 
-    def __init__(self, content: AsyncIterator[bytes], release: Callable[[], None],
-                 **kwargs: Any) -> None:  # fmt: skip
+    def __init__(self, content: AsyncIterator[bytes], events: AsyncGenerator,
+                 release: Callable[[], None], **kwargs: Any) -> None:  # fmt: skip
         super().__init__(content, **kwargs)
+        self._events = events
         self._release = release
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -67,6 +71,8 @@ class _AdmittedStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._release()
+            with anyio.CancelScope(shield=True):  # runs even when the client's gone
+                await self._events.aclose()
 
 
 class _ApiKeyAuth:
@@ -104,8 +110,15 @@ def create_app(state: RouterState) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
-        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        loc = first.get("loc", ())
         message = first.get("msg", "invalid request").removeprefix("Value error, ")
+        if first.get("type") == "json_invalid":
+            return await api_error(request, bad_request(f"the body is not valid JSON: {message}"))
+        # The top-level field: deeper parts of ``loc`` include pydantic's union tags
+        # ("prompt.str", "prompt.list[int]"), which mean nothing to a client.
+        param = loc[1] if len(loc) > 1 and isinstance(loc[1], str) else None
+        if param is None and first.get("type") == "missing":
+            message = "the request needs a JSON body"
         return await api_error(request, bad_request(message, param))
 
     app.add_middleware(_ApiKeyAuth, state=state)
@@ -211,6 +224,9 @@ def create_app(state: RouterState) -> FastAPI:
     ):
         if state.draining:
             raise unavailable("the router is draining")
+        vocab = state.tokenizer.vocab_size
+        if any(t >= vocab for t in body.stop_token_ids or ()):
+            raise bad_request(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
         num_sequences = len(prompts) * body.n
         limit = state.config.router.max_inflight_sequences
         if num_sequences > limit:
@@ -222,6 +238,12 @@ def create_app(state: RouterState) -> FastAPI:
         if state.num_inflight + num_sequences > limit:
             raise overloaded()
         sampling = state.sampling_params(body, logprobs, chat)
+        if sampling.HasField("max_tokens") and sampling.min_tokens > sampling.max_tokens:
+            raise bad_request(
+                f"min_tokens must be <= max_tokens={sampling.max_tokens}, got "
+                f"{sampling.min_tokens}",
+                "min_tokens",
+            )
         response_id = new_id("chatcmpl" if chat else "cmpl")
         choices = build_choices(
             response_id,
@@ -248,54 +270,66 @@ def create_app(state: RouterState) -> FastAPI:
         def release() -> None:
             state.num_inflight -= num_sequences
 
+        events = merge_choices(state.dispatcher, choices, state.metrics, arrival)
+
+        async def collect() -> None:
+            async for _ in events:
+                pass
+
+        # A stream's headers wait for its first event, so that what fails before anything
+        # was generated (no worker, a worker refusing the input) is an HTTP status, as
+        # without streaming, and not a 200 with an error event.
+        work = anext(events, None) if body.stream else collect()
+        try:
+            first = await until_disconnected(request, work)
+        except BaseException as exc:
+            release()
+            await events.aclose()
+            if isinstance(exc, APIError) or not isinstance(exc, Exception):
+                raise
+            logger.exception("request %s failed", response_id)
+            raise internal(response_id) from None
+        if first is _GONE:
+            release()
+            await events.aclose()
+            return Response(status_code=499)  # nobody is listening; the work is aborted
         if body.stream:
             return _AdmittedStream(
-                stream(formatter, choices, body.include_usage, arrival),
+                stream(formatter, choices, first, events, body.include_usage),
+                events,
                 release,
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-
-        async def collect() -> None:
-            async for _ in merge_choices(state.dispatcher, choices, state.metrics, arrival):
-                pass
-
-        try:
-            if not await finish_unless_disconnected(request, collect()):
-                return Response(status_code=499)  # nobody is listening; the work is aborted
-        except APIError:
-            raise
-        except Exception:
-            logger.exception("request %s failed", response_id)
-            raise internal(response_id) from None
-        finally:
-            release()
+        release()
         state.record_finished(choices)
         return JSONResponse(formatter.final(choices))
 
-    async def finish_unless_disconnected(request: Request, work) -> bool:
-        """Run ``work``; if the client goes away first, cancel it (which aborts its
-        sequences on the workers) and return False. Streams notice a gone client when a
-        write fails; a non-streaming response writes only at the end, so it is watched."""
+    async def until_disconnected(request: Request, work: Awaitable) -> Any:
+        """``work``'s result; if the client goes away first, cancel it (which aborts its
+        sequences on the workers) and return ``_GONE``. Streams notice a gone client when
+        a write fails; before the first write, and for a non-streaming response, which
+        writes only at the end, the client is watched."""
         task = asyncio.ensure_future(work)
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
                 if done:
-                    task.result()
-                    return True
+                    return task.result()
                 if await request.is_disconnected():
-                    return False
+                    return _GONE
         finally:
             if not task.done():
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
 
-    async def stream(formatter: Formatter, choices, include_usage: bool, arrival: float
-                     ) -> AsyncIterator[bytes]:  # fmt: skip
+    async def stream(formatter: Formatter, choices, first, events: AsyncIterator,
+                     include_usage: bool) -> AsyncIterator[bytes]:  # fmt: skip
         try:
-            async for event in merge_choices(state.dispatcher, choices, state.metrics, arrival):
+            if first is not None:
+                yield sse(formatter.chunk(first))
+            async for event in events:
                 yield sse(formatter.chunk(event))
             if include_usage:
                 yield sse(formatter.usage_chunk(choices))

@@ -27,6 +27,13 @@ def usage_body(choices: list[Choice]) -> dict[str, Any]:
     }
 
 
+def _top_with_sampled(lp: pb.TokenLogprobs, token_text: TokenText) -> dict[str, float]:
+    """OpenAI's up to logprobs + 1 entries: the top ones and always the sampled token."""
+    top = {token_text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
+    top[token_text(lp.token_id)] = lp.logprob
+    return top
+
+
 def completion_logprobs(
     logprobs: list[pb.TokenLogprobs], token_text: TokenText, text_start: int
 ) -> dict[str, Any]:
@@ -38,10 +45,7 @@ def completion_logprobs(
     return {
         "tokens": tokens,
         "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [
-            {token_text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
-            for lp in logprobs
-        ],
+        "top_logprobs": [_top_with_sampled(lp, token_text) for lp in logprobs],
         "text_offset": offsets,
     }
 

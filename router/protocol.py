@@ -1,8 +1,9 @@
 """The OpenAI request schemas the gateway accepts, validated with pydantic.
 
 Unknown fields are ignored (clients send many). Fields we cannot honour with a non-default
-value (penalties, logit_bias, echo, tools, client chat templates) are refused with a 400
-naming the field rather than silently ignored.
+value (logit_bias, echo, tools, client chat templates, special-token text) are refused with
+a 400 naming the field rather than silently ignored. Sampling fields left unset (None) take
+the checkpoint's ``generation_config.json`` defaults (see ``common.generation_config``).
 """
 
 from __future__ import annotations
@@ -28,10 +29,14 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: str | None = None  # None: the served model (as vLLM)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -45,10 +50,11 @@ class _SamplingFields(BaseModel):
     # ids next to the text of each choice.
     cache_salt: str | None = None
     return_token_ids: bool = False
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # vLLM's detokenization options, honoured only at their defaults.
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     @field_validator("stop")
     @classmethod
@@ -66,13 +72,16 @@ class _SamplingFields(BaseModel):
 
     @model_validator(mode="after")
     def _unsupported(self) -> _SamplingFields:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise ValueError(f"{name} is not supported; leave it unset or 0")
-        if self.repetition_penalty not in (None, 1, 1.0):
-            raise ValueError("repetition_penalty is not supported; leave it unset or 1")
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
+        if not self.skip_special_tokens:
+            raise ValueError("skip_special_tokens=false is not supported")
+        if not self.spaces_between_special_tokens:
+            raise ValueError("spaces_between_special_tokens=false is not supported")
+        if self.include_stop_str_in_output:
+            raise ValueError("include_stop_str_in_output is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream=true")
         return self
 
     @property
@@ -118,6 +127,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None  # refused (the template would drop them)
+    function_call: Any = None
 
     def text(self) -> str:
         if self.content is None:
@@ -142,14 +153,21 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
     response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
         if self.chat_template is not None or self.chat_template_kwargs:
             raise ValueError("client-supplied chat templates are not accepted")
-        if self.tools:
+        if self.tools or self.functions:
             raise ValueError("tools are not supported")
+        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
+            raise ValueError("tool_choice needs tools, which are not supported")
+        if any(m.tool_calls or m.function_call for m in self.messages):
+            raise ValueError("messages with tool calls are not supported")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise ValueError("response_format other than text is not supported")
         if self.top_logprobs and not self.logprobs:

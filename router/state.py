@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from common.config import PdserveConfig, Role
+from common.generation_config import GenerationDefaults
 from common.model_info import ModelInfo, model_info
 from common.registry import create_registry
 from common.tokenizer import Tokenizer
@@ -40,6 +41,7 @@ class RouterState:
     draining: bool = False
     num_inflight: int = 0  # sequences admitted and not yet ended (see app.respond)
     num_finished: int = 0
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     _token_texts: dict[int, str] = field(default_factory=dict)
 
     @classmethod
@@ -59,7 +61,8 @@ class RouterState:
         policy = PlacementPolicy(config.router, model.block_size, decode_engine.max_num_seqs)
         dispatcher = Dispatcher(config.router, pool, index, lock, policy, metrics, model.block_size)
         return cls(config, model, Tokenizer(model.model_dir), index, lock, events, pool,
-                   metrics, dispatcher)  # fmt: skip
+                   metrics, dispatcher,
+                   generation_defaults=GenerationDefaults.read(model.model_dir))  # fmt: skip
 
     async def start(self) -> None:
         self.events.start()
@@ -89,22 +92,7 @@ class RouterState:
         return text
 
     def sampling_params(self, body, logprobs: int | None, chat: bool) -> pb.SamplingParams:
-        params = pb.SamplingParams(
-            min_tokens=body.min_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=body.top_k or 0,
-            stop_token_ids=body.stop_token_ids or [],
-            ignore_eos=body.ignore_eos,
-        )
-        limit = body.completion_limit if chat else body.max_tokens
-        if limit is not None:
-            params.max_tokens = limit
-        if body.seed is not None:
-            params.seed = body.seed
-        if logprobs is not None:
-            params.logprobs = logprobs
-        return params
+        return sampling_params(body, self.generation_defaults, logprobs, chat)
 
     def record_finished(self, choices: list[Choice]) -> None:
         self.num_finished += 1
@@ -115,3 +103,34 @@ class RouterState:
             ).inc()
             metrics.generation_tokens.inc(len(choice.token_ids))
         metrics.prompt_tokens.inc(sum(len(c.request.prompt_token_ids) for c in choices))
+
+
+def _first_set(*values):
+    return next(v for v in values if v is not None)
+
+
+def sampling_params(
+    body, defaults: GenerationDefaults, logprobs: int | None, chat: bool
+) -> pb.SamplingParams:
+    """The request's sampling fields; those it leaves unset take the checkpoint's
+    defaults, then the API's."""
+    params = pb.SamplingParams(
+        min_tokens=body.min_tokens,
+        temperature=_first_set(body.temperature, defaults.temperature, 1.0),
+        top_p=_first_set(body.top_p, defaults.top_p, 1.0),
+        top_k=_first_set(body.top_k, defaults.top_k, 0),
+        min_p=_first_set(body.min_p, defaults.min_p, 0.0),
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=_first_set(body.repetition_penalty, defaults.repetition_penalty, 1.0),
+        stop_token_ids=body.stop_token_ids or [],
+        ignore_eos=body.ignore_eos,
+    )
+    limit = body.completion_limit if chat else body.max_tokens
+    if limit is not None:
+        params.max_tokens = limit
+    if body.seed is not None:
+        params.seed = body.seed
+    if logprobs is not None:
+        params.logprobs = logprobs
+    return params

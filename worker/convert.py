@@ -20,6 +20,10 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty or 1.0,
+        min_p=msg.min_p,
     )
 
 
@@ -31,6 +35,10 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         top_k=params.top_k,
         stop_token_ids=list(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        min_p=params.min_p,
     )
     if params.max_tokens is not None:
         msg.max_tokens = params.max_tokens

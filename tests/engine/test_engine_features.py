@@ -95,6 +95,80 @@ def test_top_k_one_is_greedy(tiny_llama, prompts, baseline):
     assert llm.engine.leak_report() == []
 
 
+def test_min_p_one_is_greedy(tiny_llama, prompts, baseline):
+    llm = LLM(tiny_llama)
+    params = SamplingParams(max_tokens=24, min_tokens=24, temperature=1.5, min_p=1.0, seed=3)
+    outputs = llm.generate(prompts[:3], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == baseline[:3]
+    assert llm.engine.leak_report() == []
+
+
+def _hf_penalised_greedy(model_dir, prompts, num_tokens, repetition, presence, frequency):
+    """transformers' greedy tokens with its repetition penalty and, as an independent
+    oracle for OpenAI's presence/frequency penalties, a processor over generated tokens."""
+    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    class OpenAIPenalties(LogitsProcessor):
+        def __init__(self, prompt_len: int) -> None:
+            self.prompt_len = prompt_len
+
+        def __call__(self, input_ids, scores):
+            generated = input_ids[0, self.prompt_len :]
+            if generated.numel():
+                token_ids, counts = generated.unique(return_counts=True)
+                scores[0, token_ids] -= frequency * counts + presence
+            return scores
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    outputs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            generated = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=num_tokens,
+                min_new_tokens=num_tokens,
+                do_sample=False,
+                repetition_penalty=repetition,
+                logits_processor=LogitsProcessorList([OpenAIPenalties(len(prompt))]),
+            )
+            outputs.append(generated[0, len(prompt) :].tolist())
+    return outputs
+
+
+def test_penalties_match_transformers_whatever_the_batch(tiny_llama, prompts, baseline):
+    """Repetition (prompt + output), presence and frequency (output) penalties, greedy,
+    against transformers; penalised requests batched with plain ones are unaffected by
+    them, and the plain ones by the penalised."""
+    penalised = SamplingParams(
+        max_tokens=24, min_tokens=24, temperature=0, repetition_penalty=1.3,
+        presence_penalty=0.5, frequency_penalty=0.4,
+    )  # fmt: skip
+    expected = _hf_penalised_greedy(tiny_llama, prompts[:3], 24, 1.3, 0.5, 0.4)
+    assert expected != baseline[:3]  # the penalties change these tokens
+    llm = LLM(tiny_llama)
+    mixed = [penalised, GREEDY, penalised, GREEDY, penalised, GREEDY]
+    sources = [prompts[0], prompts[3], prompts[1], prompts[4], prompts[2], prompts[5]]
+    outputs = [o.outputs[0].token_ids for o in llm.generate(sources, mixed, use_tqdm=False)]
+    assert outputs[0::2] == expected
+    assert outputs[1::2] == [baseline[3], baseline[4], baseline[5]]
+    assert llm.engine.leak_report() == []
+
+
+def test_default_sampling_params_come_from_generation_config(tiny_llama, prompts, tmp_path):
+    shutil.copytree(tiny_llama, tmp_path, dirs_exist_ok=True)
+    path = tmp_path / "generation_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "temperature": 0.0,
+                                "repetition_penalty": 1.3, "top_k": 5}))  # fmt: skip
+    llm = LLM(tmp_path)
+    assert llm.default_sampling_params() == SamplingParams(
+        temperature=0.0, repetition_penalty=1.3, top_k=5
+    )
+    unset = llm.generate(prompts[:2], use_tqdm=False)
+    explicit = llm.generate(prompts[:2], llm.default_sampling_params(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in unset] == [o.outputs[0].token_ids for o in explicit]
+
+
 def test_stop_token_ids_and_max_tokens(tiny_llama, prompts, baseline):
     llm = LLM(tiny_llama)
     stop_token = baseline[0][5]

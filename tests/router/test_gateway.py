@@ -125,6 +125,26 @@ def test_greedy_completions_equal_offline(client, tiny_llama):
     assert usage.completion_tokens == 12 and usage.prompt_tokens == 100
 
 
+def test_penalties_cross_the_disaggregated_path_unchanged(client, tiny_llama):
+    """The prefill worker samples the first token and the decode worker the rest, both
+    with the prompt and the outputs so far: tokens equal the offline engine's."""
+    prompts = random_prompts((30, 70), seed=87)
+    penalties = {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.4}
+    offline = LLM(tiny_llama).generate(
+        prompts, SamplingParams(max_tokens=16, min_tokens=16, temperature=0, **penalties),
+        use_tqdm=False,
+    )  # fmt: skip
+    reply = client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=16, temperature=0,
+        presence_penalty=0.5, frequency_penalty=0.4,
+        extra_body={"min_tokens": 16, "return_token_ids": True, "repetition_penalty": 1.3},
+    )  # fmt: skip
+    by_index = sorted(reply.choices, key=lambda c: c.index)
+    assert [c.model_extra["token_ids"] for c in by_index] == [
+        o.outputs[0].token_ids for o in offline
+    ]
+
+
 def test_chat_stream_equals_non_stream(client):
     messages = [{"role": "user", "content": "Say something about gRPC."}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
@@ -272,16 +292,31 @@ def test_error_codes(stack, client):
     with pytest.raises(openai.BadRequestError, match="chat templates"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
                                        extra_body={"chat_template": "{{ 1 }}"})  # fmt: skip
-    # An error after the stream started: an error event, then [DONE].
-    with httpx.stream(
-        "POST", f"{stack.base_url}/v1/completions",
-        headers={"Authorization": f"Bearer {KEY}"},
-        json={"model": MODEL, "prompt": "x", "max_tokens": 2, "min_tokens": 5, "stream": True},
-        timeout=30,
-    ) as response:  # fmt: skip
-        lines = [line for line in response.iter_lines() if line]
-    assert response.status_code == 200
-    assert '"error"' in lines[-2] and "min_tokens" in lines[-2] and lines[-1] == "data: [DONE]"
+    # Streamed, a bad request is still a 400 (the headers wait for the first event).
+    with pytest.raises(openai.BadRequestError) as streamed:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, stream=True,
+                                  extra_body={"min_tokens": 5})  # fmt: skip
+    assert streamed.value.body["param"] == "min_tokens"
+    # OpenAI's shapes for the rest: no model means the served one; tool fields and stream
+    # options without a stream are refused; JSON errors name no made-up field.
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    url = f"{stack.base_url}/v1/completions"
+    reply = httpx.post(url, headers=auth, json={"prompt": "x", "max_tokens": 1}, timeout=30)
+    assert reply.status_code == 200 and reply.json()["model"] == MODEL
+    chat = [{"role": "user", "content": "x"}]
+    for extra in ({"tool_choice": "required"}, {"functions": [{"name": "f"}]},
+                  {"stream_options": {"include_usage": True}}):  # fmt: skip
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=MODEL, messages=chat, extra_body=extra)
+    for body, param in (
+        (b'{"model": "tiny", "prompt": ', None),
+        (b'{"model": "tiny", "prompt": null}', "prompt"),
+    ):
+        reply = httpx.post(url, content=body, headers=auth, timeout=30)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+    with pytest.raises(openai.BadRequestError) as beyond_vocab:
+        client.completions.create(model=MODEL, prompt="x", extra_body={"stop_token_ids": [10**6]})
+    assert beyond_vocab.value.body["param"] == "stop_token_ids"
 
 
 def test_overload_is_429_with_retry_after(stack, aclient):
@@ -389,3 +424,21 @@ async def load_after(aclient, prompts):
         for p in prompts
     ))  # fmt: skip
     return [(r.choices[0].finish_reason, r.usage.completion_tokens) for r in replies]
+
+
+def test_with_no_decode_worker_a_stream_fails_with_a_status(stack, client):
+    """Runs last: it kills decode-0. What fails before the first token is an HTTP status
+    (503, Retry-After) streamed or not, so clients' retry logic applies. (A decode worker
+    that fails after the prefill worker's first token was sent is an error event.)"""
+    os.kill(stack.children()["decode-0"], signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while get_json(f"{stack.base_url}/health")[0] != 503:  # the router noticed
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    for stream in (True, False):
+        with pytest.raises(openai.InternalServerError) as refused:
+            reply = client.completions.create(model=MODEL, prompt="x", max_tokens=2, stream=stream)
+            list(reply) if stream else None
+        assert refused.value.status_code == 503
+        assert refused.value.response.headers["retry-after"]
+        assert "127.0.0.1" not in refused.value.message  # no addresses in the message

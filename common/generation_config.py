@@ -1,0 +1,42 @@
+"""A checkpoint's sampling defaults from its ``generation_config.json``.
+
+vLLM applies these (``--generation-config auto``, its default) to every request field the
+client leaves unset, and transformers' ``generate`` applies them too; a checkpoint such as
+Qwen2.5-Instruct ships ``repetition_penalty: 1.05`` and its own temperature and top-p.
+The keys read are vLLM's (``do_sample`` is not one of them). Torch-free: the router reads
+it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationDefaults:
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+
+    @classmethod
+    def read(cls, model_dir: str | Path) -> GenerationDefaults:
+        path = Path(model_dir) / "generation_config.json"
+        if not path.exists():
+            return cls()
+        values = json.loads(path.read_text())
+
+        def number(key: str, kind: type) -> float | int | None:
+            value = values.get(key)
+            return kind(value) if isinstance(value, int | float) else None
+
+        return cls(
+            temperature=number("temperature", float),
+            top_p=number("top_p", float),
+            top_k=number("top_k", int),
+            min_p=number("min_p", float),
+            repetition_penalty=number("repetition_penalty", float),
+        )

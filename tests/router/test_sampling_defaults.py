@@ -1,0 +1,32 @@
+"""Request fields left unset take the checkpoint's generation_config.json defaults."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.generation_config import GenerationDefaults
+from router.protocol import ChatCompletionRequest
+from router.state import sampling_params
+
+
+def test_unset_fields_take_the_checkpoint_defaults(tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps({
+        "temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05,
+        "do_sample": True, "eos_token_id": [1, 2],
+    }))  # fmt: skip
+    defaults = GenerationDefaults.read(tmp_path)
+    messages = [{"role": "user", "content": "hi"}]
+    unset = sampling_params(ChatCompletionRequest(messages=messages), defaults, None, chat=True)
+    assert (unset.temperature, unset.top_k, unset.min_p) == (pytest.approx(0.7), 20, 0.0)
+    assert unset.top_p == pytest.approx(0.8) and unset.repetition_penalty == 1.05
+    asked = ChatCompletionRequest(messages=messages, temperature=0, top_k=-1,
+                                  repetition_penalty=1.0)  # fmt: skip
+    given = sampling_params(asked, defaults, None, chat=True)
+    assert (given.temperature, given.top_k, given.repetition_penalty) == (0.0, -1, 1.0)
+    # No file (or no sampling keys in it): the API's own defaults.
+    no_file = GenerationDefaults.read(tmp_path / "none")
+    plain = sampling_params(ChatCompletionRequest(messages=messages), no_file, None, chat=True)
+    fields = (plain.temperature, plain.top_p, plain.top_k, plain.repetition_penalty)
+    assert fields == (1.0, 1.0, 0, 1.0)
