@@ -259,6 +259,9 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     # How often the router refreshes the worker list, health and load.
     refresh_interval_s: float = 1.0
+    # A worker that answers no probe for this long (frozen: a hung device, a stopped
+    # process) has its requests in flight failed, or retried where nothing was sent yet.
+    worker_stall_timeout_s: float = 10.0
     drain_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -272,6 +275,7 @@ class RouterConfig:
             "prefill_timeout_s",
             "request_timeout_s",
             "refresh_interval_s",
+            "worker_stall_timeout_s",
         ):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"router.{key}", "must be > 0")

@@ -31,7 +31,7 @@ from router.errors import APIError, bad_request, unavailable
 from router.metrics import RouterMetrics
 from router.policy import Placement, PlacementPolicy, WorkerLoad
 from router.prefix_index import PrefixIndex
-from router.workers import WorkerPool, WorkerState
+from router.workers import WorkerPool, WorkerStalled, WorkerState
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +207,11 @@ class Dispatcher:
             worker.queued_prefill_tokens += uncached
             call = worker.prefill.Prefill(message, timeout=self.config.prefill_timeout_s)
             try:
-                reply = await call
+                with worker.tracking(call):
+                    reply = await call
+            except WorkerStalled:
+                self.metrics.prefill_failures.inc()
+                continue  # the pool has marked it down; nothing was sent to the client
             except grpc.aio.AioRpcError as exc:
                 client_error = _client_error(exc)
                 if client_error is not None:
@@ -264,27 +268,33 @@ class Dispatcher:
             worker.kv_blocks_in_use += blocks
             call = worker.decode.Generate(message, timeout=self.config.request_timeout_s)
             try:
-                async for chunk in call:
-                    if not started:  # the decode worker has the KV: free the prefill copy
-                        started = True
-                        release_lease()
-                    num_tokens += len(chunk.token_ids)
-                    grown = -(-num_tokens // self.block_size) - blocks
-                    worker.kv_blocks_in_use += grown
-                    blocks += grown
-                    delta = TokenDelta(list(chunk.token_ids), list(chunk.logprobs))
-                    if first is not None:  # the prompt was computed (or reused) there
-                        delta.cached_tokens = first.num_cached_tokens
-                    elif chunk.HasField("usage"):
-                        delta.cached_tokens = chunk.usage.cached_tokens
-                    if chunk.finish_reason:
-                        delta.finish_reason = chunk.finish_reason
-                        delta.usage = chunk.usage
+                with worker.tracking(call):
+                    async for chunk in call:
+                        if not started:  # the decode worker has the KV: free the prefill copy
+                            started = True
+                            release_lease()
+                        num_tokens += len(chunk.token_ids)
+                        grown = -(-num_tokens // self.block_size) - blocks
+                        worker.kv_blocks_in_use += grown
+                        blocks += grown
+                        delta = TokenDelta(list(chunk.token_ids), list(chunk.logprobs))
                         if first is not None:  # the prompt was computed (or reused) there
-                            delta.usage.cached_tokens = first.num_cached_tokens
-                        self.metrics.observe_decode(chunk.timings, chunk.num_blocks_pulled)
-                    yield delta
+                            delta.cached_tokens = first.num_cached_tokens
+                        elif chunk.HasField("usage"):
+                            delta.cached_tokens = chunk.usage.cached_tokens
+                        if chunk.finish_reason:
+                            delta.finish_reason = chunk.finish_reason
+                            delta.usage = chunk.usage
+                            if first is not None:  # the prompt was computed (or reused) there
+                                delta.usage.cached_tokens = first.num_cached_tokens
+                            self.metrics.observe_decode(chunk.timings, chunk.num_blocks_pulled)
+                        yield delta
                 return
+            except WorkerStalled:
+                self.metrics.decode_failures.inc()
+                if started:
+                    raise unavailable("the decode worker stopped responding") from None
+                continue  # the pool has marked it down; try the next one
             except grpc.aio.AioRpcError as exc:
                 client_error = _client_error(exc)
                 if client_error is not None:

@@ -55,6 +55,7 @@ class RouterState:
             events,
             config.router.refresh_interval_s,
             config.router.request_timeout_s,
+            config.router.worker_stall_timeout_s,
         )
         metrics = RouterMetrics(model.served_name)
         decode_engine = config.engine_for(Role.DECODE)

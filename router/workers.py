@@ -2,8 +2,10 @@
 how loaded each is (Stats plus the router's own in-flight accounting), and their stubs.
 
 A worker that is draining, fails its health check, or leaves the registry stops being a
-candidate at once; requests already on it finish. New registry entries are picked up on
-the next refresh, so workers can be added and removed while the router runs.
+candidate at once; requests already on it finish, unless it stops answering altogether for
+``stall_timeout_s``: then they are failed (see ``WorkerPool._give_up_if_stalled``). New
+registry entries are picked up on the next refresh, so workers can be added and removed
+while the router runs.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -45,6 +49,27 @@ class WorkerState:
     queued_prefill_tokens: int = 0
     running: int = 0
     kv_blocks_in_use: int = 0
+    # Stall detection: since when its probes fail, its calls in flight, and those of them
+    # the pool cancelled because it stopped answering.
+    unreachable_since: float | None = None
+    calls: set[grpc.aio.Call] = field(default_factory=set)
+    abandoned: set[grpc.aio.Call] = field(default_factory=set)
+
+    @contextlib.contextmanager
+    def tracking(self, call: grpc.aio.Call) -> Iterator[None]:
+        """Wrap the use of ``call``: if the pool gives up on this worker meanwhile, the
+        call's cancellation surfaces as ``WorkerStalled`` instead of ``CancelledError``."""
+        self.calls.add(call)
+        try:
+            yield
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if call in self.abandoned and (task is None or not task.cancelling()):
+                raise WorkerStalled(self.worker_id) from None
+            raise
+        finally:
+            self.calls.discard(call)
+            self.abandoned.discard(call)
 
     @property
     def worker_id(self) -> str:
@@ -65,6 +90,10 @@ class WorkerState:
         )
 
 
+class WorkerStalled(Exception):
+    """The pool cancelled a call because its worker stopped answering probes."""
+
+
 class WorkerPool:
     def __init__(
         self,
@@ -72,11 +101,13 @@ class WorkerPool:
         events: EventListener,
         refresh_s: float,
         request_timeout_s: float,
+        stall_timeout_s: float = 10.0,
     ) -> None:
         self.registry = registry
         self.events = events
         self.refresh_s = refresh_s
         self.request_timeout_s = request_timeout_s
+        self.stall_timeout_s = stall_timeout_s
         self.workers: dict[str, WorkerState] = {}
         self._task: asyncio.Task | None = None
         self._retiring: set[asyncio.Task] = set()  # channels closing with a grace period
@@ -168,11 +199,31 @@ class WorkerPool:
                     logger.info("worker %s restarted", state.worker_id)
                     self.events.add(state.info)
                 state.stats = stats
+            state.unreachable_since = None
         except grpc.aio.AioRpcError:
             healthy = False
+            self._give_up_if_stalled(state)
         if healthy != state.healthy:
             logger.info("worker %s is %s", state.worker_id, "up" if healthy else "down")
         state.healthy = healthy
+
+    def _give_up_if_stalled(self, state: WorkerState) -> None:
+        """A worker that has not answered a probe for ``stall_timeout_s`` (frozen: a hung
+        device, a stopped process) gets its calls in flight cancelled, so their clients
+        get an error (or a retry elsewhere) instead of waiting out the request timeout.
+        A dead worker's calls fail by themselves; a frozen one's never would."""
+        now = time.monotonic()
+        if state.unreachable_since is None:
+            state.unreachable_since = now
+            return
+        pending = state.calls - state.abandoned
+        if now - state.unreachable_since < self.stall_timeout_s or not pending:
+            return
+        logger.error("worker %s has not answered for %.0f s; failing its %d calls",
+                     state.worker_id, now - state.unreachable_since, len(pending))  # fmt: skip
+        for call in pending:
+            state.abandoned.add(call)
+            call.cancel()
 
     def mark_unhealthy(self, worker_id: str) -> None:
         """A call to the worker failed as if it were down: skip it until the next probe."""

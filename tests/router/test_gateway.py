@@ -43,6 +43,7 @@ def stack(tiny_llama, tmp_path_factory):
             "min_disagg_tokens": 0,
             "max_inflight_sequences": 8,
             "refresh_interval_s": 0.5,
+            "worker_stall_timeout_s": 2.0,
         },
     )
     stack = start_up_stack(config, tmp / "home")
@@ -426,11 +427,27 @@ async def load_after(aclient, prompts):
     return [(r.choices[0].finish_reason, r.usage.completion_tokens) for r in replies]
 
 
-def test_with_no_decode_worker_a_stream_fails_with_a_status(stack, client):
-    """Runs last: it kills decode-0. What fails before the first token is an HTTP status
-    (503, Retry-After) streamed or not, so clients' retry logic applies. (A decode worker
-    that fails after the prefill worker's first token was sent is an error event.)"""
-    os.kill(stack.children()["decode-0"], signal.SIGKILL)
+def test_a_frozen_decode_worker_fails_its_streams_then_no_worker_is_a_status(stack, client):
+    """Runs last: it freezes, then kills decode-0. A frozen worker (SIGSTOP: a hung device
+    looks the same from outside) has its streams ended with an error event once it missed
+    probes for worker_stall_timeout_s (2 s here), instead of hanging until the request
+    timeout. Then, with no decode worker, what fails before the first token is an HTTP
+    status (503, Retry-After) streamed or not, so clients' retry logic applies."""
+    pid = stack.children()["decode-0"]
+    stream = client.completions.create(model=MODEL, prompt="x", max_tokens=400, stream=True,
+                                       extra_body={"min_tokens": 400})  # fmt: skip
+    chunks = iter(stream)
+    for _ in range(5):  # the decode worker is streaming
+        next(chunks)
+    os.kill(pid, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    try:
+        with pytest.raises(openai.APIError, match="stopped responding"):
+            for _ in chunks:
+                pass
+        assert time.monotonic() - frozen_at < 10
+    finally:
+        os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while get_json(f"{stack.base_url}/health")[0] != 503:  # the router noticed
         assert time.monotonic() < deadline
