@@ -25,7 +25,6 @@ import contextlib
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +36,7 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.05  # how long the idle loop sleeps waiting for a command
-_PULL_WAIT_S = 0.0005  # how long it sleeps when only KV pulls are in flight
+_PULL_WAIT_S = 0.0005  # how long it waits when a step could run nothing (pulls, no room)
 
 
 class EngineFailedError(RuntimeError):
@@ -88,10 +87,14 @@ class AsyncEngine:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; streams still open end with an error, and every call
+        from now on raises ``EngineFailedError`` instead of waiting forever."""
         self._stop.set()
         self._commands.put((concurrent.futures.Future(), lambda engine: None))  # a wake-up
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if not self._thread.is_alive() and self.failure is None:
+            self._fail("the engine was stopped")
 
     @property
     def num_streams(self) -> int:
@@ -169,11 +172,12 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
+        wait_s = 0.0  # how long to wait for a command before stepping again
         while not self._stop.is_set():
-            busy = engine.has_work()
-            self._run_commands(block=not busy)
+            self._run_commands(wait_s if engine.has_work() else _IDLE_WAIT_S)
+            wait_s = 0.0
             if engine.has_work():
-                had_requests = engine.scheduler.num_unfinished > 0
+                num_steps = engine.num_steps
                 try:
                     outputs = engine.step()
                 except Exception as exc:
@@ -183,8 +187,10 @@ class AsyncEngine:
                 for output in outputs:
                     self._deliver(output)
                 self._update_rate()
-                if not had_requests:
-                    time.sleep(_PULL_WAIT_S)  # only pulls in flight: do not spin
+                if engine.num_steps == num_steps and not outputs:
+                    # Nothing could run (only pulls in flight, or no room until a lease
+                    # is released): do not spin; a command (release, abort) wakes it.
+                    wait_s = _PULL_WAIT_S
             for hook in self.hooks:
                 try:
                     hook()
@@ -192,10 +198,12 @@ class AsyncEngine:
                     logger.exception("engine hook failed")
             self._snapshot()
 
-    def _run_commands(self, block: bool) -> None:
+    def _run_commands(self, wait_s: float) -> None:
+        """Run the queued commands, waiting up to ``wait_s`` for the first."""
         try:
-            command = self._commands.get(timeout=_IDLE_WAIT_S) if block else None
-            if command is None:
+            if wait_s > 0:
+                command = self._commands.get(timeout=wait_s)
+            else:
                 command = self._commands.get_nowait()
             while True:
                 future, fn = command

@@ -89,9 +89,16 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.num_query_tokens += request.num_tokens
-        self.num_hit_tokens += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_lookup(self, num_query_tokens: int, num_hit_tokens: int,
+                      num_secondary_hit_tokens: int = 0) -> None:  # fmt: skip
+        """Count a lookup into the hit-rate stats, once per admission: a request that
+        waits looks its prefix up again every step, and counting those would make the
+        hit rate meaningless under memory pressure."""
+        self.num_query_tokens += num_query_tokens
+        self.num_hit_tokens += num_hit_tokens
+        self.num_secondary_hit_tokens += num_secondary_hit_tokens
 
     def get_secondary_hits(self, request: Request, num_device_hits: int) -> list[BlockHash]:
         """Hashes of the blocks right after the device hits that the secondary tier holds
@@ -100,9 +107,7 @@ class KVCacheManager:
             return []
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         candidates = request.block_hashes[num_device_hits:max_hit_blocks]
-        hits = candidates[: self.secondary.lookup(candidates)]
-        self.num_secondary_hit_tokens += len(hits) * self.block_size
-        return hits
+        return candidates[: self.secondary.lookup(candidates)]
 
     def allocate_slots(
         self,

@@ -149,11 +149,23 @@ class LLMEngine:
             raise DuplicateRequestError(request_id)
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling params must be a SamplingParams", "params")
-        if len(prompt) + len(outputs) > self.max_model_len:
+        if outputs and len(prompt) + len(outputs) >= self.max_model_len:
             raise InvalidRequestError(
-                f"{len(prompt)} prompt + {len(outputs)} output tokens exceed "
-                f"max_model_len={self.max_model_len}",
+                f"{len(prompt)} prompt + {len(outputs)} output tokens leave no room below "
+                f"max_model_len={self.max_model_len}: nothing is left to generate",
                 "output_token_ids",
+            )
+        vocab_size = self.arch.vocab_size
+        if any(t >= vocab_size for t in params.stop_token_ids):
+            raise InvalidRequestError(
+                f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids"
+            )
+        banned = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        if params.min_tokens and len(banned) >= vocab_size:
+            raise InvalidRequestError(
+                "stop_token_ids and EOS cover the whole vocabulary: nothing could be sampled "
+                "before min_tokens",
+                "stop_token_ids",
             )
         if params.max_tokens is not None and len(outputs) >= params.max_tokens:
             raise InvalidRequestError(

@@ -196,6 +196,8 @@ class Scheduler:
             num_new = self._num_new_tokens(request, num_computed, budget)
             if not self.kv.allocate_slots(request, num_loaded_tokens + num_new, hits):
                 break
+            if request.num_computed_tokens == 0:
+                self.kv.record_lookup(request.num_tokens, num_hit_tokens, num_loaded_tokens)
             self.waiting.popleft()
             if loaded:
                 block_ids = self.kv.get_block_ids(request.request_id)
@@ -226,6 +228,7 @@ class Scheduler:
             request, num_remote_tokens - num_hit_tokens, hits, cache=False
         ):
             return False
+        self.kv.record_lookup(request.num_tokens, num_hit_tokens)
         request.num_cached_tokens = num_hit_tokens
         self.num_blocks_reused_for_remote += len(hits)
         first, last = len(hits), cdiv(num_remote_tokens, self.block_size)
@@ -263,8 +266,13 @@ class Scheduler:
             # blocks may still be cached) and never pulls again: the router releases the
             # lease once decoding starts, and the peer may have reused those blocks.
             request.remote_kv = None
-            request.status = RequestStatus.WAITING
-            self.waiting.appendleft(request)
+            # Straight to running: it holds blocks, and only running requests can be
+            # preempted. Parked in ``waiting`` (as before) it could hold the very blocks
+            # the head of the queue needs, and nothing would ever run again.
+            request.status = RequestStatus.RUNNING
+            if request.times.first_scheduled is None:
+                request.times.first_scheduled = time.monotonic()
+            self.running.append(request)
         elif recompute_on_failure:
             self.kv.free(request)
             request.remote_kv = None

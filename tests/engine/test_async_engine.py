@@ -1,5 +1,6 @@
-"""The engine thread behind asyncio: a step that raises fails everything open, and nothing
-waits for ever on the dead thread."""
+"""The engine thread behind asyncio: a step that raises fails everything open, nothing
+waits for ever on a dead or stopped thread, and a thread with nothing it can run does not
+spin."""
 
 from __future__ import annotations
 
@@ -47,3 +48,49 @@ def test_a_failing_step_fails_open_streams_and_every_later_call(tiny_llama):
     finally:
         async_engine.stop()
     assert async_engine.num_streams == 0
+
+
+@pytest.mark.timeout(60)
+def test_nothing_runnable_does_not_spin_and_stop_ends_everything(tiny_llama):
+    """A lease holding the whole pool leaves a new request waiting: the thread waits for
+    a command instead of stepping in a tight loop (it used to step ~90,000 times a
+    second). After ``stop``, the open stream ends and calls fail instead of hanging."""
+    engine = LLMEngine(tiny_llama, EngineConfig(num_blocks=4, max_model_len=64))
+    params = SamplingParams(max_tokens=4, temperature=0)
+    engine.add_request("held", list(range(10, 60)), params, prefill_only=True)
+    while engine.has_work():
+        engine.step()
+    async_engine = AsyncEngine(engine)
+    forward_steps = engine.num_steps
+    steps = [0]
+    real_step = engine.step
+
+    def counting_step():
+        steps[0] += 1
+        return real_step()
+
+    engine.step = counting_step
+
+    async def scenario() -> None:
+        async_engine.start()
+        waiter = asyncio.create_task(_drain(async_engine.generate("waiter", [5] * 20, params)))
+        await asyncio.sleep(1.0)
+        assert engine.num_steps == forward_steps and steps[0] < 5000, steps[0]
+        await asyncio.to_thread(async_engine.stop)
+        last = (await asyncio.wait_for(waiter, 5))[-1]
+        assert last.finished and "stopped" in last.error
+        with pytest.raises(EngineFailedError):
+            await asyncio.wait_for(async_engine.abort("waiter"), 5)
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+    finally:
+        async_engine.stop()
+    # The thread is gone: clean up on the engine directly, and check nothing leaked.
+    engine.abort_request("waiter")
+    assert engine.release_kv("held")
+    assert engine.leak_report() == []
+
+
+async def _drain(stream) -> list:
+    return [output async for output in stream]

@@ -155,6 +155,7 @@ def test_handles_that_cannot_be_served_are_refused(tiny_llama, pair):
     handle = RemoteKV("lease-x", 32, (1, 2), "prefill-0")
     cases = [  # (prompt, output_token_ids, params, handle)
         ([5] * limit, [7], params, None),  # no room left for the first token
+        ([5] * (limit - 1), [7], params, None),  # at the limit: nothing left to generate
         (prompt, [], params, handle),  # a handle without the token sampled after it
         (prompt, [7, 8], SamplingParams(max_tokens=2, temperature=0), None),  # nothing left
     ]
@@ -241,4 +242,27 @@ def test_a_handle_past_its_start_by_is_never_pulled(tiny_llama, recompute):
     else:
         assert out.outputs[0].finish_reason == "abort" and "lease ran out" in out.error
     assert prefill.release_kv("r")
+    assert decode.leak_report() == [] and prefill.leak_report() == []
+
+
+@pytest.mark.timeout(120)
+def test_pulled_requests_that_fill_the_pool_do_not_deadlock(tiny_llama):
+    """Two pulled 32-token prompts fill a 4-block pool, and each needs a fifth block for
+    its next token. Parked in the waiting queue with their blocks (as they once were),
+    neither could be preempted and nothing ever ran; as running requests, one is
+    preempted, recomputes later, and both finish with the colocated tokens."""
+    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0)
+    prompts = random_prompts((32, 32), seed=3)
+    config = EngineConfig(num_blocks=4, max_model_len=64)
+    colocated = LLMEngine(tiny_llama, config)
+    for i, prompt in enumerate(prompts):
+        colocated.add_request(f"r{i}", prompt, params)
+    expected = {rid: out.outputs[0].token_ids for rid, out in run(colocated).items()}
+    puller = LocalPuller()
+    prefill = LLMEngine(tiny_llama, EngineConfig(num_blocks=64, max_model_len=64))
+    decode = LLMEngine(tiny_llama, config, kv_puller=puller)
+    puller.sources["prefill-0"], puller.target = prefill, decode
+    outputs = disaggregated(prefill, decode, prompts, params)
+    assert {rid: out.outputs[0].token_ids for rid, out in outputs.items()} == expected
+    assert decode.scheduler.num_preemptions >= 1
     assert decode.leak_report() == [] and prefill.leak_report() == []

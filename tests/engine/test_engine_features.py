@@ -248,6 +248,15 @@ def test_bad_input_is_rejected_and_engine_keeps_serving(tiny_llama, prompts, bas
         llm.generate([[5] * 129], GREEDY, use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="token ids"):
         llm.generate([[5, 10**6]], GREEDY, use_tqdm=False)
+    # Stop ids the sampler would ban before min_tokens: beyond the vocabulary (an index
+    # error in the step, failing every request), or all of it (nothing left to sample).
+    vocab = llm.engine.arch.vocab_size
+    for stop_ids, match in (([vocab], r"stop_token_ids must be in \[0"),
+                            (list(range(vocab)), "whole vocabulary")):  # fmt: skip
+        with pytest.raises(InvalidRequestError, match=match):
+            params = SamplingParams(max_tokens=4, min_tokens=2, temperature=1.0,
+                                    stop_token_ids=stop_ids)  # fmt: skip
+            llm.generate([prompts[0]], params, use_tqdm=False)
     for bad in (
         {"temperature": -1.0},
         {"top_p": 0.0},
@@ -266,6 +275,24 @@ def test_bad_input_is_rejected_and_engine_keeps_serving(tiny_llama, prompts, bas
     out = llm.generate([prompts[0]], GREEDY, use_tqdm=False)
     assert out[0].outputs[0].token_ids == baseline[0]
     assert llm.engine.leak_report() == []
+
+
+def test_prefix_hit_stats_count_each_admission_once(tiny_llama):
+    """A request that waits for room looks its prefix up every step; the stats count the
+    lookup that admitted it, so the hit rate means something under memory pressure."""
+    engine = LLM(tiny_llama, num_blocks=4, max_model_len=64).engine
+    first, second = random_prompts((40, 40), seed=11)
+    engine.add_request("first", first, GREEDY)  # 3 of the 4 blocks, then all 4
+    engine.add_request("second", second, GREEDY)  # waits for room until the first ends
+    finished = set()
+    while engine.has_work():
+        finished |= {o.request_id for o in engine.step() if o.finished}
+    kv = engine.scheduler.kv
+    assert finished == {"first", "second"} and engine.num_steps > 10
+    assert engine.scheduler.num_preemptions == 0
+    assert kv.num_query_tokens == 80  # two admissions of 40 tokens, however long it waited
+    assert kv.num_hit_tokens == 0
+    assert engine.leak_report() == []
 
 
 def test_abort_mid_generation_frees_everything(tiny_llama, prompts):
