@@ -113,7 +113,8 @@ def create_app(state: RouterState) -> FastAPI:
         loc = first.get("loc", ())
         message = first.get("msg", "invalid request").removeprefix("Value error, ")
         if first.get("type") == "json_invalid":
-            return await api_error(request, bad_request(f"the body is not valid JSON: {message}"))
+            reason = first.get("ctx", {}).get("error", message)
+            return await api_error(request, bad_request(f"the body is not valid JSON: {reason}"))
         # The top-level field: deeper parts of ``loc`` include pydantic's union tags
         # ("prompt.str", "prompt.list[int]"), which mean nothing to a client.
         param = loc[1] if len(loc) > 1 and isinstance(loc[1], str) else None

@@ -31,6 +31,13 @@ ARCHITECTURES: dict[str, ArchFlags] = {
     "Qwen3ForCausalLM": ArchFlags(qk_norm=True),
 }
 
+_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -154,7 +161,8 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
     if not path.exists():
         raise ModelLoadError(f"{model_dir} has no config.json: not a Hugging Face checkpoint")
     cfg = json.loads(path.read_text())
-    architectures = cfg.get("architectures") or []
+    # transformers falls back to model_type when a config names no architectures.
+    architectures = cfg.get("architectures") or [_BY_MODEL_TYPE.get(cfg.get("model_type"), "")]
     architecture = next((a for a in architectures if a in ARCHITECTURES), None)
     if architecture is None:
         raise ModelLoadError(

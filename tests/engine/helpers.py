@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -16,21 +18,31 @@ def random_prompts(lengths=PROMPT_LENGTHS, seed: int = 0, vocab: int = 2000) -> 
     return [[rng.randrange(5, vocab) for _ in range(n)] for n in lengths]
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+def hf_greedy(
+    model_dir: Path,
+    prompts: list[list[int]],
+    num_tokens: int,
+    processors: Callable[[int], list] | None = None,
+    **generate_kwargs: Any,
+) -> list[list[int]]:
     """transformers' greedy tokens, one prompt at a time (no padding), EOS banned like
-    ``min_tokens=num_tokens``."""
-    from transformers import AutoModelForCausalLM
+    ``min_tokens=num_tokens``. ``processors(prompt_len)`` adds logits processors;
+    ``generate_kwargs`` go to ``generate`` (``repetition_penalty``, say)."""
+    from transformers import AutoModelForCausalLM, LogitsProcessorList
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     outputs = []
     with torch.no_grad():
         for prompt in prompts:
+            extra = processors(len(prompt)) if processors else []
             generated = model.generate(
                 torch.tensor([prompt]),
                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                 max_new_tokens=num_tokens,
                 min_new_tokens=num_tokens,
                 do_sample=False,
+                logits_processor=LogitsProcessorList(extra),
+                **generate_kwargs,
             )
             outputs.append(generated[0, len(prompt) :].tolist())
     return outputs

@@ -23,6 +23,14 @@ def run(engine: LLMEngine) -> dict:
     return finished
 
 
+def colocated_tokens(model, config: EngineConfig, prompts, params) -> dict[str, list[int]]:
+    """Request id ``r{i}`` -> its tokens from one engine doing prefill and decode."""
+    engine = LLMEngine(model, config)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    return {rid: out.outputs[0].token_ids for rid, out in run(engine).items()}
+
+
 @pytest.fixture(scope="module")
 def pair(tiny_llama):
     puller = LocalPuller()
@@ -172,10 +180,7 @@ def test_a_request_preempted_after_its_pull_never_pulls_again(tiny_llama):
     params = SamplingParams(max_tokens=40, min_tokens=40, temperature=0)
     prompts = random_prompts((20, 20), seed=5)
     config = EngineConfig(max_model_len=64, num_blocks=16)
-    colocated = LLMEngine(tiny_llama, config)
-    for i, prompt in enumerate(prompts):
-        colocated.add_request(f"r{i}", prompt, params)
-    expected = {rid: out.outputs[0].token_ids for rid, out in run(colocated).items()}
+    expected = colocated_tokens(tiny_llama, config, prompts, params)
 
     class CountingPuller(LocalPuller):
         def __init__(self) -> None:
@@ -254,10 +259,7 @@ def test_pulled_requests_that_fill_the_pool_do_not_deadlock(tiny_llama):
     params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0)
     prompts = random_prompts((32, 32), seed=3)
     config = EngineConfig(num_blocks=4, max_model_len=64)
-    colocated = LLMEngine(tiny_llama, config)
-    for i, prompt in enumerate(prompts):
-        colocated.add_request(f"r{i}", prompt, params)
-    expected = {rid: out.outputs[0].token_ids for rid, out in run(colocated).items()}
+    expected = colocated_tokens(tiny_llama, config, prompts, params)
     puller = LocalPuller()
     prefill = LLMEngine(tiny_llama, EngineConfig(num_blocks=64, max_model_len=64))
     decode = LLMEngine(tiny_llama, config, kv_puller=puller)

@@ -15,7 +15,7 @@ from engine.errors import (
     InvalidSamplingParamsError,
     PromptTooLongError,
 )
-from tests.engine.helpers import random_prompts
+from tests.engine.helpers import hf_greedy, random_prompts
 
 GREEDY = SamplingParams(max_tokens=24, min_tokens=24, temperature=0)
 
@@ -87,26 +87,20 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_llama, prompts)
     assert llm.engine.leak_report() == []
 
 
-def test_top_k_one_is_greedy(tiny_llama, prompts, baseline):
+@pytest.mark.parametrize("only_the_top", [{"top_k": 1}, {"min_p": 1.0}], ids=["top-k", "min-p"])
+def test_keeping_only_the_top_token_is_greedy(tiny_llama, prompts, baseline, only_the_top):
     llm = LLM(tiny_llama)
-    params = SamplingParams(max_tokens=24, min_tokens=24, temperature=1.5, top_k=1, seed=3)
+    params = SamplingParams(max_tokens=24, min_tokens=24, temperature=1.5, seed=3,
+                            **only_the_top)  # fmt: skip
     outputs = llm.generate(prompts[:3], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == baseline[:3]
     assert llm.engine.leak_report() == []
 
 
-def test_min_p_one_is_greedy(tiny_llama, prompts, baseline):
-    llm = LLM(tiny_llama)
-    params = SamplingParams(max_tokens=24, min_tokens=24, temperature=1.5, min_p=1.0, seed=3)
-    outputs = llm.generate(prompts[:3], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == baseline[:3]
-    assert llm.engine.leak_report() == []
-
-
-def _hf_penalised_greedy(model_dir, prompts, num_tokens, repetition, presence, frequency):
-    """transformers' greedy tokens with its repetition penalty and, as an independent
-    oracle for OpenAI's presence/frequency penalties, a processor over generated tokens."""
-    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
+def _openai_penalties(presence: float, frequency: float):
+    """An independent oracle for OpenAI's presence/frequency penalties: a transformers
+    logits processor over the generated tokens."""
+    from transformers import LogitsProcessor
 
     class OpenAIPenalties(LogitsProcessor):
         def __init__(self, prompt_len: int) -> None:
@@ -119,21 +113,7 @@ def _hf_penalised_greedy(model_dir, prompts, num_tokens, repetition, presence, f
                 scores[0, token_ids] -= frequency * counts + presence
             return scores
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    outputs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            generated = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=num_tokens,
-                min_new_tokens=num_tokens,
-                do_sample=False,
-                repetition_penalty=repetition,
-                logits_processor=LogitsProcessorList([OpenAIPenalties(len(prompt))]),
-            )
-            outputs.append(generated[0, len(prompt) :].tolist())
-    return outputs
+    return lambda prompt_len: [OpenAIPenalties(prompt_len)]
 
 
 def test_penalties_match_transformers_whatever_the_batch(tiny_llama, prompts, baseline):
@@ -144,7 +124,8 @@ def test_penalties_match_transformers_whatever_the_batch(tiny_llama, prompts, ba
         max_tokens=24, min_tokens=24, temperature=0, repetition_penalty=1.3,
         presence_penalty=0.5, frequency_penalty=0.4,
     )  # fmt: skip
-    expected = _hf_penalised_greedy(tiny_llama, prompts[:3], 24, 1.3, 0.5, 0.4)
+    expected = hf_greedy(tiny_llama, prompts[:3], 24, _openai_penalties(0.5, 0.4),
+                         repetition_penalty=1.3)  # fmt: skip
     assert expected != baseline[:3]  # the penalties change these tokens
     llm = LLM(tiny_llama)
     mixed = [penalised, GREEDY, penalised, GREEDY, penalised, GREEDY]

@@ -134,7 +134,7 @@ def test_missing_and_unsupported_are_named(tiny_llama, tmp_path):
 def test_config_keys_left_out_take_transformers_defaults(tiny_llama, tmp_path):
     """config.json written with use_diff leaves out keys equal to transformers' defaults:
     Mistral's 4096-token window, Qwen's max_window_layers=28, llama3's original context
-    (= max_position_embeddings)."""
+    (= max_position_embeddings); with no architectures, model_type names the class."""
     config = json.loads((tiny_llama / "config.json").read_text())
     config.pop("sliding_window", None)
     cases = {
@@ -142,6 +142,8 @@ def test_config_keys_left_out_take_transformers_defaults(tiny_llama, tmp_path):
                     (4096,) * config["num_hidden_layers"]),
         "qwen": ({**config, "architectures": ["Qwen2ForCausalLM"], "use_sliding_window": True,
                   "sliding_window": 64}, "sliding_windows", (None,) * config["num_hidden_layers"]),
+        "no-architectures": ({**config, "architectures": None, "model_type": "qwen3"},
+                             "architecture", "Qwen3ForCausalLM"),
         "llama3": ({**config, "max_position_embeddings": 777, "rope_parameters": {
                     "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
                     "low_freq_factor": 1.0, "high_freq_factor": 4.0}}, "rope", None),
