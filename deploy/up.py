@@ -4,6 +4,11 @@ router, as the config says — until Ctrl-C or SIGTERM.
 The resolved config (file + ``--set`` overrides) is written once and handed to every child,
 so all processes agree on ports, model and connector. Workers log to
 ``$PDSERVE_HOME/logs/``; the launcher prints the URL once the router answers /health.
+
+A worker that fails (exits non-zero, or is killed) is started again after a backoff of
+1 s, doubling to 30 s while it keeps failing soon after starting, as compose's
+``on-failure`` policy or a Kubernetes Deployment would; the router picks it up once it is
+SERVING. A worker that exits 0 (drained after SIGTERM) is not restarted.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -29,11 +35,27 @@ class StackError(RuntimeError):
     pass
 
 
+_FIRST_BACKOFF_S, _MAX_BACKOFF_S = 1.0, 30.0
+_STABLE_S = 60.0  # a worker that ran this long before failing starts over at 1 s
+
+
+@dataclass
+class _Restarts:
+    """Per worker: its command, and when and how soon to start it again."""
+
+    args: list[str]
+    started_at: float = field(default_factory=time.monotonic)
+    backoff_s: float = _FIRST_BACKOFF_S
+    due_at: float | None = None  # set while it waits to be restarted
+
+
 class Stack:
-    def __init__(self, config: PdserveConfig, log_dir: Path) -> None:
+    def __init__(self, config: PdserveConfig, log_dir: Path, restart: bool = True) -> None:
         self.config = config
         self.log_dir = log_dir
+        self.restart = restart
         self.children: list[tuple[str, subprocess.Popen]] = []
+        self._restarts: dict[str, _Restarts] = {}
         handle, path = tempfile.mkstemp(prefix="pdserve-", suffix=".yaml")
         os.close(handle)
         self.config_path = Path(path)
@@ -41,11 +63,15 @@ class Stack:
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 (owned by the child)
         command = [sys.executable, "-m", "deploy.cli", "--log-level", "INFO", *args,
                    "--config", str(self.config_path)]  # fmt: skip
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        self.children.append((name, proc))
+        with open(self.log_dir / f"{name}.log", "ab") as log:  # the child keeps its own copy
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        names = [n for n, _ in self.children]
+        if name in names:  # a restart keeps its place (stop() relies on the router last)
+            self.children[names.index(name)] = (name, proc)
+        else:
+            self.children.append((name, proc))
         return proc
 
     def start(self, timeout_s: float = 300.0) -> None:
@@ -54,7 +80,9 @@ class Stack:
             section = self.config.role(role)
             for index in range(section.replicas):
                 name = f"{role.value}-{index}"
-                proc = self._spawn(name, [role.value, "--index", str(index)])
+                args = [role.value, "--index", str(index)]
+                proc = self._spawn(name, args)
+                self._restarts[name] = _Restarts(args)
                 workers.append((name, proc, f"{section.host}:{section.ports(index).grpc}"))
         print(f"starting {len(workers)} workers (logs in {self.log_dir})", flush=True)
         deadline = time.monotonic() + timeout_s
@@ -96,7 +124,7 @@ class Stack:
         signal.signal(signal.SIGTERM, on_signal)
         reported: set[str] = set()
         while not stop["signal"]:
-            for name, proc in self.children:
+            for name, proc in list(self.children):
                 if proc.poll() is None or name in reported:
                     continue
                 if name == "router":
@@ -106,8 +134,31 @@ class Stack:
                 print(f"{name} exited ({proc.returncode}); see {self._log(name)}",
                       file=sys.stderr)  # fmt: skip
                 reported.add(name)
+                if self.restart and proc.returncode != 0:
+                    self._schedule_restart(name)
+            self._restart_due(reported)
             time.sleep(0.2)
         return 0
+
+    def _schedule_restart(self, name: str) -> None:
+        restarts = self._restarts[name]
+        now = time.monotonic()
+        if now - restarts.started_at >= _STABLE_S:
+            restarts.backoff_s = _FIRST_BACKOFF_S
+        restarts.due_at = now + restarts.backoff_s
+        print(f"  restarting {name} in {restarts.backoff_s:.0f} s", file=sys.stderr, flush=True)
+        restarts.backoff_s = min(restarts.backoff_s * 2, _MAX_BACKOFF_S)
+
+    def _restart_due(self, reported: set[str]) -> None:
+        now = time.monotonic()
+        for name, restarts in self._restarts.items():
+            if restarts.due_at is None or now < restarts.due_at:
+                continue
+            restarts.due_at = None
+            restarts.started_at = now
+            self._spawn(name, restarts.args)
+            reported.discard(name)
+            print(f"  {name} restarted (logs in {self._log(name)})", file=sys.stderr, flush=True)
 
     def stop(self, grace_s: float = 30.0) -> None:
         """Router first (no new requests), then the workers drain and exit."""
@@ -137,9 +188,9 @@ def ensure_demo_model(config: PdserveConfig) -> None:
         ensure_model()
 
 
-def run(config: PdserveConfig) -> int:
+def run(config: PdserveConfig, restart: bool = True) -> int:
     ensure_demo_model(config)
-    stack = Stack(config, cache_dir() / "logs")
+    stack = Stack(config, cache_dir() / "logs", restart)
     try:
         stack.start()
         print(f"pdserve is up: {stack.url_root}/v1  (OpenAI API; Ctrl-C stops)", flush=True)

@@ -49,14 +49,21 @@ def _router_arguments(parser: argparse.ArgumentParser) -> None:
     add_overrides(parser)
 
 
+def _up_arguments(parser: argparse.ArgumentParser) -> None:
+    _router_arguments(parser)
+    parser.add_argument("--no-restart", dest="restart", action="store_false",
+                        help="leave a worker that failed down (default: restart it, with "
+                             "backoff, as compose's on-failure policy would)")  # fmt: skip
+
+
 def _run_up(args: argparse.Namespace) -> int:
     from deploy.up import run as run_up
 
     config = load_or_report(args.config, args.overrides)
-    return 2 if config is None else run_up(config)
+    return 2 if config is None else run_up(config, restart=args.restart)
 
 
 ROUTER = ("run the OpenAI-compatible router", _router_arguments, _run_router)
-UP = ("run the router and every worker of the config on this machine", _router_arguments, _run_up)
+UP = ("run the router and every worker of the config on this machine", _up_arguments, _run_up)
 PREFILL = ("run a prefill worker", add_arguments, _runner(Role.PREFILL))
 DECODE = ("run a decode worker", add_arguments, _runner(Role.DECODE))

@@ -140,18 +140,23 @@ def create_app(state: RouterState) -> FastAPI:
             state.metrics.observe_worker(worker.worker_id, worker.stats)
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": state.model.served_name,
+            "object": "model",
+            "created": state.started_at,
+            "owned_by": "pdserve",
+            "max_model_len": state.model.max_model_len,
+        }
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [{
-                "id": state.model.served_name,
-                "object": "model",
-                "created": state.started_at,
-                "owned_by": "pdserve",
-                "max_model_len": state.model.max_model_len,
-            }],
-        }  # fmt: skip
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def retrieve_model(model: str) -> dict[str, Any]:
+        check_model(model)
+        return model_card()
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

@@ -1,6 +1,7 @@
-"""Graceful drain and scaling under load, with real processes: ``pdserve up`` (router +
-workers), extra workers started as an operator would (``pdserve decode --index N``), a
-real redis-server, and streaming clients through the router that must see zero failures."""
+"""Graceful drain, scaling and restarts under load, with real processes: ``pdserve up``
+(router + workers), extra workers started as an operator would (``pdserve decode --index
+N``), a real redis-server, and streaming clients through the router that must see zero
+failures."""
 
 from __future__ import annotations
 
@@ -116,3 +117,29 @@ def test_scale_out_and_in_with_redis_while_requests_flow(tiny_llama, tmp_path):
                 worker.stop(5)
             registry.close()
             assert stack.stop() == 0, stack.log()
+
+
+def test_a_killed_worker_is_restarted_and_serves_again(tiny_llama, tmp_path):
+    """``pdserve up`` restarts a worker that died (SIGKILL: an OOM kill, say) after a
+    backoff; the router picks it up once SERVING, and requests succeed again."""
+    config = write_config(tmp_path / "c.yaml", tiny_llama, router=ROUTER)
+    stack = start_up_stack(config, tmp_path / "home")
+    decode_0 = f"127.0.0.1:{stack.config['decode']['port']}"
+    try:
+        os.kill(stack.children()["decode-0"], signal.SIGKILL)
+        assert wait_for(lambda: "decode-0 restarted" in stack.log(), 30), stack.log()
+        assert "decode-0 exited (-9)" in stack.log()
+        assert wait_for(lambda: probe("--grpc", decode_0).returncode == 0, 120), stack.log()
+        assert wait_for(lambda: probe("--http", f"{stack.base_url}/health").returncode == 0,
+                        30)  # fmt: skip
+        load = StreamingLoad(f"{stack.base_url}/v1")
+
+        async def body():
+            load.start()
+            await load.wait_completed(3)
+            return await load.stop()
+
+        result = asyncio.run(body())
+        assert result.failures == [] and result.completed >= 3
+    finally:
+        assert stack.stop() == 0, stack.log()

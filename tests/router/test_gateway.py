@@ -46,7 +46,7 @@ def stack(tiny_llama, tmp_path_factory):
             "worker_stall_timeout_s": 2.0,
         },
     )
-    stack = start_up_stack(config, tmp / "home")
+    stack = start_up_stack(config, tmp / "home", restart=False)  # kill tests: stay dead
     yield stack
     assert stack.stop() == 0, stack.log()
 
@@ -86,6 +86,9 @@ def metric(stack, name: str, **labels: str) -> float:
 
 def test_models_health_and_auth(stack, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
     assert get_json(f"{stack.base_url}/health")[0] == 200  # open without a key
     status, body = get_json(f"{stack.base_url}/v1/models", key="wrong")
     assert status == 401 and body["error"]["code"] == "invalid_api_key"

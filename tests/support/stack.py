@@ -61,13 +61,18 @@ class UpStack:
         return self.proc.returncode
 
 
-def start_up_stack(config_path: Path, home: Path, timeout: float = 180.0) -> UpStack:
+def start_up_stack(
+    config_path: Path, home: Path, timeout: float = 180.0, restart: bool = True
+) -> UpStack:
+    """``pdserve up`` on ``config_path``; ``restart=False`` leaves failed workers down
+    (tests of how the router copes with a dead worker)."""
     log_path = config_path.with_suffix(".up.log")
     env = {**os.environ, "PDSERVE_HOME": str(home), "PYTHONUNBUFFERED": "1",
            "OMP_NUM_THREADS": "1"}  # fmt: skip
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "deploy.cli", "up", "--config", str(config_path)],
+            [sys.executable, "-m", "deploy.cli", "up", "--config", str(config_path),
+             *([] if restart else ["--no-restart"])],
             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
         )  # fmt: skip
     stack = UpStack(config_path, proc, log_path)
