@@ -61,6 +61,42 @@ def write_block_file(path: Path, layout: KVLayout, block_hash: bytes, payload: m
         raise
 
 
+def read_block_header(path: Path) -> tuple[BlockFileHeader, int] | None:
+    """The header of the file at ``path`` and the file's expected total size, or None if
+    it is absent or has no readable header."""
+    try:
+        with open(path, "rb") as f:
+            prefix = f.read(len(MAGIC) + _LENGTH.size)
+            if len(prefix) != len(MAGIC) + _LENGTH.size or prefix[: len(MAGIC)] != MAGIC:
+                return None
+            (header_len,) = _LENGTH.unpack(prefix[len(MAGIC) :])
+            if header_len > _MAX_HEADER_BYTES:
+                return None
+            header = msgspec.msgpack.decode(f.read(header_len), type=BlockFileHeader)
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return header, len(prefix) + header_len + header.payload_bytes
+
+
+def block_file_is_whole(path: Path, layout: KVLayout, block_hash: bytes) -> bool:
+    """Whether ``path`` holds a whole file of this block and layout, judged by its header
+    and size (cheap: the payload's checksum is left to the reader). False if absent."""
+    found = read_block_header(path)
+    if found is None:
+        return False
+    header, expected_size = found
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return False
+    return (
+        header.layout == layout
+        and header.block_hash == block_hash
+        and header.payload_bytes == layout.block_bytes
+        and size == expected_size
+    )
+
+
 def read_block_file(path: Path, layout: KVLayout, block_hash: bytes, out: memoryview) -> None:
     """Read and verify one block into ``out`` (exactly ``layout.block_bytes`` bytes).
 

@@ -1,6 +1,10 @@
 """Shared-storage connector: one file per block on a shared directory, named by block hash.
 
-    <shared_dir>/<namespace>/<hash[:2]>/<hash>.kvblock      (format: blockfile.py)
+    <shared_dir>/<namespace>/<layout>/<hash[:2]>/<hash>.kvblock      (format: blockfile.py)
+
+``<layout>`` names dtype, block size, layers, KV heads and head size, so workers of one
+model with different KV layouts (a CPU float32 and a GPU bfloat16 deployment sharing a
+volume) keep apart instead of failing on each other's files.
 
 Because files are named by the chained prefix hash, the directory is also a cross-worker
 prefix store: any worker with the same layout and namespace can load a block another one
@@ -9,8 +13,10 @@ the files on background threads and reports the export finished once they are on
 from then on the data lives in the files, not in its blocks, so the lease can go at once.
 The fetcher waits for each file until the deadline (the exporter may still be writing),
 verifies it, and copies it into its local block. No handshake is needed: every file
-carries its layout, and the reader checks it. Files are never deleted here; bounding the
-directory (LRU by access time) is the operator's job for now.
+carries its layout, and the reader checks it. An exporter rewrites a stored file that is
+not whole (truncated by a crash or a full disk), and a reader removes a file that fails
+verification, so one bad file cannot block a prefix for good. Files are not deleted
+otherwise; bounding the directory (LRU by access time) is the operator's job for now.
 
 A transfer is cut into chunks that the I/O threads process in parallel (checksums and
 copies release the GIL); each thread reuses one staging buffer, so steady-state transfers
@@ -32,11 +38,17 @@ import torch
 
 from kernels.reference import scatter_blocks
 from kv_transfer.base import KVConnector
-from kv_transfer.blockfile import read_block_file, write_block_file
+from kv_transfer.blockfile import (
+    block_file_is_whole,
+    read_block_file,
+    read_block_header,
+    write_block_file,
+)
 from kv_transfer.config import ConnectorName, KVTransferConfig
 from kv_transfer.errors import (
     BlockNotFoundError,
     ConnectorClosedError,
+    CorruptBlockError,
     KVTransferError,
     TransferFailedError,
 )
@@ -82,7 +94,8 @@ class SharedStorageConnector(KVConnector):
     ) -> None:
         super().__init__(config, engine_id, fetch_peer_metadata)
         assert config.shared_dir is not None  # KVTransferConfig checks it
-        self.root = Path(config.shared_dir) / config.shared_namespace
+        self.namespace_dir = Path(config.shared_dir) / config.shared_namespace
+        self.root = self.namespace_dir  # per layout once registered
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()  # per I/O thread: its staging buffers
 
@@ -90,6 +103,11 @@ class SharedStorageConnector(KVConnector):
         return True
 
     def _on_register(self, kv: KVCaches) -> None:
+        layout = kv.layout
+        self.root = self.namespace_dir / (
+            f"{layout.dtype}-b{layout.block_size}-l{layout.num_layers}"
+            f"-h{layout.num_kv_heads}-d{layout.head_dim}"
+        )
         self.root.mkdir(parents=True, exist_ok=True)
         self._pool = ThreadPoolExecutor(
             self.config.io_threads, thread_name_prefix=f"kv-storage-{self.engine_id}"
@@ -153,7 +171,8 @@ class SharedStorageConnector(KVConnector):
         todo = [
             (block_id, block_hash)
             for block_id, block_hash in zip(record.block_ids, record.block_hashes, strict=True)
-            if not self.path_for(block_hash).exists()  # content-addressed: already stored
+            # Content-addressed: a whole file is already this block.
+            if not block_file_is_whole(self.path_for(block_hash), self.layout, block_hash)
         ]
         chunks = self._chunks(todo)
         if not chunks:
@@ -184,7 +203,7 @@ class SharedStorageConnector(KVConnector):
         for j, (_, block_hash) in enumerate(items):
             block.copy_(staging[:, j])  # [L, 2, bs, H, D], the file's payload order
             path = self.path_for(block_hash)
-            path.parent.mkdir(exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True)  # also if someone removed it
             write_block_file(path, layout, block_hash, as_bytes(block))
 
     # -- fetch: files -> blocks ---------------------------------------------------------
@@ -214,7 +233,11 @@ class SharedStorageConnector(KVConnector):
         for j, (_, block_hash) in enumerate(items):
             path = self.path_for(block_hash)
             self._await_file(path, record)
-            read_block_file(path, layout, block_hash, as_bytes(host[j]))
+            try:
+                read_block_file(path, layout, block_hash, as_bytes(host[j]))
+            except CorruptBlockError:
+                path.unlink(missing_ok=True)  # the next export of this block writes it anew
+                raise
         staging = host if kv.device.type == "cpu" else host.to(kv.device)
         ids = block_id_tensor([block_id for block_id, _ in items], kv.device)
         for layer in range(layout.num_layers):
@@ -227,11 +250,24 @@ class SharedStorageConnector(KVConnector):
         while not path.exists():
             if self._closed:
                 raise ConnectorClosedError("connector closed")
+            self._check_other_layouts(path)
             remaining = record.remaining_s()
             if remaining <= 0:
                 raise BlockNotFoundError(f"{path.name} did not appear within the timeout")
             time.sleep(min(delay, remaining))
             delay = min(2 * delay, _MAX_POLL_S)
+
+    def _check_other_layouts(self, path: Path) -> None:
+        """Raise ``LayoutMismatchError`` if the block was stored under another layout of
+        this model (a peer configured with another dtype or block size): a clear error
+        now rather than a missing file at the deadline."""
+        relative = path.relative_to(self.root)
+        for other in self.namespace_dir.iterdir():
+            if other == self.root:
+                continue
+            found = read_block_header(other / relative)
+            if found is not None:
+                self.layout.check_compatible(found[0].layout)
 
     def _close(self) -> None:
         if self._pool is not None:

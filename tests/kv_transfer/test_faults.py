@@ -153,8 +153,7 @@ def test_corrupted_shared_storage_file_is_detected(peers, tmp_path):
     hashes = random_hashes(4, BIG_LAYOUT["block_size"], random.Random("corrupt"))
     link.export("stored", remote, hashes)
     assert "stored" in link.finished_exports(expect=["stored"])
-    root = tmp_path / "default"
-    paths = [root / h[:2] / f"{h}.kvblock" for h in hashes]
+    paths = [next(tmp_path.rglob(f"{h}.kvblock")) for h in hashes]  # under <ns>/<layout>/
     flip_byte(paths[0], -100)  # payload
     flip_byte(paths[1], 20)  # header
     paths[2].write_bytes(paths[2].read_bytes()[:-1])  # truncated

@@ -84,3 +84,43 @@ def test_connector_stores_a_prefix_other_workers_can_load(tmp_path):
         b.wait("f", 10)
         for layer in range(2):
             assert torch.equal(dst[layer][[1, 9]], src[layer][[5, 6]])
+
+
+def _export(connector: SharedStorageConnector, lease: str, block_ids, hashes) -> None:
+    connector.export_blocks(lease, block_ids, hashes)
+    deadline = time.monotonic() + 10
+    while lease not in connector.poll_finished_exports():
+        assert time.monotonic() < deadline, "export never finished"
+        time.sleep(0.01)
+
+
+def test_a_bad_stored_file_never_blocks_its_prefix_for_good(tmp_path):
+    """A file truncated by a crash or a full disk is rewritten by the next export of its
+    block; one that fails a reader's checks is removed; a worker of another KV dtype on
+    the same volume keeps apart instead of failing on these files."""
+    config = KVTransferConfig(connector="shared_storage", shared_dir=str(tmp_path))
+    shape = (16, 2, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    src = [torch.randn(shape).half() for _ in range(2)]
+    dst = [torch.zeros(shape).half() for _ in range(2)]
+    hashes = hash_blocks(list(range(2 * LAYOUT.block_size)), LAYOUT.block_size, salt="t")
+    with SharedStorageConnector(config, "a") as a, SharedStorageConnector(config, "b") as b:
+        a.register_kv_caches(src)
+        b.register_kv_caches(dst)
+        _export(a, "first", [5, 6], hashes)
+        path = a.path_for(hashes[0])
+        path.write_bytes(path.read_bytes()[:-7])  # truncated
+        _export(a, "again", [5, 6], hashes)
+        b.start_fetch("f", PeerRef("a", "unused"), [5, 6], [1, 9], hashes)
+        b.wait("f", 10)
+        for layer in range(2):
+            assert torch.equal(dst[layer][[1, 9]], src[layer][[5, 6]])
+        raw = bytearray(path.read_bytes())
+        raw[-1] ^= 1  # one payload bit: whole by its size, wrong by its checksum
+        path.write_bytes(bytes(raw))
+        b.start_fetch("g", PeerRef("a", "unused"), [5], [2], hashes[:1])
+        with pytest.raises(CorruptBlockError):
+            b.wait("g", 10)
+        assert not path.exists() and b.lookup_prefix(hashes) == 0
+    with SharedStorageConnector(config, "c") as c:
+        c.register_kv_caches([torch.zeros(shape, dtype=torch.bfloat16) for _ in range(2)])
+        assert c.root != a.root and c.lookup_prefix(hashes) == 0
