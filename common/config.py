@@ -55,7 +55,7 @@ def _coerce_enums(obj: Any) -> None:
                 raise ConfigError(field.name, f"{value!r} is not one of: {choices}") from None
 
 
-_ENUM_FIELDS: dict[str, type[StrEnum]] = {
+_ENUM_FIELDS: dict[str, type[StrEnum]] = {  # filled below, once every enum is defined
     "AttentionBackendName": AttentionBackendName,
     "DType": DType,
     "Device": Device,
@@ -123,6 +123,9 @@ class Role(StrEnum):
 class FailurePolicy(StrEnum):
     RECOMPUTE = "recompute"  # prefill locally on the decode worker; output unchanged
     FAIL = "fail"  # the request fails with a clear error
+
+
+_ENUM_FIELDS["FailurePolicy"] = FailurePolicy
 
 
 # Each worker owns PORT_STRIDE consecutive ports from its base port (see ``WorkerPorts``).
@@ -330,6 +333,19 @@ class PdserveConfig:
                 raise ConfigError(f"{role}.replicas", f"must be >= 0, got {section.replicas}")
             if not section.host:
                 raise ConfigError(f"{role}.host", "must not be empty")
+            if ":" in section.host and section.host not in _WILDCARD_HOSTS:
+                raise ConfigError(
+                    f"{role}.host",
+                    f"{section.host}: IPv6 worker addresses are not supported yet (gRPC, ZMQ "
+                    "and UCX endpoints are formed for IPv4); give an IPv4 address or a name",
+                )
+            if section.host in _WILDCARD_HOSTS:
+                raise ConfigError(
+                    f"{role}.host",
+                    f"{section.host} cannot be reached: a worker's host is both where it "
+                    "listens and the address it registers for the router and its peers; "
+                    "give this machine's address (the pod IP, the compose service name)",
+                )
             if section.drain_grace_s < 0:
                 raise ConfigError(
                     f"{role}.drain_grace_s", f"must be >= 0, got {section.drain_grace_s}"

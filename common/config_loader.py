@@ -10,6 +10,7 @@ int and ``--set model=null`` is None). ``to_dict`` gives back plain YAML-able da
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from enum import Enum
@@ -69,6 +70,8 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(key, f"must be a number, got {value!r}")
+        if not math.isfinite(value):  # NaN passes every "< 0" check and fails later
+            raise ConfigError(key, f"must be a finite number, got {value!r}")
         return float(value)
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -97,7 +100,7 @@ def build(cls: type[T], data: Any, prefix: str = "") -> T:
         raise ConfigError(prefix or "config", f"must be a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
         key = f"{prefix}.{unknown[0]}" if prefix else str(unknown[0])
         raise ConfigError(key, f"unknown key (known: {', '.join(sorted(fields))})")

@@ -12,6 +12,7 @@ pods drain on SIGTERM). Pod specs are built in ``deploy/k8s_pods.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from pathlib import Path
 
@@ -55,7 +56,14 @@ def base_resources(config: PdserveConfig, source: str, image: str) -> dict[str, 
     """File name → the resources it holds, in apply order."""
     inner = c.container_config(config, redis_host=pods.REDIS)
     config_text = c.config_yaml(inner, source)
-    checksum = hashlib.sha256(config_text.encode()).hexdigest()[:16]
+    # What the pods run on: scaling a role (1 -> 3 replicas) must not roll every pod, so
+    # replica counts enter the checksum only as "runs or not".
+    scaled = dataclasses.replace(
+        inner,
+        prefill=dataclasses.replace(inner.prefill, replicas=min(inner.prefill.replicas, 1)),
+        decode=dataclasses.replace(inner.decode, replicas=min(inner.decode.replicas, 1)),
+    )
+    checksum = hashlib.sha256(c.config_yaml(scaled, source).encode()).hexdigest()[:16]
     configmap = {
         "apiVersion": "v1",
         "kind": "ConfigMap",

@@ -36,6 +36,7 @@ class StackError(RuntimeError):
 
 
 _FIRST_BACKOFF_S, _MAX_BACKOFF_S = 1.0, 30.0
+_SHUTDOWN_S = 15.0  # after the drain grace: deregistering, the gRPC server's own stop
 _STABLE_S = 60.0  # a worker that ran this long before failing starts over at 1 s
 
 
@@ -56,10 +57,21 @@ class Stack:
         self.restart = restart
         self.children: list[tuple[str, subprocess.Popen]] = []
         self._restarts: dict[str, _Restarts] = {}
+        self.stop_signal = 0  # set by SIGINT/SIGTERM (see ``handle_signals``)
         handle, path = tempfile.mkstemp(prefix="pdserve-", suffix=".yaml")
         os.close(handle)
         self.config_path = Path(path)
         self.config_path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+
+    def handle_signals(self) -> None:
+        """From now on SIGINT/SIGTERM stop the stack: while it waits, and while it starts
+        (a worker loading for minutes must not be orphaned by a Ctrl-C)."""
+
+        def on_signal(signum: int, _frame) -> None:
+            self.stop_signal = signum
+
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -99,6 +111,8 @@ class Stack:
         """Until ``probe`` passes (the checks ``pdserve health`` runs); fails fast if the
         process exits."""
         while time.monotonic() < deadline:
+            if self.stop_signal:
+                raise StackError(f"stopped by signal {self.stop_signal} while starting")
             if proc.poll() is not None:
                 raise StackError(f"{name} exited ({proc.returncode}); see {self._log(name)}")
             if probe():
@@ -114,16 +128,9 @@ class Stack:
         return f"http://{self.config.router.host}:{self.config.router.port}"
 
     def wait(self) -> int:
-        """Until a signal, or until the router dies (a dead worker is only reported)."""
-        stop = {"signal": 0}
-
-        def on_signal(signum: int, _frame) -> None:
-            stop["signal"] = signum
-
-        signal.signal(signal.SIGINT, on_signal)
-        signal.signal(signal.SIGTERM, on_signal)
+        """Until a signal, or until the router dies (a failed worker is restarted)."""
         reported: set[str] = set()
-        while not stop["signal"]:
+        while not self.stop_signal:
             for name, proc in list(self.children):
                 if proc.poll() is None or name in reported:
                     continue
@@ -160,15 +167,18 @@ class Stack:
             reported.discard(name)
             print(f"  {name} restarted (logs in {self._log(name)})", file=sys.stderr, flush=True)
 
-    def stop(self, grace_s: float = 30.0) -> None:
-        """Router first (no new requests), then the workers drain and exit."""
-        for _, proc in reversed(self.children):
+    def stop(self) -> None:
+        """Router first (no new requests), then the workers drain and exit; each gets its
+        configured drain grace plus time to deregister and shut down before SIGKILL."""
+        for name, proc in reversed(self.children):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-            if proc is self.children[-1][1]:
-                _wait(proc, grace_s)
-        for _, proc in self.children:
-            _wait(proc, grace_s)
+            if name == "router":
+                _wait(proc, self.config.router.drain_grace_s + _SHUTDOWN_S)
+        for name, proc in self.children:
+            role = name.split("-")[0]
+            grace_s = self.config.role(Role(role)).drain_grace_s if role != "router" else 0.0
+            _wait(proc, grace_s + _SHUTDOWN_S)
         self.config_path.unlink(missing_ok=True)
 
 
@@ -191,11 +201,15 @@ def ensure_demo_model(config: PdserveConfig) -> None:
 def run(config: PdserveConfig, restart: bool = True) -> int:
     ensure_demo_model(config)
     stack = Stack(config, cache_dir() / "logs", restart)
+    stack.handle_signals()
     try:
         stack.start()
         print(f"pdserve is up: {stack.url_root}/v1  (OpenAI API; Ctrl-C stops)", flush=True)
         return stack.wait()
     except StackError as exc:
+        if stack.stop_signal:  # Ctrl-C or SIGTERM while starting: a normal stop
+            print("stopping", flush=True)
+            return 0
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:

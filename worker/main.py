@@ -13,8 +13,9 @@ from worker.runtime import WorkerRuntime
 logger = logging.getLogger(__name__)
 
 
-async def serve(config: PdserveConfig, role: Role, index: int) -> None:
-    """Run one worker until SIGTERM/SIGINT, then drain and exit."""
+async def serve(config: PdserveConfig, role: Role, index: int) -> int:
+    """Run one worker until SIGTERM/SIGINT, then drain and exit; the exit code (1 if the
+    engine failed)."""
     runtime = WorkerRuntime(config, role, index)
     if role is Role.PREFILL:
         from prefill_service.servicer import PrefillServicer
@@ -47,8 +48,8 @@ async def serve(config: PdserveConfig, role: Role, index: int) -> None:
             runtime.async_engine.hooks.append(servicer.engine_hook)
         print(f"pdserve {role.value} worker {index} ready on {runtime.address}", flush=True)
     await runtime.wait_stopped()
+    return runtime.exit_code
 
 
 def run(config: PdserveConfig, role: Role, index: int) -> int:
-    asyncio.run(serve(config, role, index))
-    return 0
+    return asyncio.run(serve(config, role, index))

@@ -10,6 +10,8 @@ Lifecycle:
     drain():  NOT_SERVING + registry entry marked draining → new requests get UNAVAILABLE
               → wait (at most drain_grace_s) for in-flight work → deregister → stop
               (a drain during start waits for the load, and the worker never serves)
+    engine failure: open streams fail at once, NOT_SERVING → deregister → stop, and the
+              process exits 1 (to be restarted)
 """
 
 from __future__ import annotations
@@ -109,6 +111,8 @@ class WorkerRuntime:
         self._metadata_client = PeerMetadataClient(config.kv_transfer.timeout_s)
         self._heartbeat_task: asyncio.Task | None = None
         self.engine_failed = False  # its thread stopped after a step raised
+        self.exit_code = 0  # 1 once the engine failed: the process exits to be restarted
+        self._failure_stop: asyncio.Task | None = None
         self._start_done = asyncio.Event()  # start returned or raised
         self._stopped = asyncio.Event()
 
@@ -215,6 +219,13 @@ class WorkerRuntime:
         interval = self.config.registry.heartbeat_s
         while True:
             await self._wait_or_engine_failed(interval)
+            if self.engine_failed:
+                # Its state is untrusted and it serves nothing more: deregister and exit
+                # non-zero, so the launcher, compose or Kubernetes starts a fresh one
+                # instead of a live process holding the capacity for good.
+                self.exit_code = 1
+                self._failure_stop = asyncio.create_task(self.stop())
+                return
             try:
                 await asyncio.to_thread(self.registry.heartbeat, self.info())
             except Exception as exc:  # a registry outage must not kill the worker

@@ -70,6 +70,11 @@ BROKEN = [
     ("decode: {engine: {max_num_seqs: many}}", "decode.engine.max_num_seqs", "an integer"),
     ("prefill: {engine: {batch: 8}}", "prefill.engine.batch", "unknown engine setting"),
     ("decode: {drain_grace_s: -1}", "decode.drain_grace_s", "must be >= 0"),
+    ("decode: {drain_grace_s: .nan}", "decode.drain_grace_s", "must be a finite number"),
+    ("kv_transfer: {lease_s: .inf}", "kv_transfer.lease_s", "must be a finite number"),
+    ("prefill: {host: 0.0.0.0}", "prefill.host", "cannot be reached"),
+    ("decode: {host: 'fd00::5'}", "decode.host", "IPv6 worker addresses are not supported"),
+    ("1: a\nfoo: b", "1", "unknown key"),
     ("decode: {engine: {block_size: 32}}", "decode.engine.block_size", "same block size"),
     ("kv_transfer: {connector: rdma}", "kv_transfer.connector", "not one of: nixl"),
     ("kv_transfer: {connector: shared_storage}", "kv_transfer.shared_dir", "needs a dir"),
@@ -170,3 +175,11 @@ def test_torch_free_sizing_agrees_with_the_engine(tiny_llama):
         runner.num_blocks,
     )
     assert budget.min_blocks == 16 and budget.num_blocks == 38
+
+
+def test_enum_settings_built_in_python_are_enums():
+    """Built in code (not from a file), a string policy must still mean the policy:
+    ``is FailurePolicy.RECOMPUTE`` on a plain str was False, which turned recompute off."""
+    from common.config import FailurePolicy, KVTransferSettings
+
+    assert KVTransferSettings(failure_policy="fail").failure_policy is FailurePolicy.FAIL

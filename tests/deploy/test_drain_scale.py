@@ -16,7 +16,7 @@ from common.registry import RedisRegistry
 from tests.common.redis_server import redis_server
 from tests.deploy.load import MODEL, StreamingLoad, wait_busy, wait_serving_requests
 from tests.support.processes import ROOT, WorkerProcess, start_workers, write_config
-from tests.support.stack import start_up_stack
+from tests.support.stack import launch_up, start_up_stack
 
 ROUTER = {"served_model_name": MODEL, "min_disagg_tokens": 0, "refresh_interval_s": 0.3}
 
@@ -143,3 +143,16 @@ def test_a_killed_worker_is_restarted_and_serves_again(tiny_llama, tmp_path):
         assert result.failures == [] and result.completed >= 3
     finally:
         assert stack.stop() == 0, stack.log()
+
+
+def test_sigterm_while_workers_load_leaves_nothing_behind(tiny_llama, tmp_path):
+    """SIGTERM (or Ctrl-C) to ``pdserve up`` while its workers still load stops them too,
+    instead of leaving them running under pid 1."""
+    config = write_config(tmp_path / "c.yaml", tiny_llama, router=ROUTER)
+    stack = launch_up(config, tmp_path / "home")
+    assert wait_for(lambda: len(stack.children()) == 2, 60), stack.log()
+    workers = list(stack.children().values())
+    stack.proc.send_signal(signal.SIGTERM)
+    assert stack.proc.wait(90) == 0, stack.log()
+    for pid in workers:
+        assert not os.path.exists(f"/proc/{pid}"), f"worker {pid} was left running"

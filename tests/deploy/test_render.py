@@ -284,3 +284,16 @@ def test_cli_renders_and_refuses_broken_configs(tmp_path):
     assert (out / "overlays" / "gpu" / "kustomization.yaml").exists()
     broken = pdserve("deploy", "compose", "--config", str(path), "--set", "decode.replicas=-2")
     assert broken.returncode == 2 and "decode.replicas: must be >= 0" in broken.stderr
+
+
+def test_scaling_a_role_rolls_no_pod_but_a_config_change_does():
+    def checksums(*overrides: str) -> set[str]:
+        files = render_files(load_config(str(DEMO), list(overrides)), DEMO.name)
+        return {line.split("config-sha256: ")[1].rstrip("}")
+                for text in files.values() for line in text.splitlines()
+                if "config-sha256: " in line}  # fmt: skip
+
+    one = checksums()
+    assert len(one) == 1
+    assert checksums("decode.replicas=3", "prefill.replicas=2") == one
+    assert checksums("decode.drain_grace_s=45") != one

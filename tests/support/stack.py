@@ -61,11 +61,9 @@ class UpStack:
         return self.proc.returncode
 
 
-def start_up_stack(
-    config_path: Path, home: Path, timeout: float = 180.0, restart: bool = True
-) -> UpStack:
-    """``pdserve up`` on ``config_path``; ``restart=False`` leaves failed workers down
-    (tests of how the router copes with a dead worker)."""
+def launch_up(config_path: Path, home: Path, restart: bool = True) -> UpStack:
+    """``pdserve up`` on ``config_path``, not waited for; ``restart=False`` leaves failed
+    workers down (tests of how the router copes with a dead worker)."""
     log_path = config_path.with_suffix(".up.log")
     env = {**os.environ, "PDSERVE_HOME": str(home), "PYTHONUNBUFFERED": "1",
            "OMP_NUM_THREADS": "1"}  # fmt: skip
@@ -75,7 +73,15 @@ def start_up_stack(
              *([] if restart else ["--no-restart"])],
             stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
         )  # fmt: skip
-    stack = UpStack(config_path, proc, log_path)
+    return UpStack(config_path, proc, log_path)
+
+
+def start_up_stack(
+    config_path: Path, home: Path, timeout: float = 180.0, restart: bool = True
+) -> UpStack:
+    """``launch_up``, then wait until the stack serves."""
+    stack = launch_up(config_path, home, restart)
+    proc, log_path = stack.proc, stack.log_path
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:

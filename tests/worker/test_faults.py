@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -206,3 +207,43 @@ def test_a_drain_while_the_model_loads_never_serves_and_releases_everything(tiny
     assert not runtime.async_engine._thread.is_alive()
     ports = runtime.ports
     assert all(port_is_free(p) for p in (ports.grpc, ports.events, ports.replay, ports.kv_transfer))
+
+
+def test_a_failed_engine_fails_its_streams_and_the_worker_exits_to_be_restarted(
+    tiny_llama, tmp_path
+):
+    """A step that raises (a bug, the device out of memory) ends the open stream with
+    UNAVAILABLE at once; the worker then deregisters, stops and reports exit code 1, so
+    its launcher, compose or Kubernetes starts a fresh one."""
+    config = load_config(str(write_config(tmp_path / "c.yaml", tiny_llama)))
+    runtime = WorkerRuntime(config, Role.DECODE, 0)
+    servicer = DecodeServicer(runtime)
+
+    async def body() -> grpc.aio.AioRpcError:
+        add = lambda server: pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)  # noqa: E731
+        assert await runtime.start(add)
+        engine = runtime.async_engine.engine
+        real_step, steps = engine.step, [0]
+
+        def failing_step():
+            steps[0] += 1
+            if steps[0] == 3:
+                raise RuntimeError("injected step failure")
+            return real_step()
+
+        engine.step = failing_step
+        async with grpc.aio.insecure_channel(runtime.address) as channel:
+            stub = pb_grpc.DecodeServiceStub(channel)
+            request = pb.GenerateRequest(request_id="r", prompt_token_ids=list(range(5, 40)),
+                                         sampling=GREEDY)  # fmt: skip
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                async for _ in stub.Generate(request, timeout=30):
+                    pass
+        await asyncio.wait_for(runtime.wait_stopped(), 15)
+        return failed.value
+
+    failed = asyncio.run(body())
+    assert failed.code() == grpc.StatusCode.UNAVAILABLE and "injected" in failed.details()
+    assert runtime.exit_code == 1 and not runtime.async_engine._thread.is_alive()
+    with socket.socket() as probe:  # nothing listens (the port itself may be in TIME_WAIT)
+        assert probe.connect_ex(("127.0.0.1", runtime.ports.grpc)) != 0
