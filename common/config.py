@@ -89,6 +89,10 @@ class EngineConfig:
     # Bytes of CPU memory for offloaded KV blocks (the deployment's offload.cpu_bytes);
     # 0: evicted blocks are dropped.
     cpu_offload_bytes: int = 0
+    # A worker whose engine spends longer than this in one step (or command) takes its
+    # device for hung: it fails its requests and exits to be restarted. None: never.
+    # Generous, since a big prefill chunk of a large model on a CPU can take minutes.
+    step_timeout_s: float | None = 300.0
 
     def __post_init__(self) -> None:
         _coerce_enums(self)
@@ -98,7 +102,7 @@ class EngineConfig:
                 raise ConfigError(f"engine.{key}", f"must be > 0, got {getattr(self, key)}")
         if self.cpu_offload_bytes < 0:
             raise ConfigError("engine.cpu_offload_bytes", "must be >= 0")
-        for key in ("num_blocks", "max_model_len", "prefill_chunk_tokens"):
+        for key in ("num_blocks", "max_model_len", "prefill_chunk_tokens", "step_timeout_s"):
             value = getattr(self, key)
             if value is not None and value <= 0:
                 raise ConfigError(f"engine.{key}", f"must be > 0 or null, got {value}")
@@ -270,9 +274,10 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.cpu_hit_credit <= 1.0:
             raise ConfigError("router.cpu_hit_credit", "must be in [0, 1]")
-        for key in ("min_disagg_tokens", "max_inflight_sequences"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"router.{key}", "must be >= 0")
+        if self.min_disagg_tokens < 0:
+            raise ConfigError("router.min_disagg_tokens", "must be >= 0")
+        if self.max_inflight_sequences < 1:
+            raise ConfigError("router.max_inflight_sequences", "must be >= 1")
         for key in (
             "default_prefill_tokens_per_s",
             "prefill_timeout_s",

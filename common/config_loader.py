@@ -92,6 +92,13 @@ def _union_name(args: tuple) -> str:
     return " or ".join(_type_name(a) for a in args if a is not type(None))
 
 
+# Keys that were renamed: a clear error naming the new one, not just "unknown key".
+_RENAMED = {
+    "router.max_inflight_requests": "router.max_inflight_sequences (it counts sequences: "
+    "a request runs len(prompts) * n)",
+}
+
+
 def build(cls: type[T], data: Any, prefix: str = "") -> T:
     """An instance of dataclass ``cls`` from a mapping; missing keys take their defaults."""
     if data is None:
@@ -103,6 +110,8 @@ def build(cls: type[T], data: Any, prefix: str = "") -> T:
     unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
         key = f"{prefix}.{unknown[0]}" if prefix else str(unknown[0])
+        if key in _RENAMED:
+            raise ConfigError(key, f"renamed to {_RENAMED[key]} (see DESIGN_NOTES.md)")
         raise ConfigError(key, f"unknown key (known: {', '.join(sorted(fields))})")
     kwargs = {}
     for name, value in data.items():

@@ -13,6 +13,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+# transformers' GenerationConfig defaults: a file repeating one sets nothing (top_k 50
+# would otherwise turn top-k on where vLLM leaves it off).
+_HF_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 50, "repetition_penalty": 1.0}
+
 
 @dataclass(frozen=True, slots=True)
 class GenerationDefaults:
@@ -31,7 +35,9 @@ class GenerationDefaults:
 
         def number(key: str, kind: type) -> float | int | None:
             value = values.get(key)
-            return kind(value) if isinstance(value, int | float) else None
+            if not isinstance(value, int | float) or value == _HF_DEFAULTS.get(key):
+                return None  # as vLLM (transformers' to_diff_dict): a default means unset
+            return kind(value)
 
         return cls(
             temperature=number("temperature", float),

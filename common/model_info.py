@@ -33,6 +33,7 @@ class ModelInfo:
     served_name: str
     max_model_len: int
     block_size: int
+    vocab_size: int  # the model's (its embedding rows; may exceed the tokenizer's)
 
 
 def model_info(config: PdserveConfig) -> ModelInfo:
@@ -47,4 +48,5 @@ def model_info(config: PdserveConfig) -> ModelInfo:
     engines = [config.engine_for(role) for role in Role if config.role(role).replicas > 0]
     max_model_len = min([limit, *(e.max_model_len for e in engines if e.max_model_len)])
     name = config.router.served_model_name or ("demo" if not config.model else model_dir.name)
-    return ModelInfo(model_dir, name, max_model_len, config.engine_for(Role.DECODE).block_size)
+    return ModelInfo(model_dir, name, max_model_len, config.engine_for(Role.DECODE).block_size,
+                     int(hf_config.get("vocab_size", 0)))  # fmt: skip

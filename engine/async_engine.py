@@ -25,6 +25,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +81,7 @@ class AsyncEngine:
         self.failure: str | None = None  # set, once, when a step raised (see the docstring)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
+        self._busy_since: float | None = None  # when the running step or command began
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._prefill_rate = 0.0
 
@@ -99,6 +101,18 @@ class AsyncEngine:
     @property
     def num_streams(self) -> int:
         return len(self._streams)
+
+    def busy_for_s(self) -> float:
+        """How long the engine thread has been in its current step or command (0 when
+        waiting): a watchdog's measure of a hung device. Safe from any thread."""
+        since = self._busy_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def fail_stuck(self, reason: str) -> None:
+        """From outside the engine thread, once it is stuck (a hung device): fail every
+        open stream and command now; the thread stops if it ever comes back."""
+        self._stop.set()
+        self._fail(reason)
 
     # ------------------------------------------------------------------ asyncio side
 
@@ -178,11 +192,16 @@ class AsyncEngine:
             wait_s = 0.0
             if engine.has_work():
                 num_steps = engine.num_steps
+                self._busy_since = time.monotonic()
                 try:
                     outputs = engine.step()
                 except Exception as exc:
                     logger.exception("engine step failed: failing every request and stopping")
                     self._fail(f"{type(exc).__name__}: {exc}")
+                    return
+                finally:
+                    self._busy_since = None
+                if self._stop.is_set():  # failed from outside meanwhile (fail_stuck)
                     return
                 for output in outputs:
                     self._deliver(output)

@@ -230,7 +230,7 @@ def create_app(state: RouterState) -> FastAPI:
     ):
         if state.draining:
             raise unavailable("the router is draining")
-        vocab = state.tokenizer.vocab_size
+        vocab = state.model.vocab_size or state.tokenizer.vocab_size  # what the engine checks
         if any(t >= vocab for t in body.stop_token_ids or ()):
             raise bad_request(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
         num_sequences = len(prompts) * body.n

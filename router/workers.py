@@ -54,6 +54,7 @@ class WorkerState:
     unreachable_since: float | None = None
     calls: set[grpc.aio.Call] = field(default_factory=set)
     abandoned: set[grpc.aio.Call] = field(default_factory=set)
+    departed_channel: grpc.aio.Channel | None = None  # probes it once out of the registry
 
     @contextlib.contextmanager
     def tracking(self, call: grpc.aio.Call) -> Iterator[None]:
@@ -109,6 +110,9 @@ class WorkerPool:
         self.request_timeout_s = request_timeout_s
         self.stall_timeout_s = stall_timeout_s
         self.workers: dict[str, WorkerState] = {}
+        # Gone from the registry with calls still on them: probed only to fail those calls
+        # if the worker is frozen (a frozen worker's registry entry expires too).
+        self._departed: dict[str, WorkerState] = {}
         self._task: asyncio.Task | None = None
         self._retiring: set[asyncio.Task] = set()  # channels closing with a grace period
 
@@ -123,6 +127,9 @@ class WorkerPool:
                 await self._task
         for state in self.workers.values():
             await state.channel.close()
+        for state in self._departed.values():
+            if state.departed_channel is not None:
+                await state.departed_channel.close()
         for task in list(self._retiring):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -156,6 +163,8 @@ class WorkerPool:
                 self.events.remove(worker_id)
                 logger.info("worker %s left", worker_id)
                 self._retire(state)
+                if state.calls:
+                    self._departed[worker_id] = state
         for worker_id, info in current.items():
             state = self.workers.get(worker_id)
             if state is None or (state.info.engine_id != info.engine_id and info.engine_id):
@@ -166,7 +175,26 @@ class WorkerPool:
                 logger.info("worker %s joined (%s)", worker_id, info.role)
             else:
                 state.info = info
-        await asyncio.gather(*(self._probe(state) for state in self.workers.values()))
+        for worker_id, state in list(self._departed.items()):
+            if not state.calls or worker_id in self.workers:
+                del self._departed[worker_id]
+                if state.departed_channel is not None:
+                    await state.departed_channel.close()
+        await asyncio.gather(
+            *(self._probe(state) for state in self.workers.values()),
+            *(self._probe_departed(state) for state in self._departed.values()),
+        )
+
+    async def _probe_departed(self, state: WorkerState) -> None:
+        """Its own channel is closing (``_retire``), so the probe gets a fresh one."""
+        if state.departed_channel is None:
+            state.departed_channel = grpc.aio.insecure_channel(state.info.grpc_address)
+        health = health_pb2_grpc.HealthStub(state.departed_channel)
+        try:
+            await health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            state.unreachable_since = None
+        except grpc.aio.AioRpcError:
+            self._give_up_if_stalled(state)
 
     def _retire(self, state: WorkerState) -> None:
         """No new calls go to ``state``; the ones in flight may finish. A worker can leave

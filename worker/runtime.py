@@ -232,13 +232,23 @@ class WorkerRuntime:
                 logger.warning("registry heartbeat failed: %s", exc)
 
     async def _wait_or_engine_failed(self, interval_s: float) -> None:
-        """Sleep ``interval_s``, watching the engine: once its thread has failed, this
-        worker takes no more requests (health NOT_SERVING, listed as draining), so routers
-        stop sending it work instead of waiting on it."""
+        """Sleep ``interval_s``, watching the engine: once its thread has failed, or has
+        spent more than ``engine.step_timeout_s`` in one step (a hung device: health and
+        Stats would still answer from this thread), this worker takes no more requests
+        (health NOT_SERVING, listed as draining), so routers stop sending it work instead
+        of waiting on it."""
         deadline = time.monotonic() + interval_s
+        step_timeout_s = self.config.engine_for(self.role).step_timeout_s
         while time.monotonic() < deadline:
             await asyncio.sleep(min(_ENGINE_WATCH_S, interval_s))
             engine = self.async_engine
+            if (
+                engine is not None
+                and engine.failure is None
+                and step_timeout_s is not None
+                and engine.busy_for_s() > step_timeout_s
+            ):
+                engine.fail_stuck(f"one engine step ran past {step_timeout_s:g} s: device hung?")
             if engine is not None and engine.failure is not None and not self.engine_failed:
                 logger.error("%s: engine failed (%s); taking no more work", self.worker_id,
                              engine.failure)  # fmt: skip

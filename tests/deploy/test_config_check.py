@@ -73,6 +73,8 @@ BROKEN = [
     ("decode: {drain_grace_s: .nan}", "decode.drain_grace_s", "must be a finite number"),
     ("kv_transfer: {lease_s: .inf}", "kv_transfer.lease_s", "must be a finite number"),
     ("prefill: {host: 0.0.0.0}", "prefill.host", "cannot be reached"),
+    ("router: {max_inflight_requests: 8}", "router.max_inflight_requests", "renamed to"),
+    ("router: {max_inflight_sequences: 0}", "router.max_inflight_sequences", "must be >= 1"),
     ("decode: {host: 'fd00::5'}", "decode.host", "IPv6 worker addresses are not supported"),
     ("1: a\nfoo: b", "1", "unknown key"),
     ("decode: {engine: {block_size: 32}}", "decode.engine.block_size", "same block size"),

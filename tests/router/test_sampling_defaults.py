@@ -30,3 +30,11 @@ def test_unset_fields_take_the_checkpoint_defaults(tmp_path):
     plain = sampling_params(ChatCompletionRequest(messages=messages), no_file, None, chat=True)
     fields = (plain.temperature, plain.top_p, plain.top_k, plain.repetition_penalty)
     assert fields == (1.0, 1.0, 0, 1.0)
+
+
+def test_values_equal_to_transformers_defaults_set_nothing(tmp_path):
+    """As vLLM reads the file (transformers' to_diff_dict): an explicit top_k of 50 is the
+    library default, not a request for top-k sampling."""
+    (tmp_path / "generation_config.json").write_text(json.dumps({
+        "top_k": 50, "temperature": 1.0, "top_p": 0.9}))  # fmt: skip
+    assert GenerationDefaults.read(tmp_path) == GenerationDefaults(top_p=0.9)

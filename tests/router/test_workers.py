@@ -1,5 +1,6 @@
 """The router's worker pool: a worker that leaves the registry gets no new requests, but
-the streams already on it run to their end."""
+the streams already on it run to their end; unless it is frozen, when they fail after the
+stall timeout even though its registry entry expired first."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from router.events import EventListener
 from router.prefix_index import PrefixIndex
-from router.workers import WorkerPool
+from router.workers import WorkerPool, WorkerStalled
 from tests.common.redis_server import redis_server
 
 NUM_CHUNKS = 6
@@ -73,5 +74,82 @@ def test_a_worker_leaving_the_registry_finishes_its_streams(tmp_path):
         registry = RedisRegistry(url, ttl_s=30.0)
         try:
             assert asyncio.run(scenario(registry)) == list(range(NUM_CHUNKS))
+        finally:
+            registry.close()
+
+
+class FreezableDecode(pb_grpc.DecodeServiceServicer):
+    """Streams a token every 50 ms, and answers health checks, until frozen: then neither
+    (a stopped process or a hung host looks the same from the router)."""
+
+    def __init__(self) -> None:
+        self.frozen = asyncio.Event()
+
+    async def Generate(self, request, context):
+        for token in range(1000):
+            await asyncio.sleep(0.05)
+            if self.frozen.is_set():
+                await asyncio.sleep(3600)
+            yield pb.GenerateResponse(token_ids=[token])
+
+    async def Stats(self, request, context):
+        return pb.StatsResponse()
+
+
+class FreezableHealth(health.aio.HealthServicer):
+    def __init__(self, frozen: asyncio.Event) -> None:
+        super().__init__()
+        self.frozen = frozen
+
+    async def Check(self, request, context):
+        if self.frozen.is_set():
+            await asyncio.sleep(3600)
+        return await super().Check(request, context)
+
+
+@pytest.mark.timeout(60)
+def test_a_frozen_worker_whose_entry_expired_still_has_its_calls_failed(tmp_path):
+    """A frozen worker stops heartbeating, so with Redis its entry expires (ttl) before
+    the stall timeout; the pool must still fail the calls left on it, not let them hang
+    until the request timeout."""
+
+    async def scenario(registry: RedisRegistry) -> float:
+        decode = FreezableDecode()
+        server = grpc.aio.server()
+        pb_grpc.add_DecodeServiceServicer_to_server(decode, server)
+        health_pb2_grpc.add_HealthServicer_to_server(FreezableHealth(decode.frozen), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        info = WorkerInfo(
+            worker_id=f"decode@127.0.0.1:{port}",
+            role=Role.DECODE,
+            grpc_address=f"127.0.0.1:{port}",
+            events_endpoint="tcp://127.0.0.1:1",
+            replay_endpoint="tcp://127.0.0.1:2",
+        )
+        registry.register(info)
+        pool = WorkerPool(registry, EventListener(PrefixIndex(), threading.Lock()), 0.2, 600.0,
+                          stall_timeout_s=1.0)  # fmt: skip
+        await pool.start()
+        try:
+            state = pool.get(info.worker_id)
+            call = state.decode.Generate(pb.GenerateRequest(request_id="r1"))
+            frozen_at = None
+            with pytest.raises(WorkerStalled), state.tracking(call):
+                async for _ in call:
+                    if frozen_at is None:
+                        decode.frozen.set()
+                        registry.deregister(info.worker_id)  # as its entry expiring
+                        frozen_at = asyncio.get_running_loop().time()
+            return asyncio.get_running_loop().time() - frozen_at
+        finally:
+            decode.frozen.clear()
+            await pool.close()
+            await server.stop(None)
+
+    with redis_server(tmp_path) as url:
+        registry = RedisRegistry(url, ttl_s=30.0)
+        try:
+            assert asyncio.run(scenario(registry)) < 10
         finally:
             registry.close()

@@ -209,13 +209,17 @@ def test_a_drain_while_the_model_loads_never_serves_and_releases_everything(tiny
     assert all(port_is_free(p) for p in (ports.grpc, ports.events, ports.replay, ports.kv_transfer))
 
 
+@pytest.mark.parametrize("failure", ["raises", "hangs"])
 def test_a_failed_engine_fails_its_streams_and_the_worker_exits_to_be_restarted(
-    tiny_llama, tmp_path
+    tiny_llama, tmp_path, failure
 ):
-    """A step that raises (a bug, the device out of memory) ends the open stream with
-    UNAVAILABLE at once; the worker then deregisters, stops and reports exit code 1, so
-    its launcher, compose or Kubernetes starts a fresh one."""
-    config = load_config(str(write_config(tmp_path / "c.yaml", tiny_llama)))
+    """A step that raises (a bug, the device out of memory), or that runs past
+    engine.step_timeout_s (a hung device, while health still answers from the gRPC
+    thread), ends the open stream with UNAVAILABLE; the worker then deregisters, stops
+    and reports exit code 1, so its launcher, compose or Kubernetes starts a fresh one."""
+    config = load_config(
+        str(write_config(tmp_path / "c.yaml", tiny_llama)), ["engine.step_timeout_s=1"]
+    )
     runtime = WorkerRuntime(config, Role.DECODE, 0)
     servicer = DecodeServicer(runtime)
 
@@ -227,8 +231,10 @@ def test_a_failed_engine_fails_its_streams_and_the_worker_exits_to_be_restarted(
 
         def failing_step():
             steps[0] += 1
-            if steps[0] == 3:
+            if steps[0] == 3 and failure == "raises":
                 raise RuntimeError("injected step failure")
+            if steps[0] == 3:
+                time.sleep(4)  # releases the GIL, as a stuck device sync would
             return real_step()
 
         engine.step = failing_step
@@ -243,7 +249,8 @@ def test_a_failed_engine_fails_its_streams_and_the_worker_exits_to_be_restarted(
         return failed.value
 
     failed = asyncio.run(body())
-    assert failed.code() == grpc.StatusCode.UNAVAILABLE and "injected" in failed.details()
+    expected = "injected" if failure == "raises" else "device hung"
+    assert failed.code() == grpc.StatusCode.UNAVAILABLE and expected in failed.details()
     assert runtime.exit_code == 1 and not runtime.async_engine._thread.is_alive()
     with socket.socket() as probe:  # nothing listens (the port itself may be in TIME_WAIT)
         assert probe.connect_ex(("127.0.0.1", runtime.ports.grpc)) != 0
