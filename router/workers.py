@@ -236,10 +236,11 @@ class WorkerPool:
         state.healthy = healthy
 
     def _give_up_if_stalled(self, state: WorkerState) -> None:
-        """A worker that has not answered a probe for ``stall_timeout_s`` (frozen: a hung
-        device, a stopped process) gets its calls in flight cancelled, so their clients
-        get an error (or a retry elsewhere) instead of waiting out the request timeout.
-        A dead worker's calls fail by themselves; a frozen one's never would."""
+        """A worker that has not answered a probe for ``stall_timeout_s`` (frozen: a
+        stopped process, a frozen host) gets its calls in flight cancelled, so their
+        clients get an error (or a retry elsewhere) instead of waiting out the request
+        timeout. A dead worker's calls fail by themselves; a frozen one's never would. (A
+        hung device is the worker's own watchdog's: ``engine.step_timeout_s``.)"""
         now = time.monotonic()
         if state.unreachable_since is None:
             state.unreachable_since = now
