@@ -64,26 +64,19 @@ def test_wrong_block_and_wrong_layout_are_refused(tmp_path):
         read_block_file(path, other, HASH, out)
 
 
-def test_connector_stores_a_prefix_other_workers_can_load(tmp_path):
+SHAPE = (16, 2, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)  # 16 blocks
+
+
+def two_workers(tmp_path):
+    """Connectors of two workers on one shared directory, registered on random source
+    and zeroed destination caches: (a, b, src, dst)."""
     config = KVTransferConfig(connector="shared_storage", shared_dir=str(tmp_path))
-    shape = (16, 2, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
-    src = [torch.randn(shape).half() for _ in range(2)]
-    dst = [torch.zeros(shape).half() for _ in range(2)]
-    hashes = hash_blocks(list(range(3 * LAYOUT.block_size)), LAYOUT.block_size, salt="t")
-    with SharedStorageConnector(config, "a") as a, SharedStorageConnector(config, "b") as b:
-        a.register_kv_caches(src)
-        b.register_kv_caches(dst)
-        assert b.lookup_prefix(hashes) == 0
-        a.export_blocks("lease", [5, 6], hashes[:2])
-        deadline = time.monotonic() + 10
-        while not a.poll_finished_exports():  # written: the lease may go now
-            assert time.monotonic() < deadline, "export never finished"
-            time.sleep(0.01)
-        assert b.lookup_prefix(hashes) == 2
-        b.start_fetch("f", PeerRef("a", "unused"), [5, 6], [1, 9], hashes[:2])
-        b.wait("f", 10)
-        for layer in range(2):
-            assert torch.equal(dst[layer][[1, 9]], src[layer][[5, 6]])
+    src = [torch.randn(SHAPE).half() for _ in range(2)]
+    dst = [torch.zeros(SHAPE).half() for _ in range(2)]
+    a, b = SharedStorageConnector(config, "a"), SharedStorageConnector(config, "b")
+    a.register_kv_caches(src)
+    b.register_kv_caches(dst)
+    return a, b, src, dst
 
 
 def _export(connector: SharedStorageConnector, lease: str, block_ids, hashes) -> None:
@@ -94,18 +87,26 @@ def _export(connector: SharedStorageConnector, lease: str, block_ids, hashes) ->
         time.sleep(0.01)
 
 
+def test_connector_stores_a_prefix_other_workers_can_load(tmp_path):
+    hashes = hash_blocks(list(range(3 * LAYOUT.block_size)), LAYOUT.block_size, salt="t")
+    a, b, src, dst = two_workers(tmp_path)
+    with a, b:
+        assert b.lookup_prefix(hashes) == 0
+        _export(a, "lease", [5, 6], hashes[:2])  # written: the lease may go now
+        assert b.lookup_prefix(hashes) == 2
+        b.start_fetch("f", PeerRef("a", "unused"), [5, 6], [1, 9], hashes[:2])
+        b.wait("f", 10)
+        for layer in range(2):
+            assert torch.equal(dst[layer][[1, 9]], src[layer][[5, 6]])
+
+
 def test_a_bad_stored_file_never_blocks_its_prefix_for_good(tmp_path):
     """A file truncated by a crash or a full disk is rewritten by the next export of its
     block; one that fails a reader's checks is removed; a worker of another KV dtype on
     the same volume keeps apart instead of failing on these files."""
-    config = KVTransferConfig(connector="shared_storage", shared_dir=str(tmp_path))
-    shape = (16, 2, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)
-    src = [torch.randn(shape).half() for _ in range(2)]
-    dst = [torch.zeros(shape).half() for _ in range(2)]
     hashes = hash_blocks(list(range(2 * LAYOUT.block_size)), LAYOUT.block_size, salt="t")
-    with SharedStorageConnector(config, "a") as a, SharedStorageConnector(config, "b") as b:
-        a.register_kv_caches(src)
-        b.register_kv_caches(dst)
+    a, b, src, dst = two_workers(tmp_path)
+    with a, b:
         _export(a, "first", [5, 6], hashes)
         path = a.path_for(hashes[0])
         path.write_bytes(path.read_bytes()[:-7])  # truncated
@@ -121,6 +122,7 @@ def test_a_bad_stored_file_never_blocks_its_prefix_for_good(tmp_path):
         with pytest.raises(CorruptBlockError):
             b.wait("g", 10)
         assert not path.exists() and b.lookup_prefix(hashes) == 0
+    config = KVTransferConfig(connector="shared_storage", shared_dir=str(tmp_path))
     with SharedStorageConnector(config, "c") as c:
-        c.register_kv_caches([torch.zeros(shape, dtype=torch.bfloat16) for _ in range(2)])
+        c.register_kv_caches([torch.zeros(SHAPE, dtype=torch.bfloat16) for _ in range(2)])
         assert c.root != a.root and c.lookup_prefix(hashes) == 0

@@ -33,23 +33,29 @@ class SlowDecode(pb_grpc.DecodeServiceServicer):
         return pb.StatsResponse()
 
 
+async def serve_decode(decode, health_servicer) -> tuple[grpc.aio.Server, WorkerInfo]:
+    """A decode service on a free port of 127.0.0.1, and its registry entry."""
+    server = grpc.aio.server()
+    pb_grpc.add_DecodeServiceServicer_to_server(decode, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    info = WorkerInfo(
+        worker_id=f"decode@127.0.0.1:{port}",
+        role=Role.DECODE,
+        grpc_address=f"127.0.0.1:{port}",
+        events_endpoint="tcp://127.0.0.1:1",
+        replay_endpoint="tcp://127.0.0.1:2",
+    )
+    return server, info
+
+
 @pytest.mark.timeout(60)
 def test_a_worker_leaving_the_registry_finishes_its_streams(tmp_path):
     """Say its Redis entry expired (a stalled heartbeat) or Redis lost its keys."""
 
     async def scenario(registry: RedisRegistry) -> list[int]:
-        server = grpc.aio.server()
-        pb_grpc.add_DecodeServiceServicer_to_server(SlowDecode(), server)
-        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        info = WorkerInfo(
-            worker_id=f"decode@127.0.0.1:{port}",
-            role=Role.DECODE,
-            grpc_address=f"127.0.0.1:{port}",
-            events_endpoint="tcp://127.0.0.1:1",
-            replay_endpoint="tcp://127.0.0.1:2",
-        )
+        server, info = await serve_decode(SlowDecode(), health.aio.HealthServicer())
         registry.register(info)
         pool = WorkerPool(registry, EventListener(PrefixIndex(), threading.Lock()), 60.0, 30.0)
         try:
@@ -115,18 +121,7 @@ def test_a_frozen_worker_whose_entry_expired_still_has_its_calls_failed(tmp_path
 
     async def scenario(registry: RedisRegistry) -> float:
         decode = FreezableDecode()
-        server = grpc.aio.server()
-        pb_grpc.add_DecodeServiceServicer_to_server(decode, server)
-        health_pb2_grpc.add_HealthServicer_to_server(FreezableHealth(decode.frozen), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        info = WorkerInfo(
-            worker_id=f"decode@127.0.0.1:{port}",
-            role=Role.DECODE,
-            grpc_address=f"127.0.0.1:{port}",
-            events_endpoint="tcp://127.0.0.1:1",
-            replay_endpoint="tcp://127.0.0.1:2",
-        )
+        server, info = await serve_decode(decode, FreezableHealth(decode.frozen))
         registry.register(info)
         pool = WorkerPool(registry, EventListener(PrefixIndex(), threading.Lock()), 0.2, 600.0,
                           stall_timeout_s=1.0)  # fmt: skip
