@@ -83,7 +83,10 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         return value
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(key, f"must be a string, got {value!r}")
+            # YAML reads 1:30 as 90, on as true, 010 as 8: say how to keep the text.
+            raise ConfigError(
+                key, f"must be a string, got {value!r} (quote it in YAML, or --set {key}='\"...\"')"
+            )
         return value
     raise ConfigError(key, f"unsupported type {_type_name(tp)}")
 

@@ -15,8 +15,11 @@ The fetcher waits for each file until the deadline (the exporter may still be wr
 verifies it, and copies it into its local block. No handshake is needed: every file
 carries its layout, and the reader checks it. An exporter rewrites a stored file that is
 not whole (truncated by a crash or a full disk), and a reader removes a file that fails
-verification, so one bad file cannot block a prefix for good. Files are not deleted
-otherwise; bounding the directory (LRU by access time) is the operator's job for now.
+verification, so one bad file cannot block a prefix for good. A block the exporter could
+not write (a full disk) leaves an empty ``<name>.failed`` marker, so readers fail at once
+(and recompute) instead of at their deadline; the next good write removes it. Files are
+not deleted otherwise; bounding the directory (LRU by access time) is the operator's job
+for now.
 
 A transfer is cut into chunks that the I/O threads process in parallel (checksums and
 copies release the GIL); each thread reuses one staging buffer, so steady-state transfers
@@ -26,6 +29,7 @@ reported only once no chunk can write its blocks any more.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -63,6 +67,11 @@ _MAX_POLL_S = 0.02
 _MAX_CHUNK_BYTES = 16 << 20
 
 Items = list[tuple[int, bytes]]  # (block id, block hash)
+
+
+def _failure_marker(path: Path) -> Path:
+    """Where an exporter that could not write ``path`` says so (removed once written)."""
+    return path.with_name(path.name + ".failed")
 
 
 class _Countdown:
@@ -203,8 +212,17 @@ class SharedStorageConnector(KVConnector):
         for j, (_, block_hash) in enumerate(items):
             block.copy_(staging[:, j])  # [L, 2, bs, H, D], the file's payload order
             path = self.path_for(block_hash)
-            path.parent.mkdir(parents=True, exist_ok=True)  # also if someone removed it
-            write_block_file(path, layout, block_hash, as_bytes(block))
+            failed = _failure_marker(path)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)  # also if someone removed it
+                write_block_file(path, layout, block_hash, as_bytes(block))
+            except OSError:
+                # A full disk, say: an empty marker (no data blocks needed) tells waiting
+                # readers now, instead of at their deadline.
+                with contextlib.suppress(OSError):
+                    failed.touch()
+                raise
+            failed.unlink(missing_ok=True)
 
     # -- fetch: files -> blocks ---------------------------------------------------------
 
@@ -250,6 +268,8 @@ class SharedStorageConnector(KVConnector):
         while not path.exists():
             if self._closed:
                 raise ConnectorClosedError("connector closed")
+            if _failure_marker(path).exists():
+                raise TransferFailedError(f"the exporter could not write {path.name}")
             self._check_other_layouts(path)
             remaining = record.remaining_s()
             if remaining <= 0:

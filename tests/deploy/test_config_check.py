@@ -73,6 +73,7 @@ BROKEN = [
     ("decode: {drain_grace_s: .nan}", "decode.drain_grace_s", "must be a finite number"),
     ("kv_transfer: {lease_s: .inf}", "kv_transfer.lease_s", "must be a finite number"),
     ("prefill: {host: 0.0.0.0}", "prefill.host", "cannot be reached"),
+    ("router: {served_model_name: 1:30}", "router.served_model_name", "quote it"),
     ("router: {max_inflight_requests: 8}", "router.max_inflight_requests", "renamed to"),
     ("router: {max_inflight_sequences: 0}", "router.max_inflight_sequences", "must be >= 1"),
     ("decode: {host: 'fd00::5'}", "decode.host", "IPv6 worker addresses are not supported"),

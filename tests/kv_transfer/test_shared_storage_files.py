@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -12,8 +14,10 @@ import torch
 from common.hashing import hash_blocks
 from kv_transfer import CorruptBlockError, KVTransferConfig, LayoutMismatchError, PeerRef
 from kv_transfer.blockfile import MAGIC, read_block_file, write_block_file
+from kv_transfer.errors import TransferFailedError
 from kv_transfer.layout import KVLayout
 from kv_transfer.shared_storage import SharedStorageConnector
+from tests.support.processes import ROOT
 
 LAYOUT = KVLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype="float16")
 HASH = hashlib.sha256(b"block").digest()
@@ -67,10 +71,10 @@ def test_wrong_block_and_wrong_layout_are_refused(tmp_path):
 SHAPE = (16, 2, LAYOUT.block_size, LAYOUT.num_kv_heads, LAYOUT.head_dim)  # 16 blocks
 
 
-def two_workers(tmp_path):
+def two_workers(tmp_path, config: KVTransferConfig | None = None):
     """Connectors of two workers on one shared directory, registered on random source
     and zeroed destination caches: (a, b, src, dst)."""
-    config = KVTransferConfig(connector="shared_storage", shared_dir=str(tmp_path))
+    config = config or KVTransferConfig(connector="shared_storage", shared_dir=str(tmp_path))
     src = [torch.randn(SHAPE).half() for _ in range(2)]
     dst = [torch.zeros(SHAPE).half() for _ in range(2)]
     a, b = SharedStorageConnector(config, "a"), SharedStorageConnector(config, "b")
@@ -126,3 +130,47 @@ def test_a_bad_stored_file_never_blocks_its_prefix_for_good(tmp_path):
     with SharedStorageConnector(config, "c") as c:
         c.register_kv_caches([torch.zeros(SHAPE, dtype=torch.bfloat16) for _ in range(2)])
         assert c.root != a.root and c.lookup_prefix(hashes) == 0
+
+
+_FULL_DISK_EXPORTER = """
+import resource, signal, sys, time
+import torch
+from kv_transfer import KVTransferConfig
+from kv_transfer.shared_storage import SharedStorageConnector
+from tests.support.processes import ROOT
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
+resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))  # a disk with room for nothing
+shape = (16, 2, 4, 2, 8)
+config = KVTransferConfig(connector="shared_storage", shared_dir=sys.argv[1])
+with SharedStorageConnector(config, "full") as connector:
+    connector.register_kv_caches([torch.randn(shape).half() for _ in range(2)])
+    connector.export_blocks("lease", [5], [bytes.fromhex(sys.argv[2])])
+    while "lease" not in connector.poll_finished_exports():
+        time.sleep(0.01)
+"""
+
+
+def test_a_block_the_exporter_could_not_write_fails_its_readers_at_once(tmp_path):
+    """An exporter on a full disk (a real kernel limit: RLIMIT_FSIZE in a child process)
+    leaves a failure marker; the reader fails fast instead of waiting out its timeout,
+    and a later good write clears the marker."""
+    hashes = hash_blocks(list(range(LAYOUT.block_size)), LAYOUT.block_size, salt="full")
+    child = subprocess.run(
+        [sys.executable, "-c", _FULL_DISK_EXPORTER, str(tmp_path), hashes[0].hex()],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr
+    config = KVTransferConfig(connector="shared_storage", shared_dir=str(tmp_path),
+                              timeout_s=30.0)  # fmt: skip
+    a, b, src, dst = two_workers(tmp_path, config)
+    with a, b:
+        started = time.monotonic()
+        b.start_fetch("f", PeerRef("full", "unused"), [5], [1], hashes)
+        with pytest.raises(TransferFailedError, match="could not write"):
+            b.wait("f", 30)
+        assert time.monotonic() - started < 5  # not the 30 s timeout
+        _export(a, "good", [5], hashes)
+        assert not list(tmp_path.rglob("*.failed"))
+        b.start_fetch("g", PeerRef("a", "unused"), [5], [1], hashes)
+        b.wait("g", 10)
+        assert all(torch.equal(dst[layer][1], src[layer][5]) for layer in range(2))
