@@ -7,6 +7,7 @@ outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -49,13 +50,10 @@ class LLM:
     def default_sampling_params(self) -> SamplingParams:
         """``SamplingParams()`` with the checkpoint's generation_config.json defaults (as
         vLLM's ``LLM.get_default_sampling_params``)."""
-        defaults = GenerationDefaults.read(self.model_dir)
-        overrides = {
-            key: value
-            for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-            if (value := getattr(defaults, key)) is not None
-        }
-        return SamplingParams(**overrides)
+        defaults = dataclasses.asdict(GenerationDefaults.read(self.model_dir))
+        return SamplingParams(
+            **{key: value for key, value in defaults.items() if value is not None}
+        )
 
     def generate(
         self,

@@ -160,7 +160,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids"
             )
-        banned = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        banned = params.ids_banned_before_min_tokens(self.eos_token_ids)
         if params.min_tokens and len(banned) >= vocab_size:
             raise InvalidRequestError(
                 "stop_token_ids and EOS cover the whole vocabulary: nothing could be sampled "

@@ -172,7 +172,4 @@ class Request:
         """Tokens that may not be sampled yet because min_tokens is not reached."""
         if self.num_output_tokens >= self.sampling_params.min_tokens:
             return frozenset()
-        banned = set(self.sampling_params.stop_token_ids)
-        if not self.sampling_params.ignore_eos:
-            banned |= self.eos_token_ids
-        return frozenset(banned)
+        return self.sampling_params.ids_banned_before_min_tokens(self.eos_token_ids)

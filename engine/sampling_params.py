@@ -78,6 +78,12 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
 
+    def ids_banned_before_min_tokens(self, eos_token_ids: frozenset[int]) -> frozenset[int]:
+        """What may not be sampled while fewer than ``min_tokens`` were generated: the
+        stop token ids, and EOS unless ``ignore_eos``."""
+        eos = frozenset() if self.ignore_eos else eos_token_ids
+        return frozenset(self.stop_token_ids) | eos
+
     @property
     def has_penalties(self) -> bool:
         return bool(

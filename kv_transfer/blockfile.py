@@ -22,6 +22,7 @@ import os
 import struct
 import uuid
 from pathlib import Path
+from typing import BinaryIO
 
 import msgspec
 
@@ -61,21 +62,31 @@ def write_block_file(path: Path, layout: KVLayout, block_hash: bytes, payload: m
         raise
 
 
-def read_block_header(path: Path) -> tuple[BlockFileHeader, int] | None:
-    """The header of the file at ``path`` and the file's expected total size, or None if
-    it is absent or has no readable header."""
+def _read_header(f: BinaryIO, path: Path) -> BlockFileHeader:
+    """Read and decode the header at the start of open file ``f``; ``CorruptBlockError``
+    if it is not one. Leaves ``f`` at the payload."""
+    prefix = f.read(len(MAGIC) + _LENGTH.size)
+    if len(prefix) != len(MAGIC) + _LENGTH.size or prefix[: len(MAGIC)] != MAGIC:
+        raise CorruptBlockError(f"{path}: not a KV block file (bad magic)")
+    (header_len,) = _LENGTH.unpack(prefix[len(MAGIC) :])
+    if header_len > _MAX_HEADER_BYTES:
+        raise CorruptBlockError(f"{path}: header length {header_len} is implausible")
+    try:
+        return msgspec.msgpack.decode(f.read(header_len), type=BlockFileHeader)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise CorruptBlockError(f"{path}: unreadable header: {exc}") from exc
+
+
+def read_block_header(path: Path) -> tuple[BlockFileHeader, bool] | None:
+    """The header of the file at ``path`` and whether the file is as long as the header
+    says; None if it is absent or has no readable header."""
     try:
         with open(path, "rb") as f:
-            prefix = f.read(len(MAGIC) + _LENGTH.size)
-            if len(prefix) != len(MAGIC) + _LENGTH.size or prefix[: len(MAGIC)] != MAGIC:
-                return None
-            (header_len,) = _LENGTH.unpack(prefix[len(MAGIC) :])
-            if header_len > _MAX_HEADER_BYTES:
-                return None
-            header = msgspec.msgpack.decode(f.read(header_len), type=BlockFileHeader)
-    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            header = _read_header(f, path)
+            whole = os.fstat(f.fileno()).st_size == f.tell() + header.payload_bytes
+    except (OSError, CorruptBlockError):
         return None
-    return header, len(prefix) + header_len + header.payload_bytes
+    return header, whole
 
 
 def block_file_is_whole(path: Path, layout: KVLayout, block_hash: bytes) -> bool:
@@ -84,16 +95,12 @@ def block_file_is_whole(path: Path, layout: KVLayout, block_hash: bytes) -> bool
     found = read_block_header(path)
     if found is None:
         return False
-    header, expected_size = found
-    try:
-        size = path.stat().st_size
-    except OSError:
-        return False
+    header, whole = found
     return (
-        header.layout == layout
+        whole
+        and header.layout == layout
         and header.block_hash == block_hash
         and header.payload_bytes == layout.block_bytes
-        and size == expected_size
     )
 
 
@@ -105,16 +112,7 @@ def read_block_file(path: Path, layout: KVLayout, block_hash: bytes, out: memory
     then garbage.
     """
     with open(path, "rb") as f:
-        prefix = f.read(len(MAGIC) + _LENGTH.size)
-        if len(prefix) != len(MAGIC) + _LENGTH.size or prefix[: len(MAGIC)] != MAGIC:
-            raise CorruptBlockError(f"{path}: not a KV block file (bad magic)")
-        (header_len,) = _LENGTH.unpack(prefix[len(MAGIC) :])
-        if header_len > _MAX_HEADER_BYTES:
-            raise CorruptBlockError(f"{path}: header length {header_len} is implausible")
-        try:
-            header = msgspec.msgpack.decode(f.read(header_len), type=BlockFileHeader)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise CorruptBlockError(f"{path}: unreadable header: {exc}") from exc
+        header = _read_header(f, path)
         layout.check_compatible(header.layout)
         if header.block_hash != block_hash:
             raise CorruptBlockError(f"{path}: holds block {header.block_hash.hex()}")
