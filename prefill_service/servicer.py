@@ -14,6 +14,7 @@ import grpc
 
 from common.hashing import transfer_block_hashes
 from engine.async_engine import EngineFailedError
+from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from prefill_service.leases import LeaseTable
@@ -57,7 +58,6 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         salt = request.cache_salt if request.HasField("cache_salt") else None
         self.num_active += 1
         final: RequestOutput | None = None
-        exported = [False]  # written on the engine thread by _export
         try:
             async for output in async_engine.generate(
                 request.request_id,
@@ -82,30 +82,26 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             if completion.logprobs:
                 reply.first_logprobs.CopyFrom(logprobs_to_proto(completion.logprobs[0]))
             if final.kv_block_ids is not None:
-                handle = await async_engine.call(lambda e: self._export(e, final, salt, exported))
+                handle = await async_engine.call(lambda e: self._export(e, final, salt))
                 reply.kv.CopyFrom(handle)
             self.runtime.timer.add(reply.timings)
             return reply
         except BaseException:
-            # Held blocks without a lease (cancelled or failed before the export ran) have
-            # no one else to free them. Once exported, the lease does (release or expiry).
+            # No reply leaves, so no one will pull or release these blocks: free them, and
+            # the lease if the export ran (it may still run after a cancel: the engine
+            # thread takes this call after it).
             if final is not None and final.kv_block_ids is not None:
                 request_id = final.request_id
                 with contextlib.suppress(EngineFailedError):
-                    await asyncio.shield(
-                        async_engine.call(lambda e: exported[0] or e.release_kv(request_id))
-                    )
+                    await asyncio.shield(async_engine.call(lambda e: self._release(e, request_id)))
             raise
         finally:
             self.num_active -= 1
 
-    def _export(
-        self, engine: LLMEngine, output: RequestOutput, salt: str | None, exported: list[bool]
-    ) -> pb.KVHandle:
+    def _export(self, engine: LLMEngine, output: RequestOutput, salt: str | None) -> pb.KVHandle:
         """Engine thread: put the prompt's blocks under a lease and offer them to peers."""
         runtime = self.runtime
         lease = self.leases.grant(output.request_id)
-        exported[0] = True
         block_ids = output.kv_block_ids or []
         names = transfer_block_hashes(output.prompt_token_ids, engine.config.block_size, salt)
         runtime.connector.export_blocks(lease.lease_id, block_ids, names)
@@ -121,16 +117,27 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
             lease_expires_at=lease.expires_at_unix,
         )
 
-    @grpc_errors
-    async def ReleaseKV(self, request: pb.ReleaseKVRequest, context) -> pb.ReleaseKVResponse:
-        def release(engine: LLMEngine) -> bool:
-            lease = self.leases.release(request.lease_id)
+    def _release(self, engine: LLMEngine, request_id: str, lease_id: str = "") -> bool:
+        """Engine thread: end ``lease_id`` (or, when empty, the lease of ``request_id``)
+        and free the request's held blocks, leased or not. False if nothing was held."""
+        if lease_id:
+            lease = self.leases.release(lease_id)
             if lease is None:
                 return False
+            request_id = lease.request_id
+        else:
+            lease = self.leases.release_request(request_id)
+        if lease is not None:
             self.runtime.connector.release_export(lease.lease_id)
-            return engine.release_kv(lease.request_id)
+        return engine.release_kv(request_id)
 
-        released = await self.runtime.check_ready().call(release)
+    @grpc_errors
+    async def ReleaseKV(self, request: pb.ReleaseKVRequest, context) -> pb.ReleaseKVResponse:
+        if not request.lease_id and not request.request_id:
+            raise InvalidRequestError("ReleaseKV needs a lease_id or a request_id")
+        released = await self.runtime.check_ready().call(
+            lambda e: self._release(e, request.request_id, request.lease_id)
+        )
         return pb.ReleaseKVResponse(released=released)
 
     @grpc_errors

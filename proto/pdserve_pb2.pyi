@@ -167,10 +167,12 @@ class AbortResponse(_message.Message):
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
 class ReleaseKVRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "request_id")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
-    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+    request_id: str
+    def __init__(self, lease_id: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class ReleaseKVResponse(_message.Message):
     __slots__ = ("released",)

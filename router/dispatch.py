@@ -7,8 +7,9 @@
 
 Retries happen only before the client saw anything from that hop. Cancelling the
 iterator (the client went away) cancels the gRPC call in flight, which aborts the request
-on the worker; an unpulled prefill lease expires by itself (and is released early once
-the decode side has the KV).
+on the worker. A prefill lease is released as soon as the choice no longer needs it (the
+decode side has the KV, or the client left, even while the Prefill reply was in flight);
+it expires by itself only if that release is lost.
 """
 
 from __future__ import annotations
@@ -209,6 +210,11 @@ class Dispatcher:
             try:
                 with worker.tracking(call):
                     reply = await call
+            except asyncio.CancelledError:
+                # The client left. The reply, and a lease with it, may have landed or be in
+                # flight: release whatever this request holds there (a no-op otherwise).
+                self._release_kv(worker, pb.ReleaseKVRequest(request_id=request.request_id))
+                raise
             except WorkerStalled:
                 self.metrics.prefill_failures.inc()
                 continue  # the pool has marked it down; nothing was sent to the client
@@ -323,15 +329,20 @@ class Dispatcher:
         the request up, and an abandoned pull's blocks are never cached there."""
         pending = [True]
 
-        async def release() -> None:
-            with contextlib.suppress(grpc.aio.AioRpcError):  # else the lease just expires
-                await worker.prefill.ReleaseKV(pb.ReleaseKVRequest(lease_id=lease_id), timeout=5)
-
         def release_once() -> None:
             if pending:
                 pending.clear()
-                task = asyncio.get_running_loop().create_task(release())
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._release_kv(worker, pb.ReleaseKVRequest(lease_id=lease_id))
 
         return release_once
+
+    def _release_kv(self, worker: WorkerState, message: pb.ReleaseKVRequest) -> None:
+        """Fire and forget ``ReleaseKV``: if it fails, the lease just expires."""
+
+        async def release() -> None:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await worker.prefill.ReleaseKV(message, timeout=5)
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

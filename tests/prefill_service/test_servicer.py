@@ -1,9 +1,11 @@
 """The Prefill RPC cancelled at its worst moments leaves nothing held: the engine finished
-the prompt and kept its blocks for a decode worker, but no lease was granted yet."""
+the prompt and kept its blocks for a decode worker, and the lease may or may not have been
+granted, but no reply left, so nobody would ever pull or release them."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import types
 
@@ -19,17 +21,16 @@ from worker.stats import StageTimer
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("cancel_after_s", [0.0, 0.05, 0.2])
-def test_a_cancelled_prefill_holds_no_blocks(tiny_llama, tmp_path, cancel_after_s):
+@pytest.mark.parametrize("cancel_after_s", [0.0, 0.05, 0.2, "in_export"])
+def test_a_cancelled_prefill_holds_no_blocks(tiny_llama, cancel_after_s):
     engine = LLMEngine(tiny_llama, EngineConfig(max_model_len=256, num_blocks=64))
     async_engine = AsyncEngine(engine)
-    connector = create_connector(
-        KVTransferConfig(connector="shared_storage", shared_dir=str(tmp_path)), "prefill-0"
-    )
+    # NIXL: an export stays open until a peer pulls (shared storage ends it once written).
+    connector = create_connector(KVTransferConfig(connector="nixl"), "prefill-0")
     connector.register_kv_caches(engine.runner.kv_caches)
     runtime = types.SimpleNamespace(  # the parts of a WorkerRuntime the servicer uses
         config=types.SimpleNamespace(kv_transfer=types.SimpleNamespace(lease_s=30.0,
-                                                                       connector="shared_storage")),
+                                                                       connector="nixl")),
         check_accepting=lambda: async_engine, check_ready=lambda: async_engine,
         timer=StageTimer(), connector=connector, engine_id="prefill-0",
         address="127.0.0.1:1", async_engine=async_engine,
@@ -37,6 +38,15 @@ def test_a_cancelled_prefill_holds_no_blocks(tiny_llama, tmp_path, cancel_after_
     servicer = PrefillServicer(runtime)
     async_engine.hooks.append(servicer.engine_hook)
     async_engine.hooks.append(lambda: time.sleep(0.1))  # a busy engine: wide windows
+    exporting = threading.Event()
+    export = servicer._export
+
+    def slow_export(*args):  # the lease is granted while the handler is cancelled
+        exporting.set()
+        time.sleep(0.2)
+        return export(*args)
+
+    servicer._export = slow_export
 
     async def scenario() -> None:
         async_engine.start()
@@ -45,17 +55,23 @@ def test_a_cancelled_prefill_holds_no_blocks(tiny_llama, tmp_path, cancel_after_
         task = asyncio.create_task(servicer.Prefill(request, types.SimpleNamespace()))
         while "p1" not in engine.scheduler.held and not task.done():
             await asyncio.sleep(0.002)  # the prompt is done and its blocks are held
-        await asyncio.sleep(cancel_after_s)
+        if cancel_after_s == "in_export":
+            while not exporting.is_set():
+                await asyncio.sleep(0.002)
+        else:
+            await asyncio.sleep(cancel_after_s)
+        replied = task.done()
         task.cancel()  # the router's deadline, or its client gone
         await asyncio.gather(task, return_exceptions=True)
         await asyncio.sleep(0.5)
+        if replied:  # too late to cancel: the reply's lease owns the blocks
+            assert len(servicer.leases) == 1 and "p1" in engine.scheduler.held
+            release = pb.ReleaseKVRequest(lease_id=task.result().kv.lease_id)
+            assert (await servicer.ReleaseKV(release, types.SimpleNamespace())).released
 
     try:
         asyncio.run(scenario())
-        # Either no lease and nothing held, or a lease that still owns the blocks.
-        leased = {lease.request_id for lease in servicer.leases._leases.values()}
-        leaked = [rid for rid in engine.scheduler.held if rid not in leased]
-        assert leaked == []
+        assert len(servicer.leases) == 0 and engine.scheduler.held == {}
     finally:
         async_engine.stop()
         connector.close()

@@ -4,13 +4,24 @@ offline engine, prefix reuse, aborts, lease expiry and bad input."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import grpc
 import pytest
 
+from common.config import Role
+from common.config_loader import load_config
+from common.registry import StaticRegistry
 from engine import LLM, SamplingParams
 from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from router.dispatch import Dispatcher, SequenceRequest
+from router.events import EventListener
+from router.metrics import RouterMetrics
+from router.policy import Placement, PlacementPolicy
+from router.prefix_index import PrefixIndex
+from router.workers import WorkerPool
 from tests.engine.helpers import random_prompts
 from tests.support.pd_client import PDClient
 from tests.support.processes import WorkerProcess, start_workers, write_config
@@ -227,9 +238,56 @@ def test_bad_requests_are_invalid_argument_and_the_worker_keeps_serving(stack, o
                 pass
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "block_size" in info.value.details()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await client.prefill.ReleaseKV(pb.ReleaseKVRequest(), timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         await client.prefill.ReleaseKV(pb.ReleaseKVRequest(lease_id=first.kv.lease_id))
         result = await client.generate("after-errors", prompt, GREEDY)
         assert result.token_ids == offline[0]
         await assert_idle(client)
+
+    run(with_client(stack, body))
+
+
+def test_a_client_gone_while_the_prefill_reply_is_in_flight_leaves_no_lease(stack):
+    """The router's task is cancelled after the worker granted the lease but before the
+    reply was read (a busy router loop): the router releases by request id."""
+    config = load_config(str(stack[0].config_path))
+    prompt = random_prompts((50,), seed=56)[0]
+
+    async def body(client: PDClient):
+        lock = threading.Lock()
+        pool = WorkerPool(StaticRegistry(config), EventListener(PrefixIndex(), lock), 60.0, 30.0)
+        policy = PlacementPolicy(config.router, 16, 8)
+        dispatcher = Dispatcher(config.router, pool, PrefixIndex(), lock, policy,
+                                RouterMetrics("lease_race"), 16)  # fmt: skip
+        try:
+            await pool.refresh()
+            before, _ = await client.stats()
+            ids = {role: pool.candidates(role)[0].worker_id for role in Role}
+            placement = Placement(ids[Role.DECODE], ids[Role.PREFILL], 0, 0, 0.0)
+            request = SequenceRequest("gone", prompt, [], GREEDY)
+            task = asyncio.create_task(dispatcher._prefill(request, placement))
+            for _ in range(20):
+                await asyncio.sleep(0)  # the call goes out
+            # Block this loop until the worker has granted the lease: its reply is in
+            # flight and nobody here has read it.
+            with grpc.insecure_channel(stack[0].address) as channel:
+                stats = pb_grpc.PrefillServiceStub(channel).Stats
+                deadline = time.monotonic() + 20
+                while time.monotonic() < deadline:
+                    now = stats(pb.StatsRequest(), timeout=5)
+                    if now.live_leases + now.leases_released > before.leases_released:
+                        break
+                    time.sleep(0.01)
+            assert not task.done()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await assert_idle(client, timeout=2.0)  # well before the lease's 4 s expiry
+            after, _ = await client.stats()
+            assert after.leases_expired == before.leases_expired
+        finally:
+            await pool.close()
 
     run(with_client(stack, body))
