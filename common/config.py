@@ -189,6 +189,10 @@ class KVTransferSettings:
     failure_policy: FailurePolicy = FailurePolicy.RECOMPUTE
     timeout_s: float = 10.0  # a pull that has not finished by then fails
     shared_dir: str | None = None  # shared_storage: the shared directory
+    # shared_storage: bytes the shared directory may hold (all models and workers on it);
+    # least recently used blocks are removed past it. 0: no cap (a full disk still frees
+    # a tenth). Keep it well above what is in flight: lease_s of peak prefill output.
+    shared_max_bytes: int = 0
     # nixl: read lanes (agent + thread each) a large pull is split over; 0: one per core up
     # to 4 on CPU memory, 1 on GPU memory. Lower it where the decode engine needs the cores.
     nixl_read_lanes: int = 0
@@ -209,6 +213,11 @@ class KVTransferSettings:
             )
         if self.lease_s <= 0:
             raise ConfigError("kv_transfer.lease_s", f"must be > 0, got {self.lease_s}")
+        if self.shared_max_bytes < 0:
+            raise ConfigError(
+                "kv_transfer.shared_max_bytes",
+                f"must be >= 0 (0: no cap), got {self.shared_max_bytes}",
+            )
         if self.nixl_read_lanes < 0:
             raise ConfigError(
                 "kv_transfer.nixl_read_lanes",

@@ -34,6 +34,9 @@ class KVTransferConfig:
     # token prefixes of different models never share a file.
     shared_dir: str | None = None
     shared_namespace: str = "default"
+    # shared_storage: bytes the whole shared directory may hold (every model and worker on
+    # it); least recently used blocks are removed past it. 0: no cap.
+    shared_max_bytes: int = 0
     # nccl: bytes of one staging buffer; a transfer moves ceil(bytes / staging_bytes)
     # layer groups, each one send/recv (double-buffered).
     staging_bytes: int = 64 << 20
@@ -78,6 +81,8 @@ class KVTransferConfig:
             raise ConfigError("kv_transfer.nixl_read_lanes", "must be >= 0 (0: automatic)")
         if self.nixl_lane_min_bytes < 0:
             raise ConfigError("kv_transfer.nixl_lane_min_bytes", "must be >= 0")
+        if self.shared_max_bytes < 0:
+            raise ConfigError("kv_transfer.shared_max_bytes", "must be >= 0 (0: no cap)")
         if self.io_threads < 1:
             raise ConfigError("kv_transfer.io_threads", "must be at least 1")
         for key, port in (("port", self.port), ("store_port", self.store_port)):

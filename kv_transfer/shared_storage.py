@@ -17,9 +17,9 @@ carries its layout, and the reader checks it. An exporter rewrites a stored file
 not whole (truncated by a crash or a full disk), and a reader removes a file that fails
 verification, so one bad file cannot block a prefix for good. A block the exporter could
 not write (a full disk) leaves an empty ``<name>.failed`` marker, so readers fail at once
-(and recompute) instead of at their deadline; the next good write removes it. Files are
-not deleted otherwise; bounding the directory (LRU by access time) is the operator's job
-for now.
+(and recompute) instead of at their deadline; the next good write removes it. With
+``shared_max_bytes`` the directory stays under that size, least recently used blocks
+removed first (``storage_janitor.py``); a full disk frees a tenth of it, cap or not.
 
 A transfer is cut into chunks that the I/O threads process in parallel (checksums and
 copies release the GIL); each thread reuses one staging buffer, so steady-state transfers
@@ -60,6 +60,7 @@ from kv_transfer.handshake import MetadataFetcher
 from kv_transfer.layout import KVCaches
 from kv_transfer.packing import as_bytes, block_id_tensor, gather_layers
 from kv_transfer.records import ExportRecord, FetchRecord
+from kv_transfer.storage_janitor import StorageJanitor, is_space_error, touch
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ class SharedStorageConnector(KVConnector):
         self.namespace_dir = Path(config.shared_dir) / config.shared_namespace
         self.root = self.namespace_dir  # per layout once registered
         self._pool: ThreadPoolExecutor | None = None
+        self._janitor: StorageJanitor | None = None
         self._local = threading.local()  # per I/O thread: its staging buffers
 
     def _needs_hashes(self) -> bool:
@@ -121,6 +123,10 @@ class SharedStorageConnector(KVConnector):
         self._pool = ThreadPoolExecutor(
             self.config.io_threads, thread_name_prefix=f"kv-storage-{self.engine_id}"
         )
+        self._janitor = StorageJanitor(
+            Path(self.config.shared_dir), self.config.shared_max_bytes,
+            f"kv-janitor-{self.engine_id}",
+        )  # fmt: skip
 
     def _transport_metadata(self) -> bytes:
         # Informational (no handshake is needed): lets an operator check both sides agree.
@@ -180,8 +186,9 @@ class SharedStorageConnector(KVConnector):
         todo = [
             (block_id, block_hash)
             for block_id, block_hash in zip(record.block_ids, record.block_hashes, strict=True)
-            # Content-addressed: a whole file is already this block.
-            if not block_file_is_whole(self.path_for(block_hash), self.layout, block_hash)
+            # Content-addressed: a whole file is already this block; marked used so that
+            # the janitor keeps it for the reader (written again if it just removed it).
+            if not self._is_stored(self.path_for(block_hash), block_hash)
         ]
         chunks = self._chunks(todo)
         if not chunks:
@@ -197,6 +204,9 @@ class SharedStorageConnector(KVConnector):
         self._submit(
             chunks, lambda chunk: self._write_chunk(tid, chunk), _Countdown(len(chunks), on_done)
         )
+
+    def _is_stored(self, path: Path, block_hash: bytes) -> bool:
+        return block_file_is_whole(path, self.layout, block_hash) and touch(path)
 
     def _write_chunk(self, transfer_id: str, items: Items) -> None:
         layout, kv = self.layout, self.kv
@@ -216,13 +226,17 @@ class SharedStorageConnector(KVConnector):
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)  # also if someone removed it
                 write_block_file(path, layout, block_hash, as_bytes(block))
-            except OSError:
+            except OSError as exc:
                 # A full disk, say: an empty marker (no data blocks needed) tells waiting
                 # readers now, instead of at their deadline.
                 with contextlib.suppress(OSError):
                     failed.touch()
+                if is_space_error(exc) and self._janitor is not None:
+                    self._janitor.note_space_error()
                 raise
             failed.unlink(missing_ok=True)
+            if self._janitor is not None:
+                self._janitor.note_written(layout.block_bytes)
 
     # -- fetch: files -> blocks ---------------------------------------------------------
 
@@ -256,6 +270,7 @@ class SharedStorageConnector(KVConnector):
             except CorruptBlockError:
                 path.unlink(missing_ok=True)  # the next export of this block writes it anew
                 raise
+            touch(path)  # recently used: the janitor removes it last
         staging = host if kv.device.type == "cpu" else host.to(kv.device)
         ids = block_id_tensor([block_id for block_id, _ in items], kv.device)
         for layer in range(layout.num_layers):
@@ -292,3 +307,5 @@ class SharedStorageConnector(KVConnector):
     def _close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._janitor is not None:
+            self._janitor.close()

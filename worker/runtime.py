@@ -162,6 +162,7 @@ class WorkerRuntime:
             timeout_s=transfer.timeout_s,
             shared_dir=transfer.shared_dir,
             shared_namespace=model_namespace(model_dir),
+            shared_max_bytes=transfer.shared_max_bytes,
             nixl_read_lanes=transfer.nixl_read_lanes,
             nixl_pin_lanes=transfer.nixl_pin_lanes,
         )

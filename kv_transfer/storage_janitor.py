@@ -1,0 +1,182 @@
+"""Keeping the shared-storage directory under its size cap: least recently used blocks go.
+
+The directory is a cache (any block can be computed again) that every worker mounting it
+writes to, so every worker runs a janitor and the first to need a sweep does it; the
+others skip while it holds ``<shared_dir>/.pdserve-janitor.lock`` (``flock``). A worker
+sweeps after it has written a twentieth of the cap since its last sweep, and after a write
+failed for want of space (``ENOSPC``/``EDQUOT``), cap or not.
+
+"Recently used" is a file's mtime: writers set it and readers bump it after each good
+read (atime is not kept on ``noatime``/``relatime`` mounts). A sweep removes the oldest
+files until the directory is at 90% of the cap (at 90% of what it holds after a failed
+write), re-reading each file's mtime just before removing it so that a block used since
+the scan stays. It also removes temporary files and failure markers older than
+``STALE_S``: those of writers that died. A reader that has the file open keeps reading it
+after removal (POSIX); one that comes later misses it, which its fetch treats as any miss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+LOCK_NAME = ".pdserve-janitor.lock"
+STALE_S = 600.0  # a temp file or failure marker this old has no live writer
+LOW_WATER = 0.9  # a sweep brings the directory down to this fraction of its target
+_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+
+
+@dataclass(frozen=True, slots=True)
+class _BlockFile:
+    path: Path
+    mtime_ns: int
+    size: int
+
+
+@dataclass(slots=True)
+class SweepResult:
+    scanned_bytes: int = 0
+    removed_files: int = 0
+    removed_bytes: int = 0
+    skipped: bool = False  # another worker was sweeping
+
+
+def is_space_error(exc: OSError) -> bool:
+    return exc.errno in _SPACE_ERRNOS
+
+
+def touch(path: Path) -> bool:
+    """Mark ``path`` used now. False if it is gone."""
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        return False
+    except OSError:  # a read-only mount, say: the block is still there
+        pass
+    return True
+
+
+def _scan(root: Path, now: float) -> tuple[list[_BlockFile], list[Path]]:
+    """Every block file under ``root``, and the stale leftovers to remove."""
+    blocks: list[_BlockFile] = []
+    stale: list[Path] = []
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            path = Path(dirpath) / name
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            if name.endswith(".kvblock"):
+                blocks.append(_BlockFile(path, st.st_mtime_ns, st.st_size))
+            elif (name.endswith((".tmp", ".failed"))) and now - st.st_mtime > STALE_S:
+                stale.append(path)
+    return blocks, stale
+
+
+def sweep(root: Path, max_bytes: int | None) -> SweepResult:
+    """Remove least recently used block files under ``root`` until it holds at most
+    ``LOW_WATER * max_bytes``; ``max_bytes=None``: free a tenth of what it holds (a
+    write failed for space). Returns at once, skipped, if another worker is sweeping."""
+    result = SweepResult()
+    with open(root / LOCK_NAME, "a+b") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            result.skipped = True
+            return result
+        blocks, stale = _scan(root, time.time())
+        for path in stale:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        total = sum(block.size for block in blocks)
+        result.scanned_bytes = total
+        limit = max_bytes if max_bytes is not None else total
+        target = int(LOW_WATER * limit)
+        if max_bytes is not None and total <= max_bytes:
+            return result
+        blocks.sort(key=lambda block: block.mtime_ns)
+        for block in blocks:
+            if total <= target:
+                break
+            try:
+                if block.path.stat().st_mtime_ns != block.mtime_ns:
+                    continue  # used (or rewritten) since the scan
+                block.path.unlink()
+            except FileNotFoundError:
+                pass
+            else:
+                result.removed_files += 1
+                result.removed_bytes += block.size
+            total -= block.size
+    return result
+
+
+class StorageJanitor:
+    """A background thread that sweeps ``root`` when told enough was written or a write
+    failed for space. ``max_bytes=0``: no cap (sweeps only after space errors)."""
+
+    def __init__(self, root: Path, max_bytes: int, name: str) -> None:
+        self.root = root
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._written = 0
+        self._space_error = False
+        self._wake = threading.Event()
+        self._closed = False
+        self.num_sweeps = 0
+        self.removed_files = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        if max_bytes:
+            self._wake.set()  # a first sweep: the cap may be lower than what is stored
+
+    def note_written(self, num_bytes: int) -> None:
+        if not self.max_bytes:
+            return
+        with self._lock:
+            self._written += num_bytes
+            due = self._written * 20 >= self.max_bytes
+        if due:
+            self._wake.set()
+
+    def note_space_error(self) -> None:
+        with self._lock:
+            self._space_error = True
+        self._wake.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if self._closed:
+                return
+            with self._lock:
+                space_error, self._space_error = self._space_error, False
+                self._written = 0
+            try:
+                result = sweep(self.root, None if space_error else self.max_bytes)
+            except OSError as exc:
+                logger.warning("sweeping %s failed: %s", self.root, exc)
+                continue
+            self.num_sweeps += 1
+            self.removed_files += result.removed_files
+            if result.removed_files:
+                logger.info(
+                    "removed %d least recently used KV block files (%.1f MB) from %s",
+                    result.removed_files, result.removed_bytes / 1e6, self.root,
+                )  # fmt: skip
