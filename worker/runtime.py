@@ -17,7 +17,6 @@ Lifecycle:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import threading
 import time
@@ -34,6 +33,7 @@ from common.registry import Registry, WorkerInfo, create_registry, worker_id
 from engine.async_engine import AsyncEngine
 from engine.kv_events import KVEventCollector
 from engine.llm_engine import LLMEngine
+from engine.models.fingerprint import weights_fingerprint
 from kv_transfer import KVConnector, KVTransferConfig, create_connector
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -76,10 +76,9 @@ class PeerMetadataClient:
 
 
 def model_namespace(model_dir: Path) -> str:
-    """A directory-safe name per model, so shared-storage files of different models with
-    equal token prefixes never mix."""
-    digest = hashlib.sha256((model_dir / "config.json").read_bytes()).hexdigest()[:12]
-    return f"{model_dir.name}-{digest}"
+    """A directory-safe name per model and weights, so shared-storage files of different
+    models (or of one model's old weights) with equal token prefixes never mix."""
+    return f"{model_dir.name}-{weights_fingerprint(model_dir)}"
 
 
 class WorkerRuntime:
