@@ -57,6 +57,10 @@ class KVTransferConfig:
     # left to the scheduler, lanes woken together often queued on one core while another
     # idled. Turn it off where several fetching workers share the same cores.
     nixl_pin_lanes: bool = True
+    # A peer not fetched from for this long is forgotten (its connection, remote agent
+    # and staging buffers go; a later fetch handshakes again): restarted workers come back
+    # under new engine ids, and their old entries would otherwise stay for good.
+    peer_idle_s: float = 300.0
     # How often idle background threads look for new work or notifications.
     poll_interval_s: float = 0.002
     io_threads: int = 2  # shared_storage: concurrent file transfers
@@ -73,6 +77,8 @@ class KVTransferConfig:
         object.__setattr__(self, "nixl_backends", tuple(self.nixl_backends))
         if self.timeout_s <= 0:
             raise ConfigError("kv_transfer.timeout_s", "must be positive")
+        if self.peer_idle_s <= self.timeout_s:
+            raise ConfigError("kv_transfer.peer_idle_s", "must be above timeout_s")
         if self.poll_interval_s <= 0:
             raise ConfigError("kv_transfer.poll_interval_s", "must be positive")
         if self.staging_bytes <= 0:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import socket
 import threading
+import time
 
 import msgspec
 import torch.distributed as dist
@@ -68,7 +69,7 @@ class NcclConnector(KVConnector):
             self._control_port = config.port
         else:
             self._control_port = router.bind_to_random_port(f"tcp://{config.host}")
-        settings = ExportSettings(config.host, self._backend, config.timeout_s)
+        settings = ExportSettings(config.host, self._backend, config.timeout_s, config.peer_idle_s)
         self._server = ExportServer(router, self._store, kv, self._exports, settings)
         self._server.start()
 
@@ -88,6 +89,7 @@ class NcclConnector(KVConnector):
     def _on_fetch(self, record: FetchRecord) -> None:
         peer_id = record.peer.engine_id
         with self._lock:
+            self._stop_idle_fetchers()
             fetcher = self._fetchers.get(peer_id)
             if fetcher is None:
                 config = self.config
@@ -99,7 +101,19 @@ class NcclConnector(KVConnector):
                 )
                 self._fetchers[peer_id] = fetcher
                 fetcher.start()
-        fetcher.submit(record)
+            fetcher.last_used = time.monotonic()
+            fetcher.submit(record)
+
+    def _stop_idle_fetchers(self) -> None:
+        """Under ``_lock``: stop fetchers whose peer has had no fetch for ``peer_idle_s``
+        (a restarted prefill worker comes back under a new engine id; the old fetcher's
+        thread, connection and staging would stay for good). Their last fetch is long
+        settled: it had ``timeout_s`` < ``peer_idle_s``."""
+        cutoff = time.monotonic() - self.config.peer_idle_s
+        for peer_id, fetcher in list(self._fetchers.items()):
+            if fetcher.last_used < cutoff:
+                del self._fetchers[peer_id]
+                fetcher.stop()
 
     def _lookup(self, record: FetchRecord) -> tuple[int, bytes]:
         """Handshake, on the peer's fetcher thread."""

@@ -5,7 +5,11 @@ sender) and ``FetchRequest`` (check the export, queue the send) and turns ``Done
 ``Abort`` into finished exports. Replies come only from this thread, so no socket is
 shared. A pair's sender gathers each layer group into one of two staging buffers and
 sends it while gathering the next. A failed pair is aborted and forgotten; the fetcher
-reconnects with a new pair id, so one broken peer never blocks another.
+reconnects with a new pair id, so one broken peer never blocks another. A pair is also
+dropped when its fetcher connects again (it tore the old connection down) and after
+``idle_s`` without a fetch (its decode worker may be gone for good: a restarted one comes
+back under a new engine id); each held a thread and two staging buffers, and counted
+toward ``MAX_PAIRS``.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ class ExportSettings:
     host: str
     backend: str
     timeout_s: float
+    idle_s: float  # a pair without a fetch this long is dropped
 
 
 class PairSender(threading.Thread):
@@ -68,6 +73,7 @@ class PairSender(threading.Thread):
     def __init__(
         self,
         pair_id: str,
+        fetcher_id: str,
         store: dist.Store,
         kv: KVCaches,
         exports: ExportTracker,
@@ -75,6 +81,8 @@ class PairSender(threading.Thread):
     ) -> None:
         super().__init__(name=f"nccl-send-{pair_id[:8]}", daemon=True)
         self.pair_id = pair_id
+        self.fetcher_id = fetcher_id  # the fetcher's engine id
+        self.last_used = time.monotonic()  # written by the control thread
         self._store, self._kv, self._exports, self._settings = store, kv, exports, settings
         self._jobs: queue.SimpleQueue[FetchRequest | None] = queue.SimpleQueue()
         self._group: dist.ProcessGroup | None = None
@@ -193,12 +201,16 @@ class ExportServer(threading.Thread):
         if message.layout != self._kv.layout:
             reason = f"layout mismatch: ours {self._kv.layout}, theirs {message.layout}"
             return Rejected(message.pair_id, reason, layout_mismatch=True)
-        old = self._pairs.pop(message.pair_id, None)
-        if old is not None:  # the fetcher reconnects: its old sender stops
-            old.submit(None)
+        # A fetcher keeps one connection to us: connecting again, it gave the old one up.
+        for pair_id, old in list(self._pairs.items()):
+            if pair_id == message.pair_id or old.fetcher_id == message.engine_id:
+                self._drop(pair_id)
         if len(self._pairs) >= MAX_PAIRS:
             return Rejected(message.pair_id, f"too many fetchers connected ({MAX_PAIRS})")
-        pair = PairSender(message.pair_id, self._store, self._kv, self._exports, self._settings)
+        pair = PairSender(
+            message.pair_id, message.engine_id, self._store, self._kv, self._exports,
+            self._settings,
+        )  # fmt: skip
         self._pairs[message.pair_id] = pair
         pair.start()
         return Accepted(message.pair_id)
@@ -206,7 +218,9 @@ class ExportServer(threading.Thread):
     def _fetch(self, message: FetchRequest) -> Accepted | Rejected:
         pair = self._pairs.get(message.pair_id)
         if pair is None or pair.failed:
-            return Rejected(message.transfer_id, "unknown or failed pair; reconnect")
+            reason = "unknown or failed pair; reconnect"
+            return Rejected(message.transfer_id, reason, unknown_pair=True)
+        pair.last_used = time.monotonic()
         export = self._exports.get(message.transfer_id)
         if export is None:
             return Rejected(message.transfer_id, "no such export (unknown or released lease)")
@@ -219,5 +233,16 @@ class ExportServer(threading.Thread):
         return Accepted(message.transfer_id)
 
     def _reap(self) -> None:
-        for pair_id in [p for p, pair in self._pairs.items() if not pair.is_alive()]:
-            del self._pairs[pair_id]
+        """Forget failed pairs; stop the idle ones. On this thread, so that no fetch can be
+        handed to a pair between its last check and its stop."""
+        cutoff = time.monotonic() - self._settings.idle_s
+        for pair_id, pair in list(self._pairs.items()):
+            if not pair.is_alive():
+                del self._pairs[pair_id]
+            elif pair.last_used < cutoff:
+                logger.info("dropping NCCL pair %s of %s: idle", pair_id, pair.fetcher_id)
+                self._drop(pair_id)
+
+    def _drop(self, pair_id: str) -> None:
+        pair = self._pairs.pop(pair_id)
+        pair.submit(None)  # it finishes the send in progress, then stops

@@ -5,7 +5,9 @@ pair's process group and two staging buffers. It runs the peer's fetches one aft
 other (one connection per peer, reused), receiving layer group ``g + 1`` while it scatters
 group ``g``. Any transport error or timeout tears the connection down (aborting the group,
 so no pending receive can land later) and fails the fetch; the next fetch reconnects with
-a fresh handshake, which also picks up a restarted peer.
+a fresh handshake, which also picks up a restarted peer. An exporter that dropped the
+pair (idle too long) says so, and the fetch reconnects once, within its deadline. The
+connector stops fetchers whose peer has had no fetch for ``idle_s``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import datetime
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,6 +75,10 @@ class FetchSettings:
     timeout_s: float
 
 
+class _PairDropped(Exception):
+    """The exporter no longer knows our pair: nothing was sent; connect again."""
+
+
 @dataclass(slots=True)
 class _Connection:
     pair_id: str
@@ -99,6 +106,7 @@ class PeerFetcher(threading.Thread):
         self._conn: _Connection | None = None
         self._staging: list[torch.Tensor] = []
         self._stopping = threading.Event()
+        self.last_used = time.monotonic()  # written by the connector, under its lock
 
     def submit(self, record: FetchRecord) -> None:
         self._jobs.put(record)
@@ -119,12 +127,24 @@ class PeerFetcher(threading.Thread):
 
     def _run_one(self, record: FetchRecord) -> None:
         tid = record.transfer_id
+        if record.remaining_s() <= 0:  # nothing was sent: the connection stays
+            if self._conn is not None:
+                self._send(self._conn, Abort(tid))
+            error = TransferTimeoutError("deadline passed while queued behind other fetches")
+            self._fetches.fail(tid, error)
+            return
         try:
-            if record.remaining_s() <= 0:
-                raise TransferTimeoutError("deadline passed while queued behind other fetches")
             if self._conn is None:
                 self._conn = self._connect(record)
-            self._fetch(self._conn, record)
+            try:
+                self._fetch(self._conn, record)
+            except _PairDropped:
+                self._disconnect()
+                self._conn = self._connect(record)
+                self._fetch(self._conn, record)
+        except _PairDropped:
+            self._disconnect()
+            self._fetches.fail(tid, TransferFailedError(f"{self._peer_id!r} dropped the pair"))
         except TransferRejectedError as exc:
             self._fetches.fail(tid, exc)  # nothing was sent: the connection is still good
         except KVTransferError as exc:
@@ -215,6 +235,8 @@ class PeerFetcher(threading.Thread):
         self._send(conn, request)
         reply = self._await_reply(conn.dealer, record.transfer_id, record)
         if isinstance(reply, Rejected):
+            if reply.unknown_pair:
+                raise _PairDropped(reply.reason)
             raise TransferRejectedError(reply.reason)
         if num_blocks:
             self._receive(conn, record, groups)

@@ -70,6 +70,7 @@ class Rejected(msgspec.Struct, frozen=True, tag=True):
     request_id: str
     reason: str
     layout_mismatch: bool = False
+    unknown_pair: bool = False  # the exporter dropped the pair (idle, failed): reconnect
 
 
 ToExporter = Connect | FetchRequest | Done | Abort

@@ -41,6 +41,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -81,6 +82,7 @@ class _RemotePeer:
     agent_name: str
     num_blocks: int
     whole_blocks: bool  # both sides block-major: one descriptor per block
+    last_used: float  # time.monotonic() of its last fetch
 
 
 @dataclass(slots=True)
@@ -267,13 +269,32 @@ class NixlConnector(KVConnector):
 
     def _run(self) -> None:
         bind_device(self.kv.device)
+        next_idle_check = time.monotonic()
         while not self._stop.is_set():
             try:
                 self._drain_commands(self.config.poll_interval_s)
                 self._expire_waiting()
                 self._collect_notifs()
+                if time.monotonic() >= next_idle_check:
+                    self._forget_idle_peers()
+                    next_idle_check = time.monotonic() + min(1.0, self.config.peer_idle_s / 4)
             except Exception:
                 logger.exception("NIXL driver step failed")
+
+    def _forget_idle_peers(self) -> None:
+        """Drop peers with nothing in flight and no fetch for ``peer_idle_s``: a restarted
+        prefill worker comes back under a new engine id, so the old one is never used
+        again, and its remote agent (UCX endpoints) would stay in every lane for good."""
+        cutoff = time.monotonic() - self.config.peer_idle_s
+        busy = {flight.peer_id for flight in self._inflight.values()}
+        for peer_id in [
+            peer_id
+            for peer_id, peer in self._peers.items()
+            if peer.last_used < cutoff and peer_id not in busy
+        ]:
+            logger.info("forgetting NIXL peer %s: no fetch for %.0f s", peer_id,
+                        self.config.peer_idle_s)  # fmt: skip
+            self._drop_peer(peer_id)
 
     def _drain_commands(self, block_s: float) -> None:
         try:
@@ -330,7 +351,7 @@ class NixlConnector(KVConnector):
         lane_peer = LanePeer(payload.agent_metadata, descs, payload.mem_type, whole)
         for lane in self._lanes:
             lane.add_peer(peer_id, lane_peer)
-        self._peers[peer_id] = _RemotePeer(agent_name, num_blocks, whole)
+        self._peers[peer_id] = _RemotePeer(agent_name, num_blocks, whole, time.monotonic())
         for record in waiting:
             self._post(record, peer_id)
 
@@ -340,6 +361,7 @@ class NixlConnector(KVConnector):
         if peer is None:  # dropped by an earlier failure in the same batch
             self._fetches.fail(tid, TransferFailedError(f"peer {peer_id!r} disconnected"))
             return
+        peer.last_used = time.monotonic()
         if any(not 0 <= b < peer.num_blocks for b in record.remote_block_ids):
             error = TransferRejectedError(f"remote block id outside [0, {peer.num_blocks})")
             self._fetches.fail(tid, error)

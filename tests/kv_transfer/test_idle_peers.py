@@ -1,0 +1,109 @@
+"""Peers that went away are forgotten: restarted workers come back under new engine ids,
+so without this every restart left a thread, a connection and staging buffers (NCCL) or a
+remote agent in every lane (NIXL) behind for good, and NCCL exporters ran into MAX_PAIRS."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kv_transfer import KVTransferConfig, PeerRef, create_connector
+
+SHAPE = (16, 2, 4, 2, 8)  # 16 blocks
+TIMEOUT_S, IDLE_S = 2.0, 3.0
+
+
+def _config(connector: str) -> KVTransferConfig:
+    return KVTransferConfig(connector=connector, timeout_s=TIMEOUT_S, peer_idle_s=IDLE_S)
+
+
+def _exporter(connector: str, engine_id: str, known: dict):
+    source = [torch.randn(SHAPE) for _ in range(2)]
+    exporter = create_connector(_config(connector), engine_id, known.__getitem__)
+    exporter.register_kv_caches(source)
+    known[engine_id] = exporter.metadata()
+    return exporter, source
+
+
+def _fetcher(connector: str, engine_id: str, known: dict):
+    dest = [torch.zeros(SHAPE) for _ in range(2)]
+    fetcher = create_connector(_config(connector), engine_id, known.__getitem__)
+    fetcher.register_kv_caches(dest)
+    return fetcher, dest
+
+
+def _transfer(exporter, exporter_id, source, fetcher, dest, transfer_id: str) -> None:
+    exporter.export_blocks(transfer_id, [3, 7])
+    fetcher.start_fetch(transfer_id, PeerRef(exporter_id, exporter_id), [3, 7], [1, 2])
+    fetcher.wait(transfer_id, timeout_s=30)
+    assert all(torch.equal(d[[1, 2]], s[[3, 7]]) for d, s in zip(dest, source, strict=True))
+
+
+def _threads(prefix: str) -> int:
+    return sum(t.name.startswith(prefix) for t in threading.enumerate())
+
+
+def _eventually(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.mark.timeout(90)
+def test_nccl_exporter_drops_replaced_and_idle_pairs_and_fetchers_reconnect():
+    known: dict = {}
+    exporter, source = _exporter("nccl", "prefill", known)
+    pairs = exporter._server._pairs
+    with exporter:
+        for i in range(3):  # the same decode worker reconnecting, e.g. after an error
+            fetcher, dest = _fetcher("nccl", "decode", known)
+            with fetcher:
+                _transfer(exporter, "prefill", source, fetcher, dest, f"again-{i}")
+                assert _eventually(lambda: len(pairs) == 1)
+        live, dest = _fetcher("nccl", "decode-2", known)  # a restarted one: a new engine id
+        with live:
+            _transfer(exporter, "prefill", source, live, dest, "live-1")
+            # Neither fetcher fetches now: both pairs (the closed one's, the live one's) go.
+            assert _eventually(lambda: not pairs, IDLE_S + 10)
+            assert _eventually(lambda: _threads("nccl-send-") == 0)
+            # The live fetcher still has its connection; the exporter says it dropped the
+            # pair, and the fetch connects again within its deadline.
+            _transfer(exporter, "prefill", source, live, dest, "live-2")
+            assert len(pairs) == 1
+
+
+@pytest.mark.timeout(90)
+def test_nccl_fetcher_stops_its_thread_for_a_peer_gone_idle():
+    known: dict = {}
+    fetcher, dest = _fetcher("nccl", "decode", known)
+    with fetcher:
+        old, source = _exporter("nccl", "prefill-old", known)
+        with old:
+            _transfer(old, "prefill-old", source, fetcher, dest, "t1")
+        time.sleep(IDLE_S + 0.5)  # the old prefill worker is gone; a new one comes
+        new, source = _exporter("nccl", "prefill-new", known)
+        with new:
+            _transfer(new, "prefill-new", source, fetcher, dest, "t2")
+            assert list(fetcher._fetchers) == ["prefill-new"]
+            assert _eventually(lambda: _threads("nccl-fetch-prefill-old") == 0)
+
+
+@pytest.mark.timeout(90)
+def test_nixl_fetcher_forgets_a_peer_gone_idle_and_handshakes_again_later():
+    known: dict = {}
+    fetcher, dest = _fetcher("nixl", "decode", known)
+    with fetcher:
+        exporter, source = _exporter("nixl", "prefill", known)
+        with exporter:
+            _transfer(exporter, "prefill", source, fetcher, dest, "t1")
+            assert list(fetcher._peers) == ["prefill"]
+            assert _eventually(lambda: not fetcher._peers, IDLE_S + 10)
+            assert _eventually(lambda: all(not lane._peers for lane in fetcher._lanes))
+            _transfer(exporter, "prefill", source, fetcher, dest, "t2")
+            assert list(fetcher._peers) == ["prefill"]
