@@ -182,6 +182,11 @@ class DecodeRoleConfig(WorkerRoleConfig):
 CONNECTORS = ("nixl", "nccl", "shared_storage")
 
 
+# How far the clocks of two workers may disagree: a decode worker starts a pull only if it
+# can end this long before the prefill worker's lease does.
+CLOCK_SKEW_S = 1.0
+
+
 @dataclass(frozen=True, slots=True)
 class KVTransferSettings:
     connector: str = "nixl"  # nixl | nccl | shared_storage
@@ -225,10 +230,11 @@ class KVTransferSettings:
             )
         if self.timeout_s <= 0:
             raise ConfigError("kv_transfer.timeout_s", f"must be > 0, got {self.timeout_s}")
-        if self.timeout_s >= self.lease_s:
+        if self.timeout_s + CLOCK_SKEW_S >= self.lease_s:
             raise ConfigError(
                 "kv_transfer.timeout_s",
-                f"must be below lease_s={self.lease_s}: a pull may not outlive its lease",
+                f"must be below lease_s={self.lease_s} by more than {CLOCK_SKEW_S:g} s (the "
+                "allowance for clock skew): a pull may not outlive its lease",
             )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from common.config import CLOCK_SKEW_S
 from engine.errors import InvalidRequestError
 from engine.request import RemoteKV
 from kv_transfer import PeerRef
@@ -42,10 +43,13 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
                 f"the KV handle has block_size {kv.block_size}; this worker uses {block_size}",
                 "kv",
             )
-        # The pull must start early enough to end before the lease does (clocks of the two
-        # hosts are assumed within a second or so: NTP).
+        # The pull must start early enough to end before the lease does, even if this
+        # host's clock is behind the prefill worker's by up to CLOCK_SKEW_S (NTP keeps
+        # them within milliseconds; the margin covers a host that lost sync for a while).
         timeout_s = self.runtime.config.kv_transfer.timeout_s
-        start_by = kv.lease_expires_at - timeout_s if kv.lease_expires_at else None
+        start_by = None
+        if kv.lease_expires_at:
+            start_by = kv.lease_expires_at - timeout_s - CLOCK_SKEW_S
         return RemoteKV(
             transfer_id=kv.lease_id,
             num_tokens=kv.num_tokens,
