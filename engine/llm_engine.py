@@ -33,6 +33,7 @@ from engine.kv_events import KVEventCollector
 from engine.model_runner import ModelRunner, SequenceChunk
 from engine.models.arch import ModelArchConfig, read_arch_config
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.penalties import TokenCounts
 from engine.request import FINISH_REASONS, RemoteKV, Request, RequestStatus
 from engine.sampler import SamplingRow, advance_generator
 from engine.sampling_params import SamplingParams
@@ -353,12 +354,15 @@ class LLMEngine:
             end = start + item.num_scheduled_tokens
             sampling = None
             if item.samples:
+                if request.sampling_params.has_penalties and request.token_counts is None:
+                    request.token_counts = TokenCounts()
                 sampling = SamplingRow(
                     request.sampling_params,
                     self._generators.get(request.request_id),
                     request.token_ids_banned_now(),
                     request.prompt_token_ids,
                     request.output_token_ids,
+                    request.token_counts,
                 )
             chunks.append(
                 SequenceChunk(

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from common.hashing import BlockHash
+from engine.penalties import TokenCounts
 from engine.sampling_params import SamplingParams
 
 
@@ -122,6 +123,7 @@ class Request:
     stop_reason: int | None = None  # the stop token id that ended it, if any
     error: str | None = None  # why an aborted request failed, if it did not just get aborted
     num_remote_blocks_pulled: int = 0
+    token_counts: TokenCounts | None = None  # penalised requests: what the sampler counted
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.penalties import TokenCounts, apply_penalties
 from engine.request import TokenLogprobs
 from engine.sampling_params import SamplingParams
 
@@ -23,27 +24,10 @@ class SamplingRow:
     params: SamplingParams
     generator: torch.Generator | None
     banned_token_ids: frozenset[int]
-    # The request's tokens so far; read only when it has penalties.
+    # The request's tokens so far and their counts; read only when it has penalties.
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
-
-
-def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
-    """Penalise, in place, tokens already seen. logits: [V]. Costs O(prompt + output)
-    per step for a penalised request, nothing for the others."""
-    params = row.params
-    device = logits.device
-    if params.repetition_penalty != 1.0:
-        seen = torch.tensor(
-            [*row.prompt_token_ids, *row.output_token_ids], dtype=torch.long, device=device
-        ).unique()
-        values = logits[seen]
-        penalty = params.repetition_penalty
-        logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
-    if (params.frequency_penalty or params.presence_penalty) and row.output_token_ids:
-        output = torch.tensor(list(row.output_token_ids), dtype=torch.long, device=device)
-        token_ids, counts = output.unique(return_counts=True)
-        logits[token_ids] -= params.frequency_penalty * counts + params.presence_penalty
+    token_counts: TokenCounts | None = None
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
@@ -98,13 +82,17 @@ def sample(
     rows: Sequence[SamplingRow],
 ) -> list[tuple[int, TokenLogprobs | None]]:
     assert logits.shape[0] == len(rows)
+    vocab_size = logits.shape[1]
     want_logprobs = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     raw_logprobs = logits[want_logprobs].log_softmax(-1) if want_logprobs else None
     for i, row in enumerate(rows):
         if row.banned_token_ids:
             logits[i, list(row.banned_token_ids)] = float("-inf")
         if row.params.has_penalties:
-            _apply_penalties(logits[i], row)
+            assert row.token_counts is not None
+            counts = row.token_counts
+            counts.update(row.prompt_token_ids, row.output_token_ids, vocab_size, logits.device)
+            apply_penalties(logits[i], row.params, counts)
     greedy_ids = logits.argmax(-1).tolist()
     results: list[tuple[int, TokenLogprobs | None]] = []
     for i, row in enumerate(rows):
