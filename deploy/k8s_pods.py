@@ -16,10 +16,13 @@ Probes and shutdown, per component (reasons in deploy/README.md):
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
-from common.config import PdserveConfig, Role
+from common.config import DType, PdserveConfig, Role
 from deploy import containers as c
+from engine.models.arch import ModelLoadError, read_arch_config
+from engine.models.loader import safetensors_files
 
 CONFIG = "pdserve-config"
 REDIS = "pdserve-redis"
@@ -105,8 +108,7 @@ def worker(config: PdserveConfig, role: Role, image: str, checksum: str) -> dict
     ports = section.ports(0)
     named = [(f"{name.replace('_', '-')}", port)
              for name, port in dataclasses.asdict(ports).items()]  # fmt: skip
-    engine = config.engine_for(role)
-    memory_mib = (engine.kv_cache_bytes + engine.cpu_offload_bytes) // 2**20 + 1024
+    memory_mib = worker_memory_bytes(config, role) // 2**20
     container = {
         "name": WORKER_CONTAINER,
         "image": image,
@@ -132,6 +134,28 @@ def worker(config: PdserveConfig, role: Role, image: str, checksum: str) -> dict
     for meta in (deployment["metadata"], deployment["spec"]["template"]["metadata"]):
         meta["labels"][ROLE_LABEL] = role.value
     return deployment
+
+
+def worker_memory_bytes(config: PdserveConfig, role: Role) -> int:
+    """Host memory a worker pod of the base (CPU) rendering requests: its KV pool, its CPU
+    tier, 1 GiB for the runtime, and the weights as the engine holds them on CPU (float32
+    unless ``engine.dtype`` says otherwise; a 16-bit checkpoint doubles). The weights count
+    when the model directory is readable where the config is rendered; a path that only
+    exists in the cluster adds nothing (``deploy/README.md``: patch the request then)."""
+    engine = config.engine_for(role)
+    total = engine.kv_cache_bytes + engine.cpu_offload_bytes + (1 << 30)
+    model = Path(config.model) if config.model else None
+    if model is None or not (model / "config.json").is_file():
+        return total
+    try:
+        files = safetensors_files(model)
+        checkpoint_dtype = read_arch_config(model).torch_dtype
+    except (ModelLoadError, OSError, ValueError):
+        return total
+    file_bytes = sum(path.stat().st_size for path in files)
+    held = 2 if engine.dtype in (DType.FLOAT16, DType.BFLOAT16) else 4
+    stored = 4 if checkpoint_dtype in ("float32", "torch.float32") else 2
+    return total + file_bytes * held // stored
 
 
 def _mounts(config: PdserveConfig, worker: bool) -> list[dict[str, Any]]:

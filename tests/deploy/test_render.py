@@ -6,6 +6,8 @@ kubernetes-validate); no docker engine or cluster is needed."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -297,3 +299,30 @@ def test_scaling_a_role_rolls_no_pod_but_a_config_change_does():
     assert len(one) == 1
     assert checksums("decode.replicas=3", "prefill.replicas=2") == one
     assert checksums("decode.drain_grace_s=45") != one
+
+
+def test_worker_memory_requests_count_the_weights_as_held_on_cpu(tiny_llama, tmp_path):
+    """A readable checkpoint adds its weights at the engine's dtype (float32 on CPU: a
+    16-bit checkpoint doubles); a model path only the cluster has adds nothing."""
+    config_path = tmp_path / "local.yaml"
+    config_path.write_text(yaml.safe_dump({
+        "model": str(tiny_llama),
+        "engine": {"kv_cache_bytes": 256 << 20},
+        "decode": {"engine": {"dtype": "bfloat16"}},
+    }))  # fmt: skip
+    config = load_config(str(config_path))
+    file_bytes = sum(p.stat().st_size for p in tiny_llama.glob("*.safetensors"))
+    dtype = json.loads((tiny_llama / "config.json").read_text()).get("dtype")
+    stored = 4 if dtype == "float32" else 2
+    docs = {d["metadata"]["name"]: d for d in k8s_docs(render_files(config, "local.yaml"))}
+
+    def requested_mib(name: str) -> int:
+        container = docs[name]["spec"]["template"]["spec"]["containers"][0]
+        return int(container["resources"]["requests"]["memory"].removesuffix("Mi"))
+
+    base_mib = 256 + 1024
+    assert requested_mib("pdserve-prefill") == base_mib + (file_bytes * 4 // stored) // 2**20
+    assert requested_mib("pdserve-decode") == base_mib + (file_bytes * 2 // stored) // 2**20
+    elsewhere = dataclasses.replace(config, model="/models/only-in-the-cluster")
+    docs = {d["metadata"]["name"]: d for d in k8s_docs(render_files(elsewhere, "local.yaml"))}
+    assert requested_mib("pdserve-prefill") == base_mib
