@@ -59,6 +59,7 @@ def _copy(src: torch.Tensor, dst: torch.Tensor, block_ids: torch.Tensor, gather:
     if block_ids.shape[0] == 0:
         return
     require_runnable(_copy_blocks_kernel, src, dst, block_ids)
+    block_ids = block_ids.contiguous()  # read with element stride 1
     block_numel = cache[0].numel()
     grid = (block_ids.shape[0], cdiv(block_numel, CHUNK))
     _copy_blocks_kernel[grid](

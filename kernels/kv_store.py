@@ -77,6 +77,7 @@ def store_kv(
         value = value.contiguous()
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must be contiguous in head_dim")
+    slot_mapping = slot_mapping.contiguous()  # read with element stride 1
     num_heads, head_dim = key.shape[1], key.shape[2]
     _store_kv_kernel[(key.shape[0],)](
         key,

@@ -124,6 +124,18 @@ class _Launch:
             query = query.contiguous()
         if out is None:
             out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        elif out.shape != query.shape or out.device != query.device or out.stride(-1) != 1:
+            raise ValueError(
+                f"out {tuple(out.shape)} on {out.device} (stride {out.stride()}) must have "
+                f"the query's shape {tuple(query.shape)}, be on its device and be "
+                "contiguous in head_dim"
+            )
+        # The kernels index these with element stride 1 (a no-op for the engine's tensors).
+        seq_lens = seq_lens.contiguous()
+        if query_start_loc is not None:
+            query_start_loc = query_start_loc.contiguous()
+        if block_table.stride(-1) != 1:
+            block_table = block_table.contiguous()
         self.query, self.kv_cache, self.out = query, kv_cache, out
         self.query_start_loc, self.seq_lens, self.block_table = (
             query_start_loc,
@@ -178,7 +190,8 @@ class _Launch:
         assert decode_only or num_splits == 1
         block_q = 1 if decode_only else config.block_m // group
         num_q_blocks = num_seqs if decode_only else num_rows // block_q + num_seqs
-        head_dim_pad = next_pow2(head_dim)
+        # tl.dot needs K >= 16 on NVIDIA GPUs: small head sizes are padded (and masked).
+        head_dim_pad = max(16, next_pow2(head_dim))
         if num_splits > 1:
             part_out = torch.empty(
                 (num_rows, num_q_heads, num_splits, head_dim_pad),

@@ -24,6 +24,8 @@ def test_gather_matches_reference(id_dtype):
     out = torch.full_like(expected, float("nan"))
     assert gather_blocks(cache, ids, out=out) is out
     assert torch.equal(out, expected)
+    strided = torch.stack([ids, ids.flip(0)], 1)[:, 0]  # the same ids, element stride 2
+    assert torch.equal(gather_blocks(cache, strided), expected)
 
 
 def test_scatter_matches_reference_and_round_trips():

@@ -54,6 +54,12 @@ def test_store_from_fused_qkv_views():
     reference.store_kv(key, value, expected, slots)
     store_kv(key, value, cache, slots)
     assert torch.equal(cache, expected)
+    # The slot mapping as a strided view too (every other element of a wider tensor).
+    cache = random_cache(2, block_size, heads, dim, torch.float32)
+    expected = cache.clone()
+    reference.store_kv(key, value, expected, slots)
+    store_kv(key, value, cache, torch.stack([slots, slots.flip(0)], 1)[:, 0])
+    assert torch.equal(cache, expected)
 
 
 def test_store_nothing():

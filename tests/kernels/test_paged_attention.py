@@ -197,6 +197,34 @@ def test_bad_arguments():
         paged_attention(*args, batch.block_table, 1.0, 0)
     with pytest.raises(ValueError, match="block_m"):
         LaunchConfig(block_m=8, tile_n=16)
+    for out in (
+        torch.empty(batch.query.shape[0], 4, 32),  # head_dim short
+        torch.empty(batch.query.shape[0] - 1, 4, 64),  # a token short
+        torch.empty(batch.query.shape[0], 64, 4).transpose(1, 2),  # head_dim strided
+    ):
+        with pytest.raises(ValueError, match="must have the query's shape"):
+            paged_attention(*args, batch.block_table, 1.0, out=out.to(DEVICE))
+
+
+def test_strided_metadata_views_and_tiny_heads():
+    """Index tensors given as strided views read right (the kernels index them with
+    stride 1); head sizes below tl.dot's minimum K are padded."""
+    batch = make_batch(
+        [(1, 9), (1, 33), (6, 20)], num_q_heads=4, num_kv_heads=2, head_dim=8,
+        block_size=16, dtype=torch.float32, device=DEVICE,
+    )  # fmt: skip
+
+    def strided(t: torch.Tensor) -> torch.Tensor:  # same values, every other element
+        wide = torch.zeros((*t.shape[:-1], 2 * t.shape[-1]), dtype=t.dtype, device=t.device)
+        wide[..., ::2] = t
+        return wide[..., ::2]
+
+    out = poisoned_out(batch)
+    paged_attention(
+        batch.query, batch.kv_cache, strided(batch.query_start_loc), strided(batch.seq_lens),
+        strided(batch.block_table), batch.scale, num_decodes=2, out=out,
+    )  # fmt: skip
+    check(out, batch)
 
 
 @pytest.mark.gpu
