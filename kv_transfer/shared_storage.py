@@ -160,13 +160,21 @@ class SharedStorageConnector(KVConnector):
             setattr(self._local, name, flat)
         return flat[:numel].view(shape)
 
-    def _submit(self, chunks: list[Items], work: Callable[[Items], None], countdown: _Countdown):
+    def _submit(
+        self,
+        chunks: list[Items],
+        work: Callable[[Items], None],
+        countdown: _Countdown,
+        skipped: Callable[[Items], None] | None = None,
+    ):
         assert self._pool is not None
 
         def run(chunk: Items) -> None:
             try:
-                if countdown.error is None:  # a failed transfer skips its remaining chunks
+                if countdown.error is None:
                     work(chunk)
+                elif skipped is not None:  # a failed transfer skips its remaining chunks
+                    skipped(chunk)
             except KVTransferError as exc:
                 countdown.chunk_done(exc)
             except Exception as exc:
@@ -197,8 +205,22 @@ class SharedStorageConnector(KVConnector):
             self._exports.finish(tid)
 
         self._submit(
-            chunks, lambda chunk: self._write_chunk(tid, chunk), _Countdown(len(chunks), on_done)
+            chunks,
+            lambda chunk: self._write_chunk(tid, chunk),
+            _Countdown(len(chunks), on_done),
+            self._mark_unwritten,
         )
+
+    def _mark_unwritten(self, items: Items) -> None:
+        """Leave failure markers for blocks this export will never write, so that their
+        readers fail (and recompute) at once instead of holding an I/O thread until their
+        deadline. A later good write of the block removes its marker."""
+        for _, block_hash in items:
+            path = self.path_for(block_hash)
+            if not path.exists():
+                with contextlib.suppress(OSError):
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    _failure_marker(path).touch()
 
     def _is_stored(self, path: Path, block_hash: bytes) -> bool:
         return block_file_is_whole(path, self.layout, block_hash) and touch(path)
@@ -215,8 +237,9 @@ class SharedStorageConnector(KVConnector):
         )
         ids = block_id_tensor([block_id for block_id, _ in items], kv.device)
         with self._exports.reading(transfer_id) as export:
-            if export is None:
-                return  # released meanwhile: its blocks may hold other data now
+            if export is None:  # released meanwhile: its blocks may hold other data now
+                self._mark_unwritten(items)
+                return
             gather_layers(kv, range(layout.num_layers), ids, out=staging)  # [L, n, 2, bs, H, D]
         block = self._buffer("block", (layout.num_layers, *layout.block_shape), torch.device("cpu"))
         for j, (_, block_hash) in enumerate(items):

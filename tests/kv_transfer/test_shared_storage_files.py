@@ -174,3 +174,30 @@ def test_a_block_the_exporter_could_not_write_fails_its_readers_at_once(tmp_path
         b.start_fetch("g", PeerRef("a", "unused"), [5], [1], hashes)
         b.wait("g", 10)
         assert all(torch.equal(dst[layer][1], src[layer][5]) for layer in range(2))
+
+
+def test_an_export_released_before_it_was_written_fails_its_readers_at_once(tmp_path):
+    """The decode side gave up and the lease went before the exporter's I/O thread got to
+    the blocks: it writes nothing (they may hold other data now) but leaves markers, so a
+    reader does not hold an I/O thread until its deadline."""
+    hashes = hash_blocks(list(range(3 * LAYOUT.block_size)), LAYOUT.block_size, salt="gone")
+    config = KVTransferConfig(connector="shared_storage", shared_dir=str(tmp_path),
+                              timeout_s=20.0)  # fmt: skip
+    a, b, src, dst = two_workers(tmp_path, config)
+    one_thread = KVTransferConfig(connector="shared_storage", shared_dir=str(tmp_path),
+                                  io_threads=1, timeout_s=1.5)  # fmt: skip
+    with a, b, SharedStorageConnector(one_thread, "c") as c:
+        c.register_kv_caches(src)
+        # Keep c's only I/O thread busy: a fetch of a block nobody writes (1.5 s).
+        c.start_fetch("busy", PeerRef("x", "unused"), [0], [0], hashes[2:])
+        c.export_blocks("lease", [5, 6], hashes[:2])
+        c.release_export("lease")  # before the write ran
+        started = time.monotonic()
+        b.start_fetch("f", PeerRef("c", "unused"), [5, 6], [1, 9], hashes[:2])
+        with pytest.raises(TransferFailedError, match="could not write"):
+            b.wait("f", 20)
+        assert time.monotonic() - started < 10  # not the 20 s timeout
+        _export(a, "again", [5, 6], hashes[:2])  # a later export writes them
+        b.start_fetch("g", PeerRef("a", "unused"), [5, 6], [1, 9], hashes[:2])
+        b.wait("g", 10)
+        assert not list(tmp_path.rglob("*.failed"))
