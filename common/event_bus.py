@@ -19,17 +19,31 @@ engine's); ``serve_replay`` is non-blocking and is called from the same thread.
 
 from __future__ import annotations
 
+import logging
 import struct
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 
 from common.kv_events import KVEvent, KVEventBatch, decode_batch, encode_batch
 
+logger = logging.getLogger(__name__)
+
 TOPIC = b"kv"
 _END = struct.pack(">q", -1)
+
+
+def _decode_or_none(payload: bytes) -> KVEventBatch | None:
+    """A batch, or None if this process cannot read it (a newer worker's event type
+    during a rolling upgrade, a damaged message)."""
+    try:
+        return decode_batch(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        logger.warning("dropping an unreadable KV event batch", exc_info=True)
+        return None
 
 
 class KVEventPublisher:
@@ -40,6 +54,9 @@ class KVEventPublisher:
         self._pub.bind(f"tcp://{host}:{pub_port}")
         self._replay = self._ctx.socket(zmq.ROUTER)
         self._replay.setsockopt(zmq.LINGER, 0)
+        # A replay is up to buffer_size messages in one burst; past the default high-water
+        # mark a ROUTER drops the rest silently, leaving holes. The buffer bounds it.
+        self._replay.setsockopt(zmq.SNDHWM, 0)
         self._replay.bind(f"tcp://{host}:{replay_port}")
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_size)
         self.next_seq = 0
@@ -99,7 +116,6 @@ class KVEventSubscriber:
         self._replay_endpoint = replay_endpoint
         self._replay_timeout_ms = int(replay_timeout_s * 1000)
         self.state = SubscriberState()
-        self._last_replay_incomplete = False
 
     @property
     def socket(self) -> zmq.Socket:
@@ -118,8 +134,7 @@ class KVEventSubscriber:
                     batches += self._replay(0, seq + 1)[0]
                     self.state.next_seq = seq + 1
                 elif seq >= expected:
-                    batches += self._catch_up(expected, seq + 1)
-                    resync |= self._last_replay_incomplete
+                    batches, resync = self._catch_up(batches, resync, expected, seq + 1)
                     self.state.next_seq = seq + 1
                 continue
             if expected is None and seq > 0:
@@ -128,24 +143,35 @@ class KVEventSubscriber:
             elif expected is not None and seq < expected:
                 continue  # already seen (through a replay)
             elif expected is not None and seq > expected:
-                batches += self._catch_up(expected, seq)
-                resync |= self._last_replay_incomplete
-            batches.append(decode_batch(payload))
+                batches, resync = self._catch_up(batches, resync, expected, seq)
+            batch = _decode_or_none(payload)
+            if batch is None:  # what it changed is unknown: resynchronise from here on
+                self.state.resyncs += 1
+                batches, resync = [], True
+            else:
+                batches.append(batch)
             self.state.next_seq = seq + 1
         return batches, resync
 
-    def _catch_up(self, start: int, stop: int) -> list[KVEventBatch]:
+    def _catch_up(
+        self, batches: list[KVEventBatch], resync: bool, start: int, stop: int
+    ) -> tuple[list[KVEventBatch], bool]:
+        """Fill the gap [start, stop) after ``batches``. If the replay had holes, the
+        caller must resynchronise, and nothing from before the last hole is kept."""
         self.state.gaps += 1
         replayed, complete = self._replay(start, stop)
-        self._last_replay_incomplete = not complete
-        if not complete:
-            self.state.resyncs += 1
-        return replayed
+        if complete:
+            return batches + replayed, resync
+        self.state.resyncs += 1
+        return replayed, True
 
     def _replay(self, start: int, stop: int) -> tuple[list[KVEventBatch], bool]:
-        """Batches [start, stop) from the replay socket; complete=False if some are gone."""
+        """Batches [start, stop) from the replay socket; complete=False if some are gone.
+        Then only the run of batches that ends at ``stop - 1`` without a hole comes back:
+        a block removed in a hole would otherwise stay known for good."""
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, 0)
         dealer.connect(self._replay_endpoint)
         got: list[KVEventBatch] = []
         try:
@@ -155,12 +181,18 @@ class KVEventSubscriber:
                 if seq_bytes == _END:
                     break
                 (seq,) = struct.unpack(">q", seq_bytes)
-                if start <= seq < stop:
-                    got.append(decode_batch(payload))
+                batch = _decode_or_none(payload) if start <= seq < stop else None
+                if batch is not None:  # an unreadable one counts as a hole
+                    got.append(batch)
         finally:
             dealer.close(0)
         self.state.replayed += len(got)
         complete = [b.seq for b in got] == list(range(start, stop))
+        if not complete:
+            first = len(got)
+            while first and got[first - 1].seq == stop - (len(got) - first) - 1:
+                first -= 1
+            got = got[first:]
         return got, complete
 
     def close(self) -> None:

@@ -66,9 +66,13 @@ class EventListener:
         while not self._stop.is_set():
             while True:
                 try:
-                    self._commands.get_nowait()()
+                    command = self._commands.get_nowait()
                 except queue.Empty:
                     break
+                try:
+                    command()
+                except Exception:  # one bad command must not end the listener
+                    logger.exception("event listener command failed")
             if registered != set(self._subscribers):
                 poller = zmq.Poller()
                 for subscriber in self._subscribers.values():
@@ -84,6 +88,14 @@ class EventListener:
                     batches, resync = subscriber.poll(0)
                 except zmq.ZMQError as exc:
                     logger.warning("events from %s: %s", worker_id, exc)
+                    continue
+                except Exception:
+                    # A bug, whatever it is: forget the worker's blocks rather than keep
+                    # stale ones, and keep listening to everyone.
+                    logger.exception("events from %s failed: forgetting its blocks", worker_id)
+                    with self.lock:
+                        self.num_resyncs += 1
+                        self.index.clear_worker(worker_id)
                     continue
                 with self.lock:
                     if resync:

@@ -133,3 +133,51 @@ def test_lost_history_asks_for_a_resync():
     assert batches[-1].seq == last
     publisher.close()
     subscriber.close()
+
+
+def test_a_late_joiner_gets_a_long_history_whole():
+    """4000 batches of ~4.5 KB replayed in one burst: past ZMQ's default high-water mark
+    the replay socket dropped the rest silently, and the holes kept removed blocks known."""
+    pub_port, replay_port = free_ports(2)
+    publisher = KVEventPublisher("127.0.0.1", pub_port, replay_port)
+    for i in range(4000):
+        hashes = [(i * 65 + j).to_bytes(32, "big") for j in range(65)]
+        publisher.publish([BlockStored(hashes, None, list(range(1040)), 16)])
+    subscriber = KVEventSubscriber(f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}")
+    batches, resync = serve_while_polling(
+        publisher, subscriber, timeout_s=30, until=lambda b: len(b) >= 4000
+    )
+    assert not resync and [b.seq for b in batches] == list(range(4000))
+    publisher.close()
+    subscriber.close()
+
+
+def test_a_replay_with_a_hole_keeps_only_what_follows_it():
+    """A batch missing from the middle of a replay (here: gone from the buffer) may have
+    removed blocks: the subscriber resynchronises and keeps only the batches after it."""
+    publisher, subscriber = connected_pair()
+    publish_unseen(publisher, subscriber, 10)
+    hole = publisher.next_seq - 6
+    publisher._buffer.remove(next(item for item in publisher._buffer if item[0] == hole))
+    publisher.publish([BlockRemoved([b"\1" * 32])])
+    last = publisher.next_seq - 1
+    batches, resync = serve_while_polling(
+        publisher, subscriber, until=lambda b: subscriber.state.next_seq == last + 1
+    )
+    assert resync and [b.seq for b in batches] == list(range(hole + 1, last + 1))
+    publisher.close()
+    subscriber.close()
+
+
+def test_an_unreadable_batch_asks_for_a_resync_and_later_ones_arrive():
+    publisher, subscriber = connected_pair()
+    seq = publisher.next_seq
+    publisher.next_seq += 1  # a newer worker's event type, as this router reads it
+    publisher._pub.send_multipart([b"kv", seq.to_bytes(8, "big"), b"\x81\xa4what\xa3new"])
+    publisher.publish([BlockRemoved([b"\2" * 32])])
+    batches, resync = serve_while_polling(
+        publisher, subscriber, until=lambda b: subscriber.state.next_seq == seq + 2
+    )
+    assert resync and [b.seq for b in batches] == [seq + 1]
+    publisher.close()
+    subscriber.close()

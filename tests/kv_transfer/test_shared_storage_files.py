@@ -201,3 +201,4 @@ def test_an_export_released_before_it_was_written_fails_its_readers_at_once(tmp_
         b.start_fetch("g", PeerRef("a", "unused"), [5, 6], [1, 9], hashes[:2])
         b.wait("g", 10)
         assert not list(tmp_path.rglob("*.failed"))
+        assert all(torch.equal(dst[layer][[1, 9]], src[layer][[5, 6]]) for layer in range(2))
