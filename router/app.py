@@ -136,8 +136,9 @@ def create_app(state: RouterState) -> FastAPI:
     async def metrics() -> Response:
         state.metrics.running.set(state.num_running)
         state.metrics.waiting.set(state.num_waiting)
-        for worker in list(state.pool.workers.values()):
-            state.metrics.observe_worker(worker.worker_id, worker.stats)
+        state.metrics.observe_workers(
+            {worker.worker_id: worker.stats for worker in list(state.pool.workers.values())}
+        )
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     def model_card() -> dict[str, Any]:

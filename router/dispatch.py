@@ -118,6 +118,9 @@ class Dispatcher:
                 self._last_expiry = start
             ids = [w.worker_id for w in decode + prefill]
             matches = self.index.match(request.block_hashes, ids)
+            confirmed = self.index.match(
+                request.block_hashes, [w.worker_id for w in decode], optimistic=False
+            )
             prefill_loads = [w.load() for w in prefill]
             if not self.config.per_worker_prefill_rate:
                 prefill_loads = _pooled_rate(prefill_loads)
@@ -127,17 +130,13 @@ class Dispatcher:
                 prefill_loads,
                 matches,
                 matches,
+                confirmed,
             )
             # Optimistic: the next request with this prefix should find it here.
             self.index.insert_optimistic(placement.decode_worker, request.block_hashes)
             if placement.prefill_worker:
                 self.index.insert_optimistic(placement.prefill_worker, request.block_hashes)
         self.metrics.observe_placement(placement, time.perf_counter() - start)
-        self.metrics.prefix_cache(
-            len(request.prompt_token_ids),
-            placement.prefill_cached_tokens if placement.disaggregated
-            else placement.decode_cached_tokens,
-        )  # fmt: skip
         return placement
 
     def _moved(self, hashes: list[BlockHash], planned: str | None, actual: str | None) -> None:
@@ -155,12 +154,33 @@ class Dispatcher:
 
     async def generate(self, request: SequenceRequest) -> AsyncIterator[TokenDelta]:
         placement = self.place(request)
+        touched = {w for w in (placement.decode_worker, placement.prefill_worker) if w}
+        counted = False
+        try:
+            async for delta in self._journey(request, placement, touched):
+                if not counted and delta.cached_tokens is not None:
+                    counted = True  # what the worker reused, not what placement expected
+                    self.metrics.prefix_cache(len(request.prompt_token_ids), delta.cached_tokens)
+                yield delta
+        except BaseException:
+            # Failed, refused or the client left: what the workers did store, their events
+            # confirm; the claims ``place`` made go now instead of at their expiry.
+            with self.index_lock:
+                for worker_id in touched:
+                    self.index.withdraw_optimistic(worker_id, request.block_hashes)
+            raise
+
+    async def _journey(
+        self, request: SequenceRequest, placement: Placement, touched: set[str]
+    ) -> AsyncIterator[TokenDelta]:
         first: pb.PrefillResponse | None = None
         release = _no_lease
         if placement.disaggregated:
             first, prefill_worker = await self._prefill(request, placement)
             actual = prefill_worker.worker_id if prefill_worker is not None else None
             self._moved(request.block_hashes, placement.prefill_worker, actual)
+            if actual is not None:
+                touched.add(actual)
             if first is not None and prefill_worker is not None and first.kv.lease_id:
                 release = self._lease_releaser(prefill_worker, first.kv.lease_id)
         # However the choice ends (a client gone, a stop string on the first token, a decode
@@ -170,6 +190,7 @@ class Dispatcher:
                 yield TokenDelta(
                     [first.first_token_id],
                     [first.first_logprobs] if first.HasField("first_logprobs") else [],
+                    cached_tokens=first.num_cached_tokens,
                 )
                 if first.finish_reason:  # no decode worker will hold this prompt
                     self._moved(request.block_hashes, placement.decode_worker, None)
@@ -183,7 +204,7 @@ class Dispatcher:
                         ),
                     )
                     return
-            async for delta in self._decode(request, placement, first, release):
+            async for delta in self._decode(request, placement, first, release, touched):
                 yield delta
         finally:
             release()
@@ -205,6 +226,8 @@ class Dispatcher:
         if request.cache_salt is not None:
             message.cache_salt = request.cache_salt
         for worker in [w for w in [chosen, *others] if w is not None]:
+            if self.pool.get(worker.worker_id) is not worker:
+                continue  # retired while an earlier try ran: its channel is closed
             worker.queued_prefill_tokens += uncached
             call = worker.prefill.Prefill(message, timeout=self.config.prefill_timeout_s)
             try:
@@ -244,6 +267,7 @@ class Dispatcher:
         placement: Placement,
         first: pb.PrefillResponse | None,
         release_lease: Callable[[], None],
+        touched: set[str],
     ) -> AsyncIterator[TokenDelta]:
         message = pb.GenerateRequest(
             request_id=request.request_id,
@@ -260,8 +284,11 @@ class Dispatcher:
         others.sort(key=lambda w: w.running)
         holder: str | None = placement.decode_worker  # where the index expects the prompt
         for attempt, worker in enumerate(w for w in [chosen, *others] if w is not None):
+            if self.pool.get(worker.worker_id) is not worker:
+                continue  # retired while an earlier try ran: its channel is closed
             self._moved(request.block_hashes, holder, worker.worker_id)
             holder = worker.worker_id
+            touched.add(holder)
             if attempt and message.HasField("kv"):
                 # The worker that failed may have pulled and then aborted, which releases
                 # the lease: another pull could read reused blocks. Recompute instead.
@@ -340,7 +367,8 @@ class Dispatcher:
         """Fire and forget ``ReleaseKV``: if it fails, the lease just expires."""
 
         async def release() -> None:
-            with contextlib.suppress(grpc.aio.AioRpcError):
+            # UsageError: the worker was retired (its channel closed) meanwhile.
+            with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
                 await worker.prefill.ReleaseKV(message, timeout=5)
 
         task = asyncio.get_running_loop().create_task(release())

@@ -18,6 +18,7 @@ _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3, 1e-2)
 class RouterMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
+        self._observed_workers: set[str] = set()  # the workers the gauges have series for
         labels = {"model_name": model_name}
         r = self.registry
 
@@ -91,13 +92,22 @@ class RouterMetrics:
             self.transfer.observe(timings.transfer_ms / 1000)
         self.blocks_pulled.inc(blocks_pulled)
 
-    def observe_worker(self, worker_id: str, stats: pb.StatsResponse) -> None:
-        self.worker_kv_used.labels(worker=worker_id).set(stats.kv_blocks_used)
-        self.worker_cpu_used.labels(worker=worker_id).set(stats.cpu_blocks_used)
-        self.worker_cpu_total.labels(worker=worker_id).set(stats.cpu_blocks_total)
-        self.worker_offloaded.labels(worker=worker_id).set(stats.offloaded_bytes)
-        self.worker_cpu_hits.labels(worker=worker_id).set(stats.cpu_hit_blocks)
-        self.worker_cpu_load.labels(worker=worker_id).set(stats.cpu_load_ms_total / 1000)
+    def observe_workers(self, stats: dict[str, pb.StatsResponse]) -> None:
+        """Per-worker gauges for the workers in ``stats``; series of workers that left
+        go (frozen values would read as live ones, and worker ids churn)."""
+        gauges = (self.worker_kv_used, self.worker_cpu_used, self.worker_cpu_total,
+                  self.worker_offloaded, self.worker_cpu_hits, self.worker_cpu_load)  # fmt: skip
+        for worker_id in self._observed_workers - stats.keys():
+            for gauge in gauges:
+                gauge.remove(worker_id)
+        self._observed_workers = set(stats)
+        for worker_id, worker in stats.items():
+            self.worker_kv_used.labels(worker=worker_id).set(worker.kv_blocks_used)
+            self.worker_cpu_used.labels(worker=worker_id).set(worker.cpu_blocks_used)
+            self.worker_cpu_total.labels(worker=worker_id).set(worker.cpu_blocks_total)
+            self.worker_offloaded.labels(worker=worker_id).set(worker.offloaded_bytes)
+            self.worker_cpu_hits.labels(worker=worker_id).set(worker.cpu_hit_blocks)
+            self.worker_cpu_load.labels(worker=worker_id).set(worker.cpu_load_ms_total / 1000)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

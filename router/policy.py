@@ -100,8 +100,15 @@ class PlacementPolicy:
         prefill: Sequence[WorkerLoad],
         decode_matches: dict[str, PrefixMatch],
         prefill_matches: dict[str, PrefixMatch],
+        decode_confirmed: dict[str, PrefixMatch] | None = None,
     ) -> Placement:
-        """Choose workers for a prompt of ``num_tokens``. ``decode`` must not be empty."""
+        """Choose workers for a prompt of ``num_tokens``. ``decode`` must not be empty.
+
+        Matches may count optimistic entries (blocks just sent somewhere): they steer a
+        burst sharing a prefix to the same workers. Whether the decode worker prefills
+        the prompt itself, though, takes only ``decode_confirmed`` (what its events
+        confirmed; None: the matches): the first request of a burst is still being
+        prefilled elsewhere, and the others would recompute the whole prompt there."""
         if not decode:
             raise ValueError("no decode worker available")
         decode_cached = self._cached(decode, decode_matches, num_tokens)
@@ -111,6 +118,9 @@ class PlacementPolicy:
         ]
         _, decode_id = self._pick(decode_scores, Role.DECODE)
         on_decode = decode_cached[decode_id]
+        if decode_confirmed is not None:
+            confirmed = decode_confirmed.get(decode_id, PrefixMatch())
+            on_decode = self.cached_tokens(confirmed, num_tokens)
         if not prefill or num_tokens - on_decode < self.config.min_disagg_tokens:
             return Placement(decode_id, None, int(on_decode), 0, 0.0)
         prefill_cached = self._cached(prefill, prefill_matches, num_tokens)

@@ -75,6 +75,7 @@ class PrefixIndex:
             elif isinstance(event, BlockRemoved):
                 tier = self._tier(event.medium)
                 for block_hash in event.block_hashes:
+                    self._drop_optimistic(block_hash, worker_id)  # not there now, whatever we sent
                     owners = tier.get(block_hash, 0)
                     if not owners & bit:
                         continue
@@ -140,22 +141,27 @@ class PrefixIndex:
     # ------------------------------------------------------------------ queries
 
     def match(
-        self, block_hashes: Sequence[BlockHash], worker_ids: Sequence[str]
+        self,
+        block_hashes: Sequence[BlockHash],
+        worker_ids: Sequence[str],
+        optimistic: bool = True,
     ) -> dict[str, PrefixMatch]:
-        """The leading run of ``block_hashes`` each worker holds. A few int operations per
-        block, so the cost grows with the matched prefix, barely with the number of
-        workers; per-worker bookkeeping happens only when a worker's run ends."""
+        """The leading run of ``block_hashes`` each worker holds (``optimistic=False``:
+        only what events confirmed). A few int operations per block, so the cost grows
+        with the matched prefix, barely with the number of workers; per-worker bookkeeping
+        happens only when a worker's run ends."""
         bits = {w: self._bits.get(w, 0) for w in worker_ids}
         active = 0
         for bit in bits.values():
             active |= bit
         run: dict[int, int] = {}  # bit → depth where its run ended
         cpu: dict[int, int] = {}  # bit → CPU-only blocks in its run
-        gpu_tier, cpu_tier, optimistic = self._gpu, self._cpu, self._optimistic
+        gpu_tier, cpu_tier = self._gpu, self._cpu
+        optimistic_tier = self._optimistic if optimistic else {}
         depth = 0
         for depth, block_hash in enumerate(block_hashes):
             holders = active & gpu_tier.get(block_hash, 0)
-            hopeful = optimistic.get(block_hash)
+            hopeful = optimistic_tier.get(block_hash)
             if hopeful:
                 for worker_id in hopeful:
                     holders |= active & self._bits.get(worker_id, 0)

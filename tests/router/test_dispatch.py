@@ -78,7 +78,7 @@ def test_a_retried_decode_recomputes_instead_of_pulling_again(tmp_path):
             placement = Placement(ids[0], "prefill@x", 0, 0, 0.0)
             tokens = []
             async for delta in dispatcher._decode(
-                request, placement, first, lambda: released.append(True)
+                request, placement, first, lambda: released.append(True), set()
             ):
                 tokens += delta.token_ids
             assert released  # nobody will pull that lease any more

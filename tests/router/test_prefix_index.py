@@ -55,6 +55,18 @@ def test_optimistic_entries_are_withdrawn_when_the_blocks_went_elsewhere():
     assert index.expire_optimistic(now=1e18) == 0  # nothing optimistic was left
 
 
+def test_a_removal_ends_an_optimistic_claim_and_confirmed_matches_ignore_claims():
+    """A full cache hit re-claims the prompt (30 s); an eviction then must end the claim
+    too, or the next request believes the blocks are there."""
+    index = PrefixIndex(optimistic_ttl_s=10)
+    index.apply("d0", [stored(H[:3])])
+    index.insert_optimistic("d0", H[:4])
+    assert index.match(H[:4], ["d0"])["d0"].gpu_blocks == 4
+    assert index.match(H[:4], ["d0"], optimistic=False)["d0"].gpu_blocks == 3
+    index.apply("d0", [BlockRemoved(H[:3])])
+    assert index.match(H[:4], ["d0"])["d0"] == PrefixMatch()
+
+
 def oracle_match(held: dict[str, dict[bytes, str]], hashes, worker_ids):
     """The leading run per worker, by brute force: ``held[w][h]`` is "gpu" or "cpu"."""
     result = {}
@@ -125,6 +137,11 @@ def test_policy_prefers_cache_then_load_and_keeps_short_prompts_local():
     assert policy.place(50, decode, prefill, {}, {}).prefill_worker is None
     local = policy.place(800, decode, prefill, {"d0": PrefixMatch(45, 0)}, {})
     assert local.decode_worker == "d0" and not local.disaggregated
+    # Blocks only claimed (the first request of a burst, still prefilling elsewhere)
+    # steer the choice of decode worker but do not make it prefill the prompt itself.
+    claimed = policy.place(800, decode, prefill, {"d0": PrefixMatch(45, 0)}, {}, {})
+    assert claimed.decode_worker == "d0" and claimed.disaggregated
+    assert claimed.decode_cached_tokens == 0
     # A CPU hit counts at its credit.
     cpu = policy.cached_tokens(PrefixMatch(0, 10), 800)
     assert cpu == 0.5 * 160

@@ -4,6 +4,7 @@ offline engine, prefix reuse, aborts, lease expiry and bad input."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
@@ -12,6 +13,7 @@ import pytest
 
 from common.config import Role
 from common.config_loader import load_config
+from common.hashing import hash_blocks
 from common.registry import StaticRegistry
 from engine import LLM, SamplingParams
 from proto import pdserve_pb2 as pb
@@ -19,7 +21,7 @@ from proto import pdserve_pb2_grpc as pb_grpc
 from router.dispatch import Dispatcher, SequenceRequest
 from router.events import EventListener
 from router.metrics import RouterMetrics
-from router.policy import Placement, PlacementPolicy
+from router.policy import PlacementPolicy
 from router.prefix_index import PrefixIndex
 from router.workers import WorkerPool
 from tests.engine.helpers import random_prompts
@@ -251,23 +253,26 @@ def test_bad_requests_are_invalid_argument_and_the_worker_keeps_serving(stack, o
 
 def test_a_client_gone_while_the_prefill_reply_is_in_flight_leaves_no_lease(stack):
     """The router's task is cancelled after the worker granted the lease but before the
-    reply was read (a busy router loop): the router releases by request id."""
+    reply was read (a busy router loop): the router releases by request id, and withdraws
+    the prefix claims its placement made."""
     config = load_config(str(stack[0].config_path))
+    router_config = dataclasses.replace(config.router, min_disagg_tokens=0)
     prompt = random_prompts((50,), seed=56)[0]
 
     async def body(client: PDClient):
         lock = threading.Lock()
-        pool = WorkerPool(StaticRegistry(config), EventListener(PrefixIndex(), lock), 60.0, 30.0)
-        policy = PlacementPolicy(config.router, 16, 8)
-        dispatcher = Dispatcher(config.router, pool, PrefixIndex(), lock, policy,
+        index = PrefixIndex()
+        pool = WorkerPool(StaticRegistry(config), EventListener(index, lock), 60.0, 30.0)
+        policy = PlacementPolicy(router_config, 16, 8)
+        dispatcher = Dispatcher(router_config, pool, index, lock, policy,
                                 RouterMetrics("lease_race"), 16)  # fmt: skip
         try:
             await pool.refresh()
             before, _ = await client.stats()
-            ids = {role: pool.candidates(role)[0].worker_id for role in Role}
-            placement = Placement(ids[Role.DECODE], ids[Role.PREFILL], 0, 0, 0.0)
-            request = SequenceRequest("gone", prompt, [], GREEDY)
-            task = asyncio.create_task(dispatcher._prefill(request, placement))
+            ids = [pool.candidates(role)[0].worker_id for role in Role]
+            hashes = hash_blocks(prompt, 16)
+            request = SequenceRequest("gone", prompt, hashes, GREEDY)
+            task = asyncio.create_task(anext(dispatcher.generate(request)))
             for _ in range(20):
                 await asyncio.sleep(0)  # the call goes out
             # Block this loop until the worker has granted the lease: its reply is in
@@ -281,9 +286,11 @@ def test_a_client_gone_while_the_prefill_reply_is_in_flight_leaves_no_lease(stac
                         break
                     time.sleep(0.01)
             assert not task.done()
+            assert all(m.gpu_blocks == 3 for m in index.match(hashes, ids).values())
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
+            assert all(m.gpu_blocks == 0 for m in index.match(hashes, ids).values())
             await assert_idle(client, timeout=2.0)  # well before the lease's 4 s expiry
             after, _ = await client.stats()
             assert after.leases_expired == before.leases_expired

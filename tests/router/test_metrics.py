@@ -1,0 +1,18 @@
+"""Router metrics: per-worker series follow the pool (a worker that left is not exported
+at its last values)."""
+
+from __future__ import annotations
+
+from proto import pdserve_pb2 as pb
+from router.metrics import RouterMetrics
+
+
+def test_series_of_workers_that_left_are_dropped():
+    metrics = RouterMetrics("test_metrics")
+    stats = pb.StatsResponse(kv_blocks_used=7, cpu_blocks_used=3)
+    metrics.observe_workers({"decode@a:1": stats, "decode@b:1": stats})
+    text = metrics.render().decode()
+    assert 'worker="decode@a:1"' in text and 'worker="decode@b:1"' in text
+    metrics.observe_workers({"decode@a:1": stats})
+    text = metrics.render().decode()
+    assert 'worker="decode@a:1"' in text and 'worker="decode@b:1"' not in text
