@@ -14,6 +14,7 @@ Not thread-safe by itself: the router applies events and queries under one lock.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -45,6 +46,10 @@ class PrefixIndex:
         # Optimistic entries: block hash → {worker id → expiry}; ``expire_optimistic``
         # (called periodically) drops old ones, ``match`` takes the rest at face value.
         self._optimistic: dict[BlockHash, dict[str, float]] = {}
+        # (expiry, block hash, worker id) in insertion order, which is expiry order (one
+        # TTL): expiring costs what expires, not a scan of every entry under the lock
+        # (~0.6 s at a million entries). Entries dropped or renewed since are skipped.
+        self._expiries: deque[tuple[float, BlockHash, str]] = deque()
         # Per worker, the hashes it holds in either tier (a dict used as an ordered set).
         self._worker_blocks: dict[str, dict[BlockHash, None]] = {}
         self._bits: dict[str, int] = {}  # worker id → its bit (1 << slot)
@@ -96,6 +101,7 @@ class PrefixIndex:
         expiry = time.monotonic() + self.optimistic_ttl_s
         for block_hash in block_hashes:
             self._optimistic.setdefault(block_hash, {})[worker_id] = expiry
+            self._expiries.append((expiry, block_hash, worker_id))
 
     def withdraw_optimistic(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
         """The blocks did not go to ``worker_id`` after all (it failed, or the request
@@ -129,13 +135,13 @@ class PrefixIndex:
     def expire_optimistic(self, now: float | None = None) -> int:
         now = time.monotonic() if now is None else now
         expired = 0
-        for block_hash in list(self._optimistic):
-            owners = self._optimistic[block_hash]
-            for worker_id in [w for w, t in owners.items() if t <= now]:
-                del owners[worker_id]
+        expiries = self._expiries
+        while expiries and expiries[0][0] <= now:
+            _, block_hash, worker_id = expiries.popleft()
+            owners = self._optimistic.get(block_hash)
+            if owners is not None and owners.get(worker_id, now + 1) <= now:
+                self._drop_optimistic(block_hash, worker_id)
                 expired += 1
-            if not owners:
-                del self._optimistic[block_hash]
         return expired
 
     # ------------------------------------------------------------------ queries
