@@ -170,7 +170,14 @@ class WorkerPool:
             if state is None or (state.info.engine_id != info.engine_id and info.engine_id):
                 if state is not None:  # restarted: its cache is new
                     self._retire(state)
-                self.workers[worker_id] = self._connect(info)
+                back = self._departed.get(worker_id)
+                if state is None and back is not None and back.info.engine_id == info.engine_id:
+                    # The same engine back in the registry (Redis lost its keys, say) while
+                    # its calls still run: keep its state, so those calls keep counting on
+                    # the load figures new placements read; new calls get a new channel.
+                    self.workers[worker_id] = self._reconnect(back, info)
+                else:
+                    self.workers[worker_id] = self._connect(info)
                 self.events.add(info)
                 logger.info("worker %s joined (%s)", worker_id, info.role)
             else:
@@ -214,6 +221,13 @@ class WorkerPool:
             decode=pb_grpc.DecodeServiceStub(channel) if info.role is Role.DECODE else None,
             health=health_pb2_grpc.HealthStub(channel),
         )
+
+    def _reconnect(self, state: WorkerState, info: WorkerInfo) -> WorkerState:
+        """``state`` with a fresh channel (its own is closing: ``_retire``)."""
+        fresh = self._connect(info)
+        state.info, state.channel, state.health = info, fresh.channel, fresh.health
+        state.prefill, state.decode = fresh.prefill, fresh.decode
+        return state
 
     async def _probe(self, state: WorkerState) -> None:
         try:

@@ -84,6 +84,50 @@ def test_a_worker_leaving_the_registry_finishes_its_streams(tmp_path):
             registry.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_worker_back_in_the_registry_keeps_the_load_of_its_running_calls(tmp_path):
+    """Redis lost its keys and the worker re-registered, same engine, while a stream ran
+    on it: the pool keeps its state (the stream still counts in its load) and new calls
+    get a channel that is not closing."""
+
+    async def scenario(registry: RedisRegistry) -> list[int]:
+        server, info = await serve_decode(SlowDecode(), health.aio.HealthServicer())
+        registry.register(info)
+        pool = WorkerPool(registry, EventListener(PrefixIndex(), threading.Lock()), 60.0, 30.0)
+        try:
+            await pool.refresh()
+            state = pool.get(info.worker_id)
+            state.running += 1  # as the dispatcher counts a stream it starts
+            call = state.decode.Generate(pb.GenerateRequest(request_id="r1"))
+            tokens = []
+            with state.tracking(call):
+                async for chunk in call:
+                    tokens.extend(chunk.token_ids)
+                    if len(tokens) == 2:
+                        registry.deregister(info.worker_id)  # Redis lost the keys
+                        await pool.refresh()
+                        assert pool.get(info.worker_id) is None
+                        registry.register(info)  # the next heartbeat
+                        await pool.refresh()
+                        assert pool.get(info.worker_id) is state and state.running == 1
+            state.running -= 1
+            second = [
+                t async for c in state.decode.Generate(pb.GenerateRequest()) for t in c.token_ids
+            ]
+            assert second == list(range(NUM_CHUNKS)) and state.running == 0
+            return tokens
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    with redis_server(tmp_path) as url:
+        registry = RedisRegistry(url, ttl_s=30.0)
+        try:
+            assert asyncio.run(scenario(registry)) == list(range(NUM_CHUNKS))
+        finally:
+            registry.close()
+
+
 class FreezableDecode(pb_grpc.DecodeServiceServicer):
     """Streams a token every 50 ms, and answers health checks, until frozen: then neither
     (a stopped process or a hung host looks the same from the router)."""
