@@ -13,14 +13,17 @@ sees a gap in the sequence asks the replay socket for everything from the first 
 batch; if the buffer no longer reaches that far it is told so (the first replayed seq is
 later than asked) and must resynchronise (forget the worker's blocks and rebuild from new events).
 
-Sockets bind to the configured host only. A publisher is used from one thread (the
-engine's); ``serve_replay`` is non-blocking and is called from the same thread.
+Sockets bind to the configured host only. ``publish`` and ``heartbeat`` are called from
+one thread (the engine's); replays are answered by the publisher's own thread, so a long
+engine step never delays them (a replay that times out makes the router forget the
+worker's blocks, and its listener waits for it).
 """
 
 from __future__ import annotations
 
 import logging
 import struct
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -52,14 +55,25 @@ class KVEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.bind(f"tcp://{host}:{pub_port}")
-        self._replay = self._ctx.socket(zmq.ROUTER)
-        self._replay.setsockopt(zmq.LINGER, 0)
+        replay = self._ctx.socket(zmq.ROUTER)  # owned by the replay thread once it runs
+        replay.setsockopt(zmq.LINGER, 0)
         # A replay is up to buffer_size messages in one burst; past the default high-water
         # mark a ROUTER drops the rest silently, leaving holes. The buffer bounds it.
-        self._replay.setsockopt(zmq.SNDHWM, 0)
-        self._replay.bind(f"tcp://{host}:{replay_port}")
+        replay.setsockopt(zmq.SNDHWM, 0)
+        try:
+            replay.bind(f"tcp://{host}:{replay_port}")
+        except zmq.ZMQError:
+            replay.close(0)
+            self._pub.close(0)
+            raise
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_size)
+        self._lock = threading.Lock()  # the buffer: appended by publish, read by replays
         self.next_seq = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._serve_replays, args=(replay,), name="kv-event-replay", daemon=True
+        )
+        self._thread.start()
 
     def publish(self, events: list[KVEvent]) -> None:
         if not events:
@@ -67,28 +81,37 @@ class KVEventPublisher:
         seq = self.next_seq
         self.next_seq += 1
         payload = encode_batch(KVEventBatch(seq=seq, ts=time.time(), events=events))
-        self._buffer.append((seq, payload))
+        with self._lock:
+            self._buffer.append((seq, payload))
         self._pub.send_multipart([TOPIC, struct.pack(">q", seq), payload], copy=False)
 
     def heartbeat(self) -> None:
         """Tell subscribers the last sequence number (call about once a second)."""
         self._pub.send_multipart([TOPIC, struct.pack(">q", self.next_seq - 1), b""])
 
-    def serve_replay(self) -> None:
-        """Answer pending replay requests; returns at once when there are none."""
-        while self._replay.poll(0):
-            identity, *frames = self._replay.recv_multipart()
-            if len(frames) != 1 or len(frames[0]) != 8:
-                continue  # not our protocol: ignore
-            (start,) = struct.unpack(">q", frames[0])
-            for seq, payload in self._buffer:
-                if seq >= start:
-                    self._replay.send_multipart([identity, struct.pack(">q", seq), payload])
-            self._replay.send_multipart([identity, _END, b""])
+    def _serve_replays(self, replay: zmq.Socket) -> None:
+        try:
+            while not self._stop.is_set():
+                if not replay.poll(100):
+                    continue
+                identity, *frames = replay.recv_multipart()
+                if len(frames) != 1 or len(frames[0]) != 8:
+                    continue  # not our protocol: ignore
+                (start,) = struct.unpack(">q", frames[0])
+                with self._lock:
+                    buffered = [item for item in self._buffer if item[0] >= start]
+                for seq, payload in buffered:
+                    replay.send_multipart([identity, struct.pack(">q", seq), payload])
+                replay.send_multipart([identity, _END, b""])
+        except zmq.ZMQError as exc:
+            logger.warning("KV event replays stopped: %s", exc)
+        finally:
+            replay.close(0)
 
     def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
         self._pub.close(0)
-        self._replay.close(0)
 
 
 @dataclass(slots=True)

@@ -191,7 +191,6 @@ class WorkerRuntime:
 
         def publish() -> None:
             publisher.publish(collector.drain())
-            publisher.serve_replay()
             now = time.monotonic()
             if now - last_beat[0] >= _EVENT_HEARTBEAT_S:
                 publisher.heartbeat()

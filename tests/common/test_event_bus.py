@@ -30,15 +30,14 @@ def connected_pair(buffer_size: int = 4096):
     seen: list = []
     while not seen and time.monotonic() < deadline:
         publisher.publish([BlockRemoved([b"\0" * 32])])
-        publisher.serve_replay()
         seen, _ = subscriber.poll(20)
     assert seen, "subscriber never connected"
     return publisher, subscriber
 
 
 def serve_while_polling(publisher, subscriber, timeout_s=5.0, until=None):
-    """Poll the subscriber while the publisher answers replays (one thread, like a worker's
-    engine loop and a router would run them in two processes)."""
+    """Poll the subscriber while the publisher sends heartbeats (on another thread, as a
+    worker's engine loop and a router run in two processes)."""
     import threading
 
     stop = threading.Event()
@@ -46,7 +45,6 @@ def serve_while_polling(publisher, subscriber, timeout_s=5.0, until=None):
     def serve():
         last_beat = 0.0
         while not stop.is_set():
-            publisher.serve_replay()
             if time.monotonic() - last_beat > 0.2:
                 publisher.heartbeat()
                 last_beat = time.monotonic()
@@ -103,7 +101,8 @@ def test_gaps_are_replayed():
     )
     assert not resync
     assert [b.seq for b in batches] == list(range(start, last + 1))
-    assert subscriber.state.gaps == 1 and subscriber.state.replayed == 50
+    # 51 when a heartbeat naming the last batch arrives before the batch itself
+    assert subscriber.state.gaps == 1 and subscriber.state.replayed in (50, 51)
     publisher.close()
     subscriber.close()
 
