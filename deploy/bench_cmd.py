@@ -231,9 +231,10 @@ def run(args: argparse.Namespace) -> int:
     print(summary_table(report))
     for run_report in report.runs:
         s = run_report.summary
-        if s.failed or run_report.not_sent:
+        if s.failed or s.wrong_length or run_report.not_sent:
             print(
-                f"{run_report.label}: {s.failed} failed, {run_report.not_sent} not sent",
+                f"{run_report.label}: {s.failed} failed, {s.wrong_length} with a wrong output "
+                f"length, {run_report.not_sent} not sent",
                 file=sys.stderr,
             )
     print("wrote " + ", ".join(str(p) for p in paths))

@@ -114,6 +114,7 @@ class BenchClient:
         start = time.perf_counter()
         result.start_s = start - run_start
         usage_tokens: int | None = None
+        done = False
         try:
             body = self.body(prompt, result.expected_output_tokens)
             async with self._http.stream("POST", self.url, json=body) as response:
@@ -127,6 +128,7 @@ class BenchClient:
                         continue
                     data = line[5:].strip()
                     if data == "[DONE]":
+                        done = True
                         break
                     usage_tokens = record_chunk(result, json.loads(data), now, usage_tokens)
                     if result.error:
@@ -135,6 +137,8 @@ class BenchClient:
             result.error = f"{type(exc).__name__}: {exc}"
         finally:
             result.end_s = time.perf_counter() - run_start
+        if result.error is None and not done:  # cut short: its tokens are not the output
+            result.error = "the stream ended without [DONE]"
         finish_counts(result, usage_tokens)
 
 

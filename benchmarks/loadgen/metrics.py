@@ -4,8 +4,11 @@ Definitions (times from when the client started sending the request):
 * TTFT: arrival of the first chunk that carries a token.
 * ITL: one entry per output token after the first. A chunk that carries k tokens and
   arrived g after the previous token chunk gives k entries of g/k (the router's own
-  ``vllm:inter_token_latency_seconds`` does the same); extra tokens in the first chunk
-  give entries of 0. So a request's ITL entries sum to (last token - first token).
+  ``vllm:inter_token_latency_seconds`` records one entry of g/k per chunk instead: equal
+  while pdserve streams a token per chunk); extra tokens in the first chunk give entries
+  of 0. So a request's ITL entries sum to (last token - first token). A server that
+  sends no token ids gives per-chunk counts only (``Summary.exact_counts`` False, said in
+  the report): its ITL is then per chunk, not per token; TPOT stays exact (usage).
 * TPOT: (last token - first token) / (output tokens - 1); undefined for one token. It
   is the mean of the request's ITL entries when every count is exact.
 * E2E: until the stream ended (``[DONE]``), so it includes the usage chunk.
@@ -14,8 +17,10 @@ Definitions (times from when the client started sending the request):
   completed requests' prompt (total only) and output tokens. The send rate is
   (requests - 1) / (last start - first start): the load really offered, which in a short
   Poisson run strays from the nominal rate.
-* Goodput: completed requests that meet every SLO given, per second of the window; a
-  one-token request has no TPOT and meets any TPOT SLO. Failed requests never count.
+* Goodput: completed requests with the requested output length that meet every SLO
+  given, per second of the window; a one-token request has no TPOT and meets any TPOT
+  SLO. Failed requests never count, nor do short ones (a server that stopped early meets
+  an E2E limit easily).
 Percentiles interpolate linearly between order statistics (numpy's default).
 """
 
@@ -61,7 +66,7 @@ class SLO:
         return self.ttft_ms is None and self.tpot_ms is None and self.e2e_ms is None
 
     def met_by(self, result: RequestResult) -> bool:
-        if not result.ok:
+        if not result.ok or result.output_tokens != result.expected_output_tokens:
             return False
         checks = (
             (self.ttft_ms, result.ttft_s),
@@ -139,6 +144,7 @@ class Summary:
     tpot_ms: Stats
     itl_ms: Stats
     e2e_ms: Stats
+    exact_counts: bool = True  # False: some chunks' token counts were estimated
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -202,4 +208,5 @@ def summarize(results: Sequence[RequestResult], slo: SLO) -> Summary:
         tpot_ms=Stats.of_seconds(samples["tpot"]),
         itl_ms=Stats.of_seconds(samples["itl"]),
         e2e_ms=Stats.of_seconds(samples["e2e"]),
+        exact_counts=all(r.exact_counts for r in done),
     )

@@ -68,7 +68,9 @@ def plot_sweep(report: BenchReport, path: Path) -> Path:
     left.plot(xs, [s.request_throughput for s in summaries], "o-", label="throughput")
     if all(s.goodput is not None for s in summaries):
         left.plot(xs, [s.goodput for s in summaries], "s-", label=f"goodput ({report.config.slo})")
-    if xlabel.startswith("offered rate"):
+    # Sessions/s equal requests/s only with one request per session: multi-turn sends
+    # several per session, so the nominal line would sit on the wrong scale.
+    if xlabel.startswith("offered rate") and report.config.dataset.name != "multi-turn":
         left.plot(xs, xs, ":", color="gray", label="offered (nominal)")
         left.plot(xs, [s.send_rate for s in summaries], "x", color="gray", label="sent")
     left.set_xlabel(xlabel)

@@ -137,8 +137,15 @@ def markdown(report: BenchReport, command: str | None = None, images: Sequence[s
             extra.append(f"server prefix-cache hit rate {run.server_prefix_hit_rate:.1%}")
         if s.failed or s.wrong_length or run.not_sent:
             extra.append(
-                f"{s.failed} failed, {s.wrong_length} with a wrong output length, "
-                f"{run.not_sent} not sent"
+                f"{s.failed} failed, {s.wrong_length} with a wrong output length (not in "
+                f"goodput), {run.not_sent} not sent"
+            )
+        if not s.exact_counts:
+            extra.append("the server sent no token ids: ITL is per chunk, not per token")
+        if run.load.max_concurrency:
+            extra.append(
+                f"at most {run.load.max_concurrency} in flight: latencies count from when a "
+                "slot freed, not from the schedule (as vLLM's bench)"
             )
         if extra:
             parts.append(f"- {run.label}: " + "; ".join(extra))

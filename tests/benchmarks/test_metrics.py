@@ -85,6 +85,43 @@ def test_e2e_slo_and_no_slo():
 def test_wrong_output_length_is_reported_not_hidden():
     short = timeline(0.0, [(0.05, 1), (0.06, 1)], end=0.1, expected=5)
     assert summarize([short], SLO()).wrong_length == 1
+    # Fast because it stopped early: no SLO counts it good.
+    assert SLO(e2e_ms=1000).met_by(short) is False
+    assert summarize([short], SLO(e2e_ms=1000)).good_requests == 0
+
+
+def test_estimated_counts_are_flagged_in_the_summary():
+    r = timeline(0.0, [(0.05, 1), (0.06, 1)], end=0.1)
+    assert summarize([r], SLO()).exact_counts
+    r.exact_counts = False
+    assert not summarize([r], SLO()).exact_counts
+
+
+def test_a_stream_cut_before_done_is_a_failure():
+    """A real socket: the server sends a token chunk, then closes without [DONE]."""
+    import asyncio
+    import json
+
+    from benchmarks.loadgen.client import BenchClient
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        chunk = {"choices": [{"text": "a", "token_ids": [7]}]}
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+        writer.write(head + f"data: {json.dumps(chunk)}\n\n".encode())
+        await writer.drain()
+        writer.close()
+
+    async def scenario() -> RequestResult:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        result = RequestResult(0, 0, 3, 4, 0.0)
+        async with server, BenchClient(f"http://127.0.0.1:{port}/v1", "m") as client:
+            await client.send(result, [1, 2, 3], 0.0)
+        return result
+
+    result = asyncio.run(scenario())
+    assert result.error == "the stream ended without [DONE]" and not result.ok
 
 
 @pytest.mark.parametrize("text", ["ttft", "ttft=0", "itl=5", "ttft=1,ttft=2", "ttft=abc"])
