@@ -135,6 +135,7 @@ def main() -> None:
     run_ours(llm, prompts[:2], 4)  # warm-up
     ours_s, ours_tokens = run_ours(llm, prompts, args.output_len)
     print(f"pdserve:      {ours_s:8.2f} s  {num_output_tokens / ours_s:8.1f} output tokens/s")
+    run_hf(hf, prompts[:2], 4, pad_id)  # warm-up too: both sides timed warm
     hf_s, hf_tokens = run_hf(hf, prompts, args.output_len, pad_id)
     print(f"transformers: {hf_s:8.2f} s  {num_output_tokens / hf_s:8.1f} output tokens/s")
     same = sum(a == b for a, b in zip(ours_tokens, hf_tokens, strict=True))
