@@ -149,6 +149,9 @@ class AsyncEngine:
             # Runs after ``admit`` (commands run in order): it was admitted, or skipped.
             if admitted[0]:
                 self._abort(engine, request_id)
+                # A prefill-only request may have finished with its final output unread:
+                # its held blocks are then nobody's (a held request of this id is ours).
+                engine.release_kv(request_id)
 
         finished = False
         try:

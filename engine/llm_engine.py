@@ -237,6 +237,10 @@ class LLMEngine:
         self._generators.pop(request_id, None)
         return self._output(request, [])
 
+    def holds_kv(self, request_id: str) -> bool:
+        """Whether a finished prefill-only request still holds its blocks."""
+        return request_id in self.scheduler.held
+
     def release_kv(self, request_id: str) -> bool:
         """Free the blocks a finished prefill-only request held. False if none were held."""
         return self.scheduler.release_held(request_id)

@@ -59,8 +59,9 @@ class KVTransferConfig:
     nixl_pin_lanes: bool = True
     # A peer not fetched from for this long is forgotten (its connection, remote agent
     # and staging buffers go; a later fetch handshakes again): restarted workers come back
-    # under new engine ids, and their old entries would otherwise stay for good.
-    peer_idle_s: float = 300.0
+    # under new engine ids, and their old entries would otherwise stay for good. None:
+    # max(300 s, 3 x timeout_s); it must exceed timeout_s (no fetch may still run).
+    peer_idle_s: float | None = None
     # How often idle background threads look for new work or notifications.
     poll_interval_s: float = 0.002
     io_threads: int = 2  # shared_storage: concurrent file transfers
@@ -77,7 +78,9 @@ class KVTransferConfig:
         object.__setattr__(self, "nixl_backends", tuple(self.nixl_backends))
         if self.timeout_s <= 0:
             raise ConfigError("kv_transfer.timeout_s", "must be positive")
-        if self.peer_idle_s <= self.timeout_s:
+        if self.peer_idle_s is None:
+            object.__setattr__(self, "peer_idle_s", max(300.0, 3 * self.timeout_s))
+        elif self.peer_idle_s <= self.timeout_s:
             raise ConfigError("kv_transfer.peer_idle_s", "must be above timeout_s")
         if self.poll_interval_s <= 0:
             raise ConfigError("kv_transfer.poll_interval_s", "must be positive")

@@ -212,9 +212,10 @@ class SharedStorageConnector(KVConnector):
         )
 
     def _mark_unwritten(self, items: Items) -> None:
-        """Leave failure markers for blocks this export will never write, so that their
-        readers fail (and recompute) at once instead of holding an I/O thread until their
-        deadline. A later good write of the block removes its marker."""
+        """Leave failure markers for the blocks of an export's chunks skipped after one
+        failed to write (a full disk fails the others too), so that their readers fail (and
+        recompute) at once instead of holding an I/O thread until their deadline. A later
+        good write of the block removes its marker."""
         for _, block_hash in items:
             path = self.path_for(block_hash)
             if not path.exists():
@@ -223,7 +224,9 @@ class SharedStorageConnector(KVConnector):
                     _failure_marker(path).touch()
 
     def _is_stored(self, path: Path, block_hash: bytes) -> bool:
-        return block_file_is_whole(path, self.layout, block_hash) and touch(path)
+        if not block_file_is_whole(path, self.layout, block_hash):
+            return False
+        return touch(path) if self.config.shared_max_bytes else True
 
     def _write_chunk(self, transfer_id: str, items: Items) -> None:
         # Content-addressed: a whole file is already this block; marked used so that the
@@ -238,8 +241,7 @@ class SharedStorageConnector(KVConnector):
         ids = block_id_tensor([block_id for block_id, _ in items], kv.device)
         with self._exports.reading(transfer_id) as export:
             if export is None:  # released meanwhile: its blocks may hold other data now
-                self._mark_unwritten(items)
-                return
+                return  # (no markers: another live export may be about to write these files)
             gather_layers(kv, range(layout.num_layers), ids, out=staging)  # [L, n, 2, bs, H, D]
         block = self._buffer("block", (layout.num_layers, *layout.block_shape), torch.device("cpu"))
         for j, (_, block_hash) in enumerate(items):
@@ -293,7 +295,8 @@ class SharedStorageConnector(KVConnector):
             except CorruptBlockError:
                 path.unlink(missing_ok=True)  # the next export of this block writes it anew
                 raise
-            touch(path)  # recently used: the janitor removes it last
+            if self.config.shared_max_bytes:  # (a metadata write each: NFS pays for it)
+                touch(path)  # recently used: the janitor removes it last
         staging = host if kv.device.type == "cpu" else host.to(kv.device)
         ids = block_id_tensor([block_id for block_id, _ in items], kv.device)
         for layer in range(layout.num_layers):

@@ -6,8 +6,8 @@ others skip while it holds ``<shared_dir>/.pdserve-janitor.lock`` (``flock``). A
 sweeps after it has written a twentieth of the cap since its last sweep, and after a write
 failed for want of space (``ENOSPC``/``EDQUOT``), cap or not.
 
-"Recently used" is a file's mtime: writers set it and readers bump it after each good
-read (atime is not kept on ``noatime``/``relatime`` mounts). A sweep removes the oldest
+"Recently used" is a file's mtime: writers set it and, under a cap, readers bump it after
+each good read (atime is not kept on ``noatime``/``relatime`` mounts). A sweep removes the oldest
 files until the directory is at 90% of the cap (at 90% of what it holds after a failed
 write), re-reading each file's mtime just before removing it so that a block used since
 the scan stays. It also removes temporary files and failure markers older than

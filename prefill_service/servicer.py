@@ -100,6 +100,8 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
 
     def _export(self, engine: LLMEngine, output: RequestOutput, salt: str | None) -> pb.KVHandle:
         """Engine thread: put the prompt's blocks under a lease and offer them to peers."""
+        if not engine.holds_kv(output.request_id):  # released meanwhile (ReleaseKV by id)
+            raise RequestFailedError("the prompt's blocks were released before the export")
         runtime = self.runtime
         lease = self.leases.grant(output.request_id)
         block_ids = output.kv_block_ids or []

@@ -162,6 +162,8 @@ class Dispatcher:
                     counted = True  # what the worker reused, not what placement expected
                     self.metrics.prefix_cache(len(request.prompt_token_ids), delta.cached_tokens)
                 yield delta
+        except GeneratorExit:  # the consumer has what it needs (finished, a stop string)
+            raise
         except BaseException:
             # Failed, refused or the client left: what the workers did store, their events
             # confirm; the claims ``place`` made go now instead of at their expiry.

@@ -46,9 +46,10 @@ class PrefixIndex:
         # Optimistic entries: block hash → {worker id → expiry}; ``expire_optimistic``
         # (called periodically) drops old ones, ``match`` takes the rest at face value.
         self._optimistic: dict[BlockHash, dict[str, float]] = {}
-        # (expiry, block hash, worker id) in insertion order, which is expiry order (one
-        # TTL): expiring costs what expires, not a scan of every entry under the lock
-        # (~0.6 s at a million entries). Entries dropped or renewed since are skipped.
+        # (expiry, block hash, worker id), one per claim, in insertion order, which is
+        # expiry order (one TTL): expiring costs what expires, not a scan of every entry
+        # under the lock (~0.6 s at a million entries). A claim renewed since goes back to
+        # the end with its new expiry; one dropped since is skipped.
         self._expiries: deque[tuple[float, BlockHash, str]] = deque()
         # Per worker, the hashes it holds in either tier (a dict used as an ordered set).
         self._worker_blocks: dict[str, dict[BlockHash, None]] = {}
@@ -100,8 +101,10 @@ class PrefixIndex:
         self._bit(worker_id)
         expiry = time.monotonic() + self.optimistic_ttl_s
         for block_hash in block_hashes:
-            self._optimistic.setdefault(block_hash, {})[worker_id] = expiry
-            self._expiries.append((expiry, block_hash, worker_id))
+            owners = self._optimistic.setdefault(block_hash, {})
+            if worker_id not in owners:  # a renewal keeps its place in the queue
+                self._expiries.append((expiry, block_hash, worker_id))
+            owners[worker_id] = expiry
 
     def withdraw_optimistic(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
         """The blocks did not go to ``worker_id`` after all (it failed, or the request
@@ -138,10 +141,14 @@ class PrefixIndex:
         expiries = self._expiries
         while expiries and expiries[0][0] <= now:
             _, block_hash, worker_id = expiries.popleft()
-            owners = self._optimistic.get(block_hash)
-            if owners is not None and owners.get(worker_id, now + 1) <= now:
-                self._drop_optimistic(block_hash, worker_id)
-                expired += 1
+            expiry = self._optimistic.get(block_hash, {}).get(worker_id)
+            if expiry is None:
+                continue  # confirmed or withdrawn meanwhile
+            if expiry > now:  # renewed meanwhile
+                expiries.append((expiry, block_hash, worker_id))
+                continue
+            self._drop_optimistic(block_hash, worker_id)
+            expired += 1
         return expired
 
     # ------------------------------------------------------------------ queries

@@ -185,8 +185,9 @@ class WorkerPool:
         for worker_id, state in list(self._departed.items()):
             if not state.calls or worker_id in self.workers:
                 del self._departed[worker_id]
-                if state.departed_channel is not None:
-                    await state.departed_channel.close()
+                channel, state.departed_channel = state.departed_channel, None
+                if channel is not None:  # (a state back in the pool may leave again)
+                    await channel.close()
         await asyncio.gather(
             *(self._probe(state) for state in self.workers.values()),
             *(self._probe_departed(state) for state in self._departed.values()),

@@ -5,26 +5,35 @@ files keyed by token prefix), so its key must change whenever the weights do: a 
 updated in place, or a fine-tune that kept its base model's directory name and
 ``config.json``, would otherwise load the old weights' KV and decode wrong tokens.
 
-The fingerprint hashes ``config.json`` and, per safetensors file: its name, its size, its
-header (tensor names, dtypes, shapes, offsets) and ``NUM_SAMPLES`` slices of
-``SAMPLE_BYTES`` spread evenly over the file. It reads a few MiB whatever the checkpoint's
-size, and is equal on every host with a copy of the same files (no paths, no mtimes),
-which prefill and decode workers need to find each other's files. Training moves every
-weight, so any fine-tune changes the sampled bytes; an edit of a few bytes between the
-samples would go unseen.
+The fingerprint hashes ``config.json`` and, per safetensors file, its name, size and
+header (tensor names, dtypes, shapes, offsets), then from *every tensor* up to
+``SAMPLES_PER_TENSOR`` slices of ``SAMPLE_BYTES`` (its start, middle and end). It reads
+a few KiB per tensor (about 2 MiB for a 300-tensor model) whatever the checkpoint's size,
+and is equal on every host with a copy of the same files (no paths, no mtimes), which
+prefill and decode workers need to find each other's files. A change that rewrites
+whole tensors is seen, however few: a fine-tune, a merged LoRA adapter, a re-quantised
+layer. An edit of a few bytes inside one tensor, between the samples, is not.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
 from pathlib import Path
 
 from engine.models.loader import safetensors_files
 
-NUM_SAMPLES = 16
-SAMPLE_BYTES = 64 << 10
+SAMPLES_PER_TENSOR = 3
+SAMPLE_BYTES = 4 << 10
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
+
+
+def _sample_offsets(begin: int, end: int) -> list[int]:
+    """Where the slices of one tensor's bytes [begin, end) start."""
+    last = max(begin, end - SAMPLE_BYTES)
+    middle = begin + (end - begin - SAMPLE_BYTES) // 2
+    return sorted({begin, max(begin, middle), last})[:SAMPLES_PER_TENSOR]
 
 
 def weights_fingerprint(model_dir: Path) -> str:
@@ -35,8 +44,17 @@ def weights_fingerprint(model_dir: Path) -> str:
         digest.update(f"{path.name}\0{size}\0".encode())
         with open(path, "rb") as f:
             (header_bytes,) = struct.unpack("<Q", f.read(8))
-            digest.update(f.read(min(header_bytes, _MAX_HEADER_BYTES)))
-            for i in range(NUM_SAMPLES):
-                f.seek(size * i // NUM_SAMPLES)
-                digest.update(f.read(SAMPLE_BYTES))
+            header = f.read(min(header_bytes, _MAX_HEADER_BYTES))
+            digest.update(header)
+            data_start = 8 + header_bytes
+            tensors = json.loads(header)
+            ranges = sorted(
+                tuple(entry["data_offsets"])
+                for name, entry in tensors.items()
+                if name != "__metadata__"
+            )
+            for begin, end in ranges:
+                for offset in _sample_offsets(begin, end):
+                    f.seek(data_start + offset)
+                    digest.update(f.read(min(SAMPLE_BYTES, end - offset)))
     return digest.hexdigest()[:12]

@@ -94,3 +94,47 @@ def test_nothing_runnable_does_not_spin_and_stop_ends_everything(tiny_llama):
 
 async def _drain(stream) -> list:
     return [output async for output in stream]
+
+
+@pytest.mark.timeout(60)
+def test_a_stream_cancelled_with_its_final_output_unread_holds_nothing(tiny_llama):
+    """A prefill-only request finished (its blocks held for a decode worker) while its
+    reader was being cancelled: the final output was never read, so nobody would release
+    the blocks."""
+    import threading
+    import time
+
+    engine = LLMEngine(tiny_llama, EngineConfig(max_model_len=256, num_blocks=64))
+    may_step = threading.Event()
+    step = engine.step
+
+    def gated_step():  # the engine thread steps only once the test says so
+        if engine.scheduler.requests:
+            may_step.wait(30)
+        return step()
+
+    engine.step = gated_step
+    async_engine = AsyncEngine(engine)
+
+    async def scenario() -> None:
+        async_engine.start()
+        params = SamplingParams(max_tokens=8, temperature=0)
+        stream = async_engine.generate("p1", list(range(5, 45)), params, prefill_only=True)
+        task = asyncio.create_task(anext(stream))
+        await asyncio.sleep(0.2)  # admitted; the reader waits for its outputs
+        assert "p1" in engine.scheduler.requests and not task.done()
+        may_step.set()
+        while "p1" not in engine.scheduler.held:
+            time.sleep(0.001)  # this loop is busy: the final output stays unread
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await stream.aclose()
+        await asyncio.sleep(0.2)
+
+    try:
+        asyncio.run(scenario())
+        assert engine.scheduler.held == {} and engine.leak_report() == []
+    finally:
+        may_step.set()
+        async_engine.stop()

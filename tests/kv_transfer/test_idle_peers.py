@@ -107,3 +107,12 @@ def test_nixl_fetcher_forgets_a_peer_gone_idle_and_handshakes_again_later():
             assert _eventually(lambda: all(not lane._peers for lane in fetcher._lanes))
             _transfer(exporter, "prefill", source, fetcher, dest, "t2")
             assert list(fetcher._peers) == ["prefill"]
+
+
+def test_the_idle_time_follows_a_long_pull_timeout():
+    """A deployment's pull timeout may be long; the idle time (not a deployment key)
+    must never refuse it."""
+    assert KVTransferConfig(timeout_s=400.0).peer_idle_s == 1200.0
+    assert KVTransferConfig().peer_idle_s == 300.0
+    with pytest.raises(ValueError, match="peer_idle_s"):
+        KVTransferConfig(timeout_s=10.0, peer_idle_s=5.0)

@@ -12,6 +12,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2_grpc
 
 from common.config import Role, RouterConfig
+from common.hashing import hash_blocks
 from common.registry import RedisRegistry, WorkerInfo
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -97,3 +98,43 @@ def test_a_retried_decode_recomputes_instead_of_pulling_again(tmp_path):
     assert failing.requests[0].HasField("kv")  # the first try pulls
     retried = healthy.requests[0]
     assert not retried.HasField("kv") and list(retried.output_token_ids) == [7]
+
+
+@pytest.mark.timeout(60)
+def test_a_finished_request_keeps_its_prefix_claims(tmp_path):
+    """The consumer closes the stream once it has the finish (GeneratorExit): a success,
+    so the claims that steer the next same-prefix request to this worker stay."""
+
+    async def scenario(registry: RedisRegistry) -> int:
+        server, port = await serve(Decode(fail=False))
+        info = WorkerInfo(
+            worker_id=f"decode@127.0.0.1:{port}", role=Role.DECODE,
+            grpc_address=f"127.0.0.1:{port}", events_endpoint="tcp://127.0.0.1:1",
+            replay_endpoint="tcp://127.0.0.1:2",
+        )  # fmt: skip
+        registry.register(info)
+        lock, index = threading.Lock(), PrefixIndex()
+        pool = WorkerPool(registry, EventListener(index, lock), 60.0, 30.0)
+        config = RouterConfig()
+        dispatcher = Dispatcher(config, pool, index, lock,
+                                PlacementPolicy(config, 16, 8), RouterMetrics("m"), 16)  # fmt: skip
+        try:
+            await pool.refresh()
+            hashes = hash_blocks(list(range(5, 53)), 16)
+            stream = dispatcher.generate(SequenceRequest("r1", list(range(5, 53)), hashes,
+                                                         pb.SamplingParams()))  # fmt: skip
+            async for delta in stream:
+                if delta.finish_reason:
+                    break
+            await stream.aclose()
+            return index.match(hashes, [info.worker_id])[info.worker_id].gpu_blocks
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    with redis_server(tmp_path) as url:
+        registry = RedisRegistry(url, ttl_s=30.0)
+        try:
+            assert asyncio.run(scenario(registry)) == 3
+        finally:
+            registry.close()

@@ -67,6 +67,21 @@ def test_a_removal_ends_an_optimistic_claim_and_confirmed_matches_ignore_claims(
     assert index.match(H[:4], ["d0"])["d0"] == PrefixMatch()
 
 
+def test_renewed_claims_expire_at_their_last_renewal_and_queue_once():
+    """A hot prefix renewed by every request keeps one queue entry per claim (not one
+    per renewal) and expires a TTL after its last renewal."""
+    index = PrefixIndex(optimistic_ttl_s=10)
+    for _ in range(100):
+        index.insert_optimistic("d0", H[:4])
+    assert len(index._expiries) == 4
+    last = index._optimistic[H[1]]["d0"]  # the last renewal's expiry
+    index._optimistic[H[0]]["d0"] = last + 5  # renewed once more, later
+    assert index.expire_optimistic(now=last) == 3
+    assert index.match(H[:1], ["d0"])["d0"].gpu_blocks == 1
+    assert index.expire_optimistic(now=last + 5) == 1
+    assert index.match(H[:1], ["d0"])["d0"] == PrefixMatch() and not index._expiries
+
+
 def oracle_match(held: dict[str, dict[bytes, str]], hashes, worker_ids):
     """The leading run per worker, by brute force: ``held[w][h]`` is "gpu" or "cpu"."""
     result = {}

@@ -115,6 +115,15 @@ def test_a_worker_back_in_the_registry_keeps_the_load_of_its_running_calls(tmp_p
                 t async for c in state.decode.Generate(pb.GenerateRequest()) for t in c.token_ids
             ]
             assert second == list(range(NUM_CHUNKS)) and state.running == 0
+            # Leaving again mid-stream: the pool keeps refreshing (a closed probe channel
+            # used to fail every refresh from then on).
+            call = state.decode.Generate(pb.GenerateRequest(request_id="r2"))
+            with state.tracking(call):
+                async for _ in call:
+                    registry.deregister(info.worker_id)
+                    await pool.refresh()
+                    await pool.refresh()
+                    assert pool.get(info.worker_id) is None
             return tokens
         finally:
             await pool.close()

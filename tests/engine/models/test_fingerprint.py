@@ -31,3 +31,20 @@ def test_copies_agree_and_new_weights_under_the_same_name_and_config_do_not(tiny
     assert (tuned / "config.json").read_bytes() == (tiny_llama / "config.json").read_bytes()
     assert weights_fingerprint(tuned) != weights_fingerprint(tiny_llama)
     assert model_namespace(tuned) != model_namespace(tiny_llama)
+
+
+def test_a_change_to_one_tensor_alone_changes_it(tiny_llama, tmp_path):
+    """A merged LoRA adapter or a re-quantised layer rewrites some tensors only: every
+    tensor is sampled, so any one of them rewritten changes the fingerprint."""
+    with safe_open(tiny_llama / "model.safetensors", "pt") as f:
+        metadata = f.metadata()
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    base = weights_fingerprint(tiny_llama)
+    names = sorted(tensors)
+    for name in (names[len(names) // 3], names[len(names) // 2], names[-2]):
+        changed = tmp_path / name / tiny_llama.name
+        shutil.copytree(tiny_llama, changed)
+        edited = dict(tensors)
+        edited[name] = tensors[name] * 1.01 + 1e-3
+        save_file(edited, changed / "model.safetensors", metadata=metadata)
+        assert weights_fingerprint(changed) != base, name
