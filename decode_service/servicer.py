@@ -13,12 +13,12 @@ from kv_transfer import PeerRef
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from worker.convert import logprobs_to_proto, sampling_from_proto, timings_to_proto, usage_to_proto
-from worker.grpc_errors import RequestFailedError, grpc_errors, grpc_stream_errors
+from worker.grpc_errors import RequestFailedError, grpc_stream_errors
 from worker.runtime import WorkerRuntime
-from worker.stats import stats_reply
+from worker.shared_rpcs import WorkerRPCs
 
 
-class DecodeServicer(pb_grpc.DecodeServiceServicer):
+class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServiceServicer):
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.runtime = runtime
         self.num_active = 0
@@ -97,28 +97,5 @@ class DecodeServicer(pb_grpc.DecodeServiceServicer):
         finally:
             self.num_active -= 1
 
-    @grpc_errors
-    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        found = await self.runtime.check_ready().abort(request.request_id)
-        return pb.AbortResponse(found=found)
-
-    @grpc_errors
-    async def GetTransferMetadata(self, request, context) -> pb.TransferMetadataResponse:
-        self.runtime.check_ready()
-        return pb.TransferMetadataResponse(
-            connector=self.runtime.config.kv_transfer.connector, metadata=self.runtime.metadata
-        )
-
-    @grpc_errors
-    async def Stats(self, request, context) -> pb.StatsResponse:
-        runtime = self.runtime
-        if runtime.async_engine is None:
-            return pb.StatsResponse(engine_id=runtime.engine_id, role="decode")
-        return stats_reply(
-            runtime.engine_id,
-            "decode",
-            runtime.async_engine.stats,
-            runtime.timer,
-            runtime.draining,
-            blocks_pulled=self.num_blocks_pulled,
-        )
+    def stats_extra(self) -> dict[str, int]:
+        return {"blocks_pulled": self.num_blocks_pulled}

@@ -23,12 +23,12 @@ from proto import pdserve_pb2_grpc as pb_grpc
 from worker.convert import logprobs_to_proto, sampling_from_proto, timings_to_proto
 from worker.grpc_errors import RequestFailedError, grpc_errors
 from worker.runtime import WorkerRuntime
-from worker.stats import stats_reply
+from worker.shared_rpcs import WorkerRPCs
 
 logger = logging.getLogger(__name__)
 
 
-class PrefillServicer(pb_grpc.PrefillServiceServicer):
+class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServiceServicer):
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.runtime = runtime
         self.leases = LeaseTable(runtime.config.kv_transfer.lease_s)
@@ -142,30 +142,9 @@ class PrefillServicer(pb_grpc.PrefillServiceServicer):
         )
         return pb.ReleaseKVResponse(released=released)
 
-    @grpc_errors
-    async def GetTransferMetadata(self, request, context) -> pb.TransferMetadataResponse:
-        self.runtime.check_ready()
-        return pb.TransferMetadataResponse(
-            connector=self.runtime.config.kv_transfer.connector, metadata=self.runtime.metadata
-        )
-
-    @grpc_errors
-    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
-        found = await self.runtime.check_ready().abort(request.request_id)
-        return pb.AbortResponse(found=found)
-
-    @grpc_errors
-    async def Stats(self, request, context) -> pb.StatsResponse:
-        runtime = self.runtime
-        if runtime.async_engine is None:
-            return pb.StatsResponse(engine_id=runtime.engine_id, role="prefill")
-        return stats_reply(
-            runtime.engine_id,
-            "prefill",
-            runtime.async_engine.stats,
-            runtime.timer,
-            runtime.draining,
-            live_leases=len(self.leases),
-            leases_expired=self.leases.num_expired,
-            leases_released=self.leases.num_released,
-        )
+    def stats_extra(self) -> dict[str, int]:
+        return {
+            "live_leases": len(self.leases),
+            "leases_expired": self.leases.num_expired,
+            "leases_released": self.leases.num_released,
+        }
