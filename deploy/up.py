@@ -102,6 +102,7 @@ class Stack:
             self._wait_ready(name, proc, lambda a=address: check_grpc(a, "", 1.0)[0], deadline)
             print(f"  {name} ready on {address}", flush=True)
         router = self._spawn("router", ["router"])
+        self._restarts["router"] = _Restarts(["router"])
         url = f"{self.url_root}/health"
         self._wait_ready("router", router, lambda: check_http(url, 1.0)[0], deadline)
 
@@ -128,16 +129,18 @@ class Stack:
         return f"http://{self.config.router.host}:{self.config.router.port}"
 
     def wait(self) -> int:
-        """Until a signal, or until the router dies (a failed worker is restarted)."""
+        """Until a signal, or until the router stops for good: failed processes, the
+        router included, are restarted (a router that exits 0 was drained on purpose)."""
         reported: set[str] = set()
         while not self.stop_signal:
             for name, proc in list(self.children):
                 if proc.poll() is None or name in reported:
                     continue
-                if name == "router":
+                if name == "router" and (proc.returncode == 0 or not self.restart):
                     print(f"the router exited ({proc.returncode}); stopping", file=sys.stderr)
                     return 1
-                # The router routes around a dead worker; the stack keeps serving.
+                # The router routes around a dead worker; the stack keeps serving (and
+                # workers keep theirs while a failed router comes back).
                 print(f"{name} exited ({proc.returncode}); see {self._log(name)}",
                       file=sys.stderr)  # fmt: skip
                 reported.add(name)

@@ -119,9 +119,10 @@ def test_scale_out_and_in_with_redis_while_requests_flow(tiny_llama, tmp_path):
             assert stack.stop() == 0, stack.log()
 
 
-def test_a_killed_worker_is_restarted_and_serves_again(tiny_llama, tmp_path):
+def test_a_killed_worker_or_router_is_restarted_and_serves_again(tiny_llama, tmp_path):
     """``pdserve up`` restarts a worker that died (SIGKILL: an OOM kill, say) after a
-    backoff; the router picks it up once SERVING, and requests succeed again."""
+    backoff; the router picks it up once SERVING, and requests succeed again. A killed
+    router comes back too, and the workers kept running meanwhile."""
     config = write_config(tmp_path / "c.yaml", tiny_llama, router=ROUTER)
     stack = start_up_stack(config, tmp_path / "home")
     decode_0 = f"127.0.0.1:{stack.config['decode']['port']}"
@@ -139,6 +140,15 @@ def test_a_killed_worker_is_restarted_and_serves_again(tiny_llama, tmp_path):
             await load.wait_completed(3)
             return await load.stop()
 
+        result = asyncio.run(body())
+        assert result.failures == [] and result.completed >= 3
+        workers = {n: pid for n, pid in stack.children().items() if n != "router"}
+        os.kill(stack.children()["router"], signal.SIGKILL)
+        assert wait_for(lambda: "router restarted" in stack.log(), 30), stack.log()
+        assert wait_for(lambda: probe("--http", f"{stack.base_url}/health").returncode == 0,
+                        60), stack.log()  # fmt: skip
+        assert {n: pid for n, pid in stack.children().items() if n != "router"} == workers
+        load = StreamingLoad(f"{stack.base_url}/v1")
         result = asyncio.run(body())
         assert result.failures == [] and result.completed >= 3
     finally:
