@@ -28,6 +28,7 @@ import grpc
 from common.config import Role, RouterConfig
 from common.hashing import BlockHash
 from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
 from router.errors import APIError, bad_request, unavailable
 from router.metrics import RouterMetrics
 from router.policy import Placement, PlacementPolicy, WorkerLoad
@@ -369,9 +370,16 @@ class Dispatcher:
         """Fire and forget ``ReleaseKV``: if it fails, the lease just expires."""
 
         async def release() -> None:
-            # UsageError: the worker was retired (its channel closed) meanwhile.
-            with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
-                await worker.prefill.ReleaseKV(message, timeout=5)
+            stub, channel = worker.prefill, None
+            if self.pool.get(worker.worker_id) is not worker:  # retired: channel closing
+                channel = grpc.aio.insecure_channel(worker.info.grpc_address)
+                stub = pb_grpc.PrefillServiceStub(channel)
+            try:
+                with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):
+                    await stub.ReleaseKV(message, timeout=5)
+            finally:
+                if channel is not None:
+                    await channel.close()
 
         task = asyncio.get_running_loop().create_task(release())
         self._background.add(task)

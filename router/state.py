@@ -56,6 +56,9 @@ class RouterState:
             config.router.refresh_interval_s,
             config.router.request_timeout_s,
             config.router.worker_stall_timeout_s,
+            # Workers re-register at their next heartbeat: grace for a registry that lost
+            # its entries (static lists never do).
+            missing_grace_s=config.registry.ttl_s if config.registry.redis_url else 0.0,
         )
         metrics = RouterMetrics(model.served_name)
         decode_engine = config.engine_for(Role.DECODE)

@@ -55,6 +55,7 @@ class WorkerState:
     calls: set[grpc.aio.Call] = field(default_factory=set)
     abandoned: set[grpc.aio.Call] = field(default_factory=set)
     departed_channel: grpc.aio.Channel | None = None  # probes it once out of the registry
+    missing_since: float | None = None  # time.monotonic() it was first missing from it
 
     @contextlib.contextmanager
     def tracking(self, call: grpc.aio.Call) -> Iterator[None]:
@@ -103,12 +104,18 @@ class WorkerPool:
         refresh_s: float,
         request_timeout_s: float,
         stall_timeout_s: float = 10.0,
+        missing_grace_s: float = 0.0,
     ) -> None:
         self.registry = registry
         self.events = events
         self.refresh_s = refresh_s
         self.request_timeout_s = request_timeout_s
         self.stall_timeout_s = stall_timeout_s
+        # A worker gone from the registry that still answers its probes stays this long:
+        # a registry that lost its keys (FLUSHDB, a restart without persistence, an outage
+        # past the entries' TTL) gets them back at the workers' next heartbeats, and
+        # dropping every worker meanwhile turned away all requests.
+        self.missing_grace_s = missing_grace_s
         self.workers: dict[str, WorkerState] = {}
         # Gone from the registry with calls still on them: probed only to fail those calls
         # if the worker is frozen (a frozen worker's registry entry expires too).
@@ -157,14 +164,22 @@ class WorkerPool:
             logger.warning("registry unreachable, keeping the last worker list: %s", exc)
             listed = [w.info for w in self.workers.values()]
         current = {info.worker_id: info for info in listed}
+        now = time.monotonic()
         for worker_id in list(self.workers):
-            if worker_id not in current:
-                state = self.workers.pop(worker_id)
-                self.events.remove(worker_id)
-                logger.info("worker %s left", worker_id)
-                self._retire(state)
-                if state.calls:
-                    self._departed[worker_id] = state
+            state = self.workers[worker_id]
+            if worker_id in current:
+                state.missing_since = None
+                continue
+            if state.missing_since is None:
+                state.missing_since = now
+            if state.healthy and now - state.missing_since < self.missing_grace_s:
+                continue  # still answering: probably back at its next heartbeat
+            del self.workers[worker_id]
+            self.events.remove(worker_id)
+            logger.info("worker %s left", worker_id)
+            self._retire(state)
+            if state.calls:
+                self._departed[worker_id] = state
         for worker_id, info in current.items():
             state = self.workers.get(worker_id)
             if state is None or (state.info.engine_id != info.engine_id and info.engine_id):

@@ -137,6 +137,50 @@ def test_a_worker_back_in_the_registry_keeps_the_load_of_its_running_calls(tmp_p
             registry.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_registry_that_lost_its_entries_does_not_empty_the_pool(tmp_path):
+    """FLUSHDB, or Redis back from an outage past the entries' TTL: workers that still
+    answer stay (their next heartbeat re-registers them); a grace later, or once their
+    probes fail, they go."""
+
+    async def scenario(registry: RedisRegistry) -> None:
+        server, info = await serve_decode(SlowDecode(), health.aio.HealthServicer())
+        registry.register(info)
+        pool = WorkerPool(registry, EventListener(PrefixIndex(), threading.Lock()), 60.0, 30.0,
+                          missing_grace_s=1.0)  # fmt: skip
+        try:
+            await pool.refresh()
+            state = pool.get(info.worker_id)
+            registry.deregister(info.worker_id)  # the keys are gone
+            await pool.refresh()
+            assert pool.get(info.worker_id) is state and pool.candidates(Role.DECODE)
+            registry.register(info)  # its next heartbeat
+            await pool.refresh()
+            assert pool.get(info.worker_id) is state and state.missing_since is None
+            registry.deregister(info.worker_id)  # gone for good this time
+            await pool.refresh()
+            await asyncio.sleep(1.1)
+            await pool.refresh()
+            assert pool.get(info.worker_id) is None
+            registry.register(info)
+            await pool.refresh()
+            await server.stop(None)  # missing and not answering: goes at once
+            registry.deregister(info.worker_id)
+            await pool.refresh()  # its probe fails
+            await pool.refresh()
+            assert pool.get(info.worker_id) is None
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    with redis_server(tmp_path) as url:
+        registry = RedisRegistry(url, ttl_s=30.0)
+        try:
+            asyncio.run(scenario(registry))
+        finally:
+            registry.close()
+
+
 class FreezableDecode(pb_grpc.DecodeServiceServicer):
     """Streams a token every 50 ms, and answers health checks, until frozen: then neither
     (a stopped process or a hung host looks the same from the router)."""
