@@ -6,9 +6,12 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -55,3 +58,17 @@ def redis_server(workdir: Path) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def run_with_registry(workdir: Path, scenario: Callable[[Any], Awaitable[T]]) -> T:
+    """``asyncio.run(scenario(registry))`` against a RedisRegistry on a fresh server."""
+    import asyncio
+
+    from common.registry import RedisRegistry
+
+    with redis_server(workdir) as url:
+        registry = RedisRegistry(url, ttl_s=30.0)
+        try:
+            return asyncio.run(scenario(registry))
+        finally:
+            registry.close()

@@ -4,7 +4,6 @@ its pull."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 
 import grpc
@@ -22,7 +21,7 @@ from router.metrics import RouterMetrics
 from router.policy import Placement, PlacementPolicy
 from router.prefix_index import PrefixIndex
 from router.workers import WorkerPool
-from tests.common.redis_server import redis_server
+from tests.common.redis_server import run_with_registry
 
 
 class Decode(pb_grpc.DecodeServiceServicer):
@@ -89,12 +88,7 @@ def test_a_retried_decode_recomputes_instead_of_pulling_again(tmp_path):
             for server, _ in servers:
                 await server.stop(None)
 
-    with redis_server(tmp_path) as url:
-        registry = RedisRegistry(url, ttl_s=30.0)
-        try:
-            assert asyncio.run(scenario(registry)) == [42]
-        finally:
-            registry.close()
+    assert run_with_registry(tmp_path, scenario) == [42]
     assert failing.requests[0].HasField("kv")  # the first try pulls
     retried = healthy.requests[0]
     assert not retried.HasField("kv") and list(retried.output_token_ids) == [7]
@@ -132,9 +126,4 @@ def test_a_finished_request_keeps_its_prefix_claims(tmp_path):
             await pool.close()
             await server.stop(None)
 
-    with redis_server(tmp_path) as url:
-        registry = RedisRegistry(url, ttl_s=30.0)
-        try:
-            assert asyncio.run(scenario(registry)) == 3
-        finally:
-            registry.close()
+    assert run_with_registry(tmp_path, scenario) == 3

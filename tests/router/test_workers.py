@@ -18,7 +18,7 @@ from proto import pdserve_pb2_grpc as pb_grpc
 from router.events import EventListener
 from router.prefix_index import PrefixIndex
 from router.workers import WorkerPool, WorkerStalled
-from tests.common.redis_server import redis_server
+from tests.common.redis_server import run_with_registry
 
 NUM_CHUNKS = 6
 
@@ -76,12 +76,7 @@ def test_a_worker_leaving_the_registry_finishes_its_streams(tmp_path):
             await pool.close()
             await server.stop(None)
 
-    with redis_server(tmp_path) as url:
-        registry = RedisRegistry(url, ttl_s=30.0)
-        try:
-            assert asyncio.run(scenario(registry)) == list(range(NUM_CHUNKS))
-        finally:
-            registry.close()
+    assert run_with_registry(tmp_path, scenario) == list(range(NUM_CHUNKS))
 
 
 @pytest.mark.timeout(60)
@@ -129,12 +124,7 @@ def test_a_worker_back_in_the_registry_keeps_the_load_of_its_running_calls(tmp_p
             await pool.close()
             await server.stop(None)
 
-    with redis_server(tmp_path) as url:
-        registry = RedisRegistry(url, ttl_s=30.0)
-        try:
-            assert asyncio.run(scenario(registry)) == list(range(NUM_CHUNKS))
-        finally:
-            registry.close()
+    assert run_with_registry(tmp_path, scenario) == list(range(NUM_CHUNKS))
 
 
 @pytest.mark.timeout(60)
@@ -173,12 +163,7 @@ def test_a_registry_that_lost_its_entries_does_not_empty_the_pool(tmp_path):
             await pool.close()
             await server.stop(None)
 
-    with redis_server(tmp_path) as url:
-        registry = RedisRegistry(url, ttl_s=30.0)
-        try:
-            asyncio.run(scenario(registry))
-        finally:
-            registry.close()
+    run_with_registry(tmp_path, scenario)
 
 
 class FreezableDecode(pb_grpc.DecodeServiceServicer):
@@ -239,9 +224,4 @@ def test_a_frozen_worker_whose_entry_expired_still_has_its_calls_failed(tmp_path
             await pool.close()
             await server.stop(None)
 
-    with redis_server(tmp_path) as url:
-        registry = RedisRegistry(url, ttl_s=30.0)
-        try:
-            assert asyncio.run(scenario(registry)) < 10
-        finally:
-            registry.close()
+    assert run_with_registry(tmp_path, scenario) < 10
