@@ -40,6 +40,18 @@ _SHUTDOWN_S = 15.0  # after the drain grace: deregistering, the gRPC server's ow
 _STABLE_S = 60.0  # a worker that ran this long before failing starts over at 1 s
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _term_with_parent() -> None:
+    """In the child, before exec: SIGTERM (a drain) when ``pdserve up`` dies, even by
+    SIGKILL, so no worker or router is left running under pid 1. Linux only."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 @dataclass
 class _Restarts:
     """Per worker: its command, and when and how soon to start it again."""
@@ -78,7 +90,9 @@ class Stack:
         command = [sys.executable, "-m", "deploy.cli", "--log-level", "INFO", *args,
                    "--config", str(self.config_path)]  # fmt: skip
         with open(self.log_dir / f"{name}.log", "ab") as log:  # the child keeps its own copy
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_term_with_parent
+            )
         names = [n for n, _ in self.children]
         if name in names:  # a restart keeps its place (stop() relies on the router last)
             self.children[names.index(name)] = (name, proc)

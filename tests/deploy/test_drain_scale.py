@@ -166,3 +166,25 @@ def test_sigterm_while_workers_load_leaves_nothing_behind(tiny_llama, tmp_path):
     assert stack.proc.wait(90) == 0, stack.log()
     for pid in workers:
         assert not os.path.exists(f"/proc/{pid}"), f"worker {pid} was left running"
+
+
+def test_a_killed_launcher_takes_its_children_down(tiny_llama, tmp_path):
+    """SIGKILL of ``pdserve up`` itself (no chance to stop anything): its workers and
+    router get SIGTERM from the kernel (parent-death signal), drain and exit, instead of
+    running on under pid 1."""
+    config = write_config(tmp_path / "c.yaml", tiny_llama, router=ROUTER)
+    stack = start_up_stack(config, tmp_path / "home")
+    children = list(stack.children().values())
+    assert len(children) == 3
+    stack.proc.kill()
+    stack.proc.wait()
+    assert wait_for(lambda: not any(map(_running, children)), 60), stack.log()
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
