@@ -75,6 +75,14 @@ def _failure_marker(path: Path) -> Path:
     return path.with_name(path.name + ".failed")
 
 
+def _leave_failure_marker(path: Path) -> None:
+    """An empty marker (no data blocks needed, so it fits on a full disk) that tells the
+    readers waiting for ``path`` to give up now instead of at their deadline."""
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _failure_marker(path).touch()
+
+
 class _Countdown:
     """Settles a chunked transfer once, when its last chunk is done; keeps the first error."""
 
@@ -219,14 +227,16 @@ class SharedStorageConnector(KVConnector):
         for _, block_hash in items:
             path = self.path_for(block_hash)
             if not path.exists():
-                with contextlib.suppress(OSError):
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    _failure_marker(path).touch()
+                _leave_failure_marker(path)
+
+    def _mark_used(self, path: Path) -> bool:
+        """Under a cap, bump ``path``'s mtime so that the janitor removes it last (a
+        metadata write each, which NFS pays for: skipped without a cap). False if the
+        file is gone."""
+        return touch(path) if self.config.shared_max_bytes else True
 
     def _is_stored(self, path: Path, block_hash: bytes) -> bool:
-        if not block_file_is_whole(path, self.layout, block_hash):
-            return False
-        return touch(path) if self.config.shared_max_bytes else True
+        return block_file_is_whole(path, self.layout, block_hash) and self._mark_used(path)
 
     def _write_chunk(self, transfer_id: str, items: Items) -> None:
         # Content-addressed: a whole file is already this block; marked used so that the
@@ -247,19 +257,15 @@ class SharedStorageConnector(KVConnector):
         for j, (_, block_hash) in enumerate(items):
             block.copy_(staging[:, j])  # [L, 2, bs, H, D], the file's payload order
             path = self.path_for(block_hash)
-            failed = _failure_marker(path)
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)  # also if someone removed it
                 write_block_file(path, layout, block_hash, as_bytes(block))
-            except OSError as exc:
-                # A full disk, say: an empty marker (no data blocks needed) tells waiting
-                # readers now, instead of at their deadline.
-                with contextlib.suppress(OSError):
-                    failed.touch()
+            except OSError as exc:  # a full disk, say
+                _leave_failure_marker(path)
                 if is_space_error(exc) and self._janitor is not None:
                     self._janitor.note_space_error()
                 raise
-            failed.unlink(missing_ok=True)
+            _failure_marker(path).unlink(missing_ok=True)
             if self._janitor is not None:
                 self._janitor.note_written(layout.block_bytes)
 
@@ -295,8 +301,7 @@ class SharedStorageConnector(KVConnector):
             except CorruptBlockError:
                 path.unlink(missing_ok=True)  # the next export of this block writes it anew
                 raise
-            if self.config.shared_max_bytes:  # (a metadata write each: NFS pays for it)
-                touch(path)  # recently used: the janitor removes it last
+            self._mark_used(path)
         staging = host if kv.device.type == "cpu" else host.to(kv.device)
         ids = block_id_tensor([block_id for block_id, _ in items], kv.device)
         for layer in range(layout.num_layers):

@@ -133,8 +133,6 @@ class StorageJanitor:
         self._space_error = False
         self._wake = threading.Event()
         self._closed = False
-        self.num_sweeps = 0
-        self.removed_files = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         if max_bytes:
@@ -173,8 +171,6 @@ class StorageJanitor:
             except OSError as exc:
                 logger.warning("sweeping %s failed: %s", self.root, exc)
                 continue
-            self.num_sweeps += 1
-            self.removed_files += result.removed_files
             if result.removed_files:
                 logger.info(
                     "removed %d least recently used KV block files (%.1f MB) from %s",
