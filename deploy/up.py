@@ -5,10 +5,11 @@ The resolved config (file + ``--set`` overrides) is written once and handed to e
 so all processes agree on ports, model and connector. Workers log to
 ``$PDSERVE_HOME/logs/``; the launcher prints the URL once the router answers /health.
 
-A worker that fails (exits non-zero, or is killed) is started again after a backoff of
-1 s, doubling to 30 s while it keeps failing soon after starting, as compose's
-``on-failure`` policy or a Kubernetes Deployment would; the router picks it up once it is
-SERVING. A worker that exits 0 (drained after SIGTERM) is not restarted.
+A worker or the router that fails (exits non-zero, or is killed) is started again after
+a backoff of 1 s, doubling to 30 s while it keeps failing soon after starting, as
+compose's ``on-failure`` policy or a Kubernetes Deployment would; the router picks a
+worker up once it is SERVING. A worker that exits 0 (drained after SIGTERM) is not
+restarted; a router that does ends the stack.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def _term_with_parent() -> None:
 
 @dataclass
 class _Restarts:
-    """Per worker: its command, and when and how soon to start it again."""
+    """Per child process: its command, and when and how soon to start it again."""
 
     args: list[str]
     started_at: float = field(default_factory=time.monotonic)
@@ -98,6 +99,7 @@ class Stack:
             self.children[names.index(name)] = (name, proc)
         else:
             self.children.append((name, proc))
+            self._restarts[name] = _Restarts(args)
         return proc
 
     def start(self, timeout_s: float = 300.0) -> None:
@@ -108,7 +110,6 @@ class Stack:
                 name = f"{role.value}-{index}"
                 args = [role.value, "--index", str(index)]
                 proc = self._spawn(name, args)
-                self._restarts[name] = _Restarts(args)
                 workers.append((name, proc, f"{section.host}:{section.ports(index).grpc}"))
         print(f"starting {len(workers)} workers (logs in {self.log_dir})", flush=True)
         deadline = time.monotonic() + timeout_s
@@ -116,7 +117,6 @@ class Stack:
             self._wait_ready(name, proc, lambda a=address: check_grpc(a, "", 1.0)[0], deadline)
             print(f"  {name} ready on {address}", flush=True)
         router = self._spawn("router", ["router"])
-        self._restarts["router"] = _Restarts(["router"])
         url = f"{self.url_root}/health"
         self._wait_ready("router", router, lambda: check_http(url, 1.0)[0], deadline)
 

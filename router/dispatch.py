@@ -229,7 +229,7 @@ class Dispatcher:
         if request.cache_salt is not None:
             message.cache_salt = request.cache_salt
         for worker in [w for w in [chosen, *others] if w is not None]:
-            if self.pool.get(worker.worker_id) is not worker:
+            if self.pool.retired(worker):
                 continue  # retired while an earlier try ran: its channel is closed
             worker.queued_prefill_tokens += uncached
             call = worker.prefill.Prefill(message, timeout=self.config.prefill_timeout_s)
@@ -287,7 +287,7 @@ class Dispatcher:
         others.sort(key=lambda w: w.running)
         holder: str | None = placement.decode_worker  # where the index expects the prompt
         for attempt, worker in enumerate(w for w in [chosen, *others] if w is not None):
-            if self.pool.get(worker.worker_id) is not worker:
+            if self.pool.retired(worker):
                 continue  # retired while an earlier try ran: its channel is closed
             self._moved(request.block_hashes, holder, worker.worker_id)
             holder = worker.worker_id
@@ -371,7 +371,7 @@ class Dispatcher:
 
         async def release() -> None:
             stub, channel = worker.prefill, None
-            if self.pool.get(worker.worker_id) is not worker:  # retired: channel closing
+            if self.pool.retired(worker):  # its channel is closing: a fresh one
                 channel = grpc.aio.insecure_channel(worker.info.grpc_address)
                 stub = pb_grpc.PrefillServiceStub(channel)
             try:

@@ -5,6 +5,8 @@ Each router owns one registry (no global state), served at /metrics.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from proto import pdserve_pb2 as pb
@@ -58,18 +60,24 @@ class RouterMetrics:
         )
         self.decode_failures = counter("pdserve:decode_failures", "Failed decode hops.")
         worker_gauge = lambda name, doc: Gauge(name, doc, ["worker"], registry=r)  # noqa: E731
-        self.worker_kv_used = worker_gauge("pdserve:worker_kv_blocks_used", "Device KV blocks.")
-        self.worker_cpu_used = worker_gauge("pdserve:worker_cpu_blocks_used", "CPU-tier blocks.")
-        self.worker_cpu_total = worker_gauge("pdserve:worker_cpu_blocks_total", "CPU-tier size.")
-        self.worker_offloaded = worker_gauge(
-            "pdserve:worker_offloaded_bytes", "Bytes copied to the CPU tier (cumulative)."
-        )
-        self.worker_cpu_hits = worker_gauge(
-            "pdserve:worker_cpu_hit_blocks", "Blocks loaded back from the CPU tier (cumulative)."
-        )
-        self.worker_cpu_load = worker_gauge(
-            "pdserve:worker_cpu_load_seconds", "Time spent loading blocks back (cumulative)."
-        )
+        # Per worker: a gauge and the StatsResponse value it shows.
+        self._worker_gauges: tuple[tuple[Gauge, Callable[[pb.StatsResponse], float]], ...] = (
+            (worker_gauge("pdserve:worker_kv_blocks_used", "Device KV blocks."),
+             lambda stats: stats.kv_blocks_used),
+            (worker_gauge("pdserve:worker_cpu_blocks_used", "CPU-tier blocks."),
+             lambda stats: stats.cpu_blocks_used),
+            (worker_gauge("pdserve:worker_cpu_blocks_total", "CPU-tier size."),
+             lambda stats: stats.cpu_blocks_total),
+            (worker_gauge("pdserve:worker_offloaded_bytes",
+                          "Bytes copied to the CPU tier (cumulative)."),
+             lambda stats: stats.offloaded_bytes),
+            (worker_gauge("pdserve:worker_cpu_hit_blocks",
+                          "Blocks loaded back from the CPU tier (cumulative)."),
+             lambda stats: stats.cpu_hit_blocks),
+            (worker_gauge("pdserve:worker_cpu_load_seconds",
+                          "Time spent loading blocks back (cumulative)."),
+             lambda stats: stats.cpu_load_ms_total / 1000),
+        )  # fmt: skip
         self.rejected = Counter("pdserve:requests_rejected", "Requests refused by status.",
                                 ["status"], registry=r)  # fmt: skip
 
@@ -95,19 +103,13 @@ class RouterMetrics:
     def observe_workers(self, stats: dict[str, pb.StatsResponse]) -> None:
         """Per-worker gauges for the workers in ``stats``; series of workers that left
         go (frozen values would read as live ones, and worker ids churn)."""
-        gauges = (self.worker_kv_used, self.worker_cpu_used, self.worker_cpu_total,
-                  self.worker_offloaded, self.worker_cpu_hits, self.worker_cpu_load)  # fmt: skip
         for worker_id in self._observed_workers - stats.keys():
-            for gauge in gauges:
+            for gauge, _ in self._worker_gauges:
                 gauge.remove(worker_id)
         self._observed_workers = set(stats)
         for worker_id, worker in stats.items():
-            self.worker_kv_used.labels(worker=worker_id).set(worker.kv_blocks_used)
-            self.worker_cpu_used.labels(worker=worker_id).set(worker.cpu_blocks_used)
-            self.worker_cpu_total.labels(worker=worker_id).set(worker.cpu_blocks_total)
-            self.worker_offloaded.labels(worker=worker_id).set(worker.offloaded_bytes)
-            self.worker_cpu_hits.labels(worker=worker_id).set(worker.cpu_hit_blocks)
-            self.worker_cpu_load.labels(worker=worker_id).set(worker.cpu_load_ms_total / 1000)
+            for gauge, value in self._worker_gauges:
+                gauge.labels(worker=worker_id).set(value(worker))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -148,6 +148,11 @@ class WorkerPool:
     def get(self, worker_id: str) -> WorkerState | None:
         return self.workers.get(worker_id)
 
+    def retired(self, state: WorkerState) -> bool:
+        """``state`` is no longer the pool's (it left or restarted): its channel is
+        closing, so new calls on it fail."""
+        return self.workers.get(state.worker_id) is not state
+
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self.refresh_s)

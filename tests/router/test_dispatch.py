@@ -39,13 +39,30 @@ class Decode(pb_grpc.DecodeServiceServicer):
         return pb.StatsResponse()
 
 
-async def serve(servicer: Decode) -> tuple[grpc.aio.Server, int]:
+async def serve(servicer: Decode, registry: RedisRegistry) -> tuple[grpc.aio.Server, WorkerInfo]:
+    """A decode service on a free port of 127.0.0.1, registered."""
     server = grpc.aio.server()
     pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    return server, port
+    info = WorkerInfo(
+        worker_id=f"decode@127.0.0.1:{port}", role=Role.DECODE,
+        grpc_address=f"127.0.0.1:{port}", events_endpoint="tcp://127.0.0.1:1",
+        replay_endpoint="tcp://127.0.0.1:2",
+    )  # fmt: skip
+    registry.register(info)
+    return server, info
+
+
+def pool_and_dispatcher(
+    registry: RedisRegistry, index: PrefixIndex
+) -> tuple[WorkerPool, Dispatcher]:
+    lock = threading.Lock()
+    pool = WorkerPool(registry, EventListener(index, lock), 60.0, 30.0)
+    config = RouterConfig()
+    policy = PlacementPolicy(config, 16, 8)
+    return pool, Dispatcher(config, pool, index, lock, policy, RouterMetrics("m"), 16)
 
 
 @pytest.mark.timeout(60)
@@ -53,21 +70,9 @@ def test_a_retried_decode_recomputes_instead_of_pulling_again(tmp_path):
     failing, healthy = Decode(fail=True), Decode(fail=False)
 
     async def scenario(registry: RedisRegistry) -> list[int]:
-        servers = [await serve(failing), await serve(healthy)]
-        ids = []
-        for _, port in servers:
-            info = WorkerInfo(
-                worker_id=f"decode@127.0.0.1:{port}", role=Role.DECODE,
-                grpc_address=f"127.0.0.1:{port}", events_endpoint="tcp://127.0.0.1:1",
-                replay_endpoint="tcp://127.0.0.1:2",
-            )  # fmt: skip
-            registry.register(info)
-            ids.append(info.worker_id)
-        lock = threading.Lock()
-        pool = WorkerPool(registry, EventListener(PrefixIndex(), lock), 60.0, 30.0)
-        config = RouterConfig()
-        dispatcher = Dispatcher(config, pool, PrefixIndex(), lock,
-                                PlacementPolicy(config, 16, 8), RouterMetrics("m"), 16)  # fmt: skip
+        servers = [await serve(failing, registry), await serve(healthy, registry)]
+        ids = [info.worker_id for _, info in servers]
+        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex())
         released: list[bool] = []
         try:
             await pool.refresh()
@@ -100,18 +105,9 @@ def test_a_finished_request_keeps_its_prefix_claims(tmp_path):
     so the claims that steer the next same-prefix request to this worker stay."""
 
     async def scenario(registry: RedisRegistry) -> int:
-        server, port = await serve(Decode(fail=False))
-        info = WorkerInfo(
-            worker_id=f"decode@127.0.0.1:{port}", role=Role.DECODE,
-            grpc_address=f"127.0.0.1:{port}", events_endpoint="tcp://127.0.0.1:1",
-            replay_endpoint="tcp://127.0.0.1:2",
-        )  # fmt: skip
-        registry.register(info)
-        lock, index = threading.Lock(), PrefixIndex()
-        pool = WorkerPool(registry, EventListener(index, lock), 60.0, 30.0)
-        config = RouterConfig()
-        dispatcher = Dispatcher(config, pool, index, lock,
-                                PlacementPolicy(config, 16, 8), RouterMetrics("m"), 16)  # fmt: skip
+        server, info = await serve(Decode(fail=False), registry)
+        index = PrefixIndex()
+        pool, dispatcher = pool_and_dispatcher(registry, index)
         try:
             await pool.refresh()
             hashes = hash_blocks(list(range(5, 53)), 16)
