@@ -284,6 +284,12 @@ class RouterConfig:
     # A worker that answers no probe for this long (frozen: a hung device, a stopped
     # process) has its requests in flight failed, or retried where nothing was sent yet.
     worker_stall_timeout_s: float = 10.0
+    # How often one sequence may move to another decode worker after its tokens began to
+    # stream (its worker died or froze): the new worker recomputes prompt + tokens so far
+    # and goes on, so the client sees no error. It also bounds the damage of a request
+    # that crashes engines (each move can take one more worker down). 0: such a failure
+    # ends the stream with an error.
+    max_decode_migrations: int = 1
     drain_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -293,6 +299,8 @@ class RouterConfig:
             raise ConfigError("router.min_disagg_tokens", "must be >= 0")
         if self.max_inflight_sequences < 1:
             raise ConfigError("router.max_inflight_sequences", "must be >= 1")
+        if self.max_decode_migrations < 0:
+            raise ConfigError("router.max_decode_migrations", "must be >= 0")
         for key in (
             "default_prefill_tokens_per_s",
             "prefill_timeout_s",

@@ -264,6 +264,16 @@ class Dispatcher:
         self.metrics.prefill_fallbacks.inc()
         return None, None
 
+    def _next_decode_worker(self, preferred: str, tried: set[str]) -> WorkerState | None:
+        """The placement's worker first, then the least busy available one not yet tried.
+        Asked afresh on every try: a worker that failed meanwhile is no longer available,
+        and one that came back (restarted) is."""
+        chosen = self.pool.get(preferred)
+        if chosen is not None and preferred not in tried and not self.pool.retired(chosen):
+            return chosen
+        others = [w for w in self.pool.candidates(Role.DECODE) if w.worker_id not in tried]
+        return min(others, key=lambda w: w.running, default=None)
+
     async def _decode(
         self,
         request: SequenceRequest,
@@ -272,74 +282,89 @@ class Dispatcher:
         release_lease: Callable[[], None],
         touched: set[str],
     ) -> AsyncIterator[TokenDelta]:
-        message = pb.GenerateRequest(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            sampling=request.sampling,
-        )
-        if request.cache_salt is not None:
-            message.cache_salt = request.cache_salt
-        if first is not None:
-            message.output_token_ids.append(first.first_token_id)
-            message.kv.CopyFrom(first.kv)
-        chosen = self.pool.get(placement.decode_worker)
-        others = [w for w in self.pool.candidates(Role.DECODE) if w is not chosen]
-        others.sort(key=lambda w: w.running)
+        """Stream the sequence from a decode worker. Before a worker's first response a
+        failure tries the next one; after it (the client has its tokens) the sequence
+        *migrates*: the next worker gets the prompt and every token sent so far, recomputes
+        their KV and goes on, at most ``router.max_decode_migrations`` times. Greedy and
+        seeded sequences continue exactly as if nothing had failed (the engine advances a
+        seeded generator past the draws made before)."""
+        generated = [first.first_token_id] if first is not None else []  # the client has them
+        kv = first.kv if first is not None else None
+        cached_tokens = first.num_cached_tokens if first is not None else None
+        deadline = time.monotonic() + self.config.request_timeout_s
+        migrations_left = self.config.max_decode_migrations
+        streamed = False  # some decode worker has sent the client tokens
+        failure: APIError | None = None  # what the client gets if no worker takes over
+        tried: set[str] = set()
         holder: str | None = placement.decode_worker  # where the index expects the prompt
-        for attempt, worker in enumerate(w for w in [chosen, *others] if w is not None):
-            if self.pool.retired(worker):
-                continue  # retired while an earlier try ran: its channel is closed
+        while (worker := self._next_decode_worker(placement.decode_worker, tried)) is not None:
+            timeout = deadline - time.monotonic()
+            if timeout <= 0:
+                break
+            if streamed:  # this try moves a sequence the client is reading
+                if not migrations_left:
+                    break
+                migrations_left -= 1
+                self.metrics.decode_migrations.inc()
+                logger.warning("moving %s to %s after %d tokens", request.request_id,
+                               worker.worker_id, len(generated))  # fmt: skip
+            tried.add(worker.worker_id)
             self._moved(request.block_hashes, holder, worker.worker_id)
             holder = worker.worker_id
             touched.add(holder)
-            if attempt and message.HasField("kv"):
-                # The worker that failed may have pulled and then aborted, which releases
-                # the lease: another pull could read reused blocks. Recompute instead.
-                message.ClearField("kv")
-                release_lease()
+            message = pb.GenerateRequest(
+                request_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=generated,
+                sampling=request.sampling,
+            )
+            if request.cache_salt is not None:
+                message.cache_salt = request.cache_salt
+            if kv is not None:
+                message.kv.CopyFrom(kv)
             started = False
-            num_tokens = len(request.prompt_token_ids) + len(message.output_token_ids)
+            num_tokens = len(request.prompt_token_ids) + len(generated)
             blocks = -(-num_tokens // self.block_size)
             worker.running += 1
             worker.kv_blocks_in_use += blocks
-            call = worker.decode.Generate(message, timeout=self.config.request_timeout_s)
+            call = worker.decode.Generate(message, timeout=timeout)
             try:
                 with worker.tracking(call):
                     async for chunk in call:
                         if not started:  # the decode worker has the KV: free the prefill copy
-                            started = True
+                            started = streamed = True
                             release_lease()
+                        generated.extend(chunk.token_ids)
                         num_tokens += len(chunk.token_ids)
                         grown = -(-num_tokens // self.block_size) - blocks
                         worker.kv_blocks_in_use += grown
                         blocks += grown
                         delta = TokenDelta(list(chunk.token_ids), list(chunk.logprobs))
-                        if first is not None:  # the prompt was computed (or reused) there
-                            delta.cached_tokens = first.num_cached_tokens
-                        elif chunk.HasField("usage"):
-                            delta.cached_tokens = chunk.usage.cached_tokens
+                        if cached_tokens is None and chunk.HasField("usage"):
+                            cached_tokens = chunk.usage.cached_tokens  # prefilled there
+                        delta.cached_tokens = cached_tokens
                         if chunk.finish_reason:
                             delta.finish_reason = chunk.finish_reason
                             delta.usage = chunk.usage
-                            if first is not None:  # the prompt was computed (or reused) there
-                                delta.usage.cached_tokens = first.num_cached_tokens
+                            # What the client's prompt cost where it was first computed,
+                            # not what a migration's recompute found cached.
+                            delta.usage.cached_tokens = cached_tokens or 0
                             self.metrics.observe_decode(chunk.timings, chunk.num_blocks_pulled)
                         yield delta
                 return
             except WorkerStalled:
                 self.metrics.decode_failures.inc()
-                if started:
-                    raise unavailable("the decode worker stopped responding") from None
-                continue  # the pool has marked it down; try the next one
+                failure = unavailable("the decode worker stopped responding")
             except grpc.aio.AioRpcError as exc:
                 client_error = _client_error(exc)
                 if client_error is not None:
                     raise client_error from None
                 logger.warning("decode of %s on %s failed: %s %s", request.request_id,
                                worker.worker_id, exc.code().name, exc.details())  # fmt: skip
-                if started or exc.code() not in _RETRYABLE:
-                    # Details stay in the log: they name hosts and internals.
-                    raise unavailable("the decode worker failed; retry the request") from None
+                # Details stay in the log: they name hosts and internals.
+                failure = unavailable("the decode worker failed; retry the request")
+                if exc.code() not in _RETRYABLE:
+                    raise failure from None
                 self.metrics.decode_failures.inc()
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
                     self.pool.mark_unhealthy(worker.worker_id)
@@ -348,8 +373,15 @@ class Dispatcher:
                 worker.kv_blocks_in_use -= blocks
                 if not call.done():
                     call.cancel()
+            if kv is not None:
+                # The worker that failed may have pulled and then aborted, which releases
+                # the lease: another pull could read reused blocks. Recompute instead.
+                kv = None
+                release_lease()
         release_lease()
         self._moved(request.block_hashes, holder, None)
+        if streamed and failure is not None:
+            raise failure
         raise unavailable("no decode worker could serve the request; retry shortly")
 
     def _lease_releaser(self, worker: WorkerState, lease_id: str) -> Callable[[], None]:

@@ -59,6 +59,9 @@ class RouterMetrics:
             "pdserve:prefill_fallbacks", "Requests prefilled locally after prefill failures."
         )
         self.decode_failures = counter("pdserve:decode_failures", "Failed decode hops.")
+        self.decode_migrations = counter(
+            "pdserve:decode_migrations", "Streaming sequences moved to another decode worker."
+        )
         worker_gauge = lambda name, doc: Gauge(name, doc, ["worker"], registry=r)  # noqa: E731
         # Per worker: a gauge and the StatsResponse value it shows.
         self._worker_gauges: tuple[tuple[Gauge, Callable[[pb.StatsResponse], float]], ...] = (

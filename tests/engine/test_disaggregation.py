@@ -86,6 +86,55 @@ def test_split_equals_colocated(tiny_llama, pair, params):
         assert engine.leak_report() == []
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=40, min_tokens=40, temperature=0),
+        SamplingParams(
+            max_tokens=40,
+            min_tokens=40,
+            temperature=0.9,
+            top_k=50,
+            seed=11,
+            repetition_penalty=1.3,
+            frequency_penalty=0.5,
+            logprobs=2,
+        ),
+    ],
+    ids=["greedy", "seeded-penalised"],
+)
+def test_a_sequence_resumed_elsewhere_continues_exactly(tiny_llama, params):
+    """What the router's migration relies on: an engine given the prompt and the first k
+    tokens another engine generated (no KV: it recomputes them) goes on with exactly the
+    tokens and log-probs that engine went on with, whatever k, seeded sampling and
+    penalties included (both depend on every token before)."""
+    prompts = random_prompts((37, 64), seed=29)
+    whole = colocated_tokens(tiny_llama, EngineConfig(), prompts, params)
+    reference = LLMEngine(tiny_llama, EngineConfig())
+    for i, prompt in enumerate(prompts):
+        reference.add_request(f"r{i}", prompt, params)
+    logprobs = {rid: out.outputs[0].logprobs for rid, out in run(reference).items()}
+    resumed = LLMEngine(tiny_llama, EngineConfig(block_size=8))
+    for k in (1, 5, 16, 39):
+        for i, prompt in enumerate(prompts):
+            resumed.add_request(f"k{k}-r{i}", prompt, params,
+                                output_token_ids=whole[f"r{i}"][:k])  # fmt: skip
+        for rid, out in run(resumed).items():
+            original = rid.split("-")[1]
+            assert out.outputs[0].token_ids == whole[original], (k, rid)
+            if params.logprobs is not None:  # for the tokens it generated itself
+                got = out.outputs[0].logprobs
+                assert len(got) == 40 - k
+                assert _same_logprobs(got, logprobs[original][k:]), (k, rid)
+    assert resumed.leak_report() == [] and reference.leak_report() == []
+
+
+def _same_logprobs(got, expected) -> bool:
+    return [(lp.token_id, lp.rank, lp.top_token_ids) for lp in got] == [
+        (lp.token_id, lp.rank, lp.top_token_ids) for lp in expected
+    ] and all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(got, expected, strict=True))
+
+
 def test_decode_pulls_only_blocks_it_does_not_cache(pair):
     prefill, decode, puller = pair
     prefix = random_prompts((64,), seed=9)[0]

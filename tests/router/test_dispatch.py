@@ -1,6 +1,6 @@
 """The dispatcher's decode retry: a second decode worker gets the request without the KV
 handle (it recomputes the prompt), since the first may have released the lease by aborting
-its pull."""
+its pull; and its migration of a sequence whose decode worker failed mid-stream."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from common.registry import RedisRegistry, WorkerInfo
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from router.dispatch import Dispatcher, SequenceRequest
+from router.errors import APIError
 from router.events import EventListener
 from router.metrics import RouterMetrics
 from router.policy import Placement, PlacementPolicy
@@ -25,15 +26,21 @@ from tests.common.redis_server import run_with_registry
 
 
 class Decode(pb_grpc.DecodeServiceServicer):
-    def __init__(self, fail: bool) -> None:
+    """Streams ``token_ids`` one per chunk, then fails (as a worker whose engine failed
+    answers) or finishes with 42."""
+
+    def __init__(self, fail: bool, token_ids: tuple[int, ...] = ()) -> None:
         self.fail = fail
+        self.token_ids = token_ids
         self.requests: list[pb.GenerateRequest] = []
 
     async def Generate(self, request, context):
         self.requests.append(request)
-        if self.fail:  # as a worker whose engine failed mid-pull answers
+        for token_id in self.token_ids:
+            yield pb.GenerateResponse(token_ids=[token_id], usage=pb.Usage(cached_tokens=3))
+        if self.fail:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine failed")
-        yield pb.GenerateResponse(token_ids=[42], finish_reason="length")
+        yield pb.GenerateResponse(token_ids=[42], finish_reason="length", usage=pb.Usage())
 
     async def Stats(self, request, context):
         return pb.StatsResponse()
@@ -56,11 +63,11 @@ async def serve(servicer: Decode, registry: RedisRegistry) -> tuple[grpc.aio.Ser
 
 
 def pool_and_dispatcher(
-    registry: RedisRegistry, index: PrefixIndex
+    registry: RedisRegistry, index: PrefixIndex, config: RouterConfig | None = None
 ) -> tuple[WorkerPool, Dispatcher]:
     lock = threading.Lock()
     pool = WorkerPool(registry, EventListener(index, lock), 60.0, 30.0)
-    config = RouterConfig()
+    config = config or RouterConfig()
     policy = PlacementPolicy(config, 16, 8)
     return pool, Dispatcher(config, pool, index, lock, policy, RouterMetrics("m"), 16)
 
@@ -123,3 +130,57 @@ def test_a_finished_request_keeps_its_prefix_claims(tmp_path):
             await server.stop(None)
 
     assert run_with_registry(tmp_path, scenario) == 3
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("max_migrations", [0, 1, 2])
+def test_a_sequence_migrates_with_the_tokens_sent_so_far(tmp_path, max_migrations):
+    """Three decode workers: the first streams 1, 2 and fails, the second streams 3 and
+    fails, the third finishes. Each next worker gets every token the client has (the
+    prefill worker's 7 first) and no KV handle; ``max_decode_migrations`` bounds the moves,
+    and past it the client gets the failure after the tokens it already has."""
+    servicers = [Decode(True, (1, 2)), Decode(True, (3,)), Decode(False)]
+
+    async def scenario(registry: RedisRegistry) -> tuple:
+        servers = [await serve(servicer, registry) for servicer in servicers]
+        ids = [info.worker_id for _, info in servers]
+        config = RouterConfig(max_decode_migrations=max_migrations)
+        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex(), config)
+        tokens, error, usage = [], None, None
+        try:
+            await pool.refresh()
+            for state in pool.candidates(Role.DECODE):
+                state.running = ids.index(state.worker_id)  # tried in the servers' order
+            request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams())
+            first = pb.PrefillResponse(first_token_id=7, num_cached_tokens=16)
+            first.kv.lease_id = "lease-1"
+            first.kv.num_tokens = 35
+            try:
+                async for delta in dispatcher._decode(
+                    request, Placement(ids[0], "prefill@x", 0, 0, 0.0), first, lambda: None, set()
+                ):
+                    tokens += delta.token_ids
+                    usage = delta.usage or usage
+            except APIError as exc:
+                error = exc.message
+            moved = dispatcher.metrics.registry.get_sample_value(
+                "pdserve:decode_migrations_total", {"model_name": "m"}
+            )
+            return tokens, error, moved, usage
+        finally:
+            await pool.close()
+            for server, _ in servers:
+                await server.stop(None)
+
+    tokens, error, moved, usage = run_with_registry(tmp_path, scenario)
+    assert tokens == [1, 2, 3, 42][: [2, 3, 4][max_migrations]]
+    assert moved == max_migrations
+    assert (error is None) == (max_migrations == 2)
+    if max_migrations == 2:
+        assert usage.cached_tokens == 16  # where the prompt was first computed
+    sent = [list(s.requests[0].output_token_ids) if s.requests else None for s in servicers]
+    assert sent == [[7], [7, 1, 2], [7, 1, 2, 3]][: max_migrations + 1] + [None] * (
+        2 - max_migrations
+    )
+    assert servicers[0].requests[0].HasField("kv")
+    assert not any(s.requests[0].HasField("kv") for s in servicers[1:] if s.requests)

@@ -1,0 +1,168 @@
+"""Decode migration against a real ``pdserve up`` stack (router + 1 prefill + 2 decode
+workers): a decode worker SIGKILLed while it streams a sequence (an OOM kill, a lost
+node) costs the client nothing. The router hands the prompt and the tokens sent so far to
+the other decode worker, which recomputes their KV and goes on; greedy and seeded
+sequences end with exactly the tokens an undisturbed run gives, streamed or not, and
+nothing is left held on any worker afterwards."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import urllib.request
+
+import grpc
+import openai
+import pytest
+
+from engine import LLM, SamplingParams
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from tests.engine.helpers import random_prompts
+from tests.support.processes import write_config
+from tests.support.stack import get_json, start_up_stack
+
+MODEL = "tiny"
+NUM_TOKENS = 400  # long enough that a kill lands mid-stream on a busy CI machine
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("migration")
+    config = write_config(
+        tmp / "config.yaml",
+        tiny_llama,
+        num_decode=2,
+        router={
+            "served_model_name": MODEL,
+            "min_disagg_tokens": 0,
+            "refresh_interval_s": 0.3,
+            "worker_stall_timeout_s": 2.0,
+        },
+    )
+    stack = start_up_stack(config, tmp / "home")  # restarts the killed worker
+    yield stack
+    assert stack.stop() == 0, stack.log()
+
+
+@pytest.fixture(scope="module")
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0)
+
+
+def decode_addresses(stack) -> dict[str, str]:
+    port = stack.config["decode"]["port"]
+    return {f"decode-{i}": f"127.0.0.1:{port + 10 * i}" for i in range(2)}
+
+
+def stats(address: str, role: str = "decode") -> pb.StatsResponse:
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.DecodeServiceStub if role == "decode" else pb_grpc.PrefillServiceStub
+        return stub(channel).Stats(pb.StatsRequest(), timeout=5)
+
+
+def kill_the_busy_decode_worker(stack, after_s: float = 0.0) -> str:
+    """SIGKILL the decode worker running a sequence, ``after_s`` after it began; its
+    name."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        for name, address in decode_addresses(stack).items():
+            if stats(address).num_running:
+                time.sleep(after_s)
+                os.kill(stack.children()[name], signal.SIGKILL)
+                return name
+        time.sleep(0.02)
+    raise AssertionError("no decode worker ever ran the sequence")
+
+
+def migrations(stack) -> float:
+    text = urllib.request.urlopen(f"{stack.base_url}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("pdserve:decode_migrations_total{"))  # fmt: skip
+
+
+def wait_all_serving(stack) -> None:
+    """Both decode workers answer again (the launcher restarted the killed one) and the
+    router routes (it saw them)."""
+    deadline = time.monotonic() + 120
+    for address in decode_addresses(stack).values():
+        while True:
+            try:
+                stats(address)
+                break
+            except grpc.RpcError:
+                assert time.monotonic() < deadline, stack.log()
+                time.sleep(0.3)
+    while get_json(f"{stack.base_url}/health")[0] != 200:
+        assert time.monotonic() < deadline, stack.log()
+        time.sleep(0.3)
+    time.sleep(1.0)  # a refresh or two: the restarted worker is available to the pool
+
+
+def offline(model, prompt: list[int], params: SamplingParams) -> list[int]:
+    [output] = LLM(model).generate([prompt], params, use_tqdm=False)
+    return output.outputs[0].token_ids
+
+
+def test_a_stream_survives_its_decode_worker_being_killed(stack, client, tiny_llama):
+    """Greedy, streamed, disaggregated: killed after 20 tokens reached the client."""
+    prompt = random_prompts((48,), seed=91)[0]
+    expected = offline(tiny_llama, prompt, SamplingParams(
+        max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, temperature=0))  # fmt: skip
+    before = migrations(stack)
+    stream = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=NUM_TOKENS, temperature=0, stream=True,
+        extra_body={"min_tokens": NUM_TOKENS, "return_token_ids": True},
+    )  # fmt: skip
+    tokens: list[int] = []
+    finish = None
+    killed = None
+    for chunk in stream:
+        tokens += chunk.choices[0].model_extra.get("token_ids") or []
+        finish = chunk.choices[0].finish_reason or finish
+        if killed is None and len(tokens) >= 20:
+            killed = kill_the_busy_decode_worker(stack)
+    assert killed is not None
+    assert finish == "length" and tokens == expected
+    assert migrations(stack) == before + 1
+
+
+def test_a_seeded_non_streaming_request_survives_it_too(stack, client, tiny_llama):
+    """Seeded sampling with penalties, not streamed: the same tokens as undisturbed,
+    since the new worker advances the generator past the draws made before."""
+    wait_all_serving(stack)
+    prompt = random_prompts((40,), seed=92)[0]
+    params = SamplingParams(max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, temperature=0.9,
+                            seed=5, frequency_penalty=0.4)  # fmt: skip
+    expected = offline(tiny_llama, prompt, params)
+    before = migrations(stack)
+    replies = []
+
+    def request() -> None:
+        replies.append(client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=NUM_TOKENS, temperature=0.9, seed=5,
+            frequency_penalty=0.4,
+            extra_body={"min_tokens": NUM_TOKENS, "return_token_ids": True},
+        ))  # fmt: skip
+
+    thread = threading.Thread(target=request)
+    thread.start()
+    kill_the_busy_decode_worker(stack, after_s=0.5)  # tokens have reached the router
+    thread.join(120)
+    [reply] = replies
+    choice = reply.choices[0]
+    assert choice.finish_reason == "length" and reply.usage.completion_tokens == NUM_TOKENS
+    assert choice.model_extra["token_ids"] == expected
+    assert migrations(stack) == before + 1
+
+
+def test_nothing_is_left_held_after_the_migrations(stack):
+    wait_all_serving(stack)
+    prefill = f"127.0.0.1:{stack.config['prefill']['port']}"
+    for address in decode_addresses(stack).values():
+        decode = stats(address)
+        assert (decode.num_running, decode.num_waiting, decode.kv_blocks_used) == (0, 0, 0)
+    held = stats(prefill, "prefill")
+    assert (held.num_running, held.kv_blocks_used, held.live_leases) == (0, 0, 0)
