@@ -93,9 +93,10 @@ class KVCacheManager:
 
     def record_lookup(self, num_query_tokens: int, num_hit_tokens: int,
                       num_secondary_hit_tokens: int = 0) -> None:  # fmt: skip
-        """Count a lookup into the hit-rate stats, once per admission: a request that
-        waits looks its prefix up again every step, and counting those would make the
-        hit rate meaningless under memory pressure."""
+        """Count a lookup into the hit-rate stats, once per request: a request that
+        waits looks its prefix up again every step, one preempted or whose pull failed
+        looks it up again when readmitted (finding its own blocks), and counting those
+        would make the hit rate meaningless under memory pressure or transfer failures."""
         self.num_query_tokens += num_query_tokens
         self.num_hit_tokens += num_hit_tokens
         self.num_secondary_hit_tokens += num_secondary_hit_tokens

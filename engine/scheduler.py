@@ -196,7 +196,7 @@ class Scheduler:
             num_new = self._num_new_tokens(request, num_computed, budget)
             if not self.kv.allocate_slots(request, num_loaded_tokens + num_new, hits):
                 break
-            if request.num_computed_tokens == 0:
+            if request.num_cached_tokens < 0:  # its first admission, pulled or not
                 self.kv.record_lookup(request.num_tokens, num_hit_tokens, num_loaded_tokens)
             self.waiting.popleft()
             if loaded:

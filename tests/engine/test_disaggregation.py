@@ -160,6 +160,8 @@ def test_failed_pull_recomputes_or_fails(tiny_llama, pair):
         recomputed = disaggregated(prefill, fresh_decode, prompts, params)["r0"]
         assert recomputed.outputs[0].token_ids == expected and recomputed.error is None
         assert fresh_decode.num_pull_failures == 1
+        kv = fresh_decode.scheduler.kv  # the recompute is no second lookup
+        assert (kv.num_query_tokens, kv.num_hit_tokens) == (41, 0)
         puller.fail_next = True
         fresh_prompt = random_prompts((40,), seed=12)
         failed = disaggregated(prefill, fresh_decode, fresh_prompt, params, policy=False)["r0"]
