@@ -28,6 +28,12 @@ class KVPuller(Protocol):
         (``common.hashing.transfer_block_hashes``: partial blocks have names too)."""
         ...
 
+    def abort_fetch(self, request_id: str) -> None:
+        """The request was aborted: stop the pull early if the transport safely can. It is
+        still reported by ``poll_fetches`` (done or failed), and its blocks stay reserved
+        until then. A no-op for an unknown id."""
+        ...
+
     def poll_fetches(self) -> tuple[list[str], dict[str, str]]:
         """Pulls that ended since the last poll: (done request ids, failed id → reason)."""
         ...

@@ -234,6 +234,9 @@ class LLMEngine:
         request = self.scheduler.abort_request(request_id)
         if request is None:
             return None
+        if request_id in self.scheduler.fetching:  # its blocks stay until the pull ends
+            assert self.kv_puller is not None
+            self.kv_puller.abort_fetch(request_id)
         self._generators.pop(request_id, None)
         return self._output(request, [])
 

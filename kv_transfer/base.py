@@ -38,6 +38,8 @@ Contract, for every transport:
   at most one in-progress copy on transports that copy synchronously).
 * ``block_hashes`` (32-byte digests from ``common.hashing``) are required by
   ``shared_storage``, which names its files by them; the other transports ignore them.
+* ``abort_fetch`` gives a fetch up early where the transport can stop safely; the fetch is
+  still reported once, and nothing writes its local blocks after that report.
 * ``close`` fails the fetches still running with ``ConnectorClosedError`` and frees every
   resource; the connector is unusable afterwards.
 
@@ -183,6 +185,17 @@ class KVConnector(ABC):
         )
         self._fetches.add(record)
         self._on_fetch(record)
+
+    def abort_fetch(self, transfer_id: str) -> None:
+        """Give a fetch up (its request was aborted); a no-op if it is not active. Best
+        effort, never blocking: a transport stops where it safely can (shared storage no
+        longer waits for block files that may never come), and what is being written
+        finishes. The fetch is still reported exactly once, as failed with
+        ``FetchAbortedError`` (or done, if it finished meanwhile), and its local blocks
+        must stay reserved until then, as for any fetch. Transports look at
+        ``self._fetches.is_aborted`` where they wait; NIXL and NCCL fetches run to their
+        end (milliseconds once the peer answers; their timeout bounds one that does not)."""
+        self._fetches.abort(transfer_id)
 
     def poll_fetches(self) -> FetchResults:
         """Fetches settled since the last call (done ids, failed id -> error). Non-blocking."""

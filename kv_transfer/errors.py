@@ -53,6 +53,10 @@ class CorruptBlockError(KVTransferError):
     """Shared storage: a block file failed its header or checksum check. Never used."""
 
 
+class FetchAbortedError(KVTransferError):
+    """The fetcher gave the transfer up (``abort_fetch``: its request was aborted)."""
+
+
 class ConnectorClosedError(KVTransferError):
     """The connector was closed while the transfer was still running."""
 

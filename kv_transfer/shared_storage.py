@@ -11,8 +11,9 @@ prefix store: any worker with the same layout and namespace can load a block ano
 wrote (``lookup_prefix`` counts how many leading blocks are stored). The exporter writes
 the files on background threads and reports the export finished once they are on disk:
 from then on the data lives in the files, not in its blocks, so the lease can go at once.
-The fetcher waits for each file until the deadline (the exporter may still be writing),
-verifies it, and copies it into its local block. No handshake is needed: every file
+The fetcher waits for each file until the deadline (the exporter may still be writing)
+or until the fetch is given up (``abort_fetch``), verifies it, and copies it into its
+local block. No handshake is needed: every file
 carries its layout, and the reader checks it. An exporter rewrites a stored file that is
 not whole (truncated by a crash or a full disk), and a reader removes a file that fails
 verification, so one bad file cannot block a prefix for good. A block the exporter could
@@ -53,6 +54,7 @@ from kv_transfer.errors import (
     BlockNotFoundError,
     ConnectorClosedError,
     CorruptBlockError,
+    FetchAbortedError,
     KVTransferError,
     TransferFailedError,
 )
@@ -314,6 +316,10 @@ class SharedStorageConnector(KVConnector):
         while not path.exists():
             if self._closed:
                 raise ConnectorClosedError("connector closed")
+            if self._fetches.is_aborted(record.transfer_id):
+                # Its request is gone: stop holding an I/O thread (and the request's
+                # blocks) for a file that may never come (an export released unwritten).
+                raise FetchAbortedError("the fetch was given up")
             if _failure_marker(path).exists():
                 raise TransferFailedError(f"the exporter could not write {path.name}")
             self._check_other_layouts(path)

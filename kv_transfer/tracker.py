@@ -24,6 +24,7 @@ class FetchTracker:
         self._cond = threading.Condition()
         self._active: dict[str, FetchRecord] = {}
         self._outcomes: dict[str, KVTransferError | None] = {}  # None: done
+        self._aborted: set[str] = set()  # active fetches the fetcher gave up
 
     def add(self, record: FetchRecord) -> None:
         with self._cond:
@@ -43,9 +44,22 @@ class FetchTracker:
         with self._cond:
             if self._active.pop(transfer_id, None) is None:
                 return False
+            self._aborted.discard(transfer_id)
             self._outcomes[transfer_id] = error
             self._cond.notify_all()
             return True
+
+    def abort(self, transfer_id: str) -> bool:
+        """Mark an active fetch given up; False if it is not active."""
+        with self._cond:
+            if transfer_id not in self._active:
+                return False
+            self._aborted.add(transfer_id)
+            return True
+
+    def is_aborted(self, transfer_id: str) -> bool:
+        with self._cond:
+            return transfer_id in self._aborted
 
     def active(self) -> list[FetchRecord]:
         with self._cond:

@@ -37,6 +37,12 @@ class ConnectorPuller:
         self._request_of[remote.transfer_id] = request_id
         self.num_blocks_pulled += len(remote_block_ids)
 
+    def abort_fetch(self, request_id: str) -> None:
+        for transfer_id, owner in self._request_of.items():
+            if owner == request_id:
+                self.connector.abort_fetch(transfer_id)
+                return
+
     def poll_fetches(self) -> tuple[list[str], dict[str, str]]:
         results = self.connector.poll_fetches()
         done = [self._request_of.pop(t) for t in results.done if t in self._request_of]

@@ -32,6 +32,9 @@ class LocalPuller:
         assert len(remote_block_ids) == len(local_block_ids) == len(block_hashes)
         self.pending.append((request_id, remote, remote_block_ids, local_block_ids))
 
+    def abort_fetch(self, request_id: str) -> None:
+        """Pulls here are copies at the next poll: nothing to stop early."""
+
     def poll_fetches(self) -> tuple[list[str], dict[str, str]]:
         done, failed = [], {}
         assert self.target is not None

@@ -14,7 +14,7 @@ import torch
 from common.hashing import hash_blocks
 from kv_transfer import CorruptBlockError, KVTransferConfig, LayoutMismatchError, PeerRef
 from kv_transfer.blockfile import MAGIC, read_block_file, write_block_file
-from kv_transfer.errors import TransferFailedError
+from kv_transfer.errors import FetchAbortedError, TransferFailedError
 from kv_transfer.layout import KVLayout
 from kv_transfer.shared_storage import SharedStorageConnector
 from tests.support.processes import ROOT
@@ -179,3 +179,28 @@ def test_a_block_the_exporter_could_not_write_fails_its_readers_at_once(tmp_path
         b.start_fetch("g", PeerRef("a", "unused"), [5], [1], hashes)
         b.wait("g", 10)
         assert all(torch.equal(dst[layer][1], src[layer][5]) for layer in range(2))
+
+
+def test_a_fetch_given_up_stops_waiting_for_files_that_never_come(tmp_path):
+    """An export released before it was written leaves its readers waiting for files that
+    never come; a reader whose request is gone gives up at once instead of holding an I/O
+    thread (here the only one) until its deadline. Still reported once, as failed."""
+    config = KVTransferConfig(connector="shared_storage", shared_dir=str(tmp_path),
+                              timeout_s=30.0, io_threads=1)  # fmt: skip
+    hashes = hash_blocks(list(range(2 * LAYOUT.block_size)), LAYOUT.block_size, salt="gone")
+    a, b, src, dst = two_workers(tmp_path, config)
+    with a, b:
+        b.start_fetch("never", PeerRef("a", "unused"), [5], [1], hashes[:1])
+        time.sleep(0.2)  # waiting for the file
+        started = time.monotonic()
+        b.abort_fetch("never")
+        b.abort_fetch("unknown")  # a no-op
+        with pytest.raises(FetchAbortedError):
+            b.wait("never", 30)
+        assert time.monotonic() - started < 2  # not the 30 s timeout
+        assert b.num_active_fetches == 0 and not b.poll_fetches()  # reported once
+        _export(a, "stored", [6], hashes[1:])  # the I/O thread serves the next fetch
+        b.start_fetch("next", PeerRef("a", "unused"), [6], [2], hashes[1:])
+        b.abort_fetch("next")  # the file is there: nothing to wait for, it lands
+        b.wait("next", 10)
+        assert all(torch.equal(dst[layer][2], src[layer][6]) for layer in range(2))
