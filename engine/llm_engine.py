@@ -35,7 +35,7 @@ from engine.models.arch import ModelArchConfig, read_arch_config
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.penalties import TokenCounts
 from engine.request import FINISH_REASONS, RemoteKV, Request, RequestStatus
-from engine.sampler import SamplingRow, advance_generator
+from engine.sampler import RequestRandom, SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 
@@ -116,7 +116,7 @@ class LLMEngine:
         )
         self.eos_token_ids = frozenset(self.arch.eos_token_ids)
         self._rng = random.Random(self.config.seed)
-        self._generators: dict[str, torch.Generator] = {}
+        self._generators: dict[str, RequestRandom] = {}
         self.num_steps = 0
         self.num_pull_failures = 0
         self.last_step: StepStats | None = None
@@ -203,13 +203,12 @@ class LLMEngine:
             output_token_ids=outputs,
         )
         if not params.greedy:
-            generator = torch.Generator(device=self.device)
+            # Keyed by output position (engine/sampler.py): the tokens generated elsewhere
+            # need no skip-ahead, so a resume costs nothing whatever its length.
             seed = params.seed if params.seed is not None else self._rng.randrange(2**63)
-            generator.manual_seed(seed % 2**64)
-            # Continue the random stream where the worker that drew the earlier tokens
-            # left it, so a seeded request draws the same tokens split or not.
-            advance_generator(generator, len(outputs), self.arch.vocab_size)
-            self._generators[request_id] = generator
+            self._generators[request_id] = RequestRandom(
+                seed % 2**64, torch.Generator(device=self.device)
+            )
         self.scheduler.add_request(request)
         return request
 
@@ -363,9 +362,10 @@ class LLMEngine:
             if item.samples:
                 if request.sampling_params.has_penalties and request.token_counts is None:
                     request.token_counts = TokenCounts()
+                stream = self._generators.get(request.request_id)
                 sampling = SamplingRow(
                     request.sampling_params,
-                    self._generators.get(request.request_id),
+                    stream.for_token(request.num_output_tokens) if stream else None,
                     request.token_ids_banned_now(),
                     request.prompt_token_ids,
                     request.output_token_ids,

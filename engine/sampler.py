@@ -1,10 +1,15 @@
 """Pick each request's next token from its logits: bans and penalties, then greedy, or
 temperature / min-p / top-k / top-p (vLLM's order).
 
-Each request samples with its own ``torch.Generator`` (seeded from its ``seed``, or from
-the engine's seed when it has none), one row at a time, so a seeded request draws the same
-tokens whatever it is batched with. Log-probs are of the raw distribution (before bans,
-penalties, temperature, min-p, top-k and top-p), like vLLM's default.
+Each request samples with its own ``torch.Generator``, one row at a time, so a seeded
+request draws the same tokens whatever it is batched with. The draw for its i-th output
+token comes from that generator seeded anew with ``token_seed(seed, i)`` (``seed`` is the
+request's, or one from the engine's RNG when it has none): a token depends only on the
+seed, its position and its distribution, so a request continued on another worker (the
+first token sampled by a prefill worker, or a sequence the router moved after a decode
+worker died) draws exactly what it would have drawn in one place, with no skip-ahead.
+Log-probs are of the raw distribution (before bans, penalties, temperature, min-p, top-k
+and top-p), like vLLM's default.
 """
 
 from __future__ import annotations
@@ -28,6 +33,33 @@ class SamplingRow:
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
     token_counts: TokenCounts | None = None
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def token_seed(seed: int, index: int) -> int:
+    """The generator seed for output token ``index`` of a request seeded ``seed``:
+    SplitMix64 of the pair, so neighbouring positions and seeds get unrelated streams.
+    Pure integer arithmetic, the same on every host (a wire-level contract between
+    workers: a prefill and a decode worker must agree on it)."""
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+@dataclass(slots=True)
+class RequestRandom:
+    """A non-greedy request's random stream (see the module docstring)."""
+
+    seed: int
+    generator: torch.Generator
+
+    def for_token(self, index: int) -> torch.Generator:
+        """The generator, seeded for the request's output token ``index``."""
+        self.generator.manual_seed(token_seed(self.seed, index))
+        return self.generator
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
@@ -62,19 +94,6 @@ def _logprobs_for(raw_logprobs: torch.Tensor, token_id: int, num_top: int) -> To
         top_token_ids=tuple(top.indices.tolist()) if top is not None else (),
         top_logprobs=tuple(top.values.tolist()) if top is not None else (),
     )
-
-
-def advance_generator(generator: torch.Generator, num_draws: int, vocab_size: int) -> None:
-    """Consume the random numbers ``num_draws`` sampled tokens would have consumed.
-
-    ``torch.multinomial`` draws the same amount of randomness for one sample from any
-    distribution of a given size, so drawing from a uniform one advances the stream
-    exactly as the real draws did."""
-    if num_draws == 0:
-        return
-    uniform = torch.full((vocab_size,), 1.0 / vocab_size, device=generator.device)
-    for _ in range(num_draws):
-        torch.multinomial(uniform, 1, generator=generator)
 
 
 def sample(

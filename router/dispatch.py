@@ -27,6 +27,7 @@ import grpc
 
 from common.config import Role, RouterConfig
 from common.hashing import BlockHash
+from proto import REFUSED_KEY
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from router.errors import APIError, bad_request, unavailable
@@ -76,6 +77,11 @@ def _pooled_rate(loads: list[WorkerLoad]) -> list[WorkerLoad]:
         return loads
     median = rates[len(rates) // 2]
     return [dataclasses.replace(load, prefill_tokens_per_s=median) for load in loads]
+
+
+def _refused(exc: grpc.aio.AioRpcError) -> bool:
+    """The worker turned the call away without starting it (``proto.REFUSED_KEY``)."""
+    return any(key == REFUSED_KEY for key, _ in exc.trailing_metadata() or ())
 
 
 def _client_error(exc: grpc.aio.AioRpcError) -> APIError | None:
@@ -266,8 +272,9 @@ class Dispatcher:
 
     def _next_decode_worker(self, preferred: str, tried: set[str]) -> WorkerState | None:
         """The placement's worker first, then the least busy available one not yet tried.
-        Asked afresh on every try: a worker that failed meanwhile is no longer available,
-        and one that came back (restarted) is."""
+        Asked afresh on every try (a worker that failed meanwhile is no longer available,
+        one that joined is). A worker tried once is not tried again for this sequence,
+        even restarted (its id stays): that bounds what one request can crash."""
         chosen = self.pool.get(preferred)
         if chosen is not None and preferred not in tried and not self.pool.retired(chosen):
             return chosen
@@ -285,9 +292,11 @@ class Dispatcher:
         """Stream the sequence from a decode worker. Before a worker's first response a
         failure tries the next one; after it (the client has its tokens) the sequence
         *migrates*: the next worker gets the prompt and every token sent so far, recomputes
-        their KV and goes on, at most ``router.max_decode_migrations`` times. Greedy and
-        seeded sequences continue exactly as if nothing had failed (the engine advances a
-        seeded generator past the draws made before)."""
+        their KV and goes on, at most ``router.max_decode_migrations`` times. A move is
+        charged when its worker is picked (a worker that crashes while recomputing counts)
+        and refunded when that worker refused the call outright (draining: it never held
+        the sequence). Greedy and seeded sequences continue exactly as if nothing had
+        failed, in float32 (seeded draws are keyed by output position)."""
         generated = [first.first_token_id] if first is not None else []  # the client has them
         kv = first.kv if first is not None else None
         cached_tokens = first.num_cached_tokens if first is not None else None
@@ -301,11 +310,11 @@ class Dispatcher:
             timeout = deadline - time.monotonic()
             if timeout <= 0:
                 break
-            if streamed:  # this try moves a sequence the client is reading
+            moving = streamed  # this try moves a sequence the client is reading
+            if moving:
                 if not migrations_left:
                     break
                 migrations_left -= 1
-                self.metrics.decode_migrations.inc()
                 logger.warning("moving %s to %s after %d tokens", request.request_id,
                                worker.worker_id, len(generated))  # fmt: skip
             tried.add(worker.worker_id)
@@ -334,6 +343,8 @@ class Dispatcher:
                         if not started:  # the decode worker has the KV: free the prefill copy
                             started = streamed = True
                             release_lease()
+                            if moving:
+                                self.metrics.decode_migrations.inc()
                         generated.extend(chunk.token_ids)
                         num_tokens += len(chunk.token_ids)
                         grown = -(-num_tokens // self.block_size) - blocks
@@ -365,6 +376,8 @@ class Dispatcher:
                 failure = unavailable("the decode worker failed; retry the request")
                 if exc.code() not in _RETRYABLE:
                     raise failure from None
+                if moving and _refused(exc):
+                    migrations_left += 1  # it never held the sequence
                 self.metrics.decode_failures.inc()
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
                     self.pool.mark_unhealthy(worker.worker_id)

@@ -11,6 +11,7 @@ import grpc
 
 from engine.async_engine import EngineFailedError
 from engine.errors import InvalidRequestError
+from proto import REFUSED_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,16 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
+def _abort_details(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str, tuple]:
+    """Status code, message and trailing metadata for ``exc``, logged if unexpected. A
+    refusal says so in its metadata (``proto.REFUSED_KEY``)."""
+    code, message = status_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        logger.exception("%s failed", method)
+    refused = ((REFUSED_KEY, "draining"),) if isinstance(exc, DrainingError) else ()
+    return code, message, refused
+
+
 def grpc_errors(method: Callable) -> Callable:
     """Decorate an async unary servicer method: map exceptions to status codes."""
 
@@ -46,10 +57,7 @@ def grpc_errors(method: Callable) -> Callable:
         except (grpc.aio.AbortError, grpc.RpcError):
             raise
         except Exception as exc:
-            code, message = status_for(exc)
-            if code is grpc.StatusCode.INTERNAL:
-                logger.exception("%s failed", method.__name__)
-            await context.abort(code, message)
+            await context.abort(*_abort_details(exc, method.__name__))
 
     return wrapper
 
@@ -65,9 +73,6 @@ def grpc_stream_errors(method: Callable) -> Callable:
         except (grpc.aio.AbortError, grpc.RpcError):
             raise
         except Exception as exc:
-            code, message = status_for(exc)
-            if code is grpc.StatusCode.INTERNAL:
-                logger.exception("%s failed", method.__name__)
-            await context.abort(code, message)
+            await context.abort(*_abort_details(exc, method.__name__))
 
     return wrapper

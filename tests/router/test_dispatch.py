@@ -23,6 +23,7 @@ from router.policy import Placement, PlacementPolicy
 from router.prefix_index import PrefixIndex
 from router.workers import WorkerPool
 from tests.common.redis_server import run_with_registry
+from worker.grpc_errors import DrainingError, grpc_stream_errors
 
 
 class Decode(pb_grpc.DecodeServiceServicer):
@@ -44,6 +45,19 @@ class Decode(pb_grpc.DecodeServiceServicer):
 
     async def Stats(self, request, context):
         return pb.StatsResponse()
+
+
+class Draining(Decode):
+    """Turns every call away as a draining worker does (the real error mapping)."""
+
+    def __init__(self) -> None:
+        super().__init__(fail=True)
+
+    @grpc_stream_errors
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        raise DrainingError("decode@test")
+        yield  # an async generator, like the real method
 
 
 async def serve(servicer: Decode, registry: RedisRegistry) -> tuple[grpc.aio.Server, WorkerInfo]:
@@ -184,3 +198,37 @@ def test_a_sequence_migrates_with_the_tokens_sent_so_far(tmp_path, max_migration
     )
     assert servicers[0].requests[0].HasField("kv")
     assert not any(s.requests[0].HasField("kv") for s in servicers[1:] if s.requests)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_refuses_a_moving_sequence_costs_no_migration(tmp_path):
+    """The pool may not know yet that a worker drains, and migrations happen exactly when
+    the pool's view is stale: a refusal (which says so in its trailing metadata) gives the
+    move back, so the next worker still takes the sequence under the default of one."""
+    servicers = [Decode(True, (1, 2)), Draining(), Decode(False)]
+
+    async def scenario(registry: RedisRegistry) -> tuple:
+        servers = [await serve(servicer, registry) for servicer in servicers]
+        ids = [info.worker_id for _, info in servers]
+        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex())
+        try:
+            await pool.refresh()
+            for state in pool.candidates(Role.DECODE):
+                state.running = ids.index(state.worker_id)  # tried in the servers' order
+            request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams())
+            placement = Placement(ids[0], "prefill@x", 0, 0, 0.0)
+            tokens = []
+            async for delta in dispatcher._decode(request, placement, None, lambda: None, set()):
+                tokens += delta.token_ids
+            moved = dispatcher.metrics.registry.get_sample_value(
+                "pdserve:decode_migrations_total", {"model_name": "m"}
+            )
+            return tokens, moved
+        finally:
+            await pool.close()
+            for server, _ in servers:
+                await server.stop(None)
+
+    assert run_with_registry(tmp_path, scenario) == ([1, 2, 42], 1)
+    assert [len(s.requests) for s in servicers] == [1, 1, 1]
+    assert list(servicers[2].requests[0].output_token_ids) == [1, 2]
