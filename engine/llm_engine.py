@@ -341,8 +341,9 @@ class LLMEngine:
     def _end_fetch(self, request: Request, ok: bool, reason: str) -> RequestOutput | None:
         """A pull ended (or will never start): the request continues, recomputes its
         prompt, or finishes with an error; that last one's output is returned."""
+        given_up = request.status is RequestStatus.FINISHED_ABORTED  # aborted meanwhile
         self.scheduler.finish_fetch(request.request_id, ok, self.recompute_on_pull_failure)
-        if not ok:
+        if not ok and not given_up:  # an abort's pull fails by design
             self.num_pull_failures += 1
             if request.error is not None:
                 request.error += f": {reason}"

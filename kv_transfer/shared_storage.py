@@ -13,10 +13,10 @@ the files on background threads and reports the export finished once they are on
 from then on the data lives in the files, not in its blocks, so the lease can go at once.
 The fetcher waits for each file until the deadline (the exporter may still be writing)
 or until the fetch is given up (``abort_fetch``), verifies it, and copies it into its
-local block. No handshake is needed: every file
-carries its layout, and the reader checks it. An exporter rewrites a stored file that is
-not whole (truncated by a crash or a full disk), and a reader removes a file that fails
-verification, so one bad file cannot block a prefix for good. A block the exporter could
+local block. No handshake is needed: every file carries its layout, and the reader
+checks it. An exporter rewrites a stored file that is not whole (truncated by a crash or
+a full disk), and a reader removes a file that fails verification, so one bad file
+cannot block a prefix for good. A block the exporter could
 not write (a full disk) leaves an empty ``<name>.failed`` marker, so readers fail at once
 (and recompute) instead of at their deadline; the next good write removes it. With
 ``shared_max_bytes`` the directory stays under that size, least recently used blocks

@@ -39,3 +39,4 @@ def test_an_aborted_request_gives_its_pull_up(tiny_llama, tmp_path):
             engine.step()
             time.sleep(0.01)
         assert engine.leak_report() == [] and connector.num_active_fetches == 0
+        assert engine.num_pull_failures == 0  # given up, not failed
