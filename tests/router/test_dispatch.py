@@ -146,32 +146,24 @@ def test_a_finished_request_keeps_its_prefix_claims(tmp_path):
     assert run_with_registry(tmp_path, scenario) == 3
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("max_migrations", [0, 1, 2])
-def test_a_sequence_migrates_with_the_tokens_sent_so_far(tmp_path, max_migrations):
-    """Three decode workers: the first streams 1, 2 and fails, the second streams 3 and
-    fails, the third finishes. Each next worker gets every token the client has (the
-    prefill worker's 7 first) and no KV handle; ``max_decode_migrations`` bounds the moves,
-    and past it the client gets the failure after the tokens it already has."""
-    servicers = [Decode(True, (1, 2)), Decode(True, (3,)), Decode(False)]
+def decode_through(tmp_path, servicers, config: RouterConfig | None = None, first=None):
+    """Run one sequence's ``_decode`` over fake decode workers registered in this order,
+    tried in this order: (tokens, error message or None, migrations counted, last usage)."""
 
     async def scenario(registry: RedisRegistry) -> tuple:
         servers = [await serve(servicer, registry) for servicer in servicers]
         ids = [info.worker_id for _, info in servers]
-        config = RouterConfig(max_decode_migrations=max_migrations)
         pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex(), config)
         tokens, error, usage = [], None, None
         try:
             await pool.refresh()
             for state in pool.candidates(Role.DECODE):
-                state.running = ids.index(state.worker_id)  # tried in the servers' order
+                state.running = ids.index(state.worker_id)  # the least busy is tried first
             request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams())
-            first = pb.PrefillResponse(first_token_id=7, num_cached_tokens=16)
-            first.kv.lease_id = "lease-1"
-            first.kv.num_tokens = 35
+            placement = Placement(ids[0], "prefill@x", 0, 0, 0.0)
             try:
                 async for delta in dispatcher._decode(
-                    request, Placement(ids[0], "prefill@x", 0, 0, 0.0), first, lambda: None, set()
+                    request, placement, first, lambda: None, set()
                 ):
                     tokens += delta.token_ids
                     usage = delta.usage or usage
@@ -186,7 +178,22 @@ def test_a_sequence_migrates_with_the_tokens_sent_so_far(tmp_path, max_migration
             for server, _ in servers:
                 await server.stop(None)
 
-    tokens, error, moved, usage = run_with_registry(tmp_path, scenario)
+    return run_with_registry(tmp_path, scenario)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("max_migrations", [0, 1, 2])
+def test_a_sequence_migrates_with_the_tokens_sent_so_far(tmp_path, max_migrations):
+    """Three decode workers: the first streams 1, 2 and fails, the second streams 3 and
+    fails, the third finishes. Each next worker gets every token the client has (the
+    prefill worker's 7 first) and no KV handle; ``max_decode_migrations`` bounds the moves,
+    and past it the client gets the failure after the tokens it already has."""
+    servicers = [Decode(True, (1, 2)), Decode(True, (3,)), Decode(False)]
+    first = pb.PrefillResponse(first_token_id=7, num_cached_tokens=16)
+    first.kv.lease_id = "lease-1"
+    first.kv.num_tokens = 35
+    config = RouterConfig(max_decode_migrations=max_migrations)
+    tokens, error, moved, usage = decode_through(tmp_path, servicers, config, first)
     assert tokens == [1, 2, 3, 42][: [2, 3, 4][max_migrations]]
     assert moved == max_migrations
     assert (error is None) == (max_migrations == 2)
@@ -206,29 +213,7 @@ def test_a_worker_that_refuses_a_moving_sequence_costs_no_migration(tmp_path):
     the pool's view is stale: a refusal (which says so in its trailing metadata) gives the
     move back, so the next worker still takes the sequence under the default of one."""
     servicers = [Decode(True, (1, 2)), Draining(), Decode(False)]
-
-    async def scenario(registry: RedisRegistry) -> tuple:
-        servers = [await serve(servicer, registry) for servicer in servicers]
-        ids = [info.worker_id for _, info in servers]
-        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex())
-        try:
-            await pool.refresh()
-            for state in pool.candidates(Role.DECODE):
-                state.running = ids.index(state.worker_id)  # tried in the servers' order
-            request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams())
-            placement = Placement(ids[0], "prefill@x", 0, 0, 0.0)
-            tokens = []
-            async for delta in dispatcher._decode(request, placement, None, lambda: None, set()):
-                tokens += delta.token_ids
-            moved = dispatcher.metrics.registry.get_sample_value(
-                "pdserve:decode_migrations_total", {"model_name": "m"}
-            )
-            return tokens, moved
-        finally:
-            await pool.close()
-            for server, _ in servers:
-                await server.stop(None)
-
-    assert run_with_registry(tmp_path, scenario) == ([1, 2, 42], 1)
+    tokens, error, moved, _ = decode_through(tmp_path, servicers)
+    assert (tokens, error, moved) == ([1, 2, 42], None, 1)
     assert [len(s.requests) for s in servicers] == [1, 1, 1]
     assert list(servicers[2].requests[0].output_token_ids) == [1, 2]
