@@ -16,9 +16,9 @@ or until the fetch is given up (``abort_fetch``), verifies it, and copies it int
 local block. No handshake is needed: every file carries its layout, and the reader
 checks it. An exporter rewrites a stored file that is not whole (truncated by a crash or
 a full disk), and a reader removes a file that fails verification, so one bad file
-cannot block a prefix for good. A block the exporter could
-not write (a full disk) leaves an empty ``<name>.failed`` marker, so readers fail at once
-(and recompute) instead of at their deadline; the next good write removes it. With
+cannot block a prefix for good. A block the exporter could not write (a full disk)
+leaves an empty ``<name>.failed`` marker, so readers fail at once (and recompute)
+instead of at their deadline; the next good write removes it. With
 ``shared_max_bytes`` the directory stays under that size, least recently used blocks
 removed first (``storage_janitor.py``); a full disk frees a tenth of it, cap or not.
 

@@ -11,20 +11,15 @@ import re
 import signal
 import socket
 import time
-import urllib.request
 
-import grpc
 import httpx
 import openai
 import pytest
 
-from common.config_loader import load_config
 from engine import LLM, SamplingParams
-from proto import pdserve_pb2 as pb
-from proto import pdserve_pb2_grpc as pb_grpc
 from tests.engine.helpers import random_prompts
 from tests.support.processes import write_config
-from tests.support.stack import get_json, start_up_stack
+from tests.support.stack import get_json, metric, start_up_stack, worker_stats
 
 KEY = "sk-pdserve-test"
 MODEL = "tiny"
@@ -71,17 +66,6 @@ class _AsyncClient:
 @pytest.fixture(scope="module")
 def aclient(stack) -> _AsyncClient:
     return _AsyncClient(f"{stack.base_url}/v1")
-
-
-def metric(stack, name: str, **labels: str) -> float:
-    text = urllib.request.urlopen(f"{stack.base_url}/metrics", timeout=10).read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def test_models_health_and_auth(stack, client):
@@ -188,17 +172,6 @@ def test_stop_strings(client):
         assert text == expected and reason == "stop"
         if not stream:  # ended by the router, yet the usage still counts the cached prefix
             assert reply.usage.prompt_tokens_details.cached_tokens > 0, reply.usage
-
-
-def worker_stats(stack, role: str) -> list[pb.StatsResponse]:
-    config = load_config(str(stack.config_path))
-    section = config.prefill if role == "prefill" else config.decode
-    stub = pb_grpc.PrefillServiceStub if role == "prefill" else pb_grpc.DecodeServiceStub
-    replies = []
-    for index in range(section.replicas):
-        with grpc.insecure_channel(f"{section.host}:{section.ports(index).grpc}") as channel:
-            replies.append(stub(channel).Stats(pb.StatsRequest(), timeout=5))
-    return replies
 
 
 def live_leases(stack) -> int:

@@ -11,18 +11,15 @@ import os
 import signal
 import threading
 import time
-import urllib.request
 
 import grpc
 import openai
 import pytest
 
 from engine import LLM, SamplingParams
-from proto import pdserve_pb2 as pb
-from proto import pdserve_pb2_grpc as pb_grpc
 from tests.engine.helpers import random_prompts
 from tests.support.processes import write_config
-from tests.support.stack import get_json, start_up_stack
+from tests.support.stack import get_json, metric, start_up_stack, worker_stats
 
 MODEL = "tiny"
 NUM_TOKENS = 400  # long enough that a kill lands mid-stream on a busy CI machine
@@ -52,49 +49,35 @@ def client(stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0)
 
 
-def decode_addresses(stack) -> dict[str, str]:
-    port = stack.config["decode"]["port"]
-    return {f"decode-{i}": f"127.0.0.1:{port + 10 * i}" for i in range(2)}
-
-
-def stats(address: str, role: str = "decode") -> pb.StatsResponse:
-    with grpc.insecure_channel(address) as channel:
-        stub = pb_grpc.DecodeServiceStub if role == "decode" else pb_grpc.PrefillServiceStub
-        return stub(channel).Stats(pb.StatsRequest(), timeout=5)
-
-
 def kill_the_busy_decode_worker(stack, after_s: float = 0.0) -> str:
     """SIGKILL the decode worker running a sequence, ``after_s`` after it began; its
     name."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        for name, address in decode_addresses(stack).items():
-            if stats(address).num_running:
+        for index, stats in enumerate(worker_stats(stack, "decode")):
+            if stats.num_running:
                 time.sleep(after_s)
-                os.kill(stack.children()[name], signal.SIGKILL)
-                return name
+                os.kill(stack.children()[f"decode-{index}"], signal.SIGKILL)
+                return f"decode-{index}"
         time.sleep(0.02)
     raise AssertionError("no decode worker ever ran the sequence")
 
 
 def migrations(stack) -> float:
-    text = urllib.request.urlopen(f"{stack.base_url}/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("pdserve:decode_migrations_total{"))  # fmt: skip
+    return metric(stack, "pdserve:decode_migrations_total")
 
 
 def wait_all_serving(stack) -> None:
     """Both decode workers answer again (the launcher restarted the killed one) and the
     router routes (it saw them)."""
     deadline = time.monotonic() + 120
-    for address in decode_addresses(stack).values():
-        while True:
-            try:
-                stats(address)
-                break
-            except grpc.RpcError:
-                assert time.monotonic() < deadline, stack.log()
-                time.sleep(0.3)
+    while True:
+        try:
+            worker_stats(stack, "decode")
+            break
+        except grpc.RpcError:
+            assert time.monotonic() < deadline, stack.log()
+            time.sleep(0.3)
     while get_json(f"{stack.base_url}/health")[0] != 200:
         assert time.monotonic() < deadline, stack.log()
         time.sleep(0.3)
@@ -160,9 +143,7 @@ def test_a_seeded_non_streaming_request_survives_it_too(stack, client, tiny_llam
 
 def test_nothing_is_left_held_after_the_migrations(stack):
     wait_all_serving(stack)
-    prefill = f"127.0.0.1:{stack.config['prefill']['port']}"
-    for address in decode_addresses(stack).values():
-        decode = stats(address)
+    for decode in worker_stats(stack, "decode"):
         assert (decode.num_running, decode.num_waiting, decode.kv_blocks_used) == (0, 0, 0)
-    held = stats(prefill, "prefill")
+    [held] = worker_stats(stack, "prefill")
     assert (held.num_running, held.kv_blocks_used, held.live_leases) == (0, 0, 0)

@@ -11,8 +11,12 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import yaml
 
+from common.config_loader import load_config
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
 from tests.support.processes import ROOT
 
 
@@ -104,3 +108,28 @@ def get_json(url: str, key: str | None = None) -> tuple[int, dict]:
             return reply.status, json.loads(reply.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read() or b"{}")
+
+
+def worker_stats(stack: UpStack, role: str) -> list[pb.StatsResponse]:
+    """Stats of every replica of ``role`` (prefill or decode), in replica order; a worker
+    that does not answer raises ``grpc.RpcError``."""
+    config = load_config(str(stack.config_path))
+    section = config.prefill if role == "prefill" else config.decode
+    stub = pb_grpc.PrefillServiceStub if role == "prefill" else pb_grpc.DecodeServiceStub
+    replies = []
+    for index in range(section.replicas):
+        with grpc.insecure_channel(f"{section.host}:{section.ports(index).grpc}") as channel:
+            replies.append(stub(channel).Stats(pb.StatsRequest(), timeout=5))
+    return replies
+
+
+def metric(stack: UpStack, name: str, **labels: str) -> float:
+    """The router's metric ``name`` summed over the series with these labels."""
+    text = urllib.request.urlopen(f"{stack.base_url}/metrics", timeout=10).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
