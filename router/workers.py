@@ -29,6 +29,8 @@ from router.policy import WorkerLoad
 
 logger = logging.getLogger(__name__)
 
+PROBE_TIMEOUT_S = 1.0  # a health check (and the Stats call after it) gets this long
+
 _CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
@@ -49,9 +51,11 @@ class WorkerState:
     queued_prefill_tokens: int = 0
     running: int = 0
     kv_blocks_in_use: int = 0
-    # Stall detection: since when its probes fail, its calls in flight, and those of them
-    # the pool cancelled because it stopped answering.
-    unreachable_since: float | None = None
+    # Stall detection: when it last answered a probe (time.monotonic()), how many probes
+    # in a row it has missed since, its calls in flight, and those of them the pool
+    # cancelled because it stopped answering.
+    answered_at: float = field(default_factory=time.monotonic)
+    missed_probes: int = 0
     calls: set[grpc.aio.Call] = field(default_factory=set)
     abandoned: set[grpc.aio.Call] = field(default_factory=set)
     departed_channel: grpc.aio.Channel | None = None  # probes it once out of the registry
@@ -72,6 +76,10 @@ class WorkerState:
         finally:
             self.calls.discard(call)
             self.abandoned.discard(call)
+
+    def answered(self) -> None:
+        self.answered_at = time.monotonic()
+        self.missed_probes = 0
 
     @property
     def worker_id(self) -> str:
@@ -154,8 +162,14 @@ class WorkerPool:
         return self.workers.get(state.worker_id) is not state
 
     async def _loop(self) -> None:
+        """A refresh every ``refresh_s``, counted from the start of the previous one: a
+        frozen worker's probe takes its whole timeout, and sleeping ``refresh_s`` after
+        that doubled the time between the probes that decide it is stalled."""
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
         while True:
-            await asyncio.sleep(self.refresh_s)
+            next_at = max(next_at + self.refresh_s, loop.time())
+            await asyncio.sleep(next_at - loop.time())
             try:
                 await self.refresh()
             except Exception:
@@ -219,8 +233,8 @@ class WorkerPool:
             state.departed_channel = grpc.aio.insecure_channel(state.info.grpc_address)
         health = health_pb2_grpc.HealthStub(state.departed_channel)
         try:
-            await health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-            state.unreachable_since = None
+            await health.Check(health_pb2.HealthCheckRequest(), timeout=PROBE_TIMEOUT_S)
+            state.answered()
         except grpc.aio.AioRpcError:
             self._give_up_if_stalled(state)
 
@@ -252,17 +266,19 @@ class WorkerPool:
 
     async def _probe(self, state: WorkerState) -> None:
         try:
-            reply = await state.health.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            reply = await state.health.Check(
+                health_pb2.HealthCheckRequest(), timeout=PROBE_TIMEOUT_S
+            )
             healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
             stub = state.prefill or state.decode
             if healthy:
-                stats = await stub.Stats(pb.StatsRequest(), timeout=1.0)
+                stats = await stub.Stats(pb.StatsRequest(), timeout=PROBE_TIMEOUT_S)
                 if state.stats.engine_id and stats.engine_id != state.stats.engine_id:
                     # Restarted behind the same address: its cache and event stream are new.
                     logger.info("worker %s restarted", state.worker_id)
                     self.events.add(state.info)
                 state.stats = stats
-            state.unreachable_since = None
+            state.answered()
         except grpc.aio.AioRpcError:
             healthy = False
             self._give_up_if_stalled(state)
@@ -271,20 +287,20 @@ class WorkerPool:
         state.healthy = healthy
 
     def _give_up_if_stalled(self, state: WorkerState) -> None:
-        """A worker that has not answered a probe for ``stall_timeout_s`` (frozen: a
-        stopped process, a frozen host) gets its calls in flight cancelled, so their
-        clients get an error (or a retry elsewhere) instead of waiting out the request
-        timeout. A dead worker's calls fail by themselves; a frozen one's never would. (A
-        hung device is the worker's own watchdog's: ``engine.step_timeout_s``.)"""
-        now = time.monotonic()
-        if state.unreachable_since is None:
-            state.unreachable_since = now
-            return
+        """A worker that has answered no probe for ``stall_timeout_s`` (frozen: a stopped
+        process, a frozen host) gets its calls in flight cancelled, so their clients get an
+        error (or a retry elsewhere) instead of waiting out the request timeout. A dead
+        worker's calls fail by themselves; a frozen one's never would. (A hung device is
+        the worker's own watchdog's: ``engine.step_timeout_s``.) The silence counts from
+        its last answer, not from the first miss, which came a probe timeout and up to a
+        refresh later; one missed probe alone (a slow reply) never cuts anything."""
+        state.missed_probes += 1
+        silent_s = time.monotonic() - state.answered_at
         pending = state.calls - state.abandoned
-        if now - state.unreachable_since < self.stall_timeout_s or not pending:
+        if state.missed_probes < 2 or silent_s < self.stall_timeout_s or not pending:
             return
-        logger.error("worker %s has not answered for %.0f s; failing its %d calls",
-                     state.worker_id, now - state.unreachable_since, len(pending))  # fmt: skip
+        logger.error("worker %s has not answered for %.1f s; failing its %d calls",
+                     state.worker_id, silent_s, len(pending))  # fmt: skip
         for call in pending:
             state.abandoned.add(call)
             call.cancel()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import grpc
 import pytest
@@ -195,6 +196,38 @@ class FreezableHealth(health.aio.HealthServicer):
         return await super().Check(request, context)
 
 
+async def seconds_to_fail_a_frozen_stream(
+    registry: RedisRegistry, refresh_s: float, stall_timeout_s: float, expire_entry: bool
+) -> float:
+    """Freeze a decode worker mid-stream (and expire its registry entry if asked); the
+    seconds until the pool fails the stream. Also checks the failure came no sooner than
+    ``stall_timeout_s`` after the worker's last answer."""
+    decode = FreezableDecode()
+    server, info = await serve_decode(decode, FreezableHealth(decode.frozen))
+    registry.register(info)
+    pool = WorkerPool(registry, EventListener(PrefixIndex(), threading.Lock()), refresh_s,
+                      600.0, stall_timeout_s=stall_timeout_s)  # fmt: skip
+    await pool.start()
+    try:
+        state = pool.get(info.worker_id)
+        call = state.decode.Generate(pb.GenerateRequest(request_id="r1"))
+        frozen_at = None
+        with pytest.raises(WorkerStalled), state.tracking(call):
+            async for _ in call:
+                if frozen_at is None:
+                    decode.frozen.set()
+                    if expire_entry:
+                        registry.deregister(info.worker_id)
+                    frozen_at = time.monotonic()
+        failed_at = time.monotonic()
+        assert failed_at - state.answered_at >= stall_timeout_s
+        return failed_at - frozen_at
+    finally:
+        decode.frozen.clear()
+        await pool.close()
+        await server.stop(None)
+
+
 @pytest.mark.timeout(60)
 def test_a_frozen_worker_whose_entry_expired_still_has_its_calls_failed(tmp_path):
     """A frozen worker stops heartbeating, so with Redis its entry expires (ttl) before
@@ -202,26 +235,19 @@ def test_a_frozen_worker_whose_entry_expired_still_has_its_calls_failed(tmp_path
     until the request timeout."""
 
     async def scenario(registry: RedisRegistry) -> float:
-        decode = FreezableDecode()
-        server, info = await serve_decode(decode, FreezableHealth(decode.frozen))
-        registry.register(info)
-        pool = WorkerPool(registry, EventListener(PrefixIndex(), threading.Lock()), 0.2, 600.0,
-                          stall_timeout_s=1.0)  # fmt: skip
-        await pool.start()
-        try:
-            state = pool.get(info.worker_id)
-            call = state.decode.Generate(pb.GenerateRequest(request_id="r1"))
-            frozen_at = None
-            with pytest.raises(WorkerStalled), state.tracking(call):
-                async for _ in call:
-                    if frozen_at is None:
-                        decode.frozen.set()
-                        registry.deregister(info.worker_id)  # as its entry expiring
-                        frozen_at = asyncio.get_running_loop().time()
-            return asyncio.get_running_loop().time() - frozen_at
-        finally:
-            decode.frozen.clear()
-            await pool.close()
-            await server.stop(None)
+        return await seconds_to_fail_a_frozen_stream(registry, 0.2, 1.0, expire_entry=True)
 
     assert run_with_registry(tmp_path, scenario) < 10
+
+
+@pytest.mark.timeout(60)
+def test_a_frozen_worker_is_given_up_about_the_stall_timeout_after_it_froze(tmp_path):
+    """With probes every 1 s taking up to 1 s each, a worker frozen just after answering
+    is failed 2-3 s later at a 2 s stall timeout: the silence counts from its last
+    answer, and probes keep their cadence while one waits out its timeout. (Counting from
+    the first miss and sleeping after each refresh took 4-4.7 s.)"""
+
+    async def scenario(registry: RedisRegistry) -> float:
+        return await seconds_to_fail_a_frozen_stream(registry, 1.0, 2.0, expire_entry=False)
+
+    assert run_with_registry(tmp_path, scenario) < 3.5
