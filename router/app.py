@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.tokenizer import TokenizerError
@@ -38,6 +39,7 @@ from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    FieldError,
     TokenizeRequest,
 )
 from router.state import RouterState
@@ -116,11 +118,34 @@ def create_app(state: RouterState) -> FastAPI:
             reason = first.get("ctx", {}).get("error", message)
             return await api_error(request, bad_request(f"the body is not valid JSON: {reason}"))
         # The top-level field: deeper parts of ``loc`` include pydantic's union tags
-        # ("prompt.str", "prompt.list[int]"), which mean nothing to a client.
+        # ("prompt.str", "prompt.list[int]"), which mean nothing to a client. A check of
+        # the whole request names its field itself.
         param = loc[1] if len(loc) > 1 and isinstance(loc[1], str) else None
+        cause = first.get("ctx", {}).get("error")
+        if param is None and isinstance(cause, FieldError):
+            param = cause.param
         if param is None and first.get("type") == "missing":
             message = "the request needs a JSON body"
         return await api_error(request, bad_request(message, param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Unknown paths, wrong methods, bodies that are not even text: the envelope too."""
+        message = str(exc.detail)
+        if exc.status_code in (404, 405):
+            message = f"{message}: {request.method} {request.url.path}"
+        error = APIError(exc.status_code, message, param=None)
+        error.headers.update(exc.headers or {})
+        return await api_error(request, error)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        """A bug: answered with the envelope and an id. Starlette raises the exception on
+        after this answer, so the server logs its traceback right after this line."""
+        error_id = new_id("err")
+        logger.error("request %s %s failed (%s): %r", request.method, request.url.path,
+                     error_id, exc)  # fmt: skip
+        return await api_error(request, internal(error_id))
 
     app.add_middleware(_ApiKeyAuth, state=state)
 
@@ -203,7 +228,7 @@ def create_app(state: RouterState) -> FastAPI:
     def apply_template(messages, add_generation_prompt: bool) -> list[int]:
         try:
             return state.tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.text()} for m in messages], add_generation_prompt
+                [m.for_template() for m in messages], add_generation_prompt
             )
         except (TokenizerError, ValueError) as exc:
             raise bad_request(str(exc), "messages") from None
@@ -262,6 +287,7 @@ def create_app(state: RouterState) -> FastAPI:
             state.model.block_size,
             lambda stop: IncrementalDetokenizer(state.tokenizer, stop, body.min_tokens),
             body.cache_salt,
+            prompt_param="messages" if chat else "prompt",
         )
         formatter = Formatter(
             response_id,

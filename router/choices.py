@@ -18,7 +18,7 @@ from common.hashing import hash_blocks
 from proto import pdserve_pb2 as pb
 from router.detokenizer import IncrementalDetokenizer
 from router.dispatch import Dispatcher, SequenceRequest
-from router.errors import APIError, context_too_long
+from router.errors import APIError, bad_request, context_too_long
 from router.metrics import RouterMetrics
 
 
@@ -60,19 +60,29 @@ def build_choices(
     block_size: int,
     detokenizer_factory,
     cache_salt: str | None = None,
+    prompt_param: str = "prompt",
 ) -> list[Choice]:
-    """One choice per (prompt, sample); checks each prompt against the context limit."""
+    """One choice per (prompt, sample); checks each prompt against the context limit, and
+    ``min_tokens`` against what the context leaves when ``max_tokens`` is unset.
+    ``prompt_param`` names the request's prompt field in errors."""
     choices = []
     for prompt_index, prompt in enumerate(prompts):
         limit = sampling.max_tokens if sampling.HasField("max_tokens") else 0
         if len(prompt) + limit > max_model_len or len(prompt) >= max_model_len:
-            raise context_too_long(len(prompt), limit, max_model_len)
+            raise context_too_long(len(prompt), limit, max_model_len, prompt_param)
+        room = max_model_len - len(prompt)
+        if not sampling.HasField("max_tokens") and sampling.min_tokens > room:
+            raise bad_request(
+                f"min_tokens must be <= {room}, what the context leaves after the "
+                f"{len(prompt)} prompt tokens, got {sampling.min_tokens}",
+                "min_tokens",
+            )
         hashes = hash_blocks(prompt, block_size, cache_salt)
         for sample in range(n):
             params = pb.SamplingParams()
             params.CopyFrom(sampling)
             if not params.HasField("max_tokens"):
-                params.max_tokens = max_model_len - len(prompt)
+                params.max_tokens = room
             if params.HasField("seed") and sample:
                 # n seeded samples differ, reproducibly; wrapped to stay an int64
                 params.seed = (params.seed + sample + 2**63) % 2**64 - 2**63

@@ -40,20 +40,24 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, "invalid_request_error", param, code)
 
 
-def context_too_long(num_prompt: int, max_tokens: int | None, max_model_len: int) -> APIError:
+def context_too_long(
+    num_prompt: int, max_tokens: int | None, max_model_len: int, param: str = "prompt"
+) -> APIError:
+    """OpenAI's wording; ``param`` is the request's prompt field ("messages" for chat)."""
+    where = "the messages" if param == "messages" else "the prompt"
     if max_tokens:
         detail = (
-            f"you requested {num_prompt + max_tokens} tokens ({num_prompt} in the messages, "
+            f"you requested {num_prompt + max_tokens} tokens ({num_prompt} in {where}, "
             f"{max_tokens} in the completion)"
         )
     else:
-        detail = f"your messages resulted in {num_prompt} tokens"
+        detail = f"{where} resulted in {num_prompt} tokens"
     return APIError(
         400,
         f"This model's maximum context length is {max_model_len} tokens. However, {detail}. "
-        "Please reduce the length of the messages or completion.",
+        f"Please reduce the length of {where} or completion.",
         "invalid_request_error",
-        "messages",
+        param,
         "context_length_exceeded",
     )
 

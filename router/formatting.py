@@ -87,18 +87,21 @@ class Formatter:
     def object(self) -> str:
         return "chat.completion" if self.chat else "text_completion"
 
-    def _logprobs(self, logprobs: list[pb.TokenLogprobs], index: int, text: str) -> Any:
+    def _logprobs(self, logprobs: list[pb.TokenLogprobs], index: int) -> Any:
         if not self.logprobs:
             return None
         if self.chat:
             return chat_logprobs(logprobs, self.token_text)
+        # Offsets run over the tokens' own texts, in a stream as in a whole response: the
+        # text sent may lag behind them (held back for a stop string or a split character).
         start = self._text_offsets.get(index, 0)
-        self._text_offsets[index] = start + len(text)
-        return completion_logprobs(logprobs, self.token_text, start)
+        body = completion_logprobs(logprobs, self.token_text, start)
+        self._text_offsets[index] = start + sum(len(token) for token in body["tokens"])
+        return body
 
     def chunk(self, event: ChoiceEvent) -> dict[str, Any]:
         index = event.choice.index
-        logprobs = self._logprobs(event.logprobs, index, event.text)
+        logprobs = self._logprobs(event.logprobs, index)
         if self.chat:
             delta: dict[str, Any] = {"content": event.text}
             if index not in self._sent_role:
@@ -122,7 +125,7 @@ class Formatter:
         items = []
         for choice in sorted(choices, key=lambda c: c.index):
             text = choice.detokenizer.text
-            logprobs = self._logprobs(choice.logprobs, choice.index, text)
+            logprobs = self._logprobs(choice.logprobs, choice.index)
             if self.chat:
                 items.append({
                     "index": choice.index,

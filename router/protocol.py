@@ -1,16 +1,22 @@
 """The OpenAI request schemas the gateway accepts, validated with pydantic.
 
 Unknown fields are ignored (clients send many). Fields we cannot honour with a non-default
-value (logit_bias, echo, tools, client chat templates, special-token text) are refused with
-a 400 naming the field rather than silently ignored. Sampling fields left unset (None) take
-the checkpoint's ``generation_config.json`` defaults (see ``common.generation_config``).
+value (logit_bias, echo, tools, client chat templates, special-token text, and vLLM's
+extensions such as guided decoding or prompt logprobs) are refused with a 400 naming the
+field rather than silently ignored. ``null`` means the default for every field (OpenAI
+documents most of them as "X or null"). Sampling fields left unset (None) take the
+checkpoint's ``generation_config.json`` defaults (see ``common.generation_config``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -21,13 +27,99 @@ INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
-class StreamOptions(BaseModel):
+class FieldError(ValueError):
+    """A request-level check's failure that names the top-level field at fault (the
+    gateway's 400 carries it as ``param``)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _nullable(field: FieldInfo) -> bool:
+    annotation = field.annotation
+    if annotation is Any:
+        return True
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    return union and type(None) in typing.get_args(annotation)
+
+
+def _lone_surrogate(value: Any) -> bool:
+    """Whether ``value`` holds a string that is not valid Unicode: JSON's ``\\ud800``
+    escapes decode to lone surrogates, which no tokenizer or hash can encode. Lists that
+    start with an int are token ids and are not walked (their type check is pydantic's).
+    A loop, not recursion: a body may nest as deep as the JSON parser allows."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            try:
+                item.encode()
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, list):
+            if item and type(item[0]) is not int:
+                pending.extend(item)
+        elif isinstance(item, dict):
+            pending.extend(item)
+            pending.extend(item.values())
+    return False
+
+
+def _absent(value: Any) -> bool:
+    return value is None or value is False or (isinstance(value, list | dict | str) and not value)
+
+
+class _Body(BaseModel):
+    """What every request body shares: unknown fields ignored, ``null`` taken as the
+    field's default, strings that are not valid Unicode refused, and ``REFUSED_EXTRAS``:
+    fields other servers honour and pdserve does not, refused unless ``accepts`` their
+    value (by default: absent, null, false or empty)."""
+
     model_config = ConfigDict(extra="ignore")
+    REFUSED_EXTRAS: ClassVar[dict[str, Callable[[Any], bool]]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _common_checks(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for key, value in data.items():
+            if _lone_surrogate(value):
+                raise FieldError(f"{key} holds text that is not valid Unicode", str(key))
+            accepts = cls.REFUSED_EXTRAS.get(key)
+            if accepts is not None and not accepts(value):
+                raise FieldError(f"{key} is not supported by this server; leave it unset", key)
+        fields = cls.model_fields
+        return {
+            key: value
+            for key, value in data.items()
+            if value is not None or key not in fields or _nullable(fields[key])
+        }
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+# vLLM's extensions that change what is generated (guided decoding, beam search, token
+# bans, ...), refused unless absent, null, false or empty.
+_VLLM_OUTPUT_FIELDS = (
+    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+    "guided_whitespace_pattern", "structural_tag", "structured_outputs", "allowed_token_ids",
+    "bad_words", "logits_processors", "use_beam_search", "return_tokens_as_token_ids",
+    "prompt_embeds", "mm_processor_kwargs", "kv_transfer_params", "vllm_xargs",
+)  # fmt: skip
+
+
+class _SamplingFields(_Body):
+    REFUSED_EXTRAS: ClassVar[dict[str, Callable[[Any], bool]]] = {
+        **dict.fromkeys(_VLLM_OUTPUT_FIELDS, _absent),
+        "prompt_logprobs": lambda value: value is None,
+        "truncate_prompt_tokens": lambda value: value is None,
+        "priority": lambda value: value is None or value == 0,
+        "length_penalty": lambda value: value is None or value == 1,
+    }
 
     model: str | None = None  # None: the served model (as vLLM)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -55,6 +147,7 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    response_format: dict[str, Any] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -73,15 +166,22 @@ class _SamplingFields(BaseModel):
     @model_validator(mode="after")
     def _unsupported(self) -> _SamplingFields:
         if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+            raise FieldError("logit_bias is not supported", "logit_bias")
         if not self.skip_special_tokens:
-            raise ValueError("skip_special_tokens=false is not supported")
+            raise FieldError("skip_special_tokens=false is not supported", "skip_special_tokens")
         if not self.spaces_between_special_tokens:
-            raise ValueError("spaces_between_special_tokens=false is not supported")
+            raise FieldError(
+                "spaces_between_special_tokens=false is not supported",
+                "spaces_between_special_tokens",
+            )
         if self.include_stop_str_in_output:
-            raise ValueError("include_stop_str_in_output is not supported")
+            raise FieldError(
+                "include_stop_str_in_output is not supported", "include_stop_str_in_output"
+            )
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise FieldError("response_format other than text is not supported", "response_format")
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream=true")
+            raise FieldError("stream_options is only allowed with stream=true", "stream_options")
         return self
 
     @property
@@ -96,6 +196,11 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
+    REFUSED_EXTRAS = {
+        **_SamplingFields.REFUSED_EXTRAS,
+        "add_special_tokens": lambda value: value is None or value is True,
+    }
+
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1, le=UINT32_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -106,29 +211,34 @@ class CompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _checks(self) -> CompletionRequest:
         if self.echo:
-            raise ValueError("echo is not supported")
+            raise FieldError("echo is not supported", "echo")
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            raise FieldError("suffix is not supported", "suffix")
         if self.best_of not in (None, self.n):
-            raise ValueError("best_of is not supported (it must equal n)")
+            raise FieldError("best_of is not supported (it must equal n)", "best_of")
         if isinstance(self.prompt, list) and not self.prompt:
-            raise ValueError("prompt must not be empty")
+            raise FieldError("prompt must not be empty", "prompt")
         return self
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ContentPart(_Body):
     type: str
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[Any] | None = None  # refused (the template would drop them)
     function_call: Any = None
+
+    def for_template(self) -> dict[str, str]:
+        """What the chat template sees: role, text and (when given) the author's name."""
+        message = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
     def text(self) -> str:
         if self.content is None:
@@ -144,6 +254,12 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    REFUSED_EXTRAS = {
+        **_SamplingFields.REFUSED_EXTRAS,
+        **dict.fromkeys(("echo", "continue_final_message", "documents"), _absent),
+        "add_special_tokens": lambda value: value is None or value is False,
+    }
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
@@ -156,34 +272,27 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
         if self.chat_template is not None or self.chat_template_kwargs:
-            raise ValueError("client-supplied chat templates are not accepted")
+            raise FieldError("client-supplied chat templates are not accepted", "chat_template")
         if self.tools or self.functions:
-            raise ValueError("tools are not supported")
+            raise FieldError("tools are not supported", "tools" if self.tools else "functions")
         if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
-            raise ValueError("tool_choice needs tools, which are not supported")
+            raise FieldError("tool_choice needs tools, which are not supported", "tool_choice")
         if any(m.tool_calls or m.function_call for m in self.messages):
-            raise ValueError("messages with tool calls are not supported")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ValueError("response_format other than text is not supported")
+            raise FieldError("messages with tool calls are not supported", "messages")
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs=true")
+            raise FieldError("top_logprobs requires logprobs=true", "top_logprobs")
         return self
 
     @property
     def completion_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
 
-
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -197,7 +306,6 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]

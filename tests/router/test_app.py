@@ -1,0 +1,103 @@
+"""The gateway's HTTP surface in-process, with no workers behind it: every refusal is a 400
+(or 404, 405, 500) in OpenAI's error envelope naming the field at fault, and requests that
+pass validation reach placement (here: a 503, as no worker is up)."""
+
+from __future__ import annotations
+
+import asyncio
+import json as jsonlib
+
+import httpx
+import pytest
+
+from common.config_loader import load_config
+from router.app import create_app
+from router.state import RouterState
+
+
+@pytest.fixture(scope="module")
+def state(tiny_llama) -> RouterState:
+    return RouterState.build(load_config(None, [f"model={tiny_llama}"]))
+
+
+def post(state: RouterState, path: str, json: object = None, **kwargs) -> httpx.Response:
+    """``json`` is sent with ASCII escapes, so lone surrogates travel as a client's would."""
+    if json is not None:
+        kwargs["content"] = jsonlib.dumps(json)
+        kwargs["headers"] = {"content-type": "application/json"}
+
+    async def send() -> httpx.Response:
+        transport = httpx.ASGITransport(create_app(state), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            return await client.request(kwargs.pop("method", "POST"), path, **kwargs)
+
+    return asyncio.run(send())
+
+
+def error_of(reply: httpx.Response, status: int) -> dict:
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    return error
+
+
+def test_nulls_pass_validation(state):
+    body = {"prompt": "x", "n": None, "stream": None, "echo": None, "min_tokens": None,
+            "stream_options": None, "max_tokens": None}  # fmt: skip
+    assert error_of(post(state, "/v1/completions", json=body), 503)["code"] == "service_unavailable"
+    chat = {"messages": [{"role": "user", "content": "x"}], "logprobs": None, "n": None}
+    assert error_of(post(state, "/v1/chat/completions", json=chat), 503)
+
+
+def test_refusals_name_their_field(state):
+    chat = [{"role": "user", "content": "x"}]
+    cases = [
+        ("/v1/completions", {"prompt": "x", "guided_regex": "a+"}, "guided_regex"),
+        ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}},
+         "response_format"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+        ("/v1/completions", {"prompt": "a\ud800b"}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "cache_salt": "\udfff"}, "cache_salt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}]},
+         "messages"),
+        ("/v1/chat/completions", {"messages": chat, "tools": [{"type": "function"}]}, "tools"),
+        ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+    ]  # fmt: skip
+    for path, body, param in cases:
+        error = error_of(post(state, path, json=body), 400)
+        assert error["param"] == param, (body, error)
+
+
+def test_limits_name_the_prompt_field_and_min_tokens(state):
+    max_model_len = state.model.max_model_len
+    long_prompt = [5] * max_model_len
+    error = error_of(post(state, "/v1/completions", json={"prompt": long_prompt}), 400)
+    assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
+    long_chat = [{"role": "user", "content": "hello " * max_model_len}]
+    error = error_of(post(state, "/v1/chat/completions", json={"messages": long_chat}), 400)
+    assert (error["param"], error["code"]) == ("messages", "context_length_exceeded")
+    # No max_tokens: min_tokens is checked against what the context leaves.
+    chat = {"messages": [{"role": "user", "content": "x"}], "min_tokens": max_model_len}
+    error = error_of(post(state, "/v1/chat/completions", json=chat), 400)
+    assert error["param"] == "min_tokens" and "context leaves" in error["message"]
+
+
+def test_http_errors_use_the_envelope(state):
+    assert "GET /v1/nowhere" in error_of(post(state, "/v1/nowhere", method="GET"), 404)["message"]
+    reply = post(state, "/v1/completions", method="GET")
+    assert error_of(reply, 405) and reply.headers["allow"] == "POST"
+    not_utf8 = b'{"prompt": "a\xff\xfe"}'
+    headers = {"content-type": "application/json"}
+    assert error_of(post(state, "/v1/completions", content=not_utf8, headers=headers), 400)
+    deep = b"[" * 5000 + b"]" * 5000
+    assert error_of(post(state, "/v1/completions", content=deep, headers=headers), 400)
+
+
+def test_a_bug_is_a_500_in_the_envelope_without_details(state, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("secret internals at /srv/x")
+
+    monkeypatch.setattr(state.tokenizer, "encode", broken)
+    error = error_of(post(state, "/v1/completions", json={"prompt": "x"}), 500)
+    assert error["code"] == "internal_error" and "secret" not in error["message"]

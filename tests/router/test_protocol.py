@@ -1,0 +1,112 @@
+"""Request schemas: null means the default, what cannot be honoured is refused by name, and
+text that is not valid Unicode never reaches the tokenizer."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from router.protocol import ChatCompletionRequest, CompletionRequest, FieldError
+
+
+def refused_param(model: type[pydantic.BaseModel], body: dict) -> str | None:
+    """The field a refused body is blamed on (what the gateway's 400 names)."""
+    with pytest.raises(pydantic.ValidationError) as refused:
+        model.model_validate(body)
+    error = refused.value.errors()[0]
+    loc = error["loc"]
+    if loc:
+        return str(loc[0])
+    cause = error.get("ctx", {}).get("error")
+    return cause.param if isinstance(cause, FieldError) else None
+
+
+def test_null_means_the_default():
+    """OpenAI documents these as "X or null"; SDKs and proxies send null for unset."""
+    names = ("n", "stream", "echo", "ignore_eos", "min_tokens", "skip_special_tokens",
+             "return_token_ids", "stream_options")  # fmt: skip
+    nulls = dict.fromkeys(names)
+    completion = CompletionRequest.model_validate({"prompt": "x", **nulls})
+    assert (completion.n, completion.stream, completion.min_tokens) == (1, False, 0)
+    assert completion.skip_special_tokens and not completion.return_token_ids
+    # A nullable field keeps its null: max_tokens null means "up to the context", as in vLLM.
+    assert CompletionRequest.model_validate({"prompt": "x", "max_tokens": None}).max_tokens is None
+    chat = ChatCompletionRequest.model_validate({
+        "messages": [{"role": "user", "content": "hi", "name": None}],
+        "logprobs": None, "stream": True, "stream_options": {"include_usage": None},
+        "add_generation_prompt": None,
+    })  # fmt: skip
+    assert (chat.logprobs, chat.include_usage, chat.add_generation_prompt) == (False, False, True)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("guided_json", {"type": "object"}),
+        ("guided_regex", "[a-z]+"),
+        ("guided_choice", ["yes", "no"]),
+        ("structured_outputs", {"json": {}}),
+        ("prompt_logprobs", 0),
+        ("allowed_token_ids", [1, 2]),
+        ("bad_words", ["x"]),
+        ("truncate_prompt_tokens", 8),
+        ("use_beam_search", True),
+        ("priority", 1),
+        ("response_format", {"type": "json_object"}),
+        ("add_special_tokens", False),
+        ("logit_bias", {"5": 1.0}),
+        ("best_of", 3),
+        ("stream_options", {"include_usage": True}),  # without stream
+    ],
+)
+def test_completion_fields_that_change_the_output_are_refused_by_name(field, value):
+    assert refused_param(CompletionRequest, {"prompt": "x", field: value}) == field
+
+
+def test_their_default_values_pass():
+    defaults = {"guided_json": None, "guided_choice": [], "priority": 0, "length_penalty": 1.0,
+                "use_beam_search": False, "prompt_logprobs": None, "add_special_tokens": True,
+                "response_format": {"type": "text"}, "logit_bias": {}}  # fmt: skip
+    CompletionRequest.model_validate({"prompt": "x", **defaults})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("guided_json", {"type": "object"}),
+        ("echo", True),
+        ("continue_final_message", True),
+        ("add_special_tokens", True),
+        ("response_format", {"type": "json_schema"}),
+        ("tools", [{"type": "function"}]),
+        ("tool_choice", "required"),
+        ("top_logprobs", 2),  # without logprobs
+    ],
+)
+def test_chat_fields_that_change_the_output_are_refused_by_name(field, value):
+    body = {"messages": [{"role": "user", "content": "x"}], field: value}
+    assert refused_param(ChatCompletionRequest, body) == field
+
+
+def test_lone_surrogates_are_refused_where_they_stand():
+    """JSON's \\ud800 escapes decode to strings no tokenizer or hash can encode."""
+    bad = "a\ud800b"
+    assert refused_param(CompletionRequest, {"prompt": bad}) == "prompt"
+    assert refused_param(CompletionRequest, {"prompt": ["ok", bad]}) == "prompt"
+    assert refused_param(CompletionRequest, {"prompt": "x", "cache_salt": bad}) == "cache_salt"
+    assert refused_param(CompletionRequest, {"prompt": "x", "stop": [bad]}) == "stop"
+    chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": bad}]}]}
+    assert refused_param(ChatCompletionRequest, chat) == "messages"
+    # Token ids are not walked, and valid non-ASCII text passes.
+    CompletionRequest.model_validate({"prompt": list(range(50_000))})
+    CompletionRequest.model_validate({"prompt": "naïve 東京 🙂"})
+
+
+def test_a_message_author_name_reaches_the_template():
+    chat = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi", "name": "ana"}, {"role": "user"}]}
+    )
+    assert [m.for_template() for m in chat.messages] == [
+        {"role": "user", "content": "hi", "name": "ana"},
+        {"role": "user", "content": ""},
+    ]
