@@ -82,7 +82,7 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return [], 0
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        max_hit_blocks = self._max_hit_blocks(request)
         hits: list[KVBlock] = []
         for block_hash in request.block_hashes[:max_hit_blocks]:
             block = self.pool.get_cached_block(block_hash)
@@ -90,6 +90,12 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def _max_hit_blocks(self, request: Request) -> int:
+        """None for a request scoring its prompt: every prompt token's logits are needed."""
+        if request.scores_prompt:
+            return 0
+        return (request.num_tokens - 1) // self.block_size
 
     def record_lookup(self, num_query_tokens: int, num_hit_tokens: int,
                       num_secondary_hit_tokens: int = 0) -> None:  # fmt: skip
@@ -106,7 +112,7 @@ class KVCacheManager:
         (again leaving at least one token to compute)."""
         if self.secondary is None:
             return []
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        max_hit_blocks = self._max_hit_blocks(request)
         candidates = request.block_hashes[num_device_hits:max_hit_blocks]
         return candidates[: self.secondary.lookup(candidates)]
 

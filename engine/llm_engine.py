@@ -30,7 +30,7 @@ from engine.errors import (
 from engine.kv_cache_manager import cdiv
 from engine.kv_connector import KVPuller
 from engine.kv_events import KVEventCollector
-from engine.model_runner import ModelRunner, SequenceChunk
+from engine.model_runner import ModelRunner, PromptScoring, SequenceChunk
 from engine.models.arch import ModelArchConfig, read_arch_config
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.penalties import TokenCounts
@@ -175,6 +175,12 @@ class LLMEngine:
                 "output_token_ids",
             )
         if remote_kv is not None:
+            if params.prompt_logprobs is not None:
+                raise InvalidRequestError(
+                    "prompt_logprobs needs the prompt computed here, not pulled (the worker "
+                    "that prefilled it scores it)",
+                    "prompt_logprobs",
+                )
             if self.kv_puller is None:
                 raise InvalidRequestError("this engine cannot pull remote KV", "kv")
             if not outputs:
@@ -272,7 +278,7 @@ class LLMEngine:
             return outputs
         chunks = self._chunks(scheduler_output)
         start = time.perf_counter()
-        sampled = self.runner.execute(chunks)
+        result = self.runner.execute(chunks)
         self.last_step = StepStats(
             num_prompt_tokens=sum(
                 max(min(len(c.token_ids), prompt_len - c.start_pos), 0)
@@ -286,7 +292,11 @@ class LLMEngine:
             duration_s=time.perf_counter() - start,
         )
         self.num_prompt_tokens_computed += self.last_step.num_prompt_tokens
-        progressed = self.scheduler.update_from_output(scheduler_output, sampled)
+        for item in scheduler_output.scheduled:
+            scored = result.prompt_logprobs.get(item.request.request_id)
+            if scored:
+                item.request.prompt_logprobs.extend(scored)
+        progressed = self.scheduler.update_from_output(scheduler_output, result.sampled)
         self.num_steps += 1
         for request in progressed:
             if request.status.finished:
@@ -379,6 +389,7 @@ class LLMEngine:
                     start_pos=start,
                     block_ids=kv.get_block_ids(request.request_id),
                     sampling=sampling,
+                    scoring=_prompt_scoring(request, start, end),
                 )
             )
         return chunks
@@ -397,6 +408,9 @@ class LLMEngine:
             ),
         )
         held = request.status is RequestStatus.FINISHED_PREFILLED
+        prompt_logprobs = None
+        if request.sampling_params.prompt_logprobs is not None and not request.scores_prompt:
+            prompt_logprobs = [None, *request.prompt_logprobs]
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -409,6 +423,7 @@ class LLMEngine:
             kv_block_hashes=list(request.block_hashes) if held else None,
             num_remote_blocks_pulled=request.num_remote_blocks_pulled,
             times=request.times,
+            prompt_logprobs=prompt_logprobs,
         )
 
     # ------------------------------------------------------------------ checks
@@ -428,6 +443,19 @@ class LLMEngine:
         for request in self.scheduler.requests.values():
             counts[request.status] = counts.get(request.status, 0) + 1
         return counts
+
+
+def _prompt_scoring(request: Request, start: int, end: int) -> PromptScoring | None:
+    """The prompt tokens a chunk of positions ``start .. end`` scores: those after the
+    positions it computes, less what an earlier pass (before a preemption) scored."""
+    if not request.scores_prompt:
+        return None
+    first = max(start, len(request.prompt_logprobs))
+    last = min(end, request.num_prompt_tokens - 1)
+    if first >= last:
+        return None
+    targets = request.prompt_token_ids[first + 1 : last + 1]
+    return PromptScoring(first - start, targets, request.sampling_params.prompt_logprobs)
 
 
 def _token_slice(request: Request, start: int, end: int) -> list[int]:

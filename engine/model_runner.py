@@ -2,7 +2,8 @@
 
 Per step the runner builds a single flattened batch (``input_ids``, ``positions``,
 ``slot_mapping``, block table, query start offsets, sequence lengths), runs the model,
-computes logits only at the last token of chunks that sample, and samples.
+computes logits only at the last token of chunks that sample (and at the prompt tokens of
+chunks that score their prompt), and samples.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from engine.host_memory import zeros_for_kv_caches
 from engine.models.arch import ModelArchConfig
 from engine.models.loader import load_model
 from engine.request import TokenLogprobs
-from engine.sampler import SamplingRow, sample
+from engine.sampler import SamplingRow, sample, score_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,25 @@ class SequenceChunk:
     start_pos: int  # position of token_ids[0]: the request's num_computed_tokens
     block_ids: list[int]  # every block of the request, covering start_pos + len(token_ids)
     sampling: SamplingRow | None  # None: a prompt chunk that is not the last
+    scoring: PromptScoring | None = None
+
+
+@dataclass(slots=True)
+class PromptScoring:
+    """Log-probs of prompt tokens: chunk rows ``first_row ..`` predict ``target_token_ids``
+    (the prompt tokens right after them), with the top ``num_top`` of each distribution."""
+
+    first_row: int
+    target_token_ids: list[int]
+    num_top: int
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one forward pass produced, by request id."""
+
+    sampled: dict[str, tuple[int, TokenLogprobs | None]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -174,18 +194,29 @@ class ModelRunner:
         return self.model(input_ids, positions, self.kv_caches, metadata)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[SequenceChunk]) -> dict[str, tuple[int, TokenLogprobs | None]]:
-        """Run one step. Returns the sampled token (and log-probs) of each sampling chunk."""
+    def execute(self, chunks: list[SequenceChunk]) -> StepResult:
+        """Run one step: the sampled token (and log-probs) of each sampling chunk, and the
+        prompt log-probs of each scoring one."""
+        result = StepResult()
         if not chunks:
-            return {}
+            return result
         # Decodes first: backends batch single-token segments together.
         chunks = sorted(chunks, key=lambda c: len(c.token_ids) != 1)
         batch = self._host_batch(chunks)
         hidden = self._forward(chunks, batch)
+        for i, chunk in enumerate(chunks):
+            if chunk.scoring is not None:
+                scoring = chunk.scoring
+                first = batch.query_start_loc[i] + scoring.first_row
+                rows = hidden[first : first + len(scoring.target_token_ids)]
+                result.prompt_logprobs[chunk.request_id] = score_tokens(
+                    self.model.compute_logits, rows, scoring.target_token_ids, scoring.num_top
+                )
         sampling = [(i, c) for i, c in enumerate(chunks) if c.sampling is not None]
         if not sampling:
-            return {}
+            return result
         last_token_index = [batch.query_start_loc[i + 1] - 1 for i, _ in sampling]
         logits = self.model.compute_logits(hidden[last_token_index])  # [num_sampling, vocab]
         results = sample(logits, [c.sampling for _, c in sampling])
-        return {c.request_id: r for (_, c), r in zip(sampling, results, strict=True)}
+        result.sampled = {c.request_id: r for (_, c), r in zip(sampling, results, strict=True)}
+        return result

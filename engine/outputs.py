@@ -41,3 +41,6 @@ class RequestOutput:
     kv_block_hashes: list[bytes] | None = None
     num_remote_blocks_pulled: int = 0
     times: RequestTimes | None = None
+    # With SamplingParams.prompt_logprobs, once the prompt is computed: one entry per
+    # prompt token, None for the first (nothing precedes it), as vLLM's.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

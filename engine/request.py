@@ -114,6 +114,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # With sampling_params.prompt_logprobs: entry i scores prompt token i + 1.
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_computed_tokens: int = 0
     # Prompt tokens served from the prefix cache (or a remote worker) at first scheduling.
     num_cached_tokens: int = -1
@@ -124,6 +126,15 @@ class Request:
     error: str | None = None  # why an aborted request failed, if it did not just get aborted
     num_remote_blocks_pulled: int = 0
     token_counts: TokenCounts | None = None  # penalised requests: what the sampler counted
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the request still needs log-probs of prompt tokens: then no prefix-cache
+        hit may skip computing a prompt token."""
+        return (
+            self.sampling_params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -14,7 +14,7 @@ and top-p), like vLLM's default.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -94,6 +94,34 @@ def _logprobs_for(raw_logprobs: torch.Tensor, token_id: int, num_top: int) -> To
         top_token_ids=tuple(top.indices.tolist()) if top is not None else (),
         top_logprobs=tuple(top.values.tolist()) if top is not None else (),
     )
+
+
+SCORE_ROWS_PER_PASS = 256  # bounds the [rows, vocab] float32 logits held at once
+
+
+def score_tokens(
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,  # [num_rows, hidden_size]
+    target_token_ids: Sequence[int],  # [num_rows]: the token each row's logits score
+    num_top: int,
+) -> list[TokenLogprobs]:
+    """Log-probs (raw distribution) of ``target_token_ids`` after each row of ``hidden``,
+    a slice of rows at a time: a long prompt's logits at once would be prompt x vocab."""
+    scored: list[TokenLogprobs] = []
+    for begin in range(0, len(target_token_ids), SCORE_ROWS_PER_PASS):
+        end = min(begin + SCORE_ROWS_PER_PASS, len(target_token_ids))
+        logprobs = compute_logits(hidden[begin:end]).float().log_softmax(-1)  # [rows, vocab]
+        targets = torch.tensor(target_token_ids[begin:end], device=logprobs.device)
+        chosen = logprobs.gather(1, targets[:, None])  # [rows, 1]
+        ranks = ((logprobs > chosen).sum(-1) + 1).tolist()
+        top = torch.topk(logprobs, num_top) if num_top else None
+        top_ids = top.indices.tolist() if top is not None else [[]] * (end - begin)
+        top_values = top.values.tolist() if top is not None else [[]] * (end - begin)
+        for j, (token_id, logprob) in enumerate(zip(targets.tolist(), chosen[:, 0].tolist(),
+                                                    strict=True)):  # fmt: skip
+            scored.append(TokenLogprobs(token_id, logprob, ranks[j], tuple(top_ids[j]),
+                                        tuple(top_values[j])))  # fmt: skip
+    return scored
 
 
 def sample(

@@ -17,7 +17,9 @@ class SamplingParams:
     ``seed`` makes the request's random choices reproducible whatever it is batched with.
     ``logprobs`` is the number of top log-probs returned per sampled token (None: none;
     0: only the sampled token's own). Log-probs are of the model's raw distribution,
-    before penalties, temperature, min-p, top-k and top-p.
+    before penalties, temperature, min-p, top-k and top-p. ``prompt_logprobs`` likewise
+    scores each prompt token after the first (what lm-eval's loglikelihood tasks read); a
+    request with it computes its whole prompt, whatever the prefix cache holds.
 
     Penalties, with vLLM's and OpenAI's meanings: ``repetition_penalty`` (1: off) divides
     positive logits and multiplies negative ones of every token in the prompt or the
@@ -36,6 +38,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -63,8 +66,10 @@ class SamplingParams:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise bad("top_k", f"must be -1 (disabled), 0 (disabled) or >= 1, got {self.top_k}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise bad(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise bad("seed", f"must fit in 64 bits, got {self.seed}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -221,6 +221,35 @@ def test_logprobs_match_transformers(tiny_llama, prompts):
     assert llm.engine.leak_report() == []
 
 
+@pytest.mark.parametrize("overrides", [{}, {"max_num_batched_tokens": 16, "block_size": 16}])
+def test_prompt_logprobs_match_transformers(tiny_llama, prompts, overrides):
+    """Every prompt token after the first is scored against transformers' distribution,
+    also in chunks (16-token steps) and when the prompt's blocks are already cached: a
+    scoring request computes its whole prompt, since a cached block has no logits."""
+    from transformers import AutoModelForCausalLM
+
+    prompt = prompts[3]
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    with torch.no_grad():
+        reference = model(torch.tensor([prompt])).logits[0, :-1].log_softmax(-1)
+    llm = LLM(tiny_llama, **overrides)
+    llm.generate([prompt], GREEDY, use_tqdm=False)  # the prompt's blocks are now cached
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3)
+    (output,) = llm.generate([prompt], params, use_tqdm=False)
+    scored = output.prompt_logprobs
+    assert output.num_cached_tokens == 0 and len(scored) == len(prompt) and scored[0] is None
+    for position, lp in enumerate(scored[1:]):
+        expected = reference[position]
+        assert lp.token_id == prompt[position + 1]
+        assert lp.logprob == pytest.approx(expected[lp.token_id].item(), abs=1e-4)
+        assert lp.rank == int((expected > expected[lp.token_id]).sum()) + 1
+        assert list(lp.top_token_ids) == expected.topk(3).indices.tolist()
+    # Not asked for: none, and the cache is used again.
+    (plain,) = llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert plain.prompt_logprobs is None and plain.num_cached_tokens > 0
+    assert llm.engine.leak_report() == []
+
+
 def test_bad_input_is_rejected_and_engine_keeps_serving(tiny_llama, prompts, baseline):
     llm = LLM(tiny_llama, max_model_len=128)
     with pytest.raises(EmptyPromptError):
