@@ -12,7 +12,13 @@ from engine.request import RemoteKV
 from kv_transfer import PeerRef
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from worker.convert import logprobs_to_proto, sampling_from_proto, timings_to_proto, usage_to_proto
+from worker.convert import (
+    logprobs_to_proto,
+    prompt_logprobs_to_proto,
+    sampling_from_proto,
+    timings_to_proto,
+    usage_to_proto,
+)
 from worker.grpc_errors import RequestFailedError, grpc_stream_errors
 from worker.runtime import WorkerRuntime
 from worker.shared_rpcs import WorkerRPCs
@@ -86,6 +92,8 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServiceServicer):
                     reply.logprobs.extend(logprobs_to_proto(lp) for lp in new)
                 if output.finished or first:  # the first reply says what was cached
                     reply.usage.CopyFrom(usage_to_proto(output))
+                if first:  # and, when asked, how likely the prompt was
+                    reply.prompt_logprobs.extend(prompt_logprobs_to_proto(output))
                     first = False
                 if output.finished:
                     reply.finish_reason = completion.finish_reason or ""

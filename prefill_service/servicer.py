@@ -20,7 +20,12 @@ from engine.outputs import RequestOutput
 from prefill_service.leases import LeaseTable
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from worker.convert import logprobs_to_proto, sampling_from_proto, timings_to_proto
+from worker.convert import (
+    logprobs_to_proto,
+    prompt_logprobs_to_proto,
+    sampling_from_proto,
+    timings_to_proto,
+)
 from worker.grpc_errors import RequestFailedError, grpc_errors
 from worker.runtime import WorkerRuntime
 from worker.shared_rpcs import WorkerRPCs
@@ -78,6 +83,7 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServiceServicer):
                 finish_reason=completion.finish_reason or "",
                 num_cached_tokens=final.num_cached_tokens,
                 timings=timings_to_proto(final.times),
+                prompt_logprobs=prompt_logprobs_to_proto(final),
             )
             if completion.logprobs:
                 reply.first_logprobs.CopyFrom(logprobs_to_proto(completion.logprobs[0]))

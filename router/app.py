@@ -251,6 +251,14 @@ def create_app(state: RouterState) -> FastAPI:
                 raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
         return prompts
 
+    def echo_texts(body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """What ``echo`` repeats of each prompt: the text sent, or token ids decoded."""
+        if isinstance(body.prompt, str):
+            return [body.prompt]
+        if all(isinstance(p, str) for p in body.prompt):
+            return list(body.prompt)
+        return [state.tokenizer.decode(tokens, skip_special_tokens=False) for tokens in prompts]
+
     async def respond(
         request: Request, body, prompts: list[list[int]], chat: bool, logprobs: int | None
     ):
@@ -270,6 +278,11 @@ def create_app(state: RouterState) -> FastAPI:
         if state.num_inflight + num_sequences > limit:
             raise overloaded()
         sampling = state.sampling_params(body, logprobs, chat)
+        echo = None
+        if not chat and body.echo:
+            echo = await asyncio.to_thread(echo_texts, body, prompts)
+            if logprobs is not None:  # the prompt's log-probs come first
+                sampling.prompt_logprobs = logprobs
         if sampling.HasField("max_tokens") and sampling.min_tokens > sampling.max_tokens:
             raise bad_request(
                 f"min_tokens must be <= max_tokens={sampling.max_tokens}, got "
@@ -296,6 +309,7 @@ def create_app(state: RouterState) -> FastAPI:
             logprobs is not None,
             state.token_text,
             body.return_token_ids,
+            echo,
         )
         arrival = time.perf_counter()
         state.num_inflight += num_sequences  # admitted: checked and taken with no await between

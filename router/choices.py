@@ -33,6 +33,7 @@ class Choice:
     finish_reason: str | None = None
     usage: pb.Usage | None = None
     cached_tokens: int = 0  # prompt tokens the worker reused, as soon as it says
+    prompt_logprobs: list[pb.TokenLogprobs] | None = None  # prompt tokens 1.., when asked
 
 
 @dataclass(slots=True)
@@ -116,6 +117,8 @@ async def run_choice(
                 last = now
             if delta.cached_tokens is not None:
                 choice.cached_tokens = delta.cached_tokens
+            if delta.prompt_logprobs is not None:
+                choice.prompt_logprobs = delta.prompt_logprobs
             choice.token_ids.extend(delta.token_ids)
             choice.logprobs.extend(delta.logprobs)
             detok = choice.detokenizer

@@ -64,6 +64,22 @@ class TokenDelta:
     finish_reason: str | None = None
     usage: pb.Usage | None = None
     cached_tokens: int | None = None  # known before the end: on a choice's first delta
+    # With sampling.prompt_logprobs, on a choice's first delta: prompt tokens 1.. scored.
+    prompt_logprobs: list[pb.TokenLogprobs] | None = None
+
+
+def _prompt_logprobs(request: SequenceRequest, scored) -> list[pb.TokenLogprobs] | None:
+    """A reply's prompt scores, when the request asked for them."""
+    return list(scored) if request.sampling.HasField("prompt_logprobs") else None
+
+
+def _unscored(sampling: pb.SamplingParams) -> pb.SamplingParams:
+    if not sampling.HasField("prompt_logprobs"):
+        return sampling
+    copy = pb.SamplingParams()
+    copy.CopyFrom(sampling)
+    copy.ClearField("prompt_logprobs")
+    return copy
 
 
 def _no_lease() -> None:
@@ -200,6 +216,7 @@ class Dispatcher:
                     [first.first_token_id],
                     [first.first_logprobs] if first.HasField("first_logprobs") else [],
                     cached_tokens=first.num_cached_tokens,
+                    prompt_logprobs=_prompt_logprobs(request, first.prompt_logprobs),
                 )
                 if first.finish_reason:  # no decode worker will hold this prompt
                     self._moved(request.block_hashes, placement.decode_worker, None)
@@ -321,11 +338,14 @@ class Dispatcher:
             self._moved(request.block_hashes, holder, worker.worker_id)
             holder = worker.worker_id
             touched.add(holder)
+            # Only a local prefill scores the prompt: after a prefill worker's or an earlier
+            # decode worker's first token the client has the prompt's log-probs.
+            scores_prompt = kv is None and not generated
             message = pb.GenerateRequest(
                 request_id=request.request_id,
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=generated,
-                sampling=request.sampling,
+                sampling=request.sampling if scores_prompt else _unscored(request.sampling),
             )
             if request.cache_salt is not None:
                 message.cache_salt = request.cache_salt
@@ -340,7 +360,8 @@ class Dispatcher:
             try:
                 with worker.tracking(call):
                     async for chunk in call:
-                        if not started:  # the decode worker has the KV: free the prefill copy
+                        first_chunk = not started
+                        if first_chunk:  # the decode worker has the KV: free the prefill copy
                             started = streamed = True
                             release_lease()
                             if moving:
@@ -351,6 +372,8 @@ class Dispatcher:
                         worker.kv_blocks_in_use += grown
                         blocks += grown
                         delta = TokenDelta(list(chunk.token_ids), list(chunk.logprobs))
+                        if scores_prompt and first_chunk:
+                            delta.prompt_logprobs = _prompt_logprobs(request, chunk.prompt_logprobs)
                         if cached_tokens is None and chunk.HasField("usage"):
                             cached_tokens = chunk.usage.cached_tokens  # prefilled there
                         delta.cached_tokens = cached_tokens

@@ -35,17 +35,31 @@ def _top_with_sampled(lp: pb.TokenLogprobs, token_text: TokenText) -> dict[str, 
 
 
 def completion_logprobs(
-    logprobs: list[pb.TokenLogprobs], token_text: TokenText, text_start: int
+    logprobs: list[pb.TokenLogprobs],
+    token_text: TokenText,
+    text_start: int,
+    echoed: tuple[list[int], list[pb.TokenLogprobs]] | None = None,
 ) -> dict[str, Any]:
-    tokens = [token_text(lp.token_id) for lp in logprobs]
+    """OpenAI's completions logprobs. ``echoed`` (prompt token ids, prompt tokens 1..
+    scored) puts the prompt first, its first token without a log-prob (nothing precedes
+    it), as ``echo`` asks."""
+    tokens, token_logprobs, top_logprobs = [], [], []
+    if echoed is not None:
+        prompt_token_ids, scored = echoed
+        tokens += [token_text(t) for t in prompt_token_ids]
+        token_logprobs += [None] + [lp.logprob for lp in scored]
+        top_logprobs += [None] + [_top_with_sampled(lp, token_text) for lp in scored]
+    tokens += [token_text(lp.token_id) for lp in logprobs]
+    token_logprobs += [lp.logprob for lp in logprobs]
+    top_logprobs += [_top_with_sampled(lp, token_text) for lp in logprobs]
     offsets, position = [], text_start
     for token in tokens:
         offsets.append(position)
         position += len(token)
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in logprobs],
-        "top_logprobs": [_top_with_sampled(lp, token_text) for lp in logprobs],
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top_logprobs,
         "text_offset": offsets,
     }
 
@@ -69,10 +83,16 @@ def chat_logprobs(logprobs: list[pb.TokenLogprobs], token_text: TokenText) -> di
 
 
 class Formatter:
-    """Builds the bodies of one response; ``chat`` selects the chat shapes."""
+    """Builds the bodies of one response; ``chat`` selects the chat shapes. ``echo`` (the
+    text of each prompt, by prompt index) puts a completion's prompt before its text, and
+    before its log-probs the prompt's (the choice's ``prompt_logprobs``), as OpenAI's
+    ``echo``; in a stream, in each choice's first chunk."""
 
     def __init__(self, response_id: str, model: str, chat: bool, logprobs: bool,
-                 token_text: TokenText, token_ids: bool = False) -> None:  # fmt: skip
+                 token_text: TokenText, token_ids: bool = False,
+                 echo: list[str] | None = None) -> None:  # fmt: skip
+        self.echo = echo
+        self._echoed: set[int] = set()
         self.token_ids = token_ids
         self.response_id = response_id
         self.model = model
@@ -87,30 +107,37 @@ class Formatter:
     def object(self) -> str:
         return "chat.completion" if self.chat else "text_completion"
 
-    def _logprobs(self, logprobs: list[pb.TokenLogprobs], index: int) -> Any:
+    def _text_and_logprobs(self, choice: Choice, text: str,
+                           logprobs: list[pb.TokenLogprobs]) -> tuple[str, Any]:  # fmt: skip
+        """A chunk's (or a whole choice's) text and log-probs, the echo first if due."""
+        echoed = None
+        if self.echo is not None and choice.index not in self._echoed:
+            self._echoed.add(choice.index)
+            text = self.echo[choice.prompt_index] + text
+            echoed = (choice.request.prompt_token_ids, choice.prompt_logprobs or [])
         if not self.logprobs:
-            return None
+            return text, None
         if self.chat:
-            return chat_logprobs(logprobs, self.token_text)
+            return text, chat_logprobs(logprobs, self.token_text)
         # Offsets run over the tokens' own texts, in a stream as in a whole response: the
         # text sent may lag behind them (held back for a stop string or a split character).
-        start = self._text_offsets.get(index, 0)
-        body = completion_logprobs(logprobs, self.token_text, start)
-        self._text_offsets[index] = start + sum(len(token) for token in body["tokens"])
-        return body
+        start = self._text_offsets.get(choice.index, 0)
+        body = completion_logprobs(logprobs, self.token_text, start, echoed)
+        self._text_offsets[choice.index] = start + sum(len(token) for token in body["tokens"])
+        return text, body
 
     def chunk(self, event: ChoiceEvent) -> dict[str, Any]:
         index = event.choice.index
-        logprobs = self._logprobs(event.logprobs, index)
+        text, logprobs = self._text_and_logprobs(event.choice, event.text, event.logprobs)
         if self.chat:
-            delta: dict[str, Any] = {"content": event.text}
+            delta: dict[str, Any] = {"content": text}
             if index not in self._sent_role:
                 self._sent_role.add(index)
                 delta["role"] = "assistant"
             choice = {"index": index, "delta": delta, "logprobs": logprobs,
                       "finish_reason": event.finish_reason}  # fmt: skip
         else:
-            choice = {"index": index, "text": event.text, "logprobs": logprobs,
+            choice = {"index": index, "text": text, "logprobs": logprobs,
                       "finish_reason": event.finish_reason}  # fmt: skip
         if self.token_ids:
             choice["token_ids"] = list(event.token_ids)
@@ -124,8 +151,9 @@ class Formatter:
     def final(self, choices: list[Choice]) -> dict[str, Any]:
         items = []
         for choice in sorted(choices, key=lambda c: c.index):
-            text = choice.detokenizer.text
-            logprobs = self._logprobs(choice.logprobs, choice.index)
+            text, logprobs = self._text_and_logprobs(
+                choice, choice.detokenizer.text, choice.logprobs
+            )
             if self.chat:
                 items.append({
                     "index": choice.index,

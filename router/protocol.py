@@ -210,8 +210,6 @@ class CompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _checks(self) -> CompletionRequest:
-        if self.echo:
-            raise FieldError("echo is not supported", "echo")
         if self.suffix:
             raise FieldError("suffix is not supported", "suffix")
         if self.best_of not in (None, self.n):

@@ -20,6 +20,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty or 1.0,
@@ -46,7 +47,15 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = params.prompt_logprobs
     return msg
+
+
+def prompt_logprobs_to_proto(output: RequestOutput) -> list[pb.TokenLogprobs]:
+    """Prompt tokens 1.. scored (the engine's leading None has no wire form)."""
+    scored = output.prompt_logprobs or []
+    return [logprobs_to_proto(lp) for lp in scored if lp is not None]
 
 
 def logprobs_to_proto(lp: TokenLogprobs) -> pb.TokenLogprobs:

@@ -56,7 +56,7 @@ def test_refusals_name_their_field(state):
         ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}},
          "response_format"),
         ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
-        ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+        ("/v1/completions", {"prompt": "x", "suffix": "!"}, "suffix"),
         ("/v1/completions", {"prompt": "a\ud800b"}, "prompt"),
         ("/v1/completions", {"prompt": "x", "cache_salt": "\udfff"}, "cache_salt"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}]},

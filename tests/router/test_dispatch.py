@@ -37,14 +37,21 @@ class Decode(pb_grpc.DecodeServiceServicer):
 
     async def Generate(self, request, context):
         self.requests.append(request)
-        for token_id in self.token_ids:
-            yield pb.GenerateResponse(token_ids=[token_id], usage=pb.Usage(cached_tokens=3))
+        for i, token_id in enumerate(self.token_ids):
+            reply = pb.GenerateResponse(token_ids=[token_id], usage=pb.Usage(cached_tokens=3))
+            if i == 0 and request.sampling.HasField("prompt_logprobs"):  # a local prefill
+                reply.prompt_logprobs.extend(scores(request.prompt_token_ids))
+            yield reply
         if self.fail:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine failed")
         yield pb.GenerateResponse(token_ids=[42], finish_reason="length", usage=pb.Usage())
 
     async def Stats(self, request, context):
         return pb.StatsResponse()
+
+
+def scores(prompt_token_ids) -> list[pb.TokenLogprobs]:
+    return [pb.TokenLogprobs(token_id=t, logprob=-t / 100) for t in prompt_token_ids[1:]]
 
 
 class Draining(Decode):
@@ -146,9 +153,17 @@ def test_a_finished_request_keeps_its_prefix_claims(tmp_path):
     assert run_with_registry(tmp_path, scenario) == 3
 
 
-def decode_through(tmp_path, servicers, config: RouterConfig | None = None, first=None):
+def decode_through(
+    tmp_path,
+    servicers,
+    config: RouterConfig | None = None,
+    first=None,
+    sampling: pb.SamplingParams | None = None,
+    deltas: list | None = None,
+):
     """Run one sequence's ``_decode`` over fake decode workers registered in this order,
-    tried in this order: (tokens, error message or None, migrations counted, last usage)."""
+    tried in this order: (tokens, error message or None, migrations counted, last usage).
+    ``deltas`` collects what the client side received."""
 
     async def scenario(registry: RedisRegistry) -> tuple:
         servers = [await serve(servicer, registry) for servicer in servicers]
@@ -159,7 +174,8 @@ def decode_through(tmp_path, servicers, config: RouterConfig | None = None, firs
             await pool.refresh()
             for state in pool.candidates(Role.DECODE):
                 state.running = ids.index(state.worker_id)  # the least busy is tried first
-            request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams())
+            params = sampling or pb.SamplingParams()
+            request = SequenceRequest("r1", list(range(5, 40)), [], params)
             placement = Placement(ids[0], "prefill@x", 0, 0, 0.0)
             try:
                 async for delta in dispatcher._decode(
@@ -167,6 +183,8 @@ def decode_through(tmp_path, servicers, config: RouterConfig | None = None, firs
                 ):
                     tokens += delta.token_ids
                     usage = delta.usage or usage
+                    if deltas is not None:
+                        deltas.append(delta)
             except APIError as exc:
                 error = exc.message
             moved = dispatcher.metrics.registry.get_sample_value(
@@ -217,3 +235,25 @@ def test_a_worker_that_refuses_a_moving_sequence_costs_no_migration(tmp_path):
     assert (tokens, error, moved) == ([1, 2, 42], None, 1)
     assert [len(s.requests) for s in servicers] == [1, 1, 1]
     assert list(servicers[2].requests[0].output_token_ids) == [1, 2]
+
+
+@pytest.mark.timeout(60)
+def test_only_a_local_prefill_scores_the_prompt(tmp_path):
+    """With prompt_logprobs, the decode worker that prefills locally scores the prompt and
+    the client gets the scores once, with the first tokens; a worker the sequence moves to
+    (the client has the scores) and one that pulls a prefill worker's KV are not asked."""
+    sampling = pb.SamplingParams(prompt_logprobs=1)
+    servicers, deltas = [Decode(True, (1, 2)), Decode(False)], []
+    tokens, error, moved, _ = decode_through(tmp_path, servicers, sampling=sampling, deltas=deltas)
+    assert (tokens, error, moved) == ([1, 2, 42], None, 1)
+    asked = [s.requests[0].sampling.HasField("prompt_logprobs") for s in servicers]
+    assert asked == [True, False]
+    scored = [d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None]
+    assert scored == [scores(list(range(5, 40)))]
+    pulled = Decode(False, (3,))
+    first = pb.PrefillResponse(first_token_id=7, prompt_logprobs=scores(list(range(5, 40))))
+    first.kv.lease_id = "lease-1"
+    deltas = []
+    decode_through(tmp_path, [pulled], first=first, sampling=sampling, deltas=deltas)
+    assert not pulled.requests[0].sampling.HasField("prompt_logprobs")
+    assert all(d.prompt_logprobs is None for d in deltas)  # the prefill's come via _journey

@@ -113,6 +113,38 @@ def test_greedy_completions_equal_offline(client, tiny_llama):
     assert usage.completion_tokens == 12 and usage.prompt_tokens == 100
 
 
+def test_echo_scores_the_prompt_as_lm_eval_asks(client, tiny_llama):
+    """lm-eval's loglikelihood request (token ids, echo, logprobs=1, max_tokens=1): the
+    prompt's log-probs come back first, computed by the prefill worker, equal to the
+    offline engine's, streamed or not, even for a prompt the workers have cached."""
+    prompt = random_prompts((37,), seed=7)[0]
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=1, prompt_logprobs=1)
+    (offline,) = LLM(tiny_llama).generate([prompt], params, use_tqdm=False)
+    expected = [lp.logprob for lp in offline.prompt_logprobs[1:]]
+    expected.append(offline.outputs[0].logprobs[0].logprob)
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)  # cache it
+    ask = dict(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    reply = client.completions.create(**ask)
+    (choice,) = reply.choices
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(prompt) + 1 and logprobs.token_logprobs[0] is None
+    assert logprobs.top_logprobs[0] is None
+    assert logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    assert choice.text == "".join(logprobs.tokens)
+    streamed_tokens, streamed_logprobs, text = [], [], ""
+    for chunk in client.completions.create(**ask, stream=True):
+        for part in chunk.choices:
+            text += part.text
+            streamed_tokens += part.logprobs.tokens
+            streamed_logprobs += part.logprobs.token_logprobs
+    assert (streamed_tokens, text) == (logprobs.tokens, choice.text)
+    assert streamed_logprobs[0] is None
+    assert streamed_logprobs[1:] == pytest.approx(logprobs.token_logprobs[1:], abs=1e-6)
+    # Without logprobs, echo repeats the prompt's text as sent.
+    plain = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=2, echo=True)
+    assert plain.choices[0].text.startswith("Hello there")
+
+
 def test_penalties_cross_the_disaggregated_path_unchanged(client, tiny_llama):
     """The prefill worker samples the first token and the decode worker the rest, both
     with the prompt and the outputs so far: tokens equal the offline engine's."""
