@@ -92,7 +92,7 @@ class KVCacheManager:
         return hits, len(hits) * self.block_size
 
     def _max_hit_blocks(self, request: Request) -> int:
-        """None for a request scoring its prompt: every prompt token's logits are needed."""
+        """0 for a request scoring its prompt: every prompt token's logits are needed."""
         if request.scores_prompt:
             return 0
         return (request.num_tokens - 1) // self.block_size
