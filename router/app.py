@@ -234,11 +234,9 @@ def create_app(state: RouterState) -> FastAPI:
             raise bad_request(str(exc), "messages") from None
 
     def completion_prompts(body: CompletionRequest) -> list[list[int]]:
-        prompt = body.prompt
-        if isinstance(prompt, str):
-            prompts = [state.tokenizer.encode(prompt)]
-        elif all(isinstance(p, str) for p in prompt):
-            prompts = [state.tokenizer.encode(p) for p in prompt]
+        prompt, texts = body.prompt, body.prompt_texts
+        if texts is not None:
+            prompts = [state.tokenizer.encode(text) for text in texts]
         elif all(isinstance(p, int) for p in prompt):
             prompts = [list(prompt)]
         else:
@@ -253,10 +251,9 @@ def create_app(state: RouterState) -> FastAPI:
 
     def echo_texts(body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
         """What ``echo`` repeats of each prompt: the text sent, or token ids decoded."""
-        if isinstance(body.prompt, str):
-            return [body.prompt]
-        if all(isinstance(p, str) for p in body.prompt):
-            return list(body.prompt)
+        texts = body.prompt_texts
+        if texts is not None:
+            return texts
         return [state.tokenizer.decode(tokens, skip_special_tokens=False) for tokens in prompts]
 
     async def respond(

@@ -208,6 +208,15 @@ class CompletionRequest(_SamplingFields):
     best_of: int | None = None
     suffix: str | None = None
 
+    @property
+    def prompt_texts(self) -> list[str] | None:
+        """The prompts as text, one per prompt; None when they came as token ids."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if all(isinstance(p, str) for p in self.prompt):
+            return list(self.prompt)
+        return None
+
     @model_validator(mode="after")
     def _checks(self) -> CompletionRequest:
         if self.suffix:
