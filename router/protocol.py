@@ -260,6 +260,15 @@ class ChatMessage(_Body):
         return "".join(parts)
 
 
+def _check_contents(messages: list[ChatMessage]) -> None:
+    """Only an assistant turn may come without content (OpenAI: it may carry tool calls
+    instead); a missing user, system or tool content is a client bug, not an empty turn."""
+    for index, message in enumerate(messages):
+        if message.content is None and message.role != "assistant":
+            param = f"messages[{index}].content"
+            raise FieldError(f"{param} is required for a {message.role} message", param)
+
+
 class ChatCompletionRequest(_SamplingFields):
     REFUSED_EXTRAS = {
         **_SamplingFields.REFUSED_EXTRAS,
@@ -290,6 +299,7 @@ class ChatCompletionRequest(_SamplingFields):
             raise FieldError("tool_choice needs tools, which are not supported", "tool_choice")
         if any(m.tool_calls or m.function_call for m in self.messages):
             raise FieldError("messages with tool calls are not supported", "messages")
+        _check_contents(self.messages)
         if self.top_logprobs and not self.logprobs:
             raise FieldError("top_logprobs requires logprobs=true", "top_logprobs")
         return self
@@ -310,6 +320,7 @@ class TokenizeRequest(_Body):
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        _check_contents(self.messages or [])
         return self
 
 

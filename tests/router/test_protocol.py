@@ -6,7 +6,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 
-from router.protocol import ChatCompletionRequest, CompletionRequest, FieldError
+from router.protocol import ChatCompletionRequest, CompletionRequest, FieldError, TokenizeRequest
 
 
 def refused_param(model: type[pydantic.BaseModel], body: dict) -> str | None:
@@ -104,9 +104,21 @@ def test_lone_surrogates_are_refused_where_they_stand():
 
 def test_a_message_author_name_reaches_the_template():
     chat = ChatCompletionRequest.model_validate(
-        {"messages": [{"role": "user", "content": "hi", "name": "ana"}, {"role": "user"}]}
+        {
+            "messages": [
+                {"role": "user", "content": "hi", "name": "ana"},
+                {"role": "assistant", "content": None},
+            ]
+        }
     )
     assert [m.for_template() for m in chat.messages] == [
         {"role": "user", "content": "hi", "name": "ana"},
-        {"role": "user", "content": ""},
+        {"role": "assistant", "content": ""},
     ]
+
+
+@pytest.mark.parametrize("role", ["system", "developer", "user", "tool"])
+def test_only_an_assistant_message_may_come_without_content(role):
+    messages = [{"role": "user", "content": "hi"}, {"role": role, "content": None}]
+    assert refused_param(ChatCompletionRequest, {"messages": messages}) == "messages[1].content"
+    assert refused_param(TokenizeRequest, {"messages": [{"role": role}]}) == "messages[0].content"
