@@ -140,10 +140,11 @@ class Dispatcher:
                 self.index.expire_optimistic()
                 self._last_expiry = start
             ids = [w.worker_id for w in decode + prefill]
-            matches = self.index.match(request.block_hashes, ids)
-            confirmed = self.index.match(
-                request.block_hashes, [w.worker_id for w in decode], optimistic=False
-            )
+            # A prompt to score is computed whole wherever it goes (a cached block has no
+            # logits): no worker saves it any work.
+            reusable = [] if request.sampling.HasField("prompt_logprobs") else request.block_hashes
+            matches = self.index.match(reusable, ids)
+            confirmed = self.index.match(reusable, [w.worker_id for w in decode], optimistic=False)
             prefill_loads = [w.load() for w in prefill]
             if not self.config.per_worker_prefill_rate:
                 prefill_loads = _pooled_rate(prefill_loads)

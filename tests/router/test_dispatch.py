@@ -12,6 +12,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 
 from common.config import Role, RouterConfig
 from common.hashing import hash_blocks
+from common.kv_events import BlockStored
 from common.registry import RedisRegistry, WorkerInfo
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -257,3 +258,31 @@ def test_only_a_local_prefill_scores_the_prompt(tmp_path):
     decode_through(tmp_path, [pulled], first=first, sampling=sampling, deltas=deltas)
     assert not pulled.requests[0].sampling.HasField("prompt_logprobs")
     assert all(d.prompt_logprobs is None for d in deltas)  # the prefill's come via _journey
+
+
+@pytest.mark.timeout(60)
+def test_a_prompt_to_score_is_placed_as_uncached(tmp_path):
+    """A worker's cached prefix saves a scoring request nothing (it computes the whole
+    prompt for the logits), so placement neither credits nor counts it as cached."""
+
+    async def scenario(registry: RedisRegistry) -> list[Placement]:
+        server, info = await serve(Decode(fail=False), registry)
+        index = PrefixIndex()
+        pool, dispatcher = pool_and_dispatcher(registry, index)
+        try:
+            await pool.refresh()
+            prompt = list(range(5, 53))
+            hashes = hash_blocks(prompt, 16)
+            index.apply(info.worker_id, [BlockStored(hashes, None, prompt, 16)])
+            placements = []
+            for sampling in (pb.SamplingParams(), pb.SamplingParams(prompt_logprobs=0)):
+                request = SequenceRequest("r", prompt, hashes, sampling)
+                placements.append(dispatcher.place(request))
+            return placements
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    plain, scoring = run_with_registry(tmp_path, scenario)
+    assert plain.decode_cached_tokens > 0
+    assert scoring.decode_cached_tokens == 0
