@@ -276,10 +276,13 @@ def create_app(state: RouterState) -> FastAPI:
             raise overloaded()
         sampling = state.sampling_params(body, logprobs, chat)
         echo = None
+        scored = [] if body.prompt_logprobs is None else [body.prompt_logprobs]
         if not chat and body.echo:
             echo = await asyncio.to_thread(echo_texts, body, prompts)
             if logprobs is not None:  # the prompt's log-probs come first
-                sampling.prompt_logprobs = logprobs
+                scored.append(logprobs)
+        if scored:  # the engine scores once, with the larger top n; each use cuts its own
+            sampling.prompt_logprobs = max(scored)
         if sampling.HasField("max_tokens") and sampling.min_tokens > sampling.max_tokens:
             raise bad_request(
                 f"min_tokens must be <= max_tokens={sampling.max_tokens}, got "
@@ -303,10 +306,11 @@ def create_app(state: RouterState) -> FastAPI:
             response_id,
             state.model.served_name,
             chat,
-            logprobs is not None,
+            logprobs,
             state.token_text,
             body.return_token_ids,
             echo,
+            body.prompt_logprobs,
         )
         arrival = time.perf_counter()
         state.num_inflight += num_sequences  # admitted: checked and taken with no await between

@@ -27,9 +27,15 @@ def usage_body(choices: list[Choice]) -> dict[str, Any]:
     }
 
 
-def _top_with_sampled(lp: pb.TokenLogprobs, token_text: TokenText) -> dict[str, float]:
-    """OpenAI's up to logprobs + 1 entries: the top ones and always the sampled token."""
-    top = {token_text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs, strict=True)}
+def _top_with_sampled(
+    lp: pb.TokenLogprobs, token_text: TokenText, top_n: int | None = None
+) -> dict[str, float]:
+    """OpenAI's up to logprobs + 1 entries: the top ones (the first ``top_n``; None: all)
+    and always the sampled token."""
+    top = {
+        token_text(t): v
+        for t, v in zip(lp.top_token_ids[:top_n], lp.top_logprobs[:top_n], strict=True)
+    }
     top[token_text(lp.token_id)] = lp.logprob
     return top
 
@@ -39,16 +45,18 @@ def completion_logprobs(
     token_text: TokenText,
     text_start: int,
     echoed: tuple[list[int], list[pb.TokenLogprobs]] | None = None,
+    top_n: int | None = None,
 ) -> dict[str, Any]:
     """OpenAI's completions logprobs. ``echoed`` (prompt token ids, prompt tokens 1..
     scored) puts the prompt first, its first token without a log-prob (nothing precedes
-    it), as ``echo`` asks."""
+    it), as ``echo`` asks; its top lists are cut to ``top_n`` (they may have been scored
+    with more, for ``prompt_logprobs``)."""
     tokens, token_logprobs, top_logprobs = [], [], []
     if echoed is not None:
         prompt_token_ids, scored = echoed
         tokens += [token_text(t) for t in prompt_token_ids]
         token_logprobs += [None] + [lp.logprob for lp in scored]
-        top_logprobs += [None] + [_top_with_sampled(lp, token_text) for lp in scored]
+        top_logprobs += [None] + [_top_with_sampled(lp, token_text, top_n) for lp in scored]
     tokens += [token_text(lp.token_id) for lp in logprobs]
     token_logprobs += [lp.logprob for lp in logprobs]
     top_logprobs += [_top_with_sampled(lp, token_text) for lp in logprobs]
@@ -62,6 +70,30 @@ def completion_logprobs(
         "top_logprobs": top_logprobs,
         "text_offset": offsets,
     }
+
+
+def vllm_prompt_logprobs(
+    scored: list[pb.TokenLogprobs], token_text: TokenText, top_n: int
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token, None for the first (nothing precedes
+    it), then ``{token id: {logprob, rank, decoded_token}}`` for the token itself and the
+    top ``top_n`` there (ranks from 1; the token appears once if it is among them)."""
+    result: list[dict[str, dict[str, Any]] | None] = [None]
+    for lp in scored:
+        entries = {
+            str(lp.token_id): {
+                "logprob": lp.logprob, "rank": lp.rank, "decoded_token": token_text(lp.token_id)
+            }
+        }  # fmt: skip
+        for rank, (token_id, logprob) in enumerate(
+            zip(lp.top_token_ids[:top_n], lp.top_logprobs[:top_n], strict=True), start=1
+        ):
+            entries.setdefault(
+                str(token_id),
+                {"logprob": logprob, "rank": rank, "decoded_token": token_text(token_id)},
+            )
+        result.append(entries)
+    return result
 
 
 def chat_logprobs(logprobs: list[pb.TokenLogprobs], token_text: TokenText) -> dict[str, Any]:
@@ -88,10 +120,12 @@ class Formatter:
     before its log-probs the prompt's (the choice's ``prompt_logprobs``), as OpenAI's
     ``echo``; in a stream, in each choice's first chunk."""
 
-    def __init__(self, response_id: str, model: str, chat: bool, logprobs: bool,
+    def __init__(self, response_id: str, model: str, chat: bool, logprobs: int | None,
                  token_text: TokenText, token_ids: bool = False,
-                 echo: list[str] | None = None) -> None:  # fmt: skip
+                 echo: list[str] | None = None,
+                 prompt_logprobs: int | None = None) -> None:  # fmt: skip
         self.echo = echo
+        self.prompt_logprobs = prompt_logprobs
         self._echoed: set[int] = set()
         self.token_ids = token_ids
         self.response_id = response_id
@@ -115,14 +149,14 @@ class Formatter:
             self._echoed.add(choice.index)
             text = self.echo[choice.prompt_index] + text
             echoed = (choice.request.prompt_token_ids, choice.prompt_logprobs or [])
-        if not self.logprobs:
+        if self.logprobs is None:
             return text, None
         if self.chat:
             return text, chat_logprobs(logprobs, self.token_text)
         # Offsets run over the tokens' own texts, in a stream as in a whole response: the
         # text sent may lag behind them (held back for a stop string or a split character).
         start = self._text_offsets.get(choice.index, 0)
-        body = completion_logprobs(logprobs, self.token_text, start, echoed)
+        body = completion_logprobs(logprobs, self.token_text, start, echoed, self.logprobs)
         self._text_offsets[choice.index] = start + sum(len(token) for token in body["tokens"])
         return text, body
 
@@ -166,9 +200,18 @@ class Formatter:
                               "finish_reason": choice.finish_reason})  # fmt: skip
             if self.token_ids:
                 items[-1]["token_ids"] = list(choice.token_ids)
+            if self.prompt_logprobs is not None and not self.chat:
+                items[-1]["prompt_logprobs"] = self._prompt_logprobs(choice)
         body = self._envelope(items, None)
+        if self.prompt_logprobs is not None and self.chat:  # one prompt: vLLM puts it here
+            body["prompt_logprobs"] = self._prompt_logprobs(choices[0])
         body["usage"] = usage_body(choices)
         return body
+
+    def _prompt_logprobs(self, choice: Choice) -> list[dict[str, dict[str, Any]] | None]:
+        assert self.prompt_logprobs is not None
+        scored = choice.prompt_logprobs or []
+        return vllm_prompt_logprobs(scored, self.token_text, self.prompt_logprobs)
 
     def _envelope(self, choices: list[dict[str, Any]], obj: str | None) -> dict[str, Any]:
         return {

@@ -115,7 +115,6 @@ _VLLM_OUTPUT_FIELDS = (
 class _SamplingFields(_Body):
     REFUSED_EXTRAS: ClassVar[dict[str, Callable[[Any], bool]]] = {
         **dict.fromkeys(_VLLM_OUTPUT_FIELDS, _absent),
-        "prompt_logprobs": lambda value: value is None,
         "truncate_prompt_tokens": lambda value: value is None,
         "priority": lambda value: value is None or value == 0,
         "length_penalty": lambda value: value is None or value == 1,
@@ -142,6 +141,9 @@ class _SamplingFields(_Body):
     # ids next to the text of each choice.
     cache_salt: str | None = None
     return_token_ids: bool = False
+    # vLLM's: each prompt token's log-prob and the top n there, in the response's
+    # ``prompt_logprobs`` (not streamed, as in vLLM).
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     logit_bias: dict[str, float] | None = None
     # vLLM's detokenization options, honoured only at their defaults.
     skip_special_tokens: bool = True
@@ -180,6 +182,8 @@ class _SamplingFields(_Body):
             )
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise FieldError("response_format other than text is not supported", "response_format")
+        if self.prompt_logprobs is not None and self.stream:
+            raise FieldError("prompt_logprobs is not available with stream=true", "prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options is only allowed with stream=true", "stream_options")
         return self

@@ -1,4 +1,5 @@
-"""Response bodies: a streamed completion's logprobs equal the whole response's."""
+"""Response bodies: a streamed completion's logprobs equal the whole response's; the
+prompt's log-probs in OpenAI's echo and vLLM's prompt_logprobs shapes."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from types import SimpleNamespace
 
 from proto import pdserve_pb2 as pb
 from router.choices import Choice, ChoiceEvent
-from router.formatting import Formatter
+from router.formatting import Formatter, vllm_prompt_logprobs
 
 TOKEN_TEXT = {1: "ab", 2: "c", 3: "\ufffd", 4: "de", 5: "f"}
 
@@ -24,13 +25,56 @@ def test_streamed_text_offsets_equal_the_whole_responses():
     request = SimpleNamespace(prompt_token_ids=[7, 8])
     choice = Choice(0, 0, request, _Text("abc\ufffddef"), token_ids=list(TOKEN_TEXT),
                     logprobs=logprobs, finish_reason="length")  # fmt: skip
-    streamed = Formatter("cmpl-1", "m", chat=False, logprobs=True, token_text=TOKEN_TEXT.get)
+    streamed = Formatter("cmpl-1", "m", chat=False, logprobs=0, token_text=TOKEN_TEXT.get)
     offsets, position = [], 0
     for token_ids, text in chunks:
         lps = logprobs[position : position + len(token_ids)]
         position += len(token_ids)
         body = streamed.chunk(ChoiceEvent(choice, text, token_ids, lps))
         offsets += body["choices"][0]["logprobs"]["text_offset"]
-    whole = Formatter("cmpl-2", "m", chat=False, logprobs=True, token_text=TOKEN_TEXT.get)
+    whole = Formatter("cmpl-2", "m", chat=False, logprobs=0, token_text=TOKEN_TEXT.get)
     final = whole.final([choice])["choices"][0]["logprobs"]
     assert offsets == final["text_offset"] == [0, 2, 3, 4, 6]
+
+
+def test_prompt_logprobs_take_vllms_shape_and_echo_cuts_its_own_top():
+    """Scored once with the larger top n (3, for prompt_logprobs); echo's logprobs=1 shows
+    one top entry and the prompt token; vLLM's field shows the token and the top 3, the
+    token once when it is among them."""
+    scored = [
+        pb.TokenLogprobs(token_id=2, logprob=-0.5, rank=1, top_token_ids=[2, 4, 5],
+                         top_logprobs=[-0.5, -2.5, -3.0]),
+        pb.TokenLogprobs(token_id=1, logprob=-4.0, rank=7, top_token_ids=[4, 5, 2],
+                         top_logprobs=[-0.25, -1.5, -2.0]),
+    ]  # fmt: skip
+    request = SimpleNamespace(prompt_token_ids=[5, 2, 1])
+    choice = Choice(0, 0, request, _Text("c"), token_ids=[2], finish_reason="length",
+                    logprobs=[pb.TokenLogprobs(token_id=2, logprob=-0.75, top_token_ids=[2],
+                                               top_logprobs=[-0.75])],
+                    prompt_logprobs=scored)  # fmt: skip
+    formatter = Formatter("cmpl-1", "m", chat=False, logprobs=1, token_text=TOKEN_TEXT.get,
+                          echo=["fabc"], prompt_logprobs=3)  # fmt: skip
+    (body,) = formatter.final([choice])["choices"]
+    assert body["text"] == "fabcc"
+    assert body["logprobs"]["top_logprobs"] == [None, {"c": -0.5}, {"de": -0.25, "ab": -4.0},
+                                                {"c": -0.75}]  # fmt: skip
+    assert body["prompt_logprobs"] == [
+        None,
+        {"2": {"logprob": -0.5, "rank": 1, "decoded_token": "c"},
+         "4": {"logprob": -2.5, "rank": 2, "decoded_token": "de"},
+         "5": {"logprob": -3.0, "rank": 3, "decoded_token": "f"}},
+        {"1": {"logprob": -4.0, "rank": 7, "decoded_token": "ab"},
+         "4": {"logprob": -0.25, "rank": 1, "decoded_token": "de"},
+         "5": {"logprob": -1.5, "rank": 2, "decoded_token": "f"},
+         "2": {"logprob": -2.0, "rank": 3, "decoded_token": "c"}},
+    ]  # fmt: skip
+    assert vllm_prompt_logprobs(scored, TOKEN_TEXT.get, 0) == [
+        None,
+        {"2": {"logprob": -0.5, "rank": 1, "decoded_token": "c"}},
+        {"1": {"logprob": -4.0, "rank": 7, "decoded_token": "ab"}},
+    ]
+    chat = Formatter("chatcmpl-1", "m", chat=True, logprobs=None, token_text=TOKEN_TEXT.get,
+                     prompt_logprobs=0)  # fmt: skip
+    whole = chat.final([choice])
+    assert whole["prompt_logprobs"] == vllm_prompt_logprobs(scored, TOKEN_TEXT.get, 0)
+    assert "prompt_logprobs" not in whole["choices"][0]

@@ -145,6 +145,42 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(client, tiny_llama):
     assert plain.choices[0].text.startswith("Hello there")
 
 
+def test_vllms_prompt_logprobs_match_the_offline_engine(client, tiny_llama):
+    """vLLM's prompt_logprobs field: each prompt token with its top n, equal to the offline
+    engine's; scored once with echo's logprobs, each shown with its own top n."""
+    prompt = random_prompts((29,), seed=8)[0]
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3)
+    (offline,) = LLM(tiny_llama).generate([prompt], params, use_tqdm=False)
+    reply = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True,
+        extra_body={"prompt_logprobs": 3},
+    )  # fmt: skip
+    (choice,) = reply.choices
+    got = choice.model_extra["prompt_logprobs"]
+    assert len(got) == len(prompt) and got[0] is None
+    for position, (entries, expected) in enumerate(zip(got[1:], offline.prompt_logprobs[1:],
+                                                       strict=True), start=1):  # fmt: skip
+        wanted = {expected.token_id: (expected.logprob, expected.rank)}
+        tops = zip(expected.top_token_ids, expected.top_logprobs, strict=True)
+        for rank, (token_id, logprob) in enumerate(tops, start=1):
+            wanted.setdefault(token_id, (logprob, rank))
+        assert {int(t): e["rank"] for t, e in entries.items()} == {
+            t: rank for t, (_, rank) in wanted.items()
+        }, position
+        for token_id, entry in entries.items():
+            assert entry["logprob"] == pytest.approx(wanted[int(token_id)][0], abs=1e-4)
+        assert entries[str(prompt[position])]["rank"] == expected.rank
+    # Echo's own logprobs=1: one top entry besides the prompt token, not three.
+    assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs[1:])
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Score me."}], max_tokens=2,
+        extra_body={"prompt_logprobs": 0},
+    )  # fmt: skip
+    scored = chat.model_extra["prompt_logprobs"]
+    assert len(scored) == chat.usage.prompt_tokens and scored[0] is None
+    assert all(len(entries) == 1 for entries in scored[1:])
+
+
 def test_penalties_cross_the_disaggregated_path_unchanged(client, tiny_llama):
     """The prefill worker samples the first token and the decode worker the rest, both
     with the prompt and the outputs so far: tokens equal the offline engine's."""

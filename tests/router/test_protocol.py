@@ -46,7 +46,7 @@ def test_null_means_the_default():
         ("guided_regex", "[a-z]+"),
         ("guided_choice", ["yes", "no"]),
         ("structured_outputs", {"json": {}}),
-        ("prompt_logprobs", 0),
+        ("prompt_logprobs", -1),  # vLLM's whole vocabulary
         ("allowed_token_ids", [1, 2]),
         ("bad_words", ["x"]),
         ("truncate_prompt_tokens", 8),
@@ -122,3 +122,12 @@ def test_only_an_assistant_message_may_come_without_content(role):
     messages = [{"role": "user", "content": "hi"}, {"role": role, "content": None}]
     assert refused_param(ChatCompletionRequest, {"messages": messages}) == "messages[1].content"
     assert refused_param(TokenizeRequest, {"messages": [{"role": role}]}) == "messages[0].content"
+
+
+def test_prompt_logprobs_are_not_streamed():
+    """As in vLLM: they come whole, in the response body."""
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    for model, body in ((CompletionRequest, {"prompt": "x"}), (ChatCompletionRequest, chat)):
+        assert model.model_validate({**body, "prompt_logprobs": 2}).prompt_logprobs == 2
+        streamed = {**body, "prompt_logprobs": 2, "stream": True}
+        assert refused_param(model, streamed) == "prompt_logprobs"
