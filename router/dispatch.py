@@ -82,8 +82,9 @@ def _unscored(sampling: pb.SamplingParams) -> pb.SamplingParams:
     return copy
 
 
-def _no_lease() -> None:
-    """Nothing to release: the prompt was not prefilled elsewhere."""
+def _nothing() -> None:
+    """Nothing to end: no lease to release (the prompt was not prefilled elsewhere), or no
+    placed worker to count a sequence on."""
 
 
 def _pooled_rate(loads: list[WorkerLoad]) -> list[WorkerLoad]:
@@ -180,8 +181,11 @@ class Dispatcher:
         placement = self.place(request)
         touched = {w for w in (placement.decode_worker, placement.prefill_worker) if w}
         counted = False
+        decode = self.pool.get(placement.decode_worker)
+        blocks = -(-len(request.prompt_token_ids) // self.block_size)
+        arrived = decode.assign(blocks) if decode is not None else _nothing
         try:
-            async for delta in self._journey(request, placement, touched):
+            async for delta in self._journey(request, placement, touched, arrived):
                 if not counted and delta.cached_tokens is not None:
                     counted = True  # what the worker reused, not what placement expected
                     self.metrics.prefix_cache(len(request.prompt_token_ids), delta.cached_tokens)
@@ -195,12 +199,20 @@ class Dispatcher:
                 for worker_id in touched:
                     self.index.withdraw_optimistic(worker_id, request.block_hashes)
             raise
+        finally:
+            arrived()
 
     async def _journey(
-        self, request: SequenceRequest, placement: Placement, touched: set[str]
+        self,
+        request: SequenceRequest,
+        placement: Placement,
+        touched: set[str],
+        arrived: Callable[[], None],
     ) -> AsyncIterator[TokenDelta]:
+        """The sequence's hops. ``arrived`` ends its count as the placed decode worker's
+        load once the decode hop takes over that count (its Generate call)."""
         first: pb.PrefillResponse | None = None
-        release = _no_lease
+        release = _nothing
         if placement.disaggregated:
             first, prefill_worker = await self._prefill(request, placement)
             actual = prefill_worker.worker_id if prefill_worker is not None else None
@@ -231,6 +243,7 @@ class Dispatcher:
                         ),
                     )
                     return
+            arrived()  # no await before _decode counts its call as the worker's running
             async for delta in self._decode(request, placement, first, release, touched):
                 yield delta
         finally:

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -51,6 +51,11 @@ class WorkerState:
     queued_prefill_tokens: int = 0
     running: int = 0
     kv_blocks_in_use: int = 0
+    # Sequences placed on this decode worker that have not reached it yet (in prefill or
+    # before their Generate call), and the blocks their prompts will take there: a burst
+    # of long prompts is still prefilling when the next placement looks.
+    assigned: int = 0
+    assigned_blocks: int = 0
     # Stall detection: when it last answered a probe (time.monotonic()), how many probes
     # in a row it has missed since, its calls in flight, and those of them the pool
     # cancelled because it stopped answering.
@@ -81,6 +86,21 @@ class WorkerState:
         self.answered_at = time.monotonic()
         self.missed_probes = 0
 
+    def assign(self, num_blocks: int) -> Callable[[], None]:
+        """Count one sequence placed here until the returned call ends that (once,
+        however often it is called): when its Generate call is issued, or it ends first."""
+        self.assigned += 1
+        self.assigned_blocks += num_blocks
+        pending = [True]
+
+        def arrived() -> None:
+            if pending:
+                pending.clear()
+                self.assigned -= 1
+                self.assigned_blocks -= num_blocks
+
+        return arrived
+
     @property
     def worker_id(self) -> str:
         return self.info.worker_id
@@ -94,8 +114,8 @@ class WorkerState:
             worker_id=self.worker_id,
             queued_prefill_tokens=self.queued_prefill_tokens,
             prefill_tokens_per_s=self.stats.prefill_tokens_per_s,
-            running=self.running,
-            kv_blocks_in_use=self.kv_blocks_in_use,
+            running=self.running + self.assigned,
+            kv_blocks_in_use=self.kv_blocks_in_use + self.assigned_blocks,
             kv_blocks_total=self.stats.kv_blocks_total or self.info.kv_blocks_total,
         )
 

@@ -4,6 +4,7 @@ its pull; and its migration of a sequence whose decode worker failed mid-stream.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import grpc
@@ -68,15 +69,43 @@ class Draining(Decode):
         yield  # an async generator, like the real method
 
 
-async def serve(servicer: Decode, registry: RedisRegistry) -> tuple[grpc.aio.Server, WorkerInfo]:
-    """A decode service on a free port of 127.0.0.1, registered."""
+class HeldPrefill(pb_grpc.PrefillServiceServicer):
+    """Answers every prompt (first token 7, a lease) once ``go`` is set."""
+
+    def __init__(self) -> None:
+        self.go = asyncio.Event()
+        self.num_waiting = 0
+
+    async def Prefill(self, request, context):
+        self.num_waiting += 1
+        await self.go.wait()
+        reply = pb.PrefillResponse(first_token_id=7)
+        reply.kv.lease_id = f"lease-{request.request_id}"
+        reply.kv.num_tokens = len(request.token_ids)
+        return reply
+
+    async def ReleaseKV(self, request, context):
+        return pb.ReleaseKVResponse(released=True)
+
+    async def Stats(self, request, context):
+        return pb.StatsResponse()
+
+
+async def serve(
+    servicer: Decode | HeldPrefill, registry: RedisRegistry
+) -> tuple[grpc.aio.Server, WorkerInfo]:
+    """A decode (or prefill) service on a free port of 127.0.0.1, registered."""
     server = grpc.aio.server()
-    pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
+    role = Role.PREFILL if isinstance(servicer, HeldPrefill) else Role.DECODE
+    if role is Role.PREFILL:
+        pb_grpc.add_PrefillServiceServicer_to_server(servicer, server)
+    else:
+        pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     info = WorkerInfo(
-        worker_id=f"decode@127.0.0.1:{port}", role=Role.DECODE,
+        worker_id=f"{role}@127.0.0.1:{port}", role=role,
         grpc_address=f"127.0.0.1:{port}", events_endpoint="tcp://127.0.0.1:1",
         replay_endpoint="tcp://127.0.0.1:2",
     )  # fmt: skip
@@ -286,3 +315,46 @@ def test_a_prompt_to_score_is_placed_as_uncached(tmp_path):
     plain, scoring = run_with_registry(tmp_path, scenario)
     assert plain.decode_cached_tokens > 0
     assert scoring.decode_cached_tokens == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_burst_sharing_a_prefix_spreads_while_it_prefills(tmp_path):
+    """Sequences still in prefill count as load on the decode worker placed for them: a
+    burst sharing a prefix that one decode worker caches no longer lands there whole
+    (before, their load showed only once their decode calls began: all 16 went there)."""
+    holder, other, prefill = Decode(fail=False), Decode(fail=False), HeldPrefill()
+    shared = list(range(100, 148))  # 3 blocks, cached on the holder
+
+    async def scenario(registry: RedisRegistry) -> list[tuple[int, int]]:
+        servers = [await serve(s, registry) for s in (holder, other, prefill)]
+        index = PrefixIndex()
+        config = RouterConfig(min_disagg_tokens=0)
+        pool, dispatcher = pool_and_dispatcher(registry, index, config)
+        try:
+            await pool.refresh()
+            index.apply(servers[0][1].worker_id, [BlockStored(hash_blocks(shared, 16), None,
+                                                               shared, 16)])  # fmt: skip
+
+            async def one(i: int) -> None:
+                prompt = shared + [1000 + i, 2000 + i, 3000 + i, 4000 + i]
+                request = SequenceRequest(f"r{i}", prompt, hash_blocks(prompt, 16),
+                                          pb.SamplingParams())  # fmt: skip
+                async for _ in dispatcher.generate(request):
+                    pass
+
+            burst = [asyncio.create_task(one(i)) for i in range(16)]
+            while prefill.num_waiting < 16:
+                await asyncio.sleep(0.01)
+            prefill.go.set()
+            await asyncio.gather(*burst)
+            return [(w.assigned, w.running) for w in pool.candidates(Role.DECODE)]
+        finally:
+            await pool.close()
+            for server, _ in servers:
+                await server.stop(None)
+
+    assert run_with_registry(tmp_path, scenario) == [(0, 0), (0, 0)]  # nothing left counted
+    # The prefix is worth 0.5 * 48/52 of a load of 1, 1/8 per sequence: about 4 more go to
+    # the holder first; once the other has one, its claim on the prefix evens the bonus.
+    assert len(holder.requests) + len(other.requests) == 16
+    assert len(holder.requests) >= len(other.requests) >= 5
