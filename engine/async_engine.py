@@ -52,6 +52,7 @@ class EngineStats:
     num_waiting: int = 0
     num_fetching: int = 0
     num_held: int = 0
+    num_preemptions: int = 0  # cumulative: requests put back to recompute
     queued_prefill_tokens: int = 0
     kv_blocks_used: int = 0
     kv_blocks_free: int = 0
@@ -286,6 +287,7 @@ class AsyncEngine:
             num_waiting=len(scheduler.waiting),
             num_fetching=len(scheduler.fetching),
             num_held=len(scheduler.held),
+            num_preemptions=scheduler.num_preemptions,
             queued_prefill_tokens=scheduler.num_queued_prefill_tokens,
             kv_blocks_used=kv.pool.num_used_blocks,
             kv_blocks_free=kv.pool.num_free_blocks,

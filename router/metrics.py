@@ -35,10 +35,12 @@ class RouterMetrics:
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.")
         self.itl = histogram("vllm:inter_token_latency_seconds", "Time between tokens.")
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Request latency.")
-        self.running = Gauge("vllm:num_requests_running", "Requests generating.",
-                             ["model_name"], registry=r).labels(**labels)  # fmt: skip
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests before their first token.",
-                             ["model_name"], registry=r).labels(**labels)  # fmt: skip
+        gauge = lambda name, doc: Gauge(name, doc, ["model_name"], registry=r).labels(**labels)  # noqa: E731
+        self.running = gauge(
+            "vllm:num_requests_running", "Sequences in a decode worker's batch (its last Stats)."
+        )
+        self.waiting = gauge("vllm:num_requests_waiting", "Sequences admitted here and not in "
+                             "a decode batch: queued, prefilling, moving KV.")  # fmt: skip
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up.")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found cached.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens served.")
@@ -67,6 +69,14 @@ class RouterMetrics:
         self._worker_gauges: tuple[tuple[Gauge, Callable[[pb.StatsResponse], float]], ...] = (
             (worker_gauge("pdserve:worker_kv_blocks_used", "Device KV blocks."),
              lambda stats: stats.kv_blocks_used),
+            (worker_gauge("pdserve:worker_requests_running", "Requests in its batch."),
+             lambda stats: stats.num_running),
+            (worker_gauge("pdserve:worker_requests_waiting",
+                          "Requests queued or pulling KV there."),
+             lambda stats: stats.num_waiting),
+            (worker_gauge("pdserve:worker_preemptions",
+                          "Requests put back to recompute (cumulative)."),
+             lambda stats: stats.num_preemptions),
             (worker_gauge("pdserve:worker_cpu_blocks_used", "CPU-tier blocks."),
              lambda stats: stats.cpu_blocks_used),
             (worker_gauge("pdserve:worker_cpu_blocks_total", "CPU-tier size."),

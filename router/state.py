@@ -80,11 +80,19 @@ class RouterState:
 
     @property
     def num_running(self) -> int:
-        return sum(w.running for w in self.pool.workers.values())
+        """Sequences in a decode worker's batch, as the workers last reported (vLLM's
+        meaning; the router's own count of open Generate calls includes those queued in
+        the worker), at most what this router has in flight (workers may serve others)."""
+        reported = sum(
+            w.stats.num_running for w in self.pool.workers.values() if w.info.role == Role.DECODE
+        )
+        return min(reported, self.num_inflight)
 
     @property
     def num_waiting(self) -> int:
-        return max(self.num_inflight - self.num_running, 0)
+        """Admitted sequences not in a decode batch: before or in prefill, moving their KV,
+        or queued on a decode worker."""
+        return self.num_inflight - self.num_running
 
     def token_text(self, token_id: int) -> str:
         """A token's own text (for logprobs); cached, the vocabulary bounds the cache."""

@@ -58,6 +58,7 @@ def stats_reply(
         blocks_reused_locally=stats.num_blocks_reused_for_remote,
         transfer_failures=stats.num_pull_failures,
         requests_finished=timer.count,
+        num_preemptions=stats.num_preemptions,
         mean_timings=timer.means(),
         draining=draining,
         cpu_blocks_total=stats.cpu_blocks_total,

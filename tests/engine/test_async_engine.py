@@ -11,6 +11,7 @@ import pytest
 from common.config import EngineConfig
 from engine import LLMEngine, SamplingParams
 from engine.async_engine import AsyncEngine, EngineFailedError
+from worker.stats import StageTimer, stats_reply
 
 PARAMS = SamplingParams(max_tokens=200, min_tokens=200, temperature=0)
 
@@ -138,3 +139,31 @@ def test_a_stream_cancelled_with_its_final_output_unread_holds_nothing(tiny_llam
     finally:
         may_step.set()
         async_engine.stop()
+
+
+@pytest.mark.timeout(60)
+def test_preemptions_reach_the_stats_reply(tiny_llama):
+    """Operators see preemptions (vLLM exports them too): the scheduler's count goes into
+    the thread's stats snapshot and from there into the worker's Stats reply."""
+    engine = LLMEngine(tiny_llama, EngineConfig(num_blocks=8, max_model_len=128))
+    async_engine = AsyncEngine(engine)
+    params = SamplingParams(max_tokens=40, min_tokens=40, temperature=0)
+
+    async def one(i: int) -> None:
+        async for _ in async_engine.generate(f"r{i}", list(range(5 + i, 45 + i)), params):
+            pass
+
+    async def scenario() -> None:
+        async_engine.start()
+        await asyncio.gather(*(one(i) for i in range(3)))  # 3 x 80 tokens in 8 x 16 slots
+        await async_engine.call(lambda e: None)  # a turn after the last step: a fresh snapshot
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+    finally:
+        async_engine.stop()
+    assert engine.scheduler.num_preemptions > 0
+    assert async_engine.stats.num_preemptions == engine.scheduler.num_preemptions
+    reply = stats_reply("e", "decode", async_engine.stats, StageTimer(), draining=False)
+    assert reply.num_preemptions == engine.scheduler.num_preemptions
+    assert engine.leak_report() == []

@@ -9,10 +9,15 @@ import json as jsonlib
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from common.config import Role
 from common.config_loader import load_config
+from common.registry import WorkerInfo
+from proto import pdserve_pb2 as pb
 from router.app import create_app
 from router.state import RouterState
+from router.workers import WorkerState
 
 
 @pytest.fixture(scope="module")
@@ -101,3 +106,43 @@ def test_a_bug_is_a_500_in_the_envelope_without_details(state, monkeypatch):
     monkeypatch.setattr(state.tokenizer, "encode", broken)
     error = error_of(post(state, "/v1/completions", json={"prompt": "x"}), 500)
     assert error["code"] == "internal_error" and "secret" not in error["message"]
+
+
+def test_queue_gauges_follow_the_workers_batches(tiny_llama):
+    """vLLM's running/waiting gauges (what autoscalers key on): running is what decode
+    workers report in their batches, at most what this router has in flight; everything
+    else admitted is waiting, including calls queued inside a decode worker (which the
+    router's own count of open calls took for running). Per-worker queue and preemption
+    gauges come from each worker's Stats."""
+    state = RouterState.build(load_config(None, [f"model={tiny_llama}"]))
+    reported = {
+        Role.DECODE: pb.StatsResponse(num_running=16, num_waiting=40, num_preemptions=3),
+        Role.PREFILL: pb.StatsResponse(num_running=2, num_waiting=5),  # before first tokens
+    }
+    for role, stats in reported.items():
+        info = WorkerInfo(worker_id=f"{role}@w", role=role, grpc_address="127.0.0.1:1",
+                          events_endpoint="tcp://127.0.0.1:2",
+                          replay_endpoint="tcp://127.0.0.1:3")  # fmt: skip
+        worker = WorkerState(info, None, None, None, None, stats=stats)
+        worker.running = 56  # open Generate calls: the 16 running and the 40 queued
+        state.pool.workers[info.worker_id] = worker
+
+    def scrape() -> dict[tuple[str, str], float]:
+        reply = post(state, "/metrics", method="GET")
+        return {
+            (sample.name, sample.labels.get("worker", "")): sample.value
+            for family in text_string_to_metric_families(reply.text)
+            for sample in family.samples
+        }
+
+    state.num_inflight = 60
+    values = scrape()
+    assert values["vllm:num_requests_running", ""] == 16
+    assert values["vllm:num_requests_waiting", ""] == 44
+    assert values["pdserve:worker_requests_waiting", "decode@w"] == 40
+    assert values["pdserve:worker_preemptions", "decode@w"] == 3
+    state.num_inflight = 10  # the workers also serve another router's requests
+    values = scrape()
+    assert (values["vllm:num_requests_running", ""], values["vllm:num_requests_waiting", ""]) == (
+        10, 0,
+    )  # fmt: skip
