@@ -290,6 +290,12 @@ class RouterConfig:
     # that crashes engines (each move can take one more worker down). 0: such a failure
     # ends the stream with an error.
     max_decode_migrations: int = 1
+    # Backpressure: a disaggregated prefill starts only while fewer than this many times
+    # the decode workers' max_num_seqs sequences are ahead on its decode worker (in its
+    # batch, queued there, or in prefill for it); later ones wait in the router, first
+    # come first served, instead of leaving prefill workers' KV leased to a decode worker
+    # that cannot pull it yet. 0: no limit.
+    decode_queue_factor: float = 2.0
     drain_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -301,6 +307,8 @@ class RouterConfig:
             raise ConfigError("router.max_inflight_sequences", "must be >= 1")
         if self.max_decode_migrations < 0:
             raise ConfigError("router.max_decode_migrations", "must be >= 0")
+        if self.decode_queue_factor < 0:
+            raise ConfigError("router.decode_queue_factor", "must be >= 0")
         for key in (
             "default_prefill_tokens_per_s",
             "prefill_timeout_s",

@@ -185,7 +185,7 @@ class Dispatcher:
         blocks = -(-len(request.prompt_token_ids) // self.block_size)
         arrived = decode.assign(blocks) if decode is not None else _nothing
         try:
-            async for delta in self._journey(request, placement, touched, arrived):
+            async for delta in self._journey(request, placement, touched, arrived, decode):
                 if not counted and delta.cached_tokens is not None:
                     counted = True  # what the worker reused, not what placement expected
                     self.metrics.prefix_cache(len(request.prompt_token_ids), delta.cached_tokens)
@@ -201,6 +201,8 @@ class Dispatcher:
             raise
         finally:
             arrived()
+            if decode is not None:
+                decode.gate.wake()
 
     async def _journey(
         self,
@@ -208,12 +210,15 @@ class Dispatcher:
         placement: Placement,
         touched: set[str],
         arrived: Callable[[], None],
+        decode: WorkerState | None,
     ) -> AsyncIterator[TokenDelta]:
         """The sequence's hops. ``arrived`` ends its count as the placed decode worker's
-        load once the decode hop takes over that count (its Generate call)."""
+        (``decode``) load once the decode hop takes over that count (its Generate call)."""
         first: pb.PrefillResponse | None = None
         release = _nothing
         if placement.disaggregated:
+            if decode is not None:
+                await self._room_on(decode)
             first, prefill_worker = await self._prefill(request, placement)
             actual = prefill_worker.worker_id if prefill_worker is not None else None
             self._moved(request.block_hashes, placement.prefill_worker, actual)
@@ -248,6 +253,22 @@ class Dispatcher:
                 yield delta
         finally:
             release()
+
+    async def _room_on(self, decode: WorkerState) -> None:
+        """Backpressure (``router/decode_gate.py``): wait, in line, until fewer than
+        ``decode_queue_factor * max_num_seqs`` of this router's sequences are ahead on
+        ``decode`` (in its batch or queue, or in prefill for it; those waiting here do not
+        count). A worker the pool dropped meanwhile lets everyone through: the decode hop
+        then picks another."""
+        limit = self.config.decode_queue_factor * self.policy.max_running
+        if not limit:
+            return
+
+        def has_room() -> bool:
+            ahead = decode.running + decode.assigned - len(decode.gate)
+            return ahead < limit or self.pool.retired(decode)
+
+        await decode.gate.enter(has_room)
 
     async def _prefill(
         self, request: SequenceRequest, placement: Placement
@@ -421,6 +442,7 @@ class Dispatcher:
             finally:
                 worker.running -= 1
                 worker.kv_blocks_in_use -= blocks
+                worker.gate.wake()
                 if not call.done():
                     call.cancel()
             if kv is not None:

@@ -24,6 +24,7 @@ from common.config import Role
 from common.registry import Registry, WorkerInfo
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
+from router.decode_gate import DecodeGate
 from router.events import EventListener
 from router.policy import WorkerLoad
 
@@ -56,6 +57,8 @@ class WorkerState:
     # of long prompts is still prefilling when the next placement looks.
     assigned: int = 0
     assigned_blocks: int = 0
+    # Of those, the ones the router holds back until this worker has room (backpressure).
+    gate: DecodeGate = field(default_factory=DecodeGate)
     # Stall detection: when it last answered a probe (time.monotonic()), how many probes
     # in a row it has missed since, its calls in flight, and those of them the pool
     # cancelled because it stopped answering.

@@ -70,14 +70,14 @@ class Draining(Decode):
 
 
 class HeldPrefill(pb_grpc.PrefillServiceServicer):
-    """Answers every prompt (first token 7, a lease) once ``go`` is set."""
+    """Answers every prompt (first token 7, a lease) once ``go`` is set; counts the calls."""
 
     def __init__(self) -> None:
         self.go = asyncio.Event()
-        self.num_waiting = 0
+        self.num_calls = 0
 
     async def Prefill(self, request, context):
-        self.num_waiting += 1
+        self.num_calls += 1
         await self.go.wait()
         reply = pb.PrefillResponse(first_token_id=7)
         reply.kv.lease_id = f"lease-{request.request_id}"
@@ -343,7 +343,7 @@ def test_a_burst_sharing_a_prefix_spreads_while_it_prefills(tmp_path):
                     pass
 
             burst = [asyncio.create_task(one(i)) for i in range(16)]
-            while prefill.num_waiting < 16:
+            while prefill.num_calls < 16:
                 await asyncio.sleep(0.01)
             prefill.go.set()
             await asyncio.gather(*burst)
@@ -358,3 +358,66 @@ def test_a_burst_sharing_a_prefix_spreads_while_it_prefills(tmp_path):
     # the holder first; once the other has one, its claim on the prefix evens the bonus.
     assert len(holder.requests) + len(other.requests) == 16
     assert len(holder.requests) >= len(other.requests) >= 5
+
+
+class HeldDecode(Decode):
+    """Keeps each stream open until ``finish`` lets one end (with 42)."""
+
+    def __init__(self) -> None:
+        super().__init__(fail=False)
+        self.finish = asyncio.Semaphore(0)
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        await self.finish.acquire()
+        yield pb.GenerateResponse(token_ids=[42], finish_reason="length", usage=pb.Usage())
+
+
+@pytest.mark.timeout(60)
+def test_prefills_wait_in_line_while_their_decode_worker_is_full(tmp_path):
+    """Backpressure: with 2 sequences allowed ahead on the decode worker, the 3rd to 6th
+    of a burst are not prefilled (their KV would sit leased, unpullable) until decode
+    streams end, and then in arrival order; nothing stays counted or in line."""
+    decode, prefill = HeldDecode(), HeldPrefill()
+    prefill.go.set()
+
+    async def scenario(registry: RedisRegistry) -> list[tuple[int, int, int]]:
+        servers = [await serve(s, registry) for s in (decode, prefill)]
+        config = RouterConfig(min_disagg_tokens=0, decode_queue_factor=0.25)  # 0.25 x 8
+        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex(), config)
+        try:
+            await pool.refresh()
+
+            async def one(i: int) -> None:
+                prompt = [1000 + i] + list(range(5, 40))
+                request = SequenceRequest(f"r{i}", prompt, hash_blocks(prompt, 16),
+                                          pb.SamplingParams())  # fmt: skip
+                async for _ in dispatcher.generate(request):
+                    pass
+
+            async def settle(num_prefilled: int) -> None:
+                while prefill.num_calls < num_prefilled:
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.3)  # and no more than that
+
+            burst = []
+            for i in range(6):
+                burst.append(asyncio.create_task(one(i)))
+                await asyncio.sleep(0.02)  # arrival order
+            await settle(2)
+            assert prefill.num_calls == 2
+            decode.finish.release()
+            await settle(3)
+            assert prefill.num_calls == 3
+            for _ in range(5):
+                decode.finish.release()
+            await asyncio.gather(*burst)
+            (state,) = pool.candidates(Role.DECODE)
+            return [(state.assigned, state.running, len(state.gate))]
+        finally:
+            await pool.close()
+            for server, _ in servers:
+                await server.stop(None)
+
+    assert run_with_registry(tmp_path, scenario) == [(0, 0, 0)]
+    assert [r.request_id for r in decode.requests] == [f"r{i}" for i in range(6)]

@@ -1,0 +1,55 @@
+"""Backpressure between prefill and decode: a disaggregated prefill starts only when its
+decode worker can take the sequence soon.
+
+A prefill worker holds a finished prompt's KV under a lease until the decode worker pulls
+it, and a decode worker pulls only when it admits the sequence (a batch slot and free
+blocks). With the decode side behind, prefilling ahead of it fills the prefill workers'
+caches with leases nobody can pull yet: new prompts wait for blocks there, and leases that
+expire unpulled make the decode worker recompute their prompts, on the side that is
+already the bottleneck (an overload audit saw prefill idle for 30 s stretches with 57 of
+64 blocks leased, and 6 of 30 prompts recomputed). So the router keeps such sequences
+itself, first come first served per decode worker, until fewer than its limit are ahead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Callable
+
+# How often a waiting sequence looks again without being woken: the pool may have dropped
+# its worker, or another router's sequences may have left it.
+RECHECK_S = 1.0
+
+
+class DecodeGate:
+    """The sequences waiting for room on one decode worker, in arrival order. Room is the
+    caller's predicate; whoever frees room calls ``wake``, which wakes the first waiter
+    only, and each one let through wakes the next."""
+
+    def __init__(self) -> None:
+        self._waiters: deque[asyncio.Event] = deque()
+
+    def __len__(self) -> int:
+        return len(self._waiters)
+
+    async def enter(self, has_room: Callable[[], bool]) -> None:
+        """Return once this sequence is first in line and ``has_room()``; at once if
+        nobody waits and there is room. Cancellation leaves the line."""
+        if not self._waiters and has_room():
+            return
+        turn = asyncio.Event()
+        self._waiters.append(turn)
+        try:
+            while not (self._waiters[0] is turn and has_room()):
+                turn.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(turn.wait(), RECHECK_S)
+        finally:
+            self._waiters.remove(turn)
+            self.wake()  # the next one may fit too, or this one left the head of the line
+
+    def wake(self) -> None:
+        if self._waiters:
+            self._waiters[0].set()
