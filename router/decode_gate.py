@@ -1,5 +1,5 @@
-"""Backpressure between prefill and decode: a disaggregated prefill starts only when its
-decode worker can take the sequence soon.
+"""Backpressure between prefill and decode: a sequence starts (its prefill, on a prefill
+worker or on the decode worker itself) only when its decode worker can take it soon.
 
 A prefill worker holds a finished prompt's KV under a lease until the decode worker pulls
 it, and a decode worker pulls only when it admits the sequence (a batch slot and free
@@ -9,6 +9,8 @@ expire unpulled make the decode worker recompute their prompts, on the side that
 already the bottleneck (an overload audit saw prefill idle for 30 s stretches with 57 of
 64 blocks leased, and 6 of 30 prompts recomputed). So the router keeps such sequences
 itself, first come first served per decode worker, until fewer than its limit are ahead.
+Sequences the decode worker prefills itself stand in the same line: they pin no lease,
+but if they passed it, a burst of short prompts would overtake long ones that came first.
 """
 
 from __future__ import annotations

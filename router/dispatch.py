@@ -216,9 +216,9 @@ class Dispatcher:
         (``decode``) load once the decode hop takes over that count (its Generate call)."""
         first: pb.PrefillResponse | None = None
         release = _nothing
+        if decode is not None:  # one line for all its sequences: local ones must not pass
+            await self._room_on(decode)  # disaggregated ones that came first
         if placement.disaggregated:
-            if decode is not None:
-                await self._room_on(decode)
             first, prefill_worker = await self._prefill(request, placement)
             actual = prefill_worker.worker_id if prefill_worker is not None else None
             self._moved(request.block_hashes, placement.prefill_worker, actual)
@@ -255,7 +255,8 @@ class Dispatcher:
             release()
 
     async def _room_on(self, decode: WorkerState) -> None:
-        """Backpressure (``router/decode_gate.py``): wait, in line, until fewer than
+        """Backpressure (``router/decode_gate.py``): wait, in line with every sequence
+        placed on ``decode`` (prefilled there or not), until fewer than
         ``decode_queue_factor * max_num_seqs`` of this router's sequences are ahead on
         ``decode`` (in its batch or queue, or in prefill for it; those waiting here do not
         count). A worker the pool dropped meanwhile lets everyone through: the decode hop
