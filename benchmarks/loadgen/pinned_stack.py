@@ -18,6 +18,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -52,7 +53,10 @@ def _free_base(span: int, rng: random.Random) -> int:
 
 class PinnedStack:
     def __init__(self, name: str, model: Path, placements: list[Placement],
-                 kv_cache_bytes: int = 256 << 20) -> None:  # fmt: skip
+                 kv_cache_bytes: int = 256 << 20,
+                 overrides: dict[str, dict[str, Any]] | None = None) -> None:  # fmt: skip
+        """``overrides``: config keys by section (``{"router": {...}}``) over the defaults
+        below."""
         self.name = name
         self.placements = placements
         self.dir = Path(tempfile.mkdtemp(prefix=f"pdserve-{name}-"))
@@ -68,7 +72,13 @@ class PinnedStack:
                        "port": _free_base(PORT_STRIDE * replicas["decode"], rng)},
             "router": {"port": _free_base(1, rng), "min_disagg_tokens": 0, "drain_grace_s": 5},
         }  # fmt: skip
+        for section, values in (overrides or {}).items():
+            config.setdefault(section, {}).update(values)
         self.port = config["router"]["port"]
+        self.grpc_ports = {
+            role: [config[role]["port"] + i * PORT_STRIDE for i in range(replicas[role])]
+            for role in ("prefill", "decode")
+        }
         self.config_path = self.dir / "config.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
 
