@@ -80,9 +80,11 @@ MAX_AUTO_LANES = 4
 @dataclass(slots=True)
 class _RemotePeer:
     agent_name: str
+    endpoint: str  # its control address: where a liveness probe asks for its metadata
     num_blocks: int
     whole_blocks: bool  # both sides block-major: one descriptor per block
-    last_used: float  # time.monotonic() of its last fetch
+    last_used: float  # time.monotonic() of its last fetch, or of its last liveness answer
+    probing: bool = False
 
 
 @dataclass(slots=True)
@@ -276,24 +278,46 @@ class NixlConnector(KVConnector):
                 self._expire_waiting()
                 self._collect_notifs()
                 if time.monotonic() >= next_idle_check:
-                    self._forget_idle_peers()
+                    self._probe_idle_peers()
                     next_idle_check = time.monotonic() + min(1.0, self.config.peer_idle_s / 4)
             except Exception:
                 logger.exception("NIXL driver step failed")
 
-    def _forget_idle_peers(self) -> None:
-        """Drop peers with nothing in flight and no fetch for ``peer_idle_s``: a restarted
-        prefill worker comes back under a new engine id, so the old one is never used
-        again, and its remote agent (UCX endpoints) would stay in every lane for good."""
+    def _probe_idle_peers(self) -> None:
+        """Ask each peer with nothing in flight and no fetch for ``peer_idle_s`` whether it
+        is still there (its metadata, on the handshake pool). A restarted prefill worker
+        answers under a new engine id and a gone one not at all: only then is the peer
+        dropped, or its remote agent (UCX endpoints) would stay in every lane for good. A
+        live one is kept: NIXL's ``remove_remote_agent`` does not close the UCX
+        connections, so forgetting live idle peers and handshaking again leaked lanes + 1
+        TCP connections in both processes each time (a soak audit)."""
         cutoff = time.monotonic() - self.config.peer_idle_s
         busy = {flight.peer_id for flight in self._inflight.values()}
-        for peer_id in [
-            peer_id
-            for peer_id, peer in self._peers.items()
-            if peer.last_used < cutoff and peer_id not in busy
-        ]:
-            logger.info("forgetting NIXL peer %s: no fetch for %.0f s", peer_id,
-                        self.config.peer_idle_s)  # fmt: skip
+        for peer_id, peer in self._peers.items():
+            if peer.last_used < cutoff and peer_id not in busy and not peer.probing:
+                peer.probing = True
+                self._handshakes.submit(self._probe, PeerRef(peer_id, peer.endpoint))
+
+    def _probe(self, peer: PeerRef) -> None:
+        """Handshake pool: does ``peer.endpoint`` still answer as ``peer.engine_id``?"""
+        try:
+            fetch_peer_metadata(
+                self._fetch_peer_metadata, peer, connector=self.name, local_layout=self.layout
+            )
+            alive = True
+        except Exception as exc:
+            logger.info("NIXL peer %s is gone: %s", peer.engine_id, exc)
+            alive = False
+        self._commands.put(("probed", peer.engine_id, alive))
+
+    def _on_probed(self, peer_id: str, alive: bool) -> None:
+        peer = self._peers.get(peer_id)
+        if peer is None:
+            return
+        peer.probing = False
+        if alive:
+            peer.last_used = time.monotonic()
+        else:
             self._drop_peer(peer_id)
 
     def _drain_commands(self, block_s: float) -> None:
@@ -309,6 +333,8 @@ class NixlConnector(KVConnector):
                 self._dispatch(command[1])
             elif kind == "peer":
                 self._on_handshake_done(command[1], command[2])
+            elif kind == "probed":
+                self._on_probed(command[1], command[2])
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -348,10 +374,17 @@ class NixlConnector(KVConnector):
             for record in waiting:
                 self._fetches.fail(record.transfer_id, HandshakeError(f"loading peer: {exc}"))
             return
+        endpoint = waiting[0].peer.endpoint if waiting else ""
+        for old_id in [i for i, p in self._peers.items() if p.endpoint == endpoint]:
+            logger.info("forgetting NIXL peer %s: %s now answers as %s", old_id, endpoint,
+                        peer_id)  # fmt: skip
+            self._drop_peer(old_id)  # restarted behind the same address
         lane_peer = LanePeer(payload.agent_metadata, descs, payload.mem_type, whole)
         for lane in self._lanes:
             lane.add_peer(peer_id, lane_peer)
-        self._peers[peer_id] = _RemotePeer(agent_name, num_blocks, whole, time.monotonic())
+        self._peers[peer_id] = _RemotePeer(
+            agent_name, endpoint, num_blocks, whole, time.monotonic()
+        )
         for record in waiting:
             self._post(record, peer_id)
 
