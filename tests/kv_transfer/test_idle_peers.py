@@ -130,6 +130,27 @@ def test_nixl_fetcher_keeps_a_live_idle_peer_and_forgets_a_gone_one():
             assert _eventually(lambda: all(not lane._peers for lane in fetcher._lanes))
 
 
+@pytest.mark.timeout(90)
+def test_nixl_fetcher_drops_a_peer_whose_address_answers_as_a_new_engine():
+    """A prefill worker restarted behind the same address (a new engine id): the old
+    peer goes at the new one's handshake, without waiting to be idle."""
+    known: dict = {}
+    fetcher, dest = _fetcher("nixl", "decode", known)
+    with fetcher:
+        for engine_id in ("prefill-old", "prefill-new"):
+            exporter, source = _exporter("nixl", engine_id, known)
+            known["prefill@host:50100"] = known[engine_id]
+            with exporter:
+                exporter.export_blocks(engine_id, [3, 7])
+                peer = PeerRef(engine_id, "prefill@host:50100")
+                fetcher.start_fetch(engine_id, peer, [3, 7], [1, 2])
+                fetcher.wait(engine_id, timeout_s=30)
+                pairs = zip(dest, source, strict=True)
+                assert all(torch.equal(d[[1, 2]], s[[3, 7]]) for d, s in pairs)
+                assert list(fetcher._peers) == [engine_id]
+                assert all(list(lane._peers) == [engine_id] for lane in fetcher._lanes)
+
+
 def test_the_idle_time_follows_a_long_pull_timeout():
     """A deployment's pull timeout may be long; the idle time (not a deployment key)
     must never refuse it."""
