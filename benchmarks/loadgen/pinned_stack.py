@@ -35,18 +35,32 @@ class Placement:
     core: int
 
 
-def _free_base(span: int, rng: random.Random) -> int:
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _ephemeral_start() -> int:
+    """Where the kernel's ephemeral (outgoing-connection) ports begin."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_port_base(span: int, rng: random.Random | None = None) -> int:
+    """A base port with ``span`` free consecutive ports after it, below the ephemeral
+    range: a port found free there can be taken by any outgoing connection (a gRPC
+    channel, a UCX endpoint) before the worker binds it, which a CI run hit."""
+    rng = rng or random.Random()
+    high = max(_ephemeral_start(), 20000 + 100 * span) - span
     for _ in range(500):
-        base = rng.randrange(20000, 60000 - span, PORT_STRIDE)
-        ok = True
-        for port in range(base, base + span):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
+        base = rng.randrange(20000, high, PORT_STRIDE)
+        if all(port_is_free(base + i) for i in range(span)):
             return base
     raise RuntimeError("no free port range")
 
@@ -67,10 +81,10 @@ class PinnedStack:
             "model": str(model),
             "engine": {"kv_cache_bytes": kv_cache_bytes},
             "prefill": {"replicas": replicas["prefill"], "drain_grace_s": 5,
-                        "port": _free_base(PORT_STRIDE * max(1, replicas["prefill"]), rng)},
+                        "port": free_port_base(PORT_STRIDE * max(1, replicas["prefill"]), rng)},
             "decode": {"replicas": replicas["decode"], "drain_grace_s": 5,
-                       "port": _free_base(PORT_STRIDE * replicas["decode"], rng)},
-            "router": {"port": _free_base(1, rng), "min_disagg_tokens": 0, "drain_grace_s": 5},
+                       "port": free_port_base(PORT_STRIDE * replicas["decode"], rng)},
+            "router": {"port": free_port_base(1, rng), "min_disagg_tokens": 0, "drain_grace_s": 5},
         }  # fmt: skip
         for section, values in (overrides or {}).items():
             config.setdefault(section, {}).update(values)

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,28 +15,10 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from benchmarks.loadgen.pinned_stack import free_port_base, port_is_free  # noqa: F401
 from common.config import PORT_STRIDE
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def port_is_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port_base(span: int) -> int:
-    """A base port with ``span`` free consecutive ports after it."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 60000 - span, PORT_STRIDE)
-        if all(port_is_free(base + i) for i in range(span)):
-            return base
-    raise RuntimeError("no free port range")
 
 
 def write_config(
