@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import grpc
 import httpx
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -37,8 +36,6 @@ sys.path.insert(0, str(REPO_ROOT))
 from benchmarks.loadgen.bench import machine_info  # noqa: E402
 from benchmarks.loadgen.pinned_stack import PinnedStack, Placement  # noqa: E402
 from benchmarks.records import write_markdown  # noqa: E402
-from proto import pdserve_pb2 as pb  # noqa: E402
-from proto import pdserve_pb2_grpc as pb_grpc  # noqa: E402
 
 SETTINGS = {"off": 0.0, "on": 2.0}  # decode_queue_factor
 ENGINE = {"num_blocks": 64, "max_num_seqs": 8, "max_model_len": 512}
@@ -61,12 +58,6 @@ async def one(client: httpx.AsyncClient, url: str, seed: int, prompt_len: int,
                 ttft = time.perf_counter() - start
     assert ttft is not None
     return ttft, time.perf_counter() - start
-
-
-def worker_stats(port: int, role: str) -> pb.StatsResponse:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub_type = pb_grpc.PrefillServiceStub if role == "prefill" else pb_grpc.DecodeServiceStub
-        return stub_type(channel).Stats(pb.StatsRequest(), timeout=5)
 
 
 async def burst(url: str) -> dict[str, list[tuple[float, float]]]:
@@ -92,8 +83,7 @@ def run_setting(name: str, factor: float, model: Path) -> dict[str, Any]:
     try:
         stack.wait_ready()
         by_class = asyncio.run(burst(stack.base_url))
-        prefill = worker_stats(stack.grpc_ports["prefill"][0], "prefill")
-        decode = worker_stats(stack.grpc_ports["decode"][0], "decode")
+        prefill, decode = stack.worker_stats("prefill"), stack.worker_stats("decode")
     finally:
         stack.stop()
     record: dict[str, Any] = {"decode_queue_factor": factor,

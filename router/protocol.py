@@ -1,9 +1,9 @@
 """The OpenAI request schemas the gateway accepts, validated with pydantic.
 
 Unknown fields are ignored (clients send many). Fields we cannot honour with a non-default
-value (logit_bias, echo, tools, client chat templates, special-token text, and vLLM's
-extensions such as guided decoding or prompt logprobs) are refused with a 400 naming the
-field rather than silently ignored. ``null`` means the default for every field (OpenAI
+value (logit_bias, chat echo, tools, client chat templates, special-token text, and vLLM's
+extensions such as guided decoding or beam search) are refused with a 400 naming the field
+rather than silently ignored. ``null`` means the default for every field (OpenAI
 documents most of them as "X or null"). Sampling fields left unset (None) take the
 checkpoint's ``generation_config.json`` defaults (see ``common.generation_config``).
 """

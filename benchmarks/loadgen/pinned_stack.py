@@ -20,10 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import yaml
 
 from common.config import PORT_STRIDE
 from deploy.health_cmd import check_http
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,6 +68,14 @@ def free_port_base(span: int, rng: random.Random | None = None) -> int:
     raise RuntimeError("no free port range")
 
 
+def worker_stats(address: str, role: str) -> pb.StatsResponse:
+    """The Stats of the ``role`` (prefill or decode) worker at ``address``; raises
+    ``grpc.RpcError`` if it does not answer."""
+    stub = pb_grpc.PrefillServiceStub if role == "prefill" else pb_grpc.DecodeServiceStub
+    with grpc.insecure_channel(address) as channel:
+        return stub(channel).Stats(pb.StatsRequest(), timeout=5)
+
+
 class PinnedStack:
     def __init__(self, name: str, model: Path, placements: list[Placement],
                  kv_cache_bytes: int = 256 << 20,
@@ -89,10 +100,7 @@ class PinnedStack:
         for section, values in (overrides or {}).items():
             config.setdefault(section, {}).update(values)
         self.port = config["router"]["port"]
-        self.grpc_ports = {
-            role: [config[role]["port"] + i * PORT_STRIDE for i in range(replicas[role])]
-            for role in ("prefill", "decode")
-        }
+        self._base_ports = {role: config[role]["port"] for role in ("prefill", "decode")}
         self.config_path = self.dir / "config.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
 
@@ -147,6 +155,10 @@ class PinnedStack:
 
     def _healthy(self) -> bool:
         return check_http(f"http://127.0.0.1:{self.port}/health", 1.0)[0]
+
+    def worker_stats(self, role: str, index: int = 0) -> pb.StatsResponse:
+        port = self._base_ports[role] + index * PORT_STRIDE
+        return worker_stats(f"127.0.0.1:{port}", role)
 
     def metrics_text(self) -> str:
         """The router's Prometheus exposition."""

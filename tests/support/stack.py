@@ -11,12 +11,11 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import yaml
 
+from benchmarks.loadgen.pinned_stack import worker_stats as worker_stats_at
 from common.config_loader import load_config
 from proto import pdserve_pb2 as pb
-from proto import pdserve_pb2_grpc as pb_grpc
 from tests.support.processes import ROOT
 
 
@@ -115,12 +114,10 @@ def worker_stats(stack: UpStack, role: str) -> list[pb.StatsResponse]:
     that does not answer raises ``grpc.RpcError``."""
     config = load_config(str(stack.config_path))
     section = config.prefill if role == "prefill" else config.decode
-    stub = pb_grpc.PrefillServiceStub if role == "prefill" else pb_grpc.DecodeServiceStub
-    replies = []
-    for index in range(section.replicas):
-        with grpc.insecure_channel(f"{section.host}:{section.ports(index).grpc}") as channel:
-            replies.append(stub(channel).Stats(pb.StatsRequest(), timeout=5))
-    return replies
+    return [
+        worker_stats_at(f"{section.host}:{section.ports(index).grpc}", role)
+        for index in range(section.replicas)
+    ]
 
 
 def metric(stack: UpStack, name: str, **labels: str) -> float:
