@@ -1,15 +1,20 @@
 """Decode backpressure on and off (``router.decode_queue_factor``), on a decode-bound burst.
 
-    python benchmarks/decode_backpressure.py [--out benchmarks/results/decode_backpressure_cpu]
+    python benchmarks/decode_backpressure.py [--scenario audit|kv-bound] [--out PATH]
 
 One 1P1D stack per setting (prefill worker on core 0, decode worker on core 1; run one
-after the other), with a small decode side: 64 KV blocks of 16 tokens, ``max_num_seqs``
-8. The burst (from an overload audit): 30 long prompts (300 tokens, 16 output tokens; they
-go to the prefill worker) at once, then 0.5 s later 150 short ones (40 tokens, 200
-output tokens; below ``min_disagg_tokens``, so the decode worker prefills them itself).
-Without backpressure the prefill worker leases its blocks to a decode worker that cannot
-pull them for tens of seconds, and leases that expire make the decode worker recompute
-those prompts; with it, sequences wait in the router in arrival order.
+after the other), with a small decode side: 64 KV blocks of 16 tokens. The burst (from an
+overload audit): 30 long prompts (300 tokens, 16 output tokens; they go to the prefill
+worker) at once, then 0.5 s later 150 short ones (40 tokens, 200 output tokens; below
+``min_disagg_tokens``, so the decode worker prefills them itself). Without backpressure
+the prefill worker leases its blocks to a decode worker that cannot pull them for tens of
+seconds, and leases that expire make the decode worker recompute those prompts; with it,
+sequences wait in the router in arrival order.
+
+Scenarios: ``audit`` (``max_num_seqs`` 8: the limit in sequences binds) and ``kv-bound``
+(``max_num_seqs`` 32: 2 x 32 sequences of up to 19 blocks would be far more than the 64
+blocks the decode worker has, so only the limit in KV blocks binds, as with long-context
+traffic on a GPU).
 
 Prints per class and setting TTFT and end-to-end latency (p50, max), leases that expired
 unpulled and pulls given up (recomputed), and the on/off ratios; writes ``<out>.md`` and
@@ -38,7 +43,8 @@ from benchmarks.loadgen.pinned_stack import PinnedStack, Placement  # noqa: E402
 from benchmarks.records import write_markdown  # noqa: E402
 
 SETTINGS = {"off": 0.0, "on": 2.0}  # decode_queue_factor
-ENGINE = {"num_blocks": 64, "max_num_seqs": 8, "max_model_len": 512}
+ENGINE = {"num_blocks": 64, "max_model_len": 512}
+SCENARIOS = {"audit": {"max_num_seqs": 8}, "kv-bound": {"max_num_seqs": 32}}  # engine
 CLASSES = {"long": (30, 300, 16, 0.0), "short": (150, 40, 200, 0.5)}  # n, prompt, out, delay
 
 
@@ -73,10 +79,10 @@ async def burst(url: str) -> dict[str, list[tuple[float, float]]]:
     return by_class
 
 
-def run_setting(name: str, factor: float, model: Path) -> dict[str, Any]:
+def run_setting(name: str, factor: float, model: Path, engine: dict[str, int]) -> dict[str, Any]:
     stack = PinnedStack(
         f"backpressure-{name}", model, [Placement("prefill", 0, 0), Placement("decode", 0, 1)],
-        overrides={"engine": ENGINE, "router": {"decode_queue_factor": factor,
+        overrides={"engine": engine, "router": {"decode_queue_factor": factor,
                                                 "min_disagg_tokens": 256}},
     )  # fmt: skip
     stack.start()
@@ -113,25 +119,30 @@ def table(records: dict[str, dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=None, help="default: the demo model")
-    p.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results"
-                   / "decode_backpressure_cpu")  # fmt: skip
+    p.add_argument("--scenario", choices=SCENARIOS, default="audit")
+    p.add_argument("--out", type=Path, default=None,
+                   help="benchmarks/results/decode_backpressure[_SCENARIO]_cpu")  # fmt: skip
     args = p.parse_args(argv)
+    suffix = "" if args.scenario == "audit" else f"_{args.scenario}"
+    out = args.out or REPO_ROOT / "benchmarks" / "results" / f"decode_backpressure{suffix}_cpu"
+    engine = {**ENGINE, **SCENARIOS[args.scenario]}
     model = PinnedStack.model_dir(args.model)
     records = {}
     for name, factor in SETTINGS.items():
         print(f"backpressure {name} (decode_queue_factor={factor:g}) ...", flush=True)
-        records[name] = run_setting(name, factor, model)
+        records[name] = run_setting(name, factor, model, engine)
     text = table(records)
     print(text)
     machine = machine_info()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(
-        json.dumps({"machine": machine, "engine": ENGINE, "records": records}, indent=2) + "\n"
-    )
-    header = (f"# Decode backpressure on and off\n\n`python benchmarks/decode_backpressure.py`"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(
+        {"machine": machine, "scenario": args.scenario, "engine": engine, "records": records},
+        indent=2) + "\n")  # fmt: skip
+    header = (f"# Decode backpressure on and off ({args.scenario})\n\n"
+              f"`python benchmarks/decode_backpressure.py --scenario {args.scenario}`"
               f"\n\nMachine: {machine['cpu']}, {machine['cpu_count']} cores; {machine['platform']}"
               f"\n\n{__doc__.split(chr(10) * 2, 2)[2]}\n")  # fmt: skip
-    write_markdown(args.out.with_suffix(".md"), header + "\n" + text + "\n")
+    write_markdown(out.with_suffix(".md"), header + "\n" + text + "\n")
     return 0
 
 

@@ -290,11 +290,12 @@ class RouterConfig:
     # that crashes engines (each move can take one more worker down). 0: such a failure
     # ends the stream with an error.
     max_decode_migrations: int = 1
-    # Backpressure: a sequence starts (its prefill, wherever it runs) only while fewer than
-    # this many times the decode workers' max_num_seqs sequences are ahead on its decode
-    # worker (in its batch, queued there, or in prefill for it); later ones wait in the
-    # router, first come first served, instead of leaving prefill workers' KV leased to a
-    # decode worker that cannot pull it yet. 0: no limit.
+    # Backpressure: a sequence starts (its prefill, wherever it runs) only while the
+    # sequences ahead on its decode worker (in its batch, queued there, or in prefill for
+    # it) number fewer than this many times the decode workers' max_num_seqs, and their
+    # prompts (with its own) take at most this many times that worker's KV cache; later
+    # ones wait in the router, first come first served, instead of leaving prefill
+    # workers' KV leased to a decode worker that cannot pull it yet. 0: no limit.
     decode_queue_factor: float = 2.0
     drain_grace_s: float = 30.0
 

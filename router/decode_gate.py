@@ -11,14 +11,18 @@ already the bottleneck (an overload audit saw prefill idle for 30 s stretches wi
 itself, first come first served per decode worker, until fewer than its limit are ahead.
 Sequences the decode worker prefills itself stand in the same line: they pin no lease,
 but if they passed it, a burst of short prompts would overtake long ones that came first.
+
+"Ahead" is counted in sequences and in KV blocks (``Ahead``): a sequence limit alone lets
+a long-context workload (Mooncake's prompts average ~8k tokens) queue far more KV than the
+decode worker or the prefill workers' leases can hold, and the pile-up above returns.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Hashable, Sequence
 
 # How often a waiting sequence looks again without being woken: the pool may have dropped
 # its worker, or another router's sequences may have left it.
@@ -55,3 +59,51 @@ class DecodeGate:
     def wake(self) -> None:
         if self._waiters:
             self._waiters[0].set()
+
+
+class Ahead:
+    """The router's sequences that passed a decode worker's gate and have not ended (in
+    prefill for it, in its queue or batch), and the KV blocks their prompts take there.
+
+    Blocks are counted as the decode worker's prefix cache stores them: a full block once
+    however many sequences share it (by chain hash), a partial last block per sequence.
+    Tokens generated later are not counted: the bound is on the prompts' KV, which is what
+    waits in prefill leases; growth the decode batch cannot hold it preempts, as it would
+    anyway.
+    """
+
+    def __init__(self) -> None:
+        self.num_seqs = 0
+        self._shared: Counter[Hashable] = Counter()  # full blocks: sequences holding each
+        self._num_partial = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._shared) + self._num_partial
+
+    def num_blocks_with(self, block_hashes: Sequence[Hashable], num_blocks: int) -> int:
+        """``num_blocks`` once a prompt of ``num_blocks`` blocks, whose full ones hash to
+        ``block_hashes``, joins."""
+        new = sum(1 for h in block_hashes if h not in self._shared)
+        return self.num_blocks + new + num_blocks - len(block_hashes)
+
+    def join(self, block_hashes: Sequence[Hashable], num_blocks: int) -> Callable[[], None]:
+        """Count one sequence until the returned call (idempotent) ends that."""
+        hashes = list(block_hashes)
+        num_partial = num_blocks - len(hashes)
+        self.num_seqs += 1
+        self._shared.update(hashes)
+        self._num_partial += num_partial
+        pending = [True]
+
+        def leave() -> None:
+            if pending:
+                pending.clear()
+                self.num_seqs -= 1
+                self._shared.subtract(hashes)
+                for h in hashes:
+                    if self._shared[h] <= 0:
+                        self._shared.pop(h, None)
+                self._num_partial -= num_partial
+
+        return leave

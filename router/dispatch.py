@@ -184,8 +184,11 @@ class Dispatcher:
         decode = self.pool.get(placement.decode_worker)
         blocks = -(-len(request.prompt_token_ids) // self.block_size)
         arrived = decode.assign(blocks) if decode is not None else _nothing
+        leave = _nothing
         try:
-            async for delta in self._journey(request, placement, touched, arrived, decode):
+            if decode is not None:  # one line for all its sequences: local ones must not
+                leave = await self._room_on(decode, request, blocks)  # pass earlier ones
+            async for delta in self._journey(request, placement, touched, arrived):
                 if not counted and delta.cached_tokens is not None:
                     counted = True  # what the worker reused, not what placement expected
                     self.metrics.prefix_cache(len(request.prompt_token_ids), delta.cached_tokens)
@@ -201,8 +204,7 @@ class Dispatcher:
             raise
         finally:
             arrived()
-            if decode is not None:
-                decode.gate.wake()
+            leave()
 
     async def _journey(
         self,
@@ -210,14 +212,11 @@ class Dispatcher:
         placement: Placement,
         touched: set[str],
         arrived: Callable[[], None],
-        decode: WorkerState | None,
     ) -> AsyncIterator[TokenDelta]:
         """The sequence's hops. ``arrived`` ends its count as the placed decode worker's
-        (``decode``) load once the decode hop takes over that count (its Generate call)."""
+        load once the decode hop takes over that count (its Generate call)."""
         first: pb.PrefillResponse | None = None
         release = _nothing
-        if decode is not None:  # one line for all its sequences: local ones must not pass
-            await self._room_on(decode)  # disaggregated ones that came first
         if placement.disaggregated:
             first, prefill_worker = await self._prefill(request, placement)
             actual = prefill_worker.worker_id if prefill_worker is not None else None
@@ -254,22 +253,37 @@ class Dispatcher:
         finally:
             release()
 
-    async def _room_on(self, decode: WorkerState) -> None:
+    async def _room_on(
+        self, decode: WorkerState, request: SequenceRequest, num_blocks: int
+    ) -> Callable[[], None]:
         """Backpressure (``router/decode_gate.py``): wait, in line with every sequence
-        placed on ``decode`` (prefilled there or not), until fewer than
-        ``decode_queue_factor * max_num_seqs`` of this router's sequences are ahead on
-        ``decode`` (in its batch or queue, or in prefill for it; those waiting here do not
-        count). A worker the pool dropped meanwhile lets everyone through: the decode hop
-        then picks another."""
-        limit = self.config.decode_queue_factor * self.policy.max_running
-        if not limit:
-            return
+        placed on ``decode`` (prefilled there or not), until this router's sequences ahead
+        on ``decode`` (in prefill for it, in its queue or batch) number fewer than
+        ``decode_queue_factor * max_num_seqs`` and, with this prompt's ``num_blocks``,
+        take at most ``decode_queue_factor`` times its KV cache; the first one ahead goes
+        whatever its size. A worker the pool dropped meanwhile lets everyone through: the
+        decode hop then picks another. Returns the call that ends this sequence's count."""
+        factor = self.config.decode_queue_factor
+        if not factor:
+            return _nothing
+        max_seqs = factor * self.policy.max_running
+        ahead = decode.ahead
 
         def has_room() -> bool:
-            ahead = decode.running + decode.assigned - len(decode.gate)
-            return ahead < limit or self.pool.retired(decode)
+            if not ahead.num_seqs or self.pool.retired(decode):
+                return True
+            max_blocks = factor * decode.kv_blocks_total
+            blocks = ahead.num_blocks_with(request.block_hashes, num_blocks)
+            return ahead.num_seqs < max_seqs and (not max_blocks or blocks <= max_blocks)
 
         await decode.gate.enter(has_room)
+        leave = ahead.join(request.block_hashes, num_blocks)
+
+        def leave_and_wake() -> None:
+            leave()
+            decode.gate.wake()
+
+        return leave_and_wake
 
     async def _prefill(
         self, request: SequenceRequest, placement: Placement
@@ -443,7 +457,6 @@ class Dispatcher:
             finally:
                 worker.running -= 1
                 worker.kv_blocks_in_use -= blocks
-                worker.gate.wake()
                 if not call.done():
                     call.cancel()
             if kv is not None:

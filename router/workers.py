@@ -24,7 +24,7 @@ from common.config import Role
 from common.registry import Registry, WorkerInfo
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from router.decode_gate import DecodeGate
+from router.decode_gate import Ahead, DecodeGate
 from router.events import EventListener
 from router.policy import WorkerLoad
 
@@ -57,8 +57,10 @@ class WorkerState:
     # of long prompts is still prefilling when the next placement looks.
     assigned: int = 0
     assigned_blocks: int = 0
-    # Of those, the ones the router holds back until this worker has room (backpressure).
+    # Backpressure: the sequences held back until this worker has room, and those let
+    # through that have not ended.
     gate: DecodeGate = field(default_factory=DecodeGate)
+    ahead: Ahead = field(default_factory=Ahead)
     # Stall detection: when it last answered a probe (time.monotonic()), how many probes
     # in a row it has missed since, its calls in flight, and those of them the pool
     # cancelled because it stopped answering.
@@ -119,8 +121,13 @@ class WorkerState:
             prefill_tokens_per_s=self.stats.prefill_tokens_per_s,
             running=self.running + self.assigned,
             kv_blocks_in_use=self.kv_blocks_in_use + self.assigned_blocks,
-            kv_blocks_total=self.stats.kv_blocks_total or self.info.kv_blocks_total,
+            kv_blocks_total=self.kv_blocks_total,
         )
+
+    @property
+    def kv_blocks_total(self) -> int:
+        """Its KV cache in blocks; 0 if not known yet."""
+        return self.stats.kv_blocks_total or self.info.kv_blocks_total
 
 
 class WorkerStalled(Exception):

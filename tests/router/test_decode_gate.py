@@ -1,11 +1,13 @@
 """The decode gate's line: first come first served, woken one at a time, and a waiter that
-is cancelled (its client left) leaves the line without stalling the ones behind it."""
+is cancelled (its client left) leaves the line without stalling the ones behind it. What
+is ahead on a decode worker: full prompt blocks counted once however many share them."""
 
 from __future__ import annotations
 
 import asyncio
 
-from router.decode_gate import DecodeGate
+from common.hashing import hash_blocks
+from router.decode_gate import Ahead, DecodeGate
 
 
 def test_the_line_is_fifo_and_survives_a_cancelled_head():
@@ -40,3 +42,24 @@ def test_the_line_is_fifo_and_survives_a_cancelled_head():
         return passed
 
     assert asyncio.run(scenario()) == ["b", "c", "d"]
+
+
+def test_ahead_counts_shared_prompt_blocks_once():
+    ahead = Ahead()
+    prefix = list(range(32))  # two full blocks of 16
+    prompts = [prefix + [100, 101], prefix + [200], list(range(50, 98))]
+    hashes = [hash_blocks(p, 16) for p in prompts]
+    leave_a = ahead.join(hashes[0], 3)
+    assert (ahead.num_seqs, ahead.num_blocks) == (1, 3)
+    assert ahead.num_blocks_with(hashes[1], 3) == 4  # only its partial last block is new
+    assert ahead.num_blocks_with(hashes[2], 3) == 6  # nothing shared
+    leave_b = ahead.join(hashes[1], 3)
+    leave_c = ahead.join(hashes[2], 3)
+    assert (ahead.num_seqs, ahead.num_blocks) == (3, 7)
+    leave_a()
+    leave_a()  # once only
+    assert (ahead.num_seqs, ahead.num_blocks) == (2, 6)  # b still holds the prefix
+    leave_b()
+    assert (ahead.num_seqs, ahead.num_blocks) == (1, 3)
+    leave_c()
+    assert (ahead.num_seqs, ahead.num_blocks, ahead.num_blocks_with(hashes[0], 3)) == (0, 0, 3)

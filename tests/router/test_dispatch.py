@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import grpc
 import pytest
@@ -92,7 +93,7 @@ class HeldPrefill(pb_grpc.PrefillServiceServicer):
 
 
 async def serve(
-    servicer: Decode | HeldPrefill, registry: RedisRegistry
+    servicer: Decode | HeldPrefill, registry: RedisRegistry, kv_blocks_total: int = 0
 ) -> tuple[grpc.aio.Server, WorkerInfo]:
     """A decode (or prefill) service on a free port of 127.0.0.1, registered."""
     server = grpc.aio.server()
@@ -107,7 +108,7 @@ async def serve(
     info = WorkerInfo(
         worker_id=f"{role}@127.0.0.1:{port}", role=role,
         grpc_address=f"127.0.0.1:{port}", events_endpoint="tcp://127.0.0.1:1",
-        replay_endpoint="tcp://127.0.0.1:2",
+        replay_endpoint="tcp://127.0.0.1:2", kv_blocks_total=kv_blocks_total,
     )  # fmt: skip
     registry.register(info)
     return server, info
@@ -373,30 +374,45 @@ class HeldDecode(Decode):
         yield pb.GenerateResponse(token_ids=[42], finish_reason="length", usage=pb.Usage())
 
 
+# What lets only some of a burst of six 3-block prompts prefill while the decode worker
+# streams: (decode_queue_factor, the decode worker's KV blocks, prompts share their two
+# full blocks, how many prefill at first).
+LIMITS = {
+    "sequences": (0.25, 0, False, 2),  # 0.25 x max_num_seqs 8 = 2 sequences ahead
+    "kv_blocks": (1.0, 6, False, 2),  # 8 sequences, but 6 blocks: 2 prompts of 3
+    "shared_prefix": (1.0, 6, True, 4),  # 2 shared blocks + 1 partial block each: 3+1+1+1
+}
+
+
 @pytest.mark.timeout(60)
-def test_prefills_wait_in_line_while_their_decode_worker_is_full(tmp_path):
-    """Backpressure: with 2 sequences allowed ahead on the decode worker, the 3rd to 6th
-    of a burst are not prefilled (their KV would sit leased, unpullable) until decode
-    streams end, and then in arrival order; nothing stays counted or in line."""
+@pytest.mark.parametrize("limit", LIMITS)
+def test_prefills_wait_in_line_while_their_decode_worker_is_full(tmp_path, limit):
+    """Backpressure: only as many sequences as fit ahead on the decode worker (counted in
+    sequences, and in distinct prompt blocks against its KV cache) are prefilled while its
+    streams are held (more KV would sit leased, unpullable); the rest go as streams end,
+    in arrival order; nothing stays counted or in line."""
+    factor, kv_blocks_total, shared, first_wave = LIMITS[limit]
     decode, prefill = HeldDecode(), HeldPrefill()
     prefill.go.set()
 
-    async def scenario(registry: RedisRegistry) -> list[tuple[int, int, int]]:
-        servers = [await serve(s, registry) for s in (decode, prefill)]
-        config = RouterConfig(min_disagg_tokens=0, decode_queue_factor=0.25)  # 0.25 x 8
+    async def scenario(registry: RedisRegistry) -> list[tuple[int, ...]]:
+        servers = [await serve(decode, registry, kv_blocks_total), await serve(prefill, registry)]
+        config = RouterConfig(min_disagg_tokens=0, decode_queue_factor=factor)
         pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex(), config)
         try:
             await pool.refresh()
 
             async def one(i: int) -> None:
-                prompt = [1000 + i] + list(range(5, 40))
+                mine = [1000 + i]
+                prompt = list(range(5, 37)) + mine if shared else mine + list(range(5, 40))
                 request = SequenceRequest(f"r{i}", prompt, hash_blocks(prompt, 16),
                                           pb.SamplingParams())  # fmt: skip
                 async for _ in dispatcher.generate(request):
                     pass
 
             async def settle(num_prefilled: int) -> None:
-                while prefill.num_calls < num_prefilled:
+                deadline = time.monotonic() + 10
+                while prefill.num_calls < num_prefilled and time.monotonic() < deadline:
                     await asyncio.sleep(0.01)
                 await asyncio.sleep(0.3)  # and no more than that
 
@@ -404,20 +420,22 @@ def test_prefills_wait_in_line_while_their_decode_worker_is_full(tmp_path):
             for i in range(6):
                 burst.append(asyncio.create_task(one(i)))
                 await asyncio.sleep(0.02)  # arrival order
-            await settle(2)
-            assert prefill.num_calls == 2
+            await settle(first_wave)
+            assert prefill.num_calls == first_wave
             decode.finish.release()
-            await settle(3)
-            assert prefill.num_calls == 3
+            await settle(first_wave + 1)
+            assert prefill.num_calls == first_wave + 1
             for _ in range(5):
                 decode.finish.release()
             await asyncio.gather(*burst)
             (state,) = pool.candidates(Role.DECODE)
-            return [(state.assigned, state.running, len(state.gate))]
+            ahead = state.ahead
+            return [(state.assigned, state.running, len(state.gate), ahead.num_seqs,
+                     ahead.num_blocks)]  # fmt: skip
         finally:
             await pool.close()
             for server, _ in servers:
                 await server.stop(None)
 
-    assert run_with_registry(tmp_path, scenario) == [(0, 0, 0)]
+    assert run_with_registry(tmp_path, scenario) == [(0, 0, 0, 0, 0)]
     assert [r.request_id for r in decode.requests] == [f"r{i}" for i in range(6)]
