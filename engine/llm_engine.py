@@ -161,12 +161,25 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids"
             )
+        for name, token_ids in (
+            ("logit_bias", [t for t, _ in params.logit_bias]),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+        ):
+            if any(t >= vocab_size for t in token_ids):
+                raise InvalidRequestError(f"{name} token ids must be in [0, {vocab_size})", name)
         banned = params.ids_banned_before_min_tokens(self.eos_token_ids)
-        if params.min_tokens and len(banned) >= vocab_size:
+        allowed = params.allowed_token_ids
+        if params.min_tokens and allowed is None and len(banned) >= vocab_size:
             raise InvalidRequestError(
                 "stop_token_ids and EOS cover the whole vocabulary: nothing could be sampled "
                 "before min_tokens",
                 "stop_token_ids",
+            )
+        if params.min_tokens and allowed is not None and set(allowed) <= banned:
+            raise InvalidRequestError(
+                "stop_token_ids and EOS cover every allowed_token_ids: nothing could be "
+                "sampled before min_tokens",
+                "allowed_token_ids",
             )
         if params.max_tokens is not None and len(outputs) >= params.max_tokens:
             raise InvalidRequestError(

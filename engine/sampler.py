@@ -1,5 +1,5 @@
-"""Pick each request's next token from its logits: bans and penalties, then greedy, or
-temperature / min-p / top-k / top-p (vLLM's order).
+"""Pick each request's next token from its logits: bans, allowed tokens, logit bias and
+penalties, then greedy, or temperature / min-p / top-k / top-p (vLLM's order).
 
 Each request samples with its own ``torch.Generator``, one row at a time, so a seeded
 request draws the same tokens whatever it is batched with. The draw for its i-th output
@@ -8,8 +8,8 @@ request's, or one from the engine's RNG when it has none): a token depends only 
 seed, its position and its distribution, so a request continued on another worker (the
 first token sampled by a prefill worker, or a sequence the router moved after a decode
 worker died) draws exactly what it would have drawn in one place, with no skip-ahead.
-Log-probs are of the raw distribution (before bans, penalties, temperature, min-p, top-k
-and top-p), like vLLM's default.
+Log-probs are of the raw distribution (before bans, allowed tokens, logit bias, penalties,
+temperature, min-p, top-k and top-p), like vLLM's default.
 """
 
 from __future__ import annotations
@@ -60,6 +60,13 @@ class RequestRandom:
         """The generator, seeded for the request's output token ``index``."""
         self.generator.manual_seed(token_seed(self.seed, index))
         return self.generator
+
+
+def _keep_only(logits: torch.Tensor, token_ids: Sequence[int]) -> None:
+    """Mask (to -inf, in place) every token but ``token_ids``. logits: [V]."""
+    keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+    keep[list(token_ids)] = True
+    logits.masked_fill_(~keep, float("-inf"))
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
@@ -135,6 +142,11 @@ def sample(
     for i, row in enumerate(rows):
         if row.banned_token_ids:
             logits[i, list(row.banned_token_ids)] = float("-inf")
+        if row.params.allowed_token_ids is not None:
+            _keep_only(logits[i], row.params.allowed_token_ids)
+        if row.params.logit_bias:
+            ids, biases = zip(*row.params.logit_bias, strict=True)
+            logits[i, list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
         if row.params.has_penalties:
             assert row.token_counts is not None
             counts = row.token_counts

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidSamplingParamsError
@@ -27,6 +28,11 @@ class SamplingParams:
     count in the output, ``presence_penalty`` itself once per token in the output.
     ``min_p`` (0: off) drops tokens less likely than ``min_p`` times the likeliest one,
     after temperature.
+
+    ``logit_bias`` (OpenAI's: token id -> a bias in [-100, 100], given as a mapping or as
+    pairs, kept as pairs) is added to those tokens' logits, and
+    ``allowed_token_ids`` (vLLM's; None: all) is the only tokens that may be sampled; both
+    apply before penalties, greedy included (vLLM's order), and not to log-probs.
     """
 
     max_tokens: int | None = 16
@@ -43,9 +49,14 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", tuple(dict(self.logit_bias).items()))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         self._validate()
 
     def _validate(self) -> None:
@@ -82,6 +93,16 @@ class SamplingParams:
             raise bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        for token_id, bias in self.logit_bias:
+            if not isinstance(token_id, int) or token_id < 0:
+                raise bad("logit_bias", f"keys must be token ids (integers >= 0), got {token_id!r}")
+            if not -100.0 <= bias <= 100.0:  # NaN fails too
+                raise bad("logit_bias", f"values must be in [-100, 100], got {bias}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise bad("allowed_token_ids", "must not be empty")
+            if any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids):
+                raise bad("allowed_token_ids", "must be non-negative integers")
 
     def ids_banned_before_min_tokens(self, eos_token_ids: frozenset[int]) -> frozenset[int]:
         """What may not be sampled while fewer than ``min_tokens`` were generated: the

@@ -262,8 +262,11 @@ def create_app(state: RouterState) -> FastAPI:
         if state.draining:
             raise unavailable("the router is draining")
         vocab = state.model.vocab_size or state.tokenizer.vocab_size  # what the engine checks
-        if any(t >= vocab for t in body.stop_token_ids or ()):
-            raise bad_request(f"stop_token_ids must be in [0, {vocab})", "stop_token_ids")
+        for name, token_ids in (("stop_token_ids", body.stop_token_ids),
+                                ("logit_bias", body.logit_bias),
+                                ("allowed_token_ids", body.allowed_token_ids)):  # fmt: skip
+            if any(t >= vocab for t in token_ids or ()):
+                raise bad_request(f"{name} must name token ids in [0, {vocab})", name)
         num_sequences = len(prompts) * body.n
         limit = state.config.router.max_inflight_sequences
         if num_sequences > limit:

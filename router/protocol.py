@@ -1,7 +1,7 @@
 """The OpenAI request schemas the gateway accepts, validated with pydantic.
 
 Unknown fields are ignored (clients send many). Fields we cannot honour with a non-default
-value (logit_bias, chat echo, tools, client chat templates, special-token text, and vLLM's
+value (chat echo, tools, client chat templates, special-token text, and vLLM's
 extensions such as guided decoding or beam search) are refused with a 400 naming the field
 rather than silently ignored. ``null`` means the default for every field (OpenAI
 documents most of them as "X or null"). Sampling fields left unset (None) take the
@@ -106,9 +106,9 @@ class StreamOptions(_Body):
 # bans, ...), refused unless absent, null, false or empty.
 _VLLM_OUTPUT_FIELDS = (
     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-    "guided_whitespace_pattern", "structural_tag", "structured_outputs", "allowed_token_ids",
-    "bad_words", "logits_processors", "use_beam_search", "return_tokens_as_token_ids",
-    "prompt_embeds", "mm_processor_kwargs", "kv_transfer_params", "vllm_xargs",
+    "guided_whitespace_pattern", "structural_tag", "structured_outputs", "bad_words",
+    "logits_processors", "use_beam_search", "return_tokens_as_token_ids", "prompt_embeds",
+    "mm_processor_kwargs", "kv_transfer_params", "vllm_xargs",
 )  # fmt: skip
 
 
@@ -144,7 +144,10 @@ class _SamplingFields(_Body):
     # vLLM's: each prompt token's log-prob and the top n there, in the response's
     # ``prompt_logprobs`` (not streamed, as in vLLM).
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    logit_bias: dict[str, float] | None = None
+    # OpenAI's: token id (a JSON key, so a string of digits) -> bias in [-100, 100].
+    logit_bias: dict[int, float] | None = None
+    # vLLM's: only these tokens may be generated.
+    allowed_token_ids: list[int] | None = None
     # vLLM's detokenization options, honoured only at their defaults.
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -165,10 +168,26 @@ class _SamplingFields(_Body):
             raise ValueError(f"token ids must be in [0, {UINT32_MAX}]")
         return value
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, value: dict[int, float] | None) -> dict[int, float] | None:
+        if value and any(not 0 <= t <= UINT32_MAX for t in value):
+            raise ValueError(f"keys must be token ids in [0, {UINT32_MAX}]")
+        if value and any(not -100.0 <= bias <= 100.0 for bias in value.values()):
+            raise ValueError("biases must be in [-100, 100]")
+        return value
+
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _allowed_ids(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and not value:
+            raise ValueError("must not be empty (leave it out to allow every token)")
+        if value and any(not 0 <= t <= UINT32_MAX for t in value):
+            raise ValueError(f"token ids must be in [0, {UINT32_MAX}]")
+        return value
+
     @model_validator(mode="after")
     def _unsupported(self) -> _SamplingFields:
-        if self.logit_bias:
-            raise FieldError("logit_bias is not supported", "logit_bias")
         if not self.skip_special_tokens:
             raise FieldError("skip_special_tokens=false is not supported", "skip_special_tokens")
         if not self.spaces_between_special_tokens:

@@ -137,6 +137,8 @@ def sampling_params(
         repetition_penalty=_first_set(body.repetition_penalty, defaults.repetition_penalty, 1.0),
         stop_token_ids=body.stop_token_ids or [],
         ignore_eos=body.ignore_eos,
+        logit_bias=body.logit_bias or {},
+        allowed_token_ids=body.allowed_token_ids or [],
     )
     limit = body.completion_limit if chat else body.max_tokens
     if limit is not None:

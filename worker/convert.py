@@ -25,6 +25,8 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty or 1.0,
         min_p=msg.min_p,
+        logit_bias=dict(msg.logit_bias),
+        allowed_token_ids=tuple(msg.allowed_token_ids) or None,
     )
 
 
@@ -40,6 +42,8 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
         min_p=params.min_p,
+        logit_bias=dict(params.logit_bias),
+        allowed_token_ids=params.allowed_token_ids or (),
     )
     if params.max_tokens is not None:
         msg.max_tokens = params.max_tokens

@@ -267,6 +267,16 @@ def test_bad_input_is_rejected_and_engine_keeps_serving(tiny_llama, prompts, bas
             params = SamplingParams(max_tokens=4, min_tokens=2, temperature=1.0,
                                     stop_token_ids=stop_ids)  # fmt: skip
             llm.generate([prompts[0]], params, use_tqdm=False)
+    # Likewise token ids to bias or allow beyond the vocabulary, and allowed ids that the
+    # bans before min_tokens leave empty.
+    for bad, param in (({"logit_bias": {vocab: 1.0}}, "logit_bias"),
+                       ({"allowed_token_ids": (1, vocab)}, "allowed_token_ids"),
+                       ({"allowed_token_ids": (7,), "stop_token_ids": (7,)},
+                        "allowed_token_ids")):  # fmt: skip
+        with pytest.raises(InvalidRequestError) as info:
+            params = SamplingParams(max_tokens=4, min_tokens=2, temperature=1.0, **bad)
+            llm.generate([prompts[0]], params, use_tqdm=False)
+        assert info.value.param == param
     for bad in (
         {"temperature": -1.0},
         {"top_p": 0.0},

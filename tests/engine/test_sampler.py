@@ -1,11 +1,15 @@
 """Seeded sampling keyed by output position: the contract that lets a request continue on
-another worker (disaggregated, or moved after a decode worker died) with no skip-ahead."""
+another worker (disaggregated, or moved after a decode worker died) with no skip-ahead.
+Logit bias and allowed token ids: applied before greedy and sampling, not to log-probs."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from engine.sampler import RequestRandom, token_seed
+from engine.errors import InvalidSamplingParamsError
+from engine.sampler import RequestRandom, SamplingRow, sample, token_seed
+from engine.sampling_params import SamplingParams
 
 
 def test_token_seeds_are_splitmix64_and_pinned():
@@ -24,3 +28,51 @@ def test_a_draw_depends_only_on_seed_position_and_distribution():
     elsewhere = RequestRandom(11, torch.Generator())  # another worker, resuming at 7
     draws = [int(torch.multinomial(probs, 1, generator=r.for_token(7))) for r in (here, elsewhere)]
     assert draws[0] == draws[1]
+
+
+def draw(logits: torch.Tensor, params: SamplingParams, seed: int = 0) -> tuple[int, object]:
+    generator = RequestRandom(seed, torch.Generator()).for_token(0)
+    row = SamplingRow(params, None if params.greedy else generator, frozenset())
+    ((token_id, logprobs),) = sample(logits.clone()[None], [row])
+    return token_id, logprobs
+
+
+def test_logit_bias_moves_greedy_and_sampling_but_not_logprobs():
+    logits = torch.tensor([0.0, 5.0, 4.0, 1.0])
+    greedy = SamplingParams(temperature=0.0, logprobs=1)
+    assert draw(logits, greedy)[0] == 1
+    biased, logprobs = draw(logits, SamplingParams(temperature=0.0, logprobs=1,
+                                                   logit_bias={1: -2.0, 3: 0.5}))  # fmt: skip
+    assert biased == 2  # 5 - 2 < 4
+    assert logprobs.logprob == pytest.approx(float(logits.log_softmax(-1)[2]))  # raw
+    # +100 makes a token all but certain at temperature 1, -100 all but impossible.
+    for seed in range(20):
+        assert draw(logits, SamplingParams(temperature=1.0, logit_bias={0: 100.0}), seed)[0] == 0
+        banned = SamplingParams(temperature=1.0, logit_bias={1: -100.0, 2: -100.0})
+        assert draw(logits, banned, seed)[0] in (0, 3)
+
+
+def test_allowed_token_ids_are_the_only_ones_sampled():
+    logits = torch.randn(50)
+    allowed = (3, 17, 41)
+    greedy = SamplingParams(temperature=0.0, allowed_token_ids=allowed)
+    assert draw(logits, greedy)[0] == max(allowed, key=lambda t: logits[t])
+    drawn = {draw(logits, SamplingParams(temperature=2.0, allowed_token_ids=allowed), s)[0]
+             for s in range(60)}  # fmt: skip
+    assert drawn == set(allowed)
+
+
+@pytest.mark.parametrize(
+    ("bad", "param"),
+    [
+        ({"logit_bias": {1: 100.5}}, "logit_bias"),
+        ({"logit_bias": {1: float("nan")}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"allowed_token_ids": ()}, "allowed_token_ids"),
+        ({"allowed_token_ids": (1, -2)}, "allowed_token_ids"),
+    ],
+)
+def test_bad_bias_and_allowed_ids_are_refused(bad, param):
+    with pytest.raises(InvalidSamplingParamsError) as info:
+        SamplingParams(**bad)
+    assert info.value.param == param

@@ -201,6 +201,36 @@ def test_penalties_cross_the_disaggregated_path_unchanged(client, tiny_llama):
     ]
 
 
+def test_logit_bias_and_allowed_token_ids_cross_the_disaggregated_path(client, tiny_llama):
+    """Both workers sample with them (the prefill worker the first token): greedy tokens
+    equal the offline engine's with the same bias, +100 forces a token, and sampling
+    draws only allowed ids."""
+    prompts = random_prompts((30, 70), seed=88)
+    llm = LLM(tiny_llama)
+    greedy = SamplingParams(max_tokens=8, min_tokens=8, temperature=0)
+    plain = llm.generate(prompts, greedy, use_tqdm=False)
+    # Push down each prompt's greedy first token, and one of the first prompt's later ones.
+    bias = {t: -5.0 for o in plain for t in o.outputs[0].token_ids[:1]}
+    bias[plain[0].outputs[0].token_ids[4]] = -3.0
+    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0, logit_bias=bias)
+    offline = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert offline != [o.outputs[0].token_ids for o in plain]  # the bias moves them
+
+    def completion(**extra):
+        reply = client.completions.create(
+            model=MODEL, prompt=prompts, max_tokens=8, temperature=extra.pop("temperature", 0),
+            extra_body={"min_tokens": 8, "return_token_ids": True, **extra},
+        )  # fmt: skip
+        return [c.model_extra["token_ids"] for c in sorted(reply.choices, key=lambda c: c.index)]
+
+    assert completion(logit_bias={str(t): b for t, b in bias.items()}) == offline
+    assert completion(logit_bias={"77": 100}) == [[77] * 8] * len(prompts)
+    allowed = [5, 77, 300, 901]
+    drawn = completion(allowed_token_ids=allowed, temperature=1.0, seed=3)
+    assert {t for ids in drawn for t in ids} <= set(allowed)
+    assert len({t for ids in drawn for t in ids}) > 1
+
+
 def test_chat_stream_equals_non_stream(client):
     messages = [{"role": "user", "content": "Say something about gRPC."}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,

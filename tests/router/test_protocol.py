@@ -47,20 +47,42 @@ def test_null_means_the_default():
         ("guided_choice", ["yes", "no"]),
         ("structured_outputs", {"json": {}}),
         ("prompt_logprobs", -1),  # vLLM's whole vocabulary
-        ("allowed_token_ids", [1, 2]),
         ("bad_words", ["x"]),
         ("truncate_prompt_tokens", 8),
         ("use_beam_search", True),
         ("priority", 1),
         ("response_format", {"type": "json_object"}),
         ("add_special_tokens", False),
-        ("logit_bias", {"5": 1.0}),
         ("best_of", 3),
         ("stream_options", {"include_usage": True}),  # without stream
     ],
 )
 def test_completion_fields_that_change_the_output_are_refused_by_name(field, value):
     assert refused_param(CompletionRequest, {"prompt": "x", field: value}) == field
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("logit_bias", {"x": 1.0}),  # keys are token ids
+        ("logit_bias", {"-3": 1.0}),
+        ("logit_bias", {"5": 101}),  # OpenAI's range: [-100, 100]
+        ("logit_bias", {"5": "NaN"}),
+        ("allowed_token_ids", []),
+        ("allowed_token_ids", [3, -1]),
+    ],
+)
+def test_bad_logit_bias_and_allowed_token_ids_are_refused_by_name(field, value):
+    assert refused_param(CompletionRequest, {"prompt": "x", field: value}) == field
+    body = {"messages": [{"role": "user", "content": "x"}], field: value}
+    assert refused_param(ChatCompletionRequest, body) == field
+
+
+def test_logit_bias_keys_are_token_ids():
+    body = CompletionRequest.model_validate(
+        {"prompt": "x", "logit_bias": {"5": -100, "17": 2.5}, "allowed_token_ids": [5, 9]}
+    )
+    assert body.logit_bias == {5: -100.0, 17: 2.5} and body.allowed_token_ids == [5, 9]
 
 
 def test_their_default_values_pass():
