@@ -13,8 +13,9 @@ Sequences the decode worker prefills itself stand in the same line: they pin no 
 but if they passed it, a burst of short prompts would overtake long ones that came first.
 
 "Ahead" is counted in sequences and in KV blocks (``Ahead``): a sequence limit alone lets
-a long-context workload (Mooncake's prompts average ~8k tokens) queue far more KV than the
-decode worker or the prefill workers' leases can hold, and the pile-up above returns.
+a long-context workload (the Mooncake traces' prompts average 12k-15k tokens) queue far
+more KV than the decode worker or the prefill workers' leases can hold, and the pile-up
+above returns.
 """
 
 from __future__ import annotations
