@@ -164,6 +164,7 @@ class LLMEngine:
         for name, token_ids in (
             ("logit_bias", [t for t, _ in params.logit_bias]),
             ("allowed_token_ids", params.allowed_token_ids or ()),
+            ("bad_words", [t for word in params.bad_words_token_ids for t in word]),
         ):
             if any(t >= vocab_size for t in token_ids):
                 raise InvalidRequestError(f"{name} token ids must be in [0, {vocab_size})", name)

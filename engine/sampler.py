@@ -1,5 +1,5 @@
-"""Pick each request's next token from its logits: bans, allowed tokens, logit bias and
-penalties, then greedy, or temperature / min-p / top-k / top-p (vLLM's order).
+"""Pick each request's next token from its logits: bans, allowed tokens, bad words, logit
+bias and penalties, then greedy, or temperature / min-p / top-k / top-p (vLLM's order).
 
 Each request samples with its own ``torch.Generator``, one row at a time, so a seeded
 request draws the same tokens whatever it is batched with. The draw for its i-th output
@@ -8,8 +8,8 @@ request's, or one from the engine's RNG when it has none): a token depends only 
 seed, its position and its distribution, so a request continued on another worker (the
 first token sampled by a prefill worker, or a sequence the router moved after a decode
 worker died) draws exactly what it would have drawn in one place, with no skip-ahead.
-Log-probs are of the raw distribution (before bans, allowed tokens, logit bias, penalties,
-temperature, min-p, top-k and top-p), like vLLM's default.
+Log-probs are of the raw distribution (before bans, allowed tokens, bad words, logit bias,
+penalties, temperature, min-p, top-k and top-p), like vLLM's default.
 """
 
 from __future__ import annotations
@@ -67,6 +67,18 @@ def _keep_only(logits: torch.Tensor, token_ids: Sequence[int]) -> None:
     keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
     keep[list(token_ids)] = True
     logits.masked_fill_(~keep, float("-inf"))
+
+
+def _ban_bad_words(logits: torch.Tensor, token_ids: list[int]) -> None:
+    """Mask ``token_ids`` (in place) unless that leaves nothing to sample (allowed token
+    ids that are all bad words' last tokens at this step): then the bans yield, as a
+    sequence must go on. logits: [V]."""
+    if not token_ids:
+        return
+    saved = logits[token_ids].clone()
+    logits[token_ids] = float("-inf")
+    if not bool(torch.isfinite(logits).any()):
+        logits[token_ids] = saved
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
@@ -144,6 +156,8 @@ def sample(
             logits[i, list(row.banned_token_ids)] = float("-inf")
         if row.params.allowed_token_ids is not None:
             _keep_only(logits[i], row.params.allowed_token_ids)
+        if row.params.bad_words_token_ids:
+            _ban_bad_words(logits[i], row.params.bad_word_bans(row.output_token_ids))
         if row.params.logit_bias:
             ids, biases = zip(*row.params.logit_bias, strict=True)
             logits[i, list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidSamplingParamsError
@@ -33,6 +33,9 @@ class SamplingParams:
     pairs, kept as pairs) is added to those tokens' logits, and
     ``allowed_token_ids`` (vLLM's; None: all) is the only tokens that may be sampled; both
     apply before penalties, greedy included (vLLM's order), and not to log-probs.
+    ``bad_words_token_ids`` (vLLM's ``bad_words``, tokenized) are token sequences that may
+    not be generated: a sequence's last token is banned whenever the output so far ends
+    with the rest of it (a one-token sequence is always banned).
     """
 
     max_tokens: int | None = 16
@@ -51,12 +54,15 @@ class SamplingParams:
     min_p: float = 0.0
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", tuple(dict(self.logit_bias).items()))
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        words = tuple(tuple(word) for word in self.bad_words_token_ids)
+        object.__setattr__(self, "bad_words_token_ids", words)
         self._validate()
 
     def _validate(self) -> None:
@@ -103,6 +109,20 @@ class SamplingParams:
                 raise bad("allowed_token_ids", "must not be empty")
             if any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids):
                 raise bad("allowed_token_ids", "must be non-negative integers")
+        for word in self.bad_words_token_ids:
+            if not word or any(not isinstance(t, int) or t < 0 for t in word):
+                raise bad("bad_words", "must be non-empty sequences of token ids")
+
+    def bad_word_bans(self, output_token_ids: Sequence[int]) -> list[int]:
+        """The last tokens of the bad words whose other tokens end ``output_token_ids``."""
+        bans = []
+        for word in self.bad_words_token_ids:
+            prefix_len = len(word) - 1
+            if prefix_len > len(output_token_ids):
+                continue
+            if not prefix_len or list(output_token_ids[-prefix_len:]) == list(word[:-1]):
+                bans.append(word[-1])
+        return bans
 
     def ids_banned_before_min_tokens(self, eos_token_ids: frozenset[int]) -> frozenset[int]:
         """What may not be sampled while fewer than ``min_tokens`` were generated: the

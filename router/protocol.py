@@ -106,9 +106,9 @@ class StreamOptions(_Body):
 # bans, ...), refused unless absent, null, false or empty.
 _VLLM_OUTPUT_FIELDS = (
     "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-    "guided_whitespace_pattern", "structural_tag", "structured_outputs", "bad_words",
-    "logits_processors", "use_beam_search", "return_tokens_as_token_ids", "prompt_embeds",
-    "mm_processor_kwargs", "kv_transfer_params", "vllm_xargs",
+    "guided_whitespace_pattern", "structural_tag", "structured_outputs", "logits_processors",
+    "use_beam_search", "return_tokens_as_token_ids", "prompt_embeds", "mm_processor_kwargs",
+    "kv_transfer_params", "vllm_xargs",
 )  # fmt: skip
 
 
@@ -146,8 +146,9 @@ class _SamplingFields(_Body):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # OpenAI's: token id (a JSON key, so a string of digits) -> bias in [-100, 100].
     logit_bias: dict[int, float] | None = None
-    # vLLM's: only these tokens may be generated.
+    # vLLM's: only these tokens may be generated; and words that may not be.
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # vLLM's detokenization options, honoured only at their defaults.
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -184,6 +185,13 @@ class _SamplingFields(_Body):
             raise ValueError("must not be empty (leave it out to allow every token)")
         if value and any(not 0 <= t <= UINT32_MAX for t in value):
             raise ValueError(f"token ids must be in [0, {UINT32_MAX}]")
+        return value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, value: list[str] | None) -> list[str] | None:
+        if value and any(not word.strip() for word in value):
+            raise ValueError("entries must contain text")
         return value
 
     @model_validator(mode="after")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from common.config import PdserveConfig, Role
@@ -104,7 +105,10 @@ class RouterState:
         return text
 
     def sampling_params(self, body, logprobs: int | None, chat: bool) -> pb.SamplingParams:
-        return sampling_params(body, self.generation_defaults, logprobs, chat)
+        params = sampling_params(body, self.generation_defaults, logprobs, chat)
+        for word in bad_words_token_ids(self.tokenizer, body.bad_words or ()):
+            params.bad_words_token_ids.add(token_ids=word)
+        return params
 
     def record_finished(self, choices: list[Choice]) -> None:
         self.num_finished += 1
@@ -115,6 +119,20 @@ class RouterState:
             ).inc()
             metrics.generation_tokens.inc(len(choice.token_ids))
         metrics.prompt_tokens.inc(sum(len(c.request.prompt_token_ids) for c in choices))
+
+
+def bad_words_token_ids(tokenizer: Tokenizer, words: Iterable[str]) -> list[list[int]]:
+    """vLLM's reading of ``bad_words``: each word's tokens as it would start the text, and
+    also as it would follow a space where that is other tokens of the same length (so the
+    word is banned at the start and in the middle of text alike)."""
+    token_ids: list[list[int]] = []
+    for word in words:
+        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        token_ids.append(alone)
+        if len(spaced) == len(alone) and spaced[0] != alone[0]:
+            token_ids.append(spaced)
+    return token_ids
 
 
 def _first_set(*values):

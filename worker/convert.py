@@ -27,6 +27,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         min_p=msg.min_p,
         logit_bias=dict(msg.logit_bias),
         allowed_token_ids=tuple(msg.allowed_token_ids) or None,
+        bad_words_token_ids=tuple(tuple(word.token_ids) for word in msg.bad_words_token_ids),
     )
 
 
@@ -44,6 +45,7 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         min_p=params.min_p,
         logit_bias=dict(params.logit_bias),
         allowed_token_ids=params.allowed_token_ids or (),
+        bad_words_token_ids=[pb.TokenIds(token_ids=word) for word in params.bad_words_token_ids],
     )
     if params.max_tokens is not None:
         msg.max_tokens = params.max_tokens

@@ -1,6 +1,7 @@
 """Seeded sampling keyed by output position: the contract that lets a request continue on
 another worker (disaggregated, or moved after a decode worker died) with no skip-ahead.
-Logit bias and allowed token ids: applied before greedy and sampling, not to log-probs."""
+Logit bias, allowed token ids and bad words: applied before greedy and sampling, not to
+log-probs."""
 
 from __future__ import annotations
 
@@ -62,6 +63,30 @@ def test_allowed_token_ids_are_the_only_ones_sampled():
     assert drawn == set(allowed)
 
 
+def test_a_bad_words_last_token_is_banned_where_the_output_ends_with_the_rest():
+    params = SamplingParams(temperature=0.0, bad_words_token_ids=[[7], [1, 2, 3], [4, 3]])
+    assert params.bad_word_bans([]) == [7]
+    assert params.bad_word_bans([9, 1, 2]) == [7, 3]
+    assert params.bad_word_bans([1, 2, 4]) == [7, 3]
+    assert params.bad_word_bans([2, 1]) == [7]
+    logits = torch.tensor([0.0, 0.0, 0.0, 9.0, 1.0, 0.0, 0.0, 8.0])
+    row = SamplingRow(params, None, frozenset(), output_token_ids=[5, 4])
+    assert sample(logits.clone()[None], [row])[0][0] == 4  # not 3 (after 4) nor 7
+    row.output_token_ids = [5]
+    assert sample(logits.clone()[None], [row])[0][0] == 3
+
+
+def test_bad_words_yield_when_they_would_leave_nothing_to_sample():
+    """Allowed ids that are all banned at this step: the sequence must go on."""
+    params = SamplingParams(temperature=0.0, allowed_token_ids=(2, 3),
+                            bad_words_token_ids=[[1, 2], [1, 3]])  # fmt: skip
+    logits = torch.tensor([5.0, 4.0, 1.0, 2.0])
+    row = SamplingRow(params, None, frozenset(), output_token_ids=[1])
+    assert sample(logits.clone()[None], [row])[0][0] == 3
+    row.output_token_ids = [0]
+    assert sample(logits.clone()[None], [row])[0][0] == 3
+
+
 @pytest.mark.parametrize(
     ("bad", "param"),
     [
@@ -70,6 +95,8 @@ def test_allowed_token_ids_are_the_only_ones_sampled():
         ({"logit_bias": {-1: 1.0}}, "logit_bias"),
         ({"allowed_token_ids": ()}, "allowed_token_ids"),
         ({"allowed_token_ids": (1, -2)}, "allowed_token_ids"),
+        ({"bad_words_token_ids": [[1], []]}, "bad_words"),
+        ({"bad_words_token_ids": [[1, -1]]}, "bad_words"),
     ],
 )
 def test_bad_bias_and_allowed_ids_are_refused(bad, param):

@@ -16,7 +16,9 @@ import httpx
 import openai
 import pytest
 
+from common.tokenizer import Tokenizer
 from engine import LLM, SamplingParams
+from router.state import bad_words_token_ids
 from tests.engine.helpers import random_prompts
 from tests.support.processes import write_config
 from tests.support.stack import get_json, metric, start_up_stack, worker_stats
@@ -229,6 +231,31 @@ def test_logit_bias_and_allowed_token_ids_cross_the_disaggregated_path(client, t
     drawn = completion(allowed_token_ids=allowed, temperature=1.0, seed=3)
     assert {t for ids in drawn for t in ids} <= set(allowed)
     assert len({t for ids in drawn for t in ids}) > 1
+
+
+def test_bad_words_cross_the_disaggregated_path(client, tiny_llama):
+    """The router tokenizes bad words as vLLM does; both workers ban them: greedy tokens
+    equal the offline engine's with those token sequences, which never appear."""
+    prompts = random_prompts((30, 70), seed=89)
+    llm = LLM(tiny_llama)
+    greedy = SamplingParams(max_tokens=8, min_tokens=8, temperature=0)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    tokenizer = Tokenizer(tiny_llama)
+    words = [tokenizer.decode([ids[2]]).strip() or "x" for ids in plain[:2]]
+    sequences = bad_words_token_ids(tokenizer, words)
+    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0,
+                            bad_words_token_ids=sequences)  # fmt: skip
+    offline = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert offline != plain  # the words were there
+    reply = client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=8, temperature=0,
+        extra_body={"min_tokens": 8, "return_token_ids": True, "bad_words": words},
+    )  # fmt: skip
+    served = [c.model_extra["token_ids"] for c in sorted(reply.choices, key=lambda c: c.index)]
+    assert served == offline
+    for ids in served:
+        for word in sequences:
+            assert all(ids[i : i + len(word)] != word for i in range(len(ids)))
 
 
 def test_chat_stream_equals_non_stream(client):
