@@ -110,6 +110,9 @@ class LLM:
             output = finished[request_id]
             output.prompt = prompt if isinstance(prompt, str) else None
             completion = output.outputs[0]
-            completion.text = self.tokenizer.decode(completion.token_ids)
+            shown = completion.token_ids  # a stop token's text is not output (as in vLLM)
+            if completion.stop_reason is not None:
+                shown = shown[:-1]
+            completion.text = self.tokenizer.decode(shown)
             results.append(output)
         return results

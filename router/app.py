@@ -346,7 +346,9 @@ def create_app(state: RouterState) -> FastAPI:
             return Response(status_code=499)  # nobody is listening; the work is aborted
         if body.stream:
             return _AdmittedStream(
-                stream(formatter, choices, first, events, body.include_usage),
+                stream(
+                    formatter, choices, first, events, body.include_usage, body.continuous_usage
+                ),
                 events,
                 release,
                 media_type="text/event-stream",
@@ -375,13 +377,19 @@ def create_app(state: RouterState) -> FastAPI:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
 
-    async def stream(formatter: Formatter, choices, first, events: AsyncIterator,
-                     include_usage: bool) -> AsyncIterator[bytes]:  # fmt: skip
+    async def stream(
+        formatter: Formatter,
+        choices,
+        first,
+        events: AsyncIterator,
+        include_usage: bool,
+        continuous_usage: bool,
+    ) -> AsyncIterator[bytes]:
         try:
             if first is not None:
-                yield sse(formatter.chunk(first))
+                yield sse(formatter.chunk(first, continuous_usage))
             async for event in events:
-                yield sse(formatter.chunk(event))
+                yield sse(formatter.chunk(event, continuous_usage))
             if include_usage:
                 yield sse(formatter.usage_chunk(choices))
             state.record_finished(choices)

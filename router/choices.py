@@ -31,6 +31,9 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[pb.TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
+    # vLLM's: what stopped it, once finish_reason is "stop": the stop string or stop token
+    # id (None: EOS).
+    stop_reason: int | str | None = None
     usage: pb.Usage | None = None
     cached_tokens: int = 0  # prompt tokens the worker reused, as soon as it says
     prompt_logprobs: list[pb.TokenLogprobs] | None = None  # prompt tokens 1.., when asked
@@ -122,10 +125,15 @@ async def run_choice(
             choice.token_ids.extend(delta.token_ids)
             choice.logprobs.extend(delta.logprobs)
             detok = choice.detokenizer
-            text = detok.add(delta.token_ids)
             finish = delta.finish_reason
+            shown = delta.token_ids
+            if finish == "stop" and shown and shown[-1] in choice.request.sampling.stop_token_ids:
+                shown = shown[:-1]  # a stop token's text is not output (as in vLLM)
+                choice.stop_reason = delta.token_ids[-1]
+            text = detok.add(shown)
             if detok.stopped:
                 finish = "stop"
+                choice.stop_reason = detok.stop_string
             if finish:
                 text += detok.finish()
                 choice.finish_reason = finish

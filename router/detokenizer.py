@@ -72,8 +72,11 @@ class IncrementalDetokenizer:
     def _check_stop(self) -> None:
         if not self.stop or self.stopped or len(self.token_ids) <= self.min_tokens:
             return
-        start = max(max(self._emitted, self._search_from) - self._hold, 0)
-        found = [(self.text.find(s, start), s) for s in self.stop]
+        # A match must end after the text already searched (and after the first
+        # min_tokens' text): each stop string may begin len(s) - 1 characters before it.
+        # One start for all (the longest's) let a short one match inside the exempt text.
+        searched = max(self._emitted, self._search_from)
+        found = [(self.text.find(s, max(searched - len(s) + 1, 0)), s) for s in self.stop]
         found = [(i, s) for i, s in found if i >= 0]
         if found:
             index, stop = min(found)

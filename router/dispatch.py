@@ -229,7 +229,7 @@ class Dispatcher:
         # worker refusing it), the prefill worker's blocks are freed now, not at expiry.
         try:
             if first is not None:
-                yield TokenDelta(
+                delta = TokenDelta(
                     [first.first_token_id],
                     [first.first_logprobs] if first.HasField("first_logprobs") else [],
                     cached_tokens=first.num_cached_tokens,
@@ -237,16 +237,15 @@ class Dispatcher:
                 )
                 if first.finish_reason:  # no decode worker will hold this prompt
                     self._moved(request.block_hashes, placement.decode_worker, None)
-                    yield TokenDelta(
-                        [],
-                        finish_reason=first.finish_reason,
-                        usage=pb.Usage(
-                            prompt_tokens=len(request.prompt_token_ids),
-                            completion_tokens=1,
-                            cached_tokens=first.num_cached_tokens,
-                        ),
+                    delta.finish_reason = first.finish_reason  # with its token: a stop
+                    delta.usage = pb.Usage(  # token's text is not shown
+                        prompt_tokens=len(request.prompt_token_ids),
+                        completion_tokens=1,
+                        cached_tokens=first.num_cached_tokens,
                     )
+                    yield delta
                     return
+                yield delta
             arrived()  # no await before _decode counts its call as the worker's running
             async for delta in self._decode(request, placement, first, release, touched):
                 yield delta

@@ -160,7 +160,9 @@ class Formatter:
         self._text_offsets[choice.index] = start + sum(len(token) for token in body["tokens"])
         return text, body
 
-    def chunk(self, event: ChoiceEvent) -> dict[str, Any]:
+    def chunk(self, event: ChoiceEvent, usage: bool = False) -> dict[str, Any]:
+        """One choice's event; with ``usage`` (vLLM's continuous_usage_stats), the
+        choice's token counts so far too."""
         index = event.choice.index
         text, logprobs = self._text_and_logprobs(event.choice, event.text, event.logprobs)
         if self.chat:
@@ -173,9 +175,17 @@ class Formatter:
         else:
             choice = {"index": index, "text": text, "logprobs": logprobs,
                       "finish_reason": event.finish_reason}  # fmt: skip
+        choice["stop_reason"] = event.choice.stop_reason if event.finish_reason else None
         if self.token_ids:
             choice["token_ids"] = list(event.token_ids)
-        return self._envelope([choice], "chat.completion.chunk" if self.chat else None)
+        body = self._envelope([choice], "chat.completion.chunk" if self.chat else None)
+        if usage:
+            prompt_tokens = len(event.choice.request.prompt_token_ids)
+            completion_tokens = len(event.choice.token_ids)
+            body["usage"] = {"prompt_tokens": prompt_tokens,
+                             "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+        return body
 
     def usage_chunk(self, choices: list[Choice]) -> dict[str, Any]:
         body = self._envelope([], "chat.completion.chunk" if self.chat else None)
@@ -198,6 +208,7 @@ class Formatter:
             else:
                 items.append({"index": choice.index, "text": text, "logprobs": logprobs,
                               "finish_reason": choice.finish_reason})  # fmt: skip
+            items[-1]["stop_reason"] = choice.stop_reason
             if self.token_ids:
                 items[-1]["token_ids"] = list(choice.token_ids)
             if self.prompt_logprobs is not None and not self.chat:

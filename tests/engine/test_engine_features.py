@@ -161,6 +161,8 @@ def test_stop_token_ids_and_max_tokens(tiny_llama, prompts, baseline):
     )[0].outputs[0]
     assert out.token_ids == baseline[0][: first_index + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_token
+    # Its text is not output (as in vLLM): the text is that of the tokens before it.
+    assert out.text == llm.tokenizer.decode(baseline[0][:first_index])
     short = llm.generate([prompts[0]], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
     assert short[0].outputs[0].token_ids == baseline[0][:3]
     assert short[0].outputs[0].finish_reason == "length"

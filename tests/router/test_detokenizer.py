@@ -55,3 +55,24 @@ def test_stop_strings_wait_for_min_tokens(tiny_llama):
                     break
             streamed += detok.finish()
             assert (streamed, detok.stopped) == (expected, True), (min_tokens, step)
+
+
+def test_a_longer_stop_string_does_not_let_a_short_one_match_inside_min_tokens(tiny_llama):
+    """Each stop string is looked for from where it could first end after the exempt
+    text: adding one that never occurs changes nothing (an audit saw a space inside the
+    first min_tokens' text stop the sequence once a 10-character stop string was added)."""
+    tokenizer = Tokenizer(tiny_llama)
+    ids = tokenizer.encode("alpha beta gamma delta epsilon", add_special_tokens=False)
+    min_tokens = next(n for n in range(1, len(ids)) if " " in tokenizer.decode(ids[:n]))
+    texts = []
+    for stop in ([" "], [" ", "ZZZZZZZZZQ"]):
+        for step in (1, len(ids)):
+            detok = IncrementalDetokenizer(tokenizer, stop=stop, min_tokens=min_tokens)
+            streamed = ""
+            for start in range(0, len(ids), step):
+                streamed += detok.add(ids[start : start + step])
+                if detok.stopped:
+                    break
+            texts.append(streamed + detok.finish())
+    exempt = tokenizer.decode(ids[:min_tokens])
+    assert texts[0].startswith(exempt) and texts == [texts[0]] * 4, texts

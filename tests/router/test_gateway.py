@@ -340,6 +340,42 @@ def test_a_choice_ended_by_its_first_token_frees_the_prefill_lease(stack, client
     assert live_leases(stack) == 0
 
 
+def test_a_stop_token_ends_without_its_text_and_is_the_stop_reason(client, tiny_llama):
+    """As in vLLM: the stop token's text is not output, and ``stop_reason`` names what
+    stopped the choice; whether the prefill worker sampled that token or a decode worker
+    did, streamed or not."""
+    tokenizer = Tokenizer(tiny_llama)
+    prompt = random_prompts((40,), seed=90)[0]
+    ids = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    ).choices[0].model_extra["token_ids"]  # fmt: skip
+    for stop in (ids[0], ids[3]):
+        expected = tokenizer.decode(ids[: ids.index(stop)])
+        kwargs = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0,
+                  "extra_body": {"stop_token_ids": [stop], "ignore_eos": True}}  # fmt: skip
+        whole = client.completions.create(**kwargs).choices[0]
+        assert (whole.text, whole.finish_reason, whole.model_extra["stop_reason"]) == (
+            expected, "stop", stop)  # fmt: skip
+        chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs)]
+        assert "".join(c.text for c in chunks) == expected
+        assert (chunks[-1].finish_reason, chunks[-1].model_extra["stop_reason"]) == ("stop", stop)
+    length = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert length.choices[0].model_extra["stop_reason"] is None
+
+
+def test_continuous_usage_stats_count_each_chunk(client):
+    chunks = list(client.completions.create(
+        model=MODEL, prompt="def main():", max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True},
+    ))  # fmt: skip
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert counts == sorted(counts) and counts[-1] == 5
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 5
+
+
 def test_seeds_and_n(client):
     def sample(seed: int, n: int = 1):
         reply = client.chat.completions.create(
