@@ -186,8 +186,21 @@ class Dispatcher:
         arrived = decode.assign(blocks) if decode is not None else _nothing
         leave = _nothing
         try:
-            if decode is not None:  # one line for all its sequences: local ones must not
-                leave = await self._room_on(decode, request, blocks)  # pass earlier ones
+            for _ in range(3):  # re-placed when its decode worker died while it waited
+                if decode is None:
+                    break
+                room = await self._room_on(decode, request, blocks)
+                if room is not None:
+                    leave = room
+                    break
+                arrived()
+                with self.index_lock:
+                    for worker_id in touched:
+                        self.index.withdraw_optimistic(worker_id, request.block_hashes)
+                placement = self.place(request)  # 503 when no decode worker is left
+                touched = {w for w in (placement.decode_worker, placement.prefill_worker) if w}
+                decode = self.pool.get(placement.decode_worker)
+                arrived = decode.assign(blocks) if decode is not None else _nothing
             async for delta in self._journey(request, placement, touched, arrived):
                 if not counted and delta.cached_tokens is not None:
                     counted = True  # what the worker reused, not what placement expected
@@ -254,7 +267,7 @@ class Dispatcher:
 
     async def _room_on(
         self, decode: WorkerState, request: SequenceRequest, num_blocks: int
-    ) -> Callable[[], None]:
+    ) -> Callable[[], None] | None:
         """Backpressure (``router/decode_gate.py``): wait, in line with every sequence
         placed on ``decode`` (prefilled there or not), until this router's sequences ahead
         on ``decode`` (in prefill for it, in its queue or batch) number fewer than
@@ -268,19 +281,27 @@ class Dispatcher:
         max_seqs = factor * self.policy.max_running
         ahead = decode.ahead
 
+        gone = [False]
+
         def has_room() -> bool:
-            if not ahead.num_seqs or self.pool.retired(decode):
+            current = self.pool.get(decode.worker_id)
+            if current is None or not current.available:
+                gone[0] = True  # left, or down: place the sequence again instead
                 return True
-            max_blocks = factor * decode.kv_blocks_total
+            if not ahead.num_seqs:
+                return True
+            max_blocks = factor * current.kv_blocks_total
             blocks = ahead.num_blocks_with(request.block_hashes, num_blocks)
             return ahead.num_seqs < max_seqs and (not max_blocks or blocks <= max_blocks)
 
         await decode.gate.enter(has_room)
+        if gone[0]:
+            return None
         leave = ahead.join(request.block_hashes, num_blocks)
 
         def leave_and_wake() -> None:
             leave()
-            decode.gate.wake()
+            decode.gate.wake()  # (the gate is the worker id's, kept across restarts)
 
         return leave_and_wake
 
@@ -342,7 +363,12 @@ class Dispatcher:
         one that joined is). A worker tried once is not tried again for this sequence,
         even restarted (its id stays): that bounds what one request can crash."""
         chosen = self.pool.get(preferred)
-        if chosen is not None and preferred not in tried and not self.pool.retired(chosen):
+        if (
+            chosen is not None
+            and preferred not in tried
+            and not self.pool.retired(chosen)
+            and chosen.available
+        ):  # one the pool saw die: no prefill pays for a try
             return chosen
         others = [w for w in self.pool.candidates(Role.DECODE) if w.worker_id not in tried]
         return min(others, key=lambda w: w.running, default=None)

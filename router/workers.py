@@ -242,6 +242,12 @@ class WorkerPool:
                     self.workers[worker_id] = self._reconnect(back, info)
                 else:
                     self.workers[worker_id] = self._connect(info)
+                    if state is not None:
+                        # Restarted: the router's line for it and the sequences it counts
+                        # as ahead (still in flight here) belong to the worker id, not to
+                        # the engine; a fresh Ahead let the old line through unbounded.
+                        fresh = self.workers[worker_id]
+                        fresh.gate, fresh.ahead = state.gate, state.ahead
                 self.events.add(info)
                 logger.info("worker %s joined (%s)", worker_id, info.role)
             else:

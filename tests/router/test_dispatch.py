@@ -5,6 +5,7 @@ its pull; and its migration of a sequence whose decode worker failed mid-stream.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
@@ -439,3 +440,76 @@ def test_prefills_wait_in_line_while_their_decode_worker_is_full(tmp_path, limit
 
     assert run_with_registry(tmp_path, scenario) == [(0, 0, 0, 0, 0)]
     assert [r.request_id for r in decode.requests] == [f"r{i}" for i in range(6)]
+
+
+@pytest.mark.timeout(60)
+def test_sequences_waiting_for_a_decode_worker_that_went_down_are_placed_again(tmp_path):
+    """They are not prefilled for it (their KV would go to a dead worker and the decode
+    side would recompute it): they go back to placement, a 503 here with no other decode
+    worker; nothing stays counted or in line."""
+    decode, prefill = HeldDecode(), HeldPrefill()
+    prefill.go.set()
+
+    async def scenario(registry: RedisRegistry) -> list[object]:
+        servers = [await serve(decode, registry), await serve(prefill, registry)]
+        config = RouterConfig(min_disagg_tokens=0, decode_queue_factor=0.125)  # 1 ahead
+        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex(), config)
+        try:
+            await pool.refresh()
+            (state,) = pool.candidates(Role.DECODE)
+
+            async def one(i: int) -> None:
+                prompt = [1000 + i] + list(range(5, 40))
+                request = SequenceRequest(f"r{i}", prompt, hash_blocks(prompt, 16),
+                                          pb.SamplingParams())  # fmt: skip
+                async for _ in dispatcher.generate(request):
+                    pass
+
+            first = asyncio.create_task(one(0))
+            while not decode.requests:
+                await asyncio.sleep(0.01)
+            second = asyncio.create_task(one(1))
+            await asyncio.sleep(0.2)
+            assert len(state.gate) == 1
+            pool.mark_unhealthy(state.worker_id)  # as a failed call to it does
+            try:
+                await asyncio.wait_for(second, 5)
+            except APIError as exc:
+                outcome = exc.status
+            decode.finish.release()
+            await first
+            return [outcome, prefill.num_calls, len(state.gate), state.ahead.num_seqs,
+                    state.assigned]  # fmt: skip
+        finally:
+            await pool.close()
+            for server, _ in servers:
+                await server.stop(None)
+
+    assert run_with_registry(tmp_path, scenario) == [503, 1, 0, 0, 0]
+
+
+@pytest.mark.timeout(60)
+def test_a_restarted_decode_worker_keeps_its_line_and_what_is_ahead(tmp_path):
+    """A new engine behind the same worker id gets a new WorkerState; the router's line
+    and count for that id carry over (a fresh count let the whole line through)."""
+    decode = Decode(fail=False)
+
+    async def scenario(registry: RedisRegistry) -> list[bool]:
+        server, info = await serve(decode, registry)
+        pool, _ = pool_and_dispatcher(registry, PrefixIndex())
+        try:
+            await pool.refresh()
+            (old,) = pool.candidates(Role.DECODE)
+            leave = old.ahead.join([], 1)
+            registry.register(dataclasses.replace(info, engine_id="restarted"))
+            await pool.refresh()
+            (new,) = pool.candidates(Role.DECODE)
+            kept = [new is not old, new.ahead is old.ahead, new.gate is old.gate,
+                    new.ahead.num_seqs == 1]  # fmt: skip
+            leave()
+            return kept
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    assert run_with_registry(tmp_path, scenario) == [True, True, True, True]
