@@ -157,17 +157,14 @@ class LLMEngine:
                 "output_token_ids",
             )
         vocab_size = self.arch.vocab_size
-        if any(t >= vocab_size for t in params.stop_token_ids):
-            raise InvalidRequestError(
-                f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids"
-            )
         for name, token_ids in (
+            ("stop_token_ids", params.stop_token_ids),
             ("logit_bias", [t for t, _ in params.logit_bias]),
             ("allowed_token_ids", params.allowed_token_ids or ()),
             ("bad_words", [t for word in params.bad_words_token_ids for t in word]),
         ):
             if any(t >= vocab_size for t in token_ids):
-                raise InvalidRequestError(f"{name} token ids must be in [0, {vocab_size})", name)
+                raise InvalidRequestError(f"{name} must be in [0, {vocab_size}) (token ids)", name)
         banned = params.ids_banned_before_min_tokens(self.eos_token_ids)
         allowed = params.allowed_token_ids
         if params.min_tokens and allowed is None and len(banned) >= vocab_size:

@@ -266,7 +266,7 @@ def create_app(state: RouterState) -> FastAPI:
                                 ("logit_bias", body.logit_bias),
                                 ("allowed_token_ids", body.allowed_token_ids)):  # fmt: skip
             if any(t >= vocab for t in token_ids or ()):
-                raise bad_request(f"{name} must name token ids in [0, {vocab})", name)
+                raise bad_request(f"{name} must be in [0, {vocab}) (token ids)", name)
         num_sequences = len(prompts) * body.n
         limit = state.config.router.max_inflight_sequences
         if num_sequences > limit:

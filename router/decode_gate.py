@@ -25,6 +25,8 @@ import contextlib
 from collections import Counter, deque
 from collections.abc import Callable, Hashable, Sequence
 
+from router.once import once
+
 # How often a waiting sequence looks again without being woken: the pool may have dropped
 # its worker, or another router's sequences may have left it.
 RECHECK_S = 1.0
@@ -95,16 +97,13 @@ class Ahead:
         self.num_seqs += 1
         self._shared.update(hashes)
         self._num_partial += num_partial
-        pending = [True]
 
         def leave() -> None:
-            if pending:
-                pending.clear()
-                self.num_seqs -= 1
-                self._shared.subtract(hashes)
-                for h in hashes:
-                    if self._shared[h] <= 0:
-                        self._shared.pop(h, None)
-                self._num_partial -= num_partial
+            self.num_seqs -= 1
+            self._shared.subtract(hashes)
+            for h in hashes:
+                if self._shared[h] <= 0:
+                    self._shared.pop(h, None)
+            self._num_partial -= num_partial
 
-        return leave
+        return once(leave)

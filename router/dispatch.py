@@ -32,6 +32,7 @@ from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from router.errors import APIError, bad_request, unavailable
 from router.metrics import RouterMetrics
+from router.once import once
 from router.policy import Placement, PlacementPolicy, WorkerLoad
 from router.prefix_index import PrefixIndex
 from router.workers import WorkerPool, WorkerStalled, WorkerState
@@ -178,12 +179,10 @@ class Dispatcher:
     # ------------------------------------------------------------------ the journey
 
     async def generate(self, request: SequenceRequest) -> AsyncIterator[TokenDelta]:
-        placement = self.place(request)
-        touched = {w for w in (placement.decode_worker, placement.prefill_worker) if w}
-        counted = False
-        decode = self.pool.get(placement.decode_worker)
         blocks = -(-len(request.prompt_token_ids) // self.block_size)
-        arrived = decode.assign(blocks) if decode is not None else _nothing
+        placement = self.place(request)
+        touched, decode, arrived = self._claim(placement, blocks)
+        counted = False
         leave = _nothing
         try:
             for _ in range(3):  # re-placed when its decode worker died while it waited
@@ -194,13 +193,9 @@ class Dispatcher:
                     leave = room
                     break
                 arrived()
-                with self.index_lock:
-                    for worker_id in touched:
-                        self.index.withdraw_optimistic(worker_id, request.block_hashes)
+                self._withdraw(touched, request)
                 placement = self.place(request)  # 503 when no decode worker is left
-                touched = {w for w in (placement.decode_worker, placement.prefill_worker) if w}
-                decode = self.pool.get(placement.decode_worker)
-                arrived = decode.assign(blocks) if decode is not None else _nothing
+                touched, decode, arrived = self._claim(placement, blocks)
             async for delta in self._journey(request, placement, touched, arrived):
                 if not counted and delta.cached_tokens is not None:
                     counted = True  # what the worker reused, not what placement expected
@@ -211,13 +206,27 @@ class Dispatcher:
         except BaseException:
             # Failed, refused or the client left: what the workers did store, their events
             # confirm; the claims ``place`` made go now instead of at their expiry.
-            with self.index_lock:
-                for worker_id in touched:
-                    self.index.withdraw_optimistic(worker_id, request.block_hashes)
+            self._withdraw(touched, request)
             raise
         finally:
             arrived()
             leave()
+
+    def _claim(
+        self, placement: Placement, num_blocks: int
+    ) -> tuple[set[str], WorkerState | None, Callable[[], None]]:
+        """The workers ``placement`` claimed prefix blocks on, its decode worker, and the
+        call that ends the sequence's count there (``WorkerState.assign``)."""
+        touched = {w for w in (placement.decode_worker, placement.prefill_worker) if w}
+        decode = self.pool.get(placement.decode_worker)
+        arrived = decode.assign(num_blocks) if decode is not None else _nothing
+        return touched, decode, arrived
+
+    def _withdraw(self, touched: set[str], request: SequenceRequest) -> None:
+        """Drop the optimistic prefix claims ``place`` made for ``request`` there."""
+        with self.index_lock:
+            for worker_id in touched:
+                self.index.withdraw_optimistic(worker_id, request.block_hashes)
 
     async def _journey(
         self,
@@ -273,8 +282,9 @@ class Dispatcher:
         on ``decode`` (in prefill for it, in its queue or batch) number fewer than
         ``decode_queue_factor * max_num_seqs`` and, with this prompt's ``num_blocks``,
         take at most ``decode_queue_factor`` times its KV cache; the first one ahead goes
-        whatever its size. A worker the pool dropped meanwhile lets everyone through: the
-        decode hop then picks another. Returns the call that ends this sequence's count."""
+        whatever its size. Returns the call that ends this sequence's count, or None when
+        ``decode`` left the pool, is down or drains meanwhile (the caller places the
+        sequence again)."""
         factor = self.config.decode_queue_factor
         if not factor:
             return _nothing
@@ -500,14 +510,7 @@ class Dispatcher:
         lease expiry, once however often it is called; fire and forget. Safe while a pull
         may still be reading them: the decode side either has the KV already or has given
         the request up, and an abandoned pull's blocks are never cached there."""
-        pending = [True]
-
-        def release_once() -> None:
-            if pending:
-                pending.clear()
-                self._release_kv(worker, pb.ReleaseKVRequest(lease_id=lease_id))
-
-        return release_once
+        return once(lambda: self._release_kv(worker, pb.ReleaseKVRequest(lease_id=lease_id)))
 
     def _release_kv(self, worker: WorkerState, message: pb.ReleaseKVRequest) -> None:
         """Fire and forget ``ReleaseKV``: if it fails, the lease just expires."""

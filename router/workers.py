@@ -26,6 +26,7 @@ from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from router.decode_gate import Ahead, DecodeGate
 from router.events import EventListener
+from router.once import once
 from router.policy import WorkerLoad
 
 logger = logging.getLogger(__name__)
@@ -96,15 +97,12 @@ class WorkerState:
         however often it is called): when its Generate call is issued, or it ends first."""
         self.assigned += 1
         self.assigned_blocks += num_blocks
-        pending = [True]
 
         def arrived() -> None:
-            if pending:
-                pending.clear()
-                self.assigned -= 1
-                self.assigned_blocks -= num_blocks
+            self.assigned -= 1
+            self.assigned_blocks -= num_blocks
 
-        return arrived
+        return once(arrived)
 
     @property
     def worker_id(self) -> str:
