@@ -27,6 +27,7 @@ from engine.errors import (
     InvalidRequestError,
     PromptTooLongError,
 )
+from engine.grammar import Grammars
 from engine.kv_cache_manager import cdiv
 from engine.kv_connector import KVPuller
 from engine.kv_events import KVEventCollector
@@ -115,6 +116,7 @@ class LLMEngine:
             self.config, self.runner.num_blocks, observers, secondary=self.cpu_tier
         )
         self.eos_token_ids = frozenset(self.arch.eos_token_ids)
+        self.grammars = Grammars(model_dir, self.arch.vocab_size, self.eos_token_ids)
         self._rng = random.Random(self.config.seed)
         self._generators: dict[str, RequestRandom] = {}
         self.num_steps = 0
@@ -208,6 +210,8 @@ class LLMEngine:
                     f"{len(remote_kv.block_ids)} blocks; the prompt has {len(prompt)}",
                     "kv",
                 )
+        if params.structured_output is not None:  # last check: it keeps what it adds
+            self.grammars.add(request_id, params.structured_output, outputs)
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt,
@@ -253,8 +257,13 @@ class LLMEngine:
         if request_id in self.scheduler.fetching:  # its blocks stay until the pull ends
             assert self.kv_puller is not None
             self.kv_puller.abort_fetch(request_id)
-        self._generators.pop(request_id, None)
+        self._forget(request_id)
         return self._output(request, [])
+
+    def _forget(self, request_id: str) -> None:
+        """Drop a finished request's sampling state."""
+        self._generators.pop(request_id, None)
+        self.grammars.discard(request_id)
 
     def holds_kv(self, request_id: str) -> bool:
         """Whether a finished prefill-only request still holds its blocks."""
@@ -310,10 +319,28 @@ class LLMEngine:
         progressed = self.scheduler.update_from_output(scheduler_output, result.sampled)
         self.num_steps += 1
         for request in progressed:
+            if request.request_id in self.grammars:
+                self._advance_grammar(request)
             if request.status.finished:
-                self._generators.pop(request.request_id, None)
+                self._forget(request.request_id)
             outputs.append(self._output(request, request.output_token_ids[-1:]))
         return outputs
+
+    def _advance_grammar(self, request: Request) -> None:
+        """Feed the token just sampled to the request's grammar. A complete grammar ends
+        the request as stopped at once (only EOS could follow: no step is spent on it,
+        and neither ``min_tokens`` nor ``ignore_eos`` can add off-grammar tokens); a
+        token it refuses (the masks make that a bug) ends it with an error."""
+        request_id = request.request_id
+        problem = self.grammars.accept(request_id, request.output_token_ids[-1])
+        if problem is not None:
+            if not request.status.finished:
+                self.scheduler.abort_request(request_id)
+                request.error = problem
+            return
+        stoppable = (RequestStatus.RUNNING, RequestStatus.FINISHED_PREFILLED)
+        if request.status in stoppable and self.grammars.complete(request_id):
+            self.scheduler.stop_early(request)
 
     def _start_fetches(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
         outputs = []
@@ -369,7 +396,7 @@ class LLMEngine:
             if request.error is not None:
                 request.error += f": {reason}"
         if request.status is RequestStatus.FINISHED_ABORTED and request.error is not None:
-            self._generators.pop(request.request_id, None)
+            self._forget(request.request_id)
             return self._output(request, [])
         return None
 
@@ -392,6 +419,9 @@ class LLMEngine:
                     request.prompt_token_ids,
                     request.output_token_ids,
                     request.token_counts,
+                    self.grammars.allowed(request.request_id)
+                    if request.request_id in self.grammars
+                    else None,
                 )
             chunks.append(
                 SequenceChunk(
@@ -446,6 +476,8 @@ class LLMEngine:
             problems += self.cpu_tier.leak_report()
         if self._generators:
             problems.append(f"{len(self._generators)} sampling generators still held")
+        if self.grammars:
+            problems.append(f"{len(self.grammars)} grammar matchers still held")
         return problems
 
     @property

@@ -1,5 +1,6 @@
-"""Pick each request's next token from its logits: bans, allowed tokens, bad words, logit
-bias and penalties, then greedy, or temperature / min-p / top-k / top-p (vLLM's order).
+"""Pick each request's next token from its logits: the grammar, bans, allowed tokens, bad
+words, logit bias and penalties, then greedy, or temperature / min-p / top-k / top-p
+(vLLM's order).
 
 Each request samples with its own ``torch.Generator``, one row at a time, so a seeded
 request draws the same tokens whatever it is batched with. The draw for its i-th output
@@ -8,8 +9,8 @@ request's, or one from the engine's RNG when it has none): a token depends only 
 seed, its position and its distribution, so a request continued on another worker (the
 first token sampled by a prefill worker, or a sequence the router moved after a decode
 worker died) draws exactly what it would have drawn in one place, with no skip-ahead.
-Log-probs are of the raw distribution (before bans, allowed tokens, bad words, logit bias,
-penalties, temperature, min-p, top-k and top-p), like vLLM's default.
+Log-probs are of the raw distribution (before the grammar, bans, allowed tokens, bad words,
+logit bias, penalties, temperature, min-p, top-k and top-p), like vLLM's default.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class SamplingRow:
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
     token_counts: TokenCounts | None = None
+    # Structured requests: the tokens their grammar allows now ([vocab] bool, any device).
+    grammar_allowed: torch.Tensor | None = None
 
 
 _MASK64 = (1 << 64) - 1
@@ -152,12 +155,19 @@ def sample(
     want_logprobs = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     raw_logprobs = logits[want_logprobs].log_softmax(-1) if want_logprobs else None
     for i, row in enumerate(rows):
+        grammar_only = None
+        if row.grammar_allowed is not None:
+            allowed = row.grammar_allowed.to(logits.device)
+            logits[i].masked_fill_(~allowed, float("-inf"))
+            grammar_only = logits[i].clone()
         if row.banned_token_ids:
             logits[i, list(row.banned_token_ids)] = float("-inf")
         if row.params.allowed_token_ids is not None:
             _keep_only(logits[i], row.params.allowed_token_ids)
         if row.params.bad_words_token_ids:
             _ban_bad_words(logits[i], row.params.bad_word_bans(row.output_token_ids))
+        if grammar_only is not None and not bool(torch.isfinite(logits[i]).any()):
+            logits[i] = grammar_only  # the grammar outranks the rest (SamplingParams)
         if row.params.logit_bias:
             ids, biases = zip(*row.params.logit_bias, strict=True)
             logits[i, list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)

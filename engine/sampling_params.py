@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from common.structured_output import StructuredOutput
 from engine.errors import InvalidSamplingParamsError
 
 MAX_LOGPROBS = 20
@@ -36,6 +37,13 @@ class SamplingParams:
     ``bad_words_token_ids`` (vLLM's ``bad_words``, tokenized) are token sequences that may
     not be generated: a sequence's last token is banned whenever the output so far ends
     with the rest of it (a one-token sequence is always banned).
+
+    ``structured_output`` (None: free text) is what the output must match: a JSON schema,
+    a regex, a choice or a grammar (``common/structured_output.py``). It outranks the
+    bans, allowed tokens and bad words: where they would leave nothing the grammar allows
+    (EOS banned by ``min_tokens`` where only EOS completes it), only the grammar applies;
+    and once the output is complete (nothing but EOS may follow) the request stops there,
+    whatever ``min_tokens`` and ``ignore_eos`` say.
     """
 
     max_tokens: int | None = 16
@@ -55,6 +63,7 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -112,6 +121,10 @@ class SamplingParams:
         for word in self.bad_words_token_ids:
             if not word or any(not isinstance(t, int) or t < 0 for t in word):
                 raise bad("bad_words", "must be non-empty sequences of token ids")
+        if self.structured_output is not None and not isinstance(
+            self.structured_output, StructuredOutput
+        ):
+            raise bad("structured_output", "must be a StructuredOutput")
 
     def bad_word_bans(self, output_token_ids: Sequence[int]) -> list[int]:
         """The last tokens of the bad words whose other tokens end ``output_token_ids``."""

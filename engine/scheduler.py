@@ -119,6 +119,18 @@ class Scheduler:
         self._finish(request, RequestStatus.FINISHED_ABORTED)
         return request
 
+    def stop_early(self, request: Request) -> None:
+        """Finish a request that just sampled a token and has nothing left to generate (its
+        structured output is complete) as stopped. A prefill-only one held for a decode
+        worker frees its blocks instead: no decode worker will pull them."""
+        if request.status is RequestStatus.FINISHED_PREFILLED:
+            self.release_held(request.request_id)
+            request.status = RequestStatus.FINISHED_STOPPED
+            return
+        assert request.status is RequestStatus.RUNNING, request.status
+        self.running.remove(request)
+        self._finish(request, RequestStatus.FINISHED_STOPPED)
+
     def release_held(self, request_id: str) -> bool:
         """Free the blocks a finished prefill-only request kept for its decode worker."""
         request = self.held.pop(request_id, None)

@@ -43,6 +43,7 @@ from router.protocol import (
     TokenizeRequest,
 )
 from router.state import RouterState
+from router.structured import structured_output_of
 
 logger = logging.getLogger(__name__)
 
@@ -277,7 +278,11 @@ def create_app(state: RouterState) -> FastAPI:
             )
         if state.num_inflight + num_sequences > limit:
             raise overloaded()
-        sampling = state.sampling_params(body, logprobs, chat)
+        try:  # compiles the constraint: a large schema takes a while, off the event loop
+            structured = await asyncio.to_thread(structured_output_of, body)
+        except FieldError as error:
+            raise bad_request(str(error), error.param) from None
+        sampling = state.sampling_params(body, logprobs, chat, structured)
         echo = None
         scored = [] if body.prompt_logprobs is None else [body.prompt_logprobs]
         if not chat and body.echo:

@@ -2,7 +2,7 @@
 
 Unknown fields are ignored (clients send many). Fields we cannot honour with a non-default
 value (chat echo, tools, client chat templates, special-token text, and vLLM's
-extensions such as guided decoding or beam search) are refused with a 400 naming the field
+extensions such as logits processors or beam search) are refused with a 400 naming the field
 rather than silently ignored. ``null`` means the default for every field (OpenAI
 documents most of them as "X or null"). Sampling fields left unset (None) take the
 checkpoint's ``generation_config.json`` defaults (see ``common.generation_config``).
@@ -104,13 +104,12 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False
 
 
-# vLLM's extensions that change what is generated (guided decoding, beam search, token
+# vLLM's extensions that change what is generated (whitespace patterns, beam search, token
 # bans, ...), refused unless absent, null, false or empty.
 _VLLM_OUTPUT_FIELDS = (
-    "guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-    "guided_whitespace_pattern", "structural_tag", "structured_outputs", "logits_processors",
-    "use_beam_search", "return_tokens_as_token_ids", "prompt_embeds", "mm_processor_kwargs",
-    "kv_transfer_params", "vllm_xargs",
+    "guided_whitespace_pattern", "structural_tag", "logits_processors", "use_beam_search",
+    "return_tokens_as_token_ids", "prompt_embeds", "mm_processor_kwargs", "kv_transfer_params",
+    "vllm_xargs",
 )  # fmt: skip
 
 
@@ -155,7 +154,15 @@ class _SamplingFields(_Body):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured outputs, read by router/structured.py: OpenAI's response_format, vLLM's
+    # structured_outputs object and its older guided_* fields (at most one constraint).
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # one backend here (llguidance): ignored
 
     @field_validator("stop")
     @classmethod
@@ -209,8 +216,6 @@ class _SamplingFields(_Body):
             raise FieldError(
                 "include_stop_str_in_output is not supported", "include_stop_str_in_output"
             )
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise FieldError("response_format other than text is not supported", "response_format")
         if self.prompt_logprobs is not None and self.stream:
             raise FieldError("prompt_logprobs is not available with stream=true", "prompt_logprobs")
         if self.stream_options is not None and not self.stream:

@@ -11,6 +11,7 @@ from common.config import PdserveConfig, Role
 from common.generation_config import GenerationDefaults
 from common.model_info import ModelInfo, model_info
 from common.registry import create_registry
+from common.structured_output import StructuredOutput
 from common.tokenizer import Tokenizer
 from proto import pdserve_pb2 as pb
 from router.choices import Choice
@@ -104,10 +105,15 @@ class RouterState:
             )
         return text
 
-    def sampling_params(self, body, logprobs: int | None, chat: bool) -> pb.SamplingParams:
+    def sampling_params(
+        self, body, logprobs: int | None, chat: bool, structured: StructuredOutput | None = None
+    ) -> pb.SamplingParams:
         params = sampling_params(body, self.generation_defaults, logprobs, chat)
         for word in bad_words_token_ids(self.tokenizer, body.bad_words or ()):
             params.bad_words_token_ids.add(token_ids=word)
+        if structured is not None:
+            params.structured_output.kind = structured.kind
+            params.structured_output.spec = structured.spec
         return params
 
     def record_finished(self, choices: list[Choice]) -> None:

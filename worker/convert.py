@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from common.structured_output import StructuredOutput, StructuredOutputError
+from engine.errors import InvalidSamplingParamsError
 from engine.outputs import RequestOutput
 from engine.request import RequestTimes, TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -10,6 +12,12 @@ from proto import pdserve_pb2 as pb
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     """Raises ``InvalidSamplingParamsError`` for out-of-range values."""
+    structured = None
+    if msg.HasField("structured_output"):
+        try:
+            structured = StructuredOutput(msg.structured_output.kind, msg.structured_output.spec)
+        except StructuredOutputError as error:
+            raise InvalidSamplingParamsError(str(error), "structured_output") from error
     return SamplingParams(
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
         min_tokens=msg.min_tokens,
@@ -28,6 +36,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         logit_bias=dict(msg.logit_bias),
         allowed_token_ids=tuple(msg.allowed_token_ids) or None,
         bad_words_token_ids=tuple(tuple(word.token_ids) for word in msg.bad_words_token_ids),
+        structured_output=structured,
     )
 
 
@@ -55,6 +64,9 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
         msg.logprobs = params.logprobs
     if params.prompt_logprobs is not None:
         msg.prompt_logprobs = params.prompt_logprobs
+    if params.structured_output is not None:
+        msg.structured_output.kind = params.structured_output.kind
+        msg.structured_output.spec = params.structured_output.spec
     return msg
 
 

@@ -57,9 +57,11 @@ def test_nulls_pass_validation(state):
 def test_refusals_name_their_field(state):
     chat = [{"role": "user", "content": "x"}]
     cases = [
-        ("/v1/completions", {"prompt": "x", "guided_regex": "a+"}, "guided_regex"),
-        ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}},
+        ("/v1/completions", {"prompt": "x", "guided_regex": "[a-"}, "guided_regex"),
+        ("/v1/chat/completions", {"messages": chat, "response_format": {"type": "json_schema"}},
          "response_format"),
+        ("/v1/completions", {"prompt": "x", "guided_choice": ["a"], "guided_regex": "a"},
+         "guided_choice"),
         ("/v1/completions", {"prompt": "x", "logit_bias": {"10000000": 2}}, "logit_bias"),
         ("/v1/completions", {"prompt": "x", "allowed_token_ids": [10**7]}, "allowed_token_ids"),
         ("/v1/completions", {"prompt": "x", "suffix": "!"}, "suffix"),

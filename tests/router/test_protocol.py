@@ -42,15 +42,12 @@ def test_null_means_the_default():
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("guided_json", {"type": "object"}),
-        ("guided_regex", "[a-z]+"),
-        ("guided_choice", ["yes", "no"]),
-        ("structured_outputs", {"json": {}}),
+        ("guided_whitespace_pattern", r"\s*"),
+        ("structural_tag", "{}"),
         ("prompt_logprobs", -1),  # vLLM's whole vocabulary
         ("truncate_prompt_tokens", 8),
         ("use_beam_search", True),
         ("priority", 1),
-        ("response_format", {"type": "json_object"}),
         ("add_special_tokens", False),
         ("best_of", 3),
         ("stream_options", {"include_usage": True}),  # without stream
@@ -86,20 +83,20 @@ def test_logit_bias_keys_are_token_ids():
 
 
 def test_their_default_values_pass():
-    defaults = {"guided_json": None, "guided_choice": [], "priority": 0, "length_penalty": 1.0,
-                "use_beam_search": False, "prompt_logprobs": None, "add_special_tokens": True,
-                "response_format": {"type": "text"}, "logit_bias": {}}  # fmt: skip
+    defaults = {"guided_whitespace_pattern": None, "structural_tag": "", "priority": 0,
+                "length_penalty": 1.0, "use_beam_search": False, "prompt_logprobs": None,
+                "add_special_tokens": True, "response_format": {"type": "text"},
+                "logit_bias": {}}  # fmt: skip
     CompletionRequest.model_validate({"prompt": "x", **defaults})
 
 
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("guided_json", {"type": "object"}),
+        ("logits_processors", ["x"]),
         ("echo", True),
         ("continue_final_message", True),
         ("add_special_tokens", True),
-        ("response_format", {"type": "json_schema"}),
         ("tools", [{"type": "function"}]),
         ("tool_choice", "required"),
         ("top_logprobs", 2),  # without logprobs

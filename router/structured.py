@@ -1,0 +1,131 @@
+"""A request's structured-output constraint, from whichever field the client used.
+
+Three spellings reach the same ``StructuredOutput`` (``common/structured_output.py``):
+
+- OpenAI's ``response_format``: ``{"type": "text"}`` (none), ``{"type": "json_object"}``
+  (any JSON object) or ``{"type": "json_schema", "json_schema": {"name": ...,
+  "schema": {...}}}``;
+- vLLM's ``structured_outputs`` object: one of ``json``, ``regex``, ``choice``,
+  ``grammar`` or ``json_object: true``;
+- vLLM's older ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``.
+
+At most one constraint per request (vLLM's rule). The constraint is compiled here once,
+so a bad schema, regex or grammar is a 400 naming its field, not a worker error.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from common.structured_output import StructuredOutput, StructuredOutputError, grammar_of
+from router.protocol import FieldError
+
+ANY_JSON_OBJECT = '{"type": "object"}'
+# vLLM's structured_outputs options that change nothing here: JSON is already generated
+# without optional whitespace, and there is one backend, with no fallback.
+_NO_OP_OPTIONS = ("disable_any_whitespace", "disable_fallback", "disable_additional_properties")
+
+
+def _json_text(value: Any, where: str) -> str:
+    """A JSON schema given as an object or as JSON text, as JSON text. ``where`` names
+    it (``structured_outputs.json``); the error's param is its top-level field."""
+    param = where.split(".")[0]
+    if isinstance(value, str):
+        try:
+            json.loads(value)
+        except ValueError as error:
+            raise FieldError(f"{where} is not valid JSON: {error}", param) from error
+        return value
+    if not isinstance(value, dict):
+        raise FieldError(f"{where} must be a JSON schema (an object)", param)
+    return json.dumps(value)
+
+
+def _from_response_format(value: dict[str, Any]) -> StructuredOutput | None:
+    kind = value.get("type")
+    if kind in (None, "text"):
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json", ANY_JSON_OBJECT)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or spec.get("schema") is None:
+            raise FieldError(
+                "response_format.json_schema.schema is required with type json_schema",
+                "response_format",
+            )
+        return StructuredOutput("json", _json_text(spec["schema"], "response_format"))
+    raise FieldError(
+        f"response_format type {kind!r} is not supported (text, json_object or json_schema)",
+        "response_format",
+    )
+
+
+def _from_structured_outputs(value: dict[str, Any]) -> StructuredOutput | None:
+    param = "structured_outputs"
+    found: list[StructuredOutput] = []
+    for key, item in value.items():
+        if item is None or key in _NO_OP_OPTIONS or key == "backend":
+            continue
+        if key == "json":
+            found.append(StructuredOutput("json", _json_text(item, f"{param}.json")))
+        elif key == "json_object":
+            if item is not True:
+                raise FieldError(f"{param}.json_object must be true when given", param)
+            found.append(StructuredOutput("json", ANY_JSON_OBJECT))
+        elif key in ("regex", "grammar"):
+            if not isinstance(item, str) or not item:
+                raise FieldError(f"{param}.{key} must be a non-empty string", param)
+            found.append(StructuredOutput(key, item))
+        elif key == "choice":
+            found.append(_choice(item, f"{param}.choice"))
+        else:
+            raise FieldError(f"{param}.{key} is not supported by this server", param)
+    if len(found) > 1:
+        raise FieldError(f"{param} may hold only one of json, regex, choice, grammar, "
+                         "json_object", param)  # fmt: skip
+    return found[0] if found else None
+
+
+def _choice(value: Any, param: str) -> StructuredOutput:
+    if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+        raise FieldError(f"{param} must be a non-empty list of strings", param.split(".")[0])
+    return StructuredOutput("choice", json.dumps(value))
+
+
+def structured_output_of(body: Any) -> StructuredOutput | None:
+    """The request's one constraint, compiled once to check it; None for free text.
+    Raises ``FieldError`` naming the field at fault."""
+    found: list[tuple[str, StructuredOutput]] = []
+    if body.response_format:
+        structured = _from_response_format(body.response_format)
+        if structured is not None:
+            found.append(("response_format", structured))
+    if body.structured_outputs:
+        structured = _from_structured_outputs(body.structured_outputs)
+        if structured is not None:
+            found.append(("structured_outputs", structured))
+    if body.guided_json is not None:
+        spec = _json_text(body.guided_json, "guided_json")
+        found.append(("guided_json", StructuredOutput("json", spec)))
+    for name, kind in (("guided_regex", "regex"), ("guided_grammar", "grammar")):
+        value = getattr(body, name)
+        if value is not None:
+            if not value:
+                raise FieldError(f"{name} must not be empty", name)
+            found.append((name, StructuredOutput(kind, value)))
+    if body.guided_choice is not None:
+        found.append(("guided_choice", _choice(body.guided_choice, "guided_choice")))
+    if not found:
+        return None
+    if len(found) > 1:
+        names = ", ".join(name for name, _ in found)
+        raise FieldError(f"only one structured output constraint may be given; got {names}",
+                         found[1][0])  # fmt: skip
+    param, structured = found[0]
+    try:
+        grammar_of(structured)
+    except StructuredOutputError as error:
+        raise FieldError(str(error), param) from error
+    return structured

@@ -1,0 +1,76 @@
+"""Each spelling of a structured-output constraint (OpenAI's response_format, vLLM's
+structured_outputs and guided_* fields) gives one StructuredOutput; bad or conflicting
+ones are refused naming their field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.structured_output import StructuredOutput
+from router.protocol import ChatCompletionRequest, CompletionRequest, FieldError
+from router.structured import ANY_JSON_OBJECT, structured_output_of
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+def _of(chat: bool = False, **fields) -> StructuredOutput | None:
+    body = (ChatCompletionRequest(messages=MESSAGES, **fields) if chat
+            else CompletionRequest(prompt="hi", **fields))  # fmt: skip
+    return structured_output_of(body)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_every_spelling_gives_the_same_constraint(chat):
+    schema = StructuredOutput("json", json.dumps(SCHEMA))
+    cases = [
+        ({"response_format": {"type": "json_schema",
+                              "json_schema": {"name": "x", "schema": SCHEMA}}}, schema),
+        ({"structured_outputs": {"json": SCHEMA}}, schema),
+        ({"guided_json": SCHEMA}, schema),
+        ({"guided_json": json.dumps(SCHEMA)}, schema),
+        ({"response_format": {"type": "json_object"}}, StructuredOutput("json", ANY_JSON_OBJECT)),
+        ({"structured_outputs": {"json_object": True}},
+         StructuredOutput("json", ANY_JSON_OBJECT)),
+        ({"guided_regex": "[a-z]+"}, StructuredOutput("regex", "[a-z]+")),
+        ({"structured_outputs": {"regex": "[a-z]+", "disable_any_whitespace": True}},
+         StructuredOutput("regex", "[a-z]+")),
+        ({"guided_choice": ["a", "b c"]}, StructuredOutput("choice", '["a", "b c"]')),
+        ({"structured_outputs": {"choice": ["a", "b c"]}},
+         StructuredOutput("choice", '["a", "b c"]')),
+        ({"guided_grammar": 'root ::= "yes" | "no"'},
+         StructuredOutput("grammar", 'root ::= "yes" | "no"')),
+        ({"guided_regex": "[0-9]", "guided_decoding_backend": "xgrammar"},
+         StructuredOutput("regex", "[0-9]")),
+        ({"response_format": {"type": "text"}}, None),
+        ({}, None),
+    ]  # fmt: skip
+    for fields, expected in cases:
+        assert _of(chat, **fields) == expected, fields
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "match"),
+    [
+        ({"guided_regex": "[a-"}, "guided_regex", "invalid regex"),
+        ({"guided_json": "{nope"}, "guided_json", "not valid JSON"),
+        ({"structured_outputs": {"json": 5}}, "structured_outputs", "must be a JSON schema"),
+        ({"guided_choice": []}, "guided_choice", "non-empty list"),
+        ({"guided_grammar": "start: missing"}, "guided_grammar", "invalid grammar"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+         "response_format", "schema is required"),
+        ({"response_format": {"type": "yaml"}}, "response_format", "not supported"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
+         "only one"),
+        ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs",
+         "not supported"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex",
+         "only one"),
+    ],
+)  # fmt: skip
+def test_bad_or_conflicting_constraints_name_their_field(fields, param, match):
+    with pytest.raises(FieldError, match=match) as info:
+        _of(**fields)
+    assert info.value.param == param
