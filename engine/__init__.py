@@ -1,5 +1,6 @@
 """The paged-attention engine shared by both worker roles, and its offline ``LLM`` API."""
 
+from common.structured_output import StructuredOutput
 from engine.errors import InvalidRequestError
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
@@ -13,4 +14,5 @@ __all__ = [
     "LLMEngine",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutput",
 ]

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from common.structured_output import (
@@ -42,8 +43,6 @@ class Grammars:
         self._tokenizer: Any = None  # llguidance.LLTokenizer, built on first use
         self._compiled: dict[StructuredOutput, str] = {}
         self._matchers: dict[str, Any] = {}  # request id -> llguidance.LLMatcher
-        # Bit i of word j allows token 32 * j + i.
-        self._bits = torch.tensor([1 << i for i in range(31)] + [-(1 << 31)], dtype=torch.int32)
 
     def __len__(self) -> int:
         return len(self._matchers)
@@ -94,11 +93,14 @@ class Grammars:
         return grammar
 
     def allowed(self, request_id: str) -> torch.Tensor:
-        """Which tokens the grammar allows next: [vocab_size] bool, on the CPU."""
-        words = torch.empty((self.vocab_size + 31) // 32, dtype=torch.int32)  # [W]
-        self._matchers[request_id].unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
-        bits = (words[:, None] & self._bits) != 0  # [W, 32]
-        return bits.flatten()[: self.vocab_size]
+        """Which tokens the grammar allows next: [vocab_size] bool, on the CPU. (numpy
+        unpacks the bits in a third of the time torch's ops take: this runs per sampled
+        token of every structured request.)"""
+        words = np.empty((self.vocab_size + 31) // 32, dtype=np.uint32)  # [W]
+        self._matchers[request_id].unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        # Bit i of word j allows token 32 * j + i: little-endian bytes, low bit first.
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")[: self.vocab_size]
+        return torch.from_numpy(bits.view(np.bool_))
 
     def accept(self, request_id: str, token_id: int) -> str | None:
         """Advance the matcher by a sampled token. Returns why it refused the token (the

@@ -84,6 +84,17 @@ def _ban_bad_words(logits: torch.Tensor, token_ids: list[int]) -> None:
         logits[token_ids] = saved
 
 
+def _apply_grammars(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Mask (in place) what each structured row's grammar does not allow: every row's
+    mask in one host-to-device copy and one masked fill. logits: [num_rows, V]."""
+    indices = [i for i, row in enumerate(rows) if row.grammar_allowed is not None]
+    if not indices:
+        return
+    allowed = torch.stack([rows[i].grammar_allowed for i in indices]).to(logits.device)  # [R, V]
+    index = torch.tensor(indices, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
 def _apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
     """Mask tokens less likely than ``min_p`` x the likeliest. logits: [V], scaled."""
     probs = logits.softmax(-1)
@@ -154,12 +165,13 @@ def sample(
     vocab_size = logits.shape[1]
     want_logprobs = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     raw_logprobs = logits[want_logprobs].log_softmax(-1) if want_logprobs else None
+    _apply_grammars(logits, rows)
     for i, row in enumerate(rows):
         grammar_only = None
-        if row.grammar_allowed is not None:
-            allowed = row.grammar_allowed.to(logits.device)
-            logits[i].masked_fill_(~allowed, float("-inf"))
-            grammar_only = logits[i].clone()
+        if row.grammar_allowed is not None and (
+            row.banned_token_ids or row.params.allowed_token_ids or row.params.bad_words_token_ids
+        ):
+            grammar_only = logits[i].clone()  # what to fall back to (below)
         if row.banned_token_ids:
             logits[i, list(row.banned_token_ids)] = float("-inf")
         if row.params.allowed_token_ids is not None:
