@@ -50,6 +50,21 @@ class Grammars:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
 
+    def warm_up(self) -> bool:
+        """Build llguidance's tokenizer now (~1 s for a 128k vocabulary) rather than on
+        the engine thread at the first structured request, which would stall every
+        sequence in the batch meanwhile. False, and nothing raised, where structured
+        outputs are unavailable (no llguidance, no tokenizer.json): requests say why."""
+        try:
+            require_llguidance()
+            if self._tokenizer is None:
+                self._tokenizer = load_grammar_tokenizer(
+                    self.model_dir, self.vocab_size, self.eos_token_ids
+                )
+        except StructuredOutputError:
+            return False
+        return True
+
     def add(
         self, request_id: str, structured: StructuredOutput, output_token_ids: Sequence[int]
     ) -> None:

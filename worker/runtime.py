@@ -175,6 +175,7 @@ class WorkerRuntime:
             kv_puller=puller,
             recompute_on_pull_failure=transfer.failure_policy is FailurePolicy.RECOMPUTE,
         )
+        engine.grammars.warm_up()  # before serving: not on the first structured request
         self.connector.register_kv_caches(engine.runner.kv_caches)
         self.metadata = self.connector.metadata()
         self.model_dir = model_dir

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import sys
 
 import jsonschema
 import numpy as np
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from common.structured_output import StructuredOutput, grammar_of, load_grammar_tokenizer
-from engine import LLM, InvalidRequestError, SamplingParams
+from engine import LLM, InvalidRequestError, LLMEngine, SamplingParams
 from engine.models.arch import read_arch_config
 from tests.engine.helpers import random_prompts
 
@@ -183,3 +185,29 @@ def test_bad_constraints_and_off_grammar_replays_are_refused(llm, prompts):
     assert engine.leak_report() == []
     with pytest.raises(ValueError, match="kind must be one of"):
         StructuredOutput("yaml", "a: b")
+
+
+def test_without_llguidance_or_a_tokenizer_only_structured_requests_fail(
+    tiny_llama, tmp_path, monkeypatch, prompts
+):
+    """A worker warms llguidance up before serving; where it cannot (the GPU image lacks
+    the package, a checkpoint lacks tokenizer.json) it serves free text and refuses
+    constrained requests with the reason."""
+    structured = CONSTRAINTS["regex"][0]
+    bare = tmp_path / "no-tokenizer"
+    shutil.copytree(tiny_llama, bare)
+    (bare / "tokenizer.json").unlink()
+    engine = LLMEngine(bare)  # token ids in and out: no tokenizer needed otherwise
+    assert not engine.grammars.warm_up()
+    with pytest.raises(InvalidRequestError, match="tokenizer.json") as info:
+        engine.add_request("c", prompts[0], _params(structured))
+    assert info.value.param == "structured_output"
+    assert engine.leak_report() == []
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # import fails as if not installed
+    llm = LLM(tiny_llama)
+    assert not llm.engine.grammars.warm_up()
+    with pytest.raises(InvalidRequestError, match="llguidance package"):
+        llm.engine.add_request("c", prompts[0], _params(structured))
+    free = llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert len(free[0].outputs[0].token_ids) == 4
+    assert llm.engine.leak_report() == []
