@@ -3,7 +3,9 @@ router, as the config says — until Ctrl-C or SIGTERM.
 
 The resolved config (file + ``--set`` overrides) is written once and handed to every child,
 so all processes agree on ports, model and connector. Workers log to
-``$PDSERVE_HOME/logs/``; the launcher prints the URL once the router answers /health.
+``$PDSERVE_HOME/logs/<router port>/`` (two stacks on one host differ in that port, so
+neither writes over the other's logs); the launcher prints the URL once the router answers
+/health.
 
 A worker or the router that fails (exits non-zero, or is killed) is started again after
 a backoff of 1 s, doubling to 30 s while it keeps failing soon after starting, as
@@ -217,7 +219,7 @@ def ensure_demo_model(config: PdserveConfig) -> None:
 
 def run(config: PdserveConfig, restart: bool = True) -> int:
     ensure_demo_model(config)
-    stack = Stack(config, cache_dir() / "logs", restart)
+    stack = Stack(config, cache_dir() / "logs" / str(config.router.port), restart)
     stack.handle_signals()
     try:
         stack.start()

@@ -64,7 +64,8 @@ def test_sigterm_drains_a_decode_worker_under_streaming_load(tiny_llama, tmp_pat
         assert wait_for(lambda: "decode-1 exited (0)" in stack.log(), 20), stack.log()
         gone = probe("--grpc", decode_1)
         assert gone.returncode == 1 and "UNAVAILABLE" in gone.stderr
-        drained = (tmp_path / "home" / "logs" / "decode-1.log").read_text()
+        port = stack.base_url.rsplit(":", 1)[1]  # each stack logs under its router's port
+        drained = (tmp_path / "home" / "logs" / port / "decode-1.log").read_text()
         assert "draining" in drained and "still in flight" not in drained
     finally:
         assert stack.stop() == 0, stack.log()
