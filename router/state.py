@@ -82,13 +82,19 @@ class RouterState:
 
     @property
     def num_running(self) -> int:
-        """Sequences in a decode worker's batch, as the workers last reported (vLLM's
-        meaning; the router's own count of open Generate calls includes those queued in
-        the worker), at most what this router has in flight (workers may serve others)."""
-        reported = sum(
-            w.stats.num_running for w in self.pool.workers.values() if w.info.role == Role.DECODE
+        """Sequences in a decode worker's batch (vLLM's meaning). Per decode worker, what
+        it last reported in its batch, at most this router's open Generate calls there:
+        the router's calls include sequences queued inside the worker, and the worker's
+        batch may hold other routers' sequences (so a router whose own sequences all wait
+        in its gate or in prefill reports none running)."""
+        return min(
+            sum(
+                min(w.stats.num_running, w.running)
+                for w in self.pool.workers.values()
+                if w.info.role == Role.DECODE
+            ),
+            self.num_inflight,
         )
-        return min(reported, self.num_inflight)
 
     @property
     def num_waiting(self) -> int:

@@ -113,7 +113,7 @@ def test_a_bug_is_a_500_in_the_envelope_without_details(state, monkeypatch):
 
 def test_queue_gauges_follow_the_workers_batches(tiny_llama):
     """vLLM's running/waiting gauges (what autoscalers key on): running is what decode
-    workers report in their batches, at most what this router has in flight; everything
+    workers report in their batches, at most this router's open calls there; everything
     else admitted is waiting, including calls queued inside a decode worker (which the
     router's own count of open calls took for running). Per-worker queue and preemption
     gauges come from each worker's Stats."""
@@ -144,8 +144,11 @@ def test_queue_gauges_follow_the_workers_batches(tiny_llama):
     assert values["vllm:num_requests_waiting", ""] == 44
     assert values["pdserve:worker_requests_waiting", "decode@w"] == 40
     assert values["pdserve:worker_preemptions", "decode@w"] == 3
-    state.num_inflight = 10  # the workers also serve another router's requests
+    # The workers also serve another router's requests; of this router's 10, 4 have
+    # reached the decode worker and 6 wait in its gate or in prefill.
+    state.num_inflight = 10
+    state.pool.workers[f"{Role.DECODE}@w"].running = 4
     values = scrape()
     assert (values["vllm:num_requests_running", ""], values["vllm:num_requests_waiting", ""]) == (
-        10, 0,
+        4, 6,
     )  # fmt: skip
