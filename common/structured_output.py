@@ -8,8 +8,9 @@ One constraint per request, one of four kinds (vLLM's ``structured_outputs`` nam
 - ``choice``: a JSON list of strings, one of which is the whole text;
 - ``grammar``: a Lark or GBNF (llama.cpp's EBNF) grammar.
 
-The router compiles a request's constraint once to refuse a bad one with a 400 before any
-worker sees it; each worker compiles it again for its own matcher (``engine/grammar.py``).
+The router compiles a request's constraint (``GrammarCompiler``) to refuse a bad one with a
+400 before any worker sees it; each worker compiles it again for its own matcher
+(``engine/grammar.py``).
 llguidance (vLLM's ``guidance`` backend, a Rust library with no Python dependencies) is
 imported only when a request carries a constraint, so nothing else needs it. Torch-free:
 the router imports this module.
@@ -18,6 +19,7 @@ the router imports this module.
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,10 +64,18 @@ def require_llguidance() -> Any:
     return llguidance
 
 
+def first_line(message: str, limit: int = 300) -> str:
+    """llguidance's errors carry its parser state and the whole grammar after the first
+    line: the client gets the reason, not a dump of the grammar it sent."""
+    line = message.strip().splitlines()[0] if message.strip() else "unknown error"
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
 def grammar_of(structured: StructuredOutput) -> str:
-    """The llguidance grammar (its JSON text) for ``structured``, checked: raises
-    ``StructuredOutputError`` with llguidance's message for a constraint that does not
-    compile (a bad regex, schema or grammar, a choice list that is not strings)."""
+    """The llguidance grammar (its JSON text) for ``structured``, checked without a
+    tokenizer: raises ``StructuredOutputError`` with llguidance's reason for a constraint
+    that does not compile (a bad regex, schema or grammar, a choice list that is not
+    strings). ``GrammarCompiler.matcher`` checks the rest."""
     llguidance = require_llguidance()
     matcher = llguidance.LLMatcher
     kind, spec = structured.kind, structured.spec
@@ -86,28 +96,79 @@ def grammar_of(structured: StructuredOutput) -> str:
     except StructuredOutputError:
         raise
     except ValueError as error:  # bad JSON, or a GBNF grammar that does not convert
-        raise StructuredOutputError(f"invalid {kind} constraint: {error}") from error
+        raise StructuredOutputError(
+            f"invalid {kind} constraint: {first_line(str(error))}"
+        ) from error
     message = matcher.validate_grammar(grammar)
     if message and not message.startswith("WARNING"):
-        raise StructuredOutputError(f"invalid {kind} constraint: {message}")
+        raise StructuredOutputError(f"invalid {kind} constraint: {first_line(message)}")
     return grammar
 
 
-def load_grammar_tokenizer(model_dir: str | Path, vocab_size: int, eos_token_ids: list[int]):
-    """llguidance's view of a checkpoint's tokenizer (``tokenizer.json``), for a model
-    whose logits have ``vocab_size`` columns (often more than the tokenizer's tokens).
-    Takes ~1 s for a 128k vocabulary, so callers build it once, on first use."""
+class GrammarCompiler:
+    """Constraints compiled against one checkpoint's tokenizer, into matchers as the
+    workers run them. Besides what ``grammar_of`` checks, a matcher's construction and
+    first mask catch what needs the vocabulary (a grammar naming tokens the tokenizer
+    lacks) or more work than llguidance's limits allow (the lexer of ``a{1000000}``).
+    Thread-safe, so the router compiles on worker threads and an engine off its own.
+
+    ``eos_token_ids`` (None: the tokenizer's own) are the tokens a complete grammar
+    allows; the router, which only checks, leaves them to the tokenizer.
+    """
+
+    CACHE_SIZE = 64  # compiled grammars kept (n > 1 and retries repeat one)
+
+    def __init__(
+        self, model_dir: str | Path, vocab_size: int, eos_token_ids: list[int] | None = None
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._lock = threading.Lock()
+        self._tokenizer: Any = None  # llguidance.LLTokenizer, built on first use
+        self._grammars: dict[StructuredOutput, str] = {}
+
+    def tokenizer(self) -> Any:
+        """llguidance's view of the checkpoint's ``tokenizer.json`` (~1 s to build for a
+        128k vocabulary: built once, on first use or ``warm_up``)."""
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = _load_tokenizer(
+                    self.model_dir, self.vocab_size, self.eos_token_ids
+                )
+            return self._tokenizer
+
+    def matcher(self, structured: StructuredOutput) -> Any:
+        """A fresh ``llguidance.LLMatcher`` for ``structured``, its first mask computed.
+        Raises ``StructuredOutputError`` with llguidance's reason."""
+        llguidance = require_llguidance()
+        tokenizer = self.tokenizer()
+        with self._lock:
+            grammar = self._grammars.get(structured)
+        if grammar is None:
+            grammar = grammar_of(structured)
+            with self._lock:
+                if len(self._grammars) >= self.CACHE_SIZE:
+                    del self._grammars[next(iter(self._grammars))]  # the oldest
+                self._grammars[structured] = grammar
+        matcher = llguidance.LLMatcher(tokenizer, grammar)
+        if not matcher.is_error():
+            matcher.compute_bitmask()  # where lexers are built, and may exceed the limits
+        if matcher.is_error():
+            reason = first_line(matcher.get_error())
+            raise StructuredOutputError(f"invalid {structured.kind} constraint: {reason}")
+        return matcher
+
+
+def _load_tokenizer(model_dir: Path, vocab_size: int, eos_token_ids: list[int] | None) -> Any:
     from tokenizers import Tokenizer
 
     llguidance = require_llguidance()
-    path = Path(model_dir) / "tokenizer.json"
+    path = model_dir / "tokenizer.json"
     if not path.exists():
         raise StructuredOutputError(f"structured outputs need {path}; the checkpoint has none")
-    if not eos_token_ids:
-        raise StructuredOutputError("structured outputs need the model's EOS token id")
     tokenizer = Tokenizer.from_file(str(path))
     tokenizer.no_padding()
     tokenizer.no_truncation()
-    return llguidance.LLTokenizer(
-        tokenizer.to_str(), n_vocab=vocab_size, eos_token=list(eos_token_ids)
-    )
+    eos = list(eos_token_ids) if eos_token_ids else None
+    return llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size, eos_token=eos)

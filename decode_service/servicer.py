@@ -19,7 +19,7 @@ from worker.convert import (
     timings_to_proto,
     usage_to_proto,
 )
-from worker.grpc_errors import RequestFailedError, grpc_stream_errors
+from worker.grpc_errors import grpc_stream_errors, raise_for_error
 from worker.runtime import WorkerRuntime
 from worker.shared_rpcs import WorkerRPCs
 
@@ -83,8 +83,7 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServiceServicer):
                 remote_kv=remote_kv,
                 output_token_ids=list(request.output_token_ids),
             ):
-                if output.error:
-                    raise RequestFailedError(output.error)
+                raise_for_error(output)
                 completion = output.outputs[0]
                 reply = pb.GenerateResponse(token_ids=output.new_token_ids)
                 if completion.logprobs and output.new_token_ids:

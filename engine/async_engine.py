@@ -138,6 +138,14 @@ class AsyncEngine:
         """Admit a request and yield its outputs until it finishes. Leaving the iterator
         early (the caller was cancelled or disconnected) aborts the request."""
         loop = asyncio.get_running_loop()
+        if params.structured_output is not None and kwargs.get("grammar") is None:
+            # Compiling a large schema takes a while: not on the engine thread, which
+            # would stall every sequence in the batch meanwhile.
+            kwargs["grammar"] = await asyncio.to_thread(
+                self.engine.grammars.prepare,
+                params.structured_output,
+                kwargs.get("output_token_ids", ()),
+            )
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         admitted = [False]  # written on the engine thread
 

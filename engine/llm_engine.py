@@ -136,12 +136,15 @@ class LLMEngine:
         prefill_only: bool = False,
         remote_kv: RemoteKV | None = None,
         output_token_ids: Sequence[int] = (),
+        grammar: object | None = None,
     ) -> Request:
         """Validate and queue a request. Raises ``InvalidRequestError`` (engine unchanged).
 
         ``prefill_only``: finish after the first token and hold the prompt's blocks until
         ``release_kv``. ``output_token_ids``: tokens already generated elsewhere (the first
         token, sampled by a prefill worker); ``remote_kv``: where the prompt's KV is.
+        ``grammar``: the request's matcher from ``self.grammars.prepare`` (prepared off
+        the engine thread); None: prepared here, for a structured request.
         """
         prompt = self.validate_prompt(prompt_token_ids)
         outputs = self.validate_prompt(output_token_ids, allow_empty=True)
@@ -210,8 +213,8 @@ class LLMEngine:
                     f"{len(remote_kv.block_ids)} blocks; the prompt has {len(prompt)}",
                     "kv",
                 )
-        if params.structured_output is not None:  # last check: it keeps what it adds
-            self.grammars.add(request_id, params.structured_output, outputs)
+        if params.structured_output is not None and grammar is None:  # the last check
+            grammar = self.grammars.prepare(params.structured_output, outputs)
         request = Request(
             request_id=request_id,
             prompt_token_ids=prompt,
@@ -230,6 +233,8 @@ class LLMEngine:
             self._generators[request_id] = RequestRandom(
                 seed % 2**64, torch.Generator(device=self.device)
             )
+        if params.structured_output is not None:
+            self.grammars.add(request_id, grammar)
         self.scheduler.add_request(request)
         return request
 
@@ -329,18 +334,26 @@ class LLMEngine:
     def _advance_grammar(self, request: Request) -> None:
         """Feed the token just sampled to the request's grammar. A complete grammar ends
         the request as stopped at once (only EOS could follow: no step is spent on it,
-        and neither ``min_tokens`` nor ``ignore_eos`` can add off-grammar tokens); a
-        token it refuses (the masks make that a bug) ends it with an error."""
+        and neither ``min_tokens`` nor ``ignore_eos`` can add off-grammar tokens; one
+        complete at ``max_tokens`` is ``stop`` too). A token the matcher refuses (with
+        the masks, llguidance giving up on the grammar) ends it with an error that is
+        the request's own fault (``error_param``)."""
         request_id = request.request_id
         problem = self.grammars.accept(request_id, request.output_token_ids[-1])
-        if problem is not None:
-            if not request.status.finished:
+        if problem is not None:  # whatever else ended it, that token must not go out
+            if request.status is RequestStatus.FINISHED_PREFILLED:
+                self.scheduler.release_held(request_id)
+            elif not request.status.finished:
                 self.scheduler.abort_request(request_id)
-                request.error = problem
+            request.status = RequestStatus.FINISHED_ABORTED
+            request.error, request.error_param = problem, "structured_output"
             return
-        stoppable = (RequestStatus.RUNNING, RequestStatus.FINISHED_PREFILLED)
-        if request.status in stoppable and self.grammars.complete(request_id):
+        if not self.grammars.complete(request_id):
+            return
+        if request.status in (RequestStatus.RUNNING, RequestStatus.FINISHED_PREFILLED):
             self.scheduler.stop_early(request)
+        elif request.status is RequestStatus.FINISHED_LENGTH:
+            request.status = RequestStatus.FINISHED_STOPPED  # complete, not cut short
 
     def _start_fetches(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
         outputs = []
@@ -460,6 +473,7 @@ class LLMEngine:
             num_cached_tokens=max(request.num_cached_tokens, 0),
             new_token_ids=list(new_token_ids),
             error=request.error,
+            error_param=request.error_param,
             kv_block_ids=self.scheduler.kv.get_block_ids(request.request_id) if held else None,
             kv_block_hashes=list(request.block_hashes) if held else None,
             num_remote_blocks_pulled=request.num_remote_blocks_pulled,

@@ -33,8 +33,10 @@ class RequestOutput:
     num_cached_tokens: int = 0
     new_token_ids: list[int] = field(default_factory=list)
     prompt: str | None = None
-    # Set when a request failed rather than being aborted by its caller.
+    # Set when a request failed rather than being aborted by its caller; ``error_param``
+    # too when that was the request's own fault (the field at fault): invalid input.
     error: str | None = None
+    error_param: str | None = None
     # A finished prefill-only request: the blocks holding its prompt's KV, kept for a
     # decode worker until the engine's release_kv(request_id).
     kv_block_ids: list[int] | None = None

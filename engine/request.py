@@ -124,6 +124,10 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     stop_reason: int | None = None  # the stop token id that ended it, if any
     error: str | None = None  # why an aborted request failed, if it did not just get aborted
+    # With an error that is the request's own fault (a constraint llguidance gave up on
+    # mid-generation): the field at fault. Services answer it as invalid input, not as
+    # a failure of the worker.
+    error_param: str | None = None
     num_remote_blocks_pulled: int = 0
     token_counts: TokenCounts | None = None  # penalised requests: what the sampler counted
 

@@ -26,7 +26,7 @@ from worker.convert import (
     sampling_from_proto,
     timings_to_proto,
 )
-from worker.grpc_errors import RequestFailedError, grpc_errors
+from worker.grpc_errors import RequestFailedError, grpc_errors, raise_for_error
 from worker.runtime import WorkerRuntime
 from worker.shared_rpcs import WorkerRPCs
 
@@ -73,8 +73,7 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServiceServicer):
             ):
                 final = output
             assert final is not None and final.finished
-            if final.error:
-                raise RequestFailedError(final.error)
+            raise_for_error(final)
             completion = final.outputs[0]
             if completion.finish_reason == "abort":
                 await context.abort(grpc.StatusCode.CANCELLED, "request aborted")

@@ -43,6 +43,7 @@ from router.protocol import (
     TokenizeRequest,
 )
 from router.state import RouterState
+from router.structured import check as check_constraint
 from router.structured import structured_output_of
 
 logger = logging.getLogger(__name__)
@@ -276,12 +277,13 @@ def create_app(state: RouterState) -> FastAPI:
                 f"runs at most {limit} at once",
                 "n",
             )
-        if state.num_inflight + num_sequences > limit:
-            raise overloaded()
-        try:  # compiles the constraint: a large schema takes a while, off the event loop
-            structured = await asyncio.to_thread(structured_output_of, body)
+        try:
+            constraint = structured_output_of(body)
+            if constraint is not None:  # a large schema compiles for a while: off the loop
+                await asyncio.to_thread(check_constraint, state.grammar_compiler, *constraint)
         except FieldError as error:
             raise bad_request(str(error), error.param) from None
+        structured = constraint[1] if constraint is not None else None
         sampling = state.sampling_params(body, logprobs, chat, structured)
         echo = None
         scored = [] if body.prompt_logprobs is None else [body.prompt_logprobs]
@@ -320,6 +322,8 @@ def create_app(state: RouterState) -> FastAPI:
             echo,
             body.prompt_logprobs,
         )
+        if state.num_inflight + num_sequences > limit:
+            raise overloaded()
         arrival = time.perf_counter()
         state.num_inflight += num_sequences  # admitted: checked and taken with no await between
 

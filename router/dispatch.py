@@ -27,7 +27,7 @@ import grpc
 
 from common.config import Role, RouterConfig
 from common.hashing import BlockHash
-from proto import REFUSED_KEY
+from proto import PARAM_KEY, REFUSED_KEY
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from router.errors import APIError, bad_request, unavailable
@@ -103,9 +103,11 @@ def _refused(exc: grpc.aio.AioRpcError) -> bool:
 
 
 def _client_error(exc: grpc.aio.AioRpcError) -> APIError | None:
-    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-        return bad_request(exc.details() or "invalid request")
-    return None
+    """A worker's INVALID_ARGUMENT as a 400 naming the field it named (``PARAM_KEY``)."""
+    if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+        return None
+    param = next((v for k, v in exc.trailing_metadata() or () if k == PARAM_KEY), None)
+    return bad_request(exc.details() or "invalid request", param)
 
 
 class Dispatcher:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Iterable
@@ -11,7 +13,7 @@ from common.config import PdserveConfig, Role
 from common.generation_config import GenerationDefaults
 from common.model_info import ModelInfo, model_info
 from common.registry import create_registry
-from common.structured_output import StructuredOutput
+from common.structured_output import GrammarCompiler, StructuredOutput, StructuredOutputError
 from common.tokenizer import Tokenizer
 from proto import pdserve_pb2 as pb
 from router.choices import Choice
@@ -45,6 +47,12 @@ class RouterState:
     num_finished: int = 0
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     _token_texts: dict[int, str] = field(default_factory=dict)
+    # Compiles structured-output constraints as the workers will (router/structured.py).
+    grammar_compiler: GrammarCompiler = field(init=False)
+
+    def __post_init__(self) -> None:
+        vocab_size = self.model.vocab_size or self.tokenizer.vocab_size
+        self.grammar_compiler = GrammarCompiler(self.model.model_dir, vocab_size)
 
     @classmethod
     def build(cls, config: PdserveConfig) -> RouterState:
@@ -73,6 +81,10 @@ class RouterState:
     async def start(self) -> None:
         self.events.start()
         await self.pool.start()
+        # llguidance's tokenizer (~1 s for a 128k vocabulary) now, not at the first
+        # constrained request; without llguidance, constrained requests say why.
+        with contextlib.suppress(StructuredOutputError):
+            await asyncio.to_thread(self.grammar_compiler.tokenizer)
 
     async def stop(self) -> None:
         self.draining = True

@@ -10,7 +10,8 @@ Three spellings reach the same ``StructuredOutput`` (``common/structured_output.
 - vLLM's older ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``.
 
 At most one constraint per request (vLLM's rule). The constraint is compiled here once,
-so a bad schema, regex or grammar is a 400 naming its field, not a worker error.
+against the checkpoint's tokenizer and up to its first mask as a worker would, so a bad
+schema, regex or grammar is a 400 naming its field, not a worker error.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from common.structured_output import StructuredOutput, StructuredOutputError, grammar_of
+from common.structured_output import GrammarCompiler, StructuredOutput, StructuredOutputError
 from router.protocol import FieldError
 
 ANY_JSON_OBJECT = '{"type": "object"}'
@@ -94,9 +95,9 @@ def _choice(value: Any, param: str) -> StructuredOutput:
     return StructuredOutput("choice", json.dumps(value))
 
 
-def structured_output_of(body: Any) -> StructuredOutput | None:
-    """The request's one constraint, compiled once to check it; None for free text.
-    Raises ``FieldError`` naming the field at fault."""
+def structured_output_of(body: Any) -> tuple[str, StructuredOutput] | None:
+    """The request's one constraint and the field it came in; None for free text. Raises
+    ``FieldError`` naming the field at fault. Cheap: ``check`` compiles it."""
     found: list[tuple[str, StructuredOutput]] = []
     if body.response_format:
         structured = _from_response_format(body.response_format)
@@ -117,15 +118,18 @@ def structured_output_of(body: Any) -> StructuredOutput | None:
             found.append((name, StructuredOutput(kind, value)))
     if body.guided_choice is not None:
         found.append(("guided_choice", _choice(body.guided_choice, "guided_choice")))
-    if not found:
-        return None
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
         raise FieldError(f"only one structured output constraint may be given; got {names}",
                          found[1][0])  # fmt: skip
-    param, structured = found[0]
+    return found[0] if found else None
+
+
+def check(compiler: GrammarCompiler, param: str, structured: StructuredOutput) -> None:
+    """Compile ``structured`` as a worker will (with the tokenizer, up to its first mask),
+    so a constraint a worker would refuse is a 400 naming ``param``. Blocks: a large
+    schema takes a while, so callers run it off the event loop."""
     try:
-        grammar_of(structured)
+        compiler.matcher(structured)
     except StructuredOutputError as error:
         raise FieldError(str(error), param) from error
-    return structured

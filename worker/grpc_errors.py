@@ -11,7 +11,8 @@ import grpc
 
 from engine.async_engine import EngineFailedError
 from engine.errors import InvalidRequestError
-from proto import REFUSED_KEY
+from engine.outputs import RequestOutput
+from proto import PARAM_KEY, REFUSED_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +24,15 @@ class DrainingError(RuntimeError):
 class RequestFailedError(RuntimeError):
     """The request was admitted but could not be completed (e.g. its KV pull failed under
     failure_policy=fail)."""
+
+
+def raise_for_error(output: RequestOutput) -> None:
+    """Raise what a failed request's output means: invalid input where the error was the
+    request's own fault (``error_param``), a failed request otherwise."""
+    if output.error_param:
+        raise InvalidRequestError(output.error or "invalid request", output.error_param)
+    if output.error:
+        raise RequestFailedError(output.error)
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -39,12 +49,17 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 def _abort_details(exc: BaseException, method: str) -> tuple[grpc.StatusCode, str, tuple]:
     """Status code, message and trailing metadata for ``exc``, logged if unexpected. A
-    refusal says so in its metadata (``proto.REFUSED_KEY``)."""
+    refusal says so in its metadata (``proto.REFUSED_KEY``), invalid input names the field
+    at fault (``proto.PARAM_KEY``)."""
     code, message = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         logger.exception("%s failed", method)
-    refused = ((REFUSED_KEY, "draining"),) if isinstance(exc, DrainingError) else ()
-    return code, message, refused
+    metadata: tuple = ()
+    if isinstance(exc, DrainingError):
+        metadata = ((REFUSED_KEY, "draining"),)
+    elif isinstance(exc, InvalidRequestError) and exc.param:
+        metadata = ((PARAM_KEY, exc.param),)
+    return code, message, metadata
 
 
 def grpc_errors(method: Callable) -> Callable:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.structured_output import StructuredOutput, grammar_of, load_grammar_tokenizer
+from common.structured_output import StructuredOutput
 from engine import LLM, InvalidRequestError, LLMEngine, SamplingParams
 from engine.models.arch import read_arch_config
 from tests.engine.helpers import random_prompts
@@ -86,16 +86,19 @@ def test_outputs_match_their_constraint_greedy_and_sampled(llm, prompts, kind):
 def test_constrained_greedy_is_transformers_best_allowed_token(tiny_llama, llm, prompts):
     """An oracle outside the engine: transformers' logits and a matcher of our own; each
     greedy token must be the likeliest token the grammar allows at that point."""
-    from llguidance import LLMatcher
+    from llguidance import LLMatcher, LLTokenizer
+    from tokenizers import Tokenizer
     from transformers import AutoModelForCausalLM
 
     structured = CONSTRAINTS["json"][0]
     served = llm.generate(prompts[:2], _params(structured), use_tqdm=False)
     arch = read_arch_config(tiny_llama)
-    tokenizer = load_grammar_tokenizer(tiny_llama, arch.vocab_size, arch.eos_token_ids)
+    text = Tokenizer.from_file(str(tiny_llama / "tokenizer.json")).to_str()
+    tokenizer = LLTokenizer(text, n_vocab=arch.vocab_size, eos_token=list(arch.eos_token_ids))
+    grammar = LLMatcher.grammar_from_json_schema(SCHEMA, defaults={"whitespace_flexible": False})
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
     for prompt, output in zip(prompts[:2], served, strict=True):
-        matcher = LLMatcher(tokenizer, grammar_of(structured))
+        matcher = LLMatcher(tokenizer, grammar)
         tokens = output.outputs[0].token_ids
         for step, token_id in enumerate(tokens):
             with torch.no_grad():
@@ -210,4 +213,48 @@ def test_without_llguidance_or_a_tokenizer_only_structured_requests_fail(
         llm.engine.add_request("c", prompts[0], _params(structured))
     free = llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     assert len(free[0].outputs[0].token_ids) == 4
+    assert llm.engine.leak_report() == []
+
+
+@pytest.mark.parametrize("prefill_only", [False, True])
+def test_a_grammar_llguidance_gives_up_on_mid_generation_is_the_requests_fault(
+    llm, prompts, prefill_only
+):
+    """``a{1000000}`` compiles and gives a first mask, then its lexer exceeds llguidance's
+    limits at the first token. The request ends with an error naming the constraint
+    (services answer it as invalid input: an audit found it failing as a worker fault,
+    which made the router mark decode workers unhealthy); the refused token is not kept
+    for a decode worker, and sampling does not crash on a mask with nothing allowed."""
+    engine = llm.engine
+    structured = StructuredOutput("regex", "a{1000000}")
+    for i, temperature in enumerate((0.0, 1.0)):
+        request_id = f"gives-up-{prefill_only}-{i}"
+        params = _params(structured, temperature=temperature, seed=1)
+        engine.add_request(request_id, prompts[1], params, prefill_only=prefill_only)
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        final = outputs[-1]
+        assert final.finished and final.outputs[0].finish_reason == "abort"
+        assert final.error_param == "structured_output" and "constraint failed" in final.error
+        assert not engine.holds_kv(request_id)
+    assert engine.leak_report() == []
+
+
+def test_a_grammar_complete_at_max_tokens_is_a_stop_not_a_cut(llm, prompts):
+    params = _params(StructuredOutput("regex", "[a-z]"), max_tokens=1)
+    for output in llm.generate(prompts, params, use_tqdm=False):
+        assert output.outputs[0].finish_reason == "stop"
+        assert re.fullmatch("[a-z]", output.outputs[0].text)
+
+
+def test_a_failed_matcher_leaves_the_sampler_something_to_draw(llm):
+    """Once llguidance has given up, its mask allows nothing; an all -inf row would make
+    seeded sampling raise in the engine step (failing every request on the worker)."""
+    grammars = llm.engine.grammars
+    grammars.add("failed", grammars.prepare(CONSTRAINTS["regex"][0], ()))
+    assert grammars.allowed("failed").sum() < grammars.vocab_size
+    assert grammars.accept("failed", 0) is not None  # id 0 is <pad>: refused, matcher failed
+    assert bool(grammars.allowed("failed").all())
+    grammars.discard("failed")
     assert llm.engine.leak_report() == []

@@ -8,18 +8,30 @@ import json
 
 import pytest
 
-from common.structured_output import StructuredOutput
+from common.structured_output import GrammarCompiler, StructuredOutput
 from router.protocol import ChatCompletionRequest, CompletionRequest, FieldError
-from router.structured import ANY_JSON_OBJECT, structured_output_of
+from router.structured import ANY_JSON_OBJECT, check, structured_output_of
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
+@pytest.fixture(scope="module")
+def compiler(tiny_llama) -> GrammarCompiler:
+    return GrammarCompiler(tiny_llama, 2048)
+
+
 def _of(chat: bool = False, **fields) -> StructuredOutput | None:
     body = (ChatCompletionRequest(messages=MESSAGES, **fields) if chat
             else CompletionRequest(prompt="hi", **fields))  # fmt: skip
-    return structured_output_of(body)
+    found = structured_output_of(body)
+    return None if found is None else found[1]
+
+
+def _checked(compiler: GrammarCompiler, **fields) -> None:
+    found = structured_output_of(CompletionRequest(prompt="hi", **fields))
+    assert found is not None
+    check(compiler, *found)
 
 
 @pytest.mark.parametrize("chat", [False, True])
@@ -70,7 +82,20 @@ def test_every_spelling_gives_the_same_constraint(chat):
          "only one"),
     ],
 )  # fmt: skip
-def test_bad_or_conflicting_constraints_name_their_field(fields, param, match):
+def test_bad_or_conflicting_constraints_name_their_field(compiler, fields, param, match):
     with pytest.raises(FieldError, match=match) as info:
-        _of(**fields)
+        _checked(compiler, **fields)
     assert info.value.param == param
+
+
+def test_what_only_the_tokenizer_shows_is_refused_too(compiler):
+    """Grammars naming a token id or a special token the vocabulary lacks: without the
+    tokenizer they compile, and a worker would refuse them after admission."""
+    for fields, param in (({"guided_grammar": 'start: "a" <[5000]>'}, "guided_grammar"),
+                          ({"structured_outputs": {"grammar": 'start: "a" <|nope|>'}},
+                           "structured_outputs")):  # fmt: skip
+        with pytest.raises(FieldError, match="invalid") as info:
+            _checked(compiler, **fields)
+        assert info.value.param == param
+        assert "\n" not in str(info.value) and len(str(info.value)) < 400  # no grammar dump
+    _checked(compiler, guided_regex="a{1,100}")  # and what is fine passes
