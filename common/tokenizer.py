@@ -125,16 +125,24 @@ class Tokenizer:
         return env.from_string(self.chat_template)
 
     def render_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
+        """``tools``: OpenAI's tool definitions, which templates that support tools
+        render into the prompt. Messages with ``tool_calls`` are refused by a template
+        that never mentions them: it would drop them without a word."""
         if not self.chat_template:
             raise TokenizerError("this model has no chat template; use the completions API")
+        if any(m.get("tool_calls") for m in messages) and "tool_calls" not in self.chat_template:
+            raise TokenizerError("this model's chat template does not render tool calls")
         variables = {"bos_token": "", "eos_token": "", **self.special_tokens}
         try:
             return self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
-                tools=None,
+                tools=tools,
                 documents=None,
                 **variables,
             )
@@ -142,8 +150,11 @@ class Tokenizer:
             raise TokenizerError(f"the chat template rejected the messages: {exc}") from exc
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Render the model's own template and tokenize it (special tokens come from it)."""
-        text = self.render_chat(messages, add_generation_prompt)
+        text = self.render_chat(messages, add_generation_prompt, tools)
         return self.encode(text, add_special_tokens=False)

@@ -45,6 +45,7 @@ from router.protocol import (
 from router.state import RouterState
 from router.structured import check as check_constraint
 from router.structured import structured_output_of
+from router.tools import ToolCalls
 
 logger = logging.getLogger(__name__)
 
@@ -217,9 +218,13 @@ def create_app(state: RouterState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        prompt = await asyncio.to_thread(apply_template, body.messages, body.add_generation_prompt)
+        tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()] or None
+        prompt = await asyncio.to_thread(
+            apply_template, body.messages, body.add_generation_prompt, tools
+        )
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return await respond(request, body, [prompt], chat=True, logprobs=logprobs)
+        return await respond(request, body, [prompt], chat=True, logprobs=logprobs,
+                             tool_calls=ToolCalls.of(body))  # fmt: skip
 
     # ------------------------------------------------------------------ helpers
 
@@ -227,10 +232,10 @@ def create_app(state: RouterState) -> FastAPI:
         if model is not None and model != state.model.served_name:
             raise model_not_found(model)
 
-    def apply_template(messages, add_generation_prompt: bool) -> list[int]:
+    def apply_template(messages, add_generation_prompt: bool, tools=None) -> list[int]:
         try:
             return state.tokenizer.apply_chat_template(
-                [m.for_template() for m in messages], add_generation_prompt
+                [m.for_template() for m in messages], add_generation_prompt, tools
             )
         except (TokenizerError, ValueError) as exc:
             raise bad_request(str(exc), "messages") from None
@@ -259,7 +264,12 @@ def create_app(state: RouterState) -> FastAPI:
         return [state.tokenizer.decode(tokens, skip_special_tokens=False) for tokens in prompts]
 
     async def respond(
-        request: Request, body, prompts: list[list[int]], chat: bool, logprobs: int | None
+        request: Request,
+        body,
+        prompts: list[list[int]],
+        chat: bool,
+        logprobs: int | None,
+        tool_calls: ToolCalls | None = None,
     ):
         if state.draining:
             raise unavailable("the router is draining")
@@ -279,6 +289,11 @@ def create_app(state: RouterState) -> FastAPI:
             )
         try:
             constraint = structured_output_of(body)
+            if tool_calls is not None:  # the calls are the output's constraint
+                if constraint is not None:
+                    raise FieldError(f"{constraint[0]} cannot be combined with tool_choice "
+                                     "required or a named function", constraint[0])  # fmt: skip
+                constraint = ("tools", tool_calls.structured)
             if constraint is not None:  # a large schema compiles for a while: off the loop
                 await asyncio.to_thread(check_constraint, state.grammar_compiler, *constraint)
         except FieldError as error:
@@ -321,6 +336,7 @@ def create_app(state: RouterState) -> FastAPI:
             body.return_token_ids,
             echo,
             body.prompt_logprobs,
+            tool_calls,
         )
         if state.num_inflight + num_sequences > limit:
             raise overloaded()

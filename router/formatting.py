@@ -9,6 +9,7 @@ from typing import Any
 
 from proto import pdserve_pb2 as pb
 from router.choices import Choice, ChoiceEvent
+from router.tools import ToolCalls, call
 
 TokenText = Callable[[int], str]
 
@@ -123,7 +124,10 @@ class Formatter:
     def __init__(self, response_id: str, model: str, chat: bool, logprobs: int | None,
                  token_text: TokenText, token_ids: bool = False,
                  echo: list[str] | None = None,
-                 prompt_logprobs: int | None = None) -> None:  # fmt: skip
+                 prompt_logprobs: int | None = None,
+                 tools: ToolCalls | None = None) -> None:  # fmt: skip
+        self.tools = tools
+        self._tool_text: dict[int, str] = {}  # "required" calls, held until they parse
         self.echo = echo
         self.prompt_logprobs = prompt_logprobs
         self._echoed: set[int] = set()
@@ -166,12 +170,18 @@ class Formatter:
         index = event.choice.index
         text, logprobs = self._text_and_logprobs(event.choice, event.text, event.logprobs)
         if self.chat:
-            delta: dict[str, Any] = {"content": text}
-            if index not in self._sent_role:
-                self._sent_role.add(index)
+            first = index not in self._sent_role
+            self._sent_role.add(index)
+            finish_reason = event.finish_reason
+            if self.tools is not None:
+                delta = self._tool_delta(index, text, first, event.finish_reason)
+                finish_reason = self.tools.finish(finish_reason)
+            else:
+                delta = {"content": text}
+            if first:
                 delta["role"] = "assistant"
             choice = {"index": index, "delta": delta, "logprobs": logprobs,
-                      "finish_reason": event.finish_reason}  # fmt: skip
+                      "finish_reason": finish_reason}  # fmt: skip
         else:
             choice = {"index": index, "text": text, "logprobs": logprobs,
                       "finish_reason": event.finish_reason}  # fmt: skip
@@ -187,6 +197,25 @@ class Formatter:
                              "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
         return body
 
+    def _tool_delta(self, index: int, text: str, first: bool,
+                    finish_reason: str | None) -> dict[str, Any]:  # fmt: skip
+        """A tool-calling choice's delta: a named call streams its arguments as they come
+        (its id and name first); "required" calls go out whole once the list parses."""
+        tools = self.tools
+        assert tools is not None
+        if tools.named is not None:
+            if first:
+                return {"content": None, "tool_calls": [call(tools.named, text, index=0)]}
+            return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+        held = self._tool_text[index] = self._tool_text.get(index, "") + text
+        if not finish_reason:
+            return {}
+        calls = tools.calls(held)
+        if calls is None:  # cut short: the text as it is
+            return {"content": held}
+        return {"content": None,
+                "tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}  # fmt: skip
+
     def usage_chunk(self, choices: list[Choice]) -> dict[str, Any]:
         body = self._envelope([], "chat.completion.chunk" if self.chat else None)
         body["usage"] = usage_body(choices)
@@ -199,12 +228,14 @@ class Formatter:
                 choice, choice.detokenizer.text, choice.logprobs
             )
             if self.chat:
-                items.append({
-                    "index": choice.index,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": logprobs,
-                    "finish_reason": choice.finish_reason,
-                })  # fmt: skip
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                finish_reason = choice.finish_reason
+                calls = self.tools.calls(text) if self.tools is not None else None
+                if calls is not None:
+                    message = {"role": "assistant", "content": None, "tool_calls": calls}
+                    finish_reason = self.tools.finish(finish_reason)
+                items.append({"index": choice.index, "message": message, "logprobs": logprobs,
+                              "finish_reason": finish_reason})  # fmt: skip
             else:
                 items.append({"index": choice.index, "text": text, "logprobs": logprobs,
                               "finish_reason": choice.finish_reason})  # fmt: skip

@@ -1,15 +1,17 @@
 """The OpenAI request schemas the gateway accepts, validated with pydantic.
 
 Unknown fields are ignored (clients send many). Fields we cannot honour with a non-default
-value (chat echo, tools, client chat templates, special-token text, and vLLM's
-extensions such as logits processors or beam search) are refused with a 400 naming the field
-rather than silently ignored. ``null`` means the default for every field (OpenAI
-documents most of them as "X or null"). Sampling fields left unset (None) take the
-checkpoint's ``generation_config.json`` defaults (see ``common.generation_config``).
+value (chat echo, tool_choice "auto", legacy functions, client chat templates,
+special-token text, and vLLM's extensions such as logits processors or beam search) are
+refused with a 400 naming the field rather than silently ignored. ``null`` means the
+default for every field (OpenAI documents most of them as "X or null"). Sampling fields
+left unset (None) take the checkpoint's ``generation_config.json`` defaults (see
+``common.generation_config``).
 """
 
 from __future__ import annotations
 
+import json
 import types
 import typing
 from collections.abc import Callable
@@ -275,18 +277,60 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for the name
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: any object
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: dict[str, str]  # {"name": ...}
+
+    @property
+    def name(self) -> str:
+        name = self.function.get("name")
+        if not name:
+            raise FieldError("tool_choice.function.name is required", "tool_choice")
+        return name
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None  # refused (the template would drop them)
-    function_call: Any = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    function_call: Any = None  # OpenAI's legacy functions: refused
 
-    def for_template(self) -> dict[str, str]:
-        """What the chat template sees: role, text and (when given) the author's name."""
-        message = {"role": self.role, "content": self.text()}
+    def for_template(self) -> dict[str, Any]:
+        """What the chat template sees: role, text, and the author's name, tool calls
+        (their arguments as objects: what Hugging Face templates render, as vLLM gives
+        them) and the call a tool turn answers, where given."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [_call_for_template(call) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
     def text(self) -> str:
@@ -300,6 +344,16 @@ class ChatMessage(_Body):
                 raise ValueError(f"content parts of type {part.type!r} are not supported")
             parts.append(part.text)
         return "".join(parts)
+
+
+def _call_for_template(call: ToolCall) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        raise FieldError(f"tool call arguments must be JSON text; got {call.function.arguments!r}",
+                         "messages") from None  # fmt: skip
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": "function", "function": function}
 
 
 def _check_contents(messages: list[ChatMessage]) -> None:
@@ -326,25 +380,55 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    functions: list[Any] | None = None
+    # Tools (router/tools.py): a named function or "required" constrain the output to
+    # calls; "auto" needs a parser for the model's own call format, which this server
+    # does not have (vLLM refuses it too without --tool-call-parser).
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    functions: list[Any] | None = None  # OpenAI's legacy functions: refused
     function_call: Any = None
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
         if self.chat_template is not None or self.chat_template_kwargs:
             raise FieldError("client-supplied chat templates are not accepted", "chat_template")
-        if self.tools or self.functions:
-            raise FieldError("tools are not supported", "tools" if self.tools else "functions")
-        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
-            raise FieldError("tool_choice needs tools, which are not supported", "tool_choice")
-        if any(m.tool_calls or m.function_call for m in self.messages):
-            raise FieldError("messages with tool calls are not supported", "messages")
+        if self.functions or self.function_call not in (None, "none"):
+            raise FieldError("functions are deprecated and not supported; use tools",
+                             "functions" if self.functions else "function_call")  # fmt: skip
+        if any(m.function_call for m in self.messages):
+            raise FieldError("function_call in messages is not supported; use tool_calls",
+                             "messages")  # fmt: skip
+        self._check_tools()
         _check_contents(self.messages)
         if self.top_logprobs and not self.logprobs:
             raise FieldError("top_logprobs requires logprobs=true", "top_logprobs")
         return self
+
+    def _check_tools(self) -> None:
+        choice = self.tool_choice
+        if not self.tools:
+            if choice not in (None, "none"):
+                raise FieldError("tool_choice needs tools", "tool_choice")
+            return
+        names = [tool.function.name for tool in self.tools]
+        if len(set(names)) != len(names):
+            raise FieldError("tools must have distinct function names", "tools")
+        if choice in (None, "auto"):
+            raise FieldError(
+                'tool_choice "auto" (the default with tools) needs a parser for this '
+                "model's own tool-call format, which this server does not have; give "
+                '"required", a named function, or "none"',
+                "tool_choice",
+            )
+        if isinstance(choice, NamedToolChoice) and choice.name not in names:
+            raise FieldError(f"tool_choice names {choice.name!r}, which is not in tools",
+                             "tool_choice")  # fmt: skip
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the output is constrained to tool calls (named or required)."""
+        return bool(self.tools) and self.tool_choice not in (None, "none", "auto")
 
     @property
     def completion_limit(self) -> int | None:

@@ -96,3 +96,39 @@ def test_imports_without_torch(tiny_llama):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+TOOL_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t['function']['name'] }};{% endfor %}</tools>"
+    "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}<call>{{ c['function']['name'] }} "
+    "{{ c['function']['arguments'] | tojson }}</call>{% endfor %}<|im_end|>\n{% endfor %}"
+)
+TOOL_MESSAGES = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+]  # fmt: skip
+
+
+def test_tools_and_tool_calls_render_as_in_transformers(tiny_llama, tmp_path):
+    import json
+
+    from transformers import AutoTokenizer
+
+    (tmp_path / "tokenizer.json").write_bytes((tiny_llama / "tokenizer.json").read_bytes())
+    config = json.loads((tiny_llama / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "chat_template.jinja").write_text(TOOL_TEMPLATE)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    expected = AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(
+        TOOL_MESSAGES, tools=tools, tokenize=False, add_generation_prompt=False
+    )
+    ours = Tokenizer(tmp_path).render_chat(TOOL_MESSAGES, False, tools)
+    assert ours == expected and "<tools>get_weather;" in ours and '{"city": "Paris"}' in ours
+    # A template that never mentions tool calls would drop them: refused instead.
+    (tmp_path / "chat_template.jinja").write_text(CHATML)
+    with pytest.raises(TokenizerError, match="does not render tool calls"):
+        Tokenizer(tmp_path).render_chat(TOOL_MESSAGES, False, tools)

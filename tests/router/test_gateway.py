@@ -322,6 +322,89 @@ def test_structured_outputs_cross_the_disaggregated_path(client, tiny_llama):
     assert again.choices[0].text == "x"
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}  # fmt: skip
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}}}  # fmt: skip
+
+
+def _streamed_calls(stream) -> tuple[dict[int, dict], str | None]:
+    """Tool calls put together from stream deltas, by index, and the finish reason."""
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for delta in choice.delta.tool_calls or ():
+                into = calls.setdefault(delta.index, {"name": None, "arguments": "", "id": None})
+                into["id"] = delta.id or into["id"]
+                if delta.function.name:
+                    into["name"] = delta.function.name
+                into["arguments"] += delta.function.arguments or ""
+    return calls, finish
+
+
+def test_tool_calls_by_constraint(client):
+    """A named function or "required": the output is the call(s), valid against the
+    tools' schemas, as OpenAI's tool_calls; streamed deltas add up to the same calls."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    ask = {"model": MODEL, "messages": messages, "tools": [WEATHER, CLOCK], "temperature": 0,
+           "max_tokens": 64}  # fmt: skip
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole = client.chat.completions.create(**ask, tool_choice=named)
+    message = whole.choices[0].message
+    assert message.content is None and whole.choices[0].finish_reason == "stop"
+    (call,) = message.tool_calls
+    assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+    assert call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("celsius", "fahrenheit")
+    streamed, finish = _streamed_calls(client.chat.completions.create(**ask, tool_choice=named,
+                                                                      stream=True))  # fmt: skip
+    assert finish == "stop" and [(c["name"], c["arguments"]) for c in streamed.values()] == [
+        ("get_weather", call.function.arguments)]  # fmt: skip
+    for parallel in (False, True):
+        whole = client.chat.completions.create(**ask, tool_choice="required",
+                                               parallel_tool_calls=parallel)  # fmt: skip
+        choice = whole.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        calls = choice.message.tool_calls
+        assert calls and (parallel or len(calls) == 1)
+        for call in calls:
+            assert call.function.name in ("get_weather", "get_time")
+            json.loads(call.function.arguments)
+        streamed, finish = _streamed_calls(client.chat.completions.create(
+            **ask, tool_choice="required", parallel_tool_calls=parallel, stream=True))  # fmt: skip
+        assert finish == "tool_calls"
+        assert [(c["name"], c["arguments"]) for c in streamed.values()] == [
+            (c.function.name, c.function.arguments) for c in calls]  # fmt: skip
+    # "auto" (the default with tools) needs the model's own call format: refused by name,
+    # as are a function not in tools and a second constraint.
+    for extra, param in (({}, "tool_choice"), ({"tool_choice": "auto"}, "tool_choice"),
+                         ({"tool_choice": {"type": "function", "function": {"name": "x"}}},
+                          "tool_choice"),
+                         ({"tool_choice": "required", "response_format": {"type": "json_object"}},
+                          "response_format")):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(**ask, **extra)
+        assert info.value.body["param"] == param, extra
+    # History with calls: this model's template never mentions them, so it would drop
+    # them; refused rather than answered as if they were not there.
+    history = [*messages, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match="does not render tool calls") as info:
+        client.chat.completions.create(model=MODEL, messages=history, max_tokens=4)
+    assert info.value.body["param"] == "messages"
+
+
 def test_chat_stream_equals_non_stream(client):
     messages = [{"role": "user", "content": "Say something about gRPC."}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,

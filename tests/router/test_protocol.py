@@ -150,3 +150,17 @@ def test_prompt_logprobs_are_not_streamed():
         assert model.model_validate({**body, "prompt_logprobs": 2}).prompt_logprobs == 2
         streamed = {**body, "prompt_logprobs": 2, "stream": True}
         assert refused_param(model, streamed) == "prompt_logprobs"
+
+
+def test_tool_calls_reach_the_template_with_their_arguments_as_objects():
+    """OpenAI sends a call's arguments as JSON text; Hugging Face templates render them
+    as objects (vLLM converts them the same way)."""
+    body = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+         "function": {"name": "f", "arguments": '{"a": [1, 2]}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "done"}]})  # fmt: skip
+    assistant, tool = (m.for_template() for m in body.messages[1:])
+    function = {"name": "f", "arguments": {"a": [1, 2]}}
+    assert assistant["tool_calls"] == [{"id": "c1", "type": "function", "function": function}]
+    assert tool == {"role": "tool", "content": "done", "tool_call_id": "c1"}
