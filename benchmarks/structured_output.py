@@ -26,6 +26,7 @@ from pathlib import Path
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 from benchmarks.engine_throughput import machine, make_prompts  # noqa: E402
+from benchmarks.records import write_markdown  # noqa: E402
 from engine import LLM, SamplingParams, StructuredOutput  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
@@ -139,7 +140,7 @@ def main() -> None:
         lines.append(f"| {row['variant']} | {row['tokens_per_s']:.1f} | "
                      f"{row['ratio_to_free_text']:.2f} ({low:.2f}-{high:.2f}) | "
                      f"{row['grammar_us_per_token']:.1f} |")  # fmt: skip
-    (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
+    write_markdown(RESULTS / f"{args.name}.md", "\n".join(lines))
     print("\n".join(lines))
 
 
