@@ -132,6 +132,14 @@ class FailurePolicy(StrEnum):
 _ENUM_FIELDS["FailurePolicy"] = FailurePolicy
 
 
+class ToolCallParser(StrEnum):
+    NONE = "none"  # tool_choice "auto" refused: only required or a named function
+    HERMES = "hermes"  # <tool_call>{"name": ..., "arguments": ...}</tool_call> (Qwen2.5/3, Hermes)
+
+
+_ENUM_FIELDS["ToolCallParser"] = ToolCallParser
+
+
 # Each worker owns PORT_STRIDE consecutive ports from its base port (see ``WorkerPorts``).
 PORT_STRIDE = 10
 
@@ -298,8 +306,14 @@ class RouterConfig:
     # workers' KV leased to a decode worker that cannot pull it yet. 0: no limit.
     decode_queue_factor: float = 2.0
     drain_grace_s: float = 30.0
+    # How tool calls are read from a model's free text, for tool_choice "auto" (the
+    # default when a request gives tools): the model family's own call format, as
+    # vLLM's --tool-call-parser. none: "auto" is refused ("required" and a named
+    # function constrain the output instead and need no parser).
+    tool_call_parser: ToolCallParser = ToolCallParser.NONE
 
     def __post_init__(self) -> None:
+        _coerce_enums(self)
         if not 0.0 <= self.cpu_hit_credit <= 1.0:
             raise ConfigError("router.cpu_hit_credit", "must be in [0, 1]")
         if self.min_disagg_tokens < 0:

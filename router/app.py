@@ -34,7 +34,7 @@ from router.errors import (
     unauthorized,
     unavailable,
 )
-from router.formatting import SSE_DONE, Formatter, sse
+from router.formatting import SSE_DONE, Formatter, ToolFormat, sse
 from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -45,7 +45,7 @@ from router.protocol import (
 from router.state import RouterState
 from router.structured import check as check_constraint
 from router.structured import structured_output_of
-from router.tools import ToolCalls
+from router.tool_parsers import tool_format_of
 
 logger = logging.getLogger(__name__)
 
@@ -218,13 +218,17 @@ def create_app(state: RouterState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
+        try:
+            tool_format = tool_format_of(body, state.config.router.tool_call_parser)
+        except FieldError as error:
+            raise bad_request(str(error), error.param) from None
         tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()] or None
         prompt = await asyncio.to_thread(
             apply_template, body.messages, body.add_generation_prompt, tools
         )
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         return await respond(request, body, [prompt], chat=True, logprobs=logprobs,
-                             tool_calls=ToolCalls.of(body))  # fmt: skip
+                             tool_format=tool_format)  # fmt: skip
 
     # ------------------------------------------------------------------ helpers
 
@@ -269,7 +273,7 @@ def create_app(state: RouterState) -> FastAPI:
         prompts: list[list[int]],
         chat: bool,
         logprobs: int | None,
-        tool_calls: ToolCalls | None = None,
+        tool_format: ToolFormat | None = None,
     ):
         if state.draining:
             raise unavailable("the router is draining")
@@ -289,11 +293,11 @@ def create_app(state: RouterState) -> FastAPI:
             )
         try:
             constraint = structured_output_of(body)
-            if tool_calls is not None:  # the calls are the output's constraint
-                if constraint is not None:
+            if tool_format is not None and tool_format.structured is not None:
+                if constraint is not None:  # the calls are the output's constraint
                     raise FieldError(f"{constraint[0]} cannot be combined with tool_choice "
                                      "required or a named function", constraint[0])  # fmt: skip
-                constraint = ("tools", tool_calls.structured)
+                constraint = ("tools", tool_format.structured)
             if constraint is not None:  # a large schema compiles for a while: off the loop
                 await asyncio.to_thread(check_constraint, state.grammar_compiler, *constraint)
         except FieldError as error:
@@ -336,7 +340,7 @@ def create_app(state: RouterState) -> FastAPI:
             body.return_token_ids,
             echo,
             body.prompt_logprobs,
-            tool_calls,
+            tool_format,
         )
         if state.num_inflight + num_sequences > limit:
             raise overloaded()

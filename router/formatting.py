@@ -9,9 +9,11 @@ from typing import Any
 
 from proto import pdserve_pb2 as pb
 from router.choices import Choice, ChoiceEvent
-from router.tools import ToolCalls, call
+from router.tool_parsers import HermesCalls
+from router.tools import ToolCalls
 
 TokenText = Callable[[int], str]
+ToolFormat = ToolCalls | HermesCalls  # each has message() and delta()
 
 
 def usage_body(choices: list[Choice]) -> dict[str, Any]:
@@ -125,9 +127,8 @@ class Formatter:
                  token_text: TokenText, token_ids: bool = False,
                  echo: list[str] | None = None,
                  prompt_logprobs: int | None = None,
-                 tools: ToolCalls | None = None) -> None:  # fmt: skip
-        self.tools = tools
-        self._tool_text: dict[int, str] = {}  # "required" calls, held until they parse
+                 tools: ToolFormat | None = None) -> None:  # fmt: skip
+        self.tools = tools  # how tool calls are read from a chat choice's text
         self.echo = echo
         self.prompt_logprobs = prompt_logprobs
         self._echoed: set[int] = set()
@@ -174,8 +175,7 @@ class Formatter:
             self._sent_role.add(index)
             finish_reason = event.finish_reason
             if self.tools is not None:
-                delta = self._tool_delta(index, text, first, event.finish_reason)
-                finish_reason = self.tools.finish(finish_reason)
+                delta, finish_reason = self.tools.delta(index, text, first, finish_reason)
             else:
                 delta = {"content": text}
             if first:
@@ -197,25 +197,6 @@ class Formatter:
                              "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
         return body
 
-    def _tool_delta(self, index: int, text: str, first: bool,
-                    finish_reason: str | None) -> dict[str, Any]:  # fmt: skip
-        """A tool-calling choice's delta: a named call streams its arguments as they come
-        (its id and name first); "required" calls go out whole once the list parses."""
-        tools = self.tools
-        assert tools is not None
-        if tools.named is not None:
-            if first:
-                return {"content": None, "tool_calls": [call(tools.named, text, index=0)]}
-            return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
-        held = self._tool_text[index] = self._tool_text.get(index, "") + text
-        if not finish_reason:
-            return {}
-        calls = tools.calls(held)
-        if calls is None:  # cut short: the text as it is
-            return {"content": held}
-        return {"content": None,
-                "tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}  # fmt: skip
-
     def usage_chunk(self, choices: list[Choice]) -> dict[str, Any]:
         body = self._envelope([], "chat.completion.chunk" if self.chat else None)
         body["usage"] = usage_body(choices)
@@ -230,10 +211,8 @@ class Formatter:
             if self.chat:
                 message: dict[str, Any] = {"role": "assistant", "content": text}
                 finish_reason = choice.finish_reason
-                calls = self.tools.calls(text) if self.tools is not None else None
-                if calls is not None:
-                    message = {"role": "assistant", "content": None, "tool_calls": calls}
-                    finish_reason = self.tools.finish(finish_reason)
+                if self.tools is not None:
+                    message, finish_reason = self.tools.message(text, finish_reason)
                 items.append({"index": choice.index, "message": message, "logprobs": logprobs,
                               "finish_reason": finish_reason})  # fmt: skip
             else:

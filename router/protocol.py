@@ -1,8 +1,8 @@
 """The OpenAI request schemas the gateway accepts, validated with pydantic.
 
 Unknown fields are ignored (clients send many). Fields we cannot honour with a non-default
-value (chat echo, tool_choice "auto", legacy functions, client chat templates,
-special-token text, and vLLM's extensions such as logits processors or beam search) are
+value (chat echo, tool_choice "auto" without a parser, legacy functions, client chat
+templates, special-token text, and vLLM's extensions such as logits processors or beam search) are
 refused with a 400 naming the field rather than silently ignored. ``null`` means the
 default for every field (OpenAI documents most of them as "X or null"). Sampling fields
 left unset (None) take the checkpoint's ``generation_config.json`` defaults (see
@@ -380,9 +380,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    # Tools (router/tools.py): a named function or "required" constrain the output to
-    # calls; "auto" needs a parser for the model's own call format, which this server
-    # does not have (vLLM refuses it too without --tool-call-parser).
+    # Tools: a named function or "required" constrain the output to calls
+    # (router/tools.py); "auto" (the default with tools) reads them from free text with
+    # the configured parser (router/tool_parsers.py) and is refused without one.
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -414,13 +414,6 @@ class ChatCompletionRequest(_SamplingFields):
         names = [tool.function.name for tool in self.tools]
         if len(set(names)) != len(names):
             raise FieldError("tools must have distinct function names", "tools")
-        if choice in (None, "auto"):
-            raise FieldError(
-                'tool_choice "auto" (the default with tools) needs a parser for this '
-                "model's own tool-call format, which this server does not have; give "
-                '"required", a named function, or "none"',
-                "tool_choice",
-            )
         if isinstance(choice, NamedToolChoice) and choice.name not in names:
             raise FieldError(f"tool_choice names {choice.name!r}, which is not in tools",
                              "tool_choice")  # fmt: skip

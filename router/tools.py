@@ -11,15 +11,13 @@ always parses, whatever the model's own call format:
 The reply carries them as OpenAI's ``tool_calls`` (``content`` null); ``"required"``
 finishes with ``tool_calls`` (vLLM's choice), a named function with ``stop``. Text cut
 short by ``max_tokens`` does not parse and is returned as ``content``, with ``length``.
-``"auto"`` is refused in ``router/protocol.py``: it needs a parser for each model family's
-own call format.
+``"auto"`` reads calls from free text instead (``router/tool_parsers.py``).
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 from common.structured_output import StructuredOutput
@@ -32,12 +30,14 @@ def call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-@dataclass(frozen=True, slots=True)
 class ToolCalls:
-    """How a request's constrained text becomes tool calls."""
+    """Tool calls by constraint, for one response: how its constrained text becomes
+    OpenAI's ``tool_calls``, whole or streamed."""
 
-    named: str | None  # the function tool_choice names; None: "required"
-    structured: StructuredOutput
+    def __init__(self, named: str | None, structured: StructuredOutput) -> None:
+        self.named = named  # the function tool_choice names; None: "required"
+        self.structured: StructuredOutput | None = structured
+        self._held: dict[int, str] = {}  # "required" calls by choice, until they parse
 
     @classmethod
     def of(cls, body: ChatCompletionRequest) -> ToolCalls | None:
@@ -63,11 +63,6 @@ class ToolCalls:
             listed["maxItems"] = 1
         return cls(None, StructuredOutput("json", json.dumps(listed)))
 
-    @property
-    def finish_reason(self) -> str:
-        """What a choice whose calls are complete finishes with."""
-        return "stop" if self.named else "tool_calls"
-
     def calls(self, text: str) -> list[dict[str, Any]] | None:
         """OpenAI's ``tool_calls`` for a choice's text; None where it does not parse
         (cut short by ``max_tokens`` or a stop string)."""
@@ -82,8 +77,40 @@ class ToolCalls:
         ]
 
     def finish(self, finish_reason: str | None) -> str | None:
-        """The choice's finish reason, once its calls are complete (``stop``)."""
-        return self.finish_reason if finish_reason == "stop" else finish_reason
+        """The choice's finish reason, once its calls are complete (``stop``):
+        ``tool_calls`` for "required", ``stop`` for a named function (vLLM's)."""
+        if finish_reason == "stop" and self.named is None:
+            return "tool_calls"
+        return finish_reason
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """A whole choice's message and finish reason."""
+        calls = self.calls(text)
+        if calls is None:
+            return {"role": "assistant", "content": text}, finish_reason
+        return {"role": "assistant", "content": None, "tool_calls": calls}, self.finish(
+            finish_reason
+        )
+
+    def delta(
+        self, index: int, text: str, first: bool, finish_reason: str | None
+    ) -> tuple[dict[str, Any], str | None]:
+        """A streamed choice's delta and finish reason: a named call streams its
+        arguments as they come (its id and name first); "required" calls go out whole
+        once the list parses."""
+        finish = self.finish(finish_reason)
+        if self.named is not None:
+            if first:
+                return {"content": None, "tool_calls": [call(self.named, text, index=0)]}, finish
+            return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}, finish
+        held = self._held[index] = self._held.get(index, "") + text
+        if not finish_reason:
+            return {}, None
+        calls = self.calls(held)
+        if calls is None:  # cut short: the text as it is
+            return {"content": held}, finish_reason
+        indexed = [{"index": i, **c} for i, c in enumerate(calls)]
+        return {"content": None, "tool_calls": indexed}, finish
 
 
 def call(name: str, arguments: str, index: int | None = None) -> dict[str, Any]:

@@ -70,6 +70,8 @@ def test_refusals_name_their_field(state):
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}]},
          "messages"),
         ("/v1/chat/completions", {"messages": chat, "tools": [{"type": "function"}]}, "tools"),
+        ("/v1/chat/completions", {"messages": chat, "tools": [  # "auto" without a parser
+            {"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
         ("/tokenize", {"prompt": "\ud800"}, "prompt"),
     ]  # fmt: skip
     for path, body, param in cases:

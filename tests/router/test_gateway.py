@@ -42,6 +42,7 @@ def stack(tiny_llama, tmp_path_factory):
             "max_inflight_sequences": 8,
             "refresh_interval_s": 0.5,
             "worker_stall_timeout_s": 2.0,
+            "tool_call_parser": "hermes",
         },
     )
     stack = start_up_stack(config, tmp / "home", restart=False)  # kill tests: stay dead
@@ -384,10 +385,8 @@ def test_tool_calls_by_constraint(client):
         assert finish == "tool_calls"
         assert [(c["name"], c["arguments"]) for c in streamed.values()] == [
             (c.function.name, c.function.arguments) for c in calls]  # fmt: skip
-    # "auto" (the default with tools) needs the model's own call format: refused by name,
-    # as are a function not in tools and a second constraint.
-    for extra, param in (({}, "tool_choice"), ({"tool_choice": "auto"}, "tool_choice"),
-                         ({"tool_choice": {"type": "function", "function": {"name": "x"}}},
+    # A function not in tools and a second constraint are refused by name.
+    for extra, param in (({"tool_choice": {"type": "function", "function": {"name": "x"}}},
                           "tool_choice"),
                          ({"tool_choice": "required", "response_format": {"type": "json_object"}},
                           "response_format")):  # fmt: skip
@@ -403,6 +402,29 @@ def test_tool_calls_by_constraint(client):
     with pytest.raises(openai.BadRequestError, match="does not render tool calls") as info:
         client.chat.completions.create(model=MODEL, messages=history, max_tokens=4)
     assert info.value.body["param"] == "messages"
+
+
+def test_tool_choice_auto_reads_hermes_calls_from_the_text(client):
+    """This stack's router reads Hermes-format calls (router.tool_call_parser). The random
+    model never writes one, so a regex makes it: the call is read from the text, whole
+    and streamed; text without one stays content."""
+    call = '{"name": "get_time", "arguments": {"zone": "CET"}}'
+    forced = {"structured_outputs": {"regex": re.escape(f"Sure.<tool_call>{call}</tool_call>")}}
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "time?"}],
+           "tools": [WEATHER, CLOCK], "temperature": 0, "max_tokens": 64}  # fmt: skip
+    whole = client.chat.completions.create(**ask, extra_body=forced)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
+    ((name, arguments),) = [(c.function.name, c.function.arguments)
+                            for c in choice.message.tool_calls]  # fmt: skip
+    assert (name, json.loads(arguments)) == ("get_time", {"zone": "CET"})
+    streamed, finish = _streamed_calls(client.chat.completions.create(**ask, extra_body=forced,
+                                                                      stream=True))  # fmt: skip
+    assert finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in streamed.values()] == [(name, arguments)]
+    plain = client.chat.completions.create(**ask, tool_choice="auto").choices[0]
+    assert plain.message.tool_calls is None and plain.message.content
+    assert plain.finish_reason in ("stop", "length")
 
 
 def test_chat_stream_equals_non_stream(client):

@@ -1,0 +1,138 @@
+"""Tool calls read from a model's free text, for ``tool_choice: "auto"``: the model
+decides whether to call, in its family's own format (vLLM's ``--tool-call-parser``).
+
+``hermes`` (Qwen2.5 / Qwen3, NousResearch Hermes): each call is
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; text before the first call
+is the message's ``content``. One state machine reads a whole text and a stream alike, so
+streamed deltas add up to the whole response: content goes out as it comes (holding back
+only what may be the start of ``<tool_call>``), and each call once its closing tag
+arrives. A call whose body is not such JSON, or one cut short, stays text, as vLLM's
+parser leaves it; whitespace between calls is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from common.config import ToolCallParser
+from router.protocol import ChatCompletionRequest, FieldError
+from router.tools import ToolCalls, call
+
+START, END = "<tool_call>", "</tool_call>"
+
+
+def tool_format_of(
+    body: ChatCompletionRequest, parser: ToolCallParser
+) -> ToolCalls | HermesCalls | None:
+    """How a chat request's tool calls are made: by constraint ("required", a named
+    function), parsed from free text ("auto" or unset, with a parser configured), or not
+    at all. Raises ``FieldError`` for "auto" without a parser."""
+    constrained = ToolCalls.of(body)
+    if constrained is not None or not body.tools or body.tool_choice == "none":
+        return constrained
+    if parser is ToolCallParser.NONE:
+        raise FieldError(
+            'tool_choice "auto" (the default with tools) needs a parser for this model\'s '
+            'own tool-call format (router.tool_call_parser, e.g. hermes); give "required", '
+            'a named function, or "none"',
+            "tool_choice",
+        )
+    return HermesCalls()
+
+
+def _partial_start(text: str) -> int:
+    """How many characters at the end of ``text`` may begin ``<tool_call>``."""
+    for size in range(min(len(START) - 1, len(text)), 0, -1):
+        if text.endswith(START[:size]):
+            return size
+    return 0
+
+
+def _parse_call(body: str) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of a call's body; None if it is not one."""
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", {})
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return value["name"], arguments
+
+
+class _Reader:
+    """One choice's text, read as it comes."""
+
+    def __init__(self) -> None:
+        self.pending = ""
+        self.in_call = False
+        self.num_calls = 0
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
+        """Content to send and calls completed by ``text`` (all of it when ``final``)."""
+        self.pending += text
+        content: list[str] = []
+        calls: list[dict[str, Any]] = []
+        while True:
+            if not self.in_call:
+                at = self.pending.find(START)
+                if at < 0:
+                    keep = 0 if final else _partial_start(self.pending)
+                    self._content(self.pending[: len(self.pending) - keep], content)
+                    self.pending = self.pending[len(self.pending) - keep :]
+                    return "".join(content), calls
+                self._content(self.pending[:at], content)
+                self.pending = self.pending[at + len(START) :]
+                self.in_call = True
+                continue
+            end = self.pending.find(END)
+            if end < 0:
+                if final:  # cut short: it stays text
+                    content.append(START + self.pending)
+                    self.pending = ""
+                return "".join(content), calls
+            body, self.pending = self.pending[:end], self.pending[end + len(END) :]
+            self.in_call = False
+            parsed = _parse_call(body.strip())
+            if parsed is None:
+                content.append(START + body + END)
+                continue
+            calls.append(call(*parsed))
+            self.num_calls += 1
+
+    def _content(self, text: str, into: list[str]) -> None:
+        if text and not (self.num_calls and not text.strip()):  # not whitespace between calls
+            into.append(text)
+
+
+class HermesCalls:
+    """Hermes-format tool calls of one response (see the module docstring)."""
+
+    structured = None  # nothing constrains the text
+
+    def __init__(self) -> None:
+        self._readers: dict[int, _Reader] = {}
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        reader = _Reader()
+        content, calls = reader.feed(text, final=True)
+        if not calls:
+            return {"role": "assistant", "content": text}, finish_reason
+        message = {"role": "assistant", "content": content.strip() or None, "tool_calls": calls}
+        return message, "tool_calls" if finish_reason == "stop" else finish_reason
+
+    def delta(
+        self, index: int, text: str, first: bool, finish_reason: str | None
+    ) -> tuple[dict[str, Any], str | None]:
+        reader = self._readers.setdefault(index, _Reader())
+        before = reader.num_calls
+        content, calls = reader.feed(text, final=finish_reason is not None)
+        delta: dict[str, Any] = {"content": content if content or not calls else None}
+        if calls:
+            delta["tool_calls"] = [{"index": before + i, **c} for i, c in enumerate(calls)]
+        if finish_reason == "stop" and reader.num_calls:
+            finish_reason = "tool_calls"
+        return delta, finish_reason

@@ -1,0 +1,116 @@
+"""Hermes-format tool calls read from free text (tool_choice "auto"): a stream cut
+anywhere adds up to the whole response; what is not a complete call stays text."""
+
+from __future__ import annotations
+
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from common.config import ToolCallParser
+from router.choices import Choice, ChoiceEvent
+from router.formatting import Formatter
+from router.protocol import ChatCompletionRequest, FieldError
+from router.tool_parsers import HermesCalls, tool_format_of
+from router.tools import ToolCalls
+
+TWO_CALLS = (
+    "Let me check both.\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}\n</tool_call>\n'
+    '<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": \\"CET\\"}"}</tool_call>\n'
+)
+
+
+def _streamed(
+    text: str, cuts: list[int], finish: str, calls_only: bool = False
+) -> tuple[str, list[dict], str | None]:
+    """Content and calls a stream of ``text`` cut at ``cuts`` adds up to; with
+    ``calls_only`` (every call well formed) no piece of a tag reaches the content."""
+    calls = HermesCalls()
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    content, made, reason = "", [], None
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        delta, reason = calls.delta(0, piece, i == 0, finish if last else None)
+        if calls_only:
+            assert "<tool" not in (delta.get("content") or "")
+        content += delta.get("content") or ""
+        made += delta.get("tool_calls", [])
+    return content, made, reason
+
+
+def _names_and_arguments(calls: list[dict]) -> list[tuple[str, dict]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def test_calls_and_content_from_a_whole_text():
+    message, reason = HermesCalls().message(TWO_CALLS, "stop")
+    assert reason == "tool_calls" and message["content"] == "Let me check both."
+    weather = ("get_weather", {"city": "Paris", "days": [1, 2]})
+    assert _names_and_arguments(message["tool_calls"]) == [weather, ("get_time", {"zone": "CET"})]
+    for made in message["tool_calls"]:
+        assert made["id"].startswith("chatcmpl-tool-") and "index" not in made
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_stream_cut_anywhere_adds_up_to_the_whole_response(seed):
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(TWO_CALLS)), rng.randint(1, 40)))
+    content, calls, reason = _streamed(TWO_CALLS, cuts, "stop", calls_only=True)
+    whole, _ = HermesCalls().message(TWO_CALLS, "stop")
+    assert reason == "tool_calls" and content.strip() == whole["content"]
+    assert [c["index"] for c in calls] == [0, 1]
+    assert _names_and_arguments(calls) == _names_and_arguments(whole["tool_calls"])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "no calls here, just < and <tool and <tool_cal text",
+        "<tool_call>not json</tool_call> after",
+        '<tool_call>{"arguments": {}}</tool_call>',  # no name
+        'cut short <tool_call>{"name": "get_weather", "argu',
+    ],
+)
+def test_what_is_not_a_complete_call_stays_text(text):
+    message, reason = HermesCalls().message(text, "length")
+    assert message == {"role": "assistant", "content": text} and reason == "length"
+    for cuts in ([1], list(range(1, len(text)))):  # two chunks; one character at a time
+        content, calls, reason = _streamed(text, cuts, "length")
+        assert (content, calls, reason) == (text, [], "length")
+
+
+def _body(**fields) -> ChatCompletionRequest:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    return ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], "tools": [tool], **fields})  # fmt: skip
+
+
+def test_auto_needs_a_parser_and_the_others_do_not():
+    for choice in ({}, {"tool_choice": "auto"}):
+        with pytest.raises(FieldError, match="router.tool_call_parser") as info:
+            tool_format_of(_body(**choice), ToolCallParser.NONE)
+        assert info.value.param == "tool_choice"
+        assert isinstance(tool_format_of(_body(**choice), ToolCallParser.HERMES), HermesCalls)
+    assert tool_format_of(_body(tool_choice="none"), ToolCallParser.HERMES) is None
+    required = tool_format_of(_body(tool_choice="required"), ToolCallParser.NONE)
+    assert isinstance(required, ToolCalls) and required.structured is not None
+
+
+def test_chat_chunks_carry_the_role_first_and_the_calls_with_their_indices():
+    request = SimpleNamespace(prompt_token_ids=[1])
+    choice = Choice(0, 0, request, SimpleNamespace(text=TWO_CALLS), token_ids=[1, 2],
+                    logprobs=[], finish_reason="stop")  # fmt: skip
+    formatter = Formatter("chatcmpl-1", "m", chat=True, logprobs=None, token_text=str,
+                          tools=HermesCalls())  # fmt: skip
+    half = len(TWO_CALLS) // 2
+    first = formatter.chunk(ChoiceEvent(choice, TWO_CALLS[:half], [1], []))["choices"][0]
+    last = formatter.chunk(ChoiceEvent(choice, TWO_CALLS[half:], [2], [], "stop"))["choices"][0]
+    assert first["delta"]["role"] == "assistant" and "role" not in last["delta"]
+    calls = first["delta"].get("tool_calls", []) + last["delta"].get("tool_calls", [])
+    assert [c["index"] for c in calls] == [0, 1] and last["finish_reason"] == "tool_calls"
+    whole = Formatter("chatcmpl-2", "m", chat=True, logprobs=None, token_text=str,
+                      tools=HermesCalls()).final([choice])["choices"][0]  # fmt: skip
+    assert whole["finish_reason"] == "tool_calls" and len(whole["message"]["tool_calls"]) == 2
