@@ -59,6 +59,21 @@ def _error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
+async def _blaming(events: AsyncIterator, param: str) -> AsyncIterator:
+    """``events``, with a worker's refusal of the output constraint (its param
+    ``structured_output``: llguidance gave up on it mid-generation) naming the field the
+    client gave it in (``guided_regex``, ``tools``, ...)."""
+    try:
+        async for event in events:
+            yield event
+    except APIError as error:
+        if error.param == "structured_output":
+            error.param = param
+        raise
+    finally:
+        await events.aclose()  # closing this closes the choices at once
+
+
 class _AdmittedStream(StreamingResponse):
     """A streamed response that, however it ends, gives its admission back and closes the
     choices' event stream (which aborts sequences still running): also when the client
@@ -192,7 +207,7 @@ def create_app(state: RouterState) -> FastAPI:
         check_model(body.model)
         if body.messages is not None:
             tokens = await asyncio.to_thread(
-                apply_template, body.messages, body.add_generation_prompt
+                apply_template, body.messages, body.add_generation_prompt, tool_dicts(body.tools)
             )
         else:
             tokens = await asyncio.to_thread(
@@ -222,9 +237,8 @@ def create_app(state: RouterState) -> FastAPI:
             tool_format = tool_format_of(body, state.config.router.tool_call_parser)
         except FieldError as error:
             raise bad_request(str(error), error.param) from None
-        tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()] or None
         prompt = await asyncio.to_thread(
-            apply_template, body.messages, body.add_generation_prompt, tools
+            apply_template, body.messages, body.add_generation_prompt, tool_dicts(body.tools)
         )
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         return await respond(request, body, [prompt], chat=True, logprobs=logprobs,
@@ -235,6 +249,10 @@ def create_app(state: RouterState) -> FastAPI:
     def check_model(model: str | None) -> None:
         if model is not None and model != state.model.served_name:
             raise model_not_found(model)
+
+    def tool_dicts(tools) -> list[dict[str, Any]] | None:
+        """Tools as chat templates see them (OpenAI's shape)."""
+        return [tool.model_dump(exclude_none=True) for tool in tools or ()] or None
 
     def apply_template(messages, add_generation_prompt: bool, tools=None) -> list[int]:
         try:
@@ -351,6 +369,8 @@ def create_app(state: RouterState) -> FastAPI:
             state.num_inflight -= num_sequences
 
         events = merge_choices(state.dispatcher, choices, state.metrics, arrival)
+        if constraint is not None:
+            events = _blaming(events, constraint[0])
 
         async def collect() -> None:
             async for _ in events:

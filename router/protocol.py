@@ -294,6 +294,13 @@ class FunctionDefinition(_Body):
     parameters: dict[str, Any] | None = None  # a JSON schema; None: any object
     strict: bool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _an_object(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type", "object") != "object":
+            raise ValueError("parameters must be the JSON schema of an object (arguments)")
+        return value
+
 
 class Tool(_Body):
     type: Literal["function"]
@@ -302,12 +309,12 @@ class Tool(_Body):
 
 class NamedToolChoice(_Body):
     type: Literal["function"]
-    function: dict[str, str]  # {"name": ...}
+    function: dict[str, Any] = Field(default_factory=dict)  # {"name": ...}
 
     @property
     def name(self) -> str:
         name = self.function.get("name")
-        if not name:
+        if not name or not isinstance(name, str):
             raise FieldError("tool_choice.function.name is required", "tool_choice")
         return name
 
@@ -432,6 +439,7 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None  # with messages: rendered as chat would render them
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

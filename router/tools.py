@@ -10,13 +10,17 @@ always parses, whatever the model's own call format:
 
 The reply carries them as OpenAI's ``tool_calls`` (``content`` null); ``"required"``
 finishes with ``tool_calls`` (vLLM's choice), a named function with ``stop``. Text cut
-short by ``max_tokens`` does not parse and is returned as ``content``, with ``length``.
+short (``max_tokens``, a stop string) does not parse and is returned as ``content``, with
+its own finish reason; only a named call's stream has by then sent the arguments so far
+(they stream as generated, as in vLLM). The arguments are the text as generated, never
+parsed and encoded again.
 ``"auto"`` reads calls from free text instead (``router/tool_parsers.py``).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any
 
@@ -52,11 +56,15 @@ class ToolCalls:
         calls = [
             {
                 "type": "object",
-                "properties": {"name": {"enum": [name]}, "parameters": schema},
+                # The schema moves into the list: its local $refs must point where it is.
+                "properties": {
+                    "name": {"enum": [name]},
+                    "parameters": _rebase(schema, f"#/items/anyOf/{i}/properties/parameters"),
+                },
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
             }
-            for name, schema in schemas.items()
+            for i, (name, schema) in enumerate(schemas.items())
         ]
         listed: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
         if not body.parallel_tool_calls:
@@ -67,14 +75,12 @@ class ToolCalls:
         """OpenAI's ``tool_calls`` for a choice's text; None where it does not parse
         (cut short by ``max_tokens`` or a stop string)."""
         try:
-            value = json.loads(text)
+            json.loads(text)
         except ValueError:
             return None
         if self.named is not None:  # the text is the arguments, as streamed
             return [call(self.named, text)]
-        return [
-            call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in value
-        ]
+        return [call(name, arguments) for name, arguments in _listed_calls(text)]
 
     def finish(self, finish_reason: str | None) -> str | None:
         """The choice's finish reason, once its calls are complete (``stop``):
@@ -111,6 +117,66 @@ class ToolCalls:
             return {"content": held}, finish_reason
         indexed = [{"index": i, **c} for i, c in enumerate(calls)]
         return {"content": None, "tool_calls": indexed}, finish
+
+
+# Keys whose values are data, not schemas: a "$ref" in them is not a reference.
+_DATA_KEYS = frozenset({"enum", "const", "default", "examples"})
+
+
+def _rebase(schema: Any, base: str) -> Any:
+    """``schema`` with its local ``$ref``s (``#...``) made relative to ``base``, the
+    place it is moved to (``#`` itself included: a recursive schema stays recursive)."""
+    if isinstance(schema, list):
+        return [_rebase(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rebased = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            rebased[key] = base + value[1:]
+        else:
+            rebased[key] = value if key in _DATA_KEYS else _rebase(value, base)
+    return rebased
+
+
+_DECODER = json.JSONDecoder()
+_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _next(text: str, at: int) -> int:
+    """Past the whitespace at ``at``, and past a comma or colon there (and its space)."""
+    at = _SPACE.match(text, at).end()
+    if at < len(text) and text[at] in ",:":
+        at = _SPACE.match(text, at + 1).end()
+    return at
+
+
+def _members(text: str, at: int, closing: str) -> list[tuple[str | None, int, int]]:
+    """(key, start, end) of each value of the array or object opening at ``at``: key
+    None in an array. ``text`` is valid JSON (already parsed)."""
+    members: list[tuple[str | None, int, int]] = []
+    at = _next(text, at + 1)
+    while text[at] != closing:
+        key = None
+        if closing == "}":
+            key, at = _DECODER.raw_decode(text, at)
+            at = _next(text, at)
+        _, end = _DECODER.raw_decode(text, at)
+        members.append((key, at, end))
+        at = _next(text, end)
+    return members
+
+
+def _listed_calls(text: str) -> list[tuple[str, str]]:
+    """(name, the parameters' own text) of each call of a "required" list. The text as
+    generated, not parsed and encoded again: that would turn a number too large for a
+    float into ``Infinity``, which is not JSON, and round the rest."""
+    calls = []
+    for _, start, _end in _members(text, _next(text, 0), "]"):
+        fields = {key: (a, b) for key, a, b in _members(text, start, "}")}
+        name = json.loads(text[slice(*fields["name"])])
+        calls.append((name, text[slice(*fields["parameters"])]))
+    return calls
 
 
 def call(name: str, arguments: str, index: int | None = None) -> dict[str, Any]:

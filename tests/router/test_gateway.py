@@ -317,7 +317,7 @@ def test_structured_outputs_cross_the_disaggregated_path(client, tiny_llama):
             reply = client.completions.create(model=MODEL, prompt="x", max_tokens=4,
                                               stream=stream, extra_body=body)  # fmt: skip
             list(reply) if stream else None
-        assert info.value.body["param"] == "structured_output"
+        assert info.value.body["param"] == "guided_regex"  # the field it came in
     again = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=8,
                                       extra_body={"guided_choice": ["x"]})  # fmt: skip
     assert again.choices[0].text == "x"
@@ -393,6 +393,13 @@ def test_tool_calls_by_constraint(client):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(**ask, **extra)
         assert info.value.body["param"] == param, extra
+    # A tool's schema llguidance gives up on at the first token: a 400 naming tools.
+    huge = {"type": "function", "function": {"name": "h", "parameters": {
+        "type": "object", "properties": {"s": {"type": "string", "pattern": "^a{1000000}$"}},
+        "required": ["s"]}}}  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**{**ask, "tools": [huge]}, tool_choice="required")
+    assert info.value.body["param"] == "tools"
     # History with calls: this model's template never mentions them, so it would drop
     # them; refused rather than answered as if they were not there.
     history = [*messages, {"role": "assistant", "content": None, "tool_calls": [

@@ -94,6 +94,16 @@ def test_their_default_values_pass():
     ("field", "value"),
     [
         ("logits_processors", ["x"]),
+        (
+            "tools",
+            [
+                {
+                    "type": "function",  # arguments are an object
+                    "function": {"name": "f", "parameters": {"type": "string"}},
+                }
+            ],
+        ),
+        ("tool_choice", {"type": "function"}),  # no name
         ("echo", True),
         ("continue_final_message", True),
         ("add_special_tokens", True),

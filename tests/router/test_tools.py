@@ -1,0 +1,84 @@
+"""Tool calls by constraint: schemas with local references keep them when moved into the
+"required" list; the calls' arguments are the generated text, never re-encoded; a stream
+cut short ends as text with its own finish reason."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from llguidance import LLMatcher
+
+from common.structured_output import GrammarCompiler
+from common.tokenizer import Tokenizer
+from router.protocol import ChatCompletionRequest
+from router.tools import ToolCalls
+
+REC = {"type": "object", "properties": {"child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+       "required": ["child"], "additionalProperties": False}  # fmt: skip
+LOC = {"type": "object", "$defs": {"Loc": {"type": "object", "properties": {
+    "city": {"enum": ["Paris", "Rome"]}}, "required": ["city"], "additionalProperties": False}},
+    "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"],
+    "additionalProperties": False}  # fmt: skip
+
+
+def _required(*schemas: dict) -> ToolCalls:
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": schema}}
+             for i, schema in enumerate(schemas)]  # fmt: skip
+    body = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], "tools": tools,
+         "tool_choice": "required"})  # fmt: skip
+    calls = ToolCalls.of(body)
+    assert calls is not None
+    return calls
+
+
+def _accepts(compiler: GrammarCompiler, tokenizer: Tokenizer, calls: ToolCalls, text: str) -> bool:
+    matcher: LLMatcher = compiler.matcher(calls.structured)
+    return matcher.consume_tokens(tokenizer.encode(text, add_special_tokens=False)) and (
+        matcher.is_accepting()
+    )
+
+
+def test_local_refs_still_resolve_in_the_required_list(tiny_llama):
+    """An audit found "#/$defs/..." refused (the pointer no longer existed) and "#"
+    pointing at the whole list, which refused the tool's own valid arguments."""
+    compiler, tokenizer = GrammarCompiler(tiny_llama, 2048), Tokenizer(tiny_llama)
+    calls = _required(REC, LOC)
+    assert _accepts(compiler, tokenizer, calls,
+                    '[{"name":"f0","parameters":{"child":{"child":null}}},'
+                    '{"name":"f1","parameters":{"loc":{"city":"Rome"}}}]')  # fmt: skip
+    assert not _accepts(compiler, tokenizer, calls,
+                        '[{"name":"f0","parameters":{"child":[{"name":"f0",'
+                        '"parameters":{"child":null}}]}}]')  # fmt: skip
+    assert not _accepts(compiler, tokenizer, calls,
+                        '[{"name":"f1","parameters":{"loc":{"city":"Oslo"}}}]')  # fmt: skip
+
+
+def test_arguments_are_the_generated_text():
+    """Parsed and encoded again, a number too large for a float became Infinity (not
+    JSON); the text as generated is what the model wrote."""
+    text = ('[{"name":"f0","parameters":{"x":2348100062500e1025211241}}, {"name" : "f1", '
+            '"parameters" : {"s": "a,]}\\"", "y": 0.1000000000000000055}}]')  # fmt: skip
+    calls = _required({"type": "object"}, {"type": "object"}).calls(text)
+    assert calls is not None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("f0", '{"x":2348100062500e1025211241}'),
+        ("f1", '{"s": "a,]}\\"", "y": 0.1000000000000000055}'),
+    ]
+
+
+@pytest.mark.parametrize("finish", ["stop", "length"])
+def test_a_required_stream_cut_short_ends_as_text_with_its_own_reason(finish):
+    """A stop string (or max_tokens) cut the list: the last delta is the text, and the
+    finish reason is not tool_calls (an audit found "tool_calls" with no calls)."""
+    calls = _required({"type": "object"})
+    assert calls.delta(0, '[{"', True, None) == ({}, None)
+    assert calls.delta(0, "na", False, finish) == ({"content": '[{"na'}, finish)
+    whole = _required({"type": "object"}).message('[{"na', finish)
+    assert whole == ({"role": "assistant", "content": '[{"na'}, finish)
+    done = _required({"type": "object"})
+    delta, reason = done.delta(0, '[{"name":"f0","parameters":{}}]', True, "stop")
+    assert (
+        reason == "tool_calls" and json.loads(delta["tool_calls"][0]["function"]["arguments"]) == {}
+    )
