@@ -110,6 +110,10 @@ def _client_error(exc: grpc.aio.AioRpcError) -> APIError | None:
     return bad_request(exc.details() or "invalid request", param)
 
 
+# How often a sequence waiting for room on a decode worker that went down is placed again.
+_MAX_REPLACEMENTS = 3
+
+
 class Dispatcher:
     def __init__(
         self,
@@ -187,15 +191,20 @@ class Dispatcher:
         counted = False
         leave = _nothing
         try:
-            for _ in range(3):  # re-placed when its decode worker died while it waited
+            for attempt in range(_MAX_REPLACEMENTS + 1):
                 if decode is None:
                     break
                 room = await self._room_on(decode, request, blocks)
                 if room is not None:
                     leave = room
                     break
+                # Its decode worker went down, left or drains while it waited: placed
+                # again, or refused, but never let past the line.
                 arrived()
                 self._withdraw(touched, request)
+                if attempt == _MAX_REPLACEMENTS:
+                    raise unavailable("decode workers kept going down while the request "
+                                      "waited for room; retry shortly")  # fmt: skip
                 placement = self.place(request)  # 503 when no decode worker is left
                 touched, decode, arrived = self._claim(placement, blocks)
             async for delta in self._journey(request, placement, touched, arrived):

@@ -489,6 +489,43 @@ def test_sequences_waiting_for_a_decode_worker_that_went_down_are_placed_again(t
 
 
 @pytest.mark.timeout(60)
+def test_a_sequence_whose_decode_workers_keep_going_down_never_skips_the_line(tmp_path):
+    """Each worker it is placed on goes down while it waits (``_room_on`` finds none):
+    after the last re-placement it is refused, not prefilled for a worker it never had
+    room on (the last one used to go unchecked); nothing stays counted."""
+    decode, prefill = HeldDecode(), HeldPrefill()
+    prefill.go.set()
+    decode.finish.release()
+
+    async def scenario(registry: RedisRegistry) -> list[object]:
+        servers = [await serve(decode, registry), await serve(prefill, registry)]
+        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex(),
+                                               RouterConfig(min_disagg_tokens=0))  # fmt: skip
+        checks = []
+
+        async def gone(worker, request, num_blocks):
+            checks.append(worker.worker_id)
+            return None
+
+        dispatcher._room_on = gone
+        try:
+            await pool.refresh()
+            (state,) = pool.candidates(Role.DECODE)
+            prompt = list(range(5, 40))
+            request = SequenceRequest("r", prompt, hash_blocks(prompt, 16), pb.SamplingParams())
+            with pytest.raises(APIError) as info:
+                async for _ in dispatcher.generate(request):
+                    pass
+            return [info.value.status, len(checks), prefill.num_calls, state.assigned]
+        finally:
+            await pool.close()
+            for server, _ in servers:
+                await server.stop(None)
+
+    assert run_with_registry(tmp_path, scenario) == [503, 4, 0, 0]
+
+
+@pytest.mark.timeout(60)
 def test_a_restarted_decode_worker_keeps_its_line_and_what_is_ahead(tmp_path):
     """A new engine behind the same worker id gets a new WorkerState; the router's line
     and count for that id carry over (a fresh count let the whole line through)."""
