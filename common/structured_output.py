@@ -25,6 +25,9 @@ from pathlib import Path
 from typing import Any
 
 KINDS = ("json", "regex", "choice", "grammar")
+# The field a worker names when it refuses a request's constraint (SamplingParams', the
+# proto's); the router names the one the client gave it in instead.
+STRUCTURED_OUTPUT = "structured_output"
 
 # JSON is generated without optional whitespace: a model that may put any number of spaces
 # or newlines between tokens can fill its whole budget with them (vLLM's
@@ -86,9 +89,8 @@ def grammar_of(structured: StructuredOutput) -> str:
             grammar = matcher.grammar_from_regex(spec)
         elif kind == "choice":
             choices = json.loads(spec)
-            if not isinstance(choices, list) or not choices:
-                raise StructuredOutputError("choice must be a non-empty list of strings")
-            if not all(isinstance(c, str) for c in choices):
+            strings = isinstance(choices, list) and all(isinstance(c, str) for c in choices)
+            if not strings or not choices:
                 raise StructuredOutputError("choice must be a non-empty list of strings")
             grammar = llguidance.grammar_from("choice", spec)
         else:

@@ -23,14 +23,13 @@ import numpy as np
 import torch
 
 from common.structured_output import (
+    STRUCTURED_OUTPUT,
     GrammarCompiler,
     StructuredOutput,
     StructuredOutputError,
     first_line,
 )
 from engine.errors import InvalidRequestError
-
-PARAM = "structured_output"
 
 
 class Grammars:
@@ -66,7 +65,7 @@ class Grammars:
         try:
             matcher = self.compiler.matcher(structured)
         except StructuredOutputError as error:
-            raise InvalidRequestError(str(error), PARAM) from error
+            raise InvalidRequestError(str(error), STRUCTURED_OUTPUT) from error
         if output_token_ids and not matcher.consume_tokens(list(output_token_ids)):
             raise InvalidRequestError(
                 f"output_token_ids do not follow the {structured.kind} constraint",

@@ -19,6 +19,7 @@ import torch
 
 from common.config import DType, EngineConfig
 from common.hashing import transfer_block_hashes
+from common.structured_output import STRUCTURED_OUTPUT
 from engine.block_pool import BlockPoolObserver
 from engine.cpu_tier import CpuTier
 from engine.errors import (
@@ -346,7 +347,7 @@ class LLMEngine:
             elif not request.status.finished:
                 self.scheduler.abort_request(request_id)
             request.status = RequestStatus.FINISHED_ABORTED
-            request.error, request.error_param = problem, "structured_output"
+            request.error, request.error_param = problem, STRUCTURED_OUTPUT
             return
         if not self.grammars.complete(request_id):
             return

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from common.structured_output import StructuredOutput
+from common.structured_output import STRUCTURED_OUTPUT, StructuredOutput
 from engine.errors import InvalidSamplingParamsError
 
 MAX_LOGPROBS = 20
@@ -124,7 +124,7 @@ class SamplingParams:
         if self.structured_output is not None and not isinstance(
             self.structured_output, StructuredOutput
         ):
-            raise bad("structured_output", "must be a StructuredOutput")
+            raise bad(STRUCTURED_OUTPUT, "must be a StructuredOutput")
 
     def bad_word_bans(self, output_token_ids: Sequence[int]) -> list[int]:
         """The last tokens of the bad words whose other tokens end ``output_token_ids``."""

@@ -22,6 +22,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from common.structured_output import STRUCTURED_OUTPUT
 from common.tokenizer import TokenizerError
 from router.choices import build_choices, merge_choices, new_id
 from router.detokenizer import IncrementalDetokenizer
@@ -67,7 +68,7 @@ async def _blaming(events: AsyncIterator, param: str) -> AsyncIterator:
         async for event in events:
             yield event
     except APIError as error:
-        if error.param == "structured_output":
+        if error.param == STRUCTURED_OUTPUT:
             error.param = param
         raise
     finally:

@@ -16,6 +16,14 @@ TokenText = Callable[[int], str]
 ToolFormat = ToolCalls | HermesCalls  # each has message() and delta()
 
 
+def _token_counts(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
 def usage_body(choices: list[Choice]) -> dict[str, Any]:
     """Token counts; the n samples of one prompt count its tokens once."""
     prompts = {c.prompt_index: c for c in choices}
@@ -23,9 +31,7 @@ def usage_body(choices: list[Choice]) -> dict[str, Any]:
     cached = sum(c.usage.cached_tokens for c in prompts.values() if c.usage)
     completion_tokens = sum(len(c.token_ids) for c in choices)
     return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
+        **_token_counts(prompt_tokens, completion_tokens),
         "prompt_tokens_details": {"cached_tokens": cached},
     }
 
@@ -190,11 +196,8 @@ class Formatter:
             choice["token_ids"] = list(event.token_ids)
         body = self._envelope([choice], "chat.completion.chunk" if self.chat else None)
         if usage:
-            prompt_tokens = len(event.choice.request.prompt_token_ids)
-            completion_tokens = len(event.choice.token_ids)
-            body["usage"] = {"prompt_tokens": prompt_tokens,
-                             "completion_tokens": completion_tokens,
-                             "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+            body["usage"] = _token_counts(len(event.choice.request.prompt_token_ids),
+                                          len(event.choice.token_ids))  # fmt: skip
         return body
 
     def usage_chunk(self, choices: list[Choice]) -> dict[str, Any]:

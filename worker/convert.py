@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from common.structured_output import StructuredOutput, StructuredOutputError
+from common.structured_output import STRUCTURED_OUTPUT, StructuredOutput, StructuredOutputError
 from engine.errors import InvalidSamplingParamsError
 from engine.outputs import RequestOutput
 from engine.request import RequestTimes, TokenLogprobs
@@ -17,7 +17,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         try:
             structured = StructuredOutput(msg.structured_output.kind, msg.structured_output.spec)
         except StructuredOutputError as error:
-            raise InvalidSamplingParamsError(str(error), "structured_output") from error
+            raise InvalidSamplingParamsError(str(error), STRUCTURED_OUTPUT) from error
     return SamplingParams(
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
         min_tokens=msg.min_tokens,
