@@ -24,21 +24,18 @@ ROOT = Path(__file__).resolve().parents[2]
 def write_config(
     path: Path, model: Path, num_prefill: int = 1, num_decode: int = 1, **sections: dict[str, Any]
 ) -> Path:
-    """A deployment YAML with the tiny model on free ports; ``sections`` merge in."""
+    """A deployment YAML with the tiny model on free ports; ``sections`` merge in. The
+    workers' and the router's ports come from one free range: picked apart, the router's
+    port could fall in a worker's (the config check refused such a stack in a test run)."""
+    prefill_span = PORT_STRIDE * max(num_prefill, 1)
+    decode_span = PORT_STRIDE * num_decode
+    base = free_port_base(prefill_span + decode_span + 1)
     config: dict[str, Any] = {
         "model": str(model),
         "engine": {"kv_cache_bytes": 64 << 20, "max_model_len": 1024},
-        "prefill": {
-            "replicas": num_prefill,
-            "port": free_port_base(PORT_STRIDE * max(num_prefill, 1)),
-            "drain_grace_s": 10,
-        },
-        "decode": {
-            "replicas": num_decode,
-            "port": free_port_base(PORT_STRIDE * num_decode),
-            "drain_grace_s": 10,
-        },
-        "router": {"port": free_port_base(1)},
+        "prefill": {"replicas": num_prefill, "port": base, "drain_grace_s": 10},
+        "decode": {"replicas": num_decode, "port": base + prefill_span, "drain_grace_s": 10},
+        "router": {"port": base + prefill_span + decode_span},
         "kv_transfer": {"lease_s": 4.0, "timeout_s": 2.0},
     }
     for key, value in sections.items():
