@@ -25,17 +25,23 @@ def write_config(
     path: Path, model: Path, num_prefill: int = 1, num_decode: int = 1, **sections: dict[str, Any]
 ) -> Path:
     """A deployment YAML with the tiny model on free ports; ``sections`` merge in. The
-    workers' and the router's ports come from one free range: picked apart, the router's
-    port could fall in a worker's (the config check refused such a stack in a test run)."""
-    prefill_span = PORT_STRIDE * max(num_prefill, 1)
-    decode_span = PORT_STRIDE * num_decode
-    base = free_port_base(prefill_span + decode_span + 1)
+    router's and the workers' ports come from one free range: picked apart, the router's
+    port could fall in a worker's (the config check refused such a stack in a test run).
+    Each role's ports leave room for one replica more (scale-out tests start it)."""
+    prefill_span = PORT_STRIDE * (max(num_prefill, 1) + 1)
+    decode_span = PORT_STRIDE * (num_decode + 1)
+    base = free_port_base(PORT_STRIDE + prefill_span + decode_span)
+    prefill_port = base + PORT_STRIDE  # the router takes the first stride's first port
     config: dict[str, Any] = {
         "model": str(model),
         "engine": {"kv_cache_bytes": 64 << 20, "max_model_len": 1024},
-        "prefill": {"replicas": num_prefill, "port": base, "drain_grace_s": 10},
-        "decode": {"replicas": num_decode, "port": base + prefill_span, "drain_grace_s": 10},
-        "router": {"port": base + prefill_span + decode_span},
+        "prefill": {"replicas": num_prefill, "port": prefill_port, "drain_grace_s": 10},
+        "decode": {
+            "replicas": num_decode,
+            "port": prefill_port + prefill_span,
+            "drain_grace_s": 10,
+        },
+        "router": {"port": base},
         "kv_transfer": {"lease_s": 4.0, "timeout_s": 2.0},
     }
     for key, value in sections.items():
