@@ -135,9 +135,19 @@ _ENUM_FIELDS["FailurePolicy"] = FailurePolicy
 class ToolCallParser(StrEnum):
     NONE = "none"  # tool_choice "auto" refused: only required or a named function
     HERMES = "hermes"  # <tool_call>{"name": ..., "arguments": ...}</tool_call> (Qwen2.5/3, Hermes)
+    LLAMA3_JSON = "llama3_json"  # the answer is {"name": ..., "parameters": ...} (Llama 3.x)
 
 
 _ENUM_FIELDS["ToolCallParser"] = ToolCallParser
+
+
+class ReasoningParser(StrEnum):
+    NONE = "none"  # the text is the content, thinking included
+    DEEPSEEK_R1 = "deepseek_r1"  # <think>...</think>, always thinks (DeepSeek-R1, QwQ)
+    QWEN3 = "qwen3"  # <think>...</think> where the output or the prompt opens one (Qwen3)
+
+
+_ENUM_FIELDS["ReasoningParser"] = ReasoningParser
 
 
 # Each worker owns PORT_STRIDE consecutive ports from its base port (see ``WorkerPorts``).
@@ -311,6 +321,9 @@ class RouterConfig:
     # vLLM's --tool-call-parser. none: "auto" is refused ("required" and a named
     # function constrain the output instead and need no parser).
     tool_call_parser: ToolCallParser = ToolCallParser.NONE
+    # vLLM's --reasoning-parser: a chat reply's thinking goes out as reasoning_content
+    # (router/reasoning.py), and a constraint applies after it. none: all is content.
+    reasoning_parser: ReasoningParser = ReasoningParser.NONE
 
     def __post_init__(self) -> None:
         _coerce_enums(self)

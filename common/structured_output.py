@@ -8,6 +8,15 @@ One constraint per request, one of four kinds (vLLM's ``structured_outputs`` nam
 - ``choice``: a JSON list of strings, one of which is the whole text;
 - ``grammar``: a Lark or GBNF (llama.cpp's EBNF) grammar.
 
+With a reasoning parser (``router/reasoning.py``) the constraint applies after the model's
+thinking: ``reasoning_start`` / ``reasoning_end`` (its tags) wrap it in a grammar whose
+first part is the thinking (``_after_reasoning``): any text up to the end tag, opened by
+the start tag where the output writes it, then up to four whitespace characters, then the
+constraint. The thinking is free and the answer constrained, as in vLLM; unlike vLLM's,
+the output cannot end before the thinking does (the EOS is masked until the constraint is
+complete). A tag that is one added token of the tokenizer (Qwen3's) is matched as that
+token: llguidance keeps added tokens out of free text.
+
 The router compiles a request's constraint (``GrammarCompiler``) to refuse a bad one with a
 400 before any worker sees it; each worker compiles it again for its own matcher
 (``engine/grammar.py``).
@@ -42,10 +51,17 @@ class StructuredOutputError(ValueError):
 @dataclass(frozen=True, slots=True)
 class StructuredOutput:
     """What the generated text must match. ``spec`` is text in every kind (see the module
-    docstring), so it crosses the wire as it is."""
+    docstring), so it crosses the wire as it is. With the thinking tags set (e.g.
+    ``<think>``, ``</think>``) the constraint applies after the model's thinking: the
+    output starts inside it (and may write the start tag first), or, with
+    ``reasoning_optional``, either opens it with the start tag or goes straight to the
+    constrained part."""
 
     kind: str
     spec: str
+    reasoning_start: str = ""
+    reasoning_end: str = ""
+    reasoning_optional: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -54,6 +70,10 @@ class StructuredOutput:
             )
         if not isinstance(self.spec, str) or not self.spec:
             raise StructuredOutputError(f"a {self.kind} constraint needs a non-empty spec")
+        if bool(self.reasoning_start) != bool(self.reasoning_end):
+            raise StructuredOutputError("reasoning_start and reasoning_end go together")
+        if self.reasoning_optional and not self.reasoning_end:
+            raise StructuredOutputError("reasoning_optional needs the reasoning tags")
 
 
 def require_llguidance() -> Any:
@@ -74,11 +94,12 @@ def first_line(message: str, limit: int = 300) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-def grammar_of(structured: StructuredOutput) -> str:
+def grammar_of(structured: StructuredOutput, tag_tokens: dict[str, int] | None = None) -> str:
     """The llguidance grammar (its JSON text) for ``structured``, checked without a
     tokenizer: raises ``StructuredOutputError`` with llguidance's reason for a constraint
     that does not compile (a bad regex, schema or grammar, a choice list that is not
-    strings). ``GrammarCompiler.matcher`` checks the rest."""
+    strings). ``GrammarCompiler.matcher`` checks the rest. ``tag_tokens``: the thinking
+    tags that are one added token of the tokenizer, and their ids."""
     llguidance = require_llguidance()
     matcher = llguidance.LLMatcher
     kind, spec = structured.kind, structured.spec
@@ -104,7 +125,41 @@ def grammar_of(structured: StructuredOutput) -> str:
     message = matcher.validate_grammar(grammar)
     if message and not message.startswith("WARNING"):
         raise StructuredOutputError(f"invalid {kind} constraint: {first_line(message)}")
+    if structured.reasoning_end:
+        grammar = _after_reasoning(grammar, structured, tag_tokens or {})
     return grammar
+
+
+def _after_reasoning(grammar: str, structured: StructuredOutput, tag_tokens: dict[str, int]) -> str:
+    """``grammar`` (llguidance's JSON, or Lark text) preceded by the model's thinking.
+    The thinking's text ends at the end tag: as text, a lazy lexeme (it ends at the first
+    one); as an added token, which free text cannot hold, where that token comes."""
+    try:
+        top = json.loads(grammar)
+    except ValueError:  # Lark text (choice, grammar)
+        top = {"grammars": [{"lark_grammar": grammar}]}
+    (inner,) = top["grammars"]  # one grammar: the constraint's own
+
+    def tag(text: str) -> str:
+        token = tag_tokens.get(text)
+        return json.dumps(text) if token is None else f"<[{token}]>"
+
+    start, end = structured.reasoning_start, structured.reasoning_end
+    if end in tag_tokens:
+        body = f"thought: TEXT {tag(end)}"
+    else:
+        body = f"thought[lazy]: TEXT {tag(end)}"
+    optional = structured.reasoning_optional
+    lark = "\n".join([
+        f"start: thinking{'?' if optional else ''} @constrained",
+        # Optional: the block opens with the start tag. Else the output is in it already,
+        # and may write the start tag first.
+        f"thinking: {tag(start)}{'' if optional else '?'} thought SPACE",
+        body,
+        "TEXT: /(.|\\n)*/",
+        "SPACE: /[ \\t\\r\\n]{0,4}/",
+    ])  # fmt: skip
+    return json.dumps({"grammars": [{"lark_grammar": lark}, {**inner, "name": "constrained"}]})
 
 
 class GrammarCompiler:
@@ -148,7 +203,7 @@ class GrammarCompiler:
         with self._lock:
             grammar = self._grammars.get(structured)
         if grammar is None:
-            grammar = grammar_of(structured)
+            grammar = grammar_of(structured, _tag_tokens(tokenizer, structured))
             with self._lock:
                 if len(self._grammars) >= self.CACHE_SIZE:
                     del self._grammars[next(iter(self._grammars))]  # the oldest
@@ -160,6 +215,17 @@ class GrammarCompiler:
             reason = first_line(matcher.get_error())
             raise StructuredOutputError(f"invalid {structured.kind} constraint: {reason}")
         return matcher
+
+
+def _tag_tokens(tokenizer: Any, structured: StructuredOutput) -> dict[str, int]:
+    """The thinking tags of ``structured`` that are one added token of ``tokenizer``."""
+    found = {}
+    for text in (structured.reasoning_start, structured.reasoning_end):
+        if text:
+            ids = tokenizer.tokenize_str(text)
+            if len(ids) == 1 and tokenizer.is_special_token(ids[0]):
+                found[text] = ids[0]
+    return found
 
 
 def _load_tokenizer(model_dir: Path, vocab_size: int, eos_token_ids: list[int] | None) -> Any:

@@ -129,23 +129,31 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """``tools``: OpenAI's tool definitions, which templates that support tools
         render into the prompt. Messages with ``tool_calls`` are refused by a template
-        that never mentions them: it would drop them without a word."""
+        that never mentions them: it would drop them without a word. ``template_kwargs``
+        (the request's ``chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``) are
+        more variables for the template; they may not replace the ones set here."""
         if not self.chat_template:
             raise TokenizerError("this model has no chat template; use the completions API")
         if any(m.get("tool_calls") for m in messages) and "tool_calls" not in self.chat_template:
             raise TokenizerError("this model's chat template does not render tool calls")
-        variables = {"bos_token": "", "eos_token": "", **self.special_tokens}
+        variables = {
+            "messages": messages,
+            "add_generation_prompt": add_generation_prompt,
+            "tools": tools,
+            "documents": None,
+            "bos_token": "",
+            "eos_token": "",
+            **self.special_tokens,
+        }
+        taken = sorted(set(template_kwargs or ()) & set(variables))
+        if taken:
+            raise TokenizerError(f"chat_template_kwargs may not set {', '.join(taken)}")
         try:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                tools=tools,
-                documents=None,
-                **variables,
-            )
+            return self._template.render(**(template_kwargs or {}), **variables)
         except Exception as exc:  # the template's own checks, or its code failing on input
             raise TokenizerError(f"the chat template rejected the messages: {exc}") from exc
 
@@ -154,7 +162,8 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """Render the model's own template and tokenize it (special tokens come from it)."""
-        text = self.render_chat(messages, add_generation_prompt, tools)
+        text = self.render_chat(messages, add_generation_prompt, tools, template_kwargs)
         return self.encode(text, add_special_tokens=False)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/pdserve.proto\x12\npdserve.v1\"\xf5\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x01\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x01\x12\r\n\x05min_p\x18\r \x01(\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\rH\x03\x88\x01\x01\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x10 \x03(\r\x12\x31\n\x13\x62\x61\x64_words_token_ids\x18\x11 \x03(\x0b\x32\x14.pdserve.v1.TokenIds\x12\x37\n\x11structured_output\x18\x12 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\".\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"m\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"\xbf\x01\n\x08KVHandle\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x11\n\tconnector\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x10\n\x08lease_id\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x08 \x03(\x0c\x12\x18\n\x10lease_expires_at\x18\t \x01(\x01\"\\\n\x0cStageTimings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x11\n\tdecode_ms\x18\x04 \x01(\x01\"\x8d\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_cache_salt\"\x8f\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x31\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12 \n\x02kv\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12)\n\x07timings\x18\x06 \x01(\x0b\x32\x18.pdserve.v1.StageTimings\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\xd1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12 \n\x02kv\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x17\n\ncache_salt\x18\x06 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_cache_salt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x85\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12+\n\x08logprobs\x18\x02 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12)\n\x07timings\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.StageTimings\x12\x19\n\x11num_blocks_pulled\x18\x06 \x01(\r\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"8\n\x10ReleaseKVRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x19\n\x17TransferMetadataRequest\"?\n\x18TransferMetadataResponse\x12\x11\n\tconnector\x18\x01 \x01(\t\x12\x10\n\x08metadata\x18\x02 \x01(\x0c\"\x0e\n\x0cStatsRequest\"\xbe\x05\n\rStatsResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x1d\n\x15queued_prefill_tokens\x18\x03 \x01(\x04\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x07 \x01(\r\x12\x13\n\x0blive_leases\x18\x08 \x01(\r\x12\x16\n\x0eleases_expired\x18\t \x01(\x04\x12\x17\n\x0fleases_released\x18\n \x01(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\x0b \x01(\x01\x12\x1b\n\x13prefix_query_tokens\x18\x0c \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\r \x01(\x04\x12\x15\n\rblocks_pulled\x18\x0e \x01(\x04\x12\x1d\n\x15\x62locks_reused_locally\x18\x0f \x01(\x04\x12\x19\n\x11transfer_failures\x18\x10 \x01(\x04\x12\x19\n\x11requests_finished\x18\x11 \x01(\x04\x12.\n\x0cmean_timings\x18\x12 \x01(\x0b\x32\x18.pdserve.v1.StageTimings\x12\x10\n\x08\x64raining\x18\x13 \x01(\x08\x12\x17\n\x0fkv_blocks_total\x18\x14 \x01(\r\x12\x18\n\x10\x63pu_blocks_total\x18\x15 \x01(\r\x12\x17\n\x0f\x63pu_blocks_used\x18\x16 \x01(\r\x12\x18\n\x10offloaded_blocks\x18\x17 \x01(\x04\x12\x17\n\x0foffloaded_bytes\x18\x18 \x01(\x04\x12\x16\n\x0e\x63pu_hit_blocks\x18\x19 \x01(\x04\x12\x19\n\x11\x63pu_load_ms_total\x18\x1a \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x1b \x01(\x04\x32\xfc\x02\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12H\n\tReleaseKV\x12\x1c.pdserve.v1.ReleaseKVRequest\x1a\x1d.pdserve.v1.ReleaseKVResponse\x12`\n\x13GetTransferMetadata\x12#.pdserve.v1.TransferMetadataRequest\x1a$.pdserve.v1.TransferMetadataResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.StatsResponse2\xb6\x02\n\rDecodeService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12`\n\x13GetTransferMetadata\x12#.pdserve.v1.TransferMetadataRequest\x1a$.pdserve.v1.TransferMetadataResponse\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/pdserve.proto\x12\npdserve.v1\"\xf5\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x01\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\rH\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x01\x12\r\n\x05min_p\x18\r \x01(\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\rH\x03\x88\x01\x01\x12=\n\nlogit_bias\x18\x0f \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x10 \x03(\r\x12\x31\n\x13\x62\x61\x64_words_token_ids\x18\x11 \x03(\x0b\x32\x14.pdserve.v1.TokenIds\x12\x37\n\x11structured_output\x18\x12 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"z\n\x10StructuredOutput\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\x17\n\x0freasoning_start\x18\x03 \x01(\t\x12\x15\n\rreasoning_end\x18\x04 \x01(\t\x12\x1a\n\x12reasoning_optional\x18\x05 \x01(\x08\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"m\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"\xbf\x01\n\x08KVHandle\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\x12\x11\n\tconnector\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x12\n\nnum_tokens\x18\x05 \x01(\r\x12\x10\n\x08lease_id\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x08 \x03(\x0c\x12\x18\n\x10lease_expires_at\x18\t \x01(\x01\"\\\n\x0cStageTimings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x11\n\tdecode_ms\x18\x04 \x01(\x01\"\x8d\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x17\n\ncache_salt\x18\x04 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_cache_salt\"\x8f\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\r\x12\x31\n\x0e\x66irst_logprobs\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12 \n\x02kv\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12)\n\x07timings\x18\x06 \x01(\x0b\x32\x18.pdserve.v1.StageTimings\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\xd1\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x18\n\x10output_token_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12 \n\x02kv\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KVHandle\x12\x17\n\ncache_salt\x18\x06 \x01(\tH\x00\x88\x01\x01\x42\r\n\x0b_cache_salt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x85\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12+\n\x08logprobs\x18\x02 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12)\n\x07timings\x18\x05 \x01(\x0b\x32\x18.pdserve.v1.StageTimings\x12\x19\n\x11num_blocks_pulled\x18\x06 \x01(\r\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"8\n\x10ReleaseKVRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"%\n\x11ReleaseKVResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x19\n\x17TransferMetadataRequest\"?\n\x18TransferMetadataResponse\x12\x11\n\tconnector\x18\x01 \x01(\t\x12\x10\n\x08metadata\x18\x02 \x01(\x0c\"\x0e\n\x0cStatsRequest\"\xbe\x05\n\rStatsResponse\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x1d\n\x15queued_prefill_tokens\x18\x03 \x01(\x04\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x07 \x01(\r\x12\x13\n\x0blive_leases\x18\x08 \x01(\r\x12\x16\n\x0eleases_expired\x18\t \x01(\x04\x12\x17\n\x0fleases_released\x18\n \x01(\x04\x12\x1c\n\x14prefill_tokens_per_s\x18\x0b \x01(\x01\x12\x1b\n\x13prefix_query_tokens\x18\x0c \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\r \x01(\x04\x12\x15\n\rblocks_pulled\x18\x0e \x01(\x04\x12\x1d\n\x15\x62locks_reused_locally\x18\x0f \x01(\x04\x12\x19\n\x11transfer_failures\x18\x10 \x01(\x04\x12\x19\n\x11requests_finished\x18\x11 \x01(\x04\x12.\n\x0cmean_timings\x18\x12 \x01(\x0b\x32\x18.pdserve.v1.StageTimings\x12\x10\n\x08\x64raining\x18\x13 \x01(\x08\x12\x17\n\x0fkv_blocks_total\x18\x14 \x01(\r\x12\x18\n\x10\x63pu_blocks_total\x18\x15 \x01(\r\x12\x17\n\x0f\x63pu_blocks_used\x18\x16 \x01(\r\x12\x18\n\x10offloaded_blocks\x18\x17 \x01(\x04\x12\x17\n\x0foffloaded_bytes\x18\x18 \x01(\x04\x12\x16\n\x0e\x63pu_hit_blocks\x18\x19 \x01(\x04\x12\x19\n\x11\x63pu_load_ms_total\x18\x1a \x01(\x01\x12\x17\n\x0fnum_preemptions\x18\x1b \x01(\x04\x32\xfc\x02\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12H\n\tReleaseKV\x12\x1c.pdserve.v1.ReleaseKVRequest\x1a\x1d.pdserve.v1.ReleaseKVResponse\x12`\n\x13GetTransferMetadata\x12#.pdserve.v1.TransferMetadataRequest\x1a$.pdserve.v1.TransferMetadataResponse\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.StatsResponse2\xb6\x02\n\rDecodeService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12`\n\x13GetTransferMetadata\x12#.pdserve.v1.TransferMetadataRequest\x1a$.pdserve.v1.TransferMetadataResponse\x12<\n\x05Stats\x12\x18.pdserve.v1.StatsRequest\x1a\x19.pdserve.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,43 +38,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=560
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=608
   _globals['_STRUCTUREDOUTPUT']._serialized_start=667
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=713
-  _globals['_TOKENIDS']._serialized_start=715
-  _globals['_TOKENIDS']._serialized_end=744
-  _globals['_TOKENLOGPROBS']._serialized_start=746
-  _globals['_TOKENLOGPROBS']._serialized_end=855
-  _globals['_KVHANDLE']._serialized_start=858
-  _globals['_KVHANDLE']._serialized_end=1049
-  _globals['_STAGETIMINGS']._serialized_start=1051
-  _globals['_STAGETIMINGS']._serialized_end=1143
-  _globals['_PREFILLREQUEST']._serialized_start=1146
-  _globals['_PREFILLREQUEST']._serialized_end=1287
-  _globals['_PREFILLRESPONSE']._serialized_start=1290
-  _globals['_PREFILLRESPONSE']._serialized_end=1561
-  _globals['_GENERATEREQUEST']._serialized_start=1564
-  _globals['_GENERATEREQUEST']._serialized_end=1773
-  _globals['_USAGE']._serialized_start=1775
-  _globals['_USAGE']._serialized_end=1855
-  _globals['_GENERATERESPONSE']._serialized_start=1858
-  _globals['_GENERATERESPONSE']._serialized_end=2119
-  _globals['_ABORTREQUEST']._serialized_start=2121
-  _globals['_ABORTREQUEST']._serialized_end=2155
-  _globals['_ABORTRESPONSE']._serialized_start=2157
-  _globals['_ABORTRESPONSE']._serialized_end=2187
-  _globals['_RELEASEKVREQUEST']._serialized_start=2189
-  _globals['_RELEASEKVREQUEST']._serialized_end=2245
-  _globals['_RELEASEKVRESPONSE']._serialized_start=2247
-  _globals['_RELEASEKVRESPONSE']._serialized_end=2284
-  _globals['_TRANSFERMETADATAREQUEST']._serialized_start=2286
-  _globals['_TRANSFERMETADATAREQUEST']._serialized_end=2311
-  _globals['_TRANSFERMETADATARESPONSE']._serialized_start=2313
-  _globals['_TRANSFERMETADATARESPONSE']._serialized_end=2376
-  _globals['_STATSREQUEST']._serialized_start=2378
-  _globals['_STATSREQUEST']._serialized_end=2392
-  _globals['_STATSRESPONSE']._serialized_start=2395
-  _globals['_STATSRESPONSE']._serialized_end=3097
-  _globals['_PREFILLSERVICE']._serialized_start=3100
-  _globals['_PREFILLSERVICE']._serialized_end=3480
-  _globals['_DECODESERVICE']._serialized_start=3483
-  _globals['_DECODESERVICE']._serialized_end=3793
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=789
+  _globals['_TOKENIDS']._serialized_start=791
+  _globals['_TOKENIDS']._serialized_end=820
+  _globals['_TOKENLOGPROBS']._serialized_start=822
+  _globals['_TOKENLOGPROBS']._serialized_end=931
+  _globals['_KVHANDLE']._serialized_start=934
+  _globals['_KVHANDLE']._serialized_end=1125
+  _globals['_STAGETIMINGS']._serialized_start=1127
+  _globals['_STAGETIMINGS']._serialized_end=1219
+  _globals['_PREFILLREQUEST']._serialized_start=1222
+  _globals['_PREFILLREQUEST']._serialized_end=1363
+  _globals['_PREFILLRESPONSE']._serialized_start=1366
+  _globals['_PREFILLRESPONSE']._serialized_end=1637
+  _globals['_GENERATEREQUEST']._serialized_start=1640
+  _globals['_GENERATEREQUEST']._serialized_end=1849
+  _globals['_USAGE']._serialized_start=1851
+  _globals['_USAGE']._serialized_end=1931
+  _globals['_GENERATERESPONSE']._serialized_start=1934
+  _globals['_GENERATERESPONSE']._serialized_end=2195
+  _globals['_ABORTREQUEST']._serialized_start=2197
+  _globals['_ABORTREQUEST']._serialized_end=2231
+  _globals['_ABORTRESPONSE']._serialized_start=2233
+  _globals['_ABORTRESPONSE']._serialized_end=2263
+  _globals['_RELEASEKVREQUEST']._serialized_start=2265
+  _globals['_RELEASEKVREQUEST']._serialized_end=2321
+  _globals['_RELEASEKVRESPONSE']._serialized_start=2323
+  _globals['_RELEASEKVRESPONSE']._serialized_end=2360
+  _globals['_TRANSFERMETADATAREQUEST']._serialized_start=2362
+  _globals['_TRANSFERMETADATAREQUEST']._serialized_end=2387
+  _globals['_TRANSFERMETADATARESPONSE']._serialized_start=2389
+  _globals['_TRANSFERMETADATARESPONSE']._serialized_end=2452
+  _globals['_STATSREQUEST']._serialized_start=2454
+  _globals['_STATSREQUEST']._serialized_end=2468
+  _globals['_STATSRESPONSE']._serialized_start=2471
+  _globals['_STATSRESPONSE']._serialized_end=3173
+  _globals['_PREFILLSERVICE']._serialized_start=3176
+  _globals['_PREFILLSERVICE']._serialized_end=3556
+  _globals['_DECODESERVICE']._serialized_start=3559
+  _globals['_DECODESERVICE']._serialized_end=3869
 # @@protoc_insertion_point(module_scope)

@@ -43,6 +43,7 @@ from router.protocol import (
     FieldError,
     TokenizeRequest,
 )
+from router.reasoning import PROMPT_TAIL_TOKENS, Reasoning, opening_of
 from router.state import RouterState
 from router.structured import check as check_constraint
 from router.structured import structured_output_of
@@ -208,8 +209,9 @@ def create_app(state: RouterState) -> FastAPI:
         check_model(body.model)
         if body.messages is not None:
             tokens = await asyncio.to_thread(
-                apply_template, body.messages, body.add_generation_prompt, tool_dicts(body.tools)
-            )
+                apply_template, body.messages, body.add_generation_prompt,
+                tool_dicts(body.tools), body.chat_template_kwargs,
+            )  # fmt: skip
         else:
             tokens = await asyncio.to_thread(
                 state.tokenizer.encode, body.prompt or "", body.add_special_tokens
@@ -239,11 +241,13 @@ def create_app(state: RouterState) -> FastAPI:
         except FieldError as error:
             raise bad_request(str(error), error.param) from None
         prompt = await asyncio.to_thread(
-            apply_template, body.messages, body.add_generation_prompt, tool_dicts(body.tools)
-        )
+            apply_template, body.messages, body.add_generation_prompt,
+            tool_dicts(body.tools), body.chat_template_kwargs,
+        )  # fmt: skip
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         return await respond(request, body, [prompt], chat=True, logprobs=logprobs,
-                             tool_format=tool_format)  # fmt: skip
+                             tool_format=tool_format,
+                             reasoning=reasoning_of(body, prompt))  # fmt: skip
 
     # ------------------------------------------------------------------ helpers
 
@@ -255,13 +259,23 @@ def create_app(state: RouterState) -> FastAPI:
         """Tools as chat templates see them (OpenAI's shape)."""
         return [tool.model_dump(exclude_none=True) for tool in tools or ()] or None
 
-    def apply_template(messages, add_generation_prompt: bool, tools=None) -> list[int]:
+    def apply_template(
+        messages, add_generation_prompt: bool, tools=None, template_kwargs=None
+    ) -> list[int]:
         try:
             return state.tokenizer.apply_chat_template(
-                [m.for_template() for m in messages], add_generation_prompt, tools
-            )
+                [m.for_template() for m in messages], add_generation_prompt, tools,
+                template_kwargs,
+            )  # fmt: skip
         except (TokenizerError, ValueError) as exc:
-            raise bad_request(str(exc), "messages") from None
+            param = "chat_template_kwargs" if "chat_template_kwargs" in str(exc) else "messages"
+            raise bad_request(str(exc), param) from None
+
+    def reasoning_of(body: ChatCompletionRequest, prompt: list[int]) -> Reasoning | None:
+        """How this reply's thinking is told apart (None: no reasoning parser)."""
+        tail = state.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+        opening = opening_of(state.config.router.reasoning_parser, tail)
+        return None if opening is None else Reasoning(opening, body.include_reasoning)
 
     def completion_prompts(body: CompletionRequest) -> list[list[int]]:
         prompt, texts = body.prompt, body.prompt_texts
@@ -293,6 +307,7 @@ def create_app(state: RouterState) -> FastAPI:
         chat: bool,
         logprobs: int | None,
         tool_format: ToolFormat | None = None,
+        reasoning: Reasoning | None = None,
     ):
         if state.draining:
             raise unavailable("the router is draining")
@@ -317,6 +332,8 @@ def create_app(state: RouterState) -> FastAPI:
                     raise FieldError(f"{constraint[0]} cannot be combined with tool_choice "
                                      "required or a named function", constraint[0])  # fmt: skip
                 constraint = ("tools", tool_format.structured)
+            if constraint is not None and reasoning is not None:  # it applies after thinking
+                constraint = (constraint[0], reasoning.constrained(constraint[1]))
             if constraint is not None:  # a large schema compiles for a while: off the loop
                 await asyncio.to_thread(check_constraint, state.grammar_compiler, *constraint)
         except FieldError as error:
@@ -360,6 +377,7 @@ def create_app(state: RouterState) -> FastAPI:
             echo,
             body.prompt_logprobs,
             tool_format,
+            reasoning,
         )
         if state.num_inflight + num_sequences > limit:
             raise overloaded()

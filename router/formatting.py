@@ -9,11 +9,12 @@ from typing import Any
 
 from proto import pdserve_pb2 as pb
 from router.choices import Choice, ChoiceEvent
-from router.tool_parsers import HermesCalls
+from router.reasoning import Reasoning
+from router.tool_parsers import HermesCalls, JsonCalls
 from router.tools import ToolCalls
 
 TokenText = Callable[[int], str]
-ToolFormat = ToolCalls | HermesCalls  # each has message() and delta()
+ToolFormat = ToolCalls | HermesCalls | JsonCalls  # each has message() and delta()
 
 
 def _token_counts(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -133,8 +134,11 @@ class Formatter:
                  token_text: TokenText, token_ids: bool = False,
                  echo: list[str] | None = None,
                  prompt_logprobs: int | None = None,
-                 tools: ToolFormat | None = None) -> None:  # fmt: skip
-        self.tools = tools  # how tool calls are read from a chat choice's text
+                 tools: ToolFormat | None = None,
+                 reasoning: Reasoning | None = None) -> None:  # fmt: skip
+        self.tools = tools  # how tool calls are read from a chat choice's answer
+        self.reasoning = reasoning  # how a chat choice's thinking is told from its answer
+        self._sent_answer: set[int] = set()
         self.echo = echo
         self.prompt_logprobs = prompt_logprobs
         self._echoed: set[int] = set()
@@ -179,11 +183,7 @@ class Formatter:
         if self.chat:
             first = index not in self._sent_role
             self._sent_role.add(index)
-            finish_reason = event.finish_reason
-            if self.tools is not None:
-                delta, finish_reason = self.tools.delta(index, text, first, finish_reason)
-            else:
-                delta = {"content": text}
+            delta, finish_reason = self._chat_delta(index, text, event.finish_reason)
             if first:
                 delta["role"] = "assistant"
             choice = {"index": index, "delta": delta, "logprobs": logprobs,
@@ -212,10 +212,7 @@ class Formatter:
                 choice, choice.detokenizer.text, choice.logprobs
             )
             if self.chat:
-                message: dict[str, Any] = {"role": "assistant", "content": text}
-                finish_reason = choice.finish_reason
-                if self.tools is not None:
-                    message, finish_reason = self.tools.message(text, finish_reason)
+                message, finish_reason = self._chat_message(text, choice.finish_reason)
                 items.append({"index": choice.index, "message": message, "logprobs": logprobs,
                               "finish_reason": finish_reason})  # fmt: skip
             else:
@@ -231,6 +228,45 @@ class Formatter:
             body["prompt_logprobs"] = self._prompt_logprobs(choices[0])
         body["usage"] = usage_body(choices)
         return body
+
+    def _chat_delta(
+        self, index: int, text: str, finish_reason: str | None
+    ) -> tuple[dict[str, Any], str | None]:
+        """A chat chunk's delta: the thinking apart (with a reasoning parser), tool calls
+        read from the answer; the finish reason as the tool format reports it."""
+        thinking = ""
+        if self.reasoning is not None:
+            thinking, text = self.reasoning.delta(index, text, final=finish_reason is not None)
+        delta: dict[str, Any] = {}
+        # With reasoning, the tool format sees the answer from its first text on (and at
+        # the end, to flush what it holds): a reply that never got past its thinking has
+        # no calls, streamed or whole.
+        began = index in self._sent_answer
+        if self.reasoning is None or text or (finish_reason is not None and began):
+            first = not began
+            self._sent_answer.add(index)
+            if self.tools is not None:
+                delta, finish_reason = self.tools.delta(index, text, first, finish_reason)
+            else:
+                delta = {"content": text}
+        if self.reasoning is not None:
+            delta.update(self.reasoning.fields(thinking))
+        return delta, finish_reason
+
+    def _chat_message(
+        self, text: str, finish_reason: str | None
+    ) -> tuple[dict[str, Any], str | None]:
+        """A whole chat choice's message (as ``_chat_delta``) and finish reason."""
+        thinking = None
+        answer: str | None = text
+        if self.reasoning is not None:
+            thinking, answer = self.reasoning.split(text)
+        message: dict[str, Any] = {"role": "assistant", "content": answer}
+        if self.tools is not None and answer is not None:
+            message, finish_reason = self.tools.message(answer, finish_reason)
+        if self.reasoning is not None:
+            message.update(self.reasoning.fields(thinking))
+        return message, finish_reason
 
     def _prompt_logprobs(self, choice: Choice) -> list[dict[str, dict[str, Any]] | None]:
         assert self.prompt_logprobs is not None

@@ -386,7 +386,8 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
+    include_reasoning: bool = True  # with a reasoning parser: False drops the thinking
     # Tools: a named function or "required" constrain the output to calls
     # (router/tools.py); "auto" (the default with tools) reads them from free text with
     # the configured parser (router/tool_parsers.py) and is refused without one.
@@ -398,7 +399,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _checks(self) -> ChatCompletionRequest:
-        if self.chat_template is not None or self.chat_template_kwargs:
+        if self.chat_template is not None:
             raise FieldError("client-supplied chat templates are not accepted", "chat_template")
         if self.functions or self.function_call not in (None, "none"):
             raise FieldError("functions are deprecated and not supported; use tools",
@@ -440,6 +441,7 @@ class TokenizeRequest(_Body):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = None  # with messages: rendered as chat would render them
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

@@ -7,7 +7,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from common.config import PdserveConfig, Role
 from common.generation_config import GenerationDefaults
@@ -130,8 +130,7 @@ class RouterState:
         for word in bad_words_token_ids(self.tokenizer, body.bad_words or ()):
             params.bad_words_token_ids.add(token_ids=word)
         if structured is not None:
-            params.structured_output.kind = structured.kind
-            params.structured_output.spec = structured.spec
+            params.structured_output.CopyFrom(pb.StructuredOutput(**asdict(structured)))
         return params
 
     def record_finished(self, choices: list[Choice]) -> None:

@@ -1,5 +1,6 @@
 """Tool calls read from a model's free text, for ``tool_choice: "auto"``: the model
 decides whether to call, in its family's own format (vLLM's ``--tool-call-parser``).
+Two formats:
 
 ``hermes`` (Qwen2.5 / Qwen3, NousResearch Hermes): each call is
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; text before the first call
@@ -8,6 +9,12 @@ streamed deltas add up to the whole response: content goes out as it comes (hold
 only what may be the start of ``<tool_call>``), and each call once its closing tag
 arrives. A call whose body is not such JSON, or one cut short, stays text, as vLLM's
 parser leaves it; whitespace between calls is dropped.
+
+``llama3_json`` (Llama 3.1-3.3's JSON tool calling): a reply that calls is nothing but
+calls, ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``), several joined by
+``;``, after an optional ``<|python_tag|>`` (a special token, which decoding drops). A
+reply whose first non-blank character is ``{`` is held until it ends, then read as calls;
+if it does not parse as such it is content, whole. Any other reply streams as content.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ START, END = "<tool_call>", "</tool_call>"
 
 def tool_format_of(
     body: ChatCompletionRequest, parser: ToolCallParser
-) -> ToolCalls | HermesCalls | None:
+) -> ToolCalls | HermesCalls | JsonCalls | None:
     """How a chat request's tool calls are made: by constraint ("required", a named
     function), parsed from free text ("auto" or unset, with a parser configured), or not
     at all. Raises ``FieldError`` for "auto" without a parser."""
@@ -38,7 +45,7 @@ def tool_format_of(
             'a named function, or "none"',
             "tool_choice",
         )
-    return HermesCalls()
+    return HermesCalls() if parser is ToolCallParser.HERMES else JsonCalls()
 
 
 def _partial_start(text: str) -> int:
@@ -136,3 +143,78 @@ class HermesCalls:
         if finish_reason == "stop" and reader.num_calls:
             finish_reason = "tool_calls"
         return delta, finish_reason
+
+
+PYTHON_TAG = "<|python_tag|>"
+_DECODER = json.JSONDecoder()
+
+
+def _json_calls(text: str) -> list[dict[str, Any]] | None:
+    """OpenAI's ``tool_calls`` of a whole Llama 3 JSON reply; None if it is not calls."""
+    text = text.strip()
+    text = text.removeprefix(PYTHON_TAG).lstrip()
+    calls, at = [], 0
+    while True:
+        try:
+            value, end = _DECODER.raw_decode(text, at)
+        except ValueError:
+            return None
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            return None
+        arguments = value.get("parameters", value.get("arguments", {}))
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        calls.append(call(value["name"], arguments))
+        at = len(text) - len(text[end:].lstrip())
+        if at == len(text):
+            return calls
+        if text[at] != ";":
+            return None
+        at = len(text) - len(text[at + 1 :].lstrip())
+
+
+class JsonCalls:
+    """Llama 3 JSON tool calls of one response (see the module docstring)."""
+
+    structured = None  # nothing constrains the text
+
+    def __init__(self) -> None:
+        self._held: dict[int, str | None] = {}  # by choice: text held (None: content)
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        calls = _json_calls(text)
+        if calls is None:
+            return {"role": "assistant", "content": text}, finish_reason
+        message = {"role": "assistant", "content": None, "tool_calls": calls}
+        return message, "tool_calls" if finish_reason == "stop" else finish_reason
+
+    def delta(
+        self, index: int, text: str, first: bool, finish_reason: str | None
+    ) -> tuple[dict[str, Any], str | None]:
+        held = self._held.get(index, "")
+        if held is None:  # content: it streams
+            return {"content": text}, finish_reason
+        held += text
+        if finish_reason is None:
+            opens = _opens_calls(held)
+            if opens is not False:  # calls, or not yet known: held to the end
+                self._held[index] = held
+                return {}, None
+            self._held[index] = None
+            return {"content": held}, None
+        message, finish_reason = self.message(held, finish_reason)
+        delta = {"content": message["content"]}
+        if "tool_calls" in message:
+            delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+        return delta, finish_reason
+
+
+def _opens_calls(text: str) -> bool | None:
+    """Whether ``text`` begins as a Llama 3 JSON call does; None: too little to tell."""
+    start = text.lstrip()
+    if PYTHON_TAG.startswith(start):  # empty, or a piece of the tag
+        return None
+    rest = start.removeprefix(PYTHON_TAG).lstrip()
+    if not rest:
+        return None
+    return rest.startswith("{")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict, fields
+
 from common.structured_output import STRUCTURED_OUTPUT, StructuredOutput, StructuredOutputError
 from engine.errors import InvalidSamplingParamsError
 from engine.outputs import RequestOutput
@@ -15,7 +17,9 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     structured = None
     if msg.HasField("structured_output"):
         try:
-            structured = StructuredOutput(msg.structured_output.kind, msg.structured_output.spec)
+            given = msg.structured_output
+            names = (f.name for f in fields(StructuredOutput))
+            structured = StructuredOutput(**{name: getattr(given, name) for name in names})
         except StructuredOutputError as error:
             raise InvalidSamplingParamsError(str(error), STRUCTURED_OUTPUT) from error
     return SamplingParams(
@@ -65,8 +69,7 @@ def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:
     if params.prompt_logprobs is not None:
         msg.prompt_logprobs = params.prompt_logprobs
     if params.structured_output is not None:
-        msg.structured_output.kind = params.structured_output.kind
-        msg.structured_output.spec = params.structured_output.spec
+        msg.structured_output.CopyFrom(pb.StructuredOutput(**asdict(params.structured_output)))
     return msg
 
 

@@ -4,7 +4,8 @@
 are exactly what a real checkpoint of that architecture looks like), scales the random
 weights so that logits are well separated (greedy decoding is then stable under float
 rounding, which makes token-exact parity tests meaningful), and saves config.json,
-generation_config.json, model.safetensors and the tokenizer with a ChatML chat template.
+generation_config.json, model.safetensors and the tokenizer with a ChatML chat template
+(``qwen3``: with Qwen3's ``<think>`` tags, a template that opens the thinking).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from engine.models.tokenizer_trainer import (
     EOS_TOKEN,
     IM_END,
     PAD_TOKEN,
+    THINK_TOKENS,
+    THINKING_CHAT_TEMPLATE,
     train_tokenizer,
 )
 
@@ -107,9 +110,11 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
-        chat_template=CHAT_TEMPLATE,
+        chat_template=THINKING_CHAT_TEMPLATE if arch == "qwen3" else CHAT_TEMPLATE,
         model_max_length=spec.max_position_embeddings,
     )
+    if arch == "qwen3":  # a thinking model, as Qwen3 is: its tags and its template
+        tokenizer.add_tokens(THINK_TOKENS)
     ids = {
         "bos": tokenizer.convert_tokens_to_ids(BOS_TOKEN),
         "eos": tokenizer.convert_tokens_to_ids(EOS_TOKEN),

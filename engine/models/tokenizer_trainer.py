@@ -27,6 +27,21 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# Qwen3's thinking tags: ordinary added tokens (not special: they stay in decoded text).
+THINK_TOKENS = ["<think>", "</think>"]
+# ChatML whose generation prompt opens the thinking, as Qwen3-Thinking's does; the
+# request's chat_template_kwargs ``enable_thinking: false`` closes it empty instead, as
+# Qwen3's does.
+THINKING_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{% else %}{{ '<think>\\n' }}{% endif %}"
+    "{% endif %}"
+)
+
 _CORPUS_MODULES = [
     "argparse", "asyncio/base_events", "collections/__init__", "contextlib", "csv",
     "dataclasses", "datetime", "decimal", "difflib", "email/message", "enum", "fractions",

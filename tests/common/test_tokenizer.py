@@ -132,3 +132,24 @@ def test_tools_and_tool_calls_render_as_in_transformers(tiny_llama, tmp_path):
     (tmp_path / "chat_template.jinja").write_text(CHATML)
     with pytest.raises(TokenizerError, match="does not render tool calls"):
         Tokenizer(tmp_path).render_chat(TOOL_MESSAGES, False, tools)
+
+
+def test_template_kwargs_render_as_in_transformers_and_cannot_replace_ours(model_factory):
+    """The made qwen3 model's template opens the thinking, or closes it empty with
+    ``enable_thinking: false`` (Qwen3's switch), as transformers renders it."""
+    from transformers import AutoTokenizer
+
+    model_dir = model_factory("qwen3")
+    ours, theirs = Tokenizer(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    for kwargs in ({}, {"enable_thinking": False}, {"enable_thinking": True}):
+        expected = theirs.apply_chat_template(
+            MESSAGES, add_generation_prompt=True, tokenize=False, **kwargs
+        )
+        assert ours.render_chat(MESSAGES, True, None, kwargs) == expected
+    assert ours.render_chat(MESSAGES, True).endswith("assistant\n<think>\n")
+    assert ours.render_chat(MESSAGES, True, None, {"enable_thinking": False}).endswith(
+        "<think>\n\n</think>\n\n"
+    )
+    for taken in ("messages", "add_generation_prompt", "eos_token"):
+        with pytest.raises(TokenizerError, match=f"chat_template_kwargs may not set {taken}"):
+            ours.render_chat(MESSAGES, True, None, {taken: "x"})

@@ -258,3 +258,26 @@ def test_a_failed_matcher_leaves_the_sampler_something_to_draw(llm):
     assert bool(grammars.allowed("failed").all())
     grammars.discard("failed")
     assert llm.engine.leak_report() == []
+
+
+def test_a_constraint_after_the_thinking_leaves_the_thinking_free(model_factory):
+    """A reasoning model's constraint (router/reasoning.py) starts after its thinking:
+    the output thinks freely up to ``</think>`` (made likely here by a logit bias), then
+    matches the constraint, greedy and sampled."""
+    llm = LLM(model_factory("qwen3"))
+    (end_id,) = llm.tokenizer.encode("</think>", add_special_tokens=False)
+    prompts = random_prompts((6, 20, 40), seed=32)
+    thoughts = []
+    for kind in ("json", "regex"):
+        base, valid = CONSTRAINTS[kind]
+        structured = StructuredOutput(base.kind, base.spec, "<think>", "</think>")
+        for sampling in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 9}):
+            params = _params(structured, logit_bias={end_id: 6.0}, **sampling)
+            for output in llm.generate(prompts, params, use_tqdm=False):
+                completion = output.outputs[0]
+                thought, tag, answer = completion.text.partition("</think>")
+                assert tag and completion.finish_reason == "stop", completion
+                assert valid(answer.lstrip()), completion.text
+                thoughts.append(thought)
+    assert any(t and not CONSTRAINTS["regex"][1](t) for t in thoughts)  # free text in there
+    assert llm.engine.leak_report() == []

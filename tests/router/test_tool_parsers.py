@@ -1,5 +1,6 @@
-"""Hermes-format tool calls read from free text (tool_choice "auto"): a stream cut
-anywhere adds up to the whole response; what is not a complete call stays text."""
+"""Tool calls read from free text (tool_choice "auto"), in the Hermes and Llama 3 JSON
+formats: a stream cut anywhere adds up to the whole response; what is not a complete call
+stays text."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from common.config import ToolCallParser
 from router.choices import Choice, ChoiceEvent
 from router.formatting import Formatter
 from router.protocol import ChatCompletionRequest, FieldError
-from router.tool_parsers import HermesCalls, tool_format_of
+from router.tool_parsers import HermesCalls, JsonCalls, tool_format_of
 from router.tools import ToolCalls
 
 TWO_CALLS = (
@@ -24,11 +25,11 @@ TWO_CALLS = (
 
 
 def _streamed(
-    text: str, cuts: list[int], finish: str, calls_only: bool = False
+    text: str, cuts: list[int], finish: str, calls_only: bool = False, parser=HermesCalls
 ) -> tuple[str, list[dict], str | None]:
     """Content and calls a stream of ``text`` cut at ``cuts`` adds up to; with
     ``calls_only`` (every call well formed) no piece of a tag reaches the content."""
-    calls = HermesCalls()
+    calls = parser()
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     content, made, reason = "", [], None
     for i, piece in enumerate(pieces):
@@ -94,6 +95,8 @@ def test_auto_needs_a_parser_and_the_others_do_not():
             tool_format_of(_body(**choice), ToolCallParser.NONE)
         assert info.value.param == "tool_choice"
         assert isinstance(tool_format_of(_body(**choice), ToolCallParser.HERMES), HermesCalls)
+        llama = tool_format_of(_body(**choice), ToolCallParser.LLAMA3_JSON)
+        assert isinstance(llama, JsonCalls)
     assert tool_format_of(_body(tool_choice="none"), ToolCallParser.HERMES) is None
     required = tool_format_of(_body(tool_choice="required"), ToolCallParser.NONE)
     assert isinstance(required, ToolCalls) and required.structured is not None
@@ -114,3 +117,50 @@ def test_chat_chunks_carry_the_role_first_and_the_calls_with_their_indices():
     whole = Formatter("chatcmpl-2", "m", chat=True, logprobs=None, token_text=str,
                       tools=HermesCalls()).final([choice])["choices"][0]  # fmt: skip
     assert whole["finish_reason"] == "tool_calls" and len(whole["message"]["tool_calls"]) == 2
+
+
+LLAMA_CALLS = (
+    '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": [1, 2]}}; '
+    '{"name": "get_time", "arguments": {"zone": "CET"}}'
+)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_llama3_json_calls_whole_and_streamed_at_any_cut(seed):
+    message, reason = JsonCalls().message(LLAMA_CALLS, "stop")
+    weather = ("get_weather", {"city": "Paris", "days": [1, 2]})
+    assert _names_and_arguments(message["tool_calls"]) == [weather, ("get_time", {"zone": "CET"})]
+    assert message["content"] is None and reason == "tool_calls"
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(LLAMA_CALLS)), rng.randint(1, 30)))
+    content, calls, reason = _streamed(LLAMA_CALLS, cuts, "stop", parser=JsonCalls)
+    assert (content, reason) == ("", "tool_calls")
+    assert [c["index"] for c in calls] == [0, 1]
+    assert _names_and_arguments(calls) == _names_and_arguments(message["tool_calls"])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The weather is fine {not a call}",  # text first: content, streamed as it comes
+        '  {"name": "f", "parameters": {}} and then words',  # a call, then more
+        '{"parameters": {}}',  # no name
+        '{"name": "f", "parameters": {"a": 1}}; ',  # a dangling separator
+        '<|python_tag|>{"name": "f", "param',  # cut short
+        "<|python_tag|>",
+        "   ",
+    ],
+)
+def test_llama3_json_what_is_not_calls_stays_text(text):
+    message, reason = JsonCalls().message(text, "length")
+    assert message == {"role": "assistant", "content": text} and reason == "length"
+    for cuts in ([1], list(range(1, len(text)))):
+        content, calls, reason = _streamed(text, cuts, "length", parser=JsonCalls)
+        assert (content, calls, reason) == (text, [], "length")
+
+
+def test_llama3_json_plain_text_is_not_held_back():
+    calls = JsonCalls()
+    assert calls.delta(0, "  ", True, None) == ({}, None)  # blank: undecided
+    assert calls.delta(0, "Sure", False, None) == ({"content": "  Sure"}, None)
+    assert calls.delta(0, " {", False, None) == ({"content": " {"}, None)

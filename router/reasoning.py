@@ -1,0 +1,146 @@
+"""A reasoning model's thinking, told apart from its answer (vLLM's ``--reasoning-parser``).
+
+DeepSeek-R1, QwQ and Qwen3 think inside ``<think>...</think>`` before they answer. With a
+parser configured (``router.reasoning_parser``) a chat reply carries the thinking in
+``reasoning_content`` (and ``reasoning``, vLLM's newer name for it) and the answer alone
+in ``content``, where tool calls are read from and a constraint applies.
+
+Where the thinking starts depends on the chat template as much as on the model, so it is
+read from the prompt's end first:
+
+- the prompt ends with ``<think>`` (Qwen3-Thinking, DeepSeek-R1-0528): the output starts
+  inside the thinking;
+- the prompt ends with ``</think>`` (Qwen3 with ``enable_thinking: false``): no thinking;
+- neither: ``deepseek_r1`` assumes the output starts thinking (R1 may or may not write
+  the opening tag itself), ``qwen3`` that it thinks only if it opens with ``<think>``.
+
+The thinking ends at the first ``</think>``; whitespace after it is dropped. Output that
+never closes it (cut by ``max_tokens``) is all thinking, and ``content`` is null. One state
+machine reads a whole text and a stream alike, so streamed deltas add up to the whole
+reply; it holds back only what may be the start of a tag.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from enum import Enum
+from typing import Any
+
+from common.config import ReasoningParser
+from common.structured_output import StructuredOutput
+
+START, END = "<think>", "</think>"
+# Tokens of the prompt's end that are decoded to find a tag there (a tag is one token in
+# the models that use it; a few more cover templates that put whitespace after it).
+PROMPT_TAIL_TOKENS = 8
+
+
+class Opening(Enum):
+    """How an output begins, given its parser and its prompt."""
+
+    THINKING = "thinking"  # inside the thinking (an opening tag of its own is dropped)
+    MAYBE = "maybe"  # thinking if it opens with <think>, else answering
+    ANSWER = "answer"  # no thinking
+
+
+def opening_of(parser: ReasoningParser, prompt_tail: str) -> Opening | None:
+    """None: no parser. ``prompt_tail`` is the end of the prompt's text."""
+    if parser is ReasoningParser.NONE:
+        return None
+    tail = prompt_tail.rstrip()
+    if tail.endswith(START):
+        return Opening.THINKING
+    if tail.endswith(END):
+        return Opening.ANSWER
+    return Opening.THINKING if parser is ReasoningParser.DEEPSEEK_R1 else Opening.MAYBE
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """How many characters at the end of ``text`` may begin ``tag``."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:size]):
+            return size
+    return 0
+
+
+class _Splitter:
+    """One choice's text, read as it comes, into thinking and answer."""
+
+    def __init__(self, opening: Opening) -> None:
+        self.opening = opening
+        self.state = "answer" if opening is Opening.ANSWER else "start"
+        self.pending = ""
+        self.thought = False  # entered the thinking
+
+    def feed(self, text: str, final: bool) -> tuple[str, str]:
+        """(thinking, answer) to send for ``text`` (all that is held, when ``final``)."""
+        self.pending += text
+        thinking, answer = "", ""
+        while True:
+            if self.state == "start":
+                if self.pending.startswith(START):
+                    self.pending = self.pending[len(START) :]
+                elif START.startswith(self.pending) and not final:
+                    return thinking, answer  # may still become the opening tag
+                elif self.opening is Opening.MAYBE:
+                    self.state = "answer"
+                    continue
+                self.state, self.thought = "thinking", True
+            elif self.state == "thinking":
+                at = self.pending.find(END)
+                if at < 0:
+                    keep = 0 if final else _partial_suffix(self.pending, END)
+                    cut = len(self.pending) - keep
+                    thinking += self.pending[:cut]
+                    self.pending = self.pending[cut:]
+                    return thinking, answer
+                thinking += self.pending[:at]
+                self.pending = self.pending[at + len(END) :]
+                self.state = "after"
+            elif self.state == "after":  # whitespace after the thinking is dropped
+                self.pending = self.pending.lstrip()
+                if not self.pending:
+                    return thinking, answer
+                self.state = "answer"
+            else:
+                answer += self.pending
+                self.pending = ""
+                return thinking, answer
+
+
+class Reasoning:
+    """The thinking of one chat response's choices (see the module docstring).
+    ``include`` False (vLLM's ``include_reasoning``) drops it from the reply."""
+
+    def __init__(self, opening: Opening, include: bool = True) -> None:
+        self.opening = opening
+        self.include = include
+        self._splitters: dict[int, _Splitter] = {}
+
+    def constrained(self, structured: StructuredOutput) -> StructuredOutput:
+        """``structured`` applied after the thinking (``common/structured_output.py``)."""
+        if self.opening is Opening.ANSWER:
+            return structured
+        optional = self.opening is Opening.MAYBE
+        return replace(structured, reasoning_start=START, reasoning_end=END,
+                       reasoning_optional=optional)  # fmt: skip
+
+    def split(self, text: str) -> tuple[str | None, str | None]:
+        """(thinking, answer) of a whole text: thinking None where there was none,
+        answer None where the text was all thinking."""
+        splitter = _Splitter(self.opening)
+        thinking, answer = splitter.feed(text, final=True)
+        if not splitter.thought:
+            return None, answer
+        return thinking or None, answer or None
+
+    def delta(self, index: int, text: str, final: bool) -> tuple[str, str]:
+        """(thinking, answer) to stream for choice ``index``'s new ``text``."""
+        splitter = self._splitters.setdefault(index, _Splitter(self.opening))
+        return splitter.feed(text, final)
+
+    def fields(self, thinking: str | None) -> dict[str, Any]:
+        """The reply's reasoning fields: both names, as clients read one or the other."""
+        if not self.include or not thinking:
+            return {}
+        return {"reasoning_content": thinking, "reasoning": thinking}
