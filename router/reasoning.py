@@ -28,6 +28,7 @@ from typing import Any
 
 from common.config import ReasoningParser
 from common.structured_output import StructuredOutput
+from router.tags import partial_tag
 
 START, END = "<think>", "</think>"
 # Tokens of the prompt's end that are decoded to find a tag there (a tag is one token in
@@ -53,14 +54,6 @@ def opening_of(parser: ReasoningParser, prompt_tail: str) -> Opening | None:
     if tail.endswith(END):
         return Opening.ANSWER
     return Opening.THINKING if parser is ReasoningParser.DEEPSEEK_R1 else Opening.MAYBE
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """How many characters at the end of ``text`` may begin ``tag``."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:size]):
-            return size
-    return 0
 
 
 class _Splitter:
@@ -89,7 +82,7 @@ class _Splitter:
             elif self.state == "thinking":
                 at = self.pending.find(END)
                 if at < 0:
-                    keep = 0 if final else _partial_suffix(self.pending, END)
+                    keep = 0 if final else partial_tag(self.pending, END)
                     cut = len(self.pending) - keep
                     thinking += self.pending[:cut]
                     self.pending = self.pending[cut:]

@@ -24,6 +24,7 @@ from typing import Any
 
 from common.config import ToolCallParser
 from router.protocol import ChatCompletionRequest, FieldError
+from router.tags import partial_tag
 from router.tools import ToolCalls, call
 
 START, END = "<tool_call>", "</tool_call>"
@@ -46,14 +47,6 @@ def tool_format_of(
             "tool_choice",
         )
     return HermesCalls() if parser is ToolCallParser.HERMES else JsonCalls()
-
-
-def _partial_start(text: str) -> int:
-    """How many characters at the end of ``text`` may begin ``<tool_call>``."""
-    for size in range(min(len(START) - 1, len(text)), 0, -1):
-        if text.endswith(START[:size]):
-            return size
-    return 0
 
 
 def _parse_call(body: str) -> tuple[str, str] | None:
@@ -87,7 +80,7 @@ class _Reader:
             if not self.in_call:
                 at = self.pending.find(START)
                 if at < 0:
-                    keep = 0 if final else _partial_start(self.pending)
+                    keep = 0 if final else partial_tag(self.pending, START)
                     self._content(self.pending[: len(self.pending) - keep], content)
                     self.pending = self.pending[len(self.pending) - keep :]
                     return "".join(content), calls
