@@ -25,16 +25,20 @@ def _token_counts(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def usage_body(choices: list[Choice]) -> dict[str, Any]:
-    """Token counts; the n samples of one prompt count its tokens once."""
+def usage_body(choices: list[Choice], reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """Token counts; the n samples of one prompt count its tokens once.
+    ``reasoning_tokens`` (with a reasoning parser): those of the thinking, all choices."""
     prompts = {c.prompt_index: c for c in choices}
     prompt_tokens = sum(len(c.request.prompt_token_ids) for c in prompts.values())
     cached = sum(c.usage.cached_tokens for c in prompts.values() if c.usage)
     completion_tokens = sum(len(c.token_ids) for c in choices)
-    return {
+    body = {
         **_token_counts(prompt_tokens, completion_tokens),
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    if reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return body
 
 
 def _top_with_sampled(
@@ -202,7 +206,7 @@ class Formatter:
 
     def usage_chunk(self, choices: list[Choice]) -> dict[str, Any]:
         body = self._envelope([], "chat.completion.chunk" if self.chat else None)
-        body["usage"] = usage_body(choices)
+        body["usage"] = self._usage(choices)
         return body
 
     def final(self, choices: list[Choice]) -> dict[str, Any]:
@@ -226,8 +230,17 @@ class Formatter:
         body = self._envelope(items, None)
         if self.prompt_logprobs is not None and self.chat:  # one prompt: vLLM puts it here
             body["prompt_logprobs"] = self._prompt_logprobs(choices[0])
-        body["usage"] = usage_body(choices)
+        body["usage"] = self._usage(choices)
         return body
+
+    def _usage(self, choices: list[Choice]) -> dict[str, Any]:
+        reasoning_tokens = None
+        if self.reasoning is not None:
+            reasoning_tokens = sum(
+                self.reasoning.num_tokens([self.token_text(t) for t in choice.token_ids])
+                for choice in choices
+            )
+        return usage_body(choices, reasoning_tokens)
 
     def _chat_delta(
         self, index: int, text: str, finish_reason: str | None

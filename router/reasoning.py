@@ -132,6 +132,23 @@ class Reasoning:
         splitter = self._splitters.setdefault(index, _Splitter(self.opening))
         return splitter.feed(text, final)
 
+    def num_tokens(self, token_texts: list[str]) -> int:
+        """How many of a choice's tokens are its thinking, tags included (OpenAI's
+        ``completion_tokens_details.reasoning_tokens``). Read from the tokens' own texts,
+        so a stop string that cut the reply's text changes nothing."""
+        text = "".join(token_texts)
+        if self.opening is Opening.ANSWER or (
+            self.opening is Opening.MAYBE and not text.startswith(START)
+        ):
+            return 0
+        at = text.find(END)
+        end = len(text) if at < 0 else at + len(END)
+        count, position = 0, 0
+        while position < end:
+            position += len(token_texts[count])
+            count += 1
+        return count
+
     def fields(self, thinking: str | None) -> dict[str, Any]:
         """The reply's reasoning fields: both names, as clients read one or the other."""
         if not self.include or not thinking:

@@ -224,3 +224,26 @@ def test_a_reply_cut_inside_its_thinking_has_no_calls_streamed_or_whole():
         delta = last["choices"][0]["delta"]
         assert "tool_calls" not in delta and "content" not in delta
         assert last["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
+    ("opening", "texts", "expected"),
+    [
+        (THINKING, ["ab", "c</th", "ink>", "\n\n", "de"], 3),  # the tag's last piece counts
+        (THINKING, ["<think>", "ab", "</think>", "x"], 3),
+        (THINKING, ["ab", "cd"], 2),  # cut inside the thinking: all of it
+        (MAYBE, ["<think>", "a", "</think>", "b"], 3),
+        (MAYBE, ["a", "</think>"], 0),
+        (ANSWER, ["a", "</think>"], 0),
+    ],
+)
+def test_usage_counts_the_thinkings_tokens(opening, texts, expected):
+    token_text = dict(enumerate(texts)).get
+    choice = _choice("".join(texts))
+    choice.token_ids = list(range(len(texts)))
+    formatter = Formatter("c", "m", chat=True, logprobs=None, token_text=token_text,
+                          reasoning=Reasoning(opening))  # fmt: skip
+    usage = formatter.final([choice, choice])["usage"]  # n = 2: both choices count
+    assert usage["completion_tokens_details"] == {"reasoning_tokens": 2 * expected}
+    plain = Formatter("c", "m", chat=True, logprobs=None, token_text=token_text)
+    assert "completion_tokens_details" not in plain.final([choice])["usage"]

@@ -75,13 +75,18 @@ def test_the_thinking_and_the_answer_split_where_the_tokens_say(client, tokenize
     seen_answer = False
     for seed in (4, 5, 6):
         ask["seed"] = seed
-        reply = client.chat.completions.create(**ask).choices[0]
-        text = tokenizer.decode(reply.model_extra["token_ids"])
+        whole = client.chat.completions.create(**ask)
+        reply = whole.choices[0]
+        token_ids = reply.model_extra["token_ids"]
+        text = tokenizer.decode(token_ids)
         thought, tag, answer = text.partition("</think>")
         message = reply.message.model_extra
         assert message.get("reasoning_content") == message.get("reasoning") == (thought or None)
         assert reply.message.content == ((answer.lstrip() or None) if tag else None)
         seen_answer |= bool(tag and answer.strip())
+        (end_id,) = tokenizer.encode("</think>", add_special_tokens=False)
+        thinking_tokens = token_ids.index(end_id) + 1 if tag else len(token_ids)
+        assert whole.usage.completion_tokens_details.reasoning_tokens == thinking_tokens
         # Streamed: the same tokens, the same split.
         assert _streamed(client, ask) == (thought, reply.message.content or "",
                                            reply.model_extra["token_ids"])  # fmt: skip
