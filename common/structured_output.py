@@ -8,14 +8,16 @@ One constraint per request, one of four kinds (vLLM's ``structured_outputs`` nam
 - ``choice``: a JSON list of strings, one of which is the whole text;
 - ``grammar``: a Lark or GBNF (llama.cpp's EBNF) grammar.
 
-With a reasoning parser (``router/reasoning.py``) the constraint applies after the model's
-thinking: ``reasoning_start`` / ``reasoning_end`` (its tags) wrap it in a grammar whose
-first part is the thinking (``_after_reasoning``): any text up to the end tag, opened by
-the start tag where the output writes it, then up to four whitespace characters, then the
-constraint. The thinking is free and the answer constrained, as in vLLM; unlike vLLM's,
-the output cannot end before the thinking does (the EOS is masked until the constraint is
-complete). A tag that is one added token of the tokenizer (Qwen3's) is matched as that
-token: llguidance keeps added tokens out of free text.
+With a reasoning parser (``router/reasoning.py``) the constraint applies after the
+model's thinking: ``reasoning_start`` / ``reasoning_end`` (its tags) wrap it in a
+grammar whose first part is the thinking (``_after_reasoning``): any text up to the end
+tag, opened by the start tag where the output writes it; the constraint follows the end
+tag at once (the answer the router returns is all text after the tag, so any blank
+allowed between them would break the constraint's promise: an audit found " yes" of a
+choice returned as "yes"). The thinking is free and the answer constrained, as in vLLM;
+unlike vLLM's, the output cannot end before the thinking does (the EOS is masked until
+the constraint is complete). A tag that is one added token of the tokenizer (Qwen3's) is
+matched as that token: llguidance keeps added tokens out of free text.
 
 The router compiles a request's constraint (``GrammarCompiler``) to refuse a bad one with a
 400 before any worker sees it; each worker compiles it again for its own matcher
@@ -154,10 +156,9 @@ def _after_reasoning(grammar: str, structured: StructuredOutput, tag_tokens: dic
         f"start: thinking{'?' if optional else ''} @constrained",
         # Optional: the block opens with the start tag. Else the output is in it already,
         # and may write the start tag first.
-        f"thinking: {tag(start)}{'' if optional else '?'} thought SPACE",
+        f"thinking: {tag(start)}{'' if optional else '?'} thought",
         body,
         "TEXT: /(.|\\n)*/",
-        "SPACE: /[ \\t\\r\\n]{0,4}/",
     ])  # fmt: skip
     return json.dumps({"grammars": [{"lark_grammar": lark}, {**inner, "name": "constrained"}]})
 

@@ -149,7 +149,10 @@ class Tokenizer:
             "eos_token": "",
             **self.special_tokens,
         }
-        taken = sorted(set(template_kwargs or ()) & set(variables))
+        # Nor the environment's functions (raise_exception, namespace, ...), which a
+        # template may call.
+        reserved = set(variables) | set(self._template.environment.globals)
+        taken = sorted(set(template_kwargs or ()) & reserved)
         if taken:
             raise TokenizerError(f"chat_template_kwargs may not set {', '.join(taken)}")
         try:

@@ -14,10 +14,12 @@ read from the prompt's end first:
 - neither: ``deepseek_r1`` assumes the output starts thinking (R1 may or may not write
   the opening tag itself), ``qwen3`` that it thinks only if it opens with ``<think>``.
 
-The thinking ends at the first ``</think>``; whitespace after it is dropped. Output that
-never closes it (cut by ``max_tokens``) is all thinking, and ``content`` is null. One state
-machine reads a whole text and a stream alike, so streamed deltas add up to the whole
-reply; it holds back only what may be the start of a tag.
+The thinking ends at the first ``</think>``; the answer is all that follows, whitespace
+included (as vLLM's parsers leave it: a constraint's own leading blanks are the
+answer's, and stripping could not tell them from the model's). Output that never closes
+it (cut by ``max_tokens``) is all thinking, and ``content`` is null. One state machine
+reads a whole text and a stream alike, so streamed deltas add up to the whole reply; it
+holds back only what may be the start of a tag.
 """
 
 from __future__ import annotations
@@ -89,11 +91,6 @@ class _Splitter:
                     return thinking, answer
                 thinking += self.pending[:at]
                 self.pending = self.pending[at + len(END) :]
-                self.state = "after"
-            elif self.state == "after":  # whitespace after the thinking is dropped
-                self.pending = self.pending.lstrip()
-                if not self.pending:
-                    return thinking, answer
                 self.state = "answer"
             else:
                 answer += self.pending

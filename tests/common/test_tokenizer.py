@@ -150,6 +150,6 @@ def test_template_kwargs_render_as_in_transformers_and_cannot_replace_ours(model
     assert ours.render_chat(MESSAGES, True, None, {"enable_thinking": False}).endswith(
         "<think>\n\n</think>\n\n"
     )
-    for taken in ("messages", "add_generation_prompt", "eos_token"):
+    for taken in ("messages", "add_generation_prompt", "eos_token", "raise_exception", "namespace"):
         with pytest.raises(TokenizerError, match=f"chat_template_kwargs may not set {taken}"):
             ours.render_chat(MESSAGES, True, None, {taken: "x"})

@@ -82,7 +82,7 @@ def test_the_thinking_and_the_answer_split_where_the_tokens_say(client, tokenize
         thought, tag, answer = text.partition("</think>")
         message = reply.message.model_extra
         assert message.get("reasoning_content") == message.get("reasoning") == (thought or None)
-        assert reply.message.content == ((answer.lstrip() or None) if tag else None)
+        assert reply.message.content == ((answer or None) if tag else None)
         seen_answer |= bool(tag and answer.strip())
         (end_id,) = tokenizer.encode("</think>", add_special_tokens=False)
         thinking_tokens = token_ids.index(end_id) + 1 if tag else len(token_ids)
@@ -113,6 +113,17 @@ def test_a_constraint_applies_after_the_thinking(client, tokenizer):
         assert message.model_extra["reasoning_content"]
         thinking, content, _ = _streamed(client, ask)
         assert (thinking, content) == (message.model_extra["reasoning_content"], message.content)
+    # A constraint whose own text starts with a blank: the answer keeps it (the audit's
+    # case: it was stripped, and " yes" came back "yes").
+    blank = _ask(tokenizer, max_tokens=48, extra_body={"structured_outputs": {
+        "choice": [" yes", " no"]}})  # fmt: skip
+    thoughts = []
+    for seed in (2, 3, 4):
+        blank["seed"] = seed
+        message = client.chat.completions.create(**blank).choices[0].message
+        assert message.content in (" yes", " no"), message
+        thoughts.append(message.model_extra.get("reasoning_content"))
+    assert any(thoughts)
     # Tool calls by constraint, after the thinking too.
     tool = {"type": "function", "function": {"name": "count", "parameters": SCHEMA}}
     ask = _ask(
