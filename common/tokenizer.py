@@ -21,7 +21,11 @@ from typing import Any
 
 
 class TokenizerError(ValueError):
-    pass
+    """``param``: the request field at fault where it is not the messages (None)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 def _token_text(value: Any) -> str | None:
@@ -154,7 +158,9 @@ class Tokenizer:
         reserved = set(variables) | set(self._template.environment.globals)
         taken = sorted(set(template_kwargs or ()) & reserved)
         if taken:
-            raise TokenizerError(f"chat_template_kwargs may not set {', '.join(taken)}")
+            raise TokenizerError(
+                f"chat_template_kwargs may not set {', '.join(taken)}", "chat_template_kwargs"
+            )
         try:
             return self._template.render(**(template_kwargs or {}), **variables)
         except Exception as exc:  # the template's own checks, or its code failing on input

@@ -267,9 +267,10 @@ def create_app(state: RouterState) -> FastAPI:
                 [m.for_template() for m in messages], add_generation_prompt, tools,
                 template_kwargs,
             )  # fmt: skip
-        except (TokenizerError, ValueError) as exc:
-            param = "chat_template_kwargs" if "chat_template_kwargs" in str(exc) else "messages"
-            raise bad_request(str(exc), param) from None
+        except TokenizerError as exc:
+            raise bad_request(str(exc), exc.param or "messages") from None
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages") from None
 
     def reasoning_of(body: ChatCompletionRequest, prompt: list[int]) -> Reasoning | None:
         """How this reply's thinking is told apart (None: no reasoning parser)."""

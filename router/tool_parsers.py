@@ -55,9 +55,16 @@ def _parse_call(body: str) -> tuple[str, str] | None:
         value = json.loads(body)
     except ValueError:
         return None
+    return _name_and_arguments(value, ("arguments",))
+
+
+def _name_and_arguments(value: Any, argument_keys: tuple[str, ...]) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of a decoded call object; None if it is not one.
+    The arguments are under the first of ``argument_keys`` it has (none: ``{}``)."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    arguments = value.get("arguments", {})
+    key = next((k for k in argument_keys if k in value), None)
+    arguments = value[key] if key is not None else {}
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
     return value["name"], arguments
@@ -152,12 +159,10 @@ def _json_calls(text: str) -> list[dict[str, Any]] | None:
             value, end = _DECODER.raw_decode(text, at)
         except ValueError:
             return None
-        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        parsed = _name_and_arguments(value, ("parameters", "arguments"))
+        if parsed is None:
             return None
-        arguments = value.get("parameters", value.get("arguments", {}))
-        if not isinstance(arguments, str):
-            arguments = json.dumps(arguments, ensure_ascii=False)
-        calls.append(call(value["name"], arguments))
+        calls.append(call(*parsed))
         at = len(text) - len(text[end:].lstrip())
         if at == len(text):
             return calls
