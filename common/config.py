@@ -62,6 +62,10 @@ _ENUM_FIELDS: dict[str, type[StrEnum]] = {  # filled below, once every enum is d
 }
 
 
+# Drafts verified per step and sequence: more only burns compute on rejected tokens.
+MAX_SPECULATIVE_TOKENS = 16
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Settings of one paged-attention engine; the same for both worker roles."""
@@ -93,9 +97,30 @@ class EngineConfig:
     # device for hung: it fails its requests and exits to be restarted. None: never.
     # Generous, since a big prefill chunk of a large model on a CPU can take minutes.
     step_timeout_s: float | None = 300.0
+    # Speculative decoding by n-gram lookup (vLLM's "ngram" method, prompt lookup): each
+    # decode step proposes up to this many tokens by finding the sequence's last
+    # ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens earlier in it and copying what
+    # followed, and verifies them in the same forward pass. It never changes the tokens (a
+    # draft is kept only if it is the token the request would have sampled there, greedy
+    # or seeded); it pays off where outputs repeat their context (code edits, extraction,
+    # summaries). 0: off. Decode workers use it; a prefill worker samples one token.
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
 
     def __post_init__(self) -> None:
         _coerce_enums(self)
+        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(
+                "engine.num_speculative_tokens",
+                f"must be in [0, {MAX_SPECULATIVE_TOKENS}], got {self.num_speculative_tokens}",
+            )
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError(
+                "engine.prompt_lookup_min",
+                "must be >= 1 and <= engine.prompt_lookup_max, got "
+                f"{self.prompt_lookup_min} and {self.prompt_lookup_max}",
+            )
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes")
         for key in positive:
             if getattr(self, key) <= 0:

@@ -324,12 +324,12 @@ class LLMEngine:
                 item.request.prompt_logprobs.extend(scored)
         progressed = self.scheduler.update_from_output(scheduler_output, result.sampled)
         self.num_steps += 1
-        for request in progressed:
+        for request, num_new in progressed:
             if request.request_id in self.grammars:
                 self._advance_grammar(request)
             if request.status.finished:
                 self._forget(request.request_id)
-            outputs.append(self._output(request, request.output_token_ids[-1:]))
+            outputs.append(self._output(request, request.output_token_ids[-num_new:]))
         return outputs
 
     def _advance_grammar(self, request: Request) -> None:
@@ -338,7 +338,8 @@ class LLMEngine:
         and neither ``min_tokens`` nor ``ignore_eos`` can add off-grammar tokens; one
         complete at ``max_tokens`` is ``stop`` too). A token the matcher refuses (with
         the masks, llguidance giving up on the grammar) ends it with an error that is
-        the request's own fault (``error_param``)."""
+        the request's own fault (``error_param``). Structured requests never verify
+        drafts, so a step appends one token to them."""
         request_id = request.request_id
         problem = self.grammars.accept(request_id, request.output_token_ids[-1])
         if problem is not None:  # whatever else ended it, that token must not go out
@@ -419,16 +420,16 @@ class LLMEngine:
         chunks = []
         for item in scheduler_output.scheduled:
             request = item.request
+            drafts = item.draft_token_ids
             start = request.num_computed_tokens
-            end = start + item.num_scheduled_tokens
+            end = start + item.num_scheduled_tokens - len(drafts)  # the request's own tokens
             sampling = None
             if item.samples:
                 if request.sampling_params.has_penalties and request.token_counts is None:
                     request.token_counts = TokenCounts()
-                stream = self._generators.get(request.request_id)
                 sampling = SamplingRow(
                     request.sampling_params,
-                    stream.for_token(request.num_output_tokens) if stream else None,
+                    self._generators.get(request.request_id),
                     request.token_ids_banned_now(),
                     request.prompt_token_ids,
                     request.output_token_ids,
@@ -436,11 +437,12 @@ class LLMEngine:
                     self.grammars.allowed(request.request_id)
                     if request.request_id in self.grammars
                     else None,
+                    drafts,
                 )
             chunks.append(
                 SequenceChunk(
                     request_id=request.request_id,
-                    token_ids=_token_slice(request, start, end),
+                    token_ids=_token_slice(request, start, end) + drafts,
                     start_pos=start,
                     block_ids=kv.get_block_ids(request.request_id),
                     sampling=sampling,

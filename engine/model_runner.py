@@ -2,8 +2,9 @@
 
 Per step the runner builds a single flattened batch (``input_ids``, ``positions``,
 ``slot_mapping``, block table, query start offsets, sequence lengths), runs the model,
-computes logits only at the last token of chunks that sample (and at the prompt tokens of
-chunks that score their prompt), and samples.
+computes logits only at the last token of chunks that sample (and at their draft tokens,
+when they verify drafts; and at the prompt tokens of chunks that score their prompt), and
+samples.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class PromptScoring:
 class StepResult:
     """What one forward pass produced, by request id."""
 
-    sampled: dict[str, tuple[int, TokenLogprobs | None]] = field(default_factory=dict)
+    # The tokens each sampling chunk yields (more than one when drafts were kept).
+    sampled: dict[str, list[tuple[int, TokenLogprobs | None]]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
@@ -200,8 +202,9 @@ class ModelRunner:
         result = StepResult()
         if not chunks:
             return result
-        # Decodes first: backends batch single-token segments together.
-        chunks = sorted(chunks, key=lambda c: len(c.token_ids) != 1)
+        # Shortest first: decodes lead (backends batch single-token segments together),
+        # then short segments (decodes with drafts; the torch backend batches those too).
+        chunks = sorted(chunks, key=lambda c: len(c.token_ids))
         batch = self._host_batch(chunks)
         hidden = self._forward(chunks, batch)
         for i, chunk in enumerate(chunks):
@@ -215,8 +218,14 @@ class ModelRunner:
         sampling = [(i, c) for i, c in enumerate(chunks) if c.sampling is not None]
         if not sampling:
             return result
-        last_token_index = [batch.query_start_loc[i + 1] - 1 for i, _ in sampling]
-        logits = self.model.compute_logits(hidden[last_token_index])  # [num_sampling, vocab]
+        # Each sampling chunk's last token, or with drafts its last 1 + num_drafts tokens.
+        positions = [
+            row
+            for i, c in sampling
+            for row in range(batch.query_start_loc[i + 1] - c.sampling.num_positions,
+                             batch.query_start_loc[i + 1])
+        ]  # fmt: skip
+        logits = self.model.compute_logits(hidden[positions])  # [num_positions, vocab]
         results = sample(logits, [c.sampling for _, c in sampling])
         result.sampled = {c.request_id: r for (_, c), r in zip(sampling, results, strict=True)}
         return result

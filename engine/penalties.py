@@ -46,15 +46,29 @@ class TokenCounts:
             self.num_counted = len(output_token_ids)
 
 
-def apply_penalties(logits: torch.Tensor, params: SamplingParams, counts: TokenCounts) -> None:
-    """Penalise, in place, the tokens ``counts`` has seen, as vLLM does. logits: [V]."""
+def apply_penalties(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    counts: TokenCounts,
+    extra_output_ids: Sequence[int] = (),
+) -> None:
+    """Penalise, in place, the tokens ``counts`` has seen, as vLLM does. logits: [V].
+
+    ``extra_output_ids``: output tokens after those counted (draft tokens a speculative
+    position follows), counted for this call only: ``counts`` is left as it was."""
     assert counts.seen is not None and counts.output_counts is not None
+    seen, output_counts = counts.seen, counts.output_counts
+    if extra_output_ids:
+        ids = torch.tensor(list(extra_output_ids), dtype=torch.long, device=logits.device)
+        seen = seen.clone()
+        seen[ids] = True
+        output_counts = output_counts.clone()
+        output_counts.index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
     if params.repetition_penalty != 1.0:
         penalty = params.repetition_penalty
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits.copy_(torch.where(counts.seen, penalised, logits))
+        logits.copy_(torch.where(seen, penalised, logits))
     if params.frequency_penalty or params.presence_penalty:
-        output_counts = counts.output_counts
         logits -= params.frequency_penalty * output_counts + params.presence_penalty * (
             output_counts > 0
         )

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from common.hashing import BlockHash
+from engine.ngram_proposer import TokenHistory
 from engine.penalties import TokenCounts
 from engine.sampling_params import SamplingParams
 
@@ -130,6 +131,8 @@ class Request:
     error_param: str | None = None
     num_remote_blocks_pulled: int = 0
     token_counts: TokenCounts | None = None  # penalised requests: what the sampler counted
+    # Speculating requests: their tokens as an array, for the n-gram proposer.
+    token_history: TokenHistory | None = None
 
     @property
     def scores_prompt(self) -> bool:
@@ -184,6 +187,21 @@ class Request:
         if self.prefill_only:
             return RequestStatus.FINISHED_PREFILLED
         return None
+
+    @property
+    def may_speculate(self) -> bool:
+        """Whether drafts may be verified for this request: it decodes (one token to
+        compute), and nothing about its next tokens depends on more than what the sampler
+        sees per position (the drafts before it). A grammar's mask would need the matcher
+        advanced through each draft and rolled back; min_tokens' bans change with the
+        count; a prefill-only request samples a single token."""
+        params = self.sampling_params
+        return (
+            not self.prefill_only
+            and params.structured_output is None
+            and self.num_output_tokens >= params.min_tokens
+            and self.num_tokens - self.num_computed_tokens == 1
+        )
 
     def token_ids_banned_now(self) -> frozenset[int]:
         """Tokens that may not be sampled yet because min_tokens is not reached."""

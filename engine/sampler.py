@@ -11,10 +11,22 @@ first token sampled by a prefill worker, or a sequence the router moved after a 
 worker died) draws exactly what it would have drawn in one place, with no skip-ahead.
 Log-probs are of the raw distribution (before the grammar, bans, allowed tokens, bad words,
 logit bias, penalties, temperature, min-p, top-k and top-p), like vLLM's default.
+
+Speculative decoding: a row with draft tokens owns ``1 + len(draft_token_ids)`` logits
+rows; position ``j`` is the distribution after the request's tokens and its first ``j``
+drafts, processed with that history (bad words, penalties) and drawn with output token
+``i + j``'s generator. The row yields the token sampled at each position for as long as
+the drafts agree with them: a draft is kept iff it is the very token sampled at its
+position, and the first token that differs (or the one after the last draft) ends the
+row. So speculation changes how many steps a request takes, never its tokens: greedy, or
+seeded, they are the tokens it would have drawn one step at a time. (For a draft that is
+one token, not a distribution, this is also the standard speculative-sampling rule: the
+draft is kept with probability p(draft), and otherwise the token comes from p without it.)
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -23,20 +35,6 @@ import torch
 from engine.penalties import TokenCounts, apply_penalties
 from engine.request import TokenLogprobs
 from engine.sampling_params import SamplingParams
-
-
-@dataclass(slots=True)
-class SamplingRow:
-    params: SamplingParams
-    generator: torch.Generator | None
-    banned_token_ids: frozenset[int]
-    # The request's tokens so far and their counts; read only when it has penalties.
-    prompt_token_ids: Sequence[int] = ()
-    output_token_ids: Sequence[int] = ()
-    token_counts: TokenCounts | None = None
-    # Structured requests: the tokens their grammar allows now ([vocab] bool, any device).
-    grammar_allowed: torch.Tensor | None = None
-
 
 _MASK64 = (1 << 64) - 1
 
@@ -65,6 +63,32 @@ class RequestRandom:
         return self.generator
 
 
+@dataclass(slots=True)
+class SamplingRow:
+    params: SamplingParams
+    random: RequestRandom | None  # non-greedy requests: their random stream
+    banned_token_ids: frozenset[int]  # at every position of the row
+    # The request's tokens so far (the output's length is the index of the row's first
+    # token), and their counts (penalised requests).
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    token_counts: TokenCounts | None = None
+    # Structured requests: the tokens their grammar allows now ([vocab] bool, any device).
+    grammar_allowed: torch.Tensor | None = None
+    # Tokens proposed after the first: one more logits row each (module docstring).
+    draft_token_ids: Sequence[int] = ()
+
+    @property
+    def num_positions(self) -> int:
+        return 1 + len(self.draft_token_ids)
+
+    def history(self, position: int) -> Sequence[int]:
+        """The output tokens before ``position`` of the row, drafts included."""
+        if not position:
+            return self.output_token_ids
+        return [*self.output_token_ids, *self.draft_token_ids[:position]]
+
+
 def _keep_only(logits: torch.Tensor, token_ids: Sequence[int]) -> None:
     """Mask (to -inf, in place) every token but ``token_ids``. logits: [V]."""
     keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
@@ -84,13 +108,18 @@ def _ban_bad_words(logits: torch.Tensor, token_ids: list[int]) -> None:
         logits[token_ids] = saved
 
 
-def _apply_grammars(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+def _apply_grammars(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], first_positions: Sequence[int]
+) -> None:
     """Mask (in place) what each structured row's grammar does not allow: every row's
-    mask in one host-to-device copy and one masked fill. logits: [num_rows, V]."""
-    indices = [i for i, row in enumerate(rows) if row.grammar_allowed is not None]
-    if not indices:
+    mask in one host-to-device copy and one masked fill. logits: [num_positions, V].
+    Structured rows have no drafts (``Request.may_speculate``)."""
+    structured = [r for r, row in enumerate(rows) if row.grammar_allowed is not None]
+    if not structured:
         return
-    allowed = torch.stack([rows[i].grammar_allowed for i in indices]).to(logits.device)  # [R, V]
+    assert not any(rows[r].draft_token_ids for r in structured)
+    indices = [first_positions[r] for r in structured]
+    allowed = torch.stack([rows[r].grammar_allowed for r in structured]).to(logits.device)
     index = torch.tensor(indices, device=logits.device)
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
@@ -158,53 +187,67 @@ def score_tokens(
 
 
 def sample(
-    logits: torch.Tensor,  # [num_rows, vocab] float32
+    logits: torch.Tensor,  # [num_positions, vocab] float32: every row's positions, in order
     rows: Sequence[SamplingRow],
-) -> list[tuple[int, TokenLogprobs | None]]:
-    assert logits.shape[0] == len(rows)
+) -> list[list[tuple[int, TokenLogprobs | None]]]:
+    """Each row's tokens: one, or with drafts, the kept drafts and one more (module
+    docstring), each with its log-probs when the row asks for them."""
+    first_positions = list(itertools.accumulate((row.num_positions for row in rows), initial=0))
+    assert logits.shape[0] == first_positions[-1]
     vocab_size = logits.shape[1]
-    want_logprobs = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    owners = [(r, j) for r, row in enumerate(rows) for j in range(row.num_positions)]
+    want_logprobs = [p for p, (r, _) in enumerate(owners) if rows[r].params.logprobs is not None]
     raw_logprobs = logits[want_logprobs].log_softmax(-1) if want_logprobs else None
-    _apply_grammars(logits, rows)
-    for i, row in enumerate(rows):
+    logprobs_row = {p: i for i, p in enumerate(want_logprobs)}  # position -> raw_logprobs row
+    _apply_grammars(logits, rows, first_positions)
+    for p, (r, j) in enumerate(owners):
+        row = rows[r]
         grammar_only = None
         if row.grammar_allowed is not None and (
             row.banned_token_ids or row.params.allowed_token_ids or row.params.bad_words_token_ids
         ):
-            grammar_only = logits[i].clone()  # what to fall back to (below)
+            grammar_only = logits[p].clone()  # what to fall back to (below)
         if row.banned_token_ids:
-            logits[i, list(row.banned_token_ids)] = float("-inf")
+            logits[p, list(row.banned_token_ids)] = float("-inf")
         if row.params.allowed_token_ids is not None:
-            _keep_only(logits[i], row.params.allowed_token_ids)
+            _keep_only(logits[p], row.params.allowed_token_ids)
         if row.params.bad_words_token_ids:
-            _ban_bad_words(logits[i], row.params.bad_word_bans(row.output_token_ids))
-        if grammar_only is not None and not bool(torch.isfinite(logits[i]).any()):
-            logits[i] = grammar_only  # the grammar outranks the rest (SamplingParams)
+            _ban_bad_words(logits[p], row.params.bad_word_bans(row.history(j)))
+        if grammar_only is not None and not bool(torch.isfinite(logits[p]).any()):
+            logits[p] = grammar_only  # the grammar outranks the rest (SamplingParams)
         if row.params.logit_bias:
             ids, biases = zip(*row.params.logit_bias, strict=True)
-            logits[i, list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+            logits[p, list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
         if row.params.has_penalties:
             assert row.token_counts is not None
             counts = row.token_counts
             counts.update(row.prompt_token_ids, row.output_token_ids, vocab_size, logits.device)
-            apply_penalties(logits[i], row.params, counts)
+            apply_penalties(logits[p], row.params, counts, row.draft_token_ids[:j])
     greedy_ids = logits.argmax(-1).tolist()
-    results: list[tuple[int, TokenLogprobs | None]] = []
-    for i, row in enumerate(rows):
+    results: list[list[tuple[int, TokenLogprobs | None]]] = []
+    for r, row in enumerate(rows):
         params = row.params
-        if params.greedy:
-            token_id = greedy_ids[i]
-        else:
-            scaled = logits[i] / params.temperature
-            if params.min_p > 0.0:
-                scaled = _apply_min_p(scaled, params.min_p)
-            scaled = _apply_top_k_top_p(scaled, params.top_k, params.top_p)
-            probs = scaled.softmax(-1)
-            token_id = int(torch.multinomial(probs, 1, generator=row.generator))
-        token_logprobs = None
-        if raw_logprobs is not None and params.logprobs is not None:
-            token_logprobs = _logprobs_for(
-                raw_logprobs[want_logprobs.index(i)], token_id, params.logprobs
-            )
-        results.append((token_id, token_logprobs))
+        tokens: list[tuple[int, TokenLogprobs | None]] = []
+        for j in range(row.num_positions):
+            p = first_positions[r] + j
+            if params.greedy:
+                token_id = greedy_ids[p]
+            else:
+                assert row.random is not None
+                scaled = logits[p] / params.temperature
+                if params.min_p > 0.0:
+                    scaled = _apply_min_p(scaled, params.min_p)
+                scaled = _apply_top_k_top_p(scaled, params.top_k, params.top_p)
+                probs = scaled.softmax(-1)
+                generator = row.random.for_token(len(row.output_token_ids) + j)
+                token_id = int(torch.multinomial(probs, 1, generator=generator))
+            token_logprobs = None
+            if raw_logprobs is not None and params.logprobs is not None:
+                token_logprobs = _logprobs_for(
+                    raw_logprobs[logprobs_row[p]], token_id, params.logprobs
+                )
+            tokens.append((token_id, token_logprobs))
+            if j == len(row.draft_token_ids) or token_id != row.draft_token_ids[j]:
+                break
+        results.append(tokens)
     return results

@@ -15,6 +15,13 @@ Two role-specific paths, both at the edges of the same loop:
   (it is prefilled locally, or fails, as the caller decides);
 * a ``prefill_only`` request finishes after its first token but keeps its blocks in
   ``held`` until ``release_held`` (the decode worker pulled them, or the lease expired).
+
+With ``num_speculative_tokens``, a decoding request may compute draft tokens after its
+last one (``ScheduledRequest.draft_token_ids``, from the n-gram proposer): they take
+budget and slots like any token, and ``update_from_output`` keeps the KV of those the
+sampler accepted. A rejected draft's slot is simply written again by the next step; it
+never enters the prefix cache, which registers only blocks full of the request's own
+tokens (``block_hashes`` never cover drafts).
 """
 
 from __future__ import annotations
@@ -28,7 +35,12 @@ from common.config import EngineConfig
 from common.hashing import BlockHash
 from engine.block_pool import BlockPoolObserver
 from engine.kv_cache_manager import KVCacheManager, SecondaryTier, cdiv
+from engine.ngram_proposer import DraftProposer, NgramProposer
 from engine.request import Request, RequestStatus, TokenLogprobs
+
+# What one step sampled for a request: its tokens in order (one, or more when drafts
+# were accepted), each with its log-probs when asked for.
+SampledTokens = list[tuple[int, TokenLogprobs | None]]
 
 
 @dataclass(slots=True)
@@ -38,6 +50,8 @@ class ScheduledRequest:
     # True when this step computes the request's last missing token, so the step's
     # sampled token extends it; false for a prompt chunk that is not the last.
     samples: bool
+    # Proposed tokens computed after the request's own (counted in num_scheduled_tokens).
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -92,6 +106,12 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.num_preemptions = 0
         self.num_blocks_reused_for_remote = 0
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.proposer: DraftProposer | None = None
+        if config.num_speculative_tokens:
+            self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        self.num_draft_tokens = 0  # drafts verified (cumulative)
+        self.num_accepted_tokens = 0  # of those, kept
 
     # ------------------------------------------------------------------ admission
 
@@ -178,16 +198,34 @@ class Scheduler:
             request = self.running[index]
             num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
             assert num_new > 0
-            while not self.kv.allocate_slots(request, num_new):
+            drafts = self._drafts(request, budget)
+            if drafts and not self.kv.allocate_slots(request, num_new + len(drafts)):
+                drafts = []  # no room to guess: decode one token, preempting if need be
+            while not drafts and not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
                 if victim is request:
                     return budget
-            out.scheduled.append(self._scheduled(request, num_new))
-            budget -= num_new
+            out.scheduled.append(self._scheduled(request, num_new, drafts))
+            budget -= num_new + len(drafts)
             index += 1
         return budget
+
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """Tokens to verify after a decoding request's last one: at most
+        ``num_speculative_tokens``, what the budget leaves, and one fewer than the tokens
+        it may still generate (the step samples one more than it accepts)."""
+        if self.proposer is None or not request.may_speculate:
+            return []
+        max_drafts = min(
+            self.num_speculative_tokens,
+            budget - 1,
+            request.max_tokens - request.num_output_tokens - 1,
+        )
+        if max_drafts <= 0:
+            return []
+        return self.proposer.propose(request, max_drafts)[:max_drafts]
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0:
@@ -295,9 +333,12 @@ class Scheduler:
             request.error = f"pulling the prompt's KV from {remote.transfer_id} failed"
             self._finish(request, RequestStatus.FINISHED_ABORTED)
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(
+        self, request: Request, num_new: int, drafts: list[int] | None = None
+    ) -> ScheduledRequest:
         samples = request.num_computed_tokens + num_new == request.num_tokens
-        return ScheduledRequest(request, num_new, samples)
+        drafts = drafts or []
+        return ScheduledRequest(request, num_new + len(drafts), samples, drafts)
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
@@ -310,26 +351,42 @@ class Scheduler:
     # ------------------------------------------------------------------ results
 
     def update_from_output(
-        self,
-        out: SchedulerOutput,
-        sampled: dict[str, tuple[int, TokenLogprobs | None]],
-    ) -> list[Request]:
+        self, out: SchedulerOutput, sampled: dict[str, SampledTokens]
+    ) -> list[tuple[Request, int]]:
         """Advance the scheduled requests by what the step computed and sampled. Returns the
-        requests that produced a token this step (finished ones included)."""
+        requests that produced tokens this step (finished ones included), each with how
+        many it appended.
+
+        A request that verified drafts sampled the drafts it kept and one token more; the
+        KV of its last token and of the kept drafts is valid, the rest is not computed. The
+        tokens are appended one at a time, each checked for a stop, so a stop among them
+        ends the request there, as it would have one step at a time."""
         progressed = []
         now = time.monotonic()
         for item in out.scheduled:
             request = item.request
-            request.num_computed_tokens += item.num_scheduled_tokens
+            num_drafts = len(item.draft_token_ids)
+            request.num_computed_tokens += item.num_scheduled_tokens - num_drafts
             if not item.samples:
                 continue
-            token_id, logprobs = sampled[request.request_id]
-            request.append_output_token(token_id, logprobs)
+            tokens = sampled[request.request_id]
+            assert 1 <= len(tokens) <= num_drafts + 1
+            request.num_computed_tokens += len(tokens) - 1  # the kept drafts
+            if num_drafts:
+                self.num_draft_tokens += num_drafts
+                self.num_accepted_tokens += len(tokens) - 1
             if request.times.first_token is None:
                 request.times.first_token = now
+            status = None
+            num_appended = 0
+            for token_id, logprobs in tokens:
+                request.append_output_token(token_id, logprobs)
+                num_appended += 1
+                status = request.check_stop()
+                if status is not None:
+                    break
             self.kv.update_block_hashes(request)
-            progressed.append(request)
-            status = request.check_stop()
+            progressed.append((request, num_appended))
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)

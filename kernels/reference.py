@@ -166,6 +166,54 @@ def decode_attention(
     return out[:, :, 0, :]
 
 
+def short_query_mask(
+    seq_lens: torch.Tensor,  # [num_seqs]
+    query_lens: torch.Tensor,  # [num_seqs], each in 1 .. max_query_len
+    max_query_len: int,
+    num_key_slots: int,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [num_seqs, 1, max_query_len, num_key_slots] bool
+    """Which key slots each query of a padded short segment attends to. A padding query
+    (past its segment's length) gets its segment's last row, so no row is all masked."""
+    j = torch.arange(max_query_len, device=seq_lens.device)[None, :]
+    query_lens = query_lens.long()[:, None]
+    q_pos = seq_lens.long()[:, None] - query_lens + torch.minimum(j, query_lens - 1)
+    k_pos = torch.arange(num_key_slots, device=seq_lens.device)[None, None, :]
+    mask = k_pos <= q_pos[:, :, None]
+    if sliding_window is not None:
+        mask &= k_pos > q_pos[:, :, None] - sliding_window
+    return mask[:, None]
+
+
+def short_query_attention(
+    query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim], segments back to back
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+    padded_rows: torch.Tensor,  # [num_tokens] int64: segment i's query j -> i * max_len + j
+    seq_lens: torch.Tensor,  # [num_seqs]
+    block_table: torch.Tensor,  # [num_seqs, max_blocks_per_seq]
+    scale: float,
+    attn_mask: torch.Tensor,  # short_query_mask(...), or its additive float form
+) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
+    """Many short query segments (a decode and the drafts it verifies) in one batched
+    call, each padded to the longest segment and the longest context: one SDPA call
+    instead of one per segment, which costs a Python round trip per sequence and layer.
+    ``attn_mask`` must cover ``ceil(max(seq_lens) / block_size) * block_size`` key slots."""
+    num_seqs = seq_lens.shape[0]
+    max_query_len = attn_mask.shape[2]
+    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+    num_q_heads = query.shape[1]
+    max_blocks = -(-int(seq_lens.max()) // block_size)
+    table = block_table[:, :max_blocks].long()
+    key = kv_cache[:, 0][table].reshape(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    value = kv_cache[:, 1][table].reshape(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    padded = query.new_zeros(num_seqs * max_query_len, num_q_heads, head_dim)
+    padded[padded_rows] = query
+    padded = padded.view(num_seqs, max_query_len, num_q_heads, head_dim).transpose(1, 2)
+    out = _attend(padded, key.to(query.dtype), value.to(query.dtype), attn_mask, scale)
+    out = out.transpose(1, 2).reshape(num_seqs * max_query_len, num_q_heads, head_dim)
+    return out[padded_rows]
+
+
 def gather_blocks(
     kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, H, D]
     block_ids: torch.Tensor,  # [n] int64

@@ -1,7 +1,9 @@
-"""Attention in plain torch: works on every device. Decodes run as one padded batch, prompt
-segments one at a time through ``scaled_dot_product_attention``.
+"""Attention in plain torch: works on every device. Decodes run as one padded batch, short
+segments (a decode with the draft tokens it verifies: at most ``SHORT_QUERY_LEN`` tokens)
+as another, and the other prompt segments one at a time through
+``scaled_dot_product_attention``.
 
-Per-step work (the decode masks) is done once in ``build_metadata``, not once per layer.
+Per-step work (the masks) is done once in ``build_metadata``, not once per layer.
 """
 
 from __future__ import annotations
@@ -10,14 +12,37 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.config import MAX_SPECULATIVE_TOKENS
 from engine.attention.backend import AttentionBackend, BatchLayout, LayerSpec
 from kernels import reference
+
+# Segments up to this many query tokens, right after the decodes (the model runner orders
+# segments by length), are batched together.
+SHORT_QUERY_LEN = 1 + MAX_SPECULATIVE_TOKENS
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, float("-inf"))
+
+
+@dataclass(slots=True)
+class ShortSegments:
+    """Segments ``first .. first + num_seqs`` of the batch, padded to ``max_query_len``."""
+
+    first: int
+    num_seqs: int
+    max_query_len: int
+    num_key_slots: int
+    padded_rows: torch.Tensor  # [their tokens] int64: row of each in the padded batch
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
 class TorchMetadata:
     layout: BatchLayout
     num_decode_key_slots: int
+    short: ShortSegments | None = None
     # sliding window (None: full) → additive float mask [num_decodes, 1, 1, key slots]
     decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
@@ -26,9 +51,21 @@ class TorchMetadata:
         if mask is None:
             seq_lens = self.layout.seq_lens[: self.layout.num_decodes]
             allowed = reference.decode_mask(seq_lens, self.num_decode_key_slots, sliding_window)
-            mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-            mask.masked_fill_(~allowed, float("-inf"))
-            self.decode_masks[sliding_window] = mask
+            mask = self.decode_masks[sliding_window] = _additive(allowed, dtype)
+        return mask
+
+    def short_mask(self, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        short = self.short
+        assert short is not None
+        mask = short.masks.get(sliding_window)
+        if mask is None:
+            layout, end = self.layout, short.first + short.num_seqs
+            starts = layout.query_start_loc[short.first : end + 1]
+            allowed = reference.short_query_mask(
+                layout.seq_lens[short.first : end], starts[1:] - starts[:-1],
+                short.max_query_len, short.num_key_slots, sliding_window,
+            )  # fmt: skip
+            mask = short.masks[sliding_window] = _additive(allowed, dtype)
         return mask
 
 
@@ -42,7 +79,28 @@ class TorchAttentionBackend(AttentionBackend):
         num_decodes = layout.num_decodes
         max_decode_len = max(layout.seq_lens_cpu[:num_decodes], default=0)
         num_slots = -(-max_decode_len // self.block_size) * self.block_size
-        return TorchMetadata(layout, num_slots)
+        return TorchMetadata(layout, num_slots, self._short_segments(layout))
+
+    def _short_segments(self, layout: BatchLayout) -> ShortSegments | None:
+        """The short segments right after the decodes, if there are two or more (one
+        goes as fast through the per-segment path)."""
+        starts = layout.query_start_loc_cpu
+        first = end = layout.num_decodes
+        while end < layout.num_seqs and starts[end + 1] - starts[end] <= SHORT_QUERY_LEN:
+            end += 1
+        if end - first < 2:
+            return None
+        lens = [starts[i + 1] - starts[i] for i in range(first, end)]
+        max_query_len = max(lens)
+        rows = [i * max_query_len + j for i, n in enumerate(lens) for j in range(n)]
+        max_seq_len = max(layout.seq_lens_cpu[first:end])
+        return ShortSegments(
+            first=first,
+            num_seqs=end - first,
+            max_query_len=max_query_len,
+            num_key_slots=-(-max_seq_len // self.block_size) * self.block_size,
+            padded_rows=torch.tensor(rows, dtype=torch.int64).to(layout.seq_lens.device),
+        )
 
     def forward(
         self,
@@ -68,14 +126,31 @@ class TorchAttentionBackend(AttentionBackend):
                 layer.sliding_window,
                 attn_mask=metadata.decode_mask(layer.sliding_window, query.dtype),
             )
-        if num_decodes < layout.num_seqs:
-            start = layout.query_start_loc_cpu[num_decodes]
+        first_long = num_decodes
+        short = metadata.short
+        if short is not None:
+            first_long = short.first + short.num_seqs
+            start, end = (
+                layout.query_start_loc_cpu[short.first],
+                layout.query_start_loc_cpu[first_long],
+            )
+            out[start:end] = reference.short_query_attention(
+                query[start:end],
+                kv_cache,
+                short.padded_rows,
+                layout.seq_lens[short.first : first_long],
+                layout.block_table[short.first : first_long],
+                layer.scale,
+                attn_mask=metadata.short_mask(layer.sliding_window, query.dtype),
+            )
+        if first_long < layout.num_seqs:
+            start = layout.query_start_loc_cpu[first_long]
             out[start:] = reference.paged_attention(
                 query[start:],
                 kv_cache,
-                layout.query_start_loc[num_decodes:] - start,
-                layout.seq_lens[num_decodes:],
-                layout.block_table[num_decodes:],
+                layout.query_start_loc[first_long:] - start,
+                layout.seq_lens[first_long:],
+                layout.block_table[first_long:],
                 layer.scale,
                 layer.sliding_window,
             )

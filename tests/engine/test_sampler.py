@@ -32,9 +32,9 @@ def test_a_draw_depends_only_on_seed_position_and_distribution():
 
 
 def draw(logits: torch.Tensor, params: SamplingParams, seed: int = 0) -> tuple[int, object]:
-    generator = RequestRandom(seed, torch.Generator()).for_token(0)
-    row = SamplingRow(params, None if params.greedy else generator, frozenset())
-    ((token_id, logprobs),) = sample(logits.clone()[None], [row])
+    random = RequestRandom(seed, torch.Generator())
+    row = SamplingRow(params, None if params.greedy else random, frozenset())
+    ((token_id, logprobs),) = sample(logits.clone()[None], [row])[0]
     return token_id, logprobs
 
 
@@ -71,9 +71,9 @@ def test_a_bad_words_last_token_is_banned_where_the_output_ends_with_the_rest():
     assert params.bad_word_bans([2, 1]) == [7]
     logits = torch.tensor([0.0, 0.0, 0.0, 9.0, 1.0, 0.0, 0.0, 8.0])
     row = SamplingRow(params, None, frozenset(), output_token_ids=[5, 4])
-    assert sample(logits.clone()[None], [row])[0][0] == 4  # not 3 (after 4) nor 7
+    assert sample(logits.clone()[None], [row])[0][0][0] == 4  # not 3 (after 4) nor 7
     row.output_token_ids = [5]
-    assert sample(logits.clone()[None], [row])[0][0] == 3
+    assert sample(logits.clone()[None], [row])[0][0][0] == 3
 
 
 def test_bad_words_yield_when_they_would_leave_nothing_to_sample():
@@ -82,9 +82,9 @@ def test_bad_words_yield_when_they_would_leave_nothing_to_sample():
                             bad_words_token_ids=[[1, 2], [1, 3]])  # fmt: skip
     logits = torch.tensor([5.0, 4.0, 1.0, 2.0])
     row = SamplingRow(params, None, frozenset(), output_token_ids=[1])
-    assert sample(logits.clone()[None], [row])[0][0] == 3
+    assert sample(logits.clone()[None], [row])[0][0][0] == 3
     row.output_token_ids = [0]
-    assert sample(logits.clone()[None], [row])[0][0] == 3
+    assert sample(logits.clone()[None], [row])[0][0][0] == 3
 
 
 @pytest.mark.parametrize(

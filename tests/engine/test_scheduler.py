@@ -21,7 +21,7 @@ def make_request(request_id: str, num_tokens: int, max_tokens: int = 4, start: i
 def run_step(scheduler: Scheduler, token_id: int = 7) -> dict[str, int]:
     """Schedule one step and feed back a fixed token for every sampling request."""
     out = scheduler.schedule()
-    sampled = {s.request.request_id: (token_id, None) for s in out.scheduled if s.samples}
+    sampled = {s.request.request_id: [(token_id, None)] for s in out.scheduled if s.samples}
     scheduler.update_from_output(out, sampled)
     return {s.request.request_id: s.num_scheduled_tokens for s in out.scheduled}
 
@@ -80,7 +80,7 @@ def test_preemption_by_recompute_frees_and_resumes():
     for _ in range(100):
         out = scheduler.schedule()
         preempted += out.preempted_ids
-        sampled = {s.request.request_id: (7, None) for s in out.scheduled if s.samples}
+        sampled = {s.request.request_id: [(7, None)] for s in out.scheduled if s.samples}
         scheduler.update_from_output(out, sampled)
         if not scheduler.num_unfinished:
             break
@@ -114,7 +114,7 @@ def test_remote_kv_pull_does_not_block_others():
     (order,) = out.fetches
     assert order.remote_block_ids == [7, 8, 9] and len(order.local_block_ids) == 3
     assert remote.status is RequestStatus.WAITING_FOR_REMOTE_KV
-    scheduler.update_from_output(out, {"local": (7, None)})
+    scheduler.update_from_output(out, {"local": [(7, None)]})
     scheduler.finish_fetch("remote", ok=True)
     # Only the first token is computed: the prompt's KV arrived.
     assert run_step(scheduler) == {"local": 1, "remote": 1}
