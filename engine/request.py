@@ -191,15 +191,12 @@ class Request:
     @property
     def may_speculate(self) -> bool:
         """Whether drafts may be verified for this request: it decodes (one token to
-        compute), and nothing about its next tokens depends on more than what the sampler
-        sees per position (the drafts before it). A grammar's mask would need the matcher
-        advanced through each draft and rolled back; min_tokens' bans change with the
-        count; a prefill-only request samples a single token."""
-        params = self.sampling_params
+        compute), samples more than one token, and has no grammar (its mask at a draft's
+        position would need the matcher advanced through the drafts before it and rolled
+        back; not done)."""
         return (
             not self.prefill_only
-            and params.structured_output is None
-            and self.num_output_tokens >= params.min_tokens
+            and self.sampling_params.structured_output is None
             and self.num_tokens - self.num_computed_tokens == 1
         )
 

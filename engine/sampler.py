@@ -67,7 +67,8 @@ class RequestRandom:
 class SamplingRow:
     params: SamplingParams
     random: RequestRandom | None  # non-greedy requests: their random stream
-    banned_token_ids: frozenset[int]  # at every position of the row
+    # Banned at the positions before params.min_tokens output tokens (EOS, stop tokens).
+    banned_token_ids: frozenset[int]
     # The request's tokens so far (the output's length is the index of the row's first
     # token), and their counts (penalised requests).
     prompt_token_ids: Sequence[int] = ()
@@ -202,13 +203,16 @@ def sample(
     _apply_grammars(logits, rows, first_positions)
     for p, (r, j) in enumerate(owners):
         row = rows[r]
+        banned = row.banned_token_ids
+        if len(row.output_token_ids) + j >= row.params.min_tokens:
+            banned = frozenset()
         grammar_only = None
         if row.grammar_allowed is not None and (
-            row.banned_token_ids or row.params.allowed_token_ids or row.params.bad_words_token_ids
+            banned or row.params.allowed_token_ids or row.params.bad_words_token_ids
         ):
             grammar_only = logits[p].clone()  # what to fall back to (below)
-        if row.banned_token_ids:
-            logits[p, list(row.banned_token_ids)] = float("-inf")
+        if banned:
+            logits[p, list(banned)] = float("-inf")
         if row.params.allowed_token_ids is not None:
             _keep_only(logits[p], row.params.allowed_token_ids)
         if row.params.bad_words_token_ids:
