@@ -69,6 +69,8 @@ class EngineStats:
     offloaded_bytes: int = 0
     cpu_hit_blocks: int = 0
     cpu_load_seconds: float = 0.0
+    draft_tokens: int = 0  # cumulative: speculative drafts verified
+    accepted_draft_tokens: int = 0  # of those, kept
 
 
 class AsyncEngine:
@@ -306,5 +308,7 @@ class AsyncEngine:
             num_pull_failures=self.engine.num_pull_failures,
             num_blocks_reused_for_remote=scheduler.num_blocks_reused_for_remote,
             num_steps=self.engine.num_steps,
+            draft_tokens=scheduler.num_draft_tokens,
+            accepted_draft_tokens=scheduler.num_accepted_tokens,
             **tier_stats,
         )

@@ -90,6 +90,12 @@ class RouterMetrics:
             (worker_gauge("pdserve:worker_cpu_load_seconds",
                           "Time spent loading blocks back (cumulative)."),
              lambda stats: stats.cpu_load_ms_total / 1000),
+            (worker_gauge("pdserve:worker_draft_tokens",
+                          "Speculative draft tokens verified (cumulative)."),
+             lambda stats: stats.draft_tokens),
+            (worker_gauge("pdserve:worker_accepted_draft_tokens",
+                          "Speculative draft tokens kept (cumulative)."),
+             lambda stats: stats.accepted_draft_tokens),
         )  # fmt: skip
         self.rejected = Counter("pdserve:requests_rejected", "Requests refused by status.",
                                 ["status"], registry=r)  # fmt: skip

@@ -67,5 +67,7 @@ def stats_reply(
         offloaded_bytes=stats.offloaded_bytes,
         cpu_hit_blocks=stats.cpu_hit_blocks,
         cpu_load_ms_total=stats.cpu_load_seconds * 1000,
+        draft_tokens=stats.draft_tokens,
+        accepted_draft_tokens=stats.accepted_draft_tokens,
         **extra,
     )

@@ -141,7 +141,9 @@ def test_stops_and_limits_inside_accepted_drafts(tiny_llama, prompts, references
         tokens = greedy[rid]
         end = tokens.index(stop_at[rid]) + 1
         assert out.outputs[0].token_ids == tokens[:end]
-        assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == tokens[end - 1]
+        assert (
+            out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == tokens[end - 1]
+        )
     # max_tokens binds exactly, whatever the number of drafts.
     for max_tokens in (1, 2, 5, 7, 13):
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
