@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from common.hashing import BlockHash
+from engine.draft_budget import DraftBudget
 from engine.ngram_proposer import TokenHistory
 from engine.penalties import TokenCounts
 from engine.sampling_params import SamplingParams
@@ -131,8 +132,10 @@ class Request:
     error_param: str | None = None
     num_remote_blocks_pulled: int = 0
     token_counts: TokenCounts | None = None  # penalised requests: what the sampler counted
-    # Speculating requests: their tokens as an array, for the n-gram proposer.
+    # Speculating requests: their tokens as an array, for the n-gram proposer, and how
+    # many drafts their steps may verify.
     token_history: TokenHistory | None = None
+    draft_budget: DraftBudget | None = None
 
     @property
     def scores_prompt(self) -> bool:

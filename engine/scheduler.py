@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from common.config import EngineConfig
 from common.hashing import BlockHash
 from engine.block_pool import BlockPoolObserver
+from engine.draft_budget import DraftBudget
 from engine.kv_cache_manager import KVCacheManager, SecondaryTier, cdiv
 from engine.ngram_proposer import DraftProposer, NgramProposer
 from engine.request import Request, RequestStatus, TokenLogprobs
@@ -213,13 +214,16 @@ class Scheduler:
         return budget
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
-        """Tokens to verify after a decoding request's last one: at most
-        ``num_speculative_tokens``, what the budget leaves, and one fewer than the tokens
-        it may still generate (the step samples one more than it accepts)."""
+        """Tokens to verify after a decoding request's last one: at most what its draft
+        budget allows (``engine/draft_budget.py``), what the step's token budget leaves,
+        and one fewer than the tokens it may still generate (the step samples one more
+        than it keeps)."""
         if self.proposer is None or not request.may_speculate:
             return []
+        if request.draft_budget is None:
+            request.draft_budget = DraftBudget(self.num_speculative_tokens)
         max_drafts = min(
-            self.num_speculative_tokens,
+            request.draft_budget.take(),
             budget - 1,
             request.max_tokens - request.num_output_tokens - 1,
         )
@@ -375,6 +379,10 @@ class Scheduler:
             if num_drafts:
                 self.num_draft_tokens += num_drafts
                 self.num_accepted_tokens += len(tokens) - 1
+                assert request.draft_budget is not None
+                request.draft_budget.update(
+                    num_drafts, len(tokens) - 1, self.num_speculative_tokens
+                )
             if request.times.first_token is None:
                 request.times.first_token = now
             status = None
