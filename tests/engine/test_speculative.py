@@ -2,44 +2,23 @@
 tokens (greedy or seeded), its log-probs, its stops, or what it leaves behind.
 
 Random-weight models do not repeat themselves, so the n-gram proposer rarely fires on
-them; most tests therefore draft from a reference run (``Oracle``), corrupting drafts at
+them; most tests therefore draft from a reference run (``ReplayProposer``), corrupting drafts at
 a chosen rate so that steps accept all, some or none of them."""
 
 from __future__ import annotations
 
 import json
-import random
 import shutil
 
 import pytest
 
+from benchmarks.speculative import ReplayProposer
 from engine import LLM, LLMEngine, SamplingParams, StructuredOutput
-from engine.request import Request
 from tests.engine.helpers import hf_greedy, random_prompts
 from tests.engine.local_puller import LocalPuller
 from tests.engine.test_disaggregation import disaggregated, run
 
 VOCAB = 2000
-
-
-class Oracle:
-    """Proposes each request's reference continuation, every draft replaced by another
-    token with probability ``p_wrong``. Records who it was asked for."""
-
-    def __init__(self, reference: dict[str, list[int]], p_wrong: float, seed: int = 0) -> None:
-        self.reference = reference
-        self.p_wrong = p_wrong
-        self.rng = random.Random(seed)
-        self.asked: set[str] = set()
-
-    def propose(self, request: Request, max_drafts: int) -> list[int]:
-        self.asked.add(request.request_id)
-        done = request.num_output_tokens
-        drafts = list(self.reference.get(request.request_id, [])[done : done + max_drafts])
-        for i, token in enumerate(drafts):
-            if self.rng.random() < self.p_wrong:
-                drafts[i] = (token + 1 + self.rng.randrange(VOCAB - 1)) % VOCAB
-        return drafts
 
 
 def generate(engine: LLMEngine, prompts, params) -> dict[str, object]:
@@ -92,7 +71,7 @@ def references(tiny_llama, prompts) -> dict[str, dict]:
 def test_drafts_never_change_the_output(tiny_llama, prompts, references, name, p_wrong):
     reference = references[name]
     engine = LLM(tiny_llama, num_speculative_tokens=4).engine
-    engine.scheduler.proposer = Oracle(tokens_of(reference), p_wrong)
+    engine.scheduler.proposer = ReplayProposer(tokens_of(reference), p_wrong, VOCAB)
     outputs = generate(engine, prompts, PARAMS[name])
     assert tokens_of(outputs) == tokens_of(reference)
     for rid, out in outputs.items():
@@ -119,7 +98,7 @@ def test_greedy_with_drafts_matches_transformers(tiny_llama, prompts):
     expected = hf_greedy(tiny_llama, prompts, 20)
     engine = LLM(tiny_llama, num_speculative_tokens=3).engine
     reference = {f"r{i}": tokens for i, tokens in enumerate(expected)}
-    engine.scheduler.proposer = Oracle(reference, p_wrong=0.25, seed=1)
+    engine.scheduler.proposer = ReplayProposer(reference, 0.25, VOCAB, seed=1)
     outputs = generate(engine, prompts, SamplingParams(max_tokens=20, min_tokens=20, temperature=0))
     assert [outputs[f"r{i}"].outputs[0].token_ids for i in range(len(prompts))] == expected
     assert engine.scheduler.num_accepted_tokens > 0
@@ -129,7 +108,7 @@ def test_greedy_with_drafts_matches_transformers(tiny_llama, prompts):
 def test_stops_and_limits_inside_accepted_drafts(tiny_llama, prompts, references):
     greedy = tokens_of(references["greedy"])
     engine = LLM(tiny_llama, num_speculative_tokens=6).engine
-    engine.scheduler.proposer = Oracle(greedy, p_wrong=0.0)
+    engine.scheduler.proposer = ReplayProposer(greedy, 0.0, VOCAB)
     # A stop token in the middle of what the drafts would give: the request ends on it.
     stop_at = {rid: tokens[9] for rid, tokens in greedy.items()}
     for i, prompt in enumerate(prompts):
@@ -157,7 +136,7 @@ def test_stops_and_limits_inside_accepted_drafts(tiny_llama, prompts, references
 def test_each_step_reports_the_tokens_it_added(tiny_llama, prompts, references):
     greedy = tokens_of(references["greedy"])
     engine = LLM(tiny_llama, num_speculative_tokens=4).engine
-    engine.scheduler.proposer = Oracle(greedy, p_wrong=0.3, seed=2)
+    engine.scheduler.proposer = ReplayProposer(greedy, 0.3, VOCAB, seed=2)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, PARAMS["greedy"])
     streamed: dict[str, list[int]] = {rid: [] for rid in greedy}
@@ -174,8 +153,8 @@ def test_each_step_reports_the_tokens_it_added(tiny_llama, prompts, references):
 def test_requests_that_cannot_verify_drafts_get_none(tiny_llama, prompts, references):
     greedy = tokens_of(references["greedy"])
     engine = LLM(tiny_llama, num_speculative_tokens=4).engine
-    oracle = Oracle(greedy, p_wrong=0.0)
-    engine.scheduler.proposer = oracle
+    proposer = ReplayProposer(greedy, 0.0, VOCAB)
+    engine.scheduler.proposer = proposer
     engine.add_request("r0", prompts[0], SamplingParams(max_tokens=8, temperature=0,
                        structured_output=StructuredOutput("regex", "[a-z ]{1,40}")))  # fmt: skip
     engine.add_request("r2", prompts[2], SamplingParams(max_tokens=1, temperature=0))
@@ -183,11 +162,11 @@ def test_requests_that_cannot_verify_drafts_get_none(tiny_llama, prompts, refere
                        prefill_only=True)  # fmt: skip
     run(engine)
     # A grammar, one token to go, a prefill-only request: nothing to verify drafts for.
-    assert oracle.asked == set()
+    assert proposer.asked == set()
     assert engine.release_kv("r3")
     engine.add_request("r1", prompts[1], SamplingParams(max_tokens=20, temperature=0))
     assert tokens_of(run(engine))["r1"][:2] == greedy["r1"][:2]
-    assert oracle.asked == {"r1"}
+    assert proposer.asked == {"r1"}
     assert engine.leak_report() == []
 
 
@@ -205,7 +184,7 @@ def test_min_tokens_bans_hold_at_draft_positions(tiny_llama, prompts, references
     expected = tokens_of(generate(LLMEngine(model), prompts, params))
     assert expected["r0"][2] != eos
     engine = LLM(model, num_speculative_tokens=4).engine
-    engine.scheduler.proposer = Oracle(expected, p_wrong=0.0)
+    engine.scheduler.proposer = ReplayProposer(expected, 0.0, VOCAB)
     assert tokens_of(generate(engine, prompts, params)) == expected
     assert engine.scheduler.num_accepted_tokens > 0
     assert engine.leak_report() == []
@@ -232,7 +211,7 @@ def test_drafts_under_memory_pressure(tiny_llama, references):
     expected = tokens_of(generate(LLMEngine(tiny_llama), prompts, params))
     engine = LLM(tiny_llama, num_speculative_tokens=6, num_blocks=24, max_model_len=256,
                  max_num_batched_tokens=64).engine  # fmt: skip
-    engine.scheduler.proposer = Oracle(expected, p_wrong=0.2, seed=3)
+    engine.scheduler.proposer = ReplayProposer(expected, 0.2, VOCAB, seed=3)
     assert tokens_of(generate(engine, prompts, params)) == expected
     assert engine.scheduler.num_preemptions > 0
     assert engine.scheduler.num_accepted_tokens > 0
@@ -246,7 +225,7 @@ def test_disaggregated_decode_with_drafts_equals_colocated(tiny_llama, prompts, 
     prefill = LLMEngine(tiny_llama)
     decode = LLM(tiny_llama, num_speculative_tokens=4).engine
     decode.kv_puller = puller
-    decode.scheduler.proposer = Oracle(reference, p_wrong=0.3, seed=4)
+    decode.scheduler.proposer = ReplayProposer(reference, 0.3, VOCAB, seed=4)
     puller.sources["prefill-0"] = prefill
     puller.target = decode
     outputs = disaggregated(prefill, decode, prompts, PARAMS[name])
