@@ -194,9 +194,9 @@ class Request:
     @property
     def may_speculate(self) -> bool:
         """Whether drafts may be verified for this request: it decodes (one token to
-        compute), samples more than one token, and has no grammar (its mask at a draft's
-        position would need the matcher advanced through the drafts before it and rolled
-        back; not done)."""
+        compute), continues here (not prefill-only), and has no grammar (its mask at a
+        draft's position would need the matcher advanced through the drafts before it and
+        rolled back; not done). The scheduler caps the drafts by the tokens left."""
         return (
             not self.prefill_only
             and self.sampling_params.structured_output is None

@@ -123,13 +123,26 @@ def decode_mask(
     num_key_slots: int,
     sliding_window: int | None = None,
 ) -> torch.Tensor:  # [num_seqs, 1, 1, num_key_slots] bool
-    """Which of the padded key slots each single-token query attends to."""
-    k_pos = torch.arange(num_key_slots, device=seq_lens.device)[None, :]
-    last = (seq_lens.long() - 1)[:, None]
-    mask = k_pos <= last
-    if sliding_window is not None:
-        mask &= k_pos > last - sliding_window
-    return mask[:, None, None, :]
+    """Which of the padded key slots each single-token query attends to: the one-query
+    case of ``short_query_mask``."""
+    query_lens = torch.ones_like(seq_lens)
+    return short_query_mask(seq_lens, query_lens, 1, num_key_slots, sliding_window)
+
+
+def _padded_kv(
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
+    seq_lens: torch.Tensor,  # [num_seqs]
+    block_table: torch.Tensor,  # [num_seqs, max_blocks_per_seq]
+) -> tuple[torch.Tensor, torch.Tensor]:  # two [num_seqs, num_kv_heads, key slots, head_dim]
+    """Every sequence's keys and values, padded to the longest context's blocks."""
+    num_seqs = seq_lens.shape[0]
+    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+    max_blocks = -(-int(seq_lens.max()) // block_size)
+    table = block_table[:, :max_blocks].long()
+    # [B, nb, bs, Hkv, D] → [B, Hkv, nb * bs, D]
+    key = kv_cache[:, 0][table].reshape(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    value = kv_cache[:, 1][table].reshape(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    return key, value
 
 
 def decode_attention(
@@ -145,15 +158,9 @@ def decode_attention(
 
     ``attn_mask`` lets a caller build the mask once per step instead of once per layer; it
     must cover ``ceil(max(seq_lens) / block_size) * block_size`` key slots."""
-    num_seqs = query.shape[0]
-    if num_seqs == 0:
+    if query.shape[0] == 0:
         return query.clone()
-    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
-    max_blocks = -(-int(seq_lens.max()) // block_size)
-    table = block_table[:, :max_blocks].long()
-    # [B, nb, bs, Hkv, D] → [B, Hkv, nb * bs, D]
-    key = kv_cache[:, 0][table].reshape(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-    value = kv_cache[:, 1][table].reshape(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    key, value = _padded_kv(kv_cache, seq_lens, block_table)
     if attn_mask is None:
         attn_mask = decode_mask(seq_lens.to(query.device), key.shape[2], sliding_window)
     out = _attend(
@@ -200,12 +207,8 @@ def short_query_attention(
     ``attn_mask`` must cover ``ceil(max(seq_lens) / block_size) * block_size`` key slots."""
     num_seqs = seq_lens.shape[0]
     max_query_len = attn_mask.shape[2]
-    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
-    num_q_heads = query.shape[1]
-    max_blocks = -(-int(seq_lens.max()) // block_size)
-    table = block_table[:, :max_blocks].long()
-    key = kv_cache[:, 0][table].reshape(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-    value = kv_cache[:, 1][table].reshape(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+    num_q_heads, head_dim = query.shape[1:]
+    key, value = _padded_kv(kv_cache, seq_lens, block_table)
     padded = query.new_zeros(num_seqs * max_query_len, num_q_heads, head_dim)
     padded[padded_rows] = query
     padded = padded.view(num_seqs, max_query_len, num_q_heads, head_dim).transpose(1, 2)

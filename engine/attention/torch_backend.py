@@ -34,6 +34,7 @@ class ShortSegments:
     num_seqs: int
     max_query_len: int
     num_key_slots: int
+    query_lens: torch.Tensor  # [num_seqs] int64
     padded_rows: torch.Tensor  # [their tokens] int64: row of each in the padded batch
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
@@ -59,10 +60,9 @@ class TorchMetadata:
         assert short is not None
         mask = short.masks.get(sliding_window)
         if mask is None:
-            layout, end = self.layout, short.first + short.num_seqs
-            starts = layout.query_start_loc[short.first : end + 1]
+            end = short.first + short.num_seqs
             allowed = reference.short_query_mask(
-                layout.seq_lens[short.first : end], starts[1:] - starts[:-1],
+                self.layout.seq_lens[short.first : end], short.query_lens,
                 short.max_query_len, short.num_key_slots, sliding_window,
             )  # fmt: skip
             mask = short.masks[sliding_window] = _additive(allowed, dtype)
@@ -94,12 +94,14 @@ class TorchAttentionBackend(AttentionBackend):
         max_query_len = max(lens)
         rows = [i * max_query_len + j for i, n in enumerate(lens) for j in range(n)]
         max_seq_len = max(layout.seq_lens_cpu[first:end])
+        device = layout.seq_lens.device
         return ShortSegments(
             first=first,
             num_seqs=end - first,
             max_query_len=max_query_len,
             num_key_slots=-(-max_seq_len // self.block_size) * self.block_size,
-            padded_rows=torch.tensor(rows, dtype=torch.int64).to(layout.seq_lens.device),
+            query_lens=torch.tensor(lens, dtype=torch.int64).to(device),
+            padded_rows=torch.tensor(rows, dtype=torch.int64).to(device),
         )
 
     def forward(
