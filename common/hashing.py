@@ -5,9 +5,10 @@ A full block of ``block_size`` tokens is named by
     H(parent_hash || len(token_ids) || token_ids || extra)
 
 where ``H`` is sha256, the parent hash of the first block is a seed derived from an optional
-per-tenant salt, token ids are little-endian uint32 and ``extra`` is optional bytes (for
-multimodal or LoRA keys later). The encoding is canonical, so the same tokens give the same
-hash in every process, on every machine, in every Python version. Python's ``hash()`` is
+salt (the tenant's cache_salt and the LoRA adapter: ``prefix_salt``), token ids are
+little-endian uint32 and ``extra`` is optional bytes (for multimodal keys later). The
+encoding is canonical, so the same tokens give the same hash in every process, on every
+machine, in every Python version. Python's ``hash()`` is
 never used: it is salted per process and collides on purpose-built inputs.
 
 Only full blocks are hashed; a trailing partial block has no hash and is never shared.
@@ -34,6 +35,22 @@ def root_hash(salt: str | bytes | None = None) -> BlockHash:
     else:
         salt_bytes = bytes(salt)
     return hashlib.sha256(_ROOT_DOMAIN + struct.pack("<I", len(salt_bytes)) + salt_bytes).digest()
+
+
+_LORA_SALT_TAG = b"\xfflora"  # 0xff never occurs in UTF-8: no cache_salt string has this form
+
+
+def prefix_salt(cache_salt: str | None, lora_name: str | None) -> str | bytes | None:
+    """The salt of a request's block hashes, from its tenant salt and its LoRA adapter.
+
+    Without an adapter it is the cache_salt itself (base-model hashes are unchanged). With
+    one, it is bytes that no cache_salt can equal, so no tenant salt reaches an adapter's
+    blocks, and no adapter's blocks serve the base model or another adapter.
+    """
+    if lora_name is None:
+        return cache_salt
+    parts = [lora_name.encode(), (cache_salt or "").encode()]
+    return _LORA_SALT_TAG + b"".join(struct.pack("<I", len(p)) + p for p in parts)
 
 
 def hash_block(

@@ -68,7 +68,7 @@ class KVCacheManager:
             hash_blocks(
                 request.all_token_ids,
                 self.block_size,
-                salt=request.cache_salt,
+                salt=request.prefix_salt,
                 parent_hash=parent,
                 start_block=num_hashed,
             )

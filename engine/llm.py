@@ -8,7 +8,7 @@ outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,16 +34,23 @@ def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 
 
 class LLM:
-    def __init__(self, model: str | Path | None = None, **engine_overrides: Any) -> None:
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        lora_adapters: Mapping[str, str | Path] | None = None,
+        **engine_overrides: Any,
+    ) -> None:
         """``model``: a local Hugging Face checkpoint directory; None makes and uses the
-        built-in demo model. Keyword arguments override ``EngineConfig`` fields."""
+        built-in demo model. ``lora_adapters``: name -> PEFT adapter directory, for
+        ``generate(lora_name=...)``. Keyword arguments override ``EngineConfig`` fields."""
         if model is None:
             from engine.models.maker import ensure_model
 
             model = ensure_model()
         config = EngineConfig().replace(**engine_overrides)
         self.model_dir = Path(model)
-        self.engine = LLMEngine(model, config)
+        adapters = {name: Path(path) for name, path in (lora_adapters or {}).items()}
+        self.engine = LLMEngine(model, config, lora_adapters=adapters)
         self.tokenizer = Tokenizer(model)
         self._next_id = 0
 
@@ -61,9 +68,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_name: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, or a list of token ids). Outputs come back in
-        input order with ``text`` decoded. Invalid input raises before anything runs."""
+        input order with ``text`` decoded. Invalid input raises before anything runs.
+        ``lora_name``: the adapter of every prompt, or one per prompt (None: the base)."""
         prompt_list = _normalize_prompts(prompts)
         if sampling_params is None:
             sampling_params = self.default_sampling_params()
@@ -78,13 +87,22 @@ class LLM:
         token_lists = [
             self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt_list
         ]
+        if lora_name is None or isinstance(lora_name, str):
+            lora_names = [lora_name] * len(prompt_list)
+        else:
+            lora_names = list(lora_name)
+            if len(lora_names) != len(prompt_list):
+                raise ValueError(f"{len(lora_names)} lora names for {len(prompt_list)} prompts")
         for tokens in token_lists:
             self.engine.validate_prompt(tokens)
+        for name in lora_names:
+            if name is not None and name not in self.engine.runner.lora_adapters:
+                raise ValueError(f"unknown LoRA adapter {name!r}")
         request_ids = []
-        for tokens, params in zip(token_lists, params_list, strict=True):
+        for tokens, params, name in zip(token_lists, params_list, lora_names, strict=True):
             request_id = f"offline-{self._next_id}"
             self._next_id += 1
-            self.engine.add_request(request_id, tokens, params)
+            self.engine.add_request(request_id, tokens, params, lora_name=name)
             request_ids.append(request_id)
         return self._run(request_ids, prompt_list, use_tqdm)
 

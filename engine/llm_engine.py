@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,10 +87,12 @@ class LLMEngine:
         kv_puller: KVPuller | None = None,
         recompute_on_pull_failure: bool = True,
         kv_events: KVEventCollector | None = None,
+        lora_adapters: Mapping[str, Path] | None = None,
     ) -> None:
         """``kv_puller`` pulls prompt KV for requests that come with ``remote_kv`` (decode
         role); when a pull fails the request is prefilled locally, or fails with an error
-        if ``recompute_on_pull_failure`` is false."""
+        if ``recompute_on_pull_failure`` is false. ``lora_adapters``: name -> PEFT adapter
+        directory, loaded now; requests choose one by name (``add_request``)."""
         self.config = config or EngineConfig()
         self.kv_puller = kv_puller
         self.recompute_on_pull_failure = recompute_on_pull_failure
@@ -100,8 +102,9 @@ class LLMEngine:
         self.dtype = resolve_dtype(self.config, self.arch, self.device)
         self.max_model_len = resolve_max_model_len(self.config, self.arch)
         self.runner = ModelRunner(
-            model_dir, self.arch, self.config, self.device, self.dtype, self.max_model_len
-        )
+            model_dir, self.arch, self.config, self.device, self.dtype, self.max_model_len,
+            lora_adapters,
+        )  # fmt: skip
         observers = list(observers)
         if kv_events is not None:
             observers.append(kv_events)
@@ -138,6 +141,7 @@ class LLMEngine:
         remote_kv: RemoteKV | None = None,
         output_token_ids: Sequence[int] = (),
         grammar: object | None = None,
+        lora_name: str | None = None,
     ) -> Request:
         """Validate and queue a request. Raises ``InvalidRequestError`` (engine unchanged).
 
@@ -145,7 +149,8 @@ class LLMEngine:
         ``release_kv``. ``output_token_ids``: tokens already generated elsewhere (the first
         token, sampled by a prefill worker); ``remote_kv``: where the prompt's KV is.
         ``grammar``: the request's matcher from ``self.grammars.prepare`` (prepared off
-        the engine thread); None: prepared here, for a structured request.
+        the engine thread); None: prepared here, for a structured request. ``lora_name``:
+        one of the engine's LoRA adapters, or None for the base model.
         """
         prompt = self.validate_prompt(prompt_token_ids)
         outputs = self.validate_prompt(output_token_ids, allow_empty=True)
@@ -156,6 +161,11 @@ class LLMEngine:
             raise DuplicateRequestError(request_id)
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling params must be a SamplingParams", "params")
+        if lora_name is not None and lora_name not in self.runner.lora_adapters:
+            loaded = ", ".join(sorted(self.runner.lora_adapters)) or "none"
+            raise InvalidRequestError(
+                f"unknown LoRA adapter {lora_name!r} (loaded: {loaded})", "lora_name"
+            )
         if outputs and len(prompt) + len(outputs) >= self.max_model_len:
             raise InvalidRequestError(
                 f"{len(prompt)} prompt + {len(outputs)} output tokens leave no room below "
@@ -223,6 +233,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
             cache_salt=cache_salt,
+            lora_name=lora_name,
             prefill_only=prefill_only,
             remote_kv=remote_kv,
             output_token_ids=outputs,
@@ -376,7 +387,7 @@ class LLMEngine:
             names = transfer_block_hashes(
                 request.prompt_token_ids[: remote.num_tokens],
                 self.config.block_size,
-                request.cache_salt,
+                request.prefix_salt,
             )
             self.kv_puller.start_fetch(
                 request.request_id,
@@ -447,6 +458,7 @@ class LLMEngine:
                     block_ids=kv.get_block_ids(request.request_id),
                     sampling=sampling,
                     scoring=_prompt_scoring(request, start, end),
+                    lora_name=request.lora_name,
                 )
             )
         return chunks

@@ -10,6 +10,7 @@ samples.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.host_memory import zeros_for_kv_caches
 from engine.models.arch import ModelArchConfig
 from engine.models.loader import load_model
+from engine.models.lora import LoraAdapter, LoraBatch, load_lora_adapter
 from engine.request import TokenLogprobs
 from engine.sampler import SamplingRow, sample, score_tokens
 
@@ -38,6 +40,7 @@ class SequenceChunk:
     block_ids: list[int]  # every block of the request, covering start_pos + len(token_ids)
     sampling: SamplingRow | None  # None: a prompt chunk that is not the last
     scoring: PromptScoring | None = None
+    lora_name: str | None = None  # the request's LoRA adapter; None: the base model
 
 
 @dataclass(slots=True)
@@ -84,7 +87,10 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         max_model_len: int,
+        lora_adapters: Mapping[str, Path] | None = None,
     ) -> None:
+        """``lora_adapters``: name -> PEFT adapter directory, all loaded now and kept
+        resident; a request names one of them (``SequenceChunk.lora_name``) or none."""
         self.arch = arch
         self.device = device
         self.dtype = dtype
@@ -92,6 +98,10 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.backend = create_backend(config.attention_backend, device, config.block_size)
         self.model = load_model(model_dir, arch, max_model_len, self.backend, device, dtype)
+        self.lora_adapters: dict[str, LoraAdapter] = {
+            name: load_lora_adapter(name, path, arch, device, dtype)
+            for name, path in (lora_adapters or {}).items()
+        }
         self.num_blocks = self._num_blocks(config)
         shape = (self.num_blocks, 2, self.block_size, arch.num_kv_heads, arch.head_dim)
         # One view per layer of a block-major buffer; a block id names the same slot in
@@ -184,8 +194,14 @@ class ModelRunner:
     def _forward(self, chunks: list[SequenceChunk], batch: HostBatch) -> torch.Tensor:
         """Hidden states of every token: replayed from a CUDA graph for decode-only steps
         that fit one, eagerly otherwise."""
+        lora = self._lora_batch(chunks, batch)
         graphs = self.decode_graphs
-        if graphs is not None and len(chunks) == len(batch.input_ids) and graphs.fits(len(chunks)):
+        if (
+            graphs is not None
+            and lora is None  # graphs are captured for the base model
+            and len(chunks) == len(batch.input_ids)
+            and graphs.fits(len(chunks))
+        ):
             return graphs.run(
                 batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
                 batch.block_rows,
@@ -193,7 +209,23 @@ class ModelRunner:
         metadata = self.backend.build_metadata(self._layout(chunks, batch))
         input_ids = self._to_device(batch.input_ids, torch.int64)
         positions = self._to_device(batch.positions, torch.int64)
-        return self.model(input_ids, positions, self.kv_caches, metadata)
+        return self.model(input_ids, positions, self.kv_caches, metadata, lora)
+
+    def _lora_batch(self, chunks: list[SequenceChunk], batch: HostBatch) -> LoraBatch | None:
+        """The rows of each adapter in this step; None when no chunk uses one."""
+        rows: dict[str, list[int]] = {}
+        for i, chunk in enumerate(chunks):
+            if chunk.lora_name is not None:
+                start, end = batch.query_start_loc[i], batch.query_start_loc[i + 1]
+                rows.setdefault(chunk.lora_name, []).extend(range(start, end))
+        if not rows:
+            return None
+        return LoraBatch(
+            tuple(
+                (self.lora_adapters[name], self._to_device(indices, torch.int64))
+                for name, indices in rows.items()
+            )
+        )
 
     @torch.inference_mode()
     def execute(self, chunks: list[SequenceChunk]) -> StepResult:

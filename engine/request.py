@@ -16,7 +16,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from common.hashing import BlockHash
+from common.hashing import BlockHash, prefix_salt
 from engine.draft_budget import DraftBudget
 from engine.ngram_proposer import TokenHistory
 from engine.penalties import TokenCounts
@@ -109,6 +109,7 @@ class Request:
     eos_token_ids: frozenset[int]
     max_model_len: int
     cache_salt: str | None = None
+    lora_name: str | None = None  # the LoRA adapter it runs with; None: the base model
     prefill_only: bool = False
     remote_kv: RemoteKV | None = None
     times: RequestTimes = field(default_factory=RequestTimes)
@@ -145,6 +146,12 @@ class Request:
             self.sampling_params.prompt_logprobs is not None
             and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
         )
+
+    @property
+    def prefix_salt(self) -> str | bytes | None:
+        """The salt of its block hashes: KV is shared only within one tenant (cache_salt)
+        and one adapter (its KV differs from the base model's for the same tokens)."""
+        return prefix_salt(self.cache_salt, self.lora_name)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -3,6 +3,8 @@
 Tokens of all sequences in a step are one flat dimension; attention finds each sequence's
 context through the backend's per-step metadata. q/k/v and gate/up projections are fused
 into one matmul each; ``loader.py`` maps the checkpoint's separate tensors into them.
+Projections take a step's LoRA deltas, row by row, when any request in it uses an adapter
+(``lora.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from torch import nn
 
 from engine.attention.backend import AttentionBackend, LayerSpec
 from engine.models.arch import ModelArchConfig
+from engine.models.lora import LoraBatch
 from engine.models.rope import RotaryEmbedding
 
 
@@ -39,6 +42,7 @@ class Attention(nn.Module):
         backend: AttentionBackend,
     ) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.num_q_heads = arch.num_q_heads
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
@@ -63,9 +67,12 @@ class Attention(nn.Module):
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
         kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
         attn_metadata: object,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        if lora is not None:
+            qkv = lora.apply(self.layer_idx, "qkv_proj", hidden, qkv)
         query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         query = query.reshape(num_tokens, self.num_q_heads, self.head_dim)
         key = key.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -74,19 +81,29 @@ class Attention(nn.Module):
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = self.rotary[0](positions, query, key)
         out = self.backend.forward(query, key, value, kv_cache, attn_metadata, self.spec)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = out.reshape(num_tokens, self.q_size)
+        if lora is None:
+            return self.o_proj(out)
+        return lora.apply(self.layer_idx, "o_proj", out, self.o_proj(out))
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArchConfig) -> None:
+    def __init__(self, arch: ModelArchConfig, layer_idx: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.intermediate_size = arch.intermediate_size
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            gate_up = lora.apply(self.layer_idx, "gate_up_proj", x, gate_up)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        hidden = F.silu(gate) * up
+        if lora is None:
+            return self.down_proj(hidden)
+        return lora.apply(self.layer_idx, "down_proj", hidden, self.down_proj(hidden))
 
 
 class DecoderLayer(nn.Module):
@@ -101,7 +118,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = Attention(arch, layer_idx, rotary, backend)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch)
+        self.mlp = MLP(arch, layer_idx)
 
     def forward(
         self,
@@ -109,12 +126,15 @@ class DecoderLayer(nn.Module):
         hidden: torch.Tensor,
         kv_cache: torch.Tensor,
         attn_metadata: object,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         residual = hidden
-        hidden = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, attn_metadata)
+        hidden = self.self_attn(
+            positions, self.input_layernorm(hidden), kv_cache, attn_metadata, lora
+        )
         hidden = residual + hidden
         residual = hidden
-        hidden = self.mlp(self.post_attention_layernorm(hidden))
+        hidden = self.mlp(self.post_attention_layernorm(hidden), lora)
         return residual + hidden
 
 
@@ -149,10 +169,11 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[torch.Tensor],  # per layer [num_blocks, 2, block_size, Hkv, D]
         attn_metadata: object,
+        lora: LoraBatch | None = None,  # None: no row uses an adapter
     ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
         hidden = self.model.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, attn_metadata)
+            hidden = layer(positions, hidden, kv_cache, attn_metadata, lora)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32

@@ -23,14 +23,20 @@ def hf_greedy(
     prompts: list[list[int]],
     num_tokens: int,
     processors: Callable[[int], list] | None = None,
+    adapter_dir: Path | None = None,
     **generate_kwargs: Any,
 ) -> list[list[int]]:
     """transformers' greedy tokens, one prompt at a time (no padding), EOS banned like
     ``min_tokens=num_tokens``. ``processors(prompt_len)`` adds logits processors;
-    ``generate_kwargs`` go to ``generate`` (``repetition_penalty``, say)."""
+    ``adapter_dir``: a LoRA adapter, applied by ``peft``; ``generate_kwargs`` go to
+    ``generate`` (``repetition_penalty``, say)."""
     from transformers import AutoModelForCausalLM, LogitsProcessorList
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter_dir))
     outputs = []
     with torch.no_grad():
         for prompt in prompts:

@@ -1,0 +1,190 @@
+"""LoRA adapters in PEFT's format, applied per token so that one step mixes adapters.
+
+An adapter adds ``scale * B @ A`` to some of a layer's projections; here it is never merged
+into the base weights. Each step, the rows of the flat batch that belong to requests of one
+adapter get ``(x @ A^T) @ B^T`` added to the projection's output (``LoraBatch.apply``), so
+requests of several adapters and of the base model share one forward pass and one KV cache
+(the cache is keyed by adapter: ``common.hashing.prefix_salt``). The cost is two thin
+matmuls per adapted projection and adapter present in the step; a step without adapter
+requests runs exactly the base model.
+
+Files (what ``PeftModel.save_pretrained`` writes): ``adapter_config.json`` and
+``adapter_model.safetensors`` with ``base_model.model.model.layers.{i}.{self_attn|mlp}.
+{q|k|v|o|gate|up|down}_proj.lora_{A|B}.weight``; A is ``[rank, in]``, B ``[out, rank]``.
+The scale is ``lora_alpha / rank`` (``lora_alpha / sqrt(rank)`` with ``use_rslora``).
+q/k/v (and gate/up) are fused projections here (``llama.py``): their A's are stacked along
+the rank and their B's placed block-diagonally, so each fused projection takes one pair.
+What this does not implement is refused at load with the reason: DoRA, adapted embeddings
+or LM head (``modules_to_save`` and ``embed_tokens``/``lm_head`` targets), LoRA biases and
+per-module alphas (``alpha_pattern``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.models.arch import ModelArchConfig, ModelLoadError
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+_KEY = re.compile(
+    r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\."
+    r"(q|k|v|o|gate|up|down)_proj\.lora_(A|B)\.weight$"
+)
+# Fused projection of each adapted module, and the module's rows within it (in order).
+_FUSED_INTO = {
+    "q": "qkv_proj", "k": "qkv_proj", "v": "qkv_proj", "o": "o_proj",
+    "gate": "gate_up_proj", "up": "gate_up_proj", "down": "down_proj",
+}  # fmt: skip
+_FUSED_PARTS = {
+    "qkv_proj": ("q", "k", "v"), "o_proj": ("o",),
+    "gate_up_proj": ("gate", "up"), "down_proj": ("down",),
+}  # fmt: skip
+_TARGETS = frozenset(f"{m}_proj" for m in _FUSED_INTO)
+
+
+@dataclass(frozen=True, slots=True)
+class LoraPair:
+    """One adapted (fused) projection: its output gains ``(x @ a.T) @ b.T``."""
+
+    a: torch.Tensor  # [rank, in_features]
+    b: torch.Tensor  # [out_features, rank], the adapter's scale folded in
+
+
+@dataclass(frozen=True, slots=True)
+class LoraAdapter:
+    name: str
+    rank: int  # the largest of its modules' ranks
+    # Per layer: fused projection name ("qkv_proj", "o_proj", "gate_up_proj",
+    # "down_proj") -> its pair; a projection the adapter leaves alone is absent.
+    layers: tuple[dict[str, LoraPair], ...]
+
+
+def _shapes(arch: ModelArchConfig) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each adaptable module."""
+    hidden, inter = arch.hidden_size, arch.intermediate_size
+    return {
+        "q": (hidden, arch.q_size), "k": (hidden, arch.kv_size), "v": (hidden, arch.kv_size),
+        "o": (arch.q_size, hidden), "gate": (hidden, inter), "up": (hidden, inter),
+        "down": (inter, hidden),
+    }  # fmt: skip
+
+
+def _read_config(path: Path) -> dict:
+    config_path = path / ADAPTER_CONFIG
+    if not config_path.is_file():
+        raise ModelLoadError(f"{path}: no {ADAPTER_CONFIG} (a PEFT LoRA adapter directory)")
+    config = json.loads(config_path.read_text())
+    refused = {
+        "peft_type": config.get("peft_type", "LORA") != "LORA",
+        "use_dora": bool(config.get("use_dora")),
+        "modules_to_save": bool(config.get("modules_to_save")),
+        "alpha_pattern": bool(config.get("alpha_pattern")),
+        "lora_bias": bool(config.get("lora_bias")),
+    }
+    for key, bad in refused.items():
+        if bad:
+            raise ModelLoadError(f"{path}: {key}={config.get(key)!r} is not supported")
+    targets = config.get("target_modules") or []
+    if isinstance(targets, str):  # a regex over module names: checked by the keys instead
+        targets = []
+    unknown = sorted(set(targets) - _TARGETS)
+    if unknown:
+        raise ModelLoadError(
+            f"{path}: target_modules {unknown} are not supported (only the attention and "
+            f"MLP projections: {', '.join(sorted(_TARGETS))})"
+        )
+    return config
+
+
+def load_lora_adapter(
+    name: str, path: str | Path, arch: ModelArchConfig, device: torch.device, dtype: torch.dtype
+) -> LoraAdapter:
+    """Read a PEFT adapter for a model of ``arch``; every mismatch is a ``ModelLoadError``."""
+    path = Path(path)
+    config = _read_config(path)
+    weights = path / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise ModelLoadError(f"{path}: no {ADAPTER_WEIGHTS} (only safetensors adapters load)")
+    alpha = float(config.get("lora_alpha", 8))
+    rslora = bool(config.get("use_rslora"))
+    shapes = _shapes(arch)
+    # (layer, module) -> {"A": tensor, "B": tensor}
+    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    with safe_open(str(weights), framework="pt", device="cpu") as f:
+        for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            match = _KEY.match(key)
+            if match is None:
+                raise ModelLoadError(f"{weights}: unsupported tensor {key}")
+            layer, module, which = int(match.group(1)), match.group(2), match.group(3)
+            if layer >= arch.num_layers:
+                raise ModelLoadError(f"{weights}: {key} names layer {layer} of {arch.num_layers}")
+            found.setdefault((layer, module), {})[which] = f.get_tensor(key)
+    if not found:
+        raise ModelLoadError(f"{weights}: no LoRA tensors")
+    per_module: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+    for (layer, module), pair in found.items():
+        if set(pair) != {"A", "B"}:
+            raise ModelLoadError(f"{weights}: layer {layer} {module}_proj lacks lora_A or lora_B")
+        a, b = pair["A"], pair["B"]
+        in_features, out_features = shapes[module]
+        rank = a.shape[0]
+        if a.shape != (rank, in_features) or b.shape != (out_features, rank):
+            raise ModelLoadError(
+                f"{weights}: layer {layer} {module}_proj has A {tuple(a.shape)} and B "
+                f"{tuple(b.shape)}; this model needs [r, {in_features}] and [{out_features}, r]"
+            )
+        scale = alpha / (math.sqrt(rank) if rslora else rank)
+        per_module[(layer, module)] = (a.float(), b.float() * scale)
+    layers: list[dict[str, LoraPair]] = [{} for _ in range(arch.num_layers)]
+    for layer in range(arch.num_layers):
+        for fused, parts in _FUSED_PARTS.items():
+            present = [(m, per_module.get((layer, m))) for m in parts]
+            if all(pair is None for _, pair in present):
+                continue
+            a_rows, b_blocks = [], []
+            total_rank = sum(pair[0].shape[0] for _, pair in present if pair is not None)
+            offset = 0
+            for module, pair in present:
+                out_features = shapes[module][1]
+                block = torch.zeros(out_features, total_rank)
+                if pair is not None:
+                    a, b = pair
+                    a_rows.append(a)
+                    block[:, offset : offset + a.shape[0]] = b
+                    offset += a.shape[0]
+                b_blocks.append(block)
+            layers[layer][fused] = LoraPair(
+                a=torch.cat(a_rows).to(device, dtype),  # [total_rank, in]
+                b=torch.cat(b_blocks).to(device, dtype),  # [fused out, total_rank]
+            )
+    rank = max(a.shape[0] for a, _ in per_module.values())
+    return LoraAdapter(name=name, rank=rank, layers=tuple(layers))
+
+
+@dataclass(frozen=True, slots=True)
+class LoraBatch:
+    """Which rows of one step's flat batch use which adapter (rows of no adapter: none)."""
+
+    groups: tuple[tuple[LoraAdapter, torch.Tensor], ...]  # (adapter, row indices [n] int64)
+
+    def apply(
+        self,
+        layer_idx: int,
+        projection: str,
+        x: torch.Tensor,  # [num_tokens, in_features], the projection's input
+        out: torch.Tensor,  # [num_tokens, out_features], its base output; updated in place
+    ) -> torch.Tensor:
+        for adapter, rows in self.groups:
+            pair = adapter.layers[layer_idx].get(projection)
+            if pair is not None:
+                out.index_add_(0, rows, (x.index_select(0, rows) @ pair.a.T) @ pair.b.T)
+        return out

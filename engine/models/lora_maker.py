@@ -1,0 +1,76 @@
+"""Write a random LoRA adapter for a made (or any Llama-family) checkpoint, in PEFT's format.
+
+The files are what ``PeftModel.save_pretrained`` writes (``adapter_config.json`` and
+``adapter_model.safetensors``), so ``peft`` loads them too, which is how the tests check
+``engine/models/lora.py`` against an independent implementation. Both A and B are random
+(a freshly initialised PEFT adapter has B = 0 and changes nothing), scaled so the adapter
+changes most greedy continuations while keeping the logits well separated.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from engine.models.arch import read_arch_config
+from engine.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_lora_adapter(
+    model_dir: str | Path,
+    out: str | Path,
+    *,
+    rank: int = 8,
+    alpha: float = 16.0,
+    targets: Sequence[str] = ALL_TARGETS,
+    use_rslora: bool = False,
+    seed: int = 0,
+) -> Path:
+    """Write an adapter for ``model_dir``'s model to ``out`` (created). Returns ``out``."""
+    unknown = sorted(set(targets) - set(ALL_TARGETS))
+    if unknown:
+        raise ValueError(f"unknown target modules {unknown}; choose from {ALL_TARGETS}")
+    arch = read_arch_config(model_dir)
+    hidden, inter = arch.hidden_size, arch.intermediate_size
+    shapes = {  # (in_features, out_features)
+        "q_proj": (hidden, arch.q_size), "k_proj": (hidden, arch.kv_size),
+        "v_proj": (hidden, arch.kv_size), "o_proj": (arch.q_size, hidden),
+        "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
+    }  # fmt: skip
+    generator = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(arch.num_layers):
+        for target in targets:
+            in_features, out_features = shapes[target]
+            block = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{block}.{target}"
+            a = torch.randn(rank, in_features, generator=generator) / in_features**0.5
+            b = torch.randn(out_features, rank, generator=generator) * (0.5 / rank**0.5)
+            tensors[f"{key}.lora_A.weight"] = a.contiguous()
+            tensors[f"{key}.lora_B.weight"] = b.contiguous()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(model_dir),
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "target_modules": list(targets),
+        "bias": "none",
+        "use_rslora": use_rslora,
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return out

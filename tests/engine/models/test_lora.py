@@ -1,0 +1,186 @@
+"""LoRA adapters: greedy parity with transformers + peft on the same files, mixed batches,
+prefix-cache isolation per adapter, and clear refusals of what is not supported."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from common.hashing import hash_blocks, prefix_salt
+from engine import LLM, SamplingParams
+from engine.errors import InvalidRequestError
+from engine.models.arch import ModelLoadError, read_arch_config
+from engine.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_lora_adapter
+from engine.models.lora_maker import make_lora_adapter
+from tests.engine.helpers import hf_greedy, random_prompts
+
+NUM_TOKENS = 24
+PROMPT_LENGTHS = (5, 17, 40, 71)
+GREEDY = SamplingParams(max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory) -> dict[str, dict[str, Path]]:
+    """Per architecture: one adapter on every projection, one on some (q, v, down) with
+    rsLoRA scaling and another rank."""
+    made: dict[str, dict[str, Path]] = {}
+
+    def make(model_dir: Path, arch: str) -> dict[str, Path]:
+        if arch not in made:
+            root = tmp_path_factory.mktemp(f"lora-{arch}")
+            made[arch] = {
+                "all": make_lora_adapter(model_dir, root / "all", rank=8, seed=1),
+                "some": make_lora_adapter(
+                    model_dir,
+                    root / "some",
+                    rank=4,
+                    alpha=4.0,
+                    use_rslora=True,
+                    seed=2,
+                    targets=("q_proj", "v_proj", "down_proj"),
+                ),
+            }
+        return made[arch]
+
+    return make
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases, tied embeddings
+def test_greedy_parity_with_peft_in_one_mixed_batch(model_factory, adapters, arch):
+    model_dir = model_factory(arch)
+    paths = adapters(model_dir, arch)
+    prompts = random_prompts(PROMPT_LENGTHS)
+    llm = LLM(model_dir, lora_adapters=paths, dtype="float32")
+    # Base and both adapters for every prompt, all in the same steps.
+    names = [None, "all", "some"]
+    outputs = llm.generate(
+        [p for _ in names for p in prompts],
+        GREEDY,
+        use_tqdm=False,
+        lora_name=[name for name in names for _ in prompts],
+    )
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    n = len(prompts)
+    expected = hf_greedy(model_dir, prompts, NUM_TOKENS)
+    for name in ("all", "some"):
+        expected += hf_greedy(model_dir, prompts, NUM_TOKENS, adapter_dir=paths[name])
+    for i, (got, reference) in enumerate(zip(tokens, expected, strict=True)):
+        assert got == reference, f"{names[i // n]}, prompt of {len(prompts[i % n])} tokens"
+    # The adapters change the model (else parity would prove nothing).
+    for k in (1, 2):
+        assert sum(tokens[i] != tokens[k * n + i] for i in range(n)) >= n - 1
+    assert llm.engine.leak_report() == []
+
+
+def test_adapter_alone_equals_adapter_in_a_mixed_batch(tiny_llama, adapters):
+    paths = adapters(tiny_llama, "llama")
+    prompts = random_prompts(PROMPT_LENGTHS, seed=3)
+    alone = LLM(tiny_llama, lora_adapters=paths).generate(
+        prompts, GREEDY, use_tqdm=False, lora_name="some"
+    )
+    llm = LLM(tiny_llama, lora_adapters=paths)
+    mixed = llm.generate(
+        [p for p in prompts for _ in range(2)],
+        GREEDY,
+        use_tqdm=False,
+        lora_name=["some", "all"] * len(prompts),
+    )
+    assert [o.outputs[0].token_ids for o in alone] == [o.outputs[0].token_ids for o in mixed[0::2]]
+    assert llm.engine.leak_report() == []
+
+
+def test_prefix_cache_is_kept_apart_per_adapter(tiny_llama, adapters):
+    paths = adapters(tiny_llama, "llama")
+    prompt = random_prompts((70,), seed=5)[0]  # 4 full blocks of 16
+    fresh = {
+        name: LLM(tiny_llama, lora_adapters=paths).generate(
+            [prompt], GREEDY, use_tqdm=False, lora_name=name
+        )[0]
+        for name in (None, "all")
+    }
+    llm = LLM(tiny_llama, lora_adapters=paths)
+    runs = []
+    for name in (None, "all", "all", None, "some"):
+        runs.append(llm.generate([prompt], GREEDY, use_tqdm=False, lora_name=name)[0])
+    cached = [run.num_cached_tokens for run in runs]
+    # Each adapter's first run computes the prompt; a repeat of the same adapter hits.
+    assert cached == [0, 0, 64, 64, 0]
+    assert runs[1].outputs[0].token_ids == fresh["all"].outputs[0].token_ids
+    assert runs[3].outputs[0].token_ids == fresh[None].outputs[0].token_ids
+    assert llm.engine.leak_report() == []
+
+
+def test_prefix_salt_separates_adapters_and_tenants():
+    tokens = list(range(64))
+    hashes = {
+        (salt, lora): tuple(hash_blocks(tokens, 16, prefix_salt(salt, lora)))
+        for salt in (None, "tenant")
+        for lora in (None, "a", "b")
+    }
+    assert len(set(hashes.values())) == len(hashes)
+    # Without an adapter the salt is the tenant's own: base-model hashes do not move.
+    assert prefix_salt("tenant", None) == "tenant"
+    assert hashes[(None, None)] == tuple(hash_blocks(tokens, 16))
+    # No cache_salt string reaches an adapter's salt (its bytes are never UTF-8).
+    forged = prefix_salt(None, "a")
+    with pytest.raises(UnicodeDecodeError):
+        forged.decode()
+
+
+def test_unknown_adapter_is_refused_and_leaves_the_engine_clean(tiny_llama, adapters):
+    llm = LLM(tiny_llama, lora_adapters=adapters(tiny_llama, "llama"))
+    with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'nope'.*all, some"):
+        llm.engine.add_request("r", [5, 6, 7], GREEDY, lora_name="nope")
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.leak_report() == []
+
+
+def _copy_adapter(source: Path, target: Path, config_changes=None, tensors=None) -> Path:
+    target.mkdir()
+    config = json.loads((source / ADAPTER_CONFIG).read_text())
+    config.update(config_changes or {})
+    (target / ADAPTER_CONFIG).write_text(json.dumps(config))
+    weights = load_file(str(source / ADAPTER_WEIGHTS))
+    save_file(tensors(weights) if tensors else weights, str(target / ADAPTER_WEIGHTS))
+    return target
+
+
+_LAYER0_Q = "base_model.model.model.layers.0.self_attn.q_proj"
+
+
+@pytest.mark.parametrize(
+    ("config_changes", "tensors", "message"),
+    [
+        ({"use_dora": True}, None, "use_dora"),
+        ({"modules_to_save": ["lm_head"]}, None, "modules_to_save"),
+        ({"alpha_pattern": {"q_proj": 32}}, None, "alpha_pattern"),
+        ({"peft_type": "IA3"}, None, "peft_type"),
+        ({"target_modules": ["q_proj", "embed_tokens"]}, None, "embed_tokens"),
+        (None, lambda w: {k: v for k, v in w.items() if k != f"{_LAYER0_Q}.lora_B.weight"},
+         "lacks lora_A or lora_B"),
+        (None, lambda w: {**w, f"{_LAYER0_Q}.lora_A.weight": torch.zeros(8, 100)},
+         r"this model needs \[r, 256\]"),
+        (None, lambda w: {**w, "base_model.model.lm_head.lora_A.weight": torch.zeros(8, 256)},
+         "unsupported tensor"),
+        (None, lambda w: {k.replace("layers.0.", "layers.9."): v for k, v in w.items()},
+         "names layer 9 of 4"),
+    ],
+)  # fmt: skip
+def test_unsupported_or_mismatched_adapters_are_refused(
+    tiny_llama, adapters, tmp_path, config_changes, tensors, message
+):
+    source = adapters(tiny_llama, "llama")["all"]
+    bad = _copy_adapter(source, tmp_path / "bad", config_changes, tensors)
+    arch = read_arch_config(tiny_llama)
+    with pytest.raises(ModelLoadError, match=message):
+        load_lora_adapter("bad", bad, arch, torch.device("cpu"), torch.float32)
+
+
+def test_a_directory_without_an_adapter_is_refused(tiny_llama, tmp_path):
+    arch = read_arch_config(tiny_llama)
+    with pytest.raises(ModelLoadError, match="no adapter_config.json"):
+        load_lora_adapter("x", tmp_path, arch, torch.device("cpu"), torch.float32)
