@@ -8,6 +8,7 @@ so a config read from YAML and one written in Python compare equal.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -401,6 +402,33 @@ class RegistryConfig:
 
 _WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "*"})
 
+# What a LoRA adapter may be called: it is the "model" clients pass, a metric label, a path
+# segment in the containers.
+_LORA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+@dataclass(frozen=True, slots=True)
+class LoraSettings:
+    """LoRA adapters every worker loads at start and keeps resident (engine/models/lora.py).
+
+    A client picks one by passing its name as ``model``; the base model stays served under
+    its own name. Prefill and decode workers load the same adapters (a request's KV is
+    computed with its adapter on one and continued with it on the other)."""
+
+    # name -> a PEFT adapter directory (adapter_config.json + adapter_model.safetensors).
+    adapters: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, path in self.adapters.items():
+            if not _LORA_NAME.match(name):
+                raise ConfigError(
+                    f"lora.adapters.{name}",
+                    "a name is 1-64 letters, digits, '.', '_' or '-', starting with a letter "
+                    "or digit",
+                )
+            if not path:
+                raise ConfigError(f"lora.adapters.{name}", "needs the adapter's directory")
+
 
 @dataclass(frozen=True, slots=True)
 class PdserveConfig:
@@ -414,8 +442,14 @@ class PdserveConfig:
     offload: OffloadConfig = dataclasses.field(default_factory=OffloadConfig)
     router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
     registry: RegistryConfig = dataclasses.field(default_factory=RegistryConfig)
+    lora: LoraSettings = dataclasses.field(default_factory=LoraSettings)
 
     def __post_init__(self) -> None:
+        served = self.router.served_model_name
+        if served and served in self.lora.adapters:
+            raise ConfigError(
+                f"lora.adapters.{served}", "is also router.served_model_name: names must differ"
+            )
         for role in Role:
             section = self.role(role)
             if section.replicas < 0:

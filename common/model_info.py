@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.config import PdserveConfig, Role
+from common.config import ConfigError, PdserveConfig, Role
 
 DEMO_ARCH, DEMO_SIZE = "llama", "tiny"
 
@@ -48,5 +48,10 @@ def model_info(config: PdserveConfig) -> ModelInfo:
     engines = [config.engine_for(role) for role in Role if config.role(role).replicas > 0]
     max_model_len = min([limit, *(e.max_model_len for e in engines if e.max_model_len)])
     name = config.router.served_model_name or ("demo" if not config.model else model_dir.name)
+    if name in config.lora.adapters:  # "model" would name both
+        raise ConfigError(
+            f"lora.adapters.{name}",
+            "is also the served model's name; rename the adapter or set router.served_model_name",
+        )
     return ModelInfo(model_dir, name, max_model_len, config.engine_for(Role.DECODE).block_size,
                      int(hf_config.get("vocab_size", 0)))  # fmt: skip

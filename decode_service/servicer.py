@@ -71,6 +71,7 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServiceServicer):
         async_engine = self.runtime.check_accepting()
         params = sampling_from_proto(request.sampling)
         salt = request.cache_salt if request.HasField("cache_salt") else None
+        lora_name = request.lora_name if request.HasField("lora_name") else None
         remote_kv = self._remote_kv(request)
         self.num_active += 1
         first = True
@@ -80,6 +81,7 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServiceServicer):
                 list(request.prompt_token_ids),
                 params,
                 cache_salt=salt,
+                lora_name=lora_name,
                 remote_kv=remote_kv,
                 output_token_ids=list(request.output_token_ids),
             ):

@@ -14,6 +14,7 @@ from deploy import (
     deploy_cmd,
     generate_cmd,
     health_cmd,
+    make_lora_cmd,
     make_model_cmd,
     worker_cmd,
 )
@@ -23,6 +24,7 @@ Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argpar
 
 COMMANDS: dict[str, Command] = {
     "make-model": make_model_cmd.COMMAND,
+    "make-lora": make_lora_cmd.COMMAND,
     "generate": generate_cmd.COMMAND,
     "prefill": worker_cmd.PREFILL,
     "decode": worker_cmd.DECODE,

@@ -9,7 +9,9 @@ that passes here is one ``pdserve up``, the workers and the router accept.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -74,6 +76,8 @@ def summary(config: PdserveConfig, budgets: list[KVBudget] | None) -> list[str]:
     )
     model = config.model or f"demo ({model_dir_of(config)})"
     lines.append(f"model     {model}")
+    for name, path in sorted(config.lora.adapters.items()):
+        lines.append(f"lora      {name}: {_adapter(Path(path))}")
     if budgets is None:
         lines.append("kv cache  not sized: the model's config.json is not on this machine")
     for budget in budgets or []:
@@ -93,6 +97,19 @@ def _pool(config: PdserveConfig, budget: KVBudget) -> str:
         cpu_blocks = engine.kv_cache_bytes // budget.cpu_bytes_per_block
         size = f"{cpu_blocks} {blocks} on CPU (CUDA: {engine.gpu_memory_utilization:g} of GPU)"
     return f"{size}; one request of {budget.max_model_len} tokens needs {budget.min_blocks}"
+
+
+def _adapter(path: Path) -> str:
+    """What an adapter directory holds, as far as its config says (workers load it)."""
+    config_path = path / "adapter_config.json"
+    if not path.exists():
+        return f"{path} (not on this machine: not checked)"
+    if not config_path.is_file() or not (path / "adapter_model.safetensors").is_file():
+        return f"{path} (warning: no adapter_config.json and adapter_model.safetensors)"
+    adapter = json.loads(config_path.read_text())
+    targets = adapter.get("target_modules")
+    targets = ", ".join(targets) if isinstance(targets, list) else targets
+    return f"{path} (rank {adapter.get('r')}, alpha {adapter.get('lora_alpha')}; {targets})"
 
 
 def _kib(num_bytes: int) -> str:

@@ -16,6 +16,7 @@ those, so the layout (replicas, ports, engine, connector, timeouts) stays the us
 - **Paths.** The shared-storage directory is a shared volume at ``SHARED_KV_DIR``; a
   local model directory is mounted read-only under ``MODELS_DIR`` with its name kept (the
   served model name defaults to it). Without a model, the image's baked-in demo is used.
+  LoRA adapters are mounted read-only at ``ADAPTERS_DIR/<adapter name>``.
 - **Config file.** The rewritten config is mounted at ``CONFIG_PATH`` in every container.
 """
 
@@ -33,6 +34,7 @@ from common.config_loader import to_dict
 CONFIG_PATH = "/etc/pdserve/config.yaml"
 SHARED_KV_DIR = "/var/lib/pdserve/kv-shared"
 MODELS_DIR = "/models"
+ADAPTERS_DIR = "/adapters"
 REDIS_PORT = 6379
 REDIS_IMAGE = "redis:7.4-alpine"
 IMAGE_NAME = "pdserve"  # tags: cpu, cuda (deploy/Dockerfile's VARIANT)
@@ -58,9 +60,11 @@ def container_config(config: PdserveConfig, redis_host: str) -> PdserveConfig:
     transfer = config.kv_transfer
     if transfer.connector == "shared_storage":
         transfer = dataclasses.replace(transfer, shared_dir=SHARED_KV_DIR)
+    adapters = {name: container_adapter_path(name) for name in config.lora.adapters}
     return dataclasses.replace(
         config,
         model=container_model_path(config),
+        lora=dataclasses.replace(config.lora, adapters=adapters),
         router=dataclasses.replace(config.router, host="0.0.0.0"),
         registry=registry,
         kv_transfer=transfer,
@@ -71,6 +75,10 @@ def container_model_path(config: PdserveConfig) -> str | None:
     if config.model is None:
         return None
     return f"{MODELS_DIR}/{Path(config.model).name}"
+
+
+def container_adapter_path(name: str) -> str:
+    return f"{ADAPTERS_DIR}/{name}"
 
 
 def config_yaml(config: PdserveConfig, source: str) -> str:

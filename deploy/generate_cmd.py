@@ -24,10 +24,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--attention-backend", default="auto", help="auto, torch or triton")
+    parser.add_argument("--lora", default=None, help="a LoRA adapter directory to generate with")
 
 
 def run(args: argparse.Namespace) -> int:
     from engine import LLM, InvalidRequestError, SamplingParams
+    from engine.models.arch import ModelLoadError
 
     prompts = args.prompt or list(DEFAULT_PROMPTS)
     try:
@@ -40,10 +42,13 @@ def run(args: argparse.Namespace) -> int:
         )
         if args.model is None:
             print("using the built-in demo model (made on first use)", file=sys.stderr)
-        llm = LLM(args.model, device=args.device, attention_backend=args.attention_backend)
+        adapters = {"lora": args.lora} if args.lora else None
+        llm = LLM(
+            args.model, adapters, device=args.device, attention_backend=args.attention_backend
+        )
         start = time.perf_counter()
-        outputs = llm.generate(prompts, params)
-    except InvalidRequestError as exc:
+        outputs = llm.generate(prompts, params, lora_name="lora" if args.lora else None)
+    except (InvalidRequestError, ModelLoadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     elapsed = time.perf_counter() - start

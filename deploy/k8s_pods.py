@@ -29,6 +29,7 @@ REDIS = "pdserve-redis"
 ROUTER = "pdserve-router"
 KV_CLAIM = "pdserve-kv-shared"
 MODEL_CLAIM = "pdserve-models"
+LORA_CLAIM = "pdserve-lora"
 WORKER_CONTAINER = "worker"
 ROLE_LABEL = "pdserve.io/role"
 CHECKSUM_ANNOTATION = "pdserve.io/config-sha256"
@@ -45,13 +46,16 @@ def worker_name(role: Role) -> str:
 
 
 def claims(config: PdserveConfig) -> list[dict[str, Any]]:
-    """PersistentVolumeClaims: the shared-storage directory (read-write by every worker)
-    and the model directory (filled by you with the checkpoint; mounted read-only)."""
+    """PersistentVolumeClaims: the shared-storage directory (read-write by every worker),
+    the model directory (filled by you with the checkpoint; mounted read-only) and the
+    LoRA adapters (filled by you with one directory per adapter name; read-only)."""
     result = []
     if config.kv_transfer.connector == "shared_storage":
         result.append(_claim(KV_CLAIM, "50Gi"))
     if config.model is not None:
         result.append(_claim(MODEL_CLAIM, "100Gi"))
+    if config.lora.adapters:
+        result.append(_claim(LORA_CLAIM, "10Gi"))
     return result
 
 
@@ -167,6 +171,8 @@ def _mounts(config: PdserveConfig, worker: bool) -> list[dict[str, Any]]:
     model_path = c.container_model_path(config)
     if model_path is not None:
         mounts.append({"name": "models", "mountPath": model_path, "readOnly": True})
+    if worker and config.lora.adapters:  # the router only needs the names
+        mounts.append({"name": "lora", "mountPath": c.ADAPTERS_DIR, "readOnly": True})
     return mounts
 
 
@@ -182,6 +188,9 @@ def _pod_spec(
     if config.model is not None:
         volumes.append({"name": "models", "persistentVolumeClaim": {
             "claimName": MODEL_CLAIM, "readOnly": True}})  # fmt: skip
+    if worker and config.lora.adapters:
+        volumes.append({"name": "lora", "persistentVolumeClaim": {
+            "claimName": LORA_CLAIM, "readOnly": True}})  # fmt: skip
     return {
         "terminationGracePeriodSeconds": grace_s,
         "securityContext": {"runAsNonRoot": True, "runAsUser": UID, "fsGroup": UID},

@@ -102,6 +102,9 @@ def _worker(
     name = f"{role.value}-{index}"
     section = config.role(role)
     service = _common(config, image)
+    for adapter, path in sorted(config.lora.adapters.items()):  # the router needs names only
+        volume = f"{Path(path).resolve()}:{c.container_adapter_path(adapter)}:ro"
+        service.setdefault("volumes", []).append(volume)
     service.update(
         hostname=name,
         command=c.worker_args(role, index, host=name),

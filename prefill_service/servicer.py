@@ -12,7 +12,7 @@ import logging
 
 import grpc
 
-from common.hashing import transfer_block_hashes
+from common.hashing import prefix_salt, transfer_block_hashes
 from engine.async_engine import EngineFailedError
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
@@ -61,6 +61,7 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServiceServicer):
         async_engine = self.runtime.check_accepting()
         params = sampling_from_proto(request.sampling)
         salt = request.cache_salt if request.HasField("cache_salt") else None
+        lora_name = request.lora_name if request.HasField("lora_name") else None
         self.num_active += 1
         final: RequestOutput | None = None
         try:
@@ -69,6 +70,7 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServiceServicer):
                 list(request.token_ids),
                 params,
                 cache_salt=salt,
+                lora_name=lora_name,
                 prefill_only=True,
             ):
                 final = output
@@ -87,7 +89,8 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServiceServicer):
             if completion.logprobs:
                 reply.first_logprobs.CopyFrom(logprobs_to_proto(completion.logprobs[0]))
             if final.kv_block_ids is not None:
-                handle = await async_engine.call(lambda e: self._export(e, final, salt))
+                blocks_salt = prefix_salt(salt, lora_name)
+                handle = await async_engine.call(lambda e: self._export(e, final, blocks_salt))
                 reply.kv.CopyFrom(handle)
             self.runtime.timer.add(reply.timings)
             return reply
@@ -103,8 +106,11 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServiceServicer):
         finally:
             self.num_active -= 1
 
-    def _export(self, engine: LLMEngine, output: RequestOutput, salt: str | None) -> pb.KVHandle:
-        """Engine thread: put the prompt's blocks under a lease and offer them to peers."""
+    def _export(
+        self, engine: LLMEngine, output: RequestOutput, salt: str | bytes | None
+    ) -> pb.KVHandle:
+        """Engine thread: put the prompt's blocks under a lease and offer them to peers.
+        ``salt``: the request's block-hash salt (``common.hashing.prefix_salt``)."""
         if not engine.holds_kv(output.request_id):  # released meanwhile (ReleaseKV by id)
             raise RequestFailedError("the prompt's blocks were released before the export")
         runtime = self.runtime

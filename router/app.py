@@ -186,23 +186,26 @@ def create_app(state: RouterState) -> FastAPI:
         )
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    def model_card() -> dict[str, Any]:
-        return {
-            "id": state.model.served_name,
+    def model_card(lora_name: str | None = None) -> dict[str, Any]:
+        card = {
+            "id": lora_name or state.model.served_name,
             "object": "model",
             "created": state.started_at,
             "owned_by": "pdserve",
             "max_model_len": state.model.max_model_len,
         }
+        if lora_name is not None:  # as vLLM lists adapters: the base model is the parent
+            card["parent"] = state.model.served_name
+        return card
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        adapters = sorted(state.config.lora.adapters)
+        return {"object": "list", "data": [model_card(), *map(model_card, adapters)]}
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> dict[str, Any]:
-        check_model(model)
-        return model_card()
+        return model_card(check_model(model))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -227,15 +230,17 @@ def create_app(state: RouterState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_model(body.model)
+        lora_name = check_model(body.model)
         # Tokenizing a long prompt takes a while: off the event loop, so that other
         # requests' streams keep flowing meanwhile.
         prompts = await asyncio.to_thread(completion_prompts, body)
-        return await respond(request, body, prompts, chat=False, logprobs=body.logprobs)
+        return await respond(
+            request, body, prompts, chat=False, logprobs=body.logprobs, lora_name=lora_name
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_model(body.model)
+        lora_name = check_model(body.model)
         try:
             tool_format = tool_format_of(body, state.config.router.tool_call_parser)
         except FieldError as error:
@@ -246,14 +251,18 @@ def create_app(state: RouterState) -> FastAPI:
         )  # fmt: skip
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         return await respond(request, body, [prompt], chat=True, logprobs=logprobs,
-                             tool_format=tool_format,
-                             reasoning=reasoning_of(body, prompt))  # fmt: skip
+                             tool_format=tool_format, reasoning=reasoning_of(body, prompt),
+                             lora_name=lora_name)  # fmt: skip
 
     # ------------------------------------------------------------------ helpers
 
-    def check_model(model: str | None) -> None:
-        if model is not None and model != state.model.served_name:
-            raise model_not_found(model)
+    def check_model(model: str | None) -> str | None:
+        """The LoRA adapter ``model`` names; None for the base model (or no name)."""
+        if model is None or model == state.model.served_name:
+            return None
+        if model in state.config.lora.adapters:
+            return model
+        raise model_not_found(model)
 
     def tool_dicts(tools) -> list[dict[str, Any]] | None:
         """Tools as chat templates see them (OpenAI's shape)."""
@@ -309,7 +318,9 @@ def create_app(state: RouterState) -> FastAPI:
         logprobs: int | None,
         tool_format: ToolFormat | None = None,
         reasoning: Reasoning | None = None,
+        lora_name: str | None = None,
     ):
+        """``lora_name``: the adapter the request's ``model`` named; None: the base model."""
         if state.draining:
             raise unavailable("the router is draining")
         vocab = state.model.vocab_size or state.tokenizer.vocab_size  # what the engine checks
@@ -366,11 +377,12 @@ def create_app(state: RouterState) -> FastAPI:
             state.model.block_size,
             lambda stop: IncrementalDetokenizer(state.tokenizer, stop, body.min_tokens),
             body.cache_salt,
+            lora_name,
             prompt_param="messages" if chat else "prompt",
         )
         formatter = Formatter(
             response_id,
-            state.model.served_name,
+            lora_name or state.model.served_name,
             chat,
             logprobs,
             state.token_text,

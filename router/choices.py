@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from common.hashing import hash_blocks
+from common.hashing import hash_blocks, prefix_salt
 from proto import pdserve_pb2 as pb
 from router.detokenizer import IncrementalDetokenizer
 from router.dispatch import Dispatcher, SequenceRequest
@@ -64,10 +64,12 @@ def build_choices(
     block_size: int,
     detokenizer_factory,
     cache_salt: str | None = None,
+    lora_name: str | None = None,
     prompt_param: str = "prompt",
 ) -> list[Choice]:
     """One choice per (prompt, sample); checks each prompt against the context limit, and
     ``min_tokens`` against what the context leaves when ``max_tokens`` is unset.
+    ``lora_name``: the LoRA adapter every choice runs with (None: the base model).
     ``prompt_param`` names the request's prompt field in errors."""
     choices = []
     for prompt_index, prompt in enumerate(prompts):
@@ -81,7 +83,7 @@ def build_choices(
                 f"{len(prompt)} prompt tokens, got {sampling.min_tokens}",
                 "min_tokens",
             )
-        hashes = hash_blocks(prompt, block_size, cache_salt)
+        hashes = hash_blocks(prompt, block_size, prefix_salt(cache_salt, lora_name))
         for sample in range(n):
             params = pb.SamplingParams()
             params.CopyFrom(sampling)
@@ -96,7 +98,7 @@ def build_choices(
                     index=index,
                     prompt_index=prompt_index,
                     request=SequenceRequest(
-                        f"{request_id}-{index}", prompt, hashes, params, cache_salt
+                        f"{request_id}-{index}", prompt, hashes, params, cache_salt, lora_name
                     ),
                     detokenizer=detokenizer_factory(stop),
                 )

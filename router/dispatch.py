@@ -56,6 +56,7 @@ class SequenceRequest:
     block_hashes: list[BlockHash]
     sampling: pb.SamplingParams
     cache_salt: str | None = None
+    lora_name: str | None = None  # a LoRA adapter the workers loaded; None: the base model
 
 
 @dataclass(slots=True)
@@ -342,6 +343,8 @@ class Dispatcher:
         )
         if request.cache_salt is not None:
             message.cache_salt = request.cache_salt
+        if request.lora_name is not None:
+            message.lora_name = request.lora_name
         for worker in [w for w in [chosen, *others] if w is not None]:
             if self.pool.retired(worker):
                 continue  # retired while an earlier try ran: its channel is closed
@@ -445,6 +448,8 @@ class Dispatcher:
             )
             if request.cache_salt is not None:
                 message.cache_salt = request.cache_salt
+            if request.lora_name is not None:
+                message.lora_name = request.lora_name
             if kv is not None:
                 message.kv.CopyFrom(kv)
             started = False

@@ -17,11 +17,12 @@ Lifecycle:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import grpc
@@ -33,7 +34,7 @@ from common.registry import Registry, WorkerInfo, create_registry, worker_id
 from engine.async_engine import AsyncEngine
 from engine.kv_events import KVEventCollector
 from engine.llm_engine import LLMEngine
-from engine.models.fingerprint import weights_fingerprint
+from engine.models.fingerprint import adapter_fingerprint, weights_fingerprint
 from kv_transfer import KVConnector, KVTransferConfig, create_connector
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -75,10 +76,21 @@ class PeerMetadataClient:
             self._stubs.clear()
 
 
-def model_namespace(model_dir: Path) -> str:
+def model_namespace(model_dir: Path, lora_adapters: Mapping[str, Path] | None = None) -> str:
     """A directory-safe name per model and weights, so shared-storage files of different
-    models (or of one model's old weights) with equal token prefixes never mix."""
-    return f"{model_dir.name}-{weights_fingerprint(model_dir)}"
+    models (or of one model's old weights) with equal token prefixes never mix.
+
+    Adapters' blocks are told apart by their names (``common.hashing.prefix_salt``), not
+    their weights, so the namespace also covers every adapter's name and weights: an
+    adapter changed under the same name must not read its old blocks. The price is a
+    cold store for the base model too after any adapter changes."""
+    fingerprint = weights_fingerprint(model_dir)
+    if lora_adapters:
+        digest = hashlib.sha256(fingerprint.encode())
+        for name, path in sorted(lora_adapters.items()):
+            digest.update(f"\0{name}\0{adapter_fingerprint(path)}".encode())
+        fingerprint = digest.hexdigest()[:12]
+    return f"{model_dir.name}-{fingerprint}"
 
 
 class WorkerRuntime:
@@ -152,6 +164,7 @@ class WorkerRuntime:
         from engine.models.maker import ensure_model
 
         model_dir = Path(self.config.model) if self.config.model else ensure_model()
+        adapters = {name: Path(path) for name, path in self.config.lora.adapters.items()}
         transfer = self.config.kv_transfer
         connector_config = KVTransferConfig(
             connector=transfer.connector,
@@ -160,7 +173,7 @@ class WorkerRuntime:
             store_port=self.ports.kv_store,
             timeout_s=transfer.timeout_s,
             shared_dir=transfer.shared_dir,
-            shared_namespace=model_namespace(model_dir),
+            shared_namespace=model_namespace(model_dir, adapters),
             shared_max_bytes=transfer.shared_max_bytes,
             nixl_read_lanes=transfer.nixl_read_lanes,
             nixl_pin_lanes=transfer.nixl_pin_lanes,
@@ -174,6 +187,7 @@ class WorkerRuntime:
             kv_events=collector,
             kv_puller=puller,
             recompute_on_pull_failure=transfer.failure_policy is FailurePolicy.RECOMPUTE,
+            lora_adapters=adapters,
         )
         engine.grammars.warm_up()  # before serving: not on the first structured request
         self.connector.register_kv_caches(engine.runner.kv_caches)

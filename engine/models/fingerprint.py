@@ -23,6 +23,7 @@ import struct
 from pathlib import Path
 
 from engine.models.loader import safetensors_files
+from engine.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 SAMPLES_PER_TENSOR = 3
 SAMPLE_BYTES = 4 << 10
@@ -36,25 +37,37 @@ def _sample_offsets(begin: int, end: int) -> list[int]:
     return sorted({begin, max(begin, middle), last})[:SAMPLES_PER_TENSOR]
 
 
+def _hash_safetensors(digest: hashlib._Hash, path: Path) -> None:
+    """Add one safetensors file's name, size, header and tensor samples to ``digest``."""
+    size = path.stat().st_size
+    digest.update(f"{path.name}\0{size}\0".encode())
+    with open(path, "rb") as f:
+        (header_bytes,) = struct.unpack("<Q", f.read(8))
+        header = f.read(min(header_bytes, _MAX_HEADER_BYTES))
+        digest.update(header)
+        data_start = 8 + header_bytes
+        tensors = json.loads(header)
+        ranges = sorted(
+            tuple(entry["data_offsets"])
+            for name, entry in tensors.items()
+            if name != "__metadata__"
+        )
+        for begin, end in ranges:
+            for offset in _sample_offsets(begin, end):
+                f.seek(data_start + offset)
+                digest.update(f.read(min(SAMPLE_BYTES, end - offset)))
+
+
 def weights_fingerprint(model_dir: Path) -> str:
     """12 hex digits naming ``model_dir``'s config and weights (see the module docstring)."""
     digest = hashlib.sha256((model_dir / "config.json").read_bytes())
     for path in safetensors_files(model_dir):
-        size = path.stat().st_size
-        digest.update(f"{path.name}\0{size}\0".encode())
-        with open(path, "rb") as f:
-            (header_bytes,) = struct.unpack("<Q", f.read(8))
-            header = f.read(min(header_bytes, _MAX_HEADER_BYTES))
-            digest.update(header)
-            data_start = 8 + header_bytes
-            tensors = json.loads(header)
-            ranges = sorted(
-                tuple(entry["data_offsets"])
-                for name, entry in tensors.items()
-                if name != "__metadata__"
-            )
-            for begin, end in ranges:
-                for offset in _sample_offsets(begin, end):
-                    f.seek(data_start + offset)
-                    digest.update(f.read(min(SAMPLE_BYTES, end - offset)))
+        _hash_safetensors(digest, path)
+    return digest.hexdigest()[:12]
+
+
+def adapter_fingerprint(adapter_dir: Path) -> str:
+    """The same for a LoRA adapter: its ``adapter_config.json`` and weights file."""
+    digest = hashlib.sha256((adapter_dir / ADAPTER_CONFIG).read_bytes())
+    _hash_safetensors(digest, adapter_dir / ADAPTER_WEIGHTS)
     return digest.hexdigest()[:12]

@@ -30,6 +30,22 @@ def test_make_model_then_generate(tmp_path):
     assert "output (5 tokens, length)" in gen.stdout
 
 
+def test_make_lora_then_generate_with_it(tiny_llama, tmp_path):
+    out = tmp_path / "alice"
+    made = run_cli("make-lora", "--model", str(tiny_llama), "--out", str(out), "--rank", "4",
+                   "--targets", "q_proj", "v_proj")  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["target_modules"] == ["q_proj", "v_proj"]
+    assert run_cli("make-lora", "--model", str(tiny_llama), "--out", str(out)).returncode == 2
+    generate = ["generate", "--model", str(tiny_llama), "--prompt", "hello", "--max-tokens", "8"]
+    base, adapted = run_cli(*generate), run_cli(*generate, "--lora", str(out))
+    assert base.returncode == 0 and adapted.returncode == 0, adapted.stderr
+    assert "output (8 tokens, length)" in adapted.stdout and adapted.stdout != base.stdout
+    missing = run_cli(*generate, "--lora", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2 and "no adapter_config.json" in missing.stderr
+
+
 def test_generate_uses_the_demo_model(tmp_path):
     result = run_cli("generate", "--max-tokens", "4", env={"PDSERVE_HOME": str(tmp_path)})
     assert result.returncode == 0, result.stderr

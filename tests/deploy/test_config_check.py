@@ -188,3 +188,17 @@ def test_enum_settings_built_in_python_are_enums():
     from common.config import FailurePolicy, KVTransferSettings
 
     assert KVTransferSettings(failure_policy="fail").failure_policy is FailurePolicy.FAIL
+
+
+def test_check_lists_the_lora_adapters(tiny_llama, tmp_path, capsys):
+    from engine.models.lora_maker import make_lora_adapter
+
+    adapter = make_lora_adapter(tiny_llama, tmp_path / "alice", rank=4, targets=("q_proj",))
+    (tmp_path / "empty").mkdir()
+    path = ROOT / "deploy" / "configs" / "1p1d-demo.yaml"
+    adapters = f"lora.adapters={{alice: {adapter}, gone: /nowhere, empty: {tmp_path / 'empty'}}}"
+    assert main(["config", "check", str(path), "--set", adapters]) == 0
+    out = capsys.readouterr().out
+    assert f"lora      alice: {adapter} (rank 4, alpha 16.0; q_proj)" in out
+    assert "lora      gone: /nowhere (not on this machine: not checked)" in out
+    assert "empty" in out and "warning: no adapter_config.json" in out

@@ -26,7 +26,8 @@ DEMO = ROOT / "deploy" / "configs" / "1p1d-demo.yaml"
 
 
 def unusual_config(tmp_path: Path) -> Path:
-    """A layout no example uses: 3P2D, shared storage, a local model, custom ports."""
+    """A layout no example uses: 3P2D, shared storage, a local model, a LoRA adapter,
+    custom ports."""
     model = tmp_path / "my-model"
     model.mkdir(exist_ok=True)
     path = tmp_path / "unusual.yaml"
@@ -36,6 +37,7 @@ def unusual_config(tmp_path: Path) -> Path:
         "decode": {"replicas": 2, "port": 42000, "engine": {"max_num_seqs": 8}},
         "kv_transfer": {"connector": "shared_storage", "shared_dir": str(tmp_path / "kv")},
         "router": {"host": "0.0.0.0", "port": 9000, "drain_grace_s": 20},
+        "lora": {"adapters": {"alice": str(tmp_path / "adapters" / "a1")}},
     }))  # fmt: skip
     return path
 
@@ -105,13 +107,16 @@ def test_compose_details_of_an_unusual_layout(tmp_path):
     assert services["router"]["ports"] == ["9000:9000"]  # router.host 0.0.0.0: all interfaces
     assert services["prefill-2"]["volumes"] == [
         f"{tmp_path / 'my-model'}:/models/my-model:ro",
+        f"{tmp_path / 'adapters' / 'a1'}:/adapters/alice:ro",
         f"kv-shared:{containers.SHARED_KV_DIR}",
     ]
+    assert services["router"]["volumes"] == [f"{tmp_path / 'my-model'}:/models/my-model:ro"]
     gpus = [s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
             for name, s in services.items() if name[-1].isdigit()]  # fmt: skip
     assert gpus == [["0"], ["1"], ["0"], ["1"], ["0"]]
     inner = yaml.safe_load(document["configs"]["pdserve-config"]["content"])
     assert inner["model"] == "/models/my-model"
+    assert inner["lora"]["adapters"] == {"alice": "/adapters/alice"}
     assert inner["kv_transfer"]["shared_dir"] == containers.SHARED_KV_DIR
     assert services["prefill-0"]["stop_grace_period"] == "105s"
 
@@ -234,10 +239,14 @@ def test_k8s_volumes_of_an_unusual_layout(tmp_path):
     docs = {(d["kind"], d["metadata"]["name"]): d for d in k8s_docs(files)}
     assert ("PersistentVolumeClaim", "pdserve-kv-shared") in docs
     assert ("PersistentVolumeClaim", "pdserve-models") in docs
+    assert ("PersistentVolumeClaim", "pdserve-lora") in docs
     prefill = docs[("Deployment", "pdserve-prefill")]["spec"]["template"]["spec"]
     mounts = {m["name"]: m["mountPath"] for m in prefill["containers"][0]["volumeMounts"]}
     assert mounts["kv-shared"] == containers.SHARED_KV_DIR
     assert mounts["models"] == "/models/my-model"
+    assert mounts["lora"] == "/adapters"  # alice at /adapters/alice, as the config says
+    router = docs[("Deployment", "pdserve-router")]["spec"]["template"]["spec"]
+    assert "lora" not in {m["name"] for m in router["containers"][0]["volumeMounts"]}
     assert prefill["terminationGracePeriodSeconds"] == 105
 
 

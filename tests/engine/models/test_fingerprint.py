@@ -48,3 +48,20 @@ def test_a_change_to_one_tensor_alone_changes_it(tiny_llama, tmp_path):
         edited[name] = tensors[name] * 1.01 + 1e-3
         save_file(edited, changed / "model.safetensors", metadata=metadata)
         assert weights_fingerprint(changed) != base, name
+
+
+def test_the_namespace_covers_the_lora_adapters(tiny_llama, tmp_path):
+    """Adapters' blocks are named by adapter name: one changed under its name must not
+    read the blocks its old weights computed."""
+    from engine.models.lora_maker import make_lora_adapter
+
+    adapter = make_lora_adapter(tiny_llama, tmp_path / "a", seed=1)
+    copy = tmp_path / "copy"
+    shutil.copytree(adapter, copy, copy_function=shutil.copyfile)
+    retrained = make_lora_adapter(tiny_llama, tmp_path / "b", seed=2)
+    plain = model_namespace(tiny_llama)
+    with_adapter = model_namespace(tiny_llama, {"alice": adapter})
+    assert with_adapter != plain
+    assert model_namespace(tiny_llama, {"alice": copy}) == with_adapter
+    assert model_namespace(tiny_llama, {"alice": retrained}) != with_adapter
+    assert model_namespace(tiny_llama, {"bob": adapter}) != with_adapter
