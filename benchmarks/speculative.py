@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.offline_runs import run_all
 from common.config import EngineConfig
 from engine import LLMEngine, SamplingParams
 from engine.models.maker import ensure_model
@@ -64,23 +65,9 @@ class ReplayProposer:
         return drafts
 
 
-def _run(
-    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
-) -> dict[str, list[int]]:
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
-    tokens = {}
-    while engine.has_work():
-        for output in engine.step():
-            if output.finished:
-                tokens[output.request_id] = output.outputs[0].token_ids
-    assert engine.leak_report() == [], engine.leak_report()
-    return tokens
-
-
 def _timed(engine: LLMEngine, prompts, params, repeats: int) -> tuple[dict, float, dict]:
     """(tokens, median seconds, draft counts of one run) after a warm-up run."""
-    _run(engine, prompts, params)
+    run_all(engine, prompts, params)
     times = []
     scheduler = engine.scheduler
     for _ in range(repeats):
@@ -90,7 +77,7 @@ def _timed(engine: LLMEngine, prompts, params, repeats: int) -> tuple[dict, floa
             engine.num_steps,
         )
         start = time.perf_counter()
-        tokens = _run(engine, prompts, params)
+        tokens = run_all(engine, prompts, params)
         times.append(time.perf_counter() - start)
     counts = {
         "draft_tokens": scheduler.num_draft_tokens - drafted,
