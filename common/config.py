@@ -402,8 +402,8 @@ class RegistryConfig:
 
 _WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "*"})
 
-# What a LoRA adapter may be called: it is the "model" clients pass, a metric label, a path
-# segment in the containers.
+# What a LoRA adapter may be called: it is the "model" clients pass and a path segment in
+# the containers (/adapters/<name>).
 _LORA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
