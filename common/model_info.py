@@ -27,6 +27,11 @@ def model_dir_of(config: PdserveConfig) -> Path:
     return Path(config.model) if config.model else made_model_dir()
 
 
+# The files of a LoRA adapter directory (PEFT's format; engine/models/lora.py reads them).
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
     model_dir: Path

@@ -17,7 +17,7 @@ import yaml
 
 from common.config import ConfigError, PdserveConfig, Role
 from common.kv_budget import KVBudget, kv_budgets
-from common.model_info import model_dir_of
+from common.model_info import ADAPTER_CONFIG, ADAPTER_WEIGHTS, model_dir_of
 from deploy.config_args import add_overrides
 
 
@@ -101,11 +101,11 @@ def _pool(config: PdserveConfig, budget: KVBudget) -> str:
 
 def _adapter(path: Path) -> str:
     """What an adapter directory holds, as far as its config says (workers load it)."""
-    config_path = path / "adapter_config.json"
+    config_path = path / ADAPTER_CONFIG
     if not path.exists():
         return f"{path} (not on this machine: not checked)"
-    if not config_path.is_file() or not (path / "adapter_model.safetensors").is_file():
-        return f"{path} (warning: no adapter_config.json and adapter_model.safetensors)"
+    if not config_path.is_file() or not (path / ADAPTER_WEIGHTS).is_file():
+        return f"{path} (warning: no {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS})"
     adapter = json.loads(config_path.read_text())
     targets = adapter.get("target_modules")
     targets = ", ".join(targets) if isinstance(targets, list) else targets

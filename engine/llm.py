@@ -96,8 +96,7 @@ class LLM:
         for tokens in token_lists:
             self.engine.validate_prompt(tokens)
         for name in lora_names:
-            if name is not None and name not in self.engine.runner.lora_adapters:
-                raise ValueError(f"unknown LoRA adapter {name!r}")
+            self.engine.validate_lora_name(name)
         request_ids = []
         for tokens, params, name in zip(token_lists, params_list, lora_names, strict=True):
             request_id = f"offline-{self._next_id}"

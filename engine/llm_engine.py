@@ -161,11 +161,7 @@ class LLMEngine:
             raise DuplicateRequestError(request_id)
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling params must be a SamplingParams", "params")
-        if lora_name is not None and lora_name not in self.runner.lora_adapters:
-            loaded = ", ".join(sorted(self.runner.lora_adapters)) or "none"
-            raise InvalidRequestError(
-                f"unknown LoRA adapter {lora_name!r} (loaded: {loaded})", "lora_name"
-            )
+        self.validate_lora_name(lora_name)
         if outputs and len(prompt) + len(outputs) >= self.max_model_len:
             raise InvalidRequestError(
                 f"{len(prompt)} prompt + {len(outputs)} output tokens leave no room below "
@@ -266,6 +262,14 @@ class LLMEngine:
                 "prompt",
             )
         return prompt
+
+    def validate_lora_name(self, lora_name: str | None) -> None:
+        """Raises ``InvalidRequestError`` unless ``lora_name`` is None or a loaded adapter."""
+        if lora_name is not None and lora_name not in self.runner.lora_adapters:
+            loaded = ", ".join(sorted(self.runner.lora_adapters)) or "none"
+            raise InvalidRequestError(
+                f"unknown LoRA adapter {lora_name!r} (loaded: {loaded})", "lora_name"
+            )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort_request(request_id)

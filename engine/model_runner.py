@@ -213,6 +213,8 @@ class ModelRunner:
 
     def _lora_batch(self, chunks: list[SequenceChunk], batch: HostBatch) -> LoraBatch | None:
         """The rows of each adapter in this step; None when no chunk uses one."""
+        if not self.lora_adapters:  # the common case: no per-step work at all
+            return None
         rows: dict[str, list[int]] = {}
         for i, chunk in enumerate(chunks):
             if chunk.lora_name is not None:

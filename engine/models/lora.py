@@ -30,10 +30,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from common.model_info import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from engine.models.arch import ModelArchConfig, ModelLoadError
-
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 _KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\."
@@ -62,14 +60,13 @@ class LoraPair:
 @dataclass(frozen=True, slots=True)
 class LoraAdapter:
     name: str
-    rank: int  # the largest of its modules' ranks
     # Per layer: fused projection name ("qkv_proj", "o_proj", "gate_up_proj",
     # "down_proj") -> its pair; a projection the adapter leaves alone is absent.
     layers: tuple[dict[str, LoraPair], ...]
 
 
-def _shapes(arch: ModelArchConfig) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each adaptable module."""
+def module_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each adaptable module ("q" for q_proj, ...)."""
     hidden, inter = arch.hidden_size, arch.intermediate_size
     return {
         "q": (hidden, arch.q_size), "k": (hidden, arch.kv_size), "v": (hidden, arch.kv_size),
@@ -116,7 +113,7 @@ def load_lora_adapter(
         raise ModelLoadError(f"{path}: no {ADAPTER_WEIGHTS} (only safetensors adapters load)")
     alpha = float(config.get("lora_alpha", 8))
     rslora = bool(config.get("use_rslora"))
-    shapes = _shapes(arch)
+    shapes = module_shapes(arch)
     # (layer, module) -> {"A": tensor, "B": tensor}
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     with safe_open(str(weights), framework="pt", device="cpu") as f:
@@ -166,8 +163,7 @@ def load_lora_adapter(
                 a=torch.cat(a_rows).to(device, dtype),  # [total_rank, in]
                 b=torch.cat(b_blocks).to(device, dtype),  # [fused out, total_rank]
             )
-    rank = max(a.shape[0] for a, _ in per_module.values())
-    return LoraAdapter(name=name, rank=rank, layers=tuple(layers))
+    return LoraAdapter(name=name, layers=tuple(layers))
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.models.arch import read_arch_config
-from engine.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from engine.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, module_shapes
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -37,17 +37,12 @@ def make_lora_adapter(
     if unknown:
         raise ValueError(f"unknown target modules {unknown}; choose from {ALL_TARGETS}")
     arch = read_arch_config(model_dir)
-    hidden, inter = arch.hidden_size, arch.intermediate_size
-    shapes = {  # (in_features, out_features)
-        "q_proj": (hidden, arch.q_size), "k_proj": (hidden, arch.kv_size),
-        "v_proj": (hidden, arch.kv_size), "o_proj": (arch.q_size, hidden),
-        "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
-    }  # fmt: skip
+    shapes = module_shapes(arch)
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for layer in range(arch.num_layers):
         for target in targets:
-            in_features, out_features = shapes[target]
+            in_features, out_features = shapes[target.removesuffix("_proj")]
             block = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             key = f"base_model.model.model.layers.{layer}.{block}.{target}"
             a = torch.randn(rank, in_features, generator=generator) / in_features**0.5

@@ -22,7 +22,7 @@ from engine import LLM, SamplingParams
 from router.state import bad_words_token_ids
 from tests.engine.helpers import random_prompts
 from tests.support.processes import write_config
-from tests.support.stack import get_json, metric, start_up_stack, worker_stats
+from tests.support.stack import get_json, metric, serving, worker_stats
 
 KEY = "sk-pdserve-test"
 MODEL = "tiny"
@@ -45,14 +45,13 @@ def stack(tiny_llama, tmp_path_factory):
             "tool_call_parser": "hermes",
         },
     )
-    stack = start_up_stack(config, tmp / "home", restart=False)  # kill tests: stay dead
-    yield stack
-    assert stack.stop() == 0, stack.log()
+    with serving(config, tmp / "home", restart=False) as stack:  # kill tests: stay dead
+        yield stack
 
 
 @pytest.fixture(scope="module")
 def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key=KEY, max_retries=0)
+    return stack.openai_client(KEY)
 
 
 class _AsyncClient:

@@ -12,7 +12,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.models.lora_maker import make_lora_adapter
 from tests.support.processes import write_config
-from tests.support.stack import get_json, start_up_stack
+from tests.support.stack import get_json, serving
 
 MODEL = "base-model"
 ADAPTERS = ("alice", "bob")
@@ -46,14 +46,13 @@ def stack(request, tiny_llama, adapter_dirs, tmp_path_factory):
         kv_transfer=transfer,
         lora={"adapters": adapter_dirs},
     )
-    stack = start_up_stack(config, tmp / "home")
-    yield stack
-    assert stack.stop() == 0, stack.log()
+    with serving(config, tmp / "home") as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")
 def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0)
+    return stack.openai_client()
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pytest
 from engine import LLM, SamplingParams
 from tests.engine.helpers import random_prompts
 from tests.support.processes import write_config
-from tests.support.stack import get_json, metric, start_up_stack, worker_stats
+from tests.support.stack import get_json, metric, serving, worker_stats
 
 MODEL = "tiny"
 NUM_TOKENS = 400  # long enough that a kill lands mid-stream on a busy CI machine
@@ -39,14 +39,13 @@ def stack(tiny_llama, tmp_path_factory):
             "worker_stall_timeout_s": 2.0,
         },
     )
-    stack = start_up_stack(config, tmp / "home")  # restarts the killed worker
-    yield stack
-    assert stack.stop() == 0, stack.log()
+    with serving(config, tmp / "home") as stack:  # restarts the killed worker
+        yield stack
 
 
 @pytest.fixture(scope="module")
 def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0)
+    return stack.openai_client()
 
 
 def kill_the_busy_decode_worker(stack, after_s: float = 0.0) -> str:

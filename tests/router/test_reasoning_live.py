@@ -15,7 +15,7 @@ import pytest
 from common.tokenizer import Tokenizer
 from engine import LLM, SamplingParams
 from tests.support.processes import write_config
-from tests.support.stack import start_up_stack
+from tests.support.stack import serving
 
 MODEL = "thinker"
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
@@ -37,14 +37,13 @@ def stack(model_dir, tmp_path_factory):
         router={"served_model_name": MODEL, "min_disagg_tokens": 0,
                 "reasoning_parser": "qwen3", "tool_call_parser": "hermes"},
     )  # fmt: skip
-    stack = start_up_stack(config, tmp / "home")
-    yield stack
-    assert stack.stop() == 0, stack.log()
+    with serving(config, tmp / "home") as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")
 def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0)
+    return stack.openai_client()
 
 
 @pytest.fixture(scope="module")

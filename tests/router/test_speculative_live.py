@@ -11,7 +11,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from tests.support.processes import write_config
-from tests.support.stack import metric, start_up_stack, worker_stats
+from tests.support.stack import metric, serving, worker_stats
 
 MODEL = "speculating"
 PROMPTS = ["def add(a, b):\n    return a + b\n", "The list goes on: one, two, three,"]
@@ -27,14 +27,13 @@ def stack(tiny_llama, tmp_path_factory):
         router={"served_model_name": MODEL, "min_disagg_tokens": 0},
         decode={"engine": {"num_speculative_tokens": 4}},
     )
-    stack = start_up_stack(config, tmp / "home")
-    yield stack
-    assert stack.stop() == 0, stack.log()
+    with serving(config, tmp / "home") as stack:
+        yield stack
 
 
 @pytest.fixture(scope="module")
 def client(stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0)
+    return stack.openai_client()
 
 
 @pytest.fixture(scope="module")

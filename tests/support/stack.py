@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import openai
 import yaml
 
 from benchmarks.loadgen.pinned_stack import worker_stats as worker_stats_at
@@ -53,6 +56,10 @@ class UpStack:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-5000:]
 
+    def openai_client(self, api_key: str = "none") -> openai.OpenAI:
+        """A client of the router's /v1 that never retries (a test sees every error)."""
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0)
+
     def stop(self, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -94,6 +101,17 @@ def start_up_stack(
         time.sleep(0.3)
     stack.stop()
     raise TimeoutError(f"pdserve up not ready:\n{stack.log()}")
+
+
+@contextlib.contextmanager
+def serving(config_path: Path, home: Path, restart: bool = True) -> Iterator[UpStack]:
+    """``start_up_stack``; on leaving, stop it and assert that it exited cleanly."""
+    stack = start_up_stack(config_path, home, restart=restart)
+    try:
+        yield stack
+    finally:
+        code = stack.stop()
+    assert code == 0, stack.log()
 
 
 def get_json(url: str, key: str | None = None) -> tuple[int, dict]:

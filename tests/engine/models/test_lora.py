@@ -135,6 +135,8 @@ def test_unknown_adapter_is_refused_and_leaves_the_engine_clean(tiny_llama, adap
     llm = LLM(tiny_llama, lora_adapters=adapters(tiny_llama, "llama"))
     with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'nope'.*all, some"):
         llm.engine.add_request("r", [5, 6, 7], GREEDY, lora_name="nope")
+    with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'nope'"):
+        llm.generate([[5, 6, 7], [8, 9]], GREEDY, use_tqdm=False, lora_name=[None, "nope"])
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.leak_report() == []
 
