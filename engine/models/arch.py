@@ -2,8 +2,10 @@
 
 Supported: the Llama family (decoder-only, RMSNorm, SwiGLU, rotary positions, GQA):
 Llama (default, linear and llama3 rope scaling), Mistral (sliding window), Qwen2 (q/k/v
-bias), Qwen3 (per-head q/k RMSNorm). Both the transformers 4 layout (``rope_theta`` +
-``rope_scaling``) and the transformers 5 layout (``rope_parameters``) are read.
+bias), Qwen3 (per-head q/k RMSNorm), and their mixture-of-experts variants, whose MLP is
+a set of SwiGLU experts of which a router picks the top k per token: Mixtral, Qwen2-MoE
+(plus a gated shared expert) and Qwen3-MoE. Both the transformers 4 layout (``rope_theta``
++ ``rope_scaling``) and the transformers 5 layout (``rope_parameters``) are read.
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ class ModelLoadError(RuntimeError):
 class ArchFlags:
     qkv_bias: bool = False
     qk_norm: bool = False
+    moe: bool = False
+    # Qwen2-MoE adds a shared expert, gated per token by a sigmoid, to the routed ones.
+    shared_expert: bool = False
+    # Qwen's routers cast the top-k weights to the model dtype before weighting the
+    # experts' outputs; Mixtral's keeps them in float32 (same in float32, not in bf16).
+    routing_weights_in_model_dtype: bool = True
+    # Default of norm_topk_prob when config.json leaves it out (transformers' configs).
+    norm_topk_prob: bool = False
 
 
 ARCHITECTURES: dict[str, ArchFlags] = {
@@ -29,6 +39,12 @@ ARCHITECTURES: dict[str, ArchFlags] = {
     "MistralForCausalLM": ArchFlags(),
     "Qwen2ForCausalLM": ArchFlags(qkv_bias=True),
     "Qwen3ForCausalLM": ArchFlags(qk_norm=True),
+    # Mixtral always renormalizes its top-k weights (it has no norm_topk_prob key).
+    "MixtralForCausalLM": ArchFlags(
+        moe=True, routing_weights_in_model_dtype=False, norm_topk_prob=True
+    ),
+    "Qwen2MoeForCausalLM": ArchFlags(qkv_bias=True, moe=True, shared_expert=True),
+    "Qwen3MoeForCausalLM": ArchFlags(qk_norm=True, moe=True),
 }
 
 _BY_MODEL_TYPE = {
@@ -36,7 +52,25 @@ _BY_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """The sparse MLP of a mixture-of-experts model (``moe.py``)."""
+
+    num_experts: int
+    top_k: int  # experts per token
+    expert_intermediate_size: int
+    norm_topk_prob: bool  # renormalize the top-k softmax weights to sum to 1
+    routing_weights_in_model_dtype: bool
+    shared_expert_intermediate_size: int  # 0: no shared expert
+    # Per layer: the sparse MLP (True) or a dense one of ``intermediate_size`` (False).
+    sparse_layers: tuple[bool, ...]
+
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -73,6 +107,11 @@ class ModelArchConfig:
     torch_dtype: str | None
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    moe: MoeConfig | None = None  # None: every layer's MLP is dense
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` runs the experts instead of a dense MLP."""
+        return self.moe is not None and self.moe.sparse_layers[layer_idx]
 
     @property
     def q_size(self) -> int:
@@ -132,6 +171,8 @@ def _sliding_windows(cfg: dict[str, Any], architecture: str, num_layers: int) ->
     layer_types = cfg.get("layer_types")
     if layer_types:
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    if architecture == "Qwen3MoeForCausalLM":  # every layer, with use_sliding_window
+        return (window if cfg.get("use_sliding_window", False) else None,) * num_layers
     if architecture.startswith("Qwen"):
         # Qwen2/3 before layer_types: sliding only with use_sliding_window, and only from
         # layer max_window_layers on.
@@ -151,6 +192,40 @@ def _eos_ids(cfg: dict[str, Any], model_dir: Path) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def _moe_config(
+    cfg: dict[str, Any], flags: ArchFlags, num_layers: int, path: Path
+) -> MoeConfig | None:
+    if not flags.moe:
+        return None
+    # Mixtral and transformers 5 write num_local_experts; Qwen's checkpoints num_experts.
+    num_experts = cfg.get("num_local_experts", cfg.get("num_experts"))
+    if num_experts is None:
+        raise ModelLoadError(f"{path}: config.json has no 'num_experts' or 'num_local_experts'")
+    top_k = int(_require(cfg, "num_experts_per_tok", path))
+    if not 0 < top_k <= int(num_experts):
+        raise ModelLoadError(f"{path}: num_experts_per_tok={top_k} of {num_experts} experts")
+    # Mixtral's experts are intermediate_size wide; Qwen's moe_intermediate_size, and
+    # intermediate_size is then the width of their dense layers.
+    width_key = "moe_intermediate_size" if "moe_intermediate_size" in cfg else "intermediate_size"
+    step = int(cfg.get("decoder_sparse_step", 1))
+    dense = set(cfg.get("mlp_only_layers") or ())
+    if step < 1:
+        raise ModelLoadError(f"{path}: decoder_sparse_step={step} must be >= 1")
+    return MoeConfig(
+        num_experts=int(num_experts),
+        top_k=top_k,
+        expert_intermediate_size=int(_require(cfg, width_key, path)),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", flags.norm_topk_prob)),
+        routing_weights_in_model_dtype=flags.routing_weights_in_model_dtype,
+        shared_expert_intermediate_size=(
+            int(_require(cfg, "shared_expert_intermediate_size", path))
+            if flags.shared_expert
+            else 0
+        ),
+        sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
+    )
 
 
 def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
@@ -175,9 +250,14 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
     num_q_heads = int(_require(cfg, "num_attention_heads", path))
     head_dim = cfg.get("head_dim") or hidden_size // num_q_heads
     # Llama and Qwen3 put attention_bias on q/k/v/o; Qwen2 always biases q/k/v only;
-    # Mistral never has attention biases.
-    config_bias = bool(cfg.get("attention_bias", False)) and architecture != "MistralForCausalLM"
+    # Mistral and Mixtral never have attention biases.
+    config_bias = bool(cfg.get("attention_bias", False)) and architecture not in (
+        "MistralForCausalLM",
+        "MixtralForCausalLM",
+    )
     qkv_bias = flags.qkv_bias or config_bias
+    if architecture == "Qwen2MoeForCausalLM":  # its q/k/v bias is a key (default on)
+        qkv_bias = bool(cfg.get("qkv_bias", True))
     o_bias = config_bias and not flags.qkv_bias
     if cfg.get("mlp_bias"):
         raise ModelLoadError(f"{path}: mlp_bias=true is not supported")
@@ -207,4 +287,5 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
         eos_token_ids=_eos_ids(cfg, model_dir),
         bos_token_id=cfg.get("bos_token_id"),
+        moe=_moe_config(cfg, flags, num_layers, path),
     )

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a flattened, paged batch.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and their mixture-of-experts
+variants: ``moe.py``) over a flattened, paged batch.
 
 Tokens of all sequences in a step are one flat dimension; attention finds each sequence's
 context through the backend's per-step metadata. q/k/v and gate/up projections are fused
@@ -16,6 +17,7 @@ from torch import nn
 from engine.attention.backend import AttentionBackend, LayerSpec
 from engine.models.arch import ModelArchConfig
 from engine.models.lora import LoraBatch
+from engine.models.moe import SparseMoe
 from engine.models.rope import RotaryEmbedding
 
 
@@ -88,12 +90,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: ModelArchConfig, layer_idx: int) -> None:
+    def __init__(self, arch: ModelArchConfig, layer_idx: int, intermediate_size: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -118,7 +120,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = Attention(arch, layer_idx, rotary, backend)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MLP(arch, layer_idx)
+        self.mlp: MLP | SparseMoe
+        if arch.is_sparse(layer_idx):
+            assert arch.moe is not None
+            width = arch.moe.shared_expert_intermediate_size
+            # The shared expert takes no adapter: the layer's LoRA targets are refused.
+            shared = MLP(arch, layer_idx, width) if width else None
+            self.mlp = SparseMoe(arch, shared)
+        else:
+            self.mlp = MLP(arch, layer_idx, arch.intermediate_size)
 
     def forward(
         self,

@@ -1,10 +1,12 @@
 """Load a Llama-family model from a local Hugging Face directory (config.json + safetensors).
 
 Handles one file (``model.safetensors``) or shards (``model.safetensors.index.json``), maps
-the checkpoint's separate q/k/v and gate/up tensors into the fused projections, ties the
-LM head to the embeddings when the config says so (unless the file stores a different
-head, which transformers then uses untied), and fails with a message naming the
-missing file or tensor.
+the checkpoint's separate q/k/v and gate/up tensors into the fused projections, and each
+expert's tensors (Qwen's ``mlp.experts.{e}.{gate|up|down}_proj``, Mixtral's
+``block_sparse_moe.experts.{e}.{w1|w3|w2}``) into the stacked expert weights (files in
+transformers 5's stacked layout load as they are), ties the LM head to the embeddings when
+the config says so (unless the file stores a different head, which transformers then uses
+untied), and fails with a message naming the missing file or tensor.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import dataclasses
 import json
 import logging
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,7 +29,25 @@ logger = logging.getLogger(__name__)
 
 _HEAD, _EMBED = "lm_head.weight", "model.embed_tokens.weight"
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
-_FUSED = re.compile(r"^(model\.layers\.\d+\.)(self_attn|mlp)\.(q|k|v|gate|up)_proj\.(weight|bias)$")
+_FUSED = re.compile(
+    r"^(model\.layers\.\d+\.(?:self_attn|mlp|mlp\.shared_expert))\.(q|k|v|gate|up)_proj\."
+    r"(weight|bias)$"
+)
+_EXPERT = re.compile(
+    r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
+)
+# Mixtral's per-expert names: w1 is the gate, w3 the up and w2 the down projection.
+_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
+                "down_proj": "down", "w2": "down"}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """Where a stored tensor goes: rows ``row_start..`` of ``param`` (of ``param[expert]``)."""
+
+    param: str
+    row_start: int = 0
+    expert: int | None = None
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -50,18 +71,28 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     )
 
 
-def _fused_target(name: str, arch: ModelArchConfig) -> tuple[str, int, int] | None:
-    """For a separate q/k/v/gate/up tensor: (fused parameter name, row start, row count)."""
-    match = _FUSED.match(name)
-    if match is None:
-        return None
-    prefix, module, which, kind = match.groups()
-    if module == "self_attn":
+def _target(name: str, arch: ModelArchConfig, params: dict[str, torch.nn.Parameter]) -> _Target:
+    """Where the checkpoint tensor ``name`` goes in the model (maybe a missing parameter)."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the MLP
+    expert = _EXPERT.match(name)
+    if expert is not None:
+        prefix, index, which = expert.groups()
+        part = _EXPERT_PART[which]
+        if part == "down":
+            return _Target(f"{prefix}.down_proj", 0, int(index))
+        stacked = f"{prefix}.gate_up_proj"
+        half = params[stacked].shape[1] // 2 if stacked in params else 0
+        return _Target(stacked, 0 if part == "gate" else half, int(index))
+    fused = _FUSED.match(name)
+    if fused is None:
+        return _Target(name)
+    module, which, kind = fused.groups()
+    if which in ("q", "k", "v"):
         starts = {"q": 0, "k": arch.q_size, "v": arch.q_size + arch.kv_size}
-        sizes = {"q": arch.q_size, "k": arch.kv_size, "v": arch.kv_size}
-        return f"{prefix}self_attn.qkv_proj.{kind}", starts[which], sizes[which]
-    start = 0 if which == "gate" else arch.intermediate_size
-    return f"{prefix}mlp.gate_up_proj.{kind}", start, arch.intermediate_size
+        return _Target(f"{module}.qkv_proj.{kind}", starts[which])
+    stacked = f"{module}.gate_up_proj.{kind}"
+    half = params[stacked].shape[0] // 2 if stacked in params else 0
+    return _Target(stacked, 0 if which == "gate" else half)
 
 
 def _stored_head_differs(files: list[Path]) -> bool:
@@ -101,38 +132,44 @@ def load_model(
     model = model.to_empty(device=device).to(dtype)
     model.rotary.build_tables(device)
     params = dict(model.named_parameters())
-    # Rows of each parameter filled so far, to detect missing tensors.
-    rows_loaded: dict[str, int] = dict.fromkeys(params, 0)
+    # Elements of each parameter filled so far, to detect missing tensors.
+    filled: dict[str, int] = dict.fromkeys(params, 0)
     unexpected: list[str] = []
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 if _IGNORED.match(name) or (arch.tie_word_embeddings and name == _HEAD):
                     continue
-                fused = _fused_target(name, arch)
-                target, start = (fused[0], fused[1]) if fused else (name, 0)
-                if target not in params:
+                target = _target(name, arch, params)
+                if target.param not in params:
                     unexpected.append(name)
                     continue
                 tensor = f.get_tensor(name)
-                param = params[target]
+                param = params[target.param]
+                dest = param.data
+                if target.expert is not None:
+                    if target.expert >= dest.shape[0]:
+                        raise ModelLoadError(
+                            f"{path.name}: {name} names expert {target.expert} of {dest.shape[0]}"
+                        )
+                    dest = dest[target.expert]
                 rows = tensor.shape[0]
-                if tuple(tensor.shape[1:]) != tuple(param.shape[1:]) or (
-                    start + rows > param.shape[0]
+                if tuple(tensor.shape[1:]) != tuple(dest.shape[1:]) or (
+                    target.row_start + rows > dest.shape[0]
                 ):
                     raise ModelLoadError(
                         f"{path.name}: {name} has shape {tuple(tensor.shape)}, which does not "
-                        f"fit {target} {tuple(param.shape)}"
+                        f"fit {target.param} {tuple(param.shape)}"
                     )
                 with torch.no_grad():
-                    param.data[start : start + rows].copy_(tensor.to(dtype))
-                rows_loaded[target] += rows
+                    dest[target.row_start : target.row_start + rows].copy_(tensor.to(dtype))
+                filled[target.param] += tensor.numel()
     if unexpected:
         raise ModelLoadError(
             f"{model_dir}: unexpected tensors for {arch.architecture}: {unexpected[:5]}"
             f"{' ...' if len(unexpected) > 5 else ''}"
         )
-    missing = [name for name, rows in rows_loaded.items() if rows != params[name].shape[0]]
+    missing = [name for name, count in filled.items() if count != params[name].numel()]
     if missing:
         raise ModelLoadError(
             f"{model_dir}: tensors missing from the checkpoint: {missing[:5]}"

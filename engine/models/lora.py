@@ -16,7 +16,8 @@ q/k/v (and gate/up) are fused projections here (``llama.py``): their A's are sta
 the rank and their B's placed block-diagonally, so each fused projection takes one pair.
 What this does not implement is refused at load with the reason: DoRA, adapted embeddings
 or LM head (``modules_to_save`` and ``embed_tokens``/``lm_head`` targets), LoRA biases and
-per-module alphas (``alpha_pattern``).
+per-module alphas (``alpha_pattern``), and the MLP of mixture-of-experts layers (its
+experts and shared expert; attention projections there are adapted as anywhere).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ _FUSED_PARTS = {
     "gate_up_proj": ("gate", "up"), "down_proj": ("down",),
 }  # fmt: skip
 _TARGETS = frozenset(f"{m}_proj" for m in _FUSED_INTO)
+_MLP_MODULES = frozenset(("gate", "up", "down"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,10 +122,19 @@ def load_lora_adapter(
         for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
             match = _KEY.match(key)
             if match is None:
-                raise ModelLoadError(f"{weights}: unsupported tensor {key}")
+                experts = ".experts." in key or ".shared_expert" in key
+                raise ModelLoadError(
+                    f"{weights}: unsupported tensor {key}"
+                    + (" (LoRA on mixture-of-experts MLPs is not supported)" if experts else "")
+                )
             layer, module, which = int(match.group(1)), match.group(2), match.group(3)
             if layer >= arch.num_layers:
                 raise ModelLoadError(f"{weights}: {key} names layer {layer} of {arch.num_layers}")
+            if module in _MLP_MODULES and arch.is_sparse(layer):
+                raise ModelLoadError(
+                    f"{weights}: {key}: layer {layer} is a mixture-of-experts layer; LoRA on "
+                    "its MLP is not supported (adapt the attention projections there)"
+                )
             found.setdefault((layer, module), {})[which] = f.get_tensor(key)
     if not found:
         raise ModelLoadError(f"{weights}: no LoRA tensors")

@@ -1,5 +1,7 @@
 """Write a random LoRA adapter for a made (or any Llama-family) checkpoint, in PEFT's format.
 
+MLP targets are skipped on mixture-of-experts layers, which ``lora.py`` does not adapt.
+
 The files are what ``PeftModel.save_pretrained`` writes (``adapter_config.json`` and
 ``adapter_model.safetensors``), so ``peft`` loads them too, which is how the tests check
 ``engine/models/lora.py`` against an independent implementation. Both A and B are random
@@ -44,6 +46,8 @@ def make_lora_adapter(
         for target in targets:
             in_features, out_features = shapes[target.removesuffix("_proj")]
             block = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            if block == "mlp" and arch.is_sparse(layer):
+                continue  # a mixture-of-experts MLP: not adaptable (lora.py)
             key = f"base_model.model.model.layers.{layer}.{block}.{target}"
             a = torch.randn(rank, in_features, generator=generator) / in_features**0.5
             b = torch.randn(out_features, rank, generator=generator) * (0.5 / rank**0.5)
@@ -59,7 +63,7 @@ def make_lora_adapter(
         "r": rank,
         "lora_alpha": alpha,
         "lora_dropout": 0.0,
-        "target_modules": list(targets),
+        "target_modules": [t for t in targets if any(f".{t}." in key for key in tensors)],
         "bias": "none",
         "use_rslora": use_rslora,
         "use_dora": False,

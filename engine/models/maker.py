@@ -30,7 +30,7 @@ from engine.models.tokenizer_trainer import (
     train_tokenizer,
 )
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 SIZES = ("tiny", "small")
 
 
@@ -44,12 +44,20 @@ class SizeSpec:
     head_dim: int
     intermediate_size: int
     max_position_embeddings: int
+    # Mixture-of-experts archs: 8 experts, 2 per token, each half the dense MLP's width, so
+    # a token's MLP work equals the dense model's (and the experts hold 4x its weights).
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.intermediate_size // self.num_experts_per_tok
 
 
 _SIZES = {
-    # ~3.5M parameters: fast enough for CPU tests.
+    # ~3.5M parameters (MoE: ~6M): fast enough for CPU tests.
     "tiny": SizeSpec(2048, 256, 4, 4, 2, 64, 512, 4096),
-    # ~150M parameters: the benchmark model.
+    # ~150M parameters (MoE: ~460M, ~150M active per token): the benchmark model.
     "small": SizeSpec(8192, 1024, 12, 16, 4, 64, 2816, 4096),
 }
 
@@ -88,6 +96,24 @@ def _hf_config(arch: str, spec: SizeSpec, tokenizer_ids: dict[str, int]):
         return transformers.Qwen2Config(**common, tie_word_embeddings=True)
     if arch == "qwen3":
         return transformers.Qwen3Config(**common, attention_bias=False)
+    experts = dict(num_experts_per_tok=spec.num_experts_per_tok)
+    if arch == "mixtral":  # its experts are intermediate_size wide
+        mixtral = {**common, "intermediate_size": spec.expert_intermediate_size}
+        return transformers.MixtralConfig(
+            **mixtral, **experts, num_local_experts=spec.num_experts, rope_theta=1e6
+        )
+    # Qwen: the experts are moe_intermediate_size wide; Qwen2-MoE adds a shared expert of
+    # the dense width, and renormalizes no top-k weights (Qwen3-MoE's checkpoints do).
+    experts.update(num_experts=spec.num_experts,
+                   moe_intermediate_size=spec.expert_intermediate_size)  # fmt: skip
+    if arch == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(
+            **common, **experts, shared_expert_intermediate_size=spec.intermediate_size
+        )
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            **common, **experts, norm_topk_prob=True, attention_bias=False
+        )
     raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(ARCHS)}")
 
 
@@ -110,10 +136,10 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
-        chat_template=THINKING_CHAT_TEMPLATE if arch == "qwen3" else CHAT_TEMPLATE,
+        chat_template=THINKING_CHAT_TEMPLATE if arch.startswith("qwen3") else CHAT_TEMPLATE,
         model_max_length=spec.max_position_embeddings,
     )
-    if arch == "qwen3":  # a thinking model, as Qwen3 is: its tags and its template
+    if arch.startswith("qwen3"):  # a thinking model, as Qwen3 is: its tags and template
         tokenizer.add_tokens(THINK_TOKENS)
     ids = {
         "bos": tokenizer.convert_tokens_to_ids(BOS_TOKEN),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -50,6 +51,37 @@ VARIANTS = {
     "llama-tied-head128": (
         transformers.LlamaConfig,
         {"tie_word_embeddings": True, "num_attention_heads": 2, "head_dim": 128},
+    ),
+    # Mixture of experts: one expert per token, a sliding window on every layer.
+    "mixtral-top1-sliding": (
+        transformers.MixtralConfig,
+        {"num_local_experts": 4, "num_experts_per_tok": 1, "sliding_window": 24},
+    ),
+    # A dense layer among the sparse ones, no q/k/v bias, 3 of 6 experts per token.
+    "qwen2-moe-dense-layer-no-bias": (
+        transformers.Qwen2MoeConfig,
+        {
+            "num_experts": 6,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 96,
+            "mlp_only_layers": [0],
+            "qkv_bias": False,
+            "norm_topk_prob": True,
+        },
+    ),
+    # Every second layer sparse (decoder_sparse_step), raw top-k weights, sliding window.
+    "qwen3-moe-sparse-step-sliding": (
+        transformers.Qwen3MoeConfig,
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 96,
+            "decoder_sparse_step": 2,
+            "norm_topk_prob": False,
+            "use_sliding_window": True,
+            "sliding_window": 20,
+        },
     ),
 }
 
@@ -174,3 +206,76 @@ def test_a_tied_config_with_a_different_stored_head_uses_it_as_transformers_does
     llm = LLM(model_dir, dtype="float32")
     outputs = llm.generate(prompts, SamplingParams(max_tokens=12, min_tokens=12, temperature=0))
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(model_dir, prompts, 12)
+
+
+def _stacked_layout(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Mixtral's per-expert tensors in transformers 5's stacked layout and names
+    (``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I])."""
+    stacked: dict[str, torch.Tensor] = {}
+    per_expert: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for name, tensor in weights.items():
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        match = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$", name)
+        if match is None:
+            stacked[name] = tensor
+            continue
+        prefix, expert, which = match.groups()
+        per_expert.setdefault((prefix, which), {})[int(expert)] = tensor
+    for prefix in {prefix for prefix, _ in per_expert}:
+        experts = range(len(per_expert[(prefix, "w1")]))
+        stacked[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([per_expert[(prefix, "w1")][e], per_expert[(prefix, "w3")][e]])
+             for e in experts]
+        )  # fmt: skip
+        downs = [per_expert[(prefix, "w2")][e] for e in experts]
+        stacked[f"{prefix}.down_proj"] = torch.stack(downs)
+    return stacked
+
+
+def test_stacked_expert_layout_loads_as_per_expert_tensors(model_factory, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    source = model_factory("mixtral")
+    stacked = tmp_path / "stacked"
+    shutil.copytree(source, stacked)
+    weights = _stacked_layout(load_file(source / "model.safetensors"))
+    assert not any("block_sparse_moe" in name for name in weights)
+    save_file(weights, stacked / "model.safetensors", metadata={"format": "pt"})
+    prompts = random_prompts((7, 45))
+    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
+    expected = hf_greedy(source, prompts, 12)
+    for model_dir in (source, stacked):
+        llm = LLM(model_dir, dtype="float32")
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected, model_dir.name
+        assert llm.engine.leak_report() == []
+
+
+def test_mixture_of_experts_mismatches_are_named(model_factory, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    source = model_factory("qwen3_moe")
+    config = json.loads((source / "config.json").read_text())
+    experts_key = "num_experts" if "num_experts" in config else "num_local_experts"
+    num_experts = config[experts_key]
+    for case, (changes, message) in enumerate(
+        (
+            ({experts_key: None}, "no 'num_experts'"),
+            ({"num_experts_per_tok": num_experts + 1}, "num_experts_per_tok"),
+            ({experts_key: num_experts - 1}, f"names expert {num_experts - 1} of"),
+            ({"moe_intermediate_size": config["moe_intermediate_size"] * 2}, "does not fit"),
+        )
+    ):
+        odd = tmp_path / f"odd-{case}"
+        shutil.copytree(source, odd)
+        values = {k: v for k, v in {**config, **changes}.items() if v is not None}
+        (odd / "config.json").write_text(json.dumps(values))
+        with pytest.raises(ModelLoadError, match=message):
+            LLM(odd)
+    missing = tmp_path / "missing-expert"
+    shutil.copytree(source, missing)
+    weights = load_file(source / "model.safetensors")
+    del weights["model.layers.2.mlp.experts.5.up_proj.weight"]
+    save_file(weights, missing / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"missing.*layers\.2\.mlp\.experts\.gate_up_proj"):
+        LLM(missing)

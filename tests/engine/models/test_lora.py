@@ -49,7 +49,9 @@ def adapters(tmp_path_factory) -> dict[str, dict[str, Path]]:
     return make
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases, tied embeddings
+# qwen2: q/k/v biases, tied embeddings; qwen2_moe: experts and a shared expert, whose
+# MLPs take no adapter (so "all" adapts the attention, and "some" only q and v).
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2_moe"])
 def test_greedy_parity_with_peft_in_one_mixed_batch(model_factory, adapters, arch):
     model_dir = model_factory(arch)
     paths = adapters(model_dir, arch)
@@ -186,3 +188,27 @@ def test_a_directory_without_an_adapter_is_refused(tiny_llama, tmp_path):
     arch = read_arch_config(tiny_llama)
     with pytest.raises(ModelLoadError, match="no adapter_config.json"):
         load_lora_adapter("x", tmp_path, arch, torch.device("cpu"), torch.float32)
+
+
+def test_adapters_on_expert_layers_are_refused(model_factory, adapters, tmp_path):
+    model_dir = model_factory("qwen3_moe")
+    source = adapters(model_dir, "qwen3_moe")["all"]
+    written = load_file(str(source / ADAPTER_WEIGHTS))
+    assert written and all(".self_attn." in key for key in written)  # the maker skipped MLPs
+    arch = read_arch_config(model_dir)
+    mlp = "base_model.model.model.layers.1.mlp"
+    cases = {
+        f"{mlp}.down_proj": ("mixture-of-experts layer", (8, 256), (256, 8)),
+        f"{mlp}.experts.3.down_proj": ("LoRA on mixture-of-experts MLPs", (8, 256), (256, 8)),
+        f"{mlp}.shared_expert.up_proj": ("LoRA on mixture-of-experts MLPs", (8, 256), (512, 8)),
+    }
+    for case, (key, (message, a_shape, b_shape)) in enumerate(cases.items()):
+        bad = _copy_adapter(
+            source,
+            tmp_path / f"bad-{case}",
+            tensors=lambda w, key=key, a=a_shape, b=b_shape: {
+                **w, f"{key}.lora_A.weight": torch.zeros(a), f"{key}.lora_B.weight": torch.zeros(b)
+            },
+        )  # fmt: skip
+        with pytest.raises(ModelLoadError, match=message):
+            load_lora_adapter("bad", bad, arch, torch.device("cpu"), torch.float32)
