@@ -5,7 +5,10 @@ are exactly what a real checkpoint of that architecture looks like), scales the 
 weights so that logits are well separated (greedy decoding is then stable under float
 rounding, which makes token-exact parity tests meaningful), and saves config.json,
 generation_config.json, model.safetensors and the tokenizer with a ChatML chat template
-(``qwen3``: with Qwen3's ``<think>`` tags, a template that opens the thinking).
+(``qwen3`` and ``qwen3_moe``: with Qwen3's ``<think>`` tags, a template that opens the
+thinking). The MoE archs (``mixtral``, ``qwen2_moe``, ``qwen3_moe``) have 8 experts of half
+the dense MLP's width and route each token to 2, so their work per token is the dense
+model's.
 """
 
 from __future__ import annotations

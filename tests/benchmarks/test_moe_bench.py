@@ -1,0 +1,30 @@
+"""benchmarks/moe.py runs end to end on tiny settings and writes its record."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.support.processes import ROOT
+
+
+def test_the_moe_benchmark_runs_and_records(tmp_path):
+    args = ["--size", "tiny", "--num-prompts", "3", "--output-len", "6",
+            "--latency-output-len", "3", "--tag", "smoke", "--out-dir", str(tmp_path)]  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.moe", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    record = json.loads((tmp_path / "moe_smoke.json").read_text())
+    assert record["identical_sequences"] == 3  # the MoE engine's tokens are transformers'
+    assert set(record["ratios"]) == {
+        "moe_vs_dense_throughput", "moe_vs_dense_batch1",
+        "moe_vs_transformers_throughput", "moe_vs_transformers_batch1",
+    }  # fmt: skip
+    assert all(value > 0 for value in record["ratios"].values())
+    sweep = record["layer_sweep"]
+    assert [row["tokens"] for row in sweep] == [1, 4, 16, 64, 512, 4096]
+    assert sweep[0]["experts_hit"] == record["experts_per_token"]  # one token: k experts
+    assert "| tokens | dense ms |" in (tmp_path / "moe_smoke.md").read_text()
