@@ -12,10 +12,11 @@ as the baseline (its experts loop over the same groups, on left-padded prompts).
 per-token latency is measured for the three.
 
 Then one layer's MLP alone, dense against sparse, at several token counts (random
-weights of the two models' shapes): where a step's tokens touch most experts but are too
-few to be compute-bound, the sparse layer reads up to 4x the dense layer's weight bytes
-(8 experts of half width), and memory bandwidth sets the ratio, not routing. Prints
-ratios; writes ``benchmarks/results/moe_<tag>.json`` and ``.md``.
+weights of the two models' shapes; on CUDA the sparse one runs the fused kernel): where
+a step's tokens touch most experts but are too few to be compute-bound, the sparse layer
+reads up to 4x the dense layer's weight bytes (8 experts of half width), and memory
+bandwidth sets the ratio, not routing. Prints ratios; writes
+``benchmarks/results/moe_<tag>.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from benchmarks.engine_throughput import (
     per_token_latency,
     run_hf,
     run_ours,
+    sync,
 )
 from benchmarks.records import write_markdown
 from engine import LLM
@@ -45,33 +47,40 @@ LAYER_TOKENS = (1, 4, 16, 64, 512, 4096)
 
 def _ms(module: torch.nn.Module, x: torch.Tensor, repeats: int = 10) -> float:
     module(x)  # warm-up
+    sync()
     start = time.perf_counter()
     for _ in range(repeats):
         module(x)
+    sync()
     return (time.perf_counter() - start) / repeats * 1e3
 
 
 @torch.inference_mode()
-def layer_sweep(arch: ModelArchConfig, dense_width: int) -> list[dict]:
-    """One dense MLP against one sparse MLP, per token count: time and weight bytes read."""
+def layer_sweep(
+    arch: ModelArchConfig, dense_width: int, device: torch.device, dtype: torch.dtype
+) -> list[dict]:
+    """One dense MLP against one sparse MLP, per token count: time and weight bytes read.
+    On CUDA the sparse layer runs the fused kernel (as the engine's triton backend does)."""
     from engine.models.llama import MLP
     from engine.models.moe import SparseMoe
 
     assert arch.moe is not None
     torch.manual_seed(0)
-    dense, sparse = MLP(arch, 0, dense_width), SparseMoe(arch, None)
+    dense = MLP(arch, 0, dense_width).to(device, dtype)
+    sparse = SparseMoe(arch, None, fused=device.type == "cuda").to(device, dtype)
     for param in [*dense.parameters(), *sparse.parameters()]:
         torch.nn.init.normal_(param, std=arch.hidden_size**-0.5)
-    expert_bytes = 3 * arch.hidden_size * arch.moe.expert_intermediate_size * 4  # float32
+    element_bytes = torch.finfo(dtype).bits // 8
+    expert_bytes = 3 * arch.hidden_size * arch.moe.expert_intermediate_size * element_bytes
     rows = []
     for num_tokens in LAYER_TOKENS:
-        x = torch.randn(num_tokens, arch.hidden_size)
+        x = torch.randn(num_tokens, arch.hidden_size, device=device, dtype=dtype)
         dense_ms, sparse_ms = _ms(dense, x), _ms(sparse, x)
         experts_hit = int(sparse.route(x)[0].unique().numel())
         rows.append({
             "tokens": num_tokens, "dense_ms": dense_ms, "moe_ms": sparse_ms,
             "ratio": dense_ms / sparse_ms, "experts_hit": experts_hit,
-            "weight_mb_read": {"dense": 3 * arch.hidden_size * dense_width * 4 / 1e6,
+            "weight_mb_read": {"dense": 3 * arch.hidden_size * dense_width * element_bytes / 1e6,
                                "moe": experts_hit * expert_bytes / 1e6},
         })  # fmt: skip
         print(f"layer, {num_tokens:5d} tokens: dense {dense_ms:7.2f} ms, MoE {sparse_ms:7.2f} ms "
@@ -145,7 +154,8 @@ def main() -> None:
         print(f"{name}: {value:.2f}x")
     print(f"identical sequences (pdserve MoE vs transformers): {same}/{len(prompts)}")
     moe_params = sum(p.numel() for p in hf.parameters())
-    sweep = layer_sweep(arch, read_arch_config(dense_dir).intermediate_size)
+    dense_width = read_arch_config(dense_dir).intermediate_size
+    sweep = layer_sweep(arch, dense_width, moe["device"], moe["dtype"])
 
     record = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),

@@ -109,10 +109,7 @@ class ModelRunner:
         self.kv_caches = zeros_for_kv_caches(arch.num_layers, shape, dtype, device)
         self.decode_graphs: DecodeGraphs | None = None
         if config.cuda_graphs and device.type == "cuda" and self.backend.name == "triton":
-            if arch.moe is None:
-                self._capture(config)
-            else:  # expert grouping reads counts on the host, once per layer (moe.py)
-                logger.info("mixture-of-experts model: decoding without CUDA graphs")
+            self._capture(config)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s",
             self.num_blocks,

@@ -1,4 +1,7 @@
-"""Plain-torch versions of the KV kernels: the test oracles, and the engine's torch backend.
+"""Plain-torch versions of the kernels: the test oracles, and the engine's torch backend.
+
+Also ``moe_experts``, the mixture-of-experts MLP (``fused_moe.py``'s twin) that MoE models
+run off the triton backend.
 
 KV cache layout, one tensor per layer (see DESIGN.md):
 
@@ -236,3 +239,37 @@ def scatter_blocks(
 ) -> None:
     """Copy a contiguous staging tensor into the given blocks of the paged cache."""
     kv_cache.index_copy_(0, block_ids.to(kv_cache.device), staging.to(kv_cache.dtype))
+
+
+def moe_experts(
+    hidden: torch.Tensor,  # [num_tokens, H]
+    gate_up_proj: torch.Tensor,  # [E, 2I, H]: gate rows, then up rows
+    down_proj: torch.Tensor,  # [E, H, I]
+    expert_ids: torch.Tensor,  # [num_tokens, k] int64, distinct per row
+    weights: torch.Tensor,  # [num_tokens, k]
+) -> torch.Tensor:  # [num_tokens, H]
+    """sum_i weights[t, i] * down(SiLU(gate(x_t)) * up(x_t)) over token t's k experts.
+
+    Tokens are grouped by expert: each expert runs one gate/up and one down matmul over
+    exactly its rows. The per-expert counts are read on the host (one sync).
+    """
+    top_k = expert_ids.shape[1]
+    flat_ids = expert_ids.reshape(-1)  # [num_tokens * k]: one slot per (token, choice)
+    order = torch.argsort(flat_ids, stable=True)  # slots grouped by expert
+    counts = torch.bincount(flat_ids, minlength=gate_up_proj.shape[0]).tolist()
+    token_of_slot = order // top_k  # [num_tokens * k]
+    weight_of_slot = weights.reshape(-1)[order].unsqueeze(-1)  # [num_tokens * k, 1]
+    out = torch.zeros_like(hidden)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        tokens = token_of_slot[start : start + count]  # [count]
+        gate, up = F.linear(hidden[tokens], gate_up_proj[expert]).chunk(2, dim=-1)
+        expert_out = F.linear(F.silu(gate) * up, down_proj[expert])  # [count, H]
+        expert_out = expert_out * weight_of_slot[start : start + count]
+        # Each token meets each expert at most once, and experts are added in index
+        # order: the sum per token is transformers' own, bit for bit on the same rows.
+        out.index_add_(0, tokens, expert_out.to(out.dtype))
+        start += count
+    return out

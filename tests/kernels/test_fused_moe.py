@@ -1,0 +1,90 @@
+"""The fused MoE kernel against ``reference.moe_experts``: expert alignment, and the MLP
+over shapes with empty experts, one token, odd widths, k = 1 and k = E, and every dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tests.kernels.triton_env  # noqa: F401  (sets TRITON_INTERPRET before kernels load)
+
+# isort: split
+
+from kernels.fused_moe import align_by_expert, fused_moe
+from kernels.reference import moe_experts
+from tests.kernels.triton_env import DEVICE
+
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 3e-2}
+
+
+def _routing(num_tokens: int, num_experts: int, top_k: int, seed: int, skewed: bool = False):
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, num_experts, generator=generator)
+    if skewed:  # most tokens pick the same few experts; some experts get none
+        logits[:, : num_experts // 2] -= 10.0
+    weights, expert_ids = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
+    return expert_ids.to(DEVICE), weights.to(DEVICE)
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_alignment_lists_each_experts_slots_padded_to_whole_blocks(block_m):
+    num_tokens, num_experts, top_k = 37, 6, 2
+    expert_ids, _ = _routing(num_tokens, num_experts, top_k, seed=1, skewed=True)
+    sorted_slots, block_experts = align_by_expert(expert_ids, num_experts, block_m)
+    num_slots = num_tokens * top_k
+    flat = expert_ids.reshape(-1).cpu()
+    slots, experts = sorted_slots.cpu(), block_experts.cpu()
+    assert slots.numel() == experts.numel() * block_m
+    seen = []
+    for block, expert in enumerate(experts.tolist()):
+        rows = slots[block * block_m : (block + 1) * block_m].tolist()
+        real = [s for s in rows if s < num_slots]
+        if expert == num_experts:  # past the last run: nothing real
+            assert real == []
+            continue
+        assert all(flat[s] == expert for s in real)
+        assert real == sorted(real)  # token order within an expert
+        assert rows[: len(real)] == real  # padding only at a run's end
+        seen += real
+    assert sorted(seen) == list(range(num_slots))  # every slot exactly once
+    assert set(experts.tolist()) - {num_experts} == set(flat.tolist())  # empty ones: no block
+
+
+@pytest.mark.parametrize(
+    ("num_tokens", "hidden", "inter", "num_experts", "top_k", "skewed"),
+    [
+        (1, 64, 32, 4, 2, False),  # one token (decode at batch 1)
+        (19, 64, 48, 8, 2, True),  # empty experts; inter not a multiple of the tile
+        (40, 96, 64, 4, 1, False),  # k = 1; hidden not a power of two
+        (9, 32, 32, 3, 3, False),  # k = E: every expert for every token
+        (130, 64, 32, 4, 2, True),  # many tokens per expert: bigger blocks
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fused_moe_matches_the_reference(num_tokens, hidden, inter, num_experts, top_k,
+                                         skewed, dtype):  # fmt: skip
+    generator = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, hidden, generator=generator).to(DEVICE, dtype)
+    gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=generator)
+               / hidden**0.5).to(DEVICE, dtype)  # fmt: skip
+    down = (torch.randn(num_experts, hidden, inter, generator=generator)
+            / inter**0.5).to(DEVICE, dtype)  # fmt: skip
+    expert_ids, weights = _routing(num_tokens, num_experts, top_k, seed=num_tokens, skewed=skewed)
+    weights = weights.to(dtype)
+    got = fused_moe(x, gate_up, down, expert_ids, weights)
+    expected = moe_experts(x.float(), gate_up.float(), down.float(), expert_ids, weights.float())
+    assert got.shape == x.shape and got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected, atol=TOLERANCE[dtype],
+                               rtol=TOLERANCE[dtype])  # fmt: skip
+
+
+def test_no_tokens_and_bad_shapes():
+    gate_up = torch.zeros(4, 64, 32, device=DEVICE)
+    down = torch.zeros(4, 32, 32, device=DEVICE)
+    empty = torch.zeros(0, 32, device=DEVICE)
+    ids = torch.zeros(0, 2, dtype=torch.int64, device=DEVICE)
+    assert fused_moe(empty, gate_up, down, ids, torch.zeros(0, 2, device=DEVICE)).shape == (0, 32)
+    with pytest.raises(ValueError, match="do not fit"):
+        fused_moe(torch.zeros(3, 16, device=DEVICE), gate_up, down,
+                  torch.zeros(3, 2, dtype=torch.int64, device=DEVICE),
+                  torch.zeros(3, 2, device=DEVICE))  # fmt: skip
