@@ -51,6 +51,12 @@ class SparseMoe(nn.Module):
         moe = arch.moe
         assert moe is not None
         self.fused = fused
+        if fused:
+            from kernels.fused_moe import fused_moe  # imports triton: only when chosen
+
+            self._run_experts = fused_moe
+        else:
+            self._run_experts = moe_experts
         self.top_k = moe.top_k
         self.norm_topk_prob = moe.norm_topk_prob
         self.weights_in_model_dtype = moe.routing_weights_in_model_dtype
@@ -74,13 +80,8 @@ class SparseMoe(nn.Module):
         """``hidden`` [num_tokens, H] -> [num_tokens, H]. ``lora`` is accepted for the
         dense MLP's signature and unused: adapters on expert layers are refused at load."""
         expert_ids, weights = self.route(hidden)
-        if self.fused:
-            from kernels.fused_moe import fused_moe  # imports triton: only when chosen
-
-            run = fused_moe
-        else:
-            run = moe_experts
-        out = run(hidden, self.experts.gate_up_proj, self.experts.down_proj, expert_ids, weights)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        out = self._run_experts(hidden, gate_up, down, expert_ids, weights)
         if self.shared_expert is not None:
             shared = self.shared_expert(hidden)
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * shared

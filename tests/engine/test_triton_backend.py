@@ -15,14 +15,15 @@ import tests.kernels.triton_env  # noqa: F401  (sets TRITON_INTERPRET before ker
 # isort: split
 
 from engine import LLM, SamplingParams
+from kernels.fused_moe import fused_moe
 from tests.engine.helpers import random_prompts
 from tests.kernels.triton_env import DEVICE
 
 NUM_TOKENS = 6
 
 
-def greedy(model_dir, backend: str, prompts: list[list[int]]) -> list[list[int]]:
-    llm = LLM(
+def engine_llm(model_dir, backend: str) -> LLM:
+    return LLM(
         model_dir,
         attention_backend=backend,
         device=DEVICE.type,
@@ -31,6 +32,13 @@ def greedy(model_dir, backend: str, prompts: list[list[int]]) -> list[list[int]]
         num_blocks=64,
         max_model_len=256,
     )
+
+
+def greedy(model_dir, backend: str, prompts: list[list[int]]) -> list[list[int]]:
+    return greedy_tokens(engine_llm(model_dir, backend), prompts)
+
+
+def greedy_tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     params = SamplingParams(max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, temperature=0)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.leak_report() == []
@@ -59,9 +67,9 @@ def test_triton_backend_runs_moe_models_with_the_fused_kernel(model_factory):
     """Qwen2-MoE (routed experts and a shared expert): the triton backend's fused MoE
     kernel decodes the torch backend's tokens."""
     model_dir = model_factory("qwen2_moe")
-    llm = LLM(model_dir, attention_backend="triton", device=DEVICE.type, dtype="float32",
-              num_blocks=16, max_model_len=128)  # fmt: skip
-    layer = next(m for m in llm.engine.runner.model.model.layers if hasattr(m.mlp, "fused"))
-    assert layer.mlp.fused  # the kernel runs, not the reference
+    triton_llm = engine_llm(model_dir, "triton")
+    layer = next(m for m in triton_llm.engine.runner.model.model.layers
+                 if hasattr(m.mlp, "fused"))  # fmt: skip
+    assert layer.mlp.fused and layer.mlp._run_experts is fused_moe  # not the reference
     prompts = random_prompts((5, 21), seed=2)
-    assert greedy(model_dir, "triton", prompts) == greedy(model_dir, "torch", prompts)
+    assert greedy_tokens(triton_llm, prompts) == greedy(model_dir, "torch", prompts)
