@@ -407,9 +407,17 @@ _WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "*"})
 _LORA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
+LORA_NAME_RULE = "1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
+
+
+def valid_lora_name(name: str) -> bool:
+    return bool(_LORA_NAME.match(name))
+
+
 @dataclass(frozen=True, slots=True)
 class LoraSettings:
-    """LoRA adapters every worker loads at start and keeps resident (engine/models/lora.py).
+    """LoRA adapters every worker loads at start and keeps resident (engine/models/lora.py),
+    and whether more may be loaded and unloaded while serving.
 
     A client picks one by passing its name as ``model``; the base model stays served under
     its own name. Prefill and decode workers load the same adapters (a request's KV is
@@ -417,17 +425,24 @@ class LoraSettings:
 
     # name -> a PEFT adapter directory (adapter_config.json + adapter_model.safetensors).
     adapters: dict[str, str] = dataclasses.field(default_factory=dict)
+    # The router's POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's API),
+    # and the workers' LoadLoraAdapter / UnloadLoraAdapter RPCs. Off by default: a load
+    # names a directory the workers read, so it is for operators, not for every client.
+    runtime_loading: bool = False
+    max_adapters: int = 16  # loaded at once per worker, those of ``adapters`` included
 
     def __post_init__(self) -> None:
         for name, path in self.adapters.items():
-            if not _LORA_NAME.match(name):
-                raise ConfigError(
-                    f"lora.adapters.{name}",
-                    "a name is 1-64 letters, digits, '.', '_' or '-', starting with a letter "
-                    "or digit",
-                )
+            if not valid_lora_name(name):
+                raise ConfigError(f"lora.adapters.{name}", f"a name is {LORA_NAME_RULE}")
             if not path:
                 raise ConfigError(f"lora.adapters.{name}", "needs the adapter's directory")
+        if self.max_adapters < max(1, len(self.adapters)):
+            raise ConfigError(
+                "lora.max_adapters",
+                f"must be >= 1 and >= the {len(self.adapters)} of lora.adapters, "
+                f"got {self.max_adapters}",
+            )
 
 
 @dataclass(frozen=True, slots=True)

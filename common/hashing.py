@@ -40,16 +40,25 @@ def root_hash(salt: str | bytes | None = None) -> BlockHash:
 _LORA_SALT_TAG = b"\xfflora"  # 0xff never occurs in UTF-8: no cache_salt string has this form
 
 
-def prefix_salt(cache_salt: str | None, lora_name: str | None) -> str | bytes | None:
-    """The salt of a request's block hashes, from its tenant salt and its LoRA adapter.
+def lora_key(name: str, fingerprint: str) -> str:
+    """What a LoRA adapter's KV is keyed by: its name and its weights' fingerprint
+    (``engine.models.fingerprint.adapter_fingerprint``). An adapter unloaded and loaded
+    again under its name with other weights must never read the old weights' KV, in any
+    worker's prefix cache, CPU tier or shared store; with the same weights it may."""
+    return f"{name}@{fingerprint}"
+
+
+def prefix_salt(cache_salt: str | None, lora: str | None) -> str | bytes | None:
+    """The salt of a request's block hashes, from its tenant salt and its LoRA adapter's
+    ``lora_key`` (None: the base model).
 
     Without an adapter it is the cache_salt itself (base-model hashes are unchanged). With
     one, it is bytes that no cache_salt can equal, so no tenant salt reaches an adapter's
     blocks, and no adapter's blocks serve the base model or another adapter.
     """
-    if lora_name is None:
+    if lora is None:
         return cache_salt
-    parts = [lora_name.encode(), (cache_salt or "").encode()]
+    parts = [lora.encode(), (cache_salt or "").encode()]
     return _LORA_SALT_TAG + b"".join(struct.pack("<I", len(p)) + p for p in parts)
 
 

@@ -21,8 +21,7 @@ from typing import Any
 
 from common.config import DType, PdserveConfig, Role
 from deploy import containers as c
-from engine.models.arch import ModelLoadError, read_arch_config
-from engine.models.loader import safetensors_files
+from engine.models.arch import ModelLoadError, read_arch_config, safetensors_files
 
 CONFIG = "pdserve-config"
 REDIS = "pdserve-redis"
@@ -45,16 +44,22 @@ def worker_name(role: Role) -> str:
     return f"pdserve-{role.value}"
 
 
+def _mounts_adapters(config: PdserveConfig) -> bool:
+    return bool(config.lora.adapters) or config.lora.runtime_loading
+
+
 def claims(config: PdserveConfig) -> list[dict[str, Any]]:
     """PersistentVolumeClaims: the shared-storage directory (read-write by every worker),
     the model directory (filled by you with the checkpoint; mounted read-only) and the
-    LoRA adapters (filled by you with one directory per adapter name; read-only)."""
+    LoRA adapters (filled by you with one directory per adapter name; read-only; with
+    ``lora.runtime_loading`` also where adapters loaded later are put: the workers read
+    ``/adapters/<dir>``)."""
     result = []
     if config.kv_transfer.connector == "shared_storage":
         result.append(_claim(KV_CLAIM, "50Gi"))
     if config.model is not None:
         result.append(_claim(MODEL_CLAIM, "100Gi"))
-    if config.lora.adapters:
+    if _mounts_adapters(config):
         result.append(_claim(LORA_CLAIM, "10Gi"))
     return result
 
@@ -171,7 +176,7 @@ def _mounts(config: PdserveConfig, worker: bool) -> list[dict[str, Any]]:
     model_path = c.container_model_path(config)
     if model_path is not None:
         mounts.append({"name": "models", "mountPath": model_path, "readOnly": True})
-    if worker and config.lora.adapters:  # the router only needs the names
+    if worker and _mounts_adapters(config):  # the router only needs the names
         mounts.append({"name": "lora", "mountPath": c.ADAPTERS_DIR, "readOnly": True})
     return mounts
 
@@ -188,7 +193,7 @@ def _pod_spec(
     if config.model is not None:
         volumes.append({"name": "models", "persistentVolumeClaim": {
             "claimName": MODEL_CLAIM, "readOnly": True}})  # fmt: skip
-    if worker and config.lora.adapters:
+    if worker and _mounts_adapters(config):
         volumes.append({"name": "lora", "persistentVolumeClaim": {
             "claimName": LORA_CLAIM, "readOnly": True}})  # fmt: skip
     return {

@@ -54,6 +54,16 @@ class LLM:
         self.tokenizer = Tokenizer(model)
         self._next_id = 0
 
+    def load_lora_adapter(self, name: str, path: str | Path) -> bool:
+        """Serve the PEFT adapter at ``path`` as ``name`` from now on; False if these very
+        files were loaded under it already. Another adapter under the name is an
+        ``InvalidRequestError`` (``unload_lora_adapter`` it first)."""
+        return self.engine.add_lora_adapter(self.engine.read_lora_adapter(name, path))
+
+    def unload_lora_adapter(self, name: str) -> bool:
+        """Stop serving adapter ``name``; False if it was not loaded."""
+        return self.engine.unload_lora_adapter(name)
+
     def default_sampling_params(self) -> SamplingParams:
         """``SamplingParams()`` with the checkpoint's generation_config.json defaults (as
         vLLM's ``LLM.get_default_sampling_params``)."""
@@ -96,7 +106,7 @@ class LLM:
         for tokens in token_lists:
             self.engine.validate_prompt(tokens)
         for name in lora_names:
-            self.engine.validate_lora_name(name)
+            self.engine.lora_adapter(name)
         request_ids = []
         for tokens, params, name in zip(token_lists, params_list, lora_names, strict=True):
             request_id = f"offline-{self._next_id}"

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from common.config import DType, EngineConfig
-from common.hashing import transfer_block_hashes
+from common.hashing import BlockHash, transfer_block_hashes
 from common.structured_output import STRUCTURED_OUTPUT
 from engine.block_pool import BlockPoolObserver
 from engine.cpu_tier import CpuTier
@@ -33,7 +33,8 @@ from engine.kv_cache_manager import cdiv
 from engine.kv_connector import KVPuller
 from engine.kv_events import KVEventCollector
 from engine.model_runner import ModelRunner, PromptScoring, SequenceChunk
-from engine.models.arch import ModelArchConfig, read_arch_config
+from engine.models.arch import ModelArchConfig, ModelLoadError, read_arch_config
+from engine.models.lora import LoraAdapter
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.penalties import TokenCounts
 from engine.request import FINISH_REASONS, RemoteKV, Request, RequestStatus
@@ -161,7 +162,7 @@ class LLMEngine:
             raise DuplicateRequestError(request_id)
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling params must be a SamplingParams", "params")
-        self.validate_lora_name(lora_name)
+        lora = self.lora_adapter(lora_name)
         if outputs and len(prompt) + len(outputs) >= self.max_model_len:
             raise InvalidRequestError(
                 f"{len(prompt)} prompt + {len(outputs)} output tokens leave no room below "
@@ -229,7 +230,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
             cache_salt=cache_salt,
-            lora_name=lora_name,
+            lora=lora,
             prefill_only=prefill_only,
             remote_kv=remote_kv,
             output_token_ids=outputs,
@@ -263,13 +264,59 @@ class LLMEngine:
             )
         return prompt
 
-    def validate_lora_name(self, lora_name: str | None) -> None:
-        """Raises ``InvalidRequestError`` unless ``lora_name`` is None or a loaded adapter."""
-        if lora_name is not None and lora_name not in self.runner.lora_adapters:
+    def lora_adapter(self, lora_name: str | None) -> LoraAdapter | None:
+        """The loaded adapter ``lora_name`` names (None: the base model). Raises
+        ``InvalidRequestError`` for a name not loaded."""
+        if lora_name is None:
+            return None
+        adapter = self.runner.lora_adapters.get(lora_name)
+        if adapter is None:
             loaded = ", ".join(sorted(self.runner.lora_adapters)) or "none"
             raise InvalidRequestError(
                 f"unknown LoRA adapter {lora_name!r} (loaded: {loaded})", "lora_name"
             )
+        return adapter
+
+    def read_lora_adapter(self, name: str, path: str | Path) -> LoraAdapter:
+        """Read an adapter's files for this model (any thread: slow, and it touches no
+        engine state); ``add_lora_adapter`` then makes it servable. A bad adapter raises
+        ``InvalidRequestError`` naming what is wrong."""
+        try:
+            return self.runner.read_lora_adapter(name, path)
+        except (ModelLoadError, OSError, ValueError) as exc:
+            raise InvalidRequestError(str(exc), "lora_path") from None
+
+    def add_lora_adapter(self, adapter: LoraAdapter, max_adapters: int | None = None) -> bool:
+        """Serve ``adapter`` under its name from the next request on (engine thread).
+        False if that very adapter (same name and weights) is loaded already. Raises
+        ``InvalidRequestError`` if the name is taken by other weights (unload it first:
+        the old weights' requests and cached KV keep their own key, so nothing mixes)
+        or ``max_adapters`` are loaded."""
+        adapters = self.runner.lora_adapters
+        loaded = adapters.get(adapter.name)
+        if loaded is not None:
+            if loaded.key == adapter.key:
+                return False
+            raise InvalidRequestError(
+                f"LoRA adapter {adapter.name!r} is loaded with other weights "
+                f"({loaded.fingerprint}, these are {adapter.fingerprint}): unload it first",
+                "lora_name",
+            )
+        if max_adapters is not None and len(adapters) >= max_adapters:
+            raise InvalidRequestError(
+                f"{len(adapters)} LoRA adapters are loaded, the most allowed "
+                f"(lora.max_adapters={max_adapters}): unload one first",
+                "lora_name",
+            )
+        adapters[adapter.name] = adapter
+        return True
+
+    def unload_lora_adapter(self, name: str) -> bool:
+        """Stop serving adapter ``name`` to new requests (engine thread); False if it was
+        not loaded. Requests already admitted with it finish with it: they hold the
+        adapter, and its memory goes when the last of them does. Its cached KV stays
+        until evicted, keyed by its weights: loading the same files again finds it."""
+        return self.runner.lora_adapters.pop(name, None) is not None
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort_request(request_id)
@@ -289,6 +336,15 @@ class LLMEngine:
     def holds_kv(self, request_id: str) -> bool:
         """Whether a finished prefill-only request still holds its blocks."""
         return request_id in self.scheduler.held
+
+    def held_block_names(self, request_id: str) -> list[BlockHash]:
+        """The transfer names of a held request's prompt blocks
+        (``common.hashing.transfer_block_hashes``, salted as its prefix cache is: by
+        tenant and adapter weights). KeyError if it holds none."""
+        request = self.scheduler.held[request_id]
+        return transfer_block_hashes(
+            request.prompt_token_ids, self.config.block_size, request.prefix_salt
+        )
 
     def release_kv(self, request_id: str) -> bool:
         """Free the blocks a finished prefill-only request held. False if none were held."""
@@ -462,7 +518,7 @@ class LLMEngine:
                     block_ids=kv.get_block_ids(request.request_id),
                     sampling=sampling,
                     scoring=_prompt_scoring(request, start, end),
-                    lora_name=request.lora_name,
+                    lora=request.lora,
                 )
             )
         return chunks

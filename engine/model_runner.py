@@ -40,7 +40,7 @@ class SequenceChunk:
     block_ids: list[int]  # every block of the request, covering start_pos + len(token_ids)
     sampling: SamplingRow | None  # None: a prompt chunk that is not the last
     scoring: PromptScoring | None = None
-    lora_name: str | None = None  # the request's LoRA adapter; None: the base model
+    lora: LoraAdapter | None = None  # the request's LoRA adapter; None: the base model
 
 
 @dataclass(slots=True)
@@ -89,8 +89,10 @@ class ModelRunner:
         max_model_len: int,
         lora_adapters: Mapping[str, Path] | None = None,
     ) -> None:
-        """``lora_adapters``: name -> PEFT adapter directory, all loaded now and kept
-        resident; a request names one of them (``SequenceChunk.lora_name``) or none."""
+        """``lora_adapters``: name -> PEFT adapter directory, loaded now; more may be
+        added and removed later (``LLMEngine.load_lora_adapter``). A chunk carries its
+        request's adapter object (``SequenceChunk.lora``), not a name, so removing one
+        from this table never pulls it from under a request that runs with it."""
         self.arch = arch
         self.device = device
         self.dtype = dtype
@@ -99,8 +101,7 @@ class ModelRunner:
         self.backend = create_backend(config.attention_backend, device, config.block_size)
         self.model = load_model(model_dir, arch, max_model_len, self.backend, device, dtype)
         self.lora_adapters: dict[str, LoraAdapter] = {
-            name: load_lora_adapter(name, path, arch, device, dtype)
-            for name, path in (lora_adapters or {}).items()
+            name: self.read_lora_adapter(name, path) for name, path in (lora_adapters or {}).items()
         }
         self.num_blocks = self._num_blocks(config)
         shape = (self.num_blocks, 2, self.block_size, arch.num_kv_heads, arch.head_dim)
@@ -211,21 +212,24 @@ class ModelRunner:
         positions = self._to_device(batch.positions, torch.int64)
         return self.model(input_ids, positions, self.kv_caches, metadata, lora)
 
+    def read_lora_adapter(self, name: str, path: str | Path) -> LoraAdapter:
+        """Read a PEFT adapter for this model onto its device (any thread: it touches
+        nothing of the runner's); a bad one raises ``ModelLoadError``."""
+        return load_lora_adapter(name, path, self.arch, self.device, self.dtype)
+
     def _lora_batch(self, chunks: list[SequenceChunk], batch: HostBatch) -> LoraBatch | None:
         """The rows of each adapter in this step; None when no chunk uses one."""
-        if not self.lora_adapters:  # the common case: no per-step work at all
-            return None
-        rows: dict[str, list[int]] = {}
+        rows: dict[LoraAdapter, list[int]] = {}  # by identity (eq=False)
         for i, chunk in enumerate(chunks):
-            if chunk.lora_name is not None:
+            if chunk.lora is not None:
                 start, end = batch.query_start_loc[i], batch.query_start_loc[i + 1]
-                rows.setdefault(chunk.lora_name, []).extend(range(start, end))
-        if not rows:
+                rows.setdefault(chunk.lora, []).extend(range(start, end))
+        if not rows:  # the common case: no per-step work at all
             return None
         return LoraBatch(
             tuple(
-                (self.lora_adapters[name], self._to_device(indices, torch.int64))
-                for name, indices in rows.items()
+                (adapter, self._to_device(indices, torch.int64))
+                for adapter, indices in rows.items()
             )
         )
 

@@ -15,12 +15,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from common.hashing import BlockHash, prefix_salt
 from engine.draft_budget import DraftBudget
 from engine.ngram_proposer import TokenHistory
 from engine.penalties import TokenCounts
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.models.lora import LoraAdapter
 
 
 class RequestStatus(enum.Enum):
@@ -109,7 +113,7 @@ class Request:
     eos_token_ids: frozenset[int]
     max_model_len: int
     cache_salt: str | None = None
-    lora_name: str | None = None  # the LoRA adapter it runs with; None: the base model
+    lora: LoraAdapter | None = None  # the LoRA adapter it runs with; None: the base model
     prefill_only: bool = False
     remote_kv: RemoteKV | None = None
     times: RequestTimes = field(default_factory=RequestTimes)
@@ -151,7 +155,7 @@ class Request:
     def prefix_salt(self) -> str | bytes | None:
         """The salt of its block hashes: KV is shared only within one tenant (cache_salt)
         and one adapter (its KV differs from the base model's for the same tokens)."""
-        return prefix_salt(self.cache_salt, self.lora_name)
+        return prefix_salt(self.cache_salt, self.lora.key if self.lora else None)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -12,7 +12,6 @@ import logging
 
 import grpc
 
-from common.hashing import prefix_salt, transfer_block_hashes
 from engine.async_engine import EngineFailedError
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
@@ -89,8 +88,7 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServiceServicer):
             if completion.logprobs:
                 reply.first_logprobs.CopyFrom(logprobs_to_proto(completion.logprobs[0]))
             if final.kv_block_ids is not None:
-                blocks_salt = prefix_salt(salt, lora_name)
-                handle = await async_engine.call(lambda e: self._export(e, final, blocks_salt))
+                handle = await async_engine.call(lambda e: self._export(e, final))
                 reply.kv.CopyFrom(handle)
             self.runtime.timer.add(reply.timings)
             return reply
@@ -106,17 +104,14 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServiceServicer):
         finally:
             self.num_active -= 1
 
-    def _export(
-        self, engine: LLMEngine, output: RequestOutput, salt: str | bytes | None
-    ) -> pb.KVHandle:
-        """Engine thread: put the prompt's blocks under a lease and offer them to peers.
-        ``salt``: the request's block-hash salt (``common.hashing.prefix_salt``)."""
+    def _export(self, engine: LLMEngine, output: RequestOutput) -> pb.KVHandle:
+        """Engine thread: put the prompt's blocks under a lease and offer them to peers."""
         if not engine.holds_kv(output.request_id):  # released meanwhile (ReleaseKV by id)
             raise RequestFailedError("the prompt's blocks were released before the export")
         runtime = self.runtime
         lease = self.leases.grant(output.request_id)
         block_ids = output.kv_block_ids or []
-        names = transfer_block_hashes(output.prompt_token_ids, engine.config.block_size, salt)
+        names = engine.held_block_names(output.request_id)
         runtime.connector.export_blocks(lease.lease_id, block_ids, names)
         return pb.KVHandle(
             engine_id=runtime.engine_id,

@@ -242,7 +242,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("engine_id", "role", "queued_prefill_tokens", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_free", "live_leases", "leases_expired", "leases_released", "prefill_tokens_per_s", "prefix_query_tokens", "prefix_hit_tokens", "blocks_pulled", "blocks_reused_locally", "transfer_failures", "requests_finished", "mean_timings", "draining", "kv_blocks_total", "cpu_blocks_total", "cpu_blocks_used", "offloaded_blocks", "offloaded_bytes", "cpu_hit_blocks", "cpu_load_ms_total", "num_preemptions", "draft_tokens", "accepted_draft_tokens")
+    __slots__ = ("engine_id", "role", "queued_prefill_tokens", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_free", "live_leases", "leases_expired", "leases_released", "prefill_tokens_per_s", "prefix_query_tokens", "prefix_hit_tokens", "blocks_pulled", "blocks_reused_locally", "transfer_failures", "requests_finished", "mean_timings", "draining", "kv_blocks_total", "cpu_blocks_total", "cpu_blocks_used", "offloaded_blocks", "offloaded_bytes", "cpu_hit_blocks", "cpu_load_ms_total", "num_preemptions", "draft_tokens", "accepted_draft_tokens", "lora_adapters")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +272,7 @@ class StatsResponse(_message.Message):
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     role: str
     queued_prefill_tokens: int
@@ -301,4 +302,41 @@ class StatsResponse(_message.Message):
     num_preemptions: int
     draft_tokens: int
     accepted_draft_tokens: int
-    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., queued_prefill_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., live_leases: _Optional[int] = ..., leases_expired: _Optional[int] = ..., leases_released: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., blocks_pulled: _Optional[int] = ..., blocks_reused_locally: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., requests_finished: _Optional[int] = ..., mean_timings: _Optional[_Union[StageTimings, _Mapping]] = ..., draining: _Optional[bool] = ..., kv_blocks_total: _Optional[int] = ..., cpu_blocks_total: _Optional[int] = ..., cpu_blocks_used: _Optional[int] = ..., offloaded_blocks: _Optional[int] = ..., offloaded_bytes: _Optional[int] = ..., cpu_hit_blocks: _Optional[int] = ..., cpu_load_ms_total: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapterInfo]
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., queued_prefill_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., live_leases: _Optional[int] = ..., leases_expired: _Optional[int] = ..., leases_released: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., blocks_pulled: _Optional[int] = ..., blocks_reused_locally: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., requests_finished: _Optional[int] = ..., mean_timings: _Optional[_Union[StageTimings, _Mapping]] = ..., draining: _Optional[bool] = ..., kv_blocks_total: _Optional[int] = ..., cpu_blocks_total: _Optional[int] = ..., cpu_blocks_used: _Optional[int] = ..., offloaded_blocks: _Optional[int] = ..., offloaded_bytes: _Optional[int] = ..., cpu_hit_blocks: _Optional[int] = ..., cpu_load_ms_total: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ...) -> None: ...
+
+class LoraAdapterInfo(_message.Message):
+    __slots__ = ("name", "fingerprint")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    fingerprint: str
+    def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class LoadLoraAdapterResponse(_message.Message):
+    __slots__ = ("adapter", "already_loaded")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    ALREADY_LOADED_FIELD_NUMBER: _ClassVar[int]
+    adapter: LoraAdapterInfo
+    already_loaded: bool
+    def __init__(self, adapter: _Optional[_Union[LoraAdapterInfo, _Mapping]] = ..., already_loaded: _Optional[bool] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterResponse(_message.Message):
+    __slots__ = ("unloaded",)
+    UNLOADED_FIELD_NUMBER: _ClassVar[int]
+    unloaded: bool
+    def __init__(self, unloaded: _Optional[bool] = ...) -> None: ...

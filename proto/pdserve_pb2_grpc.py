@@ -59,6 +59,16 @@ class PrefillServiceStub:
                 request_serializer=proto_dot_pdserve__pb2.StatsRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/pdserve.v1.PrefillService/LoadLoraAdapter',
+                request_serializer=proto_dot_pdserve__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/pdserve.v1.PrefillService/UnloadLoraAdapter',
+                request_serializer=proto_dot_pdserve__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -94,6 +104,18 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +143,16 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=proto_dot_pdserve__pb2.StatsRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.StatsResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=proto_dot_pdserve__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=proto_dot_pdserve__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -268,6 +300,60 @@ class PrefillService:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillService/LoadLoraAdapter',
+            proto_dot_pdserve__pb2.LoadLoraAdapterRequest.SerializeToString,
+            proto_dot_pdserve__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillService/UnloadLoraAdapter',
+            proto_dot_pdserve__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            proto_dot_pdserve__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeServiceStub:
     """Missing associated documentation comment in .proto file."""
@@ -298,6 +384,16 @@ class DecodeServiceStub:
                 request_serializer=proto_dot_pdserve__pb2.StatsRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/pdserve.v1.DecodeService/LoadLoraAdapter',
+                request_serializer=proto_dot_pdserve__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/pdserve.v1.DecodeService/UnloadLoraAdapter',
+                request_serializer=proto_dot_pdserve__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServiceServicer:
@@ -327,6 +423,18 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -349,6 +457,16 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=proto_dot_pdserve__pb2.StatsRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.StatsResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=proto_dot_pdserve__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=proto_dot_pdserve__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -459,6 +577,60 @@ class DecodeService:
             '/pdserve.v1.DecodeService/Stats',
             proto_dot_pdserve__pb2.StatsRequest.SerializeToString,
             proto_dot_pdserve__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeService/LoadLoraAdapter',
+            proto_dot_pdserve__pb2.LoadLoraAdapterRequest.SerializeToString,
+            proto_dot_pdserve__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeService/UnloadLoraAdapter',
+            proto_dot_pdserve__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            proto_dot_pdserve__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -41,7 +41,9 @@ from router.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     FieldError,
+    LoadLoraAdapterRequest,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
 )
 from router.reasoning import PROMPT_TAIL_TOKENS, Reasoning, opening_of
 from router.state import RouterState
@@ -200,8 +202,17 @@ def create_app(state: RouterState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        adapters = sorted(state.config.lora.adapters)
+        adapters = state.adapters.names()
         return {"object": "list", "data": [model_card(), *map(model_card, adapters)]}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoraAdapterRequest) -> dict[str, Any]:
+        """Load an adapter on every worker (``router/lora_adapters.py``)."""
+        return await state.adapters.load(body.lora_name, body.lora_path)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoraAdapterRequest) -> dict[str, Any]:
+        return await state.adapters.unload(body.lora_name)
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> dict[str, Any]:
@@ -260,7 +271,7 @@ def create_app(state: RouterState) -> FastAPI:
         """The LoRA adapter ``model`` names; None for the base model (or no name)."""
         if model is None or model == state.model.served_name:
             return None
-        if model in state.config.lora.adapters:
+        if model in state.adapters.names():
             return model
         raise model_not_found(model)
 
@@ -377,7 +388,7 @@ def create_app(state: RouterState) -> FastAPI:
             state.model.block_size,
             lambda stop: IncrementalDetokenizer(state.tokenizer, stop, body.min_tokens),
             body.cache_salt,
-            lora_name,
+            state.adapters.resolve(lora_name) if lora_name is not None else None,
             prompt_param="messages" if chat else "prompt",
         )
         formatter = Formatter(

@@ -20,6 +20,7 @@ from router.detokenizer import IncrementalDetokenizer
 from router.dispatch import Dispatcher, SequenceRequest
 from router.errors import APIError, bad_request, context_too_long
 from router.metrics import RouterMetrics
+from router.workers import LoraRef
 
 
 @dataclass(slots=True)
@@ -64,12 +65,12 @@ def build_choices(
     block_size: int,
     detokenizer_factory,
     cache_salt: str | None = None,
-    lora_name: str | None = None,
+    lora: LoraRef | None = None,
     prompt_param: str = "prompt",
 ) -> list[Choice]:
     """One choice per (prompt, sample); checks each prompt against the context limit, and
     ``min_tokens`` against what the context leaves when ``max_tokens`` is unset.
-    ``lora_name``: the LoRA adapter every choice runs with (None: the base model).
+    ``lora``: the LoRA adapter every choice runs with (None: the base model).
     ``prompt_param`` names the request's prompt field in errors."""
     choices = []
     for prompt_index, prompt in enumerate(prompts):
@@ -83,7 +84,7 @@ def build_choices(
                 f"{len(prompt)} prompt tokens, got {sampling.min_tokens}",
                 "min_tokens",
             )
-        hashes = hash_blocks(prompt, block_size, prefix_salt(cache_salt, lora_name))
+        hashes = hash_blocks(prompt, block_size, prefix_salt(cache_salt, lora and lora.key))
         for sample in range(n):
             params = pb.SamplingParams()
             params.CopyFrom(sampling)
@@ -98,7 +99,7 @@ def build_choices(
                     index=index,
                     prompt_index=prompt_index,
                     request=SequenceRequest(
-                        f"{request_id}-{index}", prompt, hashes, params, cache_salt, lora_name
+                        f"{request_id}-{index}", prompt, hashes, params, cache_salt, lora
                     ),
                     detokenizer=detokenizer_factory(stop),
                 )

@@ -35,7 +35,7 @@ from router.metrics import RouterMetrics
 from router.once import once
 from router.policy import Placement, PlacementPolicy, WorkerLoad
 from router.prefix_index import PrefixIndex
-from router.workers import WorkerPool, WorkerStalled, WorkerState
+from router.workers import LoraRef, WorkerPool, WorkerStalled, WorkerState
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class SequenceRequest:
     block_hashes: list[BlockHash]
     sampling: pb.SamplingParams
     cache_salt: str | None = None
-    lora_name: str | None = None  # a LoRA adapter the workers loaded; None: the base model
+    lora: LoraRef | None = None  # a LoRA adapter the workers loaded; None: the base model
 
 
 @dataclass(slots=True)
@@ -139,10 +139,11 @@ class Dispatcher:
     # ------------------------------------------------------------------ placement
 
     def place(self, request: SequenceRequest) -> Placement:
-        decode = self.pool.candidates(Role.DECODE)
+        decode = self.pool.candidates(Role.DECODE, request.lora)
         if not decode:
-            raise unavailable("no decode worker is available")
-        prefill = self.pool.candidates(Role.PREFILL)
+            adapter = f" with LoRA adapter {request.lora.name!r}" if request.lora else ""
+            raise unavailable(f"no decode worker{adapter} is available")
+        prefill = self.pool.candidates(Role.PREFILL, request.lora)
         start = time.perf_counter()
         with self.index_lock:
             if start - self._last_expiry > 1.0:
@@ -333,7 +334,7 @@ class Dispatcher:
         """First token and KV handle from a prefill worker, or (None, None) to prefill
         locally on the decode worker."""
         chosen = self.pool.get(placement.prefill_worker or "")
-        others = [w for w in self.pool.candidates(Role.PREFILL) if w is not chosen]
+        others = [w for w in self.pool.candidates(Role.PREFILL, request.lora) if w is not chosen]
         others.sort(key=lambda w: w.queued_prefill_tokens)
         uncached = len(request.prompt_token_ids) - placement.prefill_cached_tokens
         message = pb.PrefillRequest(
@@ -343,8 +344,8 @@ class Dispatcher:
         )
         if request.cache_salt is not None:
             message.cache_salt = request.cache_salt
-        if request.lora_name is not None:
-            message.lora_name = request.lora_name
+        if request.lora is not None:
+            message.lora_name = request.lora.name
         for worker in [w for w in [chosen, *others] if w is not None]:
             if self.pool.retired(worker):
                 continue  # retired while an earlier try ran: its channel is closed
@@ -381,7 +382,9 @@ class Dispatcher:
         self.metrics.prefill_fallbacks.inc()
         return None, None
 
-    def _next_decode_worker(self, preferred: str, tried: set[str]) -> WorkerState | None:
+    def _next_decode_worker(
+        self, preferred: str, tried: set[str], lora: LoraRef | None
+    ) -> WorkerState | None:
         """The placement's worker first, then the least busy available one not yet tried.
         Asked afresh on every try (a worker that failed meanwhile is no longer available,
         one that joined is). A worker tried once is not tried again for this sequence,
@@ -392,9 +395,10 @@ class Dispatcher:
             and preferred not in tried
             and not self.pool.retired(chosen)
             and chosen.available
+            and chosen.serves(lora)  # (unloaded meanwhile)
         ):  # one the pool saw die: no prefill pays for a try
             return chosen
-        others = [w for w in self.pool.candidates(Role.DECODE) if w.worker_id not in tried]
+        others = [w for w in self.pool.candidates(Role.DECODE, lora) if w.worker_id not in tried]
         return min(others, key=lambda w: w.running, default=None)
 
     async def _decode(
@@ -422,7 +426,9 @@ class Dispatcher:
         failure: APIError | None = None  # what the client gets if no worker takes over
         tried: set[str] = set()
         holder: str | None = placement.decode_worker  # where the index expects the prompt
-        while (worker := self._next_decode_worker(placement.decode_worker, tried)) is not None:
+        while (
+            worker := self._next_decode_worker(placement.decode_worker, tried, request.lora)
+        ) is not None:
             timeout = deadline - time.monotonic()
             if timeout <= 0:
                 break
@@ -448,8 +454,8 @@ class Dispatcher:
             )
             if request.cache_salt is not None:
                 message.cache_salt = request.cache_salt
-            if request.lora_name is not None:
-                message.lora_name = request.lora_name
+            if request.lora is not None:
+                message.lora_name = request.lora.name
             if kv is not None:
                 message.kv.CopyFrom(kv)
             started = False

@@ -456,3 +456,16 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoraAdapterRequest(_Body):
+    """vLLM's ``POST /v1/load_lora_adapter`` body."""
+
+    lora_name: str
+    lora_path: str  # a PEFT adapter directory, as the workers see it
+
+
+class UnloadLoraAdapterRequest(_Body):
+    """vLLM's ``POST /v1/unload_lora_adapter`` body (its ``lora_int_id`` is ignored)."""
+
+    lora_name: str

@@ -19,6 +19,7 @@ from proto import pdserve_pb2 as pb
 from router.choices import Choice
 from router.dispatch import Dispatcher
 from router.events import EventListener
+from router.lora_adapters import LoraAdapters
 from router.metrics import RouterMetrics
 from router.policy import PlacementPolicy
 from router.prefix_index import PrefixIndex
@@ -41,6 +42,7 @@ class RouterState:
     pool: _Pool
     metrics: RouterMetrics
     dispatcher: Dispatcher
+    adapters: LoraAdapters
     started_at: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     num_inflight: int = 0  # sequences admitted and not yet ended (see app.respond)
@@ -74,13 +76,15 @@ class RouterState:
         decode_engine = config.engine_for(Role.DECODE)
         policy = PlacementPolicy(config.router, model.block_size, decode_engine.max_num_seqs)
         dispatcher = Dispatcher(config.router, pool, index, lock, policy, metrics, model.block_size)
+        adapters = LoraAdapters(config.lora, pool, model.served_name)
         return cls(config, model, Tokenizer(model.model_dir), index, lock, events, pool,
-                   metrics, dispatcher,
+                   metrics, dispatcher, adapters,
                    generation_defaults=GenerationDefaults.read(model.model_dir))  # fmt: skip
 
     async def start(self) -> None:
         self.events.start()
         await self.pool.start()
+        self.adapters.start(self.config.router.refresh_interval_s)
         # llguidance's tokenizer (~1 s for a 128k vocabulary) now, not at the first
         # constrained request; without llguidance, constrained requests say why.
         with contextlib.suppress(StructuredOutputError):
@@ -88,6 +92,7 @@ class RouterState:
 
     async def stop(self) -> None:
         self.draining = True
+        await self.adapters.stop()
         await self.pool.close()
         self.events.stop()
         self.pool.registry.close()

@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import Role
+from common.hashing import lora_key
 from common.registry import Registry, WorkerInfo
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -38,6 +39,20 @@ _CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.max_receive_message_length", 64 << 20),
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class LoraRef:
+    """A LoRA adapter as workers report it (Stats): its name and its files' fingerprint.
+    Workers with equal ones compute equal KV for a prompt."""
+
+    name: str
+    fingerprint: str
+
+    @property
+    def key(self) -> str:
+        """What its blocks are salted with (``common.hashing.lora_key``), as on workers."""
+        return lora_key(self.name, self.fingerprint)
 
 
 @dataclass
@@ -71,6 +86,11 @@ class WorkerState:
     abandoned: set[grpc.aio.Call] = field(default_factory=set)
     departed_channel: grpc.aio.Channel | None = None  # probes it once out of the registry
     missing_since: float | None = None  # time.monotonic() it was first missing from it
+    # Its LoRA adapters, name -> fingerprint: from each Stats, and from this router's
+    # loads and unloads as they succeed (``lora_version`` counts those, so a Stats
+    # reply that was on its way meanwhile does not undo one).
+    lora_adapters: dict[str, str] = field(default_factory=dict)
+    lora_version: int = 0
 
     @contextlib.contextmanager
     def tracking(self, call: grpc.aio.Call) -> Iterator[None]:
@@ -111,6 +131,15 @@ class WorkerState:
     @property
     def available(self) -> bool:
         return self.healthy and not self.info.draining and not self.stats.draining
+
+    def serves(self, lora: LoraRef | None) -> bool:
+        """Whether requests of ``lora`` (None: the base model) may run here."""
+        return lora is None or self.lora_adapters.get(lora.name) == lora.fingerprint
+
+    def set_lora_adapters(self, adapters: dict[str, str]) -> None:
+        """What a load or unload through this router left on the worker."""
+        self.lora_adapters = adapters
+        self.lora_version += 1
 
     def load(self) -> WorkerLoad:
         return WorkerLoad(
@@ -178,8 +207,13 @@ class WorkerPool:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    def candidates(self, role: Role) -> list[WorkerState]:
-        return [w for w in self.workers.values() if w.info.role is role and w.available]
+    def candidates(self, role: Role, lora: LoraRef | None = None) -> list[WorkerState]:
+        """The available workers of ``role`` that serve ``lora`` (None: the base model)."""
+        return [
+            w
+            for w in self.workers.values()
+            if w.info.role is role and w.available and w.serves(lora)
+        ]
 
     def get(self, worker_id: str) -> WorkerState | None:
         return self.workers.get(worker_id)
@@ -299,6 +333,7 @@ class WorkerPool:
         return state
 
     async def _probe(self, state: WorkerState) -> None:
+        lora_version = state.lora_version
         try:
             reply = await state.health.Check(
                 health_pb2.HealthCheckRequest(), timeout=PROBE_TIMEOUT_S
@@ -312,6 +347,8 @@ class WorkerPool:
                     logger.info("worker %s restarted", state.worker_id)
                     self.events.add(state.info)
                 state.stats = stats
+                if state.lora_version == lora_version:
+                    state.lora_adapters = {a.name: a.fingerprint for a in stats.lora_adapters}
             state.answered()
         except grpc.aio.AioRpcError:
             healthy = False

@@ -21,6 +21,10 @@ class DrainingError(RuntimeError):
     """The worker is shutting down and takes no new requests."""
 
 
+class DisabledError(RuntimeError):
+    """The call needs a feature this worker's config leaves off."""
+
+
 class RequestFailedError(RuntimeError):
     """The request was admitted but could not be completed (e.g. its KV pull failed under
     failure_policy=fail)."""
@@ -40,6 +44,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, exc.message
     if isinstance(exc, DrainingError):
         return grpc.StatusCode.UNAVAILABLE, f"worker is draining: {exc}"
+    if isinstance(exc, DisabledError):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, RequestFailedError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, EngineFailedError):  # this worker is out; the router tries another

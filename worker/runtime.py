@@ -17,12 +17,11 @@ Lifecycle:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -34,7 +33,7 @@ from common.registry import Registry, WorkerInfo, create_registry, worker_id
 from engine.async_engine import AsyncEngine
 from engine.kv_events import KVEventCollector
 from engine.llm_engine import LLMEngine
-from engine.models.fingerprint import adapter_fingerprint, weights_fingerprint
+from engine.models.fingerprint import weights_fingerprint
 from kv_transfer import KVConnector, KVTransferConfig, create_connector
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -76,21 +75,12 @@ class PeerMetadataClient:
             self._stubs.clear()
 
 
-def model_namespace(model_dir: Path, lora_adapters: Mapping[str, Path] | None = None) -> str:
+def model_namespace(model_dir: Path) -> str:
     """A directory-safe name per model and weights, so shared-storage files of different
-    models (or of one model's old weights) with equal token prefixes never mix.
-
-    Adapters' blocks are told apart by their names (``common.hashing.prefix_salt``), not
-    their weights, so the namespace also covers every adapter's name and weights: an
-    adapter changed under the same name must not read its old blocks. The price is a
-    cold store for the base model too after any adapter changes."""
-    fingerprint = weights_fingerprint(model_dir)
-    if lora_adapters:
-        digest = hashlib.sha256(fingerprint.encode())
-        for name, path in sorted(lora_adapters.items()):
-            digest.update(f"\0{name}\0{adapter_fingerprint(path)}".encode())
-        fingerprint = digest.hexdigest()[:12]
-    return f"{model_dir.name}-{fingerprint}"
+    models (or of one model's old weights) with equal token prefixes never mix. LoRA
+    adapters need no part in it: their blocks' names are salted with their own weights
+    (``engine.models.lora.LoraAdapter.key``), which also covers adapters loaded later."""
+    return f"{model_dir.name}-{weights_fingerprint(model_dir)}"
 
 
 class WorkerRuntime:
@@ -173,7 +163,7 @@ class WorkerRuntime:
             store_port=self.ports.kv_store,
             timeout_s=transfer.timeout_s,
             shared_dir=transfer.shared_dir,
-            shared_namespace=model_namespace(model_dir, adapters),
+            shared_namespace=model_namespace(model_dir),
             shared_max_bytes=transfer.shared_max_bytes,
             nixl_read_lanes=transfer.nixl_read_lanes,
             nixl_pin_lanes=transfer.nixl_pin_lanes,

@@ -1,4 +1,5 @@
-"""The RPCs both worker services answer alike: Abort, GetTransferMetadata and Stats.
+"""The RPCs both worker services answer alike: Abort, GetTransferMetadata, Stats and the
+loading and unloading of LoRA adapters.
 
 Mixed in ahead of the generated servicer base, whose methods answer UNIMPLEMENTED. A
 service adds its own counters to Stats through ``stats_extra``.
@@ -6,8 +7,13 @@ service adds its own counters to Stats through ``stats_extra``.
 
 from __future__ import annotations
 
+import asyncio
+
+from common.config import LORA_NAME_RULE, valid_lora_name
+from engine.async_engine import AsyncEngine
+from engine.errors import InvalidRequestError
 from proto import pdserve_pb2 as pb
-from worker.grpc_errors import grpc_errors
+from worker.grpc_errors import DisabledError, grpc_errors
 from worker.runtime import WorkerRuntime
 from worker.stats import stats_reply
 
@@ -37,11 +43,49 @@ class WorkerRPCs:
         role = runtime.role.value
         if runtime.async_engine is None:
             return pb.StatsResponse(engine_id=runtime.engine_id, role=role)
+        engine = runtime.async_engine
         return stats_reply(
             runtime.engine_id,
             role,
-            runtime.async_engine.stats,
+            engine.stats,
             runtime.timer,
             runtime.draining,
+            # Read now, not from the step snapshot: a Stats sent after a load's reply
+            # lists it. (The engine thread swaps entries; a tuple copy is atomic.)
+            tuple(engine.engine.runner.lora_adapters.values()),
             **self.stats_extra(),
         )
+
+    @grpc_errors
+    async def LoadLoraAdapter(
+        self, request: pb.LoadLoraAdapterRequest, context
+    ) -> pb.LoadLoraAdapterResponse:
+        """Read the adapter off the engine thread (its steps go on), then add it there, so
+        no step sees half of it. Loading the files already loaded under the name is a
+        no-op; other files under a loaded name are refused (unload first)."""
+        async_engine = self._lora_engine()
+        if not valid_lora_name(request.name):
+            raise InvalidRequestError(f"a LoRA adapter name is {LORA_NAME_RULE}", "lora_name")
+        if not request.path:
+            raise InvalidRequestError("needs the adapter's directory", "lora_path")
+        adapter = await asyncio.to_thread(
+            async_engine.engine.read_lora_adapter, request.name, request.path
+        )
+        max_adapters = self.runtime.config.lora.max_adapters
+        added = await async_engine.call(lambda e: e.add_lora_adapter(adapter, max_adapters))
+        info = pb.LoraAdapterInfo(name=adapter.name, fingerprint=adapter.fingerprint)
+        return pb.LoadLoraAdapterResponse(adapter=info, already_loaded=not added)
+
+    @grpc_errors
+    async def UnloadLoraAdapter(
+        self, request: pb.UnloadLoraAdapterRequest, context
+    ) -> pb.UnloadLoraAdapterResponse:
+        """New requests for it are refused from now on; those running finish with it."""
+        async_engine = self._lora_engine()
+        unloaded = await async_engine.call(lambda e: e.unload_lora_adapter(request.name))
+        return pb.UnloadLoraAdapterResponse(unloaded=unloaded)
+
+    def _lora_engine(self) -> AsyncEngine:
+        if not self.runtime.config.lora.runtime_loading:
+            raise DisabledError("loading LoRA adapters at runtime is off (lora.runtime_loading)")
+        return self.runtime.check_ready()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine.async_engine import EngineStats
+from engine.models.lora import LoraAdapter
 from proto import pdserve_pb2 as pb
 
 
@@ -41,6 +43,7 @@ def stats_reply(
     stats: EngineStats,
     timer: StageTimer,
     draining: bool,
+    lora_adapters: Iterable[LoraAdapter] = (),
     **extra: int,
 ) -> pb.StatsResponse:
     return pb.StatsResponse(
@@ -69,5 +72,9 @@ def stats_reply(
         cpu_load_ms_total=stats.cpu_load_seconds * 1000,
         draft_tokens=stats.draft_tokens,
         accepted_draft_tokens=stats.accepted_draft_tokens,
+        lora_adapters=[
+            pb.LoraAdapterInfo(name=adapter.name, fingerprint=adapter.fingerprint)
+            for adapter in lora_adapters
+        ],
         **extra,
     )

@@ -289,3 +289,25 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
         bos_token_id=cfg.get("bos_token_id"),
         moe=_moe_config(cfg, flags, num_layers, path),
     )
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """A checkpoint's safetensors files: the shards its index lists, or the files present."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({model_dir / name for name in weight_map.values()})
+        missing = [str(f.name) for f in files if not f.exists()]
+        if missing:
+            raise ModelLoadError(f"{model_dir}: shards listed in the index are missing: {missing}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.exists():
+        return [single]
+    others = sorted(model_dir.glob("*.safetensors"))
+    if others:
+        return others
+    raise ModelLoadError(
+        f"{model_dir}: no model.safetensors or model.safetensors.index.json "
+        "(only safetensors checkpoints are loaded)"
+    )

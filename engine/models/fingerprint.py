@@ -22,7 +22,7 @@ import json
 import struct
 from pathlib import Path
 
-from engine.models.loader import safetensors_files
+from engine.models.arch import safetensors_files
 from engine.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 SAMPLES_PER_TENSOR = 3

@@ -12,7 +12,6 @@ untied), and fails with a message naming the missing file or tensor.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import re
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ import torch
 from safetensors import safe_open
 
 from engine.attention.backend import AttentionBackend
-from engine.models.arch import ModelArchConfig, ModelLoadError
+from engine.models.arch import ModelArchConfig, ModelLoadError, safetensors_files
 from engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -48,27 +47,6 @@ class _Target:
     param: str
     row_start: int = 0
     expert: int | None = None
-
-
-def safetensors_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({model_dir / name for name in weight_map.values()})
-        missing = [str(f.name) for f in files if not f.exists()]
-        if missing:
-            raise ModelLoadError(f"{model_dir}: shards listed in the index are missing: {missing}")
-        return files
-    single = model_dir / "model.safetensors"
-    if single.exists():
-        return [single]
-    others = sorted(model_dir.glob("*.safetensors"))
-    if others:
-        return others
-    raise ModelLoadError(
-        f"{model_dir}: no model.safetensors or model.safetensors.index.json "
-        "(only safetensors checkpoints are loaded)"
-    )
 
 
 def _target(name: str, arch: ModelArchConfig, params: dict[str, torch.nn.Parameter]) -> _Target:

@@ -31,8 +31,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from common.hashing import lora_key
 from common.model_info import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from engine.models.arch import ModelArchConfig, ModelLoadError
+from engine.models.fingerprint import adapter_fingerprint
 
 _KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\."
@@ -59,12 +61,21 @@ class LoraPair:
     b: torch.Tensor  # [out_features, rank], the adapter's scale folded in
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class LoraAdapter:
+    """One loaded adapter. Requests hold it from admission to their end, so an adapter
+    unloaded meanwhile stays valid for them (``LLMEngine.unload_lora_adapter``)."""
+
     name: str
+    fingerprint: str  # of its files (engine/models/fingerprint.py)
     # Per layer: fused projection name ("qkv_proj", "o_proj", "gate_up_proj",
     # "down_proj") -> its pair; a projection the adapter leaves alone is absent.
     layers: tuple[dict[str, LoraPair], ...]
+
+    @property
+    def key(self) -> str:
+        """What its KV is keyed by (``common.hashing.lora_key``): name and weights."""
+        return lora_key(self.name, self.fingerprint)
 
 
 def module_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, int]]:
@@ -174,7 +185,7 @@ def load_lora_adapter(
                 a=torch.cat(a_rows).to(device, dtype),  # [total_rank, in]
                 b=torch.cat(b_blocks).to(device, dtype),  # [fused out, total_rank]
             )
-    return LoraAdapter(name=name, layers=tuple(layers))
+    return LoraAdapter(name=name, fingerprint=adapter_fingerprint(path), layers=tuple(layers))
 
 
 @dataclass(frozen=True, slots=True)

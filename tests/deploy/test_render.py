@@ -335,3 +335,16 @@ def test_worker_memory_requests_count_the_weights_as_held_on_cpu(tiny_llama, tmp
     elsewhere = dataclasses.replace(config, model="/models/only-in-the-cluster")
     docs = {d["metadata"]["name"]: d for d in k8s_docs(render_files(elsewhere, "local.yaml"))}
     assert requested_mib("pdserve-prefill") == base_mib
+
+
+def test_k8s_mounts_the_adapters_volume_for_runtime_loading(tmp_path):
+    """No adapter at start, but some may be loaded later: the workers need the volume."""
+    base = load_config(None, ["model=/models/m"])
+    runtime = load_config(None, ["model=/models/m", "lora.runtime_loading=true"])
+    for config, mounted in ((base, False), (runtime, True)):
+        docs = {(d["kind"], d["metadata"]["name"]): d
+                for d in k8s_docs(render_files(config, "c.yaml"))}  # fmt: skip
+        assert (("PersistentVolumeClaim", "pdserve-lora") in docs) is mounted
+        decode = docs[("Deployment", "pdserve-decode")]["spec"]["template"]["spec"]
+        mounts = {m["name"]: m["mountPath"] for m in decode["containers"][0]["volumeMounts"]}
+        assert (mounts.get("lora") == "/adapters") is mounted

@@ -6,11 +6,19 @@ The base model and the adapters never share KV, though their prompts are the sam
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
+
+import grpc
 import openai
 import pytest
 
+from common.config_loader import load_config
 from engine import LLM, SamplingParams
 from engine.models.lora_maker import make_lora_adapter
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
 from tests.support.processes import write_config
 from tests.support.stack import get_json, serving
 
@@ -129,3 +137,26 @@ def test_chat_with_an_adapter(client, offline):
 def test_an_unknown_model_is_not_found(client):
     with pytest.raises(openai.NotFoundError, match="carol"):
         client.completions.create(**_ask("carol"))
+
+
+def test_runtime_loading_is_off_unless_configured(stack, adapter_dirs):
+    request = urllib.request.Request(
+        f"{stack.base_url}/v1/load_lora_adapter",
+        json.dumps({"lora_name": "carol", "lora_path": adapter_dirs["alice"]}).encode(),
+        {"content-type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code == 404
+    assert "lora.runtime_loading" in json.loads(refused.value.read())["error"]["message"]
+    # The worker refuses too, whoever asks it.
+    decode = load_config(str(stack.config_path)).decode
+    with grpc.insecure_channel(f"{decode.host}:{decode.ports(0).grpc}") as channel:
+        stub = pb_grpc.DecodeServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as off:
+            stub.LoadLoraAdapter(
+                pb.LoadLoraAdapterRequest(name="carol", path=adapter_dirs["alice"]), timeout=10
+            )
+        assert off.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        stats = stub.Stats(pb.StatsRequest(), timeout=10)
+    assert sorted(a.name for a in stats.lora_adapters) == list(ADAPTERS)

@@ -4,12 +4,15 @@ different after the weights change under the same directory name and config."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from engine.models.arch import read_arch_config
 from engine.models.fingerprint import weights_fingerprint
+from engine.models.lora import load_lora_adapter
 from worker.runtime import model_namespace
 
 
@@ -50,18 +53,23 @@ def test_a_change_to_one_tensor_alone_changes_it(tiny_llama, tmp_path):
         assert weights_fingerprint(changed) != base, name
 
 
-def test_the_namespace_covers_the_lora_adapters(tiny_llama, tmp_path):
-    """Adapters' blocks are named by adapter name: one changed under its name must not
-    read the blocks its old weights computed."""
+def test_an_adapters_kv_key_follows_its_weights_not_its_path(tiny_llama, tmp_path):
+    """Adapters' blocks are keyed by name and weights (``LoraAdapter.key``): one changed
+    under its name must not read the blocks its old weights computed, in any worker's
+    cache or the shared store; a copy of the same files may."""
+    from common.hashing import prefix_salt
     from engine.models.lora_maker import make_lora_adapter
 
     adapter = make_lora_adapter(tiny_llama, tmp_path / "a", seed=1)
     copy = tmp_path / "copy"
     shutil.copytree(adapter, copy, copy_function=shutil.copyfile)
     retrained = make_lora_adapter(tiny_llama, tmp_path / "b", seed=2)
-    plain = model_namespace(tiny_llama)
-    with_adapter = model_namespace(tiny_llama, {"alice": adapter})
-    assert with_adapter != plain
-    assert model_namespace(tiny_llama, {"alice": copy}) == with_adapter
-    assert model_namespace(tiny_llama, {"alice": retrained}) != with_adapter
-    assert model_namespace(tiny_llama, {"bob": adapter}) != with_adapter
+    arch = read_arch_config(tiny_llama)
+
+    def key(name: str, path: Path) -> str:
+        return load_lora_adapter(name, path, arch, torch.device("cpu"), torch.float32).key
+
+    assert key("alice", copy) == key("alice", adapter)
+    assert key("alice", retrained) != key("alice", adapter)
+    assert key("bob", adapter) != key("alice", adapter)
+    assert prefix_salt(None, key("alice", retrained)) != prefix_salt(None, key("alice", adapter))

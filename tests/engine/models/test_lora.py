@@ -143,6 +143,81 @@ def test_unknown_adapter_is_refused_and_leaves_the_engine_clean(tiny_llama, adap
     assert llm.engine.leak_report() == []
 
 
+def test_adapters_load_and_unload_at_runtime(tiny_llama, adapters):
+    paths = adapters(tiny_llama, "llama")
+    prompt = random_prompts((70,), seed=6)[0]  # 4 full blocks of 16
+    fresh = LLM(tiny_llama, lora_adapters=paths)
+    expected = {
+        name: fresh.generate([prompt], GREEDY, use_tqdm=False, lora_name=name)[0]
+        .outputs[0].token_ids
+        for name in ("all", "some")
+    }  # fmt: skip
+    assert expected["all"] != expected["some"]
+    llm = LLM(tiny_llama)
+
+    def run(name: str):
+        return llm.generate([prompt], GREEDY, use_tqdm=False, lora_name=name)[0]
+
+    with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'x'"):
+        run("x")
+    assert llm.load_lora_adapter("x", paths["all"]) is True
+    assert llm.load_lora_adapter("x", paths["all"]) is False  # the same files: a no-op
+    first = run("x")
+    assert first.outputs[0].token_ids == expected["all"] and first.num_cached_tokens == 0
+    with pytest.raises(InvalidRequestError, match="'x' is loaded with other weights"):
+        llm.load_lora_adapter("x", paths["some"])
+    assert llm.unload_lora_adapter("x") is True
+    assert llm.unload_lora_adapter("x") is False
+    with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'x'"):
+        run("x")
+    # Other weights under the old name: its cached blocks are the old weights' KV and
+    # must not be hit (the cache is keyed by weights, not by name).
+    llm.load_lora_adapter("x", paths["some"])
+    other = run("x")
+    assert other.num_cached_tokens == 0 and other.outputs[0].token_ids == expected["some"]
+    # The first files again: their KV is still cached, and is theirs.
+    llm.unload_lora_adapter("x")
+    llm.load_lora_adapter("x", paths["all"])
+    again = run("x")
+    assert again.num_cached_tokens == 64 and again.outputs[0].token_ids == expected["all"]
+    assert llm.engine.leak_report() == []
+
+
+def test_an_adapter_unloaded_mid_request_serves_that_request_to_its_end(tiny_llama, adapters):
+    paths = adapters(tiny_llama, "llama")
+    prompts = random_prompts((30, 9), seed=7)
+    expected = LLM(tiny_llama, lora_adapters=paths).generate(
+        prompts, GREEDY, use_tqdm=False, lora_name="all"
+    )
+    llm = LLM(tiny_llama, lora_adapters=paths)
+    engine = llm.engine
+    engine.add_request("a", prompts[0], GREEDY, lora_name="all")
+    for _ in range(3):
+        engine.step()
+    assert engine.unload_lora_adapter("all")
+    with pytest.raises(InvalidRequestError, match="unknown LoRA adapter 'all'"):
+        engine.add_request("b", prompts[1], GREEDY, lora_name="all")
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert outputs["a"].outputs[0].token_ids == expected[0].outputs[0].token_ids
+    assert sorted(engine.runner.lora_adapters) == ["some"]
+    assert engine.leak_report() == []
+
+
+def test_bad_runtime_loads_are_refused_and_change_nothing(tiny_llama, adapters, tmp_path):
+    paths = adapters(tiny_llama, "llama")
+    llm = LLM(tiny_llama, lora_adapters={"all": paths["all"]})
+    with pytest.raises(InvalidRequestError, match="no adapter_config.json") as missing:
+        llm.load_lora_adapter("y", tmp_path)
+    assert missing.value.param == "lora_path"
+    adapter = llm.engine.read_lora_adapter("y", paths["some"])
+    with pytest.raises(InvalidRequestError, match="1 LoRA adapters are loaded"):
+        llm.engine.add_lora_adapter(adapter, max_adapters=1)
+    assert sorted(llm.engine.runner.lora_adapters) == ["all"]
+    assert llm.engine.add_lora_adapter(adapter, max_adapters=2) is True
+
+
 def _copy_adapter(source: Path, target: Path, config_changes=None, tensors=None) -> Path:
     target.mkdir()
     config = json.loads((source / ADAPTER_CONFIG).read_text())

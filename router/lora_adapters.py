@@ -1,0 +1,283 @@
+"""LoRA adapters as the router sees them: which names a client may ask for, which files a
+request of one runs with, and loading and unloading them while serving (vLLM's
+``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``, with
+``lora.runtime_loading``).
+
+The workers are the truth: each Stats lists the adapters a worker serves, by name and
+fingerprint of its files (``WorkerState.lora_adapters``). A request of adapter ``alice``
+runs with the fingerprint most available workers serve it with (``resolve``), only on
+workers serving that one (``WorkerPool.candidates``), and its block hashes are salted with
+that fingerprint as the workers' are, so prefix-aware placement keeps working.
+
+A load goes to every available worker, prefill and decode alike (a request's KV is
+computed with its adapter on one and continued with it on the other); it succeeds only if
+every one loaded the same files, and is undone on those that loaded it if not. Loads
+through this router are also its desired state: each refresh, a worker that lacks one (it
+joined since, or restarted: a runtime load does not survive a restart) gets it before
+it serves requests of it, and a worker that still serves an adapter unloaded through this
+router (it was unreachable then) has it unloaded (``reconcile``). With several routers,
+load and unload each adapter through one of them; the others see it in Stats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from common.config import LORA_NAME_RULE, LoraSettings, valid_lora_name
+from proto import PARAM_KEY
+from proto import pdserve_pb2 as pb
+from router.errors import APIError, bad_request, unavailable
+from router.workers import LoraRef, WorkerPool, WorkerState
+
+logger = logging.getLogger(__name__)
+
+# Reading an adapter is a few hundred MB at most; a worker busy stepping answers the RPC
+# between steps.
+LOAD_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Loaded:
+    path: str  # as the workers see it
+    fingerprint: str
+
+
+class LoraAdapters:
+    def __init__(self, settings: LoraSettings, pool: WorkerPool, base_name: str) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.base_name = base_name  # the base model's served name: no adapter takes it
+        # Loaded through this router and not unloaded since: kept on every worker.
+        self.loaded: dict[str, _Loaded] = {}
+        # Unloaded through this router and not loaded since: kept off every worker.
+        self.unloaded: set[str] = set()
+        self._lock = asyncio.Lock()  # one load, unload or reconcile at a time
+        self._task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ requests
+
+    def names(self) -> list[str]:
+        """Every adapter a client may name: configured, loaded here, or served by a worker."""
+        names = set(self.settings.adapters) | set(self.loaded)
+        for worker in self.pool.workers.values():
+            if worker.available:
+                names.update(worker.lora_adapters)
+        return sorted(names)
+
+    def resolve(self, name: str) -> LoraRef:
+        """The adapter requests of ``name`` run with now: the fingerprint most available
+        workers serve it with (they disagree only while a change is under way), ties to
+        the one loaded here, then the smallest. 503 if no worker serves it now."""
+        counts = Counter(
+            worker.lora_adapters[name]
+            for worker in self.pool.workers.values()
+            if worker.available and name in worker.lora_adapters
+        )
+        if not counts:
+            raise unavailable(f"no worker serves LoRA adapter {name!r} right now")
+        mine = self.loaded.get(name)
+        fingerprint = max(
+            sorted(counts),
+            key=lambda fp: (counts[fp], mine is not None and fp == mine.fingerprint),
+        )
+        return LoraRef(name, fingerprint)
+
+    # ------------------------------------------------------------------ load / unload
+
+    async def load(self, name: str, path: str) -> dict[str, Any]:
+        """Load ``path`` as ``name`` on every available worker; the reply body of the
+        endpoint. Raises ``APIError``: 400 for a bad name or adapter (nothing stays
+        loaded), 503 when a worker could not be reached."""
+        self._check_enabled()
+        if not valid_lora_name(name):
+            raise bad_request(f"a LoRA adapter name is {LORA_NAME_RULE}", "lora_name")
+        if name == self.base_name:
+            raise bad_request(f"{name!r} is the base model's name", "lora_name")
+        if not path:
+            raise bad_request("needs the adapter's directory (as the workers see it)", "lora_path")
+        async with self._lock:
+            workers = [w for w in self.pool.workers.values() if w.available]
+            if not workers:
+                raise unavailable("no worker is available to load the adapter on")
+            results = await asyncio.gather(
+                *(self._load_on(worker, name, path) for worker in workers),
+                return_exceptions=True,
+            )
+            replies: list[tuple[WorkerState, pb.LoadLoraAdapterResponse]] = []
+            failures: list[tuple[WorkerState, BaseException]] = []
+            for worker, result in zip(workers, results, strict=True):
+                if isinstance(result, pb.LoadLoraAdapterResponse):
+                    replies.append((worker, result))
+                else:
+                    failures.append((worker, result))
+            fingerprints = {reply.adapter.fingerprint for _, reply in replies}
+            if failures or len(fingerprints) != 1:
+                added = [w for w, reply in replies if not reply.already_loaded]
+                await self._unload_from(added, name)  # all or nothing
+                raise _load_error(failures, len(workers), fingerprints)
+            (fingerprint,) = fingerprints
+            for worker, _ in replies:
+                worker.set_lora_adapters({**worker.lora_adapters, name: fingerprint})
+            self.loaded[name] = _Loaded(path, fingerprint)
+            self.unloaded.discard(name)
+        logger.info("LoRA adapter %s loaded from %s on %d workers (%s)",
+                    name, path, len(replies), fingerprint)  # fmt: skip
+        return {"object": "lora_adapter", "id": name, "fingerprint": fingerprint,
+                "num_workers": len(replies)}  # fmt: skip
+
+    async def unload(self, name: str) -> dict[str, Any]:
+        """Unload ``name`` from every worker that answers: new requests of it get 404;
+        those running finish with it. 404 if no worker serves it and it was not loaded
+        here; 503 if a worker that serves it could not be reached (retry: unloading is
+        idempotent, and ``reconcile`` keeps trying meanwhile)."""
+        self._check_enabled()
+        if name in self.settings.adapters:
+            raise bad_request(
+                f"LoRA adapter {name!r} is in lora.adapters: every worker loads it at start. "
+                "Remove it from the config instead",
+                "lora_name",
+            )
+        async with self._lock:
+            workers = [w for w in self.pool.workers.values() if w.healthy]
+            held = [w for w in self.pool.workers.values() if name in w.lora_adapters]
+            if name not in self.loaded and not held:
+                raise APIError(404, f"LoRA adapter {name!r} is not loaded", param="lora_name",
+                               code="model_not_found")  # fmt: skip
+            self.loaded.pop(name, None)
+            self.unloaded.add(name)
+            failed = await self._unload_from(workers, name)
+        if failed:
+            raise unavailable(
+                f"LoRA adapter {name!r} could not be unloaded from {len(failed)} of "
+                f"{len(workers)} workers ({', '.join(failed)}); it is no longer placed "
+                "there, and the router retries"
+            )
+        logger.info("LoRA adapter %s unloaded from %d workers", name, len(workers))
+        return {"object": "lora_adapter", "id": name, "deleted": True}
+
+    def _check_enabled(self) -> None:
+        if not self.settings.runtime_loading:
+            raise APIError(
+                404,
+                "loading LoRA adapters at runtime is off: set lora.runtime_loading",
+                code="not_found",
+            )
+
+    async def _load_on(
+        self, worker: WorkerState, name: str, path: str
+    ) -> pb.LoadLoraAdapterResponse:
+        stub = worker.prefill or worker.decode
+        assert stub is not None
+        request = pb.LoadLoraAdapterRequest(name=name, path=path)
+        return await stub.LoadLoraAdapter(request, timeout=LOAD_TIMEOUT_S)
+
+    async def _unload_from(self, workers: list[WorkerState], name: str) -> list[str]:
+        """Unload ``name`` from ``workers``; the ids of those that did not answer."""
+
+        async def unload(worker: WorkerState) -> None:
+            stub = worker.prefill or worker.decode
+            assert stub is not None
+            request = pb.UnloadLoraAdapterRequest(name=name)
+            await stub.UnloadLoraAdapter(request, timeout=LOAD_TIMEOUT_S)
+            worker.set_lora_adapters({n: fp for n, fp in worker.lora_adapters.items() if n != name})
+
+        results = await asyncio.gather(*map(unload, workers), return_exceptions=True)
+        failed = []
+        for worker, result in zip(workers, results, strict=True):
+            if isinstance(result, BaseException):
+                logger.warning("unloading LoRA adapter %s from %s failed: %r",
+                               name, worker.worker_id, result)  # fmt: skip
+                failed.append(worker.worker_id)
+        return failed
+
+    # ------------------------------------------------------------------ reconcile
+
+    def start(self, interval_s: float) -> None:
+        self._task = asyncio.create_task(self._loop(interval_s))
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _loop(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.reconcile()
+            except Exception:
+                logger.exception("LoRA adapter reconcile failed")
+
+    async def reconcile(self) -> None:
+        """Bring every available worker to this router's loads and unloads."""
+        if not self.loaded and not self.unloaded:
+            return
+        async with self._lock:
+            for worker in [w for w in self.pool.workers.values() if w.available]:
+                for name, want in list(self.loaded.items()):
+                    await self._catch_up(worker, name, want)
+                stale = [name for name in self.unloaded if name in worker.lora_adapters]
+                for name in stale:
+                    if not await self._unload_from([worker], name):
+                        logger.info("LoRA adapter %s unloaded from %s, which still served it",
+                                    name, worker.worker_id)  # fmt: skip
+
+    async def _catch_up(self, worker: WorkerState, name: str, want: _Loaded) -> None:
+        have = worker.lora_adapters.get(name)
+        if have == want.fingerprint:
+            return
+        if have is not None:  # other files under the name: loaded through another router
+            logger.warning("worker %s serves LoRA adapter %s with other files (%s, not %s)",
+                           worker.worker_id, name, have, want.fingerprint)  # fmt: skip
+            return
+        try:
+            reply = await self._load_on(worker, name, want.path)
+        except grpc.aio.AioRpcError as exc:
+            logger.warning("loading LoRA adapter %s on %s failed (retried next refresh): %s",
+                           name, worker.worker_id, exc.details())  # fmt: skip
+            return
+        if reply.adapter.fingerprint != want.fingerprint:  # the files changed on disk
+            logger.error("LoRA adapter %s at %s is not the files loaded before (%s, now %s): "
+                         "not served on %s; load it again to serve the new files",
+                         name, want.path, want.fingerprint, reply.adapter.fingerprint,
+                         worker.worker_id)  # fmt: skip
+            if not reply.already_loaded:
+                await self._unload_from([worker], name)
+            return
+        worker.set_lora_adapters({**worker.lora_adapters, name: want.fingerprint})
+        logger.info("LoRA adapter %s loaded on %s, which lacked it", name, worker.worker_id)
+
+
+def _load_error(
+    failures: list[tuple[WorkerState, BaseException]], num_workers: int, fingerprints: set[str]
+) -> APIError:
+    """What a failed load tells the client: a worker's refusal as a 400 naming the field
+    (a bad path or adapter, a name taken by other files, the adapter limit); workers that
+    read different files at the path as a 400; an unreachable worker as a 503."""
+    for worker, exc in failures:
+        if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            grpc.StatusCode.FAILED_PRECONDITION,
+        ):
+            param = next((v for k, v in exc.trailing_metadata() or () if k == PARAM_KEY), None)
+            return bad_request(f"{worker.worker_id}: {exc.details()}", param)
+    if failures:
+        worker, exc = failures[0]
+        detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
+        return unavailable(
+            f"the adapter could not be loaded on {len(failures)} of {num_workers} workers "
+            f"({worker.worker_id}: {detail}); nothing was loaded"
+        )
+    return bad_request(
+        f"the workers read different files at lora_path (fingerprints "
+        f"{', '.join(sorted(fingerprints))}): give a path every worker sees alike",
+        "lora_path",
+    )

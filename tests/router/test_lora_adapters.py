@@ -1,0 +1,237 @@
+"""The router's LoRA adapter table: which files a request of an adapter runs with and on
+which workers, and runtime loads that are all or nothing across workers, with workers
+over real gRPC that refuse or read other files (failures two real workers on one machine
+cannot produce); ``reconcile`` bringing a worker that missed a load or an unload back."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from common.config import LoraSettings, Role
+from common.registry import WorkerInfo
+from proto import PARAM_KEY
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from router.errors import APIError
+from router.lora_adapters import LoraAdapters, _Loaded
+from router.workers import LoraRef, WorkerPool, WorkerState
+
+ENABLED = LoraSettings(adapters={"bob": "/adapters/bob"}, runtime_loading=True)
+
+
+class AdapterWorker(pb_grpc.PrefillServiceServicer):
+    """Loads whatever it is asked to as ``fingerprint``'s files; refuses every load (as a
+    worker that cannot read the path) when that is None."""
+
+    def __init__(self, fingerprint: str | None, adapters: dict[str, str] | None = None) -> None:
+        self.fingerprint = fingerprint
+        self.adapters = dict(adapters or {})
+        self.calls: list[tuple[str, str]] = []
+
+    async def LoadLoraAdapter(self, request, context):
+        self.calls.append(("load", request.name))
+        if self.fingerprint is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no adapter_config.json",
+                                trailing_metadata=((PARAM_KEY, "lora_path"),))  # fmt: skip
+        already = self.adapters.get(request.name) == self.fingerprint
+        self.adapters[request.name] = self.fingerprint
+        info = pb.LoraAdapterInfo(name=request.name, fingerprint=self.fingerprint)
+        return pb.LoadLoraAdapterResponse(adapter=info, already_loaded=already)
+
+    async def UnloadLoraAdapter(self, request, context):
+        self.calls.append(("unload", request.name))
+        return pb.UnloadLoraAdapterResponse(unloaded=bool(self.adapters.pop(request.name, None)))
+
+
+def pool_of(states: list[WorkerState]) -> WorkerPool:
+    pool = WorkerPool(registry=None, events=None, refresh_s=1.0, request_timeout_s=5.0)
+    pool.workers = {state.worker_id: state for state in states}
+    return pool
+
+
+def info(worker_id: str, role: Role = Role.PREFILL, address: str = "127.0.0.1:1") -> WorkerInfo:
+    return WorkerInfo(worker_id=worker_id, role=role, grpc_address=address,
+                      events_endpoint="tcp://127.0.0.1:2",
+                      replay_endpoint="tcp://127.0.0.1:3")  # fmt: skip
+
+
+def offline_state(worker_id: str, role: Role, adapters: dict[str, str]) -> WorkerState:
+    """A worker as the pool last saw it, with no connection (placement only)."""
+    return WorkerState(info(worker_id, role), None, None, None, None, healthy=True,
+                       lora_adapters=dict(adapters))  # fmt: skip
+
+
+async def serve(workers: list[AdapterWorker]) -> tuple[list[grpc.aio.Server], list[WorkerState]]:
+    servers, states = [], []
+    for i, worker in enumerate(workers):
+        server = grpc.aio.server()
+        pb_grpc.add_PrefillServiceServicer_to_server(worker, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        state = WorkerState(info(f"prefill-{i}", address=f"127.0.0.1:{port}"), channel,
+                            pb_grpc.PrefillServiceStub(channel), None, None, healthy=True,
+                            lora_adapters=dict(worker.adapters))  # fmt: skip
+        servers.append(server)
+        states.append(state)
+    return servers, states
+
+
+def run_with(workers: list[AdapterWorker], scenario):
+    """``scenario(adapters, states)`` against ``workers`` served on 127.0.0.1."""
+
+    async def main():
+        servers, states = await serve(workers)
+        try:
+            return await scenario(LoraAdapters(ENABLED, pool_of(states), "base"), states)
+        finally:
+            for state in states:
+                await state.channel.close()
+            for server in servers:
+                await server.stop(None)
+
+    return asyncio.run(main())
+
+
+def test_a_load_one_worker_refuses_is_undone_on_the_others():
+    good, bad = AdapterWorker("f1"), AdapterWorker(None)
+
+    async def scenario(adapters: LoraAdapters, states):
+        with pytest.raises(APIError) as refused:
+            await adapters.load("alice", "/adapters/alice")
+        return refused.value
+
+    error = run_with([good, bad], scenario)
+    assert (error.status, error.param) == (400, "lora_path")
+    assert "prefill-1: no adapter_config.json" in error.message
+    assert good.calls == [("load", "alice"), ("unload", "alice")]
+    assert good.adapters == {} and bad.adapters == {}
+
+
+def test_workers_that_read_other_files_at_the_path_undo_the_load():
+    one, other = AdapterWorker("f1"), AdapterWorker("f2")
+
+    async def scenario(adapters: LoraAdapters, states):
+        with pytest.raises(APIError) as refused:
+            await adapters.load("alice", "/adapters/alice")
+        return refused.value, adapters.loaded, [s.lora_adapters for s in states]
+
+    error, loaded, seen = run_with([one, other], scenario)
+    assert (error.status, error.param) == (400, "lora_path")
+    assert "different files" in error.message
+    assert one.adapters == {} and other.adapters == {} and loaded == {}
+    assert seen == [{}, {}]
+
+
+def test_an_undone_load_keeps_it_where_it_was_loaded_before():
+    had_it, bad = AdapterWorker("f1", {"alice": "f1"}), AdapterWorker(None)
+
+    async def scenario(adapters: LoraAdapters, states):
+        with pytest.raises(APIError):
+            await adapters.load("alice", "/adapters/alice")
+
+    run_with([had_it, bad], scenario)
+    assert had_it.adapters == {"alice": "f1"}
+    assert ("unload", "alice") not in had_it.calls
+
+
+def test_a_load_and_an_unload_reach_every_worker_and_the_placement():
+    workers = [AdapterWorker("f1"), AdapterWorker("f1")]
+
+    async def scenario(adapters: LoraAdapters, states):
+        reply = await adapters.load("alice", "/adapters/alice")
+        placed = adapters.pool.candidates(Role.PREFILL, adapters.resolve("alice"))
+        after_load = (reply, len(placed), adapters.names())
+        await adapters.unload("alice")
+        with pytest.raises(APIError) as gone:
+            await adapters.unload("alice")
+        placed = adapters.pool.candidates(Role.PREFILL, LoraRef("alice", "f1"))
+        return after_load, (len(placed), adapters.names(), gone.value.status)
+
+    (reply, num_placed, names), after_unload = run_with(workers, scenario)
+    assert reply == {"object": "lora_adapter", "id": "alice", "fingerprint": "f1",
+                     "num_workers": 2}  # fmt: skip
+    assert num_placed == 2 and names == ["alice", "bob"]
+    assert after_unload == (0, ["bob"], 404)
+    assert all(w.adapters == {} for w in workers)
+
+
+def test_reconcile_loads_what_a_worker_lacks_and_unloads_what_it_missed():
+    restarted, stale = AdapterWorker("f1"), AdapterWorker("f1", {"old": "f1", "alice": "f1"})
+
+    async def scenario(adapters: LoraAdapters, states):
+        await adapters.load("alice", "/adapters/alice")  # both: alice
+        restarted.adapters.clear()  # it restarted: runtime loads are gone
+        states[0].lora_adapters = {}  # as its next Stats says
+        adapters.unloaded.add("old")  # unloaded here while the second was unreachable
+        await adapters.reconcile()
+        return [dict(s.lora_adapters) for s in states]
+
+    seen = run_with([restarted, stale], scenario)
+    assert restarted.adapters == {"alice": "f1"} and stale.adapters == {"alice": "f1"}
+    assert seen == [{"alice": "f1"}, {"alice": "f1"}]
+
+
+def test_reconcile_does_not_serve_files_that_changed_on_disk():
+    changed = AdapterWorker("f2")
+
+    async def scenario(adapters: LoraAdapters, states):
+        adapters.loaded["alice"] = _Loaded("/adapters/alice", "f1")  # loaded as f1 before
+        await adapters.reconcile()
+        return states[0].lora_adapters
+
+    seen = run_with([changed], scenario)
+    assert seen == {} and changed.adapters == {}
+    assert changed.calls == [("load", "alice"), ("unload", "alice")]
+
+
+def test_requests_run_with_the_files_most_workers_serve():
+    states = [
+        offline_state("p0", Role.PREFILL, {"alice": "f1"}),
+        offline_state("d0", Role.DECODE, {"alice": "f1"}),
+        offline_state("d1", Role.DECODE, {"alice": "f2"}),
+        offline_state("d2", Role.DECODE, {}),
+    ]
+    adapters = LoraAdapters(ENABLED, pool_of(states), "base")
+    assert adapters.resolve("alice") == LoraRef("alice", "f1")
+    assert [w.worker_id for w in adapters.pool.candidates(Role.DECODE, LoraRef("alice", "f1"))] == [
+        "d0"
+    ]
+    assert len(adapters.pool.candidates(Role.DECODE)) == 3  # the base model: every one
+    states[0].healthy = False  # now one each: the tie goes to the smaller fingerprint
+    assert adapters.resolve("alice").fingerprint == "f1"
+    states[1].healthy = False
+    assert adapters.resolve("alice").fingerprint == "f2"
+    with pytest.raises(APIError) as none:
+        adapters.resolve("carol")
+    assert none.value.status == 503
+    assert adapters.names() == ["alice", "bob"]
+
+
+def test_refusals_before_any_worker_is_asked():
+    adapters = LoraAdapters(ENABLED, pool_of([]), "base")
+    off = LoraAdapters(LoraSettings(), pool_of([]), "base")
+
+    async def refusal(call) -> tuple[int, str | None]:
+        with pytest.raises(APIError) as error:
+            await call
+        return error.value.status, error.value.param
+
+    async def main():
+        return [
+            await refusal(off.load("alice", "/a")),
+            await refusal(off.unload("alice")),
+            await refusal(adapters.load("no spaces", "/a")),
+            await refusal(adapters.load("base", "/a")),
+            await refusal(adapters.load("alice", "")),
+            await refusal(adapters.unload("bob")),  # configured: the config decides
+            await refusal(adapters.load("alice", "/a")),  # valid, but no worker is up
+        ]
+
+    assert asyncio.run(main()) == [
+        (404, None), (404, None), (400, "lora_name"), (400, "lora_name"), (400, "lora_path"),
+        (400, "lora_name"), (503, None),
+    ]  # fmt: skip
