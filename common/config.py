@@ -430,6 +430,9 @@ class LoraSettings:
     # names a directory the workers read, so it is for operators, not for every client.
     runtime_loading: bool = False
     max_adapters: int = 16  # loaded at once per worker, those of ``adapters`` included
+    # An unload first waits this long at most for the adapter's requests in flight
+    # through the router to finish (router/lora_adapters.py says why).
+    unload_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name, path in self.adapters.items():
@@ -437,6 +440,8 @@ class LoraSettings:
                 raise ConfigError(f"lora.adapters.{name}", f"a name is {LORA_NAME_RULE}")
             if not path:
                 raise ConfigError(f"lora.adapters.{name}", "needs the adapter's directory")
+        if self.unload_grace_s < 0:
+            raise ConfigError("lora.unload_grace_s", f"must be >= 0, got {self.unload_grace_s}")
         if self.max_adapters < max(1, len(self.adapters)):
             raise ConfigError(
                 "lora.max_adapters",

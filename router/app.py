@@ -407,9 +407,11 @@ def create_app(state: RouterState) -> FastAPI:
             raise overloaded()
         arrival = time.perf_counter()
         state.num_inflight += num_sequences  # admitted: checked and taken with no await between
+        release_adapter = state.adapters.admit(lora_name, num_sequences)
 
         def release() -> None:
             state.num_inflight -= num_sequences
+            release_adapter()
 
         events = merge_choices(state.dispatcher, choices, state.metrics, arrival)
         if constraint is not None:

@@ -24,7 +24,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +35,8 @@ import grpc
 from common.config import LORA_NAME_RULE, LoraSettings, valid_lora_name
 from proto import PARAM_KEY
 from proto import pdserve_pb2 as pb
-from router.errors import APIError, bad_request, unavailable
+from router.errors import APIError, bad_request, model_not_found, unavailable
+from router.once import once
 from router.workers import LoraRef, WorkerPool, WorkerState
 
 logger = logging.getLogger(__name__)
@@ -58,23 +61,44 @@ class LoraAdapters:
         self.loaded: dict[str, _Loaded] = {}
         # Unloaded through this router and not loaded since: kept off every worker.
         self.unloaded: set[str] = set()
+        # Being unloaded: refused to new requests while this router's in flight finish.
+        self.retiring: set[str] = set()
+        self._inflight: Counter[str] = Counter()  # sequences of each adapter, admitted here
         self._lock = asyncio.Lock()  # one load, unload or reconcile at a time
         self._task: asyncio.Task | None = None
 
     # ------------------------------------------------------------------ requests
 
     def names(self) -> list[str]:
-        """Every adapter a client may name: configured, loaded here, or served by a worker."""
+        """Every adapter a client may name: configured, loaded here, or served by a worker
+        (and not being unloaded)."""
         names = set(self.settings.adapters) | set(self.loaded)
         for worker in self.pool.workers.values():
             if worker.available:
                 names.update(worker.lora_adapters)
-        return sorted(names)
+        return sorted(names - self.retiring)
+
+    def admit(self, name: str | None, num_sequences: int) -> Callable[[], None]:
+        """Count ``num_sequences`` of adapter ``name`` in flight until the returned call
+        (``unload`` waits for them)."""
+        if name is None:
+            return lambda: None
+        self._inflight[name] += num_sequences
+
+        def release() -> None:
+            self._inflight[name] -= num_sequences
+            if not self._inflight[name]:
+                del self._inflight[name]
+
+        return once(release)
 
     def resolve(self, name: str) -> LoraRef:
         """The adapter requests of ``name`` run with now: the fingerprint most available
         workers serve it with (they disagree only while a change is under way), ties to
-        the one loaded here, then the smallest. 503 if no worker serves it now."""
+        the one loaded here, then the smallest. 503 if no worker serves it now; 404 if it
+        is being unloaded."""
+        if name in self.retiring:
+            raise model_not_found(name)
         counts = Counter(
             worker.lora_adapters[name]
             for worker in self.pool.workers.values()
@@ -102,6 +126,8 @@ class LoraAdapters:
             raise bad_request(f"{name!r} is the base model's name", "lora_name")
         if not path:
             raise bad_request("needs the adapter's directory (as the workers see it)", "lora_path")
+        if name in self.retiring:
+            raise bad_request(f"LoRA adapter {name!r} is being unloaded: retry after", "lora_name")
         async with self._lock:
             workers = [w for w in self.pool.workers.values() if w.available]
             if not workers:
@@ -133,10 +159,13 @@ class LoraAdapters:
                 "num_workers": len(replies)}  # fmt: skip
 
     async def unload(self, name: str) -> dict[str, Any]:
-        """Unload ``name`` from every worker that answers: new requests of it get 404;
-        those running finish with it. 404 if no worker serves it and it was not loaded
-        here; 503 if a worker that serves it could not be reached (retry: unloading is
-        idempotent, and ``reconcile`` keeps trying meanwhile)."""
+        """Unload ``name`` from every worker that answers. New requests of it get 404 at
+        once; the unload itself waits until this router's requests of it have finished
+        (at most ``lora.unload_grace_s``): one between its prefill and its decode worker
+        would be refused there. Requests still running after that finish with it too
+        (a worker's requests hold their adapter). 404 if no worker serves it and it was
+        not loaded here; 503 if a worker that serves it could not be reached (retry:
+        unloading is idempotent, and ``reconcile`` keeps trying meanwhile)."""
         self._check_enabled()
         if name in self.settings.adapters:
             raise bad_request(
@@ -145,14 +174,25 @@ class LoraAdapters:
                 "lora_name",
             )
         async with self._lock:
-            workers = [w for w in self.pool.workers.values() if w.healthy]
             held = [w for w in self.pool.workers.values() if name in w.lora_adapters]
             if name not in self.loaded and not held:
                 raise APIError(404, f"LoRA adapter {name!r} is not loaded", param="lora_name",
                                code="model_not_found")  # fmt: skip
             self.loaded.pop(name, None)
-            self.unloaded.add(name)
-            failed = await self._unload_from(workers, name)
+            self.retiring.add(name)
+        try:
+            deadline = time.monotonic() + self.settings.unload_grace_s
+            while self._inflight[name] and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if self._inflight[name]:
+                logger.warning("unloading LoRA adapter %s with %d sequences still in flight",
+                               name, self._inflight[name])  # fmt: skip
+            async with self._lock:
+                self.unloaded.add(name)
+                workers = [w for w in self.pool.workers.values() if w.healthy]
+                failed = await self._unload_from(workers, name)
+        finally:
+            self.retiring.discard(name)
         if failed:
             raise unavailable(
                 f"LoRA adapter {name!r} could not be unloaded from {len(failed)} of "

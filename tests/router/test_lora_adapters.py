@@ -80,13 +80,13 @@ async def serve(workers: list[AdapterWorker]) -> tuple[list[grpc.aio.Server], li
     return servers, states
 
 
-def run_with(workers: list[AdapterWorker], scenario):
+def run_with(workers: list[AdapterWorker], scenario, settings: LoraSettings = ENABLED):
     """``scenario(adapters, states)`` against ``workers`` served on 127.0.0.1."""
 
     async def main():
         servers, states = await serve(workers)
         try:
-            return await scenario(LoraAdapters(ENABLED, pool_of(states), "base"), states)
+            return await scenario(LoraAdapters(settings, pool_of(states), "base"), states)
         finally:
             for state in states:
                 await state.channel.close()
@@ -157,6 +157,41 @@ def test_a_load_and_an_unload_reach_every_worker_and_the_placement():
     assert num_placed == 2 and names == ["alice", "bob"]
     assert after_unload == (0, ["bob"], 404)
     assert all(w.adapters == {} for w in workers)
+
+
+def test_an_unload_waits_for_the_adapters_requests_in_flight_here():
+    worker = AdapterWorker("f1")
+
+    async def scenario(adapters: LoraAdapters, states):
+        await adapters.load("alice", "/adapters/alice")
+        release = adapters.admit("alice", 2)  # two sequences between prefill and decode
+        unload = asyncio.create_task(adapters.unload("alice"))
+        await asyncio.sleep(0.3)
+        during = (unload.done(), adapters.names(), dict(worker.adapters))
+        with pytest.raises(APIError) as refused:
+            adapters.resolve("alice")  # a request that passed the model check before
+        with pytest.raises(APIError) as reload:
+            await adapters.load("alice", "/adapters/alice")
+        release()
+        await unload
+        return during, refused.value.status, reload.value.status, dict(worker.adapters)
+
+    during, refused, reload, after = run_with([worker], scenario)
+    assert during == (False, ["bob"], {"alice": "f1"})  # refused to new requests only
+    assert (refused, reload, after) == (404, 400, {})
+
+
+def test_an_unload_goes_ahead_after_the_grace():
+    worker = AdapterWorker("f1")
+    settings = LoraSettings(runtime_loading=True, unload_grace_s=0.2)
+
+    async def scenario(adapters: LoraAdapters, states):
+        await adapters.load("alice", "/adapters/alice")
+        adapters.admit("alice", 1)  # never released
+        await asyncio.wait_for(adapters.unload("alice"), 5.0)
+        return dict(worker.adapters), adapters.retiring
+
+    assert run_with([worker], scenario, settings) == ({}, set())
 
 
 def test_reconcile_loads_what_a_worker_lacks_and_unloads_what_it_missed():

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 import urllib.request
 
@@ -145,6 +146,41 @@ def test_refused_loads_and_unloads_change_nothing(stack, client, adapter_dirs, e
     assert served(stack) == before
     assert "carol" not in model_ids(stack)
     assert tokens_of(complete(client, "alice")) == expected["a"]
+
+
+def test_an_unload_lets_the_adapters_requests_in_flight_finish(
+    tiny_llama, stack, client, adapter_dirs
+):
+    assert post(stack, "/v1/load_lora_adapter",
+                {"lora_name": "dora", "lora_path": adapter_dirs["a"]})[0] == 200  # fmt: skip
+    num_tokens = 200
+    offline = LLM(tiny_llama, lora_adapters={"dora": adapter_dirs["a"]})
+    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    (want,) = offline.generate(["Once"], params, use_tqdm=False, lora_name="dora")
+    stream = client.completions.create(
+        model="dora", prompt="Once", max_tokens=num_tokens, temperature=0.0, stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )  # fmt: skip
+    chunks = iter(stream)
+    streamed = list(next(chunks).choices[0].model_extra.get("token_ids") or [])
+    unloaded: dict = {}
+
+    def unload() -> None:
+        unloaded["reply"] = post(stack, "/v1/unload_lora_adapter", {"lora_name": "dora"})
+        unloaded["at"] = time.monotonic()
+
+    thread = threading.Thread(target=unload)
+    thread.start()
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed += choice.model_extra.get("token_ids") or []
+    streamed_done = time.monotonic()
+    thread.join(60)
+    assert unloaded["reply"][0] == 200
+    assert streamed == want.outputs[0].token_ids
+    assert unloaded["at"] >= streamed_done - 0.2  # it waited for the stream
+    with pytest.raises(openai.NotFoundError):
+        complete(client, "dora")
 
 
 def test_other_files_under_an_unloaded_name_never_read_the_old_kv(
