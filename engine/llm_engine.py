@@ -279,12 +279,14 @@ class LLMEngine:
 
     def read_lora_adapter(self, name: str, path: str | Path) -> LoraAdapter:
         """Read an adapter's files for this model (any thread: slow, and it touches no
-        engine state); ``add_lora_adapter`` then makes it servable. A bad adapter raises
+        engine state); ``add_lora_adapter`` then makes it servable. Whatever fails here
+        is the files' fault (missing, unreadable, corrupt, for another model), raised as
         ``InvalidRequestError`` naming what is wrong."""
         try:
             return self.runner.read_lora_adapter(name, path)
-        except (ModelLoadError, OSError, ValueError) as exc:
-            raise InvalidRequestError(str(exc), "lora_path") from None
+        except Exception as exc:  # a corrupt file raises safetensors' own error
+            message = str(exc) if isinstance(exc, ModelLoadError) else f"{path}: {exc}"
+            raise InvalidRequestError(message, "lora_path") from None
 
     def add_lora_adapter(self, adapter: LoraAdapter, max_adapters: int | None = None) -> bool:
         """Serve ``adapter`` under its name from the next request on (engine thread).

@@ -90,7 +90,7 @@ class ModelRunner:
         lora_adapters: Mapping[str, Path] | None = None,
     ) -> None:
         """``lora_adapters``: name -> PEFT adapter directory, loaded now; more may be
-        added and removed later (``LLMEngine.load_lora_adapter``). A chunk carries its
+        added and removed later (``LLMEngine.add_lora_adapter``). A chunk carries its
         request's adapter object (``SequenceChunk.lora``), not a name, so removing one
         from this table never pulls it from under a request that runs with it."""
         self.arch = arch

@@ -211,6 +211,11 @@ def test_bad_runtime_loads_are_refused_and_change_nothing(tiny_llama, adapters, 
     with pytest.raises(InvalidRequestError, match="no adapter_config.json") as missing:
         llm.load_lora_adapter("y", tmp_path)
     assert missing.value.param == "lora_path"
+    corrupt = _copy_adapter(paths["some"], tmp_path / "corrupt")
+    (corrupt / ADAPTER_WEIGHTS).write_bytes(b"\x10" + bytes(7) + b"{not a header}")
+    with pytest.raises(InvalidRequestError, match="corrupt") as bad:
+        llm.load_lora_adapter("y", corrupt)
+    assert bad.value.param == "lora_path"
     adapter = llm.engine.read_lora_adapter("y", paths["some"])
     with pytest.raises(InvalidRequestError, match="1 LoRA adapters are loaded"):
         llm.engine.add_lora_adapter(adapter, max_adapters=1)
