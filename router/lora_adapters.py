@@ -64,6 +64,9 @@ class LoraAdapters:
         # Being unloaded: refused to new requests while this router's in flight finish.
         self.retiring: set[str] = set()
         self._inflight: Counter[str] = Counter()  # sequences of each adapter, admitted here
+        # (engine id, name) of workers found to read other files at a loaded adapter's
+        # path (changed on disk since): not retried until it is loaded again.
+        self._changed: set[tuple[str, str]] = set()
         self._lock = asyncio.Lock()  # one load, unload or reconcile at a time
         self._task: asyncio.Task | None = None
 
@@ -153,6 +156,7 @@ class LoraAdapters:
                 worker.set_lora_adapters({**worker.lora_adapters, name: fingerprint})
             self.loaded[name] = _Loaded(path, fingerprint)
             self.unloaded.discard(name)
+            self._changed = {entry for entry in self._changed if entry[1] != name}
         logger.info("LoRA adapter %s loaded from %s on %d workers (%s)",
                     name, path, len(replies), fingerprint)  # fmt: skip
         return {"object": "lora_adapter", "id": name, "fingerprint": fingerprint,
@@ -272,7 +276,8 @@ class LoraAdapters:
 
     async def _catch_up(self, worker: WorkerState, name: str, want: _Loaded) -> None:
         have = worker.lora_adapters.get(name)
-        if have == want.fingerprint:
+        changed = (worker.stats.engine_id or worker.worker_id, name)
+        if have == want.fingerprint or changed in self._changed:
             return
         if have is not None:  # other files under the name: loaded through another router
             logger.warning("worker %s serves LoRA adapter %s with other files (%s, not %s)",
@@ -285,10 +290,11 @@ class LoraAdapters:
                            name, worker.worker_id, exc.details())  # fmt: skip
             return
         if reply.adapter.fingerprint != want.fingerprint:  # the files changed on disk
-            logger.error("LoRA adapter %s at %s is not the files loaded before (%s, now %s): "
-                         "not served on %s; load it again to serve the new files",
-                         name, want.path, want.fingerprint, reply.adapter.fingerprint,
-                         worker.worker_id)  # fmt: skip
+            logger.error("LoRA adapter %s at %s is not the files loaded before (%s, now %s), "
+                         "so %s does not serve it; to serve the new files everywhere, unload "
+                         "it and load it again", name, want.path, want.fingerprint,
+                         reply.adapter.fingerprint, worker.worker_id)  # fmt: skip
+            self._changed.add(changed)
             if not reply.already_loaded:
                 await self._unload_from([worker], name)
             return

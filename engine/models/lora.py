@@ -126,6 +126,10 @@ def load_lora_adapter(
         raise ModelLoadError(f"{path}: no {ADAPTER_WEIGHTS} (only safetensors adapters load)")
     alpha = float(config.get("lora_alpha", 8))
     rslora = bool(config.get("use_rslora"))
+    # PEFT scales by the configured rank, so a config that disagrees with the tensors
+    # would be served with another scale than PEFT's (or none, with r=0); with a
+    # rank_pattern the ranks differ per module and are read from the tensors.
+    declared_rank = None if config.get("rank_pattern") else config.get("r")
     shapes = module_shapes(arch)
     # (layer, module) -> {"A": tensor, "B": tensor}
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
@@ -160,6 +164,11 @@ def load_lora_adapter(
             raise ModelLoadError(
                 f"{weights}: layer {layer} {module}_proj has A {tuple(a.shape)} and B "
                 f"{tuple(b.shape)}; this model needs [r, {in_features}] and [{out_features}, r]"
+            )
+        if declared_rank is not None and rank != declared_rank:
+            raise ModelLoadError(
+                f"{weights}: layer {layer} {module}_proj has rank {rank}; {ADAPTER_CONFIG} "
+                f"says r={declared_rank} (and no rank_pattern)"
             )
         scale = alpha / (math.sqrt(rank) if rslora else rank)
         per_module[(layer, module)] = (a.float(), b.float() * scale)

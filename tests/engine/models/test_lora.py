@@ -244,6 +244,8 @@ _LAYER0_Q = "base_model.model.model.layers.0.self_attn.q_proj"
         ({"alpha_pattern": {"q_proj": 32}}, None, "alpha_pattern"),
         ({"peft_type": "IA3"}, None, "peft_type"),
         ({"target_modules": ["q_proj", "embed_tokens"]}, None, "embed_tokens"),
+        ({"r": 64}, None, "has rank 8; adapter_config.json says r=64"),
+        ({"r": 0, "lora_alpha": 0}, None, "says r=0"),
         (None, lambda w: {k: v for k, v in w.items() if k != f"{_LAYER0_Q}.lora_B.weight"},
          "lacks lora_A or lora_B"),
         (None, lambda w: {**w, f"{_LAYER0_Q}.lora_A.weight": torch.zeros(8, 100)},
