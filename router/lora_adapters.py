@@ -217,19 +217,15 @@ class LoraAdapters:
     async def _load_on(
         self, worker: WorkerState, name: str, path: str
     ) -> pb.LoadLoraAdapterResponse:
-        stub = worker.prefill or worker.decode
-        assert stub is not None
         request = pb.LoadLoraAdapterRequest(name=name, path=path)
-        return await stub.LoadLoraAdapter(request, timeout=LOAD_TIMEOUT_S)
+        return await worker.stub.LoadLoraAdapter(request, timeout=LOAD_TIMEOUT_S)
 
     async def _unload_from(self, workers: list[WorkerState], name: str) -> list[str]:
         """Unload ``name`` from ``workers``; the ids of those that did not answer."""
 
         async def unload(worker: WorkerState) -> None:
-            stub = worker.prefill or worker.decode
-            assert stub is not None
             request = pb.UnloadLoraAdapterRequest(name=name)
-            await stub.UnloadLoraAdapter(request, timeout=LOAD_TIMEOUT_S)
+            await worker.stub.UnloadLoraAdapter(request, timeout=LOAD_TIMEOUT_S)
             worker.set_lora_adapters({n: fp for n, fp in worker.lora_adapters.items() if n != name})
 
         results = await asyncio.gather(*map(unload, workers), return_exceptions=True)

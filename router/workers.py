@@ -132,6 +132,13 @@ class WorkerState:
     def available(self) -> bool:
         return self.healthy and not self.info.draining and not self.stats.draining
 
+    @property
+    def stub(self) -> pb_grpc.PrefillServiceStub | pb_grpc.DecodeServiceStub:
+        """Its role's service, for the RPCs both roles answer (Stats, LoRA loads)."""
+        stub = self.prefill or self.decode
+        assert stub is not None
+        return stub
+
     def serves(self, lora: LoraRef | None) -> bool:
         """Whether requests of ``lora`` (None: the base model) may run here."""
         return lora is None or self.lora_adapters.get(lora.name) == lora.fingerprint
@@ -339,9 +346,8 @@ class WorkerPool:
                 health_pb2.HealthCheckRequest(), timeout=PROBE_TIMEOUT_S
             )
             healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
-            stub = state.prefill or state.decode
             if healthy:
-                stats = await stub.Stats(pb.StatsRequest(), timeout=PROBE_TIMEOUT_S)
+                stats = await state.stub.Stats(pb.StatsRequest(), timeout=PROBE_TIMEOUT_S)
                 if state.stats.engine_id and stats.engine_id != state.stats.engine_id:
                     # Restarted behind the same address: its cache and event stream are new.
                     logger.info("worker %s restarted", state.worker_id)
