@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import ConfigError, Device, DType, EngineConfig, PdserveConfig, Role
+from common.hf_config import text_config
 from common.model_info import model_dir_of
 
 _DTYPE_BYTES = {DType.FLOAT32: 4, DType.FLOAT16: 2, DType.BFLOAT16: 2}
@@ -43,7 +44,7 @@ class ModelShape:
         if not path.is_file():
             return None
         try:
-            cfg = json.loads(path.read_text())
+            cfg = text_config(json.loads(path.read_text()))
             num_heads = int(cfg["num_attention_heads"])
             return cls(
                 num_layers=int(cfg["num_hidden_layers"]),

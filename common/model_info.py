@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import ConfigError, PdserveConfig, Role
+from common.hf_config import text_config
 
 DEMO_ARCH, DEMO_SIZE = "llama", "tiny"
 
@@ -46,7 +47,7 @@ def model_info(config: PdserveConfig) -> ModelInfo:
     config_path = model_dir / "config.json"
     if not config_path.exists():
         raise FileNotFoundError(f"{model_dir} holds no checkpoint (config.json missing)")
-    hf_config = json.loads(config_path.read_text())
+    hf_config = text_config(json.loads(config_path.read_text()))
     limit = int(hf_config.get("max_position_embeddings", 2048))
     # The tightest limit of the roles that run (per-role engine overrides included): a
     # request must fit every worker it may be placed on.

@@ -4,8 +4,13 @@ Supported: the Llama family (decoder-only, RMSNorm, SwiGLU, rotary positions, GQ
 Llama (default, linear and llama3 rope scaling), Mistral (sliding window), Qwen2 (q/k/v
 bias), Qwen3 (per-head q/k RMSNorm), and their mixture-of-experts variants, whose MLP is
 a set of SwiGLU experts of which a router picks the top k per token: Mixtral, Qwen2-MoE
-(plus a gated shared expert) and Qwen3-MoE. Both the transformers 4 layout (``rope_theta``
-+ ``rope_scaling``) and the transformers 5 layout (``rope_parameters``) are read.
+(plus a gated shared expert) and Qwen3-MoE. Gemma 3 is the same skeleton with other parts:
+GeGLU MLP, RMSNorm scaling by ``1 + weight``, norms on each block's output too, scaled
+embeddings, an attention scale from ``query_pre_attn_scalar``, and sliding-window layers
+with their own rotary base; its multimodal checkpoints (``Gemma3ForConditionalGeneration``)
+serve text with the vision tower left unloaded. Both the transformers 4 layout
+(``rope_theta`` + ``rope_scaling``) and the transformers 5 layout (``rope_parameters``) are
+read.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from common.hf_config import text_config
 
 
 class ModelLoadError(RuntimeError):
@@ -32,6 +39,7 @@ class ArchFlags:
     routing_weights_in_model_dtype: bool = True
     # Default of norm_topk_prob when config.json leaves it out (transformers' configs).
     norm_topk_prob: bool = False
+    gemma3: bool = False  # see ModelArchConfig's Gemma 3 fields
 
 
 ARCHITECTURES: dict[str, ArchFlags] = {
@@ -45,6 +53,9 @@ ARCHITECTURES: dict[str, ArchFlags] = {
     ),
     "Qwen2MoeForCausalLM": ArchFlags(qkv_bias=True, moe=True, shared_expert=True),
     "Qwen3MoeForCausalLM": ArchFlags(qk_norm=True, moe=True),
+    "Gemma3ForCausalLM": ArchFlags(qk_norm=True, gemma3=True),
+    # The multimodal checkpoint's language model; the loader skips the vision weights.
+    "Gemma3ForConditionalGeneration": ArchFlags(qk_norm=True, gemma3=True),
 }
 
 _BY_MODEL_TYPE = {
@@ -55,6 +66,8 @@ _BY_MODEL_TYPE = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
 }
 
 
@@ -108,6 +121,19 @@ class ModelArchConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     moe: MoeConfig | None = None  # None: every layer's MLP is dense
+    # Gemma 3's departures from Llama (the defaults are Llama's):
+    hidden_act: str = "silu"  # the MLP's gate activation: "silu" or "gelu_pytorch_tanh"
+    norm_unit_offset: bool = False  # RMSNorm scales by 1 + weight, in float32
+    sandwich_norms: bool = False  # each block's output is normed too, before the residual add
+    embed_scale: float = 1.0  # token embeddings times this (rounded to the model dtype)
+    attention_scale: float | None = None  # None: head_dim ** -0.5
+    # Per layer, where layers differ (Gemma 3's sliding-window layers have their own base);
+    # empty: ``rope`` everywhere.
+    layer_ropes: tuple[RopeConfig, ...] = ()
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+
+    def rope_of(self, layer_idx: int) -> RopeConfig:
+        return self.layer_ropes[layer_idx] if self.layer_ropes else self.rope
 
     def is_sparse(self, layer_idx: int) -> bool:
         """Whether layer ``layer_idx`` runs the experts instead of a dense MLP."""
@@ -131,8 +157,32 @@ def _require(cfg: dict[str, Any], key: str, path: Path) -> Any:
 def _rope_config(cfg: dict[str, Any], path: Path) -> RopeConfig:
     params = dict(cfg.get("rope_parameters") or {})
     legacy = cfg.get("rope_scaling") or {}
-    params = {**legacy, **params}
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    return _rope_from_params({**legacy, **params}, cfg.get("rope_theta", 10000.0), cfg, path)
+
+
+def _gemma3_ropes(cfg: dict[str, Any], path: Path) -> tuple[RopeConfig, RopeConfig]:
+    """Gemma 3's rotary for its full-attention layers and for its sliding-window layers.
+
+    transformers 5 writes ``rope_parameters`` per layer type; transformers 4's configs have
+    ``rope_theta`` + ``rope_scaling`` (full layers) and ``rope_local_base_freq`` (sliding
+    layers, always unscaled). Defaults as ``Gemma3TextConfig``: bases 1e6 and 1e4."""
+    params = cfg.get("rope_parameters") or {}
+    full = dict(params.get("full_attention") or {})
+    sliding = dict(params.get("sliding_attention") or {})
+    if not full:
+        full = dict(cfg.get("rope_scaling") or {})
+    full_theta = full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+    sliding_theta = sliding.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
+    return (
+        _rope_from_params(full, full_theta, cfg, path),
+        _rope_from_params(sliding, sliding_theta, cfg, path),
+    )
+
+
+def _rope_from_params(
+    params: dict[str, Any], theta: float, cfg: dict[str, Any], path: Path
+) -> RopeConfig:
+    theta = params.get("rope_theta", theta)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(
@@ -164,11 +214,22 @@ _DEFAULT_SLIDING_WINDOW = {"MistralForCausalLM": 4096}
 _DEFAULT_MAX_WINDOW_LAYERS = 28  # Qwen2Config, Qwen3Config
 
 
+def _gemma3_layer_types(cfg: dict[str, Any], num_layers: int) -> list[str]:
+    """``layer_types``, or as transformers derives them: every ``sliding_window_pattern``-th
+    layer (default 6) attends fully, the others through the window."""
+    pattern = int(cfg.get("sliding_window_pattern", 6))
+    return cfg.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
+    ]
+
+
 def _sliding_windows(cfg: dict[str, Any], architecture: str, num_layers: int) -> tuple:
     window = cfg.get("sliding_window", _DEFAULT_SLIDING_WINDOW.get(architecture))
     if not window:
         return (None,) * num_layers
     layer_types = cfg.get("layer_types")
+    if ARCHITECTURES[architecture].gemma3:
+        layer_types = _gemma3_layer_types(cfg, num_layers)
     if layer_types:
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
     if architecture == "Qwen3MoeForCausalLM":  # every layer, with use_sliding_window
@@ -235,9 +296,10 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
         raise ModelLoadError(f"model directory {model_dir} does not exist")
     if not path.exists():
         raise ModelLoadError(f"{model_dir} has no config.json: not a Hugging Face checkpoint")
-    cfg = json.loads(path.read_text())
+    raw = json.loads(path.read_text())
     # transformers falls back to model_type when a config names no architectures.
-    architectures = cfg.get("architectures") or [_BY_MODEL_TYPE.get(cfg.get("model_type"), "")]
+    architectures = raw.get("architectures") or [_BY_MODEL_TYPE.get(raw.get("model_type"), "")]
+    cfg = text_config(raw)
     architecture = next((a for a in architectures if a in ARCHITECTURES), None)
     if architecture is None:
         raise ModelLoadError(
@@ -261,12 +323,14 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
     o_bias = config_bias and not flags.qkv_bias
     if cfg.get("mlp_bias"):
         raise ModelLoadError(f"{path}: mlp_bias=true is not supported")
-    activation = cfg.get("hidden_act", "silu")
-    if activation not in ("silu", "swish"):
-        raise ModelLoadError(f"{path}: hidden_act {activation!r} is not supported (only silu)")
-    if cfg.get("quantization_config"):
-        method = cfg["quantization_config"].get("quant_method", "?")
+    if not flags.gemma3:
+        activation = cfg.get("hidden_act", "silu")
+        if activation not in ("silu", "swish"):
+            raise ModelLoadError(f"{path}: hidden_act {activation!r} is not supported (only silu)")
+    if raw.get("quantization_config"):
+        method = raw["quantization_config"].get("quant_method", "?")
         raise ModelLoadError(f"{path}: quantized checkpoints ({method}) are not supported")
+    gemma3 = _gemma3_fields(cfg, num_layers, hidden_size, path) if flags.gemma3 else {}
     return ModelArchConfig(
         architecture=architecture,
         vocab_size=int(_require(cfg, "vocab_size", path)),
@@ -277,7 +341,7 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
         num_kv_heads=int(cfg.get("num_key_value_heads") or num_q_heads),
         head_dim=int(head_dim),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope=_rope_config(cfg, path),
+        rope=gemma3.pop("rope") if gemma3 else _rope_config(cfg, path),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
@@ -288,6 +352,43 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
         eos_token_ids=_eos_ids(cfg, model_dir),
         bos_token_id=cfg.get("bos_token_id"),
         moe=_moe_config(cfg, flags, num_layers, path),
+        **gemma3,
+    )
+
+
+_GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")  # transformers' names of the tanh GELU
+
+
+def _gemma3_fields(
+    cfg: dict[str, Any], num_layers: int, hidden_size: int, path: Path
+) -> dict[str, Any]:
+    """ModelArchConfig's Gemma 3 fields (``text_config`` filled transformers' defaults in)."""
+    activation = cfg.get("hidden_activation") or cfg.get("hidden_act")
+    if activation not in _GELU_TANH:
+        raise ModelLoadError(
+            f"{path}: hidden_activation {activation!r} is not supported for Gemma 3 "
+            f"(only {_GELU_TANH[0]})"
+        )
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise ModelLoadError(f"{path}: attn_logit_softcapping is not supported")
+    if cfg.get("use_bidirectional_attention"):
+        raise ModelLoadError(
+            f"{path}: use_bidirectional_attention=true (an embedding model) is not supported"
+        )
+    full, sliding = _gemma3_ropes(cfg, path)
+    layer_types = _gemma3_layer_types(cfg, num_layers)
+    if len(layer_types) != num_layers:
+        raise ModelLoadError(f"{path}: {len(layer_types)} layer_types for {num_layers} layers")
+    softcap = cfg.get("final_logit_softcapping")
+    return dict(
+        rope=full,
+        hidden_act=_GELU_TANH[0],
+        norm_unit_offset=True,
+        sandwich_norms=True,
+        embed_scale=hidden_size**0.5,
+        attention_scale=float(cfg["query_pre_attn_scalar"]) ** -0.5,
+        layer_ropes=tuple(sliding if t == "sliding_attention" else full for t in layer_types),
+        final_logit_softcap=float(softcap) if softcap is not None else None,
     )
 
 

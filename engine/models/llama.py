@@ -1,5 +1,6 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, and their mixture-of-experts
-variants: ``moe.py``) over a flattened, paged batch.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, their mixture-of-experts
+variants: ``moe.py``, and Gemma 3, whose differences ``ModelArchConfig`` lists) over a
+flattened, paged batch.
 
 Tokens of all sequences in a step are one flat dimension; attention finds each sequence's
 context through the backend's per-step metadata. q/k/v and gate/up projections are fused
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend, LayerSpec
-from engine.models.arch import ModelArchConfig
+from engine.models.arch import ModelArchConfig, RopeConfig
 from engine.models.lora import LoraBatch
 from engine.models.moe import SparseMoe
 from engine.models.rope import RotaryEmbedding
@@ -33,6 +34,19 @@ class RMSNorm(nn.Module):
         variance = x.pow(2).mean(-1, keepdim=True)
         x = x * torch.rsqrt(variance + self.eps)
         return self.weight * x.to(input_dtype)
+
+
+class UnitOffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: scales by ``1 + weight`` (the stored weight is an offset from 1),
+    and multiplies before casting back, in float32 (Llama casts first)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
+
+
+def rms_norm(arch: ModelArchConfig, dim: int) -> RMSNorm:
+    return (UnitOffsetRMSNorm if arch.norm_unit_offset else RMSNorm)(dim, arch.rms_norm_eps)
 
 
 class Attention(nn.Module):
@@ -54,14 +68,13 @@ class Attention(nn.Module):
         )
         self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=arch.o_bias)
         if arch.qk_norm:
-            self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
-            self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
+            self.q_norm = rms_norm(arch, arch.head_dim)
+            self.k_norm = rms_norm(arch, arch.head_dim)
         self.qk_norm = arch.qk_norm
         self.rotary = (rotary,)  # a tuple, so the shared table is not registered per layer
         self.backend = backend
-        self.spec = LayerSpec(
-            scale=arch.head_dim**-0.5, sliding_window=arch.sliding_windows[layer_idx]
-        )
+        scale = arch.attention_scale if arch.attention_scale is not None else arch.head_dim**-0.5
+        self.spec = LayerSpec(scale=scale, sliding_window=arch.sliding_windows[layer_idx])
 
     def forward(
         self,
@@ -96,19 +109,24 @@ class MLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, arch.hidden_size, bias=False)
+        self.gelu = arch.hidden_act == "gelu_pytorch_tanh"  # GeGLU (Gemma); else SwiGLU
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if lora is not None:
             gate_up = lora.apply(self.layer_idx, "gate_up_proj", x, gate_up)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        hidden = F.silu(gate) * up
+        hidden = (F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up
         if lora is None:
             return self.down_proj(hidden)
         return lora.apply(self.layer_idx, "down_proj", hidden, self.down_proj(hidden))
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm residual blocks. With ``sandwich_norms`` (Gemma) each block's output is
+    normed too; the checkpoint then names the attention block's output norm
+    ``post_attention_layernorm`` and the MLP's ``pre_``/``post_feedforward_layernorm``."""
+
     def __init__(
         self,
         arch: ModelArchConfig,
@@ -117,9 +135,13 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.sandwich_norms = arch.sandwich_norms
+        self.input_layernorm = rms_norm(arch, arch.hidden_size)
         self.self_attn = Attention(arch, layer_idx, rotary, backend)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = rms_norm(arch, arch.hidden_size)
+        if arch.sandwich_norms:
+            self.pre_feedforward_layernorm = rms_norm(arch, arch.hidden_size)
+            self.post_feedforward_layernorm = rms_norm(arch, arch.hidden_size)
         self.mlp: MLP | SparseMoe
         if arch.is_sparse(layer_idx):
             assert arch.moe is not None
@@ -143,22 +165,28 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(
             positions, self.input_layernorm(hidden), kv_cache, attn_metadata, lora
         )
+        if self.sandwich_norms:
+            hidden = residual + self.post_attention_layernorm(hidden)
+            mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden), lora)
+            return hidden + self.post_feedforward_layernorm(mlp_out)
         hidden = residual + hidden
-        residual = hidden
-        hidden = self.mlp(self.post_attention_layernorm(hidden), lora)
-        return residual + hidden
+        return hidden + self.mlp(self.post_attention_layernorm(hidden), lora)
 
 
 class LlamaModel(nn.Module):
     def __init__(
-        self, arch: ModelArchConfig, rotary: RotaryEmbedding, backend: AttentionBackend
+        self,
+        arch: ModelArchConfig,
+        rotaries: dict[RopeConfig, RotaryEmbedding],
+        backend: AttentionBackend,
     ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, i, rotary, backend) for i in range(arch.num_layers)
+            DecoderLayer(arch, i, rotaries[arch.rope_of(i)], backend)
+            for i in range(arch.num_layers)
         )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.norm = rms_norm(arch, arch.hidden_size)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -167,12 +195,20 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.arch = arch
-        self.rotary = RotaryEmbedding(arch.rope, arch.head_dim, max_positions)
-        self.model = LlamaModel(arch, self.rotary, backend)
+        # One cos/sin table per distinct rotary (Gemma 3: the full and the sliding layers').
+        ropes = dict.fromkeys(arch.rope_of(i) for i in range(arch.num_layers))
+        self.rotaries = nn.ModuleList(
+            RotaryEmbedding(rope, arch.head_dim, max_positions) for rope in ropes
+        )
+        self.model = LlamaModel(arch, dict(zip(ropes, self.rotaries, strict=True)), backend)
         if arch.tie_word_embeddings:
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+
+    def build_rope_tables(self, device: torch.device) -> None:
+        for rotary in self.rotaries:
+            rotary.build_tables(device)
 
     def forward(
         self,
@@ -183,10 +219,15 @@ class LlamaForCausalLM(nn.Module):
         lora: LoraBatch | None = None,  # None: no row uses an adapter
     ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
         hidden = self.model.embed_tokens(input_ids)
+        if self.arch.embed_scale != 1.0:
+            # As transformers: the scale rounded to the model dtype (bf16: sqrt(3072) = 55.5).
+            hidden = hidden * torch.tensor(self.arch.embed_scale, dtype=hidden.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden = layer(positions, hidden, kv_cache, attn_metadata, lora)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight).float()
+        cap = self.arch.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

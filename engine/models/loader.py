@@ -6,7 +6,8 @@ expert's tensors (Qwen's ``mlp.experts.{e}.{gate|up|down}_proj``, Mixtral's
 ``block_sparse_moe.experts.{e}.{w1|w3|w2}``) into the stacked expert weights (files in
 transformers 5's stacked layout load as they are), ties the LM head to the embeddings when
 the config says so (unless the file stores a different head, which transformers then uses
-untied), and fails with a message naming the missing file or tensor.
+untied), and fails with a message naming the missing file or tensor. Multimodal checkpoints
+served for text (Gemma 3's) load their language model's tensors and skip the rest.
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ logger = logging.getLogger(__name__)
 
 _HEAD, _EMBED = "lm_head.weight", "model.embed_tokens.weight"
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+# A multimodal checkpoint's language model (transformers 4's names, which 5 also writes,
+# then 5's own), and the parts of it a text-only engine leaves unloaded.
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                  ("model.language_model.", "model."))  # fmt: skip
+_NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+             "model.multi_modal_projector.")  # fmt: skip
 _FUSED = re.compile(
     r"^(model\.layers\.\d+\.(?:self_attn|mlp|mlp\.shared_expert))\.(q|k|v|gate|up)_proj\."
     r"(weight|bias)$"
@@ -73,20 +80,30 @@ def _target(name: str, arch: ModelArchConfig, params: dict[str, torch.nn.Paramet
     return _Target(stacked, 0 if which == "gate" else half)
 
 
+def _model_name(name: str) -> str | None:
+    """The model's name for checkpoint tensor ``name``; None: not the language model's."""
+    if name.startswith(_NOT_TEXT):
+        return None
+    for prefix, replacement in _TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix) :]
+    return name
+
+
 def _stored_head_differs(files: list[Path]) -> bool:
     """Whether the checkpoint stores an ``lm_head.weight`` that is not the embeddings."""
-    where: dict[str, Path] = {}
+    where: dict[str, tuple[Path, str]] = {}  # model name -> (file, stored name)
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in (_HEAD, _EMBED):
-                if name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    where[name] = path
+            for stored in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if (name := _model_name(stored)) in (_HEAD, _EMBED):
+                    where[name] = (path, stored)
     if len(where) < 2:
         return False
     tensors = []
-    for name in (_HEAD, _EMBED):
-        with safe_open(str(where[name]), framework="pt", device="cpu") as f:
-            tensors.append(f.get_tensor(name))
+    for path, stored in where.values():
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            tensors.append(f.get_tensor(stored))
     return not torch.equal(tensors[0], tensors[1])
 
 
@@ -108,27 +125,30 @@ def load_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, max_positions, backend)
     model = model.to_empty(device=device).to(dtype)
-    model.rotary.build_tables(device)
+    model.build_rope_tables(device)
     params = dict(model.named_parameters())
     # Elements of each parameter filled so far, to detect missing tensors.
     filled: dict[str, int] = dict.fromkeys(params, 0)
     unexpected: list[str] = []
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if _IGNORED.match(name) or (arch.tie_word_embeddings and name == _HEAD):
+            for stored in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                name = _model_name(stored)
+                if name is None or _IGNORED.match(name):
+                    continue
+                if arch.tie_word_embeddings and name == _HEAD:
                     continue
                 target = _target(name, arch, params)
                 if target.param not in params:
-                    unexpected.append(name)
+                    unexpected.append(stored)
                     continue
-                tensor = f.get_tensor(name)
+                tensor = f.get_tensor(stored)
                 param = params[target.param]
                 dest = param.data
                 if target.expert is not None:
                     if target.expert >= dest.shape[0]:
                         raise ModelLoadError(
-                            f"{path.name}: {name} names expert {target.expert} of {dest.shape[0]}"
+                            f"{path.name}: {stored} names expert {target.expert} of {dest.shape[0]}"
                         )
                     dest = dest[target.expert]
                 rows = tensor.shape[0]
@@ -136,7 +156,7 @@ def load_model(
                     target.row_start + rows > dest.shape[0]
                 ):
                     raise ModelLoadError(
-                        f"{path.name}: {name} has shape {tuple(tensor.shape)}, which does not "
+                        f"{path.name}: {stored} has shape {tuple(tensor.shape)}, which does not "
                         f"fit {target.param} {tuple(param.shape)}"
                     )
                 with torch.no_grad():

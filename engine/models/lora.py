@@ -10,7 +10,8 @@ requests runs exactly the base model.
 
 Files (what ``PeftModel.save_pretrained`` writes): ``adapter_config.json`` and
 ``adapter_model.safetensors`` with ``base_model.model.model.layers.{i}.{self_attn|mlp}.
-{q|k|v|o|gate|up|down}_proj.lora_{A|B}.weight``; A is ``[rank, in]``, B ``[out, rank]``.
+{q|k|v|o|gate|up|down}_proj.lora_{A|B}.weight`` (a multimodal base's language model:
+``...model.language_model.layers...``); A is ``[rank, in]``, B ``[out, rank]``.
 The scale is ``lora_alpha / rank`` (``lora_alpha / sqrt(rank)`` with ``use_rslora``).
 q/k/v (and gate/up) are fused projections here (``llama.py``): their A's are stacked along
 the rank and their B's placed block-diagonally, so each fused projection takes one pair.
@@ -36,8 +37,11 @@ from common.model_info import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from engine.models.arch import ModelArchConfig, ModelLoadError
 from engine.models.fingerprint import adapter_fingerprint
 
+# A multimodal base (Gemma 3 4B+) puts its language model's layers under
+# ``model.language_model.`` (transformers 5) or ``language_model.model.`` (4).
 _KEY = re.compile(
-    r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\."
+    r"^base_model\.model\.(?:model\.|model\.language_model\.|language_model\.model\.)"
+    r"layers\.(\d+)\.(?:self_attn|mlp)\."
     r"(q|k|v|o|gate|up|down)_proj\.lora_(A|B)\.weight$"
 )
 # Fused projection of each adapted module, and the module's rows within it (in order).

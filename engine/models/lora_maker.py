@@ -42,13 +42,16 @@ def make_lora_adapter(
     shapes = module_shapes(arch)
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
+    # PEFT's names: a multimodal base (Gemma 3 4B+) holds its text layers one level deeper.
+    multimodal = arch.architecture == "Gemma3ForConditionalGeneration"
+    prefix = "base_model.model.model." + ("language_model.layers" if multimodal else "layers")
     for layer in range(arch.num_layers):
         for target in targets:
             in_features, out_features = shapes[target.removesuffix("_proj")]
             block = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             if block == "mlp" and arch.is_sparse(layer):
                 continue  # a mixture-of-experts MLP: not adaptable (lora.py)
-            key = f"base_model.model.model.layers.{layer}.{block}.{target}"
+            key = f"{prefix}.{layer}.{block}.{target}"
             a = torch.randn(rank, in_features, generator=generator) / in_features**0.5
             b = torch.randn(out_features, rank, generator=generator) * (0.5 / rank**0.5)
             tensors[f"{key}.lora_A.weight"] = a.contiguous()
@@ -63,7 +66,7 @@ def make_lora_adapter(
         "r": rank,
         "lora_alpha": alpha,
         "lora_dropout": 0.0,
-        "target_modules": [t for t in targets if any(f".{t}." in key for key in tensors)],
+        "target_modules": _target_modules(targets, tensors, multimodal),
         "bias": "none",
         "use_rslora": use_rslora,
         "use_dora": False,
@@ -73,3 +76,12 @@ def make_lora_adapter(
     }
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def _target_modules(
+    targets: Sequence[str], tensors: dict[str, torch.Tensor], multimodal: bool
+) -> list[str] | str:
+    """The adapted module names; for a multimodal base, a regex that keeps PEFT off the
+    vision tower's projections of the same names."""
+    names = [t for t in targets if any(f".{t}." in key for key in tensors)]
+    return rf".*language_model.*\.({'|'.join(names)})" if multimodal else names

@@ -8,7 +8,7 @@ generation_config.json, model.safetensors and the tokenizer with a ChatML chat t
 (``qwen3`` and ``qwen3_moe``: with Qwen3's ``<think>`` tags, a template that opens the
 thinking). The MoE archs (``mixtral``, ``qwen2_moe``, ``qwen3_moe``) have 8 experts of half
 the dense MLP's width and route each token to 2, so their work per token is the dense
-model's.
+model's. ``gemma3`` is Gemma 3's text model (``Gemma3ForCausalLM``; see ``_gemma3_config``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from engine.models.tokenizer_trainer import (
     train_tokenizer,
 )
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3")
 SIZES = ("tiny", "small")
 
 
@@ -117,7 +117,30 @@ def _hf_config(arch: str, spec: SizeSpec, tokenizer_ids: dict[str, int]):
         return transformers.Qwen3MoeConfig(
             **common, **experts, norm_topk_prob=True, attention_bias=False
         )
+    if arch == "gemma3":
+        return _gemma3_config(common, spec)
     raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(ARCHS)}")
+
+
+def _gemma3_config(common: dict, spec: SizeSpec):
+    """Gemma 3 with every part that differs from Llama in play at test lengths: a 64-token
+    window on all layers but every other one (Gemma 3: every 6th attends fully), their own
+    rotary base, linear rope scaling on the full layers, and an attention scale from a
+    ``query_pre_attn_scalar`` that is not head_dim (as in Gemma 3 27B)."""
+    import transformers
+
+    return transformers.Gemma3TextConfig(
+        **common,
+        query_pre_attn_scalar=spec.head_dim * 3 // 2,
+        sliding_window=64,
+        layer_types=[
+            "full_attention" if i % 2 else "sliding_attention" for i in range(spec.num_layers)
+        ],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    )
 
 
 def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
@@ -159,8 +182,16 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                # Non-trivial norm gains, so that norm weights are exercised by parity tests.
-                param.uniform_(0.8, 1.2)
+                # Non-trivial norm gains, so that norm weights are exercised by parity tests
+                # (Gemma stores a gain's offset from 1).
+                param.uniform_(-0.2, 0.2) if arch == "gemma3" else param.uniform_(0.8, 1.2)
+        if arch == "gemma3":
+            # Gemma scales the embeddings by sqrt(hidden_size) and ties the head to them:
+            # at the usual init the token's own embedding outweighs every block and the
+            # model repeats its last input token, whatever the blocks compute. Smaller
+            # embeddings and a larger final gain make the blocks decide the next token.
+            model.model.embed_tokens.weight.mul_(0.125)
+            model.model.norm.weight.uniform_(6.0, 8.0)
     model.generation_config.eos_token_id = [ids["eos"], ids["im_end"]]
     model.generation_config.bos_token_id = ids["bos"]
     model.generation_config.pad_token_id = ids["pad"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,3 +53,27 @@ def hf_greedy(
             )
             outputs.append(generated[0, len(prompt) :].tolist())
     return outputs
+
+
+def gemma3_multimodal_checkpoint(text_dir: Path, out: Path) -> Path:
+    """``Gemma3ForConditionalGeneration`` (a tiny SigLIP tower) around ``text_dir``'s
+    language model: the layout of Gemma 3 4B and up."""
+    import transformers
+
+    text = transformers.AutoModelForCausalLM.from_pretrained(text_dir, dtype=torch.float32)
+    vision = transformers.SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        image_size=32, patch_size=8,
+    )  # fmt: skip
+    config = transformers.Gemma3Config(
+        text_config=text.config, vision_config=vision, mm_tokens_per_image=4
+    )
+    torch.manual_seed(1)
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    model.generation_config = text.generation_config
+    model.save_pretrained(out)
+    for path in text_dir.iterdir():  # the tokenizer's files
+        if path.name.startswith("tokenizer") or path.name.endswith(".jinja"):
+            shutil.copy(path, out / path.name)
+    return out

@@ -73,3 +73,16 @@ def test_triton_backend_runs_moe_models_with_the_fused_kernel(model_factory):
     assert layer.mlp.fused and layer.mlp._run_experts is fused_moe  # not the reference
     prompts = random_prompts((5, 21), seed=2)
     assert greedy_tokens(triton_llm, prompts) == greedy(model_dir, "torch", prompts)
+
+
+def test_triton_backend_gemma3(model_factory, tmp_path):
+    """Gemma 3 hands the kernel a scale that is not head_dim ** -0.5 and a window on every
+    other layer (12 tokens here, so prompts and decodes run past it)."""
+    model_dir = tmp_path / "gemma3-window"
+    shutil.copytree(model_factory("gemma3"), model_dir)
+    config_path = model_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    config["sliding_window"] = 12
+    config_path.write_text(json.dumps(config))
+    prompts = random_prompts((9, 30), seed=3)
+    assert greedy(model_dir, "triton", prompts) == greedy(model_dir, "torch", prompts)

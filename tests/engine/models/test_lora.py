@@ -50,8 +50,9 @@ def adapters(tmp_path_factory) -> dict[str, dict[str, Path]]:
 
 
 # qwen2: q/k/v biases, tied embeddings; qwen2_moe: experts and a shared expert, whose
-# MLPs take no adapter (so "all" adapts the attention, and "some" only q and v).
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2_moe"])
+# MLPs take no adapter (so "all" adapts the attention, and "some" only q and v); gemma3:
+# GeGLU, norms around each block.
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2_moe", "gemma3"])
 def test_greedy_parity_with_peft_in_one_mixed_batch(model_factory, adapters, arch):
     model_dir = model_factory(arch)
     paths = adapters(model_dir, arch)

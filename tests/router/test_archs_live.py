@@ -1,7 +1,9 @@
-"""A mixture-of-experts model (Qwen2-MoE: routed experts plus a gated shared expert)
-served disaggregated by a real ``pdserve up`` stack (router + 1 prefill + 1 decode worker):
-the prompt's KV moves to the decode worker, which continues it, and the client gets
-exactly the offline engine's tokens, greedy and seeded, whole and streamed."""
+"""Architectures beyond Llama served disaggregated by a real ``pdserve up`` stack (router +
+1 prefill + 1 decode worker): a mixture-of-experts model (Qwen2-MoE: routed experts plus a
+gated shared expert) and Gemma 3 in its multimodal checkpoint, served for text (sliding-window
+layers with their own rotary among full ones). The prompt's KV moves to the decode worker,
+which continues it, and the client gets exactly the offline engine's tokens, greedy and
+seeded, whole and streamed."""
 
 from __future__ import annotations
 
@@ -9,25 +11,30 @@ import openai
 import pytest
 
 from engine import LLM, SamplingParams
+from tests.engine.helpers import gemma3_multimodal_checkpoint
 from tests.support.processes import write_config
 from tests.support.stack import serving, worker_stats
 
-MODEL = "experts"
-PROMPTS = ["def add(a, b):\n    return a + b\n" * 3, "Mixture of experts routes each token"]
+MODEL = "served"
+# The first prompt runs past Gemma 3's 64-token window (the maker's).
+PROMPTS = ["def add(a, b):\n    return a + b\n" * 8, "Mixture of experts routes each token"]
 NUM_TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def moe_model(model_factory):
-    return model_factory("qwen2_moe")
+@pytest.fixture(scope="module", params=["qwen2_moe", "gemma3_multimodal"])
+def model_dir(request, model_factory, tmp_path_factory):
+    if request.param == "gemma3_multimodal":
+        out = tmp_path_factory.mktemp("gemma3") / "gemma3-mm"
+        return gemma3_multimodal_checkpoint(model_factory("gemma3"), out)
+    return model_factory(request.param)
 
 
 @pytest.fixture(scope="module")
-def stack(moe_model, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("moe")
+def stack(model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("arch")
     config = write_config(
         tmp / "config.yaml",
-        moe_model,
+        model_dir,
         router={"served_model_name": MODEL, "min_disagg_tokens": 0},
     )
     with serving(config, tmp / "home") as stack:
@@ -35,8 +42,8 @@ def stack(moe_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def offline(moe_model) -> LLM:
-    return LLM(moe_model)
+def offline(model_dir) -> LLM:
+    return LLM(model_dir)
 
 
 @pytest.mark.parametrize(("temperature", "seed"), [(0.0, None), (0.9, 17)])

@@ -1,0 +1,66 @@
+"""A checkpoint's language-model config: config.json as transformers would read it.
+
+Two things make config.json not simply "the model's settings":
+
+- Multimodal checkpoints served for text (Gemma 3 from 4B up, ``Gemma3ForConditionalGeneration``)
+  nest the language model's settings under ``text_config``; token ids, dtype and
+  ``tie_word_embeddings`` may sit at the top level.
+- Gemma 3's configs on the Hub leave most keys out (gemma-3-4b-it's ``text_config`` names
+  six), relying on transformers' ``Gemma3TextConfig`` defaults. Those are filled in here, so
+  that the engine, the KV budget check and the router all read the same numbers.
+
+Plain json, no torch: the router and ``pdserve config check`` read it too.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# transformers' Gemma3TextConfig defaults (5.x), for the keys a Gemma 3 config may leave out.
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "tie_word_embeddings": True,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+}
+GEMMA3_TEXT_MODEL_TYPES = ("gemma3_text", "gemma3")
+# Keys of a multimodal config's top level that apply to its language model.
+_TOP_LEVEL_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings",
+                   "torch_dtype", "dtype")  # fmt: skip
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language model's settings of a parsed config.json (see the module docstring)."""
+    nested = cfg.get("text_config")
+    if isinstance(nested, dict):
+        top = {key: cfg[key] for key in _TOP_LEVEL_KEYS if cfg.get(key) is not None}
+        # The text_config's own values win, except for what transformers takes from the top.
+        merged = {**top, **nested}
+        # The top-level model owns the head: its setting (default on) ties it, not the
+        # text_config's.
+        merged["tie_word_embeddings"] = top.get("tie_word_embeddings", True)
+        merged.setdefault("model_type", "gemma3_text" if cfg.get("model_type") == "gemma3" else "")
+        cfg = merged
+    if cfg.get("model_type") in GEMMA3_TEXT_MODEL_TYPES:
+        cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}  # absent keys only: an explicit null stays
+    return cfg
+
+
+def read_text_config(model_dir: str | Path) -> dict[str, Any]:
+    """``text_config`` of ``model_dir/config.json``; raises what reading and parsing it raise
+    (``FileNotFoundError``, ``json.JSONDecodeError``)."""
+    return text_config(json.loads((Path(model_dir) / "config.json").read_text()))
