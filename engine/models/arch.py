@@ -16,6 +16,7 @@ read.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,8 @@ class ArchFlags:
     # Default of norm_topk_prob when config.json leaves it out (transformers' configs).
     norm_topk_prob: bool = False
     gemma3: bool = False  # see ModelArchConfig's Gemma 3 fields
+    # Phi-3's rope: reads partial_rotary_factor, and its legacy "su"/"yarn" mean longrope.
+    phi3_rope: bool = False
 
 
 ARCHITECTURES: dict[str, ArchFlags] = {
@@ -53,6 +56,9 @@ ARCHITECTURES: dict[str, ArchFlags] = {
     ),
     "Qwen2MoeForCausalLM": ArchFlags(qkv_bias=True, moe=True, shared_expert=True),
     "Qwen3MoeForCausalLM": ArchFlags(qk_norm=True, moe=True),
+    # Phi-3 / Phi-4: Llama with fused qkv_proj and gate_up_proj in the checkpoint (loaded as
+    # they are) and maybe a partial rotary.
+    "Phi3ForCausalLM": ArchFlags(phi3_rope=True),
     "Gemma3ForCausalLM": ArchFlags(qk_norm=True, gemma3=True),
     # The multimodal checkpoint's language model; the loader skips the vision weights.
     "Gemma3ForConditionalGeneration": ArchFlags(qk_norm=True, gemma3=True),
@@ -67,6 +73,7 @@ _BY_MODEL_TYPE = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
 }
 
@@ -85,17 +92,28 @@ class MoeConfig:
     sparse_layers: tuple[bool, ...]
 
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True, slots=True)
 class RopeConfig:
+    """One rotary embedding, as transformers' ``rope_parameters`` describe it."""
+
     theta: float
     rope_type: str = "default"
     factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 8192  # llama3, yarn: the pretraining context
+    beta_fast: float = 32.0  # yarn: rotations where interpolation starts / ends
+    beta_slow: float = 1.0
+    truncate: bool = True  # yarn: round the correction range to whole dimensions
+    attention_factor: float = 1.0  # yarn: cos and sin are scaled by this
+    # Phi-3: only the first ``int(head_dim * partial_rotary_factor)`` dims of a head rotate.
+    partial_rotary_factor: float = 1.0
+
+    def rotary_dim(self, head_dim: int) -> int:
+        return int(head_dim * self.partial_rotary_factor)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,10 +172,17 @@ def _require(cfg: dict[str, Any], key: str, path: Path) -> Any:
     return cfg[key]
 
 
-def _rope_config(cfg: dict[str, Any], path: Path) -> RopeConfig:
+def _rope_config(cfg: dict[str, Any], path: Path, phi3: bool = False) -> RopeConfig:
     params = dict(cfg.get("rope_parameters") or {})
     legacy = cfg.get("rope_scaling") or {}
-    return _rope_from_params({**legacy, **params}, cfg.get("rope_theta", 10000.0), cfg, path)
+    params = {**legacy, **params}
+    if phi3:  # partial_rotary_factor from rope_parameters or the config's top level
+        params.setdefault("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        if params.get("rope_type", params.get("type")) in ("su", "yarn"):
+            params["rope_type"] = "longrope"  # Phi-3's old names for it, as transformers reads
+    else:
+        params.pop("partial_rotary_factor", None)
+    return _rope_from_params(params, cfg.get("rope_theta", 10000.0), cfg, path)
 
 
 def _gemma3_ropes(cfg: dict[str, Any], path: Path) -> tuple[RopeConfig, RopeConfig]:
@@ -185,6 +210,9 @@ def _rope_from_params(
     theta = params.get("rope_theta", theta)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
+        # longrope (Phi-3 128k, Phi-3.5, Phi-4-mini) switches tables when a sequence passes
+        # the pretraining length, after its earlier keys were rotated with the other table:
+        # transformers does it per forward pass, which a batch of sequences cannot match.
         raise ModelLoadError(
             f"{path}: rope type {rope_type!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
@@ -196,17 +224,42 @@ def _rope_from_params(
     missing = [key for key in required.get(rope_type, ()) if key not in params]
     if missing:
         raise ModelLoadError(f"{path}: rope type {rope_type!r} needs {', '.join(missing)}")
-    original = params.get("original_max_position_embeddings")
+    # A pretraining length at the config's top level (Phi-3's) wins, as in transformers.
+    original = cfg.get("original_max_position_embeddings")
+    if original is None:
+        original = params.get("original_max_position_embeddings")
     if original is None:
         original = cfg.get("max_position_embeddings", 2048)
+    factor = params.get("factor")
+    if rope_type == "yarn" and factor is None:  # DeepSeek's: the context's growth
+        factor = cfg.get("max_position_embeddings", original) / original
+    factor = float(factor if factor is not None else 1.0)
     return RopeConfig(
         theta=float(theta),
         rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
+        factor=factor,
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(original),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=_yarn_attention_factor(params, factor) if rope_type == "yarn" else 1.0,
+        partial_rotary_factor=float(params.get("partial_rotary_factor", 1.0)),
     )
+
+
+def _yarn_attention_factor(params: dict[str, Any], factor: float) -> float:
+    """YaRN's cos/sin scale: given, or ``0.1 ln(factor) + 1`` (DeepSeek: a ratio of two)."""
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+
+    def mscale(scale: float, weight: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
+
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        return mscale(factor, params["mscale"]) / mscale(factor, params["mscale_all_dim"])
+    return mscale(factor)
 
 
 # transformers' config defaults where a checkpoint's config.json leaves the key out.
@@ -341,7 +394,7 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
         num_kv_heads=int(cfg.get("num_key_value_heads") or num_q_heads),
         head_dim=int(head_dim),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope=gemma3.pop("rope") if gemma3 else _rope_config(cfg, path),
+        rope=gemma3.pop("rope") if gemma3 else _rope_config(cfg, path, flags.phi3_rope),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,

@@ -142,9 +142,11 @@ def load_lora_adapter(
             match = _KEY.match(key)
             if match is None:
                 experts = ".experts." in key or ".shared_expert" in key
+                fused = ".qkv_proj." in key or ".gate_up_proj." in key
                 raise ModelLoadError(
                     f"{weights}: unsupported tensor {key}"
                     + (" (LoRA on mixture-of-experts MLPs is not supported)" if experts else "")
+                    + (" (LoRA on fused projections, Phi-3's, is not supported)" if fused else "")
                 )
             layer, module, which = int(match.group(1)), match.group(2), match.group(3)
             if layer >= arch.num_layers:

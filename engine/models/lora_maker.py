@@ -39,6 +39,8 @@ def make_lora_adapter(
     if unknown:
         raise ValueError(f"unknown target modules {unknown}; choose from {ALL_TARGETS}")
     arch = read_arch_config(model_dir)
+    if arch.architecture == "Phi3ForCausalLM":  # PEFT would name qkv_proj / gate_up_proj
+        raise ValueError("Phi-3 adapters adapt fused projections, which lora.py does not load")
     shapes = module_shapes(arch)
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}

@@ -8,7 +8,8 @@ generation_config.json, model.safetensors and the tokenizer with a ChatML chat t
 (``qwen3`` and ``qwen3_moe``: with Qwen3's ``<think>`` tags, a template that opens the
 thinking). The MoE archs (``mixtral``, ``qwen2_moe``, ``qwen3_moe``) have 8 experts of half
 the dense MLP's width and route each token to 2, so their work per token is the dense
-model's. ``gemma3`` is Gemma 3's text model (``Gemma3ForCausalLM``; see ``_gemma3_config``).
+model's. ``gemma3`` is Gemma 3's text model (``Gemma3ForCausalLM``; see ``_gemma3_config``),
+``phi3`` Phi-4-mini's layout (fused projections in the files, a partial rotary).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from engine.models.tokenizer_trainer import (
     train_tokenizer,
 )
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3",
+         "phi3")  # fmt: skip
 SIZES = ("tiny", "small")
 
 
@@ -119,6 +121,10 @@ def _hf_config(arch: str, spec: SizeSpec, tokenizer_ids: dict[str, int]):
         )
     if arch == "gemma3":
         return _gemma3_config(common, spec)
+    if arch == "phi3":  # Phi-4-mini's shape: tied, 3/4 of each head rotates (default rope)
+        return transformers.Phi3Config(
+            **common, tie_word_embeddings=True, partial_rotary_factor=0.75, rope_theta=1e4
+        )
     raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(ARCHS)}")
 
 

@@ -9,8 +9,9 @@ import torch
 from engine.models.arch import RopeConfig
 
 
-def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:  # [head_dim // 2]
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:  # [rotary_dim // 2]
+    dim = rope.rotary_dim(head_dim)
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
@@ -26,8 +27,33 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:  # [he
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
         return torch.where(is_medium, smoothed, scaled)
+    if rope.rope_type == "yarn":
+        return _yarn_inverse_frequencies(rope, dim)
     assert rope.rope_type == "default", rope.rope_type
     return inv_freq
+
+
+def _yarn_inverse_frequencies(rope: RopeConfig, dim: int) -> torch.Tensor:
+    """YaRN: dimensions that rotate fewer than ``beta_slow`` times over the pretraining
+    context are interpolated (divided by ``factor``), those rotating more than ``beta_fast``
+    times are kept, and a linear ramp blends the ones between (as transformers computes it)."""
+
+    def correction_dim(num_rotations: float) -> float:
+        ratio = rope.original_max_position_embeddings / (num_rotations * 2 * math.pi)
+        return dim * math.log(ratio) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # weight of the unscaled frequency per dimension pair
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2).float() / dim)
+    return (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -46,10 +72,11 @@ class RotaryEmbedding(torch.nn.Module):
         """(Re)compute the float32 tables; call after the module moved or changed dtype."""
         inv_freq = inverse_frequencies(self.rope, self.head_dim)
         positions = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, head_dim]
-        self.cos = emb.cos().to(device)
-        self.sin = emb.sin().to(device)
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, rotary_dim // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_positions, rotary_dim]
+        scale = self.rope.attention_factor
+        self.cos = (emb.cos() * scale).to(device)
+        self.sin = (emb.sin() * scale).to(device)
 
     def forward(
         self,
@@ -57,9 +84,17 @@ class RotaryEmbedding(torch.nn.Module):
         query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(query.dtype)[:, None, :]  # [num_tokens, 1, head_dim]
+        cos = self.cos[positions].to(query.dtype)[:, None, :]  # [num_tokens, 1, rotary_dim]
         sin = self.sin[positions].to(query.dtype)[:, None, :]
-        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+        rotary_dim = cos.shape[-1]
+        if rotary_dim == self.head_dim:
+            return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+        # Partial rotary: the first rotary_dim dims of each head rotate, the rest pass.
+        q_rot, q_pass = query[..., :rotary_dim], query[..., rotary_dim:]
+        k_rot, k_pass = key[..., :rotary_dim], key[..., rotary_dim:]
+        query = torch.cat((q_rot * cos + _rotate_half(q_rot) * sin, q_pass), dim=-1)
+        key = torch.cat((k_rot * cos + _rotate_half(k_rot) * sin, k_pass), dim=-1)
+        return query, key
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

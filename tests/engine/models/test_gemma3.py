@@ -203,7 +203,7 @@ def test_hub_configs_read_as_transformers_reads_them(tmp_path, hub_config):
         ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
         ({"hidden_activation": "silu"}, "hidden_activation 'silu'"),
         ({"layer_types": ["full_attention"]}, "1 layer_types for 26 layers"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "rope type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 8.0}}, "rope type 'longrope'"),
     ],
 )
 def test_unsupported_gemma3_configs_are_refused(tmp_path, change, message):

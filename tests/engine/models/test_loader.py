@@ -145,7 +145,11 @@ def test_missing_and_unsupported_are_named(tiny_llama, tmp_path):
     for case, (key, value, message) in enumerate(
         (
             ("architectures", ["GPT2LMHeadModel"], "GPT2LMHeadModel.*not supported"),
-            ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1.0}, "yarn.*not supported"),
+            (
+                "rope_parameters",
+                {"rope_type": "longrope", "rope_theta": 1.0},
+                "longrope.*not supported",
+            ),
             ("rope_parameters", {"rope_type": "llama3", "factor": 8.0}, "needs low_freq_factor"),
             ("hidden_act", "gelu_pytorch_tanh", "hidden_act.*not supported"),
             ("quantization_config", {"quant_method": "awq"}, r"quantized.*\(awq\)"),

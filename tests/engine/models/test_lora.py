@@ -255,6 +255,8 @@ _LAYER0_Q = "base_model.model.model.layers.0.self_attn.q_proj"
          "unsupported tensor"),
         (None, lambda w: {k.replace("layers.0.", "layers.9."): v for k, v in w.items()},
          "names layer 9 of 4"),
+        (None, lambda w: {k.replace(".q_proj.", ".qkv_proj."): v for k, v in w.items()},
+         "fused projections, Phi-3's"),
     ],
 )  # fmt: skip
 def test_unsupported_or_mismatched_adapters_are_refused(
