@@ -10,7 +10,8 @@ requests runs exactly the base model.
 
 Files (what ``PeftModel.save_pretrained`` writes): ``adapter_config.json`` and
 ``adapter_model.safetensors`` with ``base_model.model.model.layers.{i}.{self_attn|mlp}.
-{q|k|v|o|gate|up|down}_proj.lora_{A|B}.weight`` (a multimodal base's language model:
+{q|k|v|o|gate|up|down}_proj.lora_{A|B}.weight`` (Phi-3's: ``qkv_proj`` and ``gate_up_proj``,
+the fused projections its checkpoints have; a multimodal base's language model:
 ``...model.language_model.layers...``); A is ``[rank, in]``, B ``[out, rank]``.
 The scale is ``lora_alpha / rank`` (``lora_alpha / sqrt(rank)`` with ``use_rslora``).
 q/k/v (and gate/up) are fused projections here (``llama.py``): their A's are stacked along
@@ -42,19 +43,21 @@ from engine.models.fingerprint import adapter_fingerprint
 _KEY = re.compile(
     r"^base_model\.model\.(?:model\.|model\.language_model\.|language_model\.model\.)"
     r"layers\.(\d+)\.(?:self_attn|mlp)\."
-    r"(q|k|v|o|gate|up|down)_proj\.lora_(A|B)\.weight$"
+    r"(q|k|v|o|gate|up|down|qkv|gate_up)_proj\.lora_(A|B)\.weight$"
 )
 # Fused projection of each adapted module, and the module's rows within it (in order).
+# Phi-3's checkpoints (and so its adapters) have the fused qkv_proj / gate_up_proj.
 _FUSED_INTO = {
     "q": "qkv_proj", "k": "qkv_proj", "v": "qkv_proj", "o": "o_proj",
     "gate": "gate_up_proj", "up": "gate_up_proj", "down": "down_proj",
+    "qkv": "qkv_proj", "gate_up": "gate_up_proj",
 }  # fmt: skip
 _FUSED_PARTS = {
     "qkv_proj": ("q", "k", "v"), "o_proj": ("o",),
     "gate_up_proj": ("gate", "up"), "down_proj": ("down",),
 }  # fmt: skip
 _TARGETS = frozenset(f"{m}_proj" for m in _FUSED_INTO)
-_MLP_MODULES = frozenset(("gate", "up", "down"))
+_MLP_MODULES = frozenset(("gate", "up", "down", "gate_up"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +92,7 @@ def module_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, int]]:
         "q": (hidden, arch.q_size), "k": (hidden, arch.kv_size), "v": (hidden, arch.kv_size),
         "o": (arch.q_size, hidden), "gate": (hidden, inter), "up": (hidden, inter),
         "down": (inter, hidden),
+        "qkv": (hidden, arch.q_size + 2 * arch.kv_size), "gate_up": (hidden, 2 * inter),
     }  # fmt: skip
 
 
@@ -142,11 +146,9 @@ def load_lora_adapter(
             match = _KEY.match(key)
             if match is None:
                 experts = ".experts." in key or ".shared_expert" in key
-                fused = ".qkv_proj." in key or ".gate_up_proj." in key
                 raise ModelLoadError(
                     f"{weights}: unsupported tensor {key}"
                     + (" (LoRA on mixture-of-experts MLPs is not supported)" if experts else "")
-                    + (" (LoRA on fused projections, Phi-3's, is not supported)" if fused else "")
                 )
             layer, module, which = int(match.group(1)), match.group(2), match.group(3)
             if layer >= arch.num_layers:
@@ -182,6 +184,16 @@ def load_lora_adapter(
     for layer in range(arch.num_layers):
         for fused, parts in _FUSED_PARTS.items():
             present = [(m, per_module.get((layer, m))) for m in parts]
+            whole = per_module.get((layer, fused.removesuffix("_proj")))
+            if whole is not None and len(parts) > 1:  # an adapter of the fused projection
+                if any(pair is not None for _, pair in present):
+                    raise ModelLoadError(
+                        f"{weights}: layer {layer} adapts {fused} and its parts "
+                        f"({', '.join(f'{m}_proj' for m in parts)}) both"
+                    )
+                a, b = whole
+                layers[layer][fused] = LoraPair(a=a.to(device, dtype), b=b.to(device, dtype))
+                continue
             if all(pair is None for _, pair in present):
                 continue
             a_rows, b_blocks = [], []

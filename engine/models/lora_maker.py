@@ -1,6 +1,8 @@
 """Write a random LoRA adapter for a made (or any Llama-family) checkpoint, in PEFT's format.
 
-MLP targets are skipped on mixture-of-experts layers, which ``lora.py`` does not adapt.
+MLP targets are skipped on mixture-of-experts layers, which ``lora.py`` does not adapt. On a
+Phi-3 base, q/k/v targets adapt its fused ``qkv_proj`` and gate/up its ``gate_up_proj``, the
+modules PEFT finds there.
 
 The files are what ``PeftModel.save_pretrained`` writes (``adapter_config.json`` and
 ``adapter_model.safetensors``), so ``peft`` loads them too, which is how the tests check
@@ -22,6 +24,9 @@ from engine.models.arch import read_arch_config
 from engine.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, module_shapes
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Phi-3's module that holds each target (its checkpoints fuse q/k/v and gate/up).
+_PHI3_MODULE = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+                "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}  # fmt: skip
 
 
 def make_lora_adapter(
@@ -39,8 +44,8 @@ def make_lora_adapter(
     if unknown:
         raise ValueError(f"unknown target modules {unknown}; choose from {ALL_TARGETS}")
     arch = read_arch_config(model_dir)
-    if arch.architecture == "Phi3ForCausalLM":  # PEFT would name qkv_proj / gate_up_proj
-        raise ValueError("Phi-3 adapters adapt fused projections, which lora.py does not load")
+    if arch.architecture == "Phi3ForCausalLM":  # its modules are the fused projections
+        targets = list(dict.fromkeys(_PHI3_MODULE.get(t, t) for t in targets))
     shapes = module_shapes(arch)
     generator = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
@@ -50,7 +55,8 @@ def make_lora_adapter(
     for layer in range(arch.num_layers):
         for target in targets:
             in_features, out_features = shapes[target.removesuffix("_proj")]
-            block = "self_attn" if target in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            attention = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
+            block = "self_attn" if target in attention else "mlp"
             if block == "mlp" and arch.is_sparse(layer):
                 continue  # a mixture-of-experts MLP: not adaptable (lora.py)
             key = f"{prefix}.{layer}.{block}.{target}"

@@ -51,8 +51,8 @@ def adapters(tmp_path_factory) -> dict[str, dict[str, Path]]:
 
 # qwen2: q/k/v biases, tied embeddings; qwen2_moe: experts and a shared expert, whose
 # MLPs take no adapter (so "all" adapts the attention, and "some" only q and v); gemma3:
-# GeGLU, norms around each block.
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2_moe", "gemma3"])
+# GeGLU, norms around each block; phi3: adapters of its fused qkv_proj and gate_up_proj.
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2_moe", "gemma3", "phi3"])
 def test_greedy_parity_with_peft_in_one_mixed_batch(model_factory, adapters, arch):
     model_dir = model_factory(arch)
     paths = adapters(model_dir, arch)
@@ -235,6 +235,7 @@ def _copy_adapter(source: Path, target: Path, config_changes=None, tensors=None)
 
 
 _LAYER0_Q = "base_model.model.model.layers.0.self_attn.q_proj"
+_LAYER0_QKV = "base_model.model.model.layers.0.self_attn.qkv_proj"  # Phi-3's fused module
 
 
 @pytest.mark.parametrize(
@@ -255,8 +256,9 @@ _LAYER0_Q = "base_model.model.model.layers.0.self_attn.q_proj"
          "unsupported tensor"),
         (None, lambda w: {k.replace("layers.0.", "layers.9."): v for k, v in w.items()},
          "names layer 9 of 4"),
-        (None, lambda w: {k.replace(".q_proj.", ".qkv_proj."): v for k, v in w.items()},
-         "fused projections, Phi-3's"),
+        (None, lambda w: {**w, f"{_LAYER0_QKV}.lora_A.weight": torch.zeros(8, 256),
+                          f"{_LAYER0_QKV}.lora_B.weight": torch.zeros(512, 8)},
+         "layer 0 adapts qkv_proj and its parts"),
     ],
 )  # fmt: skip
 def test_unsupported_or_mismatched_adapters_are_refused(
