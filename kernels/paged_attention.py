@@ -49,6 +49,7 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     *,
+    sinks: torch.Tensor | None = None,
     num_decodes: int = 0,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
@@ -63,11 +64,13 @@ def paged_attention(
     ``max_seq_len`` (an upper bound of their ``seq_lens``) sizes the splits; None reads it
     from the device (a sync). ``num_splits`` (a power of two), ``decode`` and ``prefill``
     override the tuned choices. Rows outside every segment are left unwritten in ``out``.
-    Segments whose ``seq_len`` is 0 give zeros, like the reference.
+    Segments whose ``seq_len`` is 0 give zeros, like the reference. ``sinks``
+    ([num_q_heads]): a logit per query head in every row's softmax, with no value (GPT-OSS).
     """
     launch = _Launch(
-        query, kv_cache, query_start_loc, seq_lens, block_table, scale, sliding_window, out
-    )
+        query, kv_cache, query_start_loc, seq_lens, block_table, scale, sliding_window, out,
+        sinks,
+    )  # fmt: skip
     num_seqs = seq_lens.shape[0]
     if not 0 <= num_decodes <= min(num_seqs, query.shape[0]):
         raise ValueError(f"num_decodes={num_decodes} out of range for {num_seqs} segments")
@@ -90,13 +93,16 @@ def decode_attention(
     scale: float,
     sliding_window: int | None = None,
     *,
+    sinks: torch.Tensor | None = None,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     config: LaunchConfig | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
     """Single-token queries for many sequences: ``paged_attention`` with every segment a
     decode (and no ``query_start_loc`` to build)."""
-    launch = _Launch(query, kv_cache, None, seq_lens, block_table, scale, sliding_window, None)
+    launch = _Launch(
+        query, kv_cache, None, seq_lens, block_table, scale, sliding_window, None, sinks
+    )
     if query.shape[0]:
         launch.decodes(query.shape[0], max_seq_len, num_splits, config)
     return launch.out
@@ -115,8 +121,14 @@ class _Launch:
         scale: float,
         sliding_window: int | None,
         out: torch.Tensor | None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         _check_inputs(query, kv_cache)
+        if sinks is not None and (sinks.shape != (query.shape[1],) or sinks.device != query.device):
+            raise ValueError(
+                f"sinks {tuple(sinks.shape)} on {sinks.device} must be one per query head "
+                f"({query.shape[1]}) on the query's device"
+            )
         require_runnable(paged_attention_kernel, query, kv_cache, seq_lens, block_table)
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
@@ -145,6 +157,7 @@ class _Launch:
         self.group = query.shape[1] // kv_cache.shape[3]
         self.qk_scale = scale * LOG2_E
         self.sliding_window = sliding_window
+        self.sinks = None if sinks is None else sinks.contiguous()
 
     def decodes(
         self,
@@ -210,6 +223,7 @@ class _Launch:
             self.block_table,
             part_out,
             part_lse,
+            query if self.sinks is None else self.sinks,  # unused without sinks
             self.qk_scale,
             self.sliding_window or 0,
             first_seq,
@@ -234,6 +248,7 @@ class _Launch:
             NUM_SPLITS=num_splits,
             DECODE_ONLY=decode_only,
             USE_WINDOW=self.sliding_window is not None,
+            USE_SINKS=self.sinks is not None,
             DOT_DTYPE=dot_dtype(paged_attention_kernel, query.dtype),
             DOT_PRECISION=dot_precision(query.dtype),
             num_warps=config.num_warps,

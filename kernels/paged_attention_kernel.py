@@ -14,7 +14,8 @@ with an online softmax in base 2. Tiles every row sees entirely skip the causal 
 masks; only the edge tiles pay for them. With ``NUM_SPLITS > 1`` (flash-decoding; decode
 launches only, where segment i is query row i) the tiles of a segment are cut into that many
 contiguous ranges, one program each; each writes its normalised partial output and
-log2-sum-exp, and ``merge_splits_kernel`` combines them.
+log2-sum-exp, and ``merge_splits_kernel`` combines them. Attention sinks (GPT-OSS) enter as
+the online softmax's starting state: max = the head's sink, sum = 1, output 0 (split 0 only).
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ def paged_attention_kernel(
     block_table_ptr,  # [num_seqs, max_blocks]
     part_out_ptr,  # [num_decodes, num_q_heads, NUM_SPLITS, HEAD_DIM_PAD] fp32 (splits only)
     part_lse_ptr,  # [num_decodes, num_q_heads, NUM_SPLITS] fp32 (splits only)
+    sinks_ptr,  # [num_q_heads] (USE_SINKS only)
     qk_scale,
     window,
     first_seq,  # this launch serves segments first_seq .. first_seq + num_seqs - 1
@@ -144,6 +146,7 @@ def paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     DECODE_ONLY: tl.constexpr,
     USE_WINDOW: tl.constexpr,
+    USE_SINKS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -200,6 +203,10 @@ def paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    if USE_SINKS:  # the head's sink starts the softmax as a key of weight 2^0 without value
+        sink = tl.load(sinks_ptr + row_head).to(tl.float32) * 1.4426950408889634  # log2(e)
+        m_i = tl.where(split == 0, sink, m_i)  # in one split only: the merge adds them up
+        l_i = tl.where(split == 0, 1.0, l_i)
     k_base = kv_cache_ptr + kv_head * stride_head
     block_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
     if USE_WINDOW:  # tiles cut by the window's lower edge

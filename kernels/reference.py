@@ -71,21 +71,57 @@ def _attend(
     query: torch.Tensor,  # [B, Hq, Lq, D]
     key: torch.Tensor,  # [B, Hkv, Lk, D]
     value: torch.Tensor,  # [B, Hkv, Lk, D]
-    mask: torch.Tensor,  # bool [B or 1, 1, Lq, Lk]
+    mask: torch.Tensor,  # bool, or additive float, [B or 1, 1, Lq, Lk]
     scale: float,
+    sinks: torch.Tensor | None = None,  # [Hq]
 ) -> torch.Tensor:  # [B, Hq, Lq, D]
     """SDPA with grouped-query attention done by folding each KV head's query heads into
-    the query length, so K and V are never copied per query head."""
+    the query length, so K and V are never copied per query head.
+
+    ``sinks`` (GPT-OSS): one logit per query head that joins every row's softmax without a
+    value, so a row may give less than all its weight to the keys. Done as one more key, of
+    zeros with a zero value, whose score the mask sets to the head's sink."""
     batch, num_q_heads, query_len, head_dim = query.shape
     num_kv_heads = key.shape[1]
     group = num_q_heads // num_kv_heads
+    if sinks is not None:
+        key, value, mask = _with_sink_key(key, value, mask, sinks, group, query.dtype)
     if group > 1:
         # Query head h reads KV head h // group (transformers' repeat_kv convention).
         query = query.reshape(batch, num_kv_heads, group * query_len, head_dim)
-        mask = mask.unsqueeze(2).expand(*mask.shape[:2], group, *mask.shape[2:])
-        mask = mask.reshape(mask.shape[0], 1, group * query_len, mask.shape[-1])
+        if mask.shape[1] == 1:  # one mask for every head
+            mask = mask.unsqueeze(2).expand(mask.shape[0], 1, group, *mask.shape[2:])
+        # [B or 1, 1 or Hkv, group * Lq, Lk]
+        mask = mask.reshape(mask.shape[0], -1, group * query_len, mask.shape[-1])
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
     return out.reshape(batch, num_q_heads, query_len, head_dim)
+
+
+def _with_sink_key(
+    key: torch.Tensor,  # [B, Hkv, Lk, D]
+    value: torch.Tensor,  # [B, Hkv, Lk, D]
+    mask: torch.Tensor,  # bool, or additive float, [B or 1, 1, Lq, Lk]
+    sinks: torch.Tensor,  # [Hq]
+    group: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K and V with a zero key appended, and a per-query-head additive mask
+    ``[B or 1, Hq, Lq, Lk + 1]`` whose last column is each head's sink (the zero key scores
+    0, and ``scale`` does not touch the mask)."""
+    zeros = key.new_zeros(*key.shape[:2], 1, key.shape[3])
+    key, value = torch.cat((key, zeros), dim=2), torch.cat((value, zeros), dim=2)
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(
+            ~mask, float("-inf")
+        )
+    num_kv_heads = key.shape[1]
+    lead, _, query_len, _ = mask.shape
+    # [lead, Hkv, group, Lq, 1]: query head kv * group + g's sink
+    sink_column = sinks.to(dtype).view(1, num_kv_heads, group, 1, 1)
+    sink_column = sink_column.expand(lead, num_kv_heads, group, query_len, 1)
+    mask = mask[:, :, None].expand(lead, num_kv_heads, group, query_len, mask.shape[-1])
+    mask = torch.cat((mask, sink_column), dim=-1)
+    return key, value, mask.reshape(lead, num_kv_heads * group, query_len, mask.shape[-1])
 
 
 def paged_attention(
@@ -96,6 +132,7 @@ def paged_attention(
     block_table: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
     scale: float,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,  # [num_q_heads]: see _attend
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
     """Attention of every query segment over its paged context, one segment at a time."""
     out = torch.zeros_like(query)
@@ -116,6 +153,7 @@ def paged_attention(
             value.transpose(0, 1)[None].to(query.dtype),
             mask,
             scale,
+            sinks,
         )
         out[q_start:q_end] = seg[0].transpose(0, 1)
     return out
@@ -156,6 +194,7 @@ def decode_attention(
     scale: float,
     sliding_window: int | None = None,
     attn_mask: torch.Tensor | None = None,  # decode_mask(...), or its additive float form
+    sinks: torch.Tensor | None = None,  # [num_q_heads]: see _attend
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
     """Single-token queries for many sequences in one batched call (padded to the longest).
 
@@ -172,6 +211,7 @@ def decode_attention(
         value.to(query.dtype),
         attn_mask,
         scale,
+        sinks,
     )
     return out[:, :, 0, :]
 
@@ -203,6 +243,7 @@ def short_query_attention(
     block_table: torch.Tensor,  # [num_seqs, max_blocks_per_seq]
     scale: float,
     attn_mask: torch.Tensor,  # short_query_mask(...), or its additive float form
+    sinks: torch.Tensor | None = None,  # [num_q_heads]: see _attend
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
     """Many short query segments (a decode and the drafts it verifies) in one batched
     call, each padded to the longest segment and the longest context: one SDPA call
@@ -215,7 +256,7 @@ def short_query_attention(
     padded = query.new_zeros(num_seqs * max_query_len, num_q_heads, head_dim)
     padded[padded_rows] = query
     padded = padded.view(num_seqs, max_query_len, num_q_heads, head_dim).transpose(1, 2)
-    out = _attend(padded, key.to(query.dtype), value.to(query.dtype), attn_mask, scale)
+    out = _attend(padded, key.to(query.dtype), value.to(query.dtype), attn_mask, scale, sinks)
     out = out.transpose(1, 2).reshape(num_seqs * max_query_len, num_q_heads, head_dim)
     return out[padded_rows]
 

@@ -8,7 +8,7 @@ calls ``forward`` with that metadata. Backends are chosen by name from ``registr
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,6 +46,8 @@ class LayerSpec:
 
     scale: float
     sliding_window: int | None = None
+    # [num_q_heads] (GPT-OSS): a logit per head that joins each row's softmax with no value.
+    sinks: torch.Tensor | None = field(default=None, compare=False)
 
 
 class AttentionBackend(ABC):

@@ -127,6 +127,7 @@ class TorchAttentionBackend(AttentionBackend):
                 layer.scale,
                 layer.sliding_window,
                 attn_mask=metadata.decode_mask(layer.sliding_window, query.dtype),
+                sinks=layer.sinks,
             )
         first_long = num_decodes
         short = metadata.short
@@ -144,6 +145,7 @@ class TorchAttentionBackend(AttentionBackend):
                 layout.block_table[short.first : first_long],
                 layer.scale,
                 attn_mask=metadata.short_mask(layer.sliding_window, query.dtype),
+                sinks=layer.sinks,
             )
         if first_long < layout.num_seqs:
             start = layout.query_start_loc_cpu[first_long]
@@ -155,5 +157,6 @@ class TorchAttentionBackend(AttentionBackend):
                 layout.block_table[first_long:],
                 layer.scale,
                 layer.sliding_window,
+                layer.sinks,
             )
         return out

@@ -37,6 +37,7 @@ class TritonAttentionBackend(AttentionBackend):
             layout.block_table,
             layer.scale,
             layer.sliding_window,
+            sinks=layer.sinks,
             num_decodes=layout.num_decodes,  # the layout puts single-token segments first
             max_seq_len=layout.max_seq_len,
         )

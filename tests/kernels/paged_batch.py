@@ -32,7 +32,9 @@ class PagedBatch:
     num_decodes: int
     scale: float
 
-    def expected(self, sliding_window: int | None = None) -> torch.Tensor:
+    def expected(
+        self, sliding_window: int | None = None, sinks: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The reference in fp32 on the same inputs."""
         return reference.paged_attention(
             self.query.float(),
@@ -42,6 +44,7 @@ class PagedBatch:
             self.block_table,
             self.scale,
             sliding_window,
+            None if sinks is None else sinks.float(),
         )
 
 

@@ -48,9 +48,14 @@ def run(batch: PagedBatch, num_decodes: int, sliding_window: int | None = None, 
     return out
 
 
-def check(out: torch.Tensor, batch: PagedBatch, sliding_window: int | None = None) -> None:
+def check(
+    out: torch.Tensor,
+    batch: PagedBatch,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> None:
     assert not out.isnan().any(), "a row was not written (or a poisoned slot was read)"
-    expected = batch.expected(sliding_window)
+    expected = batch.expected(sliding_window, sinks)
     torch.testing.assert_close(out.float(), expected, **TOLERANCES[batch.query.dtype])
 
 
@@ -128,6 +133,62 @@ def test_sliding_window(window):
     small = {"decode": LaunchConfig(16, 16), "prefill": LaunchConfig(32, 16)}
     check(run(batch, 3, window, num_splits=2, **small), batch, window)
     check(run(batch, 0, window), batch, window)
+
+
+def _sink_oracle(batch: PagedBatch, window: int | None, sinks: torch.Tensor) -> torch.Tensor:
+    """transformers' GPT-OSS eager attention, segment by segment: the sink is one more
+    logit in each row's softmax, dropped before the values."""
+    out = torch.zeros(batch.query.shape, dtype=torch.float32)
+    starts = batch.query_start_loc.tolist()
+    group = batch.query.shape[1] // batch.kv_cache.shape[3]
+    for i, seq_len in enumerate(batch.seq_lens.tolist()):
+        q = batch.query[starts[i] : starts[i + 1]].float().transpose(0, 1)  # [Hq, Lq, D]
+        if q.shape[1] == 0 or seq_len == 0:
+            continue
+        blocks = batch.block_table[i, : -(-seq_len // batch.kv_cache.shape[2])].long()
+        k, v = reference.gather_kv(batch.kv_cache.float(), blocks, seq_len)  # [Lk, Hkv, D]
+        k = k.transpose(0, 1).repeat_interleave(group, 0)  # [Hq, Lk, D]
+        v = v.transpose(0, 1).repeat_interleave(group, 0)
+        allowed = reference.causal_mask(q.shape[1], seq_len, window, q.device)
+        scores = (q @ k.transpose(1, 2)) * batch.scale
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        sink = sinks.float()[:, None, None].expand(-1, q.shape[1], 1)
+        probs = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]
+        out[starts[i] : starts[i + 1]] = (probs @ v).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("dtype", "group", "window", "num_splits"),
+    [
+        (torch.float32, 1, None, 1),
+        (torch.float32, 4, None, 4),
+        (torch.float32, 8, 20, 2),
+        (torch.bfloat16, 4, 20, 1),
+    ],
+)
+def test_attention_sinks(dtype, group, window, num_splits):
+    """GPT-OSS's sinks: the reference equals transformers' formula, and the kernel the
+    reference, in the decode launch (split: the sink joins once) and the prefill launch.
+    Sinks span large positive and negative logits: most or almost none of a row's weight."""
+    batch = make_batch(
+        [(1, 1), (1, 45), (1, 100), (30, 30), (17, 75), (0, 9)],
+        num_q_heads=2 * group,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=dtype,
+        device=DEVICE,
+        seed=group,
+    )
+    sinks = torch.linspace(-6.0, 6.0, 2 * group).to(DEVICE, dtype)
+    torch.testing.assert_close(batch.expected(window, sinks), _sink_oracle(batch, window, sinks))
+    split = {"decode": LaunchConfig(16, 16), "num_splits": num_splits}
+    check(run(batch, batch.num_decodes, window, sinks=sinks, **split), batch, window, sinks)
+    check(run(batch, 0, window, sinks=sinks), batch, window, sinks)
+    # The sinks matter: without them the output differs.
+    plain = run(batch, batch.num_decodes, window)
+    assert not torch.allclose(plain.float(), batch.expected(window, sinks), atol=1e-2)
 
 
 def test_small_tiles_and_rows():
