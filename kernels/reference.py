@@ -288,11 +288,18 @@ def moe_experts(
     down_proj: torch.Tensor,  # [E, H, I]
     expert_ids: torch.Tensor,  # [num_tokens, k] int64, distinct per row
     weights: torch.Tensor,  # [num_tokens, k]
+    *,
+    gate_up_bias: torch.Tensor | None = None,  # [E, 2I]
+    down_bias: torch.Tensor | None = None,  # [E, H]
+    swiglu_limit: float | None = None,
+    swiglu_alpha: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, H]
     """sum_i weights[t, i] * down(SiLU(gate(x_t)) * up(x_t)) over token t's k experts.
 
     Tokens are grouped by expert: each expert runs one gate/up and one down matmul over
     exactly its rows. The per-expert counts are read on the host (one sync).
+    GPT-OSS: biases on both projections, and with ``swiglu_limit`` the clamped SwiGLU
+    ``(clamp(up, +-limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``.
     """
     top_k = expert_ids.shape[1]
     flat_ids = expert_ids.reshape(-1)  # [num_tokens * k]: one slot per (token, choice)
@@ -306,8 +313,16 @@ def moe_experts(
         if count == 0:
             continue
         tokens = token_of_slot[start : start + count]  # [count]
-        gate, up = F.linear(hidden[tokens], gate_up_proj[expert]).chunk(2, dim=-1)
-        expert_out = F.linear(F.silu(gate) * up, down_proj[expert])  # [count, H]
+        gate_up_b = None if gate_up_bias is None else gate_up_bias[expert]
+        gate, up = F.linear(hidden[tokens], gate_up_proj[expert], gate_up_b).chunk(2, dim=-1)
+        if swiglu_limit is None:
+            act = F.silu(gate) * up
+        else:
+            gate = gate.clamp(max=swiglu_limit)
+            up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
+            act = (up + 1) * (gate * torch.sigmoid(gate * swiglu_alpha))
+        down_b = None if down_bias is None else down_bias[expert]
+        expert_out = F.linear(act, down_proj[expert], down_b)  # [count, H]
         expert_out = expert_out * weight_of_slot[start : start + count]
         # Each token meets each expert at most once, and experts are added in index
         # order: the sum per token is transformers' own, bit for bit on the same rows.

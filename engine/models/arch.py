@@ -43,6 +43,7 @@ class ArchFlags:
     gemma3: bool = False  # see ModelArchConfig's Gemma 3 fields
     # Phi-3's rope: reads partial_rotary_factor, and its legacy "su"/"yarn" mean longrope.
     phi3_rope: bool = False
+    gpt_oss: bool = False  # attention sinks, biased router and experts, clamped SwiGLU
 
 
 ARCHITECTURES: dict[str, ArchFlags] = {
@@ -59,6 +60,9 @@ ARCHITECTURES: dict[str, ArchFlags] = {
     # Phi-3 / Phi-4: Llama with fused qkv_proj and gate_up_proj in the checkpoint (loaded as
     # they are) and maybe a partial rotary.
     "Phi3ForCausalLM": ArchFlags(phi3_rope=True),
+    # GPT-OSS: attention with biases and sinks on alternating windowed / full layers, YaRN;
+    # its router picks the top k logits and softmaxes over them (in the model dtype).
+    "GptOssForCausalLM": ArchFlags(moe=True, gpt_oss=True),
     "Gemma3ForCausalLM": ArchFlags(qk_norm=True, gemma3=True),
     # The multimodal checkpoint's language model; the loader skips the vision weights.
     "Gemma3ForConditionalGeneration": ArchFlags(qk_norm=True, gemma3=True),
@@ -74,6 +78,7 @@ _BY_MODEL_TYPE = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
 }
 
@@ -90,6 +95,14 @@ class MoeConfig:
     shared_expert_intermediate_size: int  # 0: no shared expert
     # Per layer: the sparse MLP (True) or a dense one of ``intermediate_size`` (False).
     sparse_layers: tuple[bool, ...]
+    # GPT-OSS: biases on the router and the experts, softmax over the top k logits (not
+    # top k of the softmax: the same weights up to rounding), and the experts' SwiGLU
+    # clamped: gate <= limit, |up| <= limit, out = (up + 1) * gate * sigmoid(alpha * gate).
+    router_bias: bool = False
+    expert_bias: bool = False
+    softmax_over_top_k: bool = False
+    swiglu_limit: float | None = None  # None: plain SwiGLU
+    swiglu_alpha: float = 1.0
 
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -149,6 +162,10 @@ class ModelArchConfig:
     # empty: ``rope`` everywhere.
     layer_ropes: tuple[RopeConfig, ...] = ()
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    # GPT-OSS: a learned logit per query head in each attention softmax (no value), and
+    # RMSNorm multiplying its gain in float32 before casting back.
+    attention_sinks: bool = False
+    norm_gain_in_float32: bool = False
 
     def rope_of(self, layer_idx: int) -> RopeConfig:
         return self.layer_ropes[layer_idx] if self.layer_ropes else self.rope
@@ -339,7 +356,28 @@ def _moe_config(
             else 0
         ),
         sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
+        **(
+            _GPT_OSS_MOE
+            | {
+                "swiglu_limit": float(cfg.get("swiglu_limit", 7.0)),
+                "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)),
+            }
+            if flags.gpt_oss
+            else {}
+        ),
     )
+
+
+_GPT_OSS_MOE = {"router_bias": True, "expert_bias": True, "softmax_over_top_k": True}
+# GptOssConfig's rope when config.json names none.
+_GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
 
 
 def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
@@ -360,6 +398,8 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
             f"(supported: {', '.join(ARCHITECTURES)})"
         )
     flags = ARCHITECTURES[architecture]
+    if flags.gpt_oss:
+        cfg = _gpt_oss_defaults(cfg)
     num_layers = int(_require(cfg, "num_hidden_layers", path))
     hidden_size = int(_require(cfg, "hidden_size", path))
     num_q_heads = int(_require(cfg, "num_attention_heads", path))
@@ -382,7 +422,9 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
             raise ModelLoadError(f"{path}: hidden_act {activation!r} is not supported (only silu)")
     if raw.get("quantization_config"):
         method = raw["quantization_config"].get("quant_method", "?")
-        raise ModelLoadError(f"{path}: quantized checkpoints ({method}) are not supported")
+        # GPT-OSS's MXFP4 experts are dequantized at load (gpt_oss_weights.py).
+        if not (flags.gpt_oss and method == "mxfp4"):
+            raise ModelLoadError(f"{path}: quantized checkpoints ({method}) are not supported")
     gemma3 = _gemma3_fields(cfg, num_layers, hidden_size, path) if flags.gemma3 else {}
     return ModelArchConfig(
         architecture=architecture,
@@ -405,8 +447,24 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
         eos_token_ids=_eos_ids(cfg, model_dir),
         bos_token_id=cfg.get("bos_token_id"),
         moe=_moe_config(cfg, flags, num_layers, path),
+        attention_sinks=flags.gpt_oss,
+        norm_gain_in_float32=flags.gpt_oss,
         **gemma3,
     )
+
+
+def _gpt_oss_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
+    """GptOssConfig's defaults for what config.json leaves out: biased attention, a
+    128-token window on every other layer (from the first), YaRN from 4k by 32x."""
+    cfg = {"attention_bias": True, "sliding_window": 128, "rope_theta": 150_000.0, **cfg}
+    if cfg.get("layer_types") is None:
+        num_layers = int(cfg.get("num_hidden_layers", 36))
+        cfg["layer_types"] = [
+            "full_attention" if i % 2 else "sliding_attention" for i in range(num_layers)
+        ]
+    if not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
+        cfg["rope_scaling"] = dict(_GPT_OSS_ROPE)
+    return cfg
 
 
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")  # transformers' names of the tanh GELU

@@ -1,6 +1,6 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, their mixture-of-experts
-variants: ``moe.py``, and Gemma 3, whose differences ``ModelArchConfig`` lists) over a
-flattened, paged batch.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, their mixture-of-experts
+variants: ``moe.py``, and Gemma 3 and GPT-OSS, whose differences ``ModelArchConfig`` lists)
+over a flattened, paged batch.
 
 Tokens of all sequences in a step are one flat dimension; attention finds each sequence's
 context through the backend's per-step metadata. q/k/v and gate/up projections are fused
@@ -45,8 +45,20 @@ class UnitOffsetRMSNorm(RMSNorm):
         return (normed * (1.0 + self.weight.float())).type_as(x)
 
 
+class Float32GainRMSNorm(RMSNorm):
+    """GPT-OSS's RMSNorm: the gain multiplies in float32, then the result is cast back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * normed).to(x.dtype)
+
+
 def rms_norm(arch: ModelArchConfig, dim: int) -> RMSNorm:
-    return (UnitOffsetRMSNorm if arch.norm_unit_offset else RMSNorm)(dim, arch.rms_norm_eps)
+    if arch.norm_unit_offset:
+        return UnitOffsetRMSNorm(dim, arch.rms_norm_eps)
+    if arch.norm_gain_in_float32:
+        return Float32GainRMSNorm(dim, arch.rms_norm_eps)
+    return RMSNorm(dim, arch.rms_norm_eps)
 
 
 class Attention(nn.Module):
@@ -75,6 +87,8 @@ class Attention(nn.Module):
         self.backend = backend
         scale = arch.attention_scale if arch.attention_scale is not None else arch.head_dim**-0.5
         self.spec = LayerSpec(scale=scale, sliding_window=arch.sliding_windows[layer_idx])
+        # GPT-OSS: one logit per query head (passed each call: the loader replaces params).
+        self.sinks = nn.Parameter(torch.empty(arch.num_q_heads)) if arch.attention_sinks else None
 
     def forward(
         self,
@@ -95,7 +109,10 @@ class Attention(nn.Module):
         if self.qk_norm:
             query, key = self.q_norm(query), self.k_norm(key)
         query, key = self.rotary[0](positions, query, key)
-        out = self.backend.forward(query, key, value, kv_cache, attn_metadata, self.spec)
+        spec = self.spec
+        if self.sinks is not None:
+            spec = LayerSpec(spec.scale, spec.sliding_window, self.sinks)
+        out = self.backend.forward(query, key, value, kv_cache, attn_metadata, spec)
         out = out.reshape(num_tokens, self.q_size)
         if lora is None:
             return self.o_proj(out)
@@ -148,8 +165,10 @@ class DecoderLayer(nn.Module):
             width = arch.moe.shared_expert_intermediate_size
             # The shared expert takes no adapter: the layer's LoRA targets are refused.
             shared = MLP(arch, layer_idx, width) if width else None
-            # The triton backend runs the experts with the fused kernel too.
-            self.mlp = SparseMoe(arch, shared, fused=backend.name == "triton")
+            # The triton backend runs the experts with the fused kernel too, if it can
+            # (not GPT-OSS's: biases and a clamped activation it does not have).
+            plain = not arch.moe.expert_bias and arch.moe.swiglu_limit is None
+            self.mlp = SparseMoe(arch, shared, fused=backend.name == "triton" and plain)
         else:
             self.mlp = MLP(arch, layer_idx, arch.intermediate_size)
 
@@ -205,6 +224,14 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+
+    @property
+    def capturable(self) -> bool:
+        """Whether a decode step can be captured in a CUDA graph: no layer reads device
+        values on the host (unfused experts do)."""
+        return not any(
+            isinstance(layer.mlp, SparseMoe) and not layer.mlp.fused for layer in self.model.layers
+        )
 
     def build_rope_tables(self, device: torch.device) -> None:
         for rotary in self.rotaries:

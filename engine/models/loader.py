@@ -7,7 +7,8 @@ expert's tensors (Qwen's ``mlp.experts.{e}.{gate|up|down}_proj``, Mixtral's
 transformers 5's stacked layout load as they are), ties the LM head to the embeddings when
 the config says so (unless the file stores a different head, which transformers then uses
 untied), and fails with a message naming the missing file or tensor. Multimodal checkpoints
-served for text (Gemma 3's) load their language model's tensors and skip the rest.
+served for text (Gemma 3's) load their language model's tensors and skip the rest; GPT-OSS's
+experts (interleaved, input-major, maybe MXFP4) go through ``gpt_oss_weights.py``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from safetensors import safe_open
 
 from engine.attention.backend import AttentionBackend
 from engine.models.arch import ModelArchConfig, ModelLoadError, safetensors_files
+from engine.models.gpt_oss_weights import EXPERT_TENSOR, expert_pieces
 from engine.models.llama import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -59,6 +62,7 @@ class _Target:
 def _target(name: str, arch: ModelArchConfig, params: dict[str, torch.nn.Parameter]) -> _Target:
     """Where the checkpoint tensor ``name`` goes in the model (maybe a missing parameter)."""
     name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the MLP
+    name = name.replace(".mlp.router.", ".mlp.gate.")  # GPT-OSS's name for the router
     expert = _EXPERT.match(name)
     if expert is not None:
         prefix, index, which = expert.groups()
@@ -88,6 +92,27 @@ def _model_name(name: str) -> str | None:
         if name.startswith(prefix):
             return replacement + name[len(prefix) :]
     return name
+
+
+def _tensor_names(path: Path) -> list[str]:
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        return list(f.keys())
+
+
+def _partner(
+    stored: str, suffix: str, partner_suffix: str, where: dict[str, Path], path: Path
+) -> Callable[[], torch.Tensor]:
+    """A reader of the tensor stored beside ``stored`` (MXFP4 scales beside their blocks),
+    maybe in another shard."""
+    name = stored.removesuffix(suffix) + partner_suffix
+    if name not in where:
+        raise ModelLoadError(f"{path.name}: {stored} has no {name} in the checkpoint")
+
+    def read() -> torch.Tensor:
+        with safe_open(str(where[name]), framework="pt", device="cpu") as f:
+            return f.get_tensor(name)
+
+    return read
 
 
 def _stored_head_differs(files: list[Path]) -> bool:
@@ -130,6 +155,32 @@ def load_model(
     # Elements of each parameter filled so far, to detect missing tensors.
     filled: dict[str, int] = dict.fromkeys(params, 0)
     unexpected: list[str] = []
+    where = {name: path for path in files for name in _tensor_names(path)}  # stored -> file
+
+    def place(target: _Target, tensor: torch.Tensor, stored: str, path: Path) -> None:
+        if target.param not in params:
+            unexpected.append(stored)
+            return
+        param = params[target.param]
+        dest = param.data
+        if target.expert is not None:
+            if target.expert >= dest.shape[0]:
+                raise ModelLoadError(
+                    f"{path.name}: {stored} names expert {target.expert} of {dest.shape[0]}"
+                )
+            dest = dest[target.expert]
+        rows = tensor.shape[0]
+        if tuple(tensor.shape[1:]) != tuple(dest.shape[1:]) or (
+            target.row_start + rows > dest.shape[0]
+        ):
+            raise ModelLoadError(
+                f"{path.name}: {stored} has shape {tuple(tensor.shape)}, which does not "
+                f"fit {target.param} {tuple(param.shape)}"
+            )
+        with torch.no_grad():
+            dest[target.row_start : target.row_start + rows].copy_(tensor.to(dtype))
+        filled[target.param] += tensor.numel()
+
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for stored in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
@@ -138,30 +189,20 @@ def load_model(
                     continue
                 if arch.tie_word_embeddings and name == _HEAD:
                     continue
-                target = _target(name, arch, params)
-                if target.param not in params:
-                    unexpected.append(stored)
+                gpt_oss = arch.architecture == "GptOssForCausalLM"
+                expert = EXPERT_TENSOR.match(name) if gpt_oss else None
+                if expert is None:
+                    place(_target(name, arch, params), f.get_tensor(stored), stored, path)
                     continue
-                tensor = f.get_tensor(stored)
-                param = params[target.param]
-                dest = param.data
-                if target.expert is not None:
-                    if target.expert >= dest.shape[0]:
-                        raise ModelLoadError(
-                            f"{path.name}: {stored} names expert {target.expert} of {dest.shape[0]}"
-                        )
-                    dest = dest[target.expert]
-                rows = tensor.shape[0]
-                if tuple(tensor.shape[1:]) != tuple(dest.shape[1:]) or (
-                    target.row_start + rows > dest.shape[0]
-                ):
-                    raise ModelLoadError(
-                        f"{path.name}: {stored} has shape {tuple(tensor.shape)}, which does not "
-                        f"fit {target.param} {tuple(param.shape)}"
-                    )
-                with torch.no_grad():
-                    dest[target.row_start : target.row_start + rows].copy_(tensor.to(dtype))
-                filled[target.param] += tensor.numel()
+                prefix, which, suffix = expert.group(1), expert.group(2), expert.group(3) or ""
+                if suffix == "_scales":
+                    continue  # read with its blocks
+                scales = None
+                if suffix == "_blocks":
+                    scales = _partner(stored, "_blocks", "_scales", where, path)
+                pieces = expert_pieces(prefix, which, suffix, f.get_tensor(stored), scales, dtype)
+                for param, index, row_start, rows in pieces:
+                    place(_Target(param, row_start, index), rows, stored, path)
     if unexpected:
         raise ModelLoadError(
             f"{model_dir}: unexpected tensors for {arch.architecture}: {unexpected[:5]}"

@@ -9,7 +9,8 @@ generation_config.json, model.safetensors and the tokenizer with a ChatML chat t
 thinking). The MoE archs (``mixtral``, ``qwen2_moe``, ``qwen3_moe``) have 8 experts of half
 the dense MLP's width and route each token to 2, so their work per token is the dense
 model's. ``gemma3`` is Gemma 3's text model (``Gemma3ForCausalLM``; see ``_gemma3_config``),
-``phi3`` Phi-4-mini's layout (fused projections in the files, a partial rotary).
+``phi3`` Phi-4-mini's layout (fused projections in the files, a partial rotary), ``gpt_oss``
+GPT-OSS unquantized (see ``_gpt_oss_config``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from engine.models.tokenizer_trainer import (
 )
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3",
-         "phi3")  # fmt: skip
+         "phi3", "gpt_oss")  # fmt: skip
 SIZES = ("tiny", "small")
 
 
@@ -121,6 +122,8 @@ def _hf_config(arch: str, spec: SizeSpec, tokenizer_ids: dict[str, int]):
         )
     if arch == "gemma3":
         return _gemma3_config(common, spec)
+    if arch == "gpt_oss":
+        return _gpt_oss_config(common, spec)
     if arch == "phi3":  # Phi-4-mini's shape: tied, 3/4 of each head rotates (default rope)
         return transformers.Phi3Config(
             **common, tie_word_embeddings=True, partial_rotary_factor=0.75, rope_theta=1e4
@@ -147,6 +150,26 @@ def _gemma3_config(common: dict, spec: SizeSpec):
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         },
     )
+
+
+def _gpt_oss_config(common: dict, spec: SizeSpec):
+    """GPT-OSS: attention sinks and biases, a window on every other layer (64 tokens here,
+    128 in the release), YaRN from a 64-token pretraining context (4096 in the release, so
+    that test prompts reach the stretched range), 8 biased experts of the MoE archs' width
+    with the clamped SwiGLU, 2 per token."""
+    import transformers
+
+    experts = {**common, "intermediate_size": spec.expert_intermediate_size}
+    return transformers.GptOssConfig(
+        **experts,
+        num_local_experts=spec.num_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
+        sliding_window=64,
+        rope_parameters={
+            "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64,
+        },
+    )  # fmt: skip
 
 
 def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
@@ -191,6 +214,13 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
                 # Non-trivial norm gains, so that norm weights are exercised by parity tests
                 # (Gemma stores a gain's offset from 1).
                 param.uniform_(-0.2, 0.2) if arch == "gemma3" else param.uniform_(0.8, 1.2)
+            elif name.endswith("bias"):
+                # transformers initializes biases to zero, which would leave the bias paths
+                # (Qwen2's q/k/v, GPT-OSS's attention, router and experts) untested.
+                param.normal_(0.0, 1.6 / spec.hidden_size**0.5)
+        if arch == "gpt_oss":  # sinks that take a real share of some heads' attention
+            for layer in model.model.layers:
+                layer.self_attn.sinks.uniform_(-2.0, 2.0)
         if arch == "gemma3":
             # Gemma scales the embeddings by sqrt(hidden_size) and ties the head to them:
             # at the usual init the token's own embedding outweighs every block and the

@@ -1,10 +1,11 @@
-"""The sparse MLP of mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE).
+"""The sparse MLP of mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS).
 
 A router (``gate``: hidden -> one logit per expert) scores each token; the ``top_k``
 experts of highest softmax probability each run a SwiGLU MLP on it, and their outputs are
 summed weighted by those probabilities (renormalized over the k with ``norm_topk_prob``).
 Qwen2-MoE adds a shared expert that every token runs, scaled by
-``sigmoid(shared_expert_gate(x))``.
+``sigmoid(shared_expert_gate(x))``. GPT-OSS biases the router and the experts, softmaxes over
+the top k logits, and clamps its experts' SwiGLU (``arch.MoeConfig``).
 
 The experts' weights are stacked, one tensor per projection for all experts
 (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]: transformers 5's
@@ -29,7 +30,9 @@ from kernels.reference import moe_experts
 class Experts(nn.Module):
     """The routed experts' weights, stacked (a holder: ``SparseMoe`` runs them)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False
+    ) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size, hidden_size)
@@ -37,6 +40,10 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(
             torch.empty(num_experts, hidden_size, intermediate_size)
         )  # [E, H, I]
+        self.gate_up_proj_bias = self.down_proj_bias = None
+        if bias:  # GPT-OSS
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
 
 
 class SparseMoe(nn.Module):
@@ -57,17 +64,24 @@ class SparseMoe(nn.Module):
             self._run_experts = fused_moe
         else:
             self._run_experts = moe_experts
+        self.moe = moe
         self.top_k = moe.top_k
         self.norm_topk_prob = moe.norm_topk_prob
         self.weights_in_model_dtype = moe.routing_weights_in_model_dtype
-        self.gate = nn.Linear(arch.hidden_size, moe.num_experts, bias=False)
-        self.experts = Experts(moe.num_experts, arch.hidden_size, moe.expert_intermediate_size)
+        # The router (GPT-OSS's checkpoints call it ``router``; the loader renames).
+        self.gate = nn.Linear(arch.hidden_size, moe.num_experts, bias=moe.router_bias)
+        self.experts = Experts(
+            moe.num_experts, arch.hidden_size, moe.expert_intermediate_size, moe.expert_bias
+        )
         self.shared_expert = shared_expert
         if shared_expert is not None:
             self.shared_expert_gate = nn.Linear(arch.hidden_size, 1, bias=False)
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [num_tokens, k] int64, their weights [num_tokens, k])."""
+        if self.moe.softmax_over_top_k:  # GPT-OSS, in the model dtype as transformers
+            top_logits, expert_ids = self.gate(hidden).topk(self.top_k, dim=-1)
+            return expert_ids, torch.softmax(top_logits, dim=-1)
         probs = torch.softmax(self.gate(hidden), dim=-1, dtype=torch.float32)  # [T, E]
         weights, expert_ids = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -80,8 +94,16 @@ class SparseMoe(nn.Module):
         """``hidden`` [num_tokens, H] -> [num_tokens, H]. ``lora`` is accepted for the
         dense MLP's signature and unused: adapters on expert layers are refused at load."""
         expert_ids, weights = self.route(hidden)
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        out = self._run_experts(hidden, gate_up, down, expert_ids, weights)
+        experts = self.experts
+        gate_up, down = experts.gate_up_proj, experts.down_proj
+        if self.moe.expert_bias or self.moe.swiglu_limit is not None:  # GPT-OSS
+            out = self._run_experts(
+                hidden, gate_up, down, expert_ids, weights,
+                gate_up_bias=experts.gate_up_proj_bias, down_bias=experts.down_proj_bias,
+                swiglu_limit=self.moe.swiglu_limit, swiglu_alpha=self.moe.swiglu_alpha,
+            )  # fmt: skip
+        else:
+            out = self._run_experts(hidden, gate_up, down, expert_ids, weights)
         if self.shared_expert is not None:
             shared = self.shared_expert(hidden)
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * shared

@@ -77,3 +77,24 @@ def gemma3_multimodal_checkpoint(text_dir: Path, out: Path) -> Path:
         if path.name.startswith("tokenizer") or path.name.endswith(".jinja"):
             shutil.copy(path, out / path.name)
     return out
+
+
+def assert_prompt_logprobs_match(model_dir: Path, prompt: list[int], **llm_kwargs: Any) -> None:
+    """Every prompt position's log-probs (the token's and the top 5) equal transformers'
+    within 1e-4: what greedy tokens alone cannot see."""
+    import pytest
+    from transformers import AutoModelForCausalLM
+
+    from engine import LLM, SamplingParams
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        reference = model(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
+    llm = LLM(model_dir, dtype="float32", **llm_kwargs)
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=5)
+    (output,) = llm.generate([prompt], params, use_tqdm=False)
+    for position, lp in enumerate(output.prompt_logprobs[1:]):
+        expected = reference[position]
+        assert lp.logprob == pytest.approx(expected[lp.token_id].item(), abs=1e-4), position
+        assert list(lp.top_logprobs) == pytest.approx(expected.topk(5).values.tolist(), abs=1e-4)
+    assert llm.engine.leak_report() == []

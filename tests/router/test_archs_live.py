@@ -1,9 +1,9 @@
 """Architectures beyond Llama served disaggregated by a real ``pdserve up`` stack (router +
 1 prefill + 1 decode worker): a mixture-of-experts model (Qwen2-MoE: routed experts plus a
-gated shared expert) and Gemma 3 in its multimodal checkpoint, served for text (sliding-window
-layers with their own rotary among full ones). The prompt's KV moves to the decode worker,
-which continues it, and the client gets exactly the offline engine's tokens, greedy and
-seeded, whole and streamed."""
+gated shared expert), Gemma 3 in its multimodal checkpoint, served for text (sliding-window
+layers with their own rotary among full ones), and GPT-OSS (attention sinks, biased
+experts). The prompt's KV moves to the decode worker, which continues it, and the client
+gets exactly the offline engine's tokens, greedy and seeded, whole and streamed."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ PROMPTS = ["def add(a, b):\n    return a + b\n" * 8, "Mixture of experts routes 
 NUM_TOKENS = 24
 
 
-@pytest.fixture(scope="module", params=["qwen2_moe", "gemma3_multimodal"])
+@pytest.fixture(scope="module", params=["qwen2_moe", "gemma3_multimodal", "gpt_oss"])
 def model_dir(request, model_factory, tmp_path_factory):
     if request.param == "gemma3_multimodal":
         out = tmp_path_factory.mktemp("gemma3") / "gemma3-mm"

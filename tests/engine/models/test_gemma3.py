@@ -6,10 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-from pathlib import Path
 
 import pytest
-import torch
 import transformers
 
 from common.hf_config import read_text_config
@@ -17,30 +15,20 @@ from common.kv_budget import ModelShape
 from engine import LLM, SamplingParams
 from engine.models.arch import ModelLoadError, RopeConfig, read_arch_config
 from engine.models.lora_maker import make_lora_adapter
-from tests.engine.helpers import gemma3_multimodal_checkpoint, hf_greedy, random_prompts
+from tests.engine.helpers import (
+    assert_prompt_logprobs_match,
+    gemma3_multimodal_checkpoint,
+    hf_greedy,
+    random_prompts,
+)
 
 NUM_TOKENS = 24
-
-
-def _prompt_logprobs_match(model_dir: Path, prompt: list[int]) -> None:
-    """Every prompt position's log-probs equal transformers' within 1e-4."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        reference = model(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
-    llm = LLM(model_dir, dtype="float32")
-    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=5)
-    (output,) = llm.generate([prompt], params, use_tqdm=False)
-    for position, lp in enumerate(output.prompt_logprobs[1:]):
-        expected = reference[position]
-        assert lp.logprob == pytest.approx(expected[lp.token_id].item(), abs=1e-4), position
-        assert list(lp.top_logprobs) == pytest.approx(expected.topk(5).values.tolist(), abs=1e-4)
-    assert llm.engine.leak_report() == []
 
 
 def test_prompt_logprobs_equal_transformers(model_factory):
     """Beyond greedy tokens: the exact GELU, both rotary bases and the window all move the
     log-probs (a prompt of 130 tokens spans two 64-token windows)."""
-    _prompt_logprobs_match(model_factory("gemma3"), random_prompts()[7])
+    assert_prompt_logprobs_match(model_factory("gemma3"), random_prompts()[7])
 
 
 def test_final_logit_softcapping(model_factory, tmp_path):
@@ -51,7 +39,7 @@ def test_final_logit_softcapping(model_factory, tmp_path):
     config["final_logit_softcapping"] = 3.0  # low enough to reshape the distribution
     (model_dir / "config.json").write_text(json.dumps(config))
     assert read_arch_config(model_dir).final_logit_softcap == 3.0
-    _prompt_logprobs_match(model_dir, random_prompts()[4])
+    assert_prompt_logprobs_match(model_dir, random_prompts()[4])
 
 
 def test_multimodal_checkpoint_serves_text(model_factory, tmp_path):
