@@ -79,7 +79,8 @@ class EngineConfig:
     num_blocks: int | None = None
     kv_cache_bytes: int = 1 << 30
     gpu_memory_utilization: float = 0.85
-    # None: the checkpoint's max_position_embeddings (capped by its sliding window, if any).
+    # None: the checkpoint's context (max_position_embeddings; with YaRN, the pretraining
+    # context times its factor: common.hf_config.max_context_len). Larger values are capped.
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048

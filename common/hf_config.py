@@ -64,3 +64,17 @@ def read_text_config(model_dir: str | Path) -> dict[str, Any]:
     """``text_config`` of ``model_dir/config.json``; raises what reading and parsing it raise
     (``FileNotFoundError``, ``json.JSONDecodeError``)."""
     return text_config(json.loads((Path(model_dir) / "config.json").read_text()))
+
+
+def max_context_len(cfg: dict[str, Any]) -> int:
+    """The longest context a (``text_config``) config serves: ``max_position_embeddings``,
+    or with YaRN the pretraining context times the factor, if longer. Qwen2.5 and Qwen3 keep
+    ``max_position_embeddings`` at the pretraining length and enable 4x more with a YaRN
+    ``rope_scaling``; vLLM derives the same limit."""
+    limit = int(cfg.get("max_position_embeddings", 2048))
+    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    if params.get("rope_type", params.get("type")) == "yarn" and params.get("factor"):
+        original = (cfg.get("original_max_position_embeddings")
+                    or params.get("original_max_position_embeddings") or limit)  # fmt: skip
+        limit = max(limit, int(original * float(params["factor"])))
+    return limit

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import ConfigError, Device, DType, EngineConfig, PdserveConfig, Role
-from common.hf_config import text_config
+from common.hf_config import max_context_len, text_config
 from common.model_info import model_dir_of
 
 _DTYPE_BYTES = {DType.FLOAT32: 4, DType.FLOAT16: 2, DType.BFLOAT16: 2}
@@ -34,7 +34,7 @@ class ModelShape:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    max_position_embeddings: int
+    max_context_len: int  # hf_config.max_context_len
 
     @classmethod
     def read(cls, model_dir: Path) -> ModelShape | None:
@@ -50,7 +50,7 @@ class ModelShape:
                 num_layers=int(cfg["num_hidden_layers"]),
                 num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
                 head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // num_heads),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                max_context_len=max_context_len(cfg),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError("model", f"{path} is not a usable checkpoint config: {exc}") from None
@@ -101,8 +101,7 @@ def _key(config: PdserveConfig, role: Role, name: str) -> str:
 
 def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
     engine = config.engine_for(role)
-    max_model_len = min(engine.max_model_len or shape.max_position_embeddings,
-                        shape.max_position_embeddings)  # fmt: skip
+    max_model_len = min(engine.max_model_len or shape.max_context_len, shape.max_context_len)
     min_blocks = -(-max_model_len // engine.block_size)
     cpu_bpb = shape.bytes_per_block(engine.block_size, _dtype_bytes(engine, Device.CPU))
     bpb = None

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import ConfigError, PdserveConfig, Role
-from common.hf_config import text_config
+from common.hf_config import max_context_len, text_config
 
 DEMO_ARCH, DEMO_SIZE = "llama", "tiny"
 
@@ -48,7 +48,7 @@ def model_info(config: PdserveConfig) -> ModelInfo:
     if not config_path.exists():
         raise FileNotFoundError(f"{model_dir} holds no checkpoint (config.json missing)")
     hf_config = text_config(json.loads(config_path.read_text()))
-    limit = int(hf_config.get("max_position_embeddings", 2048))
+    limit = max_context_len(hf_config)
     # The tightest limit of the roles that run (per-role engine overrides included): a
     # request must fit every worker it may be placed on.
     engines = [config.engine_for(role) for role in Role if config.role(role).replicas > 0]

@@ -27,4 +27,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMAND = ("make a random-weight checkpoint (llama, mistral, qwen2, qwen3)", add_arguments, run)
+COMMAND = ("make a random-weight checkpoint of a real architecture (--arch)", add_arguments, run)

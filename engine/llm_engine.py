@@ -9,6 +9,7 @@ in and results out through queues.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -42,6 +43,8 @@ from engine.sampler import RequestRandom, SamplingRow
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 
+logger = logging.getLogger(__name__)
+
 _DTYPES = {
     DType.FLOAT32: torch.float32,
     DType.FLOAT16: torch.float16,
@@ -66,9 +69,12 @@ def resolve_dtype(config: EngineConfig, arch: ModelArchConfig, device: torch.dev
 
 
 def resolve_max_model_len(config: EngineConfig, arch: ModelArchConfig) -> int:
-    limit = arch.max_position_embeddings
+    limit = arch.max_context_len or arch.max_position_embeddings
     if config.max_model_len is None:
         return limit
+    if config.max_model_len > limit:
+        logger.warning("max_model_len %d is beyond the model's context (%d): using %d",
+                       config.max_model_len, limit, limit)  # fmt: skip
     return min(config.max_model_len, limit)
 
 
@@ -120,7 +126,14 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.config, self.runner.num_blocks, observers, secondary=self.cpu_tier
         )
-        self.eos_token_ids = frozenset(self.arch.eos_token_ids)
+        # An id the model cannot produce can never end a request; left in, banning it
+        # before min_tokens would index past the logits.
+        self.eos_token_ids = frozenset(i for i in self.arch.eos_token_ids
+                                       if 0 <= i < self.arch.vocab_size)  # fmt: skip
+        if len(self.eos_token_ids) < len(set(self.arch.eos_token_ids)):
+            logger.warning("%s: eos ids %s are outside the vocabulary (%d ids); ignored",
+                           model_dir, sorted(set(self.arch.eos_token_ids) - self.eos_token_ids),
+                           self.arch.vocab_size)  # fmt: skip
         self.grammars = Grammars(model_dir, self.arch.vocab_size, self.eos_token_ids)
         self._rng = random.Random(self.config.seed)
         self._generators: dict[str, RequestRandom] = {}

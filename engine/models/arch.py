@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.hf_config import text_config
+from common.hf_config import max_context_len, text_config
 
 
 class ModelLoadError(RuntimeError):
@@ -152,6 +152,7 @@ class ModelArchConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     moe: MoeConfig | None = None  # None: every layer's MLP is dense
+    max_context_len: int = 0  # the longest context served (hf_config.max_context_len)
     # Gemma 3's departures from Llama (the defaults are Llama's):
     hidden_act: str = "silu"  # the MLP's gate activation: "silu" or "gelu_pytorch_tanh"
     norm_unit_offset: bool = False  # RMSNorm scales by 1 + weight, in float32
@@ -447,6 +448,7 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
         eos_token_ids=_eos_ids(cfg, model_dir),
         bos_token_id=cfg.get("bos_token_id"),
         moe=_moe_config(cfg, flags, num_layers, path),
+        max_context_len=max_context_len(cfg),
         attention_sinks=flags.gpt_oss,
         norm_gain_in_float32=flags.gpt_oss,
         **gemma3,

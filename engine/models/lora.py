@@ -25,6 +25,7 @@ experts and shared expert; attention projections there are adapted as anywhere).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -38,12 +39,18 @@ from common.model_info import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from engine.models.arch import ModelArchConfig, ModelLoadError
 from engine.models.fingerprint import adapter_fingerprint
 
+logger = logging.getLogger(__name__)
+
 # A multimodal base (Gemma 3 4B+) puts its language model's layers under
 # ``model.language_model.`` (transformers 5) or ``language_model.model.`` (4).
 _KEY = re.compile(
     r"^base_model\.model\.(?:model\.|model\.language_model\.|language_model\.model\.)"
     r"layers\.(\d+)\.(?:self_attn|mlp)\."
     r"(q|k|v|o|gate|up|down|qkv|gate_up)_proj\.lora_(A|B)\.weight$"
+)
+# A multimodal base's vision tower and projector (transformers 5's and 4's paths).
+_VISION = re.compile(
+    r"^base_model\.model\.(?:model\.)?(?:vision_tower|multi_modal_projector)\."
 )
 # Fused projection of each adapted module, and the module's rows within it (in order).
 # Phi-3's checkpoints (and so its adapters) have the fused qkv_proj / gate_up_proj.
@@ -141,9 +148,15 @@ def load_lora_adapter(
     shapes = module_shapes(arch)
     # (layer, module) -> {"A": tensor, "B": tensor}
     found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    skipped = 0  # a multimodal base's vision-side tensors
     with safe_open(str(weights), framework="pt", device="cpu") as f:
         for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
             match = _KEY.match(key)
+            if match is None and _VISION.match(key):
+                # PEFT's plain target names (q_proj, ...) also wrap the vision tower's
+                # projections; serving text never runs them, so this is PEFT's model.
+                skipped += 1
+                continue
             if match is None:
                 experts = ".experts." in key or ".shared_expert" in key
                 raise ModelLoadError(
@@ -159,6 +172,8 @@ def load_lora_adapter(
                     "its MLP is not supported (adapt the attention projections there)"
                 )
             found.setdefault((layer, module), {})[which] = f.get_tensor(key)
+    if skipped:
+        logger.info("%s: %d vision-tower tensors left out (text is served)", weights, skipped)
     if not found:
         raise ModelLoadError(f"{weights}: no LoRA tensors")
     per_module: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}

@@ -8,7 +8,9 @@ import json
 import shutil
 
 import pytest
+import torch
 import transformers
+from safetensors import safe_open
 
 from common.hf_config import read_text_config
 from common.kv_budget import ModelShape
@@ -63,7 +65,7 @@ def test_multimodal_checkpoint_serves_text(model_factory, tmp_path):
         num_layers=arch.num_layers,
         num_kv_heads=arch.num_kv_heads,
         head_dim=arch.head_dim,
-        max_position_embeddings=arch.max_position_embeddings,
+        max_context_len=arch.max_context_len,
     )
 
 
@@ -80,6 +82,35 @@ def test_adapter_on_the_multimodal_checkpoint_equals_peft(model_factory, tmp_pat
     tuned = [o.outputs[0].token_ids for o in outputs]
     assert tuned == hf_greedy(model_dir, prompts, NUM_TOKENS, adapter_dir=adapter)
     assert tuned != hf_greedy(model_dir, prompts, NUM_TOKENS)  # the adapter changes tokens
+    assert llm.engine.leak_report() == []
+
+
+def test_peft_adapter_with_plain_targets_on_the_multimodal_checkpoint(model_factory, tmp_path):
+    """``target_modules=["q_proj", ...]`` makes PEFT wrap the vision tower's projections
+    too; serving text never runs them, so they are left out and the text model's adapter
+    decodes what transformers + peft decode."""
+    import peft
+
+    model_dir = gemma3_multimodal_checkpoint(model_factory("gemma3"), tmp_path / "gemma3-mm")
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    model = peft.get_peft_model(base, config)
+    torch.manual_seed(3)
+    with torch.no_grad():  # PEFT starts B at zero: an adapter that changes nothing
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(tmp_path / "adapter")
+    adapter = tmp_path / "adapter"
+    with safe_open(str(adapter / "adapter_model.safetensors"), framework="pt") as f:
+        assert any(".vision_tower." in key for key in f.keys())  # noqa: SIM118
+    prompts = random_prompts()[1:4]
+    llm = LLM(model_dir, dtype="float32", lora_adapters={"tuned": adapter})
+    params = SamplingParams(max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, temperature=0)
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_name="tuned")
+    tuned = [o.outputs[0].token_ids for o in outputs]
+    assert tuned == hf_greedy(model_dir, prompts, NUM_TOKENS, adapter_dir=adapter)
+    assert tuned != hf_greedy(model_dir, prompts, NUM_TOKENS)
     assert llm.engine.leak_report() == []
 
 

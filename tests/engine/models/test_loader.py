@@ -283,3 +283,19 @@ def test_mixture_of_experts_mismatches_are_named(model_factory, tmp_path):
     save_file(weights, missing / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match=r"missing.*layers\.2\.mlp\.experts\.gate_up_proj"):
         LLM(missing)
+
+
+def test_eos_ids_outside_the_vocabulary_are_ignored(tiny_llama, tmp_path):
+    """A generation_config naming an id past the vocabulary: it can never be sampled, so it
+    ends nothing; banned before min_tokens it would have indexed past the logits."""
+    shutil.copytree(tiny_llama, tmp_path, dirs_exist_ok=True)
+    generation = json.loads((tmp_path / "generation_config.json").read_text())
+    vocab = read_arch_config(tiny_llama).vocab_size
+    generation["eos_token_id"] = [*generation["eos_token_id"], vocab + 5]
+    (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+    llm = LLM(tmp_path, dtype="float32")
+    assert vocab + 5 not in llm.engine.eos_token_ids and llm.engine.eos_token_ids
+    params = SamplingParams(max_tokens=8, min_tokens=4, temperature=1.0, seed=1)
+    (output,) = llm.generate(random_prompts((12,)), params, use_tqdm=False)
+    assert len(output.outputs[0].token_ids) >= 4
+    assert llm.engine.leak_report() == []

@@ -11,6 +11,7 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
+from common.kv_budget import ModelShape
 from engine import LLM, SamplingParams
 from engine.models.arch import ModelLoadError, read_arch_config
 from engine.models.rope import RotaryEmbedding, inverse_frequencies
@@ -103,3 +104,23 @@ def test_legacy_phi_config_reads_its_top_level_rotary_keys(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({**config, "rope_scaling": scaling}))
         with pytest.raises(ModelLoadError, match="rope type 'longrope' is not supported"):
             read_arch_config(tmp_path)
+
+
+def test_yarn_extends_the_served_context(tiny_llama, tmp_path):
+    """Qwen2.5's configs keep max_position_embeddings at the pretraining length and enable
+    4x with YaRN: the engine, the KV budget and the router serve 4x (as vLLM does); a prompt
+    past the unscaled length decodes transformers' tokens."""
+    overrides = {"max_position_embeddings": 32, "rope_theta": 1e6,
+                 "rope_scaling": {"type": "yarn", "factor": 4.0,
+                                  "original_max_position_embeddings": 32}}  # fmt: skip
+    model_dir = write_checkpoint(tmp_path / "model", tiny_llama, transformers.Qwen2Config,
+                                 **overrides)  # fmt: skip
+    assert read_arch_config(model_dir).max_context_len == 128
+    assert ModelShape.read(model_dir).max_context_len == 128
+    llm = LLM(model_dir, dtype="float32")
+    assert llm.engine.max_model_len == 128
+    prompts = random_prompts((100,))
+    params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0)
+    (output,) = llm.generate(prompts, params, use_tqdm=False)
+    assert [output.outputs[0].token_ids] == hf_greedy(model_dir, prompts, 16)
+    assert LLM(model_dir, dtype="float32", max_model_len=1000).engine.max_model_len == 128
