@@ -49,9 +49,7 @@ _KEY = re.compile(
     r"(q|k|v|o|gate|up|down|qkv|gate_up)_proj\.lora_(A|B)\.weight$"
 )
 # A multimodal base's vision tower and projector (transformers 5's and 4's paths).
-_VISION = re.compile(
-    r"^base_model\.model\.(?:model\.)?(?:vision_tower|multi_modal_projector)\."
-)
+_VISION = re.compile(r"^base_model\.model\.(?:model\.)?(?:vision_tower|multi_modal_projector)\.")
 # Fused projection of each adapted module, and the module's rows within it (in order).
 # Phi-3's checkpoints (and so its adapters) have the fused qkv_proj / gate_up_proj.
 _FUSED_INTO = {
