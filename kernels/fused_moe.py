@@ -5,8 +5,9 @@ sorted by expert on the device and each expert's run is padded to a multiple of
 ``BLOCK_M`` (``align_by_expert``); one grouped-GEMM launch then has a program per
 (``BLOCK_M`` slots of one expert, ``BLOCK_N`` output columns), which gathers its tokens'
 rows, multiplies them by that expert's weights and writes each slot's row. Two launches
-make the MLP: gate/up (then SiLU(gate) * up in torch), and down with each slot's routing
-weight applied in the epilogue; the k rows of a token are summed at the end (no atomics,
+make the MLP: gate/up (then SiLU(gate) * up in torch; GPT-OSS's clamped variant likewise),
+and down with each slot's routing weight applied in the epilogue (expert biases, when the
+model has them, are added there first); the k rows of a token are summed at the end (no atomics,
 so the result does not depend on scheduling).
 
 Nothing reads a count on the host: the grid is sized by the worst case (every expert's
@@ -67,6 +68,7 @@ def _grouped_matmul_kernel(
     sorted_slots_ptr,  # [num_blocks * BLOCK_M] int64
     block_experts_ptr,  # [num_blocks] int64
     scale_ptr,  # [num_slots] (read only with HAS_SCALE)
+    bias_ptr,  # [num_experts, N] (read only with HAS_BIAS)
     num_slots,
     N,
     K,
@@ -74,9 +76,11 @@ def _grouped_matmul_kernel(
     stride_we,
     stride_wn,
     stride_om,
+    stride_be,
     NUM_EXPERTS: tl.constexpr,
     A_ROW_DIV: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -106,6 +110,9 @@ def _grouped_matmul_kernel(
             other=0.0,
         )  # [BLOCK_K, BLOCK_N]: the expert's rows, transposed
         acc = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:  # before the routing weight, as out = (a @ w + b) * weight
+        bias = tl.load(bias_ptr + expert * stride_be + offs_n, mask=offs_n < N, other=0.0)
+        acc = acc + bias.to(tl.float32)[None, :]
     if HAS_SCALE:
         scale = tl.load(scale_ptr + tl.where(valid, slots, 0), mask=valid, other=0.0)
         acc = acc * scale.to(tl.float32)[:, None]
@@ -132,15 +139,19 @@ def _grouped_matmul(
     block_m: int,
     a_row_div: int,
     scale: torch.Tensor | None,  # [num_slots]
+    bias: torch.Tensor | None = None,  # [num_experts, N]
 ) -> None:
     num_experts, n, k = weight.shape
     block_n = 64 if n >= 64 else 32
     block_k = 64 if k >= 64 else 32
     grid = (block_experts.shape[0], cdiv(n, block_n))
+    bias = bias.contiguous() if bias is not None else None
     _grouped_matmul_kernel[grid](
         a, weight, out, sorted_slots, block_experts, scale if scale is not None else out,
-        out.shape[0], n, k, a.stride(0), weight.stride(0), weight.stride(1), out.stride(0),
+        bias if bias is not None else out, out.shape[0], n, k, a.stride(0), weight.stride(0),
+        weight.stride(1), out.stride(0), bias.stride(0) if bias is not None else 0,
         NUM_EXPERTS=num_experts, A_ROW_DIV=a_row_div, HAS_SCALE=scale is not None,
+        HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_DTYPE=dot_dtype(_grouped_matmul_kernel, a.dtype),
         DOT_PRECISION=dot_precision(a.dtype),
@@ -153,8 +164,14 @@ def fused_moe(
     down_proj: torch.Tensor,  # [E, H, I]
     expert_ids: torch.Tensor,  # [num_tokens, k] int64
     weights: torch.Tensor,  # [num_tokens, k]
+    *,
+    gate_up_bias: torch.Tensor | None = None,  # [E, 2I]
+    down_bias: torch.Tensor | None = None,  # [E, H]
+    swiglu_limit: float | None = None,
+    swiglu_alpha: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, H]
-    """sum_i weights[t, i] * down(SiLU(gate(x_t)) * up(x_t)) over token t's k experts."""
+    """sum_i weights[t, i] * down(SiLU(gate(x_t)) * up(x_t)) over token t's k experts; the
+    biases and the clamped SwiGLU as ``reference.moe_experts`` (GPT-OSS)."""
     num_tokens, top_k = expert_ids.shape
     num_experts, two_inter, hidden_size = gate_up_proj.shape
     if hidden.shape != (num_tokens, hidden_size) or down_proj.shape != (
@@ -176,10 +193,16 @@ def fused_moe(
     sorted_slots, block_experts = align_by_expert(expert_ids, num_experts, block_m)
     routed = (sorted_slots, block_experts, block_m)
     gate_up = hidden.new_empty(num_slots, two_inter)  # [slots, 2I]
-    _grouped_matmul(hidden, gate_up_proj, gate_up, *routed, a_row_div=top_k, scale=None)
+    _grouped_matmul(hidden, gate_up_proj, gate_up, *routed, a_row_div=top_k, scale=None,
+                    bias=gate_up_bias)  # fmt: skip
     gate, up = gate_up.chunk(2, dim=-1)
-    activated = (F.silu(gate) * up).contiguous()  # [slots, I]
+    if swiglu_limit is None:
+        activated = (F.silu(gate) * up).contiguous()  # [slots, I]
+    else:
+        gate = gate.clamp(max=swiglu_limit)
+        up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
+        activated = ((up + 1) * (gate * torch.sigmoid(gate * swiglu_alpha))).contiguous()
     down = hidden.new_empty(num_slots, hidden_size)  # [slots, H], weighted
     _grouped_matmul(activated, down_proj, down, *routed, a_row_div=1,
-                    scale=weights.reshape(-1).contiguous())  # fmt: skip
+                    scale=weights.reshape(-1).contiguous(), bias=down_bias)  # fmt: skip
     return down.view(num_tokens, top_k, hidden_size).sum(dim=1)

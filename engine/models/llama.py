@@ -165,10 +165,8 @@ class DecoderLayer(nn.Module):
             width = arch.moe.shared_expert_intermediate_size
             # The shared expert takes no adapter: the layer's LoRA targets are refused.
             shared = MLP(arch, layer_idx, width) if width else None
-            # The triton backend runs the experts with the fused kernel too, if it can
-            # (not GPT-OSS's: biases and a clamped activation it does not have).
-            plain = not arch.moe.expert_bias and arch.moe.swiglu_limit is None
-            self.mlp = SparseMoe(arch, shared, fused=backend.name == "triton" and plain)
+            # The triton backend runs the experts with the fused kernel too.
+            self.mlp = SparseMoe(arch, shared, fused=backend.name == "triton")
         else:
             self.mlp = MLP(arch, layer_idx, arch.intermediate_size)
 

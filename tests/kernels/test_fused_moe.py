@@ -78,6 +78,37 @@ def test_fused_moe_matches_the_reference(num_tokens, hidden, inter, num_experts,
                                rtol=TOLERANCE[dtype])  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    ("num_tokens", "dtype"), [(1, torch.float32), (37, torch.float32), (37, torch.bfloat16)]
+)
+def test_gpt_oss_experts_match_the_reference(num_tokens, dtype):
+    """Biases on both projections (the down bias before the routing weight) and the
+    clamped SwiGLU, with inputs large enough that the clamps bite."""
+    num_experts, top_k, hidden, inter = 6, 2, 64, 48
+    generator = torch.Generator().manual_seed(7 + num_tokens)
+    x = (3 * torch.randn(num_tokens, hidden, generator=generator)).to(DEVICE, dtype)
+    gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=generator)
+               / hidden**0.5).to(DEVICE, dtype)  # fmt: skip
+    down = (torch.randn(num_experts, hidden, inter, generator=generator)
+            / inter**0.5).to(DEVICE, dtype)  # fmt: skip
+    gate_up_bias = torch.randn(num_experts, 2 * inter, generator=generator).to(DEVICE, dtype)
+    down_bias = torch.randn(num_experts, hidden, generator=generator).to(DEVICE, dtype)
+    expert_ids, weights = _routing(num_tokens, num_experts, top_k, seed=num_tokens, skewed=True)
+    gpt_oss = {"swiglu_limit": 7.0, "swiglu_alpha": 1.702}
+    got = fused_moe(x, gate_up, down, expert_ids, weights.to(dtype),
+                    gate_up_bias=gate_up_bias, down_bias=down_bias, **gpt_oss)  # fmt: skip
+    expected = moe_experts(
+        x.float(), gate_up.float(), down.float(), expert_ids, weights,
+        gate_up_bias=gate_up_bias.float(), down_bias=down_bias.float(), **gpt_oss,
+    )  # fmt: skip
+    pre_activation = torch.einsum("th,eih->tei", x.float(), gate_up.float())
+    assert (pre_activation.abs() > 7.0).any()  # the clamps are in play
+    torch.testing.assert_close(got.float(), expected, atol=TOLERANCE[dtype] * 10,
+                               rtol=TOLERANCE[dtype])  # fmt: skip
+    plain = fused_moe(x, gate_up, down, expert_ids, weights.to(dtype))
+    assert not torch.allclose(plain.float(), expected, atol=0.1)
+
+
 def test_no_tokens_and_bad_shapes():
     gate_up = torch.zeros(4, 64, 32, device=DEVICE)
     down = torch.zeros(4, 32, 32, device=DEVICE)

@@ -124,7 +124,9 @@ def test_nixl_fetcher_keeps_a_live_idle_peer_and_forgets_a_gone_one():
                 assert fetcher._peers.get("prefill") is peer
                 _transfer(exporter, "prefill", source, fetcher, dest, f"t{i + 2}")
             assert fetcher._peers.get("prefill") is peer  # no second handshake
-            assert _num_sockets() == sockets
+            # No new connections (the leak); fewer is fine: objects of earlier tests in
+            # this process may close theirs meanwhile.
+            assert _num_sockets() <= sockets
             del known["prefill"]  # the worker is gone: its address answers no more
             assert _eventually(lambda: not fetcher._peers, IDLE_S + 10)
             assert _eventually(lambda: all(not lane._peers for lane in fetcher._lanes))
