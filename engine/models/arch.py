@@ -1,31 +1,29 @@
 """What the engine needs to know about a checkpoint's architecture, read from config.json.
 
-Supported: the Llama family (decoder-only, RMSNorm, SwiGLU, rotary positions, GQA):
-Llama (default, linear and llama3 rope scaling), Mistral (sliding window), Qwen2 (q/k/v
-bias), Qwen3 (per-head q/k RMSNorm), and their mixture-of-experts variants, whose MLP is
-a set of SwiGLU experts of which a router picks the top k per token: Mixtral, Qwen2-MoE
-(plus a gated shared expert) and Qwen3-MoE. Gemma 3 is the same skeleton with other parts:
-GeGLU MLP, RMSNorm scaling by ``1 + weight``, norms on each block's output too, scaled
-embeddings, an attention scale from ``query_pre_attn_scalar``, and sliding-window layers
-with their own rotary base; its multimodal checkpoints (``Gemma3ForConditionalGeneration``)
-serve text with the vision tower left unloaded. Both the transformers 4 layout
-(``rope_theta`` + ``rope_scaling``) and the transformers 5 layout (``rope_parameters``) are
-read.
+Supported: the Llama family (decoder-only, RMSNorm, SwiGLU, rotary positions, GQA): Llama,
+Mistral (sliding window), Qwen2 (q/k/v bias), Qwen3 (per-head q/k RMSNorm), Phi-3 / Phi-4
+(fused projections in the files, partial rotary), and the mixture-of-experts variants,
+whose MLP is a set of SwiGLU experts of which a router picks the top k per token: Mixtral,
+Qwen2-MoE (plus a gated shared expert) and Qwen3-MoE. Gemma 3 and GPT-OSS are the same
+skeleton with other parts (the fields of ``ModelArchConfig`` after ``moe``): Gemma 3's
+GeGLU, ``1 + weight`` norms around each block, scaled embeddings, its own attention scale
+and a rotary per layer type, its multimodal checkpoints serving text with the vision tower
+unloaded; GPT-OSS's attention sinks and biases, biased experts with a clamped SwiGLU and a
+top-k-then-softmax router. Rotary settings are read by ``rope_config.py``; configs that
+leave keys to transformers' defaults get those defaults (``common/hf_config.py`` for
+Gemma 3, ``_gpt_oss_defaults``).
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from common.hf_config import max_context_len, text_config
-
-
-class ModelLoadError(RuntimeError):
-    """The checkpoint cannot be loaded; the message names what is missing or unsupported."""
+from engine.models.errors import ModelLoadError
+from engine.models.rope_config import RopeConfig, gemma3_ropes, rope_config
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,30 +103,6 @@ class MoeConfig:
     swiglu_alpha: float = 1.0
 
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-@dataclass(frozen=True, slots=True)
-class RopeConfig:
-    """One rotary embedding, as transformers' ``rope_parameters`` describe it."""
-
-    theta: float
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0  # llama3
-    high_freq_factor: float = 4.0  # llama3
-    original_max_position_embeddings: int = 8192  # llama3, yarn: the pretraining context
-    beta_fast: float = 32.0  # yarn: rotations where interpolation starts / ends
-    beta_slow: float = 1.0
-    truncate: bool = True  # yarn: round the correction range to whole dimensions
-    attention_factor: float = 1.0  # yarn: cos and sin are scaled by this
-    # Phi-3: only the first ``int(head_dim * partial_rotary_factor)`` dims of a head rotate.
-    partial_rotary_factor: float = 1.0
-
-    def rotary_dim(self, head_dim: int) -> int:
-        return int(head_dim * self.partial_rotary_factor)
-
-
 @dataclass(frozen=True, slots=True)
 class ModelArchConfig:
     architecture: str
@@ -188,96 +162,6 @@ def _require(cfg: dict[str, Any], key: str, path: Path) -> Any:
     if key not in cfg:
         raise ModelLoadError(f"{path}: config.json has no {key!r}")
     return cfg[key]
-
-
-def _rope_config(cfg: dict[str, Any], path: Path, phi3: bool = False) -> RopeConfig:
-    params = dict(cfg.get("rope_parameters") or {})
-    legacy = cfg.get("rope_scaling") or {}
-    params = {**legacy, **params}
-    if phi3:  # partial_rotary_factor from rope_parameters or the config's top level
-        params.setdefault("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-        if params.get("rope_type", params.get("type")) in ("su", "yarn"):
-            params["rope_type"] = "longrope"  # Phi-3's old names for it, as transformers reads
-    else:
-        params.pop("partial_rotary_factor", None)
-    return _rope_from_params(params, cfg.get("rope_theta", 10000.0), cfg, path)
-
-
-def _gemma3_ropes(cfg: dict[str, Any], path: Path) -> tuple[RopeConfig, RopeConfig]:
-    """Gemma 3's rotary for its full-attention layers and for its sliding-window layers.
-
-    transformers 5 writes ``rope_parameters`` per layer type; transformers 4's configs have
-    ``rope_theta`` + ``rope_scaling`` (full layers) and ``rope_local_base_freq`` (sliding
-    layers, always unscaled). Defaults as ``Gemma3TextConfig``: bases 1e6 and 1e4."""
-    params = cfg.get("rope_parameters") or {}
-    full = dict(params.get("full_attention") or {})
-    sliding = dict(params.get("sliding_attention") or {})
-    if not full:
-        full = dict(cfg.get("rope_scaling") or {})
-    full_theta = full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))
-    sliding_theta = sliding.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
-    return (
-        _rope_from_params(full, full_theta, cfg, path),
-        _rope_from_params(sliding, sliding_theta, cfg, path),
-    )
-
-
-def _rope_from_params(
-    params: dict[str, Any], theta: float, cfg: dict[str, Any], path: Path
-) -> RopeConfig:
-    theta = params.get("rope_theta", theta)
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        # longrope (Phi-3 128k, Phi-3.5, Phi-4-mini) switches tables when a sequence passes
-        # the pretraining length, after its earlier keys were rotated with the other table:
-        # transformers does it per forward pass, which a batch of sequences cannot match.
-        raise ModelLoadError(
-            f"{path}: rope type {rope_type!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
-        )
-    # As transformers: the scaled types need their factors (a KeyError there), and llama3's
-    # original context defaults to max_position_embeddings.
-    required = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor",
-                                                  "high_freq_factor")}  # fmt: skip
-    missing = [key for key in required.get(rope_type, ()) if key not in params]
-    if missing:
-        raise ModelLoadError(f"{path}: rope type {rope_type!r} needs {', '.join(missing)}")
-    # A pretraining length at the config's top level (Phi-3's) wins, as in transformers.
-    original = cfg.get("original_max_position_embeddings")
-    if original is None:
-        original = params.get("original_max_position_embeddings")
-    if original is None:
-        original = cfg.get("max_position_embeddings", 2048)
-    factor = params.get("factor")
-    if rope_type == "yarn" and factor is None:  # DeepSeek's: the context's growth
-        factor = cfg.get("max_position_embeddings", original) / original
-    factor = float(factor if factor is not None else 1.0)
-    return RopeConfig(
-        theta=float(theta),
-        rope_type=rope_type,
-        factor=factor,
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(original),
-        beta_fast=float(params.get("beta_fast") or 32.0),
-        beta_slow=float(params.get("beta_slow") or 1.0),
-        truncate=bool(params.get("truncate", True)),
-        attention_factor=_yarn_attention_factor(params, factor) if rope_type == "yarn" else 1.0,
-        partial_rotary_factor=float(params.get("partial_rotary_factor", 1.0)),
-    )
-
-
-def _yarn_attention_factor(params: dict[str, Any], factor: float) -> float:
-    """YaRN's cos/sin scale: given, or ``0.1 ln(factor) + 1`` (DeepSeek: a ratio of two)."""
-    if params.get("attention_factor") is not None:
-        return float(params["attention_factor"])
-
-    def mscale(scale: float, weight: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
-
-    if params.get("mscale") and params.get("mscale_all_dim"):
-        return mscale(factor, params["mscale"]) / mscale(factor, params["mscale_all_dim"])
-    return mscale(factor)
 
 
 # transformers' config defaults where a checkpoint's config.json leaves the key out.
@@ -357,19 +241,21 @@ def _moe_config(
             else 0
         ),
         sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
-        **(
-            _GPT_OSS_MOE
-            | {
-                "swiglu_limit": float(cfg.get("swiglu_limit", 7.0)),
-                "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)),
-            }
-            if flags.gpt_oss
-            else {}
-        ),
+        **(_gpt_oss_moe(cfg) if flags.gpt_oss else {}),
     )
 
 
-_GPT_OSS_MOE = {"router_bias": True, "expert_bias": True, "softmax_over_top_k": True}
+def _gpt_oss_moe(cfg: dict[str, Any]) -> dict[str, Any]:
+    """MoeConfig's GPT-OSS fields (``swiglu_alpha`` is not in its configs: 1.702 always)."""
+    return {
+        "router_bias": True,
+        "expert_bias": True,
+        "softmax_over_top_k": True,
+        "swiglu_limit": float(cfg.get("swiglu_limit", 7.0)),
+        "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)),
+    }
+
+
 # GptOssConfig's rope when config.json names none.
 _GPT_OSS_ROPE = {
     "rope_type": "yarn",
@@ -437,7 +323,7 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
         num_kv_heads=int(cfg.get("num_key_value_heads") or num_q_heads),
         head_dim=int(head_dim),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope=gemma3.pop("rope") if gemma3 else _rope_config(cfg, path, flags.phi3_rope),
+        rope=gemma3.pop("rope") if gemma3 else rope_config(cfg, path, flags.phi3_rope),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
@@ -488,7 +374,7 @@ def _gemma3_fields(
         raise ModelLoadError(
             f"{path}: use_bidirectional_attention=true (an embedding model) is not supported"
         )
-    full, sliding = _gemma3_ropes(cfg, path)
+    full, sliding = gemma3_ropes(cfg, path)
     layer_types = _gemma3_layer_types(cfg, num_layers)
     if len(layer_types) != num_layers:
         raise ModelLoadError(f"{path}: {len(layer_types)} layer_types for {num_layers} layers")

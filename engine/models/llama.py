@@ -16,10 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend, LayerSpec
-from engine.models.arch import ModelArchConfig, RopeConfig
+from engine.models.arch import ModelArchConfig
 from engine.models.lora import LoraBatch
 from engine.models.moe import SparseMoe
 from engine.models.rope import RotaryEmbedding
+from engine.models.rope_config import RopeConfig
 
 
 class RMSNorm(nn.Module):

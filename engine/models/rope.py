@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from engine.models.arch import RopeConfig
+from engine.models.rope_config import RopeConfig
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:  # [rotary_dim // 2]

@@ -15,8 +15,9 @@ from safetensors import safe_open
 from common.hf_config import read_text_config
 from common.kv_budget import ModelShape
 from engine import LLM, SamplingParams
-from engine.models.arch import ModelLoadError, RopeConfig, read_arch_config
+from engine.models.arch import ModelLoadError, read_arch_config
 from engine.models.lora_maker import make_lora_adapter
+from engine.models.rope_config import RopeConfig
 from tests.engine.helpers import (
     assert_prompt_logprobs_match,
     gemma3_multimodal_checkpoint,
