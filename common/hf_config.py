@@ -9,6 +9,9 @@ Two things make config.json not simply "the model's settings":
   six), relying on transformers' ``Gemma3TextConfig`` defaults. Those are filled in here, so
   that the engine, the KV budget check and the router all read the same numbers.
 
+``max_context_len`` is the context a config serves (YaRN stretches it), read by the same
+three.
+
 Plain json, no torch: the router and ``pdserve config check`` read it too.
 """
 
