@@ -6,8 +6,9 @@ Two things make config.json not simply "the model's settings":
   nest the language model's settings under ``text_config``; token ids, dtype and
   ``tie_word_embeddings`` may sit at the top level.
 - Gemma 3's configs on the Hub leave most keys out (gemma-3-4b-it's ``text_config`` names
-  six), relying on transformers' ``Gemma3TextConfig`` defaults. Those are filled in here, so
-  that the engine, the KV budget check and the router all read the same numbers.
+  six), relying on transformers' ``Gemma3TextConfig`` defaults; a GPT-OSS config may rely
+  on ``GptOssConfig``'s. Those are filled in here, so that the engine, the KV budget check
+  and the router all read the same numbers.
 
 ``max_context_len`` is the context a config serves (YaRN stretches it), read by the same
 three.
@@ -41,6 +42,34 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "sliding_window_pattern": 6,
 }
 GEMMA3_TEXT_MODEL_TYPES = ("gemma3_text", "gemma3")
+# transformers' GptOssConfig defaults (5.x); layer_types and the rope: ``_gpt_oss``.
+GPT_OSS_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 201_088,
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "num_local_experts": 128,
+    "num_experts_per_tok": 4,
+    "max_position_embeddings": 131_072,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "attention_bias": True,
+    "sliding_window": 128,
+    "rope_theta": 150_000.0,
+    "swiglu_limit": 7.0,
+}
+# GptOssConfig's rope when config.json names none: YaRN from 4k by 32x, untruncated.
+GPT_OSS_ROPE: dict[str, Any] = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
 # Keys of a multimodal config's top level that apply to its language model.
 _TOP_LEVEL_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings",
                    "torch_dtype", "dtype")  # fmt: skip
@@ -60,6 +89,21 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
         cfg = merged
     if cfg.get("model_type") in GEMMA3_TEXT_MODEL_TYPES:
         cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}  # absent keys only: an explicit null stays
+    if cfg.get("model_type") == "gpt_oss":
+        cfg = _gpt_oss(cfg)
+    return cfg
+
+
+def _gpt_oss(cfg: dict[str, Any]) -> dict[str, Any]:
+    """GptOssConfig's defaults: a window on every other layer from the first, its YaRN."""
+    cfg = {**GPT_OSS_DEFAULTS, **cfg}
+    if cfg.get("layer_types") is None:
+        cfg["layer_types"] = [
+            "full_attention" if i % 2 else "sliding_attention"
+            for i in range(int(cfg["num_hidden_layers"]))
+        ]
+    if not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
+        cfg["rope_scaling"] = dict(GPT_OSS_ROPE)
     return cfg
 
 

@@ -11,7 +11,7 @@ and a rotary per layer type, its multimodal checkpoints serving text with the vi
 unloaded; GPT-OSS's attention sinks and biases, biased experts with a clamped SwiGLU and a
 top-k-then-softmax router. Rotary settings are read by ``rope_config.py``; configs that
 leave keys to transformers' defaults get those defaults (``common/hf_config.py`` for
-Gemma 3, ``_gpt_oss_defaults``).
+Gemma 3 and GPT-OSS).
 """
 
 from __future__ import annotations
@@ -256,17 +256,6 @@ def _gpt_oss_moe(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-# GptOssConfig's rope when config.json names none.
-_GPT_OSS_ROPE = {
-    "rope_type": "yarn",
-    "factor": 32.0,
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
-    "truncate": False,
-    "original_max_position_embeddings": 4096,
-}
-
-
 def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
     model_dir = Path(model_dir)
     path = model_dir / "config.json"
@@ -285,8 +274,6 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
             f"(supported: {', '.join(ARCHITECTURES)})"
         )
     flags = ARCHITECTURES[architecture]
-    if flags.gpt_oss:
-        cfg = _gpt_oss_defaults(cfg)
     num_layers = int(_require(cfg, "num_hidden_layers", path))
     hidden_size = int(_require(cfg, "hidden_size", path))
     num_q_heads = int(_require(cfg, "num_attention_heads", path))
@@ -339,20 +326,6 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
         norm_gain_in_float32=flags.gpt_oss,
         **gemma3,
     )
-
-
-def _gpt_oss_defaults(cfg: dict[str, Any]) -> dict[str, Any]:
-    """GptOssConfig's defaults for what config.json leaves out: biased attention, a
-    128-token window on every other layer (from the first), YaRN from 4k by 32x."""
-    cfg = {"attention_bias": True, "sliding_window": 128, "rope_theta": 150_000.0, **cfg}
-    if cfg.get("layer_types") is None:
-        num_layers = int(cfg.get("num_hidden_layers", 36))
-        cfg["layer_types"] = [
-            "full_attention" if i % 2 else "sliding_attention" for i in range(num_layers)
-        ]
-    if not cfg.get("rope_parameters") and not cfg.get("rope_scaling"):
-        cfg["rope_scaling"] = dict(_GPT_OSS_ROPE)
-    return cfg
 
 
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")  # transformers' names of the tanh GELU

@@ -13,6 +13,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
+from common.kv_budget import ModelShape
 from engine import LLM, SamplingParams
 from engine.models.arch import ModelLoadError, read_arch_config
 from engine.models.gpt_oss_weights import FP4_VALUES, dequantize_mxfp4
@@ -142,6 +143,28 @@ RELEASE_CONFIG = {
     "tie_word_embeddings": False,
     "vocab_size": 201088,
 }
+
+
+def test_a_config_leaving_keys_to_transformers_defaults(tmp_path):
+    """What GptOssConfig fills in (kv heads, head_dim, eps, context, windows, YaRN) is read
+    alike by the engine and by the router's and KV budget's reader (no torch there)."""
+    sparse = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+              "hidden_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64,
+              "vocab_size": 201088, "intermediate_size": 2880, "num_local_experts": 32,
+              "num_experts_per_tok": 4}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(sparse))
+    arch = read_arch_config(tmp_path)
+    text = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert (arch.num_kv_heads, arch.head_dim, arch.rms_norm_eps) == (
+        text.num_key_value_heads, text.head_dim, text.rms_norm_eps
+    )  # fmt: skip
+    assert arch.sliding_windows == tuple(
+        text.sliding_window if kind == "sliding_attention" else None for kind in text.layer_types
+    )
+    assert (arch.rope.rope_type, arch.rope.factor) == ("yarn", text.rope_parameters["factor"])
+    assert arch.max_context_len == text.max_position_embeddings == 131072
+    shape = ModelShape.read(tmp_path)
+    assert (shape.num_kv_heads, shape.head_dim, shape.max_context_len) == (8, 64, 131072)
 
 
 def test_release_config_reads_as_transformers_reads_it(tmp_path):
