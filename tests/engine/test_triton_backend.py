@@ -45,6 +45,16 @@ def greedy_tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [output.outputs[0].token_ids for output in outputs]
 
 
+def with_window(source, model_dir, window: int):
+    """A copy of the checkpoint at ``source`` whose windowed layers see ``window`` tokens."""
+    shutil.copytree(source, model_dir)
+    config_path = model_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    config["sliding_window"] = window
+    config_path.write_text(json.dumps(config))
+    return model_dir
+
+
 def test_triton_backend_matches_torch_backend(tiny_llama):
     prompts = random_prompts((3, 19, 40))
     prompts.append(prompts[2][:33] + [7, 8])  # shares two cached blocks with the previous one
@@ -53,12 +63,7 @@ def test_triton_backend_matches_torch_backend(tiny_llama):
 
 def test_triton_backend_sliding_window(model_factory, tmp_path):
     """A Mistral checkpoint with a 12-token window: prompts and decodes run past it."""
-    model_dir = tmp_path / "mistral-window"
-    shutil.copytree(model_factory("mistral"), model_dir)
-    config_path = model_dir / "config.json"
-    config = json.loads(config_path.read_text())
-    config["sliding_window"] = 12
-    config_path.write_text(json.dumps(config))
+    model_dir = with_window(model_factory("mistral"), tmp_path / "mistral-window", 12)
     prompts = random_prompts((9, 30), seed=1)
     assert greedy(model_dir, "triton", prompts) == greedy(model_dir, "torch", prompts)
 
@@ -78,12 +83,7 @@ def test_triton_backend_runs_moe_models_with_the_fused_kernel(model_factory):
 def test_triton_backend_gemma3(model_factory, tmp_path):
     """Gemma 3 hands the kernel a scale that is not head_dim ** -0.5 and a window on every
     other layer (12 tokens here, so prompts and decodes run past it)."""
-    model_dir = tmp_path / "gemma3-window"
-    shutil.copytree(model_factory("gemma3"), model_dir)
-    config_path = model_dir / "config.json"
-    config = json.loads(config_path.read_text())
-    config["sliding_window"] = 12
-    config_path.write_text(json.dumps(config))
+    model_dir = with_window(model_factory("gemma3"), tmp_path / "gemma3-window", 12)
     prompts = random_prompts((9, 30), seed=3)
     assert greedy(model_dir, "triton", prompts) == greedy(model_dir, "torch", prompts)
 
@@ -91,12 +91,7 @@ def test_triton_backend_gemma3(model_factory, tmp_path):
 def test_triton_backend_gpt_oss(model_factory, tmp_path):
     """GPT-OSS: the kernel's attention sinks in decodes and prompt chunks, a 12-token window
     on every other layer; its experts (biases, clamped SwiGLU) in the fused MoE kernel."""
-    model_dir = tmp_path / "gpt-oss-window"
-    shutil.copytree(model_factory("gpt_oss"), model_dir)
-    config_path = model_dir / "config.json"
-    config = json.loads(config_path.read_text())
-    config["sliding_window"] = 12
-    config_path.write_text(json.dumps(config))
+    model_dir = with_window(model_factory("gpt_oss"), tmp_path / "gpt-oss-window", 12)
     triton_llm = engine_llm(model_dir, "triton")
     assert triton_llm.engine.runner.model.capturable  # the experts run fused
     prompts = random_prompts((9, 30), seed=4)

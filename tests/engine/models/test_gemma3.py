@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,12 +71,7 @@ def test_multimodal_checkpoint_serves_text(model_factory, tmp_path):
     )
 
 
-def test_adapter_on_the_multimodal_checkpoint_equals_peft(model_factory, tmp_path):
-    """PEFT names a multimodal base's text layers ``model.language_model.layers``; an
-    adapter written that way (``make_lora_adapter`` does, with a target regex that keeps
-    PEFT off the vision tower) decodes what transformers + peft decode."""
-    model_dir = gemma3_multimodal_checkpoint(model_factory("gemma3"), tmp_path / "gemma3-mm")
-    adapter = make_lora_adapter(model_dir, tmp_path / "adapter", rank=4, seed=5)
+def _assert_adapter_equals_peft(model_dir: Path, adapter: Path) -> None:
     prompts = random_prompts()[1:4]
     llm = LLM(model_dir, dtype="float32", lora_adapters={"tuned": adapter})
     params = SamplingParams(max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, temperature=0)
@@ -84,6 +80,15 @@ def test_adapter_on_the_multimodal_checkpoint_equals_peft(model_factory, tmp_pat
     assert tuned == hf_greedy(model_dir, prompts, NUM_TOKENS, adapter_dir=adapter)
     assert tuned != hf_greedy(model_dir, prompts, NUM_TOKENS)  # the adapter changes tokens
     assert llm.engine.leak_report() == []
+
+
+def test_adapter_on_the_multimodal_checkpoint_equals_peft(model_factory, tmp_path):
+    """PEFT names a multimodal base's text layers ``model.language_model.layers``; an
+    adapter written that way (``make_lora_adapter`` does, with a target regex that keeps
+    PEFT off the vision tower) decodes what transformers + peft decode."""
+    model_dir = gemma3_multimodal_checkpoint(model_factory("gemma3"), tmp_path / "gemma3-mm")
+    adapter = make_lora_adapter(model_dir, tmp_path / "adapter", rank=4, seed=5)
+    _assert_adapter_equals_peft(model_dir, adapter)
 
 
 def test_peft_adapter_with_plain_targets_on_the_multimodal_checkpoint(model_factory, tmp_path):
@@ -105,14 +110,7 @@ def test_peft_adapter_with_plain_targets_on_the_multimodal_checkpoint(model_fact
     adapter = tmp_path / "adapter"
     with safe_open(str(adapter / "adapter_model.safetensors"), framework="pt") as f:
         assert any(".vision_tower." in key for key in f.keys())  # noqa: SIM118
-    prompts = random_prompts()[1:4]
-    llm = LLM(model_dir, dtype="float32", lora_adapters={"tuned": adapter})
-    params = SamplingParams(max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, temperature=0)
-    outputs = llm.generate(prompts, params, use_tqdm=False, lora_name="tuned")
-    tuned = [o.outputs[0].token_ids for o in outputs]
-    assert tuned == hf_greedy(model_dir, prompts, NUM_TOKENS, adapter_dir=adapter)
-    assert tuned != hf_greedy(model_dir, prompts, NUM_TOKENS)
-    assert llm.engine.leak_report() == []
+    _assert_adapter_equals_peft(model_dir, adapter)
 
 
 # gemma-3-4b-it's config.json (vision_config left out: the engine never reads it). Its
