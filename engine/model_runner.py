@@ -110,11 +110,7 @@ class ModelRunner:
         self.kv_caches = zeros_for_kv_caches(arch.num_layers, shape, dtype, device)
         self.decode_graphs: DecodeGraphs | None = None
         if config.cuda_graphs and device.type == "cuda" and self.backend.name == "triton":
-            if self.model.capturable:
-                self._capture(config)
-            else:
-                logger.warning("CUDA graphs off: %s's experts run unfused (they sync the "
-                               "host each layer)", arch.architecture)  # fmt: skip
+            self._capture(config)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s",
             self.num_blocks,

@@ -20,10 +20,10 @@ MoE models on the triton backend. This is the layout of vLLM's and SGLang's fuse
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.reference import swiglu
 from kernels.triton_utils import cdiv, dot_dtype, dot_precision, require_runnable
 
 
@@ -196,12 +196,7 @@ def fused_moe(
     _grouped_matmul(hidden, gate_up_proj, gate_up, *routed, a_row_div=top_k, scale=None,
                     bias=gate_up_bias)  # fmt: skip
     gate, up = gate_up.chunk(2, dim=-1)
-    if swiglu_limit is None:
-        activated = (F.silu(gate) * up).contiguous()  # [slots, I]
-    else:
-        gate = gate.clamp(max=swiglu_limit)
-        up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
-        activated = ((up + 1) * (gate * torch.sigmoid(gate * swiglu_alpha))).contiguous()
+    activated = swiglu(gate, up, swiglu_limit, swiglu_alpha).contiguous()  # [slots, I]
     down = hidden.new_empty(num_slots, hidden_size)  # [slots, H], weighted
     _grouped_matmul(activated, down_proj, down, *routed, a_row_div=1,
                     scale=weights.reshape(-1).contiguous(), bias=down_bias)  # fmt: skip

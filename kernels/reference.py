@@ -282,6 +282,21 @@ def scatter_blocks(
     kv_cache.index_copy_(0, block_ids.to(kv_cache.device), staging.to(kv_cache.dtype))
 
 
+def swiglu(
+    gate: torch.Tensor,  # [rows, I]
+    up: torch.Tensor,  # [rows, I]
+    limit: float | None = None,
+    alpha: float = 1.0,
+) -> torch.Tensor:  # [rows, I]
+    """SiLU(gate) * up; with ``limit`` GPT-OSS's clamped variant
+    ``(clamp(up, +-limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``."""
+    if limit is None:
+        return F.silu(gate) * up
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def moe_experts(
     hidden: torch.Tensor,  # [num_tokens, H]
     gate_up_proj: torch.Tensor,  # [E, 2I, H]: gate rows, then up rows
@@ -298,8 +313,7 @@ def moe_experts(
 
     Tokens are grouped by expert: each expert runs one gate/up and one down matmul over
     exactly its rows. The per-expert counts are read on the host (one sync).
-    GPT-OSS: biases on both projections, and with ``swiglu_limit`` the clamped SwiGLU
-    ``(clamp(up, +-limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``.
+    GPT-OSS: biases on both projections, and with ``swiglu_limit`` the clamped ``swiglu``.
     """
     top_k = expert_ids.shape[1]
     flat_ids = expert_ids.reshape(-1)  # [num_tokens * k]: one slot per (token, choice)
@@ -315,12 +329,7 @@ def moe_experts(
         tokens = token_of_slot[start : start + count]  # [count]
         gate_up_b = None if gate_up_bias is None else gate_up_bias[expert]
         gate, up = F.linear(hidden[tokens], gate_up_proj[expert], gate_up_b).chunk(2, dim=-1)
-        if swiglu_limit is None:
-            act = F.silu(gate) * up
-        else:
-            gate = gate.clamp(max=swiglu_limit)
-            up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
-            act = (up + 1) * (gate * torch.sigmoid(gate * swiglu_alpha))
+        act = swiglu(gate, up, swiglu_limit, swiglu_alpha)
         down_b = None if down_bias is None else down_bias[expert]
         expert_out = F.linear(act, down_proj[expert], down_b)  # [count, H]
         expert_out = expert_out * weight_of_slot[start : start + count]

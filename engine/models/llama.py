@@ -29,12 +29,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
+    def normed(self, x: torch.Tensor) -> torch.Tensor:  # float32, before the gain
         x = x.to(torch.float32)
-        variance = x.pow(2).mean(-1, keepdim=True)
-        x = x * torch.rsqrt(variance + self.eps)
-        return self.weight * x.to(input_dtype)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * self.normed(x).to(x.dtype)
 
 
 class UnitOffsetRMSNorm(RMSNorm):
@@ -42,16 +42,14 @@ class UnitOffsetRMSNorm(RMSNorm):
     and multiplies before casting back, in float32 (Llama casts first)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.float())).type_as(x)
+        return (self.normed(x) * (1.0 + self.weight.float())).type_as(x)
 
 
 class Float32GainRMSNorm(RMSNorm):
     """GPT-OSS's RMSNorm: the gain multiplies in float32, then the result is cast back."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * normed).to(x.dtype)
+        return (self.weight * self.normed(x)).to(x.dtype)
 
 
 def rms_norm(arch: ModelArchConfig, dim: int) -> RMSNorm:
@@ -223,14 +221,6 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-
-    @property
-    def capturable(self) -> bool:
-        """Whether a decode step can be captured in a CUDA graph: no layer reads device
-        values on the host (unfused experts do)."""
-        return not any(
-            isinstance(layer.mlp, SparseMoe) and not layer.mlp.fused for layer in self.model.layers
-        )
 
     def build_rope_tables(self, device: torch.device) -> None:
         for rotary in self.rotaries:

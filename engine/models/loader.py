@@ -155,7 +155,9 @@ def load_model(
     # Elements of each parameter filled so far, to detect missing tensors.
     filled: dict[str, int] = dict.fromkeys(params, 0)
     unexpected: list[str] = []
-    where = {name: path for path in files for name in _tensor_names(path)}  # stored -> file
+    gpt_oss = arch.architecture == "GptOssForCausalLM"
+    # stored name -> file, for MXFP4 scales stored in another shard than their blocks
+    where = {name: path for path in files for name in _tensor_names(path)} if gpt_oss else {}
 
     def place(target: _Target, tensor: torch.Tensor, stored: str, path: Path) -> None:
         if target.param not in params:
@@ -189,7 +191,6 @@ def load_model(
                     continue
                 if arch.tie_word_embeddings and name == _HEAD:
                     continue
-                gpt_oss = arch.architecture == "GptOssForCausalLM"
                 expert = EXPERT_TENSOR.match(name) if gpt_oss else None
                 if expert is None:
                     place(_target(name, arch, params), f.get_tensor(stored), stored, path)

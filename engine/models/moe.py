@@ -96,14 +96,11 @@ class SparseMoe(nn.Module):
         expert_ids, weights = self.route(hidden)
         experts = self.experts
         gate_up, down = experts.gate_up_proj, experts.down_proj
-        if self.moe.expert_bias or self.moe.swiglu_limit is not None:  # GPT-OSS
-            out = self._run_experts(
-                hidden, gate_up, down, expert_ids, weights,
-                gate_up_bias=experts.gate_up_proj_bias, down_bias=experts.down_proj_bias,
-                swiglu_limit=self.moe.swiglu_limit, swiglu_alpha=self.moe.swiglu_alpha,
-            )  # fmt: skip
-        else:
-            out = self._run_experts(hidden, gate_up, down, expert_ids, weights)
+        out = self._run_experts(
+            hidden, gate_up, down, expert_ids, weights,
+            gate_up_bias=experts.gate_up_proj_bias, down_bias=experts.down_proj_bias,
+            swiglu_limit=self.moe.swiglu_limit, swiglu_alpha=self.moe.swiglu_alpha,
+        )  # fmt: skip
         if self.shared_expert is not None:
             shared = self.shared_expert(hidden)
             out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * shared

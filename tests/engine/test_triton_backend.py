@@ -93,6 +93,7 @@ def test_triton_backend_gpt_oss(model_factory, tmp_path):
     on every other layer; its experts (biases, clamped SwiGLU) in the fused MoE kernel."""
     model_dir = with_window(model_factory("gpt_oss"), tmp_path / "gpt-oss-window", 12)
     triton_llm = engine_llm(model_dir, "triton")
-    assert triton_llm.engine.runner.model.capturable  # the experts run fused
+    layers = triton_llm.engine.runner.model.model.layers
+    assert all(layer.mlp._run_experts is fused_moe for layer in layers)  # capturable
     prompts = random_prompts((9, 30), seed=4)
     assert greedy_tokens(triton_llm, prompts) == greedy(model_dir, "torch", prompts)
