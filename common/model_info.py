@@ -40,6 +40,7 @@ class ModelInfo:
     max_model_len: int
     block_size: int
     vocab_size: int  # the model's (its embedding rows; may exceed the tokenizer's)
+    model_type: str = ""  # config.json's (the text model's), e.g. "gpt_oss"
 
 
 def model_info(config: PdserveConfig) -> ModelInfo:
@@ -60,4 +61,5 @@ def model_info(config: PdserveConfig) -> ModelInfo:
             "is also the served model's name; rename the adapter or set router.served_model_name",
         )
     return ModelInfo(model_dir, name, max_model_len, config.engine_for(Role.DECODE).block_size,
-                     int(hf_config.get("vocab_size", 0)))  # fmt: skip
+                     int(hf_config.get("vocab_size", 0)),
+                     str(hf_config.get("model_type") or ""))  # fmt: skip

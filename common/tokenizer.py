@@ -87,8 +87,29 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    def decode(
+        self,
+        token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        keep_special: frozenset[int] = frozenset(),
+    ) -> str:
+        """``keep_special``: special tokens kept when the others are skipped (the markers
+        of a format the router reads, such as GPT-OSS's Harmony)."""
+        if skip_special_tokens and keep_special:
+            special = self.special_ids
+            token_ids = [t for t in token_ids if t in keep_special or t not in special]
+            skip_special_tokens = False
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, text: str) -> int | None:
+        """The id of the token whose text is ``text``; None if no one token is."""
+        return self._tok.token_to_id(text)
+
+    @cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The ids of the special tokens (those decoding skips)."""
+        added = self._tok.get_added_tokens_decoder()
+        return frozenset(i for i, token in added.items() if token.special)
 
     def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
         return [self._tok.id_to_token(t) or "" for t in token_ids]

@@ -36,6 +36,8 @@ from router.errors import (
     unavailable,
 )
 from router.formatting import SSE_DONE, Formatter, ToolFormat, sse
+from router.harmony import Harmony
+from router.harmony import opening_of as harmony_opening
 from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -252,17 +254,27 @@ def create_app(state: RouterState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         lora_name = check_model(body.model)
+        # A Harmony reply (GPT-OSS) is read by the one format, unless the output is
+        # constrained to tool calls, which then start at its first token.
+        harmony = state.harmony_ids is not None and not body.calls_tools
         try:
-            tool_format = tool_format_of(body, state.config.router.tool_call_parser)
+            parser = state.config.router.tool_call_parser
+            tool_format = None if harmony else tool_format_of(body, parser)
         except FieldError as error:
             raise bad_request(str(error), error.param) from None
         prompt = await asyncio.to_thread(
             apply_template, body.messages, body.add_generation_prompt,
-            tool_dicts(body.tools), body.chat_template_kwargs,
+            tool_dicts(body.tools), body.template_kwargs,
         )  # fmt: skip
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        tail = state.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+        if harmony:
+            calls = bool(body.tools) and body.tool_choice != "none"
+            reader = Harmony(harmony_opening(tail, calls), calls, body.include_reasoning)
+            return await respond(request, body, [prompt], chat=True, logprobs=logprobs,
+                                 harmony=reader, lora_name=lora_name)  # fmt: skip
         return await respond(request, body, [prompt], chat=True, logprobs=logprobs,
-                             tool_format=tool_format, reasoning=reasoning_of(body, prompt),
+                             tool_format=tool_format, reasoning=reasoning_of(body, tail),
                              lora_name=lora_name)  # fmt: skip
 
     # ------------------------------------------------------------------ helpers
@@ -292,9 +304,9 @@ def create_app(state: RouterState) -> FastAPI:
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
 
-    def reasoning_of(body: ChatCompletionRequest, prompt: list[int]) -> Reasoning | None:
-        """How this reply's thinking is told apart (None: no reasoning parser)."""
-        tail = state.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+    def reasoning_of(body: ChatCompletionRequest, tail: str) -> Reasoning | None:
+        """How this reply's thinking is told apart (None: no reasoning parser).
+        ``tail``: the prompt's end, special tokens kept."""
         opening = opening_of(state.config.router.reasoning_parser, tail)
         return None if opening is None else Reasoning(opening, body.include_reasoning)
 
@@ -330,6 +342,7 @@ def create_app(state: RouterState) -> FastAPI:
         tool_format: ToolFormat | None = None,
         reasoning: Reasoning | None = None,
         lora_name: str | None = None,
+        harmony: Harmony | None = None,
     ):
         """``lora_name``: the adapter the request's ``model`` named; None: the base model."""
         if state.draining:
@@ -378,6 +391,7 @@ def create_app(state: RouterState) -> FastAPI:
                 "min_tokens",
             )
         response_id = new_id("chatcmpl" if chat else "cmpl")
+        keep = state.harmony_ids if harmony is not None else frozenset()  # markers in the text
         choices = build_choices(
             response_id,
             prompts,
@@ -386,7 +400,7 @@ def create_app(state: RouterState) -> FastAPI:
             body.stop_strings,
             state.model.max_model_len,
             state.model.block_size,
-            lambda stop: IncrementalDetokenizer(state.tokenizer, stop, body.min_tokens),
+            lambda stop: IncrementalDetokenizer(state.tokenizer, stop, body.min_tokens, keep),
             body.cache_salt,
             state.adapters.resolve(lora_name) if lora_name is not None else None,
             prompt_param="messages" if chat else "prompt",
@@ -402,6 +416,7 @@ def create_app(state: RouterState) -> FastAPI:
             body.prompt_logprobs,
             tool_format,
             reasoning,
+            harmony,
         )
         if state.num_inflight + num_sequences > limit:
             raise overloaded()

@@ -21,9 +21,12 @@ _WINDOW = 6  # tokens of left context decoded with the new ones
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), min_tokens: int = 0
-                 ) -> None:  # fmt: skip
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), min_tokens: int = 0,
+                 keep_special: frozenset[int] = frozenset()) -> None:  # fmt: skip
+        """``keep_special``: special tokens whose text is kept (the others are dropped),
+        for a format the router reads from the text (``router/harmony.py``)."""
         self.tokenizer = tokenizer
+        self.keep_special = keep_special
         self.stop = [s for s in stop if s]
         self.min_tokens = min_tokens
         self._hold = max((len(s) for s in self.stop), default=1) - 1
@@ -52,18 +55,21 @@ class IncrementalDetokenizer:
 
     def _decode(self, token_ids: Sequence[int]) -> None:
         self.token_ids.extend(token_ids)
-        prefix = self.tokenizer.decode(self.token_ids[self._prefix_offset : self._read_offset])
-        full = self.tokenizer.decode(self.token_ids[self._prefix_offset :])
+        prefix = self._decode_ids(self.token_ids[self._prefix_offset : self._read_offset])
+        full = self._decode_ids(self.token_ids[self._prefix_offset :])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.text += full[len(prefix) :]
             self._prefix_offset = max(len(self.token_ids) - _WINDOW, self._read_offset)
             self._read_offset = len(self.token_ids)
 
+    def _decode_ids(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(token_ids, keep_special=self.keep_special)
+
     def finish(self) -> str:
         """The rest of the text once the sequence ended."""
         if not self.stopped and self._read_offset < len(self.token_ids):
-            prefix = self.tokenizer.decode(self.token_ids[self._prefix_offset : self._read_offset])
-            full = self.tokenizer.decode(self.token_ids[self._prefix_offset :])
+            prefix = self._decode_ids(self.token_ids[self._prefix_offset : self._read_offset])
+            full = self._decode_ids(self.token_ids[self._prefix_offset :])
             self.text += full[len(prefix) :]
             self._read_offset = len(self.token_ids)
             self._check_stop()

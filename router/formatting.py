@@ -9,6 +9,7 @@ from typing import Any
 
 from proto import pdserve_pb2 as pb
 from router.choices import Choice, ChoiceEvent
+from router.harmony import Harmony
 from router.reasoning import Reasoning
 from router.tool_parsers import HermesCalls, JsonCalls
 from router.tools import ToolCalls
@@ -139,9 +140,13 @@ class Formatter:
                  echo: list[str] | None = None,
                  prompt_logprobs: int | None = None,
                  tools: ToolFormat | None = None,
-                 reasoning: Reasoning | None = None) -> None:  # fmt: skip
+                 reasoning: Reasoning | None = None,
+                 harmony: Harmony | None = None) -> None:  # fmt: skip
         self.tools = tools  # how tool calls are read from a chat choice's answer
         self.reasoning = reasoning  # how a chat choice's thinking is told from its answer
+        # A Harmony reply (GPT-OSS) is read by ``harmony`` alone: its thinking, answer
+        # and calls are messages of one format (tools and reasoning are then None).
+        self.harmony = harmony
         self._sent_answer: set[int] = set()
         self.echo = echo
         self.prompt_logprobs = prompt_logprobs
@@ -234,10 +239,11 @@ class Formatter:
         return body
 
     def _usage(self, choices: list[Choice]) -> dict[str, Any]:
+        reader = self.harmony or self.reasoning
         reasoning_tokens = None
-        if self.reasoning is not None:
+        if reader is not None:
             reasoning_tokens = sum(
-                self.reasoning.num_tokens([self.token_text(t) for t in choice.token_ids])
+                reader.num_tokens([self.token_text(t) for t in choice.token_ids])
                 for choice in choices
             )
         return usage_body(choices, reasoning_tokens)
@@ -247,6 +253,8 @@ class Formatter:
     ) -> tuple[dict[str, Any], str | None]:
         """A chat chunk's delta: the thinking apart (with a reasoning parser), tool calls
         read from the answer; the finish reason as the tool format reports it."""
+        if self.harmony is not None:
+            return self.harmony.delta(index, text, finish_reason)
         thinking = ""
         if self.reasoning is not None:
             thinking, text = self.reasoning.delta(index, text, final=finish_reason is not None)
@@ -270,6 +278,8 @@ class Formatter:
         self, text: str, finish_reason: str | None
     ) -> tuple[dict[str, Any], str | None]:
         """A whole chat choice's message (as ``_chat_delta``) and finish reason."""
+        if self.harmony is not None:
+            return self.harmony.message(text, finish_reason)
         thinking = None
         answer: str | None = text
         if self.reasoning is not None:

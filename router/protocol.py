@@ -326,14 +326,21 @@ class ChatMessage(_Body):
     tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
     function_call: Any = None  # OpenAI's legacy functions: refused
+    # An assistant turn's thinking, as a reply gave it (either name).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def for_template(self) -> dict[str, Any]:
         """What the chat template sees: role, text, and the author's name, tool calls
         (their arguments as objects: what Hugging Face templates render, as vLLM gives
-        them) and the call a tool turn answers, where given."""
+        them), the call a tool turn answers, and an assistant turn's thinking (as
+        ``reasoning_content``, Qwen3's name, and ``thinking``, GPT-OSS's), where given."""
         message: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
+        thinking = self.reasoning_content or self.reasoning
+        if thinking and self.role == "assistant":
+            message["reasoning_content"] = message["thinking"] = thinking
         if self.tool_calls:
             message["tool_calls"] = [_call_for_template(call) for call in self.tool_calls]
         if self.tool_call_id is not None:
@@ -388,6 +395,9 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
     include_reasoning: bool = True  # with a reasoning parser: False drops the thinking
+    # How hard a reasoning model thinks; the chat template's ``reasoning_effort`` (GPT-OSS
+    # writes it into its system message), overriding one in chat_template_kwargs.
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
     # Tools: a named function or "required" constrain the output to calls
     # (router/tools.py); "auto" (the default with tools) reads them from free text with
     # the configured parser (router/tool_parsers.py) and is refused without one.
@@ -430,6 +440,13 @@ class ChatCompletionRequest(_SamplingFields):
     def calls_tools(self) -> bool:
         """Whether the output is constrained to tool calls (named or required)."""
         return bool(self.tools) and self.tool_choice not in (None, "none", "auto")
+
+    @property
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's variables beyond the messages and tools."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {**(self.chat_template_kwargs or {}), "reasoning_effort": self.reasoning_effort}
 
     @property
     def completion_limit(self) -> int | None:

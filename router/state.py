@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
-from common.config import PdserveConfig, Role
+from common.config import ConfigError, PdserveConfig, ReasoningParser, Role, ToolCallParser
 from common.generation_config import GenerationDefaults
 from common.model_info import ModelInfo, model_info
 from common.registry import create_registry
@@ -19,11 +20,14 @@ from proto import pdserve_pb2 as pb
 from router.choices import Choice
 from router.dispatch import Dispatcher
 from router.events import EventListener
+from router.harmony import marker_ids
 from router.lora_adapters import LoraAdapters
 from router.metrics import RouterMetrics
 from router.policy import PlacementPolicy
 from router.prefix_index import PrefixIndex
 from router.workers import WorkerPool
+
+logger = logging.getLogger(__name__)
 
 
 class _Pool(WorkerPool):
@@ -48,6 +52,9 @@ class RouterState:
     num_inflight: int = 0  # sequences admitted and not yet ended (see app.respond)
     num_finished: int = 0
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    # The Harmony markers' token ids, where the model writes its chat replies in that
+    # format (GPT-OSS; router/harmony.py); None: it does not.
+    harmony_ids: frozenset[int] | None = None
     _token_texts: dict[int, str] = field(default_factory=dict)
     # Compiles structured-output constraints as the workers will (router/structured.py).
     grammar_compiler: GrammarCompiler = field(init=False)
@@ -77,9 +84,10 @@ class RouterState:
         policy = PlacementPolicy(config.router, model.block_size, decode_engine.max_num_seqs)
         dispatcher = Dispatcher(config.router, pool, index, lock, policy, metrics, model.block_size)
         adapters = LoraAdapters(config.lora, pool, model.served_name)
-        return cls(config, model, Tokenizer(model.model_dir), index, lock, events, pool,
-                   metrics, dispatcher, adapters,
-                   generation_defaults=GenerationDefaults.read(model.model_dir))  # fmt: skip
+        tokenizer = Tokenizer(model.model_dir)
+        return cls(config, model, tokenizer, index, lock, events, pool, metrics, dispatcher,
+                   adapters, generation_defaults=GenerationDefaults.read(model.model_dir),
+                   harmony_ids=harmony_ids_of(config, model, tokenizer))  # fmt: skip
 
     async def start(self) -> None:
         self.events.start()
@@ -147,6 +155,34 @@ class RouterState:
             ).inc()
             metrics.generation_tokens.inc(len(choice.token_ids))
         metrics.prompt_tokens.inc(sum(len(c.request.prompt_token_ids) for c in choices))
+
+
+def harmony_ids_of(
+    config: PdserveConfig, model: ModelInfo, tokenizer: Tokenizer
+) -> frozenset[int] | None:
+    """The Harmony markers' ids for a GPT-OSS checkpoint whose tokenizer has them; None
+    for any other. Its replies are read in that format, so the text parsers stay unset."""
+    if model.model_type != "gpt_oss":
+        return None
+    ids = marker_ids(tokenizer)
+    if ids is None:
+        logger.warning(
+            "%s is GPT-OSS but its tokenizer lacks the Harmony markers as special tokens: "
+            "chat replies are returned as plain text",
+            model.model_dir,
+        )
+        return None
+    router = config.router
+    parsers = {"reasoning_parser": router.reasoning_parser is not ReasoningParser.NONE,
+               "tool_call_parser": router.tool_call_parser is not ToolCallParser.NONE}  # fmt: skip
+    for key, is_set in parsers.items():
+        if is_set:
+            raise ConfigError(
+                f"router.{key}",
+                "GPT-OSS writes the Harmony format, which the router reads by itself "
+                "(thinking, answer and tool calls): leave it none",
+            )
+    return ids
 
 
 def bad_words_token_ids(tokenizer: Tokenizer, words: Iterable[str]) -> list[list[int]]:

@@ -10,7 +10,8 @@ thinking). The MoE archs (``mixtral``, ``qwen2_moe``, ``qwen3_moe``) have 8 expe
 the dense MLP's width and route each token to 2, so their work per token is the dense
 model's. ``gemma3`` is Gemma 3's text model (``Gemma3ForCausalLM``; see ``_gemma3_config``),
 ``phi3`` Phi-4-mini's layout (fused projections in the files, a partial rotary), ``gpt_oss``
-GPT-OSS unquantized (see ``_gpt_oss_config``).
+GPT-OSS unquantized (see ``_gpt_oss_config``), whose tokenizer has the Harmony markers and
+a template of that format (the router reads its replies in it: ``router/harmony.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from engine.models.tokenizer_trainer import (
     BOS_TOKEN,
     CHAT_TEMPLATE,
     EOS_TOKEN,
+    HARMONY_CHAT_TEMPLATE,
+    HARMONY_TOKENS,
     IM_END,
     PAD_TOKEN,
     THINK_TOKENS,
@@ -38,6 +41,9 @@ from engine.models.tokenizer_trainer import (
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3",
          "phi3", "gpt_oss")  # fmt: skip
 SIZES = ("tiny", "small")
+# ChatML for the others.
+_CHAT_TEMPLATES = {"qwen3": THINKING_CHAT_TEMPLATE, "qwen3_moe": THINKING_CHAT_TEMPLATE,
+                   "gpt_oss": HARMONY_CHAT_TEMPLATE}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,11 +197,13 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
-        chat_template=THINKING_CHAT_TEMPLATE if arch.startswith("qwen3") else CHAT_TEMPLATE,
+        chat_template=_CHAT_TEMPLATES.get(arch, CHAT_TEMPLATE),
         model_max_length=spec.max_position_embeddings,
     )
     if arch.startswith("qwen3"):  # a thinking model, as Qwen3 is: its tags and template
         tokenizer.add_tokens(THINK_TOKENS)
+    if arch == "gpt_oss":  # GPT-OSS writes Harmony: its markers are special tokens
+        tokenizer.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
     ids = {
         "bos": tokenizer.convert_tokens_to_ids(BOS_TOKEN),
         "eos": tokenizer.convert_tokens_to_ids(EOS_TOKEN),
@@ -229,6 +237,9 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
             model.model.embed_tokens.weight.mul_(0.125)
             model.model.norm.weight.uniform_(6.0, 8.0)
     model.generation_config.eos_token_id = [ids["eos"], ids["im_end"]]
+    if arch == "gpt_oss":  # a Harmony reply ends with its answer or with a tool call
+        harmony_ends = tokenizer.convert_tokens_to_ids(["<|return|>", "<|call|>"])
+        model.generation_config.eos_token_id = [*harmony_ends, ids["eos"]]
     model.generation_config.bos_token_id = ids["bos"]
     model.generation_config.pad_token_id = ids["pad"]
     model.save_pretrained(out)

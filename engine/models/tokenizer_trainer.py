@@ -42,6 +42,60 @@ THINKING_CHAT_TEMPLATE = (
     "{% endif %}"
 )
 
+# GPT-OSS's Harmony format (router/harmony.py reads it): its markers, special tokens as in
+# the real tokenizer, and a template in its shape: a system message with the reasoning
+# effort, a developer message with the instructions and the tools, the turns, and a
+# generation prompt that opens an assistant message's header. Past turns' thinking is
+# kept only where it led to their tool calls, as the real template keeps it.
+HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>",
+                  "<|return|>", "<|call|>"]  # fmt: skip
+HARMONY_CHAT_TEMPLATE = """\
+{{- '<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n' }}
+{{- 'Reasoning: ' + (reasoning_effort if reasoning_effort is defined else 'medium') + '\n\n' }}
+{{- '# Valid channels: analysis, commentary, final.' }}
+{%- if tools %}{{- ' Calls to these tools must go to the commentary channel.' }}{%- endif %}
+{{- '<|end|>' }}
+{%- set turns = messages %}
+{%- set instructions = namespace(text='') %}
+{%- if messages and messages[0].role in ('system', 'developer') %}
+  {%- set instructions.text = messages[0].content %}
+  {%- set turns = messages[1:] %}
+{%- endif %}
+{%- if instructions.text or tools %}
+  {{- '<|start|>developer<|message|>' }}
+  {%- if instructions.text %}{{- '# Instructions\n\n' + instructions.text }}{%- endif %}
+  {%- if tools %}
+    {{- '\n\n# Tools\n\n## functions\n\nnamespace functions {\n\n' }}
+    {%- for tool in tools %}
+      {{- '// ' + (tool.function.description or '') + '\ntype ' + tool.function.name }}
+      {{- ' = (_: ' + (tool.function.parameters | tojson) + ') => any;\n\n' }}
+    {%- endfor %}
+    {{- '} // namespace functions' }}
+  {%- endif %}
+  {{- '<|end|>' }}
+{%- endif %}
+{%- set called = namespace(name='') %}
+{%- for message in turns %}
+  {%- if message.role == 'user' %}
+    {{- '<|start|>user<|message|>' + message.content + '<|end|>' }}
+  {%- elif message.role == 'assistant' and message.tool_calls %}
+    {%- if message.thinking %}
+      {{- '<|start|>assistant<|channel|>analysis<|message|>' + message.thinking + '<|end|>' }}
+    {%- endif %}
+    {%- for tool_call in message.tool_calls %}
+      {%- set called.name = tool_call.function.name %}
+      {{- '<|start|>assistant<|channel|>commentary to=functions.' + called.name }}
+      {{- ' <|constrain|>json<|message|>' + (tool_call.function.arguments | tojson) + '<|call|>' }}
+    {%- endfor %}
+  {%- elif message.role == 'assistant' %}
+    {{- '<|start|>assistant<|channel|>final<|message|>' + message.content + '<|end|>' }}
+  {%- elif message.role == 'tool' %}
+    {{- '<|start|>functions.' + called.name + ' to=assistant<|channel|>commentary<|message|>' }}
+    {{- message.content + '<|end|>' }}
+  {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}"""
+
 _CORPUS_MODULES = [
     "argparse", "asyncio/base_events", "collections/__init__", "contextlib", "csv",
     "dataclasses", "datetime", "decimal", "difflib", "email/message", "enum", "fractions",

@@ -7,9 +7,12 @@ Phi-3 differ from these only inside the engine: their parity is tested offline.)
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
+from common.tokenizer import Tokenizer
 from engine import LLM, SamplingParams
 from tests.support.processes import write_config
 from tests.support.stack import serving, worker_stats
@@ -64,3 +67,74 @@ def test_disaggregated_tokens_equal_the_offline_engine(stack, offline, temperatu
         assert streamed == expected
     # The decode worker pulled the prompts' KV: the requests really were split.
     assert worker_stats(stack, "decode")[0].blocks_pulled > pulled_before
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
+
+
+def _harmony_call_grammar(tokenizer: Tokenizer) -> str:
+    """A Lark grammar (llguidance's; ``<[id]>`` is one token) of a Harmony reply that
+    thinks a little, then calls get_weather: what GPT-OSS writes, from random weights."""
+    marker = {name: f"<[{tokenizer.token_id(f'<|{name}|>')}]>"
+              for name in ("start", "end", "message", "channel", "constrain", "call")}  # fmt: skip
+    return (
+        f'start: {marker["channel"]} "analysis" {marker["message"]} THOUGHT {marker["end"]} '
+        f'{marker["start"]} "assistant" {marker["channel"]} '
+        f'"commentary to=functions.get_weather " {marker["constrain"]} "json" '
+        f'{marker["message"]} "{{\\"city\\": \\"Paris\\"}}" {marker["call"]}\n'
+        "THOUGHT: /[a-z]{1,8}( [a-z]{1,8}){0,2}/\n"
+    )
+
+
+def test_gpt_oss_chat_replies_are_read_in_harmony(stack, model_dir):
+    """The router reads GPT-OSS's replies as Harmony with no parser configured: tools in
+    ``auto`` are accepted, and a reply made to think and then call (by a grammar, from
+    random weights) comes back as reasoning and a tool call, whole and streamed, its
+    thinking tokens counted; a free reply's markers never reach the client. Another
+    model's replies are not read so."""
+    client: openai.OpenAI = stack.openai_client()
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    if json.loads((model_dir / "config.json").read_text())["model_type"] != "gpt_oss":
+        # Another model's replies are not Harmony: tools in auto need a configured parser.
+        with pytest.raises(openai.BadRequestError, match="tool_call_parser"):
+            client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL])
+        return
+    tokenizer = Tokenizer(model_dir)
+    ask = {"model": MODEL, "messages": messages, "tools": [WEATHER_TOOL], "max_tokens": 64,
+           "temperature": 1.0, "seed": 3,
+           "extra_body": {"structured_outputs": {"grammar": _harmony_call_grammar(tokenizer)},
+                          "return_token_ids": True}}  # fmt: skip
+    whole = client.chat.completions.create(**ask)
+    reply = whole.choices[0]
+    thought = reply.message.model_extra["reasoning_content"]
+    assert thought and set(thought) <= set("abcdefghijklmnopqrstuvwxyz ")
+    assert reply.message.content is None
+    (tool_call,) = reply.message.tool_calls
+    assert tool_call.function.name == "get_weather"
+    assert json.loads(tool_call.function.arguments) == {"city": "Paris"}
+    assert reply.finish_reason == "tool_calls"
+    token_ids = reply.model_extra["token_ids"]
+    assert token_ids[-1] == tokenizer.token_id("<|call|>")
+    # The thinking: its message's tokens, from <|channel|> to <|end|>.
+    assert whole.usage.completion_tokens_details.reasoning_tokens == (
+        token_ids.index(tokenizer.token_id("<|end|>")) + 1
+    )
+    thinking, calls, finish_reason = "", [], None
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            thinking += choice.delta.model_extra.get("reasoning_content") or ""
+            assert not choice.delta.content
+            calls += choice.delta.tool_calls or []
+            finish_reason = choice.finish_reason or finish_reason
+    assert thinking == thought
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        ("get_weather", tool_call.function.arguments)
+    ]
+    assert finish_reason == "tool_calls"
+    # A free reply: whatever the random model writes, no marker reaches the client.
+    del ask["extra_body"]["structured_outputs"]
+    free = client.chat.completions.create(**ask).choices[0]
+    shown = (free.message.content or "") + (free.message.model_extra.get("reasoning_content") or "")
+    assert "<|" not in shown

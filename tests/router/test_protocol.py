@@ -174,3 +174,29 @@ def test_tool_calls_reach_the_template_with_their_arguments_as_objects():
     function = {"name": "f", "arguments": {"a": [1, 2]}}
     assert assistant["tool_calls"] == [{"id": "c1", "type": "function", "function": function}]
     assert tool == {"role": "tool", "content": "done", "tool_call_id": "c1"}
+
+
+def test_an_assistant_turns_thinking_reaches_the_template_under_both_names():
+    """Qwen3's templates read ``reasoning_content``, GPT-OSS's ``thinking``; a reply's
+    ``reasoning`` (vLLM's newer name) is taken too. Only an assistant turn thinks."""
+    body = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "x", "reasoning_content": "not mine"},
+        {"role": "assistant", "content": "4", "reasoning_content": "2 + 2"},
+        {"role": "assistant", "content": "5", "reasoning": "2 + 3"}]})  # fmt: skip
+    user, first, second = (m.for_template() for m in body.messages)
+    assert user == {"role": "user", "content": "x"}
+    assert first == {"role": "assistant", "content": "4", "reasoning_content": "2 + 2",
+                     "thinking": "2 + 2"}  # fmt: skip
+    assert second["reasoning_content"] == second["thinking"] == "2 + 3"
+
+
+def test_reasoning_effort_is_a_template_variable():
+    messages = [{"role": "user", "content": "x"}]
+    body = ChatCompletionRequest.model_validate({"messages": messages})
+    assert body.template_kwargs is None
+    body = ChatCompletionRequest.model_validate(
+        {"messages": messages, "reasoning_effort": "high",
+         "chat_template_kwargs": {"reasoning_effort": "low", "other": 1}})  # fmt: skip
+    assert body.template_kwargs == {"reasoning_effort": "high", "other": 1}
+    extreme = {"messages": messages, "reasoning_effort": "extreme"}
+    assert refused_param(ChatCompletionRequest, extreme) == "reasoning_effort"
