@@ -30,6 +30,7 @@ the router imports this module.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,8 +101,8 @@ def grammar_of(structured: StructuredOutput, tag_tokens: dict[str, int] | None =
     """The llguidance grammar (its JSON text) for ``structured``, checked without a
     tokenizer: raises ``StructuredOutputError`` with llguidance's reason for a constraint
     that does not compile (a bad regex, schema or grammar, a choice list that is not
-    strings). ``GrammarCompiler.matcher`` checks the rest. ``tag_tokens``: the thinking
-    tags that are one added token of the tokenizer, and their ids."""
+    strings). ``GrammarCompiler.matcher`` checks the rest. ``tag_tokens``: the added
+    tokens of the tokenizer in the thinking tags, by their text, and their ids."""
     llguidance = require_llguidance()
     matcher = llguidance.LLMatcher
     kind, spec = structured.kind, structured.spec
@@ -135,19 +136,29 @@ def grammar_of(structured: StructuredOutput, tag_tokens: dict[str, int] | None =
 def _after_reasoning(grammar: str, structured: StructuredOutput, tag_tokens: dict[str, int]) -> str:
     """``grammar`` (llguidance's JSON, or Lark text) preceded by the model's thinking.
     The thinking's text ends at the end tag: as text, a lazy lexeme (it ends at the first
-    one); as an added token, which free text cannot hold, where that token comes."""
+    one); where the tag begins with an added token, which free text cannot hold, where
+    that token comes. A tag's added tokens (``tag_tokens``, by their text) are matched as
+    those tokens, its other text as text: GPT-OSS's end of thinking is
+    ``<|end|><|start|>assistant<|channel|>final<|message|>``, four tokens and two words."""
     try:
         top = json.loads(grammar)
     except ValueError:  # Lark text (choice, grammar)
         top = {"grammars": [{"lark_grammar": grammar}]}
     (inner,) = top["grammars"]  # one grammar: the constraint's own
+    longest_first = sorted(tag_tokens, key=len, reverse=True)
+    tokens = re.compile("(" + "|".join(re.escape(text) for text in longest_first) + ")")
 
     def tag(text: str) -> str:
-        token = tag_tokens.get(text)
-        return json.dumps(text) if token is None else f"<[{token}]>"
+        if not tag_tokens:
+            return json.dumps(text)
+        return " ".join(
+            f"<[{tag_tokens[piece]}]>" if piece in tag_tokens else json.dumps(piece)
+            for piece in tokens.split(text)
+            if piece
+        )
 
     start, end = structured.reasoning_start, structured.reasoning_end
-    if end in tag_tokens:
+    if tag_tokens and tokens.match(end):
         body = f"thought: TEXT {tag(end)}"
     else:
         body = f"thought[lazy]: TEXT {tag(end)}"
@@ -219,13 +230,13 @@ class GrammarCompiler:
 
 
 def _tag_tokens(tokenizer: Any, structured: StructuredOutput) -> dict[str, int]:
-    """The thinking tags of ``structured`` that are one added token of ``tokenizer``."""
+    """The added tokens of ``tokenizer`` in the thinking tags of ``structured``, by
+    their text."""
     found = {}
     for text in (structured.reasoning_start, structured.reasoning_end):
-        if text:
-            ids = tokenizer.tokenize_str(text)
-            if len(ids) == 1 and tokenizer.is_special_token(ids[0]):
-                found[text] = ids[0]
+        for token in tokenizer.tokenize_str(text) if text else ():
+            if tokenizer.is_special_token(token):
+                found[tokenizer.decode_str([token])] = token
     return found
 
 

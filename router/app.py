@@ -368,8 +368,9 @@ def create_app(state: RouterState) -> FastAPI:
                     raise FieldError(f"{constraint[0]} cannot be combined with tool_choice "
                                      "required or a named function", constraint[0])  # fmt: skip
                 constraint = ("tools", tool_format.structured)
-            if constraint is not None and reasoning is not None:  # it applies after thinking
-                constraint = (constraint[0], reasoning.constrained(constraint[1]))
+            thinks = reasoning or harmony
+            if constraint is not None and thinks is not None:  # it applies after thinking
+                constraint = (constraint[0], thinks.constrained(constraint[1]))
             if constraint is not None:  # a large schema compiles for a while: off the loop
                 await asyncio.to_thread(check_constraint, state.grammar_compiler, *constraint)
         except FieldError as error:

@@ -32,20 +32,23 @@ does.
 
 The markers are the tokenizer's special tokens: the router's detokenizer keeps these
 (and drops any other special token) in a Harmony reply's text, and this reader takes
-them out. One state machine reads a whole text and a stream alike, so streamed deltas
-add up to the whole reply; it holds back what may be the start of a marker, a header
-until its body begins, and a call until it ends. A message cut short (``max_tokens``)
-keeps its thinking or content; a call cut short is not a call, and its body goes to
-content (as ``router/tool_parsers.py`` leaves a cut call as text).
+them out (a header's marker inside a body, which a well-formed reply never has, is
+dropped, as plain decoding drops special tokens). One state machine reads a whole text
+and a stream alike, so streamed deltas add up to the whole reply; it holds back what may
+be the start of a marker, a header until its body begins, and a call until it ends. A
+message cut short (``max_tokens``) keeps its thinking or content; a call cut short is
+not a call, and its body goes to content (as ``router/tool_parsers.py`` leaves a cut
+call as text).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
+from common.structured_output import StructuredOutput
 from common.tokenizer import Tokenizer
 from router.tags import partial_tag
 from router.tools import call
@@ -55,11 +58,16 @@ CHANNEL, CONSTRAIN, RETURN, CALL = "<|channel|>", "<|constrain|>", "<|return|>",
 MARKERS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
 _ENDS = (END, RETURN, CALL)  # what ends a message
 _BODY_ENDS = (*_ENDS, START)  # what ends a body (a next message, with no end marker)
+_STRAY = (CHANNEL, MESSAGE, CONSTRAIN)  # header markers in a body: dropped, as decoding would
 # How the header the prompt opens may begin (its role, ``assistant``, is in the prompt).
 _OPENERS = (CHANNEL, CONSTRAIN, " to=", "to=")
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
 _CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*([^\s<]+)")
 FUNCTIONS = "functions."
+# A constrained reply's thinking (``Harmony.constrained``): an analysis message, ended by
+# the header of the final one, whose body is the constrained answer.
+ANALYSIS = CHANNEL + "analysis" + MESSAGE
+THEN_FINAL = END + START + "assistant" + CHANNEL + "final" + MESSAGE
 
 
 def marker_ids(tokenizer: Tokenizer) -> frozenset[int] | None:
@@ -100,6 +108,12 @@ class Opening:
     kind: Kind = Kind.CONTENT  # the open body's (state "body")
     name: str | None = None
 
+    @property
+    def role_only(self) -> bool:
+        """The prompt opened a header and wrote only its role (``<|start|>assistant``,
+        the generation prompt): the reply writes the rest."""
+        return self.state == "header" and not any(o.strip() in self.header for o in _OPENERS)
+
 
 def opening_of(prompt_tail: str, calls: bool) -> Opening:
     """``prompt_tail``: the end of the prompt's text, markers kept. ``calls``: whether
@@ -134,9 +148,7 @@ class _Reader:
         self.header = opening.header
         # The header the prompt opened holds only the role: what follows must begin a
         # header (else the reply is bare content).
-        self.check_opener = opening.state == "header" and not any(
-            o.strip() in opening.header for o in _OPENERS
-        )
+        self.check_opener = opening.role_only
         self.kind, self.name = opening.kind, opening.name
         self.pending = ""
         self.call_body = ""
@@ -193,7 +205,7 @@ class _Reader:
         marker, or where a next message starts (a ``<|start|>``, left to begin it)."""
         at, marker = _first_end(self.pending, _BODY_ENDS)
         if at < 0:
-            keep = 0 if final else max(partial_tag(self.pending, end) for end in _BODY_ENDS)
+            keep = 0 if final else max(partial_tag(self.pending, m) for m in MARKERS)
             cut = len(self.pending) - keep
             self._add(self.pending[:cut], parts)
             self.pending = self.pending[cut:]
@@ -219,6 +231,8 @@ class _Reader:
         self.num_messages += 1
 
     def _add(self, text: str, parts: Parts) -> None:
+        for marker in _STRAY:
+            text = text.replace(marker, "")
         if self.kind is Kind.THINKING:
             parts.thinking += text
         elif self.kind is Kind.CONTENT:
@@ -243,6 +257,16 @@ class Harmony:
         self.calls = calls
         self.include = include
         self._readers: dict[int, _Reader] = {}
+
+    def constrained(self, structured: StructuredOutput) -> StructuredOutput:
+        """``structured`` applied to the final answer, after an analysis message if the
+        model writes one (``common/structured_output.py``), where the prompt opens the
+        reply's header; elsewhere it applies from the first token, and the reply is
+        read as bare content."""
+        if not self.opening.role_only:
+            return structured
+        return replace(structured, reasoning_start=ANALYSIS, reasoning_end=THEN_FINAL,
+                       reasoning_optional=True)  # fmt: skip
 
     def _reader(self) -> _Reader:
         return _Reader(self.opening, self.calls)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import openai
 import pytest
 
@@ -21,6 +22,8 @@ MODEL = "served"
 # The first prompt runs past GPT-OSS's 64-token window (the maker's).
 PROMPTS = ["def add(a, b):\n    return a + b\n" * 8, "Mixture of experts routes each token"]
 NUM_TOKENS = 24
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["n"], "additionalProperties": False}  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=["qwen2_moe", "gpt_oss"])
@@ -74,26 +77,12 @@ WEATHER_TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
 
 
-def _harmony_call_grammar(tokenizer: Tokenizer) -> str:
-    """A Lark grammar (llguidance's; ``<[id]>`` is one token) of a Harmony reply that
-    thinks a little, then calls get_weather: what GPT-OSS writes, from random weights."""
-    marker = {name: f"<[{tokenizer.token_id(f'<|{name}|>')}]>"
-              for name in ("start", "end", "message", "channel", "constrain", "call")}  # fmt: skip
-    return (
-        f'start: {marker["channel"]} "analysis" {marker["message"]} THOUGHT {marker["end"]} '
-        f'{marker["start"]} "assistant" {marker["channel"]} '
-        f'"commentary to=functions.get_weather " {marker["constrain"]} "json" '
-        f'{marker["message"]} "{{\\"city\\": \\"Paris\\"}}" {marker["call"]}\n'
-        "THOUGHT: /[a-z]{1,8}( [a-z]{1,8}){0,2}/\n"
-    )
-
-
 def test_gpt_oss_chat_replies_are_read_in_harmony(stack, model_dir):
     """The router reads GPT-OSS's replies as Harmony with no parser configured: tools in
-    ``auto`` are accepted, and a reply made to think and then call (by a grammar, from
-    random weights) comes back as reasoning and a tool call, whole and streamed, its
-    thinking tokens counted; a free reply's markers never reach the client. Another
-    model's replies are not read so."""
+    ``auto`` are accepted; a response format constrains the final answer, after the
+    thinking (made likely to start and to end by a logit bias), which comes back apart,
+    whole and streamed, its tokens counted; a free reply's markers never reach the
+    client. Another model's replies are not read so. (Tool calls: test_harmony.py.)"""
     client: openai.OpenAI = stack.openai_client()
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     if json.loads((model_dir / "config.json").read_text())["model_type"] != "gpt_oss":
@@ -102,39 +91,32 @@ def test_gpt_oss_chat_replies_are_read_in_harmony(stack, model_dir):
             client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL])
         return
     tokenizer = Tokenizer(model_dir)
+    bias = {str(tokenizer.token_id(m)): 8.0 for m in ("<|channel|>", "<|end|>")}
     ask = {"model": MODEL, "messages": messages, "tools": [WEATHER_TOOL], "max_tokens": 64,
-           "temperature": 1.0, "seed": 3,
-           "extra_body": {"structured_outputs": {"grammar": _harmony_call_grammar(tokenizer)},
-                          "return_token_ids": True}}  # fmt: skip
+           "temperature": 1.0, "seed": 5, "logit_bias": bias,
+           "response_format": {"type": "json_schema",
+                               "json_schema": {"name": "n", "schema": SCHEMA}},
+           "extra_body": {"return_token_ids": True}}  # fmt: skip
     whole = client.chat.completions.create(**ask)
     reply = whole.choices[0]
     thought = reply.message.model_extra["reasoning_content"]
-    assert thought and set(thought) <= set("abcdefghijklmnopqrstuvwxyz ")
-    assert reply.message.content is None
-    (tool_call,) = reply.message.tool_calls
-    assert tool_call.function.name == "get_weather"
-    assert json.loads(tool_call.function.arguments) == {"city": "Paris"}
-    assert reply.finish_reason == "tool_calls"
-    token_ids = reply.model_extra["token_ids"]
-    assert token_ids[-1] == tokenizer.token_id("<|call|>")
+    assert thought and "<|" not in thought
+    jsonschema.validate(json.loads(reply.message.content), SCHEMA)
+    assert reply.finish_reason == "stop"
     # The thinking: its message's tokens, from <|channel|> to <|end|>.
+    token_ids = reply.model_extra["token_ids"]
+    assert token_ids[0] == tokenizer.token_id("<|channel|>")
     assert whole.usage.completion_tokens_details.reasoning_tokens == (
         token_ids.index(tokenizer.token_id("<|end|>")) + 1
     )
-    thinking, calls, finish_reason = "", [], None
+    thinking, content = "", ""
     for chunk in client.chat.completions.create(**ask, stream=True):
         for choice in chunk.choices:
             thinking += choice.delta.model_extra.get("reasoning_content") or ""
-            assert not choice.delta.content
-            calls += choice.delta.tool_calls or []
-            finish_reason = choice.finish_reason or finish_reason
-    assert thinking == thought
-    assert [(c.function.name, c.function.arguments) for c in calls] == [
-        ("get_weather", tool_call.function.arguments)
-    ]
-    assert finish_reason == "tool_calls"
+            content += choice.delta.content or ""
+    assert (thinking, content) == (thought, reply.message.content)
     # A free reply: whatever the random model writes, no marker reaches the client.
-    del ask["extra_body"]["structured_outputs"]
+    del ask["response_format"]
     free = client.chat.completions.create(**ask).choices[0]
     shown = (free.message.content or "") + (free.message.model_extra.get("reasoning_content") or "")
     assert "<|" not in shown

@@ -11,14 +11,18 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 
 from common.config import ConfigError
 from common.config_loader import load_config
 from common.model_info import model_info
+from common.structured_output import GrammarCompiler, StructuredOutput
 from common.tokenizer import Tokenizer
+from router.choices import Choice, ChoiceEvent
 from router.detokenizer import IncrementalDetokenizer
+from router.formatting import Formatter
 from router.harmony import MARKERS, Harmony, Kind, Opening, marker_ids, opening_of
 from router.state import harmony_ids_of
 
@@ -78,6 +82,8 @@ CASES = [  # text, calls allowed, (thinking, content, calls)
         ("The user asks for the weather.", "strayIt is sunny in Paris.", []),
     ),
     ("<|channel|>analysis<|message|>no end" + FINAL, True, ("no end", "It is sunny in Paris.", [])),
+    # A header's marker inside a body is dropped, as decoding drops special tokens.
+    ("x<|channel|>y<|message|><|constrain|>z<|end|>", True, (None, "xyz", [])),
     ("", True, (None, None, [])),
 ]
 
@@ -228,3 +234,75 @@ def test_a_gpt_oss_checkpoint_is_read_in_harmony_with_no_parser_set(model_factor
     llama = model_factory("llama")
     config = load_config(None, [f"model={llama}", "router.reasoning_parser=qwen3"])
     assert harmony_ids_of(config, model_info(config), Tokenizer(llama)) is None
+
+
+def test_a_constraint_applies_to_the_final_answer_after_the_analysis(tokenizer, model_factory):
+    """The grammar (llguidance, the made tokenizer): an analysis message, then the final
+    header, then the constrained answer; or the answer at once (read as bare content).
+    The markers are matched as tokens, so text that spells them cannot end the thinking."""
+    compiler = GrammarCompiler(model_factory("gpt_oss"), tokenizer.vocab_size)
+    structured = Harmony(HEADER, calls=False).constrained(StructuredOutput("regex", "[a-z]{2,5}"))
+    assert (structured.reasoning_start, structured.reasoning_optional) == (
+        "<|channel|>analysis<|message|>", True)  # fmt: skip
+
+    def accepts(text: str) -> bool:
+        matcher = compiler.matcher(structured)
+        token_ids = tokenizer.encode(text, add_special_tokens=False)
+        return all(matcher.consume_token(t) for t in token_ids) and matcher.is_accepting()
+
+    thought = "<|channel|>analysis<|message|>let me see: assistant final<end> no<|end|>"
+    final = "<|start|>assistant<|channel|>final<|message|>"
+    assert accepts(thought + final + "abc")
+    assert accepts("abc")
+    assert not accepts(thought + final + "abcdefg")  # the answer is constrained
+    assert not accepts(thought + "abc")  # no final header: no answer
+    assert not accepts("<|channel|>final<|message|>abc")
+    message, _ = Harmony(HEADER, calls=False).message(thought + final + "abc<|return|>", "stop")
+    assert (message["reasoning_content"], message["content"]) == (
+        "let me see: assistant final<end> no",
+        "abc",
+    )
+    # Where the prompt wrote more than the role, the constraint applies from the start.
+    opened = Opening("body", kind=Kind.CONTENT)
+    assert Harmony(opened, calls=False).constrained(structured) is structured
+
+
+def test_a_call_goes_from_tokens_to_the_chat_reply(tokenizer):
+    """Token ids through the router's own path (a detokenizer keeping the markers, a
+    formatter reading Harmony), one token per event, then whole: the thinking and the
+    call come out apart, the call's finish reason is tool_calls, the thinking's tokens
+    are counted, and the EOS (<|call|>) is no text."""
+    token_ids = tokenizer.encode(ANALYSIS + CALL, add_special_tokens=False)
+    assert token_ids[-1] == tokenizer.token_id("<|call|>")
+    keep = marker_ids(tokenizer)
+
+    def formatter() -> Formatter:
+        token_text = lambda t: tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+        return Formatter("c", "m", chat=True, logprobs=None, token_text=token_text,
+                         harmony=Harmony(HEADER, calls=True))  # fmt: skip
+
+    request = SimpleNamespace(prompt_token_ids=[1, 2])
+    detokenizer = IncrementalDetokenizer(tokenizer, keep_special=keep)
+    choice = Choice(0, 0, request, detokenizer, token_ids=token_ids, finish_reason="stop")
+    streamed, deltas = formatter(), []
+    for i, token_id in enumerate(token_ids):
+        last = i == len(token_ids) - 1
+        text = detokenizer.add([token_id]) + (detokenizer.finish() if last else "")
+        event = ChoiceEvent(choice, text, [token_id], [], finish_reason="stop" if last else None)
+        deltas.append(streamed.chunk(event)["choices"][0])
+    thinking = "".join(d["delta"].get("reasoning_content", "") for d in deltas)
+    assert thinking == "The user asks for the weather."
+    assert not any(d["delta"].get("content") for d in deltas)
+    (call,) = [c for d in deltas for c in d["delta"].get("tool_calls", [])]
+    assert call["index"] == 0 and call["function"] == {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}  # fmt: skip
+    assert deltas[-1]["finish_reason"] == "tool_calls"
+
+    body = formatter().final([choice])
+    (item,) = body["choices"]
+    assert item["finish_reason"] == "tool_calls"
+    assert item["message"]["content"] is None
+    assert item["message"]["reasoning_content"] == thinking
+    assert [c["function"] for c in item["message"]["tool_calls"]] == [call["function"]]
+    analysis_tokens = len(tokenizer.encode(ANALYSIS, add_special_tokens=False))
+    assert body["usage"]["completion_tokens_details"]["reasoning_tokens"] == analysis_tokens
