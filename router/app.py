@@ -36,7 +36,7 @@ from router.errors import (
     unavailable,
 )
 from router.formatting import SSE_DONE, Formatter, ToolFormat, sse
-from router.harmony import Harmony
+from router.harmony import Harmony, call_constraint
 from router.harmony import opening_of as harmony_opening
 from router.protocol import (
     ChatCompletionRequest,
@@ -44,6 +44,7 @@ from router.protocol import (
     DetokenizeRequest,
     FieldError,
     LoadLoraAdapterRequest,
+    NamedToolChoice,
     TokenizeRequest,
     UnloadLoraAdapterRequest,
 )
@@ -52,6 +53,7 @@ from router.state import RouterState
 from router.structured import check as check_constraint
 from router.structured import structured_output_of
 from router.tool_parsers import tool_format_of
+from router.tools import call_schemas
 
 logger = logging.getLogger(__name__)
 
@@ -254,9 +256,8 @@ def create_app(state: RouterState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         lora_name = check_model(body.model)
-        # A Harmony reply (GPT-OSS) is read by the one format, unless the output is
-        # constrained to tool calls, which then start at its first token.
-        harmony = state.harmony_ids is not None and not body.calls_tools
+        # A Harmony reply (GPT-OSS) is read by the one format, its tool calls included.
+        harmony = state.harmony_ids is not None
         try:
             parser = state.config.router.tool_call_parser
             tool_format = None if harmony else tool_format_of(body, parser)
@@ -270,7 +271,12 @@ def create_app(state: RouterState) -> FastAPI:
         tail = state.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
         if harmony:
             calls = bool(body.tools) and body.tool_choice != "none"
-            reader = Harmony(harmony_opening(tail, calls), calls, body.include_reasoning)
+            forced = None  # "required" or a named function: a grammar makes the call
+            if body.calls_tools:
+                forced = call_constraint(call_schemas(body), state.tokenizer)
+            named = isinstance(body.tool_choice, NamedToolChoice)
+            reader = Harmony(harmony_opening(tail, calls), calls, body.include_reasoning,
+                             forced, named)  # fmt: skip
             return await respond(request, body, [prompt], chat=True, logprobs=logprobs,
                                  harmony=reader, lora_name=lora_name)  # fmt: skip
         return await respond(request, body, [prompt], chat=True, logprobs=logprobs,
@@ -363,11 +369,12 @@ def create_app(state: RouterState) -> FastAPI:
             )
         try:
             constraint = structured_output_of(body)
-            if tool_format is not None and tool_format.structured is not None:
+            calls_format = tool_format or harmony  # what may constrain the output to calls
+            if calls_format is not None and calls_format.structured is not None:
                 if constraint is not None:  # the calls are the output's constraint
                     raise FieldError(f"{constraint[0]} cannot be combined with tool_choice "
                                      "required or a named function", constraint[0])  # fmt: skip
-                constraint = ("tools", tool_format.structured)
+                constraint = ("tools", calls_format.structured)
             thinks = reasoning or harmony
             if constraint is not None and thinks is not None:  # it applies after thinking
                 constraint = (constraint[0], thinks.constrained(constraint[1]))

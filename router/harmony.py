@@ -43,6 +43,7 @@ call as text).
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -77,6 +78,30 @@ def marker_ids(tokenizer: Tokenizer) -> frozenset[int] | None:
     if any(i is None or i not in tokenizer.special_ids for i in ids):
         return None
     return frozenset(ids)  # type: ignore[arg-type]
+
+
+def call_constraint(schemas: dict[str, dict[str, Any]], tokenizer: Tokenizer) -> StructuredOutput:
+    """The grammar (llguidance's Lark; ``<[id]>`` is one token) of a reply that must
+    call one of ``schemas`` (function name -> its parameters' JSON schema), for
+    ``tool_choice`` "required" or a named function: an analysis message if the model
+    writes one, then one call's message, its arguments matching the function's schema
+    (without free whitespace, as ``common/structured_output.py`` generates JSON), ended
+    by ``<|call|>``, an end of sequence: a Harmony reply makes one call per turn."""
+    token = {marker: f"<[{tokenizer.token_id(marker)}]>" for marker in MARKERS}
+    alternatives = " | ".join(f"call{i}" for i in range(len(schemas)))
+    rules = [
+        "start: thinking? call",
+        f'thinking: {token[CHANNEL]} "analysis" {token[MESSAGE]} TEXT {token[END]} '
+        f'{token[START]} "assistant"',
+        "TEXT: /(.|\\n)*/",
+        f'call: {token[CHANNEL]} "commentary to={FUNCTIONS}" ({alternatives})',
+    ]
+    for i, (name, schema) in enumerate(schemas.items()):
+        rules.append(f"call{i}: {json.dumps(name + ' ')} {token[CONSTRAIN]} \"json\" "
+                     f"{token[MESSAGE]} arguments{i} {token[CALL]}")  # fmt: skip
+        compact = {**schema, "x-guidance": {"whitespace_flexible": False}}
+        rules.append(f"arguments{i}: %json {json.dumps(compact)}")
+    return StructuredOutput("grammar", "\n".join(rules))
 
 
 class Kind(Enum):
@@ -250,12 +275,23 @@ def _first_end(text: str, ends: tuple[str, ...] = _ENDS) -> tuple[int, str]:
 class Harmony:
     """The Harmony replies of one chat response's choices (see the module docstring).
     ``calls``: the request has tools and lets the model call them; ``include`` False
-    (vLLM's ``include_reasoning``) drops the thinking from the reply."""
+    (vLLM's ``include_reasoning``) drops the thinking from the reply. ``structured``: the
+    constraint that makes the reply call (``call_constraint``), for "required" or a
+    ``named`` function; a named call finishes with ``stop``, as vLLM's and OpenAI's."""
 
-    def __init__(self, opening: Opening, calls: bool, include: bool = True) -> None:
+    def __init__(
+        self,
+        opening: Opening,
+        calls: bool,
+        include: bool = True,
+        structured: StructuredOutput | None = None,
+        named: bool = False,
+    ) -> None:
         self.opening = opening
         self.calls = calls
         self.include = include
+        self.structured = structured
+        self.named = named
         self._readers: dict[int, _Reader] = {}
 
     def constrained(self, structured: StructuredOutput) -> StructuredOutput:
@@ -263,8 +299,8 @@ class Harmony:
         model writes one (``common/structured_output.py``), where the prompt opens the
         reply's header; elsewhere it applies from the first token, and the reply is
         read as bare content."""
-        if not self.opening.role_only:
-            return structured
+        if structured is self.structured or not self.opening.role_only:
+            return structured  # the calls' grammar has the thinking in it already
         return replace(structured, reasoning_start=ANALYSIS, reasoning_end=THEN_FINAL,
                        reasoning_optional=True)  # fmt: skip
 
@@ -277,7 +313,7 @@ class Harmony:
         message: dict[str, Any] = {"role": "assistant", "content": parts.content or None}
         if parts.calls:
             message["tool_calls"] = [call(name, arguments) for name, arguments in parts.calls]
-            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+            finish_reason = self._finish(finish_reason)
         message.update(self._reasoning(parts.thinking))
         return message, finish_reason
 
@@ -293,10 +329,14 @@ class Harmony:
             delta["tool_calls"] = [
                 call(name, arguments, before + i) for i, (name, arguments) in enumerate(parts.calls)
             ]
-        if finish_reason == "stop" and reader.num_calls:
-            finish_reason = "tool_calls"
+        if reader.num_calls:
+            finish_reason = self._finish(finish_reason)
         delta.update(self._reasoning(parts.thinking))
         return delta, finish_reason
+
+    def _finish(self, finish_reason: str | None) -> str | None:
+        """The finish reason of a reply that called."""
+        return "tool_calls" if finish_reason == "stop" and not self.named else finish_reason
 
     def num_tokens(self, token_texts: list[str]) -> int:
         """How many of a choice's tokens are its thinking messages', markers included

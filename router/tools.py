@@ -34,6 +34,15 @@ def call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
+def call_schemas(body: ChatCompletionRequest) -> dict[str, dict[str, Any]]:
+    """The parameters' schema of each function a request that must call may call:
+    the one ``tool_choice`` names, or all its tools ("required")."""
+    assert body.calls_tools and body.tools is not None
+    named = body.tool_choice.name if isinstance(body.tool_choice, NamedToolChoice) else None
+    return {t.function.name: t.function.parameters or ANY_OBJECT for t in body.tools
+            if named in (None, t.function.name)}  # fmt: skip
+
+
 class ToolCalls:
     """Tool calls by constraint, for one response: how its constrained text becomes
     OpenAI's ``tool_calls``, whole or streamed."""
@@ -48,8 +57,7 @@ class ToolCalls:
         """None unless the request constrains its output to tool calls."""
         if not body.calls_tools:
             return None
-        assert body.tools is not None
-        schemas = {t.function.name: t.function.parameters or ANY_OBJECT for t in body.tools}
+        schemas = call_schemas(body)
         if isinstance(body.tool_choice, NamedToolChoice):
             name = body.tool_choice.name
             return cls(name, StructuredOutput("json", json.dumps(schemas[name])))

@@ -82,7 +82,8 @@ def test_gpt_oss_chat_replies_are_read_in_harmony(stack, model_dir):
     ``auto`` are accepted; a response format constrains the final answer, after the
     thinking (made likely to start and to end by a logit bias), which comes back apart,
     whole and streamed, its tokens counted; a free reply's markers never reach the
-    client. Another model's replies are not read so. (Tool calls: test_harmony.py.)"""
+    client; tool_choice "required" makes it call (by a grammar), and the call comes back
+    as one, whole and streamed. Another model's replies are not read so."""
     client: openai.OpenAI = stack.openai_client()
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     if json.loads((model_dir / "config.json").read_text())["model_type"] != "gpt_oss":
@@ -115,6 +116,21 @@ def test_gpt_oss_chat_replies_are_read_in_harmony(stack, model_dir):
             thinking += choice.delta.model_extra.get("reasoning_content") or ""
             content += choice.delta.content or ""
     assert (thinking, content) == (thought, reply.message.content)
+    # tool_choice "required": a grammar makes the model call, after its thinking.
+    forced = {**ask, "tool_choice": "required"}
+    del forced["response_format"]
+    reply = client.chat.completions.create(**forced).choices[0]
+    (tool_call,) = reply.message.tool_calls
+    assert tool_call.function.name == "get_weather"
+    assert isinstance(json.loads(tool_call.function.arguments), dict)
+    assert reply.message.model_extra["reasoning_content"]
+    assert reply.finish_reason == "tool_calls"
+    assert reply.model_extra["token_ids"][-1] == tokenizer.token_id("<|call|>")
+    calls = [c for chunk in client.chat.completions.create(**forced, stream=True)
+             for choice in chunk.choices for c in choice.delta.tool_calls or ()]  # fmt: skip
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        ("get_weather", tool_call.function.arguments)
+    ]
     # A free reply: whatever the random model writes, no marker reaches the client.
     del ask["response_format"]
     free = client.chat.completions.create(**ask).choices[0]

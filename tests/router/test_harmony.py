@@ -23,7 +23,15 @@ from common.tokenizer import Tokenizer
 from router.choices import Choice, ChoiceEvent
 from router.detokenizer import IncrementalDetokenizer
 from router.formatting import Formatter
-from router.harmony import MARKERS, Harmony, Kind, Opening, marker_ids, opening_of
+from router.harmony import (
+    MARKERS,
+    Harmony,
+    Kind,
+    Opening,
+    call_constraint,
+    marker_ids,
+    opening_of,
+)
 from router.state import harmony_ids_of
 
 HEADER = Opening("header", header="assistant")  # the prompt ends with <|start|>assistant
@@ -306,3 +314,44 @@ def test_a_call_goes_from_tokens_to_the_chat_reply(tokenizer):
     assert [c["function"] for c in item["message"]["tool_calls"]] == [call["function"]]
     analysis_tokens = len(tokenizer.encode(ANALYSIS, add_special_tokens=False))
     assert body["usage"]["completion_tokens_details"]["reasoning_tokens"] == analysis_tokens
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+           "additionalProperties": False}  # fmt: skip
+
+
+def test_a_reply_that_must_call_calls_in_harmony(tokenizer, model_factory):
+    """tool_choice "required" or a named function: the grammar lets the model think,
+    then makes it call one of the functions, with arguments its schema allows, and end
+    the call with <|call|>; the reply reads as that call."""
+    compiler = GrammarCompiler(model_factory("gpt_oss"), tokenizer.vocab_size)
+    schemas = {"get_weather": WEATHER, "get_time": {"type": "object"}}
+
+    def accepts(structured: StructuredOutput, text: str) -> bool:
+        matcher = compiler.matcher(structured)
+        token_ids = tokenizer.encode(text, add_special_tokens=False)
+        return all(matcher.consume_token(t) for t in token_ids) and matcher.is_accepting()
+
+    def calling(name: str, arguments: str) -> str:
+        return (f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>"
+                f"{arguments}<|call|>")  # fmt: skip
+
+    required = call_constraint(schemas, tokenizer)
+    thought = "<|channel|>analysis<|message|>call it<|end|><|start|>assistant"
+    assert accepts(required, thought + calling("get_weather", '{"city":"Paris"}'))
+    assert accepts(required, calling("get_time", "{}"))
+    assert not accepts(required, calling("get_weather", '{"city":1}'))  # the schema holds
+    assert not accepts(required, calling("get_weather", '{"city": "Paris"}'))  # no free blanks
+    assert not accepts(required, calling("get_date", "{}"))
+    assert not accepts(required, thought)  # it must call
+    assert not accepts(required, "<|channel|>final<|message|>no<|return|>")
+    named = call_constraint({"get_time": {"type": "object"}}, tokenizer)
+    assert not accepts(named, calling("get_weather", '{"city":"Paris"}'))
+
+    harmony = Harmony(HEADER, calls=True, structured=required)
+    assert harmony.constrained(required) is required  # its thinking is in it already
+    message, finish_reason = harmony.message(thought + calling("get_time", "{}"), "stop")
+    assert message["tool_calls"][0]["function"] == {"name": "get_time", "arguments": "{}"}
+    assert (message["reasoning_content"], finish_reason) == ("call it", "tool_calls")
+    named_reply = Harmony(HEADER, calls=True, structured=named, named=True)
+    assert named_reply.message(calling("get_time", "{}"), "stop")[1] == "stop"  # as vLLM's
