@@ -163,6 +163,7 @@ class ToolCallParser(StrEnum):
     NONE = "none"  # tool_choice "auto" refused: only required or a named function
     HERMES = "hermes"  # <tool_call>{"name": ..., "arguments": ...}</tool_call> (Qwen2.5/3, Hermes)
     LLAMA3_JSON = "llama3_json"  # the answer is {"name": ..., "parameters": ...} (Llama 3.x)
+    MISTRAL = "mistral"  # [TOOL_CALLS] then a JSON list, or NAME[ARGS]{...} per call (Mistral)
 
 
 _ENUM_FIELDS["ToolCallParser"] = ToolCallParser

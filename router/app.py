@@ -52,7 +52,7 @@ from router.reasoning import PROMPT_TAIL_TOKENS, Reasoning, opening_of
 from router.state import RouterState
 from router.structured import check as check_constraint
 from router.structured import structured_output_of
-from router.tool_parsers import tool_format_of
+from router.tool_parsers import MistralCalls, tool_format_of
 from router.tools import call_schemas
 
 logger = logging.getLogger(__name__)
@@ -278,10 +278,13 @@ def create_app(state: RouterState) -> FastAPI:
             reader = Harmony(harmony_opening(tail, calls), calls, body.include_reasoning,
                              forced, named)  # fmt: skip
             return await respond(request, body, [prompt], chat=True, logprobs=logprobs,
-                                 harmony=reader, lora_name=lora_name)  # fmt: skip
+                                 harmony=reader, lora_name=lora_name,
+                                 keep_special=state.harmony_ids)  # fmt: skip
+        # A tool format whose markers are special tokens reads them in the text.
+        keep = state.tool_marker_ids if isinstance(tool_format, MistralCalls) else frozenset()
         return await respond(request, body, [prompt], chat=True, logprobs=logprobs,
                              tool_format=tool_format, reasoning=reasoning_of(body, tail),
-                             lora_name=lora_name)  # fmt: skip
+                             lora_name=lora_name, keep_special=keep)  # fmt: skip
 
     # ------------------------------------------------------------------ helpers
 
@@ -349,8 +352,10 @@ def create_app(state: RouterState) -> FastAPI:
         reasoning: Reasoning | None = None,
         lora_name: str | None = None,
         harmony: Harmony | None = None,
+        keep_special: frozenset[int] | None = frozenset(),
     ):
-        """``lora_name``: the adapter the request's ``model`` named; None: the base model."""
+        """``lora_name``: the adapter the request's ``model`` named; None: the base model.
+        ``keep_special``: special tokens kept in the text (markers a parser reads)."""
         if state.draining:
             raise unavailable("the router is draining")
         vocab = state.model.vocab_size or state.tokenizer.vocab_size  # what the engine checks
@@ -399,7 +404,7 @@ def create_app(state: RouterState) -> FastAPI:
                 "min_tokens",
             )
         response_id = new_id("chatcmpl" if chat else "cmpl")
-        keep = state.harmony_ids if harmony is not None else frozenset()  # markers in the text
+        keep = keep_special or frozenset()
         choices = build_choices(
             response_id,
             prompts,

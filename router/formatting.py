@@ -11,11 +11,11 @@ from proto import pdserve_pb2 as pb
 from router.choices import Choice, ChoiceEvent
 from router.harmony import Harmony
 from router.reasoning import Reasoning
-from router.tool_parsers import HermesCalls, JsonCalls
+from router.tool_parsers import HermesCalls, JsonCalls, MistralCalls
 from router.tools import ToolCalls
 
 TokenText = Callable[[int], str]
-ToolFormat = ToolCalls | HermesCalls | JsonCalls  # each has message() and delta()
+ToolFormat = ToolCalls | HermesCalls | JsonCalls | MistralCalls  # message() and delta()
 
 
 def _token_counts(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -25,6 +25,7 @@ from router.lora_adapters import LoraAdapters
 from router.metrics import RouterMetrics
 from router.policy import PlacementPolicy
 from router.prefix_index import PrefixIndex
+from router.tool_parsers import MISTRAL_MARKERS
 from router.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,9 @@ class RouterState:
     # The Harmony markers' token ids, where the model writes its chat replies in that
     # format (GPT-OSS; router/harmony.py); None: it does not.
     harmony_ids: frozenset[int] | None = None
+    # The tool-call parser's markers that are special tokens, which decoding would drop
+    # (Mistral's [TOOL_CALLS]; router/tool_parsers.py).
+    tool_marker_ids: frozenset[int] = frozenset()
     _token_texts: dict[int, str] = field(default_factory=dict)
     # Compiles structured-output constraints as the workers will (router/structured.py).
     grammar_compiler: GrammarCompiler = field(init=False)
@@ -87,7 +91,8 @@ class RouterState:
         tokenizer = Tokenizer(model.model_dir)
         return cls(config, model, tokenizer, index, lock, events, pool, metrics, dispatcher,
                    adapters, generation_defaults=GenerationDefaults.read(model.model_dir),
-                   harmony_ids=harmony_ids_of(config, model, tokenizer))  # fmt: skip
+                   harmony_ids=harmony_ids_of(config, model, tokenizer),
+                   tool_marker_ids=tool_marker_ids_of(config, tokenizer))  # fmt: skip
 
     async def start(self) -> None:
         self.events.start()
@@ -183,6 +188,14 @@ def harmony_ids_of(
                 "(thinking, answer and tool calls): leave it none",
             )
     return ids
+
+
+def tool_marker_ids_of(config: PdserveConfig, tokenizer: Tokenizer) -> frozenset[int]:
+    """The ids of the configured tool-call parser's markers that are special tokens."""
+    if config.router.tool_call_parser is not ToolCallParser.MISTRAL:
+        return frozenset()
+    ids = (tokenizer.token_id(marker) for marker in MISTRAL_MARKERS)
+    return frozenset(i for i in ids if i is not None and i in tokenizer.special_ids)
 
 
 def bad_words_token_ids(tokenizer: Tokenizer, words: Iterable[str]) -> list[list[int]]:

@@ -10,6 +10,16 @@ only what may be the start of ``<tool_call>``), and each call once its closing t
 arrives. A call whose body is not such JSON, or one cut short, stays text, as vLLM's
 parser leaves it; whitespace between calls is dropped.
 
+``mistral`` (Mistral's instruct models): content, then ``[TOOL_CALLS]`` (a special token,
+which the router's detokenizer keeps in the text for this parser) and the calls, in
+either of Mistral's two formats: a JSON list of ``{"name": ..., "arguments": {...}}``
+(tokenizers before v11: Mistral-7B-v0.3, Mixtral-8x22B, Mistral-Nemo), or
+``NAME[ARGS]{...}`` per call, each after its own ``[TOOL_CALLS]`` (v11 and later: Mistral
+Small 3.2, Magistral, Devstral; a ``[CALL_ID]id`` after the name is dropped: OpenAI's
+ids are the router's). Content streams up to the marker; the calls are held to the end
+and read whole; calls that do not parse are content, marker included, as the other
+parsers leave a broken call as text.
+
 ``llama3_json`` (Llama 3.1-3.3's JSON tool calling): a reply that calls is nothing but
 calls, ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``), several joined by
 ``;``, after an optional ``<|python_tag|>`` (a special token, which decoding drops). A
@@ -32,7 +42,7 @@ START, END = "<tool_call>", "</tool_call>"
 
 def tool_format_of(
     body: ChatCompletionRequest, parser: ToolCallParser
-) -> ToolCalls | HermesCalls | JsonCalls | None:
+) -> ToolCalls | HermesCalls | JsonCalls | MistralCalls | None:
     """How a chat request's tool calls are made: by constraint ("required", a named
     function), parsed from free text ("auto" or unset, with a parser configured), or not
     at all. Raises ``FieldError`` for "auto" without a parser."""
@@ -46,6 +56,8 @@ def tool_format_of(
             'a named function, or "none"',
             "tool_choice",
         )
+    if parser is ToolCallParser.MISTRAL:
+        return MistralCalls()
     return HermesCalls() if parser is ToolCallParser.HERMES else JsonCalls()
 
 
@@ -216,3 +228,91 @@ def _opens_calls(text: str) -> bool | None:
     if not rest:
         return None
     return rest.startswith("{")
+
+
+TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+MISTRAL_MARKERS = (TOOL_CALLS, ARGS, CALL_ID)  # special tokens the detokenizer keeps
+
+
+def _mistral_calls(text: str) -> list[dict[str, Any]] | None:
+    """OpenAI's ``tool_calls`` of what follows a reply's first ``[TOOL_CALLS]``; None if
+    it is not calls."""
+    if text.lstrip().startswith("["):  # before v11: one JSON list
+        try:
+            listed = json.loads(text)
+        except ValueError:
+            return None
+        if not isinstance(listed, list) or not listed:
+            return None
+        parsed = [_name_and_arguments(value, ("arguments", "parameters")) for value in listed]
+        if any(p is None for p in parsed):
+            return None
+        return [call(*p) for p in parsed if p is not None]
+    calls = []
+    for piece in text.split(TOOL_CALLS):  # v11 and later: NAME[ARGS]{...} per call
+        name, found, arguments = piece.partition(ARGS)
+        name = name.partition(CALL_ID)[0].strip()
+        try:
+            value = json.loads(arguments) if found and name else None
+        except ValueError:
+            return None
+        if not isinstance(value, dict):
+            return None
+        calls.append(call(name, json.dumps(value, ensure_ascii=False)))
+    return calls
+
+
+class _MistralReader:
+    """One choice's text, read as it comes: content up to ``[TOOL_CALLS]``, then held."""
+
+    def __init__(self) -> None:
+        self.pending = ""
+        self.held: str | None = None  # what follows the marker, once it came
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
+        """Content to send and the calls (all at the end, when ``final``)."""
+        content = ""
+        if self.held is None:
+            self.pending += text
+            at = self.pending.find(TOOL_CALLS)
+            if at < 0:
+                keep = 0 if final else partial_tag(self.pending, TOOL_CALLS)
+                content, self.pending = (self.pending[: len(self.pending) - keep],
+                                         self.pending[len(self.pending) - keep :])  # fmt: skip
+                return content, []
+            content, self.held = self.pending[:at], self.pending[at + len(TOOL_CALLS) :]
+        else:
+            self.held += text
+        if not final:
+            return content, []
+        calls = _mistral_calls(self.held)
+        if calls is None:  # not calls: text, as the model wrote it
+            return content + TOOL_CALLS + self.held, []
+        return content, calls
+
+
+class MistralCalls:
+    """Mistral-format tool calls of one response (see the module docstring)."""
+
+    structured = None  # nothing constrains the text
+
+    def __init__(self) -> None:
+        self._readers: dict[int, _MistralReader] = {}
+
+    def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        content, calls = _MistralReader().feed(text, final=True)
+        if not calls:
+            return {"role": "assistant", "content": content}, finish_reason
+        message = {"role": "assistant", "content": content.strip() or None, "tool_calls": calls}
+        return message, "tool_calls" if finish_reason == "stop" else finish_reason
+
+    def delta(
+        self, index: int, text: str, first: bool, finish_reason: str | None
+    ) -> tuple[dict[str, Any], str | None]:
+        reader = self._readers.setdefault(index, _MistralReader())
+        content, calls = reader.feed(text, final=finish_reason is not None)
+        delta: dict[str, Any] = {"content": content if content or not calls else None}
+        if not calls:
+            return delta, finish_reason
+        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+        return delta, "tool_calls" if finish_reason == "stop" else finish_reason

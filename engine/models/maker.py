@@ -32,6 +32,7 @@ from engine.models.tokenizer_trainer import (
     HARMONY_CHAT_TEMPLATE,
     HARMONY_TOKENS,
     IM_END,
+    MISTRAL_TOOL_TOKENS,
     PAD_TOKEN,
     THINK_TOKENS,
     THINKING_CHAT_TEMPLATE,
@@ -204,6 +205,8 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
         tokenizer.add_tokens(THINK_TOKENS)
     if arch == "gpt_oss":  # GPT-OSS writes Harmony: its markers are special tokens
         tokenizer.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
+    if arch == "mistral":  # Mistral's tool-call markers, special tokens as in its tokenizers
+        tokenizer.add_special_tokens({"additional_special_tokens": MISTRAL_TOOL_TOKENS})
     ids = {
         "bos": tokenizer.convert_tokens_to_ids(BOS_TOKEN),
         "eos": tokenizer.convert_tokens_to_ids(EOS_TOKEN),

@@ -42,6 +42,9 @@ THINKING_CHAT_TEMPLATE = (
     "{% endif %}"
 )
 
+# Mistral's tool-call markers (router/tool_parsers.py reads them).
+MISTRAL_TOOL_TOKENS = ["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"]
+
 # GPT-OSS's Harmony format (router/harmony.py reads it): its markers, special tokens as in
 # the real tokenizer, and a template in its shape: a system message with the reasoning
 # effort, a developer message with the instructions and the tools, the turns, and a

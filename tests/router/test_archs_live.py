@@ -1,9 +1,11 @@
 """Architectures beyond Llama served disaggregated by a real ``pdserve up`` stack (router +
 1 prefill + 1 decode worker): a mixture-of-experts model (Qwen2-MoE: routed experts plus a
-gated shared expert) and GPT-OSS (attention sinks, biased experts, windows on every other
-layer). The prompt's KV moves to the decode worker, which continues it, and the client gets
-exactly the offline engine's tokens, greedy and seeded, whole and streamed. (Gemma 3 and
-Phi-3 differ from these only inside the engine: their parity is tested offline.)"""
+gated shared expert), GPT-OSS (attention sinks, biased experts, windows on every other
+layer) and Mistral (a window on every layer). The prompt's KV moves to the decode worker,
+which continues it, and the client gets exactly the offline engine's tokens, greedy and
+seeded, whole and streamed. (Gemma 3 and Phi-3 differ from these only inside the engine:
+their parity is tested offline.) Then each model's own chat formats: GPT-OSS's Harmony,
+Mistral's tool calls."""
 
 from __future__ import annotations
 
@@ -26,18 +28,23 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0
           "required": ["n"], "additionalProperties": False}  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=["qwen2_moe", "gpt_oss"])
+@pytest.fixture(scope="module", params=["qwen2_moe", "gpt_oss", "mistral"])
 def model_dir(request, model_factory):
     return model_factory(request.param)
+
+
+def _model_type(model_dir) -> str:
+    return json.loads((model_dir / "config.json").read_text())["model_type"]
 
 
 @pytest.fixture(scope="module")
 def stack(model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("arch")
+    parser = {"mistral": "mistral"}.get(_model_type(model_dir), "none")
     config = write_config(
         tmp / "config.yaml",
         model_dir,
-        router={"served_model_name": MODEL, "min_disagg_tokens": 0},
+        router={"served_model_name": MODEL, "min_disagg_tokens": 0, "tool_call_parser": parser},
     )
     with serving(config, tmp / "home") as stack:
         yield stack
@@ -86,10 +93,11 @@ def test_gpt_oss_chat_replies_are_read_in_harmony(stack, model_dir):
     as one, whole and streamed. Another model's replies are not read so."""
     client: openai.OpenAI = stack.openai_client()
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    if json.loads((model_dir / "config.json").read_text())["model_type"] != "gpt_oss":
+    if _model_type(model_dir) == "qwen2_moe":
         # Another model's replies are not Harmony: tools in auto need a configured parser.
         with pytest.raises(openai.BadRequestError, match="tool_call_parser"):
             client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL])
+    if _model_type(model_dir) != "gpt_oss":
         return
     tokenizer = Tokenizer(model_dir)
     bias = {str(tokenizer.token_id(m)): 8.0 for m in ("<|channel|>", "<|end|>")}
@@ -136,3 +144,31 @@ def test_gpt_oss_chat_replies_are_read_in_harmony(stack, model_dir):
     free = client.chat.completions.create(**ask).choices[0]
     shown = (free.message.content or "") + (free.message.model_extra.get("reasoning_content") or "")
     assert "<|" not in shown
+
+
+def test_mistral_tool_calls_are_read_with_their_markers(stack, model_dir):
+    """With ``tool_call_parser: mistral`` the router keeps Mistral's markers (special
+    tokens, which decoding drops) in the text: a reply made to call (by a grammar, from
+    random weights) comes back as the calls, whole and streamed."""
+    if _model_type(model_dir) != "mistral":
+        return
+    client: openai.OpenAI = stack.openai_client()
+    tokenizer = Tokenizer(model_dir)
+    tool_calls, args = (f"<[{tokenizer.token_id(m)}]>" for m in ("[TOOL_CALLS]", "[ARGS]"))
+    grammar = (f'start: "Sure." {tool_calls} "get_weather" {args} "{{\\"city\\": \\"Paris\\"}}" '
+               f'{tool_calls} "get_time" {args} "{{}}"\n')  # fmt: skip
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "Weather and time?"}],
+           "tools": [WEATHER_TOOL], "max_tokens": 48, "temperature": 1.0, "seed": 2,
+           "extra_body": {"structured_outputs": {"grammar": grammar}}}  # fmt: skip
+    reply = client.chat.completions.create(**ask).choices[0]
+    assert reply.message.content == "Sure."
+    made = [(c.function.name, json.loads(c.function.arguments)) for c in reply.message.tool_calls]
+    assert made == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert reply.finish_reason == "tool_calls"
+    content, calls = "", []
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            calls += choice.delta.tool_calls or []
+    assert content == "Sure."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == made

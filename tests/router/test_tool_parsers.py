@@ -1,6 +1,6 @@
-"""Tool calls read from free text (tool_choice "auto"), in the Hermes and Llama 3 JSON
-formats: a stream cut anywhere adds up to the whole response; what is not a complete call
-stays text."""
+"""Tool calls read from free text (tool_choice "auto"), in the Hermes, Llama 3 JSON and
+Mistral formats: a stream cut anywhere adds up to the whole response; what is not a
+complete call stays text."""
 
 from __future__ import annotations
 
@@ -11,10 +11,14 @@ from types import SimpleNamespace
 import pytest
 
 from common.config import ToolCallParser
+from common.config_loader import load_config
+from common.tokenizer import Tokenizer
 from router.choices import Choice, ChoiceEvent
+from router.detokenizer import IncrementalDetokenizer
 from router.formatting import Formatter
 from router.protocol import ChatCompletionRequest, FieldError
-from router.tool_parsers import HermesCalls, JsonCalls, tool_format_of
+from router.state import tool_marker_ids_of
+from router.tool_parsers import HermesCalls, JsonCalls, MistralCalls, tool_format_of
 from router.tools import ToolCalls
 
 TWO_CALLS = (
@@ -164,3 +168,75 @@ def test_llama3_json_plain_text_is_not_held_back():
     assert calls.delta(0, "  ", True, None) == ({}, None)  # blank: undecided
     assert calls.delta(0, "Sure", False, None) == ({"content": "  Sure"}, None)
     assert calls.delta(0, " {", False, None) == ({"content": " {"}, None)
+
+
+MISTRAL_CASES = [  # text, (content, calls) of the whole reply
+    # Before v11: one JSON list after the marker.
+    (
+        '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+        '{"name": "get_time", "arguments": {}}]',
+        (None, [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ),
+    # v11 and later: NAME[ARGS]{...} per call, each after its own marker (a [CALL_ID] dropped).
+    (
+        'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}'
+        '[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{"zone": "CET"}',
+        ("Checking.", [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})]),
+    ),
+    ("No call here [TOOL_CALL] at all.", ("No call here [TOOL_CALL] at all.", [])),
+    # Calls that do not parse (cut short, or not calls) are content, marker included.
+    (
+        'Hm.[TOOL_CALLS]get_weather[ARGS]{"city": "Par',
+        ('Hm.[TOOL_CALLS]get_weather[ARGS]{"city": "Par', []),
+    ),
+    ('[TOOL_CALLS] [{"city": "Paris"}]', ('[TOOL_CALLS] [{"city": "Paris"}]', [])),
+    ("[TOOL_CALLS]get_weather", ("[TOOL_CALLS]get_weather", [])),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), MISTRAL_CASES)
+def test_mistral_calls_whole_and_streamed_at_any_cut(text, expected):
+    message, reason = MistralCalls().message(text, "stop")
+    content, calls = expected
+    assert message["content"] == content
+    assert _names_and_arguments(message.get("tool_calls", [])) == calls
+    assert reason == ("tool_calls" if calls else "stop")
+    rng = random.Random(len(text))
+    cuts_list = [list(range(1, len(text)))]
+    cuts_list += [sorted(rng.sample(range(1, len(text)), 4)) for _ in range(20)]
+    for cuts in cuts_list:
+        streamed, made, streamed_reason = _streamed(text, cuts, "stop", parser=MistralCalls)
+        assert (streamed.strip() or None) == content if calls else streamed == content
+        assert _names_and_arguments(made) == calls and streamed_reason == reason
+        assert [c["index"] for c in made] == list(range(len(calls)))
+
+
+def test_mistral_content_streams_up_to_the_marker():
+    calls = MistralCalls()
+    delta, _ = calls.delta(0, "Sure, [TOOL", True, None)
+    assert delta == {"content": "Sure, "}  # "[TOOL" may begin the marker
+    delta, _ = calls.delta(0, "_CALLS]get_time[ARGS]{}", False, None)
+    assert delta == {"content": ""}
+    delta, reason = calls.delta(0, "", False, "stop")
+    assert _names_and_arguments(delta["tool_calls"]) == [("get_time", {})]
+    assert reason == "tool_calls"
+
+
+def test_the_mistral_markers_reach_the_parser(model_factory):
+    """The made Mistral tokenizer has the markers as special tokens, as Mistral's have:
+    the router keeps them in the text for this parser (decoding drops them otherwise)."""
+    mistral = model_factory("mistral")
+    config = load_config(None, [f"model={mistral}", "router.tool_call_parser=mistral"])
+    tokenizer = Tokenizer(mistral)
+    keep = tool_marker_ids_of(config, tokenizer)
+    assert keep == {tokenizer.token_id(m) for m in ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")}
+    assert keep <= tokenizer.special_ids
+    plain = load_config(None, [f"model={mistral}", "router.tool_call_parser=hermes"])
+    assert tool_marker_ids_of(plain, tokenizer) == frozenset()
+    text = 'Ok.[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}'
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(token_ids) == 'Ok.get_time{"zone": "CET"}'
+    detokenizer = IncrementalDetokenizer(tokenizer, keep_special=keep)
+    decoded = "".join(detokenizer.add([t]) for t in token_ids) + detokenizer.finish()
+    message, _ = MistralCalls().message(decoded, "stop")
+    assert _names_and_arguments(message["tool_calls"]) == [("get_time", {"zone": "CET"})]
