@@ -8,6 +8,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from common.config import ConfigError, PdserveConfig, Role
 from common.hf_config import max_context_len, text_config
@@ -54,6 +55,7 @@ def model_info(config: PdserveConfig) -> ModelInfo:
     # request must fit every worker it may be placed on.
     engines = [config.engine_for(role) for role in Role if config.role(role).replicas > 0]
     max_model_len = min([limit, *(e.max_model_len for e in engines if e.max_model_len)])
+    check_text_parsers(config, hf_config)
     name = config.router.served_model_name or ("demo" if not config.model else model_dir.name)
     if name in config.lora.adapters:  # "model" would name both
         raise ConfigError(
@@ -63,3 +65,26 @@ def model_info(config: PdserveConfig) -> ModelInfo:
     return ModelInfo(model_dir, name, max_model_len, config.engine_for(Role.DECODE).block_size,
                      int(hf_config.get("vocab_size", 0)),
                      str(hf_config.get("model_type") or ""))  # fmt: skip
+
+
+def check_text_parsers(config: PdserveConfig, hf_config: dict[str, Any]) -> None:
+    """GPT-OSS writes its replies in the Harmony format, which the router reads by itself
+    (``router/harmony.py``): a text parser configured for it is a ``ConfigError``."""
+    if hf_config.get("model_type") != "gpt_oss":
+        return
+    router = config.router
+    for key, value in (("reasoning_parser", router.reasoning_parser),
+                       ("tool_call_parser", router.tool_call_parser)):  # fmt: skip
+        if value != "none":
+            raise ConfigError(
+                f"router.{key}",
+                "GPT-OSS writes the Harmony format, which the router reads by itself "
+                "(thinking, answer and tool calls): leave it none",
+            )
+
+
+def checkpoint_text_config(config: PdserveConfig) -> dict[str, Any] | None:
+    """The served checkpoint's text-model config, None before it exists (a demo model
+    made at first start)."""
+    path = model_dir_of(config) / "config.json"
+    return text_config(json.loads(path.read_text())) if path.exists() else None

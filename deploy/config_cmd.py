@@ -17,7 +17,13 @@ import yaml
 
 from common.config import ConfigError, PdserveConfig, Role
 from common.kv_budget import KVBudget, kv_budgets
-from common.model_info import ADAPTER_CONFIG, ADAPTER_WEIGHTS, model_dir_of
+from common.model_info import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    check_text_parsers,
+    checkpoint_text_config,
+    model_dir_of,
+)
 from deploy.config_args import add_overrides
 
 
@@ -38,6 +44,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.file, args.overrides)
         budgets = kv_budgets(config)
+        hf_config = checkpoint_text_config(config)
+        if hf_config is not None:
+            check_text_parsers(config, hf_config)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -27,6 +27,8 @@ class IncrementalDetokenizer:
         for a format the router reads from the text (``router/harmony.py``)."""
         self.tokenizer = tokenizer
         self.keep_special = keep_special
+        self._markers = [tokenizer.decode([t], skip_special_tokens=False) for t in keep_special]
+        self._marker_len = max((len(m) for m in self._markers), default=0)
         self.stop = [s for s in stop if s]
         self.min_tokens = min_tokens
         self._hold = max((len(s) for s in self.stop), default=1) - 1
@@ -82,7 +84,14 @@ class IncrementalDetokenizer:
         # min_tokens' text): each stop string may begin len(s) - 1 characters before it.
         # One start for all (the longest's) let a short one match inside the exempt text.
         searched = max(self._emitted, self._search_from)
-        found = [(self.text.find(s, max(searched - len(s) + 1, 0)), s) for s in self.stop]
+        text = self.text
+        if self._markers:  # kept markers (Harmony) are no text a stop string can match in
+            start = max(searched - self._hold - self._marker_len, 0)
+            window = text[start:]
+            for marker in self._markers:
+                window = window.replace(marker, "\0" * len(marker))
+            text = text[:start] + window
+        found = [(text.find(s, max(searched - len(s) + 1, 0)), s) for s in self.stop]
         found = [(i, s) for i, s in found if i >= 0]
         if found:
             index, stop = min(found)

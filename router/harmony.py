@@ -23,7 +23,8 @@ header:
 - channel ``final``, ``commentary`` with no recipient (a preamble meant for the user),
   or none: content.
 
-Text outside any message is content: a reply with no header at all (a constrained one,
+Several messages of one kind are joined by a newline, as vLLM joins them. Text outside
+any message is content: a reply with no header at all (a constrained one,
 whose constraint applies from its first token, or a model that ignores the format) is
 all content. A body ends at its end marker (``<|end|>``, ``<|return|>`` or ``<|call|>``),
 or where a next message starts (``<|start|>``). Where the prompt leaves off (inside a
@@ -180,6 +181,8 @@ class _Reader:
         self.num_calls = 0
         self.num_messages = 0  # messages ended
         self.last_kind = Kind.CONTENT  # of the message that ended last
+        self.written: set[Kind] = set()  # kinds some text went to
+        self.fresh = True  # the open body has given no text yet
 
     def feed(self, text: str, final: bool) -> Parts:
         """What ``text`` adds (with all that is held, when ``final``)."""
@@ -191,7 +194,11 @@ class _Reader:
                     self.pending = self.pending[len(START) :]
                     self.state, self.header = "header", ""
                     continue
-                if not self.pending or (START.startswith(self.pending) and not final):
+                if self.pending.startswith(CHANNEL):  # a header whose role was left out
+                    self.state, self.header = "header", ""
+                    continue
+                held = START.startswith(self.pending) or CHANNEL.startswith(self.pending)
+                if not self.pending or (held and not final):
                     return parts
                 self._open(Kind.CONTENT, None)  # text outside messages
             elif self.state == "header":
@@ -235,8 +242,8 @@ class _Reader:
             self._add(self.pending[:cut], parts)
             self.pending = self.pending[cut:]
             if final and self.kind is Kind.CALL:  # cut short: not a call
-                parts.content += self.call_body
-                self.call_body = ""
+                self.kind, body, self.call_body = Kind.CONTENT, self.call_body, ""
+                self._add(body, parts)
             return False
         self._add(self.pending[:at], parts)
         self.pending = self.pending[at + (0 if marker == START else len(marker)) :]
@@ -250,20 +257,30 @@ class _Reader:
 
     def _open(self, kind: Kind, name: str | None) -> None:
         self.state, self.kind, self.name = "body", kind, name
+        self.fresh = True
 
     def _ended(self, kind: Kind) -> None:
         self.state, self.last_kind = "between", kind
         self.num_messages += 1
 
     def _add(self, text: str, parts: Parts) -> None:
+        """A piece of the open body; its first text after another message's of the same
+        kind starts with a newline."""
         for marker in _STRAY:
             text = text.replace(marker, "")
+        if self.kind is Kind.CALL:
+            self.call_body += text
+            return
+        if not text:
+            return
+        if self.fresh and self.kind in self.written:
+            text = "\n" + text
+        self.fresh = False
+        self.written.add(self.kind)
         if self.kind is Kind.THINKING:
             parts.thinking += text
-        elif self.kind is Kind.CONTENT:
-            parts.content += text
         else:
-            self.call_body += text
+            parts.content += text
 
 
 def _first_end(text: str, ends: tuple[str, ...] = _ENDS) -> tuple[int, str]:

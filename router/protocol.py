@@ -340,7 +340,11 @@ class ChatMessage(_Body):
             message["name"] = self.name
         thinking = self.reasoning_content or self.reasoning
         if thinking and self.role == "assistant":
-            message["reasoning_content"] = message["thinking"] = thinking
+            message["reasoning_content"] = thinking
+            # GPT-OSS's template refuses a call turn with both (it renders either one as
+            # the analysis): there the text (a preamble) goes as before, the thinking not.
+            if not (self.tool_calls and message["content"]):
+                message["thinking"] = thinking
         if self.tool_calls:
             message["tool_calls"] = [_call_for_template(call) for call in self.tool_calls]
         if self.tool_call_id is not None:

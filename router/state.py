@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
-from common.config import ConfigError, PdserveConfig, ReasoningParser, Role, ToolCallParser
+from common.config import PdserveConfig, Role, ToolCallParser
 from common.generation_config import GenerationDefaults
 from common.model_info import ModelInfo, model_info
 from common.registry import create_registry
@@ -166,7 +166,7 @@ def harmony_ids_of(
     config: PdserveConfig, model: ModelInfo, tokenizer: Tokenizer
 ) -> frozenset[int] | None:
     """The Harmony markers' ids for a GPT-OSS checkpoint whose tokenizer has them; None
-    for any other. Its replies are read in that format, so the text parsers stay unset."""
+    for any other. (``model_info`` refused text parsers configured for it.)"""
     if model.model_type != "gpt_oss":
         return None
     ids = marker_ids(tokenizer)
@@ -177,16 +177,6 @@ def harmony_ids_of(
             model.model_dir,
         )
         return None
-    router = config.router
-    parsers = {"reasoning_parser": router.reasoning_parser is not ReasoningParser.NONE,
-               "tool_call_parser": router.tool_call_parser is not ToolCallParser.NONE}  # fmt: skip
-    for key, is_set in parsers.items():
-        if is_set:
-            raise ConfigError(
-                f"router.{key}",
-                "GPT-OSS writes the Harmony format, which the router reads by itself "
-                "(thinking, answer and tool calls): leave it none",
-            )
     return ids
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -87,9 +89,20 @@ CASES = [  # text, calls allowed, (thinking, content, calls)
     (
         ANALYSIS + "stray" + FINAL,
         True,
-        ("The user asks for the weather.", "strayIt is sunny in Paris.", []),
+        ("The user asks for the weather.", "stray\nIt is sunny in Paris.", []),
     ),
     ("<|channel|>analysis<|message|>no end" + FINAL, True, ("no end", "It is sunny in Paris.", [])),
+    # Messages of one kind are joined by a newline.
+    (
+        "<|channel|>commentary<|message|>Checking.<|end|>" + ANALYSIS + FINAL,
+        True,
+        ("The user asks for the weather.", "Checking.\nIt is sunny in Paris.", []),
+    ),
+    (
+        ANALYSIS + "<|start|>assistant<|channel|>analysis to=python<|message|>1+1<|end|>" + FINAL,
+        True,
+        ("The user asks for the weather.\n1+1", "It is sunny in Paris.", []),
+    ),
     # A header's marker inside a body is dropped, as decoding drops special tokens.
     ("x<|channel|>y<|message|><|constrain|>z<|end|>", True, (None, "xyz", [])),
     ("", True, (None, None, [])),
@@ -174,6 +187,12 @@ def test_a_reply_begins_where_the_prompt_left_it():
     between = opening_of("<|return|>", calls=True)
     assert _whole(FINAL, True, between)[0] == (None, "It is sunny in Paris.", [])
     assert _whole("plain", True, between)[0] == (None, "plain", [])
+    # Between messages, a header may leave its role out (a forced call after a prompt that
+    # ends a message; a model that skips <|start|>assistant).
+    called = "<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}<|call|>"
+    assert _whole(called, True, between)[0] == (None, None, [("f", "{}")])
+    assert _whole(ANALYSIS + FINAL[len("<|start|>assistant") :], True)[0] == (
+        "The user asks for the weather.", "It is sunny in Paris.", [])  # fmt: skip
     with_channel = Opening("header", header="assistant<|channel|>analysis")
     assert _whole("<|message|>hmm<|end|>", True, with_channel)[0] == ("hmm", None, [])
 
@@ -230,15 +249,22 @@ def test_reasoning_tokens_are_the_analysis_messages(tokenizer):
     assert harmony.num_tokens(texts[len(analysis) :]) == 0  # no thinking, with a header
 
 
-def test_a_gpt_oss_checkpoint_is_read_in_harmony_with_no_parser_set(model_factory):
+def test_a_gpt_oss_checkpoint_is_read_in_harmony_with_no_parser_set(model_factory, tmp_path):
+    """A text parser configured for it is a config error: at the router's start (through
+    model_info, which every entry point reads) and in ``pdserve config check``."""
     gpt_oss = model_factory("gpt_oss")
     config = load_config(None, [f"model={gpt_oss}"])
     ids = harmony_ids_of(config, model_info(config), Tokenizer(gpt_oss))
     assert ids == marker_ids(Tokenizer(gpt_oss))
     for key, value in (("reasoning_parser", "qwen3"), ("tool_call_parser", "hermes")):
-        config = load_config(None, [f"model={gpt_oss}", f"router.{key}={value}"])
+        overrides = [f"model={gpt_oss}", f"router.{key}={value}"]
         with pytest.raises(ConfigError, match=f"router.{key}: GPT-OSS writes the Harmony"):
-            harmony_ids_of(config, model_info(config), Tokenizer(gpt_oss))
+            model_info(load_config(None, overrides))
+        path = tmp_path / "config.yaml"
+        path.write_text(f"model: {gpt_oss}\nrouter: {{{key}: {value}}}\n")
+        checked = subprocess.run([sys.executable, "-m", "deploy.cli", "config", "check", str(path)],
+                                 capture_output=True, text=True)  # fmt: skip
+        assert checked.returncode == 2 and f"router.{key}: GPT-OSS" in checked.stderr
     llama = model_factory("llama")
     config = load_config(None, [f"model={llama}", "router.reasoning_parser=qwen3"])
     assert harmony_ids_of(config, model_info(config), Tokenizer(llama)) is None
@@ -355,3 +381,16 @@ def test_a_reply_that_must_call_calls_in_harmony(tokenizer, model_factory):
     assert (message["reasoning_content"], finish_reason) == ("call it", "tool_calls")
     named_reply = Harmony(HEADER, calls=True, structured=named, named=True)
     assert named_reply.message(calling("get_time", "{}"), "stop")[1] == "stop"  # as vLLM's
+
+
+def test_a_stop_string_never_matches_inside_a_marker(tokenizer):
+    """A stop string is matched on the reply's text, never inside a kept marker: one
+    that spells a piece of one ("end") would cut the reply there and show the client
+    half a marker."""
+    reply = "<|channel|>final<|message|>The end.<|return|>"
+    token_ids = tokenizer.encode(reply, add_special_tokens=False)
+    for stop, shown in (("end", "The "), ("|>", "The end."), ("e", "Th")):
+        detokenizer = IncrementalDetokenizer(tokenizer, [stop], keep_special=marker_ids(tokenizer))
+        text = "".join(detokenizer.add([t]) for t in token_ids) + detokenizer.finish()
+        message, _ = Harmony(HEADER, calls=False).message(text, "stop")
+        assert message["content"] == shown, stop

@@ -188,6 +188,15 @@ def test_an_assistant_turns_thinking_reaches_the_template_under_both_names():
     assert first == {"role": "assistant", "content": "4", "reasoning_content": "2 + 2",
                      "thinking": "2 + 2"}  # fmt: skip
     assert second["reasoning_content"] == second["thinking"] == "2 + 3"
+    # A call turn with text and thinking (a GPT-OSS reply sent back as it came): GPT-OSS's
+    # template refuses both, and renders the text as the analysis, as before thinking went.
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    body = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "Let me check.", "reasoning_content": "r",
+         "tool_calls": [call]}]})  # fmt: skip
+    turn = body.messages[1].for_template()
+    assert turn["reasoning_content"] == "r" and "thinking" not in turn
 
 
 def test_reasoning_effort_is_a_template_variable():
