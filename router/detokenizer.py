@@ -24,7 +24,8 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), min_tokens: int = 0,
                  keep_special: frozenset[int] = frozenset()) -> None:  # fmt: skip
         """``keep_special``: special tokens whose text is kept (the others are dropped),
-        for a format the router reads from the text (``router/harmony.py``)."""
+        for a format the router reads from the text (``router/harmony.py``, Mistral's
+        tool calls); a stop string never matches inside one."""
         self.tokenizer = tokenizer
         self.keep_special = keep_special
         self._markers = [tokenizer.decode([t], skip_special_tokens=False) for t in keep_special]
