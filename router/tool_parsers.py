@@ -127,6 +127,15 @@ class _Reader:
             into.append(text)
 
 
+def _calling(
+    content: str, calls: list[dict[str, Any]], finish_reason: str | None
+) -> tuple[dict[str, Any], str | None]:
+    """A whole reply that called: its calls, the text around them as content (None if
+    blank), and ``tool_calls`` for a reply that stopped by itself."""
+    message = {"role": "assistant", "content": content.strip() or None, "tool_calls": calls}
+    return message, "tool_calls" if finish_reason == "stop" else finish_reason
+
+
 class HermesCalls:
     """Hermes-format tool calls of one response (see the module docstring)."""
 
@@ -140,8 +149,7 @@ class HermesCalls:
         content, calls = reader.feed(text, final=True)
         if not calls:
             return {"role": "assistant", "content": text}, finish_reason
-        message = {"role": "assistant", "content": content.strip() or None, "tool_calls": calls}
-        return message, "tool_calls" if finish_reason == "stop" else finish_reason
+        return _calling(content, calls, finish_reason)
 
     def delta(
         self, index: int, text: str, first: bool, finish_reason: str | None
@@ -303,8 +311,7 @@ class MistralCalls:
         content, calls = _MistralReader().feed(text, final=True)
         if not calls:
             return {"role": "assistant", "content": content}, finish_reason
-        message = {"role": "assistant", "content": content.strip() or None, "tool_calls": calls}
-        return message, "tool_calls" if finish_reason == "stop" else finish_reason
+        return _calling(content, calls, finish_reason)
 
     def delta(
         self, index: int, text: str, first: bool, finish_reason: str | None
