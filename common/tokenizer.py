@@ -105,6 +105,11 @@ class Tokenizer:
         """The id of the token whose text is ``text``; None if no one token is."""
         return self._tok.token_to_id(text)
 
+    def special_token_ids(self, texts: Sequence[str]) -> list[int]:
+        """The ids of those of ``texts`` that are each one special token (in order)."""
+        ids = (self.token_id(text) for text in texts)
+        return [i for i in ids if i is not None and i in self.special_ids]
+
     @cached_property
     def special_ids(self) -> frozenset[int]:
         """The ids of the special tokens (those decoding skips)."""

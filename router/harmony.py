@@ -52,6 +52,7 @@ from typing import Any
 
 from common.structured_output import StructuredOutput
 from common.tokenizer import Tokenizer
+from router.reasoning import reasoning_fields
 from router.tags import partial_tag
 from router.tools import call
 
@@ -75,10 +76,8 @@ THEN_FINAL = END + START + "assistant" + CHANNEL + "final" + MESSAGE
 def marker_ids(tokenizer: Tokenizer) -> frozenset[int] | None:
     """The ids of the Harmony markers, each one special token of ``tokenizer``; None if
     any is not (the tokenizer does not write the format)."""
-    ids = [tokenizer.token_id(marker) for marker in MARKERS]
-    if any(i is None or i not in tokenizer.special_ids for i in ids):
-        return None
-    return frozenset(ids)  # type: ignore[arg-type]
+    ids = tokenizer.special_token_ids(MARKERS)
+    return frozenset(ids) if len(ids) == len(MARKERS) else None
 
 
 def call_constraint(schemas: dict[str, dict[str, Any]], tokenizer: Tokenizer) -> StructuredOutput:
@@ -331,7 +330,7 @@ class Harmony:
         if parts.calls:
             message["tool_calls"] = [call(name, arguments) for name, arguments in parts.calls]
             finish_reason = self._finish(finish_reason)
-        message.update(self._reasoning(parts.thinking))
+        message.update(reasoning_fields(parts.thinking, self.include))
         return message, finish_reason
 
     def delta(
@@ -348,7 +347,7 @@ class Harmony:
             ]
         if reader.num_calls:
             finish_reason = self._finish(finish_reason)
-        delta.update(self._reasoning(parts.thinking))
+        delta.update(reasoning_fields(parts.thinking, self.include))
         return delta, finish_reason
 
     def _finish(self, finish_reason: str | None) -> str | None:
@@ -369,8 +368,3 @@ class Harmony:
                 in_message = 0
         open_thinking = reader.state == "body" and reader.kind is Kind.THINKING
         return count + (in_message if open_thinking else 0)
-
-    def _reasoning(self, thinking: str) -> dict[str, str]:
-        if not self.include or not thinking:
-            return {}
-        return {"reasoning_content": thinking, "reasoning": thinking}

@@ -147,7 +147,12 @@ class Reasoning:
         return count
 
     def fields(self, thinking: str | None) -> dict[str, Any]:
-        """The reply's reasoning fields: both names, as clients read one or the other."""
-        if not self.include or not thinking:
-            return {}
-        return {"reasoning_content": thinking, "reasoning": thinking}
+        return reasoning_fields(thinking, self.include)
+
+
+def reasoning_fields(thinking: str | None, include: bool) -> dict[str, Any]:
+    """A reply's reasoning fields: both names, as clients read one or the other; none
+    without thinking, or where the request asked to leave it out (``include`` False)."""
+    if not include or not thinking:
+        return {}
+    return {"reasoning_content": thinking, "reasoning": thinking}

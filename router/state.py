@@ -184,8 +184,7 @@ def tool_marker_ids_of(config: PdserveConfig, tokenizer: Tokenizer) -> frozenset
     """The ids of the configured tool-call parser's markers that are special tokens."""
     if config.router.tool_call_parser is not ToolCallParser.MISTRAL:
         return frozenset()
-    ids = (tokenizer.token_id(marker) for marker in MISTRAL_MARKERS)
-    return frozenset(i for i in ids if i is not None and i in tokenizer.special_ids)
+    return frozenset(tokenizer.special_token_ids(MISTRAL_MARKERS))
 
 
 def bad_words_token_ids(tokenizer: Tokenizer, words: Iterable[str]) -> list[list[int]]:
