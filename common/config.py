@@ -109,6 +109,12 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    # Tensor parallelism: the model's heads and MLP widths split over this many devices
+    # (GPUs 0..N-1 of the worker's visible ones; CPU processes on a CPU engine, for tests),
+    # one process each, summing partial results with all-reduces (NCCL; gloo on CPU).
+    # Memory per device (num_blocks, kv_cache_bytes, gpu_memory_utilization,
+    # cpu_offload_bytes) is per rank. KV transfer needs the same size on both roles.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         _coerce_enums(self)
@@ -123,7 +129,8 @@ class EngineConfig:
                 "must be >= 1 and <= engine.prompt_lookup_max, got "
                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}",
             )
-        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes")
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes",
+                    "tensor_parallel_size")  # fmt: skip
         for key in positive:
             if getattr(self, key) <= 0:
                 raise ConfigError(f"engine.{key}", f"must be > 0, got {getattr(self, key)}")
@@ -507,6 +514,14 @@ class PdserveConfig:
                 "decode.engine.block_size",
                 "prefill and decode must use the same block size: KV blocks move between them "
                 "block for block, and the router hashes a prompt's blocks once for both",
+            )
+        tp_sizes = {role: self.engine_for(role).tensor_parallel_size for role in Role}
+        if tp_sizes[Role.PREFILL] != tp_sizes[Role.DECODE]:
+            raise ConfigError(
+                "decode.engine.tensor_parallel_size",
+                f"prefill uses {tp_sizes[Role.PREFILL]} tensor-parallel ranks and decode "
+                f"{tp_sizes[Role.DECODE]}: KV moves rank to rank (each holds its KV heads), so "
+                "both roles need the same tensor_parallel_size",
             )
         self._check_ports()
 

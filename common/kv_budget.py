@@ -23,6 +23,7 @@ from pathlib import Path
 from common.config import ConfigError, Device, DType, EngineConfig, PdserveConfig, Role
 from common.hf_config import max_context_len, text_config
 from common.model_info import model_dir_of
+from common.tensor_parallel import local_kv_heads, split_problem
 
 _DTYPE_BYTES = {DType.FLOAT32: 4, DType.FLOAT16: 2, DType.BFLOAT16: 2}
 
@@ -35,6 +36,9 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     max_context_len: int  # hf_config.max_context_len
+    num_q_heads: int = 1
+    # The MLP widths tensor parallelism splits, by config key (engine.parallel.shard_spec).
+    split_widths: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def read(cls, model_dir: Path) -> ModelShape | None:
@@ -51,13 +55,38 @@ class ModelShape:
                 num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
                 head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // num_heads),
                 max_context_len=max_context_len(cfg),
+                num_q_heads=num_heads,
+                split_widths=_split_widths(cfg),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError("model", f"{path} is not a usable checkpoint config: {exc}") from None
 
-    def bytes_per_block(self, block_size: int, dtype_bytes: int) -> int:
-        """K and V of ``block_size`` tokens in every layer (one block id, all layers)."""
-        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_dim * dtype_bytes
+    def bytes_per_block(self, block_size: int, dtype_bytes: int, tp_size: int = 1) -> int:
+        """K and V of ``block_size`` tokens in every layer (one block id, all layers), on
+        one of ``tp_size`` tensor-parallel ranks (each holds its KV heads)."""
+        num_kv_heads = local_kv_heads(self.num_kv_heads, tp_size)
+        return self.num_layers * 2 * block_size * num_kv_heads * self.head_dim * dtype_bytes
+
+
+def _split_widths(cfg: dict) -> tuple[tuple[str, int], ...]:
+    """The MLP widths a tensor-parallel split cuts (as ``engine.parallel.shard_spec``
+    reads them): dense layers' (all but the MoE models whose every layer is sparse)
+    and the experts' (and the shared expert's)."""
+    widths = []
+    experts = cfg.get("num_local_experts", cfg.get("num_experts"))
+    all_sparse = (
+        experts and not cfg.get("mlp_only_layers") and cfg.get("decoder_sparse_step", 1) == 1
+    )
+    if not all_sparse:
+        widths.append(("intermediate_size", int(cfg["intermediate_size"])))
+    if experts:
+        key = "moe_intermediate_size" if "moe_intermediate_size" in cfg else "intermediate_size"
+        widths.append(("moe_intermediate_size", int(cfg[key])))
+        if cfg.get("shared_expert_intermediate_size"):
+            widths.append(
+                ("shared_expert_intermediate_size", int(cfg["shared_expert_intermediate_size"]))
+            )
+    return tuple(widths)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,12 +130,17 @@ def _key(config: PdserveConfig, role: Role, name: str) -> str:
 
 def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
     engine = config.engine_for(role)
+    tp_size = engine.tensor_parallel_size
+    problem = split_problem(shape.num_q_heads, shape.num_kv_heads, dict(shape.split_widths),
+                            tp_size)  # fmt: skip
+    if problem is not None:
+        raise ConfigError(_key(config, role, "tensor_parallel_size"), problem)
     max_model_len = min(engine.max_model_len or shape.max_context_len, shape.max_context_len)
     min_blocks = -(-max_model_len // engine.block_size)
-    cpu_bpb = shape.bytes_per_block(engine.block_size, _dtype_bytes(engine, Device.CPU))
+    cpu_bpb = shape.bytes_per_block(engine.block_size, _dtype_bytes(engine, Device.CPU), tp_size)
     bpb = None
     if engine.device is not Device.AUTO or engine.dtype is not DType.AUTO:
-        bpb = shape.bytes_per_block(engine.block_size, _dtype_bytes(engine, engine.device))
+        bpb = shape.bytes_per_block(engine.block_size, _dtype_bytes(engine, engine.device), tp_size)
     too_small = (
         f"cannot hold one request of max_model_len={max_model_len} ({min_blocks} blocks of "
         f"{engine.block_size} tokens); give the KV cache more memory or lower "

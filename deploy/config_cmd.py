@@ -105,7 +105,11 @@ def _pool(config: PdserveConfig, budget: KVBudget) -> str:
     else:
         cpu_blocks = engine.kv_cache_bytes // budget.cpu_bytes_per_block
         size = f"{cpu_blocks} {blocks} on CPU (CUDA: {engine.gpu_memory_utilization:g} of GPU)"
-    return f"{size}; one request of {budget.max_model_len} tokens needs {budget.min_blocks}"
+    tp_size = engine.tensor_parallel_size
+    per_rank = f" on each of {tp_size} tensor-parallel ranks" if tp_size > 1 else ""
+    return (
+        f"{size}{per_rank}; one request of {budget.max_model_len} tokens needs {budget.min_blocks}"
+    )
 
 
 def _adapter(path: Path) -> str:

@@ -24,7 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _common(compose, "the compose file to write (default: stdout)")
     compose.add_argument("--variant", choices=("cpu", "cuda"), default="cpu")
     compose.add_argument(
-        "--gpus", type=int, default=0, help="cuda: GPUs on the host (0: one per worker)"
+        "--gpus",
+        type=int,
+        default=0,
+        help="cuda: GPUs on the host (0: as many as the workers' tensor_parallel_size need)",
     )
     k8s = targets.add_parser("k8s", help="render Kubernetes manifests (kustomize base + GPU)")
     _common(k8s, "directory for base/ and overlays/gpu/ (default: the base to stdout)")

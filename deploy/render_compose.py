@@ -16,6 +16,7 @@ from typing import Any
 
 from common.config import PdserveConfig, Role
 from deploy import containers as c
+from deploy.gpus import worker_gpus
 from deploy.yaml_text import dump_all
 
 CONFIG_NAME = "pdserve-config"
@@ -41,7 +42,8 @@ def render(
 def compose_document(
     config: PdserveConfig, source: str, variant: str = "cpu", image: str = "", gpus: int = 0
 ) -> dict[str, Any]:
-    """``gpus`` (cuda): worker k of all workers gets GPU k mod gpus; 0 = one GPU each."""
+    """``gpus`` (cuda): GPUs on the host; each worker gets ``tensor_parallel_size`` of them,
+    consecutively, wrapping around past ``gpus`` (``deploy.gpus``); 0 = as many as needed."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(VARIANTS)}, got {variant!r}")
     image = image or c.default_image(variant)
@@ -50,9 +52,11 @@ def compose_document(
     if c.uses_bundled_redis(config):
         services["redis"] = _redis()
     workers = [(role, i) for role in Role for i in range(config.role(role).replicas)]
-    for ordinal, (role, index) in enumerate(workers):
-        gpu = ordinal % gpus if gpus > 0 else ordinal
-        services[f"{role.value}-{index}"] = _worker(config, role, index, image, variant, gpu)
+    assignment = worker_gpus(config, gpus)
+    for role, index in workers:
+        services[f"{role.value}-{index}"] = _worker(
+            config, role, index, image, variant, assignment[(role, index)]
+        )
     services["router"] = _router(config, image, [f"{r.value}-{i}" for r, i in workers])
     document: dict[str, Any] = {
         "name": "pdserve",
@@ -97,7 +101,7 @@ def _common(config: PdserveConfig, image: str) -> dict[str, Any]:
 
 
 def _worker(
-    config: PdserveConfig, role: Role, index: int, image: str, variant: str, gpu: int
+    config: PdserveConfig, role: Role, index: int, image: str, variant: str, gpus: list[int]
 ) -> dict[str, Any]:
     name = f"{role.value}-{index}"
     section = config.role(role)
@@ -117,10 +121,11 @@ def _worker(
     if c.uses_bundled_redis(config):
         service["depends_on"] = {"redis": {"condition": "service_healthy"}}
     if variant == "cuda":
-        # CUDA IPC and PyTorch's shared memory need the host IPC namespace. A GPU per
-        # worker by id: `count: 1` would hand every container the same first GPU.
+        # CUDA IPC and PyTorch's shared memory need the host IPC namespace. GPUs per
+        # worker by id: `count: N` would hand every container the same first GPUs.
         service["ipc"] = "host"
-        device = {"driver": "nvidia", "device_ids": [str(gpu)], "capabilities": ["gpu"]}
+        device_ids = [str(gpu) for gpu in gpus]
+        device = {"driver": "nvidia", "device_ids": device_ids, "capabilities": ["gpu"]}
         service["deploy"] = {"resources": {"reservations": {"devices": [device]}}}
     return service
 

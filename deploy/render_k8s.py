@@ -2,7 +2,7 @@
 
     base/       ConfigMap (the container config), Redis, router Deployment + Service,
                 prefill and decode Deployments (replicas from the config), PVCs if needed
-    overlays/gpu/  the CUDA image and one nvidia.com/gpu per worker pod
+    overlays/gpu/  the CUDA image and tensor_parallel_size nvidia.com/gpu per worker pod
 
 Every worker pod is replica 0 of its own network namespace: same ports in every pod, host
 = its pod IP (downward API), discovery through Redis; so a Deployment's replica count is
@@ -33,7 +33,8 @@ def render_files(config: PdserveConfig, source: str, image: str = "") -> dict[st
     kustomization = {"apiVersion": KUSTOMIZE_API, "kind": "Kustomization",
                      "resources": list(base)}  # fmt: skip
     files["base/kustomization.yaml"] = header + dump_all([kustomization])
-    for name, docs in gpu_overlay(image).items():
+    gpus_per_pod = config.engine_for(Role.PREFILL).tensor_parallel_size  # equal for both
+    for name, docs in gpu_overlay(image, gpus_per_pod).items():
         files[f"overlays/gpu/{name}"] = header + dump_all(docs)
     return files
 
@@ -82,7 +83,7 @@ def base_resources(config: PdserveConfig, source: str, image: str) -> dict[str, 
     return resources
 
 
-def gpu_overlay(image: str) -> dict[str, list[dict]]:
+def gpu_overlay(image: str, gpus_per_pod: int = 1) -> dict[str, list[dict]]:
     name = image.rsplit(":", 1)[0] if ":" in image.rsplit("/", 1)[-1] else image
     patch = {
         "apiVersion": "apps/v1",
@@ -92,7 +93,7 @@ def gpu_overlay(image: str) -> dict[str, list[dict]]:
             "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists",
                              "effect": "NoSchedule"}],
             "containers": [{"name": pods.WORKER_CONTAINER,
-                            "resources": {"limits": {"nvidia.com/gpu": 1}}}],
+                            "resources": {"limits": {"nvidia.com/gpu": gpus_per_pod}}}],
         }}},
     }  # fmt: skip
     kustomization = {

@@ -31,6 +31,7 @@ import yaml
 from common.config import PdserveConfig, Role
 from common.config_loader import to_dict
 from common.model_info import cache_dir, made_model_dir
+from deploy.gpus import gpus_needed, visible_gpus, worker_gpus
 from deploy.health_cmd import check_grpc, check_http
 
 
@@ -60,6 +61,7 @@ class _Restarts:
     """Per child process: its command, and when and how soon to start it again."""
 
     args: list[str]
+    env: dict[str, str] | None = None  # its GPUs, if the host has any
     started_at: float = field(default_factory=time.monotonic)
     backoff_s: float = _FIRST_BACKOFF_S
     due_at: float | None = None  # set while it waits to be restarted
@@ -88,30 +90,34 @@ class Stack:
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen:
+    def _spawn(
+        self, name: str, args: list[str], env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "deploy.cli", "--log-level", "INFO", *args,
                    "--config", str(self.config_path)]  # fmt: skip
         with open(self.log_dir / f"{name}.log", "ab") as log:  # the child keeps its own copy
             proc = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_term_with_parent
-            )
+                command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_term_with_parent,
+                env={**os.environ, **env} if env else None,
+            )  # fmt: skip
         names = [n for n, _ in self.children]
         if name in names:  # a restart keeps its place (stop() relies on the router last)
             self.children[names.index(name)] = (name, proc)
         else:
             self.children.append((name, proc))
-            self._restarts[name] = _Restarts(args)
+            self._restarts[name] = _Restarts(args, env)
         return proc
 
     def start(self, timeout_s: float = 300.0) -> None:
         workers = []
+        gpus = self._gpu_env()
         for role in Role:
             section = self.config.role(role)
             for index in range(section.replicas):
                 name = f"{role.value}-{index}"
                 args = [role.value, "--index", str(index)]
-                proc = self._spawn(name, args)
+                proc = self._spawn(name, args, gpus.get((role, index)))
                 workers.append((name, proc, f"{section.host}:{section.ports(index).grpc}"))
         print(f"starting {len(workers)} workers (logs in {self.log_dir})", flush=True)
         deadline = time.monotonic() + timeout_s
@@ -121,6 +127,21 @@ class Stack:
         router = self._spawn("router", ["router"])
         url = f"{self.url_root}/health"
         self._wait_ready("router", router, lambda: check_http(url, 1.0)[0], deadline)
+
+    def _gpu_env(self) -> dict[tuple[Role, int], dict[str, str]]:
+        """Each worker's CUDA_VISIBLE_DEVICES on a host with GPUs (``deploy.gpus``): its
+        own ``tensor_parallel_size`` of them, so workers do not all land on GPU 0."""
+        visible = visible_gpus()
+        if not visible:
+            return {}
+        needed = gpus_needed(self.config)
+        if needed > len(visible):
+            print(f"warning: the workers need {needed} GPUs, {len(visible)} are visible; "
+                  "some workers share GPUs", flush=True)  # fmt: skip
+        return {
+            worker: {"CUDA_VISIBLE_DEVICES": ",".join(visible[g] for g in gpus)}
+            for worker, gpus in worker_gpus(self.config, len(visible)).items()
+        }
 
     def _wait_ready(
         self, name: str, proc: subprocess.Popen, probe: Callable[[], bool], deadline: float
@@ -182,7 +203,7 @@ class Stack:
                 continue
             restarts.due_at = None
             restarts.started_at = now
-            self._spawn(name, restarts.args)
+            self._spawn(name, restarts.args, restarts.env)
             reported.discard(name)
             print(f"  {name} restarted (logs in {self._log(name)})", file=sys.stderr, flush=True)
 

@@ -14,6 +14,11 @@ the copies are asynchronous to the host. A block of a prompt costs ``bytes_per_b
 of copy where recomputing it costs ``block_size`` tokens of prefill: at ~8 GB/s against
 a prefill of tens of thousands of tokens/s the copy is orders of magnitude cheaper.
 
+Under tensor parallelism each rank's blocks hold its own KV heads: rank 0 keeps the tier's
+books (which hash sits in which slot) and every rank keeps its slots' bytes in a
+``HostBlockCache``; the copies rank 0 makes are repeated on the others through ``mirror``
+(in the same order relative to the steps, so the same guarantees hold on every rank).
+
 Events: every block entering the tier is announced as ``BlockStored(medium=cpu)`` and
 every block leaving it as ``BlockRemoved(medium=cpu)`` (no token ids: routers only need
 the hashes), so routers credit CPU hits at a discount.
@@ -25,6 +30,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -45,16 +51,61 @@ class CpuTierStats:
     offload_seconds: float = 0.0
 
 
+class HostBlockCache:
+    """One rank's CPU slots: ``num_slots`` blocks of its KV caches' shape, per layer."""
+
+    def __init__(self, kv_caches: list[torch.Tensor], num_slots: int) -> None:
+        first = kv_caches[0]
+        self.device_caches = kv_caches
+        block_shape = first.shape[1:]  # [2, block_size, H, D]
+        pin = first.is_cuda
+        self.cpu_caches = [
+            torch.empty((num_slots, *block_shape), dtype=first.dtype, pin_memory=pin)
+            for _ in kv_caches
+        ]
+
+    def save(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
+        """Device blocks -> CPU slots, done when this returns."""
+        device_ids = torch.tensor(list(block_ids), dtype=torch.long)
+        slot_ids = torch.tensor(list(slots), dtype=torch.long)
+        for device_cache, cpu_cache in zip(self.device_caches, self.cpu_caches, strict=True):
+            staging = reference.gather_blocks(device_cache, device_ids)  # [n, 2, bs, H, D]
+            # Blocking: index_copy_ runs on the host at once, so an asynchronous copy from
+            # a GPU could still be in flight when it reads. Costs little: the engine read
+            # the last step's tokens back before scheduling, so the GPU is idle here.
+            cpu_cache.index_copy_(0, slot_ids, staging.to("cpu"))
+
+    def load(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
+        """CPU slots -> device blocks, in stream order before the next forward."""
+        slot_ids = torch.tensor(list(slots), dtype=torch.long)
+        device_ids = torch.tensor(list(block_ids), dtype=torch.long)
+        for device_cache, cpu_cache in zip(self.device_caches, self.cpu_caches, strict=True):
+            staging = cpu_cache.index_select(0, slot_ids)
+            reference.scatter_blocks(
+                staging.to(device_cache.device, non_blocking=True), device_cache, device_ids
+            )
+
+
+class BlockCopies(Protocol):
+    """The other ranks' side of the tier's copies (``engine.parallel.ShardClient``)."""
+
+    def open_host_cache(self, num_slots: int) -> None: ...
+
+    def save(self, block_ids: Sequence[int], slots: Sequence[int]) -> None: ...
+
+    def load(self, slots: Sequence[int], block_ids: Sequence[int]) -> None: ...
+
+
 class CpuTier:
     def __init__(
         self,
         kv_caches: list[torch.Tensor],  # the device pool's per-layer caches
         capacity_bytes: int,
         emit: Callable[[KVEvent], None] | None = None,
+        mirror: BlockCopies | None = None,
     ) -> None:
+        """``capacity_bytes`` per rank; ``mirror``: the other ranks' copies, if any."""
         first = kv_caches[0]
-        self.device_caches = kv_caches
-        block_shape = first.shape[1:]  # [2, block_size, H, D]
         self.block_size = first.shape[2]
         self.bytes_per_block = first[0].numel() * first.element_size() * len(kv_caches)
         self.num_blocks = capacity_bytes // self.bytes_per_block
@@ -62,11 +113,10 @@ class CpuTier:
             raise ValueError(
                 f"offload.cpu_bytes={capacity_bytes} holds no block of {self.bytes_per_block} B"
             )
-        pin = first.is_cuda
-        self.cpu_caches = [
-            torch.empty((self.num_blocks, *block_shape), dtype=first.dtype, pin_memory=pin)
-            for _ in kv_caches
-        ]
+        self.cache = HostBlockCache(kv_caches, self.num_blocks)
+        self._mirror = mirror
+        if mirror is not None:
+            mirror.open_host_cache(self.num_blocks)
         self._slots: OrderedDict[BlockHash, int] = OrderedDict()  # LRU → MRU
         self._free_slots = list(range(self.num_blocks - 1, -1, -1))
         self._pending: list[tuple[int, BlockHash]] = []  # (device block id, hash) to save
@@ -112,14 +162,9 @@ class CpuTier:
             device_blocks.append(block_id)
         if not slots:
             return
-        device_ids = torch.tensor(device_blocks, dtype=torch.long)
-        slot_ids = torch.tensor(slots, dtype=torch.long)
-        for device_cache, cpu_cache in zip(self.device_caches, self.cpu_caches, strict=True):
-            staging = reference.gather_blocks(device_cache, device_ids)  # [n, 2, bs, H, D]
-            # Blocking: index_copy_ runs on the host at once, so an asynchronous copy from
-            # a GPU could still be in flight when it reads. Costs little: the engine read
-            # the last step's tokens back before scheduling, so the GPU is idle here.
-            cpu_cache.index_copy_(0, slot_ids, staging.to("cpu"))
+        if self._mirror is not None:
+            self._mirror.save(device_blocks, slots)
+        self.cache.save(device_blocks, slots)
         for block_hash, slot in zip(stored, slots, strict=True):
             self._slots[block_hash] = slot
         self.stats.offloaded_blocks += len(stored)
@@ -163,13 +208,9 @@ class CpuTier:
         for block_hash in block_hashes:
             slots.append(self._slots[block_hash])
             self._slots.move_to_end(block_hash)
-        slot_ids = torch.tensor(slots, dtype=torch.long)
-        device_ids = torch.tensor(list(device_block_ids), dtype=torch.long)
-        for device_cache, cpu_cache in zip(self.device_caches, self.cpu_caches, strict=True):
-            staging = cpu_cache.index_select(0, slot_ids)
-            reference.scatter_blocks(
-                staging.to(device_cache.device, non_blocking=True), device_cache, device_ids
-            )
+        if self._mirror is not None:
+            self._mirror.load(slots, device_block_ids)
+        self.cache.load(slots, device_block_ids)
         self._reserved.difference_update(block_hashes)
         self.stats.hit_blocks += len(slots)
         self.stats.loaded_bytes += len(slots) * self.bytes_per_block

@@ -54,6 +54,16 @@ class LLM:
         self.tokenizer = Tokenizer(model)
         self._next_id = 0
 
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel processes, if any (idempotent)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def load_lora_adapter(self, name: str, path: str | Path) -> bool:
         """Serve the PEFT adapter at ``path`` as ``name`` from now on; False if these very
         files were loaded under it already. Another adapter under the name is an

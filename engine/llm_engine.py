@@ -33,10 +33,11 @@ from engine.grammar import Grammars
 from engine.kv_cache_manager import cdiv
 from engine.kv_connector import KVPuller
 from engine.kv_events import KVEventCollector
-from engine.model_runner import ModelRunner, PromptScoring, SequenceChunk
+from engine.model_runner import ModelRunner, PromptScoring, SequenceChunk, ShardExtensionSpec
 from engine.models.arch import ModelArchConfig, ModelLoadError, read_arch_config
 from engine.models.lora import LoraAdapter
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.parallel.shard_client import ShardError
 from engine.penalties import TokenCounts
 from engine.request import FINISH_REASONS, RemoteKV, Request, RequestStatus
 from engine.sampler import RequestRandom, SamplingRow
@@ -95,11 +96,15 @@ class LLMEngine:
         recompute_on_pull_failure: bool = True,
         kv_events: KVEventCollector | None = None,
         lora_adapters: Mapping[str, Path] | None = None,
+        shard_extension: ShardExtensionSpec | None = None,
     ) -> None:
         """``kv_puller`` pulls prompt KV for requests that come with ``remote_kv`` (decode
         role); when a pull fails the request is prefilled locally, or fails with an error
         if ``recompute_on_pull_failure`` is false. ``lora_adapters``: name -> PEFT adapter
-        directory, loaded now; requests choose one by name (``add_request``)."""
+        directory, loaded now; requests choose one by name (``add_request``).
+        ``shard_extension``: what a worker runs in each tensor-parallel shard process
+        (``ModelRunner``). An engine with tensor parallelism holds processes: ``close``
+        it (or they stop when it is garbage collected)."""
         self.config = config or EngineConfig()
         self.kv_puller = kv_puller
         self.recompute_on_pull_failure = recompute_on_pull_failure
@@ -110,7 +115,7 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(self.config, self.arch)
         self.runner = ModelRunner(
             model_dir, self.arch, self.config, self.device, self.dtype, self.max_model_len,
-            lora_adapters,
+            lora_adapters, shard_extension,
         )  # fmt: skip
         observers = list(observers)
         if kv_events is not None:
@@ -121,6 +126,7 @@ class LLMEngine:
                 self.runner.kv_caches,
                 self.config.cpu_offload_bytes,
                 kv_events.emit if kv_events is not None else None,
+                mirror=self.runner.shards,
             )
             observers.append(self.cpu_tier)
         self.scheduler = Scheduler(
@@ -305,8 +311,9 @@ class LLMEngine:
         """Serve ``adapter`` under its name from the next request on (engine thread).
         False if that very adapter (same name and weights) is loaded already. Raises
         ``InvalidRequestError`` if the name is taken by other weights (unload it first:
-        the old weights' requests and cached KV keep their own key, so nothing mixes)
-        or ``max_adapters`` are loaded."""
+        the old weights' requests and cached KV keep their own key, so nothing mixes),
+        ``max_adapters`` are loaded, or (tensor parallelism) another rank cannot read
+        the adapter's files or reads other files than rank 0 did."""
         adapters = self.runner.lora_adapters
         loaded = adapters.get(adapter.name)
         if loaded is not None:
@@ -323,6 +330,10 @@ class LLMEngine:
                 f"(lora.max_adapters={max_adapters}): unload one first",
                 "lora_name",
             )
+        try:
+            self.runner.share_lora_adapter(adapter)
+        except ShardError as exc:
+            raise InvalidRequestError(str(exc), "lora_path") from None
         adapters[adapter.name] = adapter
         return True
 
@@ -364,6 +375,11 @@ class LLMEngine:
     def release_kv(self, request_id: str) -> bool:
         """Free the blocks a finished prefill-only request held. False if none were held."""
         return self.scheduler.release_held(request_id)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks' processes (a no-op without); idempotent. The
+        engine cannot step afterwards."""
+        self.runner.close()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -575,7 +591,7 @@ class LLMEngine:
 
     def leak_report(self) -> list[str]:
         """Everything still held: empty when the engine is idle and clean."""
-        problems = self.scheduler.leak_report()
+        problems = self.scheduler.leak_report() + self.runner.leak_report()
         if self.cpu_tier is not None:
             problems += self.cpu_tier.leak_report()
         if self._generators:

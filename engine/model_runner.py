@@ -1,29 +1,37 @@
-"""Owns the model and the KV cache tensors; turns one step's chunks into one forward pass.
+"""Turns one step's chunks into one forward pass, then logits and sampled tokens.
 
 Per step the runner builds a single flattened batch (``input_ids``, ``positions``,
-``slot_mapping``, block table, query start offsets, sequence lengths), runs the model,
-computes logits only at the last token of chunks that sample (and at their draft tokens,
-when they verify drafts; and at the prompt tokens of chunks that score their prompt), and
-samples.
+``slot_mapping``, block table, query start offsets, sequence lengths), runs the model
+(``ModelShard``: the weights and the KV cache), computes logits only at the last token of
+chunks that sample (and at their draft tokens, when they verify drafts; and at the prompt
+tokens of chunks that score their prompt), and samples.
+
+With tensor parallelism the runner is rank 0: the other ranks' processes
+(``engine/parallel``) get each step's batch first and run it alongside; logits and
+sampling are rank 0's alone.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from common.config import ConfigError, EngineConfig
-from engine.attention.backend import BatchLayout
-from engine.attention.registry import create_backend
+from common.config import EngineConfig
+from engine.attention.backend import AttentionBackend
 from engine.cuda_graphs import DecodeGraphs
-from engine.host_memory import zeros_for_kv_caches
+from engine.kv_cache_manager import cdiv
+from engine.model_shard import HostBatch, ModelShard
 from engine.models.arch import ModelArchConfig
-from engine.models.loader import load_model
 from engine.models.lora import LoraAdapter, LoraBatch, load_lora_adapter
+from engine.parallel.group import SingleRank, TPGroup
+from engine.parallel.messages import Step
+from engine.parallel.shard_client import ShardClient, start_shards
+from engine.parallel.shard_spec import TensorParallel
 from engine.request import TokenLogprobs
 from engine.sampler import SamplingRow, sample, score_tokens
 
@@ -62,20 +70,14 @@ class StepResult:
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
-@dataclass(slots=True)
-class HostBatch:
-    """One step's flattened batch as host lists, before it becomes device tensors."""
+@dataclass(frozen=True, slots=True)
+class ShardExtensionSpec:
+    """What a worker adds to each shard process of a tensor-parallel engine: its KV
+    connector's share (``engine.parallel.shard_main.ShardExtension``)."""
 
-    input_ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    slot_mapping: list[int] = field(default_factory=list)
-    query_start_loc: list[int] = field(default_factory=lambda: [0])
-    seq_lens: list[int] = field(default_factory=list)
-    block_rows: list[list[int]] = field(default_factory=list)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+    factory: str  # "module:function"
+    config: bytes  # handed to the factory in the shard
+    message_types: tuple[type, ...]  # the extension's commands and replies
 
 
 class ModelRunner:
@@ -88,75 +90,93 @@ class ModelRunner:
         dtype: torch.dtype,
         max_model_len: int,
         lora_adapters: Mapping[str, Path] | None = None,
+        extension: ShardExtensionSpec | None = None,
     ) -> None:
         """``lora_adapters``: name -> PEFT adapter directory, loaded now; more may be
         added and removed later (``LLMEngine.add_lora_adapter``). A chunk carries its
         request's adapter object (``SequenceChunk.lora``), not a name, so removing one
-        from this table never pulls it from under a request that runs with it."""
+        from this table never pulls it from under a request that runs with it.
+
+        With ``config.tensor_parallel_size`` > 1 this is rank 0 of the group: it starts
+        the other ranks' processes (``shards``, with ``extension`` in each), holds its own
+        ``ModelShard``, and every step sends the batch to the others before running it."""
         self.arch = arch
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        self.backend = create_backend(config.attention_backend, device, config.block_size)
-        self.model = load_model(model_dir, arch, max_model_len, self.backend, device, dtype)
-        self.lora_adapters: dict[str, LoraAdapter] = {
-            name: self.read_lora_adapter(name, path) for name, path in (lora_adapters or {}).items()
-        }
-        self.num_blocks = self._num_blocks(config)
-        shape = (self.num_blocks, 2, self.block_size, arch.num_kv_heads, arch.head_dim)
-        # One view per layer of a block-major buffer; a block id names the same slot in
-        # every layer (host_memory.zeros_for_kv_caches says why).
-        self.kv_caches = zeros_for_kv_caches(arch.num_layers, shape, dtype, device)
-        self.decode_graphs: DecodeGraphs | None = None
-        if config.cuda_graphs and device.type == "cuda" and self.backend.name == "triton":
-            self._capture(config)
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB), attention backend %s",
-            self.num_blocks,
-            self.block_size,
-            self.num_blocks * self.bytes_per_block / 2**20,
-            self.backend.name,
-        )
-
-    def _capture(self, config: EngineConfig) -> None:
-        graphs = DecodeGraphs(
-            self.model, self.backend, self.kv_caches, config.max_num_seqs,
-            self.max_model_len, self.block_size, self.device,
-        )  # fmt: skip
+        self.tp = TensorParallel(config.tensor_parallel_size, 0)
+        self.shards: ShardClient | None = None
+        self.shard_payloads: list[bytes] = []  # each shard's extension payload (rank 1..)
+        self._adapter_ids: weakref.WeakKeyDictionary[LoraAdapter, int] = weakref.WeakKeyDictionary()
+        self.lora_adapters: dict[str, LoraAdapter] = {}
+        group: TPGroup = SingleRank()
         try:
-            graphs.capture()
-        except Exception as exc:  # eager steps still work: never fail the engine for this
-            logger.warning("CUDA graph capture failed, decoding eagerly: %s", exc)
-            return
-        self.decode_graphs = graphs
+            if self.tp.size > 1:
+                self.shards, group = start_shards(
+                    model_dir, arch, config, device, dtype, max_model_len, extension
+                )
+            self.shard = ModelShard(model_dir, arch, config, device, dtype, max_model_len, group)
+            num_blocks = self.shard.max_num_blocks()
+            if self.shards is not None:
+                num_blocks = min(num_blocks, self.shards.wait_loaded())
+                self.shards.allocate(num_blocks)
+            self.shard.allocate(num_blocks)
+            if self.shards is not None:
+                self.shard_payloads = self.shards.wait_started()
+            for name, path in (lora_adapters or {}).items():
+                adapter = self.read_lora_adapter(name, path)
+                self.share_lora_adapter(adapter)
+                self.lora_adapters[name] = adapter
+        except BaseException:
+            if self.shards is not None:
+                self.shards.close()
+            group.close()
+            raise
+        self.group = group
+
+    # The rank-0 shard's parts, which the engine and connectors use.
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.shard.model
+
+    @property
+    def backend(self) -> AttentionBackend:
+        return self.shard.backend
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        return self.shard.kv_caches
+
+    @property
+    def num_blocks(self) -> int:
+        return self.shard.num_blocks
 
     @property
     def bytes_per_block(self) -> int:
-        arch = self.arch
-        elements = arch.num_layers * 2 * self.block_size * arch.num_kv_heads * arch.head_dim
-        return elements * torch.finfo(self.dtype).bits // 8
+        return self.shard.bytes_per_block
 
-    def _num_blocks(self, config: EngineConfig) -> int:
-        min_blocks = cdiv(self.max_model_len, self.block_size)
-        if config.num_blocks is not None:
-            num_blocks = config.num_blocks
-        elif self.device.type == "cuda":
-            # Memory torch's allocator caches but does not use counts as free.
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - int(total * (1.0 - config.gpu_memory_utilization))
-            num_blocks = budget // self.bytes_per_block
-        else:
-            num_blocks = config.kv_cache_bytes // self.bytes_per_block
-        if num_blocks < min_blocks:
-            raise ConfigError(
-                "engine.num_blocks",
-                f"{num_blocks} KV blocks cannot hold one request of max_model_len="
-                f"{self.max_model_len} ({min_blocks} blocks of {self.block_size} tokens); "
-                "give the KV cache more memory or lower engine.max_model_len",
-            )
-        return num_blocks
+    @property
+    def decode_graphs(self) -> DecodeGraphs | None:
+        return self.shard.decode_graphs
+
+    def leak_report(self) -> list[str]:
+        """What the other ranks hold beyond rank 0's live adapters (empty alone)."""
+        if self.shards is None:
+            return []
+        live = len(self._adapter_ids)
+        return [
+            f"tensor-parallel rank {reply.rank} holds {reply.num_adapters} LoRA adapters, "
+            f"rank 0 {live}"
+            for reply in self.shards.probe()
+            if reply.num_adapters != live
+        ]
+
+    def close(self) -> None:
+        """Stop the other ranks (tensor parallelism); a no-op alone. Idempotent."""
+        if self.shards is not None:
+            self.shards.close()
+        self.group.close()
 
     def _host_batch(self, chunks: list[SequenceChunk]) -> HostBatch:
         bs = self.block_size
@@ -174,64 +194,52 @@ class ModelRunner:
             batch.block_rows.append(blocks[: cdiv(end, bs)])
         return batch
 
-    def _layout(self, chunks: list[SequenceChunk], batch: HostBatch) -> BatchLayout:
-        max_blocks = max(len(row) for row in batch.block_rows)
-        table = [row + [0] * (max_blocks - len(row)) for row in batch.block_rows]
-        return BatchLayout(
-            slot_mapping=self._to_device(batch.slot_mapping, torch.int64),
-            query_start_loc=self._to_device(batch.query_start_loc, torch.int32),
-            seq_lens=self._to_device(batch.seq_lens, torch.int32),
-            block_table=self._to_device(table, torch.int32),
-            query_start_loc_cpu=batch.query_start_loc,
-            seq_lens_cpu=batch.seq_lens,
-            num_decodes=sum(1 for chunk in chunks if len(chunk.token_ids) == 1),
-            max_query_len=max(len(c.token_ids) for c in chunks),
-            max_seq_len=max(batch.seq_lens),
-        )
-
-    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
     def _forward(self, chunks: list[SequenceChunk], batch: HostBatch) -> torch.Tensor:
-        """Hidden states of every token: replayed from a CUDA graph for decode-only steps
-        that fit one, eagerly otherwise."""
-        lora = self._lora_batch(chunks, batch)
-        graphs = self.decode_graphs
-        if (
-            graphs is not None
-            and lora is None  # graphs are captured for the base model
-            and len(chunks) == len(batch.input_ids)
-            and graphs.fits(len(chunks))
-        ):
-            return graphs.run(
-                batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
-                batch.block_rows,
+        """Hidden states of every token, on every rank (the others told first)."""
+        lora_rows = self._lora_rows(chunks, batch)
+        if self.shards is not None:
+            self.shards.step(
+                Step(
+                    batch.input_ids, batch.positions, batch.slot_mapping,
+                    batch.query_start_loc, batch.seq_lens, batch.block_rows,
+                    [(self._adapter_ids[a], rows) for a, rows in lora_rows.items()],
+                )
             )  # fmt: skip
-        metadata = self.backend.build_metadata(self._layout(chunks, batch))
-        input_ids = self._to_device(batch.input_ids, torch.int64)
-        positions = self._to_device(batch.positions, torch.int64)
-        return self.model(input_ids, positions, self.kv_caches, metadata, lora)
+        lora = None
+        if lora_rows:
+            lora = LoraBatch(
+                tuple(
+                    (adapter, self.shard.to_device(rows, torch.int64))
+                    for adapter, rows in lora_rows.items()
+                )
+            )
+        return self.shard.forward(batch, lora)
 
     def read_lora_adapter(self, name: str, path: str | Path) -> LoraAdapter:
-        """Read a PEFT adapter for this model onto its device (any thread: it touches
-        nothing of the runner's); a bad one raises ``ModelLoadError``."""
-        return load_lora_adapter(name, path, self.arch, self.device, self.dtype)
+        """Read a PEFT adapter for this model onto its device, cut for rank 0 (any thread:
+        it touches nothing of the runner's); a bad one raises ``ModelLoadError``."""
+        return load_lora_adapter(name, path, self.arch, self.device, self.dtype, self.tp)
 
-    def _lora_batch(self, chunks: list[SequenceChunk], batch: HostBatch) -> LoraBatch | None:
-        """The rows of each adapter in this step; None when no chunk uses one."""
+    def share_lora_adapter(self, adapter: LoraAdapter) -> None:
+        """Make the other ranks hold ``adapter`` too (a no-op alone), before any request
+        uses it; they drop it once rank 0's object is gone (no request or table holds
+        it). Raises ``ShardError`` if one cannot read its files or reads other files."""
+        if self.shards is None or adapter in self._adapter_ids:
+            return
+        adapter_id = self.shards.add_lora(adapter.name, adapter.path, adapter.fingerprint)
+        self._adapter_ids[adapter] = adapter_id
+        weakref.finalize(adapter, self.shards.drop_lora_later, adapter_id)
+
+    def _lora_rows(
+        self, chunks: list[SequenceChunk], batch: HostBatch
+    ) -> dict[LoraAdapter, list[int]]:
+        """The rows of each adapter in this step; empty when no chunk uses one."""
         rows: dict[LoraAdapter, list[int]] = {}  # by identity (eq=False)
         for i, chunk in enumerate(chunks):
             if chunk.lora is not None:
                 start, end = batch.query_start_loc[i], batch.query_start_loc[i + 1]
                 rows.setdefault(chunk.lora, []).extend(range(start, end))
-        if not rows:  # the common case: no per-step work at all
-            return None
-        return LoraBatch(
-            tuple(
-                (adapter, self._to_device(indices, torch.int64))
-                for adapter, indices in rows.items()
-            )
-        )
+        return rows
 
     @torch.inference_mode()
     def execute(self, chunks: list[SequenceChunk]) -> StepResult:

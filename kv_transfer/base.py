@@ -97,7 +97,7 @@ class KVConnector(ABC):
         """Register the engine's per-layer KV tensors; once, before any transfer."""
         if self._kv is not None:
             raise RuntimeError("KV caches are already registered")
-        kv = KVCaches.from_tensors(kv_caches)
+        kv = KVCaches.from_tensors(kv_caches, self.config.tp_size, self.config.tp_rank)
         self._kv = kv  # before the hook: the threads it starts may read it
         try:
             self._on_register(kv)

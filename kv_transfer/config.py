@@ -65,6 +65,10 @@ class KVTransferConfig:
     # How often idle background threads look for new work or notifications.
     poll_interval_s: float = 0.002
     io_threads: int = 2  # shared_storage: concurrent file transfers
+    # The engine's tensor parallelism: this connector moves rank tp_rank's KV heads, and
+    # only to and from rank tp_rank of an engine of the same size (``KVLayout``).
+    tp_size: int = 1
+    tp_rank: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.connector, ConnectorName):
@@ -94,6 +98,8 @@ class KVTransferConfig:
             raise ConfigError("kv_transfer.shared_max_bytes", "must be >= 0 (0: no cap)")
         if self.io_threads < 1:
             raise ConfigError("kv_transfer.io_threads", "must be at least 1")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError("kv_transfer.tp_rank", f"{self.tp_rank} of {self.tp_size} ranks")
         for key, port in (("port", self.port), ("store_port", self.store_port)):
             if not 0 <= port < 65536:
                 raise ConfigError(f"kv_transfer.{key}", f"{port} is not a TCP port")

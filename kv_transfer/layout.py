@@ -19,6 +19,10 @@ layer. Two arrangements of that memory are accepted:
 The arrangement is each process's own business (NIXL tells peers its strides); two engines
 can exchange blocks if every field of ``KVLayout`` agrees; ``num_blocks`` is each engine's
 own capacity and may differ.
+
+Under tensor parallelism each rank's cache holds its own KV heads, and rank r of one engine
+exchanges blocks with rank r of another of the same size: ``tp_size`` and ``tp_rank`` are
+part of the layout, so pairing other sizes (or ranks) is a mismatch that moves nothing.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     head_dim: int
     dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
     tensor_layout: str = KV_TENSOR_LAYOUT
+    tp_size: int = 1  # tensor-parallel ranks of the engine; each holds its KV heads
+    tp_rank: int = 0
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -101,9 +107,11 @@ class KVCaches:
         return [(tensor.data_ptr(), size) for tensor in self.tensors]
 
     @classmethod
-    def from_tensors(cls, kv_caches: Sequence[torch.Tensor]) -> KVCaches:
-        """Check that the tensors form one valid cache, in one of the two arrangements in
-        the module docstring; raise ``ValueError`` if not.
+    def from_tensors(
+        cls, kv_caches: Sequence[torch.Tensor], tp_size: int = 1, tp_rank: int = 0
+    ) -> KVCaches:
+        """Check that the tensors form one valid cache (rank ``tp_rank`` of ``tp_size``'s),
+        in one of the two arrangements in the module docstring; raise ``ValueError`` if not.
 
         The tensors are kept by reference: connectors read and write them in place, so
         the engine must not reallocate them while the connector lives.
@@ -128,6 +136,8 @@ class KVCaches:
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             dtype=str(first.dtype).removeprefix("torch."),
+            tp_size=tp_size,
+            tp_rank=tp_rank,
         )
         block_major = len(kv_caches) > 1 and _is_block_major(kv_caches, layout)
         if not block_major:

@@ -2,7 +2,8 @@
 
     <shared_dir>/<namespace>/<layout>/<hash[:2]>/<hash>.kvblock      (format: blockfile.py)
 
-``<layout>`` names dtype, block size, layers, KV heads and head size, so workers of one
+``<layout>`` names dtype, block size, layers, KV heads and head size (and the
+tensor-parallel rank, whose KV heads a file holds), so workers of one
 model with different KV layouts (a CPU float32 and a GPU bfloat16 deployment sharing a
 volume) keep apart instead of failing on each other's files.
 
@@ -128,6 +129,7 @@ class SharedStorageConnector(KVConnector):
         self.root = self.namespace_dir / (
             f"{layout.dtype}-b{layout.block_size}-l{layout.num_layers}"
             f"-h{layout.num_kv_heads}-d{layout.head_dim}"
+            + (f"-tp{layout.tp_rank}of{layout.tp_size}" if layout.tp_size > 1 else "")
         )
         self.root.mkdir(parents=True, exist_ok=True)
         self._pool = ThreadPoolExecutor(
@@ -332,14 +334,20 @@ class SharedStorageConnector(KVConnector):
     def _check_other_layouts(self, path: Path) -> None:
         """Raise ``LayoutMismatchError`` if the block was stored under another layout of
         this model (a peer configured with another dtype or block size): a clear error
-        now rather than a missing file at the deadline."""
+        now rather than a missing file at the deadline. Another rank's file of the same
+        tensor-parallel size is no mismatch: that rank's exporter was quicker."""
         relative = path.relative_to(self.root)
+        ours = self.layout
         for other in self.namespace_dir.iterdir():
             if other == self.root:
                 continue
             found = read_block_header(other / relative)
-            if found is not None:
-                self.layout.check_compatible(found[0].layout)
+            if found is None:
+                continue
+            theirs = found[0].layout
+            if theirs.tp_size == ours.tp_size and theirs.tp_rank != ours.tp_rank:
+                continue
+            ours.check_compatible(theirs)
 
     def _close(self) -> None:
         if self._pool is not None:

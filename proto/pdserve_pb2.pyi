@@ -226,8 +226,10 @@ class ReleaseKVResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
 
 class TransferMetadataRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("tp_rank",)
+    TP_RANK_FIELD_NUMBER: _ClassVar[int]
+    tp_rank: int
+    def __init__(self, tp_rank: _Optional[int] = ...) -> None: ...
 
 class TransferMetadataResponse(_message.Message):
     __slots__ = ("connector", "metadata")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -33,46 +32,25 @@ from common.registry import Registry, WorkerInfo, create_registry, worker_id
 from engine.async_engine import AsyncEngine
 from engine.kv_events import KVEventCollector
 from engine.llm_engine import LLMEngine
+from engine.model_runner import ShardExtensionSpec
 from engine.models.fingerprint import weights_fingerprint
 from kv_transfer import KVConnector, KVTransferConfig, create_connector
-from proto import pdserve_pb2 as pb
-from proto import pdserve_pb2_grpc as pb_grpc
 from worker.connector_puller import ConnectorPuller
 from worker.grpc_errors import DrainingError
+from worker.peer_metadata import PeerMetadataClient
 from worker.stats import StageTimer
+from worker.tp_connector import (
+    EXTENSION,
+    MESSAGE_TYPES,
+    TensorParallelConnector,
+    rank_config,
+    settings_bytes,
+)
 
 logger = logging.getLogger(__name__)
 
 _EVENT_HEARTBEAT_S = 1.0
 _ENGINE_WATCH_S = 0.5  # how soon a failed engine takes the worker out of service
-
-
-class PeerMetadataClient:
-    """``fetch_peer_metadata(endpoint)`` for connectors: GetTransferMetadata over gRPC.
-    Called from connector threads; channels are cached per endpoint."""
-
-    def __init__(self, timeout_s: float) -> None:
-        self.timeout_s = timeout_s
-        self._stubs: dict[str, pb_grpc.PrefillServiceStub] = {}
-        self._channels: list[grpc.Channel] = []
-        self._lock = threading.Lock()
-
-    def __call__(self, endpoint: str) -> bytes:
-        with self._lock:
-            stub = self._stubs.get(endpoint)
-            if stub is None:
-                channel = grpc.insecure_channel(endpoint)
-                self._channels.append(channel)
-                stub = self._stubs[endpoint] = pb_grpc.PrefillServiceStub(channel)
-        reply = stub.GetTransferMetadata(pb.TransferMetadataRequest(), timeout=self.timeout_s)
-        return reply.metadata
-
-    def close(self) -> None:
-        with self._lock:
-            for channel in self._channels:
-                channel.close()
-            self._channels.clear()
-            self._stubs.clear()
 
 
 def model_namespace(model_dir: Path) -> str:
@@ -108,7 +86,8 @@ class WorkerRuntime:
         self.registry: Registry | None = None
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
-        self.metadata: bytes = b""
+        self.metadata_by_rank: list[bytes] = []  # the connector handshake of each TP rank
+        self.engine: LLMEngine | None = None
         self._metadata_client = PeerMetadataClient(config.kv_transfer.timeout_s)
         self._heartbeat_task: asyncio.Task | None = None
         self.engine_failed = False  # its thread stopped after a step raised
@@ -156,38 +135,65 @@ class WorkerRuntime:
         model_dir = Path(self.config.model) if self.config.model else ensure_model()
         adapters = {name: Path(path) for name, path in self.config.lora.adapters.items()}
         transfer = self.config.kv_transfer
-        connector_config = KVTransferConfig(
-            connector=transfer.connector,
-            host=self.host,
-            port=self.ports.kv_transfer,
-            store_port=self.ports.kv_store,
-            timeout_s=transfer.timeout_s,
-            shared_dir=transfer.shared_dir,
-            shared_namespace=model_namespace(model_dir),
-            shared_max_bytes=transfer.shared_max_bytes,
-            nixl_read_lanes=transfer.nixl_read_lanes,
-            nixl_pin_lanes=transfer.nixl_pin_lanes,
+        engine_config = self.config.engine_for(self.role)
+        tp_size = engine_config.tensor_parallel_size
+        connector_config = rank_config(
+            KVTransferConfig(
+                connector=transfer.connector,
+                host=self.host,
+                port=self.ports.kv_transfer,
+                store_port=self.ports.kv_store,
+                timeout_s=transfer.timeout_s,
+                shared_dir=transfer.shared_dir,
+                shared_namespace=model_namespace(model_dir),
+                shared_max_bytes=transfer.shared_max_bytes,
+                nixl_read_lanes=transfer.nixl_read_lanes,
+                nixl_pin_lanes=transfer.nixl_pin_lanes,
+            ),
+            0,
+            tp_size,
         )
-        self.connector = create_connector(connector_config, self.engine_id, self._metadata_client)
+        local = create_connector(connector_config, self.engine_id, self._metadata_client)
+        # Tensor parallelism: every rank moves its own KV heads with its own connector
+        # (worker/tp_connector.py), built in its shard process as an extension.
+        tp_connector = TensorParallelConnector(local, tp_size) if tp_size > 1 else None
+        extension = None
+        if tp_connector is not None:
+            extension = ShardExtensionSpec(
+                EXTENSION, settings_bytes(connector_config, self.engine_id), MESSAGE_TYPES
+            )
+        self.connector = tp_connector or local
         puller = ConnectorPuller(self.connector) if self.role is Role.DECODE else None
         collector = KVEventCollector()
         engine = LLMEngine(
             model_dir,
-            self.config.engine_for(self.role),
+            engine_config,
             kv_events=collector,
             kv_puller=puller,
             recompute_on_pull_failure=transfer.failure_policy is FailurePolicy.RECOMPUTE,
             lora_adapters=adapters,
+            shard_extension=extension,
         )
+        self.engine = engine  # closed at stop: it holds the shard processes
         engine.grammars.warm_up()  # before serving: not on the first structured request
         self.connector.register_kv_caches(engine.runner.kv_caches)
-        self.metadata = self.connector.metadata()
+        self.metadata_by_rank = [self.connector.metadata()]
+        if tp_connector is not None:
+            tp_connector.attach(engine.runner.shards, engine.runner.shard_payloads)
+            self.metadata_by_rank = tp_connector.metadata_by_rank()
+            engine.runner.shards.on_failure.append(self._shard_failed)
         self.model_dir = model_dir
         self.puller = puller
         self.publisher = KVEventPublisher(self.host, self.ports.events, self.ports.replay)
         self.async_engine = AsyncEngine(engine)
         self.async_engine.hooks.append(self._events_hook(collector))
         self.async_engine.start()
+
+    def _shard_failed(self, reason: str) -> None:
+        """A tensor-parallel shard failed or died (its watcher thread): the engine cannot
+        step any more; fail it now, so the worker leaves service and exits (restarted)."""
+        if self.async_engine is not None:
+            self.async_engine.fail_stuck(reason)
 
     def _events_hook(self, collector: KVEventCollector) -> Callable[[], None]:
         publisher = self.publisher
@@ -332,6 +338,8 @@ class WorkerRuntime:
             self.async_engine.stop()
         if self.connector is not None:
             self.connector.close()
+        if self.engine is not None:
+            self.engine.close()
         if self.publisher is not None:
             self.publisher.close()
         self._metadata_client.close()

@@ -32,9 +32,17 @@ class WorkerRPCs:
 
     @grpc_errors
     async def GetTransferMetadata(self, request, context) -> pb.TransferMetadataResponse:
-        self.runtime.check_ready()
+        runtime = self.runtime
+        runtime.check_ready()
+        by_rank = runtime.metadata_by_rank
+        if request.tp_rank >= len(by_rank):
+            raise InvalidRequestError(
+                f"tp_rank {request.tp_rank}: this worker has {len(by_rank)} tensor-parallel "
+                "rank(s); KV moves only between workers of the same tensor_parallel_size",
+                "tp_rank",
+            )
         return pb.TransferMetadataResponse(
-            connector=self.runtime.config.kv_transfer.connector, metadata=self.runtime.metadata
+            connector=runtime.config.kv_transfer.connector, metadata=by_rank[request.tp_rank]
         )
 
     @grpc_errors

@@ -7,6 +7,11 @@ context through the backend's per-step metadata. q/k/v and gate/up projections a
 into one matmul each; ``loader.py`` maps the checkpoint's separate tensors into them.
 Projections take a step's LoRA deltas, row by row, when any request in it uses an adapter
 (``lora.py``).
+
+Under tensor parallelism (``engine/parallel``) ``arch`` is one rank's shard
+(``shard_spec.local_arch``: its heads, its slice of each MLP width): attention and MLP
+blocks then produce partial sums, which each layer adds up across ranks (``group``) before
+the residual. Rank 0 alone holds the LM head; the others never compute logits.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from engine.models.lora import LoraBatch
 from engine.models.moe import SparseMoe
 from engine.models.rope import RotaryEmbedding
 from engine.models.rope_config import RopeConfig
+from engine.parallel.group import SingleRank, TPGroup
 
 
 class RMSNorm(nn.Module):
@@ -141,7 +147,8 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm residual blocks. With ``sandwich_norms`` (Gemma) each block's output is
     normed too; the checkpoint then names the attention block's output norm
-    ``post_attention_layernorm`` and the MLP's ``pre_``/``post_feedforward_layernorm``."""
+    ``post_attention_layernorm`` and the MLP's ``pre_``/``post_feedforward_layernorm``.
+    Each block's output is summed over the tensor-parallel ``group`` (a no-op alone)."""
 
     def __init__(
         self,
@@ -149,8 +156,10 @@ class DecoderLayer(nn.Module):
         layer_idx: int,
         rotary: RotaryEmbedding,
         backend: AttentionBackend,
+        group: TPGroup,
     ) -> None:
         super().__init__()
+        self.group = group
         self.sandwich_norms = arch.sandwich_norms
         self.input_layernorm = rms_norm(arch, arch.hidden_size)
         self.self_attn = Attention(arch, layer_idx, rotary, backend)
@@ -177,16 +186,17 @@ class DecoderLayer(nn.Module):
         attn_metadata: object,
         lora: LoraBatch | None = None,
     ) -> torch.Tensor:
+        reduce = self.group.all_reduce
         residual = hidden
-        hidden = self.self_attn(
-            positions, self.input_layernorm(hidden), kv_cache, attn_metadata, lora
+        hidden = reduce(
+            self.self_attn(positions, self.input_layernorm(hidden), kv_cache, attn_metadata, lora)
         )
         if self.sandwich_norms:
             hidden = residual + self.post_attention_layernorm(hidden)
-            mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden), lora)
+            mlp_out = reduce(self.mlp(self.pre_feedforward_layernorm(hidden), lora))
             return hidden + self.post_feedforward_layernorm(mlp_out)
         hidden = residual + hidden
-        return hidden + self.mlp(self.post_attention_layernorm(hidden), lora)
+        return hidden + reduce(self.mlp(self.post_attention_layernorm(hidden), lora))
 
 
 class LlamaModel(nn.Module):
@@ -195,11 +205,12 @@ class LlamaModel(nn.Module):
         arch: ModelArchConfig,
         rotaries: dict[RopeConfig, RotaryEmbedding],
         backend: AttentionBackend,
+        group: TPGroup,
     ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, i, rotaries[arch.rope_of(i)], backend)
+            DecoderLayer(arch, i, rotaries[arch.rope_of(i)], backend, group)
             for i in range(arch.num_layers)
         )
         self.norm = rms_norm(arch, arch.hidden_size)
@@ -207,17 +218,24 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(
-        self, arch: ModelArchConfig, max_positions: int, backend: AttentionBackend
+        self,
+        arch: ModelArchConfig,
+        max_positions: int,
+        backend: AttentionBackend,
+        group: TPGroup | None = None,
     ) -> None:
         super().__init__()
+        group = group or SingleRank()
         self.arch = arch
         # One cos/sin table per distinct rotary (Gemma 3: the full and the sliding layers').
         ropes = dict.fromkeys(arch.rope_of(i) for i in range(arch.num_layers))
         self.rotaries = nn.ModuleList(
             RotaryEmbedding(rope, arch.head_dim, max_positions) for rope in ropes
         )
-        self.model = LlamaModel(arch, dict(zip(ropes, self.rotaries, strict=True)), backend)
-        if arch.tie_word_embeddings:
+        self.model = LlamaModel(arch, dict(zip(ropes, self.rotaries, strict=True)), backend, group)
+        # Logits are rank 0's: the other ranks hold no head (tied or not).
+        self.computes_logits = group.rank == 0
+        if arch.tie_word_embeddings or not self.computes_logits:
             self.lm_head = None
         else:
             self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
@@ -243,6 +261,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
+        assert self.computes_logits, "only tensor-parallel rank 0 computes logits"
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(hidden, weight).float()
         cap = self.arch.final_logit_softcap

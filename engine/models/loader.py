@@ -27,6 +27,8 @@ from engine.attention.backend import AttentionBackend
 from engine.models.arch import ModelArchConfig, ModelLoadError, safetensors_files
 from engine.models.gpt_oss_weights import EXPERT_TENSOR, expert_pieces
 from engine.models.llama import LlamaForCausalLM
+from engine.parallel.group import SingleRank, TPGroup
+from engine.parallel.shard_spec import ShardSpec, TensorParallel, local_arch, shard_spec
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +61,9 @@ class _Target:
     expert: int | None = None
 
 
-def _target(name: str, arch: ModelArchConfig, params: dict[str, torch.nn.Parameter]) -> _Target:
-    """Where the checkpoint tensor ``name`` goes in the model (maybe a missing parameter)."""
+def _target(name: str, arch: ModelArchConfig, shapes: dict[str, tuple[int, ...]]) -> _Target:
+    """Where the checkpoint tensor ``name`` goes in the model (maybe a missing parameter),
+    in the coordinates of the full parameter (``shapes``: full shapes by name)."""
     name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the MLP
     name = name.replace(".mlp.router.", ".mlp.gate.")  # GPT-OSS's name for the router
     expert = _EXPERT.match(name)
@@ -70,7 +73,7 @@ def _target(name: str, arch: ModelArchConfig, params: dict[str, torch.nn.Paramet
         if part == "down":
             return _Target(f"{prefix}.down_proj", 0, int(index))
         stacked = f"{prefix}.gate_up_proj"
-        half = params[stacked].shape[1] // 2 if stacked in params else 0
+        half = shapes[stacked][1] // 2 if stacked in shapes else 0
         return _Target(stacked, 0 if part == "gate" else half, int(index))
     fused = _FUSED.match(name)
     if fused is None:
@@ -80,7 +83,7 @@ def _target(name: str, arch: ModelArchConfig, params: dict[str, torch.nn.Paramet
         starts = {"q": 0, "k": arch.q_size, "v": arch.q_size + arch.kv_size}
         return _Target(f"{module}.qkv_proj.{kind}", starts[which])
     stacked = f"{module}.gate_up_proj.{kind}"
-    half = params[stacked].shape[0] // 2 if stacked in params else 0
+    half = shapes[stacked][0] // 2 if stacked in shapes else 0
     return _Target(stacked, 0 if which == "gate" else half)
 
 
@@ -139,8 +142,14 @@ def load_model(
     backend: AttentionBackend,
     device: torch.device,
     dtype: torch.dtype,
+    group: TPGroup | None = None,
 ) -> LlamaForCausalLM:
+    """The model (of ``arch``, the full architecture), or under tensor parallelism the
+    shard of rank ``group.rank``: each stored tensor is cut by ``shard_spec`` as it is
+    read, so a rank copies only what it keeps."""
     model_dir = Path(model_dir)
+    group = group or SingleRank()
+    tp = TensorParallel(group.size, group.rank)
     files = safetensors_files(model_dir)
     if arch.tie_word_embeddings and _stored_head_differs(files):
         # transformers (5) keeps such a head untied and uses it; so do we, for parity.
@@ -148,40 +157,48 @@ def load_model(
                        "embeddings; using it untied, as transformers does", model_dir)  # fmt: skip
         arch = dataclasses.replace(arch, tie_word_embeddings=False)
     with torch.device("meta"):
-        model = LlamaForCausalLM(arch, max_positions, backend)
+        model = LlamaForCausalLM(local_arch(arch, tp), max_positions, backend, group)
     model = model.to_empty(device=device).to(dtype)
     model.build_rope_tables(device)
     params = dict(model.named_parameters())
+    specs = {name: spec for name in params if (spec := shard_spec(name, arch, tp)) is not None}
+    # Full shapes: stored tensors are placed in the full parameter's coordinates.
+    shapes = {
+        name: specs[name].full_shape(tuple(p.shape)) if name in specs else tuple(p.shape)
+        for name, p in params.items()
+    }
     # Elements of each parameter filled so far, to detect missing tensors.
     filled: dict[str, int] = dict.fromkeys(params, 0)
     unexpected: list[str] = []
     gpt_oss = arch.architecture == "GptOssForCausalLM"
     # stored name -> file, for MXFP4 scales stored in another shard than their blocks
     where = {name: path for path in files for name in _tensor_names(path)} if gpt_oss else {}
+    no_head = arch.tie_word_embeddings or not model.computes_logits
 
     def place(target: _Target, tensor: torch.Tensor, stored: str, path: Path) -> None:
         if target.param not in params:
             unexpected.append(stored)
             return
-        param = params[target.param]
-        dest = param.data
+        spec = specs.get(target.param)
+        dest, full = params[target.param].data, shapes[target.param]
         if target.expert is not None:
             if target.expert >= dest.shape[0]:
                 raise ModelLoadError(
                     f"{path.name}: {stored} names expert {target.expert} of {dest.shape[0]}"
                 )
-            dest = dest[target.expert]
+            dest, full = dest[target.expert], full[1:]
+        elif spec is not None and spec.per_expert:  # all experts at once: one by one
+            for expert in range(tensor.shape[0]):
+                place(dataclasses.replace(target, expert=expert), tensor[expert], stored, path)
+            return
         rows = tensor.shape[0]
-        if tuple(tensor.shape[1:]) != tuple(dest.shape[1:]) or (
-            target.row_start + rows > dest.shape[0]
-        ):
+        if tuple(tensor.shape[1:]) != full[1:] or target.row_start + rows > full[0]:
             raise ModelLoadError(
                 f"{path.name}: {stored} has shape {tuple(tensor.shape)}, which does not "
-                f"fit {target.param} {tuple(param.shape)}"
+                f"fit {target.param} {shapes[target.param]}"
             )
-        with torch.no_grad():
-            dest[target.row_start : target.row_start + rows].copy_(tensor.to(dtype))
-        filled[target.param] += tensor.numel()
+        with torch.no_grad():  # copy_ casts to the model dtype
+            filled[target.param] += _copy_shard(dest, tensor, target.row_start, spec, tp.rank)
 
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -189,11 +206,11 @@ def load_model(
                 name = _model_name(stored)
                 if name is None or _IGNORED.match(name):
                     continue
-                if arch.tie_word_embeddings and name == _HEAD:
+                if no_head and name == _HEAD:
                     continue
                 expert = EXPERT_TENSOR.match(name) if gpt_oss else None
                 if expert is None:
-                    place(_target(name, arch, params), f.get_tensor(stored), stored, path)
+                    place(_target(name, arch, shapes), f.get_tensor(stored), stored, path)
                     continue
                 prefix, which, suffix = expert.group(1), expert.group(2), expert.group(3) or ""
                 if suffix == "_scales":
@@ -217,3 +234,36 @@ def load_model(
         )
     model.eval()
     return model
+
+
+def _copy_shard(
+    dest: torch.Tensor,  # the rank's parameter (one expert's, for stacked experts)
+    tensor: torch.Tensor,  # full rows row_start ..+ len(tensor) of the full parameter
+    row_start: int,
+    spec: ShardSpec | None,
+    rank: int,
+) -> int:
+    """Copy what this rank keeps of ``tensor`` into ``dest``; the elements written."""
+    rows = tensor.shape[0]
+    if spec is None or (spec.rank0_only and rank == 0):
+        dest[row_start : row_start + rows].copy_(tensor)
+        return tensor.numel()
+    if spec.rank0_only:  # a bias the partial sums must add once: rank 0's
+        dest[row_start : row_start + rows].zero_()
+        return tensor.numel()
+    written = 0
+    for piece in spec.pieces:
+        if spec.dim == 1:  # input columns of a row-parallel weight
+            part = tensor[:, piece.full_start : piece.full_start + piece.length]
+            local = slice(piece.local_start, piece.local_start + piece.length)
+            dest[row_start : row_start + rows, local].copy_(part)
+            written += part.numel()
+            continue
+        first = max(piece.full_start, row_start)  # output rows: the overlap with the piece
+        last = min(piece.full_start + piece.length, row_start + rows)
+        if first < last:
+            part = tensor[first - row_start : last - row_start]
+            local_first = piece.local_start + first - piece.full_start
+            dest[local_first : local_first + last - first].copy_(part)
+            written += part.numel()
+    return written

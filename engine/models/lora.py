@@ -20,6 +20,12 @@ What this does not implement is refused at load with the reason: DoRA, adapted e
 or LM head (``modules_to_save`` and ``embed_tokens``/``lm_head`` targets), LoRA biases and
 per-module alphas (``alpha_pattern``), and the MLP of mixture-of-experts layers (its
 experts and shared expert; attention projections there are adapted as anywhere).
+
+Under tensor parallelism a rank's adapter is cut like its base weights
+(``engine.parallel.shard_spec``): a column-parallel projection (q/k/v, gate/up) keeps the
+B rows of its output rows and all of A; a row-parallel one (o, down) keeps the A columns
+of its input slice and all of B, so its delta is a partial sum like its base output and
+the layer's all-reduce adds both up.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from common.hashing import lora_key
 from common.model_info import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from engine.models.arch import ModelArchConfig, ModelLoadError
 from engine.models.fingerprint import adapter_fingerprint
+from engine.parallel.shard_spec import TensorParallel, shard_spec
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +80,7 @@ class LoraPair:
     b: torch.Tensor  # [out_features, rank], the adapter's scale folded in
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
 class LoraAdapter:
     """One loaded adapter. Requests hold it from admission to their end, so an adapter
     unloaded meanwhile stays valid for them (``LLMEngine.unload_lora_adapter``)."""
@@ -83,6 +90,7 @@ class LoraAdapter:
     # Per layer: fused projection name ("qkv_proj", "o_proj", "gate_up_proj",
     # "down_proj") -> its pair; a projection the adapter leaves alone is absent.
     layers: tuple[dict[str, LoraPair], ...]
+    path: str = ""  # the directory it was read from (the other ranks read it too)
 
     @property
     def key(self) -> str:
@@ -129,9 +137,15 @@ def _read_config(path: Path) -> dict:
 
 
 def load_lora_adapter(
-    name: str, path: str | Path, arch: ModelArchConfig, device: torch.device, dtype: torch.dtype
+    name: str,
+    path: str | Path,
+    arch: ModelArchConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp: TensorParallel | None = None,
 ) -> LoraAdapter:
-    """Read a PEFT adapter for a model of ``arch``; every mismatch is a ``ModelLoadError``."""
+    """Read a PEFT adapter for a model of ``arch`` (the full model's), cut for rank
+    ``tp.rank`` of a tensor-parallel group; every mismatch is a ``ModelLoadError``."""
     path = Path(path)
     config = _read_config(path)
     weights = path / ADAPTER_WEIGHTS
@@ -225,7 +239,32 @@ def load_lora_adapter(
                 a=torch.cat(a_rows).to(device, dtype),  # [total_rank, in]
                 b=torch.cat(b_blocks).to(device, dtype),  # [fused out, total_rank]
             )
-    return LoraAdapter(name=name, fingerprint=adapter_fingerprint(path), layers=tuple(layers))
+    if tp is not None and tp.size > 1:
+        layers = [
+            {proj: _shard_pair(pair, layer, proj, arch, tp) for proj, pair in pairs.items()}
+            for layer, pairs in enumerate(layers)
+        ]
+    return LoraAdapter(
+        name=name, fingerprint=adapter_fingerprint(path), layers=tuple(layers), path=str(path)
+    )
+
+
+_MODULE_OF = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp",
+              "down_proj": "mlp"}  # fmt: skip
+
+
+def _shard_pair(
+    pair: LoraPair, layer: int, projection: str, arch: ModelArchConfig, tp: TensorParallel
+) -> LoraPair:
+    """Rank ``tp.rank``'s part of one projection's pair, cut as its base weight is."""
+    spec = shard_spec(f"model.layers.{layer}.{_MODULE_OF[projection]}.{projection}.weight",
+                      arch, tp)  # fmt: skip
+    assert spec is not None and not spec.rank0_only
+    if spec.dim == 0:  # column-parallel: this rank's output rows of B
+        rows = [pair.b[p.full_start : p.full_start + p.length] for p in spec.pieces]
+        return LoraPair(a=pair.a, b=torch.cat(rows).contiguous())
+    columns = [pair.a[:, p.full_start : p.full_start + p.length] for p in spec.pieces]
+    return LoraPair(a=torch.cat(columns, dim=1).contiguous(), b=pair.b)
 
 
 @dataclass(frozen=True, slots=True)

@@ -79,6 +79,12 @@ BROKEN = [
     ("decode: {host: 'fd00::5'}", "decode.host", "IPv6 worker addresses are not supported"),
     ("1: a\nfoo: b", "1", "unknown key"),
     ("decode: {engine: {block_size: 32}}", "decode.engine.block_size", "same block size"),
+    (
+        "decode: {engine: {tensor_parallel_size: 2}}",
+        "decode.engine.tensor_parallel_size",
+        "both roles need the same tensor_parallel_size",
+    ),
+    ("engine: {tensor_parallel_size: 0}", "engine.tensor_parallel_size", "must be > 0"),
     ("kv_transfer: {connector: rdma}", "kv_transfer.connector", "not one of: nixl"),
     ("kv_transfer: {connector: shared_storage}", "kv_transfer.shared_dir", "needs a dir"),
     ("kv_transfer: {lease_s: 5, timeout_s: 5}", "kv_transfer.timeout_s", "below lease_s"),
@@ -115,6 +121,13 @@ KV_BROKEN = [
      "need 6250.0 MiB, more than engine.kv_cache_bytes=1073741824"),
     (["prefill.engine.device=cpu", "prefill.engine.kv_cache_bytes=4194304"],
      "prefill.engine.kv_cache_bytes", "64 KV blocks"),
+    (["engine.tensor_parallel_size=3"], "engine.tensor_parallel_size",
+     "4 attention heads do not split over 3 ranks"),
+    (["engine.tensor_parallel_size=8"], "engine.tensor_parallel_size",
+     "4 attention heads do not split over 8 ranks"),
+    # Per rank: 2 of 4 ranks share each KV head, so a block costs 32 KiB per rank.
+    (["engine.device=cpu", "engine.tensor_parallel_size=4", "engine.kv_cache_bytes=4194304"],
+     "engine.kv_cache_bytes", "128 KV blocks, which cannot hold"),
 ]  # fmt: skip
 
 
@@ -180,6 +193,24 @@ def test_torch_free_sizing_agrees_with_the_engine(tiny_llama):
         runner.num_blocks,
     )
     assert budget.min_blocks == 16 and budget.num_blocks == 38
+
+
+def test_torch_free_sizing_is_per_tensor_parallel_rank(tiny_llama, model_factory):
+    """Each rank holds its KV heads (one of the two here), and the dense and expert widths
+    a split would cut are read as the engine reads them."""
+    from common.config import Role
+    from common.kv_budget import ModelShape, kv_budgets
+    from engine.models.arch import read_arch_config
+    from engine.parallel.shard_spec import split_widths
+
+    overrides = [f"model={tiny_llama}", "engine.device=cpu", "engine.max_model_len=512",
+                 "engine.kv_cache_bytes=5000000", "engine.tensor_parallel_size=2"]  # fmt: skip
+    budget = next(b for b in kv_budgets(load_config(None, overrides)) if b.role is Role.DECODE)
+    assert budget.bytes_per_block == 32 * 1024 and budget.num_blocks == 152
+    for arch in ("llama", "qwen2_moe", "mixtral", "gpt_oss"):
+        model_dir = model_factory(arch)
+        shape = ModelShape.read(model_dir)
+        assert dict(shape.split_widths) == split_widths(read_arch_config(model_dir)), arch
 
 
 def test_enum_settings_built_in_python_are_enums():

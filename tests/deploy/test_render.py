@@ -121,6 +121,23 @@ def test_compose_details_of_an_unusual_layout(tmp_path):
     assert services["prefill-0"]["stop_grace_period"] == "105s"
 
 
+def test_tensor_parallel_workers_get_their_own_gpus(tmp_path):
+    """Each worker its tensor_parallel_size GPUs, consecutively; wrapping past the host's."""
+    from deploy.gpus import worker_gpus
+
+    config = load_config(str(DEMO), ["engine.tensor_parallel_size=2", "decode.replicas=2"])
+    assert list(worker_gpus(config).values()) == [[0, 1], [2, 3], [4, 5]]
+    assert list(worker_gpus(config, 4).values()) == [[0, 1], [2, 3], [0, 1]]
+    document = yaml.safe_load(render(config, "demo.yaml", "cuda"))
+    devices = {name: s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+               for name, s in document["services"].items() if name[-1].isdigit()}  # fmt: skip
+    assert devices == {"prefill-0": ["0", "1"], "decode-0": ["2", "3"], "decode-1": ["4", "5"]}
+    files = render_files(config, "demo.yaml", "pdserve:test")
+    patch = yaml.safe_load(files["overlays/gpu/gpu-workers.yaml"])
+    container = patch["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 2
+
+
 def test_an_external_redis_is_kept_and_none_bundled():
     config = load_config(str(DEMO), ["registry.redis_url=redis://redis.internal:6379/3"])
     document = yaml.safe_load(render(config, "demo.yaml"))

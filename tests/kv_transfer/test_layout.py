@@ -92,6 +92,27 @@ def test_check_compatible_names_every_difference():
     assert info.value.mismatches["dtype"] == ("bfloat16", "float16")
 
 
+def test_tensor_parallel_ranks_pair_only_with_the_same_rank_of_the_same_size(tmp_path):
+    """A connector registered as rank 1 of 2 refuses a peer of another size or rank,
+    before any byte moves; its shared-storage files live in its rank's own directory."""
+    config = KVTransferConfig(connector="shared_storage", shared_dir=str(tmp_path),
+                              tp_size=2, tp_rank=1)  # fmt: skip
+    with create_connector(config, "engine-tp1") as connector:
+        connector.register_kv_caches(caches())
+        assert (connector.layout.tp_size, connector.layout.tp_rank) == (2, 1)
+        assert connector.root.name.endswith("-tp1of2")
+        ours = connector.metadata()
+        decode_peer_metadata(ours, connector=ConnectorName.SHARED_STORAGE,
+                             local_layout=connector.layout)  # fmt: skip
+        for other in (LAYOUT, msgspec.structs.replace(connector.layout, tp_rank=0)):
+            with pytest.raises(LayoutMismatchError) as info:
+                decode_peer_metadata(ours, connector=ConnectorName.SHARED_STORAGE,
+                                     local_layout=other)  # fmt: skip
+            assert {"tp_size", "tp_rank"} & set(info.value.mismatches)
+    with pytest.raises(ConfigError, match="tp_rank"):
+        KVTransferConfig(tp_size=2, tp_rank=2)
+
+
 def envelope(**overrides) -> bytes:
     fields = dict(
         version=HANDSHAKE_VERSION,

@@ -68,6 +68,8 @@ def test_multimodal_checkpoint_serves_text(model_factory, tmp_path):
         num_kv_heads=arch.num_kv_heads,
         head_dim=arch.head_dim,
         max_context_len=arch.max_context_len,
+        num_q_heads=arch.num_q_heads,
+        split_widths=(("intermediate_size", arch.intermediate_size),),
     )
 
 

@@ -1,0 +1,124 @@
+"""Tensor parallelism's cost and gain: the same model and prompts at tensor_parallel_size 1
+and N, side by side in one run.
+
+    python -m benchmarks.tensor_parallel [--model DIR | --size small] [--tp 2] [--num-prompts 16]
+
+Measured per size: a batch's prefill (one output token), the whole batch (prefill and
+``--output-len`` tokens each, greedy, EOS banned; decode time per step is the difference),
+and batch-1 decode latency per token. Each rank gets its share of the cores
+(``torch.set_num_threads``), so on a CPU the ranks split the same cores one process would
+use: what shows is what splitting costs (one all-reduce per attention and MLP block per
+step, the batch sent to every rank) against what it gains (smaller matmuls per rank run
+in parallel). On GPUs, where each rank has its own device and memory bandwidth, the gain
+is the point: a step reads 1/N of the weights per GPU. The tokens of both runs must be
+identical (printed). Writes ``benchmarks/results/tensor_parallel_<tag>.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+from benchmarks.engine_throughput import machine, make_prompts, per_token_latency, run_ours
+from benchmarks.records import write_markdown
+from engine import LLM
+from engine.models.arch import read_arch_config
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def measure(model: Path, tp_size: int, prompts: list[list[int]], output_len: int) -> dict:
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // tp_size))  # rank 0's share (the shards set theirs)
+    with LLM(model, tensor_parallel_size=tp_size, max_num_seqs=len(prompts)) as llm:
+        run_ours(llm, prompts[:2], 2)  # warm-up
+        prefill_s = min(run_ours(llm, prompts, 1)[0] for _ in range(2))
+        total_s, tokens = run_ours(llm, prompts, output_len)
+        latency_s = per_token_latency(lambda p, n: run_ours(llm, p, n), prompts[0], 16)
+    torch.set_num_threads(cores)
+    num_prompt_tokens = sum(len(p) for p in prompts)
+    decode_step_s = (total_s - prefill_s) / (output_len - 1)
+    return {
+        "tensor_parallel_size": tp_size,
+        "prefill_s": prefill_s,
+        "prefill_tokens_per_s": num_prompt_tokens / prefill_s,
+        "batch_s": total_s,
+        "decode_step_ms": decode_step_s * 1e3,
+        "output_tokens_per_s": len(prompts) * output_len / total_s,
+        "batch1_ms_per_token": latency_s * 1e3,
+        "tokens": tokens,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="checkpoint (default: a made llama)")
+    parser.add_argument("--size", default="small", choices=("tiny", "small"))
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--tag", default="cpu" if not torch.cuda.is_available() else "cuda")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    from engine.models.maker import ensure_model
+
+    model = Path(args.model) if args.model else ensure_model("llama", args.size)
+    vocab = read_arch_config(model).vocab_size
+    prompts = make_prompts(args.num_prompts, 128, 512, vocab, seed=0)
+    runs = []
+    for tp_size in (1, args.tp):
+        print(f"tensor_parallel_size={tp_size} ...", flush=True)
+        runs.append(measure(model, tp_size, prompts, args.output_len))
+    single, split = runs
+    ratios = {
+        "prefill_throughput": split["prefill_tokens_per_s"] / single["prefill_tokens_per_s"],
+        "decode_step_speed": single["decode_step_ms"] / split["decode_step_ms"],
+        "batch1_latency_speed": single["batch1_ms_per_token"] / split["batch1_ms_per_token"],
+    }
+    same = sum(a == b for a, b in zip(single["tokens"], split["tokens"], strict=True))
+    record = {
+        "machine": machine(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "model": args.model or f"llama {args.size}",
+        "num_prompts": len(prompts),
+        "output_len": args.output_len,
+        "runs": [{k: v for k, v in run.items() if k != "tokens"} for run in runs],
+        f"tp{args.tp}_vs_tp1": ratios,
+        "identical_sequences": f"{same}/{len(prompts)}",
+    }
+    stem = args.out_dir / f"tensor_parallel_{args.tag}"
+    stem.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
+    lines = [
+        f"# Tensor parallelism: `python -m benchmarks.tensor_parallel --size {args.size} "
+        f"--tp {args.tp}`",
+        "",
+        f"{record['machine']}, {record['cores']} cores, torch {record['torch']}, "
+        f"{record['date']}. {len(prompts)} prompts of 128-512 tokens, {args.output_len} "
+        "greedy output tokens each; each rank gets cores / N threads.",
+        "",
+        "| tensor_parallel_size | prefill tokens/s | decode step ms (batch) | "
+        "output tokens/s | batch-1 ms/token |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for run in runs:
+        lines.append(
+            f"| {run['tensor_parallel_size']} | {run['prefill_tokens_per_s']:.0f} | "
+            f"{run['decode_step_ms']:.1f} | {run['output_tokens_per_s']:.1f} | "
+            f"{run['batch1_ms_per_token']:.2f} |"
+        )
+    lines += ["", *(f"- {name} (tp{args.tp} / tp1): **{value:.2f}x**"
+                    for name, value in ratios.items())]  # fmt: skip
+    lines.append(f"- identical sequences: {record['identical_sequences']}")
+    write_markdown(stem.with_suffix(".md"), "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""How a model splits over a tensor-parallel group of ``tp_size`` ranks (Megatron-style).
+
+Torch-free: the engine's loader, the KV budget check and ``pdserve config check`` share it.
+
+Each rank holds ``num_q_heads / tp_size`` query heads and their KV heads, and the matching
+slice of every MLP's intermediate width (of every expert's, for mixture-of-experts
+models). When there are fewer KV heads than ranks, each KV head is held by
+``tp_size / num_kv_heads`` consecutive ranks (a replica each), so that a rank's query
+heads always find their KV head locally: GQA groups are never cut.
+
+    q heads    | 0 1 | 2 3 | 4 5 | 6 7 |      8 query heads, 2 KV heads, tp_size 4:
+    KV heads   |  0  |  0  |  1  |  1  |      rank r holds KV head r // 2
+                 r0    r1    r2    r3
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class HeadSplit:
+    """The attention heads rank ``tp_rank`` of ``tp_size`` holds."""
+
+    num_q_heads: int  # the model's, all ranks together
+    num_kv_heads: int
+    tp_size: int = 1
+    tp_rank: int = 0
+
+    @property
+    def q_heads(self) -> int:
+        return self.num_q_heads // self.tp_size
+
+    @property
+    def q_head_start(self) -> int:
+        return self.tp_rank * self.q_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return local_kv_heads(self.num_kv_heads, self.tp_size)
+
+    @property
+    def kv_head_start(self) -> int:
+        if self.num_kv_heads >= self.tp_size:
+            return self.tp_rank * self.kv_heads
+        return self.tp_rank // (self.tp_size // self.num_kv_heads)  # a replica
+
+
+def local_kv_heads(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads per rank: a share of them, or one replicated head."""
+    return max(1, num_kv_heads // tp_size)
+
+
+def split_problem(
+    num_q_heads: int, num_kv_heads: int, widths: Mapping[str, int], tp_size: int
+) -> str | None:
+    """Why the model cannot be split over ``tp_size`` ranks, or None if it can.
+    ``widths``: each split MLP width by name ("intermediate_size", ...)."""
+    if tp_size < 1:
+        return f"must be >= 1, got {tp_size}"
+    if tp_size == 1:
+        return None
+    if num_q_heads % tp_size:
+        return f"{num_q_heads} attention heads do not split over {tp_size} ranks"
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        return (
+            f"{num_kv_heads} KV heads neither split over {tp_size} ranks nor divide it "
+            "(each rank must hold whole KV heads, or one replica of one)"
+        )
+    for name, width in widths.items():
+        if width % tp_size:
+            return f"{name}={width} does not split over {tp_size} ranks"
+    return None

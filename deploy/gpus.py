@@ -1,0 +1,39 @@
+"""Which GPUs each worker gets on one host: consecutive runs of its
+``tensor_parallel_size`` (rank r of a worker on the r-th of its GPUs), prefill workers
+first, wrapping around when the host has fewer GPUs than the workers need (they then
+share GPUs, which fits only small models)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from common.config import PdserveConfig, Role
+
+
+def worker_gpus(config: PdserveConfig, num_gpus: int = 0) -> dict[tuple[Role, int], list[int]]:
+    """(role, index) -> GPU ordinals. ``num_gpus`` 0: as many as the workers need."""
+    assignment: dict[tuple[Role, int], list[int]] = {}
+    next_gpu = 0
+    for role in Role:
+        tp_size = config.engine_for(role).tensor_parallel_size
+        for index in range(config.role(role).replicas):
+            gpus = [next_gpu + rank for rank in range(tp_size)]
+            assignment[(role, index)] = [g % num_gpus for g in gpus] if num_gpus else gpus
+            next_gpu += tp_size
+    return assignment
+
+
+def gpus_needed(config: PdserveConfig) -> int:
+    return sum(len(gpus) for gpus in worker_gpus(config).values())
+
+
+def visible_gpus() -> list[str]:
+    """This host's GPUs as ``CUDA_VISIBLE_DEVICES`` entries: that variable's list when set,
+    else the NVIDIA driver's devices (torch-free: the launcher does not import torch)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [entry for entry in listed.split(",") if entry.strip()]
+    driver = Path("/proc/driver/nvidia/gpus")
+    count = len(list(driver.iterdir())) if driver.is_dir() else 0
+    return [str(i) for i in range(count)]

@@ -1,0 +1,191 @@
+"""One rank's model and KV cache: turns a step's flattened batch into hidden states.
+
+Without tensor parallelism there is one rank, and this is the whole model. With it, every
+rank of the group holds one of these (rank 0 inside ``ModelRunner``, the others in shard
+processes, ``engine/parallel``), each with its heads' slice of the weights and of the KV
+cache, and runs the same batch; the layers sum their partial outputs across ranks.
+
+Built in two steps, because ranks must agree on the cache size before any allocates one:
+``ModelShard(...)`` loads the weights and ``max_num_blocks`` says what this rank's memory
+holds; ``allocate(num_blocks)`` then makes the KV cache (the same block count on every
+rank, so a block id names the same tokens everywhere) and captures CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from common.config import ConfigError, EngineConfig
+from engine.attention.backend import BatchLayout
+from engine.attention.registry import create_backend
+from engine.cuda_graphs import DecodeGraphs
+from engine.host_memory import zeros_for_kv_caches
+from engine.kv_cache_manager import cdiv
+from engine.models.arch import ModelArchConfig
+from engine.models.loader import load_model
+from engine.models.lora import LoraBatch
+from engine.parallel.group import SingleRank, TPGroup
+from engine.parallel.shard_spec import TensorParallel, local_arch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class HostBatch:
+    """One step's flattened batch as host lists, before it becomes device tensors.
+    Segments are ordered shortest first (decodes lead: ``BatchLayout``)."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    query_start_loc: list[int] = field(default_factory=lambda: [0])
+    seq_lens: list[int] = field(default_factory=list)
+    block_rows: list[list[int]] = field(default_factory=list)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    def query_len(self, i: int) -> int:
+        return self.query_start_loc[i + 1] - self.query_start_loc[i]
+
+
+class ModelShard:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        arch: ModelArchConfig,  # the full model's
+        config: EngineConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+        group: TPGroup | None = None,
+    ) -> None:
+        self.group = group or SingleRank()
+        self.arch = local_arch(arch, TensorParallel(self.group.size, self.group.rank))
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.block_size
+        self.max_model_len = max_model_len
+        self.backend = create_backend(config.attention_backend, device, config.block_size)
+        self.model = load_model(
+            model_dir, arch, max_model_len, self.backend, device, dtype, self.group
+        )
+        self.num_blocks = 0
+        self.kv_caches: list[torch.Tensor] = []
+        self.decode_graphs: DecodeGraphs | None = None
+
+    @property
+    def bytes_per_block(self) -> int:
+        """This rank's bytes of one block (its KV heads, every layer)."""
+        arch = self.arch
+        elements = arch.num_layers * 2 * self.block_size * arch.num_kv_heads * arch.head_dim
+        return elements * torch.finfo(self.dtype).bits // 8
+
+    def max_num_blocks(self) -> int:
+        """The blocks this rank's memory holds (``engine.num_blocks`` if set). Raises
+        ``ConfigError`` if that is not one request of ``max_model_len``."""
+        config = self.config
+        min_blocks = cdiv(self.max_model_len, self.block_size)
+        if config.num_blocks is not None:
+            num_blocks = config.num_blocks
+        elif self.device.type == "cuda":
+            # Memory torch's allocator caches but does not use counts as free.
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - int(total * (1.0 - config.gpu_memory_utilization))
+            num_blocks = budget // self.bytes_per_block
+        else:
+            num_blocks = config.kv_cache_bytes // self.bytes_per_block
+        if num_blocks < min_blocks:
+            raise ConfigError(
+                "engine.num_blocks",
+                f"{num_blocks} KV blocks cannot hold one request of max_model_len="
+                f"{self.max_model_len} ({min_blocks} blocks of {self.block_size} tokens); "
+                "give the KV cache more memory or lower engine.max_model_len",
+            )
+        return num_blocks
+
+    def allocate(self, num_blocks: int) -> None:
+        """Make the KV cache of ``num_blocks`` and capture decode graphs. Under tensor
+        parallelism every rank calls this with the same count, at the same time (the
+        capture runs collectives)."""
+        arch = self.arch
+        self.num_blocks = num_blocks
+        shape = (num_blocks, 2, self.block_size, arch.num_kv_heads, arch.head_dim)
+        # One view per layer of a block-major buffer; a block id names the same slot in
+        # every layer (host_memory.zeros_for_kv_caches says why).
+        self.kv_caches = zeros_for_kv_caches(arch.num_layers, shape, self.dtype, self.device)
+        config = self.config
+        if config.cuda_graphs and self.device.type == "cuda" and self.backend.name == "triton":
+            self._capture()
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB%s), attention backend %s",
+            num_blocks, self.block_size, num_blocks * self.bytes_per_block / 2**20,
+            f" on rank {self.group.rank} of {self.group.size}" if self.group.size > 1 else "",
+            self.backend.name,
+        )  # fmt: skip
+
+    def _capture(self) -> None:
+        graphs = DecodeGraphs(
+            self.model, self.backend, self.kv_caches, self.config.max_num_seqs,
+            self.max_model_len, self.block_size, self.device,
+        )  # fmt: skip
+        try:
+            graphs.capture()
+            captured = True
+        except Exception as exc:  # eager steps still work: never fail the engine for this
+            logger.warning("CUDA graph capture failed, decoding eagerly: %s", exc)
+            captured = False
+        # Every rank must replay or none: a step's collectives must match across ranks.
+        if self.group.min_int(int(captured)):
+            self.decode_graphs = graphs
+
+    def uses_graph(self, batch: HostBatch, lora: object | None) -> bool:
+        """Whether ``forward`` replays a graph: decode-only steps of the base model that
+        fit one. A function of the batch alone, so every rank decides alike."""
+        graphs = self.decode_graphs
+        return (
+            graphs is not None
+            and lora is None  # graphs are captured for the base model
+            and batch.num_seqs == len(batch.input_ids)
+            and graphs.fits(batch.num_seqs)
+        )
+
+    def forward(self, batch: HostBatch, lora: LoraBatch | None) -> torch.Tensor:
+        """Hidden states of every token [num_tokens, hidden_size] (after the final norm):
+        replayed from a CUDA graph for decode-only steps that fit one, eagerly else."""
+        if self.uses_graph(batch, lora):
+            assert self.decode_graphs is not None
+            return self.decode_graphs.run(
+                batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
+                batch.block_rows,
+            )  # fmt: skip
+        metadata = self.backend.build_metadata(self._layout(batch))
+        input_ids = self.to_device(batch.input_ids, torch.int64)
+        positions = self.to_device(batch.positions, torch.int64)
+        return self.model(input_ids, positions, self.kv_caches, metadata, lora)
+
+    def _layout(self, batch: HostBatch) -> BatchLayout:
+        max_blocks = max(len(row) for row in batch.block_rows)
+        table = [row + [0] * (max_blocks - len(row)) for row in batch.block_rows]
+        query_lens = [batch.query_len(i) for i in range(batch.num_seqs)]
+        return BatchLayout(
+            slot_mapping=self.to_device(batch.slot_mapping, torch.int64),
+            query_start_loc=self.to_device(batch.query_start_loc, torch.int32),
+            seq_lens=self.to_device(batch.seq_lens, torch.int32),
+            block_table=self.to_device(table, torch.int32),
+            query_start_loc_cpu=batch.query_start_loc,
+            seq_lens_cpu=batch.seq_lens,
+            num_decodes=sum(1 for n in query_lens if n == 1),
+            max_query_len=max(query_lens),
+            max_seq_len=max(batch.seq_lens),
+        )
+
+    def to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)

@@ -1,0 +1,96 @@
+"""The collectives of one tensor-parallel group: NCCL on CUDA, gloo on CPU.
+
+The process group is built directly from a ``TCPStore`` (``ProcessGroupNCCL`` /
+``ProcessGroupGloo``), not through ``torch.distributed.init_process_group``: that one is
+process-global, so a process could hold only one group, and tests and the offline API
+build several engines in one process. A single-rank engine uses ``SingleRank``, whose
+collectives do nothing.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class TPGroup(Protocol):
+    rank: int
+    size: int
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the group, in place; returns it."""
+        ...
+
+    def min_int(self, value: int) -> int:
+        """The smallest ``value`` any rank passed (ranks agree on a size)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class SingleRank:
+    """The group of one: every collective is the identity."""
+
+    rank = 0
+    size = 1
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def min_int(self, value: int) -> int:
+        return value
+
+    def close(self) -> None:
+        return None
+
+
+class DistributedGroup:
+    """``size`` processes that met at ``store``; ``device`` picks NCCL (cuda) or gloo
+    (whose sockets bind to ``host``). A collective that waits longer than ``timeout_s``
+    for a rank fails instead of hanging."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        device: torch.device,
+        host: str,
+        timeout_s: float,
+    ) -> None:
+        self.rank = rank
+        self.size = size
+        self.device = device
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self._group: dist.ProcessGroup
+        if device.type == "cuda":
+            nccl = getattr(dist, "ProcessGroupNCCL", None)
+            if nccl is None:
+                raise RuntimeError("this torch build has no NCCL")
+            options = nccl.Options()
+            options._timeout = timeout
+            self._group = nccl(store, rank, size, options)
+        else:
+            options = dist.ProcessGroupGloo._Options()
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+            options._timeout = timeout
+            self._group = dist.ProcessGroupGloo(store, rank, size, options)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._group.allreduce([tensor]).wait()
+        return tensor
+
+    def min_int(self, value: int) -> int:
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        self._group.allreduce([tensor], options).wait()
+        return int(tensor.item())
+
+    def close(self) -> None:
+        shutdown = getattr(self._group, "shutdown", None)
+        if shutdown is not None:
+            shutdown()

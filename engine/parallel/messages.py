@@ -1,0 +1,116 @@
+"""What rank 0 and its shard processes say to each other (msgpack via msgspec, never pickle).
+
+Rank 0 sends each shard one ordered stream of commands; a shard answers on one stream back.
+Order is the contract: a shard applies commands in the order rank 0 issued them, so a
+block copy or a transfer ordered before a step happens before that step on every rank.
+
+    rank 0                                shard r
+    ------                                -------
+    spawn ─────────────────────────────►  Hello            (imports done, joins the group)
+                                          Loaded(max_num_blocks)
+    Allocate(num_blocks) ──────────────►  KV cache, CUDA graphs (collectives: all ranks)
+                                          Started(extension payload)
+    Step                                  (no answer: its answer is the all-reduces)
+    OpenHostCache / SaveBlocks / LoadBlocks   the CPU tier's copies of this rank's blocks
+    AddLora ─► LoraAdded / DropLora
+    Probe ─► ProbeReply                   what a shard holds, for leak checks
+    extension commands  ──────────────►   extension replies, whenever they come
+    Shutdown ──────────────────────────►  exits
+                                          Failed(reason): the shard is going down
+
+A worker's KV connector rides on the same streams as an *extension*
+(``shard_main.ShardExtension``): its message types join these unions.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Hello(msgspec.Struct, tag="hello", frozen=True):
+    rank: int
+
+
+class Loaded(msgspec.Struct, tag="loaded", frozen=True):
+    rank: int
+    max_num_blocks: int  # what this rank's memory holds
+
+
+class Allocate(msgspec.Struct, tag="allocate", frozen=True):
+    num_blocks: int  # the smallest any rank can hold: block ids name the same slot on all
+
+
+class Started(msgspec.Struct, tag="started", frozen=True):
+    rank: int
+    extension: bytes = b""  # what the extension tells rank 0 (a connector's metadata)
+
+
+class Failed(msgspec.Struct, tag="failed", frozen=True):
+    rank: int
+    reason: str
+
+
+class Step(msgspec.Struct, tag="step", frozen=True):
+    """One forward pass: ``model_shard.HostBatch``'s lists, and the rows of each adapter."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_rows: list[list[int]]
+    lora_rows: list[tuple[int, list[int]]]  # (adapter id from AddLora, rows)
+
+
+class OpenHostCache(msgspec.Struct, tag="open_host_cache", frozen=True):
+    """Make this many CPU tier slots (``engine.cpu_tier``); the tier's copies follow."""
+
+    num_slots: int
+
+
+class SaveBlocks(msgspec.Struct, tag="save", frozen=True):
+    """Copy KV blocks into CPU tier slots (``engine.cpu_tier``)."""
+
+    block_ids: list[int]
+    slots: list[int]
+
+
+class LoadBlocks(msgspec.Struct, tag="load", frozen=True):
+    slots: list[int]
+    block_ids: list[int]
+
+
+class AddLora(msgspec.Struct, tag="add_lora", frozen=True):
+    adapter_id: int
+    name: str
+    path: str
+
+
+class LoraAdded(msgspec.Struct, tag="lora_added", frozen=True):
+    rank: int
+    adapter_id: int
+    fingerprint: str = ""  # of the files the shard read
+    error: str = ""  # set: the shard could not read them (and holds nothing)
+
+
+class DropLora(msgspec.Struct, tag="drop_lora", frozen=True):
+    adapter_id: int
+
+
+class Probe(msgspec.Struct, tag="probe", frozen=True):
+    """Ask what a shard holds (leak checks)."""
+
+
+class ProbeReply(msgspec.Struct, tag="probe_reply", frozen=True):
+    rank: int
+    num_adapters: int
+    num_host_slots: int
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
+    pass
+
+
+TO_SHARD = (Allocate, Step, OpenHostCache, SaveBlocks, LoadBlocks, AddLora, DropLora, Probe,
+            Shutdown)  # fmt: skip
+FROM_SHARD = (Hello, Loaded, Started, Failed, LoraAdded, ProbeReply)

@@ -1,0 +1,430 @@
+"""Rank 0's side of a tensor-parallel engine: starts the shard processes (ranks 1..size-1)
+and talks to them.
+
+Shards are plain subprocesses (``python -m engine.parallel.shard_main``) that read their
+``ShardLaunch`` as JSON from stdin; commands and replies travel over ZMQ ``ipc://`` sockets
+in a private temporary directory (nothing listens on the network but the group's
+collectives, bound to ``host``); ``messages.py`` has the protocol.
+
+Failures: a shard that reports ``Failed`` or exits is noticed by a watcher thread within
+``_WATCH_S``, which records ``failure`` and calls ``on_failure`` (a worker turns that into
+an engine failure at once; the step that was running fails by itself, since gloo and NCCL
+collectives fail when a peer is gone or after the group's timeout). Every wait for a
+shard's answer is bounded by ``timeout_s`` and gives up early once a shard is gone, so
+nothing here waits for ever. ``close`` stops every shard (killing those that do not stop).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+import zmq
+
+from common.config import ConfigError, EngineConfig
+from engine.models.arch import ModelArchConfig
+from engine.parallel.group import DistributedGroup
+from engine.parallel.launch import ShardLaunch
+from engine.parallel.messages import (
+    FROM_SHARD,
+    AddLora,
+    Allocate,
+    DropLora,
+    Failed,
+    Hello,
+    LoadBlocks,
+    Loaded,
+    LoraAdded,
+    OpenHostCache,
+    Probe,
+    ProbeReply,
+    SaveBlocks,
+    Shutdown,
+    Started,
+    Step,
+)
+from engine.parallel.shard_spec import check_split
+
+logger = logging.getLogger(__name__)
+
+_WATCH_S = 0.2  # how often the watcher looks at the shard processes
+_STOP_S = 10.0  # how long close waits for a shard to exit before killing it
+
+
+class ShardError(RuntimeError):
+    """A shard failed to start, failed, or died; the message says which and why."""
+
+
+class ShardClient:
+    def __init__(
+        self,
+        size: int,
+        launch: dict[str, Any],
+        host: str,
+        timeout_s: float,
+        device_type: str = "cpu",
+        extension_types: Sequence[type] = (),
+    ) -> None:
+        """Start ranks 1..size-1 (rank r on ``cuda:r`` for ``device_type`` cuda).
+        ``launch``: the ``ShardLaunch`` fields every shard shares (all but rank, device,
+        endpoints and the store). ``extension_types``: message types an extension adds to
+        both directions (a worker's connector). ``timeout_s`` bounds each start-up wait."""
+        self.size = size
+        self.device_type = device_type
+        self.host = host
+        self.timeout_s = timeout_s
+        self.failure: str | None = None
+        self.on_failure: list[Callable[[str], None]] = []
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(_union(FROM_SHARD + tuple(extension_types)))
+        self._extension_replies: deque[Any] = deque()
+        self._lora_replies: dict[int, dict[int, LoraAdded]] = {}
+        self._next_adapter_id = 0
+        self._dropped: deque[int] = deque()  # adapter ids to drop (any thread appends)
+        self._dir = tempfile.mkdtemp(prefix="pdserve-tp-")  # mode 0700: ours alone
+        self._context = zmq.Context()
+        self._replies = self._context.socket(zmq.PULL)
+        self._replies.bind(f"ipc://{self._dir}/replies")
+        self._commands: list[zmq.Socket] = []
+        # The group's rendezvous; rank 0 joins it in ``join_group`` (DistributedGroup).
+        self.store = dist.TCPStore(
+            host, 0, size, True, timeout=_timedelta(timeout_s), wait_for_workers=False
+        )
+        self._processes: list[subprocess.Popen] = []
+        self._closing = False
+        self._stop_watch = threading.Event()
+        try:
+            for rank in range(1, size):
+                self._spawn(rank, launch)
+        except BaseException:
+            self.close()
+            raise
+        # The watcher holds the client weakly, and a finalizer stops the shards of an
+        # engine nobody closed: they must not outlive it.
+        threading.Thread(
+            target=_watch,
+            args=(weakref.ref(self), list(self._processes), self._stop_watch),
+            name="tp-shard-watch",
+            daemon=True,
+        ).start()
+        self._finalizer = weakref.finalize(
+            self, _kill_all, list(self._processes), [*self._commands, self._replies],
+            self._context, self._dir,
+        )  # fmt: skip
+
+    def _spawn(self, rank: int, launch: dict[str, Any]) -> None:
+        commands = self._context.socket(zmq.PUSH)
+        endpoint = f"ipc://{self._dir}/commands-{rank}"
+        commands.bind(endpoint)
+        self._commands.append(commands)
+        spec = ShardLaunch(
+            rank=rank,
+            size=self.size,
+            parent_pid=os.getpid(),
+            host=self.host,
+            store_port=self.store.port,
+            commands_endpoint=endpoint,
+            replies_endpoint=f"ipc://{self._dir}/replies",
+            device=f"cuda:{rank}" if self.device_type == "cuda" else "cpu",
+            **launch,
+        )
+        process = subprocess.Popen(
+            [sys.executable, "-m", "engine.parallel.shard_main"],
+            stdin=subprocess.PIPE,
+            start_new_session=False,
+        )
+        assert process.stdin is not None
+        process.stdin.write(msgspec.json.encode(spec))
+        process.stdin.close()
+        self._processes.append(process)
+
+    # ------------------------------------------------------------------ start-up
+
+    def wait_hello(self) -> None:
+        """Until every shard runs (imports done): then the group can form quickly."""
+        self._wait_all(Hello, "start")
+
+    def wait_loaded(self) -> int:
+        """Until every shard loaded its weights; the fewest KV blocks any of them holds."""
+        return min(reply.max_num_blocks for reply in self._wait_all(Loaded, "load the model"))
+
+    def allocate(self, num_blocks: int) -> None:
+        self.send(Allocate(num_blocks))
+
+    def wait_started(self) -> list[bytes]:
+        """Until every shard allocated its cache; each one's extension payload (rank 1..)."""
+        return [reply.extension for reply in self._wait_all(Started, "allocate its KV cache")]
+
+    def _wait_all(self, kind: type, what: str) -> list[Any]:
+        got: dict[int, Any] = {}
+        deadline = time.monotonic() + self.timeout_s
+        while len(got) < self.size - 1:
+            reply = self._receive(deadline, f"{what} (rank(s) {self._missing(got)})")
+            if isinstance(reply, kind):
+                got[reply.rank] = reply
+        return [got[rank] for rank in range(1, self.size)]
+
+    def _missing(self, got: dict[int, Any]) -> str:
+        return ", ".join(str(r) for r in range(1, self.size) if r not in got)
+
+    def _receive(self, deadline: float, waiting_for: str) -> Any:
+        """The next engine-level reply (extension replies are queued); raises
+        ``ShardError`` if a shard failed or ``deadline`` passes."""
+        while True:
+            self._raise_if_failed()
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0:
+                raise ShardError(
+                    f"tensor-parallel shards did not {waiting_for} within {self.timeout_s:g} s"
+                )
+            if not self._replies.poll(min(remaining_ms, int(_WATCH_S * 1000))):
+                continue
+            reply = self._take(self._replies.recv())
+            if reply is not None:
+                return reply
+
+    def _take(self, data: bytes) -> Any:
+        """Sort one reply: failures recorded, extension replies queued; else returned."""
+        reply = self._decoder.decode(data)
+        if isinstance(reply, Failed):
+            self._fail(f"tensor-parallel rank {reply.rank} failed: {reply.reason}")
+            return None
+        if isinstance(reply, FROM_SHARD):
+            return reply
+        self._extension_replies.append(reply)
+        return None
+
+    # ------------------------------------------------------------------ serving
+
+    def send(self, message: Any) -> None:
+        """The same command to every shard, in order after everything sent before."""
+        self._raise_if_failed()
+        while self._dropped:  # adapters rank 0 let go of since the last command
+            self._send_raw(self._encoder.encode(DropLora(self._dropped.popleft())))
+        self._send_raw(self._encoder.encode(message))
+
+    def _send_raw(self, data: bytes) -> None:
+        """Queue ``data`` for every shard. A PUSH socket whose peer is gone would block
+        for ever, so this waits at most ``timeout_s`` and gives up once a shard failed."""
+        for socket in self._commands:
+            deadline = time.monotonic() + self.timeout_s
+            while True:
+                try:
+                    socket.send(data, zmq.NOBLOCK, copy=False)
+                    break
+                except zmq.Again:
+                    if self._closing:
+                        return
+                    self._raise_if_failed()
+                    if time.monotonic() > deadline:
+                        raise ShardError("a tensor-parallel shard takes no commands") from None
+                    socket.poll(int(_WATCH_S * 1000), zmq.POLLOUT)
+
+    def step(self, message: Step) -> None:
+        self.send(message)
+
+    def open_host_cache(self, num_slots: int) -> None:
+        self.send(OpenHostCache(num_slots))
+
+    def save(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
+        self.send(SaveBlocks(list(block_ids), list(slots)))
+
+    def load(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
+        self.send(LoadBlocks(list(slots), list(block_ids)))
+
+    def add_lora(self, name: str, path: str, fingerprint: str) -> int:
+        """Make every shard read adapter ``name`` at ``path``; its id for ``Step``. Raises
+        ``ShardError`` if a shard cannot read it or reads other files than rank 0 did
+        (``fingerprint``); no shard holds it then."""
+        adapter_id = self._next_adapter_id
+        self._next_adapter_id += 1
+        self.send(AddLora(adapter_id, name, path))
+        replies: dict[int, LoraAdded] = {}
+        deadline = time.monotonic() + self.timeout_s
+        while len(replies) < self.size - 1:
+            reply = self._receive(deadline, f"read LoRA adapter {name!r}")
+            if isinstance(reply, LoraAdded) and reply.adapter_id == adapter_id:
+                replies[reply.rank] = reply
+        problems = [
+            f"rank {r.rank}: {r.error}"
+            if r.error
+            else f"rank {r.rank} read other files ({r.fingerprint}, rank 0: {fingerprint})"
+            for r in replies.values()
+            if r.error or r.fingerprint != fingerprint
+        ]
+        if problems:
+            self.send(DropLora(adapter_id))
+            raise ShardError(f"LoRA adapter {name!r} at {path}: " + "; ".join(problems))
+        return adapter_id
+
+    def probe(self) -> list[ProbeReply]:
+        """What each shard holds (rank 1..), after every command sent before."""
+        self.send(Probe())
+        return self._wait_all(ProbeReply, "answer a probe")
+
+    def drop_lora_later(self, adapter_id: int) -> None:
+        """Rank 0 let go of an adapter (any thread, e.g. the garbage collector's): the
+        shards drop it before the next command."""
+        self._dropped.append(adapter_id)
+
+    def extension_replies(self) -> list[Any]:
+        """The extension's replies that arrived so far (never blocks)."""
+        while self._replies.poll(0):
+            reply = self._take(self._replies.recv())
+            if reply is not None:
+                logger.warning("unexpected reply from a shard: %r", reply)
+        replies = list(self._extension_replies)
+        self._extension_replies.clear()
+        return replies
+
+    # ------------------------------------------------------------------ failures, stop
+
+    def _raise_if_failed(self) -> None:
+        if self.failure is not None:
+            raise ShardError(self.failure)
+
+    def _fail(self, reason: str) -> None:
+        if self.failure is not None or self._closing:
+            return
+        self.failure = reason
+        logger.error("%s", reason)
+        for callback in self.on_failure:
+            with contextlib.suppress(Exception):  # a callback must not stop the others
+                callback(reason)
+
+    def close(self) -> None:
+        """Stop every shard (killing those that do not stop) and free everything."""
+        if self._closing:
+            return
+        self._closing = True
+        self._stop_watch.set()
+        with contextlib.suppress(zmq.ZMQError):
+            self._send_raw(self._encoder.encode(Shutdown()))
+        deadline = time.monotonic() + _STOP_S
+        for process in self._processes:
+            try:
+                process.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()  # the sockets and the directory
+        else:  # the constructor failed before making it
+            _kill_all(self._processes, [*self._commands, self._replies], self._context, self._dir)
+
+    @property
+    def pids(self) -> list[int]:
+        return [process.pid for process in self._processes]
+
+
+def _union(types: tuple[type, ...]) -> Any:
+    from typing import Union
+
+    return Union[types]  # noqa: UP007 (a runtime tuple of types)
+
+
+def _timedelta(seconds: float):
+    import datetime
+
+    return datetime.timedelta(seconds=seconds)
+
+
+def _watch(
+    client_ref: weakref.ref[ShardClient],
+    processes: list[subprocess.Popen],
+    stop: threading.Event,
+) -> None:
+    while not stop.wait(_WATCH_S):
+        for rank, process in enumerate(processes, start=1):
+            code = process.poll()
+            client = client_ref()
+            if client is None:
+                return
+            if code is not None:
+                client._fail(f"tensor-parallel rank {rank} exited with code {code}")
+                return
+            del client
+
+
+def _kill_all(
+    processes: list[subprocess.Popen],
+    sockets: list[zmq.Socket],
+    context: zmq.Context,
+    directory: str,
+) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    for socket in sockets:
+        socket.close(linger=0)
+    context.term()
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+# The group is one machine's: its collectives and rendezvous stay on the loopback.
+GROUP_HOST = "127.0.0.1"
+# How long a shard may take to load its weights (and rank 0 waits for it).
+_START_TIMEOUT_S = 1800.0
+
+
+def start_shards(
+    model_dir: str | Path,
+    arch: ModelArchConfig,
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_model_len: int,
+    extension: Any = None,  # model_runner.ShardExtensionSpec
+) -> tuple[ShardClient, DistributedGroup]:
+    """Start ranks 1.. of a ``config.tensor_parallel_size`` group and join it as rank 0.
+    Raises ``ModelLoadError`` / ``ConfigError`` before starting anything if the model
+    does not split, or the devices are too few."""
+    size = config.tensor_parallel_size
+    check_split(arch, size)
+    if device.type == "cuda" and torch.cuda.device_count() < size:
+        raise ConfigError(
+            "engine.tensor_parallel_size",
+            f"{size} ranks need {size} GPUs; {torch.cuda.device_count()} are visible",
+        )
+    # Collectives wait this long for a rank: longer than any step may take.
+    timeout_s = max(60.0, config.step_timeout_s or 600.0)
+    launch = dict(
+        model_dir=str(model_dir),
+        engine=msgspec.to_builtins(config),
+        dtype=str(dtype).removeprefix("torch."),
+        max_model_len=max_model_len,
+        timeout_s=timeout_s,
+        num_threads=max(1, (os.cpu_count() or 1) // size),
+        log_level=logging.getLogger().getEffectiveLevel(),
+    )
+    if extension is not None:
+        launch.update(extension=extension.factory, extension_config=extension.config)
+    client = ShardClient(
+        size, launch, GROUP_HOST, _START_TIMEOUT_S, device.type,
+        extension.message_types if extension is not None else (),
+    )  # fmt: skip
+    try:
+        client.wait_hello()
+        rank0 = torch.device("cuda", 0) if device.type == "cuda" else device
+        group = DistributedGroup(client.store, 0, size, rank0, GROUP_HOST, timeout_s)
+    except BaseException:
+        client.close()
+        raise
+    return client, group

@@ -1,0 +1,167 @@
+"""Which part of each full parameter one tensor-parallel rank holds.
+
+Column-parallel projections (q/k/v, gate/up, each expert's gate/up) keep the output rows
+of the rank's heads or intermediate slice; row-parallel ones (o, down) keep the matching
+input columns, and their partial outputs are summed across ranks (``DecoderLayer``). A
+bias added after a row-parallel projection is held by rank 0 only (the others hold zeros),
+so the sum adds it once. Everything else (norms, embeddings, routers) is replicated.
+
+Fused parameters hold several pieces of the full one: rank r's ``qkv_proj`` rows are its
+q rows, then its k rows, then its v rows:
+
+    full qkv rows  | q0 q1 q2 q3 | k0 k1 | v0 v1 |     4 q heads, 2 KV heads, tp_size 2
+    rank 1 holds         q2 q3      k1      v1    ->  | q2 q3 | k1 | v1 |
+
+The loader copies each stored tensor through these specs, so a rank reads only the rows
+(or columns) it keeps; LoRA adapters are cut by the same specs (``lora.shard_adapter``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from common.tensor_parallel import HeadSplit, split_problem
+from engine.models.arch import ModelArchConfig, ModelLoadError
+
+
+@dataclass(frozen=True, slots=True)
+class TensorParallel:
+    """This process's place in its tensor-parallel group."""
+
+    size: int = 1
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.rank < self.size, (self.rank, self.size)
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Full indices ``full_start ..+ length`` are local ``local_start ..+ length``."""
+
+    full_start: int
+    length: int
+    local_start: int
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSpec:
+    """How one parameter is cut. ``dim`` counts within one expert's tensor for stacked
+    expert parameters (``per_expert``): 0 is the output rows (a bias's only dim), 1 the
+    input columns. ``rank0_only``: rank 0 holds all of it, the others zeros."""
+
+    dim: int = 0
+    full_size: int = 0
+    pieces: tuple[Piece, ...] = ()
+    per_expert: bool = False
+    rank0_only: bool = False
+
+    def full_shape(self, local_shape: tuple[int, ...]) -> tuple[int, ...]:
+        if self.rank0_only:
+            return local_shape
+        axis = self.dim + (1 if self.per_expert else 0)
+        return local_shape[:axis] + (self.full_size,) + local_shape[axis + 1 :]
+
+
+_LAYER = r"^model\.layers\.(\d+)\."
+_QKV = re.compile(_LAYER + r"self_attn\.qkv_proj\.(weight|bias)$")
+_O = re.compile(_LAYER + r"self_attn\.o_proj\.(weight|bias)$")
+_SINKS = re.compile(_LAYER + r"self_attn\.sinks$")
+_MLP = re.compile(_LAYER + r"mlp\.(shared_expert\.)?(gate_up_proj|down_proj)\.weight$")
+_EXPERTS = re.compile(_LAYER + r"mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+
+
+def check_split(arch: ModelArchConfig, tp_size: int) -> None:
+    """Raise ``ModelLoadError`` if the model cannot be split over ``tp_size`` ranks."""
+    problem = split_problem(arch.num_q_heads, arch.num_kv_heads, split_widths(arch), tp_size)
+    if problem is not None:
+        raise ModelLoadError(f"engine.tensor_parallel_size={tp_size}: {problem}")
+
+
+def split_widths(arch: ModelArchConfig) -> dict[str, int]:
+    """The MLP widths tensor parallelism splits, by config key."""
+    moe = arch.moe
+    widths = {}
+    if moe is None or not all(moe.sparse_layers):
+        widths["intermediate_size"] = arch.intermediate_size
+    if moe is not None:
+        widths["moe_intermediate_size"] = moe.expert_intermediate_size
+        if moe.shared_expert_intermediate_size:
+            widths["shared_expert_intermediate_size"] = moe.shared_expert_intermediate_size
+    return widths
+
+
+def local_arch(arch: ModelArchConfig, tp: TensorParallel) -> ModelArchConfig:
+    """The architecture of one rank's shard: its heads and its slice of every width."""
+    if tp.size == 1:
+        return arch
+    check_split(arch, tp.size)
+    heads = HeadSplit(arch.num_q_heads, arch.num_kv_heads, tp.size, tp.rank)
+    moe = arch.moe
+    if moe is not None:
+        moe = dataclasses.replace(
+            moe,
+            expert_intermediate_size=moe.expert_intermediate_size // tp.size,
+            shared_expert_intermediate_size=moe.shared_expert_intermediate_size // tp.size,
+        )
+    return dataclasses.replace(
+        arch,
+        num_q_heads=heads.q_heads,
+        num_kv_heads=heads.kv_heads,
+        intermediate_size=arch.intermediate_size // tp.size,
+        moe=moe,
+    )
+
+
+def _halves(width: int, tp: TensorParallel) -> tuple[Piece, ...]:
+    """Rows of a gate/up pair (gate rows, then up rows) that rank ``tp.rank`` keeps."""
+    local = width // tp.size
+    start = tp.rank * local
+    return (Piece(start, local, 0), Piece(width + start, local, local))
+
+
+def shard_spec(name: str, arch: ModelArchConfig, tp: TensorParallel) -> ShardSpec | None:
+    """How parameter ``name`` of the full model is cut for rank ``tp.rank``; None: every
+    rank holds all of it."""
+    if tp.size == 1:
+        return None
+    heads = HeadSplit(arch.num_q_heads, arch.num_kv_heads, tp.size, tp.rank)
+    head_dim = arch.head_dim
+    q_rows = (heads.q_head_start * head_dim, heads.q_heads * head_dim)
+    if match := _QKV.match(name):
+        kv_start, kv_rows = heads.kv_head_start * head_dim, heads.kv_heads * head_dim
+        q_size, kv_size = arch.q_size, arch.kv_size
+        pieces = (
+            Piece(q_rows[0], q_rows[1], 0),
+            Piece(q_size + kv_start, kv_rows, q_rows[1]),
+            Piece(q_size + kv_size + kv_start, kv_rows, q_rows[1] + kv_rows),
+        )
+        return ShardSpec(0, q_size + 2 * kv_size, pieces)
+    if match := _O.match(name):
+        if match.group(2) == "bias":
+            return ShardSpec(rank0_only=True)
+        return ShardSpec(1, arch.q_size, (Piece(q_rows[0], q_rows[1], 0),))
+    if _SINKS.match(name):
+        return ShardSpec(0, arch.num_q_heads, (Piece(heads.q_head_start, heads.q_heads, 0),))
+    if match := _MLP.match(name):
+        width = arch.intermediate_size
+        if match.group(2):  # the shared expert
+            assert arch.moe is not None
+            width = arch.moe.shared_expert_intermediate_size
+        return _mlp_spec(match.group(3), width, tp, per_expert=False)
+    if match := _EXPERTS.match(name):
+        assert arch.moe is not None
+        which, bias = match.group(2), match.group(3)
+        if which == "down_proj" and bias:
+            return ShardSpec(per_expert=True, rank0_only=True)
+        return _mlp_spec(which, arch.moe.expert_intermediate_size, tp, per_expert=True)
+    return None
+
+
+def _mlp_spec(which: str, width: int, tp: TensorParallel, per_expert: bool) -> ShardSpec:
+    if which == "gate_up_proj":
+        return ShardSpec(0, 2 * width, _halves(width, tp), per_expert)
+    local = width // tp.size
+    return ShardSpec(1, width, (Piece(tp.rank * local, local, 0),), per_expert)

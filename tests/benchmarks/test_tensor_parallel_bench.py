@@ -1,0 +1,24 @@
+"""benchmarks/tensor_parallel.py runs end to end on tiny settings and writes its record."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.support.processes import ROOT
+
+
+def test_the_tensor_parallel_benchmark_runs_and_records(tmp_path):
+    args = ["--size", "tiny", "--num-prompts", "3", "--output-len", "4", "--tag", "smoke",
+            "--out-dir", str(tmp_path)]  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.tensor_parallel", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    record = json.loads((tmp_path / "tensor_parallel_smoke.json").read_text())
+    assert record["identical_sequences"] == "3/3"  # split over 2 ranks, the same tokens
+    assert [run["tensor_parallel_size"] for run in record["runs"]] == [1, 2]
+    assert all(value > 0 for value in record["tp2_vs_tp1"].values())
+    assert "| tensor_parallel_size |" in (tmp_path / "tensor_parallel_smoke.md").read_text()

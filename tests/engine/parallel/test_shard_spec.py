@@ -1,0 +1,117 @@
+"""How a model splits over tensor-parallel ranks, checked without starting any process:
+each rank's shard, loaded by the real loader, is exactly its part of the full model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.tensor_parallel import HeadSplit, split_problem
+from engine.attention.registry import create_backend
+from engine.models.arch import ModelLoadError, read_arch_config
+from engine.models.loader import load_model
+from engine.parallel.shard_spec import TensorParallel, check_split, local_arch, shard_spec
+
+
+class RankAt:
+    """Rank ``rank`` of ``size`` at load time: loading runs no collective."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("loading must not communicate")
+
+    def min_int(self, value: int) -> int:
+        raise AssertionError("loading must not communicate")
+
+    def close(self) -> None:
+        return None
+
+
+def test_heads_split_and_kv_heads_replicate_when_fewer_than_ranks():
+    # 8 query heads over 4 ranks with 2 KV heads: each KV head on two ranks.
+    splits = [HeadSplit(8, 2, 4, rank) for rank in range(4)]
+    assert [(s.q_head_start, s.q_heads) for s in splits] == [(0, 2), (2, 2), (4, 2), (6, 2)]
+    assert [(s.kv_head_start, s.kv_heads) for s in splits] == [(0, 1), (0, 1), (1, 1), (1, 1)]
+    # Every rank's query heads use its own KV head (GQA group = 4 query heads).
+    for split in splits:
+        group = 8 // 2
+        used = {h // group for h in range(split.q_head_start, split.q_head_start + 2)}
+        assert used == {split.kv_head_start}
+    # More KV heads than ranks: a share each.
+    assert [(HeadSplit(8, 4, 2, r).kv_head_start, HeadSplit(8, 4, 2, r).kv_heads)
+            for r in range(2)] == [(0, 2), (2, 2)]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("q", "kv", "widths", "tp", "problem"),
+    [
+        (8, 2, {"intermediate_size": 64}, 3, "8 attention heads do not split over 3 ranks"),
+        (12, 6, {"intermediate_size": 64}, 4, "6 KV heads neither split over 4 ranks"),
+        (8, 8, {"intermediate_size": 66}, 4, "intermediate_size=66 does not split"),
+        (8, 8, {}, 0, "must be >= 1"),
+    ],
+)
+def test_impossible_splits_are_refused_with_the_reason(q, kv, widths, tp, problem):
+    assert problem in split_problem(q, kv, widths, tp)
+
+
+def test_possible_splits_pass():
+    assert split_problem(32, 8, {"intermediate_size": 14336}, 8) is None
+    assert split_problem(28, 4, {"intermediate_size": 18944}, 4) is None  # Qwen2.5-7B
+    assert split_problem(28, 4, {"intermediate_size": 18944}, 1) is None
+
+
+def test_the_engine_refuses_a_model_that_does_not_split(tiny_llama):
+    arch = read_arch_config(tiny_llama)  # 4 query heads
+    with pytest.raises(ModelLoadError, match="engine.tensor_parallel_size=3: 4 attention"):
+        check_split(arch, 3)
+
+
+@pytest.mark.parametrize(
+    ("arch_name", "tp_size"),
+    [("llama", 2), ("llama", 4), ("qwen2_moe", 2), ("gpt_oss", 2), ("phi3", 2), ("gemma3", 2)],
+)
+def test_each_rank_loads_exactly_its_part_of_every_parameter(model_factory, arch_name, tp_size):
+    model_dir = model_factory(arch_name)
+    arch = read_arch_config(model_dir)
+    backend = create_backend("torch", torch.device("cpu"), 16)
+    cpu = torch.device("cpu")
+    full = dict(load_model(model_dir, arch, 256, backend, cpu, torch.float32).named_parameters())
+    for rank in range(tp_size):
+        tp = TensorParallel(tp_size, rank)
+        model = load_model(model_dir, arch, 256, backend, cpu, torch.float32, RankAt(rank, tp_size))
+        assert model.arch == local_arch(arch, tp)
+        shard = dict(model.named_parameters())
+        assert set(shard) == set(full) - ({"lm_head.weight"} if rank else set())
+        for name, part in shard.items():
+            whole = full[name]
+            spec = shard_spec(name, arch, tp)
+            if spec is None:
+                assert torch.equal(part, whole), name
+                continue
+            if spec.rank0_only:  # a bias after a row-parallel projection: added once
+                assert torch.equal(part, whole if rank == 0 else torch.zeros_like(whole)), name
+                continue
+            axis = spec.dim + spec.per_expert
+            assert part.shape[axis] == sum(piece.length for piece in spec.pieces), name
+            for piece in spec.pieces:
+                expected = whole.narrow(axis, piece.full_start, piece.length)
+                got = part.narrow(axis, piece.local_start, piece.length)
+                assert torch.equal(got, expected), (name, rank, piece)
+
+
+def test_split_params_cover_the_full_parameter_once_over_the_ranks(model_factory):
+    """Without KV replication, the ranks' pieces tile every split parameter exactly."""
+    arch = read_arch_config(model_factory("qwen2_moe"))
+    names = ["model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+             "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj",
+             "model.layers.0.mlp.shared_expert.gate_up_proj.weight"]  # fmt: skip
+    for name in names:
+        covered = []
+        for rank in range(2):
+            spec = shard_spec(name, arch, TensorParallel(2, rank))
+            for piece in spec.pieces:
+                covered += range(piece.full_start, piece.full_start + piece.length)
+        assert sorted(covered) == list(range(spec.full_size)), name

@@ -1,0 +1,195 @@
+"""Tensor parallelism with real processes (gloo on CPU): the same tokens as one process and
+as transformers, LoRA and the CPU tier on every rank, failures that end cleanly, and no
+process outliving its engine."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import time
+
+import pytest
+
+from common.config import EngineConfig
+from engine import LLM, LLMEngine, SamplingParams
+from engine.errors import InvalidRequestError
+from engine.models.arch import ModelLoadError
+from engine.parallel.shard_client import ShardError
+from tests.engine.helpers import hf_greedy, random_prompts
+
+NUM_TOKENS = 16
+GREEDY = SamplingParams(max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, temperature=0)
+POOL = dict(dtype="float32", kv_cache_bytes=32 << 20)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie is gone for our purposes
+        return stat.read().split()[2] != "Z"
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [output.outputs[0].token_ids for output in outputs]
+
+
+@pytest.mark.parametrize(("arch", "tp_size"), [("llama", 2), ("qwen2_moe", 2), ("gpt_oss", 2)])
+def test_greedy_parity_with_transformers(model_factory, arch, tp_size):
+    """qwen2_moe: experts, a gated shared expert and q/k/v biases split; gpt_oss: sinks,
+    an o_proj bias and expert biases (rank 0's only), windows."""
+    model_dir = model_factory(arch)
+    prompts = random_prompts((5, 33, 71))
+    with LLM(model_dir, tensor_parallel_size=tp_size, **POOL) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert llm.engine.leak_report() == []
+    assert _tokens(outputs) == hf_greedy(model_dir, prompts, NUM_TOKENS)
+
+
+def test_replicated_kv_heads_and_prompt_logprobs_match_one_process(model_factory):
+    """tp 4 over 2 KV heads: each KV head on two ranks. Log-probs agree to rounding (the
+    partial sums add in another order)."""
+    model_dir = model_factory("llama")
+    prompts = random_prompts((40, 90), seed=3)
+    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0, logprobs=2,
+                            prompt_logprobs=2)  # fmt: skip
+    single = LLM(model_dir, **POOL).generate(prompts, params, use_tqdm=False)
+    with LLM(model_dir, tensor_parallel_size=4, **POOL) as llm:
+        split = llm.generate(prompts, params, use_tqdm=False)
+    assert _tokens(split) == _tokens(single)
+    pairs = []
+    for a, b in zip(split, single, strict=True):
+        pairs += zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True)
+        pairs += zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True)
+    assert len(pairs) == 39 + 89 + 2 * 8
+    for got, want in pairs:
+        assert (got.token_id, got.top_token_ids) == (want.token_id, want.top_token_ids)
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert got.top_logprobs == pytest.approx(want.top_logprobs, abs=1e-4)
+
+
+def test_lora_adapters_on_every_rank(model_factory, tmp_path):
+    """Startup and runtime adapters give one process's tokens in one mixed batch; an
+    unloaded adapter is dropped by every rank once no request holds it."""
+    from engine.models.lora_maker import make_lora_adapter as make_lora
+
+    model_dir = model_factory("llama")
+    first = make_lora(model_dir, tmp_path / "a", seed=1)
+    second = make_lora(model_dir, tmp_path / "b", seed=2)
+    prompts = random_prompts((9, 30, 60), seed=5)
+    names = [None, "first", "second"]
+    reference = LLM(model_dir, lora_adapters={"first": first, "second": second}, **POOL)
+    expected = _tokens(reference.generate(prompts, GREEDY, use_tqdm=False, lora_name=names))
+    assert len({tuple(t) for t in expected}) == 3  # the adapters change the output
+    with LLM(model_dir, lora_adapters={"first": first}, tensor_parallel_size=2, **POOL) as llm:
+        assert llm.load_lora_adapter("second", second)
+        got = llm.generate(prompts, GREEDY, use_tqdm=False, lora_name=names)
+        assert _tokens(got) == expected
+        assert llm.unload_lora_adapter("second")
+        gc.collect()
+        assert llm.engine.leak_report() == []  # rank 1 dropped "second" too
+        assert [r.num_adapters for r in llm.engine.runner.shards.probe()] == [1]
+
+
+def test_an_adapter_another_rank_cannot_read_is_refused_everywhere(model_factory, tmp_path):
+    from engine.models.lora_maker import make_lora_adapter as make_lora
+
+    model_dir = model_factory("llama")
+    adapter_dir = make_lora(model_dir, tmp_path / "a", seed=1)
+    with LLM(model_dir, tensor_parallel_size=2, **POOL) as llm:
+        engine = llm.engine
+        adapter = engine.read_lora_adapter("a", adapter_dir)  # rank 0 read it ...
+        (adapter_dir / "adapter_model.safetensors").write_bytes(b"not safetensors")
+        with pytest.raises(InvalidRequestError, match="rank 1"):  # ... rank 1 cannot
+            engine.add_lora_adapter(adapter)
+        assert "a" not in engine.runner.lora_adapters
+        del adapter
+        gc.collect()
+        assert engine.leak_report() == []
+
+
+def test_cpu_tier_copies_every_ranks_blocks(model_factory):
+    """A prefix evicted to the CPU tier and loaded back: if any rank's copy were missing,
+    its heads would read stale KV and the tokens would change."""
+    from tests.engine.test_cpu_tier import run
+
+    model_dir = model_factory("llama")
+    prefix = random_prompts((160,), seed=91)[0]
+    fillers = random_prompts((200, 200, 200), seed=92)
+    question = prefix + [7, 8, 9]
+    pool = EngineConfig(dtype="float32", num_blocks=24, max_model_len=256)
+    (expected,) = run(LLMEngine(model_dir, pool), [question], "q")
+    engine = LLMEngine(model_dir, pool.replace(tensor_parallel_size=2, cpu_offload_bytes=16 << 20))
+    try:
+        run(engine, [prefix + [1, 2, 3]], "warm")
+        run(engine, fillers, "fill")
+        (out,) = run(engine, [question], "q")
+        assert engine.cpu_tier.stats.hit_blocks == 10 and out.num_cached_tokens == 160
+        assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert [r.num_host_slots for r in engine.runner.shards.probe()] == [
+            engine.cpu_tier.num_blocks
+        ]
+        assert engine.leak_report() == []
+    finally:
+        engine.close()
+
+
+def test_a_dead_rank_fails_the_engine_instead_of_hanging(model_factory):
+    llm = LLM(model_factory("llama"), tensor_parallel_size=2, **POOL)
+    try:
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+        (pid,) = llm.engine.runner.shards.pids
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises((ShardError, RuntimeError)):  # gloo: "connection closed by peer"
+            llm.generate(random_prompts((50,)), GREEDY, use_tqdm=False)
+        assert time.monotonic() - start < 10
+        shards = llm.engine.runner.shards
+        while shards.failure is None and time.monotonic() - start < 10:
+            time.sleep(0.05)  # the watcher looks every 0.2 s
+        assert shards.failure == "tensor-parallel rank 1 exited with code -9"
+        with pytest.raises(ShardError, match="rank 1 exited"):  # and says so from now on
+            llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    finally:
+        llm.close()
+
+
+def test_shards_stop_with_their_engine(model_factory):
+    model_dir = model_factory("llama")
+    llm = LLM(model_dir, tensor_parallel_size=2, **POOL)
+    (closed_pid,) = llm.engine.runner.shards.pids
+    llm.close()
+    llm.close()  # idempotent
+    assert not _alive(closed_pid)
+    forgotten = LLM(model_dir, tensor_parallel_size=2, **POOL)  # never closed
+    (pid,) = forgotten.engine.runner.shards.pids
+    del forgotten
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)
+
+
+def test_a_model_that_does_not_split_is_refused_before_any_process_starts(model_factory):
+    children_before = _children()
+    with pytest.raises(ModelLoadError, match="4 attention heads do not split over 3"):
+        LLM(model_factory("llama"), tensor_parallel_size=3, **POOL)
+    assert _children() == children_before
+
+
+def _children() -> set[int]:
+    me = str(os.getpid())
+    found = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[1] == me and fields[0] != "Z":
+                found.add(int(entry))
+    return found

@@ -1,0 +1,107 @@
+"""Tensor-parallel prefill and decode workers as real processes (2 ranks each, gloo): the
+disaggregated tokens equal one offline process's, every rank's KV moves through its own
+connector, and a dead rank takes its worker out instead of hanging it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+
+import grpc
+import pytest
+
+from engine import LLM, SamplingParams
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from tests.engine.helpers import random_prompts
+from tests.support.pd_client import PDClient
+from tests.support.processes import WorkerProcess, start_workers, write_config
+from tests.worker.test_services import assert_idle
+
+GREEDY = pb.SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
+LENGTHS = (3, 16, 17, 40, 70, 129)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama) -> list[list[int]]:
+    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
+    outputs = LLM(tiny_llama).generate(random_prompts(LENGTHS, seed=8), params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def _stack(tmp, model, connector: str) -> list[WorkerProcess]:
+    transfer = {"connector": connector}
+    if connector == "shared_storage":
+        transfer["shared_dir"] = str(tmp / "shared")
+    config = write_config(
+        tmp / "config.yaml", model, kv_transfer=transfer,
+        engine={"kv_cache_bytes": 32 << 20, "max_model_len": 512, "tensor_parallel_size": 2},
+    )  # fmt: skip
+    return start_workers(
+        [
+            WorkerProcess("prefill", 0, config, tmp / "prefill.log"),
+            WorkerProcess("decode", 0, config, tmp / "decode.log"),
+        ]
+    )
+
+
+def _shard_pids(worker: WorkerProcess) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(worker.proc.pid), "-f", "engine.parallel.shard_main"],
+                         capture_output=True, text=True)  # fmt: skip
+    return [int(pid) for pid in out.stdout.split()]
+
+
+@pytest.mark.parametrize("connector", ["nixl", "shared_storage", "nccl"])
+def test_disaggregated_tokens_equal_offline(tiny_llama, tmp_path, offline, connector):
+    workers = _stack(tmp_path, tiny_llama, connector)
+    prompts = random_prompts(LENGTHS, seed=8)
+
+    async def body() -> None:
+        client = PDClient(workers[0].address, workers[1].address)
+        try:
+            results = await asyncio.gather(
+                *(client.generate(f"tp-{i}", p, GREEDY) for i, p in enumerate(prompts))
+            )
+            assert [r.token_ids for r in results] == offline
+            await assert_idle(client)
+            _, decode = await client.stats()
+            # Every prompt's KV came from the prefill worker: nothing was recomputed.
+            assert decode.blocks_pulled > 0 and decode.transfer_failures == 0
+            # Each rank has its own handshake; a rank the worker lacks is a clear error.
+            stub = pb_grpc.PrefillServiceStub(client.prefill_channel)
+            ranks = [await stub.GetTransferMetadata(pb.TransferMetadataRequest(tp_rank=r))
+                     for r in (0, 1)]  # fmt: skip
+            assert ranks[0].metadata != ranks[1].metadata
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await stub.GetTransferMetadata(pb.TransferMetadataRequest(tp_rank=2))
+            assert error.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(body())
+        assert [len(_shard_pids(w)) for w in workers] == [1, 1]
+    finally:
+        shards = [pid for w in workers for pid in _shard_pids(w)]
+        codes = [worker.stop() for worker in workers]
+    assert codes == [0, 0], "\n".join(w.log() for w in workers)
+    assert not [pid for pid in shards if os.path.exists(f"/proc/{pid}")], "shards outlived"
+
+
+def test_a_dead_rank_takes_its_worker_out(tiny_llama, tmp_path):
+    workers = _stack(tmp_path, tiny_llama, "shared_storage")
+    try:
+        decode = workers[1]
+        (shard,) = _shard_pids(decode)
+        os.kill(shard, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while decode.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert decode.proc.returncode == 1, decode.log()  # exits to be restarted
+        assert "tensor-parallel rank 1" in decode.log()
+    finally:
+        for worker in workers:
+            worker.stop()
