@@ -35,7 +35,9 @@ RESULTS = Path(__file__).parent / "results"
 def measure(model: Path, tp_size: int, prompts: list[list[int]], output_len: int) -> dict:
     cores = os.cpu_count() or 1
     torch.set_num_threads(max(1, cores // tp_size))  # rank 0's share (the shards set theirs)
-    with LLM(model, tensor_parallel_size=tp_size, max_num_seqs=len(prompts)) as llm:
+    # No prefix caching: every run computes every prompt token.
+    with LLM(model, tensor_parallel_size=tp_size, max_num_seqs=len(prompts),
+             enable_prefix_caching=False) as llm:  # fmt: skip
         run_ours(llm, prompts[:2], 2)  # warm-up
         prefill_s = min(run_ours(llm, prompts, 1)[0] for _ in range(2))
         total_s, tokens = run_ours(llm, prompts, output_len)
