@@ -33,10 +33,11 @@ from engine.grammar import Grammars
 from engine.kv_cache_manager import cdiv
 from engine.kv_connector import KVPuller
 from engine.kv_events import KVEventCollector
-from engine.model_runner import ModelRunner, PromptScoring, SequenceChunk, ShardExtensionSpec
+from engine.model_runner import ModelRunner, PromptScoring, SequenceChunk
 from engine.models.arch import ModelArchConfig, ModelLoadError, read_arch_config
 from engine.models.lora import LoraAdapter
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.parallel.launch import ShardExtensionSpec
 from engine.parallel.shard_client import ShardError
 from engine.penalties import TokenCounts
 from engine.request import FINISH_REASONS, RemoteKV, Request, RequestStatus
@@ -117,6 +118,25 @@ class LLMEngine:
             model_dir, self.arch, self.config, self.device, self.dtype, self.max_model_len,
             lora_adapters, shard_extension,
         )  # fmt: skip
+        try:  # the runner may hold processes (tensor parallelism): stop them if this fails
+            self._build(model_dir, observers, kv_events)
+        except BaseException:
+            self.runner.close()
+            raise
+        self._rng = random.Random(self.config.seed)
+        self._generators: dict[str, RequestRandom] = {}
+        self.num_steps = 0
+        self.num_pull_failures = 0
+        self.last_step: StepStats | None = None
+        self.num_prompt_tokens_computed = 0  # prefill work actually done
+
+    def _build(
+        self,
+        model_dir: str | Path,
+        observers: Iterable[BlockPoolObserver],
+        kv_events: KVEventCollector | None,
+    ) -> None:
+        """The parts around the runner: CPU tier, scheduler, EOS ids, grammars."""
         observers = list(observers)
         if kv_events is not None:
             observers.append(kv_events)
@@ -141,12 +161,6 @@ class LLMEngine:
                            model_dir, sorted(set(self.arch.eos_token_ids) - self.eos_token_ids),
                            self.arch.vocab_size)  # fmt: skip
         self.grammars = Grammars(model_dir, self.arch.vocab_size, self.eos_token_ids)
-        self._rng = random.Random(self.config.seed)
-        self._generators: dict[str, RequestRandom] = {}
-        self.num_steps = 0
-        self.num_pull_failures = 0
-        self.last_step: StepStats | None = None
-        self.num_prompt_tokens_computed = 0  # prefill work actually done
 
     # ------------------------------------------------------------------ requests
 

@@ -29,6 +29,7 @@ from engine.model_shard import HostBatch, ModelShard
 from engine.models.arch import ModelArchConfig
 from engine.models.lora import LoraAdapter, LoraBatch, load_lora_adapter
 from engine.parallel.group import SingleRank, TPGroup
+from engine.parallel.launch import ShardExtensionSpec
 from engine.parallel.messages import Step
 from engine.parallel.shard_client import ShardClient, start_shards
 from engine.parallel.shard_spec import TensorParallel
@@ -68,16 +69,6 @@ class StepResult:
     # The tokens each sampling chunk yields (more than one when drafts were kept).
     sampled: dict[str, list[tuple[int, TokenLogprobs | None]]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class ShardExtensionSpec:
-    """What a worker adds to each shard process of a tensor-parallel engine: its KV
-    connector's share (``engine.parallel.shard_main.ShardExtension``)."""
-
-    factory: str  # "module:function"
-    config: bytes  # handed to the factory in the shard
-    message_types: tuple[type, ...]  # the extension's commands and replies
 
 
 class ModelRunner:
@@ -198,7 +189,7 @@ class ModelRunner:
         """Hidden states of every token, on every rank (the others told first)."""
         lora_rows = self._lora_rows(chunks, batch)
         if self.shards is not None:
-            self.shards.step(
+            self.shards.send(
                 Step(
                     batch.input_ids, batch.positions, batch.slot_mapping,
                     batch.query_start_loc, batch.seq_lens, batch.block_rows,

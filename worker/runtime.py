@@ -32,8 +32,8 @@ from common.registry import Registry, WorkerInfo, create_registry, worker_id
 from engine.async_engine import AsyncEngine
 from engine.kv_events import KVEventCollector
 from engine.llm_engine import LLMEngine
-from engine.model_runner import ShardExtensionSpec
 from engine.models.fingerprint import weights_fingerprint
+from engine.parallel.launch import ShardExtensionSpec
 from kv_transfer import KVConnector, KVTransferConfig, create_connector
 from worker.connector_puller import ConnectorPuller
 from worker.grpc_errors import DrainingError

@@ -1,8 +1,21 @@
-"""What a shard process is told at start (JSON on its stdin, never pickle)."""
+"""What a shard process is told at start (JSON on its stdin, never pickle), and what a
+worker asks to add to it."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgspec
+
+
+@dataclass(frozen=True, slots=True)
+class ShardExtensionSpec:
+    """What a worker adds to each shard process of a tensor-parallel engine: its KV
+    connector's share (``shard_main.ShardExtension``)."""
+
+    factory: str  # "module:function", built in the shard from ``config``
+    config: bytes
+    message_types: tuple[type, ...]  # the extension's commands and replies
 
 
 class ShardLaunch(msgspec.Struct, frozen=True, kw_only=True):

@@ -24,6 +24,8 @@ A worker's KV connector rides on the same streams as an *extension*
 
 from __future__ import annotations
 
+from typing import Any, Union
+
 import msgspec
 
 
@@ -114,3 +116,9 @@ class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
 TO_SHARD = (Allocate, Step, OpenHostCache, SaveBlocks, LoadBlocks, AddLora, DropLora, Probe,
             Shutdown)  # fmt: skip
 FROM_SHARD = (Hello, Loaded, Started, Failed, LoraAdded, ProbeReply)
+
+
+def decoder_of(types: tuple[type, ...]) -> msgspec.msgpack.Decoder:
+    """A decoder of any of ``types`` (tagged structs), and nothing else."""
+    union: Any = Union[types]  # noqa: UP007 (a runtime tuple of types)
+    return msgspec.msgpack.Decoder(union)

@@ -17,6 +17,7 @@ nothing here waits for ever. ``close`` stops every shard (killing those that do 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 import shutil
@@ -39,7 +40,7 @@ import zmq
 from common.config import ConfigError, EngineConfig
 from engine.models.arch import ModelArchConfig
 from engine.parallel.group import DistributedGroup
-from engine.parallel.launch import ShardLaunch
+from engine.parallel.launch import ShardExtensionSpec, ShardLaunch
 from engine.parallel.messages import (
     FROM_SHARD,
     AddLora,
@@ -56,7 +57,7 @@ from engine.parallel.messages import (
     SaveBlocks,
     Shutdown,
     Started,
-    Step,
+    decoder_of,
 )
 from engine.parallel.shard_spec import check_split
 
@@ -91,9 +92,8 @@ class ShardClient:
         self.failure: str | None = None
         self.on_failure: list[Callable[[str], None]] = []
         self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(_union(FROM_SHARD + tuple(extension_types)))
+        self._decoder = decoder_of(FROM_SHARD + tuple(extension_types))
         self._extension_replies: deque[Any] = deque()
-        self._lora_replies: dict[int, dict[int, LoraAdded]] = {}
         self._next_adapter_id = 0
         self._dropped: deque[int] = deque()  # adapter ids to drop (any thread appends)
         self._dir = tempfile.mkdtemp(prefix="pdserve-tp-")  # mode 0700: ours alone
@@ -101,9 +101,14 @@ class ShardClient:
         self._replies = self._context.socket(zmq.PULL)
         self._replies.bind(f"ipc://{self._dir}/replies")
         self._commands: list[zmq.Socket] = []
-        # The group's rendezvous; rank 0 joins it in ``join_group`` (DistributedGroup).
+        # The group's rendezvous; rank 0 joins it in ``start_shards`` (DistributedGroup).
         self.store = dist.TCPStore(
-            host, 0, size, True, timeout=_timedelta(timeout_s), wait_for_workers=False
+            host,
+            0,
+            size,
+            True,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
         )
         self._processes: list[subprocess.Popen] = []
         self._closing = False
@@ -144,9 +149,7 @@ class ShardClient:
             **launch,
         )
         process = subprocess.Popen(
-            [sys.executable, "-m", "engine.parallel.shard_main"],
-            stdin=subprocess.PIPE,
-            start_new_session=False,
+            [sys.executable, "-m", "engine.parallel.shard_main"], stdin=subprocess.PIPE
         )
         assert process.stdin is not None
         process.stdin.write(msgspec.json.encode(spec))
@@ -234,9 +237,6 @@ class ShardClient:
                     if time.monotonic() > deadline:
                         raise ShardError("a tensor-parallel shard takes no commands") from None
                     socket.poll(int(_WATCH_S * 1000), zmq.POLLOUT)
-
-    def step(self, message: Step) -> None:
-        self.send(message)
 
     def open_host_cache(self, num_slots: int) -> None:
         self.send(OpenHostCache(num_slots))
@@ -333,18 +333,6 @@ class ShardClient:
         return [process.pid for process in self._processes]
 
 
-def _union(types: tuple[type, ...]) -> Any:
-    from typing import Union
-
-    return Union[types]  # noqa: UP007 (a runtime tuple of types)
-
-
-def _timedelta(seconds: float):
-    import datetime
-
-    return datetime.timedelta(seconds=seconds)
-
-
 def _watch(
     client_ref: weakref.ref[ShardClient],
     processes: list[subprocess.Popen],
@@ -391,7 +379,7 @@ def start_shards(
     device: torch.device,
     dtype: torch.dtype,
     max_model_len: int,
-    extension: Any = None,  # model_runner.ShardExtensionSpec
+    extension: ShardExtensionSpec | None = None,
 ) -> tuple[ShardClient, DistributedGroup]:
     """Start ranks 1.. of a ``config.tensor_parallel_size`` group and join it as rank 0.
     Raises ``ModelLoadError`` / ``ConfigError`` before starting anything if the model

@@ -11,6 +11,7 @@ handles the connector's own commands and reports its results.
 
 from __future__ import annotations
 
+import datetime
 import importlib
 import logging
 import os
@@ -42,6 +43,7 @@ from engine.parallel.messages import (
     Shutdown,
     Started,
     Step,
+    decoder_of,
 )
 
 logger = logging.getLogger("pdserve.shard")
@@ -97,7 +99,7 @@ class Shard:
         self.reply(Hello(launch.rank))
         store = torch.distributed.TCPStore(
             launch.host, launch.store_port, None, False,
-            timeout=_timedelta(launch.timeout_s),
+            timeout=datetime.timedelta(seconds=launch.timeout_s),
         )  # fmt: skip
         self.group = DistributedGroup(
             store, launch.rank, launch.size, self.device, launch.host, launch.timeout_s
@@ -187,7 +189,8 @@ class Shard:
         self.reply(LoraAdded(self.launch.rank, message.adapter_id, adapter.fingerprint))
 
     def serve(self, commands: zmq.Socket) -> None:
-        decoder = msgspec.msgpack.Decoder(_commands_type(self.extension))
+        extension_types = self.extension.message_types if self.extension is not None else ()
+        decoder = decoder_of(TO_SHARD + extension_types)
         running = True
         while running:
             extension = self.extension
@@ -205,19 +208,6 @@ class Shard:
         if self.extension is not None:
             self.extension.close()
         self.group.close()
-
-
-def _commands_type(extension: ShardExtension | None) -> Any:
-    from typing import Union
-
-    types = TO_SHARD + (extension.message_types if extension is not None else ())
-    return Union[types]  # noqa: UP007 (a runtime tuple of types)
-
-
-def _timedelta(seconds: float):
-    import datetime
-
-    return datetime.timedelta(seconds=seconds)
 
 
 def main() -> int:
