@@ -36,10 +36,13 @@ def _tokens(outputs) -> list[list[int]]:
     return [output.outputs[0].token_ids for output in outputs]
 
 
-@pytest.mark.parametrize(("arch", "tp_size"), [("llama", 2), ("qwen2_moe", 2), ("gpt_oss", 2)])
+@pytest.mark.parametrize(
+    ("arch", "tp_size"), [("llama", 2), ("qwen2_moe", 2), ("gpt_oss", 2), ("gemma3", 2)]
+)
 def test_greedy_parity_with_transformers(model_factory, arch, tp_size):
     """qwen2_moe: experts, a gated shared expert and q/k/v biases split; gpt_oss: sinks,
-    an o_proj bias and expert biases (rank 0's only), windows."""
+    an o_proj bias and expert biases (rank 0's only), windows; gemma3: each block's
+    output normed after the all-reduce (sandwich norms)."""
     model_dir = model_factory(arch)
     prompts = random_prompts((5, 33, 71))
     with LLM(model_dir, tensor_parallel_size=tp_size, **POOL) as llm:
