@@ -88,13 +88,13 @@ def test_disaggregated_tokens_equal_offline(tiny_llama, tmp_path, offline, conne
         shards = [pid for w in workers for pid in _shard_pids(w)]
         codes = [worker.stop() for worker in workers]
     assert codes == [0, 0], "\n".join(w.log() for w in workers)
-    assert not [pid for pid in shards if os.path.exists(f"/proc/{pid}")], "shards outlived"
+    assert not [pid for pid in shards if _running(pid)], "shards outlived their workers"
 
 
-def test_a_dead_rank_takes_its_worker_out(tiny_llama, tmp_path):
+def test_a_dead_rank_takes_its_worker_out_and_a_dead_worker_its_ranks(tiny_llama, tmp_path):
     workers = _stack(tmp_path, tiny_llama, "shared_storage")
     try:
-        decode = workers[1]
+        prefill, decode = workers
         (shard,) = _shard_pids(decode)
         os.kill(shard, signal.SIGKILL)
         deadline = time.monotonic() + 15
@@ -102,6 +102,22 @@ def test_a_dead_rank_takes_its_worker_out(tiny_llama, tmp_path):
             time.sleep(0.1)
         assert decode.proc.returncode == 1, decode.log()  # exits to be restarted
         assert "tensor-parallel rank 1" in decode.log()
+        # A worker killed outright (no drain, no cleanup): its rank exits by itself.
+        (shard,) = _shard_pids(prefill)
+        prefill.proc.kill()
+        prefill.proc.wait()
+        deadline = time.monotonic() + 15
+        while _running(shard) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(shard), "the shard outlived its worker"
     finally:
         for worker in workers:
             worker.stop()
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
