@@ -34,7 +34,7 @@ from engine.parallel.messages import Step
 from engine.parallel.shard_client import ShardClient, start_shards
 from engine.parallel.shard_spec import TensorParallel
 from engine.request import TokenLogprobs
-from engine.sampler import SamplingRow, sample, score_tokens
+from engine.sampler import SamplingRow, sample, score_passes, score_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -185,8 +185,11 @@ class ModelRunner:
             batch.block_rows.append(blocks[: cdiv(end, bs)])
         return batch
 
-    def _forward(self, chunks: list[SequenceChunk], batch: HostBatch) -> torch.Tensor:
-        """Hidden states of every token, on every rank (the others told first)."""
+    def _forward(
+        self, chunks: list[SequenceChunk], batch: HostBatch, logit_rows: list[list[int]]
+    ) -> torch.Tensor:
+        """Hidden states of every token, on every rank (the others told first, with the
+        rows of each logits pass they take part in)."""
         lora_rows = self._lora_rows(chunks, batch)
         if self.shards is not None:
             self.shards.send(
@@ -194,6 +197,7 @@ class ModelRunner:
                     batch.input_ids, batch.positions, batch.slot_mapping,
                     batch.query_start_loc, batch.seq_lens, batch.block_rows,
                     [(self._adapter_ids[a], rows) for a, rows in lora_rows.items()],
+                    logit_rows,
                 )
             )  # fmt: skip
         lora = None
@@ -243,18 +247,8 @@ class ModelRunner:
         # then short segments (decodes with drafts; the torch backend batches those too).
         chunks = sorted(chunks, key=lambda c: len(c.token_ids))
         batch = self._host_batch(chunks)
-        hidden = self._forward(chunks, batch)
-        for i, chunk in enumerate(chunks):
-            if chunk.scoring is not None:
-                scoring = chunk.scoring
-                first = batch.query_start_loc[i] + scoring.first_row
-                rows = hidden[first : first + len(scoring.target_token_ids)]
-                result.prompt_logprobs[chunk.request_id] = score_tokens(
-                    self.model.compute_logits, rows, scoring.target_token_ids, scoring.num_top
-                )
+        scoring = [(i, c.scoring) for i, c in enumerate(chunks) if c.scoring is not None]
         sampling = [(i, c) for i, c in enumerate(chunks) if c.sampling is not None]
-        if not sampling:
-            return result
         # Each sampling chunk's last token, or with drafts its last 1 + num_drafts tokens.
         positions = [
             row
@@ -262,7 +256,26 @@ class ModelRunner:
             for row in range(batch.query_start_loc[i + 1] - c.sampling.num_positions,
                              batch.query_start_loc[i + 1])
         ]  # fmt: skip
-        logits = self.model.compute_logits(hidden[positions])  # [num_positions, vocab]
+        # The rows of each logits pass, in the order they run: every rank runs them (each
+        # computes its slice of the vocabulary, rank 0 gathers), so the plan travels with
+        # the batch. Scoring passes first, one per score_passes slice; then sampling.
+        plan = [
+            list(range(first + rows.start, first + rows.stop))
+            for i, score in scoring
+            for first in [batch.query_start_loc[i] + score.first_row]
+            for rows in score_passes(len(score.target_token_ids))
+        ]
+        if positions:
+            plan.append(positions)
+        hidden = self._forward(chunks, batch, plan)
+        logits = (self.model.compute_logits(hidden[rows]) for rows in plan)  # [rows, vocab]
+        for i, score in scoring:
+            result.prompt_logprobs[chunks[i].request_id] = score_tokens(
+                logits, score.target_token_ids, score.num_top
+            )
+        if not sampling:
+            return result
+        logits = next(logits)  # [num_positions, vocab]
         results = sample(logits, [c.sampling for _, c in sampling])
         result.sampled = {c.request_id: r for (_, c), r in zip(sampling, results, strict=True)}
         return result

@@ -27,7 +27,7 @@ draft is kept with probability p(draft), and otherwise the token comes from p wi
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -162,24 +162,31 @@ def _logprobs_for(raw_logprobs: torch.Tensor, token_id: int, num_top: int) -> To
 SCORE_ROWS_PER_PASS = 256  # bounds the [rows, vocab] float32 logits held at once
 
 
+def score_passes(num_rows: int) -> list[range]:
+    """The rows each logits pass of ``score_tokens`` covers: a long prompt's logits at
+    once would be prompt x vocab."""
+    return [
+        range(begin, min(begin + SCORE_ROWS_PER_PASS, num_rows))
+        for begin in range(0, num_rows, SCORE_ROWS_PER_PASS)
+    ]
+
+
 def score_tokens(
-    compute_logits: Callable[[torch.Tensor], torch.Tensor],
-    hidden: torch.Tensor,  # [num_rows, hidden_size]
-    target_token_ids: Sequence[int],  # [num_rows]: the token each row's logits score
+    logits_passes: Iterator[torch.Tensor],  # [rows, vocab] for each of score_passes, in order
+    target_token_ids: Sequence[int],  # the token each row's logits score
     num_top: int,
 ) -> list[TokenLogprobs]:
-    """Log-probs (raw distribution) of ``target_token_ids`` after each row of ``hidden``,
-    a slice of rows at a time: a long prompt's logits at once would be prompt x vocab."""
+    """Log-probs (raw distribution) of ``target_token_ids`` after each row, one pass of
+    ``score_passes`` at a time."""
     scored: list[TokenLogprobs] = []
-    for begin in range(0, len(target_token_ids), SCORE_ROWS_PER_PASS):
-        end = min(begin + SCORE_ROWS_PER_PASS, len(target_token_ids))
-        logprobs = compute_logits(hidden[begin:end]).float().log_softmax(-1)  # [rows, vocab]
-        targets = torch.tensor(target_token_ids[begin:end], device=logprobs.device)
+    for rows in score_passes(len(target_token_ids)):
+        logprobs = next(logits_passes).float().log_softmax(-1)  # [rows, vocab]
+        targets = torch.tensor(target_token_ids[rows.start : rows.stop], device=logprobs.device)
         chosen = logprobs.gather(1, targets[:, None])  # [rows, 1]
         ranks = ((logprobs > chosen).sum(-1) + 1).tolist()
         top = torch.topk(logprobs, num_top) if num_top else None
-        top_ids = top.indices.tolist() if top is not None else [[]] * (end - begin)
-        top_values = top.values.tolist() if top is not None else [[]] * (end - begin)
+        top_ids = top.indices.tolist() if top is not None else [[]] * len(rows)
+        top_values = top.values.tolist() if top is not None else [[]] * len(rows)
         for j, (token_id, logprob) in enumerate(zip(targets.tolist(), chosen[:, 0].tolist(),
                                                     strict=True)):  # fmt: skip
             scored.append(TokenLogprobs(token_id, logprob, ranks[j], tuple(top_ids[j]),

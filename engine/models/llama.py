@@ -11,7 +11,9 @@ Projections take a step's LoRA deltas, row by row, when any request in it uses a
 Under tensor parallelism (``engine/parallel``) ``arch`` is one rank's shard
 (``shard_spec.local_arch``: its heads, its slice of each MLP width): attention and MLP
 blocks then produce partial sums, which each layer adds up across ranks (``group``) before
-the residual. Rank 0 alone holds the LM head; the others never compute logits.
+the residual. The embeddings and the LM head are split by vocabulary: each rank embeds
+the ids in its range (an all-reduce assembles the rows) and computes its range's logits
+(rank 0 gathers them).
 """
 
 from __future__ import annotations
@@ -199,6 +201,27 @@ class DecoderLayer(nn.Module):
         return hidden + reduce(self.mlp(self.post_attention_layernorm(hidden), lora))
 
 
+class VocabEmbedding(nn.Module):
+    """Token embeddings of rank ``group.rank``'s vocabulary slice: ids
+    ``start .. start + rows`` (the last rank's slice is padded with zero rows when the
+    vocabulary does not split evenly). Alone, a plain embedding of the whole vocabulary."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, group: TPGroup) -> None:
+        super().__init__()
+        self.group = group
+        self.rows = -(-vocab_size // group.size)
+        self.start = group.rank * self.rows
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, hidden]
+        if self.group.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        rows = F.embedding(local.clamp(0, self.rows - 1), self.weight)
+        return self.group.all_reduce(rows.masked_fill_(outside[:, None], 0))
+
+
 class LlamaModel(nn.Module):
     def __init__(
         self,
@@ -208,7 +231,7 @@ class LlamaModel(nn.Module):
         group: TPGroup,
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, group)
         self.layers = nn.ModuleList(
             DecoderLayer(arch, i, rotaries[arch.rope_of(i)], backend, group)
             for i in range(arch.num_layers)
@@ -233,12 +256,12 @@ class LlamaForCausalLM(nn.Module):
             RotaryEmbedding(rope, arch.head_dim, max_positions) for rope in ropes
         )
         self.model = LlamaModel(arch, dict(zip(ropes, self.rotaries, strict=True)), backend, group)
-        # Logits are rank 0's: the other ranks hold no head (tied or not).
-        self.computes_logits = group.rank == 0
-        if arch.tie_word_embeddings or not self.computes_logits:
+        self.group = group
+        if arch.tie_word_embeddings:
             self.lm_head = None
-        else:
-            self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        else:  # this rank's vocabulary slice, as the embeddings'
+            rows = self.model.embed_tokens.rows
+            self.lm_head = nn.Linear(arch.hidden_size, rows, bias=False)
 
     def build_rope_tables(self, device: torch.device) -> None:
         for rotary in self.rotaries:
@@ -261,8 +284,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
-        assert self.computes_logits, "only tensor-parallel rank 0 computes logits"
+        """Under tensor parallelism every rank calls this on the same rows (it gathers the
+        vocabulary slices); rank 0's result is the one to use."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(hidden, weight).float()
+        if self.group.size > 1:  # [n, rows] per rank -> [n, vocab], the padding cut off
+            logits = torch.cat(self.group.all_gather(logits), dim=-1)[:, : self.arch.vocab_size]
         cap = self.arch.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -173,7 +173,6 @@ def load_model(
     gpt_oss = arch.architecture == "GptOssForCausalLM"
     # stored name -> file, for MXFP4 scales stored in another shard than their blocks
     where = {name: path for path in files for name in _tensor_names(path)} if gpt_oss else {}
-    no_head = arch.tie_word_embeddings or not model.computes_logits
 
     def place(target: _Target, tensor: torch.Tensor, stored: str, path: Path) -> None:
         if target.param not in params:
@@ -206,7 +205,7 @@ def load_model(
                 name = _model_name(stored)
                 if name is None or _IGNORED.match(name):
                     continue
-                if no_head and name == _HEAD:
+                if arch.tie_word_embeddings and name == _HEAD:
                     continue
                 expert = EXPERT_TENSOR.match(name) if gpt_oss else None
                 if expert is None:
@@ -221,6 +220,8 @@ def load_model(
                 pieces = expert_pieces(prefix, which, suffix, f.get_tensor(stored), scales, dtype)
                 for param, index, row_start, rows in pieces:
                     place(_Target(param, row_start, index), rows, stored, path)
+    for name, spec in specs.items():  # a split's padding (the last vocabulary slice's)
+        filled[name] += _zero_padding(params[name].data, spec)
     if unexpected:
         raise ModelLoadError(
             f"{model_dir}: unexpected tensors for {arch.architecture}: {unexpected[:5]}"
@@ -267,3 +268,17 @@ def _copy_shard(
             dest[local_first : local_first + last - first].copy_(part)
             written += part.numel()
     return written
+
+
+def _zero_padding(dest: torch.Tensor, spec: ShardSpec) -> int:
+    """Zero what ``spec``'s pieces leave of ``dest`` along the split; elements zeroed."""
+    if spec.rank0_only:
+        return 0
+    axis = spec.dim + (1 if spec.per_expert else 0)
+    covered = sum(piece.length for piece in spec.pieces)
+    padding = dest.shape[axis] - covered
+    if padding == 0:
+        return 0
+    with torch.no_grad():
+        dest.narrow(axis, covered, padding).zero_()
+    return dest.numel() // dest.shape[axis] * padding

@@ -24,6 +24,10 @@ class TPGroup(Protocol):
         """Sum ``tensor`` over the group, in place; returns it."""
         ...
 
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (of one shape), by rank."""
+        ...
+
     def min_int(self, value: int) -> int:
         """The smallest ``value`` any rank passed (ranks agree on a size)."""
         ...
@@ -39,6 +43,9 @@ class SingleRank:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return [tensor]
 
     def min_int(self, value: int) -> int:
         return value
@@ -82,6 +89,12 @@ class DistributedGroup:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         self._group.allreduce([tensor]).wait()
         return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        tensor = tensor.contiguous()
+        gathered = [torch.empty_like(tensor) for _ in range(self.size)]
+        self._group.allgather([gathered], [tensor]).wait()
+        return gathered
 
     def min_int(self, value: int) -> int:
         tensor = torch.tensor([value], dtype=torch.int64, device=self.device)

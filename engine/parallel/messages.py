@@ -10,7 +10,7 @@ block copy or a transfer ordered before a step happens before that step on every
                                           Loaded(max_num_blocks)
     Allocate(num_blocks) ──────────────►  KV cache, CUDA graphs (collectives: all ranks)
                                           Started(extension payload)
-    Step                                  (no answer: its answer is the all-reduces)
+    Step                                  (no answer: its answer is the collectives)
     OpenHostCache / SaveBlocks / LoadBlocks   the CPU tier's copies of this rank's blocks
     AddLora ─► LoraAdded / DropLora
     Probe ─► ProbeReply                   what a shard holds, for leak checks
@@ -53,7 +53,9 @@ class Failed(msgspec.Struct, tag="failed", frozen=True):
 
 
 class Step(msgspec.Struct, tag="step", frozen=True):
-    """One forward pass: ``model_shard.HostBatch``'s lists, and the rows of each adapter."""
+    """One forward pass: ``model_shard.HostBatch``'s lists, the rows of each adapter, and
+    the rows of each logits pass after it (every rank computes its slice of the
+    vocabulary's logits; rank 0 gathers them)."""
 
     input_ids: list[int]
     positions: list[int]
@@ -62,6 +64,7 @@ class Step(msgspec.Struct, tag="step", frozen=True):
     seq_lens: list[int]
     block_rows: list[list[int]]
     lora_rows: list[tuple[int, list[int]]]  # (adapter id from AddLora, rows)
+    logit_rows: list[list[int]]  # per logits pass, in order
 
 
 class OpenHostCache(msgspec.Struct, tag="open_host_cache", frozen=True):

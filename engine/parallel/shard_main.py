@@ -171,7 +171,9 @@ class Shard:
                     for adapter_id, rows in message.lora_rows
                 )
             )
-        self.shard.forward(batch, lora)
+        hidden = self.shard.forward(batch, lora)
+        for rows in message.logit_rows:  # this rank's vocabulary slice, for rank 0
+            self.shard.model.compute_logits(hidden[rows])
 
     def _add_lora(self, message: AddLora) -> None:
         from engine.models.lora import load_lora_adapter

@@ -4,7 +4,9 @@ Column-parallel projections (q/k/v, gate/up, each expert's gate/up) keep the out
 of the rank's heads or intermediate slice; row-parallel ones (o, down) keep the matching
 input columns, and their partial outputs are summed across ranks (``DecoderLayer``). A
 bias added after a row-parallel projection is held by rank 0 only (the others hold zeros),
-so the sum adds it once. Everything else (norms, embeddings, routers) is replicated.
+so the sum adds it once. The embeddings and the LM head are split by vocabulary rows
+(``llama.VocabEmbedding``; the last rank's slice padded). Everything else (norms,
+routers, rotary tables) is replicated.
 
 Fused parameters hold several pieces of the full one: rank r's ``qkv_proj`` rows are its
 q rows, then its k rows, then its v rows:
@@ -71,6 +73,7 @@ _O = re.compile(_LAYER + r"self_attn\.o_proj\.(weight|bias)$")
 _SINKS = re.compile(_LAYER + r"self_attn\.sinks$")
 _MLP = re.compile(_LAYER + r"mlp\.(shared_expert\.)?(gate_up_proj|down_proj)\.weight$")
 _EXPERTS = re.compile(_LAYER + r"mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
 def check_split(arch: ModelArchConfig, tp_size: int) -> None:
@@ -127,6 +130,10 @@ def shard_spec(name: str, arch: ModelArchConfig, tp: TensorParallel) -> ShardSpe
     rank holds all of it."""
     if tp.size == 1:
         return None
+    if name in _VOCAB:  # rows of the rank's vocabulary slice; the rest of it is padding
+        rows = -(-arch.vocab_size // tp.size)
+        start = tp.rank * rows
+        return ShardSpec(0, arch.vocab_size, (Piece(start, min(rows, arch.vocab_size - start), 0),))
     heads = HeadSplit(arch.num_q_heads, arch.num_kv_heads, tp.size, tp.rank)
     head_dim = arch.head_dim
     q_rows = (heads.q_head_start * head_dim, heads.q_heads * head_dim)

@@ -51,6 +51,43 @@ def test_greedy_parity_with_transformers(model_factory, arch, tp_size):
     assert _tokens(outputs) == hf_greedy(model_dir, prompts, NUM_TOKENS)
 
 
+def test_a_vocabulary_that_does_not_split_evenly(model_factory, tmp_path):
+    """2051 ids over 2 ranks: rank 1's embedding and head slices end in a zero padding row
+    whose logit is cut off; tied and untied heads."""
+    for tied in (False, True):
+        model_dir = _odd_vocabulary_model(model_factory("llama"), tmp_path / f"tied-{tied}", tied)
+        prompts = random_prompts((7, 40), seed=11, vocab=2051)
+        params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0, logprobs=3)
+        with LLM(model_dir, tensor_parallel_size=2, **POOL) as llm:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            embed = llm.engine.runner.model.model.embed_tokens
+            assert (embed.rows, embed.weight.shape[0]) == (1026, 1026)
+        assert _tokens(outputs) == hf_greedy(model_dir, prompts, 12), f"tied={tied}"
+        assert all(len(t.top_token_ids) == 3 for o in outputs for t in o.outputs[0].logprobs)
+
+
+def _odd_vocabulary_model(tokenizer_from, out, tied: bool):
+    import shutil
+
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=2051, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
+        max_position_embeddings=512,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():  # well-separated logits: greedy parity is stable under rounding
+        model.lm_head.weight.mul_(8)
+    model.save_pretrained(out)
+    for path in tokenizer_from.iterdir():
+        if path.name.startswith("tokenizer"):
+            shutil.copy(path, out / path.name)
+    return out
+
+
 def test_replicated_kv_heads_and_prompt_logprobs_match_one_process(model_factory):
     """tp 4 over 2 KV heads: each KV head on two ranks. Log-probs agree to rounding (the
     partial sums add in another order)."""
