@@ -233,3 +233,31 @@ def _children() -> set[int]:
             if fields[1] == me and fields[0] != "Z":
                 found.add(int(entry))
     return found
+
+
+def test_a_rank_that_fails_to_start_is_reported_at_once(model_factory, tmp_path):
+    """A shard that cannot load its weights says why; rank 0 raises that at its next wait
+    (not at a timeout), and closing leaves no process behind."""
+    import torch
+
+    from common.config import EngineConfig
+    from engine.models.arch import read_arch_config
+    from engine.parallel.shard_client import start_shards
+
+    model_dir = model_factory("llama")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((model_dir / "config.json").read_text())  # no weights
+    config = EngineConfig(tensor_parallel_size=2, dtype="float32")
+    client, group = start_shards(broken, read_arch_config(model_dir), config,
+                                 torch.device("cpu"), torch.float32, 256)  # fmt: skip
+    try:
+        start = time.monotonic()
+        with pytest.raises(ShardError, match="rank 1 failed: ModelLoadError.*no model.safetensors"):
+            client.wait_loaded()
+        assert time.monotonic() - start < 30
+        (pid,) = client.pids
+    finally:
+        client.close()
+        group.close()
+    assert not _alive(pid)
