@@ -10,6 +10,7 @@ import signal
 import time
 
 import pytest
+import torch
 
 from common.config import EngineConfig
 from engine import LLM, LLMEngine, SamplingParams
@@ -69,7 +70,6 @@ def test_a_vocabulary_that_does_not_split_evenly(model_factory, tmp_path):
 def _odd_vocabulary_model(tokenizer_from, out, tied: bool):
     import shutil
 
-    import torch
     import transformers
 
     config = transformers.LlamaConfig(
@@ -238,8 +238,6 @@ def _children() -> set[int]:
 def test_a_rank_that_fails_to_start_is_reported_at_once(model_factory, tmp_path):
     """A shard that cannot load its weights says why; rank 0 raises that at its next wait
     (not at a timeout), and closing leaves no process behind."""
-    import torch
-
     from common.config import EngineConfig
     from engine.models.arch import read_arch_config
     from engine.parallel.shard_client import start_shards
@@ -261,3 +259,19 @@ def test_a_rank_that_fails_to_start_is_reported_at_once(model_factory, tmp_path)
         client.close()
         group.close()
     assert not _alive(pid)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_on_two_gpus_with_nccl_and_decode_graphs(model_factory):
+    """NCCL collectives, the triton backend, and decode CUDA graphs captured around the
+    all-reduce on every rank: the same tokens as one GPU (GPU_RUNBOOK.md step 7)."""
+    model_dir = model_factory("llama")
+    prompts = random_prompts((5, 33, 71))
+    gpu = dict(dtype="float32", device="cuda", attention_backend="triton", max_model_len=512)
+    expected = _tokens(LLM(model_dir, **gpu).generate(prompts, GREEDY, use_tqdm=False))
+    with LLM(model_dir, tensor_parallel_size=2, **gpu) as llm:
+        assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+        graphs = llm.engine.runner.decode_graphs
+        assert graphs is not None and graphs.num_replays > 0
+        assert llm.engine.leak_report() == []
