@@ -25,9 +25,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--attention-backend", default="auto", help="auto, torch or triton")
     parser.add_argument("--lora", default=None, help="a LoRA adapter directory to generate with")
+    parser.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=1,
+        help="split the model over this many devices (processes on CPU)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
+    from common.config import ConfigError
     from engine import LLM, InvalidRequestError, SamplingParams
     from engine.models.arch import ModelLoadError
 
@@ -44,11 +49,13 @@ def run(args: argparse.Namespace) -> int:
             print("using the built-in demo model (made on first use)", file=sys.stderr)
         adapters = {"lora": args.lora} if args.lora else None
         llm = LLM(
-            args.model, adapters, device=args.device, attention_backend=args.attention_backend
-        )
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, lora_name="lora" if args.lora else None)
-    except (InvalidRequestError, ModelLoadError) as exc:
+            args.model, adapters, device=args.device, attention_backend=args.attention_backend,
+            tensor_parallel_size=args.tensor_parallel_size,
+        )  # fmt: skip
+        with llm:
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, lora_name="lora" if args.lora else None)
+    except (InvalidRequestError, ModelLoadError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     elapsed = time.perf_counter() - start

@@ -53,6 +53,19 @@ def test_generate_uses_the_demo_model(tmp_path):
     assert (tmp_path / "models" / "demo-llama-tiny" / "config.json").exists()
 
 
+def test_generate_over_two_ranks_prints_the_same_text(tiny_llama, capsys):
+    from deploy.cli import main
+
+    outputs = []
+    for tp_size in ("1", "2"):
+        argv = ["generate", "--model", str(tiny_llama), "--max-tokens", "6", "-tp", tp_size]
+        assert main(argv) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and outputs[0].count("--- prompt:") == 4
+    assert main(["generate", "--model", str(tiny_llama), "-tp", "3"]) == 2
+    assert "4 attention heads do not split over 3 ranks" in capsys.readouterr().err
+
+
 def test_bad_input_is_a_clear_error(tiny_llama):
     result = run_cli("generate", "--model", str(tiny_llama), "--temperature", "-1")
     assert result.returncode == 2
