@@ -15,6 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from common.config import ConfigError
 from deploy.config_args import add_overrides, load_or_report
 
 
@@ -48,7 +49,11 @@ def run(args: argparse.Namespace) -> int:
     if args.target == "compose":
         from deploy.render_compose import render
 
-        text = render(config, source, args.variant, args.image, args.gpus)
+        try:
+            text = render(config, source, args.variant, args.image, args.gpus)
+        except ConfigError as exc:  # a worker needs more GPUs than --gpus gives
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         if args.out is None:
             sys.stdout.write(text)
         else:

@@ -8,15 +8,22 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from common.config import PdserveConfig, Role
+from common.config import ConfigError, PdserveConfig, Role
 
 
 def worker_gpus(config: PdserveConfig, num_gpus: int = 0) -> dict[tuple[Role, int], list[int]]:
-    """(role, index) -> GPU ordinals. ``num_gpus`` 0: as many as the workers need."""
+    """(role, index) -> GPU ordinals. ``num_gpus`` 0: as many as the workers need. Raises
+    ``ConfigError`` when one worker needs more GPUs than there are (its ranks would share
+    one, which NCCL refuses)."""
     assignment: dict[tuple[Role, int], list[int]] = {}
     next_gpu = 0
     for role in Role:
         tp_size = config.engine_for(role).tensor_parallel_size
+        if num_gpus and tp_size > num_gpus:
+            raise ConfigError(
+                "engine.tensor_parallel_size",
+                f"a {role.value} worker needs {tp_size} GPUs; the host has {num_gpus}",
+            )
         for index in range(config.role(role).replicas):
             gpus = [next_gpu + rank for rank in range(tp_size)]
             assignment[(role, index)] = [g % num_gpus for g in gpus] if num_gpus else gpus

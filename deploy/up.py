@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from common.config import PdserveConfig, Role
+from common.config import ConfigError, PdserveConfig, Role
 from common.config_loader import to_dict
 from common.model_info import cache_dir, made_model_dir
 from deploy.gpus import gpus_needed, visible_gpus, worker_gpus
@@ -240,6 +240,11 @@ def ensure_demo_model(config: PdserveConfig) -> None:
 
 def run(config: PdserveConfig, restart: bool = True) -> int:
     ensure_demo_model(config)
+    try:
+        worker_gpus(config, len(visible_gpus()))  # each worker fits on this host's GPUs
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     stack = Stack(config, cache_dir() / "logs" / str(config.router.port), restart)
     stack.handle_signals()
     try:

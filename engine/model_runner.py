@@ -267,15 +267,21 @@ class ModelRunner:
         ]
         if positions:
             plan.append(positions)
-        hidden = self._forward(chunks, batch, plan)
-        logits = (self.model.compute_logits(hidden[rows]) for rows in plan)  # [rows, vocab]
-        for i, score in scoring:
-            result.prompt_logprobs[chunks[i].request_id] = score_tokens(
-                logits, score.target_token_ids, score.num_top
-            )
-        if not sampling:
+        try:  # from the step's message to its last collective
+            hidden = self._forward(chunks, batch, plan)
+            passes = (self.model.compute_logits(hidden[rows]) for rows in plan)  # [rows, vocab]
+            for i, score in scoring:
+                result.prompt_logprobs[chunks[i].request_id] = score_tokens(
+                    passes, score.target_token_ids, score.num_top
+                )
+            logits = next(passes) if sampling else None  # [num_positions, vocab]
+        except BaseException as exc:
+            if self.shards is not None:  # the other ranks are somewhere inside this step
+                self.shards.find_exited(wait_s=0.5)  # a dead rank is the likely cause
+                self.shards.fail(f"rank 0's step ended early ({type(exc).__name__}: {exc})")
+            raise
+        if logits is None:
             return result
-        logits = next(logits)  # [num_positions, vocab]
         results = sample(logits, [c.sampling for _, c in sampling])
         result.sampled = {c.request_id: r for (_, c), r in zip(sampling, results, strict=True)}
         return result

@@ -334,8 +334,10 @@ class SharedStorageConnector(KVConnector):
     def _check_other_layouts(self, path: Path) -> None:
         """Raise ``LayoutMismatchError`` if the block was stored under another layout of
         this model (a peer configured with another dtype or block size): a clear error
-        now rather than a missing file at the deadline. Another rank's file of the same
-        tensor-parallel size is no mismatch: that rank's exporter was quicker."""
+        now rather than a missing file at the deadline. Files of another tensor-parallel
+        layout are no mismatch. Another rank's file of our size means that rank's
+        exporter was quicker. A file of another size is a stale one, left by an earlier
+        deployment: both roles of one deployment have the same size (a config rule)."""
         relative = path.relative_to(self.root)
         ours = self.layout
         for other in self.namespace_dir.iterdir():
@@ -345,7 +347,7 @@ class SharedStorageConnector(KVConnector):
             if found is None:
                 continue
             theirs = found[0].layout
-            if theirs.tp_size == ours.tp_size and theirs.tp_rank != ours.tp_rank:
+            if (theirs.tp_size, theirs.tp_rank) != (ours.tp_size, ours.tp_rank):
                 continue
             ours.check_compatible(theirs)
 

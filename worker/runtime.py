@@ -188,6 +188,9 @@ class WorkerRuntime:
         self.async_engine = AsyncEngine(engine)
         self.async_engine.hooks.append(self._events_hook(collector))
         self.async_engine.start()
+        shards = engine.runner.shards
+        if shards is not None and shards.failure is not None:  # a rank died while starting
+            self._shard_failed(shards.failure)
 
     def _shard_failed(self, reason: str) -> None:
         """A tensor-parallel shard failed or died (its watcher thread): the engine cannot

@@ -77,6 +77,7 @@ class ShardClient:
         size: int,
         launch: dict[str, Any],
         host: str,
+        start_timeout_s: float,
         timeout_s: float,
         device_type: str = "cpu",
         extension_types: Sequence[type] = (),
@@ -84,10 +85,12 @@ class ShardClient:
         """Start ranks 1..size-1 (rank r on ``cuda:r`` for ``device_type`` cuda).
         ``launch``: the ``ShardLaunch`` fields every shard shares (all but rank, device,
         endpoints and the store). ``extension_types``: message types an extension adds to
-        both directions (a worker's connector). ``timeout_s`` bounds each start-up wait."""
+        both directions (a worker's connector). ``start_timeout_s`` bounds each start-up
+        wait (loading weights), ``timeout_s`` every wait after (the group's timeout)."""
         self.size = size
         self.device_type = device_type
         self.host = host
+        self.start_timeout_s = start_timeout_s
         self.timeout_s = timeout_s
         self.failure: str | None = None
         self.on_failure: list[Callable[[str], None]] = []
@@ -107,7 +110,7 @@ class ShardClient:
             0,
             size,
             True,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=datetime.timedelta(seconds=start_timeout_s),
             wait_for_workers=False,
         )
         self._processes: list[subprocess.Popen] = []
@@ -160,24 +163,51 @@ class ShardClient:
 
     def wait_hello(self) -> None:
         """Until every shard runs (imports done): then the group can form quickly."""
-        self._wait_all(Hello, "start")
+        self._wait_all(Hello, "start", self.start_timeout_s)
+
+    def join_group(self, device: torch.device) -> DistributedGroup:
+        """Join the group as rank 0. Forming it blocks in C++ until every rank has joined,
+        so it runs on a thread while this one watches the shards: a shard that dies
+        meanwhile fails this at once, not at the group's timeout (the thread then ends at
+        that timeout by itself)."""
+        joined: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                joined["group"] = DistributedGroup(
+                    self.store, 0, self.size, device, self.host, self.timeout_s
+                )
+            except BaseException as exc:  # re-raised on the caller's thread
+                joined["error"] = exc
+
+        thread = threading.Thread(target=join, name="tp-group-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(_WATCH_S)
+            self._raise_if_failed()
+        if "error" in joined:
+            raise joined["error"]
+        return joined["group"]
 
     def wait_loaded(self) -> int:
         """Until every shard loaded its weights; the fewest KV blocks any of them holds."""
-        return min(reply.max_num_blocks for reply in self._wait_all(Loaded, "load the model"))
+        loaded = self._wait_all(Loaded, "load the model", self.start_timeout_s)
+        return min(reply.max_num_blocks for reply in loaded)
 
     def allocate(self, num_blocks: int) -> None:
         self.send(Allocate(num_blocks))
 
     def wait_started(self) -> list[bytes]:
         """Until every shard allocated its cache; each one's extension payload (rank 1..)."""
-        return [reply.extension for reply in self._wait_all(Started, "allocate its KV cache")]
+        started = self._wait_all(Started, "allocate its KV cache", self.start_timeout_s)
+        return [reply.extension for reply in started]
 
-    def _wait_all(self, kind: type, what: str) -> list[Any]:
+    def _wait_all(self, kind: type, what: str, timeout_s: float | None = None) -> list[Any]:
         got: dict[int, Any] = {}
-        deadline = time.monotonic() + self.timeout_s
+        timeout_s = timeout_s or self.timeout_s
+        deadline = time.monotonic() + timeout_s
         while len(got) < self.size - 1:
-            reply = self._receive(deadline, f"{what} (rank(s) {self._missing(got)})")
+            reply = self._receive(deadline, f"{what} (rank(s) {self._missing(got)})", timeout_s)
             if isinstance(reply, kind):
                 got[reply.rank] = reply
         return [got[rank] for rank in range(1, self.size)]
@@ -185,7 +215,7 @@ class ShardClient:
     def _missing(self, got: dict[int, Any]) -> str:
         return ", ".join(str(r) for r in range(1, self.size) if r not in got)
 
-    def _receive(self, deadline: float, waiting_for: str) -> Any:
+    def _receive(self, deadline: float, waiting_for: str, timeout_s: float) -> Any:
         """The next engine-level reply (extension replies are queued); raises
         ``ShardError`` if a shard failed or ``deadline`` passes."""
         while True:
@@ -193,7 +223,7 @@ class ShardClient:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0:
                 raise ShardError(
-                    f"tensor-parallel shards did not {waiting_for} within {self.timeout_s:g} s"
+                    f"tensor-parallel shards did not {waiting_for} within {timeout_s:g} s"
                 )
             if not self._replies.poll(min(remaining_ms, int(_WATCH_S * 1000))):
                 continue
@@ -216,6 +246,8 @@ class ShardClient:
 
     def send(self, message: Any) -> None:
         """The same command to every shard, in order after everything sent before."""
+        if self._closing:
+            raise ShardError("the engine is closed: its tensor-parallel ranks are stopped")
         self._raise_if_failed()
         while self._dropped:  # adapters rank 0 let go of since the last command
             self._send_raw(self._encoder.encode(DropLora(self._dropped.popleft())))
@@ -257,7 +289,7 @@ class ShardClient:
         replies: dict[int, LoraAdded] = {}
         deadline = time.monotonic() + self.timeout_s
         while len(replies) < self.size - 1:
-            reply = self._receive(deadline, f"read LoRA adapter {name!r}")
+            reply = self._receive(deadline, f"read LoRA adapter {name!r}", self.timeout_s)
             if isinstance(reply, LoraAdded) and reply.adapter_id == adapter_id:
                 replies[reply.rank] = reply
         problems = [
@@ -298,6 +330,12 @@ class ShardClient:
         if self.failure is not None:
             raise ShardError(self.failure)
 
+    def fail(self, reason: str) -> None:
+        """Take the group out of service: rank 0 left a step half done (an exception
+        between sending it and its last collective), so the ranks are out of step and
+        every later collective would pair with the wrong one. Nothing is sent any more."""
+        self._fail(f"tensor-parallel ranks out of step: {reason}")
+
     def _fail(self, reason: str) -> None:
         if self.failure is not None or self._closing:
             return
@@ -307,15 +345,30 @@ class ShardClient:
             with contextlib.suppress(Exception):  # a callback must not stop the others
                 callback(reason)
 
+    def find_exited(self, wait_s: float = 0.0) -> None:
+        """Record the first shard that exited (waiting up to ``wait_s`` for one to), for
+        a clearer failure than the collective error its exit caused."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for rank, process in enumerate(self._processes, start=1):
+                code = process.poll()
+                if code is not None:
+                    self._fail(f"tensor-parallel rank {rank} exited with code {code}")
+                    return
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.01)
+
     def close(self) -> None:
-        """Stop every shard (killing those that do not stop) and free everything."""
+        """Stop every shard (killing those that do not stop, at once if the group failed:
+        a shard may be stuck in a collective) and free everything."""
         if self._closing:
             return
         self._closing = True
         self._stop_watch.set()
         with contextlib.suppress(zmq.ZMQError):
             self._send_raw(self._encoder.encode(Shutdown()))
-        deadline = time.monotonic() + _STOP_S
+        deadline = time.monotonic() + (_STOP_S if self.failure is None else 0.0)
         for process in self._processes:
             try:
                 process.wait(max(deadline - time.monotonic(), 0.1))
@@ -339,15 +392,11 @@ def _watch(
     stop: threading.Event,
 ) -> None:
     while not stop.wait(_WATCH_S):
-        for rank, process in enumerate(processes, start=1):
-            code = process.poll()
+        if any(process.poll() is not None for process in processes):
             client = client_ref()
-            if client is None:
-                return
-            if code is not None:
-                client._fail(f"tensor-parallel rank {rank} exited with code {code}")
-                return
-            del client
+            if client is not None:
+                client.find_exited()
+            return
 
 
 def _kill_all(
@@ -372,7 +421,7 @@ GROUP_HOST = "127.0.0.1"
 _START_TIMEOUT_S = 1800.0
 
 
-def start_shards(
+def launch_shards(
     model_dir: str | Path,
     arch: ModelArchConfig,
     config: EngineConfig,
@@ -380,8 +429,8 @@ def start_shards(
     dtype: torch.dtype,
     max_model_len: int,
     extension: ShardExtensionSpec | None = None,
-) -> tuple[ShardClient, DistributedGroup]:
-    """Start ranks 1.. of a ``config.tensor_parallel_size`` group and join it as rank 0.
+) -> ShardClient:
+    """Start ranks 1.. of a ``config.tensor_parallel_size`` group (not joined yet).
     Raises ``ModelLoadError`` / ``ConfigError`` before starting anything if the model
     does not split, or the devices are too few."""
     size = config.tensor_parallel_size
@@ -404,15 +453,27 @@ def start_shards(
     )
     if extension is not None:
         launch.update(extension=extension.factory, extension_config=extension.config)
-    client = ShardClient(
-        size, launch, GROUP_HOST, _START_TIMEOUT_S, device.type,
+    return ShardClient(
+        size, launch, GROUP_HOST, _START_TIMEOUT_S, timeout_s, device.type,
         extension.message_types if extension is not None else (),
     )  # fmt: skip
+
+
+def start_shards(
+    model_dir: str | Path,
+    arch: ModelArchConfig,
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_model_len: int,
+    extension: ShardExtensionSpec | None = None,
+) -> tuple[ShardClient, DistributedGroup]:
+    """``launch_shards``, then join the group as rank 0 once every shard runs."""
+    client = launch_shards(model_dir, arch, config, device, dtype, max_model_len, extension)
     try:
         client.wait_hello()
-        rank0 = torch.device("cuda", 0) if device.type == "cuda" else device
-        group = DistributedGroup(client.store, 0, size, rank0, GROUP_HOST, timeout_s)
+        device = torch.device("cuda", 0) if client.device_type == "cuda" else torch.device("cpu")
+        return client, client.join_group(device)
     except BaseException:
         client.close()
         raise
-    return client, group

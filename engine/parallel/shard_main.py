@@ -4,9 +4,15 @@ engine.parallel.shard_main``, started by ``ShardClient`` with its ``ShardLaunch`
 It holds its ``ModelShard`` (its heads' slice of the weights and of the KV cache) and
 does what rank 0 says, in order (``messages.py``): run each step's forward pass (its
 answer is the all-reduces inside it), copy blocks for the CPU tier, read and drop LoRA
-adapters. Anything that raises ends the process after a ``Failed`` reply; it also ends
-once rank 0's process is gone. A worker adds its KV connector as an *extension*, which
-handles the connector's own commands and reports its results.
+adapters. Anything that raises ends the process after a ``Failed`` reply. A worker adds
+its KV connector as an *extension*, which handles the connector's own commands and
+reports its results.
+
+A shard ends when rank 0 says so, or as soon as rank 0's process is gone, whatever it is
+doing (a thread watches from the start: a shard still loading weights or waiting for the
+group must not outlive its worker). It ignores SIGINT and SIGTERM: a Ctrl-C or a stop
+signal to the worker's process group is the worker's to handle (a drain, during which
+its ranks must keep stepping), and it stops them itself.
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ import datetime
 import importlib
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Protocol
@@ -48,8 +56,9 @@ from engine.parallel.messages import (
 
 logger = logging.getLogger("pdserve.shard")
 
-_IDLE_POLL_MS = 100  # between looks at the parent when nothing comes
+_IDLE_POLL_MS = 100  # between looks at the extension's results when nothing comes
 _BUSY_POLL_MS = 1  # while the extension has work in flight, whose results rank 0 awaits
+_PARENT_POLL_S = 0.2  # how soon a shard notices that rank 0 is gone
 
 
 class ShardExtension(Protocol):
@@ -202,9 +211,6 @@ class Shard:
             if extension is not None:
                 for reply in extension.poll():
                     self.reply(reply)
-            if os.getppid() != self.launch.parent_pid:  # rank 0 is gone
-                logger.warning("rank %d: rank 0 is gone; exiting", self.launch.rank)
-                return
 
     def close(self) -> None:
         if self.extension is not None:
@@ -212,12 +218,24 @@ class Shard:
         self.group.close()
 
 
+def _exit_with_parent(parent_pid: int, rank: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(_PARENT_POLL_S)
+    logger.warning("rank %d: rank 0 is gone; exiting", rank)
+    os._exit(1)
+
+
 def main() -> int:
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
     launch = msgspec.json.decode(sys.stdin.buffer.read(), type=ShardLaunch)
     logging.basicConfig(
         level=launch.log_level,
         format=f"%(asctime)s rank{launch.rank} %(levelname)s %(name)s: %(message)s",
     )
+    threading.Thread(
+        target=_exit_with_parent, args=(launch.parent_pid, launch.rank), daemon=True
+    ).start()
     context = zmq.Context()
     replies = context.socket(zmq.PUSH)
     replies.connect(launch.replies_endpoint)

@@ -33,3 +33,25 @@ def _gpu_env(config, log_dir):
     stack = Stack(config, log_dir)
     stack.config_path.unlink()  # the resolved config it writes for its children
     return stack._gpu_env()
+
+
+def test_a_worker_needing_more_gpus_than_the_host_has_is_refused(monkeypatch, tmp_path, capsys):
+    """Its ranks would share a GPU (NCCL refuses): an error before anything starts."""
+    import pytest
+
+    from common.config import ConfigError
+    from deploy.cli import main
+    from deploy.gpus import worker_gpus
+
+    config = load_config(str(DEMO), ["engine.tensor_parallel_size=2"])
+    with pytest.raises(ConfigError, match="a prefill worker needs 2 GPUs; the host has 1"):
+        worker_gpus(config, 1)
+    args = ["deploy", "compose", "--config", str(DEMO), "--variant", "cuda", "--gpus", "1",
+            "--set", "engine.tensor_parallel_size=2"]  # fmt: skip
+    assert main(args) == 2
+    assert "needs 2 GPUs; the host has 1" in capsys.readouterr().err
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setenv("PDSERVE_HOME", str(tmp_path))
+    assert main(["up", "--config", str(DEMO), "--set", "engine.tensor_parallel_size=2",
+                 "--set", f"model={tmp_path}"]) == 2  # fmt: skip
+    assert "needs 2 GPUs; the host has 1" in capsys.readouterr().err

@@ -206,32 +206,39 @@ def test_a_fetch_given_up_stops_waiting_for_files_that_never_come(tmp_path):
         assert all(torch.equal(dst[layer][2], src[layer][6]) for layer in range(2))
 
 
-def test_a_sibling_ranks_file_is_no_layout_mismatch(tmp_path):
+def test_other_tensor_parallel_layouts_are_no_mismatch_another_dtype_is(tmp_path):
     """Rank 1 of 2 waits for its own file of a block while rank 0's is there already (its
-    exporter was quicker): that is no mismatch; another tensor-parallel size is."""
+    exporter was quicker); a single-rank worker waits too, past files of an earlier TP-2
+    deployment (stale: one deployment's roles share a size). Another dtype is a mismatch."""
     import dataclasses
 
     base = KVTransferConfig(connector="shared_storage", shared_dir=str(tmp_path), timeout_s=5)
     hashes = hash_blocks(list(range(LAYOUT.block_size)), LAYOUT.block_size, salt="tp")
+    others = hash_blocks(list(range(LAYOUT.block_size)), LAYOUT.block_size, salt="other")
     src = [torch.randn(SHAPE).half() for _ in range(2)]
 
-    def connector(name: str, **tp) -> SharedStorageConnector:
+    def connector(name: str, dtype=torch.float16, **tp) -> SharedStorageConnector:
         made = SharedStorageConnector(dataclasses.replace(base, **tp), name)
-        made.register_kv_caches(
-            src if name.startswith("exporter") else [torch.zeros_like(src[0]) for _ in range(2)]
-        )
+        caches = src if name.startswith("exporter") else [torch.zeros(SHAPE) for _ in range(2)]
+        made.register_kv_caches([cache.to(dtype) for cache in caches])
         return made
 
     with connector("exporter0", tp_size=2, tp_rank=0) as exporter0, \
          connector("exporter1", tp_size=2, tp_rank=1) as exporter1, \
          connector("fetcher1", tp_size=2, tp_rank=1) as fetcher1, \
-         connector("single") as single:  # fmt: skip
+         connector("exporter") as single_exporter, connector("single") as single, \
+         connector("wide", dtype=torch.float32) as wide:  # fmt: skip
         _export(exporter0, "lease", [3], hashes)
-        fetcher1.start_fetch("f", PeerRef("exporter1", "unused"), [3], [1], hashes)
-        time.sleep(0.3)  # waiting on its own rank's file, not failing on rank 0's
-        assert fetcher1.num_active_fetches == 1 and not fetcher1.poll_fetches()
+        for fetcher, peer in ((fetcher1, "exporter1"), (single, "exporter")):
+            fetcher.start_fetch("f", PeerRef(peer, "unused"), [3], [1], hashes)
+        time.sleep(0.3)  # each waits on its own layout's file, not failing on rank 0's
+        assert not fetcher1.poll_fetches() and not single.poll_fetches()
         _export(exporter1, "lease", [3], hashes)
+        _export(single_exporter, "lease", [3], hashes)
         fetcher1.wait("f", 5)
-        single.start_fetch("g", PeerRef("exporter0", "unused"), [3], [1], hashes)
+        single.wait("f", 5)
+        assert all(torch.equal(single.kv.tensors[layer][1], src[layer][3]) for layer in range(2))
+        wide.start_fetch("g", PeerRef("exporter", "unused"), [4], [1], others)
+        _export(single_exporter, "lease2", [4], others)  # float16, where wide is float32
         with pytest.raises(LayoutMismatchError):
-            single.wait("g", 5)
+            wide.wait("g", 5)

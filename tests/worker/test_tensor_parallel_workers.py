@@ -8,6 +8,7 @@ import asyncio
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import grpc
@@ -113,6 +114,39 @@ def test_a_dead_rank_takes_its_worker_out_and_a_dead_worker_its_ranks(tiny_llama
     finally:
         for worker in workers:
             worker.stop()
+
+
+def test_a_rank_dead_before_the_worker_serves_takes_it_out(tiny_llama, tmp_path):
+    """The rank dies while the worker still starts (here: as it warms up its grammars,
+    after the engine is built): the worker must not stay SERVING with a dead rank."""
+    config = write_config(
+        tmp_path / "config.yaml", tiny_llama, kv_transfer={"connector": "nixl"},
+        engine={"kv_cache_bytes": 32 << 20, "max_model_len": 512, "tensor_parallel_size": 2},
+    )  # fmt: skip
+    code = (
+        "import os, signal, subprocess, sys, time\n"
+        "import engine.grammar as grammar\n"
+        "warm_up = grammar.Grammars.warm_up\n"
+        "def kill_the_rank_first(self):\n"
+        "    out = subprocess.run(['pgrep', '-P', str(os.getpid()), '-f', 'shard_main'],\n"
+        "                         capture_output=True, text=True).stdout.split()\n"
+        "    for pid in out: os.kill(int(pid), signal.SIGKILL)\n"
+        "    time.sleep(1.0)\n"
+        "    return warm_up(self)\n"
+        "grammar.Grammars.warm_up = kill_the_rank_first\n"
+        "from deploy.cli import main\n"
+        f"sys.exit(main(['decode', '--config', {str(config)!r}, '--index', '0']))\n"
+    )
+    log = open(tmp_path / "decode.log", "wb")  # noqa: SIM115 (the child's)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, (tmp_path / "decode.log").read_text()[-3000:]
+    assert "tensor-parallel rank 1 exited" in (tmp_path / "decode.log").read_text()
 
 
 def _running(pid: int) -> bool:

@@ -196,13 +196,22 @@ def test_a_dead_rank_fails_the_engine_instead_of_hanging(model_factory):
         llm.close()
 
 
-def test_shards_stop_with_their_engine(model_factory):
+def test_shards_stop_with_their_engine_and_only_then(model_factory):
+    """Signals meant for the worker (a Ctrl-C or SIGTERM to its process group) leave its
+    ranks stepping; closing stops them, and the engine then says it is closed."""
     model_dir = model_factory("llama")
     llm = LLM(model_dir, tensor_parallel_size=2, **POOL)
     (closed_pid,) = llm.engine.runner.shards.pids
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        os.kill(closed_pid, signum)
+    time.sleep(0.3)
+    assert _alive(closed_pid)
+    assert _tokens(llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False))
     llm.close()
     llm.close()  # idempotent
     assert not _alive(closed_pid)
+    with pytest.raises(ShardError, match="the engine is closed"):
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
     forgotten = LLM(model_dir, tensor_parallel_size=2, **POOL)  # never closed
     (pid,) = forgotten.engine.runner.shards.pids
     del forgotten
@@ -213,6 +222,80 @@ def test_shards_stop_with_their_engine(model_factory):
     assert not _alive(pid)
 
 
+def test_a_step_rank_0_left_half_done_takes_the_group_out_of_service(model_factory):
+    """An exception on rank 0 after a step went out (a Ctrl-C in a notebook) leaves the
+    other ranks inside that step: any later step would pair its collectives with the
+    wrong ones, so every later call fails instead of returning other tokens."""
+    llm = LLM(model_factory("llama"), tensor_parallel_size=2, **POOL)
+    try:
+        shards = llm.engine.runner.shards
+        send = shards.send
+
+        def send_then_interrupt(message):
+            send(message)
+            if type(message).__name__ == "Step":
+                raise KeyboardInterrupt("Ctrl-C")
+
+        shards.send = send_then_interrupt
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([[5, 6, 7, 8]], GREEDY, use_tqdm=False)
+        shards.send = send
+        with pytest.raises(ShardError, match="out of step: rank 0's step ended early"):
+            llm.generate([[5, 6, 7, 8]], GREEDY, use_tqdm=False)
+    finally:
+        llm.close()
+
+
+def test_a_rank_dead_before_the_group_forms_fails_the_start_at_once(model_factory):
+    import torch
+
+    from engine.models.arch import read_arch_config
+    from engine.parallel.shard_client import launch_shards
+
+    model_dir = model_factory("llama")
+    config = EngineConfig(tensor_parallel_size=2, dtype="float32")
+    client = launch_shards(model_dir, read_arch_config(model_dir), config,
+                           torch.device("cpu"), torch.float32, 256)  # fmt: skip
+    try:
+        client.wait_hello()
+        (pid,) = client.pids
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(ShardError, match="rank 1 exited with code -9"):
+            client.join_group(torch.device("cpu"))
+        assert time.monotonic() - start < 5  # not the group's 300 s timeout
+    finally:
+        client.close()
+
+
+def test_a_rank_outlives_no_parent_even_while_starting(model_factory, tmp_path):
+    """Rank 0 killed while its shard still loads: the shard exits by itself."""
+    import subprocess
+    import sys
+
+    script = (
+        "import time\nfrom engine import LLM\n"
+        f"LLM({str(model_factory('llama'))!r}, tensor_parallel_size=2, dtype='float32')\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 60
+        shard = None
+        while shard is None and time.monotonic() < deadline:
+            found = [pid for pid in _children_of(parent.pid)]
+            shard = found[0] if found else None
+            time.sleep(0.01)
+        assert shard is not None, "the shard never started"
+    finally:
+        parent.kill()
+        parent.wait()
+    deadline = time.monotonic() + 10
+    while _alive(shard) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(shard)
+
+
 def test_a_model_that_does_not_split_is_refused_before_any_process_starts(model_factory):
     children_before = _children()
     with pytest.raises(ModelLoadError, match="4 attention heads do not split over 3"):
@@ -221,7 +304,11 @@ def test_a_model_that_does_not_split_is_refused_before_any_process_starts(model_
 
 
 def _children() -> set[int]:
-    me = str(os.getpid())
+    return _children_of(os.getpid())
+
+
+def _children_of(parent: int) -> set[int]:
+    me = str(parent)
     found = set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
