@@ -32,7 +32,9 @@ from engine.models.arch import read_arch_config
 RESULTS = Path(__file__).parent / "results"
 
 
-def measure(model: Path, tp_size: int, prompts: list[list[int]], output_len: int) -> dict:
+def measure(
+    model: Path, tp_size: int, prompts: list[list[int]], output_len: int, latency_len: int
+) -> dict:
     cores = os.cpu_count() or 1
     torch.set_num_threads(max(1, cores // tp_size))  # rank 0's share (the shards set theirs)
     # No prefix caching: every run computes every prompt token.
@@ -41,7 +43,7 @@ def measure(model: Path, tp_size: int, prompts: list[list[int]], output_len: int
         run_ours(llm, prompts[:2], 2)  # warm-up
         prefill_s = min(run_ours(llm, prompts, 1)[0] for _ in range(2))
         total_s, tokens = run_ours(llm, prompts, output_len)
-        latency_s = per_token_latency(lambda p, n: run_ours(llm, p, n), prompts[0], 16)
+        latency_s = per_token_latency(lambda p, n: run_ours(llm, p, n), prompts[0], latency_len)
     torch.set_num_threads(cores)
     num_prompt_tokens = sum(len(p) for p in prompts)
     decode_step_s = (total_s - prefill_s) / (output_len - 1)
@@ -64,6 +66,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--latency-output-len", type=int, default=16)
+    parser.add_argument("--max-prompt-len", type=int, default=512)
     parser.add_argument("--tag", default="cpu" if not torch.cuda.is_available() else "cuda")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -71,11 +75,12 @@ def main() -> None:
 
     model = Path(args.model) if args.model else ensure_model("llama", args.size)
     vocab = read_arch_config(model).vocab_size
-    prompts = make_prompts(args.num_prompts, 128, 512, vocab, seed=0)
+    prompts = make_prompts(args.num_prompts, args.max_prompt_len // 4, args.max_prompt_len,
+                           vocab, seed=0)  # fmt: skip
     runs = []
     for tp_size in (1, args.tp):
         print(f"tensor_parallel_size={tp_size} ...", flush=True)
-        runs.append(measure(model, tp_size, prompts, args.output_len))
+        runs.append(measure(model, tp_size, prompts, args.output_len, args.latency_output_len))
     single, split = runs
     ratios = {
         "prefill_throughput": split["prefill_tokens_per_s"] / single["prefill_tokens_per_s"],
@@ -102,7 +107,8 @@ def main() -> None:
         f"--tp {args.tp}`",
         "",
         f"{record['machine']}, {record['cores']} cores, torch {record['torch']}, "
-        f"{record['date']}. {len(prompts)} prompts of 128-512 tokens, {args.output_len} "
+        f"{record['date']}. {len(prompts)} prompts of {args.max_prompt_len // 4}-"
+        f"{args.max_prompt_len} tokens, {args.output_len} "
         "greedy output tokens each; each rank gets cores / N threads.",
         "",
         "| tensor_parallel_size | prefill tokens/s | decode step ms (batch) | "

@@ -11,6 +11,7 @@ from tests.support.processes import ROOT
 
 def test_the_tensor_parallel_benchmark_runs_and_records(tmp_path):
     args = ["--size", "tiny", "--num-prompts", "3", "--output-len", "4", "--tag", "smoke",
+            "--latency-output-len", "3", "--max-prompt-len", "64",
             "--out-dir", str(tmp_path)]  # fmt: skip
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks.tensor_parallel", *args],
