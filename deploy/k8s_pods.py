@@ -146,13 +146,15 @@ def worker(config: PdserveConfig, role: Role, image: str, checksum: str) -> dict
 
 
 def worker_memory_bytes(config: PdserveConfig, role: Role) -> int:
-    """Host memory a worker pod of the base (CPU) rendering requests: its KV pool, its CPU
-    tier, 1 GiB for the runtime, and the weights as the engine holds them on CPU (float32
-    unless ``engine.dtype`` says otherwise; a 16-bit checkpoint doubles). The weights count
+    """Host memory a worker pod of the base (CPU) rendering requests: per tensor-parallel
+    rank (a process each) its KV pool, its CPU tier and 1 GiB for the runtime, and the
+    weights as the engine holds them on CPU, split over the ranks (float32 unless
+    ``engine.dtype`` says otherwise; a 16-bit checkpoint doubles). The weights count
     when the model directory is readable where the config is rendered; a path that only
     exists in the cluster adds nothing (``deploy/README.md``: patch the request then)."""
     engine = config.engine_for(role)
-    total = engine.kv_cache_bytes + engine.cpu_offload_bytes + (1 << 30)
+    per_rank = engine.kv_cache_bytes + engine.cpu_offload_bytes + (1 << 30)
+    total = per_rank * engine.tensor_parallel_size
     model = Path(config.model) if config.model else None
     if model is None or not (model / "config.json").is_file():
         return total

@@ -352,6 +352,10 @@ def test_worker_memory_requests_count_the_weights_as_held_on_cpu(tiny_llama, tmp
     elsewhere = dataclasses.replace(config, model="/models/only-in-the-cluster")
     docs = {d["metadata"]["name"]: d for d in k8s_docs(render_files(elsewhere, "local.yaml"))}
     assert requested_mib("pdserve-prefill") == base_mib
+    # Tensor parallelism: a KV pool and a runtime per rank, the weights split over them.
+    split = dataclasses.replace(config, engine=config.engine.replace(tensor_parallel_size=2))
+    docs = {d["metadata"]["name"]: d for d in k8s_docs(render_files(split, "local.yaml"))}
+    assert requested_mib("pdserve-prefill") == 2 * base_mib + (file_bytes * 4 // stored) // 2**20
 
 
 def test_k8s_mounts_the_adapters_volume_for_runtime_loading(tmp_path):
