@@ -33,6 +33,11 @@ import torch
 import zmq
 
 from common.config import EngineConfig
+from engine.cpu_tier import HostBlockCache
+from engine.model_shard import HostBatch, ModelShard
+from engine.models.arch import read_arch_config
+from engine.models.lora import LoraAdapter, LoraBatch, load_lora_adapter
+from engine.parallel.group import DistributedGroup
 from engine.parallel.launch import ShardLaunch
 from engine.parallel.messages import (
     TO_SHARD,
@@ -53,6 +58,7 @@ from engine.parallel.messages import (
     Step,
     decoder_of,
 )
+from engine.parallel.shard_spec import TensorParallel
 
 logger = logging.getLogger("pdserve.shard")
 
@@ -66,7 +72,7 @@ class ShardExtension(Protocol):
 
     message_types: tuple[type, ...]  # the commands it handles and the replies it sends
 
-    def start(self, shard: Any) -> bytes:
+    def start(self, shard: ModelShard) -> bytes:
         """Once the KV cache exists (``shard``: the ``ModelShard``); what rank 0 learns."""
         ...
 
@@ -95,9 +101,6 @@ class Shard:
     """The shard's state and its command handlers (one thread: the process's main)."""
 
     def __init__(self, launch: ShardLaunch, replies: zmq.Socket) -> None:
-        from engine.models.arch import read_arch_config
-        from engine.parallel.group import DistributedGroup
-
         self.launch = launch
         self._replies = replies
         self._encoder = msgspec.msgpack.Encoder()
@@ -115,14 +118,12 @@ class Shard:
         )
         self.config = EngineConfig(**launch.engine)
         self.arch = read_arch_config(launch.model_dir)
-        from engine.model_shard import ModelShard
-
         self.shard = ModelShard(
             launch.model_dir, self.arch, self.config, self.device, _dtype(launch.dtype),
             launch.max_model_len, self.group,
         )  # fmt: skip
-        self.host_cache: Any = None
-        self.adapters: dict[int, Any] = {}  # adapter id -> LoraAdapter (this rank's cut)
+        self.host_cache: HostBlockCache | None = None
+        self.adapters: dict[int, LoraAdapter] = {}  # adapter id -> this rank's cut of it
         self.extension: ShardExtension | None = None
         if launch.extension:
             module, _, function = launch.extension.partition(":")
@@ -142,12 +143,12 @@ class Shard:
             payload = self.extension.start(self.shard) if self.extension is not None else b""
             self.reply(Started(self.launch.rank, payload))
         elif isinstance(message, OpenHostCache):
-            from engine.cpu_tier import HostBlockCache
-
             self.host_cache = HostBlockCache(self.shard.kv_caches, message.num_slots)
         elif isinstance(message, SaveBlocks):
+            assert self.host_cache is not None, "SaveBlocks before OpenHostCache"
             self.host_cache.save(message.block_ids, message.slots)
         elif isinstance(message, LoadBlocks):
+            assert self.host_cache is not None, "LoadBlocks before OpenHostCache"
             self.host_cache.load(message.slots, message.block_ids)
         elif isinstance(message, AddLora):
             self._add_lora(message)
@@ -165,9 +166,6 @@ class Shard:
 
     @torch.inference_mode()
     def _step(self, message: Step) -> None:
-        from engine.model_shard import HostBatch
-        from engine.models.lora import LoraBatch
-
         batch = HostBatch(
             message.input_ids, message.positions, message.slot_mapping,
             message.query_start_loc, message.seq_lens, message.block_rows,
@@ -185,9 +183,6 @@ class Shard:
             self.shard.model.compute_logits(hidden[rows])
 
     def _add_lora(self, message: AddLora) -> None:
-        from engine.models.lora import load_lora_adapter
-        from engine.parallel.shard_spec import TensorParallel
-
         try:
             adapter = load_lora_adapter(
                 message.name, message.path, self.arch, self.device, self.shard.dtype,
