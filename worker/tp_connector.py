@@ -22,13 +22,18 @@ Peers find a rank's handshake through the worker's one gRPC endpoint:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+import torch
 
+from engine.parallel.shard_client import ShardClient, ShardError
 from kv_transfer import (
+    ConnectorName,
     KVConnector,
+    KVLayout,
     KVTransferConfig,
     KVTransferError,
     PeerRef,
@@ -197,21 +202,26 @@ class TensorParallelConnector:
     def __init__(self, local: KVConnector, size: int) -> None:
         self.local = local
         self.size = size
-        self.shards: Any = None
+        self.shards: ShardClient | None = None
         self._shard_metadata: list[bytes] = []
         self._exports: dict[str, set[int]] = {}  # transfer id -> ranks still holding it
         self._fetches: dict[str, _Fetch] = {}
         self._finished_exports: list[str] = []
         self._settled = FetchResults()
 
-    def attach(self, shards: Any, shard_metadata: Sequence[bytes]) -> None:
+    def attach(self, shards: ShardClient, shard_metadata: Sequence[bytes]) -> None:
         """The engine's shards and their connectors' metadata (rank 1..), once."""
         assert self.shards is None and shards.size == self.size
         self.shards = shards
         self._shard_metadata = list(shard_metadata)
 
     @property
-    def name(self) -> Any:
+    def _shards(self) -> ShardClient:
+        assert self.shards is not None, "attach the engine's shards first"
+        return self.shards
+
+    @property
+    def name(self) -> ConnectorName:
         return self.local.name
 
     @property
@@ -219,10 +229,10 @@ class TensorParallelConnector:
         return self.local.engine_id
 
     @property
-    def layout(self) -> Any:
+    def layout(self) -> KVLayout:
         return self.local.layout
 
-    def register_kv_caches(self, kv_caches: Sequence[Any]) -> None:
+    def register_kv_caches(self, kv_caches: Sequence[torch.Tensor]) -> None:
         self.local.register_kv_caches(kv_caches)
 
     def metadata(self) -> bytes:
@@ -238,7 +248,7 @@ class TensorParallelConnector:
     ) -> None:
         self.local.export_blocks(transfer_id, block_ids, block_hashes)  # checks the arguments
         hashes = list(block_hashes) if block_hashes is not None else None
-        self.shards.send(Export(transfer_id, list(block_ids), hashes))
+        self._shards.send(Export(transfer_id, list(block_ids), hashes))
         self._exports[transfer_id] = set(range(self.size))
 
     def poll_finished_exports(self) -> list[str]:
@@ -249,9 +259,11 @@ class TensorParallelConnector:
         return finished
 
     def release_export(self, transfer_id: str) -> None:
+        """Best effort on the other ranks: a failed group has no connectors to tell."""
         self.local.release_export(transfer_id)
         if self._exports.pop(transfer_id, None) is not None:
-            self.shards.send(ReleaseExport(transfer_id))
+            with contextlib.suppress(ShardError):
+                self._shards.send(ReleaseExport(transfer_id))
 
     def _export_finished(self, transfer_id: str, rank: int) -> None:
         ranks = self._exports.get(transfer_id)
@@ -274,7 +286,7 @@ class TensorParallelConnector:
     ) -> None:
         self.local.start_fetch(transfer_id, peer, remote_block_ids, local_block_ids, block_hashes)
         hashes = list(block_hashes) if block_hashes is not None else None
-        self.shards.send(
+        self._shards.send(
             StartFetch(transfer_id, peer.engine_id, peer.endpoint, list(remote_block_ids),
                        list(local_block_ids), hashes)
         )  # fmt: skip
@@ -283,7 +295,8 @@ class TensorParallelConnector:
     def abort_fetch(self, transfer_id: str) -> None:
         self.local.abort_fetch(transfer_id)
         if transfer_id in self._fetches:
-            self.shards.send(AbortFetch(transfer_id))
+            with contextlib.suppress(ShardError):  # best effort, as release_export
+                self._shards.send(AbortFetch(transfer_id))
 
     def poll_fetches(self) -> FetchResults:
         """Fetches settled on every rank: done if done on all, else failed with the first
@@ -313,7 +326,7 @@ class TensorParallelConnector:
             self._settled.failed[transfer_id] = fetch.error
 
     def _drain(self) -> None:
-        for reply in self.shards.extension_replies():
+        for reply in self._shards.extension_replies():
             if isinstance(reply, ExportsFinished):
                 for transfer_id in reply.transfer_ids:
                     self._export_finished(transfer_id, reply.rank)
