@@ -27,6 +27,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from engine.parallel.group import process_group
 from kv_transfer.errors import TransferTimeoutError
 from kv_transfer.layout import KVLayout
 
@@ -102,18 +103,7 @@ def open_pair_group(
     """The 2-rank group of one pair (rank 0 exports, rank 1 fetches). Blocks until both
     ranks have joined or ``timeout_s`` passes. Gloo binds its sockets to ``host``."""
     prefixed = dist.PrefixStore(f"kv_transfer/{pair_id}/", store)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-        options._timeout = timeout
-        return dist.ProcessGroupGloo(prefixed, rank, 2, options)
-    nccl_group = getattr(dist, "ProcessGroupNCCL", None)
-    if nccl_group is None:
-        raise RuntimeError("this torch build has no NCCL")
-    options = nccl_group.Options()
-    options._timeout = timeout
-    return nccl_group(prefixed, rank, 2, options)
+    return process_group(prefixed, rank, 2, backend, host, timeout_s)
 
 
 def tag(seq: int, group: int, num_groups: int) -> int:

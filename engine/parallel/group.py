@@ -54,6 +54,26 @@ class SingleRank:
         return None
 
 
+def process_group(
+    store: dist.Store, rank: int, size: int, backend: str, host: str, timeout_s: float
+) -> dist.ProcessGroup:
+    """A process group of ``size`` ranks met at ``store``, not registered process-wide:
+    ``backend`` "nccl", or "gloo" with its sockets bound to ``host``. Its collectives fail
+    after waiting ``timeout_s`` for a rank. Blocks until every rank has joined."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+        options._timeout = timeout
+        return dist.ProcessGroupGloo(store, rank, size, options)
+    nccl = getattr(dist, "ProcessGroupNCCL", None)
+    if nccl is None:
+        raise RuntimeError("this torch build has no NCCL")
+    options = nccl.Options()
+    options._timeout = timeout
+    return nccl(store, rank, size, options)
+
+
 class DistributedGroup:
     """``size`` processes that met at ``store``; ``device`` picks NCCL (cuda) or gloo
     (whose sockets bind to ``host``). A collective that waits longer than ``timeout_s``
@@ -71,20 +91,8 @@ class DistributedGroup:
         self.rank = rank
         self.size = size
         self.device = device
-        timeout = datetime.timedelta(seconds=timeout_s)
-        self._group: dist.ProcessGroup
-        if device.type == "cuda":
-            nccl = getattr(dist, "ProcessGroupNCCL", None)
-            if nccl is None:
-                raise RuntimeError("this torch build has no NCCL")
-            options = nccl.Options()
-            options._timeout = timeout
-            self._group = nccl(store, rank, size, options)
-        else:
-            options = dist.ProcessGroupGloo._Options()
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-            options._timeout = timeout
-            self._group = dist.ProcessGroupGloo(store, rank, size, options)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        self._group = process_group(store, rank, size, backend, host, timeout_s)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         self._group.allreduce([tensor]).wait()
