@@ -31,7 +31,7 @@ from engine.models.lora import LoraAdapter, LoraBatch, load_lora_adapter
 from engine.parallel.group import SingleRank, TPGroup
 from engine.parallel.launch import ShardExtensionSpec
 from engine.parallel.messages import Step
-from engine.parallel.shard_client import ShardClient, start_shards
+from engine.parallel.shard_client import ShardClient, launch_shards
 from engine.parallel.shard_spec import TensorParallel
 from engine.request import TokenLogprobs
 from engine.sampler import SamplingRow, sample, score_passes, score_tokens
@@ -104,9 +104,11 @@ class ModelRunner:
         group: TPGroup = SingleRank()
         try:
             if self.tp.size > 1:
-                self.shards, group = start_shards(
+                self.shards = launch_shards(
                     model_dir, arch, config, device, dtype, max_model_len, extension
                 )
+                self.shards.wait_hello()
+                group = self.shards.join_group()
             self.shard = ModelShard(model_dir, arch, config, device, dtype, max_model_len, group)
             num_blocks = self.shard.max_num_blocks()
             if self.shards is not None:

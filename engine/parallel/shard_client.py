@@ -104,7 +104,7 @@ class ShardClient:
         self._replies = self._context.socket(zmq.PULL)
         self._replies.bind(f"ipc://{self._dir}/replies")
         self._commands: list[zmq.Socket] = []
-        # The group's rendezvous; rank 0 joins it in ``start_shards`` (DistributedGroup).
+        # The group's rendezvous; rank 0 joins it in ``join_group``.
         self.store = dist.TCPStore(
             host,
             0,
@@ -165,11 +165,12 @@ class ShardClient:
         """Until every shard runs (imports done): then the group can form quickly."""
         self._wait_all(Hello, "start", self.start_timeout_s)
 
-    def join_group(self, device: torch.device) -> DistributedGroup:
-        """Join the group as rank 0. Forming it blocks in C++ until every rank has joined,
-        so it runs on a thread while this one watches the shards: a shard that dies
-        meanwhile fails this at once, not at the group's timeout (the thread then ends at
-        that timeout by itself)."""
+    def join_group(self) -> DistributedGroup:
+        """Join the group as rank 0 (after ``wait_hello``). Forming it blocks in C++ until
+        every rank has joined, so it runs on a thread while this one watches the shards: a
+        shard that dies meanwhile fails this at once, not at the group's timeout (the
+        thread then ends at that timeout by itself)."""
+        device = torch.device("cuda", 0) if self.device_type == "cuda" else torch.device("cpu")
         joined: dict[str, Any] = {}
 
         def join() -> None:
@@ -430,7 +431,8 @@ def launch_shards(
     max_model_len: int,
     extension: ShardExtensionSpec | None = None,
 ) -> ShardClient:
-    """Start ranks 1.. of a ``config.tensor_parallel_size`` group (not joined yet).
+    """Start ranks 1.. of a ``config.tensor_parallel_size`` group; rank 0 then joins it
+    (``wait_hello``, ``join_group``).
     Raises ``ModelLoadError`` / ``ConfigError`` before starting anything if the model
     does not split, or the devices are too few."""
     size = config.tensor_parallel_size
@@ -457,23 +459,3 @@ def launch_shards(
         size, launch, GROUP_HOST, _START_TIMEOUT_S, timeout_s, device.type,
         extension.message_types if extension is not None else (),
     )  # fmt: skip
-
-
-def start_shards(
-    model_dir: str | Path,
-    arch: ModelArchConfig,
-    config: EngineConfig,
-    device: torch.device,
-    dtype: torch.dtype,
-    max_model_len: int,
-    extension: ShardExtensionSpec | None = None,
-) -> tuple[ShardClient, DistributedGroup]:
-    """``launch_shards``, then join the group as rank 0 once every shard runs."""
-    client = launch_shards(model_dir, arch, config, device, dtype, max_model_len, extension)
-    try:
-        client.wait_hello()
-        device = torch.device("cuda", 0) if client.device_type == "cuda" else torch.device("cpu")
-        return client, client.join_group(device)
-    except BaseException:
-        client.close()
-        raise

@@ -262,7 +262,7 @@ def test_a_rank_dead_before_the_group_forms_fails_the_start_at_once(model_factor
         os.kill(pid, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(ShardError, match="rank 1 exited with code -9"):
-            client.join_group(torch.device("cpu"))
+            client.join_group()
         assert time.monotonic() - start < 5  # not the group's 300 s timeout
     finally:
         client.close()
@@ -327,16 +327,19 @@ def test_a_rank_that_fails_to_start_is_reported_at_once(model_factory, tmp_path)
     (not at a timeout), and closing leaves no process behind."""
     from common.config import EngineConfig
     from engine.models.arch import read_arch_config
-    from engine.parallel.shard_client import start_shards
+    from engine.parallel.shard_client import launch_shards
 
     model_dir = model_factory("llama")
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text((model_dir / "config.json").read_text())  # no weights
     config = EngineConfig(tensor_parallel_size=2, dtype="float32")
-    client, group = start_shards(broken, read_arch_config(model_dir), config,
-                                 torch.device("cpu"), torch.float32, 256)  # fmt: skip
+    client = launch_shards(broken, read_arch_config(model_dir), config,
+                           torch.device("cpu"), torch.float32, 256)  # fmt: skip
+    group = None
     try:
+        client.wait_hello()
+        group = client.join_group()
         start = time.monotonic()
         with pytest.raises(ShardError, match="rank 1 failed: ModelLoadError.*no model.safetensors"):
             client.wait_loaded()
@@ -344,7 +347,8 @@ def test_a_rank_that_fails_to_start_is_reported_at_once(model_factory, tmp_path)
         (pid,) = client.pids
     finally:
         client.close()
-        group.close()
+        if group is not None:
+            group.close()
     assert not _alive(pid)
 
 
