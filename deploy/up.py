@@ -240,17 +240,15 @@ def ensure_demo_model(config: PdserveConfig) -> None:
 
 def run(config: PdserveConfig, restart: bool = True) -> int:
     ensure_demo_model(config)
-    try:
-        worker_gpus(config, len(visible_gpus()))  # each worker fits on this host's GPUs
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
     stack = Stack(config, cache_dir() / "logs" / str(config.router.port), restart)
     stack.handle_signals()
     try:
         stack.start()
         print(f"pdserve is up: {stack.url_root}/v1  (OpenAI API; Ctrl-C stops)", flush=True)
         return stack.wait()
+    except ConfigError as exc:  # a worker needs more GPUs than the host has: nothing started
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except StackError as exc:
         if stack.stop_signal:  # Ctrl-C or SIGTERM while starting: a normal stop
             print("stopping", flush=True)

@@ -139,3 +139,12 @@ def start_workers(workers: list[WorkerProcess], timeout: float = 120.0) -> list[
             worker.stop(5)
         raise
     return workers
+
+
+def is_running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (exited, not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

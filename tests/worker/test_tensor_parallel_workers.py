@@ -19,7 +19,7 @@ from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from tests.engine.helpers import random_prompts
 from tests.support.pd_client import PDClient
-from tests.support.processes import WorkerProcess, start_workers, write_config
+from tests.support.processes import WorkerProcess, is_running, start_workers, write_config
 from tests.worker.test_services import assert_idle
 
 GREEDY = pb.SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
@@ -89,7 +89,7 @@ def test_disaggregated_tokens_equal_offline(tiny_llama, tmp_path, offline, conne
         shards = [pid for w in workers for pid in _shard_pids(w)]
         codes = [worker.stop() for worker in workers]
     assert codes == [0, 0], "\n".join(w.log() for w in workers)
-    assert not [pid for pid in shards if _running(pid)], "shards outlived their workers"
+    assert not [pid for pid in shards if is_running(pid)], "shards outlived their workers"
 
 
 def test_a_dead_rank_takes_its_worker_out_and_a_dead_worker_its_ranks(tiny_llama, tmp_path):
@@ -108,9 +108,9 @@ def test_a_dead_rank_takes_its_worker_out_and_a_dead_worker_its_ranks(tiny_llama
         prefill.proc.kill()
         prefill.proc.wait()
         deadline = time.monotonic() + 15
-        while _running(shard) and time.monotonic() < deadline:
+        while is_running(shard) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _running(shard), "the shard outlived its worker"
+        assert not is_running(shard), "the shard outlived its worker"
     finally:
         for worker in workers:
             worker.stop()
@@ -147,11 +147,3 @@ def test_a_rank_dead_before_the_worker_serves_takes_it_out(tiny_llama, tmp_path)
             proc.wait()
     assert proc.returncode == 1, (tmp_path / "decode.log").read_text()[-3000:]
     assert "tensor-parallel rank 1 exited" in (tmp_path / "decode.log").read_text()
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

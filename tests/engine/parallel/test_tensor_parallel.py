@@ -18,19 +18,11 @@ from engine.errors import InvalidRequestError
 from engine.models.arch import ModelLoadError
 from engine.parallel.shard_client import ShardError
 from tests.engine.helpers import hf_greedy, random_prompts
+from tests.support.processes import is_running
 
 NUM_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, temperature=0)
 POOL = dict(dtype="float32", kv_cache_bytes=32 << 20)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as stat:  # a zombie is gone for our purposes
-        return stat.read().split()[2] != "Z"
 
 
 def _tokens(outputs) -> list[list[int]]:
@@ -205,11 +197,11 @@ def test_shards_stop_with_their_engine_and_only_then(model_factory):
     for signum in (signal.SIGINT, signal.SIGTERM):
         os.kill(closed_pid, signum)
     time.sleep(0.3)
-    assert _alive(closed_pid)
+    assert is_running(closed_pid)
     assert _tokens(llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False))
     llm.close()
     llm.close()  # idempotent
-    assert not _alive(closed_pid)
+    assert not is_running(closed_pid)
     with pytest.raises(ShardError, match="the engine is closed"):
         llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
     forgotten = LLM(model_dir, tensor_parallel_size=2, **POOL)  # never closed
@@ -217,9 +209,9 @@ def test_shards_stop_with_their_engine_and_only_then(model_factory):
     del forgotten
     gc.collect()
     deadline = time.monotonic() + 10
-    while _alive(pid) and time.monotonic() < deadline:
+    while is_running(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(pid)
+    assert not is_running(pid)
 
 
 def test_a_step_rank_0_left_half_done_takes_the_group_out_of_service(model_factory):
@@ -291,9 +283,9 @@ def test_a_rank_outlives_no_parent_even_while_starting(model_factory, tmp_path):
         parent.kill()
         parent.wait()
     deadline = time.monotonic() + 10
-    while _alive(shard) and time.monotonic() < deadline:
+    while is_running(shard) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(shard)
+    assert not is_running(shard)
 
 
 def test_a_model_that_does_not_split_is_refused_before_any_process_starts(model_factory):
@@ -349,7 +341,7 @@ def test_a_rank_that_fails_to_start_is_reported_at_once(model_factory, tmp_path)
         client.close()
         if group is not None:
             group.close()
-    assert not _alive(pid)
+    assert not is_running(pid)
 
 
 @pytest.mark.gpu
