@@ -7,6 +7,11 @@ Shapes are Llama-3-8B's attention: 32 query heads, 8 KV heads of dim 128, bf16, 
 
     python benchmarks/kernels.py [--json out.json] [--md out.md]   # the table
     python benchmarks/kernels.py --sweep --json sweep.json          # tune launch shapes
+    python benchmarks/kernels.py --kv-cache-dtype fp8 --md fp8.md     # FP8 paged cache
+
+With ``--kv-cache-dtype fp8`` (or ``fp8_e5m2``) the paged cache holds FP8 (the engine's
+``engine.kv_cache_dtype``) and the kernel reads half the bytes; SDPA stays bf16, so its
+column is the time the same attention takes over a 16-bit cache.
 
 Needs CUDA, torch and triton only. Device times are medians of ``triton.testing.do_bench``
 over CUDA-graph replays (L2 flushed before each); "eager" is the wall time per call launched
@@ -41,6 +46,7 @@ DTYPE = torch.bfloat16
 PEAK_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}  # HBM3 / HBM3e datasheet peaks
 DECODE_SHAPES = [(b, c) for b in (1, 16, 64) for c in (512, 2048, 8192)]
 PREFILL_TOKENS = (2048, 8192)
+KV_DTYPES = {"auto": DTYPE, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 @dataclass
@@ -82,12 +88,14 @@ def eager_ms(fn: Callable[[], object], calls: int = 100) -> float:
     return (time.perf_counter() - start) * 1e3 / calls
 
 
-def paged_cache(batch: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+def paged_cache(
+    batch: int, context: int, kv_dtype: torch.dtype = DTYPE
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A cache holding ``batch`` contexts in shuffled blocks, and their block table."""
     per_seq = triton.cdiv(context, BLOCK_SIZE)
     num_blocks = batch * per_seq + 1
     shape = (num_blocks, 2, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    cache = torch.randn(shape, dtype=DTYPE, device="cuda")
+    cache = torch.randn(shape, dtype=DTYPE, device="cuda").to(kv_dtype)
     order = torch.randperm(num_blocks - 1, device="cuda")[: batch * per_seq] + 1
     return cache, order.view(batch, per_seq).to(torch.int32)
 
@@ -120,8 +128,9 @@ def decode_case(
     num_splits: int | None = None,
     with_sdpa: bool = True,
     rep_ms: int = 100,
+    kv_dtype: torch.dtype = DTYPE,
 ) -> Result:
-    cache, table = paged_cache(batch, context)
+    cache, table = paged_cache(batch, context, kv_dtype)
     query = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     scale = HEAD_DIM**-0.5
@@ -145,9 +154,13 @@ def decode_case(
 
 
 def prefill_case(
-    tokens: int, config: LaunchConfig | None = None, with_sdpa: bool = True, rep_ms: int = 100
+    tokens: int,
+    config: LaunchConfig | None = None,
+    with_sdpa: bool = True,
+    rep_ms: int = 100,
+    kv_dtype: torch.dtype = DTYPE,
 ) -> Result:
-    cache, table = paged_cache(1, tokens)
+    cache, table = paged_cache(1, tokens, kv_dtype)
     query = torch.randn(tokens, NUM_Q_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
     starts = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
     seq_lens = torch.tensor([tokens], dtype=torch.int32, device="cuda")
@@ -249,14 +262,19 @@ def main() -> None:
     parser.add_argument("--host-profile", action="store_true", help="profile eager launches")
     parser.add_argument("--json", type=Path, help="write all figures here")
     parser.add_argument("--md", type=Path, help="write the table here")
+    parser.add_argument(
+        "--kv-cache-dtype", choices=sorted(KV_DTYPES), default="auto",
+        help="what the paged cache holds (auto: bf16, like the queries)",
+    )  # fmt: skip
     args = parser.parse_args()
+    kv_dtype = KV_DTYPES[args.kv_cache_dtype]
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA device")
     name = torch.cuda.get_device_name()
     peak = next((v for k, v in PEAK_BYTES_PER_S.items() if k in name), 3.35e12)
     header = (
         f"device: {name}; assumed peak HBM bandwidth {peak / 1e12:.2f} TB/s; "
-        f"torch {torch.__version__}, triton {triton.__version__}; "
+        f"torch {torch.__version__}, triton {triton.__version__}; KV cache {kv_dtype}; "
         f"{datetime.date.today().isoformat()}"
     )
     print(header, flush=True)
@@ -266,8 +284,8 @@ def main() -> None:
     if args.sweep:
         results = sweep()
     else:
-        results = [decode_case(b, c) for b, c in DECODE_SHAPES]
-        results += [prefill_case(n) for n in PREFILL_TOKENS]
+        results = [decode_case(b, c, kv_dtype=kv_dtype) for b, c in DECODE_SHAPES]
+        results += [prefill_case(n, kv_dtype=kv_dtype) for n in PREFILL_TOKENS]
         text = table(results, peak)
         print(text)
         if args.md:
@@ -285,6 +303,7 @@ def main() -> None:
                 "head_dim": HEAD_DIM,
                 "block_size": BLOCK_SIZE,
                 "dtype": str(DTYPE),
+                "kv_cache_dtype": str(kv_dtype),
             },
             "sweep" if args.sweep else "results": [asdict(r) for r in results],
         }

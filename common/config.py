@@ -41,6 +41,29 @@ class Device(StrEnum):
     CUDA = "cuda"
 
 
+class KVCacheDType(StrEnum):
+    """What the KV cache stores (vLLM's ``--kv-cache-dtype`` names). FP8 halves the KV
+    bytes of a 16-bit model (a quarter of float32): twice the tokens cached in the same
+    memory and half the bytes moved from prefill to decode, for rounding each K/V element
+    to 3 (e4m3) or 2 (e5m2) mantissa bits. Values are stored unscaled (a scale of 1.0, as
+    vLLM does without calibrated scales), saturating at the format's largest finite
+    value; attention computes in the model dtype after reading them."""
+
+    AUTO = "auto"  # the model's dtype
+    FP8 = "fp8"  # = fp8_e4m3
+    FP8_E4M3 = "fp8_e4m3"  # float8_e4m3fn: more precision, max 448
+    FP8_E5M2 = "fp8_e5m2"  # float8_e5m2: more range (max 57344), less precision
+
+    @property
+    def storage_name(self) -> str | None:
+        """The torch dtype name of the cache (``KVLayout.dtype``); None: the model's."""
+        return {
+            KVCacheDType.FP8: "float8_e4m3fn",
+            KVCacheDType.FP8_E4M3: "float8_e4m3fn",
+            KVCacheDType.FP8_E5M2: "float8_e5m2",
+        }.get(self)
+
+
 def _coerce_enums(obj: Any) -> None:
     """Turn string values of enum-typed fields into the enum, for frozen dataclasses."""
     for field in dataclasses.fields(obj):
@@ -60,6 +83,7 @@ _ENUM_FIELDS: dict[str, type[StrEnum]] = {  # filled below, once every enum is d
     "AttentionBackendName": AttentionBackendName,
     "DType": DType,
     "Device": Device,
+    "KVCacheDType": KVCacheDType,
 }
 
 
@@ -115,6 +139,9 @@ class EngineConfig:
     # Memory per device (num_blocks, kv_cache_bytes, gpu_memory_utilization,
     # cpu_offload_bytes) is per rank. KV transfer needs the same size on both roles.
     tensor_parallel_size: int = 1
+    # What the KV cache stores: the model's dtype, or FP8 (``KVCacheDType``). Both roles
+    # must agree: KV blocks move between them byte for byte.
+    kv_cache_dtype: KVCacheDType = KVCacheDType.AUTO
 
     def __post_init__(self) -> None:
         _coerce_enums(self)
@@ -522,6 +549,15 @@ class PdserveConfig:
                 f"prefill uses {tp_sizes[Role.PREFILL]} tensor-parallel ranks and decode "
                 f"{tp_sizes[Role.DECODE]}: KV moves rank to rank (each holds its KV heads), so "
                 "both roles need the same tensor_parallel_size",
+            )
+        kv_dtypes = {role: self.engine_for(role).kv_cache_dtype.storage_name for role in Role}
+        if kv_dtypes[Role.PREFILL] != kv_dtypes[Role.DECODE]:
+            names = {role: self.engine_for(role).kv_cache_dtype.value for role in Role}
+            raise ConfigError(
+                "decode.engine.kv_cache_dtype",
+                f"prefill stores KV as {names[Role.PREFILL]} and decode as "
+                f"{names[Role.DECODE]}: KV blocks move between them byte for byte, so both "
+                "roles need the same kv_cache_dtype",
             )
         self._check_ports()
 

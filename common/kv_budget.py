@@ -139,7 +139,8 @@ def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
     min_blocks = -(-max_model_len // engine.block_size)
     cpu_bpb = shape.bytes_per_block(engine.block_size, _dtype_bytes(engine, Device.CPU), tp_size)
     bpb = None
-    if engine.device is not Device.AUTO or engine.dtype is not DType.AUTO:
+    known = engine.device is not Device.AUTO or engine.dtype is not DType.AUTO
+    if known or engine.kv_cache_dtype.storage_name is not None:
         bpb = shape.bytes_per_block(engine.block_size, _dtype_bytes(engine, engine.device), tp_size)
     too_small = (
         f"cannot hold one request of max_model_len={max_model_len} ({min_blocks} blocks of "
@@ -195,6 +196,9 @@ def _cpu_problems(
 
 
 def _dtype_bytes(engine: EngineConfig, device: Device) -> int:
+    """Bytes of one cached K or V element."""
+    if engine.kv_cache_dtype.storage_name is not None:  # FP8
+        return 1
     if engine.dtype is not DType.AUTO:
         return _DTYPE_BYTES[engine.dtype]
     # auto: float32 on CPU; on CUDA the checkpoint's 16-bit dtype, else bfloat16.

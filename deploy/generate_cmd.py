@@ -29,6 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tensor-parallel-size", "-tp", type=int, default=1,
         help="split the model over this many devices (processes on CPU)",
     )  # fmt: skip
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto",
+        help="what the KV cache stores: auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e5m2",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         adapters = {"lora": args.lora} if args.lora else None
         llm = LLM(
             args.model, adapters, device=args.device, attention_backend=args.attention_backend,
-            tensor_parallel_size=args.tensor_parallel_size,
+            tensor_parallel_size=args.tensor_parallel_size, kv_cache_dtype=args.kv_cache_dtype,
         )  # fmt: skip
         with llm:
             start = time.perf_counter()

@@ -55,6 +55,7 @@ class HostBlockCache:
     """One rank's CPU slots: ``num_slots`` blocks of its KV caches' shape, per layer."""
 
     def __init__(self, kv_caches: list[torch.Tensor], num_slots: int) -> None:
+        kv_caches = [reference.as_movable(cache) for cache in kv_caches]  # FP8: bytes
         first = kv_caches[0]
         self.device_caches = kv_caches
         block_shape = first.shape[1:]  # [2, block_size, H, D]

@@ -33,6 +33,32 @@ from engine.parallel.shard_spec import TensorParallel, local_arch
 
 logger = logging.getLogger(__name__)
 
+# Triton converts to float8_e4m3fn (its fp8e4nv) in hardware from sm_89 (Ada, Hopper) on.
+MIN_CAPABILITY_E4M3 = (8, 9)
+
+
+def kv_cache_dtype(
+    config: EngineConfig, model_dtype: torch.dtype, device: torch.device, backend: str
+) -> torch.dtype:
+    """What the KV cache stores (``engine.kv_cache_dtype``). Raises ``ConfigError`` for
+    FP8 e4m3 on a GPU whose Triton kernels cannot convert it."""
+    name = config.kv_cache_dtype.storage_name
+    if name is None:
+        return model_dtype
+    dtype = getattr(torch, name)
+    if (
+        dtype == torch.float8_e4m3fn
+        and backend == "triton"
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device) < MIN_CAPABILITY_E4M3
+    ):
+        raise ConfigError(
+            "engine.kv_cache_dtype",
+            f"fp8_e4m3 needs a GPU of compute capability 8.9 or newer for the triton "
+            f"backend, this one is {torch.cuda.get_device_capability(device)}; use fp8_e5m2",
+        )
+    return dtype
+
 
 @dataclass(slots=True)
 class HostBatch:
@@ -73,6 +99,7 @@ class ModelShard:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.backend = create_backend(config.attention_backend, device, config.block_size)
+        self.cache_dtype = kv_cache_dtype(config, dtype, device, self.backend.name)
         self.model = load_model(
             model_dir, arch, max_model_len, self.backend, device, dtype, self.group
         )
@@ -85,7 +112,7 @@ class ModelShard:
         """This rank's bytes of one block (its KV heads, every layer)."""
         arch = self.arch
         elements = arch.num_layers * 2 * self.block_size * arch.num_kv_heads * arch.head_dim
-        return elements * torch.finfo(self.dtype).bits // 8
+        return elements * self.cache_dtype.itemsize
 
     def max_num_blocks(self) -> int:
         """The blocks this rank's memory holds (``engine.num_blocks`` if set). Raises
@@ -120,13 +147,14 @@ class ModelShard:
         shape = (num_blocks, 2, self.block_size, arch.num_kv_heads, arch.head_dim)
         # One view per layer of a block-major buffer; a block id names the same slot in
         # every layer (host_memory.zeros_for_kv_caches says why).
-        self.kv_caches = zeros_for_kv_caches(arch.num_layers, shape, self.dtype, self.device)
+        self.kv_caches = zeros_for_kv_caches(arch.num_layers, shape, self.cache_dtype, self.device)
         config = self.config
         if config.cuda_graphs and self.device.type == "cuda" and self.backend.name == "triton":
             self._capture()
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB%s), attention backend %s",
+            "KV cache: %d blocks of %d tokens (%.1f MiB of %s%s), attention backend %s",
             num_blocks, self.block_size, num_blocks * self.bytes_per_block / 2**20,
+            str(self.cache_dtype).removeprefix("torch."),
             f" on rank {self.group.rank} of {self.group.size}" if self.group.size > 1 else "",
             self.backend.name,
         )  # fmt: skip

@@ -2,6 +2,11 @@
 
 One program per token copies that token's K and V (all KV heads) into its slot, converting to
 the cache's dtype; a negative slot is skipped (padding tokens).
+
+An FP8 cache gets what torch's conversion gives (round to nearest even, saturating at the
+largest finite value): on a GPU Triton converts the same way (``cvt.rn.satfinite``); its
+CPU interpreter does not (it flushes small values to zero and maps 500 to 256 in e4m3),
+so there K/V are converted by torch first and the kernel copies bytes.
 """
 
 from __future__ import annotations
@@ -10,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_utils import next_pow2, require_runnable
+from kernels.reference import FP8_DTYPES
+from kernels.triton_utils import is_interpreted, next_pow2, require_runnable
 
 
 @triton.jit
@@ -71,6 +77,8 @@ def store_kv(
     if key.shape[0] == 0:
         return
     require_runnable(_store_kv_kernel, key, value, kv_cache, slot_mapping)
+    if kv_cache.dtype in FP8_DTYPES and is_interpreted(_store_kv_kernel):
+        key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
     if key.stride(-1) != 1:
         key = key.contiguous()
     if value.stride(-1) != 1:

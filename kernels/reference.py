@@ -20,6 +20,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# KV cache dtypes of ``engine.kv_cache_dtype: fp8*``: stored unscaled, read back with
+# ``.to(query.dtype)`` like any other cache dtype.
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
 
 def store_kv(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -279,7 +283,14 @@ def scatter_blocks(
     block_ids: torch.Tensor,  # [n] int64
 ) -> None:
     """Copy a contiguous staging tensor into the given blocks of the paged cache."""
-    kv_cache.index_copy_(0, block_ids.to(kv_cache.device), staging.to(kv_cache.dtype))
+    staging = as_movable(staging.to(kv_cache.dtype))
+    as_movable(kv_cache).index_copy_(0, block_ids.to(kv_cache.device), staging)
+
+
+def as_movable(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as copies take it: its bytes (a uint8 view) for the FP8 dtypes, which
+    torch cannot ``index_copy_`` on a CPU."""
+    return tensor.view(torch.uint8) if tensor.dtype in FP8_DTYPES else tensor
 
 
 def swiglu(

@@ -85,6 +85,12 @@ BROKEN = [
         "both roles need the same tensor_parallel_size",
     ),
     ("engine: {tensor_parallel_size: 0}", "engine.tensor_parallel_size", "must be > 0"),
+    (
+        "prefill: {engine: {kv_cache_dtype: fp8_e5m2}}\ndecode: {engine: {kv_cache_dtype: fp8}}",
+        "decode.engine.kv_cache_dtype",
+        "both roles need the same kv_cache_dtype",
+    ),
+    ("engine: {kv_cache_dtype: int8}", "engine.kv_cache_dtype", "not one of: auto, fp8"),
     ("kv_transfer: {connector: rdma}", "kv_transfer.connector", "not one of: nixl"),
     ("kv_transfer: {connector: shared_storage}", "kv_transfer.shared_dir", "needs a dir"),
     ("kv_transfer: {lease_s: 5, timeout_s: 5}", "kv_transfer.timeout_s", "below lease_s"),
@@ -177,14 +183,17 @@ def test_examples_are_documented():
         assert "When to change it" in comments or "when to change it" in comments, path.name
 
 
-def test_torch_free_sizing_agrees_with_the_engine(tiny_llama):
-    """The up-front arithmetic is the engine's: same bytes per block, same pool size."""
+@pytest.mark.parametrize(("kv_cache_dtype", "num_blocks"), [("auto", 38), ("fp8", 152)])
+def test_torch_free_sizing_agrees_with_the_engine(tiny_llama, kv_cache_dtype, num_blocks):
+    """The up-front arithmetic is the engine's: same bytes per block, same pool size
+    (an FP8 cache holds four times float32's blocks)."""
     from common.config import Role
     from common.kv_budget import kv_budgets
     from engine.llm_engine import LLMEngine
 
     overrides = [f"model={tiny_llama}", "engine.device=cpu", "engine.max_model_len=512",
-                 "engine.kv_cache_bytes=5000000", "engine.block_size=32"]  # fmt: skip
+                 "engine.kv_cache_bytes=5000000", "engine.block_size=32",
+                 f"engine.kv_cache_dtype={kv_cache_dtype}"]  # fmt: skip
     config = load_config(None, overrides)
     budget = next(b for b in kv_budgets(config) if b.role is Role.DECODE)
     runner = LLMEngine(tiny_llama, config.engine_for(Role.DECODE)).runner
@@ -192,7 +201,7 @@ def test_torch_free_sizing_agrees_with_the_engine(tiny_llama):
         runner.bytes_per_block,
         runner.num_blocks,
     )
-    assert budget.min_blocks == 16 and budget.num_blocks == 38
+    assert budget.min_blocks == 16 and budget.num_blocks == num_blocks
 
 
 def test_torch_free_sizing_is_per_tensor_parallel_rank(tiny_llama, model_factory):

@@ -25,12 +25,14 @@ def hf_greedy(
     num_tokens: int,
     processors: Callable[[int], list] | None = None,
     adapter_dir: Path | None = None,
+    new_cache: Callable[[Any], Any] | None = None,
     **generate_kwargs: Any,
 ) -> list[list[int]]:
     """transformers' greedy tokens, one prompt at a time (no padding), EOS banned like
     ``min_tokens=num_tokens``. ``processors(prompt_len)`` adds logits processors;
-    ``adapter_dir``: a LoRA adapter, applied by ``peft``; ``generate_kwargs`` go to
-    ``generate`` (``repetition_penalty``, say)."""
+    ``adapter_dir``: a LoRA adapter, applied by ``peft``; ``new_cache(config)``: a fresh
+    cache for each prompt; ``generate_kwargs`` go to ``generate`` (``repetition_penalty``,
+    say)."""
     from transformers import AutoModelForCausalLM, LogitsProcessorList
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -42,6 +44,8 @@ def hf_greedy(
     with torch.no_grad():
         for prompt in prompts:
             extra = processors(len(prompt)) if processors else []
+            if new_cache is not None:
+                generate_kwargs["cache"] = new_cache(model.config)
             generated = model.generate(
                 torch.tensor([prompt]),
                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long),

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from common.config import EngineConfig
 from common.hashing import hash_blocks
 from common.kv_events import BlockRemoved, BlockStored, Medium
@@ -28,13 +30,19 @@ def run(engine: LLMEngine, prompts: list[list[int]], prefix: str = "r") -> list[
     return [done[f"{prefix}{i}"] for i in range(len(prompts))]
 
 
-def test_evicted_prefix_is_served_from_the_cpu_tier(tiny_llama):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_evicted_prefix_is_served_from_the_cpu_tier(tiny_llama, kv_cache_dtype):
+    """With an FP8 cache too: the tier keeps its bytes (torch has no CPU index_copy_ for
+    FP8, so they move as bytes)."""
     prefix = random_prompts((160,), seed=91)[0]  # 10 full blocks
     fillers = random_prompts((200, 200, 200), seed=92)
     question = prefix + [7, 8, 9]
     results = {}
     for tier_bytes in (0, 64 << 20):
-        engine = LLMEngine(tiny_llama, EngineConfig(cpu_offload_bytes=tier_bytes, **SMALL_POOL))
+        config = EngineConfig(
+            cpu_offload_bytes=tier_bytes, kv_cache_dtype=kv_cache_dtype, **SMALL_POOL
+        )
+        engine = LLMEngine(tiny_llama, config)
         run(engine, [prefix + [1, 2, 3]], "warm")
         run(engine, fillers, "fill")  # pushes the prefix out of the device pool
         assert engine.scheduler.kv.get_computed_blocks(_probe(engine, question))[1] == 0, (

@@ -22,7 +22,7 @@ from tests.kernels.triton_env import DEVICE
 NUM_TOKENS = 6
 
 
-def engine_llm(model_dir, backend: str) -> LLM:
+def engine_llm(model_dir, backend: str, **overrides) -> LLM:
     return LLM(
         model_dir,
         attention_backend=backend,
@@ -31,11 +31,12 @@ def engine_llm(model_dir, backend: str) -> LLM:
         max_num_batched_tokens=24,
         num_blocks=64,
         max_model_len=256,
+        **overrides,
     )
 
 
-def greedy(model_dir, backend: str, prompts: list[list[int]]) -> list[list[int]]:
-    return greedy_tokens(engine_llm(model_dir, backend), prompts)
+def greedy(model_dir, backend: str, prompts: list[list[int]], **overrides) -> list[list[int]]:
+    return greedy_tokens(engine_llm(model_dir, backend, **overrides), prompts)
 
 
 def greedy_tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
@@ -59,6 +60,13 @@ def test_triton_backend_matches_torch_backend(tiny_llama):
     prompts = random_prompts((3, 19, 40))
     prompts.append(prompts[2][:33] + [7, 8])  # shares two cached blocks with the previous one
     assert greedy(tiny_llama, "triton", prompts) == greedy(tiny_llama, "torch", prompts)
+
+
+def test_triton_backend_with_an_fp8_kv_cache(tiny_llama):
+    """The store's FP8 rounding and the kernel's FP8 reads, against the torch backend's."""
+    prompts = random_prompts((5, 30), seed=6)
+    triton_tokens = greedy(tiny_llama, "triton", prompts, kv_cache_dtype="fp8")
+    assert triton_tokens == greedy(tiny_llama, "torch", prompts, kv_cache_dtype="fp8")
 
 
 def test_triton_backend_sliding_window(model_factory, tmp_path):

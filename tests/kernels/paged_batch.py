@@ -59,12 +59,14 @@ def make_batch(
     device: torch.device,
     seed: int = 0,
     spare_blocks: int = 3,
+    kv_dtype: torch.dtype | None = None,  # the cache's, if not ``dtype`` (FP8)
 ) -> PagedBatch:
     gen = torch.Generator().manual_seed(seed)
+    kv_dtype = kv_dtype or dtype
     blocks_per_seq = [-(-seq_len // block_size) for _, seq_len in segments]
     num_blocks = 1 + sum(blocks_per_seq) + spare_blocks  # block 0 is the padding block
     shape = (num_blocks, 2, block_size, num_kv_heads, head_dim)
-    kv_cache = torch.full(shape, float("nan"), dtype=dtype)
+    kv_cache = torch.full(shape, float("nan"), dtype=kv_dtype)
     order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     table = torch.zeros(len(segments), max([1, *blocks_per_seq]), dtype=torch.int32)
     for i, (_, seq_len) in enumerate(segments):
@@ -73,7 +75,7 @@ def make_batch(
         pos = torch.arange(seq_len)
         kv = torch.randn(seq_len, 2, num_kv_heads, head_dim, generator=gen)
         kv_cache[torch.tensor(ids, dtype=torch.long)[pos // block_size], :, pos % block_size] = (
-            kv.to(dtype)
+            kv.to(kv_dtype)
         )
     query_lens = [query_len for query_len, _ in segments]
     starts = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)

@@ -21,6 +21,8 @@ def random_cache(num_blocks: int, block_size: int, heads: int, dim: int, dtype: 
         (torch.float16, torch.float16, 32, 8, 128),
         (torch.float32, torch.bfloat16, 64, 1, 64),  # converts on store
         (torch.float32, torch.float32, 16, 3, 80),  # head count and dim not powers of two
+        (torch.float32, torch.float8_e4m3fn, 16, 2, 64),  # FP8: rounds, saturates
+        (torch.bfloat16, torch.float8_e5m2, 32, 2, 64),
     ],
 )
 def test_store_matches_reference(src_dtype, cache_dtype, block_size, heads, dim):
@@ -32,6 +34,13 @@ def test_store_matches_reference(src_dtype, cache_dtype, block_size, heads, dim)
     value = torch.randn(num_tokens, heads, dim, generator=gen).to(src_dtype).to(DEVICE)
     cache = random_cache(num_blocks, block_size, heads, dim, cache_dtype)
     expected = cache.clone()
+    if cache_dtype in reference.FP8_DTYPES:
+        key = key * 300  # past e4m3's largest value (448): it saturates there
+        reference.store_kv(key, value, expected, slots.to(DEVICE))
+        store_kv(key, value, cache, slots.to(DEVICE))
+        assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
+        assert not expected.float().isnan().any()
+        return
     reference.store_kv(key, value, expected, slots.to(DEVICE))
     store_kv(key, value, cache, slots.to(DEVICE))
     if cache_dtype != src_dtype and DEVICE.type == "cpu":

@@ -101,6 +101,28 @@ def test_dtypes_and_head_dims(dtype, head_dim, segments):
     check(run(batch, num_decodes=batch.num_decodes), batch)
 
 
+@pytest.mark.parametrize(
+    ("dtype", "kv_dtype"),
+    [(torch.float32, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e5m2)],
+)
+def test_fp8_kv_cache(dtype, kv_dtype):
+    """``engine.kv_cache_dtype: fp8``: the kernel reads FP8 keys and values and computes in
+    the query's dtype, as the reference does with the same cache; split decodes too."""
+    batch = make_batch(
+        mixed_segments(16),
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=dtype,
+        device=DEVICE,
+        kv_dtype=kv_dtype,
+    )
+    assert batch.kv_cache.dtype == kv_dtype
+    check(run(batch, num_decodes=3), batch)
+    check(run(batch, num_decodes=3, num_splits=4), batch)
+
+
 @pytest.mark.parametrize("num_splits", [1, 2, 4, 16])
 def test_split_kv_decode(num_splits):
     """16 splits over at most 5 tiles: most splits are empty and must weigh nothing."""

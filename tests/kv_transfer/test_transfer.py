@@ -79,6 +79,24 @@ def test_concurrent_random_subsets_arrive_bit_exact(peers, connector, arrangemen
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("connector", ["nixl", "nccl", "shared_storage"])
+def test_fp8_caches_arrive_bit_exact(peers, connector, tmp_path):
+    """``engine.kv_cache_dtype: fp8``: caches of one-byte floats arrive bit for bit (torch
+    has no CPU index_copy_ for them, so scatters move their bytes)."""
+    layout = {**SMALL_LAYOUT, "dtype": "float8_e4m3fn", "block_major": True}
+    link = open_link(*peers, connector, tmp_path, layout=layout, exporter_layout=layout)
+    rng = random.Random(f"fp8-{connector}")
+    remote, local = [3, 9, 1, 60], [5, 6, 40, 0]
+    hashes = random_hashes(len(remote), BLOCK_SIZE, rng)
+    link.export("fp8", remote, hashes)
+    link.fetch("fp8", remote, local, hashes)
+    result = link.wait(["fp8"], wait_s=30)["fp8"]
+    assert result["ok"], result
+    assert link.dest_digests(local) == link.source_digests(remote)
+    link.close()
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("connector", CONNECTORS)
 def test_layout_mismatch_is_rejected_and_nothing_is_written(peers, connector, tmp_path):
     # Same bytes per block, other dtype: a byte-level copy would "work" and be garbage.

@@ -298,3 +298,38 @@ def test_a_client_gone_while_the_prefill_reply_is_in_flight_leaves_no_lease(stac
             await pool.close()
 
     run(with_client(stack, body))
+
+
+def test_an_fp8_kv_cache_moves_and_decodes_as_offline(tiny_llama, tmp_path):
+    """``engine.kv_cache_dtype: fp8`` on both roles: the handshake agrees on the FP8 layout,
+    the blocks move over NIXL, and the tokens are the offline engine's with the same cache."""
+    prompts = random_prompts((9, 40, 70), seed=23)
+    llm = LLM(tiny_llama, kv_cache_dtype="fp8")
+    params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    config = write_config(
+        tmp_path / "config.yaml", tiny_llama, engine={"kv_cache_dtype": "fp8"},
+        kv_transfer={"connector": "nixl"},
+    )  # fmt: skip
+    workers = start_workers(
+        [
+            WorkerProcess("prefill", 0, config, tmp_path / "prefill.log"),
+            WorkerProcess("decode", 0, config, tmp_path / "decode.log"),
+        ]
+    )
+
+    async def body(client: PDClient):
+        results = await asyncio.gather(
+            *(client.generate(f"fp8-{i}", p, GREEDY) for i, p in enumerate(prompts))
+        )
+        assert [result.token_ids for result in results] == expected
+        await assert_idle(client)
+        _, decode = await client.stats()
+        assert decode.blocks_pulled >= sum(len(p) // 16 for p in prompts)
+
+    try:
+        run(with_client(workers, body))
+    finally:
+        codes = [worker.stop() for worker in workers]
+    assert codes == [0, 0], "\n".join(w.log() for w in workers)
+    assert "float8_e4m3fn" in workers[1].log()  # the decode worker's cache line
