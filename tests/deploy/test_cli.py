@@ -18,32 +18,40 @@ def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     )
 
 
-def test_make_model_then_generate(tmp_path):
+def test_make_model_then_generate(tmp_path, capsys):
+    """The script itself makes the model; the rest runs ``main`` in this process (one
+    interpreter start less per command)."""
+    from deploy.cli import main
+
     out = tmp_path / "qwen3"
     made = run_cli("make-model", "--arch", "qwen3", "--size", "tiny", "--out", str(out))
     assert made.returncode == 0, made.stderr
     assert json.loads((out / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
-    again = run_cli("make-model", "--arch", "qwen3", "--out", str(out))
-    assert again.returncode == 2 and "already holds" in again.stderr
-    gen = run_cli("generate", "--model", str(out), "--prompt", "hello", "--max-tokens", "5")
-    assert gen.returncode == 0, gen.stderr
-    assert "output (5 tokens, length)" in gen.stdout
+    assert main(["make-model", "--arch", "qwen3", "--out", str(out)]) == 2
+    assert "already holds" in capsys.readouterr().err
+    assert main(["generate", "--model", str(out), "--prompt", "hello", "--max-tokens", "5"]) == 0
+    assert "output (5 tokens, length)" in capsys.readouterr().out
 
 
-def test_make_lora_then_generate_with_it(tiny_llama, tmp_path):
+def test_make_lora_then_generate_with_it(tiny_llama, tmp_path, capsys):
+    from deploy.cli import main
+
     out = tmp_path / "alice"
     made = run_cli("make-lora", "--model", str(tiny_llama), "--out", str(out), "--rank", "4",
                    "--targets", "q_proj", "v_proj")  # fmt: skip
     assert made.returncode == 0, made.stderr
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["target_modules"] == ["q_proj", "v_proj"]
-    assert run_cli("make-lora", "--model", str(tiny_llama), "--out", str(out)).returncode == 2
+    assert main(["make-lora", "--model", str(tiny_llama), "--out", str(out)]) == 2
     generate = ["generate", "--model", str(tiny_llama), "--prompt", "hello", "--max-tokens", "8"]
-    base, adapted = run_cli(*generate), run_cli(*generate, "--lora", str(out))
-    assert base.returncode == 0 and adapted.returncode == 0, adapted.stderr
-    assert "output (8 tokens, length)" in adapted.stdout and adapted.stdout != base.stdout
-    missing = run_cli(*generate, "--lora", str(tmp_path / "nowhere"))
-    assert missing.returncode == 2 and "no adapter_config.json" in missing.stderr
+    capsys.readouterr()
+    assert main(generate) == 0
+    base = capsys.readouterr().out
+    assert main([*generate, "--lora", str(out)]) == 0
+    adapted = capsys.readouterr().out
+    assert "output (8 tokens, length)" in adapted and adapted != base
+    assert main([*generate, "--lora", str(tmp_path / "nowhere")]) == 2
+    assert "no adapter_config.json" in capsys.readouterr().err
 
 
 def test_generate_uses_the_demo_model(tmp_path):
