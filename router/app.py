@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -49,6 +50,7 @@ from router.protocol import (
     UnloadLoraAdapterRequest,
 )
 from router.reasoning import PROMPT_TAIL_TOKENS, Reasoning, opening_of
+from router.responses import ResponseShape, ResponsesRequest, renamed, to_chat, translate_stream
 from router.state import RouterState
 from router.structured import check as check_constraint
 from router.structured import structured_output_of
@@ -285,6 +287,22 @@ def create_app(state: RouterState) -> FastAPI:
         return await respond(request, body, [prompt], chat=True, logprobs=logprobs,
                              tool_format=tool_format, reasoning=reasoning_of(body, tail),
                              lora_name=lora_name, keep_special=keep)  # fmt: skip
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        """OpenAI's Responses API, stateless, over the chat path (``router/responses.py``)."""
+        chat = to_chat(body)
+        shape = ResponseShape(body, body.model or state.model.served_name)
+        try:
+            reply = await chat_completions(chat, request)
+        except APIError as error:
+            raise renamed(error) from None
+        if reply.status_code != 200:  # the client left
+            return reply
+        if isinstance(reply, StreamingResponse):
+            reply.body_iterator = translate_stream(shape, reply.body_iterator)
+            return reply
+        return JSONResponse(shape.resolved(json.loads(reply.body)))
 
     # ------------------------------------------------------------------ helpers
 

@@ -454,6 +454,90 @@ def test_chat_stream_equals_non_stream(client):
     assert usage.total_tokens == whole.usage.total_tokens
 
 
+def test_responses_api_equals_chat_whole_and_streamed(client):
+    """``/v1/responses`` (router/responses.py) runs the chat path: a chat completion's
+    text, whole and streamed event by event; its usage; a schema's output through the
+    SDK's stream helper."""
+    question = "Say something about gRPC."
+    ask = {"model": MODEL, "instructions": "Answer briefly.", "input": question,
+           "max_output_tokens": 10, "temperature": 0}  # fmt: skip
+    messages = [{"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": question}]  # fmt: skip
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
+                                          temperature=0)  # fmt: skip
+    expected = chat.choices[0].message.content
+    status = "incomplete" if chat.choices[0].finish_reason == "length" else "completed"
+    whole = client.responses.create(**ask)
+    assert (whole.output_text, whole.status) == (expected, status)
+    assert whole.id.startswith("resp_") and whole.store is False and whole.model == MODEL
+    assert (whole.usage.input_tokens, whole.usage.output_tokens) == (
+        chat.usage.prompt_tokens, chat.usage.completion_tokens)  # fmt: skip
+    events = list(client.responses.create(**ask, stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == f"response.{status}"
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == expected == events[-1].response.output_text
+    schema = {"type": "json_schema", "name": "n", "strict": True, "schema": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"], "additionalProperties": False}}  # fmt: skip
+    with client.responses.stream(**{**ask, "max_output_tokens": 32},
+                                 text={"format": schema}) as stream:  # fmt: skip
+        final = stream.get_final_response()
+    assert final.status == "completed" and set(json.loads(final.output_text)) == {"n"}
+
+
+def test_responses_api_function_calls(client):
+    """Flat function tools and a named tool_choice: a function_call item whose arguments
+    are the chat path's, whole and streamed; a call's output given back in ``input`` is
+    refused here only because this model's template cannot render it."""
+    tools = [{"type": "function", **tool["function"]} for tool in (WEATHER, CLOCK)]
+    ask = {"model": MODEL, "input": "What is the weather in Paris?", "tools": tools,
+           "tool_choice": {"type": "function", "name": "get_weather"}, "temperature": 0,
+           "max_output_tokens": 64}  # fmt: skip
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": ask["input"]}], tools=[WEATHER, CLOCK],
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0,
+        max_tokens=64,
+    )  # fmt: skip
+    (expected,) = chat.choices[0].message.tool_calls
+    whole = client.responses.create(**ask)
+    (item,) = whole.output
+    assert item.type == "function_call" and item.name == "get_weather"
+    assert item.arguments == expected.function.arguments and item.call_id
+    events = list(client.responses.create(**ask, stream=True))
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    assert "".join(deltas) == expected.function.arguments
+    (done,) = [e.item for e in events if e.type == "response.output_item.done"]
+    assert (done.type, done.name, done.arguments) == ("function_call", "get_weather",
+                                                      expected.function.arguments)  # fmt: skip
+    call = {"type": "function_call", "call_id": item.call_id, "name": item.name,
+            "arguments": item.arguments}  # fmt: skip
+    output = {"type": "function_call_output", "call_id": item.call_id, "output": "sunny"}
+    history = [{"role": "user", "content": ask["input"]}, call, output]
+    with pytest.raises(openai.BadRequestError, match="does not render tool calls") as info:
+        client.responses.create(model=MODEL, input=history, tools=tools)
+    assert info.value.body["param"] == "input"
+
+
+def test_responses_api_refusals_name_their_field(client):
+    image = [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]
+    for extra, param in (
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": image}, "input"),
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"text": {"format": {"type": "xml"}}}, "text"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"temperature": 5}, "temperature"),
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.responses.create(**{"model": MODEL, "input": "hi", **extra})
+        assert info.value.body["param"] == param, extra
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="gpt-17", input="hi")
+
+
 def test_stop_strings(client):
     prompt = random_prompts((20,), seed=82)[0]
     full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,

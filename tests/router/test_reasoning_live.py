@@ -135,6 +135,30 @@ def test_a_constraint_applies_after_the_thinking(client, tokenizer):
     assert reply.message.model_extra["reasoning_content"]
 
 
+def test_the_responses_api_gives_the_thinking_as_a_reasoning_item(client, tokenizer):
+    """``/v1/responses``: the chat reply's thinking as a reasoning item (its text as
+    ``reasoning_text`` content), the answer as the message after it; streamed, the
+    reasoning and text deltas add up to the same."""
+    ask = _ask(tokenizer, max_tokens=64, response_format={
+        "type": "json_schema", "json_schema": {"name": "legs", "schema": SCHEMA}})  # fmt: skip
+    message = client.chat.completions.create(**ask).choices[0].message
+    thinking = message.model_extra["reasoning_content"]
+    text_format = {"type": "json_schema", "name": "legs", "schema": SCHEMA}
+    request = {"model": MODEL, "input": MESSAGES[0]["content"], "max_output_tokens": 64,
+               "temperature": 1.0, "text": {"format": text_format},
+               "extra_body": {"seed": ask["seed"], "logit_bias": ask["logit_bias"]}}  # fmt: skip
+    whole = client.responses.create(**request)
+    reasoning, answer = whole.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == thinking
+    assert answer.type == "message" and whole.output_text == message.content
+    assert whole.usage.output_tokens_details.reasoning_tokens > 0
+    events = list(client.responses.create(**request, stream=True))
+    streamed = {kind: "".join(e.delta for e in events if e.type == f"response.{kind}.delta")
+                for kind in ("reasoning_text", "output_text")}  # fmt: skip
+    assert streamed == {"reasoning_text": thinking, "output_text": message.content}
+    assert events[-1].type == "response.completed"
+
+
 def test_thinking_switched_off_or_left_out(client, tokenizer):
     """``enable_thinking: false`` closes the thinking in the prompt: all is content, a
     ``</think>`` the model writes included. ``include_reasoning: false`` leaves the
