@@ -10,8 +10,8 @@ Shapes are Llama-3-8B's attention: 32 query heads, 8 KV heads of dim 128, bf16, 
     python benchmarks/kernels.py --kv-cache-dtype fp8 --md fp8.md     # FP8 paged cache
 
 With ``--kv-cache-dtype fp8`` (or ``fp8_e5m2``) the paged cache holds FP8 (the engine's
-``engine.kv_cache_dtype``) and the kernel reads half the bytes; SDPA stays bf16, so its
-column is the time the same attention takes over a 16-bit cache.
+``engine.kv_cache_dtype``) and the kernel reads half the bytes; SDPA stays dense bf16.
+What the FP8 cache buys is the triton column against the bf16 table's on the same device.
 
 Needs CUDA, torch and triton only. Device times are medians of ``triton.testing.do_bench``
 over CUDA-graph replays (L2 flushed before each); "eager" is the wall time per call launched

@@ -47,6 +47,10 @@ from engine.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
+# A failed pull is logged at most this often (with the count so far): a peer that refuses
+# every pull (another KV layout, say) must show in the log, and a dead one must not flood it.
+PULL_FAILURE_LOG_S = 10.0
+
 _DTYPES = {
     DType.FLOAT32: torch.float32,
     DType.FLOAT16: torch.float16,
@@ -127,6 +131,7 @@ class LLMEngine:
         self._generators: dict[str, RequestRandom] = {}
         self.num_steps = 0
         self.num_pull_failures = 0
+        self._pull_failure_logged_at = -PULL_FAILURE_LOG_S
         self.last_step: StepStats | None = None
         self.num_prompt_tokens_computed = 0  # prefill work actually done
 
@@ -526,6 +531,15 @@ class LLMEngine:
             self.num_pull_failures += 1
             if request.error is not None:
                 request.error += f": {reason}"
+            now = time.monotonic()
+            if now - self._pull_failure_logged_at >= PULL_FAILURE_LOG_S:
+                self._pull_failure_logged_at = now
+                logger.warning(
+                    "pulling the KV of %s failed (%s); %s (%d failed pulls so far)",
+                    request.request_id, reason,
+                    "it fails" if request.error is not None else "its prompt is recomputed",
+                    self.num_pull_failures,
+                )  # fmt: skip
         if request.status is RequestStatus.FINISHED_ABORTED and request.error is not None:
             self._forget(request.request_id)
             return self._output(request, [])

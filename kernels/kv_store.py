@@ -3,10 +3,11 @@
 One program per token copies that token's K and V (all KV heads) into its slot, converting to
 the cache's dtype; a negative slot is skipped (padding tokens).
 
-An FP8 cache gets what torch's conversion gives (round to nearest even, saturating at the
-largest finite value): on a GPU Triton converts the same way (``cvt.rn.satfinite``); its
-CPU interpreter does not (it flushes small values to zero and maps 500 to 256 in e4m3),
-so there K/V are converted by torch first and the kernel copies bytes.
+An FP8 cache gets what ``reference.to_cache_dtype`` gives: values clamped to the format's
+largest finite value, then rounded to nearest even. The kernel clamps too (``FP8_MAX``)
+and Triton rounds the same way on a GPU; its CPU interpreter does not (it flushes small
+values to zero and maps 500 to 256 in e4m3), so there K/V are converted by torch first
+and the kernel copies bytes.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import FP8_DTYPES
+from kernels.reference import FP8_DTYPES, to_cache_dtype
 from kernels.triton_utils import is_interpreted, next_pow2, require_runnable
 
 
@@ -38,6 +39,7 @@ def _store_kv_kernel(
     HEADS_PAD: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    FP8_MAX: tl.constexpr,  # an FP8 cache's largest finite value (saturate there); 0: not FP8
 ):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -54,8 +56,11 @@ def _store_kv_kernel(
         + offs_d
     )
     key = tl.load(key_ptr + token * stride_kt + offs_h * stride_kh + offs_d, mask=mask)
-    tl.store(dst, key.to(kv_cache_ptr.dtype.element_ty), mask=mask)
     value = tl.load(value_ptr + token * stride_vt + offs_h * stride_vh + offs_d, mask=mask)
+    if FP8_MAX > 0:
+        key = tl.clamp(key.to(tl.float32), -FP8_MAX, FP8_MAX)
+        value = tl.clamp(value.to(tl.float32), -FP8_MAX, FP8_MAX)
+    tl.store(dst, key.to(kv_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_kv, value.to(kv_cache_ptr.dtype.element_ty), mask=mask)
 
 
@@ -77,8 +82,13 @@ def store_kv(
     if key.shape[0] == 0:
         return
     require_runnable(_store_kv_kernel, key, value, kv_cache, slot_mapping)
-    if kv_cache.dtype in FP8_DTYPES and is_interpreted(_store_kv_kernel):
-        key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
+    fp8_max = 0.0
+    if kv_cache.dtype in FP8_DTYPES:
+        if is_interpreted(_store_kv_kernel):
+            key = to_cache_dtype(key, kv_cache.dtype)
+            value = to_cache_dtype(value, kv_cache.dtype)
+        else:
+            fp8_max = torch.finfo(kv_cache.dtype).max
     if key.stride(-1) != 1:
         key = key.contiguous()
     if value.stride(-1) != 1:
@@ -105,5 +115,6 @@ def store_kv(
         HEADS_PAD=next_pow2(num_heads),
         HEAD_DIM_PAD=next_pow2(head_dim),
         BLOCK_SIZE=kv_cache.shape[2],
+        FP8_MAX=fp8_max,
         num_warps=4,
     )

@@ -40,8 +40,18 @@ def store_kv(
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     block_ids = slot_mapping // block_size
     offsets = slot_mapping % block_size
-    kv_cache[block_ids, 0, offsets] = key.to(kv_cache.dtype)
-    kv_cache[block_ids, 1, offsets] = value.to(kv_cache.dtype)
+    kv_cache[block_ids, 0, offsets] = to_cache_dtype(key, kv_cache.dtype)
+    kv_cache[block_ids, 1, offsets] = to_cache_dtype(value, kv_cache.dtype)
+
+
+def to_cache_dtype(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` as the cache stores them: FP8 saturates at the format's largest finite
+    value (torch's conversion does for e4m3 but turns e5m2 overflow into inf, which an
+    attention row then turns into NaN or zeros)."""
+    if dtype in FP8_DTYPES:
+        largest = torch.finfo(dtype).max
+        values = values.clamp(-largest, largest)
+    return values.to(dtype)
 
 
 def gather_kv(

@@ -148,7 +148,9 @@ def test_decode_pulls_only_blocks_it_does_not_cache(pair):
     assert decode.leak_report() == [] and prefill.leak_report() == []
 
 
-def test_failed_pull_recomputes_or_fails(tiny_llama, pair):
+def test_failed_pull_recomputes_or_fails(tiny_llama, pair, caplog):
+    """Either way the failure is logged with its reason: recomputing hides a peer that
+    refuses every pull (a KV layout mismatch) from the client, not from the operator."""
     prefill, decode, puller = pair
     prompts = random_prompts((40,), seed=11)
     params = SamplingParams(max_tokens=8, temperature=0)
@@ -160,6 +162,8 @@ def test_failed_pull_recomputes_or_fails(tiny_llama, pair):
         recomputed = disaggregated(prefill, fresh_decode, prompts, params)["r0"]
         assert recomputed.outputs[0].token_ids == expected and recomputed.error is None
         assert fresh_decode.num_pull_failures == 1
+        (warning,) = [r for r in caplog.records if r.name == "engine.llm_engine"]
+        assert "peer unreachable" in warning.message and "recomputed" in warning.message
         kv = fresh_decode.scheduler.kv  # the recompute is no second lookup
         assert (kv.num_query_tokens, kv.num_hit_tokens) == (41, 0)
         puller.fail_next = True

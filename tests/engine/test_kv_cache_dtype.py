@@ -14,6 +14,7 @@ import torch
 
 from common.config import ConfigError, EngineConfig
 from engine import LLM, SamplingParams
+from kernels.reference import to_cache_dtype
 from tests.engine.helpers import hf_greedy, random_prompts
 
 NUM_TOKENS = 24
@@ -27,8 +28,8 @@ def fp8_rounding_cache(dtype: torch.dtype):
 
     class RoundingCache(DynamicCache):
         def update(self, key_states, value_states, layer_idx, *args: Any, **kwargs: Any):
-            key_states = key_states.to(dtype).to(key_states.dtype)
-            value_states = value_states.to(dtype).to(value_states.dtype)
+            key_states = to_cache_dtype(key_states, dtype).to(key_states.dtype)
+            value_states = to_cache_dtype(value_states, dtype).to(value_states.dtype)
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     return lambda config: RoundingCache(config=config)
