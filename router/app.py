@@ -46,11 +46,12 @@ from router.protocol import (
     FieldError,
     LoadLoraAdapterRequest,
     NamedToolChoice,
+    ResponsesRequest,
     TokenizeRequest,
     UnloadLoraAdapterRequest,
 )
 from router.reasoning import PROMPT_TAIL_TOKENS, Reasoning, opening_of
-from router.responses import ResponseShape, ResponsesRequest, renamed, to_chat, translate_stream
+from router.responses import ResponseShape, renamed, to_chat, translate_stream
 from router.state import RouterState
 from router.structured import check as check_constraint
 from router.structured import structured_output_of

@@ -490,3 +490,64 @@ class UnloadLoraAdapterRequest(_Body):
     """vLLM's ``POST /v1/unload_lora_adapter`` body (its ``lora_int_id`` is ignored)."""
 
     lora_name: str
+
+
+class FunctionTool(_Body):
+    """A Responses function tool: flat, not nested in ``function`` as in chat."""
+
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ReasoningOptions(_Body):
+    effort: Literal["low", "medium", "high"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None  # the thinking comes whole
+
+
+class TextOptions(_Body):
+    format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema"}
+    verbosity: Literal["medium"] | None = None  # no way to ask a model for more or less
+
+
+# Responses fields refused unless absent (``ResponsesRequest``).
+_STATEFUL_OR_HOSTED = ("previous_response_id", "conversation", "background", "prompt",
+                       "include", "max_tool_calls", "top_logprobs")  # fmt: skip
+
+
+class ResponsesRequest(_Body):
+    """OpenAI's Responses API, stateless (``router/responses.py`` turns it into a chat
+    request): what needs earlier turns kept by the server, background runs, stored
+    prompt templates, extra output (``include``), and limits or log-probs not served
+    here are refused unless absent."""
+
+    REFUSED_EXTRAS: ClassVar = {
+        **dict.fromkeys(_VLLM_OUTPUT_FIELDS, _absent),
+        **dict.fromkeys(_STATEFUL_OR_HOSTED, _absent),
+        "truncation": lambda value: value in (None, "disabled"),
+        "service_tier": lambda value: value in (None, "auto", "default"),
+    }
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    stream: bool = False
+    store: bool = True  # accepted; nothing is stored (responses say "store": false)
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    reasoning: ReasoningOptions | None = None
+    text: TextOptions | None = None
+    # Extensions (as in chat completions), passed on to the chat request, which checks them.
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    top_k: int | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None
+    cache_salt: str | None = None

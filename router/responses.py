@@ -1,9 +1,10 @@
 """OpenAI's Responses API (``POST /v1/responses``) as a thin layer over chat completions.
 
-A Responses request becomes a chat request (``ResponsesRequest.chat_request``): the
-``instructions`` a system message first, ``input`` items chat turns (messages, function
-calls and their outputs, reasoning given back), ``text.format`` the ``response_format``,
-``reasoning.effort`` the ``reasoning_effort``, flat function tools chat tools. The chat
+A Responses request (``protocol.ResponsesRequest``) becomes a chat request
+(``chat_request``): the ``instructions`` a system message first, ``input`` items chat
+turns (messages, function calls and their outputs, reasoning given back), ``text.format``
+the ``response_format``, ``reasoning.effort`` the ``reasoning_effort``, flat function
+tools chat tools. The chat
 path then does everything (templates, tools, reasoning, structured outputs, admission,
 placement), and its reply is read back into Responses' shapes: a reasoning item (the
 model's thinking, as ``reasoning_text`` content), a message item with the answer's
@@ -24,21 +25,12 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from typing import Any, ClassVar, Literal
+from typing import Any
 
-from pydantic import Field, ValidationError
+from pydantic import ValidationError
 
 from router.errors import APIError, bad_request
-from router.protocol import (
-    _VLLM_OUTPUT_FIELDS,
-    INT64_MAX,
-    INT64_MIN,
-    UINT32_MAX,
-    ChatCompletionRequest,
-    FieldError,
-    _absent,
-    _Body,
-)
+from router.protocol import ChatCompletionRequest, FieldError, FunctionTool, ResponsesRequest
 
 # Chat request fields as the Responses request names them, for errors the chat path
 # raises (a 400's ``param`` must name what the client sent).
@@ -49,10 +41,6 @@ CHAT_TO_RESPONSES_PARAM = {
     "reasoning_effort": "reasoning",
 }
 _MESSAGE_ROLES = ("user", "system", "developer", "assistant")
-# Refused unless absent: earlier turns kept by the server, background runs, stored prompt
-# templates, extra output (``include``), and limits or log-probs not served here.
-_STATEFUL_OR_HOSTED = ("previous_response_id", "conversation", "background", "prompt",
-                       "include", "max_tool_calls", "top_logprobs")  # fmt: skip
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
 
@@ -60,136 +48,87 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class FunctionTool(_Body):
-    """A Responses function tool: flat, not nested in ``function`` as in chat."""
-
-    type: str
-    name: str | None = None
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ReasoningOptions(_Body):
-    effort: Literal["low", "medium", "high"] | None = None
-    summary: Literal["auto", "concise", "detailed"] | None = None  # the thinking comes whole
-
-
-class TextOptions(_Body):
-    format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema"}
-    verbosity: Literal["medium"] | None = None  # no way to ask a model for more or less
-
-
-class ResponsesRequest(_Body):
-    REFUSED_EXTRAS: ClassVar = {
-        **dict.fromkeys(_VLLM_OUTPUT_FIELDS, _absent),
-        **dict.fromkeys(_STATEFUL_OR_HOSTED, _absent),
-        "truncation": lambda value: value in (None, "disabled"),
-        "service_tier": lambda value: value in (None, "auto", "default"),
+def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
+    """The equivalent chat request. Raises ``FieldError`` naming ``body``'s field, or
+    pydantic's ``ValidationError`` from the chat request's own checks (its fields map
+    back through ``CHAT_TO_RESPONSES_PARAM``)."""
+    chat: dict[str, Any] = {
+        "model": body.model,
+        "messages": _messages(body),
+        "max_completion_tokens": body.max_output_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "stream": body.stream,
+        "user": body.user,
+        "seed": body.seed,
+        "top_k": body.top_k,
+        "min_p": body.min_p,
+        "logit_bias": body.logit_bias,
+        "cache_salt": body.cache_salt,
+        "parallel_tool_calls": body.parallel_tool_calls,
     }
+    if body.stream:
+        chat["stream_options"] = {"include_usage": True}
+    if body.tools:
+        chat["tools"] = [_chat_tool(tool) for tool in body.tools]
+    if body.tool_choice is not None:
+        chat["tool_choice"] = _chat_tool_choice(body.tool_choice)
+    if body.reasoning is not None and body.reasoning.effort is not None:
+        chat["reasoning_effort"] = body.reasoning.effort
+    if body.text is not None and body.text.format is not None:
+        chat["response_format"] = _response_format(body.text.format)
+    return ChatCompletionRequest.model_validate(chat)
 
-    model: str | None = None
-    input: str | list[dict[str, Any]]
-    instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    stream: bool = False
-    store: bool = True  # accepted; nothing is stored (responses say "store": false)
-    metadata: dict[str, str] | None = None
-    user: str | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
-    reasoning: ReasoningOptions | None = None
-    text: TextOptions | None = None
-    # Extensions (as in chat completions), passed on to the chat request, which checks them.
-    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
-    top_k: int | None = None
-    min_p: float | None = None
-    logit_bias: dict[str, float] | None = None
-    cache_salt: str | None = None
 
-    def chat_request(self) -> ChatCompletionRequest:
-        """The equivalent chat request. Raises ``FieldError`` naming this request's field,
-        or pydantic's ``ValidationError`` from the chat request's own checks (its fields
-        map back through ``CHAT_TO_RESPONSES_PARAM``)."""
-        chat: dict[str, Any] = {
-            "model": self.model,
-            "messages": self._messages(),
-            "max_completion_tokens": self.max_output_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "stream": self.stream,
-            "user": self.user,
-            "seed": self.seed,
-            "top_k": self.top_k,
-            "min_p": self.min_p,
-            "logit_bias": self.logit_bias,
-            "cache_salt": self.cache_salt,
-            "parallel_tool_calls": self.parallel_tool_calls,
-        }
-        if self.stream:
-            chat["stream_options"] = {"include_usage": True}
-        if self.tools:
-            chat["tools"] = [_chat_tool(tool) for tool in self.tools]
-        if self.tool_choice is not None:
-            chat["tool_choice"] = _chat_tool_choice(self.tool_choice)
-        if self.reasoning is not None and self.reasoning.effort is not None:
-            chat["reasoning_effort"] = self.reasoning.effort
-        if self.text is not None and self.text.format is not None:
-            chat["response_format"] = _response_format(self.text.format)
-        return ChatCompletionRequest.model_validate(chat)
-
-    def _messages(self) -> list[dict[str, Any]]:
-        messages: list[dict[str, Any]] = []
-        if self.instructions:
-            messages.append({"role": "system", "content": self.instructions})
-        if isinstance(self.input, str):
-            return [*messages, {"role": "user", "content": self.input}]
-        thinking: str | None = None  # a reasoning item, for the assistant turn after it
-        for index, item in enumerate(self.input):
-            kind = item.get("type", "message" if "role" in item else None)
-            where = f"input[{index}]"
-            if kind == "reasoning":
-                thinking = _reasoning_text(item)
+def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    if body.instructions:
+        messages.append({"role": "system", "content": body.instructions})
+    if isinstance(body.input, str):
+        return [*messages, {"role": "user", "content": body.input}]
+    thinking: str | None = None  # a reasoning item, for the assistant turn after it
+    for index, item in enumerate(body.input):
+        kind = item.get("type", "message" if "role" in item else None)
+        where = f"input[{index}]"
+        if kind == "reasoning":
+            thinking = _reasoning_text(item)
+            continue
+        if kind == "message":
+            role = item.get("role")
+            if role not in _MESSAGE_ROLES:
+                raise FieldError(f"{where}.role must be one of {_MESSAGE_ROLES}", "input")
+            message = {"role": role, "content": _text(item.get("content"), where)}
+        elif kind == "function_call":
+            call = {"id": _required(item, "call_id", where), "type": "function",
+                    "function": {"name": _required(item, "name", where),
+                                 "arguments": _required(item, "arguments", where)}}  # fmt: skip
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and thinking is None:
+                last.setdefault("tool_calls", []).append(call)  # calls of one turn
                 continue
-            if kind == "message":
-                role = item.get("role")
-                if role not in _MESSAGE_ROLES:
-                    raise FieldError(f"{where}.role must be one of {_MESSAGE_ROLES}", "input")
-                message = {"role": role, "content": _text(item.get("content"), where)}
-            elif kind == "function_call":
-                call = {"id": _required(item, "call_id", where), "type": "function",
-                        "function": {"name": _required(item, "name", where),
-                                     "arguments": _required(item, "arguments", where)}}  # fmt: skip
-                last = messages[-1] if messages else None
-                if last is not None and last["role"] == "assistant" and thinking is None:
-                    last.setdefault("tool_calls", []).append(call)  # calls of one turn
-                    continue
-                message = {"role": "assistant", "content": None, "tool_calls": [call]}
-            elif kind == "function_call_output":
-                message = {"role": "tool", "tool_call_id": _required(item, "call_id", where),
-                           "content": _text(item.get("output"), where)}  # fmt: skip
-            else:
-                raise FieldError(
-                    f"{where}: items of type {kind!r} are not supported (message, "
-                    "function_call, function_call_output, reasoning)",
-                    "input",
-                )
-            if thinking is not None and message["role"] == "assistant":
-                message["reasoning_content"] = thinking
-            thinking = None
-            messages.append(message)
-        if not messages:
-            raise FieldError("input must hold at least one message", "input")
-        return messages
+            message = {"role": "assistant", "content": None, "tool_calls": [call]}
+        elif kind == "function_call_output":
+            message = {"role": "tool", "tool_call_id": _required(item, "call_id", where),
+                       "content": _text(item.get("output"), where)}  # fmt: skip
+        else:
+            raise FieldError(
+                f"{where}: items of type {kind!r} are not supported (message, "
+                "function_call, function_call_output, reasoning)",
+                "input",
+            )
+        if thinking is not None and message["role"] == "assistant":
+            message["reasoning_content"] = thinking
+        thinking = None
+        messages.append(message)
+    if not messages:
+        raise FieldError("input must hold at least one message", "input")
+    return messages
 
 
 def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
-    """``body.chat_request()``, its failures as 400s naming this request's fields."""
+    """``chat_request(body)``, its failures as 400s naming this request's fields."""
     try:
-        return body.chat_request()
+        return chat_request(body)
     except FieldError as error:
         raise bad_request(str(error), error.param) from None
     except ValidationError as error:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from router.errors import APIError
-from router.responses import ResponseShape, ResponsesRequest, to_chat
+from router.protocol import ResponsesRequest
+from router.responses import ResponseShape, to_chat
 
 
 def chat_of(**body):
