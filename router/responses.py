@@ -309,7 +309,9 @@ def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]
             "content": content}  # fmt: skip
 
 
-def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str):
+def _call_item(
+    item_id: str, call_id: str, name: str, arguments: str, status: str
+) -> dict[str, Any]:
     return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name,
             "arguments": arguments, "status": status}  # fmt: skip
 
