@@ -514,18 +514,21 @@ class TextOptions(_Body):
 
 # Responses fields refused unless absent (``ResponsesRequest``).
 _STATEFUL_OR_HOSTED = ("previous_response_id", "conversation", "background", "prompt",
-                       "include", "max_tool_calls", "top_logprobs")  # fmt: skip
+                       "max_tool_calls")  # fmt: skip
 
 
 class ResponsesRequest(_Body):
     """OpenAI's Responses API, stateless (``router/responses.py`` turns it into a chat
     request): what needs earlier turns kept by the server, background runs, stored
-    prompt templates, extra output (``include``), and limits or log-probs not served
-    here are refused unless absent."""
+    prompt templates, and output or limits not served here are refused unless absent.
+    ``include: ["reasoning.encrypted_content"]`` (what stateless clients send to get
+    reasoning back) is accepted: reasoning comes back as plain text anyway."""
 
     REFUSED_EXTRAS: ClassVar = {
         **dict.fromkeys(_VLLM_OUTPUT_FIELDS, _absent),
         **dict.fromkeys(_STATEFUL_OR_HOSTED, _absent),
+        "include": lambda value: not value or set(value) <= {"reasoning.encrypted_content"},
+        "top_logprobs": lambda value: not value,  # absent, null or 0
         "truncation": lambda value: value in (None, "disabled"),
         "service_tier": lambda value: value in (None, "auto", "default"),
     }
@@ -549,5 +552,17 @@ class ResponsesRequest(_Body):
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     top_k: int | None = None
     min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    stop: str | list[str] | None = None
+    min_tokens: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # {"enable_thinking": false}, say
+    include_reasoning: bool = True
     cache_salt: str | None = None
+
+    # The extensions handed to the chat request as they are.
+    PASSED_ON: ClassVar = ("seed", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                           "repetition_penalty", "logit_bias", "stop", "min_tokens",
+                           "chat_template_kwargs", "include_reasoning", "cache_salt")  # fmt: skip

@@ -60,12 +60,8 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
         "top_p": body.top_p,
         "stream": body.stream,
         "user": body.user,
-        "seed": body.seed,
-        "top_k": body.top_k,
-        "min_p": body.min_p,
-        "logit_bias": body.logit_bias,
-        "cache_salt": body.cache_salt,
         "parallel_tool_calls": body.parallel_tool_calls,
+        **{name: getattr(body, name) for name in body.PASSED_ON},
     }
     if body.stream:
         chat["stream_options"] = {"include_usage": True}
@@ -245,7 +241,7 @@ class ResponseShape:
             "store": False,
             "temperature": body.temperature,
             "text": {"format": text_format},
-            "tool_choice": body.tool_choice or ("auto" if body.tools else "none"),
+            "tool_choice": body.tool_choice or "auto",
             "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or ()],
             "top_p": body.top_p,
             "truncation": "disabled",
@@ -255,22 +251,26 @@ class ResponseShape:
         }
 
     def resolved(self, chat: dict[str, Any]) -> dict[str, Any]:
-        """A whole chat completion (one choice) as a response."""
+        """A whole chat completion (one choice) as a response: the items its stream would
+        have given (``ResponseStream``), the last one ``incomplete`` if the reply was cut."""
         [choice] = chat["choices"]
         message = choice["message"]
+        status = _status(choice["finish_reason"])
         output = []
         thinking = message.get("reasoning_content")
         if thinking:
             output.append(_reasoning_item(_new_id("rs"), thinking))
-        content = message.get("content")
-        calls = message.get("tool_calls") or []
-        if content or not calls:
-            output.append(_message_item(_new_id("msg"), content or "", "completed"))
-        for call in calls:
+        if message.get("content"):
+            output.append(_message_item(_new_id("msg"), message["content"], "completed"))
+        for call in message.get("tool_calls") or ():
             function = call["function"]
             output.append(_call_item(_new_id("fc"), call["id"], function["name"],
                                      function["arguments"], "completed"))  # fmt: skip
-        return self.envelope(_status(choice["finish_reason"]), output, _usage(chat.get("usage")))
+        if not output:  # nothing at all was said: an empty answer
+            output.append(_message_item(_new_id("msg"), "", "completed"))
+        if "status" in output[-1]:
+            output[-1]["status"] = status
+        return self.envelope(status, output, _usage(chat.get("usage")))
 
     def events(self) -> ResponseStream:
         return ResponseStream(self)
@@ -301,6 +301,11 @@ def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
 
 def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _part(key: str, text: str) -> dict[str, Any]:
+    """The one content part of a streamed reasoning or message item."""
+    return {"type": "reasoning_text", "text": text} if key == "reasoning" else _text_part(text)
 
 
 def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
@@ -337,10 +342,10 @@ class ResponseStream:
     def chunk(self, chunk: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """The events of one chat chunk (an error chunk ends the response as failed)."""
         if "error" in chunk:
-            yield from self._close()
+            yield from self._close("incomplete")
             error = chunk["error"]
             yield self._event("error", code=error.get("code"), message=error.get("message"),
-                              param=error.get("param"))  # fmt: skip
+                              param=responses_param(error.get("param")))  # fmt: skip
             failed = self.shape.envelope("failed", self.output)
             failed["error"] = {"code": error.get("code") or "server_error",
                                "message": error.get("message", "")}  # fmt: skip
@@ -357,26 +362,18 @@ class ResponseStream:
             if choice.get("finish_reason") is not None:
                 self._finish_reason = choice["finish_reason"]
         if chunk.get("usage") is not None and not chunk.get("choices"):
-            yield from self._close()
-            if not self.output:  # nothing at all was said: an empty answer
-                self.output.append(_message_item(_new_id("msg"), "", "completed"))
             status = _status(self._finish_reason)
+            if self._open is None and not self.output:  # nothing at all: an empty answer
+                yield from self._open_text("message")
+            yield from self._close(status)  # the last item: cut if the reply was
             response = self.shape.envelope(status, self.output, _usage(chunk["usage"]))
             kind = "response.completed" if status == "completed" else "response.incomplete"
             yield self._event(kind, response=response)
 
     def _text_delta(self, key: str, text: str) -> Iterator[dict[str, Any]]:
         if self._open_key != key:
-            yield from self._close()
-            if key == "reasoning":
-                item = {"type": "reasoning", "id": _new_id("rs"), "summary": [], "content": []}
-            else:
-                item = _message_item(_new_id("msg"), None, "in_progress")
-            yield from self._begin(key, item)
-            if key == "message":
-                yield self._event("response.content_part.added", item_id=item["id"],
-                                  output_index=len(self.output), content_index=0,
-                                  part=_text_part(""))  # fmt: skip
+            yield from self._close("completed")
+            yield from self._open_text(key)
         assert self._open is not None
         self._open["_text"] += text
         kind = "response.reasoning_text.delta" if key == "reasoning" else (
@@ -385,11 +382,22 @@ class ResponseStream:
         yield self._event(kind, item_id=self._open["id"], output_index=len(self.output),
                           content_index=0, delta=text, **extra)  # fmt: skip
 
+    def _open_text(self, key: str) -> Iterator[dict[str, Any]]:
+        """Announce a reasoning or message item and its one content part."""
+        if key == "reasoning":
+            item = {"type": "reasoning", "id": _new_id("rs"), "summary": [], "content": []}
+        else:
+            item = _message_item(_new_id("msg"), None, "in_progress")
+        yield from self._begin(key, item)
+        yield self._event("response.content_part.added", item_id=item["id"],
+                          output_index=len(self.output), content_index=0,
+                          part=_part(key, ""))  # fmt: skip
+
     def _call_delta(self, call: dict[str, Any]) -> Iterator[dict[str, Any]]:
         key = ("call", call.get("index", 0))
         function = call.get("function") or {}
         if self._open_key != key:
-            yield from self._close()
+            yield from self._close("completed")
             item = _call_item(_new_id("fc"), call.get("id") or _new_id("call"),
                               function.get("name") or "", "", "in_progress")  # fmt: skip
             yield from self._begin(key, item)
@@ -406,26 +414,27 @@ class ResponseStream:
         yield self._event("response.output_item.added", output_index=len(self.output),
                           item=item)  # fmt: skip
 
-    def _close(self) -> Iterator[dict[str, Any]]:
-        """Finish the open item: its done events, and it joins the output."""
+    def _close(self, status: str) -> Iterator[dict[str, Any]]:
+        """Finish the open item (``status``: completed, or incomplete where the reply was
+        cut in it): its done events, and it joins the output."""
         if self._open is None:
             return
         item, key = self._open, self._open_key
         text = item.pop("_text")
         index = len(self.output)
-        if key == "reasoning":
-            yield self._event("response.reasoning_text.done", item_id=item["id"],
-                              output_index=index, content_index=0, text=text)  # fmt: skip
-            done = _reasoning_item(item["id"], text)
-        elif key == "message":
+        if key in ("reasoning", "message"):
             where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            yield self._event("response.output_text.done", **where, text=text, logprobs=[])
-            yield self._event("response.content_part.done", **where, part=_text_part(text))
-            done = _message_item(item["id"], text, "completed")
+            if key == "reasoning":
+                yield self._event("response.reasoning_text.done", **where, text=text)
+                done = _reasoning_item(item["id"], text)
+            else:
+                yield self._event("response.output_text.done", **where, text=text, logprobs=[])
+                done = _message_item(item["id"], text, status)
+            yield self._event("response.content_part.done", **where, part=_part(key, text))
         else:
             yield self._event("response.function_call_arguments.done", item_id=item["id"],
                               output_index=index, name=item["name"], arguments=text)  # fmt: skip
-            done = _call_item(item["id"], item["call_id"], item["name"], text, "completed")
+            done = _call_item(item["id"], item["call_id"], item["name"], text, status)
         yield self._event("response.output_item.done", output_index=index, item=done)
         self.output.append(done)
         self._open = self._open_key = None

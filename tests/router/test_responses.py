@@ -148,8 +148,9 @@ def test_streamed_chunks_become_ordered_events():
     assert [e["sequence_number"] for e in out] == list(range(len(out)))
     assert [e["type"] for e in out] == [
         "response.created", "response.in_progress",
-        "response.output_item.added", "response.reasoning_text.delta",
-        "response.reasoning_text.delta", "response.reasoning_text.done",
+        "response.output_item.added", "response.content_part.added",
+        "response.reasoning_text.delta", "response.reasoning_text.delta",
+        "response.reasoning_text.done", "response.content_part.done",
         "response.output_item.done",
         "response.output_item.added", "response.content_part.added",
         "response.output_text.delta", "response.output_text.delta",
@@ -165,16 +166,68 @@ def test_streamed_chunks_become_ordered_events():
     assert [e["output_index"] for e in out if e["type"] == "response.output_item.done"] == [0, 1, 2]
 
 
-def test_a_stream_error_fails_the_response_and_a_cut_one_is_incomplete():
-    events = shape().events()
-    list(events.start())
-    error = {"message": "boom", "type": "server_error", "code": None}
-    out = [*events.chunk(chunk({"content": "a"})), *events.chunk({"error": error})]
+def streamed(*pieces: dict, **body) -> list[dict]:
+    events = shape(**body).events()
+    out = list(events.start())
+    for piece in pieces:
+        out += events.chunk(piece)
+    return out
+
+
+def test_a_stream_error_fails_the_response_naming_the_responses_field():
+    error = {"message": "gave up", "type": "invalid_request_error", "code": None,
+             "param": "response_format"}  # what the chat path names it  # fmt: skip
+    out = streamed(chunk({"content": "{"}), {"error": error},
+                   text={"format": {"type": "json_object"}})  # fmt: skip
     assert [e["type"] for e in out][-2:] == ["error", "response.failed"]
-    assert out[-1]["response"]["status"] == "failed"
-    assert out[-1]["response"]["output"][0]["content"][0]["text"] == "a"
-    events = shape().events()
-    list(events.start())
-    out = [*events.chunk(chunk({}, finish_reason="length")), *events.chunk(chunk(usage=USAGE))]
+    assert out[-2]["param"] == "text"
+    failed = out[-1]["response"]
+    assert failed["status"] == "failed" and failed["output"][0]["status"] == "incomplete"
+    assert failed["output"][0]["content"][0]["text"] == "{"
+
+
+def test_a_cut_reply_is_incomplete_in_its_last_item_streamed_or_whole():
+    """Cut while thinking: the reasoning only (no made-up empty answer), as streamed."""
+    out = streamed(chunk({"reasoning_content": "hm"}), chunk({}, finish_reason="length"),
+                   chunk(usage=USAGE))  # fmt: skip
     assert out[-1]["type"] == "response.incomplete"
-    assert out[-1]["response"]["output"][0]["type"] == "message"  # an empty answer
+    assert [item["type"] for item in out[-1]["response"]["output"]] == ["reasoning"]
+    thinking = {"role": "assistant", "content": None, "reasoning_content": "hm"}
+    whole = shape().resolved({"choices": [{"index": 0, "finish_reason": "length",
+                                           "message": thinking}], "usage": USAGE})  # fmt: skip
+    assert [item["type"] for item in whole["output"]] == ["reasoning"]
+    out = streamed(chunk({"content": "ab"}), chunk({}, finish_reason="length"),
+                   chunk(usage=USAGE))  # fmt: skip
+    (message,) = out[-1]["response"]["output"]
+    assert message["status"] == "incomplete" and message["content"][0]["text"] == "ab"
+
+
+def test_an_empty_reply_is_an_announced_empty_message():
+    out = streamed(chunk({}, finish_reason="stop"), chunk(usage=USAGE))
+    assert [e["type"] for e in out][2:] == [
+        "response.output_item.added", "response.content_part.added",
+        "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", "response.completed",
+    ]  # fmt: skip
+    (message,) = out[-1]["response"]["output"]
+    assert message["status"] == "completed" and message["content"][0]["text"] == ""
+    empty = {"role": "assistant", "content": ""}
+    whole = shape().resolved({"choices": [{"index": 0, "finish_reason": "stop",
+                                           "message": empty}], "usage": USAGE})  # fmt: skip
+    assert [item["type"] for item in whole["output"]] == ["message"]
+
+
+def test_what_stateless_clients_send_is_accepted_and_extensions_reach_chat():
+    """The Agents SDK and Codex ask for encrypted reasoning when they keep no state; vLLM's
+    extensions (Qwen3's enable_thinking, say) reach the chat request."""
+    chat = chat_of(
+        input="hi", include=["reasoning.encrypted_content"], top_logprobs=0, store=False,
+        chat_template_kwargs={"enable_thinking": False}, include_reasoning=False, min_tokens=3,
+        stop=["x"], repetition_penalty=1.2,
+    )  # fmt: skip
+    assert chat.chat_template_kwargs == {"enable_thinking": False}
+    assert (chat.include_reasoning, chat.min_tokens, chat.stop) == (False, 3, ["x"])
+    assert chat.repetition_penalty == 1.2
+    for refused_body in ({"include": ["message.output_text.logprobs"]}, {"top_logprobs": 2}):
+        with pytest.raises(ValueError, match="not supported"):
+            ResponsesRequest.model_validate({"input": "hi", **refused_body})
