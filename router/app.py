@@ -51,7 +51,8 @@ from router.protocol import (
     UnloadLoraAdapterRequest,
 )
 from router.reasoning import PROMPT_TAIL_TOKENS, Reasoning, opening_of
-from router.responses import ResponseShape, renamed, to_chat, translate_stream
+from router.response_output import ResponseShape, translate_stream
+from router.responses import renamed, to_chat
 from router.state import RouterState
 from router.structured import check as check_constraint
 from router.structured import structured_output_of

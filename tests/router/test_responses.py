@@ -1,6 +1,6 @@
-"""The Responses API layer (router/responses.py) without a stack: requests as chat
-requests, chat replies and chunks as responses and events. The live tests are in
-test_gateway.py and test_reasoning_live.py."""
+"""The Responses API layer (router/responses.py, router/response_output.py) without a
+stack: requests as chat requests, chat replies and chunks as responses and events. The
+live tests are in test_gateway.py and test_reasoning_live.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 
 from router.errors import APIError
 from router.protocol import ResponsesRequest
-from router.responses import ResponseShape, to_chat
+from router.response_output import ResponseShape
+from router.responses import to_chat
 
 
 def chat_of(**body):

@@ -1,0 +1,284 @@
+"""Chat replies read back as Responses (``router/responses.py`` turns the request into a
+chat request): a whole chat completion as a response object (``ResponseShape.resolved``),
+and a chat stream's chunks as Responses' semantic events (``ResponseStream``,
+``translate_stream``). Whole and streamed replies give the same items: a reasoning item
+(the thinking as ``reasoning_text``), a message with the answer's ``output_text``, a
+``function_call`` per call; the last one ``incomplete`` where the reply was cut.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from router.protocol import ResponsesRequest
+from router.responses import responses_param
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponseShape:
+    """The response object around the output, from the request; ``resolved`` from a
+    chat reply; ``events`` from a chat stream."""
+
+    def __init__(self, body: ResponsesRequest, model: str) -> None:
+        self.id = _new_id("resp")
+        self.created_at = int(time.time())
+        self.body = body
+        self.model = model
+
+    def envelope(self, status: str, output: list[dict[str, Any]],
+                 usage: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+        body = self.body
+        text_format = (body.text.format if body.text else None) or {"type": "text"}
+        reasoning = body.reasoning.model_dump() if body.reasoning else {"effort": None}
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": None,
+            "incomplete_details": incomplete,
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": body.parallel_tool_calls,
+            "previous_response_id": None,
+            "reasoning": reasoning,
+            "store": False,
+            "temperature": body.temperature,
+            "text": {"format": text_format},
+            "tool_choice": body.tool_choice or "auto",
+            "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or ()],
+            "top_p": body.top_p,
+            "truncation": "disabled",
+            "usage": usage,
+            "user": body.user,
+            "metadata": body.metadata or {},
+        }
+
+    def resolved(self, chat: dict[str, Any]) -> dict[str, Any]:
+        """A whole chat completion (one choice) as a response: the items its stream would
+        have given (``ResponseStream``), the last one ``incomplete`` if the reply was cut."""
+        [choice] = chat["choices"]
+        message = choice["message"]
+        status = _status(choice["finish_reason"])
+        output = []
+        thinking = message.get("reasoning_content")
+        if thinking:
+            output.append(_reasoning_item(_new_id("rs"), thinking))
+        if message.get("content"):
+            output.append(_message_item(_new_id("msg"), message["content"], "completed"))
+        for call in message.get("tool_calls") or ():
+            function = call["function"]
+            output.append(_call_item(_new_id("fc"), call["id"], function["name"],
+                                     function["arguments"], "completed"))  # fmt: skip
+        if not output:  # nothing at all was said: an empty answer
+            output.append(_message_item(_new_id("msg"), "", "completed"))
+        if "status" in output[-1]:
+            output[-1]["status"] = status
+        return self.envelope(status, output, _usage(chat.get("usage")))
+
+    def events(self) -> ResponseStream:
+        return ResponseStream(self)
+
+
+def _status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def _usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
+    if chat_usage is None:
+        return None
+    details = chat_usage.get("completion_tokens_details") or {}
+    cached = (chat_usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {
+        "input_tokens": chat_usage["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": chat_usage["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": details.get("reasoning_tokens", 0)},
+        "total_tokens": chat_usage["total_tokens"],
+    }
+
+
+def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}]}  # fmt: skip
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _part(key: str, text: str) -> dict[str, Any]:
+    """The one content part of a streamed reasoning or message item."""
+    return {"type": "reasoning_text", "text": text} if key == "reasoning" else _text_part(text)
+
+
+def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    content = [] if text is None else [_text_part(text)]
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status,
+            "content": content}  # fmt: skip
+
+
+def _call_item(
+    item_id: str, call_id: str, name: str, arguments: str, status: str
+) -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}  # fmt: skip
+
+
+class ResponseStream:
+    """Chat chunks in, Responses events out (each a dict with ``type`` and
+    ``sequence_number``). Items open as their first delta arrives and close when another
+    kind begins or the stream ends: thinking, then the answer's text, then each call."""
+
+    def __init__(self, shape: ResponseShape) -> None:
+        self.shape = shape
+        self.sequence_number = 0
+        self.output: list[dict[str, Any]] = []  # closed items
+        self._open: dict[str, Any] | None = None  # the item being streamed
+        self._open_key: object = None  # "reasoning", "message" or ("call", chat index)
+        self._finish_reason: str | None = None
+
+    def start(self) -> Iterator[dict[str, Any]]:
+        response = self.shape.envelope("in_progress", [])
+        yield self._event("response.created", response=response)
+        yield self._event("response.in_progress", response=response)
+
+    def chunk(self, chunk: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """The events of one chat chunk (an error chunk ends the response as failed)."""
+        if "error" in chunk:
+            yield from self._close("incomplete")
+            error = chunk["error"]
+            yield self._event("error", code=error.get("code"), message=error.get("message"),
+                              param=responses_param(error.get("param")))  # fmt: skip
+            failed = self.shape.envelope("failed", self.output)
+            failed["error"] = {"code": error.get("code") or "server_error",
+                               "message": error.get("message", "")}  # fmt: skip
+            yield self._event("response.failed", response=failed)
+            return
+        for choice in chunk.get("choices", ()):
+            delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                yield from self._text_delta("reasoning", delta["reasoning_content"])
+            if delta.get("content"):
+                yield from self._text_delta("message", delta["content"])
+            for call in delta.get("tool_calls") or ():
+                yield from self._call_delta(call)
+            if choice.get("finish_reason") is not None:
+                self._finish_reason = choice["finish_reason"]
+        if chunk.get("usage") is not None and not chunk.get("choices"):
+            status = _status(self._finish_reason)
+            if self._open is None and not self.output:  # nothing at all: an empty answer
+                yield from self._open_text("message")
+            yield from self._close(status)  # the last item: cut if the reply was
+            response = self.shape.envelope(status, self.output, _usage(chunk["usage"]))
+            kind = "response.completed" if status == "completed" else "response.incomplete"
+            yield self._event(kind, response=response)
+
+    def _text_delta(self, key: str, text: str) -> Iterator[dict[str, Any]]:
+        if self._open_key != key:
+            yield from self._close("completed")
+            yield from self._open_text(key)
+        assert self._open is not None
+        self._open["_text"] += text
+        kind = "response.reasoning_text.delta" if key == "reasoning" else (
+            "response.output_text.delta")  # fmt: skip
+        extra = {} if key == "reasoning" else {"logprobs": []}
+        yield self._event(kind, item_id=self._open["id"], output_index=len(self.output),
+                          content_index=0, delta=text, **extra)  # fmt: skip
+
+    def _open_text(self, key: str) -> Iterator[dict[str, Any]]:
+        """Announce a reasoning or message item and its one content part."""
+        if key == "reasoning":
+            item = {"type": "reasoning", "id": _new_id("rs"), "summary": [], "content": []}
+        else:
+            item = _message_item(_new_id("msg"), None, "in_progress")
+        yield from self._begin(key, item)
+        yield self._event("response.content_part.added", item_id=item["id"],
+                          output_index=len(self.output), content_index=0,
+                          part=_part(key, ""))  # fmt: skip
+
+    def _call_delta(self, call: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        key = ("call", call.get("index", 0))
+        function = call.get("function") or {}
+        if self._open_key != key:
+            yield from self._close("completed")
+            item = _call_item(_new_id("fc"), call.get("id") or _new_id("call"),
+                              function.get("name") or "", "", "in_progress")  # fmt: skip
+            yield from self._begin(key, item)
+        assert self._open is not None
+        arguments = function.get("arguments") or ""
+        if arguments:
+            self._open["_text"] += arguments
+            yield self._event("response.function_call_arguments.delta",
+                              item_id=self._open["id"], output_index=len(self.output),
+                              delta=arguments)  # fmt: skip
+
+    def _begin(self, key: object, item: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        self._open, self._open_key = {**item, "_text": ""}, key
+        yield self._event("response.output_item.added", output_index=len(self.output),
+                          item=item)  # fmt: skip
+
+    def _close(self, status: str) -> Iterator[dict[str, Any]]:
+        """Finish the open item (``status``: completed, or incomplete where the reply was
+        cut in it): its done events, and it joins the output."""
+        if self._open is None:
+            return
+        item, key = self._open, self._open_key
+        text = item.pop("_text")
+        index = len(self.output)
+        if key in ("reasoning", "message"):
+            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            if key == "reasoning":
+                yield self._event("response.reasoning_text.done", **where, text=text)
+                done = _reasoning_item(item["id"], text)
+            else:
+                yield self._event("response.output_text.done", **where, text=text, logprobs=[])
+                done = _message_item(item["id"], text, status)
+            yield self._event("response.content_part.done", **where, part=_part(key, text))
+        else:
+            yield self._event("response.function_call_arguments.done", item_id=item["id"],
+                              output_index=index, name=item["name"], arguments=text)  # fmt: skip
+            done = _call_item(item["id"], item["call_id"], item["name"], text, status)
+        yield self._event("response.output_item.done", output_index=index, item=done)
+        self.output.append(done)
+        self._open = self._open_key = None
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"type": kind, "sequence_number": self.sequence_number, **fields}
+        self.sequence_number += 1
+        return event
+
+
+def sse_event(event: dict[str, Any]) -> bytes:
+    """One Responses event on the wire: its type as the SSE event name, then the JSON."""
+    data = json.dumps(event, ensure_ascii=False)
+    return f"event: {event['type']}\ndata: {data}\n\n".encode()
+
+
+async def translate_stream(
+    shape: ResponseShape, chunks: AsyncIterator[bytes]
+) -> AsyncIterator[bytes]:
+    """A chat completion's SSE body (one ``data:`` message per piece, then ``[DONE]``)
+    as Responses events."""
+    events = shape.events()
+    try:
+        for event in events.start():
+            yield sse_event(event)
+        async for piece in chunks:
+            data = bytes(piece).decode().removeprefix("data: ").strip()
+            if data == "[DONE]":
+                break
+            for event in events.chunk(json.loads(data)):
+                yield sse_event(event)
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]
