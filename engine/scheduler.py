@@ -270,7 +270,8 @@ class Scheduler:
             budget -= num_new
 
     def _start_fetch(self, request: Request, out: SchedulerOutput) -> bool:
-        """Allocate blocks for a remote prompt and order the pull of those not cached here."""
+        """Allocate blocks for a remote prompt, order the load of those the CPU tier holds
+        (``out.loads``) and the pull of the rest not cached on the device."""
         remote = request.remote_kv
         assert remote is not None
         hits, num_hit_tokens = self.kv.get_computed_blocks(request)
@@ -278,15 +279,22 @@ class Scheduler:
         if num_hit_tokens >= num_remote_tokens:
             hits = hits[: num_remote_tokens // self.block_size]
             num_hit_tokens = len(hits) * self.block_size
+        # Blocks offloaded here earlier come back from CPU memory instead of the network.
+        loaded = self.kv.get_secondary_hits(request, len(hits))
+        loaded = loaded[: max(num_remote_tokens // self.block_size - len(hits), 0)]
         if not self.kv.allocate_slots(
             request, num_remote_tokens - num_hit_tokens, hits, cache=False
         ):
             return False
-        self.kv.record_lookup(request.num_tokens, num_hit_tokens)
-        request.num_cached_tokens = num_hit_tokens
-        self.num_blocks_reused_for_remote += len(hits)
-        first, last = len(hits), cdiv(num_remote_tokens, self.block_size)
+        num_loaded_tokens = len(loaded) * self.block_size
+        self.kv.record_lookup(request.num_tokens, num_hit_tokens, num_loaded_tokens)
+        request.num_cached_tokens = num_hit_tokens + num_loaded_tokens
+        self.num_blocks_reused_for_remote += len(hits) + len(loaded)
         local_ids = self.kv.get_block_ids(request.request_id)
+        if loaded:
+            out.loads.append(LoadOrder(loaded, local_ids[len(hits) : len(hits) + len(loaded)]))
+            self.kv.secondary.reserve(loaded)
+        first, last = len(hits) + len(loaded), cdiv(num_remote_tokens, self.block_size)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         request.times.fetch_started = time.monotonic()
         self.fetching[request.request_id] = request

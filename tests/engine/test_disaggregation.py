@@ -148,6 +148,35 @@ def test_decode_pulls_only_blocks_it_does_not_cache(pair):
     assert decode.leak_report() == [] and prefill.leak_report() == []
 
 
+def test_decode_loads_what_its_cpu_tier_holds_and_pulls_the_rest(tiny_llama, pair):
+    """A prefix the decode worker pulled before and then offloaded to its CPU tier comes
+    back from CPU memory; only the blocks after it cross the network. Same tokens."""
+    prefill, _, puller = pair
+    small = dict(num_blocks=24, max_model_len=256)  # 384 tokens of device KV
+    decode = LLMEngine(tiny_llama, EngineConfig(cpu_offload_bytes=64 << 20, **small),
+                       kv_puller=puller)  # fmt: skip
+    puller.target = decode
+    try:
+        prefix = random_prompts((160,), seed=93)[0]  # 10 full blocks
+        params = SamplingParams(max_tokens=4, min_tokens=4, temperature=0)
+        disaggregated(prefill, decode, [prefix + [7]], params)
+        for filler in random_prompts((200, 200), seed=94):  # push the prefix out
+            decode.add_request("fill", filler, params)
+            run(decode)
+        question = prefix + [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24]
+        before = (puller.num_blocks_pulled, decode.cpu_tier.stats.hit_blocks)
+        out = disaggregated(prefill, decode, [question], params)["r0"]
+        pulled = puller.num_blocks_pulled - before[0]
+        assert decode.cpu_tier.stats.hit_blocks - before[1] == 10  # the prefix, from CPU
+        assert pulled == out.num_remote_blocks_pulled == 2  # 177 tokens: 12 blocks, 10 held
+        assert out.num_cached_tokens == 160
+        expected = colocated_tokens(tiny_llama, EngineConfig(), [question], params)["r0"]
+        assert out.outputs[0].token_ids == expected
+    finally:
+        puller.target = pair[1]
+    assert decode.leak_report() == [] and prefill.leak_report() == []
+
+
 def test_failed_pull_recomputes_or_fails(tiny_llama, pair, caplog):
     """Either way the failure is logged with its reason: recomputing hides a peer that
     refuses every pull (a KV layout mismatch) from the client, not from the operator."""
