@@ -49,6 +49,7 @@ from router.protocol import (
     ResponsesRequest,
     TokenizeRequest,
     UnloadLoraAdapterRequest,
+    error_field,
 )
 from router.reasoning import PROMPT_TAIL_TOKENS, Reasoning, opening_of
 from router.response_output import ResponseShape, translate_stream
@@ -142,18 +143,10 @@ def create_app(state: RouterState) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
-        loc = first.get("loc", ())
-        message = first.get("msg", "invalid request").removeprefix("Value error, ")
+        message, param = error_field(first, field_at=1)  # after "body"
         if first.get("type") == "json_invalid":
             reason = first.get("ctx", {}).get("error", message)
             return await api_error(request, bad_request(f"the body is not valid JSON: {reason}"))
-        # The top-level field: deeper parts of ``loc`` include pydantic's union tags
-        # ("prompt.str", "prompt.list[int]"), which mean nothing to a client. A check of
-        # the whole request names its field itself.
-        param = loc[1] if len(loc) > 1 and isinstance(loc[1], str) else None
-        cause = first.get("ctx", {}).get("error")
-        if param is None and isinstance(cause, FieldError):
-            param = cause.param
         if param is None and first.get("type") == "missing":
             message = "the request needs a JSON body"
         return await api_error(request, bad_request(message, param))

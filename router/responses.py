@@ -23,7 +23,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from router.errors import APIError, bad_request
-from router.protocol import ChatCompletionRequest, FieldError, FunctionTool, ResponsesRequest
+from router.protocol import (
+    ChatCompletionRequest,
+    FieldError,
+    FunctionTool,
+    ResponsesRequest,
+    error_field,
+)
 
 # Chat request fields as the Responses request names them, for errors the chat path
 # raises (a 400's ``param`` must name what the client sent).
@@ -117,13 +123,7 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
     except FieldError as error:
         raise bad_request(str(error), error.param) from None
     except ValidationError as error:
-        first = error.errors()[0]
-        cause = first.get("ctx", {}).get("error")
-        loc = first.get("loc", ())
-        param = loc[0] if loc and isinstance(loc[0], str) else None
-        if isinstance(cause, FieldError):
-            param = cause.param
-        message = first.get("msg", "invalid request").removeprefix("Value error, ")
+        message, param = error_field(error.errors()[0])
         raise bad_request(message, responses_param(param)) from None
 
 
