@@ -28,6 +28,7 @@ import torch
 from benchmarks.engine_throughput import machine, make_prompts
 from benchmarks.records import write_markdown
 from common.config import EngineConfig
+from common.kv_budget import ModelShape
 from engine import LLMEngine, SamplingParams
 from engine.models.arch import read_arch_config
 
@@ -99,8 +100,9 @@ def main() -> None:
                            arch.vocab_size, seed=0)  # fmt: skip
     # Size the pool in the model dtype's bytes (float32 on a CPU, else 16-bit).
     element_bytes = 4 if not torch.cuda.is_available() else 2
-    head_dim = arch.head_dim
-    per_token = arch.num_layers * 2 * arch.num_kv_heads * head_dim * element_bytes
+    shape = ModelShape.read(model)
+    assert shape is not None
+    per_token = shape.bytes_per_block(1, element_bytes)  # what the engine's pool sizing uses
     kv_bytes = args.fits * (args.prompt_len + args.output_len + 16) * per_token
     runs = []
     for kv_cache_dtype in ("auto", "fp8"):
