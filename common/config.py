@@ -64,6 +64,19 @@ class KVCacheDType(StrEnum):
         }.get(self)
 
 
+class SchedulingPolicy(StrEnum):
+    """The order in which an engine serves its requests (vLLM's ``--scheduling-policy``)."""
+
+    FCFS = "fcfs"  # arrival order; a request's ``priority`` must be 0
+    # Lowest ``priority`` value first, arrival order among equals. A waiting request may
+    # preempt running ones of a strictly larger value to get a batch slot or KV blocks.
+    PRIORITY = "priority"
+
+
+# A request's priority travels as a protobuf int32.
+MIN_PRIORITY, MAX_PRIORITY = -(2**31), 2**31 - 1
+
+
 def _coerce_enums(obj: Any) -> None:
     """Turn string values of enum-typed fields into the enum, for frozen dataclasses."""
     for field in dataclasses.fields(obj):
@@ -84,6 +97,7 @@ _ENUM_FIELDS: dict[str, type[StrEnum]] = {  # filled below, once every enum is d
     "DType": DType,
     "Device": Device,
     "KVCacheDType": KVCacheDType,
+    "SchedulingPolicy": SchedulingPolicy,
 }
 
 
@@ -142,6 +156,9 @@ class EngineConfig:
     # What the KV cache stores: the model's dtype, or FP8 (``KVCacheDType``). Both roles
     # must agree: KV blocks move between them byte for byte.
     kv_cache_dtype: KVCacheDType = KVCacheDType.AUTO
+    # Who goes first when not everyone fits (``SchedulingPolicy``): arrival order, or the
+    # requests' ``priority`` (then high-priority traffic also preempts low-priority).
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
 
     def __post_init__(self) -> None:
         _coerce_enums(self)
@@ -558,6 +575,14 @@ class PdserveConfig:
                 f"prefill stores KV as {names[Role.PREFILL]} and decode as "
                 f"{names[Role.DECODE]}: KV blocks move between them byte for byte, so both "
                 "roles need the same kv_cache_dtype",
+            )
+        policies = {role: self.engine_for(role).scheduling_policy for role in Role}
+        if policies[Role.PREFILL] is not policies[Role.DECODE]:
+            raise ConfigError(
+                "decode.engine.scheduling_policy",
+                f"prefill schedules {policies[Role.PREFILL].value} and decode "
+                f"{policies[Role.DECODE].value}: the router takes a request's priority only "
+                "when both roles honour it, so both need the same scheduling_policy",
             )
         self._check_ports()
 

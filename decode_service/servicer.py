@@ -82,6 +82,7 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServiceServicer):
                 params,
                 cache_salt=salt,
                 lora_name=lora_name,
+                priority=request.priority,
                 remote_kv=remote_kv,
                 output_token_ids=list(request.output_token_ids),
             ):

@@ -89,10 +89,12 @@ class LLM:
         *,
         use_tqdm: bool = True,
         lora_name: str | Sequence[str | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, or a list of token ids). Outputs come back in
         input order with ``text`` decoded. Invalid input raises before anything runs.
-        ``lora_name``: the adapter of every prompt, or one per prompt (None: the base)."""
+        ``lora_name``: the adapter of every prompt, or one per prompt (None: the base).
+        ``priority``: one per prompt, lower first (``scheduling_policy: priority``)."""
         prompt_list = _normalize_prompts(prompts)
         if sampling_params is None:
             sampling_params = self.default_sampling_params()
@@ -113,15 +115,21 @@ class LLM:
             lora_names = list(lora_name)
             if len(lora_names) != len(prompt_list):
                 raise ValueError(f"{len(lora_names)} lora names for {len(prompt_list)} prompts")
+        priorities = [0] * len(prompt_list) if priority is None else list(priority)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"{len(priorities)} priorities for {len(prompt_list)} prompts")
+        for value in priorities:
+            self.engine.validate_priority(value)
         for tokens in token_lists:
             self.engine.validate_prompt(tokens)
         for name in lora_names:
             self.engine.lora_adapter(name)
         request_ids = []
-        for tokens, params, name in zip(token_lists, params_list, lora_names, strict=True):
+        requests = zip(token_lists, params_list, lora_names, priorities, strict=True)
+        for tokens, params, name, value in requests:
             request_id = f"offline-{self._next_id}"
             self._next_id += 1
-            self.engine.add_request(request_id, tokens, params, lora_name=name)
+            self.engine.add_request(request_id, tokens, params, lora_name=name, priority=value)
             request_ids.append(request_id)
         return self._run(request_ids, prompt_list, use_tqdm)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from common.config import DType, EngineConfig
+from common.config import MAX_PRIORITY, MIN_PRIORITY, DType, EngineConfig, SchedulingPolicy
 from common.hashing import BlockHash, transfer_block_hashes
 from common.structured_output import STRUCTURED_OUTPUT
 from engine.block_pool import BlockPoolObserver
@@ -181,6 +181,7 @@ class LLMEngine:
         output_token_ids: Sequence[int] = (),
         grammar: object | None = None,
         lora_name: str | None = None,
+        priority: int = 0,
     ) -> Request:
         """Validate and queue a request. Raises ``InvalidRequestError`` (engine unchanged).
 
@@ -189,7 +190,8 @@ class LLMEngine:
         token, sampled by a prefill worker); ``remote_kv``: where the prompt's KV is.
         ``grammar``: the request's matcher from ``self.grammars.prepare`` (prepared off
         the engine thread); None: prepared here, for a structured request. ``lora_name``:
-        one of the engine's LoRA adapters, or None for the base model.
+        one of the engine's LoRA adapters, or None for the base model. ``priority``: lower
+        values first, under ``scheduling_policy: priority`` only (elsewhere it must be 0).
         """
         prompt = self.validate_prompt(prompt_token_ids)
         outputs = self.validate_prompt(output_token_ids, allow_empty=True)
@@ -201,6 +203,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling params must be a SamplingParams", "params")
         lora = self.lora_adapter(lora_name)
+        self.validate_priority(priority)
         if outputs and len(prompt) + len(outputs) >= self.max_model_len:
             raise InvalidRequestError(
                 f"{len(prompt)} prompt + {len(outputs)} output tokens leave no room below "
@@ -272,6 +275,7 @@ class LLMEngine:
             prefill_only=prefill_only,
             remote_kv=remote_kv,
             output_token_ids=outputs,
+            priority=priority,
         )
         if not params.greedy:
             # Keyed by output position (engine/sampler.py): the tokens generated elsewhere
@@ -301,6 +305,18 @@ class LLMEngine:
                 "prompt",
             )
         return prompt
+
+    def validate_priority(self, priority: int) -> None:
+        if type(priority) is not int or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+            raise InvalidRequestError(
+                f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}]", "priority"
+            )
+        if priority and self.config.scheduling_policy is not SchedulingPolicy.PRIORITY:
+            raise InvalidRequestError(
+                f"priority {priority} needs engine.scheduling_policy: priority (this engine "
+                f"serves {self.config.scheduling_policy.value})",
+                "priority",
+            )
 
     def lora_adapter(self, lora_name: str | None) -> LoraAdapter | None:
         """The loaded adapter ``lora_name`` names (None: the base model). Raises

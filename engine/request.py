@@ -117,6 +117,10 @@ class Request:
     prefill_only: bool = False
     remote_kv: RemoteKV | None = None
     times: RequestTimes = field(default_factory=RequestTimes)
+    # Under the priority policy, lower values are served first (vLLM's convention); under
+    # FCFS always 0. ``arrival_seq`` is the scheduler's arrival counter: ties go by it.
+    priority: int = 0
+    arrival_seq: int = 0
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -141,6 +145,11 @@ class Request:
     # many drafts their steps may verify.
     token_history: TokenHistory | None = None
     draft_budget: DraftBudget | None = None
+
+    @property
+    def queue_order(self) -> tuple[int, int]:
+        """Where the request stands in the scheduler's queues: smaller first."""
+        return (self.priority, self.arrival_seq)
 
     @property
     def scores_prompt(self) -> bool:

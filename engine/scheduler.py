@@ -1,10 +1,21 @@
-"""Continuous batching under a per-step token budget. FCFS, preemption by recompute.
+"""Continuous batching under a per-step token budget, preemption by recompute.
 
-Each step every running request gets the tokens it is missing (``num_tokens -
-num_computed_tokens``: a whole or chunked prompt, or the one token it just sampled), in
-arrival order, until the budget runs out; then waiting requests are admitted the same way.
-A request that cannot get blocks preempts the most recently admitted running request,
-which frees everything and later recomputes (mostly from the prefix cache).
+Requests are served in ``Request.queue_order``: arrival order (FCFS), or ``priority`` first
+and then arrival (the priority policy). Each step walks the running requests and the head
+of the waiting line in that order, merged, until the budget runs out: a running request
+gets the tokens it is missing (``num_tokens - num_computed_tokens``: a whole or chunked
+prompt, or the one token it just sampled), a waiting one is admitted and gets its first
+chunk. A running request that cannot get blocks preempts the last running request in that
+order (under FCFS the latest arrival), which frees everything and later recomputes (mostly
+from the prefix cache); no one is admitted in a step that preempted so.
+
+Under FCFS the waiting line comes after every running request (they all arrived earlier),
+as before priorities existed. Under the priority policy a waiting request of a smaller
+value goes before running ones of a larger value: it takes the step's budget first (a long
+low-priority prompt cannot hold it off for its whole chunked prefill), and when it finds no
+batch slot or no blocks it preempts running requests of a strictly larger value, last in
+order first, until it fits or none is left. Never for equal values, so two requests can
+never preempt each other back and forth.
 
 Two role-specific paths, both at the edges of the same loop:
 
@@ -26,8 +37,8 @@ tokens (``block_hashes`` never cover drafts).
 
 from __future__ import annotations
 
+import bisect
 import time
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -38,6 +49,7 @@ from engine.draft_budget import DraftBudget
 from engine.kv_cache_manager import KVCacheManager, SecondaryTier, cdiv
 from engine.ngram_proposer import DraftProposer, NgramProposer
 from engine.request import Request, RequestStatus, TokenLogprobs
+from engine.request_queue import RequestQueue, queue_order
 
 # What one step sampled for a request: its tokens in order (one, or more when drafts
 # were accepted), each with its log-probs when asked for.
@@ -100,8 +112,8 @@ class Scheduler:
         self.kv = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching, observers, secondary
         )
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting = RequestQueue()
+        self.running: list[Request] = []  # in queue order
         self.fetching: dict[str, Request] = {}
         self.held: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}  # every unfinished request
@@ -113,6 +125,7 @@ class Scheduler:
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.num_draft_tokens = 0  # drafts verified (cumulative)
         self.num_accepted_tokens = 0  # of those, kept
+        self._num_arrivals = 0
 
     # ------------------------------------------------------------------ admission
 
@@ -121,7 +134,9 @@ class Scheduler:
         assert request.request_id not in self.held
         self.kv.update_block_hashes(request)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        request.arrival_seq = self._num_arrivals
+        self._num_arrivals += 1
+        self.waiting.push(request)
 
     def abort_request(self, request_id: str) -> Request | None:
         """Abort an unfinished request. One whose KV is being pulled stays in ``fetching``
@@ -182,9 +197,31 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
-        if not out.preempted_ids:
-            self._schedule_waiting(out, budget)
+        index = 0  # self.running[:index] are scheduled this step
+        admitting = True
+        while budget > 0:
+            head = self.waiting.peek() if admitting and self.waiting else None
+            if index < len(self.running) and (
+                head is None or queue_order(self.running[index]) < queue_order(head)
+            ):
+                num_preempted = len(out.preempted_ids)
+                num_scheduled = self._schedule_running(self.running[index], out, budget)
+                if len(out.preempted_ids) > num_preempted:  # out of blocks: admit no one
+                    admitting = False
+                if num_scheduled is None:  # it preempted itself: it was the last one
+                    break
+                budget -= num_scheduled
+                index += 1
+            elif head is not None:
+                num_scheduled = self._admit(head, out, budget)
+                if num_scheduled is None:  # the head of the line: nobody passes it
+                    admitting = False
+                elif head.status is RequestStatus.RUNNING:  # not pulling its KV
+                    assert self.running[index] is head  # it came before running[index]
+                    budget -= num_scheduled
+                    index += 1
+            else:
+                break
         return out
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
@@ -193,25 +230,22 @@ class Scheduler:
             num_new = min(num_new, self.prefill_chunk_tokens)
         return min(num_new, budget)
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
-            assert num_new > 0
-            drafts = self._drafts(request, budget)
-            if drafts and not self.kv.allocate_slots(request, num_new + len(drafts)):
-                drafts = []  # no room to guess: decode one token, preempting if need be
-            while not drafts and not self.kv.allocate_slots(request, num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted_ids.append(victim.request_id)
-                if victim is request:
-                    return budget
-            out.scheduled.append(self._scheduled(request, num_new, drafts))
-            budget -= num_new + len(drafts)
-            index += 1
-        return budget
+    def _schedule_running(self, request: Request, out: SchedulerOutput, budget: int) -> int | None:
+        """Schedule a running request's missing tokens (and drafts), preempting from the end
+        of ``running`` for blocks. Returns the tokens scheduled; None if it preempted
+        itself."""
+        num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+        assert num_new > 0
+        drafts = self._drafts(request, budget)
+        if drafts and not self.kv.allocate_slots(request, num_new + len(drafts)):
+            drafts = []  # no room to guess: decode one token, preempting if need be
+        while not drafts and not self.kv.allocate_slots(request, num_new):
+            victim = self.running.pop()
+            self._preempt(victim, out)
+            if victim is request:
+                return None
+        out.scheduled.append(self._scheduled(request, num_new, drafts))
+        return num_new + len(drafts)
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """Tokens to verify after a decoding request's last one: at most what its draft
@@ -231,43 +265,54 @@ class Scheduler:
             return []
         return self.proposer.propose(request, max_drafts)[:max_drafts]
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0:
-            if len(self.running) + len(self.fetching) >= self.max_num_seqs:
-                break
-            request = self.waiting[0]
-            if request.remote_kv is not None and request.num_computed_tokens == 0:
-                if not self._start_fetch(request, out):
-                    break
-                self.waiting.popleft()
-                continue
-            hits, num_hit_tokens, loaded = [], 0, []
-            if request.num_computed_tokens == 0:
-                hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-                loaded = self.kv.get_secondary_hits(request, len(hits))
-            num_loaded_tokens = len(loaded) * self.block_size
-            num_computed = request.num_computed_tokens + num_hit_tokens + num_loaded_tokens
-            num_new = self._num_new_tokens(request, num_computed, budget)
-            if not self.kv.allocate_slots(request, num_loaded_tokens + num_new, hits):
-                break
-            if request.num_cached_tokens < 0:  # its first admission, pulled or not
-                self.kv.record_lookup(request.num_tokens, num_hit_tokens, num_loaded_tokens)
-            self.waiting.popleft()
-            if loaded:
-                block_ids = self.kv.get_block_ids(request.request_id)
-                first = len(hits)
-                out.loads.append(LoadOrder(loaded, block_ids[first : first + len(loaded)]))
-                self.kv.secondary.reserve(loaded)
-            num_hit_tokens += num_loaded_tokens
-            request.num_computed_tokens += num_hit_tokens
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
-            request.status = RequestStatus.RUNNING
-            if request.times.first_scheduled is None:
-                request.times.first_scheduled = time.monotonic()
-            self.running.append(request)
-            out.scheduled.append(self._scheduled(request, num_new))
-            budget -= num_new
+    def _admit(self, request: Request, out: SchedulerOutput, budget: int) -> int | None:
+        """Admit the head of the waiting line: into ``running`` with its first tokens
+        scheduled (returns how many), or into ``fetching`` with its pull ordered (returns
+        0). When it finds no batch slot or no blocks, it preempts running requests of a
+        strictly larger priority value, last first, and tries again; returns None when
+        it still does not fit."""
+        while True:
+            if len(self.running) + len(self.fetching) < self.max_num_seqs:
+                num_scheduled = self._try_admit(request, out, budget)
+                if num_scheduled is not None:
+                    return num_scheduled
+            if not self.running or self.running[-1].priority <= request.priority:
+                return None
+            self._preempt(self.running.pop(), out)
+
+    def _try_admit(self, request: Request, out: SchedulerOutput, budget: int) -> int | None:
+        if request.remote_kv is not None and request.num_computed_tokens == 0:
+            if not self._start_fetch(request, out):
+                return None
+            self.waiting.pop()
+            return 0
+        hits, num_hit_tokens, loaded = [], 0, []
+        if request.num_computed_tokens == 0:
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            loaded = self.kv.get_secondary_hits(request, len(hits))
+        num_loaded_tokens = len(loaded) * self.block_size
+        num_computed = request.num_computed_tokens + num_hit_tokens + num_loaded_tokens
+        num_new = self._num_new_tokens(request, num_computed, budget)
+        if not self.kv.allocate_slots(request, num_loaded_tokens + num_new, hits):
+            return None
+        if request.num_cached_tokens < 0:  # its first admission, pulled or not
+            self.kv.record_lookup(request.num_tokens, num_hit_tokens, num_loaded_tokens)
+        self.waiting.pop()
+        if loaded:
+            block_ids = self.kv.get_block_ids(request.request_id)
+            first = len(hits)
+            out.loads.append(LoadOrder(loaded, block_ids[first : first + len(loaded)]))
+            self.kv.secondary.reserve(loaded)
+        num_hit_tokens += num_loaded_tokens
+        request.num_computed_tokens += num_hit_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        request.status = RequestStatus.RUNNING
+        if request.times.first_scheduled is None:
+            request.times.first_scheduled = time.monotonic()
+        bisect.insort(self.running, request, key=queue_order)
+        out.scheduled.append(self._scheduled(request, num_new))
+        return num_new
 
     def _start_fetch(self, request: Request, out: SchedulerOutput) -> bool:
         """Allocate blocks for a remote prompt, order the load of those the CPU tier holds
@@ -334,13 +379,13 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = time.monotonic()
-            self.running.append(request)
+            bisect.insort(self.running, request, key=queue_order)
         elif recompute_on_failure:
             self.kv.free(request)
             request.remote_kv = None
             request.num_computed_tokens = 0
             request.status = RequestStatus.WAITING
-            self.waiting.appendleft(request)
+            self.waiting.push(request)
         else:
             request.error = f"pulling the prompt's KV from {remote.transfer_id} failed"
             self._finish(request, RequestStatus.FINISHED_ABORTED)
@@ -352,13 +397,15 @@ class Scheduler:
         drafts = drafts or []
         return ScheduledRequest(request, num_new + len(drafts), samples, drafts)
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        """Free a request taken out of ``running`` and put it back in line to recompute."""
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.push(request)
+        out.preempted_ids.append(request.request_id)
 
     # ------------------------------------------------------------------ results
 

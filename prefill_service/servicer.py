@@ -70,6 +70,7 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServiceServicer):
                 params,
                 cache_salt=salt,
                 lora_name=lora_name,
+                priority=request.priority,
                 prefill_only=True,
             ):
                 final = output

@@ -377,6 +377,12 @@ def create_app(state: RouterState) -> FastAPI:
                                 ("allowed_token_ids", body.allowed_token_ids)):  # fmt: skip
             if any(t >= vocab for t in token_ids or ()):
                 raise bad_request(f"{name} must be in [0, {vocab}) (token ids)", name)
+        if body.priority and not state.takes_priority:
+            raise bad_request(
+                f"priority {body.priority} needs engine.scheduling_policy: priority; this "
+                "server serves requests in arrival order (fcfs)",
+                "priority",
+            )
         num_sequences = len(prompts) * body.n
         limit = state.config.router.max_inflight_sequences
         if num_sequences > limit:
@@ -430,6 +436,7 @@ def create_app(state: RouterState) -> FastAPI:
             body.cache_salt,
             state.adapters.resolve(lora_name) if lora_name is not None else None,
             prompt_param="messages" if chat else "prompt",
+            priority=body.priority,
         )
         formatter = Formatter(
             response_id,

@@ -67,11 +67,13 @@ def build_choices(
     cache_salt: str | None = None,
     lora: LoraRef | None = None,
     prompt_param: str = "prompt",
+    priority: int = 0,
 ) -> list[Choice]:
     """One choice per (prompt, sample); checks each prompt against the context limit, and
     ``min_tokens`` against what the context leaves when ``max_tokens`` is unset.
     ``lora``: the LoRA adapter every choice runs with (None: the base model).
-    ``prompt_param`` names the request's prompt field in errors."""
+    ``prompt_param`` names the request's prompt field in errors. ``priority``: every
+    choice's (lower first)."""
     choices = []
     for prompt_index, prompt in enumerate(prompts):
         limit = sampling.max_tokens if sampling.HasField("max_tokens") else 0
@@ -99,7 +101,13 @@ def build_choices(
                     index=index,
                     prompt_index=prompt_index,
                     request=SequenceRequest(
-                        f"{request_id}-{index}", prompt, hashes, params, cache_salt, lora
+                        f"{request_id}-{index}",
+                        prompt,
+                        hashes,
+                        params,
+                        cache_salt,
+                        lora,
+                        priority,
                     ),
                     detokenizer=detokenizer_factory(stop),
                 )

@@ -8,7 +8,8 @@ caches with leases nobody can pull yet: new prompts wait for blocks there, and l
 expire unpulled make the decode worker recompute their prompts, on the side that is
 already the bottleneck (an overload audit saw prefill idle for 30 s stretches with 57 of
 64 blocks leased, and 6 of 30 prompts recomputed). So the router keeps such sequences
-itself, first come first served per decode worker, until fewer than its limit are ahead.
+itself, in line per decode worker, until fewer than its limit are ahead. The line goes by
+the requests' priority (lower first, all 0 under FCFS), then by arrival.
 Sequences the decode worker prefills itself stand in the same line: they pin no lease,
 but if they passed it, a burst of short prompts would overtake long ones that came first.
 
@@ -21,8 +22,10 @@ above returns.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
-from collections import Counter, deque
+import itertools
+from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 
 from router.once import once
@@ -33,35 +36,41 @@ RECHECK_S = 1.0
 
 
 class DecodeGate:
-    """The sequences waiting for room on one decode worker, in arrival order. Room is the
-    caller's predicate; whoever frees room calls ``wake``, which wakes the first waiter
-    only, and each one let through wakes the next."""
+    """The sequences waiting for room on one decode worker, by (priority, arrival). Room is
+    the caller's predicate; whoever frees room calls ``wake``, which wakes the first waiter
+    only, and each one let through wakes the next. A sequence that arrives with a smaller
+    priority value than the head's goes first (and wakes, in case there is room now)."""
 
     def __init__(self) -> None:
-        self._waiters: deque[asyncio.Event] = deque()
+        # (priority, arrival number, the waiter's event), head first.
+        self._waiters: list[tuple[int, int, asyncio.Event]] = []
+        self._arrivals = itertools.count()
 
     def __len__(self) -> int:
         return len(self._waiters)
 
-    async def enter(self, has_room: Callable[[], bool]) -> None:
+    async def enter(self, has_room: Callable[[], bool], priority: int = 0) -> None:
         """Return once this sequence is first in line and ``has_room()``; at once if
         nobody waits and there is room. Cancellation leaves the line."""
         if not self._waiters and has_room():
             return
         turn = asyncio.Event()
-        self._waiters.append(turn)
+        entry = (priority, next(self._arrivals), turn)
+        bisect.insort(self._waiters, entry, key=lambda waiter: waiter[:2])
         try:
-            while not (self._waiters[0] is turn and has_room()):
+            if self._waiters[0] is entry:
+                turn.set()  # maybe room already: the head it passed waits for a wake
+            while not (self._waiters[0] is entry and has_room()):
                 turn.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(turn.wait(), RECHECK_S)
         finally:
-            self._waiters.remove(turn)
+            self._waiters.remove(entry)
             self.wake()  # the next one may fit too, or this one left the head of the line
 
     def wake(self) -> None:
         if self._waiters:
-            self._waiters[0].set()
+            self._waiters[0][2].set()
 
 
 class Ahead:

@@ -57,6 +57,7 @@ class SequenceRequest:
     sampling: pb.SamplingParams
     cache_salt: str | None = None
     lora: LoraRef | None = None  # a LoRA adapter the workers loaded; None: the base model
+    priority: int = 0  # lower first, in the decode gate and both workers' engines
 
 
 @dataclass(slots=True)
@@ -317,7 +318,7 @@ class Dispatcher:
             blocks = ahead.num_blocks_with(request.block_hashes, num_blocks)
             return ahead.num_seqs < max_seqs and (not max_blocks or blocks <= max_blocks)
 
-        await decode.gate.enter(has_room)
+        await decode.gate.enter(has_room, request.priority)
         if gone[0]:
             return None
         leave = ahead.join(request.block_hashes, num_blocks)
@@ -341,6 +342,7 @@ class Dispatcher:
             request_id=request.request_id,
             token_ids=request.prompt_token_ids,
             sampling=request.sampling,
+            priority=request.priority,
         )
         if request.cache_salt is not None:
             message.cache_salt = request.cache_salt
@@ -451,6 +453,7 @@ class Dispatcher:
                 prompt_token_ids=request.prompt_token_ids,
                 output_token_ids=generated,
                 sampling=request.sampling if scores_prompt else _unscored(request.sampling),
+                priority=request.priority,
             )
             if request.cache_salt is not None:
                 message.cache_salt = request.cache_salt

@@ -25,7 +25,7 @@ MAX_LOGPROBS = 20
 # The gRPC fields these values travel in (proto/pdserve.proto): bounds checked here give a
 # 400 naming the field instead of a 500 from protobuf.
 UINT32_MAX = 2**32 - 1
-INT32_MAX = 2**31 - 1
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -133,7 +133,6 @@ class _SamplingFields(_Body):
     REFUSED_EXTRAS: ClassVar[dict[str, Callable[[Any], bool]]] = {
         **dict.fromkeys(_VLLM_OUTPUT_FIELDS, _absent),
         "truncate_prompt_tokens": lambda value: value is None,
-        "priority": lambda value: value is None or value == 0,
         "length_penalty": lambda value: value is None or value == 1,
     }
 
@@ -158,6 +157,9 @@ class _SamplingFields(_Body):
     # ids next to the text of each choice.
     cache_salt: str | None = None
     return_token_ids: bool = False
+    # vLLM's: lower values are served first, where engine.scheduling_policy is priority
+    # (else it must be 0): in the router's line for a decode worker and in both engines.
+    priority: int = Field(default=0, ge=INT32_MIN, le=INT32_MAX)
     # vLLM's: each prompt token's log-prob and the top n there, in the response's
     # ``prompt_logprobs`` (not streamed, as in vLLM).
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -575,8 +577,10 @@ class ResponsesRequest(_Body):
     chat_template_kwargs: dict[str, Any] | None = None  # {"enable_thinking": false}, say
     include_reasoning: bool = True
     cache_salt: str | None = None
+    priority: int | None = None
 
     # The extensions handed to the chat request as they are.
     PASSED_ON: ClassVar = ("seed", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                            "repetition_penalty", "logit_bias", "stop", "min_tokens",
-                           "chat_template_kwargs", "include_reasoning", "cache_salt")  # fmt: skip
+                           "chat_template_kwargs", "include_reasoning", "cache_salt",
+                           "priority")  # fmt: skip

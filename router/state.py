@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
-from common.config import PdserveConfig, Role, ToolCallParser
+from common.config import PdserveConfig, Role, SchedulingPolicy, ToolCallParser
 from common.generation_config import GenerationDefaults
 from common.model_info import ModelInfo, model_info
 from common.registry import create_registry
@@ -62,10 +62,15 @@ class RouterState:
     _token_texts: dict[int, str] = field(default_factory=dict)
     # Compiles structured-output constraints as the workers will (router/structured.py).
     grammar_compiler: GrammarCompiler = field(init=False)
+    # Whether requests may carry a priority: the engines schedule by it (the config check
+    # keeps both roles on one policy).
+    takes_priority: bool = field(init=False)
 
     def __post_init__(self) -> None:
         vocab_size = self.model.vocab_size or self.tokenizer.vocab_size
         self.grammar_compiler = GrammarCompiler(self.model.model_dir, vocab_size)
+        policy = self.config.engine_for(Role.DECODE).scheduling_policy
+        self.takes_priority = policy is SchedulingPolicy.PRIORITY
 
     @classmethod
     def build(cls, config: PdserveConfig) -> RouterState:

@@ -91,6 +91,12 @@ BROKEN = [
         "both roles need the same kv_cache_dtype",
     ),
     ("engine: {kv_cache_dtype: int8}", "engine.kv_cache_dtype", "not one of: auto, fp8"),
+    (
+        "decode: {engine: {scheduling_policy: priority}}",
+        "decode.engine.scheduling_policy",
+        "both need the same scheduling_policy",
+    ),
+    ("engine: {scheduling_policy: lifo}", "engine.scheduling_policy", "not one of: fcfs"),
     ("kv_transfer: {connector: rdma}", "kv_transfer.connector", "not one of: nixl"),
     ("kv_transfer: {connector: shared_storage}", "kv_transfer.shared_dir", "needs a dir"),
     ("kv_transfer: {lease_s: 5, timeout_s: 5}", "kv_transfer.timeout_s", "below lease_s"),

@@ -61,6 +61,34 @@ def test_identical_output_under_preemption(tiny_llama, prompts, baseline):
     assert llm.engine.leak_report() == []
 
 
+def test_priority_reorders_service_and_keeps_the_tokens(tiny_llama, prompts, baseline):
+    # Priorities reversed against the input order, three batch slots and too few blocks:
+    # first tokens come in priority order, preemptions happen, and every sequence is the
+    # one FCFS computes.
+    priority = list(range(len(prompts), 0, -1))
+    llm = LLM(tiny_llama, scheduling_policy="priority", max_num_seqs=3, num_blocks=16,
+              max_model_len=256)  # fmt: skip
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False, priority=priority)
+    assert [o.outputs[0].token_ids for o in outputs] == baseline
+    by_priority = sorted(range(len(prompts)), key=priority.__getitem__)
+    first_tokens = [outputs[i].times.first_token for i in by_priority]
+    assert first_tokens == sorted(first_tokens)
+    assert first_tokens[0] < first_tokens[-1]
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.leak_report() == []
+
+
+def test_priority_needs_the_priority_policy(tiny_llama, prompts):
+    llm = LLM(tiny_llama)
+    for bad, match in ((1, "needs engine.scheduling_policy: priority"), (2**31, "integer in")):
+        with pytest.raises(InvalidRequestError, match=match) as info:
+            llm.generate(prompts[:2], GREEDY, use_tqdm=False, priority=[0, bad])
+        assert info.value.param == "priority"
+    with pytest.raises(ValueError, match="1 priorities for 2 prompts"):
+        llm.generate(prompts[:2], GREEDY, use_tqdm=False, priority=[0])
+    assert llm.engine.leak_report() == [] and not llm.engine.has_unfinished_requests()
+
+
 def test_shared_prefix_is_served_from_cache(tiny_llama, prompts):
     llm = LLM(tiny_llama)
     prefix = prompts[-1][:64]

@@ -73,10 +73,28 @@ def test_refusals_name_their_field(state):
         ("/v1/chat/completions", {"messages": chat, "tools": [  # "auto" without a parser
             {"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
         ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+        # The default policy (fcfs) takes no priority, whichever API carries it.
+        ("/v1/completions", {"prompt": "x", "priority": -1}, "priority"),
+        ("/v1/chat/completions", {"messages": chat, "priority": 3}, "priority"),
+        ("/v1/responses", {"input": "x", "priority": 3}, "priority"),
     ]  # fmt: skip
     for path, body, param in cases:
         error = error_of(post(state, path, json=body), 400)
         assert error["param"] == param, (body, error)
+
+
+def test_priority_passes_where_the_engines_schedule_by_it(tiny_llama):
+    overrides = [f"model={tiny_llama}", "engine.scheduling_policy=priority"]
+    state = RouterState.build(load_config(None, overrides))
+    chat = [{"role": "user", "content": "x"}]
+    for path, body in [
+        ("/v1/completions", {"prompt": "x", "priority": -(2**31)}),
+        ("/v1/chat/completions", {"messages": chat, "priority": 7}),
+        ("/v1/responses", {"input": "x", "priority": 7}),
+    ]:  # past validation: placement finds no worker
+        assert error_of(post(state, path, json=body), 503)["code"] == "service_unavailable"
+    body = {"prompt": "x", "priority": 2**31}
+    assert error_of(post(state, "/v1/completions", json=body), 400)["param"] == "priority"
 
 
 def test_limits_name_the_prompt_field_and_min_tokens(state):

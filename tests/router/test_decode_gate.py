@@ -1,5 +1,6 @@
-"""The decode gate's line: first come first served, woken one at a time, and a waiter that
-is cancelled (its client left) leaves the line without stalling the ones behind it. What
+"""The decode gate's line: first come first served among equal priorities, smaller
+priority values first, woken one at a time, and a waiter that is cancelled (its client
+left) leaves the line without stalling the ones behind it. What
 is ahead on a decode worker: full prompt blocks counted once however many share them."""
 
 from __future__ import annotations
@@ -42,6 +43,42 @@ def test_the_line_is_fifo_and_survives_a_cancelled_head():
         return passed
 
     assert asyncio.run(scenario()) == ["b", "c", "d"]
+
+
+def test_smaller_priority_values_go_first():
+    async def scenario() -> list[str]:
+        gate, room, passed = DecodeGate(), [0], []
+
+        def has_room() -> bool:
+            return room[0] > 0
+
+        async def one(name: str, priority: int) -> None:
+            await gate.enter(has_room, priority)
+            room[0] -= 1
+            passed.append(name)
+
+        tasks = []
+        for name, priority in [("low-1", 5), ("mid", 1), ("low-2", 5), ("high", -1)]:
+            tasks.append(asyncio.create_task(one(name, priority)))
+            await asyncio.sleep(0.01)
+        assert len(gate) == 4 and not passed
+        room[0] = 1
+        gate.wake()
+        await asyncio.sleep(0.01)
+        assert passed == ["high"]
+        # A late arrival of a smaller value passes the whole line and finds the room
+        # itself: nobody has to wake it.
+        room[0] = 1
+        tasks.append(asyncio.create_task(one("urgent", -5)))
+        await asyncio.sleep(0.01)
+        assert passed == ["high", "urgent"]
+        room[0] = 3
+        gate.wake()
+        await asyncio.wait_for(asyncio.gather(*tasks), 1)
+        assert len(gate) == 0
+        return passed
+
+    assert asyncio.run(scenario()) == ["high", "urgent", "mid", "low-1", "low-2"]
 
 
 def test_ahead_counts_shared_prompt_blocks_once():

@@ -47,7 +47,8 @@ def test_null_means_the_default():
         ("prompt_logprobs", -1),  # vLLM's whole vocabulary
         ("truncate_prompt_tokens", 8),
         ("use_beam_search", True),
-        ("priority", 1),
+        ("priority", 2**31),  # an int32 on the wire
+        ("priority", 1.5),
         ("add_special_tokens", False),
         ("best_of", 3),
         ("stream_options", {"include_usage": True}),  # without stream

@@ -1,0 +1,46 @@
+"""The scheduler's waiting line: requests in ``Request.queue_order``, head first.
+
+One order serves both policies. Under FCFS every priority is 0, so the order is arrival:
+a preempted request (or one whose pull failed) goes back in ahead of everything that
+arrived after it, as it did when it was put back at the head. Under the priority policy
+lower values come first and arrival breaks ties. A sorted list, not a heap: the scheduler
+reads the head every step and removes aborted requests from the middle; queues are
+hundreds long, where the list's O(n) insert is cheaper than a heap's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator
+
+from engine.request import Request
+
+
+def queue_order(request: Request) -> tuple[int, int]:
+    return request.queue_order
+
+
+class RequestQueue:
+    def __init__(self) -> None:
+        self._requests: list[Request] = []
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __bool__(self) -> bool:
+        return bool(self._requests)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._requests)
+
+    def push(self, request: Request) -> None:
+        bisect.insort(self._requests, request, key=queue_order)
+
+    def peek(self) -> Request:
+        return self._requests[0]
+
+    def pop(self) -> Request:
+        return self._requests.pop(0)
+
+    def remove(self, request: Request) -> None:
+        self._requests.remove(request)

@@ -1,0 +1,94 @@
+"""Priority scheduling through a real ``pdserve up`` stack (router + 1 prefill + 1 decode
+worker, ``engine.scheduling_policy: priority``, one decode batch slot): a request of a
+smaller priority value arriving while a long one decodes gets the slot at once (the long
+one is preempted and recomputes), finishes first, and neither sequence's tokens change.
+Under FCFS the short one would wait for the whole long one: the test would fail."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.engine.helpers import random_prompts
+from tests.support.processes import write_config
+from tests.support.stack import serving, worker_stats
+
+LONG_TOKENS = 400
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("priority")
+    config = write_config(
+        tmp / "config.yaml",
+        tiny_llama,
+        engine={"scheduling_policy": "priority"},
+        decode={"engine": {"max_num_seqs": 1}},
+        router={"min_disagg_tokens": 0},
+    )
+    with serving(config, tmp / "home") as stack:
+        yield stack
+
+
+def _body(prompt: list[int], max_tokens: int, priority: int, stream: bool = False) -> dict:
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "priority": priority, "stream": stream}  # fmt: skip
+
+
+async def _contended(base_url: str, long_prompt: list[int], short_prompt: list[int]):
+    """Stream the long request; once it has decoded a little, send the short one. Returns
+    both token lists and the order in which they finished."""
+    finished: list[str] = []
+    long_ids: list[int] = []
+    started = asyncio.Event()
+    async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+
+        async def long_one() -> None:
+            body = _body(long_prompt, LONG_TOKENS, priority=5, stream=True)
+            async with client.stream("POST", "/v1/completions", json=body) as reply:
+                assert reply.status_code == 200
+                async for line in reply.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    for choice in json.loads(line[6:])["choices"]:
+                        long_ids.extend(choice.get("token_ids") or [])
+                    if len(long_ids) >= 10:
+                        started.set()
+            finished.append("long")
+
+        async def short_one() -> list[int]:
+            await started.wait()
+            reply = await client.post("/v1/completions", json=_body(short_prompt, 8, priority=0))
+            assert reply.status_code == 200, reply.text
+            finished.append("short")
+            return reply.json()["choices"][0]["token_ids"]
+
+        _, short_ids = await asyncio.gather(long_one(), short_one())
+    return long_ids, short_ids, finished
+
+
+def test_a_smaller_priority_value_overtakes_a_long_decode(stack):
+    long_prompt, short_prompt = random_prompts(seed=7)[:2]
+    long_ids, short_ids, finished = asyncio.run(
+        _contended(stack.base_url, long_prompt, short_prompt)
+    )
+    assert finished == ["short", "long"]
+    (decode,) = worker_stats(stack, "decode")
+    assert decode.num_preemptions >= 1  # the long one made room and recomputed
+    # Alone, each gives the same tokens: the preemption changed nothing but the timing.
+    with httpx.Client(base_url=stack.base_url, timeout=120) as client:
+        for prompt, max_tokens, ids in [(long_prompt, LONG_TOKENS, long_ids),
+                                        (short_prompt, 8, short_ids)]:  # fmt: skip
+            reply = client.post("/v1/completions", json=_body(prompt, max_tokens, priority=9))
+            assert reply.json()["choices"][0]["token_ids"] == ids
+    deadline = time.monotonic() + 10
+    while True:  # nothing left behind on either worker
+        stats = [*worker_stats(stack, "prefill"), *worker_stats(stack, "decode")]
+        if all(s.num_running == s.num_waiting == s.live_leases == 0 for s in stats):
+            break
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.2)
