@@ -1,0 +1,30 @@
+"""benchmarks/priority.py runs end to end on tiny settings and writes its record."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.support.processes import ROOT
+
+
+def test_the_priority_benchmark_runs_and_records(tmp_path):
+    args = ["--size", "tiny", "--num-requests", "16", "--max-prompt-len", "96",
+            "--max-output-len", "24", "--max-num-seqs", "4", "--tag", "smoke",
+            "--out-dir", str(tmp_path)]  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.priority", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    record = json.loads((tmp_path / "priority_smoke.json").read_text())
+    fcfs, priority = record["runs"]
+    assert (fcfs["policy"], priority["policy"]) == ("fcfs", "priority")
+    assert fcfs["preemptions"] == 0  # FCFS never preempts to admit; the pool is ample
+    assert record["identical_sequences"] == "16/16"
+    for run in record["runs"]:
+        classes = run["classes"]
+        assert classes["interactive"]["num_requests"] + classes["batch"]["num_requests"] == 16
+        assert all(c["ttft_p50_s"] <= c["e2e_p50_s"] for c in classes.values())
+    assert "| policy | class |" in (tmp_path / "priority_smoke.md").read_text()
