@@ -348,10 +348,24 @@ def create_app(state: RouterState) -> FastAPI:
                 raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
         return prompts
 
+    def truncated(prompts: list[list[int]], keep: int) -> list[list[int]]:
+        """vLLM's ``truncate_prompt_tokens``: each prompt's last ``keep`` tokens (-1: as
+        many as the context holds), cut after the chat template."""
+        max_model_len = state.model.max_model_len
+        if keep > max_model_len:
+            raise bad_request(
+                f"truncate_prompt_tokens must be <= max_model_len={max_model_len} (or -1), "
+                f"got {keep}",
+                "truncate_prompt_tokens",
+            )
+        keep = max_model_len if keep == -1 else keep
+        return [prompt[-keep:] for prompt in prompts]
+
     def echo_texts(body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
-        """What ``echo`` repeats of each prompt: the text sent, or token ids decoded."""
+        """What ``echo`` repeats of each prompt: the text sent, or token ids decoded (and
+        what truncation kept of them)."""
         texts = body.prompt_texts
-        if texts is not None:
+        if texts is not None and body.truncate_prompt_tokens is None:
             return texts
         return [state.tokenizer.decode(tokens, skip_special_tokens=False) for tokens in prompts]
 
@@ -377,6 +391,8 @@ def create_app(state: RouterState) -> FastAPI:
                                 ("allowed_token_ids", body.allowed_token_ids)):  # fmt: skip
             if any(t >= vocab for t in token_ids or ()):
                 raise bad_request(f"{name} must be in [0, {vocab}) (token ids)", name)
+        if body.truncate_prompt_tokens is not None:
+            prompts = truncated(prompts, body.truncate_prompt_tokens)
         if body.priority and not state.takes_priority:
             raise bad_request(
                 f"priority {body.priority} needs engine.scheduling_policy: priority; this "

@@ -132,7 +132,6 @@ _VLLM_OUTPUT_FIELDS = (
 class _SamplingFields(_Body):
     REFUSED_EXTRAS: ClassVar[dict[str, Callable[[Any], bool]]] = {
         **dict.fromkeys(_VLLM_OUTPUT_FIELDS, _absent),
-        "truncate_prompt_tokens": lambda value: value is None,
         "length_penalty": lambda value: value is None or value == 1,
     }
 
@@ -160,6 +159,9 @@ class _SamplingFields(_Body):
     # vLLM's: lower values are served first, where engine.scheduling_policy is priority
     # (else it must be 0): in the router's line for a decode worker and in both engines.
     priority: int = Field(default=0, ge=INT32_MIN, le=INT32_MAX)
+    # vLLM's: keep only the prompt's last k tokens (-1: max_model_len of them), after the
+    # chat template; usage and echo show what was kept.
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     # vLLM's: each prompt token's log-prob and the top n there, in the response's
     # ``prompt_logprobs`` (not streamed, as in vLLM).
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -212,6 +214,13 @@ class _SamplingFields(_Body):
             raise ValueError("must not be empty (leave it out to allow every token)")
         if value and any(not 0 <= t <= UINT32_MAX for t in value):
             raise ValueError(f"token ids must be in [0, {UINT32_MAX}]")
+        return value
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("must be >= 1 (tokens kept) or -1 (max_model_len of them)")
         return value
 
     @field_validator("bad_words")

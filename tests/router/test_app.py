@@ -77,6 +77,8 @@ def test_refusals_name_their_field(state):
         ("/v1/completions", {"prompt": "x", "priority": -1}, "priority"),
         ("/v1/chat/completions", {"messages": chat, "priority": 3}, "priority"),
         ("/v1/responses", {"input": "x", "priority": 3}, "priority"),
+        ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 10**6},
+         "truncate_prompt_tokens"),
     ]  # fmt: skip
     for path, body, param in cases:
         error = error_of(post(state, path, json=body), 400)

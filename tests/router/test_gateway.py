@@ -116,6 +116,31 @@ def test_greedy_completions_equal_offline(client, tiny_llama):
     assert usage.completion_tokens == 12 and usage.prompt_tokens == 100
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(client, tiny_llama, stack):
+    """vLLM's ``truncate_prompt_tokens``: a prompt past the context is cut to its last k
+    tokens, the reply is that of those k tokens, and usage and echo show what was kept."""
+    max_model_len = stack.config["engine"]["max_model_len"]
+    (prompt,) = random_prompts((max_model_len + 50,), seed=83)
+    params = SamplingParams(max_tokens=6, min_tokens=6, temperature=0)
+    (offline,) = LLM(tiny_llama).generate([prompt[-40:]], params, use_tqdm=False)
+    ask = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    extra = {"min_tokens": 6, "return_token_ids": True, "truncate_prompt_tokens": 40}
+    reply = client.completions.create(**ask, extra_body=extra)
+    assert reply.choices[0].model_extra["token_ids"] == offline.outputs[0].token_ids
+    assert reply.usage.prompt_tokens == 40
+    echoed = client.completions.create(**ask, echo=True, extra_body=extra).choices[0].text
+    kept = Tokenizer(tiny_llama).decode(prompt[-40:], skip_special_tokens=False)
+    assert echoed == kept + offline.outputs[0].text
+    with pytest.raises(openai.BadRequestError) as info:  # not cut, it does not fit
+        client.completions.create(**ask)
+    assert info.value.body["param"] == "prompt"
+    chat = [{"role": "user", "content": "word " * 3000}]
+    reply = client.chat.completions.create(
+        model=MODEL, messages=chat, max_tokens=2, extra_body={"truncate_prompt_tokens": 64}
+    )
+    assert reply.usage.prompt_tokens == 64
+
+
 def test_echo_scores_the_prompt_as_lm_eval_asks(client, tiny_llama):
     """lm-eval's loglikelihood request (token ids, echo, logprobs=1, max_tokens=1): the
     prompt's log-probs come back first, computed by the prefill worker, equal to the

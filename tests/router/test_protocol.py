@@ -45,7 +45,8 @@ def test_null_means_the_default():
         ("guided_whitespace_pattern", r"\s*"),
         ("structural_tag", "{}"),
         ("prompt_logprobs", -1),  # vLLM's whole vocabulary
-        ("truncate_prompt_tokens", 8),
+        ("truncate_prompt_tokens", 0),
+        ("truncate_prompt_tokens", -2),
         ("use_beam_search", True),
         ("priority", 2**31),  # an int32 on the wire
         ("priority", 1.5),
