@@ -23,7 +23,9 @@ Two role-specific paths, both at the edges of the same loop:
   what the local prefix cache holds, and asking for the rest to be pulled (``fetches`` of
   the step's output). It waits in ``fetching`` without blocking anyone until
   ``finish_fetch`` says the KV landed (it then continues like any request) or failed
-  (it is prefilled locally, or fails, as the caller decides);
+  (it is prefilled locally, or fails, as the caller decides). One whose next missing
+  block another pull is writing is not admitted until that pull ends (then it finds the
+  block cached); the line passes it meanwhile (``_next_admissible``);
 * a ``prefill_only`` request finishes after its first token but keeps its blocks in
   ``held`` until ``release_held`` (the decode worker pulled them, or the lease expired).
 
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -126,6 +129,9 @@ class Scheduler:
         self.num_draft_tokens = 0  # drafts verified (cumulative)
         self.num_accepted_tokens = 0  # of those, kept
         self._num_arrivals = 0
+        # Full blocks that pulls in flight are writing (by hash), and each pull's own.
+        self._pulling: Counter[BlockHash] = Counter()
+        self._pulled_hashes: dict[str, list[BlockHash]] = {}
 
     # ------------------------------------------------------------------ admission
 
@@ -198,16 +204,16 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         index = 0  # self.running[:index] are scheduled this step
-        admitting = True
+        deferred: set[str] = set()  # waiting for another request's pull, this step
+        head = self._next_admissible(deferred)  # None: no more admissions this step
         while budget > 0:
-            head = self.waiting.peek() if admitting and self.waiting else None
             if index < len(self.running) and (
                 head is None or queue_order(self.running[index]) < queue_order(head)
             ):
                 num_preempted = len(out.preempted_ids)
                 num_scheduled = self._schedule_running(self.running[index], out, budget)
                 if len(out.preempted_ids) > num_preempted:  # out of blocks: admit no one
-                    admitting = False
+                    head = None
                 if num_scheduled is None:  # it preempted itself: it was the last one
                     break
                 budget -= num_scheduled
@@ -215,14 +221,43 @@ class Scheduler:
             elif head is not None:
                 num_scheduled = self._admit(head, out, budget)
                 if num_scheduled is None:  # the head of the line: nobody passes it
-                    admitting = False
-                elif head.status is RequestStatus.RUNNING:  # not pulling its KV
+                    head = None
+                    continue
+                if head.status is RequestStatus.RUNNING:  # not pulling its KV
                     assert self.running[index] is head  # it came before running[index]
                     budget -= num_scheduled
                     index += 1
+                head = self._next_admissible(deferred)
             else:
                 break
         return out
+
+    def _next_admissible(self, deferred: set[str]) -> Request | None:
+        """The first waiting request in order that is not waiting for another's pull.
+
+        A pulled prompt whose next missing block some pull in flight is writing (the
+        other choices of an ``n > 1`` request, a burst of requests sharing a system
+        prompt) waits for that pull to land and then finds the blocks cached: it pulls
+        only what differs, and shares the blocks instead of holding its own copy for its
+        whole decode. Nobody waits behind it meanwhile: the line passes it."""
+        for request in self.waiting:
+            if request.request_id in deferred:
+                continue
+            if self._pulling and self._waits_for_pull(request):
+                deferred.add(request.request_id)
+                continue
+            return request
+        return None
+
+    def _waits_for_pull(self, request: Request) -> bool:
+        remote = request.remote_kv
+        if remote is None or request.num_computed_tokens:
+            return False
+        hits, _ = self.kv.get_computed_blocks(request)
+        index = len(hits)
+        return index < remote.num_tokens // self.block_size and (
+            request.block_hashes[index] in self._pulling
+        )
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
         num_new = request.num_tokens - num_computed
@@ -284,7 +319,7 @@ class Scheduler:
         if request.remote_kv is not None and request.num_computed_tokens == 0:
             if not self._start_fetch(request, out):
                 return None
-            self.waiting.pop()
+            self.waiting.remove(request)
             return 0
         hits, num_hit_tokens, loaded = [], 0, []
         if request.num_computed_tokens == 0:
@@ -297,7 +332,7 @@ class Scheduler:
             return None
         if request.num_cached_tokens < 0:  # its first admission, pulled or not
             self.kv.record_lookup(request.num_tokens, num_hit_tokens, num_loaded_tokens)
-        self.waiting.pop()
+        self.waiting.remove(request)
         if loaded:
             block_ids = self.kv.get_block_ids(request.request_id)
             first = len(hits)
@@ -340,6 +375,9 @@ class Scheduler:
             out.loads.append(LoadOrder(loaded, local_ids[len(hits) : len(hits) + len(loaded)]))
             self.kv.secondary.reserve(loaded)
         first, last = len(hits) + len(loaded), cdiv(num_remote_tokens, self.block_size)
+        pulled = request.block_hashes[first : num_remote_tokens // self.block_size]
+        self._pulling.update(pulled)
+        self._pulled_hashes[request.request_id] = pulled
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         request.times.fetch_started = time.monotonic()
         self.fetching[request.request_id] = request
@@ -359,6 +397,8 @@ class Scheduler:
         or finishes aborted with an error."""
         request = self.fetching.pop(request_id)
         request.times.fetch_finished = time.monotonic()
+        self._pulling.subtract(self._pulled_hashes.pop(request_id))
+        self._pulling = +self._pulling  # drop the zeros: an empty Counter means no pulls
         if request.status is RequestStatus.FINISHED_ABORTED:  # aborted while pulling
             self.kv.free(request)
             return
@@ -467,6 +507,8 @@ class Scheduler:
     def leak_report(self) -> list[str]:
         problems = [f"request {rid} still in the scheduler" for rid in self.requests]
         problems += [f"request {rid} still pulling KV" for rid in self.fetching]
+        if self._pulling or self._pulled_hashes:
+            problems.append(f"{len(self._pulling)} block hashes still marked as being pulled")
         problems += [f"request {rid} still holds KV for a decode worker" for rid in self.held]
         if self.waiting or self.running:
             problems.append(f"{len(self.waiting)} waiting, {len(self.running)} running")

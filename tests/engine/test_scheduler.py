@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from common.config import EngineConfig
 from engine.request import RemoteKV, Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -137,6 +139,69 @@ def test_remote_kv_reuses_local_prefix_and_abort_waits_for_the_pull():
     # Aborted, but its blocks stay reserved until the pull that writes them has ended.
     assert "request remote still pulling KV" in scheduler.leak_report()
     scheduler.finish_fetch("remote", ok=True)
+    assert scheduler.leak_report() == []
+
+
+def remote_request(request_id: str, num_tokens: int, block_ids: tuple[int, ...]) -> Request:
+    request = make_request(request_id, num_tokens)
+    request.output_token_ids.append(99)  # the first token came from the prefill worker
+    request.remote_kv = RemoteKV(f"lease-{request_id}", num_tokens, block_ids)
+    return request
+
+
+def test_a_prompt_being_pulled_is_pulled_once():
+    # Three choices of one prompt (n=3) and an unrelated pulled prompt behind them.
+    scheduler = Scheduler(EngineConfig(block_size=4), num_blocks=32)
+    choices = [remote_request(f"c{i}", 10, (10 * i, 10 * i + 1, 10 * i + 2)) for i in range(3)]
+    for choice in choices:
+        scheduler.add_request(choice)
+    other = remote_request("other", 6, (40, 41))
+    other.prompt_token_ids = list(range(200, 206))
+    scheduler.add_request(other)
+    out = scheduler.schedule()
+    # c0 pulls everything; c1 and c2 wait for it without holding up the line.
+    assert [(f.request.request_id, f.remote_block_ids) for f in out.fetches] == [
+        ("c0", [0, 1, 2]),
+        ("other", [40, 41]),
+    ]
+    assert choices[1].status is RequestStatus.WAITING and len(scheduler.waiting) == 2
+    scheduler.update_from_output(out, {})
+    assert scheduler.schedule().fetches == []  # still in flight: nothing new
+    scheduler.finish_fetch("c0", ok=True)
+    scheduler.finish_fetch("other", ok=True)
+    out = scheduler.schedule()
+    # The two full blocks are cached now: each pulls only its own partial last block.
+    assert [(f.request.request_id, f.remote_block_ids) for f in out.fetches] == [
+        ("c1", [12]),
+        ("c2", [22]),
+    ]
+    c0_blocks = scheduler.kv.get_block_ids("c0")
+    assert scheduler.kv.get_block_ids("c1")[:2] == c0_blocks[:2]  # shared, not copied
+    scheduler.update_from_output(out, {s.request.request_id: [(7, None)] for s in out.scheduled})
+    scheduler.finish_fetch("c1", ok=True)
+    scheduler.finish_fetch("c2", ok=True)
+    drain(scheduler)
+    assert scheduler.leak_report() == []
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_failed_pull_releases_its_followers(recompute):
+    scheduler = Scheduler(EngineConfig(block_size=4), num_blocks=32)
+    first, second = remote_request("a", 10, (0, 1, 2)), remote_request("b", 10, (5, 6, 7))
+    scheduler.add_request(first)
+    scheduler.add_request(second)
+    out = scheduler.schedule()
+    assert [f.request.request_id for f in out.fetches] == ["a"]
+    scheduler.update_from_output(out, {})
+    scheduler.finish_fetch("a", ok=False, recompute_on_failure=recompute)
+    out = scheduler.schedule()
+    # Failed for good, a leaves nothing cached: b pulls all of it. Recomputed, a's prompt
+    # is computed (and its full blocks cached) in this very step: b pulls its last one.
+    expected = [5, 6, 7] if not recompute else [7]
+    assert [(f.request.request_id, f.remote_block_ids) for f in out.fetches] == [("b", expected)]
+    scheduler.update_from_output(out, {s.request.request_id: [(7, None)] for s in out.scheduled})
+    scheduler.finish_fetch("b", ok=True)
+    drain(scheduler)
     assert scheduler.leak_report() == []
 
 

@@ -674,6 +674,26 @@ def test_seeds_and_n(client):
     assert len(two) == 2 and two[0] == sample(7)[0] and two[0] != two[1]
 
 
+def test_n_choices_pull_their_shared_prompt_once(stack, client, tiny_llama):
+    """The choices of ``n > 1`` share one prompt: the decode worker pulls its full blocks
+    once (the others wait for that pull and reuse the blocks) and each choice's partial
+    last block; seeded choices still differ, and each is the offline engine's."""
+    (prompt,) = random_prompts((200,), seed=85)  # 12 full blocks of 16 and 8 tokens
+    before = sum(s.blocks_pulled for s in worker_stats(stack, "decode"))
+    reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, n=4,
+                                      temperature=1.0, seed=11,
+                                      extra_body={"return_token_ids": True})  # fmt: skip
+    pulled = sum(s.blocks_pulled for s in worker_stats(stack, "decode")) - before
+    assert pulled <= 12 + 4, pulled  # not 4 x 13
+    choices = sorted(reply.choices, key=lambda c: c.index)
+    assert len({tuple(c.model_extra["token_ids"]) for c in choices}) > 1
+    llm = LLM(tiny_llama)
+    for index, choice in enumerate(choices):  # the router's seed per choice (choices.py)
+        params = SamplingParams(max_tokens=6, temperature=1.0, seed=11 + index)
+        (offline,) = llm.generate([prompt], params, use_tqdm=False)
+        assert choice.model_extra["token_ids"] == offline.outputs[0].token_ids
+
+
 def test_logprobs(client):
     reply = client.completions.create(model=MODEL, prompt="def main():", max_tokens=5,
                                       temperature=0, logprobs=3)  # fmt: skip
