@@ -18,21 +18,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
-from benchmarks.engine_throughput import machine, make_prompts
+from benchmarks.engine_throughput import make_prompts
 from benchmarks.records import write_markdown
+from benchmarks.side_by_side import add_model_args, model_dir, record_header
 from common.config import EngineConfig
 from common.kv_budget import ModelShape
 from engine import LLMEngine, SamplingParams
 from engine.models.arch import read_arch_config
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def measure(
@@ -82,19 +79,14 @@ def measure(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="checkpoint (default: a made llama)")
-    parser.add_argument("--size", default="small", choices=("tiny", "small"))
+    add_model_args(parser)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=192)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--fits", type=int, default=6,
                         help="sequences the model dtype's pool holds whole")  # fmt: skip
-    parser.add_argument("--tag", default="cpu" if not torch.cuda.is_available() else "cuda")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args()
-    from engine.models.maker import ensure_model
-
-    model = Path(args.model) if args.model else ensure_model("llama", args.size)
+    model = model_dir(args)
     arch = read_arch_config(model)
     prompts = make_prompts(args.num_prompts, args.prompt_len, args.prompt_len,
                            arch.vocab_size, seed=0)  # fmt: skip
@@ -123,11 +115,7 @@ def main() -> None:
         "kv_bytes_per_token": fp8["kv_bytes_per_token"] / base["kv_bytes_per_token"],
     }
     record = {
-        "machine": machine(),
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "model": args.model or f"llama {args.size}",
+        **record_header(args),
         "num_prompts": len(prompts),
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,

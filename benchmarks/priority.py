@@ -20,23 +20,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 
-import torch
-
-from benchmarks.engine_throughput import machine, make_prompts
+from benchmarks.engine_throughput import make_prompts
 from benchmarks.records import write_markdown
+from benchmarks.side_by_side import add_model_args, model_dir, record_header
 from common.config import EngineConfig
 from engine import LLMEngine, SamplingParams
 from engine.models.arch import read_arch_config
 
-RESULTS = Path(__file__).parent / "results"
 CLASSES = ("interactive", "batch")
 
 
@@ -144,8 +140,7 @@ def percentile(values: list[float], q: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="checkpoint (default: a made llama)")
-    parser.add_argument("--size", default="small", choices=("tiny", "small"))
+    add_model_args(parser)
     parser.add_argument("--num-requests", type=int, default=96)
     parser.add_argument("--interactive-share", type=float, default=0.25)
     parser.add_argument("--load", type=float, default=1.3,
@@ -156,12 +151,8 @@ def main() -> None:
     parser.add_argument("--max-output-len", type=int, default=96)
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--tag", default="cpu" if not torch.cuda.is_available() else "cuda")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args()
-    from engine.models.maker import ensure_model
-
-    model = Path(args.model) if args.model else ensure_model("llama", args.size)
+    model = model_dir(args)
     arch = read_arch_config(model)
     prompts = make_prompts(args.num_requests, args.min_prompt_len, args.max_prompt_len,
                            arch.vocab_size, seed=0)  # fmt: skip
@@ -185,11 +176,7 @@ def main() -> None:
     }
     ratios["output tokens/s"] = prio["output_tokens_per_s"] / fcfs["output_tokens_per_s"]
     record = {
-        "machine": machine(),
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "model": args.model or f"llama {args.size}",
+        **record_header(args),
         "num_requests": args.num_requests,
         "interactive_share": args.interactive_share,
         "load": args.load,

@@ -19,17 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
-from benchmarks.engine_throughput import machine, make_prompts, per_token_latency, run_ours
+from benchmarks.engine_throughput import make_prompts, per_token_latency, run_ours
 from benchmarks.records import write_markdown
+from benchmarks.side_by_side import add_model_args, model_dir, record_header
 from engine import LLM
 from engine.models.arch import read_arch_config
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def measure(
@@ -61,19 +59,14 @@ def measure(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="checkpoint (default: a made llama)")
-    parser.add_argument("--size", default="small", choices=("tiny", "small"))
+    add_model_args(parser)
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--latency-output-len", type=int, default=16)
     parser.add_argument("--max-prompt-len", type=int, default=512)
-    parser.add_argument("--tag", default="cpu" if not torch.cuda.is_available() else "cuda")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args()
-    from engine.models.maker import ensure_model
-
-    model = Path(args.model) if args.model else ensure_model("llama", args.size)
+    model = model_dir(args)
     vocab = read_arch_config(model).vocab_size
     prompts = make_prompts(args.num_prompts, args.max_prompt_len // 4, args.max_prompt_len,
                            vocab, seed=0)  # fmt: skip
@@ -89,11 +82,7 @@ def main() -> None:
     }
     same = sum(a == b for a, b in zip(single["tokens"], split["tokens"], strict=True))
     record = {
-        "machine": machine(),
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "model": args.model or f"llama {args.size}",
+        **record_header(args),
         "num_prompts": len(prompts),
         "output_len": args.output_len,
         "runs": [{k: v for k, v in run.items() if k != "tokens"} for run in runs],
