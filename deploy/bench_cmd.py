@@ -122,6 +122,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--warmup", type=int, default=1, help="unmeasured requests first")
     load.add_argument("--temperature", type=float, default=0.0)
     load.add_argument("--slo", default="", help="e.g. ttft=500,tpot=50 (ms; also e2e)")
+    load.add_argument(
+        "--priority-mix",
+        default=None,
+        help="send priorities, PRIORITY:WEIGHT per class, e.g. 0:1,1:3 (a quarter of the "
+        "sessions at 0); the report then has a table per class",
+    )
     out = parser.add_argument_group("output")
     out.add_argument("--out", type=Path, default=Path("bench-results"), help="directory")
     out.add_argument("--name", default=None, help="file name stem (default: bench_DATASET)")
@@ -161,6 +167,7 @@ def build_loads(args: argparse.Namespace) -> list:
 def build_config(args: argparse.Namespace):
     from benchmarks.loadgen.bench import BenchConfig
     from benchmarks.loadgen.metrics import SLO
+    from benchmarks.loadgen.priorities import PriorityMix
     from benchmarks.loadgen.spec import DatasetSpec
 
     spec = DatasetSpec(
@@ -194,6 +201,7 @@ def build_config(args: argparse.Namespace):
         timeout_s=args.timeout,
         temperature=args.temperature,
         progress=not args.no_progress,
+        priorities=PriorityMix.parse(args.priority_mix, args.seed) if args.priority_mix else None,
     )
 
 
@@ -213,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
     import httpx
 
     from benchmarks.loadgen.bench import run_benchmark
-    from benchmarks.loadgen.report import summary_table, write_report
+    from benchmarks.loadgen.report import priority_table, summary_table, write_report
 
     try:
         config = build_config(args)
@@ -229,6 +237,8 @@ def run(args: argparse.Namespace) -> int:
     name = args.name or f"bench_{args.dataset.replace('-', '_')}"
     paths = write_report(report, args.out, name, command, plots=not args.no_plots)
     print(summary_table(report))
+    if report.runs and report.runs[0].by_priority:
+        print(priority_table(report))
     for run_report in report.runs:
         s = run_report.summary
         if s.failed or s.wrong_length or run_report.not_sent:

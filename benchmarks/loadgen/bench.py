@@ -25,6 +25,7 @@ from benchmarks.loadgen.arrivals import LoadSpec
 from benchmarks.loadgen.client import BenchClient, RequestResult
 from benchmarks.loadgen.datasets import DatasetSpec, build_workload
 from benchmarks.loadgen.metrics import SLO, Summary, summarize
+from benchmarks.loadgen.priorities import PriorityMix
 from benchmarks.loadgen.runner import run_load
 from benchmarks.loadgen.tokens import DEFAULT_VOCAB_SIZE, TokenSource
 from benchmarks.records import cpu_model
@@ -44,6 +45,7 @@ class BenchConfig:
     timeout_s: float = 600.0
     temperature: float = 0.0
     progress: bool = True
+    priorities: PriorityMix | None = None  # None: requests carry no priority
 
     def __post_init__(self) -> None:
         if not self.loads:
@@ -64,6 +66,8 @@ class RunReport:
     # The server's own prefix-cache hit rate over the run (prompt tokens), from the
     # vLLM-named counters at /metrics; None when the server exports none.
     server_prefix_hit_rate: float | None = None
+    # With a priority mix: the same summary per class, smallest priority value first.
+    by_priority: dict[int, Summary] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -168,8 +172,14 @@ async def run_benchmark(config: BenchConfig) -> BenchReport:
             tokens = TokenSource(config.vocab_size, seed)
             workload = build_workload(config.dataset, tokens, server["max_model_len"])
             before = prefix_counters(base_url)
-            results = await run_load(client, workload, load, tokens, seed, config.progress)
+            results = await run_load(client, workload, load, tokens, seed, config.progress,
+                                     config.priorities)  # fmt: skip
             results.sort(key=lambda r: r.start_s)
+            by_priority = {}
+            if config.priorities is not None:
+                for priority in sorted({r.priority for r in results if r.priority is not None}):
+                    chosen = [r for r in results if r.priority == priority]
+                    by_priority[priority] = summarize(chosen, config.slo)
             report.runs.append(
                 RunReport(
                     load.label,
@@ -180,6 +190,7 @@ async def run_benchmark(config: BenchConfig) -> BenchReport:
                     workload.num_requests - len(results),
                     workload.notes,
                     hit_rate(before, prefix_counters(base_url)),
+                    by_priority,
                 )
             )
     return report

@@ -43,6 +43,7 @@ class RequestResult:
     exact_counts: bool = True
     error: str | None = None
     output_token_ids: list[int] = field(default_factory=list)  # kept out of reports
+    priority: int | None = None  # sent as the request's priority; None: not sent
 
     @property
     def ok(self) -> bool:
@@ -96,8 +97,8 @@ class BenchClient:
     async def __aexit__(self, *exc: object) -> None:
         await self._http.aclose()
 
-    def body(self, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-        return {
+    def body(self, prompt: list[int], max_tokens: int, priority: int | None = None) -> dict:
+        body: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt,
             "max_tokens": max_tokens,
@@ -107,6 +108,9 @@ class BenchClient:
             "stream_options": {"include_usage": True},
             "return_token_ids": True,
         }
+        if priority is not None:
+            body["priority"] = priority
+        return body
 
     async def send(self, result: RequestResult, prompt: list[int], run_start: float) -> None:
         """Stream one request, filling ``result`` (whose ``start_s`` is overwritten with
@@ -116,7 +120,7 @@ class BenchClient:
         usage_tokens: int | None = None
         done = False
         try:
-            body = self.body(prompt, result.expected_output_tokens)
+            body = self.body(prompt, result.expected_output_tokens, result.priority)
             async with self._http.stream("POST", self.url, json=body) as response:
                 if response.status_code != 200:
                     text = (await response.aread()).decode(errors="replace")

@@ -61,6 +61,7 @@ def request_record(result: RequestResult) -> dict[str, Any]:
         "chunk_tokens": result.chunk_tokens,
         "exact_counts": result.exact_counts,
         "error": result.error,
+        "priority": result.priority,
     }
 
 
@@ -73,6 +74,7 @@ def run_record(run: RunReport) -> dict[str, Any]:
         "notes": list(run.notes),
         "server_prefix_hit_rate": run.server_prefix_hit_rate,
         "summary": jsonable(run.summary.to_dict()),
+        "by_priority": {str(p): jsonable(s.to_dict()) for p, s in run.by_priority.items()},
         "requests": [request_record(r) for r in run.results],
     }
 
@@ -116,6 +118,26 @@ def summary_table(report: BenchReport) -> str:
     return "\n".join(lines)
 
 
+def priority_table(report: BenchReport) -> str:
+    """One Markdown row per (run, priority class); empty without a priority mix."""
+    rows = [(run, priority, summary) for run in report.runs
+            for priority, summary in run.by_priority.items()]  # fmt: skip
+    if not rows:
+        return ""
+    lines = [
+        "| run | priority | done / sent | goodput req/s | TTFT ms p50 / p90 / p99 "
+        "| TPOT ms mean / p99 | E2E ms p50 / p90 / p99 |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run, priority, s in rows:
+        lines.append(
+            f"| {run.label} | {priority} | {s.completed} / {s.num_requests} | {_f(s.goodput, 2)} "
+            f"| {_dist(s.ttft_ms, 'median', 'p90', 'p99')} | {_dist(s.tpot_ms, 'mean', 'p99')} "
+            f"| {_dist(s.e2e_ms, 'median', 'p90', 'p99')} |"
+        )
+    return "\n".join(lines)
+
+
 def markdown(report: BenchReport, command: str | None = None, images: Sequence[str] = ()) -> str:
     """The summary: setup, notes per run, the table, then ``images`` (relative paths)."""
     config, server, machine = report.config, report.server, report.machine
@@ -130,6 +152,8 @@ def markdown(report: BenchReport, command: str | None = None, images: Sequence[s
         f"- model: {server['model']} (max_model_len {server['max_model_len']})",
         f"- dataset: {spec.name}, {spec.num_requests} requests; SLO: {config.slo}",
     ]
+    if config.priorities is not None:
+        parts.append(f"- priority classes (priority:weight): {config.priorities}")
     for run in report.runs:
         s = run.summary
         extra = [*run.notes]
@@ -150,6 +174,9 @@ def markdown(report: BenchReport, command: str | None = None, images: Sequence[s
         if extra:
             parts.append(f"- {run.label}: " + "; ".join(extra))
     parts += ["", summary_table(report), ""]
+    if report.runs and report.runs[0].by_priority:
+        parts += ["By priority class (lower first where the server schedules by it):", "",
+                  priority_table(report), ""]  # fmt: skip
     for image in images:
         parts += [f"![{Path(image).stem}]({image})", ""]
     return "\n".join(parts).rstrip() + "\n"

@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from benchmarks.loadgen.arrivals import LoadSpec, session_starts
 from benchmarks.loadgen.client import BenchClient, RequestResult
+from benchmarks.loadgen.priorities import PriorityMix
 from benchmarks.loadgen.tokens import TokenSource
 from benchmarks.loadgen.workload import Session, Workload
 
@@ -31,8 +32,10 @@ class _Run:
         load: LoadSpec,
         tokens: TokenSource,
         progress: bool,
+        priorities: PriorityMix | None,
     ) -> None:
         self.client = client
+        self.priorities = priorities
         self.load = load
         self.tokens = tokens
         self.results: list[RequestResult] = []
@@ -63,6 +66,9 @@ class _Run:
 
     async def session(self, session: Session) -> None:
         history: list[int] = []
+        priority = None
+        if self.priorities is not None:
+            priority = self.priorities.of(session.session_id)
         for k, turn in enumerate(session.turns):
             if k and session.think_time_s:
                 await asyncio.sleep(session.think_time_s)
@@ -70,6 +76,7 @@ class _Run:
                 return
             prompt = history + list(turn.new_tokens)
             result = RequestResult(session.session_id, k, len(prompt), turn.output_tokens, 0.0)
+            result.priority = priority
             async with self.limit:
                 await self.client.send(result, prompt, self.start)
             self.results.append(result)
@@ -117,10 +124,12 @@ async def run_load(
     tokens: TokenSource,
     seed: int = 0,
     progress: bool = True,
+    priorities: PriorityMix | None = None,
 ) -> list[RequestResult]:
     """Offer ``workload`` under ``load``; the results of every request sent, in order of
-    completion, with ``start_s``/``end_s`` measured from the run's start."""
-    run = _Run(client, workload, load, tokens, progress)
+    completion, with ``start_s``/``end_s`` measured from the run's start. ``priorities``:
+    each session's class; None: no priority sent."""
+    run = _Run(client, workload, load, tokens, progress, priorities)
     try:
         if load.closed_loop:
             await run.closed_loop(workload.sessions)

@@ -2,7 +2,8 @@
 worker, ``engine.scheduling_policy: priority``, one decode batch slot): a request of a
 smaller priority value arriving while a long one decodes gets the slot at once (the long
 one is preempted and recomputes), finishes first, and neither sequence's tokens change.
-Under FCFS the short one would wait for the whole long one: the test would fail."""
+Under FCFS the short one would wait for the whole long one: the test would fail. And
+``pdserve bench --priority-mix`` reports each class against such a stack."""
 
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ import time
 import httpx
 import pytest
 
+from benchmarks.loadgen.arrivals import LoadSpec
+from benchmarks.loadgen.bench import BenchConfig, run_benchmark
+from benchmarks.loadgen.priorities import PriorityMix
+from benchmarks.loadgen.report import markdown
+from benchmarks.loadgen.spec import DatasetSpec
 from tests.engine.helpers import random_prompts
 from tests.support.processes import write_config
 from tests.support.stack import serving, worker_stats
@@ -92,3 +98,22 @@ def test_a_smaller_priority_value_overtakes_a_long_decode(stack):
             break
         assert time.monotonic() < deadline, stats
         time.sleep(0.2)
+
+
+def test_bench_reports_each_priority_class(stack):
+    config = BenchConfig(
+        f"{stack.base_url}/v1",
+        DatasetSpec("random", num_requests=12, input_len=32, output_len=24),
+        (LoadSpec(rate=float("inf")),),  # all at once: the one decode slot makes a queue
+        priorities=PriorityMix.parse("0:1,1:2", seed=3),
+        progress=False,
+    )
+    report = asyncio.run(run_benchmark(config))
+    (run,) = report.runs
+    assert run.summary.failed == 0 and run.summary.completed == 12
+    assert set(run.by_priority) == {0, 1}
+    assert sum(s.completed for s in run.by_priority.values()) == 12
+    assert {r.priority for r in run.results} == {0, 1}
+    assert "| rate=inf | 0 | " in markdown(report) and "0:1,1:2" in markdown(report)
+    # The urgent class waits less in the decode worker's one slot.
+    assert run.by_priority[0].ttft_ms.median < run.by_priority[1].ttft_ms.median
