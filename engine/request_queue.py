@@ -4,8 +4,9 @@ One order serves both policies. Under FCFS every priority is 0, so the order is 
 a preempted request (or one whose pull failed) goes back in ahead of everything that
 arrived after it, as it did when it was put back at the head. Under the priority policy
 lower values come first and arrival breaks ties. A sorted list, not a heap: the scheduler
-reads the head every step and removes aborted requests from the middle; queues are
-hundreds long, where the list's O(n) insert is cheaper than a heap's bookkeeping.
+walks it in order (skipping requests that wait for another's pull) and removes admitted
+and aborted requests from anywhere in it; queues are hundreds long, where a list's O(n)
+insert and removal cost less than a heap's bookkeeping.
 """
 
 from __future__ import annotations
@@ -35,12 +36,6 @@ class RequestQueue:
 
     def push(self, request: Request) -> None:
         bisect.insort(self._requests, request, key=queue_order)
-
-    def peek(self) -> Request:
-        return self._requests[0]
-
-    def pop(self) -> Request:
-        return self._requests.pop(0)
 
     def remove(self, request: Request) -> None:
         self._requests.remove(request)
