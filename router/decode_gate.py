@@ -39,7 +39,7 @@ class DecodeGate:
     """The sequences waiting for room on one decode worker, by (priority, arrival). Room is
     the caller's predicate; whoever frees room calls ``wake``, which wakes the first waiter
     only, and each one let through wakes the next. A sequence that arrives with a smaller
-    priority value than the head's goes first (and wakes, in case there is room now)."""
+    priority value than the head's goes first, and through at once if there is room."""
 
     def __init__(self) -> None:
         # (priority, arrival number, the waiter's event), head first.
@@ -57,9 +57,7 @@ class DecodeGate:
         turn = asyncio.Event()
         entry = (priority, next(self._arrivals), turn)
         bisect.insort(self._waiters, entry, key=lambda waiter: waiter[:2])
-        try:
-            if self._waiters[0] is entry:
-                turn.set()  # maybe room already: the head it passed waits for a wake
+        try:  # passing the head, it looks for room at once (the head waits for a wake)
             while not (self._waiters[0] is entry and has_room()):
                 turn.clear()
                 with contextlib.suppress(TimeoutError):
