@@ -8,6 +8,7 @@ scheduled; the KV lands in the same engine step, before any other request can re
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
@@ -131,12 +132,8 @@ class KVCacheManager:
         later from another worker, and ``cache_full_blocks`` registers them once it has."""
         new_computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_computed_tokens = request.num_computed_tokens + len(new_computed_blocks) * (
-            self.block_size
-        )
-        num_tokens_after = num_computed_tokens + num_new_tokens
-        num_new_blocks = cdiv(num_tokens_after, self.block_size) - len(req_blocks)
-        num_new_blocks -= len(new_computed_blocks)
+        num_tokens_after, num_new_blocks = self._growth(request, num_new_tokens,
+                                                        new_computed_blocks)  # fmt: skip
         # Cache hits that sit in the free queue stop being allocatable once we take them.
         num_free_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
         if num_new_blocks > self.pool.num_free_blocks - num_free_hits:
@@ -150,6 +147,37 @@ class KVCacheManager:
         if cache:
             self.cache_full_blocks(request, num_tokens_after)
         return True
+
+    def _growth(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock]
+    ) -> tuple[int, int]:
+        """(tokens the request will hold, blocks to take from the pool) for
+        ``allocate_slots(request, num_new_tokens, new_computed_blocks)``."""
+        num_held = len(self.req_to_blocks.get(request.request_id, ()))
+        num_tokens_after = (
+            request.num_computed_tokens
+            + len(new_computed_blocks) * self.block_size
+            + num_new_tokens
+        )
+        num_new_blocks = cdiv(num_tokens_after, self.block_size) - num_held
+        return num_tokens_after, num_new_blocks - len(new_computed_blocks)
+
+    def fits_after_freeing(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVBlock],
+        freed: list[Request],
+    ) -> bool:
+        """Whether ``allocate_slots(request, num_new_tokens, new_computed_blocks)`` would
+        succeed once every request of ``freed`` has freed its blocks: a block comes free
+        when those requests hold all its references."""
+        refs = Counter(block for other in freed for block in self.req_to_blocks.get(
+            other.request_id, ()))  # fmt: skip
+        num_freed = sum(1 for block, count in refs.items() if block.ref_cnt == count)
+        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == refs.get(b, 0))
+        _, num_new_blocks = self._growth(request, num_new_tokens, new_computed_blocks)
+        return num_new_blocks <= self.pool.num_free_blocks + num_freed - num_free_hits
 
     def free(self, request: Request) -> None:
         """Release the request's blocks; its tail is evicted before its prefix."""

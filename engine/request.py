@@ -118,9 +118,11 @@ class Request:
     remote_kv: RemoteKV | None = None
     times: RequestTimes = field(default_factory=RequestTimes)
     # Under the priority policy, lower values are served first (vLLM's convention); under
-    # FCFS always 0. ``arrival_seq`` is the scheduler's arrival counter: ties go by it.
+    # FCFS always 0. The scheduler numbers arrivals (the waiting line's ties go by them)
+    # and admissions to ``running`` (the running list's ties, and so its victims).
     priority: int = 0
     arrival_seq: int = 0
+    admission_seq: int = 0
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -148,8 +150,14 @@ class Request:
 
     @property
     def queue_order(self) -> tuple[int, int]:
-        """Where the request stands in the scheduler's queues: smaller first."""
+        """Where the request stands in the waiting line: smaller first."""
         return (self.priority, self.arrival_seq)
+
+    @property
+    def running_order(self) -> tuple[int, int]:
+        """Where it stands among running requests: smaller first, the last one preempted
+        first (under FCFS: the most recently admitted, as vLLM)."""
+        return (self.priority, self.admission_seq)
 
     @property
     def scores_prompt(self) -> bool:

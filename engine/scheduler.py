@@ -1,21 +1,23 @@
 """Continuous batching under a per-step token budget, preemption by recompute.
 
-Requests are served in ``Request.queue_order``: arrival order (FCFS), or ``priority`` first
-and then arrival (the priority policy). Each step walks the running requests and the head
-of the waiting line in that order, merged, until the budget runs out: a running request
-gets the tokens it is missing (``num_tokens - num_computed_tokens``: a whole or chunked
-prompt, or the one token it just sampled), a waiting one is admitted and gets its first
-chunk. A running request that cannot get blocks preempts the last running request in that
-order (under FCFS the latest arrival), which frees everything and later recomputes (mostly
-from the prefix cache); no one is admitted in a step that preempted so.
+Requests wait in ``Request.queue_order`` (priority, then arrival) and run in
+``Request.running_order`` (priority, then admission); under FCFS every priority is 0.
+Each step walks the running requests and the head of the waiting line merged, until the
+budget runs out: a running request gets the tokens it is missing (``num_tokens -
+num_computed_tokens``: a whole or chunked prompt, or the one token it just sampled), a
+waiting one is admitted and gets its first chunk. A waiting request goes before running
+ones only if its priority value is strictly smaller, so under FCFS all running requests
+go first and admissions follow. A running request that cannot get blocks preempts the
+last running request (under FCFS the most recently admitted), which frees everything and
+later recomputes (mostly from the prefix cache); no one is admitted in a step that
+preempted so.
 
-Under FCFS the waiting line comes after every running request (they all arrived earlier),
-as before priorities existed. Under the priority policy a waiting request of a smaller
-value goes before running ones of a larger value: it takes the step's budget first (a long
-low-priority prompt cannot hold it off for its whole chunked prefill), and when it finds no
-batch slot or no blocks it preempts running requests of a strictly larger value, last in
-order first, until it fits or none is left. Never for equal values, so two requests can
-never preempt each other back and forth.
+Under the priority policy a waiting request of a smaller value takes the step's budget
+before running ones of a larger value (a long low-priority prompt cannot hold it off for
+its whole chunked prefill), and when it finds no batch slot or no blocks it preempts
+running requests of a strictly larger value, last first, until it fits, if preempting
+them all would make room at all. Never for equal values, so two requests can never
+preempt each other back and forth; a victim is not readmitted in the same step.
 
 Two role-specific paths, both at the edges of the same loop:
 
@@ -47,12 +49,12 @@ from dataclasses import dataclass, field
 
 from common.config import EngineConfig
 from common.hashing import BlockHash
-from engine.block_pool import BlockPoolObserver
+from engine.block_pool import BlockPoolObserver, KVBlock
 from engine.draft_budget import DraftBudget
 from engine.kv_cache_manager import KVCacheManager, SecondaryTier, cdiv
 from engine.ngram_proposer import DraftProposer, NgramProposer
 from engine.request import Request, RequestStatus, TokenLogprobs
-from engine.request_queue import RequestQueue, queue_order
+from engine.request_queue import RequestQueue
 
 # What one step sampled for a request: its tokens in order (one, or more when drafts
 # were accepted), each with its log-probs when asked for.
@@ -86,6 +88,22 @@ class LoadOrder:
 
     block_hashes: list[BlockHash]
     block_ids: list[int]
+
+
+@dataclass(slots=True)
+class _Admission:
+    """What admitting a waiting request takes (``Scheduler._plan``)."""
+
+    hits: list[KVBlock]  # cached device blocks of its prefix
+    num_hit_tokens: int
+    loaded: list[BlockHash]  # the CPU-tier blocks after them, to load
+    num_tokens: int  # tokens to allocate slots for after the hits
+    pull: bool  # its prompt's KV comes from another worker
+    num_new: int = 0  # tokens computed in this step (none for a pull)
+
+
+def running_order(request: Request) -> tuple[int, int]:
+    return request.running_order
 
 
 @dataclass(slots=True)
@@ -129,6 +147,7 @@ class Scheduler:
         self.num_draft_tokens = 0  # drafts verified (cumulative)
         self.num_accepted_tokens = 0  # of those, kept
         self._num_arrivals = 0
+        self._num_admissions = 0
         # Full blocks that pulls in flight are writing (by hash), and each pull's own.
         self._pulling: Counter[BlockHash] = Counter()
         self._pulled_hashes: dict[str, list[BlockHash]] = {}
@@ -204,11 +223,12 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         index = 0  # self.running[:index] are scheduled this step
-        deferred: set[str] = set()  # waiting for another request's pull, this step
-        head = self._next_admissible(deferred)  # None: no more admissions this step
+        skip: set[str] = set()  # not admitted this step: preempted in it, or waiting for a pull
+        head = self._next_admissible(skip)  # None: no more admissions this step
         while budget > 0:
+            # A waiting request goes before running ones of a larger priority value only.
             if index < len(self.running) and (
-                head is None or queue_order(self.running[index]) < queue_order(head)
+                head is None or self.running[index].priority <= head.priority
             ):
                 num_preempted = len(out.preempted_ids)
                 num_scheduled = self._schedule_running(self.running[index], out, budget)
@@ -227,12 +247,13 @@ class Scheduler:
                     assert self.running[index] is head  # it came before running[index]
                     budget -= num_scheduled
                     index += 1
-                head = self._next_admissible(deferred)
+                skip.update(out.preempted_ids)  # its victims wait at least a step
+                head = self._next_admissible(skip)
             else:
                 break
         return out
 
-    def _next_admissible(self, deferred: set[str]) -> Request | None:
+    def _next_admissible(self, skip: set[str]) -> Request | None:
         """The first waiting request in order that is not waiting for another's pull.
 
         A pulled prompt whose next missing block some pull in flight is writing (the
@@ -241,10 +262,10 @@ class Scheduler:
         only what differs, and shares the blocks instead of holding its own copy for its
         whole decode. Nobody waits behind it meanwhile: the line passes it."""
         for request in self.waiting:
-            if request.request_id in deferred:
+            if request.request_id in skip:
                 continue
             if self._pulling and self._waits_for_pull(request):
-                deferred.add(request.request_id)
+                skip.add(request.request_id)
                 continue
             return request
         return None
@@ -304,23 +325,40 @@ class Scheduler:
         """Admit the head of the waiting line: into ``running`` with its first tokens
         scheduled (returns how many), or into ``fetching`` with its pull ordered (returns
         0). When it finds no batch slot or no blocks, it preempts running requests of a
-        strictly larger priority value, last first, and tries again; returns None when
-        it still does not fit."""
+        strictly larger priority value, last first, until it fits; returns None (and
+        preempts no one) when even all of them would not make room."""
+        plan = self._plan(request, budget)
+        checked = False
         while True:
-            if len(self.running) + len(self.fetching) < self.max_num_seqs:
-                num_scheduled = self._try_admit(request, out, budget)
-                if num_scheduled is not None:
-                    return num_scheduled
-            if not self.running or self.running[-1].priority <= request.priority:
+            has_slot = len(self.running) + len(self.fetching) < self.max_num_seqs
+            if has_slot and self.kv.allocate_slots(
+                request, plan.num_tokens, plan.hits, cache=not plan.pull
+            ):
+                return self._start_fetch(request, plan, out) if plan.pull else (
+                    self._start_running(request, plan, out))  # fmt: skip
+            lower = [r for r in self.running if r.priority > request.priority]
+            if not lower:
                 return None
+            if not checked:  # before the first preemption: would they all make room?
+                if not self.kv.fits_after_freeing(request, plan.num_tokens, plan.hits, lower):
+                    return None
+                checked = True
             self._preempt(self.running.pop(), out)
 
-    def _try_admit(self, request: Request, out: SchedulerOutput, budget: int) -> int | None:
-        if request.remote_kv is not None and request.num_computed_tokens == 0:
-            if not self._start_fetch(request, out):
-                return None
-            self.waiting.remove(request)
-            return 0
+    def _plan(self, request: Request, budget: int) -> _Admission:
+        """What admitting ``request`` takes: its cached blocks (device hits, then CPU-tier
+        blocks to load) and the tokens to allocate slots for after the hits."""
+        remote = request.remote_kv
+        if remote is not None and request.num_computed_tokens == 0:
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            if num_hit_tokens >= remote.num_tokens:
+                hits = hits[: remote.num_tokens // self.block_size]
+                num_hit_tokens = len(hits) * self.block_size
+            # Blocks offloaded here earlier come back from CPU memory, not the network.
+            loaded = self.kv.get_secondary_hits(request, len(hits))
+            loaded = loaded[: max(remote.num_tokens // self.block_size - len(hits), 0)]
+            num_tokens = remote.num_tokens - num_hit_tokens
+            return _Admission(hits, num_hit_tokens, loaded, num_tokens, pull=True)
         hits, num_hit_tokens, loaded = [], 0, []
         if request.num_computed_tokens == 0:
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
@@ -328,54 +366,50 @@ class Scheduler:
         num_loaded_tokens = len(loaded) * self.block_size
         num_computed = request.num_computed_tokens + num_hit_tokens + num_loaded_tokens
         num_new = self._num_new_tokens(request, num_computed, budget)
-        if not self.kv.allocate_slots(request, num_loaded_tokens + num_new, hits):
-            return None
+        num_tokens = num_loaded_tokens + num_new
+        return _Admission(hits, num_hit_tokens, loaded, num_tokens, pull=False, num_new=num_new)
+
+    def _start_running(self, request: Request, plan: _Admission, out: SchedulerOutput) -> int:
+        """Move an admitted request (its slots allocated) into ``running``, order the loads
+        of its CPU-tier blocks, and schedule its first tokens; returns how many."""
+        num_loaded_tokens = len(plan.loaded) * self.block_size
         if request.num_cached_tokens < 0:  # its first admission, pulled or not
-            self.kv.record_lookup(request.num_tokens, num_hit_tokens, num_loaded_tokens)
+            self.kv.record_lookup(request.num_tokens, plan.num_hit_tokens, num_loaded_tokens)
         self.waiting.remove(request)
-        if loaded:
+        if plan.loaded:
             block_ids = self.kv.get_block_ids(request.request_id)
-            first = len(hits)
-            out.loads.append(LoadOrder(loaded, block_ids[first : first + len(loaded)]))
-            self.kv.secondary.reserve(loaded)
-        num_hit_tokens += num_loaded_tokens
-        request.num_computed_tokens += num_hit_tokens
+            first = len(plan.hits)
+            out.loads.append(LoadOrder(plan.loaded, block_ids[first : first + len(plan.loaded)]))
+            self.kv.secondary.reserve(plan.loaded)
+        num_cached_tokens = plan.num_hit_tokens + num_loaded_tokens
+        request.num_computed_tokens += num_cached_tokens
         if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_hit_tokens
+            request.num_cached_tokens = num_cached_tokens
         request.status = RequestStatus.RUNNING
         if request.times.first_scheduled is None:
             request.times.first_scheduled = time.monotonic()
-        bisect.insort(self.running, request, key=queue_order)
-        out.scheduled.append(self._scheduled(request, num_new))
-        return num_new
+        self._add_running(request)
+        out.scheduled.append(self._scheduled(request, plan.num_new))
+        return plan.num_new
 
-    def _start_fetch(self, request: Request, out: SchedulerOutput) -> bool:
-        """Allocate blocks for a remote prompt, order the load of those the CPU tier holds
-        (``out.loads``) and the pull of the rest not cached on the device."""
+    def _start_fetch(self, request: Request, plan: _Admission, out: SchedulerOutput) -> int:
+        """Move an admitted remote prompt (its slots allocated, its new full blocks left out
+        of the prefix cache) into ``fetching``: order the loads of the blocks the CPU tier
+        holds and the pull of the rest not cached on the device. Returns 0 (no tokens)."""
         remote = request.remote_kv
         assert remote is not None
-        hits, num_hit_tokens = self.kv.get_computed_blocks(request)
-        num_remote_tokens = remote.num_tokens
-        if num_hit_tokens >= num_remote_tokens:
-            hits = hits[: num_remote_tokens // self.block_size]
-            num_hit_tokens = len(hits) * self.block_size
-        # Blocks offloaded here earlier come back from CPU memory instead of the network.
-        loaded = self.kv.get_secondary_hits(request, len(hits))
-        loaded = loaded[: max(num_remote_tokens // self.block_size - len(hits), 0)]
-        if not self.kv.allocate_slots(
-            request, num_remote_tokens - num_hit_tokens, hits, cache=False
-        ):
-            return False
-        num_loaded_tokens = len(loaded) * self.block_size
-        self.kv.record_lookup(request.num_tokens, num_hit_tokens, num_loaded_tokens)
-        request.num_cached_tokens = num_hit_tokens + num_loaded_tokens
-        self.num_blocks_reused_for_remote += len(hits) + len(loaded)
+        num_loaded_tokens = len(plan.loaded) * self.block_size
+        self.kv.record_lookup(request.num_tokens, plan.num_hit_tokens, num_loaded_tokens)
+        self.waiting.remove(request)
+        request.num_cached_tokens = plan.num_hit_tokens + num_loaded_tokens
+        self.num_blocks_reused_for_remote += len(plan.hits) + len(plan.loaded)
         local_ids = self.kv.get_block_ids(request.request_id)
-        if loaded:
-            out.loads.append(LoadOrder(loaded, local_ids[len(hits) : len(hits) + len(loaded)]))
-            self.kv.secondary.reserve(loaded)
-        first, last = len(hits) + len(loaded), cdiv(num_remote_tokens, self.block_size)
-        pulled = request.block_hashes[first : num_remote_tokens // self.block_size]
+        first = len(plan.hits)
+        if plan.loaded:
+            out.loads.append(LoadOrder(plan.loaded, local_ids[first : first + len(plan.loaded)]))
+            self.kv.secondary.reserve(plan.loaded)
+        first, last = first + len(plan.loaded), cdiv(remote.num_tokens, self.block_size)
+        pulled = request.block_hashes[first : remote.num_tokens // self.block_size]
         self._pulling.update(pulled)
         self._pulled_hashes[request.request_id] = pulled
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
@@ -389,7 +423,14 @@ class Scheduler:
                 block_indices=list(range(first, last)),
             )
         )
-        return True
+        return 0
+
+    def _add_running(self, request: Request) -> None:
+        """Into ``running`` by ``running_order``: after every admitted request of its
+        priority (under FCFS, appended)."""
+        request.admission_seq = self._num_admissions
+        self._num_admissions += 1
+        bisect.insort(self.running, request, key=running_order)
 
     def finish_fetch(self, request_id: str, ok: bool, recompute_on_failure: bool = True) -> None:
         """The pull of ``request_id`` ended. On success the request continues from the end
@@ -419,7 +460,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = time.monotonic()
-            bisect.insort(self.running, request, key=queue_order)
+            self._add_running(request)
         elif recompute_on_failure:
             self.kv.free(request)
             request.remote_kv = None

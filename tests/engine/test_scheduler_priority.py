@@ -109,9 +109,10 @@ def test_preempts_larger_values_for_blocks_last_first():
     assert scheduler.leak_report() == []
 
 
-def test_no_preemption_when_nothing_ranks_below():
-    # The head needs more blocks than requests of larger values hold: it preempts them
-    # all, and waits (head of the line) for the equal-valued one to finish.
+def test_no_preemption_that_would_not_make_room():
+    # The head needs more blocks than the free ones and those of every request of a larger
+    # value together: it preempts no one (that would only throw their work away), and
+    # waits at the head of the line for the equal-valued one to finish.
     config = EngineConfig(block_size=4, enable_prefix_caching=False, scheduling_policy=PRIORITY)
     scheduler = Scheduler(config, num_blocks=6)
     keep = with_priority(make_request("keep", 12, max_tokens=3), 0)
@@ -119,12 +120,59 @@ def test_no_preemption_when_nothing_ranks_below():
     scheduler.add_request(keep)
     scheduler.add_request(spare)
     run_step(scheduler)
-    scheduler.add_request(with_priority(make_request("big", 16, max_tokens=1, start=100), 0))
+    big = with_priority(make_request("big", 16, max_tokens=1, start=100), 0)
+    scheduler.add_request(big)
     out = scheduler.schedule()
-    assert out.preempted_ids == ["spare"]
-    assert [s.request.request_id for s in out.scheduled] == ["keep"]
-    scheduler.update_from_output(out, {"keep": [(7, None)]})
-    assert admission_order(scheduler) == ["keep", "big", "spare"]
+    assert out.preempted_ids == []
+    assert [s.request.request_id for s in out.scheduled] == ["keep", "spare"]
+    scheduler.update_from_output(out, {"keep": [(7, None)], "spare": [(7, None)]})
+    assert admission_order(scheduler) == ["keep", "spare", "big"]
+    assert scheduler.num_preemptions == 0 and big.status is RequestStatus.FINISHED_LENGTH
+    assert scheduler.leak_report() == []
+
+
+def test_a_victim_is_not_readmitted_in_the_step_that_preempted_it():
+    # Three blocks: "low" holds all three; "high" needs one, so "low" is preempted. The
+    # two blocks left would take "low" back at once, recomputed from its first token;
+    # it waits for the next step instead (as vLLM's victims do).
+    config = EngineConfig(block_size=4, enable_prefix_caching=False, prefill_chunk_tokens=4,
+                          scheduling_policy=PRIORITY)  # fmt: skip
+    scheduler = Scheduler(config, num_blocks=3)
+    low = with_priority(make_request("low", 4, max_tokens=8), 5)
+    scheduler.add_request(low)
+    for _ in range(6):
+        run_step(scheduler)
+    assert low.num_computed_tokens == 9 and scheduler.kv.num_free_blocks == 0
+    scheduler.add_request(with_priority(make_request("high", 3, max_tokens=2, start=100), 0))
+    out = scheduler.schedule()
+    assert out.preempted_ids == ["low"]
+    assert [s.request.request_id for s in out.scheduled] == ["high"]
+    scheduler.update_from_output(out, {"high": [(7, None)]})
+    drain(scheduler)
+    assert low.status is RequestStatus.FINISHED_LENGTH and low.num_preemptions == 1
+    assert scheduler.leak_report() == []
+
+
+def test_fcfs_schedules_a_landed_pull_before_readmitting_a_preempted_request():
+    # W is preempted while F's pull is in flight; F lands. Running requests go first under
+    # FCFS: F gets the last block, and W waits (it must not take it and make F, whose KV
+    # just arrived, preempt itself).
+    config = EngineConfig(block_size=4, enable_prefix_caching=False, prefill_chunk_tokens=4)
+    scheduler = Scheduler(config, num_blocks=4)
+    a = make_request("A", 4, max_tokens=10)
+    w = make_request("W", 4, max_tokens=10, start=100)
+    f = make_request("F", 4, max_tokens=10, start=200)
+    f.output_token_ids.append(99)
+    f.remote_kv = RemoteKV("lease", 4, (9,))
+    for request in (a, w, f):
+        scheduler.add_request(request)
+    run_step(scheduler)  # A and W prefill; F's pull is ordered
+    run_step(scheduler)  # A grows; W cannot and yields
+    assert w.status is RequestStatus.PREEMPTED
+    scheduler.finish_fetch("F", ok=True)
+    assert run_step(scheduler) == {"A": 1, "F": 1}
+    assert f.num_preemptions == 0 and w.status is RequestStatus.PREEMPTED
+    drain(scheduler)  # (four blocks for three growing requests: they take turns)
     assert scheduler.leak_report() == []
 
 
