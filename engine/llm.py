@@ -118,8 +118,7 @@ class LLM:
         priorities = [0] * len(prompt_list) if priority is None else list(priority)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"{len(priorities)} priorities for {len(prompt_list)} prompts")
-        for value in priorities:
-            self.engine.validate_priority(value)
+        priorities = [self.engine.validate_priority(value) for value in priorities]
         for tokens in token_lists:
             self.engine.validate_prompt(tokens)
         for name in lora_names:

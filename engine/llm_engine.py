@@ -10,6 +10,7 @@ in and results out through queues.
 from __future__ import annotations
 
 import logging
+import operator
 import random
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -203,7 +204,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling params must be a SamplingParams", "params")
         lora = self.lora_adapter(lora_name)
-        self.validate_priority(priority)
+        priority = self.validate_priority(priority)
         if outputs and len(prompt) + len(outputs) >= self.max_model_len:
             raise InvalidRequestError(
                 f"{len(prompt)} prompt + {len(outputs)} output tokens leave no room below "
@@ -306,17 +307,24 @@ class LLMEngine:
             )
         return prompt
 
-    def validate_priority(self, priority: int) -> None:
-        if type(priority) is not int or not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+    def validate_priority(self, priority: int) -> int:
+        """``priority`` as an int (numpy integers too; not a bool), if this engine takes it."""
+        try:
+            value = operator.index(priority)
+        except TypeError:
+            value = None
+        if value is None or isinstance(priority, bool) or not MIN_PRIORITY <= value <= MAX_PRIORITY:
             raise InvalidRequestError(
                 f"priority must be an integer in [{MIN_PRIORITY}, {MAX_PRIORITY}]", "priority"
             )
+        priority = value
         if priority and self.config.scheduling_policy is not SchedulingPolicy.PRIORITY:
             raise InvalidRequestError(
                 f"priority {priority} needs engine.scheduling_policy: priority (this engine "
                 f"serves {self.config.scheduling_policy.value})",
                 "priority",
             )
+        return priority
 
     def lora_adapter(self, lora_name: str | None) -> LoraAdapter | None:
         """The loaded adapter ``lora_name`` names (None: the base model). Raises

@@ -80,7 +80,8 @@ def test_priority_reorders_service_and_keeps_the_tokens(tiny_llama, prompts, bas
 
 def test_priority_needs_the_priority_policy(tiny_llama, prompts):
     llm = LLM(tiny_llama)
-    for bad, match in ((1, "needs engine.scheduling_policy: priority"), (2**31, "integer in")):
+    for bad, match in ((1, "needs engine.scheduling_policy: priority"), (2**31, "integer in"),
+                       (True, "integer in"), (1.0, "integer in")):  # fmt: skip
         with pytest.raises(InvalidRequestError, match=match) as info:
             llm.generate(prompts[:2], GREEDY, use_tqdm=False, priority=[0, bad])
         assert info.value.param == "priority"
