@@ -33,7 +33,8 @@ from common.config import EngineConfig
 from engine import LLMEngine, SamplingParams
 from engine.models.arch import read_arch_config
 
-CLASSES = ("interactive", "batch")
+CLASSES = ("interactive", "batch", "all")
+METRICS = ("ttft_p50_s", "ttft_p90_s", "e2e_p50_s", "e2e_p90_s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +113,8 @@ def serve(model: Path, args: argparse.Namespace, policy: str, arrivals: list[Arr
     assert engine.leak_report() == [], engine.leak_report()
     by_class: dict[str, dict] = {}
     for name in CLASSES:
-        ids = [f"r{i}" for i, a in enumerate(arrivals) if a.interactive == (name == CLASSES[0])]
+        ids = [f"r{i}" for i, a in enumerate(arrivals)
+               if name == "all" or a.interactive == (name == "interactive")]  # fmt: skip
         ttft = [times[r][1] - times[r][0] for r in ids]
         e2e = [times[r][2] - times[r][0] for r in ids]
         by_class[name] = {
@@ -129,6 +131,34 @@ def serve(model: Path, args: argparse.Namespace, policy: str, arrivals: list[Arr
         "preemptions": engine.scheduler.num_preemptions,
         "classes": by_class,
         "tokens": [tokens[f"r{i}"] for i in range(len(arrivals))],
+    }
+
+
+def round_ratios(fcfs: dict, prio: dict) -> dict[str, float]:
+    """priority / fcfs of every class's latencies, and of output tokens/s, in one round."""
+    ratios = {
+        f"{name} {metric}": prio["classes"][name][metric] / fcfs["classes"][name][metric]
+        for name in CLASSES
+        for metric in METRICS
+    }
+    ratios["output tokens/s"] = prio["output_tokens_per_s"] / fcfs["output_tokens_per_s"]
+    return ratios
+
+
+def median_run(runs: list[dict]) -> dict:
+    """One policy's runs over the rounds: each figure the median of its rounds'."""
+    return {
+        "policy": runs[0]["policy"],
+        "wall_s": statistics.median(r["wall_s"] for r in runs),
+        "output_tokens_per_s": statistics.median(r["output_tokens_per_s"] for r in runs),
+        "preemptions": statistics.median(r["preemptions"] for r in runs),
+        "classes": {
+            name: {
+                "num_requests": runs[0]["classes"][name]["num_requests"],
+                **{m: statistics.median(r["classes"][name][m] for r in runs) for m in METRICS},
+            }
+            for name in CLASSES
+        },
     }
 
 
@@ -151,6 +181,8 @@ def main() -> None:
     parser.add_argument("--max-output-len", type=int, default=96)
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="runs of both policies, alternating; medians reported")  # fmt: skip
     args = parser.parse_args()
     model = model_dir(args)
     arch = read_arch_config(model)
@@ -163,18 +195,24 @@ def main() -> None:
     rate = args.load * capacity(model, args, draft)
     arrivals = make_arrivals(args.num_requests, rate, prompts, output_lens,
                              args.interactive_share)  # fmt: skip
-    runs = []
-    for policy in ("fcfs", "priority"):
-        print(f"scheduling_policy={policy} ...", flush=True)
-        runs.append(serve(model, args, policy, arrivals))
-    fcfs, prio = runs
-    identical = sum(a == b for a, b in zip(fcfs["tokens"], prio["tokens"], strict=True))
-    ratios = {
-        f"{name} {metric}": prio["classes"][name][metric] / fcfs["classes"][name][metric]
-        for name in CLASSES
-        for metric in ("ttft_p50_s", "ttft_p90_s", "e2e_p50_s", "e2e_p90_s")
-    }
-    ratios["output tokens/s"] = prio["output_tokens_per_s"] / fcfs["output_tokens_per_s"]
+    rounds: list[tuple[dict, dict]] = []
+    for index in range(args.rounds):
+        pair = []
+        for policy in ("fcfs", "priority"):
+            print(f"round {index + 1}/{args.rounds}: scheduling_policy={policy} ...", flush=True)
+            pair.append(serve(model, args, policy, arrivals))
+        rounds.append((pair[0], pair[1]))
+    reference = rounds[0][0]["tokens"]
+    identical = min(
+        sum(a == b for a, b in zip(reference, run["tokens"], strict=True))
+        for pair in rounds
+        for run in pair
+    )
+    per_round = [round_ratios(fcfs, prio) for fcfs, prio in rounds]
+    ratios = {key: statistics.median(r[key] for r in per_round) for key in per_round[0]}
+    ranges = {key: (min(r[key] for r in per_round), max(r[key] for r in per_round))
+              for key in per_round[0]}  # fmt: skip
+    runs = [median_run([pair[i] for pair in rounds]) for i in (0, 1)]
     record = {
         **record_header(args),
         "num_requests": args.num_requests,
@@ -183,8 +221,13 @@ def main() -> None:
         "arrival_rate_per_s": rate,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
-        "runs": [{k: v for k, v in run.items() if k != "tokens"} for run in runs],
+        "rounds": args.rounds,
+        "runs": runs,
+        "every_run": [
+            [{k: v for k, v in run.items() if k != "tokens"} for run in pair] for pair in rounds
+        ],
         "priority_vs_fcfs": ratios,
+        "priority_vs_fcfs_range": ranges,
         "identical_sequences": f"{identical}/{len(arrivals)}",
     }
     stem = args.out_dir / f"priority_{args.tag}"
@@ -200,7 +243,9 @@ def main() -> None:
         f"{args.max_output_len} greedy output tokens, the same ranges for both classes; "
         f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens "
         f"{args.max_num_batched_tokens}; prefix caching on (the prompts share nothing: it "
-        "serves only preempted requests' recompute). Latencies from each request's arrival.",
+        "serves only preempted requests' recompute). Latencies from each request's arrival. "
+        f"{args.rounds} rounds of both policies, alternating: medians over the rounds "
+        "(ratios: the median of each round's ratio, and their range).",
         "",
         "| policy | class | requests | TTFT p50 s | TTFT p90 s | e2e p50 s | e2e p90 s |",
         "|---|---|---:|---:|---:|---:|---:|",
@@ -215,12 +260,14 @@ def main() -> None:
     lines += ["", "| policy | wall s | output tokens/s | preemptions |", "|---|---:|---:|---:|"]
     for run in runs:
         lines.append(f"| {run['policy']} | {run['wall_s']:.1f} | "
-                     f"{run['output_tokens_per_s']:.1f} | {run['preemptions']} |")  # fmt: skip
+                     f"{run['output_tokens_per_s']:.1f} | {run['preemptions']:g} |")  # fmt: skip
     lines += [
         "",
-        *(f"- {name} (priority / fcfs): **{value:.2f}x**" for name, value in ratios.items()),
-        f"- sequences identical under both policies: {record['identical_sequences']}",
+        f"- sequences identical in every run: {record['identical_sequences']}",
     ]
+    for name, value in ratios.items():
+        low, high = ranges[name]
+        lines.insert(-1, f"- {name} (priority / fcfs): **{value:.2f}x** ({low:.2f}-{high:.2f})")
     write_markdown(stem.with_suffix(".md"), "\n".join(lines) + "\n")
     print("\n".join(lines))
 
