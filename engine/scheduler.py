@@ -134,7 +134,7 @@ class Scheduler:
             num_blocks, config.block_size, config.enable_prefix_caching, observers, secondary
         )
         self.waiting = RequestQueue()
-        self.running: list[Request] = []  # in queue order
+        self.running: list[Request] = []  # in running_order
         self.fetching: dict[str, Request] = {}
         self.held: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}  # every unfinished request
@@ -331,11 +331,11 @@ class Scheduler:
         checked = False
         while True:
             has_slot = len(self.running) + len(self.fetching) < self.max_num_seqs
-            if has_slot and self.kv.allocate_slots(
-                request, plan.num_tokens, plan.hits, cache=not plan.pull
-            ):
-                return self._start_fetch(request, plan, out) if plan.pull else (
-                    self._start_running(request, plan, out))  # fmt: skip
+            cache = not plan.pull  # pulled blocks enter the prefix cache when they land
+            if has_slot and self.kv.allocate_slots(request, plan.num_tokens, plan.hits, cache):
+                if plan.pull:
+                    return self._start_fetch(request, plan, out)
+                return self._start_running(request, plan, out)
             lower = [r for r in self.running if r.priority > request.priority]
             if not lower:
                 return None
