@@ -184,6 +184,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3,
                         help="runs of both policies, alternating; medians reported")  # fmt: skip
     args = parser.parse_args()
+    for low, high in (("min_prompt_len", "max_prompt_len"), ("min_output_len", "max_output_len")):
+        if not 1 <= getattr(args, low) <= getattr(args, high):
+            parser.error(f"need 1 <= --{low.replace('_', '-')} <= --{high.replace('_', '-')}")
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
     model = model_dir(args)
     arch = read_arch_config(model)
     prompts = make_prompts(args.num_requests, args.min_prompt_len, args.max_prompt_len,

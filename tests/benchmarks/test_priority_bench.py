@@ -10,9 +10,9 @@ from tests.support.processes import ROOT
 
 
 def test_the_priority_benchmark_runs_and_records(tmp_path):
-    args = ["--size", "tiny", "--num-requests", "16", "--max-prompt-len", "96",
-            "--max-output-len", "24", "--max-num-seqs", "4", "--tag", "smoke",
-            "--out-dir", str(tmp_path)]  # fmt: skip
+    args = ["--size", "tiny", "--num-requests", "8", "--max-prompt-len", "64",
+            "--min-output-len", "4", "--max-output-len", "12", "--max-num-seqs", "2",
+            "--rounds", "1", "--tag", "smoke", "--out-dir", str(tmp_path)]  # fmt: skip
     result = subprocess.run(
         [sys.executable, "-m", "benchmarks.priority", *args],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
@@ -22,9 +22,10 @@ def test_the_priority_benchmark_runs_and_records(tmp_path):
     fcfs, priority = record["runs"]
     assert (fcfs["policy"], priority["policy"]) == ("fcfs", "priority")
     assert fcfs["preemptions"] == 0  # FCFS never preempts to admit; the pool is ample
-    assert record["identical_sequences"] == "16/16"
+    assert record["identical_sequences"] == "8/8" and record["rounds"] == 1
     for run in record["runs"]:
         classes = run["classes"]
-        assert classes["interactive"]["num_requests"] + classes["batch"]["num_requests"] == 16
+        assert classes["interactive"]["num_requests"] + classes["batch"]["num_requests"] == 8
+        assert classes["all"]["num_requests"] == 8
         assert all(c["ttft_p50_s"] <= c["e2e_p50_s"] for c in classes.values())
     assert "| policy | class |" in (tmp_path / "priority_smoke.md").read_text()
