@@ -53,7 +53,7 @@ from router.protocol import (
 )
 from router.reasoning import PROMPT_TAIL_TOKENS, Reasoning, opening_of
 from router.response_output import ResponseShape, translate_stream
-from router.responses import renamed, to_chat
+from router.responses import renamed, to_chat, without_oldest_turn
 from router.state import RouterState
 from router.structured import check as check_constraint
 from router.structured import structured_output_of
@@ -288,10 +288,17 @@ def create_app(state: RouterState) -> FastAPI:
         """OpenAI's Responses API, stateless, over the chat path (``router/responses.py``)."""
         chat = to_chat(body)
         shape = ResponseShape(body, body.model or state.model.served_name)
-        try:
-            reply = await chat_completions(chat, request)
-        except APIError as error:
-            raise renamed(error) from None
+        while True:
+            try:
+                reply = await chat_completions(chat, request)
+                break
+            except APIError as error:
+                shorter = None
+                if body.truncation == "auto" and error.code == "context_length_exceeded":
+                    shorter = without_oldest_turn(chat)  # it failed before anything ran
+                if shorter is None:
+                    raise renamed(error) from None
+                chat = shorter
         if reply.status_code != 200:  # the client left
             return reply
         if isinstance(reply, StreamingResponse):

@@ -554,7 +554,6 @@ class ResponsesRequest(_Body):
         **dict.fromkeys(_STATEFUL_OR_HOSTED, _absent),
         "include": lambda value: not value or set(value) <= {"reasoning.encrypted_content"},
         "top_logprobs": lambda value: not value,  # absent, null or 0
-        "truncation": lambda value: value in (None, "disabled"),
         "service_tier": lambda value: value in (None, "auto", "default"),
     }
 
@@ -573,6 +572,8 @@ class ResponsesRequest(_Body):
     parallel_tool_calls: bool = True
     reasoning: ReasoningOptions | None = None
     text: TextOptions | None = None
+    # "auto": a conversation past the context loses its oldest turns until it fits.
+    truncation: Literal["auto", "disabled"] = "disabled"
     # Extensions (as in chat completions), passed on to the chat request, which checks them.
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     top_k: int | None = None

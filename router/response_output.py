@@ -58,7 +58,7 @@ class ResponseShape:
             "tool_choice": body.tool_choice or "auto",
             "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or ()],
             "top_p": body.top_p,
-            "truncation": "disabled",
+            "truncation": body.truncation,
             "usage": usage,
             "user": body.user,
             "metadata": body.metadata or {},

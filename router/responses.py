@@ -14,6 +14,10 @@ Stateless, as vLLM serves it without a store: nothing is kept after the reply, s
 ``"store": false``; a client sends the whole conversation as ``input`` instead. Hosted
 tools (web search, file search, MCP, ...) and non-text input (images, files) are refused
 the same way. Reasoning comes whole as the item's content; ``summary`` stays empty.
+
+``truncation: "auto"`` (OpenAI's: a conversation past the context window loses input
+items) drops whole turns, oldest first (``without_oldest_turn``), keeping the system
+message and the last user turn, until the prompt and ``max_output_tokens`` fit.
 """
 
 from __future__ import annotations
@@ -114,6 +118,21 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     if not messages:
         raise FieldError("input must hold at least one message", "input")
     return messages
+
+
+def without_oldest_turn(chat: ChatCompletionRequest) -> ChatCompletionRequest | None:
+    """``chat`` without its oldest turn: the messages from the first one after the
+    leading system / developer messages up to the next user message (an assistant's tool
+    calls go with their outputs). None when only the last user turn is left."""
+    messages = chat.messages
+    first = next((i for i, m in enumerate(messages) if m.role not in ("system", "developer")), None)
+    if first is None:
+        return None
+    following = (i for i in range(first + 1, len(messages)) if messages[i].role == "user")
+    end = next(following, None)
+    if end is None:
+        return None
+    return chat.model_copy(update={"messages": [*messages[:first], *messages[end:]]})
 
 
 def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:

@@ -546,6 +546,29 @@ def test_responses_api_function_calls(client):
     assert info.value.body["param"] == "input"
 
 
+def test_responses_truncation_auto_drops_the_oldest_turns(client, stack):
+    """A conversation past the context: refused as it is (``truncation`` disabled, the
+    default), served without its oldest turns with ``truncation: "auto"``."""
+    max_model_len = stack.config["engine"]["max_model_len"]
+    turn = "word " * (max_model_len // 12)  # about 170 tokens: 7 turns do not fit, 5 do
+    conversation = [{"role": role, "content": f"{index}: {turn}"}
+                    for index, role in enumerate(["user", "assistant"] * 3 + ["user"])]  # fmt: skip
+    ask = {"model": MODEL, "input": conversation, "instructions": "Be brief.",
+           "max_output_tokens": 4}  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(**ask)
+    assert (info.value.body["param"], info.value.body["code"]) == (
+        "input",
+        "context_length_exceeded",
+    )
+    reply = client.responses.create(**ask, truncation="auto")
+    assert reply.truncation == "auto" and reply.output  # (cut at max_output_tokens)
+    assert reply.usage.input_tokens + 4 <= max_model_len
+    # Only the oldest turns went: the last one alone is what a fresh conversation sends.
+    last_only = client.responses.create(**{**ask, "input": conversation[-1:]})
+    assert reply.usage.input_tokens > last_only.usage.input_tokens
+
+
 def test_responses_api_refusals_name_their_field(client):
     image = [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]
     for extra, param in (

@@ -9,7 +9,7 @@ import pytest
 from router.errors import APIError
 from router.protocol import ResponsesRequest
 from router.response_output import ResponseShape
-from router.responses import to_chat
+from router.responses import to_chat, without_oldest_turn
 
 
 def chat_of(**body):
@@ -66,6 +66,7 @@ def test_instructions_and_items_become_chat_turns():
         ({"conversation": "conv_1"}, "conversation is not supported"),
         ({"background": True}, "background is not supported"),
         ({"max_output_tokens": 0}, "greater than or equal to 1"),
+        ({"truncation": "middle"}, "'auto' or 'disabled'"),
     ],
 )
 def test_state_and_bounds_are_refused_with_the_request(body, message):
@@ -90,6 +91,33 @@ def test_state_and_bounds_are_refused_with_the_request(body, message):
 )  # fmt: skip
 def test_what_cannot_be_served_is_a_400_naming_the_field(param, body, message):
     assert message in refused(param, **{"input": "hi", **body})
+
+
+def test_truncation_drops_whole_turns_oldest_first():
+    chat = chat_of(
+        instructions="Be brief.",
+        input=[
+            {"role": "user", "content": "one"},
+            {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "x"},
+            {"role": "assistant", "content": "done"},
+            {"role": "user", "content": "two"},
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "three"},
+        ],
+        truncation="auto",
+    )
+    turns = []
+    while chat is not None:
+        turns.append([(m.role, m.content) for m in chat.messages])
+        chat = without_oldest_turn(chat)
+    assert turns == [
+        [("system", "Be brief."), ("user", "one"), ("assistant", None), ("tool", "x"),
+         ("assistant", "done"), ("user", "two"), ("assistant", "ok"), ("user", "three")],
+        [("system", "Be brief."), ("user", "two"), ("assistant", "ok"), ("user", "three")],
+        [("system", "Be brief."), ("user", "three")],
+    ]  # fmt: skip
+    assert without_oldest_turn(chat_of(input="alone")) is None
 
 
 def shape(**body) -> ResponseShape:
