@@ -2,7 +2,7 @@
 
 One order serves both policies. Under FCFS every priority is 0, so the order is arrival:
 a preempted request (or one whose pull failed) goes back in ahead of everything that
-arrived after it, as it did when it was put back at the head. Under the priority policy
+arrived after it, and behind requests that arrived before it. Under the priority policy
 lower values come first and arrival breaks ties. A sorted list, not a heap: the scheduler
 walks it in order (skipping requests that wait for another's pull) and removes admitted
 and aborted requests from anywhere in it; queues are hundreds long, where a list's O(n)

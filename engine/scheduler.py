@@ -376,11 +376,7 @@ class Scheduler:
         if request.num_cached_tokens < 0:  # its first admission, pulled or not
             self.kv.record_lookup(request.num_tokens, plan.num_hit_tokens, num_loaded_tokens)
         self.waiting.remove(request)
-        if plan.loaded:
-            block_ids = self.kv.get_block_ids(request.request_id)
-            first = len(plan.hits)
-            out.loads.append(LoadOrder(plan.loaded, block_ids[first : first + len(plan.loaded)]))
-            self.kv.secondary.reserve(plan.loaded)
+        self._order_loads(plan, self.kv.get_block_ids(request.request_id), out)
         num_cached_tokens = plan.num_hit_tokens + num_loaded_tokens
         request.num_computed_tokens += num_cached_tokens
         if request.num_cached_tokens < 0:
@@ -404,11 +400,9 @@ class Scheduler:
         request.num_cached_tokens = plan.num_hit_tokens + num_loaded_tokens
         self.num_blocks_reused_for_remote += len(plan.hits) + len(plan.loaded)
         local_ids = self.kv.get_block_ids(request.request_id)
-        first = len(plan.hits)
-        if plan.loaded:
-            out.loads.append(LoadOrder(plan.loaded, local_ids[first : first + len(plan.loaded)]))
-            self.kv.secondary.reserve(plan.loaded)
-        first, last = first + len(plan.loaded), cdiv(remote.num_tokens, self.block_size)
+        self._order_loads(plan, local_ids, out)
+        first = len(plan.hits) + len(plan.loaded)
+        last = cdiv(remote.num_tokens, self.block_size)
         pulled = request.block_hashes[first : remote.num_tokens // self.block_size]
         self._pulling.update(pulled)
         self._pulled_hashes[request.request_id] = pulled
@@ -424,6 +418,14 @@ class Scheduler:
             )
         )
         return 0
+
+    def _order_loads(self, plan: _Admission, block_ids: list[int], out: SchedulerOutput) -> None:
+        """Load the CPU-tier blocks of an admission into the device blocks after its hits
+        (``block_ids``: the request's), reserved so this step's flush cannot evict them."""
+        if plan.loaded:
+            first = len(plan.hits)
+            out.loads.append(LoadOrder(plan.loaded, block_ids[first : first + len(plan.loaded)]))
+            self.kv.secondary.reserve(plan.loaded)
 
     def _add_running(self, request: Request) -> None:
         """Into ``running`` by ``running_order``: after every admitted request of its
