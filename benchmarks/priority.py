@@ -44,6 +44,12 @@ class Arrival:
     output_len: int
     interactive: bool
 
+    @property
+    def params(self) -> SamplingParams:
+        """Greedy, exactly ``output_len`` tokens."""
+        return SamplingParams(max_tokens=self.output_len, min_tokens=self.output_len,
+                              temperature=0)  # fmt: skip
+
 
 def make_arrivals(
     num: int, rate_per_s: float, prompts: list[list[int]], output_lens: list[int], share: float
@@ -74,9 +80,7 @@ def capacity(model: Path, args: argparse.Namespace, arrivals: list[Arrival]) -> 
     burst = arrivals[: 2 * args.max_num_seqs]
     start = time.perf_counter()
     for i, arrival in enumerate(burst):
-        params = SamplingParams(max_tokens=arrival.output_len, min_tokens=arrival.output_len,
-                                temperature=0)  # fmt: skip
-        engine.add_request(f"c{i}", arrival.prompt, params)
+        engine.add_request(f"c{i}", arrival.prompt, arrival.params)
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.leak_report() == [], engine.leak_report()
@@ -93,10 +97,8 @@ def serve(model: Path, args: argparse.Namespace, policy: str, arrivals: list[Arr
         now = time.monotonic() - start
         while pending and pending[0][1].offset_s <= now:
             index, arrival = pending.pop(0)
-            params = SamplingParams(max_tokens=arrival.output_len,
-                                    min_tokens=arrival.output_len, temperature=0)  # fmt: skip
             priority = 0 if arrival.interactive or policy == "fcfs" else 1
-            engine.add_request(f"r{index}", arrival.prompt, params, priority=priority)
+            engine.add_request(f"r{index}", arrival.prompt, arrival.params, priority=priority)
             times[f"r{index}"] = (start + arrival.offset_s, None, None)
         if not engine.has_unfinished_requests():
             time.sleep(max(pending[0][1].offset_s - now, 0.0))
