@@ -9,6 +9,7 @@
 #   1. kernel and triton-backend tests on CUDA          -> session.log
 #   2. kernel table (bf16 cache) and FP8-cache table     -> kernels.{json,md}, kernels_fp8.md
 #   3. NIXL VRAM to VRAM against a device copy           -> kv_transfer.{json,md}
+#   4. the batched sampler against the per-row one       -> sampler_cuda.{json,md}
 # A step that runs out of time is cut and the next runs; session.log holds every step's
 # output and exit status. Then copy the tables into benchmarks/results/ (GPU_RUNBOOK.md).
 set -uo pipefail
@@ -29,10 +30,13 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   --target /tmp/site .whl/*.whl >>"$LOG" 2>&1 || { echo "wheels missing: see GPU_RUNBOOK.md" >>"$LOG"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 
-step gpu_tests 240 python3 -m pytest -q -x tests/kernels tests/engine/test_triton_backend.py
+step gpu_tests 225 python3 -m pytest -q -x tests/kernels tests/engine/test_triton_backend.py
 step kernels 120 python3 benchmarks/kernels.py --json "$OUT/kernels.json" --md "$OUT/kernels.md"
 step kernels_fp8 60 python3 benchmarks/kernels.py --kv-cache-dtype fp8 --md "$OUT/kernels_fp8.md"
 # One GPU has no NVLink: UCX reads VRAM over TCP without this (kv_transfer_h100.md).
 step kv_transfer 120 env UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y python3 benchmarks/kv_transfer.py \
   --device cuda --connectors nixl nixl-layers --repeats 5 --warmup 2 --out "$OUT/kv_transfer"
+# Llama 3's vocabulary; the per-row sampler paid launches and a sync per row here.
+step sampler 45 python3 -m benchmarks.sampler --device cuda --vocab 128256 --logits zipf \
+  --repeats 3 --out-dir "$OUT"
 ls -la "$OUT" >>"$LOG"

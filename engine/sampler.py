@@ -2,26 +2,34 @@
 words, logit bias and penalties, then greedy, or temperature / min-p / top-k / top-p
 (vLLM's order).
 
-Each request samples with its own ``torch.Generator``, one row at a time, so a seeded
-request draws the same tokens whatever it is batched with. The draw for its i-th output
-token comes from that generator seeded anew with ``token_seed(seed, i)`` (``seed`` is the
-request's, or one from the engine's RNG when it has none): a token depends only on the
-seed, its position and its distribution, so a request continued on another worker (the
-first token sampled by a prefill worker, or a sequence the router moved after a decode
-worker died) draws exactly what it would have drawn in one place, with no skip-ahead.
-Log-probs are of the raw distribution (before the grammar, bans, allowed tokens, bad words,
-logit bias, penalties, temperature, min-p, top-k and top-p), like vLLM's default.
+The whole batch goes through each stage at once (``engine.sampling_ops``): a stage is a
+fixed number of kernels, and a step makes a fixed number of host syncs (one; one more
+with top-k / top-p, and with log-probs), whatever the batch. The
+per-row loop it replaced cost a few kernel launches and a sync per row, which on a GPU at
+batch 256 took longer than the decode step itself. Its semantics are kept, row by row, in
+``engine.sampling_reference``, the oracle the tests hold this sampler to token for token.
+
+A non-greedy request draws its i-th output token by inverse CDF at ``uniform(seed, i)``
+(``seed`` is the request's, or one from the engine's RNG when it has none): a token depends
+only on the seed, its position and its distribution, so a request continued on another
+worker (the first token sampled by a prefill worker, or a sequence the router moved after
+a decode worker died) draws exactly what it would have drawn in one place, with no
+skip-ahead. Log-probs are of the raw distribution (before the grammar, bans, allowed
+tokens, bad words, logit bias, penalties, temperature, min-p, top-k and top-p), like
+vLLM's default.
 
 Speculative decoding: a row with draft tokens owns ``1 + len(draft_token_ids)`` logits
 rows; position ``j`` is the distribution after the request's tokens and its first ``j``
 drafts, processed with that history (bad words, penalties) and drawn with output token
-``i + j``'s generator. The row yields the token sampled at each position for as long as
+``i + j``'s uniform. The row yields the token sampled at each position for as long as
 the drafts agree with them: a draft is kept iff it is the very token sampled at its
 position, and the first token that differs (or the one after the last draft) ends the
 row. So speculation changes how many steps a request takes, never its tokens: greedy, or
 seeded, they are the tokens it would have drawn one step at a time. (For a draft that is
 one token, not a distribution, this is also the standard speculative-sampling rule: the
 draft is kept with probability p(draft), and otherwise the token comes from p without it.)
+Every position is drawn, then the row is cut where its drafts part: a position's token
+depends on nothing but its own inputs, so this is what drawing them one by one gives.
 """
 
 from __future__ import annotations
@@ -34,39 +42,14 @@ import torch
 
 from engine.penalties import TokenCounts, apply_penalties
 from engine.request import TokenLogprobs
+from engine.sampling_ops import apply_min_p, apply_top_k_top_p, inverse_cdf, uniform
 from engine.sampling_params import SamplingParams
-
-_MASK64 = (1 << 64) - 1
-
-
-def token_seed(seed: int, index: int) -> int:
-    """The generator seed for output token ``index`` of a request seeded ``seed``:
-    SplitMix64 of the pair, so neighbouring positions and seeds get unrelated streams.
-    Pure integer arithmetic, the same on every host (a wire-level contract between
-    workers: a prefill and a decode worker must agree on it)."""
-    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
-
-
-@dataclass(slots=True)
-class RequestRandom:
-    """A non-greedy request's random stream (see the module docstring)."""
-
-    seed: int
-    generator: torch.Generator
-
-    def for_token(self, index: int) -> torch.Generator:
-        """The generator, seeded for the request's output token ``index``."""
-        self.generator.manual_seed(token_seed(self.seed, index))
-        return self.generator
 
 
 @dataclass(slots=True)
 class SamplingRow:
     params: SamplingParams
-    random: RequestRandom | None  # non-greedy requests: their random stream
+    seed: int | None  # non-greedy requests: their 64-bit seed (module docstring)
     # Banned at the positions before params.min_tokens output tokens (EOS, stop tokens).
     banned_token_ids: frozenset[int]
     # The request's tokens so far (the output's length is the index of the row's first
@@ -90,25 +73,6 @@ class SamplingRow:
         return [*self.output_token_ids, *self.draft_token_ids[:position]]
 
 
-def _keep_only(logits: torch.Tensor, token_ids: Sequence[int]) -> None:
-    """Mask (to -inf, in place) every token but ``token_ids``. logits: [V]."""
-    keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-    keep[list(token_ids)] = True
-    logits.masked_fill_(~keep, float("-inf"))
-
-
-def _ban_bad_words(logits: torch.Tensor, token_ids: list[int]) -> None:
-    """Mask ``token_ids`` (in place) unless that leaves nothing to sample (allowed token
-    ids that are all bad words' last tokens at this step): then the bans yield, as a
-    sequence must go on. logits: [V]."""
-    if not token_ids:
-        return
-    saved = logits[token_ids].clone()
-    logits[token_ids] = float("-inf")
-    if not bool(torch.isfinite(logits).any()):
-        logits[token_ids] = saved
-
-
 def _apply_grammars(
     logits: torch.Tensor, rows: Sequence[SamplingRow], first_positions: Sequence[int]
 ) -> None:
@@ -123,40 +87,6 @@ def _apply_grammars(
     allowed = torch.stack([rows[r].grammar_allowed for r in structured]).to(logits.device)
     index = torch.tensor(indices, device=logits.device)
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
-
-
-def _apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
-    """Mask tokens less likely than ``min_p`` x the likeliest. logits: [V], scaled."""
-    probs = logits.softmax(-1)
-    return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
-
-
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) the tokens outside the top-k and the top-p nucleus. logits: [V]."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        # Drop a token when the mass before it already reaches top_p; keep at least one.
-        drop = (probs.cumsum(-1) - probs) >= top_p
-        drop[0] = False
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    return logits
-
-
-def _logprobs_for(raw_logprobs: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
-    logprob = raw_logprobs[token_id]
-    rank = int((raw_logprobs > logprob).sum()) + 1
-    top = torch.topk(raw_logprobs, num_top) if num_top else None
-    return TokenLogprobs(
-        token_id=token_id,
-        logprob=float(logprob),
-        rank=rank,
-        top_token_ids=tuple(top.indices.tolist()) if top is not None else (),
-        top_logprobs=tuple(top.values.tolist()) if top is not None else (),
-    )
 
 
 SCORE_ROWS_PER_PASS = 256  # bounds the [rows, vocab] float32 logits held at once
@@ -194,71 +124,180 @@ def score_tokens(
     return scored
 
 
+CPU_PASS_BYTES = 1 << 22  # _passes: rows drawn at once on a CPU, in float64 bytes
+
+
 def sample(
     logits: torch.Tensor,  # [num_positions, vocab] float32: every row's positions, in order
     rows: Sequence[SamplingRow],
 ) -> list[list[tuple[int, TokenLogprobs | None]]]:
     """Each row's tokens: one, or with drafts, the kept drafts and one more (module
-    docstring), each with its log-probs when the row asks for them."""
+    docstring), each with its log-probs when the row asks for them. ``logits`` is
+    modified in place."""
     first_positions = list(itertools.accumulate((row.num_positions for row in rows), initial=0))
     assert logits.shape[0] == first_positions[-1]
-    vocab_size = logits.shape[1]
     owners = [(r, j) for r, row in enumerate(rows) for j in range(row.num_positions)]
     want_logprobs = [p for p, (r, _) in enumerate(owners) if rows[r].params.logprobs is not None]
     raw_logprobs = logits[want_logprobs].log_softmax(-1) if want_logprobs else None
-    logprobs_row = {p: i for i, p in enumerate(want_logprobs)}  # position -> raw_logprobs row
     _apply_grammars(logits, rows, first_positions)
-    for p, (r, j) in enumerate(owners):
-        row = rows[r]
-        banned = row.banned_token_ids
-        if len(row.output_token_ids) + j >= row.params.min_tokens:
-            banned = frozenset()
-        grammar_only = None
-        if row.grammar_allowed is not None and (
-            banned or row.params.allowed_token_ids or row.params.bad_words_token_ids
-        ):
-            grammar_only = logits[p].clone()  # what to fall back to (below)
-        if banned:
-            logits[p, list(banned)] = float("-inf")
-        if row.params.allowed_token_ids is not None:
-            _keep_only(logits[p], row.params.allowed_token_ids)
-        if row.params.bad_words_token_ids:
-            _ban_bad_words(logits[p], row.params.bad_word_bans(row.history(j)))
-        if grammar_only is not None and not bool(torch.isfinite(logits[p]).any()):
-            logits[p] = grammar_only  # the grammar outranks the rest (SamplingParams)
-        if row.params.logit_bias:
-            ids, biases = zip(*row.params.logit_bias, strict=True)
-            logits[p, list(ids)] += torch.tensor(biases, dtype=logits.dtype, device=logits.device)
-        if row.params.has_penalties:
-            assert row.token_counts is not None
-            counts = row.token_counts
-            counts.update(row.prompt_token_ids, row.output_token_ids, vocab_size, logits.device)
-            apply_penalties(logits[p], row.params, counts, row.draft_token_ids[:j])
-    greedy_ids = logits.argmax(-1).tolist()
+    _apply_rules(logits, rows, owners)
+    token_ids = logits.argmax(-1)  # [num_positions]: the greedy rows' tokens
+    drawn = [p for p, (r, _) in enumerate(owners) if not rows[r].params.greedy]
+    for part in _passes(drawn, logits):
+        index = _index(part, logits.device)
+        token_ids[index] = _draw(logits[index], [(rows[owners[p][0]], owners[p][1]) for p in part])
+    logprobs = []
+    if raw_logprobs is not None:
+        num_top = [rows[owners[p][0]].params.logprobs or 0 for p in want_logprobs]
+        logprobs = _logprobs(raw_logprobs, token_ids[want_logprobs], num_top)
+    chosen = token_ids.tolist()  # waits for the draws: the sync every step makes
+    logprobs_at = dict(zip(want_logprobs, logprobs, strict=True))
     results: list[list[tuple[int, TokenLogprobs | None]]] = []
     for r, row in enumerate(rows):
-        params = row.params
         tokens: list[tuple[int, TokenLogprobs | None]] = []
         for j in range(row.num_positions):
             p = first_positions[r] + j
-            if params.greedy:
-                token_id = greedy_ids[p]
-            else:
-                assert row.random is not None
-                scaled = logits[p] / params.temperature
-                if params.min_p > 0.0:
-                    scaled = _apply_min_p(scaled, params.min_p)
-                scaled = _apply_top_k_top_p(scaled, params.top_k, params.top_p)
-                probs = scaled.softmax(-1)
-                generator = row.random.for_token(len(row.output_token_ids) + j)
-                token_id = int(torch.multinomial(probs, 1, generator=generator))
-            token_logprobs = None
-            if raw_logprobs is not None and params.logprobs is not None:
-                token_logprobs = _logprobs_for(
-                    raw_logprobs[logprobs_row[p]], token_id, params.logprobs
-                )
-            tokens.append((token_id, token_logprobs))
-            if j == len(row.draft_token_ids) or token_id != row.draft_token_ids[j]:
+            tokens.append((chosen[p], logprobs_at.get(p)))
+            if j == len(row.draft_token_ids) or chosen[p] != row.draft_token_ids[j]:
                 break
         results.append(tokens)
     return results
+
+
+def _apply_rules(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], owners: Sequence[tuple[int, int]]
+) -> None:
+    """In place, each stage over every position at once, in vLLM's order: bans before
+    ``min_tokens``, allowed token ids, bad words (which yield where they would leave
+    nothing), the grammar's fallback (it outranks those three), logit bias, penalties.
+    logits: [num_positions, V]."""
+    device = logits.device
+    bans: tuple[list[int], list[int]] = ([], [])  # (position, token id) pairs
+    allowed: tuple[list[int], list[int]] = ([], [])  # (index in allowed_positions, id)
+    allowed_positions: list[int] = []
+    bad: tuple[list[int], list[int], list[int]] = ([], [], [])  # + index in bad_positions
+    bad_positions: list[int] = []
+    bias: tuple[list[int], list[int], list[float]] = ([], [], [])
+    fallback: list[int] = []
+    penalised: list[int] = []
+    for p, (r, j) in enumerate(owners):
+        row = rows[r]
+        params = row.params
+        banned = row.banned_token_ids if len(row.output_token_ids) + j < params.min_tokens else ()
+        for token_id in banned:
+            bans[0].append(p)
+            bans[1].append(token_id)
+        if params.allowed_token_ids is not None:
+            for token_id in params.allowed_token_ids:
+                allowed[0].append(len(allowed_positions))
+                allowed[1].append(token_id)
+            allowed_positions.append(p)
+        bad_words = params.bad_word_bans(row.history(j)) if params.bad_words_token_ids else []
+        if bad_words:
+            for token_id in bad_words:
+                bad[0].append(p)
+                bad[1].append(token_id)
+                bad[2].append(len(bad_positions))
+            bad_positions.append(p)
+        if row.grammar_allowed is not None and (
+            banned or params.allowed_token_ids or params.bad_words_token_ids
+        ):
+            fallback.append(p)
+        for token_id, value in params.logit_bias:
+            bias[0].append(p)
+            bias[1].append(token_id)
+            bias[2].append(value)
+        if params.has_penalties:
+            penalised.append(p)
+    saved = logits[fallback].clone() if fallback else None
+    if bans[0]:
+        logits[_index(bans[0], device), _index(bans[1], device)] = float("-inf")
+    if allowed_positions:
+        keep = torch.zeros(len(allowed_positions), logits.shape[1], dtype=torch.bool,
+                           device=device)  # fmt: skip
+        keep[_index(allowed[0], device), _index(allowed[1], device)] = True
+        index = _index(allowed_positions, device)
+        logits[index] = logits[index].masked_fill(~keep, float("-inf"))
+    if bad_positions:
+        at = (_index(bad[0], device), _index(bad[1], device))
+        before = logits[at]  # a copy (advanced indexing)
+        logits[at] = float("-inf")
+        alive = torch.isfinite(logits[_index(bad_positions, device)]).any(-1)
+        logits[at] = torch.where(alive[_index(bad[2], device)], float("-inf"), before)
+    if saved is not None:
+        index = _index(fallback, device)
+        alive = torch.isfinite(logits[index]).any(-1, keepdim=True)
+        logits[index] = torch.where(alive, logits[index], saved)
+    if bias[0]:
+        values = torch.tensor(bias[2], dtype=logits.dtype, device=device)
+        logits.index_put_((_index(bias[0], device), _index(bias[1], device)), values,
+                          accumulate=True)  # fmt: skip
+    for p in penalised:  # per row: each keeps its own counts (engine/penalties.py)
+        r, j = owners[p]
+        row = rows[r]
+        assert row.token_counts is not None
+        counts = row.token_counts
+        counts.update(row.prompt_token_ids, row.output_token_ids, logits.shape[1], device)
+        apply_penalties(logits[p], row.params, counts, row.draft_token_ids[:j])
+
+
+def _draw(logits: torch.Tensor, positions: Sequence[tuple[SamplingRow, int]]) -> torch.Tensor:
+    """Temperature, min-p, top-k / top-p, then each position's draw at its uniform.
+    logits: [n, V]; positions: (row, j) of each. Returns [n] int64."""
+    device = logits.device
+    params = [row.params for row, _ in positions]
+    temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=device)
+    scaled = logits.div_(temperature[:, None])  # a copy of the step's rows (caller's)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=device)
+        scaled = apply_min_p(scaled, min_p)
+    vocab = logits.shape[1]
+    cut = [i for i, p in enumerate(params) if 0 < p.top_k < vocab or p.top_p < 1.0]
+    if cut:
+        index = _index(cut, device)
+        scaled[index] = apply_top_k_top_p(
+            scaled[index], [params[i].top_k for i in cut], [params[i].top_p for i in cut]
+        )
+    uniforms = [uniform(row.seed, len(row.output_token_ids) + j)  # type: ignore[arg-type]
+                for row, j in positions]  # fmt: skip
+    return inverse_cdf(scaled.softmax(-1), torch.tensor(uniforms, dtype=torch.float64))
+
+
+def _passes(positions: list[int], logits: torch.Tensor) -> list[list[int]]:
+    """The drawn positions in the groups ``_draw`` takes at once: all of them on a GPU
+    (each stage a fixed number of kernels). On a CPU, groups of rows whose float64
+    working set fits in cache: there the draw is bound by memory traffic, and a pass over
+    a whole [256, 32k] batch per stage measured 2x slower than a few rows at a time."""
+    if logits.device.type != "cpu":
+        return [positions] if positions else []
+    size = max(1, CPU_PASS_BYTES // (8 * logits.shape[1]))
+    return [positions[i : i + size] for i in range(0, len(positions), size)]
+
+
+def _logprobs(
+    raw_logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: Sequence[int]
+) -> list[TokenLogprobs]:
+    """The raw log-prob, rank and top ``num_top`` of each chosen token, in one pass.
+    raw_logprobs: [n, V]; token_ids: [n]."""
+    chosen = raw_logprobs.gather(1, token_ids[:, None])  # [n, 1]
+    ranks = ((raw_logprobs > chosen).sum(-1) + 1).tolist()
+    most = max(num_top)
+    top = torch.topk(raw_logprobs, most) if most else None
+    top_ids = top.indices.tolist() if top is not None else [[]] * len(num_top)
+    top_values = top.values.tolist() if top is not None else [[]] * len(num_top)
+    return [
+        TokenLogprobs(token_id, logprob, rank, tuple(ids[:k]), tuple(values[:k]))
+        for token_id, logprob, rank, ids, values, k in zip(
+            token_ids.tolist(),
+            chosen[:, 0].tolist(),
+            ranks,
+            top_ids,
+            top_values,
+            num_top,
+            strict=True,
+        )
+    ]
+
+
+def _index(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)

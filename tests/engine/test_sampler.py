@@ -5,12 +5,17 @@ log-probs."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from engine.errors import InvalidSamplingParamsError
-from engine.sampler import RequestRandom, SamplingRow, sample, token_seed
+from engine.penalties import TokenCounts
+from engine.sampler import SamplingRow, sample
+from engine.sampling_ops import TOP_PREFIX, apply_top_k_top_p, inverse_cdf, token_seed, uniform
 from engine.sampling_params import SamplingParams
+from engine.sampling_reference import _apply_top_k_top_p, sample_reference
 
 
 def test_token_seeds_are_splitmix64_and_pinned():
@@ -19,21 +24,140 @@ def test_token_seeds_are_splitmix64_and_pinned():
     assert token_seed(0, 0) == 0xE220A8397B1DCDAF
     assert token_seed(7, 1) == 309689372594955804
     assert len({token_seed(seed, i) for seed in range(50) for i in range(50)}) == 2500
+    assert uniform(0, 0) == (0xE220A8397B1DCDAF >> 11) / 2**53
 
 
 def test_a_draw_depends_only_on_seed_position_and_distribution():
-    probs = torch.softmax(torch.randn(5000), -1)
-    here = RequestRandom(11, torch.Generator())
-    for index in range(7):  # whatever was drawn before on this worker
-        torch.multinomial(probs, 1, generator=here.for_token(index))
-    elsewhere = RequestRandom(11, torch.Generator())  # another worker, resuming at 7
-    draws = [int(torch.multinomial(probs, 1, generator=r.for_token(7))) for r in (here, elsewhere)]
-    assert draws[0] == draws[1]
+    """The same row at output position 7 draws one token, whatever the 7 tokens before
+    were and whatever it is batched with (another worker resuming it, another batch)."""
+    logits = torch.randn(5000)
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    here = SamplingRow(params, 11, frozenset(), output_token_ids=[1, 2, 3, 4, 5, 6, 7])
+    elsewhere = SamplingRow(params, 11, frozenset(), output_token_ids=[9] * 7)
+    others = [SamplingRow(SamplingParams(temperature=0.5), s, frozenset()) for s in range(5)]
+    alone = sample(logits.clone()[None], [here])[0][0][0]
+    batch = torch.cat([torch.randn(5, 5000), logits[None]])
+    assert sample(batch, [*others, elsewhere])[5][0][0] == alone
+    later = SamplingRow(params, 11, frozenset(), output_token_ids=[1] * 8)
+    draws = {sample(logits.clone()[None], [later])[0][0][0] for _ in range(3)}
+    assert len(draws) == 1  # deterministic; position 8 is its own draw
+
+
+def test_inverse_cdf_never_draws_a_token_without_mass():
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.0, 0.75, 0.0]] * 4)
+    uniforms = torch.tensor([0.0, 0.25 - 1e-12, 0.25, 1.0 - 2**-53], dtype=torch.float64)
+    assert inverse_cdf(probs, uniforms).tolist() == [1, 1, 4, 4]
+    unnormalised = probs * 7.0  # rows need not sum to 1
+    assert inverse_cdf(unnormalised, uniforms).tolist() == [1, 1, 4, 4]
+
+
+def test_draws_follow_the_distribution():
+    """4,000 positions of one seeded row: each token's frequency within 4 standard
+    deviations of its probability (an off-by-one in the draw moves them far further)."""
+    probs = torch.tensor([0.5, 0.05, 0.3, 0.0, 0.15])
+    logits = probs.log()
+    row = SamplingRow(SamplingParams(temperature=1.0), 123, frozenset())
+    counts = [0] * 5
+    for index in range(4000):
+        row.output_token_ids = [0] * index
+        counts[sample(logits.clone()[None], [row])[0][0][0]] += 1
+    for count, p in zip(counts, probs.tolist(), strict=True):
+        sd = (4000 * p * (1 - p)) ** 0.5
+        assert abs(count - 4000 * p) <= 4 * sd + 1, counts
+
+
+@pytest.mark.parametrize("scale", [8.0, 0.3])  # peaked: nucleus in the prefix; flat: not
+def test_top_k_top_p_equal_a_whole_sort_of_each_row(scale):
+    vocab = 3 * TOP_PREFIX
+    logits = torch.randn(40, vocab, dtype=torch.float64).float() * scale
+    logits[5, :] = 1.0  # all tied
+    logits[6, : TOP_PREFIX + 10] = 2.0  # ties with the k-th value past the prefix
+    rng = random.Random(0)
+    top_k = [rng.choice([0, -1, 1, 5, 50, TOP_PREFIX + 7, vocab]) for _ in range(40)]
+    top_p = [rng.choice([1.0, 0.5, 0.9, 0.99]) for _ in range(40)]
+    top_k[6], top_p[6] = 3, 1.0
+    masked = apply_top_k_top_p(logits.clone(), top_k, top_p)
+    for i in range(40):
+        expected = _apply_top_k_top_p(logits[i].clone(), top_k[i], top_p[i])
+        assert torch.equal(torch.isinf(masked[i]), torch.isinf(expected)), (i, top_k[i], top_p[i])
+
+
+def _mixed_rows(rng: random.Random, vocab: int) -> list[SamplingRow]:
+    """Rows with every rule the sampler applies, in random combinations."""
+    rows = []
+    for _ in range(24):
+        kind = rng.random()
+        fields: dict = {"max_tokens": 50}
+        if kind < 0.3:
+            fields["temperature"] = 0.0
+        else:
+            fields["temperature"] = rng.choice([0.3, 1.0, 1.7])
+            fields["top_p"] = rng.choice([1.0, 1.0, 0.8, 0.95])
+            fields["top_k"] = rng.choice([0, 0, 3, 40, TOP_PREFIX + 1])
+            fields["min_p"] = rng.choice([0.0, 0.0, 0.05])
+        if rng.random() < 0.3:
+            fields["min_tokens"] = 10
+            fields["stop_token_ids"] = [rng.randrange(vocab) for _ in range(3)]
+        if rng.random() < 0.2:
+            fields["allowed_token_ids"] = tuple(rng.sample(range(vocab), 6))
+        if rng.random() < 0.3:
+            fields["bad_words_token_ids"] = [[rng.randrange(vocab)] for _ in range(2)] + [
+                [7, rng.randrange(vocab)]
+            ]
+        if rng.random() < 0.3:
+            fields["logit_bias"] = {rng.randrange(vocab): rng.uniform(-5, 5) for _ in range(3)}
+        if rng.random() < 0.25:
+            fields["repetition_penalty"] = 1.3
+            fields["frequency_penalty"] = 0.5
+        if rng.random() < 0.3:
+            fields["logprobs"] = rng.choice([0, 2, 5])
+        params = SamplingParams(**fields)
+        output = [rng.choice([7, rng.randrange(vocab)]) for _ in range(rng.randrange(15))]
+        banned = (
+            frozenset(params.stop_token_ids) if len(output) < params.min_tokens else frozenset()
+        )
+        grammar = None
+        drafts: list[int] = []
+        if rng.random() < 0.15 and params.allowed_token_ids is None:
+            grammar = torch.rand(vocab) < 0.3
+        elif rng.random() < 0.3:
+            drafts = [rng.randrange(vocab) for _ in range(rng.randrange(1, 4))]
+        rows.append(
+            SamplingRow(
+                params,
+                None if params.greedy else rng.getrandbits(64),
+                banned,
+                [rng.randrange(vocab) for _ in range(5)],
+                output,
+                TokenCounts() if params.has_penalties else None,
+                grammar,
+                drafts,
+            )
+        )
+    return rows
+
+
+@pytest.mark.parametrize("scale", [6.0, 0.5])
+def test_the_batched_sampler_equals_the_per_row_reference(scale):
+    """Every rule at once over a batch of mixed rows (drafts included): token for token,
+    log-probs included, what the per-row oracle gives."""
+    vocab = 2 * TOP_PREFIX + 100
+    rng = random.Random(int(scale * 10))
+    for _ in range(4):
+        rows = _mixed_rows(rng, vocab)
+        logits = torch.randn(sum(row.num_positions for row in rows), vocab) * scale
+        first = sample_reference(logits.clone(), rows)
+        for row, tokens in zip(rows, first, strict=True):  # drafts kept past the first
+            if row.draft_token_ids:
+                row.draft_token_ids[0] = tokens[0][0]
+        expected = sample_reference(logits.clone(), rows)
+        assert any(len(tokens) > 1 for tokens in expected)
+        got = sample(logits.clone(), rows)
+        assert got == expected
 
 
 def draw(logits: torch.Tensor, params: SamplingParams, seed: int = 0) -> tuple[int, object]:
-    random = RequestRandom(seed, torch.Generator())
-    row = SamplingRow(params, None if params.greedy else random, frozenset())
+    row = SamplingRow(params, None if params.greedy else seed, frozenset())
     ((token_id, logprobs),) = sample(logits.clone()[None], [row])[0]
     return token_id, logprobs
 

@@ -348,7 +348,7 @@ def test_a_rank_that_fails_to_start_is_reported_at_once(model_factory, tmp_path)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_on_two_gpus_with_nccl_and_decode_graphs(model_factory):
     """NCCL collectives, the triton backend, and decode CUDA graphs captured around the
-    all-reduce on every rank: the same tokens as one GPU (GPU_RUNBOOK.md step 7)."""
+    all-reduce on every rank: the same tokens as one GPU (GPU_RUNBOOK.md step 8)."""
     model_dir = model_factory("llama")
     prompts = random_prompts((5, 33, 71))
     gpu = dict(dtype="float32", device="cuda", attention_backend="triton", max_model_len=512)
