@@ -100,15 +100,12 @@ class DecodeGraphs:
         positions: list[int],
         slot_mapping: list[int],
         seq_lens: list[int],
-        block_rows: list[list[int]],
+        block_table: torch.Tensor,  # [batch, width] int32 on the host (HostBatch's)
     ) -> torch.Tensor:  # [batch, hidden_size]
         batch = len(input_ids)
         bucket = next(b for b in self.buckets if b >= batch)
         pad = bucket - batch
-        width = max(len(row) for row in block_rows)
-        table = torch.zeros(bucket, width, dtype=torch.int32)
-        for i, row in enumerate(block_rows):
-            table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        width = block_table.shape[1]
         device = self.input_ids.device
         self.input_ids[:bucket].copy_(torch.tensor(input_ids + [0] * pad), non_blocking=True)
         self.positions[:bucket].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
@@ -116,7 +113,8 @@ class DecodeGraphs:
         self.seq_lens[:bucket].copy_(
             torch.tensor(seq_lens + [0] * pad, dtype=torch.int32), non_blocking=True
         )
-        self.block_table[:bucket, :width].copy_(table.to(device, non_blocking=True))
+        self.block_table[:batch, :width].copy_(block_table.to(device, non_blocking=True))
+        self.block_table[batch:bucket, :width].zero_()  # the padding sequences'
         graph, hidden = self.graphs[bucket]
         graph.replay()
         self.num_replays += 1

@@ -43,6 +43,8 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching, observers)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        # The same blocks' ids, kept alongside: read every step (block_ids_view).
+        self.req_to_block_ids: dict[str, list[int]] = {}
         # How many leading blocks of each request are registered in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
         # Prefix-cache statistics, in tokens.
@@ -132,6 +134,7 @@ class KVCacheManager:
         later from another worker, and ``cache_full_blocks`` registers them once it has."""
         new_computed_blocks = new_computed_blocks or []
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        req_block_ids = self.req_to_block_ids.setdefault(request.request_id, [])
         num_tokens_after, num_new_blocks = self._growth(request, num_new_tokens,
                                                         new_computed_blocks)  # fmt: skip
         # Cache hits that sit in the free queue stop being allocatable once we take them.
@@ -139,11 +142,14 @@ class KVCacheManager:
         if num_new_blocks > self.pool.num_free_blocks - num_free_hits:
             if not req_blocks:
                 del self.req_to_blocks[request.request_id]
+                del self.req_to_block_ids[request.request_id]
             return False
         self.pool.touch(new_computed_blocks)
-        req_blocks.extend(new_computed_blocks)
+        new_blocks = new_computed_blocks
         if num_new_blocks > 0:
-            req_blocks.extend(self.pool.allocate(num_new_blocks))
+            new_blocks = new_computed_blocks + self.pool.allocate(num_new_blocks)
+        req_blocks.extend(new_blocks)
+        req_block_ids.extend(block.block_id for block in new_blocks)
         if cache:
             self.cache_full_blocks(request, num_tokens_after)
         return True
@@ -182,11 +188,20 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks; its tail is evicted before its prefix."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.req_to_block_ids.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         self.pool.free(reversed(blocks))
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
+        """A copy of the request's block ids, in token order."""
+        return list(self.req_to_block_ids.get(request_id, ()))
+
+    def block_ids_view(self, request_id: str) -> list[int]:
+        """The request's block ids without a copy, for a step's batch: the manager's own
+        list, which only grows while the request holds its blocks and is replaced by a
+        new list once it frees them (``engine.block_table`` relies on both). Callers must
+        not change it, nor keep it past the step."""
+        return self.req_to_block_ids.get(request_id) or []
 
     def leak_report(self) -> list[str]:
         problems = [f"request {rid} still holds blocks" for rid in self.req_to_blocks]

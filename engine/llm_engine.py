@@ -396,8 +396,9 @@ class LLMEngine:
         return self._output(request, [])
 
     def _forget(self, request_id: str) -> None:
-        """Drop a finished request's sampling state."""
+        """Drop a finished request's sampling state and its block-table row."""
         self._seeds.pop(request_id, None)
+        self.runner.release_request(request_id)
         self.grammars.discard(request_id)
 
     def holds_kv(self, request_id: str) -> bool:
@@ -596,7 +597,7 @@ class LLMEngine:
                     request_id=request.request_id,
                     token_ids=_token_slice(request, start, end) + drafts,
                     start_pos=start,
-                    block_ids=kv.get_block_ids(request.request_id),
+                    block_ids=kv.block_ids_view(request.request_id),
                     sampling=sampling,
                     scoring=_prompt_scoring(request, start, end),
                     lora=request.lora,

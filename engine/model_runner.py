@@ -23,6 +23,7 @@ import torch
 
 from common.config import EngineConfig
 from engine.attention.backend import AttentionBackend
+from engine.block_table import BlockTable
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache_manager import cdiv
 from engine.model_shard import HostBatch, ModelShard
@@ -38,6 +39,8 @@ from engine.sampler import SamplingRow, sample, score_passes, score_tokens
 
 logger = logging.getLogger(__name__)
 
+BLOCK_TABLE_SPARE_ROWS = 32  # block-table rows beyond max_num_seqs (engine/block_table.py)
+
 
 @dataclass(slots=True)
 class SequenceChunk:
@@ -46,7 +49,9 @@ class SequenceChunk:
     request_id: str
     token_ids: list[int]
     start_pos: int  # position of token_ids[0]: the request's num_computed_tokens
-    block_ids: list[int]  # every block of the request, covering start_pos + len(token_ids)
+    # Every block of the request, covering start_pos + len(token_ids): the KV cache
+    # manager's own list (KVCacheManager.block_ids_view), read during the step only.
+    block_ids: list[int]
     sampling: SamplingRow | None  # None: a prompt chunk that is not the last
     scoring: PromptScoring | None = None
     lora: LoraAdapter | None = None  # the request's LoRA adapter; None: the base model
@@ -127,6 +132,12 @@ class ModelRunner:
             group.close()
             raise
         self.group = group
+        # Rows for every request a step may hold, and some for preempted ones waiting.
+        self.block_table = BlockTable(
+            config.max_num_seqs + BLOCK_TABLE_SPARE_ROWS,
+            cdiv(max_model_len + config.num_speculative_tokens, config.block_size) + 1,
+            pin_memory=device.type == "cuda",
+        )
 
     # The rank-0 shard's parts, which the engine and connectors use.
     @property
@@ -153,12 +164,20 @@ class ModelRunner:
     def decode_graphs(self) -> DecodeGraphs | None:
         return self.shard.decode_graphs
 
+    def release_request(self, request_id: str) -> None:
+        """A request is done: drop its block-table row."""
+        self.block_table.release(request_id)
+
     def leak_report(self) -> list[str]:
-        """What the other ranks hold beyond rank 0's live adapters (empty alone)."""
+        """Block-table rows still held, and what the other ranks hold beyond rank 0's
+        live adapters."""
+        problems = []
+        if self.block_table.num_rows_used:
+            problems.append(f"{self.block_table.num_rows_used} block-table rows still held")
         if self.shards is None:
-            return []
+            return problems
         live = len(self._adapter_ids)
-        return [
+        return problems + [
             f"tensor-parallel rank {reply.rank} holds {reply.num_adapters} LoRA adapters, "
             f"rank 0 {live}"
             for reply in self.shards.probe()
@@ -174,6 +193,7 @@ class ModelRunner:
     def _host_batch(self, chunks: list[SequenceChunk]) -> HostBatch:
         bs = self.block_size
         batch = HostBatch()
+        width = 0
         for chunk in chunks:
             n = len(chunk.token_ids)
             end = chunk.start_pos + n
@@ -184,7 +204,10 @@ class ModelRunner:
             batch.slot_mapping.extend(blocks[p // bs] * bs + p % bs for p in chunk_positions)
             batch.query_start_loc.append(batch.query_start_loc[-1] + n)
             batch.seq_lens.append(end)
-            batch.block_rows.append(blocks[: cdiv(end, bs)])
+            width = max(width, cdiv(end, bs))
+        batch.block_table = self.block_table.gather(
+            [chunk.request_id for chunk in chunks], [chunk.block_ids for chunk in chunks], width
+        )
         return batch
 
     def _forward(
@@ -197,7 +220,8 @@ class ModelRunner:
             self.shards.send(
                 Step(
                     batch.input_ids, batch.positions, batch.slot_mapping,
-                    batch.query_start_loc, batch.seq_lens, batch.block_rows,
+                    batch.query_start_loc, batch.seq_lens,
+                    batch.block_table.numpy().tobytes(), batch.block_table.shape[1],
                     [(self._adapter_ids[a], rows) for a, rows in lora_rows.items()],
                     logit_rows,
                 )

@@ -62,7 +62,7 @@ def kv_cache_dtype(
 
 @dataclass(slots=True)
 class HostBatch:
-    """One step's flattened batch as host lists, before it becomes device tensors.
+    """One step's flattened batch on the host, before it becomes device tensors.
     Segments are ordered shortest first (decodes lead: ``BatchLayout``)."""
 
     input_ids: list[int] = field(default_factory=list)
@@ -70,7 +70,9 @@ class HostBatch:
     slot_mapping: list[int] = field(default_factory=list)
     query_start_loc: list[int] = field(default_factory=lambda: [0])
     seq_lens: list[int] = field(default_factory=list)
-    block_rows: list[list[int]] = field(default_factory=list)
+    # [num_seqs, max blocks of any sequence] int32: each sequence's block ids first, the
+    # rest of its row unspecified (attention reads only the blocks of seq_lens[i]).
+    block_table: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0, dtype=torch.int32))
 
     @property
     def num_seqs(self) -> int:
@@ -192,7 +194,7 @@ class ModelShard:
             assert self.decode_graphs is not None
             return self.decode_graphs.run(
                 batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
-                batch.block_rows,
+                batch.block_table,
             )  # fmt: skip
         metadata = self.backend.build_metadata(self._layout(batch))
         input_ids = self.to_device(batch.input_ids, torch.int64)
@@ -200,14 +202,12 @@ class ModelShard:
         return self.model(input_ids, positions, self.kv_caches, metadata, lora)
 
     def _layout(self, batch: HostBatch) -> BatchLayout:
-        max_blocks = max(len(row) for row in batch.block_rows)
-        table = [row + [0] * (max_blocks - len(row)) for row in batch.block_rows]
         query_lens = [batch.query_len(i) for i in range(batch.num_seqs)]
         return BatchLayout(
             slot_mapping=self.to_device(batch.slot_mapping, torch.int64),
             query_start_loc=self.to_device(batch.query_start_loc, torch.int32),
             seq_lens=self.to_device(batch.seq_lens, torch.int32),
-            block_table=self.to_device(table, torch.int32),
+            block_table=batch.block_table.to(self.device, non_blocking=True),
             query_start_loc_cpu=batch.query_start_loc,
             seq_lens_cpu=batch.seq_lens,
             num_decodes=sum(1 for n in query_lens if n == 1),

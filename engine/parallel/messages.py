@@ -62,7 +62,8 @@ class Step(msgspec.Struct, tag="step", frozen=True):
     slot_mapping: list[int]
     query_start_loc: list[int]
     seq_lens: list[int]
-    block_rows: list[list[int]]
+    block_table: bytes  # HostBatch.block_table's int32 values, row-major
+    block_table_width: int
     lora_rows: list[tuple[int, list[int]]]  # (adapter id from AddLora, rows)
     logit_rows: list[list[int]]  # per logits pass, in order
 

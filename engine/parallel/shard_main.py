@@ -166,9 +166,11 @@ class Shard:
 
     @torch.inference_mode()
     def _step(self, message: Step) -> None:
+        table = torch.frombuffer(bytearray(message.block_table), dtype=torch.int32)
         batch = HostBatch(
             message.input_ids, message.positions, message.slot_mapping,
-            message.query_start_loc, message.seq_lens, message.block_rows,
+            message.query_start_loc, message.seq_lens,
+            table.view(len(message.seq_lens), message.block_table_width),
         )  # fmt: skip
         lora = None
         if message.lora_rows:
