@@ -72,3 +72,38 @@ def apply_penalties(
         logits -= params.frequency_penalty * output_counts + params.presence_penalty * (
             output_counts > 0
         )
+
+
+def apply_penalties_batched(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    counts: Sequence[TokenCounts],
+    extra_output_ids: Sequence[Sequence[int]],
+) -> torch.Tensor:
+    """``apply_penalties`` for many rows at once: a fixed number of kernels, however many
+    rows (one launch each per row was the sampler's last per-row loop, and Qwen2.5's
+    checkpoints set a repetition penalty for every request). Returns the penalised
+    ``[rows, V]`` logits; row i with ``params[i]``, ``counts[i]`` and ``extra_output_ids[i]``
+    as ``apply_penalties`` takes them. A penalty at its neutral value changes nothing
+    bit for bit (x / 1, x * 1, x - 0), so rows need not be grouped by which they use."""
+    device = logits.device
+    seen = torch.stack([c.seen for c in counts])  # type: ignore[misc]  # [rows, V] bool
+    output_counts = torch.stack([c.output_counts for c in counts])  # type: ignore[misc]
+    extra_rows = [row for row, ids in enumerate(extra_output_ids) for _ in ids]
+    if extra_rows:
+        rows = torch.tensor(extra_rows, dtype=torch.long, device=device)
+        ids = torch.tensor([t for ids in extra_output_ids for t in ids], dtype=torch.long,
+                           device=device)  # fmt: skip
+        seen[rows, ids] = True
+        output_counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.int32),
+                                 accumulate=True)  # fmt: skip
+
+    def column(values: list[float]) -> torch.Tensor:  # [rows, 1]
+        return torch.tensor(values, dtype=logits.dtype, device=device)[:, None]
+
+    repetition = column([p.repetition_penalty for p in params])
+    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalised, logits)
+    frequency = column([p.frequency_penalty for p in params])
+    presence = column([p.presence_penalty for p in params])
+    return logits - (frequency * output_counts + presence * (output_counts > 0))
