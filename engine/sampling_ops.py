@@ -72,7 +72,8 @@ def apply_top_k_top_p(
     top_p (the likeliest always stays). logits: [rows, V]; top_k: 0 or >= V is off;
     top_p: 1.0 is off.
 
-    Sorts only the likeliest ``max(TOP_PREFIX, top_k)`` of each row. That is exact for a
+    Sorts only the likeliest ``max(TOP_PREFIX, top_k)`` of each row (when that is under a
+    quarter of the vocabulary; else every row whole). That is exact for a
     row when its nucleus ends inside that prefix (every later token has at least the
     prefix's mass above it), which holds for peaked distributions; the other rows, and a
     row whose k-th value has ties reaching past the prefix, are sorted whole."""
@@ -82,6 +83,8 @@ def apply_top_k_top_p(
     prefix = min(vocab, max([TOP_PREFIX, *(value for value in k if value < vocab)]))
     k_t = torch.tensor(k, device=device)
     p_t = torch.tensor(top_p, dtype=torch.float64, device=device)
+    if prefix * 4 > vocab:  # a small vocabulary: a partial sort would save little
+        return _sorted_whole(logits, k_t, p_t)
     values, order = logits.topk(prefix, dim=-1)  # [rows, prefix], sorted descending
     kth = values.gather(1, (k_t.clamp(max=prefix) - 1)[:, None])  # [rows, 1]
     kth = torch.where(k_t[:, None] < vocab, kth, torch.full_like(kth, float("-inf")))
