@@ -2,7 +2,7 @@
 
 Every function here takes ``[rows, vocab]`` tensors and per-row parameters, and issues a
 fixed number of kernels whatever the batch: on a GPU a per-row loop costs a few launches
-and a host sync per row, which at batch 256 took longer than the model's decode step.
+and a host sync per row, every step.
 
 The random draw is inverse-CDF sampling at one uniform per row, and the uniform is a pure
 function of the request's seed and the output position (``uniform``), so a token depends
