@@ -4,13 +4,13 @@
 
 For each batch size, logits shape and sampling setting, times ``engine.sampler.sample``
 (every stage over the whole batch at once) and ``engine.sampling_reference``'s
-``sample_reference`` (one row at a time: the engine's sampler before 2026-11-27, with the
-same draw) on the same logits, checks that both chose the same tokens, and prints the
-ratio. ``--before REV`` also times the engine's sampler as it was at git revision REV
-(read from this repository's history; it drew with ``torch.multinomial``, so only its time
-is compared). Logits are Zipf-like (an LM's: the nucleus of top-p 0.95 is tens to hundreds of
-tokens) or normal (flat: the nucleus is most of the vocabulary, the worst case for
-top-p). Records JSON and Markdown under ``benchmarks/results/``.
+``sample_reference`` (one row at a time, as the engine sampled before 2026-11-27) on the
+same logits, checks that both chose the same tokens, and prints the ratio. ``--before
+REV`` also times the engine's sampler as it was at git revision REV (read from this
+repository's history) and checks its tokens too. Logits are Zipf-like (an LM's: the
+nucleus of top-p 0.95 is tens to hundreds of tokens) or normal (flat: the nucleus is most
+of the vocabulary, the worst case for top-p). Records JSON and Markdown under
+``benchmarks/results/``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch
 from benchmarks.engine_throughput import machine
 from engine.penalties import TokenCounts
 from engine.sampler import SamplingRow, sample
+from engine.sampling_ops import RequestRandom
 from engine.sampling_params import SamplingParams
 from engine.sampling_reference import sample_reference
 
@@ -62,7 +63,7 @@ def make_logits(batch: int, vocab: int, kind: str, device: torch.device) -> torc
     return (base[order] + noise).to(device)
 
 
-def make_rows(batch: int, vocab: int, fields: dict) -> list[SamplingRow]:
+def make_rows(batch: int, vocab: int, fields: dict, device: torch.device) -> list[SamplingRow]:
     params = SamplingParams(max_tokens=128, **fields)
     rows = []
     for i in range(batch):
@@ -71,8 +72,8 @@ def make_rows(batch: int, vocab: int, fields: dict) -> list[SamplingRow]:
             frozenset(params.stop_token_ids) if len(output) < params.min_tokens else frozenset()
         )
         counts = TokenCounts() if params.has_penalties else None
-        seed = None if params.greedy else 1000 + i
-        rows.append(SamplingRow(params, seed, banned, list(range(100)), output, counts))
+        random = None if params.greedy else RequestRandom(1000 + i, torch.Generator(device=device))
+        rows.append(SamplingRow(params, random, banned, list(range(100)), output, counts))
     return rows
 
 
@@ -92,8 +93,8 @@ def rows_for(before: types.ModuleType, rows: list[SamplingRow], device: torch.de
     return [
         before.SamplingRow(
             row.params,
-            None if row.seed is None
-            else before.RequestRandom(row.seed, torch.Generator(device=device)),
+            None if row.random is None
+            else before.RequestRandom(row.random.seed, torch.Generator(device=device)),
             row.banned_token_ids, row.prompt_token_ids, row.output_token_ids,
             TokenCounts() if row.token_counts is not None else None,
         )
@@ -122,7 +123,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         for batch in args.batch:
             logits = make_logits(batch, args.vocab, kind, device)
             for name, fields in SETTINGS.items():
-                rows = make_rows(batch, args.vocab, fields)
+                rows = make_rows(batch, args.vocab, fields, device)
 
                 def batched(logits=logits, rows=rows) -> list:
                     return sample(logits.clone(), rows)
@@ -147,8 +148,10 @@ def run(args: argparse.Namespace) -> list[dict]:
                     def old(logits=logits, rows=old_rows) -> list:
                         return before.sample(logits.clone(), rows)
 
-                    row["before_ms"] = time_call(old, args.repeats, device)[0] * 1e3
+                    before_s, before_tokens = time_call(old, args.repeats, device)
+                    row["before_ms"] = before_s * 1e3
                     row["before_speedup"] = row["before_ms"] / row["batched_ms"]
+                    row["same_tokens"] = row["same_tokens"] and before_tokens == got
                     line += (
                         f"  {args.before} {row['before_ms']:8.2f} ms  {row['before_speedup']:5.1f}x"
                     )
@@ -164,7 +167,7 @@ def markdown(record: dict) -> str:
         f"`python -m benchmarks.sampler {record['argv']}` on {record['machine']} "
         f"({record['device']}, torch {record['torch']}, {record['date']}). Median of "
         f"{record['repeats']} calls after a warm-up; both samplers on the same logits and "
-        "rows, one process. `same tokens`: both chose every token alike.",
+        "rows, one process. `same tokens`: every sampler run chose every token alike.",
         "",
         "| logits | batch | setting | per-row ms | batched ms | speed-up | same tokens |"
         + (f" {record['before']} ms | {record['before']} / batched |" if record["before"] else ""),

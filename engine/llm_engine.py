@@ -43,6 +43,7 @@ from engine.parallel.shard_client import ShardError
 from engine.penalties import TokenCounts
 from engine.request import FINISH_REASONS, RemoteKV, Request, RequestStatus
 from engine.sampler import SamplingRow
+from engine.sampling_ops import RequestRandom
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 
@@ -129,7 +130,7 @@ class LLMEngine:
             self.runner.close()
             raise
         self._rng = random.Random(self.config.seed)
-        self._seeds: dict[str, int] = {}  # non-greedy requests' (engine/sampler.py)
+        self._generators: dict[str, RequestRandom] = {}
         self.num_steps = 0
         self.num_pull_failures = 0
         self._pull_failure_logged_at = -PULL_FAILURE_LOG_S
@@ -282,7 +283,9 @@ class LLMEngine:
             # Keyed by output position (engine/sampler.py): the tokens generated elsewhere
             # need no skip-ahead, so a resume costs nothing whatever its length.
             seed = params.seed if params.seed is not None else self._rng.randrange(2**63)
-            self._seeds[request_id] = seed % 2**64
+            self._generators[request_id] = RequestRandom(
+                seed % 2**64, torch.Generator(device=self.device)
+            )
         if params.structured_output is not None:
             self.grammars.add(request_id, grammar)
         self.scheduler.add_request(request)
@@ -397,7 +400,7 @@ class LLMEngine:
 
     def _forget(self, request_id: str) -> None:
         """Drop a finished request's sampling state and its block-table row."""
-        self._seeds.pop(request_id, None)
+        self._generators.pop(request_id, None)
         self.runner.release_request(request_id)
         self.grammars.discard(request_id)
 
@@ -582,7 +585,7 @@ class LLMEngine:
                     request.token_counts = TokenCounts()
                 sampling = SamplingRow(
                     request.sampling_params,
-                    self._seeds.get(request.request_id),
+                    self._generators.get(request.request_id),
                     request.token_ids_banned_now(),
                     request.prompt_token_ids,
                     request.output_token_ids,
@@ -645,8 +648,8 @@ class LLMEngine:
         problems = self.scheduler.leak_report() + self.runner.leak_report()
         if self.cpu_tier is not None:
             problems += self.cpu_tier.leak_report()
-        if self._seeds:
-            problems.append(f"{len(self._seeds)} sampling seeds still held")
+        if self._generators:
+            problems.append(f"{len(self._generators)} sampling generators still held")
         if self.grammars:
             problems.append(f"{len(self.grammars)} grammar matchers still held")
         return problems

@@ -3,16 +3,17 @@ words, logit bias and penalties, then greedy, or temperature / min-p / top-k / t
 (vLLM's order).
 
 The whole batch goes through each stage at once (``engine.sampling_ops``): a stage is a
-fixed number of kernels, and a step makes a fixed number of host syncs (one; one more
-with top-k / top-p, and with log-probs), whatever the batch. The per-row loop it replaced
-made a few kernel launches and a host sync per row (on a CPU at batch 256 and a 32k
-vocabulary: 171 ms a step at temperature 0.8, now 27 ms; ``benchmarks/sampler.py``). Its
-semantics are kept, row by row, in ``engine.sampling_reference``, the oracle the tests
-hold this sampler to token for token.
+fixed number of kernels (the draw's noise excepted: a launch per row, one generator each),
+and a step makes a fixed number of host syncs (one; one more with top-k / top-p, and with
+log-probs), whatever the batch. The per-row loop it replaced made a few kernel launches
+and a host sync per row, and sorted each top-p row whole (``benchmarks/sampler.py``). Its
+semantics are kept, row by row, in ``engine.sampling_reference``, the oracle the tests hold
+this sampler to token for token.
 
-A non-greedy request draws its i-th output token by inverse CDF at ``uniform(seed, i)``
-(``seed`` is the request's, or one from the engine's RNG when it has none): a token depends
-only on the seed, its position and its distribution, so a request continued on another
+A non-greedy request draws its i-th output token from its generator seeded anew with
+``token_seed(seed, i)`` (``seed`` is the request's, or one from the engine's RNG when it has
+none), by ``torch.multinomial``'s exponential race (``engine.sampling_ops``): a token
+depends only on the seed, its position and its distribution, so a request continued on another
 worker (the first token sampled by a prefill worker, or a sequence the router moved after
 a decode worker died) draws exactly what it would have drawn in one place, with no
 skip-ahead. Log-probs are of the raw distribution (before the grammar, bans, allowed
@@ -22,7 +23,7 @@ vLLM's default.
 Speculative decoding: a row with draft tokens owns ``1 + len(draft_token_ids)`` logits
 rows; position ``j`` is the distribution after the request's tokens and its first ``j``
 drafts, processed with that history (bad words, penalties) and drawn with output token
-``i + j``'s uniform. The row yields the token sampled at each position for as long as
+``i + j``'s generator. The row yields the token sampled at each position for as long as
 the drafts agree with them: a draft is kept iff it is the very token sampled at its
 position, and the first token that differs (or the one after the last draft) ends the
 row. So speculation changes how many steps a request takes, never its tokens: greedy, or
@@ -43,14 +44,14 @@ import torch
 
 from engine.penalties import TokenCounts, apply_penalties_batched
 from engine.request import TokenLogprobs
-from engine.sampling_ops import apply_min_p, apply_top_k_top_p, inverse_cdf, uniform
+from engine.sampling_ops import RequestRandom, apply_min_p, apply_top_k_top_p, exponential_race
 from engine.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
 class SamplingRow:
     params: SamplingParams
-    seed: int | None  # non-greedy requests: their 64-bit seed (module docstring)
+    random: RequestRandom | None  # non-greedy requests: their random stream
     # Banned at the positions before params.min_tokens output tokens (EOS, stop tokens).
     banned_token_ids: frozenset[int]
     # The request's tokens so far (the output's length is the index of the row's first
@@ -251,7 +252,7 @@ def _apply_rules(
 
 
 def _draw(logits: torch.Tensor, positions: Sequence[tuple[SamplingRow, int]]) -> torch.Tensor:
-    """Temperature, min-p, top-k / top-p, then each position's draw at its uniform.
+    """Temperature, min-p, top-k / top-p, then each position's draw from its generator.
     logits: [n, V]; positions: (row, j) of each. Returns [n] int64."""
     device = logits.device
     params = [row.params for row, _ in positions]
@@ -267,9 +268,8 @@ def _draw(logits: torch.Tensor, positions: Sequence[tuple[SamplingRow, int]]) ->
         scaled[index] = apply_top_k_top_p(
             scaled[index], [params[i].top_k for i in cut], [params[i].top_p for i in cut]
         )
-    uniforms = [uniform(row.seed, len(row.output_token_ids) + j)  # type: ignore[arg-type]
-                for row, j in positions]  # fmt: skip
-    return inverse_cdf(scaled.softmax(-1), torch.tensor(uniforms, dtype=torch.float64))
+    draws = [(row.random, len(row.output_token_ids) + j) for row, j in positions]
+    return exponential_race(scaled.softmax(-1), draws)  # type: ignore[arg-type]
 
 
 def _passes(positions: list[int], logits: torch.Tensor) -> list[list[int]]:

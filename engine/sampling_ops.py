@@ -4,22 +4,26 @@ Every function here takes ``[rows, vocab]`` tensors and per-row parameters, and 
 fixed number of kernels whatever the batch: on a GPU a per-row loop costs a few launches
 and a host sync per row, every step.
 
-The random draw is inverse-CDF sampling at one uniform per row, and the uniform is a pure
-function of the request's seed and the output position (``uniform``), so a token depends
-only on the seed, its position and its distribution: a request continued on another
-worker (the first token sampled by a prefill worker, a sequence moved after a decode
-worker died) draws there exactly what it would have drawn in one place, with no
-generator state to carry or skip ahead.
+The draw is ``torch.multinomial``'s for one sample, the exponential race: the token is
+``argmax(p / q)`` with ``q ~ Exp(1)`` per vocabulary entry, from the request's generator
+seeded anew for each output position (``RequestRandom``). So a token depends only on the
+seed, its position and its distribution: a request continued on another worker (the
+first token sampled by a prefill worker, a sequence moved after a decode worker died)
+draws there exactly what it would have drawn in one place, with no skip-ahead, and the
+tokens are the ones the per-row ``torch.multinomial`` drew. The race also shrugs off a
+rescaling of the probabilities (a softmax normaliser rounded differently after a
+recompute), which moves every boundary of an inverse CDF: tried first, that flipped a
+seeded token in most migrated runs of the tiny model (tests/router/test_migration.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 _MASK64 = (1 << 64) - 1
-_TWO_POW_53 = float(1 << 53)
 # top-k / top-p look at the likeliest TOP_PREFIX tokens of a row first (a partial sort);
 # only a row whose nucleus reaches past them is sorted whole (exact either way).
 TOP_PREFIX = 1024
@@ -36,23 +40,32 @@ def token_seed(seed: int, index: int) -> int:
     return z ^ (z >> 31)
 
 
-def uniform(seed: int, index: int) -> float:
-    """Output token ``index``'s uniform in [0, 1): the top 53 bits of ``token_seed``,
-    exact in a float64."""
-    return (token_seed(seed, index) >> 11) / _TWO_POW_53
+@dataclass(slots=True)
+class RequestRandom:
+    """A non-greedy request's random stream (the module docstring)."""
+
+    seed: int
+    generator: torch.Generator  # on the logits' device
+
+    def for_token(self, index: int) -> torch.Generator:
+        """The generator, seeded for the request's output token ``index``."""
+        self.generator.manual_seed(token_seed(self.seed, index))
+        return self.generator
 
 
-def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """The token of each row at its uniform: the first index whose cumulative probability
-    exceeds ``u * total``, so a token of zero probability is never drawn and the rows
-    need not be normalised. probs: [rows, V] (>= 0, each row some mass); uniforms: [rows]
-    float64 in [0, 1). Returns [rows] int64. The sums run in float64."""
-    cdf = probs.double().cumsum(-1)  # [rows, V]
-    total = cdf[:, -1:]  # [rows, 1]
-    # u < 1, but u * total may round up to total: stay strictly below it.
-    target = torch.minimum(uniforms.to(cdf.device)[:, None] * total,
-                           torch.nextafter(total, torch.zeros_like(total)))  # fmt: skip
-    return torch.searchsorted(cdf, target, right=True)[:, 0]
+def exponential_race(
+    probs: torch.Tensor, draws: Sequence[tuple[RequestRandom, int]]
+) -> torch.Tensor:
+    """Each row's token: ``argmax(p / q)``, ``q ~ Exp(1)`` from the row's generator seeded
+    for its output position (``draws``: (stream, index) per row), exactly as
+    ``torch.multinomial(p, 1, generator=...)`` draws it. The noise needs a launch per row
+    (a generator each; a request's speculative positions share one, seeded in turn); the
+    division and the argmax are one each, and nothing waits for the device. probs:
+    [rows, V] (rows need not be normalised). Returns [rows] int64."""
+    noise = torch.empty_like(probs)
+    for row, (random, index) in enumerate(draws):
+        noise[row].exponential_(1, generator=random.for_token(index))
+    return (probs / noise).argmax(-1)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

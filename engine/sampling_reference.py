@@ -14,7 +14,6 @@ import torch
 from engine.penalties import apply_penalties
 from engine.request import TokenLogprobs
 from engine.sampler import SamplingRow
-from engine.sampling_ops import inverse_cdf, uniform
 
 
 def sample_reference(
@@ -68,14 +67,14 @@ def sample_reference(
             if params.greedy:
                 token_id = greedy_ids[p]
             else:
-                assert row.seed is not None
+                assert row.random is not None
                 scaled = logits[p] / params.temperature
                 if params.min_p > 0.0:
                     scaled = _apply_min_p(scaled, params.min_p)
                 scaled = _apply_top_k_top_p(scaled, params.top_k, params.top_p)
                 probs = scaled.softmax(-1)
-                u = uniform(row.seed, len(row.output_token_ids) + j)
-                token_id = int(inverse_cdf(probs[None], torch.tensor([u], dtype=torch.float64))[0])
+                generator = row.random.for_token(len(row.output_token_ids) + j)
+                token_id = int(torch.multinomial(probs, 1, generator=generator))
             token_logprobs = None
             if raw_logprobs is not None and params.logprobs is not None:
                 token_logprobs = _logprobs_for(

@@ -13,7 +13,13 @@ import torch
 from engine.errors import InvalidSamplingParamsError
 from engine.penalties import TokenCounts
 from engine.sampler import SamplingRow, sample
-from engine.sampling_ops import TOP_PREFIX, apply_top_k_top_p, inverse_cdf, token_seed, uniform
+from engine.sampling_ops import (
+    TOP_PREFIX,
+    RequestRandom,
+    apply_top_k_top_p,
+    exponential_race,
+    token_seed,
+)
 from engine.sampling_params import SamplingParams
 from engine.sampling_reference import _apply_top_k_top_p, sample_reference
 
@@ -24,7 +30,10 @@ def test_token_seeds_are_splitmix64_and_pinned():
     assert token_seed(0, 0) == 0xE220A8397B1DCDAF
     assert token_seed(7, 1) == 309689372594955804
     assert len({token_seed(seed, i) for seed in range(50) for i in range(50)}) == 2500
-    assert uniform(0, 0) == (0xE220A8397B1DCDAF >> 11) / 2**53
+
+
+def stream(seed: int) -> RequestRandom:
+    return RequestRandom(seed, torch.Generator())
 
 
 def test_a_draw_depends_only_on_seed_position_and_distribution():
@@ -32,23 +41,37 @@ def test_a_draw_depends_only_on_seed_position_and_distribution():
     were and whatever it is batched with (another worker resuming it, another batch)."""
     logits = torch.randn(5000)
     params = SamplingParams(temperature=1.0, top_p=0.9)
-    here = SamplingRow(params, 11, frozenset(), output_token_ids=[1, 2, 3, 4, 5, 6, 7])
-    elsewhere = SamplingRow(params, 11, frozenset(), output_token_ids=[9] * 7)
-    others = [SamplingRow(SamplingParams(temperature=0.5), s, frozenset()) for s in range(5)]
+    here = SamplingRow(params, stream(11), frozenset(), output_token_ids=[1, 2, 3, 4, 5, 6, 7])
+    elsewhere = SamplingRow(params, stream(11), frozenset(), output_token_ids=[9] * 7)
+    others = [
+        SamplingRow(SamplingParams(temperature=0.5), stream(s), frozenset()) for s in range(5)
+    ]
     alone = sample(logits.clone()[None], [here])[0][0][0]
     batch = torch.cat([torch.randn(5, 5000), logits[None]])
     assert sample(batch, [*others, elsewhere])[5][0][0] == alone
-    later = SamplingRow(params, 11, frozenset(), output_token_ids=[1] * 8)
-    draws = {sample(logits.clone()[None], [later])[0][0][0] for _ in range(3)}
-    assert len(draws) == 1  # deterministic; position 8 is its own draw
 
 
-def test_inverse_cdf_never_draws_a_token_without_mass():
-    probs = torch.tensor([[0.0, 0.25, 0.0, 0.0, 0.75, 0.0]] * 4)
-    uniforms = torch.tensor([0.0, 0.25 - 1e-12, 0.25, 1.0 - 2**-53], dtype=torch.float64)
-    assert inverse_cdf(probs, uniforms).tolist() == [1, 1, 4, 4]
-    unnormalised = probs * 7.0  # rows need not sum to 1
-    assert inverse_cdf(unnormalised, uniforms).tolist() == [1, 1, 4, 4]
+def test_the_draw_is_torch_multinomials_so_seeded_outputs_never_changed():
+    """Each row's token is what ``torch.multinomial`` with the row's seeded generator
+    draws (the engine drew row by row with it before the sampler was batched)."""
+    probs = torch.randn(8, 3000).mul(2).softmax(-1)
+    probs[3, 100:] = 0.0  # zero mass is never drawn
+    for index in range(5):
+        expected = [int(torch.multinomial(probs[r], 1, generator=stream(r).for_token(index)))
+                    for r in range(8)]  # fmt: skip
+        draws = [(stream(seed), index) for seed in range(8)]
+        assert exponential_race(probs, draws).tolist() == expected
+        assert expected[3] < 100
+
+
+def test_a_rescaled_distribution_draws_the_same_tokens():
+    """A softmax normaliser rounded differently (a recompute after a migration) scales
+    every probability alike; the race's argmax does not move. (An inverse CDF, tried
+    first, moves every boundary: it flipped seeded tokens in migrated runs.)"""
+    probs = torch.randn(64, 2048).softmax(-1)
+    scaled = probs * (1 + 5e-6)
+    tokens = [exponential_race(p, [(stream(s), 0) for s in range(64)]) for p in (probs, scaled)]
+    assert torch.equal(*tokens)
 
 
 def test_draws_follow_the_distribution():
@@ -56,7 +79,7 @@ def test_draws_follow_the_distribution():
     deviations of its probability (an off-by-one in the draw moves them far further)."""
     probs = torch.tensor([0.5, 0.05, 0.3, 0.0, 0.15])
     logits = probs.log()
-    row = SamplingRow(SamplingParams(temperature=1.0), 123, frozenset())
+    row = SamplingRow(SamplingParams(temperature=1.0), stream(123), frozenset())
     counts = [0] * 5
     for index in range(4000):
         row.output_token_ids = [0] * index
@@ -125,7 +148,7 @@ def _mixed_rows(rng: random.Random, vocab: int) -> list[SamplingRow]:
         rows.append(
             SamplingRow(
                 params,
-                None if params.greedy else rng.getrandbits(64),
+                None if params.greedy else stream(rng.getrandbits(64)),
                 banned,
                 [rng.randrange(vocab) for _ in range(5)],
                 output,
@@ -157,7 +180,7 @@ def test_the_batched_sampler_equals_the_per_row_reference(scale):
 
 
 def draw(logits: torch.Tensor, params: SamplingParams, seed: int = 0) -> tuple[int, object]:
-    row = SamplingRow(params, None if params.greedy else seed, frozenset())
+    row = SamplingRow(params, None if params.greedy else stream(seed), frozenset())
     ((token_id, logprobs),) = sample(logits.clone()[None], [row])[0]
     return token_id, logprobs
 
