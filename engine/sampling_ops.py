@@ -1,8 +1,9 @@
 """The tensor operations of sampling, each over a whole batch of logits rows at once.
 
 Every function here takes ``[rows, vocab]`` tensors and per-row parameters, and issues a
-fixed number of kernels whatever the batch: on a GPU a per-row loop costs a few launches
-and a host sync per row, every step.
+fixed number of kernels whatever the batch (the draw's noise excepted: a launch per row,
+from each request's own generator) and no host sync per row: on a GPU the per-row loop it
+replaced cost a few launches and a sync per row, every step.
 
 The draw is ``torch.multinomial``'s for one sample, the exponential race: the token is
 ``argmax(p / q)`` with ``q ~ Exp(1)`` per vocabulary entry, from the request's generator
@@ -86,10 +87,10 @@ def apply_top_k_top_p(
     top_p: 1.0 is off.
 
     Sorts only the likeliest ``max(TOP_PREFIX, top_k)`` of each row (when that is under a
-    quarter of the vocabulary; else every row whole). That is exact for a
-    row when its nucleus ends inside that prefix (every later token has at least the
-    prefix's mass above it), which holds for peaked distributions; the other rows, and a
-    row whose k-th value has ties reaching past the prefix, are sorted whole."""
+    quarter of the vocabulary; else every row whole). That is exact for a row when its
+    nucleus ends inside that prefix (every later token has at least the prefix's mass
+    above it), which holds for peaked distributions; the other rows, and a row whose k-th
+    value has ties reaching past the prefix, are sorted whole."""
     vocab = logits.shape[-1]
     device = logits.device
     k = [value if 0 < value < vocab else vocab for value in top_k]
