@@ -95,42 +95,41 @@ def apply_top_k_top_p(
     device = logits.device
     k = [value if 0 < value < vocab else vocab for value in top_k]
     prefix = min(vocab, max([TOP_PREFIX, *(value for value in k if value < vocab)]))
+    if prefix * 4 > vocab:  # a small vocabulary: a partial sort would save little
+        prefix = vocab
     k_t = torch.tensor(k, device=device)
     p_t = torch.tensor(top_p, dtype=torch.float64, device=device)
-    if prefix * 4 > vocab:  # a small vocabulary: a partial sort would save little
-        return _sorted_whole(logits, k_t, p_t)
-    values, order = logits.topk(prefix, dim=-1)  # [rows, prefix], sorted descending
-    kth = values.gather(1, (k_t.clamp(max=prefix) - 1)[:, None])  # [rows, 1]
-    kth = torch.where(k_t[:, None] < vocab, kth, torch.full_like(kth, float("-inf")))
+    return _cut(logits, k_t, p_t, prefix)
+
+
+def _cut(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor, prefix: int) -> torch.Tensor:
+    """``apply_top_k_top_p`` from each row's likeliest ``prefix`` tokens, again from the
+    whole row for the rows where that prefix cannot decide. logits: [rows, V]; k: [rows]
+    (V: off); p: [rows] float64 (1.0: off)."""
+    vocab = logits.shape[-1]
+    # [rows, prefix], descending; a whole row is sorted, which orders ties as the
+    # per-row reference's sort does (top-p then drops the same tied tokens).
+    values, order = (
+        logits.sort(-1, descending=True) if prefix == vocab else logits.topk(prefix, dim=-1)
+    )
+    kth = values.gather(1, (k.clamp(max=prefix) - 1)[:, None])  # [rows, 1]
+    kth = torch.where(k[:, None] < vocab, kth, torch.full_like(kth, float("-inf")))
     masked = logits.masked_fill(logits < kth, float("-inf"))
     lse = torch.logsumexp(masked.double(), -1, keepdim=True)  # the top-k distribution's
     probs = (values.double() - lse).exp().masked_fill(values < kth, 0.0)  # [rows, prefix]
     above = probs.cumsum(-1) - probs  # mass ranked above each token
-    drop = above >= p_t[:, None]
+    drop = above >= p[:, None]
     drop[:, 0] = False
-    nucleus = p_t < 1.0
-    # Exact in the prefix unless the rest of the row may hold part of the nucleus, or
-    # ties with the k-th value reach past the prefix (top-k keeps them all).
-    whole = nucleus & (probs.sum(-1) < p_t)
-    whole |= (k_t < vocab) & ((logits >= kth).sum(-1) > prefix)
+    nucleus = p < 1.0
     keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, order, ~drop)
     masked = torch.where(nucleus[:, None] & ~keep, float("-inf"), masked)
+    if prefix == vocab:
+        return masked
+    # Exact in the prefix unless the rest of the row may hold part of the nucleus, or
+    # ties with the k-th value reach past the prefix (top-k keeps them all).
+    whole = nucleus & (probs.sum(-1) < p)
+    whole |= (k < vocab) & ((logits >= kth).sum(-1) > prefix)
     if bool(whole.any()):
         again = whole.nonzero()[:, 0]
-        masked[again] = _sorted_whole(logits[again], k_t[again], p_t[again])
+        masked[again] = _cut(logits[again], k[again], p[again], vocab)
     return masked
-
-
-def _sorted_whole(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """``apply_top_k_top_p`` for rows sorted whole. logits: [rows, V]; k: [rows] (V: off);
-    p: [rows] float64 (1.0: off)."""
-    vocab = logits.shape[-1]
-    values, order = logits.sort(-1, descending=True)
-    kth = values.gather(1, (k - 1)[:, None])
-    kth = torch.where(k[:, None] < vocab, kth, torch.full_like(kth, float("-inf")))
-    values = values.masked_fill(values < kth, float("-inf"))
-    probs = values.double().softmax(-1)
-    drop = (probs.cumsum(-1) - probs) >= p[:, None]
-    drop[:, 0] = False
-    values = values.masked_fill(drop & (p[:, None] < 1.0), float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, values)
