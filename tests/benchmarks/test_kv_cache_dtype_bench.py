@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-from tests.support.processes import ROOT
+from tests.support.processes import run_benchmark
 
 
 def test_the_kv_cache_dtype_benchmark_runs_and_records(tmp_path):
     args = ["--size", "tiny", "--num-prompts", "6", "--prompt-len", "48", "--output-len", "6",
             "--fits", "2", "--tag", "smoke", "--out-dir", str(tmp_path)]  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.kv_cache_dtype", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    run_benchmark("kv_cache_dtype", *args)
     record = json.loads((tmp_path / "kv_cache_dtype_smoke.json").read_text())
     auto, fp8 = record["runs"]
     assert (auto["kv_cache_dtype"], fp8["kv_cache_dtype"]) == ("auto", "fp8")

@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-from tests.support.processes import ROOT
+from tests.support.processes import run_benchmark
 
 
 def test_the_lora_benchmark_runs_and_records(tmp_path):
     out = tmp_path / "lora.json"
     args = ["--requests", "4", "--batch", "4", "--max-tokens", "8", "--repeats", "1"]
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.lora", *args, "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    run_benchmark("lora", *args, "--out", str(out))
     record = json.loads(out.read_text())
     cases = [row["case"] for row in record["rows"]]
     assert cases[0] == "base model (baseline)" and "4 adapters" in cases

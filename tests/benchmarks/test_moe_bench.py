@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-from tests.support.processes import ROOT
+from tests.support.processes import run_benchmark
 
 
 def test_the_moe_benchmark_runs_and_records(tmp_path):
     args = ["--size", "tiny", "--num-prompts", "3", "--output-len", "6",
             "--latency-output-len", "3", "--tag", "smoke", "--out-dir", str(tmp_path)]  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.moe", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    run_benchmark("moe", *args)
     record = json.loads((tmp_path / "moe_smoke.json").read_text())
     assert record["identical_sequences"] == 3  # the MoE engine's tokens are transformers'
     assert set(record["ratios"]) == {

@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-from tests.support.processes import ROOT
+from tests.support.processes import run_benchmark
 
 
 def test_the_priority_benchmark_runs_and_records(tmp_path):
     args = ["--size", "tiny", "--num-requests", "8", "--max-prompt-len", "64",
             "--min-output-len", "4", "--max-output-len", "12", "--max-num-seqs", "2",
             "--rounds", "1", "--tag", "smoke", "--out-dir", str(tmp_path)]  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.priority", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    run_benchmark("priority", *args)
     record = json.loads((tmp_path / "priority_smoke.json").read_text())
     fcfs, priority = record["runs"]
     assert (fcfs["policy"], priority["policy"]) == ("fcfs", "priority")

@@ -3,21 +3,15 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-from tests.support.processes import ROOT
+from tests.support.processes import run_benchmark
 
 
 def test_the_tensor_parallel_benchmark_runs_and_records(tmp_path):
     args = ["--size", "tiny", "--num-prompts", "3", "--output-len", "4", "--tag", "smoke",
             "--latency-output-len", "3", "--max-prompt-len", "64",
             "--out-dir", str(tmp_path)]  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.tensor_parallel", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    run_benchmark("tensor_parallel", *args)
     record = json.loads((tmp_path / "tensor_parallel_smoke.json").read_text())
     assert record["identical_sequences"] == "3/3"  # split over 2 ranks, the same tokens
     assert [run["tensor_parallel_size"] for run in record["runs"]] == [1, 2]

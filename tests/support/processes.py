@@ -21,6 +21,16 @@ from common.config import PORT_STRIDE
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def run_benchmark(module: str, *args: str, timeout: float = 300) -> None:
+    """Run ``python -m benchmarks.<module> ARGS`` from the repository root; fail the test,
+    with its stderr, unless it exits 0."""
+    result = subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{module}", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+
+
 def write_config(
     path: Path, model: Path, num_prefill: int = 1, num_decode: int = 1, **sections: dict[str, Any]
 ) -> Path:
