@@ -89,9 +89,8 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServiceServicer):
                 raise_for_error(output)
                 completion = output.outputs[0]
                 reply = pb.GenerateResponse(token_ids=output.new_token_ids)
-                if completion.logprobs and output.new_token_ids:
-                    new = completion.logprobs[-len(output.new_token_ids) :]
-                    reply.logprobs.extend(logprobs_to_proto(lp) for lp in new)
+                new = completion.last_logprobs(len(output.new_token_ids))
+                reply.logprobs.extend(logprobs_to_proto(lp) for lp in new)
                 if output.finished or first:  # the first reply says what was cached
                     reply.usage.CopyFrom(usage_to_proto(output))
                 if first:  # and, when asked, how likely the prompt was

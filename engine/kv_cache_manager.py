@@ -66,14 +66,13 @@ class KVCacheManager:
         num_hashed = len(request.block_hashes)
         if num_full_blocks <= num_hashed:
             return
-        parent = request.block_hashes[-1] if num_hashed else None
+        bs = self.block_size
         request.block_hashes.extend(
             hash_blocks(
-                request.all_token_ids,
-                self.block_size,
+                request.token_ids_between(num_hashed * bs, num_full_blocks * bs),
+                bs,
                 salt=request.prefix_salt,
-                parent_hash=parent,
-                start_block=num_hashed,
+                parent_hash=request.block_hashes[-1] if num_hashed else None,
             )
         )
 
@@ -221,7 +220,7 @@ class KVCacheManager:
             req_blocks[num_cached:num_full],
             request.block_hashes[num_cached:num_full],
             request.block_hashes[num_cached - 1] if num_cached else None,
-            request.all_token_ids[num_cached * bs : num_full * bs],
+            request.token_ids_between(num_cached * bs, num_full * bs),
             bs,
         )
         self.num_cached_blocks[request.request_id] = num_full

@@ -598,7 +598,7 @@ class LLMEngine:
             chunks.append(
                 SequenceChunk(
                     request_id=request.request_id,
-                    token_ids=_token_slice(request, start, end) + drafts,
+                    token_ids=request.token_ids_between(start, end) + drafts,
                     start_pos=start,
                     block_ids=kv.block_ids_view(request.request_id),
                     sampling=sampling,
@@ -610,16 +610,15 @@ class LLMEngine:
 
     def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
         finish_reason = FINISH_REASONS.get(request.status)
+        wants_logprobs = request.sampling_params.logprobs is not None
         completion = CompletionOutput(
             index=0,
-            token_ids=list(request.output_token_ids),
+            token_source=request.output_token_ids,
+            num_tokens=request.num_output_tokens,
             finish_reason=finish_reason.value if finish_reason else None,
             stop_reason=request.stop_reason,
-            logprobs=(
-                list(request.output_logprobs)
-                if request.sampling_params.logprobs is not None
-                else None
-            ),
+            logprob_source=request.output_logprobs if wants_logprobs else None,
+            num_logprobs=len(request.output_logprobs),
         )
         held = request.status is RequestStatus.FINISHED_PREFILLED
         prompt_logprobs = None
@@ -673,10 +672,3 @@ def _prompt_scoring(request: Request, start: int, end: int) -> PromptScoring | N
         return None
     targets = request.prompt_token_ids[first + 1 : last + 1]
     return PromptScoring(first - start, targets, request.sampling_params.prompt_logprobs)
-
-
-def _token_slice(request: Request, start: int, end: int) -> list[int]:
-    num_prompt = request.num_prompt_tokens
-    if end <= num_prompt:
-        return request.prompt_token_ids[start:end]
-    return request.all_token_ids[start:end]

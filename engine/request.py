@@ -186,9 +186,16 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """Tokens ``start .. end`` of prompt + output, copying only those: the two lists
+        are kept apart, and joining them (O(sequence)) for every request on every step
+        was most of the engine's host time per step at long contexts."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
     @property
     def max_tokens(self) -> int:

@@ -118,6 +118,6 @@ def timings_to_proto(times: RequestTimes | None) -> pb.StageTimings:
 def usage_to_proto(output: RequestOutput) -> pb.Usage:
     return pb.Usage(
         prompt_tokens=len(output.prompt_token_ids),
-        completion_tokens=len(output.outputs[0].token_ids),
+        completion_tokens=output.outputs[0].num_tokens,
         cached_tokens=output.num_cached_tokens,
     )
