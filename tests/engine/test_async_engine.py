@@ -167,3 +167,39 @@ def test_preemptions_reach_the_stats_reply(tiny_llama):
     reply = stats_reply("e", "decode", async_engine.stats, StageTimer(), draining=False)
     assert reply.num_preemptions == engine.scheduler.num_preemptions
     assert engine.leak_report() == []
+
+
+@pytest.mark.timeout(60)
+def test_a_reader_that_fell_behind_gets_one_output_with_every_token_it_missed(tiny_llama):
+    """The outputs a reader has not read yet come merged: their tokens in order, the
+    last one's state (finished, log-probs up to it), nothing lost."""
+    params = SamplingParams(max_tokens=40, min_tokens=40, temperature=0, logprobs=1)
+    prompt = list(range(5, 40))
+    offline = LLMEngine(tiny_llama, EngineConfig(max_model_len=512))
+    offline.add_request("r", prompt, params)
+    while offline.has_unfinished_requests():
+        final = offline.step()
+    expected = final[0].outputs[0].token_ids
+    engine = LLMEngine(tiny_llama, EngineConfig(max_model_len=512))
+    async_engine = AsyncEngine(engine)
+
+    async def scenario() -> list:
+        async_engine.start()
+        outputs = []
+        async for output in async_engine.generate("r", prompt, params):
+            outputs.append(output)
+            while async_engine.num_streams:  # fall behind until the request has finished
+                await asyncio.sleep(0.01)
+        return outputs
+
+    try:
+        outputs = asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+    finally:
+        async_engine.stop()
+    assert len(outputs) == 2 and outputs[1].finished  # the first, then all the rest in one
+    assert outputs[0].new_token_ids + outputs[1].new_token_ids == expected
+    completion = outputs[1].outputs[0]
+    assert completion.token_ids == expected and completion.finish_reason == "length"
+    new = outputs[1].new_token_ids
+    assert [lp.token_id for lp in completion.last_logprobs(len(new))] == new
+    assert engine.leak_report() == []
