@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,7 +45,6 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 
 import torch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results"
 TOKEN_ID = 7  # what every step "samples": not EOS, and EOS is ignored anyway
 BLOCK_SIZE = 16
@@ -134,25 +131,6 @@ def run_cases(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def run_before(revision: str, argv: list[str]) -> list[dict]:
-    """This file's cases on a worktree of ``revision``: that revision's packages first on
-    the path, this file as the script. Returns its rows."""
-    with tempfile.TemporaryDirectory(prefix="host-step-rev-") as tmp:
-        tree = Path(tmp) / "tree"
-        subprocess.run(["git", "worktree", "add", "--detach", "-q", str(tree), revision],
-                       cwd=ROOT, check=True)  # fmt: skip
-        try:
-            env = {**os.environ, "PYTHONPATH": str(tree)}
-            done = subprocess.run(
-                [sys.executable, str(Path(__file__).resolve()), *argv, "--rows-only"],
-                cwd=tree, env=env, check=True, stdout=subprocess.PIPE, text=True,
-            )  # fmt: skip
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT,
-                           check=False)  # fmt: skip
-    return json.loads(done.stdout)
-
-
 def markdown(record: dict) -> str:
     before = record["before"]
     lines = [
@@ -196,8 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = run_cases(args)
     if args.before:
         print(f"{args.before}:", file=sys.stderr)
-        inner = [a for a in argv if not a.startswith("--before") and a != args.before]
-        for row, old in zip(rows, run_before(args.before, inner), strict=True):
+        from benchmarks.revisions import rows_at, without_before  # not in older trees
+
+        before_rows = rows_at(args.before, Path(__file__), without_before(argv))
+        for row, old in zip(rows, before_rows, strict=True):
             row["before_ms"] = old["ms"]
             print(f"  batch {row['batch']:4d} context {row['context']:6d} {row['shape']:6s}: "
                   f"{old['ms']:8.3f} ms a step, {old['ms'] / row['ms']:5.1f}x now's",

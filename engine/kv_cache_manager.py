@@ -93,6 +93,27 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
+    def get_next_cached_blocks(self, request: Request) -> list[KVBlock]:
+        """Cached blocks right after what a running request has computed: blocks that
+        another request sharing its prompt computed (or scheduled this step) since this
+        one was admitted. Taken instead of computed, they end the lockstep in which
+        requests with one prompt, admitted while its first was still being prefilled in
+        chunks, each computed all of it. Only for a request holding just its computed
+        blocks, all full (one whose chunk ended mid-block keeps filling its own block),
+        and never the block of the last token (its hidden state is needed to sample)."""
+        first, rest = divmod(request.num_computed_tokens, self.block_size)
+        if not self.enable_caching or rest:
+            return []
+        if len(self.req_to_blocks.get(request.request_id, ())) != first:
+            return []
+        hits: list[KVBlock] = []
+        for block_hash in request.block_hashes[first : self._max_hit_blocks(request)]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
     def _max_hit_blocks(self, request: Request) -> int:
         """0 for a request scoring its prompt: every prompt token's logits are needed."""
         if request.scores_prompt:

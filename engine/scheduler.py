@@ -290,16 +290,27 @@ class Scheduler:
         """Schedule a running request's missing tokens (and drafts), preempting from the end
         of ``running`` for blocks. Returns the tokens scheduled; None if it preempted
         itself."""
-        num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
+        hits: list[KVBlock] = []
+        if request.num_computed_tokens < request.num_tokens - 1:  # still prefilling
+            hits = self.kv.get_next_cached_blocks(request)
+        num_hit_tokens = len(hits) * self.block_size
+        num_new = self._num_new_tokens(request, request.num_computed_tokens + num_hit_tokens,
+                                       budget)  # fmt: skip
         assert num_new > 0
         drafts = self._drafts(request, budget)
         if drafts and not self.kv.allocate_slots(request, num_new + len(drafts)):
             drafts = []  # no room to guess: decode one token, preempting if need be
-        while not drafts and not self.kv.allocate_slots(request, num_new):
+        # A victim's blocks among the hits stay cached once freed (only a later allocation
+        # evicts them), and allocate_slots counts free hits against the free blocks.
+        while not drafts and not self.kv.allocate_slots(request, num_new, hits):
             victim = self.running.pop()
             self._preempt(victim, out)
             if victim is request:
                 return None
+        if hits:
+            request.num_computed_tokens += num_hit_tokens
+            request.num_cached_tokens += num_hit_tokens
+            self.kv.num_hit_tokens += num_hit_tokens  # queried at admission, missed then
         out.scheduled.append(self._scheduled(request, num_new, drafts))
         return num_new + len(drafts)
 

@@ -103,6 +103,32 @@ def test_shared_prefix_is_served_from_cache(tiny_llama, prompts):
     assert llm.engine.leak_report() == [] and fresh.engine.leak_report() == []
 
 
+@pytest.mark.parametrize("chunk", [64, 7])
+def test_prompts_prefilled_side_by_side_compute_their_shared_part_once(tiny_llama, chunk):
+    """Four prompts sharing 320 tokens, admitted together, prefilled in chunks: each used
+    to compute all of it (a request looks the cache up only when admitted, so they went
+    in lockstep, each a chunk ahead of the last). A running request now takes the blocks
+    another has computed since. Chunks of 64 stay on block boundaries (16 tokens), so the
+    shared part is computed once; chunks of 7 end mid-block and take nothing. Same
+    tokens either way."""
+    shared = random_prompts((320,), seed=12)[0]
+    prompts = [shared + suffix for suffix in random_prompts((5, 9, 13, 2), seed=13)]
+    fresh = LLM(tiny_llama, enable_prefix_caching=False)
+    expected = [o.outputs[0].token_ids for o in fresh.generate(prompts, GREEDY, use_tqdm=False)]
+    llm = LLM(tiny_llama, prefill_chunk_tokens=chunk)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    computed = llm.engine.num_prompt_tokens_computed
+    suffixes = sum(len(p) - 320 for p in prompts)
+    if chunk == 64:
+        assert computed == 320 + suffixes  # 320 is 20 blocks: nothing computed twice
+        cached = sum(o.num_cached_tokens for o in outputs)
+        assert cached == 3 * 320 and llm.engine.scheduler.kv.num_hit_tokens == cached
+    else:
+        assert computed > 2 * 320  # mid-block chunks: the lockstep as before
+    assert llm.engine.leak_report() == [] and fresh.engine.leak_report() == []
+
+
 def test_seeded_sampling_is_reproducible_whatever_the_batch(tiny_llama, prompts):
     llm = LLM(tiny_llama)
     params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=1234)
