@@ -623,7 +623,9 @@ class LLMEngine:
         held = request.status is RequestStatus.FINISHED_PREFILLED
         prompt_logprobs = None
         if request.sampling_params.prompt_logprobs is not None and not request.scores_prompt:
-            prompt_logprobs = [None, *request.prompt_logprobs]
+            if request.prompt_logprobs_output is None:  # scored for good (none is redone)
+                request.prompt_logprobs_output = [None, *request.prompt_logprobs]
+            prompt_logprobs = request.prompt_logprobs_output
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,

@@ -75,5 +75,6 @@ class RequestOutput:
     num_remote_blocks_pulled: int = 0
     times: RequestTimes | None = None
     # With SamplingParams.prompt_logprobs, once the prompt is computed: one entry per
-    # prompt token, None for the first (nothing precedes it), as vLLM's.
+    # prompt token, None for the first (nothing precedes it), as vLLM's. One list shared
+    # by the request's outputs: read it, do not change it.
     prompt_logprobs: list[TokenLogprobs | None] | None = None

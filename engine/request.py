@@ -129,6 +129,9 @@ class Request:
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # With sampling_params.prompt_logprobs: entry i scores prompt token i + 1.
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # What outputs carry once the prompt is scored (``[None, *prompt_logprobs]``): built
+    # once and shared, not copied (O(prompt)) into every step's output.
+    prompt_logprobs_output: list[TokenLogprobs | None] | None = None
     num_computed_tokens: int = 0
     # Prompt tokens served from the prefix cache (or a remote worker) at first scheduling.
     num_cached_tokens: int = -1

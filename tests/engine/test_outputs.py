@@ -102,3 +102,16 @@ def test_token_ids_between_equals_a_slice_of_the_whole_sequence(start, end):
     request.output_token_ids += [20, 21, 22, 23]
     whole = request.prompt_token_ids + request.output_token_ids
     assert request.token_ids_between(start, end) == whole[start:end]
+
+
+def test_prompt_logprobs_are_built_once_and_carried_by_every_later_output(tiny_llama):
+    """Scored in 16-token chunks, then carried by every output: the same list (built once,
+    not copied each step), all of it."""
+    llm = LLM(tiny_llama, max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=5, min_tokens=5, temperature=0, prompt_logprobs=1)
+    prompt = random_prompts((40,), seed=6)[0]
+    kept = run_keeping_outputs(llm, [prompt], params)
+    carried = [output.prompt_logprobs for output, _ in kept]
+    assert len(carried) == 5 and all(c is carried[0] for c in carried)
+    assert carried[0] is not None and len(carried[0]) == 40 and carried[0][0] is None
+    assert [lp.token_id for lp in carried[0][1:]] == prompt[1:]
