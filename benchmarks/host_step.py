@@ -36,16 +36,14 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 # Run as a script, this folder is first on sys.path and its kernels.py would shadow the
 # kernels package.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-import torch  # noqa: E402
+from benchmarks import revisions  # noqa: E402
 
-RESULTS = Path(__file__).parent / "results"
 TOKEN_ID = 7  # what every step "samples": not EOS, and EOS is ignored anyway
 BLOCK_SIZE = 16
 
@@ -162,37 +160,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", nargs="+", default=["prompt", "output"],
                         choices=("prompt", "output"))  # fmt: skip
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--before", default=None, help="a revision to run side by side")
-    parser.add_argument("--tag", default="cpu")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS)
-    parser.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)
+    revisions.add_args(parser)
     args = parser.parse_args(argv)
-    if args.rows_only:  # the --before child: rows as JSON on stdout, nothing written
-        print(json.dumps(run_cases(args)))
+    ran = revisions.side_by_side(args, argv, Path(__file__), run_cases)
+    if ran is None:  # the --before child
         return 0
-    print("now:", file=sys.stderr)
-    rows = run_cases(args)
-    if args.before:
-        print(f"{args.before}:", file=sys.stderr)
-        from benchmarks.revisions import rows_at, without_before  # not in older trees
-
-        before_rows = rows_at(args.before, Path(__file__), without_before(argv))
-        for row, old in zip(rows, before_rows, strict=True):
-            row["before_ms"] = old["ms"]
-            print(f"  batch {row['batch']:4d} context {row['context']:6d} {row['shape']:6s}: "
-                  f"{old['ms']:8.3f} ms a step, {old['ms'] / row['ms']:5.1f}x now's",
-                  file=sys.stderr, flush=True)  # fmt: skip
-    from benchmarks.engine_throughput import machine
-
-    record = {
-        "machine": machine(), "torch": torch.__version__,
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "argv": " ".join(argv), "steps": args.steps, "before": args.before, "rows": rows,
-    }  # fmt: skip
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"host_step_{args.tag}.json").write_text(json.dumps(record, indent=1) + "\n")
-    (args.out_dir / f"host_step_{args.tag}.md").write_text(markdown(record))
-    print(f"wrote {args.out_dir}/host_step_{args.tag}.json and .md")
+    rows, before_rows = ran
+    for row, old in zip(rows, before_rows or [], strict=before_rows is not None):
+        row["before_ms"] = old["ms"]
+        print(f"  batch {row['batch']:4d} context {row['context']:6d} {row['shape']:6s}: "
+              f"{old['ms']:8.3f} ms a step, {old['ms'] / row['ms']:5.1f}x now's",
+              file=sys.stderr, flush=True)  # fmt: skip
+    revisions.write_record(args, "host_step", argv, {"steps": args.steps, "rows": rows},
+                           markdown)  # fmt: skip
     return 0
 
 

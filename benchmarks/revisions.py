@@ -1,19 +1,71 @@
-"""Run a benchmark script against an earlier revision of this repository, for the
-``--before REV`` columns: the script (from this tree) runs in a subprocess on a temporary
-``git worktree`` of REV, whose packages come first on the path, and prints its rows as
-JSON on stdout (its ``--rows-only`` mode)."""
+"""Benchmarks that put this code beside an earlier revision of this repository (``--before
+REV``): the script (from this tree) runs again in a subprocess on a temporary ``git
+worktree`` of REV, whose packages come first on the path, and prints its rows as JSON on
+stdout (its ``--rows-only`` mode). Also the arguments, record header and record files
+those benchmarks share (``host_step``, ``shared_prefix_prefill``)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).parent / "results"
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    """``--before REV``, ``--tag``/``--out-dir`` (where the record goes), and the child's
+    hidden ``--rows-only``."""
+    parser.add_argument("--before", default=None, help="a revision to run side by side")
+    parser.add_argument("--tag", default="cpu", help="suffix of the record's files")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)
+
+
+def side_by_side(
+    args: argparse.Namespace, argv: list[str], script: Path,
+    run_cases: Callable[[argparse.Namespace], list[dict]],
+) -> tuple[list[dict], list[dict] | None] | None:  # fmt: skip
+    """The rows of this code and, with ``--before``, of that revision (same cases). None
+    in the ``--rows-only`` child, which prints its rows instead."""
+    if args.rows_only:
+        print(json.dumps(run_cases(args)))
+        return None
+    print("now:", file=sys.stderr)
+    rows = run_cases(args)
+    if not args.before:
+        return rows, None
+    print(f"{args.before}:", file=sys.stderr)
+    return rows, rows_at(args.before, script, without_before(argv))
+
+
+def write_record(args: argparse.Namespace, name: str, argv: list[str], fields: dict[str, Any],
+                 markdown: Callable[[dict], str]) -> None:  # fmt: skip
+    """``<out-dir>/<name>_<tag>.json`` and ``.md``: the machine, torch, date and command
+    line, then ``fields``."""
+    import torch
+
+    from benchmarks.engine_throughput import machine
+
+    record = {
+        "machine": machine(), "torch": torch.__version__,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"), "argv": " ".join(argv),
+        "before": args.before, **fields,
+    }  # fmt: skip
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = args.out_dir / f"{name}_{args.tag}"
+    stem.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(markdown(record))
+    print(f"wrote {stem}.json and .md")
 
 
 def rows_at(revision: str, script: Path, argv: list[str]) -> Any:
@@ -22,6 +74,9 @@ def rows_at(revision: str, script: Path, argv: list[str]) -> Any:
         tree = Path(tmp) / "tree"
         subprocess.run(["git", "worktree", "add", "--detach", "-q", str(tree), revision],
                        cwd=ROOT, check=True)  # fmt: skip
+        # The script imports this module, which an older tree may lack: it comes from this
+        # tree, like the script; everything else is REV's.
+        shutil.copy(Path(__file__), tree / "benchmarks" / "revisions.py")
         try:
             env = {**os.environ, "PYTHONPATH": str(tree)}
             done = subprocess.run(

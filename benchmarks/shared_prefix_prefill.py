@@ -19,21 +19,17 @@ tokens the engine computed, the wall time and the time to first token (median, m
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 # Run as a script, this folder is first on sys.path and its kernels.py would shadow the
 # kernels package.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-import torch  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results"
+from benchmarks import revisions  # noqa: E402
 
 
 def run_case(args: argparse.Namespace, num_requests: int) -> dict:
@@ -125,45 +121,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=512, help="prefill_chunk_tokens")
     parser.add_argument("--budget", type=int, default=4096, help="max_num_batched_tokens")
     parser.add_argument("--size", default="small", choices=("tiny", "small"))
-    parser.add_argument("--before", default=None, help="a revision to run side by side")
-    parser.add_argument("--tag", default="cpu")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS)
-    parser.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)
+    revisions.add_args(parser)
     args = parser.parse_args(argv)
-    if args.rows_only:  # the --before child: rows as JSON on stdout, nothing written
-        print(json.dumps(run_cases(args)))
+    ran = revisions.side_by_side(args, argv, Path(__file__), run_cases)
+    if ran is None:  # the --before child
         return 0
-    print("now:", file=sys.stderr)
-    rows = run_cases(args)
+    rows, before_rows = ran
     same = True
-    if args.before:
-        from benchmarks.revisions import rows_at, without_before  # not in older trees
-
-        print(f"{args.before}:", file=sys.stderr)
-        before_rows = rows_at(args.before, Path(__file__), without_before(argv))
-        for row, old in zip(rows, before_rows, strict=True):
-            row["same_tokens"] = row["tokens"] == old.pop("tokens")
-            row["before"] = old
-            same = same and row["same_tokens"]
-            print(f"  {row['requests']:3d} requests: {old['wall_s'] / row['wall_s']:.1f}x "
-                  f"faster, prompt tokens {old['prompt_tokens_computed']} -> "
-                  f"{row['prompt_tokens_computed']}, same tokens: {row['same_tokens']}",
-                  file=sys.stderr)  # fmt: skip
+    for row, old in zip(rows, before_rows or [], strict=before_rows is not None):
+        row["same_tokens"] = row["tokens"] == old.pop("tokens")
+        row["before"] = old
+        same = same and row["same_tokens"]
+        print(f"  {row['requests']:3d} requests: {old['wall_s'] / row['wall_s']:.1f}x "
+              f"faster, prompt tokens {old['prompt_tokens_computed']} -> "
+              f"{row['prompt_tokens_computed']}, same tokens: {row['same_tokens']}",
+              file=sys.stderr)  # fmt: skip
     for row in rows:
         del row["tokens"]
-    from benchmarks.engine_throughput import machine
-
-    record = {
-        "machine": machine(), "torch": torch.__version__,
-        "date": datetime.now(UTC).isoformat(timespec="seconds"), "argv": " ".join(argv),
-        "size": args.size, "shared": args.shared, "suffix": args.suffix, "output": args.output,
-        "chunk": args.chunk, "budget": args.budget, "before": args.before, "rows": rows,
-    }  # fmt: skip
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.out_dir / f"shared_prefix_prefill_{args.tag}"
-    stem.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(markdown(record))
-    print(f"wrote {stem}.json and .md")
+    fields = {name: getattr(args, name)
+              for name in ("size", "shared", "suffix", "output", "chunk", "budget")}  # fmt: skip
+    revisions.write_record(args, "shared_prefix_prefill", argv, {**fields, "rows": rows},
+                           markdown)  # fmt: skip
     return 0 if same else 1
 
 

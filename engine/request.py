@@ -133,7 +133,8 @@ class Request:
     # once and shared, not copied (O(prompt)) into every step's output.
     prompt_logprobs_output: list[TokenLogprobs | None] | None = None
     num_computed_tokens: int = 0
-    # Prompt tokens served from the prefix cache (or a remote worker) at first scheduling.
+    # Prompt tokens served from the prefix cache (or a remote worker) at first scheduling,
+    # and cached blocks a prompt being prefilled took since (get_next_cached_blocks).
     num_cached_tokens: int = -1
     num_preemptions: int = 0
     # Hashes of the request's full blocks, extended as tokens are appended.

@@ -310,7 +310,7 @@ class Scheduler:
         if hits:
             request.num_computed_tokens += num_hit_tokens
             request.num_cached_tokens += num_hit_tokens
-            self.kv.num_hit_tokens += num_hit_tokens  # queried at admission, missed then
+            self.kv.record_lookup(0, num_hit_tokens)  # queried at admission, missed then
         out.scheduled.append(self._scheduled(request, num_new, drafts))
         return num_new + len(drafts)
 
