@@ -134,8 +134,8 @@ def markdown(record: dict) -> str:
     lines = [
         "# The engine's host path per decode step (outside the model runner)",
         "",
-        f"`python -m benchmarks.host_step {record['argv']}` on {record['machine']} (torch "
-        f"{record['torch']}, {record['date']}). Median over {record['steps']} decode steps of "
+        f"{revisions.command_line(record, 'host_step')}. Median over {record['steps']} "
+        "decode steps of "
         "`LLMEngine.step`, the runner answering at once (see the module's docstring). "
         "*prompt*: the context is all prompt; *output*: an eighth of it is, the rest was "
         "generated.",

@@ -101,3 +101,10 @@ def without_before(argv: list[str]) -> list[str]:
         elif not arg.startswith("--before="):
             out.append(arg)
     return out
+
+
+def command_line(record: dict[str, Any], module: str) -> str:
+    """How a record says what ran where: ``python -m benchmarks.<module> ARGS`` on the
+    machine, with torch and the date."""
+    return (f"`python -m benchmarks.{module} {record['argv']}` on {record['machine']} "
+            f"(torch {record['torch']}, {record['date']})")  # fmt: skip

@@ -83,8 +83,7 @@ def markdown(record: dict) -> str:
     lines = [
         "# A burst of prompts sharing a prefix, prefilled in chunks",
         "",
-        f"`python -m benchmarks.shared_prefix_prefill {record['argv']}` on "
-        f"{record['machine']} (torch {record['torch']}, {record['date']}), made llama "
+        f"{revisions.command_line(record, 'shared_prefix_prefill')}, made llama "
         f"`{record['size']}`. Each request: {record['shared']} shared prompt tokens and "
         f"{record['suffix']} of its own, {record['output']} output tokens, greedy; "
         f"`prefill_chunk_tokens` {record['chunk']}, `max_num_batched_tokens` "
