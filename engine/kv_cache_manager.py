@@ -99,8 +99,9 @@ class KVCacheManager:
         one was admitted. Taken instead of computed, they end the lockstep in which
         requests with one prompt, admitted while its first was still being prefilled in
         chunks, each computed all of it. Only for a request holding just its computed
-        blocks, all full (one whose chunk ended mid-block keeps filling its own block),
-        and never the block of the last token (its hidden state is needed to sample)."""
+        blocks, all full (one whose chunk ended mid-block fills its own block first:
+        ``tokens_to_cached_block``), and never the block of the last token (its hidden
+        state is needed to sample)."""
         first, rest = divmod(request.num_computed_tokens, self.block_size)
         if not self.enable_caching or rest:
             return []
@@ -113,6 +114,24 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits
+
+    def tokens_to_cached_block(self, request: Request) -> int | None:
+        """For a running request whose computed tokens end mid-block (a chunk cut by the
+        step's budget, or a chunk size off the block size): the tokens that fill its
+        partial block, when the block after it is cached. Its chunk then stops there, and
+        the next step takes the cached blocks (``get_next_cached_blocks``) instead of
+        computing past the boundary. None when there is nothing to take."""
+        first, rest = divmod(request.num_computed_tokens, self.block_size)
+        if not self.enable_caching or not rest:
+            return None
+        if len(self.req_to_blocks.get(request.request_id, ())) != first + 1:
+            return None
+        following = first + 1
+        if following >= self._max_hit_blocks(request):
+            return None
+        if self.pool.get_cached_block(request.block_hashes[following]) is None:
+            return None
+        return self.block_size - rest
 
     def _max_hit_blocks(self, request: Request) -> int:
         """0 for a request scoring its prompt: every prompt token's logits are needed."""

@@ -291,11 +291,14 @@ class Scheduler:
         of ``running`` for blocks. Returns the tokens scheduled; None if it preempted
         itself."""
         hits: list[KVBlock] = []
-        if request.num_computed_tokens < request.num_tokens - 1:  # still prefilling
+        prefilling = request.num_computed_tokens < request.num_tokens - 1
+        if prefilling:  # blocks another request computed since: take them, or stop at them
             hits = self.kv.get_next_cached_blocks(request)
         num_hit_tokens = len(hits) * self.block_size
         num_new = self._num_new_tokens(request, request.num_computed_tokens + num_hit_tokens,
                                        budget)  # fmt: skip
+        if prefilling and not hits:
+            num_new = min(num_new, self.kv.tokens_to_cached_block(request) or num_new)
         assert num_new > 0
         drafts = self._drafts(request, budget)
         if drafts and not self.kv.allocate_slots(request, num_new + len(drafts)):

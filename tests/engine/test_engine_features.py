@@ -109,8 +109,9 @@ def test_prompts_prefilled_side_by_side_compute_their_shared_part_once(tiny_llam
     to compute all of it (a request looks the cache up only when admitted, so they went
     in lockstep, each a chunk ahead of the last). A running request now takes the blocks
     another has computed since. Chunks of 64 stay on block boundaries (16 tokens), so the
-    shared part is computed once; chunks of 7 end mid-block and take nothing. Same
-    tokens either way."""
+    shared part is computed once. Chunks of 7 keep all four at one mid-block position,
+    none ahead of another, so nothing is there to take: the lockstep stays (ending it
+    would mean holding one back a step). Same tokens either way."""
     shared = random_prompts((320,), seed=12)[0]
     prompts = [shared + suffix for suffix in random_prompts((5, 9, 13, 2), seed=13)]
     fresh = LLM(tiny_llama, enable_prefix_caching=False)
@@ -125,7 +126,7 @@ def test_prompts_prefilled_side_by_side_compute_their_shared_part_once(tiny_llam
         cached = sum(o.num_cached_tokens for o in outputs)
         assert cached == 3 * 320 and llm.engine.scheduler.kv.num_hit_tokens == cached
     else:
-        assert computed > 2 * 320  # mid-block chunks: the lockstep as before
+        assert computed > 2 * 320  # the lockstep as before
     assert llm.engine.leak_report() == [] and fresh.engine.leak_report() == []
 
 

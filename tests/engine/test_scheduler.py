@@ -61,6 +61,27 @@ def test_prefill_chunk_limit():
     assert scheduler.leak_report() == []
 
 
+def test_a_prompt_being_prefilled_takes_the_blocks_another_computed_since():
+    """Two requests with one 40-token prompt (blocks of 4, chunks of 8, 11 tokens a step).
+    The second is admitted behind the first and ends its chunk mid-block; once the block
+    after its own is cached, it fills its block and stops there, and then takes every
+    block the first computed since instead of computing them again."""
+    config = EngineConfig(block_size=4, max_num_batched_tokens=11, prefill_chunk_tokens=8)
+    scheduler = Scheduler(config, num_blocks=64)
+    a, b = make_request("a", 40), make_request("b", 40)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    assert run_step(scheduler) == {"a": 8, "b": 3}  # b found a's 2 blocks: 8 .. 11
+    assert b.num_computed_tokens == 11 and b.num_cached_tokens == 8
+    # a computes 8 .. 16; b only fills its block (11 .. 12): a's block 12 .. 16 follows.
+    assert run_step(scheduler) == {"a": 8, "b": 1}
+    # b takes a's blocks 12 .. 24 (16 .. 24 scheduled by a in this very step), then 3 more.
+    assert run_step(scheduler) == {"a": 8, "b": 3}
+    assert b.num_computed_tokens == 27 and b.num_cached_tokens == 20
+    drain(scheduler)
+    assert scheduler.leak_report() == []
+
+
 def test_max_num_seqs_and_fcfs():
     config = EngineConfig(block_size=4, max_num_seqs=2)
     scheduler = Scheduler(config, num_blocks=64)
