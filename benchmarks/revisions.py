@@ -22,12 +22,16 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results"
 
 
-def add_args(parser: argparse.ArgumentParser) -> None:
-    """``--before REV``, ``--tag``/``--out-dir`` (where the record goes), and the child's
-    hidden ``--rows-only``."""
-    parser.add_argument("--before", default=None, help="a revision to run side by side")
+def add_record_args(parser: argparse.ArgumentParser) -> None:
+    """``--tag``/``--out-dir``: where the record goes."""
     parser.add_argument("--tag", default="cpu", help="suffix of the record's files")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    """``--before REV``, the record's arguments, and the child's hidden ``--rows-only``."""
+    parser.add_argument("--before", default=None, help="a revision to run side by side")
+    add_record_args(parser)
     parser.add_argument("--rows-only", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -59,7 +63,7 @@ def write_record(args: argparse.Namespace, name: str, argv: list[str], fields: d
     record = {
         "machine": machine(), "torch": torch.__version__,
         "date": datetime.now(UTC).isoformat(timespec="seconds"), "argv": " ".join(argv),
-        "before": args.before, **fields,
+        "before": getattr(args, "before", None), **fields,
     }  # fmt: skip
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stem = args.out_dir / f"{name}_{args.tag}"

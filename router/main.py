@@ -10,6 +10,7 @@ import time
 import uvicorn
 
 from common.config import PdserveConfig
+from common.gc_heap import freeze_startup_heap
 from router.app import create_app
 from router.state import RouterState
 
@@ -23,6 +24,7 @@ def run(config: PdserveConfig) -> int:
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         await state.start()
+        freeze_startup_heap()
         logger.info(
             "router on http://%s:%d serving %s", config.router.host, config.router.port,
             state.model.served_name,

@@ -39,7 +39,7 @@ async def serve(config: PdserveConfig, role: Role, index: int) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
     try:
-        started = await runtime.start(add)
+        started = await runtime.start(add, freeze_heap=True)
     except BaseException:
         await runtime.stop()
         raise

@@ -28,6 +28,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.config import FailurePolicy, PdserveConfig, Role
 from common.event_bus import KVEventPublisher
+from common.gc_heap import freeze_startup_heap
 from common.registry import Registry, WorkerInfo, create_registry, worker_id
 from engine.async_engine import AsyncEngine
 from engine.kv_events import KVEventCollector
@@ -98,15 +99,22 @@ class WorkerRuntime:
 
     # ------------------------------------------------------------------ start
 
-    async def start(self, add_servicer: Callable[[grpc.aio.Server], None]) -> bool:
+    async def start(
+        self, add_servicer: Callable[[grpc.aio.Server], None], freeze_heap: bool = False
+    ) -> bool:
         """Start serving; False if ``drain`` was called before the model finished loading
-        (the worker then never turns SERVING, and the drain releases what was built)."""
+        (the worker then never turns SERVING, and the drain releases what was built).
+        ``freeze_heap``: the process is this worker's own, so what it holds once loaded
+        can leave the garbage collector's passes before it serves (``common/gc_heap.py``;
+        not in a test's process, whose later garbage would be kept)."""
         try:
-            return await self._start(add_servicer)
+            return await self._start(add_servicer, freeze_heap)
         finally:
             self._start_done.set()
 
-    async def _start(self, add_servicer: Callable[[grpc.aio.Server], None]) -> bool:
+    async def _start(
+        self, add_servicer: Callable[[grpc.aio.Server], None], freeze_heap: bool
+    ) -> bool:
         # The registry first: an unreachable Redis fails the start before the model loads.
         self.registry = await asyncio.to_thread(create_registry, self.config)
         self.server = grpc.aio.server()
@@ -122,6 +130,8 @@ class WorkerRuntime:
         if self.draining:
             logger.info("%s told to stop while loading; not serving", self.worker_id)
             return False
+        if freeze_heap:
+            freeze_startup_heap()
         await asyncio.to_thread(self.registry.register, self.info())
         self._heartbeat_task = asyncio.create_task(self._heartbeat())
         self.ready = True

@@ -33,6 +33,7 @@ import torch
 import zmq
 
 from common.config import EngineConfig
+from common.gc_heap import freeze_startup_heap
 from engine.cpu_tier import HostBlockCache
 from engine.model_shard import HostBatch, ModelShard
 from engine.models.arch import read_arch_config
@@ -141,6 +142,7 @@ class Shard:
         elif isinstance(message, Allocate):
             self.shard.allocate(message.num_blocks)
             payload = self.extension.start(self.shard) if self.extension is not None else b""
+            freeze_startup_heap()  # loaded and allocated: what is left is serving
             self.reply(Started(self.launch.rank, payload))
         elif isinstance(message, OpenHostCache):
             self.host_cache = HostBlockCache(self.shard.kv_caches, message.num_slots)
