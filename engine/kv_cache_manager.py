@@ -84,13 +84,7 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return [], 0
-        max_hit_blocks = self._max_hit_blocks(request)
-        hits: list[KVBlock] = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
+        hits = self._cached_run(request, 0)
         return hits, len(hits) * self.block_size
 
     def get_next_cached_blocks(self, request: Request) -> list[KVBlock]:
@@ -107,6 +101,11 @@ class KVCacheManager:
             return []
         if len(self.req_to_blocks.get(request.request_id, ())) != first:
             return []
+        return self._cached_run(request, first)
+
+    def _cached_run(self, request: Request, first: int) -> list[KVBlock]:
+        """The cached blocks of the request's full blocks from index ``first`` on, up to
+        the first one not cached and short of the last token's block (``_max_hit_blocks``)."""
         hits: list[KVBlock] = []
         for block_hash in request.block_hashes[first : self._max_hit_blocks(request)]:
             block = self.pool.get_cached_block(block_hash)
