@@ -26,8 +26,6 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 
 from benchmarks import revisions  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-
 CHILD = """
 import gc, json, sys, time
 import grpc, worker.main, decode_service.servicer, prefill_service.servicer  # a worker's heap
@@ -60,7 +58,7 @@ print(json.dumps({"wall_s": time.perf_counter() - start, "tracked_at_start": tra
 def run_child(num_requests: int, mode: str) -> dict:
     done = subprocess.run(
         [sys.executable, "-c", CHILD, str(num_requests), mode],
-        cwd=ROOT, check=True, capture_output=True, text=True,
+        cwd=revisions.ROOT, check=True, capture_output=True, text=True,
     )  # fmt: skip
     return {"mode": mode, **json.loads(done.stdout.strip().splitlines()[-1])}
 

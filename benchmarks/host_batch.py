@@ -22,21 +22,17 @@ follows is the same for both and is not timed. Records JSON and Markdown under
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from datetime import UTC, datetime
-from pathlib import Path
 
 import torch
 
-from benchmarks.engine_throughput import machine
+from benchmarks import revisions
 from engine.block_pool import KVBlock
 from engine.block_table import BlockTable
 from engine.kv_cache_manager import cdiv
 
-RESULTS = Path(__file__).parent / "results"
 BLOCK_SIZE = 16
 
 
@@ -91,9 +87,9 @@ def markdown(record: dict) -> str:
     lines = [
         "# A decode step's block table on the host: persistent rows against lists",
         "",
-        f"`python -m benchmarks.host_batch {record['argv']}` on {record['machine']} (torch "
-        f"{record['torch']}, {record['date']}). Median over {record['steps']} decode steps "
-        "after the step that fills the rows; block size 16; equal tables checked every step.",
+        f"{revisions.command_line(record, 'host_batch')}. Median over {record['steps']} "
+        "decode steps after the step that fills the rows; block size 16; equal tables "
+        "checked every step.",
         "",
         "| batch | context (tokens) | lists ms/step | persistent ms/step | lists / persistent "
         "| persistent, first step ms |",
@@ -109,12 +105,12 @@ def markdown(record: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--context", type=int, nargs="+", default=[2048, 8192, 32768])
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--tag", default="cpu")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    revisions.add_record_args(parser)
     args = parser.parse_args(argv)
     rows = []
     for batch in args.batch:
@@ -124,16 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"batch {batch:4d} context {context:6d}: lists {row['lists_ms']:8.3f} ms  "
                   f"persistent {row['persistent_ms']:7.3f} ms  {row['speedup']:6.1f}x",
                   flush=True)  # fmt: skip
-    record = {
-        "machine": machine(), "torch": torch.__version__,
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "argv": " ".join(argv if argv is not None else sys.argv[1:]),
-        "steps": args.steps, "rows": rows,
-    }  # fmt: skip
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"host_batch_{args.tag}.json").write_text(json.dumps(record, indent=1) + "\n")
-    (args.out_dir / f"host_batch_{args.tag}.md").write_text(markdown(record))
-    print(f"wrote {args.out_dir}/host_batch_{args.tag}.json and .md")
+    revisions.write_record(args, "host_batch", argv, {"steps": args.steps, "rows": rows},
+                           markdown)  # fmt: skip
     return 0
 
 

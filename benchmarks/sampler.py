@@ -16,26 +16,22 @@ of the vocabulary, the worst case for top-p). Records JSON and Markdown under
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 import time
 import types
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
-from benchmarks.engine_throughput import machine
+from benchmarks import revisions
 from engine.penalties import TokenCounts
 from engine.sampler import SamplingRow, sample
 from engine.sampling_ops import RequestRandom
 from engine.sampling_params import SamplingParams
 from engine.sampling_reference import sample_reference
-
-RESULTS = Path(__file__).parent / "results"
 
 SETTINGS: dict[str, dict] = {
     "greedy": {"temperature": 0.0},
@@ -79,8 +75,7 @@ def make_rows(batch: int, vocab: int, fields: dict, device: torch.device) -> lis
 
 def sampler_at(revision: str) -> types.ModuleType:
     """``engine/sampler.py`` as it was at ``revision`` of this repository, as a module."""
-    root = Path(__file__).resolve().parent.parent
-    source = subprocess.run(["git", "show", f"{revision}:engine/sampler.py"], cwd=root,
+    source = subprocess.run(["git", "show", f"{revision}:engine/sampler.py"], cwd=revisions.ROOT,
                             capture_output=True, text=True, check=True).stdout  # fmt: skip
     module = types.ModuleType(f"sampler_at_{revision}")
     sys.modules[module.__name__] = module  # dataclasses look their module up
@@ -185,6 +180,7 @@ def markdown(record: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch", type=int, nargs="+", default=[32, 256])
@@ -199,21 +195,13 @@ def main(argv: list[str] | None = None) -> int:
         help="also time engine/sampler.py as it was at this git revision",
     )
     parser.add_argument("--tag", default=None, help="suffix of the record (default: device)")
-    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument("--out-dir", type=Path, default=revisions.RESULTS)
     args = parser.parse_args(argv)
     rows = run(args)
-    record = {
-        "machine": machine(), "device": str(torch.cuda.get_device_name()
-                                            if args.device.startswith("cuda") else "cpu"),
-        "torch": torch.__version__, "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "argv": " ".join(argv if argv is not None else sys.argv[1:]),
-        "repeats": args.repeats, "before": args.before, "rows": rows,
-    }  # fmt: skip
-    tag = args.tag or args.device.split(":")[0]
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"sampler_{tag}.json").write_text(json.dumps(record, indent=1) + "\n")
-    (args.out_dir / f"sampler_{tag}.md").write_text(markdown(record))
-    print(f"wrote {args.out_dir}/sampler_{tag}.json and .md")
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    args.tag = args.tag or args.device.split(":")[0]
+    fields = {"device": device, "repeats": args.repeats, "rows": rows}
+    revisions.write_record(args, "sampler", argv, fields, markdown)
     return 0 if all(row["same_tokens"] for row in rows) else 1
 
 

@@ -1,6 +1,6 @@
 """Short full passes of the garbage collector in serving processes.
 
-A worker holds ~260k objects the collector tracks once it has started (torch,
+A worker holds ~240k objects the collector tracks once it has started (torch,
 transformers, gRPC, the model's modules), and a full pass (generation 2) walks them all
 while holding the GIL: ~110 ms here, a stall of every thread, the engine's included.
 Full passes come whenever the objects that survived since the last one reach a quarter of
