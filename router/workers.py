@@ -39,6 +39,21 @@ _CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.max_receive_message_length", 64 << 20),
 ]
+# A decode stream the router is not reading takes at most this many bytes ahead (gRPC's
+# default lets it take 64 KiB, ~5,000 one-token messages, and bandwidth probing grows
+# that). So when the router falls behind its decode workers, their writes wait, and the
+# outputs the engine makes meanwhile leave as one message (``AsyncEngine``'s merge): the
+# router then handles a message, a detokenizer call and an SSE chunk per several tokens
+# instead of per token, and a stream lags by a few messages, not thousands. A stream the
+# router is reading is unaffected: a pending read lets the message in flight through
+# whole, however large (gRPC's minimum progress), and below saturation every message is
+# still one step's tokens (``benchmarks/router_stream.py``).
+DECODE_STREAM_WINDOW_BYTES = 256
+DECODE_CHANNEL_OPTIONS = [
+    *_CHANNEL_OPTIONS,
+    ("grpc.http2.lookahead_bytes", DECODE_STREAM_WINDOW_BYTES),
+    ("grpc.http2.bdp_probe", 0),  # it would grow the window back
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -323,7 +338,8 @@ class WorkerPool:
         task.add_done_callback(self._retiring.discard)
 
     def _connect(self, info: WorkerInfo) -> WorkerState:
-        channel = grpc.aio.insecure_channel(info.grpc_address, options=_CHANNEL_OPTIONS)
+        options = DECODE_CHANNEL_OPTIONS if info.role is Role.DECODE else _CHANNEL_OPTIONS
+        channel = grpc.aio.insecure_channel(info.grpc_address, options=options)
         return WorkerState(
             info=info,
             channel=channel,

@@ -300,6 +300,49 @@ def test_a_client_gone_while_the_prefill_reply_is_in_flight_leaves_no_lease(stac
     run(with_client(stack, body))
 
 
+@pytest.mark.parametrize("stack", ["nixl"], indirect=True)  # no KV moves: one is enough
+def test_a_decode_stream_the_router_falls_behind_on_comes_merged(stack):
+    """On the router's channel to a decode worker (``DECODE_CHANNEL_OPTIONS``) a stream
+    nobody reads stops the worker's writes after a few messages; the engine goes on, and
+    what it makes meanwhile comes as one message when the reading resumes
+    (``AsyncEngine``'s merge). With gRPC's default window the worker would have sent all
+    200 tokens one by one. Tokens and finish are those of a stream read as it goes."""
+    config = load_config(str(stack[0].config_path))
+    prompt = random_prompts((20,), seed=61)[0]
+    sampling = pb.SamplingParams(max_tokens=200, min_tokens=200, temperature=0)
+
+    async def body(client: PDClient):
+        request = pb.GenerateRequest(request_id="read", prompt_token_ids=prompt,
+                                     sampling=sampling)  # fmt: skip
+        read = [chunk async for chunk in client.decode.Generate(request, timeout=60)]
+        pool = WorkerPool(StaticRegistry(config), EventListener(PrefixIndex(), threading.Lock()),
+                          60.0, 30.0)  # fmt: skip
+        try:
+            await pool.refresh()
+            (decode,) = pool.candidates(Role.DECODE)
+            request.request_id = "unread"
+            call = decode.decode.Generate(request, timeout=60)
+            chunks = [await call.read()]  # it runs
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:  # the engine finishes; nobody reads
+                _, now = await client.stats()
+                if now.num_running + now.num_waiting == 0:
+                    break
+                await asyncio.sleep(0.05)
+            while (chunk := await call.read()) is not grpc.aio.EOF:
+                chunks.append(chunk)
+        finally:
+            await pool.close()
+        tokens = [t for chunk in chunks for t in chunk.token_ids]
+        assert tokens == [t for chunk in read for t in chunk.token_ids]
+        assert chunks[-1].finish_reason == read[-1].finish_reason == "length"
+        assert len(read) >= 150  # read as it went: about a message per step
+        assert len(chunks) < 60 and max(len(chunk.token_ids) for chunk in chunks) > 100
+        await assert_idle(client)
+
+    run(with_client(stack, body))
+
+
 def test_an_fp8_kv_cache_moves_and_decodes_as_offline(tiny_llama, tmp_path):
     """``engine.kv_cache_dtype: fp8`` on both roles: the handshake agrees on the FP8 layout,
     the blocks move over NIXL, and the tokens are the offline engine's with the same cache."""
