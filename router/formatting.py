@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from typing import Any
+
+import msgspec
 
 from proto import pdserve_pb2 as pb
 from router.choices import Choice, ChoiceEvent
@@ -306,8 +307,13 @@ class Formatter:
         }
 
 
+_JSON = msgspec.json.Encoder()
+
+
 def sse(body: dict[str, Any]) -> bytes:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
+    """One server-sent event: compact UTF-8 JSON, by msgspec (~10x ``json.dumps``; a
+    stream writes one per chunk). A NaN or infinity, which JSON cannot hold, is null."""
+    return b"data: " + _JSON.encode(body) + b"\n\n"
 
 
 SSE_DONE = b"data: [DONE]\n\n"

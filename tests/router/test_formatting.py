@@ -1,13 +1,14 @@
 """Response bodies: a streamed completion's logprobs equal the whole response's; the
-prompt's log-probs in OpenAI's echo and vLLM's prompt_logprobs shapes."""
+prompt's log-probs in OpenAI's echo and vLLM's prompt_logprobs shapes; the SSE line."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 from proto import pdserve_pb2 as pb
 from router.choices import Choice, ChoiceEvent
-from router.formatting import Formatter, vllm_prompt_logprobs
+from router.formatting import Formatter, sse, vllm_prompt_logprobs
 
 TOKEN_TEXT = {1: "ab", 2: "c", 3: "\ufffd", 4: "de", 5: "f"}
 
@@ -78,3 +79,14 @@ def test_prompt_logprobs_take_vllms_shape_and_echo_cuts_its_own_top():
     whole = chat.final([choice])
     assert whole["prompt_logprobs"] == vllm_prompt_logprobs(scored, TOKEN_TEXT.get, 0)
     assert "prompt_logprobs" not in whole["choices"][0]
+
+
+def test_an_sse_line_is_one_json_event_in_utf_8():
+    """Non-ASCII text goes as UTF-8 (not escaped), and what JSON cannot hold (NaN, an
+    infinity) goes as null rather than as invalid JSON."""
+    body = {"choices": [{"delta": {"content": "é\u2028 \"q\"\n"}, "logprobs": None}],
+            "created": 1, "x": [float("nan"), float("-inf"), 0.5]}  # fmt: skip
+    line = sse(body)
+    assert line.startswith(b"data: {") and line.endswith(b"}\n\n") and line.count(b"\n") == 2
+    assert "é".encode() in line
+    assert json.loads(line[len(b"data: ") :]) == {**body, "x": [None, None, 0.5]}
