@@ -23,7 +23,9 @@ per token (below 1 when chunks carry several tokens), and how long the median an
 slowest stream took. The router's CPU per token holds on any machine; on this 2-core one
 the three processes share the cores, so rates compare only side by side. With
 ``--before REV`` the same cases run on a worktree of REV (its router, this script's
-worker and client), one revision after the other. Records JSON and Markdown under
+worker and client), one revision after the other; with ``--before-plain`` too, REV's
+router cannot import uvloop or httptools, as REV was installed before they were
+dependencies (uvicorn then runs asyncio and h11). Records JSON and Markdown under
 ``benchmarks/results/``.
 """
 
@@ -237,7 +239,12 @@ def run_step(args: argparse.Namespace, step_ms: float) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="pdserve-router-stream-") as tmp:
         path = Path(tmp) / "config.yaml"
         path.write_text(yaml.safe_dump(config))
-        env = {**os.environ, "PYTHONPATH": os.getcwd()}
+        paths = [os.getcwd()]
+        if args.before_plain and args.rows_only:  # the earlier revision, as pip gave it
+            for name in PLAIN_BLOCKED:
+                (Path(tmp) / f"{name}.py").write_text(f"raise ImportError('{name}: blocked')\n")
+            paths.insert(0, tmp)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
         try:
             worker = subprocess.Popen(
                 [sys.executable, str(Path(__file__).resolve()), "--serve-decode",
@@ -279,6 +286,11 @@ def run_step(args: argparse.Namespace, step_ms: float) -> list[dict]:
     return rows
 
 
+# What ``--before-plain`` keeps the earlier revision's router from importing: uvicorn's
+# "auto" then serves with asyncio and h11, as it did before pdserve required them.
+PLAIN_BLOCKED = ("uvloop", "httptools")
+
+
 def run_cases(args: argparse.Namespace) -> list[dict]:
     return [row for step_ms in args.step_ms for row in run_step(args, step_ms)]
 
@@ -312,12 +324,15 @@ def markdown(record: dict) -> str:
         "|---|---|---:|---:|---:|---:|---:|",
     ]  # fmt: skip
     ratios = []
+    before = record["before"]
+    if record.get("before_plain"):
+        before += " (asyncio + h11)"
     for step_ms in record["step_ms"]:
         now = summary(record["rounds"], step_ms)
         runs = [("now", now)]
         if record.get("before_rounds"):
             then = summary(record["before_rounds"], step_ms)
-            runs.insert(0, (record["before"], then))
+            runs.insert(0, (before, then))
             ratios.append(
                 f"- {case_name(step_ms, streams)}: router CPU per token "
                 f"{now['router_cpu_us_per_token'] / then['router_cpu_us_per_token']:.2f}x, "
@@ -332,7 +347,7 @@ def markdown(record: dict) -> str:
                 f"{values['stream_max_s']:.2f} |"
             )
     if ratios:
-        lines += ["", f"Now as a multiple of {record['before']}:", *ratios]
+        lines += ["", f"Now as a multiple of {before}:", *ratios]
     return "\n".join(lines) + "\n"
 
 
@@ -344,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--step-ms", type=float, nargs="+", default=[4.0, 20.0, 0.0],
                         help="the worker's step times (0: free-running)")  # fmt: skip
+    parser.add_argument("--before-plain", action="store_true",
+                        help="run --before's router without uvloop and httptools, as "
+                             "installed before they were dependencies")  # fmt: skip
     parser.add_argument("--serve-decode", type=int, default=None, help=argparse.SUPPRESS)
     revisions.add_args(parser)
     args = parser.parse_args(argv)
@@ -355,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows, before_rows = both
     fields = {"streams": args.streams, "tokens": args.tokens, "step_ms": args.step_ms,
-              "rounds": rows, "before_rounds": before_rows}  # fmt: skip
+              "before_plain": args.before_plain, "rounds": rows,
+              "before_rounds": before_rows}  # fmt: skip
     revisions.write_record(args, NAME, argv, fields, markdown)
     return 0
 

@@ -45,6 +45,10 @@ def run(config: PdserveConfig) -> int:
             host=config.router.host,
             port=config.router.port,
             log_level="warning",
+            # uvicorn's "auto" would fall back to asyncio + h11 when these are missing,
+            # quietly serving ~30% fewer tokens a second (``benchmarks/router_stream.py``).
+            loop="uvloop",
+            http="httptools",
             timeout_graceful_shutdown=int(config.router.drain_grace_s),
             lifespan="on",
         ),
