@@ -23,10 +23,10 @@ per token (below 1 when chunks carry several tokens), and how long the median an
 slowest stream took. The router's CPU per token holds on any machine; on this 2-core one
 the three processes share the cores, so rates compare only side by side. With
 ``--before REV`` the same cases run on a worktree of REV (its router, this script's
-worker and client), one revision after the other; with ``--before-plain`` too, REV's
-router cannot import uvloop or httptools, as REV was installed before they were
-dependencies (uvicorn then runs asyncio and h11). Records JSON and Markdown under
-``benchmarks/results/``.
+worker and client), one revision after the other, ``--repeats`` times alternating; with
+``--before-plain`` too, REV's router cannot import uvloop or httptools, as REV was
+installed before they were dependencies (uvicorn then runs asyncio and h11). Records
+JSON and Markdown under ``benchmarks/results/``.
 """
 
 from __future__ import annotations
@@ -318,7 +318,8 @@ def markdown(record: dict) -> str:
         revisions.command_line(record, NAME), "",
         f"{streams} streamed chat completions at once, {tokens} tokens each, through a "
         "real router (`pdserve router`) in front of a decode worker that costs nothing. "
-        "Medians over the rounds. A stream's ideal time is its tokens times the step.", "",
+        "Medians over the rounds (of every repeat). A stream's ideal time is its tokens "
+        "times the step.", "",
         "| worker | run | router CPU us / token | tokens/s (client) | SSE chunks / token "
         "| stream p50 s | slowest stream s |",
         "|---|---|---:|---:|---:|---:|---:|",
@@ -359,6 +360,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--step-ms", type=float, nargs="+", default=[4.0, 20.0, 0.0],
                         help="the worker's step times (0: free-running)")  # fmt: skip
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="with --before: now, before, now, ... this many times each",
+    )
     parser.add_argument("--before-plain", action="store_true",
                         help="run --before's router without uvloop and httptools, as "
                              "installed before they were dependencies")  # fmt: skip
@@ -368,10 +375,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve_decode is not None:
         serve_decode(args.serve_decode, args.step_ms[0])
         return 0
-    both = revisions.side_by_side(args, argv, Path(__file__), run_cases)
-    if both is None:
-        return 0
-    rows, before_rows = both
+    rows: list[dict] = []
+    before_rows: list[dict] | None = None
+    for repeat in range(args.repeats):  # alternating, so a drift of the machine hits both
+        both = revisions.side_by_side(args, argv, Path(__file__), run_cases)
+        if both is None:
+            return 0
+        rows += [{**row, "repeat": repeat} for row in both[0]]
+        if both[1] is not None:
+            before_rows = (before_rows or []) + [{**row, "repeat": repeat} for row in both[1]]
     fields = {"streams": args.streams, "tokens": args.tokens, "step_ms": args.step_ms,
               "before_plain": args.before_plain, "rounds": rows,
               "before_rounds": before_rows}  # fmt: skip
