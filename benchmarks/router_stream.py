@@ -252,7 +252,9 @@ def run_step(args: argparse.Namespace, step_ms: float) -> list[dict]:
                 stdout=subprocess.PIPE, text=True, env=env,
             )  # fmt: skip
             processes.append(worker)
-            assert worker.stdout is not None and worker.stdout.readline().strip() == "ready"
+            assert worker.stdout is not None
+            if worker.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"the costless decode worker exited with {worker.wait()}")
             router = subprocess.Popen(
                 [sys.executable, "-m", "deploy.cli", "router", "--config", str(path)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,

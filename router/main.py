@@ -46,7 +46,8 @@ def run(config: PdserveConfig) -> int:
             port=config.router.port,
             log_level="warning",
             # uvicorn's "auto" would fall back to asyncio + h11 when these are missing,
-            # quietly serving ~30% fewer tokens a second (``benchmarks/router_stream.py``).
+            # quietly spending more CPU per streamed token (``benchmarks/router_stream.py
+            # --before-plain``; DESIGN_NOTES, Router).
             loop="uvloop",
             http="httptools",
             timeout_graceful_shutdown=int(config.router.drain_grace_s),
