@@ -164,45 +164,39 @@ async def one_stream(client, url: str, model: str, num_tokens: int) -> tuple[int
     return usage["completion_tokens"], num_chunks - 2, seconds  # less usage and [DONE]
 
 
-async def load(base_url: str, num_streams: int, num_tokens: int) -> dict:
-    """``num_streams`` streams at once: their tokens, chunks, wall time and durations."""
+async def load(base_url: str, num_streams: int, num_tokens: int, pids: list[int]) -> dict:
+    """``num_streams`` streams at once: their tokens, chunks, wall time and durations, and
+    the CPU seconds each of ``pids`` spent on them (the model lookup and a warm-up stream,
+    which opens the connections, come before)."""
     import httpx
 
     limits = httpx.Limits(max_connections=num_streams + 4)
     url = f"{base_url}/v1/chat/completions"
     async with httpx.AsyncClient(limits=limits, timeout=300.0) as client:
         model = (await client.get(f"{base_url}/v1/models")).json()["data"][0]["id"]
-        deadline = time.monotonic() + 60.0
-        while True:  # the router serves once it has seen the worker healthy
-            try:
-                await one_stream(client, url, model, 8)  # also warms connections
-                break
-            except httpx.HTTPStatusError:
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.2)
+        await one_stream(client, url, model, 8)
+        cpu_s = [cpu_seconds(pid) for pid in pids]
         start = time.perf_counter()
         done = await asyncio.gather(
             *(one_stream(client, url, model, num_tokens) for _ in range(num_streams))
         )
         wall_s = time.perf_counter() - start
+        cpu_s = [cpu_seconds(pid) - before for pid, before in zip(pids, cpu_s, strict=True)]
     return {"tokens": sum(d[0] for d in done), "chunks": sum(d[1] for d in done),
-            "wall_s": wall_s, "durations_s": sorted(d[2] for d in done)}  # fmt: skip
+            "wall_s": wall_s, "durations_s": sorted(d[2] for d in done),
+            "cpu_s": cpu_s}  # fmt: skip
 
 
 def wait_ready(url: str, process: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    import urllib.request
+    """Until the router's /health is 200, which it is once it has seen a worker up."""
+    from deploy.health_cmd import check_http
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"the router exited with {process.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=1.0) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            pass
+        if check_http(url, 1.0)[0]:
+            return
         time.sleep(0.2)
     raise RuntimeError("the router did not come up")
 
@@ -262,11 +256,9 @@ def run_step(args: argparse.Namespace, step_ms: float) -> list[dict]:
             processes.append(router)
             wait_ready(f"http://127.0.0.1:{router_port}/health", router)
             for round_index in range(args.rounds):
-                router_cpu, worker_cpu = cpu_seconds(router.pid), cpu_seconds(worker.pid)
                 got = asyncio.run(load(f"http://127.0.0.1:{router_port}", args.streams,
-                                       args.tokens))  # fmt: skip
-                router_cpu = cpu_seconds(router.pid) - router_cpu
-                worker_cpu = cpu_seconds(worker.pid) - worker_cpu
+                                       args.tokens, [router.pid, worker.pid]))  # fmt: skip
+                router_cpu, worker_cpu = got["cpu_s"]
                 num_tokens = got["tokens"]
                 if num_tokens != args.streams * args.tokens:
                     raise RuntimeError(f"got {num_tokens} tokens, expected "
