@@ -7,6 +7,7 @@ Shapes are Llama-3-8B's attention: 32 query heads, 8 KV heads of dim 128, bf16, 
 
     python benchmarks/kernels.py [--json out.json] [--md out.md]   # the table
     python benchmarks/kernels.py --sweep --json sweep.json          # tune launch shapes
+    python benchmarks/kernels.py --sweep-targets --json t.json      # only the open targets
     python benchmarks/kernels.py --kv-cache-dtype fp8 --md fp8.md     # FP8 paged cache
 
 With ``--kv-cache-dtype fp8`` (or ``fp8_e5m2``) the paged cache holds FP8 (the engine's
@@ -17,6 +18,10 @@ Needs CUDA, torch and triton only. Device times are medians of ``triton.testing.
 over CUDA-graph replays (L2 flushed before each); "eager" is the wall time per call launched
 eagerly back to back, where host launch overhead shows. The paged cache's blocks are handed
 out in a random order.
+
+Each decode row also times, the same way, a plain read of the same number of contiguous
+bytes (``amax`` over one tensor): what any kernel launched from a graph can reach at that
+size, launch and ramp-up included. The header gives the floor: an empty graph's replay.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ class Result:
     work: float  # bytes (decode) or FLOPs (prefill)
     config: dict = field(default_factory=dict)
     triton_eager_ms: float = float("nan")
+    read_ms: float = float("nan")  # decode: amax over `work` contiguous bytes, same timing
 
 
 def bench(fn: Callable[[], object], rep_ms: int = 100) -> float:
@@ -86,6 +92,19 @@ def eager_ms(fn: Callable[[], object], calls: int = 100) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - start) * 1e3 / calls
+
+
+def contiguous_read_ms(num_bytes: int) -> float:
+    """Device time of reading ``num_bytes`` contiguous bytes (one ``amax``), timed as
+    ``bench`` times the kernels: a streaming kernel's best at this size."""
+    data = torch.randn(num_bytes // DTYPE.itemsize, dtype=DTYPE, device="cuda")
+    return bench(lambda: torch.amax(data))
+
+
+def floor_ms() -> float:
+    """Device time of a graph holding one tiny kernel: what every timed replay pays."""
+    one = torch.zeros(1, device="cuda")
+    return bench(lambda: one.add_(1.0))
 
 
 def paged_cache(
@@ -147,10 +166,12 @@ def decode_case(
         eager = eager_ms(run)
         dense = torch.randn(2, batch, NUM_KV_HEADS, context, HEAD_DIM, dtype=DTYPE, device="cuda")
         sdpa_ms = sdpa(query[:, :, None], dense[0], dense[1], causal=False)
+        del dense
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * cache.element_size()
     chosen = asdict(config) if config else {}
     chosen |= {"splits": num_splits}
-    return Result("decode", batch, context, ms, sdpa_ms, kv_bytes, chosen, eager)
+    read = contiguous_read_ms(kv_bytes) if with_sdpa else float("nan")
+    return Result("decode", batch, context, ms, sdpa_ms, kv_bytes, chosen, eager, read)
 
 
 def prefill_case(
@@ -205,6 +226,31 @@ def sweep() -> list[Result]:
     return [r for r in results if r is not None]
 
 
+def sweep_targets() -> list[Result]:
+    """Launch shapes the full sweep did not try, on the shapes of the open targets only
+    (decode 16 x 2k; prefill 2k and 8k): deeper pipelines, 2 and 8 warps."""
+    results = []
+    decode_configs = [
+        LaunchConfig(16, tile_n, warps, stages)
+        for tile_n, warps, stages in (
+            (64, 4, 2), (32, 4, 4), (64, 4, 4), (64, 2, 2), (32, 2, 3), (64, 2, 4),
+            (64, 8, 3), (128, 8, 3),
+        )
+    ]  # fmt: skip
+    for config, splits in itertools.product(decode_configs, (None, 1, 2, 4)):
+        results.append(_try(decode_case, 16, 2048, config, splits, with_sdpa=False, rep_ms=40))
+    prefill_configs = [
+        LaunchConfig(block_m, tile_n, warps, stages)
+        for block_m, tile_n, warps, stages in (
+            (64, 64, 4, 2), (128, 32, 4, 2), (64, 32, 4, 4), (64, 64, 8, 2), (128, 64, 8, 4),
+            (128, 128, 8, 4), (256, 64, 8, 4), (256, 32, 8, 4), (128, 32, 4, 4),
+        )
+    ]  # fmt: skip
+    for tokens, config in itertools.product(PREFILL_TOKENS, prefill_configs):
+        results.append(_try(prefill_case, tokens, config, with_sdpa=False, rep_ms=40))
+    return [r for r in results if r is not None]
+
+
 def _try(fn: Callable[..., Result], *args, **kwargs) -> Result | None:
     try:
         result = fn(*args, **kwargs)
@@ -235,8 +281,8 @@ def host_profile() -> None:
 def table(results: list[Result], peak: float) -> str:
     lines = [
         "| case | batch | tokens | triton us | SDPA us | triton | SDPA | SDPA time / triton "
-        "time | triton eager us |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "time | triton eager us | contiguous read us | read time / triton time |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r.kind == "decode":
@@ -248,10 +294,13 @@ def table(results: list[Result], peak: float) -> str:
         else:
             ours, theirs = r.work / r.triton_ms / 1e9, r.work / r.sdpa_ms / 1e9  # TFLOP/s
             metric = f"{ours:.0f} TFLOP/s", f"{theirs:.0f} TFLOP/s"
+        read = "- | -"
+        if r.kind == "decode" and r.read_ms == r.read_ms:  # not NaN: measured
+            read = f"{r.read_ms * 1e3:.1f} | {r.read_ms / r.triton_ms:.2f}"
         lines.append(
             f"| {r.kind} | {r.batch} | {r.tokens} | {r.triton_ms * 1e3:.1f} | "
             f"{r.sdpa_ms * 1e3:.1f} | {metric[0]} | {metric[1]} | {r.sdpa_ms / r.triton_ms:.2f} | "
-            f"{r.triton_eager_ms * 1e3:.1f} |"
+            f"{r.triton_eager_ms * 1e3:.1f} | {read} |"
         )
     return "\n".join(lines)
 
@@ -259,6 +308,10 @@ def table(results: list[Result], peak: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="try launch shapes (no table)")
+    parser.add_argument(
+        "--sweep-targets", action="store_true",
+        help="try more launch shapes on the open targets' shapes only (no table)",
+    )  # fmt: skip
     parser.add_argument("--host-profile", action="store_true", help="profile eager launches")
     parser.add_argument("--json", type=Path, help="write all figures here")
     parser.add_argument("--md", type=Path, help="write the table here")
@@ -277,15 +330,22 @@ def main() -> None:
         f"torch {torch.__version__}, triton {triton.__version__}; KV cache {kv_dtype}; "
         f"{datetime.date.today().isoformat()}"
     )
+    floor = floor_ms()
+    header += f"; an empty graph replay (one tiny kernel) times {floor * 1e3:.1f} us"
     print(header, flush=True)
     if args.host_profile:
         host_profile()
         return
-    if args.sweep:
-        results = sweep()
+    if args.sweep or args.sweep_targets:
+        results = sweep() if args.sweep else sweep_targets()
     else:
-        results = [decode_case(b, c, kv_dtype=kv_dtype) for b, c in DECODE_SHAPES]
-        results += [prefill_case(n, kv_dtype=kv_dtype) for n in PREFILL_TOKENS]
+        results = []
+        for batch, context in DECODE_SHAPES:
+            results.append(decode_case(batch, context, kv_dtype=kv_dtype))
+            print(table(results[-1:], peak).splitlines()[-1], flush=True)  # progress
+        for tokens in PREFILL_TOKENS:
+            results.append(prefill_case(tokens, kv_dtype=kv_dtype))
+            print(table(results[-1:], peak).splitlines()[-1], flush=True)
         text = table(results, peak)
         print(text)
         if args.md:
@@ -297,6 +357,7 @@ def main() -> None:
             "torch": torch.__version__,
             "triton": triton.__version__,
             "date": datetime.date.today().isoformat(),
+            "empty_graph_ms": floor,
             "shape": {
                 "q_heads": NUM_Q_HEADS,
                 "kv_heads": NUM_KV_HEADS,
@@ -305,7 +366,9 @@ def main() -> None:
                 "dtype": str(DTYPE),
                 "kv_cache_dtype": str(kv_dtype),
             },
-            "sweep" if args.sweep else "results": [asdict(r) for r in results],
+            "sweep" if args.sweep or args.sweep_targets else "results": [
+                asdict(r) for r in results
+            ],
         }
         args.json.write_text(json.dumps(payload, indent=1))
 

@@ -25,7 +25,8 @@ Variants of NIXL, for side-by-side runs (``--connectors nixl nixl-1lane nixl-4k`
 ``nixl-layers`` gives each layer its own tensor (one descriptor per layer and block, the
 engine's arrangement before block-major caches), ``nixl-nopin`` leaves the lanes
 unpinned, ``nixl-32m`` splits only fetches of 64 MB and more (the minimum part before
-2 MiB), ``nixl-1lane`` reads on one lane, ``nixl-4k`` keeps the KV caches and the copy's
+2 MiB), ``nixl-1lane`` reads on one lane, ``nixl-4lanes`` on four (on VRAM, where one is
+the default: several copies side by side), ``nixl-4k`` keeps the KV caches and the copy's
 buffers on 4 KiB pages, ``nixl-1lane-4k`` both, with per-layer tensors (the connector
 before read lanes, huge pages and block-major caches).
 Shared storage counts the exporter's write (until the export is finished) plus the
@@ -76,6 +77,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], bool, bool]] = {
     "nixl-nopin": ("nixl", {"nixl_pin_lanes": False}, True, True),
     "nixl-32m": ("nixl", {"nixl_lane_min_bytes": 32 << 20}, True, True),
     "nixl-1lane": ("nixl", {"nixl_read_lanes": 1}, True, True),
+    "nixl-4lanes": ("nixl", {"nixl_read_lanes": 4}, True, True),
     "nixl-4k": ("nixl", {}, False, True),
     "nixl-1lane-4k": ("nixl", {"nixl_read_lanes": 1}, False, False),
     "nccl": ("nccl", {}, True, True),

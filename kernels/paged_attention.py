@@ -15,6 +15,7 @@ from kernels.attention_config import (
     LaunchConfig,
     decode_config,
     device_num_sms,
+    device_smem_bytes,
     num_kv_splits,
     prefill_config,
 )
@@ -78,7 +79,11 @@ def paged_attention(
         launch.decodes(num_decodes, max_seq_len, num_splits, decode)
     if num_decodes < num_seqs and query.shape[0] > num_decodes:
         config = prefill or prefill_config(
-            query.shape[2], query.dtype, launch.group, query.shape[0] - num_decodes
+            query.shape[2],
+            query.dtype,
+            launch.group,
+            query.shape[0] - num_decodes,
+            device_smem_bytes(query.device),
         )
         num_rows = query.shape[0] - num_decodes
         launch.run(num_decodes, num_seqs - num_decodes, num_rows, config, decode_only=False)
@@ -214,7 +219,11 @@ class _Launch:
             part_lse = torch.empty(part_out.shape[:3], dtype=torch.float32, device=query.device)
         else:
             part_out = part_lse = out  # unused
-        paged_attention_kernel[(num_q_blocks, num_kv_heads, num_splits)](
+        # Decode: (segment, KV head, split); prefill: one flat axis, KV heads fastest.
+        grid = (num_q_blocks, num_kv_heads, num_splits)
+        if not decode_only:
+            grid = (num_q_blocks * num_kv_heads, 1, 1)
+        paged_attention_kernel[grid](
             out,
             query,
             kv_cache,

@@ -150,19 +150,23 @@ def paged_attention_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    kv_head = tl.program_id(1)
+    NUM_KV_HEADS: tl.constexpr = NUM_Q_HEADS // NUM_QUERIES_PER_KV
     split = tl.program_id(2)
     query_start_loc_ptr += first_seq
     seq_lens_ptr += first_seq
     block_table_ptr += first_seq.to(tl.int64) * stride_bt
     if DECODE_ONLY:  # one program per segment; segment i is query row i
         seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
         q_start = seq
         query_len = 1
         q_block = 0
-    else:  # the last q blocks of a segment see the most keys: start them first
+    else:
+        # One flat grid, KV heads fastest: the GPU starts programs in id order, so every
+        # head's last q blocks (the most keys) start first and the short ones fill the tail.
+        kv_head = tl.program_id(0) % NUM_KV_HEADS
+        q_block_id = tl.num_programs(0) // NUM_KV_HEADS - 1 - tl.program_id(0) // NUM_KV_HEADS
         base = tl.load(query_start_loc_ptr)
-        q_block_id = tl.num_programs(0) - 1 - tl.program_id(0)
         seq = _find_segment(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q)
         q_start = tl.load(query_start_loc_ptr + seq)
         q_block = q_block_id - ((q_start - base) // BLOCK_Q + seq)

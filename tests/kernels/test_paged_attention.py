@@ -160,7 +160,7 @@ def test_sliding_window(window):
 def _sink_oracle(batch: PagedBatch, window: int | None, sinks: torch.Tensor) -> torch.Tensor:
     """transformers' GPT-OSS eager attention, segment by segment: the sink is one more
     logit in each row's softmax, dropped before the values."""
-    out = torch.zeros(batch.query.shape, dtype=torch.float32)
+    out = torch.zeros(batch.query.shape, dtype=torch.float32, device=batch.query.device)
     starts = batch.query_start_loc.tolist()
     group = batch.query.shape[1] // batch.kv_cache.shape[3]
     for i, seq_len in enumerate(batch.seq_lens.tolist()):
@@ -226,6 +226,23 @@ def test_small_tiles_and_rows():
     )
     config = LaunchConfig(block_m=16, tile_n=16)
     check(run(batch, 3, decode=config, prefill=config, num_splits=4), batch)
+
+
+def test_deep_prefill_shape():
+    """The long-prompt shape of Hopper-class GPUs (256 rows: 64 tokens x a group of 4, 64-key
+    tiles): q blocks of 64 tokens, cut by segment ends, beside decodes and cached prefixes."""
+    batch = make_batch(
+        [(1, 30), (1, 77), (150, 200), (64, 64), (3, 130), (65, 65)],
+        num_q_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float32,
+        device=DEVICE,
+    )
+    deep = LaunchConfig(block_m=256, tile_n=64, num_warps=8, num_stages=4)
+    check(run(batch, 2, prefill=deep), batch)
+    check(run(batch, 2, prefill=deep, sliding_window=40), batch, 40)
 
 
 def test_degenerate_batches():
@@ -316,8 +333,11 @@ def test_strided_metadata_views_and_tiny_heads():
 @pytest.mark.parametrize("block_size", [16, 64])
 def test_long_contexts_gpu(dtype, block_size):
     """Production shapes: 32 query heads over 8 KV heads of dim 128, 4k-token contexts,
-    a 1k-token chunk on a 3k cached prefix, decodes on the split-KV path."""
+    a 1k-token chunk on a 3k cached prefix, a 2.1k-token chunk (over 2k prefill rows: the
+    default launch shape of GPUs with ~200 KB of shared memory), decodes on the split-KV
+    path."""
     segments = [(1, 4099), (1, 1000), (1, 17), (1, 2048), (1024, 3000), (300, 300)]
+    segments.append((2100, 2500))  # >= 2k prefill rows: the deep shape on Hopper-class GPUs
     batch = make_batch(
         segments,
         num_q_heads=32,
