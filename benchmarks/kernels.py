@@ -52,6 +52,15 @@ PEAK_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}  # HBM3 / HBM3e datasheet p
 DECODE_SHAPES = [(b, c) for b in (1, 16, 64) for c in (512, 2048, 8192)]
 PREFILL_TOKENS = (2048, 8192)
 KV_DTYPES = {"auto": DTYPE, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+# --sweep-targets: (block_m, tile_n, num_warps, num_stages) beyond the full sweep's.
+TARGET_DECODE_SHAPES = [
+    (16, 64, 4, 2), (16, 32, 4, 4), (16, 64, 4, 4), (16, 64, 2, 2), (16, 32, 2, 3),
+    (16, 64, 2, 4), (16, 64, 8, 3), (16, 128, 8, 3),
+]  # fmt: skip
+TARGET_PREFILL_SHAPES = [
+    (64, 64, 4, 2), (128, 32, 4, 2), (64, 32, 4, 4), (64, 64, 8, 2), (128, 64, 8, 4),
+    (128, 128, 8, 4), (256, 64, 8, 4), (256, 32, 8, 4), (128, 32, 4, 4),
+]  # fmt: skip
 
 
 @dataclass
@@ -230,22 +239,10 @@ def sweep_targets() -> list[Result]:
     """Launch shapes the full sweep did not try, on the shapes of the open targets only
     (decode 16 x 2k; prefill 2k and 8k): deeper pipelines, 2 and 8 warps."""
     results = []
-    decode_configs = [
-        LaunchConfig(16, tile_n, warps, stages)
-        for tile_n, warps, stages in (
-            (64, 4, 2), (32, 4, 4), (64, 4, 4), (64, 2, 2), (32, 2, 3), (64, 2, 4),
-            (64, 8, 3), (128, 8, 3),
-        )
-    ]  # fmt: skip
+    decode_configs = [LaunchConfig(*shape) for shape in TARGET_DECODE_SHAPES]
     for config, splits in itertools.product(decode_configs, (None, 1, 2, 4)):
         results.append(_try(decode_case, 16, 2048, config, splits, with_sdpa=False, rep_ms=40))
-    prefill_configs = [
-        LaunchConfig(block_m, tile_n, warps, stages)
-        for block_m, tile_n, warps, stages in (
-            (64, 64, 4, 2), (128, 32, 4, 2), (64, 32, 4, 4), (64, 64, 8, 2), (128, 64, 8, 4),
-            (128, 128, 8, 4), (256, 64, 8, 4), (256, 32, 8, 4), (128, 32, 4, 4),
-        )
-    ]  # fmt: skip
+    prefill_configs = [LaunchConfig(*shape) for shape in TARGET_PREFILL_SHAPES]
     for tokens, config in itertools.product(PREFILL_TOKENS, prefill_configs):
         results.append(_try(prefill_case, tokens, config, with_sdpa=False, rep_ms=40))
     return [r for r in results if r is not None]
