@@ -136,15 +136,25 @@ def sample(
     """Each row's tokens: one, or with drafts, the kept drafts and one more (module
     docstring), each with its log-probs when the row asks for them. ``logits`` is
     modified in place."""
-    first_positions = list(itertools.accumulate((row.num_positions for row in rows), initial=0))
+    # Per-position Python is most of this function's host time at large batches: the
+    # common step (no drafts, no rules) walks the rows once per list it builds.
+    num_positions = [1 + len(row.draft_token_ids) for row in rows]
+    speculating = len(num_positions) != sum(num_positions)
+    first_positions = list(itertools.accumulate(num_positions, initial=0))
     assert logits.shape[0] == first_positions[-1]
-    owners = [(r, j) for r, row in enumerate(rows) for j in range(row.num_positions)]
-    want_logprobs = [p for p, (r, _) in enumerate(owners) if rows[r].params.logprobs is not None]
+    if speculating:
+        owners = [(r, j) for r, count in enumerate(num_positions) for j in range(count)]
+        row_params = [rows[r].params for r, _ in owners]
+    else:
+        owners = [(r, 0) for r in range(len(rows))]
+        row_params = [row.params for row in rows]
+    want_logprobs = [p for p, params in enumerate(row_params) if params.logprobs is not None]
     raw_logprobs = logits[want_logprobs].log_softmax(-1) if want_logprobs else None
     _apply_grammars(logits, rows, first_positions)
-    _apply_rules(logits, rows, owners)
+    if any(_has_rules(row) for row in rows):
+        _apply_rules(logits, rows, owners)
     token_ids = logits.argmax(-1)  # [num_positions]: the greedy rows' tokens
-    drawn = [p for p, (r, _) in enumerate(owners) if not rows[r].params.greedy]
+    drawn = [p for p, params in enumerate(row_params) if not params.greedy]
     for part in _passes(drawn, logits):
         index = _index(part, logits.device)
         token_ids[index] = _draw(logits[index], [(rows[owners[p][0]], owners[p][1]) for p in part])
@@ -154,6 +164,8 @@ def sample(
         logprobs = _logprobs(raw_logprobs, token_ids[want_logprobs], num_top)
     chosen = token_ids.tolist()  # waits for the draws: the sync every step makes
     logprobs_at = dict(zip(want_logprobs, logprobs, strict=True))
+    if not speculating:
+        return [[(token_id, logprobs_at.get(r))] for r, token_id in enumerate(chosen)]
     results: list[list[tuple[int, TokenLogprobs | None]]] = []
     for r, row in enumerate(rows):
         tokens: list[tuple[int, TokenLogprobs | None]] = []
@@ -164,6 +176,18 @@ def sample(
                 break
         results.append(tokens)
     return results
+
+
+def _has_rules(row: SamplingRow) -> bool:
+    """Whether ``_apply_rules`` has anything to do for the row at any of its positions."""
+    params = row.params
+    return (
+        len(row.output_token_ids) < params.min_tokens
+        or params.allowed_token_ids is not None
+        or bool(params.bad_words_token_ids)
+        or bool(params.logit_bias)
+        or params.has_penalties
+    )
 
 
 def _apply_rules(

@@ -12,7 +12,7 @@ import torch
 
 from engine.errors import InvalidSamplingParamsError
 from engine.penalties import TokenCounts
-from engine.sampler import SamplingRow, sample
+from engine.sampler import SamplingRow, _apply_rules, _has_rules, sample
 from engine.sampling_ops import (
     TOP_PREFIX,
     RequestRandom,
@@ -177,6 +177,46 @@ def test_the_batched_sampler_equals_the_per_row_reference(scale):
         assert any(len(tokens) > 1 for tokens in expected)
         got = sample(logits.clone(), rows)
         assert got == expected
+
+
+@pytest.mark.parametrize("scale", [6.0, 0.5])
+def test_a_step_without_drafts_equals_the_reference_too(scale):
+    """The path a batch without drafts takes (one position per row), rules on some rows
+    and none on others."""
+    vocab = 2 * TOP_PREFIX + 100
+    rng = random.Random(int(scale * 100))
+    for _ in range(4):
+        rows = _mixed_rows(rng, vocab)
+        for row in rows:
+            row.draft_token_ids = []
+        assert any(_has_rules(row) for row in rows) and not all(map(_has_rules, rows))
+        logits = torch.randn(len(rows), vocab) * scale
+        assert sample(logits.clone(), rows) == sample_reference(logits.clone(), rows)
+
+
+def test_rows_without_rules_are_left_alone_by_the_rule_stage():
+    """``sample`` skips the rule stage when no row has a rule: each row ``_has_rules``
+    calls free must be one the stage does not touch (a rule added to the stage and not to
+    ``_has_rules`` fails here)."""
+    vocab = 2 * TOP_PREFIX + 100
+    rng = random.Random(7)
+    rows = [row for _ in range(6) for row in _mixed_rows(rng, vocab)]
+    free = [row for row in rows if not _has_rules(row)]
+    ruled = [row for row in rows if _has_rules(row)]
+    assert free and ruled
+    assert all(torch.equal(_after_rules(row, vocab), _plain(row, vocab)) for row in free)
+    # The stage does change rows with rules (the check above can fail).
+    assert any(not torch.equal(_after_rules(row, vocab), _plain(row, vocab)) for row in ruled)
+
+
+def _plain(row: SamplingRow, vocab: int) -> torch.Tensor:
+    return torch.ones(row.num_positions, vocab)
+
+
+def _after_rules(row: SamplingRow, vocab: int) -> torch.Tensor:
+    logits = _plain(row, vocab)
+    _apply_rules(logits, [row], [(0, j) for j in range(row.num_positions)])
+    return logits
 
 
 def draw(logits: torch.Tensor, params: SamplingParams, seed: int = 0) -> tuple[int, object]:
