@@ -11,7 +11,8 @@
 #   3. NIXL VRAM to VRAM against a device copy           -> kv_transfer.{json,md}
 #   4. more launch shapes on the open targets' shapes    -> kernels_targets.json
 #   5. kernel table with an FP8 cache                    -> kernels_fp8.json
-#   6. the batched sampler against the per-row one       -> sampler_cuda.{json,md}
+#   6. FP8-cache decode launch shapes at batch 16        -> kernels_fp8_targets.json
+# (The sampler's GPU record, sampler_h100.md, was taken on 2026-11-27: GPU_RUNBOOK.md step 4.)
 # A step that runs out of time is cut and the next runs, and no step runs past
 # SESSION_SECONDS (default 575) from the start, so the call ends inside its 600 s; the
 # kernel tables come back as JSON only (8 files at most) and print their rows as they go.
@@ -51,7 +52,6 @@ step kernels_targets 90 python3 benchmarks/kernels.py --sweep-targets \
   --json "$OUT/kernels_targets.json"
 step kernels_fp8 60 python3 benchmarks/kernels.py --kv-cache-dtype fp8 \
   --json "$OUT/kernels_fp8.json"
-# Llama 3's vocabulary; the per-row sampler paid launches and a sync per row here.
-step sampler 45 python3 -m benchmarks.sampler --device cuda --vocab 128256 --logits zipf \
-  --repeats 3 --out-dir "$OUT"
+step kernels_fp8_targets 60 python3 benchmarks/kernels.py --sweep-targets --kv-cache-dtype fp8 \
+  --json "$OUT/kernels_fp8_targets.json"
 ls -la "$OUT" >>"$LOG"

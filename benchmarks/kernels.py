@@ -57,6 +57,7 @@ TARGET_DECODE_SHAPES = [
     (16, 64, 4, 2), (16, 32, 4, 4), (16, 64, 4, 4), (16, 64, 2, 2), (16, 32, 2, 3),
     (16, 64, 2, 4), (16, 64, 8, 3), (16, 128, 8, 3),
 ]  # fmt: skip
+FP8_DECODE_SHAPES = [(16, 128, 4, 2), (16, 128, 4, 3), (16, 256, 4, 2), (16, 256, 8, 2)]
 TARGET_PREFILL_SHAPES = [
     (64, 64, 4, 2), (128, 32, 4, 2), (64, 32, 4, 4), (64, 64, 8, 2), (128, 64, 8, 4),
     (128, 128, 8, 4), (256, 64, 8, 4), (256, 32, 8, 4), (128, 32, 4, 4),
@@ -235,16 +236,26 @@ def sweep() -> list[Result]:
     return [r for r in results if r is not None]
 
 
-def sweep_targets() -> list[Result]:
+def sweep_targets(kv_dtype: torch.dtype = DTYPE) -> list[Result]:
     """Launch shapes the full sweep did not try, on the shapes of the open targets only
-    (decode 16 x 2k; prefill 2k and 8k): deeper pipelines, 2 and 8 warps."""
+    (decode 16 x 2k; prefill 2k and 8k): deeper pipelines, 2 and 8 warps. With an FP8
+    cache: decode at 16 x 2k and 16 x 8k only (where FP8 gained 1.12x against 1.45x at
+    batch 64, ``kernels_fp8_h100.md``), with wider key tiles too (a tile of FP8 keys is
+    half the bytes of a bf16 one)."""
     results = []
-    decode_configs = [LaunchConfig(*shape) for shape in TARGET_DECODE_SHAPES]
-    for config, splits in itertools.product(decode_configs, (None, 1, 2, 4)):
-        results.append(_try(decode_case, 16, 2048, config, splits, with_sdpa=False, rep_ms=40))
-    prefill_configs = [LaunchConfig(*shape) for shape in TARGET_PREFILL_SHAPES]
-    for tokens, config in itertools.product(PREFILL_TOKENS, prefill_configs):
-        results.append(_try(prefill_case, tokens, config, with_sdpa=False, rep_ms=40))
+    fp8 = kv_dtype.itemsize == 1
+    shapes = TARGET_DECODE_SHAPES + (FP8_DECODE_SHAPES if fp8 else [])
+    contexts = (2048, 8192) if fp8 else (2048,)
+    decode_configs = [LaunchConfig(*shape) for shape in shapes]
+    for context, config, splits in itertools.product(contexts, decode_configs, (None, 1, 2, 4)):
+        results.append(
+            _try(decode_case, 16, context, config, splits, with_sdpa=False, rep_ms=40,
+                 kv_dtype=kv_dtype)
+        )  # fmt: skip
+    if not fp8:
+        prefill_configs = [LaunchConfig(*shape) for shape in TARGET_PREFILL_SHAPES]
+        for tokens, config in itertools.product(PREFILL_TOKENS, prefill_configs):
+            results.append(_try(prefill_case, tokens, config, with_sdpa=False, rep_ms=40))
     return [r for r in results if r is not None]
 
 
@@ -334,7 +345,7 @@ def main() -> None:
         host_profile()
         return
     if args.sweep or args.sweep_targets:
-        results = sweep() if args.sweep else sweep_targets()
+        results = sweep() if args.sweep else sweep_targets(kv_dtype)
     else:
         results = []
         for batch, context in DECODE_SHAPES:
