@@ -3,10 +3,12 @@
 Two launches serve one batch: single-token (decode) segments, memory-bound, want few rows per
 program and many programs in flight; prefill chunks, compute-bound, want large row blocks for
 the tensor cores. The numbers here were tuned on an H100 (``benchmarks/kernels.py``) for
-fp16/bf16. fp32 on a GPU is for tests, not speed: compiled for sm_90, its launch shapes
-spill registers (decode ~0.8 KB per thread, prefill an 8 KB stack frame; ``ptxas``, not
-timed), and the head_dim 256 fp32 prefill needs 140 KB of shared memory, more than
-sm_86/sm_89 GPUs have (~99 KB).
+fp16/bf16, the deep prefill shape on an H200 (the same SMs); shapes that need more shared
+memory than every GPU has are chosen by the device's opt-in limit, not by its name. fp32
+on a GPU is for tests, not speed: compiled for sm_90, its launch shapes spill registers
+(decode ~0.8 KB per thread, prefill an 8 KB stack frame; ``ptxas``, not timed), and the
+head_dim 256 fp32 prefill needs 140 KB of shared memory, more than sm_86/sm_89 GPUs have
+(~99 KB).
 """
 
 from __future__ import annotations
