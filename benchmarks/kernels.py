@@ -344,7 +344,8 @@ def main() -> None:
     if args.host_profile:
         host_profile()
         return
-    if args.sweep or args.sweep_targets:
+    sweeping = args.sweep or args.sweep_targets
+    if sweeping:
         results = sweep() if args.sweep else sweep_targets(kv_dtype)
     else:
         results = []
@@ -374,9 +375,7 @@ def main() -> None:
                 "dtype": str(DTYPE),
                 "kv_cache_dtype": str(kv_dtype),
             },
-            "sweep" if args.sweep or args.sweep_targets else "results": [
-                asdict(r) for r in results
-            ],
+            "sweep" if sweeping else "results": [asdict(r) for r in results],
         }
         args.json.write_text(json.dumps(payload, indent=1))
 

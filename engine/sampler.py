@@ -160,7 +160,7 @@ def sample(
         token_ids[index] = _draw(logits[index], [(rows[owners[p][0]], owners[p][1]) for p in part])
     logprobs = []
     if raw_logprobs is not None:
-        num_top = [rows[owners[p][0]].params.logprobs or 0 for p in want_logprobs]
+        num_top = [row_params[p].logprobs or 0 for p in want_logprobs]
         logprobs = _logprobs(raw_logprobs, token_ids[want_logprobs], num_top)
     chosen = token_ids.tolist()  # waits for the draws: the sync every step makes
     logprobs_at = dict(zip(want_logprobs, logprobs, strict=True))
