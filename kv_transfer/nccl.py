@@ -69,8 +69,10 @@ class NcclConnector(KVConnector):
             self._control_port = config.port
         else:
             self._control_port = router.bind_to_random_port(f"tcp://{config.host}")
-        settings = ExportSettings(config.host, self._backend, config.timeout_s, config.peer_idle_s)
-        self._server = ExportServer(router, self._store, kv, self._exports, settings)
+        settings = ExportSettings(
+            config.host, self._store_port, self._backend, config.timeout_s, config.peer_idle_s
+        )
+        self._server = ExportServer(router, kv, self._exports, settings)
         self._server.start()
 
     def _transport_metadata(self) -> bytes:

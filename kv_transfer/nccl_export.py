@@ -10,10 +10,16 @@ dropped when its fetcher connects again (it tore the old connection down) and af
 ``idle_s`` without a fetch (its decode worker may be gone for good: a restarted one comes
 back under a new engine id); each held a thread and two staging buffers, and counted
 toward ``MAX_PAIRS``.
+
+Each pair rendezvouses through its own TCPStore client. A store object runs one operation
+at a time: on the shared server object, a pair whose fetcher died between ``Connect`` and
+the rendezvous held every other pair's rendezvous for ``timeout_s`` (CI saw a healthy
+fetch time out behind a killed one).
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import queue
 import threading
@@ -62,6 +68,7 @@ MAX_CONTROL_MESSAGE_BYTES = 16 << 20
 @dataclass(frozen=True, slots=True)
 class ExportSettings:
     host: str
+    store_port: int  # the exporter's TCPStore server, on ``host``
     backend: str
     timeout_s: float
     idle_s: float  # a pair without a fetch this long is dropped
@@ -74,7 +81,6 @@ class PairSender(threading.Thread):
         self,
         pair_id: str,
         fetcher_id: str,
-        store: dist.Store,
         kv: KVCaches,
         exports: ExportTracker,
         settings: ExportSettings,
@@ -83,7 +89,7 @@ class PairSender(threading.Thread):
         self.pair_id = pair_id
         self.fetcher_id = fetcher_id  # the fetcher's engine id
         self.last_used = time.monotonic()  # written by the control thread
-        self._store, self._kv, self._exports, self._settings = store, kv, exports, settings
+        self._kv, self._exports, self._settings = kv, exports, settings
         self._jobs: queue.SimpleQueue[FetchRequest | None] = queue.SimpleQueue()
         self._group: dist.ProcessGroup | None = None
         self._staging: list[torch.Tensor] = []
@@ -97,8 +103,10 @@ class PairSender(threading.Thread):
         settings = self._settings
         try:
             bind_device(self._kv.device)
+            timeout = datetime.timedelta(seconds=settings.timeout_s)
+            store = dist.TCPStore(settings.host, settings.store_port, None, False, timeout)
             self._group = open_pair_group(
-                self._store, self.pair_id, 0, settings.backend, settings.host, settings.timeout_s
+                store, self.pair_id, 0, settings.backend, settings.host, settings.timeout_s
             )
             while (request := self._jobs.get()) is not None:
                 self._send(request)
@@ -148,13 +156,12 @@ class ExportServer(threading.Thread):
     def __init__(
         self,
         router: zmq.Socket,
-        store: dist.Store,
         kv: KVCaches,
         exports: ExportTracker,
         settings: ExportSettings,
     ) -> None:
         super().__init__(name="nccl-export-control", daemon=True)
-        self._router, self._store, self._kv = router, store, kv
+        self._router, self._kv = router, kv
         self._exports, self._settings = exports, settings
         self._pairs: dict[str, PairSender] = {}
         self._stopping = threading.Event()
@@ -208,9 +215,8 @@ class ExportServer(threading.Thread):
         if len(self._pairs) >= MAX_PAIRS:
             return Rejected(message.pair_id, f"too many fetchers connected ({MAX_PAIRS})")
         pair = PairSender(
-            message.pair_id, message.engine_id, self._store, self._kv, self._exports,
-            self._settings,
-        )  # fmt: skip
+            message.pair_id, message.engine_id, self._kv, self._exports, self._settings
+        )
         self._pairs[message.pair_id] = pair
         pair.start()
         return Accepted(message.pair_id)
