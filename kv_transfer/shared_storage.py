@@ -14,7 +14,10 @@ the files on background threads and reports the export finished once they are on
 from then on the data lives in the files, not in its blocks, so the lease can go at once.
 The fetcher waits for each file until the deadline (the exporter may still be writing)
 or until the fetch is given up (``abort_fetch``), verifies it, and copies it into its
-local block. No handshake is needed: every file carries its layout, and the reader
+local block. The waiting is done by one thread (``file_waiter.py``) that hands a chunk to
+the I/O threads once its files are all there: a chunk waiting on the I/O threads for an
+exporter that froze or died held one until its deadline, and two of them held back every
+other fetch. No handshake is needed: every file carries its layout, and the reader
 checks it. An exporter rewrites a stored file that is not whole (truncated by a crash or
 a full disk), and a reader removes a file that fails verification, so one bad file
 cannot block a prefix for good. A block the exporter could not write (a full disk)
@@ -59,6 +62,7 @@ from kv_transfer.errors import (
     KVTransferError,
     TransferFailedError,
 )
+from kv_transfer.file_waiter import FileWaiter
 from kv_transfer.handshake import MetadataFetcher
 from kv_transfer.layout import KVCaches
 from kv_transfer.packing import as_bytes, block_id_tensor, gather_layers
@@ -118,6 +122,7 @@ class SharedStorageConnector(KVConnector):
         self.namespace_dir = Path(config.shared_dir) / config.shared_namespace
         self.root = self.namespace_dir  # per layout once registered
         self._pool: ThreadPoolExecutor | None = None
+        self._waiter: FileWaiter | None = None
         self._janitor: StorageJanitor | None = None
         self._local = threading.local()  # per I/O thread: its staging buffers
 
@@ -135,6 +140,7 @@ class SharedStorageConnector(KVConnector):
         self._pool = ThreadPoolExecutor(
             self.config.io_threads, thread_name_prefix=f"kv-storage-{self.engine_id}"
         )
+        self._waiter = FileWaiter(f"kv-storage-wait-{self.engine_id}", _MAX_POLL_S)
         self._janitor = StorageJanitor(
             Path(self.config.shared_dir), self.config.shared_max_bytes,
             f"kv-janitor-{self.engine_id}",
@@ -291,7 +297,34 @@ class SharedStorageConnector(KVConnector):
                 self._fetches.fail(tid, error)
 
         countdown = _Countdown(len(chunks), on_done)
-        self._submit(chunks, lambda chunk: self._read_chunk(record, chunk), countdown)
+        read = lambda chunk: self._read_chunk(record, chunk)  # noqa: E731
+        assert self._waiter is not None
+        for chunk in chunks:
+            self._waiter.add(
+                self._chunk_ready(record, chunk, countdown),
+                lambda chunk=chunk: self._submit([chunk], read, countdown),
+                countdown.chunk_done,
+                record.deadline,
+            )
+
+    def _chunk_ready(
+        self, record: FetchRecord, items: Items, countdown: _Countdown
+    ) -> Callable[[], bool]:
+        """The waiter's check for one chunk: True once its files are all there (or the
+        fetch already failed: the chunk has nothing left to do). Files found are not
+        looked at again."""
+        paths = [self.path_for(block_hash) for _, block_hash in items]
+        found = 0
+
+        def ready() -> bool:
+            nonlocal found
+            while found < len(paths) and countdown.error is None:
+                if not self._file_ready(paths[found], record):
+                    return False
+                found += 1
+            return True
+
+        return ready
 
     def _read_chunk(self, record: FetchRecord, items: Items) -> None:
         layout, kv = self.layout, self.kv
@@ -299,7 +332,7 @@ class SharedStorageConnector(KVConnector):
         host = self._buffer("read", shape, torch.device("cpu"))  # [n, L, 2, bs, H, D]
         for j, (_, block_hash) in enumerate(items):
             path = self.path_for(block_hash)
-            self._await_file(path, record)
+            self._await_file(path, record)  # (there, unless the janitor just removed it)
             try:
                 read_block_file(path, layout, block_hash, as_bytes(host[j]))
             except CorruptBlockError:
@@ -315,21 +348,26 @@ class SharedStorageConnector(KVConnector):
 
     def _await_file(self, path: Path, record: FetchRecord) -> None:
         delay = 0.001
-        while not path.exists():
-            if self._closed:
-                raise ConnectorClosedError("connector closed")
-            if self._fetches.is_aborted(record.transfer_id):
-                # Its request is gone: stop holding an I/O thread (and the request's
-                # blocks) for a file that may never come (an export released unwritten).
-                raise FetchAbortedError("the fetch was given up")
-            if _failure_marker(path).exists():
-                raise TransferFailedError(f"the exporter could not write {path.name}")
-            self._check_other_layouts(path)
-            remaining = record.remaining_s()
-            if remaining <= 0:
-                raise BlockNotFoundError(f"{path.name} did not appear within the timeout")
-            time.sleep(min(delay, remaining))
+        while not self._file_ready(path, record):
+            time.sleep(min(delay, max(record.remaining_s(), 0.0)))
             delay = min(2 * delay, _MAX_POLL_S)
+
+    def _file_ready(self, path: Path, record: FetchRecord) -> bool:
+        """Whether ``path`` is there; raises if waiting for it is pointless."""
+        if path.exists():
+            return True
+        if self._closed:
+            raise ConnectorClosedError("connector closed")
+        if self._fetches.is_aborted(record.transfer_id):
+            # Its request is gone: stop waiting (and holding the request's blocks) for a
+            # file that may never come (an export released unwritten).
+            raise FetchAbortedError("the fetch was given up")
+        if _failure_marker(path).exists():
+            raise TransferFailedError(f"the exporter could not write {path.name}")
+        self._check_other_layouts(path)
+        if record.remaining_s() <= 0:
+            raise BlockNotFoundError(f"{path.name} did not appear within the timeout")
+        return False
 
     def _check_other_layouts(self, path: Path) -> None:
         """Raise ``LayoutMismatchError`` if the block was stored under another layout of
@@ -352,6 +390,8 @@ class SharedStorageConnector(KVConnector):
             ours.check_compatible(theirs)
 
     def _close(self) -> None:
+        if self._waiter is not None:
+            self._waiter.close()  # fails what waits: before the pool, which runs the rest
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
         if self._janitor is not None:

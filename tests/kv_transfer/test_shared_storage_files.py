@@ -14,7 +14,7 @@ import torch
 from common.hashing import hash_blocks
 from kv_transfer import CorruptBlockError, KVTransferConfig, LayoutMismatchError, PeerRef
 from kv_transfer.blockfile import MAGIC, read_block_file, write_block_file
-from kv_transfer.errors import FetchAbortedError, TransferFailedError
+from kv_transfer.errors import BlockNotFoundError, FetchAbortedError, TransferFailedError
 from kv_transfer.layout import KVLayout
 from kv_transfer.shared_storage import SharedStorageConnector
 from tests.support.processes import ROOT
@@ -204,6 +204,32 @@ def test_a_fetch_given_up_stops_waiting_for_files_that_never_come(tmp_path):
         b.abort_fetch("next")  # the file is there: nothing to wait for, it lands
         b.wait("next", 10)
         assert all(torch.equal(dst[layer][2], src[layer][6]) for layer in range(2))
+
+
+def test_fetches_waiting_on_a_dead_exporter_do_not_hold_back_others(tmp_path):
+    """An exporter that froze or died never writes its files; its fetches wait for them
+    until their deadline. Meanwhile a fetch whose files are on disk lands at once: the
+    waiting holds no I/O thread (both held, it queued behind them past its deadline)."""
+    timeout_s = 6.0
+    config = KVTransferConfig(connector="shared_storage", shared_dir=str(tmp_path),
+                              timeout_s=timeout_s, io_threads=2)  # fmt: skip
+    hashes = hash_blocks(list(range(4 * LAYOUT.block_size)), LAYOUT.block_size, salt="dead")
+    a, b, src, dst = two_workers(tmp_path, config)
+    with a, b:
+        for i in range(3):  # more waiting chunks than I/O threads
+            b.start_fetch(f"dead-{i}", PeerRef("dead", "unused"), [i], [i], hashes[i : i + 1])
+        time.sleep(0.2)  # they are waiting for their files
+        _export(a, "stored", [9], hashes[3:])
+        started = time.monotonic()
+        b.start_fetch("healthy", PeerRef("a", "unused"), [9], [12], hashes[3:])
+        b.wait("healthy", 30)
+        elapsed_s = time.monotonic() - started
+        assert elapsed_s < timeout_s / 3, f"the healthy fetch waited {elapsed_s:.1f} s"
+        assert all(torch.equal(dst[layer][12], src[layer][9]) for layer in range(2))
+        for i in range(3):
+            with pytest.raises(BlockNotFoundError):
+                b.wait(f"dead-{i}", 30)
+        assert b.num_active_fetches == 0 and not b.poll_fetches()
 
 
 def test_other_tensor_parallel_layouts_are_no_mismatch_another_dtype_is(tmp_path):
