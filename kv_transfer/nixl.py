@@ -75,6 +75,11 @@ from kv_transfer.records import ExportRecord, FetchRecord, PeerRef
 logger = logging.getLogger(__name__)
 
 MAX_AUTO_LANES = 4
+# Handshakes and idle probes at once: one per peer at most (both are deduplicated), each
+# blocking in the peer's metadata RPC for up to timeout_s when the peer froze. With 2
+# threads, two frozen prefill workers held back every other peer's handshake past its
+# fetch's deadline. Threads start only as calls need them.
+MAX_METADATA_CALLS = 64
 
 
 @dataclass(slots=True)
@@ -170,7 +175,9 @@ class NixlConnector(KVConnector):
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._driver = threading.Thread(target=self._run, name=f"nixl-{engine_id}", daemon=True)
-        self._handshakes = ThreadPoolExecutor(2, thread_name_prefix=f"nixl-handshake-{engine_id}")
+        self._handshakes = ThreadPoolExecutor(
+            MAX_METADATA_CALLS, thread_name_prefix=f"nixl-handshake-{engine_id}"
+        )
         # Owned by the driver thread once it runs:
         self._peers: dict[str, _RemotePeer] = {}
         self._waiting: dict[str, list[FetchRecord]] = {}  # peer id -> fetches awaiting handshake
