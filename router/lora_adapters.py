@@ -37,12 +37,13 @@ from proto import PARAM_KEY
 from proto import pdserve_pb2 as pb
 from router.errors import APIError, bad_request, model_not_found, unavailable
 from router.once import once
-from router.workers import LoraRef, WorkerPool, WorkerState
+from router.workers import LoraRef, WorkerPool, WorkerStalled, WorkerState
 
 logger = logging.getLogger(__name__)
 
 # Reading an adapter is a few hundred MB at most; a worker busy stepping answers the RPC
-# between steps.
+# between steps. A frozen worker's call ends sooner: the pool gives up on it after its
+# stall timeout (every call here is tracked, as requests' are).
 LOAD_TIMEOUT_S = 120.0
 
 
@@ -218,14 +219,18 @@ class LoraAdapters:
         self, worker: WorkerState, name: str, path: str
     ) -> pb.LoadLoraAdapterResponse:
         request = pb.LoadLoraAdapterRequest(name=name, path=path)
-        return await worker.stub.LoadLoraAdapter(request, timeout=LOAD_TIMEOUT_S)
+        call = worker.stub.LoadLoraAdapter(request, timeout=LOAD_TIMEOUT_S)
+        with worker.tracking(call):
+            return await call
 
     async def _unload_from(self, workers: list[WorkerState], name: str) -> list[str]:
         """Unload ``name`` from ``workers``; the ids of those that did not answer."""
 
         async def unload(worker: WorkerState) -> None:
             request = pb.UnloadLoraAdapterRequest(name=name)
-            await worker.stub.UnloadLoraAdapter(request, timeout=LOAD_TIMEOUT_S)
+            call = worker.stub.UnloadLoraAdapter(request, timeout=LOAD_TIMEOUT_S)
+            with worker.tracking(call):
+                await call
             worker.set_lora_adapters({n: fp for n, fp in worker.lora_adapters.items() if n != name})
 
         results = await asyncio.gather(*map(unload, workers), return_exceptions=True)
@@ -257,18 +262,29 @@ class LoraAdapters:
                 logger.exception("LoRA adapter reconcile failed")
 
     async def reconcile(self) -> None:
-        """Bring every available worker to this router's loads and unloads."""
+        """Bring every available worker to this router's loads and unloads, all at once:
+        one by one, a worker that froze before answering held every other one's catch-up
+        (a restarted worker serving no requests of the adapter meanwhile) for as long as
+        its call took."""
         if not self.loaded and not self.unloaded:
             return
         async with self._lock:
-            for worker in [w for w in self.pool.workers.values() if w.available]:
-                for name, want in list(self.loaded.items()):
-                    await self._catch_up(worker, name, want)
-                stale = [name for name in self.unloaded if name in worker.lora_adapters]
-                for name in stale:
-                    if not await self._unload_from([worker], name):
-                        logger.info("LoRA adapter %s unloaded from %s, which still served it",
-                                    name, worker.worker_id)  # fmt: skip
+            workers = [w for w in self.pool.workers.values() if w.available]
+            results = await asyncio.gather(*map(self._reconcile_one, workers),
+                                           return_exceptions=True)  # fmt: skip
+            for worker, result in zip(workers, results, strict=True):
+                if isinstance(result, Exception):
+                    logger.warning("reconciling LoRA adapters on %s failed: %r",
+                                   worker.worker_id, result)  # fmt: skip
+
+    async def _reconcile_one(self, worker: WorkerState) -> None:
+        for name, want in list(self.loaded.items()):
+            await self._catch_up(worker, name, want)
+        stale = [name for name in self.unloaded if name in worker.lora_adapters]
+        for name in stale:
+            if not await self._unload_from([worker], name):
+                logger.info("LoRA adapter %s unloaded from %s, which still served it",
+                            name, worker.worker_id)  # fmt: skip
 
     async def _catch_up(self, worker: WorkerState, name: str, want: _Loaded) -> None:
         have = worker.lora_adapters.get(name)
@@ -281,9 +297,10 @@ class LoraAdapters:
             return
         try:
             reply = await self._load_on(worker, name, want.path)
-        except grpc.aio.AioRpcError as exc:
+        except (grpc.aio.AioRpcError, WorkerStalled) as exc:
+            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
             logger.warning("loading LoRA adapter %s on %s failed (retried next refresh): %s",
-                           name, worker.worker_id, exc.details())  # fmt: skip
+                           name, worker.worker_id, detail)  # fmt: skip
             return
         if reply.adapter.fingerprint != want.fingerprint:  # the files changed on disk
             logger.error("LoRA adapter %s at %s is not the files loaded before (%s, now %s), "

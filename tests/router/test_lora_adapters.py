@@ -46,6 +46,15 @@ class AdapterWorker(pb_grpc.PrefillServiceServicer):
         return pb.UnloadLoraAdapterResponse(unloaded=bool(self.adapters.pop(request.name, None)))
 
 
+class FrozenAdapterWorker(AdapterWorker):
+    """Answers nothing about adapters: a worker frozen (a stopped process) after it
+    answered its last probe."""
+
+    async def LoadLoraAdapter(self, request, context):
+        self.calls.append(("load", request.name))
+        await asyncio.Event().wait()
+
+
 def pool_of(states: list[WorkerState]) -> WorkerPool:
     pool = WorkerPool(registry=None, events=None, refresh_s=1.0, request_timeout_s=5.0)
     pool.workers = {state.worker_id: state for state in states}
@@ -208,6 +217,31 @@ def test_reconcile_loads_what_a_worker_lacks_and_unloads_what_it_missed():
     seen = run_with([restarted, stale], scenario)
     assert restarted.adapters == {"alice": "f1"} and stale.adapters == {"alice": "f1"}
     assert seen == [{"alice": "f1"}, {"alice": "f1"}]
+
+
+def test_reconcile_is_not_held_back_by_a_frozen_worker():
+    """Both workers restarted since alice was loaded; the first froze. The other gets
+    alice at once (one by one, it waited for the frozen call: up to LOAD_TIMEOUT_S), and
+    the pool's stall give-up ends the frozen call, as any call to that worker."""
+    frozen, healthy = FrozenAdapterWorker("f1"), AdapterWorker("f1")
+
+    async def scenario(adapters: LoraAdapters, states):
+        adapters.loaded["alice"] = _Loaded("/adapters/alice", "f1")
+        reconcile = asyncio.create_task(adapters.reconcile())
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        while "alice" not in healthy.adapters:
+            assert loop.time() < deadline, "the healthy worker never got alice"
+            await asyncio.sleep(0.01)
+        assert frozen.calls == [("load", "alice")] and not reconcile.done()
+        state = states[0]  # as the pool finds it: silent past the stall timeout
+        state.answered_at -= adapters.pool.stall_timeout_s + 1
+        state.missed_probes = 1
+        adapters.pool._give_up_if_stalled(state)
+        await asyncio.wait_for(reconcile, 10)
+        return [dict(s.lora_adapters) for s in states]
+
+    assert run_with([frozen, healthy], scenario) == [{}, {"alice": "f1"}]
 
 
 def test_reconcile_does_not_serve_files_that_changed_on_disk():
