@@ -184,8 +184,10 @@ def create_app(state: RouterState) -> FastAPI:
     async def metrics() -> Response:
         state.metrics.running.set(state.num_running)
         state.metrics.waiting.set(state.num_waiting)
+        workers = list(state.pool.workers.values())
         state.metrics.observe_workers(
-            {worker.worker_id: worker.stats for worker in list(state.pool.workers.values())}
+            {worker.worker_id: worker.stats for worker in workers},
+            {worker.worker_id for worker in workers if worker.available},
         )
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 

@@ -5,7 +5,7 @@ Each router owns one registry (no global state), served at /metrics.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -97,6 +97,11 @@ class RouterMetrics:
                           "Speculative draft tokens kept (cumulative)."),
              lambda stats: stats.accepted_draft_tokens),
         )  # fmt: skip
+        # Separate from the stats gauges: it is the router's view (probes answered, not
+        # draining), not a figure the worker reports.
+        self.worker_available = worker_gauge(
+            "pdserve:worker_available", "1 while the router places new work on it, else 0."
+        )
         self.rejected = Counter("pdserve:requests_rejected", "Requests refused by status.",
                                 ["status"], registry=r)  # fmt: skip
 
@@ -119,16 +124,21 @@ class RouterMetrics:
             self.transfer.observe(timings.transfer_ms / 1000)
         self.blocks_pulled.inc(blocks_pulled)
 
-    def observe_workers(self, stats: dict[str, pb.StatsResponse]) -> None:
-        """Per-worker gauges for the workers in ``stats``; series of workers that left
-        go (frozen values would read as live ones, and worker ids churn)."""
+    def observe_workers(
+        self, stats: Mapping[str, pb.StatsResponse], available: Collection[str]
+    ) -> None:
+        """Per-worker gauges for the workers in ``stats`` (``available``: those the router
+        places new work on); series of workers that left go (frozen values would read as
+        live ones, and worker ids churn)."""
         for worker_id in self._observed_workers - stats.keys():
             for gauge, _ in self._worker_gauges:
                 gauge.remove(worker_id)
+            self.worker_available.remove(worker_id)
         self._observed_workers = set(stats)
         for worker_id, worker in stats.items():
             for gauge, value in self._worker_gauges:
                 gauge.labels(worker=worker_id).set(value(worker))
+            self.worker_available.labels(worker=worker_id).set(worker_id in available)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

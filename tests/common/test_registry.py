@@ -44,13 +44,14 @@ def test_static_registry_lists_the_configured_layout():
 
 def test_redis_entries_expire_without_heartbeat(tmp_path):
     with redis_server(tmp_path) as url:
-        registry = RedisRegistry(url, ttl_s=0.5, prefix="t")
+        # b's beats are 0.2 s apart: only a stall of over 1.3 s in this thread drops it.
+        registry = RedisRegistry(url, ttl_s=1.5, prefix="t")
         a, b = info("prefill-a"), info("decode-b", Role.DECODE)
         registry.register(a)
         registry.register(b)
         assert registry.list_workers() == [b, a]
         assert registry.list_workers(Role.DECODE) == [b]
-        for _ in range(4):  # b keeps beating, a does not
+        for _ in range(10):  # b keeps beating, a does not (2 s, past a's TTL)
             time.sleep(0.2)
             registry.heartbeat(b)
         assert [w.worker_id for w in registry.list_workers()] == ["decode-b"]

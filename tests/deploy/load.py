@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import openai
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -104,3 +105,13 @@ async def wait_busy(address: str, role: str, timeout_s: float = 60.0) -> None:
             return
         assert asyncio.get_running_loop().time() < deadline, f"{address} never got busy"
         await asyncio.sleep(0.02)
+
+
+async def wait_health(address: str, status: int, timeout_s: float = 30.0) -> None:
+    """Until the worker's gRPC health check answers ``status`` (a drain has begun: NOT_SERVING)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while (await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)).status != status:
+            assert asyncio.get_running_loop().time() < deadline, f"{address} never got {status}"
+            await asyncio.sleep(0.02)

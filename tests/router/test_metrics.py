@@ -10,9 +10,12 @@ from router.metrics import RouterMetrics
 def test_series_of_workers_that_left_are_dropped():
     metrics = RouterMetrics("test_metrics")
     stats = pb.StatsResponse(kv_blocks_used=7, cpu_blocks_used=3)
-    metrics.observe_workers({"decode@a:1": stats, "decode@b:1": stats})
+    metrics.observe_workers({"decode@a:1": stats, "decode@b:1": stats}, {"decode@b:1"})
     text = metrics.render().decode()
     assert 'worker="decode@a:1"' in text and 'worker="decode@b:1"' in text
-    metrics.observe_workers({"decode@a:1": stats})
+    assert 'pdserve:worker_available{worker="decode@a:1"} 0.0' in text
+    assert 'pdserve:worker_available{worker="decode@b:1"} 1.0' in text
+    metrics.observe_workers({"decode@a:1": stats}, {"decode@a:1"})
     text = metrics.render().decode()
     assert 'worker="decode@a:1"' in text and 'worker="decode@b:1"' not in text
+    assert 'pdserve:worker_available{worker="decode@a:1"} 1.0' in text

@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 
 import grpc
 import openai
@@ -80,7 +81,17 @@ def wait_all_serving(stack) -> None:
     while get_json(f"{stack.base_url}/health")[0] != 200:
         assert time.monotonic() < deadline, stack.log()
         time.sleep(0.3)
-    time.sleep(1.0)  # a refresh or two: the restarted worker is available to the pool
+    # The router places work on both again (its pool probed the restarted one).
+    while available_decode_workers(stack) < 2:
+        assert time.monotonic() < deadline, stack.log()
+        time.sleep(0.1)
+
+
+def available_decode_workers(stack) -> int:
+    text = urllib.request.urlopen(f"{stack.base_url}/metrics", timeout=10).read().decode()
+    lines = text.splitlines()
+    return sum(line.startswith('pdserve:worker_available{worker="decode') and
+               line.endswith(" 1.0") for line in lines)  # fmt: skip
 
 
 def offline(model, prompt: list[int], params: SamplingParams) -> list[int]:

@@ -24,6 +24,7 @@ from engine import LLM, SamplingParams
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from tests.common.redis_server import free_port, redis_server
+from tests.deploy.load import wait_busy, wait_health
 from tests.engine.helpers import random_prompts
 from tests.support.pd_client import PDClient
 from tests.support.processes import (
@@ -124,9 +125,9 @@ def test_redis_registration_expiry_and_drain(tiny_llama, tmp_path):
             async def drain_under_load():
                 client = PDClient(prefill.address, decode.address)
                 stream = asyncio.create_task(client.generate("long", prompt, long))
-                await asyncio.sleep(0.5)
+                await wait_busy(decode.address, "decode")  # the stream reached decode
                 decode.signal(signal.SIGTERM)
-                await asyncio.sleep(0.3)
+                await wait_health(decode.address, health_pb2.HealthCheckResponse.NOT_SERVING)
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await client.generate("late", prompt, GREEDY)
                 result = await stream

@@ -179,8 +179,11 @@ def test_abort_and_client_cancel_leave_nothing(stack):
 def test_unpulled_lease_expires(stack, request):
     connector = request.node.callspec.params["stack"]
 
+    lease_s = load_config(str(stack[0].config_path)).kv_transfer.lease_s
+
     async def body(client: PDClient):
         before, _ = await client.stats()
+        asked_at = time.monotonic()
         reply = await client.prefill.Prefill(
             pb.PrefillRequest(
                 request_id="orphan", token_ids=random_prompts((50,), seed=55)[0], sampling=GREEDY
@@ -196,13 +199,17 @@ def test_unpulled_lease_expires(stack, request):
             assert held.live_leases + released == 1
         else:
             assert held.live_leases == 1 and held.kv_blocks_used == 4
-        await asyncio.sleep(4.5)  # lease_s is 4 in the test config
-        after, _ = await client.stats()
-        if connector == "shared_storage":
-            # The blocks were written to the shared directory: the export ends at once.
-            assert after.leases_released == before.leases_released + 1
-        else:
-            assert after.leases_expired == before.leases_expired + 1
+        # The blocks written to the shared directory end the export at once; elsewhere
+        # the lease runs out, not before lease_s.
+        ended = "leases_released" if connector == "shared_storage" else "leases_expired"
+        deadline = time.monotonic() + lease_s + 15
+        while getattr(after := (await client.stats())[0], ended) == getattr(before, ended):
+            assert time.monotonic() < deadline, f"the lease never ended: {after}"
+            await asyncio.sleep(0.05)
+        assert getattr(after, ended) == getattr(before, ended) + 1
+        if connector != "shared_storage":
+            assert time.monotonic() - asked_at >= lease_s
+            assert after.leases_released == before.leases_released
         await assert_idle(client)
 
     run(with_client(stack, body))
@@ -291,7 +298,7 @@ def test_a_client_gone_while_the_prefill_reply_is_in_flight_leaves_no_lease(stac
             with pytest.raises(asyncio.CancelledError):
                 await task
             assert all(m.gpu_blocks == 0 for m in index.match(hashes, ids).values())
-            await assert_idle(client, timeout=2.0)  # well before the lease's 4 s expiry
+            await assert_idle(client, timeout=3.0)  # before the lease's 4 s expiry
             after, _ = await client.stats()
             assert after.leases_expired == before.leases_expired
         finally:
@@ -336,7 +343,9 @@ def test_a_decode_stream_the_router_falls_behind_on_comes_merged(stack):
         tokens = [t for chunk in chunks for t in chunk.token_ids]
         assert tokens == [t for chunk in read for t in chunk.token_ids]
         assert chunks[-1].finish_reason == read[-1].finish_reason == "length"
-        assert len(read) >= 150  # read as it went: about a message per step
+        # Read as it went: about a message per step (fewer when a loaded box lets the
+        # engine run ahead of the server's loop, which merges them too).
+        assert len(read) >= 100
         assert len(chunks) < 60 and max(len(chunk.token_ids) for chunk in chunks) > 100
         await assert_idle(client)
 
