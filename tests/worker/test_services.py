@@ -178,7 +178,6 @@ def test_abort_and_client_cancel_leave_nothing(stack):
 
 def test_unpulled_lease_expires(stack, request):
     connector = request.node.callspec.params["stack"]
-
     lease_s = load_config(str(stack[0].config_path)).kv_transfer.lease_s
 
     async def body(client: PDClient):
