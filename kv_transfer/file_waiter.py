@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kv_transfer.errors import (
     BlockNotFoundError,
@@ -37,7 +37,7 @@ class _Waiting:
     go: Callable[[], None]
     fail: Callable[[KVTransferError], None]
     deadline: float  # time.monotonic()
-    delay_s: float = field(default=_FIRST_POLL_S)
+    delay_s: float = _FIRST_POLL_S
 
 
 class FileWaiter:

@@ -298,9 +298,8 @@ class LoraAdapters:
         try:
             reply = await self._load_on(worker, name, want.path)
         except (grpc.aio.AioRpcError, WorkerStalled) as exc:
-            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
             logger.warning("loading LoRA adapter %s on %s failed (retried next refresh): %s",
-                           name, worker.worker_id, detail)  # fmt: skip
+                           name, worker.worker_id, _detail(exc))  # fmt: skip
             return
         if reply.adapter.fingerprint != want.fingerprint:  # the files changed on disk
             logger.error("LoRA adapter %s at %s is not the files loaded before (%s, now %s), "
@@ -330,13 +329,18 @@ def _load_error(
             return bad_request(f"{worker.worker_id}: {exc.details()}", param)
     if failures:
         worker, exc = failures[0]
-        detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)
         return unavailable(
             f"the adapter could not be loaded on {len(failures)} of {num_workers} workers "
-            f"({worker.worker_id}: {detail}); nothing was loaded"
+            f"({worker.worker_id}: {_detail(exc)}); nothing was loaded"
         )
     return bad_request(
         f"the workers read different files at lora_path (fingerprints "
         f"{', '.join(sorted(fingerprints))}): give a path every worker sees alike",
         "lora_path",
     )
+
+
+def _detail(exc: BaseException) -> str:
+    """What a failed call to a worker says: the RPC's details, else the exception (the
+    pool's ``WorkerStalled``, say)."""
+    return exc.details() if isinstance(exc, grpc.aio.AioRpcError) else repr(exc)

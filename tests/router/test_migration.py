@@ -11,7 +11,6 @@ import os
 import signal
 import threading
 import time
-import urllib.request
 
 import grpc
 import openai
@@ -24,6 +23,7 @@ from tests.support.stack import get_json, metric, serving, worker_stats
 
 MODEL = "tiny"
 NUM_TOKENS = 400  # long enough that a kill lands mid-stream on a busy CI machine
+NUM_WORKERS = 3  # the stack's 1 prefill and 2 decode workers
 
 
 @pytest.fixture(scope="module")
@@ -81,17 +81,10 @@ def wait_all_serving(stack) -> None:
     while get_json(f"{stack.base_url}/health")[0] != 200:
         assert time.monotonic() < deadline, stack.log()
         time.sleep(0.3)
-    # The router places work on both again (its pool probed the restarted one).
-    while available_decode_workers(stack) < 2:
+    # The router places work on every worker again (its pool probed the restarted one).
+    while metric(stack, "pdserve:worker_available") < NUM_WORKERS:
         assert time.monotonic() < deadline, stack.log()
         time.sleep(0.1)
-
-
-def available_decode_workers(stack) -> int:
-    text = urllib.request.urlopen(f"{stack.base_url}/metrics", timeout=10).read().decode()
-    lines = text.splitlines()
-    return sum(line.startswith('pdserve:worker_available{worker="decode') and
-               line.endswith(" 1.0") for line in lines)  # fmt: skip
 
 
 def offline(model, prompt: list[int], params: SamplingParams) -> list[int]:
