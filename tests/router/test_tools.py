@@ -1,6 +1,7 @@
 """Tool calls by constraint: schemas with local references keep them when moved into the
-"required" list; the calls' arguments are the generated text, never re-encoded; a stream
-cut short ends as text with its own finish reason."""
+"required" list; the calls' arguments are the generated text, never re-encoded; a
+"required" list cut short ends as text with its own finish reason, a named call cut short
+as the call so far, streamed or not."""
 
 from __future__ import annotations
 
@@ -28,6 +29,16 @@ def _required(*schemas: dict) -> ToolCalls:
     body = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": "x"}], "tools": tools,
          "tool_choice": "required"})  # fmt: skip
+    calls = ToolCalls.of(body)
+    assert calls is not None
+    return calls
+
+
+def _named(schema: dict) -> ToolCalls:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    body = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], "tools": tools,
+         "tool_choice": {"type": "function", "function": {"name": "f"}}})  # fmt: skip
     calls = ToolCalls.of(body)
     assert calls is not None
     return calls
@@ -81,4 +92,24 @@ def test_a_required_stream_cut_short_ends_as_text_with_its_own_reason(finish):
     delta, reason = done.delta(0, '[{"name":"f0","parameters":{}}]', True, "stop")
     assert (
         reason == "tool_calls" and json.loads(delta["tool_calls"][0]["function"]["arguments"]) == {}
+    )
+
+
+@pytest.mark.parametrize("finish", ["stop", "length"])
+def test_a_named_call_cut_short_is_the_call_so_far_streamed_or_not(finish):
+    """The stream had sent the arguments as generated; the whole reply was plain text
+    instead (an API probe found it; vLLM answers the call in both)."""
+    streamed = _named({"type": "object"})
+    first, _ = streamed.delta(0, '{"a":', True, None)
+    last, reason = streamed.delta(0, "76", False, finish)
+    assert reason == finish and first["content"] is None
+    arguments = first["tool_calls"][0]["function"]["arguments"]
+    arguments += last["tool_calls"][0]["function"]["arguments"]
+    message, reason = _named({"type": "object"}).message('{"a":76', finish)
+    assert reason == finish and message["content"] is None
+    (call,) = message["tool_calls"]
+    assert (
+        call["function"]
+        == {"name": "f", "arguments": arguments}
+        == {"name": "f", "arguments": '{"a":76'}
     )
