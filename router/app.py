@@ -522,7 +522,6 @@ def create_app(state: RouterState) -> FastAPI:
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         release()
-        state.record_finished(choices)
         return JSONResponse(formatter.final(choices))
 
     async def until_disconnected(request: Request, work: Awaitable) -> Any:
@@ -559,7 +558,6 @@ def create_app(state: RouterState) -> FastAPI:
                 yield sse(formatter.chunk(event, continuous_usage))
             if include_usage:
                 yield sse(formatter.usage_chunk(choices))
-            state.record_finished(choices)
         except APIError as exc:
             yield sse(exc.body())
         except Exception:

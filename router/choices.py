@@ -118,7 +118,11 @@ def build_choices(
 async def run_choice(
     dispatcher: Dispatcher, choice: Choice, metrics: RouterMetrics, arrival: float
 ) -> AsyncIterator[ChoiceEvent]:
+    """The choice's events. Metrics count as tokens come (a prompt at its first token),
+    and the sequence once it ends: by its finish reason, else ``abort`` (closed early: the
+    client went away, a sibling choice failed) or ``error`` (this choice failed)."""
     last = None
+    ended = "abort"
     generator = dispatcher.generate(choice.request)
     try:
         async for delta in generator:
@@ -126,8 +130,10 @@ async def run_choice(
             if delta.token_ids:
                 if last is None:
                     metrics.ttft.observe(now - arrival)
+                    metrics.prompt_tokens.inc(len(choice.request.prompt_token_ids))
                 else:
                     metrics.itl.observe((now - last) / len(delta.token_ids))
+                metrics.generation_tokens.inc(len(delta.token_ids))
                 last = now
             if delta.cached_tokens is not None:
                 choice.cached_tokens = delta.cached_tokens
@@ -157,9 +163,13 @@ async def run_choice(
                 return
             if text or delta.token_ids:
                 yield ChoiceEvent(choice, text, delta.token_ids, delta.logprobs)
+    except Exception:
+        ended = "error"
+        raise
     finally:
         await generator.aclose()  # a stop string or a gone client: abort the sequence
         metrics.e2e.observe(time.perf_counter() - arrival)
+        metrics.sequence_ended(choice.finish_reason or ended)
 
 
 async def merge_choices(

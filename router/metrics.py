@@ -43,10 +43,14 @@ class RouterMetrics:
                              "a decode batch: queued, prefilling, moving KV.")  # fmt: skip
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up.")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found cached.")
+        # Counted as they happen, per sequence (vLLM V1's): a prompt at its first token,
+        # generated tokens as they arrive, a sequence when it ends, however it ends.
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens served.")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
-        self.requests = Counter("vllm:request_success", "Finished requests.",
-                                ["model_name", "finished_reason"], registry=r)  # fmt: skip
+        self._requests = Counter("vllm:request_success", "Ended sequences by finished_reason "
+                                 "(stop, length; abort: the client went away; error: it failed).",
+                                 ["model_name", "finished_reason"], registry=r)  # fmt: skip
+        self._model_name = model_name
         self.decisions = Counter("pdserve:routing_decisions", "Placements by kind.",
                                  ["kind", "worker"], registry=r)  # fmt: skip
         self.decision_latency = histogram(
@@ -110,6 +114,9 @@ class RouterMetrics:
         worker = placement.prefill_worker or placement.decode_worker
         self.decisions.labels(kind=kind, worker=worker).inc()
         self.decision_latency.observe(seconds)
+
+    def sequence_ended(self, finished_reason: str) -> None:
+        self._requests.labels(model_name=self._model_name, finished_reason=finished_reason).inc()
 
     def prefix_cache(self, num_tokens: int, cached_tokens: int) -> None:
         self.prefix_queries.inc(num_tokens)

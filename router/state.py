@@ -17,7 +17,6 @@ from common.registry import create_registry
 from common.structured_output import GrammarCompiler, StructuredOutput, StructuredOutputError
 from common.tokenizer import Tokenizer
 from proto import pdserve_pb2 as pb
-from router.choices import Choice
 from router.dispatch import Dispatcher
 from router.events import EventListener
 from router.harmony import marker_ids
@@ -51,7 +50,6 @@ class RouterState:
     started_at: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     num_inflight: int = 0  # sequences admitted and not yet ended (see app.respond)
-    num_finished: int = 0
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     # The Harmony markers' token ids, where the model writes its chat replies in that
     # format (GPT-OSS; router/harmony.py); None: it does not.
@@ -155,16 +153,6 @@ class RouterState:
         if structured is not None:
             params.structured_output.CopyFrom(pb.StructuredOutput(**asdict(structured)))
         return params
-
-    def record_finished(self, choices: list[Choice]) -> None:
-        self.num_finished += 1
-        metrics = self.metrics
-        for choice in choices:
-            metrics.requests.labels(
-                model_name=self.model.served_name, finished_reason=choice.finish_reason or ""
-            ).inc()
-            metrics.generation_tokens.inc(len(choice.token_ids))
-        metrics.prompt_tokens.inc(sum(len(c.request.prompt_token_ids) for c in choices))
 
 
 def harmony_ids_of(

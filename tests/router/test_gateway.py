@@ -632,6 +632,40 @@ def test_a_client_gone_from_a_non_streaming_request_stops_its_generation(stack):
         time.sleep(0.1)
 
 
+def test_token_counters_move_as_tokens_stream_and_an_abandoned_stream_counts(stack):
+    """vLLM's counters move as tokens come, and a sequence the client left counts too (as
+    ``abort``): an API probe found them flat through a long stream, then one jump at its
+    end, and nothing at all for an abandoned one."""
+    prompt = random_prompts((30,), seed=91)[0]
+
+    def counters() -> tuple[float, float, float]:
+        return (metric(stack, "vllm:prompt_tokens_total"),
+                metric(stack, "vllm:generation_tokens_total"),
+                metric(stack, "vllm:request_success_total", finished_reason="abort"))  # fmt: skip
+
+    prompt_before, generated_before, aborted_before = counters()
+    ask = {"model": MODEL, "prompt": prompt, "max_tokens": 900, "min_tokens": 900,
+           "stream": True}  # fmt: skip
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with (
+        httpx.Client(base_url=stack.base_url, headers=headers, timeout=30) as http,
+        http.stream("POST", "/v1/completions", json=ask) as reply,
+    ):
+        lines = reply.iter_lines()  # kept: a closed iterator closes the connection
+        received = 0  # each chunk carries at least one token
+        while received < 20:
+            received += next(lines).startswith("data: {")
+        prompt_now, generated_now, aborted_now = counters()
+        assert prompt_now - prompt_before == len(prompt)
+        assert generated_now - generated_before >= received
+        assert aborted_now == aborted_before  # still running
+    deadline = time.monotonic() + 5
+    while counters()[2] == aborted_before:
+        assert time.monotonic() < deadline, "the abandoned stream was never counted"
+        time.sleep(0.05)
+    assert counters()[0] - prompt_before == len(prompt)
+
+
 def test_a_choice_ended_by_its_first_token_frees_the_prefill_lease(stack, client):
     """A stop string in the token the prefill worker sampled ends the choice before any
     decode worker pulls the KV: the router releases the lease at once (lease_s is 4 here)."""
