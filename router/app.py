@@ -457,7 +457,9 @@ def create_app(state: RouterState) -> FastAPI:
             body.stop_strings,
             state.model.max_model_len,
             state.model.block_size,
-            lambda stop: IncrementalDetokenizer(state.tokenizer, stop, body.min_tokens, keep),
+            lambda stop: IncrementalDetokenizer(
+                state.tokenizer, stop, body.min_tokens, keep, body.include_stop_str_in_output
+            ),
             body.cache_salt,
             state.adapters.resolve(lora_name) if lora_name is not None else None,
             prompt_param="messages" if chat else "prompt",

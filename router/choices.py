@@ -145,8 +145,9 @@ async def run_choice(
             finish = delta.finish_reason
             shown = delta.token_ids
             if finish == "stop" and shown and shown[-1] in choice.request.sampling.stop_token_ids:
-                shown = shown[:-1]  # a stop token's text is not output (as in vLLM)
-                choice.stop_reason = delta.token_ids[-1]
+                choice.stop_reason = shown[-1]
+                if not detok.include_stop:
+                    shown = shown[:-1]  # a stop token's text is not output (as in vLLM)
             text = detok.add(shown)
             if detok.stopped:
                 finish = "stop"

@@ -22,11 +22,15 @@ _WINDOW = 6  # tokens of left context decoded with the new ones
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), min_tokens: int = 0,
-                 keep_special: frozenset[int] = frozenset()) -> None:  # fmt: skip
+                 keep_special: frozenset[int] = frozenset(),
+                 include_stop: bool = False) -> None:  # fmt: skip
         """``keep_special``: special tokens whose text is kept (the others are dropped),
         for a format the router reads from the text (``router/harmony.py``, Mistral's
-        tool calls); a stop string never matches inside one."""
+        tool calls); a stop string never matches inside one. ``include_stop`` (vLLM's
+        ``include_stop_str_in_output``): the text ends with the stop string that
+        matched, not before it; what followed it is cut either way."""
         self.tokenizer = tokenizer
+        self.include_stop = include_stop
         self.keep_special = keep_special
         self._markers = [tokenizer.decode([t], skip_special_tokens=False) for t in keep_special]
         self._marker_len = max((len(m) for m in self._markers), default=0)
@@ -37,7 +41,7 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
-        self.text = ""  # everything decoded so far (stop string excluded once stopped)
+        self.text = ""  # everything decoded so far (once stopped, up to the stop string)
         self._emitted = 0  # characters of ``text`` already handed out
         self.stopped = False
         self.stop_string: str | None = None
@@ -96,7 +100,7 @@ class IncrementalDetokenizer:
         found = [(i, s) for i, s in found if i >= 0]
         if found:
             index, stop = min(found)
-            self.text = self.text[:index]
+            self.text = self.text[: index + len(stop) if self.include_stop else index]
             self.stopped = True
             self.stop_string = stop
 

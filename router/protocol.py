@@ -239,10 +239,6 @@ class _SamplingFields(_Body):
                 "spaces_between_special_tokens=false is not supported",
                 "spaces_between_special_tokens",
             )
-        if self.include_stop_str_in_output:
-            raise FieldError(
-                "include_stop_str_in_output is not supported", "include_stop_str_in_output"
-            )
         if self.prompt_logprobs is not None and self.stream:
             raise FieldError("prompt_logprobs is not available with stream=true", "prompt_logprobs")
         if self.stream_options is not None and not self.stream:

@@ -36,6 +36,24 @@ def test_stop_string_cuts_and_is_never_streamed(tiny_llama):
     assert "gam" not in streamed
 
 
+def test_an_included_stop_string_ends_the_text_streamed_or_not(tiny_llama):
+    """vLLM's include_stop_str_in_output: the text ends with the stop string; what the
+    same token decoded after it is still cut."""
+    tokenizer = Tokenizer(tiny_llama)
+    ids = tokenizer.encode("alpha beta gamma delta epsilon", add_special_tokens=False)
+    for stop in ("gamma", "gam", "a gamma d"):
+        detok = IncrementalDetokenizer(tokenizer, stop=[stop, "zzz"], include_stop=True)
+        streamed = ""
+        for token in ids:
+            streamed += detok.add([token])
+            if detok.stopped:
+                break
+        streamed += detok.finish()
+        text = tokenizer.decode(ids)
+        assert streamed == text[: text.index(stop) + len(stop)], stop
+        assert detok.stop_string == stop
+
+
 def test_stop_strings_wait_for_min_tokens(tiny_llama):
     """As in vLLM: a stop string inside the first min_tokens tokens does not stop the
     sequence, the next one does; the same whether tokens arrive one by one or at once."""

@@ -604,6 +604,14 @@ def test_stop_strings(client):
         assert text == expected and reason == "stop"
         if not stream:  # ended by the router, yet the usage still counts the cached prefix
             assert reply.usage.prompt_tokens_details.cached_tokens > 0, reply.usage
+        # vLLM's include_stop_str_in_output: the text ends with the stop string.
+        included = {"include_stop_str_in_output": True}
+        reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24,
+                                          temperature=0, stop=[stop], stream=stream,
+                                          extra_body=included)  # fmt: skip
+        chunks = list(reply) if stream else [reply]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text == expected + stop
 
 
 def live_leases(stack) -> int:
