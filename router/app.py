@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import importlib.metadata
 import json
 import logging
 import time
@@ -64,7 +65,7 @@ logger = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks its client is still there
 
-_OPEN_PATHS = {"/health", "/metrics"}
+_OPEN_PATHS = {"/health", "/ping", "/version", "/metrics"}  # as vLLM: probes need no key
 _GONE = object()  # what ``until_disconnected`` returns when the client left first
 
 
@@ -133,6 +134,10 @@ class _ApiKeyAuth:
 
 
 def create_app(state: RouterState) -> FastAPI:
+    try:
+        version_text = importlib.metadata.version("pdserve")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        version_text = "unknown"
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
 
     @app.exception_handler(APIError)
@@ -179,6 +184,15 @@ def create_app(state: RouterState) -> FastAPI:
         ready = bool(state.pool.candidates_for_health())
         return JSONResponse({"status": "ok" if ready else "no_workers"},
                             status_code=200 if ready else 503)  # fmt: skip
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's (SageMaker's) liveness route: the same answer as /health."""
+        return await health()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": version_text}
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -233,7 +247,10 @@ def create_app(state: RouterState) -> FastAPI:
             tokens = await asyncio.to_thread(
                 state.tokenizer.encode, body.prompt or "", body.add_special_tokens
             )
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": state.model.max_model_len}
+        reply = {"tokens": tokens, "count": len(tokens), "max_model_len": state.model.max_model_len}
+        if body.return_token_strs:
+            reply["token_strs"] = state.tokenizer.convert_ids_to_tokens(tokens)
+        return reply
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:

@@ -481,11 +481,12 @@ class ChatCompletionRequest(_SamplingFields):
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)  # as chat's
     tools: list[Tool] | None = None  # with messages: rendered as chat would render them
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    return_token_strs: bool = False  # vLLM's: each token's vocabulary string too
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

@@ -73,6 +73,7 @@ def test_refusals_name_their_field(state):
         ("/v1/chat/completions", {"messages": chat, "tools": [  # "auto" without a parser
             {"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
         ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+        ("/tokenize", {"messages": []}, "messages"),  # as chat refuses them
         # The default policy (fcfs) takes no priority, whichever API carries it.
         ("/v1/completions", {"prompt": "x", "priority": -1}, "priority"),
         ("/v1/chat/completions", {"messages": chat, "priority": 3}, "priority"),
@@ -111,6 +112,21 @@ def test_limits_name_the_prompt_field_and_min_tokens(state):
     chat = {"messages": [{"role": "user", "content": "x"}], "min_tokens": max_model_len}
     error = error_of(post(state, "/v1/chat/completions", json=chat), 400)
     assert error["param"] == "min_tokens" and "context leaves" in error["message"]
+
+
+def test_tokenize_version_and_ping_answer_as_vllm(state):
+    reply = post(state, "/tokenize", json={"prompt": "hello world", "return_token_strs": True})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["token_strs"] == state.tokenizer.convert_ids_to_tokens(body["tokens"])
+    assert len(body["token_strs"]) == body["count"] > 1
+    assert "token_strs" not in post(state, "/tokenize", json={"prompt": "hello"}).json()
+    version = post(state, "/version", method="GET")
+    assert version.status_code == 200 and version.json()["version"]
+    health = post(state, "/health", method="GET")
+    for method in ("GET", "POST"):  # no worker here: /ping says what /health says
+        ping = post(state, "/ping", method=method)
+        assert (ping.status_code, ping.json()) == (health.status_code, health.json())
 
 
 def test_http_errors_use_the_envelope(state):

@@ -76,7 +76,8 @@ def test_models_health_and_auth(stack, client):
     assert client.models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-17")
-    assert get_json(f"{stack.base_url}/health")[0] == 200  # open without a key
+    for path in ("/health", "/ping", "/version"):  # open without a key (probes)
+        assert get_json(f"{stack.base_url}{path}")[0] == 200, path
     status, body = get_json(f"{stack.base_url}/v1/models", key="wrong")
     assert status == 401 and body["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
