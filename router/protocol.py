@@ -379,8 +379,10 @@ class ChatMessage(_Body):
             return self.content
         parts = []
         for part in self.content:
-            if part.type != "text" or part.text is None:
+            if part.type != "text":
                 raise ValueError(f"content parts of type {part.type!r} are not supported")
+            if part.text is None:
+                raise ValueError("a content part of type 'text' needs its 'text' string")
             parts.append(part.text)
         return "".join(parts)
 

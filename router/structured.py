@@ -36,7 +36,8 @@ def _json_text(value: Any, where: str) -> str:
         try:
             json.loads(value)
         except ValueError as error:
-            raise FieldError(f"{where} is not valid JSON: {error}", param) from error
+            raise FieldError(f"{where} must be a JSON schema (an object, or its JSON text); "
+                             f"the text given is not JSON: {error}", param) from error  # fmt: skip
         return value
     if not isinstance(value, dict):
         raise FieldError(f"{where} must be a JSON schema (an object)", param)
@@ -56,7 +57,8 @@ def _from_response_format(value: dict[str, Any]) -> StructuredOutput | None:
                 "response_format.json_schema.schema is required with type json_schema",
                 "response_format",
             )
-        return StructuredOutput("json", _json_text(spec["schema"], "response_format"))
+        schema = _json_text(spec["schema"], "response_format.json_schema.schema")
+        return StructuredOutput("json", schema)
     raise FieldError(
         f"response_format type {kind!r} is not supported (text, json_object or json_schema)",
         "response_format",

@@ -86,6 +86,20 @@ def test_refusals_name_their_field(state):
         assert error["param"] == param, (body, error)
 
 
+def test_refusals_say_what_is_wrong(state):
+    """An API probe found a text part without text called "not supported", and a schema
+    given as a string that is not JSON blamed the whole response_format."""
+    text_part = [{"role": "user", "content": [{"type": "text"}]}]
+    error = error_of(post(state, "/v1/chat/completions", json={"messages": text_part}), 400)
+    assert "needs its 'text' string" in error["message"] and error["param"] == "messages"
+    chat = [{"role": "user", "content": "x"}]
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": "str"}}
+    body = {"messages": chat, "response_format": schema}
+    error = error_of(post(state, "/v1/chat/completions", json=body), 400)
+    assert error["message"].startswith("response_format.json_schema.schema must be a JSON schema")
+    assert error["param"] == "response_format"
+
+
 def test_priority_passes_where_the_engines_schedule_by_it(tiny_llama):
     overrides = [f"model={tiny_llama}", "engine.scheduling_policy=priority"]
     state = RouterState.build(load_config(None, overrides))

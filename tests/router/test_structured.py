@@ -67,7 +67,7 @@ def test_every_spelling_gives_the_same_constraint(chat):
     ("fields", "param", "match"),
     [
         ({"guided_regex": "[a-"}, "guided_regex", "invalid regex"),
-        ({"guided_json": "{nope"}, "guided_json", "not valid JSON"),
+        ({"guided_json": "{nope"}, "guided_json", "the text given is not JSON"),
         ({"structured_outputs": {"json": 5}}, "structured_outputs", "must be a JSON schema"),
         ({"guided_choice": []}, "guided_choice", "non-empty list"),
         ({"guided_grammar": "start: missing"}, "guided_grammar", "invalid grammar"),
