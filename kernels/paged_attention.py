@@ -39,6 +39,8 @@ def _check_inputs(query: torch.Tensor, kv_cache: torch.Tensor) -> None:
         )
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must be contiguous in head_dim")
+    if not kv_cache.dtype.is_floating_point:  # an int8 cache would be read as plain ints
+        raise TypeError(f"kv_cache must be a float or fp8 tensor, got {kv_cache.dtype}")
 
 
 def paged_attention(
@@ -147,6 +149,8 @@ class _Launch:
                 f"the query's shape {tuple(query.shape)}, be on its device and be "
                 "contiguous in head_dim"
             )
+        elif out.dtype != query.dtype:  # the store would round into it silently
+            raise TypeError(f"out must have the query's dtype {query.dtype}, got {out.dtype}")
         # The kernels index these with element stride 1 (a no-op for the engine's tensors).
         seq_lens = seq_lens.contiguous()
         if query_start_loc is not None:

@@ -304,6 +304,14 @@ def test_bad_arguments():
     ):
         with pytest.raises(ValueError, match="must have the query's shape"):
             paged_attention(*args, batch.block_table, 1.0, out=out.to(DEVICE))
+    # A fuzz found these accepted: an integer out truncated the results, an int8 cache
+    # was read as plain integers.
+    int_out = torch.empty(batch.query.shape, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(TypeError, match="out must have the query's dtype"):
+        paged_attention(*args, batch.block_table, 1.0, out=int_out)
+    with pytest.raises(TypeError, match="kv_cache must be a float"):
+        paged_attention(batch.query, batch.kv_cache.to(torch.int8), *args[2:],
+                        batch.block_table, 1.0)  # fmt: skip
 
 
 def test_strided_metadata_views_and_tiny_heads():
