@@ -464,6 +464,9 @@ def create_app(state: RouterState) -> FastAPI:
                 f"{sampling.min_tokens}",
                 "min_tokens",
             )
+        echo_only = not chat and body.echo_only
+        if echo_only:  # one token is computed with the prompt's scores; it is not shown
+            sampling.max_tokens = 1
         response_id = new_id("chatcmpl" if chat else "cmpl")
         keep = keep_special or frozenset()
         choices = build_choices(
@@ -481,6 +484,7 @@ def create_app(state: RouterState) -> FastAPI:
             state.adapters.resolve(lora_name) if lora_name is not None else None,
             prompt_param="messages" if chat else "prompt",
             priority=body.priority,
+            echo_only=echo_only,
         )
         formatter = Formatter(
             response_id,

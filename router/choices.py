@@ -38,6 +38,9 @@ class Choice:
     usage: pb.Usage | None = None
     cached_tokens: int = 0  # prompt tokens the worker reused, as soon as it says
     prompt_logprobs: list[pb.TokenLogprobs] | None = None  # prompt tokens 1.., when asked
+    # ``echo`` with ``max_tokens`` 0: the choice ends at its first token (which carries the
+    # prompt's log-probs) with nothing generated to show.
+    echo_only: bool = False
 
 
 @dataclass(slots=True)
@@ -68,12 +71,14 @@ def build_choices(
     lora: LoraRef | None = None,
     prompt_param: str = "prompt",
     priority: int = 0,
+    echo_only: bool = False,
 ) -> list[Choice]:
     """One choice per (prompt, sample); checks each prompt against the context limit, and
     ``min_tokens`` against what the context leaves when ``max_tokens`` is unset.
     ``lora``: the LoRA adapter every choice runs with (None: the base model).
     ``prompt_param`` names the request's prompt field in errors. ``priority``: every
-    choice's (lower first)."""
+    choice's (lower first). ``echo_only``: every choice ends at its first token, showing
+    nothing generated (``echo`` with ``max_tokens`` 0)."""
     choices = []
     for prompt_index, prompt in enumerate(prompts):
         limit = sampling.max_tokens if sampling.HasField("max_tokens") else 0
@@ -110,6 +115,7 @@ def build_choices(
                         priority,
                     ),
                     detokenizer=detokenizer_factory(stop),
+                    echo_only=echo_only,
                 )
             )
     return choices
@@ -139,6 +145,12 @@ async def run_choice(
                 choice.cached_tokens = delta.cached_tokens
             if delta.prompt_logprobs is not None:
                 choice.prompt_logprobs = delta.prompt_logprobs
+            if choice.echo_only and delta.token_ids:
+                choice.finish_reason = "length"
+                choice.usage = pb.Usage(prompt_tokens=len(choice.request.prompt_token_ids),
+                                        cached_tokens=choice.cached_tokens)  # fmt: skip
+                yield ChoiceEvent(choice, "", [], [], "length")
+                return
             choice.token_ids.extend(delta.token_ids)
             choice.logprobs.extend(delta.logprobs)
             detok = choice.detokenizer

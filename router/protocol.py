@@ -267,7 +267,8 @@ class CompletionRequest(_SamplingFields):
     }
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1, le=UINT32_MAX)
+    # 0 only with echo: the prompt (and its log-probs) back, nothing generated (OpenAI's).
+    max_tokens: int | None = Field(default=16, ge=0, le=UINT32_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
@@ -290,7 +291,15 @@ class CompletionRequest(_SamplingFields):
             raise FieldError("best_of is not supported (it must equal n)", "best_of")
         if isinstance(self.prompt, list) and not self.prompt:
             raise FieldError("prompt must not be empty", "prompt")
+        if self.max_tokens == 0 and not self.echo:
+            raise FieldError("max_tokens must be at least 1 (0 only with echo, which returns "
+                             "the prompt alone)", "max_tokens")  # fmt: skip
         return self
+
+    @property
+    def echo_only(self) -> bool:
+        """``echo`` with ``max_tokens`` 0: score and return the prompt, generate nothing."""
+        return self.echo and self.max_tokens == 0
 
 
 class ContentPart(_Body):

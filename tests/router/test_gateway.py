@@ -172,6 +172,19 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(client, tiny_llama):
     # Without logprobs, echo repeats the prompt's text as sent.
     plain = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=2, echo=True)
     assert plain.choices[0].text.startswith("Hello there")
+    # max_tokens 0 with echo (OpenAI's, older lm-eval's): the prompt alone, scored.
+    only = client.completions.create(**{**ask, "max_tokens": 0})
+    (echoed,) = only.choices
+    assert (echoed.finish_reason, only.usage.completion_tokens) == ("length", 0)
+    assert echoed.logprobs.tokens == logprobs.tokens[:-1] == streamed_tokens[:-1]
+    assert echoed.logprobs.token_logprobs[1:] == pytest.approx(expected[:-1], abs=1e-4)
+    assert echoed.text == "".join(echoed.logprobs.tokens)
+    chunks = list(client.completions.create(**{**ask, "max_tokens": 0}, stream=True))
+    assert "".join(part.text for c in chunks for part in c.choices) == echoed.text
+    assert [part.finish_reason for c in chunks for part in c.choices][-1] == "length"
+    with pytest.raises(openai.BadRequestError) as info:  # without echo it is no request
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
+    assert info.value.body["param"] == "max_tokens"
 
 
 def test_vllms_prompt_logprobs_match_the_offline_engine(client, tiny_llama):
