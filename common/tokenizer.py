@@ -160,12 +160,16 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """``tools``: OpenAI's tool definitions, which templates that support tools
         render into the prompt. Messages with ``tool_calls`` are refused by a template
         that never mentions them: it would drop them without a word. ``template_kwargs``
         (the request's ``chat_template_kwargs``, e.g. Qwen3's ``enable_thinking``) are
-        more variables for the template; they may not replace the ones set here."""
+        more variables for the template; they may not replace the ones set here.
+        ``continue_final_message``: the text ends where the last message's content ends
+        (its end-of-turn markup cut), so the model continues that message, as
+        transformers cuts it."""
         if not self.chat_template:
             raise TokenizerError("this model has no chat template; use the completions API")
         if any(m.get("tool_calls") for m in messages) and "tool_calls" not in self.chat_template:
@@ -188,9 +192,10 @@ class Tokenizer:
                 f"chat_template_kwargs may not set {', '.join(taken)}", "chat_template_kwargs"
             )
         try:
-            return self._template.render(**(template_kwargs or {}), **variables)
+            text = self._template.render(**(template_kwargs or {}), **variables)
         except Exception as exc:  # the template's own checks, or its code failing on input
             raise TokenizerError(f"the chat template rejected the messages: {exc}") from exc
+        return _cut_after_final_message(text, messages) if continue_final_message else text
 
     def apply_chat_template(
         self,
@@ -198,7 +203,33 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """Render the model's own template and tokenize it (special tokens come from it)."""
-        text = self.render_chat(messages, add_generation_prompt, tools, template_kwargs)
+        text = self.render_chat(
+            messages, add_generation_prompt, tools, template_kwargs, continue_final_message
+        )
         return self.encode(text, add_special_tokens=False)
+
+
+def _cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:
+    """``text`` up to the end of the last message's content, where the template put it
+    (transformers' rule: the last place its stripped content appears; after its
+    unstripped end where the template kept its spacing)."""
+    content = messages[-1].get("content") if messages else None
+    if not isinstance(content, str) or not content.strip():
+        raise TokenizerError(
+            "continue_final_message needs a last message with text to continue",
+            "continue_final_message",
+        )
+    at = text.rfind(content.strip())
+    if at < 0:
+        raise TokenizerError(
+            "continue_final_message: the chat template does not render the last message's "
+            "content as given",
+            "continue_final_message",
+        )
+    kept = content.lstrip()
+    if text[at : at + len(kept)] == kept:
+        return text[: at + len(kept)]
+    return text[: at + len(content.strip())]

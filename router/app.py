@@ -241,7 +241,7 @@ def create_app(state: RouterState) -> FastAPI:
         if body.messages is not None:
             tokens = await asyncio.to_thread(
                 apply_template, body.messages, body.add_generation_prompt,
-                tool_dicts(body.tools), body.chat_template_kwargs,
+                tool_dicts(body.tools), body.chat_template_kwargs, body.continue_final_message,
             )  # fmt: skip
         else:
             tokens = await asyncio.to_thread(
@@ -281,7 +281,7 @@ def create_app(state: RouterState) -> FastAPI:
             raise bad_request(str(error), error.param) from None
         prompt = await asyncio.to_thread(
             apply_template, body.messages, body.add_generation_prompt,
-            tool_dicts(body.tools), body.template_kwargs,
+            tool_dicts(body.tools), body.template_kwargs, body.continue_final_message,
         )  # fmt: skip
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         tail = state.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
@@ -340,12 +340,13 @@ def create_app(state: RouterState) -> FastAPI:
         return [tool.model_dump(exclude_none=True) for tool in tools or ()] or None
 
     def apply_template(
-        messages, add_generation_prompt: bool, tools=None, template_kwargs=None
-    ) -> list[int]:
+        messages, add_generation_prompt: bool, tools=None, template_kwargs=None,
+        continue_final_message: bool = False,
+    ) -> list[int]:  # fmt: skip
         try:
             return state.tokenizer.apply_chat_template(
                 [m.for_template() for m in messages], add_generation_prompt, tools,
-                template_kwargs,
+                template_kwargs, continue_final_message,
             )  # fmt: skip
         except TokenizerError as exc:
             raise bad_request(str(exc), exc.param or "messages") from None

@@ -406,6 +406,13 @@ def _call_for_template(call: ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": "function", "function": function}
 
 
+def _check_continuation(continue_final_message: bool, add_generation_prompt: bool) -> None:
+    """vLLM's rule: a reply continues the last message or starts a new one, not both."""
+    if continue_final_message and add_generation_prompt:
+        raise FieldError("continue_final_message needs add_generation_prompt=false",
+                         "continue_final_message")  # fmt: skip
+
+
 def _check_contents(messages: list[ChatMessage]) -> None:
     """Only an assistant turn may come without content (OpenAI: it may carry tool calls
     instead); a missing user, system or tool content is a client bug, not an empty turn."""
@@ -418,7 +425,7 @@ def _check_contents(messages: list[ChatMessage]) -> None:
 class ChatCompletionRequest(_SamplingFields):
     REFUSED_EXTRAS = {
         **_SamplingFields.REFUSED_EXTRAS,
-        **dict.fromkeys(("echo", "continue_final_message", "documents"), _absent),
+        **dict.fromkeys(("echo", "documents"), _absent),
         "add_special_tokens": lambda value: value is None or value is False,
     }
 
@@ -428,6 +435,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    # vLLM's: the reply continues the last message (add_generation_prompt false with it)
+    continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
     include_reasoning: bool = True  # with a reasoning parser: False drops the thinking
@@ -455,6 +464,7 @@ class ChatCompletionRequest(_SamplingFields):
                              "messages")  # fmt: skip
         self._check_tools()
         _check_contents(self.messages)
+        _check_continuation(self.continue_final_message, self.add_generation_prompt)
         if self.top_logprobs and not self.logprobs:
             raise FieldError("top_logprobs requires logprobs=true", "top_logprobs")
         return self
@@ -497,6 +507,7 @@ class TokenizeRequest(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # with messages: as chat's
     return_token_strs: bool = False  # vLLM's: each token's vocabulary string too
 
     @model_validator(mode="after")
@@ -504,6 +515,8 @@ class TokenizeRequest(_Body):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
         _check_contents(self.messages or [])
+        if self.messages is not None:
+            _check_continuation(self.continue_final_message, self.add_generation_prompt)
         return self
 
 

@@ -37,6 +37,30 @@ def test_matches_transformers(model_factory, arch):
     assert ours.vocab_size == len(theirs)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_continuing_the_final_message_renders_as_in_transformers(model_factory, arch):
+    """vLLM's continue_final_message: the prompt ends inside the last message, cut where
+    transformers cuts it (its own spacing kept, or trimmed as the template trims it)."""
+    from transformers import AutoTokenizer
+
+    model_dir = model_factory(arch)
+    ours, theirs = Tokenizer(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    for partial in ("The answer is", "  The answer is ", "4, and"):
+        messages = [*MESSAGES, {"role": "assistant", "content": partial}]
+        expected = theirs.apply_chat_template(
+            messages, add_generation_prompt=False, continue_final_message=True, tokenize=False
+        )
+        assert ours.render_chat(messages, False, continue_final_message=True) == expected
+        assert ours.apply_chat_template(messages, False, continue_final_message=True) == (
+            theirs.encode(expected, add_special_tokens=False)
+        )
+        assert expected.rstrip().endswith(partial.strip())  # nothing after the message
+    with pytest.raises(TokenizerError, match="last message with text") as info:
+        ours.render_chat([*MESSAGES, {"role": "assistant", "content": " "}], False,
+                         continue_final_message=True)  # fmt: skip
+    assert info.value.param == "continue_final_message"
+
+
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"

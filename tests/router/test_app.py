@@ -74,6 +74,8 @@ def test_refusals_name_their_field(state):
             {"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
         ("/tokenize", {"prompt": "\ud800"}, "prompt"),
         ("/tokenize", {"messages": []}, "messages"),  # as chat refuses them
+        ("/v1/chat/completions", {"messages": chat, "continue_final_message": True},
+         "continue_final_message"),  # (and add_generation_prompt, true by default)
         # The default policy (fcfs) takes no priority, whichever API carries it.
         ("/v1/completions", {"prompt": "x", "priority": -1}, "priority"),
         ("/v1/chat/completions", {"messages": chat, "priority": 3}, "priority"),

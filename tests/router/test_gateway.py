@@ -389,6 +389,28 @@ def _streamed_calls(stream) -> tuple[dict[int, dict], str | None]:
     return calls, finish
 
 
+def test_a_reply_continues_the_final_message(stack, client, tiny_llama):
+    """vLLM's continue_final_message: the prompt is the chat cut after the last message's
+    text (what /tokenize says), and the reply is what a completion of it generates."""
+    messages = [{"role": "user", "content": "Count with me."},
+                {"role": "assistant", "content": "One, two,"}]  # fmt: skip
+    extra = {"continue_final_message": True, "add_generation_prompt": False, "min_tokens": 6}
+    reply = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                           temperature=0, extra_body=extra)  # fmt: skip
+    headers = {"Authorization": f"Bearer {KEY}"}
+    tokenized = httpx.post(f"{stack.base_url}/tokenize", headers=headers, timeout=30, json={
+        "messages": messages, "continue_final_message": True,
+        "add_generation_prompt": False}).json()  # fmt: skip
+    prompt_text = Tokenizer(tiny_llama).decode(tokenized["tokens"], skip_special_tokens=False)
+    assert prompt_text.endswith("One, two,")
+    completion = client.completions.create(model=MODEL, prompt=tokenized["tokens"], max_tokens=6,
+                                           temperature=0, extra_body={"min_tokens": 6})  # fmt: skip
+    assert reply.choices[0].message.content == completion.choices[0].text
+    assert reply.usage.prompt_tokens == tokenized["count"]
+    fresh = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert fresh.usage.prompt_tokens > tokenized["count"]  # a new turn's markup, not cut
+
+
 def test_tool_calls_by_constraint(client):
     """A named function or "required": the output is the call(s), valid against the
     tools' schemas, as OpenAI's tool_calls; streamed deltas add up to the same calls."""
