@@ -21,16 +21,21 @@ def test_incremental_equals_full_decode(tiny_llama):
         assert "".join(pieces) == tokenizer.decode(ids)
 
 
-def test_stop_string_cuts_and_is_never_streamed(tiny_llama):
-    tokenizer = Tokenizer(tiny_llama)
-    ids = tokenizer.encode("alpha beta gamma delta epsilon", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer, stop=["gamma", "zzz"])
+def streamed_until_stopped(detok: IncrementalDetokenizer, ids: list[int]) -> str:
+    """The text a stream shows, one token at a time, until the detokenizer stops."""
     streamed = ""
     for token in ids:
         streamed += detok.add([token])
         if detok.stopped:
             break
-    streamed += detok.finish()
+    return streamed + detok.finish()
+
+
+def test_stop_string_cuts_and_is_never_streamed(tiny_llama):
+    tokenizer = Tokenizer(tiny_llama)
+    ids = tokenizer.encode("alpha beta gamma delta epsilon", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, stop=["gamma", "zzz"])
+    streamed = streamed_until_stopped(detok, ids)
     assert streamed == "alpha beta "
     assert detok.stop_string == "gamma"
     assert "gam" not in streamed
@@ -43,12 +48,7 @@ def test_an_included_stop_string_ends_the_text_streamed_or_not(tiny_llama):
     ids = tokenizer.encode("alpha beta gamma delta epsilon", add_special_tokens=False)
     for stop in ("gamma", "gam", "a gamma d"):
         detok = IncrementalDetokenizer(tokenizer, stop=[stop, "zzz"], include_stop=True)
-        streamed = ""
-        for token in ids:
-            streamed += detok.add([token])
-            if detok.stopped:
-                break
-        streamed += detok.finish()
+        streamed = streamed_until_stopped(detok, ids)
         text = tokenizer.decode(ids)
         assert streamed == text[: text.index(stop) + len(stop)], stop
         assert detok.stop_string == stop
