@@ -191,11 +191,13 @@ class Tokenizer:
             raise TokenizerError(
                 f"chat_template_kwargs may not set {', '.join(taken)}", "chat_template_kwargs"
             )
+        if continue_final_message:
+            variables["messages"] = _tagged_final_message(messages)
         try:
             text = self._template.render(**(template_kwargs or {}), **variables)
         except Exception as exc:  # the template's own checks, or its code failing on input
             raise TokenizerError(f"the chat template rejected the messages: {exc}") from exc
-        return _cut_after_final_message(text, messages) if continue_final_message else text
+        return _cut_at_tag(text, messages[-1]["content"]) if continue_final_message else text
 
     def apply_chat_template(
         self,
@@ -212,24 +214,34 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False)
 
 
-def _cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:
-    """``text`` up to the end of the last message's content, where the template put it
-    (transformers' rule: the last place its stripped content appears; after its
-    unstripped end where the template kept its spacing)."""
+# transformers' way to find where the last message's content ends in the rendered text:
+# render it with this tag after the content, cut at the tag. Searching for the content
+# itself found it inside later markup (a final "end" inside ChatML's "<|im_end|>").
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tagged_final_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with the tag after the last one's text content."""
     content = messages[-1].get("content") if messages else None
-    if not isinstance(content, str) or not content.strip():
+    if not isinstance(content, str):
         raise TokenizerError(
             "continue_final_message needs a last message with text to continue",
             "continue_final_message",
         )
-    at = text.rfind(content.strip())
-    if at < 0:
+    return [*messages[:-1], {**messages[-1], "content": content + _CONTINUE_TAG}]
+
+
+def _cut_at_tag(text: str, content: str) -> str:
+    """``text`` (rendered with the tag) up to where the last message's content ends; where
+    the template trimmed the tag's trailing space, the content's trailing space went too."""
+    tag = _CONTINUE_TAG.strip()
+    if tag not in text or content.strip() not in text:
         raise TokenizerError(
             "continue_final_message: the chat template does not render the last message's "
             "content as given",
             "continue_final_message",
         )
-    kept = content.lstrip()
-    if text[at : at + len(kept)] == kept:
-        return text[: at + len(kept)]
-    return text[: at + len(content.strip())]
+    at = text.rindex(tag)
+    if text[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return text[:at]
+    return text[:at].rstrip()

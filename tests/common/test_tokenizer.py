@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -37,28 +38,44 @@ def test_matches_transformers(model_factory, arch):
     assert ours.vocab_size == len(theirs)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_continuing_the_final_message_renders_as_in_transformers(model_factory, arch):
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "chatml"])
+def test_continuing_the_final_message_renders_as_in_transformers(model_factory, tmp_path, arch):
     """vLLM's continue_final_message: the prompt ends inside the last message, cut where
-    transformers cuts it (its own spacing kept, or trimmed as the template trims it)."""
+    transformers cuts it (its own spacing kept, or trimmed as the template trims it). A
+    review found a final "end" or "im" cut inside ChatML's later "<|im_end|>"."""
     from transformers import AutoTokenizer
 
-    model_dir = model_factory(arch)
+    model_dir = model_factory("llama" if arch == "chatml" else arch)
+    if arch == "chatml":
+        model_dir = _with_template(model_dir, tmp_path, CHATML)
     ours, theirs = Tokenizer(model_dir), AutoTokenizer.from_pretrained(model_dir)
-    for partial in ("The answer is", "  The answer is ", "4, and"):
+    for partial in ("The answer is", "  The answer is ", "4, and", "end", "im", "<", " "):
         messages = [*MESSAGES, {"role": "assistant", "content": partial}]
         expected = theirs.apply_chat_template(
             messages, add_generation_prompt=False, continue_final_message=True, tokenize=False
         )
-        assert ours.render_chat(messages, False, continue_final_message=True) == expected
+        assert ours.render_chat(messages, False, continue_final_message=True) == expected, partial
         assert ours.apply_chat_template(messages, False, continue_final_message=True) == (
             theirs.encode(expected, add_special_tokens=False)
         )
-        assert expected.rstrip().endswith(partial.strip())  # nothing after the message
-    with pytest.raises(TokenizerError, match="last message with text") as info:
-        ours.render_chat([*MESSAGES, {"role": "assistant", "content": " "}], False,
-                         continue_final_message=True)  # fmt: skip
+    # A template that drops the message's text: nothing to continue, said so.
+    roles_only = "{% for m in messages %}{{ m['role'] }}{% endfor %}"
+    silent = Tokenizer(_with_template(model_dir, tmp_path / "silent", roles_only))
+    with pytest.raises(TokenizerError, match="does not render") as info:
+        silent.render_chat(messages, False, continue_final_message=True)
     assert info.value.param == "continue_final_message"
+
+
+def _with_template(model_dir: Path, out: Path, template: str) -> Path:
+    """A copy of ``model_dir``'s tokenizer with ``template`` as its chat template."""
+    import json
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_bytes((model_dir / "tokenizer.json").read_bytes())
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
 
 
 CHATML = (
