@@ -160,6 +160,23 @@ def test_a_frozen_replay_holds_back_only_its_own_worker(listener: EventListener)
         frozen.close()
 
 
+def test_remove_and_replace_forget_a_workers_blocks_at_once(listener: EventListener):
+    """Not at the feed's next poll: placement must not read a gone cache meanwhile."""
+    worker = Worker("decode-0")
+    try:
+        listener.add(worker.info)
+        worker.publish(1)
+        wait_for(lambda: num_blocks(listener, "decode-0") == 1, 10)
+        listener.add(worker.info)  # replaced (a restart): what it held is gone
+        assert num_blocks(listener, "decode-0") == 0
+        worker.publish(2)
+        wait_for(lambda: num_blocks(listener, "decode-0") >= 1, 10)
+        listener.remove("decode-0")
+        assert num_blocks(listener, "decode-0") == 0
+    finally:
+        worker.close()
+
+
 def test_a_removed_workers_late_replay_is_dropped(listener: EventListener):
     frozen = FrozenWorker("decode-0")
     try:
