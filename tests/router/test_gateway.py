@@ -738,6 +738,7 @@ def test_a_stop_token_ends_without_its_text_and_is_the_stop_reason(client, tiny_
         model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
         extra_body={"return_token_ids": True, "ignore_eos": True},
     ).choices[0].model_extra["token_ids"]  # fmt: skip
+    differed = 0
     for stop in (ids[0], ids[3]):
         expected = tokenizer.decode(ids[: ids.index(stop)])
         kwargs = {"model": MODEL, "prompt": prompt, "max_tokens": 6, "temperature": 0,
@@ -748,6 +749,15 @@ def test_a_stop_token_ends_without_its_text_and_is_the_stop_reason(client, tiny_
         chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs)]
         assert "".join(c.text for c in chunks) == expected
         assert (chunks[-1].finish_reason, chunks[-1].model_extra["stop_reason"]) == ("stop", stop)
+        # include_stop_str_in_output keeps the stop token's text, streamed or not.
+        kwargs["extra_body"] = {**kwargs["extra_body"], "include_stop_str_in_output": True}
+        included = tokenizer.decode(ids[: ids.index(stop) + 1])
+        differed += included != expected  # (a token may decode to nothing on its own)
+        whole = client.completions.create(**kwargs).choices[0]
+        assert (whole.text, whole.model_extra["stop_reason"]) == (included, stop)
+        chunks = [c.choices[0] for c in client.completions.create(stream=True, **kwargs)]
+        assert "".join(c.text for c in chunks) == included
+    assert differed  # the check above could tell the two apart
     length = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
     assert length.choices[0].model_extra["stop_reason"] is None
 
