@@ -17,15 +17,15 @@ import torch
 
 from kernels.attention_config import LaunchConfig
 from kernels.paged_attention import paged_attention
-from tests.kernels.paged_batch import TOLERANCES, make_batch
+from kernels.reference import FP8_DTYPES
+from tests.kernels.paged_batch import TOLERANCES, make_batch, poisoned_out
+from tests.kernels.triton_env import DEVICE
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NUM_CASES = 16
 HEAD_DIMS = (8, 24, 32, 40, 48, 64, 80, 96, 112, 128, 160, 256)
 BF16_HEAD_DIMS = (8, 32, 48, 80, 96)  # bf16 runs slowly in the interpreter: small heads
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 GROUPS = (1, 2, 3, 4, 5, 6, 7, 8)
-FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _contexts(block_size: int) -> list[int]:
@@ -39,7 +39,7 @@ def _case(rng: random.Random) -> dict:
     head_dim = rng.choice(BF16_HEAD_DIMS if dtype == torch.bfloat16 else HEAD_DIMS)
     block_size = rng.choice(BLOCK_SIZES)
     group, num_kv_heads = rng.choice(GROUPS), rng.choice((1, 1, 2, 3))
-    contexts = [c for c in _contexts(block_size) if c >= 1]
+    contexts = _contexts(block_size)
     segments = [(1, rng.choice(contexts)) for _ in range(rng.randint(0, 6))]  # decodes first
     for _ in range(rng.randint(0, 5)):
         roll = rng.random()
@@ -61,6 +61,8 @@ def _case(rng: random.Random) -> dict:
         options["prefill"] = LaunchConfig(
             min_block_m * rng.choice((1, 2, 4)), rng.choice((16, 32, 64))
         )
+    fp8 = dtype != torch.float16 and rng.random() < 0.15
+    kv_dtype = rng.choice(FP8_DTYPES) if fp8 else None
     return {
         "segments": segments or [(1, 1)],
         "num_q_heads": group * num_kv_heads,
@@ -68,7 +70,7 @@ def _case(rng: random.Random) -> dict:
         "head_dim": head_dim,
         "block_size": block_size,
         "dtype": dtype,
-        "kv_dtype": rng.choice(FP8) if dtype != torch.float16 and rng.random() < 0.15 else None,
+        "kv_dtype": kv_dtype,
         "window": rng.choice((1, 2, 3, 7, 20, 50, block_size, block_size + 1))
         if rng.random() < 0.3
         else None,
@@ -91,7 +93,7 @@ def test_random_batches_match_the_reference(index: int):
     sinks = None
     if case["sinks"]:
         sinks = torch.linspace(-4.0, 4.0, case["num_q_heads"]).to(case["dtype"]).to(DEVICE)
-    out = torch.full_like(batch.query, float("nan"))
+    out = poisoned_out(batch)
     paged_attention(
         batch.query, batch.kv_cache, batch.query_start_loc, batch.seq_lens, batch.block_table,
         batch.scale, case["window"], sinks=sinks,
