@@ -10,11 +10,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 from common.registry import RedisRegistry
 from tests.common.redis_server import redis_server
 from tests.deploy.load import MODEL, StreamingLoad, wait_busy, wait_serving_requests
+from tests.support.polling import eventually
 from tests.support.processes import ROOT, WorkerProcess, start_workers, write_config
 from tests.support.stack import launch_up, start_up_stack
 
@@ -22,12 +22,8 @@ ROUTER = {"served_model_name": MODEL, "min_disagg_tokens": 0, "refresh_interval_
 
 
 def wait_for(condition, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.2)
-    return True
+    """``eventually``, every 0.2 s: some conditions start a probe process."""
+    return eventually(condition, timeout_s, interval_s=0.2)
 
 
 def probe(*args: str) -> subprocess.CompletedProcess:

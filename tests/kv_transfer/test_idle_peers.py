@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kv_transfer import KVTransferConfig, PeerRef, create_connector
+from tests.support.polling import eventually
 
 SHAPE = (16, 2, 4, 2, 8)  # 16 blocks
 TIMEOUT_S, IDLE_S = 2.0, 3.0
@@ -49,15 +50,6 @@ def _threads(prefix: str) -> int:
     return sum(t.name.startswith(prefix) for t in threading.enumerate())
 
 
-def _eventually(condition, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 @pytest.mark.timeout(90)
 def test_nccl_exporter_drops_replaced_and_idle_pairs_and_fetchers_reconnect():
     known: dict = {}
@@ -68,13 +60,13 @@ def test_nccl_exporter_drops_replaced_and_idle_pairs_and_fetchers_reconnect():
             fetcher, dest = _fetcher("nccl", "decode", known)
             with fetcher:
                 _transfer(exporter, "prefill", source, fetcher, dest, f"again-{i}")
-                assert _eventually(lambda: len(pairs) == 1)
+                assert eventually(lambda: len(pairs) == 1)
         live, dest = _fetcher("nccl", "decode-2", known)  # a restarted one: a new engine id
         with live:
             _transfer(exporter, "prefill", source, live, dest, "live-1")
             # Neither fetcher fetches now: both pairs (the closed one's, the live one's) go.
-            assert _eventually(lambda: not pairs, IDLE_S + 10)
-            assert _eventually(lambda: _threads("nccl-send-") == 0)
+            assert eventually(lambda: not pairs, IDLE_S + 10)
+            assert eventually(lambda: _threads("nccl-send-") == 0)
             # The live fetcher still has its connection; the exporter says it dropped the
             # pair, and the fetch connects again within its deadline.
             _transfer(exporter, "prefill", source, live, dest, "live-2")
@@ -94,7 +86,7 @@ def test_nccl_fetcher_stops_its_thread_for_a_peer_gone_idle():
         with new:
             _transfer(new, "prefill-new", source, fetcher, dest, "t2")
             assert list(fetcher._fetchers) == ["prefill-new"]
-            assert _eventually(lambda: _threads("nccl-fetch-prefill-old") == 0)
+            assert eventually(lambda: _threads("nccl-fetch-prefill-old") == 0)
 
 
 def _num_sockets() -> int:
@@ -127,8 +119,8 @@ def test_nixl_fetcher_keeps_a_live_idle_peer_and_forgets_a_gone_one():
             # this process may close theirs meanwhile.
             assert _num_sockets() <= sockets
             del known["prefill"]  # the worker is gone: its address answers no more
-            assert _eventually(lambda: not fetcher._peers, IDLE_S + 10)
-            assert _eventually(lambda: all(not lane._peers for lane in fetcher._lanes))
+            assert eventually(lambda: not fetcher._peers, IDLE_S + 10)
+            assert eventually(lambda: all(not lane._peers for lane in fetcher._lanes))
 
 
 @pytest.mark.timeout(90)

@@ -20,6 +20,7 @@ from common.registry import WorkerInfo
 from router.events import EventListener
 from router.prefix_index import PrefixIndex
 from tests.common.test_event_bus import free_ports
+from tests.support.polling import eventually
 
 _END = struct.pack(">q", -1)
 
@@ -37,11 +38,9 @@ def stored(tag: int) -> BlockStored:
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float) -> float:
-    """Seconds until ``condition`` held; fails past ``timeout_s``."""
+    """Seconds until ``condition`` held (checked every 5 ms); fails past ``timeout_s``."""
     start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < timeout_s, "condition never held"
-        time.sleep(0.005)
+    assert eventually(condition, timeout_s, interval_s=0.005), "condition never held"
     return time.monotonic() - start
 
 
