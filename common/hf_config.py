@@ -125,3 +125,17 @@ def max_context_len(cfg: dict[str, Any]) -> int:
                     or params.get("original_max_position_embeddings") or limit)  # fmt: skip
         limit = max(limit, int(original * float(params["factor"])))
     return limit
+
+
+def eos_token_ids(cfg: dict[str, Any], model_dir: str | Path) -> tuple[int, ...]:
+    """The ids that end a sequence: generation_config.json's ``eos_token_id`` (one or a list)
+    where it names any, else the (``text_config``) config's, as transformers' ``generate``
+    does. The engine stops on them; the router keeps their text out of the output."""
+    eos = cfg.get("eos_token_id")
+    gen_path = Path(model_dir) / "generation_config.json"
+    if gen_path.exists():
+        gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        eos = gen_eos if gen_eos is not None else eos
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError, PdserveConfig, Role
-from common.hf_config import max_context_len, text_config
+from common.hf_config import eos_token_ids, max_context_len, text_config
 
 DEMO_ARCH, DEMO_SIZE = "llama", "tiny"
 
@@ -42,6 +42,8 @@ class ModelInfo:
     block_size: int
     vocab_size: int  # the model's (its embedding rows; may exceed the tokenizer's)
     model_type: str = ""  # config.json's (the text model's), e.g. "gpt_oss"
+    # The ids the engine ends a sequence at (those inside the vocabulary, as the engine).
+    eos_token_ids: frozenset[int] = frozenset()
 
 
 def model_info(config: PdserveConfig) -> ModelInfo:
@@ -62,9 +64,10 @@ def model_info(config: PdserveConfig) -> ModelInfo:
             f"lora.adapters.{name}",
             "is also the served model's name; rename the adapter or set router.served_model_name",
         )
+    vocab_size = int(hf_config.get("vocab_size", 0))
+    eos = frozenset(i for i in eos_token_ids(hf_config, model_dir) if 0 <= i < vocab_size)
     return ModelInfo(model_dir, name, max_model_len, config.engine_for(Role.DECODE).block_size,
-                     int(hf_config.get("vocab_size", 0)),
-                     str(hf_config.get("model_type") or ""))  # fmt: skip
+                     vocab_size, str(hf_config.get("model_type") or ""), eos)  # fmt: skip
 
 
 def check_text_parsers(config: PdserveConfig, hf_config: dict[str, Any]) -> None:

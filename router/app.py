@@ -457,6 +457,8 @@ def create_app(state: RouterState) -> FastAPI:
             echo = await asyncio.to_thread(echo_texts, body, prompts)
             if logprobs is not None:  # the prompt's log-probs come first
                 scored.append(logprobs)
+        elif chat and body.echo and body.messages[-1].role == "assistant":
+            echo = [body.messages[-1].text()]  # the message the reply continues
         if scored:  # the engine scores once, with the larger top n; each use cuts its own
             sampling.prompt_logprobs = max(scored)
         if sampling.HasField("max_tokens") and sampling.min_tokens > sampling.max_tokens:
@@ -479,13 +481,19 @@ def create_app(state: RouterState) -> FastAPI:
             state.model.max_model_len,
             state.model.block_size,
             lambda stop: IncrementalDetokenizer(
-                state.tokenizer, stop, body.min_tokens, keep, body.include_stop_str_in_output
+                state.tokenizer,
+                stop,
+                body.min_tokens,
+                keep,
+                body.include_stop_str_in_output,
+                body.skip_special_tokens,
             ),
             body.cache_salt,
             state.adapters.resolve(lora_name) if lora_name is not None else None,
             prompt_param="messages" if chat else "prompt",
             priority=body.priority,
             echo_only=echo_only,
+            eos_token_ids=state.model.eos_token_ids,
         )
         formatter = Formatter(
             response_id,

@@ -41,6 +41,18 @@ class Choice:
     # ``echo`` with ``max_tokens`` 0: the choice ends at its first token (which carries the
     # prompt's log-probs) with nothing generated to show.
     echo_only: bool = False
+    # The model's end-of-sequence ids (``ModelInfo.eos_token_ids``): one that ends the
+    # choice is, like a stop token, not in its text.
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def ended_by_token(self, token_id: int) -> bool:
+        """Whether ``token_id``, the last token of a choice that finished with ``stop``,
+        is what stopped it: a stop token, or an EOS the request does not ignore (else a
+        structured output completed at it)."""
+        sampling = self.request.sampling
+        return token_id in sampling.stop_token_ids or (
+            not sampling.ignore_eos and token_id in self.eos_token_ids
+        )
 
 
 @dataclass(slots=True)
@@ -72,13 +84,14 @@ def build_choices(
     prompt_param: str = "prompt",
     priority: int = 0,
     echo_only: bool = False,
+    eos_token_ids: frozenset[int] = frozenset(),
 ) -> list[Choice]:
     """One choice per (prompt, sample); checks each prompt against the context limit, and
     ``min_tokens`` against what the context leaves when ``max_tokens`` is unset.
     ``lora``: the LoRA adapter every choice runs with (None: the base model).
     ``prompt_param`` names the request's prompt field in errors. ``priority``: every
     choice's (lower first). ``echo_only``: every choice ends at its first token, showing
-    nothing generated (``echo`` with ``max_tokens`` 0)."""
+    nothing generated (``echo`` with ``max_tokens`` 0). ``eos_token_ids``: the model's."""
     choices = []
     for prompt_index, prompt in enumerate(prompts):
         limit = sampling.max_tokens if sampling.HasField("max_tokens") else 0
@@ -116,6 +129,7 @@ def build_choices(
                     ),
                     detokenizer=detokenizer_factory(stop),
                     echo_only=echo_only,
+                    eos_token_ids=eos_token_ids,
                 )
             )
     return choices
@@ -156,10 +170,14 @@ async def run_choice(
             detok = choice.detokenizer
             finish = delta.finish_reason
             shown = delta.token_ids
-            if finish == "stop" and shown and shown[-1] in choice.request.sampling.stop_token_ids:
-                choice.stop_reason = shown[-1]
-                if not detok.include_stop:
-                    shown = shown[:-1]  # a stop token's text is not output (as in vLLM)
+            if finish == "stop" and shown and choice.ended_by_token(shown[-1]):
+                end_id = shown[-1]
+                if end_id in choice.request.sampling.stop_token_ids:
+                    choice.stop_reason = end_id  # (None for EOS, as in vLLM)
+                # The ending token's text is not output (as in vLLM), unless asked for or a
+                # marker a parser reads (Harmony's <|call|>, <|return|>).
+                if not detok.include_stop and end_id not in detok.keep_special:
+                    shown = shown[:-1]
             text = detok.add(shown)
             if detok.stopped:
                 finish = "stop"

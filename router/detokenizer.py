@@ -22,16 +22,19 @@ _WINDOW = 6  # tokens of left context decoded with the new ones
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), min_tokens: int = 0,
-                 keep_special: frozenset[int] = frozenset(),
-                 include_stop: bool = False) -> None:  # fmt: skip
+                 keep_special: frozenset[int] = frozenset(), include_stop: bool = False,
+                 skip_special: bool = True) -> None:  # fmt: skip
         """``keep_special``: special tokens whose text is kept (the others are dropped),
         for a format the router reads from the text (``router/harmony.py``, Mistral's
         tool calls); a stop string never matches inside one. ``include_stop`` (vLLM's
         ``include_stop_str_in_output``): the text ends with the stop string that
-        matched, not before it; what followed it is cut either way."""
+        matched, not before it; what followed it is cut either way. ``skip_special``
+        (vLLM's ``skip_special_tokens``) False: every special token's text is kept, and
+        stop strings match in it as in any text."""
         self.tokenizer = tokenizer
         self.include_stop = include_stop
         self.keep_special = keep_special
+        self.skip_special = skip_special
         self._markers = [tokenizer.decode([t], skip_special_tokens=False) for t in keep_special]
         self._marker_len = max((len(m) for m in self._markers), default=0)
         self.stop = [s for s in stop if s]
@@ -70,6 +73,8 @@ class IncrementalDetokenizer:
             self._read_offset = len(self.token_ids)
 
     def _decode_ids(self, token_ids: Sequence[int]) -> str:
+        if not self.skip_special:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=False)
         return self.tokenizer.decode(token_ids, keep_special=self.keep_special)
 
     def finish(self) -> str:

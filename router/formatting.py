@@ -134,7 +134,9 @@ class Formatter:
     """Builds the bodies of one response; ``chat`` selects the chat shapes. ``echo`` (the
     text of each prompt, by prompt index) puts a completion's prompt before its text, and
     before its log-probs the prompt's (the choice's ``prompt_logprobs``), as OpenAI's
-    ``echo``; in a stream, in each choice's first chunk."""
+    ``echo``; in a stream, in each choice's first chunk. In chat (vLLM's ``echo``) its one
+    text, the final assistant message the reply continues, goes before each choice's
+    content, after any parsing: the thinking and calls are read from the reply alone."""
 
     def __init__(self, response_id: str, model: str, chat: bool, logprobs: int | None,
                  token_text: TokenText, token_ids: bool = False,
@@ -170,7 +172,7 @@ class Formatter:
                            logprobs: list[pb.TokenLogprobs]) -> tuple[str, Any]:  # fmt: skip
         """A chunk's (or a whole choice's) text and log-probs, the echo first if due."""
         echoed = None
-        if self.echo is not None and choice.index not in self._echoed:
+        if self.echo is not None and not self.chat and choice.index not in self._echoed:
             self._echoed.add(choice.index)
             text = self.echo[choice.prompt_index] + text
             echoed = (choice.request.prompt_token_ids, choice.prompt_logprobs or [])
@@ -196,6 +198,8 @@ class Formatter:
             delta, finish_reason = self._chat_delta(index, text, event.finish_reason)
             if first:
                 delta["role"] = "assistant"
+                if self.echo:
+                    delta["content"] = self.echo[0] + (delta.get("content") or "")
             choice = {"index": index, "delta": delta, "logprobs": logprobs,
                       "finish_reason": finish_reason}  # fmt: skip
         else:
@@ -223,6 +227,8 @@ class Formatter:
             )
             if self.chat:
                 message, finish_reason = self._chat_message(text, choice.finish_reason)
+                if self.echo:
+                    message["content"] = self.echo[0] + (message.get("content") or "")
                 items.append({"index": choice.index, "message": message, "logprobs": logprobs,
                               "finish_reason": finish_reason})  # fmt: skip
             else:

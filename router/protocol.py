@@ -1,12 +1,11 @@
 """The OpenAI request schemas the gateway accepts, validated with pydantic.
 
 Unknown fields are ignored (clients send many). Fields we cannot honour with a non-default
-value (chat echo, tool_choice "auto" without a parser, legacy functions, client chat
-templates, special-token text, and vLLM's extensions such as logits processors or beam search) are
-refused with a 400 naming the field rather than silently ignored. ``null`` means the
-default for every field (OpenAI documents most of them as "X or null"). Sampling fields
-left unset (None) take the checkpoint's ``generation_config.json`` defaults (see
-``common.generation_config``).
+value (tool_choice "auto" without a parser, legacy functions, client chat templates,
+and vLLM's extensions such as logits processors or beam search) are refused with a 400
+naming the field rather than silently ignored. ``null`` means the default for every field
+(OpenAI documents most of them as "X or null"). Sampling fields left unset (None) take
+the checkpoint's ``generation_config.json`` defaults (see ``common.generation_config``).
 """
 
 from __future__ import annotations
@@ -170,7 +169,11 @@ class _SamplingFields(_Body):
     # vLLM's: only these tokens may be generated; and words that may not be.
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    # vLLM's detokenization options, honoured only at their defaults.
+    # vLLM's detokenization options. skip_special_tokens false keeps special tokens' text
+    # (not the EOS or stop token that ends the output, unless include_stop_str_in_output).
+    # spaces_between_special_tokens changes nothing here: tokenizer.json (fast) tokenizers
+    # join special tokens as their decoder does, as transformers' fast tokenizers and
+    # vLLM's fast detokenizer do; accepted either way.
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -232,13 +235,6 @@ class _SamplingFields(_Body):
 
     @model_validator(mode="after")
     def _unsupported(self) -> _SamplingFields:
-        if not self.skip_special_tokens:
-            raise FieldError("skip_special_tokens=false is not supported", "skip_special_tokens")
-        if not self.spaces_between_special_tokens:
-            raise FieldError(
-                "spaces_between_special_tokens=false is not supported",
-                "spaces_between_special_tokens",
-            )
         if self.prompt_logprobs is not None and self.stream:
             raise FieldError("prompt_logprobs is not available with stream=true", "prompt_logprobs")
         if self.stream_options is not None and not self.stream:
@@ -425,7 +421,7 @@ def _check_contents(messages: list[ChatMessage]) -> None:
 class ChatCompletionRequest(_SamplingFields):
     REFUSED_EXTRAS = {
         **_SamplingFields.REFUSED_EXTRAS,
-        **dict.fromkeys(("echo", "documents"), _absent),
+        "documents": _absent,
         "add_special_tokens": lambda value: value is None or value is False,
     }
 
@@ -437,6 +433,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     # vLLM's: the reply continues the last message (add_generation_prompt false with it)
     continue_final_message: bool = False
+    # vLLM's: the last message's text, where it is an assistant message (one the reply
+    # continues, with continue_final_message), goes before the reply's content.
+    echo: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
     include_reasoning: bool = True  # with a reasoning parser: False drops the thinking

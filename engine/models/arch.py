@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.hf_config import max_context_len, text_config
+from common.hf_config import eos_token_ids, max_context_len, text_config
 from engine.models.errors import ModelLoadError
 from engine.models.rope_config import RopeConfig, gemma3_ropes, rope_config
 
@@ -199,17 +199,6 @@ def _sliding_windows(cfg: dict[str, Any], architecture: str, num_layers: int) ->
     return (window,) * num_layers
 
 
-def _eos_ids(cfg: dict[str, Any], model_dir: Path) -> tuple[int, ...]:
-    eos = cfg.get("eos_token_id")
-    gen_path = model_dir / "generation_config.json"
-    if gen_path.exists():
-        gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
-        eos = gen_eos if gen_eos is not None else eos
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
-
-
 def _moe_config(
     cfg: dict[str, Any], flags: ArchFlags, num_layers: int, path: Path
 ) -> MoeConfig | None:
@@ -318,7 +307,7 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
         qk_norm=flags.qk_norm,
         sliding_windows=_sliding_windows(cfg, architecture, num_layers),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-        eos_token_ids=_eos_ids(cfg, model_dir),
+        eos_token_ids=eos_token_ids(cfg, model_dir),
         bos_token_id=cfg.get("bos_token_id"),
         moe=_moe_config(cfg, flags, num_layers, path),
         max_context_len=max_context_len(cfg),

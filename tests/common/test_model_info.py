@@ -3,10 +3,14 @@ that run, the block size the workers use, and the names of the LoRA adapters."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 from common.config import ConfigError
 from common.config_loader import load_config
+from common.hf_config import eos_token_ids, read_text_config
 from common.model_info import model_info
 
 
@@ -33,3 +37,20 @@ def test_lora_adapter_names_are_checked(tiny_llama):
     clash = load_config(None, [*base, f"lora.adapters={{{tiny_llama.name}: /a}}"])
     with pytest.raises(ConfigError, match="is also the served model's name"):
         model_info(clash)
+
+
+def test_the_router_reads_the_eos_ids_the_engine_stops_at(tiny_llama, tmp_path):
+    """generation_config.json's list wins over config.json's id (as for the engine), and
+    an id past the vocabulary is dropped by both."""
+    shutil.copytree(tiny_llama, tmp_path, dirs_exist_ok=True)
+    config = read_text_config(tmp_path)
+    vocab = int(config["vocab_size"])
+    generation = {"eos_token_id": [7, 9, vocab + 5]}
+    (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+    assert eos_token_ids(config, tmp_path) == (7, 9, vocab + 5)
+    info = model_info(load_config(None, [f"model={tmp_path}"]))
+    assert info.eos_token_ids == {7, 9}
+    (tmp_path / "generation_config.json").unlink()
+    assert model_info(load_config(None, [f"model={tmp_path}"])).eos_token_ids == {
+        config["eos_token_id"]
+    }

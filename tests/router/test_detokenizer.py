@@ -54,6 +54,29 @@ def test_an_included_stop_string_ends_the_text_streamed_or_not(tiny_llama):
         assert detok.stop_string == stop
 
 
+def test_special_tokens_text_is_kept_when_not_skipped(tiny_llama):
+    """vLLM's skip_special_tokens false: special tokens decode to their text, streamed
+    token by token as in one decode, and a stop string matches in that text."""
+    tokenizer = Tokenizer(tiny_llama)
+    start, end = tokenizer.token_id("<|im_start|>"), tokenizer.token_id("<|im_end|>")
+    words = tokenizer.encode("alpha beta", add_special_tokens=False)
+    ids = [start, *words, end, *words, start]
+    skipped = IncrementalDetokenizer(tokenizer)
+    assert "".join([skipped.add([t]) for t in ids] + [skipped.finish()]) == tokenizer.decode(ids)
+    detok = IncrementalDetokenizer(tokenizer, skip_special=False)
+    kept = "".join([detok.add([t]) for t in ids] + [detok.finish()])
+    assert kept == tokenizer.decode(ids, skip_special_tokens=False)
+    assert kept.count("<|im_start|>") == 2 and kept != tokenizer.decode(ids)
+    stopped = IncrementalDetokenizer(tokenizer, stop=["<|im_end|>"], skip_special=False)
+    assert streamed_until_stopped(stopped, ids) == tokenizer.decode(
+        [start, *words], skip_special_tokens=False
+    )
+    # Skipped, the marker is no text a stop string could match.
+    assert streamed_until_stopped(
+        IncrementalDetokenizer(tokenizer, stop=["<|im_end|>"]), ids
+    ) == tokenizer.decode(ids)
+
+
 def test_stop_strings_wait_for_min_tokens(tiny_llama):
     """As in vLLM: a stop string inside the first min_tokens tokens does not stop the
     sequence, the next one does; the same whether tokens arrive one by one or at once."""

@@ -409,6 +409,25 @@ def test_a_reply_continues_the_final_message(stack, client, tiny_llama):
     assert reply.usage.prompt_tokens == tokenized["count"]
     fresh = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
     assert fresh.usage.prompt_tokens > tokenized["count"]  # a new turn's markup, not cut
+    # vLLM's echo: the continued message, then the reply; streamed or not, n > 1 too. The
+    # usage counts the reply only.
+    echo = {**extra, "echo": True}
+    echoed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6,
+                                            temperature=0, n=2, extra_body=echo)  # fmt: skip
+    expected = "One, two," + completion.choices[0].text
+    assert [c.message.content for c in echoed.choices] == [expected] * 2
+    assert echoed.usage.completion_tokens == 12
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, stream=True, extra_body=echo
+    ))  # fmt: skip
+    assert chunks[0].choices[0].delta.content.startswith("One, two,")
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    # A user message last: nothing to echo.
+    asked = client.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=4,
+                                           temperature=0, extra_body={"echo": True})  # fmt: skip
+    plain = client.chat.completions.create(model=MODEL, messages=messages[:1], max_tokens=4,
+                                           temperature=0)  # fmt: skip
+    assert asked.choices[0].message.content == plain.choices[0].message.content
 
 
 def test_tool_calls_by_constraint(client):
@@ -760,6 +779,36 @@ def test_a_stop_token_ends_without_its_text_and_is_the_stop_reason(client, tiny_
     assert differed  # the check above could tell the two apart
     length = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
     assert length.choices[0].model_extra["stop_reason"] is None
+
+
+def test_special_tokens_are_text_unless_skipped_but_not_the_ending_eos(client, tiny_llama):
+    """vLLM's skip_special_tokens false: the special tokens the model writes are in the
+    text; the EOS that ends it is not, unless include_stop_str_in_output; whether the
+    prefill worker sampled that EOS or a decode worker did, streamed or not."""
+    tokenizer = Tokenizer(tiny_llama)
+    start, eos = tokenizer.token_id("<|im_start|>"), tokenizer.eos_token_id
+    prompt = random_prompts((30,), seed=91)[0]
+
+    def texts(**extra) -> tuple[str, str, list[int], str]:
+        kwargs = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0,
+                  "extra_body": {"return_token_ids": True, **extra}}  # fmt: skip
+        whole = client.completions.create(**kwargs).choices[0]
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            stream=True, **kwargs))  # fmt: skip
+        return whole.text, streamed, whole.model_extra["token_ids"], whole.finish_reason
+
+    forced = {"logit_bias": {str(start): 100}, "ignore_eos": True}
+    assert texts(**forced)[:2] == ("", "")
+    assert texts(**forced, skip_special_tokens=False)[:2] == ("<|im_start|>" * 3,) * 2
+    for min_tokens in (0, 2):  # EOS sampled by the prefill worker, then by a decode worker
+        ending = {"logit_bias": {str(eos): 100}, "min_tokens": min_tokens,
+                  "skip_special_tokens": False}  # fmt: skip
+        text, streamed, ids, finish = texts(**ending)
+        assert (ids[-1], len(ids), finish) == (eos, min_tokens + 1, "stop")
+        assert text == streamed == tokenizer.decode(ids[:-1], skip_special_tokens=False)
+        text, streamed, ids, _ = texts(**ending, include_stop_str_in_output=True)
+        assert text == streamed == tokenizer.decode(ids, skip_special_tokens=False)
+        assert text.endswith("</s>")
 
 
 def test_continuous_usage_stats_count_each_chunk(client):

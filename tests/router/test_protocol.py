@@ -106,7 +106,6 @@ def test_their_default_values_pass():
             ],
         ),
         ("tool_choice", {"type": "function"}),  # no name
-        ("echo", True),
         ("continue_final_message", True),
         ("add_special_tokens", True),
         ("tools", [{"type": "function"}]),
