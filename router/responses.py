@@ -152,8 +152,11 @@ def responses_param(param: str | None) -> str | None:
 
 
 def renamed(error: APIError) -> APIError:
-    """A 400 from the chat path, naming this request's field."""
+    """A 400 from the chat path, naming this request's field (in the message too, where
+    the chat path's names the messages)."""
     error.param = responses_param(error.param)
+    if error.code == "context_length_exceeded":
+        error.message = error.message.replace("the messages", "the input")
     return error
 
 

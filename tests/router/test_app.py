@@ -124,6 +124,11 @@ def test_limits_name_the_prompt_field_and_min_tokens(state):
     long_chat = [{"role": "user", "content": "hello " * max_model_len}]
     error = error_of(post(state, "/v1/chat/completions", json={"messages": long_chat}), 400)
     assert (error["param"], error["code"]) == ("messages", "context_length_exceeded")
+    assert "the messages resulted in" in error["message"]
+    long_input = {"input": "hello " * max_model_len}
+    error = error_of(post(state, "/v1/responses", json=long_input), 400)
+    assert (error["param"], error["code"]) == ("input", "context_length_exceeded")
+    assert "the input resulted in" in error["message"] and "messages" not in error["message"]
     # No max_tokens: min_tokens is checked against what the context leaves.
     chat = {"messages": [{"role": "user", "content": "x"}], "min_tokens": max_model_len}
     error = error_of(post(state, "/v1/chat/completions", json=chat), 400)
