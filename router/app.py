@@ -507,6 +507,7 @@ def create_app(state: RouterState) -> FastAPI:
             tool_format,
             reasoning,
             harmony,
+            body.return_tokens_as_token_ids,
         )
         if state.num_inflight + num_sequences > limit:
             raise overloaded()

@@ -19,6 +19,10 @@ TokenText = Callable[[int], str]
 ToolFormat = ToolCalls | HermesCalls | JsonCalls | MistralCalls  # message() and delta()
 
 
+def _token_id_name(token_id: int) -> str:
+    return f"token_id:{token_id}"
+
+
 def _token_counts(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
@@ -144,7 +148,8 @@ class Formatter:
                  prompt_logprobs: int | None = None,
                  tools: ToolFormat | None = None,
                  reasoning: Reasoning | None = None,
-                 harmony: Harmony | None = None) -> None:  # fmt: skip
+                 harmony: Harmony | None = None,
+                 tokens_as_ids: bool = False) -> None:  # fmt: skip
         self.tools = tools  # how tool calls are read from a chat choice's answer
         self.reasoning = reasoning  # how a chat choice's thinking is told from its answer
         # A Harmony reply (GPT-OSS) is read by ``harmony`` alone: its thinking, answer
@@ -160,6 +165,9 @@ class Formatter:
         self.chat = chat
         self.logprobs = logprobs
         self.token_text = token_text
+        # How log-probs name a token: its text, or "token_id:<id>" (vLLM's
+        # return_tokens_as_token_ids); text offsets count those names, as in vLLM.
+        self.logprob_token: TokenText = _token_id_name if tokens_as_ids else token_text
         self.created = int(time.time())
         self._text_offsets: dict[int, int] = {}
         self._sent_role: set[int] = set()
@@ -179,11 +187,11 @@ class Formatter:
         if self.logprobs is None:
             return text, None
         if self.chat:
-            return text, chat_logprobs(logprobs, self.token_text)
+            return text, chat_logprobs(logprobs, self.logprob_token)
         # Offsets run over the tokens' own texts, in a stream as in a whole response: the
         # text sent may lag behind them (held back for a stop string or a split character).
         start = self._text_offsets.get(choice.index, 0)
-        body = completion_logprobs(logprobs, self.token_text, start, echoed, self.logprobs)
+        body = completion_logprobs(logprobs, self.logprob_token, start, echoed, self.logprobs)
         self._text_offsets[choice.index] = start + sum(len(token) for token in body["tokens"])
         return text, body
 

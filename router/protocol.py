@@ -123,8 +123,7 @@ class StreamOptions(_Body):
 # bans, ...), refused unless absent, null, false or empty.
 _VLLM_OUTPUT_FIELDS = (
     "guided_whitespace_pattern", "structural_tag", "logits_processors", "use_beam_search",
-    "return_tokens_as_token_ids", "prompt_embeds", "mm_processor_kwargs", "kv_transfer_params",
-    "vllm_xargs",
+    "prompt_embeds", "mm_processor_kwargs", "kv_transfer_params", "vllm_xargs",
 )  # fmt: skip
 
 
@@ -155,6 +154,9 @@ class _SamplingFields(_Body):
     # ids next to the text of each choice.
     cache_salt: str | None = None
     return_token_ids: bool = False
+    # vLLM's: log-probs name their tokens "token_id:<id>" (tokens that are no text on their
+    # own, such as byte pieces, stay told apart; RL trainers read the ids back).
+    return_tokens_as_token_ids: bool = False
     # vLLM's: lower values are served first, where engine.scheduling_policy is priority
     # (else it must be 0): in the router's line for a decode worker and in both engines.
     priority: int = Field(default=0, ge=INT32_MIN, le=INT32_MAX)

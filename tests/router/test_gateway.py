@@ -5,6 +5,7 @@ errors, prefix-aware placement, and a prefill worker dying under load."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import re
@@ -185,6 +186,36 @@ def test_echo_scores_the_prompt_as_lm_eval_asks(client, tiny_llama):
     with pytest.raises(openai.BadRequestError) as info:  # without echo it is no request
         client.completions.create(model=MODEL, prompt=prompt, max_tokens=0)
     assert info.value.body["param"] == "max_tokens"
+
+
+def test_logprobs_name_their_tokens_by_id_when_asked(client):
+    """vLLM's return_tokens_as_token_ids: every token a log-prob names (echoed prompt,
+    generated, top entries) is "token_id:<id>", text offsets count those names; the
+    numbers and the text are as without it. Chat's tokens and bytes too."""
+    prompt = random_prompts((20,), seed=92)[0]
+    ask = dict(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=2, echo=True)
+    plain = client.completions.create(**ask, extra_body={"return_token_ids": True}).choices[0]
+    named = client.completions.create(**ask, extra_body={"return_tokens_as_token_ids": True})
+    named = named.choices[0]
+    ids = prompt + plain.model_extra["token_ids"]
+    assert named.logprobs.tokens == [f"token_id:{t}" for t in ids]
+    assert named.text == plain.text
+    assert named.logprobs.token_logprobs == plain.logprobs.token_logprobs
+    offsets, tokens = named.logprobs.text_offset, named.logprobs.tokens
+    assert [b - a for a, b in itertools.pairwise(offsets)] == [len(t) for t in tokens[:-1]]
+    tops = zip(named.logprobs.top_logprobs[1:], plain.logprobs.top_logprobs[1:], strict=True)
+    for ours, theirs in tops:
+        assert all(key.startswith("token_id:") for key in ours)
+        assert sorted(ours.values()) == sorted(theirs.values())
+    messages = [{"role": "user", "content": "hello"}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=3, temperature=0, logprobs=True,
+        top_logprobs=2, extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True},
+    ).choices[0]  # fmt: skip
+    content = chat.logprobs.content
+    assert [c.token for c in content] == [f"token_id:{t}" for t in chat.model_extra["token_ids"]]
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    assert all(top.token.startswith("token_id:") for c in content for top in c.top_logprobs)
 
 
 def test_vllms_prompt_logprobs_match_the_offline_engine(client, tiny_llama):
