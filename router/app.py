@@ -458,7 +458,8 @@ def create_app(state: RouterState) -> FastAPI:
             if logprobs is not None:  # the prompt's log-probs come first
                 scored.append(logprobs)
         elif chat and body.echo and body.messages[-1].role == "assistant":
-            echo = [body.messages[-1].text()]  # the message the reply continues
+            continued = body.messages[-1].text()  # the message the reply continues
+            echo = [continued] if continued else None  # (a content of null stays null)
         if scored:  # the engine scores once, with the larger top n; each use cuts its own
             sampling.prompt_logprobs = max(scored)
         if sampling.HasField("max_tokens") and sampling.min_tokens > sampling.max_tokens:
@@ -494,6 +495,7 @@ def create_app(state: RouterState) -> FastAPI:
             priority=body.priority,
             echo_only=echo_only,
             eos_token_ids=state.model.eos_token_ids,
+            main_eos_id=state.tokenizer.eos_token_id,
         )
         formatter = Formatter(
             response_id,

@@ -42,17 +42,24 @@ class Choice:
     # prompt's log-probs) with nothing generated to show.
     echo_only: bool = False
     # The model's end-of-sequence ids (``ModelInfo.eos_token_ids``): one that ends the
-    # choice is, like a stop token, not in its text.
+    # choice is, like a stop token, not in its text. ``main_eos_id``: the tokenizer's.
     eos_token_ids: frozenset[int] = frozenset()
+    main_eos_id: int | None = None
 
     def ended_by_token(self, token_id: int) -> bool:
         """Whether ``token_id``, the last token of a choice that finished with ``stop``,
-        is what stopped it: a stop token, or an EOS the request does not ignore (else a
-        structured output completed at it)."""
+        is what stopped it: a stop token or an EOS (else a structured output completed at
+        it; with ``ignore_eos`` an EOS ends a choice only as its grammar's last token)."""
+        return token_id in self.request.sampling.stop_token_ids or token_id in self.eos_token_ids
+
+    def stop_reason_of(self, token_id: int) -> int | None:
+        """vLLM's ``stop_reason`` for the token that ended the choice: a stop token's id;
+        None for the tokenizer's EOS, another EOS's id (vLLM makes generation_config's
+        other EOS ids stop tokens, unless ``ignore_eos``)."""
         sampling = self.request.sampling
-        return token_id in sampling.stop_token_ids or (
-            not sampling.ignore_eos and token_id in self.eos_token_ids
-        )
+        if token_id in sampling.stop_token_ids:
+            return token_id
+        return None if sampling.ignore_eos or token_id == self.main_eos_id else token_id
 
 
 @dataclass(slots=True)
@@ -85,13 +92,15 @@ def build_choices(
     priority: int = 0,
     echo_only: bool = False,
     eos_token_ids: frozenset[int] = frozenset(),
+    main_eos_id: int | None = None,
 ) -> list[Choice]:
     """One choice per (prompt, sample); checks each prompt against the context limit, and
     ``min_tokens`` against what the context leaves when ``max_tokens`` is unset.
     ``lora``: the LoRA adapter every choice runs with (None: the base model).
     ``prompt_param`` names the request's prompt field in errors. ``priority``: every
     choice's (lower first). ``echo_only``: every choice ends at its first token, showing
-    nothing generated (``echo`` with ``max_tokens`` 0). ``eos_token_ids``: the model's."""
+    nothing generated (``echo`` with ``max_tokens`` 0). ``eos_token_ids``: the model's;
+    ``main_eos_id``: the tokenizer's."""
     choices = []
     for prompt_index, prompt in enumerate(prompts):
         limit = sampling.max_tokens if sampling.HasField("max_tokens") else 0
@@ -130,6 +139,7 @@ def build_choices(
                     detokenizer=detokenizer_factory(stop),
                     echo_only=echo_only,
                     eos_token_ids=eos_token_ids,
+                    main_eos_id=main_eos_id,
                 )
             )
     return choices
@@ -172,11 +182,12 @@ async def run_choice(
             shown = delta.token_ids
             if finish == "stop" and shown and choice.ended_by_token(shown[-1]):
                 end_id = shown[-1]
-                if end_id in choice.request.sampling.stop_token_ids:
-                    choice.stop_reason = end_id  # (None for EOS, as in vLLM)
-                # The ending token's text is not output (as in vLLM), unless asked for or a
-                # marker a parser reads (Harmony's <|call|>, <|return|>).
-                if not detok.include_stop and end_id not in detok.keep_special:
+                choice.stop_reason = choice.stop_reason_of(end_id)
+                # The ending token's text is not output (as in vLLM), unless asked for or an
+                # EOS that is a marker a parser reads (Harmony's <|call|>, <|return|>).
+                marker = (end_id in detok.keep_special
+                          and end_id not in choice.request.sampling.stop_token_ids)  # fmt: skip
+                if not detok.include_stop and not marker:
                     shown = shown[:-1]
             text = detok.add(shown)
             if detok.stopped:

@@ -29,8 +29,8 @@ class IncrementalDetokenizer:
         tool calls); a stop string never matches inside one. ``include_stop`` (vLLM's
         ``include_stop_str_in_output``): the text ends with the stop string that
         matched, not before it; what followed it is cut either way. ``skip_special``
-        (vLLM's ``skip_special_tokens``) False: every special token's text is kept, and
-        stop strings match in it as in any text."""
+        (vLLM's ``skip_special_tokens``) False: every special token's text is kept, the
+        markers' too, and stop strings match in it as in any text."""
         self.tokenizer = tokenizer
         self.include_stop = include_stop
         self.keep_special = keep_special
@@ -95,7 +95,7 @@ class IncrementalDetokenizer:
         # One start for all (the longest's) let a short one match inside the exempt text.
         searched = max(self._emitted, self._search_from)
         text = self.text
-        if self._markers:  # kept markers (Harmony) are no text a stop string can match in
+        if self._markers and self.skip_special:  # kept markers (Harmony) are no text
             start = max(searched - self._hold - self._marker_len, 0)
             window = text[start:]
             for marker in self._markers:

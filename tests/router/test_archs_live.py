@@ -172,3 +172,14 @@ def test_mistral_tool_calls_are_read_with_their_markers(stack, model_dir):
             calls += choice.delta.tool_calls or []
     assert content == "Sure."
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == made
+    # A stop token that is one of the markers ends the reply without its text (vLLM's
+    # rule), even though the parser keeps the markers' text: no call, no "[TOOL_CALLS]".
+    stop_id = tokenizer.token_id("[TOOL_CALLS]")
+    for extra in ({}, {"skip_special_tokens": False}):
+        ask["extra_body"] = {"structured_outputs": {"grammar": grammar},
+                             "stop_token_ids": [stop_id], **extra}  # fmt: skip
+        reply = client.chat.completions.create(**ask).choices[0]
+        assert (reply.message.content, reply.message.tool_calls) == ("Sure.", None)
+        assert (reply.finish_reason, reply.model_extra["stop_reason"]) == ("stop", stop_id)
+        streamed = client.chat.completions.create(**ask, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == "Sure."

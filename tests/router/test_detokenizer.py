@@ -75,6 +75,14 @@ def test_special_tokens_text_is_kept_when_not_skipped(tiny_llama):
     assert streamed_until_stopped(
         IncrementalDetokenizer(tokenizer, stop=["<|im_end|>"]), ids
     ) == tokenizer.decode(ids)
+    # Nor is a marker a parser reads, unless special tokens are not skipped.
+    kept = frozenset({end})
+    marked = IncrementalDetokenizer(tokenizer, stop=["im_end"], keep_special=kept)
+    streamed_until_stopped(marked, ids)
+    assert not marked.stopped
+    marked = IncrementalDetokenizer(tokenizer, stop=["im_end"], keep_special=kept,
+                                    skip_special=False)  # fmt: skip
+    assert streamed_until_stopped(marked, ids).endswith("alpha beta<|")
 
 
 def test_stop_strings_wait_for_min_tokens(tiny_llama):

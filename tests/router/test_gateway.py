@@ -815,31 +815,40 @@ def test_a_stop_token_ends_without_its_text_and_is_the_stop_reason(client, tiny_
 def test_special_tokens_are_text_unless_skipped_but_not_the_ending_eos(client, tiny_llama):
     """vLLM's skip_special_tokens false: the special tokens the model writes are in the
     text; the EOS that ends it is not, unless include_stop_str_in_output; whether the
-    prefill worker sampled that EOS or a decode worker did, streamed or not."""
+    prefill worker sampled that EOS or a decode worker did, streamed or not. stop_reason
+    is None for the tokenizer's EOS, the id of generation_config's other one (vLLM)."""
     tokenizer = Tokenizer(tiny_llama)
     start, eos = tokenizer.token_id("<|im_start|>"), tokenizer.eos_token_id
+    other_eos = tokenizer.token_id("<|im_end|>")  # generation_config: [</s>, <|im_end|>]
     prompt = random_prompts((30,), seed=91)[0]
 
-    def texts(**extra) -> tuple[str, str, list[int], str]:
+    def texts(**extra) -> tuple[str, str, list[int], str, int | None]:
         kwargs = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0,
                   "extra_body": {"return_token_ids": True, **extra}}  # fmt: skip
         whole = client.completions.create(**kwargs).choices[0]
         streamed = "".join(c.choices[0].text for c in client.completions.create(
             stream=True, **kwargs))  # fmt: skip
-        return whole.text, streamed, whole.model_extra["token_ids"], whole.finish_reason
+        return (whole.text, streamed, whole.model_extra["token_ids"], whole.finish_reason,
+                whole.model_extra["stop_reason"])  # fmt: skip
 
     forced = {"logit_bias": {str(start): 100}, "ignore_eos": True}
     assert texts(**forced)[:2] == ("", "")
     assert texts(**forced, skip_special_tokens=False)[:2] == ("<|im_start|>" * 3,) * 2
-    for min_tokens in (0, 2):  # EOS sampled by the prefill worker, then by a decode worker
-        ending = {"logit_bias": {str(eos): 100}, "min_tokens": min_tokens,
-                  "skip_special_tokens": False}  # fmt: skip
-        text, streamed, ids, finish = texts(**ending)
-        assert (ids[-1], len(ids), finish) == (eos, min_tokens + 1, "stop")
-        assert text == streamed == tokenizer.decode(ids[:-1], skip_special_tokens=False)
-        text, streamed, ids, _ = texts(**ending, include_stop_str_in_output=True)
-        assert text == streamed == tokenizer.decode(ids, skip_special_tokens=False)
-        assert text.endswith("</s>")
+    for end_id, reason in ((eos, None), (other_eos, other_eos)):
+        for min_tokens in (0, 2):  # sampled by the prefill worker, then by a decode worker
+            ending = {"logit_bias": {str(end_id): 100}, "min_tokens": min_tokens,
+                      "skip_special_tokens": False}  # fmt: skip
+            text, streamed, ids, finish, stop_reason = texts(**ending)
+            assert (ids[-1], len(ids), finish, stop_reason) == (
+                end_id, min_tokens + 1, "stop", reason)  # fmt: skip
+            assert text == streamed == tokenizer.decode(ids[:-1], skip_special_tokens=False)
+            text, streamed, ids, _, _ = texts(**ending, include_stop_str_in_output=True)
+            assert text == streamed == tokenizer.decode(ids, skip_special_tokens=False)
+            assert text.endswith(tokenizer.decode([end_id], skip_special_tokens=False))
+    # With ignore_eos an EOS ends the output only as a grammar's last token: still no text.
+    grammar = {"structured_outputs": {"grammar": f'start: "ab" <[{eos}]>'}}
+    text, streamed, ids, finish, _ = texts(ignore_eos=True, skip_special_tokens=False, **grammar)
+    assert (text, streamed, ids[-1], finish) == ("ab", "ab", eos, "stop")
 
 
 def test_continuous_usage_stats_count_each_chunk(client):
