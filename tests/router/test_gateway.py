@@ -207,6 +207,12 @@ def test_logprobs_name_their_tokens_by_id_when_asked(client):
     for ours, theirs in tops:
         assert all(key.startswith("token_id:") for key in ours)
         assert sorted(ours.values()) == sorted(theirs.values())
+    streamed = client.completions.create(
+        **ask, stream=True, extra_body={"return_tokens_as_token_ids": True}
+    )
+    parts = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [t for part in parts for t in part.tokens] == tokens
+    assert [o for part in parts for o in part.text_offset] == offsets
     messages = [{"role": "user", "content": "hello"}]
     chat = client.chat.completions.create(
         model=MODEL, messages=messages, max_tokens=3, temperature=0, logprobs=True,
