@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -104,8 +105,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:  # NaN fails too
                 raise bad(name, f"must be in [-2, 2], got {value}")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            raise bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+        if not 0.0 < self.repetition_penalty < math.inf:  # NaN fails too
+            raise bad(
+                "repetition_penalty", f"must be > 0 and finite, got {self.repetition_penalty}"
+            )
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
         for token_id, bias in self.logit_bias:

@@ -257,7 +257,9 @@ def create_app(state: RouterState) -> FastAPI:
         check_model(body.model)
         if any(t < 0 or t >= state.tokenizer.vocab_size for t in body.tokens):
             raise bad_request("token ids must be in the vocabulary", "tokens")
-        return {"prompt": state.tokenizer.decode(body.tokens)}
+        # As vLLM (transformers' decode): special tokens' text kept, so that /tokenize's
+        # ids (a BOS, a chat template's markers) come back as the text they stand for.
+        return {"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -375,9 +377,10 @@ def create_app(state: RouterState) -> FastAPI:
                 raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
         return prompts
 
-    def truncated(prompts: list[list[int]], keep: int) -> list[list[int]]:
+    def truncated(prompts: list[list[int]], keep: int, side: str | None) -> list[list[int]]:
         """vLLM's ``truncate_prompt_tokens``: each prompt's last ``keep`` tokens (-1: as
-        many as the context holds), cut after the chat template."""
+        many as the context holds), cut after the chat template; its first ones where
+        ``side`` (``truncation_side``) is "right"."""
         max_model_len = state.model.max_model_len
         if keep > max_model_len:
             raise bad_request(
@@ -386,6 +389,8 @@ def create_app(state: RouterState) -> FastAPI:
                 "truncate_prompt_tokens",
             )
         keep = max_model_len if keep == -1 else keep
+        if side == "right":
+            return [prompt[:keep] for prompt in prompts]
         return [prompt[-keep:] for prompt in prompts]
 
     def echo_texts(body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
@@ -419,7 +424,7 @@ def create_app(state: RouterState) -> FastAPI:
             if any(t >= vocab for t in token_ids or ()):
                 raise bad_request(f"{name} must be in [0, {vocab}) (token ids)", name)
         if body.truncate_prompt_tokens is not None:
-            prompts = truncated(prompts, body.truncate_prompt_tokens)
+            prompts = truncated(prompts, body.truncate_prompt_tokens, body.truncation_side)
         if body.priority and not state.takes_priority:
             raise bad_request(
                 f"priority {body.priority} needs engine.scheduling_policy: priority; this "

@@ -170,7 +170,7 @@ class Formatter:
         self.logprob_token: TokenText = _token_id_name if tokens_as_ids else token_text
         self.created = int(time.time())
         self._text_offsets: dict[int, int] = {}
-        self._sent_role: set[int] = set()
+        self._started: set[int] = set()  # choices whose first chunk went out
 
     @property
     def object(self) -> str:
@@ -200,9 +200,9 @@ class Formatter:
         choice's token counts so far too."""
         index = event.choice.index
         text, logprobs = self._text_and_logprobs(event.choice, event.text, event.logprobs)
+        first = index not in self._started
+        self._started.add(index)
         if self.chat:
-            first = index not in self._sent_role
-            self._sent_role.add(index)
             delta, finish_reason = self._chat_delta(index, text, event.finish_reason)
             if first:
                 delta["role"] = "assistant"
@@ -216,7 +216,11 @@ class Formatter:
         choice["stop_reason"] = event.choice.stop_reason if event.finish_reason else None
         if self.token_ids:
             choice["token_ids"] = list(event.token_ids)
+            if first and not self.chat:
+                choice["prompt_token_ids"] = list(event.choice.request.prompt_token_ids)
         body = self._envelope([choice], "chat.completion.chunk" if self.chat else None)
+        if self.token_ids and first and self.chat:
+            body["prompt_token_ids"] = list(event.choice.request.prompt_token_ids)
         if usage:
             body["usage"] = _token_counts(len(event.choice.request.prompt_token_ids),
                                           len(event.choice.token_ids))  # fmt: skip
@@ -245,10 +249,14 @@ class Formatter:
             items[-1]["stop_reason"] = choice.stop_reason
             if self.token_ids:
                 items[-1]["token_ids"] = list(choice.token_ids)
+                if not self.chat:
+                    items[-1]["prompt_token_ids"] = list(choice.request.prompt_token_ids)
             if self.prompt_logprobs is not None and not self.chat:
                 items[-1]["prompt_logprobs"] = self._prompt_logprobs(choice)
         body = self._envelope(items, None)
-        if self.prompt_logprobs is not None and self.chat:  # one prompt: vLLM puts it here
+        if self.token_ids and self.chat:  # one prompt: vLLM puts its ids here
+            body["prompt_token_ids"] = list(choices[0].request.prompt_token_ids)
+        if self.prompt_logprobs is not None and self.chat:  # and its log-probs
             body["prompt_logprobs"] = self._prompt_logprobs(choices[0])
         body["usage"] = self._usage(choices)
         return body

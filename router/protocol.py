@@ -119,11 +119,12 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False
 
 
-# vLLM's extensions that change what is generated (whitespace patterns, beam search, token
-# bans, ...), refused unless absent, null, false or empty.
+# vLLM's extensions that change what is generated or returned (whitespace patterns, beam
+# search, log-probs of chosen ids, ...), refused unless absent, null, false or empty.
 _VLLM_OUTPUT_FIELDS = (
     "guided_whitespace_pattern", "structural_tag", "logits_processors", "use_beam_search",
     "prompt_embeds", "mm_processor_kwargs", "kv_transfer_params", "vllm_xargs",
+    "logprob_token_ids",
 )  # fmt: skip
 
 
@@ -140,7 +141,7 @@ class _SamplingFields(_Body):
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)  # (vLLM: any, > 0)
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -161,8 +162,10 @@ class _SamplingFields(_Body):
     # (else it must be 0): in the router's line for a decode worker and in both engines.
     priority: int = Field(default=0, ge=INT32_MIN, le=INT32_MAX)
     # vLLM's: keep only the prompt's last k tokens (-1: max_model_len of them), after the
-    # chat template; usage and echo show what was kept.
+    # chat template; usage and echo show what was kept. truncation_side "right" keeps the
+    # first k instead ("left", the default, cuts the start).
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT32_MAX)
+    truncation_side: Literal["left", "right"] | None = None
     # vLLM's: each prompt token's log-prob and the top n there, in the response's
     # ``prompt_logprobs`` (not streamed, as in vLLM).
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -194,7 +197,14 @@ class _SamplingFields(_Body):
     def _stop(cls, value: str | list[str] | None) -> str | list[str] | None:
         if isinstance(value, list) and len(value) > 16:
             raise ValueError("at most 16 stop sequences")
+        if value == "" or (isinstance(value, list) and "" in value):
+            raise ValueError("stop cannot contain an empty string")  # (vLLM's rule)
         return value
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, value: int | None) -> int | None:
+        return None if value == -1 else value  # vLLM's: -1 means unseeded
 
     @field_validator("stop_token_ids")
     @classmethod

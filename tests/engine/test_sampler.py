@@ -284,9 +284,13 @@ def test_bad_words_yield_when_they_would_leave_nothing_to_sample():
         ({"allowed_token_ids": (1, -2)}, "allowed_token_ids"),
         ({"bad_words_token_ids": [[1], []]}, "bad_words"),
         ({"bad_words_token_ids": [[1, -1]]}, "bad_words"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty"),
     ],
 )
 def test_bad_bias_and_allowed_ids_are_refused(bad, param):
     with pytest.raises(InvalidSamplingParamsError) as info:
         SamplingParams(**bad)
     assert info.value.param == param
+    SamplingParams(repetition_penalty=20.0)  # any finite value above 0, as in vLLM

@@ -142,6 +142,11 @@ def test_tokenize_version_and_ping_answer_as_vllm(state):
     assert body["token_strs"] == state.tokenizer.convert_ids_to_tokens(body["tokens"])
     assert len(body["token_strs"]) == body["count"] > 1
     assert "token_strs" not in post(state, "/tokenize", json={"prompt": "hello"}).json()
+    # /detokenize gives the tokenized text back, special tokens (the BOS here) included.
+    back = post(state, "/detokenize", json={"tokens": body["tokens"]}).json()["prompt"]
+    assert back == state.tokenizer.decode(body["tokens"], skip_special_tokens=False)
+    assert back.endswith("hello world") and back != "hello world"
+    assert error_of(post(state, "/detokenize", json={"tokens": [10**7]}), 400)["param"] == "tokens"
     version = post(state, "/version", method="GET")
     assert version.status_code == 200 and version.json()["version"]
     health = post(state, "/health", method="GET")

@@ -118,6 +118,39 @@ def test_greedy_completions_equal_offline(client, tiny_llama):
     assert usage.completion_tokens == 12 and usage.prompt_tokens == 100
 
 
+def test_return_token_ids_gives_the_prompts_ids_too(stack, client):
+    """vLLM's return_token_ids: each completion choice carries its prompt's ids, a chat
+    reply carries them once at the top; streamed, in a choice's (chat: the reply's) first
+    chunk only. Without it, neither field."""
+    prompts = random_prompts((12, 9), seed=93)
+    ask = dict(model=MODEL, prompt=prompts, max_tokens=3, n=2, temperature=1.0, seed=4)
+    reply = client.completions.create(**ask, extra_body={"return_token_ids": True})
+    choices = sorted(reply.choices, key=lambda c: c.index)
+    assert [c.model_extra["prompt_token_ids"] for c in choices] == [prompts[0]] * 2 + [
+        prompts[1]
+    ] * 2
+    firsts: dict[int, list[int]] = {}
+    for chunk in client.completions.create(
+        **ask, stream=True, extra_body={"return_token_ids": True}
+    ):
+        (choice,) = chunk.choices
+        ids = choice.model_extra.get("prompt_token_ids")
+        assert (ids is not None) == (choice.index not in firsts)
+        firsts.setdefault(choice.index, ids)
+    assert [firsts[i] for i in range(4)] == [prompts[0]] * 2 + [prompts[1]] * 2
+    plain = client.completions.create(**ask).choices[0]
+    assert "prompt_token_ids" not in plain.model_extra and "token_ids" not in plain.model_extra
+    messages = [{"role": "user", "content": "hello there"}]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    tokenized = httpx.post(f"{stack.base_url}/tokenize", headers=headers, timeout=30,
+                           json={"messages": messages}).json()["tokens"]  # fmt: skip
+    chat = dict(model=MODEL, messages=messages, max_tokens=3, extra_body={"return_token_ids": True})
+    assert client.chat.completions.create(**chat).model_extra["prompt_token_ids"] == tokenized
+    chunks = list(client.chat.completions.create(**chat, stream=True))
+    assert chunks[0].model_extra["prompt_token_ids"] == tokenized
+    assert all("prompt_token_ids" not in c.model_extra for c in chunks[1:])
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_end(client, tiny_llama, stack):
     """vLLM's ``truncate_prompt_tokens``: a prompt past the context is cut to its last k
     tokens, the reply is that of those k tokens, and usage and echo show what was kept."""
@@ -133,6 +166,13 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(client, tiny_llama, stack)
     echoed = client.completions.create(**ask, echo=True, extra_body=extra).choices[0].text
     kept = Tokenizer(tiny_llama).decode(prompt[-40:], skip_special_tokens=False)
     assert echoed == kept + offline.outputs[0].text
+    # truncation_side "right" keeps the first 40 tokens instead.
+    right = client.completions.create(**ask, echo=True, extra_body={
+        **extra, "truncation_side": "right"}).choices[0]  # fmt: skip
+    assert right.model_extra["prompt_token_ids"] == prompt[:40]
+    assert right.text.startswith(
+        Tokenizer(tiny_llama).decode(prompt[:40], skip_special_tokens=False)
+    )
     with pytest.raises(openai.BadRequestError) as info:  # not cut, it does not fit
         client.completions.create(**ask)
     assert info.value.body["param"] == "prompt"

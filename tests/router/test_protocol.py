@@ -53,6 +53,10 @@ def test_null_means_the_default():
         ("add_special_tokens", False),
         ("best_of", 3),
         ("stream_options", {"include_usage": True}),  # without stream
+        ("truncation_side", "middle"),
+        ("logprob_token_ids", [5]),
+        ("stop", [""]),  # vLLM's rule: it would match everywhere
+        ("stop", ""),
     ],
 )
 def test_completion_fields_that_change_the_output_are_refused_by_name(field, value):
@@ -75,6 +79,18 @@ def test_bad_logit_bias_and_allowed_token_ids_are_refused_by_name(field, value):
     assert refused_param(CompletionRequest, {"prompt": "x", field: value}) == field
     body = {"messages": [{"role": "user", "content": "x"}], field: value}
     assert refused_param(ChatCompletionRequest, body) == field
+
+
+def test_vllms_value_conventions():
+    """A seed of -1 is no seed, and any finite repetition_penalty above 0 passes, as in
+    vLLM."""
+    assert CompletionRequest.model_validate({"prompt": "x", "seed": -1}).seed is None
+    assert CompletionRequest.model_validate({"prompt": "x", "seed": -2}).seed == -2
+    body = {"prompt": "x", "repetition_penalty": 20}
+    assert CompletionRequest.model_validate(body).repetition_penalty == 20
+    assert refused_param(CompletionRequest, {"prompt": "x", "repetition_penalty": 0}) == (
+        "repetition_penalty"
+    )
 
 
 def test_logit_bias_keys_are_token_ids():
