@@ -44,7 +44,7 @@ STRUCTURED_OUTPUT = "structured_output"
 # JSON is generated without optional whitespace: a model that may put any number of spaces
 # or newlines between tokens can fill its whole budget with them (vLLM's
 # ``disable_any_whitespace`` option, made the default).
-_JSON_OPTIONS = {"whitespace_flexible": False}
+JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 class StructuredOutputError(ValueError):
@@ -108,7 +108,7 @@ def grammar_of(structured: StructuredOutput, tag_tokens: dict[str, int] | None =
     kind, spec = structured.kind, structured.spec
     try:
         if kind == "json":
-            grammar = matcher.grammar_from_json_schema(spec, defaults=_JSON_OPTIONS)
+            grammar = matcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
         elif kind == "regex":
             grammar = matcher.grammar_from_regex(spec)
         elif kind == "choice":

@@ -122,9 +122,8 @@ class StreamOptions(_Body):
 # vLLM's extensions that change what is generated or returned (whitespace patterns, beam
 # search, log-probs of chosen ids, ...), refused unless absent, null, false or empty.
 _VLLM_OUTPUT_FIELDS = (
-    "guided_whitespace_pattern", "structural_tag", "logits_processors", "use_beam_search",
-    "prompt_embeds", "mm_processor_kwargs", "kv_transfer_params", "vllm_xargs",
-    "logprob_token_ids",
+    "guided_whitespace_pattern", "logits_processors", "use_beam_search", "prompt_embeds",
+    "mm_processor_kwargs", "kv_transfer_params", "vllm_xargs", "logprob_token_ids",
 )  # fmt: skip
 
 
@@ -191,6 +190,7 @@ class _SamplingFields(_Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None  # one backend here (llguidance): ignored
+    structural_tag: str | dict[str, Any] | None = None  # vLLM's (router/structured.py)
 
     @field_validator("stop")
     @classmethod

@@ -7,7 +7,10 @@ Three spellings reach the same ``StructuredOutput`` (``common/structured_output.
   "schema": {...}}}``;
 - vLLM's ``structured_outputs`` object: one of ``json``, ``regex``, ``choice``,
   ``grammar`` or ``json_object: true``;
-- vLLM's older ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``.
+- vLLM's older ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``;
+- vLLM's structural tag (``response_format`` type ``structural_tag``,
+  ``structured_outputs.structural_tag`` or the top-level ``structural_tag``): free text in
+  which each tagged segment, once a trigger starts it, must match its schema.
 
 At most one constraint per request (vLLM's rule). The constraint is compiled here once,
 against the checkpoint's tokenizer and up to its first mask as a worker would, so a bad
@@ -16,10 +19,17 @@ schema, regex or grammar is a 400 naming its field, not a worker error.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
-from common.structured_output import GrammarCompiler, StructuredOutput, StructuredOutputError
+from common.structured_output import (
+    JSON_OPTIONS,
+    GrammarCompiler,
+    StructuredOutput,
+    StructuredOutputError,
+    require_llguidance,
+)
 from router.protocol import FieldError
 
 ANY_JSON_OBJECT = '{"type": "object"}'
@@ -59,10 +69,65 @@ def _from_response_format(value: dict[str, Any]) -> StructuredOutput | None:
             )
         schema = _json_text(spec["schema"], "response_format.json_schema.schema")
         return StructuredOutput("json", schema)
+    if kind == "structural_tag":
+        return _structural_tag(value, "response_format")
     raise FieldError(
-        f"response_format type {kind!r} is not supported (text, json_object or json_schema)",
+        f"response_format type {kind!r} is not supported (text, json_object, json_schema or "
+        "structural_tag)",
         "response_format",
     )
+
+
+def _structural_tag(value: Any, where: str) -> StructuredOutput:
+    """vLLM's structural tag in the form its llguidance backend serves: ``structures``
+    (each a ``begin``, a JSON ``schema`` and an ``end``) and ``triggers``. The text is
+    free until a trigger; a structure then runs from its ``begin`` (which starts with a
+    trigger) through JSON matching its schema to its ``end``, and free text goes on.
+    Given as an object or its JSON text; compiled as vLLM compiles it, into llguidance's
+    ``StructTag`` grammar. xgrammar's newer ``format`` form is refused by name."""
+    param = where.split(".")[0]
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as error:
+            message = f"{where} must be a structural tag (an object, or its JSON text); "
+            raise FieldError(message + f"the text given is not JSON: {error}", param) from error
+    if not isinstance(value, dict):
+        raise FieldError(f"{where} must be a structural tag object", param)
+    if "format" in value:
+        raise FieldError(f"{where}: the 'format' form of structural tags is not supported; "
+                         "give 'structures' and 'triggers'", param)  # fmt: skip
+    structures, triggers = value.get("structures"), value.get("triggers")
+    if (
+        not isinstance(triggers, list)
+        or not triggers
+        or not all(isinstance(t, str) and t for t in triggers)
+    ):
+        raise FieldError(f"{where}.triggers must be a non-empty list of non-empty strings", param)
+    if not isinstance(structures, list) or not structures:
+        raise FieldError(f"{where}.structures must be a non-empty list", param)
+    llguidance = require_llguidance()
+    tags = []
+    for index, structure in enumerate(structures):
+        at = f"{where}.structures[{index}]"
+        if not isinstance(structure, dict):
+            raise FieldError(f"{at} must be an object with begin, schema and end", param)
+        begin, schema, end = structure.get("begin"), structure.get("schema"), structure.get("end")
+        if not isinstance(begin, str) or not isinstance(end, str):
+            raise FieldError(f"{at}.begin and .end must be strings", param)
+        if isinstance(schema, str):  # JSON text (or, for llguidance, a Lark grammar)
+            with contextlib.suppress(ValueError):
+                schema = json.loads(schema)
+        if isinstance(schema, dict):  # JSON as every constraint writes it: no free spaces
+            schema = {"x-guidance": JSON_OPTIONS, **schema}
+        elif not isinstance(schema, str):
+            raise FieldError(f"{at}.schema must be a JSON schema", param)
+        started = [t for t in triggers if begin.startswith(t)]
+        if not started:
+            raise FieldError(f"{at}.begin must start with one of the triggers", param)
+        tags += [llguidance.StructTag(trigger=t, begin=begin, grammar=schema, end=end)
+                 for t in started]  # fmt: skip
+    return StructuredOutput("grammar", llguidance.StructTag.to_grammar(tags))
 
 
 def _from_structured_outputs(value: dict[str, Any]) -> StructuredOutput | None:
@@ -83,11 +148,13 @@ def _from_structured_outputs(value: dict[str, Any]) -> StructuredOutput | None:
             found.append(StructuredOutput(key, item))
         elif key == "choice":
             found.append(_choice(item, f"{param}.choice"))
+        elif key == "structural_tag":
+            found.append(_structural_tag(item, f"{param}.structural_tag"))
         else:
             raise FieldError(f"{param}.{key} is not supported by this server", param)
     if len(found) > 1:
         raise FieldError(f"{param} may hold only one of json, regex, choice, grammar, "
-                         "json_object", param)  # fmt: skip
+                         "json_object, structural_tag", param)  # fmt: skip
     return found[0] if found else None
 
 
@@ -120,6 +187,8 @@ def structured_output_of(body: Any) -> tuple[str, StructuredOutput] | None:
             found.append((name, StructuredOutput(kind, value)))
     if body.guided_choice is not None:
         found.append(("guided_choice", _choice(body.guided_choice, "guided_choice")))
+    if body.structural_tag is not None:
+        found.append(("structural_tag", _structural_tag(body.structural_tag, "structural_tag")))
     if len(found) > 1:
         names = ", ".join(name for name, _ in found)
         raise FieldError(f"only one structured output constraint may be given; got {names}",

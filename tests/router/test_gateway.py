@@ -436,6 +436,19 @@ def test_structured_outputs_cross_the_disaggregated_path(client, tiny_llama):
     again = client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=8,
                                       extra_body={"guided_choice": ["x"]})  # fmt: skip
     assert again.choices[0].text == "x"
+    # vLLM's structural tag: once the model writes the trigger (pushed to here by a logit
+    # bias on that special token), the tagged segment is the schema's JSON, then its end.
+    start = Tokenizer(tiny_llama).token_id("<|im_start|>")
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"],
+              "additionalProperties": False}  # fmt: skip
+    tag = {"structures": [{"begin": "<|im_start|>call", "schema": schema, "end": "</call>"}],
+           "triggers": ["<|im_start|>"]}  # fmt: skip
+    tagged = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, temperature=0,
+        extra_body={"structural_tag": tag, "logit_bias": {str(start): 100},
+                    "skip_special_tokens": False},
+    ).choices[0].message.content  # fmt: skip
+    assert re.match(r'<\|im_start\|>call\{\s*"a"\s*:\s*"[xy]"\s*\}</call>', tagged), tagged
 
 
 WEATHER = {"type": "function", "function": {

@@ -43,7 +43,6 @@ def test_null_means_the_default():
     ("field", "value"),
     [
         ("guided_whitespace_pattern", r"\s*"),
-        ("structural_tag", "{}"),
         ("prompt_logprobs", -1),  # vLLM's whole vocabulary
         ("truncate_prompt_tokens", 0),
         ("truncate_prompt_tokens", -2),

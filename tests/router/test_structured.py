@@ -9,10 +9,14 @@ import json
 import pytest
 
 from common.structured_output import GrammarCompiler, StructuredOutput
+from common.tokenizer import Tokenizer
 from router.protocol import ChatCompletionRequest, CompletionRequest, FieldError
 from router.structured import ANY_JSON_OBJECT, check, structured_output_of
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+# vLLM's structural tag: free text, and a call to f wrapped in its tags matches SCHEMA.
+TAG = {"structures": [{"begin": "<function=f>", "schema": SCHEMA, "end": "</function>"}],
+       "triggers": ["<function="]}  # fmt: skip
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
@@ -76,8 +80,18 @@ def test_every_spelling_gives_the_same_constraint(chat):
         ({"response_format": {"type": "yaml"}}, "response_format", "not supported"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
          "only one"),
-        ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs",
-         "not supported"),
+        ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs", "not JSON"),
+        ({"structured_outputs": {"nope": "x"}}, "structured_outputs", "not supported"),
+        ({"structural_tag": {"format": {"type": "triggered_tags"}}}, "structural_tag",
+         "'format' form"),
+        ({"structural_tag": {**TAG, "triggers": ["<tool"]}}, "structural_tag",
+         r"structures\[0\].begin must start with one of the triggers"),
+        ({"structural_tag": {**TAG, "structures": []}}, "structural_tag", "non-empty list"),
+        ({"response_format": {**TAG, "type": "structural_tag", "triggers": []}},
+         "response_format", "triggers must be"),
+        ({"structural_tag": {**TAG, "structures": [{"begin": "<function=f>", "end": "",
+                                                     "schema": {"type": "nonsense"}}]}},
+         "structural_tag", "invalid"),
         ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex",
          "only one"),
     ],
@@ -86,6 +100,33 @@ def test_bad_or_conflicting_constraints_name_their_field(compiler, fields, param
     with pytest.raises(FieldError, match=match) as info:
         _checked(compiler, **fields)
     assert info.value.param == param
+
+
+def test_a_structural_tag_leaves_text_free_and_holds_the_tagged_call_to_its_schema(
+    compiler, tiny_llama
+):
+    """Each spelling of vLLM's structural tag is one grammar (llguidance's StructTag, as
+    vLLM builds it); fed token by token, text without the trigger and a call matching the
+    schema pass (JSON without free spaces, as every constraint here writes it), a call
+    that does not is cut where it goes wrong."""
+    spellings = [
+        {"response_format": {"type": "structural_tag", **TAG}},
+        {"structured_outputs": {"structural_tag": json.dumps(TAG)}},
+        {"structural_tag": json.dumps(TAG)},
+        {"structural_tag": TAG},
+    ]
+    (structured,) = {_of(chat=True, **fields) for fields in spellings}
+    assert structured.kind == "grammar" and "<function=" in structured.spec
+    tokenizer = Tokenizer(tiny_llama)
+
+    def consumed(text: str) -> float:
+        token_ids = tokenizer.encode(text, add_special_tokens=False)
+        return compiler.matcher(structured).try_consume_tokens(token_ids) / len(token_ids)
+
+    assert consumed("Sure, no call needed.") == 1.0
+    assert consumed('Calling: <function=f>{"a":12}</function> and done.') == 1.0
+    assert consumed('Calling: <function=f>{"b":12}</function>') < 1.0
+    assert consumed('Calling: <function=f>{"a": 12}</function>') < 1.0  # no free spaces
 
 
 def test_what_only_the_tokenizer_shows_is_refused_too(compiler):
