@@ -569,6 +569,8 @@ class TextOptions(_Body):
     verbosity: Literal["medium"] | None = None  # no way to ask a model for more or less
 
 
+# What a Responses ``include`` may ask for (``ResponsesRequest``).
+RESPONSES_INCLUDES = {"reasoning.encrypted_content", "message.output_text.logprobs"}
 # Responses fields refused unless absent (``ResponsesRequest``).
 _STATEFUL_OR_HOSTED = ("previous_response_id", "conversation", "background", "prompt",
                        "max_tool_calls")  # fmt: skip
@@ -579,13 +581,14 @@ class ResponsesRequest(_Body):
     request): what needs earlier turns kept by the server, background runs, stored
     prompt templates, and output or limits not served here are refused unless absent.
     ``include: ["reasoning.encrypted_content"]`` (what stateless clients send to get
-    reasoning back) is accepted: reasoning comes back as plain text anyway."""
+    reasoning back) is accepted: reasoning comes back as plain text anyway.
+    ``include: ["message.output_text.logprobs"]`` puts the reply's log-probs (with
+    ``top_logprobs`` alternatives each) on its output text."""
 
     REFUSED_EXTRAS: ClassVar = {
         **dict.fromkeys(_VLLM_OUTPUT_FIELDS, _absent),
         **dict.fromkeys(_STATEFUL_OR_HOSTED, _absent),
-        "include": lambda value: not value or set(value) <= {"reasoning.encrypted_content"},
-        "top_logprobs": lambda value: not value,  # absent, null or 0
+        "include": lambda value: not value or set(value) <= RESPONSES_INCLUDES,
         "service_tier": lambda value: value in (None, "auto", "default"),
     }
 
@@ -606,6 +609,8 @@ class ResponsesRequest(_Body):
     text: TextOptions | None = None
     # "auto": a conversation past the context loses its oldest turns until it fits.
     truncation: Literal["auto", "disabled"] = "disabled"
+    include: list[str] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # Extensions (as in chat completions), passed on to the chat request, which checks them.
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     top_k: int | None = None

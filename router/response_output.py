@@ -75,7 +75,8 @@ class ResponseShape:
         if thinking:
             output.append(_reasoning_item(_new_id("rs"), thinking))
         if message.get("content"):
-            output.append(_message_item(_new_id("msg"), message["content"], "completed"))
+            output.append(_message_item(_new_id("msg"), message["content"], "completed",
+                                        _logprobs(choice)))  # fmt: skip
         for call in message.get("tool_calls") or ():
             function = call["function"]
             output.append(_call_item(_new_id("fc"), call["id"], function["name"],
@@ -113,8 +114,8 @@ def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
             "content": [{"type": "reasoning_text", "text": text}]}  # fmt: skip
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def _part(key: str, text: str) -> dict[str, Any]:
@@ -122,8 +123,15 @@ def _part(key: str, text: str) -> dict[str, Any]:
     return {"type": "reasoning_text", "text": text} if key == "reasoning" else _text_part(text)
 
 
-def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
-    content = [] if text is None else [_text_part(text)]
+def _logprobs(choice: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat choice's (or chunk's) token log-probs: Responses' entries have chat's shape
+    (token, logprob, bytes, top_logprobs)."""
+    return (choice.get("logprobs") or {}).get("content") or []
+
+
+def _message_item(item_id: str, text: str | None, status: str,
+                  logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:  # fmt: skip
+    content = [] if text is None else [_text_part(text, logprobs)]
     return {"type": "message", "id": item_id, "role": "assistant", "status": status,
             "content": content}  # fmt: skip
 
@@ -147,6 +155,9 @@ class ResponseStream:
         self._open: dict[str, Any] | None = None  # the item being streamed
         self._open_key: object = None  # "reasoning", "message" or ("call", chat index)
         self._finish_reason: str | None = None
+        # Every token's log-probs so far (asked for with include): a delta carries its
+        # chunk's, the finished text all of them, as a whole reply's text does.
+        self._logprobs: list[dict[str, Any]] = []
 
     def start(self) -> Iterator[dict[str, Any]]:
         response = self.shape.envelope("in_progress", [])
@@ -167,10 +178,12 @@ class ResponseStream:
             return
         for choice in chunk.get("choices", ()):
             delta = choice.get("delta") or {}
+            logprobs = _logprobs(choice)
+            self._logprobs += logprobs
             if delta.get("reasoning_content"):
                 yield from self._text_delta("reasoning", delta["reasoning_content"])
             if delta.get("content"):
-                yield from self._text_delta("message", delta["content"])
+                yield from self._text_delta("message", delta["content"], logprobs)
             for call in delta.get("tool_calls") or ():
                 yield from self._call_delta(call)
             if choice.get("finish_reason") is not None:
@@ -184,7 +197,9 @@ class ResponseStream:
             kind = "response.completed" if status == "completed" else "response.incomplete"
             yield self._event(kind, response=response)
 
-    def _text_delta(self, key: str, text: str) -> Iterator[dict[str, Any]]:
+    def _text_delta(
+        self, key: str, text: str, logprobs: list[dict[str, Any]] | None = None
+    ) -> Iterator[dict[str, Any]]:
         if self._open_key != key:
             yield from self._close("completed")
             yield from self._open_text(key)
@@ -192,7 +207,7 @@ class ResponseStream:
         self._open["_text"] += text
         kind = "response.reasoning_text.delta" if key == "reasoning" else (
             "response.output_text.delta")  # fmt: skip
-        extra = {} if key == "reasoning" else {"logprobs": []}
+        extra = {} if key == "reasoning" else {"logprobs": logprobs or []}
         yield self._event(kind, item_id=self._open["id"], output_index=len(self.output),
                           content_index=0, delta=text, **extra)  # fmt: skip
 
@@ -242,9 +257,12 @@ class ResponseStream:
                 yield self._event("response.reasoning_text.done", **where, text=text)
                 done = _reasoning_item(item["id"], text)
             else:
-                yield self._event("response.output_text.done", **where, text=text, logprobs=[])
-                done = _message_item(item["id"], text, status)
-            yield self._event("response.content_part.done", **where, part=_part(key, text))
+                logprobs = list(self._logprobs)
+                yield self._event("response.output_text.done", **where, text=text,
+                                  logprobs=logprobs)  # fmt: skip
+                done = _message_item(item["id"], text, status, logprobs)
+            (part,) = done["content"]
+            yield self._event("response.content_part.done", **where, part=part)
         else:
             yield self._event("response.function_call_arguments.done", item_id=item["id"],
                               output_index=index, name=item["name"], arguments=text)  # fmt: skip

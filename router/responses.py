@@ -64,6 +64,8 @@ def chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
     }
     if body.stream:
         chat["stream_options"] = {"include_usage": True}
+    if "message.output_text.logprobs" in (body.include or ()):
+        chat["logprobs"], chat["top_logprobs"] = True, body.top_logprobs or 0
     if body.tools:
         chat["tools"] = [_chat_tool(tool) for tool in body.tools]
     if body.tool_choice is not None:

@@ -649,6 +649,20 @@ def test_responses_api_equals_chat_whole_and_streamed(client):
     assert [event.sequence_number for event in events] == list(range(len(events)))
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
     assert "".join(deltas) == expected == events[-1].response.output_text
+    # Log-probs when include asks (with top_logprobs alternatives): chat's, whole and
+    # streamed (the deltas' add up to the finished text's).
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
+                                          temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    expected_logprobs = [(t.token, t.logprob, len(t.top_logprobs))
+                         for t in chat.choices[0].logprobs.content]  # fmt: skip
+    with_logprobs = {**ask, "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    (part,) = client.responses.create(**with_logprobs).output[0].content
+    assert [(t.token, t.logprob, len(t.top_logprobs)) for t in part.logprobs] == expected_logprobs
+    events = list(client.responses.create(**with_logprobs, stream=True))
+    streamed = [t for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in done.logprobs]
+    assert [(t.token, t.logprob, len(t.top_logprobs)) for t in done.logprobs] == expected_logprobs
     schema = {"type": "json_schema", "name": "n", "strict": True, "schema": {
         "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
         "required": ["n"], "additionalProperties": False}}  # fmt: skip

@@ -257,6 +257,8 @@ def test_what_stateless_clients_send_is_accepted_and_extensions_reach_chat():
     assert chat.chat_template_kwargs == {"enable_thinking": False}
     assert (chat.include_reasoning, chat.min_tokens, chat.stop) == (False, 3, ["x"])
     assert chat.repetition_penalty == 1.2
-    for refused_body in ({"include": ["message.output_text.logprobs"]}, {"top_logprobs": 2}):
-        with pytest.raises(ValueError, match="not supported"):
-            ResponsesRequest.model_validate({"input": "hi", **refused_body})
+    assert not chat.logprobs  # not asked for: top_logprobs alone shows none (OpenAI's)
+    with pytest.raises(ValueError, match="not supported"):
+        ResponsesRequest.model_validate({"input": "hi", "include": ["file_search_call.results"]})
+    asked = chat_of(input="hi", include=["message.output_text.logprobs"], top_logprobs=2)
+    assert (asked.logprobs, asked.top_logprobs) == (True, 2)
