@@ -156,7 +156,8 @@ class ResponseStream:
         self._open_key: object = None  # "reasoning", "message" or ("call", chat index)
         self._finish_reason: str | None = None
         # Every token's log-probs so far (asked for with include): a delta carries its
-        # chunk's, the finished text all of them, as a whole reply's text does.
+        # chunk's, the finished text all up to then (all of them, as a whole reply's
+        # text, unless calls follow it).
         self._logprobs: list[dict[str, Any]] = []
 
     def start(self) -> Iterator[dict[str, Any]]:
