@@ -5,7 +5,8 @@ The resolved config (file + ``--set`` overrides) is written once and handed to e
 so all processes agree on ports, model and connector. Workers log to
 ``$PDSERVE_HOME/logs/<router port>/`` (two stacks on one host differ in that port, so
 neither writes over the other's logs); the launcher prints the URL once the router answers
-/health.
+/health. The resolved config lies beside the logs as ``config-<launcher pid>.yaml``,
+removed at the stop; one a killed launcher left behind is removed by the next start.
 
 A worker or the router that fails (exits non-zero, or is killed) is started again after
 a backoff of 1 s, doubling to 30 s while it keeps failing soon after starting, as
@@ -20,7 +21,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -75,9 +75,9 @@ class Stack:
         self.children: list[tuple[str, subprocess.Popen]] = []
         self._restarts: dict[str, _Restarts] = {}
         self.stop_signal = 0  # set by SIGINT/SIGTERM (see ``handle_signals``)
-        handle, path = tempfile.mkstemp(prefix="pdserve-", suffix=".yaml")
-        os.close(handle)
-        self.config_path = Path(path)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        _remove_stale_configs(log_dir)
+        self.config_path = log_dir / f"config-{os.getpid()}.yaml"
         self.config_path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
 
     def handle_signals(self) -> None:
@@ -220,6 +220,24 @@ class Stack:
             grace_s = self.config.role(Role(role)).drain_grace_s if role != "router" else 0.0
             _wait(proc, grace_s + _SHUTDOWN_S)
         self.config_path.unlink(missing_ok=True)
+
+
+def _remove_stale_configs(log_dir: Path) -> None:
+    """The configs of launchers that are gone (killed: they could not remove their own)."""
+    for path in log_dir.glob("config-*.yaml"):
+        pid = path.stem.removeprefix("config-")
+        if pid.isdigit() and not _alive(int(pid)):
+            path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def _wait(proc: subprocess.Popen, grace_s: float) -> None:

@@ -11,7 +11,9 @@ import signal
 import subprocess
 import sys
 
+from common.config_loader import load_config
 from common.registry import RedisRegistry
+from deploy.up import Stack
 from tests.common.redis_server import redis_server
 from tests.deploy.load import MODEL, StreamingLoad, wait_busy, wait_serving_requests
 from tests.support.polling import eventually
@@ -176,6 +178,14 @@ def test_a_killed_launcher_takes_its_children_down(tiny_llama, tmp_path):
     stack.proc.kill()
     stack.proc.wait()
     assert wait_for(lambda: not any(map(_running, children)), 60), stack.log()
+    # The resolved config it gave its children stays (nothing ran to remove it); the
+    # next launcher on this home and port removes it.
+    log_dir = tmp_path / "home" / "logs" / str(stack.config["router"]["port"])
+    left = log_dir / f"config-{stack.proc.pid}.yaml"
+    assert left.exists()
+    fresh = Stack(load_config(str(config)), log_dir)
+    assert not left.exists() and fresh.config_path.exists()
+    fresh.config_path.unlink()
 
 
 def _running(pid: int) -> bool:
