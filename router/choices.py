@@ -9,6 +9,7 @@ sequence (which aborts it on the decode worker).
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -119,7 +120,13 @@ def build_choices(
             params.CopyFrom(sampling)
             if not params.HasField("max_tokens"):
                 params.max_tokens = room
-            if params.HasField("seed") and sample:
+            if not params.HasField("seed"):
+                # Unseeded: a random seed of the router's. The workers' engines seed their
+                # own draws alike (engine.seed), so choices placed on two workers would
+                # sample the same; and so the prefill worker's first token, the decode
+                # worker's rest and a migration's are one seeded sequence.
+                params.seed = secrets.randbits(63)
+            elif sample:
                 # n seeded samples differ, reproducibly; wrapped to stay an int64
                 params.seed = (params.seed + sample + 2**63) % 2**64 - 2**63
             index = prompt_index * n + sample

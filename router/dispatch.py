@@ -417,8 +417,9 @@ class Dispatcher:
         their KV and goes on, at most ``router.max_decode_migrations`` times. A move is
         charged when its worker is picked (a worker that crashes while recomputing counts)
         and refunded when that worker refused the call outright (draining: it never held
-        the sequence). Greedy and seeded sequences continue exactly as if nothing had
-        failed, in float32 (seeded draws are keyed by output position)."""
+        the sequence). Sequences continue exactly as if nothing had failed, in float32:
+        greedy ones, and sampled ones, which the router always seeds (seeded draws are
+        keyed by output position)."""
         generated = [first.first_token_id] if first is not None else []  # the client has them
         kv = first.kv if first is not None else None
         cached_tokens = first.num_cached_tokens if first is not None else None

@@ -950,6 +950,22 @@ def test_seeds_and_n(client):
     assert len(two) == 2 and two[0] == sample(7)[0] and two[0] != two[1]
 
 
+def test_unseeded_samples_are_independent_across_workers(client):
+    """Unseeded choices of one request run on different prefill workers (a prompt shorter
+    than a block pulls no choice to a cache), whose engines would draw from identical
+    generators (each seeds its own from engine.seed): choices came in pairs with the same
+    first token. The router seeds each unseeded sequence itself, so they differ."""
+    ask = dict(model=MODEL, prompt="hello", max_tokens=3, n=4, temperature=1.0,
+               extra_body={"return_token_ids": True, "ignore_eos": True})  # fmt: skip
+    runs = []
+    for _ in range(3):
+        choices = sorted(client.completions.create(**ask).choices, key=lambda c: c.index)
+        runs.append([tuple(c.model_extra["token_ids"]) for c in choices])
+        assert len(set(runs[-1])) == 4
+    paired = [run[0][0] == run[1][0] and run[2][0] == run[3][0] for run in runs]
+    assert not all(paired), runs  # (each pair matches by chance with p ~ 1/vocab)
+
+
 def test_n_choices_pull_their_shared_prompt_once(stack, client, tiny_llama):
     """The choices of ``n > 1`` share one prompt: the decode worker pulls its full blocks
     once (the others wait for that pull and reuse the blocks) and each choice's partial
