@@ -5,8 +5,9 @@ The resolved config (file + ``--set`` overrides) is written once and handed to e
 so all processes agree on ports, model and connector. Workers log to
 ``$PDSERVE_HOME/logs/<router port>/`` (two stacks on one host differ in that port, so
 neither writes over the other's logs); the launcher prints the URL once the router answers
-/health. The resolved config lies beside the logs as ``config-<launcher pid>.yaml``,
-removed at the stop; one a killed launcher left behind is removed by the next start.
+/health. The resolved config lies beside the logs (``config-<host>-<launcher pid>.yaml``,
+written again if the directory goes), removed at the stop; one a killed launcher left
+behind is removed by the next start on the host.
 
 A worker or the router that fails (exits non-zero, or is killed) is started again after
 a backoff of 1 s, doubling to 30 s while it keeps failing soon after starting, as
@@ -17,8 +18,10 @@ restarted; a router that does ends the stack.
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -77,8 +80,11 @@ class Stack:
         self.stop_signal = 0  # set by SIGINT/SIGTERM (see ``handle_signals``)
         log_dir.mkdir(parents=True, exist_ok=True)
         _remove_stale_configs(log_dir)
-        self.config_path = log_dir / f"config-{os.getpid()}.yaml"
-        self.config_path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+        self.config_path = log_dir / f"config-{_launcher_id()}.yaml"
+        self._write_config()
+
+    def _write_config(self) -> None:
+        self.config_path.write_text(yaml.safe_dump(to_dict(self.config), sort_keys=False))
 
     def handle_signals(self) -> None:
         """From now on SIGINT/SIGTERM stop the stack: while it waits, and while it starts
@@ -94,6 +100,8 @@ class Stack:
         self, name: str, args: list[str], env: dict[str, str] | None = None
     ) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if not self.config_path.exists():  # the log directory was removed meanwhile
+            self._write_config()
         command = [sys.executable, "-m", "deploy.cli", "--log-level", "INFO", *args,
                    "--config", str(self.config_path)]  # fmt: skip
         with open(self.log_dir / f"{name}.log", "ab") as log:  # the child keeps its own copy
@@ -222,10 +230,18 @@ class Stack:
         self.config_path.unlink(missing_ok=True)
 
 
+def _launcher_id() -> str:
+    """This launcher, among those that may share a home (containers on one volume each
+    see their own pids: the host name tells them apart)."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
 def _remove_stale_configs(log_dir: Path) -> None:
-    """The configs of launchers that are gone (killed: they could not remove their own)."""
-    for path in log_dir.glob("config-*.yaml"):
-        pid = path.stem.removeprefix("config-")
+    """The configs of this host's launchers that are gone (killed: they could not remove
+    their own). Another host's are its own to remove."""
+    host = socket.gethostname()
+    for path in log_dir.glob(f"config-{glob.escape(host)}-*.yaml"):
+        pid = path.stem.removeprefix(f"config-{host}-")
         if pid.isdigit() and not _alive(int(pid)):
             path.unlink(missing_ok=True)
 

@@ -571,9 +571,10 @@ class TextOptions(_Body):
 
 # What a Responses ``include`` may ask for (``ResponsesRequest``).
 RESPONSES_INCLUDES = {"reasoning.encrypted_content", "message.output_text.logprobs"}
-# Responses fields refused unless absent (``ResponsesRequest``).
+# Responses fields refused unless absent (``ResponsesRequest``); vLLM's structural_tag
+# too, which its chat request does not pass on.
 _STATEFUL_OR_HOSTED = ("previous_response_id", "conversation", "background", "prompt",
-                       "max_tool_calls")  # fmt: skip
+                       "max_tool_calls", "structural_tag")  # fmt: skip
 
 
 class ResponsesRequest(_Body):

@@ -155,10 +155,12 @@ class ResponseStream:
         self._open: dict[str, Any] | None = None  # the item being streamed
         self._open_key: object = None  # "reasoning", "message" or ("call", chat index)
         self._finish_reason: str | None = None
-        # Every token's log-probs so far (asked for with include): a delta carries its
-        # chunk's, the finished text all up to then (all of them, as a whole reply's
-        # text, unless calls follow it).
+        # Token log-probs (asked for with include). A text delta carries every one not
+        # sent yet (its chunk's, and those of chunks that showed no text: thinking, or
+        # text held back), so the deltas add up to the finished text's: all the reply's
+        # tokens up to it (all of them, as a whole reply's text, unless calls follow).
         self._logprobs: list[dict[str, Any]] = []
+        self._unsent: list[dict[str, Any]] = []
 
     def start(self) -> Iterator[dict[str, Any]]:
         response = self.shape.envelope("in_progress", [])
@@ -179,11 +181,12 @@ class ResponseStream:
             return
         for choice in chunk.get("choices", ()):
             delta = choice.get("delta") or {}
-            logprobs = _logprobs(choice)
-            self._logprobs += logprobs
+            self._unsent += _logprobs(choice)
             if delta.get("reasoning_content"):
                 yield from self._text_delta("reasoning", delta["reasoning_content"])
             if delta.get("content"):
+                logprobs, self._unsent = self._unsent, []
+                self._logprobs += logprobs
                 yield from self._text_delta("message", delta["content"], logprobs)
             for call in delta.get("tool_calls") or ():
                 yield from self._call_delta(call)
@@ -258,6 +261,11 @@ class ResponseStream:
                 yield self._event("response.reasoning_text.done", **where, text=text)
                 done = _reasoning_item(item["id"], text)
             else:
+                if self._unsent:  # tokens after the last text (the EOS): one more delta
+                    logprobs, self._unsent = self._unsent, []
+                    self._logprobs += logprobs
+                    yield self._event("response.output_text.delta", **where, delta="",
+                                      logprobs=logprobs)  # fmt: skip
                 logprobs = list(self._logprobs)
                 yield self._event("response.output_text.done", **where, text=text,
                                   logprobs=logprobs)  # fmt: skip

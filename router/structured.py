@@ -115,13 +115,15 @@ def _structural_tag(value: Any, where: str) -> StructuredOutput:
         begin, schema, end = structure.get("begin"), structure.get("schema"), structure.get("end")
         if not isinstance(begin, str) or not isinstance(end, str):
             raise FieldError(f"{at}.begin and .end must be strings", param)
-        if isinstance(schema, str):  # JSON text (or, for llguidance, a Lark grammar)
+        if isinstance(schema, str):  # its JSON text
             with contextlib.suppress(ValueError):
                 schema = json.loads(schema)
-        if isinstance(schema, dict):  # JSON as every constraint writes it: no free spaces
-            schema = {"x-guidance": JSON_OPTIONS, **schema}
-        elif not isinstance(schema, str):
-            raise FieldError(f"{at}.schema must be a JSON schema", param)
+        if schema is True:  # JSON Schema's "anything"
+            schema = {}
+        if not isinstance(schema, dict):
+            raise FieldError(f"{at}.schema must be a JSON schema (an object, or its JSON "
+                             "text)", param)  # fmt: skip
+        schema = {"x-guidance": JSON_OPTIONS, **schema}  # JSON as every constraint writes it
         started = [t for t in triggers if begin.startswith(t)]
         if not started:
             raise FieldError(f"{at}.begin must start with one of the triggers", param)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 
@@ -181,10 +183,16 @@ def test_a_killed_launcher_takes_its_children_down(tiny_llama, tmp_path):
     # The resolved config it gave its children stays (nothing ran to remove it); the
     # next launcher on this home and port removes it.
     log_dir = tmp_path / "home" / "logs" / str(stack.config["router"]["port"])
-    left = log_dir / f"config-{stack.proc.pid}.yaml"
+    left = log_dir / f"config-{socket.gethostname()}-{stack.proc.pid}.yaml"
     assert left.exists()
     fresh = Stack(load_config(str(config)), log_dir)
     assert not left.exists() and fresh.config_path.exists()
+    # A log directory removed while the launcher runs: a restart writes the config again.
+    shutil.rmtree(log_dir)
+    proc = fresh._spawn("decode-0", ["decode", "--index", "0"])
+    proc.terminate()
+    proc.wait(60)
+    assert fresh.config_path.exists()
     fresh.config_path.unlink()
 
 

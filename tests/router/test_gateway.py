@@ -650,12 +650,17 @@ def test_responses_api_equals_chat_whole_and_streamed(client):
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
     assert "".join(deltas) == expected == events[-1].response.output_text
     # Log-probs when include asks (with top_logprobs alternatives): chat's, whole and
-    # streamed (the deltas' add up to the finished text's).
-    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10,
-                                          temperature=0, logprobs=True, top_logprobs=2)  # fmt: skip
+    # streamed (the deltas' add up to the finished text's), also where a stream holds text
+    # back (a character split over byte tokens: sampled, 30 tokens of random weights).
+    sampled = {"temperature": 1.0, "max_tokens": 30, "extra_body": {"seed": 3}}
+    chat = client.chat.completions.create(model=MODEL, messages=messages, logprobs=True,
+                                          top_logprobs=2, **sampled)  # fmt: skip
     expected_logprobs = [(t.token, t.logprob, len(t.top_logprobs))
                          for t in chat.choices[0].logprobs.content]  # fmt: skip
-    with_logprobs = {**ask, "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    assert len(expected_logprobs) == 30
+    with_logprobs = {**ask, "include": ["message.output_text.logprobs"], "top_logprobs": 2,
+                     "temperature": 1.0, "max_output_tokens": 30,
+                     "extra_body": {"seed": 3}}  # fmt: skip
     (part,) = client.responses.create(**with_logprobs).output[0].content
     assert [(t.token, t.logprob, len(t.top_logprobs)) for t in part.logprobs] == expected_logprobs
     events = list(client.responses.create(**with_logprobs, stream=True))

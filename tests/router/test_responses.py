@@ -258,7 +258,8 @@ def test_what_stateless_clients_send_is_accepted_and_extensions_reach_chat():
     assert (chat.include_reasoning, chat.min_tokens, chat.stop) == (False, 3, ["x"])
     assert chat.repetition_penalty == 1.2
     assert not chat.logprobs  # not asked for: top_logprobs alone shows none (OpenAI's)
-    with pytest.raises(ValueError, match="not supported"):
-        ResponsesRequest.model_validate({"input": "hi", "include": ["file_search_call.results"]})
+    for refused_body in ({"include": ["file_search_call.results"]}, {"structural_tag": "{}"}):
+        with pytest.raises(ValueError, match="not supported"):  # (not passed on to chat)
+            ResponsesRequest.model_validate({"input": "hi", **refused_body})
     asked = chat_of(input="hi", include=["message.output_text.logprobs"], top_logprobs=2)
     assert (asked.logprobs, asked.top_logprobs) == (True, 2)

@@ -92,6 +92,9 @@ def test_every_spelling_gives_the_same_constraint(chat):
         ({"structural_tag": {**TAG, "structures": [{"begin": "<function=f>", "end": "",
                                                      "schema": {"type": "nonsense"}}]}},
          "structural_tag", "invalid"),
+        ({"structural_tag": {**TAG, "structures": [{"begin": "<function=f>", "end": "",
+                                                     "schema": 'start: "a"'}]}},
+         "structural_tag", "must be a JSON schema"),
         ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex",
          "only one"),
     ],
@@ -116,6 +119,8 @@ def test_a_structural_tag_leaves_text_free_and_holds_the_tagged_call_to_its_sche
         {"structural_tag": TAG},
     ]
     (structured,) = {_of(chat=True, **fields) for fields in spellings}
+    anything = {**TAG, "structures": [{**TAG["structures"][0], "schema": True}]}
+    check(compiler, "structural_tag", _of(structural_tag=anything))  # JSON Schema's true
     assert structured.kind == "grammar" and "<function=" in structured.spec
     tokenizer = Tokenizer(tiny_llama)
 
