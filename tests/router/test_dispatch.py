@@ -426,8 +426,12 @@ def test_prefills_wait_in_line_while_their_decode_worker_is_full(tmp_path, limit
             decode.finish.release()
             await settle(first_wave + 1)
             assert prefill.num_calls == first_wave + 1
-            for _ in range(5):
+            for _ in range(5):  # one at a time: prefills let go together may race
+                before = len(decode.requests)
                 decode.finish.release()
+                deadline = time.monotonic() + 10
+                while before == len(decode.requests) < 6 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
             await asyncio.gather(*burst)
             (state,) = pool.candidates(Role.DECODE)
             ahead = state.ahead
