@@ -22,6 +22,7 @@ from common.tokenizer import Tokenizer
 from engine import LLM, SamplingParams
 from router.state import bad_words_token_ids
 from tests.engine.helpers import random_prompts
+from tests.support.polling import eventually
 from tests.support.processes import write_config
 from tests.support.stack import get_json, metric, serving, worker_stats
 
@@ -831,10 +832,8 @@ def test_token_counters_move_as_tokens_stream_and_an_abandoned_stream_counts(sta
         assert prompt_now - prompt_before == len(prompt)
         assert generated_now - generated_before >= received
         assert aborted_now == aborted_before  # still running
-    deadline = time.monotonic() + 5
-    while counters()[2] == aborted_before:
-        assert time.monotonic() < deadline, "the abandoned stream was never counted"
-        time.sleep(0.05)
+    counted = eventually(lambda: counters()[2] != aborted_before, timeout_s=5)
+    assert counted, "the abandoned stream was never counted"
     assert counters()[0] - prompt_before == len(prompt)
 
 
