@@ -185,9 +185,7 @@ class ResponseStream:
             if delta.get("reasoning_content"):
                 yield from self._text_delta("reasoning", delta["reasoning_content"])
             if delta.get("content"):
-                logprobs, self._unsent = self._unsent, []
-                self._logprobs += logprobs
-                yield from self._text_delta("message", delta["content"], logprobs)
+                yield from self._text_delta("message", delta["content"], self._send_unsent())
             for call in delta.get("tool_calls") or ():
                 yield from self._call_delta(call)
             if choice.get("finish_reason") is not None:
@@ -200,6 +198,12 @@ class ResponseStream:
             response = self.shape.envelope(status, self.output, _usage(chunk["usage"]))
             kind = "response.completed" if status == "completed" else "response.incomplete"
             yield self._event(kind, response=response)
+
+    def _send_unsent(self) -> list[dict[str, Any]]:
+        """The log-probs not sent yet, for a text delta; from now on the text's."""
+        logprobs, self._unsent = self._unsent, []
+        self._logprobs += logprobs
+        return logprobs
 
     def _text_delta(
         self, key: str, text: str, logprobs: list[dict[str, Any]] | None = None
@@ -262,10 +266,8 @@ class ResponseStream:
                 done = _reasoning_item(item["id"], text)
             else:
                 if self._unsent:  # tokens after the last text (the EOS): one more delta
-                    logprobs, self._unsent = self._unsent, []
-                    self._logprobs += logprobs
                     yield self._event("response.output_text.delta", **where, delta="",
-                                      logprobs=logprobs)  # fmt: skip
+                                      logprobs=self._send_unsent())  # fmt: skip
                 logprobs = list(self._logprobs)
                 yield self._event("response.output_text.done", **where, text=text,
                                   logprobs=logprobs)  # fmt: skip
