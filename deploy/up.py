@@ -18,10 +18,8 @@ restarted; a router that does ends the stack.
 
 from __future__ import annotations
 
-import glob
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +32,7 @@ import yaml
 from common.config import ConfigError, PdserveConfig, Role
 from common.config_loader import to_dict
 from common.model_info import cache_dir, made_model_dir
+from common.owned_paths import owner_tag, remove_dead_owners
 from deploy.gpus import gpus_needed, visible_gpus, worker_gpus
 from deploy.health_cmd import check_grpc, check_http
 
@@ -79,8 +78,9 @@ class Stack:
         self._restarts: dict[str, _Restarts] = {}
         self.stop_signal = 0  # set by SIGINT/SIGTERM (see ``handle_signals``)
         log_dir.mkdir(parents=True, exist_ok=True)
-        _remove_stale_configs(log_dir)
-        self.config_path = log_dir / f"config-{_launcher_id()}.yaml"
+        # Configs of this host's launchers that were killed (they could not remove their own).
+        remove_dead_owners(log_dir, "config-", ".yaml")
+        self.config_path = log_dir / f"config-{owner_tag()}.yaml"
         self._write_config()
 
     def _write_config(self) -> None:
@@ -228,32 +228,6 @@ class Stack:
             grace_s = self.config.role(Role(role)).drain_grace_s if role != "router" else 0.0
             _wait(proc, grace_s + _SHUTDOWN_S)
         self.config_path.unlink(missing_ok=True)
-
-
-def _launcher_id() -> str:
-    """This launcher, among those that may share a home (containers on one volume each
-    see their own pids: the host name tells them apart)."""
-    return f"{socket.gethostname()}-{os.getpid()}"
-
-
-def _remove_stale_configs(log_dir: Path) -> None:
-    """The configs of this host's launchers that are gone (killed: they could not remove
-    their own). Another host's are its own to remove."""
-    host = socket.gethostname()
-    for path in log_dir.glob(f"config-{glob.escape(host)}-*.yaml"):
-        pid = path.stem.removeprefix(f"config-{host}-")
-        if pid.isdigit() and not _alive(int(pid)):
-            path.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 def _wait(proc: subprocess.Popen, grace_s: float) -> None:

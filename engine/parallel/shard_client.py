@@ -38,6 +38,7 @@ import torch.distributed as dist
 import zmq
 
 from common.config import ConfigError, EngineConfig
+from common.owned_paths import owner_tag, remove_dead_owners
 from engine.models.arch import ModelArchConfig
 from engine.parallel.group import DistributedGroup
 from engine.parallel.launch import ShardExtensionSpec, ShardLaunch
@@ -99,7 +100,10 @@ class ShardClient:
         self._extension_replies: deque[Any] = deque()
         self._next_adapter_id = 0
         self._dropped: deque[int] = deque()  # adapter ids to drop (any thread appends)
-        self._dir = tempfile.mkdtemp(prefix="pdserve-tp-")  # mode 0700: ours alone
+        # Mode 0700: ours alone. Named by owner, so the next client on this host removes
+        # one a killed process left behind (its finalizer never ran).
+        remove_dead_owners(Path(tempfile.gettempdir()), "pdserve-tp-")
+        self._dir = tempfile.mkdtemp(prefix=f"pdserve-tp-{owner_tag()}-")
         self._context = zmq.Context()
         self._replies = self._context.socket(zmq.PULL)
         self._replies.bind(f"ipc://{self._dir}/replies")

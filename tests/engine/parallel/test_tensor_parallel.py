@@ -7,12 +7,16 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import socket
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from common.config import EngineConfig
+from common.owned_paths import remove_dead_owners
 from engine import LLM, LLMEngine, SamplingParams
 from engine.errors import InvalidRequestError
 from engine.models.arch import ModelLoadError
@@ -194,6 +198,7 @@ def test_shards_stop_with_their_engine_and_only_then(model_factory):
     model_dir = model_factory("llama")
     llm = LLM(model_dir, tensor_parallel_size=2, **POOL)
     (closed_pid,) = llm.engine.runner.shards.pids
+    socket_dir = Path(llm.engine.runner.shards._dir)
     for signum in (signal.SIGINT, signal.SIGTERM):
         os.kill(closed_pid, signum)
     time.sleep(0.3)
@@ -201,17 +206,18 @@ def test_shards_stop_with_their_engine_and_only_then(model_factory):
     assert _tokens(llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False))
     llm.close()
     llm.close()  # idempotent
-    assert not is_running(closed_pid)
+    assert not is_running(closed_pid) and not socket_dir.exists()
     with pytest.raises(ShardError, match="the engine is closed"):
         llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
     forgotten = LLM(model_dir, tensor_parallel_size=2, **POOL)  # never closed
     (pid,) = forgotten.engine.runner.shards.pids
+    socket_dir = Path(forgotten.engine.runner.shards._dir)
     del forgotten
     gc.collect()
     deadline = time.monotonic() + 10
     while is_running(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not is_running(pid)
+    assert not is_running(pid) and not socket_dir.exists()
 
 
 def test_a_step_rank_0_left_half_done_takes_the_group_out_of_service(model_factory):
@@ -286,6 +292,11 @@ def test_a_rank_outlives_no_parent_even_while_starting(model_factory, tmp_path):
     while is_running(shard) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not is_running(shard)
+    # Its socket directory, which a killed process cannot remove, goes with the next client.
+    tmp = Path(tempfile.gettempdir())
+    left = list(tmp.glob(f"pdserve-tp-{socket.gethostname()}-{parent.pid}-*"))
+    assert len(left) == 1, left
+    assert left[0] in remove_dead_owners(tmp, "pdserve-tp-")
 
 
 def test_a_model_that_does_not_split_is_refused_before_any_process_starts(model_factory):
