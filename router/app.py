@@ -40,6 +40,7 @@ from router.errors import (
 from router.formatting import SSE_DONE, Formatter, ToolFormat, sse
 from router.harmony import Harmony, call_constraint
 from router.harmony import opening_of as harmony_opening
+from router.media_type import JsonBodies
 from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -71,6 +72,24 @@ _GONE = object()  # what ``until_disconnected`` returns when the client left fir
 
 def _error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def model_permission(created: int) -> dict[str, Any]:
+    """OpenAI's old (and vLLM's) permission entry: sampling and log-probs allowed."""
+    return {
+        "id": new_id("modelperm"),
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
 
 
 async def _blaming(events: AsyncIterator, param: str) -> AsyncIterator:
@@ -175,6 +194,12 @@ def create_app(state: RouterState) -> FastAPI:
                      error_id, exc)  # fmt: skip
         return await api_error(request, internal(error_id))
 
+    def refused(error: APIError) -> JSONResponse:
+        state.metrics.rejected.labels(status=str(error.status)).inc()
+        return _error_response(error)
+
+    # Added first, so it runs after the key check: a stranger learns nothing from a 415.
+    app.add_middleware(JsonBodies, respond=refused, exempt=_OPEN_PATHS)
     app.add_middleware(_ApiKeyAuth, state=state)
 
     @app.get("/health")
@@ -206,16 +231,21 @@ def create_app(state: RouterState) -> FastAPI:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     def model_card(lora_name: str | None = None) -> dict[str, Any]:
-        card = {
-            "id": lora_name or state.model.served_name,
+        """vLLM's card: ``root`` is the checkpoint (an adapter's directory, where this
+        router knows it), ``parent`` the base model of an adapter, ``permission`` the one
+        open entry clients written for OpenAI's old API read."""
+        name = lora_name or state.model.served_name
+        root = str(state.model.model_dir) if lora_name is None else state.adapters.path_of(name)
+        return {
+            "id": name,
             "object": "model",
             "created": state.started_at,
             "owned_by": "pdserve",
+            "root": root,
+            "parent": None if lora_name is None else state.model.served_name,
             "max_model_len": state.model.max_model_len,
+            "permission": [model_permission(state.started_at)],
         }
-        if lora_name is not None:  # as vLLM lists adapters: the base model is the parent
-            card["parent"] = state.model.served_name
-        return card
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

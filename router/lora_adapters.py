@@ -82,6 +82,12 @@ class LoraAdapters:
                 names.update(worker.lora_adapters)
         return sorted(names - self.retiring)
 
+    def path_of(self, name: str) -> str | None:
+        """The directory the workers read ``name`` from, if this router loaded or
+        configured it (one a worker alone serves is not known here)."""
+        loaded = self.loaded.get(name)
+        return loaded.path if loaded is not None else self.settings.adapters.get(name)
+
     def admit(self, name: str | None, num_sequences: int) -> Callable[[], None]:
         """Count ``num_sequences`` of adapter ``name`` in flight until the returned call
         (``unload`` waits for them)."""

@@ -166,6 +166,44 @@ def test_http_errors_use_the_envelope(state):
     assert error_of(post(state, "/v1/completions", content=deep, headers=headers), 400)
 
 
+def test_the_model_card_is_vllms(state, tiny_llama):
+    """The fields vLLM's card has (clients of either read them), the base model's root
+    its checkpoint."""
+    listed = post(state, "/v1/models", method="GET").json()["data"]
+    card = post(state, f"/v1/models/{state.model.served_name}", method="GET").json()
+    assert [card["id"]] == [entry["id"] for entry in listed]
+    assert set(card) == {"id", "object", "created", "owned_by", "root", "parent",
+                         "max_model_len", "permission"}  # fmt: skip
+    assert (card["root"], card["parent"]) == (str(tiny_llama), None)
+    assert card["max_model_len"] == state.model.max_model_len
+    (permission,) = card["permission"]
+    assert permission["object"] == "model_permission" and permission["allow_sampling"]
+
+
+def test_a_body_that_is_not_json_is_a_415(state):
+    """A body not declared JSON (a browser's simple request, curl -d): a 415 saying what to
+    send (FastAPI alone answers a 400 about a "dictionary"). Probes take no body."""
+    body = jsonlib.dumps({"prompt": "x"}).encode()
+    for content_type, named in [("text/plain", "text/plain"), (None, "none"),
+                                ("application/x-www-form-urlencoded; charset=utf-8",
+                                 "application/x-www-form-urlencoded")]:  # fmt: skip
+        headers = {"content-type": content_type} if content_type else {}
+        reply = post(state, "/v1/completions", content=body, headers=headers)
+        message = error_of(reply, 415)["message"]
+        assert "application/json" in message and message.endswith(f"not {named}")
+    for content_type in ("application/json; charset=utf-8", "Application/JSON",
+                         "application/merge-patch+json"):  # fmt: skip
+        reply = post(state, "/v1/completions", content=body, headers={"content-type": content_type})
+        assert error_of(reply, 503)  # past validation: no worker
+    ping = post(state, "/ping", content=b"x", headers={"content-type": "text/plain"})
+    assert ping.status_code != 415
+    rejected = [
+        line for line in post(state, "/metrics", method="GET").text.splitlines()
+        if line.startswith("pdserve:requests_rejected_total") and '"415"' in line
+    ]  # fmt: skip
+    assert rejected and float(rejected[0].split()[-1]) >= 3
+
+
 def test_a_bug_is_a_500_in_the_envelope_without_details(state, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("secret internals at /srv/x")

@@ -82,13 +82,14 @@ def _ask(model: str, **extra) -> dict:
             "extra_body": {"ignore_eos": True, "return_token_ids": True}, **extra}  # fmt: skip
 
 
-def test_models_lists_the_adapters_under_the_base(stack):
+def test_models_lists_the_adapters_under_the_base(stack, tiny_llama, adapter_dirs):
     status, body = get_json(f"{stack.base_url}/v1/models")
     assert status == 200
     cards = {card["id"]: card for card in body["data"]}
     assert set(cards) == {MODEL, *ADAPTERS}
     assert all(cards[name]["parent"] == MODEL for name in ADAPTERS)
-    assert "parent" not in cards[MODEL]
+    assert all(cards[name]["root"] == adapter_dirs[name] for name in ADAPTERS)
+    assert cards[MODEL]["parent"] is None and cards[MODEL]["root"] == str(tiny_llama)
     assert get_json(f"{stack.base_url}/v1/models/alice")[1]["id"] == "alice"
 
 

@@ -118,6 +118,8 @@ def test_a_load_reaches_every_worker_and_serves_the_adapter(stack, client, adapt
     adapters = served(stack)
     assert adapters["prefill"]["alice"] == adapters["decode"]["alice"] == body["fingerprint"]
     assert model_ids(stack) == {MODEL, "bob", "alice"}
+    card = get_json(f"{stack.base_url}/v1/models/alice")[1]
+    assert (card["root"], card["parent"]) == (adapter_dirs["a"], MODEL)
     assert tokens_of(complete(client, "alice")) == expected["a"]
     # The same files again: nothing changes.
     status, again = post(stack, "/v1/load_lora_adapter",
