@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
+import glob
 import json
 import shutil
 import tempfile
@@ -257,7 +258,9 @@ def ensure_model(arch: str = DEMO_ARCH, size: str = DEMO_SIZE) -> Path:
     """The path of a made model in the cache, making it on first use.
 
     Safe when several processes start at once: one makes it under a file lock, in a
-    temporary directory renamed into place, and the others wait and reuse it.
+    temporary directory renamed into place, and the others wait and reuse it. A
+    temporary directory found while holding the lock is a killed maker's (the lock
+    went with its process) and is removed.
     """
     target = made_model_dir(arch, size)
     root = target.parent
@@ -267,6 +270,8 @@ def ensure_model(arch: str = DEMO_ARCH, size: str = DEMO_SIZE) -> Path:
     with open(root / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / "config.json").exists():
+            for stale in root.glob(f".{glob.escape(target.name)}-*"):
+                shutil.rmtree(stale, ignore_errors=True)
             tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{target.name}-"))
             try:
                 make_model(arch, size, tmp)
