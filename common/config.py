@@ -374,6 +374,10 @@ class RouterConfig:
     # Sequences in flight (a request runs len(prompts) * n of them) beyond which new
     # requests get 429 (Retry-After); a single request asking for more gets 400.
     max_inflight_sequences: int = 1024
+    # A request body larger than this is a 413, refused before the router reads it.
+    # 32 MiB holds a 1M-token prompt's text (~4 characters a token) even if every
+    # character came JSON-escaped (\uXXXX, 6 bytes).
+    max_request_bytes: int = 32 << 20
     prefill_timeout_s: float = 120.0
     request_timeout_s: float = 600.0
     # How often the router refreshes the worker list, health and load.
@@ -412,6 +416,8 @@ class RouterConfig:
             raise ConfigError("router.min_disagg_tokens", "must be >= 0")
         if self.max_inflight_sequences < 1:
             raise ConfigError("router.max_inflight_sequences", "must be >= 1")
+        if self.max_request_bytes < 1:
+            raise ConfigError("router.max_request_bytes", "must be >= 1")
         if self.max_decode_migrations < 0:
             raise ConfigError("router.max_decode_migrations", "must be >= 0")
         if self.decode_queue_factor < 0:

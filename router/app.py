@@ -25,12 +25,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.structured_output import STRUCTURED_OUTPUT
-from common.tokenizer import TokenizerError
+from common.tokenizer import TokenizerError, TooManyTokens
 from router.choices import build_choices, merge_choices, new_id
 from router.detokenizer import IncrementalDetokenizer
 from router.errors import (
     APIError,
     bad_request,
+    context_too_long,
     internal,
     model_not_found,
     overloaded,
@@ -40,7 +41,6 @@ from router.errors import (
 from router.formatting import SSE_DONE, Formatter, ToolFormat, sse
 from router.harmony import Harmony, call_constraint
 from router.harmony import opening_of as harmony_opening
-from router.media_type import JsonBodies
 from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -54,6 +54,7 @@ from router.protocol import (
     error_field,
 )
 from router.reasoning import PROMPT_TAIL_TOKENS, Reasoning, opening_of
+from router.request_bodies import RequestBodies
 from router.response_output import ResponseShape, translate_stream
 from router.responses import renamed, to_chat, without_oldest_turn
 from router.state import RouterState
@@ -188,7 +189,11 @@ def create_app(state: RouterState) -> FastAPI:
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
         """A bug: answered with the envelope and an id. Starlette raises the exception on
-        after this answer, so the server logs its traceback right after this line."""
+        after this answer, so the server logs its traceback right after this line.
+        Python's recursion limit is the one exception a request reaches without a bug:
+        a JSON schema or tool nested ~500 deep parses, then fails whatever walks it."""
+        if isinstance(exc, RecursionError):
+            return await api_error(request, bad_request("the request is nested too deeply"))
         error_id = new_id("err")
         logger.error("request %s %s failed (%s): %r", request.method, request.url.path,
                      error_id, exc)  # fmt: skip
@@ -198,8 +203,14 @@ def create_app(state: RouterState) -> FastAPI:
         state.metrics.rejected.labels(status=str(error.status)).inc()
         return _error_response(error)
 
-    # Added first, so it runs after the key check: a stranger learns nothing from a 415.
-    app.add_middleware(JsonBodies, respond=refused, exempt=_OPEN_PATHS)
+    # Added first, so it runs after the key check: a stranger learns nothing from a 415
+    # and sends no body the router reads.
+    app.add_middleware(
+        RequestBodies,
+        respond=refused,
+        max_bytes=state.config.router.max_request_bytes,
+        exempt=_OPEN_PATHS,
+    )
     app.add_middleware(_ApiKeyAuth, state=state)
 
     @app.get("/health")
@@ -314,6 +325,7 @@ def create_app(state: RouterState) -> FastAPI:
         prompt = await asyncio.to_thread(
             apply_template, body.messages, body.add_generation_prompt,
             tool_dicts(body.tools), body.template_kwargs, body.continue_final_message,
+            prompt_limit(body),
         )  # fmt: skip
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         tail = state.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
@@ -373,13 +385,16 @@ def create_app(state: RouterState) -> FastAPI:
 
     def apply_template(
         messages, add_generation_prompt: bool, tools=None, template_kwargs=None,
-        continue_final_message: bool = False,
+        continue_final_message: bool = False, max_tokens: int | None = None,
     ) -> list[int]:  # fmt: skip
+        """``max_tokens``: a longer prompt is refused before it is tokenized whole."""
         try:
             return state.tokenizer.apply_chat_template(
                 [m.for_template() for m in messages], add_generation_prompt, tools,
-                template_kwargs, continue_final_message,
+                template_kwargs, continue_final_message, max_tokens,
             )  # fmt: skip
+        except TooManyTokens as exc:
+            raise too_long(exc, "messages") from None
         except TokenizerError as exc:
             raise bad_request(str(exc), exc.param or "messages") from None
         except ValueError as exc:
@@ -391,10 +406,23 @@ def create_app(state: RouterState) -> FastAPI:
         opening = opening_of(state.config.router.reasoning_parser, tail)
         return None if opening is None else Reasoning(opening, body.include_reasoning)
 
+    def prompt_limit(body) -> int | None:
+        """How many tokens a prompt may have before it is refused untokenized: the
+        context, unless the request truncates its prompt to fit."""
+        return state.model.max_model_len if body.truncate_prompt_tokens is None else None
+
+    def too_long(exc: TooManyTokens, param: str) -> APIError:
+        return context_too_long(exc.at_least, None, state.model.max_model_len, param,
+                                at_least=True)  # fmt: skip
+
     def completion_prompts(body: CompletionRequest) -> list[list[int]]:
         prompt, texts = body.prompt, body.prompt_texts
         if texts is not None:
-            prompts = [state.tokenizer.encode(text) for text in texts]
+            try:
+                limit = prompt_limit(body)
+                prompts = [state.tokenizer.encode(text, max_tokens=limit) for text in texts]
+            except TooManyTokens as exc:
+                raise too_long(exc, "prompt") from None
         elif all(isinstance(p, int) for p in prompt):
             prompts = [list(prompt)]
         else:

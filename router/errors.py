@@ -41,11 +41,18 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def context_too_long(
-    num_prompt: int, max_tokens: int | None, max_model_len: int, param: str = "prompt"
+    num_prompt: int,
+    max_tokens: int | None,
+    max_model_len: int,
+    param: str = "prompt",
+    at_least: bool = False,
 ) -> APIError:
-    """OpenAI's wording; ``param`` is the request's prompt field ("messages" for chat)."""
+    """OpenAI's wording; ``param`` is the request's prompt field ("messages" for chat).
+    ``at_least``: ``num_prompt`` is a lower bound (the prompt was not tokenized whole)."""
     where = "the messages" if param == "messages" else "the prompt"
-    if max_tokens:
+    if at_least:
+        detail = f"{where} resulted in at least {num_prompt} tokens"
+    elif max_tokens:
         detail = (
             f"you requested {num_prompt + max_tokens} tokens ({num_prompt} in {where}, "
             f"{max_tokens} in the completion)"
@@ -68,9 +75,10 @@ def unauthorized() -> APIError:
 
 
 def model_not_found(model: str) -> APIError:
+    shown = model if len(model) <= 256 else model[:256] + "..."  # not a 1 MB echo
     return APIError(
         404,
-        f"The model `{model}` does not exist or you do not have access to it.",
+        f"The model `{shown}` does not exist or you do not have access to it.",
         "invalid_request_error",
         "model",
         "model_not_found",

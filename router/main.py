@@ -12,6 +12,7 @@ import uvicorn
 from common.config import PdserveConfig
 from common.gc_heap import freeze_startup_heap
 from router.app import create_app
+from router.http_protocol import GuardedHttpToolsProtocol
 from router.state import RouterState
 
 logger = logging.getLogger(__name__)
@@ -47,9 +48,10 @@ def run(config: PdserveConfig) -> int:
             log_level="warning",
             # uvicorn's "auto" would fall back to asyncio + h11 when these are missing,
             # quietly spending more CPU per streamed token (``benchmarks/router_stream.py
-            # --before-plain``; DESIGN_NOTES, Router).
+            # --before-plain``; DESIGN_NOTES, Router). httptools' protocol, with bounds
+            # on a request's head (``router/http_protocol.py``).
             loop="uvloop",
-            http="httptools",
+            http=GuardedHttpToolsProtocol,
             timeout_graceful_shutdown=int(config.router.drain_grace_s),
             lifespan="on",
         ),

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from common.tokenizer import Tokenizer, TokenizerError
+import common.tokenizer as tokenizer_module
+from common.tokenizer import _ENCODE_UNLOCKED_CHARS, Tokenizer, TokenizerError, TooManyTokens
 
 TEXTS = ["Hello, world!", "def f(x):\n    return x * 2  # ünïcödé ✓", "", "  spaces   here "]
 MESSAGES = [
@@ -36,6 +39,67 @@ def test_matches_transformers(model_factory, arch):
         assert ours.render_chat(MESSAGES, generation_prompt) == expected
     assert ours.eos_token_id == theirs.eos_token_id
     assert ours.vocab_size == len(theirs)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_long_text_gets_the_same_ids_without_holding_the_interpreter(model_factory, arch):
+    """Past ``_ENCODE_UNLOCKED_CHARS`` the batch call, which lets other threads (the
+    router's event loop) run meanwhile: the same ids as transformers, and a ticking
+    thread is never held for the whole encoding."""
+    from transformers import AutoTokenizer
+
+    model_dir = model_factory(arch)
+    ours, theirs = Tokenizer(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    text = "".join(TEXTS) * 8
+    assert len(text) < _ENCODE_UNLOCKED_CHARS < len(text) * 40
+    for add_special_tokens in (True, False):
+        ids = theirs(text * 40, add_special_tokens=add_special_tokens).input_ids
+        assert ours.encode(text * 40, add_special_tokens) == ids
+    long_text = text * (2_000_000 // len(text))  # ~1 s of encoding here
+    gaps, done = [], threading.Event()
+
+    def tick() -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            time.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    started = time.perf_counter()
+    ours.encode(long_text)
+    took = time.perf_counter() - started
+    done.set()
+    ticker.join()
+    assert max(gaps) < took / 4, (max(gaps), took)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_text_past_the_limit_is_refused_from_its_first_slices(model_factory, arch, monkeypatch):
+    """With ``max_tokens``, a text longer than a slice is counted slice by slice and
+    refused once the count (less the slack its cuts may add) passes the limit, with a
+    lower bound of its tokens; one within the limit gets exactly its own ids."""
+    monkeypatch.setattr(tokenizer_module, "_SLICE_CHARS", 1000)
+    tokenizer = Tokenizer(model_factory(arch))
+    text = " ".join(TEXTS) * 200  # ~13k characters, 14 slices
+    num_tokens = len(tokenizer.encode(text, add_special_tokens=False))
+    assert tokenizer.encode(text, max_tokens=num_tokens + 1) == tokenizer.encode(text)
+    with pytest.raises(TooManyTokens) as raised:
+        tokenizer.encode(text, max_tokens=num_tokens // 4)
+    assert num_tokens // 4 < raised.value.at_least <= num_tokens
+    encoded: list[int] = []  # how much was encoded before the refusal
+    real = tokenizer._encode_batch
+
+    def counting(texts: list[str], **kwargs):
+        encoded.append(len(texts[0]))
+        return real(texts, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "_encode_batch", counting)
+    with pytest.raises(TooManyTokens):
+        tokenizer.encode(text * 100, max_tokens=num_tokens // 4)
+    assert sum(encoded) < len(text) / 2  # not the 1.3M characters
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "chatml"])

@@ -204,6 +204,37 @@ def test_a_body_that_is_not_json_is_a_415(state):
     assert rejected and float(rejected[0].split()[-1]) >= 3
 
 
+def test_nesting_past_the_recursion_limit_is_a_400_and_echoes_are_bounded(state, monkeypatch):
+    """A JSON schema some 480 levels deep parses, then breaks whatever walks it (a 500
+    before; the depth that does so depends on the stack, so the walk is made to fail
+    here); a 1 MB model name is not echoed back whole."""
+
+    def too_deep(*args, **kwargs):
+        raise RecursionError("maximum recursion depth exceeded while encoding a JSON object")
+
+    monkeypatch.setattr(state.tokenizer, "encode", too_deep)
+    reply = post(state, "/v1/completions", json={"prompt": "x"})
+    assert "nested too deeply" in error_of(reply, 400)["message"]
+    monkeypatch.undo()
+    reply = post(state, "/v1/completions", json={"model": "m" * 1_000_000, "prompt": "x"})
+    assert len(error_of(reply, 404)["message"]) < 400
+
+
+def test_a_huge_prompt_is_refused_before_it_is_tokenized_whole(state):
+    """Past a slice (1M characters) a prompt is counted slice by slice and refused as
+    soon as it surely exceeds the context; one that asks to be truncated is not."""
+    text = "the quick brown fox jumps over the lazy dog " * 30_000  # 1.3M characters
+    for path, body, param in [
+        ("/v1/completions", {"prompt": text}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}, "messages"),
+    ]:
+        error = error_of(post(state, path, json=body), 400)
+        assert (error["code"], error["param"]) == ("context_length_exceeded", param)
+        assert "resulted in at least" in error["message"]
+    truncated = {"prompt": text, "truncate_prompt_tokens": 16}
+    assert error_of(post(state, "/v1/completions", json=truncated), 503)  # past: no worker
+
+
 def test_a_bug_is_a_500_in_the_envelope_without_details(state, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("secret internals at /srv/x")

@@ -5,6 +5,7 @@ errors, prefix-aware placement, and a prefill worker dying under load."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -803,6 +804,31 @@ def test_a_client_gone_from_a_non_streaming_request_stops_its_generation(stack):
     while sum(s.num_running for s in worker_stats(stack, "decode")):
         assert time.monotonic() < deadline, "still generating for a client that left"
         time.sleep(0.1)
+
+
+def test_the_router_bounds_heads_and_bodies(stack):
+    """A head past 64 KiB is a 431 (the router's own protocol, ``router/http_protocol.py``);
+    a body past ``router.max_request_bytes`` a 413 before it is read; the router serves on."""
+    host, port = stack.base_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        with contextlib.suppress(OSError):  # the router closes while this still sends
+            for _ in range(100):
+                sock.sendall(b"a" * 1024)
+        sock.settimeout(10)
+        assert sock.recv(4096).startswith(b"HTTP/1.1 431")
+    too_large = (32 << 20) + 1
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {KEY}\r\nContent-Length: {too_large}\r\n\r\n".encode()
+        )
+        sock.settimeout(10)
+        reply = sock.recv(65536)
+        while b"router.max_request_bytes" not in reply and (more := sock.recv(65536)):
+            reply += more
+    assert reply.startswith(b"HTTP/1.1 413") and b"router.max_request_bytes" in reply
+    assert get_json(f"{stack.base_url}/health")[0] == 200
 
 
 def test_token_counters_move_as_tokens_stream_and_an_abandoned_stream_counts(stack):

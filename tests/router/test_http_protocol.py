@@ -1,0 +1,110 @@
+"""The router's HTTP protocol on a real uvicorn server (httptools, a loopback socket):
+request heads that are too large or too slow are refused and their connections closed,
+while ordinary requests, keep-alive and large bodies pass."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import uvicorn
+
+from router.http_protocol import GuardedHttpToolsProtocol
+
+
+class _Small(GuardedHttpToolsProtocol):
+    max_head_bytes = 4096
+    head_timeout_s = 0.5
+
+
+async def _echo(scope, receive, send) -> None:
+    if scope["type"] != "http":
+        return
+    size, more = 0, True
+    while more:
+        message = await receive()
+        size += len(message.get("body", b""))
+        more = message.get("more_body", False)
+    body = json.dumps({"body_bytes": size}).encode()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-length", str(len(body)).encode())]})  # fmt: skip
+    await send({"type": "http.response.body", "body": body})
+
+
+@pytest.fixture(scope="module")
+def port() -> Iterator[int]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+    config = uvicorn.Config(_echo, host="127.0.0.1", port=free, loop="asyncio", http=_Small,
+                            log_level="warning", lifespan="off")  # fmt: skip
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    yield free
+    server.should_exit = True
+    thread.join(10)
+
+
+def _read_all(sock: socket.socket) -> bytes:
+    """Everything until the server closes the connection (or 5 s pass)."""
+    sock.settimeout(5)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def _request(extra_headers: bytes = b"", body: bytes = b"") -> bytes:
+    return (b"POST /x HTTP/1.1\r\nHost: x\r\n" + extra_headers
+            + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
+
+
+def test_ordinary_requests_keep_alive_and_large_bodies_pass(port):
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        body = b"x" * 200_000  # far past the head's limit: bodies are not heads
+        sock.sendall(_request(body=body))
+        sock.settimeout(5)
+        first = sock.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200") and b'{"body_bytes": 200000}' in first
+        sock.sendall(_request(b"X-Fine: " + b"a" * 3000 + b"\r\n"))  # same connection
+        assert sock.recv(65536).startswith(b"HTTP/1.1 200")
+
+
+def test_a_head_past_the_limit_is_a_431_and_the_connection_closes(port):
+    for before in (b"", _request()):  # a first request, and one after another
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(before + b"POST /x HTTP/1.1\r\nHost: x\r\nX-Big: ")
+            with pytest.raises(OSError):  # the server closes while we still send
+                for _ in range(64):
+                    sock.sendall(b"a" * 1024)
+                    time.sleep(0.002)
+            reply = _read_all(sock)
+        last = reply[reply.rfind(b"HTTP/1.1 ") :]
+        assert last.startswith(b"HTTP/1.1 431"), reply
+        assert json.loads(last.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+
+
+def test_a_slow_or_absent_head_is_a_408_and_the_connection_closes(port):
+    for sent in (b"", b"POST /x HTTP/1.1\r\nHo"):
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(sent)
+            started = time.monotonic()
+            reply = _read_all(sock)
+        assert reply.startswith(b"HTTP/1.1 408"), reply
+        assert 0.4 < time.monotonic() - started < 3
+    with socket.create_connection(("127.0.0.1", port)) as sock:  # dribbled, byte by byte
+        started = time.monotonic()
+        with pytest.raises(OSError):
+            for byte in _request(b"X-Slow: " + b"a" * 100 + b"\r\n"):
+                sock.sendall(bytes([byte]))
+                time.sleep(0.02)
+        assert time.monotonic() - started < 3

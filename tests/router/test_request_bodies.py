@@ -1,0 +1,82 @@
+"""The body guard in front of every route, driven as ASGI: refusals in the envelope
+before the route runs, and a body within bounds reaching the route whole."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from starlette.responses import JSONResponse
+
+from router.errors import APIError
+from router.request_bodies import RequestBodies
+
+
+def _respond(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def _call(
+    pieces: list[bytes], headers: dict[str, str], stall: bool = False, path: str = "/v1/x"
+) -> tuple[int, dict, list]:
+    """(status, body, what the route received) for a POST sent as ``pieces``."""
+    routed: list[bytes] = []
+
+    async def route(scope, receive, send) -> None:
+        message = await receive()
+        routed.append(message["body"])
+        assert not message["more_body"]
+        await JSONResponse({"ok": True})(scope, receive, send)
+
+    async def run() -> tuple[int, dict]:
+        queue: asyncio.Queue = asyncio.Queue()
+        for i, piece in enumerate(pieces):
+            queue.put_nowait({"type": "http.request", "body": piece,
+                              "more_body": stall or i < len(pieces) - 1})  # fmt: skip
+        sent: list[dict] = []
+
+        async def send(message) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": path,
+                 "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}  # fmt: skip
+        guard = RequestBodies(route, _respond, 100, exempt={"/ping"}, idle_timeout_s=0.2)
+        await guard(scope, queue.get, send)
+        status = sent[0]["status"]
+        return status, json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+
+    status, body = asyncio.run(run())
+    return status, body, routed
+
+
+JSON = {"content-type": "application/json"}
+
+
+def test_a_body_within_bounds_reaches_the_route_whole():
+    status, body, routed = _call([b'{"prompt":', b' "x"}'], JSON)
+    assert (status, body, routed) == (200, {"ok": True}, [b'{"prompt": "x"}'])
+    exactly = b"x" * 100
+    assert _call([exactly], {**JSON, "content-length": "100"})[2] == [exactly]
+
+
+def test_a_declared_length_over_the_limit_is_refused_unread():
+    status, body, routed = _call([b"x" * 10], {**JSON, "content-length": "101"})
+    assert status == 413 and "router.max_request_bytes" in body["error"]["message"]
+    assert routed == []
+
+
+def test_a_chunked_body_is_refused_once_it_passes_the_limit():
+    status, body, routed = _call([b"x" * 60, b"x" * 60, b"never read"], JSON)
+    assert (status, body["error"]["code"], routed) == (413, None, [])
+
+
+def test_a_stalled_body_is_a_408():
+    status, body, routed = _call([b'{"prompt": '], JSON, stall=True)
+    assert status == 408 and "stalled" in body["error"]["message"] and routed == []
+
+
+def test_only_declared_json_and_only_outside_exempt_paths():
+    for headers in ({}, {"content-type": "text/plain"}):
+        status, body, routed = _call([b"{}"], headers)
+        assert status == 415 and "application/json" in body["error"]["message"] and not routed
+    assert _call([b""], {}, path="/ping")[0] == 200
