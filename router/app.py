@@ -495,7 +495,7 @@ def create_app(state: RouterState) -> FastAPI:
             raise bad_request(
                 f"the request asks for {num_sequences} sequences (prompts x n); this server "
                 f"runs at most {limit} at once",
-                "n",
+                "n" if body.n > 1 else "prompt",
             )
         try:
             constraint = structured_output_of(body)

@@ -100,6 +100,12 @@ def test_refusals_say_what_is_wrong(state):
     error = error_of(post(state, "/v1/chat/completions", json=body), 400)
     assert error["message"].startswith("response_format.json_schema.schema must be a JSON schema")
     assert error["param"] == "response_format"
+    # Too many sequences: blamed on n where n multiplies them, else on the prompt list.
+    limit = state.config.router.max_inflight_sequences
+    for body, param in [({"prompt": ["x"] * (limit + 1)}, "prompt"),
+                        ({"prompt": ["x"] * (limit // 128 + 1), "n": 128}, "n")]:  # fmt: skip
+        error = error_of(post(state, "/v1/completions", json=body), 400)
+        assert "sequences" in error["message"] and error["param"] == param
 
 
 def test_priority_passes_where_the_engines_schedule_by_it(tiny_llama):
