@@ -21,8 +21,10 @@ from typing import Any
 
 # From this many characters ``encode`` lets go of Python's lock (~10 ms of encoding).
 _ENCODE_UNLOCKED_CHARS = 16_384
-# A text longer than this is counted a slice at a time before it is encoded whole, when
-# the caller gives a token limit (``encode``'s ``max_tokens``).
+# With a token limit (``encode``'s ``max_tokens``), a text longer than a slice is counted
+# a slice at a time before it is encoded whole. A slice is 8 characters per token of the
+# limit (about twice English text's), so one slice mostly decides, within these bounds.
+_MIN_SLICE_CHARS = 1 << 16
 _SLICE_CHARS = 1 << 20
 # Tokens a cut between slices may add (a prefix space, a word split differently).
 _CUT_SLACK_TOKENS = 8
@@ -111,25 +113,27 @@ class Tokenizer:
         The ids are the same either way (tested); short texts keep the cheaper call.
 
         ``max_tokens``: a text that surely holds more raises ``TooManyTokens`` instead.
-        Past ``_SLICE_CHARS`` characters it is counted a slice at a time first, stopping
-        once the count passes the limit: a 30 MB prompt took 11 s and 4.3 GB to encode
-        whole, only to be refused for a 2k-token context."""
-        if max_tokens is not None and len(text) > _SLICE_CHARS:
-            self._count_up_to(text, max_tokens)
+        Past a slice's length it is counted a slice at a time first, stopping once the
+        count passes the limit: a 30 MB prompt took 11 s and 4.3 GB to encode whole,
+        only to be refused for a 2k-token context."""
+        if max_tokens is not None:
+            slice_chars = min(_SLICE_CHARS, max(_MIN_SLICE_CHARS, 8 * max_tokens))
+            if len(text) > slice_chars:
+                self._count_up_to(text, max_tokens, slice_chars)
         if len(text) < _ENCODE_UNLOCKED_CHARS:
             return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         (encoding,) = self._encode_batch([text], add_special_tokens=add_special_tokens)
         return encoding.ids
 
-    def _count_up_to(self, text: str, max_tokens: int) -> None:
+    def _count_up_to(self, text: str, max_tokens: int, slice_chars: int) -> None:
         """Raise ``TooManyTokens`` if ``text``, counted in slices cut before a space
         (where tokenizers split words anyway), surely holds more than ``max_tokens``
         tokens. Each cut may add up to ``_CUT_SLACK_TOKENS``, which the count forgives."""
         counted = num_slices = start = 0
         while start < len(text):
-            end = min(start + _SLICE_CHARS, len(text))
+            end = min(start + slice_chars, len(text))
             if end < len(text):
-                space = text.rfind(" ", start + _SLICE_CHARS // 2, end)
+                space = text.rfind(" ", start + slice_chars // 2, end)
                 end = space if space > start else end
             (encoding,) = self._encode_batch([text[start:end]], add_special_tokens=False)
             counted += len(encoding.ids)

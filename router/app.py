@@ -186,14 +186,17 @@ def create_app(state: RouterState) -> FastAPI:
         error.headers.update(exc.headers or {})
         return await api_error(request, error)
 
+    @app.exception_handler(RecursionError)
+    async def too_deep(request: Request, exc: RecursionError) -> JSONResponse:
+        """The one exception a request reaches without a bug: a JSON schema or tool
+        nested ~500 deep parses, then fails whatever walks it. A handler of its own, so
+        that no traceback is logged (every one would be 80 lines a client could send)."""
+        return await api_error(request, bad_request("the request is nested too deeply"))
+
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
         """A bug: answered with the envelope and an id. Starlette raises the exception on
-        after this answer, so the server logs its traceback right after this line.
-        Python's recursion limit is the one exception a request reaches without a bug:
-        a JSON schema or tool nested ~500 deep parses, then fails whatever walks it."""
-        if isinstance(exc, RecursionError):
-            return await api_error(request, bad_request("the request is nested too deeply"))
+        after this answer, so the server logs its traceback right after this line."""
         error_id = new_id("err")
         logger.error("request %s %s failed (%s): %r", request.method, request.url.path,
                      error_id, exc)  # fmt: skip

@@ -1,10 +1,11 @@
 """uvicorn's httptools protocol with bounds on a request's head (its request line and
 headers), which no ASGI middleware sees until it is complete.
 
-- **At most ``MAX_HEAD_BYTES``** (64 KiB, as much as nginx's default buffers): a larger
-  head is a 431 and the connection closes. httptools gathers a header value by joining
-  bytes, so a 150 MB header held the router's event loop for 22 s: every stream and
-  health probe waited, and the router took its decode workers for frozen.
+- **At most ``MAX_HEAD_BYTES``** (64 KiB, as much as nginx's default buffers, counted
+  after the read the head began in): a larger head is a 431 and the connection closes.
+  httptools gathers a header value by joining bytes, so a 150 MB header held the
+  router's event loop for 22 s: every stream and health probe waited, and the router
+  took its decode workers for frozen.
 - **Within ``HEAD_TIMEOUT_S``** of the connection opening or the request beginning: a
   client that dribbles its head (slowloris) or opens a connection and sends nothing
   gets a 408 and the connection closes, instead of holding a socket for ever (20,000
@@ -27,7 +28,7 @@ HEAD_TIMEOUT_S = 30.0
 
 def _refusal(status: int, reason: str, message: str) -> bytes:
     """A whole HTTP response carrying the error envelope; the connection closes after."""
-    body = json.dumps(APIError(status, message).body()).encode()
+    body = json.dumps(APIError(status, message).body(), separators=(",", ":")).encode()
     head = (
         f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
@@ -38,21 +39,25 @@ def _refusal(status: int, reason: str, message: str) -> bytes:
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     max_head_bytes = MAX_HEAD_BYTES
     head_timeout_s = HEAD_TIMEOUT_S
-    _head_bytes: int = 0
-    _in_head: bool = False  # waiting for (the rest of) a request's head
+    _head_bytes: int = 0  # of the current head, in pieces after the one it began in
+    _head_open: bool = False  # a request's head has begun and is not complete
     _head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._await_head()
+        self._arm_head_timer()  # a connection that sends nothing at all
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._head_done()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        # A piece that begins a head may also hold earlier pipelined requests and their
+        # bodies, so only the pieces after it count: the limit is 64 KiB past the first
+        # read (at most 256 KiB), enough to stop the joining that grows with each piece.
+        continues_head = self._head_open
         super().data_received(data)
-        if self._in_head:  # the head is still incomplete after this piece
+        if continues_head and self._head_open:
             self._head_bytes += len(data)
             if self._head_bytes > self.max_head_bytes:
                 message = f"the request's head is larger than {self.max_head_bytes} bytes"
@@ -60,28 +65,32 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        if not self._in_head:  # a request after another on this connection
-            self._await_head()
+        self._head_open, self._head_bytes = True, 0
+        if self._head_timer is None:  # a request after another on this connection
+            self._arm_head_timer()
 
     def on_headers_complete(self) -> None:
         self._head_done()
         super().on_headers_complete()
 
-    def _await_head(self) -> None:
-        self._in_head, self._head_bytes = True, 0
+    def _arm_head_timer(self) -> None:
         self._head_timer = self.loop.call_later(
             self.head_timeout_s, self._refuse, 408, "Request Timeout",
             f"the request's head did not arrive within {self.head_timeout_s:g} s",
         )  # fmt: skip
 
     def _head_done(self) -> None:
-        self._in_head = False
+        self._head_open = False
         if self._head_timer is not None:
             self._head_timer.cancel()
             self._head_timer = None
 
     def _refuse(self, status: int, reason: str, message: str) -> None:
+        """Answer and close; while an earlier pipelined request's response is still
+        going out, close without answering (a refusal written now would land inside it)."""
         self._head_done()
-        if not self.transport.is_closing():
+        if self.transport.is_closing():
+            return
+        if self.cycle is None or self.cycle.response_complete:
             self.transport.write(_refusal(status, reason, message))
-            self.transport.close()
+        self.transport.close()

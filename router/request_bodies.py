@@ -66,6 +66,9 @@ class RequestBodies:
         try:
             body = await self._read(Headers(scope=scope), receive)
         except _Refused as refused:
+            # The connection closes after the answer: the rest of a body nobody will
+            # read is not uploaded (or trickled) for nothing.
+            refused.error.headers["Connection"] = "close"
             await self.respond(refused.error)(scope, receive, send)
             return
         await self.app(scope, _replaying(body, receive), send)

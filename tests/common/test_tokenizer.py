@@ -82,6 +82,7 @@ def test_a_text_past_the_limit_is_refused_from_its_first_slices(model_factory, a
     refused once the count (less the slack its cuts may add) passes the limit, with a
     lower bound of its tokens; one within the limit gets exactly its own ids."""
     monkeypatch.setattr(tokenizer_module, "_SLICE_CHARS", 1000)
+    monkeypatch.setattr(tokenizer_module, "_MIN_SLICE_CHARS", 1000)
     tokenizer = Tokenizer(model_factory(arch))
     text = " ".join(TEXTS) * 200  # ~13k characters, 14 slices
     num_tokens = len(tokenizer.encode(text, add_special_tokens=False))
@@ -100,6 +101,13 @@ def test_a_text_past_the_limit_is_refused_from_its_first_slices(model_factory, a
     with pytest.raises(TooManyTokens):
         tokenizer.encode(text * 100, max_tokens=num_tokens // 4)
     assert sum(encoded) < len(text) / 2  # not the 1.3M characters
+    # A slice is 8 characters a token of the limit, at least _MIN_SLICE_CHARS.
+    monkeypatch.setattr(tokenizer_module, "_MIN_SLICE_CHARS", 2000)
+    monkeypatch.setattr(tokenizer_module, "_SLICE_CHARS", 1 << 20)
+    encoded.clear()
+    with pytest.raises(TooManyTokens):
+        tokenizer.encode(text * 100, max_tokens=1000)
+    assert len(encoded) == 1 and 4000 <= encoded[0] <= 8000, encoded
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "chatml"])

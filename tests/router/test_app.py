@@ -219,7 +219,13 @@ def test_nesting_past_the_recursion_limit_is_a_400_and_echoes_are_bounded(state,
         raise RecursionError("maximum recursion depth exceeded while encoding a JSON object")
 
     monkeypatch.setattr(state.tokenizer, "encode", too_deep)
-    reply = post(state, "/v1/completions", json={"prompt": "x"})
+
+    async def send() -> httpx.Response:  # raising app exceptions: a bug's 500 would raise
+        transport = httpx.ASGITransport(create_app(state), raise_app_exceptions=True)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            return await client.post("/v1/completions", json={"prompt": "x"})
+
+    reply = asyncio.run(send())  # answered, not raised on (which logs a traceback)
     assert "nested too deeply" in error_of(reply, 400)["message"]
     monkeypatch.undo()
     reply = post(state, "/v1/completions", json={"model": "m" * 1_000_000, "prompt": "x"})

@@ -79,6 +79,18 @@ def test_ordinary_requests_keep_alive_and_large_bodies_pass(port):
         assert sock.recv(65536).startswith(b"HTTP/1.1 200")
 
 
+def test_pipelined_requests_are_not_counted_into_the_next_head(port):
+    """A read holding a whole request (body past the limit) and the start of the next
+    head, the rest of which comes later: both are answered."""
+    body = b"x" * 10_000
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(_request(body=body) + b"POST /x HTTP/1.1\r\nHo")
+        time.sleep(0.2)
+        sock.sendall(b"st: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        replies = _read_all(sock)
+    assert replies.count(b"HTTP/1.1 200") == 2, replies
+
+
 def test_a_head_past_the_limit_is_a_431_and_the_connection_closes(port):
     for before in (b"", _request()):  # a first request, and one after another
         with socket.create_connection(("127.0.0.1", port)) as sock:

@@ -13,7 +13,7 @@ from router.request_bodies import RequestBodies
 
 
 def _respond(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
 def _call(
@@ -43,6 +43,8 @@ def _call(
         guard = RequestBodies(route, _respond, 100, exempt={"/ping"}, idle_timeout_s=0.2)
         await guard(scope, queue.get, send)
         status = sent[0]["status"]
+        closes = (b"connection", b"close") in sent[0]["headers"]
+        assert closes == (status != 200)  # a refusal ends the connection
         return status, json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
 
     status, body = asyncio.run(run())
