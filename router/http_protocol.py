@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -39,6 +40,11 @@ def _refusal(status: int, reason: str, message: str) -> bytes:
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     max_head_bytes = MAX_HEAD_BYTES
     head_timeout_s = HEAD_TIMEOUT_S
+
+    @staticmethod
+    def on_refusal(status: int) -> None:
+        """Told of each refused head (``guarded_protocol`` sets it)."""
+
     _head_bytes: int = 0  # of the current head, in pieces after the one it began in
     _head_open: bool = False  # a request's head has begun and is not complete
     _head_timer: asyncio.TimerHandle | None = None
@@ -91,6 +97,14 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._head_done()
         if self.transport.is_closing():
             return
+        self.on_refusal(status)
         if self.cycle is None or self.cycle.response_complete:
             self.transport.write(_refusal(status, reason, message))
         self.transport.close()
+
+
+def guarded_protocol(on_refusal: Callable[[int], None]) -> type[GuardedHttpToolsProtocol]:
+    """The protocol class for uvicorn's ``http``, calling ``on_refusal(status)`` for each
+    head it refuses (the router counts them with its other refusals)."""
+    return type("RouterHttpProtocol", (GuardedHttpToolsProtocol,),
+                {"on_refusal": staticmethod(on_refusal)})  # fmt: skip

@@ -12,7 +12,7 @@ import uvicorn
 from common.config import PdserveConfig
 from common.gc_heap import freeze_startup_heap
 from router.app import create_app
-from router.http_protocol import GuardedHttpToolsProtocol
+from router.http_protocol import guarded_protocol
 from router.state import RouterState
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,9 @@ def run(config: PdserveConfig) -> int:
             # --before-plain``; DESIGN_NOTES, Router). httptools' protocol, with bounds
             # on a request's head (``router/http_protocol.py``).
             loop="uvloop",
-            http=GuardedHttpToolsProtocol,
+            http=guarded_protocol(
+                lambda status: state.metrics.rejected.labels(status=str(status)).inc()
+            ),
             timeout_graceful_shutdown=int(config.router.drain_grace_s),
             lifespan="on",
         ),

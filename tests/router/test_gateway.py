@@ -829,6 +829,8 @@ def test_the_router_bounds_heads_and_bodies(stack):
             reply += more
     assert reply.startswith(b"HTTP/1.1 413") and b"router.max_request_bytes" in reply
     assert get_json(f"{stack.base_url}/health")[0] == 200
+    for status in ("431", "413"):  # counted with the router's other refusals
+        assert metric(stack, "pdserve:requests_rejected_total", status=status) >= 1
 
 
 def test_token_counters_move_as_tokens_stream_and_an_abandoned_stream_counts(stack):

@@ -13,12 +13,7 @@ from collections.abc import Iterator
 import pytest
 import uvicorn
 
-from router.http_protocol import GuardedHttpToolsProtocol
-
-
-class _Small(GuardedHttpToolsProtocol):
-    max_head_bytes = 4096
-    head_timeout_s = 0.5
+from router.http_protocol import guarded_protocol
 
 
 async def _echo(scope, receive, send) -> None:
@@ -36,11 +31,19 @@ async def _echo(scope, receive, send) -> None:
 
 
 @pytest.fixture(scope="module")
-def port() -> Iterator[int]:
+def refused() -> list[int]:
+    """The statuses of the heads the server refused, as its protocol reports them."""
+    return []
+
+
+@pytest.fixture(scope="module")
+def port(refused) -> Iterator[int]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         free = probe.getsockname()[1]
-    config = uvicorn.Config(_echo, host="127.0.0.1", port=free, loop="asyncio", http=_Small,
+    small = type("Small", (guarded_protocol(refused.append),),
+                 {"max_head_bytes": 4096, "head_timeout_s": 0.5})  # fmt: skip
+    config = uvicorn.Config(_echo, host="127.0.0.1", port=free, loop="asyncio", http=small,
                             log_level="warning", lifespan="off")  # fmt: skip
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -103,7 +106,7 @@ def test_pipelined_requests_are_not_counted_into_the_next_head(port):
     assert replies.count(b"HTTP/1.1 200") == 2, replies
 
 
-def test_a_head_past_the_limit_is_a_431_and_the_connection_closes(port):
+def test_a_head_past_the_limit_is_a_431_and_the_connection_closes(port, refused):
     for before in (b"", _request()):  # a first request, and one after another
         with socket.create_connection(("127.0.0.1", port)) as sock:
             sock.sendall(before + b"POST /x HTTP/1.1\r\nHost: x\r\nX-Big: ")
@@ -114,10 +117,11 @@ def test_a_head_past_the_limit_is_a_431_and_the_connection_closes(port):
             reply = _read_all(sock)
         last = reply[reply.rfind(b"HTTP/1.1 ") :]
         assert last.startswith(b"HTTP/1.1 431"), reply
+        assert refused.pop() == 431
         assert json.loads(last.split(b"\r\n\r\n", 1)[1])["error"]["message"]
 
 
-def test_a_slow_or_absent_head_is_a_408_and_the_connection_closes(port):
+def test_a_slow_or_absent_head_is_a_408_and_the_connection_closes(port, refused):
     for sent in (b"", b"POST /x HTTP/1.1\r\nHo"):
         with socket.create_connection(("127.0.0.1", port)) as sock:
             sock.sendall(sent)
@@ -125,6 +129,7 @@ def test_a_slow_or_absent_head_is_a_408_and_the_connection_closes(port):
             reply = _read_all(sock)
         assert reply.startswith(b"HTTP/1.1 408"), reply
         assert 0.4 < time.monotonic() - started < 3
+        assert refused.pop() == 408
     with socket.create_connection(("127.0.0.1", port)) as sock:  # dribbled, byte by byte
         started = time.monotonic()
         with pytest.raises(OSError):
