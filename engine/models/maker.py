@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import fcntl
-import glob
 import json
 import shutil
 import tempfile
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.model_info import DEMO_ARCH, DEMO_SIZE, made_model_dir
+from common.owned_paths import owner_tag, remove_dead_owners
 from engine.models.tokenizer_trainer import (
     BOS_TOKEN,
     CHAT_TEMPLATE,
@@ -258,9 +258,10 @@ def ensure_model(arch: str = DEMO_ARCH, size: str = DEMO_SIZE) -> Path:
     """The path of a made model in the cache, making it on first use.
 
     Safe when several processes start at once: one makes it under a file lock, in a
-    temporary directory renamed into place, and the others wait and reuse it. A
-    temporary directory found while holding the lock is a killed maker's (the lock
-    went with its process) and is removed.
+    temporary directory renamed into place, and the others wait and reuse it. The
+    temporary directory is named by its maker (``common/owned_paths.py``), and one a
+    killed maker on this host left is removed by the next (a cache on a volume that
+    several hosts share may have a maker of another host at work beside it).
     """
     target = made_model_dir(arch, size)
     root = target.parent
@@ -270,9 +271,8 @@ def ensure_model(arch: str = DEMO_ARCH, size: str = DEMO_SIZE) -> Path:
     with open(root / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / "config.json").exists():
-            for stale in root.glob(f".{glob.escape(target.name)}-*"):
-                shutil.rmtree(stale, ignore_errors=True)
-            tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{target.name}-"))
+            remove_dead_owners(root, f".{target.name}-")
+            tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{target.name}-{owner_tag()}-"))
             try:
                 make_model(arch, size, tmp)
                 tmp.rename(target)

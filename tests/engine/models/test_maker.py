@@ -1,5 +1,6 @@
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -20,11 +21,14 @@ def test_a_killed_makers_directory_goes_with_the_next_make(tmp_path, monkeypatch
         "maker.ensure_model('llama', 'tiny')\n"
     )
     env = {**os.environ, "PDSERVE_HOME": str(tmp_path)}
-    killed = subprocess.run([sys.executable, "-c", script], env=env, timeout=120)
-    assert killed.returncode == -signal.SIGKILL
-    left = list(target.parent.glob(f".{target.name}-*"))
+    killed = subprocess.Popen([sys.executable, "-c", script], env=env)
+    killed_pid = killed.pid
+    assert killed.wait(120) == -signal.SIGKILL
+    left = list(target.parent.glob(f".{target.name}-{socket.gethostname()}-{killed_pid}-*"))
     assert len(left) == 1 and left[0].is_dir() and not target.exists()
+    another_hosts = target.parent / f".{target.name}-elsewhere-1-abc"  # theirs to remove
+    another_hosts.mkdir()
     assert ensure_model("llama", "tiny") == target
     assert (target / "config.json").exists()
-    assert [p for p in target.parent.iterdir() if p.is_dir()] == [target]
+    assert sorted(p for p in target.parent.iterdir() if p.is_dir()) == [another_hosts, target]
     assert not left[0].exists()
