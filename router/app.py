@@ -71,10 +71,6 @@ _OPEN_PATHS = {"/health", "/ping", "/version", "/metrics"}  # as vLLM: probes ne
 _GONE = object()  # what ``until_disconnected`` returns when the client left first
 
 
-def _error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-
 def model_permission(created: int) -> dict[str, Any]:
     """OpenAI's old (and vLLM's) permission entry: sampling and log-probs allowed."""
     return {
@@ -134,8 +130,10 @@ class _ApiKeyAuth:
     not ``@app.middleware("http")``: that one wraps ``receive``, and behind it
     ``Request.is_disconnected`` never reports a gone client."""
 
-    def __init__(self, app: ASGIApp, state: RouterState) -> None:
-        self.app, self.state = app, state
+    def __init__(
+        self, app: ASGIApp, state: RouterState, respond: Callable[[APIError], Response]
+    ) -> None:
+        self.app, self.state, self.respond = app, state, respond
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         keys = self.state.config.router.api_keys
@@ -147,8 +145,7 @@ class _ApiKeyAuth:
             for key in keys:
                 matched |= hmac.compare_digest(token.encode(), key.encode())
             if not matched:
-                self.state.metrics.rejected.labels(status="401").inc()
-                await _error_response(unauthorized())(scope, receive, send)
+                await self.respond(unauthorized())(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -160,10 +157,14 @@ def create_app(state: RouterState) -> FastAPI:
         version_text = "unknown"
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
 
+    def refused(error: APIError) -> JSONResponse:
+        """Every refusal's answer (routes, the key check, the body guard), counted."""
+        state.metrics.refused(error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        state.metrics.rejected.labels(status=str(exc.status)).inc()
-        return _error_response(exc)
+        return refused(exc)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -202,10 +203,6 @@ def create_app(state: RouterState) -> FastAPI:
                      error_id, exc)  # fmt: skip
         return await api_error(request, internal(error_id))
 
-    def refused(error: APIError) -> JSONResponse:
-        state.metrics.rejected.labels(status=str(error.status)).inc()
-        return _error_response(error)
-
     # Added first, so it runs after the key check: a stranger learns nothing from a 415
     # and sends no body the router reads.
     app.add_middleware(
@@ -214,7 +211,7 @@ def create_app(state: RouterState) -> FastAPI:
         max_bytes=state.config.router.max_request_bytes,
         exempt=_OPEN_PATHS,
     )
-    app.add_middleware(_ApiKeyAuth, state=state)
+    app.add_middleware(_ApiKeyAuth, state=state, respond=refused)
 
     @app.get("/health")
     async def health() -> Response:

@@ -51,9 +51,7 @@ def run(config: PdserveConfig) -> int:
             # --before-plain``; DESIGN_NOTES, Router). httptools' protocol, with bounds
             # on a request's head (``router/http_protocol.py``).
             loop="uvloop",
-            http=guarded_protocol(
-                lambda status: state.metrics.rejected.labels(status=str(status)).inc()
-            ),
+            http=guarded_protocol(state.metrics.refused),
             timeout_graceful_shutdown=int(config.router.drain_grace_s),
             lifespan="on",
         ),

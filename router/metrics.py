@@ -109,6 +109,10 @@ class RouterMetrics:
         self.rejected = Counter("pdserve:requests_rejected", "Requests refused by status.",
                                 ["status"], registry=r)  # fmt: skip
 
+    def refused(self, status: int) -> None:
+        """A request answered with this error status (wherever it was refused)."""
+        self.rejected.labels(status=str(status)).inc()
+
     def observe_placement(self, placement: Placement, seconds: float) -> None:
         kind = "disaggregated" if placement.disaggregated else "local"
         worker = placement.prefill_worker or placement.decode_worker

@@ -25,14 +25,17 @@ def state(tiny_llama) -> RouterState:
     return RouterState.build(load_config(None, [f"model={tiny_llama}"]))
 
 
-def post(state: RouterState, path: str, json: object = None, **kwargs) -> httpx.Response:
-    """``json`` is sent with ASCII escapes, so lone surrogates travel as a client's would."""
+def post(state: RouterState, path: str, json: object = None, raises: bool = False,
+         **kwargs) -> httpx.Response:  # fmt: skip
+    """``json`` is sent with ASCII escapes, so lone surrogates travel as a client's would.
+    ``raises``: an exception the app raised on after answering (a bug's 500 does, and the
+    server then logs its traceback) is raised here."""
     if json is not None:
         kwargs["content"] = jsonlib.dumps(json)
         kwargs["headers"] = {"content-type": "application/json"}
 
     async def send() -> httpx.Response:
-        transport = httpx.ASGITransport(create_app(state), raise_app_exceptions=False)
+        transport = httpx.ASGITransport(create_app(state), raise_app_exceptions=raises)
         async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
             return await client.request(kwargs.pop("method", "POST"), path, **kwargs)
 
@@ -219,14 +222,8 @@ def test_nesting_past_the_recursion_limit_is_a_400_and_echoes_are_bounded(state,
         raise RecursionError("maximum recursion depth exceeded while encoding a JSON object")
 
     monkeypatch.setattr(state.tokenizer, "encode", too_deep)
-
-    async def send() -> httpx.Response:  # raising app exceptions: a bug's 500 would raise
-        transport = httpx.ASGITransport(create_app(state), raise_app_exceptions=True)
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
-            return await client.post("/v1/completions", json={"prompt": "x"})
-
-    reply = asyncio.run(send())  # answered, not raised on (which logs a traceback)
-    assert "nested too deeply" in error_of(reply, 400)["message"]
+    reply = post(state, "/v1/completions", json={"prompt": "x"}, raises=True)
+    assert "nested too deeply" in error_of(reply, 400)["message"]  # and nothing raised on
     monkeypatch.undo()
     reply = post(state, "/v1/completions", json={"model": "m" * 1_000_000, "prompt": "x"})
     assert len(error_of(reply, 404)["message"]) < 400
@@ -245,6 +242,14 @@ def test_a_huge_prompt_is_refused_before_it_is_tokenized_whole(state):
         assert "resulted in at least" in error["message"]
     truncated = {"prompt": text, "truncate_prompt_tokens": 16}
     assert error_of(post(state, "/v1/completions", json=truncated), 503)  # past: no worker
+
+
+def test_a_missing_key_is_a_401_counted_with_the_other_refusals(tiny_llama):
+    keyed = RouterState.build(load_config(None, [f"model={tiny_llama}", "router.api_keys=[k]"]))
+    assert error_of(post(keyed, "/v1/completions", json={"prompt": "x"}), 401)
+    counted = [line for line in post(keyed, "/metrics", method="GET").text.splitlines()
+               if line.startswith('pdserve:requests_rejected_total{status="401"}')]  # fmt: skip
+    assert counted and float(counted[0].split()[-1]) == 1
 
 
 def test_a_bug_is_a_500_in_the_envelope_without_details(state, monkeypatch):
