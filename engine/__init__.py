@@ -5,6 +5,7 @@ from engine.errors import InvalidRequestError
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.pooling import PoolingParams
 from engine.sampling_params import SamplingParams
 
 __all__ = [
@@ -12,6 +13,7 @@ __all__ = [
     "CompletionOutput",
     "InvalidRequestError",
     "LLMEngine",
+    "PoolingParams",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutput",

@@ -3,6 +3,7 @@
 from engine import LLM, SamplingParams
 llm = LLM(model="/path/to/checkpoint", max_num_seqs=32)
 outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
+vectors = [o.embedding for o in llm.embed(["Hello"])]
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from common.generation_config import GenerationDefaults
 from common.tokenizer import Tokenizer
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.pooling import EMBEDDING_SAMPLING, PoolingParams
 from engine.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -106,23 +108,11 @@ class LLM:
                 raise ValueError(
                     f"{len(params_list)} sampling params for {len(prompt_list)} prompts"
                 )
-        token_lists = [
-            self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompt_list
-        ]
-        if lora_name is None or isinstance(lora_name, str):
-            lora_names = [lora_name] * len(prompt_list)
-        else:
-            lora_names = list(lora_name)
-            if len(lora_names) != len(prompt_list):
-                raise ValueError(f"{len(lora_names)} lora names for {len(prompt_list)} prompts")
+        token_lists, lora_names = self._prepare(prompt_list, lora_name)
         priorities = [0] * len(prompt_list) if priority is None else list(priority)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"{len(priorities)} priorities for {len(prompt_list)} prompts")
         priorities = [self.engine.validate_priority(value) for value in priorities]
-        for tokens in token_lists:
-            self.engine.validate_prompt(tokens)
-        for name in lora_names:
-            self.engine.lora_adapter(name)
         request_ids = []
         requests = zip(token_lists, params_list, lora_names, priorities, strict=True)
         for tokens, params, name, value in requests:
@@ -131,6 +121,46 @@ class LLM:
             self.engine.add_request(request_id, tokens, params, lora_name=name, priority=value)
             request_ids.append(request_id)
         return self._run(request_ids, prompt_list, use_tqdm)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling: PoolingParams | None = None,
+        *,
+        use_tqdm: bool = True,
+        lora_name: str | Sequence[str | None] | None = None,
+    ) -> list[RequestOutput]:
+        """The embedding of every prompt (``RequestOutput.embedding``: the last token's
+        hidden state, unit length unless ``pooling`` says not; ``engine/pooling.py``), in
+        input order. Meaningful for embedding checkpoints (Qwen3-Embedding, say); any
+        checkpoint gives its hidden states. Invalid input raises before anything runs."""
+        prompt_list = _normalize_prompts(prompts)
+        token_lists, lora_names = self._prepare(prompt_list, lora_name)
+        request_ids = []
+        for tokens, name in zip(token_lists, lora_names, strict=True):
+            request_id = f"offline-{self._next_id}"
+            self._next_id += 1
+            self.engine.add_request(request_id, tokens, EMBEDDING_SAMPLING, lora_name=name,
+                                    pooling=pooling or PoolingParams())  # fmt: skip
+            request_ids.append(request_id)
+        return self._run(request_ids, prompt_list, use_tqdm)
+
+    def _prepare(
+        self, prompts: list[Prompt], lora_name: str | Sequence[str | None] | None
+    ) -> tuple[list[list[int]], list[str | None]]:
+        """Each prompt's token ids and adapter, checked (raises before anything runs)."""
+        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        if lora_name is None or isinstance(lora_name, str):
+            lora_names = [lora_name] * len(prompts)
+        else:
+            lora_names = list(lora_name)
+            if len(lora_names) != len(prompts):
+                raise ValueError(f"{len(lora_names)} lora names for {len(prompts)} prompts")
+        for tokens in token_lists:
+            self.engine.validate_prompt(tokens)
+        for name in lora_names:
+            self.engine.lora_adapter(name)
+        return token_lists, lora_names
 
     def _run(
         self, request_ids: list[str], prompts: list[Prompt], use_tqdm: bool

@@ -41,6 +41,7 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.parallel.launch import ShardExtensionSpec
 from engine.parallel.shard_client import ShardError
 from engine.penalties import TokenCounts
+from engine.pooling import EMBEDDING_SAMPLING, PoolingParams
 from engine.request import FINISH_REASONS, RemoteKV, Request, RequestStatus
 from engine.sampler import SamplingRow
 from engine.sampling_ops import RequestRandom
@@ -184,6 +185,7 @@ class LLMEngine:
         grammar: object | None = None,
         lora_name: str | None = None,
         priority: int = 0,
+        pooling: PoolingParams | None = None,
     ) -> Request:
         """Validate and queue a request. Raises ``InvalidRequestError`` (engine unchanged).
 
@@ -194,6 +196,9 @@ class LLMEngine:
         the engine thread); None: prepared here, for a structured request. ``lora_name``:
         one of the engine's LoRA adapters, or None for the base model. ``priority``: lower
         values first, under ``scheduling_policy: priority`` only (elsewhere it must be 0).
+        ``pooling``: an embedding request (``engine/pooling.py``): ``params`` must be
+        ``EMBEDDING_SAMPLING``, and it finishes with ``RequestOutput.embedding`` once its
+        prompt is computed, generating nothing.
         """
         prompt = self.validate_prompt(prompt_token_ids)
         outputs = self.validate_prompt(output_token_ids, allow_empty=True)
@@ -206,6 +211,14 @@ class LLMEngine:
             raise InvalidRequestError("sampling params must be a SamplingParams", "params")
         lora = self.lora_adapter(lora_name)
         priority = self.validate_priority(priority)
+        if pooling is not None and (
+            params != EMBEDDING_SAMPLING or prefill_only or remote_kv is not None or outputs
+        ):
+            raise InvalidRequestError(
+                "an embedding request samples nothing (EMBEDDING_SAMPLING), computes its "
+                "whole prompt here and has no output tokens",
+                "pooling",
+            )
         if outputs and len(prompt) + len(outputs) >= self.max_model_len:
             raise InvalidRequestError(
                 f"{len(prompt)} prompt + {len(outputs)} output tokens leave no room below "
@@ -278,6 +291,7 @@ class LLMEngine:
             remote_kv=remote_kv,
             output_token_ids=outputs,
             priority=priority,
+            pooling=pooling,
         )
         if not params.greedy:
             # Keyed by output position (engine/sampler.py): the tokens generated elsewhere
@@ -469,6 +483,8 @@ class LLMEngine:
             scored = result.prompt_logprobs.get(item.request.request_id)
             if scored:
                 item.request.prompt_logprobs.extend(scored)
+        for request_id, embedding in result.embeddings.items():
+            self.scheduler.requests[request_id].embedding = embedding
         progressed = self.scheduler.update_from_output(scheduler_output, result.sampled)
         self.num_steps += 1
         for request, num_new in progressed:
@@ -580,7 +596,7 @@ class LLMEngine:
             start = request.num_computed_tokens
             end = start + item.num_scheduled_tokens - len(drafts)  # the request's own tokens
             sampling = None
-            if item.samples:
+            if item.samples and request.pooling is None:
                 if request.sampling_params.has_penalties and request.token_counts is None:
                     request.token_counts = TokenCounts()
                 sampling = SamplingRow(
@@ -604,6 +620,7 @@ class LLMEngine:
                     sampling=sampling,
                     scoring=_prompt_scoring(request, start, end),
                     lora=request.lora,
+                    pooling=request.pooling if item.samples else None,
                 )
             )
         return chunks
@@ -640,6 +657,7 @@ class LLMEngine:
             num_remote_blocks_pulled=request.num_remote_blocks_pulled,
             times=request.times,
             prompt_logprobs=prompt_logprobs,
+            embedding=request.embedding,
         )
 
     # ------------------------------------------------------------------ checks

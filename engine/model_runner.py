@@ -4,7 +4,8 @@ Per step the runner builds a single flattened batch (``input_ids``, ``positions`
 ``slot_mapping``, block table, query start offsets, sequence lengths), runs the model
 (``ModelShard``: the weights and the KV cache), computes logits only at the last token of
 chunks that sample (and at their draft tokens, when they verify drafts; and at the prompt
-tokens of chunks that score their prompt), and samples.
+tokens of chunks that score their prompt), and samples. An embedding request's last chunk
+is pooled instead: its last hidden state is the result (``engine/pooling.py``).
 
 With tensor parallelism the runner is rank 0: the other ranks' processes
 (``engine/parallel``) get each step's batch first and run it alongside; logits and
@@ -34,6 +35,7 @@ from engine.parallel.launch import ShardExtensionSpec
 from engine.parallel.messages import Step
 from engine.parallel.shard_client import ShardClient, launch_shards
 from engine.parallel.shard_spec import TensorParallel
+from engine.pooling import PoolingParams, pool_last_tokens
 from engine.request import TokenLogprobs
 from engine.sampler import SamplingRow, sample, score_passes, score_tokens
 
@@ -52,9 +54,11 @@ class SequenceChunk:
     # Every block of the request, covering start_pos + len(token_ids): the KV cache
     # manager's own list (KVCacheManager.block_ids_view), read during the step only.
     block_ids: list[int]
-    sampling: SamplingRow | None  # None: a prompt chunk that is not the last
+    sampling: SamplingRow | None  # None: a prompt chunk that is not the last, or pooled
     scoring: PromptScoring | None = None
     lora: LoraAdapter | None = None  # the request's LoRA adapter; None: the base model
+    # An embedding request's last chunk: its last token's hidden state is pooled.
+    pooling: PoolingParams | None = None
 
 
 @dataclass(slots=True)
@@ -74,6 +78,7 @@ class StepResult:
     # The tokens each sampling chunk yields (more than one when drafts were kept).
     sampled: dict[str, list[tuple[int, TokenLogprobs | None]]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    embeddings: dict[str, list[float]] = field(default_factory=dict)  # pooled chunks'
 
 
 class ModelRunner:
@@ -264,8 +269,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[SequenceChunk]) -> StepResult:
-        """Run one step: the sampled token (and log-probs) of each sampling chunk, and the
-        prompt log-probs of each scoring one."""
+        """Run one step: the sampled token (and log-probs) of each sampling chunk, the
+        prompt log-probs of each scoring one, and the embedding of each pooled one."""
         result = StepResult()
         if not chunks:
             return result
@@ -306,6 +311,14 @@ class ModelRunner:
                 self.shards.find_exited(wait_s=0.5)  # a dead rank is the likely cause
                 self.shards.fail(f"rank 0's step ended early ({type(exc).__name__}: {exc})")
             raise
+        pooled = [(i, c) for i, c in enumerate(chunks) if c.pooling is not None]
+        if pooled:  # each one's last row (rank 0's hidden states are whole)
+            vectors = pool_last_tokens(
+                hidden,
+                [batch.query_start_loc[i + 1] - 1 for i, _ in pooled],
+                [c.pooling.normalize for _, c in pooled],
+            )
+            result.embeddings = {c.request_id: v for (_, c), v in zip(pooled, vectors, strict=True)}
         if logits is None:
             return result
         results = sample(logits, [c.sampling for _, c in sampling])

@@ -78,3 +78,5 @@ class RequestOutput:
     # prompt token, None for the first (nothing precedes it), as vLLM's. One list shared
     # by the request's outputs: read it, do not change it.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # An embedding request's vector (``engine/pooling.py``), on its finished output.
+    embedding: list[float] | None = None

@@ -25,6 +25,7 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.models.lora import LoraAdapter
+    from engine.pooling import PoolingParams
 
 
 class RequestStatus(enum.Enum):
@@ -116,6 +117,9 @@ class Request:
     lora: LoraAdapter | None = None  # the LoRA adapter it runs with; None: the base model
     prefill_only: bool = False
     remote_kv: RemoteKV | None = None
+    # An embedding request (engine/pooling.py): it finishes when its prompt is computed,
+    # with its last hidden state in ``embedding``, and never samples.
+    pooling: PoolingParams | None = None
     times: RequestTimes = field(default_factory=RequestTimes)
     # Under the priority policy, lower values are served first (vLLM's convention); under
     # FCFS always 0. The scheduler numbers arrivals (the waiting line's ties go by them)
@@ -146,6 +150,7 @@ class Request:
     # a failure of the worker.
     error_param: str | None = None
     num_remote_blocks_pulled: int = 0
+    embedding: list[float] | None = None  # an embedding request's, once computed
     token_counts: TokenCounts | None = None  # penalised requests: what the sampler counted
     # Speculating requests: their tokens as an array, for the n-gram proposer, and how
     # many drafts their steps may verify.
@@ -233,11 +238,13 @@ class Request:
     @property
     def may_speculate(self) -> bool:
         """Whether drafts may be verified for this request: it decodes (one token to
-        compute), continues here (not prefill-only), and has no grammar (its mask at a
-        draft's position would need the matcher advanced through the drafts before it and
-        rolled back; not done). The scheduler caps the drafts by the tokens left."""
+        compute), continues here (not prefill-only, not an embedding), and has no grammar
+        (its mask at a draft's position would need the matcher advanced through the drafts
+        before it and rolled back; not done). The scheduler caps the drafts by the tokens
+        left."""
         return (
             not self.prefill_only
+            and self.pooling is None
             and self.sampling_params.structured_output is None
             and self.num_tokens - self.num_computed_tokens == 1
         )

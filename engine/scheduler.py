@@ -511,7 +511,8 @@ class Scheduler:
     ) -> list[tuple[Request, int]]:
         """Advance the scheduled requests by what the step computed and sampled. Returns the
         requests that produced tokens this step (finished ones included), each with how
-        many it appended.
+        many it appended; an embedding request whose prompt is now computed finishes here
+        (with 0 appended: its embedding is the engine's to set).
 
         A request that verified drafts sampled the drafts it kept and one token more; the
         KV of its last token and of the kept drafts is valid, the rest is not computed. The
@@ -524,6 +525,12 @@ class Scheduler:
             num_drafts = len(item.draft_token_ids)
             request.num_computed_tokens += item.num_scheduled_tokens - num_drafts
             if not item.samples:
+                continue
+            if request.pooling is not None:  # its prompt is computed: it is done
+                request.times.first_token = now
+                progressed.append((request, 0))
+                self.running.remove(request)
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
                 continue
             tokens = sampled[request.request_id]
             assert 1 <= len(tokens) <= num_drafts + 1

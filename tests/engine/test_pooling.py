@@ -1,0 +1,108 @@
+"""Embeddings: the last token's hidden state equals transformers' on the same weights, and
+chunking, prefix-cache hits and batching with generation change neither it nor the
+generated tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.config import EngineConfig
+from engine import LLM, PoolingParams, SamplingParams
+from engine.errors import InvalidRequestError
+from engine.llm_engine import LLMEngine
+from engine.pooling import EMBEDDING_SAMPLING
+from tests.engine.helpers import random_prompts
+
+LENGTHS = (1, 5, 17, 33, 64, 100)  # one token; within a block; several blocks; exactly 4
+
+
+def hf_last_hidden(model_dir, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """transformers' last-layer hidden state (after the final norm) at each prompt's last
+    token, one prompt at a time."""
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return [
+            model(input_ids=torch.tensor([prompt])).last_hidden_state[0, -1] for prompt in prompts
+        ]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "qwen2_moe"])
+def test_embeddings_equal_transformers_last_hidden_state(model_factory, arch):
+    model_dir = model_factory(arch)
+    prompts = random_prompts(LENGTHS, seed=3)
+    llm = LLM(model_dir, dtype="float32")
+    normalized = llm.embed(prompts, use_tqdm=False)
+    raw = llm.embed(prompts, PoolingParams(normalize=False), use_tqdm=False)
+    for prompt, unit, plain, expected in zip(
+        prompts, normalized, raw, hf_last_hidden(model_dir, prompts), strict=True
+    ):
+        assert plain.finished and plain.outputs[0].token_ids == []
+        torch.testing.assert_close(torch.tensor(plain.embedding), expected, atol=1e-4, rtol=1e-4)
+        vector = torch.tensor(unit.embedding)
+        assert vector.norm().item() == pytest.approx(1.0, abs=1e-5), len(prompt)
+        torch.testing.assert_close(vector, expected / expected.norm(), atol=1e-5, rtol=1e-4)
+    assert llm.engine.leak_report() == []
+
+
+def test_chunks_cache_hits_and_generation_beside_change_nothing(tiny_llama):
+    """An embedding computed in 16-token chunks, one taken whole from the prefix cache,
+    and ones batched with generating requests: the same vectors, and the generating
+    requests' tokens those of a run without embeddings."""
+    prompts = random_prompts((40, 100, 130), seed=5)
+    whole = LLM(tiny_llama, dtype="float32")
+    expected = [torch.tensor(o.embedding) for o in whole.embed(prompts, use_tqdm=False)]
+    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
+    generated = [o.outputs[0].token_ids for o in whole.generate(prompts, params, use_tqdm=False)]
+
+    engine = LLMEngine(tiny_llama, whole.engine.config.replace(prefill_chunk_tokens=16))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"gen-{i}", prompt, params)
+        engine.add_request(f"embed-{i}", prompt, EMBEDDING_SAMPLING, pooling=PoolingParams())
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    # Again, now that the prompts are cached: only the last token is computed.
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"again-{i}", prompt, EMBEDDING_SAMPLING, pooling=PoolingParams())
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    for i, prompt in enumerate(prompts):
+        assert finished[f"gen-{i}"].outputs[0].token_ids == generated[i]
+        for name in ("embed", "again"):
+            vector = torch.tensor(finished[f"{name}-{i}"].embedding)
+            torch.testing.assert_close(vector, expected[i], atol=1e-5, rtol=1e-4)
+        cached = finished[f"again-{i}"].num_cached_tokens
+        assert cached == (len(prompt) - 1) // 16 * 16, (len(prompt), cached)
+    assert engine.leak_report() == []
+
+
+def test_embedding_requests_never_speculate_or_sample(tiny_llama):
+    """A one-token prompt looks like a decoding request to the draft proposer; it must be
+    pooled, not verified. Sampling params other than EMBEDDING_SAMPLING, or the
+    disaggregated roles' fields, are refused with the engine unchanged."""
+    llm = LLM(tiny_llama, dtype="float32", num_speculative_tokens=4)
+    outputs = llm.embed([[7], [7, 8, 7, 8, 7, 8, 7]], use_tqdm=False)
+    assert all(len(o.embedding) == llm.engine.arch.hidden_size for o in outputs)
+    engine = llm.engine
+    for kwargs in (
+        {"params": SamplingParams(max_tokens=1, temperature=0.5)},
+        {"prefill_only": True},
+        {"output_token_ids": [3]},
+    ):
+        params = kwargs.pop("params", EMBEDDING_SAMPLING)
+        with pytest.raises(InvalidRequestError) as raised:
+            engine.add_request("bad", [5, 6, 7], params, pooling=PoolingParams(), **kwargs)
+        assert raised.value.param == "pooling"
+    assert engine.leak_report() == [] and not engine.has_unfinished_requests()
+
+
+def test_an_aborted_embedding_request_leaves_nothing(tiny_llama):
+    engine = LLMEngine(tiny_llama, EngineConfig().replace(dtype="float32", prefill_chunk_tokens=16))
+    engine.add_request("e", random_prompts((90,))[0], EMBEDDING_SAMPLING, pooling=PoolingParams())
+    engine.step()  # one chunk of six
+    output = engine.abort_request("e")
+    assert output is not None and output.finished and output.embedding is None
+    assert engine.leak_report() == []
