@@ -39,6 +39,11 @@ class PrefillServiceStub:
                 request_serializer=proto_dot_pdserve__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pdserve.v1.PrefillService/Embed',
+                request_serializer=proto_dot_pdserve__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.EmbedResponse.FromString,
+                _registered_method=True)
         self.ReleaseKV = channel.unary_unary(
                 '/pdserve.v1.PrefillService/ReleaseKV',
                 request_serializer=proto_dot_pdserve__pb2.ReleaseKVRequest.SerializeToString,
@@ -75,6 +80,12 @@ class PrefillServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Prefill(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Embed(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -123,6 +134,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=proto_dot_pdserve__pb2.PrefillRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.PrefillResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=proto_dot_pdserve__pb2.EmbedRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.EmbedResponse.SerializeToString,
             ),
             'ReleaseKV': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseKV,
@@ -182,6 +198,33 @@ class PrefillService:
             '/pdserve.v1.PrefillService/Prefill',
             proto_dot_pdserve__pb2.PrefillRequest.SerializeToString,
             proto_dot_pdserve__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillService/Embed',
+            proto_dot_pdserve__pb2.EmbedRequest.SerializeToString,
+            proto_dot_pdserve__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -369,6 +412,11 @@ class DecodeServiceStub:
                 request_serializer=proto_dot_pdserve__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pdserve.v1.DecodeService/Embed',
+                request_serializer=proto_dot_pdserve__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.EmbedResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.v1.DecodeService/Abort',
                 request_serializer=proto_dot_pdserve__pb2.AbortRequest.SerializeToString,
@@ -400,6 +448,12 @@ class DecodeServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Embed(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -442,6 +496,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=proto_dot_pdserve__pb2.GenerateRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=proto_dot_pdserve__pb2.EmbedRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.EmbedResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -496,6 +555,33 @@ class DecodeService:
             '/pdserve.v1.DecodeService/Generate',
             proto_dot_pdserve__pb2.GenerateRequest.SerializeToString,
             proto_dot_pdserve__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeService/Embed',
+            proto_dot_pdserve__pb2.EmbedRequest.SerializeToString,
+            proto_dot_pdserve__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

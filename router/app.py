@@ -24,10 +24,14 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from common.hashing import hash_blocks, prefix_salt
 from common.structured_output import STRUCTURED_OUTPUT
 from common.tokenizer import TokenizerError, TooManyTokens
+from proto import pdserve_pb2 as pb
 from router.choices import build_choices, merge_choices, new_id
 from router.detokenizer import IncrementalDetokenizer
+from router.dispatch import SequenceRequest
+from router.embeddings import all_or_none, embeddings_response
 from router.errors import (
     APIError,
     bad_request,
@@ -45,6 +49,7 @@ from router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     FieldError,
     LoadLoraAdapterRequest,
     NamedToolChoice,
@@ -346,6 +351,60 @@ def create_app(state: RouterState) -> FastAPI:
                              tool_format=tool_format, reasoning=reasoning_of(body, tail),
                              lora_name=lora_name, keep_special=keep)  # fmt: skip
 
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        """Each input's embedding: its last token's hidden state, from whichever worker
+        placement picks (``router/embeddings.py``, ``Dispatcher.embed``)."""
+        lora_name = check_model(body.model)
+        if state.draining:
+            raise unavailable("the router is draining")
+        if body.priority and not state.takes_priority:
+            raise bad_request(f"priority {body.priority} needs engine.scheduling_policy: "
+                              "priority; this server serves requests in arrival order (fcfs)",
+                              "priority")  # fmt: skip
+        prompts = await asyncio.to_thread(embedding_prompts, body)
+        if body.truncate_prompt_tokens is not None:
+            prompts = truncated(prompts, body.truncate_prompt_tokens, body.truncation_side)
+        max_model_len = state.model.max_model_len
+        for tokens in prompts:
+            if len(tokens) > max_model_len:
+                raise context_too_long(len(tokens), None, max_model_len, "input")
+        limit = state.config.router.max_inflight_sequences
+        if len(prompts) > limit:
+            raise bad_request(f"the request holds {len(prompts)} inputs; this server runs at "
+                              f"most {limit} at once", "input")  # fmt: skip
+        if state.num_inflight + len(prompts) > limit:
+            raise overloaded()
+        lora = state.adapters.resolve(lora_name) if lora_name is not None else None
+        salt = prefix_salt(body.cache_salt, lora and lora.key)
+        response_id = new_id("embd")
+        sequences = [
+            SequenceRequest(f"{response_id}-{index}", tokens,
+                            hash_blocks(tokens, state.model.block_size, salt),
+                            pb.SamplingParams(), body.cache_salt, lora, body.priority)
+            for index, tokens in enumerate(prompts)
+        ]  # fmt: skip
+        calls = [state.dispatcher.embed(sequence, body.normalize) for sequence in sequences]
+        state.num_inflight += len(prompts)  # admitted: checked and taken with no await between
+        release_adapter = state.adapters.admit(lora_name, len(prompts))
+        try:
+            replies = await until_disconnected(request, all_or_none(calls))
+        except Exception as exc:
+            if isinstance(exc, APIError):
+                raise
+            logger.exception("request %s failed", response_id)
+            raise internal(response_id) from None
+        finally:
+            state.num_inflight -= len(prompts)
+            release_adapter()
+        if replies is _GONE:
+            return Response(status_code=499)  # nobody is listening; the work is aborted
+        name = lora_name or state.model.served_name
+        num_tokens = sum(map(len, prompts))
+        return JSONResponse(
+            embeddings_response(response_id, name, replies, num_tokens, body.encoding_format)
+        )
+
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         """OpenAI's Responses API, stateless, over the chat path (``router/responses.py``)."""
@@ -434,6 +493,20 @@ def create_app(state: RouterState) -> FastAPI:
             if any(t < 0 or t >= vocab for t in tokens):
                 raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
         return prompts
+
+    def embedding_prompts(body: EmbeddingRequest) -> list[list[int]]:
+        texts = body.input_texts
+        if texts is None:
+            prompts = body.input_token_ids
+            vocab = state.tokenizer.vocab_size
+            if any(t < 0 or t >= vocab for tokens in prompts for t in tokens):
+                raise bad_request(f"input token ids must be in [0, {vocab})", "input")
+            return prompts
+        limit = state.model.max_model_len if body.truncate_prompt_tokens is None else None
+        try:
+            return [state.tokenizer.encode(text, body.add_special_tokens, limit) for text in texts]
+        except TooManyTokens as exc:
+            raise too_long(exc, "input") from None
 
     def truncated(prompts: list[list[int]], keep: int, side: str | None) -> list[list[int]]:
         """vLLM's ``truncate_prompt_tokens``: each prompt's last ``keep`` tokens (-1: as

@@ -49,7 +49,7 @@ def context_too_long(
 ) -> APIError:
     """OpenAI's wording; ``param`` is the request's prompt field ("messages" for chat).
     ``at_least``: ``num_prompt`` is a lower bound (the prompt was not tokenized whole)."""
-    where = "the messages" if param == "messages" else "the prompt"
+    where = {"messages": "the messages", "input": "the input"}.get(param, "the prompt")
     if at_least:
         detail = f"{where} resulted in at least {num_prompt} tokens"
     elif max_tokens:

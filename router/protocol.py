@@ -536,6 +536,61 @@ class DetokenizeRequest(_Body):
     tokens: list[int]
 
 
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on the inputs of one embeddings request
+
+
+class EmbeddingRequest(_Body):
+    """OpenAI's ``POST /v1/embeddings`` body, with vLLM's extensions that apply: each
+    input's embedding is its last token's hidden state (``engine/pooling.py``)."""
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    # Matryoshka truncation: not offered (a model not trained for it gives meaningless
+    # vectors cut short, and none of ours says it was).
+    dimensions: int | None = None
+    user: str | None = None
+    # vLLM's: unit length (the default), or the raw hidden state.
+    normalize: bool = True
+    add_special_tokens: bool = True
+    cache_salt: str | None = None
+    priority: int = Field(default=0, ge=INT32_MIN, le=INT32_MAX)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT32_MAX)
+    truncation_side: Literal["left", "right"] | None = None
+
+    @model_validator(mode="after")
+    def _checks(self) -> EmbeddingRequest:
+        if self.dimensions is not None:
+            raise FieldError("dimensions is not supported: embeddings have the model's hidden "
+                             "size; leave it unset", "dimensions")  # fmt: skip
+        inputs = [self.input] if isinstance(self.input, str) else self.input
+        if not inputs or any(isinstance(item, str | list) and not item for item in inputs):
+            raise FieldError("input must not be empty (nor any of its items)", "input")
+        if len(inputs) > MAX_EMBEDDING_INPUTS and not all(isinstance(i, int) for i in inputs):
+            raise FieldError(f"input holds {len(inputs)} items; at most "
+                             f"{MAX_EMBEDDING_INPUTS} per request", "input")  # fmt: skip
+        if self.truncate_prompt_tokens == 0:
+            raise FieldError("truncate_prompt_tokens must be >= 1 (tokens kept) or -1 "
+                             "(max_model_len of them)", "truncate_prompt_tokens")  # fmt: skip
+        return self
+
+    @property
+    def input_texts(self) -> list[str] | None:
+        """The inputs as text, one per input; None when they came as token ids."""
+        if isinstance(self.input, str):
+            return [self.input]
+        if all(isinstance(item, str) for item in self.input):
+            return list(self.input)
+        return None
+
+    @property
+    def input_token_ids(self) -> list[list[int]]:
+        """The inputs given as token ids (one list of ids is one input)."""
+        if all(isinstance(item, int) for item in self.input):
+            return [list(self.input)]
+        return [list(item) for item in self.input]
+
+
 class LoadLoraAdapterRequest(_Body):
     """vLLM's ``POST /v1/load_lora_adapter`` body."""
 

@@ -1,29 +1,63 @@
-"""The RPCs both worker services answer alike: Abort, GetTransferMetadata, Stats and the
-loading and unloading of LoRA adapters.
+"""The RPCs both worker services answer alike: Embed, Abort, GetTransferMetadata, Stats and
+the loading and unloading of LoRA adapters.
 
 Mixed in ahead of the generated servicer base, whose methods answer UNIMPLEMENTED. A
-service adds its own counters to Stats through ``stats_extra``.
+service adds its own counters to Stats through ``stats_extra``, and counts its calls in
+flight in ``num_active`` (a drain waits for them).
 """
 
 from __future__ import annotations
 
 import asyncio
 
+import grpc
+
 from common.config import LORA_NAME_RULE, valid_lora_name
 from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
+from engine.outputs import RequestOutput
+from engine.pooling import EMBEDDING_SAMPLING, PoolingParams
 from proto import pdserve_pb2 as pb
-from worker.grpc_errors import DisabledError, grpc_errors
+from worker.grpc_errors import DisabledError, grpc_errors, raise_for_error
 from worker.runtime import WorkerRuntime
 from worker.stats import stats_reply
 
 
 class WorkerRPCs:
     runtime: WorkerRuntime
+    num_active: int
 
     def stats_extra(self) -> dict[str, int]:
         """This service's own StatsResponse fields."""
         return {}
+
+    @grpc_errors
+    async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
+        """The prompt's embedding (``engine/pooling.py``), batched with whatever this
+        worker runs. A cancelled call aborts the request."""
+        async_engine = self.runtime.check_accepting()
+        self.num_active += 1
+        try:
+            final: RequestOutput | None = None
+            async for output in async_engine.generate(
+                request.request_id,
+                list(request.token_ids),
+                EMBEDDING_SAMPLING,
+                cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
+                lora_name=request.lora_name if request.HasField("lora_name") else None,
+                priority=request.priority,
+                pooling=PoolingParams(normalize=request.normalize),
+            ):
+                final = output
+            assert final is not None and final.finished
+            raise_for_error(final)
+            if final.embedding is None:  # aborted here (an Abort RPC by its id)
+                await context.abort(grpc.StatusCode.CANCELLED, "request aborted")
+            return pb.EmbedResponse(
+                embedding=final.embedding, num_cached_tokens=final.num_cached_tokens
+            )
+        finally:
+            self.num_active -= 1
 
     @grpc_errors
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:

@@ -302,3 +302,41 @@ def test_queue_gauges_follow_the_workers_batches(tiny_llama):
     assert (values["vllm:num_requests_running", ""], values["vllm:num_requests_waiting", ""]) == (
         4, 6,
     )  # fmt: skip
+
+
+def test_embeddings_refusals_name_their_field_and_valid_ones_reach_placement(state):
+    """``/v1/embeddings``: what OpenAI and vLLM refuse is a 400 naming the field; a valid
+    request (text, token ids, a batch, truncated) reaches placement: here a 503."""
+    max_model_len = state.model.max_model_len
+    vocab = state.tokenizer.vocab_size
+    cases = [
+        ({"input": ""}, "input", "must not be empty"),
+        ({"input": []}, "input", "must not be empty"),
+        ({"input": ["a", ""]}, "input", "must not be empty"),
+        ({"input": [[5, 6], []]}, "input", "must not be empty"),
+        ({"input": "x", "dimensions": 8}, "dimensions", "not supported"),
+        ({"input": "x", "encoding_format": "int8"}, "encoding_format", "float"),
+        ({"input": [vocab]}, "input", "must be in"),
+        ({"input": ["x"] * 2049}, "input", "at most 2048"),
+        ({"input": [5] * (max_model_len + 1)}, "input", "the input resulted in"),
+        ({"input": "hello " * max_model_len}, "input", "the input resulted in"),
+        ({"input": "x", "priority": 2}, "priority", "scheduling_policy"),
+        ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", ">= 1"),
+        ({"input": ["x"] * (state.config.router.max_inflight_sequences + 1)}, "input",
+         "at most"),
+    ]  # fmt: skip
+    for body, param, words in cases:
+        error = error_of(post(state, "/v1/embeddings", json=body), 400)
+        assert error["param"] == param and words in error["message"], (body, error)
+    error = error_of(post(state, "/v1/embeddings", json={"input": "x", "model": "gpt-17"}), 404)
+    assert error["code"] == "model_not_found"
+    for body in [
+        {"input": "x"},
+        {"input": ["a", "b"], "encoding_format": "base64", "model": state.model.served_name},
+        {"input": [5, 6, 7]},
+        {"input": [[5, 6, 7], [8]], "normalize": False, "dimensions": None},
+        {"input": [5] * (max_model_len + 9), "truncate_prompt_tokens": -1},
+    ]:
+        error = error_of(post(state, "/v1/embeddings", json=body), 503)
+        assert error["code"] == "service_unavailable", body
+    assert state.num_inflight == 0

@@ -14,13 +14,17 @@ import signal
 import socket
 import time
 
+import grpc
 import httpx
 import openai
 import pytest
 
+from common.config_loader import load_config
 from common.structured_output import StructuredOutput
 from common.tokenizer import Tokenizer
-from engine import LLM, SamplingParams
+from engine import LLM, PoolingParams, SamplingParams
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
 from router.state import bad_words_token_ids
 from tests.engine.helpers import random_prompts
 from tests.support.polling import eventually
@@ -750,6 +754,50 @@ def test_responses_api_refusals_name_their_field(client):
         assert info.value.body["param"] == param, extra
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="gpt-17", input="hi")
+
+
+def test_embeddings_equal_offline_on_either_role(stack, client, tiny_llama):
+    """``/v1/embeddings`` through the stack: every input's vector is the offline engine's
+    (floats or base64, text or token ids, unit length or raw), computed on the prefill
+    workers (min_disagg_tokens 0: every prompt goes there). A decode worker answers
+    ``Embed`` too, with the same vector; an unknown adapter is its INVALID_ARGUMENT."""
+    texts = ["The capital of France is", "a longer text, " * 30]
+    llm = LLM(tiny_llama)
+    expected = [o.embedding for o in llm.embed(texts, use_tqdm=False)]
+    raw = [o.embedding for o in llm.embed(texts, PoolingParams(normalize=False), use_tqdm=False)]
+    tokens = [Tokenizer(tiny_llama).encode(text) for text in texts]
+
+    def queried(role: str) -> int:
+        return sum(s.prefix_query_tokens for s in worker_stats(stack, role))
+
+    before = {role: queried(role) for role in ("prefill", "decode")}
+    replies = [
+        (client.embeddings.create(model=MODEL, input=texts, encoding_format="float"), expected),
+        (client.embeddings.create(model=MODEL, input=texts), expected),  # base64, decoded
+        (client.embeddings.create(model=MODEL, input=tokens), expected),
+        (client.embeddings.create(model=MODEL, input=texts, extra_body={"normalize": False}),
+         raw),
+    ]  # fmt: skip
+    for reply, vectors in replies:
+        assert reply.model == MODEL and [item.index for item in reply.data] == [0, 1]
+        assert reply.usage.prompt_tokens == reply.usage.total_tokens == sum(map(len, tokens))
+        for item, vector in zip(reply.data, vectors, strict=True):
+            assert item.embedding == pytest.approx(vector, abs=1e-5)
+    assert eventually(lambda: queried("prefill") - before["prefill"] == 4 * sum(map(len, tokens)))
+    assert queried("decode") == before["decode"]
+    config = load_config(str(stack.config_path))
+    address = f"{config.decode.host}:{config.decode.ports(0).grpc}"
+    with grpc.insecure_channel(address) as channel:
+        embed = pb_grpc.DecodeServiceStub(channel).Embed
+        reply = embed(pb.EmbedRequest(request_id="direct", token_ids=tokens[1], normalize=True),
+                      timeout=30)  # fmt: skip
+        assert list(reply.embedding) == pytest.approx(expected[1], abs=1e-5)
+        with pytest.raises(grpc.RpcError) as refused:
+            embed(pb.EmbedRequest(request_id="x", token_ids=[5], lora_name="nope"), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.embeddings.create(model=MODEL, input=[[5] * 10_000])
+    assert too_long.value.body["param"] == "input"
 
 
 def test_stop_strings(client):
