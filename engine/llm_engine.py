@@ -211,6 +211,12 @@ class LLMEngine:
             raise InvalidRequestError("sampling params must be a SamplingParams", "params")
         lora = self.lora_adapter(lora_name)
         priority = self.validate_priority(priority)
+        if pooling is None and not self.runner.model.generates:
+            raise InvalidRequestError(
+                f"{self.model_dir.name} has no language-model head (lm_head.weight), as "
+                "embedding checkpoints do: it serves embeddings only",
+                "model",
+            )
         if pooling is not None and (
             params != EMBEDDING_SAMPLING or prefill_only or remote_kv is not None or outputs
         ):

@@ -257,6 +257,8 @@ class LlamaForCausalLM(nn.Module):
         )
         self.model = LlamaModel(arch, dict(zip(ropes, self.rotaries, strict=True)), backend, group)
         self.group = group
+        # False for a checkpoint without a head (an embedding model's): no logits.
+        self.generates = True
         if arch.tie_word_embeddings:
             self.lm_head = None
         else:  # this rank's vocabulary slice, as the embeddings'

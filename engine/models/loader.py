@@ -40,6 +40,8 @@ _TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.
                   ("model.language_model.", "model."))  # fmt: skip
 _NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
              "model.multi_modal_projector.")  # fmt: skip
+# A bare backbone's names (the base model saved alone, as Qwen3-Embedding's files are).
+_BARE = ("embed_tokens.", "layers.", "norm.")
 _FUSED = re.compile(
     r"^(model\.layers\.\d+\.(?:self_attn|mlp|mlp\.shared_expert))\.(q|k|v|gate|up)_proj\."
     r"(weight|bias)$"
@@ -94,6 +96,8 @@ def _model_name(name: str) -> str | None:
     for prefix, replacement in _TEXT_PREFIXES:
         if name.startswith(prefix):
             return replacement + name[len(prefix) :]
+    if name.startswith(_BARE):
+        return "model." + name
     return name
 
 
@@ -228,6 +232,13 @@ def load_model(
             f"{' ...' if len(unexpected) > 5 else ''}"
         )
     missing = [name for name, count in filled.items() if count != params[name].numel()]
+    if missing == [_HEAD] and not filled[_HEAD]:
+        # No head at all: an embedding checkpoint (Qwen3-Embedding-4B's files, say). It
+        # serves embeddings; the engine refuses to generate with it.
+        logger.info("%s has no lm_head.weight: it serves embeddings only", model_dir)
+        model.lm_head = None
+        model.generates = False
+        missing = []
     if missing:
         raise ModelLoadError(
             f"{model_dir}: tensors missing from the checkpoint: {missing[:5]}"

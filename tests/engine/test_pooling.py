@@ -4,6 +4,9 @@ generated tokens."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -106,3 +109,41 @@ def test_an_aborted_embedding_request_leaves_nothing(tiny_llama):
     output = engine.abort_request("e")
     assert output is not None and output.finished and output.embedding is None
     assert engine.leak_report() == []
+
+
+def headless_copy(model_dir: Path, out: Path) -> Path:
+    """The checkpoint's backbone alone, as embedding checkpoints ship it (Qwen3-Embedding's
+    files): no ``lm_head.weight``, names without the ``model.`` prefix."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    for path in model_dir.iterdir():
+        if path.suffix != ".safetensors":
+            shutil.copy(path, out / path.name)
+            continue
+        tensors = load_file(path)
+        bare = {k.removeprefix("model."): v for k, v in tensors.items() if k != "lm_head.weight"}
+        save_file(bare, out / path.name, metadata={"format": "pt"})
+    return out
+
+
+def test_a_headless_checkpoint_serves_embeddings_only(model_factory, tmp_path):
+    """A backbone saved alone loads (bare names mapped under ``model.``) and gives the
+    full checkpoint's embeddings, which are transformers' too; generating with it, which
+    has no head, is invalid input naming the model."""
+    model_dir = model_factory("qwen3")
+    bare = headless_copy(model_dir, tmp_path / "bare")
+    prompts = random_prompts((9, 40), seed=7)
+    full = LLM(model_dir, dtype="float32").embed(prompts, use_tqdm=False)
+    llm = LLM(bare, dtype="float32")
+    outputs = llm.embed(prompts, use_tqdm=False)
+    for output, reference, expected in zip(
+        outputs, full, hf_last_hidden(bare, prompts), strict=True
+    ):
+        assert output.embedding == reference.embedding
+        vector = torch.tensor(output.embedding)
+        torch.testing.assert_close(vector, expected / expected.norm(), atol=1e-5, rtol=1e-4)
+    with pytest.raises(InvalidRequestError) as raised:
+        llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert raised.value.param == "model" and "embeddings only" in raised.value.message
+    assert llm.engine.leak_report() == [] and not llm.engine.has_unfinished_requests()
