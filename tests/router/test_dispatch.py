@@ -17,6 +17,7 @@ from common.config import Role, RouterConfig
 from common.hashing import hash_blocks
 from common.kv_events import BlockStored
 from common.registry import RedisRegistry, WorkerInfo
+from proto import PARAM_KEY
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from router.dispatch import Dispatcher, SequenceRequest
@@ -554,3 +555,87 @@ def test_a_restarted_decode_worker_keeps_its_line_and_what_is_ahead(tmp_path):
             await server.stop(None)
 
     assert run_with_registry(tmp_path, scenario) == [True, True, True, True]
+
+
+class EmbeddingPrefill(HeldPrefill):
+    """A prefill worker's Embed: fails with ``status`` (INVALID_ARGUMENT naming "input"),
+    or answers four copies of ``value``."""
+
+    def __init__(self, value: float, status: grpc.StatusCode | None = None) -> None:
+        super().__init__()
+        self.value = value
+        self.status = status
+        self.embeds: list[pb.EmbedRequest] = []
+
+    async def Embed(self, request, context):
+        self.embeds.append(request)
+        if self.status is not None:
+            metadata = (
+                ((PARAM_KEY, "input"),) if self.status is grpc.StatusCode.INVALID_ARGUMENT else ()
+            )
+            await context.abort(self.status, "no", metadata)
+        return pb.EmbedResponse(embedding=[self.value] * 4, num_cached_tokens=16)
+
+
+class EmbeddingDecode(Decode):
+    def __init__(self, value: float) -> None:
+        super().__init__(fail=False)
+        self.value = value
+        self.embeds: list[pb.EmbedRequest] = []
+
+    async def Embed(self, request, context):
+        self.embeds.append(request)
+        return pb.EmbedResponse(embedding=[self.value] * 4)
+
+
+def embed_through(tmp_path, servicers) -> tuple[object, dict[str, int]]:
+    """One embedding over fake workers (every prompt placed on a prefill worker): the
+    reply or the APIError, and each worker's prefix claims after it, by servicer index."""
+    config = RouterConfig(min_disagg_tokens=0)
+
+    async def scenario(registry: RedisRegistry) -> tuple:
+        servers = [await serve(servicer, registry) for servicer in servicers]
+        index = PrefixIndex()
+        pool, dispatcher = pool_and_dispatcher(registry, index, config)
+        try:
+            await pool.refresh()
+            prompt = list(range(5, 53))
+            hashes = hash_blocks(prompt, 16)
+            request = SequenceRequest("e1", prompt, hashes, pb.SamplingParams())
+            try:
+                outcome = await dispatcher.embed(request, normalize=True)
+            except APIError as exc:
+                outcome = exc
+            ids = [info.worker_id for _, info in servers]
+            claims = index.match(hashes, ids)
+            return outcome, {i: claims[w].gpu_blocks for i, w in enumerate(ids)}
+        finally:
+            await pool.close()
+            for server, _ in servers:
+                await server.stop(None)
+
+    return run_with_registry(tmp_path, scenario)
+
+
+@pytest.mark.timeout(60)
+def test_an_embedding_goes_on_to_the_next_worker_and_claims_only_where_it_ran(tmp_path):
+    """Both prefill workers fail as if down: the decode worker computes it. The prompt's
+    prefix is then claimed on the decode worker alone."""
+    down = grpc.StatusCode.UNAVAILABLE
+    servicers = [EmbeddingPrefill(1.0, down), EmbeddingPrefill(2.0, down), EmbeddingDecode(3.0)]
+    reply, claims = embed_through(tmp_path, servicers)
+    assert list(reply.embedding) == [3.0] * 4
+    assert [len(s.embeds) for s in servicers] == [1, 1, 1]
+    assert all(s.embeds[0].normalize and list(s.embeds[0].token_ids) == list(range(5, 53))
+               for s in servicers)  # fmt: skip
+    assert claims == {0: 0, 1: 0, 2: 3}
+
+
+@pytest.mark.timeout(60)
+def test_an_embeddings_invalid_input_is_a_400_and_not_tried_again(tmp_path):
+    bad = grpc.StatusCode.INVALID_ARGUMENT
+    servicers = [EmbeddingPrefill(1.0, bad), EmbeddingPrefill(1.0, bad), EmbeddingDecode(3.0)]
+    error, claims = embed_through(tmp_path, servicers)
+    assert isinstance(error, APIError) and (error.status, error.param) == (400, "input")
+    assert sum(len(s.embeds) for s in servicers) == 1
+    assert claims == {0: 0, 1: 0, 2: 0}

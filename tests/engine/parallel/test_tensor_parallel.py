@@ -85,15 +85,22 @@ def _odd_vocabulary_model(tokenizer_from, out, tied: bool):
 
 
 def test_replicated_kv_heads_and_prompt_logprobs_match_one_process(model_factory):
-    """tp 4 over 2 KV heads: each KV head on two ranks. Log-probs agree to rounding (the
-    partial sums add in another order)."""
+    """tp 4 over 2 KV heads: each KV head on two ranks. Log-probs and embeddings (a step
+    with no logits pass on any rank) agree to rounding (the partial sums add in another
+    order)."""
     model_dir = model_factory("llama")
     prompts = random_prompts((40, 90), seed=3)
     params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0, logprobs=2,
                             prompt_logprobs=2)  # fmt: skip
-    single = LLM(model_dir, **POOL).generate(prompts, params, use_tqdm=False)
+    one = LLM(model_dir, **POOL)
+    single = one.generate(prompts, params, use_tqdm=False)
+    single_vectors = [o.embedding for o in one.embed(prompts, use_tqdm=False)]
     with LLM(model_dir, tensor_parallel_size=4, **POOL) as llm:
         split = llm.generate(prompts, params, use_tqdm=False)
+        split_vectors = [o.embedding for o in llm.embed(prompts, use_tqdm=False)]
+        assert llm.engine.leak_report() == []
+    for got, want in zip(split_vectors, single_vectors, strict=True):
+        assert got == pytest.approx(want, abs=1e-5)
     assert _tokens(split) == _tokens(single)
     pairs = []
     for a, b in zip(split, single, strict=True):
