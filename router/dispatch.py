@@ -393,9 +393,6 @@ class Dispatcher:
         have, it goes to the next worker that serves it (the other prefill workers, least
         queued first, then the decode workers, least busy first): an embedding shows the
         client nothing until it is done, so trying again is always safe."""
-        placement = self.place(request)
-        planned = placement.prefill_worker or placement.decode_worker
-        touched = {w for w in (placement.decode_worker, placement.prefill_worker) if w}
         message = pb.EmbedRequest(
             request_id=request.request_id,
             token_ids=request.prompt_token_ids,
@@ -406,17 +403,27 @@ class Dispatcher:
             message.cache_salt = request.cache_salt
         if request.lora is not None:
             message.lora_name = request.lora.name
+        touched: set[str] = set()
         ran_on: str | None = None
+        ended = "abort"  # counted as generated sequences are (vLLM counts pooling alike)
         try:
+            placement = self.place(request)
+            touched = {w for w in (placement.decode_worker, placement.prefill_worker) if w}
+            planned = placement.prefill_worker or placement.decode_worker
             for worker in self._embedders(planned, request.lora):
                 reply = await self._embed_on(worker, message)
                 if reply is not None:
-                    ran_on = worker.worker_id
+                    ran_on, ended = worker.worker_id, "stop"
                     num_tokens = len(request.prompt_token_ids)
                     self.metrics.prefix_cache(num_tokens, reply.num_cached_tokens)
+                    self.metrics.prompt_tokens.inc(num_tokens)
                     return reply
             raise unavailable("no worker could compute the embedding; retry shortly")
+        except Exception:
+            ended = "error"
+            raise
         finally:  # the prompt's blocks are cached where it ran, and nowhere else it was placed
+            self.metrics.sequence_ended(ended)
             with self.index_lock:
                 for worker_id in touched - {ran_on}:
                     self.index.withdraw_optimistic(worker_id, request.block_hashes)

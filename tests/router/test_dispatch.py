@@ -608,6 +608,12 @@ def embed_through(tmp_path, servicers) -> tuple[object, dict[str, int]]:
                 outcome = exc
             ids = [info.worker_id for _, info in servers]
             claims = index.match(hashes, ids)
+            for reason in ("stop", "error"):  # the one way it ended is counted
+                ended = dispatcher.metrics.registry.get_sample_value(
+                    "vllm:request_success_total", {"model_name": "m", "finished_reason": reason}
+                )
+                expected = "stop" if isinstance(outcome, pb.EmbedResponse) else "error"
+                assert (ended or 0) == (reason == expected), reason
             return outcome, {i: claims[w].gpu_blocks for i, w in enumerate(ids)}
         finally:
             await pool.close()
