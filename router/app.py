@@ -384,11 +384,15 @@ def create_app(state: RouterState) -> FastAPI:
                             pb.SamplingParams(), body.cache_salt, lora, body.priority)
             for index, tokens in enumerate(prompts)
         ]  # fmt: skip
-        calls = [state.dispatcher.embed(sequence, body.normalize) for sequence in sequences]
+
+        async def run_all() -> list[pb.EmbedResponse]:  # the calls made once it runs
+            calls = [state.dispatcher.embed(sequence, body.normalize) for sequence in sequences]
+            return await all_or_none(calls)
+
         state.num_inflight += len(prompts)  # admitted: checked and taken with no await between
         release_adapter = state.adapters.admit(lora_name, len(prompts))
         try:
-            replies = await until_disconnected(request, all_or_none(calls))
+            replies = await until_disconnected(request, run_all())
         except Exception as exc:
             if isinstance(exc, APIError):
                 raise

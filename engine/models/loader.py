@@ -224,6 +224,8 @@ def load_model(
                 pieces = expert_pieces(prefix, which, suffix, f.get_tensor(stored), scales, dtype)
                 for param, index, row_start, rows in pieces:
                     place(_Target(param, row_start, index), rows, stored, path)
+    # No head stored at all (before padding counts for it): an embedding checkpoint.
+    headless = filled.get(_HEAD) == 0
     for name, spec in specs.items():  # a split's padding (the last vocabulary slice's)
         filled[name] += _zero_padding(params[name].data, spec)
     if unexpected:
@@ -232,7 +234,7 @@ def load_model(
             f"{' ...' if len(unexpected) > 5 else ''}"
         )
     missing = [name for name, count in filled.items() if count != params[name].numel()]
-    if missing == [_HEAD] and not filled[_HEAD]:
+    if headless and missing == [_HEAD]:
         # No head at all: an embedding checkpoint (Qwen3-Embedding-4B's files, say). It
         # serves embeddings; the engine refuses to generate with it.
         logger.info("%s has no lm_head.weight: it serves embeddings only", model_dir)

@@ -102,3 +102,19 @@ def assert_prompt_logprobs_match(model_dir: Path, prompt: list[int], **llm_kwarg
         assert lp.logprob == pytest.approx(expected[lp.token_id].item(), abs=1e-4), position
         assert list(lp.top_logprobs) == pytest.approx(expected.topk(5).values.tolist(), abs=1e-4)
     assert llm.engine.leak_report() == []
+
+
+def headless_copy(model_dir: Path, out: Path) -> Path:
+    """The checkpoint's backbone alone, as embedding checkpoints ship it (Qwen3-Embedding's
+    files): no ``lm_head.weight``, names without the ``model.`` prefix."""
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    for path in model_dir.iterdir():
+        if path.suffix != ".safetensors":
+            shutil.copy(path, out / path.name)
+            continue
+        tensors = load_file(path)
+        bare = {k.removeprefix("model."): v for k, v in tensors.items() if k != "lm_head.weight"}
+        save_file(bare, out / path.name, metadata={"format": "pt"})
+    return out

@@ -4,9 +4,6 @@ generated tokens."""
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -15,7 +12,7 @@ from engine import LLM, PoolingParams, SamplingParams
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.pooling import EMBEDDING_SAMPLING
-from tests.engine.helpers import random_prompts
+from tests.engine.helpers import headless_copy, random_prompts
 
 LENGTHS = (1, 5, 17, 33, 64, 100)  # one token; within a block; several blocks; exactly 4
 
@@ -109,22 +106,6 @@ def test_an_aborted_embedding_request_leaves_nothing(tiny_llama):
     output = engine.abort_request("e")
     assert output is not None and output.finished and output.embedding is None
     assert engine.leak_report() == []
-
-
-def headless_copy(model_dir: Path, out: Path) -> Path:
-    """The checkpoint's backbone alone, as embedding checkpoints ship it (Qwen3-Embedding's
-    files): no ``lm_head.weight``, names without the ``model.`` prefix."""
-    from safetensors.torch import load_file, save_file
-
-    out.mkdir()
-    for path in model_dir.iterdir():
-        if path.suffix != ".safetensors":
-            shutil.copy(path, out / path.name)
-            continue
-        tensors = load_file(path)
-        bare = {k.removeprefix("model."): v for k, v in tensors.items() if k != "lm_head.weight"}
-        save_file(bare, out / path.name, metadata={"format": "pt"})
-    return out
 
 
 def test_a_headless_checkpoint_serves_embeddings_only(model_factory, tmp_path):

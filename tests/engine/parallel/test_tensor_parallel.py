@@ -21,7 +21,7 @@ from engine import LLM, LLMEngine, SamplingParams
 from engine.errors import InvalidRequestError
 from engine.models.arch import ModelLoadError
 from engine.parallel.shard_client import ShardError
-from tests.engine.helpers import hf_greedy, random_prompts
+from tests.engine.helpers import headless_copy, hf_greedy, random_prompts
 from tests.support.processes import is_running
 
 NUM_TOKENS = 16
@@ -61,6 +61,16 @@ def test_a_vocabulary_that_does_not_split_evenly(model_factory, tmp_path):
             assert (embed.rows, embed.weight.shape[0]) == (1026, 1026)
         assert _tokens(outputs) == hf_greedy(model_dir, prompts, 12), f"tied={tied}"
         assert all(len(t.top_token_ids) == 3 for o in outputs for t in o.outputs[0].logprobs)
+    # The untied one without its head (an embedding checkpoint's files): rank 1 pads a
+    # head it never got, and the ranks' embeddings are one process's.
+    bare = headless_copy(tmp_path / "tied-False", tmp_path / "bare")
+    expected = [o.embedding for o in LLM(bare, **POOL).embed(prompts, use_tqdm=False)]
+    with LLM(bare, tensor_parallel_size=2, **POOL) as llm:
+        split = [o.embedding for o in llm.embed(prompts, use_tqdm=False)]
+        with pytest.raises(InvalidRequestError, match="embeddings only"):
+            llm.generate(prompts, params, use_tqdm=False)
+    for got, want in zip(split, expected, strict=True):
+        assert got == pytest.approx(want, abs=1e-5)
 
 
 def _odd_vocabulary_model(tokenizer_from, out, tied: bool):
