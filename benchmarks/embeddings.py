@@ -86,7 +86,7 @@ def main() -> None:
     for case, run in cases:
         outputs, seconds = timed(run, args.repeats)
         if "embed" in case:
-            got = torch.tensor([o.embedding for o in outputs])
+            got = torch.stack([o.embedding for o in outputs])
             worst = max(worst, (got - expected).abs().max().item())
         rows.append({"case": case, "seconds": seconds, "vs_baseline": baseline_s / seconds})
         print(f"{case:<34} {seconds:7.3f} s   {baseline_s / seconds:.2f}x", flush=True)

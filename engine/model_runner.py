@@ -78,7 +78,8 @@ class StepResult:
     # The tokens each sampling chunk yields (more than one when drafts were kept).
     sampled: dict[str, list[tuple[int, TokenLogprobs | None]]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
-    embeddings: dict[str, list[float]] = field(default_factory=dict)  # pooled chunks'
+    # Pooled chunks': [hidden_size] float32 CPU rows of one step's tensor.
+    embeddings: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:

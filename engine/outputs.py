@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.request import RequestTimes, TokenLogprobs
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(slots=True, eq=False)
@@ -78,5 +82,6 @@ class RequestOutput:
     # prompt token, None for the first (nothing precedes it), as vLLM's. One list shared
     # by the request's outputs: read it, do not change it.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
-    # An embedding request's vector (``engine/pooling.py``), on its finished output.
-    embedding: list[float] | None = None
+    # An embedding request's vector (``engine/pooling.py``), on its finished output:
+    # [hidden_size] float32 on the CPU (vLLM gives a list; ``.tolist()`` makes one).
+    embedding: torch.Tensor | None = None

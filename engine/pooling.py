@@ -40,10 +40,12 @@ def pool_last_tokens(
     hidden: torch.Tensor,  # [num_tokens, hidden_size] (after the final norm)
     rows: list[int],  # each embedding request's last row of the step
     normalize: list[bool],  # per row
-) -> list[list[float]]:
-    """One float32 vector per row, in row order."""
-    vectors = hidden[rows].float()  # [num_rows, hidden_size]
+) -> torch.Tensor:  # [num_rows, hidden_size] float32, on the CPU
+    """One vector per row, in row order. A tensor, not lists: at 64 rows of 4096 a
+    ``tolist`` took the engine thread ~8 ms a step; the worker sends the bytes as they
+    are."""
+    vectors = hidden[rows].float()
     if any(normalize):
         mask = torch.tensor(normalize, device=vectors.device).unsqueeze(1)
         vectors = torch.where(mask, F.normalize(vectors, dim=-1), vectors)
-    return vectors.cpu().tolist()
+    return vectors.cpu()

@@ -24,6 +24,8 @@ from engine.penalties import TokenCounts
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from engine.models.lora import LoraAdapter
     from engine.pooling import PoolingParams
 
@@ -150,7 +152,7 @@ class Request:
     # a failure of the worker.
     error_param: str | None = None
     num_remote_blocks_pulled: int = 0
-    embedding: list[float] | None = None  # an embedding request's, once computed
+    embedding: torch.Tensor | None = None  # an embedding request's, once computed
     token_counts: TokenCounts | None = None  # penalised requests: what the sampler counted
     # Speculating requests: their tokens as an array, for the n-gram proposer, and how
     # many drafts their steps may verify.

@@ -175,9 +175,9 @@ class EmbedResponse(_message.Message):
     __slots__ = ("embedding", "num_cached_tokens")
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    embedding: _containers.RepeatedScalarFieldContainer[float]
+    embedding: bytes
     num_cached_tokens: int
-    def __init__(self, embedding: _Optional[_Iterable[float]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, embedding: _Optional[bytes] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "kv", "cache_salt", "lora_name", "priority")

@@ -31,7 +31,7 @@ from proto import pdserve_pb2 as pb
 from router.choices import build_choices, merge_choices, new_id
 from router.detokenizer import IncrementalDetokenizer
 from router.dispatch import SequenceRequest
-from router.embeddings import all_or_none, embeddings_response
+from router.embeddings import EmbeddingsBody, all_or_none
 from router.errors import (
     APIError,
     bad_request,
@@ -405,9 +405,10 @@ def create_app(state: RouterState) -> FastAPI:
             return Response(status_code=499)  # nobody is listening; the work is aborted
         name = lora_name or state.model.served_name
         num_tokens = sum(map(len, prompts))
-        return JSONResponse(
-            embeddings_response(response_id, name, replies, num_tokens, body.encoding_format)
-        )
+        document = EmbeddingsBody(response_id, name, replies, num_tokens, body.encoding_format)
+        if document.small:
+            return Response(document.whole(), media_type="application/json")
+        return StreamingResponse(document.pieces(), media_type="application/json")
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:

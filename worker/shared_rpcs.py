@@ -53,8 +53,9 @@ class WorkerRPCs:
             raise_for_error(final)
             if final.embedding is None:  # aborted here (an Abort RPC by its id)
                 await context.abort(grpc.StatusCode.CANCELLED, "request aborted")
+            vector = final.embedding.numpy().astype("<f4", copy=False)
             return pb.EmbedResponse(
-                embedding=final.embedding, num_cached_tokens=final.num_cached_tokens
+                embedding=vector.tobytes(), num_cached_tokens=final.num_cached_tokens
             )
         finally:
             self.num_active -= 1

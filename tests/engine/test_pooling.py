@@ -40,8 +40,8 @@ def test_embeddings_equal_transformers_last_hidden_state(model_factory, arch):
         prompts, normalized, raw, hf_last_hidden(model_dir, prompts), strict=True
     ):
         assert plain.finished and plain.outputs[0].token_ids == []
-        torch.testing.assert_close(torch.tensor(plain.embedding), expected, atol=1e-4, rtol=1e-4)
-        vector = torch.tensor(unit.embedding)
+        torch.testing.assert_close(plain.embedding, expected, atol=1e-4, rtol=1e-4)
+        vector = unit.embedding
         assert vector.norm().item() == pytest.approx(1.0, abs=1e-5), len(prompt)
         torch.testing.assert_close(vector, expected / expected.norm(), atol=1e-5, rtol=1e-4)
     assert llm.engine.leak_report() == []
@@ -53,7 +53,7 @@ def test_chunks_cache_hits_and_generation_beside_change_nothing(tiny_llama):
     requests' tokens those of a run without embeddings."""
     prompts = random_prompts((40, 100, 130), seed=5)
     whole = LLM(tiny_llama, dtype="float32")
-    expected = [torch.tensor(o.embedding) for o in whole.embed(prompts, use_tqdm=False)]
+    expected = [o.embedding for o in whole.embed(prompts, use_tqdm=False)]
     params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
     generated = [o.outputs[0].token_ids for o in whole.generate(prompts, params, use_tqdm=False)]
 
@@ -72,7 +72,7 @@ def test_chunks_cache_hits_and_generation_beside_change_nothing(tiny_llama):
     for i, prompt in enumerate(prompts):
         assert finished[f"gen-{i}"].outputs[0].token_ids == generated[i]
         for name in ("embed", "again"):
-            vector = torch.tensor(finished[f"{name}-{i}"].embedding)
+            vector = finished[f"{name}-{i}"].embedding
             torch.testing.assert_close(vector, expected[i], atol=1e-5, rtol=1e-4)
         cached = finished[f"again-{i}"].num_cached_tokens
         assert cached == (len(prompt) - 1) // 16 * 16, (len(prompt), cached)
@@ -85,7 +85,7 @@ def test_embedding_requests_never_speculate_or_sample(tiny_llama):
     disaggregated roles' fields, are refused with the engine unchanged."""
     llm = LLM(tiny_llama, dtype="float32", num_speculative_tokens=4)
     outputs = llm.embed([[7], [7, 8, 7, 8, 7, 8, 7]], use_tqdm=False)
-    assert all(len(o.embedding) == llm.engine.arch.hidden_size for o in outputs)
+    assert all(o.embedding.shape == (llm.engine.arch.hidden_size,) for o in outputs)
     engine = llm.engine
     for kwargs in (
         {"params": SamplingParams(max_tokens=1, temperature=0.5)},
@@ -121,8 +121,8 @@ def test_a_headless_checkpoint_serves_embeddings_only(model_factory, tmp_path):
     for output, reference, expected in zip(
         outputs, full, hf_last_hidden(bare, prompts), strict=True
     ):
-        assert output.embedding == reference.embedding
-        vector = torch.tensor(output.embedding)
+        assert torch.equal(output.embedding, reference.embedding)
+        vector = output.embedding
         torch.testing.assert_close(vector, expected / expected.norm(), atol=1e-5, rtol=1e-4)
     with pytest.raises(InvalidRequestError) as raised:
         llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)

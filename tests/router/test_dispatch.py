@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import struct
 import threading
 import time
 
@@ -557,6 +558,11 @@ def test_a_restarted_decode_worker_keeps_its_line_and_what_is_ahead(tmp_path):
     assert run_with_registry(tmp_path, scenario) == [True, True, True, True]
 
 
+def vector(value: float) -> bytes:
+    """Four float32 copies of ``value``, as Embed sends a vector."""
+    return struct.pack("<4f", *[value] * 4)
+
+
 class EmbeddingPrefill(HeldPrefill):
     """A prefill worker's Embed: fails with ``status`` (INVALID_ARGUMENT naming "input"),
     or answers four copies of ``value``."""
@@ -574,7 +580,7 @@ class EmbeddingPrefill(HeldPrefill):
                 ((PARAM_KEY, "input"),) if self.status is grpc.StatusCode.INVALID_ARGUMENT else ()
             )
             await context.abort(self.status, "no", metadata)
-        return pb.EmbedResponse(embedding=[self.value] * 4, num_cached_tokens=16)
+        return pb.EmbedResponse(embedding=vector(self.value), num_cached_tokens=16)
 
 
 class EmbeddingDecode(Decode):
@@ -585,7 +591,7 @@ class EmbeddingDecode(Decode):
 
     async def Embed(self, request, context):
         self.embeds.append(request)
-        return pb.EmbedResponse(embedding=[self.value] * 4)
+        return pb.EmbedResponse(embedding=vector(self.value))
 
 
 def embed_through(tmp_path, servicers) -> tuple[object, dict[str, int]]:
@@ -630,7 +636,7 @@ def test_an_embedding_goes_on_to_the_next_worker_and_claims_only_where_it_ran(tm
     down = grpc.StatusCode.UNAVAILABLE
     servicers = [EmbeddingPrefill(1.0, down), EmbeddingPrefill(2.0, down), EmbeddingDecode(3.0)]
     reply, claims = embed_through(tmp_path, servicers)
-    assert list(reply.embedding) == [3.0] * 4
+    assert reply.embedding == vector(3.0)
     assert [len(s.embeds) for s in servicers] == [1, 1, 1]
     assert all(s.embeds[0].normalize and list(s.embeds[0].token_ids) == list(range(5, 53))
                for s in servicers)  # fmt: skip

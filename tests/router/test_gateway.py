@@ -16,6 +16,7 @@ import time
 
 import grpc
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -763,8 +764,9 @@ def test_embeddings_equal_offline_on_either_role(stack, client, tiny_llama):
     ``Embed`` too, with the same vector; an unknown adapter is its INVALID_ARGUMENT."""
     texts = ["The capital of France is", "a longer text, " * 30]
     llm = LLM(tiny_llama)
-    expected = [o.embedding for o in llm.embed(texts, use_tqdm=False)]
-    raw = [o.embedding for o in llm.embed(texts, PoolingParams(normalize=False), use_tqdm=False)]
+    expected = [o.embedding.tolist() for o in llm.embed(texts, use_tqdm=False)]
+    unnormalized = llm.embed(texts, PoolingParams(normalize=False), use_tqdm=False)
+    raw = [o.embedding.tolist() for o in unnormalized]
     tokens = [Tokenizer(tiny_llama).encode(text) for text in texts]
 
     def queried(role: str) -> int:
@@ -791,7 +793,8 @@ def test_embeddings_equal_offline_on_either_role(stack, client, tiny_llama):
         embed = pb_grpc.DecodeServiceStub(channel).Embed
         reply = embed(pb.EmbedRequest(request_id="direct", token_ids=tokens[1], normalize=True),
                       timeout=30)  # fmt: skip
-        assert list(reply.embedding) == pytest.approx(expected[1], abs=1e-5)
+        vector = np.frombuffer(reply.embedding, dtype="<f4").tolist()
+        assert vector == pytest.approx(expected[1], abs=1e-5)
         with pytest.raises(grpc.RpcError) as refused:
             embed(pb.EmbedRequest(request_id="x", token_ids=[5], lora_name="nope"), timeout=30)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT

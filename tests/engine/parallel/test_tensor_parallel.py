@@ -70,7 +70,7 @@ def test_a_vocabulary_that_does_not_split_evenly(model_factory, tmp_path):
         with pytest.raises(InvalidRequestError, match="embeddings only"):
             llm.generate(prompts, params, use_tqdm=False)
     for got, want in zip(split, expected, strict=True):
-        assert got == pytest.approx(want, abs=1e-5)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
 def _odd_vocabulary_model(tokenizer_from, out, tied: bool):
@@ -110,7 +110,7 @@ def test_replicated_kv_heads_and_prompt_logprobs_match_one_process(model_factory
         split_vectors = [o.embedding for o in llm.embed(prompts, use_tqdm=False)]
         assert llm.engine.leak_report() == []
     for got, want in zip(split_vectors, single_vectors, strict=True):
-        assert got == pytest.approx(want, abs=1e-5)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     assert _tokens(split) == _tokens(single)
     pairs = []
     for a, b in zip(split, single, strict=True):
