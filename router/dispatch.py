@@ -365,15 +365,8 @@ class Dispatcher:
                 self.metrics.prefill_failures.inc()
                 continue  # the pool has marked it down; nothing was sent to the client
             except grpc.aio.AioRpcError as exc:
-                client_error = _client_error(exc)
-                if client_error is not None:
-                    raise client_error from None
-                if exc.code() not in _RETRYABLE:
-                    raise
-                logger.warning("prefill on %s failed: %s", worker.worker_id, exc.details())
+                self._failed_call(worker, exc, "prefill")
                 self.metrics.prefill_failures.inc()
-                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
-                    self.pool.mark_unhealthy(worker.worker_id)
                 continue
             finally:
                 worker.queued_prefill_tokens -= uncached
@@ -455,19 +448,26 @@ class Dispatcher:
         except WorkerStalled:
             return None  # the pool has marked it down
         except grpc.aio.AioRpcError as exc:
-            client_error = _client_error(exc)
-            if client_error is not None:
-                raise client_error from None
-            if exc.code() not in _RETRYABLE:
-                raise
-            logger.warning("embedding on %s failed: %s", worker.worker_id, exc.details())
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
-                self.pool.mark_unhealthy(worker.worker_id)
+            self._failed_call(worker, exc, "embedding")
             return None
         finally:
             worker.queued_prefill_tokens -= num_tokens
             if not call.done():
                 call.cancel()
+
+    def _failed_call(self, worker: WorkerState, exc: grpc.aio.AioRpcError, what: str) -> None:
+        """A unary call (a prefill, an embedding) to ``worker`` failed: raises the client's
+        400 for invalid input, and ``exc`` where another worker would fail alike; else
+        logs it and marks ``worker`` down where its being down is why (the caller goes on
+        to the next worker)."""
+        client_error = _client_error(exc)
+        if client_error is not None:
+            raise client_error from None
+        if exc.code() not in _RETRYABLE:
+            raise exc
+        logger.warning("%s on %s failed: %s", what, worker.worker_id, exc.details())
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
+            self.pool.mark_unhealthy(worker.worker_id)
 
     def _next_decode_worker(
         self, preferred: str, tried: set[str], lora: LoraRef | None
