@@ -24,14 +24,11 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from common.hashing import hash_blocks, prefix_salt
 from common.structured_output import STRUCTURED_OUTPUT
 from common.tokenizer import TokenizerError, TooManyTokens
-from proto import pdserve_pb2 as pb
 from router.choices import build_choices, merge_choices, new_id
 from router.detokenizer import IncrementalDetokenizer
-from router.dispatch import SequenceRequest
-from router.embeddings import EmbeddingsBody, all_or_none
+from router.embeddings import EmbeddingsBody, embed_all
 from router.errors import (
     APIError,
     bad_request,
@@ -57,6 +54,8 @@ from router.protocol import (
     TokenizeRequest,
     UnloadLoraAdapterRequest,
     error_field,
+    texts_of,
+    token_lists_of,
 )
 from router.reasoning import PROMPT_TAIL_TOKENS, Reasoning, opening_of
 from router.request_bodies import RequestBodies
@@ -354,14 +353,11 @@ def create_app(state: RouterState) -> FastAPI:
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         """Each input's embedding: its last token's hidden state, from whichever worker
-        placement picks (``router/embeddings.py``, ``Dispatcher.embed``)."""
+        placement picks (``router/embeddings.py``)."""
         lora_name = check_model(body.model)
         if state.draining:
             raise unavailable("the router is draining")
-        if body.priority and not state.takes_priority:
-            raise bad_request(f"priority {body.priority} needs engine.scheduling_policy: "
-                              "priority; this server serves requests in arrival order (fcfs)",
-                              "priority")  # fmt: skip
+        check_priority(body.priority)
         prompts = await asyncio.to_thread(embedding_prompts, body)
         if body.truncate_prompt_tokens is not None:
             prompts = truncated(prompts, body.truncate_prompt_tokens, body.truncation_side)
@@ -369,38 +365,21 @@ def create_app(state: RouterState) -> FastAPI:
         for tokens in prompts:
             if len(tokens) > max_model_len:
                 raise context_too_long(len(tokens), None, max_model_len, "input")
-        limit = state.config.router.max_inflight_sequences
-        if len(prompts) > limit:
-            raise bad_request(f"the request holds {len(prompts)} inputs; this server runs at "
-                              f"most {limit} at once", "input")  # fmt: skip
-        if state.num_inflight + len(prompts) > limit:
-            raise overloaded()
+        check_sequences(len(prompts), f"the request holds {len(prompts)} inputs", "input")
         lora = state.adapters.resolve(lora_name) if lora_name is not None else None
-        salt = prefix_salt(body.cache_salt, lora and lora.key)
         response_id = new_id("embd")
-        sequences = [
-            SequenceRequest(f"{response_id}-{index}", tokens,
-                            hash_blocks(tokens, state.model.block_size, salt),
-                            pb.SamplingParams(), body.cache_salt, lora, body.priority)
-            for index, tokens in enumerate(prompts)
-        ]  # fmt: skip
-
-        async def run_all() -> list[pb.EmbedResponse]:  # the calls made once it runs
-            calls = [state.dispatcher.embed(sequence, body.normalize) for sequence in sequences]
-            return await all_or_none(calls)
-
-        state.num_inflight += len(prompts)  # admitted: checked and taken with no await between
-        release_adapter = state.adapters.admit(lora_name, len(prompts))
+        release = admit(len(prompts), lora_name)
         try:
-            replies = await until_disconnected(request, run_all())
+            work = embed_all(state.dispatcher, prompts, response_id, state.model.block_size,
+                             lora, body)  # fmt: skip
+            replies = await until_disconnected(request, work)
         except Exception as exc:
             if isinstance(exc, APIError):
                 raise
             logger.exception("request %s failed", response_id)
             raise internal(response_id) from None
         finally:
-            state.num_inflight -= len(prompts)
-            release_adapter()
+            release()
         if replies is _GONE:
             return Response(status_code=499)  # nobody is listening; the work is aborted
         name = lora_name or state.model.served_name
@@ -480,38 +459,62 @@ def create_app(state: RouterState) -> FastAPI:
                                 at_least=True)  # fmt: skip
 
     def completion_prompts(body: CompletionRequest) -> list[list[int]]:
-        prompt, texts = body.prompt, body.prompt_texts
+        return prompt_ids(body.prompt, "prompt", prompt_limit(body))
+
+    def embedding_prompts(body: EmbeddingRequest) -> list[list[int]]:
+        return prompt_ids(body.input, "input", prompt_limit(body), body.add_special_tokens)
+
+    def prompt_ids(
+        value: str | list, param: str, limit: int | None, add_special_tokens: bool = True
+    ) -> list[list[int]]:
+        """A prompt field's ids (``prompt``, ``input``: a text, texts, ids or lists of
+        ids): texts encoded (one surely past ``limit`` tokens refused before it is
+        encoded whole), each checked to be non-empty and in the vocabulary, blaming
+        ``param``."""
+        texts = texts_of(value)
         if texts is not None:
             try:
-                limit = prompt_limit(body)
-                prompts = [state.tokenizer.encode(text, max_tokens=limit) for text in texts]
+                prompts = [state.tokenizer.encode(t, add_special_tokens, limit) for t in texts]
             except TooManyTokens as exc:
-                raise too_long(exc, "prompt") from None
-        elif all(isinstance(p, int) for p in prompt):
-            prompts = [list(prompt)]
+                raise too_long(exc, param) from None
         else:
-            prompts = [list(p) for p in prompt]
+            prompts = token_lists_of(value)
         vocab = state.tokenizer.vocab_size
         for tokens in prompts:
             if not tokens:
-                raise bad_request("prompt must not be empty", "prompt")
+                raise bad_request(f"{param} must not be empty", param)
             if any(t < 0 or t >= vocab for t in tokens):
-                raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
+                raise bad_request(f"{param} token ids must be in [0, {vocab})", param)
         return prompts
 
-    def embedding_prompts(body: EmbeddingRequest) -> list[list[int]]:
-        texts = body.input_texts
-        if texts is None:
-            prompts = body.input_token_ids
-            vocab = state.tokenizer.vocab_size
-            if any(t < 0 or t >= vocab for tokens in prompts for t in tokens):
-                raise bad_request(f"input token ids must be in [0, {vocab})", "input")
-            return prompts
-        limit = state.model.max_model_len if body.truncate_prompt_tokens is None else None
-        try:
-            return [state.tokenizer.encode(text, body.add_special_tokens, limit) for text in texts]
-        except TooManyTokens as exc:
-            raise too_long(exc, "input") from None
+    def check_priority(priority: int) -> None:
+        if priority and not state.takes_priority:
+            raise bad_request(
+                f"priority {priority} needs engine.scheduling_policy: priority; this server "
+                "serves requests in arrival order (fcfs)",
+                "priority",
+            )
+
+    def check_sequences(num_sequences: int, what: str, param: str) -> None:
+        """A request of more sequences than ever run at once is the client's 400."""
+        limit = state.config.router.max_inflight_sequences
+        if num_sequences > limit:
+            raise bad_request(f"{what}; this server runs at most {limit} at once", param)
+
+    def admit(num_sequences: int, lora_name: str | None) -> Callable[[], None]:
+        """Take ``num_sequences`` of the router's in-flight room (429 when it has not that
+        much left) and of ``lora_name``'s; returns the call that gives them back. Callers
+        check and take with no await between."""
+        if state.num_inflight + num_sequences > state.config.router.max_inflight_sequences:
+            raise overloaded()
+        state.num_inflight += num_sequences
+        release_adapter = state.adapters.admit(lora_name, num_sequences)
+
+        def release() -> None:
+            state.num_inflight -= num_sequences
+            release_adapter()
+
+        return release
 
     def truncated(prompts: list[list[int]], keep: int, side: str | None) -> list[list[int]]:
         """vLLM's ``truncate_prompt_tokens``: each prompt's last ``keep`` tokens (-1: as
@@ -561,20 +564,11 @@ def create_app(state: RouterState) -> FastAPI:
                 raise bad_request(f"{name} must be in [0, {vocab}) (token ids)", name)
         if body.truncate_prompt_tokens is not None:
             prompts = truncated(prompts, body.truncate_prompt_tokens, body.truncation_side)
-        if body.priority and not state.takes_priority:
-            raise bad_request(
-                f"priority {body.priority} needs engine.scheduling_policy: priority; this "
-                "server serves requests in arrival order (fcfs)",
-                "priority",
-            )
+        check_priority(body.priority)
         num_sequences = len(prompts) * body.n
-        limit = state.config.router.max_inflight_sequences
-        if num_sequences > limit:
-            raise bad_request(
-                f"the request asks for {num_sequences} sequences (prompts x n); this server "
-                f"runs at most {limit} at once",
-                "n" if body.n > 1 else "prompt",
-            )
+        check_sequences(num_sequences,
+                        f"the request asks for {num_sequences} sequences (prompts x n)",
+                        "n" if body.n > 1 else "prompt")  # fmt: skip
         try:
             constraint = structured_output_of(body)
             calls_format = tool_format or harmony  # what may constrain the output to calls
@@ -652,16 +646,8 @@ def create_app(state: RouterState) -> FastAPI:
             harmony,
             body.return_tokens_as_token_ids,
         )
-        if state.num_inflight + num_sequences > limit:
-            raise overloaded()
+        release = admit(num_sequences, lora_name)  # no await since: nothing else got in
         arrival = time.perf_counter()
-        state.num_inflight += num_sequences  # admitted: checked and taken with no await between
-        release_adapter = state.adapters.admit(lora_name, num_sequences)
-
-        def release() -> None:
-            state.num_inflight -= num_sequences
-            release_adapter()
-
         events = merge_choices(state.dispatcher, choices, state.metrics, arrival)
         if constraint is not None:
             events = _blaming(events, constraint[0])

@@ -365,7 +365,7 @@ class Dispatcher:
                 self.metrics.prefill_failures.inc()
                 continue  # the pool has marked it down; nothing was sent to the client
             except grpc.aio.AioRpcError as exc:
-                self._failed_call(worker, exc, "prefill")
+                self.failed_call(worker, exc, "prefill")
                 self.metrics.prefill_failures.inc()
                 continue
             finally:
@@ -377,89 +377,11 @@ class Dispatcher:
         self.metrics.prefill_fallbacks.inc()
         return None, None
 
-    # ------------------------------------------------------------------ embeddings
-
-    async def embed(self, request: SequenceRequest, normalize: bool) -> pb.EmbedResponse:
-        """One prompt's embedding (``Embed``, which both roles answer). Placed as a
-        generation's prompt would be: where its prefix is cached, and past
-        ``min_disagg_tokens`` on a prefill worker. On a failure another worker might not
-        have, it goes to the next worker that serves it (the other prefill workers, least
-        queued first, then the decode workers, least busy first): an embedding shows the
-        client nothing until it is done, so trying again is always safe."""
-        message = pb.EmbedRequest(
-            request_id=request.request_id,
-            token_ids=request.prompt_token_ids,
-            priority=request.priority,
-            normalize=normalize,
-        )
-        if request.cache_salt is not None:
-            message.cache_salt = request.cache_salt
-        if request.lora is not None:
-            message.lora_name = request.lora.name
-        touched: set[str] = set()
-        ran_on: str | None = None
-        ended = "abort"  # counted as generated sequences are (vLLM counts pooling alike)
-        try:
-            placement = self.place(request)
-            touched = {w for w in (placement.decode_worker, placement.prefill_worker) if w}
-            planned = placement.prefill_worker or placement.decode_worker
-            for worker in self._embedders(planned, request.lora):
-                reply = await self._embed_on(worker, message)
-                if reply is not None:
-                    ran_on, ended = worker.worker_id, "stop"
-                    num_tokens = len(request.prompt_token_ids)
-                    self.metrics.prefix_cache(num_tokens, reply.num_cached_tokens)
-                    self.metrics.prompt_tokens.inc(num_tokens)
-                    return reply
-            raise unavailable("no worker could compute the embedding; retry shortly")
-        except Exception:
-            ended = "error"
-            raise
-        finally:  # the prompt's blocks are cached where it ran, and nowhere else it was placed
-            self.metrics.sequence_ended(ended)
-            with self.index_lock:
-                for worker_id in touched - {ran_on}:
-                    self.index.withdraw_optimistic(worker_id, request.block_hashes)
-                if ran_on is not None and ran_on not in touched:
-                    self.index.insert_optimistic(ran_on, request.block_hashes)
-
-    def _embedders(self, planned: str, lora: LoraRef | None) -> list[WorkerState]:
-        """The workers to try, in order: the planned one, then the rest."""
-        chosen = self.pool.get(planned)
-        prefill = sorted(self.pool.candidates(Role.PREFILL, lora),
-                         key=lambda w: w.queued_prefill_tokens)  # fmt: skip
-        decode = sorted(self.pool.candidates(Role.DECODE, lora), key=lambda w: w.load().running)
-        rest = [w for w in prefill + decode if w is not chosen]
-        return rest if chosen is None else [chosen, *rest]
-
-    async def _embed_on(
-        self, worker: WorkerState, message: pb.EmbedRequest
-    ) -> pb.EmbedResponse | None:
-        """The reply, or None when ``worker`` failed in a way another may not (marked
-        down where its being down is why). Invalid input is the client's 400."""
-        if self.pool.retired(worker):
-            return None  # retired while an earlier try ran: its channel is closed
-        num_tokens = len(message.token_ids)
-        worker.queued_prefill_tokens += num_tokens
-        call = worker.stub.Embed(message, timeout=self.config.prefill_timeout_s)
-        try:
-            with worker.tracking(call):
-                return await call
-        except WorkerStalled:
-            return None  # the pool has marked it down
-        except grpc.aio.AioRpcError as exc:
-            self._failed_call(worker, exc, "embedding")
-            return None
-        finally:
-            worker.queued_prefill_tokens -= num_tokens
-            if not call.done():
-                call.cancel()
-
-    def _failed_call(self, worker: WorkerState, exc: grpc.aio.AioRpcError, what: str) -> None:
-        """A unary call (a prefill, an embedding) to ``worker`` failed: raises the client's
-        400 for invalid input, and ``exc`` where another worker would fail alike; else
-        logs it and marks ``worker`` down where its being down is why (the caller goes on
-        to the next worker)."""
+    def failed_call(self, worker: WorkerState, exc: grpc.aio.AioRpcError, what: str) -> None:
+        """A unary call (a prefill; an embedding, ``router/embeddings.py``) to ``worker``
+        failed: raises the client's 400 for invalid input, and ``exc`` where another
+        worker would fail alike; else logs it and marks ``worker`` down where its being
+        down is why (the caller goes on to the next worker)."""
         client_error = _client_error(exc)
         if client_error is not None:
             raise client_error from None

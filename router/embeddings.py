@@ -1,8 +1,8 @@
-"""``/v1/embeddings``: OpenAI's response shape around the workers' ``Embed`` calls.
+"""``/v1/embeddings`` behind the route: each input's ``Embed`` call, and OpenAI's response.
 
-Every input is one engine request, placed and run on its own (``Dispatcher.embed``) and
-batched there with whatever the worker runs; the reply waits for all of them. One that
-fails fails the request, and the rest are cancelled (which aborts them on the workers).
+Every input is one engine request, placed and run on its own (``embed``) and batched
+there with whatever the worker runs; the reply waits for all of them. One that fails
+fails the request, and the rest are cancelled (which aborts them on the workers).
 
 Vectors travel from the workers as float32 bytes. As base64 (the OpenAI client's default)
 they go out as they came. As JSON numbers they cost: 2,048 vectors of 4,096 took 4.3 s to
@@ -15,15 +15,144 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
+import grpc
 import numpy as np
 
+from common.config import Role
+from common.hashing import hash_blocks, prefix_salt
 from proto import pdserve_pb2 as pb
+from router.dispatch import Dispatcher, SequenceRequest
+from router.errors import unavailable
+from router.protocol import EmbeddingRequest
+from router.workers import LoraRef, WorkerStalled, WorkerState
+
+logger = logging.getLogger(__name__)
 
 # Floats encoded between two turns of the event loop (~4 ms of json.dumps).
 PIECE_FLOATS = 1 << 15
+
+
+async def embed(
+    dispatcher: Dispatcher, request: SequenceRequest, normalize: bool
+) -> pb.EmbedResponse:
+    """One input's embedding (``Embed``, which both roles answer). Placed as a
+    generation's prompt would be: where its prefix is cached, and past
+    ``min_disagg_tokens`` on a prefill worker. On a failure another worker might not have,
+    it goes to the next worker that serves it (the other prefill workers, least queued
+    first, then the decode workers, least busy first): an embedding shows the client
+    nothing until it is done, so trying again is always safe. Counted as a sequence is
+    (``vllm:request_success``, ``vllm:prompt_tokens``: vLLM counts pooling alike)."""
+    message = pb.EmbedRequest(
+        request_id=request.request_id,
+        token_ids=request.prompt_token_ids,
+        priority=request.priority,
+        normalize=normalize,
+    )
+    if request.cache_salt is not None:
+        message.cache_salt = request.cache_salt
+    if request.lora is not None:
+        message.lora_name = request.lora.name
+    metrics = dispatcher.metrics
+    touched: set[str] = set()
+    ran_on: str | None = None
+    ended = "abort"
+    try:
+        placement = dispatcher.place(request)
+        touched = {w for w in (placement.decode_worker, placement.prefill_worker) if w}
+        planned = placement.prefill_worker or placement.decode_worker
+        for worker in _workers_to_try(dispatcher, planned, request.lora):
+            reply = await _embed_on(dispatcher, worker, message)
+            if reply is not None:
+                ran_on, ended = worker.worker_id, "stop"
+                num_tokens = len(request.prompt_token_ids)
+                metrics.prefix_cache(num_tokens, reply.num_cached_tokens)
+                metrics.prompt_tokens.inc(num_tokens)
+                return reply
+        raise unavailable("no worker could compute the embedding; retry shortly")
+    except Exception:
+        ended = "error"
+        raise
+    finally:  # the prompt's blocks are cached where it ran, and nowhere else it was placed
+        metrics.sequence_ended(ended)
+        with dispatcher.index_lock:
+            for worker_id in touched - {ran_on}:
+                dispatcher.index.withdraw_optimistic(worker_id, request.block_hashes)
+            if ran_on is not None and ran_on not in touched:
+                dispatcher.index.insert_optimistic(ran_on, request.block_hashes)
+
+
+def _workers_to_try(
+    dispatcher: Dispatcher, planned: str, lora: LoraRef | None
+) -> list[WorkerState]:
+    """The planned worker, then the other prefill workers (least queued first), then the
+    decode workers (least busy first)."""
+    pool = dispatcher.pool
+    chosen = pool.get(planned)
+    prefill = sorted(pool.candidates(Role.PREFILL, lora), key=lambda w: w.queued_prefill_tokens)
+    decode = sorted(pool.candidates(Role.DECODE, lora), key=lambda w: w.load().running)
+    rest = [w for w in prefill + decode if w is not chosen]
+    return rest if chosen is None else [chosen, *rest]
+
+
+async def _embed_on(
+    dispatcher: Dispatcher, worker: WorkerState, message: pb.EmbedRequest
+) -> pb.EmbedResponse | None:
+    """The reply, or None when ``worker`` failed in a way another may not (marked down
+    where its being down is why). Invalid input is the client's 400. While the call runs
+    it counts in the worker's load as placement reads it: queued prompt tokens on a
+    prefill worker, a sequence and its blocks on a decode worker."""
+    if dispatcher.pool.retired(worker):
+        return None  # retired while an earlier try ran: its channel is closed
+    num_tokens = len(message.token_ids)
+    done: Callable[[], None]
+    if worker.info.role is Role.DECODE:
+        done = worker.assign(-(-num_tokens // dispatcher.block_size))
+    else:
+        worker.queued_prefill_tokens += num_tokens
+
+        def done() -> None:
+            worker.queued_prefill_tokens -= num_tokens
+
+    call = worker.stub.Embed(message, timeout=dispatcher.config.prefill_timeout_s)
+    try:
+        with worker.tracking(call):
+            return await call
+    except WorkerStalled:
+        return None  # the pool has marked it down
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # a worker older than Embed (an
+            logger.warning("%s has no Embed; trying another", worker.worker_id)  # upgrade)
+            return None
+        dispatcher.failed_call(worker, exc, "embedding")
+        return None
+    finally:
+        done()
+        if not call.done():
+            call.cancel()
+
+
+async def embed_all(
+    dispatcher: Dispatcher,
+    prompts: list[list[int]],
+    response_id: str,
+    block_size: int,
+    lora: LoraRef | None,
+    body: EmbeddingRequest,
+) -> list[pb.EmbedResponse]:
+    """Every prompt's embedding, all or none (``all_or_none``); prompt ``i`` runs as
+    request ``<response_id>-<i>``."""
+    salt = prefix_salt(body.cache_salt, lora and lora.key)
+    # Nothing to sample: placement reads of the sampling only whether it scores a prompt.
+    sequences = [
+        SequenceRequest(f"{response_id}-{index}", tokens, hash_blocks(tokens, block_size, salt),
+                        pb.SamplingParams(), body.cache_salt, lora, body.priority)
+        for index, tokens in enumerate(prompts)
+    ]  # fmt: skip
+    return await all_or_none([embed(dispatcher, s, body.normalize) for s in sequences])
 
 
 async def all_or_none(calls: Sequence[Awaitable[pb.EmbedResponse]]) -> list[pb.EmbedResponse]:

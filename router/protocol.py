@@ -85,6 +85,21 @@ def _absent(value: Any) -> bool:
     return value is None or value is False or (isinstance(value, list | dict | str) and not value)
 
 
+def texts_of(value: str | list) -> list[str] | None:
+    """A prompt field (``prompt``, ``input``) as texts, one per prompt; None when it holds
+    token ids."""
+    if isinstance(value, str):
+        return [value]
+    return list(value) if all(isinstance(item, str) for item in value) else None
+
+
+def token_lists_of(value: list) -> list[list[int]]:
+    """A prompt field given as token ids: one list of ids is one prompt."""
+    if all(isinstance(item, int) for item in value):
+        return [list(value)]
+    return [list(item) for item in value]
+
+
 class _Body(BaseModel):
     """What every request body shares: unknown fields ignored, ``null`` taken as the
     field's default, strings that are not valid Unicode refused, and ``REFUSED_EXTRAS``:
@@ -285,11 +300,7 @@ class CompletionRequest(_SamplingFields):
     @property
     def prompt_texts(self) -> list[str] | None:
         """The prompts as text, one per prompt; None when they came as token ids."""
-        if isinstance(self.prompt, str):
-            return [self.prompt]
-        if all(isinstance(p, str) for p in self.prompt):
-            return list(self.prompt)
-        return None
+        return texts_of(self.prompt)
 
     @model_validator(mode="after")
     def _checks(self) -> CompletionRequest:
@@ -541,7 +552,14 @@ MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on the inputs of one embeddings re
 
 class EmbeddingRequest(_Body):
     """OpenAI's ``POST /v1/embeddings`` body, with vLLM's extensions that apply: each
-    input's embedding is its last token's hidden state (``engine/pooling.py``)."""
+    input's embedding is its last token's hidden state (``engine/pooling.py``). vLLM's
+    other encodings of base64 (``embed_dtype``, ``endianness``) are refused unless they
+    name what is sent (float32, little-endian): a client would decode them wrong."""
+
+    REFUSED_EXTRAS: ClassVar[dict[str, Callable[[Any], bool]]] = {
+        "embed_dtype": lambda value: value in (None, "float32"),
+        "endianness": lambda value: value in (None, "native", "little"),
+    }
 
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
@@ -573,22 +591,6 @@ class EmbeddingRequest(_Body):
             raise FieldError("truncate_prompt_tokens must be >= 1 (tokens kept) or -1 "
                              "(max_model_len of them)", "truncate_prompt_tokens")  # fmt: skip
         return self
-
-    @property
-    def input_texts(self) -> list[str] | None:
-        """The inputs as text, one per input; None when they came as token ids."""
-        if isinstance(self.input, str):
-            return [self.input]
-        if all(isinstance(item, str) for item in self.input):
-            return list(self.input)
-        return None
-
-    @property
-    def input_token_ids(self) -> list[list[int]]:
-        """The inputs given as token ids (one list of ids is one input)."""
-        if all(isinstance(item, int) for item in self.input):
-            return [list(self.input)]
-        return [list(item) for item in self.input]
 
 
 class LoadLoraAdapterRequest(_Body):

@@ -203,12 +203,14 @@ def load_model(
         with torch.no_grad():  # copy_ casts to the model dtype
             filled[target.param] += _copy_shard(dest, tensor, target.row_start, spec, tp.rank)
 
+    bare = False  # the backbone saved alone (names without "model.")
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for stored in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 name = _model_name(stored)
                 if name is None or _IGNORED.match(name):
                     continue
+                bare = bare or stored.startswith(_BARE)
                 if arch.tie_word_embeddings and name == _HEAD:
                     continue
                 expert = EXPERT_TENSOR.match(name) if gpt_oss else None
@@ -224,8 +226,9 @@ def load_model(
                 pieces = expert_pieces(prefix, which, suffix, f.get_tensor(stored), scales, dtype)
                 for param, index, row_start, rows in pieces:
                     place(_Target(param, row_start, index), rows, stored, path)
-    # No head stored at all (before padding counts for it): an embedding checkpoint.
-    headless = filled.get(_HEAD) == 0
+    # The backbone alone, no head stored (before padding counts for it): an embedding
+    # checkpoint. A causal LM's files without their head are broken, not that.
+    headless = bare and filled.get(_HEAD) == 0
     for name, spec in specs.items():  # a split's padding (the last vocabulary slice's)
         filled[name] += _zero_padding(params[name].data, spec)
     if unexpected:
@@ -235,8 +238,8 @@ def load_model(
         )
     missing = [name for name, count in filled.items() if count != params[name].numel()]
     if headless and missing == [_HEAD]:
-        # No head at all: an embedding checkpoint (Qwen3-Embedding-4B's files, say). It
-        # serves embeddings; the engine refuses to generate with it.
+        # Qwen3-Embedding-4B's files, say: it serves embeddings; the engine refuses to
+        # generate with it.
         logger.info("%s has no lm_head.weight: it serves embeddings only", model_dir)
         model.lm_head = None
         model.generates = False

@@ -4,6 +4,8 @@ generated tokens."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from common.config import EngineConfig
 from engine import LLM, PoolingParams, SamplingParams
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
+from engine.models.arch import ModelLoadError
 from engine.pooling import EMBEDDING_SAMPLING
 from tests.engine.helpers import headless_copy, random_prompts
 
@@ -128,3 +131,13 @@ def test_a_headless_checkpoint_serves_embeddings_only(model_factory, tmp_path):
         llm.generate(prompts, SamplingParams(max_tokens=2), use_tqdm=False)
     assert raised.value.param == "model" and "embeddings only" in raised.value.message
     assert llm.engine.leak_report() == [] and not llm.engine.has_unfinished_requests()
+    # A causal LM's files (names under "model.") without their head are broken instead.
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="lm_head.weight"):
+        LLM(broken, dtype="float32")

@@ -322,6 +322,8 @@ def test_embeddings_refusals_name_their_field_and_valid_ones_reach_placement(sta
         ({"input": "hello " * max_model_len}, "input", "the input resulted in"),
         ({"input": "x", "priority": 2}, "priority", "scheduling_policy"),
         ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", ">= 1"),
+        ({"input": "x", "embed_dtype": "float16"}, "embed_dtype", "not supported"),
+        ({"input": "x", "endianness": "big"}, "endianness", "not supported"),
         ({"input": ["x"] * (state.config.router.max_inflight_sequences + 1)}, "input",
          "at most"),
     ]  # fmt: skip
@@ -335,6 +337,7 @@ def test_embeddings_refusals_name_their_field_and_valid_ones_reach_placement(sta
         {"input": ["a", "b"], "encoding_format": "base64", "model": state.model.served_name},
         {"input": [5, 6, 7]},
         {"input": [[5, 6, 7], [8]], "normalize": False, "dimensions": None},
+        {"input": "x", "embed_dtype": "float32", "endianness": "little"},
         {"input": [5] * (max_model_len + 9), "truncate_prompt_tokens": -1},
     ]:
         error = error_of(post(state, "/v1/embeddings", json=body), 503)

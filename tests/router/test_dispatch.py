@@ -22,6 +22,7 @@ from proto import PARAM_KEY
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from router.dispatch import Dispatcher, SequenceRequest
+from router.embeddings import embed
 from router.errors import APIError
 from router.events import EventListener
 from router.metrics import RouterMetrics
@@ -584,13 +585,18 @@ class EmbeddingPrefill(HeldPrefill):
 
 
 class EmbeddingDecode(Decode):
+    """A decode worker's Embed: four copies of ``value``, once ``go`` is set."""
+
     def __init__(self, value: float) -> None:
         super().__init__(fail=False)
         self.value = value
         self.embeds: list[pb.EmbedRequest] = []
+        self.go = asyncio.Event()
+        self.go.set()
 
     async def Embed(self, request, context):
         self.embeds.append(request)
+        await self.go.wait()
         return pb.EmbedResponse(embedding=vector(self.value))
 
 
@@ -609,7 +615,7 @@ def embed_through(tmp_path, servicers) -> tuple[object, dict[str, int]]:
             hashes = hash_blocks(prompt, 16)
             request = SequenceRequest("e1", prompt, hashes, pb.SamplingParams())
             try:
-                outcome = await dispatcher.embed(request, normalize=True)
+                outcome = await embed(dispatcher, request, normalize=True)
             except APIError as exc:
                 outcome = exc
             ids = [info.worker_id for _, info in servers]
@@ -631,10 +637,11 @@ def embed_through(tmp_path, servicers) -> tuple[object, dict[str, int]]:
 
 @pytest.mark.timeout(60)
 def test_an_embedding_goes_on_to_the_next_worker_and_claims_only_where_it_ran(tmp_path):
-    """Both prefill workers fail as if down: the decode worker computes it. The prompt's
-    prefix is then claimed on the decode worker alone."""
-    down = grpc.StatusCode.UNAVAILABLE
-    servicers = [EmbeddingPrefill(1.0, down), EmbeddingPrefill(2.0, down), EmbeddingDecode(3.0)]
+    """One prefill worker fails as if down, the other is of a build without Embed (a
+    rolling upgrade): the decode worker computes it. The prompt's prefix is then claimed
+    on the decode worker alone."""
+    old, down = grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAVAILABLE
+    servicers = [EmbeddingPrefill(1.0, old), EmbeddingPrefill(2.0, down), EmbeddingDecode(3.0)]
     reply, claims = embed_through(tmp_path, servicers)
     assert reply.embedding == vector(3.0)
     assert [len(s.embeds) for s in servicers] == [1, 1, 1]
@@ -651,3 +658,43 @@ def test_an_embeddings_invalid_input_is_a_400_and_not_tried_again(tmp_path):
     assert isinstance(error, APIError) and (error.status, error.param) == (400, "input")
     assert sum(len(s.embeds) for s in servicers) == 1
     assert claims == {0: 0, 1: 0, 2: 0}
+
+
+@pytest.mark.timeout(60)
+def test_embeddings_in_flight_count_in_a_decode_workers_load(tmp_path):
+    """Short inputs go to decode workers (below min_disagg_tokens). While their calls run
+    they count as that worker's sequences, so a burst spreads over both workers instead
+    of all landing on the one that looked idle first (a review found 16 of 16 on one);
+    once they end, nothing is left counted."""
+    workers = [EmbeddingDecode(1.0), EmbeddingDecode(2.0)]
+    for worker in workers:
+        worker.go.clear()
+
+    async def scenario(registry: RedisRegistry) -> list[int]:
+        servers = [await serve(worker, registry) for worker in workers]
+        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex())
+        try:
+            await pool.refresh()
+            states = pool.candidates(Role.DECODE)
+            states[0].running = 1  # one looks busier to begin with
+            calls = [
+                asyncio.ensure_future(embed(dispatcher, SequenceRequest(
+                    f"e{i}", [5 + i] * 20, hash_blocks([5 + i] * 20, 16), pb.SamplingParams()),
+                    normalize=True))
+                for i in range(16)
+            ]  # fmt: skip
+            while sum(len(w.embeds) for w in workers) < 16:
+                await asyncio.sleep(0.01)
+            assert sum(s.assigned for s in states) == 16
+            for worker in workers:
+                worker.go.set()
+            await asyncio.gather(*calls)
+            assert [(s.assigned, s.assigned_blocks) for s in states] == [(0, 0), (0, 0)]
+            return [len(w.embeds) for w in workers]
+        finally:
+            await pool.close()
+            for server, _ in servers:
+                await server.stop(None)
+
+    spread = run_with_registry(tmp_path, scenario)
+    assert sum(spread) == 16 and min(spread) >= 6, spread  # not 0 and 16: loads balance
