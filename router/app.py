@@ -28,7 +28,7 @@ from common.structured_output import STRUCTURED_OUTPUT
 from common.tokenizer import TokenizerError, TooManyTokens
 from router.choices import build_choices, merge_choices, new_id
 from router.detokenizer import IncrementalDetokenizer
-from router.embeddings import EmbeddingsBody, embed_all
+from router.embeddings import LANES, EmbeddingsBody, embed_all
 from router.errors import (
     APIError,
     bad_request,
@@ -365,13 +365,14 @@ def create_app(state: RouterState) -> FastAPI:
         for tokens in prompts:
             if len(tokens) > max_model_len:
                 raise context_too_long(len(tokens), None, max_model_len, "input")
-        check_sequences(len(prompts), f"the request holds {len(prompts)} inputs", "input")
         lora = state.adapters.resolve(lora_name) if lora_name is not None else None
         response_id = new_id("embd")
-        release = admit(len(prompts), lora_name)
+        # Its calls in flight are its sequences (``router/embeddings.py``).
+        lanes = min(len(prompts), LANES, state.config.router.max_inflight_sequences)
+        release = admit(lanes, lora_name)
         try:
             work = embed_all(state.dispatcher, prompts, response_id, state.model.block_size,
-                             lora, body)  # fmt: skip
+                             lora, body, lanes)  # fmt: skip
             replies = await until_disconnected(request, work)
         except Exception as exc:
             if isinstance(exc, APIError):
@@ -468,15 +469,20 @@ def create_app(state: RouterState) -> FastAPI:
         value: str | list, param: str, limit: int | None, add_special_tokens: bool = True
     ) -> list[list[int]]:
         """A prompt field's ids (``prompt``, ``input``: a text, texts, ids or lists of
-        ids): texts encoded (one surely past ``limit`` tokens refused before it is
-        encoded whole), each checked to be non-empty and in the vocabulary, blaming
-        ``param``."""
+        ids): texts encoded, the first past ``limit`` tokens refused at once (one surely
+        past it before it is encoded whole), each checked to be non-empty and in the
+        vocabulary, blaming ``param``."""
         texts = texts_of(value)
         if texts is not None:
-            try:
-                prompts = [state.tokenizer.encode(t, add_special_tokens, limit) for t in texts]
-            except TooManyTokens as exc:
-                raise too_long(exc, param) from None
+            prompts = []
+            for text in texts:
+                try:
+                    tokens = state.tokenizer.encode(text, add_special_tokens, limit)
+                except TooManyTokens as exc:
+                    raise too_long(exc, param) from None
+                if limit is not None and len(tokens) > limit:  # not after 1,000 more texts
+                    raise context_too_long(len(tokens), None, limit, param)
+                prompts.append(tokens)
         else:
             prompts = token_lists_of(value)
         vocab = state.tokenizer.vocab_size

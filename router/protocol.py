@@ -16,7 +16,14 @@ import typing
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 
 MAX_N = 128
@@ -289,7 +296,7 @@ class CompletionRequest(_SamplingFields):
         "add_special_tokens": lambda value: value is None or value is True,
     }
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # as EmbeddingRequest's
     # 0 only with echo: the prompt (and its log-probs) back, nothing generated (OpenAI's).
     max_tokens: int | None = Field(default=16, ge=0, le=UINT32_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -562,7 +569,8 @@ class EmbeddingRequest(_Body):
     }
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    # Strict: "1", true and 1.0 are not token ids (pydantic's lax mode took them).
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
     encoding_format: Literal["float", "base64"] = "float"
     # Matryoshka truncation: not offered (a model not trained for it gives meaningless
     # vectors cut short, and none of ours says it was).

@@ -324,8 +324,11 @@ def test_embeddings_refusals_name_their_field_and_valid_ones_reach_placement(sta
         ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", ">= 1"),
         ({"input": "x", "embed_dtype": "float16"}, "embed_dtype", "not supported"),
         ({"input": "x", "endianness": "big"}, "endianness", "not supported"),
-        ({"input": ["x"] * (state.config.router.max_inflight_sequences + 1)}, "input",
-         "at most"),
+        ({"input": ["1", 2]}, "input", ""),  # strict: not the ids 1 and 2
+        ({"input": [True, False]}, "input", ""),
+        ({"input": [[1.0, 2.0]]}, "input", ""),
+        ({"input": ["hello " * 400] * 3 + ["hello " * max_model_len] * 500}, "input",
+         "the input resulted in"),  # at the first long one, not after encoding 500
     ]  # fmt: skip
     for body, param, words in cases:
         error = error_of(post(state, "/v1/embeddings", json=body), 400)
@@ -338,6 +341,8 @@ def test_embeddings_refusals_name_their_field_and_valid_ones_reach_placement(sta
         {"input": [5, 6, 7]},
         {"input": [[5, 6, 7], [8]], "normalize": False, "dimensions": None},
         {"input": "x", "embed_dtype": "float32", "endianness": "little"},
+        # More inputs than sequences run at once: they run some at a time.
+        {"input": ["x"] * 2048},
         {"input": [5] * (max_model_len + 9), "truncate_prompt_tokens": -1},
     ]:
         error = error_of(post(state, "/v1/embeddings", json=body), 503)

@@ -22,12 +22,13 @@ from proto import PARAM_KEY
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from router.dispatch import Dispatcher, SequenceRequest
-from router.embeddings import embed
+from router.embeddings import embed, embed_all
 from router.errors import APIError
 from router.events import EventListener
 from router.metrics import RouterMetrics
 from router.policy import Placement, PlacementPolicy
 from router.prefix_index import PrefixIndex
+from router.protocol import EmbeddingRequest
 from router.workers import WorkerPool
 from tests.common.redis_server import run_with_registry
 from worker.grpc_errors import DrainingError, grpc_stream_errors
@@ -698,3 +699,40 @@ def test_embeddings_in_flight_count_in_a_decode_workers_load(tmp_path):
 
     spread = run_with_registry(tmp_path, scenario)
     assert sum(spread) == 16 and min(spread) >= 6, spread  # not 0 and 16: loads balance
+
+
+class CountingDecode(Decode):
+    """Embed answers its first token id (as four floats) after a moment; counts how many
+    calls it held at once."""
+
+    def __init__(self) -> None:
+        super().__init__(fail=False)
+        self.now = self.most_at_once = 0
+
+    async def Embed(self, request, context):
+        self.now += 1
+        self.most_at_once = max(self.most_at_once, self.now)
+        await asyncio.sleep(0.01)
+        self.now -= 1
+        return pb.EmbedResponse(embedding=vector(float(request.token_ids[0])))
+
+
+@pytest.mark.timeout(60)
+def test_a_requests_inputs_run_a_few_lanes_at_a_time_and_come_back_in_order(tmp_path):
+    worker = CountingDecode()
+    prompts = [[5 + i, 6] for i in range(40)]
+
+    async def scenario(registry: RedisRegistry) -> list[bytes]:
+        server, _ = await serve(worker, registry)
+        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex())
+        try:
+            await pool.refresh()
+            body = EmbeddingRequest(input=prompts)
+            replies = await embed_all(dispatcher, prompts, "r", 16, None, body, lanes=8)
+            return [reply.embedding for reply in replies]
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    assert run_with_registry(tmp_path, scenario) == [vector(float(5 + i)) for i in range(40)]
+    assert worker.most_at_once == 8

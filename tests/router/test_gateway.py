@@ -787,6 +787,11 @@ def test_embeddings_equal_offline_on_either_role(stack, client, tiny_llama):
             assert item.embedding == pytest.approx(vector, abs=1e-5)
     assert eventually(lambda: queried("prefill") - before["prefill"] == 4 * sum(map(len, tokens)))
     assert queried("decode") == before["decode"]
+    # More inputs than the stack runs sequences at once (8): they run 8 at a time.
+    many = client.embeddings.create(model=MODEL, input=texts * 10, encoding_format="float")
+    assert [item.index for item in many.data] == list(range(20))
+    for item, vector in zip(many.data, expected * 10, strict=True):
+        assert item.embedding == pytest.approx(vector, abs=1e-5)
     config = load_config(str(stack.config_path))
     address = f"{config.decode.host}:{config.decode.ports(0).grpc}"
     with grpc.insecure_channel(address) as channel:
