@@ -26,6 +26,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -39,6 +40,7 @@ from router.protocol import EmbeddingRequest
 from router.workers import LoraRef, WorkerStalled, WorkerState
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Floats encoded between two turns of the event loop (~4 ms of json.dumps).
 PIECE_FLOATS = 1 << 15
@@ -176,9 +178,9 @@ async def embed_all(
     return replies
 
 
-async def all_or_none(calls: Sequence[Awaitable[pb.EmbedResponse]]) -> list[pb.EmbedResponse]:
-    """Every call's reply in order; when one raises (or this is cancelled), the others are
-    cancelled and awaited before the error goes on, so none runs on unseen."""
+async def all_or_none(calls: Sequence[Awaitable[T]]) -> list[T]:
+    """Every call's result in order; when one raises (or this is cancelled), the others
+    are cancelled and awaited before the error goes on, so none runs on unseen."""
     tasks = [asyncio.ensure_future(call) for call in calls]
     try:
         return await asyncio.gather(*tasks)
