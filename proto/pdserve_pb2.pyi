@@ -172,12 +172,14 @@ class EmbedRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., priority: _Optional[int] = ..., normalize: _Optional[bool] = ...) -> None: ...
 
 class EmbedResponse(_message.Message):
-    __slots__ = ("embedding", "num_cached_tokens")
+    __slots__ = ("embedding", "num_cached_tokens", "timings")
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
     embedding: bytes
     num_cached_tokens: int
-    def __init__(self, embedding: _Optional[bytes] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    timings: StageTimings
+    def __init__(self, embedding: _Optional[bytes] = ..., num_cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "kv", "cache_salt", "lora_name", "priority")

@@ -82,6 +82,7 @@ async def embed(
                 num_tokens = len(request.prompt_token_ids)
                 metrics.prefix_cache(num_tokens, reply.num_cached_tokens)
                 metrics.prompt_tokens.inc(num_tokens)
+                metrics.observe_prefill(reply.timings)  # prompt work, as a prefill's
                 return reply
         raise unavailable("no worker could compute the embedding; retry shortly")
     except Exception:

@@ -18,6 +18,7 @@ from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.pooling import EMBEDDING_SAMPLING, PoolingParams
 from proto import pdserve_pb2 as pb
+from worker.convert import timings_to_proto
 from worker.grpc_errors import DisabledError, grpc_errors, raise_for_error
 from worker.runtime import WorkerRuntime
 from worker.stats import stats_reply
@@ -54,9 +55,13 @@ class WorkerRPCs:
             if final.embedding is None:  # aborted here (an Abort RPC by its id)
                 await context.abort(grpc.StatusCode.CANCELLED, "request aborted")
             vector = final.embedding.numpy().astype("<f4", copy=False)
-            return pb.EmbedResponse(
-                embedding=vector.tobytes(), num_cached_tokens=final.num_cached_tokens
+            reply = pb.EmbedResponse(
+                embedding=vector.tobytes(),
+                num_cached_tokens=final.num_cached_tokens,
+                timings=timings_to_proto(final.times),
             )
+            self.runtime.timer.add(reply.timings)  # prompt work, as a prefill's
+            return reply
         finally:
             self.num_active -= 1
 

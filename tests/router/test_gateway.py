@@ -800,6 +800,7 @@ def test_embeddings_equal_offline_on_either_role(stack, client, tiny_llama):
                       timeout=30)  # fmt: skip
         vector = np.frombuffer(reply.embedding, dtype="<f4").tolist()
         assert vector == pytest.approx(expected[1], abs=1e-5)
+        assert reply.timings.prefill_ms > 0  # the worker's stage timings, as a prefill's
         with pytest.raises(grpc.RpcError) as refused:
             embed(pb.EmbedRequest(request_id="x", token_ids=[5], lora_name="nope"), timeout=30)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
