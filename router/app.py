@@ -501,12 +501,6 @@ def create_app(state: RouterState) -> FastAPI:
                 "priority",
             )
 
-    def check_sequences(num_sequences: int, what: str, param: str) -> None:
-        """A request of more sequences than ever run at once is the client's 400."""
-        limit = state.config.router.max_inflight_sequences
-        if num_sequences > limit:
-            raise bad_request(f"{what}; this server runs at most {limit} at once", param)
-
     def admit(num_sequences: int, lora_name: str | None) -> Callable[[], None]:
         """Take ``num_sequences`` of the router's in-flight room (429 when it has not that
         much left) and of ``lora_name``'s; returns the call that gives them back. Callers
@@ -572,9 +566,13 @@ def create_app(state: RouterState) -> FastAPI:
             prompts = truncated(prompts, body.truncate_prompt_tokens, body.truncation_side)
         check_priority(body.priority)
         num_sequences = len(prompts) * body.n
-        check_sequences(num_sequences,
-                        f"the request asks for {num_sequences} sequences (prompts x n)",
-                        "n" if body.n > 1 else "prompt")  # fmt: skip
+        limit = state.config.router.max_inflight_sequences
+        if num_sequences > limit:
+            raise bad_request(
+                f"the request asks for {num_sequences} sequences (prompts x n); this server "
+                f"runs at most {limit} at once",
+                "n" if body.n > 1 else "prompt",
+            )
         try:
             constraint = structured_output_of(body)
             calls_format = tool_format or harmony  # what may constrain the output to calls

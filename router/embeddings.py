@@ -165,7 +165,7 @@ async def embed_all(
                         pb.SamplingParams(), body.cache_salt, lora, body.priority)
         for index, tokens in enumerate(prompts)
     ]  # fmt: skip
-    replies: list[pb.EmbedResponse] = []
+    replies = [pb.EmbedResponse()] * len(sequences)  # each lane fills its inputs' places
     next_index = 0
 
     async def lane() -> None:  # takes the next input until none is left
@@ -174,7 +174,6 @@ async def embed_all(
             index, next_index = next_index, next_index + 1
             replies[index] = await embed(dispatcher, sequences[index], body.normalize)
 
-    replies.extend([pb.EmbedResponse()] * len(sequences))  # each lane fills its own
     await all_or_none([lane() for _ in range(min(lanes, len(sequences)))])
     return replies
 
