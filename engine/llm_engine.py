@@ -225,6 +225,17 @@ class LLMEngine:
                 "whole prompt here and has no output tokens",
                 "pooling",
             )
+        if pooling is not None and pooling.token_ids:
+            if not self.runner.model.generates:
+                raise InvalidRequestError(
+                    f"{self.model_dir.name} has no language-model head: it has no logits to "
+                    "score tokens by",
+                    "pooling",
+                )
+            if any(not 0 <= t < self.arch.vocab_size for t in pooling.token_ids):
+                raise InvalidRequestError(
+                    f"pooling token ids must be in [0, {self.arch.vocab_size})", "pooling"
+                )
         if outputs and len(prompt) + len(outputs) >= self.max_model_len:
             raise InvalidRequestError(
                 f"{len(prompt)} prompt + {len(outputs)} output tokens leave no room below "

@@ -5,7 +5,8 @@ Per step the runner builds a single flattened batch (``input_ids``, ``positions`
 (``ModelShard``: the weights and the KV cache), computes logits only at the last token of
 chunks that sample (and at their draft tokens, when they verify drafts; and at the prompt
 tokens of chunks that score their prompt), and samples. An embedding request's last chunk
-is pooled instead: its last hidden state is the result (``engine/pooling.py``).
+is pooled instead: its last hidden state is the result, or its logits at the tokens it
+names (``engine/pooling.py``).
 
 With tensor parallelism the runner is rank 0: the other ranks' processes
 (``engine/parallel``) get each step's batch first and run it alongside; logits and
@@ -35,7 +36,7 @@ from engine.parallel.launch import ShardExtensionSpec
 from engine.parallel.messages import Step
 from engine.parallel.shard_client import ShardClient, launch_shards
 from engine.parallel.shard_spec import TensorParallel
-from engine.pooling import PoolingParams, pool_last_tokens
+from engine.pooling import PoolingParams, pick_token_logits, pool_last_tokens
 from engine.request import TokenLogprobs
 from engine.sampler import SamplingRow, sample, score_passes, score_tokens
 
@@ -299,6 +300,10 @@ class ModelRunner:
         ]
         if positions:
             plan.append(positions)
+        pooled = [(i, c) for i, c in enumerate(chunks) if c.pooling is not None]
+        classified = [(i, c) for i, c in pooled if c.pooling.token_ids]  # logits, last
+        if classified:
+            plan.append([batch.query_start_loc[i + 1] - 1 for i, _ in classified])
         try:  # from the step's message to its last collective
             hidden = self._forward(chunks, batch, plan)
             passes = (self.model.compute_logits(hidden[rows]) for rows in plan)  # [rows, vocab]
@@ -307,12 +312,13 @@ class ModelRunner:
                     passes, score.target_token_ids, score.num_top
                 )
             logits = next(passes) if sampling else None  # [num_positions, vocab]
+            classify_logits = next(passes) if classified else None  # [len(classified), vocab]
         except BaseException as exc:
             if self.shards is not None:  # the other ranks are somewhere inside this step
                 self.shards.find_exited(wait_s=0.5)  # a dead rank is the likely cause
                 self.shards.fail(f"rank 0's step ended early ({type(exc).__name__}: {exc})")
             raise
-        pooled = [(i, c) for i, c in enumerate(chunks) if c.pooling is not None]
+        pooled = [(i, c) for i, c in pooled if not c.pooling.token_ids]
         if pooled:  # each one's last row (rank 0's hidden states are whole)
             vectors = pool_last_tokens(
                 hidden,
@@ -320,6 +326,12 @@ class ModelRunner:
                 [c.pooling.normalize for _, c in pooled],
             )
             result.embeddings = {c.request_id: v for (_, c), v in zip(pooled, vectors, strict=True)}
+        if classify_logits is not None:
+            token_ids = [c.pooling.token_ids for _, c in classified]
+            picked = pick_token_logits(classify_logits, token_ids)
+            result.embeddings.update(
+                (c.request_id, v) for (_, c), v in zip(classified, picked, strict=True)
+            )
         if logits is None:
             return result
         results = sample(logits, [c.sampling for _, c in sampling])

@@ -9,6 +9,11 @@ gte-Qwen2, e5-mistral, SFR-Embedding) and vLLM's default for them.
 Only the last token is pooled, so a prefix-cache hit never changes an embedding: the last
 token is always computed (``KVCacheManager.get_computed_blocks``). Mean or first-token
 pooling would need the hidden states of tokens a hit skips; they are not offered.
+
+With ``token_ids`` the vector is instead the last token's logits at those ids: a causal
+LM used as a classifier or reranker (Qwen3-Reranker reads "no" and "yes" after its
+prompt; bge-reranker-v2-gemma "Yes"). The logits come from the same pass as a sampled
+token's (soft-capping and all), so they equal the model's next-token logits there.
 """
 
 from __future__ import annotations
@@ -26,9 +31,12 @@ class PoolingParams:
     """How an embedding request turns its last hidden state into a vector.
 
     ``normalize``: scale it to unit length (L2), so a dot product is the cosine
-    similarity; what embedding models are trained for, and vLLM's default."""
+    similarity; what embedding models are trained for, and vLLM's default.
+    ``token_ids``: when given, the vector is the last token's raw logits at these ids, in
+    this order (``normalize`` does not apply); the model needs its language-model head."""
 
     normalize: bool = True
+    token_ids: tuple[int, ...] = ()
 
 
 # What an embedding request samples: nothing. The engine's request carries sampling
@@ -49,3 +57,12 @@ def pool_last_tokens(
         mask = torch.tensor(normalize, device=vectors.device).unsqueeze(1)
         vectors = torch.where(mask, F.normalize(vectors, dim=-1), vectors)
     return vectors.cpu()
+
+
+def pick_token_logits(
+    logits: torch.Tensor,  # [num_rows, vocab] (a logits pass over the pooled rows)
+    token_ids: list[tuple[int, ...]],  # per row
+) -> list[torch.Tensor]:  # per row: [len(token_ids[row])] float32, on the CPU
+    """Each row's logits at its own token ids."""
+    picked = [logits[row, list(ids)] for row, ids in enumerate(token_ids)]
+    return [vector.float().cpu() for vector in picked]

@@ -118,3 +118,12 @@ def headless_copy(model_dir: Path, out: Path) -> Path:
         bare = {k.removeprefix("model."): v for k, v in tensors.items() if k != "lm_head.weight"}
         save_file(bare, out / path.name, metadata={"format": "pt"})
     return out
+
+
+def hf_last_logits(model_dir, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """transformers' next-token logits after each prompt, one prompt at a time."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return [model(input_ids=torch.tensor([prompt])).logits[0, -1] for prompt in prompts]

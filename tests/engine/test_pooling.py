@@ -4,6 +4,7 @@ generated tokens."""
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -15,7 +16,7 @@ from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
 from engine.models.arch import ModelLoadError
 from engine.pooling import EMBEDDING_SAMPLING
-from tests.engine.helpers import headless_copy, random_prompts
+from tests.engine.helpers import headless_copy, hf_last_logits, random_prompts
 
 LENGTHS = (1, 5, 17, 33, 64, 100)  # one token; within a block; several blocks; exactly 4
 
@@ -48,6 +49,54 @@ def test_embeddings_equal_transformers_last_hidden_state(model_factory, arch):
         assert vector.norm().item() == pytest.approx(1.0, abs=1e-5), len(prompt)
         torch.testing.assert_close(vector, expected / expected.norm(), atol=1e-5, rtol=1e-4)
     assert llm.engine.leak_report() == []
+
+
+# gemma3: its logits are soft-capped; phi3: tied to nothing, a fused projection.
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "phi3"])
+def test_token_logits_equal_transformers_next_token_logits(model_factory, arch):
+    """``PoolingParams(token_ids=...)``: the last token's logits at those ids, in their
+    order (a reranker's "no"/"yes"), as transformers computes them; beside hidden-state
+    embeddings and generation in one batch."""
+    model_dir = model_factory(arch)
+    prompts = random_prompts(LENGTHS, seed=4)
+    token_ids = [(9, 2), (31,), (5, 5, 100, 0), (7, 3), (64, 1), (2, 9)]
+    expected = hf_last_logits(model_dir, prompts)
+    llm = LLM(model_dir, dtype="float32")
+    engine = llm.engine
+    params = SamplingParams(max_tokens=4, min_tokens=4, temperature=0)
+    generated = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    for i, (prompt, ids) in enumerate(zip(prompts, token_ids, strict=True)):
+        engine.add_request(f"score-{i}", prompt, EMBEDDING_SAMPLING,
+                           pooling=PoolingParams(token_ids=ids))  # fmt: skip
+        engine.add_request(f"embed-{i}", prompt, EMBEDDING_SAMPLING, pooling=PoolingParams())
+        engine.add_request(f"gen-{i}", prompt, params)
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    for i, (ids, logits) in enumerate(zip(token_ids, expected, strict=True)):
+        vector = finished[f"score-{i}"].embedding
+        assert vector.dtype == torch.float32 and vector.shape == (len(ids),)
+        torch.testing.assert_close(vector, logits[list(ids)], atol=1e-4, rtol=1e-4)
+        assert finished[f"embed-{i}"].embedding.shape == (engine.arch.hidden_size,)
+        assert finished[f"gen-{i}"].outputs[0].token_ids == generated[i]
+    assert engine.leak_report() == []
+
+
+def test_token_logits_need_a_head_and_ids_in_the_vocabulary(model_factory, tmp_path):
+    bare = LLMEngine(headless_copy(model_factory("qwen3"), tmp_path / "bare"),
+                     EngineConfig().replace(dtype="float32"))  # fmt: skip
+    full = LLMEngine(model_factory("qwen3"), EngineConfig().replace(dtype="float32"))
+    vocab_size = full.arch.vocab_size
+    for engine, ids, words in (
+        (bare, (1, 2), "no language-model head"),
+        (full, (1, vocab_size), f"[0, {vocab_size})"),
+        (full, (-1,), f"[0, {vocab_size})"),
+    ):
+        with pytest.raises(InvalidRequestError, match=re.escape(words)) as raised:
+            pooling = PoolingParams(token_ids=ids)
+            engine.add_request("s", [5, 6], EMBEDDING_SAMPLING, pooling=pooling)
+        assert raised.value.param == "pooling"
+        assert engine.leak_report() == [] and not engine.has_unfinished_requests()
 
 
 def test_chunks_cache_hits_and_generation_beside_change_nothing(tiny_llama):

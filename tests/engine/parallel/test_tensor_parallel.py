@@ -17,11 +17,11 @@ import torch
 
 from common.config import EngineConfig
 from common.owned_paths import remove_dead_owners
-from engine import LLM, LLMEngine, SamplingParams
+from engine import LLM, LLMEngine, PoolingParams, SamplingParams
 from engine.errors import InvalidRequestError
 from engine.models.arch import ModelLoadError
 from engine.parallel.shard_client import ShardError
-from tests.engine.helpers import headless_copy, hf_greedy, random_prompts
+from tests.engine.helpers import headless_copy, hf_greedy, hf_last_logits, random_prompts
 from tests.support.processes import is_running
 
 NUM_TOKENS = 16
@@ -55,11 +55,16 @@ def test_a_vocabulary_that_does_not_split_evenly(model_factory, tmp_path):
         model_dir = _odd_vocabulary_model(model_factory("llama"), tmp_path / f"tied-{tied}", tied)
         prompts = random_prompts((7, 40), seed=11, vocab=2051)
         params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0, logprobs=3)
+        # Token logits (a reranker's) across the split: ids at both slices' ends.
+        ids = (0, 1025, 1026, 2050)
         with LLM(model_dir, tensor_parallel_size=2, **POOL) as llm:
             outputs = llm.generate(prompts, params, use_tqdm=False)
+            scored = llm.embed(prompts, PoolingParams(token_ids=ids), use_tqdm=False)
             embed = llm.engine.runner.model.model.embed_tokens
             assert (embed.rows, embed.weight.shape[0]) == (1026, 1026)
         assert _tokens(outputs) == hf_greedy(model_dir, prompts, 12), f"tied={tied}"
+        for output, logits in zip(scored, hf_last_logits(model_dir, prompts), strict=True):
+            torch.testing.assert_close(output.embedding, logits[list(ids)], atol=1e-4, rtol=1e-4)
         assert all(len(t.top_token_ids) == 3 for o in outputs for t in o.outputs[0].logprobs)
     # The untied one without its head (an embedding checkpoint's files): rank 1 pads a
     # head it never got, and the ranks' embeddings are one process's.
