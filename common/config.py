@@ -229,6 +229,14 @@ class ReasoningParser(StrEnum):
 _ENUM_FIELDS["ReasoningParser"] = ReasoningParser
 
 
+class ScoreMethod(StrEnum):
+    EMBEDDING = "embedding"  # the cosine similarity of the two texts' embeddings
+    TOKEN_LOGITS = "token_logits"  # one prompt per pair, read off next-token logits
+
+
+_ENUM_FIELDS["ScoreMethod"] = ScoreMethod
+
+
 # Each worker owns PORT_STRIDE consecutive ports from its base port (see ``WorkerPorts``).
 PORT_STRIDE = 10
 
@@ -407,9 +415,28 @@ class RouterConfig:
     # vLLM's --reasoning-parser: a chat reply's thinking goes out as reasoning_content
     # (router/reasoning.py), and a constraint applies after it. none: all is content.
     reasoning_parser: ReasoningParser = ReasoningParser.NONE
+    # /v1/score and /v1/rerank: how a (query, document) pair is scored (router/scoring.py).
+    # embedding: the cosine similarity of their embeddings (an embedding model's).
+    # token_logits: one prompt per pair, score_template with {query} and {document}
+    # filled in, scored by the model's next-token logits at score_tokens: a causal-LM
+    # reranker, such as Qwen3-Reranker (["no", "yes"]: the softmax probability of the
+    # second) or bge-reranker-v2-gemma (["Yes"]: the logit's sigmoid).
+    score_method: ScoreMethod = ScoreMethod.EMBEDDING
+    score_tokens: tuple[str, ...] = ()
+    score_template: str = "{query}{document}"
 
     def __post_init__(self) -> None:
         _coerce_enums(self)
+        if self.score_method is ScoreMethod.TOKEN_LOGITS:
+            if len(self.score_tokens) not in (1, 2):
+                raise ConfigError("router.score_tokens", "token_logits reads 1 token (its "
+                                  "logit's sigmoid) or 2 (negative, positive)")  # fmt: skip
+            for key in ("{query}", "{document}"):
+                if key not in self.score_template:
+                    raise ConfigError("router.score_template", f"must contain {key}")
+        elif self.score_tokens or self.score_template != "{query}{document}":
+            raise ConfigError("router.score_method", "score_tokens and score_template apply "
+                              "to token_logits only; set score_method: token_logits")  # fmt: skip
         if not 0.0 <= self.cpu_hit_credit <= 1.0:
             raise ConfigError("router.cpu_hit_credit", "must be in [0, 1]")
         if self.min_disagg_tokens < 0:

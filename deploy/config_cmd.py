@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from common.config import ConfigError, PdserveConfig, Role
+from common.config import ConfigError, PdserveConfig, Role, ScoreMethod
 from common.kv_budget import KVBudget, kv_budgets
 from common.model_info import (
     ADAPTER_CONFIG,
@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
         hf_config = checkpoint_text_config(config)
         if hf_config is not None:
             check_text_parsers(config, hf_config)
+            check_score_tokens(config)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -60,6 +61,16 @@ def run(args: argparse.Namespace) -> int:
         for warning in budget.warnings:
             print(f"warning: {budget.role}: {warning}", file=sys.stderr)
     return 0
+
+
+def check_score_tokens(config: PdserveConfig) -> None:
+    """``router.score_tokens`` are each one token of the model's vocabulary, as the router
+    will check at start."""
+    if config.router.score_method is ScoreMethod.TOKEN_LOGITS:
+        from common.tokenizer import Tokenizer
+        from router.scoring import Scorer
+
+        Scorer.build(config.router, Tokenizer(model_dir_of(config)))
 
 
 def summary(config: PdserveConfig, budgets: list[KVBudget] | None) -> list[str]:

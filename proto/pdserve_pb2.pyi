@@ -156,20 +156,22 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., first_logprobs: _Optional[_Union[TokenLogprobs, _Mapping]] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., finish_reason: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "cache_salt", "lora_name", "priority", "normalize")
+    __slots__ = ("request_id", "token_ids", "cache_salt", "lora_name", "priority", "normalize", "logit_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     cache_salt: str
     lora_name: str
     priority: int
     normalize: bool
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., priority: _Optional[int] = ..., normalize: _Optional[bool] = ...) -> None: ...
+    logit_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., priority: _Optional[int] = ..., normalize: _Optional[bool] = ..., logit_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EmbedResponse(_message.Message):
     __slots__ = ("embedding", "num_cached_tokens", "timings")

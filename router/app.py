@@ -17,6 +17,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -26,6 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.structured_output import STRUCTURED_OUTPUT
 from common.tokenizer import TokenizerError, TooManyTokens
+from proto import pdserve_pb2 as pb
 from router.choices import build_choices, merge_choices, new_id
 from router.detokenizer import IncrementalDetokenizer
 from router.embeddings import LANES, EmbeddingsBody, embed_all
@@ -50,7 +52,9 @@ from router.protocol import (
     FieldError,
     LoadLoraAdapterRequest,
     NamedToolChoice,
+    RerankRequest,
     ResponsesRequest,
+    ScoreRequest,
     TokenizeRequest,
     UnloadLoraAdapterRequest,
     error_field,
@@ -61,6 +65,7 @@ from router.reasoning import PROMPT_TAIL_TOKENS, Reasoning, opening_of
 from router.request_bodies import RequestBodies
 from router.response_output import ResponseShape, translate_stream
 from router.responses import renamed, to_chat, without_oldest_turn
+from router.scoring import pairs_of
 from router.state import RouterState
 from router.structured import check as check_constraint
 from router.structured import structured_output_of
@@ -355,24 +360,116 @@ def create_app(state: RouterState) -> FastAPI:
         """Each input's embedding: its last token's hidden state, from whichever worker
         placement picks (``router/embeddings.py``)."""
         lora_name = check_model(body.model)
+        check_pooling(body)
+        response_id = new_id("embd")
+        done = await pooled(request, body, body.input, "input", lora_name, response_id,
+                            normalize=body.normalize)  # fmt: skip
+        if done is None:
+            return Response(status_code=499)  # nobody is listening; the work is aborted
+        prompts, replies = done
+        name = lora_name or state.model.served_name
+        num_tokens = sum(map(len, prompts))
+        document = EmbeddingsBody(response_id, name, replies, num_tokens, body.encoding_format)
+        if document.small:
+            return Response(document.whole(), media_type="application/json")
+        return StreamingResponse(document.pieces(), media_type="application/json")
+
+    @app.post("/v1/score")
+    @app.post("/score")
+    async def score(body: ScoreRequest, request: Request) -> Response:
+        """vLLM's score API: each (text_1, text_2) pair's relevance, by the configured
+        method (``router/scoring.py``)."""
+        try:
+            pairs = pairs_of(body.text_1, body.text_2)
+        except ValueError as exc:
+            raise bad_request(str(exc), "text_2") from None
+        scored = await relevance(request, body, pairs, "text_2")
+        if scored is None:
+            return Response(status_code=499)
+        scores, num_tokens, name = scored
+        data = [{"index": i, "object": "score", "score": value} for i, value in enumerate(scores)]
+        usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0}
+        return JSONResponse({"id": new_id("score"), "object": "list", "created": int(time.time()),
+                             "model": name, "data": data, "usage": usage})  # fmt: skip
+
+    @app.post("/v1/rerank")
+    @app.post("/rerank")
+    @app.post("/v2/rerank")
+    async def rerank(body: RerankRequest, request: Request) -> Response:
+        """Jina's and Cohere's rerank (as vLLM serves it): the documents by relevance to
+        the query, best first, the ``top_n`` best (0: all)."""
+        pairs = [(body.query, document) for document in body.documents]
+        scored = await relevance(request, body, pairs, "documents")
+        if scored is None:
+            return Response(status_code=499)
+        scores, num_tokens, name = scored
+        order = sorted(range(len(scores)), key=lambda i: -scores[i])  # ties in input order
+        results = []
+        for index in order[: body.top_n or len(order)]:
+            result: dict[str, Any] = {"index": index, "relevance_score": scores[index]}
+            if body.return_documents:
+                result["document"] = {"text": body.documents[index]}
+            results.append(result)
+        usage = {"total_tokens": num_tokens}
+        return JSONResponse({"id": new_id("rerank"), "model": name, "usage": usage,
+                             "results": results})  # fmt: skip
+
+    def check_pooling(body: EmbeddingRequest | ScoreRequest | RerankRequest) -> None:
         if state.draining:
             raise unavailable("the router is draining")
         check_priority(body.priority)
-        prompts = await asyncio.to_thread(embedding_prompts, body)
+
+    async def relevance(
+        request: Request,
+        body: ScoreRequest | RerankRequest,
+        pairs: list[tuple[str, str]],
+        param: str,
+    ) -> tuple[list[float], int, str] | None:
+        """Each pair's score, the prompt tokens computed and the model's name; None when
+        the client left first."""
+        lora_name = check_model(body.model)
+        check_pooling(body)
+        scorer = state.scorer
+        plan = scorer.plan(pairs)
+        done = await pooled(request, body, plan.texts, param, lora_name, new_id("score"),
+                            normalize=scorer.normalize,
+                            logit_token_ids=scorer.token_ids)  # fmt: skip
+        if done is None:
+            return None
+        prompts, replies = done
+        vectors = [np.frombuffer(reply.embedding, dtype="<f4") for reply in replies]
+        name = lora_name or state.model.served_name
+        return plan.combine(vectors), sum(map(len, prompts)), name
+
+    async def pooled(
+        request: Request,
+        body: EmbeddingRequest | ScoreRequest | RerankRequest,
+        value: str | list,
+        param: str,
+        lora_name: str | None,
+        response_id: str,
+        *,
+        normalize: bool,
+        logit_token_ids: tuple[int, ...] = (),
+    ) -> tuple[list[list[int]], list[pb.EmbedResponse]] | None:
+        """``value``'s prompts (texts or ids, blaming ``param``) and each one's ``Embed``
+        reply, in order; None when the client left first (the work is then aborted)."""
+        prompts = await asyncio.to_thread(prompt_ids, value, param, prompt_limit(body),
+                                          body.add_special_tokens)  # fmt: skip
         if body.truncate_prompt_tokens is not None:
             prompts = truncated(prompts, body.truncate_prompt_tokens, body.truncation_side)
         max_model_len = state.model.max_model_len
         for tokens in prompts:
             if len(tokens) > max_model_len:
-                raise context_too_long(len(tokens), None, max_model_len, "input")
+                raise context_too_long(len(tokens), None, max_model_len, param)
         lora = state.adapters.resolve(lora_name) if lora_name is not None else None
-        response_id = new_id("embd")
         # Its calls in flight are its sequences (``router/embeddings.py``).
         lanes = min(len(prompts), LANES, state.config.router.max_inflight_sequences)
         release = admit(lanes, lora_name)
         try:
             work = embed_all(state.dispatcher, prompts, response_id, state.model.block_size,
-                             lora, body, lanes)  # fmt: skip
+                             lora, body, lanes, normalize=normalize,
+                             logit_token_ids=logit_token_ids)  # fmt: skip
             replies = await until_disconnected(request, work)
         except Exception as exc:
             if isinstance(exc, APIError):
@@ -381,14 +478,7 @@ def create_app(state: RouterState) -> FastAPI:
             raise internal(response_id) from None
         finally:
             release()
-        if replies is _GONE:
-            return Response(status_code=499)  # nobody is listening; the work is aborted
-        name = lora_name or state.model.served_name
-        num_tokens = sum(map(len, prompts))
-        document = EmbeddingsBody(response_id, name, replies, num_tokens, body.encoding_format)
-        if document.small:
-            return Response(document.whole(), media_type="application/json")
-        return StreamingResponse(document.pieces(), media_type="application/json")
+        return None if replies is _GONE else (prompts, replies)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
@@ -461,9 +551,6 @@ def create_app(state: RouterState) -> FastAPI:
 
     def completion_prompts(body: CompletionRequest) -> list[list[int]]:
         return prompt_ids(body.prompt, "prompt", prompt_limit(body))
-
-    def embedding_prompts(body: EmbeddingRequest) -> list[list[int]]:
-        return prompt_ids(body.input, "input", prompt_limit(body), body.add_special_tokens)
 
     def prompt_ids(
         value: str | list, param: str, limit: int | None, add_special_tokens: bool = True

@@ -26,7 +26,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import grpc
 import numpy as np
@@ -36,7 +36,6 @@ from common.hashing import hash_blocks, prefix_salt
 from proto import pdserve_pb2 as pb
 from router.dispatch import Dispatcher, SequenceRequest
 from router.errors import unavailable
-from router.protocol import EmbeddingRequest
 from router.workers import LoraRef, WorkerStalled, WorkerState
 
 logger = logging.getLogger(__name__)
@@ -47,8 +46,18 @@ PIECE_FLOATS = 1 << 15
 LANES = 64  # a request's embedding calls in flight at once
 
 
+class PooledBody(Protocol):
+    """What ``embed_all`` reads of a request body (embeddings', score's, rerank's)."""
+
+    cache_salt: str | None
+    priority: int
+
+
 async def embed(
-    dispatcher: Dispatcher, request: SequenceRequest, normalize: bool
+    dispatcher: Dispatcher,
+    request: SequenceRequest,
+    normalize: bool,
+    logit_token_ids: Sequence[int] = (),
 ) -> pb.EmbedResponse:
     """One input's embedding (``Embed``, which both roles answer). Placed as a
     generation's prompt would be: where its prefix is cached, and past
@@ -56,12 +65,14 @@ async def embed(
     it goes to the next worker that serves it (the other prefill workers, least queued
     first, then the decode workers, least busy first): an embedding shows the client
     nothing until it is done, so trying again is always safe. Counted as a sequence is
-    (``vllm:request_success``, ``vllm:prompt_tokens``: vLLM counts pooling alike)."""
+    (``vllm:request_success``, ``vllm:prompt_tokens``: vLLM counts pooling alike).
+    ``logit_token_ids``: the last token's logits at these ids instead (a reranker's)."""
     message = pb.EmbedRequest(
         request_id=request.request_id,
         token_ids=request.prompt_token_ids,
         priority=request.priority,
         normalize=normalize,
+        logit_token_ids=logit_token_ids,
     )
     if request.cache_salt is not None:
         message.cache_salt = request.cache_salt
@@ -153,11 +164,15 @@ async def embed_all(
     response_id: str,
     block_size: int,
     lora: LoraRef | None,
-    body: EmbeddingRequest,
+    body: PooledBody,
     lanes: int,
+    *,
+    normalize: bool,
+    logit_token_ids: Sequence[int] = (),
 ) -> list[pb.EmbedResponse]:
-    """Every prompt's embedding, all or none (``all_or_none``), with at most ``lanes``
-    calls in flight; prompt ``i`` runs as request ``<response_id>-<i>``."""
+    """Every prompt's embedding (or logits at ``logit_token_ids``), all or none
+    (``all_or_none``), with at most ``lanes`` calls in flight; prompt ``i`` runs as request
+    ``<response_id>-<i>``."""
     salt = prefix_salt(body.cache_salt, lora and lora.key)
     # Nothing to sample: placement reads of the sampling only whether it scores a prompt.
     sequences = [
@@ -172,7 +187,8 @@ async def embed_all(
         nonlocal next_index
         while next_index < len(sequences):
             index, next_index = next_index, next_index + 1
-            replies[index] = await embed(dispatcher, sequences[index], body.normalize)
+            replies[index] = await embed(dispatcher, sequences[index], normalize,
+                                         logit_token_ids)  # fmt: skip
 
     await all_or_none([lane() for _ in range(min(lanes, len(sequences)))])
     return replies

@@ -601,6 +601,60 @@ class EmbeddingRequest(_Body):
         return self
 
 
+class _ScoringFields(_Body):
+    """What ``/v1/score`` and ``/v1/rerank`` share (``router/scoring.py``): texts only,
+    none empty, at most ``MAX_EMBEDDING_INPUTS`` pairs, and the embeddings' extensions
+    that apply to every prompt they make."""
+
+    model: str | None = None
+    add_special_tokens: bool = True
+    cache_salt: str | None = None
+    priority: int = Field(default=0, ge=INT32_MIN, le=INT32_MAX)
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT32_MAX)
+    truncation_side: Literal["left", "right"] | None = None
+    user: str | None = None
+
+    def _check_texts(self, **fields: str | list[str]) -> None:
+        for name, value in fields.items():
+            texts = [value] if isinstance(value, str) else value
+            if not texts or not all(texts):
+                raise FieldError(f"{name} must not be empty (nor any of its texts)", name)
+            if len(texts) > MAX_EMBEDDING_INPUTS:
+                raise FieldError(f"{name} holds {len(texts)} texts; at most "
+                                 f"{MAX_EMBEDDING_INPUTS} per request", name)  # fmt: skip
+        if self.truncate_prompt_tokens == 0:
+            raise FieldError("truncate_prompt_tokens must be >= 1 (tokens kept) or -1 "
+                             "(max_model_len of them)", "truncate_prompt_tokens")  # fmt: skip
+
+
+class ScoreRequest(_ScoringFields):
+    """vLLM's ``POST /v1/score``: ``text_1`` against ``text_2``, one text against each
+    of a list, or two lists of one length pairwise."""
+
+    text_1: str | list[str]
+    text_2: str | list[str]
+
+    @model_validator(mode="after")
+    def _checks(self) -> ScoreRequest:
+        self._check_texts(text_1=self.text_1, text_2=self.text_2)
+        return self
+
+
+class RerankRequest(_ScoringFields):
+    """``POST /v1/rerank`` (Jina's and Cohere's shape, as vLLM serves it): ``documents``
+    by relevance to ``query``, the ``top_n`` best (0: all)."""
+
+    query: str
+    documents: list[str]
+    top_n: int = Field(default=0, ge=0)
+    return_documents: bool = True  # Jina's and Cohere v1's: each result's text back
+
+    @model_validator(mode="after")
+    def _checks(self) -> RerankRequest:
+        self._check_texts(query=self.query, documents=self.documents)
+        return self
+
+
 class LoadLoraAdapterRequest(_Body):
     """vLLM's ``POST /v1/load_lora_adapter`` body."""
 

@@ -24,6 +24,7 @@ from router.lora_adapters import LoraAdapters
 from router.metrics import RouterMetrics
 from router.policy import PlacementPolicy
 from router.prefix_index import PrefixIndex
+from router.scoring import EMBEDDING_SCORER, Scorer
 from router.tool_parsers import MISTRAL_MARKERS
 from router.workers import WorkerPool
 
@@ -57,6 +58,8 @@ class RouterState:
     # The tool-call parser's markers that are special tokens, which decoding would drop
     # (Mistral's [TOOL_CALLS]; router/tool_parsers.py).
     tool_marker_ids: frozenset[int] = frozenset()
+    # How /v1/score and /v1/rerank score a pair (router/scoring.py).
+    scorer: Scorer = EMBEDDING_SCORER
     _token_texts: dict[int, str] = field(default_factory=dict)
     # Compiles structured-output constraints as the workers will (router/structured.py).
     grammar_compiler: GrammarCompiler = field(init=False)
@@ -95,7 +98,8 @@ class RouterState:
         return cls(config, model, tokenizer, index, lock, events, pool, metrics, dispatcher,
                    adapters, generation_defaults=GenerationDefaults.read(model.model_dir),
                    harmony_ids=harmony_ids_of(config, model, tokenizer),
-                   tool_marker_ids=tool_marker_ids_of(config, tokenizer))  # fmt: skip
+                   tool_marker_ids=tool_marker_ids_of(config, tokenizer),
+                   scorer=Scorer.build(config.router, tokenizer))  # fmt: skip
 
     async def start(self) -> None:
         self.events.start()

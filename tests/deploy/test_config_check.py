@@ -248,3 +248,20 @@ def test_check_lists_the_lora_adapters(tiny_llama, tmp_path, capsys):
     assert f"lora      alice: {adapter} (rank 4, alpha 16.0; q_proj)" in out
     assert "lora      gone: /nowhere (not on this machine: not checked)" in out
     assert "empty" in out and "warning: no adapter_config.json" in out
+
+
+def test_check_refuses_score_tokens_that_are_not_one_token(tiny_llama, capsys):
+    """As the router would at start: a reranker's token must be one token of the model's
+    vocabulary (the tiny one splits "yes"). Unquoted, YAML reads no and yes as booleans:
+    the error says to quote them."""
+    score = ["--set", f"model={tiny_llama}", "--set", "router.score_method=token_logits"]
+    assert main(["config", "check", str(EXAMPLES[0]), *score,
+                 "--set", "router.score_tokens=[no, yes]"]) == 2  # fmt: skip
+    assert "router.score_tokens[0]: must be a string, got False (quote it" in (
+        capsys.readouterr().err
+    )
+    assert main(["config", "check", str(EXAMPLES[0]), *score,
+                 "--set", 'router.score_tokens=["no", "yes"]']) == 2  # fmt: skip
+    assert "router.score_tokens: 'yes' is 2 tokens" in capsys.readouterr().err
+    assert main(["config", "check", str(EXAMPLES[0]), *score,
+                 "--set", 'router.score_tokens=["no", "ok"]']) == 0  # fmt: skip

@@ -348,3 +348,41 @@ def test_embeddings_refusals_name_their_field_and_valid_ones_reach_placement(sta
         error = error_of(post(state, "/v1/embeddings", json=body), 503)
         assert error["code"] == "service_unavailable", body
     assert state.num_inflight == 0
+
+
+def test_score_and_rerank_refusals_name_their_field_and_valid_ones_reach_placement(state):
+    """``/v1/score`` and ``/v1/rerank`` (and their aliases): a 400 naming the field for
+    what cannot be scored; valid requests reach placement (a 503 here)."""
+    max_model_len = state.model.max_model_len
+    long = "hello " * max_model_len
+    cases = [
+        ("/v1/score", {"text_1": "", "text_2": "a"}, "text_1", "must not be empty"),
+        ("/v1/score", {"text_1": "q", "text_2": []}, "text_2", "must not be empty"),
+        ("/v1/score", {"text_1": "q", "text_2": ["a", ""]}, "text_2", "must not be empty"),
+        ("/v1/score", {"text_1": ["q", "r"], "text_2": ["a"] * 3}, "text_2", "text_1 holds 2"),
+        ("/v1/score", {"text_1": "q", "text_2": ["a"] * 2049}, "text_2", "at most 2048"),
+        ("/v1/score", {"text_1": "q", "text_2": [1, 2]}, "text_2", ""),  # texts only
+        ("/v1/score", {"text_1": "q", "text_2": long}, "text_2", "resulted in 12290"),
+        ("/score", {"text_1": "q", "text_2": "a", "priority": 1}, "priority", "scheduling"),
+        ("/v1/rerank", {"query": "q", "documents": []}, "documents", "must not be empty"),
+        ("/v1/rerank", {"query": "", "documents": ["a"]}, "query", "must not be empty"),
+        ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": -1}, "top_n", ""),
+        ("/rerank", {"query": "q", "documents": "a"}, "documents", ""),
+        ("/v2/rerank", {"query": "q", "documents": ["a"], "truncate_prompt_tokens": 0},
+         "truncate_prompt_tokens", ">= 1"),
+    ]  # fmt: skip
+    for path, body, param, words in cases:
+        error = error_of(post(state, path, json=body), 400)
+        assert error["param"] == param and words in error["message"], (path, body, error)
+    error = error_of(post(state, "/v1/rerank", json={"query": "q", "documents": ["a"],
+                                                     "model": "gpt-17"}), 404)  # fmt: skip
+    assert error["code"] == "model_not_found"
+    for path, body in [
+        ("/v1/score", {"text_1": "q", "text_2": ["a", "b"]}),
+        ("/score", {"text_1": ["q", "r"], "text_2": ["a", "b"], "cache_salt": "s"}),
+        ("/v1/rerank", {"query": "q", "documents": ["a"] * 2048, "top_n": 3}),
+        ("/v2/rerank", {"query": "q", "documents": [long], "truncate_prompt_tokens": -1}),
+    ]:
+        error = error_of(post(state, path, json=body), 503)
+        assert error["code"] == "service_unavailable", body
+    assert state.num_inflight == 0

@@ -728,7 +728,9 @@ def test_a_requests_inputs_run_a_few_lanes_at_a_time_and_come_back_in_order(tmp_
         try:
             await pool.refresh()
             body = EmbeddingRequest(input=prompts)
-            replies = await embed_all(dispatcher, prompts, "r", 16, None, body, lanes=8)
+            replies = await embed_all(
+                dispatcher, prompts, "r", 16, None, body, lanes=8, normalize=True
+            )
             return [reply.embedding for reply in replies]
         finally:
             await pool.close()

@@ -809,6 +809,60 @@ def test_embeddings_equal_offline_on_either_role(stack, client, tiny_llama):
     assert too_long.value.body["param"] == "input"
 
 
+def test_score_and_rerank_are_cosines_of_the_offline_embeddings(stack, tiny_llama):
+    """The default score method: ``/v1/score`` (1 to N, and N to N) and ``/v1/rerank``
+    give the dot products of the offline engine's unit embeddings; rerank sorts them,
+    best first, and keeps ``top_n``. A decode worker's ``Embed`` with logit token ids
+    returns the offline engine's logits there."""
+    query, documents = "where is paris", ["paris is in france", "a cat sat", "where is it"]
+    llm = LLM(tiny_llama)
+    texts = [query, *documents]
+    embedded = llm.embed(texts, use_tqdm=False)
+    vectors = {text: o.embedding for text, o in zip(texts, embedded, strict=True)}
+    cosines = [float(vectors[query] @ vectors[d]) for d in documents]
+    headers = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    num_tokens = sum(len(Tokenizer(tiny_llama).encode(t)) for t in texts)
+
+    def post(path: str, body: dict) -> dict:
+        reply = httpx.post(f"{stack.base_url}{path}", json={"model": MODEL, **body},
+                           headers=headers, timeout=60)  # fmt: skip
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    scored = post("/v1/score", {"text_1": query, "text_2": documents})
+    assert scored["object"] == "list" and scored["model"] == MODEL
+    assert [item["index"] for item in scored["data"]] == [0, 1, 2]
+    assert [item["score"] for item in scored["data"]] == pytest.approx(cosines, abs=1e-5)
+    assert scored["usage"]["prompt_tokens"] == num_tokens  # each distinct text once
+    reverse = documents[::-1]
+    pairwise = post("/score", {"text_1": documents, "text_2": reverse})
+    expected = [float(vectors[a] @ vectors[b]) for a, b in zip(documents, reverse, strict=True)]
+    assert [item["score"] for item in pairwise["data"]] == pytest.approx(expected, abs=1e-5)
+    order = sorted(range(3), key=lambda i: -cosines[i])
+    reranked = post("/v1/rerank", {"query": query, "documents": documents, "top_n": 2})
+    assert [r["index"] for r in reranked["results"]] == order[:2]
+    assert [r["document"]["text"] for r in reranked["results"]] == [documents[i] for i in order[:2]]
+    assert [r["relevance_score"] for r in reranked["results"]] == pytest.approx(
+        [cosines[i] for i in order[:2]], abs=1e-5)  # fmt: skip
+    assert reranked["usage"]["total_tokens"] == num_tokens
+    bare = post("/rerank", {"query": query, "documents": documents, "return_documents": False})
+    assert [r["index"] for r in bare["results"]] == order
+    assert all("document" not in r for r in bare["results"])
+    # The worker's side of a reranker's scores: logits at the ids asked for, in order.
+    tokens = Tokenizer(tiny_llama).encode(query)
+    ids = (557, 800, 2)
+    expected_logits = llm.embed([tokens], PoolingParams(token_ids=ids), use_tqdm=False)
+    config = load_config(str(stack.config_path))
+    address = f"{config.decode.host}:{config.decode.ports(0).grpc}"
+    with grpc.insecure_channel(address) as channel:
+        reply = pb_grpc.DecodeServiceStub(channel).Embed(
+            pb.EmbedRequest(request_id="logits", token_ids=tokens, logit_token_ids=ids),
+            timeout=30,
+        )
+    logits = np.frombuffer(reply.embedding, dtype="<f4").tolist()
+    assert logits == pytest.approx(expected_logits[0].embedding.tolist(), abs=1e-4)
+
+
 def test_stop_strings(client):
     prompt = random_prompts((20,), seed=82)[0]
     full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,

@@ -1,0 +1,117 @@
+"""``/v1/score`` and ``/v1/rerank``: how relevant each document is to its query, by the
+method the config names (``router.score_method``).
+
+``embedding`` (the default): every distinct text is embedded once, at unit length
+(``router/embeddings.py``), and a pair's score is the dot product of its two vectors, their
+cosine similarity in [-1, 1]. A query against 100 documents is 101 embeddings, not 200.
+What vLLM's score API does for an embedding model (Qwen3-Embedding, gte-Qwen2).
+
+``token_logits``: a causal LM that reads a (query, document) prompt and answers yes or no
+(Qwen3-Reranker, bge-reranker-v2-gemma). Each pair is one prompt, ``score_template`` with
+the two texts filled in; the engine returns the last token's logits at ``score_tokens``
+(``engine/pooling.py``), and the score is the positive token's probability: with two tokens
+(negative, positive) their softmax, ``sigmoid(positive - negative)``; with one, its logit's
+sigmoid. Scores are in [0, 1], as the models' own reference code computes them. A template
+that puts the query first makes a query's pairs share their prefix: placement sends them
+where it is cached, and each worker computes it once.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from common.config import ConfigError, RouterConfig, ScoreMethod
+from common.tokenizer import Tokenizer
+
+_FIELD = re.compile(r"\{(query|document)\}")
+
+
+@dataclass(frozen=True, slots=True)
+class ScorePlan:
+    """What to compute for a list of pairs: ``texts``, one engine request each, and
+    ``combine``, which turns their vectors (float32, in ``texts`` order) into one score per
+    pair."""
+
+    texts: list[str]
+    combine: Callable[[list[np.ndarray]], list[float]]
+
+
+@dataclass(frozen=True, slots=True)
+class Scorer:
+    method: ScoreMethod
+    template: str
+    # token_logits: the ids of score_tokens (negative first, when there are two).
+    token_ids: tuple[int, ...]
+
+    @classmethod
+    def build(cls, config: RouterConfig, tokenizer: Tokenizer) -> Scorer:
+        """Raises ``ConfigError`` for a score token that is not one token of this model's
+        vocabulary: its logit would be some other token's."""
+        token_ids = []
+        for token in config.score_tokens:
+            encoded = tokenizer.encode(token, add_special_tokens=False)
+            if len(encoded) != 1:
+                raise ConfigError("router.score_tokens", f"{token!r} is {len(encoded)} tokens "
+                                  "in this model's vocabulary; each must be one")  # fmt: skip
+            token_ids.append(encoded[0])
+        return cls(config.score_method, config.score_template, tuple(token_ids))
+
+    @property
+    def normalize(self) -> bool:
+        """Embeddings at unit length (their dot product is then the cosine)."""
+        return self.method is ScoreMethod.EMBEDDING
+
+    def prompt_text(self, query: str, document: str) -> str:
+        """The template with both texts in, in one pass (a query holding "{document}"
+        stays as it is)."""
+        return _FIELD.sub(lambda m: query if m[1] == "query" else document, self.template)
+
+    def plan(self, pairs: Sequence[tuple[str, str]]) -> ScorePlan:
+        if self.method is ScoreMethod.TOKEN_LOGITS:
+            texts = [self.prompt_text(query, document) for query, document in pairs]
+            return ScorePlan(texts, lambda vectors: [self.relevance(v) for v in vectors])
+        position: dict[str, int] = {}  # each distinct text once
+        for text in (text for pair in pairs for text in pair):
+            position.setdefault(text, len(position))
+
+        def cosines(vectors: list[np.ndarray]) -> list[float]:
+            return [
+                float(np.dot(vectors[position[q]].astype(np.float64), vectors[position[d]]))
+                for q, d in pairs
+            ]
+
+        return ScorePlan(list(position), cosines)
+
+    def relevance(self, logits: np.ndarray) -> float:
+        """The positive token's probability from its logit (and the negative one's)."""
+        margin = float(logits[-1]) - (float(logits[0]) if len(logits) == 2 else 0.0)
+        return _sigmoid(margin)
+
+
+EMBEDDING_SCORER = Scorer(ScoreMethod.EMBEDDING, "{query}{document}", ())  # the default
+
+
+def _sigmoid(x: float) -> float:
+    if x >= 0:  # no overflow for any margin
+        return 1.0 / (1.0 + math.exp(-x))
+    z = math.exp(x)
+    return z / (1.0 + z)
+
+
+def pairs_of(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[str, str]]:
+    """vLLM's pairing of ``text_1`` with ``text_2``: one text (or a list of one) against
+    each of the other's, or two lists of one length pairwise. Raises ``ValueError`` for
+    lists of different lengths."""
+    first = [text_1] if isinstance(text_1, str) else list(text_1)
+    second = [text_2] if isinstance(text_2, str) else list(text_2)
+    if len(first) == 1:
+        return [(first[0], text) for text in second]
+    if len(first) != len(second):
+        raise ValueError(f"text_1 holds {len(first)} texts and text_2 {len(second)}: give one "
+                         "text_1, or as many as text_2 (paired in order)")  # fmt: skip
+    return list(zip(first, second, strict=True))

@@ -1,0 +1,78 @@
+"""router/scoring.py: pairing, prompts, the scores from vectors, and the config's checks."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from common.config import ConfigError, RouterConfig, ScoreMethod
+from common.tokenizer import Tokenizer
+from router.scoring import EMBEDDING_SCORER, Scorer, pairs_of
+
+TOKEN_LOGITS = {"score_method": "token_logits", "score_tokens": ("no", "ok")}
+
+
+def test_pairs_broadcast_one_text_or_pair_two_lists_in_order():
+    assert pairs_of("q", ["a", "b"]) == [("q", "a"), ("q", "b")]
+    assert pairs_of(["q"], "a") == [("q", "a")]
+    assert pairs_of(["q", "r"], ["a", "b"]) == [("q", "a"), ("r", "b")]
+    with pytest.raises(ValueError, match="text_1 holds 2 texts and text_2 3"):
+        pairs_of(["q", "r"], ["a", "b", "c"])
+
+
+def test_embedding_scores_embed_each_distinct_text_once_and_take_dot_products():
+    pairs = [("q", "a"), ("q", "b"), ("a", "q")]
+    plan = EMBEDDING_SCORER.plan(pairs)
+    assert plan.texts == ["q", "a", "b"] and EMBEDDING_SCORER.normalize
+    rng = np.random.default_rng(0)
+    vectors = [v / np.linalg.norm(v) for v in rng.standard_normal((3, 8)).astype(np.float32)]
+    q, a, b = vectors
+    expected = [float(q @ a), float(q @ b), float(a @ q)]
+    assert plan.combine(vectors) == pytest.approx(expected, abs=1e-6)
+
+
+def test_token_logits_fill_the_template_once_per_pair_and_read_probabilities(tiny_llama):
+    config = RouterConfig(**TOKEN_LOGITS, score_template="Q: {query}\nD: {document}\nA:")
+    scorer = Scorer.build(config, Tokenizer(tiny_llama))
+    assert scorer.token_ids == (557, 800) and not scorer.normalize
+    # One pass: a query holding "{document}" keeps it.
+    assert scorer.prompt_text("is {document}?", "x") == "Q: is {document}?\nD: x\nA:"
+    plan = scorer.plan([("q", "a"), ("q", "b")])
+    assert plan.texts == ["Q: q\nD: a\nA:", "Q: q\nD: b\nA:"]
+    logits = [np.array([1.0, 3.0], np.float32), np.array([2.0, -1.0], np.float32)]
+    sigmoid = [1 / (1 + math.exp(-2.0)), 1 / (1 + math.exp(3.0))]  # of positive - negative
+    assert plan.combine(logits) == pytest.approx(sigmoid)
+    softmax = np.exp(logits[0]) / np.exp(logits[0]).sum()
+    assert plan.combine(logits)[0] == pytest.approx(softmax[1])  # the same reading
+    # One token: its logit's sigmoid; margins past exp's range do not overflow.
+    one = Scorer(ScoreMethod.TOKEN_LOGITS, "{query}{document}", (800,))
+    assert one.relevance(np.array([0.5], np.float32)) == pytest.approx(1 / (1 + math.exp(-0.5)))
+    assert one.relevance(np.array([-1e4], np.float32)) == 0.0
+    assert scorer.relevance(np.array([-1e4, 1e4], np.float32)) == 1.0
+
+
+def test_score_tokens_must_each_be_one_token(tiny_llama):
+    config = RouterConfig(score_method="token_logits", score_tokens=("no", "yes"))
+    with pytest.raises(ConfigError, match="'yes' is 2 tokens") as raised:
+        Scorer.build(config, Tokenizer(tiny_llama))
+    assert raised.value.key == "router.score_tokens"
+
+
+@pytest.mark.parametrize(
+    ("fields", "key", "words"),
+    [
+        ({"score_method": "token_logits"}, "router.score_tokens", "1 token"),
+        ({**TOKEN_LOGITS, "score_tokens": ("a", "b", "c")}, "router.score_tokens", "or 2"),
+        ({**TOKEN_LOGITS, "score_template": "{query} only"}, "router.score_template",
+         "{document}"),
+        ({"score_tokens": ("no",)}, "router.score_method", "token_logits only"),
+        ({"score_template": "{query}: {document}"}, "router.score_method", "token_logits only"),
+        ({"score_method": "cosine"}, "score_method", "embedding, token_logits"),
+    ],
+)  # fmt: skip
+def test_the_config_refuses_what_could_not_score(fields, key, words):
+    with pytest.raises(ConfigError) as raised:
+        RouterConfig(**fields)
+    assert raised.value.key == key and words in str(raised.value)
