@@ -80,10 +80,12 @@ class Scorer:
             position.setdefault(text, len(position))
 
         def cosines(vectors: list[np.ndarray]) -> list[float]:
+            """Clipped: float32 rounding put a text against itself at 1.00000005."""
             return [
-                float(np.dot(vectors[position[q]].astype(np.float64), vectors[position[d]]))
+                min(1.0, max(-1.0, float(np.dot(vectors[position[q]].astype(np.float64),
+                                                vectors[position[d]]))))
                 for q, d in pairs
-            ]
+            ]  # fmt: skip
 
         return ScorePlan(list(position), cosines)
 

@@ -31,6 +31,9 @@ def test_embedding_scores_embed_each_distinct_text_once_and_take_dot_products():
     q, a, b = vectors
     expected = [float(q @ a), float(q @ b), float(a @ q)]
     assert plan.combine(vectors) == pytest.approx(expected, abs=1e-6)
+    # A text against itself: 1 at most, though float32 rounding can put it above.
+    ones = [np.full(3, 0.5774, np.float32)] * 3  # norm 1.00003
+    assert plan.combine(ones) == [1.0, 1.0, 1.0]
 
 
 def test_token_logits_fill_the_template_once_per_pair_and_read_probabilities(tiny_llama):
