@@ -383,13 +383,14 @@ def create_app(state: RouterState) -> FastAPI:
             pairs = pairs_of(body.text_1, body.text_2)
         except ValueError as exc:
             raise bad_request(str(exc), "text_2") from None
-        scored = await relevance(request, body, pairs, "text_2")
+        response_id = new_id("score")
+        scored = await relevance(request, body, pairs, "text_2", response_id)
         if scored is None:
             return Response(status_code=499)
         scores, num_tokens, name = scored
         data = [{"index": i, "object": "score", "score": value} for i, value in enumerate(scores)]
         usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0}
-        return JSONResponse({"id": new_id("score"), "object": "list", "created": int(time.time()),
+        return JSONResponse({"id": response_id, "object": "list", "created": int(time.time()),
                              "model": name, "data": data, "usage": usage})  # fmt: skip
 
     @app.post("/v1/rerank")
@@ -399,7 +400,8 @@ def create_app(state: RouterState) -> FastAPI:
         """Jina's and Cohere's rerank (as vLLM serves it): the documents by relevance to
         the query, best first, the ``top_n`` best (0: all)."""
         pairs = [(body.query, document) for document in body.documents]
-        scored = await relevance(request, body, pairs, "documents")
+        response_id = new_id("rerank")
+        scored = await relevance(request, body, pairs, "documents", response_id)
         if scored is None:
             return Response(status_code=499)
         scores, num_tokens, name = scored
@@ -411,7 +413,7 @@ def create_app(state: RouterState) -> FastAPI:
                 result["document"] = {"text": body.documents[index]}
             results.append(result)
         usage = {"total_tokens": num_tokens}
-        return JSONResponse({"id": new_id("rerank"), "model": name, "usage": usage,
+        return JSONResponse({"id": response_id, "model": name, "usage": usage,
                              "results": results})  # fmt: skip
 
     def check_pooling(body: EmbeddingRequest | ScoreRequest | RerankRequest) -> None:
@@ -424,14 +426,15 @@ def create_app(state: RouterState) -> FastAPI:
         body: ScoreRequest | RerankRequest,
         pairs: list[tuple[str, str]],
         param: str,
+        response_id: str,
     ) -> tuple[list[float], int, str] | None:
         """Each pair's score, the prompt tokens computed and the model's name; None when
-        the client left first."""
+        the client left first. The texts computed run as ``<response_id>-<i>``."""
         lora_name = check_model(body.model)
         check_pooling(body)
         scorer = state.scorer
         plan = scorer.plan(pairs)
-        done = await pooled(request, body, plan.texts, param, lora_name, new_id("score"),
+        done = await pooled(request, body, plan.texts, param, lora_name, response_id,
                             normalize=scorer.normalize,
                             logit_token_ids=scorer.token_ids)  # fmt: skip
         if done is None:
