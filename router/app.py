@@ -25,6 +25,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from common.config import ScoreMethod
 from common.structured_output import STRUCTURED_OUTPUT
 from common.tokenizer import TokenizerError, TooManyTokens
 from proto import pdserve_pb2 as pb
@@ -433,10 +434,18 @@ def create_app(state: RouterState) -> FastAPI:
         lora_name = check_model(body.model)
         check_pooling(body)
         scorer = state.scorer
+        fit = scorer.method is ScoreMethod.TOKEN_LOGITS and body.truncate_prompt_tokens
+        if fit:  # the documents are cut, not the prompts (``Scorer.fit_documents``)
+            keep = truncation_keep(body.truncate_prompt_tokens)
+            try:
+                pairs = await asyncio.to_thread(scorer.fit_documents, state.tokenizer, pairs,
+                                                keep, body.add_special_tokens)  # fmt: skip
+            except ValueError as exc:
+                raise bad_request(str(exc), "truncate_prompt_tokens") from None
         plan = scorer.plan(pairs)
         done = await pooled(request, body, plan.texts, param, lora_name, response_id,
-                            normalize=scorer.normalize,
-                            logit_token_ids=scorer.token_ids)  # fmt: skip
+                            normalize=scorer.normalize, logit_token_ids=scorer.token_ids,
+                            truncate=not fit)  # fmt: skip
         if done is None:
             return None
         prompts, replies = done
@@ -454,12 +463,16 @@ def create_app(state: RouterState) -> FastAPI:
         *,
         normalize: bool,
         logit_token_ids: tuple[int, ...] = (),
+        truncate: bool = True,
     ) -> tuple[list[list[int]], list[pb.EmbedResponse]] | None:
         """``value``'s prompts (texts or ids, blaming ``param``) and each one's ``Embed``
-        reply, in order; None when the client left first (the work is then aborted)."""
-        prompts = await asyncio.to_thread(prompt_ids, value, param, prompt_limit(body),
+        reply, in order; None when the client left first (the work is then aborted).
+        ``truncate``: apply the body's ``truncate_prompt_tokens`` (False: done before)."""
+        truncating = truncate and body.truncate_prompt_tokens is not None
+        limit = None if truncating else state.model.max_model_len
+        prompts = await asyncio.to_thread(prompt_ids, value, param, limit,
                                           body.add_special_tokens)  # fmt: skip
-        if body.truncate_prompt_tokens is not None:
+        if truncating:
             prompts = truncated(prompts, body.truncate_prompt_tokens, body.truncation_side)
         max_model_len = state.model.max_model_len
         for tokens in prompts:
@@ -606,10 +619,8 @@ def create_app(state: RouterState) -> FastAPI:
 
         return release
 
-    def truncated(prompts: list[list[int]], keep: int, side: str | None) -> list[list[int]]:
-        """vLLM's ``truncate_prompt_tokens``: each prompt's last ``keep`` tokens (-1: as
-        many as the context holds), cut after the chat template; its first ones where
-        ``side`` (``truncation_side``) is "right"."""
+    def truncation_keep(keep: int) -> int:
+        """``truncate_prompt_tokens`` as a number of tokens (-1: the context's)."""
         max_model_len = state.model.max_model_len
         if keep > max_model_len:
             raise bad_request(
@@ -617,7 +628,13 @@ def create_app(state: RouterState) -> FastAPI:
                 f"got {keep}",
                 "truncate_prompt_tokens",
             )
-        keep = max_model_len if keep == -1 else keep
+        return max_model_len if keep == -1 else keep
+
+    def truncated(prompts: list[list[int]], keep: int, side: str | None) -> list[list[int]]:
+        """vLLM's ``truncate_prompt_tokens``: each prompt's last ``keep`` tokens (-1: as
+        many as the context holds), cut after the chat template; its first ones where
+        ``side`` (``truncation_side``) is "right"."""
+        keep = truncation_keep(keep)
         if side == "right":
             return [prompt[:keep] for prompt in prompts]
         return [prompt[-keep:] for prompt in prompts]

@@ -89,6 +89,36 @@ class Scorer:
 
         return ScorePlan(list(position), cosines)
 
+    def fit_documents(
+        self,
+        tokenizer: Tokenizer,
+        pairs: Sequence[tuple[str, str]],
+        keep: int,
+        add_special_tokens: bool,
+    ) -> list[tuple[str, str]]:
+        """``token_logits`` truncation: each pair whose filled-in prompt passes ``keep``
+        tokens with its document cut from the end until it fits; the template and the
+        query stay whole, as the rerankers' reference code truncates (a prompt's last
+        tokens alone would cut the template's head, its first ones the tail the answer
+        follows). Raises ``ValueError`` where the template and the query alone pass
+        ``keep``."""
+        fitted = []
+        for query, document in pairs:
+            num_tokens = len(tokenizer.encode(self.prompt_text(query, document),
+                                              add_special_tokens))  # fmt: skip
+            document_ids = tokenizer.encode(document, add_special_tokens=False)
+            while num_tokens > keep:  # each pass cuts at least one token
+                cut = len(document_ids) - (num_tokens - keep)
+                if cut <= 0:
+                    raise ValueError(f"the template and the query alone take more than "
+                                     f"{keep} tokens: no document fits")  # fmt: skip
+                document_ids = document_ids[:cut]
+                document = tokenizer.decode(document_ids, skip_special_tokens=False)
+                num_tokens = len(tokenizer.encode(self.prompt_text(query, document),
+                                                  add_special_tokens))  # fmt: skip
+            fitted.append((query, document))
+        return fitted
+
     def relevance(self, logits: np.ndarray) -> float:
         """The positive token's probability from its logit (and the negative one's)."""
         margin = float(logits[-1]) - (float(logits[0]) if len(logits) == 2 else 0.0)

@@ -79,3 +79,21 @@ def test_the_config_refuses_what_could_not_score(fields, key, words):
     with pytest.raises(ConfigError) as raised:
         RouterConfig(**fields)
     assert raised.value.key == key and words in str(raised.value)
+
+
+def test_truncation_cuts_the_document_and_keeps_the_template_and_query(tiny_llama):
+    tokenizer = Tokenizer(tiny_llama)
+    config = RouterConfig(**TOKEN_LOGITS, score_template="Judge.\nQ: {query}\nD: {document}\nA:")
+    scorer = Scorer.build(config, tokenizer)
+    query, document = "where is the river", "the seine runs through paris, " * 20
+    short = ("q", "a short document")
+    fitted = scorer.fit_documents(tokenizer, [(query, document), short], 40, True)
+    assert fitted[1] == short  # fits already: unchanged
+    (q, d), _ = fitted
+    assert q == query and document.startswith(d.rstrip()) and len(d) < len(document)
+    prompt = tokenizer.encode(scorer.prompt_text(q, d))
+    assert 36 <= len(prompt) <= 40  # cut to fit, not far below
+    assert scorer.prompt_text(q, d).startswith(f"Judge.\nQ: {query}\nD: ")
+    assert scorer.prompt_text(q, d).endswith("\nA:")
+    with pytest.raises(ValueError, match="the template and the query alone"):
+        scorer.fit_documents(tokenizer, [("a long query " * 20, "d")], 40, True)

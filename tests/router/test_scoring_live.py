@@ -77,3 +77,28 @@ def test_rerank_and_score_read_the_models_yes_no_logits(stack, tiny_llama):
     scored = post(stack, "/v1/score", {"text_1": [q for q, _ in pairs],
                                        "text_2": [d for _, d in pairs]})  # fmt: skip
     assert [item["score"] for item in scored["data"]] == pytest.approx(pair_scores, abs=1e-5)
+
+
+def test_a_document_past_the_context_is_cut_to_fit_with_the_template_whole(stack, tiny_llama):
+    """``truncate_prompt_tokens`` under ``token_logits`` cuts the document's end, not the
+    prompt's head or tail: the score is the offline engine's on the prompt that fits.
+    Without it the pair is a 400 naming ``documents``."""
+    from common.config import RouterConfig
+    from router.scoring import Scorer
+
+    tokenizer = Tokenizer(tiny_llama)
+    scorer = Scorer.build(RouterConfig(score_method="token_logits", score_tokens=TOKENS,
+                                       score_template=TEMPLATE), tokenizer)  # fmt: skip
+    query, document = "where does the seine run", "the seine runs through paris. " * 200
+    body = {"query": query, "documents": [document, "a short one"]}
+    refused = httpx.post(f"{stack.base_url}/v1/rerank", json=body, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "documents"
+    for keep, limit in ((-1, 1024), (300, 300)):  # write_config's max_model_len: 1024
+        reranked = post(stack, "/v1/rerank", {**body, "truncate_prompt_tokens": keep})
+        fitted = scorer.fit_documents(tokenizer, [(query, document)], limit, True)
+        expected, num_tokens = offline_scores(tiny_llama, [*fitted, (query, "a short one")])
+        assert limit - 4 <= num_tokens - len(tokenizer.encode(scorer.prompt_text(
+            query, "a short one"))) <= limit  # fmt: skip
+        scores = {r["index"]: r["relevance_score"] for r in reranked["results"]}
+        assert [scores[0], scores[1]] == pytest.approx(expected, abs=1e-5)
+        assert reranked["usage"]["total_tokens"] == num_tokens
