@@ -236,6 +236,9 @@ class ScoreMethod(StrEnum):
 
 _ENUM_FIELDS["ScoreMethod"] = ScoreMethod
 
+# score_template's default: the two texts one after the other (vLLM's pairing of texts).
+DEFAULT_SCORE_TEMPLATE = "{query}{document}"
+
 
 # Each worker owns PORT_STRIDE consecutive ports from its base port (see ``WorkerPorts``).
 PORT_STRIDE = 10
@@ -423,7 +426,7 @@ class RouterConfig:
     # second) or bge-reranker-v2-gemma (["Yes"]: the logit's sigmoid).
     score_method: ScoreMethod = ScoreMethod.EMBEDDING
     score_tokens: tuple[str, ...] = ()
-    score_template: str = "{query}{document}"
+    score_template: str = DEFAULT_SCORE_TEMPLATE
 
     def __post_init__(self) -> None:
         _coerce_enums(self)
@@ -431,10 +434,13 @@ class RouterConfig:
             if len(self.score_tokens) not in (1, 2):
                 raise ConfigError("router.score_tokens", "token_logits reads 1 token (its "
                                   "logit's sigmoid) or 2 (negative, positive)")  # fmt: skip
+            if len(set(self.score_tokens)) != len(self.score_tokens):
+                raise ConfigError("router.score_tokens", "the negative and the positive token "
+                                  "must differ (every score would be 0.5)")  # fmt: skip
             for key in ("{query}", "{document}"):
                 if key not in self.score_template:
                     raise ConfigError("router.score_template", f"must contain {key}")
-        elif self.score_tokens or self.score_template != "{query}{document}":
+        elif self.score_tokens or self.score_template != DEFAULT_SCORE_TEMPLATE:
             raise ConfigError("router.score_method", "score_tokens and score_template apply "
                               "to token_logits only; set score_method: token_logits")  # fmt: skip
         if not 0.0 <= self.cpu_hit_credit <= 1.0:

@@ -67,10 +67,15 @@ def check_score_tokens(config: PdserveConfig) -> None:
     """``router.score_tokens`` are each one token of the model's vocabulary, as the router
     will check at start."""
     if config.router.score_method is ScoreMethod.TOKEN_LOGITS:
-        from common.tokenizer import Tokenizer
+        from common.tokenizer import Tokenizer, TokenizerError
         from router.scoring import Scorer
 
-        Scorer.build(config.router, Tokenizer(model_dir_of(config)))
+        try:
+            tokenizer = Tokenizer(model_dir_of(config))
+        except TokenizerError as exc:
+            message = f"no tokenizer to check router.score_tokens by: {exc}"
+            raise ConfigError("model", message) from None
+        Scorer.build(config.router, tokenizer)
 
 
 def summary(config: PdserveConfig, budgets: list[KVBudget] | None) -> list[str]:

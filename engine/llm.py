@@ -131,9 +131,10 @@ class LLM:
         lora_name: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """The embedding of every prompt (``RequestOutput.embedding``: the last token's
-        hidden state, unit length unless ``pooling`` says not; ``engine/pooling.py``), in
-        input order. Meaningful for embedding checkpoints (Qwen3-Embedding, say); any
-        checkpoint gives its hidden states. Invalid input raises before anything runs."""
+        hidden state, unit length unless ``pooling`` says not, or its logits at
+        ``pooling.token_ids``; ``engine/pooling.py``), in input order. Meaningful for
+        embedding checkpoints (Qwen3-Embedding, say); any checkpoint gives its hidden
+        states. Invalid input raises before anything runs."""
         prompt_list = _normalize_prompts(prompts)
         token_lists, lora_names = self._prepare(prompt_list, lora_name)
         request_ids = []

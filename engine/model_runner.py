@@ -79,7 +79,8 @@ class StepResult:
     # The tokens each sampling chunk yields (more than one when drafts were kept).
     sampled: dict[str, list[tuple[int, TokenLogprobs | None]]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
-    # Pooled chunks': [hidden_size] float32 CPU rows of one step's tensor.
+    # Pooled chunks': [hidden_size] float32 CPU rows of one step's tensor, or
+    # [len(pooling.token_ids)] logits for those that name tokens.
     embeddings: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -272,7 +273,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[SequenceChunk]) -> StepResult:
         """Run one step: the sampled token (and log-probs) of each sampling chunk, the
-        prompt log-probs of each scoring one, and the embedding of each pooled one."""
+        prompt log-probs of each scoring one, and the embedding of each pooled one (or its
+        logits at the tokens it names)."""
         result = StepResult()
         if not chunks:
             return result
@@ -318,14 +320,16 @@ class ModelRunner:
                 self.shards.find_exited(wait_s=0.5)  # a dead rank is the likely cause
                 self.shards.fail(f"rank 0's step ended early ({type(exc).__name__}: {exc})")
             raise
-        pooled = [(i, c) for i, c in pooled if not c.pooling.token_ids]
-        if pooled:  # each one's last row (rank 0's hidden states are whole)
+        embedded = [(i, c) for i, c in pooled if not c.pooling.token_ids]
+        if embedded:  # each one's last row (rank 0's hidden states are whole)
             vectors = pool_last_tokens(
                 hidden,
-                [batch.query_start_loc[i + 1] - 1 for i, _ in pooled],
-                [c.pooling.normalize for _, c in pooled],
+                [batch.query_start_loc[i + 1] - 1 for i, _ in embedded],
+                [c.pooling.normalize for _, c in embedded],
             )
-            result.embeddings = {c.request_id: v for (_, c), v in zip(pooled, vectors, strict=True)}
+            result.embeddings = {
+                c.request_id: v for (_, c), v in zip(embedded, vectors, strict=True)
+            }
         if classify_logits is not None:
             token_ids = [c.pooling.token_ids for _, c in classified]
             picked = pick_token_logits(classify_logits, token_ids)

@@ -83,5 +83,6 @@ class RequestOutput:
     # by the request's outputs: read it, do not change it.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     # An embedding request's vector (``engine/pooling.py``), on its finished output:
-    # [hidden_size] float32 on the CPU (vLLM gives a list; ``.tolist()`` makes one).
+    # [hidden_size] float32 on the CPU, or [len(pooling.token_ids)] logits where the
+    # request named tokens (vLLM gives a list; ``.tolist()`` makes one).
     embedding: torch.Tensor | None = None

@@ -63,6 +63,9 @@ def pick_token_logits(
     logits: torch.Tensor,  # [num_rows, vocab] (a logits pass over the pooled rows)
     token_ids: list[tuple[int, ...]],  # per row
 ) -> list[torch.Tensor]:  # per row: [len(token_ids[row])] float32, on the CPU
-    """Each row's logits at its own token ids."""
-    picked = [logits[row, list(ids)] for row, ids in enumerate(token_ids)]
-    return [vector.float().cpu() for vector in picked]
+    """Each row's logits at its own token ids: one gather and one copy to the host for
+    the step, not one per row."""
+    rows = [row for row, ids in enumerate(token_ids) for _ in ids]
+    columns = [token for ids in token_ids for token in ids]
+    picked = logits[rows, columns].float().cpu()  # [sum of len(token_ids[row])]
+    return list(picked.split([len(ids) for ids in token_ids]))

@@ -66,7 +66,7 @@ from router.reasoning import PROMPT_TAIL_TOKENS, Reasoning, opening_of
 from router.request_bodies import RequestBodies
 from router.response_output import ResponseShape, translate_stream
 from router.responses import renamed, to_chat, without_oldest_turn
-from router.scoring import pairs_of
+from router.scoring import NoRoomForDocument, pairs_of
 from router.state import RouterState
 from router.structured import check as check_constraint
 from router.structured import structured_output_of
@@ -385,7 +385,7 @@ def create_app(state: RouterState) -> FastAPI:
         except ValueError as exc:
             raise bad_request(str(exc), "text_2") from None
         response_id = new_id("score")
-        scored = await relevance(request, body, pairs, "text_2", response_id)
+        scored = await score_pairs(request, body, pairs, ("text_1", "text_2"), response_id)
         if scored is None:
             return Response(status_code=499)
         scores, num_tokens, name = scored
@@ -400,9 +400,10 @@ def create_app(state: RouterState) -> FastAPI:
     async def rerank(body: RerankRequest, request: Request) -> Response:
         """Jina's and Cohere's rerank (as vLLM serves it): the documents by relevance to
         the query, best first, the ``top_n`` best (0: all)."""
-        pairs = [(body.query, document) for document in body.documents]
+        documents = body.texts()
+        pairs = [(body.query, document) for document in documents]
         response_id = new_id("rerank")
-        scored = await relevance(request, body, pairs, "documents", response_id)
+        scored = await score_pairs(request, body, pairs, ("query", "documents"), response_id)
         if scored is None:
             return Response(status_code=499)
         scores, num_tokens, name = scored
@@ -411,7 +412,7 @@ def create_app(state: RouterState) -> FastAPI:
         for index in order[: body.top_n or len(order)]:
             result: dict[str, Any] = {"index": index, "relevance_score": scores[index]}
             if body.return_documents:
-                result["document"] = {"text": body.documents[index]}
+                result["document"] = {"text": documents[index]}
             results.append(result)
         usage = {"total_tokens": num_tokens}
         return JSONResponse({"id": response_id, "model": name, "usage": usage,
@@ -422,34 +423,55 @@ def create_app(state: RouterState) -> FastAPI:
             raise unavailable("the router is draining")
         check_priority(body.priority)
 
-    async def relevance(
+    async def score_pairs(
         request: Request,
         body: ScoreRequest | RerankRequest,
         pairs: list[tuple[str, str]],
-        param: str,
+        params: tuple[str, str],
         response_id: str,
     ) -> tuple[list[float], int, str] | None:
         """Each pair's score, the prompt tokens computed and the model's name; None when
-        the client left first. The texts computed run as ``<response_id>-<i>``."""
+        the client left first. ``params`` name the query's field and the document's, for
+        errors. The texts computed run as ``<response_id>-<i>``."""
         lora_name = check_model(body.model)
         check_pooling(body)
         scorer = state.scorer
-        fit = scorer.method is ScoreMethod.TOKEN_LOGITS and body.truncate_prompt_tokens
+        query_param, document_param = params
+        logits = scorer.method is ScoreMethod.TOKEN_LOGITS
+        truncating = body.truncate_prompt_tokens is not None
+        if logits or not truncating:  # each query fits, before 2,048 prompts copy it
+            limit = state.model.max_model_len
+            if truncating:
+                limit = truncation_keep(body.truncate_prompt_tokens)
+            queries = list(dict.fromkeys(query for query, _ in pairs))
+            await asyncio.to_thread(prompt_ids, queries, query_param, limit,
+                                    body.add_special_tokens)  # fmt: skip
+        fit = logits and truncating
         if fit:  # the documents are cut, not the prompts (``Scorer.fit_documents``)
             keep = truncation_keep(body.truncate_prompt_tokens)
             try:
                 pairs = await asyncio.to_thread(scorer.fit_documents, state.tokenizer, pairs,
                                                 keep, body.add_special_tokens)  # fmt: skip
-            except ValueError as exc:
+            except NoRoomForDocument as exc:
                 raise bad_request(str(exc), "truncate_prompt_tokens") from None
-        plan = scorer.plan(pairs)
-        done = await pooled(request, body, plan.texts, param, lora_name, response_id,
+        plan = await asyncio.to_thread(scorer.plan, pairs)
+        done = await pooled(request, body, plan.texts, document_param, lora_name, response_id,
                             normalize=scorer.normalize, logit_token_ids=scorer.token_ids,
                             truncate=not fit)  # fmt: skip
         if done is None:
             return None
         prompts, replies = done
         vectors = [np.frombuffer(reply.embedding, dtype="<f4") for reply in replies]
+        expected = len(scorer.token_ids) if logits else len(vectors[0])
+        if any(len(vector) != expected or not expected for vector in vectors):
+            # A worker from before logit_token_ids (mid-upgrade) sends a hidden state.
+            sizes = sorted({len(vector) for vector in vectors})
+            logger.warning("request %s: vectors of %s floats, %d expected", response_id,
+                           sizes, expected)  # fmt: skip
+            raise unavailable(
+                f"a worker answered with vectors of {sizes} floats where "
+                f"{expected} were asked for (a worker of an older version?)"
+            )
         name = lora_name or state.model.served_name
         return plan.combine(vectors), sum(map(len, prompts)), name
 

@@ -604,7 +604,17 @@ class EmbeddingRequest(_Body):
 class _ScoringFields(_Body):
     """What ``/v1/score`` and ``/v1/rerank`` share (``router/scoring.py``): texts only,
     none empty, at most ``MAX_EMBEDDING_INPUTS`` pairs, and the embeddings' extensions
-    that apply to every prompt they make."""
+    that apply to every prompt they make. Refused unless absent (or asking for what is
+    done anyway): vLLM's raw-logit switches and per-request label tokens (the scores are
+    probabilities of the configured tokens), and Cohere's per-document limits and
+    structured-document fields."""
+
+    REFUSED_EXTRAS: ClassVar[dict[str, Callable[[Any], bool]]] = {
+        **dict.fromkeys(("use_activation", "activation", "softmax"),
+                        lambda value: value in (None, True)),
+        **dict.fromkeys(("label_token_ids", "mm_processor_kwargs", "max_tokens_per_doc",
+                         "rank_fields", "max_chunks_per_doc"), _absent),
+    }  # fmt: skip
 
     model: str | None = None
     add_special_tokens: bool = True
@@ -640,18 +650,28 @@ class ScoreRequest(_ScoringFields):
         return self
 
 
+class TextDocument(_Body):
+    """A document as Jina's and Cohere v1's clients may send it: ``{"text": ...}``."""
+
+    text: str
+
+
 class RerankRequest(_ScoringFields):
     """``POST /v1/rerank`` (Jina's and Cohere's shape, as vLLM serves it): ``documents``
-    by relevance to ``query``, the ``top_n`` best (0: all)."""
+    (texts, or ``{"text": ...}`` objects) by relevance to ``query``, the ``top_n`` best
+    (0: all)."""
 
     query: str
-    documents: list[str]
+    documents: list[str | TextDocument]
     top_n: int = Field(default=0, ge=0)
     return_documents: bool = True  # Jina's and Cohere v1's: each result's text back
 
+    def texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]
+
     @model_validator(mode="after")
     def _checks(self) -> RerankRequest:
-        self._check_texts(query=self.query, documents=self.documents)
+        self._check_texts(query=self.query, documents=self.texts())
         return self
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.config import ConfigError, RouterConfig, ScoreMethod
+from common.config import DEFAULT_SCORE_TEMPLATE, ConfigError, RouterConfig, ScoreMethod
 from common.tokenizer import Tokenizer
 
 _FIELD = re.compile(r"\{(query|document)\}")
@@ -41,8 +41,15 @@ class ScorePlan:
     combine: Callable[[list[np.ndarray]], list[float]]
 
 
+class NoRoomForDocument(ValueError):
+    """The template and the query alone pass the tokens a prompt may have."""
+
+
 @dataclass(frozen=True, slots=True)
 class Scorer:
+    """How a (query, document) pair becomes a score (``router.score_method``): the texts
+    to compute (``plan``) and the score of each pair from their vectors."""
+
     method: ScoreMethod
     template: str
     # token_logits: the ids of score_tokens (negative first, when there are two).
@@ -72,6 +79,8 @@ class Scorer:
         return _FIELD.sub(lambda m: query if m[1] == "query" else document, self.template)
 
     def plan(self, pairs: Sequence[tuple[str, str]]) -> ScorePlan:
+        """``token_logits``: one prompt per pair. ``embedding``: each distinct text once.
+        Builds every prompt: run it off the event loop (2,048 copies of a long query)."""
         if self.method is ScoreMethod.TOKEN_LOGITS:
             texts = [self.prompt_text(query, document) for query, document in pairs]
             return ScorePlan(texts, lambda vectors: [self.relevance(v) for v in vectors])
@@ -100,22 +109,31 @@ class Scorer:
         tokens with its document cut from the end until it fits; the template and the
         query stay whole, as the rerankers' reference code truncates (a prompt's last
         tokens alone would cut the template's head, its first ones the tail the answer
-        follows). Raises ``ValueError`` where the template and the query alone pass
-        ``keep``."""
+        follows). Raises ``NoRoomForDocument`` where the template and the query alone
+        pass ``keep``."""
+
+        def length(query: str, document: str) -> int:
+            return len(tokenizer.encode(self.prompt_text(query, document), add_special_tokens))
+
         fitted = []
         for query, document in pairs:
-            num_tokens = len(tokenizer.encode(self.prompt_text(query, document),
-                                              add_special_tokens))  # fmt: skip
-            document_ids = tokenizer.encode(document, add_special_tokens=False)
+            num_tokens = length(query, document)
+            document_ids = []
+            if num_tokens > keep:
+                document_ids = tokenizer.encode(document, add_special_tokens=False)
             while num_tokens > keep:  # each pass cuts at least one token
                 cut = len(document_ids) - (num_tokens - keep)
-                if cut <= 0:
-                    raise ValueError(f"the template and the query alone take more than "
-                                     f"{keep} tokens: no document fits")  # fmt: skip
+                if cut <= 0:  # nothing left to cut, or the boundary tokenized longer
+                    document = ""
+                    if length(query, document) > keep:
+                        raise NoRoomForDocument(
+                            f"the template and the query alone take "
+                            f"more than {keep} tokens: no document fits"
+                        )
+                    break
                 document_ids = document_ids[:cut]
                 document = tokenizer.decode(document_ids, skip_special_tokens=False)
-                num_tokens = len(tokenizer.encode(self.prompt_text(query, document),
-                                                  add_special_tokens))  # fmt: skip
+                num_tokens = length(query, document)
             fitted.append((query, document))
         return fitted
 
@@ -125,7 +143,7 @@ class Scorer:
         return _sigmoid(margin)
 
 
-EMBEDDING_SCORER = Scorer(ScoreMethod.EMBEDDING, "{query}{document}", ())  # the default
+EMBEDDING_SCORER = Scorer(ScoreMethod.EMBEDDING, DEFAULT_SCORE_TEMPLATE, ())  # the default
 
 
 def _sigmoid(x: float) -> float:

@@ -47,7 +47,9 @@ class WorkerRPCs:
                 cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
                 lora_name=request.lora_name if request.HasField("lora_name") else None,
                 priority=request.priority,
-                pooling=PoolingParams(request.normalize, tuple(request.logit_token_ids)),
+                pooling=PoolingParams(
+                    normalize=request.normalize, token_ids=tuple(request.logit_token_ids)
+                ),
             ):
                 final = output
             assert final is not None and final.finished

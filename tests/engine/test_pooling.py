@@ -70,6 +70,9 @@ def test_token_logits_equal_transformers_next_token_logits(model_factory, arch):
                            pooling=PoolingParams(token_ids=ids))  # fmt: skip
         engine.add_request(f"embed-{i}", prompt, EMBEDDING_SAMPLING, pooling=PoolingParams())
         engine.add_request(f"gen-{i}", prompt, params)
+    # And a step's other logits passes before the pooled one: a prompt scored.
+    scoring = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2)
+    engine.add_request("scored", prompts[3], scoring)
     finished = {}
     while engine.has_unfinished_requests():
         finished.update((o.request_id, o) for o in engine.step() if o.finished)
@@ -79,6 +82,8 @@ def test_token_logits_equal_transformers_next_token_logits(model_factory, arch):
         torch.testing.assert_close(vector, logits[list(ids)], atol=1e-4, rtol=1e-4)
         assert finished[f"embed-{i}"].embedding.shape == (engine.arch.hidden_size,)
         assert finished[f"gen-{i}"].outputs[0].token_ids == generated[i]
+    alone = llm.generate([prompts[3]], scoring, use_tqdm=False)[0].prompt_logprobs
+    assert finished["scored"].prompt_logprobs == alone
     assert engine.leak_report() == []
 
 

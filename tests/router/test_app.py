@@ -370,6 +370,18 @@ def test_score_and_rerank_refusals_name_their_field_and_valid_ones_reach_placeme
         ("/rerank", {"query": "q", "documents": "a"}, "documents", ""),
         ("/v2/rerank", {"query": "q", "documents": ["a"], "truncate_prompt_tokens": 0},
          "truncate_prompt_tokens", ">= 1"),
+        ("/v1/rerank", {"query": "q", "documents": [{"text": ""}]}, "documents", "empty"),
+        ("/v1/rerank", {"query": "q", "documents": [{"txt": "a"}]}, "documents", ""),
+        # The query's own length is checked first, and blamed on its field.
+        ("/v1/rerank", {"query": long, "documents": ["a"]}, "query", "resulted in"),
+        ("/v1/score", {"text_1": [long, "q"], "text_2": ["a", "b"]}, "text_1", "resulted in"),
+        # What vLLM and Cohere honour and pdserve does not: refused, not ignored.
+        ("/v1/score", {"text_1": "q", "text_2": "a", "use_activation": False},
+         "use_activation", "not supported"),
+        ("/v1/rerank", {"query": "q", "documents": ["a"], "label_token_ids": [1, 2]},
+         "label_token_ids", "not supported"),
+        ("/v2/rerank", {"query": "q", "documents": ["a"], "max_tokens_per_doc": 512},
+         "max_tokens_per_doc", "not supported"),
     ]  # fmt: skip
     for path, body, param, words in cases:
         error = error_of(post(state, path, json=body), 400)
@@ -382,6 +394,7 @@ def test_score_and_rerank_refusals_name_their_field_and_valid_ones_reach_placeme
         ("/score", {"text_1": ["q", "r"], "text_2": ["a", "b"], "cache_salt": "s"}),
         ("/v1/rerank", {"query": "q", "documents": ["a"] * 2048, "top_n": 3}),
         ("/v2/rerank", {"query": "q", "documents": [long], "truncate_prompt_tokens": -1}),
+        ("/rerank", {"query": "q", "documents": [{"text": "a"}, "b"], "use_activation": True}),
     ]:
         error = error_of(post(state, path, json=body), 503)
         assert error["code"] == "service_unavailable", body

@@ -738,3 +738,44 @@ def test_a_requests_inputs_run_a_few_lanes_at_a_time_and_come_back_in_order(tmp_
 
     assert run_with_registry(tmp_path, scenario) == [vector(float(5 + i)) for i in range(40)]
     assert worker.most_at_once == 8
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_ignores_logit_token_ids_is_a_503_not_a_score(tiny_llama, tmp_path):
+    """A worker from before ``logit_token_ids`` (mid-upgrade) answers a hidden state; read
+    as two logits it would give a confident, wrong score. The router refuses it (503,
+    retry later) and holds nothing after."""
+    import httpx
+
+    from common.config_loader import load_config
+    from router.app import create_app
+    from router.state import RouterState
+    from tests.common.redis_server import redis_server
+
+    with redis_server(tmp_path) as url:
+        registry = RedisRegistry(url, ttl_s=30.0)
+        state = RouterState.build(load_config(None, [
+            f"model={tiny_llama}", f"registry.redis_url={url}",
+            "router.score_method=token_logits", 'router.score_tokens=["no", "ok"]',
+        ]))  # fmt: skip
+        body = {"query": "where", "documents": ["here", "there"]}
+
+        async def scenario() -> httpx.Response:
+            server, _ = await serve(CountingDecode(), registry)  # four floats, always
+            try:
+                await state.pool.refresh()
+                transport = httpx.ASGITransport(create_app(state))
+                async with httpx.AsyncClient(transport=transport, base_url="http://r") as client:
+                    return await client.post("/v1/rerank", json=body)
+            finally:
+                await state.pool.close()
+                await server.stop(None)
+
+        try:
+            reply = asyncio.run(scenario())
+        finally:
+            registry.close()
+            state.pool.registry.close()
+    assert reply.status_code == 503, reply.text
+    assert "vectors of [4] floats where 2 were asked for" in reply.json()["error"]["message"]
+    assert state.num_inflight == 0

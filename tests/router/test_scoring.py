@@ -9,7 +9,7 @@ import pytest
 
 from common.config import ConfigError, RouterConfig, ScoreMethod
 from common.tokenizer import Tokenizer
-from router.scoring import EMBEDDING_SCORER, Scorer, pairs_of
+from router.scoring import EMBEDDING_SCORER, NoRoomForDocument, Scorer, pairs_of
 
 TOKEN_LOGITS = {"score_method": "token_logits", "score_tokens": ("no", "ok")}
 
@@ -68,6 +68,7 @@ def test_score_tokens_must_each_be_one_token(tiny_llama):
     [
         ({"score_method": "token_logits"}, "router.score_tokens", "1 token"),
         ({**TOKEN_LOGITS, "score_tokens": ("a", "b", "c")}, "router.score_tokens", "or 2"),
+        ({**TOKEN_LOGITS, "score_tokens": ("ok", "ok")}, "router.score_tokens", "must differ"),
         ({**TOKEN_LOGITS, "score_template": "{query} only"}, "router.score_template",
          "{document}"),
         ({"score_tokens": ("no",)}, "router.score_method", "token_logits only"),
@@ -95,5 +96,5 @@ def test_truncation_cuts_the_document_and_keeps_the_template_and_query(tiny_llam
     assert 36 <= len(prompt) <= 40  # cut to fit, not far below
     assert scorer.prompt_text(q, d).startswith(f"Judge.\nQ: {query}\nD: ")
     assert scorer.prompt_text(q, d).endswith("\nA:")
-    with pytest.raises(ValueError, match="the template and the query alone"):
+    with pytest.raises(NoRoomForDocument, match="the template and the query alone"):
         scorer.fit_documents(tokenizer, [("a long query " * 20, "d")], 40, True)
