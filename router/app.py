@@ -66,7 +66,7 @@ from router.reasoning import PROMPT_TAIL_TOKENS, Reasoning, opening_of
 from router.request_bodies import RequestBodies
 from router.response_output import ResponseShape, translate_stream
 from router.responses import renamed, to_chat, without_oldest_turn
-from router.scoring import NoRoomForDocument, pairs_of
+from router.scoring import NoRoomForDocument, pairs_of, rerank_document, score_document
 from router.state import RouterState
 from router.structured import check as check_constraint
 from router.structured import structured_output_of
@@ -388,11 +388,7 @@ def create_app(state: RouterState) -> FastAPI:
         scored = await score_pairs(request, body, pairs, ("text_1", "text_2"), response_id)
         if scored is None:
             return Response(status_code=499)
-        scores, num_tokens, name = scored
-        data = [{"index": i, "object": "score", "score": value} for i, value in enumerate(scores)]
-        usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0}
-        return JSONResponse({"id": response_id, "object": "list", "created": int(time.time()),
-                             "model": name, "data": data, "usage": usage})  # fmt: skip
+        return JSONResponse(score_document(response_id, *scored))
 
     @app.post("/v1/rerank")
     @app.post("/rerank")
@@ -406,17 +402,8 @@ def create_app(state: RouterState) -> FastAPI:
         scored = await score_pairs(request, body, pairs, ("query", "documents"), response_id)
         if scored is None:
             return Response(status_code=499)
-        scores, num_tokens, name = scored
-        order = sorted(range(len(scores)), key=lambda i: -scores[i])  # ties in input order
-        results = []
-        for index in order[: body.top_n or len(order)]:
-            result: dict[str, Any] = {"index": index, "relevance_score": scores[index]}
-            if body.return_documents:
-                result["document"] = {"text": documents[index]}
-            results.append(result)
-        usage = {"total_tokens": num_tokens}
-        return JSONResponse({"id": response_id, "model": name, "usage": usage,
-                             "results": results})  # fmt: skip
+        shown = documents if body.return_documents else None
+        return JSONResponse(rerank_document(response_id, *scored, shown, body.top_n))
 
     def check_pooling(body: EmbeddingRequest | ScoreRequest | RerankRequest) -> None:
         if state.draining:

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -165,3 +167,34 @@ def pairs_of(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[str
         raise ValueError(f"text_1 holds {len(first)} texts and text_2 {len(second)}: give one "
                          "text_1, or as many as text_2 (paired in order)")  # fmt: skip
     return list(zip(first, second, strict=True))
+
+
+def score_document(
+    response_id: str, scores: list[float], num_tokens: int, model: str
+) -> dict[str, Any]:
+    """vLLM's ``/score`` response: one score per pair, in pair order."""
+    data = [{"index": i, "object": "score", "score": value} for i, value in enumerate(scores)]
+    usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0}
+    return {"id": response_id, "object": "list", "created": int(time.time()), "model": model,
+            "data": data, "usage": usage}  # fmt: skip
+
+
+def rerank_document(
+    response_id: str,
+    scores: list[float],
+    num_tokens: int,
+    model: str,
+    documents: list[str] | None,
+    top_n: int,
+) -> dict[str, Any]:
+    """The rerank response (Jina's, Cohere v1's, vLLM's): results best first, ties in
+    input order, the ``top_n`` best (0: all); each with its text when ``documents``."""
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])  # stable: ties in order
+    results: list[dict[str, Any]] = []
+    for index in order[: top_n or len(order)]:
+        result: dict[str, Any] = {"index": index, "relevance_score": scores[index]}
+        if documents is not None:
+            result["document"] = {"text": documents[index]}
+        results.append(result)
+    return {"id": response_id, "model": model, "usage": {"total_tokens": num_tokens},
+            "results": results}  # fmt: skip

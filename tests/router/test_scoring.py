@@ -9,7 +9,14 @@ import pytest
 
 from common.config import ConfigError, RouterConfig, ScoreMethod
 from common.tokenizer import Tokenizer
-from router.scoring import EMBEDDING_SCORER, NoRoomForDocument, Scorer, pairs_of
+from router.scoring import (
+    EMBEDDING_SCORER,
+    NoRoomForDocument,
+    Scorer,
+    pairs_of,
+    rerank_document,
+    score_document,
+)
 
 TOKEN_LOGITS = {"score_method": "token_logits", "score_tokens": ("no", "ok")}
 
@@ -98,3 +105,18 @@ def test_truncation_cuts_the_document_and_keeps_the_template_and_query(tiny_llam
     assert scorer.prompt_text(q, d).endswith("\nA:")
     with pytest.raises(NoRoomForDocument, match="the template and the query alone"):
         scorer.fit_documents(tokenizer, [("a long query " * 20, "d")], 40, True)
+
+
+def test_rerank_results_go_best_first_ties_in_input_order_the_top_n_kept():
+    scores = [0.2, 0.9, 0.2, 0.5]
+    document = rerank_document("r", scores, 12, "m", ["a", "b", "c", "d"], top_n=3)
+    assert [r["index"] for r in document["results"]] == [1, 3, 0]  # 0 before 2 (a tie)
+    assert [r["document"]["text"] for r in document["results"]] == ["b", "d", "a"]
+    assert document["usage"] == {"total_tokens": 12} and document["model"] == "m"
+    everything = rerank_document("r", scores, 12, "m", None, top_n=0)
+    assert [r["index"] for r in everything["results"]] == [1, 3, 0, 2]
+    assert all(set(r) == {"index", "relevance_score"} for r in everything["results"])
+    assert len(rerank_document("r", scores, 12, "m", None, top_n=99)["results"]) == 4
+    scored = score_document("s", [0.5, 0.1], 7, "m")
+    assert [(d["index"], d["score"]) for d in scored["data"]] == [(0, 0.5), (1, 0.1)]
+    assert scored["usage"] == {"prompt_tokens": 7, "total_tokens": 7, "completion_tokens": 0}
