@@ -48,6 +48,9 @@ def run(args: argparse.Namespace) -> int:
         if hf_config is not None:
             check_text_parsers(config, hf_config)
             check_score_tokens(config)
+        elif config.router.score_method is ScoreMethod.TOKEN_LOGITS:
+            print("warning: router.score_tokens not checked: the model is not on this "
+                  "machine yet (the router checks them at start)", file=sys.stderr)  # fmt: skip
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -427,11 +427,11 @@ def create_app(state: RouterState) -> FastAPI:
         logits = scorer.method is ScoreMethod.TOKEN_LOGITS
         truncating = body.truncate_prompt_tokens is not None
         if logits or not truncating:  # each query fits, before 2,048 prompts copy it
-            limit = state.model.max_model_len
-            if truncating:
-                limit = truncation_keep(body.truncate_prompt_tokens)
             queries = list(dict.fromkeys(query for query, _ in pairs))
-            await asyncio.to_thread(prompt_ids, queries, query_param, limit,
+            if logits:  # with the template around it (an empty document)
+                queries = [scorer.prompt_text(query, "") for query in queries]
+            await asyncio.to_thread(prompt_ids, queries, query_param,
+                                    state.model.max_model_len,
                                     body.add_special_tokens)  # fmt: skip
         fit = logits and truncating
         if fit:  # the documents are cut, not the prompts (``Scorer.fit_documents``)

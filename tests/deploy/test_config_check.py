@@ -265,3 +265,10 @@ def test_check_refuses_score_tokens_that_are_not_one_token(tiny_llama, capsys):
     assert "router.score_tokens: 'yes' is 2 tokens" in capsys.readouterr().err
     assert main(["config", "check", str(EXAMPLES[0]), *score,
                  "--set", 'router.score_tokens=["no", "ok"]']) == 0  # fmt: skip
+    # No model on this machine yet (the demo is made at the first start): not checked,
+    # and said so.
+    capsys.readouterr()
+    assert main(["config", "check", str(EXAMPLES[0]), "--set", "model=/nowhere",
+                 "--set", "router.score_method=token_logits",
+                 "--set", 'router.score_tokens=["no", "yes"]']) == 0  # fmt: skip
+    assert "router.score_tokens not checked" in capsys.readouterr().err

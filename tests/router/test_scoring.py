@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -120,3 +121,25 @@ def test_rerank_results_go_best_first_ties_in_input_order_the_top_n_kept():
     scored = score_document("s", [0.5, 0.1], 7, "m")
     assert [(d["index"], d["score"]) for d in scored["data"]] == [(0, 0.5), (1, 0.1)]
     assert scored["usage"] == {"prompt_tokens": 7, "total_tokens": 7, "completion_tokens": 0}
+
+
+def test_identical_pairs_are_computed_once_and_tie(tiny_llama):
+    scorer = Scorer.build(RouterConfig(**TOKEN_LOGITS), Tokenizer(tiny_llama))
+    plan = scorer.plan([("q", "a"), ("q", "b"), ("q", "a")])
+    assert plan.texts == ["qa", "qb"]
+    logits = [np.array([0.0, 1.0], np.float32), np.array([1.0, 0.0], np.float32)]
+    first, second, again = plan.combine(logits)
+    assert first == again != second
+
+
+def test_truncation_reads_a_bounded_prefix_of_a_huge_document(tiny_llama):
+    """A 4 MB document cut to 40 tokens: only its head is tokenized (fast), and the result
+    is what cutting the whole would give."""
+    tokenizer = Tokenizer(tiny_llama)
+    scorer = Scorer.build(RouterConfig(**TOKEN_LOGITS), tokenizer)
+    huge = "the seine runs through paris, " * 140_000
+    start = time.perf_counter()
+    ((_, document),) = scorer.fit_documents(tokenizer, [("where", huge)], 40, True)
+    assert time.perf_counter() - start < 2.0  # whole, it takes seconds and gigabytes
+    ((_, small),) = scorer.fit_documents(tokenizer, [("where", huge[:5000])], 40, True)
+    assert document == small and len(tokenizer.encode(scorer.prompt_text("where", document))) <= 40

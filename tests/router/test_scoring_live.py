@@ -93,6 +93,18 @@ def test_a_document_past_the_context_is_cut_to_fit_with_the_template_whole(stack
     body = {"query": query, "documents": [document, "a short one"]}
     refused = httpx.post(f"{stack.base_url}/v1/rerank", json=body, timeout=60)
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "documents"
+    # No room for any document: named as the truncation's fault, not the context's.
+    for keep in (1, 5):
+        no_room = httpx.post(
+            f"{stack.base_url}/v1/rerank", timeout=60, json={**body, "truncate_prompt_tokens": keep}
+        ).json()["error"]
+        assert no_room["param"] == "truncate_prompt_tokens", no_room
+        assert "the template and the query alone" in no_room["message"]
+    # A query too long with the template around it is the query's fault.
+    long_query = httpx.post(
+        f"{stack.base_url}/v1/rerank", timeout=60, json={**body, "query": "where " * 1020}
+    ).json()["error"]
+    assert long_query["param"] == "query", long_query
     for keep, limit in ((-1, 1024), (300, 300)):  # write_config's max_model_len: 1024
         reranked = post(stack, "/v1/rerank", {**body, "truncate_prompt_tokens": keep})
         fitted = scorer.fit_documents(tokenizer, [(query, document)], limit, True)
