@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from common.config import ScoreMethod
 from common.structured_output import STRUCTURED_OUTPUT
-from common.tokenizer import TokenizerError, TooManyTokens
+from common.tokenizer import KeptTokens, TokenizerError, TooManyTokens
 from proto import pdserve_pb2 as pb
 from router.choices import build_choices, merge_choices, new_id
 from router.detokenizer import IncrementalDetokenizer
@@ -335,7 +335,7 @@ def create_app(state: RouterState) -> FastAPI:
         prompt = await asyncio.to_thread(
             apply_template, body.messages, body.add_generation_prompt,
             tool_dicts(body.tools), body.template_kwargs, body.continue_final_message,
-            prompt_limit(body),
+            prompt_limit(body), prompt_window(body),
         )  # fmt: skip
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         tail = state.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
@@ -479,8 +479,9 @@ def create_app(state: RouterState) -> FastAPI:
         ``truncate``: apply the body's ``truncate_prompt_tokens`` (False: done before)."""
         truncating = truncate and body.truncate_prompt_tokens is not None
         limit = None if truncating else state.model.max_model_len
+        kept = prompt_window(body) if truncating else None
         prompts = await asyncio.to_thread(prompt_ids, value, param, limit,
-                                          body.add_special_tokens)  # fmt: skip
+                                          body.add_special_tokens, kept)  # fmt: skip
         if truncating:
             prompts = truncated(prompts, body.truncate_prompt_tokens, body.truncation_side)
         max_model_len = state.model.max_model_len
@@ -545,12 +546,14 @@ def create_app(state: RouterState) -> FastAPI:
     def apply_template(
         messages, add_generation_prompt: bool, tools=None, template_kwargs=None,
         continue_final_message: bool = False, max_tokens: int | None = None,
+        kept: KeptTokens | None = None,
     ) -> list[int]:  # fmt: skip
-        """``max_tokens``: a longer prompt is refused before it is tokenized whole."""
+        """``max_tokens``: a longer prompt is refused before it is tokenized whole.
+        ``kept``: what truncation will keep (only that much of the text is tokenized)."""
         try:
             return state.tokenizer.apply_chat_template(
                 [m.for_template() for m in messages], add_generation_prompt, tools,
-                template_kwargs, continue_final_message, max_tokens,
+                template_kwargs, continue_final_message, max_tokens, kept,
             )  # fmt: skip
         except TooManyTokens as exc:
             raise too_long(exc, "messages") from None
@@ -570,26 +573,39 @@ def create_app(state: RouterState) -> FastAPI:
         context, unless the request truncates its prompt to fit."""
         return state.model.max_model_len if body.truncate_prompt_tokens is None else None
 
+    def prompt_window(body) -> KeptTokens | None:
+        """What ``truncate_prompt_tokens`` keeps of a prompt's tokens (``truncated``);
+        None when the request does not truncate."""
+        if body.truncate_prompt_tokens is None:
+            return None
+        keep = truncation_keep(body.truncate_prompt_tokens)
+        return KeptTokens(keep, from_end=body.truncation_side != "right")
+
     def too_long(exc: TooManyTokens, param: str) -> APIError:
         return context_too_long(exc.at_least, None, state.model.max_model_len, param,
                                 at_least=True)  # fmt: skip
 
     def completion_prompts(body: CompletionRequest) -> list[list[int]]:
-        return prompt_ids(body.prompt, "prompt", prompt_limit(body))
+        return prompt_ids(body.prompt, "prompt", prompt_limit(body), kept=prompt_window(body))
 
     def prompt_ids(
-        value: str | list, param: str, limit: int | None, add_special_tokens: bool = True
+        value: str | list,
+        param: str,
+        limit: int | None,
+        add_special_tokens: bool = True,
+        kept: KeptTokens | None = None,
     ) -> list[list[int]]:
         """A prompt field's ids (``prompt``, ``input``: a text, texts, ids or lists of
         ids): texts encoded, the first past ``limit`` tokens refused at once (one surely
         past it before it is encoded whole), each checked to be non-empty and in the
-        vocabulary, blaming ``param``."""
+        vocabulary, blaming ``param``. ``kept``: what truncation will keep of each (only
+        that much of a text is tokenized)."""
         texts = texts_of(value)
         if texts is not None:
             prompts = []
             for text in texts:
                 try:
-                    tokens = state.tokenizer.encode(text, add_special_tokens, limit)
+                    tokens = state.tokenizer.encode(text, add_special_tokens, limit, kept)
                 except TooManyTokens as exc:
                     raise too_long(exc, param) from None
                 if limit is not None and len(tokens) > limit:  # not after 1,000 more texts

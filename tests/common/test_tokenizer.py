@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 import common.tokenizer as tokenizer_module
-from common.tokenizer import _ENCODE_UNLOCKED_CHARS, Tokenizer, TokenizerError, TooManyTokens
+from common.tokenizer import (
+    _ENCODE_UNLOCKED_CHARS,
+    CHARS_PER_TOKEN_BOUND,
+    KeptTokens,
+    Tokenizer,
+    TokenizerError,
+    TooManyTokens,
+)
 
 TEXTS = ["Hello, world!", "def f(x):\n    return x * 2  # ünïcödé ✓", "", "  spaces   here "]
 MESSAGES = [
@@ -74,6 +81,26 @@ def test_a_long_text_gets_the_same_ids_without_holding_the_interpreter(model_fac
     done.set()
     ticker.join()
     assert max(gaps) < took / 4, (max(gaps), took)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_truncation_reads_only_the_kept_side_and_keeps_the_same_tokens(model_factory, arch):
+    """``KeptTokens``: the last (or first) N ids of a text cut to the kept side first are
+    those of the whole text's, and a 16 MB text is not tokenized whole to keep 512."""
+    tokenizer = Tokenizer(model_factory(arch))
+    text = "".join(TEXTS) * 200
+    for add_special_tokens in (True, False):
+        whole = tokenizer.encode(text, add_special_tokens)
+        assert len(text) > 100 * CHARS_PER_TOKEN_BOUND and len(whole) > 100
+        end = tokenizer.encode(text, add_special_tokens, kept=KeptTokens(100))
+        start = tokenizer.encode(text, add_special_tokens, kept=KeptTokens(100, from_end=False))
+        assert end[-100:] == whole[-100:] and start[:100] == whole[:100]
+        assert len(end) < len(whole) and len(start) < len(whole)  # it was cut
+    huge = "".join(TEXTS) * (16_000_000 // len("".join(TEXTS)))
+    started = time.perf_counter()
+    kept = tokenizer.encode(huge, kept=KeptTokens(512))
+    assert time.perf_counter() - started < 1.0, "tokenized whole (that takes seconds)"
+    assert kept[-512:] == tokenizer.encode(huge[-100_000:])[-512:]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
