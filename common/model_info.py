@@ -91,3 +91,29 @@ def checkpoint_text_config(config: PdserveConfig) -> dict[str, Any] | None:
     made at first start)."""
     path = model_dir_of(config) / "config.json"
     return text_config(json.loads(path.read_text())) if path.exists() else None
+
+
+# A backbone saved alone (Qwen3-Embedding-4B/8B): names without "model.", as the loader's.
+_BARE_NAMES = ("embed_tokens.", "layers.", "norm.")
+
+
+def serves_embeddings_only(model_dir: Path) -> bool:
+    """Whether the checkpoint is a backbone saved without its head (bare names, no
+    ``lm_head.weight``), which the engine loads to serve embeddings only and to compute
+    no logits (``engine/models/loader.py``). Reads tensor names only: the shard index, or
+    each safetensors file's JSON header (no torch)."""
+    names = _tensor_names(model_dir)
+    bare = any(name.startswith(_BARE_NAMES) for name in names)
+    return bare and not any(name.endswith("lm_head.weight") for name in names)
+
+
+def _tensor_names(model_dir: Path) -> list[str]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        return list(json.loads(index.read_text()).get("weight_map", {}))
+    names: list[str] = []
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with open(path, "rb") as f:  # 8 bytes of header length, then the JSON header
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        names += [name for name in header if name != "__metadata__"]
+    return names

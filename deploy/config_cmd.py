@@ -73,12 +73,13 @@ def check_score_tokens(config: PdserveConfig) -> None:
         from common.tokenizer import Tokenizer, TokenizerError
         from router.scoring import Scorer
 
+        model_dir = model_dir_of(config)
         try:
-            tokenizer = Tokenizer(model_dir_of(config))
+            tokenizer = Tokenizer(model_dir)
         except TokenizerError as exc:
             message = f"no tokenizer to check router.score_tokens by: {exc}"
             raise ConfigError("model", message) from None
-        Scorer.build(config.router, tokenizer)
+        Scorer.build(config.router, tokenizer, model_dir)
 
 
 def summary(config: PdserveConfig, budgets: list[KVBudget] | None) -> list[str]:

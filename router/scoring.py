@@ -23,11 +23,13 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from common.config import DEFAULT_SCORE_TEMPLATE, ConfigError, RouterConfig, ScoreMethod
+from common.model_info import serves_embeddings_only
 from common.tokenizer import KeptTokens, Tokenizer
 
 _FIELD = re.compile(r"\{(query|document)\}")
@@ -58,9 +60,14 @@ class Scorer:
     token_ids: tuple[int, ...]
 
     @classmethod
-    def build(cls, config: RouterConfig, tokenizer: Tokenizer) -> Scorer:
+    def build(cls, config: RouterConfig, tokenizer: Tokenizer, model_dir: Path) -> Scorer:
         """Raises ``ConfigError`` for a score token that is not one token of this model's
-        vocabulary: its logit would be some other token's."""
+        vocabulary (its logit would be some other token's), and for ``token_logits`` on a
+        checkpoint without a language-model head (it has no logits)."""
+        if config.score_method is ScoreMethod.TOKEN_LOGITS and serves_embeddings_only(model_dir):
+            raise ConfigError("router.score_method", f"token_logits reads the model's logits; "
+                              f"{model_dir} has no language-model head (an embedding "
+                              "checkpoint): use embedding")  # fmt: skip
         token_ids = []
         for token in config.score_tokens:
             encoded = tokenizer.encode(token, add_special_tokens=False)

@@ -99,7 +99,7 @@ class RouterState:
                    adapters, generation_defaults=GenerationDefaults.read(model.model_dir),
                    harmony_ids=harmony_ids_of(config, model, tokenizer),
                    tool_marker_ids=tool_marker_ids_of(config, tokenizer),
-                   scorer=Scorer.build(config.router, tokenizer))  # fmt: skip
+                   scorer=Scorer.build(config.router, tokenizer, model.model_dir))  # fmt: skip
 
     async def start(self) -> None:
         self.events.start()

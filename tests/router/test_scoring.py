@@ -18,6 +18,7 @@ from router.scoring import (
     rerank_document,
     score_document,
 )
+from tests.engine.helpers import headless_copy
 
 TOKEN_LOGITS = {"score_method": "token_logits", "score_tokens": ("no", "ok")}
 
@@ -46,7 +47,7 @@ def test_embedding_scores_embed_each_distinct_text_once_and_take_dot_products():
 
 def test_token_logits_fill_the_template_once_per_pair_and_read_probabilities(tiny_llama):
     config = RouterConfig(**TOKEN_LOGITS, score_template="Q: {query}\nD: {document}\nA:")
-    scorer = Scorer.build(config, Tokenizer(tiny_llama))
+    scorer = Scorer.build(config, Tokenizer(tiny_llama), tiny_llama)
     assert scorer.token_ids == (557, 800) and not scorer.normalize
     # One pass: a query holding "{document}" keeps it.
     assert scorer.prompt_text("is {document}?", "x") == "Q: is {document}?\nD: x\nA:"
@@ -67,7 +68,7 @@ def test_token_logits_fill_the_template_once_per_pair_and_read_probabilities(tin
 def test_score_tokens_must_each_be_one_token(tiny_llama):
     config = RouterConfig(score_method="token_logits", score_tokens=("no", "yes"))
     with pytest.raises(ConfigError, match="'yes' is 2 tokens") as raised:
-        Scorer.build(config, Tokenizer(tiny_llama))
+        Scorer.build(config, Tokenizer(tiny_llama), tiny_llama)
     assert raised.value.key == "router.score_tokens"
 
 
@@ -93,7 +94,7 @@ def test_the_config_refuses_what_could_not_score(fields, key, words):
 def test_truncation_cuts_the_document_and_keeps_the_template_and_query(tiny_llama):
     tokenizer = Tokenizer(tiny_llama)
     config = RouterConfig(**TOKEN_LOGITS, score_template="Judge.\nQ: {query}\nD: {document}\nA:")
-    scorer = Scorer.build(config, tokenizer)
+    scorer = Scorer.build(config, tokenizer, tiny_llama)
     query, document = "where is the river", "the seine runs through paris, " * 20
     short = ("q", "a short document")
     fitted = scorer.fit_documents(tokenizer, [(query, document), short], 40, True)
@@ -124,7 +125,7 @@ def test_rerank_results_go_best_first_ties_in_input_order_the_top_n_kept():
 
 
 def test_identical_pairs_are_computed_once_and_tie(tiny_llama):
-    scorer = Scorer.build(RouterConfig(**TOKEN_LOGITS), Tokenizer(tiny_llama))
+    scorer = Scorer.build(RouterConfig(**TOKEN_LOGITS), Tokenizer(tiny_llama), tiny_llama)
     plan = scorer.plan([("q", "a"), ("q", "b"), ("q", "a")])
     assert plan.texts == ["qa", "qb"]
     logits = [np.array([0.0, 1.0], np.float32), np.array([1.0, 0.0], np.float32)]
@@ -136,10 +137,23 @@ def test_truncation_reads_a_bounded_prefix_of_a_huge_document(tiny_llama):
     """A 4 MB document cut to 40 tokens: only its head is tokenized (fast), and the result
     is what cutting the whole would give."""
     tokenizer = Tokenizer(tiny_llama)
-    scorer = Scorer.build(RouterConfig(**TOKEN_LOGITS), tokenizer)
+    scorer = Scorer.build(RouterConfig(**TOKEN_LOGITS), tokenizer, tiny_llama)
     huge = "the seine runs through paris, " * 140_000
     start = time.perf_counter()
     ((_, document),) = scorer.fit_documents(tokenizer, [("where", huge)], 40, True)
     assert time.perf_counter() - start < 2.0  # whole, it takes seconds and gigabytes
     ((_, small),) = scorer.fit_documents(tokenizer, [("where", huge[:5000])], 40, True)
     assert document == small and len(tokenizer.encode(scorer.prompt_text("where", document))) <= 40
+
+
+def test_token_logits_on_a_checkpoint_without_a_head_is_a_config_error(model_factory, tmp_path):
+    """A backbone saved alone (Qwen3-Embedding's layout) has no logits to read: refused at
+    start, named; the full checkpoint and embedding scoring of the bare one are fine."""
+    full = model_factory("qwen3")
+    bare = headless_copy(full, tmp_path / "bare")
+    config = RouterConfig(**TOKEN_LOGITS)
+    with pytest.raises(ConfigError, match="has no language-model head") as raised:
+        Scorer.build(config, Tokenizer(bare), bare)
+    assert raised.value.key == "router.score_method"
+    assert Scorer.build(RouterConfig(), Tokenizer(bare), bare) == EMBEDDING_SCORER
+    assert Scorer.build(config, Tokenizer(full), full).method is ScoreMethod.TOKEN_LOGITS

@@ -88,7 +88,7 @@ def test_a_document_past_the_context_is_cut_to_fit_with_the_template_whole(stack
 
     tokenizer = Tokenizer(tiny_llama)
     scorer = Scorer.build(RouterConfig(score_method="token_logits", score_tokens=TOKENS,
-                                       score_template=TEMPLATE), tokenizer)  # fmt: skip
+                                       score_template=TEMPLATE), tokenizer, tiny_llama)  # fmt: skip
     query, document = "where does the seine run", "the seine runs through paris. " * 200
     body = {"query": query, "documents": [document, "a short one"]}
     refused = httpx.post(f"{stack.base_url}/v1/rerank", json=body, timeout=60)
