@@ -44,6 +44,10 @@ class KeptTokens:
     num_tokens: int
     from_end: bool = True
 
+    def ids(self, token_ids: list[int]) -> list[int]:
+        """The ids kept of a text's ids."""
+        return token_ids[-self.num_tokens :] if self.from_end else token_ids[: self.num_tokens]
+
     def cut(self, text: str) -> str:
         num_chars = self.num_tokens * CHARS_PER_TOKEN_BOUND
         if len(text) <= num_chars:

@@ -482,8 +482,8 @@ def create_app(state: RouterState) -> FastAPI:
         kept = prompt_window(body) if truncating else None
         prompts = await asyncio.to_thread(prompt_ids, value, param, limit,
                                           body.add_special_tokens, kept)  # fmt: skip
-        if truncating:
-            prompts = truncated(prompts, body.truncate_prompt_tokens, body.truncation_side)
+        if kept is not None:
+            prompts = [kept.ids(prompt) for prompt in prompts]
         max_model_len = state.model.max_model_len
         for tokens in prompts:
             if len(tokens) > max_model_len:
@@ -574,8 +574,10 @@ def create_app(state: RouterState) -> FastAPI:
         return state.model.max_model_len if body.truncate_prompt_tokens is None else None
 
     def prompt_window(body) -> KeptTokens | None:
-        """What ``truncate_prompt_tokens`` keeps of a prompt's tokens (``truncated``);
-        None when the request does not truncate."""
+        """vLLM's ``truncate_prompt_tokens``: what it keeps of each prompt's tokens, the
+        last ``keep`` (-1: as many as the context holds), cut after the chat template, or
+        the first ones where ``truncation_side`` is "right"; None when the request does
+        not truncate."""
         if body.truncate_prompt_tokens is None:
             return None
         keep = truncation_keep(body.truncate_prompt_tokens)
@@ -655,15 +657,6 @@ def create_app(state: RouterState) -> FastAPI:
             )
         return max_model_len if keep == -1 else keep
 
-    def truncated(prompts: list[list[int]], keep: int, side: str | None) -> list[list[int]]:
-        """vLLM's ``truncate_prompt_tokens``: each prompt's last ``keep`` tokens (-1: as
-        many as the context holds), cut after the chat template; its first ones where
-        ``side`` (``truncation_side``) is "right"."""
-        keep = truncation_keep(keep)
-        if side == "right":
-            return [prompt[:keep] for prompt in prompts]
-        return [prompt[-keep:] for prompt in prompts]
-
     def echo_texts(body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
         """What ``echo`` repeats of each prompt: the text sent, or token ids decoded (and
         what truncation kept of them)."""
@@ -694,8 +687,9 @@ def create_app(state: RouterState) -> FastAPI:
                                 ("allowed_token_ids", body.allowed_token_ids)):  # fmt: skip
             if any(t >= vocab for t in token_ids or ()):
                 raise bad_request(f"{name} must be in [0, {vocab}) (token ids)", name)
-        if body.truncate_prompt_tokens is not None:
-            prompts = truncated(prompts, body.truncate_prompt_tokens, body.truncation_side)
+        window = prompt_window(body)
+        if window is not None:
+            prompts = [window.ids(prompt) for prompt in prompts]
         check_priority(body.priority)
         num_sequences = len(prompts) * body.n
         limit = state.config.router.max_inflight_sequences
