@@ -93,8 +93,9 @@ def checkpoint_text_config(config: PdserveConfig) -> dict[str, Any] | None:
     return text_config(json.loads(path.read_text())) if path.exists() else None
 
 
-# A backbone saved alone (Qwen3-Embedding-4B/8B): names without "model.", as the loader's.
-_BARE_NAMES = ("embed_tokens.", "layers.", "norm.")
+# A bare backbone's names: the base model saved alone, without "model." (as
+# Qwen3-Embedding-4B/8B's files are). The loader maps them under "model.".
+BARE_NAMES = ("embed_tokens.", "layers.", "norm.")
 
 
 def serves_embeddings_only(model_dir: Path) -> bool:
@@ -103,7 +104,7 @@ def serves_embeddings_only(model_dir: Path) -> bool:
     no logits (``engine/models/loader.py``). Reads tensor names only: the shard index, or
     each safetensors file's JSON header (no torch)."""
     names = _tensor_names(model_dir)
-    bare = any(name.startswith(_BARE_NAMES) for name in names)
+    bare = any(name.startswith(BARE_NAMES) for name in names)
     return bare and not any(name.endswith("lm_head.weight") for name in names)
 
 

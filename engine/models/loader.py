@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from common.model_info import BARE_NAMES
 from engine.attention.backend import AttentionBackend
 from engine.models.arch import ModelArchConfig, ModelLoadError, safetensors_files
 from engine.models.gpt_oss_weights import EXPERT_TENSOR, expert_pieces
@@ -40,8 +41,6 @@ _TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.
                   ("model.language_model.", "model."))  # fmt: skip
 _NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
              "model.multi_modal_projector.")  # fmt: skip
-# A bare backbone's names (the base model saved alone, as Qwen3-Embedding's files are).
-_BARE = ("embed_tokens.", "layers.", "norm.")
 _FUSED = re.compile(
     r"^(model\.layers\.\d+\.(?:self_attn|mlp|mlp\.shared_expert))\.(q|k|v|gate|up)_proj\."
     r"(weight|bias)$"
@@ -96,7 +95,7 @@ def _model_name(name: str) -> str | None:
     for prefix, replacement in _TEXT_PREFIXES:
         if name.startswith(prefix):
             return replacement + name[len(prefix) :]
-    if name.startswith(_BARE):
+    if name.startswith(BARE_NAMES):
         return "model." + name
     return name
 
@@ -210,7 +209,7 @@ def load_model(
                 name = _model_name(stored)
                 if name is None or _IGNORED.match(name):
                     continue
-                bare = bare or stored.startswith(_BARE)
+                bare = bare or stored.startswith(BARE_NAMES)
                 if arch.tie_word_embeddings and name == _HEAD:
                     continue
                 expert = EXPERT_TENSOR.match(name) if gpt_oss else None
