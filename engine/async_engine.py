@@ -46,7 +46,8 @@ class EngineFailedError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class EngineStats:
-    """A snapshot of the engine, taken on its thread after each loop turn."""
+    """A snapshot of the engine, taken on its thread after each step (before its outputs
+    are delivered) and after each loop turn."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -228,8 +229,11 @@ class AsyncEngine:
                     self._busy_since = None
                 if self._stop.is_set():  # failed from outside meanwhile (fail_stuck)
                     return
-                self._deliver(outputs)
                 self._update_rate()
+                # Stats first: a client that saw its request finish then reads stats
+                # in which it has (its blocks freed), not the turn before's.
+                self._snapshot()
+                self._deliver(outputs)
                 if engine.num_steps == num_steps and not outputs:
                     # Nothing could run (only pulls in flight, or no room until a lease
                     # is released): do not spin; a command (release, abort) wakes it.

@@ -203,3 +203,33 @@ def test_a_reader_that_fell_behind_gets_one_output_with_every_token_it_missed(ti
     new = outputs[1].new_token_ids
     assert [lp.token_id for lp in completion.last_logprobs(len(new))] == new
     assert engine.leak_report() == []
+
+
+@pytest.mark.timeout(60)
+def test_stats_read_after_a_request_finished_show_it_gone(tiny_llama):
+    """The snapshot is taken before a step's outputs are delivered: a client that saw its
+    last token, then read the stats, saw its request still running with its blocks held
+    (a worker fault test read them so under load). A slow hook (KV events, leases) after
+    delivery widens that window to certain."""
+    import time
+
+    engine = LLMEngine(tiny_llama, EngineConfig(max_model_len=512))
+    async_engine = AsyncEngine(engine)
+    async_engine.hooks.append(lambda: time.sleep(0.05))
+    params = SamplingParams(max_tokens=3, temperature=0)
+
+    async def scenario() -> None:
+        async_engine.start()
+        for i in range(3):
+            outputs = [o async for o in async_engine.generate(f"r{i}", list(range(5, 40)), params)]
+            assert outputs[-1].finished
+            stats = async_engine.stats
+            assert stats.num_running + stats.num_waiting == 0, stats
+            assert stats.kv_blocks_used == 0, stats
+
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+    finally:
+        async_engine.stop()
+    assert async_engine.num_streams == 0
+    assert engine.scheduler.kv.pool.num_used_blocks == 0
