@@ -50,7 +50,7 @@ class RouterState:
     adapters: LoraAdapters
     started_at: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
-    num_inflight: int = 0  # sequences admitted and not yet ended (see app.respond)
+    num_inflight: int = 0  # sequences admitted and not yet ended (see admission.Admission.admit)
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     # The Harmony markers' token ids, where the model writes its chat replies in that
     # format (GPT-OSS; router/harmony.py); None: it does not.

@@ -1,0 +1,80 @@
+"""What a request passes before it runs: a model this router serves, a priority its
+engines honour, a router not draining, and room among the sequences in flight; and how a
+running request notices that its client has gone."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import Request
+
+from router.errors import bad_request, model_not_found, overloaded, unavailable
+from router.state import RouterState
+
+DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks its client is still there
+
+GONE = object()  # what ``until_disconnected`` returns when the client left first
+
+
+class Admission:
+    def __init__(self, state: RouterState) -> None:
+        self.state = state
+
+    def lora_name(self, model: str | None) -> str | None:
+        """The LoRA adapter ``model`` names; None for the base model (or no name)."""
+        if model is None or model == self.state.model.served_name:
+            return None
+        if model in self.state.adapters.names():
+            return model
+        raise model_not_found(model)
+
+    def check_open(self) -> None:
+        if self.state.draining:
+            raise unavailable("the router is draining")
+
+    def check_priority(self, priority: int) -> None:
+        if priority and not self.state.takes_priority:
+            raise bad_request(
+                f"priority {priority} needs engine.scheduling_policy: priority; this server "
+                "serves requests in arrival order (fcfs)",
+                "priority",
+            )
+
+    def admit(self, num_sequences: int, lora_name: str | None) -> Callable[[], None]:
+        """Take ``num_sequences`` of the router's in-flight room (429 when it has not that
+        much left) and of ``lora_name``'s; returns the call that gives them back. Callers
+        check and take with no await between."""
+        state = self.state
+        if state.num_inflight + num_sequences > state.config.router.max_inflight_sequences:
+            raise overloaded()
+        state.num_inflight += num_sequences
+        release_adapter = state.adapters.admit(lora_name, num_sequences)
+
+        def release() -> None:
+            state.num_inflight -= num_sequences
+            release_adapter()
+
+        return release
+
+
+async def until_disconnected(request: Request, work: Awaitable) -> Any:
+    """``work``'s result; if the client goes away first, cancel it (which aborts its
+    sequences on the workers) and return ``GONE``. Streams notice a gone client when a
+    write fails; before the first write, and for a non-streaming response, which writes
+    only at the end, the client is watched."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                return GONE
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task

@@ -1,0 +1,337 @@
+"""The generating routes: ``/v1/completions``, ``/v1/chat/completions`` and, over the
+chat path, ``/v1/responses``. Routes translate HTTP to choices and choices back to JSON
+or SSE; placement and transport live in ``dispatch.py``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from common.structured_output import STRUCTURED_OUTPUT
+from router.admission import GONE, Admission, until_disconnected
+from router.choices import build_choices, merge_choices, new_id
+from router.detokenizer import IncrementalDetokenizer
+from router.errors import APIError, bad_request, internal
+from router.formatting import SSE_DONE, Formatter, ToolFormat, sse
+from router.harmony import Harmony, call_constraint
+from router.harmony import opening_of as harmony_opening
+from router.prompts import PromptTokenizer, tool_dicts
+from router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    FieldError,
+    NamedToolChoice,
+    ResponsesRequest,
+)
+from router.reasoning import PROMPT_TAIL_TOKENS, Reasoning, opening_of
+from router.response_output import ResponseShape, translate_stream
+from router.responses import renamed, to_chat, without_oldest_turn
+from router.state import RouterState
+from router.structured import check as check_constraint
+from router.structured import structured_output_of
+from router.tool_parsers import MistralCalls, tool_format_of
+from router.tools import call_schemas
+
+logger = logging.getLogger(__name__)
+
+
+async def _blaming(events: AsyncIterator, param: str) -> AsyncIterator:
+    """``events``, with a worker's refusal of the output constraint (its param
+    ``structured_output``: llguidance gave up on it mid-generation) naming the field the
+    client gave it in (``guided_regex``, ``tools``, ...)."""
+    try:
+        async for event in events:
+            yield event
+    except APIError as error:
+        if error.param == STRUCTURED_OUTPUT:
+            error.param = param
+        raise
+    finally:
+        await events.aclose()  # closing this closes the choices at once
+
+
+class _AdmittedStream(StreamingResponse):
+    """A streamed response that, however it ends, gives its admission back and closes the
+    choices' event stream (which aborts sequences still running): also when the client
+    left before the first byte, when the body's generator never starts and its own
+    ``finally`` would never run."""
+
+    def __init__(self, content: AsyncIterator[bytes], events: AsyncGenerator,
+                 release: Callable[[], None], **kwargs: Any) -> None:  # fmt: skip
+        super().__init__(content, **kwargs)
+        self._events = events
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+            with anyio.CancelScope(shield=True):  # runs even when the client's gone
+                await self._events.aclose()
+
+
+def add_generation_routes(
+    app: FastAPI, state: RouterState, prompt_tokenizer: PromptTokenizer, admission: Admission
+) -> None:
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        lora_name = admission.lora_name(body.model)
+        # Tokenizing a long prompt takes a while: off the event loop, so that other
+        # requests' streams keep flowing meanwhile.
+        prompts = await asyncio.to_thread(prompt_tokenizer.completion, body)
+        return await respond(
+            request, body, prompts, chat=False, logprobs=body.logprobs, lora_name=lora_name
+        )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        lora_name = admission.lora_name(body.model)
+        # A Harmony reply (GPT-OSS) is read by the one format, its tool calls included.
+        harmony = state.harmony_ids is not None
+        try:
+            parser = state.config.router.tool_call_parser
+            tool_format = None if harmony else tool_format_of(body, parser)
+        except FieldError as error:
+            raise bad_request(str(error), error.param) from None
+        prompt = await asyncio.to_thread(
+            prompt_tokenizer.chat, body.messages, body.add_generation_prompt,
+            tool_dicts(body.tools), body.template_kwargs, body.continue_final_message,
+            prompt_tokenizer.limit(body), prompt_tokenizer.window(body),
+        )  # fmt: skip
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        tail = state.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+        if harmony:
+            calls = bool(body.tools) and body.tool_choice != "none"
+            forced = None  # "required" or a named function: a grammar makes the call
+            if body.calls_tools:
+                forced = call_constraint(call_schemas(body), state.tokenizer)
+            named = isinstance(body.tool_choice, NamedToolChoice)
+            reader = Harmony(harmony_opening(tail, calls), calls, body.include_reasoning,
+                             forced, named)  # fmt: skip
+            return await respond(request, body, [prompt], chat=True, logprobs=logprobs,
+                                 harmony=reader, lora_name=lora_name,
+                                 keep_special=state.harmony_ids)  # fmt: skip
+        # A tool format whose markers are special tokens reads them in the text.
+        keep = state.tool_marker_ids if isinstance(tool_format, MistralCalls) else frozenset()
+        return await respond(request, body, [prompt], chat=True, logprobs=logprobs,
+                             tool_format=tool_format, reasoning=reasoning_of(body, tail),
+                             lora_name=lora_name, keep_special=keep)  # fmt: skip
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        """OpenAI's Responses API, stateless, over the chat path (``router/responses.py``)."""
+        chat = to_chat(body)
+        shape = ResponseShape(body, body.model or state.model.served_name)
+        while True:
+            try:
+                reply = await chat_completions(chat, request)
+                break
+            except APIError as error:
+                shorter = None
+                if body.truncation == "auto" and error.code == "context_length_exceeded":
+                    shorter = without_oldest_turn(chat)  # it failed before anything ran
+                if shorter is None:
+                    raise renamed(error) from None
+                chat = shorter
+        if reply.status_code != 200:  # the client left
+            return reply
+        if isinstance(reply, StreamingResponse):
+            reply.body_iterator = translate_stream(shape, reply.body_iterator)
+            return reply
+        return JSONResponse(shape.resolved(json.loads(reply.body)))
+
+    def reasoning_of(body: ChatCompletionRequest, tail: str) -> Reasoning | None:
+        """How this reply's thinking is told apart (None: no reasoning parser).
+        ``tail``: the prompt's end, special tokens kept."""
+        opening = opening_of(state.config.router.reasoning_parser, tail)
+        return None if opening is None else Reasoning(opening, body.include_reasoning)
+
+    def echo_texts(body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
+        """What ``echo`` repeats of each prompt: the text sent, or token ids decoded (and
+        what truncation kept of them)."""
+        texts = body.prompt_texts
+        if texts is not None and body.truncate_prompt_tokens is None:
+            return texts
+        return [state.tokenizer.decode(tokens, skip_special_tokens=False) for tokens in prompts]
+
+    async def respond(
+        request: Request,
+        body,
+        prompts: list[list[int]],
+        chat: bool,
+        logprobs: int | None,
+        tool_format: ToolFormat | None = None,
+        reasoning: Reasoning | None = None,
+        lora_name: str | None = None,
+        harmony: Harmony | None = None,
+        keep_special: frozenset[int] | None = frozenset(),
+    ):
+        """``lora_name``: the adapter the request's ``model`` named; None: the base model.
+        ``keep_special``: special tokens kept in the text (markers a parser reads)."""
+        admission.check_open()
+        vocab = state.model.vocab_size or state.tokenizer.vocab_size  # what the engine checks
+        for name, token_ids in (("stop_token_ids", body.stop_token_ids),
+                                ("logit_bias", body.logit_bias),
+                                ("allowed_token_ids", body.allowed_token_ids)):  # fmt: skip
+            if any(t >= vocab for t in token_ids or ()):
+                raise bad_request(f"{name} must be in [0, {vocab}) (token ids)", name)
+        window = prompt_tokenizer.window(body)
+        if window is not None:
+            prompts = [window.ids(prompt) for prompt in prompts]
+        admission.check_priority(body.priority)
+        num_sequences = len(prompts) * body.n
+        limit = state.config.router.max_inflight_sequences
+        if num_sequences > limit:
+            raise bad_request(
+                f"the request asks for {num_sequences} sequences (prompts x n); this server "
+                f"runs at most {limit} at once",
+                "n" if body.n > 1 else "prompt",
+            )
+        try:
+            constraint = structured_output_of(body)
+            calls_format = tool_format or harmony  # what may constrain the output to calls
+            if calls_format is not None and calls_format.structured is not None:
+                if constraint is not None:  # the calls are the output's constraint
+                    raise FieldError(f"{constraint[0]} cannot be combined with tool_choice "
+                                     "required or a named function", constraint[0])  # fmt: skip
+                constraint = ("tools", calls_format.structured)
+            thinks = reasoning or harmony
+            if constraint is not None and thinks is not None:  # it applies after thinking
+                constraint = (constraint[0], thinks.constrained(constraint[1]))
+            if constraint is not None:  # a large schema compiles for a while: off the loop
+                await asyncio.to_thread(check_constraint, state.grammar_compiler, *constraint)
+        except FieldError as error:
+            raise bad_request(str(error), error.param) from None
+        structured = constraint[1] if constraint is not None else None
+        sampling = state.sampling_params(body, logprobs, chat, structured)
+        echo = None
+        scored = [] if body.prompt_logprobs is None else [body.prompt_logprobs]
+        if not chat and body.echo:
+            echo = await asyncio.to_thread(echo_texts, body, prompts)
+            if logprobs is not None:  # the prompt's log-probs come first
+                scored.append(logprobs)
+        elif chat and body.echo and body.messages[-1].role == "assistant":
+            continued = body.messages[-1].text()  # the message the reply continues
+            echo = [continued] if continued else None  # (a content of null stays null)
+        if scored:  # the engine scores once, with the larger top n; each use cuts its own
+            sampling.prompt_logprobs = max(scored)
+        if sampling.HasField("max_tokens") and sampling.min_tokens > sampling.max_tokens:
+            raise bad_request(
+                f"min_tokens must be <= max_tokens={sampling.max_tokens}, got "
+                f"{sampling.min_tokens}",
+                "min_tokens",
+            )
+        echo_only = not chat and body.echo_only
+        if echo_only:  # one token is computed with the prompt's scores; it is not shown
+            sampling.max_tokens = 1
+        response_id = new_id("chatcmpl" if chat else "cmpl")
+        keep = keep_special or frozenset()
+        choices = build_choices(
+            response_id,
+            prompts,
+            body.n,
+            sampling,
+            body.stop_strings,
+            state.model.max_model_len,
+            state.model.block_size,
+            lambda stop: IncrementalDetokenizer(
+                state.tokenizer,
+                stop,
+                body.min_tokens,
+                keep,
+                body.include_stop_str_in_output,
+                body.skip_special_tokens,
+            ),
+            body.cache_salt,
+            state.adapters.resolve(lora_name) if lora_name is not None else None,
+            prompt_param="messages" if chat else "prompt",
+            priority=body.priority,
+            echo_only=echo_only,
+            eos_token_ids=state.model.eos_token_ids,
+            main_eos_id=state.tokenizer.eos_token_id,
+        )
+        formatter = Formatter(
+            response_id,
+            lora_name or state.model.served_name,
+            chat,
+            logprobs,
+            state.token_text,
+            body.return_token_ids,
+            echo,
+            body.prompt_logprobs,
+            tool_format,
+            reasoning,
+            harmony,
+            body.return_tokens_as_token_ids,
+        )
+        release = admission.admit(num_sequences, lora_name)  # no await since: nothing else got in
+        arrival = time.perf_counter()
+        events = merge_choices(state.dispatcher, choices, state.metrics, arrival)
+        if constraint is not None:
+            events = _blaming(events, constraint[0])
+
+        async def collect() -> None:
+            async for _ in events:
+                pass
+
+        # A stream's headers wait for its first event, so that what fails before anything
+        # was generated (no worker, a worker refusing the input) is an HTTP status, as
+        # without streaming, and not a 200 with an error event.
+        work = anext(events, None) if body.stream else collect()
+        try:
+            first = await until_disconnected(request, work)
+        except BaseException as exc:
+            release()
+            await events.aclose()
+            if isinstance(exc, APIError) or not isinstance(exc, Exception):
+                raise
+            logger.exception("request %s failed", response_id)
+            raise internal(response_id) from None
+        if first is GONE:
+            release()
+            await events.aclose()
+            return Response(status_code=499)  # nobody is listening; the work is aborted
+        if body.stream:
+            return _AdmittedStream(
+                stream(
+                    formatter, choices, first, events, body.include_usage, body.continuous_usage
+                ),
+                events,
+                release,
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        release()
+        return JSONResponse(formatter.final(choices))
+
+    async def stream(
+        formatter: Formatter,
+        choices,
+        first,
+        events: AsyncIterator,
+        include_usage: bool,
+        continuous_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        try:
+            if first is not None:
+                yield sse(formatter.chunk(first, continuous_usage))
+            async for event in events:
+                yield sse(formatter.chunk(event, continuous_usage))
+            if include_usage:
+                yield sse(formatter.usage_chunk(choices))
+        except APIError as exc:
+            yield sse(exc.body())
+        except Exception:
+            logger.exception("stream %s failed", formatter.response_id)
+            yield sse(internal(formatter.response_id).body())
+        yield SSE_DONE
