@@ -50,14 +50,15 @@ def add_pooling_routes(
     @app.post("/v1/score")
     @app.post("/score")
     async def score(body: ScoreRequest, request: Request) -> Response:
-        """vLLM's score API: each (text_1, text_2) pair's relevance, by the configured
-        method (``router/scoring.py``)."""
+        """vLLM's score API: each (query, document) pair's relevance, by the configured
+        method (``router/scoring.py``); the sides under any of vLLM's namings."""
+        sides = body.sides
         try:
-            pairs = pairs_of(body.text_1, body.text_2)
+            pairs = pairs_of(*body.texts(), sides)
         except ValueError as exc:
-            raise bad_request(str(exc), "text_2") from None
+            raise bad_request(str(exc), sides[1]) from None
         response_id = new_id("score")
-        scored = await score_pairs(request, body, pairs, ("text_1", "text_2"), response_id)
+        scored = await score_pairs(request, body, pairs, sides, response_id)
         if scored is None:
             return Response(status_code=499)
         return JSONResponse(score_document(response_id, *scored))

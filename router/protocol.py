@@ -637,17 +637,61 @@ class _ScoringFields(_Body):
                              "(max_model_len of them)", "truncate_prompt_tokens")  # fmt: skip
 
 
-class ScoreRequest(_ScoringFields):
-    """vLLM's ``POST /v1/score``: ``text_1`` against ``text_2``, one text against each
-    of a list, or two lists of one length pairwise."""
+# The names vLLM's ``/score`` has given its two sides, each pair served: the first is
+# the query side (one text, or as many as the second side's, paired in order).
+SCORE_SIDES = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"),
+               ("data_1", "data_2"))  # fmt: skip
+_SIDE_NAMES = tuple(dict.fromkeys(name for pair in SCORE_SIDES for name in pair))
 
-    text_1: str | list[str]
-    text_2: str | list[str]
+
+class ScoreRequest(_ScoringFields):
+    """vLLM's ``POST /v1/score``: the query side against the document side, one text
+    against each of a list, or two lists of one length pairwise. The sides come under
+    one of the ``SCORE_SIDES`` namings (``text_1``/``text_2`` in older vLLM,
+    ``queries``/``documents`` in newer); ``sides`` says which, so that errors name the
+    fields the client sent."""
+
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
+    queries: str | list[str] | None = None
+    documents: str | list[str] | None = None
+    items: str | list[str] | None = None
+    data_1: str | list[str] | None = None
+    data_2: str | list[str] | None = None
+
+    @property
+    def sides(self) -> tuple[str, str]:
+        """The names the two sides came under, query side first."""
+        given = {name for name in _SIDE_NAMES if getattr(self, name) is not None}
+        for pair in SCORE_SIDES:
+            if given == set(pair):
+                return pair
+        raise FieldError(*_sides_error(given))
+
+    def texts(self) -> tuple[str | list[str], str | list[str]]:
+        """The query side's text(s) and the document side's."""
+        first, second = self.sides
+        return getattr(self, first), getattr(self, second)
 
     @model_validator(mode="after")
     def _checks(self) -> ScoreRequest:
-        self._check_texts(text_1=self.text_1, text_2=self.text_2)
+        first, second = self.sides
+        self._check_texts(**{first: getattr(self, first), second: getattr(self, second)})
         return self
+
+
+def _sides_error(given: set[str]) -> tuple[str, str]:
+    """Why ``given`` (the side fields present) name no pair, and the field to blame: a
+    field stray from the naming most of them are in, else that naming's missing half."""
+    namings = ", ".join(f"{first} and {second}" for first, second in SCORE_SIDES)
+    if not given:
+        return f"the request needs the two sides to score: {namings}", "text_1"
+    best = max(SCORE_SIDES, key=lambda pair: len(given & set(pair)))  # the first of a tie
+    stray = sorted(given - set(best))
+    if stray:
+        return f"give the two sides under one naming ({namings}); got {sorted(given)}", stray[0]
+    missing, present = (best[1], best[0]) if best[0] in given else best
+    return f"{missing} is required with {present}", missing
 
 
 class TextDocument(_Body):

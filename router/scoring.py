@@ -170,17 +170,22 @@ def _sigmoid(x: float) -> float:
     return z / (1.0 + z)
 
 
-def pairs_of(text_1: str | list[str], text_2: str | list[str]) -> list[tuple[str, str]]:
-    """vLLM's pairing of ``text_1`` with ``text_2``: one text (or a list of one) against
-    each of the other's, or two lists of one length pairwise. Raises ``ValueError`` for
-    lists of different lengths."""
-    first = [text_1] if isinstance(text_1, str) else list(text_1)
-    second = [text_2] if isinstance(text_2, str) else list(text_2)
+def pairs_of(
+    queries: str | list[str],
+    documents: str | list[str],
+    names: tuple[str, str] = ("text_1", "text_2"),
+) -> list[tuple[str, str]]:
+    """vLLM's pairing of the query side with the document side: one text (or a list of
+    one) against each of the other's, or two lists of one length pairwise. Raises
+    ``ValueError``, naming the sides as ``names`` do, for lists of different lengths."""
+    first = [queries] if isinstance(queries, str) else list(queries)
+    second = [documents] if isinstance(documents, str) else list(documents)
     if len(first) == 1:
         return [(first[0], text) for text in second]
     if len(first) != len(second):
-        raise ValueError(f"text_1 holds {len(first)} texts and text_2 {len(second)}: give one "
-                         "text_1, or as many as text_2 (paired in order)")  # fmt: skip
+        one, other = names
+        raise ValueError(f"{one} holds {len(first)} texts and {other} {len(second)}: give "
+                         f"one {one}, or as many as {other} (paired in order)")  # fmt: skip
     return list(zip(first, second, strict=True))
 
 
@@ -211,5 +216,5 @@ def rerank_document(
         if documents is not None:
             result["document"] = {"text": documents[index]}
         results.append(result)
-    return {"id": response_id, "model": model, "usage": {"total_tokens": num_tokens},
-            "results": results}  # fmt: skip
+    usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
+    return {"id": response_id, "model": model, "usage": usage, "results": results}

@@ -838,13 +838,16 @@ def test_score_and_rerank_are_cosines_of_the_offline_embeddings(stack, tiny_llam
     pairwise = post("/score", {"text_1": documents, "text_2": reverse})
     expected = [float(vectors[a] @ vectors[b]) for a, b in zip(documents, reverse, strict=True)]
     assert [item["score"] for item in pairwise["data"]] == pytest.approx(expected, abs=1e-5)
+    for first, second in [("queries", "documents"), ("queries", "items"), ("data_1", "data_2")]:
+        named = post("/v1/score", {first: query, second: documents})  # newer vLLM's names
+        assert [item["score"] for item in named["data"]] == pytest.approx(cosines, abs=1e-5)
     order = sorted(range(3), key=lambda i: -cosines[i])
     reranked = post("/v1/rerank", {"query": query, "documents": documents, "top_n": 2})
     assert [r["index"] for r in reranked["results"]] == order[:2]
     assert [r["document"]["text"] for r in reranked["results"]] == [documents[i] for i in order[:2]]
     assert [r["relevance_score"] for r in reranked["results"]] == pytest.approx(
         [cosines[i] for i in order[:2]], abs=1e-5)  # fmt: skip
-    assert reranked["usage"]["total_tokens"] == num_tokens
+    assert reranked["usage"] == {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
     bare = post("/rerank", {"query": query, "documents": documents, "return_documents": False})
     assert [r["index"] for r in bare["results"]] == order
     assert all("document" not in r for r in bare["results"])

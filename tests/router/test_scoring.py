@@ -29,6 +29,8 @@ def test_pairs_broadcast_one_text_or_pair_two_lists_in_order():
     assert pairs_of(["q", "r"], ["a", "b"]) == [("q", "a"), ("r", "b")]
     with pytest.raises(ValueError, match="text_1 holds 2 texts and text_2 3"):
         pairs_of(["q", "r"], ["a", "b", "c"])
+    with pytest.raises(ValueError, match="queries holds 2 texts and items 3: give one queries"):
+        pairs_of(["q", "r"], ["a", "b", "c"], ("queries", "items"))
 
 
 def test_embedding_scores_embed_each_distinct_text_once_and_take_dot_products():
@@ -114,7 +116,8 @@ def test_rerank_results_go_best_first_ties_in_input_order_the_top_n_kept():
     document = rerank_document("r", scores, 12, "m", ["a", "b", "c", "d"], top_n=3)
     assert [r["index"] for r in document["results"]] == [1, 3, 0]  # 0 before 2 (a tie)
     assert [r["document"]["text"] for r in document["results"]] == ["b", "d", "a"]
-    assert document["usage"] == {"total_tokens": 12} and document["model"] == "m"
+    assert document["usage"] == {"prompt_tokens": 12, "total_tokens": 12}
+    assert document["model"] == "m"
     everything = rerank_document("r", scores, 12, "m", None, top_n=0)
     assert [r["index"] for r in everything["results"]] == [1, 3, 0, 2]
     assert all(set(r) == {"index", "relevance_score"} for r in everything["results"])
