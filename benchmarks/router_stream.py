@@ -212,9 +212,10 @@ def stop(processes: list[subprocess.Popen]) -> None:
             process.wait()
 
 
-def run_step(args: argparse.Namespace, step_ms: float) -> list[dict]:
+def run_step(args: argparse.Namespace, step_ms: float, sections: dict | None = None) -> list[dict]:
     """``--rounds`` rounds against a router and a costless worker stepping every
-    ``step_ms`` (both started here, stopped after)."""
+    ``step_ms`` (both started here, stopped after). ``sections``: more of the router's
+    config (``benchmarks/tracing.py`` adds its ``tracing``)."""
     import yaml
 
     from benchmarks.loadgen.pinned_stack import free_port_base
@@ -227,6 +228,7 @@ def run_step(args: argparse.Namespace, step_ms: float) -> list[dict]:
         "prefill": {"replicas": 0},
         "decode": {"replicas": 1, "port": decode_port},
         "router": {"port": router_port, "max_inflight_sequences": 4096},
+        **(sections or {}),
     }  # fmt: skip
     rows = []
     processes: list[subprocess.Popen] = []

@@ -492,6 +492,28 @@ class RegistryConfig:
             raise ConfigError("registry.heartbeat_s", "must be > 0 and below registry.ttl_s")
 
 
+@dataclass(frozen=True, slots=True)
+class TracingConfig:
+    """OpenTelemetry request traces (``common/tracing.py``): spans exported over OTLP/HTTP
+    to ``otlp_traces_endpoint`` (a collector's ``http://host:4318/v1/traces``); None: off.
+    ``sample_ratio``: the share of new traces recorded (a client's sampled trace context
+    decides for its own requests)."""
+
+    otlp_traces_endpoint: str | None = None
+    sample_ratio: float = 1.0
+
+    def __post_init__(self) -> None:
+        endpoint = self.otlp_traces_endpoint
+        if endpoint is not None and not endpoint.startswith(("http://", "https://")):
+            raise ConfigError(
+                "tracing.otlp_traces_endpoint",
+                f"{endpoint!r} is not an http(s) URL (traces are sent as OTLP over HTTP: "
+                "a collector's http://host:4318/v1/traces)",
+            )
+        if not 0.0 <= self.sample_ratio <= 1.0:
+            raise ConfigError("tracing.sample_ratio", f"must be in [0, 1], got {self.sample_ratio}")
+
+
 _WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "*"})
 
 # What a LoRA adapter may be called: it is the "model" clients pass and a path segment in
@@ -555,6 +577,7 @@ class PdserveConfig:
     router: RouterConfig = dataclasses.field(default_factory=RouterConfig)
     registry: RegistryConfig = dataclasses.field(default_factory=RegistryConfig)
     lora: LoraSettings = dataclasses.field(default_factory=LoraSettings)
+    tracing: TracingConfig = dataclasses.field(default_factory=TracingConfig)
 
     def __post_init__(self) -> None:
         served = self.router.served_model_name

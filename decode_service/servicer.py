@@ -12,6 +12,7 @@ from engine.request import RemoteKV
 from kv_transfer import PeerRef
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
+from worker.call_spans import call_span, output_attributes
 from worker.convert import (
     logprobs_to_proto,
     prompt_logprobs_to_proto,
@@ -68,43 +69,45 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServiceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context
     ) -> AsyncIterator[pb.GenerateResponse]:
-        async_engine = self.runtime.check_accepting()
-        params = sampling_from_proto(request.sampling)
-        salt = request.cache_salt if request.HasField("cache_salt") else None
-        lora_name = request.lora_name if request.HasField("lora_name") else None
-        remote_kv = self._remote_kv(request)
-        self.num_active += 1
-        first = True
-        try:
-            async for output in async_engine.generate(
-                request.request_id,
-                list(request.prompt_token_ids),
-                params,
-                cache_salt=salt,
-                lora_name=lora_name,
-                priority=request.priority,
-                remote_kv=remote_kv,
-                output_token_ids=list(request.output_token_ids),
-            ):
-                raise_for_error(output)
-                completion = output.outputs[0]
-                reply = pb.GenerateResponse(token_ids=output.new_token_ids)
-                new = completion.last_logprobs(len(output.new_token_ids))
-                reply.logprobs.extend(logprobs_to_proto(lp) for lp in new)
-                if output.finished or first:  # the first reply says what was cached
-                    reply.usage.CopyFrom(usage_to_proto(output))
-                if first:  # and, when asked, how likely the prompt was
-                    reply.prompt_logprobs.extend(prompt_logprobs_to_proto(output))
-                    first = False
-                if output.finished:
-                    reply.finish_reason = completion.finish_reason or ""
-                    reply.timings.CopyFrom(timings_to_proto(output.times))
-                    reply.num_blocks_pulled = output.num_remote_blocks_pulled
-                    self.num_blocks_pulled += output.num_remote_blocks_pulled
-                    self.runtime.timer.add(reply.timings)
-                yield reply
-        finally:
-            self.num_active -= 1
+        with call_span(self.runtime.tracer, "decode", context, request.request_id) as span:
+            async_engine = self.runtime.check_accepting()
+            params = sampling_from_proto(request.sampling)
+            salt = request.cache_salt if request.HasField("cache_salt") else None
+            lora_name = request.lora_name if request.HasField("lora_name") else None
+            remote_kv = self._remote_kv(request)
+            self.num_active += 1
+            first = True
+            try:
+                async for output in async_engine.generate(
+                    request.request_id,
+                    list(request.prompt_token_ids),
+                    params,
+                    cache_salt=salt,
+                    lora_name=lora_name,
+                    priority=request.priority,
+                    remote_kv=remote_kv,
+                    output_token_ids=list(request.output_token_ids),
+                ):
+                    raise_for_error(output)
+                    completion = output.outputs[0]
+                    reply = pb.GenerateResponse(token_ids=output.new_token_ids)
+                    new = completion.last_logprobs(len(output.new_token_ids))
+                    reply.logprobs.extend(logprobs_to_proto(lp) for lp in new)
+                    if output.finished or first:  # the first reply says what was cached
+                        reply.usage.CopyFrom(usage_to_proto(output))
+                    if first:  # and, when asked, how likely the prompt was
+                        reply.prompt_logprobs.extend(prompt_logprobs_to_proto(output))
+                        first = False
+                    if output.finished:
+                        reply.finish_reason = completion.finish_reason or ""
+                        reply.timings.CopyFrom(timings_to_proto(output.times))
+                        reply.num_blocks_pulled = output.num_remote_blocks_pulled
+                        self.num_blocks_pulled += output.num_remote_blocks_pulled
+                        self.runtime.timer.add(reply.timings)
+                        span.set(output_attributes(output))
+                    yield reply
+            finally:
+                self.num_active -= 1
 
     def stats_extra(self) -> dict[str, int]:
         return {"blocks_pulled": self.num_blocks_pulled}

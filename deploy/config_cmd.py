@@ -24,6 +24,7 @@ from common.model_info import (
     checkpoint_text_config,
     model_dir_of,
 )
+from common.tracing import check_installed
 from deploy.config_args import add_overrides
 
 
@@ -54,6 +55,10 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    try:  # the processes check where they run (the image has it); here only a warning
+        check_installed(config.tracing)
+    except ConfigError as exc:
+        print(f"warning: {exc}", file=sys.stderr)
     if args.action == "show":
         print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
         return 0

@@ -247,6 +247,13 @@ def ensure_demo_model(config: PdserveConfig) -> None:
 
 
 def run(config: PdserveConfig, restart: bool = True) -> int:
+    from common.tracing import check_installed
+
+    try:
+        check_installed(config.tracing)  # every process would refuse to start
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     ensure_demo_model(config)
     stack = Stack(config, cache_dir() / "logs" / str(config.router.port), restart)
     stack.handle_signals()

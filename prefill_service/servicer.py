@@ -19,6 +19,7 @@ from engine.outputs import RequestOutput
 from prefill_service.leases import LeaseTable
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
+from worker.call_spans import call_span, output_attributes
 from worker.convert import (
     logprobs_to_proto,
     prompt_logprobs_to_proto,
@@ -57,53 +58,56 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServiceServicer):
 
     @grpc_errors
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
-        async_engine = self.runtime.check_accepting()
-        params = sampling_from_proto(request.sampling)
-        salt = request.cache_salt if request.HasField("cache_salt") else None
-        lora_name = request.lora_name if request.HasField("lora_name") else None
-        self.num_active += 1
-        final: RequestOutput | None = None
-        try:
-            async for output in async_engine.generate(
-                request.request_id,
-                list(request.token_ids),
-                params,
-                cache_salt=salt,
-                lora_name=lora_name,
-                priority=request.priority,
-                prefill_only=True,
-            ):
-                final = output
-            assert final is not None and final.finished
-            raise_for_error(final)
-            completion = final.outputs[0]
-            if completion.finish_reason == "abort":
-                await context.abort(grpc.StatusCode.CANCELLED, "request aborted")
-            reply = pb.PrefillResponse(
-                first_token_id=completion.token_ids[0],
-                finish_reason=completion.finish_reason or "",
-                num_cached_tokens=final.num_cached_tokens,
-                timings=timings_to_proto(final.times),
-                prompt_logprobs=prompt_logprobs_to_proto(final),
-            )
-            if completion.logprobs:
-                reply.first_logprobs.CopyFrom(logprobs_to_proto(completion.logprobs[0]))
-            if final.kv_block_ids is not None:
-                handle = await async_engine.call(lambda e: self._export(e, final))
-                reply.kv.CopyFrom(handle)
-            self.runtime.timer.add(reply.timings)
-            return reply
-        except BaseException:
-            # No reply leaves, so no one will pull or release these blocks: free them, and
-            # the lease if the export ran (it may still run after a cancel: the engine
-            # thread takes this call after it).
-            if final is not None and final.kv_block_ids is not None:
-                request_id = final.request_id
-                with contextlib.suppress(EngineFailedError):
-                    await asyncio.shield(async_engine.call(lambda e: self._release(e, request_id)))
-            raise
-        finally:
-            self.num_active -= 1
+        with call_span(self.runtime.tracer, "prefill", context, request.request_id) as span:
+            async_engine = self.runtime.check_accepting()
+            params = sampling_from_proto(request.sampling)
+            salt = request.cache_salt if request.HasField("cache_salt") else None
+            lora_name = request.lora_name if request.HasField("lora_name") else None
+            self.num_active += 1
+            final: RequestOutput | None = None
+            try:
+                async for output in async_engine.generate(
+                    request.request_id,
+                    list(request.token_ids),
+                    params,
+                    cache_salt=salt,
+                    lora_name=lora_name,
+                    priority=request.priority,
+                    prefill_only=True,
+                ):
+                    final = output
+                assert final is not None and final.finished
+                raise_for_error(final)
+                completion = final.outputs[0]
+                if completion.finish_reason == "abort":
+                    await context.abort(grpc.StatusCode.CANCELLED, "request aborted")
+                reply = pb.PrefillResponse(
+                    first_token_id=completion.token_ids[0],
+                    finish_reason=completion.finish_reason or "",
+                    num_cached_tokens=final.num_cached_tokens,
+                    timings=timings_to_proto(final.times),
+                    prompt_logprobs=prompt_logprobs_to_proto(final),
+                )
+                if completion.logprobs:
+                    reply.first_logprobs.CopyFrom(logprobs_to_proto(completion.logprobs[0]))
+                if final.kv_block_ids is not None:
+                    handle = await async_engine.call(lambda e: self._export(e, final))
+                    reply.kv.CopyFrom(handle)
+                self.runtime.timer.add(reply.timings)
+                span.set(output_attributes(final))
+                return reply
+            except BaseException:
+                # No reply leaves, so no one will pull or release these blocks: free them, and
+                # the lease if the export ran (it may still run after a cancel: the engine
+                # thread takes this call after it).
+                if final is not None and final.kv_block_ids is not None:
+                    request_id = final.request_id
+                    with contextlib.suppress(EngineFailedError):
+                        release = async_engine.call(lambda e: self._release(e, request_id))
+                        await asyncio.shield(release)
+                raise
+            finally:
+                self.num_active -= 1
 
     def _export(self, engine: LLMEngine, output: RequestOutput) -> pb.KVHandle:
         """Engine thread: put the prompt's blocks under a lease and offer them to peers."""

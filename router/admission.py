@@ -1,6 +1,6 @@
 """What a request passes before it runs: a model this router serves, a priority its
-engines honour, a router not draining, and room among the sequences in flight; and how a
-running request notices that its client has gone."""
+engines honour, a router not draining, and room among the sequences in flight; the span
+it is traced in; and how a running request notices that its client has gone."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi import Request
 
+from common.tracing import NO_SPAN, Span
 from router.errors import bad_request, model_not_found, overloaded, unavailable
 from router.state import RouterState
 
@@ -58,6 +59,22 @@ class Admission:
             release_adapter()
 
         return release
+
+    def span(
+        self, request: Request, response_id: str, lora_name: str | None, num_sequences: int
+    ) -> Span:
+        """The span of a request about to run (``common/tracing.py``), the child of the
+        client's trace context when its headers carry one; the caller ends it."""
+        tracer = self.state.tracer
+        if not tracer.enabled:
+            return NO_SPAN
+        attributes = {
+            "pdserve.request_id": response_id,
+            "gen_ai.request.model": lora_name or self.state.model.served_name,
+            "pdserve.num_sequences": num_sequences,
+        }
+        name = f"{request.method} {request.url.path}"
+        return tracer.start(name, request.headers.items(), attributes=attributes)
 
 
 async def until_disconnected(request: Request, work: Awaitable) -> Any:

@@ -58,6 +58,8 @@ class SequenceRequest:
     cache_salt: str | None = None
     lora: LoraRef | None = None  # a LoRA adapter the workers loaded; None: the base model
     priority: int = 0  # lower first, in the decode gate and both workers' engines
+    # The request's trace context (``common/tracing.py``), sent as the calls' metadata.
+    trace_headers: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(slots=True)
@@ -352,7 +354,8 @@ class Dispatcher:
             if self.pool.retired(worker):
                 continue  # retired while an earlier try ran: its channel is closed
             worker.queued_prefill_tokens += uncached
-            call = worker.prefill.Prefill(message, timeout=self.config.prefill_timeout_s)
+            call = worker.prefill.Prefill(message, timeout=self.config.prefill_timeout_s,
+                                          metadata=request.trace_headers or None)  # fmt: skip
             try:
                 with worker.tracking(call):
                     reply = await call
@@ -474,7 +477,8 @@ class Dispatcher:
             blocks = -(-num_tokens // self.block_size)
             worker.running += 1
             worker.kv_blocks_in_use += blocks
-            call = worker.decode.Generate(message, timeout=timeout)
+            metadata = request.trace_headers or None
+            call = worker.decode.Generate(message, timeout=timeout, metadata=metadata)
             try:
                 with worker.tracking(call):
                     async for chunk in call:

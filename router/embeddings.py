@@ -87,7 +87,7 @@ async def embed(
         touched = {w for w in (placement.decode_worker, placement.prefill_worker) if w}
         planned = placement.prefill_worker or placement.decode_worker
         for worker in _workers_to_try(dispatcher, planned, request.lora):
-            reply = await _embed_on(dispatcher, worker, message)
+            reply = await _embed_on(dispatcher, worker, message, request.trace_headers)
             if reply is not None:
                 ran_on, ended = worker.worker_id, "stop"
                 num_tokens = len(request.prompt_token_ids)
@@ -122,7 +122,10 @@ def _workers_to_try(
 
 
 async def _embed_on(
-    dispatcher: Dispatcher, worker: WorkerState, message: pb.EmbedRequest
+    dispatcher: Dispatcher,
+    worker: WorkerState,
+    message: pb.EmbedRequest,
+    trace_headers: tuple[tuple[str, str], ...] = (),
 ) -> pb.EmbedResponse | None:
     """The reply, or None when ``worker`` failed in a way another may not (marked down
     where its being down is why). Invalid input is the client's 400. While the call runs
@@ -140,7 +143,8 @@ async def _embed_on(
         def done() -> None:
             worker.queued_prefill_tokens -= num_tokens
 
-    call = worker.stub.Embed(message, timeout=dispatcher.config.prefill_timeout_s)
+    call = worker.stub.Embed(message, timeout=dispatcher.config.prefill_timeout_s,
+                             metadata=trace_headers or None)  # fmt: skip
     try:
         with worker.tracking(call):
             return await call
@@ -169,15 +173,17 @@ async def embed_all(
     *,
     normalize: bool,
     logit_token_ids: Sequence[int] = (),
+    trace_headers: tuple[tuple[str, str], ...] = (),
 ) -> list[pb.EmbedResponse]:
     """Every prompt's embedding (or logits at ``logit_token_ids``), all or none
     (``all_or_none``), with at most ``lanes`` calls in flight; prompt ``i`` runs as request
-    ``<response_id>-<i>``."""
+    ``<response_id>-<i>``. ``trace_headers``: the trace context the calls carry."""
     salt = prefix_salt(body.cache_salt, lora and lora.key)
     # Nothing to sample: placement reads of the sampling only whether it scores a prompt.
     sequences = [
         SequenceRequest(f"{response_id}-{index}", tokens, hash_blocks(tokens, block_size, salt),
-                        pb.SamplingParams(), body.cache_salt, lora, body.priority)
+                        pb.SamplingParams(), body.cache_salt, lora, body.priority,
+                        trace_headers)
         for index, tokens in enumerate(prompts)
     ]  # fmt: skip
     replies = [pb.EmbedResponse()] * len(sequences)  # each lane fills its inputs' places

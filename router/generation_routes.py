@@ -5,6 +5,7 @@ or SSE; placement and transport live in ``dispatch.py``."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -17,11 +18,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from common.structured_output import STRUCTURED_OUTPUT
+from common.tracing import NO_SPAN, Span
 from router.admission import GONE, Admission, until_disconnected
-from router.choices import build_choices, merge_choices, new_id
+from router.choices import Choice, build_choices, merge_choices, new_id
 from router.detokenizer import IncrementalDetokenizer
 from router.errors import APIError, bad_request, internal
-from router.formatting import SSE_DONE, Formatter, ToolFormat, sse
+from router.formatting import SSE_DONE, Formatter, ToolFormat, sse, usage_body
 from router.harmony import Harmony, call_constraint
 from router.harmony import opening_of as harmony_opening
 from router.prompts import PromptTokenizer, tool_dicts
@@ -78,6 +80,26 @@ class _AdmittedStream(StreamingResponse):
             self._release()
             with anyio.CancelScope(shield=True):  # runs even when the client's gone
                 await self._events.aclose()
+
+
+def ended(span: Span, release: Callable[[], None], choices: list[Choice]) -> Callable[[], None]:
+    """``release``, which also ends ``span``, with the request's token counts: every path
+    that ends a request that ran (done, failed, the client gone) releases it once."""
+    if span is NO_SPAN:
+        return release
+
+    def end() -> None:
+        release()
+        usage = usage_body(choices)
+        span.set({
+            "gen_ai.usage.input_tokens": usage["prompt_tokens"],
+            "gen_ai.usage.output_tokens": usage["completion_tokens"],
+            "pdserve.cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+            "pdserve.finish_reasons": ",".join(c.finish_reason or "" for c in choices),
+        })  # fmt: skip
+        span.end()
+
+    return end
 
 
 def add_generation_routes(
@@ -275,6 +297,11 @@ def add_generation_routes(
             body.return_tokens_as_token_ids,
         )
         release = admission.admit(num_sequences, lora_name)  # no await since: nothing else got in
+        span = admission.span(request, response_id, lora_name, num_sequences)
+        if span.headers:  # every worker call of the request carries its trace context
+            for choice in choices:
+                choice.request = dataclasses.replace(choice.request, trace_headers=span.headers)
+        release = ended(span, release, choices)
         arrival = time.perf_counter()
         events = merge_choices(state.dispatcher, choices, state.metrics, arrival)
         if constraint is not None:
@@ -291,6 +318,7 @@ def add_generation_routes(
         try:
             first = await until_disconnected(request, work)
         except BaseException as exc:
+            span.fail(str(exc) if isinstance(exc, APIError) else type(exc).__name__)
             release()
             await events.aclose()
             if isinstance(exc, APIError) or not isinstance(exc, Exception):
@@ -298,13 +326,20 @@ def add_generation_routes(
             logger.exception("request %s failed", response_id)
             raise internal(response_id) from None
         if first is GONE:
+            span.set({"pdserve.cancelled": True})
             release()
             await events.aclose()
             return Response(status_code=499)  # nobody is listening; the work is aborted
         if body.stream:
             return _AdmittedStream(
                 stream(
-                    formatter, choices, first, events, body.include_usage, body.continuous_usage
+                    formatter,
+                    choices,
+                    first,
+                    events,
+                    body.include_usage,
+                    body.continuous_usage,
+                    span,
                 ),
                 events,
                 release,
@@ -321,6 +356,7 @@ def add_generation_routes(
         events: AsyncIterator,
         include_usage: bool,
         continuous_usage: bool,
+        span: Span,
     ) -> AsyncIterator[bytes]:
         try:
             if first is not None:
@@ -329,9 +365,14 @@ def add_generation_routes(
                 yield sse(formatter.chunk(event, continuous_usage))
             if include_usage:
                 yield sse(formatter.usage_chunk(choices))
+        except (GeneratorExit, asyncio.CancelledError):  # the client left
+            span.set({"pdserve.cancelled": True})
+            raise
         except APIError as exc:
+            span.fail(str(exc))
             yield sse(exc.body())
-        except Exception:
+        except Exception as exc:
+            span.fail(type(exc).__name__)
             logger.exception("stream %s failed", formatter.response_id)
             yield sse(internal(formatter.response_id).body())
         yield SSE_DONE

@@ -164,16 +164,23 @@ def add_pooling_routes(
         # Its calls in flight are its sequences (``router/embeddings.py``).
         lanes = min(len(prompts), LANES, state.config.router.max_inflight_sequences)
         release = admission.admit(lanes, lora_name)
+        span = admission.span(request, response_id, lora_name, len(prompts))
+        span.set({"gen_ai.usage.input_tokens": sum(map(len, prompts))})
         try:
             work = embed_all(state.dispatcher, prompts, response_id, state.model.block_size,
                              lora, body, lanes, normalize=normalize,
-                             logit_token_ids=logit_token_ids)  # fmt: skip
+                             logit_token_ids=logit_token_ids,
+                             trace_headers=span.headers)  # fmt: skip
             replies = await until_disconnected(request, work)
+            if replies is GONE:
+                span.set({"pdserve.cancelled": True})
         except Exception as exc:
+            span.fail(str(exc) if isinstance(exc, APIError) else type(exc).__name__)
             if isinstance(exc, APIError):
                 raise
             logger.exception("request %s failed", response_id)
             raise internal(response_id) from None
         finally:
             release()
+            span.end()
         return None if replies is GONE else (prompts, replies)

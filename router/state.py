@@ -10,12 +10,19 @@ import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
-from common.config import PdserveConfig, Role, SchedulingPolicy, ToolCallParser
+from common.config import (
+    PdserveConfig,
+    Role,
+    SchedulingPolicy,
+    ToolCallParser,
+    TracingConfig,
+)
 from common.generation_config import GenerationDefaults
 from common.model_info import ModelInfo, model_info
 from common.registry import create_registry
 from common.structured_output import GrammarCompiler, StructuredOutput, StructuredOutputError
 from common.tokenizer import Tokenizer
+from common.tracing import Tracer
 from proto import pdserve_pb2 as pb
 from router.dispatch import Dispatcher
 from router.events import EventListener
@@ -29,6 +36,8 @@ from router.tool_parsers import MISTRAL_MARKERS
 from router.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
+
+ROUTER_SERVICE = "pdserve-router"  # the router's service.name in traces
 
 
 class _Pool(WorkerPool):
@@ -60,6 +69,8 @@ class RouterState:
     tool_marker_ids: frozenset[int] = frozenset()
     # How /v1/score and /v1/rerank score a pair (router/scoring.py).
     scorer: Scorer = EMBEDDING_SCORER
+    # Spans of the requests that run (common/tracing.py); off unless configured.
+    tracer: Tracer = field(default_factory=lambda: Tracer(TracingConfig(), ROUTER_SERVICE))
     _token_texts: dict[int, str] = field(default_factory=dict)
     # Compiles structured-output constraints as the workers will (router/structured.py).
     grammar_compiler: GrammarCompiler = field(init=False)
@@ -99,7 +110,8 @@ class RouterState:
                    adapters, generation_defaults=GenerationDefaults.read(model.model_dir),
                    harmony_ids=harmony_ids_of(config, model, tokenizer),
                    tool_marker_ids=tool_marker_ids_of(config, tokenizer),
-                   scorer=Scorer.build(config.router, tokenizer, model.model_dir))  # fmt: skip
+                   scorer=Scorer.build(config.router, tokenizer, model.model_dir),
+                   tracer=Tracer(config.tracing, ROUTER_SERVICE))  # fmt: skip
 
     async def start(self) -> None:
         self.events.start()
@@ -116,6 +128,7 @@ class RouterState:
         await self.pool.close()
         self.events.stop()
         self.pool.registry.close()
+        await asyncio.to_thread(self.tracer.shutdown)  # the last spans, sent
 
     @property
     def num_running(self) -> int:

@@ -30,6 +30,7 @@ from common.config import FailurePolicy, PdserveConfig, Role
 from common.event_bus import KVEventPublisher
 from common.gc_heap import freeze_startup_heap
 from common.registry import Registry, WorkerInfo, create_registry, worker_id
+from common.tracing import Tracer
 from engine.async_engine import AsyncEngine
 from engine.kv_events import KVEventCollector
 from engine.llm_engine import LLMEngine
@@ -81,6 +82,7 @@ class WorkerRuntime:
         self.ready = False
         self.draining = False
         self.timer = StageTimer()
+        self.tracer = Tracer(config.tracing, f"pdserve-{role.value}")
         self.async_engine: AsyncEngine | None = None
         self.connector: KVConnector | None = None
         self.publisher: KVEventPublisher | None = None
@@ -356,6 +358,7 @@ class WorkerRuntime:
         if self.publisher is not None:
             self.publisher.close()
         self._metadata_client.close()
+        await asyncio.to_thread(self.tracer.shutdown)  # the last spans, sent
         self._stopped.set()
 
     async def wait_stopped(self) -> None:

@@ -18,6 +18,7 @@ from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from engine.pooling import EMBEDDING_SAMPLING, PoolingParams
 from proto import pdserve_pb2 as pb
+from worker.call_spans import call_span, output_attributes
 from worker.convert import timings_to_proto
 from worker.grpc_errors import DisabledError, grpc_errors, raise_for_error
 from worker.runtime import WorkerRuntime
@@ -36,36 +37,38 @@ class WorkerRPCs:
     async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
         """The prompt's embedding (``engine/pooling.py``), batched with whatever this
         worker runs. A cancelled call aborts the request."""
-        async_engine = self.runtime.check_accepting()
-        self.num_active += 1
-        try:
-            final: RequestOutput | None = None
-            async for output in async_engine.generate(
-                request.request_id,
-                list(request.token_ids),
-                EMBEDDING_SAMPLING,
-                cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
-                lora_name=request.lora_name if request.HasField("lora_name") else None,
-                priority=request.priority,
-                pooling=PoolingParams(
-                    normalize=request.normalize, token_ids=tuple(request.logit_token_ids)
-                ),
-            ):
-                final = output
-            assert final is not None and final.finished
-            raise_for_error(final)
-            if final.embedding is None:  # aborted here (an Abort RPC by its id)
-                await context.abort(grpc.StatusCode.CANCELLED, "request aborted")
-            vector = final.embedding.numpy().astype("<f4", copy=False)
-            reply = pb.EmbedResponse(
-                embedding=vector.tobytes(),
-                num_cached_tokens=final.num_cached_tokens,
-                timings=timings_to_proto(final.times),
-            )
-            self.runtime.timer.add(reply.timings)  # prompt work, as a prefill's
-            return reply
-        finally:
-            self.num_active -= 1
+        with call_span(self.runtime.tracer, "embed", context, request.request_id) as span:
+            async_engine = self.runtime.check_accepting()
+            self.num_active += 1
+            try:
+                final: RequestOutput | None = None
+                async for output in async_engine.generate(
+                    request.request_id,
+                    list(request.token_ids),
+                    EMBEDDING_SAMPLING,
+                    cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
+                    lora_name=request.lora_name if request.HasField("lora_name") else None,
+                    priority=request.priority,
+                    pooling=PoolingParams(
+                        normalize=request.normalize, token_ids=tuple(request.logit_token_ids)
+                    ),
+                ):
+                    final = output
+                assert final is not None and final.finished
+                raise_for_error(final)
+                if final.embedding is None:  # aborted here (an Abort RPC by its id)
+                    await context.abort(grpc.StatusCode.CANCELLED, "request aborted")
+                vector = final.embedding.numpy().astype("<f4", copy=False)
+                reply = pb.EmbedResponse(
+                    embedding=vector.tobytes(),
+                    num_cached_tokens=final.num_cached_tokens,
+                    timings=timings_to_proto(final.times),
+                )
+                self.runtime.timer.add(reply.timings)  # prompt work, as a prefill's
+                span.set(output_attributes(final))
+                return reply
+            finally:
+                self.num_active -= 1
 
     @grpc_errors
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:

@@ -11,7 +11,8 @@ import types
 
 import pytest
 
-from common.config import EngineConfig
+from common.config import EngineConfig, TracingConfig
+from common.tracing import Tracer
 from engine import LLMEngine
 from engine.async_engine import AsyncEngine
 from kv_transfer import KVTransferConfig, create_connector
@@ -34,6 +35,7 @@ def test_a_cancelled_prefill_holds_no_blocks(tiny_llama, cancel_after_s):
         check_accepting=lambda: async_engine, check_ready=lambda: async_engine,
         timer=StageTimer(), connector=connector, engine_id="prefill-0",
         address="127.0.0.1:1", async_engine=async_engine,
+        tracer=Tracer(TracingConfig(), "pdserve-prefill"),
     )  # fmt: skip
     servicer = PrefillServicer(runtime)
     async_engine.hooks.append(servicer.engine_hook)

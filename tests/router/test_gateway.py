@@ -1,6 +1,7 @@
 """The OpenAI gateway through the official ``openai`` client, against a real ``pdserve up``
-stack (router + 2 prefill + 1 decode workers): conformance, parity with the offline engine,
-errors, prefix-aware placement, and a prefill worker dying under load."""
+stack (router + 2 prefill + 1 decode workers, tracing to a real OTLP receiver):
+conformance, parity with the offline engine, errors, prefix-aware placement, traces, and a
+prefill worker dying under load."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import re
 import signal
 import socket
 import time
+from collections.abc import Iterator
 
 import grpc
 import httpx
@@ -28,6 +30,7 @@ from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from router.state import bad_words_token_ids
 from tests.engine.helpers import random_prompts
+from tests.support.otlp_receiver import Receiver, otlp_receiver
 from tests.support.polling import eventually
 from tests.support.processes import write_config
 from tests.support.stack import get_json, metric, serving, worker_stats
@@ -37,12 +40,20 @@ MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama, tmp_path_factory):
+def traces() -> Iterator[Receiver]:
+    """Where the stack's processes send their spans (a real OTLP/HTTP receiver)."""
+    with otlp_receiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama, tmp_path_factory, traces):
     tmp = tmp_path_factory.mktemp("gateway")
     config = write_config(
         tmp / "config.yaml",
         tiny_llama,
         num_prefill=2,
+        tracing={"otlp_traces_endpoint": traces.url},
         router={
             "api_keys": [KEY],
             "served_model_name": MODEL,
@@ -864,6 +875,91 @@ def test_score_and_rerank_are_cosines_of_the_offline_embeddings(stack, tiny_llam
         )
     logits = np.frombuffer(reply.embedding, dtype="<f4").tolist()
     assert logits == pytest.approx(expected_logits[0].embedding.tolist(), abs=1e-4)
+
+
+SERVER, CLIENT = 2, 3  # OTLP's span kinds
+
+
+def test_a_request_is_one_trace_across_the_router_and_both_workers(client, traces):
+    """A client's ``traceparent`` makes the router's span its child; the prefill and the
+    decode worker's spans are the router span's children, with the tokens the client was
+    told and the stage times the engines measured. Without one, a request starts its own
+    trace."""
+    trace_id, client_span = os.urandom(16).hex(), os.urandom(8).hex()
+    prompt = random_prompts((70,), seed=95)[0]
+    reply = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+        extra_headers={"traceparent": f"00-{trace_id}-{client_span}-01"},
+    )  # fmt: skip
+
+    def of(spans, service):
+        return [s for s in spans if s.trace_id == trace_id and s.service == service]
+
+    spans = traces.wait_for(lambda spans: all(
+        of(spans, f"pdserve-{name}") for name in ("router", "prefill", "decode")))  # fmt: skip
+    (router,) = of(spans, "pdserve-router")
+    (prefill,) = of(spans, "pdserve-prefill")
+    (decode,) = of(spans, "pdserve-decode")
+    assert (router.name, router.kind, router.parent_span_id) == (
+        "POST /v1/completions",
+        SERVER,
+        client_span,
+    )
+    assert router.attributes["gen_ai.request.model"] == MODEL
+    assert router.attributes["gen_ai.usage.input_tokens"] == reply.usage.prompt_tokens
+    assert router.attributes["gen_ai.usage.output_tokens"] == reply.usage.completion_tokens
+    assert router.attributes["pdserve.finish_reasons"] == reply.choices[0].finish_reason
+    request_id = router.attributes["pdserve.request_id"]
+    assert request_id == reply.id
+    for span, name in ((prefill, "prefill"), (decode, "decode")):
+        assert (span.name, span.kind, span.parent_span_id) == (name, SERVER, router.span_id)
+        assert span.attributes["pdserve.request_id"] == f"{request_id}-0"
+        assert span.attributes["gen_ai.usage.input_tokens"] == reply.usage.prompt_tokens
+        # Within the router's span; a handler returns just after its last reply left.
+        assert router.start_ns <= span.start_ns <= span.end_ns < router.end_ns + 10**9
+        assert not span.failed
+    assert prefill.attributes["gen_ai.usage.output_tokens"] == 1  # the first token
+    assert decode.attributes["gen_ai.usage.output_tokens"] == reply.usage.completion_tokens
+    assert decode.attributes["pdserve.blocks_pulled"] >= 1  # the prompt's KV, moved
+    assert decode.attributes["pdserve.transfer_ms"] > 0
+    assert prefill.start_ns < decode.start_ns
+    # No trace context sent: the router's span is a root, its workers' its children.
+    embedded = client.embeddings.create(model=MODEL, input=["one text", "and another"])
+    spans = traces.wait_for(lambda spans: len([s for s in spans if s.name == "embed" and
+                                               s.attributes["pdserve.request_id"].startswith(
+                                                   embedded.id)]) == 2)  # fmt: skip
+    (root,) = [s for s in spans if s.attributes.get("pdserve.request_id") == embedded.id]
+    assert root.name == "POST /v1/embeddings" and root.parent_span_id == ""
+    assert root.attributes["gen_ai.usage.input_tokens"] == embedded.usage.prompt_tokens
+    children = [s for s in spans if s.parent_span_id == root.span_id]
+    assert sorted(s.attributes["pdserve.request_id"] for s in children) == [
+        f"{embedded.id}-0", f"{embedded.id}-1"]  # fmt: skip
+    assert all(s.trace_id == root.trace_id and not s.failed for s in children)
+
+
+def test_a_stream_the_client_leaves_ends_its_spans_as_cancelled(client, traces):
+    """The router's span and the decode worker's end when the client leaves, marked
+    cancelled, not failed; nothing is left open."""
+    trace_id = os.urandom(16).hex()
+    prompt = random_prompts((40,), seed=96)[0]
+    stream = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=400, temperature=0, stream=True,
+        extra_body={"min_tokens": 400, "ignore_eos": True},
+        extra_headers={"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"},
+    )  # fmt: skip
+    next(iter(stream))
+    stream.close()
+
+    def ended(spans) -> bool:
+        services = {s.service for s in spans if s.trace_id == trace_id}
+        return {"pdserve-router", "pdserve-decode"} <= services
+
+    spans = [s for s in traces.wait_for(ended) if s.trace_id == trace_id]
+    router = next(s for s in spans if s.service == "pdserve-router")
+    decode = next(s for s in spans if s.service == "pdserve-decode")
+    assert router.attributes["gen_ai.usage.output_tokens"] < 400
+    assert router.attributes.get("pdserve.cancelled") is True and not router.failed
+    assert decode.attributes.get("pdserve.cancelled") is True and not decode.failed
 
 
 def test_stop_strings(client):

@@ -1,0 +1,143 @@
+"""Request traces (OpenTelemetry, OTLP over HTTP), optional: the router opens a span per
+HTTP request that runs, each worker a span per call it serves, and the W3C trace context
+(``traceparent``) travels in gRPC metadata from the router to the workers, so that one
+trace shows a request's prefill, KV pull and decode across processes. A client's own
+``traceparent`` header makes the router's span its child.
+
+Off by default (``tracing.otlp_traces_endpoint`` unset): then every call here is a no-op
+and opentelemetry is never imported, so the hot path pays one attribute check. On, spans
+are exported in batches from a background thread; a collector that is down loses spans,
+never requests."""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from common.config import ConfigError, TracingConfig
+
+TRACE_HEADERS = ("traceparent", "tracestate")  # what carries a trace context (W3C)
+EXPORT_DELAY_MS = 1000  # how long a finished span may wait to be sent with others
+
+Attributes = Mapping[str, str | int | float | bool]
+
+
+def check_installed(config: TracingConfig) -> None:
+    """A ``ConfigError`` when tracing is on and OpenTelemetry's exporter is not
+    installed here: every process that traces checks at start, not at its first span."""
+    if config.otlp_traces_endpoint is None:
+        return
+    try:
+        found = importlib.util.find_spec("opentelemetry.exporter.otlp.proto.http") is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        found = False
+    if not found or importlib.util.find_spec("opentelemetry.sdk") is None:
+        raise ConfigError(
+            "tracing.otlp_traces_endpoint",
+            "tracing needs OpenTelemetry's SDK and OTLP/HTTP exporter, not installed here: "
+            "pip install 'pdserve[tracing]' (or unset the endpoint)",
+        )
+
+
+class Span:
+    """A span being recorded; this base class is the one used when tracing is off and
+    records nothing. ``headers`` are the trace context to send with calls it makes."""
+
+    headers: tuple[tuple[str, str], ...] = ()
+
+    def set(self, attributes: Attributes) -> None:
+        pass
+
+    def fail(self, message: str) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+
+NO_SPAN = Span()
+
+
+class _OtelSpan(Span):
+    def __init__(self, span: Any, headers: tuple[tuple[str, str], ...]) -> None:
+        self._span = span
+        self.headers = headers
+        self._ended = False
+
+    def set(self, attributes: Attributes) -> None:
+        self._span.set_attributes(dict(attributes))
+
+    def fail(self, message: str) -> None:
+        from opentelemetry.trace import Status, StatusCode
+
+        self._span.set_status(Status(StatusCode.ERROR, message))
+
+    def end(self) -> None:
+        if not self._ended:  # ends once, whichever path gets there first
+            self._ended = True
+            self._span.end()
+
+
+class Tracer:
+    """Spans of one process (``service_name``: pdserve-router, pdserve-prefill, ...)."""
+
+    def __init__(self, config: TracingConfig, service_name: str) -> None:
+        self._tracer = None
+        self._provider = None
+        if config.otlp_traces_endpoint is None:
+            return
+        check_installed(config)
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+        from opentelemetry.trace import SpanKind, set_span_in_context
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+        self._propagator = TraceContextTextMapPropagator()
+        self._in_context = set_span_in_context
+        self._kinds = {True: SpanKind.SERVER, False: SpanKind.CLIENT}
+        # A provider of its own, not the global one: nothing else in the process (a
+        # library that traces itself) exports through ours by accident.
+        self._provider = TracerProvider(
+            resource=Resource.create({"service.name": service_name}),
+            sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)),
+        )
+        exporter = OTLPSpanExporter(endpoint=config.otlp_traces_endpoint, timeout=5)
+        processor = BatchSpanProcessor(exporter, schedule_delay_millis=EXPORT_DELAY_MS)
+        self._provider.add_span_processor(processor)
+        self._tracer = self._provider.get_tracer("pdserve")
+
+    @property
+    def enabled(self) -> bool:
+        return self._tracer is not None
+
+    def start(
+        self,
+        name: str,
+        parent: Iterable[tuple[str, str]] | Mapping[str, str] | None = None,
+        *,
+        server: bool = True,
+        attributes: Attributes | None = None,
+    ) -> Span:
+        """A span named ``name``, the child of the trace context in ``parent`` (HTTP
+        headers or gRPC metadata; none: a new trace). ``server``: the span serves a call
+        (False: it makes one). Always ended by the caller, on every path."""
+        if self._tracer is None:
+            return NO_SPAN
+        items = parent.items() if isinstance(parent, Mapping) else parent or ()
+        carrier = {key.lower(): value for key, value in items if key.lower() in TRACE_HEADERS}
+        context = self._propagator.extract(carrier)
+        span = self._tracer.start_span(
+            name, context=context, kind=self._kinds[server], attributes=attributes
+        )
+        sent: dict[str, str] = {}
+        self._propagator.inject(sent, context=self._in_context(span))
+        return _OtelSpan(span, tuple(sent.items()))
+
+    def shutdown(self) -> None:
+        """Send what is still buffered (at most a few seconds) and stop exporting."""
+        if self._provider is not None:
+            self._provider.shutdown()
