@@ -1,23 +1,28 @@
 """Request traces (OpenTelemetry, OTLP over HTTP), optional: the router opens a span per
 HTTP request that runs, each worker a span per call it serves, and the W3C trace context
 (``traceparent``) travels in gRPC metadata from the router to the workers, so that one
-trace shows a request's prefill, KV pull and decode across processes. A client's own
-``traceparent`` header makes the router's span its child.
+trace shows a request's prefill and decode (its KV pull's time on the decode span) across
+processes. A client's own ``traceparent`` header makes the router's span its child.
 
-Off by default (``tracing.otlp_traces_endpoint`` unset): then every call here is a no-op
-and opentelemetry is never imported, so the hot path pays one attribute check. On, spans
-are exported in batches from a background thread; a collector that is down loses spans,
-never requests."""
+Off by default (``tracing.otlp_traces_endpoint`` unset): then every span is one shared
+no-op object and the SDK is never imported. On, spans are exported in batches from a
+background thread. Tracing never fails a request: a span that cannot be made is skipped
+(and logged), and a collector that is down loses spans, never requests."""
 
 from __future__ import annotations
 
 import importlib.util
+import logging
+import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from common.config import ConfigError, TracingConfig
 
+logger = logging.getLogger(__name__)
+
 TRACE_HEADERS = ("traceparent", "tracestate")  # what carries a trace context (W3C)
+SHUTDOWN_S = 3.0  # how long a stopping process waits for its last spans to leave
 EXPORT_DELAY_MS = 1000  # how long a finished span may wait to be sent with others
 
 Attributes = Mapping[str, str | int | float | bool]
@@ -42,9 +47,11 @@ def check_installed(config: TracingConfig) -> None:
 
 class Span:
     """A span being recorded; this base class is the one used when tracing is off and
-    records nothing. ``headers`` are the trace context to send with calls it makes."""
+    records nothing. ``headers`` are the trace context to send with calls it makes;
+    ``recording``: whether attributes are kept (callers skip computing them otherwise)."""
 
     headers: tuple[tuple[str, str], ...] = ()
+    recording = False
 
     def set(self, attributes: Attributes) -> None:
         pass
@@ -60,18 +67,20 @@ NO_SPAN = Span()
 
 
 class _OtelSpan(Span):
-    def __init__(self, span: Any, headers: tuple[tuple[str, str], ...]) -> None:
+    recording = True
+
+    def __init__(self, span: Any, headers: tuple[tuple[str, str], ...], status: Any) -> None:
         self._span = span
         self.headers = headers
+        self._status = status  # opentelemetry.trace's (Status, StatusCode.ERROR)
         self._ended = False
 
     def set(self, attributes: Attributes) -> None:
         self._span.set_attributes(dict(attributes))
 
     def fail(self, message: str) -> None:
-        from opentelemetry.trace import Status, StatusCode
-
-        self._span.set_status(Status(StatusCode.ERROR, message))
+        status, error = self._status
+        self._span.set_status(status(error, message))
 
     def end(self) -> None:
         if not self._ended:  # ends once, whichever path gets there first
@@ -93,10 +102,11 @@ class Tracer:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
         from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-        from opentelemetry.trace import SpanKind, set_span_in_context
+        from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self._propagator = TraceContextTextMapPropagator()
+        self._status = (Status, StatusCode.ERROR)
         self._in_context = set_span_in_context
         self._kinds = {True: SpanKind.SERVER, False: SpanKind.CLIENT}
         # A provider of its own, not the global one: nothing else in the process (a
@@ -121,23 +131,33 @@ class Tracer:
         *,
         server: bool = True,
         attributes: Attributes | None = None,
+        start_ns: int | None = None,
     ) -> Span:
         """A span named ``name``, the child of the trace context in ``parent`` (HTTP
         headers or gRPC metadata; none: a new trace). ``server``: the span serves a call
-        (False: it makes one). Always ended by the caller, on every path."""
+        (False: it makes one). ``start_ns``: when it began (``time.time_ns()``; None: now).
+        Always ended by the caller, on every path. Never raises: a span the SDK cannot
+        make is skipped and logged, as tracing must not fail the request it watches."""
         if self._tracer is None:
             return NO_SPAN
-        items = parent.items() if isinstance(parent, Mapping) else parent or ()
-        carrier = {key.lower(): value for key, value in items if key.lower() in TRACE_HEADERS}
-        context = self._propagator.extract(carrier)
-        span = self._tracer.start_span(
-            name, context=context, kind=self._kinds[server], attributes=attributes
-        )
-        sent: dict[str, str] = {}
-        self._propagator.inject(sent, context=self._in_context(span))
-        return _OtelSpan(span, tuple(sent.items()))
+        try:
+            items = parent.items() if isinstance(parent, Mapping) else parent or ()
+            carrier = {k.lower(): v for k, v in items if k.lower() in TRACE_HEADERS}
+            context = self._propagator.extract(carrier)
+            span = self._tracer.start_span(name, context=context, kind=self._kinds[server],
+                                           attributes=attributes, start_time=start_ns)  # fmt: skip
+            sent: dict[str, str] = {}
+            self._propagator.inject(sent, context=self._in_context(span))
+        except Exception:
+            logger.exception("could not start span %s; going on without it", name)
+            return NO_SPAN
+        return _OtelSpan(span, tuple(sent.items()), self._status)
 
-    def shutdown(self) -> None:
-        """Send what is still buffered (at most a few seconds) and stop exporting."""
+    def shutdown(self, timeout_s: float = SHUTDOWN_S) -> None:
+        """Send what is still buffered and stop exporting, waiting at most ``timeout_s``
+        (the SDK's own shutdown waits up to 30 s on a collector that is down; what is
+        left then is dropped with its daemon thread)."""
         if self._provider is not None:
-            self._provider.shutdown()
+            stopping = threading.Thread(target=self._provider.shutdown, daemon=True)
+            stopping.start()
+            stopping.join(timeout_s)

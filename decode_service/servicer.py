@@ -104,7 +104,8 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServiceServicer):
                         reply.num_blocks_pulled = output.num_remote_blocks_pulled
                         self.num_blocks_pulled += output.num_remote_blocks_pulled
                         self.runtime.timer.add(reply.timings)
-                        span.set(output_attributes(output))
+                        if span.recording:
+                            span.set(output_attributes(output))
                     yield reply
             finally:
                 self.num_active -= 1

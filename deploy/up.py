@@ -33,6 +33,7 @@ from common.config import ConfigError, PdserveConfig, Role
 from common.config_loader import to_dict
 from common.model_info import cache_dir, made_model_dir
 from common.owned_paths import owner_tag, remove_dead_owners
+from common.tracing import check_installed
 from deploy.gpus import gpus_needed, visible_gpus, worker_gpus
 from deploy.health_cmd import check_grpc, check_http
 
@@ -247,8 +248,6 @@ def ensure_demo_model(config: PdserveConfig) -> None:
 
 
 def run(config: PdserveConfig, restart: bool = True) -> int:
-    from common.tracing import check_installed
-
     try:
         check_installed(config.tracing)  # every process would refuse to start
     except ConfigError as exc:

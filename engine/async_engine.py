@@ -187,6 +187,7 @@ class AsyncEngine:
     def _abort(self, engine: LLMEngine, request_id: str) -> bool:
         output = engine.abort_request(request_id)
         if output is not None:
+            self._snapshot()  # as after a step: the stats first
             self._deliver([output])
         return output is not None
 
@@ -231,7 +232,7 @@ class AsyncEngine:
                     return
                 self._update_rate()
                 # Stats first: a client that saw its request finish then reads stats
-                # in which it has (its blocks freed), not the turn before's.
+                # in which it has finished (its blocks freed), not the turn before's.
                 self._snapshot()
                 self._deliver(outputs)
                 if engine.num_steps == num_steps and not outputs:

@@ -94,7 +94,8 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServiceServicer):
                     handle = await async_engine.call(lambda e: self._export(e, final))
                     reply.kv.CopyFrom(handle)
                 self.runtime.timer.add(reply.timings)
-                span.set(output_attributes(final))
+                if span.recording:
+                    span.set(output_attributes(final))
                 return reply
             except BaseException:
                 # No reply leaves, so no one will pull or release these blocks: free them, and

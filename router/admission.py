@@ -12,15 +12,22 @@ from typing import Any
 from fastapi import Request
 
 from common.tracing import NO_SPAN, Span
-from router.errors import bad_request, model_not_found, overloaded, unavailable
+from router.errors import APIError, bad_request, model_not_found, overloaded, unavailable
 from router.state import RouterState
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks its client is still there
 
 GONE = object()  # what ``until_disconnected`` returns when the client left first
 
+# Where ``app.py`` stamps a request's arrival (``time.time_ns()``) in its ASGI scope when
+# tracing is on: a request's span starts there, its tokenizing and templating included.
+ARRIVAL_NS = "pdserve.arrival_ns"
+
 
 class Admission:
+    """The checks and the in-flight accounting of one router's requests, and their
+    spans; every refusal is an ``APIError`` naming what to change."""
+
     def __init__(self, state: RouterState) -> None:
         self.state = state
 
@@ -74,7 +81,22 @@ class Admission:
             "pdserve.num_sequences": num_sequences,
         }
         name = f"{request.method} {request.url.path}"
-        return tracer.start(name, request.headers.items(), attributes=attributes)
+        return tracer.start(name, request.headers.items(), attributes=attributes,
+                            start_ns=request.scope.get(ARRIVAL_NS))  # fmt: skip
+
+
+def record_error(span: Span, exc: BaseException) -> None:
+    """What ``exc`` says of the request ``span`` traces: cancelled (the client left, the
+    server stopping), the client's error (a 4xx: its status, not a failure of the
+    server's, as OpenTelemetry's HTTP conventions have it), or a failure."""
+    if isinstance(exc, asyncio.CancelledError):
+        span.set({"pdserve.cancelled": True})
+    elif isinstance(exc, APIError):
+        span.set({"http.response.status_code": exc.status})
+        if exc.status >= 500:
+            span.fail(exc.message)
+    else:
+        span.fail(type(exc).__name__)
 
 
 async def until_disconnected(request: Request, work: Awaitable) -> Any:

@@ -12,6 +12,7 @@ import asyncio
 import hmac
 import importlib.metadata
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +23,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router.admission import Admission
+from router.admission import ARRIVAL_NS, Admission
 from router.choices import new_id
 from router.errors import APIError, bad_request, internal, unauthorized
 from router.generation_routes import add_generation_routes
@@ -83,6 +84,19 @@ class _ApiKeyAuth:
             if not matched:
                 await self.respond(unauthorized())(scope, receive, send)
                 return
+        await self.app(scope, receive, send)
+
+
+class _Arrival:
+    """Stamps each request's arrival (``time.time_ns()``) in its scope, where its span
+    will start (``admission.ARRIVAL_NS``): reading the body, tokenizing and templating
+    are in the trace. Added only when tracing is on."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope[ARRIVAL_NS] = time.time_ns()
         await self.app(scope, receive, send)
 
 
@@ -150,6 +164,8 @@ def create_app(state: RouterState) -> FastAPI:
         exempt=_OPEN_PATHS,
     )
     app.add_middleware(_ApiKeyAuth, state=state, respond=refused)
+    if state.tracer.enabled:
+        app.add_middleware(_Arrival)  # outermost: the first thing a request meets
 
     @app.get("/health")
     async def health() -> Response:

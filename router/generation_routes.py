@@ -10,6 +10,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -19,7 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from common.structured_output import STRUCTURED_OUTPUT
 from common.tracing import NO_SPAN, Span
-from router.admission import GONE, Admission, until_disconnected
+from router.admission import GONE, Admission, record_error, until_disconnected
 from router.choices import Choice, build_choices, merge_choices, new_id
 from router.detokenizer import IncrementalDetokenizer
 from router.errors import APIError, bad_request, internal
@@ -61,22 +62,37 @@ async def _blaming(events: AsyncIterator, param: str) -> AsyncIterator:
         await events.aclose()  # closing this closes the choices at once
 
 
+@dataclass
+class _StreamEnd:
+    """Whether a stream's body got to its end (``[DONE]`` written): one that did not was
+    left by its client, however the leaving showed (a failed write, a cancelled task,
+    a body that never started)."""
+
+    reached: bool = False
+
+
 class _AdmittedStream(StreamingResponse):
     """A streamed response that, however it ends, gives its admission back and closes the
     choices' event stream (which aborts sequences still running): also when the client
     left before the first byte, when the body's generator never starts and its own
-    ``finally`` would never run."""
+    ``finally`` would never run. A stream that did not reach its ``end`` marks ``span``
+    cancelled before the release ends it."""
 
     def __init__(self, content: AsyncIterator[bytes], events: AsyncGenerator,
-                 release: Callable[[], None], **kwargs: Any) -> None:  # fmt: skip
+                 release: Callable[[], None], span: Span, end: _StreamEnd,
+                 **kwargs: Any) -> None:  # fmt: skip
         super().__init__(content, **kwargs)
         self._events = events
         self._release = release
+        self._span = span
+        self._end = end
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
+            if not self._end.reached:
+                self._span.set({"pdserve.cancelled": True})
             self._release()
             with anyio.CancelScope(shield=True):  # runs even when the client's gone
                 await self._events.aclose()
@@ -318,7 +334,7 @@ def add_generation_routes(
         try:
             first = await until_disconnected(request, work)
         except BaseException as exc:
-            span.fail(str(exc) if isinstance(exc, APIError) else type(exc).__name__)
+            record_error(span, exc)
             release()
             await events.aclose()
             if isinstance(exc, APIError) or not isinstance(exc, Exception):
@@ -331,6 +347,7 @@ def add_generation_routes(
             await events.aclose()
             return Response(status_code=499)  # nobody is listening; the work is aborted
         if body.stream:
+            end = _StreamEnd()
             return _AdmittedStream(
                 stream(
                     formatter,
@@ -340,9 +357,12 @@ def add_generation_routes(
                     body.include_usage,
                     body.continuous_usage,
                     span,
+                    end,
                 ),
                 events,
                 release,
+                span,
+                end,
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
@@ -357,6 +377,7 @@ def add_generation_routes(
         include_usage: bool,
         continuous_usage: bool,
         span: Span,
+        end: _StreamEnd,
     ) -> AsyncIterator[bytes]:
         try:
             if first is not None:
@@ -365,14 +386,12 @@ def add_generation_routes(
                 yield sse(formatter.chunk(event, continuous_usage))
             if include_usage:
                 yield sse(formatter.usage_chunk(choices))
-        except (GeneratorExit, asyncio.CancelledError):  # the client left
-            span.set({"pdserve.cancelled": True})
-            raise
         except APIError as exc:
-            span.fail(str(exc))
+            record_error(span, exc)
             yield sse(exc.body())
         except Exception as exc:
-            span.fail(type(exc).__name__)
+            record_error(span, exc)
             logger.exception("stream %s failed", formatter.response_id)
             yield sse(internal(formatter.response_id).body())
+        end.reached = True
         yield SSE_DONE

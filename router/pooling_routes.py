@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from common.config import ScoreMethod
 from proto import pdserve_pb2 as pb
-from router.admission import GONE, Admission, until_disconnected
+from router.admission import GONE, Admission, record_error, until_disconnected
 from router.choices import new_id
 from router.embeddings import LANES, EmbeddingsBody, embed_all
 from router.errors import APIError, bad_request, context_too_long, internal, unavailable
@@ -174,9 +174,9 @@ def add_pooling_routes(
             replies = await until_disconnected(request, work)
             if replies is GONE:
                 span.set({"pdserve.cancelled": True})
-        except Exception as exc:
-            span.fail(str(exc) if isinstance(exc, APIError) else type(exc).__name__)
-            if isinstance(exc, APIError):
+        except BaseException as exc:
+            record_error(span, exc)
+            if isinstance(exc, APIError) or not isinstance(exc, Exception):
                 raise
             logger.exception("request %s failed", response_id)
             raise internal(response_id) from None

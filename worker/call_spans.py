@@ -8,16 +8,21 @@ import asyncio
 import contextlib
 from collections.abc import Iterator
 
+import grpc
+
 from common.tracing import NO_SPAN, Attributes, Span, Tracer
 from engine.outputs import RequestOutput
 from worker.convert import timings_to_proto
 
 
 @contextlib.contextmanager
-def call_span(tracer: Tracer, name: str, context, request_id: str) -> Iterator[Span]:
-    """The span of the call ``context`` serves, as ``name``. A call the caller cancelled
-    (the client left) is marked ``pdserve.cancelled``, not failed; one that raised is
-    failed with its error. With tracing off, the gRPC context is not even read."""
+def call_span(
+    tracer: Tracer, name: str, context: grpc.aio.ServicerContext, request_id: str
+) -> Iterator[Span]:
+    """The span of the call ``context`` serves, as ``name``. A call cancelled (the
+    caller gave up, the client left, or the request was aborted here by its id) is
+    marked ``pdserve.cancelled``, not failed; one that raised otherwise is failed with
+    its error. With tracing off, the gRPC context is not even read."""
     if not tracer.enabled:
         yield NO_SPAN
         return
@@ -27,6 +32,12 @@ def call_span(tracer: Tracer, name: str, context, request_id: str) -> Iterator[S
         yield span
     except (asyncio.CancelledError, GeneratorExit):
         span.set({"pdserve.cancelled": True})
+        raise
+    except grpc.aio.AbortError:  # ``context.abort``: its code says why
+        if context.code() == grpc.StatusCode.CANCELLED:
+            span.set({"pdserve.cancelled": True})
+        else:
+            span.fail(f"{context.code()}: {context.details()}")
         raise
     except BaseException as exc:
         span.fail(f"{type(exc).__name__}: {exc}")

@@ -65,7 +65,8 @@ class WorkerRPCs:
                     timings=timings_to_proto(final.times),
                 )
                 self.runtime.timer.add(reply.timings)  # prompt work, as a prefill's
-                span.set(output_attributes(final))
+                if span.recording:
+                    span.set(output_attributes(final))
                 return reply
             finally:
                 self.num_active -= 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json as jsonlib
+import time
 
 import httpx
 import pytest
@@ -416,3 +417,25 @@ def test_score_and_rerank_refusals_name_their_field_and_valid_ones_reach_placeme
         error = error_of(post(state, path, json=body), 503)
         assert error["code"] == "service_unavailable", body
     assert state.num_inflight == 0
+
+
+def test_a_request_that_ran_is_traced_from_its_arrival_and_a_refused_one_is_not(tiny_llama):
+    """With tracing on: a request that passed validation and admission has a span from
+    its arrival, with its status where it failed (here 503: no worker), and a 5xx is a
+    failure; a 400 makes no span (the metrics count refusals)."""
+    from tests.support.otlp_receiver import otlp_receiver
+
+    with otlp_receiver() as receiver:
+        traced = RouterState.build(load_config(None, [
+            f"model={tiny_llama}", f"tracing.otlp_traces_endpoint={receiver.url}"]))  # fmt: skip
+        before = time.time_ns()
+        error_of(post(traced, "/v1/completions", json={"prompt": "x"}), 503)
+        error_of(post(traced, "/v1/completions", json={"prompt": "x", "n": 0}), 400)
+        error_of(post(traced, "/v1/embeddings", json={"input": ["a", "b"]}), 503)
+        traced.tracer.shutdown()
+        spans = receiver.wait_for(lambda spans: len(spans) >= 2, 5)
+    assert sorted(span.name for span in spans) == ["POST /v1/completions", "POST /v1/embeddings"]
+    for span in spans:
+        assert span.failed and span.attributes["http.response.status_code"] == 503
+        assert span.parent_span_id == "" and before <= span.start_ns <= span.end_ns
+    assert traced.num_inflight == 0
