@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 import openai
@@ -18,6 +19,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from tests.engine.helpers import random_prompts
+from tests.support.otlp_receiver import Receiver, otlp_receiver
 from tests.support.processes import write_config
 from tests.support.stack import get_json, metric, serving, worker_stats
 
@@ -27,12 +29,19 @@ NUM_WORKERS = 3  # the stack's 1 prefill and 2 decode workers
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_llama, tmp_path_factory):
+def traces() -> Iterator[Receiver]:
+    with otlp_receiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama, tmp_path_factory, traces):
     tmp = tmp_path_factory.mktemp("migration")
     config = write_config(
         tmp / "config.yaml",
         tiny_llama,
         num_decode=2,
+        tracing={"otlp_traces_endpoint": traces.url},
         router={
             "served_model_name": MODEL,
             "min_disagg_tokens": 0,
@@ -92,15 +101,19 @@ def offline(model, prompt: list[int], params: SamplingParams) -> list[int]:
     return output.outputs[0].token_ids
 
 
-def test_a_stream_survives_its_decode_worker_being_killed(stack, client, tiny_llama):
-    """Greedy, streamed, disaggregated: killed after 20 tokens reached the client."""
+def test_a_stream_survives_its_decode_worker_being_killed(stack, client, tiny_llama, traces):
+    """Greedy, streamed, disaggregated: killed after 20 tokens reached the client. Its
+    trace shows a request that succeeded, the survivor's decode under the router's span
+    (the killed worker's span died with it)."""
     prompt = random_prompts((48,), seed=91)[0]
     expected = offline(tiny_llama, prompt, SamplingParams(
         max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, temperature=0))  # fmt: skip
     before = migrations(stack)
+    trace_id = os.urandom(16).hex()
     stream = client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=NUM_TOKENS, temperature=0, stream=True,
         extra_body={"min_tokens": NUM_TOKENS, "return_token_ids": True},
+        extra_headers={"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"},
     )  # fmt: skip
     tokens: list[int] = []
     finish = None
@@ -113,6 +126,18 @@ def test_a_stream_survives_its_decode_worker_being_killed(stack, client, tiny_ll
     assert killed is not None
     assert finish == "length" and tokens == expected
     assert migrations(stack) == before + 1
+
+    def traced(spans) -> list:
+        return [span for span in spans if span.trace_id == trace_id]
+
+    spans = traced(traces.wait_for(lambda spans: {"pdserve-router", "pdserve-decode"} <= {
+        span.service for span in traced(spans)}))  # fmt: skip
+    (router,) = [span for span in spans if span.service == "pdserve-router"]
+    (decode,) = [span for span in spans if span.service == "pdserve-decode"]
+    assert not router.failed and "pdserve.cancelled" not in router.attributes
+    assert router.attributes["gen_ai.usage.output_tokens"] == NUM_TOKENS
+    assert decode.parent_span_id == router.span_id and not decode.failed
+    assert decode.attributes["gen_ai.usage.input_tokens"] == len(prompt)
 
 
 def test_a_seeded_non_streaming_request_survives_it_too(stack, client, tiny_llama):
