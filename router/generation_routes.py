@@ -272,6 +272,8 @@ def add_generation_routes(
         echo_only = not chat and body.echo_only
         if echo_only:  # one token is computed with the prompt's scores; it is not shown
             sampling.max_tokens = 1
+        if await request.is_disconnected():  # it left while its prompt was tokenized
+            return Response(status_code=499)
         response_id = new_id("chatcmpl" if chat else "cmpl")
         keep = keep_special or frozenset()
         choices = build_choices(

@@ -160,6 +160,8 @@ def add_pooling_routes(
         for tokens in prompts:
             if len(tokens) > max_model_len:
                 raise context_too_long(len(tokens), None, max_model_len, param)
+        if await request.is_disconnected():  # it left while its texts were tokenized
+            return None
         lora = state.adapters.resolve(lora_name) if lora_name is not None else None
         # Its calls in flight are its sequences (``router/embeddings.py``).
         lanes = min(len(prompts), LANES, state.config.router.max_inflight_sequences)

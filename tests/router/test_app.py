@@ -439,3 +439,37 @@ def test_a_request_that_ran_is_traced_from_its_arrival_and_a_refused_one_is_not(
         assert span.failed and span.attributes["http.response.status_code"] == 503
         assert span.parent_span_id == "" and before <= span.start_ns <= span.end_ns
     assert traced.num_inflight == 0
+
+
+def test_a_client_gone_while_its_prompt_was_tokenized_gets_nothing_run(state):
+    """A client that left before its request was admitted (while its prompt or texts
+    were tokenized) gets a 499 and nothing placed: without the check the request reached
+    placement (here a 503) and ran until the next disconnect poll."""
+    chat = [{"role": "user", "content": "x"}]
+    for path, body in [("/v1/completions", {"prompt": "x"}),
+                       ("/v1/chat/completions", {"messages": chat}),
+                       ("/v1/responses", {"input": "x"}),
+                       ("/v1/embeddings", {"input": ["a", "b"]}),
+                       ("/v1/rerank", {"query": "q", "documents": ["a", "b"]})]:  # fmt: skip
+        statuses = []
+
+        async def leave(path=path, body=body, statuses=statuses) -> None:
+            messages = [{"type": "http.request", "body": jsonlib.dumps(body).encode()}]
+
+            async def receive() -> dict:
+                return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+            async def send(message: dict) -> None:
+                if message["type"] == "http.response.start":
+                    statuses.append(message["status"])
+
+            scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+                     "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
+                     "query_string": b"", "root_path": "", "server": ("router", 80),
+                     "client": ("127.0.0.1", 5), "headers": [
+                         (b"content-type", b"application/json"), (b"host", b"router")]}  # fmt: skip
+            await create_app(state)(scope, receive, send)
+
+        asyncio.run(leave())
+        assert statuses == [499], (path, statuses)
+    assert state.num_inflight == 0
