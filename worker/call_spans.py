@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import grpc
 
 from common.tracing import NO_SPAN, Attributes, Span, Tracer
+from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
 from worker.convert import timings_to_proto
 
@@ -21,8 +22,9 @@ def call_span(
 ) -> Iterator[Span]:
     """The span of the call ``context`` serves, as ``name``. A call cancelled (the
     caller gave up, the client left, or the request was aborted here by its id) is
-    marked ``pdserve.cancelled``, not failed; one that raised otherwise is failed with
-    its error. With tracing off, the gRPC context is not even read."""
+    marked ``pdserve.cancelled``, not failed; invalid input is the caller's error, noted
+    and not failed; one that raised otherwise is failed with its error. With tracing
+    off, the gRPC context is not even read."""
     if not tracer.enabled:
         yield NO_SPAN
         return
@@ -38,6 +40,9 @@ def call_span(
             span.set({"pdserve.cancelled": True})
         else:
             span.fail(f"{context.code()}: {context.details()}")
+        raise
+    except InvalidRequestError as exc:  # the caller's error, as a 4xx is: not failed
+        span.set({"pdserve.invalid_request": str(exc)})
         raise
     except BaseException as exc:
         span.fail(f"{type(exc).__name__}: {exc}")

@@ -937,6 +937,25 @@ def test_a_request_is_one_trace_across_the_router_and_both_workers(client, trace
     assert all(s.trace_id == root.trace_id and not s.failed for s in children)
 
 
+def test_a_worker_span_notes_invalid_input_rather_than_failing(stack, traces):
+    """A worker's span of a call whose input is invalid (the caller's error, a 400 at
+    the router) is noted, not failed; the call's error code is unchanged by tracing."""
+    config = load_config(str(stack.config_path))
+    address = f"{config.decode.host}:{config.decode.ports(0).grpc}"
+    trace_id = os.urandom(16).hex()
+    metadata = (("traceparent", f"00-{trace_id}-{os.urandom(8).hex()}-01"),)
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.DecodeServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Embed(pb.EmbedRequest(request_id="bad-embed", token_ids=[10**6]),
+                       timeout=30, metadata=metadata)  # fmt: skip
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    spans = traces.wait_for(lambda spans: any(s.trace_id == trace_id for s in spans))
+    (span,) = [s for s in spans if s.trace_id == trace_id]
+    assert (span.service, span.name, span.failed) == ("pdserve-decode", "embed", False)
+    assert "prompt token ids must be" in span.attributes["pdserve.invalid_request"]
+
+
 def test_a_stream_the_client_leaves_ends_its_spans_as_cancelled(client, traces):
     """The router's span and the decode worker's end when the client leaves, marked
     cancelled, not failed; nothing is left open."""
