@@ -89,9 +89,11 @@ class _OtelSpan(Span):
 
 
 class Tracer:
-    """Spans of one process (``service_name``: pdserve-router, pdserve-prefill, ...)."""
+    """Spans of one process (``service_name``: pdserve-router, pdserve-prefill, ...;
+    ``instance_id``: which replica, as the registry names it, so that a trace says which
+    of several prefill or decode workers served a call)."""
 
-    def __init__(self, config: TracingConfig, service_name: str) -> None:
+    def __init__(self, config: TracingConfig, service_name: str, instance_id: str = "") -> None:
         self._tracer = None
         self._provider = None
         if config.otlp_traces_endpoint is None:
@@ -112,7 +114,9 @@ class Tracer:
         # A provider of its own, not the global one: nothing else in the process (a
         # library that traces itself) exports through ours by accident.
         self._provider = TracerProvider(
-            resource=Resource.create({"service.name": service_name}),
+            resource=Resource.create(
+                {"service.name": service_name, "service.instance.id": instance_id}
+            ),
             sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)),
         )
         exporter = OTLPSpanExporter(endpoint=config.otlp_traces_endpoint, timeout=5)

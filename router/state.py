@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterable
@@ -43,6 +44,12 @@ ROUTER_SERVICE = "pdserve-router"  # the router's service.name in traces
 class _Pool(WorkerPool):
     def candidates_for_health(self) -> list:
         return self.candidates(Role.DECODE)
+
+
+def router_instance(config: PdserveConfig) -> str:
+    """This router's name in traces: its host's name (a pod's, under Kubernetes) and port,
+    as its listening address may be 0.0.0.0 on every replica."""
+    return f"router@{socket.gethostname()}:{config.router.port}"
 
 
 @dataclass
@@ -111,7 +118,8 @@ class RouterState:
                    harmony_ids=harmony_ids_of(config, model, tokenizer),
                    tool_marker_ids=tool_marker_ids_of(config, tokenizer),
                    scorer=Scorer.build(config.router, tokenizer, model.model_dir),
-                   tracer=Tracer(config.tracing, ROUTER_SERVICE))  # fmt: skip
+                   tracer=Tracer(config.tracing, ROUTER_SERVICE,
+                                 router_instance(config)))  # fmt: skip
 
     async def start(self) -> None:
         self.events.start()

@@ -79,10 +79,10 @@ class WorkerRuntime:
         self.engine_id = f"{role.value}-{index}-{uuid.uuid4().hex[:8]}"
         self.worker_id = worker_id(role, self.host, self.ports.grpc)
         self.address = f"{self.host}:{self.ports.grpc}"
+        self.tracer = Tracer(config.tracing, f"pdserve-{role.value}", self.worker_id)
         self.ready = False
         self.draining = False
         self.timer = StageTimer()
-        self.tracer = Tracer(config.tracing, f"pdserve-{role.value}")
         self.async_engine: AsyncEngine | None = None
         self.connector: KVConnector | None = None
         self.publisher: KVEventPublisher | None = None

@@ -880,7 +880,7 @@ def test_score_and_rerank_are_cosines_of_the_offline_embeddings(stack, tiny_llam
 SERVER, CLIENT = 2, 3  # OTLP's span kinds
 
 
-def test_a_request_is_one_trace_across_the_router_and_both_workers(client, traces):
+def test_a_request_is_one_trace_across_the_router_and_both_workers(stack, client, traces):
     """A client's ``traceparent`` makes the router's span its child; the prefill and the
     decode worker's spans are the router span's children, with the tokens the client was
     told and the stage times the engines measured. Without one, a request starts its own
@@ -919,15 +919,24 @@ def test_a_request_is_one_trace_across_the_router_and_both_workers(client, trace
         assert router.start_ns <= span.start_ns <= span.end_ns < router.end_ns + 10**9
         assert not span.failed
     assert prefill.attributes["gen_ai.usage.output_tokens"] == 1  # the first token
+    # Which replica served each call: the registry's names (2 prefill workers here).
+    prefill_ids = [f"prefill@127.0.0.1:{stack.config['prefill']['port'] + 10 * i}"
+                   for i in range(2)]  # fmt: skip
+    assert prefill.instance in prefill_ids
+    assert decode.instance == f"decode@127.0.0.1:{stack.config['decode']['port']}"
+    assert router.instance == f"router@{socket.gethostname()}:{stack.config['router']['port']}"
     assert decode.attributes["gen_ai.usage.output_tokens"] == reply.usage.completion_tokens
     assert decode.attributes["pdserve.blocks_pulled"] >= 1  # the prompt's KV, moved
     assert decode.attributes["pdserve.transfer_ms"] > 0
     assert prefill.start_ns < decode.start_ns
     # No trace context sent: the router's span is a root, its workers' its children.
     embedded = client.embeddings.create(model=MODEL, input=["one text", "and another"])
-    spans = traces.wait_for(lambda spans: len([s for s in spans if s.name == "embed" and
-                                               s.attributes["pdserve.request_id"].startswith(
-                                                   embedded.id)]) == 2)  # fmt: skip
+
+    def of_embedded(spans) -> list:  # the router's span and its 2 workers' (3 exports)
+        return [s for s in spans
+                if s.attributes.get("pdserve.request_id", "").startswith(embedded.id)]  # fmt: skip
+
+    spans = of_embedded(traces.wait_for(lambda spans: len(of_embedded(spans)) == 3))
     (root,) = [s for s in spans if s.attributes.get("pdserve.request_id") == embedded.id]
     assert root.name == "POST /v1/embeddings" and root.parent_span_id == ""
     assert root.attributes["gen_ai.usage.input_tokens"] == embedded.usage.prompt_tokens

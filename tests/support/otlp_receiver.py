@@ -22,6 +22,7 @@ STATUS_ERROR = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
 @dataclass(frozen=True)
 class ReceivedSpan:
     service: str  # the resource's service.name
+    instance: str  # its service.instance.id
     name: str
     trace_id: str  # hex
     span_id: str
@@ -75,6 +76,7 @@ class Receiver:
                 for span in scope_spans.spans:
                     spans.append(ReceivedSpan(
                         service=str(resource.get("service.name", "")),
+                        instance=str(resource.get("service.instance.id", "")),
                         name=span.name,
                         trace_id=span.trace_id.hex(),
                         span_id=span.span_id.hex(),
