@@ -18,7 +18,6 @@ Writes ``benchmarks/results/embeddings_<tag>.json`` and ``.md``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -27,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.engine_throughput import make_prompts
-from benchmarks.records import write_markdown
+from benchmarks.records import write_record
 from benchmarks.side_by_side import add_model_args, model_dir, record_header
 from engine import LLM, SamplingParams
 
@@ -101,8 +100,6 @@ def main() -> None:
         "rows": rows,
     }
     stem = args.out_dir / f"embeddings_{args.tag}"
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     lines = [
         f"# Embeddings: {args.tag}",
         "",
@@ -122,7 +119,7 @@ def main() -> None:
             for row in rows
         ),
     ]
-    write_markdown(stem.with_suffix(".md"), "\n".join(lines) + "\n")
+    write_record(stem, record, "\n".join(lines) + "\n")
     print(f"wrote {stem}.json and .md")
 
 

@@ -17,14 +17,13 @@ K/V may change a token at a near-tie; random weights have many). Writes
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 
 from benchmarks.engine_throughput import make_prompts
-from benchmarks.records import write_markdown
+from benchmarks.records import write_record
 from benchmarks.side_by_side import add_model_args, model_dir, record_header
 from common.config import EngineConfig
 from common.kv_budget import ModelShape
@@ -126,7 +125,6 @@ def main() -> None:
         "mean_tokens_before_first_difference": sum(agree) / len(agree),
     }
     stem = args.out_dir / f"kv_cache_dtype_{args.tag}"
-    stem.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     lines = [
         f"# FP8 KV cache under a fixed budget: `python -m benchmarks.kv_cache_dtype --size "
         f"{args.size}`",
@@ -154,7 +152,7 @@ def main() -> None:
         f"greedy tokens equal before the first difference: "
         f"{record['mean_tokens_before_first_difference']:.1f} of {args.output_len} on average"
     )
-    write_markdown(stem.with_suffix(".md"), "\n".join(lines) + "\n")
+    write_record(stem, record, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -19,7 +19,6 @@ preemption recomputes; it must not change a token). Writes
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.engine_throughput import make_prompts
-from benchmarks.records import write_markdown
+from benchmarks.records import write_record
 from benchmarks.side_by_side import add_model_args, model_dir, record_header
 from common.config import EngineConfig
 from engine import LLMEngine, SamplingParams
@@ -238,7 +237,6 @@ def main() -> None:
         "identical_sequences": f"{identical}/{len(arrivals)}",
     }
     stem = args.out_dir / f"priority_{args.tag}"
-    stem.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     lines = [
         f"# Priority scheduling under overload: `python -m benchmarks.priority --size {args.size}`",
         "",
@@ -275,7 +273,7 @@ def main() -> None:
     for name, value in ratios.items():
         low, high = ranges[name]
         lines.insert(-1, f"- {name} (priority / fcfs): **{value:.2f}x** ({low:.2f}-{high:.2f})")
-    write_markdown(stem.with_suffix(".md"), "\n".join(lines) + "\n")
+    write_record(stem, record, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -1,9 +1,12 @@
 """What every benchmark record shares: where it ran (the CPU's model name; the GPU's comes
-from torch), and Markdown files whose hand-written analysis survives a re-run."""
+from torch), and Markdown files whose hand-written analysis survives a re-run, beside the
+record's JSON."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 NOTES_MARKER = "<!-- notes: hand-written, kept across runs -->"
 
@@ -25,3 +28,10 @@ def write_markdown(path: Path, generated: str) -> None:
     notes = path.read_text().partition(NOTES_MARKER)[2] if path.exists() else ""
     notes = notes.rstrip() + "\n" if notes.strip() else "\n"
     path.write_text(generated.rstrip("\n") + "\n\n" + NOTES_MARKER + notes)
+
+
+def write_record(stem: Path, record: dict[str, Any], markdown: str) -> None:
+    """``<stem>.json`` (``record``) and ``<stem>.md`` (``markdown``, its notes kept)."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
+    write_markdown(stem.with_suffix(".md"), markdown)

@@ -21,7 +21,6 @@ Scores (the positive token's probability) are checked against transformers'. Wri
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -31,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.engine_throughput import make_prompts
-from benchmarks.records import write_markdown
+from benchmarks.records import write_record
 from benchmarks.side_by_side import add_model_args, model_dir, record_header
 from engine import LLM, PoolingParams
 
@@ -128,8 +127,6 @@ def main() -> None:
         "rows": rows,
     }
     stem = args.out_dir / f"rerank_{args.tag}"
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     lines = [
         f"# Reranking: {args.tag}",
         "",
@@ -150,7 +147,7 @@ def main() -> None:
             for row in rows
         ),
     ]
-    write_markdown(stem.with_suffix(".md"), "\n".join(lines) + "\n")
+    write_record(stem, record, "\n".join(lines) + "\n")
     print(f"wrote {stem}.json and .md")
 
 

@@ -17,14 +17,13 @@ identical (printed). Writes ``benchmarks/results/tensor_parallel_<tag>.json`` an
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from pathlib import Path
 
 import torch
 
 from benchmarks.engine_throughput import make_prompts, per_token_latency, run_ours
-from benchmarks.records import write_markdown
+from benchmarks.records import write_record
 from benchmarks.side_by_side import add_model_args, model_dir, record_header
 from engine import LLM
 from engine.models.arch import read_arch_config
@@ -92,7 +91,6 @@ def main() -> None:
         "identical_sequences": f"{same}/{len(prompts)}",
     }
     stem = args.out_dir / f"tensor_parallel_{args.tag}"
-    stem.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     lines = [
         f"# Tensor parallelism: `python -m benchmarks.tensor_parallel --size {args.size} "
         f"--tp {args.tp}`",
@@ -115,7 +113,7 @@ def main() -> None:
     lines += ["", *(f"- {name} (tp{args.tp} / tp1): **{value:.2f}x**"
                     for name, value in ratios.items())]  # fmt: skip
     lines.append(f"- identical sequences: {record['identical_sequences']}")
-    write_markdown(stem.with_suffix(".md"), "\n".join(lines) + "\n")
+    write_record(stem, record, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
