@@ -23,6 +23,7 @@ from typing import Any
 
 from common.hf_config import eos_token_ids, max_context_len, text_config
 from engine.models.errors import ModelLoadError
+from engine.models.fp8_config import Fp8Weights, read_fp8_config
 from engine.models.rope_config import RopeConfig, gemma3_ropes, rope_config
 
 
@@ -141,6 +142,8 @@ class ModelArchConfig:
     # RMSNorm multiplying its gain in float32 before casting back.
     attention_sinks: bool = False
     norm_gain_in_float32: bool = False
+    # FP8 weights (fp8_weights.py), dequantized to the model dtype at load; None: none.
+    fp8_weights: Fp8Weights | None = None
 
     def rope_of(self, layer_idx: int) -> RopeConfig:
         return self.layer_ropes[layer_idx] if self.layer_ropes else self.rope
@@ -283,11 +286,11 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
         activation = cfg.get("hidden_act", "silu")
         if activation not in ("silu", "swish"):
             raise ModelLoadError(f"{path}: hidden_act {activation!r} is not supported (only silu)")
-    if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method", "?")
-        # GPT-OSS's MXFP4 experts are dequantized at load (gpt_oss_weights.py).
-        if not (flags.gpt_oss and method == "mxfp4"):
-            raise ModelLoadError(f"{path}: quantized checkpoints ({method}) are not supported")
+    fp8_weights = None
+    quantization = raw.get("quantization_config")
+    # GPT-OSS's MXFP4 experts are dequantized at load (gpt_oss_weights.py).
+    if quantization and not (flags.gpt_oss and quantization.get("quant_method") == "mxfp4"):
+        fp8_weights = read_fp8_config(quantization, path)
     gemma3 = _gemma3_fields(cfg, num_layers, hidden_size, path) if flags.gemma3 else {}
     return ModelArchConfig(
         architecture=architecture,
@@ -313,6 +316,7 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
         max_context_len=max_context_len(cfg),
         attention_sinks=flags.gpt_oss,
         norm_gain_in_float32=flags.gpt_oss,
+        fp8_weights=fp8_weights,
         **gemma3,
     )
 

@@ -8,7 +8,8 @@ transformers 5's stacked layout load as they are), ties the LM head to the embed
 the config says so (unless the file stores a different head, which transformers then uses
 untied), and fails with a message naming the missing file or tensor. Multimodal checkpoints
 served for text (Gemma 3's) load their language model's tensors and skip the rest; GPT-OSS's
-experts (interleaved, input-major, maybe MXFP4) go through ``gpt_oss_weights.py``.
+experts (interleaved, input-major, maybe MXFP4) go through ``gpt_oss_weights.py``; FP8
+weights are dequantized with the scales stored beside them (``fp8_weights.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,13 @@ from safetensors import safe_open
 from common.model_info import BARE_NAMES
 from engine.attention.backend import AttentionBackend
 from engine.models.arch import ModelArchConfig, ModelLoadError, safetensors_files
+from engine.models.fp8_weights import (
+    FLOAT8_DTYPES,
+    KV_SCALE_SUFFIXES,
+    SCALE_SUFFIXES,
+    SIDECAR_SUFFIXES,
+    dequantize_fp8,
+)
 from engine.models.gpt_oss_weights import EXPERT_TENSOR, expert_pieces
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.group import SingleRank, TPGroup
@@ -121,6 +129,33 @@ def _partner(
     return read
 
 
+def _dequantized(
+    stored: str,
+    tensor: torch.Tensor,  # float8, as stored
+    arch: ModelArchConfig,
+    where: dict[str, Path],
+    path: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """FP8 ``tensor`` times the scales stored beside it, in ``dtype``, computed on
+    ``device`` (this repo's 2-core CPU does ~0.3 G weights/s: an 8B model's in ~30 s)."""
+    if arch.fp8_weights is None:
+        raise ModelLoadError(
+            f"{path.name}: {stored} is stored as {tensor.dtype} but config.json has no "
+            "quantization_config to say how it is scaled"
+        )
+    for suffix in SCALE_SUFFIXES:
+        if stored + suffix in where:
+            scales = _partner(stored, "", suffix, where, path)().to(device)
+            block_size = arch.fp8_weights.block_size
+            return dequantize_fp8(tensor.to(device), scales, block_size, dtype, stored)
+    raise ModelLoadError(
+        f"{path.name}: {stored} is stored as {tensor.dtype} with no "
+        f"{' or '.join(stored + suffix for suffix in SCALE_SUFFIXES)} beside it"
+    )
+
+
 def _stored_head_differs(files: list[Path]) -> bool:
     """Whether the checkpoint stores an ``lm_head.weight`` that is not the embeddings."""
     where: dict[str, tuple[Path, str]] = {}  # model name -> (file, stored name)
@@ -174,8 +209,11 @@ def load_model(
     filled: dict[str, int] = dict.fromkeys(params, 0)
     unexpected: list[str] = []
     gpt_oss = arch.architecture == "GptOssForCausalLM"
-    # stored name -> file, for MXFP4 scales stored in another shard than their blocks
-    where = {name: path for path in files for name in _tensor_names(path)} if gpt_oss else {}
+    fp8 = arch.fp8_weights
+    # stored name -> file, for scales stored in another shard than their weights
+    scaled = gpt_oss or fp8 is not None
+    where = {name: path for path in files for name in _tensor_names(path)} if scaled else {}
+    unused_kv_scales = 0
 
     def place(target: _Target, tensor: torch.Tensor, stored: str, path: Path) -> None:
         if target.param not in params:
@@ -210,11 +248,19 @@ def load_model(
                 if name is None or _IGNORED.match(name):
                     continue
                 bare = bare or stored.startswith(BARE_NAMES)
+                if fp8 is not None and name.endswith(SIDECAR_SUFFIXES) and name not in params:
+                    # Weight scales are read with their weights; activation and KV scales
+                    # are not used (fp8_weights.py).
+                    unused_kv_scales += name.endswith(KV_SCALE_SUFFIXES)
+                    continue
                 if arch.tie_word_embeddings and name == _HEAD:
                     continue
+                tensor = f.get_tensor(stored)
+                if tensor.dtype in FLOAT8_DTYPES:
+                    tensor = _dequantized(stored, tensor, arch, where, path, device, dtype)
                 expert = EXPERT_TENSOR.match(name) if gpt_oss else None
                 if expert is None:
-                    place(_target(name, arch, shapes), f.get_tensor(stored), stored, path)
+                    place(_target(name, arch, shapes), tensor, stored, path)
                     continue
                 prefix, which, suffix = expert.group(1), expert.group(2), expert.group(3) or ""
                 if suffix == "_scales":
@@ -222,9 +268,12 @@ def load_model(
                 scales = None
                 if suffix == "_blocks":
                     scales = _partner(stored, "_blocks", "_scales", where, path)
-                pieces = expert_pieces(prefix, which, suffix, f.get_tensor(stored), scales, dtype)
+                pieces = expert_pieces(prefix, which, suffix, tensor, scales, dtype)
                 for param, index, row_start, rows in pieces:
                     place(_Target(param, row_start, index), rows, stored, path)
+    if unused_kv_scales:
+        logger.warning("%s: %d calibrated KV-cache scales are not used (the FP8 KV cache, if "
+                       "on, is unscaled)", model_dir, unused_kv_scales)  # fmt: skip
     # The backbone alone, no head stored (before padding counts for it): an embedding
     # checkpoint. A causal LM's files without their head are broken, not that.
     headless = bare and filled.get(_HEAD) == 0

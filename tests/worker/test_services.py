@@ -16,6 +16,7 @@ from common.config_loader import load_config
 from common.hashing import hash_blocks
 from common.registry import StaticRegistry
 from engine import LLM, SamplingParams
+from engine.models.fp8_maker import quantize_checkpoint
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from router.dispatch import Dispatcher, SequenceRequest
@@ -351,15 +352,17 @@ def test_a_decode_stream_the_router_falls_behind_on_comes_merged(stack):
     run(with_client(stack, body))
 
 
-def test_an_fp8_kv_cache_moves_and_decodes_as_offline(tiny_llama, tmp_path):
-    """``engine.kv_cache_dtype: fp8`` on both roles: the handshake agrees on the FP8 layout,
-    the blocks move over NIXL, and the tokens are the offline engine's with the same cache."""
+def test_fp8_weights_and_an_fp8_kv_cache_move_and_decode_as_offline(tiny_llama, tmp_path):
+    """An FP8 checkpoint (Qwen3-FP8's block-scaled layout) with ``engine.kv_cache_dtype:
+    fp8`` on both roles: the handshake agrees on the FP8 layout, the blocks move over NIXL,
+    and the tokens are the offline engine's on the same files with the same cache."""
+    model_dir = quantize_checkpoint(tiny_llama, tmp_path / "fp8-model", "fp8-block")
     prompts = random_prompts((9, 40, 70), seed=23)
-    llm = LLM(tiny_llama, kv_cache_dtype="fp8")
+    llm = LLM(model_dir, kv_cache_dtype="fp8")
     params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0)
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     config = write_config(
-        tmp_path / "config.yaml", tiny_llama, engine={"kv_cache_dtype": "fp8"},
+        tmp_path / "config.yaml", model_dir, engine={"kv_cache_dtype": "fp8"},
         kv_transfer={"connector": "nixl"},
     )  # fmt: skip
     workers = start_workers(

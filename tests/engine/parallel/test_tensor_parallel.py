@@ -20,6 +20,7 @@ from common.owned_paths import remove_dead_owners
 from engine import LLM, LLMEngine, PoolingParams, SamplingParams
 from engine.errors import InvalidRequestError
 from engine.models.arch import ModelLoadError
+from engine.models.fp8_maker import quantize_checkpoint
 from engine.parallel.shard_client import ShardError
 from tests.engine.helpers import headless_copy, hf_greedy, hf_last_logits, random_prompts
 from tests.support.processes import is_running
@@ -46,6 +47,19 @@ def test_greedy_parity_with_transformers(model_factory, arch, tp_size):
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         assert llm.engine.leak_report() == []
     assert _tokens(outputs) == hf_greedy(model_dir, prompts, NUM_TOKENS)
+
+
+def test_an_fp8_checkpoint_splits_its_dequantized_weights(model_factory, tmp_path):
+    """Block-scaled FP8 experts and projections (blocks that cut across the rank
+    boundaries of k/v and the expert widths) give one process's tokens over 2 ranks."""
+    model_dir = quantize_checkpoint(model_factory("qwen3_moe"), tmp_path / "fp8", "fp8-block",
+                                    block_size=(48, 80))  # fmt: skip
+    prompts = random_prompts((5, 40))
+    with LLM(model_dir, **POOL) as llm:
+        expected = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    with LLM(model_dir, tensor_parallel_size=2, **POOL) as llm:
+        assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+        assert llm.engine.leak_report() == []
 
 
 def test_a_vocabulary_that_does_not_split_evenly(model_factory, tmp_path):

@@ -1,0 +1,101 @@
+"""FP8 weight checkpoints: which layouts load (read from config.json, without torch).
+
+Released FP8 checkpoints store each projection's weight as float8 (E4M3) with float
+scales beside it; a stored value times its scale is the weight. Three layouts are read:
+
+- ``quant_method: fp8`` (transformers' FineGrainedFP8: Qwen3-*-FP8, DeepSeek-V3):
+  ``X.weight`` [rows, cols] and ``X.weight_scale_inv`` [ceil(rows / br), ceil(cols / bc)],
+  one scale per ``weight_block_size`` [br, bc] block (the name's "inv" is historic:
+  DeepSeek's reference multiplies by it too). Without a block size, ``X.weight_scale``
+  holds one scale for the tensor (AutoFP8's older checkpoints).
+- ``quant_method: compressed-tensors``, ``format: float-quantized`` (llm-compressor's FP8,
+  FP8-dynamic and FP8-block: RedHatAI's and neuralmagic's checkpoints): ``X.weight_scale``
+  per tensor [1], per output row [rows, 1], or per ``block_structure`` block.
+- ``quant_method: fbgemm_fp8`` (Meta's Llama 3.1 405B FP8): ``X.weight_scale`` per row.
+
+The weights are dequantized to the model dtype as they are read (``fp8_weights.py``).
+The checkpoints' activation scales (``input_scale``, ``input_scale_ub``) are for FP8
+matmuls and are not used: activations stay in the model dtype (W8A16, not the W8A8 that
+vLLM runs on Hopper, so outputs are the dequantized model's). Calibrated KV-cache scales
+(``k_scale``, ``v_scale``) are not used either: the FP8 KV cache is unscaled
+(``engine.kv_cache_dtype``), and the loader logs how many it left.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.models.errors import ModelLoadError
+
+_CT_STRATEGIES = ("tensor", "channel", "block")
+SUPPORTED = "fp8, fbgemm_fp8, compressed-tensors (float-quantized, 8-bit)"
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Weights:
+    """How a checkpoint's FP8 weights are scaled."""
+
+    method: str  # the config's quant_method
+    block_size: tuple[int, int] | None = None  # (rows, cols) per scale, if block-scaled
+
+
+def _block_size(value: Any, where: str, path: Any) -> tuple[int, int]:
+    if (
+        not isinstance(value, list | tuple)
+        or len(value) != 2
+        or not all(isinstance(v, int) and v > 0 for v in value)
+    ):
+        raise ModelLoadError(f"{path}: {where} must be two positive integers, not {value!r}")
+    return int(value[0]), int(value[1])
+
+
+def _compressed_tensors(config: dict[str, Any], path: Any) -> Fp8Weights:
+    """The one FP8 layout every config group of a compressed-tensors config uses."""
+    groups = config.get("config_groups") or {}
+    if not groups:
+        raise ModelLoadError(f"{path}: compressed-tensors quantization_config has no config_groups")
+    blocks: set[tuple[int, int] | None] = set()
+    for name, group in groups.items():
+        weights = group.get("weights") or {}
+        form = group.get("format") or config.get("format")
+        num_bits, kind = weights.get("num_bits"), weights.get("type")
+        if num_bits != 8 or kind != "float" or form not in (None, "float-quantized"):
+            raise ModelLoadError(
+                f"{path}: compressed-tensors group {name!r} stores {num_bits}-bit {kind} "
+                f"weights ({form}); only FP8 weights (float-quantized, 8-bit float) load"
+            )
+        strategy = weights.get("strategy")
+        if strategy not in _CT_STRATEGIES:
+            raise ModelLoadError(
+                f"{path}: compressed-tensors group {name!r}: FP8 weight strategy {strategy!r} "
+                f"is not supported ({', '.join(_CT_STRATEGIES)} are)"
+            )
+        where = f"config_groups.{name}.weights.block_structure"
+        blocks.add(_block_size(weights.get("block_structure"), where, path)
+                   if strategy == "block" else None)  # fmt: skip
+    block_sizes = blocks - {None}
+    if len(block_sizes) > 1:
+        raise ModelLoadError(f"{path}: config groups use different block sizes {block_sizes}")
+    return Fp8Weights("compressed-tensors", next(iter(block_sizes), None))
+
+
+def read_fp8_config(config: dict[str, Any], path: Any) -> Fp8Weights:
+    """The FP8 layout of a ``quantization_config``; a ModelLoadError naming what is not
+    supported for any other quantization."""
+    method = config.get("quant_method", "?")
+    if method == "fp8":
+        if config.get("fmt", "e4m3") != "e4m3":
+            raise ModelLoadError(f"{path}: fp8 weights in format {config['fmt']!r} (only e4m3)")
+        block = config.get("weight_block_size")
+        if block is None:
+            return Fp8Weights("fp8")
+        return Fp8Weights("fp8", _block_size(block, "weight_block_size", path))
+    if method == "fbgemm_fp8":
+        return Fp8Weights("fbgemm_fp8")
+    if method == "compressed-tensors":
+        return _compressed_tensors(config, path)
+    raise ModelLoadError(
+        f"{path}: quantized checkpoints ({method}) are not supported; weight quantizations "
+        f"that load: {SUPPORTED}, and GPT-OSS's mxfp4"
+    )

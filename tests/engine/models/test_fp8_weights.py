@@ -1,0 +1,280 @@
+"""FP8 weight checkpoints (fp8, compressed-tensors, fbgemm_fp8): the engine's greedy tokens
+and prompt log-probs equal transformers' on the same files (transformers dequantizes them
+on a CPU, as the engine does), the scales are applied per tensor, row and (partial) block,
+and what does not load is refused by name."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, CompressedTensorsConfig
+
+from engine import LLM, SamplingParams
+from engine.attention.torch_backend import TorchAttentionBackend
+from engine.models.arch import ModelLoadError, read_arch_config
+from engine.models.fp8_config import Fp8Weights, read_fp8_config
+from engine.models.fp8_maker import FP8_MAX, quantize_checkpoint, quantize_weight
+from engine.models.fp8_weights import dequantize_fp8
+from engine.models.loader import load_model
+from tests.engine.helpers import random_prompts
+
+NUM_TOKENS = 16
+BLOCK = (32, 64)  # transformers' CPU dequantizer needs blocks that divide the weights
+
+
+def _expected(weight: torch.Tensor, scale_of) -> torch.Tensor:
+    """Element by element: weight[r, c] * scale_of(r, c) (the oracle of the dequantizer)."""
+    out = torch.empty(weight.shape)
+    for r in range(weight.shape[0]):
+        for c in range(weight.shape[1]):
+            out[r, c] = weight[r, c].float() * scale_of(r, c)
+    return out
+
+
+def test_dequantize_per_tensor_row_and_partial_block():
+    torch.manual_seed(0)
+    weight = (torch.randn(5, 7) * 100).to(torch.float8_e4m3fn)  # 5 x 7: partial 2 x 3 blocks
+    blocks = torch.rand(3, 3) + 0.5  # ceil(5/2) x ceil(7/3)
+    got = dequantize_fp8(weight, blocks, (2, 3), torch.float32, "w")
+    assert torch.equal(got, _expected(weight, lambda r, c: blocks[r // 2, c // 3]))
+    rows = torch.rand(5, 1)
+    for scale in (rows, rows.flatten()):  # [rows, 1] (compressed-tensors) and [rows]
+        got = dequantize_fp8(weight, scale, None, torch.float32, "w")
+        assert torch.equal(got, _expected(weight, lambda r, c: rows[r, 0]))
+    one = torch.tensor([0.25])
+    assert torch.equal(dequantize_fp8(weight, one, (2, 3), torch.float32, "w"),
+                       weight.float() * 0.25)  # fmt: skip
+    # Stacked experts [E, rows, cols] with a block grid per expert; and bf16 scales and
+    # output: computed in float32, then cast once.
+    experts = torch.stack([weight, (weight.float() / 2).to(torch.float8_e4m3fn)])
+    grid = torch.stack([blocks, blocks * 3]).bfloat16()
+    got = dequantize_fp8(experts, grid, (2, 3), torch.bfloat16, "w")
+    for e in range(2):
+        scale = grid[e].float()
+        expected = _expected(experts[e], lambda r, c, s=scale: s[r // 2, c // 3])
+        assert torch.equal(got[e], expected.bfloat16())
+    # Blocks that divide the weight take another path (a view, no expanded scales).
+    even = dequantize_fp8(experts[:, :4, :6], grid[:, :2, :2], (2, 3), torch.bfloat16, "w")
+    assert torch.equal(even, got[:, :4, :6])
+
+
+def test_scales_that_fit_no_layout_are_refused_by_name():
+    weight = torch.zeros(6, 8, dtype=torch.float8_e4m3fn)
+    with pytest.raises(ModelLoadError, match=r"q_proj\.weight: scales of shape \(2, 2\)"):
+        dequantize_fp8(weight, torch.ones(2, 2), (4, 3), torch.float32, "layers.0.q_proj.weight")
+    with pytest.raises(ModelLoadError, match=r"per row \(6, 1\)"):
+        dequantize_fp8(weight, torch.ones(3, 1), None, torch.float32, "w")
+
+
+def test_the_writer_rounds_each_block_to_its_absmax():
+    """The checkpoints the tests load are fair FP8 models: every block's peak maps to 448,
+    and the round trip is within e4m3's half step (1/16 relative) of each value's block."""
+    torch.manual_seed(1)
+    weight = torch.randn(70, 90) * torch.logspace(-2, 1, 70)[:, None]
+    quantized, scales = quantize_weight(weight, (32, 64))
+    assert scales.shape == (math.ceil(70 / 32), math.ceil(90 / 64))
+    restored = dequantize_fp8(quantized, scales, (32, 64), torch.float32, "w")
+    peak = quantized.float().abs().reshape(-1)
+    assert peak.max() == FP8_MAX
+    scale_of = scales.repeat_interleave(32, 0)[:70].repeat_interleave(64, 1)[:, :90]
+    assert ((restored - weight).abs() <= weight.abs() / 16 + scale_of * 2**-9).all()
+
+
+def _hf_model(model_dir: Path) -> AutoModelForCausalLM:
+    """transformers' model of an FP8 checkpoint, its weights dequantized (on a CPU it does
+    that for fp8; compressed-tensors must be told not to fake-quantize activations)."""
+    method = json.loads((model_dir / "config.json").read_text())["quantization_config"]
+    extra = {}
+    if method["quant_method"] == "compressed-tensors":
+        extra["quantization_config"] = CompressedTensorsConfig(run_compressed=False)
+    with warnings.catch_warnings():  # "the model's own quantization_config is used"
+        warnings.simplefilter("ignore", UserWarning)
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **extra)
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoints(model_factory, tmp_path_factory):
+    """(arch, scheme) -> an FP8 copy of the tiny model, cached for the module."""
+    made: dict[tuple[str, str], Path] = {}
+
+    def make(arch: str, scheme: str) -> Path:
+        if (arch, scheme) not in made:
+            out = tmp_path_factory.mktemp("fp8") / f"{arch}-{scheme}"
+            made[arch, scheme] = quantize_checkpoint(model_factory(arch), out, scheme, BLOCK)
+        return made[arch, scheme]
+
+    return make
+
+
+@pytest.mark.parametrize(
+    ("arch", "scheme"),
+    [
+        ("llama", "fp8-block"),
+        ("qwen3_moe", "fp8-block"),
+        ("llama", "ct-channel"),
+        ("mixtral", "ct-tensor"),
+    ],
+)
+def test_greedy_tokens_and_prompt_logprobs_equal_transformers(fp8_checkpoints, model_factory,
+                                                              arch, scheme):  # fmt: skip
+    model_dir = fp8_checkpoints(arch, scheme)
+    prompts = random_prompts((9, 40), seed=5)
+    hf = _hf_model(model_dir)
+    llm = LLM(model_dir, dtype="float32")
+    params = SamplingParams(max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, temperature=0,
+                            prompt_logprobs=1)  # fmt: skip
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    with torch.no_grad():
+        for prompt, output in zip(prompts, outputs, strict=True):
+            generated = hf.generate(torch.tensor([prompt]), max_new_tokens=NUM_TOKENS,
+                                    min_new_tokens=NUM_TOKENS, do_sample=False)  # fmt: skip
+            assert list(output.outputs[0].token_ids) == generated[0, len(prompt) :].tolist()
+            reference = hf(torch.tensor([prompt])).logits[0, :-1].log_softmax(-1)
+            for position, lp in enumerate(output.prompt_logprobs[1:]):
+                expected = reference[position, lp.token_id].item()
+                assert lp.logprob == pytest.approx(expected, abs=1e-4), position
+    assert llm.engine.leak_report() == []
+    # The scales matter: the unquantized model's tokens part from these.
+    plain = LLM(model_factory(arch), dtype="float32")
+    unquantized = plain.generate(prompts, params, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    assert [o.outputs[0].token_ids for o in unquantized] != tokens
+
+
+def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    model = load_model(model_dir, read_arch_config(model_dir), 256, TorchAttentionBackend(16),
+                       torch.device("cpu"), torch.float32)  # fmt: skip
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def test_every_layout_of_the_same_scales_loads_the_same_weights(fp8_checkpoints, tmp_path):
+    """fbgemm_fp8 and compressed-tensors per row store the same numbers under other names,
+    as do fp8 and compressed-tensors blocks; and a sharded copy with its scales in another
+    shard than their weights loads the same too."""
+    channel = _weights(fp8_checkpoints("llama", "ct-channel"))
+    fbgemm = _weights(fp8_checkpoints("llama", "fbgemm"))
+    assert channel.keys() == fbgemm.keys()
+    assert all(torch.equal(channel[name], fbgemm[name]) for name in channel)
+    block = _weights(fp8_checkpoints("llama", "fp8-block"))
+    ct_block = _weights(fp8_checkpoints("llama", "ct-block"))
+    assert all(torch.equal(block[name], ct_block[name]) for name in block)
+    assert not torch.equal(block["model.layers.0.self_attn.qkv_proj.weight"],
+                           channel["model.layers.0.self_attn.qkv_proj.weight"])  # fmt: skip
+    sharded = _sharded(fp8_checkpoints("llama", "fp8-block"), tmp_path / "sharded")
+    assert all(torch.equal(block[name], p) for name, p in _weights(sharded).items())
+
+
+def test_kv_cache_scales_are_skipped_with_a_warning(fp8_checkpoints, tmp_path, caplog):
+    """llm-compressor's calibrated k_scale / v_scale load nothing and say so."""
+    block = fp8_checkpoints("llama", "fp8-block")
+
+    def add_kv_scales(tensors):
+        for layer in range(4):
+            for which in ("k_scale", "v_scale"):
+                tensors[f"model.layers.{layer}.self_attn.{which}"] = torch.tensor(0.02)
+
+    with_scales = _edited(block, tmp_path / "kv-scales", tensors_edit=add_kv_scales)
+    caplog.set_level("WARNING", logger="engine.models.loader")
+    weights = _weights(with_scales)
+    assert all(torch.equal(weights[name], p) for name, p in _weights(block).items())
+    assert "8 calibrated KV-cache scales are not used" in caplog.text
+
+
+def _sharded(model_dir: Path, out: Path) -> Path:
+    """``model_dir`` in two shards, every weight's scale in the other shard from it."""
+    shutil.copytree(model_dir, out, ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = load_file(model_dir / "model.safetensors")
+    scales = {n: t for n, t in tensors.items() if n.endswith("_scale_inv")}
+    rest = {n: t for n, t in tensors.items() if n not in scales}
+    save_file(scales, out / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
+    save_file(rest, out / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
+    weight_map = {n: "model-00001-of-00002.safetensors" for n in scales}
+    weight_map |= {n: "model-00002-of-00002.safetensors" for n in rest}
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return out
+
+
+def _edited(model_dir: Path, out: Path, config_edit=None, tensors_edit=None) -> Path:
+    shutil.copytree(model_dir, out)
+    if config_edit is not None:
+        config = json.loads((out / "config.json").read_text())
+        config_edit(config)
+        (out / "config.json").write_text(json.dumps(config))
+    if tensors_edit is not None:
+        tensors = load_file(out / "model.safetensors")
+        tensors_edit(tensors)
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def test_broken_or_unsupported_fp8_checkpoints_are_refused_by_name(fp8_checkpoints, tmp_path):
+    block = fp8_checkpoints("llama", "fp8-block")
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+
+    def drop_scale(tensors):
+        del tensors[f"{q_proj}_scale_inv"]
+
+    no_scale = _edited(block, tmp_path / "no-scale", tensors_edit=drop_scale)
+    with pytest.raises(ModelLoadError, match=rf"{q_proj} is stored as torch.float8_e4m3fn "
+                                             rf"with no {q_proj}_scale_inv or"):  # fmt: skip
+        _weights(no_scale)
+    no_config = _edited(block, tmp_path / "no-config",
+                        config_edit=lambda c: c.pop("quantization_config"))  # fmt: skip
+    with pytest.raises(ModelLoadError, match="has no quantization_config"):
+        _weights(no_config)
+
+    def other_block(config):
+        config["quantization_config"]["weight_block_size"] = [16, 64]
+
+    wrong_block = _edited(block, tmp_path / "wrong-block", config_edit=other_block)
+    with pytest.raises(ModelLoadError, match=r"mlp\.down_proj\.weight: scales of shape \(8, 8\) "
+                                             r"fit FP8 weight \(256, 512\) neither"):  # fmt: skip
+        _weights(wrong_block)
+
+
+def _ct_group(weights: dict, form: str = "float-quantized") -> dict:
+    return {"quant_method": "compressed-tensors", "format": form,
+            "config_groups": {"g": {"weights": weights}}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"quant_method": "gptq", "bits": 4}, r"quantized checkpoints \(gptq\) are not supported"),
+        ({"quant_method": "awq"}, "weight quantizations that load: fp8"),
+        (
+            _ct_group({"num_bits": 4, "type": "int", "strategy": "group"}, "pack-quantized"),
+            r"group 'g' stores 4-bit int weights \(pack-quantized\)",
+        ),
+        (
+            _ct_group({"num_bits": 8, "type": "float", "strategy": "tensor_group"}),
+            "FP8 weight strategy 'tensor_group' is not supported",
+        ),
+        ({"quant_method": "compressed-tensors", "config_groups": {}}, "has no config_groups"),
+        ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size must be two"),
+        ({"quant_method": "fp8", "fmt": "e5m2"}, "only e4m3"),
+    ],
+)
+def test_quantization_configs_that_do_not_load(config, message):
+    with pytest.raises(ModelLoadError, match=message):
+        read_fp8_config(config, "config.json")
+
+
+def test_quantization_configs_that_load():
+    assert read_fp8_config({"quant_method": "fp8", "weight_block_size": [128, 128]}, "c") == \
+        Fp8Weights("fp8", (128, 128))  # fmt: skip
+    assert read_fp8_config({"quant_method": "fp8", "activation_scheme": "static"}, "c") == \
+        Fp8Weights("fp8")  # fmt: skip
+    assert read_fp8_config({"quant_method": "fbgemm_fp8"}, "c") == Fp8Weights("fbgemm_fp8")
+    block = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}
+    channel = {"num_bits": 8, "type": "float", "strategy": "channel"}
+    config = _ct_group(block)
+    config["config_groups"]["b"] = {"weights": channel}
+    assert read_fp8_config(config, "c") == Fp8Weights("compressed-tensors", (128, 128))
