@@ -19,9 +19,12 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError
+
 from common.config import DType, PdserveConfig, Role
 from deploy import containers as c
-from engine.models.arch import ModelLoadError, read_arch_config, safetensors_files
+from engine.models.arch import ModelLoadError
+from engine.models.weight_count import loaded_weight_count
 
 CONFIG = "pdserve-config"
 REDIS = "pdserve-redis"
@@ -148,10 +151,11 @@ def worker(config: PdserveConfig, role: Role, image: str, checksum: str) -> dict
 def worker_memory_bytes(config: PdserveConfig, role: Role) -> int:
     """Host memory a worker pod of the base (CPU) rendering requests: per tensor-parallel
     rank (a process each) its KV pool, its CPU tier and 1 GiB for the runtime, and the
-    weights as the engine holds them on CPU, split over the ranks (float32 unless
-    ``engine.dtype`` says otherwise; a 16-bit checkpoint doubles). The weights count
-    when the model directory is readable where the config is rendered; a path that only
-    exists in the cluster adds nothing (``deploy/README.md``: patch the request then)."""
+    weights as the engine holds them on CPU, split over the ranks: as many elements as the
+    files hold (FP8 and MXFP4 weights dequantized, ``weight_count.py``), float32 each
+    unless ``engine.dtype`` says otherwise. The weights count when the model directory is
+    readable where the config is rendered; a path that only exists in the cluster adds
+    nothing (``deploy/README.md``: patch the request then)."""
     engine = config.engine_for(role)
     per_rank = engine.kv_cache_bytes + engine.cpu_offload_bytes + (1 << 30)
     total = per_rank * engine.tensor_parallel_size
@@ -159,14 +163,11 @@ def worker_memory_bytes(config: PdserveConfig, role: Role) -> int:
     if model is None or not (model / "config.json").is_file():
         return total
     try:
-        files = safetensors_files(model)
-        checkpoint_dtype = read_arch_config(model).torch_dtype
-    except (ModelLoadError, OSError, ValueError):
+        num_weights = loaded_weight_count(model)
+    except (ModelLoadError, OSError, ValueError, SafetensorError):
         return total
-    file_bytes = sum(path.stat().st_size for path in files)
     held = 2 if engine.dtype in (DType.FLOAT16, DType.BFLOAT16) else 4
-    stored = 4 if checkpoint_dtype in ("float32", "torch.float32") else 2
-    return total + file_bytes * held // stored
+    return total + num_weights * held
 
 
 def _mounts(config: PdserveConfig, worker: bool) -> list[dict[str, Any]]:

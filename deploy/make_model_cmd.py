@@ -16,10 +16,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", choices=SIZES, default="tiny")
     parser.add_argument("--out", required=True, type=Path, help="directory to create")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--fp8", choices=SCHEMES,
-                        help="store the projections in FP8, in this released checkpoints' "
-                             "layout (fp8: transformers' block-scaled; ct-*: compressed-"
-                             "tensors per tensor, row or block; fbgemm: per row)")  # fmt: skip
+    layouts = ("store the projections in FP8, in one released layout: fp8-block (transformers' "
+               "block-scaled), fp8-tensor (AutoFP8), ct-tensor / ct-channel / ct-block "
+               "(compressed-tensors), fbgemm (per row)")  # fmt: skip
+    parser.add_argument("--fp8", choices=SCHEMES, help=layouts)
 
 
 def run(args: argparse.Namespace) -> int:

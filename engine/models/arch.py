@@ -287,7 +287,8 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
         if activation not in ("silu", "swish"):
             raise ModelLoadError(f"{path}: hidden_act {activation!r} is not supported (only silu)")
     fp8_weights = None
-    quantization = raw.get("quantization_config")
+    # compressed-tensors may put it in a multimodal checkpoint's text_config.
+    quantization = raw.get("quantization_config") or cfg.get("quantization_config")
     # GPT-OSS's MXFP4 experts are dequantized at load (gpt_oss_weights.py).
     if quantization and not (flags.gpt_oss and quantization.get("quant_method") == "mxfp4"):
         fp8_weights = read_fp8_config(quantization, path)

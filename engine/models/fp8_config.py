@@ -3,14 +3,17 @@
 Released FP8 checkpoints store each projection's weight as float8 (E4M3) with float
 scales beside it; a stored value times its scale is the weight. Three layouts are read:
 
-- ``quant_method: fp8`` (transformers' FineGrainedFP8: Qwen3-*-FP8, DeepSeek-V3):
+- ``quant_method: fp8`` (transformers' FineGrainedFP8: Qwen3-*-FP8; DeepSeek-V3's layout):
   ``X.weight`` [rows, cols] and ``X.weight_scale_inv`` [ceil(rows / br), ceil(cols / bc)],
   one scale per ``weight_block_size`` [br, bc] block (the name's "inv" is historic:
   DeepSeek's reference multiplies by it too). Without a block size, ``X.weight_scale``
-  holds one scale for the tensor (AutoFP8's older checkpoints).
-- ``quant_method: compressed-tensors``, ``format: float-quantized`` (llm-compressor's FP8,
-  FP8-dynamic and FP8-block: RedHatAI's and neuralmagic's checkpoints): ``X.weight_scale``
-  per tensor [1], per output row [rows, 1], or per ``block_structure`` block.
+  holds one scale for the tensor (AutoFP8's older checkpoints). ``scale_fmt: ue8m0``:
+  scales may be stored as exponent bytes (2 ** (byte - 127)).
+- ``quant_method: compressed-tensors``, ``format: float-quantized`` or ``naive-quantized``
+  with 8-bit float weights (llm-compressor's FP8, FP8-dynamic and FP8-block: RedHatAI's and
+  neuralmagic's checkpoints): ``X.weight_scale`` per tensor [1], per output row [rows, 1],
+  or per ``block_structure`` block. Asymmetric weights, online transforms and sparse
+  formats change what the stored weights mean and are refused.
 - ``quant_method: fbgemm_fp8`` (Meta's Llama 3.1 405B FP8): ``X.weight_scale`` per row.
 
 The weights are dequantized to the model dtype as they are read (``fp8_weights.py``).
@@ -29,7 +32,13 @@ from typing import Any
 from engine.models.errors import ModelLoadError
 
 _CT_STRATEGIES = ("tensor", "channel", "block")
-SUPPORTED = "fp8, fbgemm_fp8, compressed-tensors (float-quantized, 8-bit)"
+# compressed-tensors formats that store FP8 weights as they are, with their scales
+# (naive-quantized: older neuralmagic releases and weight-only FP8 schemes).
+_CT_FORMATS = (None, "float-quantized", "naive-quantized")
+# How ``fp8`` checkpoints store scales: float32 values, or (MXFP8's) powers of two as the
+# exponent byte (E8M0).
+_SCALE_FORMATS = ("float", "ue8m0")
+SUPPORTED = "fp8, fbgemm_fp8, compressed-tensors (float- or naive-quantized, 8-bit float)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +47,7 @@ class Fp8Weights:
 
     method: str  # the config's quant_method
     block_size: tuple[int, int] | None = None  # (rows, cols) per scale, if block-scaled
+    scale_format: str = "float"  # "ue8m0": uint8 scales are exponents (2 ** (byte - 127))
 
 
 def _block_size(value: Any, where: str, path: Any) -> tuple[int, int]:
@@ -55,16 +65,29 @@ def _compressed_tensors(config: dict[str, Any], path: Any) -> Fp8Weights:
     groups = config.get("config_groups") or {}
     if not groups:
         raise ModelLoadError(f"{path}: compressed-tensors quantization_config has no config_groups")
+    # Online transforms (rotations of the activations at run time) and sparse formats
+    # change what the weights mean: loading the weights alone would compute wrong values.
+    if config.get("transform_config"):
+        raise ModelLoadError(f"{path}: compressed-tensors transform_config (online rotations) "
+                             "is not supported")  # fmt: skip
+    sparsity = (config.get("sparsity_config") or {}).get("format")
+    if sparsity not in (None, "dense"):
+        raise ModelLoadError(f"{path}: compressed-tensors sparsity format {sparsity!r} is not "
+                             "supported (only dense weights)")  # fmt: skip
     blocks: set[tuple[int, int] | None] = set()
     for name, group in groups.items():
         weights = group.get("weights") or {}
         form = group.get("format") or config.get("format")
         num_bits, kind = weights.get("num_bits"), weights.get("type")
-        if num_bits != 8 or kind != "float" or form not in (None, "float-quantized"):
+        if num_bits != 8 or kind != "float" or form not in _CT_FORMATS:
             raise ModelLoadError(
                 f"{path}: compressed-tensors group {name!r} stores {num_bits}-bit {kind} "
-                f"weights ({form}); only FP8 weights (float-quantized, 8-bit float) load"
+                f"weights ({form}); only FP8 weights (8-bit float, float- or "
+                "naive-quantized) load"
             )
+        if weights.get("symmetric") is False:
+            raise ModelLoadError(f"{path}: compressed-tensors group {name!r}: asymmetric FP8 "
+                                 "weights (with zero points) are not supported")  # fmt: skip
         strategy = weights.get("strategy")
         if strategy not in _CT_STRATEGIES:
             raise ModelLoadError(
@@ -87,10 +110,13 @@ def read_fp8_config(config: dict[str, Any], path: Any) -> Fp8Weights:
     if method == "fp8":
         if config.get("fmt", "e4m3") != "e4m3":
             raise ModelLoadError(f"{path}: fp8 weights in format {config['fmt']!r} (only e4m3)")
+        scale_format = config.get("scale_fmt") or "float"
+        if scale_format not in _SCALE_FORMATS:
+            raise ModelLoadError(f"{path}: fp8 scale_fmt {scale_format!r} is not supported "
+                                 f"({', '.join(_SCALE_FORMATS)} are)")  # fmt: skip
         block = config.get("weight_block_size")
-        if block is None:
-            return Fp8Weights("fp8")
-        return Fp8Weights("fp8", _block_size(block, "weight_block_size", path))
+        block_size = None if block is None else _block_size(block, "weight_block_size", path)
+        return Fp8Weights("fp8", block_size, scale_format)
     if method == "fbgemm_fp8":
         return Fp8Weights("fbgemm_fp8")
     if method == "compressed-tensors":

@@ -7,8 +7,10 @@ float8_e4m3fn with its scale beside it, and the ``quantization_config`` that nam
 layout. It is how tests and benchmarks get FP8 checkpoints without downloading one; what
 the engine reads back is ``fp8_weights.py``'s business. Schemes (``SCHEMES``):
 
-- ``fp8-block``: transformers' FineGrainedFP8 (Qwen3-*-FP8, DeepSeek-V3): ``weight_scale_inv``
-  per ``block_size`` block.
+- ``fp8-block``: transformers' FineGrainedFP8 (Qwen3-*-FP8, and DeepSeek-V3's layout):
+  ``weight_scale_inv`` per ``block_size`` block.
+- ``fp8-tensor``: AutoFP8's older ``fp8`` checkpoints (Mixtral-8x7B-Instruct-FP8): one 0-d
+  ``weight_scale`` per tensor and a static ``input_scale``.
 - ``ct-tensor`` / ``ct-channel`` / ``ct-block``: llm-compressor's compressed-tensors
   ``float-quantized`` (RedHatAI's FP8, FP8-dynamic and FP8-block checkpoints):
   ``weight_scale`` per tensor (with a static ``input_scale``), per output row, or per block.
@@ -32,7 +34,7 @@ from safetensors.torch import load_file, save_file
 
 from engine.models.arch import safetensors_files
 
-SCHEMES = ("fp8-block", "ct-tensor", "ct-channel", "ct-block", "fbgemm")
+SCHEMES = ("fp8-block", "fp8-tensor", "ct-tensor", "ct-channel", "ct-block", "fbgemm")
 _INDEX = "model.safetensors.index.json"
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 # The projections released FP8 checkpoints quantize: attention, MLP and experts.
@@ -99,17 +101,18 @@ def quantize_checkpoint(
                 tensors[name] = tensor
                 continue
             rows, cols = tensor.shape
-            per = {"fp8-block": block_size, "ct-block": block_size,
-                   "ct-tensor": (rows, cols)}.get(scheme, (1, cols))  # fmt: skip
+            per = {"fp8-block": block_size, "ct-block": block_size, "ct-tensor": (rows, cols),
+                   "fp8-tensor": (rows, cols)}.get(scheme, (1, cols))  # fmt: skip
             quantized, scales = quantize_weight(tensor, per)
             tensors[name] = quantized
             if scheme == "fp8-block":
                 tensors[f"{name}_scale_inv"] = scales
                 continue
             prefix = name.removesuffix("weight")
-            if scheme == "ct-tensor":  # with a static activation scale (unused by the engine)
-                scales = scales.reshape(1)
-                tensors[f"{prefix}input_scale"] = torch.tensor([0.05])
+            if scheme.endswith("-tensor"):  # with a static activation scale (unused here)
+                shape = (1,) if scheme == "ct-tensor" else ()  # AutoFP8's are 0-d
+                scales = scales.reshape(shape)
+                tensors[f"{prefix}input_scale"] = torch.tensor(0.05).reshape(shape)
             elif scheme == "fbgemm":
                 tensors[f"{prefix}input_scale_ub"] = torch.tensor([1200.0])
             tensors[f"{prefix}weight_scale"] = scales
@@ -126,6 +129,8 @@ def quantize_checkpoint(
             "fmt": "e4m3",
             "weight_block_size": list(block_size),
         }
+    elif scheme == "fp8-tensor":
+        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
     elif scheme == "fbgemm":
         config["quantization_config"] = {
             "quant_method": "fbgemm_fp8",

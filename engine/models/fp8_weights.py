@@ -21,7 +21,8 @@ FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # A stored FP8 tensor's scales: its name plus one of these (``X.weight_scale_inv``, or
 # ``X_scale`` beside a stacked experts tensor ``X``).
 SCALE_SUFFIXES = ("_scale_inv", "_scale")
-# What else FP8 checkpoints store beside their weights, all unused (fp8_config.py).
+# Every tensor FP8 checkpoints store beside their weights: the weights' scales, read with
+# them, and the activation and KV-cache scales, not used (fp8_config.py).
 SIDECAR_SUFFIXES = (*SCALE_SUFFIXES, "_scale_ub")
 # Calibrated KV-cache scales (llm-compressor's; older files: the k/v projections' output).
 KV_SCALE_SUFFIXES = ("k_scale", "v_scale", "k_proj.output_scale", "v_proj.output_scale")
@@ -29,20 +30,26 @@ KV_SCALE_SUFFIXES = ("k_scale", "v_scale", "k_proj.output_scale", "v_proj.output
 
 def dequantize_fp8(
     weight: torch.Tensor,  # [..., rows, cols] float8; leading dims: stacked experts
-    scale: torch.Tensor,  # [1] or [] | [..., rows, 1] or [..., rows] | [..., grid rows, grid cols]
+    scale: torch.Tensor,  # float (or E8M0) scales, in one of the shapes below
     block_size: tuple[int, int] | None,
     dtype: torch.dtype,
     name: str,
 ) -> torch.Tensor:  # [..., rows, cols] in dtype
-    """``weight`` times its scale (per tensor, per row or per block), in ``dtype``."""
+    """``weight`` times its scales, in ``dtype``. The scales' shape says their layout:
+    one scale ([], [1], or [1, 1]); one per expert of stacked experts ([E] or [E, 1, 1]);
+    one per ``block_size`` block ([..., ceil(rows / br), ceil(cols / bc)]); one per row
+    ([..., rows, 1] or [..., rows]). Any other shape raises ModelLoadError naming
+    ``name`` and both shapes."""
     rows, cols = weight.shape[-2:]
     lead = tuple(weight.shape[:-2])
     values, scales = weight.to(torch.float32), scale.to(torch.float32)  # values: scaled in place
-    if scales.numel() == 1:
+    shape = tuple(scales.shape)
+    if shape in ((), (1,)):
         return values.mul_(scales.reshape(())).to(dtype)
+    if shape == (*lead, 1, 1) or (lead and shape == lead):
+        return values.mul_(scales.reshape(*lead, 1, 1)).to(dtype)
     grid = None if block_size is None else (math.ceil(rows / block_size[0]),
                                             math.ceil(cols / block_size[1]))  # fmt: skip
-    shape = tuple(scales.shape)
     if grid is not None and shape == (*lead, *grid):
         assert block_size is not None
         if rows % block_size[0] == 0 and cols % block_size[1] == 0:  # one pass, no copy
@@ -57,5 +64,6 @@ def dequantize_fp8(
     blocks_text = f", per {block_size} block {(*lead, *grid)}" if grid is not None else ""
     raise ModelLoadError(
         f"{name}: scales of shape {shape} fit FP8 weight {tuple(weight.shape)} neither per "
-        f"tensor (1), per row {(*lead, rows, 1)}{blocks_text}"
+        f"tensor (1){f', per expert {lead}' if lead else ''}, per row {(*lead, rows, 1)}"
+        f"{blocks_text}"
     )

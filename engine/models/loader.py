@@ -20,6 +20,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -131,29 +132,41 @@ def _partner(
 
 def _dequantized(
     stored: str,
-    tensor: torch.Tensor,  # float8, as stored
+    tensor: torch.Tensor,  # as stored
+    f: Any,  # the open file holding it
     arch: ModelArchConfig,
     where: dict[str, Path],
     path: Path,
     device: torch.device,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """FP8 ``tensor`` times the scales stored beside it, in ``dtype``, computed on
-    ``device`` (this repo's 2-core CPU does ~0.3 G weights/s: an 8B model's in ~30 s)."""
-    if arch.fp8_weights is None:
+    """Of an FP8 checkpoint's tensor: an FP8 one times the scales stored beside it, in
+    ``dtype`` and computed on ``device`` (this repo's 2-core CPU does ~0.3 G weights/s: an
+    8B model's in ~30 s); a float one as it is. An integer one is refused: the engine has
+    no integer weights, and casting one would drop its scale."""
+    fp8 = arch.fp8_weights
+    assert fp8 is not None
+    if tensor.dtype not in FLOAT8_DTYPES:
+        if not tensor.is_floating_point():
+            raise ModelLoadError(f"{path.name}: {stored} is stored as {tensor.dtype}; only "
+                                 "FP8 or floating-point weights load")  # fmt: skip
+        return tensor
+    scale_name = next((stored + s for s in SCALE_SUFFIXES if stored + s in where), None)
+    if scale_name is None:
         raise ModelLoadError(
-            f"{path.name}: {stored} is stored as {tensor.dtype} but config.json has no "
-            "quantization_config to say how it is scaled"
+            f"{path.name}: {stored} is stored as {tensor.dtype} with no "
+            f"{' or '.join(stored + suffix for suffix in SCALE_SUFFIXES)} beside it"
         )
-    for suffix in SCALE_SUFFIXES:
-        if stored + suffix in where:
-            scales = _partner(stored, "", suffix, where, path)().to(device)
-            block_size = arch.fp8_weights.block_size
-            return dequantize_fp8(tensor.to(device), scales, block_size, dtype, stored)
-    raise ModelLoadError(
-        f"{path.name}: {stored} is stored as {tensor.dtype} with no "
-        f"{' or '.join(stored + suffix for suffix in SCALE_SUFFIXES)} beside it"
-    )
+    if where[scale_name] == path:
+        scales = f.get_tensor(scale_name)
+    else:
+        scales = _partner(stored, "", scale_name.removeprefix(stored), where, path)()
+    if scales.dtype == torch.uint8 and fp8.scale_format == "ue8m0":
+        scales = scales.view(torch.float8_e8m0fnu)  # exponent bytes: 2 ** (byte - 127)
+    if not scales.is_floating_point():
+        raise ModelLoadError(f"{path.name}: {scale_name} is stored as {scales.dtype}; scales "
+                             "are floats (or E8M0 bytes with scale_fmt ue8m0)")  # fmt: skip
+    return dequantize_fp8(tensor.to(device), scales.to(device), fp8.block_size, dtype, stored)
 
 
 def _stored_head_differs(files: list[Path]) -> bool:
@@ -170,7 +183,8 @@ def _stored_head_differs(files: list[Path]) -> bool:
     for path, stored in where.values():
         with safe_open(str(path), framework="pt", device="cpu") as f:
             tensors.append(f.get_tensor(stored))
-    return not torch.equal(tensors[0], tensors[1])
+    # A head stored in another dtype (an FP8 head beside 16-bit embeddings) is its own.
+    return tensors[0].dtype != tensors[1].dtype or not torch.equal(tensors[0], tensors[1])
 
 
 def load_model(
@@ -255,11 +269,16 @@ def load_model(
                     continue
                 if arch.tie_word_embeddings and name == _HEAD:
                     continue
-                tensor = f.get_tensor(stored)
-                if tensor.dtype in FLOAT8_DTYPES:
-                    tensor = _dequantized(stored, tensor, arch, where, path, device, dtype)
                 expert = EXPERT_TENSOR.match(name) if gpt_oss else None
                 if expert is None:
+                    tensor = f.get_tensor(stored)
+                    if fp8 is not None:
+                        tensor = _dequantized(stored, tensor, f, arch, where, path, device, dtype)
+                    elif tensor.dtype in FLOAT8_DTYPES:
+                        raise ModelLoadError(
+                            f"{path.name}: {stored} is stored as {tensor.dtype} but config.json "
+                            "names no FP8 quantization_config to say how it is scaled"
+                        )
                     place(_target(name, arch, shapes), tensor, stored, path)
                     continue
                 prefix, which, suffix = expert.group(1), expert.group(2), expert.group(3) or ""
@@ -268,7 +287,7 @@ def load_model(
                 scales = None
                 if suffix == "_blocks":
                     scales = _partner(stored, "_blocks", "_scales", where, path)
-                pieces = expert_pieces(prefix, which, suffix, tensor, scales, dtype)
+                pieces = expert_pieces(prefix, which, suffix, f.get_tensor(stored), scales, dtype)
                 for param, index, row_start, rows in pieces:
                     place(_Target(param, row_start, index), rows, stored, path)
     if unused_kv_scales:

@@ -7,18 +7,19 @@ kubernetes-validate); no docker engine or cluster is needed."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import yaml
+from safetensors.torch import load_file
 
 from common.config import PdserveConfig, Role
 from common.config_loader import build, load_config
 from deploy import containers
 from deploy.render_compose import render
 from deploy.render_k8s import render_files, render_stream
+from engine.models.fp8_maker import quantize_checkpoint
 from tests.support.processes import ROOT
 
 EXAMPLES = sorted((ROOT / "deploy" / "configs").glob("*.yaml"))
@@ -328,8 +329,9 @@ def test_scaling_a_role_rolls_no_pod_but_a_config_change_does():
 
 
 def test_worker_memory_requests_count_the_weights_as_held_on_cpu(tiny_llama, tmp_path):
-    """A readable checkpoint adds its weights at the engine's dtype (float32 on CPU: a
-    16-bit checkpoint doubles); a model path only the cluster has adds nothing."""
+    """A readable checkpoint adds its weights at the engine's dtype (float32 on CPU, or
+    2 bytes for a 16-bit engine dtype), whatever the files store: an FP8 copy of the
+    model asks for as much as the model; a model path only the cluster has adds nothing."""
     config_path = tmp_path / "local.yaml"
     config_path.write_text(yaml.safe_dump({
         "model": str(tiny_llama),
@@ -337,9 +339,7 @@ def test_worker_memory_requests_count_the_weights_as_held_on_cpu(tiny_llama, tmp
         "decode": {"engine": {"dtype": "bfloat16"}},
     }))  # fmt: skip
     config = load_config(str(config_path))
-    file_bytes = sum(p.stat().st_size for p in tiny_llama.glob("*.safetensors"))
-    dtype = json.loads((tiny_llama / "config.json").read_text()).get("dtype")
-    stored = 4 if dtype == "float32" else 2
+    num_weights = sum(t.numel() for t in load_file(tiny_llama / "model.safetensors").values())
     docs = {d["metadata"]["name"]: d for d in k8s_docs(render_files(config, "local.yaml"))}
 
     def requested_mib(name: str) -> int:
@@ -347,15 +347,23 @@ def test_worker_memory_requests_count_the_weights_as_held_on_cpu(tiny_llama, tmp
         return int(container["resources"]["requests"]["memory"].removesuffix("Mi"))
 
     base_mib = 256 + 1024
-    assert requested_mib("pdserve-prefill") == base_mib + (file_bytes * 4 // stored) // 2**20
-    assert requested_mib("pdserve-decode") == base_mib + (file_bytes * 2 // stored) // 2**20
+    assert requested_mib("pdserve-prefill") == base_mib + (num_weights * 4) // 2**20
+    assert requested_mib("pdserve-decode") == base_mib + (num_weights * 2) // 2**20
+    fp8 = quantize_checkpoint(tiny_llama, tmp_path / "fp8", "fp8-block")
+    assert sum(p.stat().st_size for p in fp8.glob("*.safetensors")) < 0.6 * sum(
+        p.stat().st_size for p in tiny_llama.glob("*.safetensors")
+    )  # the files shrank; what the engine holds did not
+    docs = {d["metadata"]["name"]: d
+            for d in k8s_docs(render_files(dataclasses.replace(config, model=str(fp8)),
+                                           "local.yaml"))}  # fmt: skip
+    assert requested_mib("pdserve-prefill") == base_mib + (num_weights * 4) // 2**20
     elsewhere = dataclasses.replace(config, model="/models/only-in-the-cluster")
     docs = {d["metadata"]["name"]: d for d in k8s_docs(render_files(elsewhere, "local.yaml"))}
     assert requested_mib("pdserve-prefill") == base_mib
     # Tensor parallelism: a KV pool and a runtime per rank, the weights split over them.
     split = dataclasses.replace(config, engine=config.engine.replace(tensor_parallel_size=2))
     docs = {d["metadata"]["name"]: d for d in k8s_docs(render_files(split, "local.yaml"))}
-    assert requested_mib("pdserve-prefill") == 2 * base_mib + (file_bytes * 4 // stored) // 2**20
+    assert requested_mib("pdserve-prefill") == 2 * base_mib + (num_weights * 4) // 2**20
 
 
 def test_k8s_mounts_the_adapters_volume_for_runtime_loading(tmp_path):

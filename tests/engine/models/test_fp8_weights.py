@@ -60,6 +60,10 @@ def test_dequantize_per_tensor_row_and_partial_block():
         scale = grid[e].float()
         expected = _expected(experts[e], lambda r, c, s=scale: s[r // 2, c // 3])
         assert torch.equal(got[e], expected.bfloat16())
+    per_expert = torch.tensor([0.5, 3.0])
+    for scale in (per_expert, per_expert.reshape(2, 1, 1)):  # [E] and [E, 1, 1]
+        scaled = dequantize_fp8(experts, scale, (2, 3), torch.float32, "w")
+        assert torch.equal(scaled, experts.float() * per_expert.reshape(2, 1, 1))
     # Blocks that divide the weight take another path (a view, no expanded scales).
     even = dequantize_fp8(experts[:, :4, :6], grid[:, :2, :2], (2, 3), torch.bfloat16, "w")
     assert torch.equal(even, got[:, :4, :6])
@@ -119,6 +123,7 @@ def fp8_checkpoints(model_factory, tmp_path_factory):
         ("llama", "fp8-block"),
         ("qwen3_moe", "fp8-block"),
         ("llama", "ct-channel"),
+        ("llama", "ct-block"),
         ("mixtral", "ct-tensor"),
     ],
 )
@@ -167,6 +172,11 @@ def test_every_layout_of_the_same_scales_loads_the_same_weights(fp8_checkpoints,
     assert all(torch.equal(block[name], ct_block[name]) for name in block)
     assert not torch.equal(block["model.layers.0.self_attn.qkv_proj.weight"],
                            channel["model.layers.0.self_attn.qkv_proj.weight"])  # fmt: skip
+    # AutoFP8's fp8 without a block size: 0-d scales, the numbers of compressed-tensors'
+    # per-tensor [1] scales.
+    per_tensor = _weights(fp8_checkpoints("llama", "ct-tensor"))
+    auto_fp8 = _weights(fp8_checkpoints("llama", "fp8-tensor"))
+    assert all(torch.equal(per_tensor[name], auto_fp8[name]) for name in per_tensor)
     sharded = _sharded(fp8_checkpoints("llama", "fp8-block"), tmp_path / "sharded")
     assert all(torch.equal(block[name], p) for name, p in _weights(sharded).items())
 
@@ -185,6 +195,50 @@ def test_kv_cache_scales_are_skipped_with_a_warning(fp8_checkpoints, tmp_path, c
     weights = _weights(with_scales)
     assert all(torch.equal(weights[name], p) for name, p in _weights(block).items())
     assert "8 calibrated KV-cache scales are not used" in caplog.text
+
+
+def test_e8m0_scales_stored_as_exponent_bytes(fp8_checkpoints, tmp_path):
+    """``scale_fmt: ue8m0`` (MXFP8-style): uint8 scales are exponents, 2 ** (byte - 127);
+    the same powers of two stored as floats load the same weights."""
+    block = fp8_checkpoints("llama", "fp8-block")
+    exponents: dict[str, torch.Tensor] = {}
+
+    def as_floats(tensors):
+        for name in [n for n in tensors if n.endswith("_scale_inv")]:
+            exponents[name] = torch.log2(tensors[name]).round()
+            tensors[name] = torch.exp2(exponents[name])
+
+    def as_bytes(tensors):
+        for name, exponent in exponents.items():
+            tensors[name] = (exponent + 127).to(torch.uint8)
+
+    def ue8m0(config):
+        config["quantization_config"]["scale_fmt"] = "ue8m0"
+
+    floats = _edited(block, tmp_path / "floats", tensors_edit=as_floats)
+    stored_bytes = _edited(floats, tmp_path / "bytes", config_edit=ue8m0, tensors_edit=as_bytes)
+    assert exponents and all(e.min() < -3 for e in exponents.values())  # real exponents
+    reference = _weights(floats)
+    assert all(torch.equal(reference[name], p) for name, p in _weights(stored_bytes).items())
+
+
+def test_a_tied_model_with_its_own_fp8_head_uses_it(fp8_checkpoints, tmp_path):
+    """tie_word_embeddings with an FP8 lm_head stored beside 16-bit embeddings: the head
+    is its own (as transformers keeps a stored head that differs), dequantized."""
+    block = fp8_checkpoints("llama", "fp8-block")
+    head = load_file(block / "model.safetensors")["lm_head.weight"]  # [2048, 256] float32
+    quantized, scales = quantize_weight(head, BLOCK)
+
+    def fp8_head(tensors):
+        tensors["lm_head.weight"], tensors["lm_head.weight_scale_inv"] = quantized, scales
+
+    def tie(config):
+        config["tie_word_embeddings"] = True
+
+    tied = _edited(block, tmp_path / "tied", config_edit=tie, tensors_edit=fp8_head)
+    weights = _weights(tied)
+    expected = dequantize_fp8(quantized, scales, BLOCK, torch.float32, "lm_head.weight")
+    assert torch.equal(weights["lm_head.weight"], expected)
 
 
 def _sharded(model_dir: Path, out: Path) -> Path:
@@ -227,8 +281,22 @@ def test_broken_or_unsupported_fp8_checkpoints_are_refused_by_name(fp8_checkpoin
         _weights(no_scale)
     no_config = _edited(block, tmp_path / "no-config",
                         config_edit=lambda c: c.pop("quantization_config"))  # fmt: skip
-    with pytest.raises(ModelLoadError, match="has no quantization_config"):
+    with pytest.raises(ModelLoadError, match="names no FP8 quantization_config"):
         _weights(no_config)
+
+    def integer_weight(tensors):
+        tensors[q_proj] = tensors[q_proj].view(torch.int8)
+
+    integer = _edited(block, tmp_path / "int8", tensors_edit=integer_weight)
+    with pytest.raises(ModelLoadError, match=rf"{q_proj} is stored as torch.int8; only FP8"):
+        _weights(integer)
+
+    def byte_scales(tensors):
+        tensors[f"{q_proj}_scale_inv"] = torch.full((8, 4), 120, dtype=torch.uint8)
+
+    bytes_unsaid = _edited(block, tmp_path / "uint8-scales", tensors_edit=byte_scales)
+    with pytest.raises(ModelLoadError, match=r"q_proj\.weight_scale_inv is stored as torch.uint8"):
+        _weights(bytes_unsaid)
 
     def other_block(config):
         config["quantization_config"]["weight_block_size"] = [16, 64]
@@ -260,6 +328,25 @@ def _ct_group(weights: dict, form: str = "float-quantized") -> dict:
         ({"quant_method": "compressed-tensors", "config_groups": {}}, "has no config_groups"),
         ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size must be two"),
         ({"quant_method": "fp8", "fmt": "e5m2"}, "only e4m3"),
+        ({"quant_method": "fp8", "scale_fmt": "e4m3"}, "scale_fmt 'e4m3' is not supported"),
+        (
+            _ct_group({"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": False}),
+            "asymmetric FP8 weights",
+        ),
+        (
+            {
+                **_ct_group({"num_bits": 8, "type": "float", "strategy": "channel"}),
+                "transform_config": {"config_groups": {"R1": {"type": "hadamard"}}},
+            },
+            "transform_config",
+        ),
+        (
+            {
+                **_ct_group({"num_bits": 8, "type": "float", "strategy": "channel"}),
+                "sparsity_config": {"format": "sparse-24-bitmask"},
+            },
+            "sparsity format 'sparse-24-bitmask' is not supported",
+        ),
     ],
 )
 def test_quantization_configs_that_do_not_load(config, message):
@@ -273,8 +360,26 @@ def test_quantization_configs_that_load():
     assert read_fp8_config({"quant_method": "fp8", "activation_scheme": "static"}, "c") == \
         Fp8Weights("fp8")  # fmt: skip
     assert read_fp8_config({"quant_method": "fbgemm_fp8"}, "c") == Fp8Weights("fbgemm_fp8")
+    assert read_fp8_config({"quant_method": "fp8", "scale_fmt": "ue8m0"}, "c") == \
+        Fp8Weights("fp8", None, "ue8m0")  # fmt: skip
+    naive = _ct_group({"num_bits": 8, "type": "float", "strategy": "channel"}, "naive-quantized")
+    naive["sparsity_config"] = {"format": "dense"}
+    assert read_fp8_config(naive, "c") == Fp8Weights("compressed-tensors")
     block = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}
     channel = {"num_bits": 8, "type": "float", "strategy": "channel"}
     config = _ct_group(block)
     config["config_groups"]["b"] = {"weights": channel}
     assert read_fp8_config(config, "c") == Fp8Weights("compressed-tensors", (128, 128))
+
+
+def test_a_multimodal_config_may_hold_it_in_its_text_config(model_factory, tmp_path):
+    """compressed-tensors also looks in text_config (a multimodal checkpoint's)."""
+    text = json.loads((model_factory("gemma3") / "config.json").read_text())
+    text["quantization_config"] = _ct_group({"num_bits": 8, "type": "float",
+                                             "strategy": "channel"})  # fmt: skip
+    out = tmp_path / "multimodal"
+    out.mkdir()
+    config = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+              "text_config": text}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config))
+    assert read_arch_config(out).fp8_weights == Fp8Weights("compressed-tensors")
