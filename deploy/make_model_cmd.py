@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     layouts = ("store the projections in FP8, in one released layout: fp8-block (transformers' "
                "block-scaled), fp8-tensor (AutoFP8), ct-tensor / ct-channel / ct-block "
-               "(compressed-tensors), fbgemm (per row)")  # fmt: skip
+               "(compressed-tensors), fbgemm (per row), modelopt (NVIDIA's)")  # fmt: skip
     parser.add_argument("--fp8", choices=SCHEMES, help=layouts)
 
 

@@ -26,10 +26,12 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.host_memory import zeros_for_kv_caches
 from engine.kv_cache_manager import cdiv
 from engine.models.arch import ModelArchConfig
+from engine.models.llama import use_kv_scales
 from engine.models.loader import load_model
 from engine.models.lora import LoraBatch
 from engine.parallel.group import SingleRank, TPGroup
 from engine.parallel.shard_spec import TensorParallel, local_arch
+from kernels.reference import FP8_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -105,9 +107,28 @@ class ModelShard:
         self.model = load_model(
             model_dir, arch, max_model_len, self.backend, device, dtype, self.group
         )
+        self._use_kv_scales()
         self.num_blocks = 0
         self.kv_caches: list[torch.Tensor] = []
         self.decode_graphs: DecodeGraphs | None = None
+
+    def _use_kv_scales(self) -> None:
+        """An FP8 cache stores K/V over the checkpoint's calibrated per-layer scales (as
+        vLLM does with them); any other cache has no use for them."""
+        scaled = self.model.checkpoint_kv_scales
+        if not scaled:
+            return
+        fp8 = self.cache_dtype in FP8_DTYPES
+        if fp8:
+            use_kv_scales(self.model)
+        if self.group.rank != 0:  # one line per worker, not per rank
+            return
+        if fp8:
+            logger.info("the FP8 KV cache uses the checkpoint's calibrated K/V scales "
+                        "(%d of %d layers)", len(scaled), self.arch.num_layers)  # fmt: skip
+        else:
+            logger.info("the checkpoint's calibrated K/V scales are unused: the KV cache is "
+                        "%s, not FP8 (engine.kv_cache_dtype)", self.cache_dtype)  # fmt: skip
 
     @property
     def bytes_per_block(self) -> int:

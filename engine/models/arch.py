@@ -23,7 +23,7 @@ from typing import Any
 
 from common.hf_config import eos_token_ids, max_context_len, text_config
 from engine.models.errors import ModelLoadError
-from engine.models.fp8_config import Fp8Weights, read_fp8_config
+from engine.models.fp8_config import Fp8Weights, read_fp8_config, read_quantization_config
 from engine.models.rope_config import RopeConfig, gemma3_ropes, rope_config
 
 
@@ -142,7 +142,7 @@ class ModelArchConfig:
     # RMSNorm multiplying its gain in float32 before casting back.
     attention_sinks: bool = False
     norm_gain_in_float32: bool = False
-    # FP8 weights (fp8_weights.py), dequantized to the model dtype at load; None: none.
+    # FP8 weights (fp8_config.py), dequantized to the model dtype at load; None: none.
     fp8_weights: Fp8Weights | None = None
 
     def rope_of(self, layer_idx: int) -> RopeConfig:
@@ -287,8 +287,7 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
         if activation not in ("silu", "swish"):
             raise ModelLoadError(f"{path}: hidden_act {activation!r} is not supported (only silu)")
     fp8_weights = None
-    # compressed-tensors may put it in a multimodal checkpoint's text_config.
-    quantization = raw.get("quantization_config") or cfg.get("quantization_config")
+    quantization = read_quantization_config(raw, cfg, model_dir)
     # GPT-OSS's MXFP4 experts are dequantized at load (gpt_oss_weights.py).
     if quantization and not (flags.gpt_oss and quantization.get("quant_method") == "mxfp4"):
         fp8_weights = read_fp8_config(quantization, path)

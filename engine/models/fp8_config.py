@@ -1,7 +1,7 @@
 """FP8 weight checkpoints: which layouts load (read from config.json, without torch).
 
 Released FP8 checkpoints store each projection's weight as float8 (E4M3) with float
-scales beside it; a stored value times its scale is the weight. Three layouts are read:
+scales beside it; a stored value times its scale is the weight. Four layouts are read:
 
 - ``quant_method: fp8`` (transformers' FineGrainedFP8: Qwen3-*-FP8; DeepSeek-V3's layout):
   ``X.weight`` [rows, cols] and ``X.weight_scale_inv`` [ceil(rows / br), ceil(cols / bc)],
@@ -15,18 +15,24 @@ scales beside it; a stored value times its scale is the weight. Three layouts ar
   or per ``block_structure`` block. Asymmetric weights, online transforms and sparse
   formats change what the stored weights mean and are refused.
 - ``quant_method: fbgemm_fp8`` (Meta's Llama 3.1 405B FP8): ``X.weight_scale`` per row.
+- ``quant_method: modelopt``, ``quant_algo: FP8`` (NVIDIA's ModelOpt: nvidia/*-FP8):
+  ``X.weight_scale`` per tensor (``FP8_PER_CHANNEL_PER_TOKEN``: per row). Older ModelOpt
+  checkpoints say so in ``hf_quant_config.json`` instead of config.json
+  (``read_quantization_config``). NVFP4 and ModelOpt's other algorithms are refused.
 
 The weights are dequantized to the model dtype as they are read (``fp8_weights.py``).
 The checkpoints' activation scales (``input_scale``, ``input_scale_ub``) are for FP8
 matmuls and are not used: activations stay in the model dtype (W8A16, not the W8A8 that
 vLLM runs on Hopper, so outputs are the dequantized model's). Calibrated KV-cache scales
-(``k_scale``, ``v_scale``) are not used either: the FP8 KV cache is unscaled
-(``engine.kv_cache_dtype``), and the loader logs how many it left.
+(``k_scale``, ``v_scale``, one per layer) are kept on the model, and an FP8 KV cache
+(``engine.kv_cache_dtype``) stores K/V over them (``llama.use_kv_scales``).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from engine.models.errors import ModelLoadError
@@ -38,7 +44,10 @@ _CT_FORMATS = (None, "float-quantized", "naive-quantized")
 # How ``fp8`` checkpoints store scales: float32 values, or (MXFP8's) powers of two as the
 # exponent byte (E8M0).
 _SCALE_FORMATS = ("float", "ue8m0")
-SUPPORTED = "fp8, fbgemm_fp8, compressed-tensors (float- or naive-quantized, 8-bit float)"
+# ModelOpt's FP8 algorithms: one scale per weight tensor, or per row.
+_MODELOPT_FP8 = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN")
+SUPPORTED = ("fp8, fbgemm_fp8, compressed-tensors (float- or naive-quantized, 8-bit float), "
+             "modelopt (FP8)")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +130,29 @@ def read_fp8_config(config: dict[str, Any], path: Any) -> Fp8Weights:
         return Fp8Weights("fbgemm_fp8")
     if method == "compressed-tensors":
         return _compressed_tensors(config, path)
+    if method == "modelopt":
+        algorithm = config.get("quant_algo")
+        if algorithm not in _MODELOPT_FP8:
+            raise ModelLoadError(f"{path}: modelopt quant_algo {algorithm!r} is not supported "
+                                 f"({', '.join(_MODELOPT_FP8)} are)")  # fmt: skip
+        return Fp8Weights("modelopt")
     raise ModelLoadError(
         f"{path}: quantized checkpoints ({method}) are not supported; weight quantizations "
         f"that load: {SUPPORTED}, and GPT-OSS's mxfp4"
     )
+
+
+def read_quantization_config(
+    raw: dict[str, Any], text: dict[str, Any], model_dir: Path
+) -> dict[str, Any] | None:
+    """A checkpoint's ``quantization_config``: config.json's (``raw``), else its
+    ``text_config``'s (``text``: compressed-tensors may put it there in a multimodal
+    checkpoint), else ModelOpt's ``hf_quant_config.json`` beside it; None: not quantized."""
+    found = raw.get("quantization_config") or text.get("quantization_config")
+    if found:
+        return found
+    modelopt = model_dir / "hf_quant_config.json"
+    if not modelopt.is_file():
+        return None
+    quantization = json.loads(modelopt.read_text()).get("quantization") or {}
+    return {"quant_method": "modelopt", **quantization}

@@ -16,6 +16,9 @@ the engine reads back is ``fp8_weights.py``'s business. Schemes (``SCHEMES``):
   ``weight_scale`` per tensor (with a static ``input_scale``), per output row, or per block.
 - ``fbgemm``: Meta's fbgemm_fp8 (Llama 3.1 405B FP8): ``weight_scale`` per output row and
   an ``input_scale_ub``.
+- ``modelopt``: NVIDIA ModelOpt's FP8 as its older checkpoints store it: 0-d
+  ``weight_scale`` and ``input_scale`` per tensor, named in ``hf_quant_config.json``
+  (config.json says nothing).
 
 Scales are absmax / 448 (e4m3's largest finite value), so every block's largest weight
 lands on 448; values round to nearest even and saturate, as torch's conversion does.
@@ -34,7 +37,8 @@ from safetensors.torch import load_file, save_file
 
 from engine.models.arch import safetensors_files
 
-SCHEMES = ("fp8-block", "fp8-tensor", "ct-tensor", "ct-channel", "ct-block", "fbgemm")
+SCHEMES = ("fp8-block", "fp8-tensor", "ct-tensor", "ct-channel", "ct-block", "fbgemm", "modelopt")
+_PER_TENSOR = ("fp8-tensor", "ct-tensor", "modelopt")
 _INDEX = "model.safetensors.index.json"
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 # The projections released FP8 checkpoints quantize: attention, MLP and experts.
@@ -101,16 +105,16 @@ def quantize_checkpoint(
                 tensors[name] = tensor
                 continue
             rows, cols = tensor.shape
-            per = {"fp8-block": block_size, "ct-block": block_size, "ct-tensor": (rows, cols),
-                   "fp8-tensor": (rows, cols)}.get(scheme, (1, cols))  # fmt: skip
+            per_tensor = scheme in _PER_TENSOR
+            per = (rows, cols) if per_tensor else block_size if "block" in scheme else (1, cols)
             quantized, scales = quantize_weight(tensor, per)
             tensors[name] = quantized
             if scheme == "fp8-block":
                 tensors[f"{name}_scale_inv"] = scales
                 continue
             prefix = name.removesuffix("weight")
-            if scheme.endswith("-tensor"):  # with a static activation scale (unused here)
-                shape = (1,) if scheme == "ct-tensor" else ()  # AutoFP8's are 0-d
+            if per_tensor:  # and a static input scale (unused by the engine)
+                shape = (1,) if scheme == "ct-tensor" else ()  # AutoFP8's, ModelOpt's: 0-d
                 scales = scales.reshape(shape)
                 tensors[f"{prefix}input_scale"] = torch.tensor(0.05).reshape(shape)
             elif scheme == "fbgemm":
@@ -129,6 +133,15 @@ def quantize_checkpoint(
             "fmt": "e4m3",
             "weight_block_size": list(block_size),
         }
+    elif scheme == "modelopt":
+        quantization = {
+            "quant_algo": "FP8",
+            "kv_cache_quant_algo": None,
+            "exclude_modules": ["lm_head"],
+        }
+        producer = {"name": "modelopt", "version": "0.19.0"}
+        modelopt = {"producer": producer, "quantization": quantization}
+        (out / "hf_quant_config.json").write_text(json.dumps(modelopt))
     elif scheme == "fp8-tensor":
         config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
     elif scheme == "fbgemm":

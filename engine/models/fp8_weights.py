@@ -12,6 +12,7 @@ activations unquantized), which is the tests' oracle.
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 
@@ -21,11 +22,22 @@ FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # A stored FP8 tensor's scales: its name plus one of these (``X.weight_scale_inv``, or
 # ``X_scale`` beside a stacked experts tensor ``X``).
 SCALE_SUFFIXES = ("_scale_inv", "_scale")
-# Every tensor FP8 checkpoints store beside their weights: the weights' scales, read with
-# them, and the activation and KV-cache scales, not used (fp8_config.py).
+# Every tensor FP8 checkpoints store beside their weights: the weights' scales (read with
+# them), the KV-cache scales (kept for an FP8 cache) and the activation scales (unused).
 SIDECAR_SUFFIXES = (*SCALE_SUFFIXES, "_scale_ub")
-# Calibrated KV-cache scales (llm-compressor's; older files: the k/v projections' output).
-KV_SCALE_SUFFIXES = ("k_scale", "v_scale", "k_proj.output_scale", "v_proj.output_scale")
+# Calibrated KV-cache scales, one per layer: llm-compressor's ``self_attn.k_scale``,
+# ModelOpt's ``self_attn.k_proj.k_scale``, older files' ``self_attn.k_proj.output_scale``.
+_KV_SCALE = re.compile(
+    r"^model\.layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.(?:[kv]_scale|output_scale))$"
+)
+
+
+def kv_scale_of(name: str) -> tuple[int, str] | None:
+    """(layer, "k" or "v") if ``name`` is a layer's calibrated K or V cache scale."""
+    match = _KV_SCALE.match(name)
+    if match is None:
+        return None
+    return int(match.group(1)), match.group(2) or match.group(3)
 
 
 def dequantize_fp8(

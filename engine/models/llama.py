@@ -96,6 +96,9 @@ class Attention(nn.Module):
         self.spec = LayerSpec(scale=scale, sliding_window=arch.sliding_windows[layer_idx])
         # GPT-OSS: one logit per query head (passed each call: the loader replaces params).
         self.sinks = nn.Parameter(torch.empty(arch.num_q_heads)) if arch.attention_sinks else None
+        # (k_scale, v_scale): the checkpoint's calibrated FP8 KV-cache scales, set by the
+        # model shard when its cache is FP8 (``use_kv_scales``); None: stored unscaled.
+        self.kv_scales: tuple[float, float] | None = None
 
     def forward(
         self,
@@ -119,7 +122,16 @@ class Attention(nn.Module):
         spec = self.spec
         if self.sinks is not None:
             spec = LayerSpec(spec.scale, spec.sliding_window, self.sinks)
+        if self.kv_scales is not None:
+            # The cache holds K / k_scale and V / v_scale; attention over the stored values
+            # folds k_scale into the softmax scale and v_scale into the output (both are
+            # per-layer constants), so no backend reads scales.
+            k_scale, v_scale = self.kv_scales
+            key, value = key / k_scale, value / v_scale
+            spec = LayerSpec(spec.scale * k_scale, spec.sliding_window, spec.sinks)
         out = self.backend.forward(query, key, value, kv_cache, attn_metadata, spec)
+        if self.kv_scales is not None:
+            out = out * self.kv_scales[1]
         out = out.reshape(num_tokens, self.q_size)
         if lora is None:
             return self.o_proj(out)
@@ -259,6 +271,9 @@ class LlamaForCausalLM(nn.Module):
         self.group = group
         # False for a checkpoint without a head (an embedding model's): no logits.
         self.generates = True
+        # layer -> (k_scale, v_scale) stored in the checkpoint (loader.py); used only with
+        # an FP8 KV cache (``use_kv_scales``).
+        self.checkpoint_kv_scales: dict[int, tuple[float, float]] = {}
         if arch.tie_word_embeddings:
             self.lm_head = None
         else:  # this rank's vocabulary slice, as the embeddings'
@@ -294,3 +309,10 @@ class LlamaForCausalLM(nn.Module):
             logits = torch.cat(self.group.all_gather(logits), dim=-1)[:, : self.arch.vocab_size]
         cap = self.arch.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def use_kv_scales(model: LlamaForCausalLM) -> None:
+    """Make each attention layer store K/V divided by the checkpoint's calibrated scales
+    (for an FP8 cache); layers without them store K/V as they are."""
+    for index, layer in enumerate(model.model.layers):
+        layer.self_attn.kv_scales = model.checkpoint_kv_scales.get(index)

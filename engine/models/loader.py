@@ -30,10 +30,10 @@ from engine.attention.backend import AttentionBackend
 from engine.models.arch import ModelArchConfig, ModelLoadError, safetensors_files
 from engine.models.fp8_weights import (
     FLOAT8_DTYPES,
-    KV_SCALE_SUFFIXES,
     SCALE_SUFFIXES,
     SIDECAR_SUFFIXES,
     dequantize_fp8,
+    kv_scale_of,
 )
 from engine.models.gpt_oss_weights import EXPERT_TENSOR, expert_pieces
 from engine.models.llama import LlamaForCausalLM
@@ -169,6 +169,15 @@ def _dequantized(
     return dequantize_fp8(tensor.to(device), scales.to(device), fp8.block_size, dtype, stored)
 
 
+def _kv_scale(f: Any, stored: str, path: Path) -> float:
+    """A layer's calibrated K or V cache scale: one number (per-head scales are refused)."""
+    scale = f.get_tensor(stored)
+    if scale.numel() != 1 or not scale.is_floating_point():
+        raise ModelLoadError(f"{path.name}: {stored} holds {scale.numel()} {scale.dtype} "
+                             "values; a KV-cache scale is one float per layer")  # fmt: skip
+    return float(scale.float())
+
+
 def _stored_head_differs(files: list[Path]) -> bool:
     """Whether the checkpoint stores an ``lm_head.weight`` that is not the embeddings."""
     where: dict[str, tuple[Path, str]] = {}  # model name -> (file, stored name)
@@ -227,7 +236,7 @@ def load_model(
     # stored name -> file, for scales stored in another shard than their weights
     scaled = gpt_oss or fp8 is not None
     where = {name: path for path in files for name in _tensor_names(path)} if scaled else {}
-    unused_kv_scales = 0
+    kv_scales: dict[int, dict[str, float]] = {}  # layer -> {"k": scale, "v": scale}
 
     def place(target: _Target, tensor: torch.Tensor, stored: str, path: Path) -> None:
         if target.param not in params:
@@ -263,9 +272,10 @@ def load_model(
                     continue
                 bare = bare or stored.startswith(BARE_NAMES)
                 if fp8 is not None and name.endswith(SIDECAR_SUFFIXES) and name not in params:
-                    # Weight scales are read with their weights; activation and KV scales
-                    # are not used (fp8_weights.py).
-                    unused_kv_scales += name.endswith(KV_SCALE_SUFFIXES)
+                    # Weight scales are read with their weights, KV-cache scales kept for an
+                    # FP8 cache to use; activation scales are not used (fp8_config.py).
+                    if (kv := kv_scale_of(name)) is not None:
+                        kv_scales.setdefault(kv[0], {})[kv[1]] = _kv_scale(f, stored, path)
                     continue
                 if arch.tie_word_embeddings and name == _HEAD:
                     continue
@@ -290,9 +300,9 @@ def load_model(
                 pieces = expert_pieces(prefix, which, suffix, f.get_tensor(stored), scales, dtype)
                 for param, index, row_start, rows in pieces:
                     place(_Target(param, row_start, index), rows, stored, path)
-    if unused_kv_scales:
-        logger.warning("%s: %d calibrated KV-cache scales are not used (the FP8 KV cache, if "
-                       "on, is unscaled)", model_dir, unused_kv_scales)  # fmt: skip
+    model.checkpoint_kv_scales = {
+        layer: (scales.get("k", 1.0), scales.get("v", 1.0)) for layer, scales in kv_scales.items()
+    }
     # The backbone alone, no head stored (before padding counts for it): an embedding
     # checkpoint. A causal LM's files without their head are broken, not that.
     headless = bare and filled.get(_HEAD) == 0

@@ -9,7 +9,7 @@ from tests.support.processes import run_benchmark
 
 def test_the_tensor_parallel_benchmark_runs_and_records(tmp_path):
     args = ["--size", "tiny", "--num-prompts", "3", "--output-len", "4", "--tag", "smoke",
-            "--latency-output-len", "3", "--max-prompt-len", "64",
+            "--latency-output-len", "8", "--max-prompt-len", "64",  # see test_moe_bench
             "--out-dir", str(tmp_path)]  # fmt: skip
     run_benchmark("tensor_parallel", *args)
     record = json.loads((tmp_path / "tensor_parallel_smoke.json").read_text())

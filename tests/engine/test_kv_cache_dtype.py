@@ -11,9 +11,11 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from common.config import ConfigError, EngineConfig
 from engine import LLM, SamplingParams
+from engine.models.fp8_maker import quantize_checkpoint
 from kernels.reference import to_cache_dtype
 from tests.engine.helpers import hf_greedy, random_prompts
 
@@ -21,15 +23,20 @@ NUM_TOKENS = 24
 FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
-def fp8_rounding_cache(dtype: torch.dtype):
+def fp8_rounding_cache(dtype: torch.dtype, scales: dict[int, tuple[float, float]] | None = None):
     """``new_cache`` for ``hf_greedy``: a DynamicCache that stores (and attends to) K/V
-    rounded through ``dtype``."""
+    rounded through ``dtype``; with ``scales`` (layer -> (k_scale, v_scale)), K/V divided
+    by their layer's scales, rounded, and multiplied back (a calibrated FP8 cache)."""
     from transformers import DynamicCache
+
+    def rounded(states: torch.Tensor, scale: float) -> torch.Tensor:
+        return to_cache_dtype(states / scale, dtype).to(states.dtype) * scale
 
     class RoundingCache(DynamicCache):
         def update(self, key_states, value_states, layer_idx, *args: Any, **kwargs: Any):
-            key_states = to_cache_dtype(key_states, dtype).to(key_states.dtype)
-            value_states = to_cache_dtype(value_states, dtype).to(value_states.dtype)
+            k_scale, v_scale = (scales or {}).get(layer_idx, (1.0, 1.0))
+            key_states = rounded(key_states, k_scale)
+            value_states = rounded(value_states, v_scale)
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     return lambda config: RoundingCache(config=config)
@@ -52,6 +59,35 @@ def test_greedy_parity_with_transformers_rounding_its_cache(model_factory, arch,
     # Not a vacuous check: the unrounded model parts from the rounded one on these prompts.
     assert hf_greedy(model_dir, prompts, NUM_TOKENS) != expected
     assert llm.engine.leak_report() == []
+
+
+def test_an_fp8_cache_uses_the_checkpoints_calibrated_kv_scales(tiny_llama, tmp_path):
+    """An FP8 checkpoint with per-layer ``k_scale`` / ``v_scale`` (llm-compressor's and
+    ModelOpt's): the FP8 cache stores K / k_scale and V / v_scale, so the tokens are those
+    of transformers with a cache rounding that way; a 32-bit cache ignores the scales."""
+    model_dir = quantize_checkpoint(tiny_llama, tmp_path / "fp8", "fp8-block", (32, 64))
+    # Not powers of two (those would round exactly as unscaled values do), one layer left
+    # unscaled, and small enough that the largest K/V saturate at 448, as a scale
+    # calibrated on other data may let them.
+    scales = {0: (0.0137, 0.0291), 1: (0.0213, 0.0117), 3: (0.0079, 0.0173)}
+    tensors = load_file(model_dir / "model.safetensors")
+    for layer, (k_scale, v_scale) in scales.items():
+        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k_scale)
+        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(v_scale)
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    prompts = random_prompts((5, 17, 40), seed=7)
+    params = SamplingParams(max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, temperature=0)
+    scaled = fp8_rounding_cache(torch.float8_e4m3fn, scales)
+    expected = hf_greedy(model_dir, prompts, NUM_TOKENS, new_cache=scaled)
+    with LLM(model_dir, dtype="float32", kv_cache_dtype="fp8", max_num_batched_tokens=32) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.leak_report() == []
+    assert [output.outputs[0].token_ids for output in outputs] == expected
+    unscaled = fp8_rounding_cache(torch.float8_e4m3fn)
+    assert hf_greedy(model_dir, prompts, NUM_TOKENS, new_cache=unscaled) != expected
+    with LLM(model_dir, dtype="float32") as llm:  # a float32 cache: the scales are unused
+        plain = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in plain] == hf_greedy(model_dir, prompts, NUM_TOKENS)
 
 
 def test_fp8_holds_four_times_the_float32_blocks(tiny_llama):

@@ -22,6 +22,7 @@ from engine.models.arch import ModelLoadError, read_arch_config
 from engine.models.fp8_config import Fp8Weights, read_fp8_config
 from engine.models.fp8_maker import FP8_MAX, quantize_checkpoint, quantize_weight
 from engine.models.fp8_weights import dequantize_fp8
+from engine.models.llama import LlamaForCausalLM
 from engine.models.loader import load_model
 from tests.engine.helpers import random_prompts
 
@@ -153,10 +154,13 @@ def test_greedy_tokens_and_prompt_logprobs_equal_transformers(fp8_checkpoints, m
     assert [o.outputs[0].token_ids for o in unquantized] != tokens
 
 
+def _model(model_dir: Path) -> LlamaForCausalLM:
+    return load_model(model_dir, read_arch_config(model_dir), 256, TorchAttentionBackend(16),
+                      torch.device("cpu"), torch.float32)  # fmt: skip
+
+
 def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    model = load_model(model_dir, read_arch_config(model_dir), 256, TorchAttentionBackend(16),
-                       torch.device("cpu"), torch.float32)  # fmt: skip
-    return {name: p.detach() for name, p in model.named_parameters()}
+    return {name: p.detach() for name, p in _model(model_dir).named_parameters()}
 
 
 def test_every_layout_of_the_same_scales_loads_the_same_weights(fp8_checkpoints, tmp_path):
@@ -177,24 +181,41 @@ def test_every_layout_of_the_same_scales_loads_the_same_weights(fp8_checkpoints,
     per_tensor = _weights(fp8_checkpoints("llama", "ct-tensor"))
     auto_fp8 = _weights(fp8_checkpoints("llama", "fp8-tensor"))
     assert all(torch.equal(per_tensor[name], auto_fp8[name]) for name in per_tensor)
+    # ModelOpt's, named in hf_quant_config.json rather than config.json.
+    modelopt_dir = fp8_checkpoints("llama", "modelopt")
+    assert "quantization_config" not in json.loads((modelopt_dir / "config.json").read_text())
+    modelopt = _weights(modelopt_dir)
+    assert all(torch.equal(per_tensor[name], modelopt[name]) for name in per_tensor)
     sharded = _sharded(fp8_checkpoints("llama", "fp8-block"), tmp_path / "sharded")
     assert all(torch.equal(block[name], p) for name, p in _weights(sharded).items())
 
 
-def test_kv_cache_scales_are_skipped_with_a_warning(fp8_checkpoints, tmp_path, caplog):
-    """llm-compressor's calibrated k_scale / v_scale load nothing and say so."""
+def test_kv_cache_scales_are_read_per_layer_under_each_name(fp8_checkpoints, tmp_path):
+    """llm-compressor's ``self_attn.k_scale``, ModelOpt's ``self_attn.k_proj.k_scale`` and
+    older files' ``k_proj.output_scale``: one K and one V scale per layer, kept for an FP8
+    KV cache (``test_kv_cache_dtype``); no weight changes. Per-head scales are refused."""
     block = fp8_checkpoints("llama", "fp8-block")
+    names = {0: ("k_scale", "v_scale"), 1: ("k_proj.k_scale", "v_proj.v_scale"),
+             2: ("k_proj.output_scale", "v_proj.output_scale")}  # fmt: skip
 
     def add_kv_scales(tensors):
-        for layer in range(4):
-            for which in ("k_scale", "v_scale"):
-                tensors[f"model.layers.{layer}.self_attn.{which}"] = torch.tensor(0.02)
+        for layer, (k_name, v_name) in names.items():
+            tensors[f"model.layers.{layer}.self_attn.{k_name}"] = torch.tensor(0.25 + layer)
+            tensors[f"model.layers.{layer}.self_attn.{v_name}"] = torch.tensor([0.5 + layer])
 
     with_scales = _edited(block, tmp_path / "kv-scales", tensors_edit=add_kv_scales)
-    caplog.set_level("WARNING", logger="engine.models.loader")
-    weights = _weights(with_scales)
+    model = _model(with_scales)
+    assert model.checkpoint_kv_scales == {0: (0.25, 0.5), 1: (1.25, 1.5), 2: (2.25, 2.5)}
+    weights = {name: p.detach() for name, p in model.named_parameters()}
     assert all(torch.equal(weights[name], p) for name, p in _weights(block).items())
-    assert "8 calibrated KV-cache scales are not used" in caplog.text
+    assert _model(block).checkpoint_kv_scales == {}
+
+    def per_head(tensors):
+        tensors["model.layers.0.self_attn.k_scale"] = torch.tensor([0.1, 0.2])
+
+    heads = _edited(block, tmp_path / "per-head", tensors_edit=per_head)
+    with pytest.raises(ModelLoadError, match="a KV-cache scale is one float per layer"):
+        _model(heads)
 
 
 def test_e8m0_scales_stored_as_exponent_bytes(fp8_checkpoints, tmp_path):
@@ -329,6 +350,7 @@ def _ct_group(weights: dict, form: str = "float-quantized") -> dict:
         ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size must be two"),
         ({"quant_method": "fp8", "fmt": "e5m2"}, "only e4m3"),
         ({"quant_method": "fp8", "scale_fmt": "e4m3"}, "scale_fmt 'e4m3' is not supported"),
+        ({"quant_method": "modelopt", "quant_algo": "NVFP4"}, "quant_algo 'NVFP4' is not"),
         (
             _ct_group({"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": False}),
             "asymmetric FP8 weights",
@@ -362,6 +384,8 @@ def test_quantization_configs_that_load():
     assert read_fp8_config({"quant_method": "fbgemm_fp8"}, "c") == Fp8Weights("fbgemm_fp8")
     assert read_fp8_config({"quant_method": "fp8", "scale_fmt": "ue8m0"}, "c") == \
         Fp8Weights("fp8", None, "ue8m0")  # fmt: skip
+    modelopt = {"quant_method": "modelopt", "quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}
+    assert read_fp8_config(modelopt, "c") == Fp8Weights("modelopt")
     naive = _ct_group({"num_bits": 8, "type": "float", "strategy": "channel"}, "naive-quantized")
     naive["sparsity_config"] = {"format": "dense"}
     assert read_fp8_config(naive, "c") == Fp8Weights("compressed-tensors")
