@@ -25,7 +25,7 @@ from engine.attention.registry import create_backend
 from engine.cuda_graphs import DecodeGraphs
 from engine.host_memory import zeros_for_kv_caches
 from engine.kv_cache_manager import cdiv
-from engine.models.arch import ModelArchConfig
+from engine.models.arch import ModelArchConfig, ModelLoadError
 from engine.models.llama import use_kv_scales
 from engine.models.loader import load_model
 from engine.models.lora import LoraBatch
@@ -116,9 +116,14 @@ class ModelShard:
         """An FP8 cache stores K/V over the checkpoint's calibrated per-layer scales (as
         vLLM does with them); any other cache has no use for them."""
         scaled = self.model.checkpoint_kv_scales
+        fp8 = self.cache_dtype in FP8_DTYPES
+        if fp8 and self.model.kv_scale_problems:
+            raise ModelLoadError(
+                f"{self.model.kv_scale_problems[0]}: the checkpoint's KV-cache scales cannot "
+                "serve an FP8 KV cache (engine.kv_cache_dtype: auto stores 16-bit K/V)"
+            )
         if not scaled:
             return
-        fp8 = self.cache_dtype in FP8_DTYPES
         if fp8:
             use_kv_scales(self.model)
         if self.group.rank != 0:  # one line per worker, not per rank

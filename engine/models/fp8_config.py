@@ -57,6 +57,9 @@ class Fp8Weights:
     method: str  # the config's quant_method
     block_size: tuple[int, int] | None = None  # (rows, cols) per scale, if block-scaled
     scale_format: str = "float"  # "ue8m0": uint8 scales are exponents (2 ** (byte - 127))
+    # Whether the config declares FP8 KV-cache scales (a checkpoint's k_scale / v_scale
+    # mean FP8 scales only then: ModelOpt writes NVFP4 KV scales under the same names).
+    fp8_kv_scales: bool = True
 
 
 def _block_size(value: Any, where: str, path: Any) -> tuple[int, int]:
@@ -109,7 +112,9 @@ def _compressed_tensors(config: dict[str, Any], path: Any) -> Fp8Weights:
     block_sizes = blocks - {None}
     if len(block_sizes) > 1:
         raise ModelLoadError(f"{path}: config groups use different block sizes {block_sizes}")
-    return Fp8Weights("compressed-tensors", next(iter(block_sizes), None))
+    kv = config.get("kv_cache_scheme")
+    fp8_kv = isinstance(kv, dict) and kv.get("num_bits") == 8 and kv.get("type") == "float"
+    return Fp8Weights("compressed-tensors", next(iter(block_sizes), None), fp8_kv_scales=fp8_kv)
 
 
 def read_fp8_config(config: dict[str, Any], path: Any) -> Fp8Weights:
@@ -135,7 +140,7 @@ def read_fp8_config(config: dict[str, Any], path: Any) -> Fp8Weights:
         if algorithm not in _MODELOPT_FP8:
             raise ModelLoadError(f"{path}: modelopt quant_algo {algorithm!r} is not supported "
                                  f"({', '.join(_MODELOPT_FP8)} are)")  # fmt: skip
-        return Fp8Weights("modelopt")
+        return Fp8Weights("modelopt", fp8_kv_scales=config.get("kv_cache_quant_algo") == "FP8")
     raise ModelLoadError(
         f"{path}: quantized checkpoints ({method}) are not supported; weight quantizations "
         f"that load: {SUPPORTED}, and GPT-OSS's mxfp4"

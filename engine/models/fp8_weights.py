@@ -12,7 +12,6 @@ activations unquantized), which is the tests' oracle.
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 
@@ -25,19 +24,6 @@ SCALE_SUFFIXES = ("_scale_inv", "_scale")
 # Every tensor FP8 checkpoints store beside their weights: the weights' scales (read with
 # them), the KV-cache scales (kept for an FP8 cache) and the activation scales (unused).
 SIDECAR_SUFFIXES = (*SCALE_SUFFIXES, "_scale_ub")
-# Calibrated KV-cache scales, one per layer: llm-compressor's ``self_attn.k_scale``,
-# ModelOpt's ``self_attn.k_proj.k_scale``, older files' ``self_attn.k_proj.output_scale``.
-_KV_SCALE = re.compile(
-    r"^model\.layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.(?:[kv]_scale|output_scale))$"
-)
-
-
-def kv_scale_of(name: str) -> tuple[int, str] | None:
-    """(layer, "k" or "v") if ``name`` is a layer's calibrated K or V cache scale."""
-    match = _KV_SCALE.match(name)
-    if match is None:
-        return None
-    return int(match.group(1)), match.group(2) or match.group(3)
 
 
 def dequantize_fp8(

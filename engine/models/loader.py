@@ -33,9 +33,9 @@ from engine.models.fp8_weights import (
     SCALE_SUFFIXES,
     SIDECAR_SUFFIXES,
     dequantize_fp8,
-    kv_scale_of,
 )
 from engine.models.gpt_oss_weights import EXPERT_TENSOR, expert_pieces
+from engine.models.kv_scales import KvScaleReader
 from engine.models.llama import LlamaForCausalLM
 from engine.parallel.group import SingleRank, TPGroup
 from engine.parallel.shard_spec import ShardSpec, TensorParallel, local_arch, shard_spec
@@ -169,13 +169,13 @@ def _dequantized(
     return dequantize_fp8(tensor.to(device), scales.to(device), fp8.block_size, dtype, stored)
 
 
-def _kv_scale(f: Any, stored: str, path: Path) -> float:
-    """A layer's calibrated K or V cache scale: one number (per-head scales are refused)."""
-    scale = f.get_tensor(stored)
-    if scale.numel() != 1 or not scale.is_floating_point():
-        raise ModelLoadError(f"{path.name}: {stored} holds {scale.numel()} {scale.dtype} "
-                             "values; a KV-cache scale is one float per layer")  # fmt: skip
-    return float(scale.float())
+def _take_sidecar(name: str, stored: str, f: Any, path: Path, kv_scales: KvScaleReader) -> None:
+    """A scale stored beside an FP8 checkpoint's weights: weight scales are read with their
+    weights, KV-cache scales kept for an FP8 cache, activation scales unused; ModelOpt's
+    pre-quantization scales (AWQ-style smoothing) change what a layer computes: refused."""
+    if name.endswith("pre_quant_scale"):
+        raise ModelLoadError(f"{path.name}: {stored}: pre-quantization scales are not supported")
+    kv_scales.add(name, lambda: f.get_tensor(stored))
 
 
 def _stored_head_differs(files: list[Path]) -> bool:
@@ -236,7 +236,7 @@ def load_model(
     # stored name -> file, for scales stored in another shard than their weights
     scaled = gpt_oss or fp8 is not None
     where = {name: path for path in files for name in _tensor_names(path)} if scaled else {}
-    kv_scales: dict[int, dict[str, float]] = {}  # layer -> {"k": scale, "v": scale}
+    kv_scales = KvScaleReader(declared=fp8 is not None and fp8.fp8_kv_scales)
 
     def place(target: _Target, tensor: torch.Tensor, stored: str, path: Path) -> None:
         if target.param not in params:
@@ -272,10 +272,7 @@ def load_model(
                     continue
                 bare = bare or stored.startswith(BARE_NAMES)
                 if fp8 is not None and name.endswith(SIDECAR_SUFFIXES) and name not in params:
-                    # Weight scales are read with their weights, KV-cache scales kept for an
-                    # FP8 cache to use; activation scales are not used (fp8_config.py).
-                    if (kv := kv_scale_of(name)) is not None:
-                        kv_scales.setdefault(kv[0], {})[kv[1]] = _kv_scale(f, stored, path)
+                    _take_sidecar(name, stored, f, path, kv_scales)
                     continue
                 if arch.tie_word_embeddings and name == _HEAD:
                     continue
@@ -294,15 +291,17 @@ def load_model(
                 prefix, which, suffix = expert.group(1), expert.group(2), expert.group(3) or ""
                 if suffix == "_scales":
                     continue  # read with its blocks
+                if f.get_slice(stored).get_dtype().startswith("F8"):
+                    raise ModelLoadError(f"{path.name}: {stored}: GPT-OSS experts in FP8 are not "
+                                         "supported (MXFP4 or 16-bit are)")  # fmt: skip
                 scales = None
                 if suffix == "_blocks":
                     scales = _partner(stored, "_blocks", "_scales", where, path)
                 pieces = expert_pieces(prefix, which, suffix, f.get_tensor(stored), scales, dtype)
                 for param, index, row_start, rows in pieces:
                     place(_Target(param, row_start, index), rows, stored, path)
-    model.checkpoint_kv_scales = {
-        layer: (scales.get("k", 1.0), scales.get("v", 1.0)) for layer, scales in kv_scales.items()
-    }
+    model.checkpoint_kv_scales = kv_scales.per_layer(model_dir)
+    model.kv_scale_problems = tuple(kv_scales.problems)
     # The backbone alone, no head stored (before padding counts for it): an embedding
     # checkpoint. A causal LM's files without their head are broken, not that.
     headless = bare and filled.get(_HEAD) == 0

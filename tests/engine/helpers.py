@@ -127,3 +127,17 @@ def hf_last_logits(model_dir, prompts: list[list[int]]) -> list[torch.Tensor]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
         return [model(input_ids=torch.tensor([prompt])).logits[0, -1] for prompt in prompts]
+
+
+def add_kv_scales(model_dir: Path, scales: dict[int, tuple[float, float]]) -> None:
+    """Store calibrated KV-cache scales in ``model_dir``'s (one) weights file, odd layers
+    under ModelOpt's names (``k_proj.k_scale``), even ones under llm-compressor's."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(model_dir / "model.safetensors")
+    names = (("k_scale", "v_scale"), ("k_proj.k_scale", "v_proj.v_scale"))
+    for layer, (k_scale, v_scale) in scales.items():
+        k_name, v_name = names[layer % 2]
+        tensors[f"model.layers.{layer}.self_attn.{k_name}"] = torch.tensor(k_scale)
+        tensors[f"model.layers.{layer}.self_attn.{v_name}"] = torch.tensor(v_scale)
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})

@@ -15,9 +15,10 @@ from safetensors.torch import load_file, save_file
 
 from common.config import ConfigError, EngineConfig
 from engine import LLM, SamplingParams
+from engine.models.arch import ModelLoadError
 from engine.models.fp8_maker import quantize_checkpoint
 from kernels.reference import to_cache_dtype
-from tests.engine.helpers import hf_greedy, random_prompts
+from tests.engine.helpers import add_kv_scales, hf_greedy, random_prompts
 
 NUM_TOKENS = 24
 FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -70,11 +71,7 @@ def test_an_fp8_cache_uses_the_checkpoints_calibrated_kv_scales(tiny_llama, tmp_
     # unscaled, and small enough that the largest K/V saturate at 448, as a scale
     # calibrated on other data may let them.
     scales = {0: (0.0137, 0.0291), 1: (0.0213, 0.0117), 3: (0.0079, 0.0173)}
-    tensors = load_file(model_dir / "model.safetensors")
-    for layer, (k_scale, v_scale) in scales.items():
-        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k_scale)
-        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(v_scale)
-    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    add_kv_scales(model_dir, scales)
     prompts = random_prompts((5, 17, 40), seed=7)
     params = SamplingParams(max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, temperature=0)
     scaled = fp8_rounding_cache(torch.float8_e4m3fn, scales)
@@ -88,6 +85,12 @@ def test_an_fp8_cache_uses_the_checkpoints_calibrated_kv_scales(tiny_llama, tmp_
     with LLM(model_dir, dtype="float32") as llm:  # a float32 cache: the scales are unused
         plain = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in plain] == hf_greedy(model_dir, prompts, NUM_TOKENS)
+    # Per-head scales: an FP8 cache refuses them at start (a float32 cache loaded them).
+    tensors = load_file(model_dir / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor([0.01, 0.02])
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="per-head scales are not supported"):
+        LLM(model_dir, dtype="float32", kv_cache_dtype="fp8")
 
 
 def test_fp8_holds_four_times_the_float32_blocks(tiny_llama):

@@ -15,8 +15,9 @@ import tests.kernels.triton_env  # noqa: F401  (sets TRITON_INTERPRET before ker
 # isort: split
 
 from engine import LLM, SamplingParams
+from engine.models.fp8_maker import quantize_checkpoint
 from kernels.fused_moe import fused_moe
-from tests.engine.helpers import random_prompts
+from tests.engine.helpers import add_kv_scales, random_prompts
 from tests.kernels.triton_env import DEVICE
 
 NUM_TOKENS = 6
@@ -69,11 +70,15 @@ def test_triton_backend_matches_torch_backend(tiny_llama):
     assert greedy(tiny_llama, "triton", prompts) == greedy(tiny_llama, "torch", prompts)
 
 
-def test_triton_backend_with_an_fp8_kv_cache(tiny_llama):
-    """The store's FP8 rounding and the kernel's FP8 reads, against the torch backend's."""
+def test_triton_backend_with_an_fp8_kv_cache(tiny_llama, tmp_path):
+    """The store's FP8 rounding and the kernel's FP8 reads, against the torch backend's, on
+    an FP8 checkpoint whose calibrated K/V scales the cache stores over (the layer hands
+    the store float32 K/V and the kernel a scaled softmax scale)."""
+    model_dir = quantize_checkpoint(tiny_llama, tmp_path / "fp8", "fp8-block")
+    add_kv_scales(model_dir, {0: (0.0137, 0.0291), 1: (0.0213, 0.0117), 3: (0.0079, 0.0173)})
     prompts = random_prompts((5, 30), seed=6)
-    triton_tokens = greedy(tiny_llama, "triton", prompts, kv_cache_dtype="fp8")
-    assert triton_tokens == greedy(tiny_llama, "torch", prompts, kv_cache_dtype="fp8")
+    triton_tokens = greedy(model_dir, "triton", prompts, kv_cache_dtype="fp8")
+    assert triton_tokens == greedy(model_dir, "torch", prompts, kv_cache_dtype="fp8")
 
 
 def test_triton_backend_sliding_window(model_factory, tmp_path):

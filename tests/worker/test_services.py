@@ -25,7 +25,7 @@ from router.metrics import RouterMetrics
 from router.policy import PlacementPolicy
 from router.prefix_index import PrefixIndex
 from router.workers import WorkerPool
-from tests.engine.helpers import random_prompts
+from tests.engine.helpers import add_kv_scales, random_prompts
 from tests.support.pd_client import PDClient
 from tests.support.processes import WorkerProcess, start_workers, write_config
 
@@ -353,10 +353,12 @@ def test_a_decode_stream_the_router_falls_behind_on_comes_merged(stack):
 
 
 def test_fp8_weights_and_an_fp8_kv_cache_move_and_decode_as_offline(tiny_llama, tmp_path):
-    """An FP8 checkpoint (Qwen3-FP8's block-scaled layout) with ``engine.kv_cache_dtype:
-    fp8`` on both roles: the handshake agrees on the FP8 layout, the blocks move over NIXL,
-    and the tokens are the offline engine's on the same files with the same cache."""
+    """An FP8 checkpoint (Qwen3-FP8's block-scaled layout, calibrated K/V scales) with
+    ``engine.kv_cache_dtype: fp8`` on both roles: the handshake agrees on the FP8 layout,
+    the blocks (K/V over the scales) move over NIXL, and the tokens are the offline
+    engine's on the same files with the same cache."""
     model_dir = quantize_checkpoint(tiny_llama, tmp_path / "fp8-model", "fp8-block")
+    add_kv_scales(model_dir, {0: (0.0137, 0.0291), 1: (0.0213, 0.0117), 3: (0.0079, 0.0173)})
     prompts = random_prompts((9, 40, 70), seed=23)
     llm = LLM(model_dir, kv_cache_dtype="fp8")
     params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0)

@@ -190,32 +190,62 @@ def test_every_layout_of_the_same_scales_loads_the_same_weights(fp8_checkpoints,
     assert all(torch.equal(block[name], p) for name, p in _weights(sharded).items())
 
 
-def test_kv_cache_scales_are_read_per_layer_under_each_name(fp8_checkpoints, tmp_path):
-    """llm-compressor's ``self_attn.k_scale``, ModelOpt's ``self_attn.k_proj.k_scale`` and
-    older files' ``k_proj.output_scale``: one K and one V scale per layer, kept for an FP8
-    KV cache (``test_kv_cache_dtype``); no weight changes. Per-head scales are refused."""
+def test_kv_cache_scales_are_read_per_layer_under_each_name(fp8_checkpoints, tmp_path, caplog):
+    """llm-compressor's ``self_attn.k_scale``, ModelOpt's ``self_attn.k_proj.k_scale``,
+    ``attn.k_scale``, older files' ``k_proj.output_scale`` and ``kv_scale`` (both): one K
+    and one V scale per layer, kept for an FP8 KV cache (``test_kv_cache_dtype``); no
+    weight changes. Scales an FP8 cache cannot use are recorded, not refused here; scales
+    a config does not declare FP8 are ignored."""
     block = fp8_checkpoints("llama", "fp8-block")
     names = {0: ("k_scale", "v_scale"), 1: ("k_proj.k_scale", "v_proj.v_scale"),
-             2: ("k_proj.output_scale", "v_proj.output_scale")}  # fmt: skip
+             2: ("k_proj.output_scale", "attn.v_scale"), 3: ("kv_scale",)}  # fmt: skip
 
     def add_kv_scales(tensors):
-        for layer, (k_name, v_name) in names.items():
-            tensors[f"model.layers.{layer}.self_attn.{k_name}"] = torch.tensor(0.25 + layer)
-            tensors[f"model.layers.{layer}.self_attn.{v_name}"] = torch.tensor([0.5 + layer])
+        for layer, layer_names in names.items():
+            for index, name in enumerate(layer_names):
+                value = torch.tensor(0.25 + layer + index / 4)
+                tensors[f"model.layers.{layer}.self_attn.{name}"] = value
 
     with_scales = _edited(block, tmp_path / "kv-scales", tensors_edit=add_kv_scales)
     model = _model(with_scales)
-    assert model.checkpoint_kv_scales == {0: (0.25, 0.5), 1: (1.25, 1.5), 2: (2.25, 2.5)}
+    assert model.checkpoint_kv_scales == {0: (0.25, 0.5), 1: (1.25, 1.5), 2: (2.25, 2.5),
+                                          3: (3.25, 3.25)}  # fmt: skip
+    assert model.kv_scale_problems == ()
     weights = {name: p.detach() for name, p in model.named_parameters()}
     assert all(torch.equal(weights[name], p) for name, p in _weights(block).items())
     assert _model(block).checkpoint_kv_scales == {}
 
-    def per_head(tensors):
-        tensors["model.layers.0.self_attn.k_scale"] = torch.tensor([0.1, 0.2])
+    def unusable(tensors):
+        tensors["model.layers.0.self_attn.k_scale"] = torch.tensor([0.1, 0.2])  # per head
+        tensors["model.layers.1.self_attn.v_scale"] = torch.tensor(0.0)
 
-    heads = _edited(block, tmp_path / "per-head", tensors_edit=per_head)
-    with pytest.raises(ModelLoadError, match="a KV-cache scale is one float per layer"):
-        _model(heads)
+    problems = _model(_edited(block, tmp_path / "unusable", tensors_edit=unusable))
+    assert len(problems.kv_scale_problems) == 2
+    assert "holds 2 torch.float32 values" in problems.kv_scale_problems[0]
+    assert "is 0.0, not a positive scale" in problems.kv_scale_problems[1]
+    # compressed-tensors without an FP8 kv_cache_scheme: the scales are not FP8 scales.
+    channel = fp8_checkpoints("llama", "ct-channel")
+    undeclared = _model(_edited(channel, tmp_path / "undeclared", tensors_edit=add_kv_scales))
+    assert undeclared.checkpoint_kv_scales == {}
+    assert "7 KV-cache scales are ignored" in caplog.text
+
+
+def test_gpt_oss_experts_stored_in_fp8_are_refused(model_factory, tmp_path):
+    """GPT-OSS's experts go their own way (MXFP4 or 16-bit, stacked, input-major): FP8 ones
+    would be cast without their scales, so they are refused by name."""
+    gpt_oss = model_factory("gpt_oss")
+    experts = "model.layers.0.mlp.experts.gate_up_proj"
+
+    def fp8_experts(tensors):
+        tensors[experts] = tensors[experts].to(torch.float8_e4m3fn)
+        tensors[f"{experts}_scale"] = torch.ones(1)
+
+    def fp8_config(config):
+        config["quantization_config"] = {"quant_method": "fp8"}
+
+    edited = _edited(gpt_oss, tmp_path / "fp8-experts", fp8_config, fp8_experts)
+    with pytest.raises(ModelLoadError, match=rf"{experts}: GPT-OSS experts in FP8"):
+        _weights(edited)
 
 
 def test_e8m0_scales_stored_as_exponent_bytes(fp8_checkpoints, tmp_path):
@@ -319,6 +349,13 @@ def test_broken_or_unsupported_fp8_checkpoints_are_refused_by_name(fp8_checkpoin
     with pytest.raises(ModelLoadError, match=r"q_proj\.weight_scale_inv is stored as torch.uint8"):
         _weights(bytes_unsaid)
 
+    def smoothing(tensors):  # ModelOpt's AWQ-style activation smoothing
+        tensors["model.layers.0.self_attn.q_proj.pre_quant_scale"] = torch.ones(256)
+
+    smoothed = _edited(block, tmp_path / "smoothed", tensors_edit=smoothing)
+    with pytest.raises(ModelLoadError, match="pre-quantization scales are not supported"):
+        _weights(smoothed)
+
     def other_block(config):
         config["quantization_config"]["weight_block_size"] = [16, 64]
 
@@ -388,12 +425,16 @@ def test_quantization_configs_that_load():
     assert read_fp8_config(modelopt, "c") == Fp8Weights("modelopt")
     naive = _ct_group({"num_bits": 8, "type": "float", "strategy": "channel"}, "naive-quantized")
     naive["sparsity_config"] = {"format": "dense"}
-    assert read_fp8_config(naive, "c") == Fp8Weights("compressed-tensors")
+    assert read_fp8_config(naive, "c") == Fp8Weights("compressed-tensors", fp8_kv_scales=False)
+    fp8_kv = {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True}
+    assert read_fp8_config({**naive, "kv_cache_scheme": fp8_kv}, "c").fp8_kv_scales
+    assert not read_fp8_config({**modelopt, "kv_cache_quant_algo": "NVFP4"}, "c").fp8_kv_scales
     block = {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128]}
     channel = {"num_bits": 8, "type": "float", "strategy": "channel"}
     config = _ct_group(block)
     config["config_groups"]["b"] = {"weights": channel}
-    assert read_fp8_config(config, "c") == Fp8Weights("compressed-tensors", (128, 128))
+    assert read_fp8_config(config, "c") == Fp8Weights("compressed-tensors", (128, 128),
+                                                      fp8_kv_scales=False)  # fmt: skip
 
 
 def test_a_multimodal_config_may_hold_it_in_its_text_config(model_factory, tmp_path):
@@ -406,4 +447,5 @@ def test_a_multimodal_config_may_hold_it_in_its_text_config(model_factory, tmp_p
     config = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
               "text_config": text}  # fmt: skip
     (out / "config.json").write_text(json.dumps(config))
-    assert read_arch_config(out).fp8_weights == Fp8Weights("compressed-tensors")
+    assert read_arch_config(out).fp8_weights == Fp8Weights("compressed-tensors",
+                                                           fp8_kv_scales=False)  # fmt: skip

@@ -22,7 +22,13 @@ from engine.errors import InvalidRequestError
 from engine.models.arch import ModelLoadError
 from engine.models.fp8_maker import quantize_checkpoint
 from engine.parallel.shard_client import ShardError
-from tests.engine.helpers import headless_copy, hf_greedy, hf_last_logits, random_prompts
+from tests.engine.helpers import (
+    add_kv_scales,
+    headless_copy,
+    hf_greedy,
+    hf_last_logits,
+    random_prompts,
+)
 from tests.support.processes import is_running
 
 NUM_TOKENS = 16
@@ -51,13 +57,16 @@ def test_greedy_parity_with_transformers(model_factory, arch, tp_size):
 
 def test_an_fp8_checkpoint_splits_its_dequantized_weights(model_factory, tmp_path):
     """Block-scaled FP8 experts and projections (blocks that cut across the rank
-    boundaries of k/v and the expert widths) give one process's tokens over 2 ranks."""
+    boundaries of k/v and the expert widths) give one process's tokens over 2 ranks, with
+    an FP8 KV cache over the checkpoint's calibrated K/V scales on every rank."""
     model_dir = quantize_checkpoint(model_factory("qwen3_moe"), tmp_path / "fp8", "fp8-block",
                                     block_size=(48, 80))  # fmt: skip
+    add_kv_scales(model_dir, {0: (0.0137, 0.0291), 1: (0.0213, 0.0117), 3: (0.0079, 0.0173)})
     prompts = random_prompts((5, 40))
-    with LLM(model_dir, **POOL) as llm:
+    fp8_cache = {**POOL, "kv_cache_dtype": "fp8"}
+    with LLM(model_dir, **fp8_cache) as llm:
         expected = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
-    with LLM(model_dir, tensor_parallel_size=2, **POOL) as llm:
+    with LLM(model_dir, tensor_parallel_size=2, **fp8_cache) as llm:
         assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
         assert llm.engine.leak_report() == []
 
@@ -296,7 +305,11 @@ def test_a_rank_dead_before_the_group_forms_fails_the_start_at_once(model_factor
         os.kill(pid, signal.SIGKILL)
         start = time.monotonic()
         with pytest.raises(ShardError, match="rank 1 exited with code -9"):
+            # Rank 1 may reach the group's rendezvous between its hello and the kill (a
+            # loaded machine slows this process, not it): then forming the group succeeds,
+            # and the next wait of the start sees the death instead.
             client.join_group()
+            client.wait_loaded()
         assert time.monotonic() - start < 5  # not the group's 300 s timeout
     finally:
         client.close()
