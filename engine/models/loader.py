@@ -141,8 +141,9 @@ def _dequantized(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """Of an FP8 checkpoint's tensor: an FP8 one times the scales stored beside it, in
-    ``dtype`` and computed on ``device`` (this repo's 2-core CPU does ~0.3 G weights/s: an
-    8B model's in ~30 s); a float one as it is. An integer one is refused: the engine has
+    ``dtype`` and computed on ``device`` (benchmarks/results/fp8_load_cpu.md: ~1 G weights/s
+    on the small model's tensors on this 2-core CPU, 0.37 G/s on an 8B model's largest); a
+    float one as it is. An integer one is refused: the engine has
     no integer weights, and casting one would drop its scale."""
     fp8 = arch.fp8_weights
     assert fp8 is not None
