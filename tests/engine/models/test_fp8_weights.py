@@ -1,7 +1,8 @@
-"""FP8 weight checkpoints (fp8, compressed-tensors, fbgemm_fp8): the engine's greedy tokens
-and prompt log-probs equal transformers' on the same files (transformers dequantizes them
-on a CPU, as the engine does), the scales are applied per tensor, row and (partial) block,
-and what does not load is refused by name."""
+"""FP8 weight checkpoints (fp8, compressed-tensors, fbgemm_fp8, ModelOpt): the engine's
+greedy tokens and prompt log-probs equal transformers' on the same files (transformers
+dequantizes them on a CPU, as the engine does), the scales are applied per tensor, row,
+expert and (partial) block, the calibrated KV-cache scales are read under each name, and
+what does not load is refused by name."""
 
 from __future__ import annotations
 
@@ -147,7 +148,7 @@ def test_greedy_tokens_and_prompt_logprobs_equal_transformers(fp8_checkpoints, m
                 expected = reference[position, lp.token_id].item()
                 assert lp.logprob == pytest.approx(expected, abs=1e-4), position
     assert llm.engine.leak_report() == []
-    # The scales matter: the unquantized model's tokens part from these.
+    # Not vacuous: the unquantized model's tokens part from these.
     plain = LLM(model_factory(arch), dtype="float32")
     unquantized = plain.generate(prompts, params, use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outputs]
