@@ -303,6 +303,11 @@ def load_model(
                     place(_Target(param, row_start, index), rows, stored, path)
     model.checkpoint_kv_scales = kv_scales.per_layer(model_dir)
     model.kv_scale_problems = tuple(kv_scales.problems)
+    if fp8 is not None and group.rank == 0:  # why the weights take the model dtype's memory
+        held = sum(p.numel() * p.element_size() for p in params.values())
+        logger.info("%s: FP8 weights (%s) dequantized to %s at load: %.2f GiB held "
+                    "(no FP8 matmuls: W8A16)%s", model_dir, fp8.method, dtype, held / 2**30,
+                    f", by each of {group.size} ranks" if group.size > 1 else "")  # fmt: skip
     # The backbone alone, no head stored (before padding counts for it): an embedding
     # checkpoint. A causal LM's files without their head are broken, not that.
     headless = bare and filled.get(_HEAD) == 0

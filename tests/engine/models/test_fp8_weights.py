@@ -155,6 +155,15 @@ def test_greedy_tokens_and_prompt_logprobs_equal_transformers(fp8_checkpoints, m
     assert [o.outputs[0].token_ids for o in unquantized] != tokens
 
 
+def test_the_load_says_the_fp8_weights_take_the_model_dtypes_memory(fp8_checkpoints, caplog):
+    """Operators see why an FP8 checkpoint's weights take bf16 (here float32) memory."""
+    caplog.set_level("INFO", logger="engine.models.loader")
+    model = _model(fp8_checkpoints("llama", "ct-channel"))
+    held = sum(p.numel() * 4 for p in model.parameters()) / 2**30
+    assert f"FP8 weights (compressed-tensors) dequantized to torch.float32 at load: {held:.2f} " \
+        "GiB held (no FP8 matmuls: W8A16)" in caplog.text  # fmt: skip
+
+
 def _model(model_dir: Path) -> LlamaForCausalLM:
     return load_model(model_dir, read_arch_config(model_dir), 256, TorchAttentionBackend(16),
                       torch.device("cpu"), torch.float32)  # fmt: skip
