@@ -17,14 +17,12 @@ number of FP8 weights is the dequantization's rate. Writes
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from benchmarks.records import write_record
 from benchmarks.side_by_side import add_model_args, model_dir, record_header
@@ -32,6 +30,7 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.models.arch import read_arch_config, safetensors_files
 from engine.models.fp8_maker import SCHEMES, quantize_checkpoint
 from engine.models.loader import load_model
+from engine.models.weight_count import stored_tensors
 
 
 def load_seconds(model: Path, device: torch.device, dtype: torch.dtype) -> tuple[float, int]:
@@ -48,14 +47,7 @@ def load_seconds(model: Path, device: torch.device, dtype: torch.dtype) -> tuple
 
 def fp8_weight_count(model: Path) -> int:
     """Weights ``model``'s files store in FP8."""
-    count = 0
-    for path in safetensors_files(model):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                part = f.get_slice(name)
-                if part.get_dtype().startswith("F8"):
-                    count += math.prod(part.get_shape())
-    return count
+    return sum(n for _, dtype, n in stored_tensors(model) if dtype.startswith("F8"))
 
 
 def main() -> None:

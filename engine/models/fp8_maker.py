@@ -36,6 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.models.arch import safetensors_files
+from engine.models.fp8_weights import expand_block_scales
 
 SCHEMES = ("fp8-block", "fp8-tensor", "ct-tensor", "ct-channel", "ct-block", "fbgemm", "modelopt")
 _PER_TENSOR = ("fp8-tensor", "ct-tensor", "modelopt")
@@ -65,8 +66,7 @@ def quantize_weight(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8_e4m3fn weight [rows, cols], float32 scales [grid rows, grid cols])."""
     scales = _absmax_scales(weight, block_size)
-    expanded = scales.repeat_interleave(block_size[0], 0)[: weight.shape[0]]
-    expanded = expanded.repeat_interleave(block_size[1], 1)[:, : weight.shape[1]]
+    expanded = expand_block_scales(scales, block_size, *weight.shape)
     quantized = (weight.float() / expanded).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return quantized, scales
 
@@ -98,6 +98,7 @@ def quantize_checkpoint(
         raise ValueError(f"unknown FP8 scheme {scheme!r} (one of {', '.join(SCHEMES)})")
     src, out = Path(src), Path(out)
     shutil.copytree(src, out, ignore=shutil.ignore_patterns("*.safetensors*"), dirs_exist_ok=True)
+    weight_map: dict[str, str] = {}  # stored name -> file, for a sharded source's index
     for path in safetensors_files(src):
         tensors: dict[str, torch.Tensor] = {}
         for name, tensor in load_file(path).items():
@@ -121,9 +122,8 @@ def quantize_checkpoint(
                 tensors[f"{prefix}input_scale_ub"] = torch.tensor([1200.0])
             tensors[f"{prefix}weight_scale"] = scales
         save_file(tensors, out / path.name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, path.name))
     if (src / _INDEX).exists():  # shards: the scales are new names in the map
-        files = safetensors_files(out)
-        weight_map = {name: path.name for path in files for name in load_file(path)}
         (out / _INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     config = json.loads((src / "config.json").read_text())
     if scheme == "fp8-block":

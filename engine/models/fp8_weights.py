@@ -26,6 +26,17 @@ SCALE_SUFFIXES = ("_scale_inv", "_scale")
 SIDECAR_SUFFIXES = (*SCALE_SUFFIXES, "_scale_ub")
 
 
+def expand_block_scales(
+    scales: torch.Tensor,  # [..., grid rows, grid cols]
+    block_size: tuple[int, int],
+    rows: int,
+    cols: int,
+) -> torch.Tensor:  # [..., rows, cols]: each element's block scale
+    """Each block's scale repeated over its elements (the last blocks cut to the weight)."""
+    expanded = scales.repeat_interleave(block_size[0], -2)[..., :rows, :]
+    return expanded.repeat_interleave(block_size[1], -1)[..., :cols]
+
+
 def dequantize_fp8(
     weight: torch.Tensor,  # [..., rows, cols] float8; leading dims: stacked experts
     scale: torch.Tensor,  # float (or E8M0) scales, in one of the shapes below
@@ -54,9 +65,7 @@ def dequantize_fp8(
             blocks = values.view(*lead, grid[0], block_size[0], grid[1], block_size[1])
             blocks.mul_(scales[..., :, None, :, None])
             return values.to(dtype)
-        expanded = scales.repeat_interleave(block_size[0], -2)[..., :rows, :]
-        expanded = expanded.repeat_interleave(block_size[1], -1)[..., :cols]
-        return values.mul_(expanded).to(dtype)
+        return values.mul_(expand_block_scales(scales, block_size, rows, cols)).to(dtype)
     if shape in ((*lead, rows, 1), (*lead, rows)):
         return values.mul_(scales.reshape(*lead, rows, 1)).to(dtype)
     blocks_text = f", per {block_size} block {(*lead, *grid)}" if grid is not None else ""

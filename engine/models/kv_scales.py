@@ -48,27 +48,26 @@ class KvScaleReader:
     problems: list[str] = field(default_factory=list)
     ignored: int = 0
 
-    def add(self, name: str, read: Callable[[], torch.Tensor]) -> bool:
+    def add(self, name: str, read: Callable[[], torch.Tensor]) -> None:
         """Take ``name`` (``read`` gives its tensor) if it is a KV-cache scale."""
         found = kv_scale_of(name)
         if found is None:
-            return False
+            return
         if not self.declared:
             self.ignored += 1
-            return True
+            return
         scale = read()
         if scale.numel() != 1 or not scale.is_floating_point():
             self.problems.append(f"{name} holds {scale.numel()} {scale.dtype} values, not one "
                                  "float per layer (per-head scales are not supported)")  # fmt: skip
-            return True
+            return
         value = float(scale.float())
         if not math.isfinite(value) or value <= 0:
             self.problems.append(f"{name} is {value}, not a positive scale")
-            return True
+            return
         layer, which = found
         for side in ("k", "v") if which == "kv" else (which,):
             self.scales.setdefault(layer, {})[side] = value
-        return True
 
     def per_layer(self, model_dir: object) -> dict[int, tuple[float, float]]:
         """layer -> (k_scale, v_scale), and a warning if scales were ignored."""
