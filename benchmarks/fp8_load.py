@@ -28,7 +28,8 @@ from benchmarks.records import write_record
 from benchmarks.side_by_side import add_model_args, model_dir, record_header
 from engine.attention.torch_backend import TorchAttentionBackend
 from engine.models.arch import read_arch_config, safetensors_files
-from engine.models.fp8_maker import SCHEMES, quantize_checkpoint
+from engine.models.fp8_config import SCHEMES
+from engine.models.fp8_maker import quantize_checkpoint
 from engine.models.loader import load_model
 from engine.models.weight_count import stored_tensors
 

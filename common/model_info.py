@@ -32,6 +32,8 @@ def model_dir_of(config: PdserveConfig) -> Path:
 # The files of a LoRA adapter directory (PEFT's format; engine/models/lora.py reads them).
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# The modules ``pdserve make-lora`` can target (torch-free here for the CLI's parser).
+LORA_MAKER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,10 +6,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from common.model_info import LORA_MAKER_TARGETS
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from engine.models.lora_maker import ALL_TARGETS
-
     parser.add_argument(
         "--model", type=Path, default=None, help="the base checkpoint (default: the demo model)"
     )
@@ -17,7 +17,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--alpha", type=float, default=16.0)
     parser.add_argument(
-        "--targets", nargs="+", choices=ALL_TARGETS, default=list(ALL_TARGETS), metavar="MODULE"
+        "--targets",
+        nargs="+",
+        choices=LORA_MAKER_TARGETS,
+        default=list(LORA_MAKER_TARGETS),
+        metavar="MODULE",
     )
     parser.add_argument("--seed", type=int, default=0)
 

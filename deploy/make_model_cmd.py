@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from engine.models.fp8_maker import SCHEMES
+    from engine.models.fp8_config import SCHEMES
     from engine.models.maker import ARCHS, SIZES
 
     parser.add_argument("--arch", choices=ARCHS, default="llama")

@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,14 +129,23 @@ class Stack:
                 args = [role.value, "--index", str(index)]
                 proc = self._spawn(name, args, gpus.get((role, index)))
                 workers.append((name, proc, f"{section.host}:{section.ports(index).grpc}"))
-        print(f"starting {len(workers)} workers (logs in {self.log_dir})", flush=True)
+        # The router starts beside the workers, not after them, so its own start overlaps
+        # their model loads; the stack is up once the router places work on every worker.
+        router = self._spawn("router", ["router"])
+        print(f"starting {len(workers)} workers and the router (logs in {self.log_dir})",
+              flush=True)  # fmt: skip
         deadline = time.monotonic() + timeout_s
         for name, proc, address in workers:
             self._wait_ready(name, proc, lambda a=address: check_grpc(a, "", 1.0)[0], deadline)
             print(f"  {name} ready on {address}", flush=True)
-        router = self._spawn("router", ["router"])
-        url = f"{self.url_root}/health"
-        self._wait_ready("router", router, lambda: check_http(url, 1.0)[0], deadline)
+        self._wait_ready("router", router, lambda: self._router_ready(len(workers)), deadline)
+
+    def _router_ready(self, num_workers: int) -> bool:
+        """The router answers /health and places new work on ``num_workers`` workers."""
+        return (
+            check_http(f"{self.url_root}/health", 1.0)[0]
+            and _workers_available(f"{self.url_root}/metrics") >= num_workers
+        )
 
     def _gpu_env(self) -> dict[tuple[Role, int], dict[str, str]]:
         """Each worker's CUDA_VISIBLE_DEVICES on a host with GPUs (``deploy.gpus``): its
@@ -229,6 +239,21 @@ class Stack:
             grace_s = self.config.role(Role(role)).drain_grace_s if role != "router" else 0.0
             _wait(proc, grace_s + _SHUTDOWN_S)
         self.config_path.unlink(missing_ok=True)
+
+
+def _workers_available(metrics_url: str) -> int:
+    """How many workers the router places new work on (its ``pdserve:worker_available``
+    series); 0 while it does not answer."""
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=1.0) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return 0
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("pdserve:worker_available{")
+    )
 
 
 def _wait(proc: subprocess.Popen, grace_s: float) -> None:

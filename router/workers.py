@@ -38,6 +38,12 @@ _CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.max_receive_message_length", 64 << 20),
+    # A worker not listening yet (starting beside the router, or restarting) is retried
+    # at most 1 s apart, in step with the probes: gRPC's default backoff grows to 120 s,
+    # and a probe made while the channel waits it out fails without trying to connect,
+    # so a worker back after a few seconds could go unseen for many more.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
 ]
 # A decode stream the router is not reading takes at most this many bytes ahead (gRPC's
 # default lets it take 64 KiB, ~5,000 one-token messages, and bandwidth probing grows

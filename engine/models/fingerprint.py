@@ -22,8 +22,8 @@ import json
 import struct
 from pathlib import Path
 
+from common.model_info import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from engine.models.arch import safetensors_files
-from engine.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 SAMPLES_PER_TENSOR = 3
 SAMPLE_BYTES = 4 << 10

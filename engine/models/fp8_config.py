@@ -37,6 +37,16 @@ from typing import Any
 
 from engine.models.errors import ModelLoadError
 
+# The layouts ``fp8_maker`` writes, by the name ``pdserve make-model --fp8`` takes (here,
+# torch-free, so that building the CLI's parser does not import torch).
+SCHEMES = ("fp8-block", "fp8-tensor", "ct-tensor", "ct-channel", "ct-block", "fbgemm", "modelopt")
+# A stored FP8 tensor's scales: its name plus one of these (``X.weight_scale_inv``, or
+# ``X_scale`` beside a stacked experts tensor ``X``).
+SCALE_SUFFIXES = ("_scale_inv", "_scale")
+# Every tensor FP8 checkpoints store beside their weights: the weights' scales (read with
+# them), the KV-cache scales (kept for an FP8 cache) and the activation scales (unused).
+SIDECAR_SUFFIXES = (*SCALE_SUFFIXES, "_scale_ub")
+
 _CT_STRATEGIES = ("tensor", "channel", "block")
 # compressed-tensors formats that store FP8 weights as they are, with their scales
 # (naive-quantized: older neuralmagic releases and weight-only FP8 schemes).

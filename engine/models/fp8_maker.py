@@ -36,9 +36,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.models.arch import safetensors_files
+from engine.models.fp8_config import SCHEMES
 from engine.models.fp8_weights import expand_block_scales
 
-SCHEMES = ("fp8-block", "fp8-tensor", "ct-tensor", "ct-channel", "ct-block", "fbgemm", "modelopt")
 _PER_TENSOR = ("fp8-tensor", "ct-tensor", "modelopt")
 _INDEX = "model.safetensors.index.json"
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448

@@ -18,12 +18,6 @@ import torch
 from engine.models.errors import ModelLoadError
 
 FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-# A stored FP8 tensor's scales: its name plus one of these (``X.weight_scale_inv``, or
-# ``X_scale`` beside a stacked experts tensor ``X``).
-SCALE_SUFFIXES = ("_scale_inv", "_scale")
-# Every tensor FP8 checkpoints store beside their weights: the weights' scales (read with
-# them), the KV-cache scales (kept for an FP8 cache) and the activation scales (unused).
-SIDECAR_SUFFIXES = (*SCALE_SUFFIXES, "_scale_ub")
 
 
 def expand_block_scales(

@@ -28,12 +28,8 @@ from safetensors import safe_open
 from common.model_info import BARE_NAMES
 from engine.attention.backend import AttentionBackend
 from engine.models.arch import ModelArchConfig, ModelLoadError, safetensors_files
-from engine.models.fp8_weights import (
-    FLOAT8_DTYPES,
-    SCALE_SUFFIXES,
-    SIDECAR_SUFFIXES,
-    dequantize_fp8,
-)
+from engine.models.fp8_config import SCALE_SUFFIXES, SIDECAR_SUFFIXES
+from engine.models.fp8_weights import FLOAT8_DTYPES, dequantize_fp8
 from engine.models.gpt_oss_weights import EXPERT_TENSOR, expert_pieces
 from engine.models.kv_scales import KvScaleReader
 from engine.models.llama import LlamaForCausalLM

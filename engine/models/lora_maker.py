@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from common.model_info import LORA_MAKER_TARGETS
 from engine.models.arch import read_arch_config
 from engine.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, module_shapes
 
-ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Phi-3's module that holds each target (its checkpoints fuse q/k/v and gate/up).
 _PHI3_MODULE = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
                 "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}  # fmt: skip
@@ -35,14 +35,14 @@ def make_lora_adapter(
     *,
     rank: int = 8,
     alpha: float = 16.0,
-    targets: Sequence[str] = ALL_TARGETS,
+    targets: Sequence[str] = LORA_MAKER_TARGETS,
     use_rslora: bool = False,
     seed: int = 0,
 ) -> Path:
     """Write an adapter for ``model_dir``'s model to ``out`` (created). Returns ``out``."""
-    unknown = sorted(set(targets) - set(ALL_TARGETS))
+    unknown = sorted(set(targets) - set(LORA_MAKER_TARGETS))
     if unknown:
-        raise ValueError(f"unknown target modules {unknown}; choose from {ALL_TARGETS}")
+        raise ValueError(f"unknown target modules {unknown}; choose from {LORA_MAKER_TARGETS}")
     arch = read_arch_config(model_dir)
     if arch.architecture == "Phi3ForCausalLM":  # its modules are the fused projections
         targets = list(dict.fromkeys(_PHI3_MODULE.get(t, t) for t in targets))

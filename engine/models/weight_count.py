@@ -3,14 +3,14 @@ its safetensors files alone (no tensor is read): what a deployment sizes memory 
 
 from __future__ import annotations
 
+import json
 import math
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
-from safetensors import safe_open
-
 from engine.models.arch import safetensors_files
-from engine.models.fp8_weights import SIDECAR_SUFFIXES
+from engine.models.fp8_config import SIDECAR_SUFFIXES
 
 # GPT-OSS's MXFP4 experts: two 4-bit values per stored byte, and their exponents.
 _MXFP4_BLOCKS, _MXFP4_SCALES = "_blocks", "_scales"
@@ -18,12 +18,16 @@ _MXFP4_BLOCKS, _MXFP4_SCALES = "_blocks", "_scales"
 
 def stored_tensors(model_dir: Path) -> Iterator[tuple[str, str, int]]:
     """(name, safetensors dtype such as "BF16" or "F8_E4M3", elements) of every tensor the
-    checkpoint stores, read from its files' headers."""
+    checkpoint stores, read from its files' headers: an 8-byte little-endian length, then
+    that many bytes of JSON (the format's spec). Read by hand, not through ``safe_open``,
+    so that ``pdserve deploy`` sizes pods without importing torch."""
     for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                part = f.get_slice(name)
-                yield name, part.get_dtype(), math.prod(part.get_shape())
+        with open(path, "rb") as f:
+            (header_bytes,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_bytes))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                yield name, entry["dtype"], math.prod(entry["shape"])
 
 
 def loaded_weight_count(model_dir: Path) -> int:

@@ -18,6 +18,26 @@ def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     )
 
 
+def test_commands_that_do_not_run_the_engine_do_not_import_torch():
+    """Every ``pdserve`` process builds the whole parser; torch's import (~2.5 s of CPU)
+    belongs to the workers and the engine's commands only, not to the launcher, the router,
+    the probes or the config tools (Kubernetes runs ``pdserve health`` as a probe)."""
+    code = (
+        "import sys\n"
+        "from deploy.cli import build_parser\n"
+        "parser = build_parser()\n"
+        "for argv in (['up'], ['router'], ['health', '--http', 'x'], ['config', 'check', 'x'],\n"
+        "             ['make-model', '--out', 'x'], ['make-lora', '--out', 'x']):\n"
+        "    parser.parse_args(argv)\n"
+        "import deploy.up, deploy.config_cmd, deploy.render_k8s, deploy.render_compose\n"
+        "import router.main\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 def test_make_model_then_generate(tmp_path, capsys):
     """The script itself makes the model; the rest runs ``main`` in this process (one
     interpreter start less per command)."""

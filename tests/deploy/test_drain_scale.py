@@ -157,16 +157,17 @@ def test_a_killed_worker_or_router_is_restarted_and_serves_again(tiny_llama, tmp
 
 
 def test_sigterm_while_workers_load_leaves_nothing_behind(tiny_llama, tmp_path):
-    """SIGTERM (or Ctrl-C) to ``pdserve up`` while its workers still load stops them too,
-    instead of leaving them running under pid 1."""
+    """SIGTERM (or Ctrl-C) to ``pdserve up`` while its workers still load stops them and
+    the router (started beside them) too, instead of leaving them running under pid 1."""
     config = write_config(tmp_path / "c.yaml", tiny_llama, router=ROUTER)
     stack = launch_up(config, tmp_path / "home")
-    assert wait_for(lambda: len(stack.children()) == 2, 60), stack.log()
-    workers = list(stack.children().values())
+    assert wait_for(lambda: len(stack.children()) == 3, 60), stack.log()
+    assert "pdserve is up" not in stack.log()
+    children = stack.children()
     stack.proc.send_signal(signal.SIGTERM)
     assert stack.proc.wait(90) == 0, stack.log()
-    for pid in workers:
-        assert not os.path.exists(f"/proc/{pid}"), f"worker {pid} was left running"
+    for name, pid in children.items():
+        assert not os.path.exists(f"/proc/{pid}"), f"{name} ({pid}) was left running"
 
 
 def test_a_killed_launcher_takes_its_children_down(tiny_llama, tmp_path):

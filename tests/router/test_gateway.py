@@ -15,6 +15,7 @@ import signal
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import httpx
@@ -101,6 +102,21 @@ def test_models_health_and_auth(stack, client):
     assert status == 401 and body["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=client.base_url, api_key="nope", max_retries=0).models.list()
+
+
+def test_up_means_every_worker_is_placed_on_and_only_workers_load_torch(stack):
+    """The router starts beside the workers, yet ``pdserve up`` reports the stack up only
+    once the router places work on all three; and of the stack's processes only the workers
+    map libtorch (the launcher and the router would pay ~2.5 s of CPU each to import it)."""
+    assert metric(stack, "pdserve:worker_available") == 3
+    children = stack.children()
+    assert set(children) == {"router", "prefill-0", "prefill-1", "decode-0"}
+
+    def maps_torch(pid: int) -> bool:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+    assert not maps_torch(stack.proc.pid) and not maps_torch(children["router"])
+    assert all(maps_torch(children[name]) for name in ("prefill-0", "prefill-1", "decode-0"))
 
 
 def test_greedy_completions_equal_offline(client, tiny_llama):
