@@ -7,6 +7,21 @@ from pathlib import Path
 
 import pytest
 
+# The suite runs in 2 processes (pyproject's addopts: pytest-xdist, whole files per
+# process, so a module's stack or engine is made once). Each takes one thread for torch's
+# own ops: the tiny test models gain nothing from a second one, and two processes of 2
+# spinning OpenMP threads on a 2-core machine cost more CPU than they saved (9.5 min with
+# one thread each against 13 min with two; one process alone took 14.5 min). Set before
+# torch's import, and inherited by every process a test starts.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Each parallel process picks stack ports from its own range (benchmarks/loadgen's
+# free_port_base reads it, in this process and in the benchmarks tests run).
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER is not None and "PDSERVE_PORT_RANGE" not in os.environ:
+    _index, _count = int(_WORKER.removeprefix("gw")), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    _width = (32000 - 20000) // _count // 10 * 10
+    os.environ["PDSERVE_PORT_RANGE"] = f"{20000 + _index * _width}-{20000 + (_index + 1) * _width}"
+
 # Tests never touch the user's cache: the demo model and other state go under the run's tmp.
 # Triton picks interpret-or-compile when a kernel module is imported: without CUDA, every
 # test (whoever imports kernels first) runs them in the interpreter.

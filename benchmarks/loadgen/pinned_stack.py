@@ -55,14 +55,25 @@ def _ephemeral_start() -> int:
         return 32768  # Linux's default
 
 
+def _port_range(span: int) -> tuple[int, int]:
+    """[low, high) where ``free_port_base`` looks: ``PDSERVE_PORT_RANGE`` ("LOW-HIGH") if
+    set, else 20000 up to the ephemeral range. The test suite gives each of its parallel
+    workers its own range (tests/conftest.py), so two stacks starting at once never pick
+    the same ports between one's check and its workers' binds."""
+    if (configured := os.environ.get("PDSERVE_PORT_RANGE")) is not None:
+        low, high = (int(port) for port in configured.split("-"))
+        return low, high
+    return 20000, max(_ephemeral_start(), 20000 + 100 * span)
+
+
 def free_port_base(span: int, rng: random.Random | None = None) -> int:
     """A base port with ``span`` free consecutive ports after it, below the ephemeral
     range: a port found free there can be taken by any outgoing connection (a gRPC
     channel, a UCX endpoint) before the worker binds it, which a CI run hit."""
     rng = rng or random.Random()
-    high = max(_ephemeral_start(), 20000 + 100 * span) - span
+    low, high = _port_range(span)
     for _ in range(500):
-        base = rng.randrange(20000, high, PORT_STRIDE)
+        base = rng.randrange(low, high - span, PORT_STRIDE)
         if all(port_is_free(base + i) for i in range(span)):
             return base
     raise RuntimeError("no free port range")

@@ -17,14 +17,17 @@ Gemma 3 and GPT-OSS).
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from common.hf_config import eos_token_ids, max_context_len, text_config
 from engine.models.errors import ModelLoadError
 from engine.models.fp8_config import Fp8Weights, read_fp8_config, read_quantization_config
 from engine.models.rope_config import RopeConfig, gemma3_ropes, rope_config
+
+_MAX_SAFETENSORS_HEADER_BYTES = 100 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,6 +358,15 @@ def _gemma3_fields(
         layer_ropes=tuple(sliding if t == "sliding_attention" else full for t in layer_types),
         final_logit_softcap=float(softcap) if softcap is not None else None,
     )
+
+
+def read_safetensors_header(f: BinaryIO) -> bytes:
+    """The JSON header of the safetensors file ``f`` (binary, read from its start), as
+    stored: the format is an 8-byte little-endian length, then that many bytes of JSON
+    (at most 100 MiB, the format's own limit), then the tensors' data. Read by hand, not
+    through ``safe_open``, so that reading headers needs no torch."""
+    (num_bytes,) = struct.unpack("<Q", f.read(8))
+    return f.read(min(num_bytes, _MAX_SAFETENSORS_HEADER_BYTES))
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:

@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import struct
 from pathlib import Path
 
 from common.model_info import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from engine.models.arch import safetensors_files
+from engine.models.arch import read_safetensors_header, safetensors_files
 
 SAMPLES_PER_TENSOR = 3
 SAMPLE_BYTES = 4 << 10
-_MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 
 
 def _sample_offsets(begin: int, end: int) -> list[int]:
@@ -42,10 +40,9 @@ def _hash_safetensors(digest: hashlib._Hash, path: Path) -> None:
     size = path.stat().st_size
     digest.update(f"{path.name}\0{size}\0".encode())
     with open(path, "rb") as f:
-        (header_bytes,) = struct.unpack("<Q", f.read(8))
-        header = f.read(min(header_bytes, _MAX_HEADER_BYTES))
+        header = read_safetensors_header(f)
         digest.update(header)
-        data_start = 8 + header_bytes
+        data_start = 8 + len(header)
         tensors = json.loads(header)
         ranges = sorted(
             tuple(entry["data_offsets"])

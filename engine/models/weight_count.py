@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 
-from engine.models.arch import safetensors_files
+from engine.models.arch import read_safetensors_header, safetensors_files
 from engine.models.fp8_config import SIDECAR_SUFFIXES
 
 # GPT-OSS's MXFP4 experts: two 4-bit values per stored byte, and their exponents.
@@ -18,13 +17,11 @@ _MXFP4_BLOCKS, _MXFP4_SCALES = "_blocks", "_scales"
 
 def stored_tensors(model_dir: Path) -> Iterator[tuple[str, str, int]]:
     """(name, safetensors dtype such as "BF16" or "F8_E4M3", elements) of every tensor the
-    checkpoint stores, read from its files' headers: an 8-byte little-endian length, then
-    that many bytes of JSON (the format's spec). Read by hand, not through ``safe_open``,
-    so that ``pdserve deploy`` sizes pods without importing torch."""
+    checkpoint stores, read from its files' headers (no torch: ``pdserve deploy`` sizes
+    pods with this)."""
     for path in safetensors_files(model_dir):
         with open(path, "rb") as f:
-            (header_bytes,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_bytes))
+            header = json.loads(read_safetensors_header(f))
         for name, entry in header.items():
             if name != "__metadata__":
                 yield name, entry["dtype"], math.prod(entry["shape"])
