@@ -10,9 +10,9 @@ import pytest
 # The suite runs in 2 processes (pyproject's addopts: pytest-xdist, whole files per
 # process, so a module's stack or engine is made once). Each takes one thread for torch's
 # own ops: the tiny test models gain nothing from a second one, and two processes of 2
-# spinning OpenMP threads on a 2-core machine cost more CPU than they saved (9.5 min with
-# one thread each against 13 min with two; one process alone took 14.5 min). Set before
-# torch's import, and inherited by every process a test starts.
+# spinning OpenMP threads on a 2-core machine cost more CPU than they saved (9.4 min with
+# one thread each, 13.1 with two; one process with two took 14.6; DESIGN_NOTES). Set
+# before torch's import, and inherited by every process a test starts.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Each parallel process picks stack ports from its own range (benchmarks/loadgen's
 # free_port_base reads it, in this process and in the benchmarks tests run).

@@ -161,10 +161,12 @@ def test_sigterm_while_workers_load_leaves_nothing_behind(tiny_llama, tmp_path):
     the router (started beside them) too, instead of leaving them running under pid 1."""
     config = write_config(tmp_path / "c.yaml", tiny_llama, router=ROUTER)
     stack = launch_up(config, tmp_path / "home")
-    assert wait_for(lambda: len(stack.children()) == 3, 60), stack.log()
-    assert "pdserve is up" not in stack.log()
-    children = stack.children()
-    stack.proc.send_signal(signal.SIGTERM)
+    try:
+        assert wait_for(lambda: len(stack.children()) == 3, 60), stack.log()
+        assert "pdserve is up" not in stack.log()
+        children = stack.children()
+    finally:  # a failed check above must not leave the stack running
+        stack.proc.send_signal(signal.SIGTERM)
     assert stack.proc.wait(90) == 0, stack.log()
     for name, pid in children.items():
         assert not os.path.exists(f"/proc/{pid}"), f"{name} ({pid}) was left running"
