@@ -31,17 +31,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks.loadgen.arrivals import LoadSpec  # noqa: E402
-from benchmarks.loadgen.bench import (  # noqa: E402
-    BenchConfig,
-    machine_info,
-    run_benchmark,
-    sample_totals,
-)
+from benchmarks.loadgen.bench import BenchConfig, machine_info, run_benchmark  # noqa: E402
 from benchmarks.loadgen.metrics import SLO, Summary  # noqa: E402
 from benchmarks.loadgen.pinned_stack import PinnedStack, Placement  # noqa: E402
 from benchmarks.loadgen.report import jsonable  # noqa: E402
 from benchmarks.loadgen.spec import DatasetSpec  # noqa: E402
 from benchmarks.records import write_markdown  # noqa: E402
+from common.prometheus_text import sample_totals  # noqa: E402
 
 DEPLOYMENTS = ("disaggregated", "colocated")
 

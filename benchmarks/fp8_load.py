@@ -73,8 +73,8 @@ def main() -> None:
         file_bytes = {name: sum(p.stat().st_size for p in safetensors_files(path))
                       for name, path in checkpoints.items()}  # fmt: skip
         num_fp8 = fp8_weight_count(fp8)
-    best = {name: statistics.median(times) for name, times in seconds.items()}
-    extra_s = best[args.scheme] - best["original"]
+    median_s = {name: statistics.median(times) for name, times in seconds.items()}
+    extra_s = median_s[args.scheme] - median_s["original"]
     record = {
         **record_header(args),
         "scheme": args.scheme,
@@ -85,11 +85,11 @@ def main() -> None:
         "held_bytes": held,
         "fp8_weights": num_fp8,
         "load_s": seconds,
-        "median_load_s": best,
+        "median_load_s": median_s,
         "fp8_vs_original": {
             "file_bytes": file_bytes[args.scheme] / file_bytes["original"],
             "held_bytes": held[args.scheme] / held["original"],
-            "load_s": best[args.scheme] / best["original"],
+            "load_s": median_s[args.scheme] / median_s["original"],
         },
         "dequantized_weights_per_s": num_fp8 / extra_s if extra_s > 0 else None,
     }
@@ -108,7 +108,7 @@ def main() -> None:
     for name in checkpoints:
         lines.append(
             f"| {name} | {file_bytes[name] / 2**20:.1f} | {held[name] / 2**20:.1f} | "
-            f"{best[name]:.2f} | {', '.join(f'{s:.2f}' for s in seconds[name])} |"
+            f"{median_s[name]:.2f} | {', '.join(f'{s:.2f}' for s in seconds[name])} |"
         )
     lines += ["", *(f"- {name} (FP8 / original): **{value:.2f}x**"
                     for name, value in record["fp8_vs_original"].items())]  # fmt: skip

@@ -34,6 +34,7 @@ from common.config import ConfigError, PdserveConfig, Role
 from common.config_loader import to_dict
 from common.model_info import cache_dir, made_model_dir
 from common.owned_paths import owner_tag, remove_dead_owners
+from common.prometheus_text import sample_totals
 from common.tracing import check_installed
 from deploy.gpus import gpus_needed, visible_gpus, worker_gpus
 from deploy.health_cmd import check_grpc, check_http
@@ -46,6 +47,7 @@ class StackError(RuntimeError):
 _FIRST_BACKOFF_S, _MAX_BACKOFF_S = 1.0, 30.0
 _SHUTDOWN_S = 15.0  # after the drain grace: deregistering, the gRPC server's own stop
 _STABLE_S = 60.0  # a worker that ran this long before failing starts over at 1 s
+_AVAILABLE = "pdserve:worker_available"  # the router's gauge: 1 per worker it places on
 
 
 _PR_SET_PDEATHSIG = 1
@@ -241,7 +243,7 @@ class Stack:
         self.config_path.unlink(missing_ok=True)
 
 
-def _workers_available(metrics_url: str) -> int:
+def _workers_available(metrics_url: str) -> float:
     """How many workers the router places new work on (its ``pdserve:worker_available``
     series); 0 while it does not answer."""
     try:
@@ -249,11 +251,7 @@ def _workers_available(metrics_url: str) -> int:
             text = reply.read().decode()
     except OSError:
         return 0
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("pdserve:worker_available{")
-    )
+    return sample_totals(text, [_AVAILABLE]).get(_AVAILABLE, 0)
 
 
 def _wait(proc: subprocess.Popen, grace_s: float) -> None:

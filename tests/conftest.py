@@ -14,13 +14,11 @@ import pytest
 # one thread each, 13.1 with two; one process with two took 14.6; DESIGN_NOTES). Set
 # before torch's import, and inherited by every process a test starts.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# Each parallel process picks stack ports from its own range (benchmarks/loadgen's
-# free_port_base reads it, in this process and in the benchmarks tests run).
-_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
-if _WORKER is not None and "PDSERVE_PORT_RANGE" not in os.environ:
-    _index, _count = int(_WORKER.removeprefix("gw")), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
-    _width = (32000 - 20000) // _count // 10 * 10
-    os.environ["PDSERVE_PORT_RANGE"] = f"{20000 + _index * _width}-{20000 + (_index + 1) * _width}"
+# Each parallel process picks stack ports from its own slice of the range (benchmarks/
+# loadgen's free_port_base reads it, in this process and in the benchmarks tests run).
+if (_WORKER := os.environ.get("PYTEST_XDIST_WORKER")) is not None:
+    _slice = f"{_WORKER.removeprefix('gw')}/{os.environ['PYTEST_XDIST_WORKER_COUNT']}"
+    os.environ.setdefault("PDSERVE_PORT_SLICE", _slice)
 
 # Tests never touch the user's cache: the demo model and other state go under the run's tmp.
 # Triton picks interpret-or-compile when a kernel module is imported: without CUDA, every

@@ -13,7 +13,6 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -29,6 +28,7 @@ from benchmarks.loadgen.priorities import PriorityMix
 from benchmarks.loadgen.runner import run_load
 from benchmarks.loadgen.tokens import DEFAULT_VOCAB_SIZE, TokenSource
 from benchmarks.records import cpu_model
+from common.prometheus_text import sample_totals
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,19 +128,6 @@ def prefix_counters(base_url: str) -> tuple[float, float] | None:
     if not totals:
         return None
     return totals.get(_PREFIX_COUNTERS[0], 0.0), totals.get(_PREFIX_COUNTERS[1], 0.0)
-
-
-def sample_totals(text: str, names: Iterable[str]) -> dict[str, float]:
-    """In a Prometheus text exposition, each of ``names`` (sample names, e.g.
-    ``x_total`` or ``x_sum``) summed over its label sets; names with no sample are left
-    out."""
-    wanted = set(names)
-    totals: dict[str, float] = {}
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in wanted:
-            totals[name] = totals.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return totals
 
 
 def hit_rate(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:

@@ -56,14 +56,17 @@ def _ephemeral_start() -> int:
 
 
 def _port_range(span: int) -> tuple[int, int]:
-    """[low, high) where ``free_port_base`` looks: ``PDSERVE_PORT_RANGE`` ("LOW-HIGH") if
-    set, else 20000 up to the ephemeral range. The test suite gives each of its parallel
-    workers its own range (tests/conftest.py), so two stacks starting at once never pick
-    the same ports between one's check and its workers' binds."""
-    if (configured := os.environ.get("PDSERVE_PORT_RANGE")) is not None:
-        low, high = (int(port) for port in configured.split("-"))
-        return low, high
-    return 20000, max(_ephemeral_start(), 20000 + 100 * span)
+    """[low, high) where ``free_port_base`` looks: 20000 up to the ephemeral range, or with
+    ``PDSERVE_PORT_SLICE`` ("INDEX/COUNT") set, slice INDEX of COUNT equal slices of it.
+    The test suite gives each of its parallel processes its own slice (tests/conftest.py),
+    so two stacks starting at once never pick the same ports between one's check and its
+    workers' binds."""
+    low, high = 20000, max(_ephemeral_start(), 20000 + 100 * span)
+    if (part := os.environ.get("PDSERVE_PORT_SLICE")) is not None:
+        index, count = (int(n) for n in part.split("/"))
+        width = (high - low) // count // PORT_STRIDE * PORT_STRIDE
+        low, high = low + index * width, low + (index + 1) * width
+    return low, high
 
 
 def free_port_base(span: int, rng: random.Random | None = None) -> int:
