@@ -10,8 +10,9 @@ Two things make config.json not simply "the model's settings":
   on ``GptOssConfig``'s. Those are filled in here, so that the engine, the KV budget check
   and the router all read the same numbers.
 
-``max_context_len`` is the context a config serves (YaRN stretches it), read by the same
-three.
+``max_context_len`` is the context a config serves (YaRN stretches it), and
+``kv_cache_heads`` the KV cache's heads and head width (DeepSeek's latent attention caches
+one shared vector per token), read by the same three.
 
 Plain json, no torch: the router and ``pdserve config check`` read it too.
 """
@@ -139,3 +140,26 @@ def eos_token_ids(cfg: dict[str, Any], model_dir: str | Path) -> tuple[int, ...]
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def mla_latent_dim(cfg: dict[str, Any]) -> int | None:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2: configs with a
+    ``kv_lora_rank``): the elements a token caches per layer, one vector of
+    ``kv_lora_rank + qk_rope_head_dim`` that every head reads; None for other attention."""
+    rank = cfg.get("kv_lora_rank")
+    if not rank:
+        return None
+    return int(rank) + int(cfg.get("qk_rope_head_dim", 64))
+
+
+def kv_cache_heads(cfg: dict[str, Any]) -> tuple[int, int]:
+    """(num_kv_heads, head_dim) of the KV cache's ``[num_blocks, 2, block_size,
+    num_kv_heads, head_dim]`` per layer. Latent attention stores its vector as one KV head
+    split in two: the first half in the K slot, the second in the V slot (DESIGN_NOTES,
+    "Latent attention"), so every cache, connector and tier handles it as it is."""
+    latent_dim = mla_latent_dim(cfg)
+    if latent_dim is not None:
+        return 1, latent_dim // 2
+    num_heads = int(cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // num_heads
+    return int(cfg.get("num_key_value_heads") or num_heads), int(head_dim)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.config import ConfigError, Device, DType, EngineConfig, PdserveConfig, Role
-from common.hf_config import max_context_len, text_config
+from common.hf_config import kv_cache_heads, max_context_len, mla_latent_dim, text_config
 from common.model_info import model_dir_of
 from common.tensor_parallel import local_kv_heads, split_problem
 
@@ -39,6 +39,8 @@ class ModelShape:
     num_q_heads: int = 1
     # The MLP widths tensor parallelism splits, by config key (engine.parallel.shard_spec).
     split_widths: tuple[tuple[str, int], ...] = ()
+    # DeepSeek's MLA: the cache's one "KV head" is half of each token's latent vector.
+    latent_attention: bool = False
 
     @classmethod
     def read(cls, model_dir: Path) -> ModelShape | None:
@@ -49,14 +51,15 @@ class ModelShape:
             return None
         try:
             cfg = text_config(json.loads(path.read_text()))
-            num_heads = int(cfg["num_attention_heads"])
+            num_kv_heads, head_dim = kv_cache_heads(cfg)
             return cls(
                 num_layers=int(cfg["num_hidden_layers"]),
-                num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-                head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // num_heads),
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
                 max_context_len=max_context_len(cfg),
-                num_q_heads=num_heads,
+                num_q_heads=int(cfg["num_attention_heads"]),
                 split_widths=_split_widths(cfg),
+                latent_attention=mla_latent_dim(cfg) is not None,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError("model", f"{path} is not a usable checkpoint config: {exc}") from None
@@ -132,7 +135,7 @@ def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
     engine = config.engine_for(role)
     tp_size = engine.tensor_parallel_size
     problem = split_problem(shape.num_q_heads, shape.num_kv_heads, dict(shape.split_widths),
-                            tp_size)  # fmt: skip
+                            tp_size, shape.latent_attention)  # fmt: skip
     if problem is not None:
         raise ConfigError(_key(config, role, "tensor_parallel_size"), problem)
     max_model_len = min(engine.max_model_len or shape.max_context_len, shape.max_context_len)

@@ -102,7 +102,9 @@ class ModelShard:
         self.dtype = dtype
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        self.backend = create_backend(config.attention_backend, device, config.block_size)
+        self.backend = create_backend(
+            config.attention_backend, device, config.block_size, arch.mla is not None
+        )
         self.cache_dtype = kv_cache_dtype(config, dtype, device, self.backend.name)
         self.model = load_model(
             model_dir, arch, max_model_len, self.backend, device, dtype, self.group

@@ -13,6 +13,10 @@ query_start_loc[i + 1]``, which are the *last* ``query_len`` tokens of a context
 ``seq_lens[i]`` tokens whose blocks are ``block_table[i]``. Query token ``j`` of a segment
 sits at position ``seq_len - query_len + j`` and attends causally to every earlier context
 token (or only the last ``sliding_window`` of them, itself included).
+
+With ``latent_dim`` (DeepSeek's latent attention) the K and V slots hold two halves of one
+latent vector per token: the attention functions then take the whole latent as the key
+(the query is as wide) and its first ``latent_dim`` elements as the value.
 """
 
 from __future__ import annotations
@@ -66,6 +70,19 @@ def gather_kv(
     return key[:num_tokens], value[:num_tokens]
 
 
+def latent_kv(
+    key: torch.Tensor,  # [..., D]: the K slots' values
+    value: torch.Tensor,  # [..., D]: the V slots'
+    latent_dim: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values as attention reads them: with ``latent_dim`` the latent
+    ``[..., 2D]`` and its first ``latent_dim`` elements; else ``key`` and ``value``."""
+    if latent_dim is None:
+        return key, value
+    latent = torch.cat((key, value), dim=-1)
+    return latent, latent[..., :latent_dim]
+
+
 def causal_mask(
     query_len: int,
     seq_len: int,
@@ -84,11 +101,11 @@ def causal_mask(
 def _attend(
     query: torch.Tensor,  # [B, Hq, Lq, D]
     key: torch.Tensor,  # [B, Hkv, Lk, D]
-    value: torch.Tensor,  # [B, Hkv, Lk, D]
+    value: torch.Tensor,  # [B, Hkv, Lk, Dv]
     mask: torch.Tensor,  # bool, or additive float, [B or 1, 1, Lq, Lk]
     scale: float,
     sinks: torch.Tensor | None = None,  # [Hq]
-) -> torch.Tensor:  # [B, Hq, Lq, D]
+) -> torch.Tensor:  # [B, Hq, Lq, Dv]
     """SDPA with grouped-query attention done by folding each KV head's query heads into
     the query length, so K and V are never copied per query head.
 
@@ -108,7 +125,7 @@ def _attend(
         # [B or 1, 1 or Hkv, group * Lq, Lk]
         mask = mask.reshape(mask.shape[0], -1, group * query_len, mask.shape[-1])
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
-    return out.reshape(batch, num_q_heads, query_len, head_dim)
+    return out.reshape(batch, num_q_heads, query_len, value.shape[-1])
 
 
 def _with_sink_key(
@@ -147,9 +164,10 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,  # [num_q_heads]: see _attend
-) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
+    latent_dim: int | None = None,  # see the module docstring
+) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim or latent_dim]
     """Attention of every query segment over its paged context, one segment at a time."""
-    out = torch.zeros_like(query)
+    out = query.new_zeros(*query.shape[:2], latent_dim or query.shape[-1])
     block_size = kv_cache.shape[2]
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -160,6 +178,7 @@ def paged_attention(
             continue
         num_blocks = -(-seq_len // block_size)
         key, value = gather_kv(kv_cache, block_table[i, :num_blocks].long(), seq_len)
+        key, value = latent_kv(key, value, latent_dim)
         mask = causal_mask(query_len, seq_len, sliding_window, query.device)[None, None]
         seg = _attend(
             query[q_start:q_end].transpose(0, 1)[None],  # [1, Hq, Lq, D]
@@ -209,14 +228,15 @@ def decode_attention(
     sliding_window: int | None = None,
     attn_mask: torch.Tensor | None = None,  # decode_mask(...), or its additive float form
     sinks: torch.Tensor | None = None,  # [num_q_heads]: see _attend
-) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
+    latent_dim: int | None = None,  # see the module docstring
+) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim or latent_dim]
     """Single-token queries for many sequences in one batched call (padded to the longest).
 
     ``attn_mask`` lets a caller build the mask once per step instead of once per layer; it
     must cover ``ceil(max(seq_lens) / block_size) * block_size`` key slots."""
     if query.shape[0] == 0:
-        return query.clone()
-    key, value = _padded_kv(kv_cache, seq_lens, block_table)
+        return query.new_empty(*query.shape[:2], latent_dim or query.shape[-1])
+    key, value = latent_kv(*_padded_kv(kv_cache, seq_lens, block_table), latent_dim)
     if attn_mask is None:
         attn_mask = decode_mask(seq_lens.to(query.device), key.shape[2], sliding_window)
     out = _attend(
@@ -258,7 +278,8 @@ def short_query_attention(
     scale: float,
     attn_mask: torch.Tensor,  # short_query_mask(...), or its additive float form
     sinks: torch.Tensor | None = None,  # [num_q_heads]: see _attend
-) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
+    latent_dim: int | None = None,  # see the module docstring
+) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim or latent_dim]
     """Many short query segments (a decode and the drafts it verifies) in one batched
     call, each padded to the longest segment and the longest context: one SDPA call
     instead of one per segment, which costs a Python round trip per sequence and layer.
@@ -266,12 +287,12 @@ def short_query_attention(
     num_seqs = seq_lens.shape[0]
     max_query_len = attn_mask.shape[2]
     num_q_heads, head_dim = query.shape[1:]
-    key, value = _padded_kv(kv_cache, seq_lens, block_table)
+    key, value = latent_kv(*_padded_kv(kv_cache, seq_lens, block_table), latent_dim)
     padded = query.new_zeros(num_seqs * max_query_len, num_q_heads, head_dim)
     padded[padded_rows] = query
     padded = padded.view(num_seqs, max_query_len, num_q_heads, head_dim).transpose(1, 2)
     out = _attend(padded, key.to(query.dtype), value.to(query.dtype), attn_mask, scale, sinks)
-    out = out.transpose(1, 2).reshape(num_seqs * max_query_len, num_q_heads, head_dim)
+    out = out.transpose(1, 2).reshape(num_seqs * max_query_len, num_q_heads, value.shape[-1])
     return out[padded_rows]
 
 

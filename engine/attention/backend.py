@@ -48,6 +48,11 @@ class LayerSpec:
     sliding_window: int | None = None
     # [num_q_heads] (GPT-OSS): a logit per head that joins each row's softmax with no value.
     sinks: torch.Tensor | None = field(default=None, compare=False)
+    # DeepSeek's latent attention (``models/mla.py``): the K and V slots hold the halves of
+    # each token's latent vector, one KV head; keys are the whole latent (K then V slot,
+    # ``2 * head_dim``, the query's width), values its first ``latent_dim`` elements, and
+    # the output is [num_tokens, num_q_heads, latent_dim]. None: keys and values as stored.
+    latent_dim: int | None = None
 
 
 class AttentionBackend(ABC):
@@ -71,5 +76,5 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, num_kv_heads, head_dim]
         metadata: object,
         layer: LayerSpec,
-    ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
+    ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim (or layer.latent_dim)]
         ...

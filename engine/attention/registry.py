@@ -1,4 +1,5 @@
-"""Attention backends by name. ``auto`` is triton on CUDA and torch elsewhere."""
+"""Attention backends by name. ``auto`` is triton on CUDA and torch elsewhere, and torch for
+models with latent attention (DeepSeek), which the Triton kernels do not cover yet."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from common.config import AttentionBackendName
+from common.config import AttentionBackendName, ConfigError
 from engine.attention.backend import AttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 
@@ -27,13 +28,25 @@ _BACKENDS: dict[AttentionBackendName, Callable[[int], AttentionBackend]] = {
 }
 
 
-def resolve_backend_name(name: AttentionBackendName, device: torch.device) -> AttentionBackendName:
+def resolve_backend_name(
+    name: AttentionBackendName, device: torch.device, latent_attention: bool = False
+) -> AttentionBackendName:
     if name is AttentionBackendName.AUTO:
-        return AttentionBackendName.TRITON if device.type == "cuda" else AttentionBackendName.TORCH
+        cuda = device.type == "cuda" and not latent_attention
+        return AttentionBackendName.TRITON if cuda else AttentionBackendName.TORCH
+    if name is AttentionBackendName.TRITON and latent_attention:
+        raise ConfigError(
+            "engine.attention_backend",
+            "the triton backend has no latent-attention (DeepSeek MLA) kernel yet; use torch "
+            "or auto",
+        )
     return name
 
 
 def create_backend(
-    name: AttentionBackendName, device: torch.device, block_size: int
+    name: AttentionBackendName,
+    device: torch.device,
+    block_size: int,
+    latent_attention: bool = False,
 ) -> AttentionBackend:
-    return _BACKENDS[resolve_backend_name(name, device)](block_size)
+    return _BACKENDS[resolve_backend_name(name, device, latent_attention)](block_size)

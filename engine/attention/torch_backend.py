@@ -117,7 +117,7 @@ class TorchAttentionBackend(AttentionBackend):
         layout = metadata.layout
         reference.store_kv(key, value, kv_cache, layout.slot_mapping)
         num_decodes = layout.num_decodes
-        out = torch.empty_like(query)
+        out = query.new_empty(*query.shape[:2], layer.latent_dim or query.shape[-1])
         if num_decodes:
             out[:num_decodes] = reference.decode_attention(
                 query[:num_decodes],
@@ -128,6 +128,7 @@ class TorchAttentionBackend(AttentionBackend):
                 layer.sliding_window,
                 attn_mask=metadata.decode_mask(layer.sliding_window, query.dtype),
                 sinks=layer.sinks,
+                latent_dim=layer.latent_dim,
             )
         first_long = num_decodes
         short = metadata.short
@@ -146,6 +147,7 @@ class TorchAttentionBackend(AttentionBackend):
                 layer.scale,
                 attn_mask=metadata.short_mask(layer.sliding_window, query.dtype),
                 sinks=layer.sinks,
+                latent_dim=layer.latent_dim,
             )
         if first_long < layout.num_seqs:
             start = layout.query_start_loc_cpu[first_long]
@@ -158,5 +160,6 @@ class TorchAttentionBackend(AttentionBackend):
                 layer.scale,
                 layer.sliding_window,
                 layer.sinks,
+                layer.latent_dim,
             )
         return out

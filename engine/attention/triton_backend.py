@@ -28,6 +28,8 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
         layout = metadata
         assert isinstance(layout, BatchLayout)
+        # registry.resolve_backend_name keeps latent attention (DeepSeek) on torch.
+        assert layer.latent_dim is None, "no latent-attention kernel"
         store_kv(key, value, kv_cache, layout.slot_mapping)
         return paged_attention(
             query,

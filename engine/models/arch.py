@@ -9,20 +9,29 @@ skeleton with other parts (the fields of ``ModelArchConfig`` after ``moe``): Gem
 GeGLU, ``1 + weight`` norms around each block, scaled embeddings, its own attention scale
 and a rotary per layer type, its multimodal checkpoints serving text with the vision tower
 unloaded; GPT-OSS's attention sinks and biases, biased experts with a clamped SwiGLU and a
-top-k-then-softmax router. Rotary settings are read by ``rope_config.py``; configs that
-leave keys to transformers' defaults get those defaults (``common/hf_config.py`` for
-Gemma 3 and GPT-OSS).
+top-k-then-softmax router. DeepSeek-V2 and -V3 (and models of their layout: Kimi K2,
+Moonlight) replace attention with multi-head latent attention (``MlaConfig``, ``mla.py``)
+and route experts their own way (``MoeConfig.deepseek_scoring``). Rotary settings are read
+by ``rope_config.py``; configs that leave keys to transformers' defaults get those defaults
+(``common/hf_config.py`` for Gemma 3 and GPT-OSS, here for DeepSeek).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from common.hf_config import eos_token_ids, max_context_len, text_config
+from common.hf_config import (
+    eos_token_ids,
+    kv_cache_heads,
+    max_context_len,
+    mla_latent_dim,
+    text_config,
+)
 from engine.models.errors import ModelLoadError
 from engine.models.fp8_config import Fp8Weights, read_fp8_config, read_quantization_config
 from engine.models.rope_config import RopeConfig, gemma3_ropes, rope_config
@@ -46,6 +55,7 @@ class ArchFlags:
     # Phi-3's rope: reads partial_rotary_factor, and its legacy "su"/"yarn" mean longrope.
     phi3_rope: bool = False
     gpt_oss: bool = False  # attention sinks, biased router and experts, clamped SwiGLU
+    deepseek: int = 0  # 2 or 3: DeepSeek-V2's or -V3's latent attention and router
 
 
 ARCHITECTURES: dict[str, ArchFlags] = {
@@ -68,6 +78,9 @@ ARCHITECTURES: dict[str, ArchFlags] = {
     "Gemma3ForCausalLM": ArchFlags(qk_norm=True, gemma3=True),
     # The multimodal checkpoint's language model; the loader skips the vision weights.
     "Gemma3ForConditionalGeneration": ArchFlags(qk_norm=True, gemma3=True),
+    # Latent attention; shared experts beside routed ones, picked within groups of experts.
+    "DeepseekV2ForCausalLM": ArchFlags(moe=True, deepseek=2),
+    "DeepseekV3ForCausalLM": ArchFlags(moe=True, deepseek=3, norm_topk_prob=True),
 }
 
 _BY_MODEL_TYPE = {
@@ -82,6 +95,8 @@ _BY_MODEL_TYPE = {
     "phi3": "Phi3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "gemma3": "Gemma3ForConditionalGeneration",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 
@@ -105,6 +120,37 @@ class MoeConfig:
     softmax_over_top_k: bool = False
     swiglu_limit: float | None = None  # None: plain SwiGLU
     swiglu_alpha: float = 1.0
+    # DeepSeek's router (None: the softmax-top-k one above). Scores are the softmax of the
+    # logits (V2) or their sigmoids (V3, where a learned per-expert bias is added for the
+    # choice only, not to the weights); the k experts are chosen within the best
+    # ``topk_groups`` of ``num_groups`` equal groups (ranked by their best score, V2, or the
+    # sum of their two best, V3); the weights (renormalized with ``norm_topk_prob``) are
+    # multiplied by ``routed_scaling_factor``, in float32. The shared experts are ungated.
+    deepseek_scoring: str | None = None  # "softmax" | "sigmoid"
+    num_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class MlaConfig:
+    """DeepSeek's multi-head latent attention (``mla.py``). Each token caches one latent
+    vector per layer: ``kv_lora_rank`` elements that every head's key and value are
+    projections of (by ``kv_b_proj``), then ``qk_rope_head_dim`` of a rotated key part that
+    every head shares."""
+
+    q_lora_rank: int | None  # None: one q_proj (V2-Lite); else q_a_proj, a norm, q_b_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    # The checkpoint's rotary dims come in pairs (x0, x1), (x2, x3), ... (DeepSeek's
+    # layout): the loader reorders those rows to the halves layout ``rope.py`` rotates.
+    rope_interleaved: bool = True
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +193,15 @@ class ModelArchConfig:
     norm_gain_in_float32: bool = False
     # FP8 weights (fp8_config.py), dequantized to the model dtype at load; None: none.
     fp8_weights: Fp8Weights | None = None
+    # DeepSeek's latent attention; the KV cache then has one KV head of ``latent_dim / 2``
+    # (``num_kv_heads``, ``head_dim``): the K slot holds a token's latent's first half, the
+    # V slot its second. None: attention as above.
+    mla: MlaConfig | None = None
+
+    @property
+    def rotary_dim(self) -> int:
+        """The head width the rotary tables are built for."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
     def rope_of(self, layer_idx: int) -> RopeConfig:
         return self.layer_ropes[layer_idx] if self.layer_ropes else self.rope
@@ -210,6 +265,8 @@ def _moe_config(
 ) -> MoeConfig | None:
     if not flags.moe:
         return None
+    if flags.deepseek:
+        return _deepseek_moe(cfg, flags, num_layers, path)
     # Mixtral and transformers 5 write num_local_experts; Qwen's checkpoints num_experts.
     num_experts = cfg.get("num_local_experts", cfg.get("num_experts"))
     if num_experts is None:
@@ -238,6 +295,86 @@ def _moe_config(
         sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
         **(_gpt_oss_moe(cfg) if flags.gpt_oss else {}),
     )
+
+
+# DeepseekV2Config's and DeepseekV3Config's defaults (transformers 5) for the keys below.
+_DEEPSEEK_DEFAULTS: dict[int, dict[str, Any]] = {
+    2: {"n_routed_experts": 64, "n_shared_experts": 2, "routed_scaling_factor": 1.0,
+        "first_k_dense_replace": 0, "topk_method": "greedy", "q_lora_rank": 1536},
+    3: {"n_routed_experts": 256, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4, "q_lora_rank": 1536},
+}  # fmt: skip
+
+
+def _deepseek_moe(cfg: dict[str, Any], flags: ArchFlags, num_layers: int, path: Path) -> MoeConfig:
+    """DeepSeek's experts: ``n_routed_experts`` routed (``MoeConfig.deepseek_scoring``) and
+    ``n_shared_experts`` of ``moe_intermediate_size`` run by every token as one MLP; the
+    first ``first_k_dense_replace`` layers (then all but every ``moe_layer_freq``-th) dense."""
+    cfg = {**_DEEPSEEK_DEFAULTS[flags.deepseek], **{k: v for k, v in cfg.items() if v is not None}}
+    num_experts = int(cfg.get("num_local_experts", cfg["n_routed_experts"]))
+    top_k = int(_require(cfg, "num_experts_per_tok", path))
+    width = int(_require(cfg, "moe_intermediate_size", path))
+    num_groups, topk_groups = int(cfg.get("n_group", 1)), int(cfg.get("topk_group", 1))
+    if flags.deepseek == 2:  # V2's topk_method says whether groups limit the choice
+        method = cfg["topk_method"]
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ModelLoadError(f"{path}: topk_method {method!r} is not supported for "
+                                 "DeepSeek-V2 (greedy, group_limited_greedy)")  # fmt: skip
+        if method == "greedy":
+            num_groups = topk_groups = 1
+    if num_experts % num_groups or not 0 < topk_groups <= num_groups:
+        raise ModelLoadError(f"{path}: {num_experts} experts in n_group={num_groups} groups, "
+                             f"topk_group={topk_groups}")  # fmt: skip
+    if not 0 < top_k <= num_experts * topk_groups // num_groups:
+        raise ModelLoadError(f"{path}: num_experts_per_tok={top_k} of the {topk_groups} "
+                             f"groups' experts")  # fmt: skip
+    first_dense = int(cfg["first_k_dense_replace"])
+    frequency = int(cfg.get("moe_layer_freq", 1))
+    return MoeConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        expert_intermediate_size=width,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", flags.norm_topk_prob)),
+        routing_weights_in_model_dtype=False,
+        shared_expert_intermediate_size=width * int(cfg["n_shared_experts"] or 0),
+        sparse_layers=tuple(i >= first_dense and i % frequency == 0 for i in range(num_layers)),
+        deepseek_scoring="softmax" if flags.deepseek == 2 else "sigmoid",
+        num_groups=num_groups,
+        topk_groups=topk_groups,
+        routed_scaling_factor=float(cfg["routed_scaling_factor"]),
+    )
+
+
+def _deepseek_attention(
+    cfg: dict[str, Any], flags: ArchFlags, rope: RopeConfig, path: Path
+) -> dict[str, Any]:
+    """ModelArchConfig's fields for latent attention: ``mla``, the cache's one KV head of
+    half a latent (``hf_config.kv_cache_heads``), and the softmax scale: over the
+    ``qk_nope_head_dim + qk_rope_head_dim`` dims a head's query and key have, times
+    YaRN's ``mscale_all_dim`` correction squared (as transformers)."""
+    cfg = {**_DEEPSEEK_DEFAULTS[flags.deepseek], **cfg}
+    latent_dim = mla_latent_dim(cfg)
+    if latent_dim is None or latent_dim % 2:
+        raise ModelLoadError(f"{path}: kv_lora_rank + qk_rope_head_dim must be a positive "
+                             f"even number, got {latent_dim}")  # fmt: skip
+    q_lora_rank = cfg.get("q_lora_rank")
+    mla = MlaConfig(
+        q_lora_rank=int(q_lora_rank) if q_lora_rank else None,
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_nope_head_dim=int(cfg.get("qk_nope_head_dim", 128)),
+        qk_rope_head_dim=int(cfg.get("qk_rope_head_dim", 64)),
+        v_head_dim=int(cfg.get("v_head_dim", 128)),
+        # V2 rotates pairs (as complex numbers) always; V3 as rope_interleave says.
+        rope_interleaved=flags.deepseek == 2 or bool(cfg.get("rope_interleave", True)),
+    )
+    scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
+    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    if rope.rope_type != "default" and params.get("mscale_all_dim"):
+        mscale = 0.1 * float(params["mscale_all_dim"]) * math.log(rope.factor) + 1.0
+        scale *= (mscale if rope.factor > 1 else 1.0) ** 2
+    num_kv_heads, head_dim = kv_cache_heads(cfg)
+    return {"mla": mla, "attention_scale": scale, "num_kv_heads": num_kv_heads,
+            "head_dim": head_dim}  # fmt: skip
 
 
 def _gpt_oss_moe(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -295,6 +432,11 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
     if quantization and not (flags.gpt_oss and quantization.get("quant_method") == "mxfp4"):
         fp8_weights = read_fp8_config(quantization, path)
     gemma3 = _gemma3_fields(cfg, num_layers, hidden_size, path) if flags.gemma3 else {}
+    rope = gemma3.pop("rope") if gemma3 else rope_config(cfg, path, flags.phi3_rope)
+    attention = {"num_kv_heads": int(cfg.get("num_key_value_heads") or num_q_heads),
+                 "head_dim": int(head_dim)}  # fmt: skip
+    if flags.deepseek:
+        attention = _deepseek_attention(cfg, flags, rope, path)
     return ModelArchConfig(
         architecture=architecture,
         vocab_size=int(_require(cfg, "vocab_size", path)),
@@ -302,10 +444,8 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
         intermediate_size=int(_require(cfg, "intermediate_size", path)),
         num_layers=num_layers,
         num_q_heads=num_q_heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or num_q_heads),
-        head_dim=int(head_dim),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope=gemma3.pop("rope") if gemma3 else rope_config(cfg, path, flags.phi3_rope),
+        rope=rope,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
@@ -320,6 +460,7 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
         attention_sinks=flags.gpt_oss,
         norm_gain_in_float32=flags.gpt_oss,
         fp8_weights=fp8_weights,
+        **attention,
         **gemma3,
     )
 

@@ -1,6 +1,7 @@
 """The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, their mixture-of-experts
-variants: ``moe.py``, and Gemma 3 and GPT-OSS, whose differences ``ModelArchConfig`` lists)
-over a flattened, paged batch.
+variants: ``moe.py``, and Gemma 3, GPT-OSS and DeepSeek-V2/V3, whose differences
+``ModelArchConfig`` lists; DeepSeek's latent attention is ``mla.py``) over a flattened,
+paged batch.
 
 Tokens of all sequences in a step are one flat dimension; attention finds each sequence's
 context through the backend's per-step metadata. q/k/v and gate/up projections are fused
@@ -25,47 +26,12 @@ from torch import nn
 from engine.attention.backend import AttentionBackend, LayerSpec
 from engine.models.arch import ModelArchConfig
 from engine.models.lora import LoraBatch
+from engine.models.mla import MlaAttention
 from engine.models.moe import SparseMoe
+from engine.models.norms import rms_norm
 from engine.models.rope import RotaryEmbedding
 from engine.models.rope_config import RopeConfig
 from engine.parallel.group import SingleRank, TPGroup
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def normed(self, x: torch.Tensor) -> torch.Tensor:  # float32, before the gain
-        x = x.to(torch.float32)
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * self.normed(x).to(x.dtype)
-
-
-class UnitOffsetRMSNorm(RMSNorm):
-    """Gemma's RMSNorm: scales by ``1 + weight`` (the stored weight is an offset from 1),
-    and multiplies before casting back, in float32 (Llama casts first)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.normed(x) * (1.0 + self.weight.float())).type_as(x)
-
-
-class Float32GainRMSNorm(RMSNorm):
-    """GPT-OSS's RMSNorm: the gain multiplies in float32, then the result is cast back."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.weight * self.normed(x)).to(x.dtype)
-
-
-def rms_norm(arch: ModelArchConfig, dim: int) -> RMSNorm:
-    if arch.norm_unit_offset:
-        return UnitOffsetRMSNorm(dim, arch.rms_norm_eps)
-    if arch.norm_gain_in_float32:
-        return Float32GainRMSNorm(dim, arch.rms_norm_eps)
-    return RMSNorm(dim, arch.rms_norm_eps)
 
 
 class Attention(nn.Module):
@@ -178,7 +144,11 @@ class DecoderLayer(nn.Module):
         self.group = group
         self.sandwich_norms = arch.sandwich_norms
         self.input_layernorm = rms_norm(arch, arch.hidden_size)
-        self.self_attn = Attention(arch, layer_idx, rotary, backend)
+        self.self_attn: Attention | MlaAttention
+        if arch.mla is not None:
+            self.self_attn = MlaAttention(arch, layer_idx, rotary, backend)
+        else:
+            self.self_attn = Attention(arch, layer_idx, rotary, backend)
         self.post_attention_layernorm = rms_norm(arch, arch.hidden_size)
         if arch.sandwich_norms:
             self.pre_feedforward_layernorm = rms_norm(arch, arch.hidden_size)
@@ -267,7 +237,7 @@ class LlamaForCausalLM(nn.Module):
         # One cos/sin table per distinct rotary (Gemma 3: the full and the sliding layers').
         ropes = dict.fromkeys(arch.rope_of(i) for i in range(arch.num_layers))
         self.rotaries = nn.ModuleList(
-            RotaryEmbedding(rope, arch.head_dim, max_positions) for rope in ropes
+            RotaryEmbedding(rope, arch.rotary_dim, max_positions) for rope in ropes
         )
         self.model = LlamaModel(arch, dict(zip(ropes, self.rotaries, strict=True)), backend, group)
         self.group = group
@@ -319,4 +289,5 @@ def use_kv_scales(model: LlamaForCausalLM) -> None:
     """Make each attention layer store K/V divided by the checkpoint's calibrated scales
     (for an FP8 cache); layers without them store K/V as they are."""
     for index, layer in enumerate(model.model.layers):
-        layer.self_attn.kv_scales = model.checkpoint_kv_scales.get(index)
+        if isinstance(layer.self_attn, Attention):  # MLA checkpoints have no K/V scales
+            layer.self_attn.kv_scales = model.checkpoint_kv_scales.get(index)

@@ -9,7 +9,9 @@ the config says so (unless the file stores a different head, which transformers 
 untied), and fails with a message naming the missing file or tensor. Multimodal checkpoints
 served for text (Gemma 3's) load their language model's tensors and skip the rest; GPT-OSS's
 experts (interleaved, input-major, maybe MXFP4) go through ``gpt_oss_weights.py``; FP8
-weights are dequantized with the scales stored beside them (``fp8_weights.py``).
+weights are dequantized with the scales stored beside them (``fp8_weights.py``). DeepSeek's
+rotary rows are reordered (``mla.rope_rows_in_halves``) and its multi-token-prediction
+layers left out.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from engine.models.fp8_weights import FLOAT8_DTYPES, dequantize_fp8
 from engine.models.gpt_oss_weights import EXPERT_TENSOR, expert_pieces
 from engine.models.kv_scales import KvScaleReader
 from engine.models.llama import LlamaForCausalLM
+from engine.models.mla import rope_rows_in_halves
+from engine.models.moe import DeepseekGate
 from engine.parallel.group import SingleRank, TPGroup
 from engine.parallel.shard_spec import ShardSpec, TensorParallel, local_arch, shard_spec
 
@@ -40,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 _HEAD, _EMBED = "lm_head.weight", "model.embed_tokens.weight"
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 # A multimodal checkpoint's language model (transformers 4's names, which 5 also writes,
 # then 5's own), and the parts of it a text-only engine leaves unloaded.
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
@@ -72,6 +77,7 @@ def _target(name: str, arch: ModelArchConfig, shapes: dict[str, tuple[int, ...]]
     in the coordinates of the full parameter (``shapes``: full shapes by name)."""
     name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the MLP
     name = name.replace(".mlp.router.", ".mlp.gate.")  # GPT-OSS's name for the router
+    name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # DeepSeek's
     expert = _EXPERT.match(name)
     if expert is not None:
         prefix, index, which = expert.groups()
@@ -82,8 +88,8 @@ def _target(name: str, arch: ModelArchConfig, shapes: dict[str, tuple[int, ...]]
         half = shapes[stacked][1] // 2 if stacked in shapes else 0
         return _Target(stacked, 0 if part == "gate" else half, int(index))
     fused = _FUSED.match(name)
-    if fused is None:
-        return _Target(name)
+    if fused is None or (arch.mla is not None and fused.group(1).endswith("self_attn")):
+        return _Target(name)  # (latent attention's q_proj is its own)
     module, which, kind = fused.groups()
     if which in ("q", "k", "v"):
         starts = {"q": 0, "k": arch.q_size, "v": arch.q_size + arch.kv_size}
@@ -91,6 +97,14 @@ def _target(name: str, arch: ModelArchConfig, shapes: dict[str, tuple[int, ...]]
     stacked = f"{module}.gate_up_proj.{kind}"
     half = shapes[stacked][0] // 2 if stacked in shapes else 0
     return _Target(stacked, 0 if which == "gate" else half)
+
+
+def _extra_layer(name: str, arch: ModelArchConfig) -> bool:
+    """A DeepSeek-V3 checkpoint's multi-token-prediction layers (``model.layers.61`` in V3),
+    stored after the ``num_hidden_layers`` the model runs: left unloaded, as transformers
+    does."""
+    layer = _LAYER_INDEX.match(name) if arch.mla is not None else None
+    return layer is not None and int(layer.group(1)) >= arch.num_layers
 
 
 def _model_name(name: str) -> str | None:
@@ -217,6 +231,9 @@ def load_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(local_arch(arch, tp), max_positions, backend, group)
     model = model.to_empty(device=device).to(dtype)
+    for module in model.modules():
+        if isinstance(module, DeepseekGate):  # routes in float32, as transformers
+            module.float()
     model.build_rope_tables(device)
     params = dict(model.named_parameters())
     specs = {name: spec for name in params if (spec := shard_spec(name, arch, tp)) is not None}
@@ -265,7 +282,7 @@ def load_model(
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for stored in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 name = _model_name(stored)
-                if name is None or _IGNORED.match(name):
+                if name is None or _IGNORED.match(name) or _extra_layer(name, arch):
                     continue
                 bare = bare or stored.startswith(BARE_NAMES)
                 if fp8 is not None and name.endswith(SIDECAR_SUFFIXES) and name not in params:
@@ -283,6 +300,8 @@ def load_model(
                             f"{path.name}: {stored} is stored as {tensor.dtype} but config.json "
                             "names no FP8 quantization_config to say how it is scaled"
                         )
+                    if arch.mla is not None:
+                        tensor = rope_rows_in_halves(name, tensor, arch)
                     place(_target(name, arch, shapes), tensor, stored, path)
                     continue
                 prefix, which, suffix = expert.group(1), expert.group(2), expert.group(3) or ""

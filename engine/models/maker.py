@@ -12,6 +12,8 @@ model's. ``gemma3`` is Gemma 3's text model (``Gemma3ForCausalLM``; see ``_gemma
 ``phi3`` Phi-4-mini's layout (fused projections in the files, a partial rotary), ``gpt_oss``
 GPT-OSS unquantized (see ``_gpt_oss_config``), whose tokenizer has the Harmony markers and
 a template of that format (the router reads its replies in it: ``router/harmony.py``).
+``deepseek_v2`` and ``deepseek_v3`` are DeepSeek's latent attention and routers (see
+``_deepseek_config``).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from engine.models.tokenizer_trainer import (
 )
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3",
-         "phi3", "gpt_oss")  # fmt: skip
+         "phi3", "gpt_oss", "deepseek_v2", "deepseek_v3")  # fmt: skip
 SIZES = ("tiny", "small")
 # ChatML for the others.
 _CHAT_TEMPLATES = {"qwen3": THINKING_CHAT_TEMPLATE, "qwen3_moe": THINKING_CHAT_TEMPLATE,
@@ -132,6 +134,8 @@ def _hf_config(arch: str, spec: SizeSpec, tokenizer_ids: dict[str, int]):
         return _gemma3_config(common, spec)
     if arch == "gpt_oss":
         return _gpt_oss_config(common, spec)
+    if arch.startswith("deepseek"):
+        return _deepseek_config(arch, common, spec)
     if arch == "phi3":  # Phi-4-mini's shape: tied, 3/4 of each head rotates (default rope)
         return transformers.Phi3Config(
             **common, tie_word_embeddings=True, partial_rotary_factor=0.75, rope_theta=1e4
@@ -158,6 +162,39 @@ def _gemma3_config(common: dict, spec: SizeSpec):
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         },
     )
+
+
+def _deepseek_config(arch: str, common: dict, spec: SizeSpec):
+    """DeepSeek with every part in play: latent attention whose value width differs from
+    the key's nope width, a dense first layer, then 8 routed experts (2 per token) chosen
+    within the best 2 of 4 groups, beside shared experts. V3: a q_lora_rank, sigmoid scores
+    with a random choice bias (transformers initializes it to zero), renormalized and
+    scaled weights, YaRN from a 64-token pretraining context with ``mscale_all_dim`` (the
+    softmax scale's correction) as in the release. V2: V2-Lite's single q_proj, softmax
+    scores and two shared experts, the default rotary."""
+    import transformers
+
+    head_dim = spec.head_dim
+    mla = dict(kv_lora_rank=head_dim, qk_rope_head_dim=head_dim // 2,
+               qk_nope_head_dim=head_dim // 2, v_head_dim=head_dim * 3 // 4)  # fmt: skip
+    experts = dict(n_routed_experts=spec.num_experts, moe_intermediate_size=
+                   spec.expert_intermediate_size, num_experts_per_tok=spec.num_experts_per_tok,
+                   n_group=4, topk_group=2, first_k_dense_replace=1)  # fmt: skip
+    # Latent attention has no head_dim; its configs set as many KV heads as heads.
+    common = {k: v for k, v in common.items() if k != "head_dim"}
+    common["num_key_value_heads"] = spec.num_heads
+    if arch == "deepseek_v2":
+        return transformers.DeepseekV2Config(
+            **common, **mla, **experts, q_lora_rank=None, n_shared_experts=2,
+            topk_method="group_limited_greedy", routed_scaling_factor=2.0,
+        )  # fmt: skip
+    return transformers.DeepseekV3Config(
+        **common, **mla, **experts, q_lora_rank=head_dim * 2, n_shared_experts=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    )  # fmt: skip
 
 
 def _gpt_oss_config(common: dict, spec: SizeSpec):
@@ -233,6 +270,9 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
         if arch == "gpt_oss":  # sinks that take a real share of some heads' attention
             for layer in model.model.layers:
                 layer.self_attn.sinks.uniform_(-2.0, 2.0)
+        if arch == "deepseek_v3":  # a choice bias that changes which experts are chosen
+            for layer in model.model.layers[1:]:
+                layer.mlp.gate.e_score_correction_bias.uniform_(-0.1, 0.1)
         if arch == "gemma3":
             # Gemma scales the embeddings by sqrt(hidden_size) and ties the head to them:
             # at the usual init the token's own embedding outweighs every block and the

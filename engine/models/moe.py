@@ -5,7 +5,10 @@ experts of highest softmax probability each run a SwiGLU MLP on it, and their ou
 summed weighted by those probabilities (renormalized over the k with ``norm_topk_prob``).
 Qwen2-MoE adds a shared expert that every token runs, scaled by
 ``sigmoid(shared_expert_gate(x))``. GPT-OSS biases the router and the experts, softmaxes over
-the top k logits, and clamps its experts' SwiGLU (``arch.MoeConfig``).
+the top k logits, and clamps its experts' SwiGLU (``arch.MoeConfig``). DeepSeek's router
+(``DeepseekGate``) scores by softmax (V2) or sigmoid plus a choice-only bias (V3), limits
+the choice to the best groups of experts and scales the weights; its shared experts,
+one MLP, are ungated.
 
 The experts' weights are stacked, one tensor per projection for all experts
 (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]: transformers 5's
@@ -21,9 +24,10 @@ static grid: capturable, so MoE models decode in CUDA graphs there).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from engine.models.arch import ModelArchConfig
+from engine.models.arch import ModelArchConfig, MoeConfig
 from kernels.reference import moe_experts
 
 
@@ -44,6 +48,46 @@ class Experts(nn.Module):
         if bias:  # GPT-OSS
             self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size))
             self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+
+class DeepseekGate(nn.Module):
+    """DeepSeek's router: its logits and scores in float32 (the loader keeps this module in
+    float32, as transformers does), the choice as ``MoeConfig.deepseek_scoring`` says."""
+
+    def __init__(self, moe: MoeConfig, hidden_size: int) -> None:
+        super().__init__()
+        self.moe = moe
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
+        # V3: added to the scores to choose experts (balancing load), not to their weights.
+        self.e_score_correction_bias = None
+        if moe.deepseek_scoring == "sigmoid":
+            self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts))
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids [num_tokens, k] int64, their weights [num_tokens, k] float32)."""
+        moe = self.moe
+        logits = F.linear(hidden.float(), self.weight.float())  # [T, E]
+        if self.e_score_correction_bias is None:
+            scores = choice = logits.softmax(dim=-1)
+        else:
+            scores = logits.sigmoid()
+            choice = scores + self.e_score_correction_bias
+        if moe.num_groups > 1:
+            grouped = choice.view(choice.shape[0], moe.num_groups, -1)  # [T, G, E / G]
+            if self.e_score_correction_bias is None:
+                group_scores = grouped.amax(dim=-1)
+            else:
+                group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            kept = group_scores.topk(moe.topk_groups, dim=-1).indices  # [T, topk_groups]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+            # V2 zeroes the other groups' softmax scores, V3 rules them out.
+            outside = 0.0 if self.e_score_correction_bias is None else float("-inf")
+            choice = grouped.masked_fill(~keep[..., None], outside).flatten(1)
+        expert_ids = choice.topk(moe.top_k, dim=-1).indices
+        weights = scores.gather(1, expert_ids)
+        if moe.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return expert_ids, weights * moe.routed_scaling_factor
 
 
 class SparseMoe(nn.Module):
@@ -69,16 +113,24 @@ class SparseMoe(nn.Module):
         self.norm_topk_prob = moe.norm_topk_prob
         self.weights_in_model_dtype = moe.routing_weights_in_model_dtype
         # The router (GPT-OSS's checkpoints call it ``router``; the loader renames).
-        self.gate = nn.Linear(arch.hidden_size, moe.num_experts, bias=moe.router_bias)
+        self.gate: nn.Module
+        if moe.deepseek_scoring is not None:
+            self.gate = DeepseekGate(moe, arch.hidden_size)
+        else:
+            self.gate = nn.Linear(arch.hidden_size, moe.num_experts, bias=moe.router_bias)
         self.experts = Experts(
             moe.num_experts, arch.hidden_size, moe.expert_intermediate_size, moe.expert_bias
         )
         self.shared_expert = shared_expert
-        if shared_expert is not None:
+        # Qwen2-MoE gates its shared expert per token; DeepSeek's shared experts are not.
+        self.shared_expert_gate = None
+        if shared_expert is not None and moe.deepseek_scoring is None:
             self.shared_expert_gate = nn.Linear(arch.hidden_size, 1, bias=False)
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [num_tokens, k] int64, their weights [num_tokens, k])."""
+        if isinstance(self.gate, DeepseekGate):
+            return self.gate(hidden)
         if self.moe.softmax_over_top_k:  # GPT-OSS, in the model dtype as transformers
             top_logits, expert_ids = self.gate(hidden).topk(self.top_k, dim=-1)
             return expert_ids, torch.softmax(top_logits, dim=-1)
@@ -103,5 +155,7 @@ class SparseMoe(nn.Module):
         )  # fmt: skip
         if self.shared_expert is not None:
             shared = self.shared_expert(hidden)
-            out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * shared
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(hidden)) * shared
+            out = out + shared
         return out

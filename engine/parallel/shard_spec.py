@@ -78,7 +78,8 @@ _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 def check_split(arch: ModelArchConfig, tp_size: int) -> None:
     """Raise ``ModelLoadError`` if the model cannot be split over ``tp_size`` ranks."""
-    problem = split_problem(arch.num_q_heads, arch.num_kv_heads, split_widths(arch), tp_size)
+    problem = split_problem(arch.num_q_heads, arch.num_kv_heads, split_widths(arch), tp_size,
+                            arch.mla is not None)  # fmt: skip
     if problem is not None:
         raise ModelLoadError(f"engine.tensor_parallel_size={tp_size}: {problem}")
 

@@ -389,3 +389,41 @@ def test_fp8_weights_and_an_fp8_kv_cache_move_and_decode_as_offline(tiny_llama, 
         codes = [worker.stop() for worker in workers]
     assert codes == [0, 0], "\n".join(w.log() for w in workers)
     assert "float8_e4m3fn" in workers[1].log()  # the decode worker's cache line
+
+
+def test_deepseek_latents_move_and_decode_as_offline(model_factory, tmp_path):
+    """DeepSeek-V3 in its release format (block-scaled FP8 weights) with an FP8 cache: each
+    token's latent (one KV head of half of it in each of the K and V slots) moves over
+    NIXL as any model's K/V, and the tokens are the offline engine's."""
+    model_dir = quantize_checkpoint(model_factory("deepseek_v3"), tmp_path / "fp8", "fp8-block",
+                                    (32, 64))  # fmt: skip
+    prompts = random_prompts((9, 40, 70), seed=29)
+    llm = LLM(model_dir, kv_cache_dtype="fp8")
+    params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    config = write_config(
+        tmp_path / "config.yaml", model_dir, engine={"kv_cache_dtype": "fp8"},
+        kv_transfer={"connector": "nixl"},
+    )  # fmt: skip
+    workers = start_workers(
+        [
+            WorkerProcess("prefill", 0, config, tmp_path / "prefill.log"),
+            WorkerProcess("decode", 0, config, tmp_path / "decode.log"),
+        ]
+    )
+
+    async def body(client: PDClient):
+        results = await asyncio.gather(
+            *(client.generate(f"mla-{i}", p, GREEDY) for i, p in enumerate(prompts))
+        )
+        assert [result.token_ids for result in results] == expected
+        await assert_idle(client)
+        _, decode = await client.stats()
+        assert decode.blocks_pulled >= sum(len(p) // 16 for p in prompts)
+
+    try:
+        run(with_client(workers, body))
+    finally:
+        codes = [worker.stop() for worker in workers]
+    assert codes == [0, 0], "\n".join(w.log() for w in workers)
+    assert "attention backend torch" in workers[1].log()

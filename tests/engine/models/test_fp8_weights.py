@@ -124,6 +124,7 @@ def fp8_checkpoints(model_factory, tmp_path_factory):
     [
         ("llama", "fp8-block"),
         ("qwen3_moe", "fp8-block"),
+        ("deepseek_v3", "fp8-block"),  # DeepSeek-V3's release format
         ("llama", "ct-channel"),
         ("llama", "ct-block"),
         ("mixtral", "ct-tensor"),
