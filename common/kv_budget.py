@@ -20,7 +20,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.config import ConfigError, Device, DType, EngineConfig, PdserveConfig, Role
+from common.config import (
+    AttentionBackendName,
+    ConfigError,
+    Device,
+    DType,
+    EngineConfig,
+    PdserveConfig,
+    Role,
+)
 from common.hf_config import kv_cache_heads, max_context_len, mla_latent_dim, text_config
 from common.model_info import model_dir_of
 from common.tensor_parallel import local_kv_heads, split_problem
@@ -39,7 +47,8 @@ class ModelShape:
     num_q_heads: int = 1
     # The MLP widths tensor parallelism splits, by config key (engine.parallel.shard_spec).
     split_widths: tuple[tuple[str, int], ...] = ()
-    # DeepSeek's MLA: the cache's one "KV head" is half of each token's latent vector.
+    # DeepSeek's MLA: the cache's one "KV head" is half of each token's latent vector,
+    # replicated on every tensor-parallel rank; no Triton kernel attends over it yet.
     latent_attention: bool = False
 
     @classmethod
@@ -76,19 +85,23 @@ def _split_widths(cfg: dict) -> tuple[tuple[str, int], ...]:
     reads them): dense layers' (all but the MoE models whose every layer is sparse)
     and the experts' (and the shared expert's)."""
     widths = []
-    experts = cfg.get("num_local_experts", cfg.get("num_experts"))
+    experts = cfg.get("num_local_experts", cfg.get("num_experts", cfg.get("n_routed_experts")))
     all_sparse = (
         experts and not cfg.get("mlp_only_layers") and cfg.get("decoder_sparse_step", 1) == 1
-    )
+        and not cfg.get("first_k_dense_replace")
+    )  # fmt: skip
     if not all_sparse:
         widths.append(("intermediate_size", int(cfg["intermediate_size"])))
     if experts:
         key = "moe_intermediate_size" if "moe_intermediate_size" in cfg else "intermediate_size"
         widths.append(("moe_intermediate_size", int(cfg[key])))
-        if cfg.get("shared_expert_intermediate_size"):
-            widths.append(
-                ("shared_expert_intermediate_size", int(cfg["shared_expert_intermediate_size"]))
-            )
+        # Qwen2-MoE's shared expert has its own width; DeepSeek's shared experts are one
+        # MLP of n_shared_experts expert widths.
+        shared = cfg.get("shared_expert_intermediate_size") or int(cfg[key]) * int(
+            cfg.get("n_shared_experts") or 0
+        )
+        if shared:
+            widths.append(("shared_expert_intermediate_size", shared))
     return tuple(widths)
 
 
@@ -135,9 +148,15 @@ def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
     engine = config.engine_for(role)
     tp_size = engine.tensor_parallel_size
     problem = split_problem(shape.num_q_heads, shape.num_kv_heads, dict(shape.split_widths),
-                            tp_size, shape.latent_attention)  # fmt: skip
+                            tp_size)  # fmt: skip
     if problem is not None:
         raise ConfigError(_key(config, role, "tensor_parallel_size"), problem)
+    if shape.latent_attention and engine.attention_backend is AttentionBackendName.TRITON:
+        raise ConfigError(
+            _key(config, role, "attention_backend"),
+            "the model has latent attention (DeepSeek MLA), which the triton backend has no "
+            "kernel for yet; use torch or auto",
+        )
     max_model_len = min(engine.max_model_len or shape.max_context_len, shape.max_context_len)
     min_blocks = -(-max_model_len // engine.block_size)
     cpu_bpb = shape.bytes_per_block(engine.block_size, _dtype_bytes(engine, Device.CPU), tp_size)

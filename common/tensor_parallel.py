@@ -53,21 +53,14 @@ def local_kv_heads(num_kv_heads: int, tp_size: int) -> int:
 
 
 def split_problem(
-    num_q_heads: int,
-    num_kv_heads: int,
-    widths: Mapping[str, int],
-    tp_size: int,
-    latent_attention: bool = False,
+    num_q_heads: int, num_kv_heads: int, widths: Mapping[str, int], tp_size: int
 ) -> str | None:
     """Why the model cannot be split over ``tp_size`` ranks, or None if it can.
-    ``widths``: each split MLP width by name ("intermediate_size", ...);
-    ``latent_attention``: DeepSeek's MLA, not split yet."""
+    ``widths``: each split MLP width by name ("intermediate_size", ...)."""
     if tp_size < 1:
         return f"must be >= 1, got {tp_size}"
     if tp_size == 1:
         return None
-    if latent_attention:
-        return "models with latent attention (DeepSeek-V2/V3) run on one rank (no split yet)"
     if num_q_heads % tp_size:
         return f"{num_q_heads} attention heads do not split over {tp_size} ranks"
     if num_kv_heads % tp_size and tp_size % num_kv_heads:

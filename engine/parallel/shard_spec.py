@@ -14,6 +14,11 @@ q rows, then its k rows, then its v rows:
     full qkv rows  | q0 q1 q2 q3 | k0 k1 | v0 v1 |     4 q heads, 2 KV heads, tp_size 2
     rank 1 holds         q2 q3      k1      v1    ->  | q2 q3 | k1 | v1 |
 
+DeepSeek's latent attention splits by heads too: ``q_proj`` / ``q_b_proj`` and ``kv_b_proj``
+keep their heads' rows and ``o_proj`` their values' columns, while the latent projections
+(``q_a_proj``, ``kv_a_proj_with_mqa``, their norms) are replicated: every rank caches the
+whole latent, which all heads read (its KV cache is the one process's).
+
 The loader copies each stored tensor through these specs, so a rank reads only the rows
 (or columns) it keeps; LoRA adapters are cut by the same specs (``lora.shard_adapter``).
 """
@@ -71,6 +76,8 @@ _LAYER = r"^model\.layers\.(\d+)\."
 _QKV = re.compile(_LAYER + r"self_attn\.qkv_proj\.(weight|bias)$")
 _O = re.compile(_LAYER + r"self_attn\.o_proj\.(weight|bias)$")
 _SINKS = re.compile(_LAYER + r"self_attn\.sinks$")
+# Latent attention's per-head projections: queries, the latent's up-projection (W_uk, W_uv).
+_MLA_HEADS = re.compile(_LAYER + r"self_attn\.(q_proj|q_b_proj|kv_b_proj)\.weight$")
 _MLP = re.compile(_LAYER + r"mlp\.(shared_expert\.)?(gate_up_proj|down_proj)\.weight$")
 _EXPERTS = re.compile(_LAYER + r"mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
@@ -78,8 +85,7 @@ _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 def check_split(arch: ModelArchConfig, tp_size: int) -> None:
     """Raise ``ModelLoadError`` if the model cannot be split over ``tp_size`` ranks."""
-    problem = split_problem(arch.num_q_heads, arch.num_kv_heads, split_widths(arch), tp_size,
-                            arch.mla is not None)  # fmt: skip
+    problem = split_problem(arch.num_q_heads, arch.num_kv_heads, split_widths(arch), tp_size)
     if problem is not None:
         raise ModelLoadError(f"engine.tensor_parallel_size={tp_size}: {problem}")
 
@@ -136,6 +142,8 @@ def shard_spec(name: str, arch: ModelArchConfig, tp: TensorParallel) -> ShardSpe
         start = tp.rank * rows
         return ShardSpec(0, arch.vocab_size, (Piece(start, min(rows, arch.vocab_size - start), 0),))
     heads = HeadSplit(arch.num_q_heads, arch.num_kv_heads, tp.size, tp.rank)
+    if arch.mla is not None and (spec := _mla_spec(name, arch, heads)) is not None:
+        return spec
     head_dim = arch.head_dim
     q_rows = (heads.q_head_start * head_dim, heads.q_heads * head_dim)
     if match := _QKV.match(name):
@@ -165,6 +173,25 @@ def shard_spec(name: str, arch: ModelArchConfig, tp: TensorParallel) -> ShardSpe
         if which == "down_proj" and bias:
             return ShardSpec(per_expert=True, rank0_only=True)
         return _mlp_spec(which, arch.moe.expert_intermediate_size, tp, per_expert=True)
+    return None
+
+
+def _mla_spec(name: str, arch: ModelArchConfig, heads: HeadSplit) -> ShardSpec | None:
+    """Latent attention's head-split parameters: rows ``[heads, per-head width]`` of the
+    queries (nope + rope dims) and of ``kv_b_proj`` (nope + value dims), the value
+    columns of ``o_proj``; None for the rest (replicated, or not attention's)."""
+    mla = arch.mla
+    assert mla is not None
+    if match := _MLA_HEADS.match(name):
+        width = mla.qk_nope_head_dim + (
+            mla.v_head_dim if match.group(2) == "kv_b_proj" else mla.qk_rope_head_dim
+        )
+        rows = Piece(heads.q_head_start * width, heads.q_heads * width, 0)
+        return ShardSpec(0, arch.num_q_heads * width, (rows,))
+    if (match := _O.match(name)) and match.group(2) == "weight":
+        width = mla.v_head_dim
+        columns = Piece(heads.q_head_start * width, heads.q_heads * width, 0)
+        return ShardSpec(1, arch.num_q_heads * width, (columns,))
     return None
 
 

@@ -222,10 +222,25 @@ def test_torch_free_sizing_is_per_tensor_parallel_rank(tiny_llama, model_factory
                  "engine.kv_cache_bytes=5000000", "engine.tensor_parallel_size=2"]  # fmt: skip
     budget = next(b for b in kv_budgets(load_config(None, overrides)) if b.role is Role.DECODE)
     assert budget.bytes_per_block == 32 * 1024 and budget.num_blocks == 152
-    for arch in ("llama", "qwen2_moe", "mixtral", "gpt_oss"):
+    for arch in ("llama", "qwen2_moe", "mixtral", "gpt_oss", "deepseek_v2", "deepseek_v3"):
         model_dir = model_factory(arch)
         shape = ModelShape.read(model_dir)
         assert dict(shape.split_widths) == split_widths(read_arch_config(model_dir)), arch
+
+
+def test_a_latent_attention_model_on_the_triton_backend_is_refused_up_front(model_factory,
+                                                                            capsys):  # fmt: skip
+    """DeepSeek's MLA has no Triton kernel yet: ``config check`` names the key, before a
+    worker loads anything (the worker would refuse it too)."""
+    model = f"model={model_factory('deepseek_v3')}"
+    path = str(EXAMPLES[0])
+    assert main(["config", "check", path, "--set", model]) == 0
+    capsys.readouterr()
+    triton = "decode.engine.attention_backend=triton"
+    assert main(["config", "check", path, "--set", model, "--set", triton]) == 2
+    assert "decode.engine.attention_backend: the model has latent attention" in (
+        capsys.readouterr().err
+    )
 
 
 def test_enum_settings_built_in_python_are_enums():

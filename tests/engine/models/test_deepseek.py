@@ -20,6 +20,7 @@ from engine.attention.registry import resolve_backend_name
 from engine.models.arch import ModelLoadError, read_arch_config
 from engine.models.lora import load_lora_adapter
 from engine.models.moe import DeepseekGate
+from engine.parallel.shard_spec import split_widths
 from tests.engine.helpers import assert_prompt_logprobs_match, hf_greedy, random_prompts
 from tests.engine.test_disaggregation import run
 
@@ -150,7 +151,6 @@ def test_what_latent_attention_does_not_run_is_refused(model_factory, tmp_path):
         resolve_backend_name(AttentionBackendName.TRITON, torch.device("cuda"), True)
     cuda_auto = resolve_backend_name(AttentionBackendName.AUTO, torch.device("cuda"), True)
     assert cuda_auto is AttentionBackendName.TORCH
-    assert "latent attention" in split_problem(arch.num_q_heads, 1, {}, 2, True)
     with pytest.raises(ModelLoadError, match="LoRA adapters on models with latent attention"):
         load_lora_adapter("a", tmp_path, arch, torch.device("cpu"), torch.float32)
 
@@ -225,6 +225,11 @@ def test_release_config_reads_as_transformers_reads_it(tmp_path):
     assert arch.fp8_weights is not None and arch.fp8_weights.block_size == (128, 128)
     shape = ModelShape.read(tmp_path)
     assert (shape.num_kv_heads, shape.head_dim, shape.latent_attention) == (1, 288, True)
+    # The KV budget check splits what the loader splits; V3 splits over 8 ranks, each
+    # caching every latent (one replicated KV head).
+    assert dict(shape.split_widths) == split_widths(arch)
+    assert split_problem(128, shape.num_kv_heads, split_widths(arch), 8) is None
+    assert shape.bytes_per_block(16, 2, tp_size=8) == shape.bytes_per_block(16, 2)
     # 70,272 bytes of bf16 cache per token (61 layers x 576), where the keys and values the
     # latents stand for would take 61 x 128 heads x (192 + 128) x 2 = 4,997,120.
     assert shape.bytes_per_block(16, 2) == 16 * 70_272
