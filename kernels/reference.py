@@ -16,10 +16,13 @@ token (or only the last ``sliding_window`` of them, itself included).
 
 With ``latent_dim`` (DeepSeek's latent attention) the K and V slots hold two halves of one
 latent vector per token: the attention functions then take the whole latent as the key
-(the query is as wide) and its first ``latent_dim`` elements as the value.
+(the query is as wide: absorbed) and its first ``latent_dim`` elements as the value;
+``expanded_latent_attention`` expands a segment's latents to per-head keys and values.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -190,6 +193,26 @@ def paged_attention(
         )
         out[q_start:q_end] = seg[0].transpose(0, 1)
     return out
+
+
+def expanded_latent_attention(
+    query: torch.Tensor,  # [query_len, num_q_heads, qk_dim]: the heads' own queries
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, 1, latent_dim / 2]
+    block_ids: torch.Tensor,  # [blocks of the segment] int64
+    seq_len: int,
+    scale: float,
+    expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:  # [query_len, num_q_heads, v_dim]
+    """One segment of latent attention in the expanded form: its context's latents
+    ``[seq_len, latent_dim]`` (the K and V slots joined) become per-head keys
+    ``[seq_len, H, qk_dim]`` and values ``[seq_len, H, v_dim]`` by ``expand``, then causal
+    multi-head attention of the segment's queries (the last ``query_len`` positions)."""
+    key, value = gather_kv(kv_cache, block_ids, seq_len)
+    key, value = expand(torch.cat((key, value), dim=-1)[:, 0].to(query.dtype))
+    mask = causal_mask(query.shape[0], seq_len, None, query.device)[None, None]
+    out = _attend(query.transpose(0, 1)[None], key.transpose(0, 1)[None],
+                  value.transpose(0, 1)[None], mask, scale)  # fmt: skip
+    return out[0].transpose(0, 1)
 
 
 def decode_mask(

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.config import MAX_SPECULATIVE_TOKENS
-from engine.attention.backend import AttentionBackend, BatchLayout, LayerSpec
+from engine.attention.backend import AttentionBackend, BatchLayout, LatentAttention, LayerSpec
 from kernels import reference
 
 # Segments up to this many query tokens, right after the decodes (the model runner orders
@@ -116,11 +116,18 @@ class TorchAttentionBackend(AttentionBackend):
         assert isinstance(metadata, TorchMetadata)
         layout = metadata.layout
         reference.store_kv(key, value, kv_cache, layout.slot_mapping)
+        latent = layer.latent
+        # Latent attention's decodes and short segments attend absorbed: queries into
+        # latent space, the attended latents back to values.
+        absorb = (lambda q: q) if latent is None else latent.absorb
+        values = (lambda o: o) if latent is None else latent.values
+        latent_dim = None if latent is None else latent.kv_lora_rank
         num_decodes = layout.num_decodes
-        out = query.new_empty(*query.shape[:2], layer.latent_dim or query.shape[-1])
+        out = query.new_empty(*query.shape[:2], query.shape[-1] if latent is None
+                              else latent.v_head_dim)  # fmt: skip
         if num_decodes:
-            out[:num_decodes] = reference.decode_attention(
-                query[:num_decodes],
+            out[:num_decodes] = values(reference.decode_attention(
+                absorb(query[:num_decodes]),
                 kv_cache,
                 layout.seq_lens[:num_decodes],
                 layout.block_table[:num_decodes],
@@ -128,8 +135,8 @@ class TorchAttentionBackend(AttentionBackend):
                 layer.sliding_window,
                 attn_mask=metadata.decode_mask(layer.sliding_window, query.dtype),
                 sinks=layer.sinks,
-                latent_dim=layer.latent_dim,
-            )
+                latent_dim=latent_dim,
+            ))  # fmt: skip
         first_long = num_decodes
         short = metadata.short
         if short is not None:
@@ -138,8 +145,8 @@ class TorchAttentionBackend(AttentionBackend):
                 layout.query_start_loc_cpu[short.first],
                 layout.query_start_loc_cpu[first_long],
             )
-            out[start:end] = reference.short_query_attention(
-                query[start:end],
+            out[start:end] = values(reference.short_query_attention(
+                absorb(query[start:end]),
                 kv_cache,
                 short.padded_rows,
                 layout.seq_lens[short.first : first_long],
@@ -147,19 +154,55 @@ class TorchAttentionBackend(AttentionBackend):
                 layer.scale,
                 attn_mask=metadata.short_mask(layer.sliding_window, query.dtype),
                 sinks=layer.sinks,
-                latent_dim=layer.latent_dim,
-            )
-        if first_long < layout.num_seqs:
-            start = layout.query_start_loc_cpu[first_long]
-            out[start:] = reference.paged_attention(
-                query[start:],
-                kv_cache,
-                layout.query_start_loc[first_long:] - start,
-                layout.seq_lens[first_long:],
-                layout.block_table[first_long:],
-                layer.scale,
-                layer.sliding_window,
-                layer.sinks,
-                layer.latent_dim,
-            )
+                latent_dim=latent_dim,
+            ))  # fmt: skip
+        if first_long == layout.num_seqs:
+            return out
+        start = layout.query_start_loc_cpu[first_long]
+        if latent is not None:
+            self._latent_segments(query, kv_cache, layout, first_long, layer.scale, latent, out)
+            return out
+        out[start:] = reference.paged_attention(
+            query[start:],
+            kv_cache,
+            layout.query_start_loc[first_long:] - start,
+            layout.seq_lens[first_long:],
+            layout.block_table[first_long:],
+            layer.scale,
+            layer.sliding_window,
+            layer.sinks,
+        )
         return out
+
+    def _latent_segments(
+        self,
+        query: torch.Tensor,  # [num_tokens, H, nope + rope]
+        kv_cache: torch.Tensor,
+        layout: BatchLayout,
+        first: int,
+        scale: float,
+        latent: LatentAttention,
+        out: torch.Tensor,  # [num_tokens, H, v_head_dim], written in place
+    ) -> None:
+        """Latent attention's prompt segments, one at a time, each in the form that costs
+        less (``LatentAttention.expanded_is_cheaper``): a whole prompt expands, a short
+        chunk after a long cached context absorbs."""
+        starts = layout.query_start_loc_cpu
+        for i in range(first, layout.num_seqs):
+            q_start, q_end, seq_len = starts[i], starts[i + 1], layout.seq_lens_cpu[i]
+            block_ids = layout.block_table[i, : -(-seq_len // self.block_size)].long()
+            if latent.expanded_is_cheaper(q_end - q_start, seq_len):
+                out[q_start:q_end] = reference.expanded_latent_attention(
+                    query[q_start:q_end], kv_cache, block_ids, seq_len, scale, latent.expand
+                )
+                continue
+            segment = reference.paged_attention(
+                latent.absorb(query[q_start:q_end]),
+                kv_cache,
+                layout.query_start_loc.new_tensor([0, q_end - q_start]),
+                layout.seq_lens[i : i + 1],
+                block_ids[None],
+                scale,
+                latent_dim=latent.kv_lora_rank,
+            )
+            out[q_start:q_end] = latent.values(segment)

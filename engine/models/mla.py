@@ -8,15 +8,16 @@ h's key is ``[W_uk[h] c_kv, k_pe]`` and its value ``W_uv[h] c_kv`` (``kv_b_proj`
 layer in DeepSeek-V3 against 2 x 128 heads x 192 = 49152 for the keys and values it stands
 for.
 
-Attention runs on the latent directly ("weight absorption"): head h's query becomes
-``[q_nope[h] W_uk[h], q_pe[h]]``, whose dot product with ``[c_kv, k_pe]`` is the dot
-product of the query with head h's key, and the softmax-weighted sum of the latents' ``c_kv``
-part, multiplied by ``W_uv[h]``, is head h's output. That is multi-query attention with one
-KV head, keys the whole latent and values its first ``kv_lora_rank`` elements
-(``LayerSpec.latent_dim``), which the torch backend computes; no key or value is ever
-expanded per head, in prefill or decode. (For long prompts the expanded form does fewer
-FLOPs, 192 instead of 576 per query-key pair in V3, at the cost of expanding every key;
-that trade is left to a GPU kernel.)
+The layer hands the backend each head's own query ``[q_nope, q_pe]``, the latent (as the
+cache's K and V halves) and ``W_uk`` / ``W_uv`` (``LatentAttention``), and gets each head's
+values back. The backend attends per segment in the cheaper of two equal forms:
+*absorbed* ("weight absorption"): head h's query becomes ``[q_nope[h] W_uk[h], q_pe[h]]``,
+whose dot product with ``[c_kv, k_pe]`` is the query's with head h's key, so the heads
+attend over the latents themselves (multi-query attention, keys the whole latent, values
+its ``c_kv``) and the attended ``c_kv`` times ``W_uv[h]`` is the output: decodes, where it
+reads 576 elements per token instead of expanding 128 heads' keys; *expanded*: the
+context's latents become per-head keys and values (192 + 128 wide instead of 576 + 512 in
+V3): a whole prompt's prefill, where the pairs outnumber the keys to expand.
 
 The cache stores the latent in the layout every other model uses, one KV head of half the
 latent in each of the K and V slots (``hf_config.kv_cache_heads``), so connectors, the CPU
@@ -28,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.attention.backend import AttentionBackend, LayerSpec
+from engine.attention.backend import AttentionBackend, LatentAttention, LayerSpec
 from engine.models.arch import ModelArchConfig
 from engine.models.norms import RMSNorm
 from engine.models.rope import RotaryEmbedding
@@ -71,13 +72,13 @@ class MlaAttention(nn.Module):
         self.rotary = (rotary,)  # a tuple, so the shared table is not registered per layer
         self.backend = backend
         assert arch.attention_scale is not None
-        self.spec = LayerSpec(scale=arch.attention_scale, latent_dim=mla.kv_lora_rank)
+        self.scale = arch.attention_scale
         self.half = mla.latent_dim // 2  # the cache's head_dim: a latent fills K and V
 
     def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_uk [H, nope, kv_lora_rank], W_uv [H, v_head_dim, kv_lora_rank]): views of
         ``kv_b_proj``'s weight, whose rows are per head the key's nope dims, then the
-        value's."""
+        value's (read each call: the loader fills parameters in place)."""
         weight = self.kv_b_proj.weight.view(
             self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank
         )
@@ -103,15 +104,12 @@ class MlaAttention(nn.Module):
         )
         c_kv = self.kv_a_layernorm(c_kv)  # [num_tokens, kv_lora_rank]
         q_pe, k_pe = self.rotary[0](positions, q_pe, k_pe[:, None, :])  # k_pe [T, 1, rope]
-        w_uk, w_uv = self.absorbed()
-        # [T, H, nope] x [H, nope, r] -> [T, H, r]: each head's query in latent space.
-        q_latent = torch.einsum("thd,hdr->thr", q_nope, w_uk)
-        query = torch.cat((q_latent, q_pe), dim=-1)  # [T, H, latent_dim]
+        query = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, nope + rope], rotated
         latent = torch.cat((c_kv[:, None, :], k_pe), dim=-1)  # [T, 1, latent_dim]
         key, value = latent[..., : self.half], latent[..., self.half :]  # the cache's halves
-        out = self.backend.forward(query, key, value, kv_cache, attn_metadata, self.spec)
-        # [T, H, r] x [H, v, r] -> [T, H, v]: each head's value of the attended latents.
-        out = torch.einsum("thr,hvr->thv", out, w_uv)
+        w_uk, w_uv = self.absorbed()
+        spec = LayerSpec(self.scale, latent=LatentAttention(w_uk, w_uv, self.rope_dim))
+        out = self.backend.forward(query, key, value, kv_cache, attn_metadata, spec)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_head_dim))
 
 

@@ -16,11 +16,13 @@ from common.config import AttentionBackendName, ConfigError
 from common.kv_budget import ModelShape
 from common.tensor_parallel import split_problem
 from engine import LLM, SamplingParams
+from engine.attention.backend import LatentAttention
 from engine.attention.registry import resolve_backend_name
 from engine.models.arch import ModelLoadError, read_arch_config
 from engine.models.lora import load_lora_adapter
 from engine.models.moe import DeepseekGate
 from engine.parallel.shard_spec import split_widths
+from kernels import reference
 from tests.engine.helpers import assert_prompt_logprobs_match, hf_greedy, random_prompts
 from tests.engine.test_disaggregation import run
 
@@ -88,6 +90,33 @@ def test_router_chooses_and_weighs_as_transformers(model_factory, version):
             ours.e_score_correction_bias.zero_()
             unbiased, _ = ours(hidden)
         assert not torch.equal(unbiased.sort(dim=-1).values, expert_ids.sort(dim=-1).values)
+
+
+def test_absorbed_and_expanded_forms_agree():
+    """One prompt segment over a paged context of latents: the heads attending over the
+    latents (absorbed) and over their expanded keys and values give the same output; and
+    the cost model picks expanded for whole prompts, absorbed for decodes and for short
+    chunks after a long context (DeepSeek-V3's dims: from ~170 query tokens)."""
+    torch.manual_seed(0)
+    heads, nope, rope, rank, v = 4, 32, 16, 48, 24
+    latent = LatentAttention(torch.randn(heads, nope, rank) / 7, torch.randn(heads, v, rank) / 7,
+                             rope)  # fmt: skip
+    block_size, seq_len, query_len = 16, 70, 29
+    kv_cache = torch.randn(8, 2, block_size, 1, (rank + rope) // 2)
+    block_ids = torch.tensor([5, 0, 7, 2, 3])  # out of order, the last one partly used
+    query = torch.randn(query_len, heads, nope + rope)
+    expanded = reference.expanded_latent_attention(query, kv_cache, block_ids, seq_len, 0.1,
+                                                   latent.expand)  # fmt: skip
+    absorbed = reference.paged_attention(
+        latent.absorb(query), kv_cache, torch.tensor([0, query_len]), torch.tensor([seq_len]),
+        block_ids[None], 0.1, latent_dim=rank,
+    )  # fmt: skip
+    torch.testing.assert_close(latent.values(absorbed), expanded, atol=1e-5, rtol=1e-5)
+    assert latent.expanded_is_cheaper(seq_len, seq_len)
+    assert not latent.expanded_is_cheaper(1, seq_len)
+    v3 = LatentAttention(torch.empty(128, 128, 512), torch.empty(128, 128, 512), 64)
+    assert v3.expanded_is_cheaper(4096, 4096) and not v3.expanded_is_cheaper(1, 4096)
+    assert not v3.expanded_is_cheaper(160, 10_000) and v3.expanded_is_cheaper(180, 10_000)
 
 
 def test_multi_token_prediction_layers_are_left_unloaded(model_factory, tmp_path):
