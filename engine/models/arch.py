@@ -11,7 +11,8 @@ and a rotary per layer type, its multimodal checkpoints serving text with the vi
 unloaded; GPT-OSS's attention sinks and biases, biased experts with a clamped SwiGLU and a
 top-k-then-softmax router. DeepSeek-V2 and -V3 (and models of their layout: Kimi K2,
 Moonlight) replace attention with multi-head latent attention (``MlaConfig``, ``mla.py``)
-and route experts their own way (``MoeConfig.deepseek_scoring``). Rotary settings are read
+and route experts their own way (``MoeConfig.deepseek_scoring``); GLM-4.5 is GQA attention
+(a partial rotary, maybe q/k norms) with DeepSeek-V3's router. Rotary settings are read
 by ``rope_config.py``; configs that leave keys to transformers' defaults get those defaults
 (``common/hf_config.py`` for Gemma 3 and GPT-OSS, here for DeepSeek).
 """
@@ -55,7 +56,13 @@ class ArchFlags:
     # Phi-3's rope: reads partial_rotary_factor, and its legacy "su"/"yarn" mean longrope.
     phi3_rope: bool = False
     gpt_oss: bool = False  # attention sinks, biased router and experts, clamped SwiGLU
-    deepseek: int = 0  # 2 or 3: DeepSeek-V2's or -V3's latent attention and router
+    # 2 or 3: DeepSeek-V2's or -V3's router (``MoeConfig.deepseek_scoring``), with ungated
+    # shared experts and dense first layers; GLM-4.5 routes as V3.
+    deepseek_router: int = 0
+    latent_attention: bool = False  # DeepSeek's MLA (``MlaConfig``)
+    # GLM-4.5: partial_rotary_factor read (as Phi-3, without its longrope names), q/k
+    # RMSNorm as use_qk_norm says, attention_bias on q/k/v only.
+    glm4_moe: bool = False
 
 
 ARCHITECTURES: dict[str, ArchFlags] = {
@@ -79,9 +86,18 @@ ARCHITECTURES: dict[str, ArchFlags] = {
     # The multimodal checkpoint's language model; the loader skips the vision weights.
     "Gemma3ForConditionalGeneration": ArchFlags(qk_norm=True, gemma3=True),
     # Latent attention; shared experts beside routed ones, picked within groups of experts.
-    "DeepseekV2ForCausalLM": ArchFlags(moe=True, deepseek=2),
-    "DeepseekV3ForCausalLM": ArchFlags(moe=True, deepseek=3, norm_topk_prob=True),
+    "DeepseekV2ForCausalLM": ArchFlags(moe=True, deepseek_router=2, latent_attention=True),
+    "DeepseekV3ForCausalLM": ArchFlags(
+        moe=True, deepseek_router=3, latent_attention=True, norm_topk_prob=True
+    ),
+    # GLM-4.5 / 4.6 (and -Air): GQA attention with a partial rotary, DeepSeek-V3's router.
+    "Glm4MoeForCausalLM": ArchFlags(
+        moe=True, deepseek_router=3, norm_topk_prob=True, glm4_moe=True
+    ),
 }
+# Checkpoints that store multi-token-prediction layers after ``num_hidden_layers`` (V3's
+# ``model.layers.61``, GLM-4.5's ``model.layers.46``): left unloaded, as transformers does.
+MTP_LAYER_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
 
 _BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -97,6 +113,7 @@ _BY_MODEL_TYPE = {
     "gemma3": "Gemma3ForConditionalGeneration",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 
 
@@ -261,12 +278,13 @@ def _sliding_windows(cfg: dict[str, Any], architecture: str, num_layers: int) ->
 
 
 def _moe_config(
-    cfg: dict[str, Any], flags: ArchFlags, num_layers: int, path: Path
+    cfg: dict[str, Any], architecture: str, num_layers: int, path: Path
 ) -> MoeConfig | None:
+    flags = ARCHITECTURES[architecture]
     if not flags.moe:
         return None
-    if flags.deepseek:
-        return _deepseek_moe(cfg, flags, num_layers, path)
+    if flags.deepseek_router:
+        return _deepseek_moe(cfg, architecture, flags, num_layers, path)
     # Mixtral and transformers 5 write num_local_experts; Qwen's checkpoints num_experts.
     num_experts = cfg.get("num_local_experts", cfg.get("num_experts"))
     if num_experts is None:
@@ -297,25 +315,36 @@ def _moe_config(
     )
 
 
-# DeepseekV2Config's and DeepseekV3Config's defaults (transformers 5) for the keys below.
-_DEEPSEEK_DEFAULTS: dict[int, dict[str, Any]] = {
-    2: {"n_routed_experts": 64, "n_shared_experts": 2, "routed_scaling_factor": 1.0,
-        "first_k_dense_replace": 0, "topk_method": "greedy", "q_lora_rank": 1536},
-    3: {"n_routed_experts": 256, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
-        "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4, "q_lora_rank": 1536},
+# DeepseekV2Config's, DeepseekV3Config's and Glm4MoeConfig's defaults (transformers 5) for
+# the keys below.
+_DEEPSEEK_DEFAULTS: dict[str, dict[str, Any]] = {
+    "DeepseekV2ForCausalLM": {
+        "n_routed_experts": 64, "n_shared_experts": 2, "routed_scaling_factor": 1.0,
+        "first_k_dense_replace": 0, "topk_method": "greedy", "q_lora_rank": 1536,
+    },
+    "DeepseekV3ForCausalLM": {
+        "n_routed_experts": 256, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+        "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4, "q_lora_rank": 1536,
+    },
+    "Glm4MoeForCausalLM": {
+        "n_routed_experts": 128, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
+        "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+    },
 }  # fmt: skip
 
 
-def _deepseek_moe(cfg: dict[str, Any], flags: ArchFlags, num_layers: int, path: Path) -> MoeConfig:
+def _deepseek_moe(
+    cfg: dict[str, Any], architecture: str, flags: ArchFlags, num_layers: int, path: Path
+) -> MoeConfig:
     """DeepSeek's experts: ``n_routed_experts`` routed (``MoeConfig.deepseek_scoring``) and
     ``n_shared_experts`` of ``moe_intermediate_size`` run by every token as one MLP; the
     first ``first_k_dense_replace`` layers (then all but every ``moe_layer_freq``-th) dense."""
-    cfg = {**_DEEPSEEK_DEFAULTS[flags.deepseek], **{k: v for k, v in cfg.items() if v is not None}}
+    cfg = {**_DEEPSEEK_DEFAULTS[architecture], **{k: v for k, v in cfg.items() if v is not None}}
     num_experts = int(cfg.get("num_local_experts", cfg["n_routed_experts"]))
     top_k = int(_require(cfg, "num_experts_per_tok", path))
     width = int(_require(cfg, "moe_intermediate_size", path))
     num_groups, topk_groups = int(cfg.get("n_group", 1)), int(cfg.get("topk_group", 1))
-    if flags.deepseek == 2:  # V2's topk_method says whether groups limit the choice
+    if flags.deepseek_router == 2:  # V2's topk_method says whether groups limit the choice
         method = cfg["topk_method"]
         if method not in ("greedy", "group_limited_greedy"):
             raise ModelLoadError(f"{path}: topk_method {method!r} is not supported for "
@@ -338,21 +367,20 @@ def _deepseek_moe(cfg: dict[str, Any], flags: ArchFlags, num_layers: int, path: 
         routing_weights_in_model_dtype=False,
         shared_expert_intermediate_size=width * int(cfg["n_shared_experts"] or 0),
         sparse_layers=tuple(i >= first_dense and i % frequency == 0 for i in range(num_layers)),
-        deepseek_scoring="softmax" if flags.deepseek == 2 else "sigmoid",
+        deepseek_scoring="softmax" if flags.deepseek_router == 2 else "sigmoid",
         num_groups=num_groups,
         topk_groups=topk_groups,
         routed_scaling_factor=float(cfg["routed_scaling_factor"]),
     )
 
 
-def _deepseek_attention(
-    cfg: dict[str, Any], flags: ArchFlags, rope: RopeConfig, path: Path
-) -> dict[str, Any]:
+def _deepseek_attention(cfg: dict[str, Any], architecture: str, rope: RopeConfig,
+                        path: Path) -> dict[str, Any]:  # fmt: skip
     """ModelArchConfig's fields for latent attention: ``mla``, the cache's one KV head of
     half a latent (``hf_config.kv_cache_heads``), and the softmax scale: over the
     ``qk_nope_head_dim + qk_rope_head_dim`` dims a head's query and key have, times
     YaRN's ``mscale_all_dim`` correction squared (as transformers)."""
-    cfg = {**_DEEPSEEK_DEFAULTS[flags.deepseek], **cfg}
+    cfg = {**_DEEPSEEK_DEFAULTS[architecture], **cfg}
     latent_dim = mla_latent_dim(cfg)
     if latent_dim is None or latent_dim % 2:
         raise ModelLoadError(f"{path}: kv_lora_rank + qk_rope_head_dim must be a positive "
@@ -365,7 +393,8 @@ def _deepseek_attention(
         qk_rope_head_dim=int(cfg.get("qk_rope_head_dim", 64)),
         v_head_dim=int(cfg.get("v_head_dim", 128)),
         # V2 rotates pairs (as complex numbers) always; V3 as rope_interleave says.
-        rope_interleaved=flags.deepseek == 2 or bool(cfg.get("rope_interleave", True)),
+        rope_interleaved=architecture == "DeepseekV2ForCausalLM"
+        or bool(cfg.get("rope_interleave", True)),
     )
     scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
     params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
@@ -419,7 +448,7 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
     qkv_bias = flags.qkv_bias or config_bias
     if architecture == "Qwen2MoeForCausalLM":  # its q/k/v bias is a key (default on)
         qkv_bias = bool(cfg.get("qkv_bias", True))
-    o_bias = config_bias and not flags.qkv_bias
+    o_bias = config_bias and not flags.qkv_bias and not flags.glm4_moe
     if cfg.get("mlp_bias"):
         raise ModelLoadError(f"{path}: mlp_bias=true is not supported")
     if not flags.gemma3:
@@ -432,11 +461,12 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
     if quantization and not (flags.gpt_oss and quantization.get("quant_method") == "mxfp4"):
         fp8_weights = read_fp8_config(quantization, path)
     gemma3 = _gemma3_fields(cfg, num_layers, hidden_size, path) if flags.gemma3 else {}
-    rope = gemma3.pop("rope") if gemma3 else rope_config(cfg, path, flags.phi3_rope)
+    rope = gemma3.pop("rope") if gemma3 else rope_config(cfg, path, flags.phi3_rope,
+                                                         flags.glm4_moe)  # fmt: skip
     attention = {"num_kv_heads": int(cfg.get("num_key_value_heads") or num_q_heads),
                  "head_dim": int(head_dim)}  # fmt: skip
-    if flags.deepseek:
-        attention = _deepseek_attention(cfg, flags, rope, path)
+    if flags.latent_attention:
+        attention = _deepseek_attention(cfg, architecture, rope, path)
     return ModelArchConfig(
         architecture=architecture,
         vocab_size=int(_require(cfg, "vocab_size", path)),
@@ -450,12 +480,12 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
         o_bias=o_bias,
-        qk_norm=flags.qk_norm,
+        qk_norm=flags.qk_norm or (flags.glm4_moe and bool(cfg.get("use_qk_norm", False))),
         sliding_windows=_sliding_windows(cfg, architecture, num_layers),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
         eos_token_ids=eos_token_ids(cfg, model_dir),
         bos_token_id=cfg.get("bos_token_id"),
-        moe=_moe_config(cfg, flags, num_layers, path),
+        moe=_moe_config(cfg, architecture, num_layers, path),
         max_context_len=max_context_len(cfg),
         attention_sinks=flags.gpt_oss,
         norm_gain_in_float32=flags.gpt_oss,

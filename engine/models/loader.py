@@ -10,8 +10,8 @@ untied), and fails with a message naming the missing file or tensor. Multimodal 
 served for text (Gemma 3's) load their language model's tensors and skip the rest; GPT-OSS's
 experts (interleaved, input-major, maybe MXFP4) go through ``gpt_oss_weights.py``; FP8
 weights are dequantized with the scales stored beside them (``fp8_weights.py``). DeepSeek's
-rotary rows are reordered (``mla.rope_rows_in_halves``) and its multi-token-prediction
-layers left out.
+rotary rows are reordered (``mla.rope_rows_in_halves``); multi-token-prediction layers
+(DeepSeek-V3's, GLM-4.5's) are left out.
 """
 
 from __future__ import annotations
@@ -29,7 +29,12 @@ from safetensors import safe_open
 
 from common.model_info import BARE_NAMES
 from engine.attention.backend import AttentionBackend
-from engine.models.arch import ModelArchConfig, ModelLoadError, safetensors_files
+from engine.models.arch import (
+    MTP_LAYER_ARCHITECTURES,
+    ModelArchConfig,
+    ModelLoadError,
+    safetensors_files,
+)
 from engine.models.fp8_config import SCALE_SUFFIXES, SIDECAR_SUFFIXES
 from engine.models.fp8_weights import FLOAT8_DTYPES, dequantize_fp8
 from engine.models.gpt_oss_weights import EXPERT_TENSOR, expert_pieces
@@ -100,10 +105,10 @@ def _target(name: str, arch: ModelArchConfig, shapes: dict[str, tuple[int, ...]]
 
 
 def _extra_layer(name: str, arch: ModelArchConfig) -> bool:
-    """A DeepSeek-V3 checkpoint's multi-token-prediction layers (``model.layers.61`` in V3),
-    stored after the ``num_hidden_layers`` the model runs: left unloaded, as transformers
-    does."""
-    layer = _LAYER_INDEX.match(name) if arch.mla is not None else None
+    """A multi-token-prediction layer (``arch.MTP_LAYER_ARCHITECTURES``), stored after the
+    ``num_hidden_layers`` the model runs: left unloaded, as transformers does."""
+    stores_mtp = arch.architecture in MTP_LAYER_ARCHITECTURES
+    layer = _LAYER_INDEX.match(name) if stores_mtp else None
     return layer is not None and int(layer.group(1)) >= arch.num_layers
 
 

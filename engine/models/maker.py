@@ -13,7 +13,7 @@ model's. ``gemma3`` is Gemma 3's text model (``Gemma3ForCausalLM``; see ``_gemma
 GPT-OSS unquantized (see ``_gpt_oss_config``), whose tokenizer has the Harmony markers and
 a template of that format (the router reads its replies in it: ``router/harmony.py``).
 ``deepseek_v2`` and ``deepseek_v3`` are DeepSeek's latent attention and routers (see
-``_deepseek_config``).
+``_deepseek_config``), ``glm4_moe`` GLM-4.5's layout (see ``_glm4_moe_config``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from engine.models.tokenizer_trainer import (
 )
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3",
-         "phi3", "gpt_oss", "deepseek_v2", "deepseek_v3")  # fmt: skip
+         "phi3", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe")  # fmt: skip
 SIZES = ("tiny", "small")
 # ChatML for the others.
 _CHAT_TEMPLATES = {"qwen3": THINKING_CHAT_TEMPLATE, "qwen3_moe": THINKING_CHAT_TEMPLATE,
@@ -136,6 +136,8 @@ def _hf_config(arch: str, spec: SizeSpec, tokenizer_ids: dict[str, int]):
         return _gpt_oss_config(common, spec)
     if arch.startswith("deepseek"):
         return _deepseek_config(arch, common, spec)
+    if arch == "glm4_moe":
+        return _glm4_moe_config(common, spec)
     if arch == "phi3":  # Phi-4-mini's shape: tied, 3/4 of each head rotates (default rope)
         return transformers.Phi3Config(
             **common, tie_word_embeddings=True, partial_rotary_factor=0.75, rope_theta=1e4
@@ -194,6 +196,21 @@ def _deepseek_config(arch: str, common: dict, spec: SizeSpec):
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 64, "beta_fast": 32.0,
                          "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    )  # fmt: skip
+
+
+def _glm4_moe_config(common: dict, spec: SizeSpec):
+    """GLM-4.5: q/k/v biases (no o_proj bias), q/k RMSNorm, half of each head rotating,
+    a dense first layer, then DeepSeek-V3's router (8 experts, 2 per token, within the best
+    2 of 4 groups, a random choice bias, scaled weights) beside a shared expert."""
+    import transformers
+
+    return transformers.Glm4MoeConfig(
+        **common, attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5,
+        n_routed_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+        moe_intermediate_size=spec.expert_intermediate_size, n_shared_experts=1,
+        n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True,
     )  # fmt: skip
 
 
@@ -270,7 +287,7 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
         if arch == "gpt_oss":  # sinks that take a real share of some heads' attention
             for layer in model.model.layers:
                 layer.self_attn.sinks.uniform_(-2.0, 2.0)
-        if arch == "deepseek_v3":  # a choice bias that changes which experts are chosen
+        if arch in ("deepseek_v3", "glm4_moe"):  # a choice bias that changes the choice
             for layer in model.model.layers[1:]:
                 layer.mlp.gate.e_score_correction_bias.uniform_(-0.1, 0.1)
         if arch == "gemma3":

@@ -39,16 +39,20 @@ class RopeConfig:
         return int(head_dim * self.partial_rotary_factor)
 
 
-def rope_config(cfg: dict[str, Any], path: Path, phi3: bool = False) -> RopeConfig:
+def rope_config(
+    cfg: dict[str, Any], path: Path, phi3: bool = False, partial: bool = False
+) -> RopeConfig:
+    """``phi3``: Phi-3's reading (a partial rotary, and its legacy names of longrope);
+    ``partial``: the partial rotary only (GLM-4.5). Other models rotate whole heads."""
     params = dict(cfg.get("rope_parameters") or {})
     legacy = cfg.get("rope_scaling") or {}
     params = {**legacy, **params}
-    if phi3:  # partial_rotary_factor from rope_parameters or the config's top level
+    if phi3 or partial:  # partial_rotary_factor from rope_parameters or the top level
         params.setdefault("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-        if params.get("rope_type", params.get("type")) in ("su", "yarn"):
-            params["rope_type"] = "longrope"  # Phi-3's old names for it, as transformers reads
     else:
         params.pop("partial_rotary_factor", None)
+    if phi3 and params.get("rope_type", params.get("type")) in ("su", "yarn"):
+        params["rope_type"] = "longrope"  # Phi-3's old names for it, as transformers reads
     return _rope_from_params(params, cfg.get("rope_theta", 10000.0), cfg, path)
 
 

@@ -119,10 +119,12 @@ def test_absorbed_and_expanded_forms_agree():
     assert not v3.expanded_is_cheaper(160, 10_000) and v3.expanded_is_cheaper(180, 10_000)
 
 
-def test_multi_token_prediction_layers_are_left_unloaded(model_factory, tmp_path):
-    """V3's checkpoints store their MTP module as one more layer (``model.layers.61`` of
-    61): it is skipped, as transformers skips it, and generation is unchanged."""
-    model_dir = model_factory("deepseek_v3")
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_multi_token_prediction_layers_are_left_unloaded(model_factory, tmp_path, arch):
+    """V3's and GLM-4.5's checkpoints store their MTP module as one more layer
+    (``model.layers.61`` of 61 in V3): it is skipped, as transformers skips it, and
+    generation is unchanged."""
+    model_dir = model_factory(arch)
     copy = tmp_path / "with-mtp"
     copy.mkdir()
     for path in model_dir.iterdir():

@@ -43,14 +43,15 @@ def _tokens(outputs) -> list[list[int]]:
 @pytest.mark.parametrize(
     ("arch", "tp_size"),
     [("llama", 2), ("qwen2_moe", 2), ("gpt_oss", 2), ("gemma3", 2), ("deepseek_v3", 2),
-     ("deepseek_v2", 4)],
+     ("deepseek_v2", 4), ("glm4_moe", 2)],
 )  # fmt: skip
 def test_greedy_parity_with_transformers(model_factory, arch, tp_size):
     """qwen2_moe: experts, a gated shared expert and q/k/v biases split; gpt_oss: sinks,
     an o_proj bias and expert biases (rank 0's only), windows; gemma3: each block's
     output normed after the all-reduce (sandwich norms); deepseek: latent attention's
     heads split (one head per rank for V2) with the latent replicated, shared experts
-    ungated, the router in float32 on every rank."""
+    ungated, the router in float32 on every rank; glm4_moe: q/k norms and a partial rotary
+    per head, q/k/v biases split."""
     model_dir = model_factory(arch)
     prompts = random_prompts((5, 33, 71))
     with LLM(model_dir, tensor_parallel_size=tp_size, **POOL) as llm:
