@@ -86,14 +86,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-heads", type=int, default=16)
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                        help="default: float32 on a CPU, bfloat16 on CUDA")  # fmt: skip
     parser.add_argument("--tag", default="cpu")
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    import torch
+
+    dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
     workdir = Path(tempfile.mkdtemp(prefix="mla-prefill-"))
     try:
         model = make_checkpoint(workdir / "model", args.num_heads, args.num_layers)
         longest = max(args.prompt_lens)
-        llm = LLM(model, dtype="float32", enable_prefix_caching=False,
+        llm = LLM(model, dtype=dtype, enable_prefix_caching=False,
                   max_num_batched_tokens=longest, max_model_len=longest + 16)  # fmt: skip
         rows = []
         for prompt_len in args.prompt_lens:
@@ -120,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {
         **record_header(argparse.Namespace(model=None, size="")),
         "model": f"DeepSeek-V3 attention dims, {args.num_heads} heads, {args.num_layers} layers",
+        "dtype": dtype,
         "repeats": args.repeats,
         "rows": rows,
     }
@@ -127,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         f"# MLA prefill: absorbed everywhere vs the cheaper form per segment ({args.tag})",
         "",
         f"{record['machine']}, torch {record['torch']}, {record['date']}; {record['model']}, "
-        f"float32, median of {args.repeats} alternating runs per cell.",
+        f"{dtype}, median of {args.repeats} alternating runs per cell.",
         "",
         "| prompt tokens | absorbed s | chosen (expanded) s | speedup | same tokens |",
         "|---|---|---|---|---|",

@@ -215,6 +215,8 @@ class ToolCallParser(StrEnum):
     HERMES = "hermes"  # <tool_call>{"name": ..., "arguments": ...}</tool_call> (Qwen2.5/3, Hermes)
     LLAMA3_JSON = "llama3_json"  # the answer is {"name": ..., "parameters": ...} (Llama 3.x)
     MISTRAL = "mistral"  # [TOOL_CALLS] then a JSON list, or NAME[ARGS]{...} per call (Mistral)
+    GLM45 = "glm45"  # <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>... (GLM-4.5)
+    DEEPSEEK_V3 = "deepseek_v3"  # <｜tool▁calls▁begin｜>... (DeepSeek-V3, R1, V3.1)
 
 
 _ENUM_FIELDS["ToolCallParser"] = ToolCallParser

@@ -33,7 +33,7 @@ from router.metrics import RouterMetrics
 from router.policy import PlacementPolicy
 from router.prefix_index import PrefixIndex
 from router.scoring import EMBEDDING_SCORER, Scorer
-from router.tool_parsers import MISTRAL_MARKERS
+from router.tool_parsers import DEEPSEEK_MARKERS, MISTRAL_MARKERS
 from router.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -198,11 +198,17 @@ def harmony_ids_of(
     return ids
 
 
+# The tool-call parsers whose markers the detokenizer must keep when they are special tokens.
+_TOOL_MARKERS = {
+    ToolCallParser.MISTRAL: MISTRAL_MARKERS,
+    ToolCallParser.DEEPSEEK_V3: DEEPSEEK_MARKERS,
+}
+
+
 def tool_marker_ids_of(config: PdserveConfig, tokenizer: Tokenizer) -> frozenset[int]:
     """The ids of the configured tool-call parser's markers that are special tokens."""
-    if config.router.tool_call_parser is not ToolCallParser.MISTRAL:
-        return frozenset()
-    return frozenset(tokenizer.special_token_ids(MISTRAL_MARKERS))
+    markers = _TOOL_MARKERS.get(config.router.tool_call_parser, ())
+    return frozenset(tokenizer.special_token_ids(markers))
 
 
 def bad_words_token_ids(tokenizer: Tokenizer, words: Iterable[str]) -> list[list[int]]:

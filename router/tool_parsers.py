@@ -1,6 +1,6 @@
 """Tool calls read from a model's free text, for ``tool_choice: "auto"``: the model
 decides whether to call, in its family's own format (vLLM's ``--tool-call-parser``).
-Two formats:
+Five formats:
 
 ``hermes`` (Qwen2.5 / Qwen3, NousResearch Hermes): each call is
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; text before the first call
@@ -9,6 +9,12 @@ streamed deltas add up to the whole response: content goes out as it comes (hold
 only what may be the start of ``<tool_call>``), and each call once its closing tag
 arrives. A call whose body is not such JSON, or one cut short, stays text, as vLLM's
 parser leaves it; whitespace between calls is dropped.
+
+``glm45`` (GLM-4.5 / 4.6): the same tags, but each call's body is the function's name on
+its own line, then ``<arg_key>K</arg_key><arg_value>V</arg_value>`` per argument (blanks
+between allowed). A value is the argument's text when the tool's schema types it as a
+string (GLM's template writes strings raw), else JSON (a value that is not JSON stays the
+text). Read by the Hermes state machine, so it streams and fails alike.
 
 ``mistral`` (Mistral's instruct models): content, then ``[TOOL_CALLS]`` (a special token,
 which the router's detokenizer keeps in the text for this parser) and the calls, in
@@ -20,6 +26,12 @@ ids are the router's). Content streams up to the marker; the calls are held to t
 and read whole; calls that do not parse are content, marker included, as the other
 parsers leave a broken call as text.
 
+``deepseek_v3`` (DeepSeek-V3 / R1 and V3.1): content, then the calls between
+``<｜tool▁calls▁begin｜>`` and ``<｜tool▁calls▁end｜>``, each in
+``<｜tool▁call▁begin｜>...<｜tool▁call▁end｜>``: V3 / R1 write ``function<｜tool▁sep｜>NAME``
+and the arguments in a fenced ``json`` block, V3.1 ``NAME<｜tool▁sep｜>{...}``. Held and
+read like Mistral's (the markers kept in the text when the tokenizer makes them special).
+
 ``llama3_json`` (Llama 3.1-3.3's JSON tool calling): a reply that calls is nothing but
 calls, ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``), several joined by
 ``;``, after an optional ``<|python_tag|>`` (a special token, which decoding drops). A
@@ -30,10 +42,12 @@ if it does not parse as such it is content, whole. Any other reply streams as co
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 from typing import Any
 
 from common.config import ToolCallParser
-from router.protocol import ChatCompletionRequest, FieldError
+from router.protocol import ChatCompletionRequest, FieldError, Tool
 from router.tags import partial_tag
 from router.tools import ToolCalls, call
 
@@ -42,7 +56,7 @@ START, END = "<tool_call>", "</tool_call>"
 
 def tool_format_of(
     body: ChatCompletionRequest, parser: ToolCallParser
-) -> ToolCalls | HermesCalls | JsonCalls | MistralCalls | None:
+) -> ToolCalls | HermesCalls | JsonCalls | MarkedCalls | None:
     """How a chat request's tool calls are made: by constraint ("required", a named
     function), parsed from free text ("auto" or unset, with a parser configured), or not
     at all. Raises ``FieldError`` for "auto" without a parser."""
@@ -58,6 +72,10 @@ def tool_format_of(
         )
     if parser is ToolCallParser.MISTRAL:
         return MistralCalls()
+    if parser is ToolCallParser.DEEPSEEK_V3:
+        return DeepseekCalls()
+    if parser is ToolCallParser.GLM45:
+        return Glm45Calls(string_arguments(body.tools or []))
     return HermesCalls() if parser is ToolCallParser.HERMES else JsonCalls()
 
 
@@ -82,10 +100,51 @@ def _name_and_arguments(value: Any, argument_keys: tuple[str, ...]) -> tuple[str
     return value["name"], arguments
 
 
-class _Reader:
-    """One choice's text, read as it comes."""
+def string_arguments(tools: list[Tool]) -> dict[str, frozenset[str]]:
+    """Per function, the arguments its schema types as strings (GLM-4.5 writes those raw)."""
+    strings = {}
+    for tool in tools:
+        properties = (tool.function.parameters or {}).get("properties") or {}
+        strings[tool.function.name] = frozenset(
+            name for name, schema in properties.items()
+            if isinstance(schema, dict) and schema.get("type") == "string"
+        )  # fmt: skip
+    return strings
 
-    def __init__(self) -> None:
+
+_FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule (protocol.FunctionDefinition)
+_GLM_ARGUMENT = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+
+def _parse_glm45_call(body: str, strings: dict[str, frozenset[str]]) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of a GLM-4.5 call's body; None if it is not one."""
+    name, marker, rest = body.partition("<arg_key>")
+    name, rest = name.strip(), marker + rest
+    if _FUNCTION_NAME.fullmatch(name) is None:
+        return None
+    arguments: dict[str, Any] = {}
+    at = 0
+    while at < len(rest):  # the body is stripped: every part of it must be an argument
+        match = _GLM_ARGUMENT.match(rest, at)
+        if match is None:
+            return None
+        key, value = match.group(1).strip(), match.group(2)
+        if key in strings.get(name, ()):
+            arguments[key] = value
+        else:
+            try:
+                arguments[key] = json.loads(value)
+            except ValueError:
+                arguments[key] = value
+        at = match.end()
+    return name, json.dumps(arguments, ensure_ascii=False)
+
+
+class _Reader:
+    """One choice's text, read as it comes: ``<tool_call>`` bodies by ``parse``."""
+
+    def __init__(self, parse: Callable[[str], tuple[str, str] | None] = _parse_call) -> None:
+        self.parse = parse
         self.pending = ""
         self.in_call = False
         self.num_calls = 0
@@ -115,7 +174,7 @@ class _Reader:
                 return "".join(content), calls
             body, self.pending = self.pending[:end], self.pending[end + len(END) :]
             self.in_call = False
-            parsed = _parse_call(body.strip())
+            parsed = self.parse(body.strip())
             if parsed is None:
                 content.append(START + body + END)
                 continue
@@ -144,8 +203,11 @@ class HermesCalls:
     def __init__(self) -> None:
         self._readers: dict[int, _Reader] = {}
 
+    def _reader(self) -> _Reader:
+        return _Reader()
+
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
-        reader = _Reader()
+        reader = self._reader()
         content, calls = reader.feed(text, final=True)
         if not calls:
             return {"role": "assistant", "content": text}, finish_reason
@@ -154,7 +216,9 @@ class HermesCalls:
     def delta(
         self, index: int, text: str, first: bool, finish_reason: str | None
     ) -> tuple[dict[str, Any], str | None]:
-        reader = self._readers.setdefault(index, _Reader())
+        if index not in self._readers:
+            self._readers[index] = self._reader()
+        reader = self._readers[index]
         before = reader.num_calls
         content, calls = reader.feed(text, final=finish_reason is not None)
         delta: dict[str, Any] = {"content": content if content or not calls else None}
@@ -163,6 +227,18 @@ class HermesCalls:
         if finish_reason == "stop" and reader.num_calls:
             finish_reason = "tool_calls"
         return delta, finish_reason
+
+
+class Glm45Calls(HermesCalls):
+    """GLM-4.5's tool calls of one response: Hermes' tags, GLM's bodies (module docstring).
+    ``strings``: per function, the arguments its schema types as strings."""
+
+    def __init__(self, strings: dict[str, frozenset[str]]) -> None:
+        super().__init__()
+        self.strings = strings
+
+    def _reader(self) -> _Reader:
+        return _Reader(lambda body: _parse_glm45_call(body, self.strings))
 
 
 PYTHON_TAG = "<|python_tag|>"
@@ -270,10 +346,12 @@ def _mistral_calls(text: str) -> list[dict[str, Any]] | None:
     return calls
 
 
-class _MistralReader:
-    """One choice's text, read as it comes: content up to ``[TOOL_CALLS]``, then held."""
+class _MarkedReader:
+    """One choice's text, read as it comes: content up to ``marker``, then held to the end
+    and read by ``parse`` (None: not calls, so the marker and all after it are text)."""
 
-    def __init__(self) -> None:
+    def __init__(self, marker: str, parse: Callable[[str], list[dict[str, Any]] | None]) -> None:
+        self.marker, self.parse = marker, parse
         self.pending = ""
         self.held: str | None = None  # what follows the marker, once it came
 
@@ -282,33 +360,35 @@ class _MistralReader:
         content = ""
         if self.held is None:
             self.pending += text
-            at = self.pending.find(TOOL_CALLS)
+            at = self.pending.find(self.marker)
             if at < 0:
-                keep = 0 if final else partial_tag(self.pending, TOOL_CALLS)
+                keep = 0 if final else partial_tag(self.pending, self.marker)
                 content, self.pending = (self.pending[: len(self.pending) - keep],
                                          self.pending[len(self.pending) - keep :])  # fmt: skip
                 return content, []
-            content, self.held = self.pending[:at], self.pending[at + len(TOOL_CALLS) :]
+            content, self.held = self.pending[:at], self.pending[at + len(self.marker) :]
         else:
             self.held += text
         if not final:
             return content, []
-        calls = _mistral_calls(self.held)
+        calls = self.parse(self.held)
         if calls is None:  # not calls: text, as the model wrote it
-            return content + TOOL_CALLS + self.held, []
+            return content + self.marker + self.held, []
         return content, calls
 
 
-class MistralCalls:
-    """Mistral-format tool calls of one response (see the module docstring)."""
+class MarkedCalls:
+    """Tool calls after a marker, held to the end and sent whole (Mistral's, DeepSeek's:
+    see the module docstring)."""
 
     structured = None  # nothing constrains the text
 
-    def __init__(self) -> None:
-        self._readers: dict[int, _MistralReader] = {}
+    def __init__(self, marker: str, parse: Callable[[str], list[dict[str, Any]] | None]) -> None:
+        self.marker, self.parse = marker, parse
+        self._readers: dict[int, _MarkedReader] = {}
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
-        content, calls = _MistralReader().feed(text, final=True)
+        content, calls = _MarkedReader(self.marker, self.parse).feed(text, final=True)
         if not calls:
             return {"role": "assistant", "content": content}, finish_reason
         return _calling(content, calls, finish_reason)
@@ -316,10 +396,64 @@ class MistralCalls:
     def delta(
         self, index: int, text: str, first: bool, finish_reason: str | None
     ) -> tuple[dict[str, Any], str | None]:
-        reader = self._readers.setdefault(index, _MistralReader())
-        content, calls = reader.feed(text, final=finish_reason is not None)
+        if index not in self._readers:
+            self._readers[index] = _MarkedReader(self.marker, self.parse)
+        content, calls = self._readers[index].feed(text, final=finish_reason is not None)
         delta: dict[str, Any] = {"content": content if content or not calls else None}
         if not calls:
             return delta, finish_reason
         delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
         return delta, "tool_calls" if finish_reason == "stop" else finish_reason
+
+
+class MistralCalls(MarkedCalls):
+    """Mistral-format tool calls of one response (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__(TOOL_CALLS, _mistral_calls)
+
+
+# DeepSeek's markers: fullwidth bars (U+FF5C) and lower-one-eighth blocks (U+2581).
+CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
+CALLS_END = "<｜tool▁calls▁end｜>"
+CALL_BEGIN = "<｜tool▁call▁begin｜>"
+CALL_END = "<｜tool▁call▁end｜>"
+TOOL_SEP = "<｜tool▁sep｜>"
+DEEPSEEK_MARKERS = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, TOOL_SEP)
+
+
+def _deepseek_calls(text: str) -> list[dict[str, Any]] | None:
+    """OpenAI's ``tool_calls`` of what follows a reply's ``<｜tool▁calls▁begin｜>``: calls
+    up to ``<｜tool▁calls▁end｜>`` (then nothing but blanks), each
+    ``<｜tool▁call▁begin｜>...<｜tool▁call▁end｜>`` holding V3 / R1's
+    ``function<｜tool▁sep｜>NAME`` and a fenced JSON block, or V3.1's
+    ``NAME<｜tool▁sep｜>{...}``; None if it is not that."""
+    section, found, after = text.partition(CALLS_END)
+    pieces = section.split(CALL_BEGIN)
+    if not found or after.strip() or pieces[0].strip() or len(pieces) < 2:
+        return None
+    calls = []
+    for piece in pieces[1:]:
+        inner, found, between = piece.partition(CALL_END)
+        head, sep, arguments = inner.partition(TOOL_SEP)
+        if not found or between.strip() or not sep:
+            return None
+        name = head
+        if head.strip() == "function":  # V3 / R1: the name, then ```json {...} ```
+            name, _, arguments = arguments.partition("\n")
+            arguments = arguments.strip().removeprefix("```json").removesuffix("```")
+        try:
+            value = json.loads(arguments)
+        except ValueError:
+            return None
+        if _FUNCTION_NAME.fullmatch(name.strip()) is None or not isinstance(value, dict):
+            return None
+        calls.append(call(name.strip(), json.dumps(value, ensure_ascii=False)))
+    return calls
+
+
+class DeepseekCalls(MarkedCalls):
+    """DeepSeek-V3 / R1 / V3.1 tool calls of one response (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__(CALLS_BEGIN, _deepseek_calls)

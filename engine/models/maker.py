@@ -31,6 +31,7 @@ from common.owned_paths import owner_tag, remove_dead_owners
 from engine.models.tokenizer_trainer import (
     BOS_TOKEN,
     CHAT_TEMPLATE,
+    DEEPSEEK_TOOL_TOKENS,
     EOS_TOKEN,
     HARMONY_CHAT_TEMPLATE,
     HARMONY_TOKENS,
@@ -262,6 +263,8 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
         tokenizer.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
     if arch == "mistral":  # Mistral's tool-call markers, special tokens as in its tokenizers
         tokenizer.add_special_tokens({"additional_special_tokens": MISTRAL_TOOL_TOKENS})
+    if arch.startswith("deepseek"):  # DeepSeek's tool-call markers
+        tokenizer.add_special_tokens({"additional_special_tokens": DEEPSEEK_TOOL_TOKENS})
     ids = {
         "bos": tokenizer.convert_tokens_to_ids(BOS_TOKEN),
         "eos": tokenizer.convert_tokens_to_ids(EOS_TOKEN),

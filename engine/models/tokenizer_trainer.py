@@ -44,6 +44,10 @@ THINKING_CHAT_TEMPLATE = (
 
 # Mistral's tool-call markers (router/tool_parsers.py reads them).
 MISTRAL_TOOL_TOKENS = ["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"]
+# DeepSeek-V3's tool-call markers (special tokens here, so the router must keep them).
+DEEPSEEK_TOOL_TOKENS = ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
+                        "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                        "<｜tool▁sep｜>"]  # fmt: skip
 
 # GPT-OSS's Harmony format (router/harmony.py reads it): its markers, special tokens as in
 # the real tokenizer, and a template in its shape: a system message with the reasoning

@@ -18,7 +18,14 @@ from router.detokenizer import IncrementalDetokenizer
 from router.formatting import Formatter
 from router.protocol import ChatCompletionRequest, FieldError
 from router.state import tool_marker_ids_of
-from router.tool_parsers import HermesCalls, JsonCalls, MistralCalls, tool_format_of
+from router.tool_parsers import (
+    DeepseekCalls,
+    Glm45Calls,
+    HermesCalls,
+    JsonCalls,
+    MistralCalls,
+    tool_format_of,
+)
 from router.tools import ToolCalls
 
 TWO_CALLS = (
@@ -239,4 +246,116 @@ def test_the_mistral_markers_reach_the_parser(model_factory):
     detokenizer = IncrementalDetokenizer(tokenizer, keep_special=keep)
     decoded = "".join(detokenizer.add([t]) for t in token_ids) + detokenizer.finish()
     message, _ = MistralCalls().message(decoded, "stop")
+    assert _names_and_arguments(message["tool_calls"]) == [("get_time", {"zone": "CET"})]
+
+
+GLM_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "array"},
+                                         "zip": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}},
+]  # fmt: skip
+GLM_CALLS = (
+    "I'll look both up.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris"
+    "</arg_value>\n<arg_key>days</arg_key>\n<arg_value>[1, 2]</arg_value>\n<arg_key>zip"
+    "</arg_key>\n<arg_value>75001</arg_value>\n</tool_call>\n<tool_call>get_time\n</tool_call>"
+)
+
+
+def _glm_calls() -> object:
+    body = _body(tools=GLM_TOOLS)
+    calls = tool_format_of(body, ToolCallParser.GLM45)
+    assert isinstance(calls, Glm45Calls)
+    return calls
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_glm45_calls_whole_and_streamed_at_any_cut(seed):
+    """A string-typed argument stays text ("75001" is not the number 75001), others are
+    JSON; a call without arguments has ``{}``; a stream cut anywhere gives the same."""
+    message, reason = _glm_calls().message(GLM_CALLS, "stop")
+    assert reason == "tool_calls" and message["content"] == "I'll look both up."
+    weather = ("get_weather", {"city": "Paris", "days": [1, 2], "zip": "75001"})
+    assert _names_and_arguments(message["tool_calls"]) == [weather, ("get_time", {})]
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(GLM_CALLS)), rng.randint(1, 40)))
+    content, calls, reason = _streamed(GLM_CALLS, cuts, "stop", True, parser=_glm_calls)
+    assert reason == "tool_calls" and content.strip() == message["content"]
+    assert _names_and_arguments(calls) == [weather, ("get_time", {})]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "<tool_call>\n<arg_key>city</arg_key><arg_value>x</arg_value></tool_call>",  # no name
+        "<tool_call>get_weather\n<arg_key>city</arg_key>Paris</tool_call>",  # no value tags
+        "<tool_call>get_weather stray text <arg_key>a</arg_key><arg_value>1</arg_value>"
+        "</tool_call>",
+        "<tool_call>get_weather\n<arg_key>city</arg_key><arg_value>Paris</arg_value> after"
+        "</tool_call>",
+        "cut short <tool_call>get_weather\n<arg_key>city</arg_key><arg_val",
+    ],
+)
+def test_glm45_what_is_not_a_complete_call_stays_text(text):
+    message, reason = _glm_calls().message(text, "length")
+    assert message == {"role": "assistant", "content": text} and reason == "length"
+
+
+CB, CE = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+B, E, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+DEEPSEEK_CASES = [
+    # V3 / R1: function<sep>NAME, then the arguments in a fenced json block.
+    (
+        f'Checking.{CB}{B}function{SEP}get_weather\n```json\n{{"city": "Paris"}}\n```{E}'
+        f"{B}function{SEP}get_time\n```json\n{{}}\n```{E}{CE}",
+        ("Checking.", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ),
+    # V3.1: NAME<sep>{...}.
+    (
+        f'{CB}{B}get_weather{SEP}{{"city": "Paris"}}{E}{CE}',
+        (None, [("get_weather", {"city": "Paris"})]),
+    ),
+    ("No call <｜tool▁call here.", ("No call <｜tool▁call here.", [])),
+    # Calls that do not parse (cut short, no end, not JSON, trailing text) are content.
+    (f'Hm.{CB}{B}get_weather{SEP}{{"city": "Pa', (f'Hm.{CB}{B}get_weather{SEP}{{"city": "Pa', [])),
+    (f"{CB}{B}get_weather{SEP}not json{E}{CE}", (f"{CB}{B}get_weather{SEP}not json{E}{CE}", [])),
+    (
+        f"{CB}{B}get_time{SEP}{{}}{E}{CE} and more",
+        (f"{CB}{B}get_time{SEP}{{}}{E}{CE} and more", []),
+    ),
+    (f"{CB}{CE}", (f"{CB}{CE}", [])),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), DEEPSEEK_CASES)
+def test_deepseek_calls_whole_and_streamed_at_any_cut(text, expected):
+    message, reason = DeepseekCalls().message(text, "stop")
+    content, calls = expected
+    assert message["content"] == content
+    assert _names_and_arguments(message.get("tool_calls", [])) == calls
+    assert reason == ("tool_calls" if calls else "stop")
+    rng = random.Random(len(text))
+    cuts_list = [list(range(1, len(text)))]
+    cuts_list += [sorted(rng.sample(range(1, len(text)), 4)) for _ in range(20)]
+    for cuts in cuts_list:
+        streamed, made, streamed_reason = _streamed(text, cuts, "stop", parser=DeepseekCalls)
+        assert (streamed.strip() or None) == content if calls else streamed == content
+        assert _names_and_arguments(made) == calls and streamed_reason == reason
+
+
+def test_the_deepseek_markers_reach_the_parser(model_factory):
+    """The made DeepSeek tokenizer has the markers as special tokens: the router keeps
+    them in the text for this parser (decoding drops them otherwise)."""
+    model_dir = model_factory("deepseek_v3")
+    config = load_config(None, [f"model={model_dir}", "router.tool_call_parser=deepseek_v3"])
+    tokenizer = Tokenizer(model_dir)
+    keep = tool_marker_ids_of(config, tokenizer)
+    assert keep == {tokenizer.token_id(m) for m in (CB, CE, B, E, SEP)} <= tokenizer.special_ids
+    text = f'Ok.{CB}{B}get_time{SEP}{{"zone": "CET"}}{E}{CE}'
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    assert CB not in tokenizer.decode(token_ids)
+    detokenizer = IncrementalDetokenizer(tokenizer, keep_special=keep)
+    decoded = "".join(detokenizer.add([t]) for t in token_ids) + detokenizer.finish()
+    message, _ = DeepseekCalls().message(decoded, "stop")
+    assert message["content"] == "Ok."
     assert _names_and_arguments(message["tool_calls"]) == [("get_time", {"zone": "CET"})]
