@@ -20,16 +20,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.config import (
-    AttentionBackendName,
-    ConfigError,
-    Device,
-    DType,
-    EngineConfig,
-    PdserveConfig,
-    Role,
-)
-from common.hf_config import kv_cache_heads, max_context_len, mla_latent_dim, text_config
+from common.config import ConfigError, Device, DType, EngineConfig, PdserveConfig, Role
+from common.hf_config import kv_cache_heads, max_context_len, text_config
 from common.model_info import model_dir_of
 from common.tensor_parallel import local_kv_heads, split_problem
 
@@ -47,9 +39,6 @@ class ModelShape:
     num_q_heads: int = 1
     # The MLP widths tensor parallelism splits, by config key (engine.parallel.shard_spec).
     split_widths: tuple[tuple[str, int], ...] = ()
-    # DeepSeek's MLA: the cache's one "KV head" is half of each token's latent vector,
-    # replicated on every tensor-parallel rank; no Triton kernel attends over it yet.
-    latent_attention: bool = False
 
     @classmethod
     def read(cls, model_dir: Path) -> ModelShape | None:
@@ -68,7 +57,6 @@ class ModelShape:
                 max_context_len=max_context_len(cfg),
                 num_q_heads=int(cfg["num_attention_heads"]),
                 split_widths=_split_widths(cfg),
-                latent_attention=mla_latent_dim(cfg) is not None,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError("model", f"{path} is not a usable checkpoint config: {exc}") from None
@@ -151,12 +139,6 @@ def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
                             tp_size)  # fmt: skip
     if problem is not None:
         raise ConfigError(_key(config, role, "tensor_parallel_size"), problem)
-    if shape.latent_attention and engine.attention_backend is AttentionBackendName.TRITON:
-        raise ConfigError(
-            _key(config, role, "attention_backend"),
-            "the model has latent attention (DeepSeek MLA), which the triton backend has no "
-            "kernel for yet; use torch or auto",
-        )
     max_model_len = min(engine.max_model_len or shape.max_context_len, shape.max_context_len)
     min_blocks = -(-max_model_len // engine.block_size)
     cpu_bpb = shape.bytes_per_block(engine.block_size, _dtype_bytes(engine, Device.CPU), tp_size)

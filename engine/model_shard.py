@@ -179,7 +179,9 @@ class ModelShard:
         # every layer (host_memory.zeros_for_kv_caches says why).
         self.kv_caches = zeros_for_kv_caches(arch.num_layers, shape, self.cache_dtype, self.device)
         config = self.config
-        if config.cuda_graphs and self.device.type == "cuda" and self.backend.name == "triton":
+        # Latent attention decodes eagerly: its capture is not yet tried on a GPU.
+        graphs = config.cuda_graphs and self.device.type == "cuda" and arch.mla is None
+        if graphs and self.backend.name == "triton":
             self._capture()
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB of %s%s), attention backend %s",

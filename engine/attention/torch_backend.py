@@ -160,7 +160,7 @@ class TorchAttentionBackend(AttentionBackend):
             return out
         start = layout.query_start_loc_cpu[first_long]
         if latent is not None:
-            self._latent_segments(query, kv_cache, layout, first_long, layer.scale, latent, out)
+            latent_segments(query, kv_cache, layout, first_long, layer.scale, latent, out)
             return out
         out[start:] = reference.paged_attention(
             query[start:],
@@ -174,35 +174,37 @@ class TorchAttentionBackend(AttentionBackend):
         )
         return out
 
-    def _latent_segments(
-        self,
-        query: torch.Tensor,  # [num_tokens, H, nope + rope]
-        kv_cache: torch.Tensor,
-        layout: BatchLayout,
-        first: int,
-        scale: float,
-        latent: LatentAttention,
-        out: torch.Tensor,  # [num_tokens, H, v_head_dim], written in place
-    ) -> None:
-        """Latent attention's prompt segments, one at a time, each in the form that costs
-        less (``LatentAttention.expanded_is_cheaper``): a whole prompt expands, a short
-        chunk after a long cached context absorbs."""
-        starts = layout.query_start_loc_cpu
-        for i in range(first, layout.num_seqs):
-            q_start, q_end, seq_len = starts[i], starts[i + 1], layout.seq_lens_cpu[i]
-            block_ids = layout.block_table[i, : -(-seq_len // self.block_size)].long()
-            if latent.expanded_is_cheaper(q_end - q_start, seq_len):
-                out[q_start:q_end] = reference.expanded_latent_attention(
-                    query[q_start:q_end], kv_cache, block_ids, seq_len, scale, latent.expand
-                )
-                continue
-            segment = reference.paged_attention(
-                latent.absorb(query[q_start:q_end]),
-                kv_cache,
-                layout.query_start_loc.new_tensor([0, q_end - q_start]),
-                layout.seq_lens[i : i + 1],
-                block_ids[None],
-                scale,
-                latent_dim=latent.kv_lora_rank,
+
+def latent_segments(
+    query: torch.Tensor,  # [num_tokens, H, nope + rope]
+    kv_cache: torch.Tensor,  # [num_blocks, 2, block_size, 1, latent_dim / 2]
+    layout: BatchLayout,
+    first: int,
+    scale: float,
+    latent: LatentAttention,
+    out: torch.Tensor,  # [num_tokens, H, v_head_dim], written in place
+) -> None:
+    """Latent attention of segments ``first ..`` of the batch, one at a time, each in the
+    form that costs less (``LatentAttention.expanded_is_cheaper``): a whole prompt expands,
+    a short chunk after a long cached context absorbs. (Both backends' prompt path.)"""
+    starts, block_size = layout.query_start_loc_cpu, kv_cache.shape[2]
+    for i in range(first, layout.num_seqs):
+        q_start, q_end, seq_len = starts[i], starts[i + 1], layout.seq_lens_cpu[i]
+        if q_start == q_end:
+            continue
+        block_ids = layout.block_table[i, : -(-seq_len // block_size)].long()
+        if latent.expanded_is_cheaper(q_end - q_start, seq_len):
+            out[q_start:q_end] = reference.expanded_latent_attention(
+                query[q_start:q_end], kv_cache, block_ids, seq_len, scale, latent.expand
             )
-            out[q_start:q_end] = latent.values(segment)
+            continue
+        segment = reference.paged_attention(
+            latent.absorb(query[q_start:q_end]),
+            kv_cache,
+            layout.query_start_loc.new_tensor([0, q_end - q_start]),
+            layout.seq_lens[i : i + 1],
+            block_ids[None],
+            scale,
+            latent_dim=latent.kv_lora_rank,
+        )
+        out[q_start:q_end] = latent.values(segment)

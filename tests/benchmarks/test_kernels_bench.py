@@ -26,3 +26,15 @@ def test_target_sweep_shapes_are_launch_configs():
         config = LaunchConfig(*shape)
         assert config.block_m >= 16 and config.num_warps in (2, 4, 8), shape
     assert {shape[0] for shape in kernels.TARGET_DECODE_SHAPES} == {16}  # one row per head
+
+
+def test_the_mla_decode_table_reads_bandwidth_and_the_torch_ratio():
+    """``benchmarks/mla_decode.py`` needs CUDA to time anything; its table is checked here."""
+    from benchmarks.mla_decode import Row
+    from benchmarks.mla_decode import table as mla_table
+
+    # 16 x 8192 latents of 576 bf16: 151 MB in 50 us = 3.02 TB/s, 90% of 3.35.
+    row = Row(16, 8192, 0.050, 0.060, 0.900, 16 * 8192 * 576 * 2)
+    lines = mla_table([row], peak=3.35e12).splitlines()
+    assert lines[0].count("|") == lines[2].count("|") == 8
+    assert lines[2] == "| 16 | 8192 | 50.0 | 3.02 TB/s (90%) | 60.0 | 900.0 | 15.0x |"

@@ -228,21 +228,6 @@ def test_torch_free_sizing_is_per_tensor_parallel_rank(tiny_llama, model_factory
         assert dict(shape.split_widths) == split_widths(read_arch_config(model_dir)), arch
 
 
-def test_a_latent_attention_model_on_the_triton_backend_is_refused_up_front(model_factory,
-                                                                            capsys):  # fmt: skip
-    """DeepSeek's MLA has no Triton kernel yet: ``config check`` names the key, before a
-    worker loads anything (the worker would refuse it too)."""
-    model = f"model={model_factory('deepseek_v3')}"
-    path = str(EXAMPLES[0])
-    assert main(["config", "check", path, "--set", model]) == 0
-    capsys.readouterr()
-    triton = "decode.engine.attention_backend=triton"
-    assert main(["config", "check", path, "--set", model, "--set", triton]) == 2
-    assert "decode.engine.attention_backend: the model has latent attention" in (
-        capsys.readouterr().err
-    )
-
-
 def test_enum_settings_built_in_python_are_enums():
     """Built in code (not from a file), a string policy must still mean the policy:
     ``is FailurePolicy.RECOMPUTE`` on a plain str was False, which turned recompute off."""

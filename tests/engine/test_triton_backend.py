@@ -119,3 +119,13 @@ def test_triton_backend_gpt_oss(model_factory, tmp_path):
     prompts = random_prompts((9, 30), seed=4)
     expected = greedy(model_dir, "torch", prompts, MOE_NUM_TOKENS)
     assert greedy_tokens(triton_llm, prompts, MOE_NUM_TOKENS) == expected
+
+
+def test_triton_backend_deepseek(model_factory):
+    """DeepSeek-V3: decodes through the MLA decode kernel (the latents read from both cache
+    slots), prompt chunks on a cached prefix through the shared torch path, the experts
+    through the fused kernel with V3's float32 routing weights."""
+    model_dir = model_factory("deepseek_v3")
+    prompts = random_prompts((9, 30), seed=6)
+    expected = greedy(model_dir, "torch", prompts, MOE_NUM_TOKENS)
+    assert greedy(model_dir, "triton", prompts, MOE_NUM_TOKENS) == expected

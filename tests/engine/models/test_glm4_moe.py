@@ -76,5 +76,5 @@ def test_release_layout_reads_as_transformers_reads_it(tmp_path, qk_norm):
     assert moe.sparse_layers == tuple(i >= 1 for i in range(46))
     assert arch.eos_token_ids == (151329, 151336, 151338)
     shape = ModelShape.read(tmp_path)
-    assert (shape.num_kv_heads, shape.head_dim, shape.latent_attention) == (8, 128, False)
+    assert (shape.num_kv_heads, shape.head_dim) == (8, 128)
     assert dict(shape.split_widths) == split_widths(arch)
