@@ -41,7 +41,7 @@ from router.responses import renamed, to_chat, without_oldest_turn
 from router.state import RouterState
 from router.structured import check as check_constraint
 from router.structured import structured_output_of
-from router.tool_parsers import MistralCalls, tool_format_of
+from router.tool_parsers import MarkedCalls, tool_format_of
 from router.tools import call_schemas
 
 logger = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ def add_generation_routes(
                                  harmony=reader, lora_name=lora_name,
                                  keep_special=state.harmony_ids)  # fmt: skip
         # A tool format whose markers are special tokens reads them in the text.
-        keep = state.tool_marker_ids if isinstance(tool_format, MistralCalls) else frozenset()
+        keep = state.tool_marker_ids if isinstance(tool_format, MarkedCalls) else frozenset()
         return await respond(request, body, [prompt], chat=True, logprobs=logprobs,
                              tool_format=tool_format, reasoning=reasoning_of(body, tail),
                              lora_name=lora_name, keep_special=keep)  # fmt: skip

@@ -1,11 +1,12 @@
 """Architectures beyond Llama served disaggregated by a real ``pdserve up`` stack (router +
 1 prefill + 1 decode worker): a mixture-of-experts model (Qwen2-MoE: routed experts plus a
 gated shared expert), GPT-OSS (attention sinks, biased experts, windows on every other
-layer) and Mistral (a window on every layer). The prompt's KV moves to the decode worker,
-which continues it, and the client gets exactly the offline engine's tokens, greedy and
-seeded, whole and streamed. (Gemma 3 and Phi-3 differ from these only inside the engine:
-their parity is tested offline.) Then each model's own chat formats: GPT-OSS's Harmony,
-Mistral's tool calls."""
+layer), Mistral (a window on every layer) and DeepSeek-V3 (latent attention: one latent
+per token moves). The prompt's KV moves to the decode worker, which continues it, and the
+client gets exactly the offline engine's tokens, greedy and seeded, whole and streamed.
+(Gemma 3 and Phi-3 differ from these only inside the engine: their parity is tested
+offline.) Then each model's own chat formats: GPT-OSS's Harmony, Mistral's and DeepSeek's
+tool calls."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 
 from common.tokenizer import Tokenizer
 from engine import LLM, SamplingParams
+from router.tool_parsers import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, TOOL_SEP
 from tests.support.processes import write_config
 from tests.support.stack import serving, worker_stats
 
@@ -28,7 +30,7 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0
           "required": ["n"], "additionalProperties": False}  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=["qwen2_moe", "gpt_oss", "mistral"])
+@pytest.fixture(scope="module", params=["qwen2_moe", "gpt_oss", "mistral", "deepseek_v3"])
 def model_dir(request, model_factory):
     return model_factory(request.param)
 
@@ -40,7 +42,8 @@ def _model_type(model_dir) -> str:
 @pytest.fixture(scope="module")
 def stack(model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("arch")
-    parser = {"mistral": "mistral"}.get(_model_type(model_dir), "none")
+    parser = {"mistral": "mistral", "deepseek_v3": "deepseek_v3"}.get(_model_type(model_dir),
+                                                                      "none")  # fmt: skip
     config = write_config(
         tmp / "config.yaml",
         model_dir,
@@ -183,3 +186,32 @@ def test_mistral_tool_calls_are_read_with_their_markers(stack, model_dir):
         assert (reply.finish_reason, reply.model_extra["stop_reason"]) == ("stop", stop_id)
         streamed = client.chat.completions.create(**ask, stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == "Sure."
+
+
+def test_deepseek_tool_calls_are_read_with_their_markers(stack, model_dir):
+    """With ``tool_call_parser: deepseek_v3`` the router keeps DeepSeek's markers (special
+    tokens in the made tokenizer) in the text: a reply made to call in V3.1's format (by a
+    grammar, from random weights) comes back as the call, whole and streamed."""
+    if _model_type(model_dir) != "deepseek_v3":
+        return
+    client: openai.OpenAI = stack.openai_client()
+    tokenizer = Tokenizer(model_dir)
+    markers = (CALLS_BEGIN, CALL_BEGIN, TOOL_SEP, CALL_END, CALLS_END)
+    cb, b, sep, e, ce = (f"<[{tokenizer.token_id(marker)}]>" for marker in markers)
+    city = '"{\\"city\\": \\"Paris\\"}"'
+    grammar = f'start: "Sure." {cb} {b} "get_weather" {sep} {city} {e} {ce}\n'
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "Weather?"}],
+           "tools": [WEATHER_TOOL], "max_tokens": 48, "temperature": 1.0, "seed": 2,
+           "extra_body": {"structured_outputs": {"grammar": grammar}}}  # fmt: skip
+    reply = client.chat.completions.create(**ask).choices[0]
+    assert reply.message.content == "Sure."
+    made = [(c.function.name, json.loads(c.function.arguments)) for c in reply.message.tool_calls]
+    assert made == [("get_weather", {"city": "Paris"})]
+    assert reply.finish_reason == "tool_calls"
+    content, calls = "", []
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            calls += choice.delta.tool_calls or []
+    assert content == "Sure."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == made
