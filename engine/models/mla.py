@@ -75,7 +75,7 @@ class MlaAttention(nn.Module):
         self.scale = arch.attention_scale
         self.half = mla.latent_dim // 2  # the cache's head_dim: a latent fills K and V
 
-    def absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_uk [H, nope, kv_lora_rank], W_uv [H, v_head_dim, kv_lora_rank]): views of
         ``kv_b_proj``'s weight, whose rows are per head the key's nope dims, then the
         value's (read each call: the loader fills parameters in place)."""
@@ -107,7 +107,7 @@ class MlaAttention(nn.Module):
         query = torch.cat((q_nope, q_pe), dim=-1)  # [T, H, nope + rope], rotated
         latent = torch.cat((c_kv[:, None, :], k_pe), dim=-1)  # [T, 1, latent_dim]
         key, value = latent[..., : self.half], latent[..., self.half :]  # the cache's halves
-        w_uk, w_uv = self.absorbed()
+        w_uk, w_uv = self.up_projections()
         spec = LayerSpec(self.scale, latent=LatentAttention(w_uk, w_uv, self.rope_dim))
         out = self.backend.forward(query, key, value, kv_cache, attn_metadata, spec)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_head_dim))

@@ -66,22 +66,24 @@ class DeepseekGate(nn.Module):
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [num_tokens, k] int64, their weights [num_tokens, k] float32)."""
         moe = self.moe
+        v3 = self.e_score_correction_bias is not None  # sigmoid scores (V3, GLM-4.5)
         logits = F.linear(hidden.float(), self.weight.float())  # [T, E]
-        if self.e_score_correction_bias is None:
-            scores = choice = logits.softmax(dim=-1)
-        else:
+        if v3:
             scores = logits.sigmoid()
             choice = scores + self.e_score_correction_bias
+        else:
+            scores = choice = logits.softmax(dim=-1)
         if moe.num_groups > 1:
             grouped = choice.view(choice.shape[0], moe.num_groups, -1)  # [T, G, E / G]
-            if self.e_score_correction_bias is None:
-                group_scores = grouped.amax(dim=-1)
-            else:
+            # A group's rank: the sum of its two best (V3), or its best (V2).
+            if v3:
                 group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            else:
+                group_scores = grouped.amax(dim=-1)
             kept = group_scores.topk(moe.topk_groups, dim=-1).indices  # [T, topk_groups]
             keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
-            # V2 zeroes the other groups' softmax scores, V3 rules them out.
-            outside = 0.0 if self.e_score_correction_bias is None else float("-inf")
+            # V3 rules the other groups' experts out; V2 zeroes their softmax scores.
+            outside = float("-inf") if v3 else 0.0
             choice = grouped.masked_fill(~keep[..., None], outside).flatten(1)
         expert_ids = choice.topk(moe.top_k, dim=-1).indices
         weights = scores.gather(1, expert_ids)
