@@ -149,6 +149,23 @@ def test_gpt_oss_chat_replies_are_read_in_harmony(stack, model_dir):
     assert "<|" not in shown
 
 
+def assert_sure_and_calls(client: openai.OpenAI, ask: dict, made: list[tuple[str, dict]]):
+    """The reply ``ask`` makes (a grammar writes "Sure." then the calls) comes back as the
+    content "Sure." and ``made`` (name, arguments), whole and streamed."""
+    reply = client.chat.completions.create(**ask).choices[0]
+    assert reply.message.content == "Sure."
+    calls = reply.message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == made
+    assert reply.finish_reason == "tool_calls"
+    content, streamed = "", []
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            streamed += choice.delta.tool_calls or []
+    assert content == "Sure."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in streamed] == made
+
+
 def test_mistral_tool_calls_are_read_with_their_markers(stack, model_dir):
     """With ``tool_call_parser: mistral`` the router keeps Mistral's markers (special
     tokens, which decoding drops) in the text: a reply made to call (by a grammar, from
@@ -163,18 +180,8 @@ def test_mistral_tool_calls_are_read_with_their_markers(stack, model_dir):
     ask = {"model": MODEL, "messages": [{"role": "user", "content": "Weather and time?"}],
            "tools": [WEATHER_TOOL], "max_tokens": 48, "temperature": 1.0, "seed": 2,
            "extra_body": {"structured_outputs": {"grammar": grammar}}}  # fmt: skip
-    reply = client.chat.completions.create(**ask).choices[0]
-    assert reply.message.content == "Sure."
-    made = [(c.function.name, json.loads(c.function.arguments)) for c in reply.message.tool_calls]
-    assert made == [("get_weather", {"city": "Paris"}), ("get_time", {})]
-    assert reply.finish_reason == "tool_calls"
-    content, calls = "", []
-    for chunk in client.chat.completions.create(**ask, stream=True):
-        for choice in chunk.choices:
-            content += choice.delta.content or ""
-            calls += choice.delta.tool_calls or []
-    assert content == "Sure."
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == made
+    made = [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert_sure_and_calls(client, ask, made)
     # A stop token that is one of the markers ends the reply without its text (vLLM's
     # rule), even though the parser keeps the markers' text: no call, no "[TOOL_CALLS]".
     stop_id = tokenizer.token_id("[TOOL_CALLS]")
@@ -203,15 +210,4 @@ def test_deepseek_tool_calls_are_read_with_their_markers(stack, model_dir):
     ask = {"model": MODEL, "messages": [{"role": "user", "content": "Weather?"}],
            "tools": [WEATHER_TOOL], "max_tokens": 48, "temperature": 1.0, "seed": 2,
            "extra_body": {"structured_outputs": {"grammar": grammar}}}  # fmt: skip
-    reply = client.chat.completions.create(**ask).choices[0]
-    assert reply.message.content == "Sure."
-    made = [(c.function.name, json.loads(c.function.arguments)) for c in reply.message.tool_calls]
-    assert made == [("get_weather", {"city": "Paris"})]
-    assert reply.finish_reason == "tool_calls"
-    content, calls = "", []
-    for chunk in client.chat.completions.create(**ask, stream=True):
-        for choice in chunk.choices:
-            content += choice.delta.content or ""
-            calls += choice.delta.tool_calls or []
-    assert content == "Sure."
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == made
+    assert_sure_and_calls(client, ask, [("get_weather", {"city": "Paris"})])

@@ -201,9 +201,10 @@ MISTRAL_CASES = [  # text, (content, calls) of the whole reply
 ]
 
 
-@pytest.mark.parametrize(("text", "expected"), MISTRAL_CASES)
-def test_mistral_calls_whole_and_streamed_at_any_cut(text, expected):
-    message, reason = MistralCalls().message(text, "stop")
+def assert_marked_calls(parser, text: str, expected) -> None:
+    """A marker-held parser's reading of ``text``, whole and streamed at any cut (every
+    character alone, and 20 random 5-piece cuts), is ``expected`` (content, calls)."""
+    message, reason = parser().message(text, "stop")
     content, calls = expected
     assert message["content"] == content
     assert _names_and_arguments(message.get("tool_calls", [])) == calls
@@ -212,10 +213,15 @@ def test_mistral_calls_whole_and_streamed_at_any_cut(text, expected):
     cuts_list = [list(range(1, len(text)))]
     cuts_list += [sorted(rng.sample(range(1, len(text)), 4)) for _ in range(20)]
     for cuts in cuts_list:
-        streamed, made, streamed_reason = _streamed(text, cuts, "stop", parser=MistralCalls)
+        streamed, made, streamed_reason = _streamed(text, cuts, "stop", parser=parser)
         assert (streamed.strip() or None) == content if calls else streamed == content
         assert _names_and_arguments(made) == calls and streamed_reason == reason
         assert [c["index"] for c in made] == list(range(len(calls)))
+
+
+@pytest.mark.parametrize(("text", "expected"), MISTRAL_CASES)
+def test_mistral_calls_whole_and_streamed_at_any_cut(text, expected):
+    assert_marked_calls(MistralCalls, text, expected)
 
 
 def test_mistral_content_streams_up_to_the_marker():
@@ -329,18 +335,7 @@ DEEPSEEK_CASES = [
 
 @pytest.mark.parametrize(("text", "expected"), DEEPSEEK_CASES)
 def test_deepseek_calls_whole_and_streamed_at_any_cut(text, expected):
-    message, reason = DeepseekCalls().message(text, "stop")
-    content, calls = expected
-    assert message["content"] == content
-    assert _names_and_arguments(message.get("tool_calls", [])) == calls
-    assert reason == ("tool_calls" if calls else "stop")
-    rng = random.Random(len(text))
-    cuts_list = [list(range(1, len(text)))]
-    cuts_list += [sorted(rng.sample(range(1, len(text)), 4)) for _ in range(20)]
-    for cuts in cuts_list:
-        streamed, made, streamed_reason = _streamed(text, cuts, "stop", parser=DeepseekCalls)
-        assert (streamed.strip() or None) == content if calls else streamed == content
-        assert _names_and_arguments(made) == calls and streamed_reason == reason
+    assert_marked_calls(DeepseekCalls, text, expected)
 
 
 def test_the_deepseek_markers_reach_the_parser(model_factory):

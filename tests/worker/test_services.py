@@ -352,14 +352,10 @@ def test_a_decode_stream_the_router_falls_behind_on_comes_merged(stack):
     run(with_client(stack, body))
 
 
-def test_fp8_weights_and_an_fp8_kv_cache_move_and_decode_as_offline(tiny_llama, tmp_path):
-    """An FP8 checkpoint (Qwen3-FP8's block-scaled layout, calibrated K/V scales) with
-    ``engine.kv_cache_dtype: fp8`` on both roles: the handshake agrees on the FP8 layout,
-    the blocks (K/V over the scales) move over NIXL, and the tokens are the offline
-    engine's on the same files with the same cache."""
-    model_dir = quantize_checkpoint(tiny_llama, tmp_path / "fp8-model", "fp8-block")
-    add_kv_scales(model_dir, {0: (0.0137, 0.0291), 1: (0.0213, 0.0117), 3: (0.0079, 0.0173)})
-    prompts = random_prompts((9, 40, 70), seed=23)
+def fp8_cache_pair_serves_as_offline(model_dir, tmp_path, prompts) -> str:
+    """Prefill + decode workers over NIXL with ``engine.kv_cache_dtype: fp8`` give the
+    offline engine's tokens (same files, same cache), and the decode worker pulled the
+    prompts' full blocks; returns the decode worker's log."""
     llm = LLM(model_dir, kv_cache_dtype="fp8")
     params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0)
     expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -388,7 +384,20 @@ def test_fp8_weights_and_an_fp8_kv_cache_move_and_decode_as_offline(tiny_llama, 
     finally:
         codes = [worker.stop() for worker in workers]
     assert codes == [0, 0], "\n".join(w.log() for w in workers)
-    assert "float8_e4m3fn" in workers[1].log()  # the decode worker's cache line
+    return workers[1].log()
+
+
+def test_fp8_weights_and_an_fp8_kv_cache_move_and_decode_as_offline(tiny_llama, tmp_path):
+    """An FP8 checkpoint (Qwen3-FP8's block-scaled layout, calibrated K/V scales) with
+    ``engine.kv_cache_dtype: fp8`` on both roles: the handshake agrees on the FP8 layout,
+    the blocks (K/V over the scales) move over NIXL, and the tokens are the offline
+    engine's on the same files with the same cache."""
+    model_dir = quantize_checkpoint(tiny_llama, tmp_path / "fp8-model", "fp8-block")
+    add_kv_scales(model_dir, {0: (0.0137, 0.0291), 1: (0.0213, 0.0117), 3: (0.0079, 0.0173)})
+    log = fp8_cache_pair_serves_as_offline(
+        model_dir, tmp_path, random_prompts((9, 40, 70), seed=23)
+    )
+    assert "float8_e4m3fn" in log  # the decode worker's cache line
 
 
 def test_deepseek_latents_move_and_decode_as_offline(model_factory, tmp_path):
@@ -397,33 +406,7 @@ def test_deepseek_latents_move_and_decode_as_offline(model_factory, tmp_path):
     NIXL as any model's K/V, and the tokens are the offline engine's."""
     model_dir = quantize_checkpoint(model_factory("deepseek_v3"), tmp_path / "fp8", "fp8-block",
                                     (32, 64))  # fmt: skip
-    prompts = random_prompts((9, 40, 70), seed=29)
-    llm = LLM(model_dir, kv_cache_dtype="fp8")
-    params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0)
-    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    config = write_config(
-        tmp_path / "config.yaml", model_dir, engine={"kv_cache_dtype": "fp8"},
-        kv_transfer={"connector": "nixl"},
-    )  # fmt: skip
-    workers = start_workers(
-        [
-            WorkerProcess("prefill", 0, config, tmp_path / "prefill.log"),
-            WorkerProcess("decode", 0, config, tmp_path / "decode.log"),
-        ]
+    log = fp8_cache_pair_serves_as_offline(
+        model_dir, tmp_path, random_prompts((9, 40, 70), seed=29)
     )
-
-    async def body(client: PDClient):
-        results = await asyncio.gather(
-            *(client.generate(f"mla-{i}", p, GREEDY) for i, p in enumerate(prompts))
-        )
-        assert [result.token_ids for result in results] == expected
-        await assert_idle(client)
-        _, decode = await client.stats()
-        assert decode.blocks_pulled >= sum(len(p) // 16 for p in prompts)
-
-    try:
-        run(with_client(workers, body))
-    finally:
-        codes = [worker.stop() for worker in workers]
-    assert codes == [0, 0], "\n".join(w.log() for w in workers)
-    assert "attention backend torch" in workers[1].log()
+    assert "attention backend torch" in log
