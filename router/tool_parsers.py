@@ -1,6 +1,6 @@
 """Tool calls read from a model's free text, for ``tool_choice: "auto"``: the model
 decides whether to call, in its family's own format (vLLM's ``--tool-call-parser``).
-Five formats:
+Six formats:
 
 ``hermes`` (Qwen2.5 / Qwen3, NousResearch Hermes): each call is
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; text before the first call
@@ -25,6 +25,10 @@ Small 3.2, Magistral, Devstral; a ``[CALL_ID]id`` after the name is dropped: Ope
 ids are the router's). Content streams up to the marker; the calls are held to the end
 and read whole; calls that do not parse are content, marker included, as the other
 parsers leave a broken call as text.
+
+``minimax_m2`` (MiniMax-M2): ``<minimax:tool_call>`` blocks, each holding one or more
+``<invoke name="NAME">`` with a ``<parameter name="K">V</parameter>`` per argument, values
+typed by the tool's schema as GLM's; the same state machine with its own tags.
 
 ``deepseek_v3`` (DeepSeek-V3 / R1 and V3.1): content, then the calls between
 ``<｜tool▁calls▁begin｜>`` and ``<｜tool▁calls▁end｜>``, each in
@@ -76,6 +80,8 @@ def tool_format_of(
         return DeepseekCalls()
     if parser is ToolCallParser.GLM45:
         return Glm45Calls(string_arguments(body.tools or []))
+    if parser is ToolCallParser.MINIMAX_M2:
+        return MinimaxCalls(string_arguments(body.tools or []))
     return HermesCalls() if parser is ToolCallParser.HERMES else JsonCalls()
 
 
@@ -98,6 +104,10 @@ def _name_and_arguments(value: Any, argument_keys: tuple[str, ...]) -> tuple[str
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
     return value["name"], arguments
+
+
+def _one(parsed: tuple[str, str] | None) -> list[tuple[str, str]] | None:
+    return None if parsed is None else [parsed]
 
 
 def string_arguments(tools: list[Tool]) -> dict[str, frozenset[str]]:
@@ -128,58 +138,70 @@ def _parse_glm45_call(body: str, strings: dict[str, frozenset[str]]) -> tuple[st
         match = _GLM_ARGUMENT.match(rest, at)
         if match is None:
             return None
-        key, value = match.group(1).strip(), match.group(2)
-        if key in strings.get(name, ()):
-            arguments[key] = value
-        else:
-            try:
-                arguments[key] = json.loads(value)
-            except ValueError:
-                arguments[key] = value
+        key = match.group(1).strip()
+        arguments[key] = _argument(match.group(2), key in strings.get(name, ()))
         at = match.end()
     return name, json.dumps(arguments, ensure_ascii=False)
 
 
-class _Reader:
-    """One choice's text, read as it comes: ``<tool_call>`` bodies by ``parse``."""
+def _argument(value: str, is_string: bool) -> Any:
+    """An argument written as text (GLM-4.5's, MiniMax-M2's): the text for a string-typed
+    one, else its JSON value (the text when it is not JSON)."""
+    if is_string:
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
 
-    def __init__(self, parse: Callable[[str], tuple[str, str] | None] = _parse_call) -> None:
-        self.parse = parse
+
+class _Reader:
+    """One choice's text, read as it comes: the bodies between ``start`` and ``end`` tags
+    by ``parse`` (the calls in one body, or None if it is not calls)."""
+
+    def __init__(
+        self,
+        parse: Callable[[str], list[tuple[str, str]] | None] = lambda body: _one(_parse_call(body)),
+        start: str = START,
+        end: str = END,
+    ) -> None:
+        self.parse, self.start, self.end = parse, start, end
         self.pending = ""
         self.in_call = False
         self.num_calls = 0
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
         """Content to send and calls completed by ``text`` (all of it when ``final``)."""
+        start, end_tag = self.start, self.end
         self.pending += text
         content: list[str] = []
         calls: list[dict[str, Any]] = []
         while True:
             if not self.in_call:
-                at = self.pending.find(START)
+                at = self.pending.find(start)
                 if at < 0:
-                    keep = 0 if final else partial_tag(self.pending, START)
+                    keep = 0 if final else partial_tag(self.pending, start)
                     self._content(self.pending[: len(self.pending) - keep], content)
                     self.pending = self.pending[len(self.pending) - keep :]
                     return "".join(content), calls
                 self._content(self.pending[:at], content)
-                self.pending = self.pending[at + len(START) :]
+                self.pending = self.pending[at + len(start) :]
                 self.in_call = True
                 continue
-            end = self.pending.find(END)
+            end = self.pending.find(end_tag)
             if end < 0:
                 if final:  # cut short: it stays text
-                    content.append(START + self.pending)
+                    content.append(start + self.pending)
                     self.pending = ""
                 return "".join(content), calls
-            body, self.pending = self.pending[:end], self.pending[end + len(END) :]
+            body, self.pending = self.pending[:end], self.pending[end + len(end_tag) :]
             self.in_call = False
             parsed = self.parse(body.strip())
             if parsed is None:
-                content.append(START + body + END)
+                content.append(start + body + end_tag)
                 continue
-            calls.append(call(*parsed))
-            self.num_calls += 1
+            calls.extend(call(*p) for p in parsed)
+            self.num_calls += len(parsed)
 
     def _content(self, text: str, into: list[str]) -> None:
         if text and not (self.num_calls and not text.strip()):  # not whitespace between calls
@@ -238,7 +260,48 @@ class Glm45Calls(HermesCalls):
         self.strings = strings
 
     def _reader(self) -> _Reader:
-        return _Reader(lambda body: _parse_glm45_call(body, self.strings))
+        return _Reader(lambda body: _one(_parse_glm45_call(body, self.strings)))
+
+
+MINIMAX_START, MINIMAX_END = "<minimax:tool_call>", "</minimax:tool_call>"
+_INVOKE = re.compile(r'\s*<invoke name="([^"]+)">(.*?)</invoke>', re.S)
+_PARAMETER = re.compile(r'\s*<parameter name="([^"]+)">(.*?)</parameter>', re.S)
+
+
+def _parse_minimax_calls(
+    body: str, strings: dict[str, frozenset[str]]
+) -> list[tuple[str, str]] | None:
+    """The calls of a MiniMax-M2 ``<minimax:tool_call>`` body: ``<invoke name="NAME">``
+    blocks of ``<parameter name="K">V</parameter>``, nothing else but blanks; None if it
+    is not that."""
+    calls, at = [], 0
+    while at < len(body):
+        invoke = _INVOKE.match(body, at)
+        if invoke is None or _FUNCTION_NAME.fullmatch(invoke.group(1)) is None:
+            return None
+        name, inner, arguments, inner_at = invoke.group(1), invoke.group(2).strip(), {}, 0
+        while inner_at < len(inner):
+            parameter = _PARAMETER.match(inner, inner_at)
+            if parameter is None:
+                return None
+            key = parameter.group(1)
+            arguments[key] = _argument(parameter.group(2), key in strings.get(name, ()))
+            inner_at = parameter.end()
+        calls.append((name, json.dumps(arguments, ensure_ascii=False)))
+        at = invoke.end()
+    return calls or None
+
+
+class MinimaxCalls(HermesCalls):
+    """MiniMax-M2's tool calls of one response (see the module docstring)."""
+
+    def __init__(self, strings: dict[str, frozenset[str]]) -> None:
+        super().__init__()
+        self.strings = strings
+
+    def _reader(self) -> _Reader:
+        return _Reader(lambda body: _parse_minimax_calls(body, self.strings),
+                       MINIMAX_START, MINIMAX_END)  # fmt: skip
 
 
 PYTHON_TAG = "<|python_tag|>"

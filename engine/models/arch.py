@@ -12,9 +12,10 @@ unloaded; GPT-OSS's attention sinks and biases, biased experts with a clamped Sw
 top-k-then-softmax router. DeepSeek-V2 and -V3 (and models of their layout: Kimi K2,
 Moonlight) replace attention with multi-head latent attention (``MlaConfig``, ``mla.py``)
 and route experts their own way (``MoeConfig.deepseek_scoring``); GLM-4.5 is GQA attention
-(a partial rotary, maybe q/k norms) with DeepSeek-V3's router. Rotary settings are read
-by ``rope_config.py``; configs that leave keys to transformers' defaults get those defaults
-(``common/hf_config.py`` for Gemma 3 and GPT-OSS, here for DeepSeek).
+(a partial rotary, maybe q/k norms) with DeepSeek-V3's router; MiniMax-M2 is GQA with q/k
+norms over whole projections and that router without groups or shared experts. Rotary
+settings are read by ``rope_config.py``; configs that leave keys to transformers' defaults
+get those defaults (``common/hf_config.py`` for Gemma 3 and GPT-OSS, here for DeepSeek).
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ class ArchFlags:
     # GLM-4.5: partial_rotary_factor read (as Phi-3, without its longrope names), q/k
     # RMSNorm as use_qk_norm says, attention_bias on q/k/v only.
     glm4_moe: bool = False
+    # MiniMax-M2: q/k RMSNorm over each token's whole projection (all heads at once), a
+    # partial rotary (its configs' rotary_dim), experts intermediate_size wide.
+    minimax_m2: bool = False
 
 
 ARCHITECTURES: dict[str, ArchFlags] = {
@@ -94,6 +98,11 @@ ARCHITECTURES: dict[str, ArchFlags] = {
     "Glm4MoeForCausalLM": ArchFlags(
         moe=True, deepseek_router=3, norm_topk_prob=True, glm4_moe=True
     ),
+    # MiniMax-M2: GQA with whole-projection q/k norms, V3's router without groups or shared
+    # experts, every layer sparse.
+    "MiniMaxM2ForCausalLM": ArchFlags(
+        moe=True, deepseek_router=3, norm_topk_prob=True, minimax_m2=True
+    ),
 }
 # Checkpoints that store multi-token-prediction layers after ``num_hidden_layers`` (V3's
 # ``model.layers.61``, GLM-4.5's ``model.layers.46``): left unloaded, as transformers does.
@@ -114,6 +123,7 @@ _BY_MODEL_TYPE = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
 }
 
 
@@ -210,6 +220,8 @@ class ModelArchConfig:
     norm_gain_in_float32: bool = False
     # FP8 weights (fp8_config.py), dequantized to the model dtype at load; None: none.
     fp8_weights: Fp8Weights | None = None
+    # MiniMax-M2: q/k RMSNorm over each token's whole q / k projection (not per head).
+    qk_norm_whole: bool = False
     # DeepSeek's latent attention; the KV cache then has one KV head of ``latent_dim / 2``
     # (``num_kv_heads``, ``head_dim``): the K slot holds a token's latent's first half, the
     # V slot its second. None: attention as above.
@@ -330,6 +342,10 @@ _DEEPSEEK_DEFAULTS: dict[str, dict[str, Any]] = {
         "n_routed_experts": 128, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
         "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
     },
+    "MiniMaxM2ForCausalLM": {
+        "n_routed_experts": 256, "n_shared_experts": 0, "routed_scaling_factor": 1.0,
+        "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1,
+    },
 }  # fmt: skip
 
 
@@ -342,7 +358,9 @@ def _deepseek_moe(
     cfg = {**_DEEPSEEK_DEFAULTS[architecture], **{k: v for k, v in cfg.items() if v is not None}}
     num_experts = int(cfg.get("num_local_experts", cfg["n_routed_experts"]))
     top_k = int(_require(cfg, "num_experts_per_tok", path))
-    width = int(_require(cfg, "moe_intermediate_size", path))
+    # MiniMax-M2's experts are intermediate_size wide (it has no dense MLP).
+    width_key = "intermediate_size" if flags.minimax_m2 else "moe_intermediate_size"
+    width = int(_require(cfg, width_key, path))
     num_groups, topk_groups = int(cfg.get("n_group", 1)), int(cfg.get("topk_group", 1))
     if flags.deepseek_router == 2:  # V2's topk_method says whether groups limit the choice
         method = cfg["topk_method"]
@@ -461,8 +479,11 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
     if quantization and not (flags.gpt_oss and quantization.get("quant_method") == "mxfp4"):
         fp8_weights = read_fp8_config(quantization, path)
     gemma3 = _gemma3_fields(cfg, num_layers, hidden_size, path) if flags.gemma3 else {}
-    rope = gemma3.pop("rope") if gemma3 else rope_config(cfg, path, flags.phi3_rope,
-                                                         flags.glm4_moe)  # fmt: skip
+    if flags.minimax_m2 and cfg.get("rotary_dim") and "partial_rotary_factor" not in cfg:
+        # MiniMax-M2's released configs give the rotary width as rotary_dim.
+        cfg = {**cfg, "partial_rotary_factor": int(cfg["rotary_dim"]) / int(head_dim)}
+    partial = flags.glm4_moe or flags.minimax_m2
+    rope = gemma3.pop("rope") if gemma3 else rope_config(cfg, path, flags.phi3_rope, partial)
     attention = {"num_kv_heads": int(cfg.get("num_key_value_heads") or num_q_heads),
                  "head_dim": int(head_dim)}  # fmt: skip
     if flags.latent_attention:
@@ -490,6 +511,7 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
         attention_sinks=flags.gpt_oss,
         norm_gain_in_float32=flags.gpt_oss,
         fp8_weights=fp8_weights,
+        qk_norm_whole=flags.minimax_m2,
         **attention,
         **gemma3,
     )

@@ -28,7 +28,7 @@ from engine.models.arch import ModelArchConfig
 from engine.models.lora import LoraBatch
 from engine.models.mla import MlaAttention
 from engine.models.moe import SparseMoe
-from engine.models.norms import rms_norm
+from engine.models.norms import SplitRMSNorm, rms_norm
 from engine.models.rope import RotaryEmbedding
 from engine.models.rope_config import RopeConfig
 from engine.parallel.group import SingleRank, TPGroup
@@ -41,6 +41,7 @@ class Attention(nn.Module):
         layer_idx: int,
         rotary: RotaryEmbedding,
         backend: AttentionBackend,
+        group: TPGroup | None = None,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -56,6 +57,11 @@ class Attention(nn.Module):
             self.q_norm = rms_norm(arch, arch.head_dim)
             self.k_norm = rms_norm(arch, arch.head_dim)
         self.qk_norm = arch.qk_norm
+        self.qk_norm_whole = arch.qk_norm_whole
+        if arch.qk_norm_whole:  # MiniMax-M2: over all of this rank's heads and the others'
+            group = group or SingleRank()
+            self.q_norm = SplitRMSNorm(arch.q_size, arch.rms_norm_eps, group)
+            self.k_norm = SplitRMSNorm(arch.kv_size, arch.rms_norm_eps, group)
         self.rotary = (rotary,)  # a tuple, so the shared table is not registered per layer
         self.backend = backend
         scale = arch.attention_scale if arch.attention_scale is not None else arch.head_dim**-0.5
@@ -79,6 +85,8 @@ class Attention(nn.Module):
         if lora is not None:
             qkv = lora.apply(self.layer_idx, "qkv_proj", hidden, qkv)
         query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm_whole:
+            query, key = self.q_norm(query), self.k_norm(key)
         query = query.reshape(num_tokens, self.num_q_heads, self.head_dim)
         key = key.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         value = value.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -148,7 +156,7 @@ class DecoderLayer(nn.Module):
         if arch.mla is not None:
             self.self_attn = MlaAttention(arch, layer_idx, rotary, backend)
         else:
-            self.self_attn = Attention(arch, layer_idx, rotary, backend)
+            self.self_attn = Attention(arch, layer_idx, rotary, backend, group)
         self.post_attention_layernorm = rms_norm(arch, arch.hidden_size)
         if arch.sandwich_norms:
             self.pre_feedforward_layernorm = rms_norm(arch, arch.hidden_size)

@@ -83,6 +83,8 @@ def _target(name: str, arch: ModelArchConfig, shapes: dict[str, tuple[int, ...]]
     name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the MLP
     name = name.replace(".mlp.router.", ".mlp.gate.")  # GPT-OSS's name for the router
     name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")  # DeepSeek's
+    if name.endswith(".mlp.e_score_correction_bias"):  # MiniMax-M2's, beside its router
+        name = name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
     expert = _EXPERT.match(name)
     if expert is not None:
         prefix, index, which = expert.groups()

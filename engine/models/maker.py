@@ -13,7 +13,8 @@ model's. ``gemma3`` is Gemma 3's text model (``Gemma3ForCausalLM``; see ``_gemma
 GPT-OSS unquantized (see ``_gpt_oss_config``), whose tokenizer has the Harmony markers and
 a template of that format (the router reads its replies in it: ``router/harmony.py``).
 ``deepseek_v2`` and ``deepseek_v3`` are DeepSeek's latent attention and routers (see
-``_deepseek_config``), ``glm4_moe`` GLM-4.5's layout (see ``_glm4_moe_config``).
+``_deepseek_config``), ``glm4_moe`` GLM-4.5's layout (see ``_glm4_moe_config``),
+``minimax_m2`` MiniMax-M2's (see ``_minimax_m2_config``).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from engine.models.tokenizer_trainer import (
 )
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3",
-         "phi3", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe")  # fmt: skip
+         "phi3", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2")  # fmt: skip
 SIZES = ("tiny", "small")
 # ChatML for the others.
 _CHAT_TEMPLATES = {"qwen3": THINKING_CHAT_TEMPLATE, "qwen3_moe": THINKING_CHAT_TEMPLATE,
@@ -139,6 +140,8 @@ def _hf_config(arch: str, spec: SizeSpec, tokenizer_ids: dict[str, int]):
         return _deepseek_config(arch, common, spec)
     if arch == "glm4_moe":
         return _glm4_moe_config(common, spec)
+    if arch == "minimax_m2":
+        return _minimax_m2_config(common, spec)
     if arch == "phi3":  # Phi-4-mini's shape: tied, 3/4 of each head rotates (default rope)
         return transformers.Phi3Config(
             **common, tie_word_embeddings=True, partial_rotary_factor=0.75, rope_theta=1e4
@@ -212,6 +215,20 @@ def _glm4_moe_config(common: dict, spec: SizeSpec):
         moe_intermediate_size=spec.expert_intermediate_size, n_shared_experts=1,
         n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
         norm_topk_prob=True,
+    )  # fmt: skip
+
+
+def _minimax_m2_config(common: dict, spec: SizeSpec):
+    """MiniMax-M2: q/k RMSNorm over whole projections, half of each head rotating (its
+    configs' ``rotary_dim``), 8 experts of the MoE archs' width, 2 per token, chosen by
+    sigmoid scores plus a random choice bias, every layer sparse."""
+    import transformers
+
+    experts = {**common, "intermediate_size": spec.expert_intermediate_size}
+    return transformers.MiniMaxM2Config(
+        **experts, num_local_experts=spec.num_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5},
     )  # fmt: skip
 
 
@@ -293,6 +310,9 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
         if arch in ("deepseek_v3", "glm4_moe"):  # a choice bias that changes the choice
             for layer in model.model.layers[1:]:
                 layer.mlp.gate.e_score_correction_bias.uniform_(-0.1, 0.1)
+        if arch == "minimax_m2":  # its choice bias sits beside the router
+            for layer in model.model.layers:
+                layer.mlp.e_score_correction_bias.uniform_(-0.1, 0.1)
         if arch == "gemma3":
             # Gemma scales the embeddings by sqrt(hidden_size) and ties the head to them:
             # at the usual init the token's own embedding outweighs every block and the

@@ -17,7 +17,9 @@ q rows, then its k rows, then its v rows:
 DeepSeek's latent attention splits by heads too: ``q_proj`` / ``q_b_proj`` and ``kv_b_proj``
 keep their heads' rows and ``o_proj`` their values' columns, while the latent projections
 (``q_a_proj``, ``kv_a_proj_with_mqa``, their norms) are replicated: every rank caches the
-whole latent, which all heads read (its KV cache is the one process's).
+whole latent, which all heads read (its KV cache is the one process's). MiniMax-M2's q/k
+norms span whole projections: their gains are cut like the projections' rows, and the
+mean square is summed across ranks (``norms.SplitRMSNorm``).
 
 The loader copies each stored tensor through these specs, so a rank reads only the rows
 (or columns) it keeps; LoRA adapters are cut by the same specs (``lora.shard_adapter``).
@@ -76,6 +78,8 @@ _LAYER = r"^model\.layers\.(\d+)\."
 _QKV = re.compile(_LAYER + r"self_attn\.qkv_proj\.(weight|bias)$")
 _O = re.compile(_LAYER + r"self_attn\.o_proj\.(weight|bias)$")
 _SINKS = re.compile(_LAYER + r"self_attn\.sinks$")
+# MiniMax-M2's q/k norms over whole projections: their gains are cut like the projections.
+_QK_NORM = re.compile(_LAYER + r"self_attn\.(q|k)_norm\.weight$")
 # Latent attention's per-head projections: queries, the latent's up-projection (W_uk, W_uv).
 _MLA_HEADS = re.compile(_LAYER + r"self_attn\.(q_proj|q_b_proj|kv_b_proj)\.weight$")
 _MLP = re.compile(_LAYER + r"mlp\.(shared_expert\.)?(gate_up_proj|down_proj)\.weight$")
@@ -159,6 +163,11 @@ def shard_spec(name: str, arch: ModelArchConfig, tp: TensorParallel) -> ShardSpe
         if match.group(2) == "bias":
             return ShardSpec(rank0_only=True)
         return ShardSpec(1, arch.q_size, (Piece(q_rows[0], q_rows[1], 0),))
+    if arch.qk_norm_whole and (match := _QK_NORM.match(name)):
+        if match.group(2) == "q":
+            return ShardSpec(0, arch.q_size, (Piece(q_rows[0], q_rows[1], 0),))
+        kv_start, kv_rows = heads.kv_head_start * head_dim, heads.kv_heads * head_dim
+        return ShardSpec(0, arch.kv_size, (Piece(kv_start, kv_rows, 0),))
     if _SINKS.match(name):
         return ShardSpec(0, arch.num_q_heads, (Piece(heads.q_head_start, heads.q_heads, 0),))
     if match := _MLP.match(name):

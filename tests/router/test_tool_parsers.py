@@ -23,6 +23,7 @@ from router.tool_parsers import (
     Glm45Calls,
     HermesCalls,
     JsonCalls,
+    MinimaxCalls,
     MistralCalls,
     tool_format_of,
 )
@@ -354,3 +355,49 @@ def test_the_deepseek_markers_reach_the_parser(model_factory):
     message, _ = DeepseekCalls().message(decoded, "stop")
     assert message["content"] == "Ok."
     assert _names_and_arguments(message["tool_calls"]) == [("get_time", {"zone": "CET"})]
+
+
+MINIMAX_CALLS = (
+    'Checking both.\n<minimax:tool_call>\n<invoke name="get_weather">\n'
+    '<parameter name="city">Paris</parameter>\n<parameter name="days">[1, 2]</parameter>\n'
+    '<parameter name="zip">75001</parameter>\n</invoke>\n<invoke name="get_time">\n'
+    "</invoke>\n</minimax:tool_call>"
+)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_minimax_m2_calls_whole_and_streamed_at_any_cut(seed):
+    """Two invokes in one block: a string-typed argument stays text, others are JSON, an
+    invoke without parameters has ``{}``; a stream cut anywhere gives the same."""
+
+    def parser():
+        calls = tool_format_of(_body(tools=GLM_TOOLS), ToolCallParser.MINIMAX_M2)
+        assert isinstance(calls, MinimaxCalls)
+        return calls
+
+    message, reason = parser().message(MINIMAX_CALLS, "stop")
+    assert reason == "tool_calls" and message["content"] == "Checking both."
+    weather = ("get_weather", {"city": "Paris", "days": [1, 2], "zip": "75001"})
+    assert _names_and_arguments(message["tool_calls"]) == [weather, ("get_time", {})]
+    rng = random.Random(seed)
+    cuts = sorted(rng.sample(range(1, len(MINIMAX_CALLS)), rng.randint(1, 40)))
+    content, calls, reason = _streamed(MINIMAX_CALLS, cuts, "stop", True, parser=parser)
+    assert reason == "tool_calls" and content.strip() == message["content"]
+    assert _names_and_arguments(calls) == [weather, ("get_time", {})]
+    assert [c["index"] for c in calls] == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<minimax:tool_call><invoke name="get weather"></invoke></minimax:tool_call>',
+        '<minimax:tool_call><invoke name="f"><parameter name="a">1</parameter> x</invoke>'
+        "</minimax:tool_call>",
+        '<minimax:tool_call>text <invoke name="f"></invoke></minimax:tool_call>',
+        "<minimax:tool_call></minimax:tool_call>",
+        'cut short <minimax:tool_call><invoke name="f"><parameter name="a">',
+    ],
+)
+def test_minimax_m2_what_is_not_a_complete_call_stays_text(text):
+    message, reason = MinimaxCalls({}).message(text, "length")
+    assert message == {"role": "assistant", "content": text} and reason == "length"

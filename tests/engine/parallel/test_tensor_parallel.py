@@ -43,7 +43,7 @@ def _tokens(outputs) -> list[list[int]]:
 @pytest.mark.parametrize(
     ("arch", "tp_size"),
     [("llama", 2), ("qwen2_moe", 2), ("gpt_oss", 2), ("gemma3", 2), ("deepseek_v3", 2),
-     ("deepseek_v2", 4), ("glm4_moe", 2)],
+     ("deepseek_v2", 4), ("glm4_moe", 2), ("minimax_m2", 2), ("minimax_m2", 4)],
 )  # fmt: skip
 def test_greedy_parity_with_transformers(model_factory, arch, tp_size):
     """qwen2_moe: experts, a gated shared expert and q/k/v biases split; gpt_oss: sinks,
@@ -51,7 +51,8 @@ def test_greedy_parity_with_transformers(model_factory, arch, tp_size):
     output normed after the all-reduce (sandwich norms); deepseek: latent attention's
     heads split (one head per rank for V2) with the latent replicated, shared experts
     ungated, the router in float32 on every rank; glm4_moe: q/k norms and a partial rotary
-    per head, q/k/v biases split."""
+    per head, q/k/v biases split; minimax_m2: q/k norms over whole projections, their mean
+    squares summed across ranks (at TP 4 each KV head is on two ranks)."""
     model_dir = model_factory(arch)
     prompts = random_prompts((5, 33, 71))
     with LLM(model_dir, tensor_parallel_size=tp_size, **POOL) as llm:
