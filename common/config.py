@@ -218,6 +218,7 @@ class ToolCallParser(StrEnum):
     GLM45 = "glm45"  # <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value>... (GLM-4.5)
     DEEPSEEK_V3 = "deepseek_v3"  # <｜tool▁calls▁begin｜>... (DeepSeek-V3, R1, V3.1)
     MINIMAX_M2 = "minimax_m2"  # <minimax:tool_call><invoke name=...><parameter ...> (MiniMax-M2)
+    KIMI_K2 = "kimi_k2"  # <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0... (K2)
 
 
 _ENUM_FIELDS["ToolCallParser"] = ToolCallParser

@@ -33,7 +33,7 @@ from router.metrics import RouterMetrics
 from router.policy import PlacementPolicy
 from router.prefix_index import PrefixIndex
 from router.scoring import EMBEDDING_SCORER, Scorer
-from router.tool_parsers import DEEPSEEK_MARKERS, MISTRAL_MARKERS
+from router.tool_parsers import DEEPSEEK_MARKERS, KIMI_MARKERS, MISTRAL_MARKERS
 from router.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -202,6 +202,7 @@ def harmony_ids_of(
 _TOOL_MARKERS = {
     ToolCallParser.MISTRAL: MISTRAL_MARKERS,
     ToolCallParser.DEEPSEEK_V3: DEEPSEEK_MARKERS,
+    ToolCallParser.KIMI_K2: KIMI_MARKERS,
 }
 
 

@@ -1,6 +1,6 @@
 """Tool calls read from a model's free text, for ``tool_choice: "auto"``: the model
 decides whether to call, in its family's own format (vLLM's ``--tool-call-parser``).
-Six formats:
+Seven formats:
 
 ``hermes`` (Qwen2.5 / Qwen3, NousResearch Hermes): each call is
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; text before the first call
@@ -35,6 +35,11 @@ typed by the tool's schema as GLM's; the same state machine with its own tags.
 ``<｜tool▁call▁begin｜>...<｜tool▁call▁end｜>``: V3 / R1 write ``function<｜tool▁sep｜>NAME``
 and the arguments in a fenced ``json`` block, V3.1 ``NAME<｜tool▁sep｜>{...}``. Held and
 read like Mistral's (the markers kept in the text when the tokenizer makes them special).
+
+``kimi_k2`` (Kimi K2): the same shape with Kimi's markers: calls in a
+``<|tool_calls_section_begin|>`` section, each ``<|tool_call_begin|>`` then its id
+``functions.NAME:N``, ``<|tool_call_argument_begin|>``, a JSON object and
+``<|tool_call_end|>`` (one section reader for both).
 
 ``llama3_json`` (Llama 3.1-3.3's JSON tool calling): a reply that calls is nothing but
 calls, ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``), several joined by
@@ -78,6 +83,8 @@ def tool_format_of(
         return MistralCalls()
     if parser is ToolCallParser.DEEPSEEK_V3:
         return DeepseekCalls()
+    if parser is ToolCallParser.KIMI_K2:
+        return KimiCalls()
     if parser is ToolCallParser.GLM45:
         return Glm45Calls(string_arguments(body.tools or []))
     if parser is ToolCallParser.MINIMAX_M2:
@@ -485,34 +492,54 @@ TOOL_SEP = "<｜tool▁sep｜>"
 DEEPSEEK_MARKERS = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, TOOL_SEP)
 
 
-def _deepseek_calls(text: str) -> list[dict[str, Any]] | None:
-    """OpenAI's ``tool_calls`` of what follows a reply's ``<｜tool▁calls▁begin｜>``: calls
-    up to ``<｜tool▁calls▁end｜>`` (then nothing but blanks), each
-    ``<｜tool▁call▁begin｜>...<｜tool▁call▁end｜>`` holding V3 / R1's
-    ``function<｜tool▁sep｜>NAME`` and a fenced JSON block, or V3.1's
-    ``NAME<｜tool▁sep｜>{...}``; None if it is not that."""
-    section, found, after = text.partition(CALLS_END)
-    pieces = section.split(CALL_BEGIN)
+def _section_calls(
+    text: str,
+    markers: tuple[str, str, str, str],  # section end, call begin, call end, separator
+    read_call: Callable[[str, str], tuple[str, str] | None],
+) -> list[dict[str, Any]] | None:
+    """The calls of a marked section (what follows its begin marker): calls up to the
+    section's end marker, then nothing but blanks, each ``CALL_BEGIN head SEP arguments
+    CALL_END`` read by ``read_call(head, arguments)``; None if it is not that."""
+    section_end, call_begin, call_end, separator = markers
+    section, found, after = text.partition(section_end)
+    pieces = section.split(call_begin)
     if not found or after.strip() or pieces[0].strip() or len(pieces) < 2:
         return None
     calls = []
     for piece in pieces[1:]:
-        inner, found, between = piece.partition(CALL_END)
-        head, sep, arguments = inner.partition(TOOL_SEP)
-        if not found or between.strip() or not sep:
+        inner, found, between = piece.partition(call_end)
+        head, sep, arguments = inner.partition(separator)
+        parsed = read_call(head, arguments) if found and sep and not between.strip() else None
+        if parsed is None:
             return None
-        name = head
-        if head.strip() == "function":  # V3 / R1: the name, then ```json {...} ```
-            name, _, arguments = arguments.partition("\n")
-            arguments = arguments.strip().removeprefix("```json").removesuffix("```")
-        try:
-            value = json.loads(arguments)
-        except ValueError:
-            return None
-        if _FUNCTION_NAME.fullmatch(name.strip()) is None or not isinstance(value, dict):
-            return None
-        calls.append(call(name.strip(), json.dumps(value, ensure_ascii=False)))
+        calls.append(call(*parsed))
     return calls
+
+
+def _json_call(name: str, arguments: str) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) if ``name`` is a function's and ``arguments`` a JSON
+    object; else None."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return None
+    if _FUNCTION_NAME.fullmatch(name.strip()) is None or not isinstance(value, dict):
+        return None
+    return name.strip(), json.dumps(value, ensure_ascii=False)
+
+
+def _deepseek_call(head: str, arguments: str) -> tuple[str, str] | None:
+    """V3 / R1's ``function`` head, the name and a fenced JSON block; V3.1's name head and
+    a JSON object."""
+    if head.strip() != "function":
+        return _json_call(head, arguments)
+    name, _, arguments = arguments.partition("\n")
+    return _json_call(name, arguments.strip().removeprefix("```json").removesuffix("```"))
+
+
+def _deepseek_calls(text: str) -> list[dict[str, Any]] | None:
+    """OpenAI's ``tool_calls`` of what follows a reply's ``<｜tool▁calls▁begin｜>``."""
+    return _section_calls(text, (CALLS_END, CALL_BEGIN, CALL_END, TOOL_SEP), _deepseek_call)
 
 
 class DeepseekCalls(MarkedCalls):
@@ -520,3 +547,30 @@ class DeepseekCalls(MarkedCalls):
 
     def __init__(self) -> None:
         super().__init__(CALLS_BEGIN, _deepseek_calls)
+
+
+KIMI_SECTION_BEGIN = "<|tool_calls_section_begin|>"
+KIMI_SECTION_END = "<|tool_calls_section_end|>"
+KIMI_CALL_BEGIN, KIMI_CALL_END = "<|tool_call_begin|>", "<|tool_call_end|>"
+KIMI_ARGUMENTS = "<|tool_call_argument_begin|>"
+KIMI_MARKERS = (KIMI_SECTION_BEGIN, KIMI_SECTION_END, KIMI_CALL_BEGIN, KIMI_CALL_END,
+                KIMI_ARGUMENTS)  # fmt: skip
+
+
+def _kimi_call(call_id: str, arguments: str) -> tuple[str, str] | None:
+    """Kimi K2 names a call ``functions.NAME:INDEX``: the function is NAME."""
+    name = call_id.strip().partition(":")[0].removeprefix("functions.")
+    return _json_call(name, arguments)
+
+
+def _kimi_calls(text: str) -> list[dict[str, Any]] | None:
+    """OpenAI's ``tool_calls`` of what follows a reply's ``<|tool_calls_section_begin|>``."""
+    markers = (KIMI_SECTION_END, KIMI_CALL_BEGIN, KIMI_CALL_END, KIMI_ARGUMENTS)
+    return _section_calls(text, markers, _kimi_call)
+
+
+class KimiCalls(MarkedCalls):
+    """Kimi K2's tool calls of one response (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__(KIMI_SECTION_BEGIN, _kimi_calls)

@@ -23,6 +23,7 @@ from router.tool_parsers import (
     Glm45Calls,
     HermesCalls,
     JsonCalls,
+    KimiCalls,
     MinimaxCalls,
     MistralCalls,
     tool_format_of,
@@ -401,3 +402,31 @@ def test_minimax_m2_calls_whole_and_streamed_at_any_cut(seed):
 def test_minimax_m2_what_is_not_a_complete_call_stays_text(text):
     message, reason = MinimaxCalls({}).message(text, "length")
     assert message == {"role": "assistant", "content": text} and reason == "length"
+
+
+SB, SE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KB, KE, KA = "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>"
+KIMI_CASES = [
+    (
+        f'Checking.{SB}{KB}functions.get_weather:0{KA}{{"city": "Paris"}}{KE}'
+        f"{KB}functions.get_time:1{KA}{{}}{KE}{SE}",
+        ("Checking.", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ),
+    (
+        f'{SB}{KB}get_weather:0{KA}{{"city": "Paris"}}{KE}{SE}',
+        (None, [("get_weather", {"city": "Paris"})]),
+    ),
+    ("No <|tool_calls_section here.", ("No <|tool_calls_section here.", [])),
+    (f'Hm.{SB}{KB}functions.f:0{KA}{{"a": ', (f'Hm.{SB}{KB}functions.f:0{KA}{{"a": ', [])),
+    (f"{SB}{KB}functions.f:0{KA}[1]{KE}{SE}", (f"{SB}{KB}functions.f:0{KA}[1]{KE}{SE}", [])),
+    (f"{SB}{KB}functions.f:0{{}}{KE}{SE}", (f"{SB}{KB}functions.f:0{{}}{KE}{SE}", [])),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), KIMI_CASES)
+def test_kimi_k2_calls_whole_and_streamed_at_any_cut(text, expected):
+    """Kimi's call ids name the function (``functions.NAME:N``, or ``NAME:N``); arguments
+    that are not a JSON object, a call without its argument marker, a section cut short
+    stay text."""
+    assert_marked_calls(KimiCalls, text, expected)
+    assert isinstance(tool_format_of(_body(), ToolCallParser.KIMI_K2), KimiCalls)
