@@ -100,14 +100,31 @@ def _sockets() -> set[str]:
     return found
 
 
+def _tcp_endpoints() -> dict[str, tuple[str, str]]:
+    """Every TCP socket on this host: "socket:[inode]" -> (local, remote) address."""
+    endpoints = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in list(f)[1:]:
+                fields = line.split()
+                endpoints[f"socket:[{fields[9]}]"] = (fields[1], fields[2])
+    return endpoints
+
+
 def _new_lasting_sockets(before: set[str]) -> set[str]:
-    """Sockets opened since ``before`` that are still open 0.5 s later. Leaked connections
-    last; a connect attempt of an object an earlier test in this process left behind (a
-    channel retrying a gone address) comes and goes, and once failed this check when it
-    counted every socket."""
+    """Sockets opened since ``before`` that are still open 0.5 s later, but for TCP
+    connections to another process. Both NIXL agents live in this process, so a leaked
+    UCX connection shows as sockets whose peers are here too, and lasts. What an object
+    an earlier test in this xdist process left behind may open meanwhile is not that: a
+    connect attempt comes and goes (it once failed this check when it counted every
+    socket), and a client's connection to another process (a redis pool, a channel to a
+    server) has its peer there (one once failed it when it counted lasting sockets)."""
     new = _sockets() - before
     time.sleep(0.5)
-    return new & _sockets()
+    lasting, everything = new & _sockets(), _sockets()
+    endpoints = _tcp_endpoints()
+    here = {endpoints[socket][0] for socket in everything if socket in endpoints}
+    return {s for s in lasting if s not in endpoints or endpoints[s][1] in here}
 
 
 @pytest.mark.timeout(90)
