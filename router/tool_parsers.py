@@ -130,25 +130,39 @@ def string_arguments(tools: list[Tool]) -> dict[str, frozenset[str]]:
 
 
 _FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule (protocol.FunctionDefinition)
-_GLM_ARGUMENT = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+# The key without the blanks around it, the value as written.
+_GLM_ARGUMENT = re.compile(
+    r"\s*<arg_key>\s*(.*?)\s*</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S
+)
 
 
 def _parse_glm45_call(body: str, strings: dict[str, frozenset[str]]) -> tuple[str, str] | None:
     """(name, arguments as JSON text) of a GLM-4.5 call's body; None if it is not one."""
     name, marker, rest = body.partition("<arg_key>")
-    name, rest = name.strip(), marker + rest
+    name = name.strip()
     if _FUNCTION_NAME.fullmatch(name) is None:
         return None
+    # The body is stripped: every part of it after the name must be an argument.
+    arguments = _text_arguments(marker + rest, _GLM_ARGUMENT, strings.get(name, frozenset()))
+    return None if arguments is None else (name, json.dumps(arguments, ensure_ascii=False))
+
+
+def _text_arguments(
+    text: str, pattern: re.Pattern[str], strings: frozenset[str]
+) -> dict[str, Any] | None:
+    """The arguments written as text one after another in ``text`` (GLM-4.5's,
+    MiniMax-M2's), each a match of ``pattern`` (groups: key, value), blanks between;
+    None if anything else is there. ``strings``: the keys the schema types as strings."""
     arguments: dict[str, Any] = {}
     at = 0
-    while at < len(rest):  # the body is stripped: every part of it must be an argument
-        match = _GLM_ARGUMENT.match(rest, at)
+    while at < len(text):
+        match = pattern.match(text, at)
         if match is None:
             return None
-        key = match.group(1).strip()
-        arguments[key] = _argument(match.group(2), key in strings.get(name, ()))
+        key = match.group(1)
+        arguments[key] = _argument(match.group(2), key in strings)
         at = match.end()
-    return name, json.dumps(arguments, ensure_ascii=False)
+    return arguments
 
 
 def _argument(value: str, is_string: bool) -> Any:
@@ -167,10 +181,7 @@ class _Reader:
     by ``parse`` (the calls in one body, or None if it is not calls)."""
 
     def __init__(
-        self,
-        parse: Callable[[str], list[tuple[str, str]] | None] = lambda body: _one(_parse_call(body)),
-        start: str = START,
-        end: str = END,
+        self, parse: Callable[[str], list[tuple[str, str]] | None], start: str, end: str
     ) -> None:
         self.parse, self.start, self.end = parse, start, end
         self.pending = ""
@@ -229,11 +240,18 @@ class HermesCalls:
 
     structured = None  # nothing constrains the text
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        parse: Callable[[str], list[tuple[str, str]] | None] = lambda body: _one(_parse_call(body)),
+        start: str = START,
+        end: str = END,
+    ) -> None:
+        """``parse``: the calls of one body between the ``start`` and ``end`` tags."""
+        self.parse, self.start, self.end = parse, start, end
         self._readers: dict[int, _Reader] = {}
 
     def _reader(self) -> _Reader:
-        return _Reader()
+        return _Reader(self.parse, self.start, self.end)
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         reader = self._reader()
@@ -263,11 +281,7 @@ class Glm45Calls(HermesCalls):
     ``strings``: per function, the arguments its schema types as strings."""
 
     def __init__(self, strings: dict[str, frozenset[str]]) -> None:
-        super().__init__()
-        self.strings = strings
-
-    def _reader(self) -> _Reader:
-        return _Reader(lambda body: _one(_parse_glm45_call(body, self.strings)))
+        super().__init__(lambda body: _one(_parse_glm45_call(body, strings)))
 
 
 MINIMAX_START, MINIMAX_END = "<minimax:tool_call>", "</minimax:tool_call>"
@@ -286,14 +300,11 @@ def _parse_minimax_calls(
         invoke = _INVOKE.match(body, at)
         if invoke is None or _FUNCTION_NAME.fullmatch(invoke.group(1)) is None:
             return None
-        name, inner, arguments, inner_at = invoke.group(1), invoke.group(2).strip(), {}, 0
-        while inner_at < len(inner):
-            parameter = _PARAMETER.match(inner, inner_at)
-            if parameter is None:
-                return None
-            key = parameter.group(1)
-            arguments[key] = _argument(parameter.group(2), key in strings.get(name, ()))
-            inner_at = parameter.end()
+        name = invoke.group(1)
+        arguments = _text_arguments(invoke.group(2).strip(), _PARAMETER,
+                                    strings.get(name, frozenset()))  # fmt: skip
+        if arguments is None:
+            return None
         calls.append((name, json.dumps(arguments, ensure_ascii=False)))
         at = invoke.end()
     return calls or None
@@ -303,12 +314,8 @@ class MinimaxCalls(HermesCalls):
     """MiniMax-M2's tool calls of one response (see the module docstring)."""
 
     def __init__(self, strings: dict[str, frozenset[str]]) -> None:
-        super().__init__()
-        self.strings = strings
-
-    def _reader(self) -> _Reader:
-        return _Reader(lambda body: _parse_minimax_calls(body, self.strings),
-                       MINIMAX_START, MINIMAX_END)  # fmt: skip
+        super().__init__(lambda body: _parse_minimax_calls(body, strings), MINIMAX_START,
+                         MINIMAX_END)  # fmt: skip
 
 
 PYTHON_TAG = "<|python_tag|>"

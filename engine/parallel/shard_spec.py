@@ -150,8 +150,8 @@ def shard_spec(name: str, arch: ModelArchConfig, tp: TensorParallel) -> ShardSpe
         return spec
     head_dim = arch.head_dim
     q_rows = (heads.q_head_start * head_dim, heads.q_heads * head_dim)
+    kv_start, kv_rows = heads.kv_head_start * head_dim, heads.kv_heads * head_dim
     if match := _QKV.match(name):
-        kv_start, kv_rows = heads.kv_head_start * head_dim, heads.kv_heads * head_dim
         q_size, kv_size = arch.q_size, arch.kv_size
         pieces = (
             Piece(q_rows[0], q_rows[1], 0),
@@ -166,7 +166,6 @@ def shard_spec(name: str, arch: ModelArchConfig, tp: TensorParallel) -> ShardSpe
     if arch.qk_norm_whole and (match := _QK_NORM.match(name)):
         if match.group(2) == "q":
             return ShardSpec(0, arch.q_size, (Piece(q_rows[0], q_rows[1], 0),))
-        kv_start, kv_rows = heads.kv_head_start * head_dim, heads.kv_heads * head_dim
         return ShardSpec(0, arch.kv_size, (Piece(kv_start, kv_rows, 0),))
     if _SINKS.match(name):
         return ShardSpec(0, arch.num_q_heads, (Piece(heads.q_head_start, heads.q_heads, 0),))

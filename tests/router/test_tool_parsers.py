@@ -270,28 +270,6 @@ GLM_CALLS = (
 )
 
 
-def _glm_calls() -> object:
-    body = _body(tools=GLM_TOOLS)
-    calls = tool_format_of(body, ToolCallParser.GLM45)
-    assert isinstance(calls, Glm45Calls)
-    return calls
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_glm45_calls_whole_and_streamed_at_any_cut(seed):
-    """A string-typed argument stays text ("75001" is not the number 75001), others are
-    JSON; a call without arguments has ``{}``; a stream cut anywhere gives the same."""
-    message, reason = _glm_calls().message(GLM_CALLS, "stop")
-    assert reason == "tool_calls" and message["content"] == "I'll look both up."
-    weather = ("get_weather", {"city": "Paris", "days": [1, 2], "zip": "75001"})
-    assert _names_and_arguments(message["tool_calls"]) == [weather, ("get_time", {})]
-    rng = random.Random(seed)
-    cuts = sorted(rng.sample(range(1, len(GLM_CALLS)), rng.randint(1, 40)))
-    content, calls, reason = _streamed(GLM_CALLS, cuts, "stop", True, parser=_glm_calls)
-    assert reason == "tool_calls" and content.strip() == message["content"]
-    assert _names_and_arguments(calls) == [weather, ("get_time", {})]
-
-
 @pytest.mark.parametrize(
     "text",
     [
@@ -305,7 +283,7 @@ def test_glm45_calls_whole_and_streamed_at_any_cut(seed):
     ],
 )
 def test_glm45_what_is_not_a_complete_call_stays_text(text):
-    message, reason = _glm_calls().message(text, "length")
+    message, reason = _typed_calls(ToolCallParser.GLM45).message(text, "length")
     assert message == {"role": "assistant", "content": text} and reason == "length"
 
 
@@ -366,24 +344,34 @@ MINIMAX_CALLS = (
 )
 
 
+def _typed_calls(parser: ToolCallParser) -> object:
+    """The request's parser for a reply to GLM_TOOLS (its string-typed arguments known)."""
+    calls = tool_format_of(_body(tools=GLM_TOOLS), parser)
+    assert isinstance(calls, {ToolCallParser.GLM45: Glm45Calls,
+                              ToolCallParser.MINIMAX_M2: MinimaxCalls}[parser])  # fmt: skip
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "content"),
+    [(ToolCallParser.GLM45, GLM_CALLS, "I'll look both up."),
+     (ToolCallParser.MINIMAX_M2, MINIMAX_CALLS, "Checking both.")],  # two invokes, one block
+    ids=["glm45", "minimax_m2"],
+)  # fmt: skip
 @pytest.mark.parametrize("seed", range(20))
-def test_minimax_m2_calls_whole_and_streamed_at_any_cut(seed):
-    """Two invokes in one block: a string-typed argument stays text, others are JSON, an
-    invoke without parameters has ``{}``; a stream cut anywhere gives the same."""
-
-    def parser():
-        calls = tool_format_of(_body(tools=GLM_TOOLS), ToolCallParser.MINIMAX_M2)
-        assert isinstance(calls, MinimaxCalls)
-        return calls
-
-    message, reason = parser().message(MINIMAX_CALLS, "stop")
-    assert reason == "tool_calls" and message["content"] == "Checking both."
+def test_typed_argument_calls_whole_and_streamed_at_any_cut(parser, text, content, seed):
+    """GLM-4.5's and MiniMax-M2's calls write arguments as text: a string-typed argument
+    stays text ("75001" is not the number 75001), others are JSON; a call without
+    arguments has ``{}``; a stream cut anywhere gives the same."""
+    message, reason = _typed_calls(parser).message(text, "stop")
+    assert reason == "tool_calls" and message["content"] == content
     weather = ("get_weather", {"city": "Paris", "days": [1, 2], "zip": "75001"})
     assert _names_and_arguments(message["tool_calls"]) == [weather, ("get_time", {})]
     rng = random.Random(seed)
-    cuts = sorted(rng.sample(range(1, len(MINIMAX_CALLS)), rng.randint(1, 40)))
-    content, calls, reason = _streamed(MINIMAX_CALLS, cuts, "stop", True, parser=parser)
-    assert reason == "tool_calls" and content.strip() == message["content"]
+    cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 40)))
+    streamed, calls, reason = _streamed(text, cuts, "stop", True,
+                                        parser=lambda: _typed_calls(parser))  # fmt: skip
+    assert reason == "tool_calls" and streamed.strip() == message["content"]
     assert _names_and_arguments(calls) == [weather, ("get_time", {})]
     assert [c["index"] for c in calls] == [0, 1]
 
