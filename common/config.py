@@ -270,7 +270,7 @@ class WorkerRoleConfig:
     replicas: int = 1
     host: str = "127.0.0.1"
     # Base port of replica 0; replica i starts at port + i * PORT_STRIDE.
-    port: int = 50100
+    port: int = 18100
     # EngineConfig fields that differ for this role (e.g. a larger max_num_seqs on decode).
     engine: dict[str, Any] = dataclasses.field(default_factory=dict)
     # SIGTERM: stop accepting, let in-flight requests finish for at most this long.
@@ -282,12 +282,12 @@ class WorkerRoleConfig:
 
 @dataclass(frozen=True, slots=True)
 class PrefillRoleConfig(WorkerRoleConfig):
-    port: int = 50100
+    port: int = 18100
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeRoleConfig(WorkerRoleConfig):
-    port: int = 50200
+    port: int = 18200
 
 
 # The connectors kv_transfer implements (kv_transfer.ConnectorName; common cannot import it).
@@ -659,12 +659,23 @@ class PdserveConfig:
         overrides = {"cpu_offload_bytes": self.offload.cpu_bytes, **self.role(role).engine}
         return self.engine.replace(**overrides)
 
+    def bound_ports(self) -> list[tuple[str, int, str]]:
+        """Each (host, port, owner) the layout binds: the router's port, then every
+        worker's ``WorkerPorts``."""
+        bound = [(self.router.host, self.router.port, "router.port")]
+        for role in Role:
+            section = self.role(role)
+            for index in range(section.replicas):
+                owner = f"{role}.port (replica {index})"
+                ports = dataclasses.astuple(section.ports(index))
+                bound += [(section.host, port, owner) for port in ports]
+        return bound
+
     def _check_ports(self) -> None:
         """Every port the layout binds on one machine is distinct. A wildcard host (0.0.0.0,
         ::) binds every interface, so it clashes with the same port on any host."""
         owners: dict[int, list[tuple[str, str]]] = {}
-
-        def claim(host: str, port: int, owner: str) -> None:
+        for host, port, owner in self.bound_ports():
             if not 0 < port < 65536:
                 raise ConfigError(owner, f"port {port} is outside 1-65535")
             host = "127.0.0.1" if host == "localhost" else host
@@ -672,10 +683,3 @@ class PdserveConfig:
                 if other != owner and (other_host == host or _WILDCARD_HOSTS & {host, other_host}):
                     raise ConfigError(owner, f"port {port} on {host} is also used by {other}")
             owners[port].append((host, owner))
-
-        claim(self.router.host, self.router.port, "router.port")
-        for role in Role:
-            section = self.role(role)
-            for index in range(section.replicas):
-                for port in dataclasses.astuple(section.ports(index)):
-                    claim(section.host, port, f"{role}.port (replica {index})")

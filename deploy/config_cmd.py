@@ -26,6 +26,7 @@ from common.model_info import (
 )
 from common.tracing import check_installed
 from deploy.config_args import add_overrides
+from deploy.ephemeral_ports import ephemeral_port_warnings, ephemeral_range
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
     for budget in budgets or []:
         for warning in budget.warnings:
             print(f"warning: {budget.role}: {warning}", file=sys.stderr)
+    for warning in ephemeral_port_warnings(config, ephemeral_range()):
+        print(f"warning: {warning}", file=sys.stderr)
     return 0
 
 

@@ -36,6 +36,7 @@ from common.model_info import cache_dir, made_model_dir
 from common.owned_paths import owner_tag, remove_dead_owners
 from common.prometheus_text import sample_totals
 from common.tracing import check_installed
+from deploy.ephemeral_ports import ephemeral_port_warnings, ephemeral_range
 from deploy.gpus import gpus_needed, visible_gpus, worker_gpus
 from deploy.health_cmd import check_grpc, check_http
 
@@ -276,6 +277,8 @@ def run(config: PdserveConfig, restart: bool = True) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    for warning in ephemeral_port_warnings(config, ephemeral_range()):
+        print(f"warning: {warning}", flush=True)
     ensure_demo_model(config)
     stack = Stack(config, cache_dir() / "logs" / str(config.router.port), restart)
     stack.handle_signals()

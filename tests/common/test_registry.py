@@ -37,9 +37,9 @@ def test_static_registry_lists_the_configured_layout():
     registry = create_registry(config)
     assert isinstance(registry, StaticRegistry)
     prefill = registry.list_workers(Role.PREFILL)
-    assert [w.grpc_address for w in prefill] == ["127.0.0.1:50100", "127.0.0.1:50110"]
+    assert [w.grpc_address for w in prefill] == ["127.0.0.1:18100", "127.0.0.1:18110"]
     assert len(registry.list_workers(Role.DECODE)) == 3
-    assert prefill[1].events_endpoint == "tcp://127.0.0.1:50111"
+    assert prefill[1].events_endpoint == "tcp://127.0.0.1:18111"
 
 
 def test_redis_entries_expire_without_heartbeat(tmp_path):

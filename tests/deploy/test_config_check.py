@@ -39,8 +39,8 @@ def test_check_summarises_the_layout(capsys):
     assert main(["config", "check", str(path), "--set", "decode.replicas=3"]) == 0
     out = capsys.readouterr().out
     assert "layout    2P3D" in out
-    assert "prefill   2 x 127.0.0.1, ports 50100-50114" in out
-    assert "decode    3 x 127.0.0.1, ports 50200-50224" in out
+    assert "prefill   2 x 127.0.0.1, ports 18100-18114" in out
+    assert "decode    3 x 127.0.0.1, ports 18200-18224" in out
 
 
 def test_show_prints_every_default_and_round_trips(tmp_path, capsys):
@@ -63,9 +63,9 @@ BROKEN = [
     ("prefill: {replicas: -1}", "prefill.replicas", "must be >= 0"),
     ("decode: {replicas: 0}", "decode.replicas", "at least one decode worker"),
     ("engine: {max_num_seqs: 0}", "engine.max_num_seqs", "must be > 0"),
-    ("prefill: {replicas: 2, port: 50190}", "decode.port (replica 0)", "also used by prefill"),
-    ("router: {port: 50100}", "prefill.port (replica 0)", "also used by router.port"),
-    ("router: {host: 0.0.0.0, port: 50201}", "decode.port (replica 0)", "also used by router"),
+    ("prefill: {replicas: 2, port: 18190}", "decode.port (replica 0)", "also used by prefill"),
+    ("router: {port: 18100}", "prefill.port (replica 0)", "also used by router.port"),
+    ("router: {host: 0.0.0.0, port: 18201}", "decode.port (replica 0)", "also used by router"),
     ("decode: {port: 65533}", "decode.port (replica 0)", "outside 1-65535"),
     ("decode: {engine: {max_num_seqs: many}}", "decode.engine.max_num_seqs", "an integer"),
     ("prefill: {engine: {batch: 8}}", "prefill.engine.batch", "unknown engine setting"),
@@ -169,14 +169,14 @@ def test_check_and_workers_refuse_before_starting(tmp_path):
     """Exit 2 with the named error from the console script, and a worker given the same
     config refuses before it loads anything."""
     path = tmp_path / "broken.yaml"
-    path.write_text("decode: {replicas: 2, port: 50100}\n")
+    path.write_text("decode: {replicas: 2, port: 18100}\n")
     for args in (["config", "check", str(path)], ["decode", "--config", str(path)]):
         result = subprocess.run(
             [sys.executable, "-m", "deploy.cli", *args],
             capture_output=True, text=True, timeout=60, cwd=ROOT,
         )  # fmt: skip
         assert result.returncode == 2, result.stderr
-        assert "error: decode.port (replica 0): port 50100 on 127.0.0.1 is also used by " \
+        assert "error: decode.port (replica 0): port 18100 on 127.0.0.1 is also used by " \
                "prefill.port (replica 0)" in result.stderr  # fmt: skip
         assert result.stdout == ""
 

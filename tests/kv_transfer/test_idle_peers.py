@@ -159,10 +159,10 @@ def test_nixl_fetcher_drops_a_peer_whose_address_answers_as_a_new_engine():
     with fetcher:
         for engine_id in ("prefill-old", "prefill-new"):
             exporter, source = _exporter("nixl", engine_id, known)
-            known["prefill@host:50100"] = known[engine_id]
+            known["prefill@host:18100"] = known[engine_id]
             with exporter:
                 exporter.export_blocks(engine_id, [3, 7])
-                peer = PeerRef(engine_id, "prefill@host:50100")
+                peer = PeerRef(engine_id, "prefill@host:18100")
                 fetcher.start_fetch(engine_id, peer, [3, 7], [1, 2])
                 fetcher.wait(engine_id, timeout_s=30)
                 pairs = zip(dest, source, strict=True)
