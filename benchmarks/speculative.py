@@ -65,7 +65,7 @@ class ReplayProposer:
         return drafts
 
 
-def _timed(engine: LLMEngine, prompts, params, repeats: int) -> tuple[dict, float, dict]:
+def timed_run(engine: LLMEngine, prompts, params, repeats: int) -> tuple[dict, float, dict]:
     """(tokens, median seconds, draft counts of one run) after a warm-up run."""
     run_all(engine, prompts, params)
     times = []
@@ -87,7 +87,9 @@ def _timed(engine: LLMEngine, prompts, params, repeats: int) -> tuple[dict, floa
     return tokens, statistics.median(times), counts
 
 
-def _compare(name: str, baseline_s: float, tokens_expected: dict, run: tuple, extra: dict) -> dict:
+def vs_baseline(
+    name: str, baseline_s: float, tokens_expected: dict, run: tuple, extra: dict
+) -> dict:
     tokens, seconds, counts = run
     assert tokens == tokens_expected, f"{name}: drafts changed the tokens"
     drafted = counts["draft_tokens"]
@@ -135,27 +137,27 @@ def main() -> None:
     print(f"{model.name}: {args.requests} requests, batch {args.batch}, "
           f"{args.prompt_tokens} prompt + {args.max_tokens} output tokens")  # fmt: skip
 
-    reference, baseline_s, _ = _timed(baseline, prompts, params, args.repeats)
+    reference, baseline_s, _ = timed_run(baseline, prompts, params, args.repeats)
     print(f"{'baseline (no drafts)':<34} {baseline_s:7.2f} s", flush=True)
     for k in args.k:
         engine = LLMEngine(model, EngineConfig(**overrides, num_speculative_tokens=k))
         for p_wrong in args.p_wrong:
             engine.scheduler.proposer = ReplayProposer(reference, p_wrong, vocab_size)
-            run = _timed(engine, prompts, params, args.repeats)
-            rows.append(_compare(f"replay k={k} p_wrong={p_wrong}", baseline_s, reference, run,
+            run = timed_run(engine, prompts, params, args.repeats)
+            rows.append(vs_baseline(f"replay k={k} p_wrong={p_wrong}", baseline_s, reference, run,
                                  {"part": "replay", "k": k, "p_wrong": p_wrong}))  # fmt: skip
 
     ngram = LLMEngine(model, EngineConfig(**overrides, num_speculative_tokens=4))
-    run = _timed(ngram, prompts, params, args.repeats)
-    rows.append(_compare("ngram k=4 (random prompts)", baseline_s, reference, run,
+    run = timed_run(ngram, prompts, params, args.repeats)
+    rows.append(vs_baseline("ngram k=4 (random prompts)", baseline_s, reference, run,
                          {"part": "ngram", "k": 4}))  # fmt: skip
 
     looping = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True,
                              allowed_token_ids=list(range(60, 66)))  # fmt: skip
-    loop_reference, loop_baseline_s, _ = _timed(baseline, prompts, looping, args.repeats)
+    loop_reference, loop_baseline_s, _ = timed_run(baseline, prompts, looping, args.repeats)
     print(f"{'baseline, looping outputs':<34} {loop_baseline_s:7.2f} s", flush=True)
-    run = _timed(ngram, prompts, looping, args.repeats)
-    rows.append(_compare("ngram k=4 (looping outputs)", loop_baseline_s, loop_reference, run,
+    run = timed_run(ngram, prompts, looping, args.repeats)
+    rows.append(vs_baseline("ngram k=4 (looping outputs)", loop_baseline_s, loop_reference, run,
                          {"part": "ngram-looping", "k": 4}))  # fmt: skip
 
     record = {

@@ -28,6 +28,15 @@ class AttentionBackendName(StrEnum):
     TRITON = "triton"
 
 
+class SpeculativeMethod(StrEnum):
+    """Who proposes the drafts that ``num_speculative_tokens`` verifies."""
+
+    NGRAM = "ngram"  # lookup in the request's own tokens (engine/ngram_proposer.py)
+    # The checkpoint's multi-token-prediction layer (DeepSeek-V3, GLM-4.5), run after each
+    # step on the target's hidden states, with a KV cache of its own (engine/models/mtp.py).
+    MTP = "mtp"
+
+
 class DType(StrEnum):
     AUTO = "auto"  # the checkpoint's dtype on CUDA, float32 on CPU (no fast bf16 there)
     FLOAT32 = "float32"
@@ -98,6 +107,7 @@ _ENUM_FIELDS: dict[str, type[StrEnum]] = {  # filled below, once every enum is d
     "Device": Device,
     "KVCacheDType": KVCacheDType,
     "SchedulingPolicy": SchedulingPolicy,
+    "SpeculativeMethod": SpeculativeMethod,
 }
 
 
@@ -145,6 +155,11 @@ class EngineConfig:
     # or seeded); it pays off where outputs repeat their context (code edits, extraction,
     # summaries). 0: off. Decode workers use it; a prefill worker samples one token.
     num_speculative_tokens: int = 0
+    # ``mtp``: the drafts come from the checkpoint's multi-token-prediction layer instead.
+    # It runs, and keeps its KV (one more cache layer), whenever this is mtp, even with
+    # num_speculative_tokens 0: a prefill worker writes the prompt's MTP KV that its decode
+    # workers' drafts attend to, so both roles need the same method.
+    speculative_method: SpeculativeMethod = SpeculativeMethod.NGRAM
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     # Tensor parallelism: the model's heads and MLP widths split over this many devices
@@ -649,6 +664,15 @@ class PdserveConfig:
                 f"prefill schedules {policies[Role.PREFILL].value} and decode "
                 f"{policies[Role.DECODE].value}: the router takes a request's priority only "
                 "when both roles honour it, so both need the same scheduling_policy",
+            )
+        methods = {role: self.engine_for(role).speculative_method for role in Role}
+        if methods[Role.PREFILL] is not methods[Role.DECODE]:
+            raise ConfigError(
+                "decode.engine.speculative_method",
+                f"prefill runs {methods[Role.PREFILL].value} and decode "
+                f"{methods[Role.DECODE].value}: with mtp the KV cache holds the MTP layer's "
+                "KV too, which moves with the prompt's blocks, so both roles need the same "
+                "speculative_method",
             )
         self._check_ports()
 

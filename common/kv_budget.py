@@ -20,7 +20,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.config import ConfigError, Device, DType, EngineConfig, PdserveConfig, Role
+from common.config import (
+    ConfigError,
+    Device,
+    DType,
+    EngineConfig,
+    PdserveConfig,
+    Role,
+    SpeculativeMethod,
+)
 from common.hf_config import kv_cache_heads, max_context_len, text_config
 from common.model_info import model_dir_of
 from common.tensor_parallel import local_kv_heads, split_problem
@@ -39,6 +47,9 @@ class ModelShape:
     num_q_heads: int = 1
     # The MLP widths tensor parallelism splits, by config key (engine.parallel.shard_spec).
     split_widths: tuple[tuple[str, int], ...] = ()
+    # Multi-token-prediction layers stored after the others (DeepSeek-V3, GLM-4.5): one
+    # more KV cache layer when the engine drafts with them (speculative_method: mtp).
+    num_mtp_layers: int = 0
 
     @classmethod
     def read(cls, model_dir: Path) -> ModelShape | None:
@@ -57,15 +68,20 @@ class ModelShape:
                 max_context_len=max_context_len(cfg),
                 num_q_heads=int(cfg["num_attention_heads"]),
                 split_widths=_split_widths(cfg),
+                num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError("model", f"{path} is not a usable checkpoint config: {exc}") from None
 
-    def bytes_per_block(self, block_size: int, dtype_bytes: int, tp_size: int = 1) -> int:
-        """K and V of ``block_size`` tokens in every layer (one block id, all layers), on
-        one of ``tp_size`` tensor-parallel ranks (each holds its KV heads)."""
+    def bytes_per_block(
+        self, block_size: int, dtype_bytes: int, tp_size: int = 1, mtp: bool = False
+    ) -> int:
+        """K and V of ``block_size`` tokens in every cache layer (one block id, all layers;
+        with ``mtp`` the MTP layer's too), on one of ``tp_size`` tensor-parallel ranks
+        (each holds its KV heads)."""
         num_kv_heads = local_kv_heads(self.num_kv_heads, tp_size)
-        return self.num_layers * 2 * block_size * num_kv_heads * self.head_dim * dtype_bytes
+        num_layers = self.num_layers + (min(self.num_mtp_layers, 1) if mtp else 0)
+        return num_layers * 2 * block_size * num_kv_heads * self.head_dim * dtype_bytes
 
 
 def _split_widths(cfg: dict) -> tuple[tuple[str, int], ...]:
@@ -141,11 +157,14 @@ def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
         raise ConfigError(_key(config, role, "tensor_parallel_size"), problem)
     max_model_len = min(engine.max_model_len or shape.max_context_len, shape.max_context_len)
     min_blocks = -(-max_model_len // engine.block_size)
-    cpu_bpb = shape.bytes_per_block(engine.block_size, _dtype_bytes(engine, Device.CPU), tp_size)
+    mtp = engine.speculative_method is SpeculativeMethod.MTP
+    cpu_bytes = _dtype_bytes(engine, Device.CPU)
+    cpu_bpb = shape.bytes_per_block(engine.block_size, cpu_bytes, tp_size, mtp)
     bpb = None
     known = engine.device is not Device.AUTO or engine.dtype is not DType.AUTO
     if known or engine.kv_cache_dtype.storage_name is not None:
-        bpb = shape.bytes_per_block(engine.block_size, _dtype_bytes(engine, engine.device), tp_size)
+        element_bytes = _dtype_bytes(engine, engine.device)
+        bpb = shape.bytes_per_block(engine.block_size, element_bytes, tp_size, mtp)
     too_small = (
         f"cannot hold one request of max_model_len={max_model_len} ({min_blocks} blocks of "
         f"{engine.block_size} tokens); give the KV cache more memory or lower "

@@ -20,8 +20,23 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PDSERVE_HOME", Path.home() / ".cache" / "pdserve"))
 
 
+# Raised when made checkpoints change, so that cached ones are made again
+# (``engine.models.maker.ensure_model``): 2 stored deepseek_v3's and glm4_moe's MTP layer.
+MAKER_VERSION = 2
+MADE_MODEL_INFO = "pdserve_model.json"
+
+
 def made_model_dir(arch: str = DEMO_ARCH, size: str = DEMO_SIZE) -> Path:
     return cache_dir() / "models" / f"demo-{arch}-{size}"
+
+
+def made_model_is_current(model_dir: Path) -> bool:
+    """Whether ``model_dir`` holds a made model of this ``MAKER_VERSION``."""
+    try:
+        info = json.loads((model_dir / MADE_MODEL_INFO).read_text())
+    except (OSError, ValueError):
+        return False
+    return (model_dir / "config.json").exists() and info.get("maker_version") == MAKER_VERSION
 
 
 def model_dir_of(config: PdserveConfig) -> Path:

@@ -32,7 +32,7 @@ import yaml
 
 from common.config import ConfigError, PdserveConfig, Role
 from common.config_loader import to_dict
-from common.model_info import cache_dir, made_model_dir
+from common.model_info import cache_dir, made_model_dir, made_model_is_current
 from common.owned_paths import owner_tag, remove_dead_owners
 from common.prometheus_text import sample_totals
 from common.tracing import check_installed
@@ -264,7 +264,7 @@ def _wait(proc: subprocess.Popen, grace_s: float) -> None:
 
 
 def ensure_demo_model(config: PdserveConfig) -> None:
-    if config.model is None and not (made_model_dir() / "config.json").exists():
+    if config.model is None and not made_model_is_current(made_model_dir()):
         print("making the demo model (first use)", flush=True)
         from engine.models.maker import ensure_model
 

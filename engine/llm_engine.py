@@ -19,7 +19,14 @@ from pathlib import Path
 
 import torch
 
-from common.config import MAX_PRIORITY, MIN_PRIORITY, DType, EngineConfig, SchedulingPolicy
+from common.config import (
+    MAX_PRIORITY,
+    MIN_PRIORITY,
+    DType,
+    EngineConfig,
+    SchedulingPolicy,
+    SpeculativeMethod,
+)
 from common.hashing import BlockHash, transfer_block_hashes
 from common.structured_output import STRUCTURED_OUTPUT
 from engine.block_pool import BlockPoolObserver
@@ -46,7 +53,7 @@ from engine.request import FINISH_REASONS, RemoteKV, Request, RequestStatus
 from engine.sampler import SamplingRow
 from engine.sampling_ops import RequestRandom
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -503,6 +510,10 @@ class LLMEngine:
         for request_id, embedding in result.embeddings.items():
             self.scheduler.requests[request_id].embedding = embedding
         progressed = self.scheduler.update_from_output(scheduler_output, result.sampled)
+        for request_id, drafts in result.drafts.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is not None:
+                request.mtp_draft_ids, request.mtp_drafts_after = drafts, request.num_tokens
         self.num_steps += 1
         for request, num_new in progressed:
             if request.request_id in self.grammars:
@@ -640,7 +651,35 @@ class LLMEngine:
                     pooling=request.pooling if item.samples else None,
                 )
             )
+            if self.config.speculative_method is SpeculativeMethod.MTP:
+                self._mtp_inputs(chunks[-1], item, end)
         return chunks
+
+    def _mtp_inputs(self, chunk: SequenceChunk, item: ScheduledRequest, end: int) -> None:
+        """What the MTP pass after this step needs of ``chunk`` (``engine/mtp_drafts.py``):
+        the prompt token after a chunk that is not the last, and how many drafts to
+        propose after a sampling one: as many as the next step could verify, by the draft
+        budget's rule (``draft_budget.py``: at most twice the drafts this step verifies,
+        if it keeps them all; none while paused, or for requests that cannot speculate)."""
+        request = item.request
+        if not item.samples:
+            chunk.next_token_id = request.token_ids_between(end, end + 1)[0]
+            return
+        budget = request.draft_budget
+        if (
+            request.prefill_only
+            or request.pooling is not None
+            or request.sampling_params.structured_output is not None
+            or (budget is not None and budget.paused_steps > 0)
+        ):
+            return
+        most = self.config.num_speculative_tokens
+        if item.draft_token_ids:  # the budget's next allowance, if every draft is kept
+            most = min(most, 2 * len(item.draft_token_ids))
+        elif budget is not None:  # no drafts to verify: the allowance stays
+            most = min(most, budget.allowed)
+        left = request.max_tokens - request.num_output_tokens - 2  # after this step's token
+        chunk.num_drafts = max(0, min(most, left))
 
     def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
         finish_reason = FINISH_REASONS.get(request.status)

@@ -4,7 +4,8 @@ Per step the runner builds a single flattened batch (``input_ids``, ``positions`
 ``slot_mapping``, block table, query start offsets, sequence lengths), runs the model
 (``ModelShard``: the weights and the KV cache), computes logits only at the last token of
 chunks that sample (and at their draft tokens, when they verify drafts; and at the prompt
-tokens of chunks that score their prompt), and samples. An embedding request's last chunk
+tokens of chunks that score their prompt), and samples. With an MTP layer it then proposes
+the next step's drafts (``engine/mtp_drafts.py``). An embedding request's last chunk
 is pooled instead: its last hidden state is the result, or its logits at the tokens it
 names (``engine/pooling.py``).
 
@@ -31,6 +32,7 @@ from engine.kv_cache_manager import cdiv
 from engine.model_shard import HostBatch, ModelShard
 from engine.models.arch import ModelArchConfig
 from engine.models.lora import LoraAdapter, LoraBatch, load_lora_adapter
+from engine.mtp_drafts import MtpSegment, check_mtp, mtp_segment, propose_drafts
 from engine.parallel.group import SingleRank, TPGroup
 from engine.parallel.launch import ShardExtensionSpec
 from engine.parallel.messages import Step
@@ -60,6 +62,10 @@ class SequenceChunk:
     lora: LoraAdapter | None = None  # the request's LoRA adapter; None: the base model
     # An embedding request's last chunk: its last token's hidden state is pooled.
     pooling: PoolingParams | None = None
+    # With an MTP layer: the prompt token after a chunk that is not the last (its MTP pass
+    # reads it), and the drafts to propose after a sampling chunk (0: none).
+    next_token_id: int | None = None
+    num_drafts: int = 0
 
 
 @dataclass(slots=True)
@@ -82,6 +88,8 @@ class StepResult:
     # Pooled chunks': [hidden_size] float32 CPU rows of one step's tensor, or
     # [len(pooling.token_ids)] logits for those that name tokens.
     embeddings: dict[str, torch.Tensor] = field(default_factory=dict)
+    # The MTP layer's drafts for each request's next step (``engine/mtp_drafts.py``).
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -104,6 +112,7 @@ class ModelRunner:
         With ``config.tensor_parallel_size`` > 1 this is rank 0 of the group: it starts
         the other ranks' processes (``shards``, with ``extension`` in each), holds its own
         ``ModelShard``, and every step sends the batch to the others before running it."""
+        check_mtp(config, arch, model_dir)
         self.arch = arch
         self.device = device
         self.dtype = dtype
@@ -198,7 +207,7 @@ class ModelRunner:
             self.shards.close()
         self.group.close()
 
-    def _host_batch(self, chunks: list[SequenceChunk]) -> HostBatch:
+    def _host_batch(self, chunks: list[SequenceChunk] | list[MtpSegment]) -> HostBatch:
         bs = self.block_size
         batch = HostBatch()
         width = 0
@@ -336,8 +345,32 @@ class ModelRunner:
             result.embeddings.update(
                 (c.request_id, v) for (_, c), v in zip(classified, picked, strict=True)
             )
-        if logits is None:
-            return result
-        results = sample(logits, [c.sampling for _, c in sampling])
-        result.sampled = {c.request_id: r for (_, c), r in zip(sampling, results, strict=True)}
+        if logits is not None:
+            results = sample(logits, [c.sampling for _, c in sampling])
+            sampled = zip(sampling, results, strict=True)
+            result.sampled = {c.request_id: r for (_, c), r in sampled}
+        if self.shard.num_mtp_layers:
+            result.drafts = self._mtp_drafts(chunks, batch, result.sampled)
         return result
+
+    def _mtp_drafts(
+        self,
+        chunks: list[SequenceChunk],
+        batch: HostBatch,
+        sampled: dict[str, list[tuple[int, TokenLogprobs | None]]],
+    ) -> dict[str, list[int]]:
+        segments = []
+        for i, chunk in enumerate(chunks):
+            tokens = sampled.get(chunk.request_id)
+            segment = mtp_segment(
+                chunk,
+                None if tokens is None else [token for token, _ in tokens],
+                batch.query_start_loc[i],
+            )
+            if segment is not None:
+                segments.append(segment)
+        if not segments:
+            return {}
+        return propose_drafts(
+            self.shard, self._host_batch, segments, self.block_size, self.max_model_len
+        )

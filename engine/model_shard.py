@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from common.config import ConfigError, EngineConfig
+from common.config import ConfigError, EngineConfig, SpeculativeMethod
 from engine.attention.backend import BatchLayout
 from engine.attention.registry import create_backend
 from engine.cuda_graphs import DecodeGraphs
@@ -29,6 +29,7 @@ from engine.models.arch import ModelArchConfig, ModelLoadError
 from engine.models.llama import use_kv_scales
 from engine.models.loader import load_model
 from engine.models.lora import LoraBatch
+from engine.models.mtp import mtp_hidden
 from engine.parallel.group import SingleRank, TPGroup
 from engine.parallel.shard_spec import TensorParallel, local_arch
 from kernels.reference import FP8_DTYPES
@@ -106,9 +107,15 @@ class ModelShard:
             config.attention_backend, device, config.block_size, arch.mla is not None
         )
         self.cache_dtype = kv_cache_dtype(config, dtype, device, self.backend.name)
+        # The MTP layer drafts (``engine/mtp_drafts.py``); its KV is the last cache layer.
+        self.num_mtp_layers = int(config.speculative_method is SpeculativeMethod.MTP)
         self.model = load_model(
-            model_dir, arch, max_model_len, self.backend, device, dtype, self.group
-        )
+            model_dir, arch, max_model_len, self.backend, device, dtype, self.group,
+            self.num_mtp_layers,
+        )  # fmt: skip
+        # The last step's hidden states before the final norm, kept for the MTP pass that
+        # follows it ([num_tokens, hidden]); None without an MTP layer.
+        self.prenorm_hidden: torch.Tensor | None = None
         self._use_kv_scales()
         self.num_blocks = 0
         self.kv_caches: list[torch.Tensor] = []
@@ -138,10 +145,15 @@ class ModelShard:
                         "%s, not FP8 (engine.kv_cache_dtype)", self.cache_dtype)  # fmt: skip
 
     @property
+    def num_cache_layers(self) -> int:
+        """KV cache layers: the model's, then the MTP layer's when it drafts."""
+        return self.arch.num_layers + self.num_mtp_layers
+
+    @property
     def bytes_per_block(self) -> int:
-        """This rank's bytes of one block (its KV heads, every layer)."""
+        """This rank's bytes of one block (its KV heads, every cache layer)."""
         arch = self.arch
-        elements = arch.num_layers * 2 * self.block_size * arch.num_kv_heads * arch.head_dim
+        elements = self.num_cache_layers * 2 * self.block_size * arch.num_kv_heads * arch.head_dim
         return elements * self.cache_dtype.itemsize
 
     def max_num_blocks(self) -> int:
@@ -177,10 +189,18 @@ class ModelShard:
         shape = (num_blocks, 2, self.block_size, arch.num_kv_heads, arch.head_dim)
         # One view per layer of a block-major buffer; a block id names the same slot in
         # every layer (host_memory.zeros_for_kv_caches says why).
-        self.kv_caches = zeros_for_kv_caches(arch.num_layers, shape, self.cache_dtype, self.device)
+        self.kv_caches = zeros_for_kv_caches(
+            self.num_cache_layers, shape, self.cache_dtype, self.device
+        )
         config = self.config
-        # Latent attention decodes eagerly: its capture is not yet tried on a GPU.
-        graphs = config.cuda_graphs and self.device.type == "cuda" and arch.mla is None
+        # Latent attention decodes eagerly: its capture is not yet tried on a GPU; so do
+        # MTP drafters (a graph keeps no hidden states before the final norm).
+        graphs = (
+            config.cuda_graphs
+            and self.device.type == "cuda"
+            and arch.mla is None
+            and not self.num_mtp_layers
+        )
         if graphs and self.backend.name == "triton":
             self._capture()
         logger.info(
@@ -229,7 +249,23 @@ class ModelShard:
         metadata = self.backend.build_metadata(self._layout(batch))
         input_ids = self.to_device(batch.input_ids, torch.int64)
         positions = self.to_device(batch.positions, torch.int64)
-        return self.model(input_ids, positions, self.kv_caches, metadata, lora)
+        layer_caches = self.kv_caches[: self.arch.num_layers]
+        if not self.num_mtp_layers:
+            return self.model(input_ids, positions, layer_caches, metadata, lora)
+        hidden = self.model.hidden_states(input_ids, positions, layer_caches, metadata, lora)
+        self.prenorm_hidden = hidden
+        return self.model.model.norm(hidden)
+
+    def mtp_forward(self, batch: HostBatch, previous_hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP layer over ``batch`` (its input ids: the token after each position),
+        given the hidden state before each position ([num_tokens, hidden]); writes the
+        layer's KV at the batch's slots. Returns its states [num_tokens, hidden]."""
+        metadata = self.backend.build_metadata(self._layout(batch))
+        input_ids = self.to_device(batch.input_ids, torch.int64)
+        positions = self.to_device(batch.positions, torch.int64)
+        return mtp_hidden(
+            self.model, input_ids, positions, previous_hidden, self.kv_caches[-1], metadata
+        )
 
     def _layout(self, batch: HostBatch) -> BatchLayout:
         query_lens = [batch.query_len(i) for i in range(batch.num_seqs)]

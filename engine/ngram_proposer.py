@@ -30,6 +30,16 @@ class DraftProposer(Protocol):
     def propose(self, request: Request, max_drafts: int) -> list[int]: ...
 
 
+class MtpProposer:
+    """``DraftProposer`` of the drafts the MTP layer proposed after the request's last
+    step (``engine/mtp_drafts.py``); none if the request changed since (a preemption)."""
+
+    def propose(self, request: Request, max_drafts: int) -> list[int]:
+        if request.mtp_drafts_after != request.num_tokens:
+            return []
+        return request.mtp_draft_ids[:max_drafts]
+
+
 class NgramProposer:
     """``DraftProposer`` by n-gram lookup in the request's own tokens (``propose_ngram``)."""
 

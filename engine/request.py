@@ -158,6 +158,10 @@ class Request:
     # many drafts their steps may verify.
     token_history: TokenHistory | None = None
     draft_budget: DraftBudget | None = None
+    # The MTP layer's drafts (``engine/mtp_drafts.py``), valid while the request has
+    # ``mtp_drafts_after`` tokens: they continue exactly those.
+    mtp_draft_ids: list[int] = field(default_factory=list)
+    mtp_drafts_after: int = 0
 
     @property
     def queue_order(self) -> tuple[int, int]:

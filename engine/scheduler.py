@@ -32,7 +32,8 @@ Two role-specific paths, both at the edges of the same loop:
   ``held`` until ``release_held`` (the decode worker pulled them, or the lease expired).
 
 With ``num_speculative_tokens``, a decoding request may compute draft tokens after its
-last one (``ScheduledRequest.draft_token_ids``, from the n-gram proposer): they take
+last one (``ScheduledRequest.draft_token_ids``, from the n-gram proposer or the MTP
+layer's drafts): they take
 budget and slots like any token, and ``update_from_output`` keeps the KV of those the
 sampler accepted. A rejected draft's slot is simply written again by the next step; it
 never enters the prefix cache, which registers only blocks full of the request's own
@@ -47,12 +48,12 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from common.config import EngineConfig
+from common.config import EngineConfig, SpeculativeMethod
 from common.hashing import BlockHash
 from engine.block_pool import BlockPoolObserver, KVBlock
 from engine.draft_budget import DraftBudget
 from engine.kv_cache_manager import KVCacheManager, SecondaryTier, cdiv
-from engine.ngram_proposer import DraftProposer, NgramProposer
+from engine.ngram_proposer import DraftProposer, MtpProposer, NgramProposer
 from engine.request import Request, RequestStatus, TokenLogprobs
 from engine.request_queue import RequestQueue
 
@@ -142,7 +143,9 @@ class Scheduler:
         self.num_blocks_reused_for_remote = 0
         self.num_speculative_tokens = config.num_speculative_tokens
         self.proposer: DraftProposer | None = None
-        if config.num_speculative_tokens:
+        if config.num_speculative_tokens and config.speculative_method is SpeculativeMethod.MTP:
+            self.proposer = MtpProposer()
+        elif config.num_speculative_tokens:
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.num_draft_tokens = 0  # drafts verified (cumulative)
         self.num_accepted_tokens = 0  # of those, kept

@@ -105,7 +105,8 @@ ARCHITECTURES: dict[str, ArchFlags] = {
     ),
 }
 # Checkpoints that store multi-token-prediction layers after ``num_hidden_layers`` (V3's
-# ``model.layers.61``, GLM-4.5's ``model.layers.46``): left unloaded, as transformers does.
+# ``model.layers.61``, GLM-4.5's ``model.layers.46``): left unloaded, as transformers does,
+# unless the engine drafts with them (``engine.speculative_method: mtp``, ``mtp.py``).
 MTP_LAYER_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
 
 _BY_MODEL_TYPE = {
@@ -226,6 +227,10 @@ class ModelArchConfig:
     # (``num_kv_heads``, ``head_dim``): the K slot holds a token's latent's first half, the
     # V slot its second. None: attention as above.
     mla: MlaConfig | None = None
+    # Multi-token-prediction layers stored after the ``num_layers`` the model runs
+    # (``num_nextn_predict_layers``); per-layer tuples above cover them too, so MTP layer
+    # ``i`` is layer ``num_layers + i`` to them.
+    num_mtp_layers: int = 0
 
     @property
     def rotary_dim(self) -> int:
@@ -454,6 +459,9 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
         )
     flags = ARCHITECTURES[architecture]
     num_layers = int(_require(cfg, "num_hidden_layers", path))
+    num_mtp_layers = 0
+    if architecture in MTP_LAYER_ARCHITECTURES:
+        num_mtp_layers = int(cfg.get("num_nextn_predict_layers") or 0)
     hidden_size = int(_require(cfg, "hidden_size", path))
     num_q_heads = int(_require(cfg, "num_attention_heads", path))
     head_dim = cfg.get("head_dim") or hidden_size // num_q_heads
@@ -502,16 +510,17 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         qk_norm=flags.qk_norm or (flags.glm4_moe and bool(cfg.get("use_qk_norm", False))),
-        sliding_windows=_sliding_windows(cfg, architecture, num_layers),
+        sliding_windows=_sliding_windows(cfg, architecture, num_layers + num_mtp_layers),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
         eos_token_ids=eos_token_ids(cfg, model_dir),
         bos_token_id=cfg.get("bos_token_id"),
-        moe=_moe_config(cfg, architecture, num_layers, path),
+        moe=_moe_config(cfg, architecture, num_layers + num_mtp_layers, path),
         max_context_len=max_context_len(cfg),
         attention_sinks=flags.gpt_oss,
         norm_gain_in_float32=flags.gpt_oss,
         fp8_weights=fp8_weights,
         qk_norm_whole=flags.minimax_m2,
+        num_mtp_layers=num_mtp_layers,
         **attention,
         **gemma3,
     )

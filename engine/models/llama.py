@@ -229,6 +229,8 @@ class LlamaModel(nn.Module):
             for i in range(arch.num_layers)
         )
         self.norm = rms_norm(arch, arch.hidden_size)
+        # Multi-token-prediction layers, when the engine drafts with them (``mtp.py``).
+        self.mtp_layers = nn.ModuleList()
 
 
 class LlamaForCausalLM(nn.Module):
@@ -266,6 +268,10 @@ class LlamaForCausalLM(nn.Module):
         for rotary in self.rotaries:
             rotary.build_tables(device)
 
+    def rotary_of(self, layer_idx: int) -> RotaryEmbedding:
+        ropes = list(dict.fromkeys(self.arch.rope_of(i) for i in range(self.arch.num_layers)))
+        return self.rotaries[ropes.index(self.arch.rope_of(layer_idx))]
+
     def forward(
         self,
         input_ids: torch.Tensor,  # [num_tokens]
@@ -274,13 +280,25 @@ class LlamaForCausalLM(nn.Module):
         attn_metadata: object,
         lora: LoraBatch | None = None,  # None: no row uses an adapter
     ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
+        return self.model.norm(
+            self.hidden_states(input_ids, positions, kv_caches, attn_metadata, lora)
+        )
+
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[torch.Tensor],  # one per layer (not the MTP layer's)
+        attn_metadata: object,
+        lora: LoraBatch | None = None,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size], before the final norm
         hidden = self.model.embed_tokens(input_ids)
         if self.arch.embed_scale != 1.0:
             # As transformers: the scale rounded to the model dtype (bf16: sqrt(3072) = 55.5).
             hidden = hidden * torch.tensor(self.arch.embed_scale, dtype=hidden.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden = layer(positions, hidden, kv_cache, attn_metadata, lora)
-        return self.model.norm(hidden)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
         """Under tensor parallelism every rank calls this on the same rows (it gathers the

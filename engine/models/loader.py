@@ -11,7 +11,8 @@ served for text (Gemma 3's) load their language model's tensors and skip the res
 experts (interleaved, input-major, maybe MXFP4) go through ``gpt_oss_weights.py``; FP8
 weights are dequantized with the scales stored beside them (``fp8_weights.py``). DeepSeek's
 rotary rows are reordered (``mla.rope_rows_in_halves``); multi-token-prediction layers
-(DeepSeek-V3's, GLM-4.5's) are left out.
+(DeepSeek-V3's, GLM-4.5's) are left out, or loaded as ``model.mtp_layers`` when the engine
+drafts with them (``mtp.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from engine.models.kv_scales import KvScaleReader
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mla import rope_rows_in_halves
 from engine.models.moe import DeepseekGate
+from engine.models.mtp import SHARED_WITH_MODEL, add_mtp_layer
 from engine.parallel.group import SingleRank, TPGroup
 from engine.parallel.shard_spec import ShardSpec, TensorParallel, local_arch, shard_spec
 
@@ -49,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 _HEAD, _EMBED = "lm_head.weight", "model.embed_tokens.weight"
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
-_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 # A multimodal checkpoint's language model (transformers 4's names, which 5 also writes,
 # then 5's own), and the parts of it a text-only engine leaves unloaded.
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
@@ -57,11 +59,12 @@ _TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.
 _NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
              "model.multi_modal_projector.")  # fmt: skip
 _FUSED = re.compile(
-    r"^(model\.layers\.\d+\.(?:self_attn|mlp|mlp\.shared_expert))\.(q|k|v|gate|up)_proj\."
-    r"(weight|bias)$"
+    r"^(model\.(?:mtp_)?layers\.\d+\.(?:self_attn|mlp|mlp\.shared_expert))"
+    r"\.(q|k|v|gate|up)_proj\.(weight|bias)$"
 )
 _EXPERT = re.compile(
-    r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
+    r"^(model\.(?:mtp_)?layers\.\d+\.mlp\.experts)\.(\d+)"
+    r"\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
 )
 # Mixtral's per-expert names: w1 is the gate, w3 the up and w2 the down projection.
 _EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
@@ -106,12 +109,20 @@ def _target(name: str, arch: ModelArchConfig, shapes: dict[str, tuple[int, ...]]
     return _Target(stacked, 0 if which == "gate" else half)
 
 
-def _extra_layer(name: str, arch: ModelArchConfig) -> bool:
-    """A multi-token-prediction layer (``arch.MTP_LAYER_ARCHITECTURES``), stored after the
-    ``num_hidden_layers`` the model runs: left unloaded, as transformers does."""
-    stores_mtp = arch.architecture in MTP_LAYER_ARCHITECTURES
-    layer = _LAYER_INDEX.match(name) if stores_mtp else None
-    return layer is not None and int(layer.group(1)) >= arch.num_layers
+def _mtp_name(name: str, arch: ModelArchConfig, num_mtp_layers: int) -> str | None:
+    """``name`` itself, or for a multi-token-prediction layer's tensor (stored after the
+    ``num_hidden_layers`` the model runs, ``arch.MTP_LAYER_ARCHITECTURES``) its name in
+    ``model.mtp_layers`` when the model has that layer. None: not loaded (the layer is
+    not used, as transformers leaves it, or the tensor copies one of the model's)."""
+    if arch.architecture not in MTP_LAYER_ARCHITECTURES:
+        return name
+    layer = _LAYER_INDEX.match(name)
+    if layer is None or int(layer.group(1)) < arch.num_layers:
+        return name
+    index = int(layer.group(1)) - arch.num_layers
+    if index >= num_mtp_layers or layer.group(2) in SHARED_WITH_MODEL:
+        return None
+    return f"model.mtp_layers.{index}.{layer.group(2)}"
 
 
 def _model_name(name: str) -> str | None:
@@ -222,10 +233,12 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype,
     group: TPGroup | None = None,
+    num_mtp_layers: int = 0,
 ) -> LlamaForCausalLM:
     """The model (of ``arch``, the full architecture), or under tensor parallelism the
     shard of rank ``group.rank``: each stored tensor is cut by ``shard_spec`` as it is
-    read, so a rank copies only what it keeps."""
+    read, so a rank copies only what it keeps. ``num_mtp_layers``: the checkpoint's
+    multi-token-prediction layers to load too (0 or 1; ``mtp.py``)."""
     model_dir = Path(model_dir)
     group = group or SingleRank()
     tp = TensorParallel(group.size, group.rank)
@@ -237,6 +250,8 @@ def load_model(
         arch = dataclasses.replace(arch, tie_word_embeddings=False)
     with torch.device("meta"):
         model = LlamaForCausalLM(local_arch(arch, tp), max_positions, backend, group)
+        if num_mtp_layers:
+            add_mtp_layer(model, backend, group)
     model = model.to_empty(device=device).to(dtype)
     for module in model.modules():
         if isinstance(module, DeepseekGate):  # routes in float32, as transformers
@@ -289,7 +304,9 @@ def load_model(
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for stored in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
                 name = _model_name(stored)
-                if name is None or _IGNORED.match(name) or _extra_layer(name, arch):
+                if name is not None:
+                    name = _mtp_name(name, arch, num_mtp_layers)
+                if name is None or _IGNORED.match(name):
                     continue
                 bare = bare or stored.startswith(BARE_NAMES)
                 if fp8 is not None and name.endswith(SIDECAR_SUFFIXES) and name not in params:
@@ -348,6 +365,13 @@ def load_model(
         model.lm_head = None
         model.generates = False
         missing = []
+    if missing and all(name.startswith("model.mtp_layers.") for name in missing):
+        raise ModelLoadError(
+            f"{model_dir}: engine.speculative_method mtp: config.json declares "
+            f"num_nextn_predict_layers={arch.num_mtp_layers}, but the files store no "
+            f"complete MTP layer (model.layers.{arch.num_layers}.*; missing "
+            f"{len(missing)} tensors, such as {missing[0]})"
+        )
     if missing:
         raise ModelLoadError(
             f"{model_dir}: tensors missing from the checkpoint: {missing[:5]}"

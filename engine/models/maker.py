@@ -14,7 +14,10 @@ GPT-OSS unquantized (see ``_gpt_oss_config``), whose tokenizer has the Harmony m
 a template of that format (the router reads its replies in it: ``router/harmony.py``).
 ``deepseek_v2`` and ``deepseek_v3`` are DeepSeek's latent attention and routers (see
 ``_deepseek_config``), ``glm4_moe`` GLM-4.5's layout (see ``_glm4_moe_config``),
-``minimax_m2`` MiniMax-M2's (see ``_minimax_m2_config``).
+``minimax_m2`` MiniMax-M2's (see ``_minimax_m2_config``). ``deepseek_v3`` and ``glm4_moe``
+store a random multi-token-prediction layer after their layers, as the releases do
+(``_add_mtp_layer``; transformers leaves it unloaded, ``engine.speculative_method: mtp``
+drafts with it).
 """
 
 from __future__ import annotations
@@ -27,7 +30,14 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.model_info import DEMO_ARCH, DEMO_SIZE, made_model_dir
+from common.model_info import (
+    DEMO_ARCH,
+    DEMO_SIZE,
+    MADE_MODEL_INFO,
+    MAKER_VERSION,
+    made_model_dir,
+    made_model_is_current,
+)
 from common.owned_paths import owner_tag, remove_dead_owners
 from engine.models.tokenizer_trainer import (
     BOS_TOKEN,
@@ -327,15 +337,62 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
     model.generation_config.bos_token_id = ids["bos"]
     model.generation_config.pad_token_id = ids["pad"]
     model.save_pretrained(out)
+    if arch in ("deepseek_v3", "glm4_moe"):
+        _add_mtp_layer(out, config, seed)
     tokenizer.save_pretrained(out)
-    (out / "pdserve_model.json").write_text(
-        json.dumps({"arch": arch, "size": size, "seed": seed, "random_weights": True}) + "\n"
-    )
+    info = {"arch": arch, "size": size, "seed": seed, "random_weights": True,
+            "maker_version": MAKER_VERSION}  # fmt: skip
+    (out / MADE_MODEL_INFO).write_text(json.dumps(info) + "\n")
     return out
 
 
+def _add_mtp_layer(out: Path, config, seed: int) -> None:
+    """Store an MTP layer as ``model.layers.{num_hidden_layers}`` (DeepSeek-V3's layout):
+    a decoder layer named and shaped as the last one as saved (so in the files' own
+    format), with fresh random weights initialized as ``make_model`` initializes, the
+    MTP inputs' norms and projection (``enorm``, ``hnorm``, ``eh_proj``), the head's norm,
+    and copies of the embeddings and LM head (``embed_tokens``, ``shared_head.head``)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = out / "model.safetensors"  # the made models are one file
+    tensors = load_file(str(path))
+    num_layers, hidden = config.num_hidden_layers, config.hidden_size
+    last, mtp = f"model.layers.{num_layers - 1}.", f"model.layers.{num_layers}."
+    generator = torch.Generator().manual_seed(seed + 1)
+
+    def normal(shape: tuple[int, ...], std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=generator) * std
+
+    def gains(shape: tuple[int, ...]) -> torch.Tensor:
+        return 0.8 + 0.4 * torch.rand(shape, generator=generator)
+
+    layer = {}
+    for name, tensor in tensors.items():
+        if not name.startswith(last):
+            continue
+        key, shape = name.removeprefix(last), tuple(tensor.shape)
+        if key.endswith("norm.weight"):
+            layer[key] = gains(shape)
+        elif key.endswith("e_score_correction_bias"):
+            layer[key] = torch.rand(shape, generator=generator) * 0.2 - 0.1
+        elif key.endswith("bias"):
+            layer[key] = normal(shape, 1.6 / hidden**0.5)
+        else:
+            layer[key] = normal(shape, config.initializer_range)
+    layer["enorm.weight"] = gains((hidden,))
+    layer["hnorm.weight"] = gains((hidden,))
+    layer["eh_proj.weight"] = normal((hidden, 2 * hidden), config.initializer_range)
+    layer["shared_head.norm.weight"] = gains((hidden,))
+    layer["embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    layer["shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    tensors.update({mtp + key: value.contiguous() for key, value in layer.items()})
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
 def ensure_model(arch: str = DEMO_ARCH, size: str = DEMO_SIZE) -> Path:
-    """The path of a made model in the cache, making it on first use.
+    """The path of a made model in the cache, making it on first use, and again when it
+    was made by an older maker (``common.model_info.MAKER_VERSION``).
 
     Safe when several processes start at once: one makes it under a file lock, in a
     temporary directory renamed into place, and the others wait and reuse it. The
@@ -345,16 +402,20 @@ def ensure_model(arch: str = DEMO_ARCH, size: str = DEMO_SIZE) -> Path:
     """
     target = made_model_dir(arch, size)
     root = target.parent
-    if (target / "config.json").exists():
+    if made_model_is_current(target):
         return target
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (target / "config.json").exists():
+        if not made_model_is_current(target):
             remove_dead_owners(root, f".{target.name}-")
             tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{target.name}-{owner_tag()}-"))
             try:
                 make_model(arch, size, tmp)
+                if target.exists():  # an older maker's: moved aside, then removed
+                    old = tmp.with_name(tmp.name + "-old")
+                    target.rename(old)
+                    shutil.rmtree(old, ignore_errors=True)
                 tmp.rename(target)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)

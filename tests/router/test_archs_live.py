@@ -2,8 +2,9 @@
 1 prefill + 1 decode worker): a mixture-of-experts model (Qwen2-MoE: routed experts plus a
 gated shared expert), GPT-OSS (attention sinks, biased experts, windows on every other
 layer), Mistral (a window on every layer) and DeepSeek-V3 (latent attention: one latent
-per token moves). The prompt's KV moves to the decode worker, which continues it, and the
-client gets exactly the offline engine's tokens, greedy and seeded, whole and streamed.
+per token moves; its workers draft with its MTP layer, whose KV moves too). The prompt's KV
+moves to the decode worker, which continues it, and the client gets exactly the offline
+engine's tokens (which drafts nothing), greedy and seeded, whole and streamed.
 (Gemma 3 and Phi-3 differ from these only inside the engine: their parity is tested
 offline.) Then each model's own chat formats: GPT-OSS's Harmony, Mistral's and DeepSeek's
 tool calls."""
@@ -44,10 +45,12 @@ def stack(model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("arch")
     parser = {"mistral": "mistral", "deepseek_v3": "deepseek_v3"}.get(_model_type(model_dir),
                                                                       "none")  # fmt: skip
+    mtp = {"speculative_method": "mtp", "num_speculative_tokens": 2}
     config = write_config(
         tmp / "config.yaml",
         model_dir,
         router={"served_model_name": MODEL, "min_disagg_tokens": 0, "tool_call_parser": parser},
+        engine=mtp if _model_type(model_dir) == "deepseek_v3" else {},
     )
     with serving(config, tmp / "home") as stack:
         yield stack
@@ -59,7 +62,9 @@ def offline(model_dir) -> LLM:
 
 
 @pytest.mark.parametrize(("temperature", "seed"), [(0.0, None), (0.9, 17)])
-def test_disaggregated_tokens_equal_the_offline_engine(stack, offline, temperature, seed):
+def test_disaggregated_tokens_equal_the_offline_engine(
+    stack, offline, model_dir, temperature, seed
+):
     client: openai.OpenAI = stack.openai_client()
     pulled_before = worker_stats(stack, "decode")[0].blocks_pulled
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=temperature, seed=seed,
@@ -79,7 +84,10 @@ def test_disaggregated_tokens_equal_the_offline_engine(stack, offline, temperatu
                 streamed += choice.model_extra.get("token_ids") or []
         assert streamed == expected
     # The decode worker pulled the prompts' KV: the requests really were split.
-    assert worker_stats(stack, "decode")[0].blocks_pulled > pulled_before
+    decode = worker_stats(stack, "decode")[0]
+    assert decode.blocks_pulled > pulled_before
+    if _model_type(model_dir) == "deepseek_v3":  # its MTP layer proposed, decode verified
+        assert decode.draft_tokens > 0
 
 
 WEATHER_TOOL = {"type": "function", "function": {

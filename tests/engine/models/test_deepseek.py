@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from benchmarks.speculative import ReplayProposer
 from common.config import AttentionBackendName
@@ -119,26 +119,22 @@ def test_absorbed_and_expanded_forms_agree():
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
-def test_multi_token_prediction_layers_are_left_unloaded(model_factory, tmp_path, arch):
+def test_multi_token_prediction_layers_are_left_unloaded(model_factory, arch):
     """V3's and GLM-4.5's checkpoints store their MTP module as one more layer
-    (``model.layers.61`` of 61 in V3): it is skipped, as transformers skips it, and
-    generation is unchanged."""
+    (``model.layers.61`` of 61 in V3; the made ones store it too): without
+    ``speculative_method: mtp`` it is skipped, as transformers skips it, and generation
+    is unchanged. (Drafting with it: ``test_mtp.py``.)"""
     model_dir = model_factory(arch)
-    copy = tmp_path / "with-mtp"
-    copy.mkdir()
-    for path in model_dir.iterdir():
-        if path.suffix != ".safetensors":
-            (copy / path.name).write_bytes(path.read_bytes())
-    tensors = load_file(str(model_dir / "model.safetensors"))
     num_layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
-    extra = {k.replace("layers.3.", f"layers.{num_layers}."): v.clone() for k, v in tensors.items()
-             if k.startswith("model.layers.3.")}  # fmt: skip
-    extra[f"model.layers.{num_layers}.eh_proj.weight"] = torch.zeros(4, 4)
-    save_file({**tensors, **extra}, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    stored = load_file(str(model_dir / "model.safetensors"))
+    assert f"model.layers.{num_layers}.eh_proj.weight" in stored
     prompts = random_prompts((20, 70))
     params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0)
-    got = LLM(copy, dtype="float32").generate(prompts, params, use_tqdm=False)
+    llm = LLM(model_dir, dtype="float32")
+    got = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == hf_greedy(model_dir, prompts, 8)
+    assert len(llm.engine.runner.kv_caches) == num_layers
+    assert not any("mtp" in name for name, _ in llm.engine.runner.model.named_parameters())
 
 
 def test_chunked_prefill_and_cached_prefixes_give_the_same_tokens(model_factory):
@@ -250,7 +246,8 @@ def test_release_config_reads_as_transformers_reads_it(tmp_path):
     assert (moe.expert_intermediate_size, moe.shared_expert_intermediate_size) == (2048, 2048)
     assert (moe.deepseek_scoring, moe.routed_scaling_factor, moe.norm_topk_prob) == (
         "sigmoid", 2.5, True)  # fmt: skip
-    assert moe.sparse_layers == tuple(i >= 3 for i in range(61))
+    assert moe.sparse_layers == tuple(i >= 3 for i in range(61 + 1))  # and the MTP layer
+    assert arch.num_mtp_layers == 1
     assert (arch.rope.rope_type, arch.rope.factor, arch.rotary_dim) == ("yarn", 40.0, 64)
     assert arch.max_context_len == 163840
     assert arch.fp8_weights is not None and arch.fp8_weights.block_size == (128, 128)

@@ -73,7 +73,8 @@ def test_release_layout_reads_as_transformers_reads_it(tmp_path, qk_norm):
     assert (moe.deepseek_scoring, moe.norm_topk_prob, moe.routed_scaling_factor) == (
         "sigmoid", True, 1.0)  # fmt: skip
     assert (moe.expert_intermediate_size, moe.shared_expert_intermediate_size) == (1408, 1408)
-    assert moe.sparse_layers == tuple(i >= 1 for i in range(46))
+    assert moe.sparse_layers == tuple(i >= 1 for i in range(46 + 1))  # and the MTP layer
+    assert arch.num_mtp_layers == 1
     assert arch.eos_token_ids == (151329, 151336, 151338)
     shape = ModelShape.read(tmp_path)
     assert (shape.num_kv_heads, shape.head_dim) == (8, 128)

@@ -1,0 +1,242 @@
+"""DeepSeek-V3's and GLM-4.5's multi-token-prediction layer as a draft model
+(``engine.speculative_method: mtp``): its drafts against a reference built from
+transformers' own decoder layer, its KV moved with the prompt's blocks, and a checkpoint
+whose MTP layer predicts exactly what the model samples, so every draft is kept."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from benchmarks.mtp import oracle_mtp_checkpoint
+from common.config import ConfigError, EngineConfig, PdserveConfig, Role, SpeculativeMethod
+from common.config_loader import build
+from common.kv_budget import ModelShape
+from engine import LLM, LLMEngine, SamplingParams
+from engine.models.arch import ModelLoadError
+from engine.request import RemoteKV
+from tests.engine.helpers import random_prompts
+from tests.engine.local_puller import LocalPuller
+from tests.engine.test_disaggregation import run
+
+MTP = {"speculative_method": "mtp", "dtype": "float32"}
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+class ReferenceMtp:
+    """The MTP layer computed with transformers: the target's hidden states before its
+    final norm (a hook on the norm), and the layer as a one-layer model of the same
+    architecture (its decoder layer, ``shared_head.norm`` as the final norm, the model's
+    head) fed ``eh_proj([enorm(embed(t_{q+1})), hnorm(h_q)])`` as input embeddings."""
+
+    def __init__(self, model_dir: Path, tmp_path: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        config = json.loads((model_dir / "config.json").read_text())
+        num_layers, self.eps = config["num_hidden_layers"], config["rms_norm_eps"]
+        tensors = load_file(str(model_dir / "model.safetensors"))
+        prefix = f"model.layers.{num_layers}."
+        mtp = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
+        self.enorm, self.hnorm = mtp.pop("enorm.weight"), mtp.pop("hnorm.weight")
+        self.eh_proj = mtp.pop("eh_proj.weight")
+        self.embed = tensors["model.embed_tokens.weight"]
+        one_layer = {f"model.layers.0.{k}": v for k, v in mtp.items()
+                     if not k.startswith(("shared_head.", "embed_tokens."))}  # fmt: skip
+        one_layer["model.norm.weight"] = mtp["shared_head.norm.weight"]
+        one_layer["model.embed_tokens.weight"] = self.embed
+        one_layer["lm_head.weight"] = tensors["lm_head.weight"]
+        layer_dir = tmp_path / "mtp-as-a-model"
+        layer_dir.mkdir()
+        # Layer 0 of one: the MoE layer the MTP layer is (V3 and GLM: past the dense ones).
+        small = {**config, "num_hidden_layers": 1, "first_k_dense_replace": 0}
+        (layer_dir / "config.json").write_text(json.dumps(small))
+        save_file(one_layer, str(layer_dir / "model.safetensors"), metadata={"format": "pt"})
+        self.target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.layer = AutoModelForCausalLM.from_pretrained(layer_dir, dtype=torch.float32)
+
+    @staticmethod
+    def _before_norm(model, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden states before the final norm [n, hidden], logits [n, vocab])."""
+        seen = []
+        hook = model.model.norm.register_forward_hook(lambda _m, args, _o: seen.append(args[0]))
+        try:
+            logits = model(**inputs).logits[0]
+        finally:
+            hook.remove()
+        return seen[0][0], logits
+
+    @torch.no_grad()
+    def drafts(self, token_ids: list[int], last: int, num_drafts: int) -> list[list[float]]:
+        """MTP logits of the drafts after position ``last`` of ``token_ids``: the layer at
+        ``last`` (fed ``token_ids[last + 1]``), then at ``last + j`` fed its own state and
+        draft j (greedy). One [vocab] row per draft."""
+        hidden, _ = self._before_norm(self.target, input_ids=torch.tensor([token_ids[: last + 1]]))
+        inputs = self._inputs(torch.tensor(token_ids[1 : last + 2]), hidden)  # positions 0..last
+        rows = []
+        for _ in range(num_drafts):
+            positions = torch.arange(len(inputs))[None]
+            states, logits = self._before_norm(
+                self.layer, inputs_embeds=inputs[None], position_ids=positions
+            )
+            rows.append(logits[-1])
+            draft = torch.tensor([int(logits[-1].argmax())])
+            inputs = torch.cat((inputs, self._inputs(draft, states[-1:])))
+        return rows
+
+    def _inputs(self, next_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        embeds = _rms(self.embed[next_ids], self.enorm, self.eps)
+        both = torch.cat((embeds, _rms(hidden, self.hnorm, self.eps)), dim=-1)
+        return both @ self.eh_proj.T
+
+
+def _run_recording_drafts(engine: LLMEngine) -> tuple[dict, dict[str, dict[int, list[int]]]]:
+    """Run ``engine`` to the end: its finished outputs by request id, and each request's
+    fresh drafts after each step, by the number of tokens they follow."""
+    finished, seen = {}, {}
+    while engine.has_work():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        for request in engine.scheduler.requests.values():
+            if request.mtp_draft_ids and request.mtp_drafts_after == request.num_tokens:
+                drafts = seen.setdefault(request.request_id, {})
+                drafts[request.num_tokens] = list(request.mtp_draft_ids)
+    return finished, seen
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_drafts_equal_the_reference_layer(model_factory, tmp_path, arch):
+    """Two drafts after every step of three requests (prompts in 32-token chunks, then
+    again over their cached prefixes): each is the reference's greedy draft at the same
+    point (rows whose top two logits lie within 1e-3 are skipped as ties)."""
+    model_dir = model_factory(arch)
+    reference = ReferenceMtp(model_dir, tmp_path)
+    prompts = random_prompts((40, 75, 100), seed=11)
+    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
+    config = EngineConfig(**MTP, num_speculative_tokens=2, max_num_batched_tokens=32)
+    engine = LLMEngine(model_dir, config)
+    checked = 0
+    for round_ in range(2):  # the second round's prompts hit the prefix cache
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{round_}-{i}", prompt, params)
+        outputs, seen = _run_recording_drafts(engine)
+        for i, prompt in enumerate(prompts):
+            request_id = f"r{round_}-{i}"
+            tokens = list(prompt) + list(outputs[request_id].outputs[0].token_ids)
+            assert seen.get(request_id), f"{request_id} never drafted"
+            for num_tokens, drafts in seen[request_id].items():
+                rows = reference.drafts(tokens, num_tokens - 2, len(drafts))
+                for draft, row in zip(drafts, rows, strict=True):
+                    top = row.topk(2).values
+                    if top[0] - top[1] < 1e-3:
+                        break  # a tie: the later drafts follow either choice
+                    assert draft == int(row.argmax()), (request_id, num_tokens, drafts)
+                    checked += 1
+    assert checked >= 20
+    assert engine.leak_report() == []
+
+
+def test_the_prompts_mtp_kv_moves_with_its_blocks(model_factory):
+    """Prefill on one engine, decode on another: the decode engine's drafts after every
+    step equal those of one engine doing both, so the MTP layer's KV of the prompt (the
+    last cache layer) came with the blocks."""
+    model_dir = model_factory("deepseek_v3")
+    config = EngineConfig(**MTP, num_speculative_tokens=2)
+    prompts = random_prompts((40, 75, 100), seed=4)
+    params = SamplingParams(max_tokens=10, min_tokens=10, temperature=0)
+    colocated = LLMEngine(model_dir, config)
+    for i, prompt in enumerate(prompts):
+        colocated.add_request(f"r{i}", prompt, params)
+    _, expected = _run_recording_drafts(colocated)
+
+    puller = LocalPuller()
+    prefill = LLMEngine(model_dir, config)
+    decode = LLMEngine(model_dir, config, kv_puller=puller)
+    puller.sources["prefill-0"], puller.target = prefill, decode
+    assert len(prefill.runner.kv_caches) == 5  # 4 layers and the MTP layer's
+    # The pool sizing before start (pdserve config check) counts the MTP layer too.
+    shape = ModelShape.read(model_dir)
+    assert shape.bytes_per_block(16, 4, mtp=True) == prefill.runner.bytes_per_block
+    assert shape.bytes_per_block(16, 4) * 5 == prefill.runner.bytes_per_block * 4
+    for i, prompt in enumerate(prompts):
+        prefill.add_request(f"r{i}", prompt, params, prefill_only=True)
+    firsts = run(prefill)
+    for i, prompt in enumerate(prompts):
+        first = firsts[f"r{i}"]
+        remote = RemoteKV(f"lease-{i}", len(prompt), tuple(first.kv_block_ids), "prefill-0")
+        decode.add_request(f"r{i}", prompt, params, remote_kv=remote,
+                           output_token_ids=first.outputs[0].token_ids)  # fmt: skip
+    _, got = _run_recording_drafts(decode)
+    assert puller.num_blocks_pulled > 0
+    for request_id, drafts in expected.items():
+        # The draft budgets differ by a step (the decode engine's first step has no
+        # drafts to verify), so the two pause at different steps: compare where both draft.
+        common = drafts.keys() & got[request_id].keys()
+        assert len(common) >= 4, (request_id, drafts, got[request_id])
+        assert {n: got[request_id][n] for n in common} == {n: drafts[n] for n in common}
+    for i in range(len(prompts)):
+        assert prefill.release_kv(f"r{i}")
+    for engine in (colocated, prefill, decode):
+        assert engine.leak_report() == []
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_right_drafts_are_all_kept_and_save_steps(model_factory, tmp_path, arch):
+    """With drafts that are always right, every draft is kept (recursive ones included)
+    and the tokens are those of decoding without drafts, in about a quarter of the
+    decode steps."""
+    model_dir = oracle_mtp_checkpoint(model_factory(arch), tmp_path / "oracle")
+    prompts = random_prompts((20, 50), seed=2)
+    params = SamplingParams(max_tokens=33, min_tokens=33, temperature=0)
+    plain = LLM(model_dir, dtype="float32").generate(prompts, params, use_tqdm=False)
+    llm = LLM(model_dir, **MTP, num_speculative_tokens=3)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    scheduler = llm.engine.scheduler
+    # 3 drafts a step, fewer where a draft's position lies past the blocks the step
+    # allocated (the recursive passes stop there: mtp_drafts.py).
+    assert scheduler.num_draft_tokens == scheduler.num_accepted_tokens >= 2 * 8 * 3 - 4
+    # One step for the prompts, then 4 tokens a step (32 / 4 = 8), one more for a cap.
+    assert llm.engine.num_steps <= 1 + 8 + 1
+    assert llm.engine.leak_report() == []
+
+
+def test_a_model_without_an_mtp_layer_is_refused(tiny_llama, model_factory):
+    with pytest.raises(ConfigError, match="has no") as error:
+        LLMEngine(tiny_llama, EngineConfig(**MTP, num_speculative_tokens=2))
+    assert error.value.key == "engine.speculative_method"
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        LLMEngine(model_factory("deepseek_v3"), EngineConfig(**MTP, tensor_parallel_size=2))
+
+
+def test_a_checkpoint_without_the_layers_tensors_is_refused(model_factory, tmp_path):
+    """config.json declares the layer (as transformers' configs do by default) but the
+    files lack it: refused with mtp, saying so; served without."""
+    model_dir = model_factory("deepseek_v3")
+    copy = tmp_path / "no-mtp"
+    copy.mkdir()
+    for path in model_dir.iterdir():
+        if path.suffix != ".safetensors":
+            (copy / path.name).write_bytes(path.read_bytes())
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if not k.startswith("model.layers.4.")},
+              str(copy / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip
+    with pytest.raises(ModelLoadError, match="num_nextn_predict_layers=1, but the files"):
+        LLMEngine(copy, EngineConfig(**MTP, num_speculative_tokens=2))
+    assert LLMEngine(copy, EngineConfig(dtype="float32")).leak_report() == []
+
+
+def test_both_roles_need_the_same_method():
+    """With mtp the KV cache has one more layer, which moves with the blocks."""
+    with pytest.raises(ConfigError, match="same speculative_method") as error:
+        build(PdserveConfig, {"decode": {"engine": {"speculative_method": "mtp"}}})
+    assert error.value.key == "decode.engine.speculative_method"
+    config = build(PdserveConfig, {"engine": {"speculative_method": "mtp"}})
+    assert {config.engine_for(role).speculative_method for role in Role} == {SpeculativeMethod.MTP}
