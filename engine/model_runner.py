@@ -35,7 +35,7 @@ from engine.models.lora import LoraAdapter, LoraBatch, load_lora_adapter
 from engine.mtp_drafts import MtpSegment, check_mtp, mtp_segment, propose_drafts
 from engine.parallel.group import SingleRank, TPGroup
 from engine.parallel.launch import ShardExtensionSpec
-from engine.parallel.messages import Step
+from engine.parallel.messages import MtpPass, Step
 from engine.parallel.shard_client import ShardClient, launch_shards
 from engine.parallel.shard_spec import TensorParallel
 from engine.pooling import PoolingParams, pick_token_logits, pool_last_tokens
@@ -253,6 +253,13 @@ class ModelRunner:
             )
         return self.shard.forward(batch, lora)
 
+    def _fail_shards(self, exc: BaseException) -> None:
+        """Rank 0 left a step (or an MTP pass) between its message and its last
+        collective: the other ranks are somewhere inside it, out of step for good."""
+        if self.shards is not None:
+            self.shards.find_exited(wait_s=0.5)  # a dead rank is the likely cause
+            self.shards.fail(f"rank 0's step ended early ({type(exc).__name__}: {exc})")
+
     def read_lora_adapter(self, name: str, path: str | Path) -> LoraAdapter:
         """Read a PEFT adapter for this model onto its device, cut for rank 0 (any thread:
         it touches nothing of the runner's); a bad one raises ``ModelLoadError``."""
@@ -325,9 +332,7 @@ class ModelRunner:
             logits = next(passes) if sampling else None  # [num_positions, vocab]
             classify_logits = next(passes) if classified else None  # [len(classified), vocab]
         except BaseException as exc:
-            if self.shards is not None:  # the other ranks are somewhere inside this step
-                self.shards.find_exited(wait_s=0.5)  # a dead rank is the likely cause
-                self.shards.fail(f"rank 0's step ended early ({type(exc).__name__}: {exc})")
+            self._fail_shards(exc)
             raise
         embedded = [(i, c) for i, c in pooled if not c.pooling.token_ids]
         if embedded:  # each one's last row (rank 0's hidden states are whole)
@@ -372,5 +377,24 @@ class ModelRunner:
         if not segments:
             return {}
         return propose_drafts(
-            self.shard, self._host_batch, segments, self.block_size, self.max_model_len
+            self._mtp_pass, self._host_batch, segments, self.block_size, self.max_model_len
         )
+
+    def _mtp_pass(
+        self, batch: HostBatch, hidden_rows: list[int], from_target: bool, logit_rows: list[int]
+    ) -> torch.Tensor | None:
+        """``ModelShard.mtp_pass`` on every rank (the others told first)."""
+        if self.shards is not None:
+            self.shards.send(
+                MtpPass(
+                    batch.input_ids, batch.positions, batch.slot_mapping,
+                    batch.query_start_loc, batch.seq_lens,
+                    batch.block_table.numpy().tobytes(), batch.block_table.shape[1],
+                    hidden_rows, from_target, logit_rows,
+                )
+            )  # fmt: skip
+        try:
+            return self.shard.mtp_pass(batch, hidden_rows, from_target, logit_rows)
+        except BaseException as exc:
+            self._fail_shards(exc)
+            raise

@@ -29,7 +29,7 @@ from engine.models.arch import ModelArchConfig, ModelLoadError
 from engine.models.llama import use_kv_scales
 from engine.models.loader import load_model
 from engine.models.lora import LoraBatch
-from engine.models.mtp import mtp_hidden
+from engine.models.mtp import mtp_hidden, mtp_logits
 from engine.parallel.group import SingleRank, TPGroup
 from engine.parallel.shard_spec import TensorParallel, local_arch
 from kernels.reference import FP8_DTYPES
@@ -114,8 +114,10 @@ class ModelShard:
             self.num_mtp_layers,
         )  # fmt: skip
         # The last step's hidden states before the final norm, kept for the MTP pass that
-        # follows it ([num_tokens, hidden]); None without an MTP layer.
+        # follows it ([num_tokens, hidden]); None without an MTP layer. And the MTP pass's
+        # states at the rows that drafted, which the next pass continues from.
         self.prenorm_hidden: torch.Tensor | None = None
+        self.mtp_hidden: torch.Tensor | None = None
         self._use_kv_scales()
         self.num_blocks = 0
         self.kv_caches: list[torch.Tensor] = []
@@ -256,16 +258,29 @@ class ModelShard:
         self.prenorm_hidden = hidden
         return self.model.model.norm(hidden)
 
-    def mtp_forward(self, batch: HostBatch, previous_hidden: torch.Tensor) -> torch.Tensor:
-        """The MTP layer over ``batch`` (its input ids: the token after each position),
-        given the hidden state before each position ([num_tokens, hidden]); writes the
-        layer's KV at the batch's slots. Returns its states [num_tokens, hidden]."""
+    def mtp_pass(
+        self, batch: HostBatch, hidden_rows: list[int], from_target: bool, logit_rows: list[int]
+    ) -> torch.Tensor | None:
+        """One pass of the MTP layer over ``batch`` (its input ids: the token after each
+        position), fed rows ``hidden_rows`` of the last step's states before the final
+        norm (``from_target``) or of the last pass's ``logit_rows`` states; writes the
+        layer's KV at the batch's slots. Returns the logits of rows ``logit_rows``
+        ([len, vocab] float32; rank 0's are the whole vocabulary's), None if there are
+        none. Every rank of a tensor-parallel group runs the same passes."""
+        source = self.prenorm_hidden if from_target else self.mtp_hidden
+        assert source is not None
+        previous = source[self.to_device(hidden_rows, torch.int64)]  # [num_tokens, hidden]
         metadata = self.backend.build_metadata(self._layout(batch))
         input_ids = self.to_device(batch.input_ids, torch.int64)
         positions = self.to_device(batch.positions, torch.int64)
-        return mtp_hidden(
-            self.model, input_ids, positions, previous_hidden, self.kv_caches[-1], metadata
+        hidden = mtp_hidden(
+            self.model, input_ids, positions, previous, self.kv_caches[-1], metadata
         )
+        if not logit_rows:
+            self.mtp_hidden = None
+            return None
+        self.mtp_hidden = hidden[self.to_device(logit_rows, torch.int64)]
+        return mtp_logits(self.model, self.mtp_hidden)
 
     def _layout(self, batch: HostBatch) -> BatchLayout:
         query_lens = [batch.query_len(i) for i in range(batch.num_seqs)]

@@ -31,9 +31,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.config import ConfigError, EngineConfig, SpeculativeMethod
-from engine.model_shard import HostBatch, ModelShard
+from engine.model_shard import HostBatch
 from engine.models.arch import ModelArchConfig
-from engine.models.mtp import mtp_logits
 
 if TYPE_CHECKING:
     from engine.model_runner import SequenceChunk
@@ -61,12 +60,6 @@ def check_mtp(config: EngineConfig, arch: ModelArchConfig, model_dir: object) ->
             f"mtp needs a multi-token-prediction layer; {model_dir} ({arch.architecture}) "
             "has none (DeepSeek-V3's and GLM-4.5's checkpoints do: num_nextn_predict_layers)",
         )
-    if config.tensor_parallel_size > 1:
-        raise ConfigError(
-            "engine.speculative_method",
-            "mtp with tensor_parallel_size > 1 is not supported yet (the MTP pass runs on "
-            "rank 0 only); use ngram, or one device per worker",
-        )
 
 
 def mtp_segment(
@@ -90,29 +83,31 @@ def mtp_segment(
     )  # fmt: skip
 
 
+# One MTP pass on every rank: (batch, hidden_rows, from_target, logit_rows) -> the logits
+# of logit_rows, or None without any (``ModelShard.mtp_pass``).
+MtpPassRunner = Callable[[HostBatch, list[int], bool, list[int]], torch.Tensor | None]
+
+
 def propose_drafts(
-    shard: ModelShard,
+    run_pass: MtpPassRunner,
     host_batch: Callable[[list[MtpSegment]], HostBatch],
     segments: list[MtpSegment],
     block_size: int,
     max_model_len: int,
 ) -> dict[str, list[int]]:
-    """Run the MTP passes of one step (``shard.prenorm_hidden`` holds its target states);
-    returns each drafting request's drafts."""
+    """Run the MTP passes of one step (after its target pass); returns each drafting
+    request's drafts."""
     segments = sorted(segments, key=lambda s: len(s.token_ids))  # decodes lead (BatchLayout)
     batch = host_batch(segments)
     rows = [row for segment in segments for row in segment.rows]
-    assert shard.prenorm_hidden is not None
-    previous = shard.prenorm_hidden[shard.to_device(rows, torch.int64)]  # [n, hidden]
-    hidden = shard.mtp_forward(batch, previous)
     drafting = [(i, s) for i, s in enumerate(segments) if s.num_drafts > 0]
-    if not drafting:
-        return {}
     last_rows = [batch.query_start_loc[i + 1] - 1 for i, _ in drafting]
-    hidden = hidden[shard.to_device(last_rows, torch.int64)]  # [num drafting, hidden]
-    tokens = mtp_logits(shard.model, hidden).argmax(dim=-1).tolist()
+    logits = run_pass(batch, rows, True, last_rows)  # [num drafting, vocab]
+    if logits is None:
+        return {}
+    tokens = logits.argmax(dim=-1).tolist()
     drafts = {s.request_id: [token] for (_, s), token in zip(drafting, tokens, strict=True)}
-    live = [s for _, s in drafting]  # in the rows of ``hidden``
+    live = [s for _, s in drafting]  # in the rows of the last pass's drafting states
     for j in range(1, max(s.num_drafts for s in live)):
         # Draft j + 1: the layer at position L + j, fed draft j and its own state at L + j - 1.
         keep = [
@@ -123,17 +118,17 @@ def propose_drafts(
         ]
         if not keep:
             break
+        live = [live[k] for k in keep]
         step = [
             MtpSegment(
                 s.request_id, [drafts[s.request_id][-1]], _last_pos(s) + j, s.block_ids,
                 range(0), s.num_drafts,
             )
-            for s in (live[k] for k in keep)
+            for s in live
         ]  # fmt: skip
-        hidden = shard.mtp_forward(host_batch(step), hidden[shard.to_device(keep, torch.int64)])
-        tokens = mtp_logits(shard.model, hidden).argmax(dim=-1).tolist()
-        live = [live[k] for k in keep]
-        for segment, token in zip(live, tokens, strict=True):
+        logits = run_pass(host_batch(step), keep, False, list(range(len(keep))))
+        assert logits is not None
+        for segment, token in zip(live, logits.argmax(dim=-1).tolist(), strict=True):
             drafts[segment.request_id].append(token)
     return drafts
 

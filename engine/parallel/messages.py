@@ -11,6 +11,7 @@ block copy or a transfer ordered before a step happens before that step on every
     Allocate(num_blocks) ──────────────►  KV cache, CUDA graphs (collectives: all ranks)
                                           Started(extension payload)
     Step                                  (no answer: its answer is the collectives)
+    MtpPass                               the MTP layer's passes after a step (drafts)
     OpenHostCache / SaveBlocks / LoadBlocks   the CPU tier's copies of this rank's blocks
     AddLora ─► LoraAdded / DropLora
     Probe ─► ProbeReply                   what a shard holds, for leak checks
@@ -68,6 +69,24 @@ class Step(msgspec.Struct, tag="step", frozen=True):
     logit_rows: list[list[int]]  # per logits pass, in order
 
 
+class MtpPass(msgspec.Struct, tag="mtp_pass", frozen=True):
+    """One pass of the MTP layer after a step (``engine/mtp_drafts.py``): a batch as in
+    ``Step``, the rows of the states it reads (the last ``Step``'s before the final norm
+    when ``from_target``, else the last pass's logits rows), and the rows that get logits
+    (every rank computes its vocabulary slice; rank 0 gathers them)."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_table: bytes
+    block_table_width: int
+    hidden_rows: list[int]
+    from_target: bool
+    logit_rows: list[int]
+
+
 class OpenHostCache(msgspec.Struct, tag="open_host_cache", frozen=True):
     """Make this many CPU tier slots (``engine.cpu_tier``); the tier's copies follow."""
 
@@ -117,8 +136,8 @@ class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
     pass
 
 
-TO_SHARD = (Allocate, Step, OpenHostCache, SaveBlocks, LoadBlocks, AddLora, DropLora, Probe,
-            Shutdown)  # fmt: skip
+TO_SHARD = (Allocate, Step, MtpPass, OpenHostCache, SaveBlocks, LoadBlocks, AddLora, DropLora,
+            Probe, Shutdown)  # fmt: skip
 FROM_SHARD = (Hello, Loaded, Started, Failed, LoraAdded, ProbeReply)
 
 

@@ -50,6 +50,7 @@ from engine.parallel.messages import (
     LoadBlocks,
     Loaded,
     LoraAdded,
+    MtpPass,
     OpenHostCache,
     Probe,
     ProbeReply,
@@ -89,6 +90,15 @@ class ShardExtension(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def _host_batch(message: Step | MtpPass) -> HostBatch:
+    table = torch.frombuffer(bytearray(message.block_table), dtype=torch.int32)
+    return HostBatch(
+        message.input_ids, message.positions, message.slot_mapping,
+        message.query_start_loc, message.seq_lens,
+        table.view(len(message.seq_lens), message.block_table_width),
+    )  # fmt: skip
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -139,6 +149,12 @@ class Shard:
         """Apply one command; False once told to stop."""
         if isinstance(message, Step):
             self._step(message)
+        elif isinstance(message, MtpPass):
+            with torch.inference_mode():
+                self.shard.mtp_pass(
+                    _host_batch(message), message.hidden_rows, message.from_target,
+                    message.logit_rows,
+                )  # fmt: skip
         elif isinstance(message, Allocate):
             self.shard.allocate(message.num_blocks)
             payload = self.extension.start(self.shard) if self.extension is not None else b""
@@ -168,12 +184,7 @@ class Shard:
 
     @torch.inference_mode()
     def _step(self, message: Step) -> None:
-        table = torch.frombuffer(bytearray(message.block_table), dtype=torch.int32)
-        batch = HostBatch(
-            message.input_ids, message.positions, message.slot_mapping,
-            message.query_start_loc, message.seq_lens,
-            table.view(len(message.seq_lens), message.block_table_width),
-        )  # fmt: skip
+        batch = _host_batch(message)
         lora = None
         if message.lora_rows:
             lora = LoraBatch(

@@ -74,7 +74,7 @@ class ShardSpec:
         return local_shape[:axis] + (self.full_size,) + local_shape[axis + 1 :]
 
 
-_LAYER = r"^model\.layers\.(\d+)\."
+_LAYER = r"^model\.(?:mtp_)?layers\.(\d+)\."  # the MTP layers are cut as the others
 _QKV = re.compile(_LAYER + r"self_attn\.qkv_proj\.(weight|bias)$")
 _O = re.compile(_LAYER + r"self_attn\.o_proj\.(weight|bias)$")
 _SINKS = re.compile(_LAYER + r"self_attn\.sinks$")

@@ -208,12 +208,37 @@ def test_right_drafts_are_all_kept_and_save_steps(model_factory, tmp_path, arch)
     assert llm.engine.leak_report() == []
 
 
-def test_a_model_without_an_mtp_layer_is_refused(tiny_llama, model_factory):
+def test_a_model_without_an_mtp_layer_is_refused(tiny_llama):
     with pytest.raises(ConfigError, match="has no") as error:
         LLMEngine(tiny_llama, EngineConfig(**MTP, num_speculative_tokens=2))
     assert error.value.key == "engine.speculative_method"
-    with pytest.raises(ConfigError, match="tensor_parallel_size"):
-        LLMEngine(model_factory("deepseek_v3"), EngineConfig(**MTP, tensor_parallel_size=2))
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
+def test_tensor_parallel_drafts_equal_one_rank(model_factory, arch):
+    """Over 2 ranks (the MTP layer's heads and experts split as every layer's, its passes
+    sent to the other rank as ``MtpPass``): the same drafts after every step as one
+    process, and the same tokens."""
+    model_dir = model_factory(arch)
+    prompts = random_prompts((30, 70), seed=8)
+    params = SamplingParams(max_tokens=10, min_tokens=10, temperature=0)
+    recorded = []
+    for tp_size in (1, 2):
+        config = EngineConfig(**MTP, num_speculative_tokens=2, tensor_parallel_size=tp_size,
+                              kv_cache_bytes=32 << 20)  # fmt: skip
+        engine = LLMEngine(model_dir, config)
+        try:
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"r{i}", prompt, params)
+            outputs, drafts = _run_recording_drafts(engine)
+            assert engine.leak_report() == []
+        finally:
+            engine.close()
+        tokens = {rid: out.outputs[0].token_ids for rid, out in outputs.items()}
+        recorded.append((tokens, drafts))
+    (one_tokens, one_drafts), (tp_tokens, tp_drafts) = recorded
+    assert tp_tokens == one_tokens
+    assert tp_drafts == one_drafts and all(one_drafts.values())
 
 
 def test_a_checkpoint_without_the_layers_tensors_is_refused(model_factory, tmp_path):
