@@ -142,6 +142,26 @@ def eos_token_ids(cfg: dict[str, Any], model_dir: str | Path) -> tuple[int, ...]
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
+# Checkpoints that store multi-token-prediction layers after ``num_hidden_layers`` (V3's
+# ``model.layers.61``, GLM-4.5's ``model.layers.46``), by architecture and model type: left
+# unloaded, as transformers does, unless the engine drafts with them
+# (``engine.speculative_method: mtp``, ``engine/models/mtp.py``).
+MTP_LAYER_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
+_MTP_MODEL_TYPES = ("deepseek_v3", "glm4_moe")
+
+
+def num_mtp_layers(cfg: dict[str, Any]) -> int:
+    """The MTP layers a checkpoint of this config stores (``num_nextn_predict_layers``);
+    0 for architectures that have none."""
+    architectures = cfg.get("architectures") or []
+    if not (
+        set(architectures) & set(MTP_LAYER_ARCHITECTURES)
+        or (not architectures and cfg.get("model_type") in _MTP_MODEL_TYPES)
+    ):
+        return 0
+    return int(cfg.get("num_nextn_predict_layers") or 0)
+
+
 def mla_latent_dim(cfg: dict[str, Any]) -> int | None:
     """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2: configs with a
     ``kv_lora_rank``): the elements a token caches per layer, one vector of

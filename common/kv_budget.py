@@ -29,7 +29,7 @@ from common.config import (
     Role,
     SpeculativeMethod,
 )
-from common.hf_config import kv_cache_heads, max_context_len, text_config
+from common.hf_config import kv_cache_heads, max_context_len, num_mtp_layers, text_config
 from common.model_info import model_dir_of
 from common.tensor_parallel import local_kv_heads, split_problem
 
@@ -68,7 +68,7 @@ class ModelShape:
                 max_context_len=max_context_len(cfg),
                 num_q_heads=int(cfg["num_attention_heads"]),
                 split_widths=_split_widths(cfg),
-                num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0),
+                num_mtp_layers=num_mtp_layers(cfg),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError("model", f"{path} is not a usable checkpoint config: {exc}") from None
@@ -158,6 +158,12 @@ def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
     max_model_len = min(engine.max_model_len or shape.max_context_len, shape.max_context_len)
     min_blocks = -(-max_model_len // engine.block_size)
     mtp = engine.speculative_method is SpeculativeMethod.MTP
+    if mtp and not shape.num_mtp_layers:
+        raise ConfigError(
+            _key(config, role, "speculative_method"),
+            f"mtp needs a multi-token-prediction layer; {model_dir_of(config)} has none "
+            "(DeepSeek-V3's and GLM-4.5's checkpoints do: num_nextn_predict_layers)",
+        )
     cpu_bytes = _dtype_bytes(engine, Device.CPU)
     cpu_bpb = shape.bytes_per_block(engine.block_size, cpu_bytes, tp_size, mtp)
     bpb = None

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from common.hf_config import (
+    MTP_LAYER_ARCHITECTURES,
     eos_token_ids,
     kv_cache_heads,
     max_context_len,
@@ -104,10 +105,6 @@ ARCHITECTURES: dict[str, ArchFlags] = {
         moe=True, deepseek_router=3, norm_topk_prob=True, minimax_m2=True
     ),
 }
-# Checkpoints that store multi-token-prediction layers after ``num_hidden_layers`` (V3's
-# ``model.layers.61``, GLM-4.5's ``model.layers.46``): left unloaded, as transformers does,
-# unless the engine drafts with them (``engine.speculative_method: mtp``, ``mtp.py``).
-MTP_LAYER_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
 
 _BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -459,9 +456,8 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
         )
     flags = ARCHITECTURES[architecture]
     num_layers = int(_require(cfg, "num_hidden_layers", path))
-    num_mtp_layers = 0
-    if architecture in MTP_LAYER_ARCHITECTURES:
-        num_mtp_layers = int(cfg.get("num_nextn_predict_layers") or 0)
+    mtp = architecture in MTP_LAYER_ARCHITECTURES  # (whether named, or found by model type)
+    num_mtp_layers = int(cfg.get("num_nextn_predict_layers") or 0) if mtp else 0
     hidden_size = int(_require(cfg, "hidden_size", path))
     num_q_heads = int(_require(cfg, "num_attention_heads", path))
     head_dim = cfg.get("head_dim") or hidden_size // num_q_heads

@@ -16,6 +16,7 @@ from benchmarks.mtp import oracle_mtp_checkpoint
 from common.config import ConfigError, EngineConfig, PdserveConfig, Role, SpeculativeMethod
 from common.config_loader import build
 from common.kv_budget import ModelShape
+from deploy.cli import main
 from engine import LLM, LLMEngine, SamplingParams
 from engine.models.arch import ModelLoadError
 from engine.request import RemoteKV
@@ -265,3 +266,15 @@ def test_both_roles_need_the_same_method():
     assert error.value.key == "decode.engine.speculative_method"
     config = build(PdserveConfig, {"engine": {"speculative_method": "mtp"}})
     assert {config.engine_for(role).speculative_method for role in Role} == {SpeculativeMethod.MTP}
+
+
+def test_config_check_refuses_mtp_for_a_model_without_the_layer(
+    tiny_llama, model_factory, tmp_path, capsys
+):
+    """Before anything starts (``pdserve config check``, every entry point's load)."""
+    path = tmp_path / "layout.yaml"
+    path.write_text("engine: {speculative_method: mtp, num_speculative_tokens: 2}\n")
+    assert main(["config", "check", str(path), "--set", f"model={tiny_llama}"]) == 2
+    assert "error: engine.speculative_method: mtp needs" in capsys.readouterr().err
+    model = model_factory("glm4_moe")
+    assert main(["config", "check", str(path), "--set", f"model={model}"]) == 0
