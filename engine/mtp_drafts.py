@@ -13,9 +13,10 @@ This writes the MTP layer's KV for exactly the positions the target computed and
 rejected draft's MTP KV is overwritten by the next step's pass, as the target's is), and
 the pass's last row for each request gives its first draft, ``t_{L+2}`` for its last kept
 position ``L``. Each further draft is one more single-token pass, fed the layer's own
-previous state and draft, at position ``L + j``; it stops where the request's allocated
-blocks end (the next step allocates, and rewrites these positions' MTP KV with the
-target's real states). Drafts are greedy: a draft only ever costs or saves a step, since
+previous state and draft, at position ``L + j`` (the next step rewrites these positions'
+MTP KV from the target's real states). The scheduler allocates those slots ahead
+(``Scheduler._lookahead``) when the pool has room; without them the drafts stop where the
+request's blocks end. Drafts are greedy: a draft only ever costs or saves a step, since
 the sampler keeps one only if it is the token the request samples there.
 
 A prefill worker runs the pass too (and drafts nothing): the prompt's MTP KV then travels

@@ -143,7 +143,10 @@ class Scheduler:
         self.num_blocks_reused_for_remote = 0
         self.num_speculative_tokens = config.num_speculative_tokens
         self.proposer: DraftProposer | None = None
-        if config.num_speculative_tokens and config.speculative_method is SpeculativeMethod.MTP:
+        mtp = config.speculative_method is SpeculativeMethod.MTP
+        # Slots the MTP layer's recursive drafts write after a decode step (``_lookahead``).
+        self.mtp_lookahead = max(config.num_speculative_tokens - 1, 0) if mtp else 0
+        if config.num_speculative_tokens and mtp:
             self.proposer = MtpProposer()
         elif config.num_speculative_tokens:
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
@@ -304,11 +307,15 @@ class Scheduler:
             num_new = min(num_new, self.kv.tokens_to_cached_block(request) or num_new)
         assert num_new > 0
         drafts = self._drafts(request, budget)
-        if drafts and not self.kv.allocate_slots(request, num_new + len(drafts)):
+        lookahead = self._lookahead(request, len(drafts))
+        allocated = bool(drafts or lookahead) and self.kv.allocate_slots(
+            request, num_new + len(drafts) + lookahead
+        )
+        if not allocated:
             drafts = []  # no room to guess: decode one token, preempting if need be
         # A victim's blocks among the hits stay cached once freed (only a later allocation
         # evicts them), and allocate_slots counts free hits against the free blocks.
-        while not drafts and not self.kv.allocate_slots(request, num_new, hits):
+        while not allocated and not self.kv.allocate_slots(request, num_new, hits):
             victim = self.running.pop()
             self._preempt(victim, out)
             if victim is request:
@@ -319,6 +326,16 @@ class Scheduler:
             self.kv.record_lookup(0, num_hit_tokens)  # queried at admission, missed then
         out.scheduled.append(self._scheduled(request, num_new, drafts))
         return num_new + len(drafts)
+
+    def _lookahead(self, request: Request, num_drafts: int) -> int:
+        """Slots past a decoding request's tokens and drafts, for the MTP layer's further
+        drafts after this step (``engine/mtp_drafts.py``: they stop where the request's
+        blocks end): ``num_speculative_tokens - 1``, within what it may still generate.
+        Taken only when the pool has room, never by preempting."""
+        if not self.mtp_lookahead or not request.may_speculate:
+            return 0
+        left = request.max_tokens - request.num_output_tokens - 1 - num_drafts
+        return max(0, min(self.mtp_lookahead, left))
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """Tokens to verify after a decoding request's last one: at most what its draft

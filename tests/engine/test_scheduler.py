@@ -237,3 +237,28 @@ def test_prefill_only_holds_blocks_until_released():
     assert len(scheduler.kv.get_block_ids("p")) == 3
     assert scheduler.release_held("p") and not scheduler.release_held("p")
     assert scheduler.leak_report() == []
+
+
+def test_mtp_lookahead_slots_only_where_the_pool_has_room():
+    """With MTP drafts (k = 3) a decoding request also holds slots for the 2 further
+    drafts' positions, within what it may still generate; in a full pool it decodes
+    without them, and preempts nobody for them."""
+    config = EngineConfig(block_size=4, speculative_method="mtp", num_speculative_tokens=3)
+    scheduler = Scheduler(config, num_blocks=64)
+    scheduler.add_request(make_request("a", 6, max_tokens=10))
+    run_step(scheduler)  # the prompt (2 blocks), and its first token
+    run_step(scheduler)  # position 6 decodes; 7 and 8 ahead: a third block
+    assert len(scheduler.kv.block_ids_view("a")) == 3
+    drain(scheduler)
+    assert scheduler.leak_report() == []
+
+    full = Scheduler(config, num_blocks=4)
+    full.add_request(make_request("a", 7, max_tokens=3))
+    full.add_request(make_request("b", 7, max_tokens=3, start=50))
+    run_step(full)  # both prompts: the 4 blocks
+    # Position 7 fits each request's second block; the look-ahead (8) would need a fifth.
+    assert run_step(full) == {"a": 1, "b": 1}
+    assert [len(full.kv.block_ids_view(r)) for r in "ab"] == [2, 2]
+    assert full.num_preemptions == 0
+    drain(full)
+    assert full.leak_report() == []
