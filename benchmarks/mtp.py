@@ -15,8 +15,9 @@ Two models, each against its own baseline:
   Every draft is kept: the upper bound of what MTP saves on this engine. DeepSeek reports
   85-90% of first drafts kept with V3's own MTP layer; a trained layer lies between.
 
-Times are medians of ``--repeats`` runs; on a shared CPU machine only the ratios mean
-anything, and a tiny model's step is mostly host overhead, which the MTP pass adds to.
+Each row times its engine and the baseline alternately, ``--repeats`` rounds, and divides
+their medians; on a shared CPU machine only the ratios mean anything, and a tiny model's
+step is mostly host overhead, which the MTP pass adds to.
 """
 
 from __future__ import annotations
@@ -26,14 +27,17 @@ import json
 import os
 import platform
 import random
+import statistics
 import tempfile
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from benchmarks.speculative import timed_run, vs_baseline
+from benchmarks.offline_runs import run_all
+from benchmarks.speculative import vs_baseline
 from common.config import EngineConfig
 from engine import LLMEngine, SamplingParams
 from engine.models.maker import ensure_model
@@ -67,6 +71,32 @@ def oracle_mtp_checkpoint(model_dir: Path, out: Path) -> Path:
     return out
 
 
+def _alternating(
+    baseline: LLMEngine, engine: LLMEngine, prompts, params, repeats: int
+) -> tuple[tuple[dict, float, dict], float]:
+    """``timed_run``'s result for ``engine`` and the baseline's median seconds, the two
+    timed alternately (the baseline first each round) after a warm-up of ``engine``, so
+    that a shared machine's drift falls on both alike."""
+    run_all(engine, prompts, params)
+    times: dict[str, list[float]] = {"baseline": [], "engine": []}
+    scheduler = engine.scheduler
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run_all(baseline, prompts, params)
+        times["baseline"].append(time.perf_counter() - start)
+        before = (scheduler.num_draft_tokens, scheduler.num_accepted_tokens, engine.num_steps)
+        start = time.perf_counter()
+        tokens = run_all(engine, prompts, params)
+        times["engine"].append(time.perf_counter() - start)
+    counts = {
+        "draft_tokens": scheduler.num_draft_tokens - before[0],
+        "accepted_tokens": scheduler.num_accepted_tokens - before[1],
+        "steps": engine.num_steps - before[2],
+    }
+    seconds = statistics.median(times["engine"])
+    return (tokens, seconds, counts), statistics.median(times["baseline"])
+
+
 def _cpu_name() -> str:
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
@@ -85,7 +115,8 @@ def _markdown(record: dict) -> str:
         f"Machine: {record['machine']}. {record['requests']} requests of "
         f"{record['prompt_tokens']} prompt tokens, {record['max_tokens']} greedy output "
         f"tokens each, `max_num_seqs` {record['batch']}. Every row produced exactly its "
-        "baseline's tokens (asserted); times are medians.",
+        "baseline's tokens (asserted). Each row ran alternately with its baseline; the "
+        "speedup is the ratio of their median times.",
         "",
         "| model | case | drafts kept | steps | speedup vs no drafts |",
         "|---|---|---|---|---|",
@@ -134,16 +165,18 @@ def main() -> None:
           f"{args.prompt_tokens} prompt + {args.max_tokens} output tokens", flush=True)  # fmt: skip
     for label, model, ks in (("random MTP", made, [0, *args.k]), ("oracle MTP", oracle, args.k)):
         baseline = LLMEngine(model, EngineConfig(**base))
-        reference, baseline_s, counts = timed_run(baseline, prompts, params, args.repeats)
+        reference = run_all(baseline, prompts, params)  # (and a warm-up)
+        steps = baseline.num_steps
+        run_all(baseline, prompts, params)
         rows.append({"model": label, "case": "no drafts", "acceptance": None,
-                     "steps": counts["steps"], "seconds": baseline_s, "speedup": 1.0})  # fmt: skip
-        print(f"{label}: baseline {baseline_s:.2f} s, {counts['steps']} steps", flush=True)
+                     "steps": baseline.num_steps - steps, "speedup": 1.0})  # fmt: skip
         for k in ks:
             engine = LLMEngine(model, EngineConfig(**base, speculative_method="mtp",
                                                    num_speculative_tokens=k))  # fmt: skip
             name = f"mtp k={k}" + (" (MTP KV only)" if k == 0 else "")
-            run = timed_run(engine, prompts, params, args.repeats)
-            rows.append({"model": label, **vs_baseline(name, baseline_s, reference, run, {"k": k})})
+            run, baseline_s = _alternating(baseline, engine, prompts, params, args.repeats)
+            row = vs_baseline(f"{label} {name}", baseline_s, reference, run, {"k": k})
+            rows.append({**row, "model": label, "case": name, "baseline_s": baseline_s})
             del engine
     machine = (f"{_cpu_name()} ({platform.machine()}, {os.cpu_count()} cores), "
                f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, "

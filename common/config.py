@@ -657,23 +657,20 @@ class PdserveConfig:
                 f"{names[Role.DECODE]}: KV blocks move between them byte for byte, so both "
                 "roles need the same kv_cache_dtype",
             )
-        policies = {role: self.engine_for(role).scheduling_policy for role in Role}
-        if policies[Role.PREFILL] is not policies[Role.DECODE]:
-            raise ConfigError(
-                "decode.engine.scheduling_policy",
-                f"prefill schedules {policies[Role.PREFILL].value} and decode "
-                f"{policies[Role.DECODE].value}: the router takes a request's priority only "
-                "when both roles honour it, so both need the same scheduling_policy",
-            )
-        methods = {role: self.engine_for(role).speculative_method for role in Role}
-        if methods[Role.PREFILL] is not methods[Role.DECODE]:
-            raise ConfigError(
-                "decode.engine.speculative_method",
-                f"prefill runs {methods[Role.PREFILL].value} and decode "
-                f"{methods[Role.DECODE].value}: with mtp the KV cache holds the MTP layer's "
-                "KV too, which moves with the prompt's blocks, so both roles need the same "
-                "speculative_method",
-            )
+        # Settings both roles must share, and why.
+        for key, why in (
+            ("scheduling_policy", "the router takes a request's priority only when both "
+                                  "roles honour it"),
+            ("speculative_method", "with mtp the KV cache holds the MTP layer's KV too, "
+                                   "which moves with the prompt's blocks"),
+        ):  # fmt: skip
+            values = {role: getattr(self.engine_for(role), key) for role in Role}
+            if values[Role.PREFILL] is not values[Role.DECODE]:
+                raise ConfigError(
+                    f"decode.engine.{key}",
+                    f"prefill has {key} {values[Role.PREFILL].value} and decode "
+                    f"{values[Role.DECODE].value}: {why}, so both roles need the same {key}",
+                )
         self._check_ports()
 
     def role(self, role: Role) -> WorkerRoleConfig:

@@ -236,9 +236,7 @@ class ModelRunner:
         if self.shards is not None:
             self.shards.send(
                 Step(
-                    batch.input_ids, batch.positions, batch.slot_mapping,
-                    batch.query_start_loc, batch.seq_lens,
-                    batch.block_table.numpy().tobytes(), batch.block_table.shape[1],
+                    *_wire_batch(batch),
                     [(self._adapter_ids[a], rows) for a, rows in lora_rows.items()],
                     logit_rows,
                 )
@@ -386,15 +384,18 @@ class ModelRunner:
         """``ModelShard.mtp_pass`` on every rank (the others told first)."""
         if self.shards is not None:
             self.shards.send(
-                MtpPass(
-                    batch.input_ids, batch.positions, batch.slot_mapping,
-                    batch.query_start_loc, batch.seq_lens,
-                    batch.block_table.numpy().tobytes(), batch.block_table.shape[1],
-                    hidden_rows, from_target, logit_rows,
-                )
+                MtpPass(*_wire_batch(batch), hidden_rows, from_target, logit_rows)
             )  # fmt: skip
         try:
             return self.shard.mtp_pass(batch, hidden_rows, from_target, logit_rows)
         except BaseException as exc:
             self._fail_shards(exc)
             raise
+
+
+def _wire_batch(batch: HostBatch) -> tuple:
+    """``batch``'s fields as the first fields of ``Step`` and ``MtpPass``."""
+    return (
+        batch.input_ids, batch.positions, batch.slot_mapping, batch.query_start_loc,
+        batch.seq_lens, batch.block_table.numpy().tobytes(), batch.block_table.shape[1],
+    )  # fmt: skip

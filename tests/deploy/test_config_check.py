@@ -94,7 +94,7 @@ BROKEN = [
     (
         "decode: {engine: {scheduling_policy: priority}}",
         "decode.engine.scheduling_policy",
-        "both need the same scheduling_policy",
+        "both roles need the same scheduling_policy",
     ),
     ("engine: {scheduling_policy: lifo}", "engine.scheduling_policy", "not one of: fcfs"),
     ("kv_transfer: {connector: rdma}", "kv_transfer.connector", "not one of: nixl"),

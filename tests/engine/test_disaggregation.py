@@ -41,22 +41,23 @@ def pair(tiny_llama):
     return prefill, decode, puller
 
 
-def disaggregated(prefill, decode, prompts, params, fail_pull=False, policy=True):
+def hand_off(prefill: LLMEngine, decode: LLMEngine, prompts, params) -> None:
+    """Request ``r{i}`` per prompt, prefilled on ``prefill`` (prefill-only), then added to
+    ``decode`` with its KV handle (source ``prefill-0``) and first token; not yet run."""
     for i, prompt in enumerate(prompts):
         prefill.add_request(f"r{i}", prompt, params, prefill_only=True)
     firsts = run(prefill)
-    decode.recompute_on_pull_failure = policy
     for i, prompt in enumerate(prompts):
         first = firsts[f"r{i}"]
         assert first.finished and first.outputs[0].finish_reason is None
         remote = RemoteKV(f"lease-{i}", len(prompt), tuple(first.kv_block_ids), "prefill-0")
-        decode.add_request(
-            f"r{i}",
-            prompt,
-            params,
-            remote_kv=remote,
-            output_token_ids=first.outputs[0].token_ids,
-        )
+        decode.add_request(f"r{i}", prompt, params, remote_kv=remote,
+                           output_token_ids=first.outputs[0].token_ids)  # fmt: skip
+
+
+def disaggregated(prefill, decode, prompts, params, fail_pull=False, policy=True):
+    decode.recompute_on_pull_failure = policy
+    hand_off(prefill, decode, prompts, params)
     outputs = run(decode)
     for i in range(len(prompts)):
         assert prefill.release_kv(f"r{i}")
@@ -279,14 +280,7 @@ def test_a_request_preempted_after_its_pull_never_pulls_again(tiny_llama):
     prefill = LLMEngine(tiny_llama, config)
     decode = LLMEngine(tiny_llama, EngineConfig(max_model_len=64, num_blocks=6), kv_puller=puller)
     puller.sources["prefill-0"], puller.target = prefill, decode
-    for i, prompt in enumerate(prompts):
-        prefill.add_request(f"r{i}", prompt, params, prefill_only=True)
-    firsts = run(prefill)
-    for i, prompt in enumerate(prompts):
-        first = firsts[f"r{i}"]
-        remote = RemoteKV(f"lease-{i}", len(prompt), tuple(first.kv_block_ids), "prefill-0")
-        decode.add_request(f"r{i}", prompt, params, remote_kv=remote,
-                           output_token_ids=first.outputs[0].token_ids)  # fmt: skip
+    hand_off(prefill, decode, prompts, params)
     released, got = set(), {}
     while decode.has_work():
         for output in decode.step():

@@ -19,10 +19,9 @@ from common.kv_budget import ModelShape
 from deploy.cli import main
 from engine import LLM, LLMEngine, SamplingParams
 from engine.models.arch import ModelLoadError
-from engine.request import RemoteKV
 from tests.engine.helpers import random_prompts
 from tests.engine.local_puller import LocalPuller
-from tests.engine.test_disaggregation import run
+from tests.engine.test_disaggregation import hand_off
 
 MTP = {"speculative_method": "mtp", "dtype": "float32"}
 
@@ -166,14 +165,7 @@ def test_the_prompts_mtp_kv_moves_with_its_blocks(model_factory):
     shape = ModelShape.read(model_dir)
     assert shape.bytes_per_block(16, 4, mtp=True) == prefill.runner.bytes_per_block
     assert shape.bytes_per_block(16, 4) * 5 == prefill.runner.bytes_per_block * 4
-    for i, prompt in enumerate(prompts):
-        prefill.add_request(f"r{i}", prompt, params, prefill_only=True)
-    firsts = run(prefill)
-    for i, prompt in enumerate(prompts):
-        first = firsts[f"r{i}"]
-        remote = RemoteKV(f"lease-{i}", len(prompt), tuple(first.kv_block_ids), "prefill-0")
-        decode.add_request(f"r{i}", prompt, params, remote_kv=remote,
-                           output_token_ids=first.outputs[0].token_ids)  # fmt: skip
+    hand_off(prefill, decode, prompts, params)
     _, got = _run_recording_drafts(decode)
     assert puller.num_blocks_pulled > 0
     for request_id, drafts in expected.items():
