@@ -168,6 +168,12 @@ class EngineConfig:
     # Memory per device (num_blocks, kv_cache_bytes, gpu_memory_utilization,
     # cpu_offload_bytes) is per rank. KV transfer needs the same size on both roles.
     tensor_parallel_size: int = 1
+    # With tensor parallelism, give each rank whole routed experts (rank r: experts
+    # r * E / N .. (r + 1) * E / N) instead of a 1/N slice of every expert's width, as
+    # vLLM's --enable-expert-parallel: each rank runs only the tokens routed to its
+    # experts, in full-width matmuls, and the layer's all-reduce adds the ranks' parts.
+    # Attention, dense and shared-expert MLPs stay split by heads and widths.
+    expert_parallel: bool = False
     # What the KV cache stores: the model's dtype, or FP8 (``KVCacheDType``). Both roles
     # must agree: KV blocks move between them byte for byte.
     kv_cache_dtype: KVCacheDType = KVCacheDType.AUTO

@@ -50,6 +50,7 @@ class ModelShape:
     # Multi-token-prediction layers stored after the others (DeepSeek-V3, GLM-4.5): one
     # more KV cache layer when the engine drafts with them (speculative_method: mtp).
     num_mtp_layers: int = 0
+    num_experts: int = 0  # routed experts (MoE models)
 
     @classmethod
     def read(cls, model_dir: Path) -> ModelShape | None:
@@ -69,6 +70,7 @@ class ModelShape:
                 num_q_heads=int(cfg["num_attention_heads"]),
                 split_widths=_split_widths(cfg),
                 num_mtp_layers=num_mtp_layers(cfg),
+                num_experts=int(_num_experts(cfg) or 0),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError("model", f"{path} is not a usable checkpoint config: {exc}") from None
@@ -84,12 +86,16 @@ class ModelShape:
         return num_layers * 2 * block_size * num_kv_heads * self.head_dim * dtype_bytes
 
 
+def _num_experts(cfg: dict) -> int | None:
+    return cfg.get("num_local_experts", cfg.get("num_experts", cfg.get("n_routed_experts")))
+
+
 def _split_widths(cfg: dict) -> tuple[tuple[str, int], ...]:
     """The MLP widths a tensor-parallel split cuts (as ``engine.parallel.shard_spec``
     reads them): dense layers' (all but the MoE models whose every layer is sparse)
     and the experts' (and the shared expert's)."""
     widths = []
-    experts = cfg.get("num_local_experts", cfg.get("num_experts", cfg.get("n_routed_experts")))
+    experts = _num_experts(cfg)
     all_sparse = (
         experts and not cfg.get("mlp_only_layers") and cfg.get("decoder_sparse_step", 1) == 1
         and not cfg.get("first_k_dense_replace")
@@ -151,8 +157,16 @@ def _key(config: PdserveConfig, role: Role, name: str) -> str:
 def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
     engine = config.engine_for(role)
     tp_size = engine.tensor_parallel_size
-    problem = split_problem(shape.num_q_heads, shape.num_kv_heads, dict(shape.split_widths),
-                            tp_size)  # fmt: skip
+    widths = dict(shape.split_widths)
+    if engine.expert_parallel and shape.num_experts:  # whole experts: their count divides
+        del widths["moe_intermediate_size"]
+        if shape.num_experts % tp_size:
+            raise ConfigError(
+                _key(config, role, "expert_parallel"),
+                f"{shape.num_experts} routed experts do not divide over "
+                f"tensor_parallel_size={tp_size} ranks",
+            )
+    problem = split_problem(shape.num_q_heads, shape.num_kv_heads, widths, tp_size)
     if problem is not None:
         raise ConfigError(_key(config, role, "tensor_parallel_size"), problem)
     max_model_len = min(engine.max_model_len or shape.max_context_len, shape.max_context_len)

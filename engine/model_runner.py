@@ -118,7 +118,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        self.tp = TensorParallel(config.tensor_parallel_size, 0)
+        self.tp = TensorParallel(config.tensor_parallel_size, 0, config.expert_parallel)
         self.shards: ShardClient | None = None
         self.shard_payloads: list[bytes] = []  # each shard's extension payload (rank 1..)
         self._adapter_ids: weakref.WeakKeyDictionary[LoraAdapter, int] = weakref.WeakKeyDictionary()

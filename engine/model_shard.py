@@ -97,7 +97,8 @@ class ModelShard:
         group: TPGroup | None = None,
     ) -> None:
         self.group = group or SingleRank()
-        self.arch = local_arch(arch, TensorParallel(self.group.size, self.group.rank))
+        tp = TensorParallel(self.group.size, self.group.rank, config.expert_parallel)
+        self.arch = local_arch(arch, tp)
         self.config = config
         self.device = device
         self.dtype = dtype
@@ -111,7 +112,7 @@ class ModelShard:
         self.num_mtp_layers = int(config.speculative_method is SpeculativeMethod.MTP)
         self.model = load_model(
             model_dir, arch, max_model_len, self.backend, device, dtype, self.group,
-            self.num_mtp_layers,
+            self.num_mtp_layers, config.expert_parallel,
         )  # fmt: skip
         # The last step's hidden states before the final norm, kept for the MTP pass that
         # follows it ([num_tokens, hidden]); None without an MTP layer. And the MTP pass's

@@ -36,28 +36,33 @@ def align_by_expert(
 
     ``sorted_slots`` lists each expert's slots in token order, each expert's run padded to
     a multiple of ``block_m`` with ``num_slots`` (past the end); ``block_experts[b]`` is the
-    expert of block ``b``, or ``num_experts`` for blocks after the last run. Shapes depend
-    only on ``num_tokens``, ``k``, ``num_experts`` and ``block_m``.
+    expert of block ``b``, or ``num_experts`` for blocks after the last run. Slots of id
+    ``num_experts`` (another rank's experts, under expert parallelism) are left out. Shapes
+    depend only on ``num_tokens``, ``k``, ``num_experts`` and ``block_m``.
     """
     device = expert_ids.device
     flat = expert_ids.reshape(-1)  # [num_slots]
     num_slots = flat.numel()
     order = torch.argsort(flat, stable=True)  # slots grouped by expert
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E], no host sync (bincount syncs)
+    # One more count for id num_experts, whose run gets no room (padded to 0).
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # no host sync (bincount syncs)
     padded = (counts + block_m - 1) // block_m * block_m
-    run_starts = torch.cumsum(counts, 0) - counts  # [E] exclusive
-    padded_ends = torch.cumsum(padded, 0)  # [E] inclusive
+    padded[num_experts] = 0
+    run_starts = torch.cumsum(counts, 0) - counts  # [E + 1] exclusive
+    padded_ends = torch.cumsum(padded, 0)  # [E + 1] inclusive
     sorted_experts = flat[order]
     rank = torch.arange(num_slots, device=device) - run_starts[sorted_experts]
     dest = padded_ends[sorted_experts] - padded[sorted_experts] + rank
     num_blocks = cdiv(num_slots + num_experts * (block_m - 1), block_m)
-    sorted_slots = torch.full((num_blocks * block_m,), num_slots, dtype=torch.int64,
+    # The left-out slots all land on one spare element past the end, cut off after.
+    dest = dest.masked_fill(sorted_experts == num_experts, num_blocks * block_m)
+    sorted_slots = torch.full((num_blocks * block_m + 1,), num_slots, dtype=torch.int64,
                               device=device)  # fmt: skip
     sorted_slots.scatter_(0, dest, order)
     block_starts = torch.arange(num_blocks, device=device, dtype=torch.int64) * block_m
-    block_experts = torch.searchsorted(padded_ends, block_starts, right=True)
-    return sorted_slots, block_experts
+    block_experts = torch.searchsorted(padded_ends[:num_experts], block_starts, right=True)
+    return sorted_slots[:-1], block_experts
 
 
 @triton.jit
@@ -197,7 +202,8 @@ def fused_moe(
                     bias=gate_up_bias)  # fmt: skip
     gate, up = gate_up.chunk(2, dim=-1)
     activated = swiglu(gate, up, swiglu_limit, swiglu_alpha).contiguous()  # [slots, I]
-    down = hidden.new_empty(num_slots, hidden_size)  # [slots, H], weighted
+    # [slots, H], weighted; zeros where a slot is another rank's expert's (left out).
+    down = hidden.new_zeros(num_slots, hidden_size)
     _grouped_matmul(activated, down_proj, down, *routed, a_row_div=1,
                     scale=weights.reshape(-1).contiguous(), bias=down_bias)  # fmt: skip
     return down.view(num_tokens, top_k, hidden_size).sum(dim=1)

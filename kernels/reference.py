@@ -366,7 +366,7 @@ def moe_experts(
     hidden: torch.Tensor,  # [num_tokens, H]
     gate_up_proj: torch.Tensor,  # [E, 2I, H]: gate rows, then up rows
     down_proj: torch.Tensor,  # [E, H, I]
-    expert_ids: torch.Tensor,  # [num_tokens, k] int64, distinct per row
+    expert_ids: torch.Tensor,  # [num_tokens, k] int64, distinct per row (E: skipped)
     weights: torch.Tensor,  # [num_tokens, k]
     *,
     gate_up_bias: torch.Tensor | None = None,  # [E, 2I]
@@ -375,6 +375,7 @@ def moe_experts(
     swiglu_alpha: float = 1.0,
 ) -> torch.Tensor:  # [num_tokens, H]
     """sum_i weights[t, i] * down(SiLU(gate(x_t)) * up(x_t)) over token t's k experts.
+    An id of E (an expert another rank holds, under expert parallelism) adds nothing.
 
     Tokens are grouped by expert: each expert runs one gate/up and one down matmul over
     exactly its rows. The per-expert counts are read on the host (one sync).
@@ -383,7 +384,9 @@ def moe_experts(
     top_k = expert_ids.shape[1]
     flat_ids = expert_ids.reshape(-1)  # [num_tokens * k]: one slot per (token, choice)
     order = torch.argsort(flat_ids, stable=True)  # slots grouped by expert
-    counts = torch.bincount(flat_ids, minlength=gate_up_proj.shape[0]).tolist()
+    num_experts = gate_up_proj.shape[0]
+    # Slots of id E sort last, past the experts' runs: left out.
+    counts = torch.bincount(flat_ids, minlength=num_experts)[:num_experts].tolist()
     token_of_slot = order // top_k  # [num_tokens * k]
     weight_of_slot = weights.reshape(-1)[order].unsqueeze(-1)  # [num_tokens * k, 1]
     out = torch.zeros_like(hidden)

@@ -155,6 +155,14 @@ class MoeConfig:
     num_groups: int = 1
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
+    # Expert parallelism (``engine.expert_parallel``): this rank holds experts
+    # ``first_local_expert ..+ num_local_experts``, whole; None: all of them.
+    first_local_expert: int = 0
+    num_local_experts: int | None = None
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts if self.num_local_experts is None else self.num_local_experts
 
 
 @dataclass(frozen=True, slots=True)

@@ -234,14 +234,16 @@ def load_model(
     dtype: torch.dtype,
     group: TPGroup | None = None,
     num_mtp_layers: int = 0,
+    expert_parallel: bool = False,
 ) -> LlamaForCausalLM:
     """The model (of ``arch``, the full architecture), or under tensor parallelism the
     shard of rank ``group.rank``: each stored tensor is cut by ``shard_spec`` as it is
     read, so a rank copies only what it keeps. ``num_mtp_layers``: the checkpoint's
-    multi-token-prediction layers to load too (0 or 1; ``mtp.py``)."""
+    multi-token-prediction layers to load too (0 or 1; ``mtp.py``); ``expert_parallel``:
+    each rank loads its range of whole routed experts (``engine.expert_parallel``)."""
     model_dir = Path(model_dir)
     group = group or SingleRank()
-    tp = TensorParallel(group.size, group.rank)
+    tp = TensorParallel(group.size, group.rank, expert_parallel)
     files = safetensors_files(model_dir)
     if arch.tie_word_embeddings and _stored_head_differs(files):
         # transformers (5) keeps such a head untied and uses it; so do we, for parity.
@@ -281,11 +283,16 @@ def load_model(
         spec = specs.get(target.param)
         dest, full = params[target.param].data, shapes[target.param]
         if target.expert is not None:
-            if target.expert >= dest.shape[0]:
+            if target.expert >= full[0]:
                 raise ModelLoadError(
-                    f"{path.name}: {stored} names expert {target.expert} of {dest.shape[0]}"
+                    f"{path.name}: {stored} names expert {target.expert} of {full[0]}"
                 )
-            dest, full = dest[target.expert], full[1:]
+            local = target.expert
+            if spec is not None and spec.experts is not None:  # expert parallelism
+                local -= spec.experts.full_start
+                if not 0 <= local < spec.experts.length:
+                    return  # another rank's expert
+            dest, full = dest[local], full[1:]
         elif spec is not None and spec.per_expert:  # all experts at once: one by one
             for expert in range(tensor.shape[0]):
                 place(dataclasses.replace(target, expert=expert), tensor[expert], stored, path)
@@ -390,7 +397,7 @@ def _copy_shard(
 ) -> int:
     """Copy what this rank keeps of ``tensor`` into ``dest``; the elements written."""
     rows = tensor.shape[0]
-    if spec is None or (spec.rank0_only and rank == 0):
+    if spec is None or (spec.rank0_only and rank == 0) or spec.experts is not None:
         dest[row_start : row_start + rows].copy_(tensor)
         return tensor.numel()
     if spec.rank0_only:  # a bias the partial sums must add once: rank 0's
@@ -416,7 +423,7 @@ def _copy_shard(
 
 def _zero_padding(dest: torch.Tensor, spec: ShardSpec) -> int:
     """Zero what ``spec``'s pieces leave of ``dest`` along the split; elements zeroed."""
-    if spec.rank0_only:
+    if spec.rank0_only or spec.experts is not None:
         return 0
     axis = spec.dim + (1 if spec.per_expert else 0)
     covered = sum(piece.length for piece in spec.pieces)

@@ -14,7 +14,9 @@ The experts' weights are stacked, one tensor per projection for all experts
 (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]: transformers 5's
 layout; ``loader.py`` fills them from the per-expert tensors that checkpoints store).
 Tokens are grouped by expert, so each expert runs one pair of matmuls over exactly the
-rows routed to it: k/E of the work of running every expert on every token. Off the triton
+rows routed to it: k/E of the work of running every expert on every token. With expert
+parallelism (``engine.expert_parallel``) a rank holds a range of whole experts and runs only
+the (token, expert) pairs routed to them. Off the triton
 backend that is ``kernels.reference.moe_experts`` (a loop over experts that reads their
 counts on the host: one sync per layer, so no CUDA graphs); on it, the Triton kernel
 ``kernels.fused_moe`` (sorted and padded on the device, two grouped-GEMM launches with a
@@ -120,8 +122,10 @@ class SparseMoe(nn.Module):
             self.gate = DeepseekGate(moe, arch.hidden_size)
         else:
             self.gate = nn.Linear(arch.hidden_size, moe.num_experts, bias=moe.router_bias)
+        # Expert parallelism: this rank's range of whole experts (all of them without it).
+        self.first_local_expert, self.num_local_experts = moe.first_local_expert, moe.local_experts
         self.experts = Experts(
-            moe.num_experts, arch.hidden_size, moe.expert_intermediate_size, moe.expert_bias
+            moe.local_experts, arch.hidden_size, moe.expert_intermediate_size, moe.expert_bias
         )
         self.shared_expert = shared_expert
         # Qwen2-MoE gates its shared expert per token; DeepSeek's shared experts are not.
@@ -148,6 +152,12 @@ class SparseMoe(nn.Module):
         """``hidden`` [num_tokens, H] -> [num_tokens, H]. ``lora`` is accepted for the
         dense MLP's signature and unused: adapters on expert layers are refused at load."""
         expert_ids, weights = self.route(hidden)
+        if self.num_local_experts != self.moe.num_experts:
+            # Other ranks' experts become id num_local_experts, which the kernels skip:
+            # this rank adds its experts' share, the layer's all-reduce the others'.
+            local = expert_ids - self.first_local_expert
+            outside = (local < 0) | (local >= self.num_local_experts)
+            expert_ids = local.masked_fill(outside, self.num_local_experts)
         experts = self.experts
         gate_up, down = experts.gate_up_proj, experts.down_proj
         out = self._run_experts(

@@ -41,9 +41,18 @@ class TensorParallel:
 
     size: int = 1
     rank: int = 0
+    # Routed experts are dealt out whole, not cut by width (``engine.expert_parallel``).
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         assert 0 <= self.rank < self.size, (self.rank, self.size)
+
+    def experts_of_rank(self, num_experts: int) -> Piece:
+        """The routed experts this rank holds: full ids ``full_start ..+ length``."""
+        if not self.expert_parallel:
+            return Piece(0, num_experts, 0)
+        local = num_experts // self.size
+        return Piece(self.rank * local, local, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +75,13 @@ class ShardSpec:
     pieces: tuple[Piece, ...] = ()
     per_expert: bool = False
     rank0_only: bool = False
+    # Expert parallelism: the experts (of ``num_experts``) this rank holds, whole.
+    experts: Piece | None = None
+    num_experts: int = 0
 
     def full_shape(self, local_shape: tuple[int, ...]) -> tuple[int, ...]:
+        if self.experts is not None:
+            return (self.num_experts, *local_shape[1:])
         if self.rank0_only:
             return local_shape
         axis = self.dim + (1 if self.per_expert else 0)
@@ -87,11 +101,19 @@ _EXPERTS = re.compile(_LAYER + r"mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-def check_split(arch: ModelArchConfig, tp_size: int) -> None:
-    """Raise ``ModelLoadError`` if the model cannot be split over ``tp_size`` ranks."""
-    problem = split_problem(arch.num_q_heads, arch.num_kv_heads, split_widths(arch), tp_size)
+def check_split(arch: ModelArchConfig, tp: TensorParallel) -> None:
+    """Raise ``ModelLoadError`` if the model cannot be split over ``tp.size`` ranks."""
+    widths = split_widths(arch)
+    if tp.expert_parallel and arch.moe is not None:
+        del widths["moe_intermediate_size"]  # whole experts: their count must divide
+        if arch.moe.num_experts % tp.size:
+            raise ModelLoadError(
+                f"engine.expert_parallel: {arch.moe.num_experts} routed experts do not "
+                f"divide over tensor_parallel_size={tp.size} ranks"
+            )
+    problem = split_problem(arch.num_q_heads, arch.num_kv_heads, widths, tp.size)
     if problem is not None:
-        raise ModelLoadError(f"engine.tensor_parallel_size={tp_size}: {problem}")
+        raise ModelLoadError(f"engine.tensor_parallel_size={tp.size}: {problem}")
 
 
 def split_widths(arch: ModelArchConfig) -> dict[str, int]:
@@ -111,14 +133,18 @@ def local_arch(arch: ModelArchConfig, tp: TensorParallel) -> ModelArchConfig:
     """The architecture of one rank's shard: its heads and its slice of every width."""
     if tp.size == 1:
         return arch
-    check_split(arch, tp.size)
+    check_split(arch, tp)
     heads = HeadSplit(arch.num_q_heads, arch.num_kv_heads, tp.size, tp.rank)
     moe = arch.moe
     if moe is not None:
+        experts = tp.experts_of_rank(moe.num_experts)
         moe = dataclasses.replace(
             moe,
-            expert_intermediate_size=moe.expert_intermediate_size // tp.size,
+            expert_intermediate_size=moe.expert_intermediate_size
+            // (1 if tp.expert_parallel else tp.size),
             shared_expert_intermediate_size=moe.shared_expert_intermediate_size // tp.size,
+            first_local_expert=experts.full_start,
+            num_local_experts=experts.length,
         )
     return dataclasses.replace(
         arch,
@@ -177,6 +203,9 @@ def shard_spec(name: str, arch: ModelArchConfig, tp: TensorParallel) -> ShardSpe
         return _mlp_spec(match.group(3), width, tp, per_expert=False)
     if match := _EXPERTS.match(name):
         assert arch.moe is not None
+        if tp.expert_parallel:  # whole experts: the rank's range of them
+            experts = tp.experts_of_rank(arch.moe.num_experts)
+            return ShardSpec(per_expert=True, experts=experts, num_experts=arch.moe.num_experts)
         which, bias = match.group(2), match.group(3)
         if which == "down_proj" and bias:
             return ShardSpec(per_expert=True, rank0_only=True)

@@ -119,3 +119,34 @@ def test_no_tokens_and_bad_shapes():
         fused_moe(torch.zeros(3, 16, device=DEVICE), gate_up, down,
                   torch.zeros(3, 2, dtype=torch.int64, device=DEVICE),
                   torch.zeros(3, 2, device=DEVICE))  # fmt: skip
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "reference"])
+def test_expert_parallel_ranks_add_up_to_all_experts(num_ranks, fused):
+    """Each rank holds E / N whole experts and sees the others' as id E (``SparseMoe``
+    under expert parallelism): its output is its experts' share, and the ranks' outputs
+    add up to every expert's. A rank with no token routed to it gives zeros."""
+    num_tokens, num_experts, top_k, hidden, inter = 29, 8, 2, 64, 32
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(num_tokens, hidden, generator=generator).to(DEVICE)
+    gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=generator)
+               / hidden**0.5).to(DEVICE)  # fmt: skip
+    down = (torch.randn(num_experts, hidden, inter, generator=generator)
+            / inter**0.5).to(DEVICE)  # fmt: skip
+    down_bias = torch.randn(num_experts, hidden, generator=generator).to(DEVICE)
+    expert_ids, weights = _routing(num_tokens, num_experts, top_k, seed=5, skewed=True)
+    run = fused_moe if fused else moe_experts
+    expected = moe_experts(x, gate_up, down, expert_ids, weights, down_bias=down_bias)
+    local = num_experts // num_ranks
+    total = torch.zeros_like(expected)
+    for rank in range(num_ranks):
+        ids = expert_ids - rank * local
+        outside = (ids < 0) | (ids >= local)
+        ids = ids.masked_fill(outside, local)
+        part = slice(rank * local, (rank + 1) * local)
+        out = run(x, gate_up[part], down[part], ids, weights, down_bias=down_bias[part])
+        if outside.all():
+            assert not out.any()
+        total += out
+    torch.testing.assert_close(total, expected, atol=1e-4, rtol=1e-4)

@@ -3,10 +3,14 @@ each rank's shard, loaded by the real loader, is exactly its part of the full mo
 
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
 import torch
 
 from common.tensor_parallel import HeadSplit, split_problem
+from deploy.cli import main
 from engine.attention.registry import create_backend
 from engine.models.arch import ModelLoadError, read_arch_config
 from engine.models.loader import load_model
@@ -66,7 +70,34 @@ def test_possible_splits_pass():
 def test_the_engine_refuses_a_model_that_does_not_split(tiny_llama):
     arch = read_arch_config(tiny_llama)  # 4 query heads
     with pytest.raises(ModelLoadError, match="engine.tensor_parallel_size=3: 4 attention"):
-        check_split(arch, 3)
+        check_split(arch, TensorParallel(3))
+
+
+def test_expert_parallelism_needs_the_experts_to_divide(model_factory, tmp_path, capsys):
+    """Whole experts per rank: their count must divide over the ranks (their width need
+    not); refused by the engine and, before start, by ``pdserve config check``."""
+    model_dir = model_factory("qwen3_moe")  # 8 experts, 4 query heads
+    arch = read_arch_config(model_dir)
+    six = dataclasses.replace(arch, moe=dataclasses.replace(arch.moe, num_experts=6))
+    check_split(six, TensorParallel(2, 0, expert_parallel=True))
+    with pytest.raises(ModelLoadError, match="6 routed experts do not divide over tensor_para"):
+        check_split(six, TensorParallel(4, 0, expert_parallel=True))
+    check_split(six, TensorParallel(4))  # by width: 6 experts of any count split
+    wide = dataclasses.replace(arch, moe=dataclasses.replace(arch.moe, expert_intermediate_size=6))
+    check_split(wide, TensorParallel(4, 0, expert_parallel=True))  # width 6: whole anyway
+    with pytest.raises(ModelLoadError, match="moe_intermediate_size"):
+        check_split(wide, TensorParallel(4))
+    local = local_arch(arch, TensorParallel(4, 3, expert_parallel=True)).moe
+    assert (local.first_local_expert, local.local_experts) == (6, 2)
+    assert local.expert_intermediate_size == arch.moe.expert_intermediate_size
+    config = json.loads((model_dir / "config.json").read_text())
+    copy = tmp_path / "six-experts"
+    copy.mkdir()
+    (copy / "config.json").write_text(json.dumps({**config, "num_local_experts": 6}))
+    layout = tmp_path / "layout.yaml"
+    layout.write_text("engine: {tensor_parallel_size: 4, expert_parallel: true}\n")
+    assert main(["config", "check", str(layout), "--set", f"model={copy}"]) == 2
+    assert "error: engine.expert_parallel: 6 routed experts" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -61,6 +61,27 @@ def test_greedy_parity_with_transformers(model_factory, arch, tp_size):
     assert _tokens(outputs) == hf_greedy(model_dir, prompts, NUM_TOKENS)
 
 
+@pytest.mark.parametrize(
+    ("arch", "tp_size"), [("qwen2_moe", 2), ("gpt_oss", 2), ("deepseek_v3", 2), ("qwen3_moe", 4)]
+)
+def test_expert_parallel_greedy_parity_with_transformers(model_factory, arch, tp_size):
+    """``expert_parallel``: each rank holds 8 / N whole experts (and runs only the tokens
+    routed to them) while attention and the shared experts stay split; qwen2_moe: a gated
+    shared expert beside them; gpt_oss: expert biases, each added by its expert's rank;
+    deepseek_v3: group-limited routing over all experts on every rank."""
+    model_dir = model_factory(arch)
+    prompts = random_prompts((5, 33, 71))
+    with LLM(model_dir, tensor_parallel_size=tp_size, expert_parallel=True, **POOL) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        sparse = [layer.mlp for layer in llm.engine.runner.model.model.layers
+                  if hasattr(layer.mlp, "experts")]  # fmt: skip
+        assert sparse and {m.experts.gate_up_proj.shape[0] for m in sparse} == {8 // tp_size}
+        width = llm.engine.runner.model.arch.moe.expert_intermediate_size
+        assert sparse[0].experts.down_proj.shape[2] == width  # whole, not cut
+        assert llm.engine.leak_report() == []
+    assert _tokens(outputs) == hf_greedy(model_dir, prompts, NUM_TOKENS)
+
+
 def test_an_fp8_checkpoint_splits_its_dequantized_weights(model_factory, tmp_path):
     """Block-scaled FP8 experts and projections (blocks that cut across the rank
     boundaries of k/v and the expert widths) give one process's tokens over 2 ranks, with
