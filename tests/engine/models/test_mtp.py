@@ -206,17 +206,21 @@ def test_a_model_without_an_mtp_layer_is_refused(tiny_llama):
     assert error.value.key == "engine.speculative_method"
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe"])
-def test_tensor_parallel_drafts_equal_one_rank(model_factory, arch):
-    """Over 2 ranks (the MTP layer's heads and experts split as every layer's, its passes
-    sent to the other rank as ``MtpPass``): the same drafts after every step as one
-    process, and the same tokens."""
+@pytest.mark.parametrize(
+    ("arch", "expert_parallel"),
+    [("deepseek_v3", False), ("glm4_moe", False), ("deepseek_v3", True)],
+)
+def test_tensor_parallel_drafts_equal_one_rank(model_factory, arch, expert_parallel):
+    """Over 2 ranks (the MTP layer's heads and experts split as every layer's, or its
+    experts dealt out whole with expert parallelism; its passes sent to the other rank as
+    ``MtpPass``): the same drafts after every step as one process, and the same tokens."""
     model_dir = model_factory(arch)
     prompts = random_prompts((30, 70), seed=8)
     params = SamplingParams(max_tokens=10, min_tokens=10, temperature=0)
     recorded = []
     for tp_size in (1, 2):
         config = EngineConfig(**MTP, num_speculative_tokens=2, tensor_parallel_size=tp_size,
+                              expert_parallel=expert_parallel and tp_size > 1,
                               kv_cache_bytes=32 << 20)  # fmt: skip
         engine = LLMEngine(model_dir, config)
         try:
