@@ -87,6 +87,7 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServiceServicer):
                     priority=request.priority,
                     remote_kv=remote_kv,
                     output_token_ids=list(request.output_token_ids),
+                    draft_token_ids=list(request.draft_token_ids),
                 ):
                     raise_for_error(output)
                     completion = output.outputs[0]

@@ -21,6 +21,7 @@ import torch
 
 from common.config import (
     MAX_PRIORITY,
+    MAX_SPECULATIVE_TOKENS,
     MIN_PRIORITY,
     DType,
     EngineConfig,
@@ -193,6 +194,7 @@ class LLMEngine:
         lora_name: str | None = None,
         priority: int = 0,
         pooling: PoolingParams | None = None,
+        draft_token_ids: Sequence[int] = (),
     ) -> Request:
         """Validate and queue a request. Raises ``InvalidRequestError`` (engine unchanged).
 
@@ -205,7 +207,10 @@ class LLMEngine:
         values first, under ``scheduling_policy: priority`` only (elsewhere it must be 0).
         ``pooling``: an embedding request (``engine/pooling.py``): ``params`` must be
         ``EMBEDDING_SAMPLING``, and it finishes with ``RequestOutput.embedding`` once its
-        prompt is computed, generating nothing.
+        prompt is computed, generating nothing. ``draft_token_ids``: the MTP layer's drafts
+        after prompt + ``output_token_ids`` (a prefill worker's,
+        ``RequestOutput.draft_token_ids``), for the first step to verify; used only with
+        ``speculative_method: mtp`` (any token ids: a wrong draft is just not kept).
         """
         prompt = self.validate_prompt(prompt_token_ids)
         outputs = self.validate_prompt(output_token_ids, allow_empty=True)
@@ -326,6 +331,10 @@ class LLMEngine:
             )
         if params.structured_output is not None:
             self.grammars.add(request_id, grammar)
+        vocab = self.arch.vocab_size
+        drafts = [token for token in draft_token_ids[:MAX_SPECULATIVE_TOKENS] if 0 <= token < vocab]
+        if drafts and self.config.speculative_method is SpeculativeMethod.MTP:
+            request.mtp_draft_ids, request.mtp_drafts_after = drafts, request.num_tokens
         self.scheduler.add_request(request)
         return request
 
@@ -510,9 +519,10 @@ class LLMEngine:
         for request_id, embedding in result.embeddings.items():
             self.scheduler.requests[request_id].embedding = embedding
         progressed = self.scheduler.update_from_output(scheduler_output, result.sampled)
-        for request_id, drafts in result.drafts.items():
-            request = self.scheduler.requests.get(request_id)
-            if request is not None:
+        for item in scheduler_output.scheduled:  # (a prefill-only one has finished: its
+            request = item.request  # drafts go out with its output, for the decode worker)
+            drafts = result.drafts.get(request.request_id)
+            if drafts is not None:
                 request.mtp_draft_ids, request.mtp_drafts_after = drafts, request.num_tokens
         self.num_steps += 1
         for request, num_new in progressed:
@@ -666,9 +676,8 @@ class LLMEngine:
             chunk.next_token_id = request.token_ids_between(end, end + 1)[0]
             return
         budget = request.draft_budget
-        if (
-            request.prefill_only
-            or request.pooling is not None
+        if (  # (a prefill-only request drafts for its decode worker's first step)
+            request.pooling is not None
             or request.sampling_params.structured_output is not None
             or (budget is not None and budget.paused_steps > 0)
         ):
@@ -714,6 +723,9 @@ class LLMEngine:
             times=request.times,
             prompt_logprobs=prompt_logprobs,
             embedding=request.embedding,
+            draft_token_ids=list(request.mtp_draft_ids)
+            if held and request.mtp_drafts_after == request.num_tokens
+            else [],
         )
 
     # ------------------------------------------------------------------ checks

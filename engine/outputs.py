@@ -76,6 +76,9 @@ class RequestOutput:
     # decode worker until the engine's release_kv(request_id).
     kv_block_ids: list[int] | None = None
     kv_block_hashes: list[bytes] | None = None
+    # A finished prefill-only request with an MTP layer: its drafts after the first token,
+    # for the decode worker's first step (``LLMEngine.add_request(draft_token_ids=...)``).
+    draft_token_ids: list[int] = field(default_factory=list)
     num_remote_blocks_pulled: int = 0
     times: RequestTimes | None = None
     # With SamplingParams.prompt_logprobs, once the prompt is computed: one entry per

@@ -87,6 +87,7 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServiceServicer):
                     num_cached_tokens=final.num_cached_tokens,
                     timings=timings_to_proto(final.times),
                     prompt_logprobs=prompt_logprobs_to_proto(final),
+                    draft_token_ids=final.draft_token_ids,
                 )
                 if completion.logprobs:
                     reply.first_logprobs.CopyFrom(logprobs_to_proto(completion.logprobs[0]))

@@ -472,6 +472,8 @@ class Dispatcher:
                 message.lora_name = request.lora.name
             if kv is not None:
                 message.kv.CopyFrom(kv)
+            if first is not None and len(generated) == 1:  # the prefill worker's MTP drafts
+                message.draft_token_ids.extend(first.draft_token_ids)  # continue just that
             started = False
             num_tokens = len(request.prompt_token_ids) + len(generated)
             blocks = -(-num_tokens // self.block_size)

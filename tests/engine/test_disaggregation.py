@@ -41,9 +41,10 @@ def pair(tiny_llama):
     return prefill, decode, puller
 
 
-def hand_off(prefill: LLMEngine, decode: LLMEngine, prompts, params) -> None:
+def hand_off(prefill: LLMEngine, decode: LLMEngine, prompts, params) -> dict:
     """Request ``r{i}`` per prompt, prefilled on ``prefill`` (prefill-only), then added to
-    ``decode`` with its KV handle (source ``prefill-0``) and first token; not yet run."""
+    ``decode`` with its KV handle (source ``prefill-0``), first token and drafts (MTP's,
+    if any); not yet run. Returns the prefill outputs by request id."""
     for i, prompt in enumerate(prompts):
         prefill.add_request(f"r{i}", prompt, params, prefill_only=True)
     firsts = run(prefill)
@@ -52,7 +53,9 @@ def hand_off(prefill: LLMEngine, decode: LLMEngine, prompts, params) -> None:
         assert first.finished and first.outputs[0].finish_reason is None
         remote = RemoteKV(f"lease-{i}", len(prompt), tuple(first.kv_block_ids), "prefill-0")
         decode.add_request(f"r{i}", prompt, params, remote_kv=remote,
-                           output_token_ids=first.outputs[0].token_ids)  # fmt: skip
+                           output_token_ids=first.outputs[0].token_ids,
+                           draft_token_ids=first.draft_token_ids)  # fmt: skip
+    return firsts
 
 
 def disaggregated(prefill, decode, prompts, params, fail_pull=False, policy=True):

@@ -219,3 +219,18 @@ def test_deepseek_tool_calls_are_read_with_their_markers(stack, model_dir):
            "tools": [WEATHER_TOOL], "max_tokens": 48, "temperature": 1.0, "seed": 2,
            "extra_body": {"structured_outputs": {"grammar": grammar}}}  # fmt: skip
     assert_sure_and_calls(client, ask, [("get_weather", {"city": "Paris"})])
+
+
+def test_deepseek_prefill_drafts_reach_the_decode_worker(stack, model_dir):
+    """The prefill worker's MTP drafts go with the first token (PrefillResponse, then
+    GenerateRequest.draft_token_ids): with 3 tokens to generate, the decode worker's one
+    step verifies one of them. Without them it would verify none: it drafts only after a
+    step, and after its first step one token is left, which drafts nothing."""
+    if _model_type(model_dir) != "deepseek_v3":
+        pytest.skip("MTP drafts: DeepSeek-V3's stack")
+    client: openai.OpenAI = stack.openai_client()
+    before = worker_stats(stack, "decode")[0].draft_tokens
+    reply = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=3,
+                                      temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    assert reply.usage.completion_tokens == 3
+    assert worker_stats(stack, "decode")[0].draft_tokens - before == 1

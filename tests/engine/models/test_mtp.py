@@ -144,9 +144,10 @@ def test_drafts_equal_the_reference_layer(model_factory, tmp_path, arch):
 
 
 def test_the_prompts_mtp_kv_moves_with_its_blocks(model_factory):
-    """Prefill on one engine, decode on another: the decode engine's drafts after every
-    step equal those of one engine doing both, so the MTP layer's KV of the prompt (the
-    last cache layer) came with the blocks."""
+    """Prefill on one engine, decode on another: the prefill engine's drafts go with the
+    first token, and the decode engine's drafts after every step (and the drafts it
+    verifies) equal those of one engine doing both, so the MTP layer's KV of the prompt
+    (the last cache layer) came with the blocks."""
     model_dir = model_factory("deepseek_v3")
     config = EngineConfig(**MTP, num_speculative_tokens=2)
     prompts = random_prompts((40, 75, 100), seed=4)
@@ -165,15 +166,17 @@ def test_the_prompts_mtp_kv_moves_with_its_blocks(model_factory):
     shape = ModelShape.read(model_dir)
     assert shape.bytes_per_block(16, 4, mtp=True) == prefill.runner.bytes_per_block
     assert shape.bytes_per_block(16, 4) * 5 == prefill.runner.bytes_per_block * 4
-    hand_off(prefill, decode, prompts, params)
+    firsts = hand_off(prefill, decode, prompts, params)
     _, got = _run_recording_drafts(decode)
     assert puller.num_blocks_pulled > 0
-    for request_id, drafts in expected.items():
-        # The draft budgets differ by a step (the decode engine's first step has no
-        # drafts to verify), so the two pause at different steps: compare where both draft.
-        common = drafts.keys() & got[request_id].keys()
-        assert len(common) >= 4, (request_id, drafts, got[request_id])
-        assert {n: got[request_id][n] for n in common} == {n: drafts[n] for n in common}
+    for i, prompt in enumerate(prompts):
+        request_id, after_prefill = f"r{i}", len(prompt) + 1
+        # The prefill engine's drafts went out with its first token ...
+        assert firsts[request_id].draft_token_ids == expected[request_id][after_prefill]
+        # ... to the decode engine, which holds them from the start and from there drafts
+        # exactly as one engine doing both.
+        assert got[request_id] == expected[request_id]
+    assert decode.scheduler.num_draft_tokens == colocated.scheduler.num_draft_tokens
     for i in range(len(prompts)):
         assert prefill.release_kv(f"r{i}")
     for engine in (colocated, prefill, decode):
@@ -273,3 +276,22 @@ def test_config_check_refuses_mtp_for_a_model_without_the_layer(
     assert "error: engine.speculative_method: mtp needs" in capsys.readouterr().err
     model = model_factory("glm4_moe")
     assert main(["config", "check", str(path), "--set", f"model={model}"]) == 0
+
+
+def test_drafts_handed_to_add_request(model_factory, tiny_llama):
+    """A decode worker takes the prefill worker's drafts for its first step: ids outside
+    the vocabulary are dropped (a wrong id can cost a rejected draft, never an error), and
+    an engine without MTP ignores them."""
+    model_dir = model_factory("deepseek_v3")
+    engine = LLMEngine(model_dir, EngineConfig(**MTP, num_speculative_tokens=2))
+    vocab = engine.arch.vocab_size
+    params = SamplingParams(max_tokens=4, temperature=0)
+    request = engine.add_request("r", [5, 6, 7], params, output_token_ids=[8],
+                                 draft_token_ids=[vocab + 3, 9, -1, 10])  # fmt: skip
+    assert (request.mtp_draft_ids, request.mtp_drafts_after) == ([9, 10], 4)
+    plain = LLMEngine(tiny_llama, EngineConfig(num_speculative_tokens=2))
+    other = plain.add_request("r", [5, 6, 7], params, output_token_ids=[8], draft_token_ids=[9])
+    assert other.mtp_draft_ids == []
+    for each in (engine, plain):
+        each.abort_request("r")
+        assert each.leak_report() == []
