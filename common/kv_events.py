@@ -52,9 +52,18 @@ class KVEventBatch(msgspec.Struct, frozen=True, array_like=True):
     events: list[KVEvent]
 
 
+# Built here, at import, on one thread: msgspec fills its per-type caches (the Medium
+# enum's lookup table among them) the first time it meets a type, calling back into Python
+# as it does, and two router threads decoding their first batches at once crashed a test
+# process in that window (a segfault inside decode_batch, a CI run on 2026-11-29).
+# Decoders are immutable and thread-safe once built.
+_BATCH_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
 def encode_batch(batch: KVEventBatch) -> bytes:
-    return msgspec.msgpack.encode(batch)
+    return _ENCODER.encode(batch)
 
 
 def decode_batch(data: bytes) -> KVEventBatch:
-    return msgspec.msgpack.decode(data, type=KVEventBatch)
+    return _BATCH_DECODER.decode(data)

@@ -519,8 +519,10 @@ class LLMEngine:
         for request_id, embedding in result.embeddings.items():
             self.scheduler.requests[request_id].embedding = embedding
         progressed = self.scheduler.update_from_output(scheduler_output, result.sampled)
-        for item in scheduler_output.scheduled:  # (a prefill-only one has finished: its
-            request = item.request  # drafts go out with its output, for the decode worker)
+        # The MTP layer's drafts, set on the scheduled requests themselves: a prefill-only
+        # one has finished by now, and its drafts go out with its output.
+        for item in scheduler_output.scheduled:
+            request = item.request
             drafts = result.drafts.get(request.request_id)
             if drafts is not None:
                 request.mtp_draft_ids, request.mtp_drafts_after = drafts, request.num_tokens
