@@ -29,7 +29,6 @@ import platform
 import random
 import statistics
 import tempfile
-import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -37,7 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from benchmarks.offline_runs import run_all
-from benchmarks.speculative import vs_baseline
+from benchmarks.speculative import counted_run, vs_baseline
 from common.config import EngineConfig
 from engine import LLMEngine, SamplingParams
 from engine.models.maker import ensure_model
@@ -78,23 +77,13 @@ def _alternating(
     timed alternately (the baseline first each round) after a warm-up of ``engine``, so
     that a shared machine's drift falls on both alike."""
     run_all(engine, prompts, params)
-    times: dict[str, list[float]] = {"baseline": [], "engine": []}
-    scheduler = engine.scheduler
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run_all(baseline, prompts, params)
-        times["baseline"].append(time.perf_counter() - start)
-        before = (scheduler.num_draft_tokens, scheduler.num_accepted_tokens, engine.num_steps)
-        start = time.perf_counter()
-        tokens = run_all(engine, prompts, params)
-        times["engine"].append(time.perf_counter() - start)
-    counts = {
-        "draft_tokens": scheduler.num_draft_tokens - before[0],
-        "accepted_tokens": scheduler.num_accepted_tokens - before[1],
-        "steps": engine.num_steps - before[2],
-    }
-    seconds = statistics.median(times["engine"])
-    return (tokens, seconds, counts), statistics.median(times["baseline"])
+    rounds = [
+        (counted_run(baseline, prompts, params), counted_run(engine, prompts, params))
+        for _ in range(repeats)
+    ]
+    tokens, _, counts = rounds[-1][1]
+    seconds = statistics.median(run[1] for _, run in rounds)
+    return (tokens, seconds, counts), statistics.median(base[1] for base, _ in rounds)
 
 
 def _cpu_name() -> str:

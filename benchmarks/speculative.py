@@ -65,26 +65,30 @@ class ReplayProposer:
         return drafts
 
 
+def counted_run(engine: LLMEngine, prompts, params) -> tuple[dict, float, dict]:
+    """(tokens, seconds, draft counts) of one run of ``prompts`` through ``engine``."""
+    scheduler = engine.scheduler
+
+    def counts() -> dict[str, int]:
+        return {
+            "draft_tokens": scheduler.num_draft_tokens,
+            "accepted_tokens": scheduler.num_accepted_tokens,
+            "steps": engine.num_steps,
+        }
+
+    before = counts()
+    start = time.perf_counter()
+    tokens = run_all(engine, prompts, params)
+    seconds = time.perf_counter() - start
+    return tokens, seconds, {key: value - before[key] for key, value in counts().items()}
+
+
 def timed_run(engine: LLMEngine, prompts, params, repeats: int) -> tuple[dict, float, dict]:
     """(tokens, median seconds, draft counts of one run) after a warm-up run."""
     run_all(engine, prompts, params)
-    times = []
-    scheduler = engine.scheduler
-    for _ in range(repeats):
-        drafted, kept, steps = (
-            scheduler.num_draft_tokens,
-            scheduler.num_accepted_tokens,
-            engine.num_steps,
-        )
-        start = time.perf_counter()
-        tokens = run_all(engine, prompts, params)
-        times.append(time.perf_counter() - start)
-    counts = {
-        "draft_tokens": scheduler.num_draft_tokens - drafted,
-        "accepted_tokens": scheduler.num_accepted_tokens - kept,
-        "steps": engine.num_steps - steps,
-    }
-    return tokens, statistics.median(times), counts
+    runs = [counted_run(engine, prompts, params) for _ in range(repeats)]
+    tokens, _, counts = runs[-1]
+    return tokens, statistics.median(seconds for _, seconds, _ in runs), counts
 
 
 def vs_baseline(

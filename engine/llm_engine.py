@@ -334,7 +334,7 @@ class LLMEngine:
         vocab = self.arch.vocab_size
         drafts = [token for token in draft_token_ids[:MAX_SPECULATIVE_TOKENS] if 0 <= token < vocab]
         if drafts and self.config.speculative_method is SpeculativeMethod.MTP:
-            request.mtp_draft_ids, request.mtp_drafts_after = drafts, request.num_tokens
+            request.set_mtp_drafts(drafts)
         self.scheduler.add_request(request)
         return request
 
@@ -525,7 +525,7 @@ class LLMEngine:
             request = item.request
             drafts = result.drafts.get(request.request_id)
             if drafts is not None:
-                request.mtp_draft_ids, request.mtp_drafts_after = drafts, request.num_tokens
+                request.set_mtp_drafts(drafts)
         self.num_steps += 1
         for request, num_new in progressed:
             if request.request_id in self.grammars:
@@ -725,9 +725,7 @@ class LLMEngine:
             times=request.times,
             prompt_logprobs=prompt_logprobs,
             embedding=request.embedding,
-            draft_token_ids=list(request.mtp_draft_ids)
-            if held and request.mtp_drafts_after == request.num_tokens
-            else [],
+            draft_token_ids=list(request.current_mtp_drafts) if held else [],
         )
 
     # ------------------------------------------------------------------ checks

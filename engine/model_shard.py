@@ -249,9 +249,7 @@ class ModelShard:
                 batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
                 batch.block_table,
             )  # fmt: skip
-        metadata = self.backend.build_metadata(self._layout(batch))
-        input_ids = self.to_device(batch.input_ids, torch.int64)
-        positions = self.to_device(batch.positions, torch.int64)
+        input_ids, positions, metadata = self._device_inputs(batch)
         layer_caches = self.kv_caches[: self.arch.num_layers]
         if not self.num_mtp_layers:
             return self.model(input_ids, positions, layer_caches, metadata, lora)
@@ -271,9 +269,7 @@ class ModelShard:
         source = self.prenorm_hidden if from_target else self.mtp_hidden
         assert source is not None
         previous = source[self.to_device(hidden_rows, torch.int64)]  # [num_tokens, hidden]
-        metadata = self.backend.build_metadata(self._layout(batch))
-        input_ids = self.to_device(batch.input_ids, torch.int64)
-        positions = self.to_device(batch.positions, torch.int64)
+        input_ids, positions, metadata = self._device_inputs(batch)
         hidden = mtp_hidden(
             self.model, input_ids, positions, previous, self.kv_caches[-1], metadata
         )
@@ -282,6 +278,13 @@ class ModelShard:
             return None
         self.mtp_hidden = hidden[self.to_device(logit_rows, torch.int64)]
         return mtp_logits(self.model, self.mtp_hidden)
+
+    def _device_inputs(self, batch: HostBatch) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """(input ids [n], positions [n], the backend's attention metadata) of ``batch``."""
+        metadata = self.backend.build_metadata(self._layout(batch))
+        input_ids = self.to_device(batch.input_ids, torch.int64)
+        positions = self.to_device(batch.positions, torch.int64)
+        return input_ids, positions, metadata
 
     def _layout(self, batch: HostBatch) -> BatchLayout:
         query_lens = [batch.query_len(i) for i in range(batch.num_seqs)]

@@ -19,8 +19,9 @@ MTP KV from the target's real states). The scheduler allocates those slots ahead
 request's blocks end. Drafts are greedy: a draft only ever costs or saves a step, since
 the sampler keeps one only if it is the token the request samples there.
 
-A prefill worker runs the pass too (and drafts nothing): the prompt's MTP KV then travels
-with its blocks, so the decode worker's first drafts attend to the whole prompt.
+A prefill worker runs the pass too: the prompt's MTP KV then travels with its blocks, so
+the decode worker's drafts attend to the whole prompt, and its drafts after the first token
+go with that token (``RequestOutput.draft_token_ids``) for the decode worker's first step.
 """
 
 from __future__ import annotations

@@ -35,9 +35,7 @@ class MtpProposer:
     step (``engine/mtp_drafts.py``); none if the request changed since (a preemption)."""
 
     def propose(self, request: Request, max_drafts: int) -> list[int]:
-        if request.mtp_drafts_after != request.num_tokens:
-            return []
-        return request.mtp_draft_ids[:max_drafts]
+        return request.current_mtp_drafts[:max_drafts]
 
 
 class NgramProposer:

@@ -163,6 +163,15 @@ class Request:
     mtp_draft_ids: list[int] = field(default_factory=list)
     mtp_drafts_after: int = 0
 
+    def set_mtp_drafts(self, draft_ids: list[int]) -> None:
+        """The MTP layer's drafts after the request's tokens as they are now."""
+        self.mtp_draft_ids, self.mtp_drafts_after = draft_ids, self.num_tokens
+
+    @property
+    def current_mtp_drafts(self) -> list[int]:
+        """The MTP drafts that continue the request's tokens; none if it changed since."""
+        return self.mtp_draft_ids if self.mtp_drafts_after == self.num_tokens else []
+
     @property
     def queue_order(self) -> tuple[int, int]:
         """Where the request stands in the waiting line: smaller first."""

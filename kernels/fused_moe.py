@@ -174,9 +174,11 @@ def fused_moe(
     down_bias: torch.Tensor | None = None,  # [E, H]
     swiglu_limit: float | None = None,
     swiglu_alpha: float = 1.0,
+    other_experts: bool = False,
 ) -> torch.Tensor:  # [num_tokens, H]
     """sum_i weights[t, i] * down(SiLU(gate(x_t)) * up(x_t)) over token t's k experts; the
-    biases and the clamped SwiGLU as ``reference.moe_experts`` (GPT-OSS)."""
+    biases and the clamped SwiGLU as ``reference.moe_experts`` (GPT-OSS). With
+    ``other_experts`` some ids may be E (experts another rank holds), which add nothing."""
     num_tokens, top_k = expert_ids.shape
     num_experts, two_inter, hidden_size = gate_up_proj.shape
     if hidden.shape != (num_tokens, hidden_size) or down_proj.shape != (
@@ -202,8 +204,9 @@ def fused_moe(
                     bias=gate_up_bias)  # fmt: skip
     gate, up = gate_up.chunk(2, dim=-1)
     activated = swiglu(gate, up, swiglu_limit, swiglu_alpha).contiguous()  # [slots, I]
-    # [slots, H], weighted; zeros where a slot is another rank's expert's (left out).
-    down = hidden.new_zeros(num_slots, hidden_size)
+    # [slots, H], weighted; every slot written, but another rank's expert's (left out,
+    # so zeroed first: a memset kept off the plain path).
+    down = (hidden.new_zeros if other_experts else hidden.new_empty)(num_slots, hidden_size)
     _grouped_matmul(activated, down_proj, down, *routed, a_row_div=1,
                     scale=weights.reshape(-1).contiguous(), bias=down_bias)  # fmt: skip
     return down.view(num_tokens, top_k, hidden_size).sum(dim=1)

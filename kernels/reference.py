@@ -373,9 +373,11 @@ def moe_experts(
     down_bias: torch.Tensor | None = None,  # [E, H]
     swiglu_limit: float | None = None,
     swiglu_alpha: float = 1.0,
+    other_experts: bool = False,
 ) -> torch.Tensor:  # [num_tokens, H]
     """sum_i weights[t, i] * down(SiLU(gate(x_t)) * up(x_t)) over token t's k experts.
-    An id of E (an expert another rank holds, under expert parallelism) adds nothing.
+    An id of E (an expert another rank holds, under expert parallelism) adds nothing, with
+    ``other_experts`` or without (the fused kernel's flag: here the output starts zeroed).
 
     Tokens are grouped by expert: each expert runs one gate/up and one down matmul over
     exactly its rows. The per-expert counts are read on the host (one sync).

@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from common.hf_config import (
-    MTP_LAYER_ARCHITECTURES,
     eos_token_ids,
     kv_cache_heads,
     max_context_len,
     mla_latent_dim,
+    num_mtp_layers,
     text_config,
 )
 from engine.models.errors import ModelLoadError
@@ -464,8 +464,7 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
         )
     flags = ARCHITECTURES[architecture]
     num_layers = int(_require(cfg, "num_hidden_layers", path))
-    mtp = architecture in MTP_LAYER_ARCHITECTURES  # (whether named, or found by model type)
-    num_mtp_layers = int(cfg.get("num_nextn_predict_layers") or 0) if mtp else 0
+    mtp_layers = num_mtp_layers(cfg)  # stored after num_layers; per-layer tuples cover them
     hidden_size = int(_require(cfg, "hidden_size", path))
     num_q_heads = int(_require(cfg, "num_attention_heads", path))
     head_dim = cfg.get("head_dim") or hidden_size // num_q_heads
@@ -514,17 +513,17 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         qk_norm=flags.qk_norm or (flags.glm4_moe and bool(cfg.get("use_qk_norm", False))),
-        sliding_windows=_sliding_windows(cfg, architecture, num_layers + num_mtp_layers),
+        sliding_windows=_sliding_windows(cfg, architecture, num_layers + mtp_layers),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
         eos_token_ids=eos_token_ids(cfg, model_dir),
         bos_token_id=cfg.get("bos_token_id"),
-        moe=_moe_config(cfg, architecture, num_layers + num_mtp_layers, path),
+        moe=_moe_config(cfg, architecture, num_layers + mtp_layers, path),
         max_context_len=max_context_len(cfg),
         attention_sinks=flags.gpt_oss,
         norm_gain_in_float32=flags.gpt_oss,
         fp8_weights=fp8_weights,
         qk_norm_whole=flags.minimax_m2,
-        num_mtp_layers=num_mtp_layers,
+        num_mtp_layers=mtp_layers,
         **attention,
         **gemma3,
     )

@@ -28,10 +28,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from common.hf_config import MTP_LAYER_ARCHITECTURES
 from common.model_info import BARE_NAMES
 from engine.attention.backend import AttentionBackend
 from engine.models.arch import (
-    MTP_LAYER_ARCHITECTURES,
     ModelArchConfig,
     ModelLoadError,
     safetensors_files,
@@ -111,7 +111,7 @@ def _target(name: str, arch: ModelArchConfig, shapes: dict[str, tuple[int, ...]]
 
 def _mtp_name(name: str, arch: ModelArchConfig, num_mtp_layers: int) -> str | None:
     """``name`` itself, or for a multi-token-prediction layer's tensor (stored after the
-    ``num_hidden_layers`` the model runs, ``arch.MTP_LAYER_ARCHITECTURES``) its name in
+    ``num_hidden_layers`` the model runs, ``MTP_LAYER_ARCHITECTURES``) its name in
     ``model.mtp_layers`` when the model has that layer. None: not loaded (the layer is
     not used, as transformers leaves it, or the tensor copies one of the model's)."""
     if arch.architecture not in MTP_LAYER_ARCHITECTURES:

@@ -152,7 +152,8 @@ class SparseMoe(nn.Module):
         """``hidden`` [num_tokens, H] -> [num_tokens, H]. ``lora`` is accepted for the
         dense MLP's signature and unused: adapters on expert layers are refused at load."""
         expert_ids, weights = self.route(hidden)
-        if self.num_local_experts != self.moe.num_experts:
+        other_experts = self.num_local_experts != self.moe.num_experts
+        if other_experts:
             # Other ranks' experts become id num_local_experts, which the kernels skip:
             # this rank adds its experts' share, the layer's all-reduce the others'.
             local = expert_ids - self.first_local_expert
@@ -164,6 +165,7 @@ class SparseMoe(nn.Module):
             hidden, gate_up, down, expert_ids, weights,
             gate_up_bias=experts.gate_up_proj_bias, down_bias=experts.down_proj_bias,
             swiglu_limit=self.moe.swiglu_limit, swiglu_alpha=self.moe.swiglu_alpha,
+            other_experts=other_experts,
         )  # fmt: skip
         if self.shared_expert is not None:
             shared = self.shared_expert(hidden)

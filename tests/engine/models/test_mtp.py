@@ -105,9 +105,9 @@ def _run_recording_drafts(engine: LLMEngine) -> tuple[dict, dict[str, dict[int, 
             if output.finished:
                 finished[output.request_id] = output
         for request in engine.scheduler.requests.values():
-            if request.mtp_draft_ids and request.mtp_drafts_after == request.num_tokens:
+            if request.current_mtp_drafts:
                 drafts = seen.setdefault(request.request_id, {})
-                drafts[request.num_tokens] = list(request.mtp_draft_ids)
+                drafts[request.num_tokens] = list(request.current_mtp_drafts)
     return finished, seen
 
 
