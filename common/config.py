@@ -174,6 +174,15 @@ class EngineConfig:
     # experts, in full-width matmuls, and the layer's all-reduce adds the ranks' parts.
     # Attention, dense and shared-expert MLPs stay split by heads and widths.
     expert_parallel: bool = False
+    # Expert parallelism's balance (DeepSeek's EPLB, vLLM's --enable-eplb). Redundant
+    # experts: extra slots that hold copies of experts, so a popular expert's tokens are
+    # shared by the ranks holding it; each rank then holds (E + R) / N experts. Rebalance
+    # interval: every this many steps, the routed-token counts since the last rebalance
+    # choose how many copies each expert gets and which rank holds each (the heaviest
+    # first, to the least-loaded rank), and the ranks exchange the experts that moved.
+    # 0: the placement stays as loaded (copies of experts 0..R-1 on the last ranks).
+    num_redundant_experts: int = 0
+    expert_rebalance_interval: int = 0
     # What the KV cache stores: the model's dtype, or FP8 (``KVCacheDType``). Both roles
     # must agree: KV blocks move between them byte for byte.
     kv_cache_dtype: KVCacheDType = KVCacheDType.AUTO
@@ -205,6 +214,16 @@ class EngineConfig:
             value = getattr(self, key)
             if value is not None and value <= 0:
                 raise ConfigError(f"engine.{key}", f"must be > 0 or null, got {value}")
+        for key in ("num_redundant_experts", "expert_rebalance_interval"):
+            value = getattr(self, key)
+            if value < 0:
+                raise ConfigError(f"engine.{key}", f"must be >= 0, got {value}")
+            if value and not (self.expert_parallel and self.tensor_parallel_size > 1):
+                raise ConfigError(
+                    f"engine.{key}",
+                    "balances expert parallelism: needs engine.expert_parallel and "
+                    f"tensor_parallel_size > 1 (got {self.tensor_parallel_size})",
+                )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(
                 "engine.gpu_memory_utilization",

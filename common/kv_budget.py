@@ -31,7 +31,7 @@ from common.config import (
 )
 from common.hf_config import kv_cache_heads, max_context_len, num_mtp_layers, text_config
 from common.model_info import model_dir_of
-from common.tensor_parallel import local_kv_heads, split_problem
+from common.tensor_parallel import expert_split_problem, local_kv_heads, split_problem
 
 _DTYPE_BYTES = {DType.FLOAT32: 4, DType.FLOAT16: 2, DType.BFLOAT16: 2}
 
@@ -160,12 +160,11 @@ def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
     widths = dict(shape.split_widths)
     if engine.expert_parallel and shape.num_experts:  # whole experts: their count divides
         del widths["moe_intermediate_size"]
-        if shape.num_experts % tp_size:
-            raise ConfigError(
-                _key(config, role, "expert_parallel"),
-                f"{shape.num_experts} routed experts do not divide over "
-                f"tensor_parallel_size={tp_size} ranks",
-            )
+        redundant = engine.num_redundant_experts
+        problem = expert_split_problem(shape.num_experts, redundant, tp_size)
+        if problem is not None:
+            key = "num_redundant_experts" if redundant else "expert_parallel"
+            raise ConfigError(_key(config, role, key), problem)
     problem = split_problem(shape.num_q_heads, shape.num_kv_heads, widths, tp_size)
     if problem is not None:
         raise ConfigError(_key(config, role, "tensor_parallel_size"), problem)

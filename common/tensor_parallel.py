@@ -72,3 +72,28 @@ def split_problem(
         if width % tp_size:
             return f"{name}={width} does not split over {tp_size} ranks"
     return None
+
+
+def expert_split_problem(num_experts: int, num_redundant_experts: int, tp_size: int) -> str | None:
+    """Why ``num_experts`` routed experts plus ``num_redundant_experts`` replicas cannot be
+    dealt out whole over ``tp_size`` ranks (expert parallelism), or None if they can. Every
+    rank holds ``(E + R) / N`` slots; at most ``E`` of them, so a rank never needs two
+    copies of one expert."""
+    num_slots = num_experts + num_redundant_experts
+    if num_redundant_experts < 0:
+        return f"num_redundant_experts must be >= 0, got {num_redundant_experts}"
+    if num_slots % tp_size:
+        if num_redundant_experts:
+            return (
+                f"{num_experts} routed experts + {num_redundant_experts} redundant do not "
+                f"divide over tensor_parallel_size={tp_size} ranks"
+            )
+        return (
+            f"{num_experts} routed experts do not divide over tensor_parallel_size={tp_size} ranks"
+        )
+    if num_slots // tp_size > num_experts:
+        return (
+            f"{num_redundant_experts} redundant experts give each of {tp_size} ranks "
+            f"{num_slots // tp_size} expert slots, more than the {num_experts} experts"
+        )
+    return None

@@ -72,6 +72,10 @@ class EngineStats:
     cpu_load_seconds: float = 0.0
     draft_tokens: int = 0  # cumulative: speculative drafts verified
     accepted_draft_tokens: int = 0  # of those, kept
+    # Expert parallelism's rebalancing (``model_runner.ExpertBalance``).
+    expert_rebalances: int = 0
+    expert_moved_slots: int = 0
+    expert_imbalance: float = 0.0  # the last window's; 0.0 until the first rebalance
 
 
 class AsyncEngine:
@@ -297,6 +301,7 @@ class AsyncEngine:
         scheduler = self.engine.scheduler
         kv = scheduler.kv
         tier = self.engine.cpu_tier
+        balance = self.engine.runner.expert_balance
         tier_stats = {}
         if tier is not None:
             tier_stats = dict(
@@ -325,6 +330,9 @@ class AsyncEngine:
             num_steps=self.engine.num_steps,
             draft_tokens=scheduler.num_draft_tokens,
             accepted_draft_tokens=scheduler.num_accepted_tokens,
+            expert_rebalances=balance.num_rebalances,
+            expert_moved_slots=balance.num_moved_slots,
+            expert_imbalance=balance.imbalance if balance.num_rebalances else 0.0,
             **tier_stats,
         )
 

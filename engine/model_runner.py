@@ -33,11 +33,12 @@ from engine.model_shard import HostBatch, ModelShard
 from engine.models.arch import ModelArchConfig
 from engine.models.lora import LoraAdapter, LoraBatch, load_lora_adapter
 from engine.mtp_drafts import MtpSegment, check_mtp, mtp_segment, propose_drafts
+from engine.parallel.expert_placement import imbalance, rebalance
 from engine.parallel.group import SingleRank, TPGroup
 from engine.parallel.launch import ShardExtensionSpec
-from engine.parallel.messages import MtpPass, Step
+from engine.parallel.messages import MtpPass, PlaceExperts, Step
 from engine.parallel.shard_client import ShardClient, launch_shards
-from engine.parallel.shard_spec import TensorParallel
+from engine.parallel.shard_spec import engine_split
 from engine.pooling import PoolingParams, pick_token_logits, pool_last_tokens
 from engine.request import TokenLogprobs
 from engine.sampler import SamplingRow, sample, score_passes, score_tokens
@@ -118,7 +119,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        self.tp = TensorParallel(config.tensor_parallel_size, 0, config.expert_parallel)
+        self.tp = engine_split(config, 0)
         self.shards: ShardClient | None = None
         self.shard_payloads: list[bytes] = []  # each shard's extension payload (rank 1..)
         self._adapter_ids: weakref.WeakKeyDictionary[LoraAdapter, int] = weakref.WeakKeyDictionary()
@@ -149,6 +150,10 @@ class ModelRunner:
             group.close()
             raise
         self.group = group
+        # Expert parallelism's rebalancing (``engine.expert_rebalance_interval``).
+        self.expert_rebalance_interval = config.expert_rebalance_interval
+        self._steps_since_rebalance = 0
+        self.expert_balance = ExpertBalance()
         # Rows for every request a step may hold, and some for preempted ones waiting.
         self.block_table = BlockTable(
             config.max_num_seqs + BLOCK_TABLE_SPARE_ROWS,
@@ -354,7 +359,39 @@ class ModelRunner:
             result.sampled = {c.request_id: r for (_, c), r in sampled}
         if self.shard.num_mtp_layers:
             result.drafts = self._mtp_drafts(chunks, batch, result.sampled)
+        if self.expert_rebalance_interval:
+            self._steps_since_rebalance += 1
+            if self._steps_since_rebalance == self.expert_rebalance_interval:
+                self._steps_since_rebalance = 0
+                self._rebalance_experts()
         return result
+
+    def _rebalance_experts(self) -> None:
+        """Place each expert-parallel layer's experts by the pairs routed since the last
+        rebalance (``expert_placement.rebalance``), on every rank (the others told first)."""
+        loads = self.shard.take_expert_load().tolist()  # [layers][experts]
+        old = self.shard.expert_placements()
+        num_ranks = self.tp.size
+        new = [rebalance(load, now, num_ranks) for load, now in zip(loads, old, strict=True)]
+        before, after = imbalance(loads, old, num_ranks), imbalance(loads, new, num_ranks)
+        moved = 0
+        if after < before:  # else moving experts would not pay for itself
+            if self.shards is not None:
+                self.shards.send(PlaceExperts([list(placement) for placement in new]))
+            try:
+                moved = self.shard.place_experts(new)
+            except BaseException as exc:
+                self._fail_shards(exc)
+                raise
+        balance = self.expert_balance
+        self.expert_balance = ExpertBalance(
+            balance.num_rebalances + 1, balance.num_moved_slots + moved, before, min(after, before)
+        )
+        logger.info(
+            "experts rebalanced by the last %d steps' %d routed pairs: imbalance %.3f -> %.3f "
+            "(busiest rank over mean), %d expert slots moved",
+            self.expert_rebalance_interval, int(sum(map(sum, loads))), before, after, moved,
+        )  # fmt: skip
 
     def _mtp_drafts(
         self,
@@ -391,6 +428,18 @@ class ModelRunner:
         except BaseException as exc:
             self._fail_shards(exc)
             raise
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertBalance:
+    """Expert parallelism's rebalancing so far (``ModelRunner.expert_balance``)."""
+
+    num_rebalances: int = 0
+    num_moved_slots: int = 0  # expert slots, all ranks' and layers', that changed expert
+    # ``expert_placement.imbalance`` of the last window's load under the placement that
+    # ran it, and under the one chosen for the next (1.0: perfect).
+    imbalance: float = 1.0
+    imbalance_rebalanced: float = 1.0
 
 
 def _wire_batch(batch: HostBatch) -> tuple:

@@ -29,9 +29,12 @@ from engine.models.arch import ModelArchConfig, ModelLoadError
 from engine.models.llama import use_kv_scales
 from engine.models.loader import load_model
 from engine.models.lora import LoraBatch
+from engine.models.moe import SparseMoe
 from engine.models.mtp import mtp_hidden, mtp_logits
+from engine.parallel.expert_moves import move_experts
+from engine.parallel.expert_placement import Placement
 from engine.parallel.group import SingleRank, TPGroup
-from engine.parallel.shard_spec import TensorParallel, local_arch
+from engine.parallel.shard_spec import engine_split, local_arch
 from kernels.reference import FP8_DTYPES
 
 logger = logging.getLogger(__name__)
@@ -97,7 +100,7 @@ class ModelShard:
         group: TPGroup | None = None,
     ) -> None:
         self.group = group or SingleRank()
-        tp = TensorParallel(self.group.size, self.group.rank, config.expert_parallel)
+        tp = engine_split(config, self.group.rank)
         self.arch = local_arch(arch, tp)
         self.config = config
         self.device = device
@@ -112,7 +115,7 @@ class ModelShard:
         self.num_mtp_layers = int(config.speculative_method is SpeculativeMethod.MTP)
         self.model = load_model(
             model_dir, arch, max_model_len, self.backend, device, dtype, self.group,
-            self.num_mtp_layers, config.expert_parallel,
+            self.num_mtp_layers, tp,
         )  # fmt: skip
         # The last step's hidden states before the final norm, kept for the MTP pass that
         # follows it ([num_tokens, hidden]); None without an MTP layer. And the MTP pass's
@@ -120,6 +123,15 @@ class ModelShard:
         self.prenorm_hidden: torch.Tensor | None = None
         self.mtp_hidden: torch.Tensor | None = None
         self._use_kv_scales()
+        # The layers whose experts are placed over the group (expert parallelism); rank 0
+        # counts the pairs routed to their experts when it rebalances them.
+        self.moe_layers = [
+            m for m in self.model.modules()
+            if isinstance(m, SparseMoe) and m.expert_placement is not None
+        ]  # fmt: skip
+        if config.expert_rebalance_interval and self.group.rank == 0:
+            for moe in self.moe_layers:
+                moe.expert_load = torch.zeros(moe.moe.num_experts, dtype=torch.int64, device=device)
         self.num_blocks = 0
         self.kv_caches: list[torch.Tensor] = []
         self.decode_graphs: DecodeGraphs | None = None
@@ -206,6 +218,7 @@ class ModelShard:
         )
         if graphs and self.backend.name == "triton":
             self._capture()
+            self.take_expert_load()  # the capture's dummy batches routed nothing real
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB of %s%s), attention backend %s",
             num_blocks, self.block_size, num_blocks * self.bytes_per_block / 2**20,
@@ -278,6 +291,32 @@ class ModelShard:
             return None
         self.mtp_hidden = hidden[self.to_device(logit_rows, torch.int64)]
         return mtp_logits(self.model, self.mtp_hidden)
+
+    def expert_placements(self) -> list[Placement]:
+        """The placement each of ``moe_layers`` runs."""
+        return [moe.expert_placement for moe in self.moe_layers]  # type: ignore[misc]
+
+    def take_expert_load(self) -> torch.Tensor:
+        """Pairs routed to each expert of each of ``moe_layers`` since the last call
+        ([layers, num_experts] int64, on the host; counted on rank 0 with rebalancing
+        on), and count from zero again."""
+        counted = [moe.expert_load for moe in self.moe_layers if moe.expert_load is not None]
+        if not counted:
+            return torch.zeros(0, 0, dtype=torch.int64)
+        loads = torch.stack(counted).cpu()
+        for load in counted:
+            load.zero_()
+        return loads
+
+    def place_experts(self, placements: list[Placement]) -> int:
+        """Run ``placements`` (one per ``moe_layers``), exchanging experts with the other
+        ranks, which call this with the same placements at the same time; returns the
+        slots that changed expert."""
+        assert len(placements) == len(self.moe_layers), (len(placements), len(self.moe_layers))
+        return sum(
+            move_experts(moe, placement, self.group)
+            for moe, placement in zip(self.moe_layers, placements, strict=True)
+        )
 
     def _device_inputs(self, batch: HostBatch) -> tuple[torch.Tensor, torch.Tensor, object]:
         """(input ids [n], positions [n], the backend's attention metadata) of ``batch``."""

@@ -100,6 +100,13 @@ class RouterMetrics:
             (worker_gauge("pdserve:worker_accepted_draft_tokens",
                           "Speculative draft tokens kept (cumulative)."),
              lambda stats: stats.accepted_draft_tokens),
+            (worker_gauge("pdserve:worker_expert_imbalance",
+                          "Expert parallelism: the last rebalance window's busiest rank "
+                          "over the mean rank (1.0: balanced; 0 before the first)."),
+             lambda stats: stats.expert_imbalance),
+            (worker_gauge("pdserve:worker_expert_moved_slots",
+                          "Expert slots moved by rebalancing (cumulative)."),
+             lambda stats: stats.expert_moved_slots),
         )  # fmt: skip
         # Separate from the stats gauges: it is the router's view (probes answered, not
         # draining), not a figure the worker reports.

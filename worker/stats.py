@@ -72,6 +72,9 @@ def stats_reply(
         cpu_load_ms_total=stats.cpu_load_seconds * 1000,
         draft_tokens=stats.draft_tokens,
         accepted_draft_tokens=stats.accepted_draft_tokens,
+        expert_rebalances=stats.expert_rebalances,
+        expert_moved_slots=stats.expert_moved_slots,
+        expert_imbalance=stats.expert_imbalance,
         lora_adapters=[
             pb.LoraAdapterInfo(name=adapter.name, fingerprint=adapter.fingerprint)
             for adapter in lora_adapters

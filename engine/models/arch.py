@@ -155,14 +155,19 @@ class MoeConfig:
     num_groups: int = 1
     topk_groups: int = 1
     routed_scaling_factor: float = 1.0
-    # Expert parallelism (``engine.expert_parallel``): this rank holds experts
-    # ``first_local_expert ..+ num_local_experts``, whole; None: all of them.
-    first_local_expert: int = 0
-    num_local_experts: int | None = None
+    # Expert parallelism (``engine.expert_parallel``): the expert in each physical slot,
+    # all ranks' in rank order (``engine/parallel/expert_placement.py``), of which rank
+    # ``expert_rank`` holds its ``1 / num_expert_ranks``, whole; None: every expert.
+    expert_placement: tuple[int, ...] | None = None
+    expert_rank: int = 0
+    num_expert_ranks: int = 1
 
     @property
     def local_experts(self) -> int:
-        return self.num_experts if self.num_local_experts is None else self.num_local_experts
+        """The expert slots this rank holds."""
+        if self.expert_placement is None:
+            return self.num_experts
+        return len(self.expert_placement) // self.num_expert_ranks
 
 
 @dataclass(frozen=True, slots=True)

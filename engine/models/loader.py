@@ -42,7 +42,7 @@ from engine.models.gpt_oss_weights import EXPERT_TENSOR, expert_pieces
 from engine.models.kv_scales import KvScaleReader
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mla import rope_rows_in_halves
-from engine.models.moe import DeepseekGate
+from engine.models.moe import DeepseekGate, SparseMoe
 from engine.models.mtp import SHARED_WITH_MODEL, add_mtp_layer
 from engine.parallel.group import SingleRank, TPGroup
 from engine.parallel.shard_spec import ShardSpec, TensorParallel, local_arch, shard_spec
@@ -234,16 +234,18 @@ def load_model(
     dtype: torch.dtype,
     group: TPGroup | None = None,
     num_mtp_layers: int = 0,
-    expert_parallel: bool = False,
+    tp: TensorParallel | None = None,
 ) -> LlamaForCausalLM:
     """The model (of ``arch``, the full architecture), or under tensor parallelism the
     shard of rank ``group.rank``: each stored tensor is cut by ``shard_spec`` as it is
     read, so a rank copies only what it keeps. ``num_mtp_layers``: the checkpoint's
-    multi-token-prediction layers to load too (0 or 1; ``mtp.py``); ``expert_parallel``:
-    each rank loads its range of whole routed experts (``engine.expert_parallel``)."""
+    multi-token-prediction layers to load too (0 or 1; ``mtp.py``); ``tp``: the group's
+    split (``engine_split``: with expert parallelism each rank loads the whole experts of
+    its slots); None: the group's, with experts cut by width."""
     model_dir = Path(model_dir)
     group = group or SingleRank()
-    tp = TensorParallel(group.size, group.rank, expert_parallel)
+    tp = tp or TensorParallel(group.size, group.rank)
+    assert (tp.size, tp.rank) == (group.size, group.rank), (tp, group.rank, group.size)
     files = safetensors_files(model_dir)
     if arch.tie_word_embeddings and _stored_head_differs(files):
         # transformers (5) keeps such a head untied and uses it; so do we, for parity.
@@ -258,6 +260,8 @@ def load_model(
     for module in model.modules():
         if isinstance(module, DeepseekGate):  # routes in float32, as transformers
             module.float()
+        if isinstance(module, SparseMoe) and module.expert_placement is not None:
+            module.set_placement(module.expert_placement)  # its tables, made empty
     model.build_rope_tables(device)
     params = dict(model.named_parameters())
     specs = {name: spec for name in params if (spec := shard_spec(name, arch, tp)) is not None}
@@ -282,17 +286,17 @@ def load_model(
             return
         spec = specs.get(target.param)
         dest, full = params[target.param].data, shapes[target.param]
+        dests = [dest]
         if target.expert is not None:
             if target.expert >= full[0]:
                 raise ModelLoadError(
                     f"{path.name}: {stored} names expert {target.expert} of {full[0]}"
                 )
-            local = target.expert
-            if spec is not None and spec.experts is not None:  # expert parallelism
-                local -= spec.experts.full_start
-                if not 0 <= local < spec.experts.length:
-                    return  # another rank's expert
-            dest, full = dest[local], full[1:]
+            slots = [target.expert]
+            if spec is not None and spec.slot_experts is not None:  # expert parallelism
+                # The rank's slots holding this expert (none: other ranks hold it).
+                slots = [i for i, e in enumerate(spec.slot_experts) if e == target.expert]
+            dests, full = [dest[slot] for slot in slots], full[1:]
         elif spec is not None and spec.per_expert:  # all experts at once: one by one
             for expert in range(tensor.shape[0]):
                 place(dataclasses.replace(target, expert=expert), tensor[expert], stored, path)
@@ -304,7 +308,9 @@ def load_model(
                 f"fit {target.param} {shapes[target.param]}"
             )
         with torch.no_grad():  # copy_ casts to the model dtype
-            filled[target.param] += _copy_shard(dest, tensor, target.row_start, spec, tp.rank)
+            for dest in dests:
+                written = _copy_shard(dest, tensor, target.row_start, spec, tp.rank)
+                filled[target.param] += written
 
     bare = False  # the backbone saved alone (names without "model.")
     for path in files:
@@ -397,7 +403,7 @@ def _copy_shard(
 ) -> int:
     """Copy what this rank keeps of ``tensor`` into ``dest``; the elements written."""
     rows = tensor.shape[0]
-    if spec is None or (spec.rank0_only and rank == 0) or spec.experts is not None:
+    if spec is None or (spec.rank0_only and rank == 0) or spec.slot_experts is not None:
         dest[row_start : row_start + rows].copy_(tensor)
         return tensor.numel()
     if spec.rank0_only:  # a bias the partial sums must add once: rank 0's
@@ -423,7 +429,7 @@ def _copy_shard(
 
 def _zero_padding(dest: torch.Tensor, spec: ShardSpec) -> int:
     """Zero what ``spec``'s pieces leave of ``dest`` along the split; elements zeroed."""
-    if spec.rank0_only or spec.experts is not None:
+    if spec.rank0_only or spec.slot_experts is not None:
         return 0
     axis = spec.dim + (1 if spec.per_expert else 0)
     covered = sum(piece.length for piece in spec.pieces)

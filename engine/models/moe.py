@@ -15,8 +15,9 @@ The experts' weights are stacked, one tensor per projection for all experts
 layout; ``loader.py`` fills them from the per-expert tensors that checkpoints store).
 Tokens are grouped by expert, so each expert runs one pair of matmuls over exactly the
 rows routed to it: k/E of the work of running every expert on every token. With expert
-parallelism (``engine.expert_parallel``) a rank holds a range of whole experts and runs only
-the (token, expert) pairs routed to them. Off the triton
+parallelism (``engine.expert_parallel``) a rank holds whole experts in its slots (some of
+them copies: ``engine/parallel/expert_placement.py``) and runs only the (token, expert)
+pairs routed to them. Off the triton
 backend that is ``kernels.reference.moe_experts`` (a loop over experts that reads their
 counts on the host: one sync per layer, so no CUDA graphs); on it, the Triton kernel
 ``kernels.fused_moe`` (sorted and padded on the device, two grouped-GEMM launches with a
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.arch import ModelArchConfig, MoeConfig
+from engine.parallel.expert_placement import replica_table
 from kernels.reference import moe_experts
 
 
@@ -94,6 +96,19 @@ class DeepseekGate(nn.Module):
         return expert_ids, weights * moe.routed_scaling_factor
 
 
+def slots_of_pairs(
+    expert_ids: torch.Tensor, replica_slots: torch.Tensor, replica_counts: torch.Tensor
+) -> torch.Tensor:
+    """This rank's slot for each (token, expert) pair (``expert_ids`` [T, k] -> [T, k]),
+    ``S`` where another rank's replica runs it: token t's pair with an expert of c
+    replicas goes to replica t % c, as ``replica_slots`` [E, R + 1] names them on this
+    rank (``expert_placement.replica_table``). Every rank makes the same choice, so exactly
+    one runs each pair, and an expert's copies share its pairs. (By token, not by pair:
+    a pair's flat index would send every pair in one top-k column to one replica.)"""
+    tokens = torch.arange(expert_ids.shape[0], device=expert_ids.device)[:, None]  # [T, 1]
+    return replica_slots[expert_ids, tokens % replica_counts[expert_ids]]
+
+
 class SparseMoe(nn.Module):
     """Router + routed experts (+ the gated shared expert, when the model has one)."""
 
@@ -122,16 +137,42 @@ class SparseMoe(nn.Module):
             self.gate = DeepseekGate(moe, arch.hidden_size)
         else:
             self.gate = nn.Linear(arch.hidden_size, moe.num_experts, bias=moe.router_bias)
-        # Expert parallelism: this rank's range of whole experts (all of them without it).
-        self.first_local_expert, self.num_local_experts = moe.first_local_expert, moe.local_experts
+        # Expert parallelism: this rank's slots of whole experts (every expert without it).
+        self.num_local_experts = moe.local_experts
         self.experts = Experts(
             moe.local_experts, arch.hidden_size, moe.expert_intermediate_size, moe.expert_bias
         )
+        # The placement this layer runs (``engine/parallel/expert_placement.py``), and as
+        # device tables (filled by ``set_placement``): each expert's replicas as this
+        # rank's slots (num_local_experts: another rank's) and their count.
+        self.expert_placement = moe.expert_placement
+        if moe.expert_placement is not None:
+            width = len(moe.expert_placement) - moe.num_experts + 1
+            self.register_buffer(
+                "replica_slots", torch.empty(moe.num_experts, width, dtype=torch.int64),
+                persistent=False,
+            )  # fmt: skip
+            self.register_buffer(
+                "replica_counts", torch.empty(moe.num_experts, dtype=torch.int64), persistent=False
+            )
+        # Pairs routed to each expert [num_experts] int64, counted while set (by
+        # ``ModelShard``, for rebalancing); the reader zeroes it.
+        self.expert_load: torch.Tensor | None = None
         self.shared_expert = shared_expert
         # Qwen2-MoE gates its shared expert per token; DeepSeek's shared experts are not.
         self.shared_expert_gate = None
         if shared_expert is not None and moe.deepseek_scoring is None:
             self.shared_expert_gate = nn.Linear(arch.hidden_size, 1, bias=False)
+
+    def set_placement(self, placement: tuple[int, ...]) -> None:
+        """Run ``placement`` from now on (the weights in the slots must already be its)."""
+        moe = self.moe
+        slots, counts = replica_table(
+            placement, moe.num_experts, moe.expert_rank, moe.num_expert_ranks
+        )
+        self.replica_slots.copy_(torch.tensor(slots))  # in place: CUDA graphs read these
+        self.replica_counts.copy_(torch.tensor(counts))
+        self.expert_placement = placement
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(expert ids [num_tokens, k] int64, their weights [num_tokens, k])."""
@@ -151,14 +192,15 @@ class SparseMoe(nn.Module):
     def forward(self, hidden: torch.Tensor, lora: object = None) -> torch.Tensor:
         """``hidden`` [num_tokens, H] -> [num_tokens, H]. ``lora`` is accepted for the
         dense MLP's signature and unused: adapters on expert layers are refused at load."""
-        expert_ids, weights = self.route(hidden)
-        other_experts = self.num_local_experts != self.moe.num_experts
+        expert_ids, weights = self.route(hidden)  # [T, k]
+        if self.expert_load is not None:
+            flat = expert_ids.flatten()
+            self.expert_load.index_add_(0, flat, torch.ones_like(flat))
+        other_experts = self.expert_placement is not None
         if other_experts:
-            # Other ranks' experts become id num_local_experts, which the kernels skip:
-            # this rank adds its experts' share, the layer's all-reduce the others'.
-            local = expert_ids - self.first_local_expert
-            outside = (local < 0) | (local >= self.num_local_experts)
-            expert_ids = local.masked_fill(outside, self.num_local_experts)
+            # Other ranks' slots are id num_local_experts, which the kernels skip: this
+            # rank adds its slots' share, the layer's all-reduce the others'.
+            expert_ids = slots_of_pairs(expert_ids, self.replica_slots, self.replica_counts)
         experts = self.experts
         gate_up, down = experts.gate_up_proj, experts.down_proj
         out = self._run_experts(

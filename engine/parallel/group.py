@@ -28,6 +28,10 @@ class TPGroup(Protocol):
         """Every rank's ``tensor`` (of one shape), by rank."""
         ...
 
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Rank ``src``'s ``tensor`` into every rank's (of one shape), in place; returns it."""
+        ...
+
     def min_int(self, value: int) -> int:
         """The smallest ``value`` any rank passed (ranks agree on a size)."""
         ...
@@ -46,6 +50,9 @@ class SingleRank:
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         return [tensor]
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        return tensor
 
     def min_int(self, value: int) -> int:
         return value
@@ -103,6 +110,12 @@ class DistributedGroup:
         gathered = [torch.empty_like(tensor) for _ in range(self.size)]
         self._group.allgather([gathered], [tensor]).wait()
         return gathered
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        options = dist.BroadcastOptions()
+        options.rootRank = src
+        self._group.broadcast([tensor], options).wait()
+        return tensor
 
     def min_int(self, value: int) -> int:
         tensor = torch.tensor([value], dtype=torch.int64, device=self.device)

@@ -12,6 +12,7 @@ block copy or a transfer ordered before a step happens before that step on every
                                           Started(extension payload)
     Step                                  (no answer: its answer is the collectives)
     MtpPass                               the MTP layer's passes after a step (drafts)
+    PlaceExperts                          a new expert placement (collectives: all ranks)
     OpenHostCache / SaveBlocks / LoadBlocks   the CPU tier's copies of this rank's blocks
     AddLora ─► LoraAdded / DropLora
     Probe ─► ProbeReply                   what a shard holds, for leak checks
@@ -87,6 +88,13 @@ class MtpPass(msgspec.Struct, tag="mtp_pass", frozen=True):
     logit_rows: list[int]
 
 
+class PlaceExperts(msgspec.Struct, tag="place_experts", frozen=True):
+    """Run these expert placements, one per expert-parallel layer
+    (``ModelShard.place_experts``: every rank exchanges experts at once)."""
+
+    placements: list[list[int]]
+
+
 class OpenHostCache(msgspec.Struct, tag="open_host_cache", frozen=True):
     """Make this many CPU tier slots (``engine.cpu_tier``); the tier's copies follow."""
 
@@ -136,8 +144,8 @@ class Shutdown(msgspec.Struct, tag="shutdown", frozen=True):
     pass
 
 
-TO_SHARD = (Allocate, Step, MtpPass, OpenHostCache, SaveBlocks, LoadBlocks, AddLora, DropLora,
-            Probe, Shutdown)  # fmt: skip
+TO_SHARD = (Allocate, Step, MtpPass, PlaceExperts, OpenHostCache, SaveBlocks, LoadBlocks,
+            AddLora, DropLora, Probe, Shutdown)  # fmt: skip
 FROM_SHARD = (Hello, Loaded, Started, Failed, LoraAdded, ProbeReply)
 
 

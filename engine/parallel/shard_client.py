@@ -60,7 +60,7 @@ from engine.parallel.messages import (
     Started,
     decoder_of,
 )
-from engine.parallel.shard_spec import TensorParallel, check_split
+from engine.parallel.shard_spec import check_split, engine_split
 
 logger = logging.getLogger(__name__)
 
@@ -440,7 +440,7 @@ def launch_shards(
     Raises ``ModelLoadError`` / ``ConfigError`` before starting anything if the model
     does not split, or the devices are too few."""
     size = config.tensor_parallel_size
-    check_split(arch, TensorParallel(size, 0, config.expert_parallel))
+    check_split(arch, engine_split(config, 0))
     if device.type == "cuda" and torch.cuda.device_count() < size:
         raise ConfigError(
             "engine.tensor_parallel_size",

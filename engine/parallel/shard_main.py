@@ -52,6 +52,7 @@ from engine.parallel.messages import (
     LoraAdded,
     MtpPass,
     OpenHostCache,
+    PlaceExperts,
     Probe,
     ProbeReply,
     SaveBlocks,
@@ -155,6 +156,8 @@ class Shard:
                     _host_batch(message), message.hidden_rows, message.from_target,
                     message.logit_rows,
                 )  # fmt: skip
+        elif isinstance(message, PlaceExperts):
+            self.shard.place_experts([tuple(p) for p in message.placements])
         elif isinstance(message, Allocate):
             self.shard.allocate(message.num_blocks)
             payload = self.extension.start(self.shard) if self.extension is not None else b""

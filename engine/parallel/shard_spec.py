@@ -31,8 +31,10 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from common.tensor_parallel import HeadSplit, split_problem
+from common.config import EngineConfig
+from common.tensor_parallel import HeadSplit, expert_split_problem, split_problem
 from engine.models.arch import ModelArchConfig, ModelLoadError
+from engine.parallel.expert_placement import Placement, loaded_placement, rank_slots
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,18 +43,27 @@ class TensorParallel:
 
     size: int = 1
     rank: int = 0
-    # Routed experts are dealt out whole, not cut by width (``engine.expert_parallel``).
+    # Routed experts are dealt out whole, not cut by width (``engine.expert_parallel``),
+    # over this many slots beyond one per expert (``engine.num_redundant_experts``).
     expert_parallel: bool = False
+    num_redundant_experts: int = 0
 
     def __post_init__(self) -> None:
         assert 0 <= self.rank < self.size, (self.rank, self.size)
 
-    def experts_of_rank(self, num_experts: int) -> Piece:
-        """The routed experts this rank holds: full ids ``full_start ..+ length``."""
-        if not self.expert_parallel:
-            return Piece(0, num_experts, 0)
-        local = num_experts // self.size
-        return Piece(self.rank * local, local, 0)
+    def expert_placement(self, num_experts: int) -> Placement | None:
+        """The placement weights load into (``expert_placement.py``); None: every rank
+        holds every expert (a slice of its width)."""
+        if not self.expert_parallel or self.size == 1:
+            return None
+        return loaded_placement(num_experts, self.num_redundant_experts)
+
+
+def engine_split(config: EngineConfig, rank: int) -> TensorParallel:
+    """Rank ``rank``'s place in the group ``config`` describes."""
+    return TensorParallel(
+        config.tensor_parallel_size, rank, config.expert_parallel, config.num_redundant_experts
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,12 +86,13 @@ class ShardSpec:
     pieces: tuple[Piece, ...] = ()
     per_expert: bool = False
     rank0_only: bool = False
-    # Expert parallelism: the experts (of ``num_experts``) this rank holds, whole.
-    experts: Piece | None = None
+    # Expert parallelism: the expert (of ``num_experts``) in each of this rank's slots,
+    # whole.
+    slot_experts: tuple[int, ...] | None = None
     num_experts: int = 0
 
     def full_shape(self, local_shape: tuple[int, ...]) -> tuple[int, ...]:
-        if self.experts is not None:
+        if self.slot_experts is not None:
             return (self.num_experts, *local_shape[1:])
         if self.rank0_only:
             return local_shape
@@ -106,11 +118,9 @@ def check_split(arch: ModelArchConfig, tp: TensorParallel) -> None:
     widths = split_widths(arch)
     if tp.expert_parallel and arch.moe is not None:
         del widths["moe_intermediate_size"]  # whole experts: their count must divide
-        if arch.moe.num_experts % tp.size:
-            raise ModelLoadError(
-                f"engine.expert_parallel: {arch.moe.num_experts} routed experts do not "
-                f"divide over tensor_parallel_size={tp.size} ranks"
-            )
+        problem = expert_split_problem(arch.moe.num_experts, tp.num_redundant_experts, tp.size)
+        if problem is not None:
+            raise ModelLoadError(f"engine.expert_parallel: {problem}")
     problem = split_problem(arch.num_q_heads, arch.num_kv_heads, widths, tp.size)
     if problem is not None:
         raise ModelLoadError(f"engine.tensor_parallel_size={tp.size}: {problem}")
@@ -137,14 +147,15 @@ def local_arch(arch: ModelArchConfig, tp: TensorParallel) -> ModelArchConfig:
     heads = HeadSplit(arch.num_q_heads, arch.num_kv_heads, tp.size, tp.rank)
     moe = arch.moe
     if moe is not None:
-        experts = tp.experts_of_rank(moe.num_experts)
+        placement = tp.expert_placement(moe.num_experts)
         moe = dataclasses.replace(
             moe,
             expert_intermediate_size=moe.expert_intermediate_size
-            // (1 if tp.expert_parallel else tp.size),
+            // (1 if placement is not None else tp.size),
             shared_expert_intermediate_size=moe.shared_expert_intermediate_size // tp.size,
-            first_local_expert=experts.full_start,
-            num_local_experts=experts.length,
+            expert_placement=placement,
+            expert_rank=tp.rank,
+            num_expert_ranks=tp.size,
         )
     return dataclasses.replace(
         arch,
@@ -203,9 +214,11 @@ def shard_spec(name: str, arch: ModelArchConfig, tp: TensorParallel) -> ShardSpe
         return _mlp_spec(match.group(3), width, tp, per_expert=False)
     if match := _EXPERTS.match(name):
         assert arch.moe is not None
-        if tp.expert_parallel:  # whole experts: the rank's range of them
-            experts = tp.experts_of_rank(arch.moe.num_experts)
-            return ShardSpec(per_expert=True, experts=experts, num_experts=arch.moe.num_experts)
+        placement = tp.expert_placement(arch.moe.num_experts)
+        if placement is not None:  # whole experts: the rank's slots' experts
+            slot_experts = rank_slots(placement, tp.rank, tp.size)
+            return ShardSpec(per_expert=True, slot_experts=slot_experts,
+                             num_experts=arch.moe.num_experts)  # fmt: skip
         which, bias = match.group(2), match.group(3)
         if which == "down_proj" and bias:
             return ShardSpec(per_expert=True, rank0_only=True)

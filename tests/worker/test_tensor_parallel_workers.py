@@ -33,13 +33,14 @@ def offline(tiny_llama) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def _stack(tmp, model, connector: str) -> list[WorkerProcess]:
+def _stack(tmp, model, connector: str, **engine) -> list[WorkerProcess]:
     transfer = {"connector": connector}
     if connector == "shared_storage":
         transfer["shared_dir"] = str(tmp / "shared")
     config = write_config(
         tmp / "config.yaml", model, kv_transfer=transfer,
-        engine={"kv_cache_bytes": 32 << 20, "max_model_len": 512, "tensor_parallel_size": 2},
+        engine={"kv_cache_bytes": 32 << 20, "max_model_len": 512, "tensor_parallel_size": 2,
+                **engine},
     )  # fmt: skip
     return start_workers(
         [
@@ -90,6 +91,39 @@ def test_disaggregated_tokens_equal_offline(tiny_llama, tmp_path, offline, conne
         codes = [worker.stop() for worker in workers]
     assert codes == [0, 0], "\n".join(w.log() for w in workers)
     assert not [pid for pid in shards if is_running(pid)], "shards outlived their workers"
+
+
+def test_rebalanced_expert_parallel_workers_equal_offline(model_factory, tmp_path):
+    """Both roles deal a MoE model's experts out whole, with 2 redundant slots,
+    rebalanced every 2 steps while they serve: the tokens of one offline process, and
+    the decode worker reports its rebalancing in its stats."""
+    model_dir = model_factory("qwen3_moe")
+    prompts = random_prompts(LENGTHS[:4], seed=9)
+    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
+    with LLM(model_dir, dtype="float32") as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    balanced = dict(expert_parallel=True, num_redundant_experts=2, expert_rebalance_interval=2)
+    workers = _stack(tmp_path, model_dir, "nixl", **balanced)
+
+    async def body() -> None:
+        client = PDClient(workers[0].address, workers[1].address)
+        try:
+            results = await asyncio.gather(
+                *(client.generate(f"ep-{i}", p, GREEDY) for i, p in enumerate(prompts))
+            )
+            assert [r.token_ids for r in results] == expected
+            await assert_idle(client)
+            _, decode = await client.stats()
+            assert decode.expert_rebalances > 0 and decode.expert_moved_slots > 0
+            assert decode.expert_imbalance >= 1.0
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(body())
+    finally:
+        codes = [worker.stop() for worker in workers]
+    assert codes == [0, 0], "\n".join(w.log() for w in workers)
 
 
 def test_a_dead_rank_takes_its_worker_out_and_a_dead_worker_its_ranks(tiny_llama, tmp_path):

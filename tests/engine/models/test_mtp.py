@@ -209,27 +209,37 @@ def test_a_model_without_an_mtp_layer_is_refused(tiny_llama):
     assert error.value.key == "engine.speculative_method"
 
 
+EXPERTS_WHOLE = dict(expert_parallel=True)
+REBALANCED = dict(expert_parallel=True, num_redundant_experts=2, expert_rebalance_interval=2)
+
+
 @pytest.mark.parametrize(
-    ("arch", "expert_parallel"),
-    [("deepseek_v3", False), ("glm4_moe", False), ("deepseek_v3", True)],
-)
-def test_tensor_parallel_drafts_equal_one_rank(model_factory, arch, expert_parallel):
+    ("arch", "experts"),
+    [("deepseek_v3", {}), ("glm4_moe", {}), ("deepseek_v3", EXPERTS_WHOLE),
+     ("deepseek_v3", REBALANCED)],
+)  # fmt: skip
+def test_tensor_parallel_drafts_equal_one_rank(model_factory, arch, experts):
     """Over 2 ranks (the MTP layer's heads and experts split as every layer's, or its
-    experts dealt out whole with expert parallelism; its passes sent to the other rank as
-    ``MtpPass``): the same drafts after every step as one process, and the same tokens."""
+    experts dealt out whole with expert parallelism, and rebalanced with the model's;
+    its passes sent to the other rank as ``MtpPass``): the same drafts after every step
+    as one process, and the same tokens."""
     model_dir = model_factory(arch)
     prompts = random_prompts((30, 70), seed=8)
     params = SamplingParams(max_tokens=10, min_tokens=10, temperature=0)
     recorded = []
     for tp_size in (1, 2):
         config = EngineConfig(**MTP, num_speculative_tokens=2, tensor_parallel_size=tp_size,
-                              expert_parallel=expert_parallel and tp_size > 1,
+                              **(experts if tp_size > 1 else {}),
                               kv_cache_bytes=32 << 20)  # fmt: skip
         engine = LLMEngine(model_dir, config)
         try:
             for i, prompt in enumerate(prompts):
                 engine.add_request(f"r{i}", prompt, params)
             outputs, drafts = _run_recording_drafts(engine)
+            if tp_size > 1 and experts is REBALANCED:  # the MTP layer's experts move too
+                shard = engine.runner.shard
+                assert shard.moe_layers[-1] is shard.model.model.mtp_layers[0].mlp
+                assert engine.runner.expert_balance.num_moved_slots > 0
             assert engine.leak_report() == []
         finally:
             engine.close()

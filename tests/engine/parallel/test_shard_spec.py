@@ -14,6 +14,8 @@ from deploy.cli import main
 from engine.attention.registry import create_backend
 from engine.models.arch import ModelLoadError, read_arch_config
 from engine.models.loader import load_model
+from engine.models.moe import SparseMoe
+from engine.parallel.expert_placement import rank_slots
 from engine.parallel.shard_spec import TensorParallel, check_split, local_arch, shard_spec
 
 
@@ -88,7 +90,7 @@ def test_expert_parallelism_needs_the_experts_to_divide(model_factory, tmp_path,
     with pytest.raises(ModelLoadError, match="moe_intermediate_size"):
         check_split(wide, TensorParallel(4))
     local = local_arch(arch, TensorParallel(4, 3, expert_parallel=True)).moe
-    assert (local.first_local_expert, local.local_experts) == (6, 2)
+    assert rank_slots(local.expert_placement, 3, 4) == (6, 7) and local.local_experts == 2
     assert local.expert_intermediate_size == arch.moe.expert_intermediate_size
     config = json.loads((model_dir / "config.json").read_text())
     copy = tmp_path / "six-experts"
@@ -98,6 +100,14 @@ def test_expert_parallelism_needs_the_experts_to_divide(model_factory, tmp_path,
     layout.write_text("engine: {tensor_parallel_size: 4, expert_parallel: true}\n")
     assert main(["config", "check", str(layout), "--set", f"model={copy}"]) == 2
     assert "error: engine.expert_parallel: 6 routed experts" in capsys.readouterr().err
+    # Redundant slots: experts and copies together must divide.
+    layout.write_text("engine: {tensor_parallel_size: 2, expert_parallel: true, "
+                      "num_redundant_experts: 1}\n")  # fmt: skip
+    assert main(["config", "check", str(layout), "--set", f"model={model_dir}"]) == 2
+    error = "error: engine.num_redundant_experts: 8 routed experts + 1 redundant do not divide"
+    assert error in capsys.readouterr().err
+    with pytest.raises(ModelLoadError, match="8 routed experts \\+ 1 redundant"):
+        check_split(arch, TensorParallel(2, 0, expert_parallel=True, num_redundant_experts=1))
 
 
 @pytest.mark.parametrize(
@@ -138,6 +148,39 @@ def test_each_rank_loads_exactly_its_part_of_every_parameter(model_factory, arch
                 got = part.narrow(axis, piece.local_start, piece.length)
                 assert torch.equal(got, expected), (name, rank, piece)
     assert all(ranks_shapes == shapes[0] for ranks_shapes in shapes)
+
+
+@pytest.mark.parametrize(
+    ("arch_name", "tp_size", "redundant"), [("gpt_oss", 2, 2), ("qwen3_moe", 4, 4)]
+)
+def test_each_rank_loads_the_experts_of_its_slots(model_factory, arch_name, tp_size, redundant):
+    """Expert parallelism with redundant slots: every slot holds its expert's weights
+    (GPT-OSS: and biases) whole, copies too; the routing tables name the rank's slots."""
+    model_dir = model_factory(arch_name)
+    arch = read_arch_config(model_dir)
+    cpu, backend = torch.device("cpu"), create_backend("torch", torch.device("cpu"), 16)
+    full = load_model(model_dir, arch, 256, backend, cpu, torch.float32)
+    full_moes = [m for m in full.modules() if isinstance(m, SparseMoe)]
+    held = []
+    for rank in range(tp_size):
+        tp = TensorParallel(tp_size, rank, expert_parallel=True, num_redundant_experts=redundant)
+        model = load_model(model_dir, arch, 256, backend, cpu, torch.float32,
+                           RankAt(rank, tp_size), tp=tp)  # fmt: skip
+        moes = [m for m in model.modules() if isinstance(m, SparseMoe)]
+        assert len(moes) == len(full_moes) > 0
+        for moe, whole in zip(moes, full_moes, strict=True):
+            slots = rank_slots(moe.expert_placement, rank, tp_size)
+            assert len(slots) == (8 + redundant) // tp_size == moe.experts.gate_up_proj.shape[0]
+            for name, param in moe.experts.named_parameters():
+                for slot, expert in enumerate(slots):
+                    assert torch.equal(param[slot], getattr(whole.experts, name)[expert]), name
+            counts = moe.replica_counts.tolist()
+            assert counts == [moe.expert_placement.count(e) for e in range(8)]
+            for expert, replicas in enumerate(moe.replica_slots.tolist()):
+                local = [r for r in replicas[: counts[expert]] if r < len(slots)]
+                assert [slots[r] for r in local] == [expert] * len(local)
+        held.append(slots)
+    assert sorted(e for slots in held for e in slots) == sorted([*range(8), *range(redundant)])
 
 
 def test_split_params_cover_the_full_parameter_once_over_the_ranks(model_factory):

@@ -18,9 +18,13 @@ import torch
 from common.config import EngineConfig
 from common.owned_paths import remove_dead_owners
 from engine import LLM, LLMEngine, PoolingParams, SamplingParams
+from engine.attention.registry import create_backend
 from engine.errors import InvalidRequestError
-from engine.models.arch import ModelLoadError
+from engine.models.arch import ModelLoadError, read_arch_config
 from engine.models.fp8_maker import quantize_checkpoint
+from engine.models.loader import load_model
+from engine.models.moe import SparseMoe
+from engine.parallel.expert_placement import loaded_placement, rank_slots
 from engine.parallel.shard_client import ShardError
 from tests.engine.helpers import (
     add_kv_scales,
@@ -80,6 +84,40 @@ def test_expert_parallel_greedy_parity_with_transformers(model_factory, arch, tp
         assert sparse[0].experts.down_proj.shape[2] == width  # whole, not cut
         assert llm.engine.leak_report() == []
     assert _tokens(outputs) == hf_greedy(model_dir, prompts, NUM_TOKENS)
+
+
+@pytest.mark.parametrize(
+    ("arch", "tp_size", "redundant"), [("qwen2_moe", 2, 2), ("gpt_oss", 2, 2), ("qwen3_moe", 4, 4)]
+)
+def test_rebalanced_experts_keep_the_tokens(model_factory, arch, tp_size, redundant):
+    """Redundant experts, rebalanced every 2 steps while the requests run: the experts
+    the ranks exchange (GPT-OSS's biases with them) and the pairs their copies share give
+    transformers' tokens; rank 0's slots then hold the checkpoint's experts that the
+    placement names."""
+    model_dir = model_factory(arch)
+    prompts = random_prompts((5, 33, 71))
+    balanced = dict(expert_parallel=True, num_redundant_experts=redundant,
+                    expert_rebalance_interval=2)  # fmt: skip
+    with LLM(model_dir, tensor_parallel_size=tp_size, **balanced, **POOL) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        runner = llm.engine.runner
+        balance = runner.expert_balance
+        assert balance.num_rebalances == llm.engine.num_steps // 2
+        assert balance.num_moved_slots > 0
+        assert balance.imbalance_rebalanced <= balance.imbalance
+        placements = runner.shard.expert_placements()
+        assert placements != [loaded_placement(8, redundant)] * len(placements)
+        rank0 = runner.shard.moe_layers
+        assert llm.engine.leak_report() == []
+    assert _tokens(outputs) == hf_greedy(model_dir, prompts, NUM_TOKENS)
+    cpu = torch.device("cpu")
+    full = load_model(model_dir, read_arch_config(model_dir), 256,
+                      create_backend("torch", cpu, 16), cpu, torch.float32)  # fmt: skip
+    full_moes = [m for m in full.modules() if isinstance(m, SparseMoe)]
+    for moe, whole, placement in zip(rank0, full_moes, placements, strict=True):
+        for slot, expert in enumerate(rank_slots(placement, 0, tp_size)):
+            for name, param in moe.experts.named_parameters():
+                assert torch.equal(param[slot], getattr(whole.experts, name)[expert]), name
 
 
 def test_an_fp8_checkpoint_splits_its_dequantized_weights(model_factory, tmp_path):
