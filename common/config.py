@@ -180,7 +180,8 @@ class EngineConfig:
     # interval: every this many steps, the routed-token counts since the last rebalance
     # choose how many copies each expert gets and which rank holds each (the heaviest
     # first, to the least-loaded rank), and the ranks exchange the experts that moved.
-    # 0: the placement stays as loaded (copies of experts 0..R-1 on the last ranks).
+    # 0: the placement stays as loaded (copies of experts 0..R-1, spread so that equal
+    # loads are shared equally).
     num_redundant_experts: int = 0
     expert_rebalance_interval: int = 0
     # What the KV cache stores: the model's dtype, or FP8 (``KVCacheDType``). Both roles

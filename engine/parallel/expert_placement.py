@@ -6,8 +6,9 @@ slots in rank order: ``N`` ranks of ``S = (E + R) / N`` slots each, for ``E`` ex
 slot; a popular one may have several (its *replicas*), on different ranks, and the pairs
 (token, expert) routed to it are dealt out among them (``moe.SparseMoe``).
 
-    placement  | 0 1 2 3 4 | 5 6 7 0 1 |    E = 8, R = 2, N = 2: the loaded placement
-                   rank 0      rank 1       (experts 0 and 1 have a copy on rank 1)
+    placement  | 0 1 2 7 4 | 5 6 3 0 1 |    E = 8, R = 2, N = 2: the loaded placement
+                   rank 0      rank 1       (experts 0 and 1 on both ranks: for equal
+                                            loads, each rank runs 4 experts' worth)
 
 ``rebalance`` is DeepSeek's EPLB over one layer's measured load (routed pairs per
 expert): the ``R`` copies go one by one to the expert whose pairs per copy are highest;
@@ -26,10 +27,14 @@ from collections.abc import Sequence
 Placement = tuple[int, ...]  # physical slot -> logical expert, every rank's slots in order
 
 
-def loaded_placement(num_experts: int, num_redundant_experts: int) -> Placement:
-    """The placement weights load into: slot p holds expert ``p % E`` (rank r the
-    contiguous range, the copies of experts ``0 .. R-1`` on the last slots)."""
-    return tuple(p % num_experts for p in range(num_experts + num_redundant_experts))
+def loaded_placement(num_experts: int, num_redundant_experts: int, num_ranks: int) -> Placement:
+    """The placement weights load into: rank r's contiguous range of experts, and with
+    copies, ``rebalance`` for equal loads (copies of experts ``0 .. R-1``, packed so that
+    every rank runs an equal share of equally loaded experts)."""
+    contiguous = tuple(p % num_experts for p in range(num_experts + num_redundant_experts))
+    if not num_redundant_experts:
+        return contiguous
+    return rebalance([1.0] * num_experts, contiguous, num_ranks)
 
 
 def rank_slots(placement: Placement, rank: int, num_ranks: int) -> Placement:

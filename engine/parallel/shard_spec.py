@@ -56,7 +56,7 @@ class TensorParallel:
         holds every expert (a slice of its width)."""
         if not self.expert_parallel or self.size == 1:
             return None
-        return loaded_placement(num_experts, self.num_redundant_experts)
+        return loaded_placement(num_experts, self.num_redundant_experts, self.size)
 
 
 def engine_split(config: EngineConfig, rank: int) -> TensorParallel:

@@ -106,7 +106,7 @@ def test_rebalanced_experts_keep_the_tokens(model_factory, arch, tp_size, redund
         assert balance.num_moved_slots > 0
         assert balance.imbalance_rebalanced <= balance.imbalance
         placements = runner.shard.expert_placements()
-        assert placements != [loaded_placement(8, redundant)] * len(placements)
+        assert placements != [loaded_placement(8, redundant, tp_size)] * len(placements)
         rank0 = runner.shard.moe_layers
         assert llm.engine.leak_report() == []
     assert _tokens(outputs) == hf_greedy(model_dir, prompts, NUM_TOKENS)
