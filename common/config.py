@@ -35,6 +35,15 @@ class SpeculativeMethod(StrEnum):
     # The checkpoint's multi-token-prediction layer (DeepSeek-V3, GLM-4.5), run after each
     # step on the target's hidden states, with a KV cache of its own (engine/models/mtp.py).
     MTP = "mtp"
+    # A small model of the same tokenizer (``engine.draft_model``), run after each step on
+    # rank 0 with a KV cache of its own (engine/draft_model.py): vLLM's draft-model method.
+    DRAFT_MODEL = "draft_model"
+
+    @property
+    def drafts_after_step(self) -> bool:
+        """Whether the runner computes the drafts right after each step (a model on the
+        device), rather than the scheduler from the request's tokens (ngram)."""
+        return self is not SpeculativeMethod.NGRAM
 
 
 class DType(StrEnum):
@@ -160,6 +169,10 @@ class EngineConfig:
     # num_speculative_tokens 0: a prefill worker writes the prompt's MTP KV that its decode
     # workers' drafts attend to, so both roles need the same method.
     speculative_method: SpeculativeMethod = SpeculativeMethod.NGRAM
+    # ``draft_model``: the checkpoint directory of the draft (a smaller model whose token
+    # ids are the target's: Llama-3.2-1B for Llama-3.1-70B, Qwen2.5-0.5B for Qwen2.5-32B).
+    # Its KV cache shares the target's block ids, so each block costs both models' bytes.
+    draft_model: str | None = None
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     # Tensor parallelism: the model's heads and MLP widths split over this many devices
@@ -197,6 +210,18 @@ class EngineConfig:
             raise ConfigError(
                 "engine.num_speculative_tokens",
                 f"must be in [0, {MAX_SPECULATIVE_TOKENS}], got {self.num_speculative_tokens}",
+            )
+        drafting = self.speculative_method is SpeculativeMethod.DRAFT_MODEL
+        if drafting and not self.draft_model:
+            raise ConfigError(
+                "engine.draft_model",
+                "speculative_method draft_model needs the draft's checkpoint directory",
+            )
+        if self.draft_model and not drafting:
+            raise ConfigError(
+                "engine.draft_model",
+                f"is used only with speculative_method draft_model, not "
+                f"{self.speculative_method.value}",
             )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError(
@@ -688,7 +713,8 @@ class PdserveConfig:
             ("scheduling_policy", "the router takes a request's priority only when both "
                                   "roles honour it"),
             ("speculative_method", "with mtp the KV cache holds the MTP layer's KV too, "
-                                   "which moves with the prompt's blocks"),
+                                   "which moves with the prompt's blocks, and a prefill "
+                                   "worker's first drafts go with its token"),
         ):  # fmt: skip
             values = {role: getattr(self.engine_for(role), key) for role in Role}
             if values[Role.PREFILL] is not values[Role.DECODE]:

@@ -51,6 +51,7 @@ class ModelShape:
     # more KV cache layer when the engine drafts with them (speculative_method: mtp).
     num_mtp_layers: int = 0
     num_experts: int = 0  # routed experts (MoE models)
+    vocab_size: int = 0
 
     @classmethod
     def read(cls, model_dir: Path) -> ModelShape | None:
@@ -71,6 +72,7 @@ class ModelShape:
                 split_widths=_split_widths(cfg),
                 num_mtp_layers=num_mtp_layers(cfg),
                 num_experts=int(_num_experts(cfg) or 0),
+                vocab_size=int(cfg.get("vocab_size", 0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError("model", f"{path} is not a usable checkpoint config: {exc}") from None
@@ -177,13 +179,19 @@ def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
             f"mtp needs a multi-token-prediction layer; {model_dir_of(config)} has none "
             "(DeepSeek-V3's and GLM-4.5's checkpoints do: num_nextn_predict_layers)",
         )
-    cpu_bytes = _dtype_bytes(engine, Device.CPU)
-    cpu_bpb = shape.bytes_per_block(engine.block_size, cpu_bytes, tp_size, mtp)
+    draft = _draft_shape(config, role, shape)
+
+    def block_bytes(element_bytes: int) -> int:
+        """Rank 0's bytes of a block: its share of the target's KV, and the draft
+        model's whole (it runs on rank 0 alone)."""
+        target = shape.bytes_per_block(engine.block_size, element_bytes, tp_size, mtp)
+        return target + (draft.bytes_per_block(engine.block_size, element_bytes) if draft else 0)
+
+    cpu_bpb = block_bytes(_dtype_bytes(engine, Device.CPU))
     bpb = None
     known = engine.device is not Device.AUTO or engine.dtype is not DType.AUTO
     if known or engine.kv_cache_dtype.storage_name is not None:
-        element_bytes = _dtype_bytes(engine, engine.device)
-        bpb = shape.bytes_per_block(engine.block_size, element_bytes, tp_size, mtp)
+        bpb = block_bytes(_dtype_bytes(engine, engine.device))
     too_small = (
         f"cannot hold one request of max_model_len={max_model_len} ({min_blocks} blocks of "
         f"{engine.block_size} tokens); give the KV cache more memory or lower "
@@ -206,6 +214,26 @@ def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
         num_blocks = engine.kv_cache_bytes // cpu_bpb
     return KVBudget(role, engine.block_size, max_model_len, min_blocks, bpb, cpu_bpb,
                     num_blocks, tuple(warnings))  # fmt: skip
+
+
+def _draft_shape(config: PdserveConfig, role: Role, target: ModelShape) -> ModelShape | None:
+    """The draft model's shape (``speculative_method: draft_model``), or None without
+    one. Raises ``ConfigError`` for a draft that is not there or whose token ids are not
+    the target's."""
+    engine = config.engine_for(role)
+    if engine.draft_model is None:
+        return None
+    key = _key(config, role, "draft_model")
+    draft = ModelShape.read(Path(engine.draft_model))
+    if draft is None:
+        raise ConfigError(key, f"{engine.draft_model} holds no config.json")
+    if draft.vocab_size > target.vocab_size:
+        raise ConfigError(
+            key,
+            f"{engine.draft_model}'s vocabulary ({draft.vocab_size}) is larger than the "
+            f"target's ({target.vocab_size}): a draft must use the target's token ids",
+        )
+    return draft
 
 
 def _cpu_problems(

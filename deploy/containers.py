@@ -16,7 +16,8 @@ those, so the layout (replicas, ports, engine, connector, timeouts) stays the us
 - **Paths.** The shared-storage directory is a shared volume at ``SHARED_KV_DIR``; a
   local model directory is mounted read-only under ``MODELS_DIR`` with its name kept (the
   served model name defaults to it). Without a model, the image's baked-in demo is used.
-  LoRA adapters are mounted read-only at ``ADAPTERS_DIR/<adapter name>``.
+  LoRA adapters are mounted read-only at ``ADAPTERS_DIR/<adapter name>``, a draft model
+  (``engine.draft_model``) at ``DRAFTS_DIR/<its name>``.
 - **Config file.** The rewritten config is mounted at ``CONFIG_PATH`` in every container.
 """
 
@@ -28,13 +29,14 @@ from urllib.parse import urlparse
 
 import yaml
 
-from common.config import PdserveConfig, Role
+from common.config import ConfigError, PdserveConfig, Role
 from common.config_loader import to_dict
 
 CONFIG_PATH = "/etc/pdserve/config.yaml"
 SHARED_KV_DIR = "/var/lib/pdserve/kv-shared"
 MODELS_DIR = "/models"
 ADAPTERS_DIR = "/adapters"
+DRAFTS_DIR = "/draft-models"
 REDIS_PORT = 6379
 REDIS_IMAGE = "redis:7.4-alpine"
 IMAGE_NAME = "pdserve"  # tags: cpu, cuda (deploy/Dockerfile's VARIANT)
@@ -61,9 +63,21 @@ def container_config(config: PdserveConfig, redis_host: str) -> PdserveConfig:
     if transfer.connector == "shared_storage":
         transfer = dataclasses.replace(transfer, shared_dir=SHARED_KV_DIR)
     adapters = {name: container_adapter_path(name) for name in config.lora.adapters}
+    engine, prefill, decode = config.engine, config.prefill, config.decode
+    draft = container_draft_path(config)
+    if draft is not None:  # wherever the config names it
+        if engine.draft_model is not None:
+            engine = engine.replace(draft_model=draft)
+        if "draft_model" in prefill.engine:
+            prefill = dataclasses.replace(prefill, engine={**prefill.engine, "draft_model": draft})
+        if "draft_model" in decode.engine:
+            decode = dataclasses.replace(decode, engine={**decode.engine, "draft_model": draft})
     return dataclasses.replace(
         config,
         model=container_model_path(config),
+        engine=engine,
+        prefill=prefill,
+        decode=decode,
         lora=dataclasses.replace(config.lora, adapters=adapters),
         router=dataclasses.replace(config.router, host="0.0.0.0"),
         registry=registry,
@@ -75,6 +89,24 @@ def container_model_path(config: PdserveConfig) -> str | None:
     if config.model is None:
         return None
     return f"{MODELS_DIR}/{Path(config.model).name}"
+
+
+def draft_model_dir(config: PdserveConfig) -> str | None:
+    """The draft model's local directory (``engine.draft_model``), or None without one.
+    Raises ``ConfigError`` if the roles name different ones: containers mount one."""
+    drafts = {config.engine_for(role).draft_model for role in Role} - {None}
+    if len(drafts) > 1:
+        raise ConfigError(
+            "decode.engine.draft_model",
+            f"the roles name different draft models ({', '.join(sorted(map(str, drafts)))}); "
+            "containers mount one, so both roles need the same draft_model",
+        )
+    return next(iter(drafts), None)
+
+
+def container_draft_path(config: PdserveConfig) -> str | None:
+    draft = draft_model_dir(config)
+    return None if draft is None else f"{DRAFTS_DIR}/{Path(draft).name}"
 
 
 def container_adapter_path(name: str) -> str:

@@ -32,6 +32,7 @@ ROUTER = "pdserve-router"
 KV_CLAIM = "pdserve-kv-shared"
 MODEL_CLAIM = "pdserve-models"
 LORA_CLAIM = "pdserve-lora"
+DRAFT_CLAIM = "pdserve-draft-model"
 WORKER_CONTAINER = "worker"
 ROLE_LABEL = "pdserve.io/role"
 CHECKSUM_ANNOTATION = "pdserve.io/config-sha256"
@@ -56,7 +57,7 @@ def claims(config: PdserveConfig) -> list[dict[str, Any]]:
     the model directory (filled by you with the checkpoint; mounted read-only) and the
     LoRA adapters (filled by you with one directory per adapter name; read-only; with
     ``lora.runtime_loading`` also where adapters loaded later are put: the workers read
-    ``/adapters/<dir>``)."""
+    ``/adapters/<dir>``), and a draft model's directory (filled by you; read-only)."""
     result = []
     if config.kv_transfer.connector == "shared_storage":
         result.append(_claim(KV_CLAIM, "50Gi"))
@@ -64,6 +65,8 @@ def claims(config: PdserveConfig) -> list[dict[str, Any]]:
         result.append(_claim(MODEL_CLAIM, "100Gi"))
     if _mounts_adapters(config):
         result.append(_claim(LORA_CLAIM, "10Gi"))
+    if c.draft_model_dir(config) is not None:
+        result.append(_claim(DRAFT_CLAIM, "20Gi"))
     return result
 
 
@@ -181,6 +184,9 @@ def _mounts(config: PdserveConfig, worker: bool) -> list[dict[str, Any]]:
         mounts.append({"name": "models", "mountPath": model_path, "readOnly": True})
     if worker and _mounts_adapters(config):  # the router only needs the names
         mounts.append({"name": "lora", "mountPath": c.ADAPTERS_DIR, "readOnly": True})
+    draft_path = c.container_draft_path(config)
+    if worker and draft_path is not None:
+        mounts.append({"name": "draft-model", "mountPath": draft_path, "readOnly": True})
     return mounts
 
 
@@ -199,6 +205,9 @@ def _pod_spec(
     if worker and _mounts_adapters(config):
         volumes.append({"name": "lora", "persistentVolumeClaim": {
             "claimName": LORA_CLAIM, "readOnly": True}})  # fmt: skip
+    if worker and c.draft_model_dir(config) is not None:
+        volumes.append({"name": "draft-model", "persistentVolumeClaim": {
+            "claimName": DRAFT_CLAIM, "readOnly": True}})  # fmt: skip
     return {
         "terminationGracePeriodSeconds": grace_s,
         "securityContext": {"runAsNonRoot": True, "runAsUser": UID, "fsGroup": UID},

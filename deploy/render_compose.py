@@ -109,6 +109,10 @@ def _worker(
     for adapter, path in sorted(config.lora.adapters.items()):  # the router needs names only
         volume = f"{Path(path).resolve()}:{c.container_adapter_path(adapter)}:ro"
         service.setdefault("volumes", []).append(volume)
+    draft = c.draft_model_dir(config)
+    if draft is not None:
+        volume = f"{Path(draft).resolve()}:{c.container_draft_path(config)}:ro"
+        service.setdefault("volumes", []).append(volume)
     service.update(
         hostname=name,
         command=c.worker_args(role, index, host=name),

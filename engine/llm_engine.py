@@ -207,10 +207,11 @@ class LLMEngine:
         values first, under ``scheduling_policy: priority`` only (elsewhere it must be 0).
         ``pooling``: an embedding request (``engine/pooling.py``): ``params`` must be
         ``EMBEDDING_SAMPLING``, and it finishes with ``RequestOutput.embedding`` once its
-        prompt is computed, generating nothing. ``draft_token_ids``: the MTP layer's drafts
-        after prompt + ``output_token_ids`` (a prefill worker's,
+        prompt is computed, generating nothing. ``draft_token_ids``: the MTP layer's or the
+        draft model's drafts after prompt + ``output_token_ids`` (a prefill worker's,
         ``RequestOutput.draft_token_ids``), for the first step to verify; used only with
-        ``speculative_method: mtp`` (any token ids: a wrong draft is just not kept).
+        ``speculative_method`` mtp or draft_model (any token ids: a wrong draft is just
+        not kept).
         """
         prompt = self.validate_prompt(prompt_token_ids)
         outputs = self.validate_prompt(output_token_ids, allow_empty=True)
@@ -333,8 +334,8 @@ class LLMEngine:
             self.grammars.add(request_id, grammar)
         vocab = self.arch.vocab_size
         drafts = [token for token in draft_token_ids[:MAX_SPECULATIVE_TOKENS] if 0 <= token < vocab]
-        if drafts and self.config.speculative_method is SpeculativeMethod.MTP:
-            request.set_mtp_drafts(drafts)
+        if drafts and self.config.speculative_method.drafts_after_step:
+            request.set_model_drafts(drafts)
         self.scheduler.add_request(request)
         return request
 
@@ -519,13 +520,16 @@ class LLMEngine:
         for request_id, embedding in result.embeddings.items():
             self.scheduler.requests[request_id].embedding = embedding
         progressed = self.scheduler.update_from_output(scheduler_output, result.sampled)
-        # The MTP layer's drafts, set on the scheduled requests themselves: a prefill-only
+        # The drafting model's drafts, set on the scheduled requests themselves: a prefill-only
         # one has finished by now, and its drafts go out with its output.
+        draft_model = self.config.speculative_method is SpeculativeMethod.DRAFT_MODEL
         for item in scheduler_output.scheduled:
             request = item.request
             drafts = result.drafts.get(request.request_id)
             if drafts is not None:
-                request.set_mtp_drafts(drafts)
+                request.set_model_drafts(drafts)
+            if draft_model:  # it read every token the step made known
+                request.draft_kv_end = request.num_computed_tokens + 1
         self.num_steps += 1
         for request, num_new in progressed:
             if request.request_id in self.grammars:
@@ -663,17 +667,20 @@ class LLMEngine:
                     pooling=request.pooling if item.samples else None,
                 )
             )
-            if self.config.speculative_method is SpeculativeMethod.MTP:
-                self._mtp_inputs(chunks[-1], item, end)
+            if self.config.speculative_method.drafts_after_step:
+                self._draft_inputs(chunks[-1], item, end)
         return chunks
 
-    def _mtp_inputs(self, chunk: SequenceChunk, item: ScheduledRequest, end: int) -> None:
-        """What the MTP pass after this step needs of ``chunk`` (``engine/mtp_drafts.py``):
-        the prompt token after a chunk that is not the last, and how many drafts to
+    def _draft_inputs(self, chunk: SequenceChunk, item: ScheduledRequest, end: int) -> None:
+        """What the drafting model's passes after this step need of ``chunk``
+        (``engine/mtp_drafts.py``; a draft model's lead, ``engine/draft_model.py``): the
+        prompt token after a chunk that is not the last, and how many drafts to
         propose after a sampling one: as many as the next step could verify, by the draft
         budget's rule (``draft_budget.py``: at most twice the drafts this step verifies,
         if it keeps them all; none while paused, or for requests that cannot speculate)."""
         request = item.request
+        if self.config.speculative_method is SpeculativeMethod.DRAFT_MODEL:
+            chunk.draft_lead = _draft_lead(request, chunk.start_pos)
         if not item.samples:
             chunk.next_token_id = request.token_ids_between(end, end + 1)[0]
             return
@@ -725,7 +732,7 @@ class LLMEngine:
             times=request.times,
             prompt_logprobs=prompt_logprobs,
             embedding=request.embedding,
-            draft_token_ids=list(request.current_mtp_drafts) if held else [],
+            draft_token_ids=list(request.current_model_drafts) if held else [],
         )
 
     # ------------------------------------------------------------------ checks
@@ -760,3 +767,16 @@ def _prompt_scoring(request: Request, start: int, end: int) -> PromptScoring | N
         return None
     targets = request.prompt_token_ids[first + 1 : last + 1]
     return PromptScoring(first - start, targets, request.sampling_params.prompt_logprobs)
+
+
+def _draft_lead(request: Request, start: int) -> list[int]:
+    """The tokens at positions up to ``start`` that the draft model has not read
+    (``engine/draft_model.py``): none when the request's last step left it at ``start``;
+    else the token at ``start`` (a first chunk: a prefix-cache hit's blocks hold the
+    draft's KV of the request that computed them), and from position 0 for a request
+    whose prompt KV came from a prefill worker (pulled blocks hold no draft KV)."""
+    if request.draft_kv_end == start + 1:
+        return []
+    pulled = request.num_remote_blocks_pulled > 0 and request.draft_kv_end == 0
+    first = 0 if pulled else start
+    return request.token_ids_between(first, start + 1)

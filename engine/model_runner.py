@@ -24,10 +24,11 @@ from pathlib import Path
 
 import torch
 
-from common.config import EngineConfig
+from common.config import EngineConfig, SpeculativeMethod
 from engine.attention.backend import AttentionBackend
 from engine.block_table import BlockTable
 from engine.cuda_graphs import DecodeGraphs
+from engine.draft_model import DraftModel, draft_segment
 from engine.kv_cache_manager import cdiv
 from engine.model_shard import HostBatch, ModelShard
 from engine.models.arch import ModelArchConfig
@@ -67,6 +68,9 @@ class SequenceChunk:
     # reads it), and the drafts to propose after a sampling chunk (0: none).
     next_token_id: int | None = None
     num_drafts: int = 0
+    # With a draft model: the tokens up to and including token_ids[0] that it has not
+    # read yet, ending at start_pos (``engine/draft_model.py``); empty once it has.
+    draft_lead: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -133,11 +137,18 @@ class ModelRunner:
                 self.shards.wait_hello()
                 group = self.shards.join_group()
             self.shard = ModelShard(model_dir, arch, config, device, dtype, max_model_len, group)
-            num_blocks = self.shard.max_num_blocks()
+            self.draft: DraftModel | None = None
+            if config.speculative_method is SpeculativeMethod.DRAFT_MODEL:
+                self.draft = DraftModel(arch, config, device, dtype, max_model_len)
+            # A block holds the draft's KV too, on rank 0.
+            draft_bytes = self.draft.bytes_per_block if self.draft is not None else 0
+            num_blocks = self.shard.max_num_blocks(draft_bytes)
             if self.shards is not None:
                 num_blocks = min(num_blocks, self.shards.wait_loaded())
                 self.shards.allocate(num_blocks)
             self.shard.allocate(num_blocks)
+            if self.draft is not None:
+                self.draft.allocate(num_blocks)
             if self.shards is not None:
                 self.shard_payloads = self.shards.wait_started()
             for name, path in (lora_adapters or {}).items():
@@ -357,8 +368,8 @@ class ModelRunner:
             results = sample(logits, [c.sampling for _, c in sampling])
             sampled = zip(sampling, results, strict=True)
             result.sampled = {c.request_id: r for (_, c), r in sampled}
-        if self.shard.num_mtp_layers:
-            result.drafts = self._mtp_drafts(chunks, batch, result.sampled)
+        if self.shard.num_mtp_layers or self.draft is not None:
+            result.drafts = self._model_drafts(chunks, batch, result.sampled)
         if self.expert_rebalance_interval:
             self._steps_since_rebalance += 1
             if self._steps_since_rebalance == self.expert_rebalance_interval:
@@ -393,26 +404,31 @@ class ModelRunner:
             self.expert_rebalance_interval, int(sum(map(sum, loads))), before, after, moved,
         )  # fmt: skip
 
-    def _mtp_drafts(
+    def _model_drafts(
         self,
         chunks: list[SequenceChunk],
         batch: HostBatch,
         sampled: dict[str, list[tuple[int, TokenLogprobs | None]]],
     ) -> dict[str, list[int]]:
+        """The MTP layer's or the draft model's passes after a step (``mtp_drafts.py``,
+        ``draft_model.py``): each drafting request's drafts."""
         segments = []
         for i, chunk in enumerate(chunks):
             tokens = sampled.get(chunk.request_id)
-            segment = mtp_segment(
-                chunk,
-                None if tokens is None else [token for token, _ in tokens],
-                batch.query_start_loc[i],
-            )
+            known = None if tokens is None else [token for token, _ in tokens]
+            first_row = batch.query_start_loc[i]
+            if self.draft is None:
+                segment = mtp_segment(chunk, known, first_row)
+            else:
+                capacity = min(len(chunk.block_ids) * self.block_size, self.max_model_len)
+                segment = draft_segment(chunk, known, first_row, capacity)
             if segment is not None:
                 segments.append(segment)
         if not segments:
             return {}
+        run_pass = self._mtp_pass if self.draft is None else self.draft.run_pass
         return propose_drafts(
-            self._mtp_pass, self._host_batch, segments, self.block_size, self.max_model_len
+            run_pass, self._host_batch, segments, self.block_size, self.max_model_len
         )
 
     def _mtp_pass(

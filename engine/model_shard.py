@@ -171,9 +171,10 @@ class ModelShard:
         elements = self.num_cache_layers * 2 * self.block_size * arch.num_kv_heads * arch.head_dim
         return elements * self.cache_dtype.itemsize
 
-    def max_num_blocks(self) -> int:
-        """The blocks this rank's memory holds (``engine.num_blocks`` if set). Raises
-        ``ConfigError`` if that is not one request of ``max_model_len``."""
+    def max_num_blocks(self, draft_bytes_per_block: int = 0) -> int:
+        """The blocks this rank's memory holds (``engine.num_blocks`` if set), each of
+        ``bytes_per_block`` and ``draft_bytes_per_block`` (a draft model's KV, on rank 0).
+        Raises ``ConfigError`` if that is not one request of ``max_model_len``."""
         config = self.config
         min_blocks = cdiv(self.max_model_len, self.block_size)
         if config.num_blocks is not None:
@@ -183,9 +184,9 @@ class ModelShard:
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             budget = free - int(total * (1.0 - config.gpu_memory_utilization))
-            num_blocks = budget // self.bytes_per_block
+            num_blocks = budget // (self.bytes_per_block + draft_bytes_per_block)
         else:
-            num_blocks = config.kv_cache_bytes // self.bytes_per_block
+            num_blocks = config.kv_cache_bytes // (self.bytes_per_block + draft_bytes_per_block)
         if num_blocks < min_blocks:
             raise ConfigError(
                 "engine.num_blocks",

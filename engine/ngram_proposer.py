@@ -30,12 +30,13 @@ class DraftProposer(Protocol):
     def propose(self, request: Request, max_drafts: int) -> list[int]: ...
 
 
-class MtpProposer:
-    """``DraftProposer`` of the drafts the MTP layer proposed after the request's last
-    step (``engine/mtp_drafts.py``); none if the request changed since (a preemption)."""
+class ModelDraftProposer:
+    """``DraftProposer`` of the drafts a model (the MTP layer, or the draft model)
+    proposed after the request's last step (``engine/mtp_drafts.py``); none if the
+    request changed since (a preemption)."""
 
     def propose(self, request: Request, max_drafts: int) -> list[int]:
-        return request.current_mtp_drafts[:max_drafts]
+        return request.current_model_drafts[:max_drafts]
 
 
 class NgramProposer:

@@ -158,19 +158,23 @@ class Request:
     # many drafts their steps may verify.
     token_history: TokenHistory | None = None
     draft_budget: DraftBudget | None = None
-    # The MTP layer's drafts (``engine/mtp_drafts.py``), valid while the request has
-    # ``mtp_drafts_after`` tokens: they continue exactly those.
-    mtp_draft_ids: list[int] = field(default_factory=list)
-    mtp_drafts_after: int = 0
+    # The drafts a model proposed after its last step (the MTP layer's or a draft
+    # model's: ``engine/mtp_drafts.py``), valid while the request has
+    # ``model_drafts_after`` tokens: they continue exactly those.
+    model_draft_ids: list[int] = field(default_factory=list)
+    model_drafts_after: int = 0
+    # With a draft model: it holds KV for positions 0 .. draft_kv_end - 1, as of the last
+    # step this request took part in (``engine/draft_model.py``).
+    draft_kv_end: int = 0
 
-    def set_mtp_drafts(self, draft_ids: list[int]) -> None:
-        """The MTP layer's drafts after the request's tokens as they are now."""
-        self.mtp_draft_ids, self.mtp_drafts_after = draft_ids, self.num_tokens
+    def set_model_drafts(self, draft_ids: list[int]) -> None:
+        """A model's drafts after the request's tokens as they are now."""
+        self.model_draft_ids, self.model_drafts_after = draft_ids, self.num_tokens
 
     @property
-    def current_mtp_drafts(self) -> list[int]:
-        """The MTP drafts that continue the request's tokens; none if it changed since."""
-        return self.mtp_draft_ids if self.mtp_drafts_after == self.num_tokens else []
+    def current_model_drafts(self) -> list[int]:
+        """The model's drafts that continue the request's tokens; none if it changed since."""
+        return self.model_draft_ids if self.model_drafts_after == self.num_tokens else []
 
     @property
     def queue_order(self) -> tuple[int, int]:

@@ -53,7 +53,7 @@ from common.hashing import BlockHash
 from engine.block_pool import BlockPoolObserver, KVBlock
 from engine.draft_budget import DraftBudget
 from engine.kv_cache_manager import KVCacheManager, SecondaryTier, cdiv
-from engine.ngram_proposer import DraftProposer, MtpProposer, NgramProposer
+from engine.ngram_proposer import DraftProposer, ModelDraftProposer, NgramProposer
 from engine.request import Request, RequestStatus, TokenLogprobs
 from engine.request_queue import RequestQueue
 
@@ -143,11 +143,16 @@ class Scheduler:
         self.num_blocks_reused_for_remote = 0
         self.num_speculative_tokens = config.num_speculative_tokens
         self.proposer: DraftProposer | None = None
-        mtp = config.speculative_method is SpeculativeMethod.MTP
-        # Slots the MTP layer's recursive drafts write after a decode step (``_lookahead``).
-        self.mtp_lookahead = max(config.num_speculative_tokens - 1, 0) if mtp else 0
-        if config.num_speculative_tokens and mtp:
-            self.proposer = MtpProposer()
+        after_step = config.speculative_method.drafts_after_step
+        # Slots a drafting model writes past a decode step's tokens (``_lookahead``): the
+        # MTP layer's recursive drafts, k - 1; a draft model reads the sampled token too,
+        # one position later (``engine/draft_model.py``), k.
+        lookahead = config.num_speculative_tokens
+        if config.speculative_method is SpeculativeMethod.MTP:
+            lookahead = max(lookahead - 1, 0)
+        self.draft_lookahead = lookahead if after_step else 0
+        if config.num_speculative_tokens and after_step:
+            self.proposer = ModelDraftProposer()
         elif config.num_speculative_tokens:
             self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         self.num_draft_tokens = 0  # drafts verified (cumulative)
@@ -328,14 +333,14 @@ class Scheduler:
         return num_new + len(drafts)
 
     def _lookahead(self, request: Request, num_drafts: int) -> int:
-        """Slots past a decoding request's tokens and drafts, for the MTP layer's further
-        drafts after this step (``engine/mtp_drafts.py``: they stop where the request's
-        blocks end): ``num_speculative_tokens - 1``, within what it may still generate.
+        """Slots past a decoding request's tokens and drafts, for the drafting model's
+        further drafts after this step (``engine/mtp_drafts.py``: they stop where the request's
+        blocks end): ``draft_lookahead``, within what it may still generate.
         Taken only when the pool has room, never by preempting."""
-        if not self.mtp_lookahead or not request.may_speculate:
+        if not self.draft_lookahead or not request.may_speculate:
             return 0
         left = request.max_tokens - request.num_output_tokens - 1 - num_drafts
-        return max(0, min(self.mtp_lookahead, left))
+        return max(0, min(self.draft_lookahead, left))
 
     def _drafts(self, request: Request, budget: int) -> list[int]:
         """Tokens to verify after a decoding request's last one: at most what its draft

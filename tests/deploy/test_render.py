@@ -11,10 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from safetensors.torch import load_file
 
-from common.config import PdserveConfig, Role
+from common.config import ConfigError, PdserveConfig, Role
 from common.config_loader import build, load_config
 from deploy import containers
 from deploy.render_compose import render
@@ -377,3 +378,39 @@ def test_k8s_mounts_the_adapters_volume_for_runtime_loading(tmp_path):
         decode = docs[("Deployment", "pdserve-decode")]["spec"]["template"]["spec"]
         mounts = {m["name"]: m["mountPath"] for m in decode["containers"][0]["volumeMounts"]}
         assert (mounts.get("lora") == "/adapters") is mounted
+
+
+def test_a_draft_model_is_mounted_for_the_workers(tmp_path, tiny_llama):
+    """``engine.draft_model``: each worker mounts it read-only under /draft-models (compose:
+    a bind mount; k8s: a claim), the router does not, and the containers' config names
+    the mount; the roles must name the same draft."""
+    draft = tmp_path / "small-draft"
+    draft.symlink_to(tiny_llama)
+    path = tmp_path / "drafting.yaml"
+    path.write_text(yaml.safe_dump({
+        "engine": {"speculative_method": "draft_model", "draft_model": str(draft),
+                   "num_speculative_tokens": 3},
+    }))  # fmt: skip
+    config = load_config(str(path))
+    text = render(config, path.name)
+    validate_compose_schema(text)
+    services = yaml.safe_load(text)["services"]
+    mount = f"{draft.resolve()}:/draft-models/small-draft:ro"
+    assert mount in services["decode-0"]["volumes"] and mount in services["prefill-0"]["volumes"]
+    assert mount not in services["router"].get("volumes", [])
+    inner = yaml.safe_load(yaml.safe_load(text)["configs"]["pdserve-config"]["content"])
+    assert inner["engine"]["draft_model"] == "/draft-models/small-draft"
+    from kubernetes_validate import validate
+
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in k8s_docs(render_files(config, "d"))}
+    for doc in docs.values():
+        validate(doc, "1.30.0", strict=True)
+    assert ("PersistentVolumeClaim", "pdserve-draft-model") in docs
+    for name, mounted in (("pdserve-decode", True), ("pdserve-router", False)):
+        pod = docs[("Deployment", name)]["spec"]["template"]["spec"]
+        mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+        assert (mounts.get("draft-model") == "/draft-models/small-draft") is mounted
+    other = dataclasses.replace(config, decode=dataclasses.replace(
+        config.decode, engine={"draft_model": str(tmp_path / "another")}))  # fmt: skip
+    with pytest.raises(ConfigError, match="same draft_model"):
+        render(other, path.name)

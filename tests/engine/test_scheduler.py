@@ -239,7 +239,7 @@ def test_prefill_only_holds_blocks_until_released():
     assert scheduler.leak_report() == []
 
 
-def test_mtp_lookahead_slots_only_where_the_pool_has_room():
+def test_draft_lookahead_slots_only_where_the_pool_has_room():
     """With MTP drafts (k = 3) a decoding request also holds slots for the 2 further
     drafts' positions, within what it may still generate; in a full pool it decodes
     without them, and preempts nobody for them."""

@@ -105,9 +105,9 @@ def _run_recording_drafts(engine: LLMEngine) -> tuple[dict, dict[str, dict[int, 
             if output.finished:
                 finished[output.request_id] = output
         for request in engine.scheduler.requests.values():
-            if request.current_mtp_drafts:
+            if request.current_model_drafts:
                 drafts = seen.setdefault(request.request_id, {})
-                drafts[request.num_tokens] = list(request.current_mtp_drafts)
+                drafts[request.num_tokens] = list(request.current_model_drafts)
     return finished, seen
 
 
@@ -298,10 +298,10 @@ def test_drafts_handed_to_add_request(model_factory, tiny_llama):
     params = SamplingParams(max_tokens=4, temperature=0)
     request = engine.add_request("r", [5, 6, 7], params, output_token_ids=[8],
                                  draft_token_ids=[vocab + 3, 9, -1, 10])  # fmt: skip
-    assert (request.mtp_draft_ids, request.mtp_drafts_after) == ([9, 10], 4)
+    assert (request.model_draft_ids, request.model_drafts_after) == ([9, 10], 4)
     plain = LLMEngine(tiny_llama, EngineConfig(num_speculative_tokens=2))
     other = plain.add_request("r", [5, 6, 7], params, output_token_ids=[8], draft_token_ids=[9])
-    assert other.mtp_draft_ids == []
+    assert other.model_draft_ids == []
     for each in (engine, plain):
         each.abort_request("r")
         assert each.leak_report() == []
