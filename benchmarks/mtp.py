@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import random
-import statistics
 import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
@@ -36,7 +35,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from benchmarks.offline_runs import run_all
-from benchmarks.speculative import counted_run, vs_baseline
+from benchmarks.speculative import alternating_run, vs_baseline
 from common.config import EngineConfig
 from engine import LLMEngine, SamplingParams
 from engine.models.maker import ensure_model
@@ -68,22 +67,6 @@ def oracle_mtp_checkpoint(model_dir: Path, out: Path) -> Path:
     tensors[prefix + "shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
-
-
-def _alternating(
-    baseline: LLMEngine, engine: LLMEngine, prompts, params, repeats: int
-) -> tuple[tuple[dict, float, dict], float]:
-    """``timed_run``'s result for ``engine`` and the baseline's median seconds, the two
-    timed alternately (the baseline first each round) after a warm-up of ``engine``, so
-    that a shared machine's drift falls on both alike."""
-    run_all(engine, prompts, params)
-    rounds = [
-        (counted_run(baseline, prompts, params), counted_run(engine, prompts, params))
-        for _ in range(repeats)
-    ]
-    tokens, _, counts = rounds[-1][1]
-    seconds = statistics.median(run[1] for _, run in rounds)
-    return (tokens, seconds, counts), statistics.median(base[1] for base, _ in rounds)
 
 
 def _cpu_name() -> str:
@@ -163,7 +146,7 @@ def main() -> None:
             engine = LLMEngine(model, EngineConfig(**base, speculative_method="mtp",
                                                    num_speculative_tokens=k))  # fmt: skip
             name = f"mtp k={k}" + (" (MTP KV only)" if k == 0 else "")
-            run, baseline_s = _alternating(baseline, engine, prompts, params, args.repeats)
+            run, baseline_s = alternating_run(baseline, engine, prompts, params, args.repeats)
             row = vs_baseline(f"{label} {name}", baseline_s, reference, run, {"k": k})
             rows.append({**row, "model": label, "case": name, "baseline_s": baseline_s})
             del engine

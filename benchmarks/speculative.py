@@ -91,6 +91,22 @@ def timed_run(engine: LLMEngine, prompts, params, repeats: int) -> tuple[dict, f
     return tokens, statistics.median(seconds for _, seconds, _ in runs), counts
 
 
+def alternating_run(
+    baseline: LLMEngine, engine: LLMEngine, prompts, params, repeats: int
+) -> tuple[tuple[dict, float, dict], float]:
+    """``timed_run``'s result for ``engine`` and the baseline's median seconds, the two
+    timed alternately (the baseline first each round) after a warm-up of ``engine``, so
+    that a shared machine's drift falls on both alike."""
+    run_all(engine, prompts, params)
+    rounds = [
+        (counted_run(baseline, prompts, params), counted_run(engine, prompts, params))
+        for _ in range(repeats)
+    ]
+    tokens, _, counts = rounds[-1][1]
+    seconds = statistics.median(run[1] for _, run in rounds)
+    return (tokens, seconds, counts), statistics.median(base[1] for base, _ in rounds)
+
+
 def vs_baseline(
     name: str, baseline_s: float, tokens_expected: dict, run: tuple, extra: dict
 ) -> dict:

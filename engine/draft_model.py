@@ -5,7 +5,8 @@ gains nothing from tensor parallelism, and rank 0 alone reads its drafts), with 
 cache of its own shape (its layers, heads and head size) indexed by the target's block
 ids, so one block table and one slot mapping serve both models, and a block's memory is
 both models' bytes. Its token ids must be the target's (the same tokenizer); its
-vocabulary may be the smaller one (Qwen2.5's small models pad fewer rows).
+vocabulary may be the smaller one (Qwen2.5's small models pad fewer rows): a target token
+beyond it reads as token 0.
 
 Its passes follow the MTP layer's (``mtp_drafts.propose_drafts``), one position later:
 after each step, the draft reads each token that became known, at its own position (the
@@ -20,6 +21,7 @@ whole prompt, whose target KV came from the prefill worker but whose draft KV di
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -63,6 +65,7 @@ class DraftModel:
             num_redundant_experts=0, expert_rebalance_interval=0,
         )  # fmt: skip
         self.model_dir = model_dir
+        self.vocab_size = arch.vocab_size
         self.shard = ModelShard(model_dir, arch, alone, device, dtype, max_model_len)
 
     @property
@@ -79,7 +82,13 @@ class DraftModel:
         """``mtp_drafts.MtpPassRunner`` for the draft: a forward pass over ``batch``
         (writing its KV), the logits of ``logit_rows`` ([len, draft vocab] float32); None
         without any. It reads no hidden states: ``hidden_rows`` and ``from_target`` are
-        the MTP layer's."""
+        the MTP layer's. A target token beyond the draft's vocabulary (a padding row
+        the target sampled) reads as token 0: the draft cannot know it, and a wrong
+        guess there costs only a draft."""
+        vocab = self.vocab_size
+        if any(token >= vocab for token in batch.input_ids):
+            known = [token if token < vocab else 0 for token in batch.input_ids]
+            batch = dataclasses.replace(batch, input_ids=known)
         hidden = self.shard.forward(batch, None)  # [num_tokens, draft hidden]
         if not logit_rows:
             return None

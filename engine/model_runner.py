@@ -394,9 +394,10 @@ class ModelRunner:
             except BaseException as exc:
                 self._fail_shards(exc)
                 raise
+        after = min(after, before)  # the placement kept, when no other is better
         balance = self.expert_balance
         self.expert_balance = ExpertBalance(
-            balance.num_rebalances + 1, balance.num_moved_slots + moved, before, min(after, before)
+            balance.num_rebalances + 1, balance.num_moved_slots + moved, before, after
         )
         logger.info(
             "experts rebalanced by the last %d steps' %d routed pairs: imbalance %.3f -> %.3f "

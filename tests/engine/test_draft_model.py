@@ -5,8 +5,11 @@ never read, a prompt it never saw) shows as a draft not kept."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
+from safetensors.torch import load_file, save_file
 
 from common.config import ConfigError, EngineConfig, PdserveConfig, Role
 from common.config_loader import build
@@ -61,6 +64,31 @@ def test_another_models_drafts_never_change_the_tokens(tiny_llama, tmp_path):
             assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == plain
             assert llm.engine.scheduler.num_draft_tokens > 0
             assert llm.engine.leak_report() == []
+
+
+def test_a_draft_with_fewer_token_ids(tiny_llama, tmp_path):
+    """The draft's vocabulary is the first 1024 of the target's 2048 ids (as small Qwen2.5
+    models pad fewer rows): target tokens beyond it reach the draft as token 0 (not an
+    index past its embeddings), and the tokens stay the target's."""
+    draft = tmp_path / "fewer-ids"
+    draft.mkdir()
+    for path in tiny_llama.iterdir():
+        if path.suffix != ".safetensors" and path.name != "config.json":
+            (draft / path.name).write_bytes(path.read_bytes())
+    config = json.loads((tiny_llama / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**config, "vocab_size": 1024}))
+    tensors = load_file(str(tiny_llama / "model.safetensors"))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in tensors:
+            tensors[name] = tensors[name][:1024].clone()
+    save_file(tensors, str(draft / "model.safetensors"), metadata={"format": "pt"})
+    prompts = random_prompts((30, 60), seed=12)
+    plain = LLM(tiny_llama, **POOL).generate(prompts, PARAMS, use_tqdm=False)
+    assert any(t >= 1024 for output in plain for t in output.outputs[0].token_ids)
+    with LLM(tiny_llama, **_drafting(draft, k=2)) as llm:
+        assert _tokens(llm.generate(prompts, PARAMS, use_tqdm=False)) == _tokens(plain)
+        assert llm.engine.scheduler.num_draft_tokens > 0
+        assert llm.engine.leak_report() == []
 
 
 def test_a_decode_worker_reads_the_prompt_into_its_draft(tiny_llama):
