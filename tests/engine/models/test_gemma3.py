@@ -70,6 +70,7 @@ def test_multimodal_checkpoint_serves_text(model_factory, tmp_path):
         max_context_len=arch.max_context_len,
         num_q_heads=arch.num_q_heads,
         split_widths=(("intermediate_size", arch.intermediate_size),),
+        vocab_size=arch.vocab_size,
     )
 
 
