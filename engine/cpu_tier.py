@@ -52,17 +52,16 @@ class CpuTierStats:
 
 
 class HostBlockCache:
-    """One rank's CPU slots: ``num_slots`` blocks of its KV caches' shape, per layer."""
+    """One rank's CPU slots: ``num_slots`` blocks of each of its KV caches' shape (the
+    layers' and, on rank 0, a draft model's, whose shape may differ)."""
 
     def __init__(self, kv_caches: list[torch.Tensor], num_slots: int) -> None:
         kv_caches = [reference.as_movable(cache) for cache in kv_caches]  # FP8: bytes
-        first = kv_caches[0]
         self.device_caches = kv_caches
-        block_shape = first.shape[1:]  # [2, block_size, H, D]
-        pin = first.is_cuda
-        self.cpu_caches = [
-            torch.empty((num_slots, *block_shape), dtype=first.dtype, pin_memory=pin)
-            for _ in kv_caches
+        pin = kv_caches[0].is_cuda
+        self.cpu_caches = [  # each [num_slots, 2, block_size, H, D]
+            torch.empty((num_slots, *cache.shape[1:]), dtype=cache.dtype, pin_memory=pin)
+            for cache in kv_caches
         ]
 
     def save(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
@@ -100,15 +99,14 @@ class BlockCopies(Protocol):
 class CpuTier:
     def __init__(
         self,
-        kv_caches: list[torch.Tensor],  # the device pool's per-layer caches
+        kv_caches: list[torch.Tensor],  # the device pool's per-layer caches (a draft's too)
         capacity_bytes: int,
         emit: Callable[[KVEvent], None] | None = None,
         mirror: BlockCopies | None = None,
     ) -> None:
         """``capacity_bytes`` per rank; ``mirror``: the other ranks' copies, if any."""
-        first = kv_caches[0]
-        self.block_size = first.shape[2]
-        self.bytes_per_block = first[0].numel() * first.element_size() * len(kv_caches)
+        self.block_size = kv_caches[0].shape[2]
+        self.bytes_per_block = sum(cache[0].numel() * cache.element_size() for cache in kv_caches)
         self.num_blocks = capacity_bytes // self.bytes_per_block
         if self.num_blocks < 1:
             raise ValueError(

@@ -159,7 +159,7 @@ class LLMEngine:
         self.cpu_tier: CpuTier | None = None
         if self.config.cpu_offload_bytes:
             self.cpu_tier = CpuTier(
-                self.runner.kv_caches,
+                self.runner.kv_caches + self.runner.draft_kv_caches,
                 self.config.cpu_offload_bytes,
                 kv_events.emit if kv_events is not None else None,
                 mirror=self.runner.shards,

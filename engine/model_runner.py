@@ -186,6 +186,11 @@ class ModelRunner:
         return self.shard.kv_caches
 
     @property
+    def draft_kv_caches(self) -> list[torch.Tensor]:
+        """The draft model's KV caches (the target's block ids), or none."""
+        return self.draft.shard.kv_caches if self.draft is not None else []
+
+    @property
     def num_blocks(self) -> int:
         return self.shard.num_blocks
 

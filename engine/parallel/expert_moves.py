@@ -26,7 +26,7 @@ def move_experts(moe: SparseMoe, new: Placement, group: TPGroup) -> int:
     old = moe.expert_placement
     assert old is not None and len(old) == len(new), (old, new)
     per_rank = moe.num_local_experts
-    params = [p for p in moe.experts.parameters()]
+    params = list(moe.experts.parameters())
     assert all(p.shape[0] == per_rank for p in params), [p.shape for p in params]
     rank = group.rank
     plan = moves(old, new, group.size)

@@ -130,6 +130,28 @@ def test_a_tensor_parallel_target_drafts_on_rank_0(tiny_llama):
         assert llm.engine.leak_report() == []
 
 
+def test_a_prefix_back_from_the_cpu_tier_brings_the_drafts_kv(tiny_llama):
+    """A prefix pushed out of the device pool comes back from the CPU tier with the
+    draft's KV too (the tier holds both models' blocks), so every draft stays right."""
+    prefix = random_prompts((160,), seed=91)[0]  # 10 full blocks
+    fillers = random_prompts((200, 200, 200), seed=92)
+    small = _drafting(tiny_llama, num_blocks=40, max_model_len=256, cpu_offload_bytes=64 << 20)
+    small.pop("kv_cache_bytes")
+    engine = LLMEngine(tiny_llama, EngineConfig(**small))
+    params = SamplingParams(max_tokens=24, min_tokens=24, temperature=0)
+    for i, prompt in enumerate([prefix + [1, 2, 3], *fillers]):  # the fillers push it out
+        engine.add_request(f"warm{i}", prompt, params)
+        run(engine)
+    scheduler = engine.scheduler
+    drafted, kept = scheduler.num_draft_tokens, scheduler.num_accepted_tokens
+    assert drafted == kept
+    engine.add_request("q", prefix + [7, 8, 9], params)
+    (out,) = run(engine).values()
+    assert engine.cpu_tier.stats.hit_blocks == 10 and out.num_cached_tokens == 160
+    assert scheduler.num_draft_tokens - drafted == scheduler.num_accepted_tokens - kept > 0
+    assert engine.leak_report() == []
+
+
 def test_preempted_requests_draft_again(tiny_llama):
     """A pool too small for every request at once: preempted requests recompute, their
     draft with them, and still every draft is right."""
