@@ -19,3 +19,12 @@ def test_series_of_workers_that_left_are_dropped():
     text = metrics.render().decode()
     assert 'worker="decode@a:1"' in text and 'worker="decode@b:1"' not in text
     assert 'pdserve:worker_available{worker="decode@a:1"} 1.0' in text
+
+
+def test_expert_balance_gauges_show_the_workers_stats():
+    metrics = RouterMetrics("test_expert_metrics")
+    stats = pb.StatsResponse(expert_rebalances=3, expert_moved_slots=14, expert_imbalance=1.25)
+    metrics.observe_workers({"decode@a:1": stats}, {"decode@a:1"})
+    text = metrics.render().decode()
+    assert 'pdserve:worker_expert_imbalance{worker="decode@a:1"} 1.25' in text
+    assert 'pdserve:worker_expert_moved_slots{worker="decode@a:1"} 14.0' in text
