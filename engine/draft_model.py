@@ -16,7 +16,9 @@ draft, and each further draft is one single-token pass. So after any step in whi
 request took part, the draft holds KV for positions ``0 .. num_computed_tokens``
 (``Request.draft_kv_end``). A request's first chunk leads with the tokens the draft has
 not read (``SequenceChunk.draft_lead``): its own first token, and on a decode worker the
-whole prompt, whose target KV came from the prefill worker but whose draft KV did not.
+whole prompt, whose target KV came from the prefill worker but whose draft KV did not. A
+step's leads read at most ``max_num_batched_tokens`` tokens beyond one per request: a
+longer one catches up over several steps, proposing nothing until it has.
 """
 
 from __future__ import annotations
@@ -101,14 +103,18 @@ def draft_segment(
 ) -> MtpSegment | None:
     """The draft's part of ``chunk`` after a step that sampled ``sampled`` (as
     ``mtp_segment``): the tokens that became known, each at its own position, led by
-    ``chunk.draft_lead``; cut where the request's slots end (``capacity``: its blocks'
-    positions, or ``max_model_len``), and then it proposes nothing. None: no part."""
+    ``chunk.draft_lead`` (only the lead while it catches up); cut where the request's
+    slots end (``capacity``: its blocks' positions, or ``max_model_len``), and then it
+    proposes nothing. None: no part."""
+    lead = chunk.draft_lead
+    if chunk.draft_catching_up:  # a part of what it has not read, no drafts yet
+        return MtpSegment(chunk.request_id, lead, chunk.draft_lead_pos, chunk.block_ids,
+                          range(0), 0)  # fmt: skip
     segment = mtp_segment(chunk, sampled, first_row)
     if segment is None:
         return None
-    lead = chunk.draft_lead
     segment.token_ids = lead + segment.token_ids
-    segment.start_pos = chunk.start_pos + 1 - len(lead)
+    segment.start_pos = chunk.draft_lead_pos if lead else chunk.start_pos + 1
     room = capacity - segment.start_pos
     if len(segment.token_ids) > room:  # the last kept token has no slot yet
         segment.token_ids = segment.token_ids[:room]

@@ -528,8 +528,10 @@ class LLMEngine:
             drafts = result.drafts.get(request.request_id)
             if drafts is not None:
                 request.set_model_drafts(drafts)
-            if draft_model:  # it read every token the step made known
-                request.draft_kv_end = request.num_computed_tokens + 1
+            if draft_model:  # it read every token the step made known, or caught up a part
+                caught_up = request.draft_catch_up_end
+                request.draft_kv_end = caught_up or request.num_computed_tokens + 1
+                request.draft_catch_up_end = None
         self.num_steps += 1
         for request, num_new in progressed:
             if request.request_id in self.grammars:
@@ -634,6 +636,8 @@ class LLMEngine:
     def _chunks(self, scheduler_output: SchedulerOutput) -> list[SequenceChunk]:
         kv = self.scheduler.kv
         chunks = []
+        # A draft model's catch-up tokens this step (``_draft_inputs``).
+        lead_budget = self.config.max_num_batched_tokens
         for item in scheduler_output.scheduled:
             request = item.request
             drafts = item.draft_token_ids
@@ -668,29 +672,33 @@ class LLMEngine:
                 )
             )
             if self.config.speculative_method.drafts_after_step:
-                self._draft_inputs(chunks[-1], item, end)
+                lead_budget -= self._draft_inputs(chunks[-1], item, end, lead_budget)
         return chunks
 
-    def _draft_inputs(self, chunk: SequenceChunk, item: ScheduledRequest, end: int) -> None:
+    def _draft_inputs(
+        self, chunk: SequenceChunk, item: ScheduledRequest, end: int, lead_budget: int
+    ) -> int:
         """What the drafting model's passes after this step need of ``chunk``
         (``engine/mtp_drafts.py``; a draft model's lead, ``engine/draft_model.py``): the
         prompt token after a chunk that is not the last, and how many drafts to
         propose after a sampling one: as many as the next step could verify, by the draft
         budget's rule (``draft_budget.py``: at most twice the drafts this step verifies,
-        if it keeps them all; none while paused, or for requests that cannot speculate)."""
+        if it keeps them all; none while paused, or for requests that cannot speculate).
+        Returns the lead tokens it gave a draft model beyond one: at most ``lead_budget``."""
         request = item.request
+        used = 0
         if self.config.speculative_method is SpeculativeMethod.DRAFT_MODEL:
-            chunk.draft_lead = _draft_lead(request, chunk.start_pos)
+            used = _draft_lead(request, chunk, lead_budget)
         if not item.samples:
             chunk.next_token_id = request.token_ids_between(end, end + 1)[0]
-            return
+            return used
         budget = request.draft_budget
         if (  # (a prefill-only request drafts for its decode worker's first step)
             request.pooling is not None
             or request.sampling_params.structured_output is not None
             or (budget is not None and budget.paused_steps > 0)
         ):
-            return
+            return used
         most = self.config.num_speculative_tokens
         if item.draft_token_ids:  # the budget's next allowance, if every draft is kept
             most = min(most, 2 * len(item.draft_token_ids))
@@ -698,6 +706,7 @@ class LLMEngine:
             most = min(most, budget.allowed)
         left = request.max_tokens - request.num_output_tokens - 2  # after this step's token
         chunk.num_drafts = max(0, min(most, left))
+        return used
 
     def _output(self, request: Request, new_token_ids: list[int]) -> RequestOutput:
         finish_reason = FINISH_REASONS.get(request.status)
@@ -769,14 +778,28 @@ def _prompt_scoring(request: Request, start: int, end: int) -> PromptScoring | N
     return PromptScoring(first - start, targets, request.sampling_params.prompt_logprobs)
 
 
-def _draft_lead(request: Request, start: int) -> list[int]:
-    """The tokens at positions up to ``start`` that the draft model has not read
-    (``engine/draft_model.py``): none when the request's last step left it at ``start``;
-    else the token at ``start`` (a first chunk: a prefix-cache hit's blocks hold the
-    draft's KV of the request that computed them), and from position 0 for a request
-    whose prompt KV came from a prefill worker (pulled blocks hold no draft KV)."""
-    if request.draft_kv_end == start + 1:
-        return []
-    pulled = request.num_remote_blocks_pulled > 0 and request.draft_kv_end == 0
-    first = 0 if pulled else start
-    return request.token_ids_between(first, start + 1)
+def _draft_lead(request: Request, chunk: SequenceChunk, budget: int) -> int:
+    """Give ``chunk`` the tokens up to its first that the draft model has not read
+    (``engine/draft_model.py``); returns how many beyond one, at most ``budget`` (the
+    rest wait for later steps). None are missing when the request's last step left the
+    draft at the chunk. A first chunk misses its own first token only: a prefix-cache
+    hit's blocks hold the draft's KV of the request that computed them. A request whose
+    prompt KV came from a prefill worker misses all of it (pulled blocks hold no draft
+    KV), and one catching up misses what it has not read yet."""
+    start, end = chunk.start_pos, request.draft_kv_end
+    if end == start + 1:
+        return 0
+    if 0 < end < start + 1:  # catching up
+        first = end
+    elif end == 0 and request.num_remote_blocks_pulled > 0:
+        first = 0
+    else:  # a first chunk, or after a preemption: the cached blocks hold its KV
+        first = start
+    count = start + 1 - first
+    if count > 1 + budget:
+        count = max(1, budget)
+        chunk.draft_catching_up = True
+        request.draft_catch_up_end = first + count
+    chunk.draft_lead = request.token_ids_between(first, first + count)
+    chunk.draft_lead_pos = first
+    return count - 1

@@ -68,9 +68,13 @@ class SequenceChunk:
     # reads it), and the drafts to propose after a sampling chunk (0: none).
     next_token_id: int | None = None
     num_drafts: int = 0
-    # With a draft model: the tokens up to and including token_ids[0] that it has not
-    # read yet, ending at start_pos (``engine/draft_model.py``); empty once it has.
+    # With a draft model: tokens it has not read yet, from position draft_lead_pos, up to
+    # and including token_ids[0] (``engine/draft_model.py``); empty once it has. While it
+    # catches up over several steps (a long pulled prompt), they stop short of start_pos
+    # and it reads only them.
     draft_lead: list[int] = field(default_factory=list)
+    draft_lead_pos: int = 0
+    draft_catching_up: bool = False
 
 
 @dataclass(slots=True)

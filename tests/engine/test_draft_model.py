@@ -91,12 +91,15 @@ def test_a_draft_with_fewer_token_ids(tiny_llama, tmp_path):
         assert llm.engine.leak_report() == []
 
 
-def test_a_decode_worker_reads_the_prompt_into_its_draft(tiny_llama):
+@pytest.mark.parametrize("max_num_batched_tokens", [2048, 64])
+def test_a_decode_worker_reads_the_prompt_into_its_draft(tiny_llama, max_num_batched_tokens):
     """Prefill on one engine, decode on another: the prompt's target KV comes with its
     blocks, the draft's does not, so the decode engine's first step leads the draft with
     the whole prompt. Every draft is then right, as on one engine; without the prompt
-    the draft would guess from the first token on."""
-    config = EngineConfig(**_drafting(tiny_llama))
+    the draft would guess from the first token on. With a budget of 64 tokens a step,
+    the draft catches up over several steps (no pass reads more than the budget and the
+    steps' own tokens), proposing nothing until it has."""
+    config = EngineConfig(**_drafting(tiny_llama, max_num_batched_tokens=max_num_batched_tokens))
     prompts = random_prompts((40, 75, 100), seed=4)
     params = SamplingParams(max_tokens=17, min_tokens=17, temperature=0)
     colocated = LLMEngine(tiny_llama, config)
@@ -109,11 +112,23 @@ def test_a_decode_worker_reads_the_prompt_into_its_draft(tiny_llama):
     puller.sources["prefill-0"], puller.target = prefill, decode
     firsts = hand_off(prefill, decode, prompts, params)
     assert all(len(first.draft_token_ids) == 3 for first in firsts.values())
+    draft = decode.runner.draft
+    run_pass, pass_sizes = draft.run_pass, []
+
+    def recorded(batch, *args):
+        pass_sizes.append(len(batch.input_ids))
+        return run_pass(batch, *args)
+
+    draft.run_pass = recorded
     got = {rid: out.outputs[0].token_ids for rid, out in run(decode).items()}
     assert got == expected and puller.num_blocks_pulled > 0
     scheduler = decode.scheduler
     assert scheduler.num_draft_tokens == scheduler.num_accepted_tokens > 0
-    assert scheduler.num_draft_tokens == colocated.scheduler.num_draft_tokens
+    if max_num_batched_tokens == 2048:
+        assert scheduler.num_draft_tokens == colocated.scheduler.num_draft_tokens
+        assert max(pass_sizes) > 200  # all three prompts in the first step's pass
+    else:  # the budget, and each request's first token, 3 drafts kept and 1 sampled
+        assert max(pass_sizes) <= 64 + 3 * (1 + 3 + 1)
     for i in range(len(prompts)):
         assert prefill.release_kv(f"r{i}")
     for engine in (colocated, prefill, decode):
