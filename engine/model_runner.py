@@ -165,8 +165,11 @@ class ModelRunner:
             group.close()
             raise
         self.group = group
-        # Expert parallelism's rebalancing (``engine.expert_rebalance_interval``).
+        # Expert parallelism's rebalancing (``engine.expert_rebalance_interval``; nothing
+        # to place in a model without routed experts).
         self.expert_rebalance_interval = config.expert_rebalance_interval
+        if not self.shard.moe_layers:
+            self.expert_rebalance_interval = 0
         self._steps_since_rebalance = 0
         self.expert_balance = ExpertBalance()
         # Rows for every request a step may hold, and some for preempted ones waiting.
