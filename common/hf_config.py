@@ -183,3 +183,15 @@ def kv_cache_heads(cfg: dict[str, Any]) -> tuple[int, int]:
     num_heads = int(cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // num_heads
     return int(cfg.get("num_key_value_heads") or num_heads), int(head_dim)
+
+
+def draft_vocab_problem(draft: object, draft_vocab: int, target_vocab: int) -> str | None:
+    """Why ``draft`` (a checkpoint of ``draft_vocab`` token ids) cannot draft for a target
+    of ``target_vocab``, or None if it can: its ids must be the target's, so it may have
+    fewer (padding rows) but never more."""
+    if draft_vocab <= target_vocab:
+        return None
+    return (
+        f"{draft}'s vocabulary ({draft_vocab}) is larger than the target's "
+        f"({target_vocab}): a draft must use the target's token ids"
+    )

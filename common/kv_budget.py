@@ -29,7 +29,13 @@ from common.config import (
     Role,
     SpeculativeMethod,
 )
-from common.hf_config import kv_cache_heads, max_context_len, num_mtp_layers, text_config
+from common.hf_config import (
+    draft_vocab_problem,
+    kv_cache_heads,
+    max_context_len,
+    num_mtp_layers,
+    text_config,
+)
 from common.model_info import model_dir_of
 from common.tensor_parallel import expert_split_problem, local_kv_heads, split_problem
 
@@ -227,12 +233,9 @@ def _draft_shape(config: PdserveConfig, role: Role, target: ModelShape) -> Model
     draft = ModelShape.read(Path(engine.draft_model))
     if draft is None:
         raise ConfigError(key, f"{engine.draft_model} holds no config.json")
-    if draft.vocab_size > target.vocab_size:
-        raise ConfigError(
-            key,
-            f"{engine.draft_model}'s vocabulary ({draft.vocab_size}) is larger than the "
-            f"target's ({target.vocab_size}): a draft must use the target's token ids",
-        )
+    problem = draft_vocab_problem(engine.draft_model, draft.vocab_size, target.vocab_size)
+    if problem is not None:
+        raise ConfigError(key, problem)
     return draft
 
 

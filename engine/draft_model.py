@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from common.config import ConfigError, EngineConfig, SpeculativeMethod
+from common.hf_config import draft_vocab_problem
 from engine.model_shard import HostBatch, ModelShard
 from engine.models.arch import ModelArchConfig, ModelLoadError, read_arch_config
 from engine.mtp_drafts import MtpSegment, mtp_segment
@@ -55,19 +56,17 @@ class DraftModel:
             arch = read_arch_config(model_dir)
         except ModelLoadError as exc:
             raise ConfigError("engine.draft_model", str(exc)) from None
-        if arch.vocab_size > target.vocab_size:
-            raise ConfigError(
-                "engine.draft_model",
-                f"{model_dir}'s vocabulary ({arch.vocab_size}) is larger than the target's "
-                f"({target.vocab_size}): a draft must use the target's token ids",
-            )
+        problem = draft_vocab_problem(model_dir, arch.vocab_size, target.vocab_size)
+        if problem is not None:
+            raise ConfigError("engine.draft_model", problem)
         alone = config.replace(
             speculative_method=SpeculativeMethod.NGRAM, num_speculative_tokens=0,
             draft_model=None, tensor_parallel_size=1, expert_parallel=False,
             num_redundant_experts=0, expert_rebalance_interval=0,
         )  # fmt: skip
-        self.model_dir = model_dir
         self.vocab_size = arch.vocab_size
+        # Only a draft of fewer ids can be fed one it does not know (``run_pass``).
+        self.fewer_ids = arch.vocab_size < target.vocab_size
         self.shard = ModelShard(model_dir, arch, alone, device, dtype, max_model_len)
 
     @property
@@ -88,7 +87,7 @@ class DraftModel:
         the target sampled) reads as token 0: the draft cannot know it, and a wrong
         guess there costs only a draft."""
         vocab = self.vocab_size
-        if any(token >= vocab for token in batch.input_ids):
+        if self.fewer_ids and any(token >= vocab for token in batch.input_ids):
             known = [token if token < vocab else 0 for token in batch.input_ids]
             batch = dataclasses.replace(batch, input_ids=known)
         hidden = self.shard.forward(batch, None)  # [num_tokens, draft hidden]

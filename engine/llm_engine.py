@@ -523,15 +523,17 @@ class LLMEngine:
         # The drafting model's drafts, set on the scheduled requests themselves: a prefill-only
         # one has finished by now, and its drafts go out with its output.
         draft_model = self.config.speculative_method is SpeculativeMethod.DRAFT_MODEL
-        for item in scheduler_output.scheduled:
+        for item, chunk in zip(scheduler_output.scheduled, chunks, strict=True):
             request = item.request
             drafts = result.drafts.get(request.request_id)
             if drafts is not None:
                 request.set_model_drafts(drafts)
             if draft_model:  # it read every token the step made known, or caught up a part
-                caught_up = request.draft_catch_up_end
-                request.draft_kv_end = caught_up or request.num_computed_tokens + 1
-                request.draft_catch_up_end = None
+                request.draft_kv_end = (
+                    chunk.draft_lead_pos + len(chunk.draft_lead)
+                    if chunk.draft_catching_up
+                    else request.num_computed_tokens + 1
+                )
         self.num_steps += 1
         for request, num_new in progressed:
             if request.request_id in self.grammars:
@@ -799,7 +801,6 @@ def _draft_lead(request: Request, chunk: SequenceChunk, budget: int) -> int:
     if count > 1 + budget:
         count = max(1, budget)
         chunk.draft_catching_up = True
-        request.draft_catch_up_end = first + count
     chunk.draft_lead = request.token_ids_between(first, first + count)
     chunk.draft_lead_pos = first
     return count - 1

@@ -33,7 +33,7 @@ from engine.kv_cache_manager import cdiv
 from engine.model_shard import HostBatch, ModelShard
 from engine.models.arch import ModelArchConfig
 from engine.models.lora import LoraAdapter, LoraBatch, load_lora_adapter
-from engine.mtp_drafts import MtpSegment, check_mtp, mtp_segment, propose_drafts
+from engine.mtp_drafts import MtpSegment, check_mtp, mtp_segment, propose_drafts, slots_end
 from engine.parallel.expert_placement import imbalance, rebalance
 from engine.parallel.group import SingleRank, TPGroup
 from engine.parallel.launch import ShardExtensionSpec
@@ -433,7 +433,7 @@ class ModelRunner:
             if self.draft is None:
                 segment = mtp_segment(chunk, known, first_row)
             else:
-                capacity = min(len(chunk.block_ids) * self.block_size, self.max_model_len)
+                capacity = slots_end(chunk.block_ids, self.block_size, self.max_model_len)
                 segment = draft_segment(chunk, known, first_row, capacity)
             if segment is not None:
                 segments.append(segment)

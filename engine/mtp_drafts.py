@@ -45,7 +45,7 @@ class MtpSegment:
     """One request's positions in an MTP pass (the fields ``HostBatch`` is built from)."""
 
     request_id: str
-    token_ids: list[int]  # the token after each position
+    token_ids: list[int]  # the token after each position (a draft model's: at each)
     start_pos: int
     block_ids: list[int]
     rows: range  # rows of the hidden states before the first pass's positions
@@ -85,6 +85,12 @@ def mtp_segment(
     )  # fmt: skip
 
 
+def slots_end(block_ids: list[int], block_size: int, max_model_len: int) -> int:
+    """The first position a request has no slot for: where its blocks end, or
+    ``max_model_len``. A drafting pass writes nothing at or past it."""
+    return min(len(block_ids) * block_size, max_model_len)
+
+
 # One MTP pass on every rank: (batch, hidden_rows, from_target, logit_rows) -> the logits
 # of logit_rows, or None without any (``ModelShard.mtp_pass``).
 MtpPassRunner = Callable[[HostBatch, list[int], bool, list[int]], torch.Tensor | None]
@@ -116,7 +122,7 @@ def propose_drafts(
             k
             for k, s in enumerate(live)
             if s.num_drafts > j
-            and _last_pos(s) + j < min(len(s.block_ids) * block_size, max_model_len)
+            and _last_pos(s) + j < slots_end(s.block_ids, block_size, max_model_len)
         ]
         if not keep:
             break

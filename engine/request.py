@@ -164,10 +164,8 @@ class Request:
     model_draft_ids: list[int] = field(default_factory=list)
     model_drafts_after: int = 0
     # With a draft model: it holds KV for positions 0 .. draft_kv_end - 1, as of the last
-    # step this request took part in (``engine/draft_model.py``); and where a step that
-    # only catches it up leaves it (None: the step reads every token it made known).
+    # step this request took part in (``engine/draft_model.py``).
     draft_kv_end: int = 0
-    draft_catch_up_end: int | None = None
 
     def set_model_drafts(self, draft_ids: list[int]) -> None:
         """A model's drafts after the request's tokens as they are now."""

@@ -21,12 +21,14 @@ balance), since a step of an expert-parallel layer lasts as long as its busiest 
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Sequence
 
 Placement = tuple[int, ...]  # physical slot -> logical expert, every rank's slots in order
 
 
+@functools.cache  # the loader asks once per expert parameter; with copies it packs anew
 def loaded_placement(num_experts: int, num_redundant_experts: int, num_ranks: int) -> Placement:
     """The placement weights load into: rank r's contiguous range of experts, and with
     copies, ``rebalance`` for equal loads (copies of experts ``0 .. R-1``, packed so that
