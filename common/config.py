@@ -38,12 +38,26 @@ class SpeculativeMethod(StrEnum):
     # A small model of the same tokenizer (``engine.draft_model``), run after each step on
     # rank 0 with a KV cache of its own (engine/draft_model.py): vLLM's draft-model method.
     DRAFT_MODEL = "draft_model"
+    # An EAGLE-3 head (``engine.draft_model``): one decoder layer run like the MTP layer,
+    # on three of the target's hidden states (engine/models/eagle3.py); vLLM's eagle3.
+    EAGLE3 = "eagle3"
 
     @property
     def drafts_after_step(self) -> bool:
         """Whether the runner computes the drafts right after each step (a model on the
         device), rather than the scheduler from the request's tokens (ngram)."""
         return self is not SpeculativeMethod.NGRAM
+
+    @property
+    def reads_target_states(self) -> bool:
+        """Whether the drafts come from a layer fed the target's hidden states (MTP,
+        EAGLE-3), with a KV cache layer beside the target's."""
+        return self in (SpeculativeMethod.MTP, SpeculativeMethod.EAGLE3)
+
+    @property
+    def reads_draft_model(self) -> bool:
+        """Whether ``engine.draft_model`` names what drafts (a draft model, an EAGLE-3 head)."""
+        return self in (SpeculativeMethod.DRAFT_MODEL, SpeculativeMethod.EAGLE3)
 
 
 class DType(StrEnum):
@@ -167,11 +181,12 @@ class EngineConfig:
     # ``mtp``: the drafts come from the checkpoint's multi-token-prediction layer instead.
     # It runs, and keeps its KV (one more cache layer), whenever this is mtp, even with
     # num_speculative_tokens 0: a prefill worker writes the prompt's MTP KV that its decode
-    # workers' drafts attend to, so both roles need the same method.
+    # workers' drafts attend to, so both roles need the same method (eagle3 likewise).
     speculative_method: SpeculativeMethod = SpeculativeMethod.NGRAM
     # ``draft_model``: the checkpoint directory of the draft (a smaller model whose token
     # ids are the target's: Llama-3.2-1B for Llama-3.1-70B, Qwen2.5-0.5B for Qwen2.5-32B).
     # Its KV cache shares the target's block ids, so each block costs both models' bytes.
+    # ``eagle3``: the EAGLE-3 head's directory (safetensors); its KV is one more layer.
     draft_model: str | None = None
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
@@ -211,17 +226,22 @@ class EngineConfig:
                 "engine.num_speculative_tokens",
                 f"must be in [0, {MAX_SPECULATIVE_TOKENS}], got {self.num_speculative_tokens}",
             )
-        drafting = self.speculative_method is SpeculativeMethod.DRAFT_MODEL
-        if drafting and not self.draft_model:
+        method = self.speculative_method
+        if method.reads_draft_model and not self.draft_model:
             raise ConfigError(
                 "engine.draft_model",
-                "speculative_method draft_model needs the draft's checkpoint directory",
+                f"speculative_method {method.value} needs the draft's checkpoint directory",
             )
-        if self.draft_model and not drafting:
+        if self.draft_model and not method.reads_draft_model:
             raise ConfigError(
                 "engine.draft_model",
-                f"is used only with speculative_method draft_model, not "
-                f"{self.speculative_method.value}",
+                f"is used only with speculative_method draft_model or eagle3, not {method.value}",
+            )
+        if method is SpeculativeMethod.EAGLE3 and self.tensor_parallel_size > 1:
+            raise ConfigError(
+                "engine.speculative_method",
+                "eagle3 runs at tensor_parallel_size 1 (the head's KV is a layer of the "
+                "target's cache, and the head is not split across ranks yet)",
             )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError(
@@ -712,9 +732,9 @@ class PdserveConfig:
         for key, why in (
             ("scheduling_policy", "the router takes a request's priority only when both "
                                   "roles honour it"),
-            ("speculative_method", "with mtp the KV cache holds the MTP layer's KV too, "
-                                   "which moves with the prompt's blocks, and a prefill "
-                                   "worker's first drafts go with its token"),
+            ("speculative_method", "with mtp or eagle3 the KV cache holds the drafting "
+                                   "layer's KV too, which moves with the prompt's blocks, "
+                                   "and a prefill worker's first drafts go with its token"),
         ):  # fmt: skip
             values = {role: getattr(self.engine_for(role), key) for role in Role}
             if values[Role.PREFILL] is not values[Role.DECODE]:
@@ -723,6 +743,15 @@ class PdserveConfig:
                     f"prefill has {key} {values[Role.PREFILL].value} and decode "
                     f"{values[Role.DECODE].value}: {why}, so both roles need the same {key}",
                 )
+        heads = {role: self.engine_for(role).draft_model for role in Role}
+        eagle3 = self.engine_for(Role.DECODE).speculative_method is SpeculativeMethod.EAGLE3
+        if eagle3 and heads[Role.PREFILL] != heads[Role.DECODE]:
+            raise ConfigError(
+                "decode.engine.draft_model",
+                f"prefill drafts with {heads[Role.PREFILL]} and decode with "
+                f"{heads[Role.DECODE]}: an EAGLE-3 head's KV moves with the prompt's blocks, "
+                "so both roles need the same head",
+            )
         self._check_ports()
 
     def role(self, role: Role) -> WorkerRoleConfig:

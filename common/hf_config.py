@@ -195,3 +195,44 @@ def draft_vocab_problem(draft: object, draft_vocab: int, target_vocab: int) -> s
         f"{draft}'s vocabulary ({draft_vocab}) is larger than the target's "
         f"({target_vocab}): a draft must use the target's token ids"
     )
+
+
+# EAGLE-3 heads (``engine.speculative_method: eagle3``): EAGLE's own files and vLLM's
+# speculators files (which nest the decoder layer's config in transformer_layer_config).
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator")
+
+
+def eagle3_layer_config(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """The Llama config of an EAGLE-3 head's decoder layer, from its config.json's
+    contents ``raw``; None if ``raw`` is not an EAGLE-3 head's."""
+    if not set(raw.get("architectures") or ()) & set(EAGLE3_ARCHITECTURES):
+        return None
+    return {**raw, **raw.get("transformer_layer_config", {})}
+
+
+def eagle3_aux_layer_ids(raw: dict[str, Any], num_target_layers: int) -> tuple[int, ...]:
+    """The target layers whose input states (the residual stream entering layer ``j``;
+    0: the embeddings, ``num_target_layers``: the last layer's output) an EAGLE-3 head
+    reads, in its fc's order: ``eagle_aux_hidden_state_layer_ids`` (vLLM's key and its
+    indexing), else vLLM's and EAGLE's default: layers 2, L/2 and L - 3."""
+    nested = raw.get("eagle_config") or {}
+    ids = raw.get("eagle_aux_hidden_state_layer_ids") or nested.get(
+        "eagle_aux_hidden_state_layer_ids"
+    )
+    if ids:
+        return tuple(int(i) for i in ids)
+    return (2, num_target_layers // 2, num_target_layers - 3)
+
+
+def eagle3_kv_problem(
+    head: object, head_kv: tuple[int, int], target_kv: tuple[int, int]
+) -> str | None:
+    """Why the EAGLE-3 head ``head`` (KV heads, head size ``head_kv``) cannot keep its KV
+    as one more layer of the target's cache (``target_kv``), or None if it can."""
+    if head_kv == target_kv:
+        return None
+    return (
+        f"{head}'s attention ({head_kv[0]} KV heads of {head_kv[1]}) differs from the "
+        f"target's ({target_kv[0]} of {target_kv[1]}): its KV is one more layer of the "
+        "target's cache, which moves with the prompt's blocks"
+    )

@@ -31,6 +31,8 @@ from common.config import (
 )
 from common.hf_config import (
     draft_vocab_problem,
+    eagle3_kv_problem,
+    eagle3_layer_config,
     kv_cache_heads,
     max_context_len,
     num_mtp_layers,
@@ -84,13 +86,13 @@ class ModelShape:
             raise ConfigError("model", f"{path} is not a usable checkpoint config: {exc}") from None
 
     def bytes_per_block(
-        self, block_size: int, dtype_bytes: int, tp_size: int = 1, mtp: bool = False
+        self, block_size: int, dtype_bytes: int, tp_size: int = 1, draft_layer: bool = False
     ) -> int:
         """K and V of ``block_size`` tokens in every cache layer (one block id, all layers;
-        with ``mtp`` the MTP layer's too), on one of ``tp_size`` tensor-parallel ranks
-        (each holds its KV heads)."""
+        with ``draft_layer`` the MTP layer's or EAGLE-3 head's too, of the same shape), on
+        one of ``tp_size`` tensor-parallel ranks (each holds its KV heads)."""
         num_kv_heads = local_kv_heads(self.num_kv_heads, tp_size)
-        num_layers = self.num_layers + (min(self.num_mtp_layers, 1) if mtp else 0)
+        num_layers = self.num_layers + int(draft_layer)
         return num_layers * 2 * block_size * num_kv_heads * self.head_dim * dtype_bytes
 
 
@@ -178,8 +180,8 @@ def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
         raise ConfigError(_key(config, role, "tensor_parallel_size"), problem)
     max_model_len = min(engine.max_model_len or shape.max_context_len, shape.max_context_len)
     min_blocks = -(-max_model_len // engine.block_size)
-    mtp = engine.speculative_method is SpeculativeMethod.MTP
-    if mtp and not shape.num_mtp_layers:
+    method = engine.speculative_method
+    if method is SpeculativeMethod.MTP and not shape.num_mtp_layers:
         raise ConfigError(
             _key(config, role, "speculative_method"),
             f"mtp needs a multi-token-prediction layer; {model_dir_of(config)} has none "
@@ -190,7 +192,9 @@ def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
     def block_bytes(element_bytes: int) -> int:
         """Rank 0's bytes of a block: its share of the target's KV, and the draft
         model's whole (it runs on rank 0 alone)."""
-        target = shape.bytes_per_block(engine.block_size, element_bytes, tp_size, mtp)
+        target = shape.bytes_per_block(
+            engine.block_size, element_bytes, tp_size, method.reads_target_states
+        )
         return target + (draft.bytes_per_block(engine.block_size, element_bytes) if draft else 0)
 
     cpu_bpb = block_bytes(_dtype_bytes(engine, Device.CPU))
@@ -224,12 +228,16 @@ def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
 
 def _draft_shape(config: PdserveConfig, role: Role, target: ModelShape) -> ModelShape | None:
     """The draft model's shape (``speculative_method: draft_model``), or None without
-    one. Raises ``ConfigError`` for a draft that is not there or whose token ids are not
-    the target's."""
+    one (an EAGLE-3 head's KV is a layer of the target's shape: checked here). Raises
+    ``ConfigError`` for a draft that is not there or whose token ids are not the
+    target's."""
     engine = config.engine_for(role)
     if engine.draft_model is None:
         return None
     key = _key(config, role, "draft_model")
+    if engine.speculative_method is SpeculativeMethod.EAGLE3:
+        _check_eagle3_head(Path(engine.draft_model), target, key)
+        return None
     draft = ModelShape.read(Path(engine.draft_model))
     if draft is None:
         raise ConfigError(key, f"{engine.draft_model} holds no config.json")
@@ -237,6 +245,21 @@ def _draft_shape(config: PdserveConfig, role: Role, target: ModelShape) -> Model
     if problem is not None:
         raise ConfigError(key, problem)
     return draft
+
+
+def _check_eagle3_head(head_dir: Path, target: ModelShape, key: str) -> None:
+    """Raise ``ConfigError`` if ``head_dir`` holds no EAGLE-3 head whose KV fits a layer
+    of ``target``'s cache (the engine's own check, ``engine/models/eagle3.py``)."""
+    path = head_dir / "config.json"
+    if not path.is_file():
+        raise ConfigError(key, f"{head_dir} holds no config.json")
+    layer = eagle3_layer_config(json.loads(path.read_text()))
+    if layer is None:
+        raise ConfigError(key, f"{path} is not an EAGLE-3 head's config")
+    target_kv = (target.num_kv_heads, target.head_dim)
+    problem = eagle3_kv_problem(head_dir, kv_cache_heads(layer), target_kv)
+    if problem is not None:
+        raise ConfigError(key, problem)
 
 
 def _cpu_problems(

@@ -380,7 +380,7 @@ class ModelRunner:
             results = sample(logits, [c.sampling for _, c in sampling])
             sampled = zip(sampling, results, strict=True)
             result.sampled = {c.request_id: r for (_, c), r in sampled}
-        if self.shard.num_mtp_layers or self.draft is not None:
+        if self.shard.num_draft_layers or self.draft is not None:
             result.drafts = self._model_drafts(chunks, batch, result.sampled)
         if self.expert_rebalance_interval:
             self._steps_since_rebalance += 1

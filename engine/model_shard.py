@@ -26,11 +26,12 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.host_memory import zeros_for_kv_caches
 from engine.kv_cache_manager import cdiv
 from engine.models.arch import ModelArchConfig, ModelLoadError
+from engine.models.eagle3 import Eagle3Head, load_eagle3_head
 from engine.models.llama import use_kv_scales
 from engine.models.loader import load_model
 from engine.models.lora import LoraBatch
 from engine.models.moe import SparseMoe
-from engine.models.mtp import mtp_hidden, mtp_logits
+from engine.models.mtp import MtpLayer
 from engine.parallel.expert_moves import move_experts
 from engine.parallel.expert_placement import Placement
 from engine.parallel.group import SingleRank, TPGroup
@@ -111,17 +112,28 @@ class ModelShard:
             config.attention_backend, device, config.block_size, arch.mla is not None
         )
         self.cache_dtype = kv_cache_dtype(config, dtype, device, self.backend.name)
-        # The MTP layer drafts (``engine/mtp_drafts.py``); its KV is the last cache layer.
-        self.num_mtp_layers = int(config.speculative_method is SpeculativeMethod.MTP)
+        # A drafting layer (``engine/mtp_drafts.py``): the checkpoint's MTP layer or an
+        # EAGLE-3 head; its KV is the last cache layer.
+        method = config.speculative_method
+        self.num_draft_layers = int(method in (SpeculativeMethod.MTP, SpeculativeMethod.EAGLE3))
         self.model = load_model(
             model_dir, arch, max_model_len, self.backend, device, dtype, self.group,
-            self.num_mtp_layers, tp,
+            int(method is SpeculativeMethod.MTP), tp,
         )  # fmt: skip
-        # The last step's hidden states before the final norm, kept for the MTP pass that
-        # follows it ([num_tokens, hidden]); None without an MTP layer. And the MTP pass's
-        # states at the rows that drafted, which the next pass continues from.
-        self.prenorm_hidden: torch.Tensor | None = None
-        self.mtp_hidden: torch.Tensor | None = None
+        self.draft_layer: MtpLayer | Eagle3Head | None = None
+        if method is SpeculativeMethod.MTP:
+            self.draft_layer = self.model.model.mtp_layers[0]
+        elif method is SpeculativeMethod.EAGLE3:
+            assert config.draft_model is not None and self.group.size == 1
+            self.draft_layer = load_eagle3_head(
+                config.draft_model, arch, max_model_len, self.backend, device, dtype
+            )
+        # What the drafting layer's first pass after a step reads of that step's tokens
+        # ([num_tokens, hidden]; None without one): the MTP layer, the states before the
+        # final norm; an EAGLE-3 head, its fc of the states entering its aux layers. And
+        # the last pass's states at the rows that drafted, which the next pass continues.
+        self.target_features: torch.Tensor | None = None
+        self.draft_hidden: torch.Tensor | None = None
         self._use_kv_scales()
         # The layers whose experts are placed over the group (expert parallelism); rank 0
         # counts the pairs routed to their experts when it rebalances them.
@@ -161,8 +173,8 @@ class ModelShard:
 
     @property
     def num_cache_layers(self) -> int:
-        """KV cache layers: the model's, then the MTP layer's when it drafts."""
-        return self.arch.num_layers + self.num_mtp_layers
+        """KV cache layers: the model's, then the drafting layer's when it drafts."""
+        return self.arch.num_layers + self.num_draft_layers
 
     @property
     def bytes_per_block(self) -> int:
@@ -210,12 +222,12 @@ class ModelShard:
         )
         config = self.config
         # Latent attention decodes eagerly: its capture is not yet tried on a GPU; so do
-        # MTP drafters (a graph keeps no hidden states before the final norm).
+        # drafting layers (a graph keeps no states before the final norm).
         graphs = (
             config.cuda_graphs
             and self.device.type == "cuda"
             and arch.mla is None
-            and not self.num_mtp_layers
+            and not self.num_draft_layers
         )
         if graphs and self.backend.name == "triton":
             self._capture()
@@ -265,33 +277,41 @@ class ModelShard:
             )  # fmt: skip
         input_ids, positions, metadata = self._device_inputs(batch)
         layer_caches = self.kv_caches[: self.arch.num_layers]
-        if not self.num_mtp_layers:
+        layer = self.draft_layer
+        if layer is None:
             return self.model(input_ids, positions, layer_caches, metadata, lora)
-        hidden = self.model.hidden_states(input_ids, positions, layer_caches, metadata, lora)
-        self.prenorm_hidden = hidden
+        if isinstance(layer, Eagle3Head):
+            hidden, aux = self.model.hidden_and_aux(
+                input_ids, positions, layer_caches, metadata, lora, layer.aux_layer_ids
+            )
+            self.target_features = layer.features(aux)
+        else:
+            hidden = self.model.hidden_states(input_ids, positions, layer_caches, metadata, lora)
+            self.target_features = hidden
         return self.model.model.norm(hidden)
 
     def mtp_pass(
         self, batch: HostBatch, hidden_rows: list[int], from_target: bool, logit_rows: list[int]
     ) -> torch.Tensor | None:
-        """One pass of the MTP layer over ``batch`` (its input ids: the token after each
-        position), fed rows ``hidden_rows`` of the last step's states before the final
-        norm (``from_target``) or of the last pass's ``logit_rows`` states; writes the
-        layer's KV at the batch's slots. Returns the logits of rows ``logit_rows``
+        """One pass of the drafting layer over ``batch`` (its input ids: the token after
+        each position), fed rows ``hidden_rows`` of the last step's ``target_features``
+        (``from_target``) or of the last pass's ``logit_rows`` states; writes the layer's
+        KV at the batch's slots. Returns the logits of rows ``logit_rows``
         ([len, vocab] float32; rank 0's are the whole vocabulary's), None if there are
         none. Every rank of a tensor-parallel group runs the same passes."""
-        source = self.prenorm_hidden if from_target else self.mtp_hidden
-        assert source is not None
+        layer = self.draft_layer
+        source = self.target_features if from_target else self.draft_hidden
+        assert layer is not None and source is not None
         previous = source[self.to_device(hidden_rows, torch.int64)]  # [num_tokens, hidden]
         input_ids, positions, metadata = self._device_inputs(batch)
-        hidden = mtp_hidden(
+        hidden = layer.draft_hidden(
             self.model, input_ids, positions, previous, self.kv_caches[-1], metadata
         )
         if not logit_rows:
-            self.mtp_hidden = None
+            self.draft_hidden = None
             return None
-        self.mtp_hidden = hidden[self.to_device(logit_rows, torch.int64)]
-        return mtp_logits(self.model, self.mtp_hidden)
+        self.draft_hidden = hidden[self.to_device(logit_rows, torch.int64)]
+        return layer.draft_logits(self.model, self.draft_hidden)
 
     def expert_placements(self) -> list[Placement]:
         """The placement each of ``moe_layers`` runs."""

@@ -48,7 +48,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from common.config import EngineConfig, SpeculativeMethod
+from common.config import EngineConfig
 from common.hashing import BlockHash
 from engine.block_pool import BlockPoolObserver, KVBlock
 from engine.draft_budget import DraftBudget
@@ -145,10 +145,10 @@ class Scheduler:
         self.proposer: DraftProposer | None = None
         after_step = config.speculative_method.drafts_after_step
         # Slots a drafting model writes past a decode step's tokens (``_lookahead``): the
-        # MTP layer's recursive drafts, k - 1; a draft model reads the sampled token too,
-        # one position later (``engine/draft_model.py``), k.
+        # MTP layer's or EAGLE-3 head's recursive drafts, k - 1; a draft model reads the
+        # sampled token too, one position later (``engine/draft_model.py``), k.
         lookahead = config.num_speculative_tokens
-        if config.speculative_method is SpeculativeMethod.MTP:
+        if config.speculative_method.reads_target_states:
             lookahead = max(lookahead - 1, 0)
         self.draft_lookahead = lookahead if after_step else 0
         if config.num_speculative_tokens and after_step:

@@ -457,7 +457,13 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
         raise ModelLoadError(f"model directory {model_dir} does not exist")
     if not path.exists():
         raise ModelLoadError(f"{model_dir} has no config.json: not a Hugging Face checkpoint")
-    raw = json.loads(path.read_text())
+    return arch_from_config(json.loads(path.read_text()), model_dir)
+
+
+def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
+    """``read_arch_config`` of ``raw``, a config.json's contents (``model_dir``'s: its
+    generation config and messages)."""
+    path = model_dir / "config.json"
     # transformers falls back to model_type when a config names no architectures.
     architectures = raw.get("architectures") or [_BY_MODEL_TYPE.get(raw.get("model_type"), "")]
     cfg = text_config(raw)

@@ -292,13 +292,31 @@ class LlamaForCausalLM(nn.Module):
         attn_metadata: object,
         lora: LoraBatch | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden_size], before the final norm
+        return self.hidden_and_aux(input_ids, positions, kv_caches, attn_metadata, lora)[0]
+
+    def hidden_and_aux(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[torch.Tensor],  # one per layer (not a drafting layer's)
+        attn_metadata: object,
+        lora: LoraBatch | None = None,
+        aux_layer_ids: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``hidden_states``, and the residual stream entering each layer of
+        ``aux_layer_ids`` (0: the embeddings; ``num_layers``: the last layer's output), in
+        their order ([num_tokens, hidden_size] each): what an EAGLE-3 head reads."""
+        seen: dict[int, torch.Tensor] = {}
         hidden = self.model.embed_tokens(input_ids)
         if self.arch.embed_scale != 1.0:
             # As transformers: the scale rounded to the model dtype (bf16: sqrt(3072) = 55.5).
             hidden = hidden * torch.tensor(self.arch.embed_scale, dtype=hidden.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        for index, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
+            if index in aux_layer_ids:
+                seen[index] = hidden
             hidden = layer(positions, hidden, kv_cache, attn_metadata, lora)
-        return hidden
+        seen[len(kv_caches)] = hidden
+        return hidden, [seen[index] for index in aux_layer_ids]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, vocab] float32
         """Under tensor parallelism every rank calls this on the same rows (it gathers the

@@ -74,6 +74,22 @@ class MtpLayer(DecoderLayer):
         both = torch.cat((self.enorm(token_embeds), self.hnorm(previous_hidden)), dim=-1)
         return self.forward(positions, self.eh_proj(both), kv_cache, attn_metadata)
 
+    def draft_hidden(
+        self,
+        model: LlamaForCausalLM,
+        input_ids: torch.Tensor,  # [n]: t_{q+1} for each position q
+        positions: torch.Tensor,  # [n]: q
+        previous_hidden: torch.Tensor,  # [n, hidden]
+        kv_cache: torch.Tensor,
+        attn_metadata: object,
+    ) -> torch.Tensor:  # [n, hidden]
+        embeds = model.model.embed_tokens(input_ids)
+        return self.predict(positions, embeds, previous_hidden, kv_cache, attn_metadata)
+
+    def draft_logits(self, model: LlamaForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, vocab] float32 logits of the layer's states (its norm, the model's head)."""
+        return model.compute_logits(self.shared_head.norm(hidden))
+
 
 def add_mtp_layer(model: LlamaForCausalLM, backend: AttentionBackend, group: TPGroup) -> None:
     """Give ``model`` its first MTP layer (``model.mtp_layers.0``; the loader fills it from
@@ -83,21 +99,3 @@ def add_mtp_layer(model: LlamaForCausalLM, backend: AttentionBackend, group: TPG
     index = arch.num_layers
     rotary = model.rotary_of(index)
     model.model.mtp_layers.append(MtpLayer(arch, index, rotary, backend, group))
-
-
-def mtp_hidden(
-    model: LlamaForCausalLM,
-    input_ids: torch.Tensor,  # [n]: t_{q+1} for each position q
-    positions: torch.Tensor,  # [n]: q
-    previous_hidden: torch.Tensor,  # [n, hidden]
-    kv_cache: torch.Tensor,
-    attn_metadata: object,
-) -> torch.Tensor:  # [n, hidden]
-    embeds = model.model.embed_tokens(input_ids)
-    layer = model.model.mtp_layers[0]
-    return layer.predict(positions, embeds, previous_hidden, kv_cache, attn_metadata)
-
-
-def mtp_logits(model: LlamaForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
-    """[n, vocab] float32 logits of the MTP layer's states (its norm, the model's head)."""
-    return model.compute_logits(model.model.mtp_layers[0].shared_head.norm(hidden))

@@ -164,7 +164,7 @@ def test_the_prompts_mtp_kv_moves_with_its_blocks(model_factory):
     assert len(prefill.runner.kv_caches) == 5  # 4 layers and the MTP layer's
     # The pool sizing before start (pdserve config check) counts the MTP layer too.
     shape = ModelShape.read(model_dir)
-    assert shape.bytes_per_block(16, 4, mtp=True) == prefill.runner.bytes_per_block
+    assert shape.bytes_per_block(16, 4, draft_layer=True) == prefill.runner.bytes_per_block
     assert shape.bytes_per_block(16, 4) * 5 == prefill.runner.bytes_per_block * 4
     firsts = hand_off(prefill, decode, prompts, params)
     _, got = _run_recording_drafts(decode)
