@@ -237,12 +237,6 @@ class EngineConfig:
                 "engine.draft_model",
                 f"is used only with speculative_method draft_model or eagle3, not {method.value}",
             )
-        if method is SpeculativeMethod.EAGLE3 and self.tensor_parallel_size > 1:
-            raise ConfigError(
-                "engine.speculative_method",
-                "eagle3 runs at tensor_parallel_size 1 (the head's KV is a layer of the "
-                "target's cache, and the head is not split across ranks yet)",
-            )
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ConfigError(
                 "engine.prompt_lookup_min",

@@ -236,7 +236,7 @@ def _draft_shape(config: PdserveConfig, role: Role, target: ModelShape) -> Model
         return None
     key = _key(config, role, "draft_model")
     if engine.speculative_method is SpeculativeMethod.EAGLE3:
-        _check_eagle3_head(Path(engine.draft_model), target, key)
+        _check_eagle3_head(Path(engine.draft_model), target, key, engine.tensor_parallel_size)
         return None
     draft = ModelShape.read(Path(engine.draft_model))
     if draft is None:
@@ -247,9 +247,10 @@ def _draft_shape(config: PdserveConfig, role: Role, target: ModelShape) -> Model
     return draft
 
 
-def _check_eagle3_head(head_dir: Path, target: ModelShape, key: str) -> None:
+def _check_eagle3_head(head_dir: Path, target: ModelShape, key: str, tp_size: int) -> None:
     """Raise ``ConfigError`` if ``head_dir`` holds no EAGLE-3 head whose KV fits a layer
-    of ``target``'s cache (the engine's own check, ``engine/models/eagle3.py``)."""
+    of ``target``'s cache, split over ``tp_size`` ranks (the engine's own checks,
+    ``engine/models/eagle3.py``)."""
     path = head_dir / "config.json"
     if not path.is_file():
         raise ConfigError(key, f"{head_dir} holds no config.json")
@@ -260,6 +261,10 @@ def _check_eagle3_head(head_dir: Path, target: ModelShape, key: str) -> None:
     problem = eagle3_kv_problem(head_dir, kv_cache_heads(layer), target_kv)
     if problem is not None:
         raise ConfigError(key, problem)
+    widths = {"intermediate_size": int(layer["intermediate_size"])}
+    problem = split_problem(int(layer["num_attention_heads"]), target.num_kv_heads, widths, tp_size)
+    if problem is not None:
+        raise ConfigError(key, f"{path}: tensor_parallel_size={tp_size}: {problem}")
 
 
 def _cpu_problems(

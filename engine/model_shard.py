@@ -115,7 +115,7 @@ class ModelShard:
         # A drafting layer (``engine/mtp_drafts.py``): the checkpoint's MTP layer or an
         # EAGLE-3 head; its KV is the last cache layer.
         method = config.speculative_method
-        self.num_draft_layers = int(method in (SpeculativeMethod.MTP, SpeculativeMethod.EAGLE3))
+        self.num_draft_layers = int(method.reads_target_states)
         self.model = load_model(
             model_dir, arch, max_model_len, self.backend, device, dtype, self.group,
             int(method is SpeculativeMethod.MTP), tp,
@@ -124,10 +124,11 @@ class ModelShard:
         if method is SpeculativeMethod.MTP:
             self.draft_layer = self.model.model.mtp_layers[0]
         elif method is SpeculativeMethod.EAGLE3:
-            assert config.draft_model is not None and self.group.size == 1
+            assert config.draft_model is not None
             self.draft_layer = load_eagle3_head(
-                config.draft_model, arch, max_model_len, self.backend, device, dtype
-            )
+                config.draft_model, arch, max_model_len, self.backend, device, dtype,
+                self.group, tp,
+            )  # fmt: skip
         # What the drafting layer's first pass after a step reads of that step's tokens
         # ([num_tokens, hidden]; None without one): the MTP layer, the states before the
         # final norm; an EAGLE-3 head, its fc of the states entering its aux layers. And

@@ -40,6 +40,7 @@ from common.hf_config import (
     eagle3_kv_problem,
     eagle3_layer_config,
 )
+from common.tensor_parallel import split_problem
 from engine.attention.backend import AttentionBackend
 from engine.models.arch import (
     ModelArchConfig,
@@ -50,7 +51,8 @@ from engine.models.arch import (
 from engine.models.llama import DecoderLayer, LlamaForCausalLM
 from engine.models.norms import rms_norm
 from engine.models.rope import RotaryEmbedding
-from engine.parallel.group import SingleRank
+from engine.parallel.group import SingleRank, TPGroup
+from engine.parallel.shard_spec import ShardSpec, TensorParallel, local_arch, shard_spec
 
 _KEY = "engine.draft_model"
 
@@ -64,9 +66,10 @@ class Eagle3Config:
     norm_before_residual: bool
 
 
-def read_eagle3_config(head_dir: Path, target: ModelArchConfig) -> Eagle3Config:
-    """The head's config, checked against ``target``'s. Raises ``ConfigError`` for a
-    directory that holds no EAGLE-3 head, or one that cannot draft for ``target``."""
+def read_eagle3_config(head_dir: Path, target: ModelArchConfig, tp_size: int = 1) -> Eagle3Config:
+    """The head's config, checked against ``target``'s and split over ``tp_size`` ranks.
+    Raises ``ConfigError`` for a directory that holds no EAGLE-3 head, or one that
+    cannot draft for ``target``."""
     path = head_dir / "config.json"
     if not path.is_file():
         raise ConfigError(_KEY, f"{head_dir} holds no config.json")
@@ -88,6 +91,10 @@ def read_eagle3_config(head_dir: Path, target: ModelArchConfig) -> Eagle3Config:
     problem = eagle3_kv_problem(head_dir, head_kv, (target.num_kv_heads, target.head_dim))
     if problem is not None:
         raise ConfigError(_KEY, problem)
+    widths = {"intermediate_size": arch.intermediate_size}
+    problem = split_problem(arch.num_q_heads, arch.num_kv_heads, widths, tp_size)
+    if problem is not None:
+        raise ConfigError(_KEY, f"{path}: tensor_parallel_size={tp_size}: {problem}")
     aux = eagle3_aux_layer_ids(raw, target.num_layers)
     if not all(0 <= i <= target.num_layers for i in aux):
         raise ConfigError(
@@ -110,13 +117,19 @@ def read_eagle3_config(head_dir: Path, target: ModelArchConfig) -> Eagle3Config:
 
 
 class Eagle3Layer(DecoderLayer):
-    """Llama's decoder layer whose attention reads ``[embeds, features]`` (2 * hidden)."""
+    """Llama's decoder layer whose attention reads ``[embeds, features]`` (2 * hidden).
+    Under tensor parallelism (``arch``: the rank's heads and MLP slice) it is split as
+    the target's layers are, so its KV heads are the rank's cache layer's."""
 
     def __init__(
-        self, config: Eagle3Config, rotary: RotaryEmbedding, backend: AttentionBackend
+        self,
+        config: Eagle3Config,
+        arch: ModelArchConfig,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        group: TPGroup,
     ) -> None:
-        arch = config.arch
-        super().__init__(arch, 0, rotary, backend, SingleRank())
+        super().__init__(arch, 0, rotary, backend, group)
         width = arch.q_size + 2 * arch.kv_size
         self.self_attn.qkv_proj = nn.Linear(2 * arch.hidden_size, width, bias=arch.qkv_bias)
         self.hidden_norm = rms_norm(arch, arch.hidden_size)
@@ -133,13 +146,16 @@ class Eagle3Layer(DecoderLayer):
         normed = self.hidden_norm(features)
         residual = normed if self.norm_before_residual else features
         both = torch.cat((self.input_layernorm(token_embeds), normed), dim=-1)
-        hidden = residual + self.self_attn(positions, both, kv_cache, attn_metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        reduce = self.group.all_reduce
+        hidden = residual + reduce(self.self_attn(positions, both, kv_cache, attn_metadata))
+        return hidden + reduce(self.mlp(self.post_attention_layernorm(hidden)))
 
 
 class Eagle3Head(nn.Module):
     """The head's tensors, named as the checkpoint stores them (``midlayer`` is its layer;
-    ``d2t`` becomes ``draft_to_target``, the target id of each draft id)."""
+    ``d2t`` becomes ``draft_to_target``, the target id of each draft id). Under tensor
+    parallelism the layer is split (``Eagle3Layer``) and the rest replicated: every rank
+    runs every pass, and rank 0 reads the drafts."""
 
     def __init__(
         self,
@@ -148,13 +164,16 @@ class Eagle3Head(nn.Module):
         max_positions: int,
         backend: AttentionBackend,
         own_embeddings: bool,
+        group: TPGroup | None = None,
+        tp: TensorParallel | None = None,
     ) -> None:
         super().__init__()
         arch = config.arch
         self.aux_layer_ids = config.aux_layer_ids
         self.target_vocab_size = target_vocab_size
         self.rotary = RotaryEmbedding(arch.rope, arch.rotary_dim, max_positions)
-        self.midlayer = Eagle3Layer(config, self.rotary, backend)
+        local = local_arch(arch, tp or TensorParallel())
+        self.midlayer = Eagle3Layer(config, local, self.rotary, backend, group or SingleRank())
         num_inputs = len(config.aux_layer_ids) * config.target_hidden_size
         self.fc = nn.Linear(num_inputs, arch.hidden_size, bias=False)
         self.norm = rms_norm(arch, arch.hidden_size)
@@ -203,12 +222,16 @@ def load_eagle3_head(
     backend: AttentionBackend,
     device: torch.device,
     dtype: torch.dtype,
+    group: TPGroup | None = None,
+    tp: TensorParallel | None = None,
 ) -> Eagle3Head:
     """The head in ``head_dir`` (safetensors only: EAGLE's ``pytorch_model.bin`` is a
-    pickle, which pdserve never loads; vLLM's speculators releases are safetensors).
-    Raises ``ConfigError`` for a head that cannot draft for ``target``."""
+    pickle, which pdserve never loads; vLLM's speculators releases are safetensors), or
+    rank ``tp.rank``'s part of it. Raises ``ConfigError`` for a head that cannot draft
+    for ``target``."""
     head_dir = Path(head_dir)
-    config = read_eagle3_config(head_dir, target)
+    tp = tp or TensorParallel()
+    config = read_eagle3_config(head_dir, target, tp.size)
     try:
         files = safetensors_files(head_dir)
     except ModelLoadError as exc:
@@ -220,10 +243,10 @@ def load_eagle3_head(
                 stored[_param_name(name)] = (path, tuple(f.get_slice(name).get_shape()))
     with torch.device("meta"):
         head = Eagle3Head(config, target.vocab_size, max_positions, backend,
-                          own_embeddings="embed_tokens.weight" in stored)  # fmt: skip
+                          "embed_tokens.weight" in stored, group, tp)  # fmt: skip
     head = head.to_empty(device=device).to(dtype)
     head.rotary.build_tables(device)
-    _fill(head, stored, head_dir)
+    _fill(head, stored, head_dir, config.arch, tp)
     return head
 
 
@@ -244,11 +267,15 @@ _FUSED = (
 
 
 def _fill(
-    head: Eagle3Head, stored: dict[str, tuple[Path, tuple[int, ...]]], head_dir: Path
+    head: Eagle3Head,
+    stored: dict[str, tuple[Path, tuple[int, ...]]],
+    head_dir: Path,
+    arch: ModelArchConfig,  # the head's layer, whole
+    tp: TensorParallel,
 ) -> None:
-    """Copy every stored tensor into its parameter; raise ``ModelLoadError`` naming a
-    missing or misshapen one. ``t2d`` (the reverse map) is not needed; a head without
-    ``d2t`` drafts in the target's own vocabulary."""
+    """Copy every stored tensor (the rank's part of it) into its parameter; raise
+    ``ModelLoadError`` naming a missing or misshapen one. ``t2d`` (the reverse map) is
+    not needed; a head without ``d2t`` drafts in the target's own vocabulary."""
     params = dict(head.named_parameters())
     if "draft_to_target" in stored:
         params["draft_to_target"] = head.draft_to_target
@@ -276,6 +303,9 @@ def _fill(
         if missing:
             raise ModelLoadError(f"{head_dir}: the EAGLE-3 head stores no {missing[0]}")
         tensor = torch.cat([read(p) for p in parts]) if len(parts) > 1 else read(parts[0])
+        if param_name.startswith("midlayer."):  # cut as the target's layers are
+            as_layer = "model.layers.0." + param_name.removeprefix("midlayer.")
+            tensor = _rank_part(tensor, shard_spec(as_layer, arch, tp), tp.rank)
         if tuple(tensor.shape) != tuple(param.shape):
             raise ModelLoadError(
                 f"{head_dir}: {parts[0]} has shape {list(tensor.shape)}, the head's config "
@@ -296,3 +326,13 @@ def _fill(
         raise ModelLoadError(
             f"{head_dir}: unexpected tensors in the EAGLE-3 head: {sorted(leftover)[:5]}"
         )
+
+
+def _rank_part(tensor: torch.Tensor, spec: ShardSpec | None, rank: int) -> torch.Tensor:
+    """What rank ``rank`` holds of the whole ``tensor`` (``shard_spec``'s cut)."""
+    if spec is None:
+        return tensor
+    if spec.rank0_only:  # a bias after a row-parallel projection: added once
+        return tensor if rank == 0 else torch.zeros_like(tensor)
+    parts = [tensor.narrow(spec.dim, piece.full_start, piece.length) for piece in spec.pieces]
+    return torch.cat(parts, dim=spec.dim)

@@ -228,6 +228,29 @@ def test_the_heads_kv_moves_with_the_prompts_blocks(oracle):
         assert engine.leak_report() == []
 
 
+def test_tensor_parallel_drafts_equal_one_rank(tiny_llama, tmp_path):
+    """Over 2 ranks (the head's layer split as the target's, its o_proj bias on rank 0
+    only, the rest replicated; its passes sent to the other rank as ``MtpPass``): the
+    same drafts after every step as one process, and the same tokens."""
+    head = make_eagle3_head(tiny_llama, tmp_path / "head", seed=5, **HEADS["options"])
+    prompts = random_prompts((30, 70), seed=8)
+    params = SamplingParams(max_tokens=10, min_tokens=10, temperature=0)
+    recorded = []
+    for tp_size in (1, 2):
+        engine = LLMEngine(tiny_llama, EngineConfig(**_eagle(head), tensor_parallel_size=tp_size))
+        try:
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"r{i}", prompt, params)
+            outputs, drafts = _run_recording_drafts(engine)
+            assert engine.leak_report() == []
+        finally:
+            engine.close()
+        recorded.append(({r: o.outputs[0].token_ids for r, o in outputs.items()}, drafts))
+    (one_tokens, one_drafts), (tp_tokens, tp_drafts) = recorded
+    assert tp_tokens == one_tokens
+    assert tp_drafts == one_drafts and all(one_drafts.values())
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_a_random_heads_drafts_never_change_the_tokens(tiny_llama, tmp_path, temperature):
     head = make_eagle3_head(tiny_llama, tmp_path / "head", draft_vocab_size=256, seed=1)
@@ -250,14 +273,10 @@ def test_bad_heads_are_refused(tiny_llama, tmp_path):
     with pytest.raises(ConfigError, match="eagle3 needs the draft's checkpoint") as error:
         EngineConfig(speculative_method="eagle3")
     assert error.value.key == "engine.draft_model"
-    head = make_eagle3_head(tiny_llama, tmp_path / "head", draft_vocab_size=64)
-    with pytest.raises(ConfigError, match="tensor_parallel_size 1") as error:
-        EngineConfig(**_eagle(head), tensor_parallel_size=2)
-    assert error.value.key == "engine.speculative_method"
 
-    def refused(head_dir: Path, error: type[Exception], match: str) -> None:
+    def refused(head_dir: Path, error: type[Exception], match: str, **more) -> None:
         with pytest.raises(error, match=match) as caught:
-            LLMEngine(tiny_llama, EngineConfig(**_eagle(head_dir)))
+            LLMEngine(tiny_llama, EngineConfig(**_eagle(head_dir), **more))
         if error is ConfigError:
             assert caught.value.key == "engine.draft_model"
 
@@ -273,6 +292,15 @@ def test_bad_heads_are_refused(tiny_llama, tmp_path):
         bad = make_eagle3_head(tiny_llama, tmp_path / name, draft_vocab_size=64)
         _rewrite(bad, **changes)
         refused(bad, error, match)
+    # 3 query heads (of 64 dims, KV heads still the target's) do not split over 2 ranks.
+    bad = make_eagle3_head(tiny_llama, tmp_path / "split", draft_vocab_size=64)
+    tensors = load_file(str(bad / "model.safetensors"))
+    attn = "midlayer.self_attn."
+    tensors[attn + "q_proj.weight"] = tensors[attn + "q_proj.weight"][:192].contiguous()
+    tensors[attn + "o_proj.weight"] = tensors[attn + "o_proj.weight"][:, :192].contiguous()
+    save_file(tensors, str(bad / "model.safetensors"))
+    _rewrite(bad, num_attention_heads=3, head_dim=64)
+    refused(bad, ConfigError, "3 attention heads do not split over 2 ranks", tensor_parallel_size=2)
     for name, edit, match in (
         ("missing", lambda t: t.pop("midlayer.hidden_norm.weight"), "stores no midlayer.hidden"),
         ("d2t", lambda t: t["d2t"].add_(5000), "outside the target's vocabulary"),
@@ -287,7 +315,7 @@ def test_bad_heads_are_refused(tiny_llama, tmp_path):
 
 def test_config_check_counts_the_heads_kv_layer(tiny_llama, tmp_path, capsys):
     """``pdserve config check`` sizes the pool with the head's cache layer (the engine's
-    pool), and refuses a head whose attention is not the target's."""
+    pool), and refuses a head whose attention is not the target's or does not split."""
     head = make_eagle3_head(tiny_llama, tmp_path / "head", draft_vocab_size=64)
     layout = tmp_path / "layout.yaml"
     layout.write_text(
@@ -306,6 +334,9 @@ def test_config_check_counts_the_heads_kv_layer(tiny_llama, tmp_path, capsys):
     assert main(["config", "check", str(layout)]) == 2
     err = capsys.readouterr().err
     assert f"error: engine.draft_model: {head}'s attention (4 KV heads of 64)" in err
+    _rewrite(head, num_key_value_heads=2, num_attention_heads=3, head_dim=64)
+    assert main(["config", "check", str(layout), "--set", "engine.tensor_parallel_size=2"]) == 2
+    assert "3 attention heads do not split over 2 ranks" in capsys.readouterr().err
 
 
 def test_both_roles_need_the_same_head():
