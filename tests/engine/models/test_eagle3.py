@@ -197,23 +197,25 @@ def test_right_drafts_are_all_kept_and_save_steps(oracle):
     assert llm.engine.leak_report() == []
 
 
-def test_the_heads_kv_moves_with_the_prompts_blocks(oracle):
-    """Prefill on one engine, decode on another: the decode engine keeps every draft, as
-    one engine doing both does, so the head's KV of the prompt (the last cache layer)
-    came with the blocks; and its drafts after each step are that engine's."""
-    target, head = oracle
+def test_the_heads_kv_moves_with_the_prompts_blocks(tiny_llama, tmp_path):
+    """Prefill on one engine, decode on another: the decode engine's drafts after every
+    step (a random head's, which read the whole prompt's head KV) equal those of one
+    engine doing both, so the head's KV of the prompt (the last cache layer) came with
+    the blocks; and the prefill engine's drafts went out with the first token."""
+    head = make_eagle3_head(tiny_llama, tmp_path / "head", seed=5, **HEADS["default"])
     config = EngineConfig(**_eagle(head))
     prompts = random_prompts((40, 75, 100), seed=4)
     params = SamplingParams(max_tokens=10, min_tokens=10, temperature=0)
-    colocated = LLMEngine(target, config)
+    colocated = LLMEngine(tiny_llama, config)
     for i, prompt in enumerate(prompts):
         colocated.add_request(f"r{i}", prompt, params)
     _, expected = _run_recording_drafts(colocated)
     puller = LocalPuller()
-    prefill, decode = LLMEngine(target, config), LLMEngine(target, config, kv_puller=puller)
+    prefill = LLMEngine(tiny_llama, config)
+    decode = LLMEngine(tiny_llama, config, kv_puller=puller)
     puller.sources["prefill-0"], puller.target = prefill, decode
     assert len(prefill.runner.kv_caches) == 5  # 4 layers and the head's
-    shape = ModelShape.read(target)
+    shape = ModelShape.read(tiny_llama)
     assert shape.bytes_per_block(16, 4, draft_layer=True) == prefill.runner.bytes_per_block
     firsts = hand_off(prefill, decode, prompts, params)
     _, got = _run_recording_drafts(decode)
@@ -221,34 +223,11 @@ def test_the_heads_kv_moves_with_the_prompts_blocks(oracle):
     for i, prompt in enumerate(prompts):
         assert firsts[f"r{i}"].draft_token_ids == expected[f"r{i}"][len(prompt) + 1]
         assert got[f"r{i}"] == expected[f"r{i}"]
-    assert decode.scheduler.num_accepted_tokens == decode.scheduler.num_draft_tokens > 0
+    assert decode.scheduler.num_draft_tokens == colocated.scheduler.num_draft_tokens
     for i in range(len(prompts)):
         assert prefill.release_kv(f"r{i}")
     for engine in (colocated, prefill, decode):
         assert engine.leak_report() == []
-
-
-def test_tensor_parallel_drafts_equal_one_rank(tiny_llama, tmp_path):
-    """Over 2 ranks (the head's layer split as the target's, its o_proj bias on rank 0
-    only, the rest replicated; its passes sent to the other rank as ``MtpPass``): the
-    same drafts after every step as one process, and the same tokens."""
-    head = make_eagle3_head(tiny_llama, tmp_path / "head", seed=5, **HEADS["options"])
-    prompts = random_prompts((30, 70), seed=8)
-    params = SamplingParams(max_tokens=10, min_tokens=10, temperature=0)
-    recorded = []
-    for tp_size in (1, 2):
-        engine = LLMEngine(tiny_llama, EngineConfig(**_eagle(head), tensor_parallel_size=tp_size))
-        try:
-            for i, prompt in enumerate(prompts):
-                engine.add_request(f"r{i}", prompt, params)
-            outputs, drafts = _run_recording_drafts(engine)
-            assert engine.leak_report() == []
-        finally:
-            engine.close()
-        recorded.append(({r: o.outputs[0].token_ids for r, o in outputs.items()}, drafts))
-    (one_tokens, one_drafts), (tp_tokens, tp_drafts) = recorded
-    assert tp_tokens == one_tokens
-    assert tp_drafts == one_drafts and all(one_drafts.values())
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
