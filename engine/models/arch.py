@@ -37,6 +37,7 @@ from common.hf_config import (
 )
 from engine.models.errors import ModelLoadError
 from engine.models.fp8_config import Fp8Weights, read_fp8_config, read_quantization_config
+from engine.models.int_weights_config import IntWeights, read_int_weights_config
 from engine.models.rope_config import RopeConfig, gemma3_ropes, rope_config
 
 _MAX_SAFETENSORS_HEADER_BYTES = 100 << 20
@@ -231,6 +232,8 @@ class ModelArchConfig:
     norm_gain_in_float32: bool = False
     # FP8 weights (fp8_config.py), dequantized to the model dtype at load; None: none.
     fp8_weights: Fp8Weights | None = None
+    # GPTQ's or AWQ's packed integer weights (int_weights_config.py), dequantized at load.
+    int_weights: IntWeights | None = None
     # MiniMax-M2: q/k RMSNorm over each token's whole q / k projection (not per head).
     qk_norm_whole: bool = False
     # DeepSeek's latent attention; the KV cache then has one KV head of ``latent_dim / 2``
@@ -497,8 +500,10 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
             raise ModelLoadError(f"{path}: hidden_act {activation!r} is not supported (only silu)")
     fp8_weights = None
     quantization = read_quantization_config(raw, cfg, model_dir)
+    int_weights = read_int_weights_config(quantization, path) if quantization else None
     # GPT-OSS's MXFP4 experts are dequantized at load (gpt_oss_weights.py).
-    if quantization and not (flags.gpt_oss and quantization.get("quant_method") == "mxfp4"):
+    mxfp4 = flags.gpt_oss and quantization and quantization.get("quant_method") == "mxfp4"
+    if quantization and int_weights is None and not mxfp4:
         fp8_weights = read_fp8_config(quantization, path)
     gemma3 = _gemma3_fields(cfg, num_layers, hidden_size, path) if flags.gemma3 else {}
     if flags.minimax_m2 and cfg.get("rotary_dim") and "partial_rotary_factor" not in cfg:
@@ -533,6 +538,7 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
         attention_sinks=flags.gpt_oss,
         norm_gain_in_float32=flags.gpt_oss,
         fp8_weights=fp8_weights,
+        int_weights=int_weights,
         qk_norm_whole=flags.minimax_m2,
         num_mtp_layers=mtp_layers,
         **attention,

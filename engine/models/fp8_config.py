@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.models.errors import ModelLoadError
+from engine.models.int_weights_config import SUPPORTED as INT_SUPPORTED
 
 # The layouts ``fp8_maker`` writes, by the name ``pdserve make-model --fp8`` takes (here,
 # torch-free, so that building the CLI's parser does not import torch).
@@ -153,7 +154,7 @@ def read_fp8_config(config: dict[str, Any], path: Any) -> Fp8Weights:
         return Fp8Weights("modelopt", fp8_kv_scales=config.get("kv_cache_quant_algo") == "FP8")
     raise ModelLoadError(
         f"{path}: quantized checkpoints ({method}) are not supported; weight quantizations "
-        f"that load: {SUPPORTED}, and GPT-OSS's mxfp4"
+        f"that load: {SUPPORTED}, {INT_SUPPORTED}, and GPT-OSS's mxfp4"
     )
 
 

@@ -39,6 +39,9 @@ from engine.models.arch import (
 from engine.models.fp8_config import SCALE_SUFFIXES, SIDECAR_SUFFIXES
 from engine.models.fp8_weights import FLOAT8_DTYPES, dequantize_fp8
 from engine.models.gpt_oss_weights import EXPERT_TENSOR, expert_pieces
+from engine.models.int_weights import dequantize_int
+from engine.models.int_weights_config import PACKED_SUFFIX, IntWeights
+from engine.models.int_weights_config import SIDECAR_SUFFIXES as INT_SIDECARS
 from engine.models.kv_scales import KvScaleReader
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mla import rope_rows_in_halves
@@ -198,6 +201,32 @@ def _dequantized(
     return dequantize_fp8(tensor.to(device), scales.to(device), fp8.block_size, dtype, stored)
 
 
+def _unpacked(
+    stored: str,
+    qweight: torch.Tensor,
+    where: dict[str, Path],
+    path: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    ints: IntWeights,
+) -> torch.Tensor:
+    """A GPTQ or AWQ projection's weight [out, in] in ``dtype``: ``stored`` (its packed
+    values) with the zeros, scales and group indices stored beside it, maybe in another
+    shard; dequantized on ``device``."""
+    base = stored.removesuffix(PACKED_SUFFIX)
+
+    def beside(suffix: str, required: bool) -> torch.Tensor | None:
+        if base + suffix not in where and not required:
+            return None
+        return _partner(stored, PACKED_SUFFIX, suffix, where, path)().to(device)
+
+    zeros = beside(".qzeros", required=ints.has_zeros)
+    scales = beside(".scales", required=True)
+    g_idx = beside(".g_idx", required=False)
+    assert scales is not None
+    return dequantize_int(ints, qweight.to(device), zeros, scales, g_idx, dtype, base)
+
+
 def _take_sidecar(name: str, stored: str, f: Any, path: Path, kv_scales: KvScaleReader) -> None:
     """A scale stored beside an FP8 checkpoint's weights: weight scales are read with their
     weights, KV-cache scales kept for an FP8 cache, activation scales unused; ModelOpt's
@@ -276,7 +305,8 @@ def load_model(
     gpt_oss = arch.architecture == "GptOssForCausalLM"
     fp8 = arch.fp8_weights
     # stored name -> file, for scales stored in another shard than their weights
-    scaled = gpt_oss or fp8 is not None
+    ints = arch.int_weights
+    scaled = gpt_oss or fp8 is not None or ints is not None
     where = {name: path for path in files for name in _tensor_names(path)} if scaled else {}
     kv_scales = KvScaleReader(declared=fp8 is not None and fp8.fp8_kv_scales)
 
@@ -325,12 +355,17 @@ def load_model(
                 if fp8 is not None and name.endswith(SIDECAR_SUFFIXES) and name not in params:
                     _take_sidecar(name, stored, f, path, kv_scales)
                     continue
+                if ints is not None and name.endswith(INT_SIDECARS) and name not in params:
+                    continue  # read with the packed weight beside it
                 if arch.tie_word_embeddings and name == _HEAD:
                     continue
                 expert = EXPERT_TENSOR.match(name) if gpt_oss else None
                 if expert is None:
                     tensor = f.get_tensor(stored)
-                    if fp8 is not None:
+                    if ints is not None and name.endswith(PACKED_SUFFIX):
+                        tensor = _unpacked(stored, tensor, where, path, device, dtype, ints)
+                        name = name.removesuffix(PACKED_SUFFIX) + ".weight"
+                    elif fp8 is not None:
                         tensor = _dequantized(stored, tensor, f, arch, where, path, device, dtype)
                     elif tensor.dtype in FLOAT8_DTYPES:
                         raise ModelLoadError(
@@ -359,6 +394,12 @@ def load_model(
         held = sum(p.numel() * p.element_size() for p in params.values())
         logger.info("%s: FP8 weights (%s) dequantized to %s at load: %.2f GiB held "
                     "(no FP8 matmuls: W8A16)%s", model_dir, fp8.method, dtype, held / 2**30,
+                    f", by each of {group.size} ranks" if group.size > 1 else "")  # fmt: skip
+    if ints is not None and group.rank == 0:
+        held = sum(p.numel() * p.element_size() for p in params.values())
+        logger.info("%s: %d-bit %s weights dequantized to %s at load: %.2f GiB held (no "
+                    "integer matmul kernels yet)%s", model_dir, ints.bits, ints.method, dtype,
+                    held / 2**30,
                     f", by each of {group.size} ranks" if group.size > 1 else "")  # fmt: skip
     # The backbone alone, no head stored (before padding counts for it): an embedding
     # checkpoint. A causal LM's files without their head are broken, not that.

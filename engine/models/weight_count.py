@@ -10,6 +10,8 @@ from pathlib import Path
 
 from engine.models.arch import read_safetensors_header, safetensors_files
 from engine.models.fp8_config import SIDECAR_SUFFIXES
+from engine.models.int_weights_config import PACKED_SUFFIX
+from engine.models.int_weights_config import SIDECAR_SUFFIXES as INT_SIDECARS
 
 # GPT-OSS's MXFP4 experts: two 4-bit values per stored byte, and their exponents.
 _MXFP4_BLOCKS, _MXFP4_SCALES = "_blocks", "_scales"
@@ -28,11 +30,17 @@ def stored_tensors(model_dir: Path) -> Iterator[tuple[str, str, int]]:
 
 
 def loaded_weight_count(model_dir: Path) -> int:
-    """Every stored tensor's elements, MXFP4 blocks at two weights per byte, and no scales
-    (FP8's or MXFP4's): the engine dequantizes both to the model dtype, so the weights it
-    holds take this many elements of that dtype, whatever the files' dtypes."""
+    """Every stored tensor's elements, MXFP4 blocks at two weights per byte, GPTQ's and
+    AWQ's packed words at 32 / bits weights each, and no scales, zeros or group indices:
+    the engine dequantizes them all to the model dtype, so the weights it holds take this
+    many elements of that dtype, whatever the files' dtypes."""
+    config = json.loads((model_dir / "config.json").read_text())
+    bits = (config.get("quantization_config") or {}).get("bits") or 32
+    per_word = 32 // int(bits)
+    skipped = (*SIDECAR_SUFFIXES, _MXFP4_SCALES, *INT_SIDECARS)
     return sum(
-        elements * (2 if name.endswith(_MXFP4_BLOCKS) else 1)
+        elements
+        * (2 if name.endswith(_MXFP4_BLOCKS) else per_word if name.endswith(PACKED_SUFFIX) else 1)
         for name, _, elements in stored_tensors(model_dir)
-        if not name.endswith((*SIDECAR_SUFFIXES, _MXFP4_SCALES))
+        if not name.endswith(skipped)
     )

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -106,7 +108,22 @@ def test_make_model_writes_an_fp8_checkpoint_that_generates(tmp_path, capsys):
 
     out = tmp_path / "fp8"
     assert main(["make-model", "--out", str(out), "--fp8", "ct-block"]) == 0
-    assert "FP8 weights in the ct-block layout" in capsys.readouterr().out
+    assert "FP8 (ct-block) weights" in capsys.readouterr().out
     assert read_arch_config(out).fp8_weights.block_size == (128, 128)
     assert main(["generate", "--model", str(out), "--prompt", "hello", "--max-tokens", "5"]) == 0
     assert "output (5 tokens, length)" in capsys.readouterr().out
+
+
+def test_make_model_writes_a_gptq_checkpoint_that_generates(tmp_path, capsys):
+    from deploy.cli import main
+    from engine.models.arch import read_arch_config
+
+    out = tmp_path / "gptq"
+    assert main(["make-model", "--out", str(out), "--int", "gptq-act-order"]) == 0
+    assert "packed integer (gptq-act-order) weights" in capsys.readouterr().out
+    assert read_arch_config(out).int_weights.method == "gptq"
+    assert main(["generate", "--model", str(out), "--prompt", "hello", "--max-tokens", "5"]) == 0
+    assert "output (5 tokens, length)" in capsys.readouterr().out
+    args = ["make-model", "--out", str(tmp_path / "both"), "--fp8", "fbgemm", "--int", "awq"]
+    with pytest.raises(SystemExit):  # one quantization at a time
+        main(args)

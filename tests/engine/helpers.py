@@ -83,15 +83,18 @@ def gemma3_multimodal_checkpoint(text_dir: Path, out: Path) -> Path:
     return out
 
 
-def assert_prompt_logprobs_match(model_dir: Path, prompt: list[int], **llm_kwargs: Any) -> None:
+def assert_prompt_logprobs_match(
+    model_dir: Path, prompt: list[int], reference_dir: Path | None = None, **llm_kwargs: Any
+) -> None:
     """Every prompt position's log-probs (the token's and the top 5) equal transformers'
-    within 1e-4: what greedy tokens alone cannot see."""
+    (on ``reference_dir``, by default the same files) within 1e-4: what greedy tokens
+    alone cannot see."""
     import pytest
     from transformers import AutoModelForCausalLM
 
     from engine import LLM, SamplingParams
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(reference_dir or model_dir, dtype=torch.float32)
     with torch.no_grad():
         reference = model(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
     llm = LLM(model_dir, dtype="float32", **llm_kwargs)
