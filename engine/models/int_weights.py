@@ -1,5 +1,6 @@
-"""GPTQ's and AWQ's packed integer weights dequantized to the model dtype as they are read
-(``int_weights_config.py`` says which layouts load and how they are packed).
+"""GPTQ's, AWQ's and compressed-tensors' packed integer weights dequantized to the model
+dtype as they are read (``int_weights_config.py`` says which layouts load and how they
+are packed).
 
 Each value is unpacked, its zero subtracted and its scale applied in float32, then cast to
 the model dtype once: the result is exactly the dequantized model, which is the tests'
@@ -27,11 +28,12 @@ def unpack_words(packed: torch.Tensor, bits: int) -> torch.Tensor:
 def dequantize_int(
     layout: IntWeights,
     qweight: torch.Tensor,  # int32, packed as ``layout.method`` packs
-    qzeros: torch.Tensor | None,  # int32 [groups, out / per_word]; None: AWQ without zeros
-    scales: torch.Tensor,  # [groups, out] float
+    qzeros: torch.Tensor | None,  # int32 packed zeros; None: none stored (the zero: 2**(b-1))
+    scales: torch.Tensor,  # [groups, out] float (compressed-tensors: [out, groups])
     g_idx: torch.Tensor | None,  # [in] int, GPTQ's group of each input row; None: contiguous
     dtype: torch.dtype,
     name: str,
+    shape: tuple[int, int] | None = None,  # compressed-tensors' [out, in] (words may pad)
 ) -> torch.Tensor:  # [out, in] in dtype, as a float checkpoint stores X.weight
     """The weight ``qweight`` stands for, ``_ROWS_PER_PASS`` output rows at a time (so a
     pass's temporaries stay in cache: 2.2x faster than whole tensors on an 8B model's
@@ -39,16 +41,24 @@ def dequantize_int(
     ModelLoadError naming ``name``."""
     if qweight.dtype != torch.int32:
         raise ModelLoadError(f"{name}.qweight is stored as {qweight.dtype}, not int32")
-    bits, gptq = layout.bits, layout.method == "gptq"
-    if gptq:  # [in / per_word, out]
-        num_in, num_out = qweight.shape[0] * layout.per_word, qweight.shape[1]
-    else:  # awq: [in, out / 8]
-        num_in, num_out = qweight.shape[0], qweight.shape[1] * layout.per_word
+    bits, method, per_word = layout.bits, layout.method, layout.per_word
+    if method == "gptq":  # [in / per_word, out]
+        num_in, num_out = qweight.shape[0] * per_word, qweight.shape[1]
+    elif method == "awq":  # [in, out / 8]
+        num_in, num_out = qweight.shape[0], qweight.shape[1] * per_word
+    else:  # compressed-tensors: [out, ceil(in / per_word)], scales [out, groups]
+        num_out, num_in = shape or (qweight.shape[0], qweight.shape[1] * per_word)
+        if tuple(qweight.shape) != (num_out, -(-num_in // per_word)):
+            raise ModelLoadError(f"{name}.weight_packed {tuple(qweight.shape)} does not hold "
+                                 f"a {num_out} x {num_in} weight of {bits}-bit values")  # fmt: skip
+        scales = scales.t()
     if qzeros is None:
         zeros = torch.full_like(scales, 1 << (bits - 1), dtype=torch.int32)
+    elif method == "compressed-tensors":  # [ceil(out / per_word), groups]
+        zeros = unpack_words(qzeros.t(), bits).flatten(1)[:, :num_out]
     else:
         zeros = unpack_words(qzeros, bits)
-        if not gptq:
+        if method == "awq":
             zeros = zeros[..., list(AWQ_NIBBLE_OF_COLUMN)]
         zeros = zeros.flatten(1) + layout.zero_offset  # [groups, out]
     groups = 1 if layout.group_size == -1 else -(-num_in // layout.group_size)
@@ -74,7 +84,7 @@ def dequantize_int(
     for start in range(0, num_out, _ROWS_PER_PASS):
         stop = min(start + _ROWS_PER_PASS, num_out)
         # Exact: values and zeros are small integers, so their float32 difference is too.
-        weight = _unpacked_rows(layout, qweight, start, stop).to(torch.float32)  # [rows, in]
+        weight = _unpacked_rows(layout, qweight, start, stop, num_in).to(torch.float32)
         zeros_t = zeros[:, start:stop].t().to(torch.float32)  # [rows, groups]
         scales_t = scales[:, start:stop].t().to(torch.float32)
         if rows is None:  # runs of group_size rows: broadcast, no gathered copies
@@ -91,12 +101,14 @@ _ROWS_PER_PASS = 256
 
 
 def _unpacked_rows(
-    layout: IntWeights, qweight: torch.Tensor, start: int, stop: int
+    layout: IntWeights, qweight: torch.Tensor, start: int, stop: int, num_in: int
 ) -> torch.Tensor:
     """Output rows ``start:stop`` of the packed values, [rows, in] int32 (``start`` and
     ``stop`` multiples of 8 for AWQ, whose words hold 8 output columns)."""
     if layout.method == "gptq":  # words run along the input: one pass
         return unpack_words(qweight[:, start:stop].t(), layout.bits).flatten(1)
+    if layout.method == "compressed-tensors":  # the same, stored output-major and padded
+        return unpack_words(qweight[start:stop], layout.bits).flatten(1)[:, :num_in]
     words = qweight[:, start // layout.per_word : -(-stop // layout.per_word)]  # [in, rows / 8]
     nibbles = unpack_words(words.t(), layout.bits)[..., list(AWQ_NIBBLE_OF_COLUMN)]
     return nibbles.permute(0, 2, 1).flatten(0, 1)  # [rows / 8, 8, in] -> [rows, in]

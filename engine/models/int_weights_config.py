@@ -19,6 +19,14 @@ columns and output row; a stored value ``q`` stands for ``(q - zero) * scale``:
   ``X.qzeros`` [groups, out / 8] alike; ``X.scales`` [groups, out]; groups contiguous.
   ``zero_point: false`` stores no zeros (the zero is 8). Its GEMV, Marlin and exllama
   layouts are refused.
+- ``quant_method: compressed-tensors``, ``format: pack-quantized`` with integer weights
+  (llm-compressor's W4A16 / W8A16: RedHatAI's ``*-quantized.w4a16``): ``X.weight_packed``
+  [out, ceil(in / (32 / bits))], packed along the input as GPTQ's are (padded at the end;
+  ``X.weight_shape`` holds [out, in]), each value stored plus ``2 ** (bits - 1)``;
+  ``X.weight_scale`` [out, groups] (``strategy: channel``: [out, 1]); asymmetric groups
+  add ``X.weight_zero_point`` [ceil(out / (32 / bits)), groups], packed along the output,
+  offset alike; ``X.weight_g_idx`` [in] with ``actorder: group``. Every config group
+  must use one layout; their ``ignore``d modules are stored as floats.
 
 The weights are dequantized to the model dtype as they are read (``int_weights.py``), so
 the model runs as its dequantized copy would: what it gives up is the memory (a 4-bit
@@ -34,13 +42,42 @@ from typing import Any
 
 from engine.models.errors import ModelLoadError
 
-# The stored tensors of one quantized projection, beside its name: the packed values
-# (read first; they name the weight) and what is read with them.
-PACKED_SUFFIX = ".qweight"
-SIDECAR_SUFFIXES = (".qzeros", ".scales", ".g_idx")
+
+@dataclass(frozen=True, slots=True)
+class PackedNames:
+    """The suffixes of one quantized projection's stored tensors: the packed values (read
+    first; they name the weight) and what is read with them."""
+
+    packed: str
+    zeros: str
+    scales: str
+    g_idx: str
+    shape: str | None = None  # the unpadded [out, in], where words may pad the input
+
+    @property
+    def sidecars(self) -> tuple[str, ...]:
+        return tuple(s for s in (self.zeros, self.scales, self.g_idx, self.shape) if s)
+
+
+GPTQ_NAMES = PackedNames(".qweight", ".qzeros", ".scales", ".g_idx")  # AWQ's too
+CT_NAMES = PackedNames(".weight_packed", ".weight_zero_point", ".weight_scale",
+                       ".weight_g_idx", ".weight_shape")  # fmt: skip
 _GPTQ_BITS = (2, 4, 8)
 _GPTQ_FORMATS = ("gptq", "gptq_v2")
-SUPPORTED = "gptq (2/4/8-bit, v1 or v2, act-order), awq (4-bit gemm)"
+_CT_BITS = (4, 8)
+SUPPORTED = ("gptq (2/4/8-bit, v1 or v2, act-order), awq (4-bit gemm), compressed-tensors "
+             "pack-quantized (4/8-bit int)")  # fmt: skip
+
+
+def _ct_config(bits: int, symmetric: bool, strategy: str, actorder: str | None = None) -> dict:
+    """A compressed-tensors ``pack-quantized`` config of one group (the maker's)."""
+    weights = {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": strategy,
+               "group_size": 32 if strategy == "group" else None, "actorder": actorder}  # fmt: skip
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+            "ignore": ["lm_head"], "quantization_status": "compressed"}  # fmt: skip
+
+
 # The layouts ``int_weights_maker`` writes, by the name ``pdserve make-model --int`` takes:
 # scheme -> (quantization_config, symmetric). gptq: v1 (zeros stored minus one), which
 # only symmetric weights can use (a zero of 0 would be stored as -1); gptq-v2: as they are.
@@ -54,6 +91,9 @@ SCHEMES: dict[str, tuple[dict[str, Any], bool]] = {
     "gptq-8bit": ({"quant_method": "gptq", "bits": 8, "desc_act": False, "sym": True,
                    "checkpoint_format": "gptq"}, True),
     "awq": ({"quant_method": "awq", "bits": 4, "zero_point": True, "version": "gemm"}, False),
+    "ct-w4a16": (_ct_config(4, True, "group"), True),
+    "ct-w4a16-asym-act-order": (_ct_config(4, False, "group", "group"), False),
+    "ct-w8a16-channel": (_ct_config(8, True, "channel"), True),
 }  # fmt: skip
 
 
@@ -61,23 +101,31 @@ SCHEMES: dict[str, tuple[dict[str, Any], bool]] = {
 class IntWeights:
     """How a checkpoint's packed integer weights read."""
 
-    method: str  # "gptq" or "awq"
+    method: str  # "gptq", "awq" or "compressed-tensors"
     bits: int
     group_size: int  # input columns per scale; -1: one group (per output row)
     # Added to each stored zero: 1 for GPTQ's v1 format, else 0.
     zero_offset: int = 0
-    # AWQ without zero points: every zero is 2 ** (bits - 1).
+    # No zero points stored (AWQ's zero_point false, symmetric compressed-tensors): every
+    # zero is 2 ** (bits - 1).
     has_zeros: bool = True
 
     @property
     def per_word(self) -> int:
         return 32 // self.bits
 
+    @property
+    def names(self) -> PackedNames:
+        return CT_NAMES if self.method == "compressed-tensors" else GPTQ_NAMES
+
 
 def read_int_weights_config(config: dict[str, Any], path: Any) -> IntWeights | None:
-    """The integer layout of a ``quantization_config`` (GPTQ or AWQ); None for another
-    method. A ModelLoadError names what is not supported of these two."""
+    """The integer layout of a ``quantization_config`` (GPTQ, AWQ, compressed-tensors'
+    packed integers); None for another. A ModelLoadError names what is not supported of
+    these."""
     method = config.get("quant_method")
+    if method == "compressed-tensors":
+        return _compressed_tensors(config, path)
     if method not in ("gptq", "awq"):
         return None
     bits = config.get("bits", config.get("w_bit"))
@@ -99,3 +147,33 @@ def read_int_weights_config(config: dict[str, Any], path: Any) -> IntWeights | N
         raise ModelLoadError(f"{path}: awq {bits}-bit {version!r} weights are not supported "
                              "(4-bit gemm are)")  # fmt: skip
     return IntWeights("awq", 4, group_size, has_zeros=bool(config.get("zero_point", True)))
+
+
+def _compressed_tensors(config: dict[str, Any], path: Any) -> IntWeights | None:
+    """The one packed-integer layout every config group uses; None for FP8 groups (read by
+    ``fp8_config``)."""
+    groups = config.get("config_groups") or {}
+    weights = [(name, group.get("weights") or {}) for name, group in groups.items()]
+    if not weights or any(w.get("type") != "int" for _, w in weights):
+        return None  # FP8 (float weights), or refused there
+    layouts = set()
+    for name, w in weights:
+        form = groups[name].get("format") or config.get("format")
+        if form != "pack-quantized":
+            raise ModelLoadError(f"{path}: compressed-tensors group {name!r} stores integer "
+                                 f"weights as {form!r}; only pack-quantized ones load")  # fmt: skip
+        if groups[name].get("input_activations"):
+            raise ModelLoadError(f"{path}: compressed-tensors group {name!r} quantizes "
+                                 "activations too (W8A8 / W4A8): not supported")  # fmt: skip
+        bits, strategy = w.get("num_bits"), w.get("strategy")
+        if bits not in _CT_BITS or strategy not in ("group", "channel"):
+            raise ModelLoadError(f"{path}: compressed-tensors group {name!r}: {bits}-bit "
+                                 f"{strategy} weights are not supported (4 or 8 bits, group "
+                                 "or channel)")  # fmt: skip
+        group_size = int(w.get("group_size") or -1) if strategy == "group" else -1
+        layouts.add((bits, group_size, bool(w.get("symmetric", True))))
+    if len(layouts) > 1:
+        raise ModelLoadError(f"{path}: compressed-tensors config groups use different "
+                             f"layouts {sorted(layouts)}")  # fmt: skip
+    bits, group_size, symmetric = layouts.pop()
+    return IntWeights("compressed-tensors", bits, group_size, has_zeros=not symmetric)

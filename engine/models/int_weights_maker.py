@@ -34,8 +34,14 @@ def quantize_int_checkpoint(
     (``SCHEMES``) at ``out``; with ``dequantized_out``, also the float weights those
     stand for there (the same files otherwise). Returns ``out``."""
     quantization, symmetric = SCHEMES[scheme]
-    quantization = {**quantization, "group_size": group_size}
-    bits = quantization["bits"]
+    method = quantization["quant_method"]
+    if method == "compressed-tensors":  # its group size and act-order are per group
+        weights = quantization["config_groups"]["group_0"]["weights"]
+        bits, act_order = weights["num_bits"], weights["actorder"] == "group"
+        group_size = weights["group_size"] or 0  # 0: per channel (one group per row)
+    else:
+        quantization = {**quantization, "group_size": group_size}
+        bits, act_order = quantization["bits"], bool(quantization.get("desc_act"))
     generator = torch.Generator().manual_seed(seed)
     tensors = load_file(str(model_dir / "model.safetensors"))
     packed: dict[str, torch.Tensor] = {}
@@ -45,20 +51,14 @@ def quantize_int_checkpoint(
             packed[name] = dequantized[name] = weight
             continue
         order = None
-        if quantization.get("desc_act"):  # act-order: groups of rows in a random order
+        if act_order:  # groups of rows in a random order
             order = torch.randperm(weight.shape[1], generator=generator)
-        q, zeros, scales, g_idx = _quantize(weight.float(), bits, group_size, symmetric, order)
+        size = group_size or weight.shape[1]
+        q, zeros, scales, g_idx = _quantize(weight.float(), bits, size, symmetric, order)
         dequantized[name] = (q - zeros[g_idx].T).float() * scales[g_idx].T.float()
         base = name.removesuffix(".weight")
-        if quantization["quant_method"] == "awq":
-            packed[base + ".qweight"] = _pack(q.T, 4, _AWQ_COLUMN_OF_NIBBLE)  # [in, out/8]
-            packed[base + ".qzeros"] = _pack(zeros, 4, _AWQ_COLUMN_OF_NIBBLE)
-        else:
-            packed[base + ".qweight"] = _pack(q, bits).T.contiguous()  # [in/per_word, out]
-            offset = int(quantization["checkpoint_format"] == "gptq")
-            packed[base + ".qzeros"] = _pack(zeros - offset, bits)
-            packed[base + ".g_idx"] = g_idx.to(torch.int32)
-        packed[base + ".scales"] = scales
+        packed.update(_stored(base, method, quantization, bits, q, zeros, scales, g_idx,
+                              symmetric, act_order))  # fmt: skip
     config = json.loads((model_dir / "config.json").read_text())
     outputs = [(out, packed, {"quantization_config": quantization})]
     if dequantized_out is not None:
@@ -72,6 +72,39 @@ def quantize_int_checkpoint(
         save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"),
                   metadata={"format": "pt"})  # fmt: skip
     return out
+
+
+def _stored(
+    base: str,
+    method: str,
+    quantization: dict,
+    bits: int,
+    q: torch.Tensor,  # [out, in] unsigned values
+    zeros: torch.Tensor,  # [groups, out] unsigned
+    scales: torch.Tensor,  # [groups, out] float16
+    g_idx: torch.Tensor,  # [in]
+    symmetric: bool,
+    act_order: bool,
+) -> dict[str, torch.Tensor]:
+    """The tensors ``method`` stores for projection ``base``."""
+    if method == "awq":
+        return {base + ".qweight": _pack(q.T, 4, _AWQ_COLUMN_OF_NIBBLE),  # [in, out / 8]
+                base + ".qzeros": _pack(zeros, 4, _AWQ_COLUMN_OF_NIBBLE),
+                base + ".scales": scales}  # fmt: skip
+    if method == "gptq":
+        offset = int(quantization["checkpoint_format"] == "gptq")
+        return {base + ".qweight": _pack(q, bits).T.contiguous(),  # [in / per_word, out]
+                base + ".qzeros": _pack(zeros - offset, bits), base + ".scales": scales,
+                base + ".g_idx": g_idx.to(torch.int32)}  # fmt: skip
+    # compressed-tensors: unsigned values are its signed ones plus 2 ** (bits - 1)
+    stored = {base + ".weight_packed": _pack(q, bits),  # [out, in / per_word]
+              base + ".weight_scale": scales.T.contiguous(),  # [out, groups]
+              base + ".weight_shape": torch.tensor(list(q.shape))}  # fmt: skip
+    if not symmetric:
+        stored[base + ".weight_zero_point"] = _pack(zeros, bits).T.contiguous()
+    if act_order:
+        stored[base + ".weight_g_idx"] = g_idx.to(torch.int32)
+    return stored
 
 
 def _quantize(

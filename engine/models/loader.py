@@ -40,8 +40,7 @@ from engine.models.fp8_config import SCALE_SUFFIXES, SIDECAR_SUFFIXES
 from engine.models.fp8_weights import FLOAT8_DTYPES, dequantize_fp8
 from engine.models.gpt_oss_weights import EXPERT_TENSOR, expert_pieces
 from engine.models.int_weights import dequantize_int
-from engine.models.int_weights_config import PACKED_SUFFIX, IntWeights
-from engine.models.int_weights_config import SIDECAR_SUFFIXES as INT_SIDECARS
+from engine.models.int_weights_config import IntWeights
 from engine.models.kv_scales import KvScaleReader
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mla import rope_rows_in_halves
@@ -210,21 +209,25 @@ def _unpacked(
     dtype: torch.dtype,
     ints: IntWeights,
 ) -> torch.Tensor:
-    """A GPTQ or AWQ projection's weight [out, in] in ``dtype``: ``stored`` (its packed
-    values) with the zeros, scales and group indices stored beside it, maybe in another
-    shard; dequantized on ``device``."""
-    base = stored.removesuffix(PACKED_SUFFIX)
+    """A GPTQ, AWQ or compressed-tensors projection's weight [out, in] in ``dtype``:
+    ``stored`` (its packed values) with the zeros, scales, group indices and shape stored
+    beside it, maybe in another shard; dequantized on ``device``."""
+    names = ints.names
+    base = stored.removesuffix(names.packed)
 
-    def beside(suffix: str, required: bool) -> torch.Tensor | None:
-        if base + suffix not in where and not required:
+    def beside(suffix: str | None, required: bool) -> torch.Tensor | None:
+        if suffix is None or (base + suffix not in where and not required):
             return None
-        return _partner(stored, PACKED_SUFFIX, suffix, where, path)().to(device)
+        return _partner(stored, names.packed, suffix, where, path)().to(device)
 
-    zeros = beside(".qzeros", required=ints.has_zeros)
-    scales = beside(".scales", required=True)
-    g_idx = beside(".g_idx", required=False)
+    zeros = beside(names.zeros, required=ints.has_zeros)
+    scales = beside(names.scales, required=True)
+    g_idx = beside(names.g_idx, required=False)
+    shape = beside(names.shape, required=False)
     assert scales is not None
-    return dequantize_int(ints, qweight.to(device), zeros, scales, g_idx, dtype, base)
+    weight_shape = None if shape is None else (int(shape[0]), int(shape[1]))
+    return dequantize_int(ints, qweight.to(device), zeros, scales, g_idx, dtype, base,
+                          weight_shape)  # fmt: skip
 
 
 def _take_sidecar(name: str, stored: str, f: Any, path: Path, kv_scales: KvScaleReader) -> None:
@@ -355,16 +358,16 @@ def load_model(
                 if fp8 is not None and name.endswith(SIDECAR_SUFFIXES) and name not in params:
                     _take_sidecar(name, stored, f, path, kv_scales)
                     continue
-                if ints is not None and name.endswith(INT_SIDECARS) and name not in params:
+                if ints is not None and name.endswith(ints.names.sidecars) and name not in params:
                     continue  # read with the packed weight beside it
                 if arch.tie_word_embeddings and name == _HEAD:
                     continue
                 expert = EXPERT_TENSOR.match(name) if gpt_oss else None
                 if expert is None:
                     tensor = f.get_tensor(stored)
-                    if ints is not None and name.endswith(PACKED_SUFFIX):
+                    if ints is not None and name.endswith(ints.names.packed):
                         tensor = _unpacked(stored, tensor, where, path, device, dtype, ints)
-                        name = name.removesuffix(PACKED_SUFFIX) + ".weight"
+                        name = name.removesuffix(ints.names.packed) + ".weight"
                     elif fp8 is not None:
                         tensor = _dequantized(stored, tensor, f, arch, where, path, device, dtype)
                     elif tensor.dtype in FLOAT8_DTYPES:

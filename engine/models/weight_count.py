@@ -10,8 +10,7 @@ from pathlib import Path
 
 from engine.models.arch import read_safetensors_header, safetensors_files
 from engine.models.fp8_config import SIDECAR_SUFFIXES
-from engine.models.int_weights_config import PACKED_SUFFIX
-from engine.models.int_weights_config import SIDECAR_SUFFIXES as INT_SIDECARS
+from engine.models.int_weights_config import read_int_weights_config
 
 # GPT-OSS's MXFP4 experts: two 4-bit values per stored byte, and their exponents.
 _MXFP4_BLOCKS, _MXFP4_SCALES = "_blocks", "_scales"
@@ -35,12 +34,12 @@ def loaded_weight_count(model_dir: Path) -> int:
     the engine dequantizes them all to the model dtype, so the weights it holds take this
     many elements of that dtype, whatever the files' dtypes."""
     config = json.loads((model_dir / "config.json").read_text())
-    bits = (config.get("quantization_config") or {}).get("bits") or 32
-    per_word = 32 // int(bits)
-    skipped = (*SIDECAR_SUFFIXES, _MXFP4_SCALES, *INT_SIDECARS)
+    quantization = config.get("quantization_config")
+    ints = read_int_weights_config(quantization, model_dir) if quantization else None
+    packed, per_word = (ints.names.packed, ints.per_word) if ints else ("\0", 1)
+    skipped = (*SIDECAR_SUFFIXES, _MXFP4_SCALES, *(ints.names.sidecars if ints else ()))
     return sum(
-        elements
-        * (2 if name.endswith(_MXFP4_BLOCKS) else per_word if name.endswith(PACKED_SUFFIX) else 1)
+        elements * (2 if name.endswith(_MXFP4_BLOCKS) else per_word if name.endswith(packed) else 1)
         for name, _, elements in stored_tensors(model_dir)
         if not name.endswith(skipped)
     )

@@ -1,7 +1,7 @@
-"""GPTQ and AWQ checkpoints (packed integer weights): the layouts by hand, the loaded
-weights equal to the float weights they stand for (bit for bit), and greedy tokens and
-prompt log-probs equal to transformers' on those float weights; and what does not load is
-refused by name."""
+"""GPTQ, AWQ and compressed-tensors checkpoints (packed integer weights): the layouts by
+hand, the loaded weights equal to the float weights they stand for (bit for bit), and
+greedy tokens and prompt log-probs equal to transformers' on those float weights; and what
+does not load is refused by name."""
 
 from __future__ import annotations
 
@@ -49,6 +49,18 @@ def test_the_layouts_by_hand():
     assert _pack(torch.arange(8)[None], 4).item() == _word(0x76543210)
     assert _pack(torch.arange(8)[None], 4, [0, 2, 4, 6, 1, 3, 5, 7]).item() == _word(0x75316420)
     assert _pack(torch.tensor([[1, 2, 3, 255]]), 8).item() == _word(0xFF030201)
+    # compressed-tensors: GPTQ's words, output-major, cut to weight_shape's columns; signed
+    # values stored plus 8 (symmetric: that is the zero).
+    ct = IntWeights("compressed-tensors", 4, -1, has_zeros=False)
+    words = torch.full((2, 1), _word(0x76543210), dtype=torch.int32)  # [out, in / 8]
+    weight = dequantize_int(ct, words, None, torch.ones(2, 1), None, torch.float32, "w", (2, 5))
+    assert torch.equal(weight, (torch.arange(5.0) - 8).expand(2, 5))
+    # Its zero points pack along the output: [out / 8, groups], here 8 rows of zero 3.
+    ct_asym = IntWeights("compressed-tensors", 4, -1)
+    zeros = torch.tensor([[_word(0x33333333)]], dtype=torch.int32)
+    words = torch.full((8, 1), _word(0x76543210), dtype=torch.int32)
+    weight = dequantize_int(ct_asym, words, zeros, torch.ones(8, 1), None, torch.float32, "w")
+    assert torch.equal(weight, (torch.arange(8.0) - 3).expand(8, 8))
     # Act-order: g_idx picks each row's group.
     two_zeros = torch.tensor([[_word(0x77777777)], [_word(0x33333333)]], dtype=torch.int32)
     weight = dequantize_int(IntWeights("gptq", 4, 4, zero_offset=1),
@@ -89,12 +101,12 @@ def test_loaded_weights_are_the_dequantized_ones(model_factory, tmp_path, scheme
 @pytest.mark.parametrize(
     ("arch", "scheme", "tp"),
     [("llama", "gptq-act-order", 1), ("llama", "awq", 2), ("qwen3_moe", "gptq", 1),
-     ("mixtral", "awq", 1)],
+     ("mixtral", "awq", 1), ("qwen3", "ct-w4a16-asym-act-order", 1)],
 )  # fmt: skip
 def test_greedy_and_logprob_parity_with_transformers(model_factory, tmp_path, arch, scheme, tp):
     """The packed checkpoint's greedy tokens and prompt log-probs are transformers' on the
     float weights it stands for: dense and MoE (Qwen3's and Mixtral's expert names), and
-    split over 2 ranks (act-order and AWQ groups cut with the rows)."""
+    split over 2 ranks (AWQ's groups cut with the rows)."""
     packed, dequantized = _quantized(model_factory(arch), tmp_path, scheme)
     prompts = random_prompts((20, 45), seed=3)
     expected = hf_greedy(dequantized, prompts, NUM_TOKENS)
@@ -149,6 +161,32 @@ def test_what_does_not_load_is_refused_by_name(tiny_llama, tmp_path):
 def test_a_deployment_counts_the_weights_as_held(tiny_llama, tmp_path):
     """Pods are sized by the weights the engine holds: packed words count 32 / bits
     weights each; scales, zeros and group indices none."""
-    for scheme in ("gptq", "gptq-8bit", "awq"):
+    for scheme in ("gptq", "gptq-8bit", "awq", "ct-w4a16-asym-act-order"):
         packed = quantize_int_checkpoint(tiny_llama, tmp_path / scheme, scheme)
         assert loaded_weight_count(packed) == loaded_weight_count(tiny_llama), scheme
+
+
+def test_compressed_tensors_layouts_that_do_not_load_are_refused(tiny_llama, tmp_path):
+    def group(**changes) -> dict:
+        config, _ = SCHEMES["ct-w4a16"]
+        group = config["config_groups"]["group_0"]
+        return {"config_groups": {"group_0": {**group, "format": "pack-quantized", **changes}}}
+
+    weights = SCHEMES["ct-w4a16"][0]["config_groups"]["group_0"]["weights"]
+    cases = [
+        (group(format="int-quantized"), "as 'int-quantized'; only pack-quantized ones load"),
+        (group(input_activations={"num_bits": 8, "type": "int"}), "activations too"),
+        (group(weights={**weights, "num_bits": 2}), "2-bit group weights are not supported"),
+        ({"config_groups": {"a": group()["config_groups"]["group_0"],
+                            "b": {**group()["config_groups"]["group_0"],
+                                  "weights": {**weights, "group_size": 64}}}},
+         "use different layouts"),
+    ]  # fmt: skip
+    for i, (quantization, match) in enumerate(cases):
+        packed = quantize_int_checkpoint(tiny_llama, tmp_path / str(i), "ct-w4a16")
+        config = json.loads((packed / "config.json").read_text())
+        config["quantization_config"].update(quantization)
+        config["quantization_config"]["format"] = None
+        (packed / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ModelLoadError, match=match):
+            LLM(packed, dtype="float32")

@@ -152,7 +152,12 @@ def test_missing_and_unsupported_are_named(tiny_llama, tmp_path):
             ),
             ("rope_parameters", {"rope_type": "llama3", "factor": 8.0}, "needs low_freq_factor"),
             ("hidden_act", "gelu_pytorch_tanh", "hidden_act.*not supported"),
-            ("quantization_config", {"quant_method": "awq"}, r"quantized.*\(awq\)"),
+            (
+                "quantization_config",
+                {"quant_method": "bitsandbytes"},
+                r"quantized.*\(bitsandbytes\)",
+            ),
+            ("quantization_config", {"quant_method": "awq"}, "awq group_size must be"),
         )
     ):
         odd = tmp_path / f"odd-{case}"
