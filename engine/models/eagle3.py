@@ -241,9 +241,15 @@ def load_eagle3_head(
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
                 stored[_param_name(name)] = (path, tuple(f.get_slice(name).get_shape()))
+    own_embeddings = "embed_tokens.weight" in stored
+    if not own_embeddings and config.arch.hidden_size != target.hidden_size:
+        raise ConfigError(
+            _KEY, f"{head_dir}: the head's width {config.arch.hidden_size} is not the "
+            f"target's {target.hidden_size}, and it stores no embed_tokens of its own",
+        )  # fmt: skip
     with torch.device("meta"):
-        head = Eagle3Head(config, target.vocab_size, max_positions, backend,
-                          "embed_tokens.weight" in stored, group, tp)  # fmt: skip
+        head = Eagle3Head(config, target.vocab_size, max_positions, backend, own_embeddings,
+                          group, tp)  # fmt: skip
     head = head.to_empty(device=device).to(dtype)
     head.rotary.build_tables(device)
     _fill(head, stored, head_dir, config.arch, tp)

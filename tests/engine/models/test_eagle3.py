@@ -265,6 +265,12 @@ def test_bad_heads_are_refused(tiny_llama, tmp_path):
         ("kv", {"num_key_value_heads": 4}, ConfigError, "4 KV heads of 64.*target's .2 of 64"),
         ("aux", {"eagle_aux_hidden_state_layer_ids": [1, 2, 9]}, ConfigError, "0..4"),
         ("width", {"target_hidden_size": 512}, ConfigError, "width 512"),
+        (
+            "embeds",
+            {"hidden_size": 128, "target_hidden_size": 256},
+            ConfigError,
+            "width 128 is not the target's 256",
+        ),
         ("eagle1", {"eagle_config": {"use_aux_hidden_state": False}}, ConfigError, "EAGLE-1"),
     ]
     for name, changes, error, match in cases:
