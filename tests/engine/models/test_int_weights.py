@@ -16,6 +16,7 @@ from engine.models.arch import ModelLoadError, read_arch_config
 from engine.models.int_weights import dequantize_int
 from engine.models.int_weights_config import SCHEMES, IntWeights
 from engine.models.int_weights_maker import _pack, quantize_int_checkpoint
+from engine.models.lora_maker import make_lora_adapter
 from engine.models.weight_count import loaded_weight_count
 from tests.engine.helpers import assert_prompt_logprobs_match, hf_greedy, random_prompts
 
@@ -190,3 +191,22 @@ def test_compressed_tensors_layouts_that_do_not_load_are_refused(tiny_llama, tmp
         (packed / "config.json").write_text(json.dumps(config))
         with pytest.raises(ModelLoadError, match=match):
             LLM(packed, dtype="float32")
+
+
+def test_lora_adapters_on_a_packed_base(tiny_llama, tmp_path):
+    """An adapter served over a GPTQ base computes what it does over the float weights
+    that base stands for (the QLoRA-style deployment), mixed with base-model rows."""
+    packed, dequantized = _quantized(tiny_llama, tmp_path, "gptq")
+    adapter = make_lora_adapter(tiny_llama, tmp_path / "adapter", seed=3)
+    prompts = random_prompts((20, 33), seed=6)
+    params = SamplingParams(max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, temperature=0)
+    names = ["alice", None]
+    runs = []
+    for base in (packed, dequantized):
+        llm = LLM(base, dtype="float32", lora_adapters={"alice": adapter})
+        outputs = llm.generate(prompts, params, use_tqdm=False, lora_name=names)
+        runs.append([o.outputs[0].token_ids for o in outputs])
+        assert llm.engine.leak_report() == []
+    assert runs[0] == runs[1]
+    plain = LLM(packed, dtype="float32").generate(prompts[:1], params, use_tqdm=False)
+    assert runs[0][0] != plain[0].outputs[0].token_ids  # the adapter changes the tokens
