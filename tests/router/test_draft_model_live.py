@@ -31,12 +31,17 @@ def stack(tiny_llama, tmp_path_factory):
 
 
 def test_every_draft_is_kept_and_the_tokens_are_the_engines(stack, tiny_llama):
+    assert_drafts_kept_and_tokens_offline(stack, MODEL, LLM(tiny_llama))
+
+
+def assert_drafts_kept_and_tokens_offline(stack, model: str, offline: LLM) -> None:
+    """Each of ``PROMPTS``, whole and streamed, gets the tokens of ``offline`` (the engine
+    without drafts), and the decode worker kept every draft it verified."""
     client = stack.openai_client()
-    offline = LLM(tiny_llama)
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     for prompt in PROMPTS:
         (expected,) = offline.generate([prompt], params, use_tqdm=False)
-        ask = {"model": MODEL, "prompt": prompt, "max_tokens": 30, "temperature": 0.0,
+        ask = {"model": model, "prompt": prompt, "max_tokens": 30, "temperature": 0.0,
                "extra_body": {"ignore_eos": True, "return_token_ids": True}}  # fmt: skip
         whole = client.completions.create(**ask).choices[0]
         assert whole.model_extra["token_ids"] == expected.outputs[0].token_ids

@@ -6,6 +6,7 @@ whose MTP layer predicts exactly what the model samples, so every draft is kept.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -122,8 +123,24 @@ def test_drafts_equal_the_reference_layer(model_factory, tmp_path, arch):
     params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
     config = EngineConfig(**MTP, num_speculative_tokens=2, max_num_batched_tokens=32)
     engine = LLMEngine(model_dir, config)
+    assert checked_drafts(engine, prompts, params, reference.drafts) >= 20
+    assert engine.leak_report() == []
+
+
+def checked_drafts(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    reference: Callable[[list[int], int, int], list[torch.Tensor]],
+    token_of: Callable[[torch.Tensor], int] = lambda row: int(row.argmax()),
+) -> int:
+    """Run ``prompts`` on ``engine`` twice (the second round over their cached prefixes)
+    and check every draft after every step against ``reference(tokens, last, n)``'s
+    logits rows at the same point (``token_of`` a row: its draft), up to the first row
+    whose top two logits lie within 1e-3 (a tie: later drafts follow either choice).
+    Returns how many drafts were checked."""
     checked = 0
-    for round_ in range(2):  # the second round's prompts hit the prefix cache
+    for round_ in range(2):
         for i, prompt in enumerate(prompts):
             engine.add_request(f"r{round_}-{i}", prompt, params)
         outputs, seen = _run_recording_drafts(engine)
@@ -132,15 +149,14 @@ def test_drafts_equal_the_reference_layer(model_factory, tmp_path, arch):
             tokens = list(prompt) + list(outputs[request_id].outputs[0].token_ids)
             assert seen.get(request_id), f"{request_id} never drafted"
             for num_tokens, drafts in seen[request_id].items():
-                rows = reference.drafts(tokens, num_tokens - 2, len(drafts))
+                rows = reference(tokens, num_tokens - 2, len(drafts))
                 for draft, row in zip(drafts, rows, strict=True):
                     top = row.topk(2).values
                     if top[0] - top[1] < 1e-3:
-                        break  # a tie: the later drafts follow either choice
-                    assert draft == int(row.argmax()), (request_id, num_tokens, drafts)
+                        break
+                    assert draft == token_of(row), (request_id, num_tokens, drafts)
                     checked += 1
-    assert checked >= 20
-    assert engine.leak_report() == []
+    return checked
 
 
 def test_the_prompts_mtp_kv_moves_with_its_blocks(model_factory):
