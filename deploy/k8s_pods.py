@@ -155,10 +155,10 @@ def worker_memory_bytes(config: PdserveConfig, role: Role) -> int:
     """Host memory a worker pod of the base (CPU) rendering requests: per tensor-parallel
     rank (a process each) its KV pool, its CPU tier and 1 GiB for the runtime, and the
     weights as the engine holds them on CPU, split over the ranks: as many elements as the
-    files hold (FP8, MXFP4, GPTQ and AWQ weights dequantized, ``weight_count.py``), float32 each
-    unless ``engine.dtype`` says otherwise. The weights count when the model directory is
-    readable where the config is rendered; a path that only exists in the cluster adds
-    nothing (``deploy/README.md``: patch the request then)."""
+    files hold (FP8, MXFP4 and packed integer weights dequantized, ``weight_count.py``),
+    float32 each unless ``engine.dtype`` says otherwise. The weights count when the model
+    directory is readable where the config is rendered; a path that only exists in the
+    cluster adds nothing (``deploy/README.md``: patch the request then)."""
     engine = config.engine_for(role)
     per_rank = engine.kv_cache_bytes + engine.cpu_offload_bytes + (1 << 30)
     total = per_rank * engine.tensor_parallel_size

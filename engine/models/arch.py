@@ -232,7 +232,8 @@ class ModelArchConfig:
     norm_gain_in_float32: bool = False
     # FP8 weights (fp8_config.py), dequantized to the model dtype at load; None: none.
     fp8_weights: Fp8Weights | None = None
-    # GPTQ's or AWQ's packed integer weights (int_weights_config.py), dequantized at load.
+    # GPTQ's, AWQ's or compressed-tensors' packed integer weights (int_weights_config.py),
+    # dequantized at load.
     int_weights: IntWeights | None = None
     # MiniMax-M2: q/k RMSNorm over each token's whole q / k projection (not per head).
     qk_norm_whole: bool = False
@@ -464,8 +465,9 @@ def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
 
 
 def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
-    """``read_arch_config`` of ``raw``, a config.json's contents (``model_dir``'s: its
-    generation config and messages)."""
+    """``read_arch_config`` of ``raw``, a config.json's contents; ``model_dir`` holds the
+    checkpoint's other files (its generation config, ModelOpt's quantization file) and
+    names it in messages."""
     path = model_dir / "config.json"
     # transformers falls back to model_type when a config names no architectures.
     architectures = raw.get("architectures") or [_BY_MODEL_TYPE.get(raw.get("model_type"), "")]

@@ -9,10 +9,11 @@ the config says so (unless the file stores a different head, which transformers 
 untied), and fails with a message naming the missing file or tensor. Multimodal checkpoints
 served for text (Gemma 3's) load their language model's tensors and skip the rest; GPT-OSS's
 experts (interleaved, input-major, maybe MXFP4) go through ``gpt_oss_weights.py``; FP8
-weights are dequantized with the scales stored beside them (``fp8_weights.py``). DeepSeek's
-rotary rows are reordered (``mla.rope_rows_in_halves``); multi-token-prediction layers
-(DeepSeek-V3's, GLM-4.5's) are left out, or loaded as ``model.mtp_layers`` when the engine
-drafts with them (``mtp.py``).
+weights are dequantized with the scales stored beside them (``fp8_weights.py``), GPTQ's,
+AWQ's and compressed-tensors' packed integers with their scales and zeros
+(``int_weights.py``). DeepSeek's rotary rows are reordered (``mla.rope_rows_in_halves``);
+multi-token-prediction layers (DeepSeek-V3's, GLM-4.5's) are left out, or loaded as
+``model.mtp_layers`` when the engine drafts with them (``mtp.py``).
 """
 
 from __future__ import annotations
