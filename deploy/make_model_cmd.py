@@ -24,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     quantized.add_argument("--fp8", choices=SCHEMES, help=layouts)
     packed = ("store the projections as packed integers, round-to-nearest in groups of 32: "
               "gptq (4-bit, symmetric, v1), gptq-act-order, gptq-v2 (asymmetric), gptq-8bit, "
+              "gptq-dynamic (GPTQModel's per-module rules), "
               "awq (4-bit gemm), ct-w4a16 / ct-w4a16-asym-act-order / ct-w8a16-channel "
               "(compressed-tensors pack-quantized)")  # fmt: skip
     quantized.add_argument("--int", choices=sorted(INT_SCHEMES), help=packed)

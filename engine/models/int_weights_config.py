@@ -37,6 +37,8 @@ routers; AWQ's ``modules_to_not_convert``) are stored as floats and load as they
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,6 +92,12 @@ SCHEMES: dict[str, tuple[dict[str, Any], bool]] = {
                  "checkpoint_format": "gptq_v2"}, False),
     "gptq-8bit": ({"quant_method": "gptq", "bits": 8, "desc_act": False, "sym": True,
                    "checkpoint_format": "gptq"}, True),
+    # GPTQModel's per-module rules: layer 1 in 8 bits and groups of 64, layer 3's MLP
+    # left unquantized, the rest 4-bit.
+    "gptq-dynamic": ({"quant_method": "gptq", "bits": 4, "desc_act": False, "sym": True,
+                      "checkpoint_format": "gptq",
+                      "dynamic": {r"+:model\.layers\.1\..*": {"bits": 8, "group_size": 64},
+                                  r"-:model\.layers\.3\.mlp\..*": {}}}, True),
     "awq": ({"quant_method": "awq", "bits": 4, "zero_point": True, "version": "gemm"}, False),
     "ct-w4a16": (_ct_config(4, True, "group"), True),
     "ct-w4a16-asym-act-order": (_ct_config(4, False, "group", "group"), False),
@@ -109,10 +117,25 @@ class IntWeights:
     # No zero points stored (AWQ's zero_point false, symmetric compressed-tensors): every
     # zero is 2 ** (bits - 1).
     has_zeros: bool = True
+    # GPTQModel's ``dynamic``: (pattern, bits, group_size) per rule, in order; the first
+    # whose pattern matches a module's name from its start decides: bits 0 for a "-:" rule
+    # (the module is not quantized), else its bits and group size (the global ones where
+    # the rule names none).
+    dynamic: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def per_word(self) -> int:
         return 32 // self.bits
+
+    def for_module(self, name: str) -> IntWeights | None:
+        """The layout of module ``name`` (``model.layers.1.mlp.down_proj``); None if a
+        ``dynamic`` rule leaves it unquantized."""
+        for pattern, bits, group_size in self.dynamic:
+            if re.match(pattern, name):
+                if not bits:
+                    return None
+                return dataclasses.replace(self, bits=bits, group_size=group_size, dynamic=())
+        return self
 
     @property
     def names(self) -> PackedNames:
@@ -141,7 +164,9 @@ def read_int_weights_config(config: dict[str, Any], path: Any) -> IntWeights | N
         if form not in _GPTQ_FORMATS:
             raise ModelLoadError(f"{path}: gptq checkpoint_format {form!r} is not supported "
                                  f"({', '.join(_GPTQ_FORMATS)} are)")  # fmt: skip
-        return IntWeights("gptq", bits, group_size, zero_offset=int(form == "gptq"))
+        dynamic = _gptq_dynamic(config.get("dynamic") or {}, bits, group_size, path)
+        return IntWeights("gptq", bits, group_size, zero_offset=int(form == "gptq"),
+                          dynamic=dynamic)  # fmt: skip
     version = str(config.get("version", "gemm")).lower()
     if bits != 4 or version != "gemm":
         raise ModelLoadError(f"{path}: awq {bits}-bit {version!r} weights are not supported "
@@ -177,3 +202,29 @@ def _compressed_tensors(config: dict[str, Any], path: Any) -> IntWeights | None:
                              f"layouts {sorted(layouts)}")  # fmt: skip
     bits, group_size, symmetric = layouts.pop()
     return IntWeights("compressed-tensors", bits, group_size, has_zeros=not symmetric)
+
+
+def _gptq_dynamic(
+    rules: dict[str, Any], bits: int, group_size: int, path: Any
+) -> tuple[tuple[str, int, int], ...]:
+    """GPTQModel's ``dynamic`` rules, in their order (``IntWeights.dynamic``); a bad
+    pattern, or a rule's unsupported bits or group size, is a ModelLoadError naming it."""
+    parsed = []
+    for key, overrides in rules.items():
+        pattern = key.removeprefix("-:").removeprefix("+:")
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ModelLoadError(f"{path}: gptq dynamic rule {key!r}: {exc}") from None
+        if key.startswith("-:"):
+            parsed.append((pattern, 0, 0))
+            continue
+        rule_bits = (overrides or {}).get("bits", bits)
+        rule_group = (overrides or {}).get("group_size", group_size)
+        if rule_bits not in _GPTQ_BITS or not (
+            isinstance(rule_group, int) and (rule_group > 0 or rule_group == -1)
+        ):
+            raise ModelLoadError(f"{path}: gptq dynamic rule {key!r}: bits={rule_bits!r}, "
+                                 f"group_size={rule_group!r} are not supported")  # fmt: skip
+        parsed.append((pattern, int(rule_bits), int(rule_group)))
+    return tuple(parsed)

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine.models.int_weights import AWQ_NIBBLE_OF_COLUMN
-from engine.models.int_weights_config import SCHEMES
+from engine.models.int_weights_config import SCHEMES, read_int_weights_config
 
 # The projections quantized: every decoder layer's (and each expert's), not the routers.
 _QUANTIZED = re.compile(r"^model\.layers\.\d+\..*(_proj|\.w[123])\.weight$")
@@ -36,28 +36,29 @@ def quantize_int_checkpoint(
     quantization, symmetric = SCHEMES[scheme]
     method = quantization["quant_method"]
     if method == "compressed-tensors":  # its group size and act-order are per group
-        weights = quantization["config_groups"]["group_0"]["weights"]
-        bits, act_order = weights["num_bits"], weights["actorder"] == "group"
-        group_size = weights["group_size"] or 0  # 0: per channel (one group per row)
+        act_order = quantization["config_groups"]["group_0"]["weights"]["actorder"] == "group"
     else:
         quantization = {**quantization, "group_size": group_size}
-        bits, act_order = quantization["bits"], bool(quantization.get("desc_act"))
+        act_order = bool(quantization.get("desc_act"))
+    layouts = read_int_weights_config(quantization, scheme)  # what a reader makes of it
+    assert layouts is not None
     generator = torch.Generator().manual_seed(seed)
     tensors = load_file(str(model_dir / "model.safetensors"))
     packed: dict[str, torch.Tensor] = {}
     dequantized: dict[str, torch.Tensor] = {}
     for name, weight in tensors.items():
-        if not _QUANTIZED.match(name) or weight.dim() != 2:
+        base = name.removesuffix(".weight")
+        layout = layouts.for_module(base) if _QUANTIZED.match(name) else None
+        if layout is None or weight.dim() != 2:  # (GPTQ's dynamic "-:" rules: not quantized)
             packed[name] = dequantized[name] = weight
             continue
         order = None
         if act_order:  # groups of rows in a random order
             order = torch.randperm(weight.shape[1], generator=generator)
-        size = group_size or weight.shape[1]
-        q, zeros, scales, g_idx = _quantize(weight.float(), bits, size, symmetric, order)
+        size = weight.shape[1] if layout.group_size == -1 else layout.group_size
+        q, zeros, scales, g_idx = _quantize(weight.float(), layout.bits, size, symmetric, order)
         dequantized[name] = (q - zeros[g_idx].T).float() * scales[g_idx].T.float()
-        base = name.removesuffix(".weight")
-        packed.update(_stored(base, method, quantization, bits, q, zeros, scales, g_idx,
+        packed.update(_stored(base, method, quantization, layout.bits, q, zeros, scales, g_idx,
                               symmetric, act_order))  # fmt: skip
     config = json.loads((model_dir / "config.json").read_text())
     outputs = [(out, packed, {"quantization_config": quantization})]

@@ -215,19 +215,25 @@ def _unpacked(
     beside it, maybe in another shard; dequantized on ``device``."""
     names = ints.names
     base = stored.removesuffix(names.packed)
+    layout = ints.for_module(base)
+    if layout is None:
+        raise ModelLoadError(
+            f"{path.name}: {stored}: the quantization_config's dynamic rules leave this "
+            "module unquantized, but it is stored packed"
+        )
 
     def beside(suffix: str | None, required: bool) -> torch.Tensor | None:
         if suffix is None or (base + suffix not in where and not required):
             return None
         return _partner(stored, names.packed, suffix, where, path)().to(device)
 
-    zeros = beside(names.zeros, required=ints.has_zeros)
+    zeros = beside(names.zeros, required=layout.has_zeros)
     scales = beside(names.scales, required=True)
     g_idx = beside(names.g_idx, required=False)
     shape = beside(names.shape, required=False)
     assert scales is not None
     weight_shape = None if shape is None else (int(shape[0]), int(shape[1]))
-    return dequantize_int(ints, qweight.to(device), zeros, scales, g_idx, dtype, base,
+    return dequantize_int(layout, qweight.to(device), zeros, scales, g_idx, dtype, base,
                           weight_shape)  # fmt: skip
 
 

@@ -36,10 +36,18 @@ def loaded_weight_count(model_dir: Path) -> int:
     config = json.loads((model_dir / "config.json").read_text())
     quantization = config.get("quantization_config")
     ints = read_int_weights_config(quantization, model_dir) if quantization else None
-    packed, per_word = (ints.names.packed, ints.per_word) if ints else ("\0", 1)
     skipped = (*SIDECAR_SUFFIXES, _MXFP4_SCALES, *(ints.names.sidecars if ints else ()))
+
+    def weights_per_element(name: str) -> int:
+        if name.endswith(_MXFP4_BLOCKS):
+            return 2
+        if ints is None or not name.endswith(ints.names.packed):
+            return 1
+        layout = ints.for_module(name.removesuffix(ints.names.packed))
+        return (layout or ints).per_word
+
     return sum(
-        elements * (2 if name.endswith(_MXFP4_BLOCKS) else per_word if name.endswith(packed) else 1)
+        elements * weights_per_element(name)
         for name, _, elements in stored_tensors(model_dir)
         if not name.endswith(skipped)
     )

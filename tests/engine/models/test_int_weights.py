@@ -96,7 +96,18 @@ def test_loaded_weights_are_the_dequantized_ones(model_factory, tmp_path, scheme
     for name, tensor in expected.items():
         assert torch.equal(got[name], tensor), name
     files = load_file(str(packed / "model.safetensors"))
-    assert not any(name.endswith("proj.weight") for name in files)  # nothing left float
+    left_float = {name for name in files if name.endswith("proj.weight")}
+    if scheme != "gptq-dynamic":
+        assert not left_float
+        return
+    # GPTQModel's rules: layer 3's MLP unquantized; layer 1 in 8 bits (4 values a word)
+    # and groups of 64; the rest in 4 bits and groups of 32. (down_proj: 512 in, 256 out.)
+    assert left_float == {f"model.layers.3.mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+    down = "model.layers.{}.mlp.down_proj."
+    assert files[down.format(1) + "qweight"].shape == (512 // 4, 256)
+    assert files[down.format(1) + "scales"].shape == (512 // 64, 256)
+    assert files[down.format(0) + "qweight"].shape == (512 // 8, 256)
+    assert files[down.format(0) + "scales"].shape == (512 // 32, 256)
 
 
 @pytest.mark.parametrize(
@@ -139,6 +150,11 @@ def test_what_does_not_load_is_refused_by_name(tiny_llama, tmp_path):
         ({"group_size": 0}, None, "group_size must be a positive integer or -1"),
         ({"group_size": 64}, None, r"layers\.0\.mlp\.down_proj: scales \(16, 256\) and zeros "
                                    r"\(16, 256\) do not fit a 512 x 256 weight in 8 groups of 64"),
+        ({"dynamic": {"-:model\\.layers\\.0\\.": {}}}, None,
+         r"layers\.0\.\S+\.qweight: the quantization_config's dynamic rules leave this module "
+         "unquantized"),
+        ({"dynamic": {"+:(": {}}}, None, r"dynamic rule '\+:\(': missing \)"),
+        ({"dynamic": {"+:x": {"bits": 5}}}, None, r"dynamic rule '\+:x': bits=5"),
         (None, lambda t: t.pop(f"{name}.scales"), f"{name}.qweight has no {name}.scales"),
         (None, lambda t: t.update({f"{name}.g_idx": t[f"{name}.g_idx"] + 100}),
          f"{name}.g_idx .512,. does not name one of 16 groups"),
@@ -162,7 +178,7 @@ def test_what_does_not_load_is_refused_by_name(tiny_llama, tmp_path):
 def test_a_deployment_counts_the_weights_as_held(tiny_llama, tmp_path):
     """Pods are sized by the weights the engine holds: packed words count 32 / bits
     weights each; scales, zeros and group indices none."""
-    for scheme in ("gptq", "gptq-8bit", "awq", "ct-w4a16-asym-act-order"):
+    for scheme in ("gptq", "gptq-8bit", "gptq-dynamic", "awq", "ct-w4a16-asym-act-order"):
         packed = quantize_int_checkpoint(tiny_llama, tmp_path / scheme, scheme)
         assert loaded_weight_count(packed) == loaded_weight_count(tiny_llama), scheme
 
