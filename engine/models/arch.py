@@ -35,6 +35,7 @@ from common.hf_config import (
     num_mtp_layers,
     text_config,
 )
+from engine.models.bnb_config import Bnb4Bit, read_bnb_config
 from engine.models.errors import ModelLoadError
 from engine.models.fp8_config import Fp8Weights, read_fp8_config, read_quantization_config
 from engine.models.int_weights_config import IntWeights, read_int_weights_config
@@ -235,6 +236,8 @@ class ModelArchConfig:
     # GPTQ's, AWQ's or compressed-tensors' packed integer weights (int_weights_config.py),
     # dequantized at load.
     int_weights: IntWeights | None = None
+    # bitsandbytes 4-bit weights (bnb_config.py), dequantized at load.
+    bnb_weights: Bnb4Bit | None = None
     # MiniMax-M2: q/k RMSNorm over each token's whole q / k projection (not per head).
     qk_norm_whole: bool = False
     # DeepSeek's latent attention; the KV cache then has one KV head of ``latent_dim / 2``
@@ -503,9 +506,10 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
     fp8_weights = None
     quantization = read_quantization_config(raw, cfg, model_dir)
     int_weights = read_int_weights_config(quantization, path) if quantization else None
+    bnb_weights = read_bnb_config(quantization, path) if quantization else None
     # GPT-OSS's MXFP4 experts are dequantized at load (gpt_oss_weights.py).
     mxfp4 = flags.gpt_oss and quantization and quantization.get("quant_method") == "mxfp4"
-    if quantization and int_weights is None and not mxfp4:
+    if quantization and int_weights is None and bnb_weights is None and not mxfp4:
         fp8_weights = read_fp8_config(quantization, path)
     gemma3 = _gemma3_fields(cfg, num_layers, hidden_size, path) if flags.gemma3 else {}
     if flags.minimax_m2 and cfg.get("rotary_dim") and "partial_rotary_factor" not in cfg:
@@ -541,6 +545,7 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
         norm_gain_in_float32=flags.gpt_oss,
         fp8_weights=fp8_weights,
         int_weights=int_weights,
+        bnb_weights=bnb_weights,
         qk_norm_whole=flags.minimax_m2,
         num_mtp_layers=mtp_layers,
         **attention,

@@ -154,7 +154,8 @@ def read_fp8_config(config: dict[str, Any], path: Any) -> Fp8Weights:
         return Fp8Weights("modelopt", fp8_kv_scales=config.get("kv_cache_quant_algo") == "FP8")
     raise ModelLoadError(
         f"{path}: quantized checkpoints ({method}) are not supported; weight quantizations "
-        f"that load: {SUPPORTED}, {INT_SUPPORTED}, and GPT-OSS's mxfp4"
+        f"that load: {SUPPORTED}, {INT_SUPPORTED}, bitsandbytes (4-bit nf4 or fp4), and GPT-OSS's "
+        "mxfp4"
     )
 
 

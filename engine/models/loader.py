@@ -37,6 +37,8 @@ from engine.models.arch import (
     ModelLoadError,
     safetensors_files,
 )
+from engine.models.bnb_config import SIDECAR_SUFFIXES as BNB_SIDECARS
+from engine.models.bnb_weights import dequantize_bnb4
 from engine.models.fp8_config import SCALE_SUFFIXES, SIDECAR_SUFFIXES
 from engine.models.fp8_weights import FLOAT8_DTYPES, dequantize_fp8
 from engine.models.gpt_oss_weights import EXPERT_TENSOR, expert_pieces
@@ -237,6 +239,24 @@ def _unpacked(
                           weight_shape)  # fmt: skip
 
 
+def _bnb_unpacked(
+    stored: str,
+    packed: torch.Tensor,
+    where: dict[str, Path],
+    path: Path,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """A bitsandbytes 4-bit weight in ``dtype``: ``stored`` with the quantization state
+    stored beside it (``X.weight.absmax``, ...), maybe in another shard."""
+    state = {}
+    for suffix in BNB_SIDECARS:
+        if stored.removesuffix(".weight") + suffix in where:
+            key = suffix.removeprefix(".weight.")
+            state[key] = _partner(stored, ".weight", suffix, where, path)().to(device)
+    return dequantize_bnb4(packed.to(device), state, dtype, stored)
+
+
 def _take_sidecar(name: str, stored: str, f: Any, path: Path, kv_scales: KvScaleReader) -> None:
     """A scale stored beside an FP8 checkpoint's weights: weight scales are read with their
     weights, KV-cache scales kept for an FP8 cache, activation scales unused; ModelOpt's
@@ -315,8 +335,8 @@ def load_model(
     gpt_oss = arch.architecture == "GptOssForCausalLM"
     fp8 = arch.fp8_weights
     # stored name -> file, for scales stored in another shard than their weights
-    ints = arch.int_weights
-    scaled = gpt_oss or fp8 is not None or ints is not None
+    ints, bnb = arch.int_weights, arch.bnb_weights
+    scaled = gpt_oss or fp8 is not None or ints is not None or bnb is not None
     where = {name: path for path in files for name in _tensor_names(path)} if scaled else {}
     kv_scales = KvScaleReader(declared=fp8 is not None and fp8.fp8_kv_scales)
 
@@ -367,6 +387,8 @@ def load_model(
                     continue
                 if ints is not None and name.endswith(ints.names.sidecars) and name not in params:
                     continue  # read with the packed weight beside it
+                if bnb is not None and name.endswith(BNB_SIDECARS) and name not in params:
+                    continue  # read with the weight it quantizes
                 if arch.tie_word_embeddings and name == _HEAD:
                     continue
                 expert = EXPERT_TENSOR.match(name) if gpt_oss else None
@@ -375,6 +397,8 @@ def load_model(
                     if ints is not None and name.endswith(ints.names.packed):
                         tensor = _unpacked(stored, tensor, where, path, device, dtype, ints)
                         name = name.removesuffix(ints.names.packed) + ".weight"
+                    elif bnb is not None and tensor.dtype == torch.uint8:
+                        tensor = _bnb_unpacked(stored, tensor, where, path, device, dtype)
                     elif fp8 is not None:
                         tensor = _dequantized(stored, tensor, f, arch, where, path, device, dtype)
                     elif tensor.dtype in FLOAT8_DTYPES:

@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from engine.models.arch import read_safetensors_header, safetensors_files
+from engine.models.bnb_config import SIDECAR_SUFFIXES as BNB_SIDECARS
+from engine.models.bnb_config import read_bnb_config
 from engine.models.fp8_config import SIDECAR_SUFFIXES
 from engine.models.int_weights_config import read_int_weights_config
 
@@ -29,25 +31,28 @@ def stored_tensors(model_dir: Path) -> Iterator[tuple[str, str, int]]:
 
 
 def loaded_weight_count(model_dir: Path) -> int:
-    """Every stored tensor's elements, MXFP4 blocks at two weights per byte, GPTQ's and
-    AWQ's packed words at 32 / bits weights each, and no scales, zeros or group indices:
-    the engine dequantizes them all to the model dtype, so the weights it holds take this
-    many elements of that dtype, whatever the files' dtypes."""
+    """Every stored tensor's elements, MXFP4 blocks and bitsandbytes' 4-bit bytes at two
+    weights each, packed integer words at 32 / bits each, and no scales, zeros, group
+    indices or quantization states: the engine dequantizes them all to the model dtype,
+    so the weights it holds take this many elements of that dtype, whatever the files'
+    dtypes."""
     config = json.loads((model_dir / "config.json").read_text())
     quantization = config.get("quantization_config")
     ints = read_int_weights_config(quantization, model_dir) if quantization else None
-    skipped = (*SIDECAR_SUFFIXES, _MXFP4_SCALES, *(ints.names.sidecars if ints else ()))
+    bnb = read_bnb_config(quantization, model_dir) if quantization else None
+    skipped = (*SIDECAR_SUFFIXES, _MXFP4_SCALES, *(ints.names.sidecars if ints else ()),
+               *(BNB_SIDECARS if bnb else ()))  # fmt: skip
 
-    def weights_per_element(name: str) -> int:
-        if name.endswith(_MXFP4_BLOCKS):
-            return 2
+    def weights_per_element(name: str, dtype: str) -> int:
+        if name.endswith(_MXFP4_BLOCKS) or (bnb is not None and dtype == "U8"):
+            return 2  # two 4-bit values a byte
         if ints is None or not name.endswith(ints.names.packed):
             return 1
         layout = ints.for_module(name.removesuffix(ints.names.packed))
         return (layout or ints).per_word
 
     return sum(
-        elements * weights_per_element(name)
-        for name, _, elements in stored_tensors(model_dir)
+        elements * weights_per_element(name, dtype)
+        for name, dtype, elements in stored_tensors(model_dir)
         if not name.endswith(skipped)
     )

@@ -188,7 +188,7 @@ def test_release_config_reads_as_transformers_reads_it(tmp_path):
     assert rope.original_max_position_embeddings == 4096
     assert rope.attention_factor == pytest.approx(0.1 * torch.log(torch.tensor(32.0)).item() + 1)
     assert arch.eos_token_ids == (200002,)
-    other = {**RELEASE_CONFIG, "quantization_config": {"quant_method": "bitsandbytes"}}
+    other = {**RELEASE_CONFIG, "quantization_config": {"quant_method": "hqq"}}
     (tmp_path / "config.json").write_text(json.dumps(other))
-    with pytest.raises(ModelLoadError, match=r"quantized checkpoints \(bitsandbytes\)"):
+    with pytest.raises(ModelLoadError, match=r"quantized checkpoints \(hqq\)"):
         read_arch_config(tmp_path)

@@ -170,8 +170,8 @@ def test_what_does_not_load_is_refused_by_name(tiny_llama, tmp_path):
     _edit(packed, quantization={"version": "gemv"})
     with pytest.raises(ModelLoadError, match="awq 4-bit 'gemv' weights are not supported"):
         LLM(packed, dtype="float32")
-    _edit(packed, quantization={"quant_method": "bitsandbytes"})
-    with pytest.raises(ModelLoadError, match=r"\(bitsandbytes\) are not supported.*gptq \(2/4/8"):
+    _edit(packed, quantization={"quant_method": "hqq"})
+    with pytest.raises(ModelLoadError, match=r"\(hqq\) are not supported.*gptq \(2/4/8"):
         LLM(packed, dtype="float32")
 
 

@@ -154,8 +154,8 @@ def test_missing_and_unsupported_are_named(tiny_llama, tmp_path):
             ("hidden_act", "gelu_pytorch_tanh", "hidden_act.*not supported"),
             (
                 "quantization_config",
-                {"quant_method": "bitsandbytes"},
-                r"quantized.*\(bitsandbytes\)",
+                {"quant_method": "hqq"},
+                r"quantized.*\(hqq\)",
             ),
             ("quantization_config", {"quant_method": "awq"}, "awq group_size must be"),
         )
