@@ -217,6 +217,29 @@ def test_the_heads_kv_moves_with_the_prompts_blocks(tiny_llama, tmp_path):
         assert engine.leak_report() == []
 
 
+def test_tensor_parallel_drafts_equal_one_rank(tiny_llama, tmp_path):
+    """Over 2 ranks (the head's layer split as the target's, its o_proj bias on rank 0
+    only, the rest replicated; its passes sent to the other rank as ``MtpPass``): the
+    same drafts after every step as one process, and the same tokens."""
+    head = make_eagle3_head(tiny_llama, tmp_path / "head", seed=5, **HEADS["options"])
+    prompts = random_prompts((30, 70), seed=8)
+    params = SamplingParams(max_tokens=10, min_tokens=10, temperature=0)
+    recorded = []
+    for tp_size in (1, 2):
+        engine = LLMEngine(tiny_llama, EngineConfig(**_eagle(head), tensor_parallel_size=tp_size))
+        try:
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"r{i}", prompt, params)
+            outputs, drafts = _run_recording_drafts(engine)
+            assert engine.leak_report() == []
+        finally:
+            engine.close()
+        recorded.append(({r: o.outputs[0].token_ids for r, o in outputs.items()}, drafts))
+    (one_tokens, one_drafts), (tp_tokens, tp_drafts) = recorded
+    assert tp_tokens == one_tokens
+    assert tp_drafts == one_drafts and all(one_drafts.values())
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_a_random_heads_drafts_never_change_the_tokens(tiny_llama, tmp_path, temperature):
     head = make_eagle3_head(tiny_llama, tmp_path / "head", draft_vocab_size=256, seed=1)
