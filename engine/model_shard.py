@@ -281,14 +281,10 @@ class ModelShard:
         layer = self.draft_layer
         if layer is None:
             return self.model(input_ids, positions, layer_caches, metadata, lora)
-        if isinstance(layer, Eagle3Head):
-            hidden, aux = self.model.hidden_and_aux(
-                input_ids, positions, layer_caches, metadata, lora, layer.aux_layer_ids
-            )
-            self.target_features = layer.features(aux)
-        else:
-            hidden = self.model.hidden_states(input_ids, positions, layer_caches, metadata, lora)
-            self.target_features = hidden
+        hidden, aux = self.model.hidden_and_aux(
+            input_ids, positions, layer_caches, metadata, lora, layer.aux_layer_ids
+        )
+        self.target_features = layer.features(hidden, aux)
         return self.model.model.norm(hidden)
 
     def mtp_pass(

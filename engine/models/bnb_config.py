@@ -27,7 +27,6 @@ from engine.models.errors import ModelLoadError
 SIDECAR_SUFFIXES = (".weight.absmax", ".weight.quant_map", ".weight.nested_absmax",
                     ".weight.nested_quant_map", ".weight.quant_state.bitsandbytes__nf4",
                     ".weight.quant_state.bitsandbytes__fp4")  # fmt: skip
-QUANT_STATE = ".weight.quant_state.bitsandbytes__"
 _QUANT_TYPES = ("nf4", "fp4")
 
 

@@ -49,10 +49,11 @@ from engine.models.arch import (
     safetensors_files,
 )
 from engine.models.llama import DecoderLayer, LlamaForCausalLM
+from engine.models.loader import copy_shard
 from engine.models.norms import rms_norm
 from engine.models.rope import RotaryEmbedding
 from engine.parallel.group import SingleRank, TPGroup
-from engine.parallel.shard_spec import ShardSpec, TensorParallel, local_arch, shard_spec
+from engine.parallel.shard_spec import TensorParallel, local_arch, shard_spec
 
 _KEY = "engine.draft_model"
 
@@ -186,8 +187,9 @@ class Eagle3Head(nn.Module):
             "draft_to_target", torch.zeros(config.draft_vocab_size, dtype=torch.int64)
         )
 
-    def features(self, aux_states: list[torch.Tensor]) -> torch.Tensor:
-        """[n, hidden]: ``fc`` of the target's states at ``aux_layer_ids`` (each [n, H])."""
+    def features(self, hidden: torch.Tensor, aux_states: list[torch.Tensor]) -> torch.Tensor:
+        """What its first pass after a step reads of the target ([n, hidden]): ``fc`` of
+        the target's states at ``aux_layer_ids`` (each [n, H]; not ``hidden``, its last)."""
         return self.fc(torch.cat(aux_states, dim=-1))
 
     def draft_hidden(
@@ -236,11 +238,11 @@ def load_eagle3_head(
         files = safetensors_files(head_dir)
     except ModelLoadError as exc:
         raise ConfigError(_KEY, str(exc)) from None
-    stored: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    stored: dict[str, tuple[Path, str]] = {}  # parameter name -> (file, stored name)
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                stored[_param_name(name)] = (path, tuple(f.get_slice(name).get_shape()))
+                stored[_param_name(name)] = (path, name)
     own_embeddings = "embed_tokens.weight" in stored
     if not own_embeddings and config.arch.hidden_size != target.hidden_size:
         raise ConfigError(
@@ -274,7 +276,7 @@ _FUSED = (
 
 def _fill(
     head: Eagle3Head,
-    stored: dict[str, tuple[Path, tuple[int, ...]]],
+    stored: dict[str, tuple[Path, str]],
     head_dir: Path,
     arch: ModelArchConfig,  # the head's layer, whole
     tp: TensorParallel,
@@ -293,9 +295,8 @@ def _fill(
     filled: set[str] = set()
 
     def read(name: str) -> torch.Tensor:
-        path, _ = stored[name]
+        path, original = stored[name]
         with safe_open(str(path), framework="pt") as f:
-            original = next(k for k in f.keys() if _param_name(k) == name)  # noqa: SIM118
             return f.get_tensor(original)
 
     for param_name, param in params.items():
@@ -309,13 +310,14 @@ def _fill(
         if missing:
             raise ModelLoadError(f"{head_dir}: the EAGLE-3 head stores no {missing[0]}")
         tensor = torch.cat([read(p) for p in parts]) if len(parts) > 1 else read(parts[0])
+        spec = None
         if param_name.startswith("midlayer."):  # cut as the target's layers are
-            as_layer = "model.layers.0." + param_name.removeprefix("midlayer.")
-            tensor = _rank_part(tensor, shard_spec(as_layer, arch, tp), tp.rank)
-        if tuple(tensor.shape) != tuple(param.shape):
+            spec = shard_spec("model.layers.0." + param_name.removeprefix("midlayer."), arch, tp)
+        full = spec.full_shape(tuple(param.shape)) if spec is not None else tuple(param.shape)
+        if tuple(tensor.shape) != full:
             raise ModelLoadError(
                 f"{head_dir}: {parts[0]} has shape {list(tensor.shape)}, the head's config "
-                f"says {list(param.shape)}"
+                f"says {list(full)}"
             )
         if param_name == "draft_to_target":  # offsets -> the target ids themselves
             tensor = torch.arange(len(tensor)) + tensor.to(torch.int64)
@@ -325,20 +327,10 @@ def _fill(
                     f"({head.target_vocab_size})",
                 )  # fmt: skip
         with torch.no_grad():
-            param.copy_(tensor)
+            copy_shard(param.data, tensor, 0, spec, tp.rank)
         filled.update(parts)
     leftover = set(stored) - filled - {"t2d"}
     if leftover:
         raise ModelLoadError(
             f"{head_dir}: unexpected tensors in the EAGLE-3 head: {sorted(leftover)[:5]}"
         )
-
-
-def _rank_part(tensor: torch.Tensor, spec: ShardSpec | None, rank: int) -> torch.Tensor:
-    """What rank ``rank`` holds of the whole ``tensor`` (``shard_spec``'s cut)."""
-    if spec is None:
-        return tensor
-    if spec.rank0_only:  # a bias after a row-parallel projection: added once
-        return tensor if rank == 0 else torch.zeros_like(tensor)
-    parts = [tensor.narrow(spec.dim, piece.full_start, piece.length) for piece in spec.pieces]
-    return torch.cat(parts, dim=spec.dim)

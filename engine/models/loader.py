@@ -369,7 +369,7 @@ def load_model(
             )
         with torch.no_grad():  # copy_ casts to the model dtype
             for dest in dests:
-                written = _copy_shard(dest, tensor, target.row_start, spec, tp.rank)
+                written = copy_shard(dest, tensor, target.row_start, spec, tp.rank)
                 filled[target.param] += written
 
     bare = False  # the backbone saved alone (names without "model.")
@@ -469,7 +469,7 @@ def load_model(
     return model
 
 
-def _copy_shard(
+def copy_shard(
     dest: torch.Tensor,  # the rank's parameter (one expert's, for stacked experts)
     tensor: torch.Tensor,  # full rows row_start ..+ len(tensor) of the full parameter
     row_start: int,

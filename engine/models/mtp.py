@@ -49,6 +49,9 @@ class MtpLayer(DecoderLayer):
     """A decoder layer (``layer_idx`` = ``num_layers + i``: dense or sparse, windowed or
     not, as the arch's per-layer tuples say) with the MTP inputs and head norm."""
 
+    # It reads the target's last states only (an EAGLE-3 head reads some layers' inputs).
+    aux_layer_ids: tuple[int, ...] = ()
+
     def __init__(
         self,
         arch: ModelArchConfig,
@@ -73,6 +76,11 @@ class MtpLayer(DecoderLayer):
     ) -> torch.Tensor:  # [n, hidden], before shared_head.norm
         both = torch.cat((self.enorm(token_embeds), self.hnorm(previous_hidden)), dim=-1)
         return self.forward(positions, self.eh_proj(both), kv_cache, attn_metadata)
+
+    def features(self, hidden: torch.Tensor, aux_states: list[torch.Tensor]) -> torch.Tensor:
+        """What its first pass after a step reads of the target ([n, hidden]): the
+        target's states before the final norm."""
+        return hidden
 
     def draft_hidden(
         self,
