@@ -424,16 +424,12 @@ def load_model(
                     place(_Target(param, row_start, index), rows, stored, path)
     model.checkpoint_kv_scales = kv_scales.per_layer(model_dir)
     model.kv_scale_problems = tuple(kv_scales.problems)
-    if fp8 is not None and group.rank == 0:  # why the weights take the model dtype's memory
+    dequantized = _dequantized_kind(arch)
+    if dequantized is not None and group.rank == 0:  # why they take the model dtype's memory
         held = sum(p.numel() * p.element_size() for p in params.values())
-        logger.info("%s: FP8 weights (%s) dequantized to %s at load: %.2f GiB held "
-                    "(no FP8 matmuls: W8A16)%s", model_dir, fp8.method, dtype, held / 2**30,
-                    f", by each of {group.size} ranks" if group.size > 1 else "")  # fmt: skip
-    if ints is not None and group.rank == 0:
-        held = sum(p.numel() * p.element_size() for p in params.values())
-        logger.info("%s: %d-bit %s weights dequantized to %s at load: %.2f GiB held (no "
-                    "integer matmul kernels yet)%s", model_dir, ints.bits, ints.method, dtype,
-                    held / 2**30,
+        kind, missing = dequantized
+        logger.info("%s: %s dequantized to %s at load: %.2f GiB held (%s)%s",
+                    model_dir, kind, dtype, held / 2**30, missing,
                     f", by each of {group.size} ranks" if group.size > 1 else "")  # fmt: skip
     # The backbone alone, no head stored (before padding counts for it): an embedding
     # checkpoint. A causal LM's files without their head are broken, not that.
@@ -467,6 +463,21 @@ def load_model(
         )
     model.eval()
     return model
+
+
+def _dequantized_kind(arch: ModelArchConfig) -> tuple[str, str] | None:
+    """(what the checkpoint's quantized weights are, the kernels their memory saving
+    would need) for the load's log line; None for a checkpoint the loader does not
+    dequantize."""
+    if arch.fp8_weights is not None:
+        return f"FP8 weights ({arch.fp8_weights.method})", "no FP8 matmuls: W8A16"
+    if arch.int_weights is not None:
+        ints = arch.int_weights
+        return f"{ints.bits}-bit {ints.method} weights", "no integer matmul kernels yet"
+    if arch.bnb_weights is not None:
+        kind = f"bitsandbytes 4-bit {arch.bnb_weights.quant_type} weights"
+        return kind, "no 4-bit matmul kernels yet"
+    return None
 
 
 def copy_shard(
