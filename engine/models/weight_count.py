@@ -8,10 +8,11 @@ import math
 from collections.abc import Iterator
 from pathlib import Path
 
+from common.hf_config import text_config
 from engine.models.arch import read_safetensors_header, safetensors_files
 from engine.models.bnb_config import SIDECAR_SUFFIXES as BNB_SIDECARS
 from engine.models.bnb_config import read_bnb_config
-from engine.models.fp8_config import SIDECAR_SUFFIXES
+from engine.models.fp8_config import SIDECAR_SUFFIXES, read_quantization_config
 from engine.models.int_weights_config import read_int_weights_config
 
 # GPT-OSS's MXFP4 experts: two 4-bit values per stored byte, and their exponents.
@@ -37,7 +38,7 @@ def loaded_weight_count(model_dir: Path) -> int:
     so the weights it holds take this many elements of that dtype, whatever the files'
     dtypes."""
     config = json.loads((model_dir / "config.json").read_text())
-    quantization = config.get("quantization_config")
+    quantization = read_quantization_config(config, text_config(config), model_dir)
     ints = read_int_weights_config(quantization, model_dir) if quantization else None
     bnb = read_bnb_config(quantization, model_dir) if quantization else None
     skipped = (*SIDECAR_SUFFIXES, _MXFP4_SCALES, *(ints.names.sidecars if ints else ()),

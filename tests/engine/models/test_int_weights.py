@@ -181,6 +181,12 @@ def test_a_deployment_counts_the_weights_as_held(tiny_llama, tmp_path):
     for scheme in ("gptq", "gptq-8bit", "gptq-dynamic", "awq", "ct-w4a16-asym-act-order"):
         packed = quantize_int_checkpoint(tiny_llama, tmp_path / scheme, scheme)
         assert loaded_weight_count(packed) == loaded_weight_count(tiny_llama), scheme
+    # A multimodal checkpoint may keep compressed-tensors' config in its text_config, where
+    # the loader finds it too (fp8_config.read_quantization_config).
+    config = json.loads((packed / "config.json").read_text())
+    config["text_config"] = {"quantization_config": config.pop("quantization_config")}
+    (packed / "config.json").write_text(json.dumps(config))
+    assert loaded_weight_count(packed) == loaded_weight_count(tiny_llama)
 
 
 def test_compressed_tensors_layouts_that_do_not_load_are_refused(tiny_llama, tmp_path):
