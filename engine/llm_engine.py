@@ -207,11 +207,11 @@ class LLMEngine:
         values first, under ``scheduling_policy: priority`` only (elsewhere it must be 0).
         ``pooling``: an embedding request (``engine/pooling.py``): ``params`` must be
         ``EMBEDDING_SAMPLING``, and it finishes with ``RequestOutput.embedding`` once its
-        prompt is computed, generating nothing. ``draft_token_ids``: the MTP layer's or the
-        draft model's drafts after prompt + ``output_token_ids`` (a prefill worker's,
-        ``RequestOutput.draft_token_ids``), for the first step to verify; used only with
-        ``speculative_method`` mtp or draft_model (any token ids: a wrong draft is just
-        not kept).
+        prompt is computed, generating nothing. ``draft_token_ids``: the drafting model's
+        drafts after prompt + ``output_token_ids`` (a prefill worker's,
+        ``RequestOutput.draft_token_ids``), for the first step to verify; used only with a
+        ``speculative_method`` that drafts after each step (mtp, draft_model, eagle3; any
+        token ids: a wrong draft is just not kept).
         """
         prompt = self.validate_prompt(prompt_token_ids)
         outputs = self.validate_prompt(output_token_ids, allow_empty=True)
