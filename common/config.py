@@ -166,6 +166,10 @@ class EngineConfig:
     # Bytes of CPU memory for offloaded KV blocks (the deployment's offload.cpu_bytes);
     # 0: evicted blocks are dropped.
     cpu_offload_bytes: int = 0
+    # A vision-language model's encoder output for recent images (by digest), on its
+    # device: an image seen again whose placeholders are not all prefix-cached (another
+    # question after it, a prompt's last block) is not encoded again. 0: none kept.
+    encoder_cache_bytes: int = 128 << 20
     # A worker whose engine spends longer than this in one step (or command) takes its
     # device for hung: it fails its requests and exits to be restarted. None: never.
     # Generous, since a big prefill chunk of a large model on a CPU can take minutes.
@@ -250,6 +254,8 @@ class EngineConfig:
                 raise ConfigError(f"engine.{key}", f"must be > 0, got {getattr(self, key)}")
         if self.cpu_offload_bytes < 0:
             raise ConfigError("engine.cpu_offload_bytes", "must be >= 0")
+        if self.encoder_cache_bytes < 0:
+            raise ConfigError("engine.encoder_cache_bytes", "must be >= 0")
         for key in ("num_blocks", "max_model_len", "prefill_chunk_tokens", "step_timeout_s"):
             value = getattr(self, key)
             if value is not None and value <= 0:
@@ -473,6 +479,9 @@ class RouterConfig:
     # 32 MiB holds a 1M-token prompt's text (~4 characters a token) even if every
     # character came JSON-escaped (\uXXXX, 6 bytes).
     max_request_bytes: int = 32 << 20
+    # A vision-language model's images per request (OpenAI's image_url content parts,
+    # data: URLs), each counted as a run of placeholder tokens in the prompt.
+    max_images_per_request: int = 8
     prefill_timeout_s: float = 120.0
     request_timeout_s: float = 600.0
     # How often the router refreshes the worker list, health and load.
@@ -535,6 +544,8 @@ class RouterConfig:
             raise ConfigError("router.max_inflight_sequences", "must be >= 1")
         if self.max_request_bytes < 1:
             raise ConfigError("router.max_request_bytes", "must be >= 1")
+        if self.max_images_per_request < 0:
+            raise ConfigError("router.max_images_per_request", "must be >= 0")
         if self.max_decode_migrations < 0:
             raise ConfigError("router.max_decode_migrations", "must be >= 0")
         if self.decode_queue_factor < 0:

@@ -6,7 +6,8 @@ A full block of ``block_size`` tokens is named by
 
 where ``H`` is sha256, the parent hash of the first block is a seed derived from an optional
 salt (the tenant's cache_salt and the LoRA adapter: ``prefix_salt``), token ids are
-little-endian uint32 and ``extra`` is optional bytes (for multimodal keys later). The
+little-endian uint32 and ``extra`` is optional bytes: the images a block overlaps
+(``common.multimodal.block_extra``), since their placeholder tokens are alike. The
 encoding is canonical, so the same tokens give the same hash in every process, on every
 machine, in every Python version. Python's ``hash()`` is
 never used: it is salted per process and collides on purpose-built inputs.
@@ -19,6 +20,8 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+
+from common.multimodal import ImageSpan, block_extra
 
 BlockHash = bytes
 """A 32-byte sha256 digest naming one full block and, through its parent, its whole prefix."""
@@ -80,11 +83,15 @@ def hash_blocks(
     salt: str | bytes | None = None,
     parent_hash: BlockHash | None = None,
     start_block: int = 0,
+    images: Sequence[ImageSpan] = (),
+    first_position: int = 0,
 ) -> list[BlockHash]:
     """Hashes of every full block of ``token_ids`` from block index ``start_block`` on.
 
     ``parent_hash`` is the hash of block ``start_block - 1`` (or the salt's root when
     ``start_block`` is 0), which lets a caller extend a list incrementally as tokens arrive.
+    ``images`` are the sequence's (placed by prompt position); ``token_ids[0]`` is at
+    position ``first_position`` of it (a caller hashing only new blocks passes them alone).
     """
     assert block_size > 0
     parent = root_hash(salt) if parent_hash is None else parent_hash
@@ -93,13 +100,20 @@ def hash_blocks(
     hashes: list[BlockHash] = []
     for block_idx in range(start_block, num_full_blocks):
         start = block_idx * block_size
-        parent = hash_block(parent, token_ids[start : start + block_size])
+        end = start + block_size
+        extra = None
+        if images:
+            extra = block_extra(images, first_position + start, first_position + end)
+        parent = hash_block(parent, token_ids[start:end], extra)
         hashes.append(parent)
     return hashes
 
 
 def transfer_block_hashes(
-    token_ids: Sequence[int], block_size: int, salt: str | bytes | None = None
+    token_ids: Sequence[int],
+    block_size: int,
+    salt: str | bytes | None = None,
+    images: Sequence[ImageSpan] = (),
 ) -> list[BlockHash]:
     """A name for every block of ``token_ids``, the trailing partial block included.
 
@@ -107,9 +121,11 @@ def transfer_block_hashes(
     (the encoding includes the length, so it never collides with a full block). Transfers
     keyed by content (the shared-storage connector) use these names on both sides.
     """
-    hashes = hash_blocks(token_ids, block_size, salt)
+    hashes = hash_blocks(token_ids, block_size, salt, images=images)
     remainder = len(token_ids) % block_size
     if remainder:
         parent = hashes[-1] if hashes else root_hash(salt)
-        hashes.append(hash_block(parent, token_ids[len(token_ids) - remainder :]))
+        start = len(token_ids) - remainder
+        extra = block_extra(images, start, len(token_ids)) if images else None
+        hashes.append(hash_block(parent, token_ids[start:], extra))
     return hashes

@@ -83,9 +83,10 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
         top = {key: cfg[key] for key in _TOP_LEVEL_KEYS if cfg.get(key) is not None}
         # The text_config's own values win, except for what transformers takes from the top.
         merged = {**top, **nested}
-        # The top-level model owns the head: its setting (default on) ties it, not the
-        # text_config's.
-        merged["tie_word_embeddings"] = top.get("tie_word_embeddings", True)
+        # The top-level model owns the head: its setting ties it, not the text_config's
+        # (Gemma3Config's default is on, LlavaConfig's off).
+        tied_default = cfg.get("model_type") == "gemma3"
+        merged["tie_word_embeddings"] = top.get("tie_word_embeddings", tied_default)
         merged.setdefault("model_type", "gemma3_text" if cfg.get("model_type") == "gemma3" else "")
         cfg = merged
     if cfg.get("model_type") in GEMMA3_TEXT_MODEL_TYPES:

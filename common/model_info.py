@@ -12,6 +12,7 @@ from typing import Any
 
 from common.config import ConfigError, PdserveConfig, Role
 from common.hf_config import eos_token_ids, max_context_len, text_config
+from common.vision_spec import VisionConfigError, VisionSpec, read_vision_spec
 
 DEMO_ARCH, DEMO_SIZE = "llama", "tiny"
 
@@ -61,6 +62,8 @@ class ModelInfo:
     model_type: str = ""  # config.json's (the text model's), e.g. "gpt_oss"
     # The ids the engine ends a sequence at (those inside the vocabulary, as the engine).
     eos_token_ids: frozenset[int] = frozenset()
+    # A vision-language model's image side (``common/vision_spec.py``); None: text only.
+    vision: VisionSpec | None = None
 
 
 def model_info(config: PdserveConfig) -> ModelInfo:
@@ -68,7 +71,12 @@ def model_info(config: PdserveConfig) -> ModelInfo:
     config_path = model_dir / "config.json"
     if not config_path.exists():
         raise FileNotFoundError(f"{model_dir} holds no checkpoint (config.json missing)")
-    hf_config = text_config(json.loads(config_path.read_text()))
+    raw = json.loads(config_path.read_text())
+    hf_config = text_config(raw)
+    try:
+        vision = read_vision_spec(raw, config_path)
+    except VisionConfigError as exc:
+        raise ConfigError("model", str(exc)) from None
     limit = max_context_len(hf_config)
     # The tightest limit of the roles that run (per-role engine overrides included): a
     # request must fit every worker it may be placed on.
@@ -84,7 +92,7 @@ def model_info(config: PdserveConfig) -> ModelInfo:
     vocab_size = int(hf_config.get("vocab_size", 0))
     eos = frozenset(i for i in eos_token_ids(hf_config, model_dir) if 0 <= i < vocab_size)
     return ModelInfo(model_dir, name, max_model_len, config.engine_for(Role.DECODE).block_size,
-                     vocab_size, str(hf_config.get("model_type") or ""), eos)  # fmt: skip
+                     vocab_size, str(hf_config.get("model_type") or ""), eos, vision)  # fmt: skip
 
 
 def check_text_parsers(config: PdserveConfig, hf_config: dict[str, Any]) -> None:

@@ -14,6 +14,7 @@ from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from worker.call_spans import call_span, output_attributes
 from worker.convert import (
+    images_from_proto,
     logprobs_to_proto,
     prompt_logprobs_to_proto,
     sampling_from_proto,
@@ -88,6 +89,7 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServiceServicer):
                     remote_kv=remote_kv,
                     output_token_ids=list(request.output_token_ids),
                     draft_token_ids=list(request.draft_token_ids),
+                    images=images_from_proto(request.images),
                 ):
                     raise_for_error(output)
                     completion = output.outputs[0]

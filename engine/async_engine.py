@@ -76,6 +76,7 @@ class EngineStats:
     expert_rebalances: int = 0
     expert_moved_slots: int = 0
     expert_imbalance: float = 0.0  # the last window's; 0.0 until the first rebalance
+    images_encoded: int = 0  # cumulative: a vision-language model's images encoded
 
 
 class AsyncEngine:
@@ -154,6 +155,10 @@ class AsyncEngine:
                 self.engine.grammars.prepare,
                 params.structured_output,
                 kwargs.get("output_token_ids", ()),
+            )
+        if kwargs.get("images"):  # decoding large images takes milliseconds: likewise
+            kwargs["images"] = await asyncio.to_thread(
+                self.engine.prepare_images, prompt_token_ids, kwargs["images"]
             )
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         admitted = [False]  # written on the engine thread
@@ -333,6 +338,7 @@ class AsyncEngine:
             expert_rebalances=balance.num_rebalances,
             expert_moved_slots=balance.num_moved_slots,
             expert_imbalance=balance.imbalance if balance.num_rebalances else 0.0,
+            images_encoded=self.engine.runner.num_images_encoded,
             **tier_stats,
         )
 

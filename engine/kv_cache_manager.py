@@ -73,6 +73,8 @@ class KVCacheManager:
                 bs,
                 salt=request.prefix_salt,
                 parent_hash=request.block_hashes[-1] if num_hashed else None,
+                images=request.image_spans,
+                first_position=num_hashed * bs,
             )
         )
 

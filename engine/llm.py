@@ -4,11 +4,16 @@ from engine import LLM, SamplingParams
 llm = LLM(model="/path/to/checkpoint", max_num_seqs=32)
 outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
 vectors = [o.embedding for o in llm.embed(["Hello"])]
+
+A vision-language model's prompt is a dict, as vLLM's: ``{"prompt": "USER: <image>\nWhat
+is this? ASSISTANT:", "multi_modal_data": {"image": [png_bytes_or_PIL_image]}}`` (or
+``prompt_token_ids``), with one image token in the text per image.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,17 +22,19 @@ from tqdm import tqdm
 
 from common.config import EngineConfig
 from common.generation_config import GenerationDefaults
+from common.multimodal import ImageInput, expand_placeholders
 from common.tokenizer import Tokenizer
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.pooling import EMBEDDING_SAMPLING, PoolingParams
 from engine.sampling_params import SamplingParams
 
-Prompt = str | Sequence[int]
+# Text, token ids, or a dict with "prompt" or "prompt_token_ids" and "multi_modal_data".
+Prompt = str | Sequence[int] | Mapping[str, Any]
 
 
 def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, str | Mapping):
         return [prompts]
     prompts = list(prompts)
     if prompts and all(isinstance(p, int) for p in prompts):
@@ -108,17 +115,19 @@ class LLM:
                 raise ValueError(
                     f"{len(params_list)} sampling params for {len(prompt_list)} prompts"
                 )
-        token_lists, lora_names = self._prepare(prompt_list, lora_name)
+        token_lists, lora_names, image_lists = self._prepare(prompt_list, lora_name)
         priorities = [0] * len(prompt_list) if priority is None else list(priority)
         if len(priorities) != len(prompt_list):
             raise ValueError(f"{len(priorities)} priorities for {len(prompt_list)} prompts")
         priorities = [self.engine.validate_priority(value) for value in priorities]
         request_ids = []
-        requests = zip(token_lists, params_list, lora_names, priorities, strict=True)
-        for tokens, params, name, value in requests:
+        requests = zip(token_lists, params_list, lora_names, priorities, image_lists, strict=True)
+        for tokens, params, name, value, images in requests:
             request_id = f"offline-{self._next_id}"
             self._next_id += 1
-            self.engine.add_request(request_id, tokens, params, lora_name=name, priority=value)
+            self.engine.add_request(
+                request_id, tokens, params, lora_name=name, priority=value, images=images
+            )
             request_ids.append(request_id)
         return self._run(request_ids, prompt_list, use_tqdm)
 
@@ -136,21 +145,23 @@ class LLM:
         embedding checkpoints (Qwen3-Embedding, say); any checkpoint gives its hidden
         states. Invalid input raises before anything runs."""
         prompt_list = _normalize_prompts(prompts)
-        token_lists, lora_names = self._prepare(prompt_list, lora_name)
+        token_lists, lora_names, image_lists = self._prepare(prompt_list, lora_name)
         request_ids = []
-        for tokens, name in zip(token_lists, lora_names, strict=True):
+        for tokens, name, images in zip(token_lists, lora_names, image_lists, strict=True):
             request_id = f"offline-{self._next_id}"
             self._next_id += 1
             self.engine.add_request(request_id, tokens, EMBEDDING_SAMPLING, lora_name=name,
-                                    pooling=pooling or PoolingParams())  # fmt: skip
+                                    pooling=pooling or PoolingParams(), images=images)  # fmt: skip
             request_ids.append(request_id)
         return self._run(request_ids, prompt_list, use_tqdm)
 
     def _prepare(
         self, prompts: list[Prompt], lora_name: str | Sequence[str | None] | None
-    ) -> tuple[list[list[int]], list[str | None]]:
-        """Each prompt's token ids and adapter, checked (raises before anything runs)."""
-        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    ) -> tuple[list[list[int]], list[str | None], list[tuple]]:
+        """Each prompt's token ids, adapter and prepared images, checked (raises before
+        anything runs)."""
+        with_images = [self._with_images(p) for p in prompts]
+        token_lists = [tokens for tokens, _ in with_images]
         if lora_name is None or isinstance(lora_name, str):
             lora_names = [lora_name] * len(prompts)
         else:
@@ -161,7 +172,37 @@ class LLM:
             self.engine.validate_prompt(tokens)
         for name in lora_names:
             self.engine.lora_adapter(name)
-        return token_lists, lora_names
+        image_lists = [self.engine.prepare_images(t, i) for t, i in with_images]
+        return token_lists, lora_names, image_lists
+
+    def _with_images(self, prompt: Prompt) -> tuple[list[int], list[ImageInput]]:
+        """A prompt's token ids, each image token made its run of placeholders, and its
+        images placed on them."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt), []
+        if not isinstance(prompt, Mapping):
+            return list(prompt), []
+        if "prompt" in prompt:
+            tokens = self.tokenizer.encode(prompt["prompt"])
+        else:
+            tokens = list(prompt["prompt_token_ids"])
+        images = (prompt.get("multi_modal_data") or {}).get("image", [])
+        images = images if isinstance(images, list | tuple) else [images]
+        vision = self.engine.arch.vision
+        if vision is None:
+            if images:
+                raise ValueError(f"{self.engine.model_dir.name} takes no images")
+            return tokens, []
+        tokens, offsets = expand_placeholders(
+            tokens, vision.image_token_id, vision.tokens_per_image
+        )
+        if len(offsets) != len(images):
+            raise ValueError(
+                f"{len(images)} images for {len(offsets)} image tokens (id "
+                f"{vision.image_token_id}) in the prompt"
+            )
+        placed = zip(offsets, images, strict=True)
+        return tokens, [ImageInput(offset, _image_bytes(image)) for offset, image in placed]
 
     def _run(
         self, request_ids: list[str], prompts: list[Prompt], use_tqdm: bool
@@ -183,6 +224,8 @@ class LLM:
         results = []
         for request_id, prompt in zip(request_ids, prompts, strict=True):
             output = finished[request_id]
+            if isinstance(prompt, Mapping):
+                prompt = prompt.get("prompt")
             output.prompt = prompt if isinstance(prompt, str) else None
             completion = output.outputs[0]
             shown = completion.token_ids  # a stop token's text is not output (as in vLLM)
@@ -191,3 +234,12 @@ class LLM:
             completion.text = self.tokenizer.decode(shown)
             results.append(output)
         return results
+
+
+def _image_bytes(image: Any) -> bytes:
+    """An encoded image file: bytes as they are, a Pillow image as PNG (lossless)."""
+    if isinstance(image, bytes | bytearray):
+        return bytes(image)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()

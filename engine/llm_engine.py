@@ -29,6 +29,7 @@ from common.config import (
     SpeculativeMethod,
 )
 from common.hashing import BlockHash, transfer_block_hashes
+from common.multimodal import ImageInput
 from common.structured_output import STRUCTURED_OUTPUT
 from engine.block_pool import BlockPoolObserver
 from engine.cpu_tier import CpuTier
@@ -39,11 +40,13 @@ from engine.errors import (
     PromptTooLongError,
 )
 from engine.grammar import Grammars
+from engine.images import PromptImage, chunk_images, prepare_images
 from engine.kv_cache_manager import cdiv
 from engine.kv_connector import KVPuller
 from engine.kv_events import KVEventCollector
 from engine.model_runner import ModelRunner, PromptScoring, SequenceChunk
 from engine.models.arch import ModelArchConfig, ModelLoadError, read_arch_config
+from engine.models.image_processor import ImageProcessing, read_image_processing
 from engine.models.lora import LoraAdapter
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.parallel.launch import ShardExtensionSpec
@@ -177,6 +180,14 @@ class LLMEngine:
                            model_dir, sorted(set(self.arch.eos_token_ids) - self.eos_token_ids),
                            self.arch.vocab_size)  # fmt: skip
         self.grammars = Grammars(model_dir, self.arch.vocab_size, self.eos_token_ids)
+        # A vision-language model's image preprocessing (preprocessor_config.json).
+        self.image_processing: ImageProcessing | None = None
+        vision = self.arch.vision
+        if vision is not None:
+            try:
+                self.image_processing = read_image_processing(model_dir, vision.tower.image_size)
+            except ValueError as exc:
+                raise ModelLoadError(str(exc)) from None
 
     # ------------------------------------------------------------------ requests
 
@@ -195,6 +206,7 @@ class LLMEngine:
         priority: int = 0,
         pooling: PoolingParams | None = None,
         draft_token_ids: Sequence[int] = (),
+        images: Sequence[ImageInput | PromptImage] = (),
     ) -> Request:
         """Validate and queue a request. Raises ``InvalidRequestError`` (engine unchanged).
 
@@ -211,10 +223,13 @@ class LLMEngine:
         drafts after prompt + ``output_token_ids`` (a prefill worker's,
         ``RequestOutput.draft_token_ids``), for the first step to verify; used only with a
         ``speculative_method`` that drafts after each step (mtp, draft_model, eagle3; any
-        token ids: a wrong draft is just not kept).
+        token ids: a wrong draft is just not kept). ``images``: a vision-language model's,
+        one per placeholder run of the prompt, in order (``prepare_images``; ones prepared
+        already are taken as they are).
         """
         prompt = self.validate_prompt(prompt_token_ids)
         outputs = self.validate_prompt(output_token_ids, allow_empty=True)
+        prepared = self.prepare_images(prompt, images)
         scheduler = self.scheduler
         if request_id in scheduler.requests or request_id in scheduler.held:
             raise DuplicateRequestError(request_id)
@@ -322,6 +337,7 @@ class LLMEngine:
             output_token_ids=outputs,
             priority=priority,
             pooling=pooling,
+            images=prepared,
         )
         if not params.greedy:
             # Keyed by output position (engine/sampler.py): the tokens generated elsewhere
@@ -355,6 +371,14 @@ class LLMEngine:
                 "prompt",
             )
         return prompt
+
+    def prepare_images(
+        self, prompt: Sequence[int], images: Sequence[ImageInput | PromptImage]
+    ) -> tuple[PromptImage, ...]:
+        """``images`` of a request with ``prompt``, checked and decoded
+        (``engine.images.prepare_images``). Reads nothing that changes: services call it
+        off the engine thread, since decoding a large image takes milliseconds."""
+        return prepare_images(prompt, images, self.arch.vision, self.image_processing)
 
     def validate_priority(self, priority: int) -> int:
         """``priority`` as an int (numpy integers too; not a bool), if this engine takes it."""
@@ -462,7 +486,10 @@ class LLMEngine:
         tenant and adapter weights). KeyError if it holds none."""
         request = self.scheduler.held[request_id]
         return transfer_block_hashes(
-            request.prompt_token_ids, self.config.block_size, request.prefix_salt
+            request.prompt_token_ids,
+            self.config.block_size,
+            request.prefix_salt,
+            request.image_spans,
         )
 
     def release_kv(self, request_id: str) -> bool:
@@ -588,6 +615,7 @@ class LLMEngine:
                 request.prompt_token_ids[: remote.num_tokens],
                 self.config.block_size,
                 request.prefix_salt,
+                request.image_spans,
             )
             self.kv_puller.start_fetch(
                 request.request_id,
@@ -671,6 +699,9 @@ class LLMEngine:
                     scoring=_prompt_scoring(request, start, end),
                     lora=request.lora,
                     pooling=request.pooling if item.samples else None,
+                    images=chunk_images(request.images, request.image_features, start, end)
+                    if request.images
+                    else None,
                 )
             )
             if self.config.speculative_method.drafts_after_step:

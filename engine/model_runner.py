@@ -29,10 +29,12 @@ from engine.attention.backend import AttentionBackend
 from engine.block_table import BlockTable
 from engine.cuda_graphs import DecodeGraphs
 from engine.draft_model import DraftModel, draft_segment
+from engine.images import ChunkImages, EncoderCache, image_embeds
 from engine.kv_cache_manager import cdiv
 from engine.model_shard import HostBatch, ModelShard
 from engine.models.arch import ModelArchConfig
 from engine.models.lora import LoraAdapter, LoraBatch, load_lora_adapter
+from engine.models.vision import VisionEncoder, load_vision_encoder
 from engine.mtp_drafts import MtpSegment, check_mtp, mtp_segment, propose_drafts, slots_end
 from engine.parallel.expert_placement import imbalance, rebalance
 from engine.parallel.group import SingleRank, TPGroup
@@ -75,6 +77,8 @@ class SequenceChunk:
     draft_lead: list[int] = field(default_factory=list)
     draft_lead_pos: int = 0
     draft_catching_up: bool = False
+    # A vision-language model's images this chunk's positions overlap (``engine/images.py``).
+    images: ChunkImages | None = None
 
 
 @dataclass(slots=True)
@@ -141,6 +145,13 @@ class ModelRunner:
                 self.shards.wait_hello()
                 group = self.shards.join_group()
             self.shard = ModelShard(model_dir, arch, config, device, dtype, max_model_len, group)
+            # A vision-language model's image encoder (rank 0's alone: it broadcasts the
+            # rows), its recent output, and the images it encoded so far.
+            self.vision: VisionEncoder | None = None
+            self.encoder_cache = EncoderCache(config.encoder_cache_bytes)
+            self.num_images_encoded = 0
+            if arch.vision is not None:
+                self.vision = load_vision_encoder(model_dir, arch.vision, device, dtype)
             self.draft: DraftModel | None = None
             if config.speculative_method is SpeculativeMethod.DRAFT_MODEL:
                 self.draft = DraftModel(arch, config, device, dtype, max_model_len)
@@ -261,12 +272,25 @@ class ModelRunner:
         """Hidden states of every token, on every rank (the others told first, with the
         rows of each logits pass they take part in)."""
         lora_rows = self._lora_rows(chunks, batch)
+        with_images = [
+            (batch.query_start_loc[i], c.start_pos, c.start_pos + len(c.token_ids), c.images)
+            for i, c in enumerate(chunks)
+            if c.images is not None
+        ]
+        images = None
+        if with_images:  # encoded before the other ranks are told: they wait on no encoder
+            assert self.vision is not None
+            images, num_encoded = image_embeds(
+                self.vision, self.encoder_cache, with_images, self.device
+            )
+            self.num_images_encoded += num_encoded
         if self.shards is not None:
             self.shards.send(
                 Step(
                     *_wire_batch(batch),
                     [(self._adapter_ids[a], rows) for a, rows in lora_rows.items()],
                     logit_rows,
+                    images[0].tolist() if images is not None else [],
                 )
             )  # fmt: skip
         lora = None
@@ -277,7 +301,7 @@ class ModelRunner:
                     for adapter, rows in lora_rows.items()
                 )
             )
-        return self.shard.forward(batch, lora)
+        return self.shard.forward(batch, lora, images)
 
     def _fail_shards(self, exc: BaseException) -> None:
         """Rank 0 left a step (or an MTP pass) between its message and its last

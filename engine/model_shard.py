@@ -256,21 +256,36 @@ class ModelShard:
         if self.group.min_int(int(captured)):
             self.decode_graphs = graphs
 
-    def uses_graph(self, batch: HostBatch, lora: object | None) -> bool:
-        """Whether ``forward`` replays a graph: decode-only steps of the base model that
-        fit one. A function of the batch alone, so every rank decides alike."""
+    def uses_graph(
+        self, batch: HostBatch, lora: object | None, images: object | None = None
+    ) -> bool:
+        """Whether ``forward`` replays a graph: decode-only steps of the base model
+        without image rows that fit one. A function of the batch alone, so every rank
+        decides alike."""
         graphs = self.decode_graphs
         return (
             graphs is not None
             and lora is None  # graphs are captured for the base model
+            and images is None
             and batch.num_seqs == len(batch.input_ids)
             and graphs.fits(batch.num_seqs)
         )
 
-    def forward(self, batch: HostBatch, lora: LoraBatch | None) -> torch.Tensor:
+    def forward(
+        self,
+        batch: HostBatch,
+        lora: LoraBatch | None,
+        images: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """Hidden states of every token [num_tokens, hidden_size] (after the final norm):
-        replayed from a CUDA graph for decode-only steps that fit one, eagerly else."""
-        if self.uses_graph(batch, lora):
+        replayed from a CUDA graph for decode-only steps that fit one, eagerly else.
+        ``images``: (rows [m], embeddings [m, hidden]) that replace those rows' token
+        embeddings (``engine/images.py``); under tensor parallelism rank 0's embeddings,
+        which the other ranks receive into theirs."""
+        if images is not None and self.group.size > 1:  # rank 0 encoded them
+            rows, embeds = images
+            images = (rows, self.group.broadcast(embeds.contiguous(), src=0))
+        if self.uses_graph(batch, lora, images):
             assert self.decode_graphs is not None
             return self.decode_graphs.run(
                 batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
@@ -280,9 +295,9 @@ class ModelShard:
         layer_caches = self.kv_caches[: self.arch.num_layers]
         layer = self.draft_layer
         if layer is None:
-            return self.model(input_ids, positions, layer_caches, metadata, lora)
+            return self.model(input_ids, positions, layer_caches, metadata, lora, images)
         hidden, aux = self.model.hidden_and_aux(
-            input_ids, positions, layer_caches, metadata, lora, layer.aux_layer_ids
+            input_ids, positions, layer_caches, metadata, lora, layer.aux_layer_ids, images
         )
         self.target_features = layer.features(hidden, aux)
         return self.model.model.norm(hidden)

@@ -26,6 +26,8 @@ from engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from common.multimodal import ImageSpan
+    from engine.images import PromptImage
     from engine.models.lora import LoraAdapter
     from engine.pooling import PoolingParams
 
@@ -166,6 +168,10 @@ class Request:
     # With a draft model: it holds KV for positions 0 .. draft_kv_end - 1, as of the last
     # step this request took part in (``engine/draft_model.py``).
     draft_kv_end: int = 0
+    # A vision-language model's images in the prompt (``engine/images.py``), and the
+    # encoder output kept for those a chunked prompt is part-way through.
+    images: tuple[PromptImage, ...] = ()
+    image_features: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def set_model_drafts(self, draft_ids: list[int]) -> None:
         """A model's drafts after the request's tokens as they are now."""
@@ -195,6 +201,11 @@ class Request:
             self.sampling_params.prompt_logprobs is not None
             and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
         )
+
+    @property
+    def image_spans(self) -> tuple[ImageSpan, ...]:
+        """Where the prompt's images sit, and their digests (what its blocks are keyed by)."""
+        return tuple(image.span for image in self.images)
 
     @property
     def prefix_salt(self) -> str | bytes | None:

@@ -21,6 +21,7 @@ from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from worker.call_spans import call_span, output_attributes
 from worker.convert import (
+    images_from_proto,
     logprobs_to_proto,
     prompt_logprobs_to_proto,
     sampling_from_proto,
@@ -74,6 +75,7 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServiceServicer):
                     lora_name=lora_name,
                     priority=request.priority,
                     prefill_only=True,
+                    images=images_from_proto(request.images),
                 ):
                     final = output
                 assert final is not None and final.finished

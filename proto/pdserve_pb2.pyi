@@ -121,21 +121,31 @@ class StageTimings(_message.Message):
     decode_ms: float
     def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ...) -> None: ...
 
+class Image(_message.Message):
+    __slots__ = ("offset", "data")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "lora_name", "priority")
+    __slots__ = ("request_id", "token_ids", "sampling", "cache_salt", "lora_name", "priority", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     cache_salt: str
     lora_name: str
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[Image]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., priority: _Optional[int] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "first_logprobs", "kv", "finish_reason", "num_cached_tokens", "timings", "prompt_logprobs", "draft_token_ids")
@@ -186,7 +196,7 @@ class EmbedResponse(_message.Message):
     def __init__(self, embedding: _Optional[bytes] = ..., num_cached_tokens: _Optional[int] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "kv", "cache_salt", "lora_name", "priority", "draft_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "output_token_ids", "sampling", "kv", "cache_salt", "lora_name", "priority", "draft_token_ids", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -196,6 +206,7 @@ class GenerateRequest(_message.Message):
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -205,7 +216,8 @@ class GenerateRequest(_message.Message):
     lora_name: str
     priority: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., priority: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[Image]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv: _Optional[_Union[KVHandle, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., priority: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., images: _Optional[_Iterable[_Union[Image, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
@@ -280,7 +292,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("engine_id", "role", "queued_prefill_tokens", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_free", "live_leases", "leases_expired", "leases_released", "prefill_tokens_per_s", "prefix_query_tokens", "prefix_hit_tokens", "blocks_pulled", "blocks_reused_locally", "transfer_failures", "requests_finished", "mean_timings", "draining", "kv_blocks_total", "cpu_blocks_total", "cpu_blocks_used", "offloaded_blocks", "offloaded_bytes", "cpu_hit_blocks", "cpu_load_ms_total", "num_preemptions", "draft_tokens", "accepted_draft_tokens", "lora_adapters", "expert_rebalances", "expert_moved_slots", "expert_imbalance")
+    __slots__ = ("engine_id", "role", "queued_prefill_tokens", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_free", "live_leases", "leases_expired", "leases_released", "prefill_tokens_per_s", "prefix_query_tokens", "prefix_hit_tokens", "blocks_pulled", "blocks_reused_locally", "transfer_failures", "requests_finished", "mean_timings", "draining", "kv_blocks_total", "cpu_blocks_total", "cpu_blocks_used", "offloaded_blocks", "offloaded_bytes", "cpu_hit_blocks", "cpu_load_ms_total", "num_preemptions", "draft_tokens", "accepted_draft_tokens", "lora_adapters", "expert_rebalances", "expert_moved_slots", "expert_imbalance", "images_encoded")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +326,7 @@ class StatsResponse(_message.Message):
     EXPERT_REBALANCES_FIELD_NUMBER: _ClassVar[int]
     EXPERT_MOVED_SLOTS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_IMBALANCE_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_ENCODED_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     role: str
     queued_prefill_tokens: int
@@ -347,7 +360,8 @@ class StatsResponse(_message.Message):
     expert_rebalances: int
     expert_moved_slots: int
     expert_imbalance: float
-    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., queued_prefill_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., live_leases: _Optional[int] = ..., leases_expired: _Optional[int] = ..., leases_released: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., blocks_pulled: _Optional[int] = ..., blocks_reused_locally: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., requests_finished: _Optional[int] = ..., mean_timings: _Optional[_Union[StageTimings, _Mapping]] = ..., draining: _Optional[bool] = ..., kv_blocks_total: _Optional[int] = ..., cpu_blocks_total: _Optional[int] = ..., cpu_blocks_used: _Optional[int] = ..., offloaded_blocks: _Optional[int] = ..., offloaded_bytes: _Optional[int] = ..., cpu_hit_blocks: _Optional[int] = ..., cpu_load_ms_total: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ..., expert_rebalances: _Optional[int] = ..., expert_moved_slots: _Optional[int] = ..., expert_imbalance: _Optional[float] = ...) -> None: ...
+    images_encoded: int
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., queued_prefill_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., live_leases: _Optional[int] = ..., leases_expired: _Optional[int] = ..., leases_released: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., blocks_pulled: _Optional[int] = ..., blocks_reused_locally: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., requests_finished: _Optional[int] = ..., mean_timings: _Optional[_Union[StageTimings, _Mapping]] = ..., draining: _Optional[bool] = ..., kv_blocks_total: _Optional[int] = ..., cpu_blocks_total: _Optional[int] = ..., cpu_blocks_used: _Optional[int] = ..., offloaded_blocks: _Optional[int] = ..., offloaded_bytes: _Optional[int] = ..., cpu_hit_blocks: _Optional[int] = ..., cpu_load_ms_total: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ..., expert_rebalances: _Optional[int] = ..., expert_moved_slots: _Optional[int] = ..., expert_imbalance: _Optional[float] = ..., images_encoded: _Optional[int] = ...) -> None: ...
 
 class LoraAdapterInfo(_message.Message):
     __slots__ = ("name", "fingerprint")

@@ -20,6 +20,7 @@ from proto import pdserve_pb2 as pb
 from router.detokenizer import IncrementalDetokenizer
 from router.dispatch import Dispatcher, SequenceRequest
 from router.errors import APIError, bad_request, context_too_long
+from router.images import PromptImages
 from router.metrics import RouterMetrics
 from router.workers import LoraRef
 
@@ -94,6 +95,7 @@ def build_choices(
     echo_only: bool = False,
     eos_token_ids: frozenset[int] = frozenset(),
     main_eos_id: int | None = None,
+    images: PromptImages | None = None,
 ) -> list[Choice]:
     """One choice per (prompt, sample); checks each prompt against the context limit, and
     ``min_tokens`` against what the context leaves when ``max_tokens`` is unset.
@@ -101,7 +103,7 @@ def build_choices(
     ``prompt_param`` names the request's prompt field in errors. ``priority``: every
     choice's (lower first). ``echo_only``: every choice ends at its first token, showing
     nothing generated (``echo`` with ``max_tokens`` 0). ``eos_token_ids``: the model's;
-    ``main_eos_id``: the tokenizer's."""
+    ``main_eos_id``: the tokenizer's. ``images``: a chat prompt's (one prompt)."""
     choices = []
     for prompt_index, prompt in enumerate(prompts):
         limit = sampling.max_tokens if sampling.HasField("max_tokens") else 0
@@ -114,7 +116,8 @@ def build_choices(
                 f"{len(prompt)} prompt tokens, got {sampling.min_tokens}",
                 "min_tokens",
             )
-        hashes = hash_blocks(prompt, block_size, prefix_salt(cache_salt, lora and lora.key))
+        salt = prefix_salt(cache_salt, lora and lora.key)
+        hashes = hash_blocks(prompt, block_size, salt, images=images.spans if images else ())
         for sample in range(n):
             params = pb.SamplingParams()
             params.CopyFrom(sampling)
@@ -142,6 +145,7 @@ def build_choices(
                         cache_salt,
                         lora,
                         priority,
+                        images=images.messages if images else (),
                     ),
                     detokenizer=detokenizer_factory(stop),
                     echo_only=echo_only,

@@ -60,6 +60,8 @@ class SequenceRequest:
     priority: int = 0  # lower first, in the decode gate and both workers' engines
     # The request's trace context (``common/tracing.py``), sent as the calls' metadata.
     trace_headers: tuple[tuple[str, str], ...] = ()
+    # A vision-language model's images, one per placeholder run (``router/images.py``).
+    images: tuple[pb.Image, ...] = ()
 
 
 @dataclass(slots=True)
@@ -345,6 +347,7 @@ class Dispatcher:
             token_ids=request.prompt_token_ids,
             sampling=request.sampling,
             priority=request.priority,
+            images=request.images,
         )
         if request.cache_salt is not None:
             message.cache_salt = request.cache_salt
@@ -465,6 +468,7 @@ class Dispatcher:
                 output_token_ids=generated,
                 sampling=request.sampling if scores_prompt else _unscored(request.sampling),
                 priority=request.priority,
+                images=request.images,
             )
             if request.cache_salt is not None:
                 message.cache_salt = request.cache_salt

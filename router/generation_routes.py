@@ -27,6 +27,7 @@ from router.errors import APIError, bad_request, internal
 from router.formatting import SSE_DONE, Formatter, ToolFormat, sse, usage_body
 from router.harmony import Harmony, call_constraint
 from router.harmony import opening_of as harmony_opening
+from router.images import PromptImages, image_inputs, place_images
 from router.prompts import PromptTokenizer, tool_dicts
 from router.protocol import (
     ChatCompletionRequest,
@@ -141,11 +142,7 @@ def add_generation_routes(
             tool_format = None if harmony else tool_format_of(body, parser)
         except FieldError as error:
             raise bad_request(str(error), error.param) from None
-        prompt = await asyncio.to_thread(
-            prompt_tokenizer.chat, body.messages, body.add_generation_prompt,
-            tool_dicts(body.tools), body.template_kwargs, body.continue_final_message,
-            prompt_tokenizer.limit(body), prompt_tokenizer.window(body),
-        )  # fmt: skip
+        prompt, images = await chat_prompt(body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         tail = state.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
         if harmony:
@@ -158,12 +155,33 @@ def add_generation_routes(
                              forced, named)  # fmt: skip
             return await respond(request, body, [prompt], chat=True, logprobs=logprobs,
                                  harmony=reader, lora_name=lora_name,
-                                 keep_special=state.harmony_ids)  # fmt: skip
+                                 keep_special=state.harmony_ids, images=images)  # fmt: skip
         # A tool format whose markers are special tokens reads them in the text.
         keep = state.tool_marker_ids if isinstance(tool_format, MarkedCalls) else frozenset()
         return await respond(request, body, [prompt], chat=True, logprobs=logprobs,
                              tool_format=tool_format, reasoning=reasoning_of(body, tail),
-                             lora_name=lora_name, keep_special=keep)  # fmt: skip
+                             lora_name=lora_name, keep_special=keep, images=images)  # fmt: skip
+
+    async def chat_prompt(body: ChatCompletionRequest) -> tuple[list[int], PromptImages | None]:
+        """The messages through the chat template as ids (tokenized off the event loop),
+        and their images placed (``router/images.py``)."""
+        vision = state.model.vision
+        limit = state.config.router.max_images_per_request
+        images = image_inputs(body.messages, vision, limit)
+        if images and body.truncate_prompt_tokens is not None:
+            raise bad_request("truncate_prompt_tokens cannot cut a prompt with images",
+                              "truncate_prompt_tokens")  # fmt: skip
+        args = (
+            body.messages, body.add_generation_prompt, tool_dicts(body.tools),
+            body.template_kwargs, body.continue_final_message, prompt_tokenizer.limit(body),
+            prompt_tokenizer.window(body),
+        )  # fmt: skip
+        if not images:
+            return await asyncio.to_thread(prompt_tokenizer.chat, *args), None
+        assert vision is not None
+        token_id = vision.image_token_id
+        prompt = await asyncio.to_thread(prompt_tokenizer.chat_images, token_id, len(images), *args)
+        return place_images(prompt, images, vision)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
@@ -213,6 +231,7 @@ def add_generation_routes(
         lora_name: str | None = None,
         harmony: Harmony | None = None,
         keep_special: frozenset[int] | None = frozenset(),
+        images: PromptImages | None = None,
     ):
         """``lora_name``: the adapter the request's ``model`` named; None: the base model.
         ``keep_special``: special tokens kept in the text (markers a parser reads)."""
@@ -259,7 +278,8 @@ def add_generation_routes(
             if logprobs is not None:  # the prompt's log-probs come first
                 scored.append(logprobs)
         elif chat and body.echo and body.messages[-1].role == "assistant":
-            continued = body.messages[-1].text()  # the message the reply continues
+            # The message the reply continues (an image in it has no text to repeat).
+            continued = body.messages[-1].text(image_text="")
             echo = [continued] if continued else None  # (a content of null stays null)
         if scored:  # the engine scores once, with the larger top n; each use cuts its own
             sampling.prompt_logprobs = max(scored)
@@ -298,6 +318,7 @@ def add_generation_routes(
             priority=body.priority,
             echo_only=echo_only,
             eos_token_ids=state.model.eos_token_ids,
+            images=images,
             main_eos_id=state.tokenizer.eos_token_id,
         )
         formatter = Formatter(

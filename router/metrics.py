@@ -107,6 +107,9 @@ class RouterMetrics:
             (worker_gauge("pdserve:worker_expert_moved_slots",
                           "Expert slots moved by rebalancing (cumulative)."),
              lambda stats: stats.expert_moved_slots),
+            (worker_gauge("pdserve:worker_images_encoded",
+                          "Images run through the vision encoder (cumulative)."),
+             lambda stats: stats.images_encoded),
         )  # fmt: skip
         # Separate from the stats gauges: it is the router's view (probes answered, not
         # draining), not a figure the worker reports.

@@ -65,15 +65,18 @@ class PromptTokenizer:
     def chat(
         self, messages, add_generation_prompt: bool, tools=None, template_kwargs=None,
         continue_final_message: bool = False, max_tokens: int | None = None,
-        kept: KeptTokens | None = None,
+        kept: KeptTokens | None = None, image_text: str | None = None,
+        image_parts: bool = False,
     ) -> list[int]:  # fmt: skip
         """The messages through the chat template, as ids. ``max_tokens``: a longer
         prompt is refused before it is tokenized whole. ``kept``: what truncation will
-        keep (only that much of the text is tokenized)."""
+        keep (only that much of the text is tokenized). ``image_text``, ``image_parts``:
+        how images reach the template (``ChatMessage.for_template``; neither: refused)."""
         try:
             return self.tokenizer.apply_chat_template(
-                [m.for_template() for m in messages], add_generation_prompt, tools,
-                template_kwargs, continue_final_message, max_tokens, kept,
+                [m.for_template(image_text, image_parts) for m in messages],
+                add_generation_prompt, tools, template_kwargs, continue_final_message,
+                max_tokens, kept,
             )  # fmt: skip
         except TooManyTokens as exc:
             raise self.too_long(exc, "messages") from None
@@ -81,6 +84,20 @@ class PromptTokenizer:
             raise bad_request(str(exc), exc.param or "messages") from None
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
+
+    def chat_images(self, image_token_id: int, num_images: int, *args) -> list[int]:
+        """``chat(*args)`` of messages with ``num_images`` images, each written as one
+        ``image_token_id``. Images reach the template as content parts (what vision models'
+        templates read); a template that does not write the token for each (one that reads
+        content as a string, or fails on a list) gets the token's text in the string."""
+        try:
+            prompt = self.chat(*args, image_parts=True)
+        except APIError:
+            prompt = []
+        if prompt.count(image_token_id) == num_images:
+            return prompt
+        text = self.tokenizer.convert_ids_to_tokens([image_token_id])[0]
+        return self.chat(*args, image_text=text)
 
     def limit(self, body) -> int | None:
         """How many tokens a prompt may have before it is refused untokenized: the

@@ -328,9 +328,23 @@ class CompletionRequest(_SamplingFields):
         return self.echo and self.max_tokens == 0
 
 
+class ImageUrl(_Body):
+    url: str
+    detail: str | None = None  # OpenAI's "low" | "high" | "auto": every image is read whole
+
+
 class ContentPart(_Body):
     type: str
     text: str | None = None
+    # type "image_url": OpenAI's {"url": ...}, or the URL alone (as vLLM also takes it).
+    image_url: ImageUrl | str | None = None
+
+    @property
+    def url(self) -> str | None:
+        """An image part's URL (None for other parts or a part without one)."""
+        if self.type != "image_url" or self.image_url is None:
+            return None
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
 
 
 class FunctionCall(_Body):
@@ -386,12 +400,24 @@ class ChatMessage(_Body):
     reasoning_content: str | None = None
     reasoning: str | None = None
 
-    def for_template(self) -> dict[str, Any]:
+    def for_template(
+        self, image_text: str | None = None, image_parts: bool = False
+    ) -> dict[str, Any]:
         """What the chat template sees: role, text, and the author's name, tool calls
         (their arguments as objects: what Hugging Face templates render, as vLLM gives
         them), the call a tool turn answers, and an assistant turn's thinking (as
-        ``reasoning_content``, Qwen3's name, and ``thinking``, GPT-OSS's), where given."""
-        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        ``reasoning_content``, Qwen3's name, and ``thinking``, GPT-OSS's), where given.
+
+        Images (a vision-language model's, ``router/images.py``): with ``image_parts`` a
+        message that has images gets its content as parts, ``{"type": "text", "text":
+        ...}`` and ``{"type": "image"}``, the form vision models' templates read; with
+        ``image_text``, a string with that text where each image was; else they are
+        refused (ValueError)."""
+        if image_parts and self.has_images:
+            content: str | list[dict[str, str]] = self.parts_for_template()
+        else:
+            content = self.text(image_text)
+        message: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
         thinking = self.reasoning_content or self.reasoning
@@ -407,19 +433,39 @@ class ChatMessage(_Body):
             message["tool_call_id"] = self.tool_call_id
         return message
 
-    def text(self) -> str:
+    @property
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(p.type == "image_url" for p in self.content)
+
+    def text(self, image_text: str | None = None) -> str:
+        """The content as text; image parts become ``image_text`` (None: refused)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
         parts = []
         for part in self.content:
+            if part.type == "image_url" and image_text is not None:
+                parts.append(image_text)
+                continue
             if part.type != "text":
                 raise ValueError(f"content parts of type {part.type!r} are not supported")
             if part.text is None:
                 raise ValueError("a content part of type 'text' needs its 'text' string")
             parts.append(part.text)
         return "".join(parts)
+
+    def parts_for_template(self) -> list[dict[str, str]]:
+        assert isinstance(self.content, list)
+        parts = []
+        for part in self.content:
+            if part.type == "image_url":
+                parts.append({"type": "image"})
+            elif part.type == "text" and part.text is not None:
+                parts.append({"type": "text", "text": part.text})
+            else:
+                raise ValueError(f"content parts of type {part.type!r} are not supported")
+        return parts
 
 
 def _call_for_template(call: ToolCall) -> dict[str, Any]:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, fields
 
+from common.multimodal import ImageInput
 from common.structured_output import STRUCTURED_OUTPUT, StructuredOutput, StructuredOutputError
 from engine.errors import InvalidSamplingParamsError
 from engine.outputs import RequestOutput
@@ -42,6 +44,11 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         bad_words_token_ids=tuple(tuple(word.token_ids) for word in msg.bad_words_token_ids),
         structured_output=structured,
     )
+
+
+def images_from_proto(images: Sequence[pb.Image]) -> list[ImageInput]:
+    """A request's images (``common/multimodal.py``); the engine checks them."""
+    return [ImageInput(image.offset, image.data) for image in images]
 
 
 def sampling_to_proto(params: SamplingParams) -> pb.SamplingParams:

@@ -119,7 +119,9 @@ class WorkerRuntime:
     ) -> bool:
         # The registry first: an unreachable Redis fails the start before the model loads.
         self.registry = await asyncio.to_thread(create_registry, self.config)
-        self.server = grpc.aio.server()
+        # A request may carry images (a vision-language model's): up to the router's
+        # request body, not gRPC's default of 4 MiB.
+        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
         add_servicer(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         bound = self.server.add_insecure_port(self.address)

@@ -75,6 +75,7 @@ def stats_reply(
         expert_rebalances=stats.expert_rebalances,
         expert_moved_slots=stats.expert_moved_slots,
         expert_imbalance=stats.expert_imbalance,
+        images_encoded=stats.images_encoded,
         lora_adapters=[
             pb.LoraAdapterInfo(name=adapter.name, fingerprint=adapter.fingerprint)
             for adapter in lora_adapters

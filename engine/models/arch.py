@@ -16,6 +16,8 @@ and route experts their own way (``MoeConfig.deepseek_scoring``); GLM-4.5 is GQA
 norms over whole projections and that router without groups or shared experts. Rotary
 settings are read by ``rope_config.py``; configs that leave keys to transformers' defaults
 get those defaults (``common/hf_config.py`` for Gemma 3 and GPT-OSS, here for DeepSeek).
+A LLaVA-layout vision-language checkpoint's language model is any of these (its
+``text_config``), with its image side in ``ModelArchConfig.vision``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from common.hf_config import (
     num_mtp_layers,
     text_config,
 )
+from common.vision_spec import VisionConfigError, VisionSpec, read_vision_spec
 from engine.models.bnb_config import Bnb4Bit, read_bnb_config
 from engine.models.errors import ModelLoadError
 from engine.models.fp8_config import Fp8Weights, read_fp8_config, read_quantization_config
@@ -248,6 +251,9 @@ class ModelArchConfig:
     # (``num_nextn_predict_layers``); per-layer tuples above cover them too, so MTP layer
     # ``i`` is layer ``num_layers + i`` to them.
     num_mtp_layers: int = 0
+    # A vision-language checkpoint's image side (``common/vision_spec.py``); the fields
+    # above are its language model's. None: text only.
+    vision: VisionSpec | None = None
 
     @property
     def rotary_dim(self) -> int:
@@ -475,6 +481,12 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
     # transformers falls back to model_type when a config names no architectures.
     architectures = raw.get("architectures") or [_BY_MODEL_TYPE.get(raw.get("model_type"), "")]
     cfg = text_config(raw)
+    try:
+        vision = read_vision_spec(raw, path)
+    except VisionConfigError as exc:
+        raise ModelLoadError(str(exc)) from None
+    if vision is not None:  # the language model is the text_config's
+        architectures = [_BY_MODEL_TYPE.get(cfg.get("model_type"), str(cfg.get("model_type")))]
     architecture = next((a for a in architectures if a in ARCHITECTURES), None)
     if architecture is None:
         raise ModelLoadError(
@@ -548,6 +560,7 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
         bnb_weights=bnb_weights,
         qk_norm_whole=flags.minimax_m2,
         num_mtp_layers=mtp_layers,
+        vision=vision,
         **attention,
         **gemma3,
     )

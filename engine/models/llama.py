@@ -279,10 +279,12 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],  # per layer [num_blocks, 2, block_size, Hkv, D]
         attn_metadata: object,
         lora: LoraBatch | None = None,  # None: no row uses an adapter
+        images: tuple[torch.Tensor, torch.Tensor] | None = None,  # see hidden_and_aux
     ) -> torch.Tensor:  # [num_tokens, hidden_size], after the final norm
-        return self.model.norm(
-            self.hidden_states(input_ids, positions, kv_caches, attn_metadata, lora)
+        hidden, _ = self.hidden_and_aux(
+            input_ids, positions, kv_caches, attn_metadata, lora, images=images
         )
+        return self.model.norm(hidden)
 
     def hidden_states(
         self,
@@ -302,15 +304,21 @@ class LlamaForCausalLM(nn.Module):
         attn_metadata: object,
         lora: LoraBatch | None = None,
         aux_layer_ids: tuple[int, ...] = (),
+        images: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """``hidden_states``, and the residual stream entering each layer of
         ``aux_layer_ids`` (0: the embeddings; ``num_layers``: the last layer's output), in
-        their order ([num_tokens, hidden_size] each): what an EAGLE-3 head reads."""
+        their order ([num_tokens, hidden_size] each): what an EAGLE-3 head reads.
+        ``images``: (rows [m], embeddings [m, hidden]) of a vision-language model's image
+        placeholders, which replace those rows' token embeddings."""
         seen: dict[int, torch.Tensor] = {}
         hidden = self.model.embed_tokens(input_ids)
         if self.arch.embed_scale != 1.0:
             # As transformers: the scale rounded to the model dtype (bf16: sqrt(3072) = 55.5).
             hidden = hidden * torch.tensor(self.arch.embed_scale, dtype=hidden.dtype)
+        if images is not None:
+            rows, embeds = images
+            hidden = hidden.index_copy(0, rows, embeds.to(hidden.dtype))
         for index, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
             if index in aux_layer_ids:
                 seen[index] = hidden

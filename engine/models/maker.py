@@ -14,10 +14,11 @@ GPT-OSS unquantized (see ``_gpt_oss_config``), whose tokenizer has the Harmony m
 a template of that format (the router reads its replies in it: ``router/harmony.py``).
 ``deepseek_v2`` and ``deepseek_v3`` are DeepSeek's latent attention and routers (see
 ``_deepseek_config``), ``glm4_moe`` GLM-4.5's layout (see ``_glm4_moe_config``),
-``minimax_m2`` MiniMax-M2's (see ``_minimax_m2_config``). ``deepseek_v3`` and ``glm4_moe``
-store a random multi-token-prediction layer after their layers, as the releases do
-(``_add_mtp_layer``; transformers leaves it unloaded, ``engine.speculative_method: mtp``
-drafts with it).
+``minimax_m2`` MiniMax-M2's (see ``_minimax_m2_config``), ``llava`` a LLaVA-1.5-layout
+vision-language model (a Llama language model, a small CLIP tower: ``llava_maker.py``).
+``deepseek_v3`` and ``glm4_moe`` store a random multi-token-prediction layer after their
+layers, as the releases do (``_add_mtp_layer``; transformers leaves it unloaded,
+``engine.speculative_method: mtp`` drafts with it).
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ from common.model_info import (
     made_model_is_current,
 )
 from common.owned_paths import owner_tag, remove_dead_owners
+from engine.models.llava_maker import (
+    IMAGE_TOKEN,
+    LLAVA_CHAT_TEMPLATE,
+    llava_config,
+    write_preprocessor_config,
+)
 from engine.models.tokenizer_trainer import (
     BOS_TOKEN,
     CHAT_TEMPLATE,
@@ -55,11 +62,12 @@ from engine.models.tokenizer_trainer import (
 )
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3",
-         "phi3", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2")  # fmt: skip
+         "phi3", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2",
+         "llava")  # fmt: skip
 SIZES = ("tiny", "small")
 # ChatML for the others.
 _CHAT_TEMPLATES = {"qwen3": THINKING_CHAT_TEMPLATE, "qwen3_moe": THINKING_CHAT_TEMPLATE,
-                   "gpt_oss": HARMONY_CHAT_TEMPLATE}  # fmt: skip
+                   "gpt_oss": HARMONY_CHAT_TEMPLATE, "llava": LLAVA_CHAT_TEMPLATE}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,6 +300,8 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
         tokenizer.add_special_tokens({"additional_special_tokens": MISTRAL_TOOL_TOKENS})
     if arch.startswith("deepseek"):  # DeepSeek's tool-call markers
         tokenizer.add_special_tokens({"additional_special_tokens": DEEPSEEK_TOOL_TOKENS})
+    if arch == "llava":  # the image placeholder, a special token as in LLaVA's tokenizers
+        tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     ids = {
         "bos": tokenizer.convert_tokens_to_ids(BOS_TOKEN),
         "eos": tokenizer.convert_tokens_to_ids(EOS_TOKEN),
@@ -300,10 +310,14 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
     }
     # The model's vocabulary is exactly the tokenizer's, so every sampled id decodes.
     spec = dataclasses.replace(spec, vocab_size=len(tokenizer))
-    config = _hf_config(arch, spec, ids)
+    config = _hf_config("llama" if arch == "llava" else arch, spec, ids)
+    auto_class = transformers.AutoModelForCausalLM
+    if arch == "llava":
+        config = llava_config(config, tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
+        auto_class = transformers.AutoModelForImageTextToText
     config.dtype = "float32"
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = auto_class.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -340,6 +354,8 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
     if arch in ("deepseek_v3", "glm4_moe"):
         _add_mtp_layer(out, config, seed)
     tokenizer.save_pretrained(out)
+    if arch == "llava":
+        write_preprocessor_config(out)
     info = {"arch": arch, "size": size, "seed": seed, "random_weights": True,
             "maker_version": MAKER_VERSION}  # fmt: skip
     (out / MADE_MODEL_INFO).write_text(json.dumps(info) + "\n")

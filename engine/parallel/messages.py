@@ -68,6 +68,9 @@ class Step(msgspec.Struct, tag="step", frozen=True):
     block_table_width: int
     lora_rows: list[tuple[int, list[int]]]  # (adapter id from AddLora, rows)
     logit_rows: list[list[int]]  # per logits pass, in order
+    # Rows whose embeddings are a vision-language model's image rows: rank 0 encodes the
+    # images and broadcasts the rows' embeddings to the group (``ModelShard.forward``).
+    image_rows: list[int] = []
 
 
 class MtpPass(msgspec.Struct, tag="mtp_pass", frozen=True):

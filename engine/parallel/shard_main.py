@@ -196,7 +196,13 @@ class Shard:
                     for adapter_id, rows in message.lora_rows
                 )
             )
-        hidden = self.shard.forward(batch, lora)
+        images = None
+        if message.image_rows:  # filled by rank 0's broadcast
+            rows = self.shard.to_device(message.image_rows, torch.int64)
+            hidden_size = self.shard.arch.hidden_size
+            embeds = torch.empty(len(rows), hidden_size, dtype=self.shard.dtype, device=self.device)
+            images = (rows, embeds)
+        hidden = self.shard.forward(batch, lora, images)
         for rows in message.logit_rows:  # this rank's vocabulary slice, for rank 0
             self.shard.model.compute_logits(hidden[rows])
 

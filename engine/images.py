@@ -1,0 +1,163 @@
+"""A request's images inside the engine: checked and decoded when it is added
+(``prepare_images``; services do this off the engine thread), encoded when a step first
+computes one of their placeholder tokens (``image_embeds``).
+
+An image's encoder output is kept on its request (``Request.image_features``) only while
+a chunked prompt is part-way through its placeholders, so that the next chunk does not
+encode it again; it goes with the chunk that computes its last placeholder, and with the
+request when that ends. A prefix-cache hit over a whole image skips its encoding; one
+that ends inside an image (its last block also holds the text after it, which differs
+between questions about one image) finds its rows in the ``EncoderCache`` if the image
+was encoded recently.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from common.multimodal import ImageInput, ImageSpan, check_image_spans, image_digest
+from common.vision_spec import VisionSpec
+from engine.errors import InvalidRequestError
+from engine.models.image_processor import ImageError, ImageProcessing, preprocess
+from engine.models.vision import VisionEncoder
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PromptImage:
+    span: ImageSpan
+    pixels: torch.Tensor  # [3, S, S] float32, on the host
+
+
+@dataclass(slots=True)
+class ChunkImages:
+    """The images a chunk's positions overlap, and its request's store of encoder output
+    (image index -> [tokens_per_image, hidden]) that the runner reads and updates."""
+
+    images: tuple[tuple[int, PromptImage], ...]  # (index in the request, image)
+    features: dict[int, torch.Tensor]
+
+
+class EncoderCache:
+    """Encoder output by image digest, the least recently used dropped past ``max_bytes``
+    (``engine.encoder_cache_bytes``). Owned by the runner (the engine thread)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self._rows: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def get(self, digest: bytes) -> torch.Tensor | None:
+        rows = self._rows.get(digest)
+        if rows is not None:
+            self._rows.move_to_end(digest)
+        return rows
+
+    def put(self, digest: bytes, rows: torch.Tensor) -> None:
+        size = rows.numel() * rows.element_size()
+        if size > self.max_bytes or digest in self._rows:
+            return
+        self._rows[digest] = rows
+        self.num_bytes += size
+        while self.num_bytes > self.max_bytes:
+            _, dropped = self._rows.popitem(last=False)
+            self.num_bytes -= dropped.numel() * dropped.element_size()
+
+
+def prepare_images(
+    prompt: Sequence[int],
+    images: Sequence[ImageInput | PromptImage],
+    vision: VisionSpec | None,
+    processing: ImageProcessing | None,
+) -> tuple[PromptImage, ...]:
+    """``images`` checked against ``prompt`` and decoded (already prepared ones kept).
+    Raises ``InvalidRequestError`` (param ``images``) for a model without an encoder, an
+    image that cannot be read, or placements that do not match the prompt's placeholders;
+    a prompt with placeholders needs its images."""
+    if vision is None:
+        if images:
+            raise InvalidRequestError("this model takes no images (no vision encoder)", "images")
+        return ()
+    assert processing is not None
+    prepared = []
+    for index, image in enumerate(images):
+        if isinstance(image, PromptImage):
+            prepared.append(image)
+            continue
+        try:
+            pixels = preprocess(image.data, processing)
+        except ImageError as exc:
+            raise InvalidRequestError(f"images[{index}]: {exc}", "images") from None
+        span = ImageSpan(image.offset, vision.tokens_per_image, image_digest(image.data))
+        prepared.append(PromptImage(span, pixels))
+    problem = check_image_spans(
+        prompt, [p.span for p in prepared], vision.image_token_id, vision.tokens_per_image
+    )
+    if problem is not None:
+        raise InvalidRequestError(problem, "images")
+    return tuple(prepared)
+
+
+def chunk_images(
+    images: tuple[PromptImage, ...], features: dict[int, torch.Tensor], start: int, end: int
+) -> ChunkImages | None:
+    """What a chunk of positions ``[start, end)`` needs of its request's ``images``."""
+    overlapping = tuple(
+        (index, image)
+        for index, image in enumerate(images)
+        if image.span.offset < end and image.span.end > start
+    )
+    return ChunkImages(overlapping, features) if overlapping else None
+
+
+def image_embeds(
+    encoder: VisionEncoder,
+    cache: EncoderCache,
+    chunks: Sequence[tuple[int, int, int, ChunkImages]],
+    device: torch.device,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
+    """The rows of a step's flattened batch that are image placeholders and what goes
+    there, (rows [m] int64, embeddings [m, hidden]), and how many images were encoded for
+    it. ``chunks``: (first batch row, first position, end position, images) of each chunk
+    with images. Images neither in their request's store nor in ``cache`` are encoded
+    together (an image twice in the step, once); each chunk's store keeps an image's rows
+    only while its run goes on past the chunk."""
+    needed: dict[bytes, list[tuple[ChunkImages, int]]] = {}
+    pixels: dict[bytes, torch.Tensor] = {}
+    for _, _, _, store in chunks:
+        for index, image in store.images:
+            if index in store.features:
+                continue
+            digest = image.span.digest
+            cached = cache.get(digest)
+            if cached is not None:
+                store.features[index] = cached
+                continue
+            needed.setdefault(digest, []).append((store, index))
+            pixels[digest] = image.pixels
+    if needed:
+        encoded = encoder(torch.stack(list(pixels.values())))  # [n, tokens_per_image, hidden]
+        for (digest, users), batch_rows in zip(needed.items(), encoded, strict=True):
+            rows = batch_rows.clone()  # its own storage: the cache counts its bytes
+            cache.put(digest, rows)
+            for store, index in users:
+                store.features[index] = rows
+    all_rows: list[torch.Tensor] = []
+    parts: list[torch.Tensor] = []
+    for first_row, start, end, store in chunks:
+        for index, image in store.images:
+            span = image.span
+            lo, hi = max(span.offset, start), min(span.end, end)
+            features = store.features[index]
+            parts.append(features[lo - span.offset : hi - span.offset])
+            all_rows.append(torch.arange(first_row + lo - start, first_row + hi - start))
+            if hi == span.end:  # its last placeholder is computed now
+                del store.features[index]
+    rows = torch.cat(all_rows).to(device)
+    return (rows, torch.cat(parts)), len(needed)

@@ -1,0 +1,133 @@
+"""The image side of a LLaVA-layout checkpoint: pixels bit-equal to transformers' CLIP and
+SigLIP processors (Pillow backend), encoder rows equal to transformers' image features for
+CLIP and SigLIP towers, and each config or image it cannot serve refused by name."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from common.vision_spec import VisionConfigError, read_vision_spec
+from engine.models import image_processor
+from engine.models.image_processor import ImageError, ImageProcessing, preprocess
+from engine.models.vision import load_vision_encoder
+
+
+def encoded(pixels: np.ndarray, mode: str, fmt: str = "PNG") -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(pixels, "RGBA").convert(mode).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def random_rgba(seed: int, height: int, width: int) -> np.ndarray:
+    return (np.random.default_rng(seed).random((height, width, 4)) * 255).astype("uint8")
+
+
+@pytest.mark.parametrize(
+    "height,width,mode,fmt",
+    [(40, 50, "RGB", "PNG"), (97, 31, "RGBA", "PNG"), (28, 28, "L", "PNG"),
+     (300, 200, "P", "PNG"), (13, 17, "RGB", "PNG"), (64, 48, "RGB", "JPEG")],
+)  # fmt: skip
+def test_clip_pixels_equal_transformers(height, width, mode, fmt):
+    """Shortest-edge resize, center crop, rescale, normalize; other modes over white."""
+    from PIL import Image
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    reference = CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size=28)
+    ours = ImageProcessing(28, 0, 0, 3, (28, 28), 1 / 255, reference.image_mean,
+                           reference.image_std)  # fmt: skip
+    data = encoded(random_rgba(height, height, width), mode, fmt)
+    expected = reference(images=Image.open(io.BytesIO(data)), return_tensors="pt")
+    assert torch.equal(preprocess(data, ours), expected["pixel_values"][0])
+
+
+def test_siglip_pixels_equal_transformers():
+    """A resize to height x width, no crop, normalized around 0.5."""
+    from PIL import Image
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    reference = SiglipImageProcessorPil(size={"height": 32, "width": 32})
+    ours = ImageProcessing(None, 32, 32, 3, None, 1 / 255, (0.5,) * 3, (0.5,) * 3)
+    for seed, (height, width) in enumerate([(40, 50), (100, 20), (32, 32)]):
+        data = encoded(random_rgba(seed, height, width), "RGB")
+        expected = reference(images=Image.open(io.BytesIO(data)), return_tensors="pt")
+        assert torch.equal(preprocess(data, ours), expected["pixel_values"][0])
+
+
+def test_unreadable_and_oversized_images_are_refused(monkeypatch):
+    processing = ImageProcessing(28, 0, 0, 3, (28, 28), 1 / 255, (0.5,) * 3, (0.5,) * 3)
+    for data in (b"", b"not an image", encoded(random_rgba(0, 40, 40), "RGB")[:60]):
+        with pytest.raises(ImageError, match="not a readable image"):
+            preprocess(data, processing)
+    monkeypatch.setattr(image_processor, "MAX_IMAGE_PIXELS", 40 * 39)
+    with pytest.raises(ImageError, match="40 x 40 pixels"):
+        preprocess(encoded(random_rgba(0, 40, 40), "RGB"), processing)
+
+
+def llava_checkpoint(tmp_path, tower: str, strategy: str, layers):
+    import transformers
+
+    torch.manual_seed(0)
+    vision_class = {"clip": transformers.CLIPVisionConfig,
+                    "siglip": transformers.SiglipVisionConfig}[tower]  # fmt: skip
+    config = transformers.LlavaConfig(
+        vision_config=vision_class(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                   num_attention_heads=4, image_size=28, patch_size=7),
+        text_config=transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4,
+                                             num_key_value_heads=2, vocab_size=300),
+        image_token_id=299, vision_feature_select_strategy=strategy,
+        vision_feature_layer=layers,
+    )  # fmt: skip
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():  # non-zero biases, so that their paths are compared too
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(tmp_path)
+    return model
+
+
+@pytest.mark.parametrize(
+    "tower,strategy,layers,num_tokens",
+    [("clip", "default", -2, 16), ("clip", "full", [-1, 0], 17), ("siglip", "full", [-1, 1], 16)],
+)
+def test_encoder_rows_equal_transformers(tmp_path, tower, strategy, layers, num_tokens):
+    """The projector's rows per image, for each tower, strategy and set of feature layers
+    (``0``: the embeddings; several concatenated)."""
+    model = llava_checkpoint(tmp_path, tower, strategy, layers)
+    spec = read_vision_spec(json.loads((tmp_path / "config.json").read_text()), tmp_path)
+    assert spec is not None and spec.tokens_per_image == num_tokens
+    encoder = load_vision_encoder(tmp_path, spec, torch.device("cpu"), torch.float32)
+    pixels = torch.randn(3, 3, 28, 28)
+    with torch.no_grad():
+        expected = model.model.get_image_features(
+            pixel_values=pixels, vision_feature_layer=layers,
+            vision_feature_select_strategy=strategy,
+        ).pooler_output  # fmt: skip
+        got = encoder(pixels)
+    torch.testing.assert_close(got, torch.stack(list(expected)), atol=1e-5, rtol=1e-5)
+
+
+def test_vision_configs_it_cannot_serve_are_refused():
+    base = {"architectures": ["LlavaForConditionalGeneration"], "image_token_index": 9,
+            "text_config": {"hidden_size": 64}, "vision_config": {}}  # fmt: skip
+    assert read_vision_spec({"architectures": ["LlamaForCausalLM"]}, "c") is None
+    assert read_vision_spec(base, "c").tokens_per_image == 49  # CLIP's defaults: 224 / 32
+    cases = {
+        "vision_config.model_type": {"vision_config": {"model_type": "pixtral"}},
+        "vision_feature_layer": {"vision_feature_layer": -14},
+        "vision_feature_select_strategy": {"vision_feature_select_strategy": "pooled"},
+        "image_token_id": {"image_token_index": None},
+        "projector_hidden_act": {"projector_hidden_act": "relu"},
+        "text_config.hidden_size": {"text_config": {}},
+    }
+    for key, change in cases.items():
+        with pytest.raises(VisionConfigError, match=key):
+            read_vision_spec({**base, **change}, "c")

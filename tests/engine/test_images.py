@@ -1,0 +1,240 @@
+"""A vision-language model (LLaVA's layout) in the engine: images in the prompt give
+transformers' tokens and log-probs, whatever the chunking; the prefix cache keys blocks
+by the images they hold; a disaggregated run equals a colocated one, and the decode
+engine encodes no image unless it must recompute the prompt."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from common.config import EngineConfig
+from common.multimodal import ImageInput
+from engine import LLM, LLMEngine, SamplingParams
+from engine.errors import InvalidRequestError
+from engine.request import RemoteKV
+from tests.engine.local_puller import LocalPuller
+from tests.engine.test_disaggregation import run
+
+PROMPT = (
+    "<|im_start|>user\nWhat is in <image> and how does it differ from <image>?<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+GREEDY = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
+
+
+def png(seed: int, height: int = 40, width: int = 50) -> bytes:
+    from PIL import Image
+
+    pixels = (np.random.default_rng(seed).random((height, width, 3)) * 255).astype("uint8")
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+IMAGES = [png(1), png(2, 90, 30), png(3, 28, 28)]
+
+
+@pytest.fixture(scope="module")
+def llava(model_factory):
+    return model_factory("llava")
+
+
+def counting_encoder(engine: LLMEngine) -> list[int]:
+    """Make the engine's encoder count the images it encodes (appended per call)."""
+    encoder = engine.runner.vision
+    calls: list[int] = []
+    forward = encoder.forward
+
+    def counted(pixels: torch.Tensor) -> torch.Tensor:
+        calls.append(pixels.shape[0])
+        return forward(pixels)
+
+    encoder.forward = counted
+    return calls
+
+
+def request(llm_or_engine, images: list[bytes], prompt: str = PROMPT):
+    """(token ids, ImageInputs) of ``prompt`` with ``images``, as ``LLM`` places them."""
+    llm = llm_or_engine if isinstance(llm_or_engine, LLM) else None
+    assert llm is not None
+    return llm._with_images({"prompt": prompt, "multi_modal_data": {"image": images}})
+
+
+def hf_reference(model_dir, token_ids: list[int], images: list[bytes]):
+    """transformers' greedy tokens (12) and prompt log-probs, pixels from its processor."""
+    from PIL import Image
+    from transformers import LlavaForConditionalGeneration
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+    model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    processor = CLIPImageProcessorPil.from_pretrained(model_dir)
+    pixels = processor(images=[Image.open(io.BytesIO(b)) for b in images], return_tensors="pt")
+    ids = torch.tensor([token_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids, pixel_values=pixels["pixel_values"]).logits[0]
+        tokens = model.generate(input_ids=ids, pixel_values=pixels["pixel_values"],
+                                max_new_tokens=12, do_sample=False)  # fmt: skip
+    return tokens[0, len(token_ids) :].tolist(), logits[:-1].float().log_softmax(-1)
+
+
+def test_tokens_and_prompt_logprobs_equal_transformers(llava):
+    """Two images in one prompt, in both orders: greedy tokens equal transformers', and
+    every prompt position's log-prob (image placeholders' included) within 1e-4."""
+    llm = LLM(llava)
+    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0, prompt_logprobs=1)
+    outputs = []
+    for images in (IMAGES[:2], IMAGES[1::-1]):
+        token_ids, _ = request(llm, images)
+        (output,) = llm.generate(
+            [{"prompt": PROMPT, "multi_modal_data": {"image": images}}], params, use_tqdm=False
+        )
+        expected_tokens, expected_logprobs = hf_reference(llava, token_ids, images)
+        assert output.outputs[0].token_ids == expected_tokens
+        for position, lp in enumerate(output.prompt_logprobs[1:]):
+            assert lp.logprob == pytest.approx(
+                expected_logprobs[position, lp.token_id].item(), abs=1e-4
+            ), position
+        outputs.append(output.outputs[0].token_ids)
+    assert outputs[0] != outputs[1], "the images' order must change what the model says"
+    assert llm.engine.leak_report() == []
+
+
+@pytest.mark.parametrize("chunk", [5, 16, 23])
+def test_chunked_prompts_split_images_and_encode_each_once(llava, chunk):
+    """Chunks that end inside an image's placeholders (5 and 23 tokens; 16-token images)
+    give the unchunked tokens, and each image is encoded once: its rows are kept on the
+    request between the chunks that read them (no encoder cache here), then dropped."""
+    whole = LLM(llava)
+    prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": IMAGES[i : i + 2]}} for i in (0, 1)]
+    expected = [o.outputs[0].token_ids for o in whole.generate(prompts, GREEDY, use_tqdm=False)]
+    chunked = LLM(llava, prefill_chunk_tokens=chunk, encoder_cache_bytes=0)
+    calls = counting_encoder(chunked.engine)
+    got = [o.outputs[0].token_ids for o in chunked.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == expected
+    assert sum(calls) == 4, calls  # two images per prompt, each encoded once
+    assert chunked.engine.leak_report() == []
+
+
+def test_prefix_cache_keys_blocks_by_their_images(llava):
+    """The same text with another image must not reuse the first image's KV (its
+    placeholder ids are the same); the same image again does, and is not encoded."""
+    llm = LLM(llava, block_size=8)
+    calls = counting_encoder(llm.engine)
+    one = {"prompt": PROMPT, "multi_modal_data": {"image": IMAGES[:2]}}
+    other = {"prompt": PROMPT, "multi_modal_data": {"image": [IMAGES[0], IMAGES[2]]}}
+    fresh = LLM(llava, block_size=8, enable_prefix_caching=False)
+    expected_other = fresh.generate([other], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    first = llm.generate([one], GREEDY, use_tqdm=False)[0]
+    second = llm.generate([other], GREEDY, use_tqdm=False)[0]
+    assert second.outputs[0].token_ids == expected_other
+    # Shared: the blocks before the second image (its first image is the same).
+    token_ids, inputs = request(llm, [IMAGES[0], IMAGES[2]])
+    assert second.num_cached_tokens == inputs[1].offset // 8 * 8
+    calls.clear()
+    again = llm.generate([one], GREEDY, use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert again.num_cached_tokens == (len(token_ids) - 1) // 8 * 8
+    assert calls == []  # both images' placeholders were cached
+    assert llm.engine.leak_report() == []
+
+
+def test_the_encoder_cache_serves_an_image_asked_about_again(llava):
+    """Another question after the same image shares the image's blocks but not the
+    block its run ends in (it holds the new text too): the image's rows come from the
+    encoder cache, not the encoder, and the tokens are a fresh engine's. Without the
+    cache it is encoded again; a cache too small for one image keeps nothing."""
+    first = {"prompt": PROMPT, "multi_modal_data": {"image": IMAGES[:2]}}
+    other_question = PROMPT.replace("?<|im_end|>", " in colour?<|im_end|>")
+    second = {"prompt": other_question, "multi_modal_data": {"image": IMAGES[:2]}}
+    expected = LLM(llava).generate([second], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    for cache_bytes, encodes in ((128 << 20, 0), (0, 1), (100, 1)):
+        llm = LLM(llava, block_size=8, encoder_cache_bytes=cache_bytes)
+        calls = counting_encoder(llm.engine)
+        llm.generate([first], GREEDY, use_tqdm=False)
+        calls.clear()
+        got = llm.generate([second], GREEDY, use_tqdm=False)[0]
+        assert got.outputs[0].token_ids == expected
+        assert got.num_cached_tokens > request(llm, IMAGES[:2])[1][1].offset  # image 2 started
+        assert sum(calls) == encodes, cache_bytes
+        assert len(llm.engine.runner.encoder_cache) == (2 if cache_bytes > 100 else 0)
+        assert llm.engine.leak_report() == []
+
+
+def test_disaggregated_equals_colocated_and_decode_encodes_nothing(llava):
+    """Prefill on one engine, decode on another (the KV pulled): the colocated tokens,
+    with no image encoded on the decode engine. A failed pull (the first round's first
+    request) recomputes the prompt there, its images included, with the same tokens."""
+    llm = LLM(llava)
+    prompts = [request(llm, IMAGES[i : i + 2]) for i in (0, 1)]
+    colocated = LLMEngine(llava, EngineConfig())
+    for i, (token_ids, images) in enumerate(prompts):
+        colocated.add_request(f"r{i}", token_ids, GREEDY, images=images)
+    expected = {rid: out.outputs[0].token_ids for rid, out in run(colocated).items()}
+    puller = LocalPuller()
+    prefill = LLMEngine(llava, EngineConfig())
+    decode = LLMEngine(llava, EngineConfig(), kv_puller=puller)
+    puller.sources["prefill-0"], puller.target = prefill, decode
+    decode_calls = counting_encoder(decode)
+    for fail in (True, False):
+        for i, (token_ids, images) in enumerate(prompts):
+            prefill.add_request(f"r{i}", token_ids, GREEDY, prefill_only=True, images=images)
+        firsts = run(prefill)
+        puller.fail_next = fail
+        for i, (token_ids, images) in enumerate(prompts):
+            first = firsts[f"r{i}"]
+            remote = RemoteKV(f"l{i}", len(token_ids), tuple(first.kv_block_ids), "prefill-0")
+            decode.add_request(f"r{i}", token_ids, GREEDY, remote_kv=remote, images=images,
+                               output_token_ids=first.outputs[0].token_ids)  # fmt: skip
+        got = {rid: out.outputs[0].token_ids for rid, out in run(decode).items()}
+        assert got == expected, fail
+        for i in range(len(prompts)):
+            assert prefill.release_kv(f"r{i}")
+        # The failed pull recomputed one prompt's two images on the decode engine; the
+        # pulls encode none.
+        assert sum(decode_calls) == 2
+    for engine in (prefill, decode, colocated):
+        assert engine.leak_report() == []
+
+
+def test_bad_images_are_refused_with_the_engine_unchanged(llava, tiny_llama):
+    llm = LLM(llava)
+    engine = llm.engine
+    token_ids, images = request(llm, IMAGES[:2])
+
+    def refused(token_ids, images) -> str:
+        with pytest.raises(InvalidRequestError) as raised:
+            engine.add_request("bad", token_ids, GREEDY, images=images)
+        assert raised.value.param == "images"
+        return raised.value.message
+
+    assert "not a readable image" in refused(
+        token_ids, [images[0], ImageInput(images[1].offset, b"GIF89a")]
+    )
+    assert "do not match" in refused(token_ids, images[:1])  # a run without its image
+    assert "do not match" in refused(
+        token_ids, [images[0], ImageInput(images[1].offset - 1, IMAGES[1])]
+    )
+    assert "takes 16" in refused(token_ids[:-20] + [token_ids[images[1].offset]] * 3, images)
+    with pytest.raises(ValueError, match="2 image tokens"):
+        llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": IMAGES[:1]}}], GREEDY)
+    text_only = LLMEngine(tiny_llama, EngineConfig())
+    with pytest.raises(InvalidRequestError, match="takes no images"):
+        text_only.add_request("x", [5, 6, 7], GREEDY, images=[ImageInput(0, IMAGES[0])])
+    assert not engine.has_unfinished_requests() and engine.leak_report() == []
+
+
+def test_two_ranks_give_one_ranks_tokens(llava):
+    """Tensor parallelism: rank 0 encodes and broadcasts the image rows to the other rank
+    before the layers run, chunked prompts included."""
+    prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": IMAGES[i : i + 2]}} for i in (0, 1)]
+    one = LLM(llava)
+    expected = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
+    with LLM(llava, tensor_parallel_size=2, prefill_chunk_tokens=23) as two:
+        got = [o.outputs[0].token_ids for o in two.generate(prompts, GREEDY, use_tqdm=False)]
+        assert got == expected
+        assert two.engine.runner.num_images_encoded == 3  # IMAGES[1] is in both
+        assert two.engine.leak_report() == []

@@ -1,0 +1,84 @@
+"""The router's side of images (``router/images.py``), without a stack: which parts are
+images and what they hold, the chat template's two ways of writing them, and their
+placement on the prompt with the digests the block hashes key them by."""
+
+from __future__ import annotations
+
+import base64
+import shutil
+
+import pytest
+
+from common.multimodal import image_digest
+from common.tokenizer import Tokenizer
+from common.vision_spec import read_vision_spec
+from engine.models.tokenizer_trainer import CHAT_TEMPLATE
+from router.errors import APIError
+from router.images import image_inputs, place_images
+from router.prompts import PromptTokenizer
+from router.protocol import ChatMessage
+
+
+def chat(*parts: dict | str) -> list[ChatMessage]:
+    content = [{"type": "text", "text": p} if isinstance(p, str) else p for p in parts]
+    return [ChatMessage(role="user", content=content)]
+
+
+def image(data: bytes) -> dict:
+    return {
+        "type": "image_url",
+        "image_url": {"url": "data:;base64," + base64.b64encode(data).decode()},
+    }
+
+
+@pytest.fixture(scope="module")
+def llava(model_factory):
+    return model_factory("llava")
+
+
+@pytest.fixture(scope="module")
+def vision(llava):
+    import json
+
+    return read_vision_spec(json.loads((llava / "config.json").read_text()), llava)
+
+
+def test_images_are_read_in_order_and_refused_by_name(vision):
+    messages = chat("a", image(b"one"), "b", image(b"two"))
+    assert image_inputs(messages, vision, 2) == [b"one", b"two"]
+    assert image_inputs(chat("text only"), None, 2) == []
+    cases = [
+        (lambda: image_inputs(messages, None, 2), "messages[0].content[1].image_url", "no vision"),
+        (lambda: image_inputs(messages, vision, 1), "messages", "at most 1"),
+        (lambda: image_inputs(chat({"type": "image_url"}), vision, 2),
+         "messages[0].content[0].image_url", "needs its url"),
+        (lambda: image_inputs(chat({"type": "image_url", "image_url": "data:;base64,"}),
+                              vision, 2), "messages[0].content[0].image_url", "empty"),
+    ]  # fmt: skip
+    for call, param, words in cases:
+        with pytest.raises(APIError) as raised:
+            call()
+        assert raised.value.param == param and words in raised.value.message
+
+
+def test_string_templates_get_the_image_token_in_the_text(llava, vision, tmp_path):
+    """The made model's template reads content parts; a copy whose template reads content
+    as a string (ChatML's ``message['content'] + ...`` fails on a list) gets the image
+    token's text in it: both give the same ids."""
+    plain = tmp_path / "plain"
+    shutil.copytree(llava, plain)
+    (plain / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    messages = chat("What is in ", image(b"x"), " and ", image(b"y"), "?")
+    args = (messages, True, None, None, False, None, None)
+    token_id = vision.image_token_id
+    with_parts = PromptTokenizer(Tokenizer(llava), 4096).chat_images(token_id, 2, *args)
+    with_text = PromptTokenizer(Tokenizer(plain), 4096).chat_images(token_id, 2, *args)
+    assert with_parts == with_text and with_parts.count(token_id) == 2
+    tokens, placed = place_images(with_parts, [b"x", b"y"], vision)
+    runs = [s.offset for s in placed.spans]
+    assert [m.offset for m in placed.messages] == runs
+    assert all(tokens[o : o + 16] == [token_id] * 16 for o in runs)
+    assert len(tokens) == len(with_parts) + 2 * 15
+    assert [s.digest for s in placed.spans] == [image_digest(b"x"), image_digest(b"y")]
+    with pytest.raises(APIError, match="image token itself"):
+        place_images(with_parts, [b"x"], vision)

@@ -1,0 +1,119 @@
+"""Images through a real ``pdserve up`` stack (router + 1 prefill + 1 decode worker) on a
+LLaVA-layout model: OpenAI image_url parts with data: URLs give the offline engine's tokens,
+whole and streamed, disaggregated (the decode worker pulls the prompt's KV and encodes no
+image); the prefix cache and the router's index key blocks by image; bad images are 400s
+in the OpenAI error envelope."""
+
+from __future__ import annotations
+
+import base64
+
+import httpx
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.engine.test_images import IMAGES, PROMPT, png
+from tests.support.processes import write_config
+from tests.support.stack import serving, worker_stats
+
+MODEL = "llava"
+MAX_TOKENS = 12
+
+
+def data_url(image: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(image).decode()
+
+
+def messages(first: str, second: str) -> list[dict]:
+    """PROMPT's question as OpenAI content parts (the template renders exactly PROMPT)."""
+    return [{"role": "user", "content": [
+        {"type": "text", "text": "What is in "},
+        {"type": "image_url", "image_url": {"url": first}},
+        {"type": "text", "text": " and how does it differ from "},
+        {"type": "image_url", "image_url": second},  # vLLM's short form: the URL alone
+        {"type": "text", "text": "?"},
+    ]}]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llava_and_stack(model_factory, tmp_path_factory):
+    llava = model_factory("llava")
+    tmp = tmp_path_factory.mktemp("images")
+    config = write_config(
+        tmp / "config.yaml",
+        llava,
+        router={"served_model_name": MODEL, "min_disagg_tokens": 0, "max_images_per_request": 2},
+    )
+    with serving(config, tmp / "home") as stack:
+        yield llava, stack
+
+
+def chat(stack, body: dict) -> httpx.Response:
+    body = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+            "return_token_ids": True, **body}  # fmt: skip
+    return httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=60)
+
+
+def test_images_give_the_offline_tokens_disaggregated(llava_and_stack):
+    llava, stack = llava_and_stack
+    offline = LLM(llava)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    client = stack.openai_client()
+    (decode_before,) = worker_stats(stack, "decode")
+    prompt_ids = offline.tokenizer.encode(PROMPT, add_special_tokens=False)
+    seen = []
+    for pair in ([IMAGES[0], IMAGES[1]], [IMAGES[0], IMAGES[2]], [IMAGES[1], IMAGES[0]]):
+        # The template's text, as the router tokenizes it (no BOS added).
+        prompt = {"prompt_token_ids": prompt_ids, "multi_modal_data": {"image": pair}}
+        (expected,) = offline.generate([prompt], params, use_tqdm=False)
+        tokens = expected.outputs[0].token_ids
+        ask = {"model": MODEL, "messages": messages(*map(data_url, pair)),
+               "max_tokens": MAX_TOKENS, "temperature": 0.0,
+               "extra_body": {"return_token_ids": True}}  # fmt: skip
+        whole = client.chat.completions.create(**ask).choices[0]
+        assert whole.model_extra["token_ids"] == tokens
+        streamed = []
+        for chunk in client.chat.completions.create(**ask, stream=True):
+            for choice in chunk.choices:
+                streamed += choice.model_extra.get("token_ids") or []
+        assert streamed == tokens
+        seen.append(tokens)
+    assert len({tuple(t) for t in seen}) == 3, "each pair of images must change the reply"
+    (decode,) = worker_stats(stack, "decode")
+    (prefill,) = worker_stats(stack, "prefill")
+    assert decode.blocks_pulled > decode_before.blocks_pulled  # disaggregated
+    assert decode.images_encoded == 0  # the decode worker pulled every image's KV
+    # 6 requests of 2 images: the second of each pair (streamed) found most of its blocks
+    # cached on the prefill worker, and the second pair its first image's; at least the
+    # 5 distinct (image, place) pairs were encoded.
+    assert 5 <= prefill.images_encoded < 12
+
+
+def test_bad_images_are_400s_naming_the_part(llava_and_stack):
+    _, stack = llava_and_stack
+    good = data_url(IMAGES[0])
+    cases = [
+        (["https://example.com/cat.png", good], "messages[0].content[1].image_url",
+         "data: URLs"),
+        (["data:image/png;base64,%%%", good], "messages[0].content[1].image_url", "base64"),
+        (["data:image/png,raw", good], "messages[0].content[1].image_url", "base64"),
+        ([data_url(b"\x89PNG\r\n\x1a\n not really"), good], "images", "not a readable image"),
+    ]  # fmt: skip
+    for (first, second), param, words in cases:
+        reply = chat(stack, {"messages": messages(first, second)})
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == param
+        assert words in error["message"], error
+    three = messages(good, good)
+    three[0]["content"].append({"type": "image_url", "image_url": {"url": good}})
+    reply = chat(stack, {"messages": three})
+    assert reply.status_code == 400 and "max_images_per_request" in reply.json()["error"]["message"]
+    spelled = [{"role": "user", "content": [{"type": "text", "text": "look: <image>"},
+                                            {"type": "image_url", "image_url": good}]}]  # fmt: skip
+    reply = chat(stack, {"messages": spelled})
+    assert reply.status_code == 400 and "image token itself" in reply.json()["error"]["message"]
+    reply = chat(stack, {"messages": messages(good, good), "truncate_prompt_tokens": 20})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "truncate_prompt_tokens"
+    # The stack still serves.
+    assert chat(stack, {"messages": messages(good, data_url(png(7)))}).status_code == 200
