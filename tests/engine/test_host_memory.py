@@ -49,11 +49,14 @@ def test_pages_are_huge_where_the_kernel_allows():
         "from engine.host_memory import HUGE_PAGE_BYTES, huge_page_bytes, zeros_on_huge_pages\n"
         "plain = torch.zeros(32 * HUGE_PAGE_BYTES, dtype=torch.uint8)\n"
         "huge = zeros_on_huge_pages((32 * HUGE_PAGE_BYTES,), torch.uint8)\n"
+        "print(huge_page_bytes(huge))\n"  # nothing is resident before the first touch
+        "huge.fill_(1)\n"
         "print(huge_page_bytes(plain), huge_page_bytes(huge))\n"
     )
     reply = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                            timeout=120, check=True)  # fmt: skip
-    plain, huge = map(int, reply.stdout.split())
+    untouched, plain, huge = map(int, reply.stdout.split())
+    assert untouched == 0
     # In "madvise" mode (the common default) only the advised tensor gets huge pages; a
     # fragmented host may back fewer than all of them, but not none.
     assert huge >= 8 * HUGE_PAGE_BYTES
