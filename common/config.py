@@ -479,9 +479,16 @@ class RouterConfig:
     # 32 MiB holds a 1M-token prompt's text (~4 characters a token) even if every
     # character came JSON-escaped (\uXXXX, 6 bytes).
     max_request_bytes: int = 32 << 20
-    # A vision-language model's images per request (OpenAI's image_url content parts,
-    # data: URLs), each counted as a run of placeholder tokens in the prompt.
+    # A vision-language model's images per request (OpenAI's image_url content parts),
+    # each counted as a run of placeholder tokens in the prompt; together they fit
+    # max_request_bytes, fetched ones included.
     max_images_per_request: int = 8
+    # Hosts whose http(s) image URLs the router fetches, by exact name
+    # ("images.example.com"); empty: images come inline only (data: URLs). A server that
+    # fetches what clients name can be pointed at its own network: list only hosts that
+    # serve images you mean to be read. Redirects are not followed.
+    allowed_media_domains: list[str] = dataclasses.field(default_factory=list)
+    media_fetch_timeout_s: float = 10.0
     prefill_timeout_s: float = 120.0
     request_timeout_s: float = 600.0
     # How often the router refreshes the worker list, health and load.
@@ -546,6 +553,8 @@ class RouterConfig:
             raise ConfigError("router.max_request_bytes", "must be >= 1")
         if self.max_images_per_request < 0:
             raise ConfigError("router.max_images_per_request", "must be >= 0")
+        if self.media_fetch_timeout_s <= 0:
+            raise ConfigError("router.media_fetch_timeout_s", "must be > 0")
         if self.max_decode_migrations < 0:
             raise ConfigError("router.max_decode_migrations", "must be >= 0")
         if self.decode_queue_factor < 0:

@@ -27,7 +27,8 @@ from router.errors import APIError, bad_request, internal
 from router.formatting import SSE_DONE, Formatter, ToolFormat, sse, usage_body
 from router.harmony import Harmony, call_constraint
 from router.harmony import opening_of as harmony_opening
-from router.images import PromptImages, image_inputs, place_images
+from router.images import PromptImages, image_refs, place_images, read_images
+from router.media_fetch import MediaFetcher
 from router.prompts import PromptTokenizer, tool_dicts
 from router.protocol import (
     ChatCompletionRequest,
@@ -122,6 +123,9 @@ def ended(span: Span, release: Callable[[], None], choices: list[Choice]) -> Cal
 def add_generation_routes(
     app: FastAPI, state: RouterState, prompt_tokenizer: PromptTokenizer, admission: Admission
 ) -> None:
+    media = MediaFetcher(state.config.router.allowed_media_domains,
+                         state.config.router.media_fetch_timeout_s)  # fmt: skip
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         lora_name = admission.lora_name(body.model)
@@ -166,11 +170,12 @@ def add_generation_routes(
         """The messages through the chat template as ids (tokenized off the event loop),
         and their images placed (``router/images.py``)."""
         vision = state.model.vision
-        limit = state.config.router.max_images_per_request
-        images = image_inputs(body.messages, vision, limit)
-        if images and body.truncate_prompt_tokens is not None:
+        router = state.config.router
+        refs = image_refs(body.messages, vision, router.max_images_per_request)
+        if refs and body.truncate_prompt_tokens is not None:
             raise bad_request("truncate_prompt_tokens cannot cut a prompt with images",
                               "truncate_prompt_tokens")  # fmt: skip
+        images = await read_images(refs, media, router.max_request_bytes) if refs else []
         args = (
             body.messages, body.add_generation_prompt, tool_dicts(body.tools),
             body.template_kwargs, body.continue_final_message, prompt_tokenizer.limit(body),

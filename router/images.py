@@ -1,8 +1,9 @@
 """Images in chat messages, for a vision-language model (``common/vision_spec.py``).
 
-1. ``image_inputs``: each ``image_url`` content part's bytes, in message order. Only
-   ``data:`` URLs are read: the router fetches nothing from the network (a URL that makes
-   a server fetch is a way into its private network), so clients send images inline.
+1. ``image_refs``, then ``read_images``: each ``image_url`` content part's bytes, in
+   message order: a ``data:`` URL's, or an http(s) URL's from a host the operator allows
+   (``router/media_fetch.py``; none by default), fetched concurrently. Together they fit
+   the request's budget (``router.max_request_bytes``).
 2. The chat template writes one image token per image (``ChatMessage.for_template``: as
    content parts, else as the token's text in a string).
 3. ``place_images``: each image token becomes its run of placeholders, and each image is
@@ -13,6 +14,7 @@ The workers decode and check the images; one they cannot read is their 400.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 from collections.abc import Sequence
@@ -22,6 +24,7 @@ from common.multimodal import ImageSpan, expand_placeholders, image_digest
 from common.vision_spec import VisionSpec
 from proto import pdserve_pb2 as pb
 from router.errors import bad_request
+from router.media_fetch import MediaFetcher
 from router.protocol import ChatMessage
 
 
@@ -33,11 +36,11 @@ class PromptImages:
     spans: tuple[ImageSpan, ...]
 
 
-def image_inputs(
+def image_refs(
     messages: Sequence[ChatMessage], vision: VisionSpec | None, max_images: int
-) -> list[bytes]:
-    """The images of ``messages``, in order. Raises a 400 ``APIError`` naming the part for
-    a model without images, too many images, or a URL that is not a base64 ``data:`` URL."""
+) -> list[tuple[str, str | None]]:
+    """(param, URL) of each image of ``messages``, in order. Raises a 400 ``APIError``
+    naming the part for a model without images, or too many images."""
     found = [
         (f"messages[{i}].content[{j}].image_url", part.url)
         for i, message in enumerate(messages)
@@ -55,19 +58,41 @@ def image_inputs(
             "(router.max_images_per_request)",
             "messages",
         )
-    return [read_data_url(url, param) for param, url in found]
+    return found
 
 
-def read_data_url(url: str | None, param: str) -> bytes:
+async def read_images(
+    refs: list[tuple[str, str | None]], fetcher: MediaFetcher, max_bytes: int
+) -> list[bytes]:
+    """The bytes of each image ``image_refs`` found: ``data:`` URLs decoded, http(s) ones
+    fetched (all at once), at most ``max_bytes`` in all. Raises a 400 naming the part."""
+    for param, url in refs:
+        if not (url or "").startswith("data:"):
+            if not url:
+                raise bad_request("an image_url part needs its url", param)
+            fetcher.check(url, param)
+    images: list[bytes | None] = [
+        read_data_url(url, param) if url and url.startswith("data:") else None
+        for param, url in refs
+    ]
+    left = max_bytes - sum(len(image) for image in images if image is not None)
+    remote = [(i, param, url) for i, (param, url) in enumerate(refs) if images[i] is None]
+    if remote:
+        async with fetcher.client() as client:
+            fetched = await asyncio.gather(
+                *(fetcher.fetch(client, url, param, left) for _, param, url in remote)
+            )
+        for (index, _, _), data in zip(remote, fetched, strict=True):
+            images[index] = data
+    total = sum(len(image) for image in images if image is not None)
+    if total > max_bytes:
+        raise bad_request(f"the request's images hold {total} bytes; at most {max_bytes} "
+                          "(router.max_request_bytes)", "messages")  # fmt: skip
+    return [image for image in images if image is not None]
+
+
+def read_data_url(url: str, param: str) -> bytes:
     """The bytes of a ``data:[<type>];base64,<data>`` URL."""
-    if not url:
-        raise bad_request("an image_url part needs its url", param)
-    if not url.startswith("data:"):
-        raise bad_request(
-            "only data: URLs are read (data:image/png;base64,...): the server fetches no "
-            "image from the network",
-            param,
-        )
     header, comma, payload = url.partition(",")
     if not comma or not header.endswith(";base64"):
         raise bad_request("an image's data: URL must be base64 (data:image/png;base64,...)", param)

@@ -120,8 +120,9 @@ class WorkerRuntime:
         # The registry first: an unreachable Redis fails the start before the model loads.
         self.registry = await asyncio.to_thread(create_registry, self.config)
         # A request may carry images (a vision-language model's): up to the router's
-        # request body, not gRPC's default of 4 MiB.
-        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20)])
+        # request budget, and its prompt's ids, not gRPC's default of 4 MiB.
+        limit = max(64 << 20, self.config.router.max_request_bytes + (32 << 20))
+        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])
         add_servicer(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         bound = self.server.add_insecure_port(self.address)

@@ -4,6 +4,7 @@ placement on the prompt with the digests the block hashes key them by."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import shutil
 
@@ -14,7 +15,8 @@ from common.tokenizer import Tokenizer
 from common.vision_spec import read_vision_spec
 from engine.models.tokenizer_trainer import CHAT_TEMPLATE
 from router.errors import APIError
-from router.images import image_inputs, place_images
+from router.images import image_refs, place_images, read_images
+from router.media_fetch import MediaFetcher
 from router.prompts import PromptTokenizer
 from router.protocol import ChatMessage
 
@@ -43,17 +45,28 @@ def vision(llava):
     return read_vision_spec(json.loads((llava / "config.json").read_text()), llava)
 
 
+def read(messages, vision, max_images: int = 2, max_bytes: int = 1 << 20) -> list[bytes]:
+    """The router's reading of ``messages``' images, with no host allowed to fetch from."""
+    refs = image_refs(messages, vision, max_images)
+    return asyncio.run(read_images(refs, MediaFetcher([], 1.0), max_bytes))
+
+
 def test_images_are_read_in_order_and_refused_by_name(vision):
     messages = chat("a", image(b"one"), "b", image(b"two"))
-    assert image_inputs(messages, vision, 2) == [b"one", b"two"]
-    assert image_inputs(chat("text only"), None, 2) == []
+    assert read(messages, vision) == [b"one", b"two"]
+    assert read(chat("text only"), None) == []
+    part = "messages[0].content[0].image_url"
     cases = [
-        (lambda: image_inputs(messages, None, 2), "messages[0].content[1].image_url", "no vision"),
-        (lambda: image_inputs(messages, vision, 1), "messages", "at most 1"),
-        (lambda: image_inputs(chat({"type": "image_url"}), vision, 2),
-         "messages[0].content[0].image_url", "needs its url"),
-        (lambda: image_inputs(chat({"type": "image_url", "image_url": "data:;base64,"}),
-                              vision, 2), "messages[0].content[0].image_url", "empty"),
+        (lambda: read(messages, None), "messages[0].content[1].image_url", "no vision"),
+        (lambda: read(messages, vision, max_images=1), "messages", "at most 1"),
+        (lambda: read(messages, vision, max_bytes=5), "messages", "at most 5"),
+        (lambda: read(chat({"type": "image_url"}), vision), part, "needs its url"),
+        (lambda: read(chat({"type": "image_url", "image_url": "data:;base64,"}), vision),
+         part, "empty"),
+        (lambda: read(chat({"type": "image_url", "image_url": "file:///etc/passwd"}), vision),
+         part, "data:, http: or https:"),
+        (lambda: read(chat({"type": "image_url", "image_url": "http://10.0.0.1/x.png"}),
+                      vision), part, "allowed_media_domains (none)"),
     ]  # fmt: skip
     for call, param, words in cases:
         with pytest.raises(APIError) as raised:

@@ -1,12 +1,15 @@
 """Images through a real ``pdserve up`` stack (router + 1 prefill + 1 decode worker) on a
 LLaVA-layout model: OpenAI image_url parts with data: URLs give the offline engine's tokens,
 whole and streamed, disaggregated (the decode worker pulls the prompt's KV and encodes no
-image); the prefix cache and the router's index key blocks by image; bad images are 400s
-in the OpenAI error envelope."""
+image); the prefix cache and the router's index key blocks by image; http URLs are fetched
+from allowed hosts only (a real HTTP server on 127.0.0.1); bad images are 400s in the
+OpenAI error envelope."""
 
 from __future__ import annotations
 
 import base64
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
@@ -18,6 +21,43 @@ from tests.support.stack import serving, worker_stats
 
 MODEL = "llava"
 MAX_TOKENS = 12
+MAX_REQUEST_BYTES = 1 << 20  # and so the most a request's images may hold
+
+
+class ImageHost(BaseHTTPRequestHandler):
+    """/0.png, /1.png: IMAGES; /moved: a redirect; /big: past the request's budget."""
+
+    def do_GET(self) -> None:
+        if self.path == "/moved":
+            self.send_response(302)
+            self.send_header("Location", "/0.png")
+            self.end_headers()
+            return
+        if self.path == "/big":
+            body = b"x" * (MAX_REQUEST_BYTES + 1)
+        elif self.path in ("/0.png", "/1.png"):
+            body = IMAGES[int(self.path[1])]
+        else:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:  # quiet
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_host():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), ImageHost)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
 
 
 def data_url(image: bytes) -> str:
@@ -42,8 +82,9 @@ def llava_and_stack(model_factory, tmp_path_factory):
     config = write_config(
         tmp / "config.yaml",
         llava,
-        router={"served_model_name": MODEL, "min_disagg_tokens": 0, "max_images_per_request": 2},
-    )
+        router={"served_model_name": MODEL, "min_disagg_tokens": 0, "max_images_per_request": 2,
+                "allowed_media_domains": ["127.0.0.1"], "max_request_bytes": MAX_REQUEST_BYTES},
+    )  # fmt: skip
     with serving(config, tmp / "home") as stack:
         yield llava, stack
 
@@ -93,7 +134,7 @@ def test_bad_images_are_400s_naming_the_part(llava_and_stack):
     good = data_url(IMAGES[0])
     cases = [
         (["https://example.com/cat.png", good], "messages[0].content[1].image_url",
-         "data: URLs"),
+         "allowed_media_domains (127.0.0.1)"),
         (["data:image/png;base64,%%%", good], "messages[0].content[1].image_url", "base64"),
         (["data:image/png,raw", good], "messages[0].content[1].image_url", "base64"),
         ([data_url(b"\x89PNG\r\n\x1a\n not really"), good], "images", "not a readable image"),
@@ -116,3 +157,28 @@ def test_bad_images_are_400s_naming_the_part(llava_and_stack):
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "truncate_prompt_tokens"
     # The stack still serves.
     assert chat(stack, {"messages": messages(good, data_url(png(7)))}).status_code == 200
+
+
+def test_images_from_allowed_hosts_are_fetched(llava_and_stack, image_host):
+    """An http URL on an allowed host gives the tokens its bytes inline give; another
+    host's (``localhost`` is not ``127.0.0.1``), a redirect, a 404 and a body past the
+    request's budget are 400s naming the part, and nothing else is fetched."""
+    _, stack = llava_and_stack
+    inline = chat(stack, {"messages": messages(data_url(IMAGES[0]), data_url(IMAGES[1]))})
+    fetched = chat(stack, {"messages": messages(f"http://{image_host}/0.png",
+                                                f"http://{image_host}/1.png")})  # fmt: skip
+    assert fetched.status_code == 200, fetched.text
+    assert fetched.json()["choices"][0]["token_ids"] == inline.json()["choices"][0]["token_ids"]
+    port = image_host.split(":")[1]
+    second = "messages[0].content[3].image_url"
+    cases = [
+        (f"http://localhost:{port}/1.png", "is not one"),
+        (f"http://{image_host}/moved", "redirects are not followed"),
+        (f"http://{image_host}/missing.png", "answered HTTP 404"),
+        (f"http://{image_host}/big", "larger than"),
+    ]
+    for url, words in cases:
+        reply = chat(stack, {"messages": messages(data_url(IMAGES[0]), url)})
+        assert reply.status_code == 400, (url, reply.text)
+        error = reply.json()["error"]
+        assert error["param"] == second and words in error["message"], (url, error)
