@@ -12,8 +12,10 @@ Stateless, as vLLM serves it without a store: nothing is kept after the reply, s
 ``previous_response_id`` and ``conversation`` (which need the earlier turns) and
 ``background`` are refused with a 400 naming the field, and every response says
 ``"store": false``; a client sends the whole conversation as ``input`` instead. Hosted
-tools (web search, file search, MCP, ...) and non-text input (images, files) are refused
-the same way. Reasoning comes whole as the item's content; ``summary`` stays empty.
+tools (web search, file search, MCP, ...) and files are refused the same way. A user
+message's ``input_image`` parts (an ``image_url``: data: or http(s)) become chat image
+parts, for a vision-language model (``router/images.py``); one by ``file_id`` needs a
+store and is refused. Reasoning comes whole as the item's content; ``summary`` stays empty.
 
 ``truncation: "auto"`` (OpenAI's: a conversation past the context window loses input
 items) drops whole turns, oldest first (``without_oldest_turn``), keeping the system
@@ -94,7 +96,11 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in _MESSAGE_ROLES:
                 raise FieldError(f"{where}.role must be one of {_MESSAGE_ROLES}", "input")
-            message = {"role": role, "content": _text(item.get("content"), where)}
+            content = item.get("content")
+            if role == "user" and _has_images(content):
+                message = {"role": role, "content": _parts(content, where)}
+            else:
+                message = {"role": role, "content": _text(content, where)}
         elif kind == "function_call":
             call = {"id": _required(item, "call_id", where), "type": "function",
                     "function": {"name": _required(item, "name", where),
@@ -149,7 +155,10 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
 
 
 def responses_param(param: str | None) -> str | None:
-    """A chat request's field as the Responses request names it."""
+    """A chat request's field as the Responses request names it (a part of a message, such
+    as an image's ``messages[i].content[j].image_url``, is part of ``input``)."""
+    if param is not None and param.startswith("messages["):
+        return "input"
     return CHAT_TO_RESPONSES_PARAM.get(param, param) if param is not None else None
 
 
@@ -184,6 +193,29 @@ def _text(content: Any, where: str) -> str:
             )
         texts.append(part["text"])
     return "".join(texts)
+
+
+def _has_images(content: Any) -> bool:
+    return isinstance(content, list) and any(
+        isinstance(part, dict) and part.get("type") == "input_image" for part in content
+    )
+
+
+def _parts(content: list, where: str) -> list[dict[str, Any]]:
+    """A user message's text and image parts as chat content parts."""
+    parts = []
+    for index, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise FieldError(f"{where}.content[{index}]: an input_image needs its image_url "
+                                 "(file_id needs a store, which this server does not keep)",
+                                 "input")  # fmt: skip
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            parts.append({"type": "text", "text": _text([part], where)})
+    return parts
 
 
 def _reasoning_text(item: dict[str, Any]) -> str | None:

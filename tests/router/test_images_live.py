@@ -182,3 +182,29 @@ def test_images_from_allowed_hosts_are_fetched(llava_and_stack, image_host):
         assert reply.status_code == 400, (url, reply.text)
         error = reply.json()["error"]
         assert error["param"] == second and words in error["message"], (url, error)
+
+
+def test_the_responses_api_takes_input_images(llava_and_stack):
+    """A Responses request's ``input_image`` parts are the chat request's image parts:
+    the same reply; a bad one is a 400 naming ``input``."""
+    _, stack = llava_and_stack
+    first, second = data_url(IMAGES[0]), data_url(IMAGES[2])
+    text = chat(stack, {"messages": messages(first, second)}).json()
+    parts = [{"type": "input_text", "text": "What is in "},
+             {"type": "input_image", "image_url": first, "detail": "auto"},
+             {"type": "input_text", "text": " and how does it differ from "},
+             {"type": "input_image", "image_url": second},
+             {"type": "input_text", "text": "?"}]  # fmt: skip
+    body = {"model": MODEL, "input": [{"role": "user", "content": parts}],
+            "max_output_tokens": MAX_TOKENS, "temperature": 0.0}  # fmt: skip
+    reply = httpx.post(f"{stack.base_url}/v1/responses", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    (message,) = [item for item in reply.json()["output"] if item["type"] == "message"]
+    assert message["content"][0]["text"] == text["choices"][0]["message"]["content"]
+    parts[1] = {"type": "input_image", "file_id": "file-123"}
+    reply = httpx.post(f"{stack.base_url}/v1/responses", json=body, timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "input"
+    parts[1] = {"type": "input_image", "image_url": "http://10.0.0.1/x.png"}
+    reply = httpx.post(f"{stack.base_url}/v1/responses", json=body, timeout=60)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "input"
+    assert "allowed_media_domains" in reply.json()["error"]["message"]

@@ -79,7 +79,9 @@ def test_state_and_bounds_are_refused_with_the_request(body, message):
     ("param", "body", "message"),
     [
         ("input", {"input": [{"role": "user", "content": [{"type": "input_image",
-                                                          "image_url": "x"}]}]}, "text only"),
+                                                          "file_id": "f"}]}]}, "needs a store"),
+        ("input", {"input": [{"role": "user", "content": [{"type": "input_file",
+                                                          "file_id": "f"}]}]}, "text only"),
         ("input", {"input": [{"type": "web_search_call"}]}, "not supported"),
         ("input", {"input": [{"type": "function_call", "name": "f"}]}, "call_id is required"),
         ("input", {"input": []}, "at least one message"),
