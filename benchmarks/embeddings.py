@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.engine_throughput import make_prompts
-from benchmarks.records import write_record
+from benchmarks.records import rate_rows, write_record
 from benchmarks.side_by_side import add_model_args, model_dir, record_header
 from engine import LLM, SamplingParams
 
@@ -113,11 +113,7 @@ def main() -> None:
         "",
         "| case | seconds | tokens/s | vs transformers |",
         "|---|---|---|---|",
-        *(
-            f"| {row['case']} | {row['seconds']:.3f} | {num_tokens / row['seconds']:,.0f} | "
-            f"{row['vs_baseline']:.2f}x |"
-            for row in rows
-        ),
+        *rate_rows(rows, num_tokens),
     ]
     write_record(stem, record, "\n".join(lines) + "\n")
     print(f"wrote {stem}.json and .md")

@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from benchmarks.records import write_record
+from benchmarks.records import rate_rows, write_record
 from benchmarks.side_by_side import add_model_args, record_header
 from engine import LLM, SamplingParams
 
@@ -140,11 +140,7 @@ def main() -> None:
         "",
         "| case | seconds | prompt tokens/s | vs text |",
         "|---|---|---|---|",
-        *(
-            f"| {row['case']} | {row['seconds']:.3f} | {num_tokens / row['seconds']:,.0f} | "
-            f"{row['vs_baseline']:.2f}x |"
-            for row in rows
-        ),
+        *rate_rows(rows, num_tokens),
     ]
     write_record(stem, record, "\n".join(lines) + "\n")
     print(f"wrote {stem}.json and .md")

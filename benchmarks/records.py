@@ -35,3 +35,13 @@ def write_record(stem: Path, record: dict[str, Any], markdown: str) -> None:
     stem.parent.mkdir(parents=True, exist_ok=True)
     stem.with_suffix(".json").write_text(json.dumps(record, indent=2) + "\n")
     write_markdown(stem.with_suffix(".md"), markdown)
+
+
+def rate_rows(rows: list[dict[str, Any]], num_tokens: int) -> list[str]:
+    """Markdown table rows of timed cases (``case``, ``seconds``, ``vs_baseline``): the
+    seconds, ``num_tokens`` a run per second, and the ratio to the baseline."""
+    return [
+        f"| {row['case']} | {row['seconds']:.3f} | {num_tokens / row['seconds']:,.0f} | "
+        f"{row['vs_baseline']:.2f}x |"
+        for row in rows
+    ]

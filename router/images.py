@@ -79,11 +79,14 @@ async def read_images(
     remote = [(i, param, url) for i, (param, url) in enumerate(refs) if images[i] is None]
     if remote:
         async with fetcher.client() as client:
-            fetched = await asyncio.gather(
-                *(fetcher.fetch(client, url, param, left) for _, param, url in remote)
-            )
-        for (index, _, _), data in zip(remote, fetched, strict=True):
-            images[index] = data
+            try:  # a failed fetch cancels the others
+                async with asyncio.TaskGroup() as group:
+                    tasks = [group.create_task(fetcher.fetch(client, url, param, left))
+                             for _, param, url in remote]  # fmt: skip
+            except ExceptionGroup as failed:  # each is a 400 (MediaFetcher.fetch)
+                raise failed.exceptions[0] from None
+        for (index, _, _), task in zip(remote, tasks, strict=True):
+            images[index] = task.result()
     total = sum(len(image) for image in images if image is not None)
     if total > max_bytes:
         raise bad_request(f"the request's images hold {total} bytes; at most {max_bytes} "
