@@ -238,3 +238,62 @@ def test_two_ranks_give_one_ranks_tokens(llava):
         assert got == expected
         assert two.engine.runner.num_images_encoded == 3  # IMAGES[1] is in both
         assert two.engine.leak_report() == []
+
+
+def test_a_siglip_tower_over_qwen2_equals_transformers(llava, tmp_path):
+    """LLaVA's layout over another language model (Qwen2: q/k/v biases) with a SigLIP
+    tower (no class token, every patch kept, two feature layers) and SigLIP's processor
+    (a plain resize, no crop): the tokens transformers gives, pixels from its processor."""
+    import json
+    import shutil
+
+    import transformers
+    from PIL import Image
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    made = json.loads((llava / "config.json").read_text())
+    vocab_size, image_token_id = made["text_config"]["vocab_size"], made["image_token_index"]
+    torch.manual_seed(3)
+    config = transformers.LlavaConfig(
+        vision_config=transformers.SiglipVisionConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+            image_size=28, patch_size=7,
+        ),
+        text_config=transformers.Qwen2Config(
+            vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
+            eos_token_id=made["text_config"]["eos_token_id"],
+        ),
+        image_token_id=image_token_id, vision_feature_select_strategy="full",
+        vision_feature_layer=[-1, -3], projector_hidden_act="gelu_pytorch_tanh",
+    )  # fmt: skip
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+    out = tmp_path / "siglip-qwen2"
+    model.save_pretrained(out)
+    for path in llava.iterdir():  # the made model's tokenizer and template
+        if path.name.startswith("tokenizer") or path.suffix == ".jinja":
+            shutil.copy(path, out / path.name)
+    processing = {"image_processor_type": "SiglipImageProcessor", "do_resize": True,
+                  "size": {"height": 28, "width": 28}, "resample": 3, "do_rescale": True,
+                  "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": [0.5] * 3,
+                  "image_std": [0.5] * 3}  # fmt: skip
+    (out / "preprocessor_config.json").write_text(json.dumps(processing))
+    llm = LLM(out)
+    assert llm.engine.arch.architecture == "Qwen2ForCausalLM" and llm.engine.arch.qkv_bias
+    images = IMAGES[:2]
+    token_ids, _ = request(llm, images)
+    (output,) = llm.generate(
+        [{"prompt": PROMPT, "multi_modal_data": {"image": images}}], GREEDY, use_tqdm=False
+    )
+    pixels = SiglipImageProcessorPil(**processing)(
+        images=[Image.open(io.BytesIO(b)) for b in images], return_tensors="pt"
+    )["pixel_values"]
+    with torch.no_grad():
+        expected = model.generate(input_ids=torch.tensor([token_ids]), pixel_values=pixels,
+                                  max_new_tokens=12, do_sample=False)  # fmt: skip
+    assert output.outputs[0].token_ids == expected[0, len(token_ids) :].tolist()
+    assert llm.engine.leak_report() == []
