@@ -25,6 +25,11 @@ from engine.errors import InvalidRequestError
 from engine.models.image_processor import ImageError, ImageProcessing, preprocess
 from engine.models.vision import VisionEncoder
 
+# Images per encoder call: a step that reaches many new images (a burst of requests)
+# encodes them in groups, so the tower's activations stay bounded (CLIP-L's attention
+# scores alone are ~21 MB an image in float32: 16 heads x 577 x 577).
+ENCODER_BATCH = 16
+
 
 @dataclass(frozen=True, slots=True, eq=False)
 class PromptImage:
@@ -141,12 +146,14 @@ def image_embeds(
                 continue
             needed.setdefault(digest, []).append((store, index))
             pixels[digest] = image.pixels
-    if needed:
-        encoded = encoder(torch.stack(list(pixels.values())))  # [n, tokens_per_image, hidden]
-        for (digest, users), batch_rows in zip(needed.items(), encoded, strict=True):
-            rows = batch_rows.clone()  # its own storage: the cache counts its bytes
+    digests = list(needed)
+    for first in range(0, len(digests), ENCODER_BATCH):
+        group = digests[first : first + ENCODER_BATCH]
+        encoded = encoder(torch.stack([pixels[d] for d in group]))  # [n, tokens, hidden]
+        for digest, image_rows in zip(group, encoded, strict=True):
+            rows = image_rows.clone()  # its own storage: the cache counts its bytes
             cache.put(digest, rows)
-            for store, index in users:
+            for store, index in needed[digest]:
                 store.features[index] = rows
     all_rows: list[torch.Tensor] = []
     parts: list[torch.Tensor] = []

@@ -142,6 +142,25 @@ def test_prefix_cache_keys_blocks_by_their_images(llava):
     assert llm.engine.leak_report() == []
 
 
+def test_a_step_encodes_many_new_images_in_bounded_groups(llava, monkeypatch):
+    """Six new images in one step are encoded in groups of at most ENCODER_BATCH (here
+    4), with the tokens of one call for all."""
+    from engine import images as engine_images
+
+    pairs = [[png(10 + i), png(20 + i, 33, 61)] for i in range(3)]
+    prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": pair}} for pair in pairs]
+    whole = LLM(llava)
+    whole_calls = counting_encoder(whole.engine)
+    expected = [o.outputs[0].token_ids for o in whole.generate(prompts, GREEDY, use_tqdm=False)]
+    assert whole_calls == [6]
+    monkeypatch.setattr(engine_images, "ENCODER_BATCH", 4)
+    grouped = LLM(llava)
+    calls = counting_encoder(grouped.engine)
+    got = [o.outputs[0].token_ids for o in grouped.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == expected and calls == [4, 2]
+    assert grouped.engine.leak_report() == []
+
+
 def test_the_encoder_cache_serves_an_image_asked_about_again(llava):
     """Another question after the same image shares the image's blocks but not the
     block its run ends in (it holds the new text too): the image's rows come from the
@@ -162,6 +181,33 @@ def test_the_encoder_cache_serves_an_image_asked_about_again(llava):
         assert sum(calls) == encodes, cache_bytes
         assert len(llm.engine.runner.encoder_cache) == (2 if cache_bytes > 100 else 0)
         assert llm.engine.leak_report() == []
+
+
+def test_preempted_and_resumed_requests_keep_their_images(llava):
+    """Requests put back to recompute (a KV pool too small for the batch), and a
+    sequence resumed elsewhere from its first k tokens (what the router's migration sends
+    a new decode worker), give the unconstrained engine's tokens: their images are encoded
+    again (or found in the encoder cache) for the recomputed prompt."""
+    prompts = [
+        {"prompt": PROMPT, "multi_modal_data": {"image": [png(30 + i), IMAGES[i % 3]]}}
+        for i in range(6)
+    ]
+    params = SamplingParams(max_tokens=40, min_tokens=40, temperature=0)
+    whole = LLM(llava)
+    expected = [o.outputs[0].token_ids for o in whole.generate(prompts, params, use_tqdm=False)]
+    # 16 blocks of 16 tokens hold 256 tokens; six prompts of ~60 tokens grow to ~100 each.
+    small = LLM(llava, num_blocks=16, max_model_len=256, encoder_cache_bytes=0)
+    got = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
+    assert small.engine.scheduler.num_preemptions > 0
+    assert got == expected and small.engine.leak_report() == []
+    resumed = LLMEngine(llava, EngineConfig())
+    for i, prompt in enumerate(prompts):
+        token_ids, images = request(whole, prompt["multi_modal_data"]["image"])
+        resumed.add_request(f"r{i}", token_ids, params, images=images,
+                            output_token_ids=expected[i][:7])  # fmt: skip
+    outputs = run(resumed)
+    assert [outputs[f"r{i}"].outputs[0].token_ids for i in range(6)] == expected
+    assert resumed.leak_report() == []
 
 
 def test_disaggregated_equals_colocated_and_decode_encodes_nothing(llava):
