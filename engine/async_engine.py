@@ -157,8 +157,9 @@ class AsyncEngine:
                 kwargs.get("output_token_ids", ()),
             )
         if kwargs.get("images"):  # decoding large images takes milliseconds: likewise
+            decode = kwargs.get("remote_kv") is None  # a pulled prompt's: when needed
             kwargs["images"] = await asyncio.to_thread(
-                self.engine.prepare_images, prompt_token_ids, kwargs["images"]
+                self.engine.prepare_images, prompt_token_ids, kwargs["images"], decode
             )
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         admitted = [False]  # written on the engine thread

@@ -2,6 +2,11 @@
 (``prepare_images``; services do this off the engine thread), encoded when a step first
 computes one of their placeholder tokens (``image_embeds``).
 
+A request whose prompt KV is pulled from a prefill worker (a decode worker's) has its
+images' headers checked but their pixels left undecoded (10-20 ms of CPU for a 1024 x 768
+image, usually never needed): they are decoded only if it must compute its prompt here
+after all (a failed pull, a preemption: ``decode_pixels``).
+
 An image's encoder output is kept on its request (``Request.image_features``) only while
 a chunked prompt is part-way through its placeholders, so that the next chunk does not
 encode it again; it goes with the chunk that computes its last placeholder, and with the
@@ -22,7 +27,7 @@ import torch
 from common.multimodal import ImageInput, ImageSpan, check_image_spans, image_digest
 from common.vision_spec import VisionSpec
 from engine.errors import InvalidRequestError
-from engine.models.image_processor import ImageError, ImageProcessing, preprocess
+from engine.models.image_processor import ImageError, ImageProcessing, check_image, preprocess
 from engine.models.vision import VisionEncoder
 
 # Images per encoder call: a step that reaches many new images (a burst of requests)
@@ -31,10 +36,20 @@ from engine.models.vision import VisionEncoder
 ENCODER_BATCH = 16
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class PromptImage:
     span: ImageSpan
-    pixels: torch.Tensor  # [3, S, S] float32, on the host
+    pixels: torch.Tensor | None  # [3, S, S] float32 on the host; None: not decoded yet
+    data: bytes | None = None  # the encoded file while ``pixels`` is None
+
+
+def decode_pixels(image: PromptImage, processing: ImageProcessing) -> None:
+    """Decode an image prepared undecoded (``prepare_images(decode=False)``). Raises
+    ``ImageError``."""
+    if image.pixels is None:
+        assert image.data is not None
+        image.pixels = preprocess(image.data, processing)
+        image.data = None
 
 
 @dataclass(slots=True)
@@ -80,11 +95,13 @@ def prepare_images(
     images: Sequence[ImageInput | PromptImage],
     vision: VisionSpec | None,
     processing: ImageProcessing | None,
+    decode: bool = True,
 ) -> tuple[PromptImage, ...]:
-    """``images`` checked against ``prompt`` and decoded (already prepared ones kept).
-    Raises ``InvalidRequestError`` (param ``images``) for a model without an encoder, an
-    image that cannot be read, or placements that do not match the prompt's placeholders;
-    a prompt with placeholders needs its images."""
+    """``images`` checked against ``prompt`` and decoded (already prepared ones kept;
+    without ``decode``, only their headers read). Raises ``InvalidRequestError`` (param
+    ``images``) for a model without an encoder, an image that cannot be read, or
+    placements that do not match the prompt's placeholders; a prompt with placeholders
+    needs its images."""
     if vision is None:
         if images:
             raise InvalidRequestError("this model takes no images (no vision encoder)", "images")
@@ -95,12 +112,15 @@ def prepare_images(
         if isinstance(image, PromptImage):
             prepared.append(image)
             continue
+        span = ImageSpan(image.offset, vision.tokens_per_image, image_digest(image.data))
         try:
-            pixels = preprocess(image.data, processing)
+            if decode:
+                prepared.append(PromptImage(span, preprocess(image.data, processing)))
+            else:
+                check_image(image.data)
+                prepared.append(PromptImage(span, None, image.data))
         except ImageError as exc:
             raise InvalidRequestError(f"images[{index}]: {exc}", "images") from None
-        span = ImageSpan(image.offset, vision.tokens_per_image, image_digest(image.data))
-        prepared.append(PromptImage(span, pixels))
     problem = check_image_spans(
         prompt, [p.span for p in prepared], vision.image_token_id, vision.tokens_per_image
     )
@@ -145,6 +165,7 @@ def image_embeds(
                 store.features[index] = cached
                 continue
             needed.setdefault(digest, []).append((store, index))
+            assert image.pixels is not None, "decode_pixels runs before a chunk reads it"
             pixels[digest] = image.pixels
     digests = list(needed)
     for first in range(0, len(digests), ENCODER_BATCH):

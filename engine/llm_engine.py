@@ -40,13 +40,13 @@ from engine.errors import (
     PromptTooLongError,
 )
 from engine.grammar import Grammars
-from engine.images import PromptImage, chunk_images, prepare_images
+from engine.images import PromptImage, chunk_images, decode_pixels, prepare_images
 from engine.kv_cache_manager import cdiv
 from engine.kv_connector import KVPuller
 from engine.kv_events import KVEventCollector
 from engine.model_runner import ModelRunner, PromptScoring, SequenceChunk
 from engine.models.arch import ModelArchConfig, ModelLoadError, read_arch_config
-from engine.models.image_processor import ImageProcessing, read_image_processing
+from engine.models.image_processor import ImageError, ImageProcessing, read_image_processing
 from engine.models.lora import LoraAdapter
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.parallel.launch import ShardExtensionSpec
@@ -143,6 +143,8 @@ class LLMEngine:
             raise
         self._rng = random.Random(self.config.seed)
         self._generators: dict[str, RequestRandom] = {}
+        # Requests whose images are not decoded yet (pulled prompts: ``engine/images.py``).
+        self._undecoded_images: set[str] = set()
         self.num_steps = 0
         self.num_pull_failures = 0
         self._pull_failure_logged_at = -PULL_FAILURE_LOG_S
@@ -229,7 +231,7 @@ class LLMEngine:
         """
         prompt = self.validate_prompt(prompt_token_ids)
         outputs = self.validate_prompt(output_token_ids, allow_empty=True)
-        prepared = self.prepare_images(prompt, images)
+        prepared = self.prepare_images(prompt, images, decode=remote_kv is None)
         scheduler = self.scheduler
         if request_id in scheduler.requests or request_id in scheduler.held:
             raise DuplicateRequestError(request_id)
@@ -339,6 +341,8 @@ class LLMEngine:
             pooling=pooling,
             images=prepared,
         )
+        if any(image.pixels is None for image in prepared):
+            self._undecoded_images.add(request_id)
         if not params.greedy:
             # Keyed by output position (engine/sampler.py): the tokens generated elsewhere
             # need no skip-ahead, so a resume costs nothing whatever its length.
@@ -373,12 +377,17 @@ class LLMEngine:
         return prompt
 
     def prepare_images(
-        self, prompt: Sequence[int], images: Sequence[ImageInput | PromptImage]
+        self,
+        prompt: Sequence[int],
+        images: Sequence[ImageInput | PromptImage],
+        decode: bool = True,
     ) -> tuple[PromptImage, ...]:
-        """``images`` of a request with ``prompt``, checked and decoded
-        (``engine.images.prepare_images``). Reads nothing that changes: services call it
-        off the engine thread, since decoding a large image takes milliseconds."""
-        return prepare_images(prompt, images, self.arch.vision, self.image_processing)
+        """``images`` of a request with ``prompt``, checked and decoded (without
+        ``decode``: their headers checked; ``engine.images.prepare_images``). Reads nothing
+        that changes: services call it off the engine thread, since decoding a large image
+        takes milliseconds."""
+        processing = self.image_processing
+        return prepare_images(prompt, images, self.arch.vision, processing, decode)
 
     def validate_priority(self, priority: int) -> int:
         """``priority`` as an int (numpy integers too; not a bool), if this engine takes it."""
@@ -473,6 +482,7 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         """Drop a finished request's sampling state and its block-table row."""
         self._generators.pop(request_id, None)
+        self._undecoded_images.discard(request_id)
         self.runner.release_request(request_id)
         self.grammars.discard(request_id)
 
@@ -514,6 +524,7 @@ class LLMEngine:
         """One engine step. Returns an output for every request that produced a token or
         finished. Returns at once, with no forward pass, when only pulls are in flight."""
         outputs = self._poll_fetches()
+        outputs += self._decode_images()
         scheduler_output = self.scheduler.schedule()
         if self.cpu_tier is not None:
             # Save the blocks this schedule evicted before anything may overwrite them
@@ -663,6 +674,37 @@ class LLMEngine:
             return self._output(request, [])
         return None
 
+    def _decode_images(self) -> list[RequestOutput]:
+        """Decode the images of requests that left them undecoded (their prompt KV was to
+        be pulled) and now wait to compute their prompt here (the pull failed, or they were
+        preempted). One whose image cannot be decoded fails as invalid input (the prefill
+        worker read the same bytes, so only differing image libraries get here); its
+        output is returned."""
+        outputs = []
+        for request_id in list(self._undecoded_images):
+            request = self.scheduler.requests.get(request_id)
+            if request is None:  # finished (its KV pulled) or aborted: never decoded
+                self._undecoded_images.discard(request_id)
+                continue
+            waiting = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            if not waiting or request.remote_kv is not None:
+                continue
+            try:
+                self._decode_pixels(request)
+            except ImageError as exc:
+                request.error, request.error_param = f"images: {exc}", "images"
+                output = self.abort_request(request_id)
+                if output is not None:
+                    outputs.append(output)
+        return outputs
+
+    def _decode_pixels(self, request: Request) -> None:
+        """Every undecoded image of ``request`` (on the engine thread: a rare path)."""
+        assert self.image_processing is not None
+        for image in request.images:
+            decode_pixels(image, self.image_processing)
+        self._undecoded_images.discard(request.request_id)
+
     def _chunks(self, scheduler_output: SchedulerOutput) -> list[SequenceChunk]:
         kv = self.scheduler.kv
         chunks = []
@@ -673,6 +715,10 @@ class LLMEngine:
             drafts = item.draft_token_ids
             start = request.num_computed_tokens
             end = start + item.num_scheduled_tokens - len(drafts)  # the request's own tokens
+            if request.request_id in self._undecoded_images and start < request.images[-1].span.end:
+                # Preempted and admitted again within one schedule (``_decode_images`` saw
+                # it running). An error here fails the step: see ``_decode_images``.
+                self._decode_pixels(request)
             sampling = None
             if item.samples and request.pooling is None:
                 if request.sampling_params.has_penalties and request.token_counts is None:
@@ -788,6 +834,8 @@ class LLMEngine:
             problems.append(f"{len(self._generators)} sampling generators still held")
         if self.grammars:
             problems.append(f"{len(self.grammars)} grammar matchers still held")
+        if self._undecoded_images:
+            problems.append(f"{len(self._undecoded_images)} requests' undecoded images held")
         return problems
 
     @property

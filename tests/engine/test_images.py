@@ -210,10 +210,26 @@ def test_preempted_and_resumed_requests_keep_their_images(llava):
     assert resumed.leak_report() == []
 
 
-def test_disaggregated_equals_colocated_and_decode_encodes_nothing(llava):
+def counting_decodes(monkeypatch) -> list[int]:
+    """Count the images the engines decode (one entry per image)."""
+    from engine import images as engine_images
+
+    calls: list[int] = []
+    preprocess = engine_images.preprocess
+
+    def counted(data, processing):
+        calls.append(1)
+        return preprocess(data, processing)
+
+    monkeypatch.setattr(engine_images, "preprocess", counted)
+    return calls
+
+
+def test_disaggregated_equals_colocated_and_decode_encodes_nothing(llava, monkeypatch):
     """Prefill on one engine, decode on another (the KV pulled): the colocated tokens,
-    with no image encoded on the decode engine. A failed pull (the first round's first
-    request) recomputes the prompt there, its images included, with the same tokens."""
+    with no image decoded or encoded on the decode engine. A failed pull (the first
+    round's first request) recomputes the prompt there, its images decoded and encoded
+    then, with the same tokens."""
     llm = LLM(llava)
     prompts = [request(llm, IMAGES[i : i + 2]) for i in (0, 1)]
     colocated = LLMEngine(llava, EngineConfig())
@@ -225,10 +241,12 @@ def test_disaggregated_equals_colocated_and_decode_encodes_nothing(llava):
     decode = LLMEngine(llava, EngineConfig(), kv_puller=puller)
     puller.sources["prefill-0"], puller.target = prefill, decode
     decode_calls = counting_encoder(decode)
+    decoded = counting_decodes(monkeypatch)
     for fail in (True, False):
         for i, (token_ids, images) in enumerate(prompts):
             prefill.add_request(f"r{i}", token_ids, GREEDY, prefill_only=True, images=images)
         firsts = run(prefill)
+        decoded.clear()  # the prefill engine decoded its images
         puller.fail_next = fail
         for i, (token_ids, images) in enumerate(prompts):
             first = firsts[f"r{i}"]
@@ -240,10 +258,77 @@ def test_disaggregated_equals_colocated_and_decode_encodes_nothing(llava):
         for i in range(len(prompts)):
             assert prefill.release_kv(f"r{i}")
         # The failed pull recomputed one prompt's two images on the decode engine; the
-        # pulls encode none.
-        assert sum(decode_calls) == 2
+        # pulls decode and encode none.
+        assert sum(decode_calls) == 2 and len(decoded) == (2 if fail else 0)
     for engine in (prefill, decode, colocated):
         assert engine.leak_report() == []
+
+
+def test_pulled_requests_preempted_on_the_decode_engine_decode_their_images(llava, monkeypatch):
+    """A decode engine too small for its batch preempts requests whose KV it pulled;
+    they recompute their prompts, their images decoded only then: the colocated tokens."""
+    llm = LLM(llava)
+    pairs = [[png(40 + i), IMAGES[i % 3]] for i in range(6)]
+    prompts = [request(llm, pair) for pair in pairs]
+    params = SamplingParams(max_tokens=40, min_tokens=40, temperature=0)
+    expected = [
+        o.outputs[0].token_ids
+        for o in llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": p}} for p in pairs],
+                              params, use_tqdm=False)
+    ]  # fmt: skip
+    puller = LocalPuller()
+    prefill = LLMEngine(llava, EngineConfig())
+    decode = LLMEngine(llava, EngineConfig(num_blocks=16, max_model_len=256), kv_puller=puller)
+    puller.sources["prefill-0"], puller.target = prefill, decode
+    for i, (token_ids, images) in enumerate(prompts):
+        prefill.add_request(f"r{i}", token_ids, params, prefill_only=True, images=images)
+    firsts = run(prefill)
+    decoded = counting_decodes(monkeypatch)
+    for i, (token_ids, images) in enumerate(prompts):
+        first = firsts[f"r{i}"]
+        remote = RemoteKV(f"l{i}", len(token_ids), tuple(first.kv_block_ids), "prefill-0")
+        decode.add_request(f"r{i}", token_ids, params, remote_kv=remote, images=images,
+                           output_token_ids=first.outputs[0].token_ids)  # fmt: skip
+    assert decoded == []  # only headers read
+    outputs = run(decode)
+    assert [outputs[f"r{i}"].outputs[0].token_ids for i in range(6)] == expected
+    assert (
+        decode.scheduler.num_preemptions > 0
+        and 0 < len(decoded) <= 2 * decode.scheduler.num_preemptions
+    )
+    for i in range(6):
+        assert prefill.release_kv(f"r{i}")
+    assert prefill.leak_report() == [] and decode.leak_report() == []
+
+
+def test_an_image_undecodable_at_recompute_fails_its_request_alone(llava):
+    """A pulled prompt's images are only header-checked: one whose data is cut short
+    passes. Its pull failing, the decode engine must compute the prompt, cannot decode
+    the image, and fails that request as invalid input; the other request, and the
+    engine, go on."""
+    llm = LLM(llava)
+    prompts = [request(llm, IMAGES[i : i + 2]) for i in (0, 1)]
+    truncated = ImageInput(prompts[0][1][1].offset, IMAGES[1][:120])
+    puller = LocalPuller()
+    prefill = LLMEngine(llava, EngineConfig())
+    decode = LLMEngine(llava, EngineConfig(), kv_puller=puller)
+    puller.sources["prefill-0"], puller.target = prefill, decode
+    for i, (token_ids, images) in enumerate(prompts):
+        prefill.add_request(f"r{i}", token_ids, GREEDY, prefill_only=True, images=images)
+    firsts = run(prefill)
+    puller.fail_next = True  # r0's pull
+    for i, (token_ids, images) in enumerate(prompts):
+        first = firsts[f"r{i}"]
+        remote = RemoteKV(f"l{i}", len(token_ids), tuple(first.kv_block_ids), "prefill-0")
+        sent = [images[0], truncated] if i == 0 else images
+        decode.add_request(f"r{i}", token_ids, GREEDY, remote_kv=remote, images=sent,
+                           output_token_ids=first.outputs[0].token_ids)  # fmt: skip
+    outputs = run(decode)
+    assert outputs["r0"].error_param == "images" and "truncated" in outputs["r0"].error
+    assert len(outputs["r1"].outputs[0].token_ids) == 12
+    for i in range(2):
+        assert prefill.release_kv(f"r{i}")
+    assert prefill.leak_report() == [] and decode.leak_report() == []
 
 
 def test_bad_images_are_refused_with_the_engine_unchanged(llava, tiny_llama):
