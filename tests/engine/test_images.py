@@ -103,6 +103,26 @@ def test_tokens_and_prompt_logprobs_equal_transformers(llava):
     assert llm.engine.leak_report() == []
 
 
+@pytest.mark.parametrize(
+    "before,after", [(0, 9), (5, 0), (0, 0), (16, 16)], ids=["first", "last", "alone", "aligned"]
+)
+def test_images_at_the_prompts_edges_equal_transformers(llava, before, after):
+    """An image first in the prompt, last (its last placeholder's state samples the
+    first token), alone, and on block boundaries (positions 16..31 of 16-token blocks):
+    transformers' tokens."""
+    llm = LLM(llava)
+    vision = llm.engine.arch.vision
+    rng = torch.Generator().manual_seed(before * 31 + after)
+    text = torch.randint(5, 2000, (before + after,), generator=rng).tolist()
+    ids = text[:before] + [vision.image_token_id] + text[before:]
+    prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": [IMAGES[2]]}}
+    (output,) = llm.generate([prompt], GREEDY, use_tqdm=False)
+    token_ids, _ = llm._with_images(prompt)
+    expected, _ = hf_reference(llava, token_ids, [IMAGES[2]])
+    assert output.outputs[0].token_ids == expected
+    assert llm.engine.leak_report() == []
+
+
 @pytest.mark.parametrize("chunk", [5, 16, 23])
 def test_chunked_prompts_split_images_and_encode_each_once(llava, chunk):
     """Chunks that end inside an image's placeholders (5 and 23 tokens; 16-token images)
