@@ -15,9 +15,11 @@ the same place after the same tokens does, in every worker and in the router's i
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -118,3 +120,39 @@ def check_image_spans(
             f"tokens of id {image_token_id} each)"
         )
     return None
+
+
+def data_url_bytes(url: str) -> bytes:
+    """The bytes of a ``data:[<type>];base64,<data>`` URL. Raises ``ValueError`` saying
+    what is wrong with it."""
+    header, comma, payload = url.partition(",")
+    if not url.startswith("data:") or not comma or not header.endswith(";base64"):
+        raise ValueError("an image's data: URL must be base64 (data:image/png;base64,...)")
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("the image's data: URL holds invalid base64") from None
+    if not data:
+        raise ValueError("the image's data: URL is empty")
+    return data
+
+
+def render_with_images(
+    render: Callable[[str | None], list[int]],
+    image_token: str,
+    image_token_id: int,
+    num_images: int,
+    errors: tuple[type[Exception], ...],
+) -> list[int]:
+    """A chat's ids with one ``image_token_id`` per image. ``render(None)`` gives the
+    template each image as a content part (``{"type": "image"}``: what vision models'
+    templates read); ``render(text)``, as ``text`` where it was in string content. Parts
+    first; where that raises one of ``errors`` (a template that reads content as a
+    string, and fails on a list) or does not write the token once per image, text."""
+    try:
+        token_ids = render(None)
+    except errors:
+        token_ids = []
+    if token_ids.count(image_token_id) == num_images:
+        return token_ids
+    return render(image_token)

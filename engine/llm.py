@@ -7,7 +7,8 @@ vectors = [o.embedding for o in llm.embed(["Hello"])]
 
 A vision-language model's prompt is a dict, as vLLM's: ``{"prompt": "USER: <image>\nWhat
 is this? ASSISTANT:", "multi_modal_data": {"image": [png_bytes_or_PIL_image]}}`` (or
-``prompt_token_ids``), with one image token in the text per image.
+``prompt_token_ids``), with one image token in the text per image. ``llm.chat(messages)``
+takes OpenAI-style messages through the chat template, images as content parts.
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ from tqdm import tqdm
 
 from common.config import EngineConfig
 from common.generation_config import GenerationDefaults
-from common.multimodal import ImageInput, expand_placeholders
+from common.multimodal import (
+    ImageInput,
+    data_url_bytes,
+    expand_placeholders,
+    render_with_images,
+)
 from common.tokenizer import Tokenizer
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -131,6 +137,85 @@ class LLM:
             request_ids.append(request_id)
         return self._run(request_ids, prompt_list, use_tqdm)
 
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        lora_name: str | Sequence[str | None] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: a conversation (OpenAI-style message dicts), or a list of
+        them, through the checkpoint's chat template, then ``generate``. A message's
+        content may be parts: ``{"type": "text", "text": ...}``, and for a vision-language
+        model ``{"type": "image_url", "image_url": {"url": "data:..."}}`` (or the URL
+        alone) and ``{"type": "image", "image": bytes_or_PIL_image}``. Nothing is fetched
+        from the network: http(s) image URLs are refused."""
+        if messages and isinstance(messages[0], Mapping):
+            messages = [messages]  # type: ignore[list-item]
+        prompts = [
+            self._chat_prompt(list(conversation), add_generation_prompt, chat_template_kwargs)
+            for conversation in messages
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_name=lora_name)
+
+    def _chat_prompt(
+        self,
+        conversation: list[Mapping[str, Any]],
+        add_generation_prompt: bool,
+        template_kwargs: Mapping[str, Any] | None,
+    ) -> dict[str, Any]:
+        """A conversation as a ``generate`` prompt: its template's ids (one image token
+        per image) and its images."""
+        images: list[Any] = []
+        kinds: list[list[tuple[str, str]]] = []  # per message: (kind, text) of its parts
+        for message in conversation:
+            content = message.get("content")
+            if not isinstance(content, list):
+                kinds.append([("text", content or "")])
+                continue
+            parts = []
+            for part in content:
+                kind = part.get("type")
+                if kind == "text":
+                    parts.append(("text", part["text"]))
+                elif kind in ("image_url", "image"):
+                    images.append(_chat_image(part))
+                    parts.append(("image", ""))
+                else:
+                    raise ValueError(f"content parts of type {kind!r} are not supported")
+            kinds.append(parts)
+
+        def render(image_text: str | None) -> list[int]:
+            """``render_with_images``' renderer: parts, or text in strings."""
+            rendered = []
+            for message, parts in zip(conversation, kinds, strict=True):
+                content: Any
+                if image_text is None and any(kind == "image" for kind, _ in parts):
+                    content = [
+                        {"type": "image"} if kind == "image" else {"type": "text", "text": text}
+                        for kind, text in parts
+                    ]
+                else:
+                    written = image_text or ""
+                    content = "".join(written if kind == "image" else text for kind, text in parts)
+                rendered.append({**message, "content": content})
+            return self.tokenizer.apply_chat_template(
+                rendered, add_generation_prompt, template_kwargs=dict(template_kwargs or {})
+            )
+
+        vision = self.engine.arch.vision
+        if images and vision is not None:
+            token = self.tokenizer.convert_ids_to_tokens([vision.image_token_id])[0]
+            token_ids = render_with_images(
+                render, token, vision.image_token_id, len(images), (ValueError,)
+            )
+        else:  # no images, or a model without an encoder (``generate`` refuses them)
+            token_ids = render("")
+        return {"prompt_token_ids": token_ids, "multi_modal_data": {"image": images}}
+
     def embed(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -234,6 +319,17 @@ class LLM:
             completion.text = self.tokenizer.decode(shown)
             results.append(output)
         return results
+
+
+def _chat_image(part: Mapping[str, Any]) -> Any:
+    """A chat content part's image: a data: URL's bytes, or the part's bytes or image."""
+    if part.get("type") == "image":
+        return part["image"]
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, Mapping) else url
+    if not isinstance(url, str) or not url.startswith("data:"):
+        raise ValueError("offline, an image_url must be a data: URL (nothing is fetched)")
+    return data_url_bytes(url)
 
 
 def _image_bytes(image: Any) -> bytes:

@@ -15,12 +15,10 @@ The workers decode and check the images; one they cannot read is their 400.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common.multimodal import ImageSpan, expand_placeholders, image_digest
+from common.multimodal import ImageSpan, data_url_bytes, expand_placeholders, image_digest
 from common.vision_spec import VisionSpec
 from proto import pdserve_pb2 as pb
 from router.errors import bad_request
@@ -95,17 +93,11 @@ async def read_images(
 
 
 def read_data_url(url: str, param: str) -> bytes:
-    """The bytes of a ``data:[<type>];base64,<data>`` URL."""
-    header, comma, payload = url.partition(",")
-    if not comma or not header.endswith(";base64"):
-        raise bad_request("an image's data: URL must be base64 (data:image/png;base64,...)", param)
+    """The bytes of a ``data:[<type>];base64,<data>`` URL; a 400 naming ``param``."""
     try:
-        data = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise bad_request("the image's data: URL holds invalid base64", param) from None
-    if not data:
-        raise bad_request("the image's data: URL is empty", param)
-    return data
+        return data_url_bytes(url)
+    except ValueError as exc:
+        raise bad_request(str(exc), param) from None
 
 
 def place_images(

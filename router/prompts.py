@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from common.multimodal import render_with_images
 from common.tokenizer import KeptTokens, Tokenizer, TokenizerError, TooManyTokens
 from router.errors import APIError, bad_request, context_too_long
 from router.protocol import CompletionRequest, texts_of, token_lists_of
@@ -90,14 +91,11 @@ class PromptTokenizer:
         ``image_token_id``. Images reach the template as content parts (what vision models'
         templates read); a template that does not write the token for each (one that reads
         content as a string, or fails on a list) gets the token's text in the string."""
-        try:
-            prompt = self.chat(*args, image_parts=True)
-        except APIError:
-            prompt = []
-        if prompt.count(image_token_id) == num_images:
-            return prompt
         text = self.tokenizer.convert_ids_to_tokens([image_token_id])[0]
-        return self.chat(*args, image_text=text)
+        return render_with_images(
+            lambda image_text: self.chat(*args, image_text=image_text, image_parts=not image_text),
+            text, image_token_id, num_images, (APIError,),
+        )  # fmt: skip
 
     def limit(self, body) -> int | None:
         """How many tokens a prompt may have before it is refused untokenized: the

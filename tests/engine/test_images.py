@@ -448,3 +448,41 @@ def test_a_siglip_tower_over_qwen2_equals_transformers(llava, tmp_path):
                                   max_new_tokens=12, do_sample=False)  # fmt: skip
     assert output.outputs[0].token_ids == expected[0, len(token_ids) :].tolist()
     assert llm.engine.leak_report() == []
+
+
+def test_llm_chat_takes_image_parts_through_either_kind_of_template(llava, tmp_path):
+    """``LLM.chat``: OpenAI-style messages with a data: URL part and a PIL image part give
+    ``generate``'s tokens on the template's text, with the made template (it reads parts)
+    and with a copy whose ChatML template reads strings; http URLs are refused."""
+    import base64
+    import shutil
+
+    from PIL import Image
+
+    from engine.models.tokenizer_trainer import CHAT_TEMPLATE
+
+    url = "data:image/png;base64," + base64.b64encode(IMAGES[0]).decode()
+    conversation = [{"role": "user", "content": [
+        {"type": "text", "text": "What is in "},
+        {"type": "image_url", "image_url": {"url": url}},
+        {"type": "text", "text": " and how does it differ from "},
+        {"type": "image", "image": Image.open(io.BytesIO(IMAGES[1]))},
+        {"type": "text", "text": "?"},
+    ]}]  # fmt: skip
+    plain = tmp_path / "plain"
+    shutil.copytree(llava, plain)
+    (plain / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    got = []
+    for model in (llava, plain):
+        llm = LLM(model)
+        ids = llm.tokenizer.encode(PROMPT, add_special_tokens=False)
+        prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": IMAGES[:2]}}
+        (expected,) = llm.generate([prompt], GREEDY, use_tqdm=False)
+        (output,) = llm.chat(conversation, GREEDY, use_tqdm=False)
+        assert output.outputs[0].token_ids == expected.outputs[0].token_ids
+        got.append(output.outputs[0].token_ids)
+        assert llm.engine.leak_report() == []
+    assert got[0] == got[1]
+    web = [{"role": "user", "content": [{"type": "image_url", "image_url": "https://x/y.png"}]}]
+    with pytest.raises(ValueError, match="data: URL"):
+        llm.chat(web, GREEDY)
