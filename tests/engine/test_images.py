@@ -486,3 +486,34 @@ def test_llm_chat_takes_image_parts_through_either_kind_of_template(llava, tmp_p
     web = [{"role": "user", "content": [{"type": "image_url", "image_url": "https://x/y.png"}]}]
     with pytest.raises(ValueError, match="data: URL"):
         llm.chat(web, GREEDY)
+
+
+def test_the_engines_block_hashes_are_the_routers(llava):
+    """The prefix-cache hashes the engine gives an image prompt's blocks (what its KV
+    events carry) equal ``hash_blocks`` over the router's spans (``router.images``), and
+    differ from the text-only hashes exactly from the first block an image touches."""
+    from common.hashing import hash_blocks
+    from common.multimodal import ImageSpan, image_digest
+    from proto import pdserve_pb2 as pb
+    from router.images import place_images
+
+    llm = LLM(llava, block_size=8)
+    vision = llm.engine.arch.vision
+    raw = llm.tokenizer.encode(PROMPT, add_special_tokens=False)
+    token_ids, placed = place_images(raw, IMAGES[:2], vision)
+    engine_request = llm.engine.add_request(
+        "r", token_ids, GREEDY, images=[ImageInput(m.offset, m.data) for m in placed.messages]
+    )
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert engine_request.image_spans == placed.spans
+    full = len(token_ids) // 8
+    assert engine_request.block_hashes[:full] == hash_blocks(token_ids, 8, images=placed.spans)
+    plain = hash_blocks(token_ids, 8)
+    first_touched = placed.spans[0].offset // 8
+    assert engine_request.block_hashes[:first_touched] == plain[:first_touched]
+    assert all(a != b for a, b in zip(engine_request.block_hashes[first_touched:full],
+                                      plain[first_touched:full], strict=True))  # fmt: skip
+    assert isinstance(placed.messages[0], pb.Image)
+    assert placed.spans[0] == ImageSpan(placed.spans[0].offset, 16, image_digest(IMAGES[0]))
+    assert llm.engine.leak_report() == []
