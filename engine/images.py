@@ -27,7 +27,13 @@ import torch
 from common.multimodal import ImageInput, ImageSpan, check_image_spans, image_digest
 from common.vision_spec import VisionSpec
 from engine.errors import InvalidRequestError
-from engine.models.image_processor import ImageError, ImageProcessing, check_image, preprocess
+from engine.models.image_processor import (
+    ImageError,
+    ImageProcessing,
+    check_image,
+    image_pixels,
+    normalize,
+)
 from engine.models.vision import VisionEncoder
 
 # Images per encoder call: a step that reaches many new images (a burst of requests)
@@ -39,7 +45,9 @@ ENCODER_BATCH = 16
 @dataclass(slots=True, eq=False)
 class PromptImage:
     span: ImageSpan
-    pixels: torch.Tensor | None  # [3, S, S] float32 on the host; None: not decoded yet
+    # [3, S, S] uint8 on the host, resized and cropped (normalized when encoded, on the
+    # device); None: not decoded yet.
+    pixels: torch.Tensor | None
     data: bytes | None = None  # the encoded file while ``pixels`` is None
 
 
@@ -48,7 +56,7 @@ def decode_pixels(image: PromptImage, processing: ImageProcessing) -> None:
     ``ImageError``."""
     if image.pixels is None:
         assert image.data is not None
-        image.pixels = preprocess(image.data, processing)
+        image.pixels = image_pixels(image.data, processing)
         image.data = None
 
 
@@ -115,7 +123,7 @@ def prepare_images(
         span = ImageSpan(image.offset, vision.tokens_per_image, image_digest(image.data))
         try:
             if decode:
-                prepared.append(PromptImage(span, preprocess(image.data, processing)))
+                prepared.append(PromptImage(span, image_pixels(image.data, processing)))
             else:
                 check_image(image.data)
                 prepared.append(PromptImage(span, None, image.data))
@@ -143,6 +151,7 @@ def chunk_images(
 
 def image_embeds(
     encoder: VisionEncoder,
+    processing: ImageProcessing,
     cache: EncoderCache,
     chunks: Sequence[tuple[int, int, int, ChunkImages]],
     device: torch.device,
@@ -170,7 +179,8 @@ def image_embeds(
     digests = list(needed)
     for first in range(0, len(digests), ENCODER_BATCH):
         group = digests[first : first + ENCODER_BATCH]
-        encoded = encoder(torch.stack([pixels[d] for d in group]))  # [n, tokens, hidden]
+        batch = torch.stack([pixels[d] for d in group]).to(device)  # [n, 3, S, S] uint8
+        encoded = encoder(normalize(batch, processing))  # [n, tokens_per_image, hidden]
         for digest, image_rows in zip(group, encoded, strict=True):
             rows = image_rows.clone()  # its own storage: the cache counts its bytes
             cache.put(digest, rows)

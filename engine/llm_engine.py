@@ -46,7 +46,7 @@ from engine.kv_connector import KVPuller
 from engine.kv_events import KVEventCollector
 from engine.model_runner import ModelRunner, PromptScoring, SequenceChunk
 from engine.models.arch import ModelArchConfig, ModelLoadError, read_arch_config
-from engine.models.image_processor import ImageError, ImageProcessing, read_image_processing
+from engine.models.image_processor import ImageError
 from engine.models.lora import LoraAdapter
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.parallel.launch import ShardExtensionSpec
@@ -183,13 +183,7 @@ class LLMEngine:
                            self.arch.vocab_size)  # fmt: skip
         self.grammars = Grammars(model_dir, self.arch.vocab_size, self.eos_token_ids)
         # A vision-language model's image preprocessing (preprocessor_config.json).
-        self.image_processing: ImageProcessing | None = None
-        vision = self.arch.vision
-        if vision is not None:
-            try:
-                self.image_processing = read_image_processing(model_dir, vision.tower.image_size)
-            except ValueError as exc:
-                raise ModelLoadError(str(exc)) from None
+        self.image_processing = self.runner.image_processing
 
     # ------------------------------------------------------------------ requests
 

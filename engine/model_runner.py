@@ -32,7 +32,8 @@ from engine.draft_model import DraftModel, draft_segment
 from engine.images import ChunkImages, EncoderCache, image_embeds
 from engine.kv_cache_manager import cdiv
 from engine.model_shard import HostBatch, ModelShard
-from engine.models.arch import ModelArchConfig
+from engine.models.arch import ModelArchConfig, ModelLoadError
+from engine.models.image_processor import ImageProcessing, read_image_processing
 from engine.models.lora import LoraAdapter, LoraBatch, load_lora_adapter
 from engine.models.vision import VisionEncoder, load_vision_encoder
 from engine.mtp_drafts import MtpSegment, check_mtp, mtp_segment, propose_drafts, slots_end
@@ -148,10 +149,17 @@ class ModelRunner:
             # A vision-language model's image encoder (rank 0's alone: it broadcasts the
             # rows), its recent output, and the images it encoded so far.
             self.vision: VisionEncoder | None = None
+            self.image_processing: ImageProcessing | None = None
             self.encoder_cache = EncoderCache(config.encoder_cache_bytes)
             self.num_images_encoded = 0
             if arch.vision is not None:
                 self.vision = load_vision_encoder(model_dir, arch.vision, device, dtype)
+                try:  # preprocessor_config.json
+                    self.image_processing = read_image_processing(
+                        model_dir, arch.vision.tower.image_size
+                    )
+                except ValueError as exc:
+                    raise ModelLoadError(str(exc)) from None
             self.draft: DraftModel | None = None
             if config.speculative_method is SpeculativeMethod.DRAFT_MODEL:
                 self.draft = DraftModel(arch, config, device, dtype, max_model_len)
@@ -279,9 +287,9 @@ class ModelRunner:
         ]
         images = None
         if with_images:  # encoded before the other ranks are told: they wait on no encoder
-            assert self.vision is not None
+            assert self.vision is not None and self.image_processing is not None
             images, num_encoded = image_embeds(
-                self.vision, self.encoder_cache, with_images, self.device
+                self.vision, self.image_processing, self.encoder_cache, with_images, self.device
             )
             self.num_images_encoded += num_encoded
         if self.shards is not None:

@@ -133,6 +133,12 @@ def decode_image(data: bytes) -> Any:
 
 def preprocess(data: bytes, processing: ImageProcessing) -> torch.Tensor:
     """``data``'s pixels as the encoder takes them: [3, height, width] float32."""
+    return normalize(image_pixels(data, processing), processing)
+
+
+def image_pixels(data: bytes, processing: ImageProcessing) -> torch.Tensor:
+    """``data`` decoded, resized and cropped: [3, height, width] uint8 (a quarter of the
+    float32 pixels' bytes, what a request holds until its image is encoded)."""
     image = decode_image(data)
     width, height = image.size
     if processing.shortest_edge is not None:
@@ -150,11 +156,17 @@ def preprocess(data: bytes, processing: ImageProcessing) -> torch.Tensor:
         top = (pixels.shape[0] - crop_h) // 2
         left = (pixels.shape[1] - crop_w) // 2
         pixels = pixels[top : top + crop_h, left : left + crop_w]
-    values = pixels.astype(np.float32)
+    return torch.from_numpy(np.ascontiguousarray(pixels.transpose(2, 0, 1)))
+
+
+def normalize(pixels: torch.Tensor, processing: ImageProcessing) -> torch.Tensor:
+    """[..., 3, H, W] uint8 -> float32 on ``pixels``' device: rescaled in float64 then
+    float32, normalized per channel in float32, as transformers' processors do."""
+    values = pixels.float()
     if processing.rescale_factor is not None:
-        values = (pixels.astype(np.float64) * processing.rescale_factor).astype(np.float32)
+        values = (pixels.double() * processing.rescale_factor).float()
     if processing.mean is not None and processing.std is not None:
-        mean = np.array(processing.mean, dtype=np.float32)
-        std = np.array(processing.std, dtype=np.float32)
-        values = (values - mean) / std
-    return torch.from_numpy(np.ascontiguousarray(values.transpose(2, 0, 1)))
+        mean = torch.tensor(processing.mean, dtype=torch.float32, device=pixels.device)
+        std = torch.tensor(processing.std, dtype=torch.float32, device=pixels.device)
+        values = (values - mean[:, None, None]) / std[:, None, None]
+    return values

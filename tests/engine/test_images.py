@@ -235,13 +235,13 @@ def counting_decodes(monkeypatch) -> list[int]:
     from engine import images as engine_images
 
     calls: list[int] = []
-    preprocess = engine_images.preprocess
+    image_pixels = engine_images.image_pixels
 
     def counted(data, processing):
         calls.append(1)
-        return preprocess(data, processing)
+        return image_pixels(data, processing)
 
-    monkeypatch.setattr(engine_images, "preprocess", counted)
+    monkeypatch.setattr(engine_images, "image_pixels", counted)
     return calls
 
 
@@ -355,6 +355,12 @@ def test_bad_images_are_refused_with_the_engine_unchanged(llava, tiny_llama):
     llm = LLM(llava)
     engine = llm.engine
     token_ids, images = request(llm, IMAGES[:2])
+
+    # A request holds its images' pixels resized and cropped, as bytes, until encoded.
+    prepared = engine.prepare_images(token_ids, images)
+    assert [(p.pixels.dtype, tuple(p.pixels.shape)) for p in prepared] == [
+        (torch.uint8, (3, 28, 28))
+    ] * 2
 
     def refused(token_ids, images) -> str:
         with pytest.raises(InvalidRequestError) as raised:
