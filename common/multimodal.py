@@ -65,6 +65,8 @@ def block_extra(spans: Sequence[ImageSpan], start: int, end: int) -> bytes | Non
 def placeholder_runs(token_ids: Sequence[int], image_token_id: int) -> list[tuple[int, int]]:
     """Each maximal run of ``image_token_id`` in ``token_ids``: (offset, length)."""
     runs: list[tuple[int, int]] = []
+    if image_token_id not in token_ids:  # at C speed: most prompts hold no image
+        return runs
     start = None
     for position, token_id in enumerate(token_ids):
         if token_id == image_token_id and start is None:
@@ -78,10 +80,15 @@ def placeholder_runs(token_ids: Sequence[int], image_token_id: int) -> list[tupl
 
 
 def expand_placeholders(
-    token_ids: Sequence[int], image_token_id: int, tokens_per_image: int
+    token_ids: Sequence[int],
+    image_token_id: int,
+    tokens_per_image: int,
+    num_images: int | None = None,
 ) -> tuple[list[int], list[int]]:
     """``token_ids`` with each ``image_token_id`` (one per image, as a chat template or a
-    user writes it) made a run of ``tokens_per_image``: (the ids, each run's offset)."""
+    user writes it) made a run of ``tokens_per_image``: (the ids, each run's offset).
+    With ``num_images``, a count of image tokens that differs (a text that spells the
+    image token itself, a template that dropped an image) raises ``ValueError``."""
     expanded: list[int] = []
     offsets: list[int] = []
     for token_id in token_ids:
@@ -90,6 +97,11 @@ def expand_placeholders(
             expanded.extend([image_token_id] * tokens_per_image)
         else:
             expanded.append(token_id)
+    if num_images is not None and len(offsets) != num_images:
+        raise ValueError(
+            f"the prompt holds {len(offsets)} image tokens (id {image_token_id}) for "
+            f"{num_images} images: a text may not contain the image token itself"
+        )
     return expanded, offsets
 
 

@@ -279,13 +279,8 @@ class LLM:
                 raise ValueError(f"{self.engine.model_dir.name} takes no images")
             return tokens, []
         tokens, offsets = expand_placeholders(
-            tokens, vision.image_token_id, vision.tokens_per_image
+            tokens, vision.image_token_id, vision.tokens_per_image, len(images)
         )
-        if len(offsets) != len(images):
-            raise ValueError(
-                f"{len(images)} images for {len(offsets)} image tokens (id "
-                f"{vision.image_token_id}) in the prompt"
-            )
         placed = zip(offsets, images, strict=True)
         return tokens, [ImageInput(offset, _image_bytes(image)) for offset, image in placed]
 

@@ -182,8 +182,6 @@ class LLMEngine:
                            model_dir, sorted(set(self.arch.eos_token_ids) - self.eos_token_ids),
                            self.arch.vocab_size)  # fmt: skip
         self.grammars = Grammars(model_dir, self.arch.vocab_size, self.eos_token_ids)
-        # A vision-language model's image preprocessing (preprocessor_config.json).
-        self.image_processing = self.runner.image_processing
 
     # ------------------------------------------------------------------ requests
 
@@ -380,7 +378,7 @@ class LLMEngine:
         ``decode``: their headers checked; ``engine.images.prepare_images``). Reads nothing
         that changes: services call it off the engine thread, since decoding a large image
         takes milliseconds."""
-        processing = self.image_processing
+        processing = self.runner.image_processing
         return prepare_images(prompt, images, self.arch.vision, processing, decode)
 
     def validate_priority(self, priority: int) -> int:
@@ -694,9 +692,10 @@ class LLMEngine:
 
     def _decode_pixels(self, request: Request) -> None:
         """Every undecoded image of ``request`` (on the engine thread: a rare path)."""
-        assert self.image_processing is not None
+        processing = self.runner.image_processing
+        assert processing is not None
         for image in request.images:
-            decode_pixels(image, self.image_processing)
+            decode_pixels(image, processing)
         self._undecoded_images.discard(request.request_id)
 
     def _chunks(self, scheduler_output: SchedulerOutput) -> list[SequenceChunk]:

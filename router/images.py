@@ -64,15 +64,15 @@ async def read_images(
 ) -> list[bytes]:
     """The bytes of each image ``image_refs`` found: ``data:`` URLs decoded, http(s) ones
     fetched (all at once), at most ``max_bytes`` in all. Raises a 400 naming the part."""
+    images: list[bytes | None] = []  # None: to fetch
     for param, url in refs:
-        if not (url or "").startswith("data:"):
-            if not url:
-                raise bad_request("an image_url part needs its url", param)
+        if not url:
+            raise bad_request("an image_url part needs its url", param)
+        if url.startswith("data:"):
+            images.append(read_data_url(url, param))
+        else:
             fetcher.check(url, param)
-    images: list[bytes | None] = [
-        read_data_url(url, param) if url and url.startswith("data:") else None
-        for param, url in refs
-    ]
+            images.append(None)
     left = max_bytes - sum(len(image) for image in images if image is not None)
     remote = [(i, param, url) for i, (param, url) in enumerate(refs) if images[i] is None]
     if remote:
@@ -104,15 +104,14 @@ def place_images(
     prompt: list[int], images: list[bytes], vision: VisionSpec
 ) -> tuple[list[int], PromptImages]:
     """``prompt`` with each image token made its run of placeholders, and the images
-    placed on the runs. A count that differs from the images (a text that spells the
-    image token itself, a template that dropped an image) is a 400."""
-    tokens, offsets = expand_placeholders(prompt, vision.image_token_id, vision.tokens_per_image)
-    if len(offsets) != len(images):
-        raise bad_request(
-            f"the prompt holds {len(offsets)} image tokens (id {vision.image_token_id}) for "
-            f"{len(images)} images: a text may not contain the image token itself",
-            "messages",
+    placed on the runs. A count that differs from the images is a 400
+    (``expand_placeholders``)."""
+    try:
+        tokens, offsets = expand_placeholders(
+            prompt, vision.image_token_id, vision.tokens_per_image, len(images)
         )
+    except ValueError as exc:
+        raise bad_request(str(exc), "messages") from None
     messages = tuple(pb.Image(offset=o, data=d) for o, d in zip(offsets, images, strict=True))
     spans = tuple(
         ImageSpan(o, vision.tokens_per_image, image_digest(d))

@@ -8,6 +8,9 @@ Pillow backend), step for step, so the pixels are the ones transformers computes
 3. Center-crop to ``crop_size`` (``do_center_crop``).
 4. Rescale (x ``rescale_factor``, in float64, then float32) and normalize per channel.
 
+Steps 1-3 are ``image_pixels`` (uint8, what a request holds while it waits), step 4 is
+``normalize`` (at encode time, on the device).
+
 An image larger than ``MAX_IMAGE_PIXELS`` is refused before its pixels are decoded, so a
 small file that inflates to gigabytes (a decompression bomb) costs nothing.
 """
@@ -129,11 +132,6 @@ def decode_image(data: bytes) -> Any:
     rgba = image.convert("RGBA")
     background = Image.new("RGBA", rgba.size, (255, 255, 255))
     return Image.alpha_composite(background, rgba).convert("RGB")
-
-
-def preprocess(data: bytes, processing: ImageProcessing) -> torch.Tensor:
-    """``data``'s pixels as the encoder takes them: [3, height, width] float32."""
-    return normalize(image_pixels(data, processing), processing)
 
 
 def image_pixels(data: bytes, processing: ImageProcessing) -> torch.Tensor:

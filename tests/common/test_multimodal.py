@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from common.hashing import hash_blocks, transfer_block_hashes
 from common.multimodal import (
     ImageSpan,
@@ -19,6 +21,8 @@ def test_each_image_token_becomes_its_run():
         [1, IMG, IMG, IMG, 2, IMG, IMG, IMG, IMG, IMG, IMG, 3],
         [1, 5, 8],
     )
+    with pytest.raises(ValueError, match="holds 1 image tokens .* for 2 images"):
+        expand_placeholders([1, IMG, 2], IMG, 3, num_images=2)
 
 
 def test_spans_must_cover_every_run_in_order():

@@ -57,10 +57,8 @@ def counting_encoder(engine: LLMEngine) -> list[int]:
     return calls
 
 
-def request(llm_or_engine, images: list[bytes], prompt: str = PROMPT):
+def request(llm: LLM, images: list[bytes], prompt: str = PROMPT):
     """(token ids, ImageInputs) of ``prompt`` with ``images``, as ``LLM`` places them."""
-    llm = llm_or_engine if isinstance(llm_or_engine, LLM) else None
-    assert llm is not None
     return llm._with_images({"prompt": prompt, "multi_modal_data": {"image": images}})
 
 
@@ -376,7 +374,7 @@ def test_bad_images_are_refused_with_the_engine_unchanged(llava, tiny_llama):
         token_ids, [images[0], ImageInput(images[1].offset - 1, IMAGES[1])]
     )
     assert "takes 16" in refused(token_ids[:-20] + [token_ids[images[1].offset]] * 3, images)
-    with pytest.raises(ValueError, match="2 image tokens"):
+    with pytest.raises(ValueError, match="holds 2 image tokens"):
         llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": IMAGES[:1]}}], GREEDY)
     text_only = LLMEngine(tiny_llama, EngineConfig())
     with pytest.raises(InvalidRequestError, match="takes no images"):

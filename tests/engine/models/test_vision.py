@@ -13,8 +13,13 @@ import torch
 
 from common.vision_spec import VisionConfigError, read_vision_spec
 from engine.models import image_processor
-from engine.models.image_processor import ImageError, ImageProcessing, preprocess
+from engine.models.image_processor import ImageError, ImageProcessing, image_pixels, normalize
 from engine.models.vision import load_vision_encoder
+
+
+def preprocess(data: bytes, processing: ImageProcessing) -> torch.Tensor:
+    """What the engine hands the encoder: the held uint8 pixels, normalized."""
+    return normalize(image_pixels(data, processing), processing)
 
 
 def encoded(pixels: np.ndarray, mode: str, fmt: str = "PNG") -> bytes:
