@@ -6,6 +6,10 @@ tokens of the offline engine without drafts, whole or streamed."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
 import pytest
 
 from engine import LLM, SamplingParams
@@ -16,17 +20,25 @@ MODEL = "drafting"
 PROMPTS = ["Once upon a time, in a land far away,", "def fib(n):\n    if n < 2:\n"]
 
 
-@pytest.fixture(scope="module")
-def stack(tiny_llama, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("draft-model")
+@contextmanager
+def drafting_stack(tmp: Path, target: Path, method: str, draft: Path, model: str) -> Iterator:
+    """A 1P1D ``pdserve up`` stack serving ``target`` as ``model``, drafting 3 tokens a
+    step with ``method`` from ``draft``; every request disaggregated."""
     config = write_config(
         tmp / "config.yaml",
-        tiny_llama,
-        router={"served_model_name": MODEL, "min_disagg_tokens": 0},
-        engine={"speculative_method": "draft_model", "draft_model": str(tiny_llama),
+        target,
+        router={"served_model_name": model, "min_disagg_tokens": 0},
+        engine={"speculative_method": method, "draft_model": str(draft),
                 "num_speculative_tokens": 3},
     )  # fmt: skip
     with serving(config, tmp / "home") as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_llama, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("draft-model")
+    with drafting_stack(tmp, tiny_llama, "draft_model", tiny_llama, MODEL) as stack:
         yield stack
 
 

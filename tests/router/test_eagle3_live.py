@@ -13,9 +13,10 @@ import pytest
 from benchmarks.draft_model import bigram_checkpoint
 from benchmarks.eagle3 import oracle_eagle3_head
 from engine import LLM
-from tests.router.test_draft_model_live import assert_drafts_kept_and_tokens_offline
-from tests.support.processes import write_config
-from tests.support.stack import serving
+from tests.router.test_draft_model_live import (
+    assert_drafts_kept_and_tokens_offline,
+    drafting_stack,
+)
 
 MODEL = "eagle"
 
@@ -25,14 +26,7 @@ def target_and_stack(tiny_llama, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("eagle3")
     target = bigram_checkpoint(tiny_llama, tmp / "target")
     head = oracle_eagle3_head(target, tmp / "head")
-    config = write_config(
-        tmp / "config.yaml",
-        target,
-        router={"served_model_name": MODEL, "min_disagg_tokens": 0},
-        engine={"speculative_method": "eagle3", "draft_model": str(head),
-                "num_speculative_tokens": 3},
-    )  # fmt: skip
-    with serving(config, tmp / "home") as stack:
+    with drafting_stack(tmp, target, "eagle3", head, MODEL) as stack:
         yield target, stack
 
 
