@@ -1,11 +1,13 @@
 """Prompts with images against text prompts of the same length, and the same image-bearing
 prompts again (a chat's next turn re-sends its images), side by side in one run.
 
-    python -m benchmarks.images [--model DIR | --size small] [--num-prompts 16]
+    python -m benchmarks.images [--model DIR | --size small] [--arch gemma3_mm] [--num-prompts 16]
 
 Each prompt is ``--text-tokens`` of text around ``--images`` images (the made LLaVA: 16
 placeholder tokens each, from a 3-layer CLIP tower over 28 x 28 pixels, far smaller than
-LLaVA-1.5's 24 layers over 336 x 336, so the encoder's share here is a lower bound).
+LLaVA-1.5's 24 layers over 336 x 336, so the encoder's share here is a lower bound; the
+made Gemma 3: 16 pooled from a 2-layer SigLIP over 56 x 56, each image's tokens attending
+to each other).
 Cases, each the median of ``--repeats`` rounds (the cases alternate within a round, after
 a warm-up round), a run being all prompts with ``max_tokens`` 1 (the prompt's work and its
 first token):
@@ -52,10 +54,12 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=2, help="images per prompt")
     parser.add_argument("--image-size", type=int, default=256, help="pixels of a side")
     parser.add_argument("--repeats", type=int, default=5, help="rounds")
+    parser.add_argument("--arch", choices=("llava", "gemma3_mm"), default="llava",
+                        help="the made model's layout (without --model)")  # fmt: skip
     args = parser.parse_args()
     from engine.models.maker import ensure_model
 
-    model = args.model or ensure_model("llava", args.size)
+    model = args.model or ensure_model(args.arch, args.size)
     cold = LLM(model, dtype="float32", enable_prefix_caching=False, encoder_cache_bytes=0)
     encoder_cached = LLM(model, dtype="float32", enable_prefix_caching=False)
     warm = LLM(model, dtype="float32")
@@ -67,11 +71,11 @@ def main() -> None:
         text = rng.integers(5, 2000, args.text_tokens).tolist()
         cut = sorted(rng.choice(np.arange(1, args.text_tokens), args.images, replace=False))
         ids = list(text)
-        for offset in reversed(cut):  # one image token each, made runs by the LLM
-            ids.insert(int(offset), vision.image_token_id)
+        for offset in reversed(cut):  # one marker each, made the images' sequences by LLM
+            ids.insert(int(offset), vision.marker_token_id)
         images = [png(i * 100 + j, args.image_size, args.image_size) for j in range(args.images)]
         prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}})
-        num_text = len(text) + args.images * vision.tokens_per_image
+        num_text = len(cold._with_images(prompts[-1])[0])  # the expanded prompt's
         texts.append(rng.integers(5, 2000, num_text).tolist())
     num_tokens = sum(len(t) for t in texts)
     first = SamplingParams(max_tokens=1, temperature=0)
@@ -116,7 +120,7 @@ def main() -> None:
         print(f"{row['case']:<48} {row['seconds']:7.3f} s   {row['vs_baseline']:.2f}x")
     record = {
         **record_header(args),
-        "model": str(args.model or f"llava {args.size}"),
+        "model": str(args.model or f"{args.arch} {args.size}"),
         "num_prompts": len(prompts),
         "text_tokens": args.text_tokens,
         "images_per_prompt": args.images,

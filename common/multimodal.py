@@ -3,8 +3,11 @@
 A vision-language model's prompt holds, for each image, a run of ``tokens_per_image``
 placeholder tokens (the checkpoint's ``image_token_id``); the vision encoder's output for
 the image replaces their embeddings (``engine/models/vision.py``). A chat template writes
-one placeholder per image; ``expand_placeholders`` makes it the run, as transformers'
-processors do.
+one marker per image (LLaVA's ``<image>``, Gemma 3's ``<start_of_image>``), which becomes
+the image's sequence (``ImageText``): in the text before it is tokenized, as transformers'
+processors do (Gemma 3's sequence starts and ends with newlines, which merge with the
+text's own into one token), or in ids for a prompt given as ids. ``image_offsets`` then
+finds each image's run.
 
 The prefix cache cannot key such blocks by their token ids alone: every image's run is the
 same ids. A block that overlaps a run is keyed by the image's digest (sha256 of its encoded
@@ -21,6 +24,11 @@ import hashlib
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from common.vision_spec import VisionSpec
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,30 +87,88 @@ def placeholder_runs(token_ids: Sequence[int], image_token_id: int) -> list[tupl
     return runs
 
 
-def expand_placeholders(
-    token_ids: Sequence[int],
-    image_token_id: int,
-    tokens_per_image: int,
-    num_images: int | None = None,
-) -> tuple[list[int], list[int]]:
-    """``token_ids`` with each ``image_token_id`` (one per image, as a chat template or a
-    user writes it) made a run of ``tokens_per_image``: (the ids, each run's offset).
-    With ``num_images``, a count of image tokens that differs (a text that spells the
-    image token itself, a template that dropped an image) raises ``ValueError``."""
-    expanded: list[int] = []
-    offsets: list[int] = []
-    for token_id in token_ids:
-        if token_id == image_token_id:
-            offsets.append(len(expanded))
-            expanded.extend([image_token_id] * tokens_per_image)
-        else:
-            expanded.append(token_id)
-    if num_images is not None and len(offsets) != num_images:
+class _Tokenizer(Protocol):
+    def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ImageText:
+    """How a prompt holds its images, in text and in ids (``VisionSpec.image_text``)."""
+
+    marker: str  # what a chat template (or a user) writes for an image
+    sequence: str  # what each marker becomes before the text is tokenized
+    marker_id: int
+    sequence_ids: tuple[int, ...]  # ``sequence`` tokenized alone: for prompts of ids
+
+    @classmethod
+    def of(cls, vision: VisionSpec, tokenizer: _Tokenizer) -> ImageText:
+        """Raises ``ValueError`` when the tokenizer lacks the model's image tokens."""
+        ids = [vision.marker_token_id, vision.image_token_id, vision.end_token_id]
+        texts = tokenizer.convert_ids_to_tokens([i for i in ids if i is not None])
+        if not all(texts):
+            raise ValueError(
+                f"the tokenizer has no text for the image token ids {ids}: images cannot be "
+                "written in prompts"
+            )
+        marker, sequence = vision.image_text(lambda i: tokenizer.convert_ids_to_tokens([i])[0])
+        sequence_ids = tokenizer.encode(sequence, add_special_tokens=False)
+        return cls(marker, sequence, vision.marker_token_id, tuple(sequence_ids))
+
+    def expand(self, text: str, num_images: int) -> str:
+        """``text`` with each marker made the image's sequence. A count of markers that
+        differs from ``num_images`` raises ``ValueError``."""
+        _check_count(text.count(self.marker), num_images, f"{self.marker!r} markers")
+        return text.replace(self.marker, self.sequence)
+
+    def expand_ids(self, token_ids: Sequence[int], num_images: int) -> list[int]:
+        """``expand`` of a prompt given as ids: each marker id made ``sequence_ids``."""
+        _check_count(list(token_ids).count(self.marker_id), num_images,
+                     f"image markers (id {self.marker_id})")  # fmt: skip
+        expanded: list[int] = []
+        for token_id in token_ids:
+            if token_id == self.marker_id:
+                expanded.extend(self.sequence_ids)
+            else:
+                expanded.append(token_id)
+        return expanded
+
+
+def _check_count(count: int, num_images: int, what: str) -> None:
+    if count != num_images:
         raise ValueError(
-            f"the prompt holds {len(offsets)} image tokens (id {image_token_id}) for "
-            f"{num_images} images: a text may not contain the image token itself"
+            f"the prompt holds {count} {what} for {num_images} images: a text may not "
+            "contain the image tokens themselves"
         )
-    return expanded, offsets
+
+
+def image_offsets(
+    token_ids: Sequence[int], image_token_id: int, tokens_per_image: int, num_images: int
+) -> list[int]:
+    """Where each image's run of placeholders starts in an expanded prompt. Raises
+    ``ValueError`` for runs that are not whole images, or another count of images."""
+    starts = _image_starts(token_ids, image_token_id, tokens_per_image)
+    if isinstance(starts, str):
+        raise ValueError(starts)
+    _check_count(len(starts), num_images, f"image placeholder runs ({tokens_per_image} tokens "
+                 f"of id {image_token_id} each)")  # fmt: skip
+    return starts
+
+
+def _image_starts(
+    token_ids: Sequence[int], image_token_id: int, tokens_per_image: int
+) -> list[int] | str:
+    """Where each image's run starts (adjacent images' runs merge: split in images), or
+    why the runs are not whole images."""
+    starts = []
+    for offset, length in placeholder_runs(token_ids, image_token_id):
+        if length % tokens_per_image:
+            return (
+                f"the prompt has a run of {length} image placeholder tokens (id "
+                f"{image_token_id}) at position {offset}; each image takes {tokens_per_image}"
+            )
+        starts.extend(range(offset, offset + length, tokens_per_image))
+    return starts
 
 
 def check_image_spans(
@@ -114,16 +180,9 @@ def check_image_spans(
     """Why ``spans`` do not place images in ``token_ids`` (None when they do): each must
     cover exactly one whole run of ``tokens_per_image`` placeholders, in prompt order, and
     every placeholder must belong to one (the model has no embedding for a bare one)."""
-    runs = placeholder_runs(token_ids, image_token_id)
-    # Adjacent images' runs merge into one: split each run into images.
-    starts = []
-    for offset, length in runs:
-        if length % tokens_per_image:
-            return (
-                f"the prompt has a run of {length} image placeholder tokens (id "
-                f"{image_token_id}) at position {offset}; each image takes {tokens_per_image}"
-            )
-        starts.extend(range(offset, offset + length, tokens_per_image))
+    starts = _image_starts(token_ids, image_token_id, tokens_per_image)
+    if isinstance(starts, str):
+        return starts
     given = [span.offset for span in spans]
     if any(span.num_tokens != tokens_per_image for span in spans) or given != starts:
         return (
@@ -150,21 +209,15 @@ def data_url_bytes(url: str) -> bytes:
 
 
 def render_with_images(
-    render: Callable[[str | None], list[int]],
-    image_token: str,
-    image_token_id: int,
-    num_images: int,
-    errors: tuple[type[Exception], ...],
-) -> list[int]:
-    """A chat's ids with one ``image_token_id`` per image. ``render(None)`` gives the
-    template each image as a content part (``{"type": "image"}``: what vision models'
-    templates read); ``render(text)``, as ``text`` where it was in string content. Parts
-    first; where that raises one of ``errors`` (a template that reads content as a
-    string, and fails on a list) or does not write the token once per image, text."""
+    render: Callable[[str | None], T], marker: str, errors: tuple[type[Exception], ...]
+) -> T:
+    """A chat's prompt with its images. ``render(None)`` gives the template each image as
+    a content part (``{"type": "image"}``: what vision models' templates read);
+    ``render(marker)``, as ``marker`` where it was in string content. Parts first; where
+    that raises one of ``errors`` (a template that reads content as a string and fails on
+    a list, or one that does not write the marker once per image: ``ImageText.expand``
+    raises), text."""
     try:
-        token_ids = render(None)
+        return render(None)
     except errors:
-        token_ids = []
-    if token_ids.count(image_token_id) == num_images:
-        return token_ids
-    return render(image_token)
+        return render(marker)

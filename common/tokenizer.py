@@ -13,7 +13,7 @@ agreement with ``transformers.AutoTokenizer``.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
@@ -303,12 +303,17 @@ class Tokenizer:
         continue_final_message: bool = False,
         max_tokens: int | None = None,
         kept: KeptTokens | None = None,
+        rewrite: Callable[[str], str] | None = None,
     ) -> list[int]:
         """Render the model's own template and tokenize it (special tokens come from it).
-        ``max_tokens`` and ``kept``: as ``encode``'s."""
+        ``max_tokens`` and ``kept``: as ``encode``'s. ``rewrite``: what the rendered text
+        goes through before it is tokenized (a vision model's images: its exceptions
+        propagate)."""
         text = self.render_chat(
             messages, add_generation_prompt, tools, template_kwargs, continue_final_message
         )
+        if rewrite is not None:
+            text = rewrite(text)
         return self.encode(text, add_special_tokens=False, max_tokens=max_tokens, kept=kept)
 
 

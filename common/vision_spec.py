@@ -1,34 +1,53 @@
 """A vision-language checkpoint's image side, read from its config.json (torch-free: the
 router reads it to place images in prompts, the engine to build the encoder).
 
-Served: LLaVA's layout (``LlavaForConditionalGeneration``: LLaVA-1.5 and the checkpoints
-built like it): a CLIP or SigLIP vision transformer, the states of one or more of its
-layers (``vision_feature_layer``) with the class token dropped or kept
-(``vision_feature_select_strategy``), and a two-layer projector into the language model,
-whose prompt holds one run of placeholder tokens per image.
+Served layouts:
+
+- LLaVA's (``LlavaForConditionalGeneration``: LLaVA-1.5 and the checkpoints built like it):
+  a CLIP or SigLIP vision transformer, the states of one or more of its layers
+  (``vision_feature_layer``) with the class token dropped or kept
+  (``vision_feature_select_strategy``), and a two-layer projector (``projector`` "mlp").
+  A template's ``<image>`` becomes a run of placeholders; attention stays causal.
+- Gemma 3's (``Gemma3ForConditionalGeneration``, 4B and up): a SigLIP tower read after its
+  final norm, average-pooled to ``mm_tokens_per_image`` (256) rows, then RMSNorm and one
+  matrix (``projector`` "pooled"). A template's ``<start_of_image>`` becomes
+  ``"\n\n<start_of_image>" + placeholders + "<end_of_image>\n\n"`` in the text, and an
+  image's tokens attend to each other both ways (``bidirectional``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-VISION_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+from common.hf_config import text_config
+
+LLAVA = "LlavaForConditionalGeneration"
+GEMMA3 = "Gemma3ForConditionalGeneration"
+VISION_ARCHITECTURES = (LLAVA, GEMMA3)
+_BY_MODEL_TYPE = {"llava": LLAVA, "gemma3": GEMMA3}
 # The vision towers served, by their config's model_type: (class token, pre-norm) of each.
 _TOWERS = {"clip_vision_model": (True, True), "siglip_vision_model": (False, False)}
-# transformers' defaults for a config that leaves keys out (CLIPVisionConfig's, LlavaConfig's).
-_TOWER_DEFAULTS: dict[str, Any] = {
-    "hidden_size": 768,
-    "intermediate_size": 3072,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 12,
-    "num_channels": 3,
-    "image_size": 224,
-    "patch_size": 32,
-    "layer_norm_eps": 1e-5,
-}
+# transformers' defaults for a config that leaves keys out (CLIPVisionConfig's and
+# SiglipVisionConfig's).
+_TOWER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "clip_vision_model": {
+        "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+        "num_attention_heads": 12, "num_channels": 3, "image_size": 224, "patch_size": 32,
+        "layer_norm_eps": 1e-5, "hidden_act": "quick_gelu",
+    },
+    "siglip_vision_model": {
+        "hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+        "num_attention_heads": 12, "num_channels": 3, "image_size": 224, "patch_size": 16,
+        "layer_norm_eps": 1e-6, "hidden_act": "gelu_pytorch_tanh",
+    },
+}  # fmt: skip
 _GELU = ("gelu", "gelu_pytorch_tanh", "quick_gelu", "gelu_new")
+# Gemma3Config's defaults.
+_GEMMA3_DEFAULTS = {"mm_tokens_per_image": 256, "boi_token_index": 255999,
+                    "eoi_token_index": 256000, "image_token_index": 262144}  # fmt: skip
 
 
 class VisionConfigError(ValueError):
@@ -66,19 +85,34 @@ class VisionTowerSpec:
 class VisionSpec:
     architecture: str
     tower: VisionTowerSpec
-    image_token_id: int
+    image_token_id: int  # the placeholder: one per encoder row
     # Indexes into the tower's states: 0 the embeddings, i the output of layer i (negative
     # from the end); several are concatenated along the hidden size.
     feature_layers: tuple[int, ...]
     drop_class_token: bool  # vision_feature_select_strategy "default" (drops row 0)
+    projector: str  # "mlp" (LLaVA: linear, act, linear) | "pooled" (Gemma 3)
     projector_act: str
     projector_bias: bool
     text_hidden_size: int
+    tokens_per_image: int  # placeholder tokens (and encoder rows) per image
+    # What a chat template (or a user) writes for an image, which becomes its run:
+    # LLaVA's is the placeholder itself, Gemma 3's ``<start_of_image>``.
+    marker_token_id: int
+    end_token_id: int | None = None  # Gemma 3's ``<end_of_image>`` after the run
+    post_norm: bool = False  # the tower's final norm applies to the state read (Gemma 3)
+    # An image's tokens attend to all of that image's tokens, later ones too (Gemma 3);
+    # everything else stays causal.
+    bidirectional: bool = False
 
-    @property
-    def tokens_per_image(self) -> int:
-        """Placeholder tokens (and encoder rows) per image."""
-        return self.tower.num_patches + int(self.tower.class_token) - int(self.drop_class_token)
+    def image_text(self, token_text: Callable[[int], str]) -> tuple[str, str]:
+        """(marker, sequence): the text a template writes for an image, and what each
+        marker becomes before the prompt is tokenized, as transformers' processors
+        write it. ``token_text``: a token id's text (the tokenizer's)."""
+        marker = token_text(self.marker_token_id)
+        placeholders = token_text(self.image_token_id) * self.tokens_per_image
+        if self.end_token_id is None:
+            return marker, placeholders
+        return marker, f"\n\n{marker}{placeholders}{token_text(self.end_token_id)}\n\n"
 
 
 def read_vision_spec(raw: dict[str, Any], path: Path | str) -> VisionSpec | None:
@@ -86,25 +120,35 @@ def read_vision_spec(raw: dict[str, Any], path: Path | str) -> VisionSpec | None
     ``VisionConfigError`` for a vision-language config outside what is served."""
     architectures = raw.get("architectures") or []
     architecture = next((a for a in architectures if a in VISION_ARCHITECTURES), None)
-    if architecture is None and raw.get("model_type") == "llava":
-        architecture = VISION_ARCHITECTURES[0]
+    if architecture is None and not architectures:
+        architecture = _BY_MODEL_TYPE.get(raw.get("model_type", ""))
     if architecture is None:
         return None
-    vision = raw.get("vision_config") or {}
+    text_hidden = text_config(raw).get("hidden_size")  # transformers' defaults filled in
+    if text_hidden is None:
+        raise VisionConfigError(f"{path}: text_config.hidden_size is missing")
+    # A config without a vision_config gets its class's default tower.
+    default_tower = "siglip_vision_model" if architecture == GEMMA3 else "clip_vision_model"
+    tower = _read_tower(raw.get("vision_config") or {"model_type": default_tower}, path)
+    if architecture == GEMMA3:
+        return _gemma3(raw, tower, int(text_hidden), path)
+    return _llava(raw, tower, int(text_hidden), path)
+
+
+def _read_tower(vision: dict[str, Any], path: Path | str) -> VisionTowerSpec:
     kind = vision.get("model_type", "clip_vision_model")
     if kind not in _TOWERS:
         raise VisionConfigError(
             f"{path}: vision_config.model_type {kind!r} is not served "
             f"(served: {', '.join(_TOWERS)})"
         )
-    values = {**_TOWER_DEFAULTS, **vision}
-    default_act = "quick_gelu" if kind == "clip_vision_model" else "gelu_pytorch_tanh"
-    act = values.get("hidden_act", default_act)
-    projector_act = raw.get("projector_hidden_act", "gelu")
-    for key, name in (("vision_config.hidden_act", act), ("projector_hidden_act", projector_act)):
-        if name not in _GELU:
-            raise VisionConfigError(f"{path}: {key} {name!r} is not served ({', '.join(_GELU)})")
-    tower = VisionTowerSpec(
+    values = {**_TOWER_DEFAULTS[kind], **vision}
+    act = values["hidden_act"]
+    if act not in _GELU:
+        raise VisionConfigError(
+            f"{path}: vision_config.hidden_act {act!r} is not served ({', '.join(_GELU)})"
+        )
+    return VisionTowerSpec(
         kind=kind,
         hidden_size=int(values["hidden_size"]),
         intermediate_size=int(values["intermediate_size"]),
@@ -116,6 +160,14 @@ def read_vision_spec(raw: dict[str, Any], path: Path | str) -> VisionSpec | None
         layer_norm_eps=float(values["layer_norm_eps"]),
         hidden_act=act,
     )
+
+
+def _llava(raw: dict[str, Any], tower: VisionTowerSpec, text_hidden: int, path) -> VisionSpec:
+    projector_act = raw.get("projector_hidden_act", "gelu")
+    if projector_act not in _GELU:
+        raise VisionConfigError(
+            f"{path}: projector_hidden_act {projector_act!r} is not served ({', '.join(_GELU)})"
+        )
     layers = raw.get("vision_feature_layer", -2)
     layers = tuple(layers) if isinstance(layers, list) else (layers,)
     if not layers or any(not -tower.num_layers - 1 <= int(i) <= tower.num_layers for i in layers):
@@ -131,17 +183,47 @@ def read_vision_spec(raw: dict[str, Any], path: Path | str) -> VisionSpec | None
     token_id = raw.get("image_token_id", raw.get("image_token_index"))
     if token_id is None:
         raise VisionConfigError(f"{path}: no image_token_id (or image_token_index)")
-    text = raw.get("text_config") or {}
-    text_hidden = text.get("hidden_size")
-    if text_hidden is None:
-        raise VisionConfigError(f"{path}: text_config.hidden_size is missing")
+    drop_class_token = strategy == "default"
     return VisionSpec(
-        architecture=architecture,
+        architecture=LLAVA,
         tower=tower,
         image_token_id=int(token_id),
         feature_layers=tuple(int(i) for i in layers),
-        drop_class_token=strategy == "default",
+        drop_class_token=drop_class_token,
+        projector="mlp",
         projector_act=projector_act,
         projector_bias=bool(raw.get("multimodal_projector_bias", True)),
-        text_hidden_size=int(text_hidden),
+        text_hidden_size=text_hidden,
+        tokens_per_image=tower.num_patches + int(tower.class_token) - int(drop_class_token),
+        marker_token_id=int(token_id),
+    )
+
+
+def _gemma3(raw: dict[str, Any], tower: VisionTowerSpec, text_hidden: int, path) -> VisionSpec:
+    if tower.kind != "siglip_vision_model":
+        raise VisionConfigError(f"{path}: Gemma 3's vision tower must be SigLIP, not {tower.kind}")
+    values = {**_GEMMA3_DEFAULTS, **raw}
+    num_tokens = int(values["mm_tokens_per_image"])
+    patches_per_side = tower.image_size // tower.patch_size
+    tokens_per_side = round(num_tokens**0.5)
+    if tokens_per_side**2 != num_tokens or patches_per_side % tokens_per_side:
+        raise VisionConfigError(
+            f"{path}: mm_tokens_per_image {num_tokens} does not pool a {patches_per_side} x "
+            f"{patches_per_side} grid of patches into a square of whole cells"
+        )
+    return VisionSpec(
+        architecture=GEMMA3,
+        tower=tower,
+        image_token_id=int(raw.get("image_token_id", values["image_token_index"])),
+        feature_layers=(-1,),
+        drop_class_token=False,
+        projector="pooled",
+        projector_act="",
+        projector_bias=False,
+        text_hidden_size=text_hidden,
+        tokens_per_image=num_tokens,
+        marker_token_id=int(raw.get("boi_token_id", values["boi_token_index"])),
+        end_token_id=int(raw.get("eoi_token_id", values["eoi_token_index"])),
+        post_norm=True,
+        bidirectional=True,
     )

@@ -25,8 +25,9 @@ from common.config import EngineConfig
 from common.generation_config import GenerationDefaults
 from common.multimodal import (
     ImageInput,
+    ImageText,
     data_url_bytes,
-    expand_placeholders,
+    image_offsets,
     render_with_images,
 )
 from common.tokenizer import Tokenizer
@@ -67,6 +68,7 @@ class LLM:
         adapters = {name: Path(path) for name, path in (lora_adapters or {}).items()}
         self.engine = LLMEngine(model, config, lora_adapters=adapters)
         self.tokenizer = Tokenizer(model)
+        self._image_text_cache: ImageText | None = None
         self._next_id = 0
 
     def close(self) -> None:
@@ -188,30 +190,31 @@ class LLM:
                     raise ValueError(f"content parts of type {kind!r} are not supported")
             kinds.append(parts)
 
-        def render(image_text: str | None) -> list[int]:
-            """``render_with_images``' renderer: parts, or text in strings."""
+        vision = self.engine.arch.vision
+        image_text = self._image_text() if images and vision is not None else None
+
+        def render(marker: str | None) -> list[int]:
+            """``render_with_images``' renderer: parts, or the marker in strings."""
             rendered = []
             for message, parts in zip(conversation, kinds, strict=True):
                 content: Any
-                if image_text is None and any(kind == "image" for kind, _ in parts):
+                if marker is None and any(kind == "image" for kind, _ in parts):
                     content = [
                         {"type": "image"} if kind == "image" else {"type": "text", "text": text}
                         for kind, text in parts
                     ]
                 else:
-                    written = image_text or ""
+                    written = marker or ""
                     content = "".join(written if kind == "image" else text for kind, text in parts)
                 rendered.append({**message, "content": content})
             return self.tokenizer.apply_chat_template(
-                rendered, add_generation_prompt, template_kwargs=dict(template_kwargs or {})
-            )
+                rendered, add_generation_prompt, template_kwargs=dict(template_kwargs or {}),
+                rewrite=None if image_text is None
+                else lambda text: image_text.expand(text, len(images)),
+            )  # fmt: skip
 
-        vision = self.engine.arch.vision
-        if images and vision is not None:
-            token = self.tokenizer.convert_ids_to_tokens([vision.image_token_id])[0]
-            token_ids = render_with_images(
-                render, token, vision.image_token_id, len(images), (ValueError,)
-            )
+        if image_text is not None:  # the ids hold the images' sequences already
+            token_ids = render_with_images(render, image_text.marker, (ValueError,))
         else:  # no images, or a model without an encoder (``generate`` refuses them)
             token_ids = render("")
         return {"prompt_token_ids": token_ids, "multi_modal_data": {"image": images}}
@@ -267,22 +270,33 @@ class LLM:
             return self.tokenizer.encode(prompt), []
         if not isinstance(prompt, Mapping):
             return list(prompt), []
-        if "prompt" in prompt:
-            tokens = self.tokenizer.encode(prompt["prompt"])
-        else:
-            tokens = list(prompt["prompt_token_ids"])
         images = (prompt.get("multi_modal_data") or {}).get("image", [])
         images = images if isinstance(images, list | tuple) else [images]
+        if "prompt" in prompt:
+            tokens = [] if images else self.tokenizer.encode(prompt["prompt"])
+        else:
+            tokens = list(prompt["prompt_token_ids"])
         vision = self.engine.arch.vision
-        if vision is None:
-            if images:
-                raise ValueError(f"{self.engine.model_dir.name} takes no images")
+        if not images:  # placeholders without images are refused by ``prepare_images``
             return tokens, []
-        tokens, offsets = expand_placeholders(
-            tokens, vision.image_token_id, vision.tokens_per_image, len(images)
-        )
+        if vision is None:
+            raise ValueError(f"{self.engine.model_dir.name} takes no images")
+        if "prompt" in prompt:  # markers become the images' sequences before tokenizing
+            tokens = self.tokenizer.encode(self._image_text().expand(prompt["prompt"], len(images)))
+        elif tokens.count(vision.image_token_id) != len(images) * vision.tokens_per_image:
+            tokens = self._image_text().expand_ids(tokens, len(images))  # not expanded yet
+        offsets = image_offsets(tokens, vision.image_token_id, vision.tokens_per_image, len(images))
         placed = zip(offsets, images, strict=True)
         return tokens, [ImageInput(offset, _image_bytes(image)) for offset, image in placed]
+
+    def _image_text(self) -> ImageText:
+        """How prompts hold this vision model's images (computed once). Raises
+        ``ValueError`` when its tokenizer lacks the image tokens."""
+        if self._image_text_cache is None:
+            vision = self.engine.arch.vision
+            assert vision is not None
+            self._image_text_cache = ImageText.of(vision, self.tokenizer)
+        return self._image_text_cache
 
     def _run(
         self, request_ids: list[str], prompts: list[Prompt], use_tqdm: bool

@@ -132,6 +132,14 @@ class LLMEngine:
         self.device = resolve_device(self.config)
         self.dtype = resolve_dtype(self.config, self.arch, self.device)
         self.max_model_len = resolve_max_model_len(self.config, self.arch)
+        vision = self.arch.vision
+        budget = self.config.max_num_batched_tokens
+        if vision is not None and vision.bidirectional and budget < vision.tokens_per_image:
+            raise ValueError(  # an image is computed in one step
+                f"engine.max_num_batched_tokens={budget} is below the "
+                f"{vision.tokens_per_image} tokens of one image, which {model_dir} computes "
+                "in one step (its image tokens attend to each other)"
+            )
         self.runner = ModelRunner(
             model_dir, self.arch, self.config, self.device, self.dtype, self.max_model_len,
             lora_adapters, shard_extension,
@@ -170,9 +178,11 @@ class LLMEngine:
                 mirror=self.runner.shards,
             )
             observers.append(self.cpu_tier)
+        vision = self.arch.vision
         self.scheduler = Scheduler(
-            self.config, self.runner.num_blocks, observers, secondary=self.cpu_tier
-        )
+            self.config, self.runner.num_blocks, observers, secondary=self.cpu_tier,
+            whole_images=vision is not None and vision.bidirectional,
+        )  # fmt: skip
         # An id the model cannot produce can never end a request; left in, banning it
         # before min_tokens would index past the logits.
         self.eos_token_ids = frozenset(i for i in self.arch.eos_token_ids

@@ -29,7 +29,7 @@ from engine.attention.backend import AttentionBackend
 from engine.block_table import BlockTable
 from engine.cuda_graphs import DecodeGraphs
 from engine.draft_model import DraftModel, draft_segment
-from engine.images import ChunkImages, EncoderCache, image_embeds
+from engine.images import ChunkImages, EncoderCache, image_embeds, image_key_ends
 from engine.kv_cache_manager import cdiv
 from engine.model_shard import HostBatch, ModelShard
 from engine.models.arch import ModelArchConfig, ModelLoadError
@@ -292,6 +292,8 @@ class ModelRunner:
                 self.vision, self.image_processing, self.encoder_cache, with_images, self.device
             )
             self.num_images_encoded += num_encoded
+            if self.vision.spec.bidirectional:
+                batch.key_ends = image_key_ends(batch.positions, with_images)
         if self.shards is not None:
             self.shards.send(
                 Step(
@@ -299,6 +301,7 @@ class ModelRunner:
                     [(self._adapter_ids[a], rows) for a, rows in lora_rows.items()],
                     logit_rows,
                     images[0].tolist() if images is not None else [],
+                    batch.key_ends or [],
                 )
             )  # fmt: skip
         lora = None

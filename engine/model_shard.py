@@ -80,6 +80,9 @@ class HostBatch:
     # [num_seqs, max blocks of any sequence] int32: each sequence's block ids first, the
     # rest of its row unspecified (attention reads only the blocks of seq_lens[i]).
     block_table: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0, dtype=torch.int32))
+    # Per token, the end of the positions it attends to, where images attend both ways
+    # (``BatchLayout.key_ends``); None: causal.
+    key_ends: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -360,6 +363,7 @@ class ModelShard:
 
     def _layout(self, batch: HostBatch) -> BatchLayout:
         query_lens = [batch.query_len(i) for i in range(batch.num_seqs)]
+        key_ends = batch.key_ends
         return BatchLayout(
             slot_mapping=self.to_device(batch.slot_mapping, torch.int64),
             query_start_loc=self.to_device(batch.query_start_loc, torch.int32),
@@ -370,6 +374,7 @@ class ModelShard:
             num_decodes=sum(1 for n in query_lens if n == 1),
             max_query_len=max(query_lens),
             max_seq_len=max(batch.seq_lens),
+            key_ends=None if key_ends is None else self.to_device(key_ends, torch.int32),
         )
 
     def to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:

@@ -52,6 +52,7 @@ from common.config import EngineConfig
 from common.hashing import BlockHash
 from engine.block_pool import BlockPoolObserver, KVBlock
 from engine.draft_budget import DraftBudget
+from engine.images import whole_image_end
 from engine.kv_cache_manager import KVCacheManager, SecondaryTier, cdiv
 from engine.ngram_proposer import DraftProposer, ModelDraftProposer, NgramProposer
 from engine.request import Request, RequestStatus, TokenLogprobs
@@ -126,8 +127,12 @@ class Scheduler:
         num_blocks: int,
         observers: Iterable[BlockPoolObserver] = (),
         secondary: SecondaryTier | None = None,
+        whole_images: bool = False,
     ) -> None:
+        """``whole_images``: an image's tokens attend to each other (Gemma 3), so a chunk
+        that computes part of an image computes it to its end (``_num_new_tokens``)."""
         self.max_num_seqs = config.max_num_seqs
+        self.whole_images = whole_images
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.prefill_chunk_tokens = config.prefill_chunk_tokens
         self.block_size = config.block_size
@@ -292,10 +297,24 @@ class Scheduler:
         )
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+        """What a request computes this step from ``num_computed``: the rest of it, within
+        ``prefill_chunk_tokens`` and ``budget``; 0 when images must be whole and the one
+        it is at does not fit (``_whole_images``)."""
         num_new = request.num_tokens - num_computed
         if self.prefill_chunk_tokens is not None:
             num_new = min(num_new, self.prefill_chunk_tokens)
-        return min(num_new, budget)
+        return self._whole_images(request, num_computed, min(num_new, budget), budget)
+
+    def _whole_images(self, request: Request, num_computed: int, num_new: int, budget: int) -> int:
+        """``num_new`` cut before an image it would end inside, or grown to the image's
+        end (past ``prefill_chunk_tokens``, within ``budget``) when it starts in or at one,
+        where images' tokens attend to each other; else unchanged."""
+        if not (self.whole_images and request.images):
+            return num_new
+        if num_computed >= request.images[-1].span.end:  # past its images (decoding)
+            return num_new
+        start = num_computed
+        return whole_image_end(request.images, start, start + num_new, start + budget) - start
 
     def _schedule_running(self, request: Request, out: SchedulerOutput, budget: int) -> int | None:
         """Schedule a running request's missing tokens (and drafts), preempting from the end
@@ -309,7 +328,11 @@ class Scheduler:
         num_new = self._num_new_tokens(request, request.num_computed_tokens + num_hit_tokens,
                                        budget)  # fmt: skip
         if prefilling and not hits:
-            num_new = min(num_new, self.kv.tokens_to_cached_block(request) or num_new)
+            stop = self.kv.tokens_to_cached_block(request)
+            if stop and stop < num_new:
+                num_new = self._whole_images(request, request.num_computed_tokens, stop, budget)
+        if num_new == 0:  # an image that does not fit this step's budget
+            return 0
         assert num_new > 0
         drafts = self._drafts(request, budget)
         lookahead = self._lookahead(request, len(drafts))
@@ -367,6 +390,8 @@ class Scheduler:
         strictly larger priority value, last first, until it fits; returns None (and
         preempts no one) when even all of them would not make room."""
         plan = self._plan(request, budget)
+        if not plan.pull and plan.num_new == 0:  # its next image does not fit the budget
+            return None
         checked = False
         while True:
             has_slot = len(self.running) + len(self.fetching) < self.max_num_seqs

@@ -5,6 +5,9 @@ One batch is served by up to three launches: the leading ``num_decodes`` single-
 segments in a decode launch (split-KV when the batch is too small to fill the GPU, followed by
 a merge), and the remaining segments (prompt chunks of any length, attending to their cached
 prefix and causally to themselves) in one prefill launch. See ``paged_attention_kernel.py``.
+
+Optional *key ends* (see ``reference``) let a prompt row see later keys, up to its key end
+(Gemma 3's image tokens see their whole image); only the prefill launch reads them.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ def paged_attention(
     decode: LaunchConfig | None = None,
     prefill: LaunchConfig | None = None,
     out: torch.Tensor | None = None,
+    key_ends: torch.Tensor | None = None,  # [num_tokens] int32, on the query's device
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
     """Causal attention of every query segment over its paged context.
 
@@ -69,10 +73,13 @@ def paged_attention(
     override the tuned choices. Rows outside every segment are left unwritten in ``out``.
     Segments whose ``seq_len`` is 0 give zeros, like the reference. ``sinks``
     ([num_q_heads]): a logit per query head in every row's softmax, with no value (GPT-OSS).
+    ``key_ends``: each row sees the keys below its key end instead of those up to itself;
+    the caller guarantees ``position + 1 <= key_end <= seq_len`` (not checked: a sync).
+    Decode rows are read as causal (their key end can only be ``seq_len``).
     """
     launch = _Launch(
         query, kv_cache, query_start_loc, seq_lens, block_table, scale, sliding_window, out,
-        sinks,
+        sinks, key_ends,
     )  # fmt: skip
     num_seqs = seq_lens.shape[0]
     if not 0 <= num_decodes <= min(num_seqs, query.shape[0]):
@@ -115,6 +122,22 @@ def decode_attention(
     return launch.out
 
 
+def _check_key_ends(key_ends: torch.Tensor | None, query: torch.Tensor) -> None:
+    """Shape, dtype and device only: the values would take a sync to read."""
+    if key_ends is None:
+        return
+    if (
+        key_ends.shape != query.shape[:1]
+        or key_ends.dtype != torch.int32
+        or key_ends.device != query.device
+    ):
+        raise ValueError(
+            f"key_ends ({tuple(key_ends.shape)} {key_ends.dtype} on {key_ends.device}) must "
+            f"be int32, one per query row ({query.shape[0]}), on the query's device "
+            f"({query.device})"
+        )
+
+
 class _Launch:
     """What the decode and prefill launches of one call share."""
 
@@ -129,8 +152,10 @@ class _Launch:
         sliding_window: int | None,
         out: torch.Tensor | None,
         sinks: torch.Tensor | None = None,
+        key_ends: torch.Tensor | None = None,  # [num_tokens] int32: prefill launch only
     ) -> None:
         _check_inputs(query, kv_cache)
+        _check_key_ends(key_ends, query)
         if sinks is not None and (sinks.shape != (query.shape[1],) or sinks.device != query.device):
             raise ValueError(
                 f"sinks {tuple(sinks.shape)} on {sinks.device} must be one per query head "
@@ -167,6 +192,7 @@ class _Launch:
         self.qk_scale = scale * LOG2_E
         self.sliding_window = sliding_window
         self.sinks = None if sinks is None else sinks.contiguous()
+        self.key_ends = None if key_ends is None else key_ends.contiguous()
 
     def decodes(
         self,
@@ -227,6 +253,7 @@ class _Launch:
         grid = (num_q_blocks, num_kv_heads, num_splits)
         if not decode_only:
             grid = (num_q_blocks * num_kv_heads, 1, 1)
+        use_key_ends = self.key_ends is not None and not decode_only
         paged_attention_kernel[grid](
             out,
             query,
@@ -237,6 +264,7 @@ class _Launch:
             part_out,
             part_lse,
             query if self.sinks is None else self.sinks,  # unused without sinks
+            self.key_ends if use_key_ends else self.seq_lens,  # unused without key ends
             self.qk_scale,
             self.sliding_window or 0,
             first_seq,
@@ -262,6 +290,7 @@ class _Launch:
             DECODE_ONLY=decode_only,
             USE_WINDOW=self.sliding_window is not None,
             USE_SINKS=self.sinks is not None,
+            USE_KEY_ENDS=use_key_ends,
             DOT_DTYPE=dot_dtype(paged_attention_kernel, query.dtype),
             DOT_PRECISION=dot_precision(query.dtype),
             num_warps=config.num_warps,

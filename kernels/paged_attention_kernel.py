@@ -16,6 +16,11 @@ launches only, where segment i is query row i) the tiles of a segment are cut in
 contiguous ranges, one program each; each writes its normalised partial output and
 log2-sum-exp, and ``merge_splits_kernel`` combines them. Attention sinks (GPT-OSS) enter as
 the online softmax's starting state: max = the head's sink, sum = 1, output 0 (split 0 only).
+
+Each row sees the keys below its *key end*: its position + 1 (causal), or with
+``USE_KEY_ENDS`` (prefill launches) the value the caller gives, at least that (an image token
+sees its whole image). So the tiles every row sees whole stay those below the first row's
+position + 1, and a q block reads keys up to the largest key end of its rows.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ def _attend_tiles(
     m_i,  # [BLOCK_M] fp32, running max (log2 domain)
     q,  # [BLOCK_M, HEAD_DIM_PAD] DOT_DTYPE
     q_pos,  # [BLOCK_M] int32, position of each row's token
+    key_end,  # [BLOCK_M] int32, each row sees keys below this (causal: q_pos + 1)
     k_base,  # pointer: this KV head's K in block 0, slot 0
     block_row_ptr,  # pointer: this segment's block-table row
     tile_begin,
@@ -93,7 +99,7 @@ def _attend_tiles(
         k = _load_rows(k_ptrs, in_bounds, d_ok, MASKED, DIM_MASK).to(DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # unscaled
         if MASKED:
-            visible = offs_n[None, :] <= q_pos[:, None]
+            visible = offs_n[None, :] < key_end[:, None]
             if USE_WINDOW:
                 visible &= offs_n[None, :] > q_pos[:, None] - window
             s = tl.where(visible, s, float("-inf"))
@@ -122,6 +128,7 @@ def paged_attention_kernel(
     part_out_ptr,  # [num_decodes, num_q_heads, NUM_SPLITS, HEAD_DIM_PAD] fp32 (splits only)
     part_lse_ptr,  # [num_decodes, num_q_heads, NUM_SPLITS] fp32 (splits only)
     sinks_ptr,  # [num_q_heads] (USE_SINKS only)
+    key_ends_ptr,  # [num_tokens] int32 (USE_KEY_ENDS only)
     qk_scale,
     window,
     first_seq,  # this launch serves segments first_seq .. first_seq + num_seqs - 1
@@ -147,6 +154,7 @@ def paged_attention_kernel(
     DECODE_ONLY: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     USE_SINKS: tl.constexpr,
+    USE_KEY_ENDS: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -184,17 +192,26 @@ def paged_attention_kernel(
     row_head = kv_head * NUM_QUERIES_PER_KV + offs_m % NUM_QUERIES_PER_KV
     row_ok = (offs_m // NUM_QUERIES_PER_KV < BLOCK_Q) & (row_tok < query_len)
     q_pos = ctx_start + row_tok
+    if USE_KEY_ENDS:  # capped at the context: a key past it is never visible
+        key_end = tl.load(key_ends_ptr + q_start + row_tok, mask=row_ok, other=0)
+        key_end = tl.minimum(key_end, seq_len)
+    else:
+        key_end = q_pos + 1
     q_ptrs = query_ptr + ((q_start + row_tok).to(tl.int64) * stride_qt + row_head * stride_qh)
     q = _load_rows(q_ptrs[:, None] + offs_d[None, :], row_ok, d_ok, True, DIM_MASK)
     q = q.to(DOT_DTYPE)
 
     # Keys this q block needs, and the tiles that every one of its rows sees whole.
     first_pos = ctx_start + q_block * BLOCK_Q
-    kv_end = tl.minimum(first_pos + BLOCK_Q, seq_len)  # last row's position + 1
+    causal_end = tl.minimum(first_pos + BLOCK_Q, seq_len)  # last row's position + 1
+    if USE_KEY_ENDS:  # masked rows' key ends are 0
+        kv_end = tl.maximum(causal_end, tl.max(key_end, 0))
+    else:
+        kv_end = causal_end
     full_end = tl.maximum(first_pos + 1, 0) // TILE_N
     if USE_WINDOW:
         tile_begin = tl.maximum(first_pos - window + 1, 0) // TILE_N
-        full_begin = tl.cdiv(tl.maximum(kv_end - window, 0), TILE_N)
+        full_begin = tl.cdiv(tl.maximum(causal_end - window, 0), TILE_N)
         full_end = tl.maximum(full_end, full_begin)
     else:
         tile_begin = 0
@@ -215,18 +232,18 @@ def paged_attention_kernel(
     block_row_ptr = block_table_ptr + seq.to(tl.int64) * stride_bt
     if USE_WINDOW:  # tiles cut by the window's lower edge
         acc, l_i, m_i = _attend_tiles(
-            acc, l_i, m_i, q, q_pos, k_base, block_row_ptr, lo, tl.minimum(hi, full_begin),
+            acc, l_i, m_i, q, q_pos, key_end, k_base, block_row_ptr, lo, tl.minimum(hi, full_begin),
             kv_end, window, qk_scale, stride_block, stride_kv, stride_tok, offs_d, d_ok,
             BLOCK_SIZE, TILE_N, True, USE_WINDOW, DIM_MASK, DOT_DTYPE, DOT_PRECISION,
         )  # fmt: skip
     acc, l_i, m_i = _attend_tiles(
-        acc, l_i, m_i, q, q_pos, k_base, block_row_ptr, tl.maximum(lo, full_begin),
+        acc, l_i, m_i, q, q_pos, key_end, k_base, block_row_ptr, tl.maximum(lo, full_begin),
         tl.minimum(hi, full_end), kv_end, window, qk_scale, stride_block, stride_kv,
         stride_tok, offs_d, d_ok,
         BLOCK_SIZE, TILE_N, False, USE_WINDOW, DIM_MASK, DOT_DTYPE, DOT_PRECISION,
     )  # fmt: skip
     acc, l_i, m_i = _attend_tiles(  # tiles cut by the causal diagonal or the context's end
-        acc, l_i, m_i, q, q_pos, k_base, block_row_ptr, tl.maximum(lo, full_end), hi,
+        acc, l_i, m_i, q, q_pos, key_end, k_base, block_row_ptr, tl.maximum(lo, full_end), hi,
         kv_end, window, qk_scale, stride_block, stride_kv, stride_tok, offs_d, d_ok,
         BLOCK_SIZE, TILE_N, True, USE_WINDOW, DIM_MASK, DOT_DTYPE, DOT_PRECISION,
     )  # fmt: skip

@@ -14,6 +14,12 @@ query_start_loc[i + 1]``, which are the *last* ``query_len`` tokens of a context
 sits at position ``seq_len - query_len + j`` and attends causally to every earlier context
 token (or only the last ``sliding_window`` of them, itself included).
 
+*Key ends* (Gemma 3's images, whose tokens see each other both ways): an optional
+``[num_tokens]`` integer tensor giving each query row the exclusive end of the positions it
+may attend to, ``position + 1 <= key_end <= seq_len`` (causal: ``position + 1``; a token of
+an image: the image's end). Key ``k`` is then visible iff ``k < key_end`` and, with a
+window, ``k > position - sliding_window``: the window stays a lower bound only.
+
 With ``latent_dim`` (DeepSeek's latent attention) the K and V slots hold two halves of one
 latent vector per token: the attention functions then take the whole latent as the key
 (the query is as wide: absorbed) and its first ``latent_dim`` elements as the value;
@@ -91,11 +97,17 @@ def causal_mask(
     seq_len: int,
     sliding_window: int | None,
     device: torch.device,
+    key_ends: torch.Tensor | None = None,  # [query_len] int: the segment's key ends
 ) -> torch.Tensor:
-    """[query_len, seq_len] bool, True where query j may attend key k."""
+    """[query_len, seq_len] bool, True where query j may attend key k: ``k <= position``,
+    or with ``key_ends`` ``k < key_ends[j]`` (see the module docstring), and within the
+    window if any."""
     q_pos = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
     k_pos = torch.arange(seq_len, device=device)[None, :]
-    mask = k_pos <= q_pos
+    if key_ends is None:
+        mask = k_pos <= q_pos
+    else:
+        mask = k_pos < key_ends.to(device)[:, None]
     if sliding_window is not None:
         mask &= k_pos > q_pos - sliding_window
     return mask
@@ -168,8 +180,18 @@ def paged_attention(
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,  # [num_q_heads]: see _attend
     latent_dim: int | None = None,  # see the module docstring
+    *,
+    key_ends: torch.Tensor | None = None,  # [num_tokens] int: see the module docstring
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim or latent_dim]
-    """Attention of every query segment over its paged context, one segment at a time."""
+    """Attention of every query segment over its paged context, one segment at a time.
+
+    ``key_ends`` (None: causal) lets a row see past itself, up to its key end; the caller
+    guarantees ``position + 1 <= key_end <= seq_len`` for every row (not checked, which
+    would cost a sync: a row left with no visible key gives NaN)."""
+    if key_ends is not None and key_ends.shape != query.shape[:1]:
+        raise ValueError(
+            f"key_ends {tuple(key_ends.shape)} must hold one end per query row ({query.shape[0]})"
+        )
     out = query.new_zeros(*query.shape[:2], latent_dim or query.shape[-1])
     block_size = kv_cache.shape[2]
     starts = query_start_loc.tolist()
@@ -182,12 +204,13 @@ def paged_attention(
         num_blocks = -(-seq_len // block_size)
         key, value = gather_kv(kv_cache, block_table[i, :num_blocks].long(), seq_len)
         key, value = latent_kv(key, value, latent_dim)
-        mask = causal_mask(query_len, seq_len, sliding_window, query.device)[None, None]
+        seg_key_ends = None if key_ends is None else key_ends[q_start:q_end]
+        mask = causal_mask(query_len, seq_len, sliding_window, query.device, seg_key_ends)
         seg = _attend(
             query[q_start:q_end].transpose(0, 1)[None],  # [1, Hq, Lq, D]
             key.transpose(0, 1)[None].to(query.dtype),  # [1, Hkv, Lk, D]
             value.transpose(0, 1)[None].to(query.dtype),
-            mask,
+            mask[None, None],
             scale,
             sinks,
         )

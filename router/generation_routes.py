@@ -171,7 +171,7 @@ def add_generation_routes(
         and their images placed (``router/images.py``)."""
         vision = state.model.vision
         router = state.config.router
-        refs = image_refs(body.messages, vision, router.max_images_per_request)
+        refs = image_refs(body.messages, state.image_text, router.max_images_per_request)
         if refs and body.truncate_prompt_tokens is not None:
             raise bad_request("truncate_prompt_tokens cannot cut a prompt with images",
                               "truncate_prompt_tokens")  # fmt: skip
@@ -183,9 +183,10 @@ def add_generation_routes(
         )  # fmt: skip
         if not images:
             return await asyncio.to_thread(prompt_tokenizer.chat, *args), None
-        assert vision is not None
-        token_id = vision.image_token_id
-        prompt = await asyncio.to_thread(prompt_tokenizer.chat_images, token_id, len(images), *args)
+        assert vision is not None and state.image_text is not None
+        prompt = await asyncio.to_thread(
+            prompt_tokenizer.chat_images, state.image_text, len(images), *args
+        )
         return place_images(prompt, images, vision)
 
     @app.post("/v1/responses")

@@ -4,10 +4,11 @@
    message order: a ``data:`` URL's, or an http(s) URL's from a host the operator allows
    (``router/media_fetch.py``; none by default), fetched concurrently. Together they fit
    the request's budget (``router.max_request_bytes``).
-2. The chat template writes one image token per image (``ChatMessage.for_template``: as
-   content parts, else as the token's text in a string).
-3. ``place_images``: each image token becomes its run of placeholders, and each image is
-   placed on its run, with its digest for the block hashes (``common/multimodal.py``).
+2. The chat template writes one marker per image (``ChatMessage.for_template``: as
+   content parts, else as the marker's text in a string), and each marker becomes the
+   image's sequence in the text before it is tokenized (``ImageText``).
+3. ``place_images``: each image is placed on its run of placeholders, with its digest for
+   the block hashes (``common/multimodal.py``).
 
 The workers decode and check the images; one they cannot read is their 400.
 """
@@ -15,15 +16,19 @@ The workers decode and check the images; one they cannot read is their 400.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common.multimodal import ImageSpan, data_url_bytes, expand_placeholders, image_digest
+from common.multimodal import ImageSpan, ImageText, data_url_bytes, image_digest, image_offsets
+from common.tokenizer import Tokenizer
 from common.vision_spec import VisionSpec
 from proto import pdserve_pb2 as pb
 from router.errors import bad_request
 from router.media_fetch import MediaFetcher
 from router.protocol import ChatMessage
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,11 +39,23 @@ class PromptImages:
     spans: tuple[ImageSpan, ...]
 
 
+def image_text_of(vision: VisionSpec | None, tokenizer: Tokenizer) -> ImageText | None:
+    """How prompts hold the model's images; None for a model without images, or whose
+    tokenizer lacks its image tokens (logged: it serves text only)."""
+    if vision is None:
+        return None
+    try:
+        return ImageText.of(vision, tokenizer)
+    except ValueError as exc:
+        logger.warning("%s; images are refused", exc)
+        return None
+
+
 def image_refs(
-    messages: Sequence[ChatMessage], vision: VisionSpec | None, max_images: int
+    messages: Sequence[ChatMessage], image_text: ImageText | None, max_images: int
 ) -> list[tuple[str, str | None]]:
     """(param, URL) of each image of ``messages``, in order. Raises a 400 ``APIError``
-    naming the part for a model without images, or too many images."""
+    naming the part for a model without images (``image_text`` None), or too many."""
     found = [
         (f"messages[{i}].content[{j}].image_url", part.url)
         for i, message in enumerate(messages)
@@ -48,8 +65,12 @@ def image_refs(
     ]
     if not found:
         return []
-    if vision is None:
-        raise bad_request("this model takes no images: it has no vision encoder", found[0][0])
+    if image_text is None:
+        raise bad_request(
+            "this model takes no images: it has no vision encoder (or its tokenizer no image "
+            "tokens)",
+            found[0][0],
+        )
     if len(found) > max_images:
         raise bad_request(
             f"{len(found)} images; at most {max_images} per request "
@@ -103,13 +124,11 @@ def read_data_url(url: str, param: str) -> bytes:
 def place_images(
     prompt: list[int], images: list[bytes], vision: VisionSpec
 ) -> tuple[list[int], PromptImages]:
-    """``prompt`` with each image token made its run of placeholders, and the images
-    placed on the runs. A count that differs from the images is a 400
-    (``expand_placeholders``)."""
+    """``images`` placed on the runs of placeholders of ``prompt`` (expanded: its markers
+    made the images' sequences). Runs that are not ``images`` whole images are a 400
+    (``image_offsets``: a text that spells the placeholder itself)."""
     try:
-        tokens, offsets = expand_placeholders(
-            prompt, vision.image_token_id, vision.tokens_per_image, len(images)
-        )
+        offsets = image_offsets(prompt, vision.image_token_id, vision.tokens_per_image, len(images))
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from None
     messages = tuple(pb.Image(offset=o, data=d) for o, d in zip(offsets, images, strict=True))
@@ -117,4 +136,4 @@ def place_images(
         ImageSpan(o, vision.tokens_per_image, image_digest(d))
         for o, d in zip(offsets, images, strict=True)
     )
-    return tokens, PromptImages(messages, spans)
+    return prompt, PromptImages(messages, spans)

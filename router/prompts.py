@@ -4,9 +4,10 @@ each refusal an ``APIError`` naming the field it blames."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from common.multimodal import render_with_images
+from common.multimodal import ImageText, render_with_images
 from common.tokenizer import KeptTokens, Tokenizer, TokenizerError, TooManyTokens
 from router.errors import APIError, bad_request, context_too_long
 from router.protocol import CompletionRequest, texts_of, token_lists_of
@@ -67,17 +68,19 @@ class PromptTokenizer:
         self, messages, add_generation_prompt: bool, tools=None, template_kwargs=None,
         continue_final_message: bool = False, max_tokens: int | None = None,
         kept: KeptTokens | None = None, image_text: str | None = None,
-        image_parts: bool = False,
+        image_parts: bool = False, rewrite: Callable[[str], str] | None = None,
     ) -> list[int]:  # fmt: skip
         """The messages through the chat template, as ids. ``max_tokens``: a longer
         prompt is refused before it is tokenized whole. ``kept``: what truncation will
         keep (only that much of the text is tokenized). ``image_text``, ``image_parts``:
-        how images reach the template (``ChatMessage.for_template``; neither: refused)."""
+        how images reach the template (``ChatMessage.for_template``; neither: refused);
+        ``rewrite``: what the rendered text goes through before it is tokenized (its
+        ``ValueError`` is a 400)."""
         try:
             return self.tokenizer.apply_chat_template(
                 [m.for_template(image_text, image_parts) for m in messages],
                 add_generation_prompt, tools, template_kwargs, continue_final_message,
-                max_tokens, kept,
+                max_tokens, kept, rewrite,
             )  # fmt: skip
         except TooManyTokens as exc:
             raise self.too_long(exc, "messages") from None
@@ -86,16 +89,20 @@ class PromptTokenizer:
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
 
-    def chat_images(self, image_token_id: int, num_images: int, *args) -> list[int]:
-        """``chat(*args)`` of messages with ``num_images`` images, each written as one
-        ``image_token_id``. Images reach the template as content parts (what vision models'
-        templates read); a template that does not write the token for each (one that reads
-        content as a string, or fails on a list) gets the token's text in the string."""
-        text = self.tokenizer.convert_ids_to_tokens([image_token_id])[0]
-        return render_with_images(
-            lambda image_text: self.chat(*args, image_text=image_text, image_parts=not image_text),
-            text, image_token_id, num_images, (APIError,),
-        )  # fmt: skip
+    def chat_images(self, image_text: ImageText, num_images: int, *args) -> list[int]:
+        """``chat(*args)`` of messages with ``num_images`` images, each written as its
+        marker and made its sequence in the text (``ImageText``). Images reach the template
+        as content parts (what vision models' templates read); a template that does not
+        write the marker for each (one that reads content as a string, or fails on a list)
+        gets the marker's text in the string."""
+
+        def render(marker: str | None) -> list[int]:
+            return self.chat(
+                *args, image_text=marker, image_parts=marker is None,
+                rewrite=lambda text: image_text.expand(text, num_images),
+            )  # fmt: skip
+
+        return render_with_images(render, image_text.marker, (APIError,))
 
     def limit(self, body) -> int | None:
         """How many tokens a prompt may have before it is refused untokenized: the

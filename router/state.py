@@ -20,6 +20,7 @@ from common.config import (
 )
 from common.generation_config import GenerationDefaults
 from common.model_info import ModelInfo, model_info
+from common.multimodal import ImageText
 from common.registry import create_registry
 from common.structured_output import GrammarCompiler, StructuredOutput, StructuredOutputError
 from common.tokenizer import Tokenizer
@@ -28,6 +29,7 @@ from proto import pdserve_pb2 as pb
 from router.dispatch import Dispatcher
 from router.events import EventListener
 from router.harmony import marker_ids
+from router.images import image_text_of
 from router.lora_adapters import LoraAdapters
 from router.metrics import RouterMetrics
 from router.policy import PlacementPolicy
@@ -74,6 +76,8 @@ class RouterState:
     # The tool-call parser's markers that are special tokens, which decoding would drop
     # (Mistral's [TOOL_CALLS]; router/tool_parsers.py).
     tool_marker_ids: frozenset[int] = frozenset()
+    # How prompts hold a vision-language model's images (router/images.py); None: no images.
+    image_text: ImageText | None = None
     # How /v1/score and /v1/rerank score a pair (router/scoring.py).
     scorer: Scorer = EMBEDDING_SCORER
     # Spans of the requests that run (common/tracing.py); off unless configured.
@@ -117,6 +121,7 @@ class RouterState:
                    adapters, generation_defaults=GenerationDefaults.read(model.model_dir),
                    harmony_ids=harmony_ids_of(config, model, tokenizer),
                    tool_marker_ids=tool_marker_ids_of(config, tokenizer),
+                   image_text=image_text_of(model.vision, tokenizer),
                    scorer=Scorer.build(config.router, tokenizer, model.model_dir),
                    tracer=Tracer(config.tracing, ROUTER_SERVICE,
                                  router_instance(config)))  # fmt: skip

@@ -30,6 +30,10 @@ class BatchLayout:
     num_decodes: int
     max_query_len: int
     max_seq_len: int
+    # [num_tokens] int32: per token, the end (exclusive) of the context positions it
+    # attends to, where some token sees past its own position (an image's tokens see the
+    # whole image: Gemma 3); None: causal (position + 1 each).
+    key_ends: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -114,8 +118,9 @@ class LatentAttention:
 class AttentionBackend(ABC):
     """Contract: ``forward`` first writes ``key``/``value`` into ``kv_cache`` at
     ``layout.slot_mapping`` and then computes causal attention of ``query`` over each
-    segment's whole context (cached prefix plus the new tokens). It must not modify any
-    other slot of the cache and must return a fresh tensor."""
+    segment's whole context (cached prefix plus the new tokens; up to ``layout.key_ends``
+    where given). It must not modify any other slot of the cache and must return a fresh
+    tensor."""
 
     name: str
 

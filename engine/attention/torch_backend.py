@@ -1,7 +1,7 @@
 """Attention in plain torch: works on every device. Decodes run as one padded batch, short
 segments (a decode with the draft tokens it verifies: at most ``SHORT_QUERY_LEN`` tokens)
 as another, and the other prompt segments one at a time through
-``scaled_dot_product_attention``.
+``scaled_dot_product_attention`` (with ``BatchLayout.key_ends``, all but the decodes).
 
 Per-step work (the masks) is done once in ``build_metadata``, not once per layer.
 """
@@ -79,7 +79,10 @@ class TorchAttentionBackend(AttentionBackend):
         num_decodes = layout.num_decodes
         max_decode_len = max(layout.seq_lens_cpu[:num_decodes], default=0)
         num_slots = -(-max_decode_len // self.block_size) * self.block_size
-        return TorchMetadata(layout, num_slots, self._short_segments(layout))
+        # Short segments are batched under causal masks only: a step whose images attend
+        # both ways (``layout.key_ends``) runs them one at a time.
+        short = self._short_segments(layout) if layout.key_ends is None else None
+        return TorchMetadata(layout, num_slots, short)
 
     def _short_segments(self, layout: BatchLayout) -> ShortSegments | None:
         """The short segments right after the decodes, if there are two or more (one
@@ -171,6 +174,7 @@ class TorchAttentionBackend(AttentionBackend):
             layer.scale,
             layer.sliding_window,
             layer.sinks,
+            key_ends=None if layout.key_ends is None else layout.key_ends[start:],
         )
         return out
 

@@ -46,6 +46,7 @@ class TritonAttentionBackend(AttentionBackend):
             sinks=layer.sinks,
             num_decodes=layout.num_decodes,  # the layout puts single-token segments first
             max_seq_len=layout.max_seq_len,
+            key_ends=layout.key_ends,
         )
 
     def _latent(

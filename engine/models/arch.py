@@ -485,7 +485,8 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
         vision = read_vision_spec(raw, path)
     except VisionConfigError as exc:
         raise ModelLoadError(str(exc)) from None
-    if vision is not None:  # the language model is the text_config's
+    if vision is not None and not any(a in ARCHITECTURES for a in architectures):
+        # LLaVA's: the language model is the text_config's (Gemma 3's is named as such).
         architectures = [_BY_MODEL_TYPE.get(cfg.get("model_type"), str(cfg.get("model_type")))]
     architecture = next((a for a in architectures if a in ARCHITECTURES), None)
     if architecture is None:

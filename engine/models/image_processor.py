@@ -1,6 +1,7 @@
 """An image file's bytes to the vision encoder's input, as the checkpoint's
-``preprocessor_config.json`` says: transformers' CLIP and SigLIP image processors (their
-Pillow backend), step for step, so the pixels are the ones transformers computes.
+``preprocessor_config.json`` says: transformers' CLIP, SigLIP and Gemma 3 image processors
+(their Pillow backend; Gemma 3's without pan-and-scan), step for step, so the pixels are the
+ones transformers computes.
 
 1. Decode (Pillow) and make RGB: an image with other modes is laid over white first.
 2. Resize (``size``): the shortest edge to ``shortest_edge``, the other in proportion
@@ -62,6 +63,8 @@ def read_image_processing(model_dir: str | Path, image_size: int) -> ImageProces
     ``image_size`` when it has none. Raises ``ValueError`` naming a key it cannot serve."""
     path = Path(model_dir) / "preprocessor_config.json"
     raw: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    if raw.get("do_pan_and_scan"):
+        raise ValueError(f"{path}: do_pan_and_scan (Gemma 3's crops) is not served")
     size = raw.get("size") or {"shortest_edge": image_size}
     if isinstance(size, int):
         size = {"shortest_edge": size}

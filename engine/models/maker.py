@@ -15,7 +15,9 @@ a template of that format (the router reads its replies in it: ``router/harmony.
 ``deepseek_v2`` and ``deepseek_v3`` are DeepSeek's latent attention and routers (see
 ``_deepseek_config``), ``glm4_moe`` GLM-4.5's layout (see ``_glm4_moe_config``),
 ``minimax_m2`` MiniMax-M2's (see ``_minimax_m2_config``), ``llava`` a LLaVA-1.5-layout
-vision-language model (a Llama language model, a small CLIP tower: ``llava_maker.py``).
+vision-language model (a Llama language model, a small CLIP tower: ``llava_maker.py``),
+``gemma3_mm`` Gemma 3's vision-language layout (``gemma3``'s language model, a small SigLIP
+tower, pooled: ``gemma3_mm_maker.py``).
 ``deepseek_v3`` and ``glm4_moe`` store a random multi-token-prediction layer after their
 layers, as the releases do (``_add_mtp_layer``; transformers leaves it unloaded,
 ``engine.speculative_method: mtp`` drafts with it).
@@ -40,6 +42,13 @@ from common.model_info import (
     made_model_is_current,
 )
 from common.owned_paths import owner_tag, remove_dead_owners
+from engine.models.gemma3_mm_maker import (
+    GEMMA3_CHAT_TEMPLATE,
+    GEMMA3_IMAGE_TOKENS,
+    NEWLINE_RUNS,
+    gemma3_mm_config,
+    write_gemma3_files,
+)
 from engine.models.llava_maker import (
     IMAGE_TOKEN,
     LLAVA_CHAT_TEMPLATE,
@@ -63,11 +72,14 @@ from engine.models.tokenizer_trainer import (
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3",
          "phi3", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2",
-         "llava")  # fmt: skip
+         "llava", "gemma3_mm")  # fmt: skip
 SIZES = ("tiny", "small")
 # ChatML for the others.
 _CHAT_TEMPLATES = {"qwen3": THINKING_CHAT_TEMPLATE, "qwen3_moe": THINKING_CHAT_TEMPLATE,
-                   "gpt_oss": HARMONY_CHAT_TEMPLATE, "llava": LLAVA_CHAT_TEMPLATE}  # fmt: skip
+                   "gpt_oss": HARMONY_CHAT_TEMPLATE, "llava": LLAVA_CHAT_TEMPLATE,
+                   "gemma3_mm": GEMMA3_CHAT_TEMPLATE}  # fmt: skip
+# The vision-language archs' language models.
+_TEXT_ARCH = {"llava": "llama", "gemma3_mm": "gemma3"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,6 +303,8 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
         pad_token=PAD_TOKEN,
         chat_template=_CHAT_TEMPLATES.get(arch, CHAT_TEMPLATE),
         model_max_length=spec.max_position_embeddings,
+        # Gemma 3's processor reads its image tokens by these names.
+        **({"extra_special_tokens": GEMMA3_IMAGE_TOKENS} if arch == "gemma3_mm" else {}),
     )
     if arch.startswith("qwen3"):  # a thinking model, as Qwen3 is: its tags and template
         tokenizer.add_tokens(THINK_TOKENS)
@@ -302,6 +316,8 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
         tokenizer.add_special_tokens({"additional_special_tokens": DEEPSEEK_TOOL_TOKENS})
     if arch == "llava":  # the image placeholder, a special token as in LLaVA's tokenizers
         tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    if arch == "gemma3_mm":  # runs of newlines are one token each, as in Gemma's vocabulary
+        tokenizer.add_tokens(NEWLINE_RUNS)
     ids = {
         "bos": tokenizer.convert_tokens_to_ids(BOS_TOKEN),
         "eos": tokenizer.convert_tokens_to_ids(EOS_TOKEN),
@@ -310,10 +326,15 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
     }
     # The model's vocabulary is exactly the tokenizer's, so every sampled id decodes.
     spec = dataclasses.replace(spec, vocab_size=len(tokenizer))
-    config = _hf_config("llama" if arch == "llava" else arch, spec, ids)
+    text_arch = _TEXT_ARCH.get(arch, arch)
+    config = _hf_config(text_arch, spec, ids)
     auto_class = transformers.AutoModelForCausalLM
     if arch == "llava":
         config = llava_config(config, tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
+        auto_class = transformers.AutoModelForImageTextToText
+    if arch == "gemma3_mm":
+        token_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in GEMMA3_IMAGE_TOKENS.values()}
+        config = gemma3_mm_config(config, token_ids)
         auto_class = transformers.AutoModelForImageTextToText
     config.dtype = "float32"
     torch.manual_seed(seed)
@@ -322,8 +343,9 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 # Non-trivial norm gains, so that norm weights are exercised by parity tests
-                # (Gemma stores a gain's offset from 1).
-                param.uniform_(-0.2, 0.2) if arch == "gemma3" else param.uniform_(0.8, 1.2)
+                # (Gemma stores a gain's offset from 1; its vision tower's LayerNorms do not).
+                offset = text_arch == "gemma3" and "vision_tower" not in name
+                param.uniform_(-0.2, 0.2) if offset else param.uniform_(0.8, 1.2)
             elif name.endswith("bias"):
                 # transformers initializes biases to zero, which would leave the bias paths
                 # (Qwen2's q/k/v, GPT-OSS's attention, router and experts) untested.
@@ -337,13 +359,16 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
         if arch == "minimax_m2":  # its choice bias sits beside the router
             for layer in model.model.layers:
                 layer.mlp.e_score_correction_bias.uniform_(-0.1, 0.1)
-        if arch == "gemma3":
+        if text_arch == "gemma3":
             # Gemma scales the embeddings by sqrt(hidden_size) and ties the head to them:
             # at the usual init the token's own embedding outweighs every block and the
             # model repeats its last input token, whatever the blocks compute. Smaller
             # embeddings and a larger final gain make the blocks decide the next token.
-            model.model.embed_tokens.weight.mul_(0.125)
-            model.model.norm.weight.uniform_(6.0, 8.0)
+            language_model = model.model.language_model if arch == "gemma3_mm" else model.model
+            language_model.embed_tokens.weight.mul_(0.125)
+            language_model.norm.weight.uniform_(6.0, 8.0)
+        if arch == "gemma3_mm":  # transformers starts the projection at zero: no image seen
+            model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.02)
     model.generation_config.eos_token_id = [ids["eos"], ids["im_end"]]
     if arch == "gpt_oss":  # a Harmony reply ends with its answer or with a tool call
         harmony_ends = tokenizer.convert_tokens_to_ids(["<|return|>", "<|call|>"])
@@ -356,6 +381,8 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
     tokenizer.save_pretrained(out)
     if arch == "llava":
         write_preprocessor_config(out)
+    if arch == "gemma3_mm":
+        write_gemma3_files(out)
     info = {"arch": arch, "size": size, "seed": seed, "random_weights": True,
             "maker_version": MAKER_VERSION}  # fmt: skip
     (out / MADE_MODEL_INFO).write_text(json.dumps(info) + "\n")

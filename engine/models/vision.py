@@ -1,11 +1,15 @@
-"""A LLaVA-layout checkpoint's image encoder: a CLIP or SigLIP vision transformer, then a
-two-layer projector into the language model's embedding space (``common/vision_spec.py``).
+"""A vision-language checkpoint's image encoder: a CLIP or SigLIP vision transformer, then a
+projector into the language model's embedding space (``common/vision_spec.py``).
 
     pixels [n, 3, S, S] -> patches (a stride-P convolution) [n, (S/P)^2, C]
       (+ a class token in front, CLIP) + position embeddings (-> CLIP's pre-norm)
       -> pre-norm transformer layers, full (not causal) attention
       -> the states of ``feature_layers`` (class token dropped: "default"), concatenated
-      -> linear, GELU, linear -> [n, tokens_per_image, text_hidden]
+         (Gemma 3: the last layer's, through the tower's final norm)
+      -> "mlp" (LLaVA): linear, GELU, linear
+         "pooled" (Gemma 3): average pooling of the (S/P) x (S/P) grid into a square of
+         tokens_per_image cells, RMSNorm (1 + w), one matrix
+      -> [n, tokens_per_image, text_hidden]
 
 Each image is encoded on its own, so its rows depend on its pixels alone: a row of the
 prefix cache is the same whatever else a step holds. Its layers past the deepest feature
@@ -26,6 +30,7 @@ from torch import nn
 from common.vision_spec import VisionSpec, VisionTowerSpec
 from engine.models.arch import safetensors_files
 from engine.models.errors import ModelLoadError
+from engine.models.norms import UnitOffsetRMSNorm
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +39,10 @@ logger = logging.getLogger(__name__)
 _TOWER_PREFIXES = ("vision_tower.vision_model.", "model.vision_tower.vision_model.",
                    "model.vision_tower.", "vision_tower.")  # fmt: skip
 _PROJECTOR_PREFIXES = ("multi_modal_projector.", "model.multi_modal_projector.")
-# Parts of a tower that LLaVA never reads: SigLIP's pooling head, CLIP's pooled-output norm.
-_UNUSED = ("head.", "post_layernorm.")
+# Parts of a tower never read: SigLIP's pooling head, and the final norm unless the spec
+# reads the last state through it (Gemma 3; LLaVA reads a layer's raw state).
+_UNUSED = ("head.",)
+_POST_NORM = "post_layernorm."
 
 
 def activation(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -83,8 +90,9 @@ class VisionLayer(nn.Module):
 
 
 class VisionTower(nn.Module):
-    def __init__(self, spec: VisionTowerSpec, num_layers: int) -> None:
-        """``num_layers``: the layers run (the deepest feature layer)."""
+    def __init__(self, spec: VisionTowerSpec, num_layers: int, post_norm: bool = False) -> None:
+        """``num_layers``: the layers run (the deepest feature layer). ``post_norm``: the
+        last state goes through the tower's final norm."""
         super().__init__()
         self.spec = spec
         hidden = spec.hidden_size
@@ -101,6 +109,7 @@ class VisionTower(nn.Module):
             self.pre_layrnorm = nn.LayerNorm(hidden, eps=spec.layer_norm_eps)  # CLIP's spelling
         self.encoder = nn.Module()
         self.encoder.layers = nn.ModuleList(VisionLayer(spec) for _ in range(num_layers))
+        self.post_layernorm = nn.LayerNorm(hidden, eps=spec.layer_norm_eps) if post_norm else None
 
     def states(self, pixels: torch.Tensor) -> list[torch.Tensor]:
         """[n, 3, S, S] -> the embeddings, then each run layer's output: [n, T, C] each."""
@@ -116,6 +125,8 @@ class VisionTower(nn.Module):
         for layer in self.encoder.layers:
             x = layer(x)
             states.append(x)
+        if self.post_layernorm is not None:
+            states[-1] = self.post_layernorm(x)
         return states
 
 
@@ -128,33 +139,52 @@ class VisionEncoder(nn.Module):
         tower = spec.tower
         # Non-negative indexes into the states (0: embeddings, i: after layer i).
         self.feature_layers = tuple(i % (tower.num_layers + 1) for i in spec.feature_layers)
-        self.vision_tower = VisionTower(tower, max(self.feature_layers))
+        self.vision_tower = VisionTower(tower, max(self.feature_layers), spec.post_norm)
         width = tower.hidden_size * len(self.feature_layers)
         text = spec.text_hidden_size
-        self.multi_modal_projector = nn.Module()
-        self.multi_modal_projector.linear_1 = nn.Linear(width, text, bias=spec.projector_bias)
-        self.multi_modal_projector.linear_2 = nn.Linear(text, text, bias=spec.projector_bias)
+        projector = self.multi_modal_projector = nn.Module()
+        if spec.projector == "pooled":
+            projector.mm_soft_emb_norm = UnitOffsetRMSNorm(width, tower.layer_norm_eps)
+            projector.mm_input_projection_weight = nn.Parameter(torch.empty(width, text))
+        else:
+            projector.linear_1 = nn.Linear(width, text, bias=spec.projector_bias)
+            projector.linear_2 = nn.Linear(text, text, bias=spec.projector_bias)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """[n, 3, S, S] float32 -> [n, tokens_per_image, text_hidden] in the model dtype."""
-        weight = self.multi_modal_projector.linear_1.weight
+        weight = self.vision_tower.embeddings.patch_embedding.weight
         states = self.vision_tower.states(pixels.to(weight.device, weight.dtype))
         start = int(self.spec.drop_class_token)
         features = torch.cat([states[i][:, start:] for i in self.feature_layers], dim=-1)
         projector = self.multi_modal_projector
+        if self.spec.projector == "pooled":
+            return self._pooled(features)
         hidden = activation(self.spec.projector_act, projector.linear_1(features))
         return projector.linear_2(hidden)
 
+    def _pooled(self, features: torch.Tensor) -> torch.Tensor:
+        """Gemma 3's projector: [n, P, C] patch states -> [n, tokens_per_image, text]."""
+        n, num_patches, width = features.shape
+        side = round(num_patches**0.5)
+        cells = round(self.spec.tokens_per_image**0.5)
+        grid = features.transpose(1, 2).reshape(n, width, side, side)  # row-major patches
+        pooled = F.avg_pool2d(grid, side // cells).flatten(2).transpose(1, 2)  # [n, T, C]
+        projector = self.multi_modal_projector
+        return projector.mm_soft_emb_norm(pooled) @ projector.mm_input_projection_weight
 
-def _local_name(stored: str) -> str | None:
-    """A stored tensor's parameter name in ``VisionEncoder``; None: not the encoder's."""
+
+def _local_name(stored: str, post_norm: bool) -> str | None:
+    """A stored tensor's parameter name in ``VisionEncoder``; None: not the encoder's, or
+    a part of it never read."""
     for prefix in _PROJECTOR_PREFIXES:
         if stored.startswith(prefix):
             return "multi_modal_projector." + stored[len(prefix) :]
     for prefix in _TOWER_PREFIXES:
         if stored.startswith(prefix):
             rest = stored[len(prefix) :]
-            return None if rest.startswith(_UNUSED) else "vision_tower." + rest
+            if rest.startswith(_UNUSED) or (rest.startswith(_POST_NORM) and not post_norm):
+                return None
+            return "vision_tower." + rest
     return None
 
 
@@ -172,7 +202,7 @@ def load_vision_encoder(
     for path in safetensors_files(Path(model_dir)):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for stored in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                name = _local_name(stored)
+                name = _local_name(stored, spec.post_norm)
                 if name is None or _past_run_layers(name, num_run):
                     continue
                 param = params.get(name)

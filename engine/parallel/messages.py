@@ -71,6 +71,8 @@ class Step(msgspec.Struct, tag="step", frozen=True):
     # Rows whose embeddings are a vision-language model's image rows: rank 0 encodes the
     # images and broadcasts the rows' embeddings to the group (``ModelShard.forward``).
     image_rows: list[int] = []
+    # ``HostBatch.key_ends`` (images that attend both ways); empty: causal.
+    key_ends: list[int] = []
 
 
 class MtpPass(msgspec.Struct, tag="mtp_pass", frozen=True):

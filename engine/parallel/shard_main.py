@@ -188,6 +188,7 @@ class Shard:
     @torch.inference_mode()
     def _step(self, message: Step) -> None:
         batch = _host_batch(message)
+        batch.key_ends = message.key_ends or None
         lora = None
         if message.lora_rows:
             lora = LoraBatch(

@@ -7,26 +7,41 @@ import pytest
 from common.hashing import hash_blocks, transfer_block_hashes
 from common.multimodal import (
     ImageSpan,
+    ImageText,
     block_extra,
     check_image_spans,
-    expand_placeholders,
     image_digest,
+    image_offsets,
 )
 
 IMG = 9
+LLAVA_TEXT = ImageText("<image>", "<image>" * 3, IMG, (IMG,) * 3)
+# Gemma 3's: newlines, a start token (7), the run, an end token (8), newlines (5).
+GEMMA3_TEXT = ImageText(
+    "<boi>", "\n\n<boi>" + "<img>" * 3 + "<eoi>\n\n", 7, (5, 7, IMG, IMG, IMG, 8, 5)
+)
 
 
-def test_each_image_token_becomes_its_run():
-    assert expand_placeholders([1, IMG, 2, IMG, IMG, 3], IMG, 3) == (
-        [1, IMG, IMG, IMG, 2, IMG, IMG, IMG, IMG, IMG, IMG, 3],
-        [1, 5, 8],
-    )
-    with pytest.raises(ValueError, match="holds 1 image tokens .* for 2 images"):
-        expand_placeholders([1, IMG, 2], IMG, 3, num_images=2)
+def test_each_marker_becomes_its_images_sequence():
+    assert LLAVA_TEXT.expand("a <image> b", 1) == "a <image><image><image> b"
+    assert GEMMA3_TEXT.expand("a<boi>b", 1) == "a\n\n<boi><img><img><img><eoi>\n\nb"
+    assert LLAVA_TEXT.expand_ids([1, IMG, 2, IMG, IMG, 3], 3) == [
+        1, IMG, IMG, IMG, 2, IMG, IMG, IMG, IMG, IMG, IMG, 3,
+    ]  # fmt: skip
+    assert GEMMA3_TEXT.expand_ids([1, 7, 2], 1) == [1, 5, 7, IMG, IMG, IMG, 8, 5, 2]
+    assert image_offsets([1, 5, 7, IMG, IMG, IMG, 8, 5, 2], IMG, 3, 1) == [3]
+    with pytest.raises(ValueError, match="holds 1 image markers .* for 2 images"):
+        LLAVA_TEXT.expand_ids([1, IMG, 2], 2)
+    with pytest.raises(ValueError, match="holds 2 '<boi>' markers for 1 images"):
+        GEMMA3_TEXT.expand("<boi> and <boi>", 1)
+    with pytest.raises(ValueError, match="takes 3"):  # a spelled placeholder joins a run
+        image_offsets([1, IMG, IMG, IMG, IMG, 2], IMG, 3, 1)
+    with pytest.raises(ValueError, match="holds 2 image placeholder runs"):
+        image_offsets([1, IMG, IMG, IMG, 2, IMG, IMG, IMG], IMG, 3, 1)
 
 
 def test_spans_must_cover_every_run_in_order():
-    tokens, offsets = expand_placeholders([1, IMG, IMG, 2, IMG], IMG, 4)
+    tokens, offsets = [1, *[IMG] * 8, 2, *[IMG] * 4], [1, 5, 10]
     spans = [ImageSpan(o, 4, image_digest(bytes([o]))) for o in offsets]
     assert check_image_spans(tokens, spans, IMG, 4) is None  # adjacent runs split in 4s
     assert "do not match" in check_image_spans(tokens, spans[:2], IMG, 4)

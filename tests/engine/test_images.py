@@ -374,7 +374,7 @@ def test_bad_images_are_refused_with_the_engine_unchanged(llava, tiny_llama):
         token_ids, [images[0], ImageInput(images[1].offset - 1, IMAGES[1])]
     )
     assert "takes 16" in refused(token_ids[:-20] + [token_ids[images[1].offset]] * 3, images)
-    with pytest.raises(ValueError, match="holds 2 image tokens"):
+    with pytest.raises(ValueError, match="holds 2 '<image>' markers for 1 images"):
         llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": IMAGES[:1]}}], GREEDY)
     text_only = LLMEngine(tiny_llama, EngineConfig())
     with pytest.raises(InvalidRequestError, match="takes no images"):
@@ -503,7 +503,8 @@ def test_the_engines_block_hashes_are_the_routers(llava):
 
     llm = LLM(llava, block_size=8)
     vision = llm.engine.arch.vision
-    raw = llm.tokenizer.encode(PROMPT, add_special_tokens=False)
+    expanded = llm._image_text().expand(PROMPT, 2)
+    raw = llm.tokenizer.encode(expanded, add_special_tokens=False)
     token_ids, placed = place_images(raw, IMAGES[:2], vision)
     engine_request = llm.engine.add_request(
         "r", token_ids, GREEDY, images=[ImageInput(m.offset, m.data) for m in placed.messages]

@@ -109,6 +109,18 @@ def test_triton_backend_gemma3(model_factory, tmp_path):
     assert greedy(model_dir, "triton", prompts) == greedy(model_dir, "torch", prompts)
 
 
+def test_triton_backend_gemma3_images(model_factory, tmp_path):
+    """Gemma 3's images: their tokens attend to each other both ways (the kernel's key
+    ends), in 5-token chunks that each image grows to its end, under a 12-token window
+    (shorter than an image: the window still bounds what an image token sees)."""
+    from tests.engine.test_gemma3_images import IMAGES, PROMPT, windowed
+
+    model_dir = windowed(model_factory("gemma3_mm"), tmp_path / "gemma3-mm-window", 12)
+    prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": IMAGES[i : i + 2]}} for i in (0, 1)]
+    expected = greedy(model_dir, "torch", prompts, prefill_chunk_tokens=5)
+    assert greedy(model_dir, "triton", prompts, prefill_chunk_tokens=5) == expected
+
+
 def test_triton_backend_gpt_oss(model_factory, tmp_path):
     """GPT-OSS: the kernel's attention sinks in decodes and prompt chunks, a 12-token window
     on every other layer; its experts (biases, clamped SwiGLU) in the fused MoE kernel."""

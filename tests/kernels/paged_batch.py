@@ -33,7 +33,10 @@ class PagedBatch:
     scale: float
 
     def expected(
-        self, sliding_window: int | None = None, sinks: torch.Tensor | None = None
+        self,
+        sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
+        key_ends: torch.Tensor | None = None,  # [num_tokens]: see reference.paged_attention
     ) -> torch.Tensor:
         """The reference in fp32 on the same inputs."""
         return reference.paged_attention(
@@ -45,7 +48,17 @@ class PagedBatch:
             self.scale,
             sliding_window,
             None if sinks is None else sinks.float(),
+            key_ends=key_ends,
         )
+
+    def positions(self) -> torch.Tensor:  # [num_tokens] int64
+        """Each query row's position in its sequence (rows outside every segment: -1)."""
+        pos = torch.full((self.query.shape[0],), -1, dtype=torch.long)
+        starts = self.query_start_loc.tolist()
+        for i, seq_len in enumerate(self.seq_lens.tolist()):
+            query_len = starts[i + 1] - starts[i]
+            pos[starts[i] : starts[i + 1]] = torch.arange(seq_len - query_len, seq_len)
+        return pos.to(self.query.device)
 
 
 def make_batch(

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from common.multimodal import image_digest
+from common.multimodal import ImageText, image_digest
 from common.tokenizer import Tokenizer
 from common.vision_spec import read_vision_spec
 from engine.models.tokenizer_trainer import CHAT_TEMPLATE
@@ -45,13 +45,19 @@ def vision(llava):
     return read_vision_spec(json.loads((llava / "config.json").read_text()), llava)
 
 
-def read(messages, vision, max_images: int = 2, max_bytes: int = 1 << 20) -> list[bytes]:
+@pytest.fixture(scope="module")
+def image_text(llava, vision):
+    return ImageText.of(vision, Tokenizer(llava))
+
+
+def read(messages, image_text, max_images: int = 2, max_bytes: int = 1 << 20) -> list[bytes]:
     """The router's reading of ``messages``' images, with no host allowed to fetch from."""
-    refs = image_refs(messages, vision, max_images)
+    refs = image_refs(messages, image_text, max_images)
     return asyncio.run(read_images(refs, MediaFetcher([], 1.0), max_bytes))
 
 
-def test_images_are_read_in_order_and_refused_by_name(vision):
+def test_images_are_read_in_order_and_refused_by_name(image_text):
+    vision = image_text  # what ``read`` takes: the model's images, or None
     messages = chat("a", image(b"one"), "b", image(b"two"))
     assert read(messages, vision) == [b"one", b"two"]
     assert read(chat("text only"), None) == []
@@ -74,24 +80,26 @@ def test_images_are_read_in_order_and_refused_by_name(vision):
         assert raised.value.param == param and words in raised.value.message
 
 
-def test_string_templates_get_the_image_token_in_the_text(llava, vision, tmp_path):
+def test_string_templates_get_the_image_token_in_the_text(llava, vision, image_text, tmp_path):
     """The made model's template reads content parts; a copy whose template reads content
     as a string (ChatML's ``message['content'] + ...`` fails on a list) gets the image
-    token's text in it: both give the same ids."""
+    token's text in it: both give the same ids, each marker made its run."""
     plain = tmp_path / "plain"
     shutil.copytree(llava, plain)
     (plain / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     messages = chat("What is in ", image(b"x"), " and ", image(b"y"), "?")
     args = (messages, True, None, None, False, None, None)
     token_id = vision.image_token_id
-    with_parts = PromptTokenizer(Tokenizer(llava), 4096).chat_images(token_id, 2, *args)
-    with_text = PromptTokenizer(Tokenizer(plain), 4096).chat_images(token_id, 2, *args)
-    assert with_parts == with_text and with_parts.count(token_id) == 2
+    with_parts = PromptTokenizer(Tokenizer(llava), 4096).chat_images(image_text, 2, *args)
+    with_text = PromptTokenizer(Tokenizer(plain), 4096).chat_images(image_text, 2, *args)
+    assert with_parts == with_text and with_parts.count(token_id) == 2 * 16
     tokens, placed = place_images(with_parts, [b"x", b"y"], vision)
     runs = [s.offset for s in placed.spans]
-    assert [m.offset for m in placed.messages] == runs
+    assert tokens == with_parts and [m.offset for m in placed.messages] == runs
     assert all(tokens[o : o + 16] == [token_id] * 16 for o in runs)
-    assert len(tokens) == len(with_parts) + 2 * 15
     assert [s.digest for s in placed.spans] == [image_digest(b"x"), image_digest(b"y")]
-    with pytest.raises(APIError, match="image token itself"):
+    with pytest.raises(APIError, match="2 image placeholder runs"):
         place_images(with_parts, [b"x"], vision)
+    spelled = chat("What is in <image> and ", image(b"y"), "?")
+    with pytest.raises(APIError, match="markers for 1 images"):
+        PromptTokenizer(Tokenizer(llava), 4096).chat_images(image_text, 1, spelled, *args[1:])

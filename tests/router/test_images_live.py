@@ -152,7 +152,8 @@ def test_bad_images_are_400s_naming_the_part(llava_and_stack):
     spelled = [{"role": "user", "content": [{"type": "text", "text": "look: <image>"},
                                             {"type": "image_url", "image_url": good}]}]  # fmt: skip
     reply = chat(stack, {"messages": spelled})
-    assert reply.status_code == 400 and "image token itself" in reply.json()["error"]["message"]
+    assert reply.status_code == 400
+    assert "image tokens themselves" in reply.json()["error"]["message"]
     reply = chat(stack, {"messages": messages(good, good), "truncate_prompt_tokens": 20})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "truncate_prompt_tokens"
     # The stack still serves.

@@ -455,8 +455,9 @@ def test_a_multimodal_config_may_hold_it_in_its_text_config(model_factory, tmp_p
                                              "strategy": "channel"})  # fmt: skip
     out = tmp_path / "multimodal"
     out.mkdir()
+    vision = {"model_type": "siglip_vision_model", "image_size": 896, "patch_size": 14}
     config = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
-              "text_config": text}  # fmt: skip
+              "text_config": text, "vision_config": vision}  # fmt: skip
     (out / "config.json").write_text(json.dumps(config))
     assert read_arch_config(out).fp8_weights == Fp8Weights("compressed-tensors",
                                                            fp8_kv_scales=False)  # fmt: skip

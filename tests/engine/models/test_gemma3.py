@@ -53,7 +53,10 @@ def test_multimodal_checkpoint_serves_text(model_factory, tmp_path):
     assert names["architectures"] == ["Gemma3ForConditionalGeneration"]
     arch = read_arch_config(model_dir)
     assert arch.architecture == "Gemma3ForConditionalGeneration"
-    assert arch == dataclasses.replace(read_arch_config(text_dir), architecture=arch.architecture)
+    text_arch = read_arch_config(text_dir)
+    assert arch == dataclasses.replace(
+        text_arch, architecture=arch.architecture, vision=arch.vision
+    )
     prompts = random_prompts()[2:6]
     llm = LLM(model_dir, dtype="float32")
     params = SamplingParams(max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, temperature=0)
@@ -116,8 +119,8 @@ def test_peft_adapter_with_plain_targets_on_the_multimodal_checkpoint(model_fact
     _assert_adapter_equals_peft(model_dir, adapter)
 
 
-# gemma-3-4b-it's config.json (vision_config left out: the engine never reads it). Its
-# text_config names six keys; transformers fills the rest with Gemma3TextConfig's defaults.
+# gemma-3-4b-it's config.json. Its text_config names six keys; transformers fills the rest
+# with Gemma3TextConfig's defaults.
 HUB_4B_CONFIG = {
     "architectures": ["Gemma3ForConditionalGeneration"],
     "boi_token_index": 255999,
@@ -136,6 +139,16 @@ HUB_4B_CONFIG = {
         "sliding_window": 1024,
     },
     "torch_dtype": "bfloat16",
+    "vision_config": {
+        "hidden_size": 1152,
+        "image_size": 896,
+        "intermediate_size": 4304,
+        "model_type": "siglip_vision_model",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 27,
+        "patch_size": 14,
+        "vision_use_head": False,
+    },
 }
 # gemma-3-1b-it's: transformers 4's layout, a local rope base and a window pattern.
 HUB_1B_CONFIG = {

@@ -136,3 +136,68 @@ def test_vision_configs_it_cannot_serve_are_refused():
     for key, change in cases.items():
         with pytest.raises(VisionConfigError, match=key):
             read_vision_spec({**base, **change}, "c")
+
+
+@pytest.mark.parametrize(
+    "height,width,mode,fmt",
+    [(40, 50, "RGB", "PNG"), (97, 31, "RGB", "PNG"), (56, 56, "RGB", "PNG"),
+     (300, 200, "RGB", "PNG"), (64, 48, "RGB", "JPEG")],
+)  # fmt: skip
+def test_gemma3_pixels_equal_transformers(model_factory, height, width, mode, fmt):
+    """Gemma 3's processor as its checkpoints configure it (read from the made one's
+    preprocessor_config.json): a bilinear resize to height x width, no crop, around 0.5.
+    (Their ``do_convert_rgb`` is null, so transformers refuses other modes; pdserve lays
+    them over white as for CLIP.)"""
+    from PIL import Image
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    model_dir = model_factory("gemma3_mm")
+    reference = Gemma3ImageProcessorPil.from_pretrained(model_dir)
+    ours = image_processor.read_image_processing(model_dir, 56)
+    data = encoded(random_rgba(height, height, width), mode, fmt)
+    expected = reference(images=Image.open(io.BytesIO(data)), return_tensors="pt")
+    assert torch.equal(preprocess(data, ours), expected["pixel_values"][0])
+
+
+def test_gemma3_encoder_rows_equal_transformers(model_factory):
+    """SigLIP through its final norm, pooled 2 x 2, RMSNorm (1 + w), one matrix."""
+    from transformers import AutoModelForImageTextToText
+
+    model_dir = model_factory("gemma3_mm")
+    spec = read_vision_spec(json.loads((model_dir / "config.json").read_text()), model_dir)
+    assert spec is not None and spec.tokens_per_image == 16 and spec.bidirectional
+    encoder = load_vision_encoder(model_dir, spec, torch.device("cpu"), torch.float32)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pixels = torch.randn(3, 3, 56, 56)
+    with torch.no_grad():
+        expected = model.model.get_image_features(pixel_values=pixels).pooler_output
+        got = encoder(pixels)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_gemma3_configs_it_cannot_serve_are_refused(model_factory, tmp_path):
+    base = {"architectures": ["Gemma3ForConditionalGeneration"], "mm_tokens_per_image": 16,
+            "text_config": {"hidden_size": 64},
+            "vision_config": {"model_type": "siglip_vision_model", "image_size": 56,
+                              "patch_size": 7}}  # fmt: skip
+    spec = read_vision_spec(base, "c")
+    ids = (spec.marker_token_id, spec.image_token_id, spec.end_token_id)
+    assert ids == (255999, 262144, 256000)  # Gemma3Config's defaults
+    default = read_vision_spec({**base, "vision_config": None, "mm_tokens_per_image": 49}, "c")
+    assert default.tower.kind == "siglip_vision_model"  # its class's default tower
+    cases = {
+        "must be SigLIP": {"vision_config": {"model_type": "clip_vision_model"}},
+        "mm_tokens_per_image 15": {"mm_tokens_per_image": 15},  # not a square
+        "mm_tokens_per_image 9": {"mm_tokens_per_image": 9},  # 3 x 3 cells of an 8 x 8 grid
+    }
+    for words, change in cases.items():
+        with pytest.raises(VisionConfigError, match=words):
+            read_vision_spec({**base, **change}, "c")
+    model_dir = tmp_path / "pan-and-scan"
+    model_dir.mkdir()
+    config = json.loads((model_factory("gemma3_mm") / "preprocessor_config.json").read_text())
+    (model_dir / "preprocessor_config.json").write_text(
+        json.dumps({**config, "do_pan_and_scan": True})
+    )
+    with pytest.raises(ValueError, match="do_pan_and_scan"):
+        image_processor.read_image_processing(model_dir, 56)
