@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.support.processes import run_benchmark
 
 
-def test_the_images_benchmark_runs_and_records(tmp_path):
-    args = ["--size", "tiny", "--num-prompts", "3", "--text-tokens", "20", "--repeats", "1"]
+@pytest.mark.parametrize("arch", ["llava", "gemma3_mm"])
+def test_the_images_benchmark_runs_and_records(tmp_path, arch):
+    args = ["--size", "tiny", "--num-prompts", "3", "--text-tokens", "20", "--repeats", "1",
+            "--arch", arch]  # fmt: skip
     run_benchmark("images", *args, "--out-dir", str(tmp_path), "--tag", "t")
     record = json.loads((tmp_path / "images_t.json").read_text())
     assert record["rows"][0]["case"].endswith("(baseline)")
