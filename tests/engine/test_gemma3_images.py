@@ -16,10 +16,9 @@ import torch
 from common.config import EngineConfig
 from engine import LLM, LLMEngine, SamplingParams
 from engine.images import whole_image_end
-from engine.request import RemoteKV
 from tests.engine.local_puller import LocalPuller
 from tests.engine.test_disaggregation import run
-from tests.engine.test_images import png
+from tests.engine.test_images import png, pulled_tokens
 
 PROMPT = (
     "<|im_start|>user\n<start_of_image>What is in this picture, and how does it differ from "
@@ -181,19 +180,7 @@ def test_disaggregated_equals_colocated(gemma3_mm):
     decode = LLMEngine(gemma3_mm, EngineConfig(prefill_chunk_tokens=5), kv_puller=puller)
     puller.sources["prefill-0"], puller.target = prefill, decode
     for fail in (True, False):
-        for i, (token_ids, images) in enumerate(prompts):
-            prefill.add_request(f"r{i}", token_ids, GREEDY, prefill_only=True, images=images)
-        firsts = run(prefill)
-        puller.fail_next = fail
-        for i, (token_ids, images) in enumerate(prompts):
-            first = firsts[f"r{i}"]
-            remote = RemoteKV(f"l{i}", len(token_ids), tuple(first.kv_block_ids), "prefill-0")
-            decode.add_request(f"r{i}", token_ids, GREEDY, remote_kv=remote, images=images,
-                               output_token_ids=first.outputs[0].token_ids)  # fmt: skip
-        got = {rid: out.outputs[0].token_ids for rid, out in run(decode).items()}
-        assert got == expected, fail
-        for i in range(len(prompts)):
-            assert prefill.release_kv(f"r{i}")
+        assert pulled_tokens(prefill, decode, puller, prompts, fail) == expected, fail
     for engine in (prefill, decode, colocated):
         assert engine.leak_report() == []
 

@@ -261,25 +261,41 @@ def test_disaggregated_equals_colocated_and_decode_encodes_nothing(llava, monkey
     decode_calls = counting_encoder(decode)
     decoded = counting_decodes(monkeypatch)
     for fail in (True, False):
-        for i, (token_ids, images) in enumerate(prompts):
-            prefill.add_request(f"r{i}", token_ids, GREEDY, prefill_only=True, images=images)
-        firsts = run(prefill)
-        decoded.clear()  # the prefill engine decoded its images
-        puller.fail_next = fail
-        for i, (token_ids, images) in enumerate(prompts):
-            first = firsts[f"r{i}"]
-            remote = RemoteKV(f"l{i}", len(token_ids), tuple(first.kv_block_ids), "prefill-0")
-            decode.add_request(f"r{i}", token_ids, GREEDY, remote_kv=remote, images=images,
-                               output_token_ids=first.outputs[0].token_ids)  # fmt: skip
-        got = {rid: out.outputs[0].token_ids for rid, out in run(decode).items()}
+        # (Only the decode engine's decodes counted: the prefill engine decoded its images.)
+        got = pulled_tokens(prefill, decode, puller, prompts, fail, before_decode=decoded.clear)
         assert got == expected, fail
-        for i in range(len(prompts)):
-            assert prefill.release_kv(f"r{i}")
         # The failed pull recomputed one prompt's two images on the decode engine; the
         # pulls decode and encode none.
         assert sum(decode_calls) == 2 and len(decoded) == (2 if fail else 0)
     for engine in (prefill, decode, colocated):
         assert engine.leak_report() == []
+
+
+def pulled_tokens(
+    prefill: LLMEngine,
+    decode: LLMEngine,
+    puller: LocalPuller,
+    prompts: list[tuple[list[int], list[ImageInput]]],
+    fail: bool,
+    before_decode=lambda: None,
+) -> dict[str, list[int]]:
+    """One disaggregated round: ``prompts`` (ids, images) prefilled on ``prefill``, their
+    KV pulled by ``decode`` (the first pull failing if ``fail``), which decodes them; the
+    tokens by request id. The prefill engine's KV is released."""
+    for i, (token_ids, images) in enumerate(prompts):
+        prefill.add_request(f"r{i}", token_ids, GREEDY, prefill_only=True, images=images)
+    firsts = run(prefill)
+    before_decode()
+    puller.fail_next = fail
+    for i, (token_ids, images) in enumerate(prompts):
+        first = firsts[f"r{i}"]
+        remote = RemoteKV(f"l{i}", len(token_ids), tuple(first.kv_block_ids), "prefill-0")
+        decode.add_request(f"r{i}", token_ids, GREEDY, remote_kv=remote, images=images,
+                           output_token_ids=first.outputs[0].token_ids)  # fmt: skip
+    got = {rid: out.outputs[0].token_ids for rid, out in run(decode).items()}
+    for i in range(len(prompts)):
+        assert prefill.release_kv(f"r{i}")
+    return got
 
 
 def test_pulled_requests_preempted_on_the_decode_engine_decode_their_images(llava, monkeypatch):
