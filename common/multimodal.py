@@ -94,12 +94,17 @@ class _Tokenizer(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class ImageText:
-    """How a prompt holds its images, in text and in ids (``VisionSpec.image_text``)."""
+    """How a prompt holds its images, in text and in ids (``VisionSpec.image_text``): each
+    marker becomes ``lead``, the image's placeholders, ``tail``."""
 
     marker: str  # what a chat template (or a user) writes for an image
-    sequence: str  # what each marker becomes before the text is tokenized
+    lead: str
+    placeholder: str
+    tail: str
     marker_id: int
-    sequence_ids: tuple[int, ...]  # ``sequence`` tokenized alone: for prompts of ids
+    placeholder_id: int
+    lead_ids: tuple[int, ...]  # ``lead`` and ``tail`` tokenized alone: for prompts of ids
+    tail_ids: tuple[int, ...]
 
     @classmethod
     def of(cls, vision: VisionSpec, tokenizer: _Tokenizer) -> ImageText:
@@ -111,24 +116,44 @@ class ImageText:
                 f"the tokenizer has no text for the image token ids {ids}: images cannot be "
                 "written in prompts"
             )
-        marker, sequence = vision.image_text(lambda i: tokenizer.convert_ids_to_tokens([i])[0])
-        sequence_ids = tokenizer.encode(sequence, add_special_tokens=False)
-        return cls(marker, sequence, vision.marker_token_id, tuple(sequence_ids))
 
-    def expand(self, text: str, num_images: int) -> str:
-        """``text`` with each marker made the image's sequence. A count of markers that
-        differs from ``num_images`` raises ``ValueError``."""
-        _check_count(text.count(self.marker), num_images, f"{self.marker!r} markers")
-        return text.replace(self.marker, self.sequence)
+        def token_text(token_id: int) -> str:
+            return tokenizer.convert_ids_to_tokens([token_id])[0]
 
-    def expand_ids(self, token_ids: Sequence[int], num_images: int) -> list[int]:
-        """``expand`` of a prompt given as ids: each marker id made ``sequence_ids``."""
-        _check_count(list(token_ids).count(self.marker_id), num_images,
+        def ids_of(text: str) -> tuple[int, ...]:
+            return tuple(tokenizer.encode(text, add_special_tokens=False)) if text else ()
+
+        marker, lead, tail = vision.image_text(token_text)
+        return cls(marker, lead, token_text(vision.image_token_id), tail,
+                   vision.marker_token_id, vision.image_token_id, ids_of(lead),
+                   ids_of(tail))  # fmt: skip
+
+    def sequence(self, num_tokens: int) -> str:
+        """What a marker becomes for an image of ``num_tokens`` placeholders."""
+        return self.lead + self.placeholder * num_tokens + self.tail
+
+    def expand(self, text: str, counts: Sequence[int]) -> str:
+        """``text`` with the i-th marker made the sequence of an image of ``counts[i]``
+        placeholders. A count of markers that differs from the images' raises
+        ``ValueError``."""
+        parts = text.split(self.marker)
+        _check_count(len(parts) - 1, len(counts), f"{self.marker!r} markers")
+        pieces = [parts[0]]
+        for count, part in zip(counts, parts[1:], strict=True):
+            pieces += [self.sequence(count), part]
+        return "".join(pieces)
+
+    def expand_ids(self, token_ids: Sequence[int], counts: Sequence[int]) -> list[int]:
+        """``expand`` of a prompt given as ids: each marker id made ``lead_ids``, the
+        placeholders, ``tail_ids``."""
+        _check_count(list(token_ids).count(self.marker_id), len(counts),
                      f"image markers (id {self.marker_id})")  # fmt: skip
         expanded: list[int] = []
+        images = iter(counts)
         for token_id in token_ids:
             if token_id == self.marker_id:
-                expanded.extend(self.sequence_ids)
+                expanded += [*self.lead_ids, *[self.placeholder_id] * next(images),
+                             *self.tail_ids]  # fmt: skip
             else:
                 expanded.append(token_id)
         return expanded
@@ -143,52 +168,51 @@ def _check_count(count: int, num_images: int, what: str) -> None:
 
 
 def image_offsets(
-    token_ids: Sequence[int], image_token_id: int, tokens_per_image: int, num_images: int
+    token_ids: Sequence[int], image_token_id: int, counts: Sequence[int]
 ) -> list[int]:
-    """Where each image's run of placeholders starts in an expanded prompt. Raises
-    ``ValueError`` for runs that are not whole images, or another count of images."""
-    starts = _image_starts(token_ids, image_token_id, tokens_per_image)
-    if isinstance(starts, str):
-        raise ValueError(starts)
-    _check_count(len(starts), num_images, f"image placeholder runs ({tokens_per_image} tokens "
-                 f"of id {image_token_id} each)")  # fmt: skip
-    return starts
-
-
-def _image_starts(
-    token_ids: Sequence[int], image_token_id: int, tokens_per_image: int
-) -> list[int] | str:
-    """Where each image's run starts (adjacent images' runs merge: split in images), or
-    why the runs are not whole images."""
-    starts = []
-    for offset, length in placeholder_runs(token_ids, image_token_id):
-        if length % tokens_per_image:
-            return (
-                f"the prompt has a run of {length} image placeholder tokens (id "
-                f"{image_token_id}) at position {offset}; each image takes {tokens_per_image}"
-            )
-        starts.extend(range(offset, offset + length, tokens_per_image))
-    return starts
+    """Where each image's run of placeholders starts in an expanded prompt: the i-th image
+    takes ``counts[i]`` of them, in order (adjacent images' runs merge: a run is split in
+    images). Raises ``ValueError`` when the runs are not those images."""
+    runs = placeholder_runs(token_ids, image_token_id)
+    starts: list[int] = []
+    images = iter(counts)
+    for offset, length in runs:
+        end = offset + length
+        while offset < end:
+            count = next(images, None)
+            if count is None or offset + count > end:
+                break
+            starts.append(offset)
+            offset += count
+        if offset != end:
+            break
+    else:
+        if len(starts) == len(counts):
+            return starts
+    described = ", ".join(f"{length} at {offset}" for offset, length in runs[:8])
+    raise ValueError(
+        f"the prompt's image placeholder runs (id {image_token_id}: {described or 'none'})"
+        f" are not its {len(counts)} images of {list(counts)[:8]} tokens: a text may not "
+        "contain the image tokens themselves"
+    )
 
 
 def check_image_spans(
-    token_ids: Sequence[int],
-    spans: Sequence[ImageSpan],
-    image_token_id: int,
-    tokens_per_image: int,
+    token_ids: Sequence[int], spans: Sequence[ImageSpan], image_token_id: int
 ) -> str | None:
     """Why ``spans`` do not place images in ``token_ids`` (None when they do): each must
-    cover exactly one whole run of ``tokens_per_image`` placeholders, in prompt order, and
-    every placeholder must belong to one (the model has no embedding for a bare one)."""
-    starts = _image_starts(token_ids, image_token_id, tokens_per_image)
-    if isinstance(starts, str):
-        return starts
+    cover a whole run of placeholders (or its part, where images are adjacent), in
+    prompt order, and every placeholder must belong to one (the model has no embedding
+    for a bare one)."""
+    try:
+        starts = image_offsets(token_ids, image_token_id, [span.num_tokens for span in spans])
+    except ValueError as exc:
+        return str(exc)
     given = [span.offset for span in spans]
-    if any(span.num_tokens != tokens_per_image for span in spans) or given != starts:
+    if given != starts:
         return (
-            f"{len(spans)} images at positions {given[:8]} do not match the prompt's "
-            f"{len(starts)} image placeholder runs at {starts[:8]} ({tokens_per_image} "
-            f"tokens of id {image_token_id} each)"
+            f"{len(spans)} images at positions {given[:8]} do not match the prompt's image "
+            f"placeholder runs, which start at {starts[:8]} (id {image_token_id})"
         )
     return None
 

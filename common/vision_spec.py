@@ -13,6 +13,12 @@ Served layouts:
   matrix (``projector`` "pooled"). A template's ``<start_of_image>`` becomes
   ``"\n\n<start_of_image>" + placeholders + "<end_of_image>\n\n"`` in the text, and an
   image's tokens attend to each other both ways (``bidirectional``).
+- Qwen2.5-VL's (``Qwen2_5_VLForConditionalGeneration``): its own vision transformer
+  (``QwenTowerSpec``: 2-D rotary, windowed attention but in a few layers, 2 x 2 patch
+  groups merged into one row), at dynamic resolution (``grid``: an image's token count
+  follows from its size), and 3-D rotary positions in the language model (``mrope``:
+  ``engine/mrope.py``). The template writes ``<|image_pad|>`` per image, which becomes as
+  many of itself as the image has tokens.
 """
 
 from __future__ import annotations
@@ -23,11 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from common.hf_config import text_config
+from common.image_grid import DynamicGrid, read_dynamic_grid
 
 LLAVA = "LlavaForConditionalGeneration"
 GEMMA3 = "Gemma3ForConditionalGeneration"
-VISION_ARCHITECTURES = (LLAVA, GEMMA3)
-_BY_MODEL_TYPE = {"llava": LLAVA, "gemma3": GEMMA3}
+QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
+VISION_ARCHITECTURES = (LLAVA, GEMMA3, QWEN2_5_VL)
+_BY_MODEL_TYPE = {"llava": LLAVA, "gemma3": GEMMA3, "qwen2_5_vl": QWEN2_5_VL}
 # The vision towers served, by their config's model_type: (class token, pre-norm) of each.
 _TOWERS = {"clip_vision_model": (True, True), "siglip_vision_model": (False, False)}
 # transformers' defaults for a config that leaves keys out (CLIPVisionConfig's and
@@ -82,9 +90,28 @@ class VisionTowerSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class QwenTowerSpec:
+    """Qwen2.5-VL's vision transformer (``Qwen2_5_VLVisionConfig``)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int  # "depth"
+    num_heads: int
+    out_hidden_size: int  # the language model's width
+    patch_size: int
+    temporal_patch_size: int  # an image is its patches twice over (a 2-frame video)
+    merge_size: int  # spatial_merge_size: merge_size x merge_size patches make one row
+    window_size: int  # pixels of a side of an attention window (windowed layers)
+    full_attention_layers: tuple[int, ...]  # fullatt_block_indexes: the others are windowed
+    rope_theta: float
+    num_channels: int = 3
+    kind: str = "qwen2_5_vl_vision"
+
+
+@dataclass(frozen=True, slots=True)
 class VisionSpec:
     architecture: str
-    tower: VisionTowerSpec
+    tower: VisionTowerSpec | QwenTowerSpec
     image_token_id: int  # the placeholder: one per encoder row
     # Indexes into the tower's states: 0 the embeddings, i the output of layer i (negative
     # from the end); several are concatenated along the hidden size.
@@ -94,7 +121,8 @@ class VisionSpec:
     projector_act: str
     projector_bias: bool
     text_hidden_size: int
-    tokens_per_image: int  # placeholder tokens (and encoder rows) per image
+    # Placeholder tokens (and encoder rows) per image; 0 with ``grid`` (per image, by size).
+    tokens_per_image: int
     # What a chat template (or a user) writes for an image, which becomes its run:
     # LLaVA's is the placeholder itself, Gemma 3's ``<start_of_image>``.
     marker_token_id: int
@@ -103,16 +131,26 @@ class VisionSpec:
     # An image's tokens attend to all of that image's tokens, later ones too (Gemma 3);
     # everything else stays causal.
     bidirectional: bool = False
+    grid: DynamicGrid | None = None  # dynamic resolution (Qwen2.5-VL)
+    # The language model's rotary positions are 3-D (time, row, column) over images
+    # (Qwen2.5-VL's M-RoPE; ``engine/mrope.py``).
+    mrope: bool = False
 
-    def image_text(self, token_text: Callable[[int], str]) -> tuple[str, str]:
-        """(marker, sequence): the text a template writes for an image, and what each
-        marker becomes before the prompt is tokenized, as transformers' processors
-        write it. ``token_text``: a token id's text (the tokenizer's)."""
+    def image_text(self, token_text: Callable[[int], str]) -> tuple[str, str, str]:
+        """(marker, lead, tail): the text a template writes for an image, and what comes
+        before and after the image's placeholders when each marker becomes its sequence
+        (as transformers' processors write it). ``token_text``: a token id's text."""
         marker = token_text(self.marker_token_id)
-        placeholders = token_text(self.image_token_id) * self.tokens_per_image
         if self.end_token_id is None:
-            return marker, placeholders
-        return marker, f"\n\n{marker}{placeholders}{token_text(self.end_token_id)}\n\n"
+            return marker, "", ""
+        return marker, f"\n\n{marker}", f"{token_text(self.end_token_id)}\n\n"
+
+    def num_tokens(self, size: tuple[int, int]) -> int:
+        """Placeholder tokens of an image of ``size`` (width, height). Raises
+        ``ValueError`` for a size dynamic resolution refuses."""
+        if self.grid is None:
+            return self.tokens_per_image
+        return self.grid.num_tokens(*size)
 
 
 def read_vision_spec(raw: dict[str, Any], path: Path | str) -> VisionSpec | None:
@@ -129,6 +167,8 @@ def read_vision_spec(raw: dict[str, Any], path: Path | str) -> VisionSpec | None
         raise VisionConfigError(f"{path}: text_config.hidden_size is missing")
     # A config without a vision_config gets its class's default tower.
     default_tower = "siglip_vision_model" if architecture == GEMMA3 else "clip_vision_model"
+    if architecture == QWEN2_5_VL:
+        return _qwen2_5_vl(raw, int(text_hidden), path)
     tower = _read_tower(raw.get("vision_config") or {"model_type": default_tower}, path)
     if architecture == GEMMA3:
         return _gemma3(raw, tower, int(text_hidden), path)
@@ -226,4 +266,62 @@ def _gemma3(raw: dict[str, Any], tower: VisionTowerSpec, text_hidden: int, path)
         end_token_id=int(raw.get("eoi_token_id", values["eoi_token_index"])),
         post_norm=True,
         bidirectional=True,
+    )
+
+
+# Qwen2_5_VLVisionConfig's defaults where a config leaves keys out.
+_QWEN_TOWER_DEFAULTS: dict[str, Any] = {
+    "depth": 32, "hidden_size": 3584, "intermediate_size": 3420, "num_heads": 16,
+    "in_channels": 3, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+    "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31], "hidden_act": "silu",
+}  # fmt: skip
+
+
+def _qwen2_5_vl(raw: dict[str, Any], text_hidden: int, path) -> VisionSpec:
+    vision = {**_QWEN_TOWER_DEFAULTS, **(raw.get("vision_config") or {})}
+    if vision["hidden_act"] != "silu":
+        raise VisionConfigError(
+            f"{path}: vision_config.hidden_act {vision['hidden_act']!r} is not served (silu)"
+        )
+    rope = vision.get("rope_parameters") or {}
+    tower = QwenTowerSpec(
+        hidden_size=int(vision["hidden_size"]),
+        intermediate_size=int(vision["intermediate_size"]),
+        num_layers=int(vision["depth"]),
+        num_heads=int(vision["num_heads"]),
+        out_hidden_size=int(vision.get("out_hidden_size", text_hidden)),
+        patch_size=int(vision["patch_size"]),
+        temporal_patch_size=int(vision["temporal_patch_size"]),
+        merge_size=int(vision["spatial_merge_size"]),
+        window_size=int(vision["window_size"]),
+        full_attention_layers=tuple(int(i) for i in vision["fullatt_block_indexes"]),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        num_channels=int(vision["in_channels"]),
+    )
+    if tower.window_size % (tower.patch_size * tower.merge_size):
+        raise VisionConfigError(
+            f"{path}: vision_config.window_size {tower.window_size} is not a whole number of "
+            f"{tower.patch_size * tower.merge_size}-pixel merged patches"
+        )
+    grid = read_dynamic_grid(Path(path).parent, vision)
+    if (grid.patch_size, grid.merge_size) != (tower.patch_size, tower.merge_size):
+        raise VisionConfigError(
+            f"{path}: the image processor's patch and merge sizes {grid.patch_size}, "
+            f"{grid.merge_size} differ from the vision tower's"
+        )
+    token_id = int(raw.get("image_token_id", 151655))
+    return VisionSpec(
+        architecture=QWEN2_5_VL,
+        tower=tower,
+        image_token_id=token_id,
+        feature_layers=(-1,),
+        drop_class_token=False,
+        projector="merger",
+        projector_act="gelu",
+        projector_bias=True,
+        text_hidden_size=text_hidden,
+        tokens_per_image=0,
+        marker_token_id=token_id,
+        grid=grid,
+        mrope=True,
     )

@@ -34,6 +34,7 @@ from engine.models.image_processor import (
     image_pixels,
     normalize,
 )
+from engine.models.qwen_vision import QwenVisionEncoder
 from engine.models.vision import VisionEncoder
 
 # Images per encoder call: a step that reaches many new images (a burst of requests)
@@ -45,10 +46,11 @@ ENCODER_BATCH = 16
 @dataclass(slots=True, eq=False)
 class PromptImage:
     span: ImageSpan
-    # [3, S, S] uint8 on the host, resized and cropped (normalized when encoded, on the
+    # [3, H, W] uint8 on the host, resized and cropped (normalized when encoded, on the
     # device); None: not decoded yet.
     pixels: torch.Tensor | None
     data: bytes | None = None  # the encoded file while ``pixels`` is None
+    size: tuple[int, int] = (0, 0)  # (width, height) of the file's image
 
 
 def decode_pixels(image: PromptImage, processing: ImageProcessing) -> None:
@@ -120,18 +122,21 @@ def prepare_images(
         if isinstance(image, PromptImage):
             prepared.append(image)
             continue
-        span = ImageSpan(image.offset, vision.tokens_per_image, image_digest(image.data))
         try:
+            size = check_image(image.data)
+            try:
+                num_tokens = vision.num_tokens(size)
+            except ValueError as exc:  # a size dynamic resolution refuses
+                raise ImageError(str(exc)) from None
+            span = ImageSpan(image.offset, num_tokens, image_digest(image.data))
             if decode:
-                prepared.append(PromptImage(span, image_pixels(image.data, processing)))
+                pixels = image_pixels(image.data, processing)
+                prepared.append(PromptImage(span, pixels, size=size))
             else:
-                check_image(image.data)
-                prepared.append(PromptImage(span, None, image.data))
+                prepared.append(PromptImage(span, None, image.data, size))
         except ImageError as exc:
             raise InvalidRequestError(f"images[{index}]: {exc}", "images") from None
-    problem = check_image_spans(
-        prompt, [p.span for p in prepared], vision.image_token_id, vision.tokens_per_image
-    )
+    problem = check_image_spans(prompt, [p.span for p in prepared], vision.image_token_id)
     if problem is not None:
         raise InvalidRequestError(problem, "images")
     return tuple(prepared)
@@ -150,7 +155,7 @@ def chunk_images(
 
 
 def image_embeds(
-    encoder: VisionEncoder,
+    encoder: VisionEncoder | QwenVisionEncoder,
     processing: ImageProcessing,
     cache: EncoderCache,
     chunks: Sequence[tuple[int, int, int, ChunkImages]],
@@ -160,8 +165,8 @@ def image_embeds(
     there, (rows [m] int64, embeddings [m, hidden]), and how many images were encoded for
     it. ``chunks``: (first batch row, first position, end position, images) of each chunk
     with images. Images neither in their request's store nor in ``cache`` are encoded
-    together (an image twice in the step, once); each chunk's store keeps an image's rows
-    only while its run goes on past the chunk."""
+    together (an image twice in the step, once; images of one pixel size per call); each
+    chunk's store keeps an image's rows only while its run goes on past the chunk."""
     needed: dict[bytes, list[tuple[ChunkImages, int]]] = {}
     pixels: dict[bytes, torch.Tensor] = {}
     for _, _, _, store in chunks:
@@ -176,11 +181,17 @@ def image_embeds(
             needed.setdefault(digest, []).append((store, index))
             assert image.pixels is not None, "decode_pixels runs before a chunk reads it"
             pixels[digest] = image.pixels
-    digests = list(needed)
-    for first in range(0, len(digests), ENCODER_BATCH):
-        group = digests[first : first + ENCODER_BATCH]
-        batch = torch.stack([pixels[d] for d in group]).to(device)  # [n, 3, S, S] uint8
-        encoded = encoder(normalize(batch, processing))  # [n, tokens_per_image, hidden]
+    by_size: dict[tuple[int, ...], list[bytes]] = {}
+    for digest in needed:  # dynamic resolution: each size its own calls
+        by_size.setdefault(tuple(pixels[digest].shape), []).append(digest)
+    groups = [
+        digests[first : first + ENCODER_BATCH]
+        for digests in by_size.values()
+        for first in range(0, len(digests), ENCODER_BATCH)
+    ]
+    for group in groups:
+        batch = torch.stack([pixels[d] for d in group]).to(device)  # [n, 3, H, W] uint8
+        encoded = encoder(normalize(batch, processing))  # [n, tokens, hidden]
         for digest, image_rows in zip(group, encoded, strict=True):
             rows = image_rows.clone()  # its own storage: the cache counts its bytes
             cache.put(digest, rows)

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from common.config import EngineConfig
 from common.generation_config import GenerationDefaults
+from common.image_grid import image_size
 from common.multimodal import (
     ImageInput,
     ImageText,
@@ -192,6 +193,7 @@ class LLM:
 
         vision = self.engine.arch.vision
         image_text = self._image_text() if images and vision is not None else None
+        counts = self._image_counts([_image_bytes(image) for image in images]) if image_text else []
 
         def render(marker: str | None) -> list[int]:
             """``render_with_images``' renderer: parts, or the marker in strings."""
@@ -210,7 +212,7 @@ class LLM:
             return self.tokenizer.apply_chat_template(
                 rendered, add_generation_prompt, template_kwargs=dict(template_kwargs or {}),
                 rewrite=None if image_text is None
-                else lambda text: image_text.expand(text, len(images)),
+                else lambda text: image_text.expand(text, counts),
             )  # fmt: skip
 
         if image_text is not None:  # the ids hold the images' sequences already
@@ -281,13 +283,23 @@ class LLM:
             return tokens, []
         if vision is None:
             raise ValueError(f"{self.engine.model_dir.name} takes no images")
+        data = [_image_bytes(image) for image in images]
+        counts = self._image_counts(data)
         if "prompt" in prompt:  # markers become the images' sequences before tokenizing
-            tokens = self.tokenizer.encode(self._image_text().expand(prompt["prompt"], len(images)))
-        elif tokens.count(vision.image_token_id) != len(images) * vision.tokens_per_image:
-            tokens = self._image_text().expand_ids(tokens, len(images))  # not expanded yet
-        offsets = image_offsets(tokens, vision.image_token_id, vision.tokens_per_image, len(images))
-        placed = zip(offsets, images, strict=True)
-        return tokens, [ImageInput(offset, _image_bytes(image)) for offset, image in placed]
+            tokens = self.tokenizer.encode(self._image_text().expand(prompt["prompt"], counts))
+        elif tokens.count(vision.image_token_id) != sum(counts):
+            tokens = self._image_text().expand_ids(tokens, counts)  # not expanded yet
+        offsets = image_offsets(tokens, vision.image_token_id, counts)
+        return tokens, [ImageInput(o, d) for o, d in zip(offsets, data, strict=True)]
+
+    def _image_counts(self, images: list[bytes]) -> list[int]:
+        """Each image's placeholder count (by its size, under dynamic resolution). Raises
+        ``ValueError`` for an image whose header cannot be read or whose size is refused."""
+        vision = self.engine.arch.vision
+        assert vision is not None
+        if vision.grid is None:
+            return [vision.tokens_per_image] * len(images)
+        return [vision.num_tokens(image_size(data)) for data in images]
 
     def _image_text(self) -> ImageText:
         """How prompts hold this vision model's images (computed once). Raises

@@ -48,6 +48,7 @@ from engine.model_runner import ModelRunner, PromptScoring, SequenceChunk
 from engine.models.arch import ModelArchConfig, ModelLoadError, read_arch_config
 from engine.models.image_processor import ImageError
 from engine.models.lora import LoraAdapter
+from engine.mrope import MropePositions, mrope_positions
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.parallel.launch import ShardExtensionSpec
 from engine.parallel.shard_client import ShardError
@@ -342,6 +343,7 @@ class LLMEngine:
             priority=priority,
             pooling=pooling,
             images=prepared,
+            mrope=self._mrope(len(prompt), prepared),
         )
         if any(image.pixels is None for image in prepared):
             self._undecoded_images.add(request_id)
@@ -377,6 +379,18 @@ class LLMEngine:
                 "prompt",
             )
         return prompt
+
+    def _mrope(
+        self, num_prompt_tokens: int, images: Sequence[PromptImage]
+    ) -> MropePositions | None:
+        """A prompt's 3-D rotary positions, for a model with M-RoPE and a prompt with
+        images (``engine/mrope.py``); None where they are the sequence's."""
+        vision = self.arch.vision
+        if vision is None or not vision.mrope or not images:
+            return None
+        assert vision.grid is not None
+        grids = [(image.span.offset, *vision.grid.token_grid(*image.size)) for image in images]
+        return mrope_positions(num_prompt_tokens, grids)
 
     def prepare_images(
         self,
@@ -751,6 +765,9 @@ class LLMEngine:
                     images=chunk_images(request.images, request.image_features, start, end)
                     if request.images
                     else None,
+                    rope_positions=None
+                    if request.mrope is None
+                    else request.mrope.rows(start, end + len(drafts)),
                 )
             )
             if self.config.speculative_method.drafts_after_step:

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from common.config import EngineConfig, SpeculativeMethod
@@ -35,6 +36,7 @@ from engine.model_shard import HostBatch, ModelShard
 from engine.models.arch import ModelArchConfig, ModelLoadError
 from engine.models.image_processor import ImageProcessing, read_image_processing
 from engine.models.lora import LoraAdapter, LoraBatch, load_lora_adapter
+from engine.models.qwen_vision import QwenVisionEncoder
 from engine.models.vision import VisionEncoder, load_vision_encoder
 from engine.mtp_drafts import MtpSegment, check_mtp, mtp_segment, propose_drafts, slots_end
 from engine.parallel.expert_placement import imbalance, rebalance
@@ -80,6 +82,8 @@ class SequenceChunk:
     draft_catching_up: bool = False
     # A vision-language model's images this chunk's positions overlap (``engine/images.py``).
     images: ChunkImages | None = None
+    # [3, len(token_ids)] rotary positions where they are not the sequence's (M-RoPE).
+    rope_positions: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -148,15 +152,17 @@ class ModelRunner:
             self.shard = ModelShard(model_dir, arch, config, device, dtype, max_model_len, group)
             # A vision-language model's image encoder (rank 0's alone: it broadcasts the
             # rows), its recent output, and the images it encoded so far.
-            self.vision: VisionEncoder | None = None
+            self.vision: VisionEncoder | QwenVisionEncoder | None = None
             self.image_processing: ImageProcessing | None = None
             self.encoder_cache = EncoderCache(config.encoder_cache_bytes)
             self.num_images_encoded = 0
             if arch.vision is not None:
                 self.vision = load_vision_encoder(model_dir, arch.vision, device, dtype)
+                vision = arch.vision
+                image_size = getattr(vision.tower, "image_size", 0)  # fixed-size towers'
                 try:  # preprocessor_config.json
                     self.image_processing = read_image_processing(
-                        model_dir, arch.vision.tower.image_size
+                        model_dir, image_size, vision.grid
                     )
                 except ValueError as exc:
                     raise ModelLoadError(str(exc)) from None
@@ -272,6 +278,7 @@ class ModelRunner:
         batch.block_table = self.block_table.gather(
             [chunk.request_id for chunk in chunks], [chunk.block_ids for chunk in chunks], width
         )
+        batch.rope_positions, batch.mrope_positions = rope_positions(batch.positions, chunks)
         return batch
 
     def _forward(
@@ -302,6 +309,8 @@ class ModelRunner:
                     logit_rows,
                     images[0].tolist() if images is not None else [],
                     batch.key_ends or [],
+                    batch.rope_positions or [],
+                    [] if batch.mrope_positions is None else batch.mrope_positions.tolist(),
                 )
             )  # fmt: skip
         lora = None
@@ -504,6 +513,29 @@ class ExpertBalance:
     # ran it, and under the one chosen for the next (1.0: perfect).
     imbalance: float = 1.0
     imbalance_rebalanced: float = 1.0
+
+
+def rope_positions(
+    positions: list[int], chunks: list[SequenceChunk] | list[MtpSegment]
+) -> tuple[list[int] | None, np.ndarray | None]:
+    """``HostBatch.rope_positions`` and ``mrope_positions`` of a step: None, None where
+    every chunk's rotary positions are its sequence positions; else one per token where
+    each token's three agree (decodes past their prompts: graphs may replay them), or
+    [3, num_tokens] (the other chunks' positions repeated on the three rows)."""
+    if all(getattr(chunk, "rope_positions", None) is None for chunk in chunks):
+        return None, None
+    parts = []
+    for chunk in chunks:
+        given = getattr(chunk, "rope_positions", None)
+        if given is None:
+            count = len(chunk.token_ids)
+            given = np.broadcast_to(np.arange(chunk.start_pos, chunk.start_pos + count), (3, count))
+        parts.append(given)
+    rows = np.concatenate(parts, axis=1)  # [3, num_tokens]
+    assert rows.shape[1] == len(positions), (rows.shape, len(positions))
+    if (rows[0] == rows[1]).all() and (rows[0] == rows[2]).all():
+        return rows[0].tolist(), None
+    return None, np.ascontiguousarray(rows, dtype=np.int64)
 
 
 def _wire_batch(batch: HostBatch) -> tuple:

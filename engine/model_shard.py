@@ -17,6 +17,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from common.config import ConfigError, EngineConfig, SpeculativeMethod
@@ -83,6 +84,15 @@ class HostBatch:
     # Per token, the end of the positions it attends to, where images attend both ways
     # (``BatchLayout.key_ends``); None: causal.
     key_ends: list[int] | None = None
+    # Rotary positions where they are not ``positions`` (M-RoPE: ``engine/mrope.py``):
+    # one per token where each token's three agree, else [3, num_tokens] int64.
+    rope_positions: list[int] | None = None
+    mrope_positions: np.ndarray | None = None
+
+    @property
+    def rotary_positions(self) -> list[int]:
+        """Each token's rotary position (not with ``mrope_positions``)."""
+        return self.positions if self.rope_positions is None else self.rope_positions
 
     @property
     def num_seqs(self) -> int:
@@ -270,6 +280,7 @@ class ModelShard:
             graphs is not None
             and lora is None  # graphs are captured for the base model
             and images is None
+            and batch.mrope_positions is None
             and batch.num_seqs == len(batch.input_ids)
             and graphs.fits(batch.num_seqs)
         )
@@ -291,7 +302,7 @@ class ModelShard:
         if self.uses_graph(batch, lora, images):
             assert self.decode_graphs is not None
             return self.decode_graphs.run(
-                batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
+                batch.input_ids, batch.rotary_positions, batch.slot_mapping, batch.seq_lens,
                 batch.block_table,
             )  # fmt: skip
         input_ids, positions, metadata = self._device_inputs(batch)
@@ -358,7 +369,10 @@ class ModelShard:
         """(input ids [n], positions [n], the backend's attention metadata) of ``batch``."""
         metadata = self.backend.build_metadata(self._layout(batch))
         input_ids = self.to_device(batch.input_ids, torch.int64)
-        positions = self.to_device(batch.positions, torch.int64)
+        if batch.mrope_positions is not None:  # [3, num_tokens]
+            positions = torch.from_numpy(batch.mrope_positions).to(self.device, non_blocking=True)
+        else:
+            positions = self.to_device(batch.rotary_positions, torch.int64)
         return input_ids, positions, metadata
 
     def _layout(self, batch: HostBatch) -> BatchLayout:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from common.multimodal import ImageSpan
     from engine.images import PromptImage
     from engine.models.lora import LoraAdapter
+    from engine.mrope import MropePositions
     from engine.pooling import PoolingParams
 
 
@@ -172,6 +173,9 @@ class Request:
     # encoder output kept for those a chunked prompt is part-way through.
     images: tuple[PromptImage, ...] = ()
     image_features: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Rotary positions where they are not the sequence's (Qwen2.5-VL with images:
+    # ``engine/mrope.py``); None: position i rotates by i.
+    mrope: MropePositions | None = None
 
     def set_model_drafts(self, draft_ids: list[int]) -> None:
         """A model's drafts after the request's tokens as they are now."""

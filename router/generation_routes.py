@@ -27,7 +27,7 @@ from router.errors import APIError, bad_request, internal
 from router.formatting import SSE_DONE, Formatter, ToolFormat, sse, usage_body
 from router.harmony import Harmony, call_constraint
 from router.harmony import opening_of as harmony_opening
-from router.images import PromptImages, image_refs, place_images, read_images
+from router.images import PromptImages, image_counts, image_refs, place_images, read_images
 from router.media_fetch import MediaFetcher
 from router.prompts import PromptTokenizer, tool_dicts
 from router.protocol import (
@@ -184,10 +184,11 @@ def add_generation_routes(
         if not images:
             return await asyncio.to_thread(prompt_tokenizer.chat, *args), None
         assert vision is not None and state.image_text is not None
+        counts = image_counts(images, vision)
         prompt = await asyncio.to_thread(
-            prompt_tokenizer.chat_images, state.image_text, len(images), *args
+            prompt_tokenizer.chat_images, state.image_text, counts, *args
         )
-        return place_images(prompt, images, vision)
+        return place_images(prompt, images, vision, counts)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:

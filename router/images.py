@@ -20,6 +20,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from common.image_grid import image_size
 from common.multimodal import ImageSpan, ImageText, data_url_bytes, image_digest, image_offsets
 from common.tokenizer import Tokenizer
 from common.vision_spec import VisionSpec
@@ -121,19 +122,34 @@ def read_data_url(url: str, param: str) -> bytes:
         raise bad_request(str(exc), param) from None
 
 
+def image_counts(images: list[bytes], vision: VisionSpec) -> list[int]:
+    """Each image's placeholder count: the model's fixed one, or under dynamic resolution
+    (Qwen2.5-VL) its size's, read from its header. An unreadable header or a refused
+    size is a 400."""
+    if vision.grid is None:
+        return [vision.tokens_per_image] * len(images)
+    counts = []
+    for index, data in enumerate(images):
+        try:
+            counts.append(vision.num_tokens(image_size(data)))
+        except ValueError as exc:
+            raise bad_request(f"images[{index}]: {exc}", "messages") from None
+    return counts
+
+
 def place_images(
-    prompt: list[int], images: list[bytes], vision: VisionSpec
+    prompt: list[int], images: list[bytes], vision: VisionSpec, counts: list[int]
 ) -> tuple[list[int], PromptImages]:
     """``images`` placed on the runs of placeholders of ``prompt`` (expanded: its markers
     made the images' sequences). Runs that are not ``images`` whole images are a 400
-    (``image_offsets``: a text that spells the placeholder itself)."""
+    (``image_offsets``: a text that spells the placeholder itself). ``counts``: each
+    image's placeholders (``image_counts``)."""
     try:
-        offsets = image_offsets(prompt, vision.image_token_id, vision.tokens_per_image, len(images))
+        offsets = image_offsets(prompt, vision.image_token_id, counts)
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from None
     messages = tuple(pb.Image(offset=o, data=d) for o, d in zip(offsets, images, strict=True))
     spans = tuple(
-        ImageSpan(o, vision.tokens_per_image, image_digest(d))
-        for o, d in zip(offsets, images, strict=True)
+        ImageSpan(o, n, image_digest(d)) for o, n, d in zip(offsets, counts, images, strict=True)
     )
     return prompt, PromptImages(messages, spans)

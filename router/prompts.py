@@ -4,7 +4,7 @@ each refusal an ``APIError`` naming the field it blames."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from common.multimodal import ImageText, render_with_images
@@ -89,17 +89,17 @@ class PromptTokenizer:
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
 
-    def chat_images(self, image_text: ImageText, num_images: int, *args) -> list[int]:
-        """``chat(*args)`` of messages with ``num_images`` images, each written as its
-        marker and made its sequence in the text (``ImageText``). Images reach the template
-        as content parts (what vision models' templates read); a template that does not
-        write the marker for each (one that reads content as a string, or fails on a list)
-        gets the marker's text in the string."""
+    def chat_images(self, image_text: ImageText, counts: Sequence[int], *args) -> list[int]:
+        """``chat(*args)`` of messages with images of ``counts`` placeholders each, each
+        written as its marker and made its sequence in the text (``ImageText``). Images
+        reach the template as content parts (what vision models' templates read); a
+        template that does not write the marker for each (one that reads content as a
+        string, or fails on a list) gets the marker's text in the string."""
 
         def render(marker: str | None) -> list[int]:
             return self.chat(
                 *args, image_text=marker, image_parts=marker is None,
-                rewrite=lambda text: image_text.expand(text, num_images),
+                rewrite=lambda text: image_text.expand(text, counts),
             )  # fmt: skip
 
         return render_with_images(render, image_text.marker, (APIError,))

@@ -22,6 +22,7 @@ A LLaVA-layout vision-language checkpoint's language model is any of these (its
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import struct
@@ -127,7 +128,12 @@ _BY_MODEL_TYPE = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "minimax_m2": "MiniMaxM2ForCausalLM",
+    # Qwen2.5-VL's language model: transformers 4's flat config, and 5's text_config.
+    "qwen2_5_vl": "Qwen2ForCausalLM",
+    "qwen2_5_vl_text": "Qwen2ForCausalLM",
 }
+# Qwen2_5_VLTextModel's M-RoPE sections where its config names none.
+_DEFAULT_MROPE_SECTION = (16, 24, 24)
 
 
 @dataclass(frozen=True, slots=True)
@@ -530,6 +536,8 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
         cfg = {**cfg, "partial_rotary_factor": int(cfg["rotary_dim"]) / int(head_dim)}
     partial = flags.glm4_moe or flags.minimax_m2
     rope = gemma3.pop("rope") if gemma3 else rope_config(cfg, path, flags.phi3_rope, partial)
+    if vision is not None and vision.mrope:
+        rope = _mrope(rope, int(head_dim), path)
     attention = {"num_kv_heads": int(cfg.get("num_key_value_heads") or num_q_heads),
                  "head_dim": int(head_dim)}  # fmt: skip
     if flags.latent_attention:
@@ -568,6 +576,18 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
 
 
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")  # transformers' names of the tanh GELU
+
+
+def _mrope(rope: RopeConfig, head_dim: int, path: Path) -> RopeConfig:
+    """Qwen2.5-VL's rotary with its M-RoPE sections (transformers' default where the
+    config names none), which must cover the rotary's frequency pairs."""
+    section = rope.mrope_section or _DEFAULT_MROPE_SECTION
+    if len(section) != 3 or sum(section) != rope.rotary_dim(head_dim) // 2:
+        raise ModelLoadError(
+            f"{path}: mrope_section {list(section)} must be 3 sections of the rotary's "
+            f"{rope.rotary_dim(head_dim) // 2} frequency pairs"
+        )
+    return dataclasses.replace(rope, mrope_section=tuple(section))
 
 
 def _gemma3_fields(

@@ -1,11 +1,12 @@
 """An image file's bytes to the vision encoder's input, as the checkpoint's
-``preprocessor_config.json`` says: transformers' CLIP, SigLIP and Gemma 3 image processors
-(their Pillow backend; Gemma 3's without pan-and-scan), step for step, so the pixels are the
-ones transformers computes.
+``preprocessor_config.json`` says: transformers' CLIP, SigLIP, Gemma 3 and Qwen2-VL image
+processors (their Pillow backend; Gemma 3's without pan-and-scan), step for step, so the
+pixels are the ones transformers computes.
 
 1. Decode (Pillow) and make RGB: an image with other modes is laid over white first.
 2. Resize (``size``): the shortest edge to ``shortest_edge``, the other in proportion
-   (rounded down), or to ``height`` x ``width``; Pillow's resampling filter ``resample``.
+   (rounded down), or to ``height`` x ``width``, or (dynamic resolution, Qwen2-VL) to the
+   multiples of 28 ``common/image_grid.py`` picks; Pillow's resampling filter ``resample``.
 3. Center-crop to ``crop_size`` (``do_center_crop``).
 4. Rescale (x ``rescale_factor``, in float64, then float32) and normalize per channel.
 
@@ -27,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from common.image_grid import DynamicGrid
+
 MAX_IMAGE_PIXELS = 50_000_000  # width x height
 # transformers' defaults where a preprocessor_config.json leaves keys out (CLIP's).
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -47,10 +50,11 @@ class ImageProcessing:
     rescale_factor: float | None  # None: no rescale
     mean: tuple[float, ...] | None  # None: no normalization
     std: tuple[float, ...] | None
+    grid: DynamicGrid | None = None  # dynamic resolution: each image its own size
 
     @property
     def output_size(self) -> tuple[int, int]:
-        """(height, width) of every processed image."""
+        """(height, width) of every processed image (not with ``grid``)."""
         if self.crop is not None:
             return self.crop
         if self.shortest_edge is not None:
@@ -58,11 +62,26 @@ class ImageProcessing:
         return self.height, self.width
 
 
-def read_image_processing(model_dir: str | Path, image_size: int) -> ImageProcessing:
+def read_image_processing(
+    model_dir: str | Path, image_size: int, grid: DynamicGrid | None = None
+) -> ImageProcessing:
     """The checkpoint's ``preprocessor_config.json``, or CLIP's defaults at the tower's
-    ``image_size`` when it has none. Raises ``ValueError`` naming a key it cannot serve."""
+    ``image_size`` when it has none; with ``grid`` (dynamic resolution), Qwen2-VL's
+    processor (bicubic, CLIP's normalization). Raises ``ValueError`` naming a key it
+    cannot serve."""
     path = Path(model_dir) / "preprocessor_config.json"
     raw: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    if grid is not None:
+        normalize = raw.get("do_normalize", True)
+        return ImageProcessing(
+            shortest_edge=None, height=0, width=0, resample=int(raw.get("resample", 3)),
+            crop=None,
+            rescale_factor=float(raw.get("rescale_factor", 1 / 255))
+            if raw.get("do_rescale", True) else None,
+            mean=tuple(raw.get("image_mean", _CLIP_MEAN)) if normalize else None,
+            std=tuple(raw.get("image_std", _CLIP_STD)) if normalize else None,
+            grid=grid,
+        )  # fmt: skip
     if raw.get("do_pan_and_scan"):
         raise ValueError(f"{path}: do_pan_and_scan (Gemma 3's crops) is not served")
     size = raw.get("size") or {"shortest_edge": image_size}
@@ -99,10 +118,11 @@ def read_image_processing(model_dir: str | Path, image_size: int) -> ImageProces
     return processing
 
 
-def check_image(data: bytes) -> None:
-    """Raise ``ImageError`` unless ``data``'s header is an image's of at most
-    ``MAX_IMAGE_PIXELS``; nothing past the header is read (microseconds)."""
-    _open(data)
+def check_image(data: bytes) -> tuple[int, int]:
+    """(width, height) of the image in ``data``, from its header; nothing past it is read
+    (microseconds). Raises ``ImageError`` unless it is an image's of at most
+    ``MAX_IMAGE_PIXELS``."""
+    return _open(data).size
 
 
 def _open(data: bytes) -> Any:
@@ -142,7 +162,13 @@ def image_pixels(data: bytes, processing: ImageProcessing) -> torch.Tensor:
     float32 pixels' bytes, what a request holds until its image is encoded)."""
     image = decode_image(data)
     width, height = image.size
-    if processing.shortest_edge is not None:
+    if processing.grid is not None:
+        try:
+            new_height, new_width = processing.grid.resized(width, height)
+        except ValueError as exc:
+            raise ImageError(str(exc)) from None
+        size = (new_width, new_height)
+    elif processing.shortest_edge is not None:
         short, long = sorted((width, height))
         edge = processing.shortest_edge
         new_long = int(edge * long / short)

@@ -62,7 +62,7 @@ _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
                   ("model.language_model.", "model."))  # fmt: skip
 _NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-             "model.multi_modal_projector.")  # fmt: skip
+             "model.multi_modal_projector.", "visual.", "model.visual.")  # fmt: skip
 _FUSED = re.compile(
     r"^(model\.(?:mtp_)?layers\.\d+\.(?:self_attn|mlp|mlp\.shared_expert))"
     r"\.(q|k|v|gate|up)_proj\.(weight|bias)$"

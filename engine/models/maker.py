@@ -17,7 +17,8 @@ a template of that format (the router reads its replies in it: ``router/harmony.
 ``minimax_m2`` MiniMax-M2's (see ``_minimax_m2_config``), ``llava`` a LLaVA-1.5-layout
 vision-language model (a Llama language model, a small CLIP tower: ``llava_maker.py``),
 ``gemma3_mm`` Gemma 3's vision-language layout (``gemma3``'s language model, a small SigLIP
-tower, pooled: ``gemma3_mm_maker.py``).
+tower, pooled: ``gemma3_mm_maker.py``), ``qwen2_5_vl`` Qwen2.5-VL's (``qwen2``'s with 3-D
+rotary sections, a small windowed vision transformer: ``qwen2_5_vl_maker.py``).
 ``deepseek_v3`` and ``glm4_moe`` store a random multi-token-prediction layer after their
 layers, as the releases do (``_add_mtp_layer``; transformers leaves it unloaded,
 ``engine.speculative_method: mtp`` drafts with it).
@@ -55,6 +56,12 @@ from engine.models.llava_maker import (
     llava_config,
     write_preprocessor_config,
 )
+from engine.models.qwen2_5_vl_maker import (
+    QWEN2_5_VL_CHAT_TEMPLATE,
+    VISION_TOKENS,
+    qwen2_5_vl_config,
+    write_qwen2_5_vl_files,
+)
 from engine.models.tokenizer_trainer import (
     BOS_TOKEN,
     CHAT_TEMPLATE,
@@ -72,14 +79,15 @@ from engine.models.tokenizer_trainer import (
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma3",
          "phi3", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2",
-         "llava", "gemma3_mm")  # fmt: skip
+         "llava", "gemma3_mm", "qwen2_5_vl")  # fmt: skip
 SIZES = ("tiny", "small")
 # ChatML for the others.
 _CHAT_TEMPLATES = {"qwen3": THINKING_CHAT_TEMPLATE, "qwen3_moe": THINKING_CHAT_TEMPLATE,
                    "gpt_oss": HARMONY_CHAT_TEMPLATE, "llava": LLAVA_CHAT_TEMPLATE,
-                   "gemma3_mm": GEMMA3_CHAT_TEMPLATE}  # fmt: skip
+                   "gemma3_mm": GEMMA3_CHAT_TEMPLATE,
+                   "qwen2_5_vl": QWEN2_5_VL_CHAT_TEMPLATE}  # fmt: skip
 # The vision-language archs' language models.
-_TEXT_ARCH = {"llava": "llama", "gemma3_mm": "gemma3"}
+_TEXT_ARCH = {"llava": "llama", "gemma3_mm": "gemma3", "qwen2_5_vl": "qwen2"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,6 +324,8 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
         tokenizer.add_special_tokens({"additional_special_tokens": DEEPSEEK_TOOL_TOKENS})
     if arch == "llava":  # the image placeholder, a special token as in LLaVA's tokenizers
         tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    if arch == "qwen2_5_vl":  # the vision markers and placeholder, special tokens
+        tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
     if arch == "gemma3_mm":  # runs of newlines are one token each, as in Gemma's vocabulary
         tokenizer.add_tokens(NEWLINE_RUNS)
     ids = {
@@ -331,6 +341,10 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
     auto_class = transformers.AutoModelForCausalLM
     if arch == "llava":
         config = llava_config(config, tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
+        auto_class = transformers.AutoModelForImageTextToText
+    if arch == "qwen2_5_vl":
+        token_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+        config = qwen2_5_vl_config(config, token_ids)
         auto_class = transformers.AutoModelForImageTextToText
     if arch == "gemma3_mm":
         token_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in GEMMA3_IMAGE_TOKENS.values()}
@@ -383,6 +397,8 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
         write_preprocessor_config(out)
     if arch == "gemma3_mm":
         write_gemma3_files(out)
+    if arch == "qwen2_5_vl":
+        write_qwen2_5_vl_files(out)
     info = {"arch": arch, "size": size, "seed": seed, "random_weights": True,
             "maker_version": MAKER_VERSION}  # fmt: skip
     (out / MADE_MODEL_INFO).write_text(json.dumps(info) + "\n")

@@ -60,13 +60,18 @@ class RotaryEmbedding(torch.nn.Module):
     """A cos/sin table for every position up to ``max_positions``, indexed per token.
 
     The tables are built by ``build_tables`` once the module sits on its final device (the
-    loader creates the model on the meta device first, so nothing is computed twice)."""
+    loader creates the model on the meta device first, so nothing is computed twice).
+
+    With M-RoPE sections (Qwen2.5-VL) positions may be ``[3, num_tokens]``: a token's
+    time, row and column; frequency pair i takes its angle from the row its section names
+    (``mrope_rows``). A token whose three are equal (all text) rotates as with one."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
         self.rope, self.head_dim, self.max_positions = rope, head_dim, max_positions
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.register_buffer("mrope_rows", torch.empty(0, dtype=torch.int64), persistent=False)
 
     def build_tables(self, device: torch.device) -> None:
         """(Re)compute the float32 tables; call after the module moved or changed dtype."""
@@ -77,15 +82,22 @@ class RotaryEmbedding(torch.nn.Module):
         scale = self.rope.attention_factor
         self.cos = (emb.cos() * scale).to(device)
         self.sin = (emb.sin() * scale).to(device)
+        if self.rope.mrope_section is not None:  # [rotary_dim]: 0, 1 or 2 per dimension
+            pairs = torch.repeat_interleave(torch.arange(3), torch.tensor(self.rope.mrope_section))
+            self.mrope_rows = torch.cat((pairs, pairs)).to(device)
 
     def forward(
         self,
-        positions: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens], or [3, num_tokens] (M-RoPE)
         query: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(query.dtype)[:, None, :]  # [num_tokens, 1, rotary_dim]
-        sin = self.sin[positions].to(query.dtype)[:, None, :]
+        cos, sin = self.cos[positions], self.sin[positions]  # [(3,) num_tokens, rotary_dim]
+        if positions.dim() == 2:  # each dimension's angle from its section's row
+            rows = self.mrope_rows.expand(1, positions.shape[1], -1)
+            cos, sin = cos.gather(0, rows)[0], sin.gather(0, rows)[0]
+        cos = cos.to(query.dtype)[:, None, :]  # [num_tokens, 1, rotary_dim]
+        sin = sin.to(query.dtype)[:, None, :]
         rotary_dim = cos.shape[-1]
         if rotary_dim == self.head_dim:
             return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin

@@ -34,6 +34,9 @@ class RopeConfig:
     attention_factor: float = 1.0  # yarn: cos and sin are scaled by this
     # Phi-3: only the first ``int(head_dim * partial_rotary_factor)`` dims of a head rotate.
     partial_rotary_factor: float = 1.0
+    # Qwen2.5-VL's M-RoPE: the rotary's frequency pairs in three sections, rotated by a
+    # token's time, row and column positions (``engine/mrope.py``); None: one position.
+    mrope_section: tuple[int, ...] | None = None
 
     def rotary_dim(self, head_dim: int) -> int:
         return int(head_dim * self.partial_rotary_factor)
@@ -80,6 +83,8 @@ def _rope_from_params(
 ) -> RopeConfig:
     theta = params.get("rope_theta", theta)
     rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "mrope":  # transformers 4's name for Qwen2-VL's: default frequencies
+        rope_type = "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         # longrope (Phi-3 128k, Phi-3.5, Phi-4-mini) switches tables when a sequence passes
         # the pretraining length, after its earlier keys were rotated with the other table:
@@ -117,6 +122,9 @@ def _rope_from_params(
         truncate=bool(params.get("truncate", True)),
         attention_factor=_yarn_attention_factor(params, factor) if rope_type == "yarn" else 1.0,
         partial_rotary_factor=float(params.get("partial_rotary_factor", 1.0)),
+        mrope_section=tuple(int(n) for n in section)
+        if (section := params.get("mrope_section"))
+        else None,
     )
 
 

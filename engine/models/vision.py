@@ -27,10 +27,11 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from common.vision_spec import VisionSpec, VisionTowerSpec
+from common.vision_spec import QwenTowerSpec, VisionSpec, VisionTowerSpec
 from engine.models.arch import safetensors_files
 from engine.models.errors import ModelLoadError
 from engine.models.norms import UnitOffsetRMSNorm
+from engine.models.qwen_vision import QwenVisionEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 _TOWER_PREFIXES = ("vision_tower.vision_model.", "model.vision_tower.vision_model.",
                    "model.vision_tower.", "vision_tower.")  # fmt: skip
 _PROJECTOR_PREFIXES = ("multi_modal_projector.", "model.multi_modal_projector.")
+_QWEN_PREFIXES = ("visual.", "model.visual.")  # Qwen2.5-VL's, transformers 4's then 5's
 # Parts of a tower never read: SigLIP's pooling head, and the final norm unless the spec
 # reads the last state through it (Gemma 3; LLaVA reads a layer's raw state).
 _UNUSED = ("head.",)
@@ -173,16 +175,21 @@ class VisionEncoder(nn.Module):
         return projector.mm_soft_emb_norm(pooled) @ projector.mm_input_projection_weight
 
 
-def _local_name(stored: str, post_norm: bool) -> str | None:
-    """A stored tensor's parameter name in ``VisionEncoder``; None: not the encoder's, or
+def _local_name(stored: str, spec: VisionSpec) -> str | None:
+    """A stored tensor's parameter name in the spec's encoder; None: not the encoder's, or
     a part of it never read."""
+    if isinstance(spec.tower, QwenTowerSpec):
+        for prefix in _QWEN_PREFIXES:
+            if stored.startswith(prefix):
+                return "visual." + stored[len(prefix) :]
+        return None
     for prefix in _PROJECTOR_PREFIXES:
         if stored.startswith(prefix):
             return "multi_modal_projector." + stored[len(prefix) :]
     for prefix in _TOWER_PREFIXES:
         if stored.startswith(prefix):
             rest = stored[len(prefix) :]
-            if rest.startswith(_UNUSED) or (rest.startswith(_POST_NORM) and not post_norm):
+            if rest.startswith(_UNUSED) or (rest.startswith(_POST_NORM) and not spec.post_norm):
                 return None
             return "vision_tower." + rest
     return None
@@ -190,19 +197,22 @@ def _local_name(stored: str, post_norm: bool) -> str | None:
 
 def load_vision_encoder(
     model_dir: str | Path, spec: VisionSpec, device: torch.device, dtype: torch.dtype
-) -> VisionEncoder:
+) -> VisionEncoder | QwenVisionEncoder:
     """The encoder with the checkpoint's weights. Raises ``ModelLoadError`` for a missing,
     unexpected or misshapen tensor (layers past the deepest feature layer are skipped)."""
+    qwen = isinstance(spec.tower, QwenTowerSpec)
     with torch.device("meta"):
-        encoder = VisionEncoder(spec)
+        encoder = QwenVisionEncoder(spec) if qwen else VisionEncoder(spec)
     encoder = encoder.to_empty(device=device).to(dtype)
+    if isinstance(encoder, QwenVisionEncoder):  # a buffer, computed (to_empty left it empty)
+        encoder.inv_freq = QwenVisionEncoder.rotary_inverse_frequencies(spec.tower, device)
     params = dict(encoder.named_parameters())
     filled: set[str] = set()
-    num_run = len(encoder.vision_tower.encoder.layers)
+    num_run = spec.tower.num_layers if qwen else len(encoder.vision_tower.encoder.layers)
     for path in safetensors_files(Path(model_dir)):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for stored in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                name = _local_name(stored, spec.post_norm)
+                name = _local_name(stored, spec)
                 if name is None or _past_run_layers(name, num_run):
                     continue
                 param = params.get(name)
@@ -221,8 +231,9 @@ def load_vision_encoder(
     if missing:
         raise ModelLoadError(f"{model_dir}: vision weights missing: {', '.join(missing[:5])}")
     logger.info(
-        "vision encoder: %s, %d of %d layers run, %d tokens per image",
-        spec.tower.kind, num_run, spec.tower.num_layers, spec.tokens_per_image,
+        "vision encoder: %s, %d of %d layers run, %s tokens per image",
+        spec.tower.kind, num_run, spec.tower.num_layers,
+        spec.tokens_per_image or "by size",
     )  # fmt: skip
     return encoder.eval()
 

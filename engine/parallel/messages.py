@@ -73,6 +73,9 @@ class Step(msgspec.Struct, tag="step", frozen=True):
     image_rows: list[int] = []
     # ``HostBatch.key_ends`` (images that attend both ways); empty: causal.
     key_ends: list[int] = []
+    # ``HostBatch.rope_positions`` and ``mrope_positions`` (M-RoPE); empty: none.
+    rope_positions: list[int] = []
+    mrope_positions: list[list[int]] = []
 
 
 class MtpPass(msgspec.Struct, tag="mtp_pass", frozen=True):

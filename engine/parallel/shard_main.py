@@ -29,6 +29,7 @@ import traceback
 from typing import Any, Protocol
 
 import msgspec
+import numpy as np
 import torch
 import zmq
 
@@ -189,6 +190,9 @@ class Shard:
     def _step(self, message: Step) -> None:
         batch = _host_batch(message)
         batch.key_ends = message.key_ends or None
+        batch.rope_positions = message.rope_positions or None
+        if message.mrope_positions:
+            batch.mrope_positions = np.array(message.mrope_positions, dtype=np.int64)
         lora = None
         if message.lora_rows:
             lora = LoraBatch(

@@ -9,7 +9,7 @@ import pytest
 from tests.support.processes import run_benchmark
 
 
-@pytest.mark.parametrize("arch", ["llava", "gemma3_mm"])
+@pytest.mark.parametrize("arch", ["llava", "gemma3_mm", "qwen2_5_vl"])
 def test_the_images_benchmark_runs_and_records(tmp_path, arch):
     args = ["--size", "tiny", "--num-prompts", "3", "--text-tokens", "20", "--repeats", "1",
             "--arch", arch]  # fmt: skip

@@ -15,38 +15,42 @@ from common.multimodal import (
 )
 
 IMG = 9
-LLAVA_TEXT = ImageText("<image>", "<image>" * 3, IMG, (IMG,) * 3)
-# Gemma 3's: newlines, a start token (7), the run, an end token (8), newlines (5).
-GEMMA3_TEXT = ImageText(
-    "<boi>", "\n\n<boi>" + "<img>" * 3 + "<eoi>\n\n", 7, (5, 7, IMG, IMG, IMG, 8, 5)
-)
+LLAVA_TEXT = ImageText("<image>", "", "<image>", "", IMG, IMG, (), ())
+# Gemma 3's: newlines (5), a start token (7) as the marker, the run, an end token (8).
+GEMMA3_TEXT = ImageText("<boi>", "\n\n<boi>", "<img>", "<eoi>\n\n", 7, IMG, (5, 7), (8, 5))
 
 
 def test_each_marker_becomes_its_images_sequence():
-    assert LLAVA_TEXT.expand("a <image> b", 1) == "a <image><image><image> b"
-    assert GEMMA3_TEXT.expand("a<boi>b", 1) == "a\n\n<boi><img><img><img><eoi>\n\nb"
-    assert LLAVA_TEXT.expand_ids([1, IMG, 2, IMG, IMG, 3], 3) == [
+    assert LLAVA_TEXT.expand("a <image> b", [3]) == "a <image><image><image> b"
+    assert GEMMA3_TEXT.expand("a<boi>b", [3]) == "a\n\n<boi><img><img><img><eoi>\n\nb"
+    # Images of their own sizes (Qwen2.5-VL's dynamic resolution): counts in order.
+    assert LLAVA_TEXT.expand("<image>-<image>", [1, 2]) == "<image>-<image><image>"
+    assert LLAVA_TEXT.expand_ids([1, IMG, 2, IMG, IMG, 3], [3, 3, 3]) == [
         1, IMG, IMG, IMG, 2, IMG, IMG, IMG, IMG, IMG, IMG, 3,
     ]  # fmt: skip
-    assert GEMMA3_TEXT.expand_ids([1, 7, 2], 1) == [1, 5, 7, IMG, IMG, IMG, 8, 5, 2]
-    assert image_offsets([1, 5, 7, IMG, IMG, IMG, 8, 5, 2], IMG, 3, 1) == [3]
+    assert GEMMA3_TEXT.expand_ids([1, 7, 2], [3]) == [1, 5, 7, IMG, IMG, IMG, 8, 5, 2]
+    assert image_offsets([1, 5, 7, IMG, IMG, IMG, 8, 5, 2], IMG, [3]) == [3]
+    assert image_offsets([IMG, IMG, IMG, 2, IMG], IMG, [2, 1, 1]) == [0, 2, 4]  # adjacent
     with pytest.raises(ValueError, match="holds 1 image markers .* for 2 images"):
-        LLAVA_TEXT.expand_ids([1, IMG, 2], 2)
+        LLAVA_TEXT.expand_ids([1, IMG, 2], [3, 3])
     with pytest.raises(ValueError, match="holds 2 '<boi>' markers for 1 images"):
-        GEMMA3_TEXT.expand("<boi> and <boi>", 1)
-    with pytest.raises(ValueError, match="takes 3"):  # a spelled placeholder joins a run
-        image_offsets([1, IMG, IMG, IMG, IMG, 2], IMG, 3, 1)
-    with pytest.raises(ValueError, match="holds 2 image placeholder runs"):
-        image_offsets([1, IMG, IMG, IMG, 2, IMG, IMG, IMG], IMG, 3, 1)
+        GEMMA3_TEXT.expand("<boi> and <boi>", [3])
+    for runs, counts in (([1, IMG, IMG, IMG, IMG, 2], [3]),  # a spelled placeholder joins
+                         ([1, IMG, IMG, IMG, 2, IMG, IMG, IMG], [3]),  # one run too many
+                         ([IMG, IMG, 2], [3])):  # fmt: skip
+        with pytest.raises(ValueError, match="are not its"):
+            image_offsets(runs, IMG, counts)
 
 
 def test_spans_must_cover_every_run_in_order():
     tokens, offsets = [1, *[IMG] * 8, 2, *[IMG] * 4], [1, 5, 10]
     spans = [ImageSpan(o, 4, image_digest(bytes([o]))) for o in offsets]
-    assert check_image_spans(tokens, spans, IMG, 4) is None  # adjacent runs split in 4s
-    assert "do not match" in check_image_spans(tokens, spans[:2], IMG, 4)
-    assert "do not match" in check_image_spans(tokens, spans[::-1], IMG, 4)
-    assert "takes 4" in check_image_spans(tokens[:-1], spans, IMG, 4)
+    assert check_image_spans(tokens, spans, IMG) is None  # adjacent runs split in 4s
+    assert "are not its 2 images" in check_image_spans(tokens, spans[:2], IMG)
+    assert "do not match" in check_image_spans(tokens, spans[::-1], IMG)
+    assert "are not its" in check_image_spans(tokens[:-1], spans, IMG)
+    sized = [ImageSpan(1, 5, b""), ImageSpan(6, 3, b""), ImageSpan(10, 4, b"")]
+    assert check_image_spans(tokens, sized, IMG) is None  # images of their own sizes
 
 
 def test_blocks_are_keyed_by_the_images_they_overlap():

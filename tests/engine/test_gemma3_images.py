@@ -106,8 +106,9 @@ def test_chat_and_token_prompts_equal_text_prompts(gemma3_mm):
     marked = llm.tokenizer.encode("<start_of_image> and <start_of_image>")
     ids, images = llm._with_images({"prompt_token_ids": marked,
                                     "multi_modal_data": {"image": IMAGES[:2]}})  # fmt: skip
-    sequence = llm._image_text().sequence_ids
-    assert ids[1 : 1 + len(sequence)] == list(sequence) and len(images) == 2
+    image_text = llm._image_text()
+    sequence = [*image_text.lead_ids, *[image_text.placeholder_id] * 16, *image_text.tail_ids]
+    assert ids[1 : 1 + len(sequence)] == sequence and len(images) == 2
     with pytest.raises(ValueError, match="markers"):  # one marker for two images
         llm._with_images({"prompt": "<start_of_image>", "multi_modal_data": {"image": IMAGES[:2]}})
 

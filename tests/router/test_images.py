@@ -90,16 +90,16 @@ def test_string_templates_get_the_image_token_in_the_text(llava, vision, image_t
     messages = chat("What is in ", image(b"x"), " and ", image(b"y"), "?")
     args = (messages, True, None, None, False, None, None)
     token_id = vision.image_token_id
-    with_parts = PromptTokenizer(Tokenizer(llava), 4096).chat_images(image_text, 2, *args)
-    with_text = PromptTokenizer(Tokenizer(plain), 4096).chat_images(image_text, 2, *args)
+    with_parts = PromptTokenizer(Tokenizer(llava), 4096).chat_images(image_text, [16] * 2, *args)
+    with_text = PromptTokenizer(Tokenizer(plain), 4096).chat_images(image_text, [16] * 2, *args)
     assert with_parts == with_text and with_parts.count(token_id) == 2 * 16
-    tokens, placed = place_images(with_parts, [b"x", b"y"], vision)
+    tokens, placed = place_images(with_parts, [b"x", b"y"], vision, [16, 16])
     runs = [s.offset for s in placed.spans]
     assert tokens == with_parts and [m.offset for m in placed.messages] == runs
     assert all(tokens[o : o + 16] == [token_id] * 16 for o in runs)
     assert [s.digest for s in placed.spans] == [image_digest(b"x"), image_digest(b"y")]
-    with pytest.raises(APIError, match="2 image placeholder runs"):
-        place_images(with_parts, [b"x"], vision)
+    with pytest.raises(APIError, match="are not its 1 images"):
+        place_images(with_parts, [b"x"], vision, [16])
     spelled = chat("What is in <image> and ", image(b"y"), "?")
     with pytest.raises(APIError, match="markers for 1 images"):
-        PromptTokenizer(Tokenizer(llava), 4096).chat_images(image_text, 1, spelled, *args[1:])
+        PromptTokenizer(Tokenizer(llava), 4096).chat_images(image_text, [16], spelled, *args[1:])

@@ -201,3 +201,91 @@ def test_gemma3_configs_it_cannot_serve_are_refused(model_factory, tmp_path):
     )
     with pytest.raises(ValueError, match="do_pan_and_scan"):
         image_processor.read_image_processing(model_dir, 56)
+
+
+QWEN_SIZES = [(60, 90), (200, 120), (300, 300), (56, 57), (29, 400)]
+
+
+@pytest.mark.parametrize("height,width", QWEN_SIZES)
+def test_qwen2_5_vl_pixels_and_rows_equal_transformers(model_factory, height, width):
+    """Dynamic resolution (sizes to multiples of 28 within the pixel bounds), bicubic,
+    CLIP's normalization: transformers' patches bit for bit. The windowed tower (windows
+    of 2 x 2 merge groups, partial at the edges) and the merger: its image features."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    model_dir = model_factory("qwen2_5_vl")
+    spec = read_vision_spec(json.loads((model_dir / "config.json").read_text()),
+                            model_dir / "config.json")  # fmt: skip
+    reference = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
+    data = encoded(random_rgba(height, height, width), "RGB")
+    expected = reference(images=Image.open(io.BytesIO(data)), return_tensors="pt")
+    _, grid_h, grid_w = expected["image_grid_thw"][0].tolist()
+    processing = image_processor.read_image_processing(model_dir, 0, spec.grid)
+    pixels = preprocess(data, processing)  # [3, H, W]
+    assert pixels.shape[1:] == (grid_h * 14, grid_w * 14)
+    assert spec.num_tokens((width, height)) == grid_h * grid_w // 4
+    # transformers' patch layout: merge groups whole, each patch twice (a still image).
+    grouped = pixels.reshape(3, grid_h // 2, 2, 14, grid_w // 2, 2, 14).permute(1, 4, 2, 5, 0, 3, 6)
+    patches = grouped[..., None, :, :].expand(*grouped.shape[:5], 2, 14, 14)
+    assert torch.equal(patches.reshape(grid_h * grid_w, -1), expected["pixel_values"])
+    encoder = load_vision_encoder(model_dir, spec, torch.device("cpu"), torch.float32)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        rows = model.model.get_image_features(**expected).pooler_output
+        rows = torch.cat(list(rows)) if isinstance(rows, list | tuple) else rows
+        torch.testing.assert_close(encoder(pixels[None])[0], rows, atol=1e-5, rtol=1e-5)
+
+
+def test_qwen2_5_vl_configs_it_cannot_serve_are_refused(tmp_path):
+    base = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "image_token_id": 9,
+            "text_config": {"hidden_size": 64}}  # fmt: skip
+    spec = read_vision_spec(base, tmp_path / "config.json")
+    assert spec.grid.max_pixels == 28 * 28 * 1280 and spec.num_tokens((448, 448)) == 256
+    cases = {
+        "hidden_act": {"vision_config": {"hidden_act": "gelu"}},
+        "window_size": {"vision_config": {"window_size": 100}},
+    }
+    for key, change in cases.items():
+        with pytest.raises(VisionConfigError, match=key):
+            read_vision_spec({**base, **change}, tmp_path / "config.json")
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"patch_size": 16}))
+    with pytest.raises(VisionConfigError, match="patch and merge sizes"):
+        read_vision_spec(base, tmp_path / "config.json")
+
+
+# Qwen2.5-VL-7B-Instruct's config.json (transformers 4's flat layout), its vision keys.
+QWEN2_5_VL_7B = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl",
+    "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
+    "num_hidden_layers": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+    "max_position_embeddings": 128000, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "tie_word_embeddings": False, "image_token_id": 151655, "vision_start_token_id": 151652,
+    "vision_config": {
+        "depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
+        "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14,
+        "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
+        "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
+        "temporal_patch_size": 2,
+    },
+}  # fmt: skip
+
+
+def test_the_hub_config_reads_as_transformers_reads_it(tmp_path):
+    """The language model is Qwen2's with M-RoPE sections; the tower 32 layers of 1280,
+    windowed but in 4; 1280 x 28 x 28 pixels at most (256 tokens for 448 x 448)."""
+    from engine.models.arch import arch_from_config
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN2_5_VL_7B))
+    arch = arch_from_config(QWEN2_5_VL_7B, tmp_path)
+    assert arch.architecture == "Qwen2ForCausalLM" and arch.qkv_bias
+    assert arch.rope.mrope_section == (16, 24, 24) and arch.rope.theta == 1e6
+    assert (arch.hidden_size, arch.num_layers, arch.head_dim) == (3584, 28, 128)
+    tower = arch.vision.tower
+    assert (tower.num_layers, tower.hidden_size, tower.out_hidden_size) == (32, 1280, 3584)
+    assert tower.full_attention_layers == (7, 15, 23, 31) and arch.vision.mrope
+    assert arch.vision.num_tokens((448, 448)) == 256

@@ -1,8 +1,10 @@
-"""Images to a Gemma 3-layout model through a real ``pdserve up`` stack (router + 1 prefill
-+ 1 decode worker): the router writes each image as Gemma 3's processor does (its newlines
-merged with the template's), the workers attend both ways inside each image, and the
-replies are the offline engine's, whole and streamed, with the decode worker pulling the
-KV and encoding nothing. A spelled image marker is a 400."""
+"""Images to Gemma 3- and Qwen2.5-VL-layout models through a real ``pdserve up`` stack
+(router + 1 prefill + 1 decode worker): the router writes each image as the model's
+processor does (Gemma 3: its newlines merged with the template's; Qwen2.5-VL: as many
+placeholders as the image's size gives), the workers attend both ways inside each image
+(Gemma 3) or place its tokens at 3-D positions (Qwen2.5-VL), and the replies are the
+offline engine's, whole and streamed, with the decode worker pulling the KV and encoding
+nothing. A spelled image marker is a 400."""
 
 from __future__ import annotations
 
@@ -10,13 +12,16 @@ import httpx
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.engine.test_gemma3_images import IMAGES
+from tests.engine.test_images import png
 from tests.router.test_images_live import data_url
 from tests.support.processes import write_config
 from tests.support.stack import serving, worker_stats
 
-MODEL = "gemma3-vision"
+MODEL = "vision"
 MAX_TOKENS = 12
+# Qwen2.5-VL's made model: 6 and 28 tokens (the sizes differ), Gemma 3's: 16 each.
+IMAGES = [png(1, 60, 90), png(2, 200, 120)]
+MARKERS = {"gemma3_mm": "<start_of_image>", "qwen2_5_vl": "<|image_pad|>"}
 
 
 def messages(first: bytes, second: bytes) -> list[dict]:
@@ -28,11 +33,11 @@ def messages(first: bytes, second: bytes) -> list[dict]:
     ]}]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def model_and_stack(model_factory, tmp_path_factory):
-    model_dir = model_factory("gemma3_mm")
-    tmp = tmp_path_factory.mktemp("gemma3-images")
-    # Chunks of 5 tokens: every image (16 tokens) is reached mid-chunk on both workers.
+@pytest.fixture(scope="module", params=list(MARKERS))
+def model_and_stack(model_factory, tmp_path_factory, request):
+    model_dir = model_factory(request.param)
+    tmp = tmp_path_factory.mktemp(f"{request.param}-images")
+    # Chunks of 5 tokens: every image is reached mid-chunk on both workers.
     config = write_config(
         tmp / "config.yaml",
         model_dir,
@@ -40,11 +45,11 @@ def model_and_stack(model_factory, tmp_path_factory):
         engine={"prefill_chunk_tokens": 5},
     )
     with serving(config, tmp / "home") as stack:
-        yield model_dir, stack
+        yield request.param, model_dir, stack
 
 
 def test_images_give_the_offline_tokens_disaggregated(model_and_stack):
-    model_dir, stack = model_and_stack
+    _, model_dir, stack = model_and_stack
     offline = LLM(model_dir)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
     client = stack.openai_client()
@@ -76,13 +81,13 @@ def test_images_give_the_offline_tokens_disaggregated(model_and_stack):
 
 
 def test_a_spelled_image_marker_is_a_400(model_and_stack):
-    _, stack = model_and_stack
+    arch, _, stack = model_and_stack
     body = {"model": MODEL, "max_tokens": MAX_TOKENS,
             "messages": [{"role": "user", "content": [
-                {"type": "text", "text": "look: <start_of_image>"},
+                {"type": "text", "text": f"look: {MARKERS[arch]}"},
                 {"type": "image_url", "image_url": {"url": data_url(IMAGES[0])}},
             ]}]}  # fmt: skip
     reply = httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=60)
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
-    assert error["param"] == "messages" and "markers for 1 images" in error["message"]
+    assert error["param"] == "messages" and "for 1 images" in error["message"]

@@ -1,0 +1,192 @@
+"""Qwen2.5-VL's layout in the engine: images at their own resolution (each its own token
+count), its windowed vision transformer, and 3-D rotary positions (M-RoPE) in the language
+model: transformers' positions, tokens and log-probs, whatever the chunking, caching,
+speculation, preemption, resumption, disaggregation or tensor parallelism."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from common.config import EngineConfig
+from engine import LLM, LLMEngine, SamplingParams
+from engine.mrope import mrope_positions
+from tests.engine.local_puller import LocalPuller
+from tests.engine.test_disaggregation import run
+from tests.engine.test_images import png, pulled_tokens
+
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+PROMPT = (
+    f"<|im_start|>user\nCompare {IMAGE} with {IMAGE}, please.<|im_end|>\n<|im_start|>assistant\n"
+)
+# (height, width) -> token grids 2 x 3, 7 x 4 (a window and a part), 8 x 8 (max pixels).
+IMAGES = [png(1, 60, 90), png(2, 200, 120), png(3, 300, 300)]
+GREEDY = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def qwen_vl(model_factory):
+    return model_factory("qwen2_5_vl")
+
+
+def hf_reference(model_dir, token_ids: list[int], images: list[bytes], mrope: bool = True):
+    """transformers' greedy tokens (12) and prompt log-probs, pixels from its processor;
+    ``mrope`` False: without the token types its processor adds, so that transformers
+    falls back to 1-D positions."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
+    pixels = processor(images=[Image.open(io.BytesIO(b)) for b in images], return_tensors="pt")
+    ids = torch.tensor([token_ids])
+    inputs = {"input_ids": ids, **pixels}
+    if mrope:
+        inputs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
+    with torch.no_grad():
+        logits = model(**inputs).logits[0]
+        tokens = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+    return tokens[0, len(token_ids) :].tolist(), logits[:-1].float().log_softmax(-1)
+
+
+def request(llm: LLM, images: list[bytes], prompt: str = PROMPT):
+    return llm._with_images({"prompt": prompt, "multi_modal_data": {"image": images}})
+
+
+def test_positions_equal_transformers(qwen_vl):
+    """``mrope_positions`` against ``get_rope_index``: images first, last, alone, between
+    text, of several grids; the delta that later tokens add."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(qwen_vl, dtype=torch.float32)
+    image_id = model.config.image_token_id
+    layouts = [  # (text before, (rows, columns)), ..., text after
+        ([(0, (2, 3))], 5), ([(4, (7, 4))], 0), ([(0, (1, 1))], 0),
+        ([(3, (2, 3)), (2, (8, 8)), (1, (3, 2))], 4),
+    ]  # fmt: skip
+    for images, tail in layouts:
+        ids, grids = [], []
+        for before, (rows, columns) in images:
+            ids += [5] * before
+            grids.append((len(ids), rows, columns))
+            ids += [image_id] * rows * columns
+        ids += [5] * tail
+        thw = torch.tensor([[1, 2 * rows, 2 * columns] for _, rows, columns in grids])
+        input_ids = torch.tensor([ids])
+        expected, delta = model.model.get_rope_index(
+            input_ids, mm_token_type_ids=(input_ids == image_id).int(), image_grid_thw=thw
+        )
+        got = mrope_positions(len(ids), grids)
+        assert np.array_equal(got.prompt, expected[:, 0].numpy()), images
+        assert got.delta == delta.item()
+        assert np.array_equal(got.rows(len(ids), len(ids) + 2)[1], len(ids) + delta.item()
+                              + np.arange(2))  # fmt: skip
+
+
+def test_tokens_and_prompt_logprobs_equal_transformers(qwen_vl):
+    """Two images of their own sizes (6 and 28 tokens), both orders: the ids transformers'
+    processor writes, its greedy tokens, and every prompt log-prob within 1e-4. With 1-D
+    positions (M-RoPE left out) the log-probs are off by far more."""
+    llm = LLM(qwen_vl)
+    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0, prompt_logprobs=1)
+    replies = []
+    for images in (IMAGES[:2], IMAGES[1::-1]):
+        token_ids, _ = request(llm, images)
+        image_id = llm.engine.arch.vision.image_token_id
+        assert token_ids.count(image_id) == 6 + 28
+        (output,) = llm.generate(
+            [{"prompt": PROMPT, "multi_modal_data": {"image": images}}], params, use_tqdm=False
+        )
+        expected_tokens, expected_logprobs = hf_reference(qwen_vl, token_ids, images)
+        assert output.outputs[0].token_ids == expected_tokens
+        got = torch.tensor([lp.logprob for lp in output.prompt_logprobs[1:]])
+        rows, targets = torch.arange(len(got)), torch.tensor(token_ids[1:])
+        assert torch.allclose(got, expected_logprobs[rows, targets], atol=1e-4)
+        replies.append(expected_tokens)
+    _, flat = hf_reference(qwen_vl, token_ids, IMAGES[1::-1], mrope=False)
+    assert (got - flat[rows, targets]).abs().max() > 1e-2
+    assert replies[0] != replies[1]
+    assert llm.engine.leak_report() == []
+
+
+@pytest.mark.parametrize("chunk", [5, 16])
+def test_chunks_prefix_cache_and_speculation_keep_the_tokens(qwen_vl, chunk):
+    """Chunked prompts (chunks cut images anywhere: attention stays causal), the same
+    images again (prefix hits inside and after images: their positions are the prompt's,
+    not the sequence's), and n-gram speculation (drafts verified at shifted positions)."""
+    prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": IMAGES[i : i + 2]}} for i in (0, 1)]
+    whole = LLM(qwen_vl, enable_prefix_caching=False)
+    expected = [o.outputs[0].token_ids for o in whole.generate(prompts, GREEDY, use_tqdm=False)]
+    llm = LLM(qwen_vl, prefill_chunk_tokens=chunk, block_size=8, num_speculative_tokens=3)
+    for _ in range(2):  # the second round hits the first's blocks
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert got == expected
+    assert llm.engine.scheduler.kv.num_hit_tokens > 0
+    assert llm.engine.leak_report() == []
+
+
+def test_preempted_and_resumed_requests_keep_their_positions(qwen_vl):
+    """Requests preempted by a small KV pool recompute their prompts; sequences resumed
+    from their first 7 tokens (a migration) continue at the prompt's shifted positions."""
+    prompts = [
+        {"prompt": PROMPT, "multi_modal_data": {"image": [png(30 + i), IMAGES[i % 3]]}}
+        for i in range(4)
+    ]
+    params = SamplingParams(max_tokens=40, min_tokens=40, temperature=0)
+    whole = LLM(qwen_vl)
+    expected = [o.outputs[0].token_ids for o in whole.generate(prompts, params, use_tqdm=False)]
+    small = LLM(qwen_vl, num_blocks=24, max_model_len=256, encoder_cache_bytes=0)
+    got = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
+    assert small.engine.scheduler.num_preemptions > 0
+    assert got == expected and small.engine.leak_report() == []
+    resumed = LLMEngine(qwen_vl, EngineConfig())
+    for i, prompt in enumerate(prompts):
+        token_ids, images = request(whole, prompt["multi_modal_data"]["image"])
+        resumed.add_request(f"r{i}", token_ids, params, images=images,
+                            output_token_ids=expected[i][:7])  # fmt: skip
+    outputs = run(resumed)
+    assert [outputs[f"r{i}"].outputs[0].token_ids for i in range(4)] == expected
+    assert resumed.leak_report() == []
+
+
+def test_disaggregated_equals_colocated(qwen_vl):
+    """The decode engine reads its pulled requests' image sizes from their headers alone
+    (undecoded) for the positions of the tokens it generates; a failed pull recomputes."""
+    llm = LLM(qwen_vl)
+    prompts = [request(llm, IMAGES[i : i + 2]) for i in (0, 1)]
+    colocated = LLMEngine(qwen_vl, EngineConfig())
+    for i, (token_ids, images) in enumerate(prompts):
+        colocated.add_request(f"r{i}", token_ids, GREEDY, images=images)
+    expected = {rid: out.outputs[0].token_ids for rid, out in run(colocated).items()}
+    puller = LocalPuller()
+    prefill = LLMEngine(qwen_vl, EngineConfig())
+    decode = LLMEngine(qwen_vl, EngineConfig(), kv_puller=puller)
+    puller.sources["prefill-0"], puller.target = prefill, decode
+    for fail in (True, False):
+        assert pulled_tokens(prefill, decode, puller, prompts, fail) == expected, fail
+    for engine in (prefill, decode, colocated):
+        assert engine.leak_report() == []
+
+
+def test_two_ranks_give_one_ranks_tokens(qwen_vl):
+    """Tensor parallelism: the other rank gets the step's 3-D positions with its rows."""
+    prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": IMAGES[i : i + 2]}} for i in (0, 1)]
+    one = LLM(qwen_vl)
+    expected = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
+    with LLM(qwen_vl, tensor_parallel_size=2, prefill_chunk_tokens=7) as two:
+        got = [o.outputs[0].token_ids for o in two.generate(prompts, GREEDY, use_tqdm=False)]
+        assert got == expected
+        assert two.engine.leak_report() == []
+
+
+def test_sizes_it_cannot_serve_are_refused(qwen_vl):
+    llm = LLM(qwen_vl)
+    with pytest.raises(ValueError, match="aspect ratio"):
+        request(llm, [png(9, 2, 500), IMAGES[0]])
+    assert llm.engine.leak_report() == []
