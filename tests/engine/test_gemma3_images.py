@@ -16,9 +16,13 @@ import torch
 from common.config import EngineConfig
 from engine import LLM, LLMEngine, SamplingParams
 from engine.images import whole_image_end
-from tests.engine.local_puller import LocalPuller
-from tests.engine.test_disaggregation import run
-from tests.engine.test_images import png, pulled_tokens
+from tests.engine.test_images import (
+    assert_two_ranks_give_one_ranks_tokens,
+    colocated_tokens,
+    disaggregated_pair,
+    png,
+    pulled_tokens,
+)
 
 PROMPT = (
     "<|im_start|>user\n<start_of_image>What is in this picture, and how does it differ from "
@@ -172,29 +176,15 @@ def test_disaggregated_equals_colocated(gemma3_mm):
         llm._with_images({"prompt": PROMPT, "multi_modal_data": {"image": IMAGES[i : i + 2]}})
         for i in (0, 1)
     ]
-    colocated = LLMEngine(gemma3_mm, EngineConfig())
-    for i, (token_ids, images) in enumerate(prompts):
-        colocated.add_request(f"r{i}", token_ids, GREEDY, images=images)
-    expected = {rid: out.outputs[0].token_ids for rid, out in run(colocated).items()}
-    puller = LocalPuller()
-    prefill = LLMEngine(gemma3_mm, EngineConfig())
-    decode = LLMEngine(gemma3_mm, EngineConfig(prefill_chunk_tokens=5), kv_puller=puller)
-    puller.sources["prefill-0"], puller.target = prefill, decode
+    expected = colocated_tokens(gemma3_mm, prompts)
+    prefill, decode, puller = disaggregated_pair(gemma3_mm, EngineConfig(prefill_chunk_tokens=5))
     for fail in (True, False):
         assert pulled_tokens(prefill, decode, puller, prompts, fail) == expected, fail
-    for engine in (prefill, decode, colocated):
+    for engine in (prefill, decode):
         assert engine.leak_report() == []
 
 
 def test_two_ranks_give_one_ranks_tokens(gemma3_mm):
     """Tensor parallelism: the other rank gets the step's key ends with its rows."""
     prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": IMAGES[i : i + 2]}} for i in (0, 1)]
-    one = LLM(gemma3_mm)
-    expected = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
-    llm = LLM(gemma3_mm, tensor_parallel_size=2, prefill_chunk_tokens=7)
-    try:
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-        assert got == expected
-        assert llm.engine.leak_report() == []
-    finally:
-        llm.engine.close()
+    assert_two_ranks_give_one_ranks_tokens(gemma3_mm, prompts, prefill_chunk_tokens=7)

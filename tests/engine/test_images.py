@@ -210,21 +210,29 @@ def test_preempted_and_resumed_requests_keep_their_images(llava):
         {"prompt": PROMPT, "multi_modal_data": {"image": [png(30 + i), IMAGES[i % 3]]}}
         for i in range(6)
     ]
-    params = SamplingParams(max_tokens=40, min_tokens=40, temperature=0)
-    whole = LLM(llava)
-    expected = [o.outputs[0].token_ids for o in whole.generate(prompts, params, use_tqdm=False)]
     # 16 blocks of 16 tokens hold 256 tokens; six prompts of ~60 tokens grow to ~100 each.
-    small = LLM(llava, num_blocks=16, max_model_len=256, encoder_cache_bytes=0)
+    assert_preemption_and_resumption_keep_tokens(llava, prompts, num_blocks=16)
+
+
+def assert_preemption_and_resumption_keep_tokens(
+    model_dir, prompts: list[dict], num_blocks: int
+) -> None:
+    """``prompts`` (with images) give an unconstrained engine's 40 tokens on one whose
+    ``num_blocks`` make it preempt, and when resumed from their first 7 tokens."""
+    params = SamplingParams(max_tokens=40, min_tokens=40, temperature=0)
+    whole = LLM(model_dir)
+    expected = [o.outputs[0].token_ids for o in whole.generate(prompts, params, use_tqdm=False)]
+    small = LLM(model_dir, num_blocks=num_blocks, max_model_len=256, encoder_cache_bytes=0)
     got = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
     assert small.engine.scheduler.num_preemptions > 0
     assert got == expected and small.engine.leak_report() == []
-    resumed = LLMEngine(llava, EngineConfig())
+    resumed = LLMEngine(model_dir, EngineConfig())
     for i, prompt in enumerate(prompts):
-        token_ids, images = request(whole, prompt["multi_modal_data"]["image"])
+        token_ids, images = whole._with_images(prompt)
         resumed.add_request(f"r{i}", token_ids, params, images=images,
                             output_token_ids=expected[i][:7])  # fmt: skip
     outputs = run(resumed)
-    assert [outputs[f"r{i}"].outputs[0].token_ids for i in range(6)] == expected
+    assert [outputs[f"r{i}"].outputs[0].token_ids for i in range(len(prompts))] == expected
     assert resumed.leak_report() == []
 
 
@@ -250,14 +258,8 @@ def test_disaggregated_equals_colocated_and_decode_encodes_nothing(llava, monkey
     then, with the same tokens."""
     llm = LLM(llava)
     prompts = [request(llm, IMAGES[i : i + 2]) for i in (0, 1)]
-    colocated = LLMEngine(llava, EngineConfig())
-    for i, (token_ids, images) in enumerate(prompts):
-        colocated.add_request(f"r{i}", token_ids, GREEDY, images=images)
-    expected = {rid: out.outputs[0].token_ids for rid, out in run(colocated).items()}
-    puller = LocalPuller()
-    prefill = LLMEngine(llava, EngineConfig())
-    decode = LLMEngine(llava, EngineConfig(), kv_puller=puller)
-    puller.sources["prefill-0"], puller.target = prefill, decode
+    expected = colocated_tokens(llava, prompts)
+    prefill, decode, puller = disaggregated_pair(llava)
     decode_calls = counting_encoder(decode)
     decoded = counting_decodes(monkeypatch)
     for fail in (True, False):
@@ -267,8 +269,29 @@ def test_disaggregated_equals_colocated_and_decode_encodes_nothing(llava, monkey
         # The failed pull recomputed one prompt's two images on the decode engine; the
         # pulls decode and encode none.
         assert sum(decode_calls) == 2 and len(decoded) == (2 if fail else 0)
-    for engine in (prefill, decode, colocated):
+    for engine in (prefill, decode):
         assert engine.leak_report() == []
+
+
+def colocated_tokens(model_dir, prompts: list[tuple[list[int], list[ImageInput]]]) -> dict:
+    """The greedy tokens of ``prompts`` (ids, images) on one engine, by request id."""
+    engine = LLMEngine(model_dir, EngineConfig())
+    for i, (token_ids, images) in enumerate(prompts):
+        engine.add_request(f"r{i}", token_ids, GREEDY, images=images)
+    tokens = {rid: out.outputs[0].token_ids for rid, out in run(engine).items()}
+    assert engine.leak_report() == []
+    return tokens
+
+
+def disaggregated_pair(
+    model_dir, decode_config: EngineConfig | None = None
+) -> tuple[LLMEngine, LLMEngine, LocalPuller]:
+    """A prefill engine and a decode engine that pulls from it (``pulled_tokens``)."""
+    puller = LocalPuller()
+    prefill = LLMEngine(model_dir, EngineConfig())
+    decode = LLMEngine(model_dir, decode_config or EngineConfig(), kv_puller=puller)
+    puller.sources["prefill-0"], puller.target = prefill, decode
+    return prefill, decode, puller
 
 
 def pulled_tokens(
@@ -402,13 +425,22 @@ def test_two_ranks_give_one_ranks_tokens(llava):
     """Tensor parallelism: rank 0 encodes and broadcasts the image rows to the other rank
     before the layers run, chunked prompts included."""
     prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": IMAGES[i : i + 2]}} for i in (0, 1)]
-    one = LLM(llava)
+    num_encoded = assert_two_ranks_give_one_ranks_tokens(llava, prompts, prefill_chunk_tokens=23)
+    assert num_encoded == 3  # IMAGES[1] is in both
+
+
+def assert_two_ranks_give_one_ranks_tokens(
+    model_dir, prompts: list[dict], prefill_chunk_tokens: int
+) -> int:
+    """``prompts`` give one rank's greedy tokens on two (chunked); returns the images the
+    two encoded."""
+    one = LLM(model_dir)
     expected = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
-    with LLM(llava, tensor_parallel_size=2, prefill_chunk_tokens=23) as two:
+    with LLM(model_dir, tensor_parallel_size=2, prefill_chunk_tokens=prefill_chunk_tokens) as two:
         got = [o.outputs[0].token_ids for o in two.generate(prompts, GREEDY, use_tqdm=False)]
         assert got == expected
-        assert two.engine.runner.num_images_encoded == 3  # IMAGES[1] is in both
         assert two.engine.leak_report() == []
+        return two.engine.runner.num_images_encoded
 
 
 def test_a_siglip_tower_over_qwen2_equals_transformers(llava, tmp_path):

@@ -11,12 +11,16 @@ import numpy as np
 import pytest
 import torch
 
-from common.config import EngineConfig
-from engine import LLM, LLMEngine, SamplingParams
+from engine import LLM, SamplingParams
 from engine.mrope import mrope_positions
-from tests.engine.local_puller import LocalPuller
-from tests.engine.test_disaggregation import run
-from tests.engine.test_images import png, pulled_tokens
+from tests.engine.test_images import (
+    assert_preemption_and_resumption_keep_tokens,
+    assert_two_ranks_give_one_ranks_tokens,
+    colocated_tokens,
+    disaggregated_pair,
+    png,
+    pulled_tokens,
+)
 
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 PROMPT = (
@@ -138,21 +142,7 @@ def test_preempted_and_resumed_requests_keep_their_positions(qwen_vl):
         {"prompt": PROMPT, "multi_modal_data": {"image": [png(30 + i), IMAGES[i % 3]]}}
         for i in range(4)
     ]
-    params = SamplingParams(max_tokens=40, min_tokens=40, temperature=0)
-    whole = LLM(qwen_vl)
-    expected = [o.outputs[0].token_ids for o in whole.generate(prompts, params, use_tqdm=False)]
-    small = LLM(qwen_vl, num_blocks=24, max_model_len=256, encoder_cache_bytes=0)
-    got = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
-    assert small.engine.scheduler.num_preemptions > 0
-    assert got == expected and small.engine.leak_report() == []
-    resumed = LLMEngine(qwen_vl, EngineConfig())
-    for i, prompt in enumerate(prompts):
-        token_ids, images = request(whole, prompt["multi_modal_data"]["image"])
-        resumed.add_request(f"r{i}", token_ids, params, images=images,
-                            output_token_ids=expected[i][:7])  # fmt: skip
-    outputs = run(resumed)
-    assert [outputs[f"r{i}"].outputs[0].token_ids for i in range(4)] == expected
-    assert resumed.leak_report() == []
+    assert_preemption_and_resumption_keep_tokens(qwen_vl, prompts, num_blocks=24)
 
 
 def test_disaggregated_equals_colocated(qwen_vl):
@@ -160,29 +150,18 @@ def test_disaggregated_equals_colocated(qwen_vl):
     (undecoded) for the positions of the tokens it generates; a failed pull recomputes."""
     llm = LLM(qwen_vl)
     prompts = [request(llm, IMAGES[i : i + 2]) for i in (0, 1)]
-    colocated = LLMEngine(qwen_vl, EngineConfig())
-    for i, (token_ids, images) in enumerate(prompts):
-        colocated.add_request(f"r{i}", token_ids, GREEDY, images=images)
-    expected = {rid: out.outputs[0].token_ids for rid, out in run(colocated).items()}
-    puller = LocalPuller()
-    prefill = LLMEngine(qwen_vl, EngineConfig())
-    decode = LLMEngine(qwen_vl, EngineConfig(), kv_puller=puller)
-    puller.sources["prefill-0"], puller.target = prefill, decode
+    expected = colocated_tokens(qwen_vl, prompts)
+    prefill, decode, puller = disaggregated_pair(qwen_vl)
     for fail in (True, False):
         assert pulled_tokens(prefill, decode, puller, prompts, fail) == expected, fail
-    for engine in (prefill, decode, colocated):
+    for engine in (prefill, decode):
         assert engine.leak_report() == []
 
 
 def test_two_ranks_give_one_ranks_tokens(qwen_vl):
     """Tensor parallelism: the other rank gets the step's 3-D positions with its rows."""
     prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": IMAGES[i : i + 2]}} for i in (0, 1)]
-    one = LLM(qwen_vl)
-    expected = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
-    with LLM(qwen_vl, tensor_parallel_size=2, prefill_chunk_tokens=7) as two:
-        got = [o.outputs[0].token_ids for o in two.generate(prompts, GREEDY, use_tqdm=False)]
-        assert got == expected
-        assert two.engine.leak_report() == []
+    assert_two_ranks_give_one_ranks_tokens(qwen_vl, prompts, prefill_chunk_tokens=7)
 
 
 def test_sizes_it_cannot_serve_are_refused(qwen_vl):

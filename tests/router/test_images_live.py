@@ -89,6 +89,16 @@ def llava_and_stack(model_factory, tmp_path_factory):
         yield llava, stack
 
 
+def whole_and_streamed(client, ask: dict) -> tuple[list[int], list[int]]:
+    """The token ids of the chat request ``ask`` answered whole, and streamed."""
+    whole = client.chat.completions.create(**ask).choices[0].model_extra["token_ids"]
+    streamed = []
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            streamed += choice.model_extra.get("token_ids") or []
+    return whole, streamed
+
+
 def chat(stack, body: dict) -> httpx.Response:
     body = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0.0,
             "return_token_ids": True, **body}  # fmt: skip
@@ -111,13 +121,7 @@ def test_images_give_the_offline_tokens_disaggregated(llava_and_stack):
         ask = {"model": MODEL, "messages": messages(*map(data_url, pair)),
                "max_tokens": MAX_TOKENS, "temperature": 0.0,
                "extra_body": {"return_token_ids": True}}  # fmt: skip
-        whole = client.chat.completions.create(**ask).choices[0]
-        assert whole.model_extra["token_ids"] == tokens
-        streamed = []
-        for chunk in client.chat.completions.create(**ask, stream=True):
-            for choice in chunk.choices:
-                streamed += choice.model_extra.get("token_ids") or []
-        assert streamed == tokens
+        assert whole_and_streamed(client, ask) == (tokens, tokens)
         seen.append(tokens)
     assert len({tuple(t) for t in seen}) == 3, "each pair of images must change the reply"
     (decode,) = worker_stats(stack, "decode")

@@ -13,7 +13,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from tests.engine.test_images import png
-from tests.router.test_images_live import data_url
+from tests.router.test_images_live import data_url, whole_and_streamed
 from tests.support.processes import write_config
 from tests.support.stack import serving, worker_stats
 
@@ -65,13 +65,7 @@ def test_images_give_the_offline_tokens_disaggregated(model_and_stack):
         tokens = expected.outputs[0].token_ids
         ask = {"model": MODEL, "messages": messages(*pair), "max_tokens": MAX_TOKENS,
                "temperature": 0.0, "extra_body": {"return_token_ids": True}}  # fmt: skip
-        whole = client.chat.completions.create(**ask).choices[0]
-        assert whole.model_extra["token_ids"] == tokens
-        streamed = []
-        for chunk in client.chat.completions.create(**ask, stream=True):
-            for choice in chunk.choices:
-                streamed += choice.model_extra.get("token_ids") or []
-        assert streamed == tokens
+        assert whole_and_streamed(client, ask) == (tokens, tokens)
         seen.append(tokens)
     assert seen[0] != seen[1], "the images' order must change the reply"
     (decode,) = worker_stats(stack, "decode")
