@@ -12,7 +12,7 @@ from typing import Any
 
 from common.config import ConfigError, PdserveConfig, Role
 from common.hf_config import eos_token_ids, max_context_len, text_config
-from common.vision_spec import VisionConfigError, VisionSpec, read_vision_spec
+from common.vision_spec import VisionSpec, served_vision_spec
 
 DEMO_ARCH, DEMO_SIZE = "llama", "tiny"
 
@@ -73,10 +73,7 @@ def model_info(config: PdserveConfig) -> ModelInfo:
         raise FileNotFoundError(f"{model_dir} holds no checkpoint (config.json missing)")
     raw = json.loads(config_path.read_text())
     hf_config = text_config(raw)
-    try:
-        vision = read_vision_spec(raw, config_path)
-    except VisionConfigError as exc:
-        raise ConfigError("model", str(exc)) from None
+    vision = served_vision_spec(raw, config_path)  # None where images cannot be served
     limit = max_context_len(hf_config)
     # The tightest limit of the roles that run (per-role engine overrides included): a
     # request must fit every worker it may be placed on.

@@ -23,6 +23,8 @@ Served layouts:
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +55,8 @@ _TOWER_DEFAULTS: dict[str, dict[str, Any]] = {
     },
 }  # fmt: skip
 _GELU = ("gelu", "gelu_pytorch_tanh", "quick_gelu", "gelu_new")
+
+logger = logging.getLogger(__name__)
 # Gemma3Config's defaults.
 _GEMMA3_DEFAULTS = {"mm_tokens_per_image": 256, "boi_token_index": 255999,
                     "eoi_token_index": 256000, "image_token_index": 262144}  # fmt: skip
@@ -153,13 +157,31 @@ class VisionSpec:
         return self.grid.num_tokens(*size)
 
 
-def read_vision_spec(raw: dict[str, Any], path: Path | str) -> VisionSpec | None:
-    """The image side of a parsed config.json, or None for a text-only checkpoint. Raises
-    ``VisionConfigError`` for a vision-language config outside what is served."""
+def vision_architecture(raw: dict[str, Any]) -> str | None:
+    """The served vision-language architecture a parsed config.json names, or None."""
     architectures = raw.get("architectures") or []
     architecture = next((a for a in architectures if a in VISION_ARCHITECTURES), None)
     if architecture is None and not architectures:
         architecture = _BY_MODEL_TYPE.get(raw.get("model_type", ""))
+    return architecture
+
+
+def served_vision_spec(raw: dict[str, Any], path: Path | str) -> VisionSpec | None:
+    """``read_vision_spec``, where an image side outside what is served leaves the
+    checkpoint's language model served for text (logged; image parts are then refused):
+    a Gemma 3 export without a usable tower served text before its images were, and a
+    vision-language model still answers text while its images cannot be read."""
+    try:
+        return read_vision_spec(raw, path)
+    except VisionConfigError as exc:
+        logger.warning("%s; serving its language model for text only", exc)
+        return None
+
+
+def read_vision_spec(raw: dict[str, Any], path: Path | str) -> VisionSpec | None:
+    """The image side of a parsed config.json, or None for a text-only checkpoint. Raises
+    ``VisionConfigError`` for a vision-language config outside what is served."""
+    architecture = vision_architecture(raw)
     if architecture is None:
         return None
     text_hidden = text_config(raw).get("hidden_size")  # transformers' defaults filled in
@@ -243,6 +265,9 @@ def _gemma3(raw: dict[str, Any], tower: VisionTowerSpec, text_hidden: int, path)
     if tower.kind != "siglip_vision_model":
         raise VisionConfigError(f"{path}: Gemma 3's vision tower must be SigLIP, not {tower.kind}")
     values = {**_GEMMA3_DEFAULTS, **raw}
+    processor = Path(path).parent / "preprocessor_config.json"
+    if processor.is_file() and json.loads(processor.read_text()).get("do_pan_and_scan"):
+        raise VisionConfigError(f"{processor}: do_pan_and_scan (Gemma 3's crops) is not served")
     num_tokens = int(values["mm_tokens_per_image"])
     patches_per_side = tower.image_size // tower.patch_size
     tokens_per_side = round(num_tokens**0.5)

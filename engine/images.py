@@ -41,6 +41,11 @@ from engine.models.vision import VisionEncoder
 # encodes them in groups, so the tower's activations stay bounded (CLIP-L's attention
 # scores alone are ~21 MB an image in float32: 16 heads x 577 x 577).
 ENCODER_BATCH = 16
+# And at most this many pixels per call (one image at least): under dynamic resolution an
+# image may hold 12.8 M pixels (Qwen2.5-VL's bound), ~300 MB in float64 while it is
+# normalized, with its tower's activations on top; 16 such in one call ran a GPU out of
+# memory on paper (a review's arithmetic). CLIP-L's 336 x 336 images still go 16 at once.
+ENCODER_BATCH_PIXELS = 1 << 22
 
 
 @dataclass(slots=True, eq=False)
@@ -58,8 +63,18 @@ def decode_pixels(image: PromptImage, processing: ImageProcessing) -> None:
     ``ImageError``."""
     if image.pixels is None:
         assert image.data is not None
-        image.pixels = image_pixels(image.data, processing)
+        image.pixels = _pixels(image.data, image.size, processing)
         image.data = None
+
+
+def _pixels(data: bytes, size: tuple[int, int], processing: ImageProcessing) -> torch.Tensor:
+    """``image_pixels``, checked against ``size`` (its header's) under dynamic resolution,
+    where the header's size set the image's token count and positions. Raises
+    ``ImageError``."""
+    pixels = image_pixels(data, processing)
+    if processing.grid is not None and tuple(pixels.shape[1:]) != processing.grid.resized(*size):
+        raise ImageError(f"the image decodes to another size than its header's {size}")
+    return pixels
 
 
 @dataclass(slots=True)
@@ -130,8 +145,7 @@ def prepare_images(
                 raise ImageError(str(exc)) from None
             span = ImageSpan(image.offset, num_tokens, image_digest(image.data))
             if decode:
-                pixels = image_pixels(image.data, processing)
-                prepared.append(PromptImage(span, pixels, size=size))
+                prepared.append(PromptImage(span, _pixels(image.data, size, processing), size=size))
             else:
                 prepared.append(PromptImage(span, None, image.data, size))
         except ImageError as exc:
@@ -184,11 +198,10 @@ def image_embeds(
     by_size: dict[tuple[int, ...], list[bytes]] = {}
     for digest in needed:  # dynamic resolution: each size its own calls
         by_size.setdefault(tuple(pixels[digest].shape), []).append(digest)
-    groups = [
-        digests[first : first + ENCODER_BATCH]
-        for digests in by_size.values()
-        for first in range(0, len(digests), ENCODER_BATCH)
-    ]
+    groups = []
+    for size, digests in by_size.items():
+        per_call = max(1, min(ENCODER_BATCH, ENCODER_BATCH_PIXELS // (size[-2] * size[-1])))
+        groups += [digests[first : first + per_call] for first in range(0, len(digests), per_call)]
     for group in groups:
         batch = torch.stack([pixels[d] for d in group]).to(device)  # [n, 3, H, W] uint8
         encoded = encoder(normalize(batch, processing))  # [n, tokens, hidden]

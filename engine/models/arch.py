@@ -38,7 +38,7 @@ from common.hf_config import (
     num_mtp_layers,
     text_config,
 )
-from common.vision_spec import VisionConfigError, VisionSpec, read_vision_spec
+from common.vision_spec import VisionSpec, served_vision_spec, vision_architecture
 from engine.models.bnb_config import Bnb4Bit, read_bnb_config
 from engine.models.errors import ModelLoadError
 from engine.models.fp8_config import Fp8Weights, read_fp8_config, read_quantization_config
@@ -487,11 +487,8 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
     # transformers falls back to model_type when a config names no architectures.
     architectures = raw.get("architectures") or [_BY_MODEL_TYPE.get(raw.get("model_type"), "")]
     cfg = text_config(raw)
-    try:
-        vision = read_vision_spec(raw, path)
-    except VisionConfigError as exc:
-        raise ModelLoadError(str(exc)) from None
-    if vision is not None and not any(a in ARCHITECTURES for a in architectures):
+    vision = served_vision_spec(raw, path)
+    if vision_architecture(raw) and not any(a in ARCHITECTURES for a in architectures):
         # LLaVA's: the language model is the text_config's (Gemma 3's is named as such).
         architectures = [_BY_MODEL_TYPE.get(cfg.get("model_type"), str(cfg.get("model_type")))]
     architecture = next((a for a in architectures if a in ARCHITECTURES), None)

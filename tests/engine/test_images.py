@@ -162,7 +162,8 @@ def test_prefix_cache_keys_blocks_by_their_images(llava):
 
 def test_a_step_encodes_many_new_images_in_bounded_groups(llava, monkeypatch):
     """Six new images in one step are encoded in groups of at most ENCODER_BATCH (here
-    4), with the tokens of one call for all."""
+    4), or of ENCODER_BATCH_PIXELS (here 2 images' worth), with the tokens of one call
+    for all."""
     from engine import images as engine_images
 
     pairs = [[png(10 + i), png(20 + i, 33, 61)] for i in range(3)]
@@ -177,6 +178,12 @@ def test_a_step_encodes_many_new_images_in_bounded_groups(llava, monkeypatch):
     got = [o.outputs[0].token_ids for o in grouped.generate(prompts, GREEDY, use_tqdm=False)]
     assert got == expected and calls == [4, 2]
     assert grouped.engine.leak_report() == []
+    monkeypatch.setattr(engine_images, "ENCODER_BATCH_PIXELS", 2 * 28 * 28 + 1)
+    by_pixels = LLM(llava)
+    calls = counting_encoder(by_pixels.engine)
+    got = [o.outputs[0].token_ids for o in by_pixels.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == expected and calls == [2, 2, 2]
+    assert by_pixels.engine.leak_report() == []
 
 
 def test_the_encoder_cache_serves_an_image_asked_about_again(llava):

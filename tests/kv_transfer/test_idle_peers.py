@@ -112,19 +112,20 @@ def _tcp_endpoints() -> dict[str, tuple[str, str]]:
 
 
 def _new_lasting_sockets(before: set[str]) -> set[str]:
-    """Sockets opened since ``before`` that are still open 0.5 s later, but for TCP
-    connections to another process. Both NIXL agents live in this process, so a leaked
-    UCX connection shows as sockets whose peers are here too, and lasts. What an object
-    an earlier test in this xdist process left behind may open meanwhile is not that: a
-    connect attempt comes and goes (it once failed this check when it counted every
-    socket), and a client's connection to another process (a redis pool, a channel to a
-    server) has its peer there (one once failed it when it counted lasting sockets)."""
+    """TCP connections opened since ``before``, still open 0.5 s later, whose peer is in
+    this process. Both NIXL agents live in this process, so a leaked UCX connection shows
+    as such sockets, and lasts. What an object an earlier test in this xdist process left
+    behind may open meanwhile is not that: a connect attempt comes and goes (it once failed
+    this check when it counted every socket), a client's connection to another process (a
+    redis pool, a channel to a server) has its peer there (one once failed it when it
+    counted lasting sockets), and a Unix or netlink socket is no UCX lane (one failed it
+    when it counted sockets that are not TCP)."""
     new = _sockets() - before
     time.sleep(0.5)
     lasting, everything = new & _sockets(), _sockets()
     endpoints = _tcp_endpoints()
     here = {endpoints[socket][0] for socket in everything if socket in endpoints}
-    return {s for s in lasting if s not in endpoints or endpoints[s][1] in here}
+    return {s for s in lasting if s in endpoints and endpoints[s][1] in here}
 
 
 @pytest.mark.timeout(90)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -289,3 +290,27 @@ def test_the_hub_config_reads_as_transformers_reads_it(tmp_path):
     assert (tower.num_layers, tower.hidden_size, tower.out_hidden_size) == (32, 1280, 3584)
     assert tower.full_attention_layers == (7, 15, 23, 31) and arch.vision.mrope
     assert arch.vision.num_tokens((448, 448)) == 256
+
+
+def test_an_image_side_it_cannot_serve_leaves_the_text_served(model_factory, tmp_path, caplog):
+    """A Gemma 3 export with pan-and-scan on, or a LLaVA tower it does not serve: the
+    language model loads (as before Gemma 3's images were served) and says why images
+    are not, and the router's model info agrees (image parts are then 400s)."""
+    from common.vision_spec import served_vision_spec
+    from engine.models.arch import read_arch_config
+
+    gemma = tmp_path / "gemma"
+    shutil.copytree(model_factory("gemma3_mm"), gemma)
+    processor = json.loads((gemma / "preprocessor_config.json").read_text())
+    (gemma / "preprocessor_config.json").write_text(
+        json.dumps({**processor, "do_pan_and_scan": True})
+    )
+    raw = json.loads((gemma / "config.json").read_text())
+    with pytest.raises(VisionConfigError, match="do_pan_and_scan"):
+        read_vision_spec(raw, gemma / "config.json")
+    arch = read_arch_config(gemma)
+    assert arch.vision is None and arch.architecture == "Gemma3ForConditionalGeneration"
+    assert "serving its language model for text only" in caplog.text
+    llava = json.loads((model_factory("llava") / "config.json").read_text())
+    llava["vision_config"]["model_type"] = "pixtral"
+    assert served_vision_spec(llava, tmp_path / "config.json") is None
