@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import struct
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ from engine.models.errors import ModelLoadError
 from engine.models.fp8_config import Fp8Weights, read_fp8_config, read_quantization_config
 from engine.models.int_weights_config import IntWeights, read_int_weights_config
 from engine.models.rope_config import RopeConfig, gemma3_ropes, rope_config
+
+logger = logging.getLogger(__name__)
 
 _MAX_SAFETENSORS_HEADER_BYTES = 100 << 20
 
@@ -488,6 +491,10 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
     architectures = raw.get("architectures") or [_BY_MODEL_TYPE.get(raw.get("model_type"), "")]
     cfg = text_config(raw)
     vision = served_vision_spec(raw, path)
+    if vision is not None and not _has_vision_weights(model_dir):
+        logger.warning("%s holds no vision tower weights; serving its language model for text "
+                       "only", model_dir)  # fmt: skip
+        vision = None
     if vision_architecture(raw) and not any(a in ARCHITECTURES for a in architectures):
         # LLaVA's: the language model is the text_config's (Gemma 3's is named as such).
         architectures = [_BY_MODEL_TYPE.get(cfg.get("model_type"), str(cfg.get("model_type")))]
@@ -618,6 +625,29 @@ def _gemma3_fields(
         layer_ropes=tuple(sliding if t == "sliding_attention" else full for t in layer_types),
         final_logit_softcap=float(softcap) if softcap is not None else None,
     )
+
+
+# Where vision-language checkpoints keep their image side (transformers 4's names, then 5's).
+_VISION_PREFIXES = ("vision_tower.", "model.vision_tower.", "visual.", "model.visual.")
+
+
+def _has_vision_weights(model_dir: Path) -> bool:
+    """Whether the checkpoint's files hold a vision tower: a text-only export of a
+    vision-language model keeps its config but not the tower. True when it has no weight
+    files to look at (the loader says what is missing)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        names = json.loads(index.read_text()).get("weight_map", {})
+    else:
+        try:
+            files = safetensors_files(model_dir)
+        except ModelLoadError:
+            return True
+        names = {}
+        for path in files:
+            with open(path, "rb") as f:
+                names.update(json.loads(read_safetensors_header(f)))
+    return any(name.startswith(_VISION_PREFIXES) for name in names)
 
 
 def read_safetensors_header(f: BinaryIO) -> bytes:

@@ -314,3 +314,27 @@ def test_an_image_side_it_cannot_serve_leaves_the_text_served(model_factory, tmp
     llava = json.loads((model_factory("llava") / "config.json").read_text())
     llava["vision_config"]["model_type"] = "pixtral"
     assert served_vision_spec(llava, tmp_path / "config.json") is None
+
+
+def test_a_checkpoint_without_its_tower_serves_text(model_factory, tmp_path, caplog):
+    """A text-only export that keeps the vision-language config (Gemma 3's, here) loads
+    its language model and generates, images refused, rather than failing to load."""
+    from safetensors.torch import load_file, save_file
+
+    from engine import LLM, SamplingParams
+    from engine.models.arch import read_arch_config
+
+    model_dir = tmp_path / "text-only"
+    shutil.copytree(model_factory("gemma3_mm"), model_dir)
+    weights = load_file(model_dir / "model.safetensors")
+    kept = {name: t for name, t in weights.items() if "vision_tower" not in name
+            and "multi_modal_projector" not in name}  # fmt: skip
+    assert len(kept) < len(weights)
+    save_file(kept, model_dir / "model.safetensors", metadata={"format": "pt"})
+    assert read_arch_config(model_dir).vision is None
+    assert "holds no vision tower weights" in caplog.text
+    llm = LLM(model_dir)
+    (output,) = llm.generate(["Hello"], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match="takes no images"):
+        llm.generate([{"prompt": "<start_of_image>", "multi_modal_data": {"image": [b"x"]}}])
