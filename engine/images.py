@@ -225,40 +225,52 @@ def image_embeds(
     return (rows, torch.cat(parts)), len(needed)
 
 
+def attention_groups(spans: Sequence[ImageSpan]) -> list[tuple[int, int]]:
+    """[start, end) of each run of images whose tokens attend to each other (Gemma 3):
+    an image, or images with no token between them, which transformers makes one group
+    (its mask groups consecutive image tokens); Gemma 3's processor never writes them so."""
+    groups: list[tuple[int, int]] = []
+    for span in spans:
+        if groups and groups[-1][1] == span.offset:
+            groups[-1] = (groups[-1][0], span.end)
+        else:
+            groups.append((span.offset, span.end))
+    return groups
+
+
 def image_key_ends(
     positions: Sequence[int], chunks: Sequence[tuple[int, int, int, ChunkImages]]
 ) -> list[int]:
     """``HostBatch.key_ends`` of a step whose images attend both ways (Gemma 3): per
     batch row (``positions``), the end of the positions it attends to: its own + 1, or
-    for an image's token the image's end. ``chunks``: as ``image_embeds``'. Each image a
-    chunk computes part of ends within it (the scheduler's promise: ``whole_image_end``)."""
+    for an image's token its group's end (``attention_groups``). ``chunks``: as
+    ``image_embeds``'. Each group a chunk computes part of ends within it (the
+    scheduler's promise: ``whole_image_end``), so all of its images are the chunk's."""
     key_ends = [position + 1 for position in positions]
     for first_row, start, end, store in chunks:
-        for _, image in store.images:
-            span = image.span
-            if span.end > end:
+        for group_start, group_end in attention_groups([image.span for _, image in store.images]):
+            if group_end > end:
                 raise RuntimeError(
                     f"a chunk of positions [{start}, {end}) cuts the image at "
-                    f"[{span.offset}, {span.end}), whose tokens attend to each other"
+                    f"[{group_start}, {group_end}), whose tokens attend to each other"
                 )
-            lo = max(span.offset, start)
-            key_ends[first_row + lo - start : first_row + span.end - start] = [span.end] * (
-                span.end - lo
+            lo = max(group_start, start)
+            key_ends[first_row + lo - start : first_row + group_end - start] = [group_end] * (
+                group_end - lo
             )
     return key_ends
 
 
 def whole_image_end(images: Sequence[PromptImage], start: int, end: int, max_end: int) -> int:
     """Where a chunk of positions from ``start`` that would end at ``end`` ends when images'
-    tokens attend to each other (Gemma 3), so that it computes each image it touches to
-    the image's end: ``end`` outside images; before the image ``end`` falls in when the
-    chunk reaches it from text; that image's end when the chunk starts inside or at it
-    and may grow that far (``max_end``: the step's budget); else ``start`` (not this
-    step)."""
-    for image in images:
-        span = image.span
-        if span.offset < end < span.end:
-            if span.offset > start:
-                return span.offset
-            return span.end if span.end <= max_end else start
+    tokens attend to each other (Gemma 3), so that it computes each image group
+    (``attention_groups``) it touches to the group's end: ``end`` outside groups; before
+    the group ``end`` falls in when the chunk reaches it from text; that group's end when
+    the chunk starts inside or at it and may grow that far (``max_end``: the step's
+    budget); else ``start`` (not this step)."""
+    for group_start, group_end in attention_groups([image.span for image in images]):
+        if group_start < end < group_end:
+            if group_start > start:
+                return group_start
+            return group_end if group_end <= max_end else start
     return end

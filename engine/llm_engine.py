@@ -40,7 +40,13 @@ from engine.errors import (
     PromptTooLongError,
 )
 from engine.grammar import Grammars
-from engine.images import PromptImage, chunk_images, decode_pixels, prepare_images
+from engine.images import (
+    PromptImage,
+    attention_groups,
+    chunk_images,
+    decode_pixels,
+    prepare_images,
+)
 from engine.kv_cache_manager import cdiv
 from engine.kv_connector import KVPuller
 from engine.kv_events import KVEventCollector
@@ -235,6 +241,7 @@ class LLMEngine:
         prompt = self.validate_prompt(prompt_token_ids)
         outputs = self.validate_prompt(output_token_ids, allow_empty=True)
         prepared = self.prepare_images(prompt, images, decode=remote_kv is None)
+        self._check_image_groups(prepared)
         scheduler = self.scheduler
         if request_id in scheduler.requests or request_id in scheduler.held:
             raise DuplicateRequestError(request_id)
@@ -379,6 +386,23 @@ class LLMEngine:
                 "prompt",
             )
         return prompt
+
+    def _check_image_groups(self, images: Sequence[PromptImage]) -> None:
+        """Where images' tokens attend to each other, each group of them is computed in one
+        step: a group larger than the step's budget (adjacent images) is refused, as it
+        could never be scheduled."""
+        vision = self.arch.vision
+        if vision is None or not vision.bidirectional or not images:
+            return
+        budget = self.config.max_num_batched_tokens
+        for start, end in attention_groups([image.span for image in images]):
+            if end - start > budget:
+                raise InvalidRequestError(
+                    f"the images at positions [{start}, {end}) have no token between them: "
+                    f"their {end - start} tokens attend to each other and must be computed "
+                    f"in one step, past engine.max_num_batched_tokens={budget}",
+                    "images",
+                )
 
     def _mrope(
         self, num_prompt_tokens: int, images: Sequence[PromptImage]

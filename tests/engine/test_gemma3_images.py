@@ -188,3 +188,39 @@ def test_two_ranks_give_one_ranks_tokens(gemma3_mm):
     """Tensor parallelism: the other rank gets the step's key ends with its rows."""
     prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": IMAGES[i : i + 2]}} for i in (0, 1)]
     assert_two_ranks_give_one_ranks_tokens(gemma3_mm, prompts, prefill_chunk_tokens=7)
+
+
+def test_adjacent_images_attend_as_one_group_as_in_transformers(gemma3_mm):
+    """Two images with no token between them (a prompt of ids; Gemma 3's processor never
+    writes them so): transformers' mask makes them one group, whose tokens all see each
+    other; so does the engine, in chunks of 5 too. A group past the step's budget could
+    never be scheduled and is refused."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    from engine.errors import InvalidRequestError
+
+    image_id = LLM(gemma3_mm).engine.arch.vision.image_token_id
+    ids = [1, 40, 41, *[image_id] * 32, 42, 43]
+    prompt = {"prompt_token_ids": ids, "multi_modal_data": {"image": IMAGES[:2]}}
+    model = AutoModelForImageTextToText.from_pretrained(gemma3_mm, dtype=torch.float32).eval()
+    processor = Gemma3ImageProcessorPil.from_pretrained(gemma3_mm)
+    pixels = processor(images=[Image.open(io.BytesIO(b)) for b in IMAGES[:2]],
+                       return_tensors="pt")["pixel_values"]  # fmt: skip
+    input_ids = torch.tensor([ids])
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, pixel_values=pixels,
+                       token_type_ids=(input_ids == image_id).long()).logits[0]  # fmt: skip
+    expected = logits[:-1].log_softmax(-1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+    for llm in (LLM(gemma3_mm), LLM(gemma3_mm, prefill_chunk_tokens=5)):
+        (output,) = llm.generate([prompt], params, use_tqdm=False)
+        got = torch.tensor([lp.logprob for lp in output.prompt_logprobs[1:]])
+        assert torch.allclose(got, expected, atol=1e-4)
+        assert llm.engine.leak_report() == []
+    small = LLMEngine(gemma3_mm, EngineConfig(max_num_batched_tokens=24))
+    token_ids, images = LLM(gemma3_mm)._with_images(prompt)
+    with pytest.raises(InvalidRequestError, match="32 tokens attend to each other"):
+        small.add_request("r", token_ids, GREEDY, images=images)
+    assert small.leak_report() == []
