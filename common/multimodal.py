@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from common.image_grid import image_size
 from common.vision_spec import VisionSpec
 
 T = TypeVar("T")
@@ -157,6 +158,22 @@ class ImageText:
             else:
                 expanded.append(token_id)
         return expanded
+
+
+def image_token_counts(vision: VisionSpec, images: Sequence[bytes]) -> list[int]:
+    """Each image's placeholder count: the model's fixed one, or under dynamic resolution
+    (Qwen2.5-VL) its size's, read from its header (``common/image_grid.py``). Raises
+    ``ValueError`` naming the image (``images[i]``) for an unreadable header or a size
+    dynamic resolution refuses."""
+    if vision.grid is None:
+        return [vision.tokens_per_image] * len(images)
+    counts = []
+    for index, data in enumerate(images):
+        try:
+            counts.append(vision.num_tokens(image_size(data)))
+        except ValueError as exc:
+            raise ValueError(f"images[{index}]: {exc}") from None
+    return counts
 
 
 def _check_count(count: int, num_images: int, what: str) -> None:

@@ -23,12 +23,12 @@ from tqdm import tqdm
 
 from common.config import EngineConfig
 from common.generation_config import GenerationDefaults
-from common.image_grid import image_size
 from common.multimodal import (
     ImageInput,
     ImageText,
     data_url_bytes,
     image_offsets,
+    image_token_counts,
     render_with_images,
 )
 from common.tokenizer import Tokenizer
@@ -170,8 +170,8 @@ class LLM:
         add_generation_prompt: bool,
         template_kwargs: Mapping[str, Any] | None,
     ) -> dict[str, Any]:
-        """A conversation as a ``generate`` prompt: its template's ids (one image token
-        per image) and its images."""
+        """A conversation as a ``generate`` prompt: its template's ids (each image's
+        sequence in place: ``ImageText``) and its images, as encoded files."""
         images: list[Any] = []
         kinds: list[list[tuple[str, str]]] = []  # per message: (kind, text) of its parts
         for message in conversation:
@@ -185,7 +185,7 @@ class LLM:
                 if kind == "text":
                     parts.append(("text", part["text"]))
                 elif kind in ("image_url", "image"):
-                    images.append(_chat_image(part))
+                    images.append(_image_bytes(_chat_image(part)))
                     parts.append(("image", ""))
                 else:
                     raise ValueError(f"content parts of type {kind!r} are not supported")
@@ -193,7 +193,7 @@ class LLM:
 
         vision = self.engine.arch.vision
         image_text = self._image_text() if images and vision is not None else None
-        counts = self._image_counts([_image_bytes(image) for image in images]) if image_text else []
+        counts = image_token_counts(vision, images) if image_text else []
 
         def render(marker: str | None) -> list[int]:
             """``render_with_images``' renderer: parts, or the marker in strings."""
@@ -266,8 +266,8 @@ class LLM:
         return token_lists, lora_names, image_lists
 
     def _with_images(self, prompt: Prompt) -> tuple[list[int], list[ImageInput]]:
-        """A prompt's token ids, each image token made its run of placeholders, and its
-        images placed on them."""
+        """A prompt's token ids, each image marker made its image's sequence (unless a
+        prompt of ids holds the sequences already), and its images placed on them."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt), []
         if not isinstance(prompt, Mapping):
@@ -284,22 +284,13 @@ class LLM:
         if vision is None:
             raise ValueError(f"{self.engine.model_dir.name} takes no images")
         data = [_image_bytes(image) for image in images]
-        counts = self._image_counts(data)
+        counts = image_token_counts(vision, data)
         if "prompt" in prompt:  # markers become the images' sequences before tokenizing
             tokens = self.tokenizer.encode(self._image_text().expand(prompt["prompt"], counts))
         elif tokens.count(vision.image_token_id) != sum(counts):
             tokens = self._image_text().expand_ids(tokens, counts)  # not expanded yet
         offsets = image_offsets(tokens, vision.image_token_id, counts)
         return tokens, [ImageInput(o, d) for o, d in zip(offsets, data, strict=True)]
-
-    def _image_counts(self, images: list[bytes]) -> list[int]:
-        """Each image's placeholder count (by its size, under dynamic resolution). Raises
-        ``ValueError`` for an image whose header cannot be read or whose size is refused."""
-        vision = self.engine.arch.vision
-        assert vision is not None
-        if vision.grid is None:
-            return [vision.tokens_per_image] * len(images)
-        return [vision.num_tokens(image_size(data)) for data in images]
 
     def _image_text(self) -> ImageText:
         """How prompts hold this vision model's images (computed once). Raises

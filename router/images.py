@@ -20,8 +20,14 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common.image_grid import image_size
-from common.multimodal import ImageSpan, ImageText, data_url_bytes, image_digest, image_offsets
+from common.multimodal import (
+    ImageSpan,
+    ImageText,
+    data_url_bytes,
+    image_digest,
+    image_offsets,
+    image_token_counts,
+)
 from common.tokenizer import Tokenizer
 from common.vision_spec import VisionSpec
 from proto import pdserve_pb2 as pb
@@ -123,18 +129,12 @@ def read_data_url(url: str, param: str) -> bytes:
 
 
 def image_counts(images: list[bytes], vision: VisionSpec) -> list[int]:
-    """Each image's placeholder count: the model's fixed one, or under dynamic resolution
-    (Qwen2.5-VL) its size's, read from its header. An unreadable header or a refused
-    size is a 400."""
-    if vision.grid is None:
-        return [vision.tokens_per_image] * len(images)
-    counts = []
-    for index, data in enumerate(images):
-        try:
-            counts.append(vision.num_tokens(image_size(data)))
-        except ValueError as exc:
-            raise bad_request(f"images[{index}]: {exc}", "messages") from None
-    return counts
+    """Each image's placeholder count (``image_token_counts``); an unreadable header or a
+    refused size is a 400."""
+    try:
+        return image_token_counts(vision, images)
+    except ValueError as exc:
+        raise bad_request(str(exc), "messages") from None
 
 
 def place_images(

@@ -118,10 +118,23 @@ class QwenVisionEncoder(nn.Module):
         return inv_freq if device is None else inv_freq.to(device)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
-        """[n, 3, H, W] float32 (normalized; one size) -> [n, tokens, text_hidden]."""
-        return torch.stack([self._image(image) for image in pixels])
+        """[n, 3, H, W] float32 (normalized; one size) -> [n, tokens, text_hidden]. The
+        window order and the rotary follow from the size alone: computed once a call."""
+        merge, patch = self.tower.merge_size, self.tower.patch_size
+        rows, columns = pixels.shape[2] // patch, pixels.shape[3] // patch
+        device = self.visual.patch_embed.proj.weight.device
+        order, windows = self._windows(rows // merge, columns // merge, device)
+        cos, sin = self._rotary(rows, columns, order, device)
+        return torch.stack([self._image(image, order, windows, cos, sin) for image in pixels])
 
-    def _image(self, pixels: torch.Tensor) -> torch.Tensor:  # [3, H, W] -> [T, text_hidden]
+    def _image(
+        self,
+        pixels: torch.Tensor,  # [3, H, W]
+        order: torch.Tensor,  # ``_windows``'
+        windows: list[torch.Tensor],
+        cos: torch.Tensor,  # ``_rotary``'s
+        sin: torch.Tensor,
+    ) -> torch.Tensor:  # [T, text_hidden]
         tower, visual = self.tower, self.visual
         merge, patch = tower.merge_size, tower.patch_size
         weight = visual.patch_embed.proj.weight
@@ -134,10 +147,8 @@ class QwenVisionEncoder(nn.Module):
                                                   patch, patch)  # fmt: skip
         patches = patches.reshape(rows * columns, self.patch_dim).to(weight.device, weight.dtype)
         x = patches @ weight.reshape(weight.shape[0], -1).T  # [L, C]
-        order, windows = self._windows(rows // merge, columns // merge, x.device)
         unit = merge * merge
         x = x.view(-1, unit, x.shape[-1])[order].reshape(x.shape)  # window by window
-        cos, sin = self._rotary(rows, columns, order, x.device)
         for index, block in enumerate(visual.blocks):
             full = index in tower.full_attention_layers
             x = block(x, cos, sin, None if full else windows)
