@@ -8,7 +8,8 @@ placeholder tokens each, from a 3-layer CLIP tower over 28 x 28 pixels, far smal
 LLaVA-1.5's 24 layers over 336 x 336, so the encoder's share here is a lower bound; the
 made Gemma 3: 16 pooled from a 2-layer SigLIP over 56 x 56, each image's tokens attending
 to each other; the made Qwen2.5-VL: by size, 64 for a 256 x 256 image at its pixel bound,
-from a 4-layer windowed tower, at 3-D rotary positions).
+from a 4-layer windowed tower, at 3-D rotary positions; the made Qwen3-VL: 64 for a
+256 x 256 image, from a 4-layer tower with DeepStack rows for 3 language-model layers).
 Cases, each the median of ``--repeats`` rounds (the cases alternate within a round, after
 a warm-up round), a run being all prompts with ``max_tokens`` 1 (the prompt's work and its
 first token):
@@ -55,8 +56,12 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=2, help="images per prompt")
     parser.add_argument("--image-size", type=int, default=256, help="pixels of a side")
     parser.add_argument("--repeats", type=int, default=5, help="rounds")
-    parser.add_argument("--arch", choices=("llava", "gemma3_mm", "qwen2_5_vl"), default="llava",
-                        help="the made model's layout (without --model)")  # fmt: skip
+    parser.add_argument(
+        "--arch",
+        choices=("llava", "gemma3_mm", "qwen2_5_vl", "qwen3_vl"),
+        default="llava",
+        help="the made model's layout (without --model)",
+    )
     args = parser.parse_args()
     from engine.models.maker import ensure_model
 

@@ -19,6 +19,12 @@ Served layouts:
   follows from its size), and 3-D rotary positions in the language model (``mrope``:
   ``engine/mrope.py``). The template writes ``<|image_pad|>`` per image, which becomes as
   many of itself as the image has tokens.
+- Qwen3-VL's (``Qwen3VLForConditionalGeneration``): Qwen2.5-VL's prompt layout and
+  positions, another tower (``Qwen3TowerSpec``: learned position embeddings resized to the
+  image's patch grid, full attention in every layer, 16-pixel patches), frequency pairs
+  interleaved over the 3-D positions (``mrope_interleaved``), and DeepStack: the states of
+  a few tower layers, merged as the output is, are added to the language model's first
+  layers' outputs at the image's positions (``deepstack``).
 """
 
 from __future__ import annotations
@@ -36,8 +42,9 @@ from common.image_grid import DynamicGrid, read_dynamic_grid
 LLAVA = "LlavaForConditionalGeneration"
 GEMMA3 = "Gemma3ForConditionalGeneration"
 QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
-VISION_ARCHITECTURES = (LLAVA, GEMMA3, QWEN2_5_VL)
-_BY_MODEL_TYPE = {"llava": LLAVA, "gemma3": GEMMA3, "qwen2_5_vl": QWEN2_5_VL}
+QWEN3_VL = "Qwen3VLForConditionalGeneration"
+VISION_ARCHITECTURES = (LLAVA, GEMMA3, QWEN2_5_VL, QWEN3_VL)
+_BY_MODEL_TYPE = {"llava": LLAVA, "gemma3": GEMMA3, "qwen2_5_vl": QWEN2_5_VL, "qwen3_vl": QWEN3_VL}
 # The vision towers served, by their config's model_type: (class token, pre-norm) of each.
 _TOWERS = {"clip_vision_model": (True, True), "siglip_vision_model": (False, False)}
 # transformers' defaults for a config that leaves keys out (CLIPVisionConfig's and
@@ -113,9 +120,33 @@ class QwenTowerSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class Qwen3TowerSpec:
+    """Qwen3-VL's vision transformer (``Qwen3VLVisionConfig``)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int  # "depth"
+    num_heads: int
+    out_hidden_size: int  # the language model's width
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    # A square table of learned position embeddings, resized (bilinear) to each image's
+    # patch grid.
+    num_position_embeddings: int
+    # deepstack_visual_indexes: the layers whose states also go, merged, to the language
+    # model's first layers (the i-th listed to layer i's output).
+    deepstack_layers: tuple[int, ...]
+    hidden_act: str
+    rope_theta: float
+    num_channels: int = 3
+    kind: str = "qwen3_vl_vision"
+
+
+@dataclass(frozen=True, slots=True)
 class VisionSpec:
     architecture: str
-    tower: VisionTowerSpec | QwenTowerSpec
+    tower: VisionTowerSpec | QwenTowerSpec | Qwen3TowerSpec
     image_token_id: int  # the placeholder: one per encoder row
     # Indexes into the tower's states: 0 the embeddings, i the output of layer i (negative
     # from the end); several are concatenated along the hidden size.
@@ -139,6 +170,18 @@ class VisionSpec:
     # The language model's rotary positions are 3-D (time, row, column) over images
     # (Qwen2.5-VL's M-RoPE; ``engine/mrope.py``).
     mrope: bool = False
+    # M-RoPE's frequency pairs take time, row and column in turn (Qwen3-VL), rather than in
+    # three contiguous sections (Qwen2.5-VL).
+    mrope_interleaved: bool = False
+    # DeepStack (Qwen3-VL): the encoder's rows are ``1 + deepstack`` slices of
+    # ``text_hidden_size``, the input embedding, then one to add to each of the language
+    # model's first ``deepstack`` layers' outputs at the image's positions.
+    deepstack: int = 0
+
+    @property
+    def rows_width(self) -> int:
+        """Width of the encoder's output rows (``deepstack``)."""
+        return self.text_hidden_size * (1 + self.deepstack)
 
     def image_text(self, token_text: Callable[[int], str]) -> tuple[str, str, str]:
         """(marker, lead, tail): the text a template writes for an image, and what comes
@@ -191,6 +234,8 @@ def read_vision_spec(raw: dict[str, Any], path: Path | str) -> VisionSpec | None
     default_tower = "siglip_vision_model" if architecture == GEMMA3 else "clip_vision_model"
     if architecture == QWEN2_5_VL:
         return _qwen2_5_vl(raw, int(text_hidden), path)
+    if architecture == QWEN3_VL:
+        return _qwen3_vl(raw, int(text_hidden), path)
     tower = _read_tower(raw.get("vision_config") or {"model_type": default_tower}, path)
     if architecture == GEMMA3:
         return _gemma3(raw, tower, int(text_hidden), path)
@@ -349,4 +394,79 @@ def _qwen2_5_vl(raw: dict[str, Any], text_hidden: int, path) -> VisionSpec:
         marker_token_id=token_id,
         grid=grid,
         mrope=True,
+    )
+
+
+# Qwen3VLVisionConfig's defaults where a config leaves keys out.
+_QWEN3_TOWER_DEFAULTS: dict[str, Any] = {
+    "depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+    "in_channels": 3, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+    "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24],
+    "hidden_act": "gelu_pytorch_tanh",
+}  # fmt: skip
+
+
+def _qwen3_vl(raw: dict[str, Any], text_hidden: int, path) -> VisionSpec:
+    vision = {**_QWEN3_TOWER_DEFAULTS, **(raw.get("vision_config") or {})}
+    if vision["hidden_act"] not in _GELU:
+        raise VisionConfigError(
+            f"{path}: vision_config.hidden_act {vision['hidden_act']!r} is not served "
+            f"({', '.join(_GELU)})"
+        )
+    rope = vision.get("rope_parameters") or {}
+    tower = Qwen3TowerSpec(
+        hidden_size=int(vision["hidden_size"]),
+        intermediate_size=int(vision["intermediate_size"]),
+        num_layers=int(vision["depth"]),
+        num_heads=int(vision["num_heads"]),
+        out_hidden_size=int(vision.get("out_hidden_size", text_hidden)),
+        patch_size=int(vision["patch_size"]),
+        temporal_patch_size=int(vision["temporal_patch_size"]),
+        merge_size=int(vision["spatial_merge_size"]),
+        num_position_embeddings=int(vision["num_position_embeddings"]),
+        deepstack_layers=tuple(int(i) for i in vision["deepstack_visual_indexes"]),
+        hidden_act=vision["hidden_act"],
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        num_channels=int(vision["in_channels"]),
+    )
+    side = round(tower.num_position_embeddings**0.5)
+    if side * side != tower.num_position_embeddings:
+        raise VisionConfigError(
+            f"{path}: vision_config.num_position_embeddings {tower.num_position_embeddings} "
+            "is not a square grid"
+        )
+    if any(not 0 <= i < tower.num_layers for i in tower.deepstack_layers):
+        raise VisionConfigError(
+            f"{path}: vision_config.deepstack_visual_indexes {list(tower.deepstack_layers)} "
+            f"names no layer of a {tower.num_layers}-layer tower"
+        )
+    num_text_layers = text_config(raw).get("num_hidden_layers")
+    if num_text_layers is not None and len(tower.deepstack_layers) > int(num_text_layers):
+        raise VisionConfigError(
+            f"{path}: {len(tower.deepstack_layers)} DeepStack layers for a "
+            f"{num_text_layers}-layer language model"
+        )
+    grid = read_dynamic_grid(Path(path).parent, vision)
+    if (grid.patch_size, grid.merge_size) != (tower.patch_size, tower.merge_size):
+        raise VisionConfigError(
+            f"{path}: the image processor's patch and merge sizes {grid.patch_size}, "
+            f"{grid.merge_size} differ from the vision tower's"
+        )
+    token_id = int(raw.get("image_token_id", 151655))
+    return VisionSpec(
+        architecture=QWEN3_VL,
+        tower=tower,
+        image_token_id=token_id,
+        feature_layers=(-1,),
+        drop_class_token=False,
+        projector="merger",
+        projector_act="gelu",
+        projector_bias=True,
+        text_hidden_size=text_hidden,
+        tokens_per_image=0,
+        marker_token_id=token_id,
+        grid=grid,
+        mrope=True,
+        mrope_interleaved=True,
+        deepstack=len(tower.deepstack_layers),
     )

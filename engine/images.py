@@ -34,8 +34,7 @@ from engine.models.image_processor import (
     image_pixels,
     normalize,
 )
-from engine.models.qwen_vision import QwenVisionEncoder
-from engine.models.vision import VisionEncoder
+from engine.models.vision import AnyVisionEncoder
 
 # Images per encoder call: a step that reaches many new images (a burst of requests)
 # encodes them in groups, so the tower's activations stay bounded (CLIP-L's attention
@@ -80,7 +79,7 @@ def _pixels(data: bytes, size: tuple[int, int], processing: ImageProcessing) -> 
 @dataclass(slots=True)
 class ChunkImages:
     """The images a chunk's positions overlap, and its request's store of encoder output
-    (image index -> [tokens_per_image, hidden]) that the runner reads and updates."""
+    (image index -> [num_tokens, rows_width]) that the runner reads and updates."""
 
     images: tuple[tuple[int, PromptImage], ...]  # (index in the request, image)
     features: dict[int, torch.Tensor]
@@ -169,18 +168,19 @@ def chunk_images(
 
 
 def image_embeds(
-    encoder: VisionEncoder | QwenVisionEncoder,
+    encoder: AnyVisionEncoder,
     processing: ImageProcessing,
     cache: EncoderCache,
     chunks: Sequence[tuple[int, int, int, ChunkImages]],
     device: torch.device,
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
     """The rows of a step's flattened batch that are image placeholders and what goes
-    there, (rows [m] int64, embeddings [m, hidden]), and how many images were encoded for
-    it. ``chunks``: (first batch row, first position, end position, images) of each chunk
-    with images. Images neither in their request's store nor in ``cache`` are encoded
-    together (an image twice in the step, once; images of one pixel size per call); each
-    chunk's store keeps an image's rows only while its run goes on past the chunk."""
+    there, (rows [m] int64, embeddings [m, ``VisionSpec.rows_width``]: the input embedding,
+    then any DeepStack rows), and how many images were encoded for it. ``chunks``: (first
+    batch row, first position, end position, images) of each chunk with images. Images
+    neither in their request's store nor in ``cache`` are encoded together (an image twice
+    in the step, once; images of one pixel size per call); each chunk's store keeps an
+    image's rows only while its run goes on past the chunk."""
     needed: dict[bytes, list[tuple[ChunkImages, int]]] = {}
     pixels: dict[bytes, torch.Tensor] = {}
     for _, _, _, store in chunks:

@@ -36,8 +36,7 @@ from engine.model_shard import HostBatch, ModelShard
 from engine.models.arch import ModelArchConfig, ModelLoadError
 from engine.models.image_processor import ImageProcessing, read_image_processing
 from engine.models.lora import LoraAdapter, LoraBatch, load_lora_adapter
-from engine.models.qwen_vision import QwenVisionEncoder
-from engine.models.vision import VisionEncoder, load_vision_encoder
+from engine.models.vision import AnyVisionEncoder, load_vision_encoder
 from engine.mtp_drafts import MtpSegment, check_mtp, mtp_segment, propose_drafts, slots_end
 from engine.parallel.expert_placement import imbalance, rebalance
 from engine.parallel.group import SingleRank, TPGroup
@@ -152,7 +151,7 @@ class ModelRunner:
             self.shard = ModelShard(model_dir, arch, config, device, dtype, max_model_len, group)
             # A vision-language model's image encoder (rank 0's alone: it broadcasts the
             # rows), its recent output, and the images it encoded so far.
-            self.vision: VisionEncoder | QwenVisionEncoder | None = None
+            self.vision: AnyVisionEncoder | None = None
             self.image_processing: ImageProcessing | None = None
             self.encoder_cache = EncoderCache(config.encoder_cache_bytes)
             self.num_images_encoded = 0

@@ -134,9 +134,12 @@ _BY_MODEL_TYPE = {
     # Qwen2.5-VL's language model: transformers 4's flat config, and 5's text_config.
     "qwen2_5_vl": "Qwen2ForCausalLM",
     "qwen2_5_vl_text": "Qwen2ForCausalLM",
+    "qwen3_vl": "Qwen3ForCausalLM",  # Qwen3-VL's: Qwen3's (q/k norms)
+    "qwen3_vl_text": "Qwen3ForCausalLM",
 }
-# Qwen2_5_VLTextModel's M-RoPE sections where its config names none.
-_DEFAULT_MROPE_SECTION = (16, 24, 24)
+# The M-RoPE sections where a config names none: Qwen2_5_VLTextModel's, Qwen3VLTextModel's
+# (interleaved).
+_DEFAULT_MROPE_SECTION = {False: (16, 24, 24), True: (24, 20, 20)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -541,7 +544,7 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
     partial = flags.glm4_moe or flags.minimax_m2
     rope = gemma3.pop("rope") if gemma3 else rope_config(cfg, path, flags.phi3_rope, partial)
     if vision is not None and vision.mrope:
-        rope = _mrope(rope, int(head_dim), path)
+        rope = _mrope(rope, int(head_dim), vision.mrope_interleaved, path)
     attention = {"num_kv_heads": int(cfg.get("num_key_value_heads") or num_q_heads),
                  "head_dim": int(head_dim)}  # fmt: skip
     if flags.latent_attention:
@@ -582,16 +585,17 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")  # transformers' names of the tanh GELU
 
 
-def _mrope(rope: RopeConfig, head_dim: int, path: Path) -> RopeConfig:
-    """Qwen2.5-VL's rotary with its M-RoPE sections (transformers' default where the
-    config names none), which must cover the rotary's frequency pairs."""
-    section = rope.mrope_section or _DEFAULT_MROPE_SECTION
+def _mrope(rope: RopeConfig, head_dim: int, interleaved: bool, path: Path) -> RopeConfig:
+    """Qwen2.5-VL's or Qwen3-VL's (``interleaved``) rotary with its M-RoPE sections
+    (transformers' default where the config names none), which must cover the rotary's
+    frequency pairs."""
+    section = rope.mrope_section or _DEFAULT_MROPE_SECTION[interleaved]
     if len(section) != 3 or sum(section) != rope.rotary_dim(head_dim) // 2:
         raise ModelLoadError(
             f"{path}: mrope_section {list(section)} must be 3 sections of the rotary's "
             f"{rope.rotary_dim(head_dim) // 2} frequency pairs"
         )
-    return dataclasses.replace(rope, mrope_section=tuple(section))
+    return dataclasses.replace(rope, mrope_section=tuple(section), mrope_interleaved=interleaved)
 
 
 def _gemma3_fields(

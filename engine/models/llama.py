@@ -309,20 +309,27 @@ class LlamaForCausalLM(nn.Module):
         """``hidden_states``, and the residual stream entering each layer of
         ``aux_layer_ids`` (0: the embeddings; ``num_layers``: the last layer's output), in
         their order ([num_tokens, hidden_size] each): what an EAGLE-3 head reads.
-        ``images``: (rows [m], embeddings [m, hidden]) of a vision-language model's image
-        placeholders, which replace those rows' token embeddings."""
+        ``images``: (rows [m], embeddings [m, (1 + K) * hidden]) of a vision-language
+        model's image placeholders: the first slice replaces those rows' token embeddings;
+        with DeepStack (Qwen3-VL: ``VisionSpec.deepstack`` = K) slice i + 1 is added to
+        those rows of layer i's output."""
         seen: dict[int, torch.Tensor] = {}
         hidden = self.model.embed_tokens(input_ids)
         if self.arch.embed_scale != 1.0:
             # As transformers: the scale rounded to the model dtype (bf16: sqrt(3072) = 55.5).
             hidden = hidden * torch.tensor(self.arch.embed_scale, dtype=hidden.dtype)
+        deepstack: list[torch.Tensor] = []
         if images is not None:
             rows, embeds = images
-            hidden = hidden.index_copy(0, rows, embeds.to(hidden.dtype))
+            slices = embeds.to(hidden.dtype).split(hidden.shape[-1], dim=-1)
+            hidden = hidden.index_copy(0, rows, slices[0])
+            deepstack = list(slices[1:])
         for index, (layer, kv_cache) in enumerate(zip(self.model.layers, kv_caches, strict=True)):
             if index in aux_layer_ids:
                 seen[index] = hidden
             hidden = layer(positions, hidden, kv_cache, attn_metadata, lora)
+            if index < len(deepstack):
+                hidden = hidden.index_add(0, rows, deepstack[index])
         seen[len(kv_caches)] = hidden
         return hidden, [seen[index] for index in aux_layer_ids]
 

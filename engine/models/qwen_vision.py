@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.vision_spec import QwenTowerSpec, VisionSpec
+from common.vision_spec import Qwen3TowerSpec, QwenTowerSpec, VisionSpec
 from engine.models.norms import RMSNorm
 
 
@@ -52,20 +52,68 @@ class QwenVisionBlock(nn.Module):
         length = x.shape[0]
         qkv = self.attn.qkv(self.norm1(x)).view(length, 3, self.num_heads, -1)
         query, key, value = qkv.unbind(1)  # [L, heads, head_dim]
-        query, key = (_rotate(t, cos, sin) for t in (query, key))
+        query, key = (apply_rotary(t, cos, sin) for t in (query, key))
         if windows is None:  # the whole image
-            out = _attend(query[None], key[None], value[None])[0]
+            out = full_attention(query[None], key[None], value[None])[0]
         else:
             out = torch.empty_like(query)
             for rows in windows:  # [num_windows, window_len] of one length
-                out[rows] = _attend(query[rows], key[rows], value[rows])
+                out[rows] = full_attention(query[rows], key[rows], value[rows])
         x = x + self.attn.proj(out.reshape(length, -1))
         hidden = self.norm2(x)
         mlp = self.mlp
         return x + mlp.down_proj(F.silu(mlp.gate_proj(hidden)) * mlp.up_proj(hidden))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotary_inverse_frequencies(
+    tower: QwenTowerSpec | Qwen3TowerSpec, device: torch.device | None
+) -> torch.Tensor:  # [head_dim // 4]: a row's and a column's halves of each head
+    head_dim = tower.hidden_size // tower.num_heads
+    exponents = torch.arange(0, head_dim // 2, 2, dtype=torch.float32) / (head_dim // 2)
+    inv_freq = 1.0 / (tower.rope_theta**exponents)
+    return inv_freq if device is None else inv_freq.to(device)
+
+
+def merge_group_positions(
+    rows: int, columns: int, merge: int, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) [rows * columns] int64 of each patch of a ``rows`` x ``columns`` patch
+    grid, in merge-group order: the ``merge`` x ``merge`` groups in raster order, each
+    group's patches in raster order inside (the order the towers see patches in)."""
+    shape = (rows // merge, merge, columns // merge, merge)
+    row_ids = torch.arange(rows, device=device)[:, None].expand(rows, columns)
+    column_ids = torch.arange(columns, device=device)[None, :].expand(rows, columns)
+    row_ids = row_ids.reshape(shape).transpose(1, 2).flatten()
+    column_ids = column_ids.reshape(shape).transpose(1, 2).flatten()
+    return row_ids, column_ids
+
+
+def rotary_angles(inv_freq: torch.Tensor, rows: int, columns: int, merge: int) -> torch.Tensor:
+    """[rows * columns, head_dim // 2] float32: each patch's row angles then column angles,
+    in merge-group order (the 2-D rotary; cos and sin of it twice over rotate a head)."""
+    row_ids, column_ids = merge_group_positions(rows, columns, merge, inv_freq.device)
+    return torch.cat((row_ids[:, None].float() * inv_freq,
+                      column_ids[:, None].float() * inv_freq), dim=-1)  # fmt: skip
+
+
+def merge_group_patches(
+    pixels: torch.Tensor, tower: QwenTowerSpec | Qwen3TowerSpec
+) -> torch.Tensor:
+    """[3, H, W] -> [H / P * W / P, 3 * T * P * P]: an image's patches in merge-group
+    order, each repeated over the temporal patch (a still image is a video of T equal
+    frames), as the Conv3d patch embedding reads them."""
+    merge, patch = tower.merge_size, tower.patch_size
+    channels, height, width = pixels.shape
+    rows, columns = height // patch, width // patch
+    # [C, gh/m, m, P, gw/m, m, P] -> [gh/m, gw/m, m, m, C, P, P]: merge groups whole.
+    grouped = pixels.reshape(channels, rows // merge, merge, patch, columns // merge,
+                             merge, patch).permute(1, 4, 2, 5, 0, 3, 6)  # fmt: skip
+    patches = grouped[..., None, :, :].expand(*grouped.shape[:5], tower.temporal_patch_size,
+                                              patch, patch)  # fmt: skip
+    return patches.reshape(rows * columns, -1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The 2-D rotary, in float32 as transformers applies it. [L, heads, d]."""
     x32 = x.float()
     half = x.shape[-1] // 2
@@ -73,7 +121,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return (x32 * cos[:, None] + rotated * sin[:, None]).to(x.dtype)
 
 
-def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+def full_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """[B, L, heads, d] each -> [B, L, heads, d]: full attention within each of B."""
     out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (query, key, value)))
     return out.transpose(1, 2)
@@ -89,7 +137,6 @@ class QwenVisionEncoder(nn.Module):
         self.spec, self.tower = spec, tower
         hidden, merged = tower.hidden_size, tower.hidden_size * tower.merge_size**2
         self.visual = nn.Module()
-        patch_dim = tower.num_channels * tower.temporal_patch_size * tower.patch_size**2
         self.visual.patch_embed = nn.Module()
         # Stored as transformers' Conv3d weight [C, 3, T, P, P]; applied as a linear map.
         self.visual.patch_embed.proj = nn.Module()
@@ -97,25 +144,13 @@ class QwenVisionEncoder(nn.Module):
             torch.empty(hidden, tower.num_channels, tower.temporal_patch_size,
                         tower.patch_size, tower.patch_size)
         )  # fmt: skip
-        self.patch_dim = patch_dim
         self.visual.blocks = nn.ModuleList(QwenVisionBlock(tower) for _ in range(tower.num_layers))
         self.visual.merger = nn.Module()
         self.visual.merger.ln_q = RMSNorm(hidden, 1e-6)
         self.visual.merger.mlp = nn.Sequential(
             nn.Linear(merged, merged), nn.GELU(), nn.Linear(merged, tower.out_hidden_size)
         )
-        self.register_buffer(
-            "inv_freq", self.rotary_inverse_frequencies(tower, None), persistent=False
-        )
-
-    @staticmethod
-    def rotary_inverse_frequencies(
-        tower: QwenTowerSpec, device: torch.device | None
-    ) -> torch.Tensor:  # [head_dim // 4]: a row's and a column's halves of each head
-        head_dim = tower.hidden_size // tower.num_heads
-        exponents = torch.arange(0, head_dim // 2, 2, dtype=torch.float32) / (head_dim // 2)
-        inv_freq = 1.0 / (tower.rope_theta**exponents)
-        return inv_freq if device is None else inv_freq.to(device)
+        self.register_buffer("inv_freq", rotary_inverse_frequencies(tower, None), persistent=False)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """[n, 3, H, W] float32 (normalized; one size) -> [n, tokens, text_hidden]. The
@@ -136,18 +171,10 @@ class QwenVisionEncoder(nn.Module):
         sin: torch.Tensor,
     ) -> torch.Tensor:  # [T, text_hidden]
         tower, visual = self.tower, self.visual
-        merge, patch = tower.merge_size, tower.patch_size
         weight = visual.patch_embed.proj.weight
-        channels, height, width = pixels.shape
-        rows, columns = height // patch, width // patch
-        # [C, gh/m, m, P, gw/m, m, P] -> [gh/m, gw/m, m, m, C, P, P]: merge groups whole.
-        grouped = pixels.reshape(channels, rows // merge, merge, patch, columns // merge,
-                                 merge, patch).permute(1, 4, 2, 5, 0, 3, 6)  # fmt: skip
-        patches = grouped[..., None, :, :].expand(*grouped.shape[:5], tower.temporal_patch_size,
-                                                  patch, patch)  # fmt: skip
-        patches = patches.reshape(rows * columns, self.patch_dim).to(weight.device, weight.dtype)
+        patches = merge_group_patches(pixels, tower).to(weight.device, weight.dtype)
         x = patches @ weight.reshape(weight.shape[0], -1).T  # [L, C]
-        unit = merge * merge
+        unit = tower.merge_size**2
         x = x.view(-1, unit, x.shape[-1])[order].reshape(x.shape)  # window by window
         for index, block in enumerate(visual.blocks):
             full = index in tower.full_attention_layers
@@ -162,14 +189,7 @@ class QwenVisionEncoder(nn.Module):
         """cos, sin [L, head_dim] (float32) of each patch's (row, column), in the windows'
         order."""
         merge = self.tower.merge_size
-        shape = (rows // merge, merge, columns // merge, merge)
-        row_ids = torch.arange(rows, device=device)[:, None].expand(rows, columns)
-        column_ids = torch.arange(columns, device=device)[None, :].expand(rows, columns)
-        row_ids = row_ids.reshape(shape).transpose(1, 2).flatten()
-        column_ids = column_ids.reshape(shape).transpose(1, 2).flatten()
-        inv_freq = self.inv_freq.to(device)
-        freqs = torch.cat((row_ids[:, None].float() * inv_freq,
-                           column_ids[:, None].float() * inv_freq), dim=-1)  # fmt: skip
+        freqs = rotary_angles(self.inv_freq.to(device), rows, columns, merge)
         unit = merge * merge
         freqs = freqs.view(-1, unit, freqs.shape[-1])[order].reshape(freqs.shape)
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -62,9 +62,9 @@ class RotaryEmbedding(torch.nn.Module):
     The tables are built by ``build_tables`` once the module sits on its final device (the
     loader creates the model on the meta device first, so nothing is computed twice).
 
-    With M-RoPE sections (Qwen2.5-VL) positions may be ``[3, num_tokens]``: a token's
-    time, row and column; frequency pair i takes its angle from the row its section names
-    (``mrope_rows``). A token whose three are equal (all text) rotates as with one."""
+    With M-RoPE sections (Qwen2.5-VL, Qwen3-VL) positions may be ``[3, num_tokens]``: a
+    token's time, row and column; frequency pair i takes its angle from the row its section
+    names (``mrope_rows``). A token whose three are equal (all text) rotates as with one."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
@@ -83,7 +83,7 @@ class RotaryEmbedding(torch.nn.Module):
         self.cos = (emb.cos() * scale).to(device)
         self.sin = (emb.sin() * scale).to(device)
         if self.rope.mrope_section is not None:  # [rotary_dim]: 0, 1 or 2 per dimension
-            pairs = torch.repeat_interleave(torch.arange(3), torch.tensor(self.rope.mrope_section))
+            pairs = mrope_pair_rows(self.rope.mrope_section, self.rope.mrope_interleaved)
             self.mrope_rows = torch.cat((pairs, pairs)).to(device)
 
     def forward(
@@ -107,6 +107,18 @@ class RotaryEmbedding(torch.nn.Module):
         query = torch.cat((q_rot * cos + _rotate_half(q_rot) * sin, q_pass), dim=-1)
         key = torch.cat((k_rot * cos + _rotate_half(k_rot) * sin, k_pass), dim=-1)
         return query, key
+
+
+def mrope_pair_rows(sections: tuple[int, ...], interleaved: bool) -> torch.Tensor:
+    """[sum(sections)] int64: the position row (0 time, 1 row, 2 column) each frequency
+    pair rotates by: three contiguous sections, or interleaved as Qwen3-VL's
+    (``RopeConfig.mrope_interleaved``)."""
+    if not interleaved:
+        return torch.repeat_interleave(torch.arange(3), torch.tensor(sections))
+    rows = torch.zeros(sum(sections), dtype=torch.int64)
+    for row in (1, 2):
+        rows[row : 3 * sections[row] : 3] = row
+    return rows
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

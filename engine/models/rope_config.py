@@ -37,6 +37,9 @@ class RopeConfig:
     # Qwen2.5-VL's M-RoPE: the rotary's frequency pairs in three sections, rotated by a
     # token's time, row and column positions (``engine/mrope.py``); None: one position.
     mrope_section: tuple[int, ...] | None = None
+    # Qwen3-VL's: the pairs take time, row and column in turn (pair j: row if j % 3 == 1
+    # and j < 3 * sections[1], column if j % 3 == 2 and j < 3 * sections[2], else time).
+    mrope_interleaved: bool = False
 
     def rotary_dim(self, head_dim: int) -> int:
         return int(head_dim * self.partial_rotary_factor)

@@ -27,11 +27,13 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from common.vision_spec import QwenTowerSpec, VisionSpec, VisionTowerSpec
+from common.vision_spec import Qwen3TowerSpec, QwenTowerSpec, VisionSpec, VisionTowerSpec
+from engine.models.activations import activation
 from engine.models.arch import safetensors_files
 from engine.models.errors import ModelLoadError
 from engine.models.norms import UnitOffsetRMSNorm
-from engine.models.qwen_vision import QwenVisionEncoder
+from engine.models.qwen3_vision import Qwen3VisionEncoder
+from engine.models.qwen_vision import QwenVisionEncoder, rotary_inverse_frequencies
 
 logger = logging.getLogger(__name__)
 
@@ -40,19 +42,12 @@ logger = logging.getLogger(__name__)
 _TOWER_PREFIXES = ("vision_tower.vision_model.", "model.vision_tower.vision_model.",
                    "model.vision_tower.", "vision_tower.")  # fmt: skip
 _PROJECTOR_PREFIXES = ("multi_modal_projector.", "model.multi_modal_projector.")
-_QWEN_PREFIXES = ("visual.", "model.visual.")  # Qwen2.5-VL's, transformers 4's then 5's
+# Qwen2.5-VL's and Qwen3-VL's, transformers 4's then 5's.
+_QWEN_PREFIXES = ("visual.", "model.visual.")
 # Parts of a tower never read: SigLIP's pooling head, and the final norm unless the spec
 # reads the last state through it (Gemma 3; LLaVA reads a layer's raw state).
 _UNUSED = ("head.",)
 _POST_NORM = "post_layernorm."
-
-
-def activation(name: str, x: torch.Tensor) -> torch.Tensor:
-    if name == "quick_gelu":
-        return x * torch.sigmoid(1.702 * x)
-    if name in ("gelu_pytorch_tanh", "gelu_new"):
-        return F.gelu(x, approximate="tanh")
-    return F.gelu(x)
 
 
 class VisionAttention(nn.Module):
@@ -175,10 +170,14 @@ class VisionEncoder(nn.Module):
         return projector.mm_soft_emb_norm(pooled) @ projector.mm_input_projection_weight
 
 
+# Any served encoder: a CLIP or SigLIP tower and a projector, or a Qwen tower.
+AnyVisionEncoder = VisionEncoder | QwenVisionEncoder | Qwen3VisionEncoder
+
+
 def _local_name(stored: str, spec: VisionSpec) -> str | None:
     """A stored tensor's parameter name in the spec's encoder; None: not the encoder's, or
     a part of it never read."""
-    if isinstance(spec.tower, QwenTowerSpec):
+    if isinstance(spec.tower, QwenTowerSpec | Qwen3TowerSpec):
         for prefix in _QWEN_PREFIXES:
             if stored.startswith(prefix):
                 return "visual." + stored[len(prefix) :]
@@ -197,15 +196,19 @@ def _local_name(stored: str, spec: VisionSpec) -> str | None:
 
 def load_vision_encoder(
     model_dir: str | Path, spec: VisionSpec, device: torch.device, dtype: torch.dtype
-) -> VisionEncoder | QwenVisionEncoder:
+) -> AnyVisionEncoder:
     """The encoder with the checkpoint's weights. Raises ``ModelLoadError`` for a missing,
     unexpected or misshapen tensor (layers past the deepest feature layer are skipped)."""
-    qwen = isinstance(spec.tower, QwenTowerSpec)
+    tower = spec.tower
+    qwen = isinstance(tower, QwenTowerSpec | Qwen3TowerSpec)
     with torch.device("meta"):
-        encoder = QwenVisionEncoder(spec) if qwen else VisionEncoder(spec)
+        if isinstance(tower, Qwen3TowerSpec):
+            encoder = Qwen3VisionEncoder(spec)
+        else:
+            encoder = QwenVisionEncoder(spec) if qwen else VisionEncoder(spec)
     encoder = encoder.to_empty(device=device).to(dtype)
-    if isinstance(encoder, QwenVisionEncoder):  # a buffer, computed (to_empty left it empty)
-        encoder.inv_freq = QwenVisionEncoder.rotary_inverse_frequencies(spec.tower, device)
+    if qwen:  # a buffer, computed (to_empty left it empty)
+        encoder.inv_freq = rotary_inverse_frequencies(tower, device)
     params = dict(encoder.named_parameters())
     filled: set[str] = set()
     num_run = spec.tower.num_layers if qwen else len(encoder.vision_tower.encoder.layers)

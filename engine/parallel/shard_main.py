@@ -204,8 +204,11 @@ class Shard:
         images = None
         if message.image_rows:  # filled by rank 0's broadcast
             rows = self.shard.to_device(message.image_rows, torch.int64)
-            hidden_size = self.shard.arch.hidden_size
-            embeds = torch.empty(len(rows), hidden_size, dtype=self.shard.dtype, device=self.device)
+            vision = self.shard.arch.vision
+            assert vision is not None
+            # [m, hidden], or with DeepStack rows [m, (1 + K) * hidden]
+            embeds = torch.empty(len(rows), vision.rows_width, dtype=self.shard.dtype,
+                                 device=self.device)  # fmt: skip
             images = (rows, embeds)
         hidden = self.shard.forward(batch, lora, images)
         for rows in message.logit_rows:  # this rank's vocabulary slice, for rank 0

@@ -207,18 +207,21 @@ def test_gemma3_configs_it_cannot_serve_are_refused(model_factory, tmp_path):
 QWEN_SIZES = [(60, 90), (200, 120), (300, 300), (56, 57), (29, 400)]
 
 
+@pytest.mark.parametrize("arch,patch", [("qwen2_5_vl", 14), ("qwen3_vl", 16)])
 @pytest.mark.parametrize("height,width", QWEN_SIZES)
-def test_qwen2_5_vl_pixels_and_rows_equal_transformers(model_factory, height, width):
-    """Dynamic resolution (sizes to multiples of 28 within the pixel bounds), bicubic,
-    CLIP's normalization: transformers' patches bit for bit. The windowed tower (windows
-    of 2 x 2 merge groups, partial at the edges) and the merger: its image features."""
+def test_qwen_vl_pixels_and_rows_equal_transformers(model_factory, arch, patch, height, width):
+    """Dynamic resolution (sizes to multiples of 28 or 32 within the pixel bounds),
+    bicubic, the checkpoint's normalization: transformers' patches bit for bit. Qwen2.5-VL's
+    windowed tower (windows of 2 x 2 merge groups, partial at the edges), Qwen3-VL's (its
+    8 x 8 position table resized to grids smaller and larger, DeepStack rows), and the
+    mergers: transformers' image features."""
     from PIL import Image
     from transformers import AutoModelForImageTextToText
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil,
     )
 
-    model_dir = model_factory("qwen2_5_vl")
+    model_dir = model_factory(arch)
     spec = read_vision_spec(json.loads((model_dir / "config.json").read_text()),
                             model_dir / "config.json")  # fmt: skip
     reference = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
@@ -227,17 +230,21 @@ def test_qwen2_5_vl_pixels_and_rows_equal_transformers(model_factory, height, wi
     _, grid_h, grid_w = expected["image_grid_thw"][0].tolist()
     processing = image_processor.read_image_processing(model_dir, 0, spec.grid)
     pixels = preprocess(data, processing)  # [3, H, W]
-    assert pixels.shape[1:] == (grid_h * 14, grid_w * 14)
+    assert pixels.shape[1:] == (grid_h * patch, grid_w * patch)
     assert spec.num_tokens((width, height)) == grid_h * grid_w // 4
     # transformers' patch layout: merge groups whole, each patch twice (a still image).
-    grouped = pixels.reshape(3, grid_h // 2, 2, 14, grid_w // 2, 2, 14).permute(1, 4, 2, 5, 0, 3, 6)
-    patches = grouped[..., None, :, :].expand(*grouped.shape[:5], 2, 14, 14)
+    grouped = pixels.reshape(3, grid_h // 2, 2, patch, grid_w // 2, 2, patch)
+    grouped = grouped.permute(1, 4, 2, 5, 0, 3, 6)
+    patches = grouped[..., None, :, :].expand(*grouped.shape[:5], 2, patch, patch)
     assert torch.equal(patches.reshape(grid_h * grid_w, -1), expected["pixel_values"])
     encoder = load_vision_encoder(model_dir, spec, torch.device("cpu"), torch.float32)
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        rows = model.model.get_image_features(**expected).pooler_output
-        rows = torch.cat(list(rows)) if isinstance(rows, list | tuple) else rows
+        features = model.model.get_image_features(**expected)
+        parts = [features.pooler_output, *(getattr(features, "deepstack_features", None) or [])]
+        rows = torch.cat([torch.cat(list(p)) if isinstance(p, list | tuple) else p for p in parts],
+                         dim=-1)  # fmt: skip
+        assert rows.shape[-1] == spec.rows_width
         torch.testing.assert_close(encoder(pixels[None])[0], rows, atol=1e-5, rtol=1e-5)
 
 
@@ -256,6 +263,22 @@ def test_qwen2_5_vl_configs_it_cannot_serve_are_refused(tmp_path):
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({"patch_size": 16}))
     with pytest.raises(VisionConfigError, match="patch and merge sizes"):
         read_vision_spec(base, tmp_path / "config.json")
+
+
+def test_qwen3_vl_configs_it_cannot_serve_are_refused(tmp_path):
+    base = {"architectures": ["Qwen3VLForConditionalGeneration"], "image_token_id": 9,
+            "text_config": {"hidden_size": 64, "num_hidden_layers": 4}}  # fmt: skip
+    spec = read_vision_spec(base, tmp_path / "config.json")
+    assert spec.tower.deepstack_layers == (8, 16, 24) and spec.rows_width == 4 * 64
+    cases = {
+        "hidden_act": {"hidden_act": "silu"},
+        "not a square": {"num_position_embeddings": 2300},
+        "names no layer": {"deepstack_visual_indexes": [1, 27]},
+        "4-layer language model": {"deepstack_visual_indexes": [1, 2, 3, 4, 5]},
+    }
+    for message, change in cases.items():
+        with pytest.raises(VisionConfigError, match=message):
+            read_vision_spec({**base, "vision_config": change}, tmp_path / "config.json")
 
 
 # Qwen2.5-VL-7B-Instruct's config.json (transformers 4's flat layout), its vision keys.
@@ -338,3 +361,56 @@ def test_a_checkpoint_without_its_tower_serves_text(model_factory, tmp_path, cap
     assert len(output.outputs[0].token_ids) == 3
     with pytest.raises(ValueError, match="takes no images"):
         llm.generate([{"prompt": "<start_of_image>", "multi_modal_data": {"image": [b"x"]}}])
+
+
+# Qwen3-VL-8B-Instruct's config.json as released (transformers 4.57: rope_scaling and
+# rope_theta in text_config; the vision config's model_type still "qwen3_vl").
+QWEN3_VL_8B = {
+    "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl",
+    "image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653, "tie_word_embeddings": False,
+    "text_config": {
+        "attention_bias": False, "bos_token_id": 151643, "dtype": "bfloat16",
+        "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+        "intermediate_size": 12288, "max_position_embeddings": 262144,
+        "model_type": "qwen3_vl_text", "num_attention_heads": 32, "num_hidden_layers": 36,
+        "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_theta": 5000000,
+        "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20],
+                         "rope_type": "default"},
+        "tie_word_embeddings": False, "vocab_size": 151936,
+    },
+    "vision_config": {
+        "deepstack_visual_indexes": [8, 16, 24], "depth": 27,
+        "hidden_act": "gelu_pytorch_tanh", "hidden_size": 1152, "in_channels": 3,
+        "intermediate_size": 4304, "model_type": "qwen3_vl", "num_heads": 16,
+        "num_position_embeddings": 2304, "out_hidden_size": 4096, "patch_size": 16,
+        "spatial_merge_size": 2, "temporal_patch_size": 2,
+    },
+}  # fmt: skip
+# Its preprocessor_config.json.
+QWEN3_VL_PROCESSOR = {
+    "size": {"longest_edge": 16777216, "shortest_edge": 65536}, "patch_size": 16,
+    "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5], "processor_class": "Qwen3VLProcessor",
+    "image_processor_type": "Qwen2VLImageProcessorFast",
+}  # fmt: skip
+
+
+def test_the_qwen3_vl_hub_config_reads_as_transformers_reads_it(tmp_path):
+    """Qwen3's language model (q/k norms) with interleaved M-RoPE sections; the tower 27
+    layers of 1152 with DeepStack after layers 8, 16 and 24 (rows 4 x 4096 wide); 64 to
+    16384 tokens an image (256 for 512 x 512)."""
+    from engine.models.arch import arch_from_config
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_VL_8B))
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(QWEN3_VL_PROCESSOR))
+    arch = arch_from_config(QWEN3_VL_8B, tmp_path)
+    assert arch.architecture == "Qwen3ForCausalLM" and arch.qk_norm and not arch.qkv_bias
+    assert arch.rope.mrope_section == (24, 20, 20) and arch.rope.mrope_interleaved
+    assert arch.rope.theta == 5e6
+    assert (arch.hidden_size, arch.num_layers, arch.head_dim) == (4096, 36, 128)
+    vision = arch.vision
+    assert (vision.tower.num_layers, vision.tower.hidden_size) == (27, 1152)
+    assert vision.deepstack == 3 and vision.rows_width == 4 * 4096
+    assert vision.num_tokens((512, 512)) == 256 and vision.num_tokens((100, 100)) == 64
+    assert vision.grid.max_pixels == 16777216

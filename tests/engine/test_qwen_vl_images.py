@@ -1,7 +1,9 @@
-"""Qwen2.5-VL's layout in the engine: images at their own resolution (each its own token
-count), its windowed vision transformer, and 3-D rotary positions (M-RoPE) in the language
-model: transformers' positions, tokens and log-probs, whatever the chunking, caching,
-speculation, preemption, resumption, disaggregation or tensor parallelism."""
+"""Qwen2.5-VL's and Qwen3-VL's layouts in the engine: images at their own resolution
+(each its own token count), their vision transformers (Qwen2.5-VL's windowed, Qwen3-VL's
+with learned positions and DeepStack rows for the first layers), and 3-D rotary positions
+(M-RoPE: sections, or Qwen3-VL's interleaved pairs) in the language model: transformers'
+positions, tokens and log-probs, whatever the chunking, caching, speculation, preemption,
+resumption, disaggregation or tensor parallelism."""
 
 from __future__ import annotations
 
@@ -26,20 +28,22 @@ IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 PROMPT = (
     f"<|im_start|>user\nCompare {IMAGE} with {IMAGE}, please.<|im_end|>\n<|im_start|>assistant\n"
 )
-# (height, width) -> token grids 2 x 3, 7 x 4 (a window and a part), 8 x 8 (max pixels).
+# (height, width) -> token grids 2 x 3; 7 x 4 (Qwen2.5-VL: a window and a part), 6 x 4
+# (Qwen3-VL: more patches than its position table's side down, fewer across); 8 x 8 (max
+# pixels).
 IMAGES = [png(1, 60, 90), png(2, 200, 120), png(3, 300, 300)]
+NUM_IMAGE_TOKENS = {"qwen2_5_vl": 6 + 28, "qwen3_vl": 6 + 24}  # of IMAGES[:2]
 GREEDY = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
 
 
-@pytest.fixture(scope="module")
-def qwen_vl(model_factory):
-    return model_factory("qwen2_5_vl")
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def qwen_vl(model_factory, request):
+    return model_factory(request.param)
 
 
 def hf_reference(model_dir, token_ids: list[int], images: list[bytes], mrope: bool = True):
     """transformers' greedy tokens (12) and prompt log-probs, pixels from its processor;
-    ``mrope`` False: without the token types its processor adds, so that transformers
-    falls back to 1-D positions."""
+    ``mrope`` False: the prompt log-probs at 1-D positions (given), and no tokens."""
     from PIL import Image
     from transformers import AutoModelForImageTextToText
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
@@ -51,8 +55,11 @@ def hf_reference(model_dir, token_ids: list[int], images: list[bytes], mrope: bo
     pixels = processor(images=[Image.open(io.BytesIO(b)) for b in images], return_tensors="pt")
     ids = torch.tensor([token_ids])
     inputs = {"input_ids": ids, **pixels}
-    if mrope:
-        inputs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
+    inputs["mm_token_type_ids"] = (ids == model.config.image_token_id).int()
+    if not mrope:
+        with torch.no_grad():
+            logits = model(**inputs, position_ids=torch.arange(len(token_ids))[None]).logits[0]
+        return [], logits[:-1].float().log_softmax(-1)
     with torch.no_grad():
         logits = model(**inputs).logits[0]
         tokens = model.generate(**inputs, max_new_tokens=12, do_sample=False)
@@ -94,16 +101,16 @@ def test_positions_equal_transformers(qwen_vl):
 
 
 def test_tokens_and_prompt_logprobs_equal_transformers(qwen_vl):
-    """Two images of their own sizes (6 and 28 tokens), both orders: the ids transformers'
-    processor writes, its greedy tokens, and every prompt log-prob within 1e-4. With 1-D
-    positions (M-RoPE left out) the log-probs are off by far more."""
+    """Two images of their own sizes (6 and 28 or 24 tokens), both orders: the ids
+    transformers' processor writes, its greedy tokens, and every prompt log-prob within
+    1e-4. With 1-D positions (M-RoPE left out) the log-probs are off by far more."""
     llm = LLM(qwen_vl)
     params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0, prompt_logprobs=1)
     replies = []
     for images in (IMAGES[:2], IMAGES[1::-1]):
         token_ids, _ = request(llm, images)
         image_id = llm.engine.arch.vision.image_token_id
-        assert token_ids.count(image_id) == 6 + 28
+        assert token_ids.count(image_id) == NUM_IMAGE_TOKENS[qwen_vl.name.rsplit("-", 1)[0]]
         (output,) = llm.generate(
             [{"prompt": PROMPT, "multi_modal_data": {"image": images}}], params, use_tqdm=False
         )

@@ -1,0 +1,73 @@
+"""The parts of a made Qwen3-VL checkpoint (``make_model("qwen3_vl", ...)``,
+``Qwen3VLForConditionalGeneration``): Qwen3's language model (the size's) with interleaved
+3-D rotary sections, a small vision transformer with DeepStack, Qwen2.5-VL's vision tokens
+and template (Qwen3-VL writes an image the same way), and its ``preprocessor_config.json``.
+
+The tower is 4 layers of width 64 over 16 x 16 patches merged 2 x 2 into a row, with a
+learned 8 x 8 position table (resized to every image's patch grid, smaller and larger);
+the states after its layers 0, 2 and 3 go, merged, to the language model's first three
+layers (DeepStack). Images are resized to multiples of 32 between 64 x 64 and 64 tokens'
+worth of pixels (Qwen3-VL: 64 to 16384 tokens), so an image is 4 to 64 tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from engine.models.qwen2_5_vl_maker import IMAGE_PAD, VISION_END, VISION_START
+
+MIN_PIXELS, MAX_PIXELS = 64 * 64, 32 * 32 * 64
+
+
+def qwen3_vl_config(text_config: Any, token_ids: dict[str, int]) -> Any:
+    """``Qwen3VLConfig`` around ``text_config`` (a ``Qwen3Config``), its rotary's frequency
+    pairs interleaved over time, rows and columns in Qwen3-VL's proportions (24, 20, 20 of
+    64 pairs)."""
+    import transformers
+
+    text = text_config.to_dict()
+    for key in ("model_type", "architectures", "transformers_version"):
+        text.pop(key, None)
+    half = text["head_dim"] // 2
+    spatial = half * 20 // 64
+    rope = dict(text.get("rope_parameters") or {"rope_type": "default", "rope_theta": 1e6})
+    rope.update(mrope_section=[half - 2 * spatial, spatial, spatial], mrope_interleaved=True)
+    text["rope_parameters"] = rope
+    vision = {
+        "depth": 4, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4,
+        "out_hidden_size": text["hidden_size"], "patch_size": 16, "spatial_merge_size": 2,
+        "temporal_patch_size": 2, "num_position_embeddings": 64,
+        "deepstack_visual_indexes": [0, 2, 3],
+    }  # fmt: skip
+    return transformers.Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=token_ids[IMAGE_PAD],
+        vision_start_token_id=token_ids[VISION_START],
+        vision_end_token_id=token_ids[VISION_END],
+        tie_word_embeddings=text.get("tie_word_embeddings", False),
+    )
+
+
+def write_qwen3_vl_files(out: Path) -> None:
+    """Qwen3-VL's image processor config (transformers 5's ``size`` bounds), at the made
+    model's pixel bounds."""
+    config = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen3VLProcessor",
+        "do_resize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "resample": 3,
+        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+    }
+    (out / "preprocessor_config.json").write_text(json.dumps(config, indent=2) + "\n")
