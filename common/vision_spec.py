@@ -24,7 +24,8 @@ Served layouts:
   image's patch grid, full attention in every layer, 16-pixel patches), frequency pairs
   interleaved over the 3-D positions (``mrope_interleaved``), and DeepStack: the states of
   a few tower layers, merged as the output is, are added to the language model's first
-  layers' outputs at the image's positions (``deepstack``).
+  layers' outputs at the image's positions (``deepstack``). Qwen3-VL-MoE
+  (``Qwen3VLMoeForConditionalGeneration``) is the same before a Qwen3-MoE language model.
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ LLAVA = "LlavaForConditionalGeneration"
 GEMMA3 = "Gemma3ForConditionalGeneration"
 QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
 QWEN3_VL = "Qwen3VLForConditionalGeneration"
-VISION_ARCHITECTURES = (LLAVA, GEMMA3, QWEN2_5_VL, QWEN3_VL)
-_BY_MODEL_TYPE = {"llava": LLAVA, "gemma3": GEMMA3, "qwen2_5_vl": QWEN2_5_VL, "qwen3_vl": QWEN3_VL}
+QWEN3_VL_MOE = "Qwen3VLMoeForConditionalGeneration"  # Qwen3-VL's tower, a Qwen3-MoE
+VISION_ARCHITECTURES = (LLAVA, GEMMA3, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE)
+_BY_MODEL_TYPE = {"llava": LLAVA, "gemma3": GEMMA3, "qwen2_5_vl": QWEN2_5_VL,
+                  "qwen3_vl": QWEN3_VL, "qwen3_vl_moe": QWEN3_VL_MOE}  # fmt: skip
 # The vision towers served, by their config's model_type: (class token, pre-norm) of each.
 _TOWERS = {"clip_vision_model": (True, True), "siglip_vision_model": (False, False)}
 # transformers' defaults for a config that leaves keys out (CLIPVisionConfig's and
@@ -234,8 +237,8 @@ def read_vision_spec(raw: dict[str, Any], path: Path | str) -> VisionSpec | None
     default_tower = "siglip_vision_model" if architecture == GEMMA3 else "clip_vision_model"
     if architecture == QWEN2_5_VL:
         return _qwen2_5_vl(raw, int(text_hidden), path)
-    if architecture == QWEN3_VL:
-        return _qwen3_vl(raw, int(text_hidden), path)
+    if architecture in (QWEN3_VL, QWEN3_VL_MOE):
+        return _qwen3_vl(raw, architecture, int(text_hidden), path)
     tower = _read_tower(raw.get("vision_config") or {"model_type": default_tower}, path)
     if architecture == GEMMA3:
         return _gemma3(raw, tower, int(text_hidden), path)
@@ -406,7 +409,7 @@ _QWEN3_TOWER_DEFAULTS: dict[str, Any] = {
 }  # fmt: skip
 
 
-def _qwen3_vl(raw: dict[str, Any], text_hidden: int, path) -> VisionSpec:
+def _qwen3_vl(raw: dict[str, Any], architecture: str, text_hidden: int, path) -> VisionSpec:
     vision = {**_QWEN3_TOWER_DEFAULTS, **(raw.get("vision_config") or {})}
     if vision["hidden_act"] not in _GELU:
         raise VisionConfigError(
@@ -454,7 +457,7 @@ def _qwen3_vl(raw: dict[str, Any], text_hidden: int, path) -> VisionSpec:
         )
     token_id = int(raw.get("image_token_id", 151655))
     return VisionSpec(
-        architecture=QWEN3_VL,
+        architecture=architecture,
         tower=tower,
         image_token_id=token_id,
         feature_layers=(-1,),

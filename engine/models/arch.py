@@ -90,6 +90,9 @@ ARCHITECTURES: dict[str, ArchFlags] = {
     ),
     "Qwen2MoeForCausalLM": ArchFlags(qkv_bias=True, moe=True, shared_expert=True),
     "Qwen3MoeForCausalLM": ArchFlags(qk_norm=True, moe=True),
+    # Qwen3-VL-MoE's language model: Qwen3-MoE's, whose router always renormalizes (its
+    # config has no norm_topk_prob); its experts stored stacked (``stacked_experts.py``).
+    "Qwen3VLMoeForConditionalGeneration": ArchFlags(qk_norm=True, moe=True, norm_topk_prob=True),
     # Phi-3 / Phi-4: Llama with fused qkv_proj and gate_up_proj in the checkpoint (loaded as
     # they are) and maybe a partial rotary.
     "Phi3ForCausalLM": ArchFlags(phi3_rope=True),
@@ -136,6 +139,7 @@ _BY_MODEL_TYPE = {
     "qwen2_5_vl_text": "Qwen2ForCausalLM",
     "qwen3_vl": "Qwen3ForCausalLM",  # Qwen3-VL's: Qwen3's (q/k norms)
     "qwen3_vl_text": "Qwen3ForCausalLM",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
 }
 # The M-RoPE sections where a config names none: Qwen2_5_VLTextModel's, Qwen3VLTextModel's
 # (interleaved).

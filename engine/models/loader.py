@@ -49,6 +49,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.mla import rope_rows_in_halves
 from engine.models.moe import DeepseekGate, SparseMoe
 from engine.models.mtp import SHARED_WITH_MODEL, add_mtp_layer
+from engine.models.stacked_experts import STACKED_EXPERTS, stacked_expert_pieces
 from engine.parallel.group import SingleRank, TPGroup
 from engine.parallel.shard_spec import ShardSpec, TensorParallel, local_arch, shard_spec
 
@@ -390,6 +391,21 @@ def load_model(
                 if bnb is not None and name.endswith(BNB_SIDECARS) and name not in params:
                     continue  # read with the weight it quantizes
                 if arch.tie_word_embeddings and name == _HEAD:
+                    continue
+                stacked = STACKED_EXPERTS.match(name) if arch.moe and not gpt_oss else None
+                if stacked is not None and name not in shapes:  # a dense layer's
+                    unexpected.append(stored)
+                    continue
+                if stacked is not None and f.get_slice(stored).get_dtype().startswith("F8"):
+                    raise ModelLoadError(f"{path.name}: {stored}: stacked experts in FP8 are "
+                                         "not supported")  # fmt: skip
+                if stacked is not None:
+                    prefix, which = stacked.groups()
+                    pieces = stacked_expert_pieces(
+                        prefix, which, f.get_tensor(stored), shapes[name], f"{path.name}: {stored}"
+                    )
+                    for param, index, row_start, rows in pieces:
+                        place(_Target(param, row_start, index), rows, stored, path)
                     continue
                 expert = EXPERT_TENSOR.match(name) if gpt_oss else None
                 if expert is None:

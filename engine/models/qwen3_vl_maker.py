@@ -3,6 +3,11 @@
 3-D rotary sections, a small vision transformer with DeepStack, Qwen2.5-VL's vision tokens
 and template (Qwen3-VL writes an image the same way), and its ``preprocessor_config.json``.
 
+``qwen3_vl_moe`` (``Qwen3VLMoeForConditionalGeneration``) is the same around Qwen3-MoE's
+language model, its experts 3/4 of the hidden width (no stacked expert tensor is square, so
+their layout is unambiguous) and stored stacked in the released layout (input-major:
+``write_released_expert_layout``).
+
 The tower is 4 layers of width 64 over 16 x 16 patches merged 2 x 2 into a row, with a
 learned 8 x 8 position table (resized to every image's patch grid, smaller and larger);
 the states after its layers 0, 2 and 3 go, merged, to the language model's first three
@@ -21,15 +26,17 @@ from engine.models.qwen2_5_vl_maker import IMAGE_PAD, VISION_END, VISION_START
 MIN_PIXELS, MAX_PIXELS = 64 * 64, 32 * 32 * 64
 
 
-def qwen3_vl_config(text_config: Any, token_ids: dict[str, int]) -> Any:
-    """``Qwen3VLConfig`` around ``text_config`` (a ``Qwen3Config``), its rotary's frequency
-    pairs interleaved over time, rows and columns in Qwen3-VL's proportions (24, 20, 20 of
-    64 pairs)."""
+def qwen3_vl_config(text_config: Any, token_ids: dict[str, int], moe: bool = False) -> Any:
+    """``Qwen3VLConfig`` around ``text_config`` (a ``Qwen3Config``; with ``moe`` a
+    ``Qwen3MoeConfig`` in a ``Qwen3VLMoeConfig``), its rotary's frequency pairs interleaved
+    over time, rows and columns in Qwen3-VL's proportions (24, 20, 20 of 64 pairs)."""
     import transformers
 
     text = text_config.to_dict()
-    for key in ("model_type", "architectures", "transformers_version"):
-        text.pop(key, None)
+    for key in ("model_type", "architectures", "transformers_version", "norm_topk_prob"):
+        text.pop(key, None)  # Qwen3-VL-MoE's router always renormalizes: no such key
+    if moe:
+        text["moe_intermediate_size"] = text["hidden_size"] * 3 // 4
     half = text["head_dim"] // 2
     spatial = half * 20 // 64
     rope = dict(text.get("rope_parameters") or {"rope_type": "default", "rope_theta": 1e6})
@@ -41,7 +48,8 @@ def qwen3_vl_config(text_config: Any, token_ids: dict[str, int]) -> Any:
         "temporal_patch_size": 2, "num_position_embeddings": 64,
         "deepstack_visual_indexes": [0, 2, 3],
     }  # fmt: skip
-    return transformers.Qwen3VLConfig(
+    config_class = transformers.Qwen3VLMoeConfig if moe else transformers.Qwen3VLConfig
+    return config_class(
         text_config=text,
         vision_config=vision,
         image_token_id=token_ids[IMAGE_PAD],
@@ -71,3 +79,17 @@ def write_qwen3_vl_files(out: Path) -> None:
         "merge_size": 2,
     }
     (out / "preprocessor_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_released_expert_layout(out: Path) -> None:
+    """Rewrite the saved stacked experts (transformers 5 saves them output-major) in the
+    layout Qwen3-VL-MoE's releases store: ``gate_up_proj`` [E, H, 2I], ``down_proj``
+    [E, I, H]."""
+    from safetensors.torch import load_file, save_file
+
+    for path in sorted(out.glob("*.safetensors")):
+        tensors = load_file(path)
+        for name, tensor in tensors.items():
+            if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+                tensors[name] = tensor.transpose(1, 2).contiguous()
+        save_file(tensors, path, metadata={"format": "pt"})

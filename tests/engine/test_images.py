@@ -437,13 +437,14 @@ def test_two_ranks_give_one_ranks_tokens(llava):
 
 
 def assert_two_ranks_give_one_ranks_tokens(
-    model_dir, prompts: list[dict], prefill_chunk_tokens: int
+    model_dir, prompts: list[dict], prefill_chunk_tokens: int, **engine_args
 ) -> int:
-    """``prompts`` give one rank's greedy tokens on two (chunked); returns the images the
-    two encoded."""
+    """``prompts`` give one rank's greedy tokens on two (chunked; ``engine_args`` too);
+    returns the images the two encoded."""
     one = LLM(model_dir)
     expected = [o.outputs[0].token_ids for o in one.generate(prompts, GREEDY, use_tqdm=False)]
-    with LLM(model_dir, tensor_parallel_size=2, prefill_chunk_tokens=prefill_chunk_tokens) as two:
+    with LLM(model_dir, tensor_parallel_size=2, prefill_chunk_tokens=prefill_chunk_tokens,
+             **engine_args) as two:  # fmt: skip
         got = [o.outputs[0].token_ids for o in two.generate(prompts, GREEDY, use_tqdm=False)]
         assert got == expected
         assert two.engine.leak_report() == []

@@ -3,7 +3,8 @@
 with learned positions and DeepStack rows for the first layers), and 3-D rotary positions
 (M-RoPE: sections, or Qwen3-VL's interleaved pairs) in the language model: transformers'
 positions, tokens and log-probs, whatever the chunking, caching, speculation, preemption,
-resumption, disaggregation or tensor parallelism."""
+resumption, disaggregation or tensor parallelism. Qwen3-VL-MoE: its parity, and its
+stacked experts in the released and in transformers 5's layout, over 2 expert ranks."""
 
 from __future__ import annotations
 
@@ -32,7 +33,11 @@ PROMPT = (
 # (Qwen3-VL: more patches than its position table's side down, fewer across); 8 x 8 (max
 # pixels).
 IMAGES = [png(1, 60, 90), png(2, 200, 120), png(3, 300, 300)]
-NUM_IMAGE_TOKENS = {"qwen2_5_vl": 6 + 28, "qwen3_vl": 6 + 24}  # of IMAGES[:2]
+NUM_IMAGE_TOKENS = {
+    "qwen2_5_vl": 6 + 28,
+    "qwen3_vl": 6 + 24,
+    "qwen3_vl_moe": 6 + 24,
+}  # of IMAGES[:2]
 GREEDY = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
 
 
@@ -100,17 +105,19 @@ def test_positions_equal_transformers(qwen_vl):
                               + np.arange(2))  # fmt: skip
 
 
-def test_tokens_and_prompt_logprobs_equal_transformers(qwen_vl):
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
+def test_tokens_and_prompt_logprobs_equal_transformers(model_factory, arch):
     """Two images of their own sizes (6 and 28 or 24 tokens), both orders: the ids
     transformers' processor writes, its greedy tokens, and every prompt log-prob within
     1e-4. With 1-D positions (M-RoPE left out) the log-probs are off by far more."""
+    qwen_vl = model_factory(arch)
     llm = LLM(qwen_vl)
     params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0, prompt_logprobs=1)
     replies = []
     for images in (IMAGES[:2], IMAGES[1::-1]):
         token_ids, _ = request(llm, images)
         image_id = llm.engine.arch.vision.image_token_id
-        assert token_ids.count(image_id) == NUM_IMAGE_TOKENS[qwen_vl.name.rsplit("-", 1)[0]]
+        assert token_ids.count(image_id) == NUM_IMAGE_TOKENS[arch]
         (output,) = llm.generate(
             [{"prompt": PROMPT, "multi_modal_data": {"image": images}}], params, use_tqdm=False
         )
@@ -176,3 +183,35 @@ def test_sizes_it_cannot_serve_are_refused(qwen_vl):
     with pytest.raises(ValueError, match="aspect ratio"):
         request(llm, [png(9, 2, 500), IMAGES[0]])
     assert llm.engine.leak_report() == []
+
+
+def test_qwen3_vl_moe_experts_load_in_either_layout(model_factory, tmp_path):
+    """Qwen3-VL-MoE's stacked experts as released (input-major, the made model's) and as
+    transformers 5 saves them (output-major) give the same tokens; expert parallelism over
+    2 ranks gives one rank's; a stack of the wrong shape is refused, named."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForImageTextToText
+
+    from engine.models.errors import ModelLoadError
+
+    released = model_factory("qwen3_vl_moe")
+    resaved = tmp_path / "resaved"
+    shutil.copytree(released, resaved)
+    AutoModelForImageTextToText.from_pretrained(released).save_pretrained(resaved)
+    stacks = load_file(resaved / "model.safetensors")
+    name = "model.language_model.layers.0.mlp.experts.down_proj"  # [E, I, H] as released
+    assert load_file(released / "model.safetensors")[name].shape == (8, 192, 256)
+    assert stacks[name].shape == (8, 256, 192)
+    prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": IMAGES[i : i + 2]}} for i in (0, 1)]
+    replies = []
+    for model_dir in (released, resaved):
+        outputs = LLM(model_dir).generate(prompts, GREEDY, use_tqdm=False)
+        replies.append([o.outputs[0].token_ids for o in outputs])
+    assert replies[0] == replies[1]
+    assert_two_ranks_give_one_ranks_tokens(released, prompts, 7, expert_parallel=True)
+    stacks[name] = stacks[name][:, :-1].contiguous()
+    save_file(stacks, resaved / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="down_proj is \\[8, 255, 192\\]"):
+        LLM(resaved)

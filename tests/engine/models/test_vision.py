@@ -414,3 +414,26 @@ def test_the_qwen3_vl_hub_config_reads_as_transformers_reads_it(tmp_path):
     assert vision.deepstack == 3 and vision.rows_width == 4 * 4096
     assert vision.num_tokens((512, 512)) == 256 and vision.num_tokens((100, 100)) == 64
     assert vision.grid.max_pixels == 16777216
+
+
+def test_the_qwen3_vl_moe_hub_config_reads_as_transformers_reads_it(tmp_path):
+    """Qwen3-VL-30B-A3B's: Qwen3-VL's tower before a Qwen3-MoE language model (128
+    experts of 768, 8 a token, renormalized), every layer sparse."""
+    from engine.models.arch import arch_from_config
+
+    text = {**QWEN3_VL_8B["text_config"], "model_type": "qwen3_vl_moe_text",
+            "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+            "num_key_value_heads": 4, "num_experts": 128, "num_experts_per_tok": 8,
+            "moe_intermediate_size": 768, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "norm_topk_prob": True}  # fmt: skip
+    raw = {**QWEN3_VL_8B, "architectures": ["Qwen3VLMoeForConditionalGeneration"],
+           "model_type": "qwen3_vl_moe", "text_config": text,
+           "vision_config": {**QWEN3_VL_8B["vision_config"], "out_hidden_size": 2048}}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(QWEN3_VL_PROCESSOR))
+    arch = arch_from_config(raw, tmp_path)
+    assert arch.architecture == "Qwen3VLMoeForConditionalGeneration" and arch.qk_norm
+    moe = arch.moe
+    assert (moe.num_experts, moe.top_k, moe.expert_intermediate_size) == (128, 8, 768)
+    assert moe.norm_topk_prob and all(moe.sparse_layers) and len(moe.sparse_layers) == 48
+    assert arch.rope.mrope_interleaved and arch.vision.rows_width == 4 * 2048
