@@ -55,8 +55,11 @@ _KEY = re.compile(
     r"layers\.(\d+)\.(?:self_attn|mlp)\."
     r"(q|k|v|o|gate|up|down|qkv|gate_up)_proj\.lora_(A|B)\.weight$"
 )
-# A multimodal base's vision tower and projector (transformers 5's and 4's paths).
-_VISION = re.compile(r"^base_model\.model\.(?:model\.)?(?:vision_tower|multi_modal_projector)\.")
+# A multimodal base's vision tower and projector (transformers 5's and 4's paths; Qwen's
+# is ``visual``).
+_VISION = re.compile(
+    r"^base_model\.model\.(?:model\.)?(?:vision_tower|multi_modal_projector|visual)\."
+)
 # Fused projection of each adapted module, and the module's rows within it (in order).
 # Phi-3's checkpoints (and so its adapters) have the fused qkv_proj / gate_up_proj.
 _FUSED_INTO = {
@@ -188,7 +191,11 @@ def load_lora_adapter(
                 )
             found.setdefault((layer, module), {})[which] = f.get_tensor(key)
     if skipped:
-        logger.info("%s: %d vision-tower tensors left out (text is served)", weights, skipped)
+        logger.warning(
+            "%s: %d vision-tower tensors left out: the adapter applies to the language "
+            "model, and images under it are encoded by the base model's tower",
+            weights, skipped,
+        )  # fmt: skip
     if not found:
         raise ModelLoadError(f"{weights}: no LoRA tensors")
     per_module: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}

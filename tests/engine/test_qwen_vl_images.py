@@ -215,3 +215,43 @@ def test_qwen3_vl_moe_experts_load_in_either_layout(model_factory, tmp_path):
     save_file(stacks, resaved / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match="down_proj is \\[8, 255, 192\\]"):
         LLM(resaved)
+
+
+def test_a_peft_adapter_that_wraps_the_tower_serves_the_language_model(
+    model_factory, tmp_path, caplog
+):
+    """PEFT's plain targets (``down_proj``) wrap Qwen2.5-VL's vision blocks too
+    (``model.visual.blocks.*.mlp.down_proj``): the adapter loads, its vision tensors left
+    out and logged, and text prompts under it decode what transformers + peft decode."""
+    import peft
+    from transformers import AutoModelForImageTextToText
+
+    def hf_greedy(model_dir, prompts, num_tokens, adapter_dir=None) -> list[list[int]]:
+        model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+        if adapter_dir is not None:
+            model = peft.PeftModel.from_pretrained(model, str(adapter_dir))
+        with torch.no_grad():
+            return [model.generate(torch.tensor([p]), max_new_tokens=num_tokens, do_sample=False,
+                                   min_new_tokens=num_tokens)[0, len(p) :].tolist()
+                    for p in prompts]  # fmt: skip
+
+    model_dir = model_factory("qwen2_5_vl")
+    base = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    model = peft.get_peft_model(base, config)
+    torch.manual_seed(3)
+    with torch.no_grad():  # PEFT starts B at zero: an adapter that changes nothing
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(tmp_path / "adapter")
+    llm = LLM(model_dir, lora_adapters={"tuned": tmp_path / "adapter"})
+    assert "vision-tower tensors left out" in caplog.text
+    prompts = [[5, 17, 300, 42, 9], [11, 12, 13]]
+    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                           lora_name="tuned")  # fmt: skip
+    tuned = [o.outputs[0].token_ids for o in outputs]
+    assert tuned == hf_greedy(model_dir, prompts, 8, adapter_dir=tmp_path / "adapter")
+    assert tuned != hf_greedy(model_dir, prompts, 8)
+    assert llm.engine.leak_report() == []
