@@ -23,6 +23,7 @@ from common.config import (
     MAX_PRIORITY,
     MAX_SPECULATIVE_TOKENS,
     MIN_PRIORITY,
+    ConfigError,
     DType,
     EngineConfig,
     SchedulingPolicy,
@@ -105,6 +106,32 @@ def resolve_max_model_len(config: EngineConfig, arch: ModelArchConfig) -> int:
     return min(config.max_model_len, limit)
 
 
+def hybrid_config(
+    config: EngineConfig, arch: ModelArchConfig, pulls: bool, model_dir: Path
+) -> EngineConfig:
+    """``config`` for a hybrid model (linear-attention layers: ``engine/linear_state.py``),
+    or as it is for any other. Its recurrent states depend on every earlier token, so no
+    cached prefix can restore them: the prefix cache (and the CPU tier, which extends it)
+    is turned off. What cannot work yet is refused: speculation (a rejected draft would
+    have to be taken back out of the states), tensor parallelism, and pulling prompt KV
+    from a prefill worker (the states do not move between workers yet). Raises
+    ``ConfigError``."""
+    if arch.linear_attention is None:
+        return config
+    name = f"{model_dir.name} (linear-attention layers)"
+    if config.num_speculative_tokens or config.speculative_method is not SpeculativeMethod.NGRAM:
+        raise ConfigError("engine.num_speculative_tokens", f"{name} runs without speculation")
+    if config.tensor_parallel_size > 1:
+        raise ConfigError("engine.tensor_parallel_size", f"{name} runs on one rank for now")
+    if pulls:
+        raise ConfigError("engine", f"{name} is served colocated: its states do not move "
+                          "between prefill and decode workers yet")  # fmt: skip
+    if config.enable_prefix_caching or config.cpu_offload_bytes:
+        logger.info("%s: prefix caching off (a cached prefix cannot restore the recurrent "
+                    "states of its linear-attention layers)", model_dir)  # fmt: skip
+    return config.replace(enable_prefix_caching=False, cpu_offload_bytes=0)
+
+
 @dataclass(frozen=True, slots=True)
 class StepStats:
     num_prompt_tokens: int  # prompt tokens computed (prefill work)
@@ -136,6 +163,7 @@ class LLMEngine:
         self.recompute_on_pull_failure = recompute_on_pull_failure
         self.model_dir = Path(model_dir)
         self.arch = read_arch_config(model_dir)
+        self.config = hybrid_config(self.config, self.arch, kv_puller is not None, self.model_dir)
         self.device = resolve_device(self.config)
         self.dtype = resolve_dtype(self.config, self.arch, self.device)
         self.max_model_len = resolve_max_model_len(self.config, self.arch)
@@ -566,6 +594,8 @@ class LLMEngine:
         outputs = self._poll_fetches()
         outputs += self._decode_images()
         scheduler_output = self.scheduler.schedule()
+        for request_id in scheduler_output.preempted_ids:  # they recompute from the start
+            self.runner.release_state(request_id)
         if self.cpu_tier is not None:
             # Save the blocks this schedule evicted before anything may overwrite them
             # (pulls below, the forward pass), then load this step's CPU hits into theirs.

@@ -32,6 +32,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.draft_model import DraftModel, draft_segment
 from engine.images import ChunkImages, EncoderCache, image_embeds, image_key_ends
 from engine.kv_cache_manager import cdiv
+from engine.linear_state import StateSlots
 from engine.model_shard import HostBatch, ModelShard
 from engine.models.arch import ModelArchConfig, ModelLoadError
 from engine.models.image_processor import ImageProcessing, read_image_processing
@@ -196,6 +197,10 @@ class ModelRunner:
             self.expert_rebalance_interval = 0
         self._steps_since_rebalance = 0
         self.expert_balance = ExpertBalance()
+        # A hybrid model's linear-attention state slots, one per request a step may hold.
+        self.state_slots: StateSlots | None = None
+        if arch.linear_attention is not None:
+            self.state_slots = StateSlots(self.shard.num_state_slots)
         # Rows for every request a step may hold, and some for preempted ones waiting.
         self.block_table = BlockTable(
             config.max_num_seqs + BLOCK_TABLE_SPARE_ROWS,
@@ -234,8 +239,15 @@ class ModelRunner:
         return self.shard.decode_graphs
 
     def release_request(self, request_id: str) -> None:
-        """A request is done: drop its block-table row."""
+        """A request is done: drop its block-table row (and state slot)."""
         self.block_table.release(request_id)
+        self.release_state(request_id)
+
+    def release_state(self, request_id: str) -> None:
+        """A request's linear-attention states are void (it ended, or was preempted and
+        will recompute from its first token); a no-op without such layers."""
+        if self.state_slots is not None:
+            self.state_slots.release(request_id)
 
     def leak_report(self) -> list[str]:
         """Block-table rows still held, and what the other ranks hold beyond rank 0's
@@ -243,6 +255,8 @@ class ModelRunner:
         problems = []
         if self.block_table.num_rows_used:
             problems.append(f"{self.block_table.num_rows_used} block-table rows still held")
+        if self.state_slots is not None and self.state_slots.num_used:
+            problems.append(f"{self.state_slots.num_used} linear-attention state slots held")
         if self.shards is None:
             return problems
         live = len(self._adapter_ids)
@@ -278,6 +292,10 @@ class ModelRunner:
             [chunk.request_id for chunk in chunks], [chunk.block_ids for chunk in chunks], width
         )
         batch.rope_positions, batch.mrope_positions = rope_positions(batch.positions, chunks)
+        if self.state_slots is not None:
+            assigned = [self.state_slots.assign(c.request_id, c.start_pos) for c in chunks]
+            batch.state_slots = [slot for slot, _ in assigned]
+            batch.fresh_slots = [slot for slot, fresh in assigned if fresh]
         return batch
 
     def _forward(

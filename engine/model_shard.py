@@ -26,6 +26,7 @@ from engine.attention.registry import create_backend
 from engine.cuda_graphs import DecodeGraphs
 from engine.host_memory import zeros_for_kv_caches
 from engine.kv_cache_manager import cdiv
+from engine.linear_state import LinearStep, StatePool
 from engine.models.arch import ModelArchConfig, ModelLoadError
 from engine.models.eagle3 import Eagle3Head, load_eagle3_head
 from engine.models.llama import use_kv_scales
@@ -88,6 +89,10 @@ class HostBatch:
     # one per token where each token's three agree, else [3, num_tokens] int64.
     rope_positions: list[int] | None = None
     mrope_positions: np.ndarray | None = None
+    # A hybrid model's: each sequence's state slot, and the slots whose states start from
+    # zero this step (``engine/linear_state.py``); None: no linear-attention layers.
+    state_slots: list[int] | None = None
+    fresh_slots: list[int] | None = None
 
     @property
     def rotary_positions(self) -> list[int]:
@@ -161,6 +166,14 @@ class ModelShard:
         self.num_blocks = 0
         self.kv_caches: list[torch.Tensor] = []
         self.decode_graphs: DecodeGraphs | None = None
+        # A hybrid model's linear-attention states: a slot per request a step may hold,
+        # taken out of the KV cache's memory (``engine/linear_state.py``).
+        linear = self.arch.linear_attention
+        self.num_state_slots = config.max_num_seqs if linear is not None else 0
+        self.state_bytes = (
+            StatePool.bytes_per_slot(linear) * self.num_state_slots if linear is not None else 0
+        )
+        self.state_pool: StatePool | None = None
 
     def _use_kv_scales(self) -> None:
         """An FP8 cache stores K/V over the checkpoint's calibrated per-layer scales (as
@@ -187,8 +200,9 @@ class ModelShard:
 
     @property
     def num_cache_layers(self) -> int:
-        """KV cache layers: the model's, then the drafting layer's when it drafts."""
-        return self.arch.num_layers + self.num_draft_layers
+        """KV cache layers: the model's (a hybrid model's attention layers only), then the
+        drafting layer's when it drafts."""
+        return len(self.arch.kv_layers) + self.num_draft_layers
 
     @property
     def bytes_per_block(self) -> int:
@@ -205,14 +219,16 @@ class ModelShard:
         min_blocks = cdiv(self.max_model_len, self.block_size)
         if config.num_blocks is not None:
             num_blocks = config.num_blocks
-        elif self.device.type == "cuda":
-            # Memory torch's allocator caches but does not use counts as free.
-            torch.cuda.empty_cache()
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - int(total * (1.0 - config.gpu_memory_utilization))
-            num_blocks = budget // (self.bytes_per_block + draft_bytes_per_block)
         else:
-            num_blocks = config.kv_cache_bytes // (self.bytes_per_block + draft_bytes_per_block)
+            budget = config.kv_cache_bytes
+            if self.device.type == "cuda":
+                # Memory torch's allocator caches but does not use counts as free.
+                torch.cuda.empty_cache()
+                free, total = torch.cuda.mem_get_info(self.device)
+                budget = free - int(total * (1.0 - config.gpu_memory_utilization))
+            # A hybrid model's linear-attention states come out of the same memory.
+            per_block = self.bytes_per_block + draft_bytes_per_block
+            num_blocks = (budget - self.state_bytes) // per_block
         if num_blocks < min_blocks:
             raise ConfigError(
                 "engine.num_blocks",
@@ -234,6 +250,8 @@ class ModelShard:
         self.kv_caches = zeros_for_kv_caches(
             self.num_cache_layers, shape, self.cache_dtype, self.device
         )
+        if arch.linear_attention is not None:
+            self.state_pool = StatePool(arch.linear_attention, self.num_state_slots, self.device)
         config = self.config
         # Latent attention decodes eagerly: its capture is not yet tried on a GPU; so do
         # drafting layers (a graph keeps no states before the final norm).
@@ -242,6 +260,7 @@ class ModelShard:
             and self.device.type == "cuda"
             and arch.mla is None
             and not self.num_draft_layers
+            and arch.linear_attention is None  # its layers index states by the step's slots
         )
         if graphs and self.backend.name == "triton":
             self._capture()
@@ -306,7 +325,7 @@ class ModelShard:
                 batch.block_table,
             )  # fmt: skip
         input_ids, positions, metadata = self._device_inputs(batch)
-        layer_caches = self.kv_caches[: self.arch.num_layers]
+        layer_caches = self._layer_caches(batch)
         layer = self.draft_layer
         if layer is None:
             return self.model(input_ids, positions, layer_caches, metadata, lora, images)
@@ -315,6 +334,28 @@ class ModelShard:
         )
         self.target_features = layer.features(hidden, aux)
         return self.model.model.norm(hidden)
+
+    def _layer_caches(self, batch: HostBatch) -> list:
+        """Each layer's cache for a step: its KV cache, or a linear-attention layer's
+        states (those of slots starting over zeroed first)."""
+        kv_caches = self.kv_caches[: len(self.arch.kv_layers)]
+        pool = self.state_pool
+        if pool is None:
+            return kv_caches
+        assert batch.state_slots is not None and batch.fresh_slots is not None
+        pool.clear(batch.fresh_slots)
+        step = LinearStep(
+            slots=self.to_device(batch.state_slots, torch.int64),
+            slots_cpu=batch.state_slots,
+            query_start_loc_cpu=batch.query_start_loc,
+            num_decodes=sum(1 for i in range(batch.num_seqs) if batch.query_len(i) == 1),
+        )
+        kv = iter(kv_caches)
+        linear = iter(range(len(self.arch.linear_layers)))
+        return [
+            pool.layer(next(linear), step) if self.arch.is_linear(i) else next(kv)
+            for i in range(self.arch.num_layers)
+        ]
 
     def mtp_pass(
         self, batch: HostBatch, hidden_rows: list[int], from_target: bool, logit_rows: list[int]

@@ -77,6 +77,10 @@ class ArchFlags:
     # MiniMax-M2: q/k RMSNorm over each token's whole projection (all heads at once), a
     # partial rotary (its configs' rotary_dim), experts intermediate_size wide.
     minimax_m2: bool = False
+    # Qwen3.5: gated delta-rule (linear attention) layers between full-attention ones
+    # (``LinearAttentionConfig``), a sigmoid gate on the attention output, RMSNorm by
+    # 1 + weight, a partial rotary.
+    qwen3_5: bool = False
 
 
 ARCHITECTURES: dict[str, ArchFlags] = {
@@ -93,6 +97,9 @@ ARCHITECTURES: dict[str, ArchFlags] = {
     # Qwen3-VL-MoE's language model: Qwen3-MoE's, whose router always renormalizes (its
     # config has no norm_topk_prob); its experts stored stacked (``stacked_experts.py``).
     "Qwen3VLMoeForConditionalGeneration": ArchFlags(qk_norm=True, moe=True, norm_topk_prob=True),
+    "Qwen3_5ForCausalLM": ArchFlags(qk_norm=True, qwen3_5=True),
+    # The multimodal checkpoint's language model, served for text.
+    "Qwen3_5ForConditionalGeneration": ArchFlags(qk_norm=True, qwen3_5=True),
     # Phi-3 / Phi-4: Llama with fused qkv_proj and gate_up_proj in the checkpoint (loaded as
     # they are) and maybe a partial rotary.
     "Phi3ForCausalLM": ArchFlags(phi3_rope=True),
@@ -140,6 +147,8 @@ _BY_MODEL_TYPE = {
     "qwen3_vl": "Qwen3ForCausalLM",  # Qwen3-VL's: Qwen3's (q/k norms)
     "qwen3_vl_text": "Qwen3ForCausalLM",
     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
 }
 # The M-RoPE sections where a config names none: Qwen2_5_VLTextModel's, Qwen3VLTextModel's
 # (interleaved).
@@ -213,6 +222,35 @@ class MlaConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class LinearAttentionConfig:
+    """Gated delta-rule layers (Qwen3.5's ``linear_attention``; ``gated_delta_net.py``):
+    instead of a KV cache each keeps, per request, a convolution state (the last
+    ``conv_kernel - 1`` inputs of its q/k/v channels) and a recurrent state
+    (``num_value_heads`` matrices of ``key_head_dim x value_head_dim``), of a fixed size
+    whatever the context's length."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    layers: tuple[bool, ...]  # per layer: linear attention (else full attention)
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_key_heads * self.key_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal convolution: q, k and v."""
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True, slots=True)
 class ModelArchConfig:
     architecture: str
     vocab_size: int
@@ -270,6 +308,11 @@ class ModelArchConfig:
     # A vision-language checkpoint's image side (``common/vision_spec.py``); the fields
     # above are its language model's. None: text only.
     vision: VisionSpec | None = None
+    # Hybrid models (Qwen3.5): the layers that are linear attention; None: all attend.
+    linear_attention: LinearAttentionConfig | None = None
+    # Qwen3.5's full attention: q_proj also yields a gate per output element
+    # (``sigmoid(gate) * attention``, before o_proj).
+    attention_output_gate: bool = False
 
     @property
     def rotary_dim(self) -> int:
@@ -278,6 +321,20 @@ class ModelArchConfig:
 
     def rope_of(self, layer_idx: int) -> RopeConfig:
         return self.layer_ropes[layer_idx] if self.layer_ropes else self.rope
+
+    def is_linear(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` is a linear-attention (recurrent) layer."""
+        return self.linear_attention is not None and self.linear_attention.layers[layer_idx]
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that keep a paged KV cache (all but linear-attention ones), in
+        order: KV cache layer i is model layer ``kv_layers[i]``."""
+        return tuple(i for i in range(self.num_layers) if not self.is_linear(i))
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.is_linear(i))
 
     def is_sparse(self, layer_idx: int) -> bool:
         """Whether layer ``layer_idx`` runs the experts instead of a dense MLP."""
@@ -545,7 +602,9 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
     if flags.minimax_m2 and cfg.get("rotary_dim") and "partial_rotary_factor" not in cfg:
         # MiniMax-M2's released configs give the rotary width as rotary_dim.
         cfg = {**cfg, "partial_rotary_factor": int(cfg["rotary_dim"]) / int(head_dim)}
-    partial = flags.glm4_moe or flags.minimax_m2
+    partial = flags.glm4_moe or flags.minimax_m2 or flags.qwen3_5
+    if flags.qwen3_5 and "partial_rotary_factor" not in cfg:
+        cfg = {**cfg, "partial_rotary_factor": 0.25}  # Qwen3_5TextConfig's default
     rope = gemma3.pop("rope") if gemma3 else rope_config(cfg, path, flags.phi3_rope, partial)
     if vision is not None and vision.mrope:
         rope = _mrope(rope, int(head_dim), vision.mrope_interleaved, path)
@@ -583,7 +642,38 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
         vision=vision,
         **attention,
         **gemma3,
+        **(_qwen3_5_fields(cfg, num_layers, path) if flags.qwen3_5 else {}),
     )
+
+
+def _qwen3_5_fields(cfg: dict[str, Any], num_layers: int, path: Path) -> dict[str, Any]:
+    """ModelArchConfig's Qwen3.5 fields (Qwen3_5TextConfig's defaults where the config
+    leaves keys out: every 4th layer full attention)."""
+    interval = int(cfg.get("full_attention_interval", 4))
+    layer_types = cfg.get("layer_types") or [
+        "linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)
+    ]
+    if len(layer_types) < num_layers or set(layer_types) - {"linear_attention", "full_attention"}:
+        raise ModelLoadError(
+            f"{path}: layer_types must name linear_attention or full_attention for each of "
+            f"the {num_layers} layers"
+        )
+    linear = LinearAttentionConfig(
+        num_key_heads=int(cfg.get("linear_num_key_heads", 16)),
+        num_value_heads=int(cfg.get("linear_num_value_heads", 32)),
+        key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
+        value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
+        conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+        layers=tuple(t == "linear_attention" for t in layer_types[:num_layers]),
+    )
+    if linear.num_value_heads % linear.num_key_heads:
+        raise ModelLoadError(
+            f"{path}: linear_num_value_heads {linear.num_value_heads} is not a multiple of "
+            f"linear_num_key_heads {linear.num_key_heads}"
+        )
+    if all(linear.layers):
+        raise ModelLoadError(f"{path}: no full_attention layer (a KV cache needs one)")
+    return {"linear_attention": linear, "attention_output_gate": True, "norm_unit_offset": True}
 
 
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")  # transformers' names of the tanh GELU

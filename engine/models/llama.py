@@ -24,7 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend, LayerSpec
+from engine.linear_state import LinearLayerState
 from engine.models.arch import ModelArchConfig
+from engine.models.gated_delta_net import GatedDeltaNet
 from engine.models.lora import LoraBatch
 from engine.models.mla import MlaAttention
 from engine.models.moe import SparseMoe
@@ -49,8 +51,11 @@ class Attention(nn.Module):
         self.num_kv_heads = arch.num_kv_heads
         self.head_dim = arch.head_dim
         self.q_size, self.kv_size = arch.q_size, arch.kv_size
+        # Qwen3.5: each head's query rows are followed by as many rows of its output gate.
+        self.output_gate = arch.attention_output_gate
+        self.q_rows = arch.q_size * (2 if self.output_gate else 1)
         self.qkv_proj = nn.Linear(
-            arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.qkv_bias
+            arch.hidden_size, self.q_rows + 2 * arch.kv_size, bias=arch.qkv_bias
         )
         self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=arch.o_bias)
         if arch.qk_norm:
@@ -84,7 +89,11 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(hidden)
         if lora is not None:
             qkv = lora.apply(self.layer_idx, "qkv_proj", hidden, qkv)
-        query, key, value = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        query, key, value = qkv.split([self.q_rows, self.kv_size, self.kv_size], dim=-1)
+        gate = None
+        if self.output_gate:  # [N, heads, 2 * head_dim]: each head's query, then its gate
+            query, gate = query.view(num_tokens, self.num_q_heads, -1).chunk(2, dim=-1)
+            gate = gate.reshape(num_tokens, self.q_size)
         if self.qk_norm_whole:
             query, key = self.q_norm(query), self.k_norm(key)
         query = query.reshape(num_tokens, self.num_q_heads, self.head_dim)
@@ -109,6 +118,8 @@ class Attention(nn.Module):
         if self.kv_scales is not None:
             out = out * self.kv_scales[1]
         out = out.reshape(num_tokens, self.q_size)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         if lora is None:
             return self.o_proj(out)
         return lora.apply(self.layer_idx, "o_proj", out, self.o_proj(out))
@@ -152,9 +163,13 @@ class DecoderLayer(nn.Module):
         self.group = group
         self.sandwich_norms = arch.sandwich_norms
         self.input_layernorm = rms_norm(arch, arch.hidden_size)
-        self.self_attn: Attention | MlaAttention
-        if arch.mla is not None:
-            self.self_attn = MlaAttention(arch, layer_idx, rotary, backend)
+        # The token mixer: attention, or a hybrid model's linear attention.
+        self.linear = arch.is_linear(layer_idx)
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(arch, layer_idx)
+        elif arch.mla is not None:
+            self.self_attn: Attention | MlaAttention = MlaAttention(arch, layer_idx, rotary,
+                                                                   backend)  # fmt: skip
         else:
             self.self_attn = Attention(arch, layer_idx, rotary, backend, group)
         self.post_attention_layernorm = rms_norm(arch, arch.hidden_size)
@@ -176,15 +191,18 @@ class DecoderLayer(nn.Module):
         self,
         positions: torch.Tensor,
         hidden: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: torch.Tensor | LinearLayerState,  # a linear-attention layer's: its states
         attn_metadata: object,
         lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         reduce = self.group.all_reduce
         residual = hidden
-        hidden = reduce(
-            self.self_attn(positions, self.input_layernorm(hidden), kv_cache, attn_metadata, lora)
-        )
+        normed = self.input_layernorm(hidden)
+        if self.linear:
+            assert isinstance(kv_cache, LinearLayerState)
+            hidden = reduce(self.linear_attn(normed, kv_cache))
+        else:
+            hidden = reduce(self.self_attn(positions, normed, kv_cache, attn_metadata, lora))
         if self.sandwich_norms:
             hidden = residual + self.post_attention_layernorm(hidden)
             mlp_out = reduce(self.mlp(self.pre_feedforward_layernorm(hidden), lora))
@@ -276,7 +294,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
-        kv_caches: list[torch.Tensor],  # per layer [num_blocks, 2, block_size, Hkv, D]
+        kv_caches: list,  # per layer [num_blocks, 2, block_size, Hkv, D] or LinearLayerState
         attn_metadata: object,
         lora: LoraBatch | None = None,  # None: no row uses an adapter
         images: tuple[torch.Tensor, torch.Tensor] | None = None,  # see hidden_and_aux
@@ -348,5 +366,6 @@ def use_kv_scales(model: LlamaForCausalLM) -> None:
     """Make each attention layer store K/V divided by the checkpoint's calibrated scales
     (for an FP8 cache); layers without them store K/V as they are."""
     for index, layer in enumerate(model.model.layers):
-        if isinstance(layer.self_attn, Attention):  # MLA checkpoints have no K/V scales
+        # MLA checkpoints have no K/V scales, nor linear-attention layers a KV cache.
+        if isinstance(getattr(layer, "self_attn", None), Attention):
             layer.self_attn.kv_scales = model.checkpoint_kv_scales.get(index)

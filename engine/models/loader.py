@@ -62,8 +62,9 @@ _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 # then 5's own), and the parts of it a text-only engine leaves unloaded.
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
                   ("model.language_model.", "model."))  # fmt: skip
+# ("mtp.": Qwen3.5's MTP layer, unused: hybrid models run without speculation.)
 _NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-             "model.multi_modal_projector.", "visual.", "model.visual.")  # fmt: skip
+             "model.multi_modal_projector.", "visual.", "model.visual.", "mtp.")  # fmt: skip
 _FUSED = re.compile(
     r"^(model\.(?:mtp_)?layers\.\d+\.(?:self_attn|mlp|mlp\.shared_expert))"
     r"\.(q|k|v|gate|up)_proj\.(weight|bias)$"
@@ -108,7 +109,8 @@ def _target(name: str, arch: ModelArchConfig, shapes: dict[str, tuple[int, ...]]
         return _Target(name)  # (latent attention's q_proj is its own)
     module, which, kind = fused.groups()
     if which in ("q", "k", "v"):
-        starts = {"q": 0, "k": arch.q_size, "v": arch.q_size + arch.kv_size}
+        q_rows = arch.q_size * (2 if arch.attention_output_gate else 1)  # Qwen3.5's gate
+        starts = {"q": 0, "k": q_rows, "v": q_rows + arch.kv_size}
         return _Target(f"{module}.qkv_proj.{kind}", starts[which])
     stacked = f"{module}.gate_up_proj.{kind}"
     half = shapes[stacked][0] // 2 if stacked in shapes else 0

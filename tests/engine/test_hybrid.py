@@ -1,0 +1,89 @@
+"""A hybrid model (Qwen3.5's layout: gated delta-rule layers between full-attention ones)
+in the engine: transformers' log-probs and tokens whatever the chunking, batching or
+preemption; a state slot per request, released when it ends, is aborted or preempted;
+what cannot work yet refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.config import ConfigError, EngineConfig
+from engine import LLM, SamplingParams
+from engine.llm_engine import LLMEngine
+from tests.engine.helpers import assert_prompt_logprobs_match, hf_greedy, random_prompts
+
+GREEDY = SamplingParams(max_tokens=24, min_tokens=24, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(model_factory):
+    return model_factory("qwen3_5")
+
+
+def test_prompt_logprobs_equal_transformers(qwen3_5):
+    """Every prompt position, whole (two chunks of the chunked form: 130 tokens) and in
+    chunks of 9 (the states carried from chunk to chunk)."""
+    prompt = random_prompts([130], seed=4)[0]
+    assert_prompt_logprobs_match(qwen3_5, prompt)
+    assert_prompt_logprobs_match(qwen3_5, prompt, prefill_chunk_tokens=9)
+
+
+@pytest.mark.parametrize("chunk", [5, 48])
+def test_chunked_mixed_batches_give_transformers_tokens(qwen3_5, chunk):
+    """Prompts of many lengths at once: steps mix decodes (one recurrence step each, all
+    together) with prompt chunks that start, continue and end."""
+    prompts = random_prompts(seed=1)
+    llm = LLM(qwen3_5, prefill_chunk_tokens=chunk, max_num_batched_tokens=64)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(qwen3_5, prompts, 24)
+    assert llm.engine.leak_report() == []
+
+
+def test_preempted_and_resumed_requests_keep_their_tokens(qwen3_5):
+    """A small KV pool preempts running requests: they give back their state slots and
+    recompute from their first token (states from zero); sequences resumed with their
+    first 7 tokens (a migration) continue as if never stopped."""
+    prompts = random_prompts([30, 41, 25, 37], seed=2)
+    params = SamplingParams(max_tokens=40, min_tokens=40, temperature=0)
+    expected = [o.outputs[0].token_ids for o in LLM(qwen3_5).generate(prompts, params,
+                                                                      use_tqdm=False)]  # fmt: skip
+    small = LLM(qwen3_5, num_blocks=14, block_size=8, max_model_len=96)
+    got = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
+    assert small.engine.scheduler.num_preemptions > 0
+    assert got == expected and small.engine.leak_report() == []
+    resumed = LLMEngine(qwen3_5, EngineConfig())
+    for i, prompt in enumerate(prompts):
+        resumed.add_request(f"r{i}", prompt, params, output_token_ids=expected[i][:7])
+    outputs = {}
+    while resumed.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in resumed.step() if o.finished)
+    assert [outputs[f"r{i}"].outputs[0].token_ids for i in range(4)] == expected
+    assert resumed.leak_report() == []
+
+
+def test_aborted_requests_give_back_their_slots(qwen3_5):
+    engine = LLMEngine(qwen3_5, EngineConfig(prefill_chunk_tokens=8))
+    for i, prompt in enumerate(random_prompts([40, 40, 3], seed=3)):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    engine.step()  # r0 and r1 part-way through their prompts, r2 decoding
+    assert engine.runner.state_slots.num_used == 3
+    for i in range(3):
+        engine.abort_request(f"r{i}")
+    assert engine.runner.state_slots.num_used == 0 and engine.leak_report() == []
+
+
+def test_prefix_caching_is_off_and_the_unsupported_is_refused(qwen3_5):
+    """The same prompt twice computes it twice (a cached prefix has no states); speculation,
+    tensor parallelism and pulled prompt KV are refused by name."""
+    llm = LLM(qwen3_5)
+    assert not llm.engine.config.enable_prefix_caching
+    prompt = random_prompts([64], seed=5)[0]
+    first, second = (llm.generate([prompt], GREEDY, use_tqdm=False)[0] for _ in range(2))
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids
+    assert second.num_cached_tokens == 0
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        LLM(qwen3_5, num_speculative_tokens=2)
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        LLM(qwen3_5, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="colocated"):
+        LLMEngine(qwen3_5, EngineConfig(), kv_puller=object())
