@@ -129,3 +129,17 @@ def transfer_block_hashes(
         extra = block_extra(images, start, len(token_ids)) if images else None
         hashes.append(hash_block(parent, token_ids[start:], extra))
     return hashes
+
+
+_STATE_DOMAIN = b"pdserve-linear-state"
+
+
+def state_block_hashes(last_block_hash: BlockHash, num_blocks: int) -> list[BlockHash]:
+    """Names of the blocks that carry a hybrid model's linear-attention states after a
+    prompt whose last block (partial or full) is named ``last_block_hash``: the states
+    follow from that prompt alone, as its KV does, so both sides of a transfer derive the
+    same names (``engine/linear_state.py``)."""
+    return [
+        hashlib.sha256(_STATE_DOMAIN + last_block_hash + struct.pack("<I", i)).digest()
+        for i in range(num_blocks)
+    ]

@@ -186,6 +186,44 @@ def kv_cache_heads(cfg: dict[str, Any]) -> tuple[int, int]:
     return int(cfg.get("num_key_value_heads") or num_heads), int(head_dim)
 
 
+# Hybrid models' language models, whose layer_types mix linear and full attention
+# (``Qwen3_5TextConfig``: every ``full_attention_interval``-th layer full, default 4).
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+# Qwen3_5TextConfig's defaults for its linear-attention keys.
+LINEAR_ATTENTION_DEFAULTS = {
+    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+}  # fmt: skip
+
+
+def layer_types(cfg: dict[str, Any]) -> list[str] | None:
+    """Each layer's ``linear_attention`` or ``full_attention`` for a hybrid model's
+    (text) config, as transformers derives them; None for any other model."""
+    types = cfg.get("layer_types")
+    if cfg.get("model_type") not in HYBRID_MODEL_TYPES and "linear_attention" not in (types or ()):
+        return None
+    num_layers = int(cfg["num_hidden_layers"])
+    interval = int(cfg.get("full_attention_interval", 4))
+    return list(types or ["linear_attention" if (i + 1) % interval else "full_attention"
+                          for i in range(num_layers)])  # fmt: skip
+
+
+def linear_state_bytes(cfg: dict[str, Any]) -> int:
+    """float32 bytes of one request's linear-attention states (a hybrid model's; 0 for
+    others): per linear layer, the convolution's last ``kernel - 1`` inputs of its q, k
+    and v channels and each value head's ``key_head_dim x value_head_dim`` state."""
+    types = layer_types(cfg)
+    if types is None:
+        return 0
+    dims = {**LINEAR_ATTENTION_DEFAULTS, **cfg}
+    key_dim = int(dims["linear_num_key_heads"]) * int(dims["linear_key_head_dim"])
+    value_heads, value_dim = int(dims["linear_num_value_heads"]), int(dims["linear_value_head_dim"])
+    conv = (2 * key_dim + value_heads * value_dim) * (int(dims["linear_conv_kernel_dim"]) - 1)
+    recurrent = value_heads * int(dims["linear_key_head_dim"]) * value_dim
+    num_linear = sum(t == "linear_attention" for t in types[: int(cfg["num_hidden_layers"])])
+    return 4 * (conv + recurrent) * num_linear
+
+
 def draft_vocab_problem(draft: object, draft_vocab: int, target_vocab: int) -> str | None:
     """Why ``draft`` (a checkpoint of ``draft_vocab`` token ids) cannot draft for a target
     of ``target_vocab``, or None if it can: its ids must be the target's, so it may have

@@ -34,6 +34,8 @@ from common.hf_config import (
     eagle3_kv_problem,
     eagle3_layer_config,
     kv_cache_heads,
+    layer_types,
+    linear_state_bytes,
     max_context_len,
     num_mtp_layers,
     text_config,
@@ -60,6 +62,10 @@ class ModelShape:
     num_mtp_layers: int = 0
     num_experts: int = 0  # routed experts (MoE models)
     vocab_size: int = 0
+    # A hybrid model's linear-attention layers (no KV cache), and the float32 bytes of one
+    # request's states in them (``engine/linear_state.py``).
+    num_linear_layers: int = 0
+    state_bytes: int = 0
 
     @classmethod
     def read(cls, model_dir: Path) -> ModelShape | None:
@@ -81,6 +87,8 @@ class ModelShape:
                 num_mtp_layers=num_mtp_layers(cfg),
                 num_experts=int(_num_experts(cfg) or 0),
                 vocab_size=int(cfg.get("vocab_size", 0)),
+                num_linear_layers=(layer_types(cfg) or []).count("linear_attention"),
+                state_bytes=linear_state_bytes(cfg),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError("model", f"{path} is not a usable checkpoint config: {exc}") from None
@@ -92,8 +100,13 @@ class ModelShape:
         with ``draft_layer`` the MTP layer's or EAGLE-3 head's too, of the same shape), on
         one of ``tp_size`` tensor-parallel ranks (each holds its KV heads)."""
         num_kv_heads = local_kv_heads(self.num_kv_heads, tp_size)
-        num_layers = self.num_layers + int(draft_layer)
+        num_layers = self.num_layers - self.num_linear_layers + int(draft_layer)
         return num_layers * 2 * block_size * num_kv_heads * self.head_dim * dtype_bytes
+
+    def state_blocks(self, bytes_per_block: int, max_num_seqs: int) -> int:
+        """KV blocks a hybrid model's engine sets aside for its linear-attention states:
+        ``max_num_seqs`` slots, each of whole blocks (``engine.model_shard``)."""
+        return max_num_seqs * -(-self.state_bytes // bytes_per_block)
 
 
 def _num_experts(cfg: dict) -> int | None:
@@ -210,7 +223,8 @@ def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
     if engine.num_blocks is not None and engine.num_blocks < min_blocks:
         message = f"{engine.num_blocks} KV blocks {too_small}"
         raise ConfigError(_key(config, role, "num_blocks"), message)
-    problems = _cpu_problems(config, role, engine, cpu_bpb, min_blocks, too_small)
+    state_blocks = shape.state_blocks(cpu_bpb, engine.max_num_seqs)
+    problems = _cpu_problems(config, role, engine, cpu_bpb, min_blocks, too_small, state_blocks)
     if engine.device is Device.CPU and problems:
         raise ConfigError(*problems[0])
     warnings = [f"{key}: on a host without CUDA, {message}" for key, message in problems]
@@ -221,7 +235,7 @@ def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
         )
     num_blocks = engine.num_blocks
     if num_blocks is None and engine.device is Device.CPU:
-        num_blocks = engine.kv_cache_bytes // cpu_bpb
+        num_blocks = engine.kv_cache_bytes // cpu_bpb - state_blocks
     return KVBudget(role, engine.block_size, max_model_len, min_blocks, bpb, cpu_bpb,
                     num_blocks, tuple(warnings))  # fmt: skip
 
@@ -274,13 +288,15 @@ def _cpu_problems(
     cpu_bpb: int,
     min_blocks: int,
     too_small: str,
+    state_blocks: int = 0,
 ) -> list[tuple[str, str]]:
-    """(key, message) for what would be impossible if this role's engine ran on CPU."""
+    """(key, message) for what would be impossible if this role's engine ran on CPU.
+    ``state_blocks``: blocks a hybrid model's states take besides (``ModelShape``)."""
     if engine.device is Device.CUDA:
         return []
     budget_key = _key(config, role, "kv_cache_bytes")
     if engine.num_blocks is not None:
-        needed = engine.num_blocks * cpu_bpb
+        needed = (engine.num_blocks + state_blocks) * cpu_bpb
         if needed > engine.kv_cache_bytes:
             return [(
                 _key(config, role, "num_blocks"),
@@ -289,10 +305,11 @@ def _cpu_problems(
                 "budget on CPU; lower num_blocks or raise kv_cache_bytes",
             )]  # fmt: skip
         return []
-    derived = engine.kv_cache_bytes // cpu_bpb
+    derived = engine.kv_cache_bytes // cpu_bpb - state_blocks
     if derived < min_blocks:
-        return [(budget_key, f"{_mib(engine.kv_cache_bytes)} is {derived} KV blocks, which "
-                             f"{too_small}")]  # fmt: skip
+        states = f" (after {state_blocks} for linear-attention states)" if state_blocks else ""
+        return [(budget_key, f"{_mib(engine.kv_cache_bytes)} is {derived} KV blocks{states}, "
+                             f"which {too_small}")]  # fmt: skip
     return []
 
 

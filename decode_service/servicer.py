@@ -64,6 +64,7 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServiceServicer):
             block_ids=tuple(kv.block_ids),
             source=PeerRef(engine_id=kv.engine_id, endpoint=kv.endpoint),
             start_by=start_by,
+            state_block_ids=tuple(kv.state_block_ids),
         )
 
     @grpc_stream_errors

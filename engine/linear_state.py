@@ -3,16 +3,22 @@ delta-rule layers, ``models/gated_delta_net.py``), and which request holds which
 
 A linear-attention layer keeps no KV: each request has, per such layer, a convolution
 state ``[conv_dim, conv_kernel - 1]`` and a recurrent state ``[num_value_heads,
-key_head_dim, value_head_dim]``, whatever its length. They live in one float32 pool,
-slot-major: ``[num_slots, num_linear_layers, conv + recurrent elements]``, so that one
-request's states are one contiguous range (what moving them as one piece needs), and each
-layer reads views of its slice (``StatePool.layer``).
+key_head_dim, value_head_dim]``, whatever its length. They live in float32, slot-major:
+``[num_slots, num_linear_layers, conv + recurrent elements]``, each layer reading views of
+its slice (``StatePool.layer``), and that pool is the tail of the KV cache itself: slot
+``s`` is the bytes of ``blocks_per_slot`` KV blocks past the scheduler's ``num_blocks``
+(``StatePool.block_ids``). So the KV connectors move a request's states as they move its
+prompt's blocks, bit for bit, with nothing of their own: a prefill worker keeps the slot
+of a request it holds for a decode worker and exports its blocks with the prompt's; the
+decode worker pulls them into a slot of its own (``LLMEngine._start_fetches``).
 
 ``StateSlots`` gives a request a slot when it starts computing from its first token (its
-states start at zero) and keeps it while it continues; the slot goes back when the request
-ends or is preempted (a preempted request recomputes from its first token, so its states
-are rebuilt). A state depends on every token before it, so a prefix-cache hit cannot
-restore one: hybrid models run without the prefix cache (``LLMEngine``).
+states start at zero), or when its states are pulled, and keeps it while it holds KV
+blocks; the slot goes back when the request's blocks are freed (it ended, was aborted or
+preempted, or a decode worker pulled what it held: ``Scheduler.on_blocks_freed``). A
+preempted request recomputes from its first token, so its states are rebuilt. A state
+depends on every token before it, so a prefix-cache hit cannot restore one: hybrid models
+run without the prefix cache (``llm_engine.hybrid_config``).
 """
 
 from __future__ import annotations
@@ -44,39 +50,75 @@ class LinearLayerState:
     step: LinearStep
 
 
-class StatePool:
-    """Every slot's states, for every linear-attention layer of the model."""
+def bytes_per_slot(linear: LinearAttentionConfig) -> int:
+    """float32 bytes of one request's states over all linear-attention layers."""
+    return 4 * _elements_per_layer(linear) * sum(linear.layers)
 
-    def __init__(self, linear: LinearAttentionConfig, num_slots: int, device: torch.device) -> None:
-        self.linear = linear
+
+def _elements_per_layer(linear: LinearAttentionConfig) -> int:
+    conv = linear.conv_dim * (linear.conv_kernel - 1)
+    return conv + linear.num_value_heads * linear.key_head_dim * linear.value_head_dim
+
+
+class StatePool:
+    """Every slot's states, for every linear-attention layer of the model: views of the
+    ``num_slots * blocks_per_slot`` KV blocks from ``first_block`` on (``kv_caches``: per
+    layer a view of one block-major buffer, ``host_memory.zeros_for_kv_caches``)."""
+
+    def __init__(
+        self,
+        linear: LinearAttentionConfig,
+        num_slots: int,
+        kv_caches: list[torch.Tensor],
+        first_block: int,
+        blocks_per_slot: int,
+    ) -> None:
         self.num_slots = num_slots
+        self.first_block = first_block
+        self.blocks_per_slot = blocks_per_slot
         self.conv_shape = (linear.conv_dim, linear.conv_kernel - 1)
         self.ssm_shape = (linear.num_value_heads, linear.key_head_dim, linear.value_head_dim)
         self.conv_elements = linear.conv_dim * (linear.conv_kernel - 1)
+        per_layer = _elements_per_layer(linear)
         num_layers = sum(linear.layers)
-        width = self.conv_elements + self.ssm_shape[0] * self.ssm_shape[1] * self.ssm_shape[2]
-        self.states = torch.zeros(num_slots, num_layers, width, dtype=torch.float32, device=device)
-
-    @staticmethod
-    def bytes_per_slot(linear: LinearAttentionConfig) -> int:
-        """float32 bytes of one request's states over all linear-attention layers."""
-        per_layer = linear.conv_dim * (linear.conv_kernel - 1) + (
-            linear.num_value_heads * linear.key_head_dim * linear.value_head_dim
-        )
-        return 4 * per_layer * sum(linear.layers)
+        blocks = block_bytes(kv_caches)[first_block : first_block + num_slots * blocks_per_slot]
+        if blocks.numel() < num_slots * bytes_per_slot(linear):
+            raise ValueError(f"{blocks.shape[0]} KV blocks cannot hold {num_slots} state slots")
+        # [num_slots, blocks_per_slot * block_bytes / 4] float32; a slot's states first.
+        slots = blocks.reshape(num_slots, -1).view(torch.float32)
+        self.states = slots[:, : num_layers * per_layer].view(num_slots, num_layers, per_layer)
 
     def layer(self, index: int, step: LinearStep) -> LinearLayerState:
         """The states of linear-attention layer ``index`` (its order among them)."""
-        states = self.states[:, index]  # [num_slots, width]
+        states = self.states[:, index]  # [num_slots, per_layer]
         conv = states[:, : self.conv_elements].view(self.num_slots, *self.conv_shape)
         ssm = states[:, self.conv_elements :].view(self.num_slots, *self.ssm_shape)
         return LinearLayerState(conv, ssm, step)
+
+    def block_ids(self, slot: int) -> list[int]:
+        """The KV blocks that hold slot ``slot``'s states (what a transfer moves)."""
+        first = self.first_block + slot * self.blocks_per_slot
+        return list(range(first, first + self.blocks_per_slot))
 
     def clear(self, slots: list[int]) -> None:
         """Zero these slots' states (requests starting from their first token)."""
         if slots:
             index = torch.tensor(slots, dtype=torch.int64, device=self.states.device)
             self.states.index_fill_(0, index, 0.0)
+
+
+def block_bytes(kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    """[num_blocks, bytes of a block over all layers] uint8: the block-major buffer the
+    per-layer views share (``host_memory.zeros_for_kv_caches``)."""
+    first = kv_caches[0]
+    num_blocks, block_elements = first.shape[0], first.stride(0)
+    if len(kv_caches) * first[0].numel() != block_elements:
+        raise ValueError("the KV caches are not views of one block-major buffer")
+    size = first.element_size()
+    flat = torch.empty(0, dtype=torch.uint8, device=first.device)
+    flat.set_(first.untyped_storage(), first.storage_offset() * size,
+              (num_blocks * block_elements * size,))  # fmt: skip
+    return flat.view(num_blocks, block_elements * size)
 
 
 class StateSlots:
@@ -87,20 +129,32 @@ class StateSlots:
         self._slots: dict[str, int] = {}
         self._free = list(range(num_slots - 1, -1, -1))
 
+    def _take(self, request_id: str) -> int:
+        slot = self._slots.get(request_id)
+        if slot is None:
+            if not self._free:
+                raise RuntimeError(f"no free state slot for {request_id}: all "
+                                   f"{self.num_slots} are held")  # fmt: skip
+            slot = self._free.pop()
+            self._slots[request_id] = slot
+        return slot
+
+    def reserve(self, request_id: str) -> int:
+        """A slot for a request whose states arrive from another worker (a pull); the one
+        it holds already, if any."""
+        return self._take(request_id)
+
+    def slot(self, request_id: str) -> int | None:
+        return self._slots.get(request_id)
+
     def assign(self, request_id: str, start_pos: int) -> tuple[int, bool]:
         """The slot of a request whose chunk starts at ``start_pos``, and whether its
         states must start from zero (its first token: a new slot, or its own again after
         it restarted). Raises ``RuntimeError`` for a request that continues without its
         states (none hold what its earlier tokens wrote)."""
-        slot = self._slots.get(request_id)
         if start_pos == 0:
-            if slot is None:
-                if not self._free:
-                    raise RuntimeError(f"no free state slot for {request_id}: all "
-                                       f"{self.num_slots} are held")  # fmt: skip
-                slot = self._free.pop()
-                self._slots[request_id] = slot
-            return slot, True
+            return self._take(request_id), True
+        slot = self._slots.get(request_id)
         if slot is None:
             raise RuntimeError(
                 f"request {request_id} continues at position {start_pos} but holds no "
@@ -109,7 +163,7 @@ class StateSlots:
         return slot, False
 
     def release(self, request_id: str) -> None:
-        """The request ended or was preempted; a no-op if it holds no slot."""
+        """The request's blocks were freed; a no-op if it holds no slot."""
         slot = self._slots.pop(request_id, None)
         if slot is not None:
             self._free.append(slot)

@@ -29,7 +29,7 @@ from common.config import (
     SchedulingPolicy,
     SpeculativeMethod,
 )
-from common.hashing import BlockHash, transfer_block_hashes
+from common.hashing import BlockHash, state_block_hashes, transfer_block_hashes
 from common.multimodal import ImageInput
 from common.structured_output import STRUCTURED_OUTPUT
 from engine.block_pool import BlockPoolObserver
@@ -106,15 +106,12 @@ def resolve_max_model_len(config: EngineConfig, arch: ModelArchConfig) -> int:
     return min(config.max_model_len, limit)
 
 
-def hybrid_config(
-    config: EngineConfig, arch: ModelArchConfig, pulls: bool, model_dir: Path
-) -> EngineConfig:
+def hybrid_config(config: EngineConfig, arch: ModelArchConfig, model_dir: Path) -> EngineConfig:
     """``config`` for a hybrid model (linear-attention layers: ``engine/linear_state.py``),
     or as it is for any other. Its recurrent states depend on every earlier token, so no
     cached prefix can restore them: the prefix cache (and the CPU tier, which extends it)
     is turned off. What cannot work yet is refused: speculation (a rejected draft would
-    have to be taken back out of the states), tensor parallelism, and pulling prompt KV
-    from a prefill worker (the states do not move between workers yet). Raises
+    have to be taken back out of the states) and tensor parallelism. Raises
     ``ConfigError``."""
     if arch.linear_attention is None:
         return config
@@ -123,9 +120,6 @@ def hybrid_config(
         raise ConfigError("engine.num_speculative_tokens", f"{name} runs without speculation")
     if config.tensor_parallel_size > 1:
         raise ConfigError("engine.tensor_parallel_size", f"{name} runs on one rank for now")
-    if pulls:
-        raise ConfigError("engine", f"{name} is served colocated: its states do not move "
-                          "between prefill and decode workers yet")  # fmt: skip
     if config.enable_prefix_caching or config.cpu_offload_bytes:
         logger.info("%s: prefix caching off (a cached prefix cannot restore the recurrent "
                     "states of its linear-attention layers)", model_dir)  # fmt: skip
@@ -163,7 +157,7 @@ class LLMEngine:
         self.recompute_on_pull_failure = recompute_on_pull_failure
         self.model_dir = Path(model_dir)
         self.arch = read_arch_config(model_dir)
-        self.config = hybrid_config(self.config, self.arch, kv_puller is not None, self.model_dir)
+        self.config = hybrid_config(self.config, self.arch, self.model_dir)
         self.device = resolve_device(self.config)
         self.dtype = resolve_dtype(self.config, self.arch, self.device)
         self.max_model_len = resolve_max_model_len(self.config, self.arch)
@@ -214,9 +208,12 @@ class LLMEngine:
             )
             observers.append(self.cpu_tier)
         vision = self.arch.vision
+        # A hybrid model's state slots follow the blocks (``engine/linear_state.py``).
+        hybrid = self.arch.linear_attention is not None
         self.scheduler = Scheduler(
             self.config, self.runner.num_blocks, observers, secondary=self.cpu_tier,
             whole_images=vision is not None and vision.bidirectional,
+            on_blocks_freed=self.runner.release_state if hybrid else None,
         )  # fmt: skip
         # An id the model cannot produce can never end a request; left in, banning it
         # before min_tokens would index past the logits.
@@ -570,6 +567,18 @@ class LLMEngine:
             request.image_spans,
         )
 
+    def held_state_blocks(self, request_id: str) -> tuple[list[int], list[BlockHash]]:
+        """A held request's linear-attention states (a hybrid model's): the blocks that
+        hold them and their transfer names, exported with its prompt's blocks; empty for
+        other models. KeyError if it holds none."""
+        request = self.scheduler.held[request_id]
+        block_ids = self.runner.state_block_ids(request_id)
+        if not block_ids:
+            return [], []
+        names = self.held_block_names(request_id)
+        assert names and request.num_prompt_tokens > 0
+        return block_ids, state_block_hashes(names[-1], len(block_ids))
+
     def release_kv(self, request_id: str) -> bool:
         """Free the blocks a finished prefill-only request held. False if none were held."""
         return self.scheduler.release_held(request_id)
@@ -594,8 +603,6 @@ class LLMEngine:
         outputs = self._poll_fetches()
         outputs += self._decode_images()
         scheduler_output = self.scheduler.schedule()
-        for request_id in scheduler_output.preempted_ids:  # they recompute from the start
-            self.runner.release_state(request_id)
         if self.cpu_tier is not None:
             # Save the blocks this schedule evicted before anything may overwrite them
             # (pulls below, the forward pass), then load this step's CPU hits into theirs.
@@ -698,12 +705,22 @@ class LLMEngine:
                 request.prefix_salt,
                 request.image_spans,
             )
+            remote_ids, local_ids = order.remote_block_ids, order.local_block_ids
+            pulled_names = [names[i] for i in order.block_indices]
+            if self.runner.state_slots is not None:  # a hybrid model's states, beside
+                local_states = self.runner.reserve_state(request.request_id)
+                if len(remote.state_block_ids) != len(local_states):
+                    reason = (f"the prefill worker sent {len(remote.state_block_ids)} state "
+                              f"blocks; this model's states take {len(local_states)}")  # fmt: skip
+                    output = self._end_fetch(request, False, reason)
+                    if output is not None:
+                        outputs.append(output)
+                    continue
+                remote_ids = [*remote_ids, *remote.state_block_ids]
+                local_ids = [*local_ids, *local_states]
+                pulled_names += state_block_hashes(names[-1], len(local_states))
             self.kv_puller.start_fetch(
-                request.request_id,
-                remote,
-                order.remote_block_ids,
-                order.local_block_ids,
-                [names[i] for i in order.block_indices],
+                request.request_id, remote, remote_ids, local_ids, pulled_names
             )
         return outputs
 

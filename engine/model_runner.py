@@ -239,15 +239,28 @@ class ModelRunner:
         return self.shard.decode_graphs
 
     def release_request(self, request_id: str) -> None:
-        """A request is done: drop its block-table row (and state slot)."""
+        """A request is done: drop its block-table row."""
         self.block_table.release(request_id)
-        self.release_state(request_id)
 
     def release_state(self, request_id: str) -> None:
-        """A request's linear-attention states are void (it ended, or was preempted and
-        will recompute from its first token); a no-op without such layers."""
+        """A request's blocks were freed: its linear-attention state slot goes with them
+        (a no-op without such layers)."""
         if self.state_slots is not None:
             self.state_slots.release(request_id)
+
+    def reserve_state(self, request_id: str) -> list[int]:
+        """A state slot for a request whose states are about to be pulled: the KV blocks
+        to pull them into."""
+        assert self.state_slots is not None and self.shard.state_pool is not None
+        return self.shard.state_pool.block_ids(self.state_slots.reserve(request_id))
+
+    def state_block_ids(self, request_id: str) -> list[int]:
+        """The KV blocks holding a request's linear-attention states; empty without such
+        layers (or a slot)."""
+        if self.state_slots is None or self.shard.state_pool is None:
+            return []
+        slot = self.state_slots.slot(request_id)
+        return [] if slot is None else self.shard.state_pool.block_ids(slot)
 
     def leak_report(self) -> list[str]:
         """Block-table rows still held, and what the other ranks hold beyond rank 0's

@@ -26,7 +26,7 @@ from engine.attention.registry import create_backend
 from engine.cuda_graphs import DecodeGraphs
 from engine.host_memory import zeros_for_kv_caches
 from engine.kv_cache_manager import cdiv
-from engine.linear_state import LinearStep, StatePool
+from engine.linear_state import LinearStep, StatePool, bytes_per_slot
 from engine.models.arch import ModelArchConfig, ModelLoadError
 from engine.models.eagle3 import Eagle3Head, load_eagle3_head
 from engine.models.llama import use_kv_scales
@@ -166,12 +166,13 @@ class ModelShard:
         self.num_blocks = 0
         self.kv_caches: list[torch.Tensor] = []
         self.decode_graphs: DecodeGraphs | None = None
-        # A hybrid model's linear-attention states: a slot per request a step may hold,
-        # taken out of the KV cache's memory (``engine/linear_state.py``).
+        # A hybrid model's linear-attention states: a slot per request the scheduler may
+        # hold (running, pulling or held for a decode worker), each in KV blocks of its own
+        # past the scheduler's (``engine/linear_state.py``).
         linear = self.arch.linear_attention
         self.num_state_slots = config.max_num_seqs if linear is not None else 0
-        self.state_bytes = (
-            StatePool.bytes_per_slot(linear) * self.num_state_slots if linear is not None else 0
+        self.blocks_per_slot = (
+            cdiv(bytes_per_slot(linear), self.bytes_per_block) if linear is not None else 0
         )
         self.state_pool: StatePool | None = None
 
@@ -226,9 +227,9 @@ class ModelShard:
                 torch.cuda.empty_cache()
                 free, total = torch.cuda.mem_get_info(self.device)
                 budget = free - int(total * (1.0 - config.gpu_memory_utilization))
+            num_blocks = budget // (self.bytes_per_block + draft_bytes_per_block)
             # A hybrid model's linear-attention states come out of the same memory.
-            per_block = self.bytes_per_block + draft_bytes_per_block
-            num_blocks = (budget - self.state_bytes) // per_block
+            num_blocks -= self.num_state_slots * self.blocks_per_slot
         if num_blocks < min_blocks:
             raise ConfigError(
                 "engine.num_blocks",
@@ -244,14 +245,20 @@ class ModelShard:
         capture runs collectives)."""
         arch = self.arch
         self.num_blocks = num_blocks
-        shape = (num_blocks, 2, self.block_size, arch.num_kv_heads, arch.head_dim)
+        num_state_blocks = self.num_state_slots * self.blocks_per_slot
+        shape = (num_blocks + num_state_blocks, 2, self.block_size, arch.num_kv_heads,
+                 arch.head_dim)  # fmt: skip
         # One view per layer of a block-major buffer; a block id names the same slot in
-        # every layer (host_memory.zeros_for_kv_caches says why).
+        # every layer (host_memory.zeros_for_kv_caches says why). A hybrid model's states
+        # take the blocks past ``num_blocks``, which the scheduler never hands out.
         self.kv_caches = zeros_for_kv_caches(
             self.num_cache_layers, shape, self.cache_dtype, self.device
         )
         if arch.linear_attention is not None:
-            self.state_pool = StatePool(arch.linear_attention, self.num_state_slots, self.device)
+            self.state_pool = StatePool(
+                arch.linear_attention, self.num_state_slots, self.kv_caches, num_blocks,
+                self.blocks_per_slot,
+            )  # fmt: skip
         config = self.config
         # Latent attention decodes eagerly: its capture is not yet tried on a GPU; so do
         # drafting layers (a graph keeps no states before the final norm).

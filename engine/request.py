@@ -86,6 +86,9 @@ class RemoteKV:
     # the peer put there since. The request then recomputes its prompt instead (or fails,
     # without recompute). None: no limit.
     start_by: float | None = None
+    # A hybrid model's: the remote blocks holding its linear-attention states after the
+    # prompt (``engine/linear_state.py``); empty for other models.
+    state_block_ids: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)

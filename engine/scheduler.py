@@ -45,7 +45,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from common.config import EngineConfig
@@ -128,11 +128,18 @@ class Scheduler:
         observers: Iterable[BlockPoolObserver] = (),
         secondary: SecondaryTier | None = None,
         whole_images: bool = False,
+        on_blocks_freed: Callable[[str], None] | None = None,
     ) -> None:
         """``whole_images``: an image's tokens attend to each other (Gemma 3), so a chunk
-        that computes part of an image computes it to its end (``_num_new_tokens``)."""
+        that computes part of an image computes it to its end (``_num_new_tokens``).
+        ``on_blocks_freed(request_id)``: called whenever a request's blocks are freed (it
+        ended, was aborted or preempted, its pull failed, or its held blocks were
+        released); given, held requests count against ``max_num_seqs`` too (a hybrid
+        model's states: each request holding blocks holds one of ``max_num_seqs`` state
+        slots, ``engine/linear_state.py``)."""
         self.max_num_seqs = config.max_num_seqs
         self.whole_images = whole_images
+        self.on_blocks_freed = on_blocks_freed
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.prefill_chunk_tokens = config.prefill_chunk_tokens
         self.block_size = config.block_size
@@ -213,7 +220,7 @@ class Scheduler:
         request = self.held.pop(request_id, None)
         if request is None:
             return False
-        self.kv.free(request)
+        self._free_blocks(request)
         return True
 
     @property
@@ -394,7 +401,8 @@ class Scheduler:
             return None
         checked = False
         while True:
-            has_slot = len(self.running) + len(self.fetching) < self.max_num_seqs
+            held = len(self.held) if self.on_blocks_freed is not None else 0
+            has_slot = len(self.running) + len(self.fetching) + held < self.max_num_seqs
             cache = not plan.pull  # pulled blocks enter the prefix cache when they land
             if has_slot and self.kv.allocate_slots(request, plan.num_tokens, plan.hits, cache):
                 if plan.pull:
@@ -507,7 +515,7 @@ class Scheduler:
         self._pulling.subtract(self._pulled_hashes.pop(request_id))
         self._pulling = +self._pulling  # drop the zeros: an empty Counter means no pulls
         if request.status is RequestStatus.FINISHED_ABORTED:  # aborted while pulling
-            self.kv.free(request)
+            self._free_blocks(request)
             return
         remote = request.remote_kv
         assert remote is not None
@@ -528,7 +536,7 @@ class Scheduler:
                 request.times.first_scheduled = time.monotonic()
             self._add_running(request)
         elif recompute_on_failure:
-            self.kv.free(request)
+            self._free_blocks(request)
             request.remote_kv = None
             request.num_computed_tokens = 0
             request.status = RequestStatus.WAITING
@@ -536,6 +544,11 @@ class Scheduler:
         else:
             request.error = f"pulling the prompt's KV from {remote.transfer_id} failed"
             self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def _free_blocks(self, request: Request) -> None:
+        self.kv.free(request)
+        if self.on_blocks_freed is not None:
+            self.on_blocks_freed(request.request_id)
 
     def _scheduled(
         self, request: Request, num_new: int, drafts: list[int] | None = None
@@ -546,7 +559,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Free a request taken out of ``running`` and put it back in line to recompute."""
-        self.kv.free(request)
+        self._free_blocks(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -616,7 +629,7 @@ class Scheduler:
         if status is RequestStatus.FINISHED_PREFILLED:
             self.held[request.request_id] = request
         else:
-            self.kv.free(request)
+            self._free_blocks(request)
 
     def leak_report(self) -> list[str]:
         problems = [f"request {rid} still in the scheduler" for rid in self.requests]

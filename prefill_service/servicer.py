@@ -121,7 +121,11 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServiceServicer):
         lease = self.leases.grant(output.request_id)
         block_ids = output.kv_block_ids or []
         names = engine.held_block_names(output.request_id)
-        runtime.connector.export_blocks(lease.lease_id, block_ids, names)
+        # A hybrid model's states go in blocks of their own, under the same lease.
+        state_ids, state_names = engine.held_state_blocks(output.request_id)
+        runtime.connector.export_blocks(
+            lease.lease_id, [*block_ids, *state_ids], [*names, *state_names]
+        )
         return pb.KVHandle(
             engine_id=runtime.engine_id,
             endpoint=runtime.address,
@@ -132,6 +136,7 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServiceServicer):
             block_size=engine.config.block_size,
             block_hashes=names,
             lease_expires_at=lease.expires_at_unix,
+            state_block_ids=state_ids,
         )
 
     def _release(self, engine: LLMEngine, request_id: str, lease_id: str = "") -> bool:

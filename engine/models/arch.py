@@ -32,8 +32,11 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from common.hf_config import (
+    HYBRID_MODEL_TYPES,
+    LINEAR_ATTENTION_DEFAULTS,
     eos_token_ids,
     kv_cache_heads,
+    layer_types,
     max_context_len,
     mla_latent_dim,
     num_mtp_layers,
@@ -649,22 +652,20 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
 def _qwen3_5_fields(cfg: dict[str, Any], num_layers: int, path: Path) -> dict[str, Any]:
     """ModelArchConfig's Qwen3.5 fields (Qwen3_5TextConfig's defaults where the config
     leaves keys out: every 4th layer full attention)."""
-    interval = int(cfg.get("full_attention_interval", 4))
-    layer_types = cfg.get("layer_types") or [
-        "linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)
-    ]
-    if len(layer_types) < num_layers or set(layer_types) - {"linear_attention", "full_attention"}:
+    types = layer_types({**cfg, "model_type": HYBRID_MODEL_TYPES[0]}) or []
+    if len(types) < num_layers or set(types) - {"linear_attention", "full_attention"}:
         raise ModelLoadError(
             f"{path}: layer_types must name linear_attention or full_attention for each of "
             f"the {num_layers} layers"
         )
+    dims = {**LINEAR_ATTENTION_DEFAULTS, **cfg}
     linear = LinearAttentionConfig(
-        num_key_heads=int(cfg.get("linear_num_key_heads", 16)),
-        num_value_heads=int(cfg.get("linear_num_value_heads", 32)),
-        key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
-        value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
-        conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
-        layers=tuple(t == "linear_attention" for t in layer_types[:num_layers]),
+        num_key_heads=int(dims["linear_num_key_heads"]),
+        num_value_heads=int(dims["linear_num_value_heads"]),
+        key_head_dim=int(dims["linear_key_head_dim"]),
+        value_head_dim=int(dims["linear_value_head_dim"]),
+        conv_kernel=int(dims["linear_conv_kernel_dim"]),
+        layers=tuple(t == "linear_attention" for t in types[:num_layers]),
     )
     if linear.num_value_heads % linear.num_key_heads:
         raise ModelLoadError(

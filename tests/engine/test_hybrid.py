@@ -1,7 +1,8 @@
 """A hybrid model (Qwen3.5's layout: gated delta-rule layers between full-attention ones)
 in the engine: transformers' log-probs and tokens whatever the chunking, batching or
 preemption; a state slot per request, released when it ends, is aborted or preempted;
-what cannot work yet refused by name."""
+disaggregated (the states pulled with the prompt's blocks) as colocated; what cannot work
+yet refused by name."""
 
 from __future__ import annotations
 
@@ -73,8 +74,8 @@ def test_aborted_requests_give_back_their_slots(qwen3_5):
 
 
 def test_prefix_caching_is_off_and_the_unsupported_is_refused(qwen3_5):
-    """The same prompt twice computes it twice (a cached prefix has no states); speculation,
-    tensor parallelism and pulled prompt KV are refused by name."""
+    """The same prompt twice computes it twice (a cached prefix has no states); speculation
+    and tensor parallelism are refused by name."""
     llm = LLM(qwen3_5)
     assert not llm.engine.config.enable_prefix_caching
     prompt = random_prompts([64], seed=5)[0]
@@ -85,5 +86,65 @@ def test_prefix_caching_is_off_and_the_unsupported_is_refused(qwen3_5):
         LLM(qwen3_5, num_speculative_tokens=2)
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         LLM(qwen3_5, tensor_parallel_size=2)
-    with pytest.raises(ConfigError, match="colocated"):
-        LLMEngine(qwen3_5, EngineConfig(), kv_puller=object())
+
+
+def test_disaggregated_equals_colocated(qwen3_5):
+    """A prefill engine holds each prompt's blocks and its state slot (the states in KV
+    blocks past the scheduler's); a decode engine pulls both and decodes the colocated
+    tokens. A failed pull recomputes the prompt (states from zero). Nothing leaks on
+    either side, and the prefill engine's slots go back with its held blocks."""
+    from engine.request import RemoteKV
+    from tests.engine.local_puller import LocalPuller
+
+    prompts = random_prompts([23, 70, 9], seed=6)
+    expected = [o.outputs[0].token_ids for o in LLM(qwen3_5).generate(prompts, GREEDY,
+                                                                      use_tqdm=False)]  # fmt: skip
+    puller = LocalPuller()
+    prefill = LLMEngine(qwen3_5, EngineConfig(prefill_chunk_tokens=16))
+    decode = LLMEngine(qwen3_5, EngineConfig(), kv_puller=puller)
+    puller.sources["prefill-0"], puller.target = prefill, decode
+    state_blocks = decode.runner.shard.blocks_per_slot
+    assert state_blocks > 0 and decode.runner.num_blocks < decode.runner.kv_caches[0].shape[0]
+    for fail in (False, True):
+        firsts = {}
+        for i, prompt in enumerate(prompts):
+            prefill.add_request(f"r{i}", prompt, GREEDY, prefill_only=True)
+        while prefill.has_unfinished_requests():
+            firsts.update((o.request_id, o) for o in prefill.step() if o.finished)
+        assert prefill.runner.state_slots.num_used == 3  # held with the blocks
+        puller.fail_next = fail
+        for i, prompt in enumerate(prompts):
+            first = firsts[f"r{i}"]
+            state_ids, names = prefill.held_state_blocks(f"r{i}")
+            assert len(state_ids) == len(names) == state_blocks
+            remote = RemoteKV(f"l{i}", len(prompt), tuple(first.kv_block_ids), "prefill-0",
+                              state_block_ids=tuple(state_ids))  # fmt: skip
+            decode.add_request(f"r{i}", prompt, GREEDY, remote_kv=remote,
+                               output_token_ids=first.outputs[0].token_ids)  # fmt: skip
+        got = {}
+        while decode.has_work():
+            got.update((o.request_id, o.outputs[0].token_ids) for o in decode.step() if o.finished)
+        assert [got[f"r{i}"] for i in range(3)] == expected, fail
+        for i in range(3):
+            assert prefill.release_kv(f"r{i}")
+        assert prefill.leak_report() == [] and decode.leak_report() == []
+    assert decode.num_pull_failures == 1
+
+
+def test_the_config_check_sizes_the_pool_as_the_engine_does(qwen3_5, tmp_path):
+    """``pdserve config check``'s arithmetic (torch-free, from config.json): KV blocks of
+    the full-attention layers only, less the blocks the states take; the engine's pool."""
+    from common.config_loader import load_config
+    from common.kv_budget import ModelShape, kv_budgets
+    from engine.linear_state import bytes_per_slot
+    from tests.support.processes import write_config
+
+    engine = LLMEngine(qwen3_5, EngineConfig(kv_cache_bytes=8 << 20, max_num_seqs=6))
+    shape = ModelShape.read(qwen3_5)
+    assert shape.state_bytes == bytes_per_slot(engine.arch.linear_attention)
+    assert shape.bytes_per_block(16, 4) == engine.runner.bytes_per_block
+    config = write_config(tmp_path / "config.yaml", qwen3_5,
+                          engine={"kv_cache_bytes": 8 << 20, "max_num_seqs": 6,
+                                  "device": "cpu"})  # fmt: skip
+    (prefill, _) = kv_budgets(load_config(str(config)))
+    assert prefill.num_blocks == engine.runner.num_blocks

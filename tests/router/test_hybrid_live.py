@@ -1,0 +1,53 @@
+"""A hybrid model (Qwen3.5's layout) through a real ``pdserve up`` stack (router + 1
+prefill + 1 decode worker), over NIXL and over shared storage: the prefill worker computes
+the prompt and its linear-attention states, the decode worker pulls the states with the
+prompt's blocks (in blocks of their own) and continues; the tokens are the offline
+engine's, whole and streamed."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.support.processes import write_config
+from tests.support.stack import serving, worker_stats
+
+MODEL = "hybrid"
+MAX_TOKENS = 16
+PROMPTS = ["The quarterly report shows that revenue grew in every region, " * 4,
+           "Once upon a time", "Hello " * 30]  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=["nixl", "shared_storage"])
+def stack(request, model_factory, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(f"hybrid-{request.param}")
+    transfer = {"connector": request.param}
+    if request.param == "shared_storage":
+        transfer["shared_dir"] = str(tmp / "kv")
+    config = write_config(
+        tmp / "config.yaml",
+        model_factory("qwen3_5"),
+        router={"served_model_name": MODEL, "min_disagg_tokens": 0},
+        kv_transfer=transfer,
+    )
+    with serving(config, tmp / "home") as stack:
+        yield stack
+
+
+def test_pulled_states_give_the_offline_tokens(stack, model_factory):
+    offline = LLM(model_factory("qwen3_5"))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    client = stack.openai_client()
+    for prompt in PROMPTS:
+        (expected,) = offline.generate([prompt], params, use_tqdm=False)
+        ask = {"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0.0,
+               "extra_body": {"ignore_eos": True, "return_token_ids": True}}  # fmt: skip
+        whole = client.completions.create(**ask)
+        assert whole.choices[0].model_extra["token_ids"] == expected.outputs[0].token_ids
+        streamed = []
+        for chunk in client.completions.create(**ask, stream=True):
+            for choice in chunk.choices:
+                streamed += choice.model_extra.get("token_ids") or []
+        assert streamed == expected.outputs[0].token_ids
+    (decode,) = worker_stats(stack, "decode")
+    assert decode.blocks_pulled > 0 and decode.transfer_failures == 0
