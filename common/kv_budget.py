@@ -188,6 +188,9 @@ def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
         if problem is not None:
             key = "num_redundant_experts" if redundant else "expert_parallel"
             raise ConfigError(_key(config, role, key), problem)
+    hybrid = engine.hybrid_problem() if shape.num_linear_layers else None
+    if hybrid is not None:
+        raise ConfigError(_key(config, role, hybrid[0]), f"{model_dir_of(config)}: {hybrid[1]}")
     problem = split_problem(shape.num_q_heads, shape.num_kv_heads, widths, tp_size)
     if problem is not None:
         raise ConfigError(_key(config, role, "tensor_parallel_size"), problem)

@@ -110,16 +110,13 @@ def hybrid_config(config: EngineConfig, arch: ModelArchConfig, model_dir: Path) 
     """``config`` for a hybrid model (linear-attention layers: ``engine/linear_state.py``),
     or as it is for any other. Its recurrent states depend on every earlier token, so no
     cached prefix can restore them: the prefix cache (and the CPU tier, which extends it)
-    is turned off. What cannot work yet is refused: speculation (a rejected draft would
-    have to be taken back out of the states) and tensor parallelism. Raises
-    ``ConfigError``."""
+    is turned off. What cannot work yet is refused (``EngineConfig.hybrid_problem``).
+    Raises ``ConfigError``."""
     if arch.linear_attention is None:
         return config
-    name = f"{model_dir.name} (linear-attention layers)"
-    if config.num_speculative_tokens or config.speculative_method is not SpeculativeMethod.NGRAM:
-        raise ConfigError("engine.num_speculative_tokens", f"{name} runs without speculation")
-    if config.tensor_parallel_size > 1:
-        raise ConfigError("engine.tensor_parallel_size", f"{name} runs on one rank for now")
+    problem = config.hybrid_problem()
+    if problem is not None:
+        raise ConfigError(f"engine.{problem[0]}", f"{model_dir.name}: {problem[1]}")
     if config.enable_prefix_caching or config.cpu_offload_bytes:
         logger.info("%s: prefix caching off (a cached prefix cannot restore the recurrent "
                     "states of its linear-attention layers)", model_dir)  # fmt: skip

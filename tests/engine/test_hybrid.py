@@ -11,6 +11,7 @@ import pytest
 from common.config import ConfigError, EngineConfig
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
+from engine.models.errors import ModelLoadError
 from tests.engine.helpers import assert_prompt_logprobs_match, hf_greedy, random_prompts
 
 GREEDY = SamplingParams(max_tokens=24, min_tokens=24, temperature=0)
@@ -74,8 +75,8 @@ def test_aborted_requests_give_back_their_slots(qwen3_5):
 
 
 def test_prefix_caching_is_off_and_the_unsupported_is_refused(qwen3_5):
-    """The same prompt twice computes it twice (a cached prefix has no states); speculation
-    and tensor parallelism are refused by name."""
+    """The same prompt twice computes it twice (a cached prefix has no states); speculation,
+    tensor parallelism and LoRA adapters are refused by name."""
     llm = LLM(qwen3_5)
     assert not llm.engine.config.enable_prefix_caching
     prompt = random_prompts([64], seed=5)[0]
@@ -86,6 +87,8 @@ def test_prefix_caching_is_off_and_the_unsupported_is_refused(qwen3_5):
         LLM(qwen3_5, num_speculative_tokens=2)
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         LLM(qwen3_5, tensor_parallel_size=2)
+    with pytest.raises(ModelLoadError, match="linear-attention layers"):
+        LLM(qwen3_5, lora_adapters={"tuned": str(qwen3_5)})
 
 
 def test_disaggregated_equals_colocated(qwen3_5):
@@ -148,3 +151,6 @@ def test_the_config_check_sizes_the_pool_as_the_engine_does(qwen3_5, tmp_path):
                                   "device": "cpu"})  # fmt: skip
     (prefill, _) = kv_budgets(load_config(str(config)))
     assert prefill.num_blocks == engine.runner.num_blocks
+    config = write_config(tmp_path / "tp.yaml", qwen3_5, engine={"tensor_parallel_size": 2})
+    with pytest.raises(ConfigError, match="engine.tensor_parallel_size"):
+        kv_budgets(load_config(str(config)))
