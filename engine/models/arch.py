@@ -42,7 +42,12 @@ from common.hf_config import (
     num_mtp_layers,
     text_config,
 )
-from common.vision_spec import VisionSpec, served_vision_spec, vision_architecture
+from common.vision_spec import (
+    MROPE_SECTIONS,
+    VisionSpec,
+    served_vision_spec,
+    vision_architecture,
+)
 from engine.models.bnb_config import Bnb4Bit, read_bnb_config
 from engine.models.errors import ModelLoadError
 from engine.models.fp8_config import Fp8Weights, read_fp8_config, read_quantization_config
@@ -153,9 +158,6 @@ _BY_MODEL_TYPE = {
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
 }
-# The M-RoPE sections where a config names none: Qwen2_5_VLTextModel's, Qwen3VLTextModel's
-# (interleaved).
-_DEFAULT_MROPE_SECTION = {False: (16, 24, 24), True: (24, 20, 20)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -610,7 +612,7 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
         cfg = {**cfg, "partial_rotary_factor": 0.25}  # Qwen3_5TextConfig's default
     rope = gemma3.pop("rope") if gemma3 else rope_config(cfg, path, flags.phi3_rope, partial)
     if vision is not None and vision.mrope:
-        rope = _mrope(rope, int(head_dim), vision.mrope_interleaved, path)
+        rope = _mrope(rope, int(head_dim), vision, path)
     attention = {"num_kv_heads": int(cfg.get("num_key_value_heads") or num_q_heads),
                  "head_dim": int(head_dim)}  # fmt: skip
     if flags.latent_attention:
@@ -680,11 +682,12 @@ def _qwen3_5_fields(cfg: dict[str, Any], num_layers: int, path: Path) -> dict[st
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_tanh")  # transformers' names of the tanh GELU
 
 
-def _mrope(rope: RopeConfig, head_dim: int, interleaved: bool, path: Path) -> RopeConfig:
-    """Qwen2.5-VL's or Qwen3-VL's (``interleaved``) rotary with its M-RoPE sections
-    (transformers' default where the config names none), which must cover the rotary's
-    frequency pairs."""
-    section = rope.mrope_section or _DEFAULT_MROPE_SECTION[interleaved]
+def _mrope(rope: RopeConfig, head_dim: int, vision: VisionSpec, path: Path) -> RopeConfig:
+    """The rotary with the vision architecture's M-RoPE sections (transformers' default
+    where the config names none: ``MROPE_SECTIONS``), which must cover the rotary's
+    frequency pairs, interleaved as it says."""
+    interleaved = vision.mrope_interleaved
+    section = rope.mrope_section or MROPE_SECTIONS[vision.architecture]
     if len(section) != 3 or sum(section) != rope.rotary_dim(head_dim) // 2:
         raise ModelLoadError(
             f"{path}: mrope_section {list(section)} must be 3 sections of the rotary's "

@@ -21,7 +21,8 @@ tower, pooled: ``gemma3_mm_maker.py``), ``qwen2_5_vl`` Qwen2.5-VL's (``qwen2``'s
 rotary sections, a small windowed vision transformer: ``qwen2_5_vl_maker.py``),
 ``qwen3_vl`` Qwen3-VL's (``qwen3``'s with interleaved 3-D rotary sections, a small vision
 transformer with DeepStack: ``qwen3_vl_maker.py``), ``qwen3_vl_moe`` the same around
-``qwen3_moe``'s, its experts stacked as the releases store them.
+``qwen3_moe``'s, its experts stacked as the releases store them, ``qwen3_5_mm`` Qwen3.5's
+(``qwen3_5``'s hybrid language model, the tower without DeepStack).
 ``deepseek_v3`` and ``glm4_moe`` store a random multi-token-prediction layer after their
 layers, as the releases do (``_add_mtp_layer``; transformers leaves it unloaded,
 ``engine.speculative_method: mtp`` drafts with it).
@@ -66,6 +67,7 @@ from engine.models.qwen2_5_vl_maker import (
     write_qwen2_5_vl_files,
 )
 from engine.models.qwen3_vl_maker import (
+    qwen3_5_mm_config,
     qwen3_vl_config,
     write_qwen3_vl_files,
     write_released_expert_layout,
@@ -88,7 +90,8 @@ from engine.models.tokenizer_trainer import (
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5",
          "gemma3",
          "phi3", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2",
-         "llava", "gemma3_mm", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # fmt: skip
+         "llava", "gemma3_mm", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
+         "qwen3_5_mm")  # fmt: skip
 SIZES = ("tiny", "small")
 # ChatML for the others.
 _CHAT_TEMPLATES = {"qwen3": THINKING_CHAT_TEMPLATE, "qwen3_moe": THINKING_CHAT_TEMPLATE,
@@ -97,10 +100,12 @@ _CHAT_TEMPLATES = {"qwen3": THINKING_CHAT_TEMPLATE, "qwen3_moe": THINKING_CHAT_T
                    "gemma3_mm": GEMMA3_CHAT_TEMPLATE,
                    "qwen2_5_vl": QWEN2_5_VL_CHAT_TEMPLATE,
                    "qwen3_vl": QWEN2_5_VL_CHAT_TEMPLATE,
-                   "qwen3_vl_moe": QWEN2_5_VL_CHAT_TEMPLATE}  # fmt: skip
+                   "qwen3_vl_moe": QWEN2_5_VL_CHAT_TEMPLATE,
+                   "qwen3_5_mm": QWEN2_5_VL_CHAT_TEMPLATE}  # fmt: skip
 # The vision-language archs' language models.
 _TEXT_ARCH = {"llava": "llama", "gemma3_mm": "gemma3", "qwen2_5_vl": "qwen2",
-              "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe"}  # fmt: skip
+              "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe",
+              "qwen3_5_mm": "qwen3_5"}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,7 +347,7 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
         tokenizer.add_special_tokens({"additional_special_tokens": DEEPSEEK_TOOL_TOKENS})
     if arch == "llava":  # the image placeholder, a special token as in LLaVA's tokenizers
         tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
-    if arch in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"):  # the vision tokens, special
+    if arch in ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5_mm"):  # vision tokens
         tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
     if arch == "gemma3_mm":  # runs of newlines are one token each, as in Gemma's vocabulary
         tokenizer.add_tokens(NEWLINE_RUNS)
@@ -364,9 +369,12 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
         token_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
         config = qwen2_5_vl_config(config, token_ids)
         auto_class = transformers.AutoModelForImageTextToText
-    if arch in ("qwen3_vl", "qwen3_vl_moe"):
+    if arch in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5_mm"):
         token_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
-        config = qwen3_vl_config(config, token_ids, moe=arch == "qwen3_vl_moe")
+        if arch == "qwen3_5_mm":
+            config = qwen3_5_mm_config(config, token_ids)
+        else:
+            config = qwen3_vl_config(config, token_ids, moe=arch == "qwen3_vl_moe")
         auto_class = transformers.AutoModelForImageTextToText
     if arch == "gemma3_mm":
         token_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in GEMMA3_IMAGE_TOKENS.values()}
@@ -381,7 +389,9 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
                 # Non-trivial norm gains, so that norm weights are exercised by parity tests
                 # (Gemma stores a gain's offset from 1; its vision tower's LayerNorms do not).
                 offset = (text_arch == "gemma3" and "vision_tower" not in name) or (
-                    arch == "qwen3_5" and ".linear_attn.norm." not in name
+                    text_arch == "qwen3_5"
+                    and ".linear_attn.norm." not in name
+                    and "visual." not in name
                 )
                 param.uniform_(-0.2, 0.2) if offset else param.uniform_(0.8, 1.2)
             elif name.endswith("bias"):
@@ -423,7 +433,7 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
         write_gemma3_files(out)
     if arch == "qwen2_5_vl":
         write_qwen2_5_vl_files(out)
-    if arch in ("qwen3_vl", "qwen3_vl_moe"):
+    if arch in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5_mm"):
         write_qwen3_vl_files(out)
     if arch == "qwen3_vl_moe":
         write_released_expert_layout(out)

@@ -8,6 +8,10 @@ language model, its experts 3/4 of the hidden width (no stacked expert tensor is
 their layout is unambiguous) and stored stacked in the released layout (input-major:
 ``write_released_expert_layout``).
 
+``qwen3_5_mm`` (``Qwen3_5ForConditionalGeneration``) is Qwen3.5's: the same tower without
+DeepStack before ``qwen3_5``'s hybrid language model, its partial rotary's frequency pairs
+interleaved over the 3-D positions.
+
 The tower is 4 layers of width 64 over 16 x 16 patches merged 2 x 2 into a row, with a
 learned 8 x 8 position table (resized to every image's patch grid, smaller and larger);
 the states after its layers 0, 2 and 3 go, merged, to the language model's first three
@@ -93,3 +97,32 @@ def write_released_expert_layout(out: Path) -> None:
             if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
                 tensors[name] = tensor.transpose(1, 2).contiguous()
         save_file(tensors, path, metadata={"format": "pt"})
+
+
+def qwen3_5_mm_config(text_config: Any, token_ids: dict[str, int]) -> Any:
+    """``Qwen3_5Config`` around ``text_config`` (a ``Qwen3_5TextConfig``): its rotary (a
+    quarter of each head) interleaved over time, rows and columns as Qwen3.5's (11, 11,
+    10 of 32 pairs)."""
+    import transformers
+
+    text = text_config.to_dict()
+    for key in ("model_type", "architectures", "transformers_version"):
+        text.pop(key, None)
+    rope = dict(text["rope_parameters"])
+    pairs = int(text["head_dim"] * rope.get("partial_rotary_factor", 0.25)) // 2
+    rows, columns = pairs * 11 // 32, pairs * 10 // 32
+    rope.update(mrope_section=[pairs - rows - columns, rows, columns], mrope_interleaved=True)
+    text["rope_parameters"] = rope
+    vision = {
+        "depth": 4, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4,
+        "out_hidden_size": text["hidden_size"], "patch_size": 16, "spatial_merge_size": 2,
+        "temporal_patch_size": 2, "num_position_embeddings": 64,
+    }  # fmt: skip
+    return transformers.Qwen3_5Config(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=token_ids[IMAGE_PAD],
+        vision_start_token_id=token_ids[VISION_START],
+        vision_end_token_id=token_ids[VISION_END],
+        tie_word_embeddings=text.get("tie_word_embeddings", False),
+    )

@@ -154,3 +154,33 @@ def test_the_config_check_sizes_the_pool_as_the_engine_does(qwen3_5, tmp_path):
     config = write_config(tmp_path / "tp.yaml", qwen3_5, engine={"tensor_parallel_size": 2})
     with pytest.raises(ConfigError, match="engine.tensor_parallel_size"):
         kv_budgets(load_config(str(config)))
+
+
+def test_qwen3_5_configs_read_as_transformers_reads_them(tmp_path):
+    """transformers' own Qwen3.5 config written out in full, and one that leaves its
+    defaults out (as released configs may): the same layers, widths and rotary."""
+    import json
+
+    import transformers
+
+    from engine.models.arch import arch_from_config
+
+    full = transformers.Qwen3_5Config().to_dict()
+    full["architectures"] = ["Qwen3_5ForConditionalGeneration"]
+    text = full["text_config"]
+    minimal = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+               "text_config": {key: text[key] for key in ("vocab_size", "hidden_size",
+                               "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                               "num_key_value_heads", "head_dim", "model_type")}}  # fmt: skip
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"patch_size": 16}))
+    archs = []
+    for raw in (full, minimal):
+        (tmp_path / "config.json").write_text(json.dumps(raw))
+        archs.append(arch_from_config(raw, tmp_path))
+    for arch in archs:
+        linear = arch.linear_attention
+        assert linear.layers == tuple(t == "linear_attention" for t in text["layer_types"])
+        assert (linear.num_key_heads, linear.num_value_heads) == (16, 32)
+        assert (linear.key_head_dim, linear.value_head_dim, linear.conv_kernel) == (128, 128, 4)
+        assert arch.rope.rotary_dim(arch.head_dim) == 64 and arch.attention_output_gate
+        assert arch.norm_unit_offset and arch.qk_norm

@@ -319,7 +319,9 @@ def pulled_tokens(
     puller.fail_next = fail
     for i, (token_ids, images) in enumerate(prompts):
         first = firsts[f"r{i}"]
-        remote = RemoteKV(f"l{i}", len(token_ids), tuple(first.kv_block_ids), "prefill-0")
+        states = tuple(prefill.held_state_blocks(f"r{i}")[0])  # a hybrid model's
+        remote = RemoteKV(f"l{i}", len(token_ids), tuple(first.kv_block_ids), "prefill-0",
+                          state_block_ids=states)  # fmt: skip
         decode.add_request(f"r{i}", token_ids, GREEDY, remote_kv=remote, images=images,
                            output_token_ids=first.outputs[0].token_ids)  # fmt: skip
     got = {rid: out.outputs[0].token_ids for rid, out in run(decode).items()}
@@ -350,7 +352,9 @@ def test_pulled_requests_preempted_on_the_decode_engine_decode_their_images(llav
     decoded = counting_decodes(monkeypatch)
     for i, (token_ids, images) in enumerate(prompts):
         first = firsts[f"r{i}"]
-        remote = RemoteKV(f"l{i}", len(token_ids), tuple(first.kv_block_ids), "prefill-0")
+        states = tuple(prefill.held_state_blocks(f"r{i}")[0])  # a hybrid model's
+        remote = RemoteKV(f"l{i}", len(token_ids), tuple(first.kv_block_ids), "prefill-0",
+                          state_block_ids=states)  # fmt: skip
         decode.add_request(f"r{i}", token_ids, params, remote_kv=remote, images=images,
                            output_token_ids=first.outputs[0].token_ids)  # fmt: skip
     assert decoded == []  # only headers read
@@ -383,7 +387,9 @@ def test_an_image_undecodable_at_recompute_fails_its_request_alone(llava):
     puller.fail_next = True  # r0's pull
     for i, (token_ids, images) in enumerate(prompts):
         first = firsts[f"r{i}"]
-        remote = RemoteKV(f"l{i}", len(token_ids), tuple(first.kv_block_ids), "prefill-0")
+        states = tuple(prefill.held_state_blocks(f"r{i}")[0])  # a hybrid model's
+        remote = RemoteKV(f"l{i}", len(token_ids), tuple(first.kv_block_ids), "prefill-0",
+                          state_block_ids=states)  # fmt: skip
         sent = [images[0], truncated] if i == 0 else images
         decode.add_request(f"r{i}", token_ids, GREEDY, remote_kv=remote, images=sent,
                            output_token_ids=first.outputs[0].token_ids)  # fmt: skip

@@ -37,6 +37,7 @@ NUM_IMAGE_TOKENS = {
     "qwen2_5_vl": 6 + 28,
     "qwen3_vl": 6 + 24,
     "qwen3_vl_moe": 6 + 24,
+    "qwen3_5_mm": 6 + 24,
 }  # of IMAGES[:2]
 GREEDY = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
 
@@ -105,7 +106,7 @@ def test_positions_equal_transformers(qwen_vl):
                               + np.arange(2))  # fmt: skip
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5_mm"])
 def test_tokens_and_prompt_logprobs_equal_transformers(model_factory, arch):
     """Two images of their own sizes (6 and 28 or 24 tokens), both orders: the ids
     transformers' processor writes, its greedy tokens, and every prompt log-prob within
@@ -126,10 +127,10 @@ def test_tokens_and_prompt_logprobs_equal_transformers(model_factory, arch):
         got = torch.tensor([lp.logprob for lp in output.prompt_logprobs[1:]])
         rows, targets = torch.arange(len(got)), torch.tensor(token_ids[1:])
         assert torch.allclose(got, expected_logprobs[rows, targets], atol=1e-4)
-        replies.append(expected_tokens)
+        replies.append(got[-8:])  # the text after both images: the same tokens either way
     _, flat = hf_reference(qwen_vl, token_ids, IMAGES[1::-1], mrope=False)
     assert (got - flat[rows, targets]).abs().max() > 1e-2
-    assert replies[0] != replies[1]
+    assert (replies[0] - replies[1]).abs().max() > 1e-3  # the images' order matters
     assert llm.engine.leak_report() == []
 
 
@@ -255,3 +256,30 @@ def test_a_peft_adapter_that_wraps_the_tower_serves_the_language_model(
     assert tuned == hf_greedy(model_dir, prompts, 8, adapter_dir=tmp_path / "adapter")
     assert tuned != hf_greedy(model_dir, prompts, 8)
     assert llm.engine.leak_report() == []
+
+
+def test_qwen3_5_images_chunked_preempted_and_disaggregated(model_factory):
+    """Qwen3.5's hybrid language model with images: prompts chunked anywhere in an image
+    (its rows, and each linear-attention layer's states, carried across chunks),
+    preempted and resumed, and disaggregated (the states pulled with the prompt's
+    blocks; a failed pull recomputes): the colocated tokens."""
+    model_dir = model_factory("qwen3_5_mm")
+    llm = LLM(model_dir)
+    prompts = [{"prompt": PROMPT, "multi_modal_data": {"image": IMAGES[i : i + 2]}} for i in (0, 1)]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    chunked = LLM(model_dir, prefill_chunk_tokens=5)
+    got = [o.outputs[0].token_ids for o in chunked.generate(prompts, GREEDY, use_tqdm=False)]
+    assert got == expected
+    many = [
+        {"prompt": PROMPT, "multi_modal_data": {"image": [png(30 + i), IMAGES[i % 3]]}}
+        for i in range(4)
+    ]
+    assert_preemption_and_resumption_keep_tokens(model_dir, many, num_blocks=24)
+    pulled = [request(llm, IMAGES[i : i + 2]) for i in (0, 1)]
+    prefill, decode, puller = disaggregated_pair(model_dir)
+    colocated = colocated_tokens(model_dir, pulled)
+    for fail in (True, False):
+        assert pulled_tokens(prefill, decode, puller, pulled, fail) == colocated, fail
+    assert decode.num_pull_failures == 1
+    for engine in (prefill, decode):
+        assert engine.leak_report() == []
