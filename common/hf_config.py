@@ -188,7 +188,7 @@ def kv_cache_heads(cfg: dict[str, Any]) -> tuple[int, int]:
 
 # Hybrid models' language models, whose layer_types mix linear and full attention
 # (``Qwen3_5TextConfig``: every ``full_attention_interval``-th layer full, default 4).
-HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
 # Qwen3_5TextConfig's defaults for its linear-attention keys.
 LINEAR_ATTENTION_DEFAULTS = {
     "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,

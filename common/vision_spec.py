@@ -47,13 +47,15 @@ QWEN2_5_VL = "Qwen2_5_VLForConditionalGeneration"
 QWEN3_VL = "Qwen3VLForConditionalGeneration"
 QWEN3_VL_MOE = "Qwen3VLMoeForConditionalGeneration"  # Qwen3-VL's tower, a Qwen3-MoE
 QWEN3_5 = "Qwen3_5ForConditionalGeneration"  # Qwen3-VL's tower without DeepStack, hybrid
-VISION_ARCHITECTURES = (LLAVA, GEMMA3, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, QWEN3_5)
+QWEN3_5_MOE = "Qwen3_5MoeForConditionalGeneration"  # the same, hybrid mixture of experts
+VISION_ARCHITECTURES = (LLAVA, GEMMA3, QWEN2_5_VL, QWEN3_VL, QWEN3_VL_MOE, QWEN3_5, QWEN3_5_MOE)
 _BY_MODEL_TYPE = {"llava": LLAVA, "gemma3": GEMMA3, "qwen2_5_vl": QWEN2_5_VL,
                   "qwen3_vl": QWEN3_VL, "qwen3_vl_moe": QWEN3_VL_MOE,
-                  "qwen3_5": QWEN3_5}  # fmt: skip
+                  "qwen3_5": QWEN3_5, "qwen3_5_moe": QWEN3_5_MOE}  # fmt: skip
 # The M-RoPE sections (frequency pairs of time, rows, columns) where a config names none.
 MROPE_SECTIONS = {QWEN2_5_VL: (16, 24, 24), QWEN3_VL: (24, 20, 20),
-                  QWEN3_VL_MOE: (24, 20, 20), QWEN3_5: (11, 11, 10)}  # fmt: skip
+                  QWEN3_VL_MOE: (24, 20, 20), QWEN3_5: (11, 11, 10),
+                  QWEN3_5_MOE: (11, 11, 10)}  # fmt: skip
 # The vision towers served, by their config's model_type: (class token, pre-norm) of each.
 _TOWERS = {"clip_vision_model": (True, True), "siglip_vision_model": (False, False)}
 # transformers' defaults for a config that leaves keys out (CLIPVisionConfig's and
@@ -243,7 +245,7 @@ def read_vision_spec(raw: dict[str, Any], path: Path | str) -> VisionSpec | None
     default_tower = "siglip_vision_model" if architecture == GEMMA3 else "clip_vision_model"
     if architecture == QWEN2_5_VL:
         return _qwen2_5_vl(raw, int(text_hidden), path)
-    if architecture in (QWEN3_VL, QWEN3_VL_MOE, QWEN3_5):
+    if architecture in (QWEN3_VL, QWEN3_VL_MOE, QWEN3_5, QWEN3_5_MOE):
         return _qwen3_vl(raw, architecture, int(text_hidden), path)
     tower = _read_tower(raw.get("vision_config") or {"model_type": default_tower}, path)
     if architecture == GEMMA3:
@@ -417,7 +419,7 @@ _QWEN3_TOWER_DEFAULTS: dict[str, Any] = {
 
 def _qwen3_vl(raw: dict[str, Any], architecture: str, text_hidden: int, path) -> VisionSpec:
     vision = {**_QWEN3_TOWER_DEFAULTS, **(raw.get("vision_config") or {})}
-    if architecture == QWEN3_5:  # Qwen3.5's tower has no DeepStack layers
+    if architecture in (QWEN3_5, QWEN3_5_MOE):  # Qwen3.5's tower has no DeepStack layers
         vision["deepstack_visual_indexes"] = []
     if vision["hidden_act"] not in _GELU:
         raise VisionConfigError(

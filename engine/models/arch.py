@@ -106,8 +106,15 @@ ARCHITECTURES: dict[str, ArchFlags] = {
     # config has no norm_topk_prob); its experts stored stacked (``stacked_experts.py``).
     "Qwen3VLMoeForConditionalGeneration": ArchFlags(qk_norm=True, moe=True, norm_topk_prob=True),
     "Qwen3_5ForCausalLM": ArchFlags(qk_norm=True, qwen3_5=True),
-    # The multimodal checkpoint's language model, served for text.
     "Qwen3_5ForConditionalGeneration": ArchFlags(qk_norm=True, qwen3_5=True),
+    # Qwen3.5's mixture of experts: every layer sparse, a sigmoid-gated shared expert beside
+    # the routed ones (Qwen2-MoE's), whose top-k weights are always renormalized.
+    "Qwen3_5MoeForCausalLM": ArchFlags(
+        qk_norm=True, qwen3_5=True, moe=True, shared_expert=True, norm_topk_prob=True
+    ),
+    "Qwen3_5MoeForConditionalGeneration": ArchFlags(
+        qk_norm=True, qwen3_5=True, moe=True, shared_expert=True, norm_topk_prob=True
+    ),
     # Phi-3 / Phi-4: Llama with fused qkv_proj and gate_up_proj in the checkpoint (loaded as
     # they are) and maybe a partial rotary.
     "Phi3ForCausalLM": ArchFlags(phi3_rope=True),
@@ -157,6 +164,8 @@ _BY_MODEL_TYPE = {
     "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
 }
 
 
@@ -354,6 +363,14 @@ class ModelArchConfig:
         return self.num_kv_heads * self.head_dim
 
 
+def _dense_width(cfg: dict[str, Any], flags: ArchFlags, path: Path) -> int:
+    """The dense MLP's width; 0 for a mixture-of-experts config without one (Qwen3.5-MoE's:
+    every layer sparse, which ``_moe_config`` checks)."""
+    if "intermediate_size" not in cfg and flags.moe:
+        return 0
+    return int(_require(cfg, "intermediate_size", path))
+
+
 def _require(cfg: dict[str, Any], key: str, path: Path) -> Any:
     if key not in cfg:
         raise ModelLoadError(f"{path}: config.json has no {key!r}")
@@ -417,6 +434,9 @@ def _moe_config(
     dense = set(cfg.get("mlp_only_layers") or ())
     if step < 1:
         raise ModelLoadError(f"{path}: decoder_sparse_step={step} must be >= 1")
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    if not all(sparse) and "intermediate_size" not in cfg:
+        raise ModelLoadError(f"{path}: config.json has no 'intermediate_size' for its dense layers")
     return MoeConfig(
         num_experts=int(num_experts),
         top_k=top_k,
@@ -428,7 +448,7 @@ def _moe_config(
             if flags.shared_expert
             else 0
         ),
-        sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
+        sparse_layers=sparse,
         **(_gpt_oss_moe(cfg) if flags.gpt_oss else {}),
     )
 
@@ -621,7 +641,7 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
         architecture=architecture,
         vocab_size=int(_require(cfg, "vocab_size", path)),
         hidden_size=hidden_size,
-        intermediate_size=int(_require(cfg, "intermediate_size", path)),
+        intermediate_size=_dense_width(cfg, flags, path),
         num_layers=num_layers,
         num_q_heads=num_q_heads,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),

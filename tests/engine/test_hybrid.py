@@ -158,7 +158,8 @@ def test_the_config_check_sizes_the_pool_as_the_engine_does(qwen3_5, tmp_path):
 
 def test_qwen3_5_configs_read_as_transformers_reads_them(tmp_path):
     """transformers' own Qwen3.5 config written out in full, and one that leaves its
-    defaults out (as released configs may): the same layers, widths and rotary."""
+    defaults out (as released configs may): the same layers, widths and rotary; and
+    Qwen3.5-MoE's: its experts and shared expert too."""
     import json
 
     import transformers
@@ -184,3 +185,15 @@ def test_qwen3_5_configs_read_as_transformers_reads_them(tmp_path):
         assert (linear.key_head_dim, linear.value_head_dim, linear.conv_kernel) == (128, 128, 4)
         assert arch.rope.rotary_dim(arch.head_dim) == 64 and arch.attention_output_gate
         assert arch.norm_unit_offset and arch.qk_norm
+    moe = transformers.Qwen3_5MoeConfig().to_dict()
+    moe["architectures"] = ["Qwen3_5MoeForConditionalGeneration"]
+    (tmp_path / "config.json").write_text(json.dumps(moe))
+    arch = arch_from_config(moe, tmp_path)
+    text = moe["text_config"]
+    assert arch.linear_attention.layers == tuple(
+        t == "linear_attention" for t in text["layer_types"]
+    )
+    assert (arch.moe.num_experts, arch.moe.top_k) == (text["num_experts"],
+                                                      text["num_experts_per_tok"])  # fmt: skip
+    assert arch.moe.norm_topk_prob and all(arch.moe.sparse_layers)
+    assert arch.moe.shared_expert_intermediate_size == text["shared_expert_intermediate_size"]
