@@ -284,18 +284,12 @@ class EngineConfig:
 
     def hybrid_problem(self) -> tuple[str, str] | None:
         """(key, reason) of a setting a hybrid model (linear-attention layers:
-        ``engine/linear_state.py``) cannot run with yet, or None. Speculation: a rejected
-        draft would have to be taken back out of the recurrent states; tensor parallelism:
-        the linear-attention heads are not split yet."""
+        ``engine/linear_state.py``) cannot run with yet, or None: speculation, as a
+        rejected draft would have to be taken back out of the recurrent states."""
         if self.num_speculative_tokens or self.speculative_method is not SpeculativeMethod.NGRAM:
             return (
                 "num_speculative_tokens",
                 "models with linear-attention layers run without speculation",
-            )
-        if self.tensor_parallel_size > 1:
-            return (
-                "tensor_parallel_size",
-                "models with linear-attention layers run on one rank for now",
             )
         return None
 

@@ -208,6 +208,15 @@ def layer_types(cfg: dict[str, Any]) -> list[str] | None:
                           for i in range(num_layers)])  # fmt: skip
 
 
+def linear_heads(cfg: dict[str, Any]) -> tuple[int, int]:
+    """(key heads, value heads) of a hybrid model's linear-attention layers; (0, 0) for
+    other models."""
+    if layer_types(cfg) is None:
+        return 0, 0
+    dims = {**LINEAR_ATTENTION_DEFAULTS, **cfg}
+    return int(dims["linear_num_key_heads"]), int(dims["linear_num_value_heads"])
+
+
 def linear_state_bytes(cfg: dict[str, Any]) -> int:
     """float32 bytes of one request's linear-attention states (a hybrid model's; 0 for
     others): per linear layer, the convolution's last ``kernel - 1`` inputs of its q, k

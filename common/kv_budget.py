@@ -35,13 +35,19 @@ from common.hf_config import (
     eagle3_layer_config,
     kv_cache_heads,
     layer_types,
+    linear_heads,
     linear_state_bytes,
     max_context_len,
     num_mtp_layers,
     text_config,
 )
 from common.model_info import model_dir_of
-from common.tensor_parallel import expert_split_problem, local_kv_heads, split_problem
+from common.tensor_parallel import (
+    expert_split_problem,
+    linear_split_problem,
+    local_kv_heads,
+    split_problem,
+)
 
 _DTYPE_BYTES = {DType.FLOAT32: 4, DType.FLOAT16: 2, DType.BFLOAT16: 2}
 
@@ -66,6 +72,7 @@ class ModelShape:
     # request's states in them (``engine/linear_state.py``).
     num_linear_layers: int = 0
     state_bytes: int = 0
+    linear_heads: tuple[int, int] = (0, 0)  # (key heads, value heads)
 
     @classmethod
     def read(cls, model_dir: Path) -> ModelShape | None:
@@ -89,6 +96,7 @@ class ModelShape:
                 vocab_size=int(cfg.get("vocab_size", 0)),
                 num_linear_layers=(layer_types(cfg) or []).count("linear_attention"),
                 state_bytes=linear_state_bytes(cfg),
+                linear_heads=linear_heads(cfg),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError("model", f"{path} is not a usable checkpoint config: {exc}") from None
@@ -103,10 +111,11 @@ class ModelShape:
         num_layers = self.num_layers - self.num_linear_layers + int(draft_layer)
         return num_layers * 2 * block_size * num_kv_heads * self.head_dim * dtype_bytes
 
-    def state_blocks(self, bytes_per_block: int, max_num_seqs: int) -> int:
+    def state_blocks(self, bytes_per_block: int, max_num_seqs: int, tp_size: int = 1) -> int:
         """KV blocks a hybrid model's engine sets aside for its linear-attention states:
-        ``max_num_seqs`` slots, each of whole blocks (``engine.model_shard``)."""
-        return max_num_seqs * -(-self.state_bytes // bytes_per_block)
+        ``max_num_seqs`` slots, each of whole blocks of one rank's (which holds its heads'
+        share of the states: ``engine.model_shard``)."""
+        return max_num_seqs * -(-(self.state_bytes // tp_size) // bytes_per_block)
 
 
 def _num_experts(cfg: dict) -> int | None:
@@ -192,6 +201,8 @@ def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
     if hybrid is not None:
         raise ConfigError(_key(config, role, hybrid[0]), f"{model_dir_of(config)}: {hybrid[1]}")
     problem = split_problem(shape.num_q_heads, shape.num_kv_heads, widths, tp_size)
+    if problem is None and shape.num_linear_layers and tp_size > 1:
+        problem = linear_split_problem(*shape.linear_heads, tp_size)
     if problem is not None:
         raise ConfigError(_key(config, role, "tensor_parallel_size"), problem)
     max_model_len = min(engine.max_model_len or shape.max_context_len, shape.max_context_len)
@@ -226,7 +237,7 @@ def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
     if engine.num_blocks is not None and engine.num_blocks < min_blocks:
         message = f"{engine.num_blocks} KV blocks {too_small}"
         raise ConfigError(_key(config, role, "num_blocks"), message)
-    state_blocks = shape.state_blocks(cpu_bpb, engine.max_num_seqs)
+    state_blocks = shape.state_blocks(cpu_bpb, engine.max_num_seqs, tp_size)
     problems = _cpu_problems(config, role, engine, cpu_bpb, min_blocks, too_small, state_blocks)
     if engine.device is Device.CPU and problems:
         raise ConfigError(*problems[0])

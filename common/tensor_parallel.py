@@ -74,6 +74,17 @@ def split_problem(
     return None
 
 
+def linear_split_problem(num_key_heads: int, num_value_heads: int, tp_size: int) -> str | None:
+    """Why a hybrid model's linear-attention heads cannot be split over ``tp_size`` ranks
+    (each rank whole key heads and the value heads that read them), or None."""
+    if num_key_heads % tp_size or num_value_heads % tp_size:
+        return (
+            f"{num_key_heads} linear-attention key heads and {num_value_heads} value heads "
+            f"do not both split over {tp_size} ranks"
+        )
+    return None
+
+
 def expert_split_problem(num_experts: int, num_redundant_experts: int, tp_size: int) -> str | None:
     """Why ``num_experts`` routed experts plus ``num_redundant_experts`` replicas cannot be
     dealt out whole over ``tp_size`` ranks (expert parallelism), or None if they can. Every

@@ -341,6 +341,8 @@ class ModelRunner:
                     batch.key_ends or [],
                     batch.rope_positions or [],
                     [] if batch.mrope_positions is None else batch.mrope_positions.tolist(),
+                    batch.state_slots or [],
+                    batch.fresh_slots or [],
                 )
             )  # fmt: skip
         lora = None

@@ -76,6 +76,10 @@ class Step(msgspec.Struct, tag="step", frozen=True):
     # ``HostBatch.rope_positions`` and ``mrope_positions`` (M-RoPE); empty: none.
     rope_positions: list[int] = []
     mrope_positions: list[list[int]] = []
+    # A hybrid model's ``HostBatch.state_slots`` and ``fresh_slots`` (rank 0 assigns the
+    # slots; every rank holds its heads' states in the same slot).
+    state_slots: list[int] = []
+    fresh_slots: list[int] = []
 
 
 class MtpPass(msgspec.Struct, tag="mtp_pass", frozen=True):

@@ -193,6 +193,8 @@ class Shard:
         batch.rope_positions = message.rope_positions or None
         if message.mrope_positions:
             batch.mrope_positions = np.array(message.mrope_positions, dtype=np.int64)
+        if self.shard.state_pool is not None:
+            batch.state_slots, batch.fresh_slots = message.state_slots, message.fresh_slots
         lora = None
         if message.lora_rows:
             lora = LoraBatch(

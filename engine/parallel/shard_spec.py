@@ -32,7 +32,12 @@ import re
 from dataclasses import dataclass
 
 from common.config import EngineConfig
-from common.tensor_parallel import HeadSplit, expert_split_problem, split_problem
+from common.tensor_parallel import (
+    HeadSplit,
+    expert_split_problem,
+    linear_split_problem,
+    split_problem,
+)
 from engine.models.arch import ModelArchConfig, ModelLoadError
 from engine.parallel.expert_placement import Placement, loaded_placement, rank_slots
 
@@ -110,6 +115,11 @@ _QK_NORM = re.compile(_LAYER + r"self_attn\.(q|k)_norm\.weight$")
 _MLA_HEADS = re.compile(_LAYER + r"self_attn\.(q_proj|q_b_proj|kv_b_proj)\.weight$")
 _MLP = re.compile(_LAYER + r"mlp\.(shared_expert\.)?(gate_up_proj|down_proj)\.weight$")
 _EXPERTS = re.compile(_LAYER + r"mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+# A hybrid model's linear-attention layers (``gated_delta_net.py``): split by heads.
+_LINEAR = re.compile(
+    _LAYER + r"linear_attn\.(in_proj_qkv|conv1d|in_proj_z|in_proj_b|in_proj_a|dt_bias|A_log|"
+    r"out_proj)(?:\.weight)?$"
+)
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -122,6 +132,9 @@ def check_split(arch: ModelArchConfig, tp: TensorParallel) -> None:
         if problem is not None:
             raise ModelLoadError(f"engine.expert_parallel: {problem}")
     problem = split_problem(arch.num_q_heads, arch.num_kv_heads, widths, tp.size)
+    linear = arch.linear_attention
+    if problem is None and linear is not None:
+        problem = linear_split_problem(linear.num_key_heads, linear.num_value_heads, tp.size)
     if problem is not None:
         raise ModelLoadError(f"engine.tensor_parallel_size={tp.size}: {problem}")
 
@@ -157,12 +170,20 @@ def local_arch(arch: ModelArchConfig, tp: TensorParallel) -> ModelArchConfig:
             expert_rank=tp.rank,
             num_expert_ranks=tp.size,
         )
+    linear = arch.linear_attention
+    if linear is not None:  # each rank its share of the key and value heads
+        linear = dataclasses.replace(
+            linear,
+            num_key_heads=linear.num_key_heads // tp.size,
+            num_value_heads=linear.num_value_heads // tp.size,
+        )
     return dataclasses.replace(
         arch,
         num_q_heads=heads.q_heads,
         num_kv_heads=heads.kv_heads,
         intermediate_size=arch.intermediate_size // tp.size,
         moe=moe,
+        linear_attention=linear,
     )
 
 
@@ -185,15 +206,20 @@ def shard_spec(name: str, arch: ModelArchConfig, tp: TensorParallel) -> ShardSpe
     heads = HeadSplit(arch.num_q_heads, arch.num_kv_heads, tp.size, tp.rank)
     if arch.mla is not None and (spec := _mla_spec(name, arch, heads)) is not None:
         return spec
+    if arch.linear_attention is not None and (match := _LINEAR.match(name)):
+        return _linear_spec(match.group(2), arch, tp)
     head_dim = arch.head_dim
     q_rows = (heads.q_head_start * head_dim, heads.q_heads * head_dim)
     kv_start, kv_rows = heads.kv_head_start * head_dim, heads.kv_heads * head_dim
     if match := _QKV.match(name):
-        q_size, kv_size = arch.q_size, arch.kv_size
+        # Qwen3.5's output gate: each head's query rows, then its gate's (``llama.py``).
+        gated = 2 if arch.attention_output_gate else 1
+        q_size, kv_size = arch.q_size * gated, arch.kv_size
+        q_start, q_length = q_rows[0] * gated, q_rows[1] * gated
         pieces = (
-            Piece(q_rows[0], q_rows[1], 0),
-            Piece(q_size + kv_start, kv_rows, q_rows[1]),
-            Piece(q_size + kv_size + kv_start, kv_rows, q_rows[1] + kv_rows),
+            Piece(q_start, q_length, 0),
+            Piece(q_size + kv_start, kv_rows, q_length),
+            Piece(q_size + kv_size + kv_start, kv_rows, q_length + kv_rows),
         )
         return ShardSpec(0, q_size + 2 * kv_size, pieces)
     if match := _O.match(name):
@@ -224,6 +250,35 @@ def shard_spec(name: str, arch: ModelArchConfig, tp: TensorParallel) -> ShardSpe
             return ShardSpec(per_expert=True, rank0_only=True)
         return _mlp_spec(which, arch.moe.expert_intermediate_size, tp, per_expert=True)
     return None
+
+
+def _linear_spec(which: str, arch: ModelArchConfig, tp: TensorParallel) -> ShardSpec:
+    """A linear-attention layer's parameters, cut by heads: the q, k and v channels of
+    the rank's key and value heads (``in_proj_qkv`` rows and the convolution's, which
+    share their order), its value heads' gate, decay and beta rows, and their columns of
+    ``out_proj`` (row-parallel: partial sums, added up by the layer's all-reduce). Rank
+    r's value heads read rank r's key heads, as the full model's do (value head j reads
+    key head ``j // (num_value_heads / num_key_heads)``)."""
+    linear = arch.linear_attention
+    assert linear is not None
+    keys = linear.num_key_heads // tp.size * linear.key_head_dim
+    value_heads = linear.num_value_heads // tp.size
+    values = value_heads * linear.value_head_dim
+    key_start, value_start = tp.rank * keys, tp.rank * values
+    if which in ("in_proj_qkv", "conv1d"):
+        pieces = (
+            Piece(key_start, keys, 0),
+            Piece(linear.key_dim + key_start, keys, keys),
+            Piece(2 * linear.key_dim + value_start, values, 2 * keys),
+        )
+        return ShardSpec(0, linear.conv_dim, pieces)
+    if which == "in_proj_z":
+        return ShardSpec(0, linear.value_dim, (Piece(value_start, values, 0),))
+    if which == "out_proj":
+        return ShardSpec(1, linear.value_dim, (Piece(value_start, values, 0),))
+    # in_proj_b, in_proj_a, dt_bias, A_log: one row per value head
+    heads = Piece(tp.rank * value_heads, value_heads, 0)
+    return ShardSpec(0, linear.num_value_heads, (heads,))
 
 
 def _mla_spec(name: str, arch: ModelArchConfig, heads: HeadSplit) -> ShardSpec | None:

@@ -75,8 +75,8 @@ def test_aborted_requests_give_back_their_slots(qwen3_5):
 
 
 def test_prefix_caching_is_off_and_the_unsupported_is_refused(qwen3_5):
-    """The same prompt twice computes it twice (a cached prefix has no states); speculation,
-    tensor parallelism and LoRA adapters are refused by name."""
+    """The same prompt twice computes it twice (a cached prefix has no states); speculation
+    and LoRA adapters are refused by name."""
     llm = LLM(qwen3_5)
     assert not llm.engine.config.enable_prefix_caching
     prompt = random_prompts([64], seed=5)[0]
@@ -85,8 +85,6 @@ def test_prefix_caching_is_off_and_the_unsupported_is_refused(qwen3_5):
     assert second.num_cached_tokens == 0
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
         LLM(qwen3_5, num_speculative_tokens=2)
-    with pytest.raises(ConfigError, match="tensor_parallel_size"):
-        LLM(qwen3_5, tensor_parallel_size=2)
     with pytest.raises(ModelLoadError, match="linear-attention layers"):
         LLM(qwen3_5, lora_adapters={"tuned": str(qwen3_5)})
 
@@ -151,8 +149,11 @@ def test_the_config_check_sizes_the_pool_as_the_engine_does(qwen3_5, tmp_path):
                                   "device": "cpu"})  # fmt: skip
     (prefill, _) = kv_budgets(load_config(str(config)))
     assert prefill.num_blocks == engine.runner.num_blocks
-    config = write_config(tmp_path / "tp.yaml", qwen3_5, engine={"tensor_parallel_size": 2})
-    with pytest.raises(ConfigError, match="engine.tensor_parallel_size"):
+    config = write_config(tmp_path / "tp.yaml", qwen3_5, engine={"tensor_parallel_size": 4})
+    with pytest.raises(ConfigError, match="2 linear-attention key heads"):
+        kv_budgets(load_config(str(config)))
+    config = write_config(tmp_path / "spec.yaml", qwen3_5, engine={"num_speculative_tokens": 2})
+    with pytest.raises(ConfigError, match="without speculation"):
         kv_budgets(load_config(str(config)))
 
 
@@ -197,3 +198,19 @@ def test_qwen3_5_configs_read_as_transformers_reads_them(tmp_path):
                                                       text["num_experts_per_tok"])  # fmt: skip
     assert arch.moe.norm_topk_prob and all(arch.moe.sparse_layers)
     assert arch.moe.shared_expert_intermediate_size == text["shared_expert_intermediate_size"]
+
+
+def test_two_ranks_give_one_ranks_tokens_colocated_and_disaggregated(qwen3_5):
+    """Tensor parallelism: each rank its share of the linear-attention heads (q/k/v
+    channels, convolution, gates, states) and of the gated attention's; rank 0 assigns
+    the slots, every rank keeps its heads' states in them. Two ranks give one rank's
+    tokens, chunked and preempted."""
+    prompts = random_prompts([30, 41, 25, 37], seed=7)
+    params = SamplingParams(max_tokens=30, min_tokens=30, temperature=0)
+    expected = [o.outputs[0].token_ids for o in LLM(qwen3_5).generate(prompts, params,
+                                                                      use_tqdm=False)]  # fmt: skip
+    with LLM(qwen3_5, tensor_parallel_size=2, prefill_chunk_tokens=9, num_blocks=14,
+             block_size=8, max_model_len=96) as two:  # fmt: skip
+        got = [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)]
+        assert got == expected and two.engine.scheduler.num_preemptions > 0
+        assert two.engine.leak_report() == []

@@ -126,6 +126,37 @@ def test_rebalanced_expert_parallel_workers_equal_offline(model_factory, tmp_pat
     assert codes == [0, 0], "\n".join(w.log() for w in workers)
 
 
+def test_hybrid_model_workers_move_each_ranks_states(model_factory, tmp_path):
+    """A hybrid model (Qwen3.5's layout) over 2 ranks in each role: every rank keeps its
+    heads' linear-attention states in its own KV blocks, and its connector moves them
+    with its KV: one offline process's tokens, nothing recomputed."""
+    model_dir = model_factory("qwen3_5")
+    prompts = random_prompts(LENGTHS[:4], seed=10)
+    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
+    outputs = LLM(model_dir).generate(prompts, params, use_tqdm=False)
+    expected = [o.outputs[0].token_ids for o in outputs]
+    workers = _stack(tmp_path, model_dir, "nixl")
+
+    async def body() -> None:
+        client = PDClient(workers[0].address, workers[1].address)
+        try:
+            results = await asyncio.gather(
+                *(client.generate(f"hy-{i}", p, GREEDY) for i, p in enumerate(prompts))
+            )
+            assert [r.token_ids for r in results] == expected
+            await assert_idle(client)
+            _, decode = await client.stats()
+            assert decode.blocks_pulled > 0 and decode.transfer_failures == 0
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(body())
+    finally:
+        codes = [worker.stop() for worker in workers]
+    assert codes == [0, 0], "\n".join(w.log() for w in workers)
+
+
 def test_a_dead_rank_takes_its_worker_out_and_a_dead_worker_its_ranks(tiny_llama, tmp_path):
     workers = _stack(tmp_path, tiny_llama, "shared_storage")
     try:
