@@ -1,10 +1,11 @@
-"""Images to Gemma 3-, Qwen2.5-VL- and Qwen3-VL-layout models through a real ``pdserve up``
-stack (router + 1 prefill + 1 decode worker): the router writes each image as the model's
-processor does (Gemma 3: its newlines merged with the template's; Qwen: as many
+"""Images to Gemma 3- and Qwen2.5-VL-layout models through a real ``pdserve up`` stack
+(router + 1 prefill + 1 decode worker): the router writes each image as the model's
+processor does (Gemma 3: its newlines merged with the template's; Qwen2.5-VL: as many
 placeholders as the image's size gives), the workers attend both ways inside each image
-(Gemma 3) or place its tokens at 3-D positions (Qwen; Qwen3-VL adds its DeepStack rows in
-the first layers), and the replies are the offline engine's, whole and streamed, with the
-decode worker pulling the KV and encoding nothing. A spelled image marker is a 400."""
+(Gemma 3) or place its tokens at 3-D positions (Qwen2.5-VL), and the replies are the
+offline engine's, whole and streamed, with the decode worker pulling the KV and encoding
+nothing. A spelled image marker is a 400. (Qwen3-VL's and Qwen3.5's prompts are written
+as Qwen2.5-VL's; their engines' pulls are tested in ``tests/engine``.)"""
 
 from __future__ import annotations
 
@@ -19,11 +20,9 @@ from tests.support.stack import serving, worker_stats
 
 MODEL = "vision"
 MAX_TOKENS = 12
-# Qwen2.5-VL's made model: 6 and 28 tokens (the sizes differ), Qwen3-VL's 6 and 24,
-# Gemma 3's: 16 each.
+# Qwen2.5-VL's made model: 6 and 28 tokens (the sizes differ), Gemma 3's: 16 each.
 IMAGES = [png(1, 60, 90), png(2, 200, 120)]
-MARKERS = {"gemma3_mm": "<start_of_image>", "qwen2_5_vl": "<|image_pad|>",
-           "qwen3_vl": "<|image_pad|>"}  # fmt: skip
+MARKERS = {"gemma3_mm": "<start_of_image>", "qwen2_5_vl": "<|image_pad|>"}
 
 
 def messages(first: bytes, second: bytes) -> list[dict]:

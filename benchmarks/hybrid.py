@@ -1,0 +1,152 @@
+"""A hybrid model (Qwen3.5's layout: 3 of every 4 layers gated delta rule) against the dense
+model of the same size (Qwen3: the same width, heads, layers and MLP), side by side in one
+run: prompt throughput, decode throughput at a short and a long context, and the bytes a
+disaggregated pull moves per request (KV blocks, plus the hybrid's state blocks).
+
+    python -m benchmarks.hybrid [--size small] [--repeats 3]
+
+Cases, each the median of ``--repeats`` rounds (the models alternating within a round,
+after a warm-up round):
+- prefill: ``--num-prompts`` prompts of ``--prompt-tokens``, ``max_tokens`` 1;
+- decode at context C (``--contexts``): ``--batch`` requests of C prompt tokens, each
+  generating ``--decode-tokens``; the decode time is that run's less a ``max_tokens`` 1
+  run of the same prompts (their prefill).
+Both engines' greedy tokens are checked against themselves across rounds (deterministic).
+The pull sizes are exact arithmetic from the engines' shapes, not timings.
+Writes ``benchmarks/results/hybrid_<tag>.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from benchmarks.records import write_record
+from benchmarks.side_by_side import add_model_args, record_header
+from engine import LLM, SamplingParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_model_args(parser)
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 2048])
+    parser.add_argument("--decode-tokens", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    from engine.models.maker import ensure_model
+
+    models = {"dense (qwen3)": ensure_model("qwen3", args.size),
+              "hybrid (qwen3_5)": ensure_model("qwen3_5", args.size)}  # fmt: skip
+    max_len = max(args.contexts + [args.prompt_tokens]) + args.decode_tokens + 8
+    engines = {name: LLM(path, dtype="float32", max_model_len=max_len,
+                         enable_prefix_caching=False) for name, path in models.items()}  # fmt: skip
+    rng = np.random.default_rng(0)
+
+    def prompts(n: int, length: int) -> list[list[int]]:
+        return [rng.integers(5, 2000, length).tolist() for _ in range(n)]
+
+    workloads = {"prefill": (prompts(args.num_prompts, args.prompt_tokens), 1)}
+    for context in args.contexts:
+        batch = prompts(args.batch, context)
+        workloads[f"decode@{context}"] = (batch, args.decode_tokens)
+        workloads[f"prefill-of-decode@{context}"] = (batch, 1)
+
+    def run(llm: LLM, workload: tuple[list[list[int]], int]) -> list[list[int]]:
+        batch, max_tokens = workload
+        params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outputs]
+
+    first = {(m, w): run(llm, load) for m, llm in engines.items() for w, load in workloads.items()}
+    seconds: dict[tuple[str, str], list[float]] = {key: [] for key in first}
+    for _ in range(args.repeats):
+        for model, llm in engines.items():
+            for name, load in workloads.items():
+                start = time.perf_counter()
+                tokens = run(llm, load)
+                seconds[model, name].append(time.perf_counter() - start)
+                assert tokens == first[model, name], f"{model} {name}: tokens changed"
+    for llm in engines.values():
+        assert llm.engine.leak_report() == []
+    median = {key: statistics.median(values) for key, values in seconds.items()}
+    rows = []
+    for model in engines:
+        prefill_tokens = args.num_prompts * args.prompt_tokens
+        row = {"model": model, "prefill_tokens_per_s": prefill_tokens / median[model, "prefill"]}
+        for context in args.contexts:
+            decode_s = (
+                median[model, f"decode@{context}"] - median[model, f"prefill-of-decode@{context}"]
+            )
+            row[f"decode_tokens_per_s@{context}"] = args.batch * (args.decode_tokens - 1) / decode_s
+        rows.append(row)
+    dense, hybrid = rows
+    ratios = {key: hybrid[key] / dense[key] for key in dense if key != "model"}
+    pulls = []
+    for context in (128, 1024, 4096, 32768):
+        pull = {"prompt_tokens": context}
+        for name, llm in engines.items():
+            runner = llm.engine.runner
+            blocks = -(-context // llm.engine.config.block_size)
+            pull[name] = (blocks + runner.shard.blocks_per_slot) * runner.bytes_per_block
+        pulls.append(pull)
+    print(f"{' ':<18} {'prefill tok/s':>14}" + "".join(f" {'decode@' + str(c):>14}"
+                                                      for c in args.contexts))  # fmt: skip
+    for row in [*rows, {"model": "hybrid / dense", **ratios}]:
+        values = [row["prefill_tokens_per_s"]] + [row[f"decode_tokens_per_s@{c}"]
+                                                  for c in args.contexts]  # fmt: skip
+        print(f"{row['model']:<18}" + "".join(f" {v:14.2f}" for v in values))
+    for pull in pulls:
+        print(f"pull of a {pull['prompt_tokens']}-token prompt: " + ", ".join(
+            f"{name} {pull[name] / 2**20:.2f} MiB" for name in engines))  # fmt: skip
+    record = {**record_header(args), "model": f"qwen3 / qwen3_5 {args.size}",
+              "args": vars(args) | {"out_dir": str(args.out_dir)}, "rows": rows,
+              "ratios": ratios, "pull_bytes": pulls}  # fmt: skip
+    names = list(engines)
+    lines = [
+        f"# Hybrid against dense: {args.tag}",
+        "",
+        f"`python -m benchmarks.hybrid {' '.join(sys.argv[1:])}` ({record['model']}), "
+        f"{record['date']}.",
+        f"Machine: {record['machine']}, {record['cores']} cores, torch {record['torch']}, "
+        f"float32. Same process, the models alternating in {args.repeats} rounds; medians; "
+        "only the ratios mean anything on a shared machine.",
+        "",
+        "| | prefill tokens/s | "
+        + " | ".join(f"decode tokens/s at {c}" for c in args.contexts)
+        + " |",
+        "|---|---|" + "---|" * len(args.contexts),
+        *(
+            f"| {row['model']} | {row['prefill_tokens_per_s']:.1f} | "
+            + " | ".join(f"{row[f'decode_tokens_per_s@{c}']:.1f}" for c in args.contexts)
+            + " |"
+            for row in rows
+        ),
+        f"| hybrid / dense | {ratios['prefill_tokens_per_s']:.2f}x | "
+        + " | ".join(f"{ratios[f'decode_tokens_per_s@{c}']:.2f}x" for c in args.contexts)
+        + " |",
+        "",
+        f"Bytes a disaggregated pull moves per request (float32 KV; the hybrid's include its "
+        f"states, {engines[names[1]].engine.runner.shard.blocks_per_slot} blocks):",
+        "",
+        "| prompt tokens | " + " | ".join(names) + " | hybrid / dense |",
+        "|---|---|---|---|",
+        *(
+            f"| {p['prompt_tokens']} | {p[names[0]] / 2**20:.2f} MiB | "
+            f"{p[names[1]] / 2**20:.2f} MiB | {p[names[1]] / p[names[0]]:.2f}x |"
+            for p in pulls
+        ),
+    ]
+    stem = args.out_dir / f"hybrid_{args.tag}"
+    write_record(stem, record, "\n".join(lines) + "\n")
+    print(f"wrote {stem}.json and .md")
+
+
+if __name__ == "__main__":
+    main()

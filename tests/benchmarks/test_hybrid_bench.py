@@ -1,0 +1,21 @@
+"""benchmarks/hybrid.py runs end to end on tiny settings and writes its record."""
+
+from __future__ import annotations
+
+import json
+
+from tests.support.processes import run_benchmark
+
+
+def test_the_hybrid_benchmark_runs_and_records(tmp_path):
+    args = ["--size", "tiny", "--num-prompts", "2", "--prompt-tokens", "24", "--batch", "2",
+            "--contexts", "16", "40", "--decode-tokens", "3", "--repeats", "1"]  # fmt: skip
+    run_benchmark("hybrid", *args, "--out-dir", str(tmp_path), "--tag", "t")
+    record = json.loads((tmp_path / "hybrid_t.json").read_text())
+    assert [row["model"] for row in record["rows"]] == ["dense (qwen3)", "hybrid (qwen3_5)"]
+    assert set(record["ratios"]) == {"prefill_tokens_per_s", "decode_tokens_per_s@16",
+                                     "decode_tokens_per_s@40"}  # fmt: skip
+    # The hybrid's pull holds its states beside fewer layers' KV: the bytes are exact.
+    pull = record["pull_bytes"][-1]
+    assert pull["hybrid (qwen3_5)"] < pull["dense (qwen3)"]
+    assert "| hybrid / dense |" in (tmp_path / "hybrid_t.md").read_text()
