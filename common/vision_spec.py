@@ -364,101 +364,48 @@ def _qwen2_5_vl(raw: dict[str, Any], text_hidden: int, path) -> VisionSpec:
         raise VisionConfigError(
             f"{path}: vision_config.hidden_act {vision['hidden_act']!r} is not served (silu)"
         )
-    rope = vision.get("rope_parameters") or {}
     tower = QwenTowerSpec(
-        hidden_size=int(vision["hidden_size"]),
-        intermediate_size=int(vision["intermediate_size"]),
-        num_layers=int(vision["depth"]),
-        num_heads=int(vision["num_heads"]),
-        out_hidden_size=int(vision.get("out_hidden_size", text_hidden)),
-        patch_size=int(vision["patch_size"]),
-        temporal_patch_size=int(vision["temporal_patch_size"]),
-        merge_size=int(vision["spatial_merge_size"]),
+        **_qwen_tower_fields(vision, text_hidden),
         window_size=int(vision["window_size"]),
         full_attention_layers=tuple(int(i) for i in vision["fullatt_block_indexes"]),
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
-        num_channels=int(vision["in_channels"]),
     )
     if tower.window_size % (tower.patch_size * tower.merge_size):
         raise VisionConfigError(
             f"{path}: vision_config.window_size {tower.window_size} is not a whole number of "
             f"{tower.patch_size * tower.merge_size}-pixel merged patches"
         )
-    grid = read_dynamic_grid(Path(path).parent, vision)
-    if (grid.patch_size, grid.merge_size) != (tower.patch_size, tower.merge_size):
-        raise VisionConfigError(
-            f"{path}: the image processor's patch and merge sizes {grid.patch_size}, "
-            f"{grid.merge_size} differ from the vision tower's"
-        )
-    token_id = int(raw.get("image_token_id", 151655))
-    return VisionSpec(
-        architecture=QWEN2_5_VL,
-        tower=tower,
-        image_token_id=token_id,
-        feature_layers=(-1,),
-        drop_class_token=False,
-        projector="merger",
-        projector_act="gelu",
-        projector_bias=True,
-        text_hidden_size=text_hidden,
-        tokens_per_image=0,
-        marker_token_id=token_id,
-        grid=grid,
-        mrope=True,
-    )
+    return _qwen_spec(raw, QWEN2_5_VL, tower, vision, text_hidden, path)
 
 
-# Qwen3VLVisionConfig's defaults where a config leaves keys out.
-_QWEN3_TOWER_DEFAULTS: dict[str, Any] = {
-    "depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
-    "in_channels": 3, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
-    "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24],
-    "hidden_act": "gelu_pytorch_tanh",
-}  # fmt: skip
-
-
-def _qwen3_vl(raw: dict[str, Any], architecture: str, text_hidden: int, path) -> VisionSpec:
-    vision = {**_QWEN3_TOWER_DEFAULTS, **(raw.get("vision_config") or {})}
-    if architecture in (QWEN3_5, QWEN3_5_MOE):  # Qwen3.5's tower has no DeepStack layers
-        vision["deepstack_visual_indexes"] = []
-    if vision["hidden_act"] not in _GELU:
-        raise VisionConfigError(
-            f"{path}: vision_config.hidden_act {vision['hidden_act']!r} is not served "
-            f"({', '.join(_GELU)})"
-        )
+def _qwen_tower_fields(vision: dict[str, Any], text_hidden: int) -> dict[str, Any]:
+    """The fields Qwen2.5-VL's and Qwen3-VL's tower specs share, from a ``vision_config``
+    with its class's defaults filled in."""
     rope = vision.get("rope_parameters") or {}
-    tower = Qwen3TowerSpec(
-        hidden_size=int(vision["hidden_size"]),
-        intermediate_size=int(vision["intermediate_size"]),
-        num_layers=int(vision["depth"]),
-        num_heads=int(vision["num_heads"]),
-        out_hidden_size=int(vision.get("out_hidden_size", text_hidden)),
-        patch_size=int(vision["patch_size"]),
-        temporal_patch_size=int(vision["temporal_patch_size"]),
-        merge_size=int(vision["spatial_merge_size"]),
-        num_position_embeddings=int(vision["num_position_embeddings"]),
-        deepstack_layers=tuple(int(i) for i in vision["deepstack_visual_indexes"]),
-        hidden_act=vision["hidden_act"],
-        rope_theta=float(rope.get("rope_theta", 10000.0)),
-        num_channels=int(vision["in_channels"]),
-    )
-    side = round(tower.num_position_embeddings**0.5)
-    if side * side != tower.num_position_embeddings:
-        raise VisionConfigError(
-            f"{path}: vision_config.num_position_embeddings {tower.num_position_embeddings} "
-            "is not a square grid"
-        )
-    if any(not 0 <= i < tower.num_layers for i in tower.deepstack_layers):
-        raise VisionConfigError(
-            f"{path}: vision_config.deepstack_visual_indexes {list(tower.deepstack_layers)} "
-            f"names no layer of a {tower.num_layers}-layer tower"
-        )
-    num_text_layers = text_config(raw).get("num_hidden_layers")
-    if num_text_layers is not None and len(tower.deepstack_layers) > int(num_text_layers):
-        raise VisionConfigError(
-            f"{path}: {len(tower.deepstack_layers)} DeepStack layers for a "
-            f"{num_text_layers}-layer language model"
-        )
+    return {
+        "hidden_size": int(vision["hidden_size"]),
+        "intermediate_size": int(vision["intermediate_size"]),
+        "num_layers": int(vision["depth"]),
+        "num_heads": int(vision["num_heads"]),
+        "out_hidden_size": int(vision.get("out_hidden_size", text_hidden)),
+        "patch_size": int(vision["patch_size"]),
+        "temporal_patch_size": int(vision["temporal_patch_size"]),
+        "merge_size": int(vision["spatial_merge_size"]),
+        "rope_theta": float(rope.get("rope_theta", 10000.0)),
+        "num_channels": int(vision["in_channels"]),
+    }
+
+
+def _qwen_spec(
+    raw: dict[str, Any],
+    architecture: str,
+    tower: QwenTowerSpec | Qwen3TowerSpec,
+    vision: dict[str, Any],
+    text_hidden: int,
+    path,
+    **fields: Any,
+) -> VisionSpec:
+    """The spec of a Qwen vision-language checkpoint (dynamic resolution, M-RoPE), its
+    image processor's grid checked against ``tower``; ``fields``: the layout's own."""
     grid = read_dynamic_grid(Path(path).parent, vision)
     if (grid.patch_size, grid.merge_size) != (tower.patch_size, tower.merge_size):
         raise VisionConfigError(
@@ -480,6 +427,50 @@ def _qwen3_vl(raw: dict[str, Any], architecture: str, text_hidden: int, path) ->
         marker_token_id=token_id,
         grid=grid,
         mrope=True,
-        mrope_interleaved=True,
-        deepstack=len(tower.deepstack_layers),
+        **fields,
     )
+
+
+# Qwen3VLVisionConfig's defaults where a config leaves keys out.
+_QWEN3_TOWER_DEFAULTS: dict[str, Any] = {
+    "depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+    "in_channels": 3, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+    "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24],
+    "hidden_act": "gelu_pytorch_tanh",
+}  # fmt: skip
+
+
+def _qwen3_vl(raw: dict[str, Any], architecture: str, text_hidden: int, path) -> VisionSpec:
+    vision = {**_QWEN3_TOWER_DEFAULTS, **(raw.get("vision_config") or {})}
+    if architecture in (QWEN3_5, QWEN3_5_MOE):  # Qwen3.5's tower has no DeepStack layers
+        vision["deepstack_visual_indexes"] = []
+    if vision["hidden_act"] not in _GELU:
+        raise VisionConfigError(
+            f"{path}: vision_config.hidden_act {vision['hidden_act']!r} is not served "
+            f"({', '.join(_GELU)})"
+        )
+    tower = Qwen3TowerSpec(
+        **_qwen_tower_fields(vision, text_hidden),
+        num_position_embeddings=int(vision["num_position_embeddings"]),
+        deepstack_layers=tuple(int(i) for i in vision["deepstack_visual_indexes"]),
+        hidden_act=vision["hidden_act"],
+    )
+    side = round(tower.num_position_embeddings**0.5)
+    if side * side != tower.num_position_embeddings:
+        raise VisionConfigError(
+            f"{path}: vision_config.num_position_embeddings {tower.num_position_embeddings} "
+            "is not a square grid"
+        )
+    if any(not 0 <= i < tower.num_layers for i in tower.deepstack_layers):
+        raise VisionConfigError(
+            f"{path}: vision_config.deepstack_visual_indexes {list(tower.deepstack_layers)} "
+            f"names no layer of a {tower.num_layers}-layer tower"
+        )
+    num_text_layers = text_config(raw).get("num_hidden_layers")
+    if num_text_layers is not None and len(tower.deepstack_layers) > int(num_text_layers):
+        raise VisionConfigError(
+            f"{path}: {len(tower.deepstack_layers)} DeepStack layers for a "
+            f"{num_text_layers}-layer language model"
+        )
+    return _qwen_spec(raw, architecture, tower, vision, text_hidden, path,
+                      mrope_interleaved=True, deepstack=len(tower.deepstack_layers))  # fmt: skip

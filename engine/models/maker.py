@@ -67,7 +67,6 @@ from engine.models.qwen2_5_vl_maker import (
     write_qwen2_5_vl_files,
 )
 from engine.models.qwen3_vl_maker import (
-    qwen3_5_mm_config,
     qwen3_vl_config,
     write_qwen3_vl_files,
     write_released_expert_layout,
@@ -381,10 +380,7 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
         auto_class = transformers.AutoModelForImageTextToText
     if arch in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5_mm"):
         token_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
-        if arch == "qwen3_5_mm":
-            config = qwen3_5_mm_config(config, token_ids)
-        else:
-            config = qwen3_vl_config(config, token_ids, moe=arch == "qwen3_vl_moe")
+        config = qwen3_vl_config(config, token_ids, arch)
         auto_class = transformers.AutoModelForImageTextToText
     if arch == "gemma3_mm":
         token_ids = {t: tokenizer.convert_tokens_to_ids(t) for t in GEMMA3_IMAGE_TOKENS.values()}

@@ -32,6 +32,7 @@ from engine.models.qwen_vision import (
     full_attention,
     merge_group_patches,
     merge_group_positions,
+    patch_embedding,
     rotary_angles,
     rotary_inverse_frequencies,
 )
@@ -100,14 +101,7 @@ class Qwen3VisionEncoder(nn.Module):
         self.spec, self.tower = spec, tower
         hidden = tower.hidden_size
         self.visual = nn.Module()
-        self.visual.patch_embed = nn.Module()
-        # transformers' Conv3d [C, 3, T, P, P] and its bias, applied as a linear map.
-        self.visual.patch_embed.proj = nn.Module()
-        self.visual.patch_embed.proj.weight = nn.Parameter(
-            torch.empty(hidden, tower.num_channels, tower.temporal_patch_size,
-                        tower.patch_size, tower.patch_size)
-        )  # fmt: skip
-        self.visual.patch_embed.proj.bias = nn.Parameter(torch.empty(hidden))
+        self.visual.patch_embed = patch_embedding(tower, bias=True)
         self.visual.pos_embed = nn.Embedding(tower.num_position_embeddings, hidden)
         self.visual.blocks = nn.ModuleList(Qwen3VisionBlock(tower) for _ in range(tower.num_layers))
         self.visual.merger = Qwen3Merger(tower, post_shuffle=False)

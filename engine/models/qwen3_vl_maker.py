@@ -30,29 +30,42 @@ from engine.models.qwen2_5_vl_maker import IMAGE_PAD, VISION_END, VISION_START
 MIN_PIXELS, MAX_PIXELS = 64 * 64, 32 * 32 * 64
 
 
-def qwen3_vl_config(text_config: Any, token_ids: dict[str, int], moe: bool = False) -> Any:
-    """``Qwen3VLConfig`` around ``text_config`` (a ``Qwen3Config``; with ``moe`` a
-    ``Qwen3MoeConfig`` in a ``Qwen3VLMoeConfig``), its rotary's frequency pairs interleaved
-    over time, rows and columns in Qwen3-VL's proportions (24, 20, 20 of 64 pairs)."""
+# The made tower (Qwen3-VL's and Qwen3.5's shape, small).
+_TOWER = {
+    "depth": 4, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4,
+    "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+    "num_position_embeddings": 64,
+}  # fmt: skip
+
+
+def qwen3_vl_config(text_config: Any, token_ids: dict[str, int], arch: str) -> Any:
+    """The vision-language config of ``arch`` around ``text_config``: ``qwen3_vl``'s
+    ``Qwen3VLConfig`` (a ``Qwen3Config``; DeepStack after tower layers 0, 2 and 3),
+    ``qwen3_vl_moe``'s ``Qwen3VLMoeConfig`` (a ``Qwen3MoeConfig``), or ``qwen3_5_mm``'s
+    ``Qwen3_5Config`` (a ``Qwen3_5TextConfig``; no DeepStack). The rotary's frequency
+    pairs are interleaved over time, rows and columns in the releases' proportions:
+    Qwen3-VL's 24, 20, 20 of 64; Qwen3.5's 11, 11, 10 of 32 (a quarter of each head)."""
     import transformers
 
     text = text_config.to_dict()
     for key in ("model_type", "architectures", "transformers_version", "norm_topk_prob"):
         text.pop(key, None)  # Qwen3-VL-MoE's router always renormalizes: no such key
-    if moe:
-        text["moe_intermediate_size"] = text["hidden_size"] * 3 // 4
-    half = text["head_dim"] // 2
-    spatial = half * 20 // 64
     rope = dict(text.get("rope_parameters") or {"rope_type": "default", "rope_theta": 1e6})
-    rope.update(mrope_section=[half - 2 * spatial, spatial, spatial], mrope_interleaved=True)
+    vision = {**_TOWER, "out_hidden_size": text["hidden_size"]}
+    if arch == "qwen3_5_mm":
+        pairs = int(text["head_dim"] * rope.get("partial_rotary_factor", 0.25)) // 2
+        rows, columns = pairs * 11 // 32, pairs * 10 // 32
+        config_class = transformers.Qwen3_5Config
+    else:
+        pairs = text["head_dim"] // 2
+        rows = columns = pairs * 20 // 64
+        vision["deepstack_visual_indexes"] = [0, 2, 3]
+        config_class = transformers.Qwen3VLConfig
+        if arch == "qwen3_vl_moe":
+            text["moe_intermediate_size"] = text["hidden_size"] * 3 // 4
+            config_class = transformers.Qwen3VLMoeConfig
+    rope.update(mrope_section=[pairs - rows - columns, rows, columns], mrope_interleaved=True)
     text["rope_parameters"] = rope
-    vision = {
-        "depth": 4, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4,
-        "out_hidden_size": text["hidden_size"], "patch_size": 16, "spatial_merge_size": 2,
-        "temporal_patch_size": 2, "num_position_embeddings": 64,
-        "deepstack_visual_indexes": [0, 2, 3],
-    }  # fmt: skip
-    config_class = transformers.Qwen3VLMoeConfig if moe else transformers.Qwen3VLConfig
     return config_class(
         text_config=text,
         vision_config=vision,
@@ -97,32 +110,3 @@ def write_released_expert_layout(out: Path) -> None:
             if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
                 tensors[name] = tensor.transpose(1, 2).contiguous()
         save_file(tensors, path, metadata={"format": "pt"})
-
-
-def qwen3_5_mm_config(text_config: Any, token_ids: dict[str, int]) -> Any:
-    """``Qwen3_5Config`` around ``text_config`` (a ``Qwen3_5TextConfig``): its rotary (a
-    quarter of each head) interleaved over time, rows and columns as Qwen3.5's (11, 11,
-    10 of 32 pairs)."""
-    import transformers
-
-    text = text_config.to_dict()
-    for key in ("model_type", "architectures", "transformers_version"):
-        text.pop(key, None)
-    rope = dict(text["rope_parameters"])
-    pairs = int(text["head_dim"] * rope.get("partial_rotary_factor", 0.25)) // 2
-    rows, columns = pairs * 11 // 32, pairs * 10 // 32
-    rope.update(mrope_section=[pairs - rows - columns, rows, columns], mrope_interleaved=True)
-    text["rope_parameters"] = rope
-    vision = {
-        "depth": 4, "hidden_size": 64, "intermediate_size": 128, "num_heads": 4,
-        "out_hidden_size": text["hidden_size"], "patch_size": 16, "spatial_merge_size": 2,
-        "temporal_patch_size": 2, "num_position_embeddings": 64,
-    }  # fmt: skip
-    return transformers.Qwen3_5Config(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=token_ids[IMAGE_PAD],
-        vision_start_token_id=token_ids[VISION_START],
-        vision_end_token_id=token_ids[VISION_END],
-        tie_word_embeddings=text.get("tie_word_embeddings", False),
-    )

@@ -113,6 +113,21 @@ def merge_group_patches(
     return patches.reshape(rows * columns, -1)
 
 
+def patch_embedding(tower: QwenTowerSpec | Qwen3TowerSpec, bias: bool) -> nn.Module:
+    """The tower's ``patch_embed``: transformers' Conv3d weight [C, 3, T, P, P] (and bias,
+    Qwen3-VL's), held as parameters and applied as one linear map to
+    ``merge_group_patches``' rows."""
+    embed = nn.Module()
+    embed.proj = nn.Module()
+    embed.proj.weight = nn.Parameter(
+        torch.empty(tower.hidden_size, tower.num_channels, tower.temporal_patch_size,
+                    tower.patch_size, tower.patch_size)
+    )  # fmt: skip
+    if bias:
+        embed.proj.bias = nn.Parameter(torch.empty(tower.hidden_size))
+    return embed
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The 2-D rotary, in float32 as transformers applies it. [L, heads, d]."""
     x32 = x.float()
@@ -137,13 +152,7 @@ class QwenVisionEncoder(nn.Module):
         self.spec, self.tower = spec, tower
         hidden, merged = tower.hidden_size, tower.hidden_size * tower.merge_size**2
         self.visual = nn.Module()
-        self.visual.patch_embed = nn.Module()
-        # Stored as transformers' Conv3d weight [C, 3, T, P, P]; applied as a linear map.
-        self.visual.patch_embed.proj = nn.Module()
-        self.visual.patch_embed.proj.weight = nn.Parameter(
-            torch.empty(hidden, tower.num_channels, tower.temporal_patch_size,
-                        tower.patch_size, tower.patch_size)
-        )  # fmt: skip
+        self.visual.patch_embed = patch_embedding(tower, bias=False)
         self.visual.blocks = nn.ModuleList(QwenVisionBlock(tower) for _ in range(tower.num_layers))
         self.visual.merger = nn.Module()
         self.visual.merger.ln_q = RMSNorm(hidden, 1e-6)

@@ -144,3 +144,21 @@ def add_kv_scales(model_dir: Path, scales: dict[int, tuple[float, float]]) -> No
         tensors[f"model.layers.{layer}.self_attn.{k_name}"] = torch.tensor(k_scale)
         tensors[f"model.layers.{layer}.self_attn.{v_name}"] = torch.tensor(v_scale)
     save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+
+
+def save_plain_target_adapter(base: torch.nn.Module, out: Path) -> Path:
+    """A PEFT adapter on ``base`` with plain targets (``q_proj``, ``v_proj``,
+    ``down_proj``: on a vision-language model they wrap its tower's projections of those
+    names too), its B matrices random (PEFT starts them at zero: an adapter that changes
+    nothing), saved to ``out``."""
+    import peft
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    model = peft.get_peft_model(base, config)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.2)
+    model.save_pretrained(out)
+    return out

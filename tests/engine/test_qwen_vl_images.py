@@ -16,6 +16,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.mrope import mrope_positions
+from tests.engine.helpers import save_plain_target_adapter
 from tests.engine.test_images import (
     assert_preemption_and_resumption_keep_tokens,
     assert_two_ranks_give_one_ranks_tokens,
@@ -238,14 +239,7 @@ def test_a_peft_adapter_that_wraps_the_tower_serves_the_language_model(
 
     model_dir = model_factory("qwen2_5_vl")
     base = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
-    model = peft.get_peft_model(base, config)
-    torch.manual_seed(3)
-    with torch.no_grad():  # PEFT starts B at zero: an adapter that changes nothing
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.2)
-    model.save_pretrained(tmp_path / "adapter")
+    save_plain_target_adapter(base, tmp_path / "adapter")
     llm = LLM(model_dir, lora_adapters={"tuned": tmp_path / "adapter"})
     assert "vision-tower tensors left out" in caplog.text
     prompts = [[5, 17, 300, 42, 9], [11, 12, 13]]

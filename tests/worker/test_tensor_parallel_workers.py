@@ -93,29 +93,25 @@ def test_disaggregated_tokens_equal_offline(tiny_llama, tmp_path, offline, conne
     assert not [pid for pid in shards if is_running(pid)], "shards outlived their workers"
 
 
-def test_rebalanced_expert_parallel_workers_equal_offline(model_factory, tmp_path):
-    """Both roles deal a MoE model's experts out whole, with 2 redundant slots,
-    rebalanced every 2 steps while they serve: the tokens of one offline process, and
-    the decode worker reports its rebalancing in its stats."""
-    model_dir = model_factory("qwen3_moe")
-    prompts = random_prompts(LENGTHS[:4], seed=9)
-    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
-    with LLM(model_dir, dtype="float32") as llm:
-        expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    balanced = dict(expert_parallel=True, num_redundant_experts=2, expert_rebalance_interval=2)
-    workers = _stack(tmp_path, model_dir, "nixl", **balanced)
+def _assert_workers_give(
+    workers: list[WorkerProcess],
+    prompts: list[list[int]],
+    expected: list[list[int]],
+    check_decode_stats,
+) -> None:
+    """The workers' disaggregated tokens of ``prompts`` are ``expected``, they end idle,
+    ``check_decode_stats(decode stats)`` holds, and both exit cleanly."""
 
     async def body() -> None:
         client = PDClient(workers[0].address, workers[1].address)
         try:
             results = await asyncio.gather(
-                *(client.generate(f"ep-{i}", p, GREEDY) for i, p in enumerate(prompts))
+                *(client.generate(f"r-{i}", p, GREEDY) for i, p in enumerate(prompts))
             )
             assert [r.token_ids for r in results] == expected
             await assert_idle(client)
             _, decode = await client.stats()
-            assert decode.expert_rebalances > 0 and decode.expert_moved_slots > 0
-            assert decode.expert_imbalance >= 1.0
+            check_decode_stats(decode)
         finally:
             await client.close()
 
@@ -124,6 +120,29 @@ def test_rebalanced_expert_parallel_workers_equal_offline(model_factory, tmp_pat
     finally:
         codes = [worker.stop() for worker in workers]
     assert codes == [0, 0], "\n".join(w.log() for w in workers)
+
+
+def _offline(model_dir, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
+    with LLM(model_dir, dtype="float32") as llm:
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_rebalanced_expert_parallel_workers_equal_offline(model_factory, tmp_path):
+    """Both roles deal a MoE model's experts out whole, with 2 redundant slots,
+    rebalanced every 2 steps while they serve: the tokens of one offline process, and
+    the decode worker reports its rebalancing in its stats."""
+    model_dir = model_factory("qwen3_moe")
+    prompts = random_prompts(LENGTHS[:4], seed=9)
+    expected = _offline(model_dir, prompts)
+    balanced = dict(expert_parallel=True, num_redundant_experts=2, expert_rebalance_interval=2)
+
+    def rebalanced(decode: pb.StatsResponse) -> None:
+        assert decode.expert_rebalances > 0 and decode.expert_moved_slots > 0
+        assert decode.expert_imbalance >= 1.0
+
+    workers = _stack(tmp_path, model_dir, "nixl", **balanced)
+    _assert_workers_give(workers, prompts, expected, rebalanced)
 
 
 def test_hybrid_model_workers_move_each_ranks_states(model_factory, tmp_path):
@@ -132,29 +151,12 @@ def test_hybrid_model_workers_move_each_ranks_states(model_factory, tmp_path):
     with its KV: one offline process's tokens, nothing recomputed."""
     model_dir = model_factory("qwen3_5")
     prompts = random_prompts(LENGTHS[:4], seed=10)
-    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
-    outputs = LLM(model_dir).generate(prompts, params, use_tqdm=False)
-    expected = [o.outputs[0].token_ids for o in outputs]
-    workers = _stack(tmp_path, model_dir, "nixl")
+    expected = _offline(model_dir, prompts)
 
-    async def body() -> None:
-        client = PDClient(workers[0].address, workers[1].address)
-        try:
-            results = await asyncio.gather(
-                *(client.generate(f"hy-{i}", p, GREEDY) for i, p in enumerate(prompts))
-            )
-            assert [r.token_ids for r in results] == expected
-            await assert_idle(client)
-            _, decode = await client.stats()
-            assert decode.blocks_pulled > 0 and decode.transfer_failures == 0
-        finally:
-            await client.close()
+    def pulled(decode: pb.StatsResponse) -> None:
+        assert decode.blocks_pulled > 0 and decode.transfer_failures == 0
 
-    try:
-        asyncio.run(body())
-    finally:
-        codes = [worker.stop() for worker in workers]
-    assert codes == [0, 0], "\n".join(w.log() for w in workers)
+    _assert_workers_give(_stack(tmp_path, model_dir, "nixl"), prompts, expected, pulled)
 
 
 def test_a_dead_rank_takes_its_worker_out_and_a_dead_worker_its_ranks(tiny_llama, tmp_path):

@@ -24,6 +24,7 @@ from tests.engine.helpers import (
     gemma3_multimodal_checkpoint,
     hf_greedy,
     random_prompts,
+    save_plain_target_adapter,
 )
 
 NUM_TOKENS = 24
@@ -101,19 +102,9 @@ def test_peft_adapter_with_plain_targets_on_the_multimodal_checkpoint(model_fact
     """``target_modules=["q_proj", ...]`` makes PEFT wrap the vision tower's projections
     too; serving text never runs them, so they are left out and the text model's adapter
     decodes what transformers + peft decode."""
-    import peft
-
     model_dir = gemma3_multimodal_checkpoint(model_factory("gemma3"), tmp_path / "gemma3-mm")
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
-    model = peft.get_peft_model(base, config)
-    torch.manual_seed(3)
-    with torch.no_grad():  # PEFT starts B at zero: an adapter that changes nothing
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.2)
-    model.save_pretrained(tmp_path / "adapter")
-    adapter = tmp_path / "adapter"
+    adapter = save_plain_target_adapter(base, tmp_path / "adapter")
     with safe_open(str(adapter / "adapter_model.safetensors"), framework="pt") as f:
         assert any(".vision_tower." in key for key in f.keys())  # noqa: SIM118
     _assert_adapter_equals_peft(model_dir, adapter)
