@@ -167,11 +167,12 @@ class DecoderLayer(nn.Module):
         self.linear = arch.is_linear(layer_idx)
         if self.linear:
             self.linear_attn = GatedDeltaNet(arch, layer_idx)
-        elif arch.mla is not None:
-            self.self_attn: Attention | MlaAttention = MlaAttention(arch, layer_idx, rotary,
-                                                                   backend)  # fmt: skip
         else:
-            self.self_attn = Attention(arch, layer_idx, rotary, backend, group)
+            self.self_attn: Attention | MlaAttention = (
+                MlaAttention(arch, layer_idx, rotary, backend)
+                if arch.mla is not None
+                else Attention(arch, layer_idx, rotary, backend, group)
+            )
         self.post_attention_layernorm = rms_norm(arch, arch.hidden_size)
         if arch.sandwich_norms:
             self.pre_feedforward_layernorm = rms_norm(arch, arch.hidden_size)
