@@ -198,14 +198,21 @@ LINEAR_ATTENTION_DEFAULTS = {
 
 def layer_types(cfg: dict[str, Any]) -> list[str] | None:
     """Each layer's ``linear_attention`` or ``full_attention`` for a hybrid model's
-    (text) config, as transformers derives them; None for any other model."""
+    (text) config; None for any other model."""
     types = cfg.get("layer_types")
     if cfg.get("model_type") not in HYBRID_MODEL_TYPES and "linear_attention" not in (types or ()):
         return None
-    num_layers = int(cfg["num_hidden_layers"])
+    return hybrid_layer_types(cfg)
+
+
+def hybrid_layer_types(cfg: dict[str, Any]) -> list[str]:
+    """``layer_types`` of a config known to be a hybrid model's, as transformers derives
+    them where it names none: every ``full_attention_interval``-th layer full."""
     interval = int(cfg.get("full_attention_interval", 4))
-    return list(types or ["linear_attention" if (i + 1) % interval else "full_attention"
-                          for i in range(num_layers)])  # fmt: skip
+    return list(cfg.get("layer_types") or [
+        "linear_attention" if (i + 1) % interval else "full_attention"
+        for i in range(int(cfg["num_hidden_layers"]))
+    ])  # fmt: skip
 
 
 def linear_heads(cfg: dict[str, Any]) -> tuple[int, int]:

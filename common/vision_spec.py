@@ -111,9 +111,12 @@ class VisionTowerSpec:
         return (self.image_size // self.patch_size) ** 2
 
 
-@dataclass(frozen=True, slots=True)
-class QwenTowerSpec:
-    """Qwen2.5-VL's vision transformer (``Qwen2_5_VLVisionConfig``)."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QwenTower:
+    """What Qwen's vision transformers share (Qwen2.5-VL's ``QwenTowerSpec``, Qwen3-VL's
+    ``Qwen3TowerSpec``): patches of a still image seen as a video of ``temporal_patch_size``
+    frames, a 2-D rotary, and ``merge_size`` x ``merge_size`` patches merged into one row of
+    the language model's width."""
 
     hidden_size: int
     intermediate_size: int
@@ -123,25 +126,24 @@ class QwenTowerSpec:
     patch_size: int
     temporal_patch_size: int  # an image is its patches twice over (a 2-frame video)
     merge_size: int  # spatial_merge_size: merge_size x merge_size patches make one row
-    window_size: int  # pixels of a side of an attention window (windowed layers)
-    full_attention_layers: tuple[int, ...]  # fullatt_block_indexes: the others are windowed
     rope_theta: float
     num_channels: int = 3
+    kind: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QwenTowerSpec(QwenTower):
+    """Qwen2.5-VL's vision transformer (``Qwen2_5_VLVisionConfig``)."""
+
+    window_size: int  # pixels of a side of an attention window (windowed layers)
+    full_attention_layers: tuple[int, ...]  # fullatt_block_indexes: the others are windowed
     kind: str = "qwen2_5_vl_vision"
 
 
-@dataclass(frozen=True, slots=True)
-class Qwen3TowerSpec:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Qwen3TowerSpec(QwenTower):
     """Qwen3-VL's vision transformer (``Qwen3VLVisionConfig``)."""
 
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int  # "depth"
-    num_heads: int
-    out_hidden_size: int  # the language model's width
-    patch_size: int
-    temporal_patch_size: int
-    merge_size: int
     # A square table of learned position embeddings, resized (bilinear) to each image's
     # patch grid.
     num_position_embeddings: int
@@ -149,15 +151,13 @@ class Qwen3TowerSpec:
     # model's first layers (the i-th listed to layer i's output).
     deepstack_layers: tuple[int, ...]
     hidden_act: str
-    rope_theta: float
-    num_channels: int = 3
     kind: str = "qwen3_vl_vision"
 
 
 @dataclass(frozen=True, slots=True)
 class VisionSpec:
     architecture: str
-    tower: VisionTowerSpec | QwenTowerSpec | Qwen3TowerSpec
+    tower: VisionTowerSpec | QwenTower
     image_token_id: int  # the placeholder: one per encoder row
     # Indexes into the tower's states: 0 the embeddings, i the output of layer i (negative
     # from the end); several are concatenated along the hidden size.
@@ -398,7 +398,7 @@ def _qwen_tower_fields(vision: dict[str, Any], text_hidden: int) -> dict[str, An
 def _qwen_spec(
     raw: dict[str, Any],
     architecture: str,
-    tower: QwenTowerSpec | Qwen3TowerSpec,
+    tower: QwenTower,
     vision: dict[str, Any],
     text_hidden: int,
     path,

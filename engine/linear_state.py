@@ -129,7 +129,9 @@ class StateSlots:
         self._slots: dict[str, int] = {}
         self._free = list(range(num_slots - 1, -1, -1))
 
-    def _take(self, request_id: str) -> int:
+    def reserve(self, request_id: str) -> int:
+        """The request's slot: the one it holds, else a free one (its states start over,
+        or arrive from another worker: a pull)."""
         slot = self._slots.get(request_id)
         if slot is None:
             if not self._free:
@@ -138,11 +140,6 @@ class StateSlots:
             slot = self._free.pop()
             self._slots[request_id] = slot
         return slot
-
-    def reserve(self, request_id: str) -> int:
-        """A slot for a request whose states arrive from another worker (a pull); the one
-        it holds already, if any."""
-        return self._take(request_id)
 
     def slot(self, request_id: str) -> int | None:
         return self._slots.get(request_id)
@@ -153,7 +150,7 @@ class StateSlots:
         it restarted). Raises ``RuntimeError`` for a request that continues without its
         states (none hold what its earlier tokens wrote)."""
         if start_pos == 0:
-            return self._take(request_id), True
+            return self.reserve(request_id), True
         slot = self._slots.get(request_id)
         if slot is None:
             raise RuntimeError(

@@ -564,17 +564,13 @@ class LLMEngine:
             request.image_spans,
         )
 
-    def held_state_blocks(self, request_id: str) -> tuple[list[int], list[BlockHash]]:
-        """A held request's linear-attention states (a hybrid model's): the blocks that
-        hold them and their transfer names, exported with its prompt's blocks; empty for
-        other models. KeyError if it holds none."""
-        request = self.scheduler.held[request_id]
-        block_ids = self.runner.state_block_ids(request_id)
-        if not block_ids:
-            return [], []
-        names = self.held_block_names(request_id)
-        assert names and request.num_prompt_tokens > 0
-        return block_ids, state_block_hashes(names[-1], len(block_ids))
+    def held_state_block_ids(self, request_id: str) -> list[int]:
+        """The blocks holding a held request's linear-attention states (a hybrid model's),
+        exported with its prompt's blocks and named after them
+        (``common.hashing.state_block_hashes``); empty for other models. KeyError if it
+        holds none."""
+        self.scheduler.held[request_id]  # KeyError if it holds none
+        return self.runner.state_block_ids(request_id)
 
     def release_kv(self, request_id: str) -> bool:
         """Free the blocks a finished prefill-only request held. False if none were held."""

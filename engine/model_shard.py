@@ -103,6 +103,11 @@ class HostBatch:
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 
+    @property
+    def num_decodes(self) -> int:
+        """Single-token segments: they lead the batch (its segments go shortest first)."""
+        return sum(1 for i in range(self.num_seqs) if self.query_len(i) == 1)
+
     def query_len(self, i: int) -> int:
         return self.query_start_loc[i + 1] - self.query_start_loc[i]
 
@@ -355,7 +360,7 @@ class ModelShard:
             slots=self.to_device(batch.state_slots, torch.int64),
             slots_cpu=batch.state_slots,
             query_start_loc_cpu=batch.query_start_loc,
-            num_decodes=sum(1 for i in range(batch.num_seqs) if batch.query_len(i) == 1),
+            num_decodes=batch.num_decodes,
         )
         kv = iter(kv_caches)
         linear = iter(range(len(self.arch.linear_layers)))
@@ -433,7 +438,7 @@ class ModelShard:
             block_table=batch.block_table.to(self.device, non_blocking=True),
             query_start_loc_cpu=batch.query_start_loc,
             seq_lens_cpu=batch.seq_lens,
-            num_decodes=sum(1 for n in query_lens if n == 1),
+            num_decodes=batch.num_decodes,
             max_query_len=max(query_lens),
             max_seq_len=max(batch.seq_lens),
             key_ends=None if key_ends is None else self.to_device(key_ends, torch.int32),

@@ -12,6 +12,7 @@ import logging
 
 import grpc
 
+from common.hashing import state_block_hashes
 from engine.async_engine import EngineFailedError
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine
@@ -122,7 +123,8 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServiceServicer):
         block_ids = output.kv_block_ids or []
         names = engine.held_block_names(output.request_id)
         # A hybrid model's states go in blocks of their own, under the same lease.
-        state_ids, state_names = engine.held_state_blocks(output.request_id)
+        state_ids = engine.held_state_block_ids(output.request_id)
+        state_names = state_block_hashes(names[-1], len(state_ids)) if state_ids else []
         runtime.connector.export_blocks(
             lease.lease_id, [*block_ids, *state_ids], [*names, *state_names]
         )

@@ -32,11 +32,10 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from common.hf_config import (
-    HYBRID_MODEL_TYPES,
     LINEAR_ATTENTION_DEFAULTS,
     eos_token_ids,
+    hybrid_layer_types,
     kv_cache_heads,
-    layer_types,
     max_context_len,
     mla_latent_dim,
     num_mtp_layers,
@@ -674,7 +673,7 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
 def _qwen3_5_fields(cfg: dict[str, Any], num_layers: int, path: Path) -> dict[str, Any]:
     """ModelArchConfig's Qwen3.5 fields (Qwen3_5TextConfig's defaults where the config
     leaves keys out: every 4th layer full attention)."""
-    types = layer_types({**cfg, "model_type": HYBRID_MODEL_TYPES[0]}) or []
+    types = hybrid_layer_types(cfg)
     if len(types) < num_layers or set(types) - {"linear_attention", "full_attention"}:
         raise ModelLoadError(
             f"{path}: layer_types must name linear_attention or full_attention for each of "

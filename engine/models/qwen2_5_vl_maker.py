@@ -38,9 +38,7 @@ def qwen2_5_vl_config(text_config: Any, token_ids: dict[str, int]) -> Any:
     3 ways (time, rows, columns: a quarter, and three eighths twice, as Qwen2.5-VL's)."""
     import transformers
 
-    text = text_config.to_dict()
-    for key in ("model_type", "architectures", "transformers_version"):
-        text.pop(key, None)
+    text = text_fields(text_config)
     half = text["head_dim"] // 2
     rope = dict(text.get("rope_parameters") or {"rope_type": "default", "rope_theta": 1e6})
     rope["mrope_section"] = [half // 4, half * 3 // 8, half * 3 // 8]
@@ -50,32 +48,71 @@ def qwen2_5_vl_config(text_config: Any, token_ids: dict[str, int]) -> Any:
         "out_hidden_size": text["hidden_size"], "patch_size": 14, "spatial_merge_size": 2,
         "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1, 3],
     }  # fmt: skip
-    return transformers.Qwen2_5_VLConfig(
+    return vl_config(transformers.Qwen2_5_VLConfig, text, vision, token_ids, tied=True)
+
+
+def text_fields(text_config: Any) -> dict[str, Any]:
+    """A language model's config as a Qwen vision-language config's ``text_config``:
+    without its own class's keys (nor ``norm_topk_prob``: the Qwen VL MoE routers always
+    renormalize, their configs have no such key)."""
+    text = text_config.to_dict()
+    for key in ("model_type", "architectures", "transformers_version", "norm_topk_prob"):
+        text.pop(key, None)
+    return text
+
+
+def vl_config(
+    config_class: Any,
+    text: dict[str, Any],
+    vision: dict[str, Any],
+    token_ids: dict[str, int],
+    tied: bool,
+) -> Any:
+    """A Qwen vision-language config of ``config_class`` with the made vision tokens;
+    ``tied``: the embeddings tied unless ``text`` says."""
+    return config_class(
         text_config=text,
         vision_config=vision,
         image_token_id=token_ids[IMAGE_PAD],
         vision_start_token_id=token_ids[VISION_START],
         vision_end_token_id=token_ids[VISION_END],
-        tie_word_embeddings=text.get("tie_word_embeddings", True),
+        tie_word_embeddings=text.get("tie_word_embeddings", tied),
     )
 
 
 def write_qwen2_5_vl_files(out: Path) -> None:
     """Qwen2.5-VL's image processor config, at the made model's pixel bounds."""
+    write_processor_config(
+        out, "Qwen2_5_VLProcessor", 14,
+        mean=[0.48145466, 0.4578275, 0.40821073], std=[0.26862954, 0.26130258, 0.27577711],
+        bounds={"min_pixels": MIN_PIXELS, "max_pixels": MAX_PIXELS},
+    )  # fmt: skip
+
+
+def write_processor_config(
+    out: Path,
+    processor_class: str,
+    patch_size: int,
+    mean: list[float],
+    std: list[float],
+    bounds: dict[str, Any],
+) -> None:
+    """A Qwen ``Qwen2VLImageProcessor`` config (2 x 2 merges, 2-frame temporal patches)
+    with the made model's patch size, normalization and pixel ``bounds`` (transformers
+    4's ``min_pixels`` / ``max_pixels`` or 5's ``size``)."""
     config = {
         "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen2_5_VLProcessor",
+        "processor_class": processor_class,
         "do_resize": True,
         "do_rescale": True,
         "rescale_factor": 1 / 255,
         "do_normalize": True,
         "do_convert_rgb": True,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "image_mean": mean,
+        "image_std": std,
         "resample": 3,
-        "min_pixels": MIN_PIXELS,
-        "max_pixels": MAX_PIXELS,
-        "patch_size": 14,
+        **bounds,
+        "patch_size": patch_size,
         "temporal_patch_size": 2,
         "merge_size": 2,
     }

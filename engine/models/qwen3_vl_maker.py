@@ -21,11 +21,10 @@ worth of pixels (Qwen3-VL: 64 to 16384 tokens), so an image is 4 to 64 tokens.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from engine.models.qwen2_5_vl_maker import IMAGE_PAD, VISION_END, VISION_START
+from engine.models.qwen2_5_vl_maker import text_fields, vl_config, write_processor_config
 
 MIN_PIXELS, MAX_PIXELS = 64 * 64, 32 * 32 * 64
 
@@ -47,9 +46,7 @@ def qwen3_vl_config(text_config: Any, token_ids: dict[str, int], arch: str) -> A
     Qwen3-VL's 24, 20, 20 of 64; Qwen3.5's 11, 11, 10 of 32 (a quarter of each head)."""
     import transformers
 
-    text = text_config.to_dict()
-    for key in ("model_type", "architectures", "transformers_version", "norm_topk_prob"):
-        text.pop(key, None)  # Qwen3-VL-MoE's router always renormalizes: no such key
+    text = text_fields(text_config)
     rope = dict(text.get("rope_parameters") or {"rope_type": "default", "rope_theta": 1e6})
     vision = {**_TOWER, "out_hidden_size": text["hidden_size"]}
     if arch == "qwen3_5_mm":
@@ -66,36 +63,14 @@ def qwen3_vl_config(text_config: Any, token_ids: dict[str, int], arch: str) -> A
             config_class = transformers.Qwen3VLMoeConfig
     rope.update(mrope_section=[pairs - rows - columns, rows, columns], mrope_interleaved=True)
     text["rope_parameters"] = rope
-    return config_class(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=token_ids[IMAGE_PAD],
-        vision_start_token_id=token_ids[VISION_START],
-        vision_end_token_id=token_ids[VISION_END],
-        tie_word_embeddings=text.get("tie_word_embeddings", False),
-    )
+    return vl_config(config_class, text, vision, token_ids, tied=False)
 
 
 def write_qwen3_vl_files(out: Path) -> None:
     """Qwen3-VL's image processor config (transformers 5's ``size`` bounds), at the made
     model's pixel bounds."""
-    config = {
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen3VLProcessor",
-        "do_resize": True,
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "do_convert_rgb": True,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-        "resample": 3,
-        "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
-        "patch_size": 16,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
-    }
-    (out / "preprocessor_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    bounds = {"size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}}
+    write_processor_config(out, "Qwen3VLProcessor", 16, [0.5] * 3, [0.5] * 3, bounds)
 
 
 def write_released_expert_layout(out: Path) -> None:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.vision_spec import Qwen3TowerSpec, QwenTowerSpec, VisionSpec
+from common.vision_spec import QwenTower, QwenTowerSpec, VisionSpec
 from engine.models.norms import RMSNorm
 
 
@@ -66,7 +66,7 @@ class QwenVisionBlock(nn.Module):
 
 
 def rotary_inverse_frequencies(
-    tower: QwenTowerSpec | Qwen3TowerSpec, device: torch.device | None
+    tower: QwenTower, device: torch.device | None
 ) -> torch.Tensor:  # [head_dim // 4]: a row's and a column's halves of each head
     head_dim = tower.hidden_size // tower.num_heads
     exponents = torch.arange(0, head_dim // 2, 2, dtype=torch.float32) / (head_dim // 2)
@@ -96,9 +96,7 @@ def rotary_angles(inv_freq: torch.Tensor, rows: int, columns: int, merge: int) -
                       column_ids[:, None].float() * inv_freq), dim=-1)  # fmt: skip
 
 
-def merge_group_patches(
-    pixels: torch.Tensor, tower: QwenTowerSpec | Qwen3TowerSpec
-) -> torch.Tensor:
+def merge_group_patches(pixels: torch.Tensor, tower: QwenTower) -> torch.Tensor:
     """[3, H, W] -> [H / P * W / P, 3 * T * P * P]: an image's patches in merge-group
     order, each repeated over the temporal patch (a still image is a video of T equal
     frames), as the Conv3d patch embedding reads them."""
@@ -113,7 +111,7 @@ def merge_group_patches(
     return patches.reshape(rows * columns, -1)
 
 
-def patch_embedding(tower: QwenTowerSpec | Qwen3TowerSpec, bias: bool) -> nn.Module:
+def patch_embedding(tower: QwenTower, bias: bool) -> nn.Module:
     """The tower's ``patch_embed``: transformers' Conv3d weight [C, 3, T, P, P] (and bias,
     Qwen3-VL's), held as parameters and applied as one linear map to
     ``merge_group_patches``' rows."""

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from common.vision_spec import Qwen3TowerSpec, QwenTowerSpec, VisionSpec, VisionTowerSpec
+from common.vision_spec import Qwen3TowerSpec, QwenTower, VisionSpec, VisionTowerSpec
 from engine.models.activations import activation
 from engine.models.arch import safetensors_files
 from engine.models.errors import ModelLoadError
@@ -177,7 +177,7 @@ AnyVisionEncoder = VisionEncoder | QwenVisionEncoder | Qwen3VisionEncoder
 def _local_name(stored: str, spec: VisionSpec) -> str | None:
     """A stored tensor's parameter name in the spec's encoder; None: not the encoder's, or
     a part of it never read."""
-    if isinstance(spec.tower, QwenTowerSpec | Qwen3TowerSpec):
+    if isinstance(spec.tower, QwenTower):
         for prefix in _QWEN_PREFIXES:
             if stored.startswith(prefix):
                 return "visual." + stored[len(prefix) :]
@@ -200,7 +200,7 @@ def load_vision_encoder(
     """The encoder with the checkpoint's weights. Raises ``ModelLoadError`` for a missing,
     unexpected or misshapen tensor (layers past the deepest feature layer are skipped)."""
     tower = spec.tower
-    qwen = isinstance(tower, QwenTowerSpec | Qwen3TowerSpec)
+    qwen = isinstance(tower, QwenTower)
     with torch.device("meta"):
         if isinstance(tower, Qwen3TowerSpec):
             encoder = Qwen3VisionEncoder(spec)

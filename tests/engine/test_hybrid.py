@@ -94,6 +94,7 @@ def test_disaggregated_equals_colocated(qwen3_5):
     blocks past the scheduler's); a decode engine pulls both and decodes the colocated
     tokens. A failed pull recomputes the prompt (states from zero). Nothing leaks on
     either side, and the prefill engine's slots go back with its held blocks."""
+    from common.hashing import state_block_hashes
     from engine.request import RemoteKV
     from tests.engine.local_puller import LocalPuller
 
@@ -116,7 +117,8 @@ def test_disaggregated_equals_colocated(qwen3_5):
         puller.fail_next = fail
         for i, prompt in enumerate(prompts):
             first = firsts[f"r{i}"]
-            state_ids, names = prefill.held_state_blocks(f"r{i}")
+            state_ids = prefill.held_state_block_ids(f"r{i}")
+            names = state_block_hashes(prefill.held_block_names(f"r{i}")[-1], len(state_ids))
             assert len(state_ids) == len(names) == state_blocks
             remote = RemoteKV(f"l{i}", len(prompt), tuple(first.kv_block_ids), "prefill-0",
                               state_block_ids=tuple(state_ids))  # fmt: skip

@@ -319,7 +319,7 @@ def pulled_tokens(
     puller.fail_next = fail
     for i, (token_ids, images) in enumerate(prompts):
         first = firsts[f"r{i}"]
-        states = tuple(prefill.held_state_blocks(f"r{i}")[0])  # a hybrid model's
+        states = tuple(prefill.held_state_block_ids(f"r{i}"))  # a hybrid model's
         remote = RemoteKV(f"l{i}", len(token_ids), tuple(first.kv_block_ids), "prefill-0",
                           state_block_ids=states)  # fmt: skip
         decode.add_request(f"r{i}", token_ids, GREEDY, remote_kv=remote, images=images,
@@ -352,7 +352,7 @@ def test_pulled_requests_preempted_on_the_decode_engine_decode_their_images(llav
     decoded = counting_decodes(monkeypatch)
     for i, (token_ids, images) in enumerate(prompts):
         first = firsts[f"r{i}"]
-        states = tuple(prefill.held_state_blocks(f"r{i}")[0])  # a hybrid model's
+        states = tuple(prefill.held_state_block_ids(f"r{i}"))  # a hybrid model's
         remote = RemoteKV(f"l{i}", len(token_ids), tuple(first.kv_block_ids), "prefill-0",
                           state_block_ids=states)  # fmt: skip
         decode.add_request(f"r{i}", token_ids, params, remote_kv=remote, images=images,
@@ -387,7 +387,7 @@ def test_an_image_undecodable_at_recompute_fails_its_request_alone(llava):
     puller.fail_next = True  # r0's pull
     for i, (token_ids, images) in enumerate(prompts):
         first = firsts[f"r{i}"]
-        states = tuple(prefill.held_state_blocks(f"r{i}")[0])  # a hybrid model's
+        states = tuple(prefill.held_state_block_ids(f"r{i}"))  # a hybrid model's
         remote = RemoteKV(f"l{i}", len(token_ids), tuple(first.kv_block_ids), "prefill-0",
                           state_block_ids=states)  # fmt: skip
         sent = [images[0], truncated] if i == 0 else images

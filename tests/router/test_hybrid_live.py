@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.support.processes import write_config
+from tests.support.processes import kv_transfer_section, write_config
 from tests.support.stack import serving, worker_stats
 
 MODEL = "hybrid"
@@ -23,9 +23,7 @@ PROMPTS = ["The quarterly report shows that revenue grew in every region, " * 4,
 @pytest.fixture(scope="module", params=["shared_storage"])
 def stack(request, model_factory, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"hybrid-{request.param}")
-    transfer = {"connector": request.param}
-    if request.param == "shared_storage":
-        transfer["shared_dir"] = str(tmp / "kv")
+    transfer = kv_transfer_section(request.param, tmp / "kv")
     config = write_config(
         tmp / "config.yaml",
         model_factory("qwen3_5"),

@@ -19,7 +19,7 @@ from engine import LLM, SamplingParams
 from engine.models.lora_maker import make_lora_adapter
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from tests.support.processes import write_config
+from tests.support.processes import kv_transfer_section, write_config
 from tests.support.stack import get_json, serving
 
 MODEL = "base-model"
@@ -44,9 +44,7 @@ def adapter_dirs(tiny_llama, tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module", params=["nixl", "shared_storage"])
 def stack(request, tiny_llama, adapter_dirs, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"lora-{request.param}")
-    transfer = {"connector": request.param}
-    if request.param == "shared_storage":
-        transfer["shared_dir"] = str(tmp / "kv")
+    transfer = kv_transfer_section(request.param, tmp / "kv")
     config = write_config(
         tmp / "config.yaml",
         tiny_llama,

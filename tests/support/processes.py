@@ -31,6 +31,15 @@ def run_benchmark(module: str, *args: str, timeout: float = 300) -> None:
     assert result.returncode == 0, result.stderr
 
 
+def kv_transfer_section(connector: str, shared_dir: Path) -> dict[str, Any]:
+    """A deployment's ``kv_transfer`` section for ``connector``; shared storage keeps its
+    files under ``shared_dir``."""
+    transfer: dict[str, Any] = {"connector": connector}
+    if connector == "shared_storage":
+        transfer["shared_dir"] = str(shared_dir)
+    return transfer
+
+
 def write_config(
     path: Path, model: Path, num_prefill: int = 1, num_decode: int = 1, **sections: dict[str, Any]
 ) -> Path:

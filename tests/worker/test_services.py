@@ -27,7 +27,7 @@ from router.prefix_index import PrefixIndex
 from router.workers import WorkerPool
 from tests.engine.helpers import add_kv_scales, random_prompts
 from tests.support.pd_client import PDClient
-from tests.support.processes import WorkerProcess, start_workers, write_config
+from tests.support.processes import WorkerProcess, kv_transfer_section, start_workers, write_config
 
 CONNECTORS = ["nixl", "nccl", "shared_storage"]
 GREEDY = pb.SamplingParams(max_tokens=16, min_tokens=16, temperature=0)
@@ -46,9 +46,7 @@ def offline(tiny_llama) -> list[list[int]]:
 def stack(request, tiny_llama, tmp_path_factory):
     connector = request.param
     tmp = tmp_path_factory.mktemp(f"stack-{connector}")
-    transfer = {"connector": connector}
-    if connector == "shared_storage":
-        transfer["shared_dir"] = str(tmp / "shared")
+    transfer = kv_transfer_section(connector, tmp / "shared")
     config = write_config(tmp / "config.yaml", tiny_llama, kv_transfer=transfer)
     workers = start_workers(
         [

@@ -19,7 +19,13 @@ from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from tests.engine.helpers import random_prompts
 from tests.support.pd_client import PDClient
-from tests.support.processes import WorkerProcess, is_running, start_workers, write_config
+from tests.support.processes import (
+    WorkerProcess,
+    is_running,
+    kv_transfer_section,
+    start_workers,
+    write_config,
+)
 from tests.worker.test_services import assert_idle
 
 GREEDY = pb.SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
@@ -34,9 +40,7 @@ def offline(tiny_llama) -> list[list[int]]:
 
 
 def _stack(tmp, model, connector: str, **engine) -> list[WorkerProcess]:
-    transfer = {"connector": connector}
-    if connector == "shared_storage":
-        transfer["shared_dir"] = str(tmp / "shared")
+    transfer = kv_transfer_section(connector, tmp / "shared")
     config = write_config(
         tmp / "config.yaml", model, kv_transfer=transfer,
         engine={"kv_cache_bytes": 32 << 20, "max_model_len": 512, "tensor_parallel_size": 2,
