@@ -139,12 +139,23 @@ def test_nixl_fetcher_keeps_a_live_idle_peer_and_forgets_a_gone_one():
     with fetcher:
         exporter, source = _exporter("nixl", "prefill", known)
         with exporter:
-            _transfer(exporter, "prefill", source, fetcher, dest, "t1")
+            # Fetches go to the lanes in turn, and a lane's UCX endpoint connects on its
+            # first READ: one fetch per lane first, so that the fetches after the idle
+            # wait connect nothing new unless the peer was loaded again (a fetch before
+            # it on one lane only let the second lane's first connection fail the check).
+            num_lanes = len(fetcher._lanes)
+            for i in range(num_lanes):
+                _transfer(exporter, "prefill", source, fetcher, dest, f"before-{i}")
             peer, sockets = fetcher._peers["prefill"], _sockets()
+            loaded = [lane._peers["prefill"] for lane in fetcher._lanes]
             time.sleep(IDLE_S + 1.5)  # idle long enough to be probed, and kept
             assert fetcher._peers.get("prefill") is peer
-            _transfer(exporter, "prefill", source, fetcher, dest, "t2")
+            for i in range(num_lanes):
+                _transfer(exporter, "prefill", source, fetcher, dest, f"after-{i}")
             assert fetcher._peers.get("prefill") is peer  # no second handshake
+            # ... and no lane loaded the peer's agent again
+            lanes = zip(fetcher._lanes, loaded, strict=True)
+            assert all(lane._peers["prefill"] is was for lane, was in lanes)
             assert not _new_lasting_sockets(sockets)  # no new connections (the leak)
             del known["prefill"]  # the worker is gone: its address answers no more
             assert eventually(lambda: not fetcher._peers, IDLE_S + 10)
