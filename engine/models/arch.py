@@ -234,6 +234,10 @@ class MlaConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
 
+# The checkpoint's input projections of a linear-attention layer, in the fused one's order.
+IN_PROJ_PARTS = ("qkv", "z", "b", "a")
+
+
 @dataclass(frozen=True, slots=True)
 class LinearAttentionConfig:
     """Gated delta-rule layers (Qwen3.5's ``linear_attention``; ``gated_delta_net.py``):
@@ -261,6 +265,19 @@ class LinearAttentionConfig:
     def conv_dim(self) -> int:
         """Channels of the causal convolution: q, k and v."""
         return 2 * self.key_dim + self.value_dim
+
+    @property
+    def in_proj_widths(self) -> tuple[int, int, int, int]:
+        """Output rows of the layer's one input projection (``gated_delta_net.py``), the
+        checkpoint's four fused in this order: ``in_proj_qkv`` (the convolution's
+        channels), ``in_proj_z`` (the output gate), ``in_proj_b`` (beta) and
+        ``in_proj_a`` (the decay), the last two one row per value head."""
+        return (self.conv_dim, self.value_dim, self.num_value_heads, self.num_value_heads)
+
+    def in_proj_start(self, which: str) -> int:
+        """The fused projection's first row of the checkpoint's ``in_proj_{which}``."""
+        index = IN_PROJ_PARTS.index(which)
+        return sum(self.in_proj_widths[:index])
 
 
 @dataclass(frozen=True, slots=True)

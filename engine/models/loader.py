@@ -1,7 +1,8 @@
 """Load a Llama-family model from a local Hugging Face directory (config.json + safetensors).
 
 Handles one file (``model.safetensors``) or shards (``model.safetensors.index.json``), maps
-the checkpoint's separate q/k/v and gate/up tensors into the fused projections, and each
+the checkpoint's separate q/k/v and gate/up tensors (and a linear-attention layer's four
+input projections) into the fused projections, and each
 expert's tensors (Qwen's ``mlp.experts.{e}.{gate|up|down}_proj``, Mixtral's
 ``block_sparse_moe.experts.{e}.{w1|w3|w2}``) into the stacked expert weights (files in
 transformers 5's stacked layout load as they are), ties the LM head to the embeddings when
@@ -69,6 +70,8 @@ _FUSED = re.compile(
     r"^(model\.(?:mtp_)?layers\.\d+\.(?:self_attn|mlp|mlp\.shared_expert))"
     r"\.(q|k|v|gate|up)_proj\.(weight|bias)$"
 )
+# A linear-attention layer's four input projections, fused into its ``in_proj``.
+_LINEAR_IN = re.compile(r"^(model\.layers\.\d+\.linear_attn)\.in_proj_(qkv|z|b|a)\.weight$")
 _EXPERT = re.compile(
     r"^(model\.(?:mtp_)?layers\.\d+\.mlp\.experts)\.(\d+)"
     r"\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
@@ -104,6 +107,10 @@ def _target(name: str, arch: ModelArchConfig, shapes: dict[str, tuple[int, ...]]
         stacked = f"{prefix}.gate_up_proj"
         half = shapes[stacked][1] // 2 if stacked in shapes else 0
         return _Target(stacked, 0 if part == "gate" else half, int(index))
+    linear = _LINEAR_IN.match(name) if arch.linear_attention is not None else None
+    if linear is not None:
+        module, which = linear.groups()
+        return _Target(f"{module}.in_proj.weight", arch.linear_attention.in_proj_start(which))
     fused = _FUSED.match(name)
     if fused is None or (arch.mla is not None and fused.group(1).endswith("self_attn")):
         return _Target(name)  # (latent attention's q_proj is its own)

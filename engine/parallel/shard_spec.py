@@ -116,10 +116,7 @@ _MLA_HEADS = re.compile(_LAYER + r"self_attn\.(q_proj|q_b_proj|kv_b_proj)\.weigh
 _MLP = re.compile(_LAYER + r"mlp\.(shared_expert\.)?(gate_up_proj|down_proj)\.weight$")
 _EXPERTS = re.compile(_LAYER + r"mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 # A hybrid model's linear-attention layers (``gated_delta_net.py``): split by heads.
-_LINEAR = re.compile(
-    _LAYER + r"linear_attn\.(in_proj_qkv|conv1d|in_proj_z|in_proj_b|in_proj_a|dt_bias|A_log|"
-    r"out_proj)(?:\.weight)?$"
-)
+_LINEAR = re.compile(_LAYER + r"linear_attn\.(in_proj|conv1d|dt_bias|A_log|out_proj)(?:\.weight)?$")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -254,31 +251,39 @@ def shard_spec(name: str, arch: ModelArchConfig, tp: TensorParallel) -> ShardSpe
 
 def _linear_spec(which: str, arch: ModelArchConfig, tp: TensorParallel) -> ShardSpec:
     """A linear-attention layer's parameters, cut by heads: the q, k and v channels of
-    the rank's key and value heads (``in_proj_qkv`` rows and the convolution's, which
-    share their order), its value heads' gate, decay and beta rows, and their columns of
-    ``out_proj`` (row-parallel: partial sums, added up by the layer's all-reduce). Rank
-    r's value heads read rank r's key heads, as the full model's do (value head j reads
-    key head ``j // (num_value_heads / num_key_heads)``)."""
+    the rank's key and value heads (the convolution's, and the rows of ``in_proj`` that
+    feed it: they share their order), its value heads' gate, beta and decay rows (the
+    rest of ``in_proj``, each part cut alike) and ``dt_bias`` / ``A_log``, and their
+    columns of ``out_proj`` (row-parallel: partial sums, added up by the layer's
+    all-reduce). Rank r's value heads read rank r's key heads, as the full model's do
+    (value head j reads key head ``j // (num_value_heads / num_key_heads)``)."""
     linear = arch.linear_attention
     assert linear is not None
     keys = linear.num_key_heads // tp.size * linear.key_head_dim
     value_heads = linear.num_value_heads // tp.size
     values = value_heads * linear.value_head_dim
     key_start, value_start = tp.rank * keys, tp.rank * values
-    if which in ("in_proj_qkv", "conv1d"):
-        pieces = (
-            Piece(key_start, keys, 0),
-            Piece(linear.key_dim + key_start, keys, keys),
-            Piece(2 * linear.key_dim + value_start, values, 2 * keys),
-        )
-        return ShardSpec(0, linear.conv_dim, pieces)
-    if which == "in_proj_z":
-        return ShardSpec(0, linear.value_dim, (Piece(value_start, values, 0),))
+    channels = (
+        Piece(key_start, keys, 0),
+        Piece(linear.key_dim + key_start, keys, keys),
+        Piece(2 * linear.key_dim + value_start, values, 2 * keys),
+    )
+    heads = Piece(tp.rank * value_heads, value_heads, 0)  # one row per value head
+    if which == "conv1d":
+        return ShardSpec(0, linear.conv_dim, channels)
     if which == "out_proj":
         return ShardSpec(1, linear.value_dim, (Piece(value_start, values, 0),))
-    # in_proj_b, in_proj_a, dt_bias, A_log: one row per value head
-    heads = Piece(tp.rank * value_heads, value_heads, 0)
-    return ShardSpec(0, linear.num_value_heads, (heads,))
+    if which != "in_proj":  # dt_bias, A_log
+        return ShardSpec(0, linear.num_value_heads, (heads,))
+    # in_proj: each part's pieces, moved to where the part starts, full and local
+    parts = (channels, (Piece(value_start, values, 0),), (heads,), (heads,))
+    pieces, full_start, local_start = [], 0, 0
+    for part, width in zip(parts, linear.in_proj_widths, strict=True):
+        pieces += [Piece(full_start + p.full_start, p.length, local_start + p.local_start)
+                   for p in part]  # fmt: skip
+        full_start += width
+        local_start += width // tp.size
+    return ShardSpec(0, full_start, tuple(pieces))
 
 
 def _mla_spec(name: str, arch: ModelArchConfig, heads: HeadSplit) -> ShardSpec | None:
