@@ -9,8 +9,15 @@ Cases, each the median of ``--repeats`` rounds (the models alternating within a 
 after a warm-up round):
 - prefill: ``--num-prompts`` prompts of ``--prompt-tokens``, ``max_tokens`` 1;
 - decode at context C (``--contexts``): ``--batch`` requests of C prompt tokens, each
-  generating ``--decode-tokens``; the decode time is that run's less a ``max_tokens`` 1
-  run of the same prompts (their prefill).
+  generating ``--decode-tokens``; timed from the first step after every request has its
+  first token (prompts done) to the end: decode steps only, the tokens they sampled.
+  (It was the difference of two runs, one with and one without the decode; at long
+  contexts the prefill dwarfed the decode and the difference was noise.)
+- a chat's next turn (``--turn-tokens`` of prompt, a 32-token answer, 64 more tokens;
+  ``max_tokens`` 1): its time on an engine with the prefix cache that served the first
+  turn, over its time on one without (the hybrid starts from the state snapshot after
+  the first prompt's last full block; the dense model from every cached block), a new
+  conversation each round; the tokens must be the uncached engine's.
 Both engines' greedy tokens are checked against themselves across rounds (deterministic).
 The pull sizes are exact arithmetic from the engines' shapes, not timings.
 Writes ``benchmarks/results/hybrid_<tag>.json`` and ``.md``.
@@ -19,6 +26,7 @@ Writes ``benchmarks/results/hybrid_<tag>.json`` and ``.md``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -38,15 +46,18 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 2048])
     parser.add_argument("--decode-tokens", type=int, default=16)
+    parser.add_argument("--turn-tokens", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     from engine.models.maker import ensure_model
 
     models = {"dense (qwen3)": ensure_model("qwen3", args.size),
               "hybrid (qwen3_5)": ensure_model("qwen3_5", args.size)}  # fmt: skip
-    max_len = max(args.contexts + [args.prompt_tokens]) + args.decode_tokens + 8
+    max_len = max(args.contexts + [args.prompt_tokens, args.turn_tokens + 96]) + args.decode_tokens
     engines = {name: LLM(path, dtype="float32", max_model_len=max_len,
                          enable_prefix_caching=False) for name, path in models.items()}  # fmt: skip
+    cached = {name: LLM(path, dtype="float32", max_model_len=max_len)
+              for name, path in models.items()}  # fmt: skip
     rng = np.random.default_rng(0)
 
     def prompts(n: int, length: int) -> list[list[int]]:
@@ -54,38 +65,62 @@ def main() -> None:
 
     workloads = {"prefill": (prompts(args.num_prompts, args.prompt_tokens), 1)}
     for context in args.contexts:
-        batch = prompts(args.batch, context)
-        workloads[f"decode@{context}"] = (batch, args.decode_tokens)
-        workloads[f"prefill-of-decode@{context}"] = (batch, 1)
+        workloads[f"decode@{context}"] = (prompts(args.batch, context), args.decode_tokens)
+    request_ids = itertools.count()
 
-    def run(llm: LLM, workload: tuple[list[list[int]], int]) -> list[list[int]]:
+    def run(llm: LLM, workload: tuple[list[list[int]], int]) -> tuple[list[list[int]], float, int]:
+        """(each request's tokens, seconds, tokens decoded in them): the whole run for a
+        prefill workload (``max_tokens`` 1; none decoded), else its steps from the first
+        after every prompt is done, and the tokens those steps sampled."""
         batch, max_tokens = workload
+        engine = llm.engine
         params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outputs]
+        ids = [f"r{next(request_ids)}" for _ in batch]
+        start = time.perf_counter()
+        for request_id, prompt in zip(ids, batch, strict=True):
+            engine.add_request(request_id, prompt, params)
+        tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
+        decoding, num_decoded = False, 0
+        while engine.has_unfinished_requests():
+            if not decoding and max_tokens > 1 and all(tokens.values()):
+                start, decoding = time.perf_counter(), True  # prompts done: decodes only
+            for output in engine.step():
+                tokens[output.request_id] += output.new_token_ids
+                num_decoded += len(output.new_token_ids) if decoding else 0
+        return [tokens[request_id] for request_id in ids], time.perf_counter() - start, num_decoded
 
-    first = {(m, w): run(llm, load) for m, llm in engines.items() for w, load in workloads.items()}
-    seconds: dict[tuple[str, str], list[float]] = {key: [] for key in first}
+    first = {(m, w): run(llm, load)[0] for m, llm in engines.items()
+             for w, load in workloads.items()}  # fmt: skip
+    rates: dict[tuple[str, str], list[float]] = {key: [] for key in first}
     for _ in range(args.repeats):
         for model, llm in engines.items():
             for name, load in workloads.items():
-                start = time.perf_counter()
-                tokens = run(llm, load)
-                seconds[model, name].append(time.perf_counter() - start)
+                tokens, seconds, num_decoded = run(llm, load)
                 assert tokens == first[model, name], f"{model} {name}: tokens changed"
-    for llm in engines.values():
+                num_prompt_tokens = args.num_prompts * args.prompt_tokens
+                count = num_prompt_tokens if name == "prefill" else num_decoded
+                rates[model, name].append(count / seconds)
+    turn_ratios: dict[str, list[float]] = {model: [] for model in engines}
+    for _ in range(args.repeats):
+        for model in engines:
+            first_turn = prompts(1, args.turn_tokens)
+            answer = run(cached[model], (first_turn, 32))[0][0]
+            next_turn = [first_turn[0] + answer + prompts(1, 64)[0]]
+            hit, hit_seconds, _ = run(cached[model], (next_turn, 1))
+            computed, computed_seconds, _ = run(engines[model], (next_turn, 1))
+            assert hit == computed, f"{model}: the next turn's token differs from a cache hit"
+            turn_ratios[model].append(computed_seconds / hit_seconds)
+    for llm in [*engines.values(), *cached.values()]:
         assert llm.engine.leak_report() == []
-    median = {key: statistics.median(values) for key, values in seconds.items()}
+    median = {key: statistics.median(values) for key, values in rates.items()}
     rows = []
     for model in engines:
-        prefill_tokens = args.num_prompts * args.prompt_tokens
-        row = {"model": model, "prefill_tokens_per_s": prefill_tokens / median[model, "prefill"]}
+        row = {"model": model, "prefill_tokens_per_s": median[model, "prefill"]}
         for context in args.contexts:
-            decode_s = (
-                median[model, f"decode@{context}"] - median[model, f"prefill-of-decode@{context}"]
-            )
-            row[f"decode_tokens_per_s@{context}"] = args.batch * (args.decode_tokens - 1) / decode_s
+            row[f"decode_tokens_per_s@{context}"] = median[model, f"decode@{context}"]
         rows.append(row)
+    for row in rows:
+        row["next_turn_speedup"] = statistics.median(turn_ratios[row["model"]])
     dense, hybrid = rows
     ratios = {key: hybrid[key] / dense[key] for key in dense if key != "model"}
     pulls = []
@@ -102,6 +137,9 @@ def main() -> None:
         values = [row["prefill_tokens_per_s"]] + [row[f"decode_tokens_per_s@{c}"]
                                                   for c in args.contexts]  # fmt: skip
         print(f"{row['model']:<18}" + "".join(f" {v:14.2f}" for v in values))
+    for row in rows:
+        print(f"{row['model']}: a chat's next turn {row['next_turn_speedup']:.2f}x faster "
+              "from the prefix cache")  # fmt: skip
     for pull in pulls:
         print(f"pull of a {pull['prompt_tokens']}-token prompt: " + ", ".join(
             f"{name} {pull[name] / 2**20:.2f} MiB" for name in engines))  # fmt: skip
@@ -131,6 +169,14 @@ def main() -> None:
         f"| hybrid / dense | {ratios['prefill_tokens_per_s']:.2f}x | "
         + " | ".join(f"{ratios[f'decode_tokens_per_s@{c}']:.2f}x" for c in args.contexts)
         + " |",
+        "",
+        f"A chat's next turn ({args.turn_tokens}-token first prompt, a 32-token answer, 64 "
+        "more tokens; time to its first token) with the prefix cache that served the first "
+        "turn, against without it (medians):",
+        "",
+        "| | next turn: uncached time / cached time |",
+        "|---|---|",
+        *(f"| {row['model']} | {row['next_turn_speedup']:.2f}x |" for row in rows),
         "",
         f"Bytes a disaggregated pull moves per request (float32 KV; the hybrid's include its "
         f"states, {engines[names[1]].engine.runner.shard.blocks_per_slot} blocks):",

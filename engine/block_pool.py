@@ -5,11 +5,18 @@ A block is *free* when no request holds it (``ref_cnt == 0``). A free block may 
 back instead of recomputing. Free blocks wait in an LRU queue; allocation takes the least
 recently freed one and, if it was cached, evicts it from the cache first.
 
+A hybrid model's cache also keeps *state snapshots*: the linear-attention states after a
+cached prefix, in ordinary blocks registered under names derived from the prefix's last
+block (``common.hashing.state_block_hashes``; ``kv_cache_manager.py``). They are evicted
+like any cached block, but observers never see them: they are not KV a router or the CPU
+tier could use.
+
 Observers see every block that enters or leaves the cache. The KV-event publisher is one;
 the CPU offload tier is another (it copies a block out before its slot is reused).
 
     free queue (LRU → MRU):  [b7 h=..] [b2] [b9 h=..] ...   allocate() pops from the left
     cached_blocks:           {hash → block}, only blocks whose KV is valid
+    state_blocks:            {name → block}, state snapshots (hybrid models)
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ class BlockPool:
             (block.block_id, block) for block in self.blocks
         )
         self.cached_blocks: dict[BlockHash, KVBlock] = {}
+        self.state_blocks: dict[BlockHash, KVBlock] = {}
         self.observers: list[BlockPoolObserver] = list(observers)
         self.num_evictions = 0
 
@@ -74,6 +82,21 @@ class BlockPool:
 
     def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
         return self.cached_blocks.get(block_hash)
+
+    def get_state_block(self, name: BlockHash) -> KVBlock | None:
+        return self.state_blocks.get(name)
+
+    def cache_state_blocks(self, blocks: Sequence[KVBlock], names: Sequence[BlockHash]) -> bool:
+        """Register a state snapshot's blocks under their names, unless a snapshot under
+        those names is cached already (then they stay plain blocks). Observers are not
+        told. Returns whether they were registered."""
+        if not self.enable_caching or any(name in self.state_blocks for name in names):
+            return False
+        for block, name in zip(blocks, names, strict=True):
+            assert block.block_hash is None, f"block {block.block_id} is cached already"
+            block.block_hash = name
+            self.state_blocks[name] = block
+        return True
 
     def allocate(self, num_blocks: int) -> list[KVBlock]:
         """Take ``num_blocks`` free blocks, evicting cached ones least recently used first."""
@@ -103,6 +126,13 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free_queue[block.block_id] = block
+
+    def refresh(self, blocks: Iterable[KVBlock]) -> None:
+        """Move free blocks to the most recently used end of the free queue (evicted
+        last so far); held ones are left alone."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self._free_queue.move_to_end(block.block_id)
 
     def cache_blocks(
         self,
@@ -142,6 +172,7 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached_blocks.clear()
+        self.state_blocks.clear()
         for observer in self.observers:
             observer.on_all_cleared()
         return True
@@ -155,7 +186,7 @@ class BlockPool:
         ]
         if len(self._free_queue) != self.num_blocks and not problems:
             problems.append(f"free queue holds {len(self._free_queue)}/{self.num_blocks}")
-        for block_hash, block in self.cached_blocks.items():
+        for block_hash, block in [*self.cached_blocks.items(), *self.state_blocks.items()]:
             if block.block_hash != block_hash:
                 problems.append(f"cache entry for block {block.block_id} has a stale hash")
         return problems
@@ -165,6 +196,10 @@ class BlockPool:
         if block_hash is None:
             return
         block.block_hash = None
+        if self.state_blocks.get(block_hash) is block:  # part of a snapshot: the rest
+            del self.state_blocks[block_hash]  # stays until evicted, found by no lookup
+            self.num_evictions += 1
+            return
         if self.cached_blocks.get(block_hash) is block:
             del self.cached_blocks[block_hash]
             self.num_evictions += 1

@@ -4,6 +4,14 @@ A request's blocks cover its tokens in order: token ``i`` lives in block
 ``blocks[i // block_size]`` at offset ``i % block_size``. Full blocks are hashed (see
 ``common/hashing.py``) and registered in the prefix cache as soon as their tokens are
 scheduled; the KV lands in the same engine step, before any other request can read it.
+
+A hybrid model (``num_state_blocks``: its linear-attention states take that many blocks,
+``engine/linear_state.py``) can reuse a cached prefix only with the states after it, so
+the cache also keeps *state snapshots*: at ``snapshot_boundary`` (the last block boundary
+before a prompt's last token) a request's states are copied into blocks of their own,
+registered after the step that wrote them (``cache_snapshot``). A lookup then takes the
+longest cached prefix that ends where a snapshot is (``state_hit``), and the request
+starts from a copy of it (its blocks held until that step has run: ``hold_restore``).
 """
 
 from __future__ import annotations
@@ -12,7 +20,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from common.hashing import BlockHash, hash_blocks
+from common.hashing import BlockHash, hash_blocks, state_block_hashes
 from engine.block_pool import BlockPool, BlockPoolObserver, KVBlock
 from engine.request import Request
 
@@ -37,8 +45,11 @@ class KVCacheManager:
         enable_caching: bool = True,
         observers: Iterable[BlockPoolObserver] = (),
         secondary: SecondaryTier | None = None,
+        num_state_blocks: int = 0,
     ) -> None:
         self.block_size = block_size
+        self.num_state_blocks = num_state_blocks if enable_caching else 0
+        assert not (self.num_state_blocks and secondary), "no CPU tier for hybrid models"
         self.secondary = secondary if enable_caching else None
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching, observers)
@@ -47,6 +58,16 @@ class KVCacheManager:
         self.req_to_block_ids: dict[str, list[int]] = {}
         # How many leading blocks of each request are registered in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
+        # Hybrid models: the snapshot blocks a request starts from (held until its first
+        # step has copied them), and those a request's step writes (until it has).
+        self.restoring: dict[str, list[KVBlock]] = {}
+        self.snapshotting: dict[str, tuple[int, list[BlockHash], list[KVBlock]]] = {}
+        # ... and the snapshots each request started from or made (boundary, names, the
+        # blocks it holds: those of the one it made, none of one it started from). Its
+        # own is held as long as its blocks are (a snapshot freed at once was the first
+        # thing evicted while the request ran, long before the prefix it needs); freeing
+        # the request frees or refreshes them right before the blocks they follow.
+        self.snapshots_of: dict[str, list[tuple[int, list[BlockHash], list[KVBlock]]]] = {}
         # Prefix-cache statistics, in tokens.
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
@@ -99,7 +120,7 @@ class KVCacheManager:
         ``tokens_to_cached_block``), and never the block of the last token (its hidden
         state is needed to sample)."""
         first, rest = divmod(request.num_computed_tokens, self.block_size)
-        if not self.enable_caching or rest:
+        if not self.enable_caching or rest or self.num_state_blocks:  # (no states there)
             return []
         if len(self.req_to_blocks.get(request.request_id, ())) != first:
             return []
@@ -123,7 +144,7 @@ class KVCacheManager:
         the next step takes the cached blocks (``get_next_cached_blocks``) instead of
         computing past the boundary. None when there is nothing to take."""
         first, rest = divmod(request.num_computed_tokens, self.block_size)
-        if not self.enable_caching or not rest:
+        if not self.enable_caching or not rest or self.num_state_blocks:
             return None
         if len(self.req_to_blocks.get(request.request_id, ())) != first + 1:
             return None
@@ -133,6 +154,89 @@ class KVCacheManager:
         if self.pool.get_cached_block(request.block_hashes[following]) is None:
             return None
         return self.block_size - rest
+
+    # -- hybrid models' state snapshots ---------------------------------------------------
+
+    def state_hit(
+        self, request: Request, hits: list[KVBlock]
+    ) -> tuple[list[KVBlock], list[KVBlock]]:
+        """The longest run of ``hits`` (a new request's cached prefix) after which a state
+        snapshot is cached, and that snapshot's blocks; ([], []) if none is."""
+        for num_hits in range(len(hits), 0, -1):
+            names = self._snapshot_names(request, num_hits * self.block_size)
+            blocks = [self.pool.get_state_block(name) for name in names]
+            if all(block is not None for block in blocks):
+                self.snapshots_of[request.request_id] = [(num_hits * self.block_size, names, [])]
+                return hits[:num_hits], blocks  # type: ignore[return-value]
+        return [], []
+
+    def snapshot_boundary(self, request: Request) -> int:
+        """Where a hybrid request's states are snapshotted: the last block boundary
+        before its last token (what a request repeating its tokens, or continuing them
+        as a chat's next turn, can hit: ``_max_hit_blocks``); 0 (none) for other models.
+        The scheduler ends a chunk there unless ``has_snapshot`` (arithmetic only: it
+        is asked for every request every step)."""
+        if not self.num_state_blocks:
+            return 0
+        return self._max_hit_blocks(request) * self.block_size
+
+    def has_snapshot(self, request: Request, boundary: int) -> bool:
+        """Whether the snapshot after ``request``'s first ``boundary`` tokens is cached."""
+        names = self._snapshot_names(request, boundary)
+        return all(self.pool.get_state_block(name) is not None for name in names)
+
+    def take_snapshot_blocks(self, request: Request, boundary: int) -> list[int] | None:
+        """Blocks for the snapshot of ``request``'s states after ``boundary`` tokens,
+        which its step now computes to (their ids: the step copies the states into them);
+        None when the pool has no room to spare (no snapshot, nothing evicted for one
+        beyond free blocks)."""
+        if self.pool.num_free_blocks < self.num_state_blocks:
+            return None
+        blocks = self.pool.allocate(self.num_state_blocks)
+        names = self._snapshot_names(request, boundary)
+        self.snapshotting[request.request_id] = (boundary, names, blocks)
+        return [block.block_id for block in blocks]
+
+    def cache_snapshot(self, request_id: str) -> None:
+        """The step that wrote ``request_id``'s snapshot ran: register it, held by the
+        request until it frees its blocks; or, when an equal one was cached meanwhile,
+        free its blocks as plain ones."""
+        boundary, names, blocks = self.snapshotting.pop(request_id)
+        if not self.pool.cache_state_blocks(blocks, names):
+            self.pool.free(blocks)
+            blocks = []
+        self.snapshots_of.setdefault(request_id, []).append((boundary, names, blocks))
+
+    def release_held_snapshots(self) -> bool:
+        """Let go of the snapshots running requests hold (they stay cached, first in
+        line for eviction): a step short of blocks takes them before it preempts or
+        turns an admission away. Returns whether any were held."""
+        released = False
+        for snapshots in self.snapshots_of.values():
+            for index, (boundary, names, held) in enumerate(snapshots):
+                if held:
+                    self.pool.free(held)
+                    snapshots[index] = (boundary, names, [])
+                    released = True
+        return released
+
+    def hold_restore(self, request_id: str, blocks: list[KVBlock]) -> None:
+        """Keep a snapshot that ``request_id`` starts from until its step copied it
+        (a no-op for none)."""
+        if blocks:
+            self.pool.touch(blocks)
+            self.restoring[request_id] = blocks
+
+    def release_restore(self, request_id: str) -> None:
+        """Let go of the snapshot a request started from (its copy is made); a no-op
+        if it holds none."""
+        self.pool.free(self.restoring.pop(request_id, ()))
+
+    def _snapshot_names(self, request: Request, num_tokens: int) -> list[BlockHash]:
+        """Names of the snapshot after the request's first ``num_tokens`` (a block
+        boundary): derived from the name of the block that ends there."""
+        last = request.block_hashes[num_tokens // self.block_size - 1]
+        return state_block_hashes(last, self.num_state_blocks)
 
     def _max_hit_blocks(self, request: Request) -> int:
         """0 for a request scoring its prompt: every prompt token's logits are needed."""
@@ -230,7 +334,23 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.req_to_block_ids.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
-        self.pool.free(reversed(blocks))
+        self.release_restore(request.request_id)  # (its step never ran)
+        _, _, unwritten = self.snapshotting.pop(request.request_id, (0, [], []))
+        self.pool.free(unwritten)  # never registered
+        # A hybrid request's snapshots go back in the LRU right before the blocks they
+        # follow: evicted after the blocks past them, before the prefix they need.
+        end = len(blocks)
+        for boundary, names, held in sorted(self.snapshots_of.pop(request.request_id, ()),
+                                            key=lambda snapshot: -snapshot[0]):  # fmt: skip
+            first = min(boundary // self.block_size, end)
+            self.pool.free(reversed(blocks[first:end]))
+            end = first
+            if held:
+                self.pool.free(held)
+            else:  # one it started from: others may hold it
+                cached = [self.pool.get_state_block(name) for name in names]
+                self.pool.refresh(block for block in cached if block is not None)
+        self.pool.free(reversed(blocks[:end]))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """A copy of the request's block ids, in token order."""
@@ -245,6 +365,10 @@ class KVCacheManager:
 
     def leak_report(self) -> list[str]:
         problems = [f"request {rid} still holds blocks" for rid in self.req_to_blocks]
+        problems += [f"request {rid} still holds a snapshot to restore"
+                     for rid in self.restoring]  # fmt: skip
+        problems += [f"request {rid} still holds snapshot blocks"
+                     for rid in {*self.snapshotting, *self.snapshots_of}]  # fmt: skip
         return problems + self.pool.leak_report()
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:

@@ -17,8 +17,11 @@ states start at zero), or when its states are pulled, and keeps it while it hold
 blocks; the slot goes back when the request's blocks are freed (it ended, was aborted or
 preempted, or a decode worker pulled what it held: ``Scheduler.on_blocks_freed``). A
 preempted request recomputes from its first token, so its states are rebuilt. A state
-depends on every token before it, so a prefix-cache hit cannot restore one: hybrid models
-run without the prefix cache (``llm_engine.hybrid_config``).
+depends on every token before it, so a prefix-cache hit restores one only from a snapshot
+of the states after that prefix, which the prefix cache keeps in blocks of its own
+(``kv_cache_manager.py``): ``StatePool.snapshot`` copies a slot into them after the step
+that reached the prefix's end, ``StatePool.restore`` copies them into a new request's slot
+before its first step.
 """
 
 from __future__ import annotations
@@ -81,7 +84,8 @@ class StatePool:
         self.conv_elements = linear.conv_dim * (linear.conv_kernel - 1)
         per_layer = _elements_per_layer(linear)
         num_layers = sum(linear.layers)
-        blocks = block_bytes(kv_caches)[first_block : first_block + num_slots * blocks_per_slot]
+        self.block_bytes = block_bytes(kv_caches)  # every KV block, slots' and others'
+        blocks = self.block_bytes[first_block : first_block + num_slots * blocks_per_slot]
         if blocks.numel() < num_slots * bytes_per_slot(linear):
             raise ValueError(f"{blocks.shape[0]} KV blocks cannot hold {num_slots} state slots")
         # [num_slots, blocks_per_slot * block_bytes / 4] float32; a slot's states first.
@@ -99,6 +103,21 @@ class StatePool:
         """The KV blocks that hold slot ``slot``'s states (what a transfer moves)."""
         first = self.first_block + slot * self.blocks_per_slot
         return list(range(first, first + self.blocks_per_slot))
+
+    def restore(self, slot: int, block_ids: list[int]) -> None:
+        """Slot ``slot``'s states from a snapshot's blocks (``snapshot``'s ids)."""
+        self._copy(block_ids, self.block_ids(slot))
+
+    def snapshot(self, slot: int, block_ids: list[int]) -> None:
+        """Copy slot ``slot``'s states into ``blocks_per_slot`` KV blocks of the pool's
+        (a prefix-cache snapshot: ``engine/kv_cache_manager.py``)."""
+        self._copy(self.block_ids(slot), block_ids)
+
+    def _copy(self, source: list[int], dest: list[int]) -> None:
+        assert len(source) == len(dest) == self.blocks_per_slot, (len(source), len(dest))
+        device = self.block_bytes.device
+        rows = self.block_bytes[torch.tensor(source, dtype=torch.int64, device=device)]
+        self.block_bytes.index_copy_(0, torch.tensor(dest, dtype=torch.int64, device=device), rows)
 
     def clear(self, slots: list[int]) -> None:
         """Zero these slots' states (requests starting from their first token)."""

@@ -108,19 +108,20 @@ def resolve_max_model_len(config: EngineConfig, arch: ModelArchConfig) -> int:
 
 def hybrid_config(config: EngineConfig, arch: ModelArchConfig, model_dir: Path) -> EngineConfig:
     """``config`` for a hybrid model (linear-attention layers: ``engine/linear_state.py``),
-    or as it is for any other. Its recurrent states depend on every earlier token, so no
-    cached prefix can restore them: the prefix cache (and the CPU tier, which extends it)
-    is turned off. What cannot work yet is refused (``EngineConfig.hybrid_problem``).
-    Raises ``ConfigError``."""
+    or as it is for any other. Its recurrent states depend on every earlier token, so a
+    cached prefix serves only with a snapshot of the states after it, which the prefix
+    cache keeps beside the KV (``kv_cache_manager.py``); the CPU tier, which would have
+    to carry snapshots too, is turned off. What cannot work yet is refused
+    (``EngineConfig.hybrid_problem``). Raises ``ConfigError``."""
     if arch.linear_attention is None:
         return config
     problem = config.hybrid_problem()
     if problem is not None:
         raise ConfigError(f"engine.{problem[0]}", f"{model_dir.name}: {problem[1]}")
-    if config.enable_prefix_caching or config.cpu_offload_bytes:
-        logger.info("%s: prefix caching off (a cached prefix cannot restore the recurrent "
-                    "states of its linear-attention layers)", model_dir)  # fmt: skip
-    return config.replace(enable_prefix_caching=False, cpu_offload_bytes=0)
+    if config.cpu_offload_bytes:
+        logger.info("%s: CPU offload off (it keeps KV blocks, not the state snapshots of "
+                    "linear-attention layers)", model_dir)  # fmt: skip
+    return config.replace(cpu_offload_bytes=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +212,7 @@ class LLMEngine:
             self.config, self.runner.num_blocks, observers, secondary=self.cpu_tier,
             whole_images=vision is not None and vision.bidirectional,
             on_blocks_freed=self.runner.release_state if hybrid else None,
+            num_state_blocks=self.runner.shard.blocks_per_slot if hybrid else 0,
         )  # fmt: skip
         # An id the model cannot produce can never end a request; left in, banning it
         # before min_tokens would index past the logits.
@@ -681,7 +683,9 @@ class LLMEngine:
         now = time.time()
         for order in scheduler_output.fetches:
             request = order.request
-            if not order.local_block_ids:  # everything was in the local prefix cache
+            # Everything was in the local prefix cache (a hybrid model's states are not:
+            # they are pulled whatever the KV hits).
+            if not order.local_block_ids and self.runner.state_slots is None:
                 self.scheduler.finish_fetch(request.request_id, ok=True)
                 continue
             assert self.kv_puller is not None and request.remote_kv is not None
@@ -832,6 +836,8 @@ class LLMEngine:
                     rope_positions=None
                     if request.mrope is None
                     else request.mrope.rows(start, end + len(drafts)),
+                    restore_block_ids=item.restore_block_ids,
+                    snapshot_block_ids=item.snapshot_block_ids,
                 )
             )
             if self.config.speculative_method.drafts_after_step:

@@ -84,6 +84,10 @@ class SequenceChunk:
     images: ChunkImages | None = None
     # [3, len(token_ids)] rotary positions where they are not the sequence's (M-RoPE).
     rope_positions: np.ndarray | None = None
+    # A hybrid model's state snapshots (``ScheduledRequest``): the blocks its states
+    # start from (a prefix-cache hit), and those they are copied into after the step.
+    restore_block_ids: list[int] | None = None
+    snapshot_block_ids: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -306,10 +310,27 @@ class ModelRunner:
         )
         batch.rope_positions, batch.mrope_positions = rope_positions(batch.positions, chunks)
         if self.state_slots is not None:
-            assigned = [self.state_slots.assign(c.request_id, c.start_pos) for c in chunks]
-            batch.state_slots = [slot for slot, _ in assigned]
-            batch.fresh_slots = [slot for slot, fresh in assigned if fresh]
+            self._assign_state_slots(chunks, batch)
         return batch
+
+    def _assign_state_slots(self, chunks: list[SequenceChunk], batch: HostBatch) -> None:
+        """A hybrid model's: each chunk's state slot, which start from zero, which from a
+        cached snapshot, and which are snapshotted after the step."""
+        assert self.state_slots is not None
+        batch.state_slots, batch.fresh_slots = [], []
+        batch.state_restores, batch.state_snapshots = [], []
+        for chunk in chunks:
+            restored = chunk.restore_block_ids is not None
+            if restored:  # starts past its first token, from a snapshot: a new slot
+                slot, fresh = self.state_slots.reserve(chunk.request_id), False
+                batch.state_restores.append([slot, *chunk.restore_block_ids])
+            else:
+                slot, fresh = self.state_slots.assign(chunk.request_id, chunk.start_pos)
+            batch.state_slots.append(slot)
+            if fresh:
+                batch.fresh_slots.append(slot)
+            if chunk.snapshot_block_ids is not None:
+                batch.state_snapshots.append([slot, *chunk.snapshot_block_ids])
 
     def _forward(
         self, chunks: list[SequenceChunk], batch: HostBatch, logit_rows: list[list[int]]
@@ -343,6 +364,8 @@ class ModelRunner:
                     [] if batch.mrope_positions is None else batch.mrope_positions.tolist(),
                     batch.state_slots or [],
                     batch.fresh_slots or [],
+                    batch.state_restores or [],
+                    batch.state_snapshots or [],
                 )
             )  # fmt: skip
         lora = None

@@ -93,6 +93,10 @@ class HostBatch:
     # zero this step (``engine/linear_state.py``); None: no linear-attention layers.
     state_slots: list[int] | None = None
     fresh_slots: list[int] | None = None
+    # [slot, *block ids] each: slots whose states are copied from a cached snapshot's
+    # blocks before the step, and slots copied into a snapshot's blocks after it.
+    state_restores: list[list[int]] | None = None
+    state_snapshots: list[list[int]] | None = None
 
     @property
     def rotary_positions(self) -> list[int]:
@@ -340,12 +344,17 @@ class ModelShard:
         layer_caches = self._layer_caches(batch)
         layer = self.draft_layer
         if layer is None:
-            return self.model(input_ids, positions, layer_caches, metadata, lora, images)
-        hidden, aux = self.model.hidden_and_aux(
-            input_ids, positions, layer_caches, metadata, lora, layer.aux_layer_ids, images
-        )
-        self.target_features = layer.features(hidden, aux)
-        return self.model.model.norm(hidden)
+            hidden = self.model(input_ids, positions, layer_caches, metadata, lora, images)
+        else:
+            hidden, aux = self.model.hidden_and_aux(
+                input_ids, positions, layer_caches, metadata, lora, layer.aux_layer_ids, images
+            )
+            self.target_features = layer.features(hidden, aux)
+            hidden = self.model.model.norm(hidden)
+        for slot, *block_ids in batch.state_snapshots or ():  # a hybrid model's, kept
+            assert self.state_pool is not None
+            self.state_pool.snapshot(slot, block_ids)
+        return hidden
 
     def _layer_caches(self, batch: HostBatch) -> list:
         """Each layer's cache for a step: its KV cache, or a linear-attention layer's
@@ -356,6 +365,8 @@ class ModelShard:
             return kv_caches
         assert batch.state_slots is not None and batch.fresh_slots is not None
         pool.clear(batch.fresh_slots)
+        for slot, *block_ids in batch.state_restores or ():
+            pool.restore(slot, block_ids)
         step = LinearStep(
             slots=self.to_device(batch.state_slots, torch.int64),
             slots_cpu=batch.state_slots,

@@ -72,6 +72,11 @@ class ScheduledRequest:
     samples: bool
     # Proposed tokens computed after the request's own (counted in num_scheduled_tokens).
     draft_token_ids: list[int] = field(default_factory=list)
+    # A hybrid model's state snapshots (``kv_cache_manager.py``): the blocks of the one
+    # the request starts from (copied into its state slot before the step), and of the
+    # one its states are copied into after the step.
+    restore_block_ids: list[int] | None = None
+    snapshot_block_ids: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -98,6 +103,7 @@ class _Admission:
 
     hits: list[KVBlock]  # cached device blocks of its prefix
     num_hit_tokens: int
+    restore: list[KVBlock]  # a hybrid model's: the state snapshot after the hits
     loaded: list[BlockHash]  # the CPU-tier blocks after them, to load
     num_tokens: int  # tokens to allocate slots for after the hits
     pull: bool  # its prompt's KV comes from another worker
@@ -129,6 +135,7 @@ class Scheduler:
         secondary: SecondaryTier | None = None,
         whole_images: bool = False,
         on_blocks_freed: Callable[[str], None] | None = None,
+        num_state_blocks: int = 0,
     ) -> None:
         """``whole_images``: an image's tokens attend to each other (Gemma 3), so a chunk
         that computes part of an image computes it to its end (``_num_new_tokens``).
@@ -136,7 +143,9 @@ class Scheduler:
         ended, was aborted or preempted, its pull failed, or its held blocks were
         released); given, held requests count against ``max_num_seqs`` too (a hybrid
         model's states: each request holding blocks holds one of ``max_num_seqs`` state
-        slots, ``engine/linear_state.py``)."""
+        slots, ``engine/linear_state.py``). ``num_state_blocks``: the blocks those states
+        take, given to keep snapshots of them in the prefix cache (``kv_cache_manager.py``):
+        a prompt's chunk then ends at its ``snapshot_boundary``."""
         self.max_num_seqs = config.max_num_seqs
         self.whole_images = whole_images
         self.on_blocks_freed = on_blocks_freed
@@ -144,14 +153,16 @@ class Scheduler:
         self.prefill_chunk_tokens = config.prefill_chunk_tokens
         self.block_size = config.block_size
         self.kv = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching, observers, secondary
-        )
+            num_blocks, config.block_size, config.enable_prefix_caching, observers, secondary,
+            num_state_blocks,
+        )  # fmt: skip
         self.waiting = RequestQueue()
         self.running: list[Request] = []  # in running_order
         self.fetching: dict[str, Request] = {}
         self.held: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.num_preemptions = 0
+        self.num_state_restores = 0  # admissions that started from a state snapshot
         self.num_blocks_reused_for_remote = 0
         self.num_speculative_tokens = config.num_speculative_tokens
         self.proposer: DraftProposer | None = None
@@ -310,6 +321,11 @@ class Scheduler:
         num_new = request.num_tokens - num_computed
         if self.prefill_chunk_tokens is not None:
             num_new = min(num_new, self.prefill_chunk_tokens)
+        boundary = self.kv.snapshot_boundary(request)  # a hybrid model's states, kept there
+        if num_computed < boundary < num_computed + num_new and not self.kv.has_snapshot(
+            request, boundary
+        ):
+            num_new = boundary - num_computed
         return self._whole_images(request, num_computed, min(num_new, budget), budget)
 
     def _whole_images(self, request: Request, num_computed: int, num_new: int, budget: int) -> int:
@@ -351,6 +367,8 @@ class Scheduler:
         # A victim's blocks among the hits stay cached once freed (only a later allocation
         # evicts them), and allocate_slots counts free hits against the free blocks.
         while not allocated and not self.kv.allocate_slots(request, num_new, hits):
+            if self.kv.release_held_snapshots():  # a hybrid model's: before anyone goes
+                continue
             victim = self.running.pop()
             self._preempt(victim, out)
             if victim is request:
@@ -400,6 +418,8 @@ class Scheduler:
         if not plan.pull and plan.num_new == 0:  # its next image does not fit the budget
             return None
         checked = False
+        # A state snapshot to start from is held first: no allocation may evict it.
+        self.kv.hold_restore(request.request_id, plan.restore)
         while True:
             held = len(self.held) if self.on_blocks_freed is not None else 0
             has_slot = len(self.running) + len(self.fetching) + held < self.max_num_seqs
@@ -408,13 +428,16 @@ class Scheduler:
                 if plan.pull:
                     return self._start_fetch(request, plan, out)
                 return self._start_running(request, plan, out)
+            if has_slot and self.kv.release_held_snapshots():  # then try again
+                continue
             lower = [r for r in self.running if r.priority > request.priority]
-            if not lower:
+            if not lower or (  # before the first preemption: would they all make room?
+                not checked
+                and not self.kv.fits_after_freeing(request, plan.num_tokens, plan.hits, lower)
+            ):
+                self.kv.release_restore(request.request_id)
                 return None
-            if not checked:  # before the first preemption: would they all make room?
-                if not self.kv.fits_after_freeing(request, plan.num_tokens, plan.hits, lower):
-                    return None
-                checked = True
+            checked = True
             self._preempt(self.running.pop(), out)
 
     def _plan(self, request: Request, budget: int) -> _Admission:
@@ -422,6 +445,7 @@ class Scheduler:
         blocks to load) and the tokens to allocate slots for after the hits."""
         remote = request.remote_kv
         if remote is not None and request.num_computed_tokens == 0:
+            # (a hybrid model's states come with the pull: any KV hit serves)
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             if num_hit_tokens >= remote.num_tokens:
                 hits = hits[: remote.num_tokens // self.block_size]
@@ -430,16 +454,20 @@ class Scheduler:
             loaded = self.kv.get_secondary_hits(request, len(hits))
             loaded = loaded[: max(remote.num_tokens // self.block_size - len(hits), 0)]
             num_tokens = remote.num_tokens - num_hit_tokens
-            return _Admission(hits, num_hit_tokens, loaded, num_tokens, pull=True)
-        hits, num_hit_tokens, loaded = [], 0, []
+            return _Admission(hits, num_hit_tokens, [], loaded, num_tokens, pull=True)
+        hits, num_hit_tokens, loaded, restore = [], 0, [], []
         if request.num_computed_tokens == 0:
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            if self.kv.num_state_blocks:  # a hybrid model's: where its states are cached
+                hits, restore = self.kv.state_hit(request, hits)
+                num_hit_tokens = len(hits) * self.block_size
             loaded = self.kv.get_secondary_hits(request, len(hits))
         num_loaded_tokens = len(loaded) * self.block_size
         num_computed = request.num_computed_tokens + num_hit_tokens + num_loaded_tokens
         num_new = self._num_new_tokens(request, num_computed, budget)
         num_tokens = num_loaded_tokens + num_new
-        return _Admission(hits, num_hit_tokens, loaded, num_tokens, pull=False, num_new=num_new)
+        return _Admission(hits, num_hit_tokens, restore, loaded, num_tokens, pull=False,
+                          num_new=num_new)  # fmt: skip
 
     def _start_running(self, request: Request, plan: _Admission, out: SchedulerOutput) -> int:
         """Move an admitted request (its slots allocated) into ``running``, order the loads
@@ -457,7 +485,11 @@ class Scheduler:
         if request.times.first_scheduled is None:
             request.times.first_scheduled = time.monotonic()
         self._add_running(request)
-        out.scheduled.append(self._scheduled(request, plan.num_new))
+        scheduled = self._scheduled(request, plan.num_new)
+        if plan.restore:
+            scheduled.restore_block_ids = [block.block_id for block in plan.restore]
+            self.num_state_restores += 1
+        out.scheduled.append(scheduled)
         return plan.num_new
 
     def _start_fetch(self, request: Request, plan: _Admission, out: SchedulerOutput) -> int:
@@ -553,9 +585,14 @@ class Scheduler:
     def _scheduled(
         self, request: Request, num_new: int, drafts: list[int] | None = None
     ) -> ScheduledRequest:
-        samples = request.num_computed_tokens + num_new == request.num_tokens
+        end = request.num_computed_tokens + num_new
+        samples = end == request.num_tokens
         drafts = drafts or []
-        return ScheduledRequest(request, num_new + len(drafts), samples, drafts)
+        scheduled = ScheduledRequest(request, num_new + len(drafts), samples, drafts)
+        boundary = self.kv.snapshot_boundary(request)  # a hybrid model's states, kept there
+        if boundary and end == boundary and not self.kv.has_snapshot(request, boundary):
+            scheduled.snapshot_block_ids = self.kv.take_snapshot_blocks(request, boundary)
+        return scheduled
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         """Free a request taken out of ``running`` and put it back in line to recompute."""
@@ -585,6 +622,10 @@ class Scheduler:
         now = time.monotonic()
         for item in out.scheduled:
             request = item.request
+            if item.restore_block_ids is not None:  # copied into its slot: let go
+                self.kv.release_restore(request.request_id)
+            if item.snapshot_block_ids is not None:  # written: into the prefix cache
+                self.kv.cache_snapshot(request.request_id)
             num_drafts = len(item.draft_token_ids)
             request.num_computed_tokens += item.num_scheduled_tokens - num_drafts
             if not item.samples:

@@ -80,6 +80,9 @@ class Step(msgspec.Struct, tag="step", frozen=True):
     # slots; every rank holds its heads' states in the same slot).
     state_slots: list[int] = []
     fresh_slots: list[int] = []
+    # ``HostBatch.state_restores`` and ``state_snapshots``: [slot, *block ids] each.
+    state_restores: list[list[int]] = []
+    state_snapshots: list[list[int]] = []
 
 
 class MtpPass(msgspec.Struct, tag="mtp_pass", frozen=True):

@@ -195,6 +195,8 @@ class Shard:
             batch.mrope_positions = np.array(message.mrope_positions, dtype=np.int64)
         if self.shard.state_pool is not None:
             batch.state_slots, batch.fresh_slots = message.state_slots, message.fresh_slots
+            batch.state_restores = message.state_restores
+            batch.state_snapshots = message.state_snapshots
         lora = None
         if message.lora_rows:
             lora = LoraBatch(

@@ -74,15 +74,13 @@ def test_aborted_requests_give_back_their_slots(qwen3_5):
     assert engine.runner.state_slots.num_used == 0 and engine.leak_report() == []
 
 
-def test_prefix_caching_is_off_and_the_unsupported_is_refused(qwen3_5):
-    """The same prompt twice computes it twice (a cached prefix has no states); speculation
-    and LoRA adapters are refused by name."""
-    llm = LLM(qwen3_5)
-    assert not llm.engine.config.enable_prefix_caching
-    prompt = random_prompts([64], seed=5)[0]
-    first, second = (llm.generate([prompt], GREEDY, use_tqdm=False)[0] for _ in range(2))
-    assert first.outputs[0].token_ids == second.outputs[0].token_ids
-    assert second.num_cached_tokens == 0
+def test_the_cpu_tier_is_off_and_the_unsupported_is_refused(qwen3_5):
+    """The prefix cache stays on (snapshots of the states: test_hybrid_prefix_cache.py),
+    the CPU tier goes off (it keeps no snapshots); speculation and LoRA adapters are
+    refused by name."""
+    llm = LLM(qwen3_5, cpu_offload_bytes=1 << 24)
+    assert llm.engine.config.enable_prefix_caching and llm.engine.config.cpu_offload_bytes == 0
+    assert llm.engine.cpu_tier is None
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
         LLM(qwen3_5, num_speculative_tokens=2)
     with pytest.raises(ModelLoadError, match="linear-attention layers"):
@@ -92,13 +90,15 @@ def test_prefix_caching_is_off_and_the_unsupported_is_refused(qwen3_5):
 def test_disaggregated_equals_colocated(qwen3_5):
     """A prefill engine holds each prompt's blocks and its state slot (the states in KV
     blocks past the scheduler's); a decode engine pulls both and decodes the colocated
-    tokens. A failed pull recomputes the prompt (states from zero). Nothing leaks on
-    either side, and the prefill engine's slots go back with its held blocks."""
+    tokens. A failed pull recomputes the prompt (states from zero). Rounds after the
+    first start from the prefill engine's snapshots, and the decode engine pulls the
+    states even of a prompt whose KV it all holds (32 tokens). Nothing leaks on either
+    side, and the prefill engine's slots go back with its held blocks."""
     from common.hashing import state_block_hashes
     from engine.request import RemoteKV
     from tests.engine.local_puller import LocalPuller
 
-    prompts = random_prompts([23, 70, 9], seed=6)
+    prompts = random_prompts([23, 70, 9, 32], seed=6)
     expected = [o.outputs[0].token_ids for o in LLM(qwen3_5).generate(prompts, GREEDY,
                                                                       use_tqdm=False)]  # fmt: skip
     puller = LocalPuller()
@@ -107,13 +107,14 @@ def test_disaggregated_equals_colocated(qwen3_5):
     puller.sources["prefill-0"], puller.target = prefill, decode
     state_blocks = decode.runner.shard.blocks_per_slot
     assert state_blocks > 0 and decode.runner.num_blocks < decode.runner.kv_caches[0].shape[0]
-    for fail in (False, True):
+    for round_, fail in enumerate((False, True, False)):
         firsts = {}
         for i, prompt in enumerate(prompts):
             prefill.add_request(f"r{i}", prompt, GREEDY, prefill_only=True)
         while prefill.has_unfinished_requests():
             firsts.update((o.request_id, o) for o in prefill.step() if o.finished)
-        assert prefill.runner.state_slots.num_used == 3  # held with the blocks
+        assert prefill.runner.state_slots.num_used == 4  # held with the blocks
+        assert firsts["r1"].num_cached_tokens == (64 if round_ else 0)  # a snapshot's
         puller.fail_next = fail
         for i, prompt in enumerate(prompts):
             first = firsts[f"r{i}"]
@@ -127,8 +128,8 @@ def test_disaggregated_equals_colocated(qwen3_5):
         got = {}
         while decode.has_work():
             got.update((o.request_id, o.outputs[0].token_ids) for o in decode.step() if o.finished)
-        assert [got[f"r{i}"] for i in range(3)] == expected, fail
-        for i in range(3):
+        assert [got[f"r{i}"] for i in range(4)] == expected, fail
+        for i in range(4):
             assert prefill.release_kv(f"r{i}")
         assert prefill.leak_report() == [] and decode.leak_report() == []
     assert decode.num_pull_failures == 1
@@ -205,14 +206,20 @@ def test_qwen3_5_configs_read_as_transformers_reads_them(tmp_path):
 def test_two_ranks_give_one_ranks_tokens_colocated_and_disaggregated(qwen3_5):
     """Tensor parallelism: each rank its share of the linear-attention heads (q/k/v
     channels, convolution, gates, states) and of the gated attention's; rank 0 assigns
-    the slots, every rank keeps its heads' states in them. Two ranks give one rank's
-    tokens, chunked and preempted."""
+    the slots, every rank keeps its heads' states in them (and copies them into and out
+    of the prefix cache's snapshots). Two ranks give one rank's tokens, chunked,
+    preempted, and from a snapshot."""
     prompts = random_prompts([30, 41, 25, 37], seed=7)
     params = SamplingParams(max_tokens=30, min_tokens=30, temperature=0)
-    expected = [o.outputs[0].token_ids for o in LLM(qwen3_5).generate(prompts, params,
-                                                                      use_tqdm=False)]  # fmt: skip
+    one = LLM(qwen3_5)
+    expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    short, few = random_prompts([20], seed=8), SamplingParams(max_tokens=4, temperature=0)
+    expected_short = one.generate(short, few, use_tqdm=False)[0].outputs[0].token_ids
     with LLM(qwen3_5, tensor_parallel_size=2, prefill_chunk_tokens=9, num_blocks=14,
              block_size=8, max_model_len=96) as two:  # fmt: skip
         got = [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)]
         assert got == expected and two.engine.scheduler.num_preemptions > 0
+        first, again = (two.generate(short, few, use_tqdm=False)[0] for _ in range(2))
+        assert first.outputs[0].token_ids == again.outputs[0].token_ids == expected_short
+        assert again.num_cached_tokens == 16  # from the snapshot after 16 tokens
         assert two.engine.leak_report() == []

@@ -1,0 +1,126 @@
+"""A hybrid model's prefix cache: a cached prefix serves only where a snapshot of the
+linear-attention states after it is cached too (``engine/kv_cache_manager.py``). Each
+test compares against the same engine without the prefix cache, token for token, and
+ends with nothing leaked (blocks, snapshots held, state slots)."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.config import EngineConfig
+from engine import LLM, SamplingParams
+from engine.llm_engine import LLMEngine
+from tests.engine.helpers import random_prompts
+
+GREEDY = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
+# The tiny model's greedy tokens barely depend on the states (they survived wrong ones):
+# its log-probs do.
+WITH_LOGPROBS = SamplingParams(max_tokens=12, min_tokens=12, temperature=0, logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(model_factory):
+    return model_factory("qwen3_5")
+
+
+@pytest.fixture(scope="module")
+def uncached(qwen3_5):
+    return LLM(qwen3_5, enable_prefix_caching=False)
+
+
+def tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def logprobs(output) -> list[float]:
+    return [entry.logprob for entry in output.outputs[0].logprobs]
+
+
+def num_snapshots(llm: LLM) -> int:
+    engine = llm.engine
+    return len(engine.scheduler.kv.pool.state_blocks) // engine.runner.shard.blocks_per_slot
+
+
+@pytest.mark.parametrize("chunk", [None, 24])
+def test_a_repeated_prompt_and_a_next_turn_start_from_the_snapshot(qwen3_5, uncached, chunk):
+    """A 70-token prompt leaves a snapshot after its 64th token (the last block boundary
+    before its last token; a chunk of 24 is cut there). The same prompt again, and a
+    chat's next turn (the prompt, its answer, more), start from it: 64 tokens cached,
+    and the tokens are the uncached engine's."""
+    llm = LLM(qwen3_5, prefill_chunk_tokens=chunk)
+    prompt = random_prompts([70], seed=11)[0]
+    first = llm.generate([prompt], WITH_LOGPROBS, use_tqdm=False)[0]
+    answer = first.outputs[0].token_ids
+    assert [answer] == tokens(uncached, [prompt])
+    assert num_snapshots(llm) == 1
+    again = llm.generate([prompt], WITH_LOGPROBS, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 64 and again.outputs[0].token_ids == answer
+    assert logprobs(again) == pytest.approx(logprobs(first), abs=1e-4)
+    turn = prompt + answer + random_prompts([10], seed=12)[0]  # 92 tokens
+    following = llm.generate([turn], WITH_LOGPROBS, use_tqdm=False)[0]
+    # The answer's full blocks are cached too, but no states after them: 64, not 80.
+    assert following.num_cached_tokens == 64
+    computed = uncached.generate([turn], WITH_LOGPROBS, use_tqdm=False)[0]
+    assert following.outputs[0].token_ids == computed.outputs[0].token_ids
+    assert logprobs(following) == pytest.approx(logprobs(computed), abs=1e-4)
+    assert num_snapshots(llm) == 2  # and one after the turn's 80th token
+    assert llm.engine.leak_report() == []
+
+
+def test_equal_prompts_at_once_and_mixed_batches_keep_their_tokens(qwen3_5, uncached):
+    """The same prompt four times in one batch (only one snapshot is kept; the others'
+    copies are plain blocks again), beside prompts that share a prefix with it, in small
+    steps that mix prompt chunks, restores and decodes."""
+    base = random_prompts([50], seed=13)[0]
+    prompts = [base] * 4 + [base[:40] + p for p in random_prompts([7, 30], seed=14)]
+    llm = LLM(qwen3_5, prefill_chunk_tokens=16, max_num_batched_tokens=40)
+    expected = tokens(uncached, prompts)
+    assert tokens(llm, prompts) == expected
+    assert tokens(llm, prompts[::-1]) == expected[::-1]  # now mostly from snapshots
+    assert llm.engine.leak_report() == []
+
+
+def test_snapshots_are_evicted_and_preempted_requests_restart_from_theirs(qwen3_5, uncached):
+    """A small pool (a snapshot takes 8 blocks of 8 tokens here, a request ~9): six
+    requests at once preempt one another (the snapshots they hold go first); then one at
+    a time, twice, the second time in reverse, where the LRU kept the last ones'
+    snapshots. Tokens stay the uncached engine's; observers (KV events, the router's
+    index) never see a snapshot's blocks."""
+    stored, evicted = [], []
+
+    class Recorder:
+        def on_blocks_stored(self, blocks, parent_hash, token_ids, block_size):
+            stored.extend(block.block_hash for block in blocks)
+
+        def on_block_evicted(self, block, block_hash):
+            evicted.append(block_hash)
+
+        def on_all_cleared(self):
+            pass
+
+    config = EngineConfig(num_blocks=40, block_size=8, max_model_len=96)
+    engine = LLMEngine(qwen3_5, config, observers=[Recorder()])
+    scheduler = engine.scheduler
+    prompts = random_prompts([30, 41, 25, 37, 33, 45], seed=15)
+    params = SamplingParams(max_tokens=30, min_tokens=30, temperature=0)
+    expected = tokens(uncached, prompts, params)
+
+    def run(request_ids: list[str]) -> list[list[int]]:
+        for request_id in request_ids:
+            engine.add_request(request_id, prompts[int(request_id[-1])], params)
+        outputs = {}
+        while engine.has_unfinished_requests():
+            outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+        return [outputs[request_id].outputs[0].token_ids for request_id in request_ids]
+
+    assert run([f"at-once-{i}" for i in range(6)]) == expected
+    assert scheduler.num_preemptions > 0
+    assert [run([f"alone-{i}"])[0] for i in range(6)] == expected
+    assert [run([f"back-{i}"])[0] for i in reversed(range(6))] == expected[::-1]
+    assert scheduler.num_state_restores > 0
+    pool = scheduler.kv.pool
+    assert pool.num_evictions > 0
+    snapshot_names = set(pool.state_blocks)
+    assert snapshot_names and not snapshot_names & (set(stored) | set(evicted))
+    assert set(evicted) <= set(stored)
+    assert engine.leak_report() == []
