@@ -15,9 +15,10 @@ after a warm-up round):
   contexts the prefill dwarfed the decode and the difference was noise.)
 - a chat's next turn (``--turn-tokens`` of prompt, a 32-token answer, 64 more tokens;
   ``max_tokens`` 1): its time on an engine with the prefix cache that served the first
-  turn, over its time on one without (the hybrid starts from the state snapshot after
-  the first prompt's last full block; the dense model from every cached block), a new
-  conversation each round; the tokens must be the uncached engine's.
+  turn, over its time on one without (the hybrid starts from the state snapshot its
+  decode left at the answer's last full block; the dense model from every cached
+  block: the same tokens), a new conversation each round; the tokens must be the
+  uncached engine's.
 Both engines' greedy tokens are checked against themselves across rounds (deterministic).
 The pull sizes are exact arithmetic from the engines' shapes, not timings.
 Writes ``benchmarks/results/hybrid_<tag>.json`` and ``.md``.

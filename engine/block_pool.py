@@ -98,6 +98,14 @@ class BlockPool:
             self.state_blocks[name] = block
         return True
 
+    def uncache_state_blocks(self, names: Sequence[BlockHash]) -> None:
+        """Forget a state snapshot's names (its blocks are about to hold another one);
+        names no longer cached are skipped."""
+        for name in names:
+            block = self.state_blocks.pop(name, None)
+            if block is not None:
+                block.block_hash = None
+
     def allocate(self, num_blocks: int) -> list[KVBlock]:
         """Take ``num_blocks`` free blocks, evicting cached ones least recently used first."""
         if num_blocks > len(self._free_queue):

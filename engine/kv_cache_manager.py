@@ -12,17 +12,34 @@ before a prompt's last token) a request's states are copied into blocks of their
 registered after the step that wrote them (``cache_snapshot``). A lookup then takes the
 longest cached prefix that ends where a snapshot is (``state_hit``), and the request
 starts from a copy of it (its blocks held until that step has run: ``hold_restore``).
+Outside decode workers, a request's decode also keeps one *rolling* snapshot, rewritten
+at each block boundary it reaches, so what it generated is covered too (a chat's next
+turn starts from the end of the last answer's last full block).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from common.hashing import BlockHash, hash_blocks, state_block_hashes
 from engine.block_pool import BlockPool, BlockPoolObserver, KVBlock
 from engine.request import Request
+
+
+@dataclass(slots=True)
+class _Snapshot:
+    """A hybrid request's state snapshot after its first ``boundary`` tokens: its
+    names, the blocks the request holds (those of one it made, until it lets them go;
+    none of one it started from), and whether it is the one its decode rewrites at each
+    block boundary (``rolling``)."""
+
+    boundary: int
+    names: list[BlockHash]
+    blocks: list[KVBlock]
+    rolling: bool = False
 
 
 class SecondaryTier(Protocol):
@@ -61,13 +78,12 @@ class KVCacheManager:
         # Hybrid models: the snapshot blocks a request starts from (held until its first
         # step has copied them), and those a request's step writes (until it has).
         self.restoring: dict[str, list[KVBlock]] = {}
-        self.snapshotting: dict[str, tuple[int, list[BlockHash], list[KVBlock]]] = {}
-        # ... and the snapshots each request started from or made (boundary, names, the
-        # blocks it holds: those of the one it made, none of one it started from). Its
-        # own is held as long as its blocks are (a snapshot freed at once was the first
-        # thing evicted while the request ran, long before the prefix it needs); freeing
-        # the request frees or refreshes them right before the blocks they follow.
-        self.snapshots_of: dict[str, list[tuple[int, list[BlockHash], list[KVBlock]]]] = {}
+        self.snapshotting: dict[str, _Snapshot] = {}
+        # ... and the snapshots each request started from or made. Its own are held as
+        # long as its blocks are (a snapshot freed at once was the first thing evicted
+        # while the request ran, long before the prefix it needs); freeing the request
+        # frees or refreshes them right before the blocks they follow.
+        self.snapshots_of: dict[str, list[_Snapshot]] = {}
         # Prefix-cache statistics, in tokens.
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
@@ -166,7 +182,8 @@ class KVCacheManager:
             names = self._snapshot_names(request, num_hits * self.block_size)
             blocks = [self.pool.get_state_block(name) for name in names]
             if all(block is not None for block in blocks):
-                self.snapshots_of[request.request_id] = [(num_hits * self.block_size, names, [])]
+                started = _Snapshot(num_hits * self.block_size, names, [])
+                self.snapshots_of[request.request_id] = [started]
                 return hits[:num_hits], blocks  # type: ignore[return-value]
         return [], []
 
@@ -185,27 +202,40 @@ class KVCacheManager:
         names = self._snapshot_names(request, boundary)
         return all(self.pool.get_state_block(name) is not None for name in names)
 
-    def take_snapshot_blocks(self, request: Request, boundary: int) -> list[int] | None:
+    def take_snapshot_blocks(
+        self, request: Request, boundary: int, rolling: bool = False
+    ) -> list[int] | None:
         """Blocks for the snapshot of ``request``'s states after ``boundary`` tokens,
         which its step now computes to (their ids: the step copies the states into them);
         None when the pool has no room to spare (no snapshot, nothing evicted for one
-        beyond free blocks)."""
-        if self.pool.num_free_blocks < self.num_state_blocks:
-            return None
-        blocks = self.pool.allocate(self.num_state_blocks)
+        beyond free blocks). ``rolling``: a decode's block boundary, whose snapshot takes
+        the place of the request's last such one, in its blocks (renamed now, so no
+        lookup finds them until the step has written them: one that found them in this
+        step copies them before the step writes)."""
+        blocks = None
+        if rolling:
+            previous = self._rolling(request.request_id)
+            if previous is not None and previous.blocks:
+                self.snapshots_of[request.request_id].remove(previous)
+                self.pool.uncache_state_blocks(previous.names)
+                blocks = previous.blocks
+        if blocks is None:
+            if self.pool.num_free_blocks < self.num_state_blocks:
+                return None
+            blocks = self.pool.allocate(self.num_state_blocks)
         names = self._snapshot_names(request, boundary)
-        self.snapshotting[request.request_id] = (boundary, names, blocks)
+        self.snapshotting[request.request_id] = _Snapshot(boundary, names, blocks, rolling)
         return [block.block_id for block in blocks]
 
     def cache_snapshot(self, request_id: str) -> None:
         """The step that wrote ``request_id``'s snapshot ran: register it, held by the
         request until it frees its blocks; or, when an equal one was cached meanwhile,
         free its blocks as plain ones."""
-        boundary, names, blocks = self.snapshotting.pop(request_id)
-        if not self.pool.cache_state_blocks(blocks, names):
-            self.pool.free(blocks)
-            blocks = []
-        self.snapshots_of.setdefault(request_id, []).append((boundary, names, blocks))
+        snapshot = self.snapshotting.pop(request_id)
+        if not self.pool.cache_state_blocks(snapshot.blocks, snapshot.names):
+            self.pool.free(snapshot.blocks)
+            snapshot.blocks = []
+        self.snapshots_of.setdefault(request_id, []).append(snapshot)
 
     def release_held_snapshots(self) -> bool:
         """Let go of the snapshots running requests hold (they stay cached, first in
@@ -213,12 +243,15 @@ class KVCacheManager:
         turns an admission away. Returns whether any were held."""
         released = False
         for snapshots in self.snapshots_of.values():
-            for index, (boundary, names, held) in enumerate(snapshots):
-                if held:
-                    self.pool.free(held)
-                    snapshots[index] = (boundary, names, [])
+            for snapshot in snapshots:
+                if snapshot.blocks:
+                    self.pool.free(snapshot.blocks)
+                    snapshot.blocks = []
                     released = True
         return released
+
+    def _rolling(self, request_id: str) -> _Snapshot | None:
+        return next((s for s in self.snapshots_of.get(request_id, ()) if s.rolling), None)
 
     def hold_restore(self, request_id: str, blocks: list[KVBlock]) -> None:
         """Keep a snapshot that ``request_id`` starts from until its step copied it
@@ -335,20 +368,21 @@ class KVCacheManager:
         self.req_to_block_ids.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         self.release_restore(request.request_id)  # (its step never ran)
-        _, _, unwritten = self.snapshotting.pop(request.request_id, (0, [], []))
-        self.pool.free(unwritten)  # never registered
+        unwritten = self.snapshotting.pop(request.request_id, None)
+        if unwritten is not None:  # never registered (a rolling one's were renamed)
+            self.pool.free(unwritten.blocks)
         # A hybrid request's snapshots go back in the LRU right before the blocks they
         # follow: evicted after the blocks past them, before the prefix they need.
         end = len(blocks)
-        for boundary, names, held in sorted(self.snapshots_of.pop(request.request_id, ()),
-                                            key=lambda snapshot: -snapshot[0]):  # fmt: skip
-            first = min(boundary // self.block_size, end)
+        snapshots = self.snapshots_of.pop(request.request_id, [])
+        for snapshot in sorted(snapshots, key=lambda snapshot: -snapshot.boundary):
+            first = min(snapshot.boundary // self.block_size, end)
             self.pool.free(reversed(blocks[first:end]))
             end = first
-            if held:
-                self.pool.free(held)
-            else:  # one it started from: others may hold it
-                cached = [self.pool.get_state_block(name) for name in names]
+            if snapshot.blocks:
+                self.pool.free(snapshot.blocks)
+            else:  # one it started from, or let go: others may hold it
+                cached = [self.pool.get_state_block(name) for name in snapshot.names]
                 self.pool.refresh(block for block in cached if block is not None)
         self.pool.free(reversed(blocks[:end]))
 

@@ -136,6 +136,7 @@ class Scheduler:
         whole_images: bool = False,
         on_blocks_freed: Callable[[str], None] | None = None,
         num_state_blocks: int = 0,
+        rolling_snapshots: bool = False,
     ) -> None:
         """``whole_images``: an image's tokens attend to each other (Gemma 3), so a chunk
         that computes part of an image computes it to its end (``_num_new_tokens``).
@@ -145,7 +146,10 @@ class Scheduler:
         model's states: each request holding blocks holds one of ``max_num_seqs`` state
         slots, ``engine/linear_state.py``). ``num_state_blocks``: the blocks those states
         take, given to keep snapshots of them in the prefix cache (``kv_cache_manager.py``):
-        a prompt's chunk then ends at its ``snapshot_boundary``."""
+        a prompt's chunk then ends at its ``snapshot_boundary``; ``rolling_snapshots``:
+        a step that ends at a block boundary after a request's prompt snapshots it too
+        (its last one replaced: none on a decode worker, whose requests' next turns are
+        prefilled elsewhere)."""
         self.max_num_seqs = config.max_num_seqs
         self.whole_images = whole_images
         self.on_blocks_freed = on_blocks_freed
@@ -163,6 +167,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.num_preemptions = 0
         self.num_state_restores = 0  # admissions that started from a state snapshot
+        self.rolling_snapshots = rolling_snapshots and self.kv.num_state_blocks > 0
         self.num_blocks_reused_for_remote = 0
         self.num_speculative_tokens = config.num_speculative_tokens
         self.proposer: DraftProposer | None = None
@@ -592,6 +597,13 @@ class Scheduler:
         boundary = self.kv.snapshot_boundary(request)  # a hybrid model's states, kept there
         if boundary and end == boundary and not self.kv.has_snapshot(request, boundary):
             scheduled.snapshot_block_ids = self.kv.take_snapshot_blocks(request, boundary)
+        elif (  # and after what it generated: at each block boundary its decode reaches
+            self.rolling_snapshots
+            and samples
+            and end % self.block_size == 0
+            and not self.kv.has_snapshot(request, end)
+        ):
+            scheduled.snapshot_block_ids = self.kv.take_snapshot_blocks(request, end, True)
         return scheduled
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:

@@ -44,26 +44,26 @@ def num_snapshots(llm: LLM) -> int:
 @pytest.mark.parametrize("chunk", [None, 24])
 def test_a_repeated_prompt_and_a_next_turn_start_from_the_snapshot(qwen3_5, uncached, chunk):
     """A 70-token prompt leaves a snapshot after its 64th token (the last block boundary
-    before its last token; a chunk of 24 is cut there). The same prompt again, and a
-    chat's next turn (the prompt, its answer, more), start from it: 64 tokens cached,
-    and the tokens are the uncached engine's."""
+    before its last token; a chunk of 24 is cut there), and its decode one after the
+    80th (prompt and answer). The same prompt again starts from the first (64 tokens
+    cached), a chat's next turn (the prompt, its answer, more) from the second (80);
+    the tokens and log-probs are the uncached engine's."""
     llm = LLM(qwen3_5, prefill_chunk_tokens=chunk)
     prompt = random_prompts([70], seed=11)[0]
     first = llm.generate([prompt], WITH_LOGPROBS, use_tqdm=False)[0]
     answer = first.outputs[0].token_ids
     assert [answer] == tokens(uncached, [prompt])
-    assert num_snapshots(llm) == 1
+    assert num_snapshots(llm) == 2
     again = llm.generate([prompt], WITH_LOGPROBS, use_tqdm=False)[0]
     assert again.num_cached_tokens == 64 and again.outputs[0].token_ids == answer
     assert logprobs(again) == pytest.approx(logprobs(first), abs=1e-4)
     turn = prompt + answer + random_prompts([10], seed=12)[0]  # 92 tokens
     following = llm.generate([turn], WITH_LOGPROBS, use_tqdm=False)[0]
-    # The answer's full blocks are cached too, but no states after them: 64, not 80.
-    assert following.num_cached_tokens == 64
+    assert following.num_cached_tokens == 80
     computed = uncached.generate([turn], WITH_LOGPROBS, use_tqdm=False)[0]
     assert following.outputs[0].token_ids == computed.outputs[0].token_ids
     assert logprobs(following) == pytest.approx(logprobs(computed), abs=1e-4)
-    assert num_snapshots(llm) == 2  # and one after the turn's 80th token
+    assert num_snapshots(llm) == 3  # and its decode's, after 96 tokens
     assert llm.engine.leak_report() == []
 
 
@@ -123,4 +123,34 @@ def test_snapshots_are_evicted_and_preempted_requests_restart_from_theirs(qwen3_
     snapshot_names = set(pool.state_blocks)
     assert snapshot_names and not snapshot_names & (set(stored) | set(evicted))
     assert set(evicted) <= set(stored)
+    assert engine.leak_report() == []
+
+
+def test_a_rolling_snapshot_found_in_the_step_that_rewrites_it_is_copied_first(qwen3_5, uncached):
+    """A decoding request's rolling snapshot moves to each block boundary it reaches, in
+    the same blocks. A higher-priority request admitted in the very step that moves it
+    (before the decode is scheduled) found it under its old name: it copies it before
+    the step writes the new one, so it starts from the right states."""
+    engine = LLMEngine(qwen3_5, EngineConfig(scheduling_policy="priority"))
+    prompt = random_prompts([20], seed=16)[0]
+    params = SamplingParams(max_tokens=40, min_tokens=40, temperature=0)
+    engine.add_request("decoding", prompt, params, priority=1)
+    done = {}
+    while engine.scheduler.requests["decoding"].num_computed_tokens < 47:
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    decoding = engine.scheduler.requests["decoding"]
+    assert engine.scheduler.kv.has_snapshot(decoding, 32)  # its rolling one, for now
+    turn = (prompt + decoding.output_token_ids)[:40] + random_prompts([5], seed=17)[0]
+    engine.add_request("turn", turn, WITH_LOGPROBS, priority=0)
+    done.update((o.request_id, o) for o in engine.step() if o.finished)  # moves it to 48
+    assert engine.scheduler.num_state_restores == 1
+    assert engine.scheduler.kv.has_snapshot(decoding, 48)
+    assert not engine.scheduler.kv.has_snapshot(decoding, 32)
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert done["turn"].num_cached_tokens == 32
+    computed = uncached.generate([turn], WITH_LOGPROBS, use_tqdm=False)[0]
+    assert done["turn"].outputs[0].token_ids == computed.outputs[0].token_ids
+    assert logprobs(done["turn"]) == pytest.approx(logprobs(computed), abs=1e-4)
+    assert done["decoding"].outputs[0].token_ids == tokens(uncached, [prompt], params)[0]
     assert engine.leak_report() == []
