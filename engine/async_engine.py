@@ -325,8 +325,10 @@ class AsyncEngine:
             num_held=len(scheduler.held),
             num_preemptions=scheduler.num_preemptions,
             queued_prefill_tokens=scheduler.num_queued_prefill_tokens,
-            kv_blocks_used=kv.pool.num_used_blocks,
-            kv_blocks_free=kv.pool.num_free_blocks,
+            # (a hybrid model's held snapshots count as free: a step short of blocks
+            # takes them before anything else)
+            kv_blocks_used=kv.pool.num_used_blocks - kv.num_held_snapshot_blocks,
+            kv_blocks_free=kv.pool.num_free_blocks + kv.num_held_snapshot_blocks,
             kv_blocks_total=kv.pool.num_blocks,
             prefix_query_tokens=kv.num_query_tokens,
             prefix_hit_tokens=kv.num_hit_tokens,

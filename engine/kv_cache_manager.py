@@ -250,6 +250,12 @@ class KVCacheManager:
                     released = True
         return released
 
+    @property
+    def num_held_snapshot_blocks(self) -> int:
+        """Blocks running requests hold for their snapshots: in use, but let go before
+        any request is preempted or turned away (``release_held_snapshots``)."""
+        return sum(len(s.blocks) for snapshots in self.snapshots_of.values() for s in snapshots)
+
     def _rolling(self, request_id: str) -> _Snapshot | None:
         return next((s for s in self.snapshots_of.get(request_id, ()) if s.rolling), None)
 

@@ -140,6 +140,9 @@ def test_a_rolling_snapshot_found_in_the_step_that_rewrites_it_is_copied_first(q
         done.update((o.request_id, o) for o in engine.step() if o.finished)
     decoding = engine.scheduler.requests["decoding"]
     assert engine.scheduler.kv.has_snapshot(decoding, 32)  # its rolling one, for now
+    # held: the prompt's (after 16 tokens) and the rolling one; let go under pressure
+    kv, num_state_blocks = engine.scheduler.kv, engine.runner.shard.blocks_per_slot
+    assert kv.num_held_snapshot_blocks == 2 * num_state_blocks
     turn = (prompt + decoding.output_token_ids)[:40] + random_prompts([5], seed=17)[0]
     engine.add_request("turn", turn, WITH_LOGPROBS, priority=0)
     done.update((o.request_id, o) for o in engine.step() if o.finished)  # moves it to 48
@@ -153,4 +156,4 @@ def test_a_rolling_snapshot_found_in_the_step_that_rewrites_it_is_copied_first(q
     assert done["turn"].outputs[0].token_ids == computed.outputs[0].token_ids
     assert logprobs(done["turn"]) == pytest.approx(logprobs(computed), abs=1e-4)
     assert done["decoding"].outputs[0].token_ids == tokens(uncached, [prompt], params)[0]
-    assert engine.leak_report() == []
+    assert kv.num_held_snapshot_blocks == 0 and engine.leak_report() == []
