@@ -213,10 +213,10 @@ class KVCacheManager:
         lookup finds them until the step has written them: one that found them in this
         step copies them before the step writes)."""
         blocks = None
-        if rolling:
-            previous = self._rolling(request.request_id)
-            if previous is not None and previous.blocks:
-                self.snapshots_of[request.request_id].remove(previous)
+        previous = self._rolling(request.request_id) if rolling else None
+        if previous is not None:  # replaced: its blocks reused, or (let go) left cached
+            self.snapshots_of[request.request_id].remove(previous)
+            if previous.blocks:
                 self.pool.uncache_state_blocks(previous.names)
                 blocks = previous.blocks
         if blocks is None:

@@ -133,7 +133,7 @@ def test_a_rolling_snapshot_found_in_the_step_that_rewrites_it_is_copied_first(q
     the step writes the new one, so it starts from the right states."""
     engine = LLMEngine(qwen3_5, EngineConfig(scheduling_policy="priority"))
     prompt = random_prompts([20], seed=16)[0]
-    params = SamplingParams(max_tokens=40, min_tokens=40, temperature=0)
+    params = SamplingParams(max_tokens=70, min_tokens=70, temperature=0)  # to 89 tokens
     engine.add_request("decoding", prompt, params, priority=1)
     done = {}
     while engine.scheduler.requests["decoding"].num_computed_tokens < 47:
@@ -149,6 +149,14 @@ def test_a_rolling_snapshot_found_in_the_step_that_rewrites_it_is_copied_first(q
     assert engine.scheduler.num_state_restores == 1
     assert engine.scheduler.kv.has_snapshot(decoding, 48)
     assert not engine.scheduler.kv.has_snapshot(decoding, 32)
+    # Let go (as under pressure): they stay cached; the next boundary takes new blocks,
+    # and the one after reuses those (one rolling snapshot held, not one per boundary).
+    assert kv.release_held_snapshots() and kv.num_held_snapshot_blocks == 0
+    while decoding.num_computed_tokens < 81 and "decoding" not in done:
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert kv.has_snapshot(decoding, 48) and kv.has_snapshot(decoding, 80)
+    assert not kv.has_snapshot(decoding, 64)  # moved on, in the same blocks
+    assert kv.num_held_snapshot_blocks == num_state_blocks
     while engine.has_unfinished_requests():
         done.update((o.request_id, o) for o in engine.step() if o.finished)
     assert done["turn"].num_cached_tokens == 32
