@@ -180,11 +180,11 @@ class KVCacheManager:
         snapshot is cached, and that snapshot's blocks; ([], []) if none is."""
         for num_hits in range(len(hits), 0, -1):
             names = self._snapshot_names(request, num_hits * self.block_size)
-            blocks = [self.pool.get_state_block(name) for name in names]
-            if all(block is not None for block in blocks):
+            blocks = self._cached_snapshot(names)
+            if blocks is not None:
                 started = _Snapshot(num_hits * self.block_size, names, [])
                 self.snapshots_of[request.request_id] = [started]
-                return hits[:num_hits], blocks  # type: ignore[return-value]
+                return hits[:num_hits], blocks
         return [], []
 
     def snapshot_boundary(self, request: Request) -> int:
@@ -199,8 +199,12 @@ class KVCacheManager:
 
     def has_snapshot(self, request: Request, boundary: int) -> bool:
         """Whether the snapshot after ``request``'s first ``boundary`` tokens is cached."""
-        names = self._snapshot_names(request, boundary)
-        return all(self.pool.get_state_block(name) is not None for name in names)
+        return self._cached_snapshot(self._snapshot_names(request, boundary)) is not None
+
+    def _cached_snapshot(self, names: list[BlockHash]) -> list[KVBlock] | None:
+        """The blocks of the snapshot named ``names``; None unless all are cached."""
+        blocks = [self.pool.get_state_block(name) for name in names]
+        return None if None in blocks else blocks  # type: ignore[return-value]
 
     def take_snapshot_blocks(
         self, request: Request, boundary: int, rolling: bool = False
