@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -380,17 +383,26 @@ def test_a_rank_dead_before_the_group_forms_fails_the_start_at_once(model_factor
         client.close()
 
 
-def test_a_rank_outlives_no_parent_even_while_starting(model_factory, tmp_path):
+def test_a_rank_outlives_no_parent_even_while_starting(model_factory):
     """Rank 0 killed while its shard still loads: the shard exits by itself."""
-    import subprocess
-    import sys
-
     script = (
         "import time\nfrom engine import LLM\n"
         f"LLM({str(model_factory('llama'))!r}, tensor_parallel_size=2, dtype='float32')\n"
         "time.sleep(600)\n"
     )
-    parent = subprocess.Popen([sys.executable, "-c", script])
+    # Its own temporary directory: a TP client that another test process starts meanwhile
+    # sweeps dead owners' directories in the shared one (this one's, once it is killed).
+    # (a short path: the shard's ZMQ ipc socket paths must fit in 107 bytes)
+    own_tmp = Path(tempfile.mkdtemp())
+    try:
+        _kill_a_starting_parent(script, own_tmp)
+    finally:
+        shutil.rmtree(own_tmp, ignore_errors=True)
+
+
+def _kill_a_starting_parent(script: str, own_tmp: Path) -> None:
+    env = {**os.environ, "TMPDIR": str(own_tmp)}
+    parent = subprocess.Popen([sys.executable, "-c", script], env=env)
     try:
         deadline = time.monotonic() + 60
         shard = None
@@ -407,10 +419,9 @@ def test_a_rank_outlives_no_parent_even_while_starting(model_factory, tmp_path):
         time.sleep(0.05)
     assert not is_running(shard)
     # Its socket directory, which a killed process cannot remove, goes with the next client.
-    tmp = Path(tempfile.gettempdir())
-    left = list(tmp.glob(f"pdserve-tp-{socket.gethostname()}-{parent.pid}-*"))
+    left = list(own_tmp.glob(f"pdserve-tp-{socket.gethostname()}-{parent.pid}-*"))
     assert len(left) == 1, left
-    assert left[0] in remove_dead_owners(tmp, "pdserve-tp-")
+    assert left[0] in remove_dead_owners(own_tmp, "pdserve-tp-")
 
 
 def test_a_model_that_does_not_split_is_refused_before_any_process_starts(model_factory):
