@@ -19,6 +19,12 @@ after a warm-up round):
   decode left at the answer's last full block; the dense model from every cached
   block: the same tokens), a new conversation each round; the tokens must be the
   uncached engine's.
+- a shared system prompt (``--system-tokens``, then 64 tokens of each conversation's own;
+  ``max_tokens`` 1): three new conversations under a new system prompt each round, the
+  second and third timed on the engine with the prefix cache against one without. The
+  dense model takes the system prompt's blocks from the second on; the hybrid has no
+  states after it until the second, branching there, has snapshotted them
+  (``KVCacheManager.state_hit``): it starts from them from the third on.
 Both engines' greedy tokens are checked against themselves across rounds (deterministic).
 The pull sizes are exact arithmetic from the engines' shapes, not timings.
 Writes ``benchmarks/results/hybrid_<tag>.json`` and ``.md``.
@@ -48,13 +54,17 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 2048])
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--turn-tokens", type=int, default=1024)
+    parser.add_argument("--system-tokens", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     from engine.models.maker import ensure_model
 
     models = {"dense (qwen3)": ensure_model("qwen3", args.size),
               "hybrid (qwen3_5)": ensure_model("qwen3_5", args.size)}  # fmt: skip
-    max_len = max(args.contexts + [args.prompt_tokens, args.turn_tokens + 96]) + args.decode_tokens
+    max_len = max(
+        args.contexts + [args.prompt_tokens, args.turn_tokens + 96, args.system_tokens + 64]
+    )
+    max_len += args.decode_tokens
     engines = {name: LLM(path, dtype="float32", max_model_len=max_len,
                          enable_prefix_caching=False) for name, path in models.items()}  # fmt: skip
     cached = {name: LLM(path, dtype="float32", max_model_len=max_len)
@@ -111,6 +121,23 @@ def main() -> None:
             computed, computed_seconds, _ = run(engines[model], (next_turn, 1))
             assert hit == computed, f"{model}: the next turn's token differs from a cache hit"
             turn_ratios[model].append(computed_seconds / hit_seconds)
+    system_ratios: dict[tuple[str, int], list[float]] = {
+        (model, conversation): [] for model in engines for conversation in (2, 3)
+    }
+    system_hits: dict[tuple[str, int], int] = {}  # prompt tokens the cache served
+    for _ in range(args.repeats):
+        for model in engines:
+            system = prompts(1, args.system_tokens)[0]
+            conversations = [[system + own] for own in prompts(3, 64)]
+            run(cached[model], (conversations[0], 1))
+            kv = cached[model].engine.scheduler.kv
+            for number, conversation in ((2, conversations[1]), (3, conversations[2])):
+                num_hit_tokens = kv.num_hit_tokens
+                hit, hit_seconds, _ = run(cached[model], (conversation, 1))
+                system_hits[model, number] = kv.num_hit_tokens - num_hit_tokens
+                computed, computed_seconds, _ = run(engines[model], (conversation, 1))
+                assert hit == computed, f"{model}: conversation {number}'s token differs"
+                system_ratios[model, number].append(computed_seconds / hit_seconds)
     for llm in [*engines.values(), *cached.values()]:
         assert llm.engine.leak_report() == []
     median = {key: statistics.median(values) for key, values in rates.items()}
@@ -122,8 +149,13 @@ def main() -> None:
         rows.append(row)
     for row in rows:
         row["next_turn_speedup"] = statistics.median(turn_ratios[row["model"]])
+        for number in (2, 3):
+            ratios_of = system_ratios[row["model"], number]
+            row[f"system_prompt_speedup@{number}"] = statistics.median(ratios_of)
+            row[f"system_prompt_hit_tokens@{number}"] = system_hits[row["model"], number]
     dense, hybrid = rows
-    ratios = {key: hybrid[key] / dense[key] for key in dense if key != "model"}
+    ratios = {key: hybrid[key] / dense[key] for key in dense
+              if key != "model" and "hit_tokens" not in key}  # fmt: skip
     pulls = []
     for context in (128, 1024, 4096, 32768):
         pull = {"prompt_tokens": context}
@@ -141,6 +173,9 @@ def main() -> None:
     for row in rows:
         print(f"{row['model']}: a chat's next turn {row['next_turn_speedup']:.2f}x faster "
               "from the prefix cache")  # fmt: skip
+        print(f"{row['model']}: under a shared system prompt, conversation 2 "
+              f"{row['system_prompt_speedup@2']:.2f}x, 3 {row['system_prompt_speedup@3']:.2f}x "
+              "faster from the prefix cache")  # fmt: skip
     for pull in pulls:
         print(f"pull of a {pull['prompt_tokens']}-token prompt: " + ", ".join(
             f"{name} {pull[name] / 2**20:.2f} MiB" for name in engines))  # fmt: skip
@@ -178,6 +213,20 @@ def main() -> None:
         "| | next turn: uncached time / cached time |",
         "|---|---|",
         *(f"| {row['model']} | {row['next_turn_speedup']:.2f}x |" for row in rows),
+        "",
+        f"New conversations under a shared {args.system_tokens}-token system prompt (64 "
+        "tokens of their own; time to the first token), with the prefix cache against "
+        "without it (medians; the first conversation fills the cache):",
+        "",
+        "| | conversation 2 | conversation 3 |",
+        "|---|---|---|",
+        *(
+            f"| {row['model']} | {row['system_prompt_speedup@2']:.2f}x "
+            f"({row['system_prompt_hit_tokens@2']} tokens cached) | "
+            f"{row['system_prompt_speedup@3']:.2f}x "
+            f"({row['system_prompt_hit_tokens@3']} tokens cached) |"
+            for row in rows
+        ),
         "",
         f"Bytes a disaggregated pull moves per request (float32 KV; the hybrid's include its "
         f"states, {engines[names[1]].engine.runner.shard.blocks_per_slot} blocks):",

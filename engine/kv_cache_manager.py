@@ -84,6 +84,9 @@ class KVCacheManager:
         # while the request ran, long before the prefix it needs); freeing the request
         # frees or refreshes them right before the blocks they follow.
         self.snapshots_of: dict[str, list[_Snapshot]] = {}
+        # ... and where a request's cached KV ran past the snapshot it started from: its
+        # states are snapshotted there too (``state_hit``).
+        self.branch_points: dict[str, int] = {}
         # Prefix-cache statistics, in tokens.
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
@@ -177,24 +180,44 @@ class KVCacheManager:
         self, request: Request, hits: list[KVBlock]
     ) -> tuple[list[KVBlock], list[KVBlock]]:
         """The longest run of ``hits`` (a new request's cached prefix) after which a state
-        snapshot is cached, and that snapshot's blocks; ([], []) if none is."""
-        for num_hits in range(len(hits), 0, -1):
-            names = self._snapshot_names(request, num_hits * self.block_size)
-            blocks = self._cached_snapshot(names)
-            if blocks is not None:
-                started = _Snapshot(num_hits * self.block_size, names, [])
-                self.snapshots_of[request.request_id] = [started]
-                return hits[:num_hits], blocks
-        return [], []
+        snapshot is cached, and that snapshot's blocks; ([], []) if none is.
 
-    def snapshot_boundary(self, request: Request) -> int:
-        """Where a hybrid request's states are snapshotted: the last block boundary
-        before its last token (what a request repeating its tokens, or continuing them
-        as a chat's next turn, can hit: ``_max_hit_blocks``); 0 (none) for other models.
-        The scheduler ends a chunk there unless ``has_snapshot`` (arithmetic only: it
-        is asked for every request every step)."""
+        Where the hits run past that snapshot, their end becomes the request's *branch
+        point*: a prefix it shares with an earlier request (a system prompt, a document,
+        a conversation whose rolling snapshot was evicted) that no snapshot covers. The
+        request recomputes it and snapshots its states there too (``snapshot_boundary``),
+        so the next request sharing it starts from that snapshot: the second request
+        with a system prompt recomputes it, the third does not. A snapshot costs
+        ``num_state_blocks`` blocks, so they are kept only where sharing was seen, not
+        at every block (SGLang keeps them at its radix tree's branches for the same
+        reason)."""
+        request_id = request.request_id
+        self.snapshots_of.pop(request_id, None)  # (an earlier lookup's, while it waited)
+        self.branch_points.pop(request_id, None)
+        num_hits, blocks = 0, []
+        for length in range(len(hits), 0, -1):
+            names = self._snapshot_names(request, length * self.block_size)
+            cached = self._cached_snapshot(names)
+            if cached is not None:
+                num_hits, blocks = length, cached
+                self.snapshots_of[request_id] = [_Snapshot(length * self.block_size, names, [])]
+                break
+        if num_hits < len(hits) < self._max_hit_blocks(request):
+            self.branch_points[request_id] = len(hits) * self.block_size
+        return hits[:num_hits], blocks
+
+    def snapshot_boundary(self, request: Request, num_computed: int) -> int:
+        """The next place after ``num_computed`` tokens where a hybrid request's states
+        are snapshotted (a block boundary; 0, none, for other models): its branch point
+        (``state_hit``), then the last block boundary before its last token (what a
+        request repeating its tokens, or continuing them as a chat's next turn, can hit:
+        ``_max_hit_blocks``). The scheduler ends a chunk there unless ``has_snapshot``
+        (arithmetic only: it is asked for every request every step)."""
         if not self.num_state_blocks:
             return 0
+        branch = self.branch_points.get(request.request_id, 0)
+        if num_computed < branch:
+            return branch
         return self._max_hit_blocks(request) * self.block_size
 
     def has_snapshot(self, request: Request, boundary: int) -> bool:
@@ -378,6 +401,7 @@ class KVCacheManager:
         self.req_to_block_ids.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         self.release_restore(request.request_id)  # (its step never ran)
+        self.branch_points.pop(request.request_id, None)
         unwritten = self.snapshotting.pop(request.request_id, None)
         if unwritten is not None:  # never registered (a rolling one's were renamed)
             self.pool.free(unwritten.blocks)
@@ -413,6 +437,7 @@ class KVCacheManager:
                      for rid in self.restoring]  # fmt: skip
         problems += [f"request {rid} still holds snapshot blocks"
                      for rid in {*self.snapshotting, *self.snapshots_of}]  # fmt: skip
+        problems += [f"request {rid} still has a branch point" for rid in self.branch_points]
         return problems + self.pool.leak_report()
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:

@@ -326,7 +326,7 @@ class Scheduler:
         num_new = request.num_tokens - num_computed
         if self.prefill_chunk_tokens is not None:
             num_new = min(num_new, self.prefill_chunk_tokens)
-        boundary = self.kv.snapshot_boundary(request)  # a hybrid model's states, kept there
+        boundary = self.kv.snapshot_boundary(request, num_computed)  # a hybrid model's states
         if num_computed < boundary < num_computed + num_new and not self.kv.has_snapshot(
             request, boundary
         ):
@@ -594,7 +594,8 @@ class Scheduler:
         samples = end == request.num_tokens
         drafts = drafts or []
         scheduled = ScheduledRequest(request, num_new + len(drafts), samples, drafts)
-        boundary = self.kv.snapshot_boundary(request)  # a hybrid model's states, kept there
+        # a hybrid model's states, kept there
+        boundary = self.kv.snapshot_boundary(request, request.num_computed_tokens)
         if boundary and end == boundary and not self.kv.has_snapshot(request, boundary):
             scheduled.snapshot_block_ids = self.kv.take_snapshot_blocks(request, boundary)
         elif (  # and after what it generated: at each block boundary its decode reaches

@@ -10,13 +10,21 @@ from tests.support.processes import run_benchmark
 def test_the_hybrid_benchmark_runs_and_records(tmp_path):
     args = ["--size", "tiny", "--num-prompts", "2", "--prompt-tokens", "24", "--batch", "2",
             "--contexts", "16", "40", "--decode-tokens", "3", "--turn-tokens", "40",
-            "--repeats", "1"]  # fmt: skip
+            "--system-tokens", "32", "--repeats", "1"]  # fmt: skip
     run_benchmark("hybrid", *args, "--out-dir", str(tmp_path), "--tag", "t")
     record = json.loads((tmp_path / "hybrid_t.json").read_text())
     assert [row["model"] for row in record["rows"]] == ["dense (qwen3)", "hybrid (qwen3_5)"]
     assert set(record["ratios"]) == {"prefill_tokens_per_s", "decode_tokens_per_s@16",
-                                     "decode_tokens_per_s@40", "next_turn_speedup"}  # fmt: skip
+                                     "decode_tokens_per_s@40", "next_turn_speedup",
+                                     "system_prompt_speedup@2",
+                                     "system_prompt_speedup@3"}  # fmt: skip
     assert all(row["next_turn_speedup"] > 0 for row in record["rows"])
+    assert all(row["system_prompt_speedup@3"] > 0 for row in record["rows"])
+    # Under a shared 32-token system prompt the dense model takes its blocks from the
+    # second conversation on; the hybrid its snapshot, made by the second, from the third.
+    dense, hybrid = record["rows"]
+    assert [dense[f"system_prompt_hit_tokens@{n}"] for n in (2, 3)] == [32, 32]
+    assert [hybrid[f"system_prompt_hit_tokens@{n}"] for n in (2, 3)] == [0, 32]
     # The hybrid's pull holds its states beside fewer layers' KV: the bytes are exact.
     pull = record["pull_bytes"][-1]
     assert pull["hybrid (qwen3_5)"] < pull["dense (qwen3)"]

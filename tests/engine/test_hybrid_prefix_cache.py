@@ -165,3 +165,55 @@ def test_a_rolling_snapshot_found_in_the_step_that_rewrites_it_is_copied_first(q
     assert logprobs(done["turn"]) == pytest.approx(logprobs(computed), abs=1e-4)
     assert done["decoding"].outputs[0].token_ids == tokens(uncached, [prompt], params)[0]
     assert kv.num_held_snapshot_blocks == 0 and engine.leak_report() == []
+
+
+@pytest.mark.parametrize("chunk", [None, 20])
+def test_a_shared_system_prompt_is_snapshotted_where_a_second_request_branches(
+    qwen3_5, uncached, chunk
+):
+    """Prompts that share only a 48-token system prompt: the first leaves no snapshot
+    there (its own are after 64 tokens and its answer's blocks). The second finds the
+    system prompt's KV cached but no states after it, recomputes it, and snapshots its
+    states at the end of what it shared (its branch point; a chunk of 20 is cut there);
+    from then on each request starts from that snapshot, alone or several at once, with
+    the uncached engine's tokens and log-probs."""
+    llm = LLM(qwen3_5, prefill_chunk_tokens=chunk)
+    system = random_prompts([48], seed=18)[0]
+    prompts = [system + suffix for suffix in random_prompts([20, 17, 25, 22, 19], seed=19)]
+    expected = uncached.generate(prompts, WITH_LOGPROBS, use_tqdm=False)
+    first, second, third = (
+        llm.generate([prompt], WITH_LOGPROBS, use_tqdm=False)[0] for prompt in prompts[:3]
+    )
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 0)
+    assert third.num_cached_tokens == 48
+    scheduler = llm.engine.scheduler
+    assert scheduler.num_state_restores == 1
+    at_once = llm.generate(prompts[3:], WITH_LOGPROBS, use_tqdm=False)
+    assert [output.num_cached_tokens for output in at_once] == [48, 48]
+    assert scheduler.num_state_restores == 3
+    for output, computed in zip([first, second, third, *at_once], expected, strict=True):
+        assert output.outputs[0].token_ids == computed.outputs[0].token_ids
+        assert logprobs(output) == pytest.approx(logprobs(computed), abs=1e-4)
+    assert scheduler.kv.branch_points == {}
+    assert llm.engine.leak_report() == []
+
+
+def test_requests_that_branch_together_keep_one_snapshot(qwen3_5, uncached):
+    """Two requests admitted in one step, both branching from a cached 32-token system
+    prompt: each snapshots it, one copy is kept (the other's blocks go back as plain
+    ones), and the next request sharing it starts from that one."""
+    llm = LLM(qwen3_5)
+    system = random_prompts([32], seed=20)[0]
+    prompts = [system + suffix for suffix in random_prompts([20, 23, 26, 9], seed=21)]
+    params = SamplingParams(max_tokens=4, min_tokens=4, temperature=0)
+    expected = tokens(uncached, prompts, params)
+    assert tokens(llm, prompts[:1], params) == expected[:1]  # a snapshot after 48 tokens
+    kv = llm.engine.scheduler.kv
+    assert num_snapshots(llm) == 1
+    outputs = llm.generate(prompts[1:3], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected[1:3]
+    assert [o.num_cached_tokens for o in outputs] == [0, 0]
+    assert num_snapshots(llm) == 1 + 1 + 2  # the branch's once, then each one's after 48
+    assert tokens(llm, prompts[3:], params) == expected[3:]
+    assert llm.engine.scheduler.num_state_restores == 1
+    assert kv.num_held_snapshot_blocks == 0 and llm.engine.leak_report() == []
