@@ -29,6 +29,7 @@ from torch import nn
 
 from engine.linear_state import LinearLayerState
 from engine.models.arch import ModelArchConfig
+from engine.models.lora import LoraBatch
 
 DELTA_CHUNK = 64  # tokens per chunk of the chunked form (transformers' and FLA's)
 
@@ -71,11 +72,15 @@ class GatedDeltaNet(nn.Module):
         self,
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
         state: LinearLayerState,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         linear = self.linear
         num_tokens = hidden.shape[0]
+        projected = self.in_proj(hidden)
+        if lora is not None:
+            projected = lora.apply(self.layer_idx, "in_proj", hidden, projected)
         # [N, conv_dim], [N, value_dim], [N, Hv], [N, Hv]
-        mixed, z, b, a = self.in_proj(hidden).split(linear.in_proj_widths, -1)
+        mixed, z, b, a = projected.split(linear.in_proj_widths, -1)
         beta = b.float().sigmoid()  # [N, Hv]
         decay = -self.A_log.float().exp() * F.softplus(
             a.float() + self.dt_bias.float()
@@ -109,8 +114,10 @@ class GatedDeltaNet(nn.Module):
                 query[rows], key[rows], value[rows], decay[rows], beta[rows], state.ssm[slot]
             )
         z = z.reshape(num_tokens, linear.num_value_heads, -1)
-        normed = self.norm(out.to(hidden.dtype), z)
-        return self.out_proj(normed.reshape(num_tokens, linear.value_dim))
+        normed = self.norm(out.to(hidden.dtype), z).reshape(num_tokens, linear.value_dim)
+        if lora is None:
+            return self.out_proj(normed)
+        return lora.apply(self.layer_idx, "out_proj", normed, self.out_proj(normed))
 
     def _convolve(self, mixed: torch.Tensor, state: LinearLayerState) -> torch.Tensor:
         """The depthwise causal convolution and SiLU of each request's rows, continuing

@@ -201,7 +201,7 @@ class DecoderLayer(nn.Module):
         normed = self.input_layernorm(hidden)
         if self.linear:
             assert isinstance(kv_cache, LinearLayerState)
-            hidden = reduce(self.linear_attn(normed, kv_cache))
+            hidden = reduce(self.linear_attn(normed, kv_cache, lora))
         else:
             hidden = reduce(self.self_attn(positions, normed, kv_cache, attn_metadata, lora))
         if self.sandwich_norms:

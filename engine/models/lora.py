@@ -16,10 +16,15 @@ the fused projections its checkpoints have; a multimodal base's language model:
 The scale is ``lora_alpha / rank`` (``lora_alpha / sqrt(rank)`` with ``use_rslora``).
 q/k/v (and gate/up) are fused projections here (``llama.py``): their A's are stacked along
 the rank and their B's placed block-diagonally, so each fused projection takes one pair.
+A hybrid model's (Qwen3.5's) linear-attention layers take adapters of
+``linear_attn.{in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj}``: the four input
+projections are one fused ``in_proj`` here (``gated_delta_net.py``), stacked as q/k/v are;
+its full-attention layers' q_proj rows hold each head's query and output gate.
 What this does not implement is refused at load with the reason: DoRA, adapted embeddings
 or LM head (``modules_to_save`` and ``embed_tokens``/``lm_head`` targets), LoRA biases and
-per-module alphas (``alpha_pattern``), and the MLP of mixture-of-experts layers (its
-experts and shared expert; attention projections there are adapted as anywhere).
+per-module alphas (``alpha_pattern``), the MLP of mixture-of-experts layers (its
+experts and shared expert; attention projections there are adapted as anywhere), and
+models with latent attention (MLA).
 
 Under tensor parallelism a rank's adapter is cut like its base weights
 (``engine.parallel.shard_spec``): a column-parallel projection (q/k/v, gate/up) keeps the
@@ -52,27 +57,29 @@ logger = logging.getLogger(__name__)
 # ``model.language_model.`` (transformers 5) or ``language_model.model.`` (4).
 _KEY = re.compile(
     r"^base_model\.model\.(?:model\.|model\.language_model\.|language_model\.model\.)"
-    r"layers\.(\d+)\.(?:self_attn|mlp)\."
-    r"(q|k|v|o|gate|up|down|qkv|gate_up)_proj\.lora_(A|B)\.weight$"
+    r"layers\.(\d+)\.(self_attn|mlp|linear_attn)\."
+    r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|qkv_proj|gate_up_proj"
+    r"|in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj)\.lora_(A|B)\.weight$"
 )
+# The block each module lives in: attention and MLP ones, or a linear-attention layer's.
+_LINEAR_MODULES = frozenset(("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"))
+_MLP_MODULES = frozenset(("gate_proj", "up_proj", "down_proj", "gate_up_proj"))
 # A multimodal base's vision tower and projector (transformers 5's and 4's paths; Qwen's
 # is ``visual``).
 _VISION = re.compile(
     r"^base_model\.model\.(?:model\.)?(?:vision_tower|multi_modal_projector|visual)\."
 )
-# Fused projection of each adapted module, and the module's rows within it (in order).
-# Phi-3's checkpoints (and so its adapters) have the fused qkv_proj / gate_up_proj.
-_FUSED_INTO = {
-    "q": "qkv_proj", "k": "qkv_proj", "v": "qkv_proj", "o": "o_proj",
-    "gate": "gate_up_proj", "up": "gate_up_proj", "down": "down_proj",
-    "qkv": "qkv_proj", "gate_up": "gate_up_proj",
-}  # fmt: skip
+# Each fused projection here and the adapted modules whose rows it stacks (in order);
+# Phi-3's checkpoints (and so its adapters) have the fused qkv_proj / gate_up_proj,
+# whose adapters apply whole (``_WHOLE``).
 _FUSED_PARTS = {
-    "qkv_proj": ("q", "k", "v"), "o_proj": ("o",),
-    "gate_up_proj": ("gate", "up"), "down_proj": ("down",),
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",),
+    "in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+    "out_proj": ("out_proj",),
 }  # fmt: skip
-_TARGETS = frozenset(f"{m}_proj" for m in _FUSED_INTO)
-_MLP_MODULES = frozenset(("gate", "up", "down", "gate_up"))
+_WHOLE = frozenset(("qkv_proj", "gate_up_proj"))
+_TARGETS = frozenset(m for parts in _FUSED_PARTS.values() for m in parts) | _WHOLE
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +98,8 @@ class LoraAdapter:
     name: str
     fingerprint: str  # of its files (engine/models/fingerprint.py)
     # Per layer: fused projection name ("qkv_proj", "o_proj", "gate_up_proj",
-    # "down_proj") -> its pair; a projection the adapter leaves alone is absent.
+    # "down_proj"; a linear-attention layer's "in_proj", "out_proj") -> its pair; a
+    # projection the adapter leaves alone is absent.
     layers: tuple[dict[str, LoraPair], ...]
     path: str = ""  # the directory it was read from (the other ranks read it too)
 
@@ -102,14 +110,33 @@ class LoraAdapter:
 
 
 def module_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each adaptable module ("q" for q_proj, ...)."""
+    """(in_features, out_features) of each adaptable module, by its name in the
+    checkpoint ("q_proj", ...; a hybrid model's linear-attention ones too)."""
     hidden, inter = arch.hidden_size, arch.intermediate_size
-    return {
-        "q": (hidden, arch.q_size), "k": (hidden, arch.kv_size), "v": (hidden, arch.kv_size),
-        "o": (arch.q_size, hidden), "gate": (hidden, inter), "up": (hidden, inter),
-        "down": (inter, hidden),
-        "qkv": (hidden, arch.q_size + 2 * arch.kv_size), "gate_up": (hidden, 2 * inter),
+    q_rows = arch.q_size * (2 if arch.attention_output_gate else 1)  # Qwen3.5: query, gate
+    shapes = {
+        "q_proj": (hidden, q_rows), "k_proj": (hidden, arch.kv_size),
+        "v_proj": (hidden, arch.kv_size), "o_proj": (arch.q_size, hidden),
+        "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
+        "qkv_proj": (hidden, q_rows + 2 * arch.kv_size), "gate_up_proj": (hidden, 2 * inter),
     }  # fmt: skip
+    linear = arch.linear_attention
+    if linear is not None:
+        widths = dict(zip(("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+                          linear.in_proj_widths, strict=True))  # fmt: skip
+        shapes |= {name: (hidden, width) for name, width in widths.items()}
+        shapes["out_proj"] = (linear.value_dim, hidden)
+    return shapes
+
+
+def block_of(module: str, layer: int, arch: ModelArchConfig) -> str | None:
+    """The block of layer ``layer`` that holds ``module``; None if the layer has none (a
+    hybrid model's linear-attention layers have no q_proj, its others no in_proj_z)."""
+    if module in _MLP_MODULES:
+        return "mlp"
+    if module in _LINEAR_MODULES:
+        return "linear_attn" if arch.is_linear(layer) else None
+    return None if arch.is_linear(layer) else "self_attn"
 
 
 def _read_config(path: Path) -> dict:
@@ -133,8 +160,8 @@ def _read_config(path: Path) -> dict:
     unknown = sorted(set(targets) - _TARGETS)
     if unknown:
         raise ModelLoadError(
-            f"{path}: target_modules {unknown} are not supported (only the attention and "
-            f"MLP projections: {', '.join(sorted(_TARGETS))})"
+            f"{path}: target_modules {unknown} are not supported (only the attention, "
+            f"linear-attention and MLP projections: {', '.join(sorted(_TARGETS))})"
         )
     return config
 
@@ -150,9 +177,8 @@ def load_lora_adapter(
     """Read a PEFT adapter for a model of ``arch`` (the full model's), cut for rank
     ``tp.rank`` of a tensor-parallel group; every mismatch is a ``ModelLoadError``."""
     path = Path(path)
-    if arch.mla is not None or arch.linear_attention is not None:
-        kind = "latent attention" if arch.mla is not None else "linear-attention layers"
-        raise ModelLoadError(f"{path}: LoRA adapters on models with {kind} "
+    if arch.mla is not None:
+        raise ModelLoadError(f"{path}: LoRA adapters on models with latent attention "
                              f"({arch.architecture}) are not supported")  # fmt: skip
     config = _read_config(path)
     weights = path / ADAPTER_WEIGHTS
@@ -182,9 +208,14 @@ def load_lora_adapter(
                     f"{weights}: unsupported tensor {key}"
                     + (" (LoRA on mixture-of-experts MLPs is not supported)" if experts else "")
                 )
-            layer, module, which = int(match.group(1)), match.group(2), match.group(3)
+            layer, block, module, which = match.groups()
+            layer = int(layer)
             if layer >= arch.num_layers:
                 raise ModelLoadError(f"{weights}: {key} names layer {layer} of {arch.num_layers}")
+            if block != block_of(module, layer, arch):
+                kind = "linear-attention" if arch.is_linear(layer) else "full-attention"
+                raise ModelLoadError(f"{weights}: {key}: layer {layer} ({kind}) has no "
+                                     f"{block}.{module}")  # fmt: skip
             if module in _MLP_MODULES and arch.is_sparse(layer):
                 raise ModelLoadError(
                     f"{weights}: {key}: layer {layer} is a mixture-of-experts layer; LoRA on "
@@ -202,18 +233,18 @@ def load_lora_adapter(
     per_module: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
     for (layer, module), pair in found.items():
         if set(pair) != {"A", "B"}:
-            raise ModelLoadError(f"{weights}: layer {layer} {module}_proj lacks lora_A or lora_B")
+            raise ModelLoadError(f"{weights}: layer {layer} {module} lacks lora_A or lora_B")
         a, b = pair["A"], pair["B"]
         in_features, out_features = shapes[module]
         rank = a.shape[0]
         if a.shape != (rank, in_features) or b.shape != (out_features, rank):
             raise ModelLoadError(
-                f"{weights}: layer {layer} {module}_proj has A {tuple(a.shape)} and B "
+                f"{weights}: layer {layer} {module} has A {tuple(a.shape)} and B "
                 f"{tuple(b.shape)}; this model needs [r, {in_features}] and [{out_features}, r]"
             )
         if declared_rank is not None and rank != declared_rank:
             raise ModelLoadError(
-                f"{weights}: layer {layer} {module}_proj has rank {rank}; {ADAPTER_CONFIG} "
+                f"{weights}: layer {layer} {module} has rank {rank}; {ADAPTER_CONFIG} "
                 f"says r={declared_rank} (and no rank_pattern)"
             )
         scale = alpha / (math.sqrt(rank) if rslora else rank)
@@ -222,12 +253,12 @@ def load_lora_adapter(
     for layer in range(arch.num_layers):
         for fused, parts in _FUSED_PARTS.items():
             present = [(m, per_module.get((layer, m))) for m in parts]
-            whole = per_module.get((layer, fused.removesuffix("_proj")))
-            if whole is not None and len(parts) > 1:  # an adapter of the fused projection
+            whole = per_module.get((layer, fused)) if fused in _WHOLE else None
+            if whole is not None:  # an adapter of the fused projection (Phi-3's)
                 if any(pair is not None for _, pair in present):
                     raise ModelLoadError(
                         f"{weights}: layer {layer} adapts {fused} and its parts "
-                        f"({', '.join(f'{m}_proj' for m in parts)}) both"
+                        f"({', '.join(parts)}) both"
                     )
                 a, b = whole
                 layers[layer][fused] = LoraPair(a=a.to(device, dtype), b=b.to(device, dtype))
@@ -261,7 +292,7 @@ def load_lora_adapter(
 
 
 _MODULE_OF = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp",
-              "down_proj": "mlp"}  # fmt: skip
+              "down_proj": "mlp", "in_proj": "linear_attn", "out_proj": "linear_attn"}  # fmt: skip
 
 
 def _shard_pair(

@@ -2,7 +2,9 @@
 
 MLP targets are skipped on mixture-of-experts layers, which ``lora.py`` does not adapt. On a
 Phi-3 base, q/k/v targets adapt its fused ``qkv_proj`` and gate/up its ``gate_up_proj``, the
-modules PEFT finds there.
+modules PEFT finds there. On a hybrid base (Qwen3.5) each target adapts the layers that
+have it: q/k/v/o the full-attention ones, ``in_proj_*`` / ``out_proj`` the
+linear-attention ones.
 
 The files are what ``PeftModel.save_pretrained`` writes (``adapter_config.json`` and
 ``adapter_model.safetensors``), so ``peft`` loads them too, which is how the tests check
@@ -22,7 +24,7 @@ from safetensors.torch import save_file
 
 from common.model_info import LORA_MAKER_TARGETS
 from engine.models.arch import read_arch_config
-from engine.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, module_shapes
+from engine.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, block_of, module_shapes
 
 # Phi-3's module that holds each target (its checkpoints fuse q/k/v and gate/up).
 _PHI3_MODULE = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
@@ -54,11 +56,10 @@ def make_lora_adapter(
     prefix = "base_model.model.model." + ("language_model.layers" if multimodal else "layers")
     for layer in range(arch.num_layers):
         for target in targets:
-            in_features, out_features = shapes[target.removesuffix("_proj")]
-            attention = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")
-            block = "self_attn" if target in attention else "mlp"
-            if block == "mlp" and arch.is_sparse(layer):
-                continue  # a mixture-of-experts MLP: not adaptable (lora.py)
+            block = block_of(target, layer, arch)
+            if block is None or (block == "mlp" and arch.is_sparse(layer)):
+                continue  # not in this layer, or a mixture-of-experts MLP (lora.py)
+            in_features, out_features = shapes[target]
             key = f"{prefix}.{layer}.{block}.{target}"
             a = torch.randn(rank, in_features, generator=generator) / in_features**0.5
             b = torch.randn(out_features, rank, generator=generator) * (0.5 / rank**0.5)

@@ -11,7 +11,6 @@ import pytest
 from common.config import ConfigError, EngineConfig
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
-from engine.models.errors import ModelLoadError
 from tests.engine.helpers import assert_prompt_logprobs_match, hf_greedy, random_prompts
 
 GREEDY = SamplingParams(max_tokens=24, min_tokens=24, temperature=0)
@@ -76,15 +75,12 @@ def test_aborted_requests_give_back_their_slots(qwen3_5):
 
 def test_the_cpu_tier_is_off_and_the_unsupported_is_refused(qwen3_5):
     """The prefix cache stays on (snapshots of the states: test_hybrid_prefix_cache.py),
-    the CPU tier goes off (it keeps no snapshots); speculation and LoRA adapters are
-    refused by name."""
+    the CPU tier goes off (it keeps no snapshots); speculation is refused by name."""
     llm = LLM(qwen3_5, cpu_offload_bytes=1 << 24)
     assert llm.engine.config.enable_prefix_caching and llm.engine.config.cpu_offload_bytes == 0
     assert llm.engine.cpu_tier is None
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
         LLM(qwen3_5, num_speculative_tokens=2)
-    with pytest.raises(ModelLoadError, match="linear-attention layers"):
-        LLM(qwen3_5, lora_adapters={"tuned": str(qwen3_5)})
 
 
 def test_disaggregated_equals_colocated(qwen3_5):
@@ -203,23 +199,34 @@ def test_qwen3_5_configs_read_as_transformers_reads_them(tmp_path):
     assert arch.moe.shared_expert_intermediate_size == text["shared_expert_intermediate_size"]
 
 
-def test_two_ranks_give_one_ranks_tokens_colocated_and_disaggregated(qwen3_5):
+def test_two_ranks_give_one_ranks_tokens_colocated_and_disaggregated(qwen3_5, tmp_path):
     """Tensor parallelism: each rank its share of the linear-attention heads (q/k/v
     channels, convolution, gates, states) and of the gated attention's; rank 0 assigns
     the slots, every rank keeps its heads' states in them (and copies them into and out
     of the prefix cache's snapshots). Two ranks give one rank's tokens, chunked,
-    preempted, and from a snapshot."""
+    preempted, and from a snapshot; and a LoRA adapter's log-probs, each rank applying
+    its cut of it (its heads' rows of ``in_proj``, its columns of ``out_proj``)."""
+    from engine.models.lora_maker import make_lora_adapter
+
+    adapter = {"tuned": make_lora_adapter(qwen3_5, tmp_path / "tuned", seed=5)}
     prompts = random_prompts([30, 41, 25, 37], seed=7)
     params = SamplingParams(max_tokens=30, min_tokens=30, temperature=0)
-    one = LLM(qwen3_5)
+    one = LLM(qwen3_5, lora_adapters=adapter)
     expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
     short, few = random_prompts([20], seed=8), SamplingParams(max_tokens=4, temperature=0)
     expected_short = one.generate(short, few, use_tqdm=False)[0].outputs[0].token_ids
+    scored = SamplingParams(max_tokens=6, min_tokens=6, temperature=0, logprobs=0)
+    (tuned,) = one.generate(prompts[:1], scored, use_tqdm=False, lora_name=["tuned"])
     with LLM(qwen3_5, tensor_parallel_size=2, prefill_chunk_tokens=9, num_blocks=14,
-             block_size=8, max_model_len=96) as two:  # fmt: skip
+             block_size=8, max_model_len=96, lora_adapters=adapter) as two:  # fmt: skip
         got = [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)]
         assert got == expected and two.engine.scheduler.num_preemptions > 0
         first, again = (two.generate(short, few, use_tqdm=False)[0] for _ in range(2))
         assert first.outputs[0].token_ids == again.outputs[0].token_ids == expected_short
         assert again.num_cached_tokens == 16  # from the snapshot after 16 tokens
+        (got,) = two.generate(prompts[:1], scored, use_tqdm=False, lora_name=["tuned"])
+        assert got.outputs[0].token_ids == tuned.outputs[0].token_ids != expected[0][:6]
+        assert [e.logprob for e in got.outputs[0].logprobs] == pytest.approx(
+            [e.logprob for e in tuned.outputs[0].logprobs], abs=1e-4
+        )
         assert two.engine.leak_report() == []

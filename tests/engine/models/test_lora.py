@@ -51,8 +51,9 @@ def adapters(tmp_path_factory) -> dict[str, dict[str, Path]]:
 
 # qwen2: q/k/v biases, tied embeddings; qwen2_moe: experts and a shared expert, whose
 # MLPs take no adapter (so "all" adapts the attention, and "some" only q and v); gemma3:
-# GeGLU, norms around each block; phi3: adapters of its fused qkv_proj and gate_up_proj.
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2_moe", "gemma3", "phi3"])
+# GeGLU, norms around each block; phi3: adapters of its fused qkv_proj and gate_up_proj;
+# qwen3_5: linear-attention layers' in_proj_* and out_proj, gated attention's q_proj.
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2_moe", "gemma3", "phi3", "qwen3_5"])
 def test_greedy_parity_with_peft_in_one_mixed_batch(model_factory, adapters, arch):
     model_dir = model_factory(arch)
     paths = adapters(model_dir, arch)
@@ -297,5 +298,61 @@ def test_adapters_on_expert_layers_are_refused(model_factory, adapters, tmp_path
                 **w, f"{key}.lora_A.weight": torch.zeros(a), f"{key}.lora_B.weight": torch.zeros(b)
             },
         )  # fmt: skip
+        with pytest.raises(ModelLoadError, match=message):
+            load_lora_adapter("bad", bad, arch, torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize(
+    "targets",
+    [("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"), ("in_proj_z", "q_proj")],
+)
+def test_a_hybrid_models_adapters_give_peft_log_probs(model_factory, tmp_path, targets):
+    """Qwen3.5: adapters of the linear-attention layers' four input projections (one
+    fused ``in_proj`` here) and output projection, or of one of them beside the gated
+    attention's q_proj (each head's query and gate rows): every prompt position's
+    log-probs equal transformers + peft's (its tiny model's greedy tokens barely depend
+    on the linear-attention layers; the log-probs do), and differ from the base's."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model_dir = model_factory("qwen3_5")
+    adapter = make_lora_adapter(model_dir, tmp_path / "a", seed=3, targets=targets)
+    prompt = random_prompts([40], seed=4)[0]
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        unadapted = base(torch.tensor([prompt])).logits[0, :-1].log_softmax(-1)
+        model = PeftModel.from_pretrained(base, str(adapter))
+        reference = model(torch.tensor([prompt])).logits[0, :-1].log_softmax(-1)
+    assert (reference - unadapted).abs().max() > 0.5  # the adapter changes the model
+    llm = LLM(model_dir, dtype="float32", lora_adapters={"a": adapter}, prefill_chunk_tokens=15)
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=5)
+    (output,) = llm.generate([prompt], params, use_tqdm=False, lora_name=["a"])
+    for position, lp in enumerate(output.prompt_logprobs[1:]):
+        expected = reference[position]
+        assert lp.logprob == pytest.approx(expected[lp.token_id].item(), abs=1e-4), position
+        assert list(lp.top_logprobs) == pytest.approx(expected.topk(5).values.tolist(), abs=1e-4)
+    assert llm.engine.leak_report() == []
+
+
+def test_a_hybrid_models_adapter_must_name_its_layers_modules(model_factory, adapters, tmp_path):
+    """A linear-attention layer has no q_proj, a full-attention one no in_proj_z: an
+    adapter naming one is refused (PEFT never writes one)."""
+    model_dir = model_factory("qwen3_5")
+    arch = read_arch_config(model_dir)
+    kinds = arch.linear_attention.layers
+    linear, full = kinds.index(True), kinds.index(False)
+    source = adapters(model_dir, "qwen3_5")["all"]
+    prefix = "base_model.model.model.layers"
+    cases = {
+        f"{prefix}.{linear}.self_attn.q_proj": rf"{linear} \(linear-attention\) has no self_attn",
+        f"{prefix}.{full}.linear_attn.in_proj_z": rf"{full} \(full-attention\) has no linear_attn",
+    }
+    zeros = {"lora_A": torch.zeros(8, arch.hidden_size), "lora_B": torch.zeros(16, 8)}
+    for case, (key, message) in enumerate(cases.items()):
+        bad = _copy_adapter(
+            source,
+            tmp_path / f"bad-{case}",
+            tensors=lambda w, key=key: {**w, **{f"{key}.{n}.weight": t for n, t in zeros.items()}},
+        )
         with pytest.raises(ModelLoadError, match=message):
             load_lora_adapter("bad", bad, arch, torch.device("cpu"), torch.float32)
