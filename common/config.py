@@ -284,12 +284,16 @@ class EngineConfig:
 
     def hybrid_problem(self) -> tuple[str, str] | None:
         """(key, reason) of a setting a hybrid model (linear-attention layers:
-        ``engine/linear_state.py``) cannot run with yet, or None: speculation, as a
-        rejected draft would have to be taken back out of the recurrent states."""
-        if self.num_speculative_tokens or self.speculative_method is not SpeculativeMethod.NGRAM:
+        ``engine/linear_state.py``) cannot run with yet, or None. Drafts of the n-gram
+        proposer or a draft model are verified (each verified token's states kept until
+        the sampler has chosen: ``LinearStep.draft_slots``); Qwen3.5's MTP layer is not
+        loaded, and an EAGLE-3 head over a hybrid target is untried."""
+        method = self.speculative_method
+        if method in (SpeculativeMethod.MTP, SpeculativeMethod.EAGLE3):
             return (
-                "num_speculative_tokens",
-                "models with linear-attention layers run without speculation",
+                "speculative_method",
+                f"{method} drafts are not supported for models with linear-attention "
+                "layers (ngram and draft_model are)",
             )
         return None
 

@@ -111,11 +111,12 @@ class ModelShape:
         num_layers = self.num_layers - self.num_linear_layers + int(draft_layer)
         return num_layers * 2 * block_size * num_kv_heads * self.head_dim * dtype_bytes
 
-    def state_blocks(self, bytes_per_block: int, max_num_seqs: int, tp_size: int = 1) -> int:
+    def state_blocks(self, bytes_per_block: int, num_slots: int, tp_size: int = 1) -> int:
         """KV blocks a hybrid model's engine sets aside for its linear-attention states:
-        ``max_num_seqs`` slots, each of whole blocks of one rank's (which holds its heads'
-        share of the states: ``engine.model_shard``)."""
-        return max_num_seqs * -(-(self.state_bytes // tp_size) // bytes_per_block)
+        ``num_slots`` slots (``max_num_seqs``, times 1 + ``num_speculative_tokens``), each
+        of whole blocks of one rank's (which holds its heads' share of the states:
+        ``engine.model_shard``)."""
+        return num_slots * -(-(self.state_bytes // tp_size) // bytes_per_block)
 
 
 def _num_experts(cfg: dict) -> int | None:
@@ -237,7 +238,8 @@ def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
     if engine.num_blocks is not None and engine.num_blocks < min_blocks:
         message = f"{engine.num_blocks} KV blocks {too_small}"
         raise ConfigError(_key(config, role, "num_blocks"), message)
-    state_blocks = shape.state_blocks(cpu_bpb, engine.max_num_seqs, tp_size)
+    num_slots = engine.max_num_seqs * (1 + engine.num_speculative_tokens)
+    state_blocks = shape.state_blocks(cpu_bpb, num_slots, tp_size)
     problems = _cpu_problems(config, role, engine, cpu_bpb, min_blocks, too_small, state_blocks)
     if engine.device is Device.CPU and problems:
         raise ConfigError(*problems[0])

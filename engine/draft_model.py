@@ -57,6 +57,9 @@ class DraftModel:
         except ModelLoadError as exc:
             raise ConfigError("engine.draft_model", str(exc)) from None
         problem = draft_vocab_problem(model_dir, arch.vocab_size, target.vocab_size)
+        if problem is None and arch.linear_attention is not None:
+            problem = (f"{model_dir} has linear-attention layers: a draft model keeps KV "
+                       "only (its states would need slots of their own)")  # fmt: skip
         if problem is not None:
             raise ConfigError("engine.draft_model", problem)
         alone = config.replace(

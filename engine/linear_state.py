@@ -21,12 +21,13 @@ depends on every token before it, so a prefix-cache hit restores one only from a
 of the states after that prefix, which the prefix cache keeps in blocks of its own
 (``kv_cache_manager.py``): ``StatePool.snapshot`` copies a slot into them after the step
 that reached the prefix's end, ``StatePool.restore`` copies them into a new request's slot
-before its first step.
+before its first step. A decode verifying drafts keeps its states after each token in
+slots of its own (``LinearStep.draft_slots``) until its next step shows which to keep.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,12 +37,17 @@ from engine.models.arch import LinearAttentionConfig
 @dataclass(frozen=True, slots=True)
 class LinearStep:
     """What a step's linear-attention layers need of its batch: each sequence's slot
-    (segments ordered as the batch: the ``num_decodes`` single-token ones first)."""
+    (segments ordered as the batch: the ``num_decodes`` single-token ones first), and
+    for a decode verifying drafts (a segment of n tokens), the slots that keep its
+    states after each of its first n - 1 tokens (``draft_slots``: its sequence index ->
+    those slots), so that the next step can start from the last token the sampler kept
+    (``StatePool.copy_slot``)."""
 
     slots: torch.Tensor  # [num_seqs] int64, on the device
     slots_cpu: list[int]
     query_start_loc_cpu: list[int]
     num_decodes: int
+    draft_slots: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +118,11 @@ class StatePool:
         """Copy slot ``slot``'s states into ``blocks_per_slot`` KV blocks of the pool's
         (a prefix-cache snapshot: ``engine/kv_cache_manager.py``)."""
         self._copy(self.block_ids(slot), block_ids)
+
+    def copy_slot(self, source: int, dest: int) -> None:
+        """Slot ``dest``'s states become slot ``source``'s (a decode that verified drafts
+        continues from the states after the last token the sampler kept)."""
+        self._copy(self.block_ids(source), self.block_ids(dest))
 
     def _copy(self, source: list[int], dest: list[int]) -> None:
         assert len(source) == len(dest) == self.blocks_per_slot, (len(source), len(dest))

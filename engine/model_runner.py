@@ -204,7 +204,10 @@ class ModelRunner:
         # A hybrid model's linear-attention state slots, one per request a step may hold.
         self.state_slots: StateSlots | None = None
         if arch.linear_attention is not None:
-            self.state_slots = StateSlots(self.shard.num_state_slots)
+            self.state_slots = StateSlots(self.shard.num_request_slots)
+        # ... and each request's last decode that verified drafts: (its first position,
+        # tokens), until its next step shows how many the sampler kept (``_accepted``).
+        self._verified: dict[str, tuple[int, int]] = {}
         # Rows for every request a step may hold, and some for preempted ones waiting.
         self.block_table = BlockTable(
             config.max_num_seqs + BLOCK_TABLE_SPARE_ROWS,
@@ -251,6 +254,7 @@ class ModelRunner:
         (a no-op without such layers)."""
         if self.state_slots is not None:
             self.state_slots.release(request_id)
+            self._verified.pop(request_id, None)
 
     def reserve_state(self, request_id: str) -> list[int]:
         """A state slot for a request whose states are about to be pulled: the KV blocks
@@ -274,6 +278,8 @@ class ModelRunner:
             problems.append(f"{self.block_table.num_rows_used} block-table rows still held")
         if self.state_slots is not None and self.state_slots.num_used:
             problems.append(f"{self.state_slots.num_used} linear-attention state slots held")
+        if self._verified:
+            problems.append(f"{len(self._verified)} requests' verified drafts still remembered")
         if self.shards is None:
             return problems
         live = len(self._adapter_ids)
@@ -309,8 +315,6 @@ class ModelRunner:
             [chunk.request_id for chunk in chunks], [chunk.block_ids for chunk in chunks], width
         )
         batch.rope_positions, batch.mrope_positions = rope_positions(batch.positions, chunks)
-        if self.state_slots is not None:
-            self._assign_state_slots(chunks, batch)
         return batch
 
     def _assign_state_slots(self, chunks: list[SequenceChunk], batch: HostBatch) -> None:
@@ -319,7 +323,8 @@ class ModelRunner:
         assert self.state_slots is not None
         batch.state_slots, batch.fresh_slots = [], []
         batch.state_restores, batch.state_snapshots = [], []
-        for chunk in chunks:
+        batch.state_accepts, batch.state_drafts = [], []
+        for seq, chunk in enumerate(chunks):
             restored = chunk.restore_block_ids is not None
             if restored:  # starts past its first token, from a snapshot: a new slot
                 slot, fresh = self.state_slots.reserve(chunk.request_id), False
@@ -329,8 +334,31 @@ class ModelRunner:
             batch.state_slots.append(slot)
             if fresh:
                 batch.fresh_slots.append(slot)
+            accepted = self._accepted(chunk, slot)
+            if accepted is not None:
+                batch.state_accepts.append([accepted, slot])
+            num_drafts = len(chunk.sampling.draft_token_ids) if chunk.sampling else 0
+            source = slot  # of a snapshot after the step: the states after its tokens
+            if num_drafts:  # keep its states after each token: the sampler may keep any
+                draft_slots = self.shard.draft_slots(slot)[: len(chunk.token_ids) - 1]
+                batch.state_drafts.append([seq, *draft_slots])
+                self._verified[chunk.request_id] = (chunk.start_pos, len(chunk.token_ids))
+                source = draft_slots[len(chunk.token_ids) - num_drafts - 1]  # not the drafts
             if chunk.snapshot_block_ids is not None:
-                batch.state_snapshots.append([slot, *chunk.snapshot_block_ids])
+                batch.state_snapshots.append([source, *chunk.snapshot_block_ids])
+
+    def _accepted(self, chunk: SequenceChunk, slot: int) -> int | None:
+        """For a request whose last step verified drafts: the slot holding its states
+        after the last token the sampler kept, which its own slot must take before this
+        step (None when it kept them all: its slot has them). Its step starts right after
+        that token."""
+        verified = self._verified.pop(chunk.request_id, None)
+        if verified is None:
+            return None
+        start, num_tokens = verified
+        num_kept = chunk.start_pos - start
+        assert 0 < num_kept <= num_tokens, (chunk.request_id, verified, chunk.start_pos)
+        return None if num_kept == num_tokens else self.shard.draft_slots(slot)[num_kept - 1]
 
     def _forward(
         self, chunks: list[SequenceChunk], batch: HostBatch, logit_rows: list[list[int]]
@@ -366,6 +394,8 @@ class ModelRunner:
                     batch.fresh_slots or [],
                     batch.state_restores or [],
                     batch.state_snapshots or [],
+                    batch.state_accepts or [],
+                    batch.state_drafts or [],
                 )
             )  # fmt: skip
         lora = None
@@ -423,6 +453,8 @@ class ModelRunner:
         # then short segments (decodes with drafts; the torch backend batches those too).
         chunks = sorted(chunks, key=lambda c: len(c.token_ids))
         batch = self._host_batch(chunks)
+        if self.state_slots is not None:  # (a drafting pass's batch has no states)
+            self._assign_state_slots(chunks, batch)
         scoring = [(i, c.scoring) for i, c in enumerate(chunks) if c.scoring is not None]
         sampling = [(i, c) for i, c in enumerate(chunks) if c.sampling is not None]
         # Each sampling chunk's last token, or with drafts its last 1 + num_drafts tokens.

@@ -97,6 +97,12 @@ class HostBatch:
     # blocks before the step, and slots copied into a snapshot's blocks after it.
     state_restores: list[list[int]] | None = None
     state_snapshots: list[list[int]] | None = None
+    # [source, dest] each: slots whose states become another's before the step (a decode
+    # that verified drafts: the states after the last token kept); and [sequence index,
+    # *slots] each: a decode with drafts, the slots its states after each token but the
+    # last go to (``LinearStep.draft_slots``).
+    state_accepts: list[list[int]] | None = None
+    state_drafts: list[list[int]] | None = None
 
     @property
     def rotary_positions(self) -> list[int]:
@@ -177,13 +183,22 @@ class ModelShard:
         self.decode_graphs: DecodeGraphs | None = None
         # A hybrid model's linear-attention states: a slot per request the scheduler may
         # hold (running, pulling or held for a decode worker), each in KV blocks of its own
-        # past the scheduler's (``engine/linear_state.py``).
+        # past the scheduler's (``engine/linear_state.py``); with speculation, one more
+        # per draft a request may verify (``draft_slots``).
         linear = self.arch.linear_attention
-        self.num_state_slots = config.max_num_seqs if linear is not None else 0
+        self.num_request_slots = config.max_num_seqs if linear is not None else 0
+        self.num_state_slots = self.num_request_slots * (1 + config.num_speculative_tokens)
         self.blocks_per_slot = (
             cdiv(bytes_per_slot(linear), self.bytes_per_block) if linear is not None else 0
         )
         self.state_pool: StatePool | None = None
+
+    def draft_slots(self, slot: int) -> list[int]:
+        """The slots that keep request slot ``slot``'s states after each draft-verifying
+        token but the last: the state pool's slots past the requests' own."""
+        k = self.config.num_speculative_tokens
+        first = self.num_request_slots + slot * k
+        return list(range(first, first + k))
 
     def _use_kv_scales(self) -> None:
         """An FP8 cache stores K/V over the checkpoint's calibrated per-layer scales (as
@@ -364,6 +379,8 @@ class ModelShard:
         if pool is None:
             return kv_caches
         assert batch.state_slots is not None and batch.fresh_slots is not None
+        for source, dest in batch.state_accepts or ():
+            pool.copy_slot(source, dest)
         pool.clear(batch.fresh_slots)
         for slot, *block_ids in batch.state_restores or ():
             pool.restore(slot, block_ids)
@@ -372,6 +389,7 @@ class ModelShard:
             slots_cpu=batch.state_slots,
             query_start_loc_cpu=batch.query_start_loc,
             num_decodes=batch.num_decodes,
+            draft_slots={seq: slots for seq, *slots in batch.state_drafts or ()},
         )
         kv = iter(kv_caches)
         linear = iter(range(len(self.arch.linear_layers)))

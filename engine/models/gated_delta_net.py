@@ -16,8 +16,10 @@ whose state is the last ``conv_kernel - 1`` inputs.
 A prompt chunk runs the chunked form (``chunked_delta_rule``: the same recurrence in
 matrix products over chunks of ``DELTA_CHUNK`` tokens, as transformers' and FLA's); a
 decode token runs one step of the recurrence, all decodes of a step together
-(``delta_rule_step``). Both read and write the request's state in the layer's slice of
-the engine's state pool (``engine/linear_state.py``), picked by the step's slots.
+(``delta_rule_step``); a decode verifying drafts runs that step once per token,
+keeping the states after each (``_verify``). All read and write the request's state in
+the layer's slice of the engine's state pool (``engine/linear_state.py``), picked by
+the step's slots.
 Everything past the projections runs in float32, as transformers does.
 """
 
@@ -106,8 +108,12 @@ class GatedDeltaNet(nn.Module):
                 decay[:num_decodes], beta[:num_decodes], state.ssm[slots],
             )  # fmt: skip
             state.ssm[slots] = new
+        if step.draft_slots:  # decodes and their drafts: each token's states kept
+            _verify(query, key, value, decay, beta, out, state)
         starts = step.query_start_loc_cpu
         for seq in range(num_decodes, len(starts) - 1):
+            if seq in step.draft_slots:
+                continue
             rows = slice(starts[seq], starts[seq + 1])
             slot = step.slots_cpu[seq]
             out[rows], state.ssm[slot] = chunked_delta_rule(
@@ -139,8 +145,47 @@ class GatedDeltaNet(nn.Module):
             # [C, K - 1 + n]: the state's inputs, then the chunk's
             inputs = torch.cat((state.conv[slot], mixed[rows].T.float()), -1)
             out[rows] = F.conv1d(inputs[None], weight[:, None], groups=weight.shape[0])[0].T
+            # (a decode verifying drafts: the states after each token but the last too)
+            for i, draft_slot in enumerate(step.draft_slots.get(seq, ())):
+                state.conv[draft_slot] = inputs[:, i + 1 : i + taps]
             state.conv[slot] = inputs[:, inputs.shape[1] - (taps - 1) :]
         return F.silu(out)
+
+
+def _verify(
+    query: torch.Tensor,  # [N, H, Dk] (the step's rows)
+    key: torch.Tensor,
+    value: torch.Tensor,  # [N, H, Dv]
+    decay: torch.Tensor,  # [N, H]
+    beta: torch.Tensor,
+    out: torch.Tensor,  # [N, H, Dv], written at the verifying sequences' rows
+    state: LinearLayerState,
+) -> None:
+    """The sequences that verify drafts (a decode's token and its drafts: a few tokens
+    each), one recurrence step per position, all of them at once: from the states in
+    each one's slot, keeping the states after its i-th token in its i-th draft slot and
+    after its last in its own (``LinearStep.draft_slots``): the sampler may keep any
+    number of the drafts."""
+    step = state.step
+    starts = step.query_start_loc_cpu
+    seqs = sorted(step.draft_slots)
+    lengths = [starts[seq + 1] - starts[seq] for seq in seqs]
+    device = query.device
+    current = state.ssm[torch.tensor([step.slots_cpu[seq] for seq in seqs], device=device)]
+    for position in range(max(lengths)):
+        active = [i for i, length in enumerate(lengths) if length > position]
+        rows = torch.tensor([starts[seqs[i]] + position for i in active], device=device)
+        kept = [
+            step.slots_cpu[seqs[i]] if position == lengths[i] - 1
+            else step.draft_slots[seqs[i]][position]
+            for i in active
+        ]  # fmt: skip
+        index = torch.tensor(active, device=device)
+        out[rows], states = delta_rule_step(
+            query[rows], key[rows], value[rows], decay[rows], beta[rows], current[index]
+        )
+        current[index] = states
+        state.ssm[torch.tensor(kept, device=device)] = states
 
 
 def _l2_normalized(x: torch.Tensor) -> torch.Tensor:

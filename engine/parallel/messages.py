@@ -83,6 +83,10 @@ class Step(msgspec.Struct, tag="step", frozen=True):
     # ``HostBatch.state_restores`` and ``state_snapshots``: [slot, *block ids] each.
     state_restores: list[list[int]] = []
     state_snapshots: list[list[int]] = []
+    # ``HostBatch.state_accepts`` ([source, dest] slots) and ``state_drafts`` ([sequence
+    # index, *slots]): a decode verifying drafts.
+    state_accepts: list[list[int]] = []
+    state_drafts: list[list[int]] = []
 
 
 class MtpPass(msgspec.Struct, tag="mtp_pass", frozen=True):

@@ -197,6 +197,7 @@ class Shard:
             batch.state_slots, batch.fresh_slots = message.state_slots, message.fresh_slots
             batch.state_restores = message.state_restores
             batch.state_snapshots = message.state_snapshots
+            batch.state_accepts, batch.state_drafts = message.state_accepts, message.state_drafts
         lora = None
         if message.lora_rows:
             lora = LoraBatch(

@@ -75,12 +75,10 @@ def test_aborted_requests_give_back_their_slots(qwen3_5):
 
 def test_the_cpu_tier_is_off_and_the_unsupported_is_refused(qwen3_5):
     """The prefix cache stays on (snapshots of the states: test_hybrid_prefix_cache.py),
-    the CPU tier goes off (it keeps no snapshots); speculation is refused by name."""
+    the CPU tier goes off (it keeps no snapshots)."""
     llm = LLM(qwen3_5, cpu_offload_bytes=1 << 24)
     assert llm.engine.config.enable_prefix_caching and llm.engine.config.cpu_offload_bytes == 0
     assert llm.engine.cpu_tier is None
-    with pytest.raises(ConfigError, match="num_speculative_tokens"):
-        LLM(qwen3_5, num_speculative_tokens=2)
 
 
 def test_disaggregated_equals_colocated(qwen3_5):
@@ -151,8 +149,17 @@ def test_the_config_check_sizes_the_pool_as_the_engine_does(qwen3_5, tmp_path):
     config = write_config(tmp_path / "tp.yaml", qwen3_5, engine={"tensor_parallel_size": 4})
     with pytest.raises(ConfigError, match="2 linear-attention key heads"):
         kv_budgets(load_config(str(config)))
-    config = write_config(tmp_path / "spec.yaml", qwen3_5, engine={"num_speculative_tokens": 2})
-    with pytest.raises(ConfigError, match="without speculation"):
+    # With drafts to verify, each request's slot has one more per draft (their states).
+    spec = {"kv_cache_bytes": 8 << 20, "max_num_seqs": 6, "device": "cpu",
+            "num_speculative_tokens": 2}  # fmt: skip
+    engine = LLMEngine(qwen3_5, EngineConfig(**spec))
+    assert engine.runner.shard.num_state_slots == 6 * 3
+    (prefill, _) = kv_budgets(load_config(str(write_config(tmp_path / "s.yaml", qwen3_5,
+                                                           engine=spec))))  # fmt: skip
+    assert prefill.num_blocks == engine.runner.num_blocks
+    mtp = {"num_speculative_tokens": 2, "speculative_method": "mtp"}
+    config = write_config(tmp_path / "mtp.yaml", qwen3_5, engine=mtp)
+    with pytest.raises(ConfigError, match="mtp drafts are not supported"):
         kv_budgets(load_config(str(config)))
 
 
@@ -204,8 +211,11 @@ def test_two_ranks_give_one_ranks_tokens_colocated_and_disaggregated(qwen3_5, tm
     channels, convolution, gates, states) and of the gated attention's; rank 0 assigns
     the slots, every rank keeps its heads' states in them (and copies them into and out
     of the prefix cache's snapshots). Two ranks give one rank's tokens, chunked,
-    preempted, and from a snapshot; and a LoRA adapter's log-probs, each rank applying
-    its cut of it (its heads' rows of ``in_proj``, its columns of ``out_proj``)."""
+    preempted, and from a snapshot; a LoRA adapter's log-probs, each rank applying its
+    cut of it (its heads' rows of ``in_proj``, its columns of ``out_proj``); and drafts
+    verified, every rank keeping its heads' states after each token and starting the
+    next step from the last one kept (``Step.state_drafts`` / ``state_accepts``)."""
+    from benchmarks.speculative import ReplayProposer
     from engine.models.lora_maker import make_lora_adapter
 
     adapter = {"tuned": make_lora_adapter(qwen3_5, tmp_path / "tuned", seed=5)}
@@ -218,7 +228,8 @@ def test_two_ranks_give_one_ranks_tokens_colocated_and_disaggregated(qwen3_5, tm
     scored = SamplingParams(max_tokens=6, min_tokens=6, temperature=0, logprobs=0)
     (tuned,) = one.generate(prompts[:1], scored, use_tqdm=False, lora_name=["tuned"])
     with LLM(qwen3_5, tensor_parallel_size=2, prefill_chunk_tokens=9, num_blocks=14,
-             block_size=8, max_model_len=96, lora_adapters=adapter) as two:  # fmt: skip
+             block_size=8, max_model_len=96, lora_adapters=adapter,
+             num_speculative_tokens=3) as two:  # fmt: skip
         got = [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)]
         assert got == expected and two.engine.scheduler.num_preemptions > 0
         first, again = (two.generate(short, few, use_tqdm=False)[0] for _ in range(2))
@@ -229,4 +240,17 @@ def test_two_ranks_give_one_ranks_tokens_colocated_and_disaggregated(qwen3_5, tm
         assert [e.logprob for e in got.outputs[0].logprobs] == pytest.approx(
             [e.logprob for e in tuned.outputs[0].logprobs], abs=1e-4
         )
+        (plain,) = one.generate(prompts[1:2], scored, use_tqdm=False)
+        scheduler = two.engine.scheduler
+        scheduler.proposer = ReplayProposer({"drafted": plain.outputs[0].token_ids}, 0.3, 2000)
+        two.engine.add_request("drafted", prompts[1], scored)
+        outputs = {}
+        while two.engine.has_unfinished_requests():
+            outputs.update((o.request_id, o) for o in two.engine.step() if o.finished)
+        drafted = outputs["drafted"]
+        assert drafted.outputs[0].token_ids == plain.outputs[0].token_ids
+        assert [e.logprob for e in drafted.outputs[0].logprobs] == pytest.approx(
+            [e.logprob for e in plain.outputs[0].logprobs], abs=1e-4
+        )
+        assert 0 < scheduler.num_accepted_tokens < scheduler.num_draft_tokens
         assert two.engine.leak_report() == []

@@ -1,0 +1,161 @@
+"""Speculative decoding on a hybrid model: a decode and its drafts run the recurrence one
+token at a time, keeping the linear-attention states after each token in slots of their
+own, and the next step starts from the states after the last token the sampler kept
+(``LinearStep.draft_slots``, ``ModelRunner._accepted``). Drafts come from a reference run
+(``ReplayProposer``; random weights rarely repeat themselves), corrupted at a rate so that
+steps keep all, some or none of them. Compared with the engine without drafts: tokens and
+log-probs (the tiny model's greedy tokens barely depend on the states; its log-probs do).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.speculative import ReplayProposer
+from common.config import ConfigError
+from engine import LLM, SamplingParams
+from tests.engine.helpers import random_prompts
+
+VOCAB = 2000
+PARAMS = SamplingParams(max_tokens=30, min_tokens=30, temperature=0, logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(model_factory):
+    return model_factory("qwen3_5")
+
+
+@pytest.fixture(scope="module")
+def plain(qwen3_5):
+    return LLM(qwen3_5, enable_prefix_caching=False)
+
+
+def logprobs(output) -> list[float]:
+    return [entry.logprob for entry in output.outputs[0].logprobs]
+
+
+def assert_same(got, expected) -> None:
+    for output, reference in zip(got, expected, strict=True):
+        assert output.outputs[0].token_ids == reference.outputs[0].token_ids
+        assert logprobs(output) == pytest.approx(logprobs(reference), abs=1e-4)
+
+
+def drafting(llm: LLM, references, p_wrong: float, first_id: int = 0) -> LLM:
+    """``llm`` drafting from ``references`` (the requests it will be given next, in order:
+    ``LLM.generate`` names them offline-<n>)."""
+    tokens = {f"offline-{first_id + i}": r.outputs[0].token_ids for i, r in enumerate(references)}
+    llm.engine.scheduler.proposer = ReplayProposer(tokens, p_wrong, VOCAB)
+    return llm
+
+
+@pytest.mark.parametrize("p_wrong", [0.0, 0.3, 1.0])
+def test_drafts_never_change_the_tokens_or_log_probs(qwen3_5, plain, p_wrong):
+    prompts = random_prompts([5, 17, 33, 64], seed=4)
+    expected = plain.generate(prompts, PARAMS, use_tqdm=False)
+    llm = drafting(LLM(qwen3_5, num_speculative_tokens=3), expected, p_wrong)
+    assert_same(llm.generate(prompts, PARAMS, use_tqdm=False), expected)
+    scheduler = llm.engine.scheduler
+    assert scheduler.num_draft_tokens > 0
+    if p_wrong == 0.0:
+        assert scheduler.num_accepted_tokens == scheduler.num_draft_tokens
+    elif p_wrong == 1.0:
+        assert scheduler.num_accepted_tokens == 0
+    else:
+        assert 0 < scheduler.num_accepted_tokens < scheduler.num_draft_tokens
+    assert llm.engine.leak_report() == []
+
+
+def test_a_rolling_snapshot_taken_in_a_step_with_drafts_is_the_kept_tokens(qwen3_5, plain):
+    """A 19-token prompt whose drafts are all kept: its decode steps start at 19, 23, 27,
+    ... so the ones that reach block boundaries 32 and 48 verify three drafts past them.
+    The rolling snapshot there holds the states after the step's first token (a draft's
+    slot), not after its drafts: the chat's next turn, from it, has the uncached tokens."""
+    params = SamplingParams(max_tokens=40, min_tokens=40, temperature=0, logprobs=0)
+    prompt = random_prompts([19], seed=21)[0]
+    (expected,) = plain.generate([prompt], params, use_tqdm=False)
+    llm = drafting(LLM(qwen3_5, num_speculative_tokens=3), [expected], 0.0)
+    (first,) = llm.generate([prompt], params, use_tqdm=False)
+    assert_same([first], [expected])
+    # the prompt in two steps (cut at its snapshot after 16), then drafts at every step
+    assert llm.engine.num_steps == 2 + -(-39 // 4)
+    turn = prompt + first.outputs[0].token_ids + random_prompts([6], seed=22)[0]  # 65 tokens
+    (following,) = llm.generate([turn], PARAMS, use_tqdm=False)
+    assert following.num_cached_tokens == 48  # from the rolling snapshot after 48 tokens
+    assert_same([following], plain.generate([turn], PARAMS, use_tqdm=False))
+    kv = llm.engine.scheduler.kv
+    assert kv.num_held_snapshot_blocks == 0 and llm.engine.leak_report() == []
+
+
+def test_drafts_under_preemption(qwen3_5, plain):
+    """A pool too small for all six: requests verifying drafts are preempted and start
+    over (their draft slots forgotten with their own), tokens unchanged."""
+    prompts = random_prompts([30, 41, 25, 37, 33, 45], seed=15)
+    expected = plain.generate(prompts, PARAMS, use_tqdm=False)
+    llm = LLM(qwen3_5, num_speculative_tokens=3, num_blocks=40, block_size=8, max_model_len=96)
+    drafting(llm, expected, 0.3)
+    assert_same(llm.generate(prompts, PARAMS, use_tqdm=False), expected)
+    scheduler = llm.engine.scheduler
+    assert scheduler.num_preemptions > 0 and scheduler.num_accepted_tokens > 0
+    assert llm.engine.leak_report() == []
+
+
+def test_mtp_and_eagle3_drafts_and_hybrid_draft_models_are_refused(qwen3_5):
+    with pytest.raises(ConfigError, match="mtp drafts are not supported"):
+        LLM(qwen3_5, num_speculative_tokens=2, speculative_method="mtp")
+    with pytest.raises(ConfigError, match="has linear-attention layers"):
+        LLM(qwen3_5, num_speculative_tokens=2, speculative_method="draft_model",
+            draft_model=str(qwen3_5))  # fmt: skip
+
+
+def test_a_decode_worker_verifies_drafts_after_pulling_the_states(qwen3_5, plain):
+    """Disaggregated: the decode engine pulls each prompt's KV and states, then verifies
+    drafts from its own slots; tokens and log-probs (those it sampled: the first token's
+    came from the prefill engine) are the colocated engine's."""
+    from engine import LLMEngine
+    from engine.request import RemoteKV
+    from tests.engine.local_puller import LocalPuller
+
+    prompts = random_prompts([5, 17, 33, 64], seed=6)
+    expected = plain.generate(prompts, PARAMS, use_tqdm=False)
+    puller = LocalPuller()
+    prefill = LLMEngine(qwen3_5)
+    decode = LLM(qwen3_5, num_speculative_tokens=3).engine
+    decode.kv_puller = puller
+    tokens = {f"r{i}": r.outputs[0].token_ids for i, r in enumerate(expected)}
+    decode.scheduler.proposer = ReplayProposer(tokens, 0.3, VOCAB, seed=4)
+    puller.sources["prefill-0"], puller.target = prefill, decode
+    firsts = {}
+    for i, prompt in enumerate(prompts):
+        prefill.add_request(f"r{i}", prompt, PARAMS, prefill_only=True)
+    while prefill.has_unfinished_requests():
+        firsts.update((o.request_id, o) for o in prefill.step() if o.finished)
+    for i, prompt in enumerate(prompts):
+        first = firsts[f"r{i}"]
+        remote = RemoteKV(f"l{i}", len(prompt), tuple(first.kv_block_ids), "prefill-0",
+                          state_block_ids=tuple(prefill.held_state_block_ids(f"r{i}")))  # fmt: skip
+        decode.add_request(f"r{i}", prompt, PARAMS, remote_kv=remote,
+                           output_token_ids=first.outputs[0].token_ids)  # fmt: skip
+    outputs = {}
+    while decode.has_work():
+        outputs.update((o.request_id, o) for o in decode.step() if o.finished)
+    for i, reference in enumerate(expected):
+        got = outputs[f"r{i}"].outputs[0]
+        assert got.token_ids == reference.outputs[0].token_ids
+        sampled = [entry.logprob for entry in got.logprobs]
+        assert sampled == pytest.approx(logprobs(reference)[1:], abs=1e-4)
+    assert decode.num_pull_failures == 0 and decode.scheduler.num_accepted_tokens > 0
+    for i in range(len(prompts)):
+        assert prefill.release_kv(f"r{i}")
+    assert prefill.leak_report() == [] and decode.leak_report() == []
+
+
+def test_a_dense_draft_model_drafts_for_a_hybrid_target(qwen3_5, plain, model_factory):
+    """``speculative_method: draft_model`` with a dense draft of the same token ids: its
+    drafts are verified like any (it keeps KV only, in the target's block ids)."""
+    prompts = random_prompts([5, 33], seed=9)
+    expected = plain.generate(prompts, PARAMS, use_tqdm=False)
+    llm = LLM(qwen3_5, num_speculative_tokens=3, speculative_method="draft_model",
+              draft_model=str(model_factory("qwen3")))  # fmt: skip
+    assert_same(llm.generate(prompts, PARAMS, use_tqdm=False), expected)
+    assert llm.engine.scheduler.num_draft_tokens > 0
+    assert llm.engine.leak_report() == []
