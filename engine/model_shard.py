@@ -163,9 +163,10 @@ class ModelShard:
                 self.group, tp,
             )  # fmt: skip
         # What the drafting layer's first pass after a step reads of that step's tokens
-        # ([num_tokens, hidden]; None without one): the MTP layer, the states before the
+        # ([num_tokens, hidden]; None without one): the MTP layer, the states after the
         # final norm; an EAGLE-3 head, its fc of the states entering its aux layers. And
-        # the last pass's states at the rows that drafted, which the next pass continues.
+        # the last pass's states at the rows that drafted, which the next pass continues
+        # (``carried``: the MTP layer's after its norm, an EAGLE-3 head's before).
         self.target_features: torch.Tensor | None = None
         self.draft_hidden: torch.Tensor | None = None
         self._use_kv_scales()
@@ -285,7 +286,7 @@ class ModelShard:
             )  # fmt: skip
         config = self.config
         # Latent attention decodes eagerly: its capture is not yet tried on a GPU; so do
-        # drafting layers (a graph keeps no states before the final norm).
+        # drafting layers (a graph keeps none of the states they read but its output).
         graphs = (
             config.cuda_graphs
             and self.device.type == "cuda"
@@ -364,8 +365,8 @@ class ModelShard:
             hidden, aux = self.model.hidden_and_aux(
                 input_ids, positions, layer_caches, metadata, lora, layer.aux_layer_ids, images
             )
-            self.target_features = layer.features(hidden, aux)
             hidden = self.model.model.norm(hidden)
+            self.target_features = layer.features(hidden, aux)
         for slot, *block_ids in batch.state_snapshots or ():  # a hybrid model's, kept
             assert self.state_pool is not None
             self.state_pool.snapshot(slot, block_ids)
@@ -418,8 +419,9 @@ class ModelShard:
         if not logit_rows:
             self.draft_hidden = None
             return None
-        self.draft_hidden = hidden[self.to_device(logit_rows, torch.int64)]
-        return layer.draft_logits(self.model, self.draft_hidden)
+        kept = hidden[self.to_device(logit_rows, torch.int64)]
+        self.draft_hidden = layer.carried(kept)
+        return layer.draft_logits(self.model, kept)
 
     def expert_placements(self) -> list[Placement]:
         """The placement each of ``moe_layers`` runs."""

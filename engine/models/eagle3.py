@@ -192,6 +192,11 @@ class Eagle3Head(nn.Module):
         the target's states at ``aux_layer_ids`` (each [n, H]; not ``hidden``, its last)."""
         return self.fc(torch.cat(aux_states, dim=-1))
 
+    def carried(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What its next pass reads of this one's states: them, before its norm (EAGLE-3's
+        recurrence, as vLLM's and SGLang's heads carry it)."""
+        return hidden
+
     def draft_hidden(
         self,
         model: LlamaForCausalLM,

@@ -2,17 +2,23 @@
 checkpoint ships, stored as one more decoder layer after the ``num_hidden_layers`` the
 model runs (V3's ``model.layers.61``).
 
-At position ``q`` it reads the target model's hidden state there (``h_q``, before the final
+At position ``q`` it reads the target model's hidden state there (``h_q``, after the final
 norm) and the embedding of the token after it (``t_{q+1}``), and predicts ``t_{q+2}``:
 
     x = eh_proj([enorm(embed(t_{q+1})), hnorm(h_q)])     # [n, 2 * hidden] -> [n, hidden]
-    h'_q = decoder_layer(x)                              # attention over its own KV cache
-    logits = lm_head(shared_head.norm(h'_q))
+    h'_q = shared_head.norm(decoder_layer(x))            # attention over its own KV cache
+    logits = lm_head(h'_q)
 
 So one MTP pass after a step, over the positions whose next token is now known, yields
-each sequence's first draft; further drafts feed the layer its own output ``h'`` and its
-last draft (``engine/mtp_drafts.py``). The layer attends over a KV cache of its own, one
-more cache layer with the same block ids, so its KV moves with the prompt's blocks.
+each sequence's first draft; further drafts feed the layer its own output ``h'`` (after
+its norm, as the target's) and its last draft (``engine/mtp_drafts.py``). Both states are
+taken after a norm because that is what the layer was trained on: DeepSeek's modeling
+code shipped with its checkpoints hands the MTP layer the main model's output after
+``model.norm``, and vLLM and SGLang feed and carry normed states (vLLM and AMD's ATOM
+once carried pre-norm ones and lost acceptance, never tokens: the target verifies every
+draft).
+The layer attends over a KV cache of its own, one more cache layer with the same block
+ids, so its KV moves with the prompt's blocks.
 
 The checkpoint also stores the layer's ``embed_tokens`` and ``shared_head.head``: copies of
 the model's embeddings and LM head in DeepSeek's and GLM's releases, so the model's own are
@@ -79,8 +85,12 @@ class MtpLayer(DecoderLayer):
 
     def features(self, hidden: torch.Tensor, aux_states: list[torch.Tensor]) -> torch.Tensor:
         """What its first pass after a step reads of the target ([n, hidden]): the
-        target's states before the final norm."""
+        target's states after the final norm (``hidden``)."""
         return hidden
+
+    def carried(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What its next pass reads of this one's states ([n, hidden]): after its norm."""
+        return self.shared_head.norm(hidden)
 
     def draft_hidden(
         self,

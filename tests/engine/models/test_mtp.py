@@ -32,10 +32,12 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class ReferenceMtp:
-    """The MTP layer computed with transformers: the target's hidden states before its
-    final norm (a hook on the norm), and the layer as a one-layer model of the same
-    architecture (its decoder layer, ``shared_head.norm`` as the final norm, the model's
-    head) fed ``eh_proj([enorm(embed(t_{q+1})), hnorm(h_q)])`` as input embeddings."""
+    """The MTP layer computed with transformers: the target's hidden states after its
+    final norm (a hook on the norm: what DeepSeek's own modeling code hands the layer),
+    and the layer as a one-layer model of the same architecture (its decoder layer,
+    ``shared_head.norm`` as the final norm, the model's head) fed ``eh_proj([enorm(embed(
+    t_{q+1})), hnorm(h_q)])`` as input embeddings; a further draft reads the last one's
+    states after that norm."""
 
     def __init__(self, model_dir: Path, tmp_path: Path) -> None:
         from transformers import AutoModelForCausalLM
@@ -63,10 +65,10 @@ class ReferenceMtp:
         self.layer = AutoModelForCausalLM.from_pretrained(layer_dir, dtype=torch.float32)
 
     @staticmethod
-    def _before_norm(model, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden states before the final norm [n, hidden], logits [n, vocab])."""
+    def _after_norm(model, **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden states after the final norm [n, hidden], logits [n, vocab])."""
         seen = []
-        hook = model.model.norm.register_forward_hook(lambda _m, args, _o: seen.append(args[0]))
+        hook = model.model.norm.register_forward_hook(lambda _m, _args, out: seen.append(out))
         try:
             logits = model(**inputs).logits[0]
         finally:
@@ -78,12 +80,12 @@ class ReferenceMtp:
         """MTP logits of the drafts after position ``last`` of ``token_ids``: the layer at
         ``last`` (fed ``token_ids[last + 1]``), then at ``last + j`` fed its own state and
         draft j (greedy). One [vocab] row per draft."""
-        hidden, _ = self._before_norm(self.target, input_ids=torch.tensor([token_ids[: last + 1]]))
+        hidden, _ = self._after_norm(self.target, input_ids=torch.tensor([token_ids[: last + 1]]))
         inputs = self._inputs(torch.tensor(token_ids[1 : last + 2]), hidden)  # positions 0..last
         rows = []
         for _ in range(num_drafts):
             positions = torch.arange(len(inputs))[None]
-            states, logits = self._before_norm(
+            states, logits = self._after_norm(
                 self.layer, inputs_embeds=inputs[None], position_ids=positions
             )
             rows.append(logits[-1])
