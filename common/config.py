@@ -285,15 +285,14 @@ class EngineConfig:
     def hybrid_problem(self) -> tuple[str, str] | None:
         """(key, reason) of a setting a hybrid model (linear-attention layers:
         ``engine/linear_state.py``) cannot run with yet, or None. Drafts of the n-gram
-        proposer or a draft model are verified (each verified token's states kept until
-        the sampler has chosen: ``LinearStep.draft_slots``); Qwen3.5's MTP layer is not
-        loaded, and an EAGLE-3 head over a hybrid target is untried."""
-        method = self.speculative_method
-        if method in (SpeculativeMethod.MTP, SpeculativeMethod.EAGLE3):
+        proposer, a draft model or the checkpoint's MTP layer are verified (each verified
+        token's states kept until the sampler has chosen: ``LinearStep.draft_slots``); an
+        EAGLE-3 head over a hybrid target is untried."""
+        if self.speculative_method is SpeculativeMethod.EAGLE3:
             return (
                 "speculative_method",
-                f"{method} drafts are not supported for models with linear-attention "
-                "layers (ngram and draft_model are)",
+                "eagle3 drafts are not supported for models with linear-attention layers "
+                "(ngram, draft_model and mtp are)",
             )
         return None
 

@@ -149,15 +149,24 @@ def eos_token_ids(cfg: dict[str, Any], model_dir: str | Path) -> tuple[int, ...]
 # (``engine.speculative_method: mtp``, ``engine/models/mtp.py``).
 MTP_LAYER_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
 _MTP_MODEL_TYPES = ("deepseek_v3", "glm4_moe")
+# Qwen3.5's (and Qwen3-Next's) layout: ``mtp.fc``, ``mtp.layers.{i}``, ``mtp.norm``, ...
+# beside the model, counted by ``mtp_num_hidden_layers``.
+QWEN_MTP_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+                          "Qwen3_5ForConditionalGeneration",
+                          "Qwen3_5MoeForConditionalGeneration")  # fmt: skip
+_QWEN_MTP_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
 
 
 def num_mtp_layers(cfg: dict[str, Any]) -> int:
-    """The MTP layers a checkpoint of this config stores (``num_nextn_predict_layers``);
-    0 for architectures that have none."""
-    architectures = cfg.get("architectures") or []
+    """The MTP layers a checkpoint of this config stores (``num_nextn_predict_layers``;
+    Qwen3.5's ``mtp_num_hidden_layers``); 0 for architectures that have none."""
+    architectures = set(cfg.get("architectures") or [])
+    model_type = cfg.get("model_type")
+    if architectures & set(QWEN_MTP_ARCHITECTURES) or model_type in _QWEN_MTP_MODEL_TYPES:
+        return int(cfg.get("mtp_num_hidden_layers") or 0)
     if not (
-        set(architectures) & set(MTP_LAYER_ARCHITECTURES)
-        or (not architectures and cfg.get("model_type") in _MTP_MODEL_TYPES)
+        architectures & set(MTP_LAYER_ARCHITECTURES)
+        or (not architectures and model_type in _MTP_MODEL_TYPES)
     ):
         return 0
     return int(cfg.get("num_nextn_predict_layers") or 0)

@@ -35,6 +35,45 @@ from engine.models.arch import LinearAttentionConfig
 
 
 @dataclass(frozen=True, slots=True)
+class VerifyPlan:
+    """How a step's decodes with drafts (``LinearStep.draft_slots``) run one position at a
+    time, all of them together: the sequences' own slots (their states before the step),
+    and per position p, the rows of the sequences that have a token there, their index
+    among the sequences, and the slot that keeps the states after it (a draft slot, or
+    the sequence's own after its last token). Built once per step, read by every layer."""
+
+    slots: torch.Tensor  # [num_verifying] int64
+    rows: list[torch.Tensor]  # per position: [n_p] int64 rows of the step
+    active: list[torch.Tensor]  # per position: [n_p] int64 indices into ``slots``
+    kept: list[torch.Tensor]  # per position: [n_p] int64 slots
+
+
+def verify_plan(
+    draft_slots: dict[int, list[int]],
+    slots: list[int],
+    query_start_loc: list[int],
+    device: torch.device,
+) -> VerifyPlan:
+    """The ``VerifyPlan`` of a step's sequences with drafts (sequence index -> the draft
+    slots of its tokens but the last), ``slots`` / ``query_start_loc`` the step's."""
+    seqs = sorted(draft_slots)
+    lengths = [query_start_loc[seq + 1] - query_start_loc[seq] for seq in seqs]
+    rows, active, kept = [], [], []
+    for position in range(max(lengths)):
+        members = [i for i, length in enumerate(lengths) if length > position]
+        rows.append([query_start_loc[seqs[i]] + position for i in members])
+        active.append(members)
+        kept.append([slots[seqs[i]] if position == lengths[i] - 1
+                     else draft_slots[seqs[i]][position] for i in members])  # fmt: skip
+
+    def tensors(lists: list[list[int]]) -> list[torch.Tensor]:
+        return [torch.tensor(values, dtype=torch.int64, device=device) for values in lists]
+
+    own = torch.tensor([slots[seq] for seq in seqs], dtype=torch.int64, device=device)
+    return VerifyPlan(own, tensors(rows), tensors(active), tensors(kept))
+
+
+@dataclass(frozen=True, slots=True)
 class LinearStep:
     """What a step's linear-attention layers need of its batch: each sequence's slot
     (segments ordered as the batch: the ``num_decodes`` single-token ones first), and
@@ -48,6 +87,7 @@ class LinearStep:
     query_start_loc_cpu: list[int]
     num_decodes: int
     draft_slots: dict[int, list[int]] = field(default_factory=dict)
+    verify: VerifyPlan | None = None  # (built from ``draft_slots`` when there are any)
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from engine.attention.registry import create_backend
 from engine.cuda_graphs import DecodeGraphs
 from engine.host_memory import zeros_for_kv_caches
 from engine.kv_cache_manager import cdiv
-from engine.linear_state import LinearStep, StatePool, bytes_per_slot
+from engine.linear_state import LinearStep, StatePool, bytes_per_slot, verify_plan
 from engine.models.arch import ModelArchConfig, ModelLoadError
 from engine.models.eagle3 import Eagle3Head, load_eagle3_head
 from engine.models.llama import use_kv_scales
@@ -385,12 +385,17 @@ class ModelShard:
         pool.clear(batch.fresh_slots)
         for slot, *block_ids in batch.state_restores or ():
             pool.restore(slot, block_ids)
+        draft_slots = {seq: slots for seq, *slots in batch.state_drafts or ()}
+        plan = None
+        if draft_slots:
+            plan = verify_plan(draft_slots, batch.state_slots, batch.query_start_loc, self.device)
         step = LinearStep(
             slots=self.to_device(batch.state_slots, torch.int64),
             slots_cpu=batch.state_slots,
             query_start_loc_cpu=batch.query_start_loc,
             num_decodes=batch.num_decodes,
-            draft_slots={seq: slots for seq, *slots in batch.state_drafts or ()},
+            draft_slots=draft_slots,
+            verify=plan,
         )
         kv = iter(kv_caches)
         linear = iter(range(len(self.arch.linear_layers)))

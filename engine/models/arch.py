@@ -683,13 +683,16 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
         vision=vision,
         **attention,
         **gemma3,
-        **(_qwen3_5_fields(cfg, num_layers, path) if flags.qwen3_5 else {}),
+        **(_qwen3_5_fields(cfg, num_layers, mtp_layers, path) if flags.qwen3_5 else {}),
     )
 
 
-def _qwen3_5_fields(cfg: dict[str, Any], num_layers: int, path: Path) -> dict[str, Any]:
+def _qwen3_5_fields(
+    cfg: dict[str, Any], num_layers: int, mtp_layers: int, path: Path
+) -> dict[str, Any]:
     """ModelArchConfig's Qwen3.5 fields (Qwen3_5TextConfig's defaults where the config
-    leaves keys out: every 4th layer full attention)."""
+    leaves keys out: every 4th layer full attention; its MTP layers, after the model's,
+    are full attention)."""
     types = hybrid_layer_types(cfg)
     if len(types) < num_layers or set(types) - {"linear_attention", "full_attention"}:
         raise ModelLoadError(
@@ -703,14 +706,14 @@ def _qwen3_5_fields(cfg: dict[str, Any], num_layers: int, path: Path) -> dict[st
         key_head_dim=int(dims["linear_key_head_dim"]),
         value_head_dim=int(dims["linear_value_head_dim"]),
         conv_kernel=int(dims["linear_conv_kernel_dim"]),
-        layers=tuple(t == "linear_attention" for t in types[:num_layers]),
+        layers=tuple(t == "linear_attention" for t in types[:num_layers]) + (False,) * mtp_layers,
     )
     if linear.num_value_heads % linear.num_key_heads:
         raise ModelLoadError(
             f"{path}: linear_num_value_heads {linear.num_value_heads} is not a multiple of "
             f"linear_num_key_heads {linear.num_key_heads}"
         )
-    if all(linear.layers):
+    if all(linear.layers[:num_layers]):
         raise ModelLoadError(f"{path}: no full_attention layer (a KV cache needs one)")
     return {"linear_attention": linear, "attention_output_gate": True, "norm_unit_offset": True}
 

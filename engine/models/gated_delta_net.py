@@ -138,16 +138,28 @@ class GatedDeltaNet(nn.Module):
             window = torch.cat((state.conv[slots], mixed[:num_decodes, :, None].float()), -1)
             out[:num_decodes] = (window * weight).sum(-1)
             state.conv[slots] = window[..., 1:]
+        plan = step.verify
+        if plan is not None:  # decodes with drafts: a window per position, all at once
+            current = state.conv[plan.slots]  # [B, C, K - 1]
+            for rows, active, kept in zip(plan.rows, plan.active, plan.kept, strict=True):
+                every = len(active) == len(current)
+                inputs = current if every else current[active]
+                window = torch.cat((inputs, mixed[rows, :, None].float()), -1)
+                out[rows] = (window * weight).sum(-1)
+                if every:
+                    current = window[..., 1:]
+                else:
+                    current[active] = window[..., 1:]
+                state.conv[kept] = window[..., 1:]
         starts = step.query_start_loc_cpu
         for seq in range(num_decodes, len(starts) - 1):
+            if seq in step.draft_slots:
+                continue
             rows = slice(starts[seq], starts[seq + 1])
             slot = step.slots_cpu[seq]
             # [C, K - 1 + n]: the state's inputs, then the chunk's
             inputs = torch.cat((state.conv[slot], mixed[rows].T.float()), -1)
             out[rows] = F.conv1d(inputs[None], weight[:, None], groups=weight.shape[0])[0].T
-            # (a decode verifying drafts: the states after each token but the last too)
-            for i, draft_slot in enumerate(step.draft_slots.get(seq, ())):
-                state.conv[draft_slot] = inputs[:, i + 1 : i + taps]
             state.conv[slot] = inputs[:, inputs.shape[1] - (taps - 1) :]
         return F.silu(out)
 
@@ -162,30 +174,23 @@ def _verify(
     state: LinearLayerState,
 ) -> None:
     """The sequences that verify drafts (a decode's token and its drafts: a few tokens
-    each), one recurrence step per position, all of them at once: from the states in
-    each one's slot, keeping the states after its i-th token in its i-th draft slot and
-    after its last in its own (``LinearStep.draft_slots``): the sampler may keep any
-    number of the drafts."""
-    step = state.step
-    starts = step.query_start_loc_cpu
-    seqs = sorted(step.draft_slots)
-    lengths = [starts[seq + 1] - starts[seq] for seq in seqs]
-    device = query.device
-    current = state.ssm[torch.tensor([step.slots_cpu[seq] for seq in seqs], device=device)]
-    for position in range(max(lengths)):
-        active = [i for i, length in enumerate(lengths) if length > position]
-        rows = torch.tensor([starts[seqs[i]] + position for i in active], device=device)
-        kept = [
-            step.slots_cpu[seqs[i]] if position == lengths[i] - 1
-            else step.draft_slots[seqs[i]][position]
-            for i in active
-        ]  # fmt: skip
-        index = torch.tensor(active, device=device)
+    each), one recurrence step per position, all of them at once (``VerifyPlan``): from
+    the states in each one's slot, keeping the states after every token: the sampler may
+    keep any number of the drafts."""
+    plan = state.step.verify
+    assert plan is not None
+    current = state.ssm[plan.slots]  # [B, H, Dk, Dv]
+    for rows, active, kept in zip(plan.rows, plan.active, plan.kept, strict=True):
+        every = len(active) == len(current)  # (as usual: all verify as many drafts)
         out[rows], states = delta_rule_step(
-            query[rows], key[rows], value[rows], decay[rows], beta[rows], current[index]
-        )
-        current[index] = states
-        state.ssm[torch.tensor(kept, device=device)] = states
+            query[rows], key[rows], value[rows], decay[rows], beta[rows],
+            current if every else current[active],
+        )  # fmt: skip
+        if every:
+            current = states
+        else:
+            current[active] = states
+        state.ssm[kept] = states
 
 
 def _l2_normalized(x: torch.Tensor) -> torch.Tensor:

@@ -63,9 +63,14 @@ _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 # then 5's own), and the parts of it a text-only engine leaves unloaded.
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
                   ("model.language_model.", "model."))  # fmt: skip
-# ("mtp.": Qwen3.5's MTP layer, unused: hybrid models run without speculation.)
 _NOT_TEXT = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-             "model.multi_modal_projector.", "visual.", "model.visual.", "mtp.")  # fmt: skip
+             "model.multi_modal_projector.", "visual.", "model.visual.")  # fmt: skip
+# Qwen3.5's MTP layer (``mtp.*``, beside the model): its names as DeepSeek's (``mtp.py``).
+_QWEN_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.*)$")
+_QWEN_MTP_PARTS = {"mtp.fc.weight": "eh_proj.weight",
+                   "mtp.pre_fc_norm_embedding.weight": "enorm.weight",
+                   "mtp.pre_fc_norm_hidden.weight": "hnorm.weight",
+                   "mtp.norm.weight": "shared_head.norm.weight"}  # fmt: skip
 _FUSED = re.compile(
     r"^(model\.(?:mtp_)?layers\.\d+\.(?:self_attn|mlp|mlp\.shared_expert))"
     r"\.(q|k|v|gate|up)_proj\.(weight|bias)$"
@@ -128,7 +133,18 @@ def _mtp_name(name: str, arch: ModelArchConfig, num_mtp_layers: int) -> str | No
     """``name`` itself, or for a multi-token-prediction layer's tensor (stored after the
     ``num_hidden_layers`` the model runs, ``MTP_LAYER_ARCHITECTURES``) its name in
     ``model.mtp_layers`` when the model has that layer. None: not loaded (the layer is
-    not used, as transformers leaves it, or the tensor copies one of the model's)."""
+    not used, as transformers leaves it, or the tensor copies one of the model's).
+    Qwen3.5 stores its layer as ``mtp.*``: one set of inputs and norms (the first
+    layer's), then ``mtp.layers.{i}``."""
+    if name.startswith("mtp."):
+        if not num_mtp_layers:
+            return None
+        if name in _QWEN_MTP_PARTS:
+            return f"model.mtp_layers.0.{_QWEN_MTP_PARTS[name]}"
+        layer = _QWEN_MTP_LAYER.match(name)
+        if layer is None or int(layer.group(1)) >= num_mtp_layers:
+            return None
+        return f"model.mtp_layers.{layer.group(1)}.{layer.group(2)}"
     if arch.architecture not in MTP_LAYER_ARCHITECTURES:
         return name
     layer = _LAYER_INDEX.match(name)
@@ -477,9 +493,10 @@ def load_model(
     if missing and all(name.startswith("model.mtp_layers.") for name in missing):
         raise ModelLoadError(
             f"{model_dir}: engine.speculative_method mtp: config.json declares "
-            f"num_nextn_predict_layers={arch.num_mtp_layers}, but the files store no "
-            f"complete MTP layer (model.layers.{arch.num_layers}.*; missing "
-            f"{len(missing)} tensors, such as {missing[0]})"
+            f"{arch.num_mtp_layers} MTP layer(s) (num_nextn_predict_layers, or Qwen3.5's "
+            "mtp_num_hidden_layers), but the files store no complete one "
+            f"(model.layers.{arch.num_layers}.*, or mtp.*; missing {len(missing)} tensors, "
+            f"such as {missing[0]})"
         )
     if missing:
         raise ModelLoadError(

@@ -493,6 +493,49 @@ def _add_mtp_layer(out: Path, config, seed: int) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 
+def add_qwen_mtp_layer(model_dir: Path, out: Path, seed: int = 0) -> Path:
+    """A copy of ``model_dir`` (a made Qwen3.5, one file) with a random MTP layer stored
+    as the releases store theirs: ``mtp.layers.0`` a full-attention decoder layer shaped
+    as the model's last one, ``mtp.fc`` over the normed embedding and hidden state,
+    ``mtp.pre_fc_norm_embedding`` / ``pre_fc_norm_hidden`` / ``norm`` (Qwen3.5's norms
+    scale by 1 + weight), and ``mtp_num_hidden_layers: 1`` in its config. transformers
+    leaves it unloaded; ``engine.speculative_method: mtp`` drafts with it."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(parents=True)
+    for path in model_dir.iterdir():
+        if path.is_file():
+            (out / path.name).write_bytes(path.read_bytes())
+    config = json.loads((out / "config.json").read_text())
+    text = config.get("text_config", config)
+    text["mtp_num_hidden_layers"] = 1
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tensors = load_file(str(out / "model.safetensors"))
+    types = text["layer_types"]
+    last = f"model.layers.{len(types) - 1 - types[::-1].index('full_attention')}."
+    hidden = text["hidden_size"]
+    generator = torch.Generator().manual_seed(seed + 1)
+
+    def offsets(shape: tuple[int, ...]) -> torch.Tensor:  # gains 1 + w, w in [-0.2, 0.2)
+        return 0.4 * torch.rand(shape, generator=generator) - 0.2
+
+    layer = {
+        key.removeprefix(last): offsets(tuple(t.shape)) if key.endswith("norm.weight")
+        else torch.randn(tuple(t.shape), generator=generator) * text["initializer_range"]
+        for key, t in tensors.items()
+        if key.startswith(last)
+    }  # fmt: skip
+    tensors.update({f"mtp.layers.0.{key}": value for key, value in layer.items()})
+    fc = torch.randn((hidden, 2 * hidden), generator=generator) * text["initializer_range"]
+    tensors["mtp.fc.weight"] = fc
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{name}.weight"] = offsets((hidden,))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})  # fmt: skip
+    return out
+
+
 def ensure_model(arch: str = DEMO_ARCH, size: str = DEMO_SIZE) -> Path:
     """The path of a made model in the cache, making it on first use, and again when it
     was made by an older maker (``common.model_info.MAKER_VERSION``).

@@ -20,7 +20,9 @@ import torch
 
 from engine.models.errors import ModelLoadError
 
-STACKED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+STACKED_EXPERTS = re.compile(
+    r"^(model\.(?:mtp_)?layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$"
+)
 
 
 def stacked_expert_pieces(

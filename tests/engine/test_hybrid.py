@@ -11,6 +11,7 @@ import pytest
 from common.config import ConfigError, EngineConfig
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
+from engine.models.maker import add_qwen_mtp_layer
 from tests.engine.helpers import assert_prompt_logprobs_match, hf_greedy, random_prompts
 
 GREEDY = SamplingParams(max_tokens=24, min_tokens=24, temperature=0)
@@ -153,14 +154,22 @@ def test_the_config_check_sizes_the_pool_as_the_engine_does(qwen3_5, tmp_path):
     spec = {"kv_cache_bytes": 8 << 20, "max_num_seqs": 6, "device": "cpu",
             "num_speculative_tokens": 2}  # fmt: skip
     engine = LLMEngine(qwen3_5, EngineConfig(**spec))
+    budget_blocks = engine.runner.num_blocks
     assert engine.runner.shard.num_state_slots == 6 * 3
     (prefill, _) = kv_budgets(load_config(str(write_config(tmp_path / "s.yaml", qwen3_5,
                                                            engine=spec))))  # fmt: skip
-    assert prefill.num_blocks == engine.runner.num_blocks
+    assert prefill.num_blocks == budget_blocks == engine.runner.num_blocks
     mtp = {"num_speculative_tokens": 2, "speculative_method": "mtp"}
     config = write_config(tmp_path / "mtp.yaml", qwen3_5, engine=mtp)
-    with pytest.raises(ConfigError, match="mtp drafts are not supported"):
+    with pytest.raises(ConfigError, match="has none"):  # (an MTP layer: its files have none)
         kv_budgets(load_config(str(config)))
+    # With one (``mtp.*``): its KV is one more cache layer of every block.
+    with_mtp = add_qwen_mtp_layer(qwen3_5, tmp_path / "with-mtp")
+    spec_mtp = {**spec, **mtp, "kv_cache_bytes": 12 << 20}
+    engine = LLMEngine(with_mtp, EngineConfig(**spec_mtp))
+    (prefill, _) = kv_budgets(load_config(str(write_config(tmp_path / "m.yaml", with_mtp,
+                                                           engine=spec_mtp))))  # fmt: skip
+    assert prefill.num_blocks == engine.runner.num_blocks
 
 
 def test_qwen3_5_configs_read_as_transformers_reads_them(tmp_path):

@@ -9,12 +9,20 @@ log-probs (the tiny model's greedy tokens barely depend on the states; its log-p
 
 from __future__ import annotations
 
-import pytest
+import json
+from pathlib import Path
 
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from benchmarks.mtp import oracle_qwen_mtp_checkpoint
 from benchmarks.speculative import ReplayProposer
-from common.config import ConfigError
-from engine import LLM, SamplingParams
+from common.config import ConfigError, EngineConfig
+from engine import LLM, LLMEngine, SamplingParams
+from engine.models.maker import add_qwen_mtp_layer
 from tests.engine.helpers import random_prompts
+from tests.engine.models.test_mtp import ReferenceMtp, checked_drafts
 
 VOCAB = 2000
 PARAMS = SamplingParams(max_tokens=30, min_tokens=30, temperature=0, logprobs=0)
@@ -99,9 +107,10 @@ def test_drafts_under_preemption(qwen3_5, plain):
     assert llm.engine.leak_report() == []
 
 
-def test_mtp_and_eagle3_drafts_and_hybrid_draft_models_are_refused(qwen3_5):
-    with pytest.raises(ConfigError, match="mtp drafts are not supported"):
-        LLM(qwen3_5, num_speculative_tokens=2, speculative_method="mtp")
+def test_eagle3_drafts_and_hybrid_draft_models_are_refused(qwen3_5, model_factory):
+    with pytest.raises(ConfigError, match="eagle3 drafts are not supported"):
+        LLM(qwen3_5, num_speculative_tokens=2, speculative_method="eagle3",
+            draft_model=str(model_factory("llama")))  # fmt: skip
     with pytest.raises(ConfigError, match="has linear-attention layers"):
         LLM(qwen3_5, num_speculative_tokens=2, speculative_method="draft_model",
             draft_model=str(qwen3_5))  # fmt: skip
@@ -158,4 +167,69 @@ def test_a_dense_draft_model_drafts_for_a_hybrid_target(qwen3_5, plain, model_fa
               draft_model=str(model_factory("qwen3")))  # fmt: skip
     assert_same(llm.generate(prompts, PARAMS, use_tqdm=False), expected)
     assert llm.engine.scheduler.num_draft_tokens > 0
+    assert llm.engine.leak_report() == []
+
+
+class ReferenceQwenMtp(ReferenceMtp):
+    """Qwen3.5's MTP layer computed with transformers, as ``ReferenceMtp`` does DeepSeek's:
+    the layer (``mtp.layers.0``) as a one-layer Qwen3.5 of full attention with
+    ``mtp.norm`` as its final norm and the model's embeddings and head, fed
+    ``fc([pre_fc_norm_embedding(embed(t_{q+1})), pre_fc_norm_hidden(h_q)])`` (Qwen3.5's
+    norms scale by 1 + weight), ``h_q`` the target's states after its final norm."""
+
+    def __init__(self, model_dir: Path, tmp_path: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        config = json.loads((model_dir / "config.json").read_text())
+        self.eps = config["rms_norm_eps"]
+        tensors = load_file(str(model_dir / "model.safetensors"))
+        self.enorm = 1 + tensors["mtp.pre_fc_norm_embedding.weight"]
+        self.hnorm = 1 + tensors["mtp.pre_fc_norm_hidden.weight"]
+        self.eh_proj = tensors["mtp.fc.weight"]
+        self.embed = tensors["model.embed_tokens.weight"]
+        one_layer = {f"model.layers.0.{k.removeprefix('mtp.layers.0.')}": v
+                     for k, v in tensors.items() if k.startswith("mtp.layers.0.")}  # fmt: skip
+        one_layer["model.norm.weight"] = tensors["mtp.norm.weight"]
+        one_layer["model.embed_tokens.weight"] = self.embed
+        one_layer["lm_head.weight"] = tensors["lm_head.weight"]
+        layer_dir = tmp_path / "mtp-as-a-model"
+        layer_dir.mkdir()
+        small = {**config, "num_hidden_layers": 1, "layer_types": ["full_attention"]}
+        del small["mtp_num_hidden_layers"]
+        (layer_dir / "config.json").write_text(json.dumps(small))
+        save_file(one_layer, str(layer_dir / "model.safetensors"), metadata={"format": "pt"})
+        self.target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.layer = AutoModelForCausalLM.from_pretrained(layer_dir, dtype=torch.float32)
+
+
+def test_mtp_drafts_equal_the_reference_layer(qwen3_5, tmp_path):
+    """Qwen3.5's MTP layer (``mtp.*`` in its files): two drafts after every step of three
+    requests (prompts in 32-token chunks, then again from the prefix cache's snapshots),
+    each the reference's greedy draft at the same point; the target verifies them."""
+    model_dir = add_qwen_mtp_layer(qwen3_5, tmp_path / "with-mtp")
+    reference = ReferenceQwenMtp(model_dir, tmp_path)
+    prompts = random_prompts((40, 75, 100), seed=11)
+    params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
+    config = EngineConfig(speculative_method="mtp", dtype="float32", num_speculative_tokens=2,
+                          max_num_batched_tokens=32)  # fmt: skip
+    engine = LLMEngine(model_dir, config)
+    assert checked_drafts(engine, prompts, params, reference.drafts) >= 20
+    assert engine.scheduler.num_state_restores > 0  # the second round's, from snapshots
+    assert engine.leak_report() == []
+
+
+def test_an_oracle_mtp_layer_has_every_draft_kept(qwen3_5, tmp_path):
+    """Every block's output zeroed (the delta-rule layers' too), so the model is a bigram
+    table, and an MTP layer that passes the next token's embedding to the model's norm
+    and head: it predicts what the model will sample, so every draft is kept, 1 + 3
+    tokens a step; the tokens and log-probs are the engine's without drafts."""
+    with_mtp = add_qwen_mtp_layer(qwen3_5, tmp_path / "with-mtp")
+    model_dir = oracle_qwen_mtp_checkpoint(with_mtp, tmp_path / "oracle")
+    prompts = random_prompts([5, 17, 33], seed=12)
+    expected = LLM(model_dir, enable_prefix_caching=False).generate(prompts, PARAMS,
+                                                                    use_tqdm=False)  # fmt: skip
+    llm = LLM(model_dir, num_speculative_tokens=3, speculative_method="mtp")
+    assert_same(llm.generate(prompts, PARAMS, use_tqdm=False), expected)
+    scheduler = llm.engine.scheduler
+    assert scheduler.num_accepted_tokens == scheduler.num_draft_tokens > 0
     assert llm.engine.leak_report() == []

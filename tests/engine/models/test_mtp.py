@@ -20,6 +20,7 @@ from common.kv_budget import ModelShape
 from deploy.cli import main
 from engine import LLM, LLMEngine, SamplingParams
 from engine.models.arch import ModelLoadError
+from engine.models.maker import add_qwen_mtp_layer
 from tests.engine.helpers import random_prompts
 from tests.engine.local_puller import LocalPuller
 from tests.engine.test_disaggregation import hand_off
@@ -234,14 +235,17 @@ REBALANCED = dict(expert_parallel=True, num_redundant_experts=2, expert_rebalanc
 @pytest.mark.parametrize(
     ("arch", "experts"),
     [("deepseek_v3", {}), ("glm4_moe", {}), ("deepseek_v3", EXPERTS_WHOLE),
-     ("deepseek_v3", REBALANCED)],
+     ("deepseek_v3", REBALANCED), ("qwen3_5", {})],
 )  # fmt: skip
-def test_tensor_parallel_drafts_equal_one_rank(model_factory, arch, experts):
+def test_tensor_parallel_drafts_equal_one_rank(model_factory, tmp_path, arch, experts):
     """Over 2 ranks (the MTP layer's heads and experts split as every layer's, or its
     experts dealt out whole with expert parallelism, and rebalanced with the model's;
     its passes sent to the other rank as ``MtpPass``): the same drafts after every step
-    as one process, and the same tokens."""
+    as one process, and the same tokens. Qwen3.5's (``mtp.*``) over a hybrid model, whose
+    ranks keep their heads' states after each verified token too."""
     model_dir = model_factory(arch)
+    if arch == "qwen3_5":
+        model_dir = add_qwen_mtp_layer(model_dir, tmp_path / "with-mtp")
     prompts = random_prompts((30, 70), seed=8)
     params = SamplingParams(max_tokens=10, min_tokens=10, temperature=0)
     recorded = []
@@ -280,7 +284,7 @@ def test_a_checkpoint_without_the_layers_tensors_is_refused(model_factory, tmp_p
     tensors = load_file(str(model_dir / "model.safetensors"))
     save_file({k: v for k, v in tensors.items() if not k.startswith("model.layers.4.")},
               str(copy / "model.safetensors"), metadata={"format": "pt"})  # fmt: skip
-    with pytest.raises(ModelLoadError, match="num_nextn_predict_layers=1, but the files"):
+    with pytest.raises(ModelLoadError, match="declares 1 MTP layer.*but the files store no"):
         LLMEngine(copy, EngineConfig(**MTP, num_speculative_tokens=2))
     assert LLMEngine(copy, EngineConfig(dtype="float32")).leak_report() == []
 
