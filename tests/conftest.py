@@ -58,3 +58,9 @@ def model_factory(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def tiny_llama(model_factory) -> Path:
     return model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def qwen3_5(model_factory) -> Path:
+    """The made Qwen3.5: a hybrid model (gated delta-rule layers between gated attention)."""
+    return model_factory("qwen3_5")

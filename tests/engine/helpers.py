@@ -19,6 +19,11 @@ def random_prompts(lengths=PROMPT_LENGTHS, seed: int = 0, vocab: int = 2000) -> 
     return [[rng.randrange(5, vocab) for _ in range(n)] for n in lengths]
 
 
+def sampled_logprobs(output) -> list[float]:
+    """The log-prob of each token a request sampled (``SamplingParams.logprobs=0``)."""
+    return [entry.logprob for entry in output.outputs[0].logprobs]
+
+
 def hf_greedy(
     model_dir: Path,
     prompts: list[list[int]],

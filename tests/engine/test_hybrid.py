@@ -17,11 +17,6 @@ from tests.engine.helpers import assert_prompt_logprobs_match, hf_greedy, random
 GREEDY = SamplingParams(max_tokens=24, min_tokens=24, temperature=0)
 
 
-@pytest.fixture(scope="module")
-def qwen3_5(model_factory):
-    return model_factory("qwen3_5")
-
-
 def test_prompt_logprobs_equal_transformers(qwen3_5):
     """Every prompt position, whole (two chunks of the chunked form: 130 tokens) and in
     chunks of 9 (the states carried from chunk to chunk)."""

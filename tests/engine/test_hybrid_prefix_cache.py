@@ -10,17 +10,12 @@ import pytest
 from common.config import EngineConfig
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
-from tests.engine.helpers import random_prompts
+from tests.engine.helpers import random_prompts, sampled_logprobs
 
 GREEDY = SamplingParams(max_tokens=12, min_tokens=12, temperature=0)
 # The tiny model's greedy tokens barely depend on the states (they survived wrong ones):
 # its log-probs do.
 WITH_LOGPROBS = SamplingParams(max_tokens=12, min_tokens=12, temperature=0, logprobs=0)
-
-
-@pytest.fixture(scope="module")
-def qwen3_5(model_factory):
-    return model_factory("qwen3_5")
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +25,6 @@ def uncached(qwen3_5):
 
 def tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-
-
-def logprobs(output) -> list[float]:
-    return [entry.logprob for entry in output.outputs[0].logprobs]
 
 
 def num_snapshots(llm: LLM) -> int:
@@ -56,13 +47,13 @@ def test_a_repeated_prompt_and_a_next_turn_start_from_the_snapshot(qwen3_5, unca
     assert num_snapshots(llm) == 2
     again = llm.generate([prompt], WITH_LOGPROBS, use_tqdm=False)[0]
     assert again.num_cached_tokens == 64 and again.outputs[0].token_ids == answer
-    assert logprobs(again) == pytest.approx(logprobs(first), abs=1e-4)
+    assert sampled_logprobs(again) == pytest.approx(sampled_logprobs(first), abs=1e-4)
     turn = prompt + answer + random_prompts([10], seed=12)[0]  # 92 tokens
     following = llm.generate([turn], WITH_LOGPROBS, use_tqdm=False)[0]
     assert following.num_cached_tokens == 80
     computed = uncached.generate([turn], WITH_LOGPROBS, use_tqdm=False)[0]
     assert following.outputs[0].token_ids == computed.outputs[0].token_ids
-    assert logprobs(following) == pytest.approx(logprobs(computed), abs=1e-4)
+    assert sampled_logprobs(following) == pytest.approx(sampled_logprobs(computed), abs=1e-4)
     assert num_snapshots(llm) == 3  # and its decode's, after 96 tokens
     assert llm.engine.leak_report() == []
 
@@ -162,7 +153,7 @@ def test_a_rolling_snapshot_found_in_the_step_that_rewrites_it_is_copied_first(q
     assert done["turn"].num_cached_tokens == 32
     computed = uncached.generate([turn], WITH_LOGPROBS, use_tqdm=False)[0]
     assert done["turn"].outputs[0].token_ids == computed.outputs[0].token_ids
-    assert logprobs(done["turn"]) == pytest.approx(logprobs(computed), abs=1e-4)
+    assert sampled_logprobs(done["turn"]) == pytest.approx(sampled_logprobs(computed), abs=1e-4)
     assert done["decoding"].outputs[0].token_ids == tokens(uncached, [prompt], params)[0]
     assert kv.num_held_snapshot_blocks == 0 and engine.leak_report() == []
 
@@ -193,7 +184,7 @@ def test_a_shared_system_prompt_is_snapshotted_where_a_second_request_branches(
     assert scheduler.num_state_restores == 3
     for output, computed in zip([first, second, third, *at_once], expected, strict=True):
         assert output.outputs[0].token_ids == computed.outputs[0].token_ids
-        assert logprobs(output) == pytest.approx(logprobs(computed), abs=1e-4)
+        assert sampled_logprobs(output) == pytest.approx(sampled_logprobs(computed), abs=1e-4)
     assert scheduler.kv.branch_points == {}
     assert llm.engine.leak_report() == []
 

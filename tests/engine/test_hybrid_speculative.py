@@ -21,7 +21,7 @@ from benchmarks.speculative import ReplayProposer
 from common.config import ConfigError, EngineConfig
 from engine import LLM, LLMEngine, SamplingParams
 from engine.models.maker import add_qwen_mtp_layer
-from tests.engine.helpers import random_prompts
+from tests.engine.helpers import random_prompts, sampled_logprobs
 from tests.engine.models.test_mtp import ReferenceMtp, checked_drafts
 
 VOCAB = 2000
@@ -29,23 +29,14 @@ PARAMS = SamplingParams(max_tokens=30, min_tokens=30, temperature=0, logprobs=0)
 
 
 @pytest.fixture(scope="module")
-def qwen3_5(model_factory):
-    return model_factory("qwen3_5")
-
-
-@pytest.fixture(scope="module")
 def plain(qwen3_5):
     return LLM(qwen3_5, enable_prefix_caching=False)
-
-
-def logprobs(output) -> list[float]:
-    return [entry.logprob for entry in output.outputs[0].logprobs]
 
 
 def assert_same(got, expected) -> None:
     for output, reference in zip(got, expected, strict=True):
         assert output.outputs[0].token_ids == reference.outputs[0].token_ids
-        assert logprobs(output) == pytest.approx(logprobs(reference), abs=1e-4)
+        assert sampled_logprobs(output) == pytest.approx(sampled_logprobs(reference), abs=1e-4)
 
 
 def drafting(llm: LLM, references, p_wrong: float, first_id: int = 0) -> LLM:
@@ -151,7 +142,7 @@ def test_a_decode_worker_verifies_drafts_after_pulling_the_states(qwen3_5, plain
         got = outputs[f"r{i}"].outputs[0]
         assert got.token_ids == reference.outputs[0].token_ids
         sampled = [entry.logprob for entry in got.logprobs]
-        assert sampled == pytest.approx(logprobs(reference)[1:], abs=1e-4)
+        assert sampled == pytest.approx(sampled_logprobs(reference)[1:], abs=1e-4)
     assert decode.num_pull_failures == 0 and decode.scheduler.num_accepted_tokens > 0
     for i in range(len(prompts)):
         assert prefill.release_kv(f"r{i}")
