@@ -1,8 +1,10 @@
 """Architectures beyond Llama served disaggregated by a real ``pdserve up`` stack (router +
 1 prefill + 1 decode worker): a mixture-of-experts model (Qwen2-MoE: routed experts plus a
 gated shared expert), GPT-OSS (attention sinks, biased experts, windows on every other
-layer), Mistral (a window on every layer) and DeepSeek-V3 (latent attention: one latent
-per token moves; its workers draft with its MTP layer, whose KV moves too). The prompt's KV
+layer), Mistral (a window on every layer), DeepSeek-V3 (latent attention: one latent
+per token moves; its workers draft with its MTP layer, whose KV moves too) and Qwen3.5
+with its MTP layer (a hybrid model: its linear-attention states move with the prompt's
+KV, and the decode worker verifies drafts keeping the states after each token). The prompt's KV
 moves to the decode worker, which continues it, and the client gets exactly the offline
 engine's tokens (which drafts nothing), greedy and seeded, whole and streamed.
 (Gemma 3 and Phi-3 differ from these only inside the engine: their parity is tested
@@ -19,6 +21,7 @@ import pytest
 
 from common.tokenizer import Tokenizer
 from engine import LLM, SamplingParams
+from engine.models.maker import add_qwen_mtp_layer
 from router.tool_parsers import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, TOOL_SEP
 from tests.support.processes import write_config
 from tests.support.stack import serving, worker_stats
@@ -31,13 +34,21 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0
           "required": ["n"], "additionalProperties": False}  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=["qwen2_moe", "gpt_oss", "mistral", "deepseek_v3"])
-def model_dir(request, model_factory):
+@pytest.fixture(
+    scope="module", params=["qwen2_moe", "gpt_oss", "mistral", "deepseek_v3", "qwen3_5"]
+)
+def model_dir(request, model_factory, tmp_path_factory):
+    if request.param == "qwen3_5":  # with an MTP layer, stored as Qwen3.5's releases do
+        return add_qwen_mtp_layer(model_factory("qwen3_5"), tmp_path_factory.mktemp("q") / "m")
     return model_factory(request.param)
 
 
 def _model_type(model_dir) -> str:
     return json.loads((model_dir / "config.json").read_text())["model_type"]
+
+
+def _drafts_with_mtp(model_dir) -> bool:
+    return _model_type(model_dir) in ("deepseek_v3", "qwen3_5_text")
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +61,7 @@ def stack(model_dir, tmp_path_factory):
         tmp / "config.yaml",
         model_dir,
         router={"served_model_name": MODEL, "min_disagg_tokens": 0, "tool_call_parser": parser},
-        engine=mtp if _model_type(model_dir) == "deepseek_v3" else {},
+        engine=mtp if _drafts_with_mtp(model_dir) else {},
     )
     with serving(config, tmp / "home") as stack:
         yield stack
@@ -86,7 +97,7 @@ def test_disaggregated_tokens_equal_the_offline_engine(
     # The decode worker pulled the prompts' KV: the requests really were split.
     decode = worker_stats(stack, "decode")[0]
     assert decode.blocks_pulled > pulled_before
-    if _model_type(model_dir) == "deepseek_v3":  # its MTP layer proposed, decode verified
+    if _drafts_with_mtp(model_dir):  # its MTP layer proposed, decode verified
         assert decode.draft_tokens > 0
 
 
@@ -221,13 +232,13 @@ def test_deepseek_tool_calls_are_read_with_their_markers(stack, model_dir):
     assert_sure_and_calls(client, ask, [("get_weather", {"city": "Paris"})])
 
 
-def test_deepseek_prefill_drafts_reach_the_decode_worker(stack, model_dir):
+def test_mtp_prefill_drafts_reach_the_decode_worker(stack, model_dir):
     """The prefill worker's MTP drafts go with the first token (PrefillResponse, then
     GenerateRequest.draft_token_ids): with 3 tokens to generate, the decode worker's one
     step verifies one of them. Without them it would verify none: it drafts only after a
     step, and after its first step one token is left, which drafts nothing."""
-    if _model_type(model_dir) != "deepseek_v3":
-        pytest.skip("MTP drafts: DeepSeek-V3's stack")
+    if not _drafts_with_mtp(model_dir):
+        pytest.skip("MTP drafts: DeepSeek-V3's and Qwen3.5's stacks")
     client: openai.OpenAI = stack.openai_client()
     before = worker_stats(stack, "decode")[0].draft_tokens
     reply = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=3,
