@@ -153,8 +153,9 @@ _MTP_MODEL_TYPES = ("deepseek_v3", "glm4_moe")
 # beside the model, counted by ``mtp_num_hidden_layers``.
 QWEN_MTP_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
                           "Qwen3_5ForConditionalGeneration",
-                          "Qwen3_5MoeForConditionalGeneration")  # fmt: skip
-_QWEN_MTP_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+                          "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM")  # fmt: skip
+_QWEN_MTP_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
+                         "qwen3_next")  # fmt: skip
 
 
 def num_mtp_layers(cfg: dict[str, Any]) -> int:
@@ -163,7 +164,7 @@ def num_mtp_layers(cfg: dict[str, Any]) -> int:
     architectures = set(cfg.get("architectures") or [])
     model_type = cfg.get("model_type")
     if architectures & set(QWEN_MTP_ARCHITECTURES) or model_type in _QWEN_MTP_MODEL_TYPES:
-        return int(cfg.get("mtp_num_hidden_layers") or 0)
+        return int(cfg.get("mtp_num_hidden_layers") or cfg.get("num_nextn_predict_layers") or 0)
     if not (
         architectures & set(MTP_LAYER_ARCHITECTURES)
         or (not architectures and model_type in _MTP_MODEL_TYPES)
@@ -197,7 +198,8 @@ def kv_cache_heads(cfg: dict[str, Any]) -> tuple[int, int]:
 
 # Hybrid models' language models, whose layer_types mix linear and full attention
 # (``Qwen3_5TextConfig``: every ``full_attention_interval``-th layer full, default 4).
-HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe",
+                      "qwen3_next")  # fmt: skip
 # Qwen3_5TextConfig's defaults for its linear-attention keys.
 LINEAR_ATTENTION_DEFAULTS = {
     "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,

@@ -114,6 +114,10 @@ ARCHITECTURES: dict[str, ArchFlags] = {
     "Qwen3_5MoeForConditionalGeneration": ArchFlags(
         qk_norm=True, qwen3_5=True, moe=True, shared_expert=True, norm_topk_prob=True
     ),
+    # Qwen3-Next: Qwen3.5-MoE's layers, the delta-rule layer's input projections stored
+    # as two, interleaved per key head (``loader._qwen3_next_in_proj``); its router
+    # renormalizes as its config says.
+    "Qwen3NextForCausalLM": ArchFlags(qk_norm=True, qwen3_5=True, moe=True, shared_expert=True),
     # Phi-3 / Phi-4: Llama with fused qkv_proj and gate_up_proj in the checkpoint (loaded as
     # they are) and maybe a partial rotary.
     "Phi3ForCausalLM": ArchFlags(phi3_rope=True),
@@ -165,6 +169,7 @@ _BY_MODEL_TYPE = {
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+    "qwen3_next": "Qwen3NextForCausalLM",
 }
 
 

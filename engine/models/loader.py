@@ -77,6 +77,8 @@ _FUSED = re.compile(
 )
 # A linear-attention layer's four input projections, fused into its ``in_proj``.
 _LINEAR_IN = re.compile(r"^(model\.layers\.\d+\.linear_attn)\.in_proj_(qkv|z|b|a)\.weight$")
+# Qwen3-Next's two, each interleaved per key head (``_qwen3_next_in_proj``).
+_NEXT_IN = re.compile(r"^(model\.layers\.\d+\.linear_attn)\.in_proj_(qkvz|ba)\.weight$")
 _EXPERT = re.compile(
     r"^(model\.(?:mtp_)?layers\.\d+\.mlp\.experts)\.(\d+)"
     r"\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
@@ -154,6 +156,32 @@ def _mtp_name(name: str, arch: ModelArchConfig, num_mtp_layers: int) -> str | No
     if index >= num_mtp_layers or layer.group(2) in SHARED_WITH_MODEL:
         return None
     return f"model.mtp_layers.{index}.{layer.group(2)}"
+
+
+def _qwen3_next_in_proj(
+    module: str, which: str, tensor: torch.Tensor, arch: ModelArchConfig
+) -> tuple[_Target, torch.Tensor]:
+    """Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba``: per key head, its query, key, the
+    values and gates of its value heads (``[q k v z]`` each), or their betas and decays
+    (``[b a]``), as transformers' ``fix_query_key_value_ordering`` reads them. Reordered
+    into Qwen3.5's rows (all queries, keys, values, then gates; all betas, then decays),
+    which the fused ``in_proj`` takes at the part's start (``in_proj_widths``)."""
+    linear = arch.linear_attention
+    assert linear is not None
+    groups = linear.num_key_heads
+    per_group = linear.num_value_heads // groups
+    if which == "qkvz":
+        widths = [linear.key_head_dim, linear.key_head_dim, per_group * linear.value_head_dim,
+                  per_group * linear.value_head_dim]  # fmt: skip
+        first = "qkv"
+    else:
+        widths, first = [per_group, per_group], "b"
+    if tensor.shape[0] != groups * sum(widths):
+        raise ModelLoadError(f"{module}.in_proj_{which}.weight has {tensor.shape[0]} rows; "
+                             f"this config needs {groups * sum(widths)}")  # fmt: skip
+    parts = tensor.reshape(groups, sum(widths), -1).split(widths, dim=1)
+    rows = torch.cat([part.reshape(-1, tensor.shape[-1]) for part in parts])
+    return _Target(f"{module}.in_proj.weight", linear.in_proj_start(first)), rows
 
 
 def _model_name(name: str) -> str | None:
@@ -449,6 +477,11 @@ def load_model(
                         )
                     if arch.mla is not None:
                         tensor = rope_rows_in_halves(name, tensor, arch)
+                    next_in = _NEXT_IN.match(name) if arch.linear_attention else None
+                    if next_in is not None:  # Qwen3-Next's: into Qwen3.5's order
+                        target, tensor = _qwen3_next_in_proj(*next_in.groups(), tensor, arch)
+                        place(target, tensor, stored, path)
+                        continue
                     place(_target(name, arch, shapes), tensor, stored, path)
                     continue
                 prefix, which, suffix = expert.group(1), expert.group(2), expert.group(3) or ""

@@ -87,7 +87,7 @@ from engine.models.tokenizer_trainer import (
 )
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5",
-         "qwen3_5_moe", "gemma3",
+         "qwen3_5_moe", "qwen3_next", "gemma3",
          "phi3", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2",
          "llava", "gemma3_mm", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
          "qwen3_5_mm")  # fmt: skip
@@ -95,6 +95,7 @@ SIZES = ("tiny", "small")
 # ChatML for the others.
 _CHAT_TEMPLATES = {"qwen3": THINKING_CHAT_TEMPLATE, "qwen3_moe": THINKING_CHAT_TEMPLATE,
                    "qwen3_5": THINKING_CHAT_TEMPLATE, "qwen3_5_moe": THINKING_CHAT_TEMPLATE,
+                   "qwen3_next": THINKING_CHAT_TEMPLATE,
                    "gpt_oss": HARMONY_CHAT_TEMPLATE, "llava": LLAVA_CHAT_TEMPLATE,
                    "gemma3_mm": GEMMA3_CHAT_TEMPLATE,
                    "qwen2_5_vl": QWEN2_5_VL_CHAT_TEMPLATE,
@@ -179,6 +180,13 @@ def _hf_config(arch: str, spec: SizeSpec, tokenizer_ids: dict[str, int]):
         return transformers.Qwen3_5TextConfig(**common, **linear)
     if arch == "qwen3_5_moe":  # the same, every layer's MLP experts and a shared expert
         return transformers.Qwen3_5MoeTextConfig(
+            **common, **linear, num_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            moe_intermediate_size=spec.expert_intermediate_size,
+            shared_expert_intermediate_size=spec.intermediate_size,
+        )  # fmt: skip
+    if arch == "qwen3_next":  # Qwen3.5-MoE's layers, its in_proj stored as two, interleaved
+        return transformers.Qwen3NextConfig(
             **common, **linear, num_experts=spec.num_experts,
             num_experts_per_tok=spec.num_experts_per_tok,
             moe_intermediate_size=spec.expert_intermediate_size,
@@ -346,7 +354,7 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
         # Gemma 3's processor reads its image tokens by these names.
         **({"extra_special_tokens": GEMMA3_IMAGE_TOKENS} if arch == "gemma3_mm" else {}),
     )
-    if arch in ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe"):  # thinking: tags, template
+    if arch in ("qwen3", "qwen3_moe", "qwen3_5", "qwen3_5_moe", "qwen3_next"):  # thinking
         tokenizer.add_tokens(THINK_TOKENS)
     if arch == "gpt_oss":  # GPT-OSS writes Harmony: its markers are special tokens
         tokenizer.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
@@ -395,7 +403,7 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
                 # Non-trivial norm gains, so that norm weights are exercised by parity tests
                 # (Gemma stores a gain's offset from 1; its vision tower's LayerNorms do not).
                 offset = (text_arch == "gemma3" and "vision_tower" not in name) or (
-                    text_arch in ("qwen3_5", "qwen3_5_moe")
+                    text_arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next")
                     and ".linear_attn.norm." not in name
                     and "visual." not in name
                 )

@@ -25,6 +25,18 @@ def test_prompt_logprobs_equal_transformers(qwen3_5):
     assert_prompt_logprobs_match(qwen3_5, prompt, prefill_chunk_tokens=9)
 
 
+def test_qwen3_next_log_probs_equal_transformers(model_factory):
+    """Qwen3-Next: Qwen3.5-MoE's layers with each delta-rule layer's input projections
+    stored as two, interleaved per key head (``in_proj_qkvz``, ``in_proj_ba``), reordered
+    at load; every prompt position's log-probs equal transformers', whole, chunked, and
+    over two ranks (each its heads' rows of the reordered projection)."""
+    model_dir = model_factory("qwen3_next")
+    prompt = random_prompts([45], seed=2)[0]
+    assert_prompt_logprobs_match(model_dir, prompt)
+    assert_prompt_logprobs_match(model_dir, prompt, prefill_chunk_tokens=9)
+    assert_prompt_logprobs_match(model_dir, prompt, tensor_parallel_size=2)
+
+
 @pytest.mark.parametrize("chunk", [5, 48])
 def test_chunked_mixed_batches_give_transformers_tokens(qwen3_5, chunk):
     """Prompts of many lengths at once: steps mix decodes (one recurrence step each, all

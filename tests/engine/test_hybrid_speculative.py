@@ -209,12 +209,14 @@ def test_mtp_drafts_equal_the_reference_layer(qwen3_5, tmp_path):
     assert engine.leak_report() == []
 
 
-def test_an_oracle_mtp_layer_has_every_draft_kept(qwen3_5, tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_an_oracle_mtp_layer_has_every_draft_kept(model_factory, tmp_path, arch):
     """Every block's output zeroed (the delta-rule layers' too), so the model is a bigram
     table, and an MTP layer that passes the next token's embedding to the model's norm
     and head: it predicts what the model will sample, so every draft is kept, 1 + 3
-    tokens a step; the tokens and log-probs are the engine's without drafts."""
-    with_mtp = add_qwen_mtp_layer(qwen3_5, tmp_path / "with-mtp")
+    tokens a step; the tokens and log-probs are the engine's without drafts. Qwen3-Next
+    stores its MTP layer as Qwen3.5 does (an MoE layer there)."""
+    with_mtp = add_qwen_mtp_layer(model_factory(arch), tmp_path / "with-mtp")
     model_dir = oracle_qwen_mtp_checkpoint(with_mtp, tmp_path / "oracle")
     prompts = random_prompts([5, 17, 33], seed=12)
     expected = LLM(model_dir, enable_prefix_caching=False).generate(prompts, PARAMS,
