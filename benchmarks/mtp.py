@@ -49,24 +49,16 @@ RESULTS = Path(__file__).parent / "results"
 
 def oracle_mtp_checkpoint(model_dir: Path, out: Path) -> Path:
     """``model_dir`` (a checkpoint with an MTP layer, one file) with every block's output
-    zeroed (attention's o_proj, the MLPs' and experts' down projections), so the model is
-    a bigram table: the next token is ``argmax head(norm(embed(t)))``. Its MTP layer,
-    zeroed alike, passes on the embedding of the token after its position (``eh_proj =
-    [I, 0]``, unit ``enorm``) to the model's own final norm and head, so it predicts the
-    token after that one exactly as the model will: every greedy draft is right."""
-    out.mkdir(parents=True)
-    for path in model_dir.iterdir():
-        if path.suffix != ".safetensors":
-            (out / path.name).write_bytes(path.read_bytes())
-    tensors = load_file(str(model_dir / "model.safetensors"))
+    zeroed (``_bigram_copy``), so the model is a bigram table: the next token is ``argmax
+    head(norm(embed(t)))``. Its MTP layer, zeroed alike, passes on the embedding of the
+    token after its position (``eh_proj = [I, 0]``, unit ``enorm``) to the model's own
+    final norm and head, so it predicts the token after that one exactly as the model
+    will: every greedy draft is right."""
     num_layers = json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
     prefix = f"model.layers.{num_layers}."
-    for name, tensor in tensors.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight", "o_proj.bias")):
-            tensor.zero_()
+    tensors = _bigram_copy(model_dir, out)
     hidden = tensors["model.norm.weight"].shape[0]
-    eye = torch.cat((torch.eye(hidden), torch.zeros(hidden, hidden)), dim=1)
-    tensors[prefix + "eh_proj.weight"] = eye
+    tensors[prefix + "eh_proj.weight"] = _first_half(hidden)
     tensors[prefix + "enorm.weight"] = torch.ones(hidden)
     tensors[prefix + "shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -75,23 +67,36 @@ def oracle_mtp_checkpoint(model_dir: Path, out: Path) -> Path:
 
 def oracle_qwen_mtp_checkpoint(model_dir: Path, out: Path) -> Path:
     """The same oracle for a Qwen3.5 checkpoint with its MTP layer stored as ``mtp.*``
-    (``maker.add_qwen_mtp_layer``): every block's output zeroed, the delta-rule layers'
-    ``out_proj`` too, ``mtp.fc = [I, 0]``, a unit ``pre_fc_norm_embedding`` (Qwen3.5's
-    norms scale by 1 + weight) and the model's final norm as ``mtp.norm``."""
+    (``maker.add_qwen_mtp_layer``): ``mtp.fc = [I, 0]``, a unit ``pre_fc_norm_embedding``
+    (Qwen3.5's norms scale by 1 + weight) and the model's final norm as ``mtp.norm``."""
+    tensors = _bigram_copy(model_dir, out)
+    hidden = tensors["model.norm.weight"].shape[0]
+    tensors["mtp.fc.weight"] = _first_half(hidden)
+    tensors["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(hidden)
+    tensors["mtp.norm.weight"] = tensors["model.norm.weight"].clone()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def _bigram_copy(model_dir: Path, out: Path) -> dict[str, torch.Tensor]:
+    """``model_dir``'s files but its weights copied into ``out`` (created), and its
+    weights (one file) with every block's output zeroed: attention's ``o_proj``, a
+    delta-rule layer's ``out_proj``, the MLPs' and experts' down projections."""
     out.mkdir(parents=True)
     for path in model_dir.iterdir():
         if path.suffix != ".safetensors":
             (out / path.name).write_bytes(path.read_bytes())
     tensors = load_file(str(model_dir / "model.safetensors"))
+    outputs = ("o_proj.weight", "o_proj.bias", "out_proj.weight", "down_proj.weight")
     for name, tensor in tensors.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight")):
+        if name.endswith(outputs):
             tensor.zero_()
-    hidden = tensors["model.norm.weight"].shape[0]
-    tensors["mtp.fc.weight"] = torch.cat((torch.eye(hidden), torch.zeros(hidden, hidden)), 1)
-    tensors["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(hidden)
-    tensors["mtp.norm.weight"] = tensors["model.norm.weight"].clone()
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
+    return tensors
+
+
+def _first_half(hidden: int) -> torch.Tensor:
+    """[I, 0]: of [embedding, hidden state], the embedding ([hidden, 2 * hidden])."""
+    return torch.cat((torch.eye(hidden), torch.zeros(hidden, hidden)), dim=1)
 
 
 def _cpu_name() -> str:

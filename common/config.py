@@ -286,7 +286,7 @@ class EngineConfig:
         """(key, reason) of a setting a hybrid model (linear-attention layers:
         ``engine/linear_state.py``) cannot run with yet, or None. Drafts of the n-gram
         proposer, a draft model or the checkpoint's MTP layer are verified (each verified
-        token's states kept until the sampler has chosen: ``LinearStep.draft_slots``); an
+        token's states kept until the sampler has chosen: ``LinearStep.verify``); an
         EAGLE-3 head over a hybrid target is untried."""
         if self.speculative_method is SpeculativeMethod.EAGLE3:
             return (

@@ -22,12 +22,12 @@ of the states after that prefix, which the prefix cache keeps in blocks of its o
 (``kv_cache_manager.py``): ``StatePool.snapshot`` copies a slot into them after the step
 that reached the prefix's end, ``StatePool.restore`` copies them into a new request's slot
 before its first step. A decode verifying drafts keeps its states after each token in
-slots of its own (``LinearStep.draft_slots``) until its next step shows which to keep.
+slots of its own (``LinearStep.verify``) until its next step shows which to keep.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -36,12 +36,15 @@ from engine.models.arch import LinearAttentionConfig
 
 @dataclass(frozen=True, slots=True)
 class VerifyPlan:
-    """How a step's decodes with drafts (``LinearStep.draft_slots``) run one position at a
-    time, all of them together: the sequences' own slots (their states before the step),
-    and per position p, the rows of the sequences that have a token there, their index
-    among the sequences, and the slot that keeps the states after it (a draft slot, or
-    the sequence's own after its last token). Built once per step, read by every layer."""
+    """How a step's decodes with drafts (a segment of n tokens each: a token and its
+    drafts) run one position at a time, all of them together, keeping the states after
+    each token (the sampler may keep any number of the drafts): which sequences of the
+    step they are, their own slots (their states before the step), and per position p,
+    the rows of the sequences that have a token there, their index among the sequences,
+    and the slot that keeps the states after it (a draft slot, or the sequence's own
+    after its last token). Built once per step, read by every layer."""
 
+    seqs: frozenset[int]  # the verifying sequences' indices in the step
     slots: torch.Tensor  # [num_verifying] int64
     rows: list[torch.Tensor]  # per position: [n_p] int64 rows of the step
     active: list[torch.Tensor]  # per position: [n_p] int64 indices into ``slots``
@@ -70,24 +73,26 @@ def verify_plan(
         return [torch.tensor(values, dtype=torch.int64, device=device) for values in lists]
 
     own = torch.tensor([slots[seq] for seq in seqs], dtype=torch.int64, device=device)
-    return VerifyPlan(own, tensors(rows), tensors(active), tensors(kept))
+    return VerifyPlan(frozenset(seqs), own, tensors(rows), tensors(active), tensors(kept))
 
 
 @dataclass(frozen=True, slots=True)
 class LinearStep:
     """What a step's linear-attention layers need of its batch: each sequence's slot
     (segments ordered as the batch: the ``num_decodes`` single-token ones first), and
-    for a decode verifying drafts (a segment of n tokens), the slots that keep its
-    states after each of its first n - 1 tokens (``draft_slots``: its sequence index ->
-    those slots), so that the next step can start from the last token the sampler kept
-    (``StatePool.copy_slot``)."""
+    how its decodes verifying drafts run (``verify``; None without any): they keep their
+    states after each token, so that the next step can start from the last token the
+    sampler kept (``StatePool.copy_slot``)."""
 
     slots: torch.Tensor  # [num_seqs] int64, on the device
     slots_cpu: list[int]
     query_start_loc_cpu: list[int]
     num_decodes: int
-    draft_slots: dict[int, list[int]] = field(default_factory=dict)
-    verify: VerifyPlan | None = None  # (built from ``draft_slots`` when there are any)
+    verify: VerifyPlan | None = None
+
+    def verifies(self, seq: int) -> bool:
+        """Whether sequence ``seq`` verifies drafts (``verify`` runs it)."""
+        return self.verify is not None and seq in self.verify.seqs
 
 
 @dataclass(frozen=True, slots=True)

@@ -100,7 +100,7 @@ class HostBatch:
     # [source, dest] each: slots whose states become another's before the step (a decode
     # that verified drafts: the states after the last token kept); and [sequence index,
     # *slots] each: a decode with drafts, the slots its states after each token but the
-    # last go to (``LinearStep.draft_slots``).
+    # last go to (``LinearStep.verify``).
     state_accepts: list[list[int]] | None = None
     state_drafts: list[list[int]] | None = None
 
@@ -385,16 +385,15 @@ class ModelShard:
         pool.clear(batch.fresh_slots)
         for slot, *block_ids in batch.state_restores or ():
             pool.restore(slot, block_ids)
-        draft_slots = {seq: slots for seq, *slots in batch.state_drafts or ()}
         plan = None
-        if draft_slots:
+        if batch.state_drafts:
+            draft_slots = {seq: slots for seq, *slots in batch.state_drafts}
             plan = verify_plan(draft_slots, batch.state_slots, batch.query_start_loc, self.device)
         step = LinearStep(
             slots=self.to_device(batch.state_slots, torch.int64),
             slots_cpu=batch.state_slots,
             query_start_loc_cpu=batch.query_start_loc,
             num_decodes=batch.num_decodes,
-            draft_slots=draft_slots,
             verify=plan,
         )
         kv = iter(kv_caches)

@@ -594,7 +594,7 @@ class Scheduler:
         samples = end == request.num_tokens
         drafts = drafts or []
         scheduled = ScheduledRequest(request, num_new + len(drafts), samples, drafts)
-        # a hybrid model's states, kept there
+        # A hybrid model's states are snapshotted where its step ends at a boundary...
         boundary = self.kv.snapshot_boundary(request, request.num_computed_tokens)
         if boundary and end == boundary and not self.kv.has_snapshot(request, boundary):
             scheduled.snapshot_block_ids = self.kv.take_snapshot_blocks(request, boundary)

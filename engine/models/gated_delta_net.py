@@ -108,11 +108,11 @@ class GatedDeltaNet(nn.Module):
                 decay[:num_decodes], beta[:num_decodes], state.ssm[slots],
             )  # fmt: skip
             state.ssm[slots] = new
-        if step.draft_slots:  # decodes and their drafts: each token's states kept
+        if step.verify is not None:  # decodes and their drafts: each token's states kept
             _verify(query, key, value, decay, beta, out, state)
         starts = step.query_start_loc_cpu
         for seq in range(num_decodes, len(starts) - 1):
-            if seq in step.draft_slots:
+            if step.verifies(seq):
                 continue
             rows = slice(starts[seq], starts[seq + 1])
             slot = step.slots_cpu[seq]
@@ -153,7 +153,7 @@ class GatedDeltaNet(nn.Module):
                 state.conv[kept] = window[..., 1:]
         starts = step.query_start_loc_cpu
         for seq in range(num_decodes, len(starts) - 1):
-            if seq in step.draft_slots:
+            if step.verifies(seq):
                 continue
             rows = slice(starts[seq], starts[seq + 1])
             slot = step.slots_cpu[seq]

@@ -1,7 +1,7 @@
 """Speculative decoding on a hybrid model: a decode and its drafts run the recurrence one
 token at a time, keeping the linear-attention states after each token in slots of their
 own, and the next step starts from the states after the last token the sampler kept
-(``LinearStep.draft_slots``, ``ModelRunner._accepted``). Drafts come from a reference run
+(``LinearStep.verify``, ``ModelRunner._accepted``). Drafts come from a reference run
 (``ReplayProposer``; random weights rarely repeat themselves), corrupted at a rate so that
 steps keep all, some or none of them. Compared with the engine without drafts: tokens and
 log-probs (the tiny model's greedy tokens barely depend on the states; its log-probs do).
