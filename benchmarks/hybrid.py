@@ -1,9 +1,11 @@
-"""A hybrid model (Qwen3.5's layout: 3 of every 4 layers gated delta rule) against the dense
-model of the same size (Qwen3: the same width, heads, layers and MLP), side by side in one
-run: prompt throughput, decode throughput at a short and a long context, and the bytes a
-disaggregated pull moves per request (KV blocks, plus the hybrid's state blocks).
+"""A hybrid model (Qwen3.5's layout: 3 of every 4 layers gated delta rule; or with
+``--arch granite_hybrid_dense`` Granite 4.0-H's: 5 of every 6 Mamba-2) against the dense
+model of the same size (Qwen3, or Granite 3: the same width, heads, layers and MLP), side
+by side in one run: prompt throughput, decode throughput at a short and a long context,
+and the bytes a disaggregated pull moves per request (KV blocks, plus the hybrid's state
+blocks).
 
-    python -m benchmarks.hybrid [--size small] [--repeats 3]
+    python -m benchmarks.hybrid [--size small] [--repeats 3] [--arch granite_hybrid_dense]
 
 Cases, each the median of ``--repeats`` rounds (the models alternating within a round,
 after a warm-up round):
@@ -44,6 +46,9 @@ from benchmarks.records import write_record
 from benchmarks.side_by_side import add_model_args, record_header
 from engine import LLM, SamplingParams
 
+# The hybrid archs (``maker.ARCHS``) and the dense arch of each one's size.
+DENSE_OF = {"qwen3_5": "qwen3", "granite_hybrid_dense": "granite"}
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -56,11 +61,13 @@ def main() -> None:
     parser.add_argument("--turn-tokens", type=int, default=1024)
     parser.add_argument("--system-tokens", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--arch", default="qwen3_5", choices=list(DENSE_OF))
     args = parser.parse_args()
     from engine.models.maker import ensure_model
 
-    models = {"dense (qwen3)": ensure_model("qwen3", args.size),
-              "hybrid (qwen3_5)": ensure_model("qwen3_5", args.size)}  # fmt: skip
+    dense = DENSE_OF[args.arch]
+    models = {f"dense ({dense})": ensure_model(dense, args.size),
+              f"hybrid ({args.arch})": ensure_model(args.arch, args.size)}  # fmt: skip
     max_len = max(
         args.contexts + [args.prompt_tokens, args.turn_tokens + 96, args.system_tokens + 64]
     )
@@ -179,7 +186,7 @@ def main() -> None:
     for pull in pulls:
         print(f"pull of a {pull['prompt_tokens']}-token prompt: " + ", ".join(
             f"{name} {pull[name] / 2**20:.2f} MiB" for name in engines))  # fmt: skip
-    record = {**record_header(args), "model": f"qwen3 / qwen3_5 {args.size}",
+    record = {**record_header(args), "model": f"{dense} / {args.arch} {args.size}",
               "args": vars(args) | {"out_dir": str(args.out_dir)}, "rows": rows,
               "ratios": ratios, "pull_bytes": pulls}  # fmt: skip
     names = list(engines)

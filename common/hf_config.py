@@ -71,6 +71,25 @@ GPT_OSS_ROPE: dict[str, Any] = {
     "truncate": False,
     "original_max_position_embeddings": 4096,
 }
+# transformers' GraniteMoeHybridConfig defaults (5.x), for the keys a Granite 4.0-H config
+# may leave out.
+GRANITE_HYBRID_DEFAULTS: dict[str, Any] = {
+    "intermediate_size": 11008,
+    "shared_intermediate_size": 1024,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "mamba_n_heads": 128,
+    "mamba_n_groups": 1,
+    "mamba_d_state": 256,
+    "mamba_d_head": "auto",
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+    "mamba_chunk_size": 256,
+    "mamba_conv_bias": True,
+    "mamba_proj_bias": False,
+}
+# Layer type names of configs written before transformers 5 (``remap_legacy_layer_types``).
+_LEGACY_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
 # Keys of a multimodal config's top level that apply to its language model.
 _TOP_LEVEL_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings",
                    "torch_dtype", "dtype")  # fmt: skip
@@ -93,6 +112,31 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
         cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}  # absent keys only: an explicit null stays
     if cfg.get("model_type") == "gpt_oss":
         cfg = _gpt_oss(cfg)
+    if cfg.get("model_type") == "granitemoehybrid":
+        cfg = _granite_hybrid(cfg)
+    return cfg
+
+
+def _granite_hybrid(cfg: dict[str, Any]) -> dict[str, Any]:
+    """GraniteMoeHybridConfig's defaults and derived keys (``mamba_d_head`` "auto": the
+    Mamba-2 width over its heads; no ``layer_types``: every layer Mamba-2; the released
+    configs' "mamba" / "attention" read as "linear_attention" / "full_attention"), and its
+    MLP widths under the keys other MoE configs use: with experts (``num_local_experts``
+    > 0, ``intermediate_size`` wide) the shared MLP is ``shared_expert_intermediate_size``
+    wide; without, it is the dense ``intermediate_size``."""
+    cfg = {**GRANITE_HYBRID_DEFAULTS, **cfg}
+    if cfg["mamba_d_head"] == "auto":
+        width = int(cfg["mamba_expand"]) * int(cfg["hidden_size"])
+        cfg["mamba_d_head"] = width // int(cfg["mamba_n_heads"])
+    types = cfg.get("layer_types") or cfg.get("layers_block_type")
+    types = types or ["linear_attention"] * int(cfg["num_hidden_layers"])
+    cfg["layer_types"] = [_LEGACY_LAYER_TYPES.get(t, t) for t in types]
+    shared = int(cfg["shared_intermediate_size"])
+    if int(cfg["num_local_experts"] or 0):
+        cfg["moe_intermediate_size"] = int(cfg["intermediate_size"])
+        cfg["shared_expert_intermediate_size"] = shared
+    else:
+        cfg["intermediate_size"] = shared
     return cfg
 
 
@@ -197,9 +241,11 @@ def kv_cache_heads(cfg: dict[str, Any]) -> tuple[int, int]:
 
 
 # Hybrid models' language models, whose layer_types mix linear and full attention
-# (``Qwen3_5TextConfig``: every ``full_attention_interval``-th layer full, default 4).
+# (``Qwen3_5TextConfig``: every ``full_attention_interval``-th layer full, default 4);
+# Granite 4.0-H's linear layers are Mamba-2 (``MAMBA2_MODEL_TYPES``).
 HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe",
-                      "qwen3_next")  # fmt: skip
+                      "qwen3_next", "granitemoehybrid")  # fmt: skip
+MAMBA2_MODEL_TYPES = ("granitemoehybrid",)
 # Qwen3_5TextConfig's defaults for its linear-attention keys.
 LINEAR_ATTENTION_DEFAULTS = {
     "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
@@ -227,28 +273,39 @@ def hybrid_layer_types(cfg: dict[str, Any]) -> list[str]:
 
 
 def linear_heads(cfg: dict[str, Any]) -> tuple[int, int]:
-    """(key heads, value heads) of a hybrid model's linear-attention layers; (0, 0) for
-    other models."""
+    """(key heads, value heads) of a hybrid model's linear-attention layers, (B/C groups,
+    heads) of Mamba-2 ones (``text_config``'s keys); (0, 0) for other models."""
     if layer_types(cfg) is None:
         return 0, 0
+    if cfg.get("model_type") in MAMBA2_MODEL_TYPES:
+        return int(cfg["mamba_n_groups"]), int(cfg["mamba_n_heads"])
     dims = {**LINEAR_ATTENTION_DEFAULTS, **cfg}
     return int(dims["linear_num_key_heads"]), int(dims["linear_num_value_heads"])
 
 
-def linear_state_bytes(cfg: dict[str, Any]) -> int:
-    """float32 bytes of one request's linear-attention states (a hybrid model's; 0 for
-    others): per linear layer, the convolution's last ``kernel - 1`` inputs of its q, k
-    and v channels and each value head's ``key_head_dim x value_head_dim`` state."""
+def linear_state_bytes(cfg: dict[str, Any], tp_size: int = 1) -> int:
+    """float32 bytes of one request's linear-attention states on one of ``tp_size``
+    ranks (a hybrid model's, ``text_config``'s keys; 0 for others): per linear layer, the
+    convolution's last ``kernel - 1`` inputs of its channels and the recurrent states.
+    Gated delta rule: q, k and v channels, each value head's ``key_head_dim x
+    value_head_dim``. Mamba-2: x, B and C channels, each head's ``head_dim x d_state``;
+    with fewer B/C groups than ranks each rank keeps a whole group's B and C."""
     types = layer_types(cfg)
     if types is None:
         return 0
+    num_linear = sum(t == "linear_attention" for t in types[: int(cfg["num_hidden_layers"])])
+    if cfg.get("model_type") in MAMBA2_MODEL_TYPES:
+        heads = int(cfg["mamba_n_heads"]) // tp_size
+        groups = max(1, int(cfg["mamba_n_groups"]) // tp_size)
+        state, width = int(cfg["mamba_d_state"]), heads * int(cfg["mamba_d_head"])
+        conv = (width + 2 * groups * state) * (int(cfg["mamba_d_conv"]) - 1)
+        return 4 * (conv + width * state) * num_linear
     dims = {**LINEAR_ATTENTION_DEFAULTS, **cfg}
     key_dim = int(dims["linear_num_key_heads"]) * int(dims["linear_key_head_dim"])
     value_heads, value_dim = int(dims["linear_num_value_heads"]), int(dims["linear_value_head_dim"])
     conv = (2 * key_dim + value_heads * value_dim) * (int(dims["linear_conv_kernel_dim"]) - 1)
     recurrent = value_heads * int(dims["linear_key_head_dim"]) * value_dim
-    num_linear = sum(t == "linear_attention" for t in types[: int(cfg["num_hidden_layers"])])
-    return 4 * (conv + recurrent) * num_linear
+    return 4 * (conv + recurrent) * num_linear // tp_size
 
 
 def draft_vocab_problem(draft: object, draft_vocab: int, target_vocab: int) -> str | None:

@@ -17,8 +17,9 @@ a warning, since this machine need not be the one that serves.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from common.config import (
     ConfigError,
@@ -30,6 +31,7 @@ from common.config import (
     SpeculativeMethod,
 )
 from common.hf_config import (
+    MAMBA2_MODEL_TYPES,
     draft_vocab_problem,
     eagle3_kv_problem,
     eagle3_layer_config,
@@ -46,6 +48,7 @@ from common.tensor_parallel import (
     expert_split_problem,
     linear_split_problem,
     local_kv_heads,
+    mamba_split_problem,
     split_problem,
 )
 
@@ -68,11 +71,10 @@ class ModelShape:
     num_mtp_layers: int = 0
     num_experts: int = 0  # routed experts (MoE models)
     vocab_size: int = 0
-    # A hybrid model's linear-attention layers (no KV cache), and the float32 bytes of one
-    # request's states in them (``engine/linear_state.py``).
+    # A hybrid model's linear-attention layers (no KV cache): their count, and
+    # ``text_config``'s keys, which size one request's states in them (``rank_state_bytes``).
     num_linear_layers: int = 0
-    state_bytes: int = 0
-    linear_heads: tuple[int, int] = (0, 0)  # (key heads, value heads)
+    text_cfg: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def read(cls, model_dir: Path) -> ModelShape | None:
@@ -95,8 +97,7 @@ class ModelShape:
                 num_experts=int(_num_experts(cfg) or 0),
                 vocab_size=int(cfg.get("vocab_size", 0)),
                 num_linear_layers=(layer_types(cfg) or []).count("linear_attention"),
-                state_bytes=linear_state_bytes(cfg),
-                linear_heads=linear_heads(cfg),
+                text_cfg=cfg,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError("model", f"{path} is not a usable checkpoint config: {exc}") from None
@@ -116,7 +117,20 @@ class ModelShape:
         ``num_slots`` slots (``max_num_seqs``, times 1 + ``num_speculative_tokens``), each
         of whole blocks of one rank's (which holds its heads' share of the states:
         ``engine.model_shard``)."""
-        return num_slots * -(-(self.state_bytes // tp_size) // bytes_per_block)
+        return num_slots * -(-self.rank_state_bytes(tp_size) // bytes_per_block)
+
+    def rank_state_bytes(self, tp_size: int = 1) -> int:
+        """float32 bytes of one request's linear-attention states on one of ``tp_size``
+        ranks (``engine/linear_state.py``); 0 for a model without such layers."""
+        return linear_state_bytes(self.text_cfg, tp_size) if self.num_linear_layers else 0
+
+    def linear_split_problem(self, tp_size: int) -> str | None:
+        """Why the linear-attention layers do not split over ``tp_size`` ranks, or None."""
+        if not self.num_linear_layers or tp_size == 1:
+            return None
+        if self.text_cfg.get("model_type") in MAMBA2_MODEL_TYPES:
+            return mamba_split_problem(*linear_heads(self.text_cfg), tp_size)
+        return linear_split_problem(*linear_heads(self.text_cfg), tp_size)
 
 
 def _num_experts(cfg: dict) -> int | None:
@@ -202,8 +216,8 @@ def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
     if hybrid is not None:
         raise ConfigError(_key(config, role, hybrid[0]), f"{model_dir_of(config)}: {hybrid[1]}")
     problem = split_problem(shape.num_q_heads, shape.num_kv_heads, widths, tp_size)
-    if problem is None and shape.num_linear_layers and tp_size > 1:
-        problem = linear_split_problem(*shape.linear_heads, tp_size)
+    if problem is None:
+        problem = shape.linear_split_problem(tp_size)
     if problem is not None:
         raise ConfigError(_key(config, role, "tensor_parallel_size"), problem)
     max_model_len = min(engine.max_model_len or shape.max_context_len, shape.max_context_len)

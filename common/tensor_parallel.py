@@ -85,6 +85,18 @@ def linear_split_problem(num_key_heads: int, num_value_heads: int, tp_size: int)
     return None
 
 
+def mamba_split_problem(num_groups: int, num_heads: int, tp_size: int) -> str | None:
+    """Why Mamba-2 layers cannot be split over ``tp_size`` ranks, or None: each rank whole
+    heads, and the B/C groups its heads read: its share of them, or (fewer groups than
+    ranks) a copy of the one group they all read."""
+    if num_heads % tp_size or (num_groups % tp_size and tp_size % num_groups):
+        return (
+            f"{num_heads} Mamba-2 heads in {num_groups} groups do not split over {tp_size} "
+            "ranks (the heads must, and the groups must split or divide the ranks)"
+        )
+    return None
+
+
 def expert_split_problem(num_experts: int, num_redundant_experts: int, tp_size: int) -> str | None:
     """Why ``num_experts`` routed experts plus ``num_redundant_experts`` replicas cannot be
     dealt out whole over ``tp_size`` ranks (expert parallelism), or None if they can. Every

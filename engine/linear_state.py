@@ -1,9 +1,11 @@
 """The recurrent states of a hybrid model's linear-attention layers (Qwen3.5's gated
-delta-rule layers, ``models/gated_delta_net.py``), and which request holds which.
+delta-rule layers, ``models/gated_delta_net.py``; Granite 4.0-H's Mamba-2 layers,
+``models/mamba2.py``), and which request holds which.
 
 A linear-attention layer keeps no KV: each request has, per such layer, a convolution
-state ``[conv_dim, conv_kernel - 1]`` and a recurrent state ``[num_value_heads,
-key_head_dim, value_head_dim]``, whatever its length. They live in float32, slot-major:
+state ``[conv_dim, conv_kernel - 1]`` and a recurrent state (``[num_value_heads,
+key_head_dim, value_head_dim]``; Mamba-2's ``[num_heads, head_dim, state_size]``: the
+configs' ``conv_shape`` and ``ssm_shape``), whatever its length. They live in float32, slot-major:
 ``[num_slots, num_linear_layers, conv + recurrent elements]``, each layer reading views of
 its slice (``StatePool.layer``), and that pool is the tail of the KV cache itself: slot
 ``s`` is the bytes of ``blocks_per_slot`` KV blocks past the scheduler's ``num_blocks``
@@ -27,11 +29,12 @@ slots of its own (``LinearStep.verify``) until its next step shows which to keep
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from engine.models.arch import LinearAttentionConfig
+from engine.models.arch import LinearAttentionConfig, Mamba2Config
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,18 +103,19 @@ class LinearLayerState:
     """One layer's states of every slot (views into the pool) and the step's slots."""
 
     conv: torch.Tensor  # [num_slots, conv_dim, conv_kernel - 1] float32
-    ssm: torch.Tensor  # [num_slots, num_value_heads, key_head_dim, value_head_dim] float32
+    # [num_slots, num_value_heads, key_head_dim, value_head_dim] float32; Mamba-2's
+    # [num_slots, num_heads, head_dim, state_size]
+    ssm: torch.Tensor
     step: LinearStep
 
 
-def bytes_per_slot(linear: LinearAttentionConfig) -> int:
+def bytes_per_slot(linear: LinearAttentionConfig | Mamba2Config) -> int:
     """float32 bytes of one request's states over all linear-attention layers."""
     return 4 * _elements_per_layer(linear) * sum(linear.layers)
 
 
-def _elements_per_layer(linear: LinearAttentionConfig) -> int:
-    conv = linear.conv_dim * (linear.conv_kernel - 1)
-    return conv + linear.num_value_heads * linear.key_head_dim * linear.value_head_dim
+def _elements_per_layer(linear: LinearAttentionConfig | Mamba2Config) -> int:
+    return math.prod(linear.conv_shape) + math.prod(linear.ssm_shape)
 
 
 class StatePool:
@@ -121,7 +125,7 @@ class StatePool:
 
     def __init__(
         self,
-        linear: LinearAttentionConfig,
+        linear: LinearAttentionConfig | Mamba2Config,
         num_slots: int,
         kv_caches: list[torch.Tensor],
         first_block: int,
@@ -130,9 +134,9 @@ class StatePool:
         self.num_slots = num_slots
         self.first_block = first_block
         self.blocks_per_slot = blocks_per_slot
-        self.conv_shape = (linear.conv_dim, linear.conv_kernel - 1)
-        self.ssm_shape = (linear.num_value_heads, linear.key_head_dim, linear.value_head_dim)
-        self.conv_elements = linear.conv_dim * (linear.conv_kernel - 1)
+        self.conv_shape = linear.conv_shape
+        self.ssm_shape = linear.ssm_shape
+        self.conv_elements = math.prod(linear.conv_shape)
         per_layer = _elements_per_layer(linear)
         num_layers = sum(linear.layers)
         self.block_bytes = block_bytes(kv_caches)  # every KV block, slots' and others'

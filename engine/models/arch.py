@@ -13,9 +13,13 @@ top-k-then-softmax router. DeepSeek-V2 and -V3 (and models of their layout: Kimi
 Moonlight) replace attention with multi-head latent attention (``MlaConfig``, ``mla.py``)
 and route experts their own way (``MoeConfig.deepseek_scoring``); GLM-4.5 is GQA attention
 (a partial rotary, maybe q/k norms) with DeepSeek-V3's router; MiniMax-M2 is GQA with q/k
-norms over whole projections and that router without groups or shared experts. Rotary
+norms over whole projections and that router without groups or shared experts. Hybrid
+models put linear-attention layers between attention ones (``linear_attention``): Qwen3.5
+and Qwen3-Next the gated delta rule (``LinearAttentionConfig``), Granite 4.0-H Mamba-2
+(``Mamba2Config``), with Granite's multipliers (Granite 3 is Llama with them). Rotary
 settings are read by ``rope_config.py``; configs that leave keys to transformers' defaults
-get those defaults (``common/hf_config.py`` for Gemma 3 and GPT-OSS, here for DeepSeek).
+get those defaults (``common/hf_config.py`` for Gemma 3, GPT-OSS and Granite 4.0-H, here
+for DeepSeek).
 A LLaVA-layout vision-language checkpoint's language model is any of these (its
 ``text_config``), with its image side in ``ModelArchConfig.vision``.
 """
@@ -88,6 +92,13 @@ class ArchFlags:
     # (``LinearAttentionConfig``), a sigmoid gate on the attention output, RMSNorm by
     # 1 + weight, a partial rotary.
     qwen3_5: bool = False
+    # Granite: the embeddings, each block's output and the logits scaled by the config's
+    # multipliers, attention scaled by attention_multiplier.
+    granite: bool = False
+    # Granite 4.0-H: Mamba-2 layers between full-attention ones (``Mamba2Config``), each
+    # layer's MLP a shared one (plus routed experts when the config has any), attention
+    # maybe without rotary positions.
+    granite_hybrid: bool = False
 
 
 ARCHITECTURES: dict[str, ArchFlags] = {
@@ -118,6 +129,10 @@ ARCHITECTURES: dict[str, ArchFlags] = {
     # as two, interleaved per key head (``loader._qwen3_next_in_proj``); its router
     # renormalizes as its config says.
     "Qwen3NextForCausalLM": ArchFlags(qk_norm=True, qwen3_5=True, moe=True, shared_expert=True),
+    # Granite 3.x: Llama with multipliers.
+    "GraniteForCausalLM": ArchFlags(granite=True),
+    # Granite 4.0-H: see ArchFlags.granite_hybrid; experts only where num_local_experts > 0.
+    "GraniteMoeHybridForCausalLM": ArchFlags(granite=True, granite_hybrid=True),
     # Phi-3 / Phi-4: Llama with fused qkv_proj and gate_up_proj in the checkpoint (loaded as
     # they are) and maybe a partial rotary.
     "Phi3ForCausalLM": ArchFlags(phi3_rope=True),
@@ -170,6 +185,8 @@ _BY_MODEL_TYPE = {
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
     "qwen3_next": "Qwen3NextForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
 }
 
 
@@ -191,6 +208,9 @@ class MoeConfig:
     router_bias: bool = False
     expert_bias: bool = False
     softmax_over_top_k: bool = False
+    # Qwen2-MoE's shared expert is gated per token by a sigmoid; Granite's is not (nor
+    # DeepSeek's, which ``deepseek_scoring`` says).
+    shared_expert_gated: bool = True
     swiglu_limit: float | None = None  # None: plain SwiGLU
     swiglu_alpha: float = 1.0
     # DeepSeek's router (None: the softmax-top-k one above). Scores are the softmax of the
@@ -284,6 +304,63 @@ class LinearAttentionConfig:
         index = IN_PROJ_PARTS.index(which)
         return sum(self.in_proj_widths[:index])
 
+    @property
+    def conv_shape(self) -> tuple[int, int]:
+        """A request's convolution state in one layer: [channels, kernel - 1]."""
+        return (self.conv_dim, self.conv_kernel - 1)
+
+    @property
+    def ssm_shape(self) -> tuple[int, int, int]:
+        """A request's recurrent state in one layer: [value heads, key dim, value dim]."""
+        return (self.num_value_heads, self.key_head_dim, self.value_head_dim)
+
+
+@dataclass(frozen=True, slots=True)
+class Mamba2Config:
+    """Mamba-2 layers (Granite 4.0-H's ``mamba`` layers; ``mamba2.py``): per request a
+    convolution state (the last ``conv_kernel - 1`` inputs of its x, B and C channels) and
+    an SSM state (``num_heads`` matrices of ``head_dim x state_size``). The heads share
+    B and C within ``num_groups`` groups; the output's gated RMSNorm normalizes each of
+    those groups' channels on its own (``norm_group_size`` of them)."""
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    num_groups: int
+    conv_kernel: int
+    layers: tuple[bool, ...]  # per layer: Mamba-2 (else full attention)
+    norm_group_size: int  # channels per norm group, the full model's (intermediate / groups)
+    conv_bias: bool = True
+    proj_bias: bool = False
+    dt_min: float = 0.0  # time steps are clamped to [dt_min, dt_max] (time_step_limit)
+    dt_max: float = math.inf
+    # Tensor parallelism with fewer groups than ranks: each group's channels span this many
+    # ranks (its B and C replicated on each), so its norm sums squares across them.
+    group_ranks: int = 1
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal convolution: x, B and C."""
+        return self.intermediate_size + 2 * self.num_groups * self.state_size
+
+    @property
+    def in_proj_widths(self) -> tuple[int, int, int]:
+        """Output rows of ``in_proj``: the gate z, the convolution's channels (x, B, C),
+        one time step per head."""
+        return (self.intermediate_size, self.conv_dim, self.num_heads)
+
+    @property
+    def conv_shape(self) -> tuple[int, int]:
+        return (self.conv_dim, self.conv_kernel - 1)
+
+    @property
+    def ssm_shape(self) -> tuple[int, int, int]:
+        return (self.num_heads, self.head_dim, self.state_size)
+
 
 @dataclass(frozen=True, slots=True)
 class ModelArchConfig:
@@ -343,11 +420,26 @@ class ModelArchConfig:
     # A vision-language checkpoint's image side (``common/vision_spec.py``); the fields
     # above are its language model's. None: text only.
     vision: VisionSpec | None = None
-    # Hybrid models (Qwen3.5): the layers that are linear attention; None: all attend.
-    linear_attention: LinearAttentionConfig | None = None
+    # Hybrid models: the layers that are linear attention (Qwen3.5's gated delta rule) or
+    # Mamba-2 (Granite 4.0-H's); None: all attend.
+    linear_attention: LinearAttentionConfig | Mamba2Config | None = None
     # Qwen3.5's full attention: q_proj also yields a gate per output element
     # (``sigmoid(gate) * attention``, before o_proj).
     attention_output_gate: bool = False
+    # Granite's multipliers: token embeddings times ``embedding_multiplier``, each block's
+    # output times ``residual_multiplier`` before its residual add, logits divided by
+    # ``logits_divisor`` (its logits_scaling), each in the model dtype as transformers.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_divisor: float = 1.0
+    # Attention without rotary positions (Granite 4.0-H: its Mamba-2 layers see order).
+    nope: bool = False
+
+    @property
+    def mamba2(self) -> Mamba2Config | None:
+        """The Mamba-2 layers' config (Granite 4.0-H), else None."""
+        linear = self.linear_attention
+        return linear if isinstance(linear, Mamba2Config) else None
 
     @property
     def rotary_dim(self) -> int:
@@ -389,6 +481,8 @@ def _dense_width(cfg: dict[str, Any], flags: ArchFlags, path: Path) -> int:
     every layer sparse, which ``_moe_config`` checks)."""
     if "intermediate_size" not in cfg and flags.moe:
         return 0
+    if flags.granite_hybrid and int(cfg["num_local_experts"] or 0):
+        return 0  # every layer's MLP: the experts and the shared MLP (``_granite_moe``)
     return int(_require(cfg, "intermediate_size", path))
 
 
@@ -437,6 +531,8 @@ def _moe_config(
     cfg: dict[str, Any], architecture: str, num_layers: int, path: Path
 ) -> MoeConfig | None:
     flags = ARCHITECTURES[architecture]
+    if flags.granite_hybrid:
+        return _granite_moe(cfg, num_layers, path)
     if not flags.moe:
         return None
     if flags.deepseek_router:
@@ -471,6 +567,29 @@ def _moe_config(
         ),
         sparse_layers=sparse,
         **(_gpt_oss_moe(cfg) if flags.gpt_oss else {}),
+    )
+
+
+def _granite_moe(cfg: dict[str, Any], num_layers: int, path: Path) -> MoeConfig | None:
+    """Granite 4.0-H's experts (``text_config``'s keys), None without any: every layer
+    routes to the top ``num_experts_per_tok``, weighted by the softmax over their logits,
+    and adds its shared MLP, ungated."""
+    num_experts = int(cfg["num_local_experts"] or 0)
+    if not num_experts:
+        return None
+    top_k = int(cfg["num_experts_per_tok"])
+    if not 0 < top_k <= num_experts:
+        raise ModelLoadError(f"{path}: num_experts_per_tok={top_k} of {num_experts} experts")
+    return MoeConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        expert_intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=False,
+        routing_weights_in_model_dtype=True,
+        shared_expert_intermediate_size=int(cfg["shared_expert_intermediate_size"]),
+        sparse_layers=(True,) * num_layers,
+        softmax_over_top_k=True,
+        shared_expert_gated=False,
     )
 
 
@@ -689,7 +808,68 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
         **attention,
         **gemma3,
         **(_qwen3_5_fields(cfg, num_layers, mtp_layers, path) if flags.qwen3_5 else {}),
+        **(_granite_fields(cfg, flags.granite_hybrid, num_layers, path) if flags.granite else {}),
     )
+
+
+def _granite_fields(
+    cfg: dict[str, Any], hybrid: bool, num_layers: int, path: Path
+) -> dict[str, Any]:
+    """ModelArchConfig's Granite fields (GraniteConfig's defaults: multipliers of 1), and
+    Granite 4.0-H's Mamba-2 layers and rotary-free attention (unless its
+    position_embedding_type is "rope")."""
+    fields: dict[str, Any] = dict(
+        embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+        residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+        logits_divisor=float(cfg.get("logits_scaling", 1.0)),
+        attention_scale=float(cfg.get("attention_multiplier", 1.0)),
+    )
+    if hybrid:
+        fields["nope"] = cfg.get("position_embedding_type") != "rope"
+        fields["linear_attention"] = _mamba2_config(cfg, num_layers, path)
+    return fields
+
+
+def _mamba2_config(cfg: dict[str, Any], num_layers: int, path: Path) -> Mamba2Config:
+    """Granite 4.0-H's Mamba-2 layers (``text_config`` filled its defaults in)."""
+    types = cfg["layer_types"]
+    if len(types) < num_layers or set(types) - {"linear_attention", "full_attention"}:
+        raise ModelLoadError(f"{path}: layer_types must name mamba or attention for each of "
+                             f"the {num_layers} layers")  # fmt: skip
+    heads, groups = int(cfg["mamba_n_heads"]), int(cfg["mamba_n_groups"])
+    mamba = Mamba2Config(
+        num_heads=heads,
+        head_dim=int(cfg["mamba_d_head"]),
+        state_size=int(cfg["mamba_d_state"]),
+        num_groups=groups,
+        conv_kernel=int(cfg["mamba_d_conv"]),
+        layers=tuple(t == "linear_attention" for t in types[:num_layers]),
+        norm_group_size=int(cfg["mamba_d_head"]) * heads // max(groups, 1),
+        conv_bias=bool(cfg["mamba_conv_bias"]),
+        proj_bias=bool(cfg["mamba_proj_bias"]),
+        **_time_step_limit(cfg.get("time_step_limit"), path),
+    )
+    if mamba.intermediate_size != int(cfg["mamba_expand"]) * int(cfg["hidden_size"]):
+        raise ModelLoadError(f"{path}: mamba_n_heads x mamba_d_head must be mamba_expand x "
+                             "hidden_size")  # fmt: skip
+    if groups < 1 or heads % groups:
+        raise ModelLoadError(f"{path}: mamba_n_heads={heads} in mamba_n_groups={groups}")
+    if all(mamba.layers):
+        raise ModelLoadError(f"{path}: no attention layer (a KV cache needs one)")
+    return mamba
+
+
+def _time_step_limit(limit: Any, path: Path) -> dict[str, float]:
+    """``Mamba2Config``'s ``dt_min`` / ``dt_max`` of a config's ``time_step_limit``: two
+    numbers, where transformers writes infinity as ``{"__float__": "Infinity"}``."""
+    if limit is None:
+        return {}
+    values = [v.get("__float__") if isinstance(v, dict) else v for v in limit]
+    try:
+        low, high = (float(v) for v in values)
+    except (TypeError, ValueError):
+        raise ModelLoadError(f"{path}: time_step_limit {limit!r} is not two numbers") from None
+    return {"dt_min": low, "dt_max": high}
 
 
 def _qwen3_5_fields(

@@ -17,9 +17,9 @@ A prompt chunk runs the chunked form (``chunked_delta_rule``: the same recurrenc
 matrix products over chunks of ``DELTA_CHUNK`` tokens, as transformers' and FLA's); a
 decode token runs one step of the recurrence, all decodes of a step together
 (``delta_rule_step``); a decode verifying drafts runs that step once per token,
-keeping the states after each (``_verify``). All read and write the request's state in
-the layer's slice of the engine's state pool (``engine/linear_state.py``), picked by
-the step's slots.
+keeping the states after each (``recurrent.run_recurrence`` dispatches). All read and
+write the request's state in the layer's slice of the engine's state pool
+(``engine/linear_state.py``), picked by the step's slots.
 Everything past the projections runs in float32, as transformers does.
 """
 
@@ -32,6 +32,7 @@ from torch import nn
 from engine.linear_state import LinearLayerState
 from engine.models.arch import ModelArchConfig
 from engine.models.lora import LoraBatch
+from engine.models.recurrent import Rows, causal_conv, run_recurrence
 
 DELTA_CHUNK = 64  # tokens per chunk of the chunked form (transformers' and FLA's)
 
@@ -87,7 +88,8 @@ class GatedDeltaNet(nn.Module):
         decay = -self.A_log.float().exp() * F.softplus(
             a.float() + self.dt_bias.float()
         )  # [N, Hv] (log space, <= 0)
-        mixed = self._convolve(mixed, state)  # [N, conv_dim] float32
+        weight = self.conv1d.weight[:, 0].float()  # [conv_dim, kernel]
+        mixed = F.silu(causal_conv(mixed, state.conv, state.step, weight, None))  # [N, conv_dim]
         query, key, value = mixed.split([linear.key_dim, linear.key_dim, linear.value_dim], -1)
         repeat = linear.num_value_heads // linear.num_key_heads
         query = query.reshape(num_tokens, linear.num_key_heads, -1)
@@ -99,98 +101,21 @@ class GatedDeltaNet(nn.Module):
         key = _l2_normalized(key)
         value = value.reshape(num_tokens, linear.num_value_heads, -1)  # [N, Hv, Dv]
         out = torch.empty_like(value)
-        step = state.step
-        num_decodes = step.num_decodes
-        if num_decodes:  # one token each: the recurrence, all at once
-            slots = step.slots[:num_decodes]
-            out[:num_decodes], new = delta_rule_step(
-                query[:num_decodes], key[:num_decodes], value[:num_decodes],
-                decay[:num_decodes], beta[:num_decodes], state.ssm[slots],
-            )  # fmt: skip
-            state.ssm[slots] = new
-        if step.verify is not None:  # decodes and their drafts: each token's states kept
-            _verify(query, key, value, decay, beta, out, state)
-        starts = step.query_start_loc_cpu
-        for seq in range(num_decodes, len(starts) - 1):
-            if step.verifies(seq):
-                continue
-            rows = slice(starts[seq], starts[seq + 1])
-            slot = step.slots_cpu[seq]
-            out[rows], state.ssm[slot] = chunked_delta_rule(
-                query[rows], key[rows], value[rows], decay[rows], beta[rows], state.ssm[slot]
-            )
+
+        def one_token(rows: Rows, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return delta_rule_step(query[rows], key[rows], value[rows], decay[rows],
+                                   beta[rows], states)  # fmt: skip
+
+        def chunk(rows: slice, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return chunked_delta_rule(query[rows], key[rows], value[rows], decay[rows],
+                                      beta[rows], states)  # fmt: skip
+
+        run_recurrence(state.ssm, state.step, out, one_token, chunk)
         z = z.reshape(num_tokens, linear.num_value_heads, -1)
         normed = self.norm(out.to(hidden.dtype), z).reshape(num_tokens, linear.value_dim)
         if lora is None:
             return self.out_proj(normed)
         return lora.apply(self.layer_idx, "out_proj", normed, self.out_proj(normed))
-
-    def _convolve(self, mixed: torch.Tensor, state: LinearLayerState) -> torch.Tensor:
-        """The depthwise causal convolution and SiLU of each request's rows, continuing
-        from (and updating) its convolution state. [N, C] -> [N, C] float32."""
-        weight = self.conv1d.weight[:, 0].float()  # [C, K]
-        taps = weight.shape[1]
-        step = state.step
-        out = torch.empty(mixed.shape, dtype=torch.float32, device=mixed.device)
-        num_decodes = step.num_decodes
-        if num_decodes:  # [B, C, K - 1] states and each decode's input: one window each
-            slots = step.slots[:num_decodes]
-            window = torch.cat((state.conv[slots], mixed[:num_decodes, :, None].float()), -1)
-            out[:num_decodes] = (window * weight).sum(-1)
-            state.conv[slots] = window[..., 1:]
-        plan = step.verify
-        if plan is not None:  # decodes with drafts: a window per position, all at once
-            current = state.conv[plan.slots]  # [B, C, K - 1]
-            for rows, active, kept in zip(plan.rows, plan.active, plan.kept, strict=True):
-                every = len(active) == len(current)
-                inputs = current if every else current[active]
-                window = torch.cat((inputs, mixed[rows, :, None].float()), -1)
-                out[rows] = (window * weight).sum(-1)
-                if every:
-                    current = window[..., 1:]
-                else:
-                    current[active] = window[..., 1:]
-                state.conv[kept] = window[..., 1:]
-        starts = step.query_start_loc_cpu
-        for seq in range(num_decodes, len(starts) - 1):
-            if step.verifies(seq):
-                continue
-            rows = slice(starts[seq], starts[seq + 1])
-            slot = step.slots_cpu[seq]
-            # [C, K - 1 + n]: the state's inputs, then the chunk's
-            inputs = torch.cat((state.conv[slot], mixed[rows].T.float()), -1)
-            out[rows] = F.conv1d(inputs[None], weight[:, None], groups=weight.shape[0])[0].T
-            state.conv[slot] = inputs[:, inputs.shape[1] - (taps - 1) :]
-        return F.silu(out)
-
-
-def _verify(
-    query: torch.Tensor,  # [N, H, Dk] (the step's rows)
-    key: torch.Tensor,
-    value: torch.Tensor,  # [N, H, Dv]
-    decay: torch.Tensor,  # [N, H]
-    beta: torch.Tensor,
-    out: torch.Tensor,  # [N, H, Dv], written at the verifying sequences' rows
-    state: LinearLayerState,
-) -> None:
-    """The sequences that verify drafts (a decode's token and its drafts: a few tokens
-    each), one recurrence step per position, all of them at once (``VerifyPlan``): from
-    the states in each one's slot, keeping the states after every token: the sampler may
-    keep any number of the drafts."""
-    plan = state.step.verify
-    assert plan is not None
-    current = state.ssm[plan.slots]  # [B, H, Dk, Dv]
-    for rows, active, kept in zip(plan.rows, plan.active, plan.kept, strict=True):
-        every = len(active) == len(current)  # (as usual: all verify as many drafts)
-        out[rows], states = delta_rule_step(
-            query[rows], key[rows], value[rows], decay[rows], beta[rows],
-            current if every else current[active],
-        )  # fmt: skip
-        if every:
-            current = states
-        else:
-            current[active] = states
-        state.ssm[kept] = states
 
 
 def _l2_normalized(x: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,7 @@ from engine.linear_state import LinearLayerState
 from engine.models.arch import ModelArchConfig
 from engine.models.gated_delta_net import GatedDeltaNet
 from engine.models.lora import LoraBatch
+from engine.models.mamba2 import Mamba2Mixer
 from engine.models.mla import MlaAttention
 from engine.models.moe import SparseMoe
 from engine.models.norms import SplitRMSNorm, rms_norm
@@ -68,6 +69,7 @@ class Attention(nn.Module):
             self.q_norm = SplitRMSNorm(arch.q_size, arch.rms_norm_eps, group)
             self.k_norm = SplitRMSNorm(arch.kv_size, arch.rms_norm_eps, group)
         self.rotary = (rotary,)  # a tuple, so the shared table is not registered per layer
+        self.nope = arch.nope  # no rotary positions (Granite 4.0-H)
         self.backend = backend
         scale = arch.attention_scale if arch.attention_scale is not None else arch.head_dim**-0.5
         self.spec = LayerSpec(scale=scale, sliding_window=arch.sliding_windows[layer_idx])
@@ -101,7 +103,8 @@ class Attention(nn.Module):
         value = value.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             query, key = self.q_norm(query), self.k_norm(key)
-        query, key = self.rotary[0](positions, query, key)
+        if not self.nope:
+            query, key = self.rotary[0](positions, query, key)
         spec = self.spec
         if self.sinks is not None:
             spec = LayerSpec(spec.scale, spec.sliding_window, self.sinks)
@@ -163,9 +166,16 @@ class DecoderLayer(nn.Module):
         self.group = group
         self.sandwich_norms = arch.sandwich_norms
         self.input_layernorm = rms_norm(arch, arch.hidden_size)
-        # The token mixer: attention, or a hybrid model's linear attention.
+        # The token mixer: attention, or a hybrid model's linear attention (named as the
+        # checkpoints name it: Qwen3.5's ``linear_attn``, Granite 4.0-H's ``mamba``).
         self.linear = arch.is_linear(layer_idx)
-        if self.linear:
+        self.residual_multiplier = arch.residual_multiplier  # Granite's; else 1
+        self.mixer_name = "self_attn"
+        if self.linear and arch.mamba2 is not None:
+            self.mixer_name = "mamba"
+            self.mamba = Mamba2Mixer(arch, layer_idx, group)
+        elif self.linear:
+            self.mixer_name = "linear_attn"
             self.linear_attn = GatedDeltaNet(arch, layer_idx)
         else:
             self.self_attn: Attention | MlaAttention = (
@@ -201,15 +211,21 @@ class DecoderLayer(nn.Module):
         normed = self.input_layernorm(hidden)
         if self.linear:
             assert isinstance(kv_cache, LinearLayerState)
-            hidden = reduce(self.linear_attn(normed, kv_cache, lora))
+            hidden = reduce(getattr(self, self.mixer_name)(normed, kv_cache, lora))
         else:
             hidden = reduce(self.self_attn(positions, normed, kv_cache, attn_metadata, lora))
         if self.sandwich_norms:
             hidden = residual + self.post_attention_layernorm(hidden)
             mlp_out = reduce(self.mlp(self.pre_feedforward_layernorm(hidden), lora))
             return hidden + self.post_feedforward_layernorm(mlp_out)
-        hidden = residual + hidden
-        return hidden + reduce(self.mlp(self.post_attention_layernorm(hidden), lora))
+        hidden = residual + self._scaled(hidden)
+        return hidden + self._scaled(reduce(self.mlp(self.post_attention_layernorm(hidden), lora)))
+
+    def _scaled(self, block_out: torch.Tensor) -> torch.Tensor:
+        """A block's output as the residual stream takes it (Granite scales it)."""
+        if self.residual_multiplier == 1.0:
+            return block_out
+        return block_out * self.residual_multiplier
 
 
 class VocabEmbedding(nn.Module):
@@ -337,6 +353,8 @@ class LlamaForCausalLM(nn.Module):
         if self.arch.embed_scale != 1.0:
             # As transformers: the scale rounded to the model dtype (bf16: sqrt(3072) = 55.5).
             hidden = hidden * torch.tensor(self.arch.embed_scale, dtype=hidden.dtype)
+        if self.arch.embedding_multiplier != 1.0:  # Granite: a Python float, as transformers
+            hidden = hidden * self.arch.embedding_multiplier
         deepstack: list[torch.Tensor] = []
         if images is not None:
             rows, embeds = images
@@ -356,7 +374,10 @@ class LlamaForCausalLM(nn.Module):
         """Under tensor parallelism every rank calls this on the same rows (it gathers the
         vocabulary slices); rank 0's result is the one to use."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight)
+        if self.arch.logits_divisor != 1.0:  # Granite's logits_scaling, in the model dtype
+            logits = logits / self.arch.logits_divisor
+        logits = logits.float()
         if self.group.size > 1:  # [n, rows] per rank -> [n, vocab], the padding cut off
             logits = torch.cat(self.group.all_gather(logits), dim=-1)[:, : self.arch.vocab_size]
         cap = self.arch.final_logit_softcap

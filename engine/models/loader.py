@@ -88,6 +88,27 @@ _EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up",
                 "down_proj": "down", "w2": "down"}  # fmt: skip
 
 
+# Granite's MoE and shared-MLP names (as released, then transformers 5's) -> the engine's.
+_GRANITE_NAMES = ((".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_up_proj"),
+                  (".block_sparse_moe.output_linear.weight", ".mlp.experts.down_proj"),
+                  (".block_sparse_moe.router.layer.weight", ".mlp.gate.weight"),
+                  (".block_sparse_moe.router.weight", ".mlp.gate.weight"),
+                  (".block_sparse_moe.experts.", ".mlp.experts."))  # fmt: skip
+
+
+def _granite_name(name: str, arch: ModelArchConfig) -> str:
+    """Granite 4.0-H's tensor ``name`` as the engine's: its experts stacked as
+    ``moe.Experts`` holds them ([E, 2I, H] gate rows first, [E, H, I]), its shared MLP
+    (``shared_mlp.input_linear``: gate rows, then up) the shared expert's, or the dense
+    MLP when the model has no experts."""
+    for old, new in _GRANITE_NAMES:
+        if old in name:
+            return name.replace(old, new)
+    mlp = ".mlp.shared_expert." if arch.moe is not None else ".mlp."
+    name = name.replace(".shared_mlp.input_linear.", f"{mlp}gate_up_proj.")
+    return name.replace(".shared_mlp.output_linear.", f"{mlp}down_proj.")
+
+
 @dataclass(frozen=True, slots=True)
 class _Target:
     """Where a stored tensor goes: rows ``row_start..`` of ``param`` (of ``param[expert]``)."""
@@ -387,6 +408,7 @@ def load_model(
     filled: dict[str, int] = dict.fromkeys(params, 0)
     unexpected: list[str] = []
     gpt_oss = arch.architecture == "GptOssForCausalLM"
+    granite = arch.architecture == "GraniteMoeHybridForCausalLM"
     fp8 = arch.fp8_weights
     # stored name -> file, for scales stored in another shard than their weights
     ints, bnb = arch.int_weights, arch.bnb_weights
@@ -433,6 +455,8 @@ def load_model(
                 name = _model_name(stored)
                 if name is not None:
                     name = _mtp_name(name, arch, num_mtp_layers)
+                if name is not None and granite:
+                    name = _granite_name(name, arch)
                 if name is None or _IGNORED.match(name):
                     continue
                 bare = bare or stored.startswith(BARE_NAMES)

@@ -47,7 +47,7 @@ from safetensors import safe_open
 
 from common.hashing import lora_key
 from common.model_info import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from engine.models.arch import ModelArchConfig, ModelLoadError
+from engine.models.arch import LinearAttentionConfig, ModelArchConfig, ModelLoadError
 from engine.models.fingerprint import adapter_fingerprint
 from engine.parallel.shard_spec import TensorParallel, shard_spec
 
@@ -121,7 +121,7 @@ def module_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, int]]:
         "qkv_proj": (hidden, q_rows + 2 * arch.kv_size), "gate_up_proj": (hidden, 2 * inter),
     }  # fmt: skip
     linear = arch.linear_attention
-    if linear is not None:
+    if isinstance(linear, LinearAttentionConfig):
         widths = dict(zip(("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
                           linear.in_proj_widths, strict=True))  # fmt: skip
         shapes |= {name: (hidden, width) for name, width in widths.items()}
@@ -132,6 +132,8 @@ def module_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, int]]:
 def block_of(module: str, layer: int, arch: ModelArchConfig) -> str | None:
     """The block of layer ``layer`` that holds ``module``; None if the layer has none (a
     hybrid model's linear-attention layers have no q_proj, its others no in_proj_z)."""
+    if arch.mamba2 is not None and module in _MLP_MODULES | _LINEAR_MODULES:
+        return None  # Granite 4.0-H: adapters of its attention only (``load_lora_adapter``)
     if module in _MLP_MODULES:
         return "mlp"
     if module in _LINEAR_MODULES:
@@ -204,9 +206,16 @@ def load_lora_adapter(
                 continue
             if match is None:
                 experts = ".experts." in key or ".shared_expert" in key
+                granite = ".mamba." in key or ".shared_mlp." in key
                 raise ModelLoadError(
                     f"{weights}: unsupported tensor {key}"
                     + (" (LoRA on mixture-of-experts MLPs is not supported)" if experts else "")
+                    + (
+                        " (LoRA on Mamba-2 layers and Granite's shared MLP is not supported; "
+                        "adapt the attention projections)"
+                        if granite
+                        else ""
+                    )
                 )
             layer, block, module, which = match.groups()
             layer = int(layer)

@@ -23,6 +23,9 @@ rotary sections, a small windowed vision transformer: ``qwen2_5_vl_maker.py``),
 transformer with DeepStack: ``qwen3_vl_maker.py``), ``qwen3_vl_moe`` the same around
 ``qwen3_moe``'s, its experts stacked as the releases store them, ``qwen3_5_mm`` Qwen3.5's
 (``qwen3_5``'s hybrid language model, the tower without DeepStack).
+``granite`` is Granite 3's (Llama with its multipliers), ``granite_hybrid`` Granite
+4.0-H's (Mamba-2 layers between rotary-free attention, experts beside a shared MLP) and
+``granite_hybrid_dense`` its Micro's (the shared MLP alone; see ``_granite_hybrid_config``).
 ``deepseek_v3`` and ``glm4_moe`` store a random multi-token-prediction layer after their
 layers, as the releases do (``_add_mtp_layer``; transformers leaves it unloaded,
 ``engine.speculative_method: mtp`` drafts with it).
@@ -90,7 +93,7 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_mo
          "qwen3_5_moe", "qwen3_next", "gemma3",
          "phi3", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2",
          "llava", "gemma3_mm", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
-         "qwen3_5_mm")  # fmt: skip
+         "qwen3_5_mm", "granite", "granite_hybrid", "granite_hybrid_dense")  # fmt: skip
 SIZES = ("tiny", "small")
 # ChatML for the others.
 _CHAT_TEMPLATES = {"qwen3": THINKING_CHAT_TEMPLATE, "qwen3_moe": THINKING_CHAT_TEMPLATE,
@@ -122,6 +125,10 @@ class SizeSpec:
     # a token's MLP work equals the dense model's (and the experts hold 4x its weights).
     num_experts: int = 8
     num_experts_per_tok: int = 2
+    # Mamba-2 archs: the SSM state's width per head (the releases' 128; tiny's 8 keeps a
+    # request's states ~9 KV blocks, as Qwen3.5's tiny ones, so the tests' small pools
+    # hold several).
+    mamba_d_state: int = 128
 
     @property
     def expert_intermediate_size(self) -> int:
@@ -130,7 +137,7 @@ class SizeSpec:
 
 _SIZES = {
     # ~3.5M parameters (MoE: ~6M): fast enough for CPU tests.
-    "tiny": SizeSpec(2048, 256, 4, 4, 2, 64, 512, 4096),
+    "tiny": SizeSpec(2048, 256, 4, 4, 2, 64, 512, 4096, mamba_d_state=8),
     # ~150M parameters (MoE: ~460M, ~150M active per token): the benchmark model.
     "small": SizeSpec(8192, 1024, 12, 16, 4, 64, 2816, 4096),
 }
@@ -220,11 +227,44 @@ def _hf_config(arch: str, spec: SizeSpec, tokenizer_ids: dict[str, int]):
         return _glm4_moe_config(common, spec)
     if arch == "minimax_m2":
         return _minimax_m2_config(common, spec)
+    if arch == "granite":
+        return transformers.GraniteConfig(**common, **_GRANITE_MULTIPLIERS,
+                                          attention_multiplier=spec.head_dim**-1.0)  # fmt: skip
+    if arch.startswith("granite_hybrid"):
+        return _granite_hybrid_config(arch, common, spec)
     if arch == "phi3":  # Phi-4-mini's shape: tied, 3/4 of each head rotates (default rope)
         return transformers.Phi3Config(
             **common, tie_word_embeddings=True, partial_rotary_factor=0.75, rope_theta=1e4
         )
     raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(ARCHS)}")
+
+
+# Granite's multipliers, of the size its releases use (attention_multiplier: 1 / head_dim).
+_GRANITE_MULTIPLIERS = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                        "logits_scaling": 4.0}  # fmt: skip
+
+
+def _granite_hybrid_config(arch: str, common: dict, spec: SizeSpec):
+    """Granite 4.0-H's layout: Mamba-2 layers with one attention layer in six (the
+    releases: one in ten), attention without rotary positions, the released configs'
+    layer names ("mamba", "attention"). ``granite_hybrid`` has experts beside the shared
+    MLP (4.0-H-Tiny / -Small; B and C in one group, as released), ``granite_hybrid_dense``
+    only the shared MLP (4.0-H-Micro; two B/C groups, to exercise them)."""
+    import transformers
+
+    dense = arch == "granite_hybrid_dense"
+    heads = 2 * spec.num_heads
+    return transformers.GraniteMoeHybridConfig(
+        **{**common, "intermediate_size": spec.expert_intermediate_size},
+        **_GRANITE_MULTIPLIERS, attention_multiplier=spec.head_dim**-1.0,
+        layer_types=["attention" if i % 6 == 1 else "mamba" for i in range(spec.num_layers)],
+        position_embedding_type="nope",
+        num_local_experts=0 if dense else spec.num_experts,
+        num_experts_per_tok=spec.num_experts_per_tok,
+        shared_intermediate_size=spec.intermediate_size,
+        mamba_n_heads=heads, mamba_d_head=2 * spec.hidden_size // heads,
+        mamba_d_state=spec.mamba_d_state, mamba_n_groups=2 if dense else 1, mamba_expand=2,
+    )  # fmt: skip
 
 
 def _gemma3_config(common: dict, spec: SizeSpec):
@@ -412,6 +452,10 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
                 # transformers initializes biases to zero, which would leave the bias paths
                 # (Qwen2's q/k/v, GPT-OSS's attention, router and experts) untested.
                 param.normal_(0.0, 1.6 / spec.hidden_size**0.5)
+        if arch.startswith("granite_hybrid"):  # Mamba-2's own init: long memory in some heads
+            for layer in model.model.layers:
+                if layer.mamba is not None:
+                    _init_mamba2(layer.mamba)
         if arch == "gpt_oss":  # sinks that take a real share of some heads' attention
             for layer in model.model.layers:
                 layer.self_attn.sinks.uniform_(-2.0, 2.0)
@@ -455,6 +499,21 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
             "maker_version": MAKER_VERSION}  # fmt: skip
     (out / MADE_MODEL_INFO).write_text(json.dumps(info) + "\n")
     return out
+
+
+def _init_mamba2(mamba) -> None:
+    """Mamba-2's initialization (mamba_ssm's, which transformers' random init is not):
+    time steps from 0.001 to 0.1 (dt_bias their inverse softplus), decay rates A from 1 to
+    16, and D about 1: each head's state then fades over tens to thousands of tokens, so
+    tests see states carried across chunks and steps."""
+    import torch
+
+    heads = mamba.A_log.shape[0]
+    dt = torch.exp(torch.empty(heads).uniform_(torch.log(torch.tensor(1e-3)).item(),
+                                               torch.log(torch.tensor(0.1)).item()))  # fmt: skip
+    mamba.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+    mamba.A_log.copy_(torch.empty(heads).uniform_(1.0, 16.0).log())
+    mamba.D.uniform_(0.5, 1.5)
 
 
 def _add_mtp_layer(out: Path, config, seed: int) -> None:

@@ -161,7 +161,7 @@ class SparseMoe(nn.Module):
         self.shared_expert = shared_expert
         # Qwen2-MoE gates its shared expert per token; DeepSeek's shared experts are not.
         self.shared_expert_gate = None
-        if shared_expert is not None and moe.deepseek_scoring is None:
+        if shared_expert is not None and moe.deepseek_scoring is None and moe.shared_expert_gated:
             self.shared_expert_gate = nn.Linear(arch.hidden_size, 1, bias=False)
 
     def set_placement(self, placement: tuple[int, ...]) -> None:

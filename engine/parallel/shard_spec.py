@@ -36,9 +36,10 @@ from common.tensor_parallel import (
     HeadSplit,
     expert_split_problem,
     linear_split_problem,
+    mamba_split_problem,
     split_problem,
 )
-from engine.models.arch import ModelArchConfig, ModelLoadError
+from engine.models.arch import Mamba2Config, ModelArchConfig, ModelLoadError
 from engine.parallel.expert_placement import Placement, loaded_placement, rank_slots
 
 
@@ -117,6 +118,9 @@ _MLP = re.compile(_LAYER + r"mlp\.(shared_expert\.)?(gate_up_proj|down_proj)\.we
 _EXPERTS = re.compile(_LAYER + r"mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 # A hybrid model's linear-attention layers (``gated_delta_net.py``): split by heads.
 _LINEAR = re.compile(_LAYER + r"linear_attn\.(in_proj|conv1d|dt_bias|A_log|out_proj)(?:\.weight)?$")
+# Granite 4.0-H's Mamba-2 layers (``mamba2.py``): split by heads, B/C by group.
+_MAMBA = re.compile(_LAYER + r"mamba\.(in_proj|conv1d|dt_bias|A_log|D|norm|out_proj)"
+                    r"(?:\.(weight|bias))?$")  # fmt: skip
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
 
 
@@ -130,7 +134,9 @@ def check_split(arch: ModelArchConfig, tp: TensorParallel) -> None:
             raise ModelLoadError(f"engine.expert_parallel: {problem}")
     problem = split_problem(arch.num_q_heads, arch.num_kv_heads, widths, tp.size)
     linear = arch.linear_attention
-    if problem is None and linear is not None:
+    if problem is None and isinstance(linear, Mamba2Config):
+        problem = mamba_split_problem(linear.num_groups, linear.num_heads, tp.size)
+    elif problem is None and linear is not None:
         problem = linear_split_problem(linear.num_key_heads, linear.num_value_heads, tp.size)
     if problem is not None:
         raise ModelLoadError(f"engine.tensor_parallel_size={tp.size}: {problem}")
@@ -168,7 +174,14 @@ def local_arch(arch: ModelArchConfig, tp: TensorParallel) -> ModelArchConfig:
             num_expert_ranks=tp.size,
         )
     linear = arch.linear_attention
-    if linear is not None:  # each rank its share of the key and value heads
+    if isinstance(linear, Mamba2Config):  # its heads, and its groups' B and C (or a copy)
+        linear = dataclasses.replace(
+            linear,
+            num_heads=linear.num_heads // tp.size,
+            num_groups=max(1, linear.num_groups // tp.size),
+            group_ranks=max(1, tp.size // linear.num_groups),
+        )
+    elif linear is not None:  # each rank its share of the key and value heads
         linear = dataclasses.replace(
             linear,
             num_key_heads=linear.num_key_heads // tp.size,
@@ -203,6 +216,8 @@ def shard_spec(name: str, arch: ModelArchConfig, tp: TensorParallel) -> ShardSpe
     heads = HeadSplit(arch.num_q_heads, arch.num_kv_heads, tp.size, tp.rank)
     if arch.mla is not None and (spec := _mla_spec(name, arch, heads)) is not None:
         return spec
+    if arch.mamba2 is not None and (match := _MAMBA.match(name)):
+        return _mamba_spec(match.group(2), match.group(3), arch.mamba2, tp)
     if arch.linear_attention is not None and (match := _LINEAR.match(name)):
         return _linear_spec(match.group(2), arch, tp)
     head_dim = arch.head_dim
@@ -284,6 +299,45 @@ def _linear_spec(which: str, arch: ModelArchConfig, tp: TensorParallel) -> Shard
         full_start += width
         local_start += width // tp.size
     return ShardSpec(0, full_start, tuple(pieces))
+
+
+def _mamba_spec(which: str, kind: str | None, mamba: Mamba2Config, tp: TensorParallel) -> ShardSpec:
+    """A Mamba-2 layer's parameters, cut by heads: the x channels of the rank's heads (the
+    convolution's, and the rows of ``in_proj`` that feed it) with the B and C channels of
+    the groups they read (a share of the groups, or one group copied on ``tp.size /
+    num_groups`` ranks), its heads' gate rows (z) and time-step rows, ``dt_bias`` /
+    ``A_log`` / ``D``, the norm's gains of its channels, and their columns of ``out_proj``
+    (row-parallel: partial sums, added up by the layer's all-reduce; its bias rank 0's)."""
+    width = mamba.intermediate_size
+    local_width, local_heads = width // tp.size, mamba.num_heads // tp.size
+    local_groups = max(1, mamba.num_groups // tp.size)
+    group_start = tp.rank * mamba.num_groups // tp.size
+    state, x_start = mamba.state_size, tp.rank * local_width
+    channels = (
+        Piece(x_start, local_width, 0),
+        Piece(width + group_start * state, local_groups * state, local_width),
+        Piece(width + (mamba.num_groups + group_start) * state, local_groups * state,
+              local_width + local_groups * state),
+    )  # fmt: skip
+    heads = Piece(tp.rank * local_heads, local_heads, 0)
+    if which == "conv1d":
+        return ShardSpec(0, mamba.conv_dim, channels)
+    if which == "out_proj":
+        if kind == "bias":
+            return ShardSpec(rank0_only=True)
+        return ShardSpec(1, width, (Piece(x_start, local_width, 0),))
+    if which == "norm":
+        return ShardSpec(0, width, (Piece(x_start, local_width, 0),))
+    if which != "in_proj":  # dt_bias, A_log, D
+        return ShardSpec(0, mamba.num_heads, (heads,))
+    # in_proj: z, then the convolution's channels, then the time steps
+    local_conv = local_width + 2 * local_groups * state
+    pieces = (
+        Piece(x_start, local_width, 0),
+        *(Piece(width + p.full_start, p.length, local_width + p.local_start) for p in channels),
+        Piece(width + mamba.conv_dim + heads.full_start, local_heads, local_width + local_conv),
+    )
+    return ShardSpec(0, sum(mamba.in_proj_widths), pieces)
 
 
 def _mla_spec(name: str, arch: ModelArchConfig, heads: HeadSplit) -> ShardSpec | None:

@@ -38,29 +38,29 @@ def test_qwen3_next_log_probs_equal_transformers(model_factory):
 
 
 @pytest.mark.parametrize("chunk", [5, 48])
-def test_chunked_mixed_batches_give_transformers_tokens(qwen3_5, chunk):
+def test_chunked_mixed_batches_give_transformers_tokens(hybrid, chunk):
     """Prompts of many lengths at once: steps mix decodes (one recurrence step each, all
     together) with prompt chunks that start, continue and end."""
     prompts = random_prompts(seed=1)
-    llm = LLM(qwen3_5, prefill_chunk_tokens=chunk, max_num_batched_tokens=64)
+    llm = LLM(hybrid, prefill_chunk_tokens=chunk, max_num_batched_tokens=64)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(qwen3_5, prompts, 24)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(hybrid, prompts, 24)
     assert llm.engine.leak_report() == []
 
 
-def test_preempted_and_resumed_requests_keep_their_tokens(qwen3_5):
+def test_preempted_and_resumed_requests_keep_their_tokens(hybrid):
     """A small KV pool preempts running requests: they give back their state slots and
     recompute from their first token (states from zero); sequences resumed with their
     first 7 tokens (a migration) continue as if never stopped."""
     prompts = random_prompts([30, 41, 25, 37], seed=2)
     params = SamplingParams(max_tokens=40, min_tokens=40, temperature=0)
-    expected = [o.outputs[0].token_ids for o in LLM(qwen3_5).generate(prompts, params,
+    expected = [o.outputs[0].token_ids for o in LLM(hybrid).generate(prompts, params,
                                                                       use_tqdm=False)]  # fmt: skip
-    small = LLM(qwen3_5, num_blocks=14, block_size=8, max_model_len=96)
+    small = LLM(hybrid, num_blocks=14, block_size=8, max_model_len=96)
     got = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
     assert small.engine.scheduler.num_preemptions > 0
     assert got == expected and small.engine.leak_report() == []
-    resumed = LLMEngine(qwen3_5, EngineConfig())
+    resumed = LLMEngine(hybrid, EngineConfig())
     for i, prompt in enumerate(prompts):
         resumed.add_request(f"r{i}", prompt, params, output_token_ids=expected[i][:7])
     outputs = {}
@@ -70,8 +70,8 @@ def test_preempted_and_resumed_requests_keep_their_tokens(qwen3_5):
     assert resumed.leak_report() == []
 
 
-def test_aborted_requests_give_back_their_slots(qwen3_5):
-    engine = LLMEngine(qwen3_5, EngineConfig(prefill_chunk_tokens=8))
+def test_aborted_requests_give_back_their_slots(hybrid):
+    engine = LLMEngine(hybrid, EngineConfig(prefill_chunk_tokens=8))
     for i, prompt in enumerate(random_prompts([40, 40, 3], seed=3)):
         engine.add_request(f"r{i}", prompt, GREEDY)
     engine.step()  # r0 and r1 part-way through their prompts, r2 decoding
@@ -81,15 +81,15 @@ def test_aborted_requests_give_back_their_slots(qwen3_5):
     assert engine.runner.state_slots.num_used == 0 and engine.leak_report() == []
 
 
-def test_the_cpu_tier_is_off_and_the_unsupported_is_refused(qwen3_5):
+def test_the_cpu_tier_is_off_and_the_unsupported_is_refused(hybrid):
     """The prefix cache stays on (snapshots of the states: test_hybrid_prefix_cache.py),
     the CPU tier goes off (it keeps no snapshots)."""
-    llm = LLM(qwen3_5, cpu_offload_bytes=1 << 24)
+    llm = LLM(hybrid, cpu_offload_bytes=1 << 24)
     assert llm.engine.config.enable_prefix_caching and llm.engine.config.cpu_offload_bytes == 0
     assert llm.engine.cpu_tier is None
 
 
-def test_disaggregated_equals_colocated(qwen3_5):
+def test_disaggregated_equals_colocated(hybrid):
     """A prefill engine holds each prompt's blocks and its state slot (the states in KV
     blocks past the scheduler's); a decode engine pulls both and decodes the colocated
     tokens. A failed pull recomputes the prompt (states from zero). Rounds after the
@@ -101,11 +101,11 @@ def test_disaggregated_equals_colocated(qwen3_5):
     from tests.engine.local_puller import LocalPuller
 
     prompts = random_prompts([23, 70, 9, 32], seed=6)
-    expected = [o.outputs[0].token_ids for o in LLM(qwen3_5).generate(prompts, GREEDY,
+    expected = [o.outputs[0].token_ids for o in LLM(hybrid).generate(prompts, GREEDY,
                                                                       use_tqdm=False)]  # fmt: skip
     puller = LocalPuller()
-    prefill = LLMEngine(qwen3_5, EngineConfig(prefill_chunk_tokens=16))
-    decode = LLMEngine(qwen3_5, EngineConfig(), kv_puller=puller)
+    prefill = LLMEngine(hybrid, EngineConfig(prefill_chunk_tokens=16))
+    decode = LLMEngine(hybrid, EngineConfig(), kv_puller=puller)
     puller.sources["prefill-0"], puller.target = prefill, decode
     state_blocks = decode.runner.shard.blocks_per_slot
     assert state_blocks > 0 and decode.runner.num_blocks < decode.runner.kv_caches[0].shape[0]
@@ -147,7 +147,7 @@ def test_the_config_check_sizes_the_pool_as_the_engine_does(qwen3_5, tmp_path):
 
     engine = LLMEngine(qwen3_5, EngineConfig(kv_cache_bytes=8 << 20, max_num_seqs=6))
     shape = ModelShape.read(qwen3_5)
-    assert shape.state_bytes == bytes_per_slot(engine.arch.linear_attention)
+    assert shape.rank_state_bytes() == bytes_per_slot(engine.arch.linear_attention)
     assert shape.bytes_per_block(16, 4) == engine.runner.bytes_per_block
     config = write_config(tmp_path / "config.yaml", qwen3_5,
                           engine={"kv_cache_bytes": 8 << 20, "max_num_seqs": 6,

@@ -19,8 +19,8 @@ WITH_LOGPROBS = SamplingParams(max_tokens=12, min_tokens=12, temperature=0, logp
 
 
 @pytest.fixture(scope="module")
-def uncached(qwen3_5):
-    return LLM(qwen3_5, enable_prefix_caching=False)
+def uncached(hybrid):
+    return LLM(hybrid, enable_prefix_caching=False)
 
 
 def tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
@@ -33,13 +33,13 @@ def num_snapshots(llm: LLM) -> int:
 
 
 @pytest.mark.parametrize("chunk", [None, 24])
-def test_a_repeated_prompt_and_a_next_turn_start_from_the_snapshot(qwen3_5, uncached, chunk):
+def test_a_repeated_prompt_and_a_next_turn_start_from_the_snapshot(hybrid, uncached, chunk):
     """A 70-token prompt leaves a snapshot after its 64th token (the last block boundary
     before its last token; a chunk of 24 is cut there), and its decode one after the
     80th (prompt and answer). The same prompt again starts from the first (64 tokens
     cached), a chat's next turn (the prompt, its answer, more) from the second (80);
     the tokens and log-probs are the uncached engine's."""
-    llm = LLM(qwen3_5, prefill_chunk_tokens=chunk)
+    llm = LLM(hybrid, prefill_chunk_tokens=chunk)
     prompt = random_prompts([70], seed=11)[0]
     first = llm.generate([prompt], WITH_LOGPROBS, use_tqdm=False)[0]
     answer = first.outputs[0].token_ids
@@ -58,20 +58,20 @@ def test_a_repeated_prompt_and_a_next_turn_start_from_the_snapshot(qwen3_5, unca
     assert llm.engine.leak_report() == []
 
 
-def test_equal_prompts_at_once_and_mixed_batches_keep_their_tokens(qwen3_5, uncached):
+def test_equal_prompts_at_once_and_mixed_batches_keep_their_tokens(hybrid, uncached):
     """The same prompt four times in one batch (only one snapshot is kept; the others'
     copies are plain blocks again), beside prompts that share a prefix with it, in small
     steps that mix prompt chunks, restores and decodes."""
     base = random_prompts([50], seed=13)[0]
     prompts = [base] * 4 + [base[:40] + p for p in random_prompts([7, 30], seed=14)]
-    llm = LLM(qwen3_5, prefill_chunk_tokens=16, max_num_batched_tokens=40)
+    llm = LLM(hybrid, prefill_chunk_tokens=16, max_num_batched_tokens=40)
     expected = tokens(uncached, prompts)
     assert tokens(llm, prompts) == expected
     assert tokens(llm, prompts[::-1]) == expected[::-1]  # now mostly from snapshots
     assert llm.engine.leak_report() == []
 
 
-def test_snapshots_are_evicted_and_preempted_requests_restart_from_theirs(qwen3_5, uncached):
+def test_snapshots_are_evicted_and_preempted_requests_restart_from_theirs(hybrid, uncached):
     """A small pool (a snapshot takes 8 blocks of 8 tokens here, a request ~9): six
     requests at once preempt one another (the snapshots they hold go first); then one at
     a time, twice, the second time in reverse, where the LRU kept the last ones'
@@ -90,7 +90,7 @@ def test_snapshots_are_evicted_and_preempted_requests_restart_from_theirs(qwen3_
             pass
 
     config = EngineConfig(num_blocks=40, block_size=8, max_model_len=96)
-    engine = LLMEngine(qwen3_5, config, observers=[Recorder()])
+    engine = LLMEngine(hybrid, config, observers=[Recorder()])
     scheduler = engine.scheduler
     prompts = random_prompts([30, 41, 25, 37, 33, 45], seed=15)
     params = SamplingParams(max_tokens=30, min_tokens=30, temperature=0)
@@ -117,12 +117,12 @@ def test_snapshots_are_evicted_and_preempted_requests_restart_from_theirs(qwen3_
     assert engine.leak_report() == []
 
 
-def test_a_rolling_snapshot_found_in_the_step_that_rewrites_it_is_copied_first(qwen3_5, uncached):
+def test_a_rolling_snapshot_found_in_the_step_that_rewrites_it_is_copied_first(hybrid, uncached):
     """A decoding request's rolling snapshot moves to each block boundary it reaches, in
     the same blocks. A higher-priority request admitted in the very step that moves it
     (before the decode is scheduled) found it under its old name: it copies it before
     the step writes the new one, so it starts from the right states."""
-    engine = LLMEngine(qwen3_5, EngineConfig(scheduling_policy="priority"))
+    engine = LLMEngine(hybrid, EngineConfig(scheduling_policy="priority"))
     prompt = random_prompts([20], seed=16)[0]
     params = SamplingParams(max_tokens=70, min_tokens=70, temperature=0)  # to 89 tokens
     engine.add_request("decoding", prompt, params, priority=1)
@@ -160,7 +160,7 @@ def test_a_rolling_snapshot_found_in_the_step_that_rewrites_it_is_copied_first(q
 
 @pytest.mark.parametrize("chunk", [None, 20])
 def test_a_shared_system_prompt_is_snapshotted_where_a_second_request_branches(
-    qwen3_5, uncached, chunk
+    hybrid, uncached, chunk
 ):
     """Prompts that share only a 48-token system prompt: the first leaves no snapshot
     there (its own are after 64 tokens and its answer's blocks). The second finds the
@@ -168,7 +168,7 @@ def test_a_shared_system_prompt_is_snapshotted_where_a_second_request_branches(
     states at the end of what it shared (its branch point; a chunk of 20 is cut there);
     from then on each request starts from that snapshot, alone or several at once, with
     the uncached engine's tokens and log-probs."""
-    llm = LLM(qwen3_5, prefill_chunk_tokens=chunk)
+    llm = LLM(hybrid, prefill_chunk_tokens=chunk)
     system = random_prompts([48], seed=18)[0]
     prompts = [system + suffix for suffix in random_prompts([20, 17, 25, 22, 19], seed=19)]
     expected = uncached.generate(prompts, WITH_LOGPROBS, use_tqdm=False)
@@ -189,11 +189,11 @@ def test_a_shared_system_prompt_is_snapshotted_where_a_second_request_branches(
     assert llm.engine.leak_report() == []
 
 
-def test_requests_that_branch_together_keep_one_snapshot(qwen3_5, uncached):
+def test_requests_that_branch_together_keep_one_snapshot(hybrid, uncached):
     """Two requests admitted in one step, both branching from a cached 32-token system
     prompt: each snapshots it, one copy is kept (the other's blocks go back as plain
     ones), and the next request sharing it starts from that one."""
-    llm = LLM(qwen3_5)
+    llm = LLM(hybrid)
     system = random_prompts([32], seed=20)[0]
     prompts = [system + suffix for suffix in random_prompts([20, 23, 26, 9], seed=21)]
     params = SamplingParams(max_tokens=4, min_tokens=4, temperature=0)

@@ -29,8 +29,8 @@ PARAMS = SamplingParams(max_tokens=30, min_tokens=30, temperature=0, logprobs=0)
 
 
 @pytest.fixture(scope="module")
-def plain(qwen3_5):
-    return LLM(qwen3_5, enable_prefix_caching=False)
+def plain(hybrid):
+    return LLM(hybrid, enable_prefix_caching=False)
 
 
 def assert_same(got, expected) -> None:
@@ -48,10 +48,10 @@ def drafting(llm: LLM, references, p_wrong: float, first_id: int = 0) -> LLM:
 
 
 @pytest.mark.parametrize("p_wrong", [0.0, 0.3, 1.0])
-def test_drafts_never_change_the_tokens_or_log_probs(qwen3_5, plain, p_wrong):
+def test_drafts_never_change_the_tokens_or_log_probs(hybrid, plain, p_wrong):
     prompts = random_prompts([5, 17, 33, 64], seed=4)
     expected = plain.generate(prompts, PARAMS, use_tqdm=False)
-    llm = drafting(LLM(qwen3_5, num_speculative_tokens=3), expected, p_wrong)
+    llm = drafting(LLM(hybrid, num_speculative_tokens=3), expected, p_wrong)
     assert_same(llm.generate(prompts, PARAMS, use_tqdm=False), expected)
     scheduler = llm.engine.scheduler
     assert scheduler.num_draft_tokens > 0
@@ -64,7 +64,7 @@ def test_drafts_never_change_the_tokens_or_log_probs(qwen3_5, plain, p_wrong):
     assert llm.engine.leak_report() == []
 
 
-def test_a_rolling_snapshot_taken_in_a_step_with_drafts_is_the_kept_tokens(qwen3_5, plain):
+def test_a_rolling_snapshot_taken_in_a_step_with_drafts_is_the_kept_tokens(hybrid, plain):
     """A 19-token prompt whose drafts are all kept: its decode steps start at 19, 23, 27,
     ... so the ones that reach block boundaries 32 and 48 verify three drafts past them.
     The rolling snapshot there holds the states after the step's first token (a draft's
@@ -72,7 +72,7 @@ def test_a_rolling_snapshot_taken_in_a_step_with_drafts_is_the_kept_tokens(qwen3
     params = SamplingParams(max_tokens=40, min_tokens=40, temperature=0, logprobs=0)
     prompt = random_prompts([19], seed=21)[0]
     (expected,) = plain.generate([prompt], params, use_tqdm=False)
-    llm = drafting(LLM(qwen3_5, num_speculative_tokens=3), [expected], 0.0)
+    llm = drafting(LLM(hybrid, num_speculative_tokens=3), [expected], 0.0)
     (first,) = llm.generate([prompt], params, use_tqdm=False)
     assert_same([first], [expected])
     # the prompt in two steps (cut at its snapshot after 16), then drafts at every step
@@ -85,12 +85,12 @@ def test_a_rolling_snapshot_taken_in_a_step_with_drafts_is_the_kept_tokens(qwen3
     assert kv.num_held_snapshot_blocks == 0 and llm.engine.leak_report() == []
 
 
-def test_drafts_under_preemption(qwen3_5, plain):
+def test_drafts_under_preemption(hybrid, plain):
     """A pool too small for all six: requests verifying drafts are preempted and start
     over (their draft slots forgotten with their own), tokens unchanged."""
     prompts = random_prompts([30, 41, 25, 37, 33, 45], seed=15)
     expected = plain.generate(prompts, PARAMS, use_tqdm=False)
-    llm = LLM(qwen3_5, num_speculative_tokens=3, num_blocks=40, block_size=8, max_model_len=96)
+    llm = LLM(hybrid, num_speculative_tokens=3, num_blocks=40, block_size=8, max_model_len=96)
     drafting(llm, expected, 0.3)
     assert_same(llm.generate(prompts, PARAMS, use_tqdm=False), expected)
     scheduler = llm.engine.scheduler
@@ -107,7 +107,7 @@ def test_eagle3_drafts_and_hybrid_draft_models_are_refused(qwen3_5, model_factor
             draft_model=str(qwen3_5))  # fmt: skip
 
 
-def test_a_decode_worker_verifies_drafts_after_pulling_the_states(qwen3_5, plain):
+def test_a_decode_worker_verifies_drafts_after_pulling_the_states(hybrid, plain):
     """Disaggregated: the decode engine pulls each prompt's KV and states, then verifies
     drafts from its own slots; tokens and log-probs (those it sampled: the first token's
     came from the prefill engine) are the colocated engine's."""
@@ -118,8 +118,8 @@ def test_a_decode_worker_verifies_drafts_after_pulling_the_states(qwen3_5, plain
     prompts = random_prompts([5, 17, 33, 64], seed=6)
     expected = plain.generate(prompts, PARAMS, use_tqdm=False)
     puller = LocalPuller()
-    prefill = LLMEngine(qwen3_5)
-    decode = LLM(qwen3_5, num_speculative_tokens=3).engine
+    prefill = LLMEngine(hybrid)
+    decode = LLM(hybrid, num_speculative_tokens=3).engine
     decode.kv_puller = puller
     tokens = {f"r{i}": r.outputs[0].token_ids for i, r in enumerate(expected)}
     decode.scheduler.proposer = ReplayProposer(tokens, 0.3, VOCAB, seed=4)
@@ -149,13 +149,13 @@ def test_a_decode_worker_verifies_drafts_after_pulling_the_states(qwen3_5, plain
     assert prefill.leak_report() == [] and decode.leak_report() == []
 
 
-def test_a_dense_draft_model_drafts_for_a_hybrid_target(qwen3_5, plain, model_factory):
+def test_a_dense_draft_model_drafts_for_a_hybrid_target(hybrid, plain, model_factory):
     """``speculative_method: draft_model`` with a dense draft of the same token ids: its
     drafts are verified like any (it keeps KV only, in the target's block ids)."""
     prompts = random_prompts([5, 33], seed=9)
     expected = plain.generate(prompts, PARAMS, use_tqdm=False)
-    llm = LLM(qwen3_5, num_speculative_tokens=3, speculative_method="draft_model",
-              draft_model=str(model_factory("qwen3")))  # fmt: skip
+    llm = LLM(hybrid, num_speculative_tokens=3, speculative_method="draft_model",
+              draft_model=str(model_factory("llama")))  # fmt: skip
     assert_same(llm.generate(prompts, PARAMS, use_tqdm=False), expected)
     assert llm.engine.scheduler.num_draft_tokens > 0
     assert llm.engine.leak_report() == []

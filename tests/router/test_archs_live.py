@@ -35,7 +35,8 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0
 
 
 @pytest.fixture(
-    scope="module", params=["qwen2_moe", "gpt_oss", "mistral", "deepseek_v3", "qwen3_5"]
+    scope="module",
+    params=["qwen2_moe", "gpt_oss", "mistral", "deepseek_v3", "qwen3_5", "granite_hybrid"],
 )
 def model_dir(request, model_factory, tmp_path_factory):
     if request.param == "qwen3_5":  # with an MTP layer, stored as Qwen3.5's releases do

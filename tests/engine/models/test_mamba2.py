@@ -1,0 +1,205 @@
+"""Granite's layouts: Granite 3's multipliers, and Granite 4.0-H's Mamba-2 layers between
+rotary-free attention (``engine/models/mamba2.py``): the SSM's chunked form against its
+recurrence, every prompt position's log-probs against transformers' (whole, chunked,
+over ranks: a B/C group split or copied, a norm group spanning ranks), the released
+configs read as transformers reads them and sized as the engine sizes them, two ranks
+as one, adapters of its attention. What every hybrid layout shares (prefix-cache
+snapshots, drafts, preemption, disaggregation) is tested over both in
+``tests/engine/test_hybrid*.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.config import EngineConfig
+from common.config_loader import load_config
+from common.kv_budget import ModelShape, kv_budgets
+from common.tensor_parallel import mamba_split_problem
+from engine import LLM, SamplingParams
+from engine.linear_state import bytes_per_slot
+from engine.llm_engine import LLMEngine
+from engine.models.arch import ModelLoadError, arch_from_config, read_arch_config
+from engine.models.lora import load_lora_adapter
+from engine.models.lora_maker import make_lora_adapter
+from engine.models.mamba2 import chunked_ssd, ssm_step
+from engine.parallel.shard_spec import TensorParallel, local_arch
+from tests.engine.helpers import assert_prompt_logprobs_match, random_prompts
+from tests.support.processes import write_config
+
+HEADS, HEAD_DIM, STATE = 3, 5, 4
+
+
+def ssm_inputs(length: int, seed: int) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator)
+
+    decay = -torch.rand(length, HEADS, generator=generator) * 0.3  # log decays <= 0
+    return (randn(length, HEADS, HEAD_DIM), decay, randn(length, HEADS, STATE),
+            randn(length, HEADS, STATE), randn(HEADS, HEAD_DIM, STATE))  # fmt: skip
+
+
+@pytest.mark.parametrize("length,chunk", [(1, 64), (5, 64), (64, 64), (130, 64), (37, 16)])
+def test_chunked_ssd_equals_the_recurrence(length, chunk):
+    """Partial and whole chunks, from a nonzero state: every output and the final state."""
+    x_dt, decay, b, c, state = ssm_inputs(length, length)
+    out, final = chunked_ssd(x_dt, decay, b, c, state, chunk)
+    expected, current = [], state[None]
+    for t in range(length):
+        step_out, current = ssm_step(x_dt[t : t + 1], decay[t : t + 1], b[t : t + 1],
+                                     c[t : t + 1], current)  # fmt: skip
+        expected.append(step_out[0])
+    torch.testing.assert_close(out, torch.stack(expected), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(final, current[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "arch,ranks",
+    [("granite", ()), ("granite_hybrid", (2,)), ("granite_hybrid_dense", (2, 4))],
+)
+def test_log_probs_equal_transformers(model_factory, arch, ranks):
+    """Every prompt position, whole (three SSD chunks: 130 tokens) and in chunks of 9 (the
+    states carried). Over ranks: granite_hybrid's one B/C group is copied on both ranks
+    and its norm group spans them (squares summed across); granite_hybrid_dense's two
+    groups split over 2 ranks, and over 4 each is shared by 2 ranks."""
+    model_dir = model_factory(arch)
+    prompt = random_prompts([130], seed=4)[0]
+    assert_prompt_logprobs_match(model_dir, prompt)
+    assert_prompt_logprobs_match(model_dir, prompt, prefill_chunk_tokens=9)
+    for size in ranks:
+        assert_prompt_logprobs_match(model_dir, prompt[:50], tensor_parallel_size=size)
+
+
+def test_released_configs_read_as_transformers_reads_them(tmp_path):
+    """A config as Granite 4.0-H's releases write it ("mamba" / "attention" layers,
+    ``mamba_d_head`` "auto", keys left to their defaults) reads as transformers' full
+    one; ``time_step_limit`` in either spelling of infinity; rotary positions only with
+    ``position_embedding_type: rope``."""
+    import transformers
+
+    layers = ["mamba", "attention", "mamba", "mamba"]
+    released = {"architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
+                "vocab_size": 512, "hidden_size": 256, "num_hidden_layers": 4,
+                "num_attention_heads": 4, "num_key_value_heads": 1, "layer_types": layers,
+                "mamba_n_heads": 16, "mamba_d_head": "auto", "position_embedding_type": "nope",
+                "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                "attention_multiplier": 0.0078125, "logits_scaling": 8.0}  # fmt: skip
+    full = transformers.GraniteMoeHybridConfig(**released).to_dict()
+    archs = [arch_from_config(raw, tmp_path) for raw in (released, full)]
+    for arch in archs:
+        mamba = arch.mamba2
+        assert mamba.layers == (True, False, True, True) and arch.kv_layers == (1,)
+        assert (mamba.num_heads, mamba.head_dim, mamba.state_size) == (16, 32, 256)
+        assert (mamba.num_groups, mamba.conv_kernel, mamba.norm_group_size) == (1, 4, 512)
+        assert (mamba.dt_min, mamba.dt_max) == (0.0, float("inf"))
+        assert arch.nope and arch.attention_scale == 0.0078125 and arch.logits_divisor == 8.0
+        assert (arch.embedding_multiplier, arch.residual_multiplier) == (12.0, 0.22)
+        assert arch.moe.num_experts == 8 and arch.moe.top_k == 2  # transformers' defaults
+        assert arch.moe.expert_intermediate_size == 11008 and arch.intermediate_size == 0
+        assert arch.moe.shared_expert_intermediate_size == 1024
+        assert not arch.moe.shared_expert_gated and arch.moe.softmax_over_top_k
+    limited = {**released, "time_step_limit": [0.001, {"__float__": "Infinity"}],
+               "position_embedding_type": "rope", "num_local_experts": 0}  # fmt: skip
+    arch = arch_from_config(limited, tmp_path)
+    assert (arch.mamba2.dt_min, arch.mamba2.dt_max) == (0.001, float("inf"))
+    assert not arch.nope and arch.moe is None and arch.intermediate_size == 1024
+    for bad, message in (({"layer_types": ["mamba"] * 4}, "no attention layer"),
+                         ({"time_step_limit": "x"}, "time_step_limit"),
+                         ({"mamba_n_groups": 3}, "mamba_n_groups=3")):  # fmt: skip
+        with pytest.raises(ModelLoadError, match=message):
+            arch_from_config({**released, **bad}, tmp_path)
+
+
+def test_the_config_check_sizes_the_states_as_each_rank_holds_them(model_factory, tmp_path):
+    """``pdserve config check``'s torch-free arithmetic equals the engine's per-rank state
+    size (a copied B/C group counted on every rank); splits the groups cannot make are
+    refused."""
+    for name in ("granite_hybrid", "granite_hybrid_dense"):
+        model_dir = model_factory(name)
+        arch, shape = read_arch_config(model_dir), ModelShape.read(model_dir)
+        for size in (1, 2, 4):
+            local = local_arch(arch, TensorParallel(size, size - 1))
+            assert shape.rank_state_bytes(size) == bytes_per_slot(local.linear_attention)
+            assert shape.linear_split_problem(size) is None
+        assert "do not split over 16 ranks" in shape.linear_split_problem(16)
+    model_dir = model_factory("granite_hybrid")
+    spec = {"kv_cache_bytes": 8 << 20, "max_num_seqs": 6, "device": "cpu",
+            "num_speculative_tokens": 2}  # fmt: skip
+    engine = LLMEngine(model_dir, EngineConfig(**spec))
+    config = write_config(tmp_path / "config.yaml", model_dir, engine=spec)
+    (prefill, _) = kv_budgets(load_config(str(config)))
+    assert prefill.num_blocks == engine.runner.num_blocks
+    # (groups, heads, ranks): groups split or divide the ranks; heads split
+    for groups, heads, size in ((1, 8, 2), (2, 8, 4), (4, 8, 2), (8, 8, 8)):
+        assert mamba_split_problem(groups, heads, size) is None
+    for groups, heads, size in ((3, 12, 2), (2, 6, 4), (1, 6, 4)):
+        assert "Mamba-2 heads" in mamba_split_problem(groups, heads, size)
+
+
+def test_two_ranks_give_one_ranks_tokens(model_factory):
+    """Each rank its heads' states (and a copy of the one B/C group): chunked, preempted,
+    from a snapshot, and with drafts verified (every rank keeping its heads' states
+    after each token)."""
+    from benchmarks.speculative import ReplayProposer
+
+    model_dir = model_factory("granite_hybrid")
+    prompts = random_prompts([30, 41, 25, 37], seed=7)
+    params = SamplingParams(max_tokens=30, min_tokens=30, temperature=0)
+    one = LLM(model_dir)
+    expected = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    short, few = random_prompts([20], seed=8), SamplingParams(max_tokens=4, temperature=0)
+    expected_short = one.generate(short, few, use_tqdm=False)[0].outputs[0].token_ids
+    with LLM(model_dir, tensor_parallel_size=2, prefill_chunk_tokens=9, num_blocks=30,
+             block_size=8, max_model_len=96, num_speculative_tokens=3) as two:  # fmt: skip
+        got = [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)]
+        assert got == expected and two.engine.scheduler.num_preemptions > 0
+        first, again = (two.generate(short, few, use_tqdm=False)[0] for _ in range(2))
+        assert first.outputs[0].token_ids == again.outputs[0].token_ids == expected_short
+        assert again.num_cached_tokens == 16  # from the snapshot after 16 tokens
+        scheduler = two.engine.scheduler
+        scheduler.proposer = ReplayProposer({"drafted": expected[1]}, 0.3, 2000)
+        two.engine.add_request("drafted", prompts[1], params)
+        outputs = {}
+        while two.engine.has_unfinished_requests():
+            outputs.update((o.request_id, o) for o in two.engine.step() if o.finished)
+        assert outputs["drafted"].outputs[0].token_ids == expected[1]
+        assert 0 < scheduler.num_accepted_tokens < scheduler.num_draft_tokens
+        assert two.engine.leak_report() == []
+
+
+def test_attention_adapters_give_peft_log_probs_and_others_are_refused(model_factory, tmp_path):
+    """Granite 4.0-H takes adapters of its attention projections (log-probs equal
+    transformers + peft's, and differ from the base's); one of its Mamba-2 layers or its
+    shared MLP is refused by name."""
+    from peft import PeftModel
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    model_dir = model_factory("granite_hybrid")
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj")
+    adapter = make_lora_adapter(model_dir, tmp_path / "a", seed=3, targets=targets)
+    prompt = random_prompts([40], seed=4)[0]
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        unadapted = base(torch.tensor([prompt])).logits[0, :-1].log_softmax(-1)
+        reference = PeftModel.from_pretrained(base, str(adapter))(torch.tensor([prompt]))
+    reference = reference.logits[0, :-1].log_softmax(-1)
+    assert (reference - unadapted).abs().max() > 0.1  # the adapter changes the model
+    llm = LLM(model_dir, dtype="float32", lora_adapters={"a": adapter}, prefill_chunk_tokens=15)
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=5)
+    (output,) = llm.generate([prompt], params, use_tqdm=False, lora_name=["a"])
+    for position, lp in enumerate(output.prompt_logprobs[1:]):
+        assert lp.logprob == pytest.approx(reference[position][lp.token_id].item(), abs=1e-4)
+    assert llm.engine.leak_report() == []
+    arch = read_arch_config(model_dir)
+    weights = adapter / "adapter_model.safetensors"
+    for module in ("mamba.in_proj", "shared_mlp.input_linear"):
+        tensors = load_file(weights)
+        key = f"base_model.model.model.layers.0.{module}"
+        tensors[f"{key}.lora_A.weight"] = torch.zeros(8, arch.hidden_size)
+        tensors[f"{key}.lora_B.weight"] = torch.zeros(16, 8)
+        save_file(tensors, weights)
+        with pytest.raises(ModelLoadError, match="Mamba-2 layers and Granite's shared MLP"):
+            load_lora_adapter("bad", adapter, arch, torch.device("cpu"), torch.float32)
