@@ -96,6 +96,22 @@ class KVCacheDType(StrEnum):
         }.get(self)
 
 
+class StateDType(StrEnum):
+    """What a hybrid model's linear-attention states are kept in (``engine/linear_state.py``):
+    float32 (exact; transformers' float32 models, and FLA's Qwen3.5 kernels, carry float32
+    states), or 16 bits: half the memory per request slot and half the bytes a pull moves,
+    for rounding the states once per step (vLLM's default for 16-bit models). Both roles
+    must agree: the states move between them byte for byte."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+    @property
+    def itemsize(self) -> int:
+        return 4 if self is StateDType.FLOAT32 else 2
+
+
 class SchedulingPolicy(StrEnum):
     """The order in which an engine serves its requests (vLLM's ``--scheduling-policy``)."""
 
@@ -131,6 +147,7 @@ _ENUM_FIELDS: dict[str, type[StrEnum]] = {  # filled below, once every enum is d
     "KVCacheDType": KVCacheDType,
     "SchedulingPolicy": SchedulingPolicy,
     "SpeculativeMethod": SpeculativeMethod,
+    "StateDType": StateDType,
 }
 
 
@@ -219,6 +236,8 @@ class EngineConfig:
     # What the KV cache stores: the model's dtype, or FP8 (``KVCacheDType``). Both roles
     # must agree: KV blocks move between them byte for byte.
     kv_cache_dtype: KVCacheDType = KVCacheDType.AUTO
+    # What a hybrid model's linear-attention states are kept in (``StateDType``).
+    linear_state_dtype: StateDType = StateDType.FLOAT32
     # Who goes first when not everyone fits (``SchedulingPolicy``): arrival order, or the
     # requests' ``priority`` (then high-priority traffic also preempts low-priority).
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
@@ -760,6 +779,8 @@ class PdserveConfig:
         for key, why in (
             ("scheduling_policy", "the router takes a request's priority only when both "
                                   "roles honour it"),
+            ("linear_state_dtype", "a hybrid model's states move between them byte for "
+                                   "byte"),
             ("speculative_method", "with mtp or eagle3 the KV cache holds the drafting "
                                    "layer's KV too, which moves with the prompt's blocks, "
                                    "and a prefill worker's first drafts go with its token"),

@@ -112,17 +112,22 @@ class ModelShape:
         num_layers = self.num_layers - self.num_linear_layers + int(draft_layer)
         return num_layers * 2 * block_size * num_kv_heads * self.head_dim * dtype_bytes
 
-    def state_blocks(self, bytes_per_block: int, num_slots: int, tp_size: int = 1) -> int:
+    def state_blocks(
+        self, bytes_per_block: int, num_slots: int, tp_size: int = 1, itemsize: int = 4
+    ) -> int:
         """KV blocks a hybrid model's engine sets aside for its linear-attention states:
         ``num_slots`` slots (``max_num_seqs``, times 1 + ``num_speculative_tokens``), each
         of whole blocks of one rank's (which holds its heads' share of the states:
         ``engine.model_shard``)."""
-        return num_slots * -(-self.rank_state_bytes(tp_size) // bytes_per_block)
+        return num_slots * -(-self.rank_state_bytes(tp_size, itemsize) // bytes_per_block)
 
-    def rank_state_bytes(self, tp_size: int = 1) -> int:
-        """float32 bytes of one request's linear-attention states on one of ``tp_size``
-        ranks (``engine/linear_state.py``); 0 for a model without such layers."""
-        return linear_state_bytes(self.text_cfg, tp_size) if self.num_linear_layers else 0
+    def rank_state_bytes(self, tp_size: int = 1, itemsize: int = 4) -> int:
+        """Bytes of one request's linear-attention states on one of ``tp_size`` ranks,
+        kept in elements of ``itemsize`` bytes (``engine.linear_state_dtype``;
+        ``engine/linear_state.py``); 0 for a model without such layers."""
+        if not self.num_linear_layers:
+            return 0
+        return linear_state_bytes(self.text_cfg, tp_size) // 4 * itemsize
 
     def linear_split_problem(self, tp_size: int) -> str | None:
         """Why the linear-attention layers do not split over ``tp_size`` ranks, or None."""
@@ -253,7 +258,8 @@ def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
         message = f"{engine.num_blocks} KV blocks {too_small}"
         raise ConfigError(_key(config, role, "num_blocks"), message)
     num_slots = engine.max_num_seqs * (1 + engine.num_speculative_tokens)
-    state_blocks = shape.state_blocks(cpu_bpb, num_slots, tp_size)
+    itemsize = engine.linear_state_dtype.itemsize
+    state_blocks = shape.state_blocks(cpu_bpb, num_slots, tp_size, itemsize)
     problems = _cpu_problems(config, role, engine, cpu_bpb, min_blocks, too_small, state_blocks)
     if engine.device is Device.CPU and problems:
         raise ConfigError(*problems[0])

@@ -5,7 +5,8 @@ delta-rule layers, ``models/gated_delta_net.py``; Granite 4.0-H's Mamba-2 layers
 A linear-attention layer keeps no KV: each request has, per such layer, a convolution
 state ``[conv_dim, conv_kernel - 1]`` and a recurrent state (``[num_value_heads,
 key_head_dim, value_head_dim]``; Mamba-2's ``[num_heads, head_dim, state_size]``: the
-configs' ``conv_shape`` and ``ssm_shape``), whatever its length. They live in float32, slot-major:
+configs' ``conv_shape`` and ``ssm_shape``), whatever its length. They live in float32
+(or 16 bits: ``engine.linear_state_dtype``; the layers compute in float32), slot-major:
 ``[num_slots, num_linear_layers, conv + recurrent elements]``, each layer reading views of
 its slice (``StatePool.layer``), and that pool is the tail of the KV cache itself: slot
 ``s`` is the bytes of ``blocks_per_slot`` KV blocks past the scheduler's ``num_blocks``
@@ -102,16 +103,19 @@ class LinearStep:
 class LinearLayerState:
     """One layer's states of every slot (views into the pool) and the step's slots."""
 
-    conv: torch.Tensor  # [num_slots, conv_dim, conv_kernel - 1] float32
-    # [num_slots, num_value_heads, key_head_dim, value_head_dim] float32; Mamba-2's
+    conv: torch.Tensor  # [num_slots, conv_dim, conv_kernel - 1], the pool's dtype
+    # [num_slots, num_value_heads, key_head_dim, value_head_dim]; Mamba-2's
     # [num_slots, num_heads, head_dim, state_size]
     ssm: torch.Tensor
     step: LinearStep
 
 
-def bytes_per_slot(linear: LinearAttentionConfig | Mamba2Config) -> int:
-    """float32 bytes of one request's states over all linear-attention layers."""
-    return 4 * _elements_per_layer(linear) * sum(linear.layers)
+def bytes_per_slot(
+    linear: LinearAttentionConfig | Mamba2Config, dtype: torch.dtype = torch.float32
+) -> int:
+    """Bytes of one request's states over all linear-attention layers, kept in ``dtype``
+    (``engine.linear_state_dtype``)."""
+    return dtype.itemsize * _elements_per_layer(linear) * sum(linear.layers)
 
 
 def _elements_per_layer(linear: LinearAttentionConfig | Mamba2Config) -> int:
@@ -130,6 +134,7 @@ class StatePool:
         kv_caches: list[torch.Tensor],
         first_block: int,
         blocks_per_slot: int,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self.num_slots = num_slots
         self.first_block = first_block
@@ -141,10 +146,11 @@ class StatePool:
         num_layers = sum(linear.layers)
         self.block_bytes = block_bytes(kv_caches)  # every KV block, slots' and others'
         blocks = self.block_bytes[first_block : first_block + num_slots * blocks_per_slot]
-        if blocks.numel() < num_slots * bytes_per_slot(linear):
+        if blocks.numel() < num_slots * bytes_per_slot(linear, dtype):
             raise ValueError(f"{blocks.shape[0]} KV blocks cannot hold {num_slots} state slots")
-        # [num_slots, blocks_per_slot * block_bytes / 4] float32; a slot's states first.
-        slots = blocks.reshape(num_slots, -1).view(torch.float32)
+        # [num_slots, blocks_per_slot * block_bytes / itemsize] of ``dtype``; a slot's
+        # states first.
+        slots = blocks.reshape(num_slots, -1).view(dtype)
         self.states = slots[:, : num_layers * per_layer].view(num_slots, num_layers, per_layer)
 
     def layer(self, index: int, step: LinearStep) -> LinearLayerState:

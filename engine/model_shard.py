@@ -189,8 +189,11 @@ class ModelShard:
         linear = self.arch.linear_attention
         self.num_request_slots = config.max_num_seqs if linear is not None else 0
         self.num_state_slots = self.num_request_slots * (1 + config.num_speculative_tokens)
+        self.state_dtype = getattr(torch, config.linear_state_dtype.value)
         self.blocks_per_slot = (
-            cdiv(bytes_per_slot(linear), self.bytes_per_block) if linear is not None else 0
+            cdiv(bytes_per_slot(linear, self.state_dtype), self.bytes_per_block)
+            if linear is not None
+            else 0
         )
         self.state_pool: StatePool | None = None
 
@@ -282,7 +285,7 @@ class ModelShard:
         if arch.linear_attention is not None:
             self.state_pool = StatePool(
                 arch.linear_attention, self.num_state_slots, self.kv_caches, num_blocks,
-                self.blocks_per_slot,
+                self.blocks_per_slot, self.state_dtype,
             )  # fmt: skip
         config = self.config
         # Latent attention decodes eagerly: its capture is not yet tried on a GPU; so do

@@ -6,7 +6,8 @@ A step's sequences come as ``LinearStep`` orders them: the single-token decodes 
 (one step of the recurrence each, all of them in one call), then decodes verifying drafts
 (one position at a time, all of them together, keeping the states after every token:
 ``VerifyPlan``), then prompt chunks (the recurrence's chunked form, one sequence at a
-time). Each reads its states from the layer's pool at its slot and writes them back.
+time). Each reads its states from the layer's pool at its slot (in float32, whatever the
+pool keeps: ``engine.linear_state_dtype``) and writes them back.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ Chunk = Callable[[slice, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def run_recurrence(
-    pool: torch.Tensor,  # [num_slots, ...] the layer's states of this kind
+    pool: torch.Tensor,  # [num_slots, ...] the layer's states of this kind (any float dtype)
     step: LinearStep,
     out: torch.Tensor,  # [num_tokens, ...] written at every row
     one_token: OneToken,
@@ -39,10 +40,11 @@ def run_recurrence(
     num_decodes = step.num_decodes
     if num_decodes:
         slots = step.slots[:num_decodes]
-        out[:num_decodes], pool[slots] = one_token(slice(0, num_decodes), pool[slots])
+        out[:num_decodes], states = one_token(slice(0, num_decodes), pool[slots].float())
+        pool[slots] = states.to(pool.dtype)
     plan = step.verify
     if plan is not None:  # a token and its drafts each: the states after every one kept
-        current = pool[plan.slots]  # [B, ...] each verifying sequence's states
+        current = pool[plan.slots].float()  # [B, ...] each verifying sequence's states
         for rows, active, kept in zip(plan.rows, plan.active, plan.kept, strict=True):
             every = len(active) == len(current)  # (as usual: all verify as many drafts)
             out[rows], states = one_token(rows, current if every else current[active])
@@ -50,19 +52,20 @@ def run_recurrence(
                 current = states
             else:
                 current[active] = states
-            pool[kept] = states
+            pool[kept] = states.to(pool.dtype)
     starts = step.query_start_loc_cpu
     for seq in range(num_decodes, len(starts) - 1):
         if step.verifies(seq):
             continue
         rows = slice(starts[seq], starts[seq + 1])
         slot = step.slots_cpu[seq]
-        out[rows], pool[slot] = chunk(rows, pool[slot])
+        out[rows], states = chunk(rows, pool[slot].float())
+        pool[slot] = states  # (cast to the pool's dtype by the copy)
 
 
 def causal_conv(
     mixed: torch.Tensor,  # [N, C] the step's rows
-    pool: torch.Tensor,  # [num_slots, C, K - 1] float32: each slot's last K - 1 inputs
+    pool: torch.Tensor,  # [num_slots, C, K - 1]: each slot's last K - 1 inputs
     step: LinearStep,
     weight: torch.Tensor,  # [C, K] float32
     bias: torch.Tensor | None,  # [C] float32

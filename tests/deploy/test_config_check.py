@@ -97,6 +97,12 @@ BROKEN = [
         "both roles need the same scheduling_policy",
     ),
     ("engine: {scheduling_policy: lifo}", "engine.scheduling_policy", "not one of: fcfs"),
+    (
+        "decode: {engine: {linear_state_dtype: bfloat16}}",
+        "decode.engine.linear_state_dtype",
+        "both roles need the same linear_state_dtype",
+    ),
+    ("engine: {linear_state_dtype: fp8}", "engine.linear_state_dtype", "not one of: float32"),
     ("kv_transfer: {connector: rdma}", "kv_transfer.connector", "not one of: nixl"),
     ("kv_transfer: {connector: shared_storage}", "kv_transfer.shared_dir", "needs a dir"),
     ("kv_transfer: {lease_s: 5, timeout_s: 5}", "kv_transfer.timeout_s", "below lease_s"),

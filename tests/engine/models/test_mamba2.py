@@ -27,7 +27,7 @@ from engine.parallel.shard_spec import TensorParallel, local_arch
 from tests.engine.helpers import assert_prompt_logprobs_match, random_prompts
 from tests.support.processes import write_config
 
-HEADS, HEAD_DIM, STATE = 3, 5, 4
+HEADS, GROUPS, HEAD_DIM, STATE = 4, 2, 5, 3
 
 
 def ssm_inputs(length: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -37,19 +37,21 @@ def ssm_inputs(length: int, seed: int) -> tuple[torch.Tensor, ...]:
         return torch.randn(*shape, generator=generator)
 
     decay = -torch.rand(length, HEADS, generator=generator) * 0.3  # log decays <= 0
-    return (randn(length, HEADS, HEAD_DIM), decay, randn(length, HEADS, STATE),
-            randn(length, HEADS, STATE), randn(HEADS, HEAD_DIM, STATE))  # fmt: skip
+    return (randn(length, HEADS, HEAD_DIM), decay, randn(length, GROUPS, STATE),
+            randn(length, GROUPS, STATE), randn(HEADS, HEAD_DIM, STATE))  # fmt: skip
 
 
 @pytest.mark.parametrize("length,chunk", [(1, 64), (5, 64), (64, 64), (130, 64), (37, 16)])
 def test_chunked_ssd_equals_the_recurrence(length, chunk):
-    """Partial and whole chunks, from a nonzero state: every output and the final state."""
+    """Partial and whole chunks, from a nonzero state, two heads per B/C group: every
+    output and the final state."""
     x_dt, decay, b, c, state = ssm_inputs(length, length)
     out, final = chunked_ssd(x_dt, decay, b, c, state, chunk)
-    expected, current = [], state[None]
+    b_heads, c_heads = (t.repeat_interleave(HEADS // GROUPS, 1) for t in (b, c))
+    expected, current = [], state[None].clone()
     for t in range(length):
-        step_out, current = ssm_step(x_dt[t : t + 1], decay[t : t + 1], b[t : t + 1],
-                                     c[t : t + 1], current)  # fmt: skip
+        step_out, current = ssm_step(x_dt[t : t + 1], decay[t : t + 1], b_heads[t : t + 1],
+                                     c_heads[t : t + 1], current)  # fmt: skip
         expected.append(step_out[0])
     torch.testing.assert_close(out, torch.stack(expected), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(final, current[0], atol=1e-5, rtol=1e-5)
