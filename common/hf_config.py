@@ -90,6 +90,24 @@ GRANITE_HYBRID_DEFAULTS: dict[str, Any] = {
 }
 # Layer type names of configs written before transformers 5 (``remap_legacy_layer_types``).
 _LEGACY_LAYER_TYPES = {"mamba": "linear_attention", "attention": "full_attention"}
+# transformers' NemotronHConfig defaults (5.x) for the keys a Nemotron-H config may leave
+# out, under the names Granite 4.0-H's use (``_nemotron_h``): its own names first.
+_NEMOTRON_H_KEYS = {  # Granite's key: (Nemotron-H's keys, default)
+    "mamba_n_heads": (("mamba_num_heads",), 128),
+    "mamba_d_head": (("mamba_head_dim",), 64),
+    "mamba_d_state": (("ssm_state_size",), 128),
+    "mamba_n_groups": (("n_groups", "mamba_n_groups"), 8),
+    "mamba_d_conv": (("conv_kernel", "mamba_d_conv"), 4),
+    "mamba_conv_bias": (("use_conv_bias", "mamba_conv_bias"), True),
+    "mamba_proj_bias": (("use_bias",), False),
+    "rms_norm_eps": (("layer_norm_epsilon",), 1e-5),
+    "intermediate_size": (("intermediate_size",), 21504),
+    "num_attention_heads": (("num_attention_heads",), 32),
+    "num_key_value_heads": (("num_key_value_heads",), 8),
+    "head_dim": (("head_dim",), 128),
+}
+# ``hybrid_override_pattern``'s letters: Mamba-2, attention, MLP, mixture of experts.
+_NEMOTRON_H_PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 # Keys of a multimodal config's top level that apply to its language model.
 _TOP_LEVEL_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings",
                    "torch_dtype", "dtype")  # fmt: skip
@@ -114,6 +132,31 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
         cfg = _gpt_oss(cfg)
     if cfg.get("model_type") == "granitemoehybrid":
         cfg = _granite_hybrid(cfg)
+    if cfg.get("model_type") == "nemotron_h":
+        cfg = _nemotron_h(cfg)
+    return cfg
+
+
+def _nemotron_h(cfg: dict[str, Any]) -> dict[str, Any]:
+    """NemotronHConfig's keys and defaults under Granite 4.0-H's names (the Mamba-2 layers'
+    dims, ``rms_norm_eps``), its layers as ``layer_types`` ("linear_attention",
+    "full_attention", "mlp", "moe": from ``layers_block_type``, ``layer_types`` or the
+    released ``hybrid_override_pattern``), ``num_hidden_layers`` their count, and
+    ``time_step_limit`` what its Mamba-2 layers clamp prompts' time steps to:
+    ``[time_step_min, inf]`` (transformers' ``NemotronHMamba2Mixer``, whatever the config's
+    own time_step_limit)."""
+    cfg = dict(cfg)
+    for key, (names, default) in _NEMOTRON_H_KEYS.items():
+        cfg[key] = next((cfg[name] for name in names if cfg.get(name) is not None), default)
+    types = cfg.get("layers_block_type") or cfg.get("layer_types")
+    if not types and cfg.get("hybrid_override_pattern"):
+        pattern = cfg["hybrid_override_pattern"]
+        types = [_NEMOTRON_H_PATTERN.get(letter, letter) for letter in pattern]
+    types = types or ["linear_attention", "moe", "full_attention", "mlp"]
+    cfg["layer_types"] = [_LEGACY_LAYER_TYPES.get(t, t) for t in types]
+    cfg["num_hidden_layers"] = len(types)
+    time_step_min = cfg.get("time_step_min", cfg.get("mamba_dt_min", 0.001))
+    cfg["time_step_limit"] = [float(time_step_min), float("inf")]
     return cfg
 
 
@@ -244,8 +287,8 @@ def kv_cache_heads(cfg: dict[str, Any]) -> tuple[int, int]:
 # (``Qwen3_5TextConfig``: every ``full_attention_interval``-th layer full, default 4);
 # Granite 4.0-H's linear layers are Mamba-2 (``MAMBA2_MODEL_TYPES``).
 HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe",
-                      "qwen3_next", "granitemoehybrid")  # fmt: skip
-MAMBA2_MODEL_TYPES = ("granitemoehybrid",)
+                      "qwen3_next", "granitemoehybrid", "nemotron_h")  # fmt: skip
+MAMBA2_MODEL_TYPES = ("granitemoehybrid", "nemotron_h")
 # Qwen3_5TextConfig's defaults for its linear-attention keys.
 LINEAR_ATTENTION_DEFAULTS = {
     "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
@@ -254,8 +297,9 @@ LINEAR_ATTENTION_DEFAULTS = {
 
 
 def layer_types(cfg: dict[str, Any]) -> list[str] | None:
-    """Each layer's ``linear_attention`` or ``full_attention`` for a hybrid model's
-    (text) config; None for any other model."""
+    """Each layer's ``linear_attention`` or ``full_attention`` (or Nemotron-H's ``mlp``,
+    a layer that is an MLP alone) for a hybrid model's (text) config; None for any other
+    model."""
     types = cfg.get("layer_types")
     if cfg.get("model_type") not in HYBRID_MODEL_TYPES and "linear_attention" not in (types or ()):
         return None

@@ -74,6 +74,7 @@ class ModelShape:
     # A hybrid model's linear-attention layers (no KV cache): their count, and
     # ``text_config``'s keys, which size one request's states in them (``rank_state_bytes``).
     num_linear_layers: int = 0
+    num_mlp_layers: int = 0  # Nemotron-H's layers that are an MLP alone: no KV either
     text_cfg: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -97,6 +98,7 @@ class ModelShape:
                 num_experts=int(_num_experts(cfg) or 0),
                 vocab_size=int(cfg.get("vocab_size", 0)),
                 num_linear_layers=(layer_types(cfg) or []).count("linear_attention"),
+                num_mlp_layers=(layer_types(cfg) or []).count("mlp"),
                 text_cfg=cfg,
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -109,7 +111,8 @@ class ModelShape:
         with ``draft_layer`` the MTP layer's or EAGLE-3 head's too, of the same shape), on
         one of ``tp_size`` tensor-parallel ranks (each holds its KV heads)."""
         num_kv_heads = local_kv_heads(self.num_kv_heads, tp_size)
-        num_layers = self.num_layers - self.num_linear_layers + int(draft_layer)
+        num_layers = self.num_layers - self.num_linear_layers - self.num_mlp_layers
+        num_layers += int(draft_layer)
         return num_layers * 2 * block_size * num_kv_heads * self.head_dim * dtype_bytes
 
     def state_blocks(

@@ -377,7 +377,7 @@ class ModelShard:
 
     def _layer_caches(self, batch: HostBatch) -> list:
         """Each layer's cache for a step: its KV cache, or a linear-attention layer's
-        states (those of slots starting over zeroed first)."""
+        states (those of slots starting over zeroed first), or None (an MLP-only layer)."""
         kv_caches = self.kv_caches[: len(self.arch.kv_layers)]
         pool = self.state_pool
         if pool is None:
@@ -401,10 +401,12 @@ class ModelShard:
         )
         kv = iter(kv_caches)
         linear = iter(range(len(self.arch.linear_layers)))
+        arch = self.arch
         return [
-            pool.layer(next(linear), step) if self.arch.is_linear(i) else next(kv)
-            for i in range(self.arch.num_layers)
-        ]
+            pool.layer(next(linear), step) if arch.is_linear(i)
+            else None if arch.is_mlp_only(i) else next(kv)
+            for i in range(arch.num_layers)
+        ]  # fmt: skip
 
     def mtp_pass(
         self, batch: HostBatch, hidden_rows: list[int], from_target: bool, logit_rows: list[int]

@@ -36,7 +36,8 @@ os.environ.setdefault("PDSERVE_HOME", str(_TMP / "pdserve-test-home"))
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5",
          "qwen3_5_moe", "qwen3_next", "gemma3", "phi3", "gpt_oss", "deepseek_v2", "deepseek_v3",
-         "glm4_moe", "minimax_m2", "granite", "granite_hybrid", "granite_hybrid_dense")  # fmt: skip
+         "glm4_moe", "minimax_m2", "granite", "granite_hybrid", "granite_hybrid_dense",
+         "nemotron_h")  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -66,9 +67,10 @@ def qwen3_5(model_factory) -> Path:
     return model_factory("qwen3_5")
 
 
-@pytest.fixture(scope="session", params=["qwen3_5", "granite_hybrid"])
+@pytest.fixture(scope="session", params=["qwen3_5", "granite_hybrid", "nemotron_h"])
 def hybrid(request, model_factory) -> Path:
-    """Each hybrid layout: Qwen3.5's (gated delta rule between gated attention) and
-    Granite 4.0-H's (Mamba-2 between rotary-free attention, experts): what holds of
-    linear-attention layers whatever their recurrence."""
+    """Each hybrid layout: Qwen3.5's (gated delta rule between gated attention), Granite
+    4.0-H's (Mamba-2 between rotary-free attention, experts) and Nemotron-H's (one block
+    per layer, MLP layers without any cache): what holds of linear-attention layers
+    whatever their recurrence and layout."""
     return model_factory(request.param)

@@ -99,6 +99,9 @@ class ArchFlags:
     # layer's MLP a shared one (plus routed experts when the config has any), attention
     # maybe without rotary positions.
     granite_hybrid: bool = False
+    # Nemotron-H: each layer one block (``ModelArchConfig.block_kinds``): Mamba-2,
+    # rotary-free attention or a squared-ReLU MLP; norm gains multiplied in float32.
+    nemotron_h: bool = False
 
 
 ARCHITECTURES: dict[str, ArchFlags] = {
@@ -133,6 +136,7 @@ ARCHITECTURES: dict[str, ArchFlags] = {
     "GraniteForCausalLM": ArchFlags(granite=True),
     # Granite 4.0-H: see ArchFlags.granite_hybrid; experts only where num_local_experts > 0.
     "GraniteMoeHybridForCausalLM": ArchFlags(granite=True, granite_hybrid=True),
+    "NemotronHForCausalLM": ArchFlags(nemotron_h=True),
     # Phi-3 / Phi-4: Llama with fused qkv_proj and gate_up_proj in the checkpoint (loaded as
     # they are) and maybe a partial rotary.
     "Phi3ForCausalLM": ArchFlags(phi3_rope=True),
@@ -187,6 +191,7 @@ _BY_MODEL_TYPE = {
     "qwen3_next": "Qwen3NextForCausalLM",
     "granite": "GraniteForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
 }
 
 
@@ -387,7 +392,8 @@ class ModelArchConfig:
     moe: MoeConfig | None = None  # None: every layer's MLP is dense
     max_context_len: int = 0  # the longest context served (hf_config.max_context_len)
     # Gemma 3's departures from Llama (the defaults are Llama's):
-    hidden_act: str = "silu"  # the MLP's gate activation: "silu" or "gelu_pytorch_tanh"
+    # The MLP's activation: "silu" or "gelu_pytorch_tanh" (gated), "relu2" (Nemotron-H: ungated)
+    hidden_act: str = "silu"
     norm_unit_offset: bool = False  # RMSNorm scales by 1 + weight, in float32
     sandwich_norms: bool = False  # each block's output is normed too, before the residual add
     embed_scale: float = 1.0  # token embeddings times this (rounded to the model dtype)
@@ -434,6 +440,10 @@ class ModelArchConfig:
     logits_divisor: float = 1.0
     # Attention without rotary positions (Granite 4.0-H: its Mamba-2 layers see order).
     nope: bool = False
+    # Models whose every layer is one block, normed and added to the residual (Nemotron-H):
+    # per layer "mamba", "attention" or "mlp" (``llama.SingleBlockLayer``). Empty: every
+    # layer is attention (or linear attention), then an MLP.
+    block_kinds: tuple[str, ...] = ()
 
     @property
     def mamba2(self) -> Mamba2Config | None:
@@ -453,11 +463,17 @@ class ModelArchConfig:
         """Whether layer ``layer_idx`` is a linear-attention (recurrent) layer."""
         return self.linear_attention is not None and self.linear_attention.layers[layer_idx]
 
+    def is_mlp_only(self, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` is an MLP alone (Nemotron-H's): no cache of any kind."""
+        return bool(self.block_kinds) and self.block_kinds[layer_idx] == "mlp"
+
     @property
     def kv_layers(self) -> tuple[int, ...]:
-        """The layers that keep a paged KV cache (all but linear-attention ones), in
-        order: KV cache layer i is model layer ``kv_layers[i]``."""
-        return tuple(i for i in range(self.num_layers) if not self.is_linear(i))
+        """The layers that keep a paged KV cache (all but linear-attention and MLP-only
+        ones), in order: KV cache layer i is model layer ``kv_layers[i]``."""
+        return tuple(
+            i for i in range(self.num_layers) if not self.is_linear(i) and not self.is_mlp_only(i)
+        )
 
     @property
     def linear_layers(self) -> tuple[int, ...]:
@@ -753,7 +769,7 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
         raise ModelLoadError(f"{path}: mlp_bias=true is not supported")
     if not flags.gemma3:
         activation = cfg.get("hidden_act", "silu")
-        if activation not in ("silu", "swish"):
+        if activation not in ("silu", "swish") and not flags.nemotron_h:
             raise ModelLoadError(f"{path}: hidden_act {activation!r} is not supported (only silu)")
     fp8_weights = None
     quantization = read_quantization_config(raw, cfg, model_dir)
@@ -798,7 +814,7 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
         moe=_moe_config(cfg, architecture, num_layers + mtp_layers, path),
         max_context_len=max_context_len(cfg),
         attention_sinks=flags.gpt_oss,
-        norm_gain_in_float32=flags.gpt_oss,
+        norm_gain_in_float32=flags.gpt_oss or flags.nemotron_h,
         fp8_weights=fp8_weights,
         int_weights=int_weights,
         bnb_weights=bnb_weights,
@@ -809,7 +825,35 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
         **gemma3,
         **(_qwen3_5_fields(cfg, num_layers, mtp_layers, path) if flags.qwen3_5 else {}),
         **(_granite_fields(cfg, flags.granite_hybrid, num_layers, path) if flags.granite else {}),
+        **(_nemotron_h_fields(cfg, num_layers, path) if flags.nemotron_h else {}),
     )
+
+
+# Nemotron-H's layer types (``text_config``'s) as ``ModelArchConfig.block_kinds``.
+_NEMOTRON_H_BLOCKS = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp"}
+
+
+def _nemotron_h_fields(cfg: dict[str, Any], num_layers: int, path: Path) -> dict[str, Any]:
+    """ModelArchConfig's Nemotron-H fields (``text_config`` read its names and defaults):
+    one block per layer, Mamba-2 layers, rotary-free attention, squared-ReLU MLPs, norm
+    gains in float32. Its mixture-of-experts layers (Nemotron 3's) are refused."""
+    types = cfg["layer_types"]
+    if "moe" in types:
+        raise ModelLoadError(f"{path}: Nemotron-H's mixture-of-experts layers (Nemotron 3's "
+                             "'E' layers) are not supported; its Mamba-2, attention and MLP "
+                             "layers are")  # fmt: skip
+    activation = cfg.get("mlp_hidden_act", "relu2")
+    if activation != "relu2":
+        raise ModelLoadError(f"{path}: mlp_hidden_act {activation!r} is not supported (relu2)")
+    unknown = set(types) - set(_NEMOTRON_H_BLOCKS)
+    if unknown:
+        raise ModelLoadError(f"{path}: unknown layer types {sorted(unknown)}")
+    return {
+        "linear_attention": _mamba2_config(cfg, num_layers, path),
+        "block_kinds": tuple(_NEMOTRON_H_BLOCKS[t] for t in types),
+        "nope": True,
+        "hidden_act": "relu2",
+    }
 
 
 def _granite_fields(
@@ -833,7 +877,7 @@ def _granite_fields(
 def _mamba2_config(cfg: dict[str, Any], num_layers: int, path: Path) -> Mamba2Config:
     """Granite 4.0-H's Mamba-2 layers (``text_config`` filled its defaults in)."""
     types = cfg["layer_types"]
-    if len(types) < num_layers or set(types) - {"linear_attention", "full_attention"}:
+    if len(types) < num_layers or set(types) - {"linear_attention", "full_attention", "mlp"}:
         raise ModelLoadError(f"{path}: layer_types must name mamba or attention for each of "
                              f"the {num_layers} layers")  # fmt: skip
     heads, groups = int(cfg["mamba_n_heads"]), int(cfg["mamba_n_groups"])
@@ -849,12 +893,13 @@ def _mamba2_config(cfg: dict[str, Any], num_layers: int, path: Path) -> Mamba2Co
         proj_bias=bool(cfg["mamba_proj_bias"]),
         **_time_step_limit(cfg.get("time_step_limit"), path),
     )
-    if mamba.intermediate_size != int(cfg["mamba_expand"]) * int(cfg["hidden_size"]):
+    expand = cfg.get("mamba_expand")  # (Granite's; Nemotron-H's width is heads x head_dim)
+    if expand is not None and mamba.intermediate_size != int(expand) * int(cfg["hidden_size"]):
         raise ModelLoadError(f"{path}: mamba_n_heads x mamba_d_head must be mamba_expand x "
                              "hidden_size")  # fmt: skip
     if groups < 1 or heads % groups:
         raise ModelLoadError(f"{path}: mamba_n_heads={heads} in mamba_n_groups={groups}")
-    if all(mamba.layers):
+    if "full_attention" not in types[:num_layers]:
         raise ModelLoadError(f"{path}: no attention layer (a KV cache needs one)")
     return mamba
 

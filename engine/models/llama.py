@@ -1,7 +1,8 @@
 """The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Phi-3, their mixture-of-experts
 variants: ``moe.py``, and Gemma 3, GPT-OSS and DeepSeek-V2/V3, whose differences
-``ModelArchConfig`` lists; DeepSeek's latent attention is ``mla.py``) over a flattened,
-paged batch.
+``ModelArchConfig`` lists; DeepSeek's latent attention is ``mla.py``; hybrid models'
+linear attention ``gated_delta_net.py`` and ``mamba2.py``; Nemotron-H's one-block layers
+``SingleBlockLayer``) over a flattened, paged batch.
 
 Tokens of all sequences in a step are one flat dimension; attention finds each sequence's
 context through the backend's per-step metadata. q/k/v and gate/up projections are fused
@@ -148,6 +149,63 @@ class MLP(nn.Module):
         return lora.apply(self.layer_idx, "down_proj", hidden, self.down_proj(hidden))
 
 
+class UngatedMLP(nn.Module):
+    """Nemotron-H's MLP: ``down(relu(up(x)) ** 2)``, no gate."""
+
+    def __init__(self, arch: ModelArchConfig, intermediate_size: int) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(arch.hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, lora: object = None) -> torch.Tensor:
+        """``lora`` is accepted for the gated MLP's signature: adapters are refused here."""
+        return self.down_proj(F.relu(self.up_proj(x)).square())
+
+
+class SingleBlockLayer(nn.Module):
+    """A layer that is one block (Nemotron-H's): ``x + block(norm(x))``, the block being
+    Mamba-2, attention or an MLP (``ModelArchConfig.block_kinds``), named as the other
+    layers' blocks are (``mamba``, ``self_attn``, ``mlp``; the loader renames the
+    checkpoint's ``mixer``). An MLP layer has no cache (its ``kv_cache`` is None)."""
+
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        group: TPGroup,
+    ) -> None:
+        super().__init__()
+        self.group = group
+        self.kind = arch.block_kinds[layer_idx]
+        self.input_layernorm = rms_norm(arch, arch.hidden_size)
+        if self.kind == "mamba":
+            self.mamba = Mamba2Mixer(arch, layer_idx, group)
+        elif self.kind == "attention":
+            self.self_attn = Attention(arch, layer_idx, rotary, backend, group)
+        else:
+            self.mlp = UngatedMLP(arch, arch.intermediate_size)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_cache: torch.Tensor | LinearLayerState | None,
+        attn_metadata: object,
+        lora: LoraBatch | None = None,
+    ) -> torch.Tensor:
+        normed = self.input_layernorm(hidden)
+        if self.kind == "mamba":
+            assert isinstance(kv_cache, LinearLayerState)
+            out = self.mamba(normed, kv_cache)
+        elif self.kind == "attention":
+            out = self.self_attn(positions, normed, kv_cache, attn_metadata, lora)
+        else:
+            out = self.mlp(normed)
+        return hidden + self.group.all_reduce(out)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm residual blocks. With ``sandwich_norms`` (Gemma) each block's output is
     normed too; the checkpoint then names the attention block's output norm
@@ -259,8 +317,9 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(arch.vocab_size, arch.hidden_size, group)
+        layer_type = SingleBlockLayer if arch.block_kinds else DecoderLayer
         self.layers = nn.ModuleList(
-            DecoderLayer(arch, i, rotaries[arch.rope_of(i)], backend, group)
+            layer_type(arch, i, rotaries[arch.rope_of(i)], backend, group)
             for i in range(arch.num_layers)
         )
         self.norm = rms_norm(arch, arch.hidden_size)

@@ -96,6 +96,28 @@ _GRANITE_NAMES = ((".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_u
                   (".block_sparse_moe.experts.", ".mlp.experts."))  # fmt: skip
 
 
+# Nemotron-H's layers: ``backbone.layers.{i}.norm`` / ``.mixer.*`` (``llama.SingleBlockLayer``).
+_NEMOTRON_LAYER = re.compile(r"^backbone\.layers\.(\d+)\.(norm|mixer)\.(.*)$")
+_NEMOTRON_BLOCKS = {"mamba": "mamba", "attention": "self_attn", "mlp": "mlp"}
+_NEMOTRON_NAMES = {"backbone.embeddings.weight": _EMBED,
+                   "backbone.norm_f.weight": "model.norm.weight"}  # fmt: skip
+
+
+def _nemotron_name(name: str, arch: ModelArchConfig) -> str:
+    """Nemotron-H's tensor ``name`` as the engine's: the embeddings, final norm, and each
+    layer's norm and block (``mixer``) under the block's name for its kind."""
+    if name in _NEMOTRON_NAMES:
+        return _NEMOTRON_NAMES[name]
+    layer = _NEMOTRON_LAYER.match(name)
+    if layer is None:
+        return name
+    index, part, rest = layer.groups()
+    if part == "norm":
+        return f"model.layers.{index}.input_layernorm.{rest}"
+    kind = arch.block_kinds[int(index)] if int(index) < len(arch.block_kinds) else ""
+    return f"model.layers.{index}.{_NEMOTRON_BLOCKS.get(kind, 'mixer')}.{rest}"
+
+
 def _granite_name(name: str, arch: ModelArchConfig) -> str:
     """Granite 4.0-H's tensor ``name`` as the engine's: its experts stacked as
     ``moe.Experts`` holds them ([E, 2I, H] gate rows first, [E, H, I]), its shared MLP
@@ -140,6 +162,8 @@ def _target(name: str, arch: ModelArchConfig, shapes: dict[str, tuple[int, ...]]
         module, which = linear.groups()
         return _Target(f"{module}.in_proj.weight", arch.linear_attention.in_proj_start(which))
     fused = _FUSED.match(name)
+    if fused is not None and arch.block_kinds and name in shapes:  # Nemotron-H's up_proj
+        return _Target(name)
     if fused is None or (arch.mla is not None and fused.group(1).endswith("self_attn")):
         return _Target(name)  # (latent attention's q_proj is its own)
     module, which, kind = fused.groups()
@@ -457,6 +481,8 @@ def load_model(
                     name = _mtp_name(name, arch, num_mtp_layers)
                 if name is not None and granite:
                     name = _granite_name(name, arch)
+                if name is not None and arch.block_kinds:
+                    name = _nemotron_name(name, arch)
                 if name is None or _IGNORED.match(name):
                     continue
                 bare = bare or stored.startswith(BARE_NAMES)

@@ -179,8 +179,9 @@ def load_lora_adapter(
     """Read a PEFT adapter for a model of ``arch`` (the full model's), cut for rank
     ``tp.rank`` of a tensor-parallel group; every mismatch is a ``ModelLoadError``."""
     path = Path(path)
-    if arch.mla is not None:
-        raise ModelLoadError(f"{path}: LoRA adapters on models with latent attention "
+    if arch.mla is not None or arch.block_kinds:
+        kind = "latent attention" if arch.mla is not None else "one-block layers"
+        raise ModelLoadError(f"{path}: LoRA adapters on models with {kind} "
                              f"({arch.architecture}) are not supported")  # fmt: skip
     config = _read_config(path)
     weights = path / ADAPTER_WEIGHTS

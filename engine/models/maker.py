@@ -25,7 +25,9 @@ transformer with DeepStack: ``qwen3_vl_maker.py``), ``qwen3_vl_moe`` the same ar
 (``qwen3_5``'s hybrid language model, the tower without DeepStack).
 ``granite`` is Granite 3's (Llama with its multipliers), ``granite_hybrid`` Granite
 4.0-H's (Mamba-2 layers between rotary-free attention, experts beside a shared MLP) and
-``granite_hybrid_dense`` its Micro's (the shared MLP alone; see ``_granite_hybrid_config``).
+``granite_hybrid_dense`` its Micro's (the shared MLP alone; see ``_granite_hybrid_config``),
+``nemotron_h`` Nemotron-H's (one block per layer: Mamba-2, attention or a squared-ReLU MLP;
+see ``_nemotron_h_config``).
 ``deepseek_v3`` and ``glm4_moe`` store a random multi-token-prediction layer after their
 layers, as the releases do (``_add_mtp_layer``; transformers leaves it unloaded,
 ``engine.speculative_method: mtp`` drafts with it).
@@ -93,7 +95,8 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_mo
          "qwen3_5_moe", "qwen3_next", "gemma3",
          "phi3", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2",
          "llava", "gemma3_mm", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
-         "qwen3_5_mm", "granite", "granite_hybrid", "granite_hybrid_dense")  # fmt: skip
+         "qwen3_5_mm", "granite", "granite_hybrid", "granite_hybrid_dense",
+         "nemotron_h")  # fmt: skip
 SIZES = ("tiny", "small")
 # ChatML for the others.
 _CHAT_TEMPLATES = {"qwen3": THINKING_CHAT_TEMPLATE, "qwen3_moe": THINKING_CHAT_TEMPLATE,
@@ -232,6 +235,8 @@ def _hf_config(arch: str, spec: SizeSpec, tokenizer_ids: dict[str, int]):
                                           attention_multiplier=spec.head_dim**-1.0)  # fmt: skip
     if arch.startswith("granite_hybrid"):
         return _granite_hybrid_config(arch, common, spec)
+    if arch == "nemotron_h":
+        return _nemotron_h_config(common, spec)
     if arch == "phi3":  # Phi-4-mini's shape: tied, 3/4 of each head rotates (default rope)
         return transformers.Phi3Config(
             **common, tie_word_embeddings=True, partial_rotary_factor=0.75, rope_theta=1e4
@@ -265,6 +270,43 @@ def _granite_hybrid_config(arch: str, common: dict, spec: SizeSpec):
         mamba_n_heads=heads, mamba_d_head=2 * spec.hidden_size // heads,
         mamba_d_state=spec.mamba_d_state, mamba_n_groups=2 if dense else 1, mamba_expand=2,
     )  # fmt: skip
+
+
+# Nemotron-H's layers as its released configs spell them (``hybrid_override_pattern``).
+_NEMOTRON_H_LETTERS = {"linear_attention": "M", "full_attention": "*", "mlp": "-"}
+
+
+def _nemotron_h_layers(spec: SizeSpec) -> list[str]:
+    """Twice the size's layers, each one block: Mamba-2 and MLP layers in turn, every third
+    mixing layer attention (tiny: ``M-*-M-M-``; Nemotron-H-8B: 52 layers, 4 attention)."""
+    mixers = ["full_attention" if i % 3 == 1 else "linear_attention"
+              for i in range(spec.num_layers)]  # fmt: skip
+    return [kind for mixer in mixers for kind in (mixer, "mlp")]
+
+
+def _nemotron_h_config(common: dict, spec: SizeSpec):
+    """Nemotron-H's layout (``NemotronHForCausalLM``): one block per layer, Mamba-2 with
+    B/C in 2 groups (the releases: 8), rotary-free attention, squared-ReLU MLPs."""
+    import transformers
+
+    kept = {k: v for k, v in common.items() if k not in ("num_hidden_layers", "rms_norm_eps")}
+    heads = 2 * spec.num_heads
+    return transformers.NemotronHConfig(
+        **kept, layers_block_type=_nemotron_h_layers(spec), layer_norm_epsilon=1e-5,
+        mamba_num_heads=heads, mamba_head_dim=2 * spec.hidden_size // heads,
+        ssm_state_size=spec.mamba_d_state, n_groups=2,
+    )  # fmt: skip
+
+
+def _released_nemotron_h_config(out: Path) -> None:
+    """config.json as Nemotron-H's releases write it: the layers as
+    ``hybrid_override_pattern``, not transformers 5's ``layers_block_type``."""
+    path = out / "config.json"
+    config = json.loads(path.read_text())
+    types = config.pop("layers_block_type")
+    config["hybrid_override_pattern"] = "".join(_NEMOTRON_H_LETTERS[t] for t in types)
+    config["num_hidden_layers"] = len(types)
+    path.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _gemma3_config(common: dict, spec: SizeSpec):
@@ -456,6 +498,10 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
             for layer in model.model.layers:
                 if layer.mamba is not None:
                     _init_mamba2(layer.mamba)
+        if arch == "nemotron_h":
+            for layer in model.model.layers:
+                if layer.block_type == "linear_attention":
+                    _init_mamba2(layer.mixer)
         if arch == "gpt_oss":  # sinks that take a real share of some heads' attention
             for layer in model.model.layers:
                 layer.self_attn.sinks.uniform_(-2.0, 2.0)
@@ -484,6 +530,8 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
     model.save_pretrained(out)
     if arch in ("deepseek_v3", "glm4_moe"):
         _add_mtp_layer(out, config, seed)
+    if arch == "nemotron_h":
+        _released_nemotron_h_config(out)
     tokenizer.save_pretrained(out)
     if arch == "llava":
         write_preprocessor_config(out)

@@ -5,8 +5,8 @@ One input projection gives a gate ``z``, the convolution's channels (x, B and C)
 time step per head. x, B and C go through a depthwise causal convolution (with bias) and
 SiLU; x is ``num_heads`` heads of ``head_dim``, B and C are ``num_groups`` vectors of
 ``state_size``, each shared by ``num_heads / num_groups`` consecutive heads. Per token t,
-per head, with ``dt_t = clamp(softplus(dt_t + dt_bias))`` and ``S`` the head's
-[head_dim, state_size] state:
+per head, with ``dt_t = clamp(softplus(dt_t + dt_bias))`` (to the config's time step
+limit) and ``S`` the head's [head_dim, state_size] state:
 
     S = exp(dt_t * A) * S + dt_t * x_t B_t^T      (A = -exp(A_log), one per head)
     y_t = S C_t + D * x_t
@@ -17,7 +17,11 @@ duality's matrix products within chunks of ``chunk_size`` tokens, the state carr
 between them); a decode runs one step (``ssm_step``), all decodes of a step together;
 ``recurrent.run_recurrence`` dispatches, as for the gated delta rule. Everything past the
 projection runs in float32 (transformers' torch path computes the time steps in the
-model dtype: equal in float32).
+model dtype: equal in float32). Every token's time step is clamped, prompts' and decodes'
+alike, so a token's output does not depend on how it was scheduled (computed in a prompt
+chunk, decoded, verified as a draft, recomputed after preemption): mamba_ssm's decode
+step and transformers' skip the clamp that their chunk scans (the training path) apply,
+which moves Nemotron-H's decode log-probs (it clamps at 0.001) by ~2e-4 here.
 
 Under tensor parallelism a rank holds whole heads and the B/C groups they read: its share
 of the groups, or with fewer groups than ranks a copy of the one its heads read
@@ -99,7 +103,6 @@ class Mamba2Mixer(nn.Module):
         # [N, intermediate], [N, conv_dim], [N, heads]
         z, mixed, dt = self.in_proj(hidden).split(mamba.in_proj_widths, -1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(mamba.dt_min, mamba.dt_max)
-        decay = dt * -self.A_log.float().exp()  # [N, heads] log decay, <= 0
         weight = self.conv1d.weight[:, 0].float()  # [conv_dim, kernel]
         bias = None if self.conv1d.bias is None else self.conv1d.bias.float()
         mixed = F.silu(causal_conv(mixed, state.conv, state.step, weight, bias))
@@ -110,6 +113,7 @@ class Mamba2Mixer(nn.Module):
         c = c.reshape(num_tokens, mamba.num_groups, -1)
         repeat = mamba.num_heads // mamba.num_groups  # consecutive heads share a group
         x_dt = x * dt[..., None]  # [N, H, P]: what each token writes, B aside
+        decay = dt * -self.A_log.float().exp()  # [N, H] log decay, <= 0
         out = torch.empty_like(x)
 
         def one_token(rows: Rows, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -114,7 +114,7 @@ _SINKS = re.compile(_LAYER + r"self_attn\.sinks$")
 _QK_NORM = re.compile(_LAYER + r"self_attn\.(q|k)_norm\.weight$")
 # Latent attention's per-head projections: queries, the latent's up-projection (W_uk, W_uv).
 _MLA_HEADS = re.compile(_LAYER + r"self_attn\.(q_proj|q_b_proj|kv_b_proj)\.weight$")
-_MLP = re.compile(_LAYER + r"mlp\.(shared_expert\.)?(gate_up_proj|down_proj)\.weight$")
+_MLP = re.compile(_LAYER + r"mlp\.(shared_expert\.)?(gate_up_proj|up_proj|down_proj)\.weight$")
 _EXPERTS = re.compile(_LAYER + r"mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 # A hybrid model's linear-attention layers (``gated_delta_net.py``): split by heads.
 _LINEAR = re.compile(_LAYER + r"linear_attn\.(in_proj|conv1d|dt_bias|A_log|out_proj)(?:\.weight)?$")
@@ -363,4 +363,6 @@ def _mlp_spec(which: str, width: int, tp: TensorParallel, per_expert: bool) -> S
     if which == "gate_up_proj":
         return ShardSpec(0, 2 * width, _halves(width, tp), per_expert)
     local = width // tp.size
-    return ShardSpec(1, width, (Piece(tp.rank * local, local, 0),), per_expert)
+    # up_proj (Nemotron-H's ungated MLP): its rows; down_proj: its columns
+    return ShardSpec(int(which == "down_proj"), width, (Piece(tp.rank * local, local, 0),),
+                     per_expert)  # fmt: skip

@@ -24,7 +24,7 @@ from engine.models.lora import load_lora_adapter
 from engine.models.lora_maker import make_lora_adapter
 from engine.models.mamba2 import chunked_ssd, ssm_step
 from engine.parallel.shard_spec import TensorParallel, local_arch
-from tests.engine.helpers import assert_prompt_logprobs_match, random_prompts
+from tests.engine.helpers import assert_prompt_logprobs_match, hf_greedy, random_prompts
 from tests.support.processes import write_config
 
 HEADS, GROUPS, HEAD_DIM, STATE = 4, 2, 5, 3
@@ -59,8 +59,9 @@ def test_chunked_ssd_equals_the_recurrence(length, chunk):
 
 @pytest.mark.parametrize(
     "arch,ranks",
-    [("granite", ()), ("granite_hybrid", (2,)), ("granite_hybrid_dense", (2, 4))],
-)
+    [("granite", ()), ("granite_hybrid", (2,)), ("granite_hybrid_dense", (2, 4)),
+     ("nemotron_h", (2,))],
+)  # fmt: skip
 def test_log_probs_equal_transformers(model_factory, arch, ranks):
     """Every prompt position, whole (three SSD chunks: 130 tokens) and in chunks of 9 (the
     states carried). Over ranks: granite_hybrid's one B/C group is copied on both ranks
@@ -72,6 +73,33 @@ def test_log_probs_equal_transformers(model_factory, arch, ranks):
     assert_prompt_logprobs_match(model_dir, prompt, prefill_chunk_tokens=9)
     for size in ranks:
         assert_prompt_logprobs_match(model_dir, prompt[:50], tensor_parallel_size=size)
+
+
+@pytest.mark.parametrize("arch", ["granite_hybrid", "nemotron_h"])
+def test_decode_log_probs_equal_transformers(model_factory, arch):
+    """Decodes (the one-token recurrence, states carried from step to step): tokens equal
+    transformers' greedy ones, and each sampled token's log-prob its forward pass over
+    the prompt and the tokens before it (1e-4). Nemotron-H clamps every time step at
+    0.001; transformers' incremental decode skips that clamp (2e-4 off here), its forward
+    pass does not, and neither does the engine in any path (prompts only fails this)."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = model_factory(arch)
+    prompts = random_prompts([30, 70], seed=11)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    llm = LLM(model_dir, dtype="float32")
+    params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0, logprobs=0)
+    expected_tokens = hf_greedy(model_dir, prompts, 16, use_cache=False)  # the forward pass
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, output, tokens in zip(prompts, outputs, expected_tokens, strict=True):
+        assert output.outputs[0].token_ids == tokens
+        with torch.no_grad():
+            logits = reference(torch.tensor([prompt + tokens])).logits[0].float()
+        scores = logits[len(prompt) - 1 : -1].log_softmax(-1)
+        expected = scores.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+        got = [entry.logprob for entry in output.outputs[0].logprobs]
+        assert got == pytest.approx(expected, abs=1e-4)
+    assert llm.engine.leak_report() == []
 
 
 def test_released_configs_read_as_transformers_reads_them(tmp_path):
@@ -114,11 +142,43 @@ def test_released_configs_read_as_transformers_reads_them(tmp_path):
             arch_from_config({**released, **bad}, tmp_path)
 
 
+def test_nemotron_h_configs_read_as_released(model_factory, tmp_path):
+    """Nemotron-H's released config: the layers as ``hybrid_override_pattern``, the Mamba-2
+    layers' own key names, defaults for the rest; MLP layers keep no cache (the config
+    check's KV block is the attention layers' alone); its MoE layers are refused."""
+    import transformers
+
+    released = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
+                "vocab_size": 512, "hidden_size": 256, "num_hidden_layers": 6,
+                "hybrid_override_pattern": "M-M*-M", "mamba_num_heads": 16,
+                "ssm_state_size": 32, "time_step_min": 0.002, "head_dim": 64}  # fmt: skip
+    full = transformers.NemotronHConfig(**released).to_dict()
+    for raw in (released, full):
+        arch = arch_from_config(raw, tmp_path)
+        assert arch.block_kinds == ("mamba", "mlp", "mamba", "attention", "mlp", "mamba")
+        assert arch.kv_layers == (3,) and arch.linear_layers == (0, 2, 5)
+        mamba = arch.mamba2
+        assert (mamba.num_heads, mamba.head_dim, mamba.state_size, mamba.num_groups) == (
+            16, 64, 32, 8)  # fmt: skip
+        assert (mamba.dt_min, mamba.dt_max, mamba.norm_group_size) == (0.002, float("inf"), 128)
+        assert arch.nope and arch.hidden_act == "relu2" and arch.intermediate_size == 21504
+        assert (arch.num_q_heads, arch.num_kv_heads, arch.rms_norm_eps) == (32, 8, 1e-5)
+    with pytest.raises(ModelLoadError, match="mixture-of-experts layers"):
+        arch_from_config({**released, "hybrid_override_pattern": "M-M*-E"}, tmp_path)
+    model_dir = model_factory("nemotron_h")
+    shape, engine = ModelShape.read(model_dir), LLMEngine(model_dir, EngineConfig())
+    assert shape.bytes_per_block(16, 4) == engine.runner.bytes_per_block
+    assert shape.rank_state_bytes() == bytes_per_slot(engine.arch.linear_attention)
+    with pytest.raises(ModelLoadError, match="one-block layers"):
+        LLM(model_dir, lora_adapters={"a": make_lora_adapter(
+            model_factory("llama"), tmp_path / "a", targets=("q_proj",))})  # fmt: skip
+
+
 def test_the_config_check_sizes_the_states_as_each_rank_holds_them(model_factory, tmp_path):
     """``pdserve config check``'s torch-free arithmetic equals the engine's per-rank state
     size (a copied B/C group counted on every rank); splits the groups cannot make are
     refused."""
-    for name in ("granite_hybrid", "granite_hybrid_dense"):
+    for name in ("granite_hybrid", "granite_hybrid_dense", "nemotron_h"):
         model_dir = model_factory(name)
         arch, shape = read_arch_config(model_dir), ModelShape.read(model_dir)
         for size in (1, 2, 4):
