@@ -65,8 +65,8 @@ def main() -> None:
     args = parser.parse_args()
     from engine.models.maker import ensure_model
 
-    dense = DENSE_OF[args.arch]
-    models = {f"dense ({dense})": ensure_model(dense, args.size),
+    dense_arch = DENSE_OF[args.arch]
+    models = {f"dense ({dense_arch})": ensure_model(dense_arch, args.size),
               f"hybrid ({args.arch})": ensure_model(args.arch, args.size)}  # fmt: skip
     max_len = max(
         args.contexts + [args.prompt_tokens, args.turn_tokens + 96, args.system_tokens + 64]
@@ -186,7 +186,7 @@ def main() -> None:
     for pull in pulls:
         print(f"pull of a {pull['prompt_tokens']}-token prompt: " + ", ".join(
             f"{name} {pull[name] / 2**20:.2f} MiB" for name in engines))  # fmt: skip
-    record = {**record_header(args), "model": f"{dense} / {args.arch} {args.size}",
+    record = {**record_header(args), "model": f"{dense_arch} / {args.arch} {args.size}",
               "args": vars(args) | {"out_dir": str(args.out_dir)}, "rows": rows,
               "ratios": ratios, "pull_bytes": pulls}  # fmt: skip
     names = list(engines)

@@ -322,7 +322,7 @@ class LinearAttentionConfig:
 
 @dataclass(frozen=True, slots=True)
 class Mamba2Config:
-    """Mamba-2 layers (Granite 4.0-H's ``mamba`` layers; ``mamba2.py``): per request a
+    """Mamba-2 layers (Granite 4.0-H's and Nemotron-H's; ``mamba2.py``): per request a
     convolution state (the last ``conv_kernel - 1`` inputs of its x, B and C channels) and
     an SSM state (``num_heads`` matrices of ``head_dim x state_size``). The heads share
     B and C within ``num_groups`` groups; the output's gated RMSNorm normalizes each of
@@ -333,7 +333,7 @@ class Mamba2Config:
     state_size: int
     num_groups: int
     conv_kernel: int
-    layers: tuple[bool, ...]  # per layer: Mamba-2 (else full attention)
+    layers: tuple[bool, ...]  # per layer: Mamba-2 (else attention, or Nemotron-H's MLP)
     norm_group_size: int  # channels per norm group, the full model's (intermediate / groups)
     conv_bias: bool = True
     proj_bias: bool = False
@@ -447,7 +447,7 @@ class ModelArchConfig:
 
     @property
     def mamba2(self) -> Mamba2Config | None:
-        """The Mamba-2 layers' config (Granite 4.0-H), else None."""
+        """The Mamba-2 layers' config (Granite 4.0-H, Nemotron-H), else None."""
         linear = self.linear_attention
         return linear if isinstance(linear, Mamba2Config) else None
 
@@ -869,13 +869,16 @@ def _granite_fields(
         attention_scale=float(cfg.get("attention_multiplier", 1.0)),
     )
     if hybrid:
+        if "mlp" in cfg["layer_types"]:
+            raise ModelLoadError(f"{path}: layer_types must name mamba or attention layers")
         fields["nope"] = cfg.get("position_embedding_type") != "rope"
         fields["linear_attention"] = _mamba2_config(cfg, num_layers, path)
     return fields
 
 
 def _mamba2_config(cfg: dict[str, Any], num_layers: int, path: Path) -> Mamba2Config:
-    """Granite 4.0-H's Mamba-2 layers (``text_config`` filled its defaults in)."""
+    """Granite 4.0-H's or Nemotron-H's Mamba-2 layers (``text_config`` filled their
+    defaults in, under Granite's key names)."""
     types = cfg["layer_types"]
     if len(types) < num_layers or set(types) - {"linear_attention", "full_attention", "mlp"}:
         raise ModelLoadError(f"{path}: layer_types must name mamba or attention for each of "

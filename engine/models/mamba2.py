@@ -137,7 +137,7 @@ def ssm_step(
     state: torch.Tensor,  # [B, H, P, S] float32, updated in place (callers pass copies)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out [B, H, P] (before D), the new state
     """One token of the SSM for each of B requests. In place: the state is the largest
-    tensor a decode touches (1 MiB per request and layer for Granite-4.0-H), and a
+    tensor a decode touches (4 MiB per request and layer for Granite-4.0-H-Small), and a
     product of new tensors read and wrote it 2.4x as often (``decode@128`` 0.46x the
     dense model's, in ``benchmarks/results/hybrid_granite_cpu.md``, before this)."""
     state.mul_(decay.exp()[..., None, None])
