@@ -142,9 +142,9 @@ def _nemotron_h(cfg: dict[str, Any]) -> dict[str, Any]:
     dims, ``rms_norm_eps``), its layers as ``layer_types`` ("linear_attention",
     "full_attention", "mlp", "moe": from ``layers_block_type``, ``layer_types`` or the
     released ``hybrid_override_pattern``), ``num_hidden_layers`` their count, and
-    ``time_step_limit`` what its Mamba-2 layers clamp prompts' time steps to:
-    ``[time_step_min, inf]`` (transformers' ``NemotronHMamba2Mixer``, whatever the config's
-    own time_step_limit)."""
+    ``time_step_limit`` what its Mamba-2 layers clamp time steps to: ``[time_step_min,
+    inf]`` (transformers' ``NemotronHMamba2Mixer``, whatever the config's own
+    time_step_limit)."""
     cfg = dict(cfg)
     for key, (names, default) in _NEMOTRON_H_KEYS.items():
         cfg[key] = next((cfg[name] for name in names if cfg.get(name) is not None), default)
@@ -155,6 +155,14 @@ def _nemotron_h(cfg: dict[str, Any]) -> dict[str, Any]:
     types = types or ["linear_attention", "moe", "full_attention", "mlp"]
     cfg["layer_types"] = [_LEGACY_LAYER_TYPES.get(t, t) for t in types]
     cfg["num_hidden_layers"] = len(types)
+    if "moe" in cfg["layer_types"]:  # Nemotron 3: NemotronHConfig's defaults for experts
+        cfg.setdefault("n_routed_experts", 8)
+        cfg.setdefault("num_experts_per_tok", 2)
+        cfg.setdefault("moe_intermediate_size", 7688)
+        cfg.setdefault("moe_shared_expert_intermediate_size", 7688)
+        cfg["shared_expert_intermediate_size"] = cfg["moe_shared_expert_intermediate_size"]
+    else:  # (its config class's expert keys describe no layer)
+        cfg.pop("n_routed_experts", None)
     time_step_min = cfg.get("time_step_min", cfg.get("mamba_dt_min", 0.001))
     cfg["time_step_limit"] = [float(time_step_min), float("inf")]
     return cfg
@@ -285,7 +293,7 @@ def kv_cache_heads(cfg: dict[str, Any]) -> tuple[int, int]:
 
 # Hybrid models' language models, whose layer_types mix linear and full attention
 # (``Qwen3_5TextConfig``: every ``full_attention_interval``-th layer full, default 4);
-# Granite 4.0-H's linear layers are Mamba-2 (``MAMBA2_MODEL_TYPES``).
+# Granite 4.0-H's and Nemotron-H's linear layers are Mamba-2 (``MAMBA2_MODEL_TYPES``).
 HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe",
                       "qwen3_next", "granitemoehybrid", "nemotron_h")  # fmt: skip
 MAMBA2_MODEL_TYPES = ("granitemoehybrid", "nemotron_h")

@@ -74,7 +74,7 @@ class ModelShape:
     # A hybrid model's linear-attention layers (no KV cache): their count, and
     # ``text_config``'s keys, which size one request's states in them (``rank_state_bytes``).
     num_linear_layers: int = 0
-    num_mlp_layers: int = 0  # Nemotron-H's layers that are an MLP alone: no KV either
+    num_mlp_layers: int = 0  # Nemotron-H's layers that are an MLP (or experts) alone: no KV
     text_cfg: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -98,7 +98,7 @@ class ModelShape:
                 num_experts=int(_num_experts(cfg) or 0),
                 vocab_size=int(cfg.get("vocab_size", 0)),
                 num_linear_layers=(layer_types(cfg) or []).count("linear_attention"),
-                num_mlp_layers=(layer_types(cfg) or []).count("mlp"),
+                num_mlp_layers=sum(t in ("mlp", "moe") for t in layer_types(cfg) or []),
                 text_cfg=cfg,
             )
         except (KeyError, TypeError, ValueError) as exc:

@@ -397,8 +397,11 @@ def moe_experts(
     swiglu_limit: float | None = None,
     swiglu_alpha: float = 1.0,
     other_experts: bool = False,
+    activation: str = "swiglu",
 ) -> torch.Tensor:  # [num_tokens, H]
-    """sum_i weights[t, i] * down(SiLU(gate(x_t)) * up(x_t)) over token t's k experts.
+    """sum_i weights[t, i] * down(SiLU(gate(x_t)) * up(x_t)) over token t's k experts;
+    with ``activation`` "relu2" (Nemotron-H's ungated experts: ``gate_up_proj`` is then
+    [E, I, H] of up rows alone) down(relu(up(x_t)) ** 2).
     An id of E (an expert another rank holds, under expert parallelism) adds nothing, with
     ``other_experts`` or without (the fused kernel's flag: here the output starts zeroed).
 
@@ -421,8 +424,12 @@ def moe_experts(
             continue
         tokens = token_of_slot[start : start + count]  # [count]
         gate_up_b = None if gate_up_bias is None else gate_up_bias[expert]
-        gate, up = F.linear(hidden[tokens], gate_up_proj[expert], gate_up_b).chunk(2, dim=-1)
-        act = swiglu(gate, up, swiglu_limit, swiglu_alpha)
+        projected = F.linear(hidden[tokens], gate_up_proj[expert], gate_up_b)
+        if activation == "relu2":
+            act = F.relu(projected).square()
+        else:
+            gate, up = projected.chunk(2, dim=-1)
+            act = swiglu(gate, up, swiglu_limit, swiglu_alpha)
         down_b = None if down_bias is None else down_bias[expert]
         expert_out = F.linear(act, down_proj[expert], down_b)  # [count, H]
         expert_out = expert_out * weight_of_slot[start : start + count]

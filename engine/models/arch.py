@@ -216,6 +216,9 @@ class MoeConfig:
     # Qwen2-MoE's shared expert is gated per token by a sigmoid; Granite's is not (nor
     # DeepSeek's, which ``deepseek_scoring`` says).
     shared_expert_gated: bool = True
+    # The experts' MLP: "swiglu" (gate and up rows), or Nemotron-H's "relu2" (up rows
+    # alone, squared ReLU; run by the reference kernel).
+    expert_activation: str = "swiglu"
     swiglu_limit: float | None = None  # None: plain SwiGLU
     swiglu_alpha: float = 1.0
     # DeepSeek's router (None: the softmax-top-k one above). Scores are the softmax of the
@@ -441,7 +444,7 @@ class ModelArchConfig:
     # Attention without rotary positions (Granite 4.0-H: its Mamba-2 layers see order).
     nope: bool = False
     # Models whose every layer is one block, normed and added to the residual (Nemotron-H):
-    # per layer "mamba", "attention" or "mlp" (``llama.SingleBlockLayer``). Empty: every
+    # per layer "mamba", "attention", "mlp" or "moe" (``llama.SingleBlockLayer``). Empty: every
     # layer is attention (or linear attention), then an MLP.
     block_kinds: tuple[str, ...] = ()
 
@@ -464,8 +467,9 @@ class ModelArchConfig:
         return self.linear_attention is not None and self.linear_attention.layers[layer_idx]
 
     def is_mlp_only(self, layer_idx: int) -> bool:
-        """Whether layer ``layer_idx`` is an MLP alone (Nemotron-H's): no cache of any kind."""
-        return bool(self.block_kinds) and self.block_kinds[layer_idx] == "mlp"
+        """Whether layer ``layer_idx`` is an MLP alone, or experts alone (Nemotron-H's): no
+        cache of any kind."""
+        return bool(self.block_kinds) and self.block_kinds[layer_idx] in ("mlp", "moe")
 
     @property
     def kv_layers(self) -> tuple[int, ...]:
@@ -549,6 +553,8 @@ def _moe_config(
     flags = ARCHITECTURES[architecture]
     if flags.granite_hybrid:
         return _granite_moe(cfg, num_layers, path)
+    if flags.nemotron_h:
+        return _nemotron_h_moe(cfg, num_layers, path)
     if not flags.moe:
         return None
     if flags.deepseek_router:
@@ -606,6 +612,42 @@ def _granite_moe(cfg: dict[str, Any], num_layers: int, path: Path) -> MoeConfig 
         sparse_layers=(True,) * num_layers,
         softmax_over_top_k=True,
         shared_expert_gated=False,
+    )
+
+
+def _nemotron_h_moe(cfg: dict[str, Any], num_layers: int, path: Path) -> MoeConfig | None:
+    """Nemotron 3's mixture-of-experts layers ("moe" in ``layer_types``), None without any:
+    DeepSeek-V3's router (sigmoid scores, a choice-only bias, groups, scaled weights) over
+    ungated squared-ReLU experts, and one ungated shared expert of its own width. Latent
+    projections around the experts (``moe_latent_size``) are refused."""
+    sparse = tuple(t == "moe" for t in cfg["layer_types"][:num_layers])
+    if not any(sparse):
+        return None
+    if cfg.get("moe_latent_size") is not None:
+        raise ModelLoadError(f"{path}: moe_latent_size (latent projections around the "
+                             "experts) is not supported")  # fmt: skip
+    num_experts, top_k = int(cfg["n_routed_experts"]), int(cfg["num_experts_per_tok"])
+    num_groups, topk_groups = int(cfg.get("n_group", 1)), int(cfg.get("topk_group", 1))
+    if num_experts % num_groups or not 0 < topk_groups <= num_groups:
+        raise ModelLoadError(f"{path}: {num_experts} experts in n_group={num_groups} groups, "
+                             f"topk_group={topk_groups}")  # fmt: skip
+    if not 0 < top_k <= num_experts * topk_groups // num_groups:
+        raise ModelLoadError(f"{path}: num_experts_per_tok={top_k} of the {topk_groups} "
+                             "groups' experts")  # fmt: skip
+    return MoeConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        expert_intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        routing_weights_in_model_dtype=False,
+        shared_expert_intermediate_size=int(cfg["moe_shared_expert_intermediate_size"]),
+        sparse_layers=sparse,
+        deepseek_scoring="sigmoid",
+        num_groups=num_groups,
+        topk_groups=topk_groups,
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        shared_expert_gated=False,
+        expert_activation="relu2",
     )
 
 
@@ -830,18 +872,15 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
 
 
 # Nemotron-H's layer types (``text_config``'s) as ``ModelArchConfig.block_kinds``.
-_NEMOTRON_H_BLOCKS = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp"}
+_NEMOTRON_H_BLOCKS = {"linear_attention": "mamba", "full_attention": "attention", "mlp": "mlp",
+                      "moe": "moe"}  # fmt: skip
 
 
 def _nemotron_h_fields(cfg: dict[str, Any], num_layers: int, path: Path) -> dict[str, Any]:
     """ModelArchConfig's Nemotron-H fields (``text_config`` read its names and defaults):
-    one block per layer, Mamba-2 layers, rotary-free attention, squared-ReLU MLPs, norm
-    gains in float32. Its mixture-of-experts layers (Nemotron 3's) are refused."""
+    one block per layer, Mamba-2 layers, rotary-free attention, squared-ReLU MLPs (or
+    Nemotron 3's experts: ``_nemotron_h_moe``), norm gains in float32."""
     types = cfg["layer_types"]
-    if "moe" in types:
-        raise ModelLoadError(f"{path}: Nemotron-H's mixture-of-experts layers (Nemotron 3's "
-                             "'E' layers) are not supported; its Mamba-2, attention and MLP "
-                             "layers are")  # fmt: skip
     activation = cfg.get("mlp_hidden_act", "relu2")
     if activation != "relu2":
         raise ModelLoadError(f"{path}: mlp_hidden_act {activation!r} is not supported (relu2)")
@@ -880,7 +919,8 @@ def _mamba2_config(cfg: dict[str, Any], num_layers: int, path: Path) -> Mamba2Co
     """Granite 4.0-H's or Nemotron-H's Mamba-2 layers (``text_config`` filled their
     defaults in, under Granite's key names)."""
     types = cfg["layer_types"]
-    if len(types) < num_layers or set(types) - {"linear_attention", "full_attention", "mlp"}:
+    if len(types) < num_layers or set(types) - {"linear_attention", "full_attention", "mlp",
+                                                 "moe"}:  # fmt: skip
         raise ModelLoadError(f"{path}: layer_types must name mamba or attention for each of "
                              f"the {num_layers} layers")  # fmt: skip
     heads, groups = int(cfg["mamba_n_heads"]), int(cfg["mamba_n_groups"])

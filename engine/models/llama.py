@@ -164,9 +164,9 @@ class UngatedMLP(nn.Module):
 
 class SingleBlockLayer(nn.Module):
     """A layer that is one block (Nemotron-H's): ``x + block(norm(x))``, the block being
-    Mamba-2, attention or an MLP (``ModelArchConfig.block_kinds``), named as the other
-    layers' blocks are (``mamba``, ``self_attn``, ``mlp``; the loader renames the
-    checkpoint's ``mixer``). An MLP layer has no cache (its ``kv_cache`` is None)."""
+    Mamba-2, attention, an MLP or experts (``ModelArchConfig.block_kinds``), named as the
+    other layers' blocks are (``mamba``, ``self_attn``, ``mlp``; the loader renames the
+    checkpoint's ``mixer``). An MLP or MoE layer has no cache (its ``kv_cache`` is None)."""
 
     def __init__(
         self,
@@ -180,10 +180,16 @@ class SingleBlockLayer(nn.Module):
         self.group = group
         self.kind = arch.block_kinds[layer_idx]
         self.input_layernorm = rms_norm(arch, arch.hidden_size)
+        self.mlp: UngatedMLP | SparseMoe
         if self.kind == "mamba":
             self.mamba = Mamba2Mixer(arch, layer_idx, group)
         elif self.kind == "attention":
             self.self_attn = Attention(arch, layer_idx, rotary, backend, group)
+        elif self.kind == "moe":  # Nemotron 3's: routed experts and an ungated shared one
+            assert arch.moe is not None
+            width = arch.moe.shared_expert_intermediate_size
+            shared = UngatedMLP(arch, width) if width else None
+            self.mlp = SparseMoe(arch, shared, fused=backend.name == "triton")
         else:
             self.mlp = UngatedMLP(arch, arch.intermediate_size)
 

@@ -98,7 +98,7 @@ _GRANITE_NAMES = ((".block_sparse_moe.input_linear.weight", ".mlp.experts.gate_u
 
 # Nemotron-H's layers: ``backbone.layers.{i}.norm`` / ``.mixer.*`` (``llama.SingleBlockLayer``).
 _NEMOTRON_LAYER = re.compile(r"^backbone\.layers\.(\d+)\.(norm|mixer)\.(.*)$")
-_NEMOTRON_BLOCKS = {"mamba": "mamba", "attention": "self_attn", "mlp": "mlp"}
+_NEMOTRON_BLOCKS = {"mamba": "mamba", "attention": "self_attn", "mlp": "mlp", "moe": "mlp"}
 _NEMOTRON_NAMES = {"backbone.embeddings.weight": _EMBED,
                    "backbone.norm_f.weight": "model.norm.weight"}  # fmt: skip
 
@@ -156,6 +156,8 @@ def _target(name: str, arch: ModelArchConfig, shapes: dict[str, tuple[int, ...]]
             return _Target(f"{prefix}.down_proj", 0, int(index))
         stacked = f"{prefix}.gate_up_proj"
         half = shapes[stacked][1] // 2 if stacked in shapes else 0
+        if arch.moe is not None and arch.moe.expert_activation == "relu2":
+            half = 0  # up rows alone (Nemotron-H's ungated experts)
         return _Target(stacked, 0 if part == "gate" else half, int(index))
     linear = _LINEAR_IN.match(name) if arch.linear_attention is not None else None
     if linear is not None:

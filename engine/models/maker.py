@@ -27,7 +27,7 @@ transformer with DeepStack: ``qwen3_vl_maker.py``), ``qwen3_vl_moe`` the same ar
 4.0-H's (Mamba-2 layers between rotary-free attention, experts beside a shared MLP) and
 ``granite_hybrid_dense`` its Micro's (the shared MLP alone; see ``_granite_hybrid_config``),
 ``nemotron_h`` Nemotron-H's (one block per layer: Mamba-2, attention or a squared-ReLU MLP;
-see ``_nemotron_h_config``).
+see ``_nemotron_h_config``), ``nemotron_h_moe`` Nemotron 3's (its MLPs ungated experts).
 ``deepseek_v3`` and ``glm4_moe`` store a random multi-token-prediction layer after their
 layers, as the releases do (``_add_mtp_layer``; transformers leaves it unloaded,
 ``engine.speculative_method: mtp`` drafts with it).
@@ -96,7 +96,7 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_mo
          "phi3", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2",
          "llava", "gemma3_mm", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
          "qwen3_5_mm", "granite", "granite_hybrid", "granite_hybrid_dense",
-         "nemotron_h")  # fmt: skip
+         "nemotron_h", "nemotron_h_moe")  # fmt: skip
 SIZES = ("tiny", "small")
 # ChatML for the others.
 _CHAT_TEMPLATES = {"qwen3": THINKING_CHAT_TEMPLATE, "qwen3_moe": THINKING_CHAT_TEMPLATE,
@@ -235,8 +235,8 @@ def _hf_config(arch: str, spec: SizeSpec, tokenizer_ids: dict[str, int]):
                                           attention_multiplier=spec.head_dim**-1.0)  # fmt: skip
     if arch.startswith("granite_hybrid"):
         return _granite_hybrid_config(arch, common, spec)
-    if arch == "nemotron_h":
-        return _nemotron_h_config(common, spec)
+    if arch.startswith("nemotron_h"):
+        return _nemotron_h_config(common, spec, moe=arch == "nemotron_h_moe")
     if arch == "phi3":  # Phi-4-mini's shape: tied, 3/4 of each head rotates (default rope)
         return transformers.Phi3Config(
             **common, tie_word_embeddings=True, partial_rotary_factor=0.75, rope_theta=1e4
@@ -273,28 +273,36 @@ def _granite_hybrid_config(arch: str, common: dict, spec: SizeSpec):
 
 
 # Nemotron-H's layers as its released configs spell them (``hybrid_override_pattern``).
-_NEMOTRON_H_LETTERS = {"linear_attention": "M", "full_attention": "*", "mlp": "-"}
+_NEMOTRON_H_LETTERS = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
 
 
-def _nemotron_h_layers(spec: SizeSpec) -> list[str]:
-    """Twice the size's layers, each one block: Mamba-2 and MLP layers in turn, every third
-    mixing layer attention (tiny: ``M-*-M-M-``; Nemotron-H-8B: 52 layers, 4 attention)."""
+def _nemotron_h_layers(spec: SizeSpec, mlp: str) -> list[str]:
+    """Twice the size's layers, each one block: Mamba-2 and MLP (or MoE) layers in turn,
+    every third mixing layer attention (tiny: ``M-*-M-M-``; Nemotron-H-8B: 52 layers, 4
+    attention; Nemotron 3 Nano: ``MEMEM*E...``)."""
     mixers = ["full_attention" if i % 3 == 1 else "linear_attention"
               for i in range(spec.num_layers)]  # fmt: skip
-    return [kind for mixer in mixers for kind in (mixer, "mlp")]
+    return [kind for mixer in mixers for kind in (mixer, mlp)]
 
 
-def _nemotron_h_config(common: dict, spec: SizeSpec):
+def _nemotron_h_config(common: dict, spec: SizeSpec, moe: bool):
     """Nemotron-H's layout (``NemotronHForCausalLM``): one block per layer, Mamba-2 with
-    B/C in 2 groups (the releases: 8), rotary-free attention, squared-ReLU MLPs."""
+    B/C in 2 groups (the releases: 8), rotary-free attention, squared-ReLU MLPs; with
+    ``moe`` Nemotron 3's experts instead of the MLPs (8 of half the MLP's width, 2 per
+    token chosen within the best of 2 groups, scaled by 2.5, a shared expert)."""
     import transformers
 
     kept = {k: v for k, v in common.items() if k not in ("num_hidden_layers", "rms_norm_eps")}
     heads = 2 * spec.num_heads
+    experts = dict(n_routed_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+                   moe_intermediate_size=spec.expert_intermediate_size,
+                   moe_shared_expert_intermediate_size=spec.expert_intermediate_size,
+                   n_group=2, topk_group=1, routed_scaling_factor=2.5)  # fmt: skip
     return transformers.NemotronHConfig(
-        **kept, layers_block_type=_nemotron_h_layers(spec), layer_norm_epsilon=1e-5,
-        mamba_num_heads=heads, mamba_head_dim=2 * spec.hidden_size // heads,
-        ssm_state_size=spec.mamba_d_state, n_groups=2,
+        **kept, layers_block_type=_nemotron_h_layers(spec, "moe" if moe else "mlp"),
+        layer_norm_epsilon=1e-5, mamba_num_heads=heads,
+        mamba_head_dim=2 * spec.hidden_size // heads, ssm_state_size=spec.mamba_d_state,
+        n_groups=2, **(experts if moe else {}),
     )  # fmt: skip
 
 
@@ -498,10 +506,13 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
             for layer in model.model.layers:
                 if layer.mamba is not None:
                     _init_mamba2(layer.mamba)
-        if arch == "nemotron_h":
+        if arch.startswith("nemotron_h"):
             for layer in model.model.layers:
                 if layer.block_type == "linear_attention":
                     _init_mamba2(layer.mixer)
+                if layer.block_type == "moe":  # a router that routes, a bias that matters
+                    layer.mixer.gate.weight.normal_(0.0, 1.6 / spec.hidden_size**0.5)
+                    layer.mixer.gate.e_score_correction_bias.uniform_(-0.1, 0.1)
         if arch == "gpt_oss":  # sinks that take a real share of some heads' attention
             for layer in model.model.layers:
                 layer.self_attn.sinks.uniform_(-2.0, 2.0)
@@ -530,7 +541,7 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
     model.save_pretrained(out)
     if arch in ("deepseek_v3", "glm4_moe"):
         _add_mtp_layer(out, config, seed)
-    if arch == "nemotron_h":
+    if arch.startswith("nemotron_h"):
         _released_nemotron_h_config(out)
     tokenizer.save_pretrained(out)
     if arch == "llava":

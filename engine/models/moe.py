@@ -39,12 +39,18 @@ class Experts(nn.Module):
     """The routed experts' weights, stacked (a holder: ``SparseMoe`` runs them)."""
 
     def __init__(
-        self, num_experts: int, hidden_size: int, intermediate_size: int, bias: bool = False
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        gated: bool = True,
     ) -> None:
         super().__init__()
+        rows = (2 if gated else 1) * intermediate_size
         self.gate_up_proj = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size)
-        )  # [E, 2I, H]: gate rows, then up rows
+            torch.empty(num_experts, rows, hidden_size)
+        )  # [E, 2I, H]: gate rows, then up rows ([E, I, H] up rows alone: ungated)
         self.down_proj = nn.Parameter(
             torch.empty(num_experts, hidden_size, intermediate_size)
         )  # [E, H, I]
@@ -120,6 +126,8 @@ class SparseMoe(nn.Module):
         super().__init__()
         moe = arch.moe
         assert moe is not None
+        # Nemotron-H's ungated squared-ReLU experts run in the reference kernel.
+        fused = fused and moe.expert_activation == "swiglu"
         self.fused = fused
         if fused:
             from kernels.fused_moe import fused_moe  # imports triton: only when chosen
@@ -140,8 +148,9 @@ class SparseMoe(nn.Module):
         # Expert parallelism: this rank's slots of whole experts (every expert without it).
         self.num_local_experts = moe.local_experts
         self.experts = Experts(
-            moe.local_experts, arch.hidden_size, moe.expert_intermediate_size, moe.expert_bias
-        )
+            moe.local_experts, arch.hidden_size, moe.expert_intermediate_size, moe.expert_bias,
+            gated=moe.expert_activation == "swiglu",
+        )  # fmt: skip
         # The placement this layer runs (``engine/parallel/expert_placement.py``), and as
         # device tables (filled by ``set_placement``): each expert's replicas as this
         # rank's slots (num_local_experts: another rank's) and their count.
@@ -208,6 +217,7 @@ class SparseMoe(nn.Module):
             gate_up_bias=experts.gate_up_proj_bias, down_bias=experts.down_proj_bias,
             swiglu_limit=self.moe.swiglu_limit, swiglu_alpha=self.moe.swiglu_alpha,
             other_experts=other_experts,
+            **({"activation": self.moe.expert_activation} if not self.fused else {}),
         )  # fmt: skip
         if self.shared_expert is not None:
             shared = self.shared_expert(hidden)

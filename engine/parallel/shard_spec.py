@@ -118,7 +118,7 @@ _MLP = re.compile(_LAYER + r"mlp\.(shared_expert\.)?(gate_up_proj|up_proj|down_p
 _EXPERTS = re.compile(_LAYER + r"mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 # A hybrid model's linear-attention layers (``gated_delta_net.py``): split by heads.
 _LINEAR = re.compile(_LAYER + r"linear_attn\.(in_proj|conv1d|dt_bias|A_log|out_proj)(?:\.weight)?$")
-# Granite 4.0-H's Mamba-2 layers (``mamba2.py``): split by heads, B/C by group.
+# Granite 4.0-H's and Nemotron-H's Mamba-2 layers (``mamba2.py``): split by heads, B/C by group.
 _MAMBA = re.compile(_LAYER + r"mamba\.(in_proj|conv1d|dt_bias|A_log|D|norm|out_proj)"
                     r"(?:\.(weight|bias))?$")  # fmt: skip
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
@@ -260,6 +260,8 @@ def shard_spec(name: str, arch: ModelArchConfig, tp: TensorParallel) -> ShardSpe
         which, bias = match.group(2), match.group(3)
         if which == "down_proj" and bias:
             return ShardSpec(per_expert=True, rank0_only=True)
+        if which == "gate_up_proj" and arch.moe.expert_activation == "relu2":
+            which = "up_proj"  # (Nemotron-H's ungated experts: up rows alone)
         return _mlp_spec(which, arch.moe.expert_intermediate_size, tp, per_expert=True)
     return None
 

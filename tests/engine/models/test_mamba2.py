@@ -163,8 +163,14 @@ def test_nemotron_h_configs_read_as_released(model_factory, tmp_path):
         assert (mamba.dt_min, mamba.dt_max, mamba.norm_group_size) == (0.002, float("inf"), 128)
         assert arch.nope and arch.hidden_act == "relu2" and arch.intermediate_size == 21504
         assert (arch.num_q_heads, arch.num_kv_heads, arch.rms_norm_eps) == (32, 8, 1e-5)
-    with pytest.raises(ModelLoadError, match="mixture-of-experts layers"):
-        arch_from_config({**released, "hybrid_override_pattern": "M-M*-E"}, tmp_path)
+    moe = arch_from_config({**released, "hybrid_override_pattern": "MEM*EM"}, tmp_path).moe
+    assert moe.sparse_layers == (False, True, False, False, True, False)
+    assert (moe.num_experts, moe.top_k, moe.expert_intermediate_size) == (8, 2, 7688)
+    assert moe.expert_activation == "relu2" and moe.deepseek_scoring == "sigmoid"
+    assert moe.shared_expert_intermediate_size == 7688 and not moe.shared_expert_gated
+    with pytest.raises(ModelLoadError, match="moe_latent_size"):
+        arch_from_config({**released, "hybrid_override_pattern": "MEM*EM",
+                          "moe_latent_size": 64}, tmp_path)  # fmt: skip
     model_dir = model_factory("nemotron_h")
     shape, engine = ModelShape.read(model_dir), LLMEngine(model_dir, EngineConfig())
     assert shape.bytes_per_block(16, 4) == engine.runner.bytes_per_block
@@ -172,6 +178,20 @@ def test_nemotron_h_configs_read_as_released(model_factory, tmp_path):
     with pytest.raises(ModelLoadError, match="one-block layers"):
         LLM(model_dir, lora_adapters={"a": make_lora_adapter(
             model_factory("llama"), tmp_path / "a", targets=("q_proj",))})  # fmt: skip
+
+
+def test_nemotron_3_experts_equal_transformers(model_factory):
+    """Nemotron 3's expert layers: ungated squared-ReLU experts behind DeepSeek-V3's router
+    (sigmoid scores, a choice-only bias, groups, scaled weights) beside an ungated shared
+    expert. Every prompt position's log-probs equal transformers', whole, chunked, over 2
+    ranks (each a slice of every expert's width) and with expert parallelism (whole
+    experts per rank)."""
+    model_dir = model_factory("nemotron_h_moe")
+    prompt = random_prompts([90], seed=5)[0]
+    assert_prompt_logprobs_match(model_dir, prompt, prefill_chunk_tokens=13)
+    assert_prompt_logprobs_match(model_dir, prompt[:50], tensor_parallel_size=2)
+    assert_prompt_logprobs_match(model_dir, prompt[:50], tensor_parallel_size=2,
+                                 expert_parallel=True)  # fmt: skip
 
 
 def test_the_config_check_sizes_the_states_as_each_rank_holds_them(model_factory, tmp_path):
