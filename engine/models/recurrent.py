@@ -36,7 +36,9 @@ def run_recurrence(
 ) -> None:
     """Run a step's rows through a recurrence: ``one_token`` for the decodes (all at once)
     and for the verifying decodes' positions (those at a position at once), ``chunk`` for
-    each prompt chunk, updating the states in ``pool``."""
+    each prompt chunk, updating the states in ``pool``. ``one_token`` is given copies of
+    the states (gathered by slot), so it may update them in place; ``chunk`` may be given
+    a view of the pool's and must not."""
     num_decodes = step.num_decodes
     if num_decodes:
         slots = step.slots[:num_decodes]

@@ -1,10 +1,11 @@
-"""Granite's layouts: Granite 3's multipliers, and Granite 4.0-H's Mamba-2 layers between
-rotary-free attention (``engine/models/mamba2.py``): the SSM's chunked form against its
-recurrence, every prompt position's log-probs against transformers' (whole, chunked,
-over ranks: a B/C group split or copied, a norm group spanning ranks), the released
-configs read as transformers reads them and sized as the engine sizes them, two ranks
-as one, adapters of its attention. What every hybrid layout shares (prefix-cache
-snapshots, drafts, preemption, disaggregation) is tested over both in
+"""Mamba-2 models (``engine/models/mamba2.py``): Granite 4.0-H's layers between
+rotary-free attention (and Granite 3's multipliers), Nemotron-H's one-block layers (and
+Nemotron 3's experts): the SSM's chunked form against its recurrence, every prompt
+position's log-probs against transformers' (whole, chunked, over ranks: a B/C group split
+or copied, a norm group spanning ranks), decode log-probs, the released configs read as
+transformers reads them and sized as the engine sizes them, two ranks as one, adapters of
+Granite's attention. What every hybrid layout shares (prefix-cache snapshots, drafts,
+preemption, disaggregation, 16-bit states) is tested over all of them in
 ``tests/engine/test_hybrid*.py``."""
 
 from __future__ import annotations
