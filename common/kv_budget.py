@@ -185,6 +185,10 @@ class KVBudget:
     # The pool size, when known before start (explicit, or from kv_cache_bytes on CPU).
     num_blocks: int | None
     warnings: tuple[str, ...] = ()
+    # A hybrid model's state slots (``max_num_seqs * (1 + num_speculative_tokens)``) and
+    # one slot's bytes on each rank, in ``engine.linear_state_dtype``; 0 for other models.
+    state_slots: int = 0
+    state_bytes_per_slot: int = 0
 
 
 def kv_budgets(config: PdserveConfig) -> list[KVBudget] | None:
@@ -275,8 +279,10 @@ def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
     num_blocks = engine.num_blocks
     if num_blocks is None and engine.device is Device.CPU:
         num_blocks = engine.kv_cache_bytes // cpu_bpb - state_blocks
+    state_bytes = shape.rank_state_bytes(tp_size, itemsize)
     return KVBudget(role, engine.block_size, max_model_len, min_blocks, bpb, cpu_bpb,
-                    num_blocks, tuple(warnings))  # fmt: skip
+                    num_blocks, tuple(warnings), num_slots if state_bytes else 0,
+                    state_bytes)  # fmt: skip
 
 
 def _draft_shape(config: PdserveConfig, role: Role, target: ModelShape) -> ModelShape | None:

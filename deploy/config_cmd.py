@@ -119,6 +119,16 @@ def summary(config: PdserveConfig, budgets: list[KVBudget] | None) -> list[str]:
         lines.append("kv cache  not sized: the model's config.json is not on this machine")
     for budget in budgets or []:
         lines.append(f"kv cache  {budget.role.value}: {_pool(config, budget)}")
+    for budget in budgets or []:
+        if budget.state_slots:  # a hybrid model's linear-attention states, reserved up front
+            engine = config.engine_for(budget.role)
+            total = budget.state_slots * budget.state_bytes_per_slot
+            lines.append(
+                f"states    {budget.role.value}: {budget.state_slots} slots of "
+                f"{budget.state_bytes_per_slot / 2**20:.2f} MiB "
+                f"({engine.linear_state_dtype.value}) = {total / 2**20:.1f} MiB per rank, "
+                "taken from the KV cache's memory"
+            )
     return lines
 
 

@@ -17,6 +17,7 @@ from common.config import EngineConfig
 from common.config_loader import load_config
 from common.kv_budget import ModelShape, kv_budgets
 from common.tensor_parallel import mamba_split_problem
+from deploy.config_cmd import summary
 from engine import LLM, SamplingParams
 from engine.linear_state import bytes_per_slot
 from engine.llm_engine import LLMEngine
@@ -212,8 +213,15 @@ def test_the_config_check_sizes_the_states_as_each_rank_holds_them(model_factory
             "num_speculative_tokens": 2}  # fmt: skip
     engine = LLMEngine(model_dir, EngineConfig(**spec))
     config = write_config(tmp_path / "config.yaml", model_dir, engine=spec)
-    (prefill, _) = kv_budgets(load_config(str(config)))
+    loaded = load_config(str(config))
+    (prefill, _) = kv_budgets(loaded)
     assert prefill.num_blocks == engine.runner.num_blocks
+    # ``pdserve config check`` prints the slots it reserves: 6 x (1 + 2), as the engine
+    shard = engine.runner.shard
+    assert (prefill.state_slots, prefill.state_bytes_per_slot) == (
+        shard.num_state_slots, bytes_per_slot(engine.arch.linear_attention))  # fmt: skip
+    lines = summary(loaded, [prefill])
+    assert any(line.startswith("states    prefill: 18 slots") for line in lines)
     # (groups, heads, ranks): groups split or divide the ranks; heads split
     for groups, heads, size in ((1, 8, 2), (2, 8, 4), (4, 8, 2), (8, 8, 8)):
         assert mamba_split_problem(groups, heads, size) is None
