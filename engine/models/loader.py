@@ -14,7 +14,9 @@ weights are dequantized with the scales stored beside them (``fp8_weights.py``),
 AWQ's and compressed-tensors' packed integers with their scales and zeros
 (``int_weights.py``). DeepSeek's rotary rows are reordered (``mla.rope_rows_in_halves``);
 multi-token-prediction layers (DeepSeek-V3's, GLM-4.5's) are left out, or loaded as
-``model.mtp_layers`` when the engine drafts with them (``mtp.py``).
+``model.mtp_layers`` when the engine drafts with them (``mtp.py``). Granite 4.0-H's
+experts and shared MLP (``_granite_name``) and Nemotron-H's ``backbone.layers.{i}.mixer``
+(``_nemotron_name``) are renamed into the engine's modules.
 """
 
 from __future__ import annotations
