@@ -162,6 +162,27 @@ class UngatedMLP(nn.Module):
         return self.down_proj(F.relu(self.up_proj(x)).square())
 
 
+def feed_forward(
+    arch: ModelArchConfig, layer_idx: int, backend: AttentionBackend
+) -> MLP | UngatedMLP | SparseMoe:
+    """Layer ``layer_idx``'s MLP: the experts (and their shared expert, when the model has
+    one) where the layer is sparse, else a dense MLP; gated, or Nemotron-H's ungated
+    squared-ReLU ones (``hidden_act`` "relu2")."""
+
+    def dense(width: int) -> MLP | UngatedMLP:
+        if arch.hidden_act == "relu2":
+            return UngatedMLP(arch, width)
+        return MLP(arch, layer_idx, width)
+
+    if not arch.is_sparse(layer_idx):
+        return dense(arch.intermediate_size)
+    assert arch.moe is not None
+    width = arch.moe.shared_expert_intermediate_size
+    # The shared expert takes no adapter: the layer's LoRA targets are refused. The triton
+    # backend runs the experts with the fused kernel too.
+    return SparseMoe(arch, dense(width) if width else None, fused=backend.name == "triton")
+
+
 class SingleBlockLayer(nn.Module):
     """A layer that is one block (Nemotron-H's): ``x + block(norm(x))``, the block being
     Mamba-2, attention, an MLP or experts (``ModelArchConfig.block_kinds``), named as the
@@ -180,18 +201,12 @@ class SingleBlockLayer(nn.Module):
         self.group = group
         self.kind = arch.block_kinds[layer_idx]
         self.input_layernorm = rms_norm(arch, arch.hidden_size)
-        self.mlp: UngatedMLP | SparseMoe
         if self.kind == "mamba":
             self.mamba = Mamba2Mixer(arch, layer_idx, group)
         elif self.kind == "attention":
             self.self_attn = Attention(arch, layer_idx, rotary, backend, group)
-        elif self.kind == "moe":  # Nemotron 3's: routed experts and an ungated shared one
-            assert arch.moe is not None
-            width = arch.moe.shared_expert_intermediate_size
-            shared = UngatedMLP(arch, width) if width else None
-            self.mlp = SparseMoe(arch, shared, fused=backend.name == "triton")
-        else:
-            self.mlp = UngatedMLP(arch, arch.intermediate_size)
+        else:  # an MLP, or Nemotron 3's experts (``arch.is_sparse``)
+            self.mlp = feed_forward(arch, layer_idx, backend)
 
     def forward(
         self,
@@ -251,16 +266,7 @@ class DecoderLayer(nn.Module):
         if arch.sandwich_norms:
             self.pre_feedforward_layernorm = rms_norm(arch, arch.hidden_size)
             self.post_feedforward_layernorm = rms_norm(arch, arch.hidden_size)
-        self.mlp: MLP | SparseMoe
-        if arch.is_sparse(layer_idx):
-            assert arch.moe is not None
-            width = arch.moe.shared_expert_intermediate_size
-            # The shared expert takes no adapter: the layer's LoRA targets are refused.
-            shared = MLP(arch, layer_idx, width) if width else None
-            # The triton backend runs the experts with the fused kernel too.
-            self.mlp = SparseMoe(arch, shared, fused=backend.name == "triton")
-        else:
-            self.mlp = MLP(arch, layer_idx, arch.intermediate_size)
+        self.mlp = feed_forward(arch, layer_idx, backend)
 
     def forward(
         self,

@@ -166,10 +166,10 @@ def _target(name: str, arch: ModelArchConfig, shapes: dict[str, tuple[int, ...]]
         module, which = linear.groups()
         return _Target(f"{module}.in_proj.weight", arch.linear_attention.in_proj_start(which))
     fused = _FUSED.match(name)
-    if fused is not None and arch.block_kinds and name in shapes:  # Nemotron-H's up_proj
+    if fused is None or name in shapes:
+        # (a projection the model holds as stored: latent attention's q_proj, Nemotron-H's
+        # ungated up_proj)
         return _Target(name)
-    if fused is None or (arch.mla is not None and fused.group(1).endswith("self_attn")):
-        return _Target(name)  # (latent attention's q_proj is its own)
     module, which, kind = fused.groups()
     if which in ("q", "k", "v"):
         q_rows = arch.q_size * (2 if arch.attention_output_gate else 1)  # Qwen3.5's gate
