@@ -26,6 +26,8 @@ static grid: capturable, so MoE models decode in CUDA graphs there).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -134,7 +136,8 @@ class SparseMoe(nn.Module):
 
             self._run_experts = fused_moe
         else:
-            self._run_experts = moe_experts
+            # (the layer's activation bound once: the fused kernel is SwiGLU's alone)
+            self._run_experts = functools.partial(moe_experts, activation=moe.expert_activation)
         self.moe = moe
         self.top_k = moe.top_k
         self.norm_topk_prob = moe.norm_topk_prob
@@ -217,7 +220,6 @@ class SparseMoe(nn.Module):
             gate_up_bias=experts.gate_up_proj_bias, down_bias=experts.down_proj_bias,
             swiglu_limit=self.moe.swiglu_limit, swiglu_alpha=self.moe.swiglu_alpha,
             other_experts=other_experts,
-            **({"activation": self.moe.expert_activation} if not self.fused else {}),
         )  # fmt: skip
         if self.shared_expert is not None:
             shared = self.shared_expert(hidden)
