@@ -20,7 +20,9 @@ after a warm-up round):
   turn, over its time on one without (the hybrid starts from the state snapshot its
   decode left at the answer's last full block; the dense model from every cached
   block: the same tokens), a new conversation each round; the tokens must be the
-  uncached engine's.
+  uncached engine's. The same again on an engine with a small device pool and a CPU
+  tier, two long prompts run between the turns to evict the first turn from the device:
+  the next turn's KV and (the hybrid's) state snapshot come back from the tier.
 - a shared system prompt (``--system-tokens``, then 64 tokens of each conversation's own;
   ``max_tokens`` 1): three new conversations under a new system prompt each round, the
   second and third timed on the engine with the prefix cache against one without. The
@@ -76,6 +78,13 @@ def main() -> None:
                          enable_prefix_caching=False) for name, path in models.items()}  # fmt: skip
     cached = {name: LLM(path, dtype="float32", max_model_len=max_len)
               for name, path in models.items()}  # fmt: skip
+    tiered = {}  # a device pool of one long request and two snapshots, a large CPU tier
+    for name, path in models.items():
+        shard = cached[name].engine.runner.shard
+        num_blocks = -(-max_len // cached[name].engine.config.block_size)
+        num_blocks += 2 * shard.blocks_per_slot + 4
+        tiered[name] = LLM(path, dtype="float32", max_model_len=max_len, num_blocks=num_blocks,
+                           cpu_offload_bytes=4 * num_blocks * shard.bytes_per_block)  # fmt: skip
     rng = np.random.default_rng(0)
 
     def prompts(n: int, length: int) -> list[list[int]]:
@@ -119,15 +128,27 @@ def main() -> None:
                 count = num_prompt_tokens if name == "prefill" else num_decoded
                 rates[model, name].append(count / seconds)
     turn_ratios: dict[str, list[float]] = {model: [] for model in engines}
+    tier_ratios: dict[str, list[float]] = {model: [] for model in engines}
+    tier_hits: dict[str, int] = {}  # the next turn's prompt tokens the tier served
     for _ in range(args.repeats):
         for model in engines:
             first_turn = prompts(1, args.turn_tokens)
             answer = run(cached[model], (first_turn, 32))[0][0]
+            assert run(tiered[model], (first_turn, 32))[0][0] == answer
+            run(tiered[model], (prompts(2, args.turn_tokens + 96), 1))  # evicts the turn
             next_turn = [first_turn[0] + answer + prompts(1, 64)[0]]
             hit, hit_seconds, _ = run(cached[model], (next_turn, 1))
+            kv = tiered[model].engine.scheduler.kv
+            num_hit_tokens = kv.num_hit_tokens
+            num_tier_tokens = kv.num_secondary_hit_tokens
+            loaded, loaded_seconds, _ = run(tiered[model], (next_turn, 1))
+            assert kv.num_hit_tokens == num_hit_tokens, f"{model}: the turn stayed on the device"
+            tier_hits[model] = kv.num_secondary_hit_tokens - num_tier_tokens
             computed, computed_seconds, _ = run(engines[model], (next_turn, 1))
             assert hit == computed, f"{model}: the next turn's token differs from a cache hit"
+            assert loaded == computed, f"{model}: the next turn's token differs from a tier hit"
             turn_ratios[model].append(computed_seconds / hit_seconds)
+            tier_ratios[model].append(computed_seconds / loaded_seconds)
     system_ratios: dict[tuple[str, int], list[float]] = {
         (model, conversation): [] for model in engines for conversation in (2, 3)
     }
@@ -145,7 +166,7 @@ def main() -> None:
                 computed, computed_seconds, _ = run(engines[model], (conversation, 1))
                 assert hit == computed, f"{model}: conversation {number}'s token differs"
                 system_ratios[model, number].append(computed_seconds / hit_seconds)
-    for llm in [*engines.values(), *cached.values()]:
+    for llm in [*engines.values(), *cached.values(), *tiered.values()]:
         assert llm.engine.leak_report() == []
     median = {key: statistics.median(values) for key, values in rates.items()}
     rows = []
@@ -156,6 +177,8 @@ def main() -> None:
         rows.append(row)
     for row in rows:
         row["next_turn_speedup"] = statistics.median(turn_ratios[row["model"]])
+        row["next_turn_tier_speedup"] = statistics.median(tier_ratios[row["model"]])
+        row["next_turn_tier_hit_tokens"] = tier_hits[row["model"]]
         for number in (2, 3):
             ratios_of = system_ratios[row["model"], number]
             row[f"system_prompt_speedup@{number}"] = statistics.median(ratios_of)
@@ -179,7 +202,8 @@ def main() -> None:
         print(f"{row['model']:<18}" + "".join(f" {v:14.2f}" for v in values))
     for row in rows:
         print(f"{row['model']}: a chat's next turn {row['next_turn_speedup']:.2f}x faster "
-              "from the prefix cache")  # fmt: skip
+              f"from the prefix cache, {row['next_turn_tier_speedup']:.2f}x from the CPU "
+              "tier")  # fmt: skip
         print(f"{row['model']}: under a shared system prompt, conversation 2 "
               f"{row['system_prompt_speedup@2']:.2f}x, 3 {row['system_prompt_speedup@3']:.2f}x "
               "faster from the prefix cache")  # fmt: skip
@@ -217,9 +241,18 @@ def main() -> None:
         "more tokens; time to its first token) with the prefix cache that served the first "
         "turn, against without it (medians):",
         "",
-        "| | next turn: uncached time / cached time |",
-        "|---|---|",
-        *(f"| {row['model']} | {row['next_turn_speedup']:.2f}x |" for row in rows),
+        "The second column: on an engine whose device pool holds one long request, two "
+        f"{args.turn_tokens + 96}-token prompts run between the turns (the first turn's "
+        "blocks, and the hybrid's state snapshots, evicted to the CPU tier):",
+        "",
+        "| | next turn: uncached time / cached time | ... / time from the CPU tier |",
+        "|---|---|---|",
+        *(
+            f"| {row['model']} | {row['next_turn_speedup']:.2f}x | "
+            f"{row['next_turn_tier_speedup']:.2f}x "
+            f"({row['next_turn_tier_hit_tokens']} tokens loaded) |"
+            for row in rows
+        ),
         "",
         f"New conversations under a shared {args.system_tokens}-token system prompt (64 "
         "tokens of their own; time to the first token), with the prefix cache against "

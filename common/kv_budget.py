@@ -271,10 +271,20 @@ def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
     if engine.device is Device.CPU and problems:
         raise ConfigError(*problems[0])
     warnings = [f"{key}: on a host without CUDA, {message}" for key, message in problems]
-    if 0 < engine.cpu_offload_bytes < (bpb or cpu_bpb):
+    tier_block_bytes = bpb or cpu_bpb
+    snapshot_blocks = shape.state_blocks(tier_block_bytes, 1, tp_size, itemsize)
+    if 0 < engine.cpu_offload_bytes < tier_block_bytes:
         warnings.append(
             f"{_key(config, role, 'cpu_offload_bytes')}: {engine.cpu_offload_bytes} bytes hold "
-            f"no block of {bpb or cpu_bpb} bytes; the offload tier would stay empty"
+            f"no block of {tier_block_bytes} bytes; the offload tier would stay empty"
+        )
+    elif 0 < engine.cpu_offload_bytes < (snapshot_blocks + 1) * tier_block_bytes:
+        # A hybrid model's cached prefix serves only with the states after it.
+        warnings.append(
+            f"{_key(config, role, 'cpu_offload_bytes')}: {engine.cpu_offload_bytes} bytes hold "
+            f"no snapshot of this model's linear-attention states ({snapshot_blocks} blocks "
+            f"of {tier_block_bytes} bytes) beside a block of its KV; no prefix the offload "
+            "tier keeps could serve"
         )
     num_blocks = engine.num_blocks
     if num_blocks is None and engine.device is Device.CPU:

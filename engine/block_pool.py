@@ -8,8 +8,8 @@ recently freed one and, if it was cached, evicts it from the cache first.
 A hybrid model's cache also keeps *state snapshots*: the linear-attention states after a
 cached prefix, in ordinary blocks registered under names derived from the prefix's last
 block (``common.hashing.state_block_hashes``; ``kv_cache_manager.py``). They are evicted
-like any cached block, but observers never see them: they are not KV a router or the CPU
-tier could use.
+like any cached block, but observers never see them (they are not KV a router could
+use); only ``on_state_evicted`` does (the CPU tier, which keeps snapshots too).
 
 Observers see every block that enters or leaves the cache. The KV-event publisher is one;
 the CPU offload tier is another (it copies a block out before its slot is reused).
@@ -22,7 +22,7 @@ the CPU offload tier is another (it copies a block out before its slot is reused
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -59,7 +59,10 @@ class BlockPool:
         num_blocks: int,
         enable_caching: bool = True,
         observers: Iterable[BlockPoolObserver] = (),
+        on_state_evicted: Callable[[KVBlock, BlockHash], None] | None = None,
     ) -> None:
+        """``on_state_evicted(block, name)``: a state snapshot's block is evicted (called
+        like ``BlockPoolObserver.on_block_evicted``, while its bytes are intact)."""
         assert num_blocks > 0
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
@@ -70,6 +73,7 @@ class BlockPool:
         self.cached_blocks: dict[BlockHash, KVBlock] = {}
         self.state_blocks: dict[BlockHash, KVBlock] = {}
         self.observers: list[BlockPoolObserver] = list(observers)
+        self.on_state_evicted = on_state_evicted
         self.num_evictions = 0
 
     @property
@@ -207,6 +211,8 @@ class BlockPool:
         if self.state_blocks.get(block_hash) is block:  # part of a snapshot: the rest
             del self.state_blocks[block_hash]  # stays until evicted, found by no lookup
             self.num_evictions += 1
+            if self.on_state_evicted is not None:
+                self.on_state_evicted(block, block_hash)
             return
         if self.cached_blocks.get(block_hash) is block:
             del self.cached_blocks[block_hash]

@@ -19,9 +19,16 @@ books (which hash sits in which slot) and every rank keeps its slots' bytes in a
 ``HostBlockCache``; the copies rank 0 makes are repeated on the others through ``mirror``
 (in the same order relative to the steps, so the same guarantees hold on every rank).
 
-Events: every block entering the tier is announced as ``BlockStored(medium=cpu)`` and
-every block leaving it as ``BlockRemoved(medium=cpu)`` (no token ids: routers only need
-the hashes), so routers credit CPU hits at a discount.
+A hybrid model's state snapshots (``kv_cache_manager.py``: its linear-attention states
+after a cached prefix, in ordinary blocks under names of their own) are kept here too:
+the device pool hands their blocks over as it evicts them (``on_state_block_evicted``),
+and a lookup that finds every block of one loads them into device blocks the request
+restores its states from, as it loads KV blocks.
+
+Events: every KV block entering the tier is announced as ``BlockStored(medium=cpu)`` and
+every one leaving it as ``BlockRemoved(medium=cpu)`` (no token ids: routers only need
+the hashes), so routers credit CPU hits at a discount. Snapshots' blocks are not
+announced: they are no KV a router could place a request by.
 """
 
 from __future__ import annotations
@@ -119,6 +126,8 @@ class CpuTier:
         self._slots: OrderedDict[BlockHash, int] = OrderedDict()  # LRU → MRU
         self._free_slots = list(range(self.num_blocks - 1, -1, -1))
         self._pending: list[tuple[int, BlockHash]] = []  # (device block id, hash) to save
+        # Names among the pending and held blocks that are snapshots' (not announced).
+        self._state_names: set[BlockHash] = set()
         # Blocks a scheduled load will read: never evicted before that load ran.
         self._reserved: set[BlockHash] = set()
         self._emit = emit or (lambda event: None)
@@ -133,7 +142,14 @@ class CpuTier:
         """The device pool reuses ``block``; its KV is intact until the next forward."""
         self._pending.append((block.block_id, block_hash))
 
+    def on_state_block_evicted(self, block: KVBlock, name: BlockHash) -> None:
+        """The device pool reuses a block of a state snapshot (``BlockPool``'s
+        ``on_state_evicted``); kept like a KV block, under its name, but not announced."""
+        self._pending.append((block.block_id, name))
+        self._state_names.add(name)
+
     def on_all_cleared(self) -> None:
+        self._state_names.intersection_update(self._slots)
         self._pending.clear()
 
     # ------------------------------------------------------------------ engine side
@@ -159,6 +175,8 @@ class CpuTier:
             slots.append(slot)
             stored.append(block_hash)
             device_blocks.append(block_id)
+        for _, block_hash in pending[: len(pending) - len(stored)]:  # (dropped)
+            self._state_names.discard(block_hash)
         if not slots:
             return
         if self._mirror is not None:
@@ -169,7 +187,9 @@ class CpuTier:
         self.stats.offloaded_blocks += len(stored)
         self.stats.offloaded_bytes += len(stored) * self.bytes_per_block
         self.stats.offload_seconds += time.perf_counter() - start
-        self._emit(BlockStored(stored, None, [], self.block_size, Medium.CPU))
+        announced = [block_hash for block_hash in stored if block_hash not in self._state_names]
+        if announced:
+            self._emit(BlockStored(announced, None, [], self.block_size, Medium.CPU))
 
     def _take_slot(self) -> int | None:
         if self._free_slots:
@@ -179,7 +199,10 @@ class CpuTier:
             return None
         slot = self._slots.pop(victim)
         self.stats.evicted_blocks += 1
-        self._emit(BlockRemoved([victim], Medium.CPU))
+        if victim in self._state_names:
+            self._state_names.discard(victim)
+        else:
+            self._emit(BlockRemoved([victim], Medium.CPU))
         return slot
 
     def lookup(self, block_hashes: Sequence[BlockHash]) -> int:
@@ -232,4 +255,6 @@ class CpuTier:
             problems.append(f"CPU tier: {len(self._pending)} evicted blocks not flushed")
         if self._reserved:
             problems.append(f"CPU tier: {len(self._reserved)} blocks reserved for no load")
+        if not self._state_names <= self._slots.keys():
+            problems.append("CPU tier: a snapshot's block is named but not held")
         return problems

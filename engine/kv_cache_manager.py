@@ -15,6 +15,13 @@ starts from a copy of it (its blocks held until that step has run: ``hold_restor
 Outside decode workers, a request's decode also keeps one *rolling* snapshot, rewritten
 at each block boundary it reaches, so what it generated is covered too (a chat's next
 turn starts from the end of the last answer's last full block).
+
+With a secondary tier (the CPU tier) a hybrid model's lookup runs over both: the cached
+prefix is the device's leading blocks then the tier's, and its snapshot may be in either.
+The device pool hands snapshots' blocks to the tier as it evicts them; one found there is
+loaded into blocks the request takes for it (``restoring``, registered under the
+snapshot's names at once, so other requests find it on the device from then on) before
+the forward pass of the step that restores the request's states from them.
 """
 
 from __future__ import annotations
@@ -42,12 +49,25 @@ class _Snapshot:
     rolling: bool = False
 
 
+@dataclass(slots=True)
+class StateHit:
+    """A hybrid request's cached prefix (``KVCacheManager.state_hit``): its device blocks,
+    the secondary tier's blocks after them, and the device blocks of the state snapshot
+    after both (empty when none is cached, or when it is loaded from the tier)."""
+
+    hits: list[KVBlock]
+    loaded: list[BlockHash]
+    restore: list[KVBlock]
+
+
 class SecondaryTier(Protocol):
     """A second place cached blocks may live (the CPU tier): torch-free view for lookups."""
 
     def lookup(self, block_hashes: Sequence[BlockHash]) -> int: ...
 
     def reserve(self, block_hashes: Sequence[BlockHash]) -> None: ...
+
+    def on_state_block_evicted(self, block: KVBlock, name: BlockHash) -> None: ...
 
 
 def cdiv(a: int, b: int) -> int:
@@ -66,10 +86,12 @@ class KVCacheManager:
     ) -> None:
         self.block_size = block_size
         self.num_state_blocks = num_state_blocks if enable_caching else 0
-        assert not (self.num_state_blocks and secondary), "no CPU tier for hybrid models"
         self.secondary = secondary if enable_caching else None
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching, observers)
+        on_state_evicted = None
+        if self.secondary is not None and self.num_state_blocks:
+            on_state_evicted = self.secondary.on_state_block_evicted
+        self.pool = BlockPool(num_blocks, enable_caching, observers, on_state_evicted)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         # The same blocks' ids, kept alongside: read every step (block_ids_view).
         self.req_to_block_ids: dict[str, list[int]] = {}
@@ -79,6 +101,10 @@ class KVCacheManager:
         # step has copied them), and those a request's step writes (until it has).
         self.restoring: dict[str, list[KVBlock]] = {}
         self.snapshotting: dict[str, _Snapshot] = {}
+        # ... and the names of the snapshot a request starts from that the secondary
+        # tier holds (``state_hit``): ``allocate_slots`` takes blocks for it (then in
+        # ``restoring``), which ``take_snapshot_load`` orders loaded.
+        self.snapshot_loads: dict[str, list[BlockHash]] = {}
         # ... and the snapshots each request started from or made. Its own are held as
         # long as its blocks are (a snapshot freed at once was the first thing evicted
         # while the request ran, long before the prefix it needs); freeing the request
@@ -176,14 +202,13 @@ class KVCacheManager:
 
     # -- hybrid models' state snapshots ---------------------------------------------------
 
-    def state_hit(
-        self, request: Request, hits: list[KVBlock]
-    ) -> tuple[list[KVBlock], list[KVBlock]]:
-        """The longest run of ``hits`` (a new request's cached prefix) after which a state
-        snapshot is cached, and that snapshot's blocks; ([], []) if none is.
+    def state_hit(self, request: Request, hits: list[KVBlock]) -> StateHit:
+        """The longest run of a new request's cached prefix (``hits`` on the device, then
+        the secondary tier's blocks) after which a state snapshot is cached, on the
+        device or in the tier (then noted in ``snapshot_loads``); nothing if none is.
 
-        Where the hits run past that snapshot, their end becomes the request's *branch
-        point*: a prefix it shares with an earlier request (a system prompt, a document,
+        Where the cached prefix runs past that snapshot, its end becomes the request's
+        *branch point*: a prefix it shares with an earlier request (a system prompt, a document,
         a conversation whose rolling snapshot was evicted) that no snapshot covers. The
         request recomputes it and snapshots its states there too (``snapshot_boundary``),
         so the next request sharing it starts from that snapshot: the second request
@@ -194,17 +219,23 @@ class KVCacheManager:
         request_id = request.request_id
         self.snapshots_of.pop(request_id, None)  # (an earlier lookup's, while it waited)
         self.branch_points.pop(request_id, None)
+        self.snapshot_loads.pop(request_id, None)
+        loaded = self.get_secondary_hits(request, len(hits))
+        num_cached = len(hits) + len(loaded)
         num_hits, blocks = 0, []
-        for length in range(len(hits), 0, -1):
+        for length in range(num_cached, 0, -1):
             names = self._snapshot_names(request, length * self.block_size)
             cached = self._cached_snapshot(names)
-            if cached is not None:
-                num_hits, blocks = length, cached
-                self.snapshots_of[request_id] = [_Snapshot(length * self.block_size, names, [])]
-                break
-        if num_hits < len(hits) < self._max_hit_blocks(request):
-            self.branch_points[request_id] = len(hits) * self.block_size
-        return hits[:num_hits], blocks
+            if cached is None:
+                if self.secondary is None or self.secondary.lookup(names) < len(names):
+                    continue
+                self.snapshot_loads[request_id] = names
+            num_hits, blocks = length, cached or []
+            self.snapshots_of[request_id] = [_Snapshot(length * self.block_size, names, [])]
+            break
+        if num_hits < num_cached < self._max_hit_blocks(request):
+            self.branch_points[request_id] = num_cached * self.block_size
+        return StateHit(hits[:num_hits], loaded[: max(num_hits - len(hits), 0)], blocks)
 
     def snapshot_boundary(self, request: Request, num_computed: int) -> int:
         """The next place after ``num_computed`` tokens where a hybrid request's states
@@ -293,6 +324,15 @@ class KVCacheManager:
             self.pool.touch(blocks)
             self.restoring[request_id] = blocks
 
+    def take_snapshot_load(self, request_id: str) -> tuple[list[BlockHash], list[int]] | None:
+        """For a request just given its blocks whose snapshot the secondary tier holds:
+        (the snapshot's names, the device blocks to load it into, which it restores its
+        states from); None for any other."""
+        names = self.snapshot_loads.pop(request_id, None)
+        if names is None:
+            return None
+        return names, [block.block_id for block in self.restoring[request_id]]
+
     def release_restore(self, request_id: str) -> None:
         """Let go of the snapshot a request started from (its copy is made); a no-op
         if it holds none."""
@@ -355,9 +395,14 @@ class KVCacheManager:
                 del self.req_to_block_ids[request.request_id]
             return False
         self.pool.touch(new_computed_blocks)
+        restoring = self._num_loading_blocks(request)
         new_blocks = new_computed_blocks
-        if num_new_blocks > 0:
-            new_blocks = new_computed_blocks + self.pool.allocate(num_new_blocks)
+        if num_new_blocks > restoring:
+            new_blocks = new_computed_blocks + self.pool.allocate(num_new_blocks - restoring)
+        if restoring:  # a snapshot the secondary tier holds: blocks to load it into
+            snapshot = self.pool.allocate(restoring)
+            self.pool.cache_state_blocks(snapshot, self.snapshot_loads[request.request_id])
+            self.restoring[request.request_id] = snapshot
         req_blocks.extend(new_blocks)
         req_block_ids.extend(block.block_id for block in new_blocks)
         if cache:
@@ -376,7 +421,16 @@ class KVCacheManager:
             + num_new_tokens
         )
         num_new_blocks = cdiv(num_tokens_after, self.block_size) - num_held
-        return num_tokens_after, num_new_blocks - len(new_computed_blocks)
+        return num_tokens_after, (
+            num_new_blocks - len(new_computed_blocks) + self._num_loading_blocks(request)
+        )
+
+    def _num_loading_blocks(self, request: Request) -> int:
+        """Blocks a request's next allocation takes for the tier's snapshot it starts
+        from (``snapshot_loads``), beside its KV's."""
+        request_id = request.request_id
+        loading = request_id in self.snapshot_loads and request_id not in self.restoring
+        return self.num_state_blocks if loading else 0
 
     def fits_after_freeing(
         self,
@@ -402,6 +456,7 @@ class KVCacheManager:
         self.num_cached_blocks.pop(request.request_id, None)
         self.release_restore(request.request_id)  # (its step never ran)
         self.branch_points.pop(request.request_id, None)
+        self.snapshot_loads.pop(request.request_id, None)
         unwritten = self.snapshotting.pop(request.request_id, None)
         if unwritten is not None:  # never registered (a rolling one's were renamed)
             self.pool.free(unwritten.blocks)
@@ -438,6 +493,8 @@ class KVCacheManager:
         problems += [f"request {rid} still holds snapshot blocks"
                      for rid in {*self.snapshotting, *self.snapshots_of}]  # fmt: skip
         problems += [f"request {rid} still has a branch point" for rid in self.branch_points]
+        problems += [f"request {rid} still has a snapshot to load"
+                     for rid in self.snapshot_loads]  # fmt: skip
         return problems + self.pool.leak_report()
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:

@@ -106,22 +106,15 @@ def resolve_max_model_len(config: EngineConfig, arch: ModelArchConfig) -> int:
     return min(config.max_model_len, limit)
 
 
-def hybrid_config(config: EngineConfig, arch: ModelArchConfig, model_dir: Path) -> EngineConfig:
-    """``config`` for a hybrid model (linear-attention layers: ``engine/linear_state.py``),
-    or as it is for any other. Its recurrent states depend on every earlier token, so a
-    cached prefix serves only with a snapshot of the states after it, which the prefix
-    cache keeps beside the KV (``kv_cache_manager.py``); the CPU tier, which would have
-    to carry snapshots too, is turned off. What cannot work yet is refused
-    (``EngineConfig.hybrid_problem``). Raises ``ConfigError``."""
-    if arch.linear_attention is None:
-        return config
-    problem = config.hybrid_problem()
+def check_hybrid(config: EngineConfig, arch: ModelArchConfig, model_dir: Path) -> None:
+    """Refuse what a hybrid model (linear-attention layers: ``engine/linear_state.py``)
+    cannot run with yet (``EngineConfig.hybrid_problem``); nothing for any other model.
+    Its recurrent states depend on every earlier token, so a cached prefix serves only
+    with a snapshot of the states after it, which the prefix cache and the CPU tier keep
+    beside the KV (``kv_cache_manager.py``). Raises ``ConfigError``."""
+    problem = config.hybrid_problem() if arch.linear_attention is not None else None
     if problem is not None:
         raise ConfigError(f"engine.{problem[0]}", f"{model_dir.name}: {problem[1]}")
-    if config.cpu_offload_bytes:
-        logger.info("%s: CPU offload off (it keeps KV blocks, not the state snapshots of "
-                    "linear-attention layers)", model_dir)  # fmt: skip
-    return config.replace(cpu_offload_bytes=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +148,7 @@ class LLMEngine:
         self.recompute_on_pull_failure = recompute_on_pull_failure
         self.model_dir = Path(model_dir)
         self.arch = read_arch_config(model_dir)
-        self.config = hybrid_config(self.config, self.arch, self.model_dir)
+        check_hybrid(self.config, self.arch, self.model_dir)
         self.device = resolve_device(self.config)
         self.dtype = resolve_dtype(self.config, self.arch, self.device)
         self.max_model_len = resolve_max_model_len(self.config, self.arch)

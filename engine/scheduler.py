@@ -103,7 +103,9 @@ class _Admission:
 
     hits: list[KVBlock]  # cached device blocks of its prefix
     num_hit_tokens: int
-    restore: list[KVBlock]  # a hybrid model's: the state snapshot after the hits
+    # A hybrid model's: the state snapshot after the hits and loaded blocks, when cached
+    # on the device (one the CPU tier holds: ``KVCacheManager.snapshot_loads``).
+    restore: list[KVBlock]
     loaded: list[BlockHash]  # the CPU-tier blocks after them, to load
     num_tokens: int  # tokens to allocate slots for after the hits
     pull: bool  # its prompt's KV comes from another worker
@@ -167,6 +169,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.num_preemptions = 0
         self.num_state_restores = 0  # admissions that started from a state snapshot
+        self.num_state_loads = 0  # ... of which the CPU tier's
         self.rolling_snapshots = rolling_snapshots and self.kv.num_state_blocks > 0
         self.num_blocks_reused_for_remote = 0
         self.num_speculative_tokens = config.num_speculative_tokens
@@ -464,9 +467,11 @@ class Scheduler:
         if request.num_computed_tokens == 0:
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             if self.kv.num_state_blocks:  # a hybrid model's: where its states are cached
-                hits, restore = self.kv.state_hit(request, hits)
+                state_hit = self.kv.state_hit(request, hits)
+                hits, loaded, restore = state_hit.hits, state_hit.loaded, state_hit.restore
                 num_hit_tokens = len(hits) * self.block_size
-            loaded = self.kv.get_secondary_hits(request, len(hits))
+            else:
+                loaded = self.kv.get_secondary_hits(request, len(hits))
         num_loaded_tokens = len(loaded) * self.block_size
         num_computed = request.num_computed_tokens + num_hit_tokens + num_loaded_tokens
         num_new = self._num_new_tokens(request, num_computed, budget)
@@ -481,7 +486,7 @@ class Scheduler:
         if request.num_cached_tokens < 0:  # its first admission, pulled or not
             self.kv.record_lookup(request.num_tokens, plan.num_hit_tokens, num_loaded_tokens)
         self.waiting.remove(request)
-        self._order_loads(plan, self.kv.get_block_ids(request.request_id), out)
+        self._order_loads(request.request_id, plan, out)
         num_cached_tokens = plan.num_hit_tokens + num_loaded_tokens
         request.num_computed_tokens += num_cached_tokens
         if request.num_cached_tokens < 0:
@@ -491,8 +496,9 @@ class Scheduler:
             request.times.first_scheduled = time.monotonic()
         self._add_running(request)
         scheduled = self._scheduled(request, plan.num_new)
-        if plan.restore:
-            scheduled.restore_block_ids = [block.block_id for block in plan.restore]
+        restore = self.kv.restoring.get(request.request_id)
+        if restore:  # a snapshot cached on the device, or loaded from the CPU tier now
+            scheduled.restore_block_ids = [block.block_id for block in restore]
             self.num_state_restores += 1
         out.scheduled.append(scheduled)
         return plan.num_new
@@ -509,7 +515,7 @@ class Scheduler:
         request.num_cached_tokens = plan.num_hit_tokens + num_loaded_tokens
         self.num_blocks_reused_for_remote += len(plan.hits) + len(plan.loaded)
         local_ids = self.kv.get_block_ids(request.request_id)
-        self._order_loads(plan, local_ids, out)
+        self._order_loads(request.request_id, plan, out)
         first = len(plan.hits) + len(plan.loaded)
         last = cdiv(remote.num_tokens, self.block_size)
         pulled = request.block_hashes[first : remote.num_tokens // self.block_size]
@@ -528,13 +534,20 @@ class Scheduler:
         )
         return 0
 
-    def _order_loads(self, plan: _Admission, block_ids: list[int], out: SchedulerOutput) -> None:
-        """Load the CPU-tier blocks of an admission into the device blocks after its hits
-        (``block_ids``: the request's), reserved so this step's flush cannot evict them."""
+    def _order_loads(self, request_id: str, plan: _Admission, out: SchedulerOutput) -> None:
+        """Load the CPU-tier blocks of an admission into the device blocks after its hits,
+        and a hybrid model's state snapshot into the blocks taken for it, reserved so
+        this step's flush cannot evict them."""
+        block_ids = self.kv.block_ids_view(request_id)
         if plan.loaded:
             first = len(plan.hits)
             out.loads.append(LoadOrder(plan.loaded, block_ids[first : first + len(plan.loaded)]))
             self.kv.secondary.reserve(plan.loaded)
+        snapshot = self.kv.take_snapshot_load(request_id)
+        if snapshot is not None:  # a hybrid model's states, from the CPU tier too
+            out.loads.append(LoadOrder(*snapshot))
+            self.kv.secondary.reserve(snapshot[0])
+            self.num_state_loads += 1
 
     def _add_running(self, request: Request) -> None:
         """Into ``running`` by ``running_order``: after every admitted request of its

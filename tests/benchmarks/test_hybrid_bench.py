@@ -21,9 +21,12 @@ def test_the_hybrid_benchmark_runs_and_records(tmp_path, arch, dense):
     assert [row["model"] for row in record["rows"]] == [f"dense ({dense})", f"hybrid ({arch})"]
     assert set(record["ratios"]) == {"prefill_tokens_per_s", "decode_tokens_per_s@16",
                                      "decode_tokens_per_s@40", "next_turn_speedup",
-                                     "system_prompt_speedup@2",
+                                     "next_turn_tier_speedup", "system_prompt_speedup@2",
                                      "system_prompt_speedup@3"}  # fmt: skip
     assert all(row["next_turn_speedup"] > 0 for row in record["rows"])
+    # The next turn's 72 tokens (40 + a 32-token answer) all come back from the CPU tier
+    # (the benchmark checks none stayed on the device, and the tokens).
+    assert [row["next_turn_tier_hit_tokens"] for row in record["rows"]] == [64, 64]
     assert all(row["system_prompt_speedup@3"] > 0 for row in record["rows"])
     # Under a shared 32-token system prompt the dense model takes its blocks from the
     # second conversation on; the hybrid its snapshot, made by the second, from the third.

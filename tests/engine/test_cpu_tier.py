@@ -136,3 +136,39 @@ def test_churn_with_aborts_leaks_nothing_and_keeps_outputs(tiny_llama):
             assert done[f"r{i}"].outputs[0].token_ids == expected[i]
     assert engine.leak_report() == []
     assert reference.leak_report() == []
+
+
+def test_snapshot_blocks_are_kept_unannounced_and_come_back_bit_for_bit():
+    """A hybrid model's snapshot blocks (``on_state_block_evicted``) are kept like KV
+    blocks, under their names, but no event names them, entering or leaving."""
+    import torch
+
+    from engine.block_pool import KVBlock
+    from engine.cpu_tier import CpuTier
+
+    cache = torch.randn(8, 2, 4, 1, 2)  # [num_blocks, K/V, block_size, heads, head_dim]
+    source = cache.clone()
+    events = []
+    tier = CpuTier([cache], capacity_bytes=3 * cache[0].numel() * 4, emit=events.append)
+    kv_hash, names = b"k" * 32, [b"s0" * 16, b"s1" * 16]
+    tier.on_block_evicted(KVBlock(0), kv_hash)
+    tier.on_state_block_evicted(KVBlock(1), names[0])
+    tier.on_state_block_evicted(KVBlock(2), names[1])
+    tier.flush()
+    assert [(type(e), e.block_hashes) for e in events] == [(BlockStored, [kv_hash])]
+    assert tier.lookup(names) == 2
+    tier.reserve(names)
+    cache[5:7] = 0
+    tier.load(names, [5, 6])
+    assert torch.equal(cache[5:7], source[1:3])
+    # Full: the two least recently used go, the KV block (announced) and then a
+    # snapshot's (silently); the snapshot that came in is not announced either.
+    tier.on_block_evicted(KVBlock(3), b"x" * 32)
+    tier.on_state_block_evicted(KVBlock(4), b"y" * 32)
+    tier.flush()
+    assert [(type(e), e.block_hashes) for e in events[1:]] == [
+        (BlockRemoved, [kv_hash]),
+        (BlockStored, [b"x" * 32]),
+    ]
+    assert tier.lookup(names) == 0 and tier.lookup(names[1:]) == 1
+    assert tier.leak_report() == []

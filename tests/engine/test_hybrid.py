@@ -82,14 +82,6 @@ def test_aborted_requests_give_back_their_slots(hybrid):
     assert engine.runner.state_slots.num_used == 0 and engine.leak_report() == []
 
 
-def test_the_cpu_tier_is_off_and_the_unsupported_is_refused(hybrid):
-    """The prefix cache stays on (snapshots of the states: test_hybrid_prefix_cache.py),
-    the CPU tier goes off (it keeps no snapshots)."""
-    llm = LLM(hybrid, cpu_offload_bytes=1 << 24)
-    assert llm.engine.config.enable_prefix_caching and llm.engine.config.cpu_offload_bytes == 0
-    assert llm.engine.cpu_tier is None
-
-
 def test_16_bit_states_take_half_the_blocks_and_stay_close(hybrid, tmp_path):
     """``linear_state_dtype: bfloat16``: the pool keeps the states in 16 bits (about half
     a slot's blocks; the config check counts the same), the layers compute in float32
@@ -175,6 +167,58 @@ def test_disaggregated_equals_colocated(hybrid):
             assert prefill.release_kv(f"r{i}")
         assert prefill.leak_report() == [] and decode.leak_report() == []
     assert decode.num_pull_failures == 1
+
+
+def test_a_decode_worker_loads_what_its_cpu_tier_holds_and_pulls_the_rest(hybrid):
+    """A decode engine with a small pool and a CPU tier pulls a 70-token prompt, then
+    computes others that push it out to the tier. The prompt's next turn (the prompt, 12
+    tokens of its answer, 10 more), pulled, loads its first 80 tokens' blocks (the
+    decode engine cached them) from the tier and pulls the rest and the states (always
+    pulled: they are the prefill engine's after the whole prompt); the colocated
+    tokens, nothing leaked on either side."""
+    from common.hashing import state_block_hashes
+    from engine.request import RemoteKV
+    from tests.engine.local_puller import LocalPuller
+
+    puller = LocalPuller()
+    prefill = LLMEngine(hybrid, EngineConfig(max_model_len=256))
+    shard = prefill.runner.shard
+    decode = LLMEngine(hybrid, EngineConfig(max_model_len=256, num_blocks=24,
+                                            cpu_offload_bytes=64 * shard.bytes_per_block),
+                       kv_puller=puller)  # fmt: skip
+    puller.sources["prefill-0"], puller.target = prefill, decode
+
+    def disaggregated(request_id: str, prompt: list[int]) -> tuple[list[int], int]:
+        prefill.add_request(request_id, prompt, GREEDY, prefill_only=True)
+        while prefill.has_unfinished_requests():
+            (first,) = [o for o in prefill.step() if o.finished] or [None]
+        state_ids = prefill.held_state_block_ids(request_id)
+        names = state_block_hashes(prefill.held_block_names(request_id)[-1], len(state_ids))
+        assert len(names) == shard.blocks_per_slot
+        remote = RemoteKV(f"l-{request_id}", len(prompt), tuple(first.kv_block_ids),
+                          "prefill-0", state_block_ids=tuple(state_ids))  # fmt: skip
+        decode.add_request(request_id, prompt, GREEDY, remote_kv=remote,
+                           output_token_ids=first.outputs[0].token_ids)  # fmt: skip
+        pulled = puller.num_blocks_pulled
+        while decode.has_work():
+            (last,) = [o for o in decode.step() if o.finished] or [None]
+        assert prefill.release_kv(request_id)
+        return last.outputs[0].token_ids, puller.num_blocks_pulled - pulled
+
+    prompt = random_prompts([70], seed=9)[0]
+    answer, pulled = disaggregated("first", prompt)
+    assert pulled == 5 + shard.blocks_per_slot
+    for i, filler in enumerate(random_prompts([150, 150], seed=10)):
+        decode.add_request(f"fill{i}", filler, GREEDY)
+        while decode.has_work():
+            decode.step()
+    turn = prompt + answer[:12] + random_prompts([10], seed=11)[0]
+    hits = decode.cpu_tier.stats.hit_blocks
+    tokens, pulled = disaggregated("turn", turn)
+    assert decode.cpu_tier.stats.hit_blocks - hits == 5
+    assert pulled == 1 + shard.blocks_per_slot  # the last, partial block, and the states
+    assert tokens == LLM(hybrid).generate([turn], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert prefill.leak_report() == [] and decode.leak_report() == []
 
 
 def test_the_config_check_sizes_the_pool_as_the_engine_does(qwen3_5, tmp_path):

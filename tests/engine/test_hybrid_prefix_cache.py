@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 
 from common.config import EngineConfig
+from common.kv_events import BlockRemoved, BlockStored
 from engine import LLM, SamplingParams
+from engine.kv_events import KVEventCollector
 from engine.llm_engine import LLMEngine
 from tests.engine.helpers import random_prompts, sampled_logprobs
 
@@ -71,12 +73,16 @@ def test_equal_prompts_at_once_and_mixed_batches_keep_their_tokens(hybrid, uncac
     assert llm.engine.leak_report() == []
 
 
-def test_snapshots_are_evicted_and_preempted_requests_restart_from_theirs(hybrid, uncached):
+@pytest.mark.parametrize("tier_blocks", [0, 60])
+def test_snapshots_are_evicted_and_preempted_requests_restart_from_theirs(
+    hybrid, uncached, tier_blocks
+):
     """A small pool (a snapshot takes 8 blocks of 8 tokens here, a request ~9): six
     requests at once preempt one another (the snapshots they hold go first); then one at
     a time, twice, the second time in reverse, where the LRU kept the last ones'
-    snapshots. Tokens stay the uncached engine's; observers (KV events, the router's
-    index) never see a snapshot's blocks."""
+    snapshots (or a CPU tier of 60 blocks kept more, whose prefixes and snapshots come
+    back from there). Tokens stay the uncached engine's; observers (KV events, the
+    router's index) never see a snapshot's blocks."""
     stored, evicted = [], []
 
     class Recorder:
@@ -91,6 +97,10 @@ def test_snapshots_are_evicted_and_preempted_requests_restart_from_theirs(hybrid
 
     config = EngineConfig(num_blocks=40, block_size=8, max_model_len=96)
     engine = LLMEngine(hybrid, config, observers=[Recorder()])
+    if tier_blocks:
+        tier_bytes = tier_blocks * engine.runner.shard.bytes_per_block
+        config = config.replace(cpu_offload_bytes=tier_bytes)
+        engine = LLMEngine(hybrid, config, observers=[Recorder()])
     scheduler = engine.scheduler
     prompts = random_prompts([30, 41, 25, 37, 33, 45], seed=15)
     params = SamplingParams(max_tokens=30, min_tokens=30, temperature=0)
@@ -109,6 +119,8 @@ def test_snapshots_are_evicted_and_preempted_requests_restart_from_theirs(hybrid
     assert [run([f"alone-{i}"])[0] for i in range(6)] == expected
     assert [run([f"back-{i}"])[0] for i in reversed(range(6))] == expected[::-1]
     assert scheduler.num_state_restores > 0
+    if tier_blocks:
+        assert scheduler.num_state_loads > 0 and engine.cpu_tier.stats.evicted_blocks > 0
     pool = scheduler.kv.pool
     assert pool.num_evictions > 0
     snapshot_names = set(pool.state_blocks)
@@ -208,3 +220,57 @@ def test_requests_that_branch_together_keep_one_snapshot(hybrid, uncached):
     assert tokens(llm, prompts[3:], params) == expected[3:]
     assert llm.engine.scheduler.num_state_restores == 1
     assert kv.num_held_snapshot_blocks == 0 and llm.engine.leak_report() == []
+
+
+def run_one(engine: LLMEngine, request_id: str, prompt: list[int], params: SamplingParams):
+    engine.add_request(request_id, prompt, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    return done[request_id]
+
+
+def test_an_evicted_prefix_and_its_snapshot_come_back_from_the_cpu_tier(hybrid, uncached):
+    """A small device pool with a CPU tier: a 70-token prompt's blocks and its snapshot
+    (after 64 tokens) are evicted by other prompts into the tier. The same prompt again
+    loads both back (64 tokens cached, none on the device) and restores its states from
+    the loaded snapshot, which then stays on the device: a third time restores from
+    there, loading nothing. A chat's next turn finds the first answer's snapshot in the
+    tier too. Tokens and log-probs are the uncached engine's; the tier's events announce
+    KV blocks only, never a snapshot's."""
+    collector = KVEventCollector()
+    shard = LLMEngine(hybrid, EngineConfig(num_blocks=64, max_model_len=256)).runner.shard
+    config = EngineConfig(num_blocks=24 + 3 * shard.blocks_per_slot, max_model_len=256,
+                          cpu_offload_bytes=200 * shard.bytes_per_block)  # fmt: skip
+    engine = LLMEngine(hybrid, config, kv_events=collector)
+    scheduler, tier = engine.scheduler, engine.cpu_tier
+    prompt = random_prompts([70], seed=22)[0]
+    first = run_one(engine, "first", prompt, WITH_LOGPROBS)
+    assert first.outputs[0].token_ids == tokens(uncached, [prompt])[0]
+    names = set(scheduler.kv.pool.state_blocks)
+    for i, filler in enumerate(random_prompts([150, 150], seed=23)):  # evict it all
+        run_one(engine, f"fill{i}", filler, GREEDY)
+    assert not names & set(scheduler.kv.pool.state_blocks)
+    assert names <= tier._slots.keys()
+    again = run_one(engine, "again", prompt, WITH_LOGPROBS)
+    assert again.num_cached_tokens == 64
+    assert (scheduler.num_state_restores, scheduler.num_state_loads) == (1, 1)
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert sampled_logprobs(again) == pytest.approx(sampled_logprobs(first), abs=1e-4)
+    third = run_one(engine, "third", prompt, WITH_LOGPROBS)
+    assert third.num_cached_tokens == 64
+    assert (scheduler.num_state_restores, scheduler.num_state_loads) == (2, 1)
+    assert third.outputs[0].token_ids == first.outputs[0].token_ids
+    for i, filler in enumerate(random_prompts([150, 150], seed=24)):
+        run_one(engine, f"refill{i}", filler, GREEDY)
+    turn = prompt + first.outputs[0].token_ids + random_prompts([10], seed=25)[0]
+    following = run_one(engine, "turn", turn, WITH_LOGPROBS)
+    assert following.num_cached_tokens == 80  # the prompt and its answer's full blocks
+    assert scheduler.num_state_loads == 2
+    computed = uncached.generate([turn], WITH_LOGPROBS, use_tqdm=False)[0]
+    assert following.outputs[0].token_ids == computed.outputs[0].token_ids
+    assert sampled_logprobs(following) == pytest.approx(sampled_logprobs(computed), abs=1e-4)
+    announced = {h for event in collector.drain() if isinstance(event, BlockStored | BlockRemoved)
+                 for h in event.block_hashes}  # fmt: skip
+    assert tier._state_names and not announced & (names | tier._state_names)
+    assert engine.leak_report() == []

@@ -222,6 +222,15 @@ def test_the_config_check_sizes_the_states_as_each_rank_holds_them(model_factory
         shard.num_state_slots, bytes_per_slot(engine.arch.linear_attention))  # fmt: skip
     lines = summary(loaded, [prefill])
     assert any(line.startswith("states    prefill: 18 slots") for line in lines)
+    # A CPU tier too small for one snapshot beside a block is named (a warning: its KV
+    # could serve no request); one that holds them is not.
+    snapshot_bytes = shard.blocks_per_slot * shard.bytes_per_block
+    for tier_bytes, warned in ((snapshot_bytes, True), (snapshot_bytes + shard.bytes_per_block,
+                                                         False)):  # fmt: skip
+        config = write_config(tmp_path / "config.yaml", model_dir, engine=spec,
+                              offload={"cpu_bytes": tier_bytes})  # fmt: skip
+        (prefill, _) = kv_budgets(load_config(str(config)))
+        assert any("no snapshot of this model's" in w for w in prefill.warnings) is warned
     # (groups, heads, ranks): groups split or divide the ranks; heads split
     for groups, heads, size in ((1, 8, 2), (2, 8, 4), (4, 8, 2), (8, 8, 8)):
         assert mamba_split_problem(groups, heads, size) is None
@@ -231,8 +240,8 @@ def test_the_config_check_sizes_the_states_as_each_rank_holds_them(model_factory
 
 def test_two_ranks_give_one_ranks_tokens(model_factory):
     """Each rank its heads' states (and a copy of the one B/C group): chunked, preempted,
-    from a snapshot, and with drafts verified (every rank keeping its heads' states
-    after each token)."""
+    from a snapshot (on the device, then loaded from every rank's CPU tier), and with
+    drafts verified (every rank keeping its heads' states after each token)."""
     from benchmarks.speculative import ReplayProposer
 
     model_dir = model_factory("granite_hybrid")
@@ -243,13 +252,19 @@ def test_two_ranks_give_one_ranks_tokens(model_factory):
     short, few = random_prompts([20], seed=8), SamplingParams(max_tokens=4, temperature=0)
     expected_short = one.generate(short, few, use_tqdm=False)[0].outputs[0].token_ids
     with LLM(model_dir, tensor_parallel_size=2, prefill_chunk_tokens=9, num_blocks=30,
-             block_size=8, max_model_len=96, num_speculative_tokens=3) as two:  # fmt: skip
+             block_size=8, max_model_len=96, num_speculative_tokens=3,
+             cpu_offload_bytes=8 << 20) as two:  # fmt: skip
         got = [o.outputs[0].token_ids for o in two.generate(prompts, params, use_tqdm=False)]
         assert got == expected and two.engine.scheduler.num_preemptions > 0
         first, again = (two.generate(short, few, use_tqdm=False)[0] for _ in range(2))
         assert first.outputs[0].token_ids == again.outputs[0].token_ids == expected_short
         assert again.num_cached_tokens == 16  # from the snapshot after 16 tokens
         scheduler = two.engine.scheduler
+        num_loads = scheduler.num_state_loads
+        two.generate(prompts[2:], params, use_tqdm=False)  # evicts it
+        (loaded,) = two.generate(short, few, use_tqdm=False)
+        assert loaded.outputs[0].token_ids == expected_short
+        assert loaded.num_cached_tokens == 16 and scheduler.num_state_loads == num_loads + 1
         scheduler.proposer = ReplayProposer({"drafted": expected[1]}, 0.3, 2000)
         two.engine.add_request("drafted", prompts[1], params)
         outputs = {}
