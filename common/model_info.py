@@ -51,7 +51,8 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # The modules ``pdserve make-lora`` can target (torch-free here for the CLI's parser).
 # (the last five: a hybrid model's linear-attention layers, Qwen3.5's)
 LORA_MAKER_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-                      "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")  # fmt: skip
+                      "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
+                      "in_proj", "input_linear", "output_linear")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

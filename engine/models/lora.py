@@ -20,11 +20,15 @@ A hybrid model's (Qwen3.5's) linear-attention layers take adapters of
 ``linear_attn.{in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj}``: the four input
 projections are one fused ``in_proj`` here (``gated_delta_net.py``), stacked as q/k/v are;
 its full-attention layers' q_proj rows hold each head's query and output gate.
+Granite 4.0-H's take ``mamba.{in_proj|out_proj}`` (whole: one projection in the
+checkpoint as here, ``mamba2.py``) and its shared MLP's ``shared_mlp.{input_linear|
+output_linear}`` (gate and up rows in one projection, as ``gate_up_proj`` here; the
+shared MLP alone, as in its Micro model: beside experts it is their shared expert).
 What this does not implement is refused at load with the reason: DoRA, adapted embeddings
 or LM head (``modules_to_save`` and ``embed_tokens``/``lm_head`` targets), LoRA biases and
 per-module alphas (``alpha_pattern``), the MLP of mixture-of-experts layers (its
 experts and shared expert; attention projections there are adapted as anywhere), and
-models with latent attention (MLA).
+models with latent attention (MLA) or one block per layer (Nemotron-H).
 
 Under tensor parallelism a rank's adapter is cut like its base weights
 (``engine.parallel.shard_spec``): a column-parallel projection (q/k/v, gate/up) keeps the
@@ -57,29 +61,34 @@ logger = logging.getLogger(__name__)
 # ``model.language_model.`` (transformers 5) or ``language_model.model.`` (4).
 _KEY = re.compile(
     r"^base_model\.model\.(?:model\.|model\.language_model\.|language_model\.model\.)"
-    r"layers\.(\d+)\.(self_attn|mlp|linear_attn)\."
+    r"layers\.(\d+)\.(self_attn|mlp|linear_attn|mamba|shared_mlp)\."
     r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|qkv_proj|gate_up_proj"
-    r"|in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj)\.lora_(A|B)\.weight$"
+    r"|in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|in_proj|out_proj|input_linear|output_linear)"
+    r"\.lora_(A|B)\.weight$"
 )
 # The block each module lives in: attention and MLP ones, or a linear-attention layer's.
 _LINEAR_MODULES = frozenset(("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"))
 _MLP_MODULES = frozenset(("gate_proj", "up_proj", "down_proj", "gate_up_proj"))
+# Granite 4.0-H's: its Mamba-2 layers' and its shared MLP's.
+_MAMBA_MODULES = frozenset(("in_proj", "out_proj"))
+_SHARED_MLP_MODULES = frozenset(("input_linear", "output_linear"))
 # A multimodal base's vision tower and projector (transformers 5's and 4's paths; Qwen's
 # is ``visual``).
 _VISION = re.compile(
     r"^base_model\.model\.(?:model\.)?(?:vision_tower|multi_modal_projector|visual)\."
 )
 # Each fused projection here and the adapted modules whose rows it stacks (in order);
-# Phi-3's checkpoints (and so its adapters) have the fused qkv_proj / gate_up_proj,
-# whose adapters apply whole (``_WHOLE``).
+# modules that are a whole fused projection apply whole (``_WHOLE``: Phi-3's fused
+# qkv_proj / gate_up_proj, Granite 4.0-H's in_proj and its shared MLP's).
 _FUSED_PARTS = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
     "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",),
     "in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
     "out_proj": ("out_proj",),
 }  # fmt: skip
-_WHOLE = frozenset(("qkv_proj", "gate_up_proj"))
-_TARGETS = frozenset(m for parts in _FUSED_PARTS.values() for m in parts) | _WHOLE
+_WHOLE = {"qkv_proj": "qkv_proj", "gate_up_proj": "gate_up_proj", "in_proj": "in_proj",
+          "input_linear": "gate_up_proj", "output_linear": "down_proj"}  # fmt: skip
+_TARGETS = frozenset(m for parts in _FUSED_PARTS.values() for m in parts) | _WHOLE.keys()
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,14 +135,27 @@ def module_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, int]]:
                           linear.in_proj_widths, strict=True))  # fmt: skip
         shapes |= {name: (hidden, width) for name, width in widths.items()}
         shapes["out_proj"] = (linear.value_dim, hidden)
+    mamba = arch.mamba2
+    if mamba is not None:
+        shapes["in_proj"] = (hidden, sum(mamba.in_proj_widths))
+        shapes["out_proj"] = (mamba.intermediate_size, hidden)
+        shapes["input_linear"] = shapes["gate_up_proj"]
+        shapes["output_linear"] = shapes["down_proj"]
     return shapes
 
 
 def block_of(module: str, layer: int, arch: ModelArchConfig) -> str | None:
     """The block of layer ``layer`` that holds ``module``; None if the layer has none (a
     hybrid model's linear-attention layers have no q_proj, its others no in_proj_z)."""
-    if arch.mamba2 is not None and module in _MLP_MODULES | _LINEAR_MODULES:
-        return None  # Granite 4.0-H: adapters of its attention only (``load_lora_adapter``)
+    if arch.mamba2 is not None:  # Granite 4.0-H's names
+        if module in _SHARED_MLP_MODULES:
+            return "shared_mlp"
+        if module in _MAMBA_MODULES:
+            return "mamba" if arch.is_linear(layer) else None
+        if module in _MLP_MODULES | _LINEAR_MODULES:
+            return None
+    elif module in _SHARED_MLP_MODULES or module == "in_proj":
+        return None
     if module in _MLP_MODULES:
         return "mlp"
     if module in _LINEAR_MODULES:
@@ -163,7 +185,7 @@ def _read_config(path: Path) -> dict:
     if unknown:
         raise ModelLoadError(
             f"{path}: target_modules {unknown} are not supported (only the attention, "
-            f"linear-attention and MLP projections: {', '.join(sorted(_TARGETS))})"
+            f"linear-attention, Mamba-2 and MLP projections: {', '.join(sorted(_TARGETS))})"
         )
     return config
 
@@ -207,16 +229,9 @@ def load_lora_adapter(
                 continue
             if match is None:
                 experts = ".experts." in key or ".shared_expert" in key
-                granite = ".mamba." in key or ".shared_mlp." in key
                 raise ModelLoadError(
                     f"{weights}: unsupported tensor {key}"
                     + (" (LoRA on mixture-of-experts MLPs is not supported)" if experts else "")
-                    + (
-                        " (LoRA on Mamba-2 layers and Granite's shared MLP is not supported; "
-                        "adapt the attention projections)"
-                        if granite
-                        else ""
-                    )
                 )
             layer, block, module, which = match.groups()
             layer = int(layer)
@@ -226,10 +241,11 @@ def load_lora_adapter(
                 kind = "linear-attention" if arch.is_linear(layer) else "full-attention"
                 raise ModelLoadError(f"{weights}: {key}: layer {layer} ({kind}) has no "
                                      f"{block}.{module}")  # fmt: skip
-            if module in _MLP_MODULES and arch.is_sparse(layer):
+            if module in _MLP_MODULES | _SHARED_MLP_MODULES and arch.is_sparse(layer):
                 raise ModelLoadError(
                     f"{weights}: {key}: layer {layer} is a mixture-of-experts layer; LoRA on "
-                    "its MLP is not supported (adapt the attention projections there)"
+                    "its MLP (experts and shared expert) is not supported (adapt the "
+                    "attention projections there)"
                 )
             found.setdefault((layer, module), {})[which] = f.get_tensor(key)
     if skipped:
@@ -263,14 +279,15 @@ def load_lora_adapter(
     for layer in range(arch.num_layers):
         for fused, parts in _FUSED_PARTS.items():
             present = [(m, per_module.get((layer, m))) for m in parts]
-            whole = per_module.get((layer, fused)) if fused in _WHOLE else None
-            if whole is not None:  # an adapter of the fused projection (Phi-3's)
-                if any(pair is not None for _, pair in present):
+            wholes = [per_module[layer, m] for m, f in _WHOLE.items()
+                      if f == fused and (layer, m) in per_module]  # fmt: skip
+            if wholes:  # an adapter of the fused projection (Phi-3's, Granite's)
+                if any(pair is not None for _, pair in present) or len(wholes) > 1:
                     raise ModelLoadError(
                         f"{weights}: layer {layer} adapts {fused} and its parts "
                         f"({', '.join(parts)}) both"
                     )
-                a, b = whole
+                a, b = wholes[0]
                 layers[layer][fused] = LoraPair(a=a.to(device, dtype), b=b.to(device, dtype))
                 continue
             if all(pair is None for _, pair in present):
@@ -301,6 +318,7 @@ def load_lora_adapter(
     )
 
 
+# The engine's module holding each fused projection (its weights' names).
 _MODULE_OF = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp",
               "down_proj": "mlp", "in_proj": "linear_attn", "out_proj": "linear_attn"}  # fmt: skip
 
@@ -309,8 +327,10 @@ def _shard_pair(
     pair: LoraPair, layer: int, projection: str, arch: ModelArchConfig, tp: TensorParallel
 ) -> LoraPair:
     """Rank ``tp.rank``'s part of one projection's pair, cut as its base weight is."""
-    spec = shard_spec(f"model.layers.{layer}.{_MODULE_OF[projection]}.{projection}.weight",
-                      arch, tp)  # fmt: skip
+    module = _MODULE_OF[projection]
+    if arch.mamba2 is not None and module == "linear_attn":
+        module = "mamba"
+    spec = shard_spec(f"model.layers.{layer}.{module}.{projection}.weight", arch, tp)
     assert spec is not None and not spec.rank0_only
     if spec.dim == 0:  # column-parallel: this rank's output rows of B
         rows = [pair.b[p.full_start : p.full_start + p.length] for p in spec.pieces]

@@ -4,7 +4,8 @@ MLP targets are skipped on mixture-of-experts layers, which ``lora.py`` does not
 Phi-3 base, q/k/v targets adapt its fused ``qkv_proj`` and gate/up its ``gate_up_proj``, the
 modules PEFT finds there. On a hybrid base (Qwen3.5) each target adapts the layers that
 have it: q/k/v/o the full-attention ones, ``in_proj_*`` / ``out_proj`` the
-linear-attention ones.
+linear-attention ones (Granite 4.0-H's: ``in_proj`` / ``out_proj`` its Mamba-2 layers,
+``input_linear`` / ``output_linear`` its shared MLP).
 
 The files are what ``PeftModel.save_pretrained`` writes (``adapter_config.json`` and
 ``adapter_model.safetensors``), so ``peft`` loads them too, which is how the tests check
@@ -57,7 +58,7 @@ def make_lora_adapter(
     for layer in range(arch.num_layers):
         for target in targets:
             block = block_of(target, layer, arch)
-            if block is None or (block == "mlp" and arch.is_sparse(layer)):
+            if block is None or (block in ("mlp", "shared_mlp") and arch.is_sparse(layer)):
                 continue  # not in this layer, or a mixture-of-experts MLP (lora.py)
             in_features, out_features = shapes[target]
             key = f"{prefix}.{layer}.{block}.{target}"

@@ -36,6 +36,7 @@ from torch import nn
 
 from engine.linear_state import LinearLayerState
 from engine.models.arch import ModelArchConfig
+from engine.models.lora import LoraBatch
 from engine.models.recurrent import Rows, causal_conv, run_recurrence
 from engine.parallel.group import SingleRank, TPGroup
 
@@ -96,12 +97,15 @@ class Mamba2Mixer(nn.Module):
         self,
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
         state: LinearLayerState,
-        lora: object = None,  # adapters on Mamba-2 layers are refused at load
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         mamba = self.mamba
         num_tokens = hidden.shape[0]
+        projected = self.in_proj(hidden)
+        if lora is not None:
+            projected = lora.apply(self.layer_idx, "in_proj", hidden, projected)
         # [N, intermediate], [N, conv_dim], [N, heads]
-        z, mixed, dt = self.in_proj(hidden).split(mamba.in_proj_widths, -1)
+        z, mixed, dt = projected.split(mamba.in_proj_widths, -1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(mamba.dt_min, mamba.dt_max)
         weight = self.conv1d.weight[:, 0].float()  # [conv_dim, kernel]
         bias = None if self.conv1d.bias is None else self.conv1d.bias.float()
@@ -125,8 +129,10 @@ class Mamba2Mixer(nn.Module):
 
         run_recurrence(state.ssm, state.step, out, one_token, chunk)
         out = out + x * self.D.float()[:, None]
-        normed = self.norm(out.reshape(num_tokens, -1), z)
-        return self.out_proj(normed.to(hidden.dtype))
+        normed = self.norm(out.reshape(num_tokens, -1), z).to(hidden.dtype)
+        if lora is None:
+            return self.out_proj(normed)
+        return lora.apply(self.layer_idx, "out_proj", normed, self.out_proj(normed))
 
 
 def ssm_step(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from common.config import EngineConfig
 from common.config_loader import load_config
@@ -275,37 +276,74 @@ def test_two_ranks_give_one_ranks_tokens(model_factory):
         assert two.engine.leak_report() == []
 
 
-def test_attention_adapters_give_peft_log_probs_and_others_are_refused(model_factory, tmp_path):
-    """Granite 4.0-H takes adapters of its attention projections (log-probs equal
-    transformers + peft's, and differ from the base's); one of its Mamba-2 layers or its
-    shared MLP is refused by name."""
+def peft_log_probs(model_dir, adapter, prompt: list[int]) -> tuple[torch.Tensor, float]:
+    """transformers + peft's log-probs at every prompt position but the last, and how far
+    the adapter moved them from the base model's."""
     from peft import PeftModel
-    from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
 
-    model_dir = model_factory("granite_hybrid")
-    targets = ("q_proj", "k_proj", "v_proj", "o_proj")
-    adapter = make_lora_adapter(model_dir, tmp_path / "a", seed=3, targets=targets)
-    prompt = random_prompts([40], seed=4)[0]
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
         unadapted = base(torch.tensor([prompt])).logits[0, :-1].log_softmax(-1)
-        reference = PeftModel.from_pretrained(base, str(adapter))(torch.tensor([prompt]))
-    reference = reference.logits[0, :-1].log_softmax(-1)
-    assert (reference - unadapted).abs().max() > 0.1  # the adapter changes the model
-    llm = LLM(model_dir, dtype="float32", lora_adapters={"a": adapter}, prefill_chunk_tokens=15)
+        adapted = PeftModel.from_pretrained(base, str(adapter))(torch.tensor([prompt]))
+    adapted = adapted.logits[0, :-1].log_softmax(-1)
+    return adapted, (adapted - unadapted).abs().max().item()
+
+
+def assert_adapter_log_probs(llm: LLM, prompt: list[int], reference: torch.Tensor) -> None:
     params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=5)
     (output,) = llm.generate([prompt], params, use_tqdm=False, lora_name=["a"])
     for position, lp in enumerate(output.prompt_logprobs[1:]):
         assert lp.logprob == pytest.approx(reference[position][lp.token_id].item(), abs=1e-4)
     assert llm.engine.leak_report() == []
+
+
+@pytest.mark.parametrize("arch", ["granite_hybrid", "granite_hybrid_dense"])
+def test_adapters_give_peft_log_probs_over_ranks_too(model_factory, tmp_path, arch):
+    """Granite 4.0-H's adapters of its attention, its Mamba-2 layers (``mamba.in_proj``
+    whole: z, x, B, C and time-step rows; ``out_proj``) and, where it stands alone
+    (``granite_hybrid_dense``, H-Micro's layout), its shared MLP (``input_linear``, gate
+    and up rows; ``output_linear``): every prompt position's log-probs equal
+    transformers + peft's (which differ from the base's), chunked, and over two ranks
+    (each cutting B's rows of ``in_proj`` as its weight's: its heads' z, x and time
+    steps, its B/C groups or a copy of the one group)."""
+    model_dir = model_factory(arch)
+    adapter = make_lora_adapter(model_dir, tmp_path / "a", seed=3)
+    adapted = {key.split(".")[-3] for key in load_file(adapter / "adapter_model.safetensors")}
+    expected = {"q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj"}
+    if arch == "granite_hybrid_dense":
+        expected |= {"input_linear", "output_linear"}
+    assert adapted == expected
+    prompt = random_prompts([40], seed=4)[0]
+    reference, moved = peft_log_probs(model_dir, adapter, prompt)
+    assert moved > 0.1  # the adapter changes the model
+    llm = LLM(model_dir, dtype="float32", lora_adapters={"a": adapter}, prefill_chunk_tokens=15)
+    assert_adapter_log_probs(llm, prompt, reference)
+    with LLM(model_dir, dtype="float32", lora_adapters={"a": adapter},
+             tensor_parallel_size=2) as two:  # fmt: skip
+        assert_adapter_log_probs(two, prompt, reference)
+
+
+def test_adapters_where_there_is_no_such_module_are_refused(model_factory, tmp_path):
+    """Beside experts Granite's shared MLP is their shared expert (refused, as experts'
+    MLPs are anywhere); Nemotron-H's one-block layers take no adapters."""
+    model_dir = model_factory("granite_hybrid")
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj")
+    adapter = make_lora_adapter(model_dir, tmp_path / "a", seed=3, targets=targets)
     arch = read_arch_config(model_dir)
     weights = adapter / "adapter_model.safetensors"
-    for module in ("mamba.in_proj", "shared_mlp.input_linear"):
-        tensors = load_file(weights)
-        key = f"base_model.model.model.layers.0.{module}"
-        tensors[f"{key}.lora_A.weight"] = torch.zeros(8, arch.hidden_size)
-        tensors[f"{key}.lora_B.weight"] = torch.zeros(16, 8)
-        save_file(tensors, weights)
-        with pytest.raises(ModelLoadError, match="Mamba-2 layers and Granite's shared MLP"):
-            load_lora_adapter("bad", adapter, arch, torch.device("cpu"), torch.float32)
+    tensors = load_file(weights)
+    key = "base_model.model.model.layers.0.shared_mlp.input_linear"
+    tensors[f"{key}.lora_A.weight"] = torch.zeros(8, arch.hidden_size)
+    tensors[f"{key}.lora_B.weight"] = torch.zeros(2 * arch.intermediate_size, 8)
+    save_file(tensors, weights)
+    with pytest.raises(ModelLoadError, match="mixture-of-experts layer; LoRA on its MLP"):
+        load_lora_adapter("bad", adapter, arch, torch.device("cpu"), torch.float32)
+    attention_layer = next(i for i in range(arch.num_layers) if not arch.is_linear(i))
+    tensors = {k: v for k, v in tensors.items() if ".shared_mlp." not in k}
+    key = f"base_model.model.model.layers.{attention_layer}.mamba.in_proj"
+    tensors[f"{key}.lora_A.weight"] = torch.zeros(8, arch.hidden_size)
+    tensors[f"{key}.lora_B.weight"] = torch.zeros(16, 8)
+    save_file(tensors, weights)
+    with pytest.raises(ModelLoadError, match="has no mamba.in_proj"):
+        load_lora_adapter("bad", adapter, arch, torch.device("cpu"), torch.float32)
