@@ -221,6 +221,10 @@ class MoeConfig:
     expert_activation: str = "swiglu"
     swiglu_limit: float | None = None  # None: plain SwiGLU
     swiglu_alpha: float = 1.0
+    # Nemotron 3 Super's latent experts: they run ``latent_size`` wide, between
+    # ``fc1_latent_proj`` (hidden -> latent, after the router read the hidden states) and
+    # ``fc2_latent_proj`` (latent -> hidden, after their weighted sum); None: hidden wide.
+    latent_size: int | None = None
     # DeepSeek's router (None: the softmax-top-k one above). Scores are the softmax of the
     # logits (V2) or their sigmoids (V3, where a learned per-expert bias is added for the
     # choice only, not to the weights); the k experts are chosen within the best
@@ -618,14 +622,13 @@ def _granite_moe(cfg: dict[str, Any], num_layers: int, path: Path) -> MoeConfig 
 def _nemotron_h_moe(cfg: dict[str, Any], num_layers: int, path: Path) -> MoeConfig | None:
     """Nemotron 3's mixture-of-experts layers ("moe" in ``layer_types``), None without any:
     DeepSeek-V3's router (sigmoid scores, a choice-only bias, groups, scaled weights) over
-    ungated squared-ReLU experts, and one ungated shared expert of its own width. Latent
-    projections around the experts (``moe_latent_size``) are refused."""
+    ungated squared-ReLU experts, and one ungated shared expert of its own width; with
+    ``moe_latent_size`` (Nemotron 3 Super) the experts run that wide, between latent
+    projections."""
     sparse = tuple(t == "moe" for t in cfg["layer_types"][:num_layers])
     if not any(sparse):
         return None
-    if cfg.get("moe_latent_size") is not None:
-        raise ModelLoadError(f"{path}: moe_latent_size (latent projections around the "
-                             "experts) is not supported")  # fmt: skip
+    latent = cfg.get("moe_latent_size")
     num_experts, top_k = int(cfg["n_routed_experts"]), int(cfg["num_experts_per_tok"])
     num_groups, topk_groups = int(cfg.get("n_group", 1)), int(cfg.get("topk_group", 1))
     if num_experts % num_groups or not 0 < topk_groups <= num_groups:
@@ -648,6 +651,7 @@ def _nemotron_h_moe(cfg: dict[str, Any], num_layers: int, path: Path) -> MoeConf
         routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
         shared_expert_gated=False,
         expert_activation="relu2",
+        latent_size=None if latent is None else int(latent),
     )
 
 

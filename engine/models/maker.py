@@ -27,7 +27,8 @@ transformer with DeepStack: ``qwen3_vl_maker.py``), ``qwen3_vl_moe`` the same ar
 4.0-H's (Mamba-2 layers between rotary-free attention, experts beside a shared MLP) and
 ``granite_hybrid_dense`` its Micro's (the shared MLP alone; see ``_granite_hybrid_config``),
 ``nemotron_h`` Nemotron-H's (one block per layer: Mamba-2, attention or a squared-ReLU MLP;
-see ``_nemotron_h_config``), ``nemotron_h_moe`` Nemotron 3's (its MLPs ungated experts).
+see ``_nemotron_h_config``), ``nemotron_h_moe`` Nemotron 3's (its MLPs ungated experts),
+``nemotron_h_latent`` Nemotron 3 Super's (the experts in a latent space half as wide).
 ``deepseek_v3`` and ``glm4_moe`` store a random multi-token-prediction layer after their
 layers, as the releases do (``_add_mtp_layer``; transformers leaves it unloaded,
 ``engine.speculative_method: mtp`` drafts with it).
@@ -96,7 +97,7 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_mo
          "phi3", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2",
          "llava", "gemma3_mm", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
          "qwen3_5_mm", "granite", "granite_hybrid", "granite_hybrid_dense",
-         "nemotron_h", "nemotron_h_moe")  # fmt: skip
+         "nemotron_h", "nemotron_h_moe", "nemotron_h_latent")  # fmt: skip
 SIZES = ("tiny", "small")
 # ChatML for the others.
 _CHAT_TEMPLATES = {"qwen3": THINKING_CHAT_TEMPLATE, "qwen3_moe": THINKING_CHAT_TEMPLATE,
@@ -236,7 +237,8 @@ def _hf_config(arch: str, spec: SizeSpec, tokenizer_ids: dict[str, int]):
     if arch.startswith("granite_hybrid"):
         return _granite_hybrid_config(arch, common, spec)
     if arch.startswith("nemotron_h"):
-        return _nemotron_h_config(common, spec, moe=arch == "nemotron_h_moe")
+        return _nemotron_h_config(common, spec, moe=arch != "nemotron_h",
+                                  latent=arch == "nemotron_h_latent")  # fmt: skip
     if arch == "phi3":  # Phi-4-mini's shape: tied, 3/4 of each head rotates (default rope)
         return transformers.Phi3Config(
             **common, tie_word_embeddings=True, partial_rotary_factor=0.75, rope_theta=1e4
@@ -285,11 +287,13 @@ def _nemotron_h_layers(spec: SizeSpec, mlp: str) -> list[str]:
     return [kind for mixer in mixers for kind in (mixer, mlp)]
 
 
-def _nemotron_h_config(common: dict, spec: SizeSpec, moe: bool):
+def _nemotron_h_config(common: dict, spec: SizeSpec, moe: bool, latent: bool = False):
     """Nemotron-H's layout (``NemotronHForCausalLM``): one block per layer, Mamba-2 with
     B/C in 2 groups (the releases: 8), rotary-free attention, squared-ReLU MLPs; with
     ``moe`` Nemotron 3's experts instead of the MLPs (8 of half the MLP's width, 2 per
-    token chosen within the best of 2 groups, scaled by 2.5, a shared expert)."""
+    token chosen within the best of 2 groups, scaled by 2.5, a shared expert); with
+    ``latent`` Nemotron 3 Super's, the experts running half the hidden width between
+    latent projections."""
     import transformers
 
     kept = {k: v for k, v in common.items() if k not in ("num_hidden_layers", "rms_norm_eps")}
@@ -297,7 +301,8 @@ def _nemotron_h_config(common: dict, spec: SizeSpec, moe: bool):
     experts = dict(n_routed_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
                    moe_intermediate_size=spec.expert_intermediate_size,
                    moe_shared_expert_intermediate_size=spec.expert_intermediate_size,
-                   n_group=2, topk_group=1, routed_scaling_factor=2.5)  # fmt: skip
+                   n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                   moe_latent_size=spec.hidden_size // 2 if latent else None)  # fmt: skip
     return transformers.NemotronHConfig(
         **kept, layers_block_type=_nemotron_h_layers(spec, "moe" if moe else "mlp"),
         layer_norm_epsilon=1e-5, mamba_num_heads=heads,

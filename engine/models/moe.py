@@ -8,7 +8,9 @@ Qwen2-MoE adds a shared expert that every token runs, scaled by
 the top k logits, and clamps its experts' SwiGLU (``arch.MoeConfig``). DeepSeek's router
 (``DeepseekGate``) scores by softmax (V2) or sigmoid plus a choice-only bias (V3), limits
 the choice to the best groups of experts and scales the weights; its shared experts,
-one MLP, are ungated.
+one MLP, are ungated. Nemotron 3 Super's experts run in a narrower latent space
+(``MoeConfig.latent_size``): the router and the shared expert read the hidden states,
+the routed experts a projection of them, and their weighted sum is projected back.
 
 The experts' weights are stacked, one tensor per projection for all experts
 (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]: transformers 5's
@@ -148,10 +150,20 @@ class SparseMoe(nn.Module):
             self.gate = DeepseekGate(moe, arch.hidden_size)
         else:
             self.gate = nn.Linear(arch.hidden_size, moe.num_experts, bias=moe.router_bias)
+        # Latent experts (Nemotron 3 Super): hidden -> latent before them, back after. Every
+        # rank holds both projections; the experts' partial sums (their intermediate
+        # split, or this rank's experts) stay partial through the second, as it has no
+        # bias, for the layer's all-reduce to add up.
+        self.fc1_latent_proj = self.fc2_latent_proj = None
+        expert_width = arch.hidden_size
+        if moe.latent_size is not None:
+            expert_width = moe.latent_size
+            self.fc1_latent_proj = nn.Linear(arch.hidden_size, moe.latent_size, bias=False)
+            self.fc2_latent_proj = nn.Linear(moe.latent_size, arch.hidden_size, bias=False)
         # Expert parallelism: this rank's slots of whole experts (every expert without it).
         self.num_local_experts = moe.local_experts
         self.experts = Experts(
-            moe.local_experts, arch.hidden_size, moe.expert_intermediate_size, moe.expert_bias,
+            moe.local_experts, expert_width, moe.expert_intermediate_size, moe.expert_bias,
             gated=moe.expert_activation == "swiglu",
         )  # fmt: skip
         # The placement this layer runs (``engine/parallel/expert_placement.py``), and as
@@ -215,12 +227,15 @@ class SparseMoe(nn.Module):
             expert_ids = slots_of_pairs(expert_ids, self.replica_slots, self.replica_counts)
         experts = self.experts
         gate_up, down = experts.gate_up_proj, experts.down_proj
+        expert_in = hidden if self.fc1_latent_proj is None else self.fc1_latent_proj(hidden)
         out = self._run_experts(
-            hidden, gate_up, down, expert_ids, weights,
+            expert_in, gate_up, down, expert_ids, weights,
             gate_up_bias=experts.gate_up_proj_bias, down_bias=experts.down_proj_bias,
             swiglu_limit=self.moe.swiglu_limit, swiglu_alpha=self.moe.swiglu_alpha,
             other_experts=other_experts,
         )  # fmt: skip
+        if self.fc2_latent_proj is not None:
+            out = self.fc2_latent_proj(out)  # [T, latent] -> [T, H]
         if self.shared_expert is not None:
             shared = self.shared_expert(hidden)
             if self.shared_expert_gate is not None:

@@ -148,7 +148,7 @@ def test_released_configs_read_as_transformers_reads_them(tmp_path):
 def test_nemotron_h_configs_read_as_released(model_factory, tmp_path):
     """Nemotron-H's released config: the layers as ``hybrid_override_pattern``, the Mamba-2
     layers' own key names, defaults for the rest; MLP layers keep no cache (the config
-    check's KV block is the attention layers' alone); its MoE layers are refused."""
+    check's KV block is the attention layers' alone); its expert layers (latent too)."""
     import transformers
 
     released = {"architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h",
@@ -171,9 +171,10 @@ def test_nemotron_h_configs_read_as_released(model_factory, tmp_path):
     assert (moe.num_experts, moe.top_k, moe.expert_intermediate_size) == (8, 2, 7688)
     assert moe.expert_activation == "relu2" and moe.deepseek_scoring == "sigmoid"
     assert moe.shared_expert_intermediate_size == 7688 and not moe.shared_expert_gated
-    with pytest.raises(ModelLoadError, match="moe_latent_size"):
-        arch_from_config({**released, "hybrid_override_pattern": "MEM*EM",
-                          "moe_latent_size": 64}, tmp_path)  # fmt: skip
+    assert moe.latent_size is None
+    latent = arch_from_config({**released, "hybrid_override_pattern": "MEM*EM",
+                               "moe_latent_size": 64}, tmp_path).moe  # fmt: skip
+    assert latent.latent_size == 64  # Nemotron 3 Super's
     model_dir = model_factory("nemotron_h")
     shape, engine = ModelShape.read(model_dir), LLMEngine(model_dir, EngineConfig())
     assert shape.bytes_per_block(16, 4) == engine.runner.bytes_per_block
@@ -183,13 +184,16 @@ def test_nemotron_h_configs_read_as_released(model_factory, tmp_path):
             model_factory("llama"), tmp_path / "a", targets=("q_proj",))})  # fmt: skip
 
 
-def test_nemotron_3_experts_equal_transformers(model_factory):
+@pytest.mark.parametrize("arch", ["nemotron_h_moe", "nemotron_h_latent"])
+def test_nemotron_3_experts_equal_transformers(model_factory, arch):
     """Nemotron 3's expert layers: ungated squared-ReLU experts behind DeepSeek-V3's router
     (sigmoid scores, a choice-only bias, groups, scaled weights) beside an ungated shared
-    expert. Every prompt position's log-probs equal transformers', whole, chunked, over 2
-    ranks (each a slice of every expert's width) and with expert parallelism (whole
-    experts per rank)."""
-    model_dir = model_factory("nemotron_h_moe")
+    expert; Nemotron 3 Super's run in a latent space half the hidden width (projected
+    into it after the router, back after their weighted sum). Every prompt position's
+    log-probs equal transformers', whole, chunked, over 2 ranks (each a slice of every
+    expert's width, its partial sums projected back before the all-reduce) and with
+    expert parallelism (whole experts per rank)."""
+    model_dir = model_factory(arch)
     prompt = random_prompts([90], seed=5)[0]
     assert_prompt_logprobs_match(model_dir, prompt, prefill_chunk_tokens=13)
     assert_prompt_logprobs_match(model_dir, prompt[:50], tensor_parallel_size=2)
