@@ -152,14 +152,20 @@ class MLP(nn.Module):
 class UngatedMLP(nn.Module):
     """Nemotron-H's MLP: ``down(relu(up(x)) ** 2)``, no gate."""
 
-    def __init__(self, arch: ModelArchConfig, intermediate_size: int) -> None:
+    def __init__(self, arch: ModelArchConfig, layer_idx: int, intermediate_size: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.up_proj = nn.Linear(arch.hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, arch.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, lora: object = None) -> torch.Tensor:
-        """``lora`` is accepted for the gated MLP's signature: adapters are refused here."""
-        return self.down_proj(F.relu(self.up_proj(x)).square())
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
+        up = self.up_proj(x)
+        if lora is not None:
+            up = lora.apply(self.layer_idx, "up_proj", x, up)
+        hidden = F.relu(up).square()
+        if lora is None:
+            return self.down_proj(hidden)
+        return lora.apply(self.layer_idx, "down_proj", hidden, self.down_proj(hidden))
 
 
 def feed_forward(
@@ -171,7 +177,7 @@ def feed_forward(
 
     def dense(width: int) -> MLP | UngatedMLP:
         if arch.hidden_act == "relu2":
-            return UngatedMLP(arch, width)
+            return UngatedMLP(arch, layer_idx, width)
         return MLP(arch, layer_idx, width)
 
     if not arch.is_sparse(layer_idx):
@@ -219,11 +225,11 @@ class SingleBlockLayer(nn.Module):
         normed = self.input_layernorm(hidden)
         if self.kind == "mamba":
             assert isinstance(kv_cache, LinearLayerState)
-            out = self.mamba(normed, kv_cache)
+            out = self.mamba(normed, kv_cache, lora)
         elif self.kind == "attention":
             out = self.self_attn(positions, normed, kv_cache, attn_metadata, lora)
         else:
-            out = self.mlp(normed)
+            out = self.mlp(normed, lora)
         return hidden + self.group.all_reduce(out)
 
 

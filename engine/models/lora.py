@@ -24,11 +24,15 @@ Granite 4.0-H's take ``mamba.{in_proj|out_proj}`` (whole: one projection in the
 checkpoint as here, ``mamba2.py``) and its shared MLP's ``shared_mlp.{input_linear|
 output_linear}`` (gate and up rows in one projection, as ``gate_up_proj`` here; the
 shared MLP alone, as in its Micro model: beside experts it is their shared expert).
+Nemotron-H's layers are each one block, which PEFT names ``backbone.layers.{i}.mixer``:
+its Mamba-2 layers' ``in_proj`` / ``out_proj``, its attention's ``q|k|v|o_proj``, its
+ungated MLPs' ``up_proj`` (a projection of its own here, not half of a ``gate_up_proj``)
+and ``down_proj``.
 What this does not implement is refused at load with the reason: DoRA, adapted embeddings
 or LM head (``modules_to_save`` and ``embed_tokens``/``lm_head`` targets), LoRA biases and
 per-module alphas (``alpha_pattern``), the MLP of mixture-of-experts layers (its
 experts and shared expert; attention projections there are adapted as anywhere), and
-models with latent attention (MLA) or one block per layer (Nemotron-H).
+models with latent attention (MLA).
 
 Under tensor parallelism a rank's adapter is cut like its base weights
 (``engine.parallel.shard_spec``): a column-parallel projection (q/k/v, gate/up) keeps the
@@ -60,8 +64,8 @@ logger = logging.getLogger(__name__)
 # A multimodal base (Gemma 3 4B+) puts its language model's layers under
 # ``model.language_model.`` (transformers 5) or ``language_model.model.`` (4).
 _KEY = re.compile(
-    r"^base_model\.model\.(?:model\.|model\.language_model\.|language_model\.model\.)"
-    r"layers\.(\d+)\.(self_attn|mlp|linear_attn|mamba|shared_mlp)\."
+    r"^base_model\.model\.(?:model\.|model\.language_model\.|language_model\.model\.|backbone\.)"
+    r"layers\.(\d+)\.(self_attn|mlp|linear_attn|mamba|shared_mlp|mixer)\."
     r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|qkv_proj|gate_up_proj"
     r"|in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|in_proj|out_proj|input_linear|output_linear)"
     r"\.lora_(A|B)\.weight$"
@@ -88,6 +92,16 @@ _FUSED_PARTS = {
 }  # fmt: skip
 _WHOLE = {"qkv_proj": "qkv_proj", "gate_up_proj": "gate_up_proj", "in_proj": "in_proj",
           "input_linear": "gate_up_proj", "output_linear": "down_proj"}  # fmt: skip
+# Nemotron-H's: its MLPs are ungated (up_proj is a projection of its own), and the
+# modules each kind of its one-block layers has.
+_UNGATED_PARTS = {k: v for k, v in _FUSED_PARTS.items() if k != "gate_up_proj"} | {
+    "up_proj": ("up_proj",)
+}
+_NEMOTRON_MODULES = {
+    "mamba": frozenset(("in_proj", "out_proj")),
+    "attention": frozenset(("q_proj", "k_proj", "v_proj", "o_proj")),
+    "mlp": frozenset(("up_proj", "down_proj")),
+}
 _TARGETS = frozenset(m for parts in _FUSED_PARTS.values() for m in parts) | _WHOLE.keys()
 
 
@@ -147,6 +161,9 @@ def module_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, int]]:
 def block_of(module: str, layer: int, arch: ModelArchConfig) -> str | None:
     """The block of layer ``layer`` that holds ``module``; None if the layer has none (a
     hybrid model's linear-attention layers have no q_proj, its others no in_proj_z)."""
+    if arch.block_kinds:  # Nemotron-H: each layer one block, its ``mixer``
+        kind = arch.block_kinds[layer] if layer < len(arch.block_kinds) else ""
+        return "mixer" if module in _NEMOTRON_MODULES.get(kind, ()) else None
     if arch.mamba2 is not None:  # Granite 4.0-H's names
         if module in _SHARED_MLP_MODULES:
             return "shared_mlp"
@@ -201,9 +218,8 @@ def load_lora_adapter(
     """Read a PEFT adapter for a model of ``arch`` (the full model's), cut for rank
     ``tp.rank`` of a tensor-parallel group; every mismatch is a ``ModelLoadError``."""
     path = Path(path)
-    if arch.mla is not None or arch.block_kinds:
-        kind = "latent attention" if arch.mla is not None else "one-block layers"
-        raise ModelLoadError(f"{path}: LoRA adapters on models with {kind} "
+    if arch.mla is not None:
+        raise ModelLoadError(f"{path}: LoRA adapters on models with latent attention "
                              f"({arch.architecture}) are not supported")  # fmt: skip
     config = _read_config(path)
     weights = path / ADAPTER_WEIGHTS
@@ -239,6 +255,8 @@ def load_lora_adapter(
                 raise ModelLoadError(f"{weights}: {key} names layer {layer} of {arch.num_layers}")
             if block != block_of(module, layer, arch):
                 kind = "linear-attention" if arch.is_linear(layer) else "full-attention"
+                if arch.block_kinds:
+                    kind = arch.block_kinds[layer]
                 raise ModelLoadError(f"{weights}: {key}: layer {layer} ({kind}) has no "
                                      f"{block}.{module}")  # fmt: skip
             if module in _MLP_MODULES | _SHARED_MLP_MODULES and arch.is_sparse(layer):
@@ -276,8 +294,9 @@ def load_lora_adapter(
         scale = alpha / (math.sqrt(rank) if rslora else rank)
         per_module[(layer, module)] = (a.float(), b.float() * scale)
     layers: list[dict[str, LoraPair]] = [{} for _ in range(arch.num_layers)]
+    fused_parts = _UNGATED_PARTS if arch.block_kinds else _FUSED_PARTS
     for layer in range(arch.num_layers):
-        for fused, parts in _FUSED_PARTS.items():
+        for fused, parts in fused_parts.items():
             present = [(m, per_module.get((layer, m))) for m in parts]
             wholes = [per_module[layer, m] for m, f in _WHOLE.items()
                       if f == fused and (layer, m) in per_module]  # fmt: skip
@@ -320,7 +339,8 @@ def load_lora_adapter(
 
 # The engine's module holding each fused projection (its weights' names).
 _MODULE_OF = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp",
-              "down_proj": "mlp", "in_proj": "linear_attn", "out_proj": "linear_attn"}  # fmt: skip
+              "up_proj": "mlp", "down_proj": "mlp", "in_proj": "linear_attn",
+              "out_proj": "linear_attn"}  # fmt: skip
 
 
 def _shard_pair(

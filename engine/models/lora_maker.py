@@ -5,7 +5,8 @@ Phi-3 base, q/k/v targets adapt its fused ``qkv_proj`` and gate/up its ``gate_up
 modules PEFT finds there. On a hybrid base (Qwen3.5) each target adapts the layers that
 have it: q/k/v/o the full-attention ones, ``in_proj_*`` / ``out_proj`` the
 linear-attention ones (Granite 4.0-H's: ``in_proj`` / ``out_proj`` its Mamba-2 layers,
-``input_linear`` / ``output_linear`` its shared MLP).
+``input_linear`` / ``output_linear`` its shared MLP; Nemotron-H's: each layer's
+``mixer`` that has the target).
 
 The files are what ``PeftModel.save_pretrained`` writes (``adapter_config.json`` and
 ``adapter_model.safetensors``), so ``peft`` loads them too, which is how the tests check
@@ -55,6 +56,8 @@ def make_lora_adapter(
     # PEFT's names: a multimodal base (Gemma 3 4B+) holds its text layers one level deeper.
     multimodal = arch.architecture == "Gemma3ForConditionalGeneration"
     prefix = "base_model.model.model." + ("language_model.layers" if multimodal else "layers")
+    if arch.block_kinds:  # Nemotron-H's layers: ``backbone.layers.{i}.mixer``
+        prefix = "base_model.model.backbone.layers"
     for layer in range(arch.num_layers):
         for target in targets:
             block = block_of(target, layer, arch)
