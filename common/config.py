@@ -238,6 +238,13 @@ class EngineConfig:
     kv_cache_dtype: KVCacheDType = KVCacheDType.AUTO
     # What a hybrid model's linear-attention states are kept in (``StateDType``).
     linear_state_dtype: StateDType = StateDType.FLOAT32
+    # A hybrid model verifying drafts keeps its states after each of a request's
+    # num_speculative_tokens verified tokens in slots of their own until its next step:
+    # at most this many requests verify drafts at once (the rest decode one token that
+    # step), so the pool holds this many groups of draft slots. None: max_num_seqs (every
+    # request may). Each group costs num_speculative_tokens slots of states (Granite-4.0-H-
+    # Small's: 148 MiB each in float32). Other models keep no draft states: unused there.
+    max_num_verifying_seqs: int | None = None
     # Who goes first when not everyone fits (``SchedulingPolicy``): arrival order, or the
     # requests' ``priority`` (then high-priority traffic also preempts low-priority).
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
@@ -275,6 +282,14 @@ class EngineConfig:
             raise ConfigError("engine.cpu_offload_bytes", "must be >= 0")
         if self.encoder_cache_bytes < 0:
             raise ConfigError("engine.encoder_cache_bytes", "must be >= 0")
+        if self.max_num_verifying_seqs is not None and not (
+            1 <= self.max_num_verifying_seqs <= self.max_num_seqs
+        ):
+            raise ConfigError(
+                "engine.max_num_verifying_seqs",
+                f"must be in [1, max_num_seqs={self.max_num_seqs}] or null, got "
+                f"{self.max_num_verifying_seqs}",
+            )
         for key in ("num_blocks", "max_model_len", "prefill_chunk_tokens", "step_timeout_s"):
             value = getattr(self, key)
             if value is not None and value <= 0:
@@ -294,6 +309,14 @@ class EngineConfig:
                 "engine.gpu_memory_utilization",
                 f"must be in (0, 1], got {self.gpu_memory_utilization}",
             )
+
+    @property
+    def num_draft_state_groups(self) -> int:
+        """Groups of draft state slots a hybrid model's pool holds (``max_num_verifying_seqs``):
+        none without speculation."""
+        if not self.num_speculative_tokens:
+            return 0
+        return self.max_num_verifying_seqs or self.max_num_seqs
 
     def replace(self, **changes: Any) -> EngineConfig:
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}

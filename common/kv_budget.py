@@ -119,7 +119,8 @@ class ModelShape:
         self, bytes_per_block: int, num_slots: int, tp_size: int = 1, itemsize: int = 4
     ) -> int:
         """KV blocks a hybrid model's engine sets aside for its linear-attention states:
-        ``num_slots`` slots (``max_num_seqs``, times 1 + ``num_speculative_tokens``), each
+        ``num_slots`` slots (``max_num_seqs``, and ``num_speculative_tokens`` per group of
+        draft slots: ``EngineConfig.num_draft_state_groups``), each
         of whole blocks of one rank's (which holds its heads' share of the states:
         ``engine.model_shard``)."""
         return num_slots * -(-self.rank_state_bytes(tp_size, itemsize) // bytes_per_block)
@@ -185,7 +186,7 @@ class KVBudget:
     # The pool size, when known before start (explicit, or from kv_cache_bytes on CPU).
     num_blocks: int | None
     warnings: tuple[str, ...] = ()
-    # A hybrid model's state slots (``max_num_seqs * (1 + num_speculative_tokens)``) and
+    # A hybrid model's state slots (``max_num_seqs`` + draft groups x drafts) and
     # one slot's bytes on each rank, in ``engine.linear_state_dtype``; 0 for other models.
     state_slots: int = 0
     state_bytes_per_slot: int = 0
@@ -264,7 +265,7 @@ def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
     if engine.num_blocks is not None and engine.num_blocks < min_blocks:
         message = f"{engine.num_blocks} KV blocks {too_small}"
         raise ConfigError(_key(config, role, "num_blocks"), message)
-    num_slots = engine.max_num_seqs * (1 + engine.num_speculative_tokens)
+    num_slots = engine.max_num_seqs + engine.num_draft_state_groups * engine.num_speculative_tokens
     itemsize = engine.linear_state_dtype.itemsize
     state_blocks = shape.state_blocks(cpu_bpb, num_slots, tp_size, itemsize)
     problems = _cpu_problems(config, role, engine, cpu_bpb, min_blocks, too_small, state_blocks)

@@ -25,7 +25,9 @@ of the states after that prefix, which the prefix cache keeps in blocks of its o
 (``kv_cache_manager.py``): ``StatePool.snapshot`` copies a slot into them after the step
 that reached the prefix's end, ``StatePool.restore`` copies them into a new request's slot
 before its first step. A decode verifying drafts keeps its states after each token in
-slots of its own (``LinearStep.verify``) until its next step shows which to keep.
+slots of its own (``LinearStep.verify``) until its next step shows which to keep: a
+group of ``num_speculative_tokens`` draft slots, held from that step on (``DraftGroups``;
+there may be fewer groups than request slots: ``engine.max_num_verifying_seqs``).
 """
 
 from __future__ import annotations
@@ -253,3 +255,40 @@ class StateSlots:
     @property
     def num_used(self) -> int:
         return len(self._slots)
+
+
+class DraftGroups:
+    """Which request holds which group of draft slots (``ModelShard.draft_slots``): from
+    the step in which it verifies drafts until its next step has taken the states after
+    the last token the sampler kept (``ModelRunner._accepted``) without verifying again,
+    or its slot goes. The scheduler gives a decode drafts only if it holds a group or
+    one is free (``can_verify``), so fewer groups than request slots cap how many
+    requests verify at once. Engine thread only."""
+
+    def __init__(self, num_groups: int) -> None:
+        self.num_groups = num_groups
+        self._groups: dict[str, int] = {}
+        self._free = list(range(num_groups - 1, -1, -1))
+
+    def can_verify(self, request_id: str) -> bool:
+        return request_id in self._groups or bool(self._free)
+
+    def hold(self, request_id: str) -> int:
+        """The request's group: the one it holds, else a free one."""
+        group = self._groups.get(request_id)
+        if group is None:
+            group = self._groups[request_id] = self._free.pop()
+        return group
+
+    def group(self, request_id: str) -> int | None:
+        return self._groups.get(request_id)
+
+    def release(self, request_id: str) -> None:
+        """A no-op if the request holds none."""
+        group = self._groups.pop(request_id, None)
+        if group is not None:
+            self._free.append(group)
+
+    @property
+    def num_held(self) -> int:
+        return len(self._groups)

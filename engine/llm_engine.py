@@ -207,6 +207,7 @@ class LLMEngine:
             on_blocks_freed=self.runner.release_state if hybrid else None,
             num_state_blocks=self.runner.shard.blocks_per_slot if hybrid else 0,
             rolling_snapshots=self.kv_puller is None,  # (a decode worker's turns go on elsewhere)
+            draft_groups=self.runner.draft_groups,
         )  # fmt: skip
         # An id the model cannot produce can never end a request; left in, banning it
         # before min_tokens would index past the logits.

@@ -32,7 +32,7 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.draft_model import DraftModel, draft_segment
 from engine.images import ChunkImages, EncoderCache, image_embeds, image_key_ends
 from engine.kv_cache_manager import cdiv
-from engine.linear_state import StateSlots
+from engine.linear_state import DraftGroups, StateSlots
 from engine.model_shard import HostBatch, ModelShard
 from engine.models.arch import ModelArchConfig, ModelLoadError
 from engine.models.image_processor import ImageProcessing, read_image_processing
@@ -203,11 +203,16 @@ class ModelRunner:
         self.expert_balance = ExpertBalance()
         # A hybrid model's linear-attention state slots, one per request a step may hold.
         self.state_slots: StateSlots | None = None
+        # ... the groups of draft slots that requests verifying drafts hold (the
+        # scheduler takes them: ``DraftGroups``), and each request's last decode that
+        # verified drafts: (its first position, tokens, its group), until its next step
+        # shows how many the sampler kept (``_accepted``).
+        self.draft_groups: DraftGroups | None = None
         if arch.linear_attention is not None:
             self.state_slots = StateSlots(self.shard.num_request_slots)
-        # ... and each request's last decode that verified drafts: (its first position,
-        # tokens), until its next step shows how many the sampler kept (``_accepted``).
-        self._verified: dict[str, tuple[int, int]] = {}
+            if self.shard.num_draft_groups:
+                self.draft_groups = DraftGroups(self.shard.num_draft_groups)
+        self._verified: dict[str, tuple[int, int, int]] = {}
         # Rows for every request a step may hold, and some for preempted ones waiting.
         self.block_table = BlockTable(
             config.max_num_seqs + BLOCK_TABLE_SPARE_ROWS,
@@ -255,6 +260,8 @@ class ModelRunner:
         if self.state_slots is not None:
             self.state_slots.release(request_id)
             self._verified.pop(request_id, None)
+        if self.draft_groups is not None:
+            self.draft_groups.release(request_id)
 
     def reserve_state(self, request_id: str) -> list[int]:
         """A state slot for a request whose states are about to be pulled: the KV blocks
@@ -280,6 +287,8 @@ class ModelRunner:
             problems.append(f"{self.state_slots.num_used} linear-attention state slots held")
         if self._verified:
             problems.append(f"{len(self._verified)} requests' verified drafts still remembered")
+        if self.draft_groups is not None and self.draft_groups.num_held:
+            problems.append(f"{self.draft_groups.num_held} groups of draft state slots held")
         if self.shards is None:
             return problems
         live = len(self._adapter_ids)
@@ -334,20 +343,29 @@ class ModelRunner:
             batch.state_slots.append(slot)
             if fresh:
                 batch.fresh_slots.append(slot)
-            accepted = self._accepted(chunk, slot)
+            accepted = self._accepted(chunk)
             if accepted is not None:
                 batch.state_accepts.append([accepted, slot])
             num_drafts = len(chunk.sampling.draft_token_ids) if chunk.sampling else 0
             source = slot  # of a snapshot after the step: the states after its tokens
             if num_drafts:  # keep its states after each token: the sampler may keep any
-                draft_slots = self.shard.draft_slots(slot)[: len(chunk.token_ids) - 1]
+                assert self.draft_groups is not None
+                group = self.draft_groups.group(chunk.request_id)
+                assert group is not None, f"{chunk.request_id} verifies drafts in no group"
+                draft_slots = self.shard.draft_slots(group)[: len(chunk.token_ids) - 1]
                 batch.state_drafts.append([seq, *draft_slots])
-                self._verified[chunk.request_id] = (chunk.start_pos, len(chunk.token_ids))
+                self._verified[chunk.request_id] = (
+                    chunk.start_pos, len(chunk.token_ids), group
+                )  # fmt: skip
                 source = draft_slots[len(chunk.token_ids) - num_drafts - 1]  # not the drafts
+            elif self.draft_groups is not None:
+                # Its group's slots are read (accepted) before this step's forward pass,
+                # and scheduling, which may give the group to another, comes after it.
+                self.draft_groups.release(chunk.request_id)
             if chunk.snapshot_block_ids is not None:
                 batch.state_snapshots.append([source, *chunk.snapshot_block_ids])
 
-    def _accepted(self, chunk: SequenceChunk, slot: int) -> int | None:
+    def _accepted(self, chunk: SequenceChunk) -> int | None:
         """For a request whose last step verified drafts: the slot holding its states
         after the last token the sampler kept, which its own slot must take before this
         step (None when it kept them all: its slot has them). Its step starts right after
@@ -355,10 +373,10 @@ class ModelRunner:
         verified = self._verified.pop(chunk.request_id, None)
         if verified is None:
             return None
-        start, num_tokens = verified
+        start, num_tokens, group = verified
         num_kept = chunk.start_pos - start
         assert 0 < num_kept <= num_tokens, (chunk.request_id, verified, chunk.start_pos)
-        return None if num_kept == num_tokens else self.shard.draft_slots(slot)[num_kept - 1]
+        return None if num_kept == num_tokens else self.shard.draft_slots(group)[num_kept - 1]
 
     def _forward(
         self, chunks: list[SequenceChunk], batch: HostBatch, logit_rows: list[list[int]]

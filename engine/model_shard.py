@@ -184,11 +184,14 @@ class ModelShard:
         self.decode_graphs: DecodeGraphs | None = None
         # A hybrid model's linear-attention states: a slot per request the scheduler may
         # hold (running, pulling or held for a decode worker), each in KV blocks of its own
-        # past the scheduler's (``engine/linear_state.py``); with speculation, one more
-        # per draft a request may verify (``draft_slots``).
+        # past the scheduler's (``engine/linear_state.py``); with speculation, a group of
+        # one per draft for each request that may verify drafts at once (``draft_slots``).
         linear = self.arch.linear_attention
         self.num_request_slots = config.max_num_seqs if linear is not None else 0
-        self.num_state_slots = self.num_request_slots * (1 + config.num_speculative_tokens)
+        self.num_draft_groups = config.num_draft_state_groups if linear is not None else 0
+        self.num_state_slots = (
+            self.num_request_slots + self.num_draft_groups * config.num_speculative_tokens
+        )
         self.state_dtype = getattr(torch, config.linear_state_dtype.value)
         self.blocks_per_slot = (
             cdiv(bytes_per_slot(linear, self.state_dtype), self.bytes_per_block)
@@ -197,11 +200,12 @@ class ModelShard:
         )
         self.state_pool: StatePool | None = None
 
-    def draft_slots(self, slot: int) -> list[int]:
-        """The slots that keep request slot ``slot``'s states after each draft-verifying
-        token but the last: the state pool's slots past the requests' own."""
+    def draft_slots(self, group: int) -> list[int]:
+        """The slots of draft group ``group`` (``linear_state.DraftGroups``), which keep a
+        request's states after each draft-verifying token but the last: the state pool's
+        slots past the requests' own."""
         k = self.config.num_speculative_tokens
-        first = self.num_request_slots + slot * k
+        first = self.num_request_slots + group * k
         return list(range(first, first + k))
 
     def _use_kv_scales(self) -> None:

@@ -47,6 +47,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from common.config import EngineConfig
 from common.hashing import BlockHash
@@ -57,6 +58,9 @@ from engine.kv_cache_manager import KVCacheManager, SecondaryTier, cdiv
 from engine.ngram_proposer import DraftProposer, ModelDraftProposer, NgramProposer
 from engine.request import Request, RequestStatus, TokenLogprobs
 from engine.request_queue import RequestQueue
+
+if TYPE_CHECKING:  # (torch's: the scheduler runs without it)
+    from engine.linear_state import DraftGroups
 
 # What one step sampled for a request: its tokens in order (one, or more when drafts
 # were accepted), each with its log-probs when asked for.
@@ -139,6 +143,7 @@ class Scheduler:
         on_blocks_freed: Callable[[str], None] | None = None,
         num_state_blocks: int = 0,
         rolling_snapshots: bool = False,
+        draft_groups: DraftGroups | None = None,
     ) -> None:
         """``whole_images``: an image's tokens attend to each other (Gemma 3), so a chunk
         that computes part of an image computes it to its end (``_num_new_tokens``).
@@ -151,10 +156,13 @@ class Scheduler:
         a prompt's chunk then ends at its ``snapshot_boundary``; ``rolling_snapshots``:
         a step that ends at a block boundary after a request's prompt snapshots it too
         (its last one replaced: none on a decode worker, whose requests' next turns are
-        prefilled elsewhere)."""
+        prefilled elsewhere). ``draft_groups``: a hybrid model's groups of draft state
+        slots, one held by each request that verifies drafts (``linear_state.py``): a
+        decode gets drafts only when it holds one or one is free."""
         self.max_num_seqs = config.max_num_seqs
         self.whole_images = whole_images
         self.on_blocks_freed = on_blocks_freed
+        self.draft_groups = draft_groups
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.prefill_chunk_tokens = config.prefill_chunk_tokens
         self.block_size = config.block_size
@@ -385,6 +393,8 @@ class Scheduler:
             request.num_computed_tokens += num_hit_tokens
             request.num_cached_tokens += num_hit_tokens
             self.kv.record_lookup(0, num_hit_tokens)  # queried at admission, missed then
+        if drafts and self.draft_groups is not None:
+            self.draft_groups.hold(request.request_id)  # (its slots keep each token's states)
         out.scheduled.append(self._scheduled(request, num_new, drafts))
         return num_new + len(drafts)
 
@@ -405,6 +415,8 @@ class Scheduler:
         than it keeps)."""
         if self.proposer is None or not request.may_speculate:
             return []
+        if self.draft_groups is not None and not self.draft_groups.can_verify(request.request_id):
+            return []  # every group of draft state slots is held (a hybrid model's)
         if request.draft_budget is None:
             request.draft_budget = DraftBudget(self.num_speculative_tokens)
         max_drafts = min(

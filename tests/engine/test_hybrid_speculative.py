@@ -226,3 +226,77 @@ def test_an_oracle_mtp_layer_has_every_draft_kept(model_factory, tmp_path, arch)
     scheduler = llm.engine.scheduler
     assert scheduler.num_accepted_tokens == scheduler.num_draft_tokens > 0
     assert llm.engine.leak_report() == []
+
+
+@pytest.mark.parametrize("budget", [None, 6])
+def test_fewer_draft_groups_than_requests(hybrid, plain, budget):
+    """``max_num_verifying_seqs=1``: the pool keeps one group of draft slots, not one per
+    request (3 slots past the 64 requests', not 192). Four requests decode together; in
+    each step at most one verifies drafts, the others decode one token; a request holds
+    the group from its verifying step until its next step has taken the kept token's
+    states, and lets it go when that step verifies nothing (under a step budget of 6
+    tokens, some decodes wait a step while holding it). Tokens and log-probs are the
+    engine's without drafts; no group is left held."""
+    prompts = random_prompts([5, 17, 33, 64], seed=4)
+    expected = plain.generate(prompts, PARAMS, use_tqdm=False)
+    llm = LLM(hybrid, num_speculative_tokens=3, max_num_verifying_seqs=1,
+              max_num_batched_tokens=budget or 2048)  # fmt: skip
+    shard = llm.engine.runner.shard
+    assert shard.num_state_slots == shard.num_request_slots + 3
+    drafting(llm, expected, 0.3)
+    scheduler = llm.engine.scheduler
+    schedule, steps = scheduler.schedule, []
+
+    def recorded():
+        out = schedule()
+        decodes = [s for s in out.scheduled if s.request.num_output_tokens]
+        steps.append((len(decodes), sum(1 for s in decodes if s.draft_token_ids)))
+        return out
+
+    scheduler.schedule = recorded
+    assert_same(llm.generate(prompts, PARAMS, use_tqdm=False), expected)
+    assert max(verifying for _, verifying in steps) == 1
+    assert any(decodes > 1 and verifying == 1 for decodes, verifying in steps)
+    assert 0 < scheduler.num_accepted_tokens < scheduler.num_draft_tokens
+    assert llm.engine.runner.draft_groups.num_held == 0
+    assert llm.engine.leak_report() == []
+
+
+def test_a_request_that_waits_a_step_keeps_its_draft_group(hybrid, plain):
+    """Under priority scheduling, high-priority prompts arriving every few steps take the
+    step's budget first: a decode that verified drafts can wait a step or more before
+    its next one takes its kept token's states from its group. Meanwhile the group stays
+    its own, though another decode is scheduled and would verify drafts if the group
+    were free (one group here). Tokens and log-probs are the engine's without drafts."""
+    prompts = random_prompts([17, 33], seed=5)
+    urgent = random_prompts([15] * 6, seed=6)
+    expected = plain.generate(prompts + urgent, PARAMS, use_tqdm=False)
+    config = EngineConfig(num_speculative_tokens=3, max_num_verifying_seqs=1,
+                          scheduling_policy="priority", max_num_batched_tokens=9,
+                          prefill_chunk_tokens=7)  # fmt: skip
+    engine = LLMEngine(hybrid, config)
+    references = {f"r{i}": e.outputs[0].token_ids for i, e in enumerate(expected[:2])}
+    engine.scheduler.proposer = ReplayProposer(references, 0.3, VOCAB)
+    groups, schedule = engine.runner.draft_groups, engine.scheduler.schedule
+    waited = 0  # steps in which a request holding the group was not scheduled
+
+    def recorded():
+        nonlocal waited
+        out = schedule()
+        scheduled = {s.request.request_id for s in out.scheduled}
+        waited += any(groups.group(r) is not None and r not in scheduled for r in references)
+        return out
+
+    engine.scheduler.schedule = recorded
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, PARAMS, priority=1)
+    outputs, step = {}, 0
+    while engine.has_unfinished_requests():
+        if step % 6 == 5 and step // 6 < len(urgent):
+            engine.add_request(f"u{step // 6}", urgent[step // 6], PARAMS, priority=0)
+        outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+        step += 1
+    ids = [f"r{i}" for i in range(2)] + [f"u{i}" for i in range(len(urgent))]
+    assert_same([outputs[i] for i in ids], expected)
+    assert waited > 0 and engine.scheduler.num_accepted_tokens > 0
+    assert groups.num_held == 0 and engine.leak_report() == []

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.config import EngineConfig
+from common.config import ConfigError, EngineConfig
 from common.config_loader import load_config
 from common.kv_budget import ModelShape, kv_budgets
 from common.tensor_parallel import mamba_split_problem
@@ -224,6 +224,17 @@ def test_the_config_check_sizes_the_states_as_each_rank_holds_them(model_factory
         shard.num_state_slots, bytes_per_slot(engine.arch.linear_attention))  # fmt: skip
     lines = summary(loaded, [prefill])
     assert any(line.startswith("states    prefill: 18 slots") for line in lines)
+    # Two groups of draft slots, not one per request: 6 + 2 x 2 slots, as the engine.
+    few = {**spec, "max_num_verifying_seqs": 2}
+    config = write_config(tmp_path / "config.yaml", model_dir, engine=few)
+    (prefill, _) = kv_budgets(load_config(str(config)))
+    assert (
+        prefill.state_slots
+        == 10
+        == LLMEngine(model_dir, EngineConfig(**few)).runner.shard.num_state_slots
+    )
+    with pytest.raises(ConfigError, match="max_num_verifying_seqs"):
+        EngineConfig(max_num_seqs=6, max_num_verifying_seqs=7)
     # A CPU tier too small for one snapshot beside a block is named (a warning: its KV
     # could serve no request); one that holds them is not.
     snapshot_bytes = shard.blocks_per_slot * shard.bytes_per_block
