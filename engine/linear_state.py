@@ -257,38 +257,14 @@ class StateSlots:
         return len(self._slots)
 
 
-class DraftGroups:
-    """Which request holds which group of draft slots (``ModelShard.draft_slots``): from
-    the step in which it verifies drafts until its next step has taken the states after
-    the last token the sampler kept (``ModelRunner._accepted``) without verifying again,
-    or its slot goes. The scheduler gives a decode drafts only if it holds a group or
-    one is free (``can_verify``), so fewer groups than request slots cap how many
-    requests verify at once. Engine thread only."""
-
-    def __init__(self, num_groups: int) -> None:
-        self.num_groups = num_groups
-        self._groups: dict[str, int] = {}
-        self._free = list(range(num_groups - 1, -1, -1))
+class DraftGroups(StateSlots):
+    """Which request holds which group of draft slots (``ModelShard.draft_slots``; a
+    group's index is what ``reserve`` / ``slot`` return): from the step in which it
+    verifies drafts until its next step has taken the states after the last token the
+    sampler kept (``ModelRunner._accepted``) without verifying again, or its slot goes.
+    The scheduler gives a decode drafts only if it holds a group or one is free
+    (``can_verify``), so fewer groups than request slots cap how many requests verify
+    at once. Engine thread only."""
 
     def can_verify(self, request_id: str) -> bool:
-        return request_id in self._groups or bool(self._free)
-
-    def hold(self, request_id: str) -> int:
-        """The request's group: the one it holds, else a free one."""
-        group = self._groups.get(request_id)
-        if group is None:
-            group = self._groups[request_id] = self._free.pop()
-        return group
-
-    def group(self, request_id: str) -> int | None:
-        return self._groups.get(request_id)
-
-    def release(self, request_id: str) -> None:
-        """A no-op if the request holds none."""
-        group = self._groups.pop(request_id, None)
-        if group is not None:
-            self._free.append(group)
-
-    @property
-    def num_held(self) -> int:
-        return len(self._groups)
+        return self.slot(request_id) is not None or bool(self._free)

@@ -287,8 +287,8 @@ class ModelRunner:
             problems.append(f"{self.state_slots.num_used} linear-attention state slots held")
         if self._verified:
             problems.append(f"{len(self._verified)} requests' verified drafts still remembered")
-        if self.draft_groups is not None and self.draft_groups.num_held:
-            problems.append(f"{self.draft_groups.num_held} groups of draft state slots held")
+        if self.draft_groups is not None and self.draft_groups.num_used:
+            problems.append(f"{self.draft_groups.num_used} groups of draft state slots held")
         if self.shards is None:
             return problems
         live = len(self._adapter_ids)
@@ -350,7 +350,7 @@ class ModelRunner:
             source = slot  # of a snapshot after the step: the states after its tokens
             if num_drafts:  # keep its states after each token: the sampler may keep any
                 assert self.draft_groups is not None
-                group = self.draft_groups.group(chunk.request_id)
+                group = self.draft_groups.slot(chunk.request_id)
                 assert group is not None, f"{chunk.request_id} verifies drafts in no group"
                 draft_slots = self.shard.draft_slots(group)[: len(chunk.token_ids) - 1]
                 batch.state_drafts.append([seq, *draft_slots])

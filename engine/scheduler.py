@@ -394,7 +394,7 @@ class Scheduler:
             request.num_cached_tokens += num_hit_tokens
             self.kv.record_lookup(0, num_hit_tokens)  # queried at admission, missed then
         if drafts and self.draft_groups is not None:
-            self.draft_groups.hold(request.request_id)  # (its slots keep each token's states)
+            self.draft_groups.reserve(request.request_id)  # (its slots keep each token's states)
         out.scheduled.append(self._scheduled(request, num_new, drafts))
         return num_new + len(drafts)
 

@@ -258,7 +258,7 @@ def test_fewer_draft_groups_than_requests(hybrid, plain, budget):
     assert max(verifying for _, verifying in steps) == 1
     assert any(decodes > 1 and verifying == 1 for decodes, verifying in steps)
     assert 0 < scheduler.num_accepted_tokens < scheduler.num_draft_tokens
-    assert llm.engine.runner.draft_groups.num_held == 0
+    assert llm.engine.runner.draft_groups.num_used == 0
     assert llm.engine.leak_report() == []
 
 
@@ -284,7 +284,7 @@ def test_a_request_that_waits_a_step_keeps_its_draft_group(hybrid, plain):
         nonlocal waited
         out = schedule()
         scheduled = {s.request.request_id for s in out.scheduled}
-        waited += any(groups.group(r) is not None and r not in scheduled for r in references)
+        waited += any(groups.slot(r) is not None and r not in scheduled for r in references)
         return out
 
     engine.scheduler.schedule = recorded
@@ -299,4 +299,4 @@ def test_a_request_that_waits_a_step_keeps_its_draft_group(hybrid, plain):
     ids = [f"r{i}" for i in range(2)] + [f"u{i}" for i in range(len(urgent))]
     assert_same([outputs[i] for i in ids], expected)
     assert waited > 0 and engine.scheduler.num_accepted_tokens > 0
-    assert groups.num_held == 0 and engine.leak_report() == []
+    assert groups.num_used == 0 and engine.leak_report() == []
