@@ -5,7 +5,8 @@ sorted by expert on the device and each expert's run is padded to a multiple of
 ``BLOCK_M`` (``align_by_expert``); one grouped-GEMM launch then has a program per
 (``BLOCK_M`` slots of one expert, ``BLOCK_N`` output columns), which gathers its tokens'
 rows, multiplies them by that expert's weights and writes each slot's row. Two launches
-make the MLP: gate/up (then SiLU(gate) * up in torch; GPT-OSS's clamped variant likewise),
+make the MLP: gate/up (then SiLU(gate) * up in torch; GPT-OSS's clamped variant likewise;
+Nemotron-H's ungated experts: up rows alone, then relu(up) ** 2),
 and down with each slot's routing weight applied in the epilogue (expert biases, when the
 model has them, are added there first); the k rows of a token are summed at the end (no atomics,
 so the result does not depend on scheduling).
@@ -175,16 +176,20 @@ def fused_moe(
     swiglu_limit: float | None = None,
     swiglu_alpha: float = 1.0,
     other_experts: bool = False,
+    activation: str = "swiglu",
 ) -> torch.Tensor:  # [num_tokens, H]
     """sum_i weights[t, i] * down(SiLU(gate(x_t)) * up(x_t)) over token t's k experts; the
-    biases and the clamped SwiGLU as ``reference.moe_experts`` (GPT-OSS). With
-    ``other_experts`` some ids may be E (experts another rank holds), which add nothing."""
+    biases and the clamped SwiGLU as ``reference.moe_experts`` (GPT-OSS); with
+    ``activation`` "relu2" (``gate_up_proj`` [E, I, H] of up rows alone: Nemotron-H's)
+    down(relu(up(x_t)) ** 2). With ``other_experts`` some ids may be E (experts another
+    rank holds), which add nothing."""
     num_tokens, top_k = expert_ids.shape
-    num_experts, two_inter, hidden_size = gate_up_proj.shape
+    num_experts, up_rows, hidden_size = gate_up_proj.shape
+    gated = activation == "swiglu"
     if hidden.shape != (num_tokens, hidden_size) or down_proj.shape != (
         num_experts,
         hidden_size,
-        two_inter // 2,
+        up_rows // 2 if gated else up_rows,
     ):
         raise ValueError(
             f"hidden {tuple(hidden.shape)}, gate_up_proj {tuple(gate_up_proj.shape)} and "
@@ -199,11 +204,14 @@ def fused_moe(
     block_m = _block_m(num_slots, num_experts)
     sorted_slots, block_experts = align_by_expert(expert_ids, num_experts, block_m)
     routed = (sorted_slots, block_experts, block_m)
-    gate_up = hidden.new_empty(num_slots, two_inter)  # [slots, 2I]
+    gate_up = hidden.new_empty(num_slots, up_rows)  # [slots, 2I] ([slots, I] ungated)
     _grouped_matmul(hidden, gate_up_proj, gate_up, *routed, a_row_div=top_k, scale=None,
                     bias=gate_up_bias)  # fmt: skip
-    gate, up = gate_up.chunk(2, dim=-1)
-    activated = swiglu(gate, up, swiglu_limit, swiglu_alpha).contiguous()  # [slots, I]
+    if gated:
+        gate, up = gate_up.chunk(2, dim=-1)
+        activated = swiglu(gate, up, swiglu_limit, swiglu_alpha).contiguous()  # [slots, I]
+    else:
+        activated = torch.relu(gate_up).square_()
     # [slots, H], weighted; every slot written, but another rank's expert's (left out,
     # so zeroed first: a memset kept off the plain path).
     down = (hidden.new_zeros if other_experts else hidden.new_empty)(num_slots, hidden_size)

@@ -217,7 +217,7 @@ class MoeConfig:
     # DeepSeek's, which ``deepseek_scoring`` says).
     shared_expert_gated: bool = True
     # The experts' MLP: "swiglu" (gate and up rows), or Nemotron-H's "relu2" (up rows
-    # alone, squared ReLU; run by the reference kernel).
+    # alone, squared ReLU).
     expert_activation: str = "swiglu"
     swiglu_limit: float | None = None  # None: plain SwiGLU
     swiglu_alpha: float = 1.0

@@ -130,16 +130,13 @@ class SparseMoe(nn.Module):
         super().__init__()
         moe = arch.moe
         assert moe is not None
-        # Nemotron-H's ungated squared-ReLU experts run in the reference kernel.
-        fused = fused and moe.expert_activation == "swiglu"
         self.fused = fused
+        # (the layer's activation bound once: SwiGLU, or Nemotron-H's squared ReLU)
+        self._run_experts = functools.partial(moe_experts, activation=moe.expert_activation)
         if fused:
             from kernels.fused_moe import fused_moe  # imports triton: only when chosen
 
-            self._run_experts = fused_moe
-        else:
-            # (the layer's activation bound once: the fused kernel is SwiGLU's alone)
-            self._run_experts = functools.partial(moe_experts, activation=moe.expert_activation)
+            self._run_experts = functools.partial(fused_moe, activation=moe.expert_activation)
         self.moe = moe
         self.top_k = moe.top_k
         self.norm_topk_prob = moe.norm_topk_prob

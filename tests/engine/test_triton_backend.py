@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
+
 import tests.kernels.triton_env  # noqa: F401  (sets TRITON_INTERPRET before kernels load)
 
 # isort: split
@@ -88,14 +90,16 @@ def test_triton_backend_sliding_window(model_factory, tmp_path):
     assert greedy(model_dir, "triton", prompts) == greedy(model_dir, "torch", prompts)
 
 
-def test_triton_backend_runs_moe_models_with_the_fused_kernel(model_factory):
-    """Qwen2-MoE (routed experts and a shared expert): the triton backend's fused MoE
-    kernel decodes the torch backend's tokens."""
-    model_dir = model_factory("qwen2_moe")
+@pytest.mark.parametrize("arch", ["qwen2_moe", "nemotron_h_latent"])
+def test_triton_backend_runs_moe_models_with_the_fused_kernel(model_factory, arch):
+    """Qwen2-MoE (routed experts and a shared expert), and Nemotron 3 Super's layout
+    (ungated squared-ReLU experts in a latent space, between Mamba-2 and attention
+    layers): the triton backend's fused MoE kernel decodes the torch backend's tokens."""
+    model_dir = model_factory(arch)
     triton_llm = engine_llm(model_dir, "triton")
     layer = next(m for m in triton_llm.engine.runner.model.model.layers
-                 if hasattr(m.mlp, "fused"))  # fmt: skip
-    assert layer.mlp.fused and layer.mlp._run_experts is fused_moe  # not the reference
+                 if hasattr(getattr(m, "mlp", None), "fused"))  # fmt: skip
+    assert layer.mlp.fused and layer.mlp._run_experts.func is fused_moe  # not the reference
     prompts = random_prompts((5, 21), seed=2)
     expected = greedy(model_dir, "torch", prompts, MOE_NUM_TOKENS)
     assert greedy_tokens(triton_llm, prompts, MOE_NUM_TOKENS) == expected
@@ -127,7 +131,7 @@ def test_triton_backend_gpt_oss(model_factory, tmp_path):
     model_dir = with_window(model_factory("gpt_oss"), tmp_path / "gpt-oss-window", 12)
     triton_llm = engine_llm(model_dir, "triton")
     layers = triton_llm.engine.runner.model.model.layers
-    assert all(layer.mlp._run_experts is fused_moe for layer in layers)  # capturable
+    assert all(layer.mlp._run_experts.func is fused_moe for layer in layers)  # capturable
     prompts = random_prompts((9, 30), seed=4)
     expected = greedy(model_dir, "torch", prompts, MOE_NUM_TOKENS)
     assert greedy_tokens(triton_llm, prompts, MOE_NUM_TOKENS) == expected

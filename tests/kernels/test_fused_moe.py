@@ -61,18 +61,22 @@ def test_alignment_lists_each_experts_slots_padded_to_whole_blocks(block_m):
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["swiglu", "relu2"])
 def test_fused_moe_matches_the_reference(num_tokens, hidden, inter, num_experts, top_k,
-                                         skewed, dtype):  # fmt: skip
+                                         skewed, dtype, activation):  # fmt: skip
+    """SwiGLU experts, and Nemotron-H's ungated squared-ReLU ones (up rows alone)."""
     generator = torch.Generator().manual_seed(num_tokens)
     x = torch.randn(num_tokens, hidden, generator=generator).to(DEVICE, dtype)
-    gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=generator)
+    rows = 2 * inter if activation == "swiglu" else inter
+    gate_up = (torch.randn(num_experts, rows, hidden, generator=generator)
                / hidden**0.5).to(DEVICE, dtype)  # fmt: skip
     down = (torch.randn(num_experts, hidden, inter, generator=generator)
             / inter**0.5).to(DEVICE, dtype)  # fmt: skip
     expert_ids, weights = _routing(num_tokens, num_experts, top_k, seed=num_tokens, skewed=skewed)
     weights = weights.to(dtype)
-    got = fused_moe(x, gate_up, down, expert_ids, weights)
-    expected = moe_experts(x.float(), gate_up.float(), down.float(), expert_ids, weights.float())
+    got = fused_moe(x, gate_up, down, expert_ids, weights, activation=activation)
+    expected = moe_experts(x.float(), gate_up.float(), down.float(), expert_ids, weights.float(),
+                           activation=activation)  # fmt: skip
     assert got.shape == x.shape and got.dtype == dtype
     torch.testing.assert_close(got.float(), expected, atol=TOLERANCE[dtype],
                                rtol=TOLERANCE[dtype])  # fmt: skip
