@@ -131,12 +131,13 @@ class SparseMoe(nn.Module):
         moe = arch.moe
         assert moe is not None
         self.fused = fused
-        # (the layer's activation bound once: SwiGLU, or Nemotron-H's squared ReLU)
-        self._run_experts = functools.partial(moe_experts, activation=moe.expert_activation)
+        run_experts = moe_experts
         if fused:
             from kernels.fused_moe import fused_moe  # imports triton: only when chosen
 
-            self._run_experts = functools.partial(fused_moe, activation=moe.expert_activation)
+            run_experts = fused_moe
+        # (the layer's activation bound once: SwiGLU, or Nemotron-H's squared ReLU)
+        self._run_experts = functools.partial(run_experts, activation=moe.expert_activation)
         self.moe = moe
         self.top_k = moe.top_k
         self.norm_topk_prob = moe.norm_topk_prob
