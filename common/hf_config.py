@@ -134,6 +134,36 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
         cfg = _granite_hybrid(cfg)
     if cfg.get("model_type") == "nemotron_h":
         cfg = _nemotron_h(cfg)
+    if cfg.get("model_type") == "bamba":
+        cfg = _granite_hybrid(_bamba(cfg))
+    return cfg
+
+
+# transformers' BambaConfig defaults (5.x) for the keys a Bamba config may leave out.
+BAMBA_DEFAULTS: dict[str, Any] = {
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "mamba_n_heads": 128, "mamba_n_groups": 1,
+    "mamba_d_state": 256, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_conv_bias": True,
+    "mamba_proj_bias": False, "time_step_limit": [0.0, float("inf")],
+}  # fmt: skip
+
+
+def _bamba(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A Bamba config (IBM's ``BambaForCausalLM``: Granite 4.0-H's Mamba-2 layers and dense
+    MLP, with rotary attention over half of each head and no multipliers) under Granite
+    4.0-H's keys: its attention layers (``attn_layer_indices``) as ``layer_types``, no
+    experts, the MLP as the shared one, rotary positions, the usual softmax scale, and
+    the rotary fraction its config class fixes at 0.5."""
+    cfg = {**BAMBA_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None}}
+    attention = set(cfg.get("attn_layer_indices") or ())
+    cfg["layer_types"] = ["full_attention" if i in attention else "linear_attention"
+                          for i in range(int(cfg["num_hidden_layers"]))]  # fmt: skip
+    cfg["num_local_experts"] = 0
+    cfg["shared_intermediate_size"] = int(cfg["intermediate_size"])
+    cfg["position_embedding_type"] = "rope"
+    head_dim = int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])
+    cfg["attention_multiplier"] = head_dim**-0.5
+    cfg.setdefault("partial_rotary_factor", 0.5)
     return cfg
 
 
@@ -295,8 +325,8 @@ def kv_cache_heads(cfg: dict[str, Any]) -> tuple[int, int]:
 # (``Qwen3_5TextConfig``: every ``full_attention_interval``-th layer full, default 4);
 # Granite 4.0-H's and Nemotron-H's linear layers are Mamba-2 (``MAMBA2_MODEL_TYPES``).
 HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe",
-                      "qwen3_next", "granitemoehybrid", "nemotron_h")  # fmt: skip
-MAMBA2_MODEL_TYPES = ("granitemoehybrid", "nemotron_h")
+                      "qwen3_next", "granitemoehybrid", "nemotron_h", "bamba")  # fmt: skip
+MAMBA2_MODEL_TYPES = ("granitemoehybrid", "nemotron_h", "bamba")
 # Qwen3_5TextConfig's defaults for its linear-attention keys.
 LINEAR_ATTENTION_DEFAULTS = {
     "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,

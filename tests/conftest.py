@@ -37,7 +37,7 @@ os.environ.setdefault("PDSERVE_HOME", str(_TMP / "pdserve-test-home"))
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5",
          "qwen3_5_moe", "qwen3_next", "gemma3", "phi3", "gpt_oss", "deepseek_v2", "deepseek_v3",
          "glm4_moe", "minimax_m2", "granite", "granite_hybrid", "granite_hybrid_dense",
-         "nemotron_h", "nemotron_h_moe", "nemotron_h_latent")  # fmt: skip
+         "nemotron_h", "nemotron_h_moe", "nemotron_h_latent", "bamba")  # fmt: skip
 
 
 @pytest.fixture(scope="session")

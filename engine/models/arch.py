@@ -102,6 +102,9 @@ class ArchFlags:
     # Nemotron-H: each layer one block (``ModelArchConfig.block_kinds``): Mamba-2,
     # rotary-free attention or a squared-ReLU MLP; norm gains multiplied in float32.
     nemotron_h: bool = False
+    # Bamba: Granite 4.0-H's layout (``hf_config._bamba`` reads it into Granite's keys)
+    # with rotary attention over ``partial_rotary_factor`` of each head.
+    bamba: bool = False
 
 
 ARCHITECTURES: dict[str, ArchFlags] = {
@@ -137,6 +140,7 @@ ARCHITECTURES: dict[str, ArchFlags] = {
     # Granite 4.0-H: see ArchFlags.granite_hybrid; experts only where num_local_experts > 0.
     "GraniteMoeHybridForCausalLM": ArchFlags(granite=True, granite_hybrid=True),
     "NemotronHForCausalLM": ArchFlags(nemotron_h=True),
+    "BambaForCausalLM": ArchFlags(granite=True, granite_hybrid=True, bamba=True),
     # Phi-3 / Phi-4: Llama with fused qkv_proj and gate_up_proj in the checkpoint (loaded as
     # they are) and maybe a partial rotary.
     "Phi3ForCausalLM": ArchFlags(phi3_rope=True),
@@ -192,6 +196,7 @@ _BY_MODEL_TYPE = {
     "granite": "GraniteForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
+    "bamba": "BambaForCausalLM",
 }
 
 
@@ -829,7 +834,7 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
     if flags.minimax_m2 and cfg.get("rotary_dim") and "partial_rotary_factor" not in cfg:
         # MiniMax-M2's released configs give the rotary width as rotary_dim.
         cfg = {**cfg, "partial_rotary_factor": int(cfg["rotary_dim"]) / int(head_dim)}
-    partial = flags.glm4_moe or flags.minimax_m2 or flags.qwen3_5
+    partial = flags.glm4_moe or flags.minimax_m2 or flags.qwen3_5 or flags.bamba
     if flags.qwen3_5 and "partial_rotary_factor" not in cfg:
         cfg = {**cfg, "partial_rotary_factor": 0.25}  # Qwen3_5TextConfig's default
     rope = gemma3.pop("rope") if gemma3 else rope_config(cfg, path, flags.phi3_rope, partial)

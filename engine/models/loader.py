@@ -120,6 +120,17 @@ def _nemotron_name(name: str, arch: ModelArchConfig) -> str:
     return f"model.layers.{index}.{_NEMOTRON_BLOCKS.get(kind, 'mixer')}.{rest}"
 
 
+# Bamba's names for what Granite 4.0-H's layers and Llama call otherwise.
+_BAMBA_NAMES = ((".feed_forward.", ".mlp."), (".pre_ff_layernorm.", ".post_attention_layernorm."),
+                ("model.final_layernorm.", "model.norm."))  # fmt: skip
+
+
+def _bamba_name(name: str) -> str:
+    for old, new in _BAMBA_NAMES:
+        name = name.replace(old, new)
+    return name
+
+
 def _granite_name(name: str, arch: ModelArchConfig) -> str:
     """Granite 4.0-H's tensor ``name`` as the engine's: its experts stacked as
     ``moe.Experts`` holds them ([E, 2I, H] gate rows first, [E, H, I]), its shared MLP
@@ -437,6 +448,7 @@ def load_model(
     unexpected: list[str] = []
     gpt_oss = arch.architecture == "GptOssForCausalLM"
     granite = arch.architecture == "GraniteMoeHybridForCausalLM"
+    bamba = arch.architecture == "BambaForCausalLM"
     fp8 = arch.fp8_weights
     # stored name -> file, for scales stored in another shard than their weights
     ints, bnb = arch.int_weights, arch.bnb_weights
@@ -485,6 +497,8 @@ def load_model(
                     name = _mtp_name(name, arch, num_mtp_layers)
                 if name is not None and granite:
                     name = _granite_name(name, arch)
+                if name is not None and bamba:
+                    name = _bamba_name(name)
                 if name is not None and arch.block_kinds:
                     name = _nemotron_name(name, arch)
                 if name is None or _IGNORED.match(name):

@@ -24,6 +24,7 @@ Granite 4.0-H's take ``mamba.{in_proj|out_proj}`` (whole: one projection in the
 checkpoint as here, ``mamba2.py``) and its shared MLP's ``shared_mlp.{input_linear|
 output_linear}`` (gate and up rows in one projection, as ``gate_up_proj`` here; the
 shared MLP alone, as in its Micro model: beside experts it is their shared expert).
+Bamba's: Granite's Mamba-2 and attention names, its MLP's ``feed_forward.{gate|up|down}_proj``.
 Nemotron-H's layers are each one block, which PEFT names ``backbone.layers.{i}.mixer``:
 its Mamba-2 layers' ``in_proj`` / ``out_proj``, its attention's ``q|k|v|o_proj``, its
 ungated MLPs' ``up_proj`` (a projection of its own here, not half of a ``gate_up_proj``)
@@ -65,7 +66,7 @@ logger = logging.getLogger(__name__)
 # ``model.language_model.`` (transformers 5) or ``language_model.model.`` (4).
 _KEY = re.compile(
     r"^base_model\.model\.(?:model\.|model\.language_model\.|language_model\.model\.|backbone\.)"
-    r"layers\.(\d+)\.(self_attn|mlp|linear_attn|mamba|shared_mlp|mixer)\."
+    r"layers\.(\d+)\.(self_attn|mlp|linear_attn|mamba|shared_mlp|mixer|feed_forward)\."
     r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|qkv_proj|gate_up_proj"
     r"|in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|in_proj|out_proj|input_linear|output_linear)"
     r"\.lora_(A|B)\.weight$"
@@ -164,9 +165,12 @@ def block_of(module: str, layer: int, arch: ModelArchConfig) -> str | None:
     if arch.block_kinds:  # Nemotron-H: each layer one block, its ``mixer``
         kind = arch.block_kinds[layer] if layer < len(arch.block_kinds) else ""
         return "mixer" if module in _NEMOTRON_MODULES.get(kind, ()) else None
-    if arch.mamba2 is not None:  # Granite 4.0-H's names
+    if arch.mamba2 is not None:  # Granite 4.0-H's names (Bamba's MLP: ``feed_forward``)
+        bamba = arch.architecture == "BambaForCausalLM"
         if module in _SHARED_MLP_MODULES:
-            return "shared_mlp"
+            return None if bamba else "shared_mlp"
+        if bamba and module in _MLP_MODULES - {"gate_up_proj"}:
+            return "feed_forward"
         if module in _MAMBA_MODULES:
             return "mamba" if arch.is_linear(layer) else None
         if module in _MLP_MODULES | _LINEAR_MODULES:

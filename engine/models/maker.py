@@ -28,7 +28,8 @@ transformer with DeepStack: ``qwen3_vl_maker.py``), ``qwen3_vl_moe`` the same ar
 ``granite_hybrid_dense`` its Micro's (the shared MLP alone; see ``_granite_hybrid_config``),
 ``nemotron_h`` Nemotron-H's (one block per layer: Mamba-2, attention or a squared-ReLU MLP;
 see ``_nemotron_h_config``), ``nemotron_h_moe`` Nemotron 3's (its MLPs ungated experts),
-``nemotron_h_latent`` Nemotron 3 Super's (the experts in a latent space half as wide).
+``nemotron_h_latent`` Nemotron 3 Super's (the experts in a latent space half as wide),
+``bamba`` Bamba's (Granite 4.0-H-Micro's layers with rotary attention over half a head).
 ``deepseek_v3`` and ``glm4_moe`` store a random multi-token-prediction layer after their
 layers, as the releases do (``_add_mtp_layer``; transformers leaves it unloaded,
 ``engine.speculative_method: mtp`` drafts with it).
@@ -97,7 +98,7 @@ ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_mo
          "phi3", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2",
          "llava", "gemma3_mm", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe",
          "qwen3_5_mm", "granite", "granite_hybrid", "granite_hybrid_dense",
-         "nemotron_h", "nemotron_h_moe", "nemotron_h_latent")  # fmt: skip
+         "nemotron_h", "nemotron_h_moe", "nemotron_h_latent", "bamba")  # fmt: skip
 SIZES = ("tiny", "small")
 # ChatML for the others.
 _CHAT_TEMPLATES = {"qwen3": THINKING_CHAT_TEMPLATE, "qwen3_moe": THINKING_CHAT_TEMPLATE,
@@ -236,6 +237,8 @@ def _hf_config(arch: str, spec: SizeSpec, tokenizer_ids: dict[str, int]):
                                           attention_multiplier=spec.head_dim**-1.0)  # fmt: skip
     if arch.startswith("granite_hybrid"):
         return _granite_hybrid_config(arch, common, spec)
+    if arch == "bamba":
+        return _bamba_config(common, spec)
     if arch.startswith("nemotron_h"):
         return _nemotron_h_config(common, spec, moe=arch != "nemotron_h",
                                   latent=arch == "nemotron_h_latent")  # fmt: skip
@@ -271,6 +274,20 @@ def _granite_hybrid_config(arch: str, common: dict, spec: SizeSpec):
         shared_intermediate_size=spec.intermediate_size,
         mamba_n_heads=heads, mamba_d_head=2 * spec.hidden_size // heads,
         mamba_d_state=spec.mamba_d_state, mamba_n_groups=2 if dense else 1, mamba_expand=2,
+    )  # fmt: skip
+
+
+def _bamba_config(common: dict, spec: SizeSpec):
+    """Bamba's layout (``BambaForCausalLM``): Mamba-2 layers (B/C in 2 groups, to exercise
+    them; Bamba-9B: 1) with every third layer from the second attention, rotary over half
+    of each head (its config class's fixed fraction), a dense gated MLP."""
+    import transformers
+
+    heads = 2 * spec.num_heads
+    return transformers.BambaConfig(
+        **common, attn_layer_indices=[i for i in range(spec.num_layers) if i % 3 == 1],
+        mamba_n_heads=heads, mamba_d_head=2 * spec.hidden_size // heads,
+        mamba_d_state=spec.mamba_d_state, mamba_n_groups=2, mamba_expand=2,
     )  # fmt: skip
 
 
@@ -507,9 +524,9 @@ def make_model(arch: str, size: str, out: str | Path, seed: int = 0) -> Path:
                 # transformers initializes biases to zero, which would leave the bias paths
                 # (Qwen2's q/k/v, GPT-OSS's attention, router and experts) untested.
                 param.normal_(0.0, 1.6 / spec.hidden_size**0.5)
-        if arch.startswith("granite_hybrid"):  # Mamba-2's own init: long memory in some heads
-            for layer in model.model.layers:
-                if layer.mamba is not None:
+        if arch.startswith("granite_hybrid") or arch == "bamba":
+            for layer in model.model.layers:  # Mamba-2's own init: long memory in some heads
+                if getattr(layer, "mamba", None) is not None:
                     _init_mamba2(layer.mamba)
         if arch.startswith("nemotron_h"):
             for layer in model.model.layers:

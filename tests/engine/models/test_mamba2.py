@@ -63,13 +63,14 @@ def test_chunked_ssd_equals_the_recurrence(length, chunk):
 @pytest.mark.parametrize(
     "arch,ranks",
     [("granite", ()), ("granite_hybrid", (2,)), ("granite_hybrid_dense", (2, 4)),
-     ("nemotron_h", (2,))],
+     ("nemotron_h", (2,)), ("bamba", (2,))],
 )  # fmt: skip
 def test_log_probs_equal_transformers(model_factory, arch, ranks):
     """Every prompt position, whole (three SSD chunks: 130 tokens) and in chunks of 9 (the
     states carried). Over ranks: granite_hybrid's one B/C group is copied on both ranks
     and its norm group spans them (squares summed across); granite_hybrid_dense's two
-    groups split over 2 ranks, and over 4 each is shared by 2 ranks."""
+    groups split over 2 ranks, and over 4 each is shared by 2 ranks. Bamba: Granite's
+    layers with rotary attention over half of each head."""
     model_dir = model_factory(arch)
     prompt = random_prompts([130], seed=4)[0]
     assert_prompt_logprobs_match(model_dir, prompt)
@@ -143,6 +144,31 @@ def test_released_configs_read_as_transformers_reads_them(tmp_path):
                          ({"mamba_n_groups": 3}, "mamba_n_groups=3")):  # fmt: skip
         with pytest.raises(ModelLoadError, match=message):
             arch_from_config({**released, **bad}, tmp_path)
+
+
+def test_bamba_configs_read_as_released(tmp_path):
+    """Bamba-9B's released config (transformers 4's keys: ``rope_theta`` alone, the rotary
+    fraction fixed in its config class): attention layers by ``attn_layer_indices``,
+    Granite 4.0-H's Mamba-2 keys, rotary over half of each head, the usual softmax
+    scale, no multipliers; as transformers 5 writes it too."""
+    import transformers
+
+    released = {"architectures": ["BambaForCausalLM"], "model_type": "bamba",
+                "vocab_size": 512, "hidden_size": 256, "num_hidden_layers": 6,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512,
+                "attn_layer_indices": [2, 5], "mamba_n_heads": 16, "mamba_d_head": "auto",
+                "mamba_d_state": 32, "rope_theta": 10000.0}  # fmt: skip
+    full = transformers.BambaConfig(**released).to_dict()
+    for raw in (released, full):
+        arch = arch_from_config(raw, tmp_path)
+        assert arch.kv_layers == (2, 5) and arch.linear_layers == (0, 1, 3, 4)
+        mamba = arch.mamba2
+        assert (mamba.num_heads, mamba.head_dim, mamba.state_size, mamba.num_groups) == (
+            16, 32, 32, 1)  # fmt: skip
+        assert arch.rope.rotary_dim(64) == 32 and not arch.nope  # half of a 64-wide head
+        assert arch.attention_scale == pytest.approx(64**-0.5)
+        assert (arch.embedding_multiplier, arch.residual_multiplier) == (1.0, 1.0)
+        assert arch.intermediate_size == 512 and arch.moe is None
 
 
 def test_nemotron_h_configs_read_as_released(model_factory, tmp_path):
@@ -317,6 +343,8 @@ ADAPTED = {
     # (PEFT refuses out_proj on Nemotron-H: its CUDA kernel path would skip an adapter
     # there. The engine applies one as PEFT's torch path does.)
     "nemotron_h": {"q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "up_proj", "down_proj"},
+    "bamba": {"q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "gate_proj",
+              "up_proj", "down_proj"},
 }  # fmt: skip
 
 
@@ -327,7 +355,8 @@ def test_adapters_give_peft_log_probs_over_ranks_too(model_factory, tmp_path, ar
     (``granite_hybrid_dense``, H-Micro's layout), its shared MLP (``input_linear``, gate
     and up rows; ``output_linear``); Nemotron-H's of each layer's one block (PEFT's
     ``backbone.layers.{i}.mixer``: Mamba-2, attention, or its ungated MLP's ``up_proj``
-    and ``down_proj``): every prompt position's log-probs equal transformers + peft's
+    and ``down_proj``); Bamba's (Granite's names, its MLP ``feed_forward``): every
+    prompt position's log-probs equal transformers + peft's
     (which differ from the base's), chunked, and over two ranks (each cutting B's rows of
     ``in_proj`` as its weight's: its heads' z, x and time steps, its B/C groups or a copy
     of the one group)."""
