@@ -624,6 +624,20 @@ def _granite_moe(cfg: dict[str, Any], num_layers: int, path: Path) -> MoeConfig 
     )
 
 
+def _check_expert_groups(
+    num_experts: int, top_k: int, num_groups: int, topk_groups: int, path: Path
+) -> None:
+    """DeepSeek's router's choice (``DeepseekGate``) is possible: the experts split into
+    ``num_groups`` equal groups, ``topk_groups`` of them kept, and those hold ``top_k``
+    experts. Raises ``ModelLoadError``."""
+    if num_experts % num_groups or not 0 < topk_groups <= num_groups:
+        raise ModelLoadError(f"{path}: {num_experts} experts in n_group={num_groups} groups, "
+                             f"topk_group={topk_groups}")  # fmt: skip
+    if not 0 < top_k <= num_experts * topk_groups // num_groups:
+        raise ModelLoadError(f"{path}: num_experts_per_tok={top_k} of the {topk_groups} "
+                             "groups' experts")  # fmt: skip
+
+
 def _nemotron_h_moe(cfg: dict[str, Any], num_layers: int, path: Path) -> MoeConfig | None:
     """Nemotron 3's mixture-of-experts layers ("moe" in ``layer_types``), None without any:
     DeepSeek-V3's router (sigmoid scores, a choice-only bias, groups, scaled weights) over
@@ -636,12 +650,7 @@ def _nemotron_h_moe(cfg: dict[str, Any], num_layers: int, path: Path) -> MoeConf
     latent = cfg.get("moe_latent_size")
     num_experts, top_k = int(cfg["n_routed_experts"]), int(cfg["num_experts_per_tok"])
     num_groups, topk_groups = int(cfg.get("n_group", 1)), int(cfg.get("topk_group", 1))
-    if num_experts % num_groups or not 0 < topk_groups <= num_groups:
-        raise ModelLoadError(f"{path}: {num_experts} experts in n_group={num_groups} groups, "
-                             f"topk_group={topk_groups}")  # fmt: skip
-    if not 0 < top_k <= num_experts * topk_groups // num_groups:
-        raise ModelLoadError(f"{path}: num_experts_per_tok={top_k} of the {topk_groups} "
-                             "groups' experts")  # fmt: skip
+    _check_expert_groups(num_experts, top_k, num_groups, topk_groups, path)
     return MoeConfig(
         num_experts=num_experts,
         top_k=top_k,
@@ -702,12 +711,7 @@ def _deepseek_moe(
                                  "DeepSeek-V2 (greedy, group_limited_greedy)")  # fmt: skip
         if method == "greedy":
             num_groups = topk_groups = 1
-    if num_experts % num_groups or not 0 < topk_groups <= num_groups:
-        raise ModelLoadError(f"{path}: {num_experts} experts in n_group={num_groups} groups, "
-                             f"topk_group={topk_groups}")  # fmt: skip
-    if not 0 < top_k <= num_experts * topk_groups // num_groups:
-        raise ModelLoadError(f"{path}: num_experts_per_tok={top_k} of the {topk_groups} "
-                             f"groups' experts")  # fmt: skip
+    _check_expert_groups(num_experts, top_k, num_groups, topk_groups, path)
     first_dense = int(cfg["first_k_dense_replace"])
     frequency = int(cfg.get("moe_layer_freq", 1))
     return MoeConfig(
