@@ -205,14 +205,14 @@ class ModelRunner:
         self.state_slots: StateSlots | None = None
         # ... the groups of draft slots that requests verifying drafts hold (the
         # scheduler takes them: ``DraftGroups``), and each request's last decode that
-        # verified drafts: (its first position, tokens, its group), until its next step
-        # shows how many the sampler kept (``_accepted``).
+        # verified drafts: (its first position, tokens), until its next step shows how
+        # many the sampler kept (``_accepted``; it holds its group until then).
         self.draft_groups: DraftGroups | None = None
         if arch.linear_attention is not None:
             self.state_slots = StateSlots(self.shard.num_request_slots)
             if self.shard.num_draft_groups:
                 self.draft_groups = DraftGroups(self.shard.num_draft_groups)
-        self._verified: dict[str, tuple[int, int, int]] = {}
+        self._verified: dict[str, tuple[int, int]] = {}
         # Rows for every request a step may hold, and some for preempted ones waiting.
         self.block_table = BlockTable(
             config.max_num_seqs + BLOCK_TABLE_SPARE_ROWS,
@@ -354,9 +354,7 @@ class ModelRunner:
                 assert group is not None, f"{chunk.request_id} verifies drafts in no group"
                 draft_slots = self.shard.draft_slots(group)[: len(chunk.token_ids) - 1]
                 batch.state_drafts.append([seq, *draft_slots])
-                self._verified[chunk.request_id] = (
-                    chunk.start_pos, len(chunk.token_ids), group
-                )  # fmt: skip
+                self._verified[chunk.request_id] = (chunk.start_pos, len(chunk.token_ids))
                 source = draft_slots[len(chunk.token_ids) - num_drafts - 1]  # not the drafts
             elif self.draft_groups is not None:
                 # Its group's slots are read (accepted) before this step's forward pass,
@@ -373,10 +371,15 @@ class ModelRunner:
         verified = self._verified.pop(chunk.request_id, None)
         if verified is None:
             return None
-        start, num_tokens, group = verified
+        start, num_tokens = verified
         num_kept = chunk.start_pos - start
         assert 0 < num_kept <= num_tokens, (chunk.request_id, verified, chunk.start_pos)
-        return None if num_kept == num_tokens else self.shard.draft_slots(group)[num_kept - 1]
+        if num_kept == num_tokens:
+            return None
+        assert self.draft_groups is not None
+        group = self.draft_groups.slot(chunk.request_id)  # (held since it verified)
+        assert group is not None, f"{chunk.request_id} verified drafts in no group"
+        return self.shard.draft_slots(group)[num_kept - 1]
 
     def _forward(
         self, chunks: list[SequenceChunk], batch: HostBatch, logit_rows: list[list[int]]
