@@ -20,22 +20,7 @@ import shlex
 import sys
 from pathlib import Path
 
-
-def _floats(text: str) -> list[float]:
-    try:
-        values = [float(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError("expected at least one number")
-    return values
-
-
-def _ints(text: str) -> list[int]:
-    values = _floats(text)
-    if any(v != int(v) for v in values):
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
-    return [int(v) for v in values]
+from deploy.config_args import float_list, int_list
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,9 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--seed", type=int, default=0)
     load = parser.add_argument_group("load")
     load.add_argument("--rate", type=float, default=None, help="sessions per second")
-    load.add_argument("--rates", type=_floats, default=None, help="a sweep, e.g. 1,2,4")
+    load.add_argument("--rates", type=float_list, default=None, help="a sweep, e.g. 1,2,4")
     load.add_argument("--burstiness", type=float, default=1.0, help="1 = Poisson")
-    load.add_argument("--concurrency", type=_ints, default=None, help="closed loop, e.g. 1,4")
+    load.add_argument("--concurrency", type=int_list, default=None, help="closed loop, e.g. 1,4")
     load.add_argument(
         "--max-concurrency", type=int, default=None, help="open loop: cap on requests in flight"
     )

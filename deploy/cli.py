@@ -16,6 +16,7 @@ from deploy import (
     health_cmd,
     make_lora_cmd,
     make_model_cmd,
+    plan_cmd,
     worker_cmd,
 )
 
@@ -31,6 +32,7 @@ COMMANDS: dict[str, Command] = {
     "router": worker_cmd.ROUTER,
     "up": worker_cmd.UP,
     "bench": bench_cmd.COMMAND,
+    "plan": plan_cmd.COMMAND,
     "config": config_cmd.COMMAND,
     "deploy": deploy_cmd.COMMAND,
     "health": health_cmd.COMMAND,

@@ -1,5 +1,5 @@
-"""The config arguments every subcommand shares: ``--set KEY=VALUE`` overrides, and loading
-the config with its validation error printed as the command's answer (exit 2)."""
+"""The arguments subcommands share: ``--set KEY=VALUE`` overrides, loading the config with its
+validation error printed as the command's answer (exit 2), and comma-separated lists."""
 
 from __future__ import annotations
 
@@ -29,3 +29,20 @@ def load_or_report(path: str | None, overrides: list[str]) -> PdserveConfig | No
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return None
+
+
+def float_list(text: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers, got {text!r}") from None
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one number")
+    return values
+
+
+def int_list(text: str) -> list[int]:
+    values = float_list(text)
+    if any(v != int(v) for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+    return [int(v) for v in values]

@@ -1,0 +1,204 @@
+"""``pdserve plan profile|size``: choose the prefill:decode layout from measurements.
+
+``profile`` measures the config's engine on this machine (prefill speed by prompt length,
+decode step time by batch and context) and writes a JSON profile. ``size`` reads a profile
+and a demand (a steady load from flags, or a Mooncake / Azure trace cut into windows) and
+prints how many prefill and decode workers meet the TTFT and ITL targets, and the
+``pdserve up`` line that runs that layout. The model behind the numbers:
+``planner/sizing.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+
+from common.config import ConfigError, PdserveConfig, Role
+from deploy.config_args import add_overrides, int_list, load_or_report
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = __doc__.split("\n\n", 1)[1]
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    actions = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    profile = actions.add_parser(
+        "profile", help="measure the config's engine; write a profile (JSON)"
+    )
+    profile.add_argument("--config", default=None, help="deployment YAML (default: built-in)")
+    add_overrides(profile)
+    profile.add_argument("--out", type=Path, default=Path("pdserve-profile.json"))
+    profile.add_argument("--isl", type=int_list, default=(), help="prompt lengths, e.g. 512,2048")
+    profile.add_argument("--batch", type=int_list, default=(), help="decode batches, e.g. 1,8,64")
+    profile.add_argument("--context", type=int_list, default=(), help="decode contexts (tokens)")
+    profile.add_argument("--steps", type=int, default=12, help="decode steps timed per point")
+
+    size = actions.add_parser("size", help="workers per role for a demand and latency targets")
+    size.add_argument("--profile", type=Path, required=True, help="from `pdserve plan profile`")
+    size.add_argument("--config", default=None, help="deployment YAML (min_disagg_tokens)")
+    add_overrides(size)
+    size.add_argument("--ttft-ms", type=float, required=True, help="mean TTFT target")
+    size.add_argument("--itl-ms", type=float, required=True, help="mean inter-token target")
+    size.add_argument("--max-utilization", type=float, default=0.85,
+                      help="busiest a worker may be planned (default: %(default)s)")  # fmt: skip
+    steady = size.add_argument_group("a steady load")
+    steady.add_argument("--rate", type=float, help="requests per second")
+    steady.add_argument("--isl", type=int, help="prompt tokens")
+    steady.add_argument("--osl", type=int, help="output tokens")
+    steady.add_argument("--cached-tokens", type=int, default=0, help="of each prompt, cached")
+    trace = size.add_argument_group("or a trace")
+    trace.add_argument("--dataset", choices=("mooncake", "azure"))
+    trace.add_argument("--trace", type=Path, default=None, help="default: the shared traces")
+    trace.add_argument("--num-requests", type=int, default=None, help="default: all rows")
+    trace.add_argument("--trace-offset", type=int, default=0)
+    trace.add_argument("--input-scale", type=float, default=1.0)
+    trace.add_argument("--output-scale", type=float, default=1.0)
+    trace.add_argument("--rate-scale", type=float, default=1.0,
+                       help="arrivals this many times as fast")  # fmt: skip
+    trace.add_argument("--window", type=float, default=60.0, help="seconds per window")
+    trace.add_argument("--cache-tokens", type=int, default=None,
+                       help="prefix cache Mooncake's blocks replay through (default: one "
+                            "prefill worker's KV pool)")  # fmt: skip
+    size.add_argument("--out", type=Path, default=None, help="write every window's sizing (JSON)")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_or_report(args.config, args.overrides)
+    if config is None:
+        return 2
+    try:
+        if args.action == "profile":
+            return _profile(config, args)
+        return _size(config, args)
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _profile(config: PdserveConfig, args: argparse.Namespace) -> int:
+    from planner.profile_data import write_profile
+    from planner.profiler import Grid, profile_deployment
+
+    grid = Grid(tuple(args.isl), tuple(args.batch), tuple(args.context), measured_steps=args.steps)
+    profile = profile_deployment(config, grid, lambda line: print(line, file=sys.stderr))
+    write_profile(profile, args.out)
+    print(f"wrote {args.out} ({len(profile.prefill.prefill)} prefill points, "
+          f"{len(profile.decode.decode)} decode points, {profile.machine})")  # fmt: skip
+    return 0
+
+
+def _size(config: PdserveConfig, args: argparse.Namespace) -> int:
+    from planner.demand import Demand, RequestShape, windows
+    from planner.profile_data import read_profile
+    from planner.sizing import Targets, size
+
+    profile = read_profile(args.profile)
+    for warning in _profile_mismatches(config, profile):
+        print(f"warning: {warning}", file=sys.stderr)
+    targets = Targets(
+        args.ttft_ms / 1000, args.itl_ms / 1000, args.max_utilization,
+        config.router.min_disagg_tokens,
+    )  # fmt: skip
+    if args.dataset is not None:
+        demands = windows(_trace_requests(args, profile), args.window)
+    elif None not in (args.rate, args.isl, args.osl):
+        shape = RequestShape(args.isl, args.isl - args.cached_tokens, args.osl)
+        demands = [Demand(args.rate, (shape,))]
+    else:
+        raise ValueError("give a steady load (--rate, --isl, --osl) or a trace (--dataset)")
+    sizings = [size(profile, demand, targets) for demand in demands]
+    prefill = max(s.prefill.replicas for s in sizings)
+    decode = max(s.decode.replicas for s in sizings)
+    if len(demands) == 1:
+        _print_one(demands[0], sizings[0])
+    else:
+        _print_windows(demands, sizings, args.window)
+    sys.stdout.flush()
+    for warning in dict.fromkeys(w for s in sizings for w in s.warnings):
+        print(f"warning: {warning}", file=sys.stderr)
+    command = ["pdserve", "up"] + (["--config", args.config] if args.config else [])
+    command += ["--set", f"prefill.replicas={prefill}", "--set", f"decode.replicas={decode}"]
+    print(f"layout: {prefill} prefill + {decode} decode workers\n  {shlex.join(command)}")
+    if args.out is not None:
+        record = {
+            "profile": str(args.profile), "targets": asdict(targets),
+            "layout": {"prefill": prefill, "decode": decode},
+            "windows": [
+                {"start_s": d.start_s, "rate_per_s": d.rate_per_s,
+                 "num_requests": len(d.shapes), **asdict(s)}
+                for d, s in zip(demands, sizings, strict=True)
+            ],
+        }  # fmt: skip
+        args.out.write_text(json.dumps(record, indent=2) + "\n")
+    return 0
+
+
+def _trace_requests(args: argparse.Namespace, profile):
+    from benchmarks.loadgen.traces import default_trace
+    from planner.demand import TraceOptions, azure_requests, mooncake_requests
+
+    path = args.trace or default_trace(args.dataset)
+    if not path.exists():
+        raise FileNotFoundError(f"trace {path} not found (pass --trace or set PDSERVE_TRACES)")
+    cache_tokens = args.cache_tokens
+    if cache_tokens is None:
+        cache_tokens = profile.prefill.engine.kv_capacity_tokens
+    options = TraceOptions(
+        args.num_requests, args.trace_offset, args.input_scale, args.output_scale,
+        args.rate_scale, profile.prefill.engine.max_model_len, cache_tokens,
+    )  # fmt: skip
+    read = mooncake_requests if args.dataset == "mooncake" else azure_requests
+    return read(path, options)
+
+
+def _profile_mismatches(config: PdserveConfig, profile) -> list[str]:
+    """Where the config's engines are not the ones profiled: the sizing would be of
+    another deployment."""
+    problems = []
+    for role, facts in ((Role.PREFILL, profile.prefill.engine),
+                        (Role.DECODE, profile.decode.engine)):  # fmt: skip
+        engine = config.engine_for(role)
+        for key in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+                    "tensor_parallel_size"):  # fmt: skip
+            if getattr(engine, key) != getattr(facts, key):
+                problems.append(f"{role}.engine.{key} is {getattr(engine, key)} here but "
+                                f"{getattr(facts, key)} in the profile")  # fmt: skip
+    return problems
+
+
+def _print_one(demand, sizing) -> None:
+    shape_isl = sum(s.isl for s in demand.shapes) / len(demand.shapes)
+    shape_osl = sum(s.osl for s in demand.shapes) / len(demand.shapes)
+    print(f"demand: {demand.rate_per_s:.2f} requests/s, {shape_isl:.0f} prompt tokens, "
+          f"{shape_osl:.0f} output tokens")  # fmt: skip
+    p, d = sizing.prefill, sizing.decode
+    why_p = f" (one fewer: {p.limit})" if p.limit else ""
+    why_d = f" (one fewer: {d.limit})" if d.limit else ""
+    print(f"prefill: {_workers(p.replicas)}, {p.utilization:.0%} busy, mean TTFT "
+          f"{p.ttft_s * 1000:.0f} ms{why_p}")  # fmt: skip
+    print(f"decode:  {_workers(d.replicas)}, {d.batch:.1f} requests in flight each, ITL "
+          f"{d.itl_s * 1000:.1f} ms, KV {d.kv_fraction:.0%}, prefilling short prompts "
+          f"{d.local_prefill_fraction:.0%} of the time{why_d}")  # fmt: skip
+
+
+def _workers(count: int) -> str:
+    return f"{count} worker" + ("" if count == 1 else "s")
+
+
+def _print_windows(demands, sizings, window_s: float) -> None:
+    peak = max(range(len(demands)), key=lambda i: demands[i].rate_per_s)
+    layouts = Counter((s.prefill.replicas, s.decode.replicas) for s in sizings)
+    print(
+        f"{len(demands)} windows of {window_s:.0f} s; layouts needed (prefill, decode): "
+        + ", ".join(f"{p}P{d}D in {n}" for (p, d), n in sorted(layouts.items()))
+    )
+    print(f"busiest window, from {demands[peak].start_s:.0f} s:")
+    _print_one(demands[peak], sizings[peak])
+
+
+COMMAND = ("choose the prefill:decode layout: profile the engine, size for a load", add_arguments,
+           run)  # fmt: skip

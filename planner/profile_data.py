@@ -1,0 +1,105 @@
+"""What a profile holds: one worker's measured prefill and decode speed, as a JSON file.
+
+``pdserve plan profile`` writes it (``planner/profiler.py``, which runs the engine);
+``pdserve plan size`` reads it (torch-free). msgspec decodes it against these types, so a
+hand-edited or stale file fails with the field that is wrong, not deep in the sizing.
+
+Units are in the names: ``*_s`` seconds, ``*_tokens`` tokens, ``tokens_per_s`` prompt
+tokens computed per second.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+PROFILE_VERSION = 1
+
+
+class EngineFacts(msgspec.Struct, frozen=True):
+    """The engine a role's points were measured on: what bounds a worker besides time."""
+
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_capacity_tokens: int  # KV pool blocks x block size
+    max_model_len: int
+    tensor_parallel_size: int
+    dtype: str
+    device: str
+
+
+class PrefillPoint(msgspec.Struct, frozen=True):
+    """Prompts of ``isl`` tokens (none cached). ``latency_s``: one prompt alone, from its
+    arrival to its first token (its chunks, if the step budget splits it). ``tokens_per_s``:
+    prompt tokens computed per second with enough prompts waiting to fill every step."""
+
+    isl: int
+    latency_s: float
+    tokens_per_s: float
+
+
+class DecodePoint(msgspec.Struct, frozen=True):
+    """``batch`` requests decoding together, their contexts ``context_tokens`` long on
+    average: ``itl_s`` is one step's time (one token for each)."""
+
+    batch: int
+    context_tokens: int
+    itl_s: float
+
+
+class RoleProfile(msgspec.Struct, frozen=True):
+    engine: EngineFacts
+    prefill: list[PrefillPoint] = []
+    decode: list[DecodePoint] = []
+
+
+class Profile(msgspec.Struct, frozen=True):
+    """Both roles of one deployment, measured on ``machine``. A decode worker prefills short
+    prompts too (the router's ``min_disagg_tokens``): the sizing takes that speed from the
+    prefill role's points."""
+
+    model: str
+    machine: str
+    created: str
+    prefill: RoleProfile
+    decode: RoleProfile
+    version: int = PROFILE_VERSION
+
+
+class ProfileError(ValueError):
+    pass
+
+
+def write_profile(profile: Profile, path: Path) -> None:
+    path.write_bytes(msgspec.json.format(msgspec.json.encode(profile), indent=2) + b"\n")
+
+
+def read_profile(path: Path) -> Profile:
+    """The profile at ``path``, checked: a version this code reads, and points to size from
+    (prefill speeds, decode steps)."""
+    try:
+        profile = msgspec.json.decode(path.read_bytes(), type=Profile)
+    except OSError as exc:
+        raise ProfileError(f"cannot read profile {path}: {exc.strerror}") from None
+    except msgspec.ValidationError as exc:
+        raise ProfileError(f"{path} is not a pdserve profile: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ProfileError(f"{path} is not JSON: {exc}") from None
+    if profile.version != PROFILE_VERSION:
+        raise ProfileError(
+            f"{path} is a version {profile.version} profile; this pdserve reads version "
+            f"{PROFILE_VERSION}: profile again"
+        )
+    if not profile.prefill.prefill:
+        raise ProfileError(f"{path} has no prefill points")
+    if not profile.decode.decode:
+        raise ProfileError(f"{path} has no decode points")
+    for point in profile.prefill.prefill:
+        if point.isl < 1 or point.latency_s <= 0 or point.tokens_per_s <= 0:
+            raise ProfileError(f"{path}: prefill point {point} is not a measurement")
+    for point in profile.decode.decode:
+        if point.batch < 1 or point.context_tokens < 1 or point.itl_s <= 0:
+            raise ProfileError(f"{path}: decode point {point} is not a measurement")
+    return profile

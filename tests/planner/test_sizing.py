@@ -1,0 +1,126 @@
+"""The sizing against cases worked by hand: an M/G/1 prefill queue per worker, decode
+batches at Little's law, and the limits that bind."""
+
+from __future__ import annotations
+
+import pytest
+
+from planner.demand import Demand, RequestShape
+from planner.profile_data import DecodePoint, EngineFacts, PrefillPoint, Profile, RoleProfile
+from planner.sizing import Targets, size
+
+
+def make_profile(
+    *, max_num_seqs: int = 256, kv_capacity_tokens: int = 10_000_000, block_size: int = 16
+) -> Profile:
+    """Prefill: 1000 prompt tokens a second at any length, alone or loaded (a prompt of
+    n tokens takes n ms). Decode: a step of b requests takes 10 + b ms at any context."""
+    facts = EngineFacts(block_size, max_num_seqs, 4096, kv_capacity_tokens, 32768, 1,
+                        "float32", "cpu")  # fmt: skip
+    prefill = [PrefillPoint(isl, isl / 1000, 1000.0) for isl in (100, 1000, 10_000)]
+    decode = [DecodePoint(b, c, 0.010 + 0.001 * b) for b in (1, 64, 256) for c in (100, 10_000)]
+    return Profile("m", "cpu", "now", RoleProfile(facts, prefill=prefill),
+                   RoleProfile(facts, decode=decode))  # fmt: skip
+
+
+def test_prefill_workers_follow_the_mg1_wait():
+    """1.5 prompts/s of 1000 tokens, 1 s each: two workers are 75% busy and a prompt
+    waits 0.75 * 1 / (2 * 0.25) = 1.5 s, so TTFT 2.5 s; with three, 50% busy, 0.5 s."""
+    demand = Demand(1.5, (RequestShape(1000, 1000, 1),))
+    loose = size(make_profile(), demand, Targets(ttft_s=3.0, itl_s=1.0))
+    assert loose.prefill.replicas == 2
+    assert loose.prefill.utilization == pytest.approx(0.75)
+    assert loose.prefill.ttft_s == pytest.approx(2.5)
+    assert loose.prefill.limit == "prompt throughput"  # one worker would be 150% busy
+    tight = size(make_profile(), demand, Targets(ttft_s=2.0, itl_s=1.0))
+    assert tight.prefill.replicas == 3
+    assert tight.prefill.ttft_s == pytest.approx(1.5)
+    assert tight.prefill.limit == "ttft"
+    capped = size(make_profile(), demand, Targets(ttft_s=3.0, itl_s=1.0, max_utilization=0.7))
+    assert (capped.prefill.replicas, capped.prefill.limit) == (3, "utilization")
+    assert not loose.warnings
+
+
+def test_cached_prefixes_cut_prefill_work():
+    """A 1000-token prompt with 900 cached costs 100 tokens' work (0.1 s)."""
+    demand = Demand(5.0, (RequestShape(1000, 100, 1),))
+    sizing = size(make_profile(), demand, Targets(ttft_s=3.0, itl_s=1.0, min_disagg_tokens=0))
+    assert sizing.prefill.replicas == 1
+    assert sizing.prefill.utilization == pytest.approx(0.5)
+
+
+def test_decode_batch_settles_where_tokens_come_as_fast_as_asked():
+    """5 requests/s of 100 decode tokens: 500 tokens/s. One worker: b / (0.01 + 0.001 b)
+    = 500 at b = 10, a 20 ms step. A 15 ms target needs b <= 5, so two workers: 250
+    tokens/s each at b = 3.33 (13.3 ms)."""
+    demand = Demand(5.0, (RequestShape(1000, 1000, 101),))
+    one = size(make_profile(), demand, Targets(ttft_s=10.0, itl_s=0.025))
+    assert one.decode.replicas == 1
+    assert one.decode.batch == pytest.approx(10, rel=1e-4)
+    assert one.decode.itl_s == pytest.approx(0.020, rel=1e-4)
+    assert one.decode.context_tokens == pytest.approx(1050)
+    two = size(make_profile(), demand, Targets(ttft_s=10.0, itl_s=0.015))
+    assert two.decode.replicas == 2
+    assert two.decode.batch == pytest.approx(10 / 3, rel=1e-4)
+    assert two.decode.limit == "itl"
+
+
+def test_kv_and_max_num_seqs_bound_the_batch():
+    """At b = 10 a request holds 1050 + 16 tokens: a 20,000-token pool at 85% fits 15.9,
+    a 10,000-token one 7.97 (two workers, 5 each); max_num_seqs 8 caps at 6.8."""
+    demand = Demand(5.0, (RequestShape(1000, 1000, 101),))
+    targets = Targets(ttft_s=10.0, itl_s=0.1)
+    assert size(make_profile(kv_capacity_tokens=20_000), demand, targets).decode.replicas == 1
+    small_kv = size(make_profile(kv_capacity_tokens=10_000), demand, targets).decode
+    assert (small_kv.replicas, small_kv.limit) == (2, "kv")
+    assert small_kv.kv_fraction == pytest.approx(small_kv.batch * 1066 / 10_000)
+    few_seqs = size(make_profile(max_num_seqs=8), demand, targets).decode
+    assert (few_seqs.replicas, few_seqs.limit) == (2, "max_num_seqs")
+
+
+def test_short_prompts_are_prefilled_on_decode_workers_and_stretch_their_steps():
+    """Prompts under min_disagg_tokens (200 tokens: 0.2 s each, 2/s) busy the decode
+    workers 40%: no prefill worker, and a 20 ms step is seen as 20 / 0.6 ms."""
+    demand = Demand(2.0, (RequestShape(200, 200, 1),))
+    sizing = size(make_profile(), demand, Targets(ttft_s=1.0, itl_s=0.05, min_disagg_tokens=256))
+    assert sizing.prefill.replicas == 0
+    assert sizing.decode.local_prefill_fraction == pytest.approx(0.4)
+    decoding = Demand(2.0, (RequestShape(200, 200, 101),))
+    sizing = size(make_profile(), decoding, Targets(ttft_s=1.0, itl_s=0.05, min_disagg_tokens=256))
+    # 200 tokens/s over 60% of the time: b / (0.01 + 0.001 b) = 333.3 at b = 5
+    assert sizing.decode.batch == pytest.approx(5.0, rel=1e-4)
+    assert sizing.decode.itl_s == pytest.approx(0.015 / 0.6, rel=1e-4)
+
+
+def test_targets_no_layout_meets_are_warned_and_the_rest_still_sized():
+    demand = Demand(3.0, (RequestShape(10_000, 10_000, 2),))
+    sizing = size(make_profile(), demand, Targets(ttft_s=5.0, itl_s=0.005))
+    assert sizing.prefill.replicas == 36  # 30 busy workers at <= 85%
+    assert any("TTFT target 5000 ms cannot be met" in w for w in sizing.warnings)
+    assert any("ITL target 5.0 ms cannot be met" in w for w in sizing.warnings)
+
+
+def test_lookups_beyond_the_profile_are_warned():
+    demand = Demand(1.0, (RequestShape(20_000, 20_000, 11),))
+    sizing = size(make_profile(), demand, Targets(ttft_s=100.0, itl_s=1.0))
+    assert any("prompts of 20000 tokens (profiled up to 10000)" in w for w in sizing.warnings)
+    assert any("decode context of 20005 tokens" in w for w in sizing.warnings)
+
+
+def test_no_load_needs_one_decode_worker_only():
+    sizing = size(make_profile(), Demand(0.0, (RequestShape(500, 500, 10),)),
+                  Targets(ttft_s=1.0, itl_s=0.1))  # fmt: skip
+    assert (sizing.prefill.replicas, sizing.decode.replicas) == (0, 1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ttft_s": 0.0, "itl_s": 1.0}, "ttft_s target must be"),
+        ({"ttft_s": 1.0, "itl_s": float("nan")}, "itl_s target must be"),
+        ({"ttft_s": 1.0, "itl_s": 1.0, "max_utilization": 1.5}, "max_utilization"),
+    ],
+)
+def test_bad_targets_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Targets(**kwargs)
