@@ -80,8 +80,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _profile(config: PdserveConfig, args: argparse.Namespace) -> int:
+    from planner.grid import Grid
     from planner.profile_data import write_profile
-    from planner.profiler import Grid, profile_deployment
+    from planner.profiler import profile_deployment
 
     grid = Grid(tuple(args.isl), tuple(args.batch), tuple(args.context), measured_steps=args.steps)
     profile = profile_deployment(config, grid, lambda line: print(line, file=sys.stderr))

@@ -64,6 +64,7 @@ class EngineStats:
     num_pull_failures: int = 0
     num_blocks_reused_for_remote: int = 0
     num_steps: int = 0
+    busy_s: float = 0.0  # cumulative: ``LLMEngine.busy_s``
     cpu_blocks_total: int = 0
     cpu_blocks_used: int = 0
     offloaded_blocks: int = 0
@@ -336,6 +337,7 @@ class AsyncEngine:
             num_pull_failures=self.engine.num_pull_failures,
             num_blocks_reused_for_remote=scheduler.num_blocks_reused_for_remote,
             num_steps=self.engine.num_steps,
+            busy_s=self.engine.busy_s,
             draft_tokens=scheduler.num_draft_tokens,
             accepted_draft_tokens=scheduler.num_accepted_tokens,
             expert_rebalances=balance.num_rebalances,

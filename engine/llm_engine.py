@@ -174,6 +174,9 @@ class LLMEngine:
         # Requests whose images are not decoded yet (pulled prompts: ``engine/images.py``).
         self._undecoded_images: set[str] = set()
         self.num_steps = 0
+        # Wall time of the steps that ran a forward pass, whole (scheduling, the pass,
+        # outputs): over a window, its growth is how busy the engine was.
+        self.busy_s = 0.0
         self.num_pull_failures = 0
         self._pull_failure_logged_at = -PULL_FAILURE_LOG_S
         self.last_step: StepStats | None = None
@@ -590,6 +593,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step. Returns an output for every request that produced a token or
         finished. Returns at once, with no forward pass, when only pulls are in flight."""
+        step_start = time.perf_counter()
         outputs = self._poll_fetches()
         outputs += self._decode_images()
         scheduler_output = self.scheduler.schedule()
@@ -646,6 +650,7 @@ class LLMEngine:
             if request.status.finished:
                 self._forget(request.request_id)
             outputs.append(self._output(request, request.output_token_ids[-num_new:]))
+        self.busy_s += time.perf_counter() - step_start
         return outputs
 
     def _advance_grammar(self, request: Request) -> None:

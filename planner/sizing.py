@@ -27,6 +27,7 @@ prefill worker before its KV moves); it delays the second token.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -58,15 +59,15 @@ class Targets:
 @dataclass(frozen=True, slots=True)
 class PrefillSizing:
     replicas: int
-    utilization: float  # of each worker
-    ttft_s: float  # predicted mean, for disaggregated prompts (0: none)
-    limit: str  # why one fewer worker is not enough ("" where none is needed)
+    utilization: float  # of each worker (>= 1: the queue grows without end)
+    ttft_s: float  # predicted mean, for disaggregated prompts (0: none; inf: no end)
+    limit: str  # sized: why one fewer worker is not enough; predicted: the target missed
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeSizing:
     replicas: int
-    batch: float  # requests in flight per worker, on average
+    batch: float  # requests in flight per worker, on average (inf: more than it can make)
     itl_s: float  # predicted mean, prefills on the worker included
     kv_fraction: float  # of each worker's KV pool the batch holds
     context_tokens: float  # mean context of a request in flight
@@ -82,135 +83,158 @@ class Sizing:
 
 
 def size(profile: Profile, demand: Demand, targets: Targets) -> Sizing:
-    """The workers ``demand`` needs. Where no number of workers meets a target (one prompt
-    alone is slower than the TTFT target; one request alone steps slower than the ITL
-    target), the answer meets the rest and a warning says which target it cannot meet and
-    why: adding workers does not help there, a faster device or more tensor parallelism
-    does."""
-    prefill_curve = PrefillCurve(profile.prefill.prefill)
-    decode_curve = DecodeCurve(profile.decode.decode)
-    warnings: list[str] = []
-    remote = [s for s in demand.shapes if s.uncached_tokens >= targets.min_disagg_tokens]
-    local = [s for s in demand.shapes if s.uncached_tokens < targets.min_disagg_tokens]
-    share = demand.rate_per_s / len(demand.shapes)  # requests a second of each shape
+    """The fewest workers of each role ``demand`` needs. Where no number of workers meets a
+    target (one prompt alone is slower than the TTFT target; one request alone steps
+    slower than the ITL target), the answer meets the rest and a warning says which target
+    it cannot meet and why: adding workers does not help there, a faster device or more
+    tensor parallelism does."""
+    model = _Model(profile, demand, targets)
+    prefill = _fewest(model.prefill, "prefill") if model.prefill_rate_per_s else model.prefill(0)
+    decode = _fewest(model.decode, "decode")
+    return Sizing(prefill, decode, model.warnings(decode))
 
-    prefill_s = [s.uncached_tokens * prefill_curve.token_s(s.isl) for s in remote]
-    prefill = _size_prefill(
-        share * len(remote),
-        _mean(prefill_s),
-        _mean([t * t for t in prefill_s]),
-        _mean([prefill_curve.latency_s(s.isl) * s.uncached_tokens / s.isl for s in remote]),
-        targets,
-        warnings,
-    )
-    local_busy = share * sum(s.uncached_tokens * prefill_curve.token_s(s.isl) for s in local)
-    decode = _size_decode(profile, decode_curve, demand, share, local_busy, targets, warnings)
-    longest = max((s.isl for s in demand.shapes), default=0)
-    if longest > prefill_curve.max_isl:
-        warnings.append(f"extrapolated beyond the profile: prompts of {longest} tokens "
-                        f"(profiled up to {prefill_curve.max_isl})")  # fmt: skip
-    if decode.batch > decode_curve.max_batch:
-        warnings.append(f"extrapolated beyond the profile: a decode batch of {decode.batch:.0f} "
-                        f"(profiled up to {decode_curve.max_batch})")  # fmt: skip
-    if decode.context_tokens > decode_curve.max_context:
-        warnings.append(f"extrapolated beyond the profile: a mean decode context of "
-                        f"{decode.context_tokens:.0f} tokens (profiled up to "
-                        f"{decode_curve.max_context})")  # fmt: skip
-    return Sizing(prefill, decode, tuple(warnings))
+
+def predict(
+    profile: Profile, demand: Demand, targets: Targets, prefill_replicas: int,
+    decode_replicas: int,
+) -> Sizing:  # fmt: skip
+    """What a given layout would see under ``demand``; each role's ``limit`` names the
+    target it misses ("" where it meets them all)."""
+    if decode_replicas < 1 or prefill_replicas < 0:
+        raise ValueError("a layout needs at least one decode worker and no fewer than 0 prefill")
+    model = _Model(profile, demand, targets)
+    decode = model.decode(decode_replicas)
+    return Sizing(model.prefill(prefill_replicas), decode, model.warnings(decode))
+
+
+def _fewest(at, role: str):
+    """The first of ``at(1), at(2), ...`` with no limit missed, its ``limit`` the one
+    ``at(n - 1)`` missed."""
+    missed = ""
+    for replicas in range(1, MAX_WORKERS + 1):
+        sizing = at(replicas)
+        if not sizing.limit:
+            return dataclasses.replace(sizing, limit=missed)
+        missed = sizing.limit
+    raise ValueError(f"no layout of up to {MAX_WORKERS} {role} workers serves this demand")
+
+
+class _Model:
+    """One demand's load on each role, as functions of the workers serving it."""
+
+    def __init__(self, profile: Profile, demand: Demand, targets: Targets) -> None:
+        self.targets = targets
+        self.prefill_curve = PrefillCurve(profile.prefill.prefill)
+        self.decode_curve = DecodeCurve(profile.decode.decode)
+        self.engine = profile.decode.engine
+        self.shapes = demand.shapes
+        share = demand.rate_per_s / len(demand.shapes)  # requests a second of each shape
+        remote = [s for s in demand.shapes if s.uncached_tokens >= targets.min_disagg_tokens]
+        local = [s for s in demand.shapes if s.uncached_tokens < targets.min_disagg_tokens]
+        # Prefill workers: each prompt's service time and latency alone.
+        service_s = [s.uncached_tokens * self.prefill_curve.token_s(s.isl) for s in remote]
+        self.prefill_rate_per_s = share * len(remote)
+        self.mean_service_s = _mean(service_s)
+        self.mean_square_service_s2 = _mean([t * t for t in service_s])
+        self.mean_alone_s = _mean([self.prefill_curve.latency_s(s.isl) * s.uncached_tokens / s.isl
+                                   for s in remote])  # fmt: skip
+        # Decode workers: tokens a second, the context they are made at, local prefills.
+        tokens = [s.osl - 1 for s in demand.shapes]
+        total = sum(tokens)
+        self.decode_tokens_per_s = share * total
+        # Mean context (and KV held) of a request in flight, weighted by how long it stays.
+        self.context = (
+            sum(t * (s.isl + t / 2) for t, s in zip(tokens, demand.shapes, strict=True)) / total
+            if total
+            else float(_mean([s.isl for s in demand.shapes]))
+        )
+        self.kv_tokens = self.context + self.engine.block_size  # its last block part-filled
+        self.local_busy = share * sum(
+            s.uncached_tokens * self.prefill_curve.token_s(s.isl) for s in local
+        )
+        self.alone_itl_s = self.decode_curve.itl_s(1, self.context)
+
+    def prefill(self, replicas: int) -> PrefillSizing:
+        if self.prefill_rate_per_s == 0:
+            return PrefillSizing(replicas, 0.0, 0.0, "")
+        if replicas == 0:
+            return PrefillSizing(0, math.inf, math.inf, "prompt throughput")
+        utilization = self.prefill_rate_per_s * self.mean_service_s / replicas
+        if utilization >= 1:
+            return PrefillSizing(replicas, utilization, math.inf, "prompt throughput")
+        wait_s = (
+            (self.prefill_rate_per_s / replicas)
+            * self.mean_square_service_s2
+            / (2 * (1 - utilization))
+        )
+        ttft_s = self.mean_alone_s + wait_s
+        limit = ""
+        if utilization > self.targets.max_utilization:
+            limit = "utilization"
+        elif self.mean_alone_s <= self.targets.ttft_s < ttft_s:
+            limit = "ttft"
+        return PrefillSizing(replicas, utilization, ttft_s, limit)
+
+    def decode(self, replicas: int) -> DecodeSizing:
+        local_fraction = self.local_busy / replicas
+        engine = self.engine
+        if local_fraction >= 1:
+            return DecodeSizing(replicas, math.inf, math.inf, math.inf, self.context,
+                                local_fraction, "local prefills")  # fmt: skip
+        batch = _batch_for(self.decode_curve,
+                           self.decode_tokens_per_s / replicas / (1 - local_fraction),
+                           self.context)  # fmt: skip
+        if batch is None:
+            return DecodeSizing(replicas, math.inf, math.inf, math.inf, self.context,
+                                local_fraction, "step time")  # fmt: skip
+        itl_s = self.decode_curve.itl_s(batch, self.context) / (1 - local_fraction)
+        utilization = self.targets.max_utilization
+        limit = ""
+        if local_fraction >= utilization:
+            limit = "local prefills"
+        elif batch > utilization * min(engine.max_num_seqs, engine.kv_capacity_tokens /
+                                       self.kv_tokens):  # fmt: skip
+            seqs_bound = engine.max_num_seqs <= engine.kv_capacity_tokens / self.kv_tokens
+            limit = "max_num_seqs" if seqs_bound else "kv"
+        elif self.alone_itl_s <= self.targets.itl_s < itl_s:
+            limit = "itl"
+        return DecodeSizing(
+            replicas, batch, itl_s, batch * self.kv_tokens / engine.kv_capacity_tokens,
+            self.context, local_fraction, limit,
+        )  # fmt: skip
+
+    def warnings(self, decode: DecodeSizing) -> tuple[str, ...]:
+        """Targets no layout meets, and answers that lean on extending the profile."""
+        targets, warnings = self.targets, []
+        if self.prefill_rate_per_s and self.mean_alone_s > targets.ttft_s:
+            warnings.append(
+                f"TTFT target {targets.ttft_s * 1000:.0f} ms cannot be met: an idle prefill "
+                f"worker takes {self.mean_alone_s * 1000:.0f} ms for these prompts on "
+                f"average; sized for {targets.max_utilization:.0%} utilization only"
+            )
+        if self.alone_itl_s > targets.itl_s:
+            warnings.append(
+                f"ITL target {targets.itl_s * 1000:.1f} ms cannot be met: one request alone "
+                f"decodes at {self.alone_itl_s * 1000:.1f} ms a token at a "
+                f"{self.context:.0f}-token context; sized for the batch and KV limits only"
+            )
+        longest = max(s.isl for s in self.shapes)
+        if longest > self.prefill_curve.max_isl:
+            warnings.append(f"extrapolated beyond the profile: prompts of {longest} tokens "
+                            f"(profiled up to {self.prefill_curve.max_isl})")  # fmt: skip
+        if math.isfinite(decode.batch) and decode.batch > self.decode_curve.max_batch:
+            warnings.append(f"extrapolated beyond the profile: a decode batch of "
+                            f"{decode.batch:.0f} (profiled up to "
+                            f"{self.decode_curve.max_batch})")  # fmt: skip
+        if self.context > self.decode_curve.max_context:
+            warnings.append(f"extrapolated beyond the profile: a mean decode context of "
+                            f"{self.context:.0f} tokens (profiled up to "
+                            f"{self.decode_curve.max_context})")  # fmt: skip
+        return tuple(warnings)
 
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
-
-
-def _size_prefill(
-    rate_per_s: float,
-    mean_s: float,
-    mean_square_s2: float,
-    mean_alone_s: float,
-    targets: Targets,
-    warnings: list[str],
-) -> PrefillSizing:
-    if rate_per_s == 0:
-        return PrefillSizing(0, 0.0, 0.0, "")
-    busy = rate_per_s * mean_s  # busy workers needed, at 100% utilization
-    meets_ttft = mean_alone_s <= targets.ttft_s
-    if not meets_ttft:
-        warnings.append(
-            f"TTFT target {targets.ttft_s * 1000:.0f} ms cannot be met: an idle prefill worker "
-            f"takes {mean_alone_s * 1000:.0f} ms for these prompts on average; sized for "
-            f"{targets.max_utilization:.0%} utilization only"
-        )
-    limit = ""
-    for replicas in range(1, MAX_WORKERS + 1):
-        utilization = busy / replicas
-        if utilization >= 1:
-            limit = "prompt throughput"
-            continue
-        wait_s = (rate_per_s / replicas) * mean_square_s2 / (2 * (1 - utilization))
-        ttft_s = mean_alone_s + wait_s
-        if utilization > targets.max_utilization:
-            limit = "utilization"
-        elif meets_ttft and ttft_s > targets.ttft_s:
-            limit = "ttft"
-        else:
-            return PrefillSizing(replicas, utilization, ttft_s, limit)
-    raise ValueError(f"no layout of up to {MAX_WORKERS} prefill workers serves this demand")
-
-
-def _size_decode(
-    profile: Profile,
-    curve: DecodeCurve,
-    demand: Demand,
-    share: float,
-    local_busy: float,
-    targets: Targets,
-    warnings: list[str],
-) -> DecodeSizing:
-    engine = profile.decode.engine
-    tokens = [s.osl - 1 for s in demand.shapes]
-    total = sum(tokens)
-    rate_tokens = share * total  # decode tokens a second, all workers
-    # Mean context (and KV held) of a request in flight, weighted by how long it stays.
-    context = (
-        sum(t * (s.isl + t / 2) for t, s in zip(tokens, demand.shapes, strict=True)) / total
-        if total
-        else float(_mean([s.isl for s in demand.shapes]))
-    )
-    kv_tokens = context + engine.block_size  # its last block part-filled
-    max_batch = targets.max_utilization * min(
-        engine.max_num_seqs, engine.kv_capacity_tokens / kv_tokens
-    )
-    alone_itl = curve.itl_s(1, context)
-    if alone_itl > targets.itl_s:
-        warnings.append(
-            f"ITL target {targets.itl_s * 1000:.1f} ms cannot be met: one request alone "
-            f"decodes at {alone_itl * 1000:.1f} ms a token at a {context:.0f}-token context; "
-            "sized for the batch and KV limits only"
-        )
-    limit = ""
-    for replicas in range(1, MAX_WORKERS + 1):
-        local_fraction = local_busy / replicas
-        if local_fraction >= targets.max_utilization:
-            limit = "local prefills"
-            continue
-        batch = _batch_for(curve, rate_tokens / replicas / (1 - local_fraction), context)
-        if batch is None:
-            limit = "step time"
-            continue
-        if batch > max_batch:
-            seqs_bound = engine.max_num_seqs <= engine.kv_capacity_tokens / kv_tokens
-            limit = "max_num_seqs" if seqs_bound else "kv"
-            continue
-        itl_s = curve.itl_s(batch, context) / (1 - local_fraction)
-        if alone_itl <= targets.itl_s and itl_s > targets.itl_s:
-            limit = "itl"
-            continue
-        return DecodeSizing(
-            replicas, batch, itl_s, batch * kv_tokens / engine.kv_capacity_tokens, context,
-            local_fraction, limit,
-        )  # fmt: skip
-    raise ValueError(f"no layout of up to {MAX_WORKERS} decode workers serves this demand")
 
 
 def _batch_for(curve: DecodeCurve, tokens_per_s: float, context: float) -> float | None:

@@ -107,6 +107,13 @@ class RouterMetrics:
             (worker_gauge("pdserve:worker_expert_moved_slots",
                           "Expert slots moved by rebalancing (cumulative)."),
              lambda stats: stats.expert_moved_slots),
+            (worker_gauge("pdserve:worker_engine_steps",
+                          "Engine steps that ran a forward pass (cumulative)."),
+             lambda stats: stats.engine_steps),
+            (worker_gauge("pdserve:worker_engine_busy_seconds",
+                          "Wall time of those steps (cumulative): its rate is how busy the "
+                          "worker is; over the steps' rate, its mean step."),
+             lambda stats: stats.engine_busy_seconds),
             (worker_gauge("pdserve:worker_images_encoded",
                           "Images run through the vision encoder (cumulative)."),
              lambda stats: stats.images_encoded),

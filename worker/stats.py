@@ -76,6 +76,8 @@ def stats_reply(
         expert_moved_slots=stats.expert_moved_slots,
         expert_imbalance=stats.expert_imbalance,
         images_encoded=stats.images_encoded,
+        engine_steps=stats.num_steps,
+        engine_busy_seconds=stats.busy_s,
         lora_adapters=[
             pb.LoraAdapterInfo(name=adapter.name, fingerprint=adapter.fingerprint)
             for adapter in lora_adapters

@@ -7,7 +7,8 @@ import pytest
 
 from common.config import EngineConfig
 from engine import LLMEngine
-from planner.profiler import Grid, engine_facts, profile_engine
+from planner.grid import Grid
+from planner.profiler import engine_facts, profile_engine
 
 
 @pytest.fixture(scope="module")

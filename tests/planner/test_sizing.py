@@ -7,7 +7,7 @@ import pytest
 
 from planner.demand import Demand, RequestShape
 from planner.profile_data import DecodePoint, EngineFacts, PrefillPoint, Profile, RoleProfile
-from planner.sizing import Targets, size
+from planner.sizing import Targets, predict, size
 
 
 def make_profile(
@@ -124,3 +124,17 @@ def test_no_load_needs_one_decode_worker_only():
 def test_bad_targets_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Targets(**kwargs)
+
+
+def test_predict_a_given_layout_names_the_target_it_misses():
+    demand = Demand(1.5, (RequestShape(1000, 1000, 101),))
+    targets = Targets(ttft_s=2.0, itl_s=0.015)
+    short = predict(make_profile(), demand, targets, prefill_replicas=1, decode_replicas=1)
+    assert short.prefill.limit == "prompt throughput" and short.prefill.ttft_s == float("inf")
+    # 150 tokens/s on one decode worker: b / (0.01 + 0.001 b) = 150 at b = 1.76
+    assert short.decode.batch == pytest.approx(1.5 / 0.85, rel=1e-4)
+    assert short.decode.limit == ""
+    two = predict(make_profile(), demand, targets, prefill_replicas=2, decode_replicas=1)
+    assert (two.prefill.ttft_s, two.prefill.limit) == (pytest.approx(2.5), "ttft")
+    with pytest.raises(ValueError, match="at least one decode worker"):
+        predict(make_profile(), demand, targets, prefill_replicas=1, decode_replicas=0)

@@ -1,0 +1,66 @@
+"""What a profile measures: prompt lengths, decode batches and contexts, and how long.
+Torch-free: both profilers (the engine's, ``planner/profiler.py``; a running stack's,
+``planner/stack_profiler.py``) take it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from planner.profile_data import EngineFacts
+
+Progress = Callable[[str], None]
+KV_HEADROOM = 0.9  # of the pool a decode measurement fills at most
+
+
+@dataclass(frozen=True, slots=True)
+class Grid:
+    """What to measure. Empty tuples: the defaults for the engine (``for_engine``)."""
+
+    isls: tuple[int, ...] = ()
+    batches: tuple[int, ...] = ()
+    contexts: tuple[int, ...] = ()
+    warmup_steps: int = 3
+    measured_steps: int = 12
+    repeats: int = 3  # a lone prompt's latency: the median of this many
+
+    def __post_init__(self) -> None:
+        for key in ("isls", "batches", "contexts"):
+            if any(value < 1 for value in getattr(self, key)):
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.warmup_steps < 0 or self.measured_steps < 1 or self.repeats < 1:
+            raise ValueError("warmup_steps must be >= 0, measured_steps and repeats >= 1")
+
+    @property
+    def steps_per_batch(self) -> int:
+        return self.warmup_steps + self.measured_steps
+
+    def for_engine(self, facts: EngineFacts) -> Grid:
+        """This grid with its empty axes filled for ``facts``: prompt lengths 128 x 4^k and
+        contexts 256 x 4^k below the model's context, each with the longest that fits;
+        batches 1, 2, 4, ... up to ``max_num_seqs``."""
+        longest_isl = facts.max_model_len - 1
+        isls = self.isls or _geometric(128, longest_isl)
+        batches = self.batches or tuple(
+            sorted({*(2**k for k in range(facts.max_num_seqs.bit_length())), facts.max_num_seqs})
+        )
+        longest_context = facts.max_model_len - self._drift(len(batches))
+        contexts = self.contexts or _geometric(256, longest_context)
+        return Grid(isls, batches, contexts, self.warmup_steps, self.measured_steps,
+                    self.repeats)  # fmt: skip
+
+    def _drift(self, num_batches: int) -> int:
+        """How far past its mean a context grows over one context's measurements."""
+        return math.ceil(num_batches * self.steps_per_batch / 2) + 1
+
+
+def _geometric(start: int, longest: int) -> tuple[int, ...]:
+    values = []
+    value = start
+    while value < longest:
+        values.append(value)
+        value *= 4
+    if longest >= 1 and (not values or longest > values[-1] * 1.5):
+        values.append(longest)  # the longest that fits, where the series stops well short
+    return tuple(values)
