@@ -1,15 +1,16 @@
-"""Does ``pdserve plan`` predict what a stack sees? A profile measured on one pinned core,
-then a 1 prefill + 1 decode stack (each worker pinned to its own core) under Poisson load
-at fractions of the rate the planner says 1P1D can take within the targets; the
-planner's predicted mean TTFT and ITL beside the measured ones at each rate.
+"""Does ``pdserve plan`` predict what a stack sees? Two profiles: the engine alone on one
+pinned core (``plan profile``), and the running stack through its router (``plan profile
+--base-url``); then the 1 prefill + 1 decode stack (each worker pinned to its own core)
+under Poisson load at fractions of the rate the stack profile says 1P1D can take within
+the targets; each profile's predicted mean TTFT and ITL beside the measured ones.
 
     python benchmarks/planner.py [--fractions 0.4,0.7,1.0,1.3] [--duration 30] \
         [--ttft-ms 400 --itl-ms 20] [--out benchmarks/results/planner_cpu]
 
-The profile runs ``pdserve plan profile`` under ``taskset`` on the prefill worker's core
-with OMP_NUM_THREADS=1, as the workers run. The router and this load generator are not
-pinned: they share the two cores with the workers, which the profile does not see.
-Every request takes the disaggregated path (``min_disagg_tokens: 0``).
+The engine profile runs under ``taskset`` on the prefill worker's core with
+OMP_NUM_THREADS=1, as the workers run. The router and this load generator are not pinned:
+they share the two cores with the workers, which only the stack profile sees. Every
+request takes the disaggregated path (``min_disagg_tokens: 0``).
 """
 
 from __future__ import annotations
@@ -47,21 +48,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--itl-ms", type=float, default=20.0)
     p.add_argument("--fractions", default="0.4,0.7,1.0,1.3", help="of the planned capacity")
     p.add_argument("--duration", type=float, default=30.0, help="seconds of sending per rate")
-    p.add_argument("--profile", type=Path, default=None, help="reuse this profile")
     p.add_argument("--out", type=Path,
                    default=REPO_ROOT / "benchmarks" / "results" / "planner_cpu")  # fmt: skip
     return p.parse_args(argv)
 
 
 def profile_pinned(stack: PinnedStack, core: int, out: Path, args: argparse.Namespace) -> None:
-    isls = sorted({128, args.input_len // 2, args.input_len, args.input_len * 2})
-    contexts = sorted({256, args.input_len + args.output_len // 2, 2048})
     command = ["taskset", "-c", str(core), sys.executable, "-m", "deploy.cli", "plan",
                "profile", "--config", str(stack.config_path), "--out", str(out),
-               "--isl", ",".join(map(str, isls)), "--batch", "1,2,4,8,16,32,64",
-               "--context", ",".join(map(str, contexts))]  # fmt: skip
+               *_grid_flags(args)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(command, check=True, cwd=REPO_ROOT, env=env)
+
+
+def profile_stack(stack: PinnedStack, out: Path, args: argparse.Namespace) -> None:
+    command = [sys.executable, "-m", "deploy.cli", "plan", "profile", "--config",
+               str(stack.config_path), "--base-url", stack.base_url, "--out", str(out),
+               *_grid_flags(args)]  # fmt: skip
+    subprocess.run(command, check=True, cwd=REPO_ROOT)
+
+
+def _grid_flags(args: argparse.Namespace) -> list[str]:
+    isls = sorted({128, args.input_len // 2, args.input_len, args.input_len * 2})
+    contexts = sorted({256, args.input_len + args.output_len // 2, 2048})
+    return ["--isl", ",".join(map(str, isls)), "--batch", "1,2,4,8,16,32,64",
+            "--context", ",".join(map(str, contexts))]  # fmt: skip
 
 
 def capacity(profile: Profile, shape: RequestShape, targets: Targets) -> float:
@@ -91,26 +102,27 @@ async def measure(stack: PinnedStack, args: argparse.Namespace, rate: float, see
     return (await run_benchmark(config)).runs[0].summary
 
 
-def row(fraction: float, rate: float, sizing: Sizing, summary: Summary) -> dict:
-    measured_ttft = summary.ttft_ms.mean
-    measured_itl = summary.itl_ms.mean
-    return {
+def row(fraction: float, rate: float, sizings: dict[str, Sizing], summary: Summary) -> dict:
+    out = {
         "fraction": fraction,
         "rate_per_s": rate,
         "sent_per_s": summary.send_rate,
         "completed": summary.completed,
         "num_requests": summary.num_requests,
-        "predicted_ttft_ms": sizing.prefill.ttft_s * 1000,
-        "measured_ttft_ms": measured_ttft,
-        "predicted_itl_ms": sizing.decode.itl_s * 1000,
-        "measured_itl_ms": measured_itl,
+        "measured_ttft_ms": summary.ttft_ms.mean,
+        "measured_itl_ms": summary.itl_ms.mean,
         "measured_p90_ttft_ms": summary.ttft_ms.p90,
         "measured_p90_itl_ms": summary.itl_ms.p90,
-        "prefill_utilization": sizing.prefill.utilization,
-        "decode_batch": sizing.decode.batch,
-        "prefill_limit": sizing.prefill.limit,
-        "decode_limit": sizing.decode.limit,
     }
+    for name, sizing in sizings.items():
+        out[name] = {
+            "ttft_ms": sizing.prefill.ttft_s * 1000,
+            "itl_ms": sizing.decode.itl_s * 1000,
+            "prefill_utilization": sizing.prefill.utilization,
+            "decode_batch": sizing.decode.batch,
+            "misses": [sizing.prefill.limit, sizing.decode.limit],
+        }
+    return out
 
 
 def _cell(value: float | None, digits: int = 1) -> str:
@@ -136,25 +148,28 @@ def markdown(args: argparse.Namespace, rows: list[dict], setup: dict) -> str:
         "",
         setup["description"],
         "",
-        f"Targets: mean TTFT {args.ttft_ms:g} ms, mean ITL {args.itl_ms:g} ms; the planner's "
-        f"1P1D capacity for them: **{setup['capacity_per_s']:.2f} requests/s**.",
+        f"Targets: mean TTFT {args.ttft_ms:g} ms, mean ITL {args.itl_ms:g} ms. 1P1D capacity "
+        f"for them: **{setup['capacity_per_s']['stack']:.2f} requests/s** by the stack profile, "
+        f"{setup['capacity_per_s']['engine']:.2f} by the engine profile. Means; ratio = "
+        "measured / predicted (1.00: exact).",
         "",
-        "| x capacity | rate /s | sent /s | done | TTFT ms predicted | measured | ratio | "
-        "ITL ms predicted | measured | ratio | p90 TTFT ms | p90 ITL ms | prefill busy | "
-        "decode batch | misses (P / D) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| x capacity | rate /s | sent /s | done | TTFT ms measured | stack profile | ratio | "
+        "engine profile | ratio | ITL ms measured | stack profile | ratio | engine profile | "
+        "ratio | p90 TTFT ms | p90 ITL ms | misses predicted (stack: P / D) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
+        stack, engine = r["stack"], r["engine"]
         lines.append(
             f"| {r['fraction']:g} | {r['rate_per_s']:.2f} | {r['sent_per_s']:.2f} | "
-            f"{r['completed']}/{r['num_requests']} | {_cell(r['predicted_ttft_ms'], 0)} | "
-            f"{_cell(r['measured_ttft_ms'], 0)} | "
-            f"{_ratio(r['measured_ttft_ms'], r['predicted_ttft_ms'])} | "
-            f"{_cell(r['predicted_itl_ms'])} | {_cell(r['measured_itl_ms'])} | "
-            f"{_ratio(r['measured_itl_ms'], r['predicted_itl_ms'])} | "
+            f"{r['completed']}/{r['num_requests']} | {_cell(r['measured_ttft_ms'], 0)} | "
+            f"{_cell(stack['ttft_ms'], 0)} | {_ratio(r['measured_ttft_ms'], stack['ttft_ms'])} | "
+            f"{_cell(engine['ttft_ms'], 0)} | {_ratio(r['measured_ttft_ms'], engine['ttft_ms'])} | "
+            f"{_cell(r['measured_itl_ms'])} | {_cell(stack['itl_ms'])} | "
+            f"{_ratio(r['measured_itl_ms'], stack['itl_ms'])} | {_cell(engine['itl_ms'])} | "
+            f"{_ratio(r['measured_itl_ms'], engine['itl_ms'])} | "
             f"{_cell(r['measured_p90_ttft_ms'], 0)} | {_cell(r['measured_p90_itl_ms'])} | "
-            f"{r['prefill_utilization']:.0%} | {_cell(r['decode_batch'])} | "
-            f"{r['prefill_limit'] or '-'} / {r['decode_limit'] or '-'} |"
+            f"{stack['misses'][0] or '-'} / {stack['misses'][1] or '-'} |"
         )
     return "\n".join(lines)
 
@@ -166,29 +181,33 @@ def main(argv: list[str] | None = None) -> int:
     placements = [Placement("prefill", 0, cores[0]), Placement("decode", 0, cores[1])]
     stack = PinnedStack("planner", model, placements)
     started = time.monotonic()
-    profile_path = args.profile or args.out.with_name(args.out.name + "_profile.json")
-    if args.profile is None:
-        profile_path.parent.mkdir(parents=True, exist_ok=True)
-        profile_pinned(stack, cores[0], profile_path, args)
-    profile = read_profile(profile_path)
+    paths = {name: args.out.with_name(f"{args.out.name}_{name}_profile.json")
+             for name in ("engine", "stack")}  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     targets = Targets(args.ttft_ms / 1000, args.itl_ms / 1000, min_disagg_tokens=0)
     shape = RequestShape(args.input_len, args.input_len, args.output_len)
-    rate_cap = capacity(profile, shape, targets)
-    print(f"planned 1P1D capacity: {rate_cap:.2f} requests/s", flush=True)
     rows = []
     try:
+        profile_pinned(stack, cores[0], paths["engine"], args)
         stack.start()
         stack.wait_ready()
+        profile_stack(stack, paths["stack"], args)
+        profiles = {name: read_profile(path) for name, path in paths.items()}
+        caps = {name: capacity(p, shape, targets) for name, p in profiles.items()}
+        print(f"planned 1P1D capacity: {caps['stack']:.2f} requests/s (stack profile), "
+              f"{caps['engine']:.2f} (engine profile)", flush=True)  # fmt: skip
         for i, fraction in enumerate(float(f) for f in args.fractions.split(",")):
-            rate = fraction * rate_cap
-            sizing = predict(profile, Demand(rate, (shape,)), targets, 1, 1)
+            rate = fraction * caps["stack"]
+            sizings = {name: predict(p, Demand(rate, (shape,)), targets, 1, 1)
+                       for name, p in profiles.items()}  # fmt: skip
             summary = asyncio.run(measure(stack, args, rate, seed=i))
-            rows.append(row(fraction, rate, sizing, summary))
+            rows.append(row(fraction, rate, sizings, summary))
             r = rows[-1]
-            print(f"  x{fraction:g} ({rate:.2f}/s): TTFT {_cell(r['predicted_ttft_ms'], 0)} "
-                  f"predicted, {_cell(r['measured_ttft_ms'], 0)} measured; ITL "
-                  f"{_cell(r['predicted_itl_ms'])} / {_cell(r['measured_itl_ms'])} ms",
-                  flush=True)  # fmt: skip
+            print(f"  x{fraction:g} ({rate:.2f}/s): TTFT measured {_cell(r['measured_ttft_ms'], 0)}"
+                  f", predicted {_cell(r['stack']['ttft_ms'], 0)} (stack) "
+                  f"{_cell(r['engine']['ttft_ms'], 0)} (engine); ITL measured "
+                  f"{_cell(r['measured_itl_ms'])}, predicted {_cell(r['stack']['itl_ms'])} / "
+                  f"{_cell(r['engine']['itl_ms'])} ms", flush=True)  # fmt: skip
     finally:
         stack.stop()
     setup = {
@@ -197,11 +216,13 @@ def main(argv: list[str] | None = None) -> int:
             f"Model {model.name}; prompts of {args.input_len} random tokens, "
             f"{args.output_len} output tokens (ignore_eos), Poisson arrivals, "
             f"{args.duration:g} s of sending per rate. Prefill worker on core {cores[0]}, "
-            f"decode worker on core {cores[1]} (taskset, OMP_NUM_THREADS=1); the profile "
-            f"measured on core {cores[0]} the same way; router and load generator unpinned."
+            f"decode worker on core {cores[1]} (taskset, OMP_NUM_THREADS=1); the engine "
+            f"profile measured on core {cores[0]} the same way, before the stack started; "
+            "the stack profile through the idle stack's router; router and load generator "
+            "unpinned."
         ),
-        "capacity_per_s": rate_cap,
-        "profile": json.loads(profile_path.read_text()),
+        "capacity_per_s": caps,
+        "profiles": {name: json.loads(path.read_text()) for name, path in paths.items()},
         "wall_s": round(time.monotonic() - started),
     }
     record = {"benchmark": "planner", "setup": setup, "rows": rows}

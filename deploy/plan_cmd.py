@@ -1,10 +1,12 @@
 """``pdserve plan profile|size``: choose the prefill:decode layout from measurements.
 
 ``profile`` measures the config's engine on this machine (prefill speed by prompt length,
-decode step time by batch and context) and writes a JSON profile. ``size`` reads a profile
-and a demand (a steady load from flags, or a Mooncake / Azure trace cut into windows) and
-prints how many prefill and decode workers meet the TTFT and ITL targets, and the
-``pdserve up`` line that runs that layout. The model behind the numbers:
+decode step time by batch and context) and writes a JSON profile; with ``--base-url`` it
+measures a running stack of that config through its router instead, as a client sees it
+(the services' own costs included: use it where they are not small beside a step).
+``size`` reads a profile and a demand (a steady load from flags, or a Mooncake / Azure
+trace cut into windows) and prints how many prefill and decode workers meet the TTFT and
+ITL targets, and the ``pdserve up`` line that runs that layout. The model behind the numbers:
 ``planner/sizing.py``.
 """
 
@@ -36,6 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     profile.add_argument("--batch", type=int_list, default=(), help="decode batches, e.g. 1,8,64")
     profile.add_argument("--context", type=int_list, default=(), help="decode contexts (tokens)")
     profile.add_argument("--steps", type=int, default=12, help="decode steps timed per point")
+    profile.add_argument(
+        "--base-url", default=None,
+        help="measure this running stack through its router (its --config), timing what a "
+             "client sees, instead of the engine alone in this process",
+    )  # fmt: skip
+    profile.add_argument("--api-key", default=None, help="the router's key, if it has one")
 
     size = actions.add_parser("size", help="workers per role for a demand and latency targets")
     size.add_argument("--profile", type=Path, required=True, help="from `pdserve plan profile`")
@@ -74,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         if args.action == "profile":
             return _profile(config, args)
         return _size(config, args)
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
+    except (ConfigError, ValueError, FileNotFoundError, RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 
@@ -82,10 +90,19 @@ def run(args: argparse.Namespace) -> int:
 def _profile(config: PdserveConfig, args: argparse.Namespace) -> int:
     from planner.grid import Grid
     from planner.profile_data import write_profile
-    from planner.profiler import profile_deployment
 
     grid = Grid(tuple(args.isl), tuple(args.batch), tuple(args.context), measured_steps=args.steps)
-    profile = profile_deployment(config, grid, lambda line: print(line, file=sys.stderr))
+    progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    if args.base_url is None:
+        from planner.profiler import profile_deployment
+
+        profile = profile_deployment(config, grid, progress)
+    else:
+        import asyncio
+
+        from planner.stack_profiler import profile_stack
+
+        profile = asyncio.run(profile_stack(args.base_url, config, grid, progress, args.api_key))
     write_profile(profile, args.out)
     print(f"wrote {args.out} ({len(profile.prefill.prefill)} prefill points, "
           f"{len(profile.decode.decode)} decode points, {profile.machine})")  # fmt: skip
@@ -123,7 +140,9 @@ def _size(config: PdserveConfig, args: argparse.Namespace) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     command = ["pdserve", "up"] + (["--config", args.config] if args.config else [])
     command += ["--set", f"prefill.replicas={prefill}", "--set", f"decode.replicas={decode}"]
-    print(f"layout: {prefill} prefill + {decode} decode workers\n  {shlex.join(command)}")
+    print(
+        f"layout: {prefill} prefill + {decode} decode\n  {shlex.join(command)}"
+    )
     if args.out is not None:
         record = {
             "profile": str(args.profile), "targets": asdict(targets),
@@ -181,7 +200,8 @@ def _print_one(demand, sizing) -> None:
     why_d = f" (one fewer: {d.limit})" if d.limit else ""
     print(f"prefill: {_workers(p.replicas)}, {p.utilization:.0%} busy, mean TTFT "
           f"{p.ttft_s * 1000:.0f} ms{why_p}")  # fmt: skip
-    print(f"decode:  {_workers(d.replicas)}, {d.batch:.1f} requests in flight each, ITL "
+    print(f"decode:  {_workers(d.replicas)}, {d.utilization:.0%} busy, {d.batch:.1f} requests "
+          f"in flight each, ITL "
           f"{d.itl_s * 1000:.1f} ms, KV {d.kv_fraction:.0%}, prefilling short prompts "
           f"{d.local_prefill_fraction:.0%} of the time{why_d}")  # fmt: skip
 

@@ -15,7 +15,9 @@ prefill) at a context of its prompt plus half its output on average, so the deco
 ``D`` tokens a second at a mean context ``c`` (weighted by how long each request stays).
 With ``n`` workers each needs ``D / n`` tokens a second: it runs the batch ``b`` where
 ``b / itl(b, c) = D / n`` (Little's law: ``b`` requests in flight, one token each per
-step). Short prompts the router prefills on decode workers take their share of its time
+step), planned at most ``max_utilization`` of the most tokens a second the profile saw a
+worker make (past that knee, a burst's extra requests slow every step and the batch runs
+away). Short prompts the router prefills on decode workers take their share of its time
 (``f``), stretching its steps: the tokens come at ``(1 - f) b / itl`` and a user sees
 ``itl / (1 - f)``. The fewest workers whose stretched step meets the ITL target with ``b``
 within ``max_utilization`` of ``max_num_seqs`` and of the KV pool.
@@ -28,6 +30,7 @@ prefill worker before its KV moves); it delays the second token.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -67,6 +70,7 @@ class PrefillSizing:
 @dataclass(frozen=True, slots=True)
 class DecodeSizing:
     replicas: int
+    utilization: float  # of the most tokens a second a worker was measured to make
     batch: float  # requests in flight per worker, on average (inf: more than it can make)
     itl_s: float  # predicted mean, prefills on the worker included
     kv_fraction: float  # of each worker's KV pool the batch holds
@@ -153,6 +157,14 @@ class _Model:
             s.uncached_tokens * self.prefill_curve.token_s(s.isl) for s in local
         )
         self.alone_itl_s = self.decode_curve.itl_s(1, self.context)
+        # The most tokens a second a worker was measured making at this context: the
+        # batches past it only add time (a step growing faster than its batch), and close
+        # to it a random burst's extra requests slow every step, so it is planned at most
+        # ``max_utilization`` busy, as a prefill worker is.
+        self.peak_tokens_per_s = max(
+            b / self.decode_curve.itl_s(b, self.context)
+            for b in _batches(self.decode_curve.max_batch)
+        )
 
     def prefill(self, replicas: int) -> PrefillSizing:
         if self.prefill_rate_per_s == 0:
@@ -179,28 +191,30 @@ class _Model:
         local_fraction = self.local_busy / replicas
         engine = self.engine
         if local_fraction >= 1:
-            return DecodeSizing(replicas, math.inf, math.inf, math.inf, self.context,
+            return DecodeSizing(replicas, math.inf, math.inf, math.inf, math.inf, self.context,
                                 local_fraction, "local prefills")  # fmt: skip
-        batch = _batch_for(self.decode_curve,
-                           self.decode_tokens_per_s / replicas / (1 - local_fraction),
-                           self.context)  # fmt: skip
+        tokens_per_s = self.decode_tokens_per_s / replicas / (1 - local_fraction)
+        utilization = tokens_per_s / self.peak_tokens_per_s
+        batch = _batch_for(self.decode_curve, tokens_per_s, self.context)
         if batch is None:
-            return DecodeSizing(replicas, math.inf, math.inf, math.inf, self.context,
-                                local_fraction, "step time")  # fmt: skip
+            return DecodeSizing(replicas, utilization, math.inf, math.inf, math.inf,
+                                self.context, local_fraction, "step time")  # fmt: skip
         itl_s = self.decode_curve.itl_s(batch, self.context) / (1 - local_fraction)
-        utilization = self.targets.max_utilization
+        cap = self.targets.max_utilization
         limit = ""
-        if local_fraction >= utilization:
+        if local_fraction >= cap:
             limit = "local prefills"
-        elif batch > utilization * min(engine.max_num_seqs, engine.kv_capacity_tokens /
-                                       self.kv_tokens):  # fmt: skip
+        elif utilization > cap:
+            limit = "utilization"
+        elif batch > cap * min(engine.max_num_seqs, engine.kv_capacity_tokens / self.kv_tokens):
             seqs_bound = engine.max_num_seqs <= engine.kv_capacity_tokens / self.kv_tokens
             limit = "max_num_seqs" if seqs_bound else "kv"
         elif self.alone_itl_s <= self.targets.itl_s < itl_s:
             limit = "itl"
         return DecodeSizing(
-            replicas, batch, itl_s, batch * self.kv_tokens / engine.kv_capacity_tokens,
-            self.context, local_fraction, limit,
+            replicas, utilization, batch, itl_s,
+            batch * self.kv_tokens / engine.kv_capacity_tokens, self.context, local_fraction,
+            limit,
         )  # fmt: skip
 
     def warnings(self, decode: DecodeSizing) -> tuple[str, ...]:
@@ -237,6 +251,10 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
+def _batches(upto: float, step: float = 0.25) -> list[float]:
+    return [1 + step * i for i in range(int((upto - 1) / step) + 1)]
+
+
 def _batch_for(curve: DecodeCurve, tokens_per_s: float, context: float) -> float | None:
     """The smallest batch ``b`` at which a worker makes ``tokens_per_s`` (``b / itl(b) >=
     tokens_per_s``): where its queue settles, as requests pile up until their tokens come as
@@ -250,10 +268,8 @@ def _batch_for(curve: DecodeCurve, tokens_per_s: float, context: float) -> float
     alone = 1 / curve.itl_s(1, context)
     if tokens_per_s <= alone:
         return tokens_per_s / alone
-    step = 0.25
-    low = 1.0
-    while low < curve.max_batch * 4:
-        high = low + step
+    batches = _batches(curve.max_batch * 4)
+    for low, high in itertools.pairwise(batches):
         if high / curve.itl_s(high, context) >= tokens_per_s:
             for _ in range(20):  # bisection inside the one step that crosses
                 middle = (low + high) / 2
@@ -262,5 +278,4 @@ def _batch_for(curve: DecodeCurve, tokens_per_s: float, context: float) -> float
                 else:
                     high = middle
             return high
-        low = high
     return None

@@ -138,3 +138,20 @@ def test_predict_a_given_layout_names_the_target_it_misses():
     assert (two.prefill.ttft_s, two.prefill.limit) == (pytest.approx(2.5), "ttft")
     with pytest.raises(ValueError, match="at least one decode worker"):
         predict(make_profile(), demand, targets, prefill_replicas=1, decode_replicas=0)
+
+
+def test_decode_is_planned_below_the_knee_of_its_token_rate():
+    """Steps of 16 requests take 26 ms, of 32 take 100 ms: a worker makes at most 615
+    tokens/s (at 16). 5.4 requests/s of 100 tokens ask 540 of it, 88%: over 85%, so
+    two workers, though one could reach 540 on paper (at b = 13.9)."""
+    profile = make_profile()
+    decode = [DecodePoint(b, c, itl) for b, itl in ((1, 0.011), (16, 0.026), (32, 0.1))
+              for c in (100, 10_000)]  # fmt: skip
+    profile = Profile("m", "cpu", "now", profile.prefill, RoleProfile(profile.decode.engine,
+                                                                      decode=decode))  # fmt: skip
+    demand = Demand(5.4, (RequestShape(1000, 1000, 101),))
+    sizing = size(profile, demand, Targets(ttft_s=10.0, itl_s=0.05)).decode
+    assert (sizing.replicas, sizing.limit) == (2, "utilization")
+    assert sizing.utilization == pytest.approx(270 / (16 / 0.026), rel=1e-3)
+    one = predict(profile, demand, Targets(ttft_s=10.0, itl_s=0.05), 1, 1).decode
+    assert one.limit == "utilization" and one.batch < 16
