@@ -28,6 +28,7 @@ import time
 from datetime import UTC, datetime
 
 import grpc
+import httpx
 
 from benchmarks.loadgen.bench import server_info
 from benchmarks.loadgen.client import BenchClient, RequestResult
@@ -72,7 +73,10 @@ async def profile_stack(
     progress: Progress = lambda _: None,
     api_key: str | None = None,
 ) -> Profile:
-    info = server_info(base_url, api_key, None)
+    try:
+        info = server_info(base_url, api_key, None)
+    except httpx.HTTPError as exc:
+        raise RuntimeError(f"cannot reach the router at {base_url}: {exc}") from None
     max_model_len = info["max_model_len"] or config.engine.max_model_len
     if not max_model_len:
         raise ValueError(f"{base_url} does not report max_model_len; set engine.max_model_len")
