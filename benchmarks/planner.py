@@ -125,6 +125,16 @@ def row(fraction: float, rate: float, sizings: dict[str, Sizing], summary: Summa
     return out
 
 
+def _worker_use(before: dict, after: dict, wall_s: float) -> dict:
+    """Each worker's engine over a run, from its Stats: how busy, and its mean step."""
+    use = {}
+    for role in before:
+        steps = after[role].engine_steps - before[role].engine_steps
+        busy_s = after[role].engine_busy_seconds - before[role].engine_busy_seconds
+        use[role] = {"busy": busy_s / wall_s, "mean_step_ms": 1000 * busy_s / max(steps, 1)}
+    return use
+
+
 def _cell(value: float | None, digits: int = 1) -> str:
     if value is None:
         return "-"
@@ -155,8 +165,10 @@ def markdown(args: argparse.Namespace, rows: list[dict], setup: dict) -> str:
         "",
         "| x capacity | rate /s | sent /s | done | TTFT ms measured | stack profile | ratio | "
         "engine profile | ratio | ITL ms measured | stack profile | ratio | engine profile | "
-        "ratio | p90 TTFT ms | p90 ITL ms | misses predicted (stack: P / D) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "ratio | p90 TTFT ms | p90 ITL ms | misses predicted (stack: P / D) | engine busy P / D "
+        "| decode engine's mean step ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"
+        "---:|",
     ]
     for r in rows:
         stack, engine = r["stack"], r["engine"]
@@ -169,7 +181,9 @@ def markdown(args: argparse.Namespace, rows: list[dict], setup: dict) -> str:
             f"{_ratio(r['measured_itl_ms'], stack['itl_ms'])} | {_cell(engine['itl_ms'])} | "
             f"{_ratio(r['measured_itl_ms'], engine['itl_ms'])} | "
             f"{_cell(r['measured_p90_ttft_ms'], 0)} | {_cell(r['measured_p90_itl_ms'])} | "
-            f"{stack['misses'][0] or '-'} / {stack['misses'][1] or '-'} |"
+            f"{stack['misses'][0] or '-'} / {stack['misses'][1] or '-'} | "
+            f"{r['workers']['prefill']['busy']:.0%} / {r['workers']['decode']['busy']:.0%} | "
+            f"{r['workers']['decode']['mean_step_ms']:.1f} |"
         )
     return "\n".join(lines)
 
@@ -200,8 +214,13 @@ def main(argv: list[str] | None = None) -> int:
             rate = fraction * caps["stack"]
             sizings = {name: predict(p, Demand(rate, (shape,)), targets, 1, 1)
                        for name, p in profiles.items()}  # fmt: skip
+            before = {role: stack.worker_stats(role) for role in ("prefill", "decode")}
+            started_at = time.monotonic()
             summary = asyncio.run(measure(stack, args, rate, seed=i))
+            wall_s = time.monotonic() - started_at
+            after = {role: stack.worker_stats(role) for role in ("prefill", "decode")}
             rows.append(row(fraction, rate, sizings, summary))
+            rows[-1]["workers"] = _worker_use(before, after, wall_s)
             r = rows[-1]
             print(f"  x{fraction:g} ({rate:.2f}/s): TTFT measured {_cell(r['measured_ttft_ms'], 0)}"
                   f", predicted {_cell(r['stack']['ttft_ms'], 0)} (stack) "
