@@ -121,13 +121,21 @@ def _size(config: PdserveConfig, args: argparse.Namespace) -> int:
         args.ttft_ms / 1000, args.itl_ms / 1000, args.max_utilization,
         config.router.min_disagg_tokens,
     )  # fmt: skip
+    steady = (args.rate, args.isl, args.osl)
+    if (args.dataset is None) == (None in steady):
+        raise ValueError("give a steady load (--rate, --isl, --osl) or a trace (--dataset), "
+                         "one of them")  # fmt: skip
     if args.dataset is not None:
         demands = windows(_trace_requests(args, profile), args.window)
-    elif None not in (args.rate, args.isl, args.osl):
+    else:
+        max_model_len = profile.decode.engine.max_model_len
+        if args.isl + args.osl > max_model_len:
+            raise ValueError(
+                f"--isl {args.isl} + --osl {args.osl} exceed the profiled "
+                f"max_model_len ({max_model_len}): the engine would refuse them"
+            )
         shape = RequestShape(args.isl, args.isl - args.cached_tokens, args.osl)
         demands = [Demand(args.rate, (shape,))]
-    else:
-        raise ValueError("give a steady load (--rate, --isl, --osl) or a trace (--dataset)")
     sizings = [size(profile, demand, targets) for demand in demands]
     prefill = max(s.prefill.replicas for s in sizings)
     decode = max(s.decode.replicas for s in sizings)
@@ -140,9 +148,7 @@ def _size(config: PdserveConfig, args: argparse.Namespace) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     command = ["pdserve", "up"] + (["--config", args.config] if args.config else [])
     command += ["--set", f"prefill.replicas={prefill}", "--set", f"decode.replicas={decode}"]
-    print(
-        f"layout: {prefill} prefill + {decode} decode\n  {shlex.join(command)}"
-    )
+    print(f"layout: {prefill} prefill + {decode} decode\n  {shlex.join(command)}")
     if args.out is not None:
         record = {
             "profile": str(args.profile), "targets": asdict(targets),

@@ -102,6 +102,10 @@ def test_size_a_trace_window_by_window(profiled, tmp_path):
          "ttft_s target must be"),
         (("--ttft-ms", "100", "--itl-ms", "10", "--rate", "1", "--isl", "10", "--osl", "2",
           "--cached-tokens", "10"), "uncached_tokens must be"),
+        (("--ttft-ms", "100", "--itl-ms", "10", "--rate", "1", "--isl", "10", "--osl", "2",
+          "--dataset", "azure"), "one of them"),
+        (("--ttft-ms", "100", "--itl-ms", "10", "--rate", "1", "--isl", "250", "--osl", "10"),
+         "exceed the profiled max_model_len (256)"),
     ],
 )  # fmt: skip
 def test_bad_sizing_input_is_an_error_not_a_traceback(profiled, args, message):
