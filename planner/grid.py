@@ -64,3 +64,25 @@ def _geometric(start: int, longest: int) -> tuple[int, ...]:
     if longest >= 1 and (not values or longest > values[-1] * 1.5):
         values.append(longest)  # the longest that fits, where the series stops well short
     return tuple(values)
+
+
+def fitting_batches(
+    facts: EngineFacts, batches: list[int], context: int, end_len: int, progress: Progress
+) -> list[int]:
+    """Of ``batches``, those whose requests, ``end_len`` tokens long at their end, the KV
+    pool (at ``KV_HEADROOM``) and ``max_num_seqs`` hold; those left out are said. None if
+    ``end_len`` passes the model's context."""
+    fits = int(facts.kv_capacity_tokens * KV_HEADROOM) // (end_len + facts.block_size)
+    limit = min(fits, facts.max_num_seqs)
+    fitting = [b for b in batches if b <= limit]
+    if len(fitting) < len(batches):
+        progress(f"decode context {context}: batches above {limit} do not fit (KV pool, "
+                 "max_num_seqs)")  # fmt: skip
+    return fitting if end_len <= facts.max_model_len else []
+
+
+def loaded_prompt_count(facts: EngineFacts, isl: int, minimum: int) -> int:
+    """Prompts of ``isl`` tokens sent at once to time a loaded worker: enough to fill at
+    least three steps, at least ``minimum``, no more than the KV pool holds."""
+    fits = int(facts.kv_capacity_tokens * KV_HEADROOM) // (isl + facts.block_size)
+    return max(1, min(max(minimum, math.ceil(3 * facts.max_num_batched_tokens / isl) + 1), fits))

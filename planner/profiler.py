@@ -25,7 +25,7 @@ from benchmarks.records import cpu_model
 from common.config import EngineConfig, PdserveConfig, Role
 from common.model_info import model_dir_of
 from engine import LLMEngine, SamplingParams
-from planner.grid import KV_HEADROOM, Grid, Progress
+from planner.grid import Grid, Progress, fitting_batches, loaded_prompt_count
 from planner.profile_data import (
     DecodePoint,
     EngineFacts,
@@ -167,9 +167,7 @@ def _prefill_point(
     latency_s = statistics.median(
         sum(s for s, _ in _run(engine, prompts, [prompts.make(isl)])) for _ in range(grid.repeats)
     )
-    budget = facts.max_num_batched_tokens
-    fits = max(1, int(facts.kv_capacity_tokens * KV_HEADROOM) // (isl + facts.block_size))
-    count = min(max(2, math.ceil(3 * budget / isl) + 1), fits)
+    count = loaded_prompt_count(facts, isl, minimum=2)
     steps = _run(engine, prompts, [prompts.make(isl) for _ in range(count)])
     steps = steps[:-1] if len(steps) > 1 else steps
     tokens_per_s = sum(n for _, n in steps) / sum(s for s, _ in steps)
@@ -205,12 +203,8 @@ def _decode_points(
     lead_steps = math.ceil(entry_tokens / facts.max_num_batched_tokens) + 1
     max_tokens = lead_steps + total_steps + 1
     end_len = prompt_len + max_tokens
-    fits = int(facts.kv_capacity_tokens * KV_HEADROOM) // (end_len + facts.block_size)
-    fitting = [b for b in batches if b <= min(fits, facts.max_num_seqs)]
-    if len(fitting) < len(batches):
-        progress(f"decode context {context}: batches above {min(fits, facts.max_num_seqs)} "
-                 "do not fit (KV pool, max_num_seqs)")  # fmt: skip
-    if not fitting or end_len > facts.max_model_len:
+    fitting = fitting_batches(facts, batches, context, end_len, progress)
+    if not fitting:
         return []
     token_ids = [prompts.make(prompt_len) for _ in range(fitting[0])]
     if cached:

@@ -21,7 +21,6 @@ The stack should be the layout the profile is for, with one worker per role, idl
 from __future__ import annotations
 
 import asyncio
-import math
 import random
 import statistics
 import time
@@ -34,7 +33,7 @@ from benchmarks.loadgen.bench import server_info
 from benchmarks.loadgen.client import BenchClient, RequestResult
 from benchmarks.loadgen.pinned_stack import worker_stats
 from common.config import PdserveConfig, Role
-from planner.grid import KV_HEADROOM, Grid, Progress
+from planner.grid import Grid, Progress, fitting_batches, loaded_prompt_count
 from planner.profile_data import DecodePoint, EngineFacts, PrefillPoint, Profile, RoleProfile
 
 _VOCAB = 1000  # synthetic ids below this fit every real vocabulary (and the demo's)
@@ -132,8 +131,7 @@ async def _prefill_point(
 ) -> PrefillPoint:
     alone = [await stack.send([stack.prompt(isl)], 1) for _ in range(grid.repeats)]
     latency_s = statistics.median(r[0].ttft_s for r in alone)
-    fits = max(2, int(facts.kv_capacity_tokens * KV_HEADROOM) // (isl + facts.block_size))
-    count = min(max(3, math.ceil(3 * facts.max_num_batched_tokens / isl) + 1), fits)
+    count = loaded_prompt_count(facts, isl, minimum=3)
     results = await stack.send([stack.prompt(isl) for _ in range(count)], 1)
     firsts = sorted(r.start_s + r.ttft_s for r in results)
     span_s = firsts[-1] - firsts[0]
@@ -156,12 +154,8 @@ async def _decode_points(
     max_tokens = lead + grid.steps_per_batch
     prompt_len = max(1, context - max_tokens // 2)
     end_len = prompt_len + max_tokens
-    fits = int(facts.kv_capacity_tokens * KV_HEADROOM) // (end_len + facts.block_size)
-    fitting = [b for b in batches if b <= min(fits, facts.max_num_seqs)]
-    if len(fitting) < len(batches):
-        progress(f"decode context {context}: batches above {min(fits, facts.max_num_seqs)} "
-                 "do not fit (KV pool, max_num_seqs)")  # fmt: skip
-    if not fitting or end_len > facts.max_model_len:
+    fitting = fitting_batches(facts, batches, context, end_len, progress)
+    if not fitting:
         return []
     prompts = [stack.prompt(prompt_len) for _ in range(fitting[0])]
     await stack.send(prompts, 2)  # the decode worker holds their KV now
