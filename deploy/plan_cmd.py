@@ -71,7 +71,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     trace.add_argument("--cache-tokens", type=int, default=None,
                        help="prefix cache Mooncake's blocks replay through (default: one "
                             "prefill worker's KV pool)")  # fmt: skip
+    size.add_argument("--layout", type=_layout, default=None, metavar="P,D",
+                      help="predict this layout (prefill, decode workers) instead of sizing "
+                           "one: what it would see, and the targets it misses")  # fmt: skip
     size.add_argument("--out", type=Path, default=None, help="write every window's sizing (JSON)")
+
+
+def _layout(text: str) -> tuple[int, int]:
+    values = int_list(text)
+    if len(values) != 2 or values[0] < 0 or values[1] < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected PREFILL,DECODE workers (>= 0 and >= 1), got {text!r}"
+        )
+    return values[0], values[1]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,7 +124,7 @@ def _profile(config: PdserveConfig, args: argparse.Namespace) -> int:
 def _size(config: PdserveConfig, args: argparse.Namespace) -> int:
     from planner.demand import Demand, RequestShape, windows
     from planner.profile_data import read_profile
-    from planner.sizing import Targets, size
+    from planner.sizing import Targets, describe, predict, size
 
     profile = read_profile(args.profile)
     for warning in _profile_mismatches(config, profile):
@@ -136,19 +148,28 @@ def _size(config: PdserveConfig, args: argparse.Namespace) -> int:
             )
         shape = RequestShape(args.isl, args.isl - args.cached_tokens, args.osl)
         demands = [Demand(args.rate, (shape,))]
-    sizings = [size(profile, demand, targets) for demand in demands]
+    if args.layout is not None:
+        sizings = [predict(profile, demand, targets, *args.layout) for demand in demands]
+    else:
+        sizings = [size(profile, demand, targets) for demand in demands]
     prefill = max(s.prefill.replicas for s in sizings)
     decode = max(s.decode.replicas for s in sizings)
+    why = "misses" if args.layout is not None else "one fewer"
     if len(demands) == 1:
-        _print_one(demands[0], sizings[0])
+        _print_one(demands[0], sizings[0], why)
     else:
-        _print_windows(demands, sizings, args.window)
+        _print_windows(demands, sizings, args.window, why)
+    if args.layout is not None:
+        missed = sum(bool(s.prefill.limit or s.decode.limit) for s in sizings)
+        print(f"layout: {prefill} prefill + {decode} decode misses a target in {missed} of "
+              f"{len(sizings)} window{'s' if len(sizings) > 1 else ''}")  # fmt: skip
+    else:
+        command = ["pdserve", "up"] + (["--config", args.config] if args.config else [])
+        command += ["--set", f"prefill.replicas={prefill}", "--set", f"decode.replicas={decode}"]
+        print(f"layout: {prefill} prefill + {decode} decode\n  {shlex.join(command)}")
     sys.stdout.flush()
-    for warning in dict.fromkeys(w for s in sizings for w in s.warnings):
+    for warning in describe(note for s in sizings for note in s.notes):
         print(f"warning: {warning}", file=sys.stderr)
-    command = ["pdserve", "up"] + (["--config", args.config] if args.config else [])
-    command += ["--set", f"prefill.replicas={prefill}", "--set", f"decode.replicas={decode}"]
-    print(f"layout: {prefill} prefill + {decode} decode\n  {shlex.join(command)}")
     if args.out is not None:
         record = {
             "profile": str(args.profile), "targets": asdict(targets),
@@ -196,14 +217,14 @@ def _profile_mismatches(config: PdserveConfig, profile) -> list[str]:
     return problems
 
 
-def _print_one(demand, sizing) -> None:
+def _print_one(demand, sizing, why: str = "one fewer") -> None:
     shape_isl = sum(s.isl for s in demand.shapes) / len(demand.shapes)
     shape_osl = sum(s.osl for s in demand.shapes) / len(demand.shapes)
     print(f"demand: {demand.rate_per_s:.2f} requests/s, {shape_isl:.0f} prompt tokens, "
           f"{shape_osl:.0f} output tokens")  # fmt: skip
     p, d = sizing.prefill, sizing.decode
-    why_p = f" (one fewer: {p.limit})" if p.limit else ""
-    why_d = f" (one fewer: {d.limit})" if d.limit else ""
+    why_p = f" ({why}: {p.limit})" if p.limit else ""
+    why_d = f" ({why}: {d.limit})" if d.limit else ""
     print(f"prefill: {_workers(p.replicas)}, {p.utilization:.0%} busy, mean TTFT "
           f"{p.ttft_s * 1000:.0f} ms{why_p}")  # fmt: skip
     print(f"decode:  {_workers(d.replicas)}, {d.utilization:.0%} busy, {d.batch:.1f} requests "
@@ -216,7 +237,7 @@ def _workers(count: int) -> str:
     return f"{count} worker" + ("" if count == 1 else "s")
 
 
-def _print_windows(demands, sizings, window_s: float) -> None:
+def _print_windows(demands, sizings, window_s: float, why: str) -> None:
     peak = max(range(len(demands)), key=lambda i: demands[i].rate_per_s)
     layouts = Counter((s.prefill.replicas, s.decode.replicas) for s in sizings)
     print(
@@ -224,7 +245,7 @@ def _print_windows(demands, sizings, window_s: float) -> None:
         + ", ".join(f"{p}P{d}D in {n}" for (p, d), n in sorted(layouts.items()))
     )
     print(f"busiest window, from {demands[peak].start_s:.0f} s:")
-    _print_one(demands[peak], sizings[peak])
+    _print_one(demands[peak], sizings[peak], why)
 
 
 COMMAND = ("choose the prefill:decode layout: profile the engine, size for a load", add_arguments,

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from planner.curves import DecodeCurve, PrefillCurve
@@ -83,7 +84,7 @@ class DecodeSizing:
 class Sizing:
     prefill: PrefillSizing
     decode: DecodeSizing
-    warnings: tuple[str, ...]
+    notes: tuple[Note, ...]  # ``describe`` words them
 
 
 def size(profile: Profile, demand: Demand, targets: Targets) -> Sizing:
@@ -95,7 +96,7 @@ def size(profile: Profile, demand: Demand, targets: Targets) -> Sizing:
     model = _Model(profile, demand, targets)
     prefill = _fewest(model.prefill, "prefill") if model.prefill_rate_per_s else model.prefill(0)
     decode = _fewest(model.decode, "decode")
-    return Sizing(prefill, decode, model.warnings(decode))
+    return Sizing(prefill, decode, model.notes(decode))
 
 
 def predict(
@@ -108,7 +109,7 @@ def predict(
         raise ValueError("a layout needs at least one decode worker and no fewer than 0 prefill")
     model = _Model(profile, demand, targets)
     decode = model.decode(decode_replicas)
-    return Sizing(model.prefill(prefill_replicas), decode, model.warnings(decode))
+    return Sizing(model.prefill(prefill_replicas), decode, model.notes(decode))
 
 
 def _fewest(at, role: str):
@@ -217,34 +218,58 @@ class _Model:
             limit,
         )  # fmt: skip
 
-    def warnings(self, decode: DecodeSizing) -> tuple[str, ...]:
+    def notes(self, decode: DecodeSizing) -> tuple[Note, ...]:
         """Targets no layout meets, and answers that lean on extending the profile."""
-        targets, warnings = self.targets, []
+        targets, notes = self.targets, []
         if self.prefill_rate_per_s and self.mean_alone_s > targets.ttft_s:
-            warnings.append(
-                f"TTFT target {targets.ttft_s * 1000:.0f} ms cannot be met: an idle prefill "
-                f"worker takes {self.mean_alone_s * 1000:.0f} ms for these prompts on "
-                f"average; sized for {targets.max_utilization:.0%} utilization only"
-            )
+            notes.append(Note("ttft_floor", self.mean_alone_s * 1000, targets.ttft_s * 1000))
         if self.alone_itl_s > targets.itl_s:
-            warnings.append(
-                f"ITL target {targets.itl_s * 1000:.1f} ms cannot be met: one request alone "
-                f"decodes at {self.alone_itl_s * 1000:.1f} ms a token at a "
-                f"{self.context:.0f}-token context; sized for the batch and KV limits only"
-            )
+            notes.append(Note("itl_floor", self.alone_itl_s * 1000, targets.itl_s * 1000))
         longest = max(s.isl for s in self.shapes)
         if longest > self.prefill_curve.max_isl:
-            warnings.append(f"extrapolated beyond the profile: prompts of {longest} tokens "
-                            f"(profiled up to {self.prefill_curve.max_isl})")  # fmt: skip
+            notes.append(Note("isl", longest, self.prefill_curve.max_isl))
         if math.isfinite(decode.batch) and decode.batch > self.decode_curve.max_batch:
-            warnings.append(f"extrapolated beyond the profile: a decode batch of "
-                            f"{decode.batch:.0f} (profiled up to "
-                            f"{self.decode_curve.max_batch})")  # fmt: skip
+            notes.append(Note("batch", decode.batch, self.decode_curve.max_batch))
         if self.context > self.decode_curve.max_context:
-            warnings.append(f"extrapolated beyond the profile: a mean decode context of "
-                            f"{self.context:.0f} tokens (profiled up to "
-                            f"{self.decode_curve.max_context})")  # fmt: skip
-        return tuple(warnings)
+            notes.append(Note("context", self.context, self.decode_curve.max_context))
+        return tuple(notes)
+
+
+@dataclass(frozen=True, slots=True)
+class Note:
+    """Something a sizing leans on or cannot meet: ``kind`` (``_NOTE_TEXT``), the demand's
+    ``value`` and the ``reference`` it passes (a target, the profile's largest point)."""
+
+    kind: str
+    value: float
+    reference: float
+
+
+_NOTE_TEXT = {
+    "ttft_floor": "TTFT target {reference:.0f} ms cannot be met: an idle prefill worker takes "
+                  "{value:.0f} ms for these prompts on average; more workers do not help (a "
+                  "faster device, tensor parallelism or a smaller model do): sized for "
+                  "utilization only",
+    "itl_floor": "ITL target {reference:.1f} ms cannot be met: one request alone decodes at "
+                 "{value:.1f} ms a token; more workers do not help: sized for the batch and KV "
+                 "limits only",
+    "isl": "extrapolated beyond the profile: prompts of {value:.0f} tokens (profiled up to "
+           "{reference:.0f})",
+    "batch": "extrapolated beyond the profile: a decode batch of {value:.0f} (profiled up to "
+             "{reference:.0f})",
+    "context": "extrapolated beyond the profile: a mean decode context of {value:.0f} tokens "
+               "(profiled up to {reference:.0f})",
+}  # fmt: skip
+
+
+def describe(notes: Iterable[Note]) -> list[str]:
+    """One line per kind of note, the worst value of that kind (over a trace's windows)."""
+    worst: dict[str, Note] = {}
+    for note in notes:
+        if note.kind not in worst or note.value > worst[note.kind].value:
+            worst[note.kind] = note
+    return [_NOTE_TEXT[n.kind].format(value=n.value, reference=n.reference)
+            for n in worst.values()]  # fmt: skip
 
 
 def _mean(values: list[float]) -> float:

@@ -134,3 +134,24 @@ def test_a_config_other_than_the_profiled_one_is_warned(profiled):
                 "100", "--rate", "1", "--isl", "100", "--osl", "10")  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "warning: decode.engine.max_num_seqs is 16 here but 8 in the profile" in done.stderr
+
+
+def test_predict_a_given_layout(profiled, tmp_path):
+    """``--layout P,D``: what that layout sees, and where it misses; a load the sizing
+    needs more workers for misses on one worker each."""
+    config, profile = profiled
+    args = ["plan", "size", "--profile", str(profile), "--config", str(config), "--ttft-ms",
+            "10000", "--itl-ms", "1000", "--isl", "150", "--osl", "20"]  # fmt: skip
+    sizing = plan(*args, "--rate", "400", "--out", str(tmp_path / "sized.json"))
+    assert sizing.returncode == 0, sizing.stderr
+    sized = json.loads((tmp_path / "sized.json").read_text())
+    assert sized["layout"]["prefill"] > 1
+    done = plan(*args, "--rate", "400", "--layout", "1,1")
+    assert done.returncode == 0, done.stderr
+    assert "(misses: prompt throughput)" in done.stdout
+    assert "layout: 1 prefill + 1 decode misses a target in 1 of 1 window" in done.stdout
+    fits = plan(*args, "--rate", "400", "--layout",
+                f"{sized['layout']['prefill']},{sized['layout']['decode']}")  # fmt: skip
+    assert "misses a target in 0 of 1 window" in fits.stdout
+    bad = plan(*args, "--rate", "1", "--layout", "1,0")
+    assert bad.returncode == 2 and "expected PREFILL,DECODE workers" in bad.stderr

@@ -7,7 +7,7 @@ import pytest
 
 from planner.demand import Demand, RequestShape
 from planner.profile_data import DecodePoint, EngineFacts, PrefillPoint, Profile, RoleProfile
-from planner.sizing import Targets, predict, size
+from planner.sizing import Targets, describe, predict, size
 
 
 def make_profile(
@@ -38,7 +38,7 @@ def test_prefill_workers_follow_the_mg1_wait():
     assert tight.prefill.limit == "ttft"
     capped = size(make_profile(), demand, Targets(ttft_s=3.0, itl_s=1.0, max_utilization=0.7))
     assert (capped.prefill.replicas, capped.prefill.limit) == (3, "utilization")
-    assert not loose.warnings
+    assert not loose.notes
 
 
 def test_cached_prefixes_cut_prefill_work():
@@ -96,15 +96,24 @@ def test_targets_no_layout_meets_are_warned_and_the_rest_still_sized():
     demand = Demand(3.0, (RequestShape(10_000, 10_000, 2),))
     sizing = size(make_profile(), demand, Targets(ttft_s=5.0, itl_s=0.005))
     assert sizing.prefill.replicas == 36  # 30 busy workers at <= 85%
-    assert any("TTFT target 5000 ms cannot be met" in w for w in sizing.warnings)
-    assert any("ITL target 5.0 ms cannot be met" in w for w in sizing.warnings)
+    warnings = describe(sizing.notes)
+    assert any("TTFT target 5000 ms cannot be met: an idle prefill worker takes 10000 ms" in w
+               for w in warnings)  # fmt: skip
+    assert any("ITL target 5.0 ms cannot be met: one request alone decodes at 11.0 ms" in w
+               for w in warnings)  # fmt: skip
 
 
 def test_lookups_beyond_the_profile_are_warned():
     demand = Demand(1.0, (RequestShape(20_000, 20_000, 11),))
     sizing = size(make_profile(), demand, Targets(ttft_s=100.0, itl_s=1.0))
-    assert any("prompts of 20000 tokens (profiled up to 10000)" in w for w in sizing.warnings)
-    assert any("decode context of 20005 tokens" in w for w in sizing.warnings)
+    warnings = describe(sizing.notes)
+    assert any("prompts of 20000 tokens (profiled up to 10000)" in w for w in warnings)
+    assert any("decode context of 20005 tokens" in w for w in warnings)
+    # Over windows: one line per kind, the worst of them.
+    other = size(make_profile(), Demand(1.0, (RequestShape(15_000, 15_000, 11),)),
+                 Targets(ttft_s=100.0, itl_s=1.0))  # fmt: skip
+    merged = describe([*other.notes, *sizing.notes])
+    assert len(merged) == 2 and "prompts of 20000 tokens" in merged[0]
 
 
 def test_no_load_needs_one_decode_worker_only():
