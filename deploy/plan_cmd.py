@@ -186,7 +186,7 @@ def _size(config: PdserveConfig, args: argparse.Namespace) -> int:
 
 def _trace_requests(args: argparse.Namespace, profile):
     from benchmarks.loadgen.traces import default_trace
-    from planner.demand import TraceOptions, azure_requests, mooncake_requests
+    from planner.traces import TraceOptions, azure_requests, mooncake_requests
 
     path = args.trace or default_trace(args.dataset)
     if not path.exists():
