@@ -674,6 +674,43 @@ class TracingConfig:
             raise ConfigError("tracing.sample_ratio", f"must be in [0, 1], got {self.sample_ratio}")
 
 
+@dataclass(frozen=True, slots=True)
+class PlannerConfig:
+    """The router's live plan (``router/live_plan.py``): every ``interval_s`` it sizes what
+    it served over the last ``window_s`` (``planner/sizing.py``) against a ``pdserve plan
+    profile`` file and the targets (means), and shows the layout in its metrics
+    (``pdserve:planned_replicas``): for an autoscaler to follow, or an operator to read.
+    With ``autoscale``, ``pdserve up`` follows it itself: it starts workers and drains them
+    between the minima here and each role's ``replicas`` (then the most it runs); a lower
+    plan must hold for ``scale_in_delay_s`` before a worker is drained."""
+
+    profile: str | None = None  # None: no live plan
+    ttft_ms: float = 1000.0
+    itl_ms: float = 50.0
+    max_utilization: float = 0.85
+    window_s: float = 60.0
+    interval_s: float = 10.0
+    autoscale: bool = False
+    min_prefill_replicas: int = 0
+    min_decode_replicas: int = 1
+    scale_in_delay_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        for key in ("ttft_ms", "itl_ms", "window_s", "interval_s"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"planner.{key}", f"must be > 0, got {getattr(self, key)}")
+        if not 0 < self.max_utilization <= 1:
+            raise ConfigError("planner.max_utilization",
+                              f"must be in (0, 1], got {self.max_utilization}")  # fmt: skip
+        if self.scale_in_delay_s < 0 or self.min_prefill_replicas < 0:
+            raise ConfigError("planner", "scale_in_delay_s and min_prefill_replicas must be >= 0")
+        if self.min_decode_replicas < 1:
+            raise ConfigError("planner.min_decode_replicas", "at least one decode worker runs")
+        if self.autoscale and self.profile is None:
+            raise ConfigError("planner.autoscale", "needs planner.profile: the plan it follows "
+                              "is sized from a profile (`pdserve plan profile`)")  # fmt: skip
+
+
 _WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "*"})
 
 # What a LoRA adapter may be called: it is the "model" clients pass and a path segment in
@@ -738,6 +775,7 @@ class PdserveConfig:
     registry: RegistryConfig = dataclasses.field(default_factory=RegistryConfig)
     lora: LoraSettings = dataclasses.field(default_factory=LoraSettings)
     tracing: TracingConfig = dataclasses.field(default_factory=TracingConfig)
+    planner: PlannerConfig = dataclasses.field(default_factory=PlannerConfig)
 
     def __post_init__(self) -> None:
         served = self.router.served_model_name
@@ -824,6 +862,14 @@ class PdserveConfig:
                 f"{heads[Role.DECODE]}: an EAGLE-3 head's KV moves with the prompt's blocks, "
                 "so both roles need the same head",
             )
+        for role, least in ((Role.PREFILL, self.planner.min_prefill_replicas),
+                            (Role.DECODE, self.planner.min_decode_replicas)):  # fmt: skip
+            if self.planner.autoscale and least > self.role(role).replicas:
+                raise ConfigError(
+                    f"planner.min_{role}_replicas",
+                    f"{least} is above {role}.replicas ({self.role(role).replicas}), the most "
+                    "workers of the role autoscaling runs",
+                )
         self._check_ports()
 
     def role(self, role: Role) -> WorkerRoleConfig:

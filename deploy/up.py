@@ -13,7 +13,8 @@ A worker or the router that fails (exits non-zero, or is killed) is started agai
 a backoff of 1 s, doubling to 30 s while it keeps failing soon after starting, as
 compose's ``on-failure`` policy or a Kubernetes Deployment would; the router picks a
 worker up once it is SERVING. A worker that exits 0 (drained after SIGTERM) is not
-restarted; a router that does ends the stack.
+restarted; a router that does ends the stack. With ``planner.autoscale`` the launcher
+starts each role's minimum and follows the router's plan (``deploy/autoscale.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from common.model_info import cache_dir, made_model_dir, made_model_is_current
 from common.owned_paths import owner_tag, remove_dead_owners
 from common.prometheus_text import sample_totals
 from common.tracing import check_installed
+from deploy.autoscale import Autoscaler, read_plan
 from deploy.ephemeral_ports import ephemeral_port_warnings, ephemeral_range
 from deploy.gpus import gpus_needed, visible_gpus, worker_gpus
 from deploy.health_cmd import check_grpc, check_http
@@ -87,6 +89,12 @@ class Stack:
         remove_dead_owners(log_dir, "config-", ".yaml")
         self.config_path = log_dir / f"config-{owner_tag()}.yaml"
         self._write_config()
+        self._gpus = self._gpu_env()
+        # planner.autoscale: workers started and drained to the router's plan; those it
+        # drained are not restarted, whatever their exit.
+        self.autoscaler = Autoscaler(config) if config.planner.autoscale else None
+        self._drained_by_plan: set[str] = set()
+        self._next_plan_at = 0.0
 
     def _write_config(self) -> None:
         self.config_path.write_text(yaml.safe_dump(to_dict(self.config), sort_keys=False))
@@ -124,13 +132,11 @@ class Stack:
 
     def start(self, timeout_s: float = 300.0) -> None:
         workers = []
-        gpus = self._gpu_env()
         for role in Role:
             section = self.config.role(role)
-            for index in range(section.replicas):
-                name = f"{role.value}-{index}"
-                args = [role.value, "--index", str(index)]
-                proc = self._spawn(name, args, gpus.get((role, index)))
+            count = self.autoscaler.initial(role) if self.autoscaler else section.replicas
+            for index in range(count):
+                name, proc = self._start_worker(role, index)
                 workers.append((name, proc, f"{section.host}:{section.ports(index).grpc}"))
         # The router starts beside the workers, not after them, so its own start overlaps
         # their model loads; the stack is up once the router places work on every worker.
@@ -142,6 +148,11 @@ class Stack:
             self._wait_ready(name, proc, lambda a=address: check_grpc(a, "", 1.0)[0], deadline)
             print(f"  {name} ready on {address}", flush=True)
         self._wait_ready("router", router, lambda: self._router_ready(len(workers)), deadline)
+
+    def _start_worker(self, role: Role, index: int) -> tuple[str, subprocess.Popen]:
+        name = f"{role.value}-{index}"
+        args = [role.value, "--index", str(index)]
+        return name, self._spawn(name, args, self._gpus.get((role, index)))
 
     def _router_ready(self, num_workers: int) -> bool:
         """The router answers /health and places new work on ``num_workers`` workers."""
@@ -203,11 +214,48 @@ class Stack:
                 print(f"{name} exited ({proc.returncode}); see {self._log(name)}",
                       file=sys.stderr)  # fmt: skip
                 reported.add(name)
-                if self.restart and proc.returncode != 0:
+                if self.restart and proc.returncode != 0 and name not in self._drained_by_plan:
                     self._schedule_restart(name)
             self._restart_due(reported)
+            if self.autoscaler is not None and time.monotonic() >= self._next_plan_at:
+                self._next_plan_at = time.monotonic() + self.config.planner.interval_s
+                self._follow_plan(reported)
             time.sleep(0.2)
         return 0
+
+    def _follow_plan(self, reported: set[str]) -> None:
+        """Start or drain each role's workers to the router's plan (``deploy/autoscale.py``).
+        Running: alive and not drained by the plan, or failed and due to restart."""
+        assert self.autoscaler is not None
+        plan = read_plan(f"{self.url_root}/metrics")
+        procs = dict(self.children)
+        for role in Role:
+            running = sorted(
+                index for index in range(self.config.role(role).replicas)
+                if (name := f"{role.value}-{index}") in procs
+                and name not in self._drained_by_plan
+                and (procs[name].poll() is None or self._restarts[name].due_at is not None)
+            )  # fmt: skip
+            target = self.autoscaler.target(role, plan.get(role), len(running), time.monotonic())
+            if target > len(running):
+                free = [  # not running, and not still draining (its ports are taken)
+                    i for i in range(self.config.role(role).replicas)
+                    if i not in running and (f"{role.value}-{i}" not in procs
+                                             or procs[f"{role.value}-{i}"].poll() is not None)
+                ]  # fmt: skip
+                for index in free[: target - len(running)]:
+                    name, _ = self._start_worker(role, index)
+                    self._drained_by_plan.discard(name)
+                    reported.discard(name)
+                    print(f"  plan: {role.value} workers {len(running)} -> {target}: started "
+                          f"{name}", flush=True)  # fmt: skip
+            elif target < len(running):
+                name = f"{role.value}-{running[-1]}"
+                self._drained_by_plan.add(name)
+                self._restarts[name].due_at = None  # a failed one is not brought back
+                procs[name].send_signal(signal.SIGTERM)
+                print(f"  plan: {role.value} workers {len(running)} -> {target}: draining "
+                      f"{name}", flush=True)  # fmt: skip
 
     def _schedule_restart(self, name: str) -> None:
         restarts = self._restarts[name]

@@ -34,12 +34,13 @@ def _runner(role: Role):
 def _run_router(args: argparse.Namespace) -> int:
     from common.config_loader import load_config
     from common.registry import RegistryError
+    from planner.profile_data import ProfileError
     from router.main import run as run_router
 
     try:
         config = load_config(args.config, args.overrides)
         return run_router(config)
-    except (ConfigError, RegistryError, FileNotFoundError) as exc:
+    except (ConfigError, RegistryError, FileNotFoundError, ProfileError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -223,6 +223,9 @@ async def run_choice(
         await generator.aclose()  # a stop string or a gone client: abort the sequence
         metrics.e2e.observe(time.perf_counter() - arrival)
         metrics.sequence_ended(choice.finish_reason or ended)
+        if choice.finish_reason and not choice.echo_only:
+            metrics.sequence_served(len(choice.request.prompt_token_ids),
+                                    choice.cached_tokens or 0, len(choice.token_ids))  # fmt: skip
 
 
 async def merge_choices(

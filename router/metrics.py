@@ -6,11 +6,15 @@ Each router owns one registry (no global state), served at /metrics.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from proto import pdserve_pb2 as pb
 from router.policy import Placement
+
+if TYPE_CHECKING:
+    from router.live_plan import LivePlan
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
@@ -20,6 +24,9 @@ _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3, 1e-2)
 class RouterMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
+        # The live plan (router/live_plan.py) when planner.profile is set: it sizes the
+        # sequences served, and shows its plan in this registry.
+        self.live_plan: LivePlan | None = None
         self._observed_workers: set[str] = set()  # the workers the gauges have series for
         labels = {"model_name": model_name}
         r = self.registry
@@ -138,6 +145,11 @@ class RouterMetrics:
 
     def sequence_ended(self, finished_reason: str) -> None:
         self._requests.labels(model_name=self._model_name, finished_reason=finished_reason).inc()
+
+    def sequence_served(self, prompt_tokens: int, cached_tokens: int, output_tokens: int) -> None:
+        """A sequence that ended with its output (for the live plan's demand)."""
+        if self.live_plan is not None:
+            self.live_plan.sequence_served(prompt_tokens, cached_tokens, output_tokens)
 
     def prefix_cache(self, num_tokens: int, cached_tokens: int) -> None:
         self.prefix_queries.inc(num_tokens)

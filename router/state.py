@@ -30,6 +30,7 @@ from router.dispatch import Dispatcher
 from router.events import EventListener
 from router.harmony import marker_ids
 from router.images import image_text_of
+from router.live_plan import LivePlan
 from router.lora_adapters import LoraAdapters
 from router.metrics import RouterMetrics
 from router.policy import PlacementPolicy
@@ -112,6 +113,9 @@ class RouterState:
             missing_grace_s=config.registry.ttl_s if config.registry.redis_url else 0.0,
         )
         metrics = RouterMetrics(model.served_name)
+        metrics.live_plan = LivePlan.from_config(
+            config.planner, config.router.min_disagg_tokens, metrics.registry
+        )
         decode_engine = config.engine_for(Role.DECODE)
         policy = PlacementPolicy(config.router, model.block_size, decode_engine.max_num_seqs)
         dispatcher = Dispatcher(config.router, pool, index, lock, policy, metrics, model.block_size)
@@ -130,6 +134,8 @@ class RouterState:
         self.events.start()
         await self.pool.start()
         self.adapters.start(self.config.router.refresh_interval_s)
+        if self.metrics.live_plan is not None:
+            self.metrics.live_plan.start()
         # llguidance's tokenizer (~1 s for a 128k vocabulary) now, not at the first
         # constrained request; without llguidance, constrained requests say why.
         with contextlib.suppress(StructuredOutputError):
@@ -137,6 +143,8 @@ class RouterState:
 
     async def stop(self) -> None:
         self.draining = True
+        if self.metrics.live_plan is not None:
+            await self.metrics.live_plan.stop()
         await self.adapters.stop()
         await self.pool.close()
         self.events.stop()

@@ -1,0 +1,53 @@
+"""The launcher's autoscaler: what it reads from the router, and how it moves."""
+
+from __future__ import annotations
+
+from common.config import Role
+from common.config_loader import load_config
+from deploy.autoscale import Autoscaler, planned_replicas
+
+
+def autoscaler(**planner: object) -> Autoscaler:
+    overrides = ["planner.profile=/p.json", "planner.autoscale=true", "prefill.replicas=2",
+                 "decode.replicas=3", "planner.scale_in_delay_s=10"]  # fmt: skip
+    overrides += [f"planner.{k}={v}" for k, v in planner.items()]
+    return Autoscaler(load_config(None, overrides))
+
+
+def test_the_plan_is_read_from_the_router_metrics():
+    text = (
+        "# HELP pdserve:planned_replicas Workers the role needs\n"
+        "# TYPE pdserve:planned_replicas gauge\n"
+        'pdserve:planned_replicas{role="prefill"} 1.0\n'
+        'pdserve:planned_replicas{role="decode"} 3.0\n'
+        'pdserve:worker_available{worker="decode-0"} 1.0\n'
+    )
+    assert planned_replicas(text) == {Role.PREFILL: 1, Role.DECODE: 3}
+    assert planned_replicas("vllm:num_requests_running 0.0\n") == {}
+
+
+def test_up_at_once_within_the_bounds():
+    scaler = autoscaler(min_prefill_replicas=1)
+    assert scaler.initial(Role.PREFILL) == 1 and scaler.initial(Role.DECODE) == 1
+    assert scaler.target(Role.DECODE, 2, running=1, now=0.0) == 2
+    assert scaler.target(Role.DECODE, 9, running=1, now=0.0) == 3  # replicas is the most
+    assert scaler.target(Role.PREFILL, 0, running=0, now=0.0) == 1  # the minimum
+    assert scaler.target(Role.DECODE, None, running=0, now=0.0) == 1  # no plan: bounds only
+    assert scaler.target(Role.DECODE, None, running=2, now=0.0) == 2
+
+
+def test_down_one_at_a_time_after_the_lower_plan_held():
+    scaler = autoscaler()
+    assert scaler.target(Role.DECODE, 1, running=3, now=100.0) == 3
+    assert scaler.target(Role.DECODE, 1, running=3, now=109.0) == 3
+    assert scaler.target(Role.DECODE, 1, running=3, now=110.0) == 2  # held 10 s: one drains
+    assert scaler.target(Role.DECODE, 1, running=2, now=111.0) == 2  # the delay starts over
+    assert scaler.target(Role.DECODE, 1, running=2, now=121.0) == 1
+
+
+def test_a_plan_back_up_resets_the_delay():
+    scaler = autoscaler()
+    assert scaler.target(Role.DECODE, 1, running=2, now=0.0) == 2
+    assert scaler.target(Role.DECODE, 2, running=2, now=5.0) == 2  # the burst is back
+    assert scaler.target(Role.DECODE, 1, running=2, now=12.0) == 2  # counted from 12 s now
+    assert scaler.target(Role.DECODE, 1, running=2, now=22.0) == 1
