@@ -71,6 +71,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"warning: {budget.role}: {warning}", file=sys.stderr)
     for warning in ephemeral_port_warnings(config, ephemeral_range()):
         print(f"warning: {warning}", file=sys.stderr)
+    if config.planner.profile is not None:
+        from planner.profile_data import ProfileError, read_profile
+
+        try:
+            read_profile(Path(config.planner.profile))
+        except ProfileError as exc:  # where the router runs, it may be another path
+            print(f"warning: planner.profile: {exc} (the router refuses to start without "
+                  "it)", file=sys.stderr)  # fmt: skip
     return 0
 
 
@@ -92,8 +100,11 @@ def check_score_tokens(config: PdserveConfig) -> None:
 
 def summary(config: PdserveConfig, budgets: list[KVBudget] | None) -> list[str]:
     """Human-readable lines: the xPyD layout, where everything listens, and the KV pools."""
-    prefill, decode = config.prefill, config.decode
+    prefill, decode, planner = config.prefill, config.decode, config.planner
     lines = [f"layout    {prefill.replicas}P{decode.replicas}D"]
+    if planner.autoscale:
+        lines[0] += (f", autoscaled from {planner.min_prefill_replicas}P"
+                     f"{planner.min_decode_replicas}D to follow the router's plan")  # fmt: skip
     for role in Role:
         section = config.role(role)
         if section.replicas:
@@ -111,6 +122,12 @@ def summary(config: PdserveConfig, budgets: list[KVBudget] | None) -> list[str]:
         f"transfer  {transfer.connector}, lease {transfer.lease_s:g}s, pull timeout "
         f"{transfer.timeout_s:g}s, on failure {transfer.failure_policy.value}"
     )
+    if planner.profile is not None:
+        lines.append(
+            f"planner   {planner.profile}: mean TTFT {planner.ttft_ms:g} ms, ITL "
+            f"{planner.itl_ms:g} ms, over the last {planner.window_s:g}s, every "
+            f"{planner.interval_s:g}s"
+        )
     model = config.model or f"demo ({model_dir_of(config)})"
     lines.append(f"model     {model}")
     for name, path in sorted(config.lora.adapters.items()):

@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from common.config import ConfigError
+from common.config import ConfigError, PdserveConfig
 from deploy.config_args import add_overrides, load_or_report
 
 
@@ -46,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
     if config is None:
         return 2
     source = Path(args.config).name
+    for warning in planner_warnings(config):
+        print(f"warning: {warning}", file=sys.stderr)
     if args.target == "compose":
         from deploy.render_compose import render
 
@@ -70,6 +72,20 @@ def run(args: argparse.Namespace) -> int:
     write(files, args.out)
     print(f"wrote {len(files)} files under {args.out} (kubectl apply -k {args.out}/base)")
     return 0
+
+
+def planner_warnings(config: PdserveConfig) -> list[str]:
+    """What a container deployment does differently with ``planner``: the router reads the
+    profile in its own container, and the autoscaling is the local launcher's."""
+    planner, warnings = config.planner, []
+    if planner.profile is not None:
+        warnings.append(f"planner.profile: the router reads {planner.profile} in its container: "
+                        "mount the profile there")  # fmt: skip
+    if planner.autoscale:
+        warnings.append("planner.autoscale is `pdserve up`'s: these run every replica; scale "
+                        "the roles with your orchestrator on the router's "
+                        "pdserve:planned_replicas{role} (deploy/README.md)")  # fmt: skip
+    return warnings
 
 
 COMMAND = ("render docker-compose or Kubernetes manifests from a config", add_arguments, run)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from common.config import Role
+import pytest
+
+from common.config import ConfigError, Role
 from common.config_loader import load_config
 from deploy.autoscale import Autoscaler, planned_replicas
 
@@ -51,3 +53,23 @@ def test_a_plan_back_up_resets_the_delay():
     assert scaler.target(Role.DECODE, 2, running=2, now=5.0) == 2  # the burst is back
     assert scaler.target(Role.DECODE, 1, running=2, now=12.0) == 2  # counted from 12 s now
     assert scaler.target(Role.DECODE, 1, running=2, now=22.0) == 1
+
+
+def test_config_check_and_deploy_say_what_the_planner_does():
+    from deploy.config_cmd import summary
+    from deploy.deploy_cmd import planner_warnings
+
+    config = load_config(None, ["planner.profile=/p.json", "planner.autoscale=true",
+                                "decode.replicas=3", "planner.ttft_ms=800"])  # fmt: skip
+    lines = summary(config, None)
+    assert lines[0] == "layout    1P3D, autoscaled from 0P1D to follow the router's plan"
+    assert any(line.startswith("planner   /p.json: mean TTFT 800 ms") for line in lines)
+    warnings = planner_warnings(config)
+    assert "mount the profile there" in warnings[0]
+    assert "pdserve:planned_replicas{role}" in warnings[1]
+    assert planner_warnings(load_config(None, [])) == []
+    with pytest.raises(ConfigError, match="planner.autoscale: needs planner.profile"):
+        load_config(None, ["planner.autoscale=true"])
+    with pytest.raises(ConfigError, match="planner.min_prefill_replicas: 2 is above"):
+        load_config(None, ["planner.profile=/p", "planner.autoscale=true",
+                           "planner.min_prefill_replicas=2"])  # fmt: skip
