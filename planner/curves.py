@@ -70,6 +70,7 @@ class DecodeCurve:
                 raise ValueError(f"decode points at context {context} repeat a batch: {batches}")
             self._rows.append((batches, [p.itl_s for p in row]))
         self.max_batch = min(batches[-1] for batches, _ in self._rows)
+        self.batches = sorted({b for batches, _ in self._rows for b in batches})
         self.max_context = self.contexts[-1]
 
     def itl_s(self, batch: float, context_tokens: float) -> float:

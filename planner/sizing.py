@@ -164,7 +164,7 @@ class _Model:
         # ``max_utilization`` busy, as a prefill worker is.
         self.peak_tokens_per_s = max(
             b / self.decode_curve.itl_s(b, self.context)
-            for b in _batches(self.decode_curve.max_batch)
+            for b in _batches(self.decode_curve, self.decode_curve.max_batch)
         )
 
     def prefill(self, replicas: int) -> PrefillSizing:
@@ -276,8 +276,11 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def _batches(upto: float, step: float = 0.25) -> list[float]:
-    return [1 + step * i for i in range(int((upto - 1) / step) + 1)]
+def _batches(curve: DecodeCurve, upto: float) -> list[float]:
+    """1, the batches measured, ``upto``: between two of them a step's time is linear in
+    the batch (``a + k b``, at any context), so ``b / itl(b)`` is monotonic there and its
+    extremes and crossings are found from these points alone."""
+    return [1.0, *(float(b) for b in curve.batches if 1 < b < upto), float(upto)]
 
 
 def _batch_for(curve: DecodeCurve, tokens_per_s: float, context: float) -> float | None:
@@ -286,14 +289,14 @@ def _batch_for(curve: DecodeCurve, tokens_per_s: float, context: float) -> float
     fast as they are asked for. None if no batch up to 4 x the largest measured does (the
     curve's extension is trusted that far, no further). Below one request: the fraction of
     time a lone request is in flight. ``b / itl(b)`` need not rise throughout (a step's time
-    can grow faster than its batch past a cache's size), so the batches are scanned from
-    one up, not bisected over the whole range."""
+    can grow faster than its batch past a cache's size), so the measured batches are
+    scanned from one up and only the span that crosses is bisected."""
     if tokens_per_s == 0:
         return 0.0
     alone = 1 / curve.itl_s(1, context)
     if tokens_per_s <= alone:
         return tokens_per_s / alone
-    batches = _batches(curve.max_batch * 4)
+    batches = _batches(curve, curve.max_batch * 4)
     for low, high in itertools.pairwise(batches):
         if high / curve.itl_s(high, context) >= tokens_per_s:
             for _ in range(20):  # bisection inside the one step that crosses
