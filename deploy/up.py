@@ -327,6 +327,14 @@ def run(config: PdserveConfig, restart: bool = True) -> int:
         return 2
     for warning in ephemeral_port_warnings(config, ephemeral_range()):
         print(f"warning: {warning}", flush=True)
+    if config.planner.profile is not None:  # the router would refuse it after the workers load
+        from planner.profile_data import ProfileError, read_profile
+
+        try:
+            read_profile(Path(config.planner.profile))
+        except ProfileError as exc:
+            print(f"error: planner.profile: {exc}", file=sys.stderr)
+            return 2
     ensure_demo_model(config)
     stack = Stack(config, cache_dir() / "logs" / str(config.router.port), restart)
     stack.handle_signals()

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from common.config import ConfigError, Role
@@ -73,3 +77,14 @@ def test_config_check_and_deploy_say_what_the_planner_does():
     with pytest.raises(ConfigError, match="planner.min_prefill_replicas: 2 is above"):
         load_config(None, ["planner.profile=/p", "planner.autoscale=true",
                            "planner.min_prefill_replicas=2"])  # fmt: skip
+
+
+def test_up_refuses_a_profile_it_cannot_read_before_starting_anything(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "up", "--set", f"planner.profile={tmp_path}/no.json"],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PDSERVE_HOME": str(tmp_path / "home")},
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "error: planner.profile: cannot read profile" in done.stderr
+    assert not (tmp_path / "home").exists()  # no demo model made, no logs
