@@ -682,7 +682,9 @@ class PlannerConfig:
     (``pdserve:planned_replicas``): for an autoscaler to follow, or an operator to read.
     With ``autoscale``, ``pdserve up`` follows it itself: it starts workers and drains them
     between the minima here and each role's ``replicas`` (then the most it runs); a lower
-    plan must hold for ``scale_in_delay_s`` before a worker is drained."""
+    plan must hold for ``scale_in_delay_s`` before a worker is drained. ``correct``: scale
+    the profile by how much slower or faster the workers were seen (the window's mean TTFT
+    and ITL against the profile's prediction for the layout that served it)."""
 
     profile: str | None = None  # None: no live plan
     ttft_ms: float = 1000.0
@@ -690,6 +692,7 @@ class PlannerConfig:
     max_utilization: float = 0.85
     window_s: float = 60.0
     interval_s: float = 10.0
+    correct: bool = True
     autoscale: bool = False
     min_prefill_replicas: int = 0
     min_decode_replicas: int = 1

@@ -72,6 +72,24 @@ class ProfileError(ValueError):
     pass
 
 
+def scaled(profile: Profile, prefill_factor: float, decode_factor: float) -> Profile:
+    """``profile`` with every prefill time multiplied by ``prefill_factor`` (its speeds
+    divided by it) and every decode step by ``decode_factor``: a profile corrected by what
+    a deployment was seen to do (``router/live_plan.py``)."""
+    prefill = [
+        msgspec.structs.replace(p, latency_s=p.latency_s * prefill_factor,
+                                tokens_per_s=p.tokens_per_s / prefill_factor)
+        for p in profile.prefill.prefill
+    ]  # fmt: skip
+    decode = [msgspec.structs.replace(p, itl_s=p.itl_s * decode_factor)
+              for p in profile.decode.decode]  # fmt: skip
+    return msgspec.structs.replace(
+        profile,
+        prefill=msgspec.structs.replace(profile.prefill, prefill=prefill),
+        decode=msgspec.structs.replace(profile.decode, decode=decode),
+    )
+
+
 def write_profile(profile: Profile, path: Path) -> None:
     path.write_bytes(msgspec.json.format(msgspec.json.encode(profile), indent=2) + b"\n")
 

@@ -162,7 +162,7 @@ async def run_choice(
     """The choice's events. Metrics count as tokens come (a prompt at its first token),
     and the sequence once it ends: by its finish reason, else ``abort`` (closed early: the
     client went away, a sibling choice failed) or ``error`` (this choice failed)."""
-    last = None
+    last = first = None
     ended = "abort"
     generator = dispatcher.generate(choice.request)
     try:
@@ -170,6 +170,7 @@ async def run_choice(
             now = time.perf_counter()
             if delta.token_ids:
                 if last is None:
+                    first = now
                     metrics.ttft.observe(now - arrival)
                     metrics.prompt_tokens.inc(len(choice.request.prompt_token_ids))
                 else:
@@ -223,9 +224,10 @@ async def run_choice(
         await generator.aclose()  # a stop string or a gone client: abort the sequence
         metrics.e2e.observe(time.perf_counter() - arrival)
         metrics.sequence_ended(choice.finish_reason or ended)
-        if choice.finish_reason and not choice.echo_only:
+        if choice.finish_reason and not choice.echo_only and first is not None:
             metrics.sequence_served(len(choice.request.prompt_token_ids),
-                                    choice.cached_tokens or 0, len(choice.token_ids))  # fmt: skip
+                                    choice.cached_tokens or 0, len(choice.token_ids),
+                                    first - arrival, last - first)  # fmt: skip
 
 
 async def merge_choices(

@@ -1,16 +1,26 @@
 """The router's live plan: the layout what it served lately needs (``planner.*`` config).
 
-The router sees every sequence end: its prompt, how much of it a worker had cached and
-how many tokens it generated. Those of the last ``window_s`` are a ``Demand`` (their rate
-and shapes), sized every ``interval_s`` against the deployment's profile
-(``planner/sizing.py``, the same model as ``pdserve plan size``); the answer is in the
-router's metrics, for ``pdserve up --autoscale`` (``deploy/autoscale.py``), a Kubernetes
+The router sees every sequence end: its prompt, how much of it a worker had cached, how
+many tokens it generated, and when they came. Those of the last ``window_s`` are a
+``Demand`` (their rate and shapes), sized every ``interval_s`` against the deployment's
+profile (``planner/sizing.py``, the same model as ``pdserve plan size``); the answer is in
+the router's metrics, for ``pdserve up`` (``deploy/autoscale.py``), a Kubernetes
 autoscaler or an operator:
 
 * ``pdserve:planned_replicas{role}``: the workers each role needs;
 * ``pdserve:planned_demand_requests_per_second``: the rate it was sized for;
 * ``pdserve:planned_ttft_seconds`` and ``pdserve:planned_itl_seconds``: the means the
-  planned layout is predicted to give.
+  planned layout is predicted to give;
+* ``pdserve:planner_correction{role}``: how much slower (above 1) or faster the workers
+  were seen to be than their profile.
+
+**Correction** (``planner.correct``, on by default, as Dynamo's SLA planner does): a
+profile measured on an idle worker misses what serving adds (the router, gRPC, streaming,
+the worker's own threads; on small models or shared hosts that is a lot:
+``benchmarks/results/planner_cpu.md``). So each interval the window's mean TTFT and ITL
+are compared with what the profile predicts for the layout that served them (the workers
+available now); their ratio, smoothed and bounded, scales the profile's prefill and
+decode times before the next sizing.
 """
 
 from __future__ import annotations
@@ -18,21 +28,45 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Gauge
 
 from common.config import PlannerConfig
 from planner.demand import Demand, RequestShape
-from planner.profile_data import Profile, read_profile
-from planner.sizing import Sizing, Targets, describe, size
+from planner.profile_data import Profile, read_profile, scaled
+from planner.sizing import Sizing, Targets, describe, predict, size
 
 logger = logging.getLogger(__name__)
 
-MAX_SHAPES = 4096  # the most recent sequences a window keeps (its rate counts them all)
+MAX_SHAPES = 4096  # the most recent sequences a demand holds (its rate counts them all)
+CORRECTION_BOUNDS = (0.25, 8.0)  # a ratio outside is a transient (a burst, a restart)
+SMOOTHING = 0.5  # weight of the newest ratio
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """One sequence the router finished: when, its shape, its time to first token, and
+    the time from its first token to its last (``decode_s`` over ``osl - 1`` tokens)."""
+
+    at: float
+    shape: RequestShape
+    ttft_s: float
+    decode_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Observed:
+    """Means over a window: TTFT of prompts long enough to be disaggregated (None: none
+    was), ITL over every decoded token (None: none was)."""
+
+    ttft_s: float | None
+    itl_s: float | None
 
 
 class DemandWindow:
@@ -43,31 +77,50 @@ class DemandWindow:
     def __init__(self, window_s: float, now: float) -> None:
         self.window_s = window_s
         self.started_at = now
-        self._ends: deque[float] = deque()
-        self._shapes: deque[RequestShape] = deque(maxlen=MAX_SHAPES)
+        self._served: deque[Served] = deque()
 
-    def add(self, now: float, prompt_tokens: int, cached_tokens: int, output_tokens: int) -> None:
+    def add(
+        self,
+        now: float,
+        prompt_tokens: int,
+        cached_tokens: int,
+        output_tokens: int,
+        ttft_s: float = 0.0,
+        decode_s: float = 0.0,
+    ) -> None:
         if prompt_tokens < 1 or output_tokens < 1:
             return  # nothing to size (an echo, a failure before any token)
         cached = min(max(cached_tokens, 0), prompt_tokens - 1)
-        self._ends.append(now)
-        self._shapes.append(RequestShape(prompt_tokens, prompt_tokens - cached, output_tokens))
+        shape = RequestShape(prompt_tokens, prompt_tokens - cached, output_tokens)
+        self._served.append(Served(now, shape, ttft_s, decode_s))
+
+    def _trim(self, now: float) -> None:
+        while self._served and self._served[0].at < now - self.window_s:
+            self._served.popleft()
 
     def demand(self, now: float) -> Demand | None:
         """The window's rate and shapes; None while it holds no sequence."""
-        while self._ends and self._ends[0] < now - self.window_s:
-            self._ends.popleft()
-        num_shapes = min(len(self._ends), len(self._shapes))
-        while len(self._shapes) > num_shapes:
-            self._shapes.popleft()
-        if not self._shapes:
+        self._trim(now)
+        if not self._served:
             return None
         span_s = max(min(self.window_s, now - self.started_at), 1.0)
-        return Demand(len(self._ends) / span_s, tuple(self._shapes))
+        recent = list(self._served)[-MAX_SHAPES:]
+        return Demand(len(self._served) / span_s, tuple(s.shape for s in recent))
+
+    def observed(self, now: float, min_disagg_tokens: int) -> Observed:
+        self._trim(now)
+        ttfts = [s.ttft_s for s in self._served if s.shape.uncached_tokens >= min_disagg_tokens]
+        decode_s = sum(s.decode_s for s in self._served)
+        decode_tokens = sum(s.shape.osl - 1 for s in self._served)
+        return Observed(
+            sum(ttfts) / len(ttfts) if ttfts else None,
+            decode_s / decode_tokens if decode_tokens else None,
+        )
 
 
 class LivePlan:
-    """Sizes the window every ``interval_s`` and shows the answer in ``registry``."""
+    """Sizes the window every ``interval_s`` and shows the answer in ``registry``.
+    ``layout``: the workers of each role available now, (prefill, decode)."""
 
     def __init__(
         self,
@@ -75,26 +128,39 @@ class LivePlan:
         min_disagg_tokens: int,
         profile: Profile,
         registry: CollectorRegistry,
+        layout: Callable[[], tuple[int, int]],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.profile = profile
         self.targets = Targets(config.ttft_ms / 1000, config.itl_ms / 1000,
                                config.max_utilization, min_disagg_tokens)  # fmt: skip
+        self.layout = layout
         self.clock = clock
         self.window = DemandWindow(config.window_s, clock())
-        self.replicas = Gauge("pdserve:planned_replicas", "Workers the role needs for the "
-                              "last planner.window_s of traffic (planner.profile, targets).",
-                              ["role"], registry=registry)  # fmt: skip
-        self.rate = Gauge(
-            "pdserve:planned_demand_requests_per_second",
-            "The request rate the plan was sized for.",
-            registry=registry,
+        self.correction = {"prefill": 1.0, "decode": 1.0}
+
+        def gauge(name: str, doc: str, *labels: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=registry)
+
+        self.replicas = gauge(
+            "pdserve:planned_replicas",
+            "Workers the role needs for the last planner.window_s of traffic.",
+            "role",
         )
-        self.ttft = Gauge("pdserve:planned_ttft_seconds", "Mean TTFT predicted for the planned "
-                          "layout (disaggregated prompts).", registry=registry)  # fmt: skip
-        self.itl = Gauge("pdserve:planned_itl_seconds", "Mean ITL predicted for the planned "
-                         "layout.", registry=registry)  # fmt: skip
+        self.rate = gauge(
+            "pdserve:planned_demand_requests_per_second", "The request rate the plan sized."
+        )
+        self.ttft = gauge(
+            "pdserve:planned_ttft_seconds",
+            "Mean TTFT predicted for the planned layout (disaggregated prompts).",
+        )
+        self.itl = gauge("pdserve:planned_itl_seconds", "Mean ITL predicted for the layout.")
+        self.correction_gauge = gauge(
+            "pdserve:planner_correction",
+            "How much slower (> 1) the role's workers were seen than their profile.",
+            "role",
+        )
         self.last: Sizing | None = None
         self._task: asyncio.Task | None = None
         self._warned: set[str] = set()
@@ -106,6 +172,7 @@ class LivePlan:
         config: PlannerConfig,
         min_disagg_tokens: int,
         registry: CollectorRegistry,
+        layout: Callable[[], tuple[int, int]],
         clock: Callable[[], float] = time.monotonic,
     ) -> LivePlan | None:
         """None without ``planner.profile``; raises ``ProfileError`` for a file that is not
@@ -113,20 +180,31 @@ class LivePlan:
         if config.profile is None:
             return None
         profile = read_profile(Path(config.profile))
-        return cls(config, min_disagg_tokens, profile, registry, clock)
+        return cls(config, min_disagg_tokens, profile, registry, layout, clock)
 
-    def sequence_served(self, prompt_tokens: int, cached_tokens: int, output_tokens: int) -> None:
-        self.window.add(self.clock(), prompt_tokens, cached_tokens, output_tokens)
+    def sequence_served(
+        self, prompt_tokens: int, cached_tokens: int, output_tokens: int, ttft_s: float,
+        decode_s: float,
+    ) -> None:  # fmt: skip
+        self.window.add(self.clock(), prompt_tokens, cached_tokens, output_tokens, ttft_s,
+                        decode_s)  # fmt: skip
 
     def update(self) -> Sizing:
-        """Size the window now; an empty window is sized as no load (one decode worker)."""
-        demand = self.window.demand(self.clock()) or Demand(0.0, (RequestShape(1, 1, 1),))
-        sizing = size(self.profile, demand, self.targets)
+        """Size the window now (corrected by what it saw, with ``planner.correct``); an
+        empty window is sized as no load (one decode worker)."""
+        now = self.clock()
+        demand = self.window.demand(now)
+        if demand is not None and self.config.correct:
+            self._correct(demand, self.window.observed(now, self.targets.min_disagg_tokens))
+        profile = scaled(self.profile, self.correction["prefill"], self.correction["decode"])
+        sizing = size(profile, demand or Demand(0.0, (RequestShape(1, 1, 1),)), self.targets)
         self.replicas.labels(role="prefill").set(sizing.prefill.replicas)
         self.replicas.labels(role="decode").set(sizing.decode.replicas)
-        self.rate.set(demand.rate_per_s)
+        self.rate.set(demand.rate_per_s if demand else 0.0)
         self.ttft.set(sizing.prefill.ttft_s)
         self.itl.set(sizing.decode.itl_s)
+        for role, factor in self.correction.items():
+            self.correction_gauge.labels(role=role).set(factor)
         for warning in describe(sizing.notes):
             kind = warning.split(":", 1)[0]
             if kind not in self._warned:  # once per kind: the plan repeats every interval
@@ -134,6 +212,20 @@ class LivePlan:
                 logger.warning("live plan: %s", warning)
         self.last = sizing
         return sizing
+
+    def _correct(self, demand: Demand, observed: Observed) -> None:
+        """Move each role's factor toward observed / predicted for the layout that served
+        the window (the profile as measured, uncorrected)."""
+        num_prefill, num_decode = self.layout()
+        if num_decode < 1:
+            return
+        expected = predict(self.profile, demand, self.targets, num_prefill, num_decode)
+        for role, seen, thought in (("prefill", observed.ttft_s, expected.prefill.ttft_s),
+                                    ("decode", observed.itl_s, expected.decode.itl_s)):  # fmt: skip
+            if seen is None or not 0 < thought < math.inf:
+                continue
+            ratio = min(max(seen / thought, CORRECTION_BOUNDS[0]), CORRECTION_BOUNDS[1])
+            self.correction[role] = (1 - SMOOTHING) * self.correction[role] + SMOOTHING * ratio
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())

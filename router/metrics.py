@@ -146,10 +146,15 @@ class RouterMetrics:
     def sequence_ended(self, finished_reason: str) -> None:
         self._requests.labels(model_name=self._model_name, finished_reason=finished_reason).inc()
 
-    def sequence_served(self, prompt_tokens: int, cached_tokens: int, output_tokens: int) -> None:
-        """A sequence that ended with its output (for the live plan's demand)."""
+    def sequence_served(
+        self, prompt_tokens: int, cached_tokens: int, output_tokens: int, ttft_s: float,
+        decode_s: float,
+    ) -> None:  # fmt: skip
+        """A sequence that ended with its output: its shape, its time to first token and
+        from its first token to its last (for the live plan)."""
         if self.live_plan is not None:
-            self.live_plan.sequence_served(prompt_tokens, cached_tokens, output_tokens)
+            self.live_plan.sequence_served(prompt_tokens, cached_tokens, output_tokens, ttft_s,
+                                           decode_s)  # fmt: skip
 
     def prefix_cache(self, num_tokens: int, cached_tokens: int) -> None:
         self.prefix_queries.inc(num_tokens)

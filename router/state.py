@@ -114,8 +114,9 @@ class RouterState:
         )
         metrics = RouterMetrics(model.served_name)
         metrics.live_plan = LivePlan.from_config(
-            config.planner, config.router.min_disagg_tokens, metrics.registry
-        )
+            config.planner, config.router.min_disagg_tokens, metrics.registry,
+            lambda: (len(pool.candidates(Role.PREFILL)), len(pool.candidates(Role.DECODE))),
+        )  # fmt: skip
         decode_engine = config.engine_for(Role.DECODE)
         policy = PlacementPolicy(config.router, model.block_size, decode_engine.max_num_seqs)
         dispatcher = Dispatcher(config.router, pool, index, lock, policy, metrics, model.block_size)

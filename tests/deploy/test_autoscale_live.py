@@ -35,7 +35,8 @@ def test_a_burst_starts_a_decode_worker_and_the_quiet_after_it_drains_it(model_f
     config = write_config(
         tmp_path / "deploy.yaml", model_factory("llama"), num_prefill=0, num_decode=2,
         planner={"profile": str(profile), "autoscale": True, "window_s": 15.0,
-                 "interval_s": 0.5, "scale_in_delay_s": 2.0, "itl_ms": 10_000},
+                 "interval_s": 0.5, "scale_in_delay_s": 2.0, "itl_ms": 10_000,
+                 "correct": False},  # the crafted profile is the plan: no correction
     )  # fmt: skip
     with serving(config, tmp_path / "home") as stack:
         assert "decode-1" not in stack.children()  # the minimum: one decode worker
@@ -51,12 +52,13 @@ def test_a_burst_starts_a_decode_worker_and_the_quiet_after_it_drains_it(model_f
             time.sleep(0.2)
         assert eventually(lambda: "decode workers 1 -> 2: started decode-1" in stack.log(), 30)
         assert eventually(lambda: metric(stack, "pdserve:worker_available") == 2, 60)
-        assert metric(stack, "pdserve:planned_replicas", role="decode") == 2
+        assert metric(stack, "pdserve:planned_replicas", role="decode") >= 2  # (capped at 2)
         # Quiet: the window empties, the lower plan holds 2 s, decode-1 drains and exits.
         assert eventually(lambda: "decode workers 2 -> 1: draining decode-1" in stack.log(), 30)
         assert eventually(lambda: "decode-1" not in stack.children(), 60)
         assert eventually(lambda: metric(stack, "pdserve:worker_available") == 1, 30)
-        assert "decode-1 exited (0)" in stack.log() and "restarting decode-1" not in stack.log()
+        assert eventually(lambda: "decode-1 exited (0)" in stack.log(), 10)
+        assert "restarting decode-1" not in stack.log()
         # Still serving, on decode-0.
         reply = client.completions.create(model=model, prompt=[5, 6], max_tokens=4)
         assert reply.choices[0].finish_reason in ("length", "stop")

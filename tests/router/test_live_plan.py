@@ -41,14 +41,14 @@ def test_the_plan_is_the_sizing_of_the_window_and_in_the_metrics(tmp_path):
     clock = Clock()
     registry = CollectorRegistry()
     config = PlannerConfig(profile=str(tmp_path / "p.json"), ttft_ms=3000, itl_ms=25,
-                           window_s=10.0)  # fmt: skip
+                           window_s=10.0, correct=False)  # fmt: skip
     write_profile(make_profile(), tmp_path / "p.json")
-    plan = LivePlan.from_config(config, 256, registry, clock)
+    plan = LivePlan.from_config(config, 256, registry, lambda: (2, 1), clock)
     idle = plan.last
     assert (idle.prefill.replicas, idle.decode.replicas) == (0, 1)
     clock.now += 10.0
     for _ in range(15):  # 1.5 prompts/s of 1000 tokens, 100 decode tokens each
-        plan.sequence_served(1000, 0, 101)
+        plan.sequence_served(1000, 0, 101, 1.0, 2.0)
     sizing = plan.update()
     expected = size(make_profile(), Demand(1.5, (RequestShape(1000, 1000, 101),)),
                     Targets(3.0, 0.025, 0.85, 256))  # fmt: skip
@@ -62,8 +62,54 @@ def test_the_plan_is_the_sizing_of_the_window_and_in_the_metrics(tmp_path):
 
 
 def test_no_profile_no_plan_and_a_bad_one_is_named(tmp_path):
-    assert LivePlan.from_config(PlannerConfig(), 256, CollectorRegistry()) is None
+    assert LivePlan.from_config(PlannerConfig(), 256, CollectorRegistry(), lambda: (1, 1)) is None
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     with pytest.raises(ProfileError, match="is not a pdserve profile"):
-        LivePlan.from_config(PlannerConfig(profile=str(bad)), 256, CollectorRegistry())
+        LivePlan.from_config(PlannerConfig(profile=str(bad)), 256, CollectorRegistry(),
+                             lambda: (1, 1))  # fmt: skip
+
+
+def corrected_plan(tmp_path, correct: bool = True) -> tuple[LivePlan, Clock]:
+    clock = Clock()
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    write_profile(make_profile(), tmp_path / "p.json")
+    config = PlannerConfig(profile=str(tmp_path / "p.json"), ttft_ms=10_000, itl_ms=25,
+                           window_s=10.0, correct=correct)  # fmt: skip
+    return LivePlan.from_config(config, 256, CollectorRegistry(), lambda: (8, 1), clock), clock
+
+
+def serve(plan: LivePlan, clock: Clock, itl_s: float) -> None:
+    """5 requests/s for 10 s of 1000-token prompts and 101 tokens, at ``itl_s`` (the
+    last call's sequences out of the window by then)."""
+    clock.now += 10.5
+    for _ in range(50):
+        plan.sequence_served(1000, 0, 101, 0.5, 100 * itl_s)
+
+
+def test_workers_seen_slower_than_their_profile_correct_it(tmp_path):
+    """The profile says one worker decodes 500 tokens/s at b = 10 in 20 ms steps; seen at
+    40 ms, the ratio 2 moves the factor halfway (1.5): then one worker would run 60 ms
+    steps, over the 25 ms target, and two are planned (b = 6, 24 ms)."""
+    plain, plain_clock = corrected_plan(tmp_path / "a", correct=False)
+    serve(plain, plain_clock, itl_s=0.040)
+    assert plain.update().decode.replicas == 1
+    plan, clock = corrected_plan(tmp_path / "b")
+    serve(plan, clock, itl_s=0.040)
+    sizing = plan.update()
+    assert plan.correction["decode"] == pytest.approx(1.5, rel=1e-4)
+    assert sizing.decode.replicas == 2
+    assert sizing.decode.itl_s == pytest.approx(0.024, rel=1e-3)
+    serve(plan, clock, itl_s=0.040)
+    plan.update()
+    assert plan.correction["decode"] == pytest.approx(1.75, rel=1e-4)
+    # Disaggregated prompts were seen at 0.5 s against over 1 s predicted (8 prefill
+    # workers serve it): faster.
+    assert plan.correction["prefill"] < 1
+
+
+def test_a_ratio_far_out_is_bounded(tmp_path):
+    plan, clock = corrected_plan(tmp_path)
+    serve(plan, clock, itl_s=2.0)  # 100x the prediction: a burst, a stall
+    plan.update()
+    assert plan.correction["decode"] == pytest.approx(0.5 + 0.5 * 8.0)
