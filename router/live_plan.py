@@ -17,10 +17,12 @@ autoscaler or an operator:
 **Correction** (``planner.correct``, on by default, as Dynamo's SLA planner does): a
 profile measured on an idle worker misses what serving adds (the router, gRPC, streaming,
 the worker's own threads; on small models or shared hosts that is a lot:
-``benchmarks/results/planner_cpu.md``). So each interval the window's mean TTFT and ITL
-are compared with what the profile predicts for the layout that served them (the workers
-available now); their ratio, smoothed and bounded, scales the profile's prefill and
-decode times before the next sizing.
+``benchmarks/results/planner_cpu.md``). So each interval finds, per role, the factor on
+the profile's times at which it predicts the window's mean TTFT (ITL) for the layout
+that served it (the workers available now), and the next sizing uses the profile scaled
+by it (smoothed, bounded). Solving for the factor, not taking observed / predicted as
+one: slower steps mean bigger batches and longer queues, so a profile scaled by the raw
+ratio would predict more than was seen, and plan for more workers than needed.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -45,7 +48,8 @@ from planner.sizing import Sizing, Targets, describe, predict, size
 logger = logging.getLogger(__name__)
 
 MAX_SHAPES = 4096  # the most recent sequences a demand holds (its rate counts them all)
-CORRECTION_BOUNDS = (0.25, 8.0)  # a ratio outside is a transient (a burst, a restart)
+CORRECTION_BOUNDS = (0.25, 8.0)  # a factor outside is a transient (a burst, a restart)
+CORRECTION_SHAPES = 256  # the window's shapes a correction is solved on
 SMOOTHING = 0.5  # weight of the newest ratio
 
 
@@ -72,12 +76,14 @@ class Observed:
 class DemandWindow:
     """The sequences the router finished over the last ``window_s``. Until the router has
     run that long, the rate is over the time it has run (a just-started router does not
-    read its first minute as a quiet one)."""
+    read its first minute as a quiet one). ``add`` runs on the router's event loop, the
+    reads on the plan's thread: both under one lock, the reads on a copy."""
 
     def __init__(self, window_s: float, now: float) -> None:
         self.window_s = window_s
         self.started_at = now
         self._served: deque[Served] = deque()
+        self._lock = threading.Lock()
 
     def add(
         self,
@@ -92,30 +98,52 @@ class DemandWindow:
             return  # nothing to size (an echo, a failure before any token)
         cached = min(max(cached_tokens, 0), prompt_tokens - 1)
         shape = RequestShape(prompt_tokens, prompt_tokens - cached, output_tokens)
-        self._served.append(Served(now, shape, ttft_s, decode_s))
+        with self._lock:
+            self._served.append(Served(now, shape, ttft_s, decode_s))
 
-    def _trim(self, now: float) -> None:
-        while self._served and self._served[0].at < now - self.window_s:
-            self._served.popleft()
+    def _recent(self, now: float) -> list[Served]:
+        with self._lock:
+            while self._served and self._served[0].at < now - self.window_s:
+                self._served.popleft()
+            return list(self._served)
 
     def demand(self, now: float) -> Demand | None:
         """The window's rate and shapes; None while it holds no sequence."""
-        self._trim(now)
-        if not self._served:
+        served = self._recent(now)
+        if not served:
             return None
         span_s = max(min(self.window_s, now - self.started_at), 1.0)
-        recent = list(self._served)[-MAX_SHAPES:]
-        return Demand(len(self._served) / span_s, tuple(s.shape for s in recent))
+        return Demand(len(served) / span_s, tuple(s.shape for s in served[-MAX_SHAPES:]))
 
     def observed(self, now: float, min_disagg_tokens: int) -> Observed:
-        self._trim(now)
-        ttfts = [s.ttft_s for s in self._served if s.shape.uncached_tokens >= min_disagg_tokens]
-        decode_s = sum(s.decode_s for s in self._served)
-        decode_tokens = sum(s.shape.osl - 1 for s in self._served)
+        served = self._recent(now)
+        ttfts = [s.ttft_s for s in served if s.shape.uncached_tokens >= min_disagg_tokens]
+        decode_s = sum(s.decode_s for s in served)
+        decode_tokens = sum(s.shape.osl - 1 for s in served)
         return Observed(
             sum(ttfts) / len(ttfts) if ttfts else None,
             decode_s / decode_tokens if decode_tokens else None,
         )
+
+
+def _solve(predicted: Callable[[float], float], seen: float) -> float | None:
+    """The factor in ``CORRECTION_BOUNDS`` at which ``predicted`` (rising with the factor,
+    infinite past a worker's capacity) equals ``seen``: bisected on its logarithm. None
+    where the profile predicts nothing for the role (no disaggregated prompts: 0)."""
+    low, high = CORRECTION_BOUNDS
+    if predicted(low) <= 0:
+        return None
+    if predicted(low) >= seen:
+        return low
+    if predicted(high) <= seen:
+        return high
+    for _ in range(20):
+        middle = math.sqrt(low * high)
+        if predicted(middle) < seen:
+            low = middle
+        else:
+            high = middle
+    return math.sqrt(low * high)
 
 
 class LivePlan:
@@ -189,13 +217,15 @@ class LivePlan:
         self.window.add(self.clock(), prompt_tokens, cached_tokens, output_tokens, ttft_s,
                         decode_s)  # fmt: skip
 
-    def update(self) -> Sizing:
-        """Size the window now (corrected by what it saw, with ``planner.correct``); an
-        empty window is sized as no load (one decode worker)."""
+    def update(self, layout: tuple[int, int] | None = None) -> Sizing:
+        """Size the window now (corrected by what it saw, with ``planner.correct``, for
+        ``layout``: the workers available, by default asked now); an empty window is sized
+        as no load (one decode worker)."""
         now = self.clock()
         demand = self.window.demand(now)
         if demand is not None and self.config.correct:
-            self._correct(demand, self.window.observed(now, self.targets.min_disagg_tokens))
+            observed = self.window.observed(now, self.targets.min_disagg_tokens)
+            self._correct(demand, observed, layout or self.layout())
         profile = scaled(self.profile, self.correction["prefill"], self.correction["decode"])
         sizing = size(profile, demand or Demand(0.0, (RequestShape(1, 1, 1),)), self.targets)
         self.replicas.labels(role="prefill").set(sizing.prefill.replicas)
@@ -213,19 +243,28 @@ class LivePlan:
         self.last = sizing
         return sizing
 
-    def _correct(self, demand: Demand, observed: Observed) -> None:
-        """Move each role's factor toward observed / predicted for the layout that served
-        the window (the profile as measured, uncorrected)."""
-        num_prefill, num_decode = self.layout()
+    def _correct(self, demand: Demand, observed: Observed, layout: tuple[int, int]) -> None:
+        """Move each role's factor toward the one at which the profile predicts what was
+        seen for the layout that served the window (the workers available now)."""
+        num_prefill, num_decode = layout
         if num_decode < 1:
             return
-        expected = predict(self.profile, demand, self.targets, num_prefill, num_decode)
-        for role, seen, thought in (("prefill", observed.ttft_s, expected.prefill.ttft_s),
-                                    ("decode", observed.itl_s, expected.decode.itl_s)):  # fmt: skip
-            if seen is None or not 0 < thought < math.inf:
+        # A sample of the window's shapes is enough to calibrate by (the sizing takes all).
+        step = max(1, len(demand.shapes) // CORRECTION_SHAPES)
+        sample = Demand(demand.rate_per_s, demand.shapes[::step])
+        for role, seen in (("prefill", observed.ttft_s), ("decode", observed.itl_s)):
+            if seen is None or (role == "prefill" and num_prefill < 1):
                 continue
-            ratio = min(max(seen / thought, CORRECTION_BOUNDS[0]), CORRECTION_BOUNDS[1])
-            self.correction[role] = (1 - SMOOTHING) * self.correction[role] + SMOOTHING * ratio
+
+            def predicted(factor: float, role: str = role) -> float:
+                profile = scaled(self.profile, factor, 1.0) if role == "prefill" else scaled(
+                    self.profile, 1.0, factor)  # fmt: skip
+                sizing = predict(profile, sample, self.targets, num_prefill, num_decode)
+                return sizing.prefill.ttft_s if role == "prefill" else sizing.decode.itl_s
+
+            factor = _solve(predicted, seen)
+            if factor is not None:
+                self.correction[role] = (1 - SMOOTHING) * self.correction[role] + SMOOTHING * factor
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -233,8 +272,9 @@ class LivePlan:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.config.interval_s)
-            try:
-                self.update()
+            try:  # tens of ms of arithmetic: off the loop that streams tokens (the pool is
+                # the loop's: read here)
+                await asyncio.to_thread(self.update, self.layout())
             except Exception:
                 logger.exception("live plan failed; the last plan stands")
 

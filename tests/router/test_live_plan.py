@@ -88,28 +88,36 @@ def serve(plan: LivePlan, clock: Clock, itl_s: float) -> None:
 
 
 def test_workers_seen_slower_than_their_profile_correct_it(tmp_path):
-    """The profile says one worker decodes 500 tokens/s at b = 10 in 20 ms steps; seen at
-    40 ms, the ratio 2 moves the factor halfway (1.5): then one worker would run 60 ms
-    steps, over the 25 ms target, and two are planned (b = 6, 24 ms)."""
+    """The profile says one worker decodes 500 tokens/s at b = 10 in 20 ms steps. Seen at
+    40 ms: the profile predicts that with its steps 4/3 as long (b = 20 then), and the
+    factor moves halfway there (7/6). One worker would then run 28 ms steps, over the 25 ms
+    target: two are planned (b = 4.12, 16.5 ms)."""
     plain, plain_clock = corrected_plan(tmp_path / "a", correct=False)
     serve(plain, plain_clock, itl_s=0.040)
     assert plain.update().decode.replicas == 1
     plan, clock = corrected_plan(tmp_path / "b")
     serve(plan, clock, itl_s=0.040)
     sizing = plan.update()
-    assert plan.correction["decode"] == pytest.approx(1.5, rel=1e-4)
+    assert plan.correction["decode"] == pytest.approx(7 / 6, rel=1e-4)
     assert sizing.decode.replicas == 2
-    assert sizing.decode.itl_s == pytest.approx(0.024, rel=1e-3)
+    assert sizing.decode.itl_s == pytest.approx(7 / 6 * (0.01 + 0.001 * 4.1176), rel=1e-3)
     serve(plan, clock, itl_s=0.040)
     plan.update()
-    assert plan.correction["decode"] == pytest.approx(1.75, rel=1e-4)
+    assert plan.correction["decode"] == pytest.approx(1.25, rel=1e-4)
     # Disaggregated prompts were seen at 0.5 s against over 1 s predicted (8 prefill
     # workers serve it): faster.
     assert plan.correction["prefill"] < 1
 
 
-def test_a_ratio_far_out_is_bounded(tmp_path):
-    plan, clock = corrected_plan(tmp_path)
-    serve(plan, clock, itl_s=2.0)  # 100x the prediction: a burst, a stall
+def test_the_factor_stays_within_what_the_load_allows_and_its_bounds(tmp_path):
+    """Seen at 2 s a token: the profile can only predict that near saturation (its steps
+    just under twice as long make 500 tokens/s the most one worker makes). Seen at 0.1 ms:
+    the lower bound, 0.25."""
+    plan, clock = corrected_plan(tmp_path / "a")
+    serve(plan, clock, itl_s=2.0)
     plan.update()
-    assert plan.correction["decode"] == pytest.approx(0.5 + 0.5 * 8.0)
+    assert 1.45 < plan.correction["decode"] < 1.5
+    fast, fast_clock = corrected_plan(tmp_path / "b")
+    serve(fast, fast_clock, itl_s=0.0001)
+    fast.update()
+    assert fast.correction["decode"] == pytest.approx(0.5 + 0.5 * 0.25)
