@@ -89,7 +89,7 @@ class Stack:
         remove_dead_owners(log_dir, "config-", ".yaml")
         self.config_path = log_dir / f"config-{owner_tag()}.yaml"
         self._write_config()
-        self._gpus = self._gpu_env()
+        self._gpus: dict[tuple[Role, int], dict[str, str]] = {}  # set by start
         # planner.autoscale: workers started and drained to the router's plan; those it
         # drained are not restarted, whatever their exit.
         self.autoscaler = Autoscaler(config) if config.planner.autoscale else None
@@ -131,6 +131,7 @@ class Stack:
         return proc
 
     def start(self, timeout_s: float = 300.0) -> None:
+        self._gpus = self._gpu_env()  # raises ConfigError before anything starts
         workers = []
         for role in Role:
             section = self.config.role(role)
