@@ -18,7 +18,9 @@ those, so the layout (replicas, ports, engine, connector, timeouts) stays the us
   served model name defaults to it). Without a model, the image's baked-in demo is used.
   LoRA adapters are mounted read-only at ``ADAPTERS_DIR/<adapter name>``, a draft model
   (``engine.draft_model``) at ``DRAFTS_DIR/<its name>``.
-- **Config file.** The rewritten config is mounted at ``CONFIG_PATH`` in every container.
+- **Config file.** The rewritten config is mounted at ``CONFIG_PATH`` in every container,
+  and the live plan's profile (``planner.profile``), read from this machine, beside it at
+  ``PROFILE_PATH``: it travels with the config.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from common.config import ConfigError, PdserveConfig, Role
 from common.config_loader import to_dict
 
 CONFIG_PATH = "/etc/pdserve/config.yaml"
+PROFILE_PATH = "/etc/pdserve/profile.json"
 SHARED_KV_DIR = "/var/lib/pdserve/kv-shared"
 MODELS_DIR = "/models"
 ADAPTERS_DIR = "/adapters"
@@ -72,8 +75,12 @@ def container_config(config: PdserveConfig, redis_host: str) -> PdserveConfig:
             prefill = dataclasses.replace(prefill, engine={**prefill.engine, "draft_model": draft})
         if "draft_model" in decode.engine:
             decode = dataclasses.replace(decode, engine={**decode.engine, "draft_model": draft})
+    planner = config.planner
+    if planner.profile is not None:
+        planner = dataclasses.replace(planner, profile=PROFILE_PATH)
     return dataclasses.replace(
         config,
+        planner=planner,
         model=container_model_path(config),
         engine=engine,
         prefill=prefill,
@@ -83,6 +90,21 @@ def container_config(config: PdserveConfig, redis_host: str) -> PdserveConfig:
         registry=registry,
         kv_transfer=transfer,
     )
+
+
+def profile_text(config: PdserveConfig) -> str | None:
+    """The live plan's profile file as text (it goes into the deployment beside the
+    config), checked as a profile; None without one. Raises ``ConfigError``."""
+    if config.planner.profile is None:
+        return None
+    from planner.profile_data import ProfileError, read_profile
+
+    path = Path(config.planner.profile)
+    try:
+        read_profile(path)
+    except ProfileError as exc:
+        raise ConfigError("planner.profile", f"{exc}; the deployment carries it") from None
+    return path.read_text()
 
 
 def container_model_path(config: PdserveConfig) -> str | None:

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     if config is None:
         return 2
     source = Path(args.config).name
-    for warning in planner_warnings(config):
+    for warning in planner_warnings(config, args.target):
         print(f"warning: {warning}", file=sys.stderr)
     if args.target == "compose":
         from deploy.render_compose import render
@@ -74,18 +74,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def planner_warnings(config: PdserveConfig) -> list[str]:
-    """What a container deployment does differently with ``planner``: the router reads the
-    profile in its own container, and the autoscaling is the local launcher's."""
-    planner, warnings = config.planner, []
-    if planner.profile is not None:
-        warnings.append(f"planner.profile: the router reads {planner.profile} in its container: "
-                        "mount the profile there")  # fmt: skip
-    if planner.autoscale:
-        warnings.append("planner.autoscale is `pdserve up`'s: these run every replica; scale "
-                        "the roles with your orchestrator on the router's "
-                        "pdserve:planned_replicas{role} (deploy/README.md)")  # fmt: skip
-    return warnings
+def planner_warnings(config: PdserveConfig, target: str) -> list[str]:
+    """What a container deployment does with ``planner.autoscale``: the local launcher's
+    scaling does not apply; Kubernetes has the autoscale overlay, compose nothing."""
+    if not config.planner.autoscale:
+        return []
+    if target == "k8s":
+        return ["planner.autoscale is `pdserve up`'s: the base runs every replica; "
+                "overlays/autoscale scales the roles with KEDA on the router's "
+                "pdserve:planned_replicas (set its Prometheus address)"]  # fmt: skip
+    return ["planner.autoscale is `pdserve up`'s: compose runs every replica (the router "
+            "still shows its plan: pdserve:planned_replicas)"]  # fmt: skip
 
 
 COMMAND = ("render docker-compose or Kubernetes manifests from a config", add_arguments, run)

@@ -20,6 +20,7 @@ from deploy.gpus import worker_gpus
 from deploy.yaml_text import dump_all
 
 CONFIG_NAME = "pdserve-config"
+PROFILE_NAME = "pdserve-profile"
 KV_VOLUME = "kv-shared"
 VARIANTS = ("cpu", "cuda")
 _LOOPBACK = {"127.0.0.1", "localhost"}
@@ -63,6 +64,10 @@ def compose_document(
         "services": services,
         "configs": {CONFIG_NAME: {"content": _escape(c.config_yaml(inner, source))}},
     }
+    profile = c.profile_text(config)
+    if profile is not None:  # the router's live plan reads it (its planner.profile)
+        document["configs"][PROFILE_NAME] = {"content": _escape(profile)}
+        services["router"]["configs"].append({"source": PROFILE_NAME, "target": c.PROFILE_PATH})
     if config.kv_transfer.connector == "shared_storage":
         document["volumes"] = {KV_VOLUME: {}}
     return document

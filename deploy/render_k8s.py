@@ -3,6 +3,8 @@
     base/       ConfigMap (the container config), Redis, router Deployment + Service,
                 prefill and decode Deployments (replicas from the config), PVCs if needed
     overlays/gpu/  the CUDA image and tensor_parallel_size nvidia.com/gpu per worker pod
+    overlays/autoscale/  with ``planner.profile``: a KEDA ScaledObject per role on the
+                   router's ``pdserve:planned_replicas`` (set PROMETHEUS there)
 
 Every worker pod is replica 0 of its own network namespace: same ports in every pod, host
 = its pod IP (downward API), discovery through Redis; so a Deployment's replica count is
@@ -36,6 +38,9 @@ def render_files(config: PdserveConfig, source: str, image: str = "") -> dict[st
     gpus_per_pod = config.engine_for(Role.PREFILL).tensor_parallel_size  # equal for both
     for name, docs in gpu_overlay(image, gpus_per_pod).items():
         files[f"overlays/gpu/{name}"] = header + dump_all(docs)
+    if config.planner.profile is not None:
+        for name, docs in autoscale_overlay(config).items():
+            files[f"overlays/autoscale/{name}"] = header + dump_all(docs)
     return files
 
 
@@ -59,17 +64,24 @@ def base_resources(config: PdserveConfig, source: str, image: str) -> dict[str, 
     config_text = c.config_yaml(inner, source)
     # What the pods run on: scaling a role (1 -> 3 replicas) must not roll every pod, so
     # replica counts enter the checksum only as "runs or not".
+    # (planner.autoscale is the local launcher's, and its minima would not fit the 0 or 1.)
     scaled = dataclasses.replace(
         inner,
         prefill=dataclasses.replace(inner.prefill, replicas=min(inner.prefill.replicas, 1)),
         decode=dataclasses.replace(inner.decode, replicas=min(inner.decode.replicas, 1)),
+        planner=dataclasses.replace(inner.planner, autoscale=False),
     )
-    checksum = hashlib.sha256(c.config_yaml(scaled, source).encode()).hexdigest()[:16]
+    profile = c.profile_text(config)  # the router's live plan reads it, beside the config
+    rolled = c.config_yaml(scaled, source) + (profile or "")
+    checksum = hashlib.sha256(rolled.encode()).hexdigest()[:16]
+    data = {"config.yaml": config_text}
+    if profile is not None:
+        data[Path(c.PROFILE_PATH).name] = profile
     configmap = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {"name": pods.CONFIG, "labels": pods.labels("config")},
-        "data": {"config.yaml": config_text},
+        "data": data,
     }
     resources: dict[str, list[dict]] = {"configmap.yaml": [configmap]}
     claims = pods.claims(config)
@@ -105,3 +117,57 @@ def gpu_overlay(image: str, gpus_per_pod: int = 1) -> dict[str, list[dict]]:
                      "target": {"kind": "Deployment", "labelSelector": pods.ROLE_LABEL}}],
     }  # fmt: skip
     return {"kustomization.yaml": [kustomization], "gpu-workers.yaml": [patch]}
+
+
+# Where KEDA's Prometheus scaler asks for the router's metrics: a placeholder for the
+# cluster's Prometheus (which must scrape the router's /metrics), to set in the overlay.
+PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
+KEDA_API = "keda.sh/v1alpha1"
+
+
+def autoscale_overlay(config: PdserveConfig) -> dict[str, list[dict]]:
+    """The base plus a KEDA ScaledObject per role: replicas = the router's plan
+    (``pdserve:planned_replicas{role}``, threshold 1), between ``planner.min_<role>_replicas``
+    and the role's ``replicas``, polled every ``planner.interval_s``; a lower plan must hold
+    ``planner.scale_in_delay_s`` before pods go (the HPA's scale-down stabilization), and
+    they drain on SIGTERM as any scaled-in worker does."""
+    planner = config.planner
+    least = {Role.PREFILL: planner.min_prefill_replicas, Role.DECODE: planner.min_decode_replicas}
+    scaled_objects = [
+        {
+            "apiVersion": KEDA_API,
+            "kind": "ScaledObject",
+            "metadata": {"name": pods.worker_name(role), "labels": pods.labels(role.value)},
+            "spec": {
+                "scaleTargetRef": {"name": pods.worker_name(role)},
+                "minReplicaCount": least[role],
+                "maxReplicaCount": config.role(role).replicas,
+                "pollingInterval": max(1, round(planner.interval_s)),
+                "advanced": {
+                    "horizontalPodAutoscalerConfig": {
+                        "behavior": {
+                            "scaleDown": {
+                                "stabilizationWindowSeconds": round(planner.scale_in_delay_s),
+                                "policies": [{"type": "Pods", "value": 1, "periodSeconds": 15}],
+                            }
+                        }
+                    }
+                },
+                "triggers": [
+                    {
+                        "type": "prometheus",
+                        "metadata": {
+                            "serverAddress": PROMETHEUS,
+                            "query": f'max(pdserve:planned_replicas{{role="{role.value}"}})',
+                            "threshold": "1",
+                        },
+                    }
+                ],
+            },
+        }
+        for role in Role
+        if config.role(role).replicas
+    ]
+    kustomization = {"apiVersion": KUSTOMIZE_API, "kind": "Kustomization",
+                     "resources": ["../../base", "scaledobjects.yaml"]}  # fmt: skip
+    return {"kustomization.yaml": [kustomization], "scaledobjects.yaml": scaled_objects}

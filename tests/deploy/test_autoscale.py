@@ -68,10 +68,9 @@ def test_config_check_and_deploy_say_what_the_planner_does():
     lines = summary(config, None)
     assert lines[0] == "layout    1P3D, autoscaled from 0P1D to follow the router's plan"
     assert any(line.startswith("planner   /p.json: mean TTFT 800 ms") for line in lines)
-    warnings = planner_warnings(config)
-    assert "mount the profile there" in warnings[0]
-    assert "pdserve:planned_replicas{role}" in warnings[1]
-    assert planner_warnings(load_config(None, [])) == []
+    assert "overlays/autoscale scales the roles with KEDA" in planner_warnings(config, "k8s")[0]
+    assert "compose runs every replica" in planner_warnings(config, "compose")[0]
+    assert planner_warnings(load_config(None, []), "k8s") == []
     with pytest.raises(ConfigError, match="planner.autoscale: needs planner.profile"):
         load_config(None, ["planner.autoscale=true"])
     with pytest.raises(ConfigError, match="planner.min_prefill_replicas: 2 is above"):

@@ -414,3 +414,75 @@ def test_a_draft_model_is_mounted_for_the_workers(tmp_path, tiny_llama):
         config.decode, engine={"draft_model": str(tmp_path / "another")}))  # fmt: skip
     with pytest.raises(ConfigError, match="same draft_model"):
         render(other, path.name)
+
+
+# ---------------------------------------------------------------------------- planner
+
+
+def planned_config(tmp_path: Path, profile_text: str) -> PdserveConfig:
+    profile = tmp_path / "profile.json"
+    profile.write_text(profile_text)
+    return load_config(str(DEMO), [f"planner.profile={profile}", "planner.autoscale=true",
+                                   "decode.replicas=4", "planner.min_decode_replicas=2",
+                                   "planner.scale_in_delay_s=90"])  # fmt: skip
+
+
+def test_the_live_plans_profile_travels_with_the_config_and_keda_follows_it(tmp_path):
+    """The router reads ``planner.profile`` in its container: both renderings carry the
+    file beside the config; Kubernetes gets an overlay scaling each role on the plan."""
+    from kubernetes_validate import validate
+
+    from deploy.render_compose import compose_document
+    from planner.profile_data import write_profile
+    from tests.support.profiles import make_profile
+
+    write_profile(make_profile(), tmp_path / "made.json")
+    text = (tmp_path / "made.json").read_text()
+    config = planned_config(tmp_path, text)
+    files = render_files(config, "planned.yaml")
+    configmap = yaml.safe_load(files["base/configmap.yaml"])
+    assert configmap["data"]["profile.json"] == text
+    inner = yaml.safe_load(configmap["data"]["config.yaml"])
+    assert inner["planner"]["profile"] == containers.PROFILE_PATH == "/etc/pdserve/profile.json"
+    for doc in k8s_docs(files):
+        validate(doc, "1.30.0", strict=True)
+    overlay = yaml.safe_load(files["overlays/autoscale/kustomization.yaml"])
+    assert overlay["resources"] == ["../../base", "scaledobjects.yaml"]
+    objects = yaml.safe_load_all(files["overlays/autoscale/scaledobjects.yaml"])
+    scaled = {d["metadata"]["name"]: d["spec"] for d in objects}
+    decode = scaled["pdserve-decode"]
+    assert (decode["minReplicaCount"], decode["maxReplicaCount"]) == (2, 4)
+    assert decode["scaleTargetRef"] == {"name": "pdserve-decode"}
+    assert decode["triggers"][0]["metadata"]["query"] == (
+        'max(pdserve:planned_replicas{role="decode"})'
+    )
+    behavior = decode["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] == 90
+    assert scaled["pdserve-prefill"]["minReplicaCount"] == 0
+    # A new profile rolls the pods (the router reads it at start); the same one does not.
+    other = text.replace('"machine": "cpu"', '"machine": "other"')
+    assert other != text
+    for name in ("same", "other"):
+        (tmp_path / name).mkdir()
+    same_config = planned_config(tmp_path / "same", text)
+    other_config = planned_config(tmp_path / "other", other)
+    assert router_annotations(config) == router_annotations(same_config)
+    assert router_annotations(config) != router_annotations(other_config)
+
+    document = compose_document(config, "planned.yaml")
+    assert document["configs"]["pdserve-profile"]["content"] == text.replace("$", "$$")
+    assert {"source": "pdserve-profile", "target": containers.PROFILE_PATH} in (
+        document["services"]["router"]["configs"]
+    )
+    validate_compose_schema(render(config, "planned.yaml"))
+
+
+def router_annotations(config: PdserveConfig) -> dict:
+    router = next(yaml.safe_load_all(render_files(config, "p.yaml")["base/router.yaml"]))
+    return router["spec"]["template"]["metadata"]["annotations"]
+
+
+def test_a_profile_the_deployment_cannot_carry_is_refused(tmp_path):
+    config = planned_config(tmp_path, "{}")
+    with pytest.raises(ConfigError, match="planner.profile: .* is not a pdserve profile"):
+        render_files(config, "planned.yaml")
