@@ -257,8 +257,8 @@ class LivePlan:
                 continue
 
             def predicted(factor: float, role: str = role) -> float:
-                profile = scaled(self.profile, factor, 1.0) if role == "prefill" else scaled(
-                    self.profile, 1.0, factor)  # fmt: skip
+                factors = (factor, 1.0) if role == "prefill" else (1.0, factor)
+                profile = scaled(self.profile, *factors)
                 sizing = predict(profile, sample, self.targets, num_prefill, num_decode)
                 return sizing.prefill.ttft_s if role == "prefill" else sizing.decode.itl_s
 
