@@ -7,7 +7,6 @@ Only lengths, arrivals and Mooncake's prefix block ids are read; the loaders in
 from __future__ import annotations
 
 import csv
-import json
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
@@ -15,7 +14,12 @@ from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
-from benchmarks.loadgen.traces import MOONCAKE_BLOCK_TOKENS, parse_azure_time
+from benchmarks.loadgen.traces import (
+    MOONCAKE_BLOCK_TOKENS,
+    jsonl_rows,
+    parse_azure_time,
+    scaled_length,
+)
 from planner.demand import RequestShape, TimedRequest
 
 
@@ -43,10 +47,6 @@ class TraceOptions:
             raise ValueError("offset and cache_tokens must be >= 0")
 
 
-def _scaled(value: int, scale: float) -> int:
-    return max(1, round(value * scale))
-
-
 def _shape(isl: int, cached: int, osl: int, options: TraceOptions) -> RequestShape:
     """Clipped to fit ``max_model_len`` (the output first: it is what the decode side is
     sized by); the prompt's last token is always computed."""
@@ -66,8 +66,8 @@ def mooncake_requests(path: Path, options: TraceOptions) -> list[TimedRequest]:
     capacity_blocks = int(options.cache_tokens // block_tokens)
     cache: OrderedDict[int, None] = OrderedDict()
     requests = []
-    for row in _rows(path, options):
-        isl = _scaled(row["input_length"], options.input_scale)
+    for row in jsonl_rows(path, options.offset, options.num_requests):
+        isl = scaled_length(row["input_length"], options.input_scale)
         hits = 0
         for block_id in row["hash_ids"]:
             if block_id not in cache:
@@ -78,7 +78,7 @@ def mooncake_requests(path: Path, options: TraceOptions) -> list[TimedRequest]:
             cache.move_to_end(block_id)
         while len(cache) > capacity_blocks:
             cache.popitem(last=False)
-        osl = _scaled(row["output_length"], options.output_scale)
+        osl = scaled_length(row["output_length"], options.output_scale)
         arrival_s = row["timestamp"] / 1000 / options.rate_scale
         shape = _shape(isl, int(hits * block_tokens), osl, options)
         requests.append(TimedRequest(arrival_s, shape))
@@ -91,8 +91,8 @@ def azure_requests(path: Path, options: TraceOptions) -> list[TimedRequest]:
     requests = []
     with path.open(newline="") as f:
         for row in _window(csv.DictReader(f), options):
-            isl = _scaled(int(row["ContextTokens"]), options.input_scale)
-            osl = _scaled(int(row["GeneratedTokens"]), options.output_scale)
+            isl = scaled_length(int(row["ContextTokens"]), options.input_scale)
+            osl = scaled_length(int(row["GeneratedTokens"]), options.output_scale)
             arrival_s = parse_azure_time(row["TIMESTAMP"]) / options.rate_scale
             requests.append(TimedRequest(arrival_s, _shape(isl, 0, osl, options)))
     return _from_zero(requests)
@@ -101,11 +101,6 @@ def azure_requests(path: Path, options: TraceOptions) -> list[TimedRequest]:
 def _window(rows: Iterable[dict], options: TraceOptions) -> Iterator[dict]:
     end = None if options.num_requests is None else options.offset + options.num_requests
     return islice(rows, options.offset, end)
-
-
-def _rows(path: Path, options: TraceOptions) -> Iterator[dict]:
-    with path.open() as f:
-        yield from (json.loads(line) for line in _window((ln for ln in f if ln.strip()), options))
 
 
 def _from_zero(requests: list[TimedRequest]) -> list[TimedRequest]:

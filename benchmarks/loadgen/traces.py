@@ -52,7 +52,8 @@ def _trace_path(spec: DatasetSpec) -> Path:
     return path
 
 
-def _scaled(value: int, scale: float) -> int:
+def scaled_length(value: int, scale: float) -> int:
+    """A trace's length times ``scale``, at least one token."""
     return max(1, round(value * scale))
 
 
@@ -75,19 +76,21 @@ def mooncake_prompt(
     return tuple(prompt[:length])
 
 
-def _rows(path: Path, offset: int, count: int) -> Iterator[dict]:
+def jsonl_rows(path: Path, offset: int, count: int | None) -> Iterator[dict]:
+    """Rows ``offset`` .. ``offset + count`` of a JSON-lines file (None: to its end)."""
+    end = None if count is None else offset + count
     with path.open() as f:
-        for line in islice((line for line in f if line.strip()), offset, offset + count):
+        for line in islice((line for line in f if line.strip()), offset, end):
             yield json.loads(line)
 
 
 def mooncake_dataset(spec: DatasetSpec, tokens: TokenSource) -> list[Session]:
     sessions = []
     first_ms: float | None = None
-    for i, row in enumerate(_rows(_trace_path(spec), spec.trace_offset, spec.num_requests)):
+    for i, row in enumerate(jsonl_rows(_trace_path(spec), spec.trace_offset, spec.num_requests)):
         first_ms = row["timestamp"] if first_ms is None else first_ms
         prompt = mooncake_prompt(row["hash_ids"], row["input_length"], tokens, spec.block_tokens)
-        output = _scaled(row["output_length"], spec.output_scale)
+        output = scaled_length(row["output_length"], spec.output_scale)
         arrival_s = (row["timestamp"] - first_ms) / 1000
         sessions.append(Session(i, (Turn(prompt, output),), arrival_s=arrival_s))
     return sessions
@@ -107,7 +110,7 @@ def azure_dataset(spec: DatasetSpec, tokens: TokenSource) -> list[Session]:
         for i, row in enumerate(rows):
             at = parse_azure_time(row["TIMESTAMP"])
             first_s = at if first_s is None else first_s
-            prompt = tokens.draw(rng, _scaled(int(row["ContextTokens"]), spec.input_scale))
-            output = _scaled(int(row["GeneratedTokens"]), spec.output_scale)
+            prompt = tokens.draw(rng, scaled_length(int(row["ContextTokens"]), spec.input_scale))
+            output = scaled_length(int(row["GeneratedTokens"]), spec.output_scale)
             sessions.append(Session(i, (Turn(prompt, output),), arrival_s=at - first_s))
     return sessions
