@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import sys
 import time
@@ -28,17 +27,10 @@ import torch
 # kernels package.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-from benchmarks.records import cpu_model  # noqa: E402
+from benchmarks.records import machine  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-
-
-def machine() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    cpu = cpu_model()
-    return f"{cpu} ({torch.get_num_threads()} threads)" if cpu else platform.processor()
 
 
 def make_prompts(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[list[int]]:

@@ -22,6 +22,18 @@ def cpu_model() -> str | None:
     return None
 
 
+def machine() -> str:
+    """Where a measurement ran: the GPU's name, else the CPU's and the torch threads."""
+    import platform
+
+    import torch  # here: the records' writers need no torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    cpu = cpu_model()
+    return f"{cpu} ({torch.get_num_threads()} threads)" if cpu else platform.processor()
+
+
 def write_markdown(path: Path, generated: str) -> None:
     """``generated`` followed by the notes marker and whatever the existing file held
     below it (nothing on the first run)."""

@@ -12,7 +12,6 @@ Prompts are random token ids, distinct per request, so nothing is prefix-cached.
 from __future__ import annotations
 
 import math
-import platform
 import random
 import statistics
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.records import cpu_model
+from benchmarks.records import machine
 from common.config import EngineConfig, PdserveConfig, Role
 from common.model_info import model_dir_of
 from engine import LLMEngine, SamplingParams
@@ -33,13 +32,6 @@ from planner.profile_data import (
     Profile,
     RoleProfile,
 )
-
-
-def machine() -> str:
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
-    cpu = cpu_model() or platform.processor()
-    return f"{cpu} ({torch.get_num_threads()} threads)"
 
 
 def engine_facts(engine: LLMEngine) -> EngineFacts:
