@@ -66,6 +66,24 @@ def _geometric(start: int, longest: int) -> tuple[int, ...]:
     return tuple(values)
 
 
+def context_that_fits(
+    facts: EngineFacts, context: int, overshoot: int, progress: Progress
+) -> int | None:
+    """``context``, or where its measurement's requests, running ``overshoot`` tokens past
+    their mean context, would pass ``max_model_len``, the longest context that fits (said);
+    None if none does."""
+    longest = facts.max_model_len - overshoot
+    if context <= longest:
+        return context
+    if longest < 1:
+        progress(f"decode context {context}: skipped, its requests would pass "
+                 f"max_model_len ({facts.max_model_len})")  # fmt: skip
+        return None
+    progress(f"decode context {context}: measured at {longest}, the longest whose requests "
+             f"stay within max_model_len ({facts.max_model_len})")  # fmt: skip
+    return longest
+
+
 def fitting_batches(
     facts: EngineFacts, batches: list[int], context: int, end_len: int, progress: Progress
 ) -> list[int]:

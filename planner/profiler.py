@@ -24,7 +24,13 @@ from benchmarks.records import machine
 from common.config import EngineConfig, PdserveConfig, Role
 from common.model_info import model_dir_of
 from engine import LLMEngine, SamplingParams
-from planner.grid import Grid, Progress, fitting_batches, loaded_prompt_count
+from planner.grid import (
+    Grid,
+    Progress,
+    context_that_fits,
+    fitting_batches,
+    loaded_prompt_count,
+)
 from planner.profile_data import (
     DecodePoint,
     EngineFacts,
@@ -186,14 +192,16 @@ def _decode_points(
     context is skipped (and said)."""
     batches = sorted(grid.batches, reverse=True)
     total_steps = len(batches) * grid.steps_per_batch
-    prompt_len = max(1, context - total_steps // 2)
     cached = engine.config.enable_prefix_caching
     # How many steps the first request to decode may lead the last one by.
-    entry_tokens = min(batches[0], facts.max_num_seqs) * (
-        facts.block_size if cached else prompt_len
-    )
+    entry_tokens = min(batches[0], facts.max_num_seqs) * (facts.block_size if cached else context)
     lead_steps = math.ceil(entry_tokens / facts.max_num_batched_tokens) + 1
     max_tokens = lead_steps + total_steps + 1
+    fitted = context_that_fits(facts, context, max_tokens - total_steps // 2, progress)
+    if fitted is None:
+        return []
+    context = fitted
+    prompt_len = max(1, context - total_steps // 2)
     end_len = prompt_len + max_tokens
     fitting = fitting_batches(facts, batches, context, end_len, progress)
     if not fitting:

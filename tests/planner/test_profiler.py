@@ -61,3 +61,17 @@ def test_default_grid_follows_the_engine():
     assert Grid(isls=(100,)).for_engine(facts).isls == (100,)
     with pytest.raises(ValueError, match="batches must be >= 1"):
         Grid(batches=(0,))
+
+
+def test_a_context_whose_requests_would_pass_the_models_context_is_measured_shorter(engine):
+    """At 256 (the engine's max_model_len) a request would decode past it: the longest
+    context that fits is measured instead, and said (it used to be dropped silently)."""
+    lines: list[str] = []
+    grid = Grid(isls=(16,), batches=(1,), contexts=(256,), warmup_steps=1, measured_steps=2,
+                repeats=1)  # fmt: skip
+    role = profile_engine(engine, grid, lines.append)
+    (point,) = role.decode
+    # One batch of 3 steps, a lead of 2 steps and the first token: 6 tokens, 1 before.
+    assert point.context_tokens == 256 - (6 - 1)
+    assert any(f"decode context 256: measured at {point.context_tokens}" in x for x in lines)
+    assert engine.leak_report() == []
