@@ -3,7 +3,18 @@ library: the ``pdserve up`` launcher waits on it, and the benchmarks read counte
 
 from __future__ import annotations
 
+import urllib.request
 from collections.abc import Iterable
+
+
+def fetch(metrics_url: str, timeout_s: float) -> str | None:
+    """The /metrics page's text; None while it does not answer (a router starting or
+    restarting)."""
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=timeout_s) as reply:
+            return reply.read().decode()
+    except OSError:
+        return None
 
 
 def sample_totals(text: str, names: Iterable[str]) -> dict[str, float]:

@@ -12,9 +12,9 @@ needs). A drained worker finishes its requests and exits 0, as on any SIGTERM.
 from __future__ import annotations
 
 import re
-import urllib.request
 
 from common.config import PdserveConfig, Role
+from common.prometheus_text import fetch
 
 _PLANNED = re.compile(r'^pdserve:planned_replicas\{role="(prefill|decode)"\} (\S+)$', re.M)
 
@@ -25,11 +25,8 @@ def planned_replicas(metrics_text: str) -> dict[Role, int]:
 
 
 def read_plan(metrics_url: str) -> dict[Role, int]:
-    try:
-        with urllib.request.urlopen(metrics_url, timeout=2.0) as reply:
-            return planned_replicas(reply.read().decode())
-    except OSError:
-        return {}  # the router is restarting: keep what runs
+    text = fetch(metrics_url, timeout_s=2.0)
+    return {} if text is None else planned_replicas(text)  # none: keep what runs
 
 
 class Autoscaler:

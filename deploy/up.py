@@ -24,7 +24,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +34,7 @@ from common.config import ConfigError, PdserveConfig, Role
 from common.config_loader import to_dict
 from common.model_info import cache_dir, made_model_dir, made_model_is_current
 from common.owned_paths import owner_tag, remove_dead_owners
-from common.prometheus_text import sample_totals
+from common.prometheus_text import fetch, sample_totals
 from common.tracing import check_installed
 from deploy.autoscale import Autoscaler, read_plan
 from deploy.ephemeral_ports import ephemeral_port_warnings, ephemeral_range
@@ -296,12 +295,8 @@ class Stack:
 def _workers_available(metrics_url: str) -> float:
     """How many workers the router places new work on (its ``pdserve:worker_available``
     series); 0 while it does not answer."""
-    try:
-        with urllib.request.urlopen(metrics_url, timeout=1.0) as reply:
-            text = reply.read().decode()
-    except OSError:
-        return 0
-    return sample_totals(text, [_AVAILABLE]).get(_AVAILABLE, 0)
+    text = fetch(metrics_url, timeout_s=1.0)
+    return 0 if text is None else sample_totals(text, [_AVAILABLE]).get(_AVAILABLE, 0)
 
 
 def _wait(proc: subprocess.Popen, grace_s: float) -> None:
