@@ -66,6 +66,35 @@ def _geometric(start: int, longest: int) -> tuple[int, ...]:
     return tuple(values)
 
 
+@dataclass(frozen=True, slots=True)
+class DecodeRun:
+    """How one context's decode points are measured: at ``context`` (the one asked, or the
+    longest that fits), prompts of ``prompt_len`` tokens, these ``batches`` (largest first)."""
+
+    context: int
+    prompt_len: int
+    batches: list[int]
+
+
+def decode_run(
+    facts: EngineFacts,
+    batches: list[int],
+    context: int,
+    before: int,
+    max_tokens: int,
+    progress: Progress,
+) -> DecodeRun | None:
+    """A profiler's requests decode ``max_tokens`` each, ``before`` of them before their
+    mean context: where that context is measured, their prompts, the batches that fit
+    (``context_that_fits``, ``fitting_batches``); None if none does."""
+    fitted = context_that_fits(facts, context, max_tokens - before, progress)
+    if fitted is None:
+        return None
+    prompt_len = max(1, fitted - before)
+    fitting = fitting_batches(facts, batches, fitted, prompt_len + max_tokens, progress)
+    return DecodeRun(fitted, prompt_len, fitting) if fitting else None
+
+
 def context_that_fits(
     facts: EngineFacts, context: int, overshoot: int, progress: Progress
 ) -> int | None:

@@ -24,13 +24,7 @@ from benchmarks.records import machine
 from common.config import EngineConfig, PdserveConfig, Role
 from common.model_info import model_dir_of
 from engine import LLMEngine, SamplingParams
-from planner.grid import (
-    Grid,
-    Progress,
-    context_that_fits,
-    fitting_batches,
-    loaded_prompt_count,
-)
+from planner.grid import Grid, Progress, decode_run, loaded_prompt_count
 from planner.profile_data import (
     DecodePoint,
     EngineFacts,
@@ -197,15 +191,10 @@ def _decode_points(
     entry_tokens = min(batches[0], facts.max_num_seqs) * (facts.block_size if cached else context)
     lead_steps = math.ceil(entry_tokens / facts.max_num_batched_tokens) + 1
     max_tokens = lead_steps + total_steps + 1
-    fitted = context_that_fits(facts, context, max_tokens - total_steps // 2, progress)
-    if fitted is None:
+    run = decode_run(facts, batches, context, total_steps // 2, max_tokens, progress)
+    if run is None:
         return []
-    context = fitted
-    prompt_len = max(1, context - total_steps // 2)
-    end_len = prompt_len + max_tokens
-    fitting = fitting_batches(facts, batches, context, end_len, progress)
-    if not fitting:
-        return []
+    context, prompt_len, fitting = run.context, run.prompt_len, run.batches
     token_ids = [prompts.make(prompt_len) for _ in range(fitting[0])]
     if cached:
         _run(engine, prompts, token_ids)  # cached now: the requests below start together

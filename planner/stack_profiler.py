@@ -33,13 +33,7 @@ from benchmarks.loadgen.bench import server_info
 from benchmarks.loadgen.client import BenchClient, RequestResult
 from benchmarks.loadgen.pinned_stack import worker_stats
 from common.config import PdserveConfig, Role
-from planner.grid import (
-    Grid,
-    Progress,
-    context_that_fits,
-    fitting_batches,
-    loaded_prompt_count,
-)
+from planner.grid import Grid, Progress, decode_run, loaded_prompt_count
 from planner.profile_data import DecodePoint, EngineFacts, PrefillPoint, Profile, RoleProfile
 
 _VOCAB = 1000  # synthetic ids below this fit every real vocabulary (and the demo's)
@@ -158,15 +152,10 @@ async def _decode_points(
     # each runs this much longer than the window all share, half before it.
     lead = 2 * min(batches[0], facts.max_num_seqs) + 8
     max_tokens = lead + grid.steps_per_batch
-    fitted = context_that_fits(facts, context, max_tokens - max_tokens // 2, progress)
-    if fitted is None:
+    run = decode_run(facts, batches, context, max_tokens // 2, max_tokens, progress)
+    if run is None:
         return []
-    context = fitted
-    prompt_len = max(1, context - max_tokens // 2)
-    end_len = prompt_len + max_tokens
-    fitting = fitting_batches(facts, batches, context, end_len, progress)
-    if not fitting:
-        return []
+    context, prompt_len, fitting = run.context, run.prompt_len, run.batches
     prompts = [stack.prompt(prompt_len) for _ in range(fitting[0])]
     await stack.send(prompts, 2)  # the decode worker holds their KV now
     points = []
