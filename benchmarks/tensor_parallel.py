@@ -22,7 +22,12 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.engine_throughput import make_prompts, per_token_latency, run_ours
+from benchmarks.engine_throughput import (
+    make_prompts,
+    per_token_latency,
+    positive_difference,
+    run_ours,
+)
 from benchmarks.records import write_record
 from benchmarks.side_by_side import add_model_args, model_dir, record_header
 from engine import LLM
@@ -38,14 +43,23 @@ def measure(
     with LLM(model, tensor_parallel_size=tp_size, max_num_seqs=len(prompts),
              enable_prefix_caching=False) as llm:  # fmt: skip
         run_ours(llm, prompts[:2], 2)  # warm-up
-        prefill_s = min(run_ours(llm, prompts, 1)[0] for _ in range(2))
-        # The decode step is the difference of two timings: both are the best of two, so
-        # one stall in either (a busy machine) cannot make it negative.
-        total_s, tokens = min(run_ours(llm, prompts, output_len) for _ in range(2))
+        runs: dict[str, tuple[float, list[list[int]]]] = {}
+
+        def whole() -> float:
+            runs["total"] = min(run_ours(llm, prompts, output_len) for _ in range(2))
+            return runs["total"][0]
+
+        def prefill() -> float:
+            runs["prefill"] = min(run_ours(llm, prompts, 1) for _ in range(2))
+            return runs["prefill"][0]
+
+        # The decode steps are the difference of two timings, each the best of two.
+        decode_s = positive_difference(whole, prefill)
+        (total_s, tokens), (prefill_s, _) = runs["total"], runs["prefill"]
         latency_s = per_token_latency(lambda p, n: run_ours(llm, p, n), prompts[0], latency_len)
     torch.set_num_threads(cores)
     num_prompt_tokens = sum(len(p) for p in prompts)
-    decode_step_s = (total_s - prefill_s) / (output_len - 1)
+    decode_step_s = decode_s / (output_len - 1)
     return {
         "tensor_parallel_size": tp_size,
         "prefill_s": prefill_s,

@@ -678,7 +678,8 @@ class TracingConfig:
 class PlannerConfig:
     """The router's live plan (``router/live_plan.py``): every ``interval_s`` it sizes what
     it served over the last ``window_s`` (``planner/sizing.py``) against a ``pdserve plan
-    profile`` file and the targets (means), and shows the layout in its metrics
+    profile`` file and the targets (means, or the percentiles ``ttft_percentile`` and
+    ``itl_percentile`` name), and shows the layout in its metrics
     (``pdserve:planned_replicas``): for an autoscaler to follow, or an operator to read.
     With ``autoscale``, ``pdserve up`` follows it itself: it starts workers and drains them
     between the minima here and each role's ``replicas`` (then the most it runs); a lower
@@ -689,6 +690,8 @@ class PlannerConfig:
     profile: str | None = None  # None: no live plan
     ttft_ms: float = 1000.0
     itl_ms: float = 50.0
+    ttft_percentile: float | None = None  # None: ttft_ms is a mean; 90: a p90
+    itl_percentile: float | None = None
     max_utilization: float = 0.85
     window_s: float = 60.0
     interval_s: float = 10.0
@@ -702,6 +705,10 @@ class PlannerConfig:
         for key in ("ttft_ms", "itl_ms", "window_s", "interval_s"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"planner.{key}", f"must be > 0, got {getattr(self, key)}")
+        for key in ("ttft_percentile", "itl_percentile"):
+            value = getattr(self, key)
+            if value is not None and not 0 < value < 100:
+                raise ConfigError(f"planner.{key}", f"must be in (0, 100), got {value}")
         if not 0 < self.max_utilization <= 1:
             raise ConfigError("planner.max_utilization",
                               f"must be in (0, 1], got {self.max_utilization}")  # fmt: skip

@@ -123,8 +123,11 @@ def summary(config: PdserveConfig, budgets: list[KVBudget] | None) -> list[str]:
         f"{transfer.timeout_s:g}s, on failure {transfer.failure_policy.value}"
     )
     if planner.profile is not None:
+        from planner.sizing import statistic
+
         lines.append(
-            f"planner   {planner.profile}: mean TTFT {planner.ttft_ms:g} ms, ITL "
+            f"planner   {planner.profile}: {statistic(planner.ttft_percentile)} TTFT "
+            f"{planner.ttft_ms:g} ms, {statistic(planner.itl_percentile)} ITL "
             f"{planner.itl_ms:g} ms, over the last {planner.window_s:g}s, every "
             f"{planner.interval_s:g}s"
         )

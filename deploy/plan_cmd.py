@@ -49,8 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     size.add_argument("--profile", type=Path, required=True, help="from `pdserve plan profile`")
     size.add_argument("--config", default=None, help="deployment YAML (min_disagg_tokens)")
     add_overrides(size)
-    size.add_argument("--ttft-ms", type=float, required=True, help="mean TTFT target")
-    size.add_argument("--itl-ms", type=float, required=True, help="mean inter-token target")
+    size.add_argument("--ttft-ms", type=float, required=True, help="TTFT target (a mean)")
+    size.add_argument("--itl-ms", type=float, required=True, help="inter-token target (a mean)")
+    size.add_argument("--ttft-percentile", type=float, default=None, metavar="P",
+                      help="make --ttft-ms a percentile (90: a p90) instead of a mean")  # fmt: skip
+    size.add_argument("--itl-percentile", type=float, default=None, metavar="P",
+                      help="make --itl-ms a percentile instead of a mean")  # fmt: skip
     size.add_argument("--max-utilization", type=float, default=0.85,
                       help="busiest a worker may be planned (default: %(default)s)")  # fmt: skip
     steady = size.add_argument_group("a steady load")
@@ -131,7 +135,7 @@ def _size(config: PdserveConfig, args: argparse.Namespace) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     targets = Targets(
         args.ttft_ms / 1000, args.itl_ms / 1000, args.max_utilization,
-        config.router.min_disagg_tokens,
+        config.router.min_disagg_tokens, args.ttft_percentile, args.itl_percentile,
     )  # fmt: skip
     steady = (args.rate, args.isl, args.osl)
     if (args.dataset is None) == (None in steady):
@@ -156,9 +160,9 @@ def _size(config: PdserveConfig, args: argparse.Namespace) -> int:
     decode = max(s.decode.replicas for s in sizings)
     why = "misses" if args.layout is not None else "one fewer"
     if len(demands) == 1:
-        _print_one(demands[0], sizings[0], why)
+        _print_one(demands[0], sizings[0], targets, why)
     else:
-        _print_windows(demands, sizings, args.window, why)
+        _print_windows(demands, sizings, targets, args.window, why)
     if args.layout is not None:
         missed = sum(bool(s.prefill.limit or s.decode.limit) for s in sizings)
         print(f"layout: {prefill} prefill + {decode} decode misses a target in {missed} of "
@@ -217,7 +221,7 @@ def _profile_mismatches(config: PdserveConfig, profile) -> list[str]:
     return problems
 
 
-def _print_one(demand, sizing, why: str = "one fewer") -> None:
+def _print_one(demand, sizing, targets, why: str = "one fewer") -> None:
     shape_isl = sum(s.isl for s in demand.shapes) / len(demand.shapes)
     shape_osl = sum(s.osl for s in demand.shapes) / len(demand.shapes)
     print(f"demand: {demand.rate_per_s:.2f} requests/s, {shape_isl:.0f} prompt tokens, "
@@ -225,10 +229,10 @@ def _print_one(demand, sizing, why: str = "one fewer") -> None:
     p, d = sizing.prefill, sizing.decode
     why_p = f" ({why}: {p.limit})" if p.limit else ""
     why_d = f" ({why}: {d.limit})" if d.limit else ""
-    print(f"prefill: {_workers(p.replicas)}, {p.utilization:.0%} busy, mean TTFT "
-          f"{p.ttft_s * 1000:.0f} ms{why_p}")  # fmt: skip
+    print(f"prefill: {_workers(p.replicas)}, {p.utilization:.0%} busy, "
+          f"{targets.ttft_statistic} TTFT {p.ttft_s * 1000:.0f} ms{why_p}")  # fmt: skip
     print(f"decode:  {_workers(d.replicas)}, {d.utilization:.0%} busy, {d.batch:.1f} requests "
-          f"in flight each, ITL "
+          f"in flight each, {targets.itl_statistic} ITL "
           f"{d.itl_s * 1000:.1f} ms, KV {d.kv_fraction:.0%}, prefilling short prompts "
           f"{d.local_prefill_fraction:.0%} of the time{why_d}")  # fmt: skip
 
@@ -237,7 +241,7 @@ def _workers(count: int) -> str:
     return f"{count} worker" + ("" if count == 1 else "s")
 
 
-def _print_windows(demands, sizings, window_s: float, why: str) -> None:
+def _print_windows(demands, sizings, targets, window_s: float, why: str) -> None:
     peak = max(range(len(demands)), key=lambda i: demands[i].rate_per_s)
     layouts = Counter((s.prefill.replicas, s.decode.replicas) for s in sizings)
     print(
@@ -245,7 +249,7 @@ def _print_windows(demands, sizings, window_s: float, why: str) -> None:
         + ", ".join(f"{p}P{d}D in {n}" for (p, d), n in sorted(layouts.items()))
     )
     print(f"busiest window, from {demands[peak].start_s:.0f} s:")
-    _print_one(demands[peak], sizings[peak], why)
+    _print_one(demands[peak], sizings[peak], targets, why)
 
 
 COMMAND = ("choose the prefill:decode layout: profile the engine, size for a load", add_arguments,

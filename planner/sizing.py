@@ -13,25 +13,47 @@ own latency alone. The fewest workers whose mean TTFT meets the target, at most
 Decode workers. A request decodes ``osl - 1`` tokens there (its first comes with the
 prefill) at a context of its prompt plus half its output on average, so the decode load is
 ``D`` tokens a second at a mean context ``c`` (weighted by how long each request stays).
-With ``n`` workers each needs ``D / n`` tokens a second: it runs the batch ``b`` where
-``b / itl(b, c) = D / n`` (Little's law: ``b`` requests in flight, one token each per
-step), planned at most ``max_utilization`` of the most tokens a second the profile saw a
-worker make (past that knee, a burst's extra requests slow every step and the batch runs
-away). Short prompts the router prefills on decode workers take their share of its time
-(``f``), stretching its steps: the tokens come at ``(1 - f) b / itl`` and a user sees
-``itl / (1 - f)``. The fewest workers whose stretched step meets the ITL target with ``b``
-within ``max_utilization`` of ``max_num_seqs`` and of the KV pool.
+With ``n`` workers each makes ``D / n`` tokens a second. Its batch is not fixed: requests
+come at random and each stays for as many steps as it has tokens to make, every step of
+``k`` requests taking ``itl(k, c)``. That is a symmetric queue (all in it served at once,
+at a speed set by how many there are), whose number in the system ``N`` has the
+product-form law ``P(N) ~ prod_{j <= N} (D / n) itl(j) / j`` whatever the output
+lengths (Kelly; at most ``max_num_seqs`` run, the rest wait). For step times linear in
+the batch, ``a + c k``, it is a negative binomial and the mean ITL is
+``itl(1) / (1 - c D / n)``. A step of ``k`` makes ``k`` tokens, each ``itl(k)`` after its
+request's last, so tokens see batch ``k`` in proportion to ``P(k) k / itl(k)``: that is
+the ITL's distribution, its mean ``E[running] / (D / n)`` (Little's law). Each worker is
+planned at most ``max_utilization`` of the most tokens a second the profile saw one make
+(past that knee, a burst's extra requests slow every step and the batch runs away). Short
+prompts the router prefills on decode workers take their share of its time (``f``),
+stretching its steps: the tokens come at ``(1 - f)`` of the rate and a user sees
+``itl / (1 - f)``. The fewest workers whose stretched ITL meets the target with the mean
+batch within ``max_utilization`` of ``max_num_seqs`` and of the KV pool.
 
-These are means under random arrivals; percentiles sit above them, which is what the
-utilization cap is for. KV transfer time is not in the TTFT (the first token leaves the
+Targets are means, or percentiles (``ttft_percentile``, ``itl_percentile``: "p90 TTFT
+under 2 s"). A percentile needs the spread, not just the mean:
+
+* TTFT. In an M/G/1 queue an arrival waits with probability ``rho``, and a wait, once
+  there is one, is close to exponential with mean ``E[W] / rho`` (exact for exponential
+  service times, the heavy-traffic limit for any). A prompt's TTFT is its wait plus its
+  own latency alone, so the fraction of prompts slower than ``t`` is the mean over the
+  demand's shapes of ``P(W > t - alone)``; the percentile is the ``t`` where that is
+  ``1 - p``.
+* ITL: the percentile of the distribution above.
+
+``tests/planner/test_percentiles.py`` holds both against simulated queues. Means and
+percentiles are under random (Poisson) arrivals; the utilization cap is headroom for
+bursts beyond them. KV transfer time is not in the TTFT (the first token leaves the
 prefill worker before its KV moves); it delays the second token.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import math
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -44,27 +66,50 @@ MAX_WORKERS = 4096
 
 @dataclass(frozen=True, slots=True)
 class Targets:
-    ttft_s: float  # mean time to first token of disaggregated prompts
-    itl_s: float  # mean time between tokens while decoding
+    ttft_s: float  # time to first token of disaggregated prompts
+    itl_s: float  # time between tokens while decoding
     max_utilization: float = 0.85
     min_disagg_tokens: int = 256  # the router's: shorter uncached prompts stay on decode
+    ttft_percentile: float | None = None  # None: ``ttft_s`` is a mean; 90: a p90
+    itl_percentile: float | None = None
 
     def __post_init__(self) -> None:
         for key in ("ttft_s", "itl_s"):
             value = getattr(self, key)
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"the {key} target must be a finite number > 0, got {value}")
+        for key in ("ttft_percentile", "itl_percentile"):
+            value = getattr(self, key)
+            if value is not None and not 0 < value < 100:
+                raise ValueError(f"{key} must be in (0, 100), got {value}")
         if not 0 < self.max_utilization <= 1:
             raise ValueError(f"max_utilization must be in (0, 1], got {self.max_utilization}")
         if self.min_disagg_tokens < 0:
             raise ValueError(f"min_disagg_tokens must be >= 0, got {self.min_disagg_tokens}")
+
+    @property
+    def ttft_statistic(self) -> str:
+        """What ``ttft_s`` bounds, in words: "mean" or "p90"."""
+        return statistic(self.ttft_percentile)
+
+    @property
+    def itl_statistic(self) -> str:
+        return statistic(self.itl_percentile)
+
+    def means(self) -> Targets:
+        """These targets as means: what a window's mean latencies are compared with."""
+        return dataclasses.replace(self, ttft_percentile=None, itl_percentile=None)
+
+
+def statistic(percentile: float | None) -> str:
+    return "mean" if percentile is None else f"p{percentile:g}"
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillSizing:
     replicas: int
     utilization: float  # of each worker (>= 1: the queue grows without end)
-    ttft_s: float  # predicted mean, for disaggregated prompts (0: none; inf: no end)
+    ttft_s: float  # predicted, the target's statistic (0: no prompts; inf: no end)
     limit: str  # sized: why one fewer worker is not enough; predicted: the target missed
 
 
@@ -72,8 +117,8 @@ class PrefillSizing:
 class DecodeSizing:
     replicas: int
     utilization: float  # of the most tokens a second a worker was measured to make
-    batch: float  # requests in flight per worker, on average (inf: more than it can make)
-    itl_s: float  # predicted mean, prefills on the worker included
+    batch: float  # requests in each worker (running or waiting), on average (inf: no end)
+    itl_s: float  # predicted, the target's statistic, prefills on the worker included
     kv_fraction: float  # of each worker's KV pool the batch holds
     context_tokens: float  # mean context of a request in flight
     local_prefill_fraction: float  # of each worker's time spent prefilling short prompts
@@ -94,7 +139,14 @@ def size(profile: Profile, demand: Demand, targets: Targets) -> Sizing:
     it cannot meet and why: adding workers does not help there, a faster device or more
     tensor parallelism does."""
     model = _Model(profile, demand, targets)
-    prefill = _fewest(model.prefill, "prefill") if model.prefill_rate_per_s else model.prefill(0)
+    if model.prefill_rate_per_s:
+        # Fewer than this are over max_utilization busy: skipped (a percentile costs ms).
+        first = math.floor(
+            model.prefill_rate_per_s * model.mean_service_s / targets.max_utilization
+        )
+        prefill = _fewest(model.prefill, "prefill", max(1, min(first, MAX_WORKERS)))
+    else:
+        prefill = model.prefill(0)
     decode = _fewest(model.decode, "decode")
     return Sizing(prefill, decode, model.notes(decode))
 
@@ -112,11 +164,11 @@ def predict(
     return Sizing(model.prefill(prefill_replicas), decode, model.notes(decode))
 
 
-def _fewest(at, role: str):
-    """The first of ``at(1), at(2), ...`` with no limit missed, its ``limit`` the one
-    ``at(n - 1)`` missed."""
-    missed = ""
-    for replicas in range(1, MAX_WORKERS + 1):
+def _fewest(at, role: str, first: int = 1):
+    """The first of ``at(first), at(first + 1), ...`` with no limit missed (every one
+    before ``first`` misses one), its ``limit`` the one ``at(n - 1)`` missed."""
+    missed = at(first - 1).limit if first > 1 else ""
+    for replicas in range(first, MAX_WORKERS + 1):
         sizing = at(replicas)
         if not sizing.limit:
             return dataclasses.replace(sizing, limit=missed)
@@ -141,8 +193,10 @@ class _Model:
         self.prefill_rate_per_s = share * len(remote)
         self.mean_service_s = _mean(service_s)
         self.mean_square_service_s2 = _mean([t * t for t in service_s])
-        self.mean_alone_s = _mean([self.prefill_curve.latency_s(s.isl) * s.uncached_tokens / s.isl
-                                   for s in remote])  # fmt: skip
+        alone_s = [self.prefill_curve.latency_s(s.isl) * s.uncached_tokens / s.isl for s in remote]
+        self.mean_alone_s = _mean(alone_s)
+        self.alone_counts = sorted(Counter(alone_s).items())  # a percentile's inputs
+        self.alone_ttft_s = self._ttft(0.0, 0.0)  # no layout is faster
         # Decode workers: tokens a second, the context they are made at, local prefills.
         tokens = [s.osl - 1 for s in demand.shapes]
         total = sum(tokens)
@@ -180,13 +234,22 @@ class _Model:
             * self.mean_square_service_s2
             / (2 * (1 - utilization))
         )
-        ttft_s = self.mean_alone_s + wait_s
+        ttft_s = self._ttft(utilization, wait_s)
         limit = ""
         if utilization > self.targets.max_utilization:
             limit = "utilization"
-        elif self.mean_alone_s <= self.targets.ttft_s < ttft_s:
+        elif self.alone_ttft_s <= self.targets.ttft_s < ttft_s:
             limit = "ttft"
         return PrefillSizing(replicas, utilization, ttft_s, limit)
+
+    def _ttft(self, utilization: float, wait_s: float) -> float:
+        """The target's statistic of TTFT with a mean wait ``wait_s`` at ``utilization``."""
+        if self.targets.ttft_percentile is None:
+            return self.mean_alone_s + wait_s
+        if not self.alone_counts:  # no prompts for prefill workers
+            return 0.0
+        fraction = self.targets.ttft_percentile / 100
+        return _ttft_quantile(self.alone_counts, utilization, wait_s, fraction)
 
     def decode(self, replicas: int) -> DecodeSizing:
         local_fraction = self.local_busy / replicas
@@ -196,11 +259,17 @@ class _Model:
                                 local_fraction, "local prefills")  # fmt: skip
         tokens_per_s = self.decode_tokens_per_s / replicas / (1 - local_fraction)
         utilization = tokens_per_s / self.peak_tokens_per_s
-        batch = _batch_for(self.decode_curve, tokens_per_s, self.context)
-        if batch is None:
+        law = _batch_law(self.decode_curve, tokens_per_s, self.context, engine.max_num_seqs)
+        if law is None or not math.isfinite(law.mean_requests):
+            limit = "step time" if law is None else "max_num_seqs"  # (the queue never drains)
             return DecodeSizing(replicas, utilization, math.inf, math.inf, math.inf,
-                                self.context, local_fraction, "step time")  # fmt: skip
-        itl_s = self.decode_curve.itl_s(batch, self.context) / (1 - local_fraction)
+                                self.context, local_fraction, limit)  # fmt: skip
+        batch = law.mean_requests
+        if self.targets.itl_percentile is None:
+            step_s = law.mean_itl_s()
+        else:
+            step_s = law.itl_quantile_s(self.targets.itl_percentile / 100)
+        itl_s = step_s / (1 - local_fraction)
         cap = self.targets.max_utilization
         limit = ""
         if local_fraction >= cap:
@@ -221,8 +290,9 @@ class _Model:
     def notes(self, decode: DecodeSizing) -> tuple[Note, ...]:
         """Targets no layout meets, and answers that lean on extending the profile."""
         targets, notes = self.targets, []
-        if self.prefill_rate_per_s and self.mean_alone_s > targets.ttft_s:
-            notes.append(Note("ttft_floor", self.mean_alone_s * 1000, targets.ttft_s * 1000))
+        if self.prefill_rate_per_s and self.alone_ttft_s > targets.ttft_s:
+            notes.append(Note("ttft_floor", self.alone_ttft_s * 1000, targets.ttft_s * 1000,
+                              targets.ttft_statistic))  # fmt: skip
         if self.alone_itl_s > targets.itl_s:
             notes.append(Note("itl_floor", self.alone_itl_s * 1000, targets.itl_s * 1000))
         longest = max(s.isl for s in self.shapes)
@@ -238,18 +308,20 @@ class _Model:
 @dataclass(frozen=True, slots=True)
 class Note:
     """Something a sizing leans on or cannot meet: ``kind`` (``_NOTE_TEXT``), the demand's
-    ``value`` and the ``reference`` it passes (a target, the profile's largest point)."""
+    ``value`` and the ``reference`` it passes (a target, the profile's largest point);
+    ``statistic``: of a TTFT, "mean" or a percentile."""
 
     kind: str
     value: float
     reference: float
+    statistic: str = "mean"
 
 
 _NOTE_TEXT = {
-    "ttft_floor": "TTFT target {reference:.0f} ms cannot be met: an idle prefill worker takes "
-                  "{value:.0f} ms for these prompts on average; more workers do not help (a "
-                  "faster device, tensor parallelism or a smaller model do): sized for "
-                  "utilization only",
+    "ttft_floor": "TTFT target {reference:.0f} ms ({statistic}) cannot be met: an idle prefill "
+                  "worker's {statistic} for these prompts is {value:.0f} ms; more workers do "
+                  "not help (a faster device, tensor parallelism or a smaller model do): sized "
+                  "for utilization only",
     "itl_floor": "ITL target {reference:.1f} ms cannot be met: one request alone decodes at "
                  "{value:.1f} ms a token; more workers do not help: sized for the batch and KV "
                  "limits only",
@@ -268,7 +340,8 @@ def describe(notes: Iterable[Note]) -> list[str]:
     for note in notes:
         if note.kind not in worst or note.value > worst[note.kind].value:
             worst[note.kind] = note
-    return [_NOTE_TEXT[n.kind].format(value=n.value, reference=n.reference)
+    return [_NOTE_TEXT[n.kind].format(value=n.value, reference=n.reference,
+                                      statistic=n.statistic)
             for n in worst.values()]  # fmt: skip
 
 
@@ -283,27 +356,123 @@ def _batches(curve: DecodeCurve, upto: float) -> list[float]:
     return [1.0, *(float(b) for b in curve.batches if 1 < b < upto), float(upto)]
 
 
-def _batch_for(curve: DecodeCurve, tokens_per_s: float, context: float) -> float | None:
-    """The smallest batch ``b`` at which a worker makes ``tokens_per_s`` (``b / itl(b) >=
-    tokens_per_s``): where its queue settles, as requests pile up until their tokens come as
-    fast as they are asked for. None if no batch up to 4 x the largest measured does (the
-    curve's extension is trusted that far, no further). Below one request: the fraction of
-    time a lone request is in flight. ``b / itl(b)`` need not rise throughout (a step's time
-    can grow faster than its batch past a cache's size), so the measured batches are
-    scanned from one up and only the span that crosses is bisected."""
+@dataclass(frozen=True, slots=True)
+class _BatchLaw:
+    """A decode worker's batch at random: ``mean_requests`` in it (running or waiting),
+    and ``token_weights``: each step time against the share of tokens made at it."""
+
+    mean_requests: float
+    token_weights: dict[float, float]
+
+    def mean_itl_s(self) -> float:
+        total = sum(self.token_weights.values())
+        return sum(step_s * w for step_s, w in self.token_weights.items()) / total
+
+    def itl_quantile_s(self, fraction: float) -> float:
+        """The step time within which ``fraction`` of the tokens come."""
+        total, seen = sum(self.token_weights.values()), 0.0
+        for step_s in sorted(self.token_weights):
+            seen += self.token_weights[step_s]
+            if seen >= fraction * total * (1 - 1e-12):
+                return step_s
+        return max(self.token_weights)
+
+
+def _batch_law(
+    curve: DecodeCurve, tokens_per_s: float, context: float, max_num_seqs: int
+) -> _BatchLaw | None:
+    """The law of a decode worker's batch when it makes ``tokens_per_s`` (the module
+    docstring's product form). None where the worker cannot keep up: no batch up to 4 x
+    the largest measured makes that many (the curve's extension is trusted that far, no
+    further), or a burst past the knee never drains (steps growing faster than the batch
+    there, the law rises again after its bulk and never falls: ``mean_requests`` infinite
+    says so where ``max_num_seqs`` running make too few instead). A second rise behind a
+    dip below ``e^-10`` of the bulk's peak is a burst too rare to plan for, and left out,
+    as is a tail below ``e^-40``. Past ``max_num_seqs`` every term is the last one's times
+    the same ratio, summed in closed form."""
     if tokens_per_s == 0:
-        return 0.0
-    alone = 1 / curve.itl_s(1, context)
-    if tokens_per_s <= alone:
-        return tokens_per_s / alone
-    batches = _batches(curve, curve.max_batch * 4)
-    for low, high in itertools.pairwise(batches):
-        if high / curve.itl_s(high, context) >= tokens_per_s:
-            for _ in range(20):  # bisection inside the one step that crosses
-                middle = (low + high) / 2
-                if middle / curve.itl_s(middle, context) < tokens_per_s:
-                    low = middle
-                else:
-                    high = middle
-            return high
-    return None
+        return _BatchLaw(0.0, {curve.itl_s(1, context): 1.0})
+    most = max(b / curve.itl_s(b, context) for b in _batches(curve, curve.max_batch * 4))
+    if most < tokens_per_s:
+        return None
+    log_p, peak = 0.0, 0.0
+    probabilities = [1.0]  # unnormalized, from N = 0
+    j = 1
+    while True:
+        running = min(j, max_num_seqs)
+        ratio = tokens_per_s * curve.itl_s(running, context) / running  # p_j / p_(j-1)
+        if (ratio >= 1 and log_p < peak - 10) or (ratio < 1 and log_p < peak - 40):
+            ratio = 0.0  # past the bulk: the rest is negligible
+            break
+        if j >= max_num_seqs:
+            break  # the geometric tail from here on
+        log_p += math.log(ratio)
+        peak = max(peak, log_p)
+        probabilities.append(math.exp(log_p))
+        j += 1
+    if ratio >= 1:
+        most_running = max(b / curve.itl_s(b, context) for b in _batches(curve, max_num_seqs))
+        return _BatchLaw(math.inf, {}) if most_running < tokens_per_s else None
+    # N = max_num_seqs + m for m = 0, 1, ...: p r^m, p = the last term's times r.
+    last = math.exp(log_p) * ratio
+    tail_mass = last / (1 - ratio)
+    tail_mean = last * (j / (1 - ratio) + ratio / (1 - ratio) ** 2)
+    total = sum(probabilities) + tail_mass
+    mean_requests = (sum(n * p for n, p in enumerate(probabilities)) + tail_mean) / total
+    weights: dict[float, float] = {}
+    for n, p in enumerate(probabilities[1:], start=1):
+        step_s = curve.itl_s(n, context)
+        weights[step_s] = weights.get(step_s, 0.0) + p / total * n / step_s
+    if tail_mass:
+        step_s = curve.itl_s(max_num_seqs, context)
+        weights[step_s] = weights.get(step_s, 0.0) + tail_mass / total * max_num_seqs / step_s
+    return _BatchLaw(mean_requests, weights)
+
+
+def _ttft_quantile(
+    alone_counts: list[tuple[float, int]], utilization: float, wait_s: float, fraction: float
+) -> float:
+    """The TTFT within which ``fraction`` of prompts have their first token
+    (``alone_counts``: each latency alone, ascending, and how many prompts have it). A
+    prompt waits at all with probability ``utilization``, and then near exponentially with
+    mean ``wait_s / utilization`` (rate ``k``), so the share slower than ``t`` is that of
+    prompts slower alone plus ``utilization * sum_{a <= t} n_a e^(-k (t - a))`` over the
+    rest; the sum is ``e^(L_i - k t)`` with ``L_i`` the running log-sum of ``n_a e^(k a)``
+    (one pass, no overflow), and ``t`` is bisected on it."""
+    values = [a for a, _ in alone_counts]
+    cumulative = list(itertools.accumulate(n for _, n in alone_counts))
+    total, tail = cumulative[-1], 1 - fraction
+    if utilization <= 0 or wait_s <= 0:
+        # Nobody waits: the first latency with fewer than ``tail`` of prompts slower. Fewer,
+        # not at most: with any wait at all a prompt at that latency is slower than it, so
+        # where the latencies' shares reach ``fraction`` exactly, the next one is the limit
+        # the percentile takes as the load falls (the floor no layout goes below).
+        return next(a for a, seen in zip(values, cumulative, strict=True)
+                    if total - seen < tail * total * (1 - 1e-9))  # fmt: skip
+    rate = utilization / wait_s
+    log_sums, log_sum = [], -math.inf
+    for a, n in alone_counts:
+        term = math.log(n) + rate * a
+        high, low = max(log_sum, term), min(log_sum, term)
+        log_sum = high + math.log1p(math.exp(low - high))
+        log_sums.append(log_sum)
+
+    def slower(t: float) -> float:
+        i = bisect.bisect_right(values, t)  # values[:i] <= t
+        if i == 0:
+            return 1.0
+        waiting = utilization * math.exp(log_sums[i - 1] - rate * t)
+        return (total - cumulative[i - 1] + waiting) / total
+
+    low, high = values[0], values[-1]
+    if utilization > tail:  # each shape's share slower is <= tail past here
+        high += math.log(utilization / tail) / rate
+    if slower(low) <= tail:
+        return low
+    for _ in range(60):
+        middle = (low + high) / 2
+        if slower(middle) > tail:
+            low = middle
+        else:
+            high = middle
+    return high

@@ -9,8 +9,8 @@ autoscaler or an operator:
 
 * ``pdserve:planned_replicas{role}``: the workers each role needs;
 * ``pdserve:planned_demand_requests_per_second``: the rate it was sized for;
-* ``pdserve:planned_ttft_seconds`` and ``pdserve:planned_itl_seconds``: the means the
-  planned layout is predicted to give;
+* ``pdserve:planned_ttft_seconds`` and ``pdserve:planned_itl_seconds``: what the planned
+  layout is predicted to give (the targets' statistics: means, or percentiles);
 * ``pdserve:planner_correction{role}``: how much slower (above 1) or faster the workers
   were seen to be than their profile.
 
@@ -162,7 +162,8 @@ class LivePlan:
         self.config = config
         self.profile = profile
         self.targets = Targets(config.ttft_ms / 1000, config.itl_ms / 1000,
-                               config.max_utilization, min_disagg_tokens)  # fmt: skip
+                               config.max_utilization, min_disagg_tokens,
+                               config.ttft_percentile, config.itl_percentile)  # fmt: skip
         self.layout = layout
         self.clock = clock
         self.window = DemandWindow(config.window_s, clock())
@@ -181,9 +182,11 @@ class LivePlan:
         )
         self.ttft = gauge(
             "pdserve:planned_ttft_seconds",
-            "Mean TTFT predicted for the planned layout (disaggregated prompts).",
+            "TTFT predicted for the planned layout (disaggregated prompts; the target's "
+            "statistic: a mean, or planner.ttft_percentile).",
         )
-        self.itl = gauge("pdserve:planned_itl_seconds", "Mean ITL predicted for the layout.")
+        self.itl = gauge("pdserve:planned_itl_seconds",
+                         "ITL predicted for the layout (the target's statistic).")  # fmt: skip
         self.correction_gauge = gauge(
             "pdserve:planner_correction",
             "How much slower (> 1) the role's workers were seen than their profile.",
@@ -250,8 +253,11 @@ class LivePlan:
         if num_decode < 1:
             return
         # A sample of the window's shapes is enough to calibrate by (the sizing takes all).
+        # Means against means, whatever the targets: a window's mean is its steadiest
+        # statistic, and the model's percentiles follow from the same corrected profile.
         step = max(1, len(demand.shapes) // CORRECTION_SHAPES)
         sample = Demand(demand.rate_per_s, demand.shapes[::step])
+        means = self.targets.means()
         for role, seen in (("prefill", observed.ttft_s), ("decode", observed.itl_s)):
             if seen is None or (role == "prefill" and num_prefill < 1):
                 continue
@@ -259,7 +265,7 @@ class LivePlan:
             def predicted(factor: float, role: str = role) -> float:
                 factors = (factor, 1.0) if role == "prefill" else (1.0, factor)
                 profile = scaled(self.profile, *factors)
-                sizing = predict(profile, sample, self.targets, num_prefill, num_decode)
+                sizing = predict(profile, sample, means, num_prefill, num_decode)
                 return sizing.prefill.ttft_s if role == "prefill" else sizing.decode.itl_s
 
             factor = _solve(predicted, seen)

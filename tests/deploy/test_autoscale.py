@@ -67,7 +67,14 @@ def test_config_check_and_deploy_say_what_the_planner_does():
                                 "decode.replicas=3", "planner.ttft_ms=800"])  # fmt: skip
     lines = summary(config, None)
     assert lines[0] == "layout    1P3D, autoscaled from 0P1D to follow the router's plan"
-    assert any(line.startswith("planner   /p.json: mean TTFT 800 ms") for line in lines)
+    assert any(line.startswith("planner   /p.json: mean TTFT 800 ms, mean ITL 50 ms")
+               for line in lines)  # fmt: skip
+    tail = load_config(None, ["planner.profile=/p.json", "planner.ttft_percentile=90",
+                              "planner.itl_percentile=99.5"])  # fmt: skip
+    assert any(line.startswith("planner   /p.json: p90 TTFT 1000 ms, p99.5 ITL 50 ms")
+               for line in summary(tail, None))  # fmt: skip
+    with pytest.raises(ConfigError, match="planner.ttft_percentile"):
+        load_config(None, ["planner.profile=/p.json", "planner.ttft_percentile=100"])
     assert "overlays/autoscale scales the roles with KEDA" in planner_warnings(config, "k8s")[0]
     assert "compose runs every replica" in planner_warnings(config, "compose")[0]
     assert planner_warnings(load_config(None, []), "k8s") == []

@@ -66,6 +66,7 @@ def test_size_a_steady_load_and_print_the_layout(profiled, tmp_path):
     assert done.returncode == 0, done.stderr
     assert "torch imported: False" in done.stdout
     assert "demand: 2.00 requests/s, 150 prompt tokens, 20 output tokens" in done.stdout
+    assert "mean TTFT" in done.stdout and "mean ITL" in done.stdout
     record = json.loads(out.read_text())
     layout = record["layout"]
     assert f"--set prefill.replicas={layout['prefill']}" in done.stdout
@@ -74,6 +75,19 @@ def test_size_a_steady_load_and_print_the_layout(profiled, tmp_path):
     (window,) = record["windows"]
     assert window["prefill"]["replicas"] == layout["prefill"] >= 1
     assert window["decode"]["context_tokens"] == pytest.approx(150 + 19 / 2)
+
+
+def test_percentile_targets_are_sized_and_said(profiled, tmp_path):
+    config, profile = profiled
+    out = tmp_path / "plan.json"
+    done = plan("plan", "size", "--profile", str(profile), "--config", str(config),
+                "--ttft-ms", "10000", "--itl-ms", "1000", "--ttft-percentile", "99",
+                "--itl-percentile", "90", "--rate", "2", "--isl", "150", "--osl", "20",
+                "--out", str(out))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "p99 TTFT" in done.stdout and "p90 ITL" in done.stdout
+    targets = json.loads(out.read_text())["targets"]
+    assert (targets["ttft_percentile"], targets["itl_percentile"]) == (99, 90)
 
 
 def test_size_a_trace_window_by_window(profiled, tmp_path):
@@ -106,6 +120,8 @@ def test_size_a_trace_window_by_window(profiled, tmp_path):
           "--dataset", "azure"), "one of them"),
         (("--ttft-ms", "100", "--itl-ms", "10", "--rate", "1", "--isl", "250", "--osl", "10"),
          "exceed the profiled max_model_len (256)"),
+        (("--ttft-ms", "100", "--itl-ms", "10", "--rate", "1", "--isl", "10", "--osl", "2",
+          "--itl-percentile", "100"), "itl_percentile must be in (0, 100), got 100"),
     ],
 )  # fmt: skip
 def test_bad_sizing_input_is_an_error_not_a_traceback(profiled, args, message):

@@ -37,25 +37,30 @@ def test_cached_prefixes_cut_prefill_work():
     assert sizing.prefill.utilization == pytest.approx(0.5)
 
 
-def test_decode_batch_settles_where_tokens_come_as_fast_as_asked():
-    """5 requests/s of 100 decode tokens: 500 tokens/s. One worker: b / (0.01 + 0.001 b)
-    = 500 at b = 10, a 20 ms step. A 15 ms target needs b <= 5, so two workers: 250
-    tokens/s each at b = 3.33 (13.3 ms)."""
+def test_decode_batch_follows_the_product_form_law():
+    """5 requests/s of 100 decode tokens: 500 tokens/s. Steps of 10 + k ms make the
+    batch's law a negative binomial, ``P(N) ~ prod (500 (0.01 + 0.001 j) / j)``: mean
+    ITL ``itl(1) / (1 - 0.001 * 500)`` = 22 ms, ``N`` 500 * 0.022 = 11 on average. A
+    15 ms target needs two workers: 250 tokens/s each, 11 / 0.75 = 14.7 ms, 3.67 in
+    flight."""
     demand = Demand(5.0, (RequestShape(1000, 1000, 101),))
     one = size(make_profile(), demand, Targets(ttft_s=10.0, itl_s=0.025))
     assert one.decode.replicas == 1
-    assert one.decode.batch == pytest.approx(10, rel=1e-4)
-    assert one.decode.itl_s == pytest.approx(0.020, rel=1e-4)
+    assert one.decode.batch == pytest.approx(11, rel=1e-6)
+    assert one.decode.itl_s == pytest.approx(0.022, rel=1e-6)
     assert one.decode.context_tokens == pytest.approx(1050)
     two = size(make_profile(), demand, Targets(ttft_s=10.0, itl_s=0.015))
     assert two.decode.replicas == 2
-    assert two.decode.batch == pytest.approx(10 / 3, rel=1e-4)
+    assert two.decode.itl_s == pytest.approx(0.011 / 0.75, rel=1e-6)
+    assert two.decode.batch == pytest.approx(250 * 0.011 / 0.75, rel=1e-6)
     assert two.decode.limit == "itl"
 
 
 def test_kv_and_max_num_seqs_bound_the_batch():
-    """At b = 10 a request holds 1050 + 16 tokens: a 20,000-token pool at 85% fits 15.9,
-    a 10,000-token one 7.97 (two workers, 5 each); max_num_seqs 8 caps at 6.8."""
+    """11 requests in flight on average (above), each holding 1050 + 16 tokens: a
+    20,000-token pool at 85% fits 15.9, a 10,000-token one 7.97 (two workers, 3.67
+    each). With max_num_seqs 8, eight running make 8 / 0.018 = 444 tokens/s, fewer than
+    the 500 asked: the waiting line never drains on one worker."""
     demand = Demand(5.0, (RequestShape(1000, 1000, 101),))
     targets = Targets(ttft_s=10.0, itl_s=0.1)
     assert size(make_profile(kv_capacity_tokens=20_000), demand, targets).decode.replicas == 1
@@ -64,6 +69,8 @@ def test_kv_and_max_num_seqs_bound_the_batch():
     assert small_kv.kv_fraction == pytest.approx(small_kv.batch * 1066 / 10_000)
     few_seqs = size(make_profile(max_num_seqs=8), demand, targets).decode
     assert (few_seqs.replicas, few_seqs.limit) == (2, "max_num_seqs")
+    one = predict(make_profile(max_num_seqs=8), demand, targets, 1, 1).decode
+    assert one.batch == float("inf") and one.limit == "max_num_seqs"
 
 
 def test_short_prompts_are_prefilled_on_decode_workers_and_stretch_their_steps():
@@ -75,9 +82,9 @@ def test_short_prompts_are_prefilled_on_decode_workers_and_stretch_their_steps()
     assert sizing.decode.local_prefill_fraction == pytest.approx(0.4)
     decoding = Demand(2.0, (RequestShape(200, 200, 101),))
     sizing = size(make_profile(), decoding, Targets(ttft_s=1.0, itl_s=0.05, min_disagg_tokens=256))
-    # 200 tokens/s over 60% of the time: b / (0.01 + 0.001 b) = 333.3 at b = 5
-    assert sizing.decode.batch == pytest.approx(5.0, rel=1e-4)
-    assert sizing.decode.itl_s == pytest.approx(0.015 / 0.6, rel=1e-4)
+    # 200 tokens/s over 60% of the time, 333.3 while decoding: 11 / (1 - 0.333) = 16.5 ms
+    assert sizing.decode.batch == pytest.approx(333.33 * 0.0165, rel=1e-4)
+    assert sizing.decode.itl_s == pytest.approx(0.0165 / 0.6, rel=1e-4)
 
 
 def test_targets_no_layout_meets_are_warned_and_the_rest_still_sized():
@@ -85,8 +92,8 @@ def test_targets_no_layout_meets_are_warned_and_the_rest_still_sized():
     sizing = size(make_profile(), demand, Targets(ttft_s=5.0, itl_s=0.005))
     assert sizing.prefill.replicas == 36  # 30 busy workers at <= 85%
     warnings = describe(sizing.notes)
-    assert any("TTFT target 5000 ms cannot be met: an idle prefill worker takes 10000 ms" in w
-               for w in warnings)  # fmt: skip
+    assert any("TTFT target 5000 ms (mean) cannot be met: an idle prefill worker's mean for "
+               "these prompts is 10000 ms" in w for w in warnings)  # fmt: skip
     assert any("ITL target 5.0 ms cannot be met: one request alone decodes at 11.0 ms" in w
                for w in warnings)  # fmt: skip
 
@@ -128,8 +135,9 @@ def test_predict_a_given_layout_names_the_target_it_misses():
     targets = Targets(ttft_s=2.0, itl_s=0.015)
     short = predict(make_profile(), demand, targets, prefill_replicas=1, decode_replicas=1)
     assert short.prefill.limit == "prompt throughput" and short.prefill.ttft_s == float("inf")
-    # 150 tokens/s on one decode worker: b / (0.01 + 0.001 b) = 150 at b = 1.76
-    assert short.decode.batch == pytest.approx(1.5 / 0.85, rel=1e-4)
+    # 150 tokens/s on one decode worker: 11 / (1 - 0.15) = 12.9 ms, 1.94 in flight
+    assert short.decode.itl_s == pytest.approx(0.011 / 0.85, rel=1e-6)
+    assert short.decode.batch == pytest.approx(150 * 0.011 / 0.85, rel=1e-6)
     assert short.decode.limit == ""
     two = predict(make_profile(), demand, targets, prefill_replicas=2, decode_replicas=1)
     assert (two.prefill.ttft_s, two.prefill.limit) == (pytest.approx(2.5), "ttft")
@@ -139,8 +147,10 @@ def test_predict_a_given_layout_names_the_target_it_misses():
 
 def test_decode_is_planned_below_the_knee_of_its_token_rate():
     """Steps of 16 requests take 26 ms, of 32 take 100 ms: a worker makes at most 615
-    tokens/s (at 16). 5.4 requests/s of 100 tokens ask 540 of it, 88%: over 85%, so
-    two workers, though one could reach 540 on paper (at b = 13.9)."""
+    tokens/s (at 16). 5.4 requests/s of 100 tokens ask 540 of it, 88%: one worker could
+    reach 540 on paper (at b = 13.9), but a burst past 17 in flight slows every step
+    more than it adds tokens and never drains (the law rises again behind a shallow
+    dip): "step time", so two workers (each at 44%)."""
     profile = make_profile()
     decode = [DecodePoint(b, c, itl) for b, itl in ((1, 0.011), (16, 0.026), (32, 0.1))
               for c in (100, 10_000)]  # fmt: skip
@@ -148,7 +158,10 @@ def test_decode_is_planned_below_the_knee_of_its_token_rate():
                                                                       decode=decode))  # fmt: skip
     demand = Demand(5.4, (RequestShape(1000, 1000, 101),))
     sizing = size(profile, demand, Targets(ttft_s=10.0, itl_s=0.05)).decode
-    assert (sizing.replicas, sizing.limit) == (2, "utilization")
+    assert (sizing.replicas, sizing.limit) == (2, "step time")
     assert sizing.utilization == pytest.approx(270 / (16 / 0.026), rel=1e-3)
+    assert sizing.batch < 16  # the rise past 32 is behind a dip below e^-10: left out
     one = predict(profile, demand, Targets(ttft_s=10.0, itl_s=0.05), 1, 1).decode
-    assert one.limit == "utilization" and one.batch < 16
+    assert one.limit == "step time" and one.batch == float("inf")
+    capped = size(profile, demand, Targets(ttft_s=10.0, itl_s=0.05, max_utilization=0.4))
+    assert (capped.decode.replicas, capped.decode.limit) == (3, "utilization")

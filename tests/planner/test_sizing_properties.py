@@ -1,6 +1,6 @@
 """The sizing over random profiles and demands: it always answers, the layout it gives
 meets the targets it can meet (``predict`` finds no miss there), one fewer worker of a
-role misses, and more traffic never needs fewer workers."""
+role misses, and more traffic never needs fewer workers; targets means or percentiles."""
 
 from __future__ import annotations
 
@@ -50,7 +50,8 @@ def test_sizing_properties(seed):
     profile = random_profile(rng)
     shapes = random_shapes(rng)
     targets = Targets(rng.uniform(0.05, 5.0), rng.uniform(0.005, 0.2),
-                      rng.choice([0.7, 0.85, 1.0]), rng.choice([0, 256, 2048]))  # fmt: skip
+                      rng.choice([0.7, 0.85, 1.0]), rng.choice([0, 256, 2048]),
+                      rng.choice([None, 50, 90, 99]), rng.choice([None, 50, 90, 99]))  # fmt: skip
     previous = (0, 0)
     for rate in (0.1, 1.0, 5.0, 20.0):
         demand = Demand(rate, shapes)

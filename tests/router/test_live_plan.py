@@ -8,8 +8,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from common.config import PlannerConfig
 from planner.demand import Demand, RequestShape
-from planner.profile_data import ProfileError, write_profile
-from planner.sizing import Targets, size
+from planner.profile_data import ProfileError, scaled, write_profile
+from planner.sizing import Targets, predict, size
 from router.live_plan import DemandWindow, LivePlan
 from tests.support.profiles import make_profile
 
@@ -88,30 +88,54 @@ def serve(plan: LivePlan, clock: Clock, itl_s: float) -> None:
 
 
 def test_workers_seen_slower_than_their_profile_correct_it(tmp_path):
-    """The profile says one worker decodes 500 tokens/s at b = 10 in 20 ms steps. Seen at
-    40 ms: the profile predicts that with its steps 4/3 as long (b = 20 then), and the
-    factor moves halfway there (7/6). One worker would then run 28 ms steps, over the 25 ms
-    target: two are planned (b = 4.12, 16.5 ms)."""
+    """The profile says one worker decodes 500 tokens/s at a mean ITL of 0.011 / (1 -
+    0.001 * 500) = 22 ms (``tests/planner/test_sizing.py``). Seen at 40 ms: the profile
+    predicts that with its steps ``f`` times as long, 0.011 f / (1 - 0.5 f) = 0.04 at f =
+    40 / 31, and the factor moves halfway there (71 / 62). One worker would then see 29.5
+    ms, over the 25 ms target: two are planned (17.6 ms)."""
     plain, plain_clock = corrected_plan(tmp_path / "a", correct=False)
     serve(plain, plain_clock, itl_s=0.040)
     assert plain.update().decode.replicas == 1
     plan, clock = corrected_plan(tmp_path / "b")
     serve(plan, clock, itl_s=0.040)
     sizing = plan.update()
-    assert plan.correction["decode"] == pytest.approx(7 / 6, rel=1e-4)
+    factor = 71 / 62
+    assert plan.correction["decode"] == pytest.approx(factor, rel=1e-4)
     assert sizing.decode.replicas == 2
-    assert sizing.decode.itl_s == pytest.approx(7 / 6 * (0.01 + 0.001 * 4.1176), rel=1e-3)
+    assert sizing.decode.itl_s == pytest.approx(0.011 * factor / (1 - 0.25 * factor), rel=1e-3)
     serve(plan, clock, itl_s=0.040)
     plan.update()
-    assert plan.correction["decode"] == pytest.approx(1.25, rel=1e-4)
+    assert plan.correction["decode"] == pytest.approx((factor + 40 / 31) / 2, rel=1e-4)
     # Disaggregated prompts were seen at 0.5 s against over 1 s predicted (8 prefill
     # workers serve it): faster.
     assert plan.correction["prefill"] < 1
 
 
+def test_percentile_targets_plan_for_the_tail_corrected_on_the_means(tmp_path):
+    """The same window as above under a p99 ITL target: the factor is solved on the
+    window's mean, as before (71 / 62); the layout is sized for the tail, which needs
+    more decode workers than the mean did, and the gauge shows the p99."""
+    clock = Clock()
+    write_profile(make_profile(), tmp_path / "p.json")
+    config = PlannerConfig(profile=str(tmp_path / "p.json"), ttft_ms=10_000, itl_ms=25,
+                           itl_percentile=99, window_s=10.0)  # fmt: skip
+    registry = CollectorRegistry()
+    plan = LivePlan.from_config(config, 256, registry, lambda: (8, 1), clock)
+    serve(plan, clock, itl_s=0.040)
+    sizing = plan.update()
+    assert plan.correction["decode"] == pytest.approx(71 / 62, rel=1e-4)
+    assert sizing.decode.replicas == 3 and sizing.decode.itl_s <= 0.025
+    one_fewer = predict(scaled(make_profile(), 1.0, 71 / 62), Demand(5.0, (RequestShape(
+        1000, 1000, 101),)), plan.targets, 8, 2)  # fmt: skip
+    assert one_fewer.decode.itl_s > 0.025 > 0.011 * (71 / 62) / (1 - 0.25 * 71 / 62)
+    text = generate_latest(registry).decode()
+    assert f"pdserve:planned_itl_seconds {sizing.decode.itl_s}" in text
+
+
 def test_the_factor_stays_within_what_the_load_allows_and_its_bounds(tmp_path):
     """Seen at 2 s a token: the profile can only predict that near saturation (its steps
-    just under twice as long make 500 tokens/s the most one worker makes). Seen at 0.1 ms:
+    just under twice as long: 0.011 f / (1 - 0.5 f) = 2 at f = 1.978, halfway there from 1
+    is 1.489). Seen at 0.1 ms:
     the lower bound, 0.25."""
     plan, clock = corrected_plan(tmp_path / "a")
     serve(plan, clock, itl_s=2.0)
