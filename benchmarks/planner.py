@@ -2,7 +2,8 @@
 pinned core (``plan profile``), and the running stack through its router (``plan profile
 --base-url``); then the 1 prefill + 1 decode stack (each worker pinned to its own core)
 under Poisson load at fractions of the rate the stack profile says 1P1D can take within
-the targets; each profile's predicted mean TTFT and ITL beside the measured ones.
+the targets; each profile's predicted mean TTFT and ITL beside the measured ones, and the
+stack profile's p90s beside the measured p90s.
 
     python benchmarks/planner.py [--fractions 0.4,0.7,1.0,1.3] [--duration 30] \
         [--ttft-ms 400 --itl-ms 20] [--out benchmarks/results/planner_cpu]
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import subprocess
@@ -102,7 +104,9 @@ async def measure(stack: PinnedStack, args: argparse.Namespace, rate: float, see
     return (await run_benchmark(config)).runs[0].summary
 
 
-def row(fraction: float, rate: float, sizings: dict[str, Sizing], summary: Summary) -> dict:
+def row(
+    fraction: float, rate: float, sizings: dict[str, Sizing], p90: Sizing, summary: Summary
+) -> dict:
     out = {
         "fraction": fraction,
         "rate_per_s": rate,
@@ -122,6 +126,8 @@ def row(fraction: float, rate: float, sizings: dict[str, Sizing], summary: Summa
             "decode_batch": sizing.decode.batch,
             "misses": [sizing.prefill.limit, sizing.decode.limit],
         }
+    out["stack"]["p90_ttft_ms"] = p90.prefill.ttft_s * 1000
+    out["stack"]["p90_itl_ms"] = p90.decode.itl_s * 1000
     return out
 
 
@@ -160,15 +166,15 @@ def markdown(args: argparse.Namespace, rows: list[dict], setup: dict) -> str:
         "",
         f"Targets: mean TTFT {args.ttft_ms:g} ms, mean ITL {args.itl_ms:g} ms. 1P1D capacity "
         f"for them: **{setup['capacity_per_s']['stack']:.2f} requests/s** by the stack profile, "
-        f"{setup['capacity_per_s']['engine']:.2f} by the engine profile. Means; ratio = "
-        "measured / predicted (1.00: exact).",
+        f"{setup['capacity_per_s']['engine']:.2f} by the engine profile. Means, then p90s "
+        "(the stack profile's); ratio = measured / predicted (1.00: exact).",
         "",
         "| x capacity | rate /s | sent /s | done | TTFT ms measured | stack profile | ratio | "
         "engine profile | ratio | ITL ms measured | stack profile | ratio | engine profile | "
-        "ratio | p90 TTFT ms | p90 ITL ms | misses predicted (stack: P / D) | engine busy P / D "
-        "| decode engine's mean step ms |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"
-        "---:|",
+        "ratio | p90 TTFT ms | stack profile | ratio | p90 ITL ms | stack profile | ratio | "
+        "misses predicted (stack: P / D) | engine busy P / D | decode engine's mean step ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "---:|---:|---:|---|---|---:|",
     ]
     for r in rows:
         stack, engine = r["stack"], r["engine"]
@@ -180,7 +186,10 @@ def markdown(args: argparse.Namespace, rows: list[dict], setup: dict) -> str:
             f"{_cell(r['measured_itl_ms'])} | {_cell(stack['itl_ms'])} | "
             f"{_ratio(r['measured_itl_ms'], stack['itl_ms'])} | {_cell(engine['itl_ms'])} | "
             f"{_ratio(r['measured_itl_ms'], engine['itl_ms'])} | "
-            f"{_cell(r['measured_p90_ttft_ms'], 0)} | {_cell(r['measured_p90_itl_ms'])} | "
+            f"{_cell(r['measured_p90_ttft_ms'], 0)} | {_cell(stack['p90_ttft_ms'], 0)} | "
+            f"{_ratio(r['measured_p90_ttft_ms'], stack['p90_ttft_ms'])} | "
+            f"{_cell(r['measured_p90_itl_ms'])} | {_cell(stack['p90_itl_ms'])} | "
+            f"{_ratio(r['measured_p90_itl_ms'], stack['p90_itl_ms'])} | "
             f"{stack['misses'][0] or '-'} / {stack['misses'][1] or '-'} | "
             f"{r['workers']['prefill']['busy']:.0%} / {r['workers']['decode']['busy']:.0%} | "
             f"{r['workers']['decode']['mean_step_ms']:.1f} |"
@@ -199,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
              for name in ("engine", "stack")}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     targets = Targets(args.ttft_ms / 1000, args.itl_ms / 1000, min_disagg_tokens=0)
+    p90_targets = dataclasses.replace(targets, ttft_percentile=90, itl_percentile=90)
     shape = RequestShape(args.input_len, args.input_len, args.output_len)
     rows = []
     try:
@@ -214,12 +224,13 @@ def main(argv: list[str] | None = None) -> int:
             rate = fraction * caps["stack"]
             sizings = {name: predict(p, Demand(rate, (shape,)), targets, 1, 1)
                        for name, p in profiles.items()}  # fmt: skip
+            p90 = predict(profiles["stack"], Demand(rate, (shape,)), p90_targets, 1, 1)
             before = {role: stack.worker_stats(role) for role in ("prefill", "decode")}
             started_at = time.monotonic()
             summary = asyncio.run(measure(stack, args, rate, seed=i))
             wall_s = time.monotonic() - started_at
             after = {role: stack.worker_stats(role) for role in ("prefill", "decode")}
-            rows.append(row(fraction, rate, sizings, summary))
+            rows.append(row(fraction, rate, sizings, p90, summary))
             rows[-1]["workers"] = _worker_use(before, after, wall_s)
             r = rows[-1]
             print(f"  x{fraction:g} ({rate:.2f}/s): TTFT measured {_cell(r['measured_ttft_ms'], 0)}"
