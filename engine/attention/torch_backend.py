@@ -74,6 +74,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
+        # The batched paths' K/V gathers reuse its buffers across layers and steps.
+        self.workspace = reference.GatherWorkspace()
 
     def build_metadata(self, layout: BatchLayout) -> TorchMetadata:
         num_decodes = layout.num_decodes
@@ -139,6 +141,7 @@ class TorchAttentionBackend(AttentionBackend):
                 attn_mask=metadata.decode_mask(layer.sliding_window, query.dtype),
                 sinks=layer.sinks,
                 latent_dim=latent_dim,
+                workspace=self.workspace,
             ))  # fmt: skip
         first_long = num_decodes
         short = metadata.short
@@ -158,6 +161,7 @@ class TorchAttentionBackend(AttentionBackend):
                 attn_mask=metadata.short_mask(layer.sliding_window, query.dtype),
                 sinks=layer.sinks,
                 latent_dim=latent_dim,
+                workspace=self.workspace,
             ))  # fmt: skip
         if first_long == layout.num_seqs:
             return out
