@@ -165,15 +165,35 @@ def predict(
 
 
 def _fewest(at, role: str, first: int = 1):
-    """The first of ``at(first), at(first + 1), ...`` with no limit missed (every one
-    before ``first`` misses one), its ``limit`` the one ``at(n - 1)`` missed."""
-    missed = at(first - 1).limit if first > 1 else ""
-    for replicas in range(first, MAX_WORKERS + 1):
-        sizing = at(replicas)
-        if not sizing.limit:
-            return dataclasses.replace(sizing, limit=missed)
-        missed = sizing.limit
-    raise ValueError(f"no layout of up to {MAX_WORKERS} {role} workers serves this demand")
+    """The smallest ``n >= first`` whose ``at(n)`` misses no limit (every one before
+    ``first`` misses one), its ``limit`` the one ``at(n - 1)`` missed. More workers never
+    miss a limit fewer meet (each role's load per worker, queue and batch only fall), so
+    it is found by doubling the step and then bisecting: a few sizings, not one per
+    worker count (a percentile's costs a pass over the demand's shapes)."""
+    sized: dict[int, object] = {}
+
+    def meets(n: int) -> bool:
+        if n not in sized:
+            sized[n] = at(n)
+        return not sized[n].limit
+
+    missing, step = first - 1, 1  # the most known to miss (first - 1, by the contract)
+    meeting = first
+    while not meets(meeting):
+        missing = meeting
+        if meeting >= MAX_WORKERS:
+            raise ValueError(f"no layout of up to {MAX_WORKERS} {role} workers serves this "
+                             "demand")  # fmt: skip
+        meeting = min(meeting + step, MAX_WORKERS)
+        step *= 2
+    while meeting - missing > 1:
+        middle = (missing + meeting) // 2
+        if meets(middle):
+            meeting = middle
+        else:
+            missing = middle
+    missed = "" if meeting == 1 or meets(meeting - 1) else sized[meeting - 1].limit
+    return dataclasses.replace(sized[meeting], limit=missed)
 
 
 class _Model:
@@ -396,7 +416,7 @@ def _batch_law(
     if most < tokens_per_s:
         return None
     log_p, peak = 0.0, 0.0
-    probabilities = [1.0]  # unnormalized, from N = 0
+    log_ps = [0.0]  # the law's logarithm, unnormalized, from N = 0
     j = 1
     while True:
         running = min(j, max_num_seqs)
@@ -406,15 +426,22 @@ def _batch_law(
             break
         if j >= max_num_seqs:
             break  # the geometric tail from here on
+        if (
+            ratio >= 1
+            and j > curve.batches[-1]
+            and (tokens_per_s * (curve.itl_s(j + 1, context) - curve.itl_s(j, context)) >= 1)
+        ):
+            break  # past the profile a step is linear in j: the ratio stays >= 1 to the cap
         log_p += math.log(ratio)
         peak = max(peak, log_p)
-        probabilities.append(math.exp(log_p))
+        log_ps.append(log_p)
         j += 1
     if ratio >= 1:
         most_running = max(b / curve.itl_s(b, context) for b in _batches(curve, max_num_seqs))
-        return _BatchLaw(math.inf, {}) if most_running < tokens_per_s else None
+        return _BatchLaw(math.inf, {}) if most_running <= tokens_per_s else None
+    probabilities = [math.exp(x - peak) for x in log_ps]  # scaled by e^-peak: no overflow
     # N = max_num_seqs + m for m = 0, 1, ...: p r^m, p = the last term's times r.
-    last = math.exp(log_p) * ratio
+    last = math.exp(log_p - peak) * ratio
     tail_mass = last / (1 - ratio)
     tail_mean = last * (j / (1 - ratio) + ratio / (1 - ratio) ** 2)
     total = sum(probabilities) + tail_mass

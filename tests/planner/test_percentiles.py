@@ -11,6 +11,7 @@ import random
 import pytest
 
 from planner.demand import Demand, RequestShape
+from planner.profile_data import DecodePoint, Profile, RoleProfile
 from planner.sizing import Targets, describe, predict, size
 from tests.support.profiles import make_profile
 
@@ -165,3 +166,97 @@ def test_itl_mean_and_percentiles_match_a_simulated_decode_worker(tokens_per_s, 
             assert simulated * 0.95 <= predicted <= simulated * 1.2
         else:
             assert abs(predicted - simulated) <= max(0.001, 0.08 * simulated), percentile
+
+
+def profile_with(max_num_seqs: int, step_s, batches=(1, 16, 64, 256)):
+    """``make_profile``'s prefill; decode steps of ``step_s(batch)`` at any context."""
+    base = make_profile(max_num_seqs=max_num_seqs, kv_capacity_tokens=10**9)
+    decode = [DecodePoint(b, c, step_s(b)) for b in batches for c in (100, 10_000)]
+    return Profile("m", "cpu", "now", base.prefill, RoleProfile(base.decode.engine, decode=decode))
+
+
+def brute_force_law(step_s, tokens_per_s: float, max_num_seqs: int, upto: int = 30_000):
+    """The product-form law summed term by term to ``upto`` (log-sum-exp normalized): the
+    mean in the worker and the tokens' mean ITL."""
+    log_terms, log_p = [0.0], 0.0
+    for j in range(1, upto):
+        running = min(j, max_num_seqs)
+        log_p += math.log(tokens_per_s * step_s(running) / running)
+        log_terms.append(log_p)
+    peak = max(log_terms)
+    p = [math.exp(x - peak) for x in log_terms]
+    total = sum(p)
+    mean = sum(n * q for n, q in enumerate(p)) / total
+    running = sum(min(n, max_num_seqs) * q for n, q in enumerate(p)) / total
+    return mean, running / tokens_per_s
+
+
+@pytest.mark.parametrize(
+    ("max_num_seqs", "tokens_per_s"), [(256, 500), (16, 500), (1, 40), (4096, 800)]
+)
+def test_the_law_equals_its_terms_summed(max_num_seqs, tokens_per_s):
+    """Against the law summed term by term: a free batch, one capped at 16 (the waiting
+    line's terms in closed form), one request at a time, and a cap far above the bulk."""
+
+    def step_s(b):
+        return 0.010 + 0.001 * b
+
+    demand = Demand(tokens_per_s / 100, (RequestShape(1000, 1000, 101),))
+    decode = predict(profile_with(max_num_seqs, step_s), demand, Targets(10.0, 1.0), 1, 1).decode
+    mean, itl_s = brute_force_law(step_s, tokens_per_s, max_num_seqs)
+    assert decode.batch == pytest.approx(mean, rel=1e-6)
+    assert decode.itl_s == pytest.approx(itl_s, rel=1e-6)
+
+
+def test_a_large_batch_or_cap_does_not_overflow():
+    """~790 requests in flight (the law's terms reach e^790 of its first), and a queue
+    past a knee that never drains with max_num_seqs 1024 and 65536: answered, not an
+    OverflowError (found by a review), and the never-draining one quickly."""
+    flat = profile_with(2048, lambda b: 0.008 + 1e-6 * b, batches=(1, 64, 512, 2048))
+    demand = Demand(90.0, (RequestShape(1000, 1000, 1001),))
+    decode = predict(flat, demand, Targets(30.0, 0.1, itl_percentile=90), 1, 1).decode
+    assert decode.limit == "" and decode.batch == pytest.approx(791, rel=0.01)
+
+    def knee(b):
+        return 0.010 + 0.0005 * b + max(0, b - 64) * 0.002
+
+    for max_num_seqs in (1024, 65536):
+        past = predict(profile_with(max_num_seqs, knee), Demand(1.5, demand.shapes),
+                       Targets(30.0, 0.1), 1, 1).decode  # fmt: skip
+        assert (past.limit, past.batch) == ("step time", float("inf"))
+
+
+def test_a_rate_exactly_what_max_num_seqs_make_is_their_limit():
+    """Steps of 20 ms, one request at a time: 50 tokens a second at most. Asked for 50,
+    the waiting line never drains, and it is max_num_seqs that bounds it."""
+    flat = profile_with(1, lambda b: 0.02)
+    decode = predict(flat, Demand(0.5, (RequestShape(1000, 1000, 101),)),
+                     Targets(10.0, 1.0), 1, 1).decode  # fmt: skip
+    assert (decode.limit, decode.batch) == ("max_num_seqs", float("inf"))
+
+
+def test_the_search_finds_what_one_by_one_finds_in_a_few_sizings():
+    """A p99 TTFT 0.5% above its floor (the p99 of the prompts alone, 4.06 s) needs 1420
+    prefill workers: the fewest that meet it, as a scan one worker at a time would find
+    them (from the 49 that are not over 85% busy), after a few dozen sizings."""
+    from planner import sizing
+
+    shapes = tuple(RequestShape(isl, isl, 2) for isl in range(100, 4100, 40))
+    demand = Demand(20.0, shapes)
+    targets = Targets(4.08, 1.0, ttft_percentile=99)
+    calls = []
+    original = sizing._Model.prefill
+
+    def counted(self, replicas):
+        calls.append(replicas)
+        return original(self, replicas)
+
+    sizing._Model.prefill = counted
+    try:
+        found = size(make_profile(), demand, targets).prefill
+    finally:
+        sizing._Model.prefill = original
+    assert not predict(make_profile(), demand, targets, found.replicas, 1).prefill.limit
+    fewer = predict(make_profile(), demand, targets, found.replicas - 1, 1).prefill
+    assert fewer.limit == found.limit == "ttft"
+    assert found.replicas == 1420 and len(calls) < 40
