@@ -37,6 +37,7 @@ from common.owned_paths import owner_tag, remove_dead_owners
 from common.prometheus_text import fetch, sample_totals
 from common.tracing import check_installed
 from deploy.autoscale import Autoscaler, read_plan
+from deploy.cpu_threads import usable_cores, worker_threads
 from deploy.ephemeral_ports import ephemeral_port_warnings, ephemeral_range
 from deploy.gpus import gpus_needed, visible_gpus, worker_gpus
 from deploy.health_cmd import check_grpc, check_http
@@ -89,6 +90,7 @@ class Stack:
         self.config_path = log_dir / f"config-{owner_tag()}.yaml"
         self._write_config()
         self._gpus: dict[tuple[Role, int], dict[str, str]] = {}  # set by start
+        self._threads: dict[tuple[Role, int], dict[str, str]] = {}  # set by start
         # planner.autoscale: workers started and drained to the router's plan; those it
         # drained are not restarted, whatever their exit.
         self.autoscaler = Autoscaler(config) if config.planner.autoscale else None
@@ -131,6 +133,7 @@ class Stack:
 
     def start(self, timeout_s: float = 300.0) -> None:
         self._gpus = self._gpu_env()  # raises ConfigError before anything starts
+        self._threads = self._thread_env()
         workers = []
         for role in Role:
             section = self.config.role(role)
@@ -152,7 +155,8 @@ class Stack:
     def _start_worker(self, role: Role, index: int) -> tuple[str, subprocess.Popen]:
         name = f"{role.value}-{index}"
         args = [role.value, "--index", str(index)]
-        return name, self._spawn(name, args, self._gpus.get((role, index)))
+        env = {**self._gpus.get((role, index), {}), **self._threads.get((role, index), {})}
+        return name, self._spawn(name, args, env or None)
 
     def _router_ready(self, num_workers: int) -> bool:
         """The router answers /health and places new work on ``num_workers`` workers."""
@@ -160,6 +164,14 @@ class Stack:
             check_http(f"{self.url_root}/health", 1.0)[0]
             and _workers_available(f"{self.url_root}/metrics") >= num_workers
         )
+
+    def _thread_env(self) -> dict[tuple[Role, int], dict[str, str]]:
+        """Each CPU worker's ``OMP_NUM_THREADS``: its share of this host's cores
+        (``deploy/cpu_threads.py``), unless the user set the variable."""
+        if "OMP_NUM_THREADS" in os.environ:
+            return {}
+        shares = worker_threads(self.config, usable_cores(), bool(visible_gpus()))
+        return {worker: {"OMP_NUM_THREADS": str(n)} for worker, n in shares.items()}
 
     def _gpu_env(self) -> dict[tuple[Role, int], dict[str, str]]:
         """Each worker's CUDA_VISIBLE_DEVICES on a host with GPUs (``deploy.gpus``): its

@@ -454,7 +454,9 @@ def launch_shards(
         dtype=str(dtype).removeprefix("torch."),
         max_model_len=max_model_len,
         timeout_s=timeout_s,
-        num_threads=max(1, (os.cpu_count() or 1) // size),
+        # Each shard as many threads as this rank has, at most its share of the cores:
+        # ``pdserve up`` gives a CPU worker its share (``deploy/cpu_threads.py``).
+        num_threads=min(torch.get_num_threads(), max(1, (os.cpu_count() or 1) // size)),
         log_level=logging.getLogger().getEffectiveLevel(),
     )
     if extension is not None:

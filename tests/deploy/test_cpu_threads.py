@@ -1,0 +1,45 @@
+"""``pdserve up`` on CPUs: each CPU worker (and each of its ranks) gets its share of the
+host's cores as ``OMP_NUM_THREADS``, not torch's every core for every process."""
+
+from __future__ import annotations
+
+from common.config import Role
+from common.config_loader import load_config
+from deploy.cpu_threads import usable_cores, worker_threads
+from deploy.up import Stack
+from tests.deploy.test_render import DEMO
+
+
+def test_the_cores_are_shared_over_every_cpu_process():
+    demo = load_config(str(DEMO))
+    both = {(Role.PREFILL, 0), (Role.DECODE, 0)}
+    assert worker_threads(demo, 2, gpus_visible=False) == dict.fromkeys(both, 1)
+    assert worker_threads(demo, 8, gpus_visible=False) == dict.fromkeys(both, 4)
+    assert worker_threads(demo, 1, gpus_visible=False) == dict.fromkeys(both, 1)  # at least 1
+    # Two decode workers and a prefill worker of 2 ranks each: 6 processes on 16 cores.
+    split = load_config(str(DEMO), ["decode.replicas=2", "engine.tensor_parallel_size=2"])
+    assert worker_threads(split, 16, gpus_visible=False) == {
+        (Role.PREFILL, 0): 2, (Role.DECODE, 0): 2, (Role.DECODE, 1): 2,
+    }  # fmt: skip
+
+
+def test_workers_on_gpus_keep_torchs_default():
+    demo = load_config(str(DEMO))
+    assert worker_threads(demo, 8, gpus_visible=True) == {}  # device auto: on the GPUs
+    pinned = load_config(str(DEMO), ["prefill.engine.device=cpu"])
+    assert worker_threads(pinned, 8, gpus_visible=True) == {(Role.PREFILL, 0): 8}
+    cuda = load_config(str(DEMO), ["engine.device=cuda"])
+    assert worker_threads(cuda, 8, gpus_visible=False) == {}
+
+
+def test_the_launcher_sets_the_share_unless_the_user_did(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    stack = Stack(load_config(str(DEMO)), tmp_path)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    share = str(max(1, usable_cores() // 2))
+    assert stack._thread_env() == {
+        (Role.PREFILL, 0): {"OMP_NUM_THREADS": share},
+        (Role.DECODE, 0): {"OMP_NUM_THREADS": share},
+    }
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert stack._thread_env() == {}
