@@ -38,7 +38,7 @@ def measure(
     model: Path, tp_size: int, prompts: list[list[int]], output_len: int, latency_len: int
 ) -> dict:
     cores = os.cpu_count() or 1
-    torch.set_num_threads(max(1, cores // tp_size))  # rank 0's share (the shards set theirs)
+    torch.set_num_threads(cores)  # the worker's; a TP engine shares them over its ranks
     # No prefix caching: every run computes every prompt token.
     with LLM(model, tensor_parallel_size=tp_size, max_num_seqs=len(prompts),
              enable_prefix_caching=False) as llm:  # fmt: skip

@@ -131,6 +131,10 @@ def worker(config: PdserveConfig, role: Role, image: str, checksum: str) -> dict
         "env": [
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             {"name": "PYTHONUNBUFFERED", "value": "1"},
+            # torch's threads: the CPUs the pod requests (rounded up), shared over the
+            # worker's ranks; torch would count the node's cores.
+            {"name": "OMP_NUM_THREADS", "valueFrom": {"resourceFieldRef": {
+                "containerName": WORKER_CONTAINER, "resource": "requests.cpu"}}},
         ],
         "ports": [{"name": name, "containerPort": port} for name, port in named],
         "readinessProbe": {"grpc": {"port": ports.grpc}, "periodSeconds": 2},

@@ -448,15 +448,18 @@ def launch_shards(
         )
     # Collectives wait this long for a rank: longer than any step may take.
     timeout_s = max(60.0, config.step_timeout_s or 600.0)
+    # The worker's torch threads (``OMP_NUM_THREADS``: ``pdserve up`` and the Kubernetes
+    # pods set it to the worker's cores; else torch's every core) are shared out over its
+    # ranks: this one keeps its share, each shard gets the same.
+    threads_per_rank = max(1, torch.get_num_threads() // size)
+    torch.set_num_threads(threads_per_rank)
     launch = dict(
         model_dir=str(model_dir),
         engine=msgspec.to_builtins(config),
         dtype=str(dtype).removeprefix("torch."),
         max_model_len=max_model_len,
         timeout_s=timeout_s,
-        # Each shard as many threads as this rank has, at most its share of the cores:
-        # ``pdserve up`` gives a CPU worker its share (``deploy/cpu_threads.py``).
-        num_threads=min(torch.get_num_threads(), max(1, (os.cpu_count() or 1) // size)),
+        num_threads=threads_per_rank,
         log_level=logging.getLogger().getEffectiveLevel(),
     )
     if extension is not None:

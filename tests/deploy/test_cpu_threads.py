@@ -1,5 +1,6 @@
-"""``pdserve up`` on CPUs: each CPU worker (and each of its ranks) gets its share of the
-host's cores as ``OMP_NUM_THREADS``, not torch's every core for every process."""
+"""``pdserve up`` on CPUs: each CPU worker gets its ranks' share of the host's cores as
+``OMP_NUM_THREADS``, not torch's every core for every process; a Kubernetes worker pod its
+requested CPUs."""
 
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ def test_the_cores_are_shared_over_every_cpu_process():
     assert worker_threads(demo, 2, gpus_visible=False) == dict.fromkeys(both, 1)
     assert worker_threads(demo, 8, gpus_visible=False) == dict.fromkeys(both, 4)
     assert worker_threads(demo, 1, gpus_visible=False) == dict.fromkeys(both, 1)  # at least 1
-    # Two decode workers and a prefill worker of 2 ranks each: 6 processes on 16 cores.
+    # Two decode workers and a prefill worker of 2 ranks each: 6 processes on 16 cores, 2
+    # threads each; a worker is given its ranks' 4 (it shares them out itself).
     split = load_config(str(DEMO), ["decode.replicas=2", "engine.tensor_parallel_size=2"])
     assert worker_threads(split, 16, gpus_visible=False) == {
-        (Role.PREFILL, 0): 2, (Role.DECODE, 0): 2, (Role.DECODE, 1): 2,
+        (Role.PREFILL, 0): 4, (Role.DECODE, 0): 4, (Role.DECODE, 1): 4,
     }  # fmt: skip
 
 
@@ -43,3 +45,14 @@ def test_the_launcher_sets_the_share_unless_the_user_did(monkeypatch, tmp_path):
     }
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert stack._thread_env() == {}
+
+
+def test_a_worker_pod_takes_its_requested_cpus():
+    from deploy.k8s_pods import WORKER_CONTAINER, worker
+
+    pod = worker(load_config(str(DEMO)), Role.DECODE, "pdserve:cpu", "sum")
+    (container,) = pod["spec"]["template"]["spec"]["containers"]
+    (threads,) = [e for e in container["env"] if e["name"] == "OMP_NUM_THREADS"]
+    assert threads["valueFrom"] == {"resourceFieldRef": {
+        "containerName": WORKER_CONTAINER, "resource": "requests.cpu"}}  # fmt: skip
+    assert container["name"] == WORKER_CONTAINER and container["resources"]["requests"]["cpu"]

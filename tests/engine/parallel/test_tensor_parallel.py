@@ -494,3 +494,28 @@ def test_on_two_gpus_with_nccl_and_decode_graphs(model_factory):
         graphs = llm.engine.runner.decode_graphs
         assert graphs is not None and graphs.num_replays > 0
         assert llm.engine.leak_report() == []
+
+
+def test_a_workers_threads_are_shared_over_its_ranks(model_factory, monkeypatch):
+    """A worker given 4 threads (``OMP_NUM_THREADS``: ``pdserve up``'s share, a pod's
+    requested CPUs) splits into two ranks of 2: this one keeps 2, the shard is told 2."""
+    from engine.models.arch import read_arch_config
+    from engine.parallel import shard_client
+
+    launched = {}
+
+    class Recorded:  # the shards' client, recording what they would be launched with
+        def __init__(self, size, launch, *args) -> None:
+            launched.update(launch)
+
+    monkeypatch.setattr(shard_client, "ShardClient", Recorded)
+    model_dir = model_factory("llama")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)
+        shard_client.launch_shards(model_dir, read_arch_config(model_dir),
+                                   EngineConfig(tensor_parallel_size=2, dtype="float32"),
+                                   torch.device("cpu"), torch.float32, 256)  # fmt: skip
+        assert (torch.get_num_threads(), launched["num_threads"]) == (2, 2)
+    finally:
+        torch.set_num_threads(threads)
