@@ -426,6 +426,15 @@ GROUP_HOST = "127.0.0.1"
 _START_TIMEOUT_S = 1800.0
 
 
+def _worker_threads() -> int:
+    """``OMP_NUM_THREADS`` (its first level) when set: the same however many engines this
+    process starts (each divides it anew); else this process's torch threads now."""
+    try:
+        return max(1, int(os.environ.get("OMP_NUM_THREADS", "").split(",")[0]))
+    except ValueError:
+        return torch.get_num_threads()
+
+
 def launch_shards(
     model_dir: str | Path,
     arch: ModelArchConfig,
@@ -449,9 +458,9 @@ def launch_shards(
     # Collectives wait this long for a rank: longer than any step may take.
     timeout_s = max(60.0, config.step_timeout_s or 600.0)
     # The worker's torch threads (``OMP_NUM_THREADS``: ``pdserve up`` and the Kubernetes
-    # pods set it to the worker's cores; else torch's every core) are shared out over its
-    # ranks: this one keeps its share, each shard gets the same.
-    threads_per_rank = max(1, torch.get_num_threads() // size)
+    # pods set it to the worker's cores; else this process's, torch's every core) are
+    # shared out over its ranks: this one keeps its share, each shard gets the same.
+    threads_per_rank = max(1, _worker_threads() // size)
     torch.set_num_threads(threads_per_rank)
     launch = dict(
         model_dir=str(model_dir),

@@ -498,7 +498,8 @@ def test_on_two_gpus_with_nccl_and_decode_graphs(model_factory):
 
 def test_a_workers_threads_are_shared_over_its_ranks(model_factory, monkeypatch):
     """A worker given 4 threads (``OMP_NUM_THREADS``: ``pdserve up``'s share, a pod's
-    requested CPUs) splits into two ranks of 2: this one keeps 2, the shard is told 2."""
+    requested CPUs) splits into two ranks of 2: this one keeps 2, the shard is told 2;
+    without the variable, the process's threads are split."""
     from engine.models.arch import read_arch_config
     from engine.parallel import shard_client
 
@@ -511,11 +512,20 @@ def test_a_workers_threads_are_shared_over_its_ranks(model_factory, monkeypatch)
     monkeypatch.setattr(shard_client, "ShardClient", Recorded)
     model_dir = model_factory("llama")
     threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(4)
+
+    def launch() -> None:
         shard_client.launch_shards(model_dir, read_arch_config(model_dir),
                                    EngineConfig(tensor_parallel_size=2, dtype="float32"),
                                    torch.device("cpu"), torch.float32, 256)  # fmt: skip
-        assert (torch.get_num_threads(), launched["num_threads"]) == (2, 2)
+
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "4")
+        for _ in range(2):  # a second engine in the process divides the same 4
+            launch()
+            assert (torch.get_num_threads(), launched["num_threads"]) == (2, 2)
+        monkeypatch.delenv("OMP_NUM_THREADS")  # unset: this process's threads now
+        torch.set_num_threads(6)
+        launch()
+        assert (torch.get_num_threads(), launched["num_threads"]) == (3, 3)
     finally:
         torch.set_num_threads(threads)
