@@ -164,6 +164,15 @@ def predict(
     return Sizing(model.prefill(prefill_replicas), decode, model.notes(decode))
 
 
+# Why a latency target can need more workers than any layout has.
+_NEVER_ENOUGH = {
+    "ttft": "; the target is close to what an idle prefill worker gives, which only ever "
+            "more workers approach: relax it",
+    "itl": "; the target is close to a lone request's step, which only ever more workers "
+           "approach: relax it",
+}  # fmt: skip
+
+
 def _fewest(at, role: str, first: int = 1):
     """The smallest ``n >= first`` whose ``at(n)`` misses no limit (every one before
     ``first`` misses one), its ``limit`` the one ``at(n - 1)`` missed. More workers never
@@ -182,8 +191,10 @@ def _fewest(at, role: str, first: int = 1):
     while not meets(meeting):
         missing = meeting
         if meeting >= MAX_WORKERS:
+            limit = sized[meeting].limit
+            why = _NEVER_ENOUGH.get(limit, "")
             raise ValueError(f"no layout of up to {MAX_WORKERS} {role} workers serves this "
-                             "demand")  # fmt: skip
+                             f"demand ({MAX_WORKERS} still miss: {limit}{why})")  # fmt: skip
         meeting = min(meeting + step, MAX_WORKERS)
         step *= 2
     while meeting - missing > 1:

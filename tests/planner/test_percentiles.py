@@ -260,3 +260,12 @@ def test_the_search_finds_what_one_by_one_finds_in_a_few_sizings():
     fewer = predict(make_profile(), demand, targets, found.replicas - 1, 1).prefill
     assert fewer.limit == found.limit == "ttft"
     assert found.replicas == 1420 and len(calls) < 40
+
+
+def test_a_target_only_ever_more_workers_approach_is_said_so():
+    """A p99 ITL 0.5% above a lone request's 11 ms step: 99% of tokens must come from
+    steps of one, which needs over 4096 workers at 5,000 tokens a second."""
+    demand = Demand(50.0, (RequestShape(100, 100, 101),))
+    with pytest.raises(ValueError, match=r"4096 still miss: itl; the target is close to a "
+                                         r"lone request's step"):  # fmt: skip
+        size(make_profile(), demand, Targets(10.0, 0.01105, itl_percentile=99))
