@@ -139,14 +139,7 @@ def size(profile: Profile, demand: Demand, targets: Targets) -> Sizing:
     it cannot meet and why: adding workers does not help there, a faster device or more
     tensor parallelism does."""
     model = _Model(profile, demand, targets)
-    if model.prefill_rate_per_s:
-        # Fewer than this are over max_utilization busy: skipped (a percentile costs ms).
-        first = math.floor(
-            model.prefill_rate_per_s * model.mean_service_s / targets.max_utilization
-        )
-        prefill = _fewest(model.prefill, "prefill", max(1, min(first, MAX_WORKERS)))
-    else:
-        prefill = model.prefill(0)
+    prefill = _fewest(model.prefill, "prefill") if model.prefill_rate_per_s else model.prefill(0)
     decode = _fewest(model.decode, "decode")
     return Sizing(prefill, decode, model.notes(decode))
 
@@ -173,12 +166,12 @@ _NEVER_ENOUGH = {
 }  # fmt: skip
 
 
-def _fewest(at, role: str, first: int = 1):
-    """The smallest ``n >= first`` whose ``at(n)`` misses no limit (every one before
-    ``first`` misses one), its ``limit`` the one ``at(n - 1)`` missed. More workers never
-    miss a limit fewer meet (each role's load per worker, queue and batch only fall), so
-    it is found by doubling the step and then bisecting: a few sizings, not one per
-    worker count (a percentile's costs a pass over the demand's shapes)."""
+def _fewest(at, role: str):
+    """The smallest ``n >= 1`` whose ``at(n)`` misses no limit, its ``limit`` the one
+    ``at(n - 1)`` missed. More workers never miss a limit fewer meet (each role's load per
+    worker, queue and batch only fall), so it is found by doubling the step and then
+    bisecting: a few sizings, not one per worker count (a percentile's costs a pass over
+    the demand's shapes)."""
     sized: dict[int, object] = {}
 
     def meets(n: int) -> bool:
@@ -186,8 +179,7 @@ def _fewest(at, role: str, first: int = 1):
             sized[n] = at(n)
         return not sized[n].limit
 
-    missing, step = first - 1, 1  # the most known to miss (first - 1, by the contract)
-    meeting = first
+    missing, meeting, step = 0, 1, 1  # the most known to miss; the next tried
     while not meets(meeting):
         missing = meeting
         if meeting >= MAX_WORKERS:

@@ -238,7 +238,7 @@ def test_a_rate_exactly_what_max_num_seqs_make_is_their_limit():
 def test_the_search_finds_what_one_by_one_finds_in_a_few_sizings():
     """A p99 TTFT 0.5% above its floor (the p99 of the prompts alone, 4.06 s) needs 1420
     prefill workers: the fewest that meet it, as a scan one worker at a time would find
-    them (from the 49 that are not over 85% busy), after a few dozen sizings."""
+    them, after a few dozen sizings."""
     from planner import sizing
 
     shapes = tuple(RequestShape(isl, isl, 2) for isl in range(100, 4100, 40))
