@@ -68,14 +68,20 @@ def to_cache_dtype(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def gather_kv(
-    kv_cache: torch.Tensor, block_ids: torch.Tensor, num_tokens: int
+    kv_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    num_tokens: int,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,  # two [n, block_size, H, D]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``num_tokens`` keys and values of a sequence: two [num_tokens, H, D]."""
+    """The first ``num_tokens`` keys and values of a sequence: two [num_tokens, H, D]
+    (views of ``out`` when given: ``GatherWorkspace``'s buffers)."""
     num_heads, head_dim = kv_cache.shape[-2:]
     # Indexing the K (or V) view yields a contiguous [n, block_size, H, D]: one copy, and
     # the reshape below is free.
-    key = kv_cache[:, 0].index_select(0, block_ids).reshape(-1, num_heads, head_dim)
-    value = kv_cache[:, 1].index_select(0, block_ids).reshape(-1, num_heads, head_dim)
+    key_out, value_out = (None, None) if out is None else out
+    key = torch.index_select(kv_cache[:, 0], 0, block_ids, out=key_out)
+    value = torch.index_select(kv_cache[:, 1], 0, block_ids, out=value_out)
+    key, value = key.reshape(-1, num_heads, head_dim), value.reshape(-1, num_heads, head_dim)
     return key[:num_tokens], value[:num_tokens]
 
 
@@ -284,9 +290,9 @@ def _padded_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # two [num_seqs, num_kv_heads, key slots, head_dim]
     """Every sequence's keys and values, padded to the longest context's blocks.
 
-    One ``index_select`` of the K (V) view by the flattened table: a copy of whole
-    ``[block_size, Hkv, D]`` blocks into a contiguous ``[B * nb, bs, Hkv, D]`` whose
-    reshape to the sequences is free (into ``workspace``'s buffers when given). Indexing
+    ``gather_kv`` of the flattened table: one ``index_select`` of the K (V) view, a copy
+    of whole ``[block_size, Hkv, D]`` blocks into a contiguous ``[B * nb * bs, Hkv, D]``
+    whose reshape to the sequences is free (into ``workspace``'s buffers when given). Indexing
     the view by the 2-D table instead (``kv[:, 0][table]``) gave the same tensor up to 2x
     slower on this CPU at the demo model's small blocks; the transposed result is what SDPA
     reads, strides and all, as fast as a contiguous copy."""
@@ -295,13 +301,8 @@ def _padded_kv(
     max_blocks = -(-int(seq_lens.max()) // block_size)
     block_ids = block_table[:, :max_blocks].reshape(-1).long()
     buffers = None if workspace is None else workspace.take(kv_cache, block_ids.shape[0])
-    if buffers is None:
-        key = kv_cache[:, 0].index_select(0, block_ids)
-        value = kv_cache[:, 1].index_select(0, block_ids)
-    else:
-        key = torch.index_select(kv_cache[:, 0], 0, block_ids, out=buffers[0])
-        value = torch.index_select(kv_cache[:, 1], 0, block_ids, out=buffers[1])
-    # [B * nb, bs, Hkv, D] → [B, nb * bs, Hkv, D] → [B, Hkv, nb * bs, D]
+    key, value = gather_kv(kv_cache, block_ids, block_ids.shape[0] * block_size, buffers)
+    # [B * nb * bs, Hkv, D] → [B, nb * bs, Hkv, D] → [B, Hkv, nb * bs, D]
     key = key.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     value = value.view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
     return key, value
