@@ -21,10 +21,11 @@ and as now, the same tokens checked. Records JSON and Markdown under
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -34,7 +35,7 @@ if __package__ in (None, ""):
 
 from benchmarks.records import machine, write_record
 from kernels import reference
-from kernels.reference import GatherWorkspace, _attend, _padded_kv, decode_mask
+from kernels.reference import GatherWorkspace, _padded_kv, decode_attention
 
 RESULTS = Path(__file__).parent / "results"
 SHAPES = {"demo (4 q / 2 kv heads of 64)": (4, 2, 64), "llama-8b (32 / 8 of 128)": (32, 8, 128)}
@@ -54,12 +55,18 @@ def padded_kv_before(
     return key, value
 
 
-def attention(gather: Callable, query, kv_cache, seq_lens, block_table) -> torch.Tensor:
-    """``decode_attention``'s body with the gather passed in."""
-    key, value = gather(kv_cache, seq_lens, block_table)
-    key, value = key.to(query.dtype), value.to(query.dtype)
-    mask = decode_mask(seq_lens, key.shape[2])
-    return _attend(query[:, :, None, :], key, value, mask, query.shape[-1] ** -0.5)[:, :, 0]
+@contextlib.contextmanager
+def gathering_as_before() -> Iterator[None]:
+    """``reference.decode_attention`` (and the engine's torch backend through it) gathers
+    with the baseline meanwhile: it reads the module's ``_padded_kv``."""
+    kept = reference._padded_kv
+    reference._padded_kv = lambda kv_cache, seq_lens, block_table, workspace=None: padded_kv_before(
+        kv_cache, seq_lens, block_table
+    )
+    try:
+        yield
+    finally:
+        reference._padded_kv = kept
 
 
 def best_ms(fn: Callable[[], object], calls: int) -> float:
@@ -85,25 +92,29 @@ def case(shape: str, batch: int, context: int, repeats: int) -> dict:
     def kept(*args):
         return _padded_kv(*args, workspace)
 
-    before = padded_kv_before(kv_cache, seq_lens, block_table)
+    def call_before() -> torch.Tensor:
+        with gathering_as_before():
+            return decode_attention(query, *args, scale)
+
+    def call_after() -> torch.Tensor:
+        return decode_attention(query, *args, scale, workspace=workspace)
+
+    args, scale = (kv_cache, seq_lens, block_table), head_dim**-0.5
+    before = padded_kv_before(*args)
     for gather in (_padded_kv, kept):
-        after = gather(kv_cache, seq_lens, block_table)
+        after = gather(*args)
         assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
-    out_before = attention(padded_kv_before, query, kv_cache, seq_lens, block_table)
-    out_after = attention(kept, query, kv_cache, seq_lens, block_table)
-    assert torch.equal(out_before, out_after)
+    assert torch.equal(call_before(), call_after())
     calls = max(3, int(2e8 // (batch * context * num_kv_heads * head_dim * 8)))
     timings: dict[str, list[float]] = {k: [] for k in ("gather_before", "gather_fresh",
                                                        "gather_after", "call_before",
                                                        "call_after")}  # fmt: skip
-    args = (kv_cache, seq_lens, block_table)
     for _ in range(repeats):
         timings["gather_before"].append(best_ms(lambda: padded_kv_before(*args), calls))
         timings["gather_fresh"].append(best_ms(lambda: _padded_kv(*args), calls))
         timings["gather_after"].append(best_ms(lambda: kept(*args), calls))
-        timings["call_before"].append(
-            best_ms(lambda: attention(padded_kv_before, query, *args), calls))  # fmt: skip
-        timings["call_after"].append(best_ms(lambda: attention(kept, query, *args), calls))
+        timings["call_before"].append(best_ms(call_before, calls))
+        timings["call_after"].append(best_ms(call_after, calls))
     best = {key: min(values) for key, values in timings.items()}
     return {
         "shape": shape, "batch": batch, "context": context,
@@ -114,42 +125,35 @@ def case(shape: str, batch: int, context: int, repeats: int) -> dict:
 
 
 def engine_case(num_prompts: int, prompt_len: int, repeats: int) -> dict:
-    """The demo model's mean decode step with the gather as before and as now (the
-    backend's ``decode_attention`` reads ``reference._padded_kv``: swapped for the
-    baseline), alternating, best of ``repeats``."""
+    """The demo model's mean decode step with the gather as before and as now,
+    alternating, best of ``repeats``."""
     from engine import LLM, SamplingParams
 
-    kept = reference._padded_kv
     rng = random.Random(0)
     with LLM(dtype="float32", enable_prefix_caching=False, max_num_seqs=num_prompts) as llm:
         vocab = llm.engine.runner.model.arch.vocab_size
         prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)]
                    for _ in range(num_prompts)]  # fmt: skip
 
-        def step_ms(gather: Callable) -> tuple[float, list[list[int]]]:
-            reference._padded_kv = gather
-            try:
-                first = SamplingParams(max_tokens=1, min_tokens=1, temperature=0)
-                whole = SamplingParams(max_tokens=65, min_tokens=65, temperature=0)
+        def step_ms(gathering: contextlib.AbstractContextManager) -> tuple[float, list]:
+            first = SamplingParams(max_tokens=1, min_tokens=1, temperature=0)
+            whole = SamplingParams(max_tokens=65, min_tokens=65, temperature=0)
+            with gathering:
                 start = time.perf_counter()
                 llm.generate(prompts, first, use_tqdm=False)
                 middle = time.perf_counter()
                 outputs = llm.generate(prompts, whole, use_tqdm=False)
                 end = time.perf_counter()
-            finally:
-                reference._padded_kv = kept
             return ((end - middle) - (middle - start)) / 64 * 1e3, [
                 o.outputs[0].token_ids for o in outputs
             ]
 
-        def before(kv_cache, seq_lens, block_table, workspace=None):
-            return padded_kv_before(kv_cache, seq_lens, block_table)
-
         runs: dict[str, list[float]] = {"before": [], "after": []}
         tokens = {}
         for _ in range(repeats):
-            for name, gather in (("before", before), ("after", kept)):
-                ms, tokens[name] = step_ms(gather)
+            for name, gathering in (("before", gathering_as_before()),
+                                    ("after", contextlib.nullcontext())):  # fmt: skip
+                ms, tokens[name] = step_ms(gathering)
                 runs[name].append(ms)
     step = {name: min(values) for name, values in runs.items()}
     return {
