@@ -48,6 +48,7 @@ from engine.models.arch import (
     arch_from_config,
     safetensors_files,
 )
+from engine.models.empty_init import materialize
 from engine.models.llama import DecoderLayer, LlamaForCausalLM
 from engine.models.loader import copy_shard
 from engine.models.norms import rms_norm
@@ -257,7 +258,7 @@ def load_eagle3_head(
     with torch.device("meta"):
         head = Eagle3Head(config, target.vocab_size, max_positions, backend, own_embeddings,
                           group, tp)  # fmt: skip
-    head = head.to_empty(device=device).to(dtype)
+    head = materialize(head, device, dtype)
     head.rotary.build_tables(device)
     _fill(head, stored, head_dir, config.arch, tp)
     return head

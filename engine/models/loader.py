@@ -42,6 +42,7 @@ from engine.models.arch import (
 )
 from engine.models.bnb_config import SIDECAR_SUFFIXES as BNB_SIDECARS
 from engine.models.bnb_weights import dequantize_bnb4
+from engine.models.empty_init import materialize
 from engine.models.fp8_config import SCALE_SUFFIXES, SIDECAR_SUFFIXES
 from engine.models.fp8_weights import FLOAT8_DTYPES, dequantize_fp8
 from engine.models.gpt_oss_weights import EXPERT_TENSOR, expert_pieces
@@ -429,7 +430,7 @@ def load_model(
         model = LlamaForCausalLM(local_arch(arch, tp), max_positions, backend, group)
         if num_mtp_layers:
             add_mtp_layer(model, backend, group)
-    model = model.to_empty(device=device).to(dtype)
+    model = materialize(model, device, dtype)
     for module in model.modules():
         if isinstance(module, DeepseekGate):  # routes in float32, as transformers
             module.float()

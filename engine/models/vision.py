@@ -30,6 +30,7 @@ from torch import nn
 from common.vision_spec import Qwen3TowerSpec, QwenTower, VisionSpec, VisionTowerSpec
 from engine.models.activations import activation
 from engine.models.arch import safetensors_files
+from engine.models.empty_init import materialize
 from engine.models.errors import ModelLoadError
 from engine.models.norms import UnitOffsetRMSNorm
 from engine.models.qwen3_vision import Qwen3VisionEncoder
@@ -206,8 +207,8 @@ def load_vision_encoder(
             encoder = Qwen3VisionEncoder(spec)
         else:
             encoder = QwenVisionEncoder(spec) if qwen else VisionEncoder(spec)
-    encoder = encoder.to_empty(device=device).to(dtype)
-    if qwen:  # a buffer, computed (to_empty left it empty)
+    encoder = materialize(encoder, device, dtype)
+    if qwen:  # a buffer, computed (materialize left it empty)
         encoder.inv_freq = rotary_inverse_frequencies(tower, device)
     params = dict(encoder.named_parameters())
     filled: set[str] = set()
