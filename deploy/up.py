@@ -166,11 +166,11 @@ class Stack:
         )
 
     def _thread_env(self) -> dict[tuple[Role, int], dict[str, str]]:
-        """Each CPU worker's ``OMP_NUM_THREADS``: its share of this host's cores
+        """Each worker's ``OMP_NUM_THREADS``: its share of this host's cores
         (``deploy/cpu_threads.py``), unless the user set the variable."""
         if "OMP_NUM_THREADS" in os.environ:
             return {}
-        shares = worker_threads(self.config, usable_cores(), bool(visible_gpus()))
+        shares = worker_threads(self.config, usable_cores())
         return {worker: {"OMP_NUM_THREADS": str(n)} for worker, n in shares.items()}
 
     def _gpu_env(self) -> dict[tuple[Role, int], dict[str, str]]:

@@ -1,4 +1,4 @@
-"""``pdserve up`` on CPUs: each CPU worker gets its ranks' share of the host's cores as
+"""``pdserve up``: each worker gets its ranks' share of the host's cores as
 ``OMP_NUM_THREADS``, not torch's every core for every process; a Kubernetes worker pod its
 requested CPUs."""
 
@@ -11,27 +11,25 @@ from deploy.up import Stack
 from tests.deploy.test_render import DEMO
 
 
-def test_the_cores_are_shared_over_every_cpu_process():
+def test_the_cores_are_shared_over_every_process():
     demo = load_config(str(DEMO))
     both = {(Role.PREFILL, 0), (Role.DECODE, 0)}
-    assert worker_threads(demo, 2, gpus_visible=False) == dict.fromkeys(both, 1)
-    assert worker_threads(demo, 8, gpus_visible=False) == dict.fromkeys(both, 4)
-    assert worker_threads(demo, 1, gpus_visible=False) == dict.fromkeys(both, 1)  # at least 1
+    assert worker_threads(demo, 2) == dict.fromkeys(both, 1)
+    assert worker_threads(demo, 8) == dict.fromkeys(both, 4)
+    assert worker_threads(demo, 1) == dict.fromkeys(both, 1)  # at least 1
     # Two decode workers and a prefill worker of 2 ranks each: 6 processes on 16 cores, 2
     # threads each; a worker is given its ranks' 4 (it shares them out itself).
     split = load_config(str(DEMO), ["decode.replicas=2", "engine.tensor_parallel_size=2"])
-    assert worker_threads(split, 16, gpus_visible=False) == {
+    assert worker_threads(split, 16) == {
         (Role.PREFILL, 0): 4, (Role.DECODE, 0): 4, (Role.DECODE, 1): 4,
     }  # fmt: skip
 
 
-def test_workers_on_gpus_keep_torchs_default():
-    demo = load_config(str(DEMO))
-    assert worker_threads(demo, 8, gpus_visible=True) == {}  # device auto: on the GPUs
-    pinned = load_config(str(DEMO), ["prefill.engine.device=cpu"])
-    assert worker_threads(pinned, 8, gpus_visible=True) == {(Role.PREFILL, 0): 8}
-    cuda = load_config(str(DEMO), ["engine.device=cuda"])
-    assert worker_threads(cuda, 8, gpus_visible=False) == {}
+def test_workers_on_gpus_take_their_share_too():
+    """Eight one-GPU workers on a 64-core host: 8 threads each, not 64 each."""
+    eight = load_config(str(DEMO), ["engine.device=cuda", "decode.replicas=7"])
+    shares = worker_threads(eight, 64)
+    assert len(shares) == 8 and set(shares.values()) == {8}
 
 
 def test_the_launcher_sets_the_share_unless_the_user_did(monkeypatch, tmp_path):
