@@ -32,8 +32,9 @@ class Admission:
         self.state = state
 
     def lora_name(self, model: str | None) -> str | None:
-        """The LoRA adapter ``model`` names; None for the base model (or no name)."""
-        if model is None or model == self.state.model.served_name:
+        """The LoRA adapter ``model`` names; None for the base model (or no name: absent
+        or empty, as clients without a configured model send, and vLLM serves)."""
+        if not model or model == self.state.model.served_name:
             return None
         if model in self.state.adapters.names():
             return model

@@ -149,8 +149,13 @@ class Formatter:
                  tools: ToolFormat | None = None,
                  reasoning: Reasoning | None = None,
                  harmony: Harmony | None = None,
-                 tokens_as_ids: bool = False) -> None:  # fmt: skip
+                 tokens_as_ids: bool = False,
+                 parallel_tool_calls: bool = True) -> None:  # fmt: skip
         self.tools = tools  # how tool calls are read from a chat choice's answer
+        # False: a choice returns its first call only, whole or streamed (OpenAI's
+        # ``parallel_tool_calls``; vLLM trims the same way). The "required" format also
+        # constrains its list to one call; a model writing free text may write more.
+        self.parallel_tool_calls = parallel_tool_calls
         self.reasoning = reasoning  # how a chat choice's thinking is told from its answer
         # A Harmony reply (GPT-OSS) is read by ``harmony`` alone: its thinking, answer
         # and calls are messages of one format (tools and reasoning are then None).
@@ -204,6 +209,10 @@ class Formatter:
         self._started.add(index)
         if self.chat:
             delta, finish_reason = self._chat_delta(index, text, event.finish_reason)
+            if not self.parallel_tool_calls and "tool_calls" in delta:
+                delta["tool_calls"] = [c for c in delta["tool_calls"] if c["index"] == 0]
+                if not delta["tool_calls"]:
+                    del delta["tool_calls"]
             if first:
                 delta["role"] = "assistant"
                 if self.echo:
@@ -239,6 +248,8 @@ class Formatter:
             )
             if self.chat:
                 message, finish_reason = self._chat_message(text, choice.finish_reason)
+                if not self.parallel_tool_calls and message.get("tool_calls"):
+                    message["tool_calls"] = message["tool_calls"][:1]
                 if self.echo:
                     message["content"] = self.echo[0] + (message.get("content") or "")
                 items.append({"index": choice.index, "message": message, "logprobs": logprobs,

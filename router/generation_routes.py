@@ -341,6 +341,7 @@ def add_generation_routes(
             reasoning,
             harmony,
             body.return_tokens_as_token_ids,
+            parallel_tool_calls=not chat or body.parallel_tool_calls,
         )
         release = admission.admit(num_sequences, lora_name)  # no await since: nothing else got in
         span = admission.span(request, response_id, lora_name, num_sequences)

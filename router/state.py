@@ -240,6 +240,9 @@ def bad_words_token_ids(tokenizer: Tokenizer, words: Iterable[str]) -> list[list
     return token_ids
 
 
+_FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+
+
 def _first_set(*values):
     return next(v for v in values if v is not None)
 
@@ -252,7 +255,9 @@ def sampling_params(
     params = pb.SamplingParams(
         min_tokens=body.min_tokens,
         temperature=_first_set(body.temperature, defaults.temperature, 1.0),
-        top_p=_first_set(body.top_p, defaults.top_p, 1.0),
+        # top_p travels as a float32, where one under ~1e-45 is 0, which reads as unset
+        # (1.0): the smallest normal float32 keeps it the nucleus of one it asks for.
+        top_p=max(_first_set(body.top_p, defaults.top_p, 1.0), _FLOAT32_TINY),
         top_k=_first_set(body.top_k, defaults.top_k, 0),
         min_p=_first_set(body.min_p, defaults.min_p, 0.0),
         presence_penalty=body.presence_penalty or 0.0,

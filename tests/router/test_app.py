@@ -338,6 +338,7 @@ def test_embeddings_refusals_name_their_field_and_valid_ones_reach_placement(sta
     assert error["code"] == "model_not_found"
     for body in [
         {"input": "x"},
+        {"input": "x", "model": ""},  # no model configured in the client: the base model
         {"input": ["a", "b"], "encoding_format": "base64", "model": state.model.served_name},
         {"input": [5, 6, 7]},
         {"input": [[5, 6, 7], [8]], "normalize": False, "dimensions": None},

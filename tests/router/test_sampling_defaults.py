@@ -38,3 +38,15 @@ def test_values_equal_to_transformers_defaults_set_nothing(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({
         "top_k": 50, "temperature": 1.0, "top_p": 0.9}))  # fmt: skip
     assert GenerationDefaults.read(tmp_path) == GenerationDefaults(top_p=0.9)
+
+
+def test_a_top_p_too_small_for_float32_stays_a_nucleus_of_one(tmp_path):
+    """top_p travels as a float32, where 1e-50 is 0, which the worker reads as unset (1.0,
+    every token): it goes as the smallest normal float32 instead."""
+    from worker.convert import sampling_from_proto
+
+    defaults = GenerationDefaults.read(tmp_path)
+    asked = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], top_p=1e-50)
+    params = sampling_params(asked, defaults, None, chat=True)
+    assert 0 < params.top_p < 1e-37
+    assert sampling_from_proto(params).top_p == params.top_p

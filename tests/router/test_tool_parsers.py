@@ -132,6 +132,32 @@ def test_chat_chunks_carry_the_role_first_and_the_calls_with_their_indices():
     assert whole["finish_reason"] == "tool_calls" and len(whole["message"]["tool_calls"]) == 2
 
 
+@pytest.mark.parametrize(("parser", "text"), [(HermesCalls, TWO_CALLS), (JsonCalls, None)])
+def test_without_parallel_tool_calls_a_choice_returns_its_first_call_only(parser, text):
+    """``parallel_tool_calls: false``: a model writing two calls in free text gets its
+    first one back, whole and streamed at every cut (OpenAI's contract; vLLM trims alike)."""
+    text = text or LLAMA_CALLS
+    request = SimpleNamespace(prompt_token_ids=[1])
+    choice = Choice(0, 0, request, SimpleNamespace(text=text), token_ids=[1, 2],
+                    logprobs=[], finish_reason="stop")  # fmt: skip
+
+    def formatter(parallel: bool) -> Formatter:
+        return Formatter("chatcmpl-1", "m", chat=True, logprobs=None, token_text=str,
+                         tools=parser(), parallel_tool_calls=parallel)  # fmt: skip
+
+    both = formatter(True).final([choice])["choices"][0]["message"]["tool_calls"]
+    (first,) = formatter(False).final([choice])["choices"][0]["message"]["tool_calls"]
+    assert len(both) == 2 and first["function"] == both[0]["function"]
+    for cut in range(1, len(text)):
+        streaming = formatter(False)
+        chunks = [streaming.chunk(ChoiceEvent(choice, piece, [1], [], reason))["choices"][0]
+                  for piece, reason in ((text[:cut], None), (text[cut:], "stop"))]  # fmt: skip
+        calls = [c for chunk in chunks for c in chunk["delta"].get("tool_calls", [])]
+        assert [c["index"] for c in calls] == [0], cut
+        assert calls[0]["function"] == first["function"]
+        assert chunks[-1]["finish_reason"] == "tool_calls"
+
+
 LLAMA_CALLS = (
     '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": [1, 2]}}; '
     '{"name": "get_time", "arguments": {"zone": "CET"}}'
