@@ -4,6 +4,7 @@ stream the tokens. A thin translator: proto → engine call → proto."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 
 from common.config import CLOCK_SKEW_S
@@ -80,7 +81,7 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServiceServicer):
             self.num_active += 1
             first = True
             try:
-                async for output in async_engine.generate(
+                outputs = async_engine.generate(
                     request.request_id,
                     list(request.prompt_token_ids),
                     params,
@@ -91,26 +92,30 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServiceServicer):
                     output_token_ids=list(request.output_token_ids),
                     draft_token_ids=list(request.draft_token_ids),
                     images=images_from_proto(request.images),
-                ):
-                    raise_for_error(output)
-                    completion = output.outputs[0]
-                    reply = pb.GenerateResponse(token_ids=output.new_token_ids)
-                    new = completion.last_logprobs(len(output.new_token_ids))
-                    reply.logprobs.extend(logprobs_to_proto(lp) for lp in new)
-                    if output.finished or first:  # the first reply says what was cached
-                        reply.usage.CopyFrom(usage_to_proto(output))
-                    if first:  # and, when asked, how likely the prompt was
-                        reply.prompt_logprobs.extend(prompt_logprobs_to_proto(output))
-                        first = False
-                    if output.finished:
-                        reply.finish_reason = completion.finish_reason or ""
-                        reply.timings.CopyFrom(timings_to_proto(output.times))
-                        reply.num_blocks_pulled = output.num_remote_blocks_pulled
-                        self.num_blocks_pulled += output.num_remote_blocks_pulled
-                        self.runtime.timer.add(reply.timings)
-                        if span.recording:
-                            span.set(output_attributes(output))
-                    yield reply
+                )
+                # Closed with this stream (a cancelled write), not when the collector gets
+                # to it: its finally aborts the request in the engine.
+                async with contextlib.aclosing(outputs):
+                    async for output in outputs:
+                        raise_for_error(output)
+                        completion = output.outputs[0]
+                        reply = pb.GenerateResponse(token_ids=output.new_token_ids)
+                        new = completion.last_logprobs(len(output.new_token_ids))
+                        reply.logprobs.extend(logprobs_to_proto(lp) for lp in new)
+                        if output.finished or first:  # the first reply says what was cached
+                            reply.usage.CopyFrom(usage_to_proto(output))
+                        if first:  # and, when asked, how likely the prompt was
+                            reply.prompt_logprobs.extend(prompt_logprobs_to_proto(output))
+                            first = False
+                        if output.finished:
+                            reply.finish_reason = completion.finish_reason or ""
+                            reply.timings.CopyFrom(timings_to_proto(output.times))
+                            reply.num_blocks_pulled = output.num_remote_blocks_pulled
+                            self.num_blocks_pulled += output.num_remote_blocks_pulled
+                            self.runtime.timer.add(reply.timings)
+                            if span.recording:
+                                span.set(output_attributes(output))
+                        yield reply
             finally:
                 self.num_active -= 1
 

@@ -280,7 +280,8 @@ class AsyncEngine:
         command, pending or later."""
         self.failure = reason
         for request_id, (loop, outputs) in list(self._streams.items()):
-            failed = RequestOutput(request_id, [], [], finished=True, error=reason)
+            failed = RequestOutput(request_id, [], [], finished=True, error=reason,
+                                   engine_failed=True)  # fmt: skip
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody listens
                 loop.call_soon_threadsafe(outputs.put_nowait, failed)
         self._streams.clear()

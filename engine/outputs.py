@@ -72,6 +72,9 @@ class RequestOutput:
     # too when that was the request's own fault (the field at fault): invalid input.
     error: str | None = None
     error_param: str | None = None
+    # The error is the engine's, not the request's: the engine thread stopped (every
+    # request it held failed alike; a worker reports itself unavailable).
+    engine_failed: bool = False
     # A finished prefill-only request: the blocks holding its prompt's KV, kept for a
     # decode worker until the engine's release_kv(request_id).
     kv_block_ids: list[int] | None = None

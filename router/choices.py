@@ -9,6 +9,7 @@ sequence (which aborts it on the decode worker).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import time
 import uuid
@@ -236,8 +237,10 @@ async def merge_choices(
     """Events of all choices as they come. Stopping the iteration cancels every choice;
     the first error of any choice is raised."""
     if len(choices) == 1:
-        async for event in run_choice(dispatcher, choices[0], metrics, arrival):
-            yield event
+        run = run_choice(dispatcher, choices[0], metrics, arrival)
+        async with contextlib.aclosing(run):  # its finally aborts the sequence: now
+            async for event in run:
+                yield event
         return
     queue: asyncio.Queue[ChoiceEvent | BaseException | None] = asyncio.Queue()
 

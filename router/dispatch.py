@@ -32,7 +32,6 @@ from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from router.errors import APIError, bad_request, unavailable
 from router.metrics import RouterMetrics
-from router.once import once
 from router.policy import Placement, PlacementPolicy, WorkerLoad
 from router.prefix_index import PrefixIndex
 from router.workers import LoraRef, WorkerPool, WorkerStalled, WorkerState
@@ -40,6 +39,7 @@ from router.workers import LoraRef, WorkerPool, WorkerStalled, WorkerState
 logger = logging.getLogger(__name__)
 
 _RETRYABLE = {
+    grpc.StatusCode.ABORTED,  # a prefill released before its export (a decode's: _decode)
     grpc.StatusCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.INTERNAL,
@@ -92,6 +92,23 @@ def _unscored(sampling: pb.SamplingParams) -> pb.SamplingParams:
 def _nothing() -> None:
     """Nothing to end: no lease to release (the prompt was not prefilled elsewhere), or no
     placed worker to count a sequence on."""
+
+
+class RemoteLease:
+    """The router's side of a prefill worker's lease on a prompt's KV blocks: released
+    early (``ReleaseKV``, fire and forget, once) when no decode worker can be reading
+    them, or left to expire on the prefill worker where one may still be."""
+
+    def __init__(self, release: Callable[[], None]) -> None:
+        self._release: Callable[[], None] | None = release
+
+    def release(self) -> None:
+        if self._release is not None:
+            release, self._release = self._release, None
+            release()
+
+    def leave_to_expire(self) -> None:
+        self._release = None
 
 
 def _pooled_rate(loads: list[WorkerLoad]) -> list[WorkerLoad]:
@@ -214,11 +231,17 @@ class Dispatcher:
                                       "waited for room; retry shortly")  # fmt: skip
                 placement = self.place(request)  # 503 when no decode worker is left
                 touched, decode, arrived = self._claim(placement, blocks)
-            async for delta in self._journey(request, placement, touched, arrived):
-                if not counted and delta.cached_tokens is not None:
-                    counted = True  # what the worker reused, not what placement expected
-                    self.metrics.prefix_cache(len(request.prompt_token_ids), delta.cached_tokens)
-                yield delta
+            # Closed with this generator (a stop string, a gone client), not when the
+            # collector gets to it: its finally aborts the decode call and ends the lease.
+            journey = self._journey(request, placement, touched, arrived)
+            async with contextlib.aclosing(journey):
+                async for delta in journey:
+                    if not counted and delta.cached_tokens is not None:
+                        counted = True  # what the worker reused, not what placement expected
+                        self.metrics.prefix_cache(
+                            len(request.prompt_token_ids), delta.cached_tokens
+                        )
+                    yield delta
         except GeneratorExit:  # the consumer has what it needs (finished, a stop string)
             raise
         except BaseException:
@@ -256,7 +279,7 @@ class Dispatcher:
         """The sequence's hops. ``arrived`` ends its count as the placed decode worker's
         load once the decode hop takes over that count (its Generate call)."""
         first: pb.PrefillResponse | None = None
-        release = _nothing
+        lease = RemoteLease(_nothing)
         if placement.disaggregated:
             first, prefill_worker = await self._prefill(request, placement)
             actual = prefill_worker.worker_id if prefill_worker is not None else None
@@ -264,9 +287,10 @@ class Dispatcher:
             if actual is not None:
                 touched.add(actual)
             if first is not None and prefill_worker is not None and first.kv.lease_id:
-                release = self._lease_releaser(prefill_worker, first.kv.lease_id)
+                lease = self._lease(prefill_worker, first.kv.lease_id)
         # However the choice ends (a client gone, a stop string on the first token, a decode
-        # worker refusing it), the prefill worker's blocks are freed now, not at expiry.
+        # worker refusing it), the prefill worker's blocks are freed now, not at expiry,
+        # unless a decode worker may still be reading them (``_decode``).
         try:
             if first is not None:
                 delta = TokenDelta(
@@ -287,10 +311,12 @@ class Dispatcher:
                     return
                 yield delta
             arrived()  # no await before _decode counts its call as the worker's running
-            async for delta in self._decode(request, placement, first, release, touched):
-                yield delta
+            decode = self._decode(request, placement, first, lease, touched)
+            async with contextlib.aclosing(decode):  # (as ``generate`` closes this one)
+                async for delta in decode:
+                    yield delta
         finally:
-            release()
+            lease.release()
 
     async def _room_on(
         self, decode: WorkerState, request: SequenceRequest, num_blocks: int
@@ -368,10 +394,15 @@ class Dispatcher:
                 self._release_kv(worker, pb.ReleaseKVRequest(request_id=request.request_id))
                 raise
             except WorkerStalled:
+                # The pool has marked it down; nothing was sent to the client. It may have
+                # finished meanwhile: its lease would hold the blocks for lease_s.
+                self._release_kv(worker, pb.ReleaseKVRequest(request_id=request.request_id))
                 self.metrics.prefill_failures.inc()
-                continue  # the pool has marked it down; nothing was sent to the client
+                continue
             except grpc.aio.AioRpcError as exc:
                 self.failed_call(worker, exc, "prefill")
+                # Past its deadline or cut off, it may have exported: free that now.
+                self._release_kv(worker, pb.ReleaseKVRequest(request_id=request.request_id))
                 self.metrics.prefill_failures.inc()
                 continue
             finally:
@@ -421,7 +452,7 @@ class Dispatcher:
         request: SequenceRequest,
         placement: Placement,
         first: pb.PrefillResponse | None,
-        release_lease: Callable[[], None],
+        lease: RemoteLease,
         touched: set[str],
     ) -> AsyncIterator[TokenDelta]:
         """Stream the sequence from a decode worker. Before a worker's first response a
@@ -485,13 +516,16 @@ class Dispatcher:
             worker.kv_blocks_in_use += blocks
             metadata = request.trace_headers or None
             call = worker.decode.Generate(message, timeout=timeout, metadata=metadata)
+            pulling = kv is not None  # until its first chunk, it may be reading the lease
+            refused = False
             try:
                 with worker.tracking(call):
                     async for chunk in call:
                         first_chunk = not started
                         if first_chunk:  # the decode worker has the KV: free the prefill copy
                             started = streamed = True
-                            release_lease()
+                            pulling = False
+                            lease.release()
                             if moving:
                                 self.metrics.decode_migrations.inc()
                         generated.extend(chunk.token_ids)
@@ -524,10 +558,15 @@ class Dispatcher:
                 logger.warning("decode of %s on %s failed: %s %s", request.request_id,
                                worker.worker_id, exc.code().name, exc.details())  # fmt: skip
                 # Details stay in the log: they name hosts and internals.
+                if exc.code() == grpc.StatusCode.ABORTED:  # it gave the request up (its pull
+                    raise unavailable(  # failed under failure_policy: fail); it is well
+                        "moving the prompt's KV to the decode worker failed; retry the request"
+                    ) from None
                 failure = unavailable("the decode worker failed; retry the request")
                 if exc.code() not in _RETRYABLE:
                     raise failure from None
-                if moving and _refused(exc):
+                refused = _refused(exc)
+                if moving and refused:
                     migrations_left += 1  # it never held the sequence
                 self.metrics.decode_failures.inc()
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
@@ -537,23 +576,28 @@ class Dispatcher:
                 worker.kv_blocks_in_use -= blocks
                 if not call.done():
                     call.cancel()
-            if kv is not None:
+                if pulling and not refused:
+                    # Cut off (the client left, the worker failed or stalled) while it may
+                    # be reading the prefill worker's blocks: freed now, they could be
+                    # reused and overwritten under a READ that then completes, and the
+                    # decode worker would cache what it read under this prompt's hashes.
+                    # The lease outlives the pull's deadline (kv_transfer.timeout_s <
+                    # lease_s): the prefill worker frees them when it expires.
+                    lease.leave_to_expire()
+            if kv is not None and not refused:  # (a refusal never pulled: the next may)
                 # The worker that failed may have pulled and then aborted, which releases
                 # the lease: another pull could read reused blocks. Recompute instead.
                 kv = None
-                release_lease()
-        release_lease()
+                lease.release()
+        lease.release()
         self._moved(request.block_hashes, holder, None)
         if streamed and failure is not None:
             raise failure
         raise unavailable("no decode worker could serve the request; retry shortly")
 
-    def _lease_releaser(self, worker: WorkerState, lease_id: str) -> Callable[[], None]:
-        """A call that frees the prefill worker's blocks for ``lease_id`` now instead of at
-        lease expiry, once however often it is called; fire and forget. Safe while a pull
-        may still be reading them: the decode side either has the KV already or has given
-        the request up, and an abandoned pull's blocks are never cached there."""
-        return once(lambda: self._release_kv(worker, pb.ReleaseKVRequest(lease_id=lease_id)))
+    def _lease(self, worker: WorkerState, lease_id: str) -> RemoteLease:
+        """``lease_id`` on the prefill ``worker``, released by ``ReleaseKV``."""
+        return RemoteLease(lambda: self._release_kv(worker, pb.ReleaseKVRequest(lease_id=lease_id)))
 
     def _release_kv(self, worker: WorkerState, message: pb.ReleaseKVRequest) -> None:
         """Fire and forget ``ReleaseKV``: if it fails, the lease just expires."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable
@@ -32,9 +33,12 @@ class RequestFailedError(RuntimeError):
 
 def raise_for_error(output: RequestOutput) -> None:
     """Raise what a failed request's output means: invalid input where the error was the
-    request's own fault (``error_param``), a failed request otherwise."""
+    request's own fault (``error_param``), the worker's failure where its engine stopped,
+    a failed request otherwise (its KV pull failed under failure_policy: fail)."""
     if output.error_param:
         raise InvalidRequestError(output.error or "invalid request", output.error_param)
+    if output.engine_failed:
+        raise EngineFailedError(output.error or "the engine stopped")
     if output.error:
         raise RequestFailedError(output.error)
 
@@ -46,8 +50,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, f"worker is draining: {exc}"
     if isinstance(exc, DisabledError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
-    if isinstance(exc, RequestFailedError):
-        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, RequestFailedError):  # the request's failure, not the worker's:
+        return grpc.StatusCode.ABORTED, str(exc)  # the router does not mark it down
     if isinstance(exc, EngineFailedError):  # this worker is out; the router tries another
         return grpc.StatusCode.UNAVAILABLE, f"engine failed: {exc}"
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
@@ -89,8 +93,10 @@ def grpc_stream_errors(method: Callable) -> Callable:
     @functools.wraps(method)
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            async for item in method(self, request, context):
-                yield item
+            items = method(self, request, context)
+            async with contextlib.aclosing(items):  # closed with this stream, not at GC
+                async for item in items:
+                    yield item
         except (grpc.aio.AbortError, grpc.RpcError):
             raise
         except Exception as exc:

@@ -1,6 +1,7 @@
 """The dispatcher's decode retry: a second decode worker gets the request without the KV
 handle (it recomputes the prompt), since the first may have released the lease by aborting
-its pull; and its migration of a sequence whose decode worker failed mid-stream."""
+its pull; the lease's early release only where no decode worker can be reading it; and
+its migration of a sequence whose decode worker failed mid-stream."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from common.registry import RedisRegistry, WorkerInfo
 from proto import PARAM_KEY
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from router.dispatch import Dispatcher, SequenceRequest
+from router.dispatch import Dispatcher, RemoteLease, SequenceRequest
 from router.embeddings import embed, embed_all
 from router.errors import APIError
 from router.events import EventListener
@@ -31,7 +32,7 @@ from router.prefix_index import PrefixIndex
 from router.protocol import EmbeddingRequest
 from router.workers import WorkerPool
 from tests.common.redis_server import run_with_registry
-from worker.grpc_errors import DrainingError, grpc_stream_errors
+from worker.grpc_errors import DrainingError, RequestFailedError, grpc_stream_errors
 
 
 class Decode(pb_grpc.DecodeServiceServicer):
@@ -146,11 +147,13 @@ def test_a_retried_decode_recomputes_instead_of_pulling_again(tmp_path):
             first.kv.num_tokens = 35
             placement = Placement(ids[0], "prefill@x", 0, 0, 0.0)
             tokens = []
-            async for delta in dispatcher._decode(
-                request, placement, first, lambda: released.append(True), set()
-            ):
+            lease = RemoteLease(lambda: released.append(True))
+            async for delta in dispatcher._decode(request, placement, first, lease, set()):
                 tokens += delta.token_ids
-            assert released  # nobody will pull that lease any more
+            # The first worker failed before its first chunk, maybe mid-pull: the lease is
+            # left to expire on the prefill worker, after the pull's deadline.
+            lease.release()
+            assert not released
             return tokens
         finally:
             await pool.close()
@@ -214,9 +217,8 @@ def decode_through(
             request = SequenceRequest("r1", list(range(5, 40)), [], params)
             placement = Placement(ids[0], "prefill@x", 0, 0, 0.0)
             try:
-                async for delta in dispatcher._decode(
-                    request, placement, first, lambda: None, set()
-                ):
+                lease = RemoteLease(lambda: None)
+                async for delta in dispatcher._decode(request, placement, first, lease, set()):
                     tokens += delta.token_ids
                     usage = delta.usage or usage
                     if deltas is not None:
@@ -271,6 +273,185 @@ def test_a_worker_that_refuses_a_moving_sequence_costs_no_migration(tmp_path):
     assert (tokens, error, moved) == ([1, 2, 42], None, 1)
     assert [len(s.requests) for s in servicers] == [1, 1, 1]
     assert list(servicers[2].requests[0].output_token_ids) == [1, 2]
+
+
+def leased_first() -> pb.PrefillResponse:
+    first = pb.PrefillResponse(first_token_id=7)
+    first.kv.lease_id = "lease-1"
+    first.kv.num_tokens = 35
+    return first
+
+
+class Stalled(Decode):
+    """Sends ``token_ids`` (maybe none), then holds the stream open until cancelled."""
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        for token_id in self.token_ids:
+            yield pb.GenerateResponse(token_ids=[token_id])
+        await asyncio.Event().wait()
+        yield pb.GenerateResponse()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sent", [(), (1,)])
+def test_a_client_gone_mid_pull_leaves_the_lease_to_expire(tmp_path, sent):
+    """The client leaves while the decode worker has sent nothing: it may be reading the
+    prefill worker's blocks, so no early release (reused under a READ that then completes,
+    they would be cached as this prompt's). Once it has sent a chunk, it has the KV: the
+    lease was released then."""
+    decode = Stalled(fail=False, token_ids=sent)
+
+    async def scenario(registry: RedisRegistry) -> list[str]:
+        server, info = await serve(decode, registry)
+        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex())
+        released: list[str] = []
+        try:
+            await pool.refresh()
+            request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams())
+            placement = Placement(info.worker_id, "prefill@x", 0, 0, 0.0)
+            lease = RemoteLease(lambda: released.append("early"))
+
+            async def client() -> None:
+                async for _ in dispatcher._decode(request, placement, leased_first(), lease,
+                                                  set()):  # fmt: skip
+                    pass
+
+            task = asyncio.create_task(client())
+            while not decode.requests or (sent and not released):
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            lease.release()  # what _journey's finally does: nothing, if left to expire
+            (state,) = pool.candidates(Role.DECODE)
+            assert (state.running, state.kv_blocks_in_use) == (0, 0)
+            return released
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    assert run_with_registry(tmp_path, scenario) == (["early"] if sent else [])
+
+
+@pytest.mark.timeout(60)
+def test_a_decode_worker_that_refuses_leaves_the_kv_to_the_next(tmp_path):
+    """A draining worker turns the call away before admitting it: it never pulled, so the
+    next worker pulls the same lease instead of recomputing the prompt, and the lease is
+    released once that one streams."""
+    refusing, taking = Draining(), Decode(False, (1,))
+
+    async def scenario(registry: RedisRegistry) -> tuple[list[int], list[bool]]:
+        servers = [await serve(refusing, registry), await serve(taking, registry)]
+        ids = [info.worker_id for _, info in servers]
+        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex())
+        released: list[bool] = []
+        try:
+            await pool.refresh()
+            for state in pool.candidates(Role.DECODE):
+                state.running = ids.index(state.worker_id)  # the refusing one first
+            request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams())
+            placement = Placement(ids[0], "prefill@x", 0, 0, 0.0)
+            lease = RemoteLease(lambda: released.append(True))
+            tokens = []
+            async for delta in dispatcher._decode(request, placement, leased_first(), lease,
+                                                  set()):  # fmt: skip
+                tokens += delta.token_ids
+            return tokens, released
+        finally:
+            await pool.close()
+            for server, _ in servers:
+                await server.stop(None)
+
+    assert run_with_registry(tmp_path, scenario) == ([1, 42], [True])
+    assert refusing.requests[0].HasField("kv") and taking.requests[0].HasField("kv")
+    assert taking.requests[0].kv.lease_id == "lease-1"
+
+
+class PullFailed(Decode):
+    """Fails every call as a worker whose KV pull failed under failure_policy: fail."""
+
+    @grpc_stream_errors
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        raise RequestFailedError("pulling the prompt's KV from lease-1 failed")
+        yield  # an async generator, like the real method
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_pull_under_failure_policy_fail_is_the_clients_error_not_the_workers(tmp_path):
+    """The request failed, not the worker: a 503 naming the KV move, no other worker
+    tried (recomputing is what ``fail`` declines), and the worker stays in placement."""
+    failing, other = PullFailed(fail=True), Decode(False)
+
+    async def scenario(registry: RedisRegistry) -> tuple[str, bool]:
+        servers = [await serve(failing, registry), await serve(other, registry)]
+        ids = [info.worker_id for _, info in servers]
+        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex())
+        try:
+            await pool.refresh()
+            for state in pool.candidates(Role.DECODE):
+                state.running = ids.index(state.worker_id)
+            request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams())
+            placement = Placement(ids[0], "prefill@x", 0, 0, 0.0)
+            with pytest.raises(APIError) as failed:
+                async for _ in dispatcher._decode(request, placement, leased_first(),
+                                                  RemoteLease(lambda: None), set()):  # fmt: skip
+                    pass
+            return failed.value.message, pool.get(ids[0]).available
+        finally:
+            await pool.close()
+            for server, _ in servers:
+                await server.stop(None)
+
+    message, available = run_with_registry(tmp_path, scenario)
+    assert "moving the prompt's KV to the decode worker failed" in message and available
+    assert len(failing.requests) == 1 and not other.requests
+
+
+class LatePrefill(HeldPrefill):
+    """Answers after the router's deadline (it exported the prompt's KV all the same);
+    records the releases it gets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released: list[pb.ReleaseKVRequest] = []
+
+    async def Prefill(self, request, context):
+        await asyncio.sleep(0.5)
+        return await super().Prefill(request, context)
+
+    async def ReleaseKV(self, request, context):
+        self.released.append(request)
+        return pb.ReleaseKVResponse(released=True)
+
+
+@pytest.mark.timeout(60)
+def test_a_prefill_past_its_deadline_is_released_by_request_id(tmp_path):
+    """The router gives up on a prefill worker (deadline); the worker may finish and
+    export anyway: the router releases by request id at once, not after lease_s."""
+    prefill = LatePrefill()
+    prefill.go.set()
+
+    async def scenario(registry: RedisRegistry) -> list[pb.ReleaseKVRequest]:
+        server, info = await serve(prefill, registry)
+        config = RouterConfig(prefill_timeout_s=0.1)
+        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex(), config)
+        try:
+            await pool.refresh()
+            request = SequenceRequest("r9", list(range(5, 40)), [], pb.SamplingParams())
+            placement = Placement("decode@x", info.worker_id, 0, 0, 0.0)
+            assert await dispatcher._prefill(request, placement) == (None, None)  # local
+            while not prefill.released:
+                await asyncio.sleep(0.01)
+            return prefill.released
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    (release,) = run_with_registry(tmp_path, scenario)
+    assert release.request_id == "r9"
 
 
 @pytest.mark.timeout(60)
