@@ -34,6 +34,13 @@ class KVPuller(Protocol):
         until then. A no-op for an unknown id."""
         ...
 
+    def abandon(self, remote: RemoteKV) -> None:
+        """A request holding ``remote`` was aborted before its pull started: nothing here
+        reads the peer's blocks, so the peer may free them now rather than when its lease
+        expires (the router leaves a lease to expire when the decode call ends before its
+        first response, since a pull may be in flight). Must not block; best effort."""
+        ...
+
     def poll_fetches(self) -> tuple[list[str], dict[str, str]]:
         """Pulls that ended since the last poll: (done request ids, failed id → reason)."""
         ...

@@ -538,6 +538,8 @@ class LLMEngine:
         if request_id in self.scheduler.fetching:  # its blocks stay until the pull ends
             assert self.kv_puller is not None
             self.kv_puller.abort_fetch(request_id)
+        elif request.remote_kv is not None and self.kv_puller is not None:
+            self.kv_puller.abandon(request.remote_kv)  # never pulled: the peer may free it
         self._forget(request_id)
         return self._output(request, [])
 

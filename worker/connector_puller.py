@@ -6,14 +6,21 @@ lease id); this keeps the mapping. Called only from the engine thread.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from common.hashing import BlockHash
 from engine.request import RemoteKV
 from kv_transfer import KVConnector, PeerRef
 
 
 class ConnectorPuller:
-    def __init__(self, connector: KVConnector) -> None:
+    def __init__(
+        self, connector: KVConnector, release_remote: Callable[[str, str], None] | None = None
+    ) -> None:
+        """``release_remote(endpoint, lease_id)``: ask the prefill worker at ``endpoint``
+        to free a lease no pull will read (``abandon``); must not block."""
         self.connector = connector
+        self.release_remote = release_remote
         self._request_of: dict[str, str] = {}  # transfer id → request id
         self._refused: dict[str, str] = {}  # request id → why start_fetch refused it
         self.num_blocks_pulled = 0
@@ -42,6 +49,11 @@ class ConnectorPuller:
             if owner == request_id:
                 self.connector.abort_fetch(transfer_id)
                 return
+
+    def abandon(self, remote: RemoteKV) -> None:
+        assert isinstance(remote.source, PeerRef)
+        if self.release_remote is not None:
+            self.release_remote(remote.source.endpoint, remote.transfer_id)
 
     def poll_fetches(self) -> tuple[list[str], dict[str, str]]:
         results = self.connector.poll_fetches()

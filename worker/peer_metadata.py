@@ -1,4 +1,5 @@
-"""``fetch_peer_metadata(endpoint)`` for connectors: GetTransferMetadata over gRPC."""
+"""``fetch_peer_metadata(endpoint)`` for connectors: GetTransferMetadata over gRPC; and
+``release_lease``: a decode worker's ReleaseKV for a lease it will never pull."""
 
 from __future__ import annotations
 
@@ -20,17 +21,35 @@ class PeerMetadataClient:
         self.tp_rank = tp_rank
         self._stubs: dict[str, pb_grpc.PrefillServiceStub] = {}
         self._channels: list[grpc.Channel] = []
+        self._releases: set[grpc.Future] = set()  # in flight (a dropped one is cancelled)
         self._lock = threading.Lock()
 
     def __call__(self, endpoint: str) -> bytes:
+        request = pb.TransferMetadataRequest(tp_rank=self.tp_rank)
+        return self._stub(endpoint).GetTransferMetadata(request, timeout=self.timeout_s).metadata
+
+    def release_lease(self, endpoint: str, lease_id: str) -> None:
+        """Fire and forget ``ReleaseKV(lease_id)`` at ``endpoint``; never blocks (called
+        on the engine thread). If it fails, the lease just expires."""
+        call = self._stub(endpoint).ReleaseKV.future(
+            pb.ReleaseKVRequest(lease_id=lease_id), timeout=5.0
+        )
+        with self._lock:
+            self._releases.add(call)
+        call.add_done_callback(self._released)
+
+    def _released(self, call: grpc.Future) -> None:
+        with self._lock:
+            self._releases.discard(call)
+
+    def _stub(self, endpoint: str) -> pb_grpc.PrefillServiceStub:
         with self._lock:
             stub = self._stubs.get(endpoint)
             if stub is None:
                 channel = grpc.insecure_channel(endpoint)
                 self._channels.append(channel)
                 stub = self._stubs[endpoint] = pb_grpc.PrefillServiceStub(channel)
-        request = pb.TransferMetadataRequest(tp_rank=self.tp_rank)
-        return stub.GetTransferMetadata(request, timeout=self.timeout_s).metadata
+            return stub
 
     def close(self) -> None:
         with self._lock:

@@ -178,7 +178,9 @@ class WorkerRuntime:
                 EXTENSION, settings_bytes(connector_config, self.engine_id), MESSAGE_TYPES
             )
         self.connector = tp_connector or local
-        puller = ConnectorPuller(self.connector) if self.role is Role.DECODE else None
+        puller = None
+        if self.role is Role.DECODE:
+            puller = ConnectorPuller(self.connector, self._metadata_client.release_lease)
         collector = KVEventCollector()
         engine = LLMEngine(
             model_dir,

@@ -20,6 +20,7 @@ class LocalPuller:
         self.target: LLMEngine | None = None
         self.fail_next = False
         self.num_blocks_pulled = 0
+        self.abandoned: list[str] = []  # transfer ids of remote KV never pulled
 
     def start_fetch(
         self,
@@ -34,6 +35,9 @@ class LocalPuller:
 
     def abort_fetch(self, request_id: str) -> None:
         """Pulls here are copies at the next poll: nothing to stop early."""
+
+    def abandon(self, remote: RemoteKV) -> None:
+        self.abandoned.append(remote.transfer_id)
 
     def poll_fetches(self) -> tuple[list[str], dict[str, str]]:
         done, failed = [], {}

@@ -233,6 +233,31 @@ def test_abort_while_pulling_frees_after_the_pull(pair):
     assert prefill.leak_report() == []
 
 
+def test_abort_before_the_pull_abandons_the_remote_kv_and_during_it_does_not(pair):
+    """Aborted before its pull started, a request tells the puller the peer may free the
+    KV at once (nothing reads it; the router leaves such a lease to expire); aborted
+    while pulling, it does not: the transport ends that pull and notifies the peer."""
+    prefill, decode, puller = pair
+    prompt = random_prompts((50,), seed=17)[0]
+    params = SamplingParams(max_tokens=8, temperature=0)
+    prefill.add_request("y", prompt, params, prefill_only=True)
+    first = run(prefill)["y"]
+    remote = RemoteKV("lease-y", len(prompt), tuple(first.kv_block_ids), "prefill-0")
+    before = len(puller.abandoned)
+    decode.add_request("y", prompt, params, remote_kv=remote,
+                       output_token_ids=first.outputs[0].token_ids)  # fmt: skip
+    decode.abort_request("y")  # waiting: its pull never ordered
+    assert puller.abandoned[before:] == ["lease-y"]
+    decode.add_request("y", prompt, params, remote_kv=remote,
+                       output_token_ids=first.outputs[0].token_ids)  # fmt: skip
+    decode.step()  # orders the pull
+    decode.abort_request("y")
+    run(decode)
+    assert puller.abandoned[before:] == ["lease-y"]  # not again
+    assert decode.leak_report() == []
+    assert prefill.release_kv("y") and prefill.leak_report() == []
+
+
 def test_first_token_that_finishes_needs_no_decode(pair):
     prefill, _, _ = pair
     prompt = random_prompts((20,), seed=3)[0]
