@@ -558,8 +558,11 @@ class Dispatcher:
                 logger.warning("decode of %s on %s failed: %s %s", request.request_id,
                                worker.worker_id, exc.code().name, exc.details())  # fmt: skip
                 # Details stay in the log: they name hosts and internals.
-                if exc.code() == grpc.StatusCode.ABORTED:  # it gave the request up (its pull
-                    raise unavailable(  # failed under failure_policy: fail); it is well
+                if exc.code() == grpc.StatusCode.ABORTED:
+                    # It gave the request up (its pull failed under failure_policy: fail):
+                    # the worker is well, and recomputing elsewhere is what `fail` declines.
+                    self.metrics.decode_failures.inc()
+                    raise unavailable(
                         "moving the prompt's KV to the decode worker failed; retry the request"
                     ) from None
                 failure = unavailable("the decode worker failed; retry the request")

@@ -20,7 +20,10 @@ from torch import nn
 def materialize(module: nn.Module, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
     """``module`` with every parameter and buffer replaced by an uninitialised tensor of
     the same shape on ``device``: floating tensors in ``dtype`` (as ``Module.to(dtype)``
-    converts them), others (integer tables) in their own dtype. Returns ``module``."""
+    converts them), others (integer tables) in their own dtype. Returns ``module``.
+    Unlike ``to_empty``, every tensor is contiguous (a meta tensor's strides are not
+    kept), and a complex one stays complex (``.to(dtype)`` dropped its imaginary part);
+    no model here builds either."""
 
     def empty(tensor: torch.Tensor) -> torch.Tensor:
         kind = dtype if tensor.is_floating_point() else tensor.dtype
