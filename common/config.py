@@ -545,7 +545,9 @@ class RouterConfig:
     # serve images you mean to be read. Redirects are not followed.
     allowed_media_domains: list[str] = dataclasses.field(default_factory=list)
     media_fetch_timeout_s: float = 10.0
-    prefill_timeout_s: float = 120.0
+    prefill_timeout_s: float = 120.0  # one prefill try
+    # A sequence's whole journey, from admission: waiting for room on a decode worker,
+    # its prefill tries and its decode (a 503 once passed).
     request_timeout_s: float = 600.0
     # How often the router refreshes the worker list, health and load.
     refresh_interval_s: float = 1.0

@@ -89,6 +89,11 @@ def _unscored(sampling: pb.SamplingParams) -> pb.SamplingParams:
     return copy
 
 
+def _loop_time(monotonic_s: float) -> float:
+    """``time.monotonic`` seconds on the running event loop's clock."""
+    return asyncio.get_running_loop().time() + monotonic_s - time.monotonic()
+
+
 def _nothing() -> None:
     """Nothing to end: no lease to release (the prompt was not prefilled elsewhere), or no
     placed worker to count a sequence on."""
@@ -210,6 +215,9 @@ class Dispatcher:
 
     async def generate(self, request: SequenceRequest) -> AsyncIterator[TokenDelta]:
         blocks = -(-len(request.prompt_token_ids) // self.block_size)
+        # One deadline for the whole sequence, from its admission: the wait for room on a
+        # decode worker, every prefill try and every decode try share it.
+        deadline = time.monotonic() + self.config.request_timeout_s
         placement = self.place(request)
         touched, decode, arrived = self._claim(placement, blocks)
         counted = False
@@ -218,7 +226,14 @@ class Dispatcher:
             for attempt in range(_MAX_REPLACEMENTS + 1):
                 if decode is None:
                     break
-                room = await self._room_on(decode, request, blocks)
+                try:
+                    async with asyncio.timeout_at(_loop_time(deadline)):
+                        room = await self._room_on(decode, request, blocks)
+                except TimeoutError:
+                    raise unavailable(
+                        "the request waited router.request_timeout_s for room on a decode "
+                        "worker; the service is overloaded, retry later"
+                    ) from None
                 if room is not None:
                     leave = room
                     break
@@ -233,7 +248,7 @@ class Dispatcher:
                 touched, decode, arrived = self._claim(placement, blocks)
             # Closed with this generator (a stop string, a gone client), not when the
             # collector gets to it: its finally aborts the decode call and ends the lease.
-            journey = self._journey(request, placement, touched, arrived)
+            journey = self._journey(request, placement, touched, arrived, deadline)
             async with contextlib.aclosing(journey):
                 async for delta in journey:
                     if not counted and delta.cached_tokens is not None:
@@ -275,13 +290,14 @@ class Dispatcher:
         placement: Placement,
         touched: set[str],
         arrived: Callable[[], None],
+        deadline: float,
     ) -> AsyncIterator[TokenDelta]:
         """The sequence's hops. ``arrived`` ends its count as the placed decode worker's
         load once the decode hop takes over that count (its Generate call)."""
         first: pb.PrefillResponse | None = None
         lease = RemoteLease(_nothing)
         if placement.disaggregated:
-            first, prefill_worker = await self._prefill(request, placement)
+            first, prefill_worker = await self._prefill(request, placement, deadline)
             actual = prefill_worker.worker_id if prefill_worker is not None else None
             self._moved(request.block_hashes, placement.prefill_worker, actual)
             if actual is not None:
@@ -311,7 +327,7 @@ class Dispatcher:
                     return
                 yield delta
             arrived()  # no await before _decode counts its call as the worker's running
-            decode = self._decode(request, placement, first, lease, touched)
+            decode = self._decode(request, placement, first, lease, touched, deadline)
             async with contextlib.aclosing(decode):  # (as ``generate`` closes this one)
                 async for delta in decode:
                     yield delta
@@ -360,10 +376,11 @@ class Dispatcher:
         return leave_and_wake
 
     async def _prefill(
-        self, request: SequenceRequest, placement: Placement
+        self, request: SequenceRequest, placement: Placement, deadline: float | None = None
     ) -> tuple[pb.PrefillResponse | None, WorkerState | None]:
         """First token and KV handle from a prefill worker, or (None, None) to prefill
-        locally on the decode worker."""
+        locally on the decode worker. Each try takes at most ``prefill_timeout_s`` and
+        ends by the sequence's ``deadline`` (``time.monotonic``)."""
         chosen = self.pool.get(placement.prefill_worker or "")
         others = [w for w in self.pool.candidates(Role.PREFILL, request.lora) if w is not chosen]
         others.sort(key=lambda w: w.queued_prefill_tokens)
@@ -383,7 +400,12 @@ class Dispatcher:
             if self.pool.retired(worker):
                 continue  # retired while an earlier try ran: its channel is closed
             worker.queued_prefill_tokens += uncached
-            call = worker.prefill.Prefill(message, timeout=self.config.prefill_timeout_s,
+            timeout = self.config.prefill_timeout_s
+            if deadline is not None:
+                timeout = min(timeout, deadline - time.monotonic())
+                if timeout <= 0:
+                    break  # (the decode try then finds the deadline passed too)
+            call = worker.prefill.Prefill(message, timeout=timeout,
                                           metadata=request.trace_headers or None)  # fmt: skip
             try:
                 with worker.tracking(call):
@@ -454,8 +476,10 @@ class Dispatcher:
         first: pb.PrefillResponse | None,
         lease: RemoteLease,
         touched: set[str],
+        deadline: float | None = None,
     ) -> AsyncIterator[TokenDelta]:
-        """Stream the sequence from a decode worker. Before a worker's first response a
+        """Stream the sequence from a decode worker, by ``deadline`` (``time.monotonic``;
+        None: ``request_timeout_s`` from now). Before a worker's first response a
         failure tries the next one; after it (the client has its tokens) the sequence
         *migrates*: the next worker gets the prompt and every token sent so far, recomputes
         their KV and goes on, at most ``router.max_decode_migrations`` times. A move is
@@ -467,7 +491,8 @@ class Dispatcher:
         generated = [first.first_token_id] if first is not None else []  # the client has them
         kv = first.kv if first is not None else None
         cached_tokens = first.num_cached_tokens if first is not None else None
-        deadline = time.monotonic() + self.config.request_timeout_s
+        if deadline is None:
+            deadline = time.monotonic() + self.config.request_timeout_s
         migrations_left = self.config.max_decode_migrations
         streamed = False  # some decode worker has sent the client tokens
         failure: APIError | None = None  # what the client gets if no worker takes over
@@ -596,6 +621,8 @@ class Dispatcher:
         self._moved(request.block_hashes, holder, None)
         if streamed and failure is not None:
             raise failure
+        if time.monotonic() >= deadline:
+            raise unavailable("the request ran past router.request_timeout_s; retry shortly")
         raise unavailable("no decode worker could serve the request; retry shortly")
 
     def _lease(self, worker: WorkerState, lease_id: str) -> RemoteLease:

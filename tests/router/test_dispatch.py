@@ -632,6 +632,59 @@ def test_prefills_wait_in_line_while_their_decode_worker_is_full(tmp_path, limit
 
 
 @pytest.mark.timeout(60)
+def test_a_sequence_waits_for_room_no_longer_than_request_timeout_s(tmp_path):
+    """``request_timeout_s`` runs from admission: a sequence still in line for a full
+    decode worker when it passes gets a 503 saying so (it was unbounded: only the decode
+    call had a deadline), never prefilled; nothing stays counted or in line."""
+    decode, prefill = HeldDecode(), HeldPrefill()
+    prefill.go.set()
+
+    async def scenario(registry: RedisRegistry) -> tuple:
+        servers = [await serve(decode, registry), await serve(prefill, registry)]
+        config = RouterConfig(min_disagg_tokens=0, decode_queue_factor=0.125,
+                              request_timeout_s=0.5)  # fmt: skip
+        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex(), config)
+        # The one ahead goes through a dispatcher of the same pool (the same line) whose
+        # deadline is far: it must not leave the line first.
+        patient = Dispatcher(dataclasses.replace(config, request_timeout_s=30.0), pool,
+                             dispatcher.index, dispatcher.index_lock, dispatcher.policy,
+                             dispatcher.metrics, 16)  # fmt: skip
+        try:
+            await pool.refresh()
+
+            async def one(i: int, through: Dispatcher) -> str | None:
+                prompt = [1000 + i, *range(5, 40)]
+                request = SequenceRequest(f"r{i}", prompt, hash_blocks(prompt, 16),
+                                          pb.SamplingParams())  # fmt: skip
+                try:
+                    async for _ in through.generate(request):
+                        pass
+                except APIError as exc:
+                    return exc.message
+                return None
+
+            held = asyncio.create_task(one(0, patient))  # 0.125 x 8 = one sequence ahead
+            while not decode.requests:
+                await asyncio.sleep(0.01)
+            started = time.monotonic()
+            waited = await one(1, dispatcher)
+            elapsed = time.monotonic() - started
+            decode.finish.release()
+            assert await held is None
+            (state,) = pool.candidates(Role.DECODE)
+            counts = (state.assigned, state.running, len(state.gate), state.ahead.num_seqs)
+            return waited, elapsed, prefill.num_calls, counts
+        finally:
+            await pool.close()
+            for server, _ in servers:
+                await server.stop(None)
+
+    waited, elapsed, num_prefills, counts = run_with_registry(tmp_path, scenario)
+    assert "waited router.request_timeout_s for room" in waited and 0.3 < elapsed < 2
+    assert num_prefills == 1 and counts == (0, 0, 0, 0)
+
+
+@pytest.mark.timeout(60)
 def test_sequences_waiting_for_a_decode_worker_that_went_down_are_placed_again(tmp_path):
     """They are not prefilled for it (their KV would go to a dead worker and the decode
     side would recompute it): they go back to placement, a 503 here with no other decode
