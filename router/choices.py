@@ -109,7 +109,10 @@ def build_choices(
     for prompt_index, prompt in enumerate(prompts):
         limit = sampling.max_tokens if sampling.HasField("max_tokens") else 0
         if len(prompt) + limit > max_model_len or len(prompt) >= max_model_len:
-            raise context_too_long(len(prompt), limit, max_model_len, prompt_param)
+            # (echo with max_tokens 0 asked for no completion token: the one computed to
+            # score the prompt is not the client's to count)
+            shown = 0 if echo_only else limit
+            raise context_too_long(len(prompt), shown, max_model_len, prompt_param)
         room = max_model_len - len(prompt)
         if not sampling.HasField("max_tokens") and sampling.min_tokens > room:
             raise bad_request(

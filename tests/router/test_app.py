@@ -131,6 +131,10 @@ def test_limits_name_the_prompt_field_and_min_tokens(state):
     long_prompt = [5] * max_model_len
     error = error_of(post(state, "/v1/completions", json={"prompt": long_prompt}), 400)
     assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")
+    scored = {"prompt": long_prompt, "echo": True, "max_tokens": 0, "logprobs": 1}
+    error = error_of(post(state, "/v1/completions", json=scored), 400)
+    assert f"the prompt resulted in {max_model_len} tokens" in error["message"]
+    assert "in the completion" not in error["message"]  # it asked for none
     long_chat = [{"role": "user", "content": "hello " * max_model_len}]
     error = error_of(post(state, "/v1/chat/completions", json={"messages": long_chat}), 400)
     assert (error["param"], error["code"]) == ("messages", "context_length_exceeded")
