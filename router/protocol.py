@@ -14,13 +14,14 @@ import json
 import types
 import typing
 from collections.abc import Callable
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     StrictInt,
+    StringConstraints,
     field_validator,
     model_validator,
 )
@@ -33,6 +34,10 @@ MAX_LOGPROBS = 20
 UINT32_MAX = 2**32 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+# A tenant's prefix-cache salt. Empty is refused (as vLLM does): it would hash as no salt
+# and share every unsalted request's cached blocks, the side channel salts close.
+CacheSalt = Annotated[str, StringConstraints(min_length=1)] | None
 
 
 class FieldError(ValueError):
@@ -174,7 +179,7 @@ class _SamplingFields(_Body):
     user: str | None = None
     # Extensions (vLLM's names): per-tenant prefix-cache isolation, and the generated token
     # ids next to the text of each choice.
-    cache_salt: str | None = None
+    cache_salt: CacheSalt = None
     return_token_ids: bool = False
     # vLLM's: log-probs name their tokens "token_id:<id>" (tokens that are no text on their
     # own, such as byte pieces, stay told apart; RL trainers read the ids back).
@@ -625,7 +630,7 @@ class EmbeddingRequest(_Body):
     # vLLM's: unit length (the default), or the raw hidden state.
     normalize: bool = True
     add_special_tokens: bool = True
-    cache_salt: str | None = None
+    cache_salt: CacheSalt = None
     priority: int = Field(default=0, ge=INT32_MIN, le=INT32_MAX)
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     truncation_side: Literal["left", "right"] | None = None
@@ -664,7 +669,7 @@ class _ScoringFields(_Body):
 
     model: str | None = None
     add_special_tokens: bool = True
-    cache_salt: str | None = None
+    cache_salt: CacheSalt = None
     priority: int = Field(default=0, ge=INT32_MIN, le=INT32_MAX)
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT32_MAX)
     truncation_side: Literal["left", "right"] | None = None
@@ -853,7 +858,7 @@ class ResponsesRequest(_Body):
     min_tokens: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # {"enable_thinking": false}, say
     include_reasoning: bool = True
-    cache_salt: str | None = None
+    cache_salt: CacheSalt = None
     priority: int | None = None
 
     # The extensions handed to the chat request as they are.

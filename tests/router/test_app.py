@@ -124,6 +124,14 @@ def test_priority_passes_where_the_engines_schedule_by_it(tiny_llama):
         assert error_of(post(state, path, json=body), 503)["code"] == "service_unavailable"
     body = {"prompt": "x", "priority": 2**31}
     assert error_of(post(state, "/v1/completions", json=body), 400)["param"] == "priority"
+    # An empty salt would hash as none: every unsalted request's blocks, shared.
+    for path, body in [
+        ("/v1/completions", {"prompt": "x", "cache_salt": ""}),
+        ("/v1/chat/completions", {"messages": chat, "cache_salt": ""}),
+        ("/v1/embeddings", {"input": "x", "cache_salt": ""}),
+        ("/v1/responses", {"input": "x", "cache_salt": ""}),
+    ]:
+        assert error_of(post(state, path, json=body), 400)["param"] == "cache_salt", path
 
 
 def test_limits_name_the_prompt_field_and_min_tokens(state):
