@@ -178,7 +178,9 @@ class BlockPool:
         self._notify_stored(stored, stored_parent, stored_tokens, block_size)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block. Only possible when no block is in use."""
+        """Forget every cached block of this pool. Only possible when no block is in use.
+        A CPU tier keeps what it holds (its observer drops only saves not yet made):
+        lookups still hit there."""
         if self.num_used_blocks:
             return False
         for block in self.blocks:
