@@ -3,6 +3,7 @@ library: the ``pdserve up`` launcher waits on it, and the benchmarks read counte
 
 from __future__ import annotations
 
+import http.client
 import urllib.request
 from collections.abc import Iterable
 
@@ -13,8 +14,8 @@ def fetch(metrics_url: str, timeout_s: float) -> str | None:
     try:
         with urllib.request.urlopen(metrics_url, timeout=timeout_s) as reply:
             return reply.read().decode()
-    except OSError:
-        return None
+    except (OSError, http.client.HTTPException, ValueError):  # (a reply cut off: a router
+        return None  # killed mid-answer; one not UTF-8)
 
 
 def sample_totals(text: str, names: Iterable[str]) -> dict[str, float]:

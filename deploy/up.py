@@ -95,6 +95,10 @@ class Stack:
         # drained are not restarted, whatever their exit.
         self.autoscaler = Autoscaler(config) if config.planner.autoscale else None
         self._drained_by_plan: set[str] = set()
+        # When each plan-drained worker is killed if it has not exited (its drain grace
+        # plus _SHUTDOWN_S after its SIGTERM): a stuck drain must not keep its ports.
+        self._drain_deadlines: dict[str, float] = {}
+        self._num_signals = 0  # a second one during stop() kills what is left
         self._next_plan_at = 0.0
 
     def _write_config(self) -> None:
@@ -106,6 +110,7 @@ class Stack:
 
         def on_signal(signum: int, _frame) -> None:
             self.stop_signal = signum
+            self._num_signals += 1
 
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
@@ -124,11 +129,12 @@ class Stack:
                 env={**os.environ, **env} if env else None,
             )  # fmt: skip
         names = [n for n, _ in self.children]
-        if name in names:  # a restart keeps its place (stop() relies on the router last)
+        if name in names:  # a restart keeps its place
             self.children[names.index(name)] = (name, proc)
         else:
             self.children.append((name, proc))
             self._restarts[name] = _Restarts(args, env)
+        self._drain_deadlines.pop(name, None)
         return proc
 
     def start(self, timeout_s: float = 300.0) -> None:
@@ -229,6 +235,7 @@ class Stack:
                 if self.restart and proc.returncode != 0 and name not in self._drained_by_plan:
                     self._schedule_restart(name)
             self._restart_due(reported)
+            self._kill_stuck_drains()
             if self.autoscaler is not None and time.monotonic() >= self._next_plan_at:
                 self._next_plan_at = time.monotonic() + self.config.planner.interval_s
                 self._follow_plan(reported)
@@ -266,6 +273,7 @@ class Stack:
                 self._drained_by_plan.add(name)
                 self._restarts[name].due_at = None  # a failed one is not brought back
                 procs[name].send_signal(signal.SIGTERM)
+                self._drain_deadlines[name] = time.monotonic() + self._grace_s(name)
                 print(f"  plan: {role.value} workers {len(running)} -> {target}: draining "
                       f"{name}", flush=True)  # fmt: skip
 
@@ -289,18 +297,55 @@ class Stack:
             reported.discard(name)
             print(f"  {name} restarted (logs in {self._log(name)})", file=sys.stderr, flush=True)
 
+    def _grace_s(self, name: str) -> float:
+        """How long ``name`` may take to exit after SIGTERM before it is killed."""
+        role = name.split("-")[0]
+        if role == "router":
+            return self.config.router.drain_grace_s + _SHUTDOWN_S
+        return self.config.role(Role(role)).drain_grace_s + _SHUTDOWN_S
+
+    def _kill_stuck_drains(self) -> None:
+        procs = dict(self.children)
+        for name, deadline in list(self._drain_deadlines.items()):
+            proc = procs[name]
+            if proc.poll() is not None:
+                del self._drain_deadlines[name]
+            elif time.monotonic() >= deadline:
+                print(f"  {name} did not drain in time: killed", file=sys.stderr, flush=True)
+                proc.kill()
+                proc.wait()
+                del self._drain_deadlines[name]
+
     def stop(self) -> None:
-        """Router first (no new requests), then the workers drain and exit; each gets its
-        configured drain grace plus time to deregister and shut down before SIGKILL."""
-        for name, proc in reversed(self.children):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-            if name == "router":
-                _wait(proc, self.config.router.drain_grace_s + _SHUTDOWN_S)
+        """Router first (no new requests), then every worker at once drains and exits;
+        each is killed once its configured drain grace plus time to deregister and shut
+        down has passed since its SIGTERM (not one after another: a stuck worker does not
+        delay the others' deadlines), or at once on a second SIGINT/SIGTERM."""
+        signals_before = self._num_signals
+
+        def wait_all(deadlines: list[tuple[subprocess.Popen, float]]) -> None:
+            while alive := [(p, d) for p, d in deadlines if p.poll() is None]:
+                hurry = self._num_signals > signals_before
+                for proc, deadline in alive:
+                    if hurry or time.monotonic() >= deadline:
+                        proc.kill()
+                        proc.wait()
+                time.sleep(0.05)
+
+        procs = dict(self.children)
+        router = procs.get("router")
+        if router is not None and router.poll() is None:
+            router.send_signal(signal.SIGTERM)
+            wait_all([(router, time.monotonic() + self._grace_s("router"))])
+        deadlines = []
         for name, proc in self.children:
-            role = name.split("-")[0]
-            grace_s = self.config.role(Role(role)).drain_grace_s if role != "router" else 0.0
-            _wait(proc, grace_s + _SHUTDOWN_S)
+            if name == "router":
+                continue
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)  # (again, for a plan-drained one: a no-op)
+            deadline = time.monotonic() + self._grace_s(name)
+            deadlines.append((proc, min(deadline, self._drain_deadlines.get(name, deadline))))
+        wait_all(deadlines)
         self.config_path.unlink(missing_ok=True)
 
 
@@ -309,14 +354,6 @@ def _workers_available(metrics_url: str) -> float:
     series); 0 while it does not answer."""
     text = fetch(metrics_url, timeout_s=1.0)
     return 0 if text is None else sample_totals(text, [_AVAILABLE]).get(_AVAILABLE, 0)
-
-
-def _wait(proc: subprocess.Popen, grace_s: float) -> None:
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def ensure_demo_model(config: PdserveConfig) -> None:

@@ -1,0 +1,105 @@
+"""``pdserve up``'s stop and drains: the router first, then every worker at once, each
+killed when its own deadline passes (not one after another); a second signal kills what
+is left; a worker the plan drains is killed if it outlives its grace; a /metrics reply
+cut off mid-way reads as no answer, not a crash."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from common.config_loader import load_config
+from common.prometheus_text import fetch
+from deploy import up
+from deploy.up import Stack
+from tests.deploy.test_render import DEMO
+
+GRACE = ["router.drain_grace_s=0.2", "prefill.drain_grace_s=0.2", "decode.drain_grace_s=0.2",
+         "decode.replicas=4"]  # fmt: skip
+
+
+def stubborn(marker: Path | None = None) -> subprocess.Popen:
+    """A process that ignores SIGTERM (a stuck drain); with ``marker``, one that writes
+    the time it got SIGTERM there and exits."""
+    if marker is None:
+        script = "trap '' TERM; sleep 60 & wait; sleep 60"
+    else:
+        script = f"trap 'date +%s.%N > {marker}; exit 0' TERM; sleep 60 & wait"
+    return subprocess.Popen(["bash", "-c", script])
+
+
+@pytest.fixture
+def stack(tmp_path, monkeypatch) -> Stack:
+    monkeypatch.setattr(up, "_SHUTDOWN_S", 0.5)
+    return Stack(load_config(str(DEMO), GRACE), tmp_path)
+
+
+def test_every_worker_gets_its_deadline_at_once_and_the_router_stops_first(stack, tmp_path):
+    """A router and three workers ignoring SIGTERM, 0.7 s each: the router's 0.7 s, then
+    the workers' 0.7 s together (it was 0.7 s after each in turn). A worker the plan
+    started after the router (appended after it) gets SIGTERM only once the router is
+    gone (it got it first)."""
+    marker = tmp_path / "late-term"
+    stack.children = [("prefill-0", stubborn()), ("decode-0", stubborn()),
+                      ("router", stubborn()), ("decode-1", stubborn()),
+                      ("decode-2", stubborn(marker))]  # fmt: skip
+    time.sleep(0.3)  # the traps are set
+    started, started_wall = time.monotonic(), time.time()
+    stack.stop()
+    elapsed = time.monotonic() - started
+    assert all(proc.poll() is not None for _, proc in stack.children)
+    assert 1.4 <= elapsed < 2.2, elapsed
+    assert float(marker.read_text()) - started_wall >= 0.65  # after the router's 0.7 s
+
+
+def test_a_second_signal_kills_what_is_left_at_once(stack, monkeypatch):
+    monkeypatch.setattr(up, "_SHUTDOWN_S", 60.0)
+    stack.children = [("router", stubborn()), ("decode-0", stubborn())]
+    time.sleep(0.3)
+
+    def second_ctrl_c() -> None:
+        time.sleep(0.5)
+        stack._num_signals += 1  # what the signal handler counts
+
+    threading.Thread(target=second_ctrl_c).start()
+    started = time.monotonic()
+    stack.stop()
+    assert time.monotonic() - started < 3
+    assert all(proc.poll() is not None for _, proc in stack.children)
+
+
+def test_a_worker_the_plan_drains_is_killed_once_it_outlives_its_grace(stack):
+    proc = stubborn()
+    stack.children = [("decode-3", proc)]
+    stack._drain_deadlines["decode-3"] = time.monotonic() + 0.3
+    stack._kill_stuck_drains()
+    assert proc.poll() is None  # not yet
+    time.sleep(0.4)
+    stack._kill_stuck_drains()
+    assert proc.poll() is not None and not stack._drain_deadlines
+
+
+def test_a_metrics_reply_cut_off_reads_as_no_answer():
+    """A router killed mid-reply (an OOM kill): ``http.client.IncompleteRead`` escaped
+    ``fetch`` and took the launcher, and the stack, down."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def answer_half() -> None:
+        conn, _ = server.accept()
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npdserve_x 1\n")
+        conn.close()
+
+    thread = threading.Thread(target=answer_half)
+    thread.start()
+    try:
+        assert fetch(f"http://127.0.0.1:{port}/metrics", timeout_s=5) is None
+    finally:
+        thread.join()
+        server.close()
