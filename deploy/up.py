@@ -105,7 +105,7 @@ class Stack:
         self.config_path.write_text(yaml.safe_dump(to_dict(self.config), sort_keys=False))
 
     def handle_signals(self) -> None:
-        """From now on SIGINT/SIGTERM stop the stack: while it waits, and while it starts
+        """From now on SIGINT/SIGTERM/SIGHUP stop the stack: while it waits, and while it starts
         (a worker loading for minutes must not be orphaned by a Ctrl-C)."""
 
         def on_signal(signum: int, _frame) -> None:
@@ -114,6 +114,7 @@ class Stack:
 
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGHUP, on_signal)  # the terminal (an ssh session) went away
 
     def _spawn(
         self, name: str, args: list[str], env: dict[str, str] | None = None
@@ -124,9 +125,11 @@ class Stack:
         command = [sys.executable, "-m", "deploy.cli", "--log-level", "INFO", *args,
                    "--config", str(self.config_path)]  # fmt: skip
         with open(self.log_dir / f"{name}.log", "ab") as log:  # the child keeps its own copy
+            # Its own session: a terminal's Ctrl-C (or hang-up) reaches the launcher alone,
+            # which stops the router before the workers; a dead launcher still ends it.
             proc = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_term_with_parent,
-                env={**os.environ, **env} if env else None,
+                env={**os.environ, **env} if env else None, start_new_session=True,
             )  # fmt: skip
         names = [n for n, _ in self.children]
         if name in names:  # a restart keeps its place

@@ -5,6 +5,8 @@ cut off mid-way reads as no answer, not a crash."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import threading
@@ -103,3 +105,19 @@ def test_a_metrics_reply_cut_off_reads_as_no_answer():
     finally:
         thread.join()
         server.close()
+
+
+def test_a_hang_up_stops_the_stack_as_ctrl_c_does(stack):
+    """An ssh session dropping sends SIGHUP: it killed the launcher without its stop()."""
+    kinds = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    saved = {kind: signal.getsignal(kind) for kind in kinds}
+    try:
+        stack.handle_signals()
+        os.kill(os.getpid(), signal.SIGHUP)
+        deadline = time.monotonic() + 5
+        while not stack.stop_signal and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stack.stop_signal == signal.SIGHUP
+    finally:
+        for kind, handler in saved.items():
+            signal.signal(kind, handler)
