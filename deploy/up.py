@@ -48,6 +48,10 @@ class StackError(RuntimeError):
 
 
 _FIRST_BACKOFF_S, _MAX_BACKOFF_S = 1.0, 30.0
+# How long every worker and the router together may take to be ready: as long as a
+# tensor-parallel shard may take to load (engine/parallel/shard_client.py); a large model
+# took more than the 300 s this was. A process that exits while starting fails at once.
+DEFAULT_START_TIMEOUT_S = 1800.0
 _SHUTDOWN_S = 15.0  # after the drain grace: deregistering, the gRPC server's own stop
 _STABLE_S = 60.0  # a worker that ran this long before failing starts over at 1 s
 _AVAILABLE = "pdserve:worker_available"  # the router's gauge: 1 per worker it places on
@@ -140,7 +144,7 @@ class Stack:
         self._drain_deadlines.pop(name, None)
         return proc
 
-    def start(self, timeout_s: float = 300.0) -> None:
+    def start(self, timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
         self._gpus = self._gpu_env()  # raises ConfigError before anything starts
         self._threads = self._thread_env()
         workers = []
@@ -367,7 +371,9 @@ def ensure_demo_model(config: PdserveConfig) -> None:
         ensure_model()
 
 
-def run(config: PdserveConfig, restart: bool = True) -> int:
+def run(
+    config: PdserveConfig, restart: bool = True, start_timeout_s: float = DEFAULT_START_TIMEOUT_S
+) -> int:
     try:
         check_installed(config.tracing)  # every process would refuse to start
     except ConfigError as exc:
@@ -387,7 +393,7 @@ def run(config: PdserveConfig, restart: bool = True) -> int:
     stack = Stack(config, cache_dir() / "logs" / str(config.router.port), restart)
     stack.handle_signals()
     try:
-        stack.start()
+        stack.start(start_timeout_s)
         print(f"pdserve is up: {stack.url_root}/v1  (OpenAI API; Ctrl-C stops)", flush=True)
         return stack.wait()
     except ConfigError as exc:  # a worker needs more GPUs than the host has: nothing started

@@ -55,13 +55,21 @@ def _up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-restart", dest="restart", action="store_false",
                         help="leave a worker that failed down (default: restart it, with "
                              "backoff, as compose's on-failure policy would)")  # fmt: skip
+    parser.add_argument("--start-timeout", type=float, default=None, metavar="SECONDS",
+                        help="how long the workers and router may take to be ready "
+                             "(default: 1800, a large model's load)")  # fmt: skip
 
 
 def _run_up(args: argparse.Namespace) -> int:
+    from deploy.up import DEFAULT_START_TIMEOUT_S
     from deploy.up import run as run_up
 
+    timeout_s = args.start_timeout if args.start_timeout is not None else DEFAULT_START_TIMEOUT_S
+    if not timeout_s > 0:
+        print(f"error: --start-timeout must be > 0, got {args.start_timeout}", file=sys.stderr)
+        return 2
     config = load_or_report(args.config, args.overrides)
-    return 2 if config is None else run_up(config, restart=args.restart)
+    return 2 if config is None else run_up(config, restart=args.restart, start_timeout_s=timeout_s)
 
 
 ROUTER = ("run the OpenAI-compatible router", _router_arguments, _run_router)

@@ -121,3 +121,16 @@ def test_a_hang_up_stops_the_stack_as_ctrl_c_does(stack):
     finally:
         for kind, handler in saved.items():
             signal.signal(kind, handler)
+
+
+def test_the_start_timeout_is_a_flag_with_a_large_models_default(monkeypatch, capsys):
+    """300 s was fixed: a tensor-parallel shard may take 1800 s to load a large model."""
+    from deploy.cli import main
+
+    seen = []
+    monkeypatch.setattr(up, "run", lambda config, restart, start_timeout_s: seen.append(
+        start_timeout_s) or 0)  # fmt: skip
+    assert main(["up"]) == 0 and main(["up", "--start-timeout", "42"]) == 0
+    assert seen == [up.DEFAULT_START_TIMEOUT_S, 42.0] and up.DEFAULT_START_TIMEOUT_S == 1800
+    assert main(["up", "--start-timeout", "0"]) == 2
+    assert "--start-timeout must be > 0" in capsys.readouterr().err
