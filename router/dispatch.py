@@ -89,11 +89,6 @@ def _unscored(sampling: pb.SamplingParams) -> pb.SamplingParams:
     return copy
 
 
-def _loop_time(monotonic_s: float) -> float:
-    """``time.monotonic`` seconds on the running event loop's clock."""
-    return asyncio.get_running_loop().time() + monotonic_s - time.monotonic()
-
-
 def _nothing() -> None:
     """Nothing to end: no lease to release (the prompt was not prefilled elsewhere), or no
     placed worker to count a sequence on."""
@@ -227,7 +222,7 @@ class Dispatcher:
                 if decode is None:
                     break
                 try:
-                    async with asyncio.timeout_at(_loop_time(deadline)):
+                    async with asyncio.timeout(deadline - time.monotonic()):
                         room = await self._room_on(decode, request, blocks)
                 except TimeoutError:
                     raise unavailable(
