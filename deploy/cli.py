@@ -19,6 +19,7 @@ from deploy import (
     plan_cmd,
     worker_cmd,
 )
+from deploy.parent_death import ParentGone, term_with_parent
 
 # name → (help, add_arguments, run)
 Command = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
@@ -60,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        term_with_parent()  # first: a child of ``pdserve up`` ends with it
+    except ParentGone as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     args = build_parser().parse_args(argv)
     level = args.log_level or ("INFO" if args.command in SERVICES else "WARNING")
     logging.basicConfig(

@@ -41,6 +41,8 @@ from deploy.cpu_threads import usable_cores, worker_threads
 from deploy.ephemeral_ports import ephemeral_port_warnings, ephemeral_range
 from deploy.gpus import gpus_needed, visible_gpus, worker_gpus
 from deploy.health_cmd import check_grpc, check_http
+from deploy.log_files import LOG_MAX_BYTES, cut_if_full, open_log
+from deploy.parent_death import PARENT_PID_ENV
 
 
 class StackError(RuntimeError):
@@ -54,19 +56,8 @@ _FIRST_BACKOFF_S, _MAX_BACKOFF_S = 1.0, 30.0
 DEFAULT_START_TIMEOUT_S = 1800.0
 _SHUTDOWN_S = 15.0  # after the drain grace: deregistering, the gRPC server's own stop
 _STABLE_S = 60.0  # a worker that ran this long before failing starts over at 1 s
+_LOG_CHECK_S = 5.0  # how often the children's log sizes are checked
 _AVAILABLE = "pdserve:worker_available"  # the router's gauge: 1 per worker it places on
-
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _term_with_parent() -> None:
-    """In the child, before exec: SIGTERM (a drain) when ``pdserve up`` dies, even by
-    SIGKILL, so no worker or router is left running under pid 1. Linux only."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -81,10 +72,18 @@ class _Restarts:
 
 
 class Stack:
-    def __init__(self, config: PdserveConfig, log_dir: Path, restart: bool = True) -> None:
+    def __init__(
+        self,
+        config: PdserveConfig,
+        log_dir: Path,
+        restart: bool = True,
+        log_max_bytes: int = LOG_MAX_BYTES,
+    ) -> None:
         self.config = config
         self.log_dir = log_dir
         self.restart = restart
+        self.log_max_bytes = log_max_bytes  # per log file; one older part is kept
+        self._next_log_check_at = 0.0
         self.children: list[tuple[str, subprocess.Popen]] = []
         self._restarts: dict[str, _Restarts] = {}
         self.stop_signal = 0  # set by SIGINT/SIGTERM (see ``handle_signals``)
@@ -128,16 +127,18 @@ class Stack:
             self._write_config()
         command = [sys.executable, "-m", "deploy.cli", "--log-level", "INFO", *args,
                    "--config", str(self.config_path)]  # fmt: skip
-        with open(self.log_dir / f"{name}.log", "ab") as log:  # the child keeps its own copy
+        with open_log(self._log(name), self.log_max_bytes) as log:  # the child keeps a copy
             # Its own session: a terminal's Ctrl-C (or hang-up) reaches the launcher alone,
-            # which stops the router before the workers; a dead launcher still ends it.
+            # which stops the router before the workers; a dead launcher still ends it
+            # (``deploy/parent_death.py``: the child sets that up itself).
             proc = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_term_with_parent,
-                env={**os.environ, **env} if env else None, start_new_session=True,
+                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, **(env or {}), PARENT_PID_ENV: str(os.getpid())},
             )  # fmt: skip
         names = [n for n, _ in self.children]
         if name in names:  # a restart keeps its place
             self.children[names.index(name)] = (name, proc)
+            self._restarts[name].started_at = time.monotonic()
         else:
             self.children.append((name, proc))
             self._restarts[name] = _Restarts(args, env)
@@ -243,6 +244,7 @@ class Stack:
                     self._schedule_restart(name)
             self._restart_due(reported)
             self._kill_stuck_drains()
+            self._cut_full_logs()
             if self.autoscaler is not None and time.monotonic() >= self._next_plan_at:
                 self._next_plan_at = time.monotonic() + self.config.planner.interval_s
                 self._follow_plan(reported)
@@ -271,6 +273,9 @@ class Stack:
                 ]  # fmt: skip
                 for index in free[: target - len(running)]:
                     name, _ = self._start_worker(role, index)
+                    # A new start, not a restart: a failure soon after waits 1 s, not the
+                    # backoff its crash loop had reached before the plan drained it.
+                    self._restarts[name].backoff_s = _FIRST_BACKOFF_S
                     self._drained_by_plan.discard(name)
                     reported.discard(name)
                     print(f"  plan: {role.value} workers {len(running)} -> {target}: started "
@@ -299,10 +304,21 @@ class Stack:
             if restarts.due_at is None or now < restarts.due_at:
                 continue
             restarts.due_at = None
-            restarts.started_at = now
             self._spawn(name, restarts.args, restarts.env)
             reported.discard(name)
             print(f"  {name} restarted (logs in {self._log(name)})", file=sys.stderr, flush=True)
+
+    def _cut_full_logs(self) -> None:
+        """Every few seconds, each running child's log that reached its bound is cut
+        (``deploy/log_files.py``)."""
+        now = time.monotonic()
+        if now < self._next_log_check_at:
+            return
+        self._next_log_check_at = now + _LOG_CHECK_S
+        for name, proc in self.children:
+            if proc.poll() is None and cut_if_full(self._log(name), self.log_max_bytes):
+                print(f"  {name}'s log was full: moved to {self._log(name)}.1",
+                      flush=True)  # fmt: skip
 
     def _grace_s(self, name: str) -> float:
         """How long ``name`` may take to exit after SIGTERM before it is killed."""

@@ -1,7 +1,8 @@
 """``pdserve up``'s stop and drains: the router first, then every worker at once, each
 killed when its own deadline passes (not one after another); a second signal kills what
-is left; a worker the plan drains is killed if it outlives its grace; a /metrics reply
-cut off mid-way reads as no answer, not a crash."""
+is left; a worker the plan drains is killed if it outlives its grace, and starts its
+backoff over if the plan brings it back; a /metrics reply cut off mid-way reads as no
+answer, not a crash."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from common.config import Role
 from common.config_loader import load_config
 from common.prometheus_text import fetch
 from deploy import up
@@ -134,3 +136,35 @@ def test_the_start_timeout_is_a_flag_with_a_large_models_default(monkeypatch, ca
     assert seen == [up.DEFAULT_START_TIMEOUT_S, 42.0] and up.DEFAULT_START_TIMEOUT_S == 1800
     assert main(["up", "--start-timeout", "0"]) == 2
     assert "--start-timeout must be > 0" in capsys.readouterr().err
+
+
+def test_a_worker_the_plan_starts_again_starts_its_backoff_over(tmp_path, monkeypatch):
+    """A worker that crash-looped (its backoff at 30 s), then was drained by the plan,
+    is a new start when the plan brings it back: a failure soon after waits 1 s. (It
+    waited 30 s: its backoff and start time were those of the old crash loop.)"""
+    overrides = ["planner.profile=/p.json", "planner.autoscale=true", "decode.replicas=2"]
+    stack = Stack(load_config(str(DEMO), overrides), tmp_path)
+    monkeypatch.setattr(up, "read_plan", lambda url: {Role.PREFILL: 1, Role.DECODE: 2})
+    running = [subprocess.Popen(["sleep", "30"]) for _ in range(2)]
+    drained = subprocess.Popen(["true"])
+    drained.wait()
+    stack.children = [("prefill-0", running[0]), ("decode-0", running[1]),
+                      ("decode-1", drained)]  # fmt: skip
+    for name, _ in stack.children:
+        stack._restarts[name] = up._Restarts(name.replace("-", " --index ").split())
+    stack._restarts["decode-1"].started_at = time.monotonic() - 20  # its last restart
+    stack._restarts["decode-1"].backoff_s = 30.0
+    stack._drained_by_plan.add("decode-1")
+    try:
+        stack._follow_plan(set())
+        started = dict(stack.children)["decode-1"]
+        assert started is not drained and "decode-1" not in stack._drained_by_plan
+        started.kill()  # it fails at once
+        started.wait()
+        stack._schedule_restart("decode-1")
+        assert stack._restarts["decode-1"].due_at - time.monotonic() < 1.5
+    finally:
+        for proc in running:
+            proc.kill()
+            proc.wait()
+        stack.config_path.unlink()
