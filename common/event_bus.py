@@ -57,9 +57,14 @@ class KVEventPublisher:
         self._pub.bind(f"tcp://{host}:{pub_port}")
         replay = self._ctx.socket(zmq.ROUTER)  # owned by the replay thread once it runs
         replay.setsockopt(zmq.LINGER, 0)
-        # A replay is up to buffer_size messages in one burst; past the default high-water
-        # mark a ROUTER drops the rest silently, leaving holes. The buffer bounds it.
-        replay.setsockopt(zmq.SNDHWM, 0)
+        # A replay is up to buffer_size messages and its end in one burst; past the
+        # default high-water mark a ROUTER drops the rest silently, leaving holes. The
+        # mark is per peer (each replay is a socket of its own), and not unlimited: a
+        # peer that asks again and again and never reads would queue the buffer each
+        # time in this process's memory (60,000 requests: +690 MB); its extra replies
+        # are dropped instead. A request is 8 bytes.
+        replay.setsockopt(zmq.SNDHWM, buffer_size + 1)
+        replay.setsockopt(zmq.MAXMSGSIZE, 64)
         try:
             replay.bind(f"tcp://{host}:{replay_port}")
         except zmq.ZMQError:

@@ -20,6 +20,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from common.token_pieces import TokenPieces
+
 # From this many characters ``encode`` lets go of Python's lock (~10 ms of encoding).
 _ENCODE_UNLOCKED_CHARS = 16_384
 # With a token limit (``encode``'s ``max_tokens``), a text longer than a slice is counted
@@ -210,6 +212,14 @@ class Tokenizer:
         """The ids of the special tokens (those decoding skips)."""
         added = self._tok.get_added_tokens_decoder()
         return frozenset(i for i, token in added.items() if token.special)
+
+    @cached_property
+    def pieces(self) -> TokenPieces:
+        """Each token's text after other text, and its bytes (for log-probs)."""
+        return TokenPieces(
+            lambda ids, skip: self._tok.decode(list(ids), skip_special_tokens=skip),
+            self._tok.id_to_token,
+        )
 
     def convert_ids_to_tokens(self, token_ids: Sequence[int]) -> list[str]:
         return [self._tok.id_to_token(t) or "" for t in token_ids]

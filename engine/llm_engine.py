@@ -209,7 +209,9 @@ class LLMEngine:
             whole_images=vision is not None and vision.bidirectional,
             on_blocks_freed=self.runner.release_state if hybrid else None,
             num_state_blocks=self.runner.shard.blocks_per_slot if hybrid else 0,
-            rolling_snapshots=self.kv_puller is None,  # (a decode worker's turns go on elsewhere)
+            # On decode workers too: the router prefills a chat's next turn where it
+            # decoded when only the new turn is uncached there (``router/policy.py``).
+            rolling_snapshots=True,
             draft_groups=self.runner.draft_groups,
         )  # fmt: skip
         # An id the model cannot produce can never end a request; left in, banning it

@@ -213,10 +213,9 @@ def _apply_rules(
         for token_id in banned:
             bans[0].append(p)
             bans[1].append(token_id)
-        if params.allowed_token_ids is not None:
-            for token_id in params.allowed_token_ids:
-                allowed[0].append(len(allowed_positions))
-                allowed[1].append(token_id)
+        if params.allowed_token_ids is not None:  # (up to the vocabulary: no loop here)
+            allowed[0].extend([len(allowed_positions)] * len(params.allowed_token_ids))
+            allowed[1].extend(params.allowed_token_ids)
             allowed_positions.append(p)
         bad_words = params.bad_word_bans(row.history(j)) if params.bad_words_token_ids else []
         if bad_words:

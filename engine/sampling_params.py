@@ -67,11 +67,14 @@ class SamplingParams:
     structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        # Lists without repeats (order kept): the sampler goes over them at every step,
+        # and a request repeating one id millions of times slowed every batch it was in.
+        object.__setattr__(self, "stop_token_ids", tuple(dict.fromkeys(self.stop_token_ids)))
         object.__setattr__(self, "logit_bias", tuple(dict(self.logit_bias).items()))
         if self.allowed_token_ids is not None:
-            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
-        words = tuple(tuple(word) for word in self.bad_words_token_ids)
+            allowed = tuple(dict.fromkeys(self.allowed_token_ids))
+            object.__setattr__(self, "allowed_token_ids", allowed)
+        words = tuple(dict.fromkeys(tuple(word) for word in self.bad_words_token_ids))
         object.__setattr__(self, "bad_words_token_ids", words)
         self._validate()
 

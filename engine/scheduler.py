@@ -155,10 +155,11 @@ class Scheduler:
         take, given to keep snapshots of them in the prefix cache (``kv_cache_manager.py``):
         a prompt's chunk then ends at its ``snapshot_boundary``; ``rolling_snapshots``:
         a step that ends at a block boundary after a request's prompt snapshots it too
-        (its last one replaced: none on a decode worker, whose requests' next turns are
-        prefilled elsewhere). ``draft_groups``: a hybrid model's groups of draft state
-        slots, one held by each request that verifies drafts (``linear_state.py``): a
-        decode gets drafts only when it holds one or one is free."""
+        (its last one replaced; on a decode worker too, where the router prefills a
+        chat's next turn when only that turn is uncached). ``draft_groups``: a hybrid
+        model's groups of draft state slots, one held by each request that verifies
+        drafts (``linear_state.py``): a decode gets drafts only when it holds one or one
+        is free."""
         self.max_num_seqs = config.max_num_seqs
         self.whole_images = whole_images
         self.on_blocks_freed = on_blocks_freed

@@ -12,15 +12,13 @@ only gloo (CPU caches) can be exercised.
 
 from __future__ import annotations
 
-import datetime
-import socket
 import threading
 import time
 
 import msgspec
-import torch.distributed as dist
 import zmq
 
+from common.tcp_store import bound_tcp_store
 from kv_transfer.base import KVConnector
 from kv_transfer.config import ConnectorName, KVTransferConfig
 from kv_transfer.handshake import MetadataFetcher, fetch_peer_metadata
@@ -49,18 +47,9 @@ class NcclConnector(KVConnector):
     def _on_register(self, kv: KVCaches) -> None:
         config = self.config
         self._backend = backend_for(kv.device)
-        # TCPStore would listen on every interface; hand it a socket bound to our host.
-        listener = socket.create_server((config.host, config.store_port), backlog=128)
-        self._store_port = listener.getsockname()[1]
-        self._store = dist.TCPStore(
-            config.host,
-            self._store_port,
-            None,
-            True,
-            datetime.timedelta(seconds=config.timeout_s),
-            wait_for_workers=False,
-            master_listen_fd=listener.detach(),
-        )
+        # (TCPStore alone would listen on every interface: ``common/tcp_store.py``.)
+        self._store = bound_tcp_store(config.host, config.store_port, None, config.timeout_s)
+        self._store_port = self._store.port
         router = self._context.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE_BYTES)

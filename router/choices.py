@@ -13,7 +13,7 @@ import contextlib
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from common.hashing import hash_blocks, prefix_salt
@@ -88,7 +88,7 @@ def build_choices(
     stop: list[str],
     max_model_len: int,
     block_size: int,
-    detokenizer_factory,
+    detokenizer_factory: Callable[[list[str], list[int]], IncrementalDetokenizer],
     cache_salt: str | None = None,
     lora: LoraRef | None = None,
     prompt_param: str = "prompt",
@@ -151,7 +151,7 @@ def build_choices(
                         priority,
                         images=images.messages if images else (),
                     ),
-                    detokenizer=detokenizer_factory(stop),
+                    detokenizer=detokenizer_factory(stop, prompt),
                     echo_only=echo_only,
                     eos_token_ids=eos_token_ids,
                     main_eos_id=main_eos_id,
@@ -191,8 +191,6 @@ async def run_choice(
                                         cached_tokens=choice.cached_tokens)  # fmt: skip
                 yield ChoiceEvent(choice, "", [], [], "length")
                 return
-            choice.token_ids.extend(delta.token_ids)
-            choice.logprobs.extend(delta.logprobs)
             detok = choice.detokenizer
             finish = delta.finish_reason
             shown = delta.token_ids
@@ -205,22 +203,33 @@ async def run_choice(
                           and end_id not in choice.request.sampling.stop_token_ids)  # fmt: skip
                 if not detok.include_stop and not marker:
                     shown = shown[:-1]
+            num_decoded = len(detok.token_ids)
             text = detok.add(shown)
+            token_ids, logprobs = delta.token_ids, delta.logprobs
             if detok.stopped:
-                finish = "stop"
-                choice.stop_reason = detok.stop_string
-            if finish:
+                # The tokens after the one that completed the stop string are cut with
+                # their text: not output, not counted, their logprobs not shown (so the
+                # usage does not depend on how many tokens a delta carried).
+                num_kept = len(detok.token_ids) - num_decoded
+                token_ids, logprobs = token_ids[:num_kept], logprobs[:num_kept]
+            choice.token_ids.extend(token_ids)
+            choice.logprobs.extend(logprobs)
+            if finish or detok.stopped:
                 text += detok.finish()
+                by_string = detok.stopped  # (finish() may find it in text held back)
+                if by_string:
+                    finish = "stop"
+                    choice.stop_reason = detok.stop_string
                 choice.finish_reason = finish
-                choice.usage = delta.usage or pb.Usage(  # a stop string ended it here
+                choice.usage = (delta.usage if not by_string else None) or pb.Usage(
                     prompt_tokens=len(choice.request.prompt_token_ids),
                     completion_tokens=len(choice.token_ids),
                     cached_tokens=choice.cached_tokens,
                 )
-                yield ChoiceEvent(choice, text, delta.token_ids, delta.logprobs, finish)
+                yield ChoiceEvent(choice, text, token_ids, logprobs, finish)
                 return
-            if text or delta.token_ids:
-                yield ChoiceEvent(choice, text, delta.token_ids, delta.logprobs)
+            if text or token_ids:
+                yield ChoiceEvent(choice, text, token_ids, logprobs)
     except Exception:
         ended = "error"
         raise

@@ -197,13 +197,15 @@ class Dispatcher:
 
     def _moved(self, hashes: list[BlockHash], planned: str | None, actual: str | None) -> None:
         """The prompt's KV went to ``actual`` (None: nowhere), not to ``planned``: correct
-        the optimistic entries ``place`` made."""
+        the optimistic entries ``place`` made. A worker that left meanwhile (this runs
+        after the calls' awaits) is not claimed for: the index would keep its slot, freed
+        only when it leaves, for good."""
         if planned == actual:
             return
         with self.index_lock:
             if planned is not None:
                 self.index.withdraw_optimistic(planned, hashes)
-            if actual is not None:
+            if actual is not None and self.pool.get(actual) is not None:
                 self.index.insert_optimistic(actual, hashes)
 
     # ------------------------------------------------------------------ the journey
@@ -394,12 +396,12 @@ class Dispatcher:
         for worker in [w for w in [chosen, *others] if w is not None]:
             if self.pool.retired(worker):
                 continue  # retired while an earlier try ran: its channel is closed
-            worker.queued_prefill_tokens += uncached
             timeout = self.config.prefill_timeout_s
             if deadline is not None:
                 timeout = min(timeout, deadline - time.monotonic())
                 if timeout <= 0:
                     break  # (the decode try then finds the deadline passed too)
+            worker.queued_prefill_tokens += uncached  # taken back in the finally below
             call = worker.prefill.Prefill(message, timeout=timeout,
                                           metadata=request.trace_headers or None)  # fmt: skip
             try:

@@ -104,7 +104,8 @@ async def embed(
         with dispatcher.index_lock:
             for worker_id in touched - {ran_on}:
                 dispatcher.index.withdraw_optimistic(worker_id, request.block_hashes)
-            if ran_on is not None and ran_on not in touched:
+            if ran_on is not None and ran_on not in touched and dispatcher.pool.get(ran_on):
+                # (not for a worker that left meanwhile: its slot in the index would stay)
                 dispatcher.index.insert_optimistic(ran_on, request.block_hashes)
 
 

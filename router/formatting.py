@@ -116,10 +116,18 @@ def vllm_prompt_logprobs(
     return result
 
 
-def chat_logprobs(logprobs: list[pb.TokenLogprobs], token_text: TokenText) -> dict[str, Any]:
+def chat_logprobs(
+    logprobs: list[pb.TokenLogprobs],
+    token_text: TokenText,
+    token_bytes: Callable[[int], bytes] | None = None,
+) -> dict[str, Any]:
+    """OpenAI's chat logprobs. ``token_bytes``: what each token stands for (a byte of a
+    character split across tokens, whose text reads U+FFFD); None: its name's bytes."""
+
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         text = token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        raw = token_bytes(token_id) if token_bytes is not None else text.encode()
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
     return {
         "content": [
@@ -150,7 +158,8 @@ class Formatter:
                  reasoning: Reasoning | None = None,
                  harmony: Harmony | None = None,
                  tokens_as_ids: bool = False,
-                 parallel_tool_calls: bool = True) -> None:  # fmt: skip
+                 parallel_tool_calls: bool = True,
+                 token_bytes: Callable[[int], bytes] | None = None) -> None:  # fmt: skip
         self.tools = tools  # how tool calls are read from a chat choice's answer
         # False: a choice returns its first call only, whole or streamed (OpenAI's
         # ``parallel_tool_calls``; vLLM trims the same way). The "required" format also
@@ -173,6 +182,7 @@ class Formatter:
         # How log-probs name a token: its text, or "token_id:<id>" (vLLM's
         # return_tokens_as_token_ids); text offsets count those names, as in vLLM.
         self.logprob_token: TokenText = _token_id_name if tokens_as_ids else token_text
+        self.token_bytes = None if tokens_as_ids else token_bytes  # (a name's own, then)
         self.created = int(time.time())
         self._text_offsets: dict[int, int] = {}
         self._started: set[int] = set()  # choices whose first chunk went out
@@ -192,7 +202,7 @@ class Formatter:
         if self.logprobs is None:
             return text, None
         if self.chat:
-            return text, chat_logprobs(logprobs, self.logprob_token)
+            return text, chat_logprobs(logprobs, self.logprob_token, self.token_bytes)
         # Offsets run over the tokens' own texts, in a stream as in a whole response: the
         # text sent may lag behind them (held back for a stop string or a split character).
         start = self._text_offsets.get(choice.index, 0)

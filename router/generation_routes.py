@@ -120,6 +120,16 @@ def ended(span: Span, release: Callable[[], None], choices: list[Choice]) -> Cal
     return end
 
 
+def check_num_sequences(num_sequences: int, n: int, limit: int) -> None:
+    """A request's sequences (prompts x n) must fit the router's limit at once."""
+    if num_sequences > limit:
+        raise bad_request(
+            f"the request asks for {num_sequences} sequences (prompts x n); this server "
+            f"runs at most {limit} at once",
+            "n" if n > 1 else "prompt",
+        )
+
+
 def add_generation_routes(
     app: FastAPI, state: RouterState, prompt_tokenizer: PromptTokenizer, admission: Admission
 ) -> None:
@@ -129,6 +139,9 @@ def add_generation_routes(
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         lora_name = admission.lora_name(body.model)
+        # Before tokenizing: a million prompts took 13 s of the router's work to refuse.
+        limit = state.config.router.max_inflight_sequences
+        check_num_sequences(body.num_prompts * body.n, body.n, limit)
         # Tokenizing a long prompt takes a while: off the event loop, so that other
         # requests' streams keep flowing meanwhile.
         prompts = await asyncio.to_thread(prompt_tokenizer.completion, body)
@@ -254,13 +267,7 @@ def add_generation_routes(
             prompts = [window.ids(prompt) for prompt in prompts]
         admission.check_priority(body.priority)
         num_sequences = len(prompts) * body.n
-        limit = state.config.router.max_inflight_sequences
-        if num_sequences > limit:
-            raise bad_request(
-                f"the request asks for {num_sequences} sequences (prompts x n); this server "
-                f"runs at most {limit} at once",
-                "n" if body.n > 1 else "prompt",
-            )
+        check_num_sequences(num_sequences, body.n, state.config.router.max_inflight_sequences)
         try:
             constraint = structured_output_of(body)
             calls_format = tool_format or harmony  # what may constrain the output to calls
@@ -277,7 +284,12 @@ def add_generation_routes(
         except FieldError as error:
             raise bad_request(str(error), error.param) from None
         structured = constraint[1] if constraint is not None else None
-        sampling = state.sampling_params(body, logprobs, chat, structured)
+        if body.bad_words:  # tokenized (up to MAX_BAD_WORDS of them): off the event loop
+            sampling = await asyncio.to_thread(
+                state.sampling_params, body, logprobs, chat, structured
+            )
+        else:
+            sampling = state.sampling_params(body, logprobs, chat, structured)
         echo = None
         scored = [] if body.prompt_logprobs is None else [body.prompt_logprobs]
         if not chat and body.echo:
@@ -311,13 +323,14 @@ def add_generation_routes(
             body.stop_strings,
             state.model.max_model_len,
             state.model.block_size,
-            lambda stop: IncrementalDetokenizer(
+            lambda stop, prompt: IncrementalDetokenizer(
                 state.tokenizer,
                 stop,
                 body.min_tokens,
                 keep,
                 body.include_stop_str_in_output,
                 body.skip_special_tokens,
+                context=prompt,
             ),
             body.cache_salt,
             state.adapters.resolve(lora_name) if lora_name is not None else None,
@@ -342,6 +355,7 @@ def add_generation_routes(
             harmony,
             body.return_tokens_as_token_ids,
             parallel_tool_calls=not chat or body.parallel_tool_calls,
+            token_bytes=state.token_bytes,
         )
         release = admission.admit(num_sequences, lora_name)  # no await since: nothing else got in
         span = admission.span(request, response_id, lora_name, num_sequences)

@@ -34,6 +34,14 @@ MAX_LOGPROBS = 20
 UINT32_MAX = 2**32 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Lists every worker goes over at every step of the request (the sampler's rules), or the
+# router tokenizes: bounded, so that one request under the body limit cannot slow every
+# batch it joins or stall the router (a million bad words: 31 s without a /health
+# answer). The bounds are far above real use: a vocabulary for token ids (the largest
+# are ~260k), a profanity list for bad words.
+MAX_TOKEN_ID_LIST = 1 << 18
+MAX_STOP_TOKEN_IDS = 1024
+MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 4096, 256
 
 # A tenant's prefix-cache salt. Empty is refused (as vLLM does): it would hash as no salt
 # and share every unsalted request's cached blocks, the side channel salts close.
@@ -236,6 +244,8 @@ class _SamplingFields(_Body):
     @field_validator("stop_token_ids")
     @classmethod
     def _stop_ids(cls, value: list[int] | None) -> list[int] | None:
+        if value and len(value) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
         if value and any(not 0 <= t <= UINT32_MAX for t in value):
             raise ValueError(f"token ids must be in [0, {UINT32_MAX}]")
         return value
@@ -243,6 +253,8 @@ class _SamplingFields(_Body):
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, value: dict[int, float] | None) -> dict[int, float] | None:
+        if value and len(value) > MAX_TOKEN_ID_LIST:
+            raise ValueError(f"at most {MAX_TOKEN_ID_LIST} token ids")
         if value and any(not 0 <= t <= UINT32_MAX for t in value):
             raise ValueError(f"keys must be token ids in [0, {UINT32_MAX}]")
         if value and any(not -100.0 <= bias <= 100.0 for bias in value.values()):
@@ -254,6 +266,8 @@ class _SamplingFields(_Body):
     def _allowed_ids(cls, value: list[int] | None) -> list[int] | None:
         if value is not None and not value:
             raise ValueError("must not be empty (leave it out to allow every token)")
+        if value and len(value) > MAX_TOKEN_ID_LIST:
+            raise ValueError(f"at most {MAX_TOKEN_ID_LIST} token ids")
         if value and any(not 0 <= t <= UINT32_MAX for t in value):
             raise ValueError(f"token ids must be in [0, {UINT32_MAX}]")
         return value
@@ -268,6 +282,10 @@ class _SamplingFields(_Body):
     @field_validator("bad_words")
     @classmethod
     def _bad_words(cls, value: list[str] | None) -> list[str] | None:
+        if value and len(value) > MAX_BAD_WORDS:
+            raise ValueError(f"at most {MAX_BAD_WORDS} words")
+        if value and any(len(word) > MAX_BAD_WORD_CHARS for word in value):
+            raise ValueError(f"words must be at most {MAX_BAD_WORD_CHARS} characters")
         if value and any(not word.strip() for word in value):
             raise ValueError("entries must contain text")
         return value
@@ -313,6 +331,15 @@ class CompletionRequest(_SamplingFields):
     def prompt_texts(self) -> list[str] | None:
         """The prompts as text, one per prompt; None when they came as token ids."""
         return texts_of(self.prompt)
+
+    @property
+    def num_prompts(self) -> int:
+        """How many prompts, known before any is tokenized: a text or one list of token
+        ids is one; a list of texts or of token-id lists, one per entry."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return 1
+        return len(prompt)
 
     @model_validator(mode="after")
     def _checks(self) -> CompletionRequest:

@@ -84,6 +84,7 @@ class RouterState:
     # Spans of the requests that run (common/tracing.py); off unless configured.
     tracer: Tracer = field(default_factory=lambda: Tracer(TracingConfig(), ROUTER_SERVICE))
     _token_texts: dict[int, str] = field(default_factory=dict)
+    _token_bytes: dict[int, bytes] = field(default_factory=dict)
     # Compiles structured-output constraints as the workers will (router/structured.py).
     grammar_compiler: GrammarCompiler = field(init=False)
     # Whether requests may carry a priority: the engines schedule by it (the config check
@@ -178,10 +179,15 @@ class RouterState:
         """A token's own text (for logprobs); cached, the vocabulary bounds the cache."""
         text = self._token_texts.get(token_id)
         if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode(
-                [token_id], skip_special_tokens=False
-            )
+            text = self._token_texts[token_id] = self.tokenizer.pieces.text(token_id)
         return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for (chat logprobs' ``bytes``); cached alike."""
+        raw = self._token_bytes.get(token_id)
+        if raw is None:
+            raw = self._token_bytes[token_id] = self.tokenizer.pieces.bytes(token_id)
+        return raw
 
     def sampling_params(
         self, body, logprobs: int | None, chat: bool, structured: StructuredOutput | None = None

@@ -17,7 +17,6 @@ nothing here waits for ever. ``close`` stops every shard (killing those that do 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import logging
 import os
 import shutil
@@ -34,11 +33,11 @@ from typing import Any
 
 import msgspec
 import torch
-import torch.distributed as dist
 import zmq
 
 from common.config import ConfigError, EngineConfig
 from common.owned_paths import owner_tag, remove_dead_owners
+from common.tcp_store import bound_tcp_store
 from engine.models.arch import ModelArchConfig
 from engine.parallel.group import DistributedGroup
 from engine.parallel.launch import ShardExtensionSpec, ShardLaunch
@@ -108,15 +107,8 @@ class ShardClient:
         self._replies = self._context.socket(zmq.PULL)
         self._replies.bind(f"ipc://{self._dir}/replies")
         self._commands: list[zmq.Socket] = []
-        # The group's rendezvous; rank 0 joins it in ``join_group``.
-        self.store = dist.TCPStore(
-            host,
-            0,
-            size,
-            True,
-            timeout=datetime.timedelta(seconds=start_timeout_s),
-            wait_for_workers=False,
-        )
+        # The group's rendezvous, on ``host`` alone; rank 0 joins it in ``join_group``.
+        self.store = bound_tcp_store(host, 0, size, start_timeout_s)
         self._processes: list[subprocess.Popen] = []
         self._closing = False
         self._stop_watch = threading.Event()

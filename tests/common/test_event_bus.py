@@ -180,3 +180,30 @@ def test_an_unreadable_batch_asks_for_a_resync_and_later_ones_arrive():
     assert resync and [b.seq for b in batches] == [seq + 1]
     publisher.close()
     subscriber.close()
+
+
+def test_a_peer_that_asks_for_replays_and_never_reads_queues_one_replay_at_most():
+    """Each replay request queued the whole buffer for that peer without bound: a peer
+    sending 60,000 8-byte requests and reading nothing grew a worker by 690 MB. Now one
+    replay (the buffer and its end) is queued per peer; the rest are dropped."""
+    pub_port, replay_port = free_ports(2)
+    publisher = KVEventPublisher("127.0.0.1", pub_port, replay_port, buffer_size=10)
+    for i in range(10):  # ~64 KB a batch: the kernel's socket buffers hold only a few
+        hashes = [(i * 2000 + j).to_bytes(32, "big") for j in range(2000)]
+        publisher.publish([BlockRemoved(hashes)])
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVHWM, 1)
+    dealer.connect(f"tcp://127.0.0.1:{replay_port}")
+    try:
+        for _ in range(100):
+            dealer.send((0).to_bytes(8, "big"))
+        time.sleep(1.0)  # the replay thread answers (or drops) every request
+        received = 0
+        while dealer.poll(500):
+            dealer.recv_multipart()
+            received += 1
+        assert 11 <= received < 100, received  # 1,100 were sent when nothing was dropped
+    finally:
+        dealer.close(0)
+        publisher.close()

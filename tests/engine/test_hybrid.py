@@ -221,6 +221,41 @@ def test_a_decode_worker_loads_what_its_cpu_tier_holds_and_pulls_the_rest(hybrid
     assert prefill.leak_report() == [] and decode.leak_report() == []
 
 
+def test_a_decode_worker_starts_a_chats_next_turn_from_its_rolling_snapshot(hybrid):
+    """The router prefills a chat's next turn on the decode worker that holds the last
+    turn's blocks (only its new tokens are uncached there). A decode engine took no
+    rolling snapshots ("its requests' next turns are prefilled elsewhere"), so it
+    recomputed the whole conversation inside its decode batch; now it starts from the
+    snapshot its decode left after token 80. The uncached engine's tokens; nothing
+    leaked on either side."""
+    from engine.request import RemoteKV
+    from tests.engine.local_puller import LocalPuller
+
+    puller = LocalPuller()
+    prefill = LLMEngine(hybrid, EngineConfig())
+    decode = LLMEngine(hybrid, EngineConfig(), kv_puller=puller)
+    puller.sources["prefill-0"], puller.target = prefill, decode
+    prompt = random_prompts([70], seed=21)[0]
+    prefill.add_request("turn-1", prompt, GREEDY, prefill_only=True)
+    while prefill.has_unfinished_requests():
+        (first,) = [o for o in prefill.step() if o.finished] or [None]
+    remote = RemoteKV("l1", len(prompt), tuple(first.kv_block_ids), "prefill-0",
+                      state_block_ids=tuple(prefill.held_state_block_ids("turn-1")))  # fmt: skip
+    decode.add_request("turn-1", prompt, GREEDY, remote_kv=remote,
+                       output_token_ids=first.outputs[0].token_ids)  # fmt: skip
+    while decode.has_work():
+        (last,) = [o for o in decode.step() if o.finished] or [None]
+    assert prefill.release_kv("turn-1")
+    turn = prompt + last.outputs[0].token_ids + random_prompts([10], seed=22)[0]  # 92 tokens
+    decode.add_request("turn-2", turn, GREEDY)  # prefilled where the chat decoded
+    while decode.has_work():
+        (next_turn,) = [o for o in decode.step() if o.finished] or [None]
+    assert next_turn.num_cached_tokens == 80
+    expected = LLM(hybrid, enable_prefix_caching=False).generate([turn], GREEDY, use_tqdm=False)
+    assert next_turn.outputs[0].token_ids == expected[0].outputs[0].token_ids
+    assert prefill.leak_report() == [] and decode.leak_report() == []
+
+
 def test_the_config_check_sizes_the_pool_as_the_engine_does(qwen3_5, tmp_path):
     """``pdserve config check``'s arithmetic (torch-free, from config.json): KV blocks of
     the full-attention layers only, less the blocks the states take; the engine's pool."""

@@ -112,6 +112,41 @@ def test_refusals_say_what_is_wrong(state):
         assert "sequences" in error["message"] and error["param"] == param
 
 
+def test_lists_that_cost_work_per_entry_are_bounded(state, monkeypatch):
+    """Lists the router tokenizes or compiles, or every worker goes over at every step,
+    are bounded: a million bad words stalled the router for 31 s, four million repeats of
+    one allowed id slowed every batch they joined, a choice of 100,000 strings compiled
+    for 35 s. Too many prompts are refused before any is tokenized (2,000,000: 13 s)."""
+    from router.prompts import PromptTokenizer
+
+    cases = [
+        ({"bad_words": ["w"] * 4097}, "bad_words", "at most 4096 words"),
+        ({"bad_words": ["w" * 257]}, "bad_words", "at most 256 characters"),
+        ({"stop_token_ids": [5] * 1025}, "stop_token_ids", "at most 1024"),
+        ({"allowed_token_ids": [5] * (2**18 + 1)}, "allowed_token_ids", "at most 262144"),
+        ({"logit_bias": {str(i): 1 for i in range(2**18 + 1)}}, "logit_bias", "at most"),
+        ({"guided_choice": [f"option number {i}" for i in range(20_000)]}, "guided_choice",
+         "too large: at most 256 KiB"),
+        ({"structured_outputs": {"grammar": "start: " + "|".join(["x"] * 140_000)}},
+         "structured_outputs", "too large"),
+    ]  # fmt: skip
+    for extra, param, message in cases:
+        error = error_of(post(state, "/v1/completions", json={"prompt": "x", **extra}), 400)
+        assert error["param"] == param and message in error["message"], (param, error)
+    # Within the bounds: past validation to placement (no worker here: a 503).
+    body = {"prompt": "x", "bad_words": ["w"] * 4096, "allowed_token_ids": [5] * 1000}
+    assert error_of(post(state, "/v1/completions", json=body), 503)
+
+    def tokenized(*args, **kwargs):
+        raise AssertionError("the prompts were tokenized before the count was checked")
+
+    monkeypatch.setattr(PromptTokenizer, "completion", tokenized)
+    limit = state.config.router.max_inflight_sequences
+    for prompt in (["x"] * (limit + 1), [[5, 6]] * (limit + 1)):
+        error = error_of(post(state, "/v1/completions", json={"prompt": prompt}), 400)
+        assert "sequences" in error["message"] and error["param"] == "prompt"
+
+
 def test_priority_passes_where_the_engines_schedule_by_it(tiny_llama):
     overrides = [f"model={tiny_llama}", "engine.scheduling_policy=priority"]
     state = RouterState.build(load_config(None, overrides))

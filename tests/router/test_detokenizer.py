@@ -6,6 +6,7 @@ import random
 
 from common.tokenizer import Tokenizer
 from router.detokenizer import IncrementalDetokenizer
+from tests.common import made_tokenizers
 
 
 def test_incremental_equals_full_decode(tiny_llama):
@@ -125,3 +126,24 @@ def test_a_longer_stop_string_does_not_let_a_short_one_match_inside_min_tokens(t
             texts.append(streamed + detok.finish())
     exempt = tokenizer.decode(ids[:min_tokens])
     assert texts[0].startswith(exempt) and texts == [texts[0]] * 4, texts
+
+
+def test_a_completion_keeps_what_it_owes_to_the_prompt(tmp_path):
+    """With a SentencePiece decoder that strips a sequence's first space (Llama 2,
+    Mistral), the first generated token decoded alone lost its space: "...this isthe".
+    Decoded after the prompt's last tokens, prompt + completion reads as one decode."""
+    tokenizer = made_tokenizers.llama2_style(tmp_path)
+    prompt = tokenizer.encode("Hello world, this is", add_special_tokens=False)
+    generated = tokenizer.encode(" the quick 世界 fox", add_special_tokens=False)[1:]
+    assert tokenizer.convert_ids_to_tokens(generated[:1]) == ["▁the"]
+    expected = tokenizer.decode(prompt + generated)[len(tokenizer.decode(prompt)) :]
+    assert expected.startswith(" the")
+    for context in (prompt, [5, *prompt]):
+        detok = IncrementalDetokenizer(tokenizer, context=context)
+        assert "".join(detok.add([t]) for t in generated) + detok.finish() == expected
+    # A prompt given as ids that ends inside a character: decoded without it.
+    half = tokenizer.encode("世", add_special_tokens=False)[-2:]
+    detok = IncrementalDetokenizer(tokenizer, context=prompt + half)
+    assert "".join(detok.add([t]) for t in generated) + detok.finish() == tokenizer.decode(
+        generated
+    )

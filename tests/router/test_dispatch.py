@@ -455,6 +455,62 @@ def test_a_prefill_past_its_deadline_is_released_by_request_id(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_a_prefill_try_past_the_deadline_counts_no_queued_tokens(tmp_path):
+    """The first prefill worker used up the sequence's deadline: the next one is not
+    called, and keeps no queued tokens (they were added before the deadline check, which
+    left outside the try that takes them back: that worker was then passed over by
+    placement until it restarted)."""
+    first, second = HeldPrefill(), HeldPrefill()  # never answer
+
+    async def scenario(registry: RedisRegistry) -> tuple[list[int], list[int]]:
+        (server_a, info_a), (server_b, _) = await serve(first, registry), await serve(
+            second, registry)  # fmt: skip
+        config = RouterConfig(prefill_timeout_s=120.0)
+        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex(), config)
+        try:
+            await pool.refresh()
+            request = SequenceRequest("r1", list(range(5, 305)), [], pb.SamplingParams())
+            placement = Placement("decode@x", info_a.worker_id, 0, 0, 0.0)
+            deadline = time.monotonic() + 0.5
+            assert await dispatcher._prefill(request, placement, deadline) == (None, None)
+            queued = [w.queued_prefill_tokens for w in pool.workers.values()]
+            return [first.num_calls, second.num_calls], queued
+        finally:
+            await pool.close()
+            await server_a.stop(None)
+            await server_b.stop(None)
+
+    assert run_with_registry(tmp_path, scenario) == ([1, 0], [0, 0])
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_left_during_a_call_is_not_claimed_for(tmp_path):
+    """A retried prefill (or an embedding) landed on a worker that left while the call
+    ran: claiming its blocks then gave it a slot in the prefix index that nothing freed
+    (each such slot widens every block's owner mask for good)."""
+    prefill = HeldPrefill()
+
+    async def scenario(registry: RedisRegistry) -> tuple[bool, bool]:
+        server, info = await serve(prefill, registry)
+        index = PrefixIndex()
+        pool, dispatcher = pool_and_dispatcher(registry, index)
+        try:
+            await pool.refresh()
+            hashes = [b"h" * 32]
+            dispatcher._moved(hashes, None, info.worker_id)  # still in the pool: claimed
+            claimed = info.worker_id in index._bits
+            index.clear_worker(info.worker_id)  # it left (``EventListener.remove``)
+            del pool.workers[info.worker_id]
+            dispatcher._moved(hashes, None, info.worker_id)
+            return claimed, info.worker_id in index._bits
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    assert run_with_registry(tmp_path, scenario) == (True, False)
+
+
+@pytest.mark.timeout(60)
 def test_only_a_local_prefill_scores_the_prompt(tmp_path):
     """With prompt_logprobs, the decode worker that prefills locally scores the prompt and
     the client gets the scores once, with the first tokens; a worker the sequence moves to

@@ -90,3 +90,23 @@ def test_an_sse_line_is_one_json_event_in_utf_8():
     assert line.startswith(b"data: {") and line.endswith(b"}\n\n") and line.count(b"\n") == 2
     assert "é".encode() in line
     assert json.loads(line[len(b"data: ") :]) == {**body, "x": [None, None, 0.5]}
+
+
+def test_chat_logprobs_bytes_rebuild_a_character_split_across_tokens(tiny_llama):
+    """OpenAI's ``bytes``: each token's own bytes, so that joined they rebuild what the
+    tokens' texts cannot (each of the three tokens of "世" reads U+FFFD). They were the
+    bytes of U+FFFD."""
+    from common.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(tiny_llama)
+    ids = tokenizer.encode("a 世界", add_special_tokens=False)
+    logprobs = [pb.TokenLogprobs(token_id=t, logprob=-0.5) for t in ids]
+    request = SimpleNamespace(prompt_token_ids=[7, 8])
+    choice = Choice(0, 0, request, _Text("a 世界"), token_ids=ids, logprobs=logprobs,
+                    finish_reason="length")  # fmt: skip
+    formatter = Formatter("chatcmpl-1", "m", chat=True, logprobs=0,
+                          token_text=tokenizer.pieces.text,
+                          token_bytes=tokenizer.pieces.bytes)  # fmt: skip
+    content = formatter.final([choice])["choices"][0]["logprobs"]["content"]
+    assert "\ufffd" in "".join(entry["token"] for entry in content)
+    assert bytes(b for entry in content for b in entry["bytes"]).decode() == "a 世界"
