@@ -22,6 +22,7 @@ from typing import Any
 from safetensors import SafetensorError
 
 from common.config import DType, PdserveConfig, Role
+from common.internal_auth import TOKEN_ENV
 from deploy import containers as c
 from engine.models.arch import ModelLoadError
 from engine.models.weight_count import loaded_weight_count
@@ -38,6 +39,14 @@ ROLE_LABEL = "pdserve.io/role"
 CHECKSUM_ANNOTATION = "pdserve.io/config-sha256"
 ROUTER_PRESTOP_S = 5
 UID = 1000  # the image's pdserve user
+
+
+# The internal gRPC ports' shared secret (``common/internal_auth.py``), from the Secret
+# when the operator made one (``kubectl create secret generic pdserve-internal-token
+# --from-literal=token=...``); without it the pods run without the check.
+INTERNAL_TOKEN_SECRET = "pdserve-internal-token"
+_INTERNAL_TOKEN = {"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {
+    "name": INTERNAL_TOKEN_SECRET, "key": "token", "optional": True}}}  # fmt: skip
 
 
 def labels(component: str) -> dict[str, str]:
@@ -102,7 +111,7 @@ def router(config: PdserveConfig, image: str, checksum: str) -> list[dict[str, A
         "name": "router",
         "image": image,
         "args": c.router_args(),
-        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}, _INTERNAL_TOKEN],
         "ports": [{"name": "http", "containerPort": port}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 2},
         "livenessProbe": {"httpGet": {"path": "/metrics", "port": "http"},
@@ -135,6 +144,7 @@ def worker(config: PdserveConfig, role: Role, image: str, checksum: str) -> dict
             # worker's ranks; torch would count the node's cores.
             {"name": "OMP_NUM_THREADS", "valueFrom": {"resourceFieldRef": {
                 "containerName": WORKER_CONTAINER, "resource": "requests.cpu"}}},
+            _INTERNAL_TOKEN,
         ],
         "ports": [{"name": name, "containerPort": port} for name, port in named],
         "readinessProbe": {"grpc": {"port": ports.grpc}, "periodSeconds": 2},
@@ -192,6 +202,28 @@ def _mounts(config: PdserveConfig, worker: bool) -> list[dict[str, Any]]:
     if worker and draft_path is not None:
         mounts.append({"name": "draft-model", "mountPath": draft_path, "readOnly": True})
     return mounts
+
+
+def network_policy() -> dict[str, Any]:
+    """Workers' ports (gRPC, KV events and replays, KV transfer) and Redis admit only the
+    deployment's own pods: nothing else in the cluster may pull a cached prompt's KV,
+    write a decode worker's cache or rewrite the registry. (The router's HTTP port is the
+    public API and stays open; kubelet probes come from the node, which policies let
+    through.)"""
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": "pdserve-internal", "labels": labels("network")},
+        "spec": {
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "pdserve"},
+                            "matchExpressions": [{"key": "app.kubernetes.io/component",
+                                                  "operator": "In",
+                                                  "values": [*(r.value for r in Role), "redis"]}]},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": {
+                "matchLabels": {"app.kubernetes.io/name": "pdserve"}}}]}],
+        },
+    }  # fmt: skip
 
 
 def _pod_spec(

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import PdserveConfig, Role
+from common.internal_auth import TOKEN_ENV
 from deploy import containers as c
 from deploy.gpus import worker_gpus
 from deploy.yaml_text import dump_all
@@ -96,7 +97,8 @@ def _common(config: PdserveConfig, image: str) -> dict[str, Any]:
     service: dict[str, Any] = {
         "image": image,
         "configs": [{"source": CONFIG_NAME, "target": c.CONFIG_PATH}],
-        "environment": {"PYTHONUNBUFFERED": "1"},
+        # The internal ports' token (``common/internal_auth.py``): the host's, if set.
+        "environment": {"PYTHONUNBUFFERED": "1", TOKEN_ENV: f"${{{TOKEN_ENV}:-}}"},
         "restart": "unless-stopped",
     }
     if config.model is not None:

@@ -1,7 +1,8 @@
 """Render Kubernetes manifests from a deployment config: a kustomize base plus a GPU overlay.
 
     base/       ConfigMap (the container config), Redis, router Deployment + Service,
-                prefill and decode Deployments (replicas from the config), PVCs if needed
+                prefill and decode Deployments (replicas from the config), PVCs if needed,
+                a NetworkPolicy keeping the internal ports to the deployment's pods
     overlays/gpu/  the CUDA image and tensor_parallel_size nvidia.com/gpu per worker pod
     overlays/autoscale/  with ``planner.profile``: a KEDA ScaledObject per role on the
                    router's ``pdserve:planned_replicas`` (set PROMETHEUS there)
@@ -92,6 +93,7 @@ def base_resources(config: PdserveConfig, source: str, image: str) -> dict[str, 
     resources["router.yaml"] = pods.router(config, image, checksum)
     for role in Role:
         resources[f"{role.value}.yaml"] = [pods.worker(config, role, image, checksum)]
+    resources["network.yaml"] = [pods.network_policy()]
     return resources
 
 

@@ -32,6 +32,7 @@ import yaml
 
 from common.config import ConfigError, PdserveConfig, Role
 from common.config_loader import to_dict
+from common.internal_auth import open_ports_warning
 from common.model_info import cache_dir, made_model_dir, made_model_is_current
 from common.owned_paths import owner_tag, remove_dead_owners
 from common.prometheus_text import fetch, sample_totals
@@ -396,6 +397,9 @@ def run(
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for warning in ephemeral_port_warnings(config, ephemeral_range()):
+        print(f"warning: {warning}", flush=True)
+    hosts = [config.role(role).host for role in Role]
+    if (warning := open_ports_warning(hosts, os.environ)) is not None:
         print(f"warning: {warning}", flush=True)
     if config.planner.profile is not None:  # the router would refuse it after the workers load
         from planner.profile_data import ProfileError, read_profile

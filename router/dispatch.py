@@ -632,7 +632,7 @@ class Dispatcher:
         async def release() -> None:
             stub, channel = worker.prefill, None
             if self.pool.retired(worker):  # its channel is closing: a fresh one
-                channel = grpc.aio.insecure_channel(worker.info.grpc_address)
+                channel = self.pool.auth.aio_channel(worker.info.grpc_address)
                 stub = pb_grpc.PrefillServiceStub(channel)
             try:
                 with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError):

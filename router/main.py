@@ -11,6 +11,7 @@ import uvicorn
 
 from common.config import PdserveConfig
 from common.gc_heap import freeze_startup_heap
+from common.internal_auth import InternalAuth
 from router.app import create_app
 from router.http_protocol import guarded_protocol
 from router.state import RouterState
@@ -19,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 
 def run(config: PdserveConfig) -> int:
-    state = RouterState.build(config)
+    state = RouterState.build(config, InternalAuth.from_env())
     app = create_app(state)
 
     @contextlib.asynccontextmanager

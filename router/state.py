@@ -19,6 +19,7 @@ from common.config import (
     TracingConfig,
 )
 from common.generation_config import GenerationDefaults
+from common.internal_auth import NO_AUTH, InternalAuth
 from common.model_info import ModelInfo, model_info
 from common.multimodal import ImageText
 from common.registry import create_registry
@@ -98,7 +99,8 @@ class RouterState:
         self.takes_priority = policy is SchedulingPolicy.PRIORITY
 
     @classmethod
-    def build(cls, config: PdserveConfig) -> RouterState:
+    def build(cls, config: PdserveConfig, auth: InternalAuth = NO_AUTH) -> RouterState:
+        """``auth``: the token the router's calls to workers carry."""
         model = model_info(config)
         index = PrefixIndex()
         lock = threading.Lock()
@@ -112,6 +114,7 @@ class RouterState:
             # Workers re-register at their next heartbeat: grace for a registry that lost
             # its entries (static lists never do).
             missing_grace_s=config.registry.ttl_s if config.registry.redis_url else 0.0,
+            auth=auth,
         )
         metrics = RouterMetrics(model.served_name)
         metrics.live_plan = LivePlan.from_config(

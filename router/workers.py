@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import Role
 from common.hashing import lora_key
+from common.internal_auth import NO_AUTH, InternalAuth
 from common.registry import Registry, WorkerInfo
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -198,8 +199,10 @@ class WorkerPool:
         request_timeout_s: float,
         stall_timeout_s: float = 10.0,
         missing_grace_s: float = 0.0,
+        auth: InternalAuth = NO_AUTH,
     ) -> None:
         self.registry = registry
+        self.auth = auth  # every channel to a worker carries its token
         self.events = events
         self.refresh_s = refresh_s
         self.request_timeout_s = request_timeout_s
@@ -326,7 +329,7 @@ class WorkerPool:
     async def _probe_departed(self, state: WorkerState) -> None:
         """Its own channel is closing (``_retire``), so the probe gets a fresh one."""
         if state.departed_channel is None:
-            state.departed_channel = grpc.aio.insecure_channel(state.info.grpc_address)
+            state.departed_channel = self.auth.aio_channel(state.info.grpc_address)
         health = health_pb2_grpc.HealthStub(state.departed_channel)
         try:
             await health.Check(health_pb2.HealthCheckRequest(), timeout=PROBE_TIMEOUT_S)
@@ -345,7 +348,7 @@ class WorkerPool:
 
     def _connect(self, info: WorkerInfo) -> WorkerState:
         options = DECODE_CHANNEL_OPTIONS if info.role is Role.DECODE else _CHANNEL_OPTIONS
-        channel = grpc.aio.insecure_channel(info.grpc_address, options=options)
+        channel = self.auth.aio_channel(info.grpc_address, options=options)
         return WorkerState(
             info=info,
             channel=channel,

@@ -7,6 +7,7 @@ import logging
 import signal
 
 from common.config import PdserveConfig, Role
+from common.internal_auth import InternalAuth
 from proto import pdserve_pb2_grpc as pb_grpc
 from worker.runtime import WorkerRuntime
 
@@ -16,7 +17,7 @@ logger = logging.getLogger(__name__)
 async def serve(config: PdserveConfig, role: Role, index: int) -> int:
     """Run one worker until SIGTERM/SIGINT, then drain and exit; the exit code (1 if the
     engine failed)."""
-    runtime = WorkerRuntime(config, role, index)
+    runtime = WorkerRuntime(config, role, index, InternalAuth.from_env())
     if role is Role.PREFILL:
         from prefill_service.servicer import PrefillServicer
 

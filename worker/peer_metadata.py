@@ -7,6 +7,7 @@ import threading
 
 import grpc
 
+from common.internal_auth import NO_AUTH, InternalAuth
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
@@ -16,9 +17,10 @@ class PeerMetadataClient:
     (the same rank as ours: rank r pairs with rank r). Called from connector threads;
     channels are cached per endpoint."""
 
-    def __init__(self, timeout_s: float, tp_rank: int = 0) -> None:
+    def __init__(self, timeout_s: float, tp_rank: int = 0, auth: InternalAuth = NO_AUTH) -> None:
         self.timeout_s = timeout_s
         self.tp_rank = tp_rank
+        self.auth = auth
         self._stubs: dict[str, pb_grpc.PrefillServiceStub] = {}
         self._channels: list[grpc.Channel] = []
         self._releases: set[grpc.Future] = set()  # in flight (a dropped one is cancelled)
@@ -46,7 +48,7 @@ class PeerMetadataClient:
         with self._lock:
             stub = self._stubs.get(endpoint)
             if stub is None:
-                channel = grpc.insecure_channel(endpoint)
+                channel = self.auth.channel(endpoint)
                 self._channels.append(channel)
                 stub = self._stubs[endpoint] = pb_grpc.PrefillServiceStub(channel)
             return stub

@@ -29,6 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from common.config import FailurePolicy, PdserveConfig, Role
 from common.event_bus import KVEventPublisher
 from common.gc_heap import freeze_startup_heap
+from common.internal_auth import NO_AUTH, InternalAuth
 from common.registry import Registry, WorkerInfo, create_registry, worker_id
 from common.tracing import Tracer
 from engine.async_engine import AsyncEngine
@@ -64,8 +65,13 @@ def model_namespace(model_dir: Path) -> str:
 
 
 class WorkerRuntime:
-    def __init__(self, config: PdserveConfig, role: Role, index: int) -> None:
+    def __init__(
+        self, config: PdserveConfig, role: Role, index: int, auth: InternalAuth = NO_AUTH
+    ) -> None:
+        """``auth``: the token every call but the health service's must carry (and this
+        worker's own calls to its peers do)."""
         self.config = config
+        self.auth = auth
         self.role = role
         self.index = index
         section = config.role(role)
@@ -91,7 +97,7 @@ class WorkerRuntime:
         self.health = health.aio.HealthServicer()
         self.metadata_by_rank: list[bytes] = []  # the connector handshake of each TP rank
         self.engine: LLMEngine | None = None
-        self._metadata_client = PeerMetadataClient(config.kv_transfer.timeout_s)
+        self._metadata_client = PeerMetadataClient(config.kv_transfer.timeout_s, auth=auth)
         self._heartbeat_task: asyncio.Task | None = None
         self.engine_failed = False  # its thread stopped after a step raised
         self.exit_code = 0  # 1 once the engine failed: the process exits to be restarted
@@ -122,7 +128,10 @@ class WorkerRuntime:
         # A request may carry images (a vision-language model's): up to the router's
         # request budget, and its prompt's ids, not gRPC's default of 4 MiB.
         limit = max(64 << 20, self.config.router.max_request_bytes + (32 << 20))
-        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])
+        self.server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", limit)],
+            interceptors=self.auth.server_interceptors(),
+        )
         add_servicer(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         bound = self.server.add_insecure_port(self.address)

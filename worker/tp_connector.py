@@ -29,6 +29,7 @@ from typing import Any
 import msgspec
 import torch
 
+from common.internal_auth import InternalAuth
 from engine.parallel.shard_client import ShardClient, ShardError
 from kv_transfer import (
     ConnectorName,
@@ -125,7 +126,8 @@ class ConnectorExtension:
     def __init__(self, settings: ShardConnectorSettings, rank: int, size: int) -> None:
         self.rank = rank
         config = rank_config(KVTransferConfig(**settings.connector), rank, size)
-        self._metadata_client = PeerMetadataClient(config.timeout_s, rank)
+        # (The shard process has its worker's environment: the same internal token.)
+        self._metadata_client = PeerMetadataClient(config.timeout_s, rank, InternalAuth.from_env())
         self.connector = create_connector(
             config, rank_engine_id(settings.engine_id, rank), self._metadata_client
         )

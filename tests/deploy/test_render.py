@@ -82,7 +82,11 @@ def check_compose(document: dict, config: PdserveConfig, image: str) -> None:
             assert service["healthcheck"]["test"][-2:] == ["--grpc", f"{name}:{grpc_port}"]
             grace = int(service["stop_grace_period"].rstrip("s"))
             assert grace > config.role(role).drain_grace_s
+            # The internal token: the host's variable, in every pdserve process.
+            token = "${PDSERVE_INTERNAL_TOKEN:-}"
+            assert service["environment"]["PDSERVE_INTERNAL_TOKEN"] == token
     router = services["router"]
+    assert router["environment"]["PDSERVE_INTERNAL_TOKEN"] == token
     assert router["ports"][0].endswith(f"{config.router.port}:{config.router.port}")
     assert router["healthcheck"]["test"][-1] == f"http://127.0.0.1:{config.router.port}/health"
     assert set(router["depends_on"]) == {"redis", *expected}
@@ -217,6 +221,23 @@ def check_k8s(files: dict[str, str], config: PdserveConfig, image: str) -> None:
                 assert volume["configMap"]["name"] in by_kind["ConfigMap"]
             if "persistentVolumeClaim" in volume:
                 assert volume["persistentVolumeClaim"]["claimName"] in claims
+    # The internal ports keep to the deployment's pods; every pdserve process reads the
+    # internal token from the (optional) Secret.
+    (policy,) = by_kind["NetworkPolicy"].values()
+    guarded = [d for d in deployments.values()
+               if _selects(policy["spec"]["podSelector"],
+                           d["spec"]["template"]["metadata"]["labels"])]  # fmt: skip
+    assert sorted(d["metadata"]["name"] for d in guarded) == sorted(
+        ["pdserve-prefill", "pdserve-decode"]
+        + (["pdserve-redis"] if "pdserve-redis" in deployments else [])
+    )
+    (admitted,) = policy["spec"]["ingress"][0]["from"]
+    assert all(_selects(admitted["podSelector"], d["spec"]["template"]["metadata"]["labels"])
+               for d in deployments.values())  # fmt: skip
+    for name in ("pdserve-router", "pdserve-prefill", "pdserve-decode"):
+        (container,) = deployments[name]["spec"]["template"]["spec"]["containers"]
+        (token,) = [e for e in container["env"] if e["name"] == "PDSERVE_INTERNAL_TOKEN"]
+        assert token["valueFrom"]["secretKeyRef"]["optional"] is True
     for service in by_kind["Service"].values():
         targets = [d for d in deployments.values()
                    if service["spec"]["selector"].items()
@@ -225,6 +246,13 @@ def check_k8s(files: dict[str, str], config: PdserveConfig, image: str) -> None:
         port_names = {p["name"] for p in targets[0]["spec"]["template"]["spec"]["containers"][0]
                       ["ports"]}  # fmt: skip
         assert all(p["targetPort"] in port_names for p in service["spec"]["ports"])
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    """Whether a label selector (matchLabels, matchExpressions with In) selects ``labels``."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    return all(labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", []))
 
 
 def check_gpu_overlay(files: dict[str, str], image: str) -> None:

@@ -71,12 +71,15 @@ class UpStack:
         return self.proc.returncode
 
 
-def launch_up(config_path: Path, home: Path, restart: bool = True) -> UpStack:
+def launch_up(
+    config_path: Path, home: Path, restart: bool = True, env: dict[str, str] | None = None
+) -> UpStack:
     """``pdserve up`` on ``config_path``, not waited for; ``restart=False`` leaves failed
-    workers down (tests of how the router copes with a dead worker)."""
+    workers down (tests of how the router copes with a dead worker); ``env``: more of
+    the environment (an internal token)."""
     log_path = config_path.with_suffix(".up.log")
     env = {**os.environ, "PDSERVE_HOME": str(home), "PYTHONUNBUFFERED": "1",
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
+           "OMP_NUM_THREADS": "1", **(env or {})}  # fmt: skip
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "deploy.cli", "up", "--config", str(config_path),
@@ -87,10 +90,14 @@ def launch_up(config_path: Path, home: Path, restart: bool = True) -> UpStack:
 
 
 def start_up_stack(
-    config_path: Path, home: Path, timeout: float = 180.0, restart: bool = True
+    config_path: Path,
+    home: Path,
+    timeout: float = 180.0,
+    restart: bool = True,
+    env: dict[str, str] | None = None,
 ) -> UpStack:
     """``launch_up``, then wait until the stack serves."""
-    stack = launch_up(config_path, home, restart)
+    stack = launch_up(config_path, home, restart, env)
     proc, log_path = stack.proc, stack.log_path
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
