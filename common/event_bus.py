@@ -6,6 +6,8 @@ Wire format (msgpack via msgspec, never pickle):
     PUB    [b"kv", last seq, b""]                                heartbeat (idle: ~1/s)
     replay request  (DEALER → ROUTER)  [start_seq: 8 bytes]
     replay response                    [seq, KVEventBatch] ... then [seq = -1, b""]
+    snapshot request                   [-2: 8 bytes]
+    snapshot response                  [-2, KVEventBatch]: the whole cache, see below
 
 The publisher keeps the last ``buffer_size`` batches. Heartbeats carry the last sequence
 number, so a subscriber also notices batches lost at the end of a burst. A subscriber that
@@ -17,6 +19,17 @@ Sockets bind to the configured host only. ``publish`` and ``heartbeat`` are call
 one thread (the engine's); replays are answered by the publisher's own thread, so a long
 engine step never delays them (a replay that times out makes the router forget the
 worker's blocks, and its listener waits for it).
+
+A subscriber that joins, or must resynchronise, asks for a *snapshot* rather than the
+trailing batches: one batch, numbered as the last one published, holding
+``AllBlocksCleared`` and then every block the worker caches, per tier. Workers announce a
+block when they store it, never when a request hits it, so the hottest prefixes (the
+least evicted) were the ones a router that joined late, or lost history, never learned
+again (a router restarted against long-running workers routed without them for good).
+The publisher keeps the snapshot as it publishes: the set of each tier's hashes, updated
+by its own events (the same bytes objects as the events', so a set entry each). A
+publisher that predates snapshots answers the request as a replay from the start; the
+subscriber then falls back to what that gives.
 """
 
 from __future__ import annotations
@@ -31,12 +44,22 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
-from common.kv_events import KVEvent, KVEventBatch, decode_batch, encode_batch
+from common.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+    Medium,
+    decode_batch,
+    encode_batch,
+)
 
 logger = logging.getLogger(__name__)
 
 TOPIC = b"kv"
 _END = struct.pack(">q", -1)
+_SNAPSHOT = struct.pack(">q", -2)
 
 
 def _decode_or_none(payload: bytes) -> KVEventBatch | None:
@@ -72,7 +95,10 @@ class KVEventPublisher:
             self._pub.close(0)
             raise
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_size)
-        self._lock = threading.Lock()  # the buffer: appended by publish, read by replays
+        # The buffer and the cached blocks: updated by publish, read by replays.
+        self._lock = threading.Lock()
+        self._cached: dict[Medium, set[bytes]] = {medium: set() for medium in Medium}
+        self._block_size = 0  # (BlockStored carries it; the router reads none of it)
         self.next_seq = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -84,11 +110,32 @@ class KVEventPublisher:
         if not events:
             return
         seq = self.next_seq
-        self.next_seq += 1
         payload = encode_batch(KVEventBatch(seq=seq, ts=time.time(), events=events))
-        with self._lock:
+        with self._lock:  # the snapshot and the sequence number move together
+            self._keep(events)
             self._buffer.append((seq, payload))
+            self.next_seq += 1
         self._pub.send_multipart([TOPIC, struct.pack(">q", seq), payload], copy=False)
+
+    def _keep(self, events: list[KVEvent]) -> None:
+        for event in events:
+            if isinstance(event, BlockStored):
+                self._cached[event.medium].update(event.block_hashes)
+                self._block_size = event.block_size
+            elif isinstance(event, BlockRemoved):
+                self._cached[event.medium].difference_update(event.block_hashes)
+            elif isinstance(event, AllBlocksCleared):
+                for cached in self._cached.values():
+                    cached.clear()
+
+    def _snapshot(self) -> bytes:
+        with self._lock:
+            seq = self.next_seq - 1
+            cached = {medium: list(hashes) for medium, hashes in self._cached.items()}
+        events: list[KVEvent] = [AllBlocksCleared()]
+        events += [BlockStored(hashes, None, [], self._block_size, medium)
+                   for medium, hashes in cached.items() if hashes]  # fmt: skip
+        return encode_batch(KVEventBatch(seq=seq, ts=time.time(), events=events))
 
     def heartbeat(self) -> None:
         """Tell subscribers the last sequence number (call about once a second)."""
@@ -102,6 +149,9 @@ class KVEventPublisher:
                 identity, *frames = replay.recv_multipart()
                 if len(frames) != 1 or len(frames[0]) != 8:
                     continue  # not our protocol: ignore
+                if frames[0] == _SNAPSHOT:
+                    replay.send_multipart([identity, _SNAPSHOT, self._snapshot()])
+                    continue
                 (start,) = struct.unpack(">q", frames[0])
                 with self._lock:
                     buffered = [item for item in self._buffer if item[0] >= start]
@@ -125,6 +175,7 @@ class SubscriberState:
     gaps: int = 0
     replayed: int = 0
     resyncs: int = 0
+    snapshots: int = 0
     batches: list[KVEventBatch] = field(default_factory=list)
 
 
@@ -157,41 +208,88 @@ class KVEventSubscriber:
             _, seq_bytes, payload = self._sub.recv_multipart()
             (seq,) = struct.unpack(">q", seq_bytes)
             expected = self.state.next_seq
-            if not payload:  # heartbeat: ``seq`` is the publisher's last batch
-                if expected is None:  # joined an idle worker: fetch what it still buffers
-                    batches += self._replay(0, seq + 1)[0]
-                    self.state.next_seq = seq + 1
-                elif seq >= expected:
-                    batches, resync = self._catch_up(batches, resync, expected, seq + 1)
-                    self.state.next_seq = seq + 1
-                continue
-            if expected is None and seq > 0:
-                # Joined a running worker: catch up on what it still buffers.
-                batches += self._replay(0, seq)[0]
-            elif expected is not None and seq < expected:
-                continue  # already seen (through a replay)
-            elif expected is not None and seq > expected:
-                batches, resync = self._catch_up(batches, resync, expected, seq)
-            batch = _decode_or_none(payload)
-            if batch is None:  # what it changed is unknown: resynchronise from here on
+            heartbeat = not payload  # then ``seq`` is the publisher's last batch
+            if heartbeat and expected is not None and seq < expected - 1:
+                # Behind what was seen, on one ordered connection: the publisher started
+                # over (the worker restarted on the same ports). Its batches would read as
+                # seen already: forget the old ones and join the new.
                 self.state.resyncs += 1
-                batches, resync = [], True
+                batches, resync, expected = [], True, None
+            if expected is None:  # joining: the worker's cache as it is now
+                batches += self._join(seq if heartbeat else seq - 1)
+                if heartbeat or seq < self.state.next_seq:
+                    continue  # (the snapshot holds this batch)
+            elif heartbeat:
+                if seq >= expected:
+                    batches, resync = self._catch_up(batches, resync, expected, seq + 1)
+                continue
+            elif seq < expected:
+                continue  # already seen (through a replay or a snapshot)
+            elif seq > expected:
+                batches, resync = self._catch_up(batches, resync, expected, seq)
+                if seq < self.state.next_seq:
+                    continue  # (the snapshot it resynchronised from holds this batch)
+            batch = _decode_or_none(payload)
+            if batch is None:  # what it changed is unknown: resynchronise
+                self.state.resyncs += 1
+                snapshot = self._snapshot()
+                batches, resync = ([snapshot] if snapshot is not None else []), True
+                if snapshot is not None:
+                    self.state.next_seq = snapshot.seq + 1
+                    continue
             else:
                 batches.append(batch)
             self.state.next_seq = seq + 1
         return batches, resync
 
+    def _join(self, last: int) -> list[KVEventBatch]:
+        """The worker's blocks as a snapshot, and ``next_seq`` past it; from a publisher
+        without snapshots, what its buffer holds up to ``last``, the batch before the
+        one being read."""
+        snapshot = self._snapshot()
+        if snapshot is not None:
+            self.state.next_seq = snapshot.seq + 1
+            return [snapshot]
+        self.state.next_seq = last + 1
+        return self._replay(0, last + 1)[0] if last >= 0 else []
+
     def _catch_up(
         self, batches: list[KVEventBatch], resync: bool, start: int, stop: int
     ) -> tuple[list[KVEventBatch], bool]:
-        """Fill the gap [start, stop) after ``batches``. If the replay had holes, the
-        caller must resynchronise, and nothing from before the last hole is kept."""
+        """Fill the gap [start, stop) after ``batches``, and set ``next_seq`` to ``stop``.
+        If the replay had holes, the caller must resynchronise: from a snapshot (and
+        ``next_seq`` past it), else from the run of batches after the last hole."""
         self.state.gaps += 1
         replayed, complete = self._replay(start, stop)
+        self.state.next_seq = stop
         if complete:
             return batches + replayed, resync
         self.state.resyncs += 1
+        snapshot = self._snapshot()
+        if snapshot is not None:
+            self.state.next_seq = max(stop, snapshot.seq + 1)
+            return [snapshot], True
         return replayed, True
+
+    def _snapshot(self) -> KVEventBatch | None:
+        """The publisher's snapshot; None if it has none to give (it predates them: it
+        replays instead, which is read to its end) or does not answer in time."""
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self._replay_endpoint)
+        try:
+            dealer.send(_SNAPSHOT)
+            while dealer.poll(self._replay_timeout_ms):
+                seq_bytes, payload = dealer.recv_multipart()
+                if seq_bytes == _SNAPSHOT:
+                    snapshot = _decode_or_none(payload)
+                    self.state.snapshots += snapshot is not None
+                    return snapshot
+                if seq_bytes == _END:
+                    return None
+            return None
+        finally:
+            dealer.close(0)
 
     def _replay(self, start: int, stop: int) -> tuple[list[KVEventBatch], bool]:
         """Batches [start, stop) from the replay socket; complete=False if some are gone.

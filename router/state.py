@@ -115,6 +115,7 @@ class RouterState:
             # its entries (static lists never do).
             missing_grace_s=config.registry.ttl_s if config.registry.redis_url else 0.0,
             auth=auth,
+            block_size=model.block_size,
         )
         metrics = RouterMetrics(model.served_name)
         metrics.live_plan = LivePlan.from_config(

@@ -200,9 +200,15 @@ class WorkerPool:
         stall_timeout_s: float = 10.0,
         missing_grace_s: float = 0.0,
         auth: InternalAuth = NO_AUTH,
+        block_size: int = 0,
     ) -> None:
         self.registry = registry
         self.auth = auth  # every channel to a worker carries its token
+        # The router's block size (0: any): a worker with another hashes its prefixes at
+        # other boundaries, so no prefix of the router's would ever match its cache, and
+        # a pull between it and a worker of the router's size fails at the handshake.
+        self.block_size = block_size
+        self._mismatched: set[tuple[str, str]] = set()  # (worker id, engine id) logged
         self.events = events
         self.refresh_s = refresh_s
         self.request_timeout_s = request_timeout_s
@@ -275,7 +281,7 @@ class WorkerPool:
         except Exception as exc:
             logger.warning("registry unreachable, keeping the last worker list: %s", exc)
             listed = [w.info for w in self.workers.values()]
-        current = {info.worker_id: info for info in listed}
+        current = {info.worker_id: info for info in listed if self._fits(info)}
         now = time.monotonic()
         for worker_id in list(self.workers):
             state = self.workers[worker_id]
@@ -325,6 +331,20 @@ class WorkerPool:
             *(self._probe(state) for state in self.workers.values()),
             *(self._probe_departed(state) for state in self._departed.values()),
         )
+
+    def _fits(self, info: WorkerInfo) -> bool:
+        """Whether ``info``'s worker may join: its block size is the router's (one logged
+        error per engine otherwise; it stays out, as if unregistered)."""
+        if not self.block_size or not info.block_size or info.block_size == self.block_size:
+            return True
+        if (info.worker_id, info.engine_id) not in self._mismatched:
+            self._mismatched.add((info.worker_id, info.engine_id))
+            logger.error(
+                "worker %s has block size %d, the router %d: not placing on it (start it "
+                "with the deployment's engine.block_size)", info.worker_id, info.block_size,
+                self.block_size,
+            )  # fmt: skip
+        return False
 
     async def _probe_departed(self, state: WorkerState) -> None:
         """Its own channel is closing (``_retire``), so the probe gets a fresh one."""

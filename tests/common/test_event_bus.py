@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import zmq
 
 from common.event_bus import KVEventPublisher, KVEventSubscriber
-from common.kv_events import BlockRemoved, BlockStored
+from common.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    Medium,
+    encode_batch,
+)
 
 
 def free_ports(n: int) -> list[int]:
@@ -134,26 +142,55 @@ def test_lost_history_asks_for_a_resync():
     subscriber.close()
 
 
-def test_a_late_joiner_gets_a_long_history_whole():
-    """4000 batches of ~4.5 KB replayed in one burst: past ZMQ's default high-water mark
-    the replay socket dropped the rest silently, and the holes kept removed blocks known."""
+def test_a_late_joiner_gets_the_whole_cache_as_one_snapshot():
+    """4000 batches stored 260,000 blocks and removed some: a subscriber that joins gets
+    one batch, numbered as the last, that clears and stores exactly what is cached now
+    (a replay gave only what the buffer still held: blocks stored before it, the hot
+    prefixes among them, were never learned)."""
     pub_port, replay_port = free_ports(2)
-    publisher = KVEventPublisher("127.0.0.1", pub_port, replay_port)
+    publisher = KVEventPublisher("127.0.0.1", pub_port, replay_port, buffer_size=100)
     for i in range(4000):
         hashes = [(i * 65 + j).to_bytes(32, "big") for j in range(65)]
         publisher.publish([BlockStored(hashes, None, list(range(1040)), 16)])
+    gone = [(j).to_bytes(32, "big") for j in range(65)]  # batch 0's: long out of the buffer
+    publisher.publish([BlockRemoved(gone), BlockStored(gone[:1], None, [1], 16, Medium.CPU)])
     subscriber = KVEventSubscriber(f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}")
-    batches, resync = serve_while_polling(
-        publisher, subscriber, timeout_s=30, until=lambda b: len(b) >= 4000
-    )
-    assert not resync and [b.seq for b in batches] == list(range(4000))
+    batches, _ = serve_while_polling(publisher, subscriber, timeout_s=30,
+                                          until=lambda b: len(b) >= 1)  # fmt: skip
+    (snapshot,) = batches
+    assert snapshot.seq == 4000 and subscriber.state.next_seq == 4001
+    cleared, *stored = snapshot.events
+    assert isinstance(cleared, AllBlocksCleared)
+    by_medium = {event.medium: set(event.block_hashes) for event in stored}
+    expected = {(i * 65 + j).to_bytes(32, "big") for i in range(4000) for j in range(65)}
+    assert by_medium == {Medium.GPU: expected - set(gone), Medium.CPU: set(gone[:1])}
     publisher.close()
     subscriber.close()
 
 
-def test_a_replay_with_a_hole_keeps_only_what_follows_it():
+def test_a_long_gap_is_replayed_whole():
+    """4000 batches of ~4.5 KB replayed in one burst: past ZMQ's default high-water mark
+    the replay socket dropped the rest silently, and the holes kept removed blocks known."""
+    publisher, subscriber = connected_pair()
+    start = subscriber.state.next_seq
+    subscriber.socket.setsockopt(zmq.UNSUBSCRIBE, b"kv")
+    time.sleep(0.3)
+    for i in range(4000):
+        hashes = [(i * 65 + j).to_bytes(32, "big") for j in range(65)]
+        publisher.publish([BlockStored(hashes, None, list(range(1040)), 16)])
+    subscriber.socket.setsockopt(zmq.SUBSCRIBE, b"kv")
+    time.sleep(0.3)
+    last = publisher.next_seq - 1
+    batches, resync = serve_while_polling(publisher, subscriber, timeout_s=30,
+                                          until=lambda b: b and b[-1].seq == last)  # fmt: skip
+    assert not resync and [b.seq for b in batches] == list(range(start, last + 1))
+    publisher.close()
+    subscriber.close()
+
+
+def test_a_replay_with_a_hole_resynchronises_from_a_snapshot():
     """A batch missing from the middle of a replay (here: gone from the buffer) may have
-    removed blocks: the subscriber resynchronises and keeps only the batches after it."""
+    removed blocks: the subscriber resynchronises from a snapshot of the cache."""
     publisher, subscriber = connected_pair()
     publish_unseen(publisher, subscriber, 10)
     hole = publisher.next_seq - 6
@@ -163,9 +200,62 @@ def test_a_replay_with_a_hole_keeps_only_what_follows_it():
     batches, resync = serve_while_polling(
         publisher, subscriber, until=lambda b: subscriber.state.next_seq == last + 1
     )
-    assert resync and [b.seq for b in batches] == list(range(hole + 1, last + 1))
+    assert resync and [b.seq for b in batches] == [last] and subscriber.state.snapshots == 2
+    assert isinstance(batches[0].events[0], AllBlocksCleared)  # (the join's was the first)
     publisher.close()
     subscriber.close()
+
+
+class PreSnapshotPublisher:
+    """A publisher from before snapshots, on raw sockets: it reads a snapshot request as
+    a replay from its start (an 8-byte number, -2), as one did."""
+
+    def __init__(self, batches: list[list]) -> None:
+        self.pub_port, self.replay_port = free_ports(2)
+        context = zmq.Context.instance()
+        self.pub = context.socket(zmq.PUB)
+        self.pub.bind(f"tcp://127.0.0.1:{self.pub_port}")
+        self.replay = context.socket(zmq.ROUTER)
+        self.replay.bind(f"tcp://127.0.0.1:{self.replay_port}")
+        self.payloads = [encode_batch(KVEventBatch(seq, 0.0, events))
+                         for seq, events in enumerate(batches)]  # fmt: skip
+
+    def serve(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            self.pub.send_multipart([b"kv", (len(self.payloads) - 1).to_bytes(8, "big"), b""])
+            while self.replay.poll(50):
+                identity, request = self.replay.recv_multipart()
+                start = int.from_bytes(request, "big", signed=True)
+                for seq, payload in enumerate(self.payloads):
+                    if seq >= start:
+                        self.replay.send_multipart([identity, seq.to_bytes(8, "big"), payload])
+                self.replay.send_multipart([identity, (-1).to_bytes(8, "big", signed=True), b""])
+
+    def close(self) -> None:
+        self.pub.close(0)
+        self.replay.close(0)
+
+
+def test_a_subscriber_joins_a_publisher_from_before_snapshots_by_replay():
+    """A rolling upgrade: a new router, an old worker. The snapshot request is answered
+    as a replay from the start; the subscriber reads it to its end and joins as before."""
+    old = PreSnapshotPublisher([[BlockRemoved([bytes([i]) * 32])] for i in range(5)])
+    subscriber = KVEventSubscriber(f"tcp://127.0.0.1:{old.pub_port}",
+                                   f"tcp://127.0.0.1:{old.replay_port}")  # fmt: skip
+    stop = threading.Event()
+    thread = threading.Thread(target=old.serve, args=(stop,))
+    thread.start()
+    try:
+        batches: list = []
+        deadline = time.monotonic() + 10
+        while len(batches) < 5 and time.monotonic() < deadline:
+            batches += subscriber.poll(50)[0]
+    finally:
+        stop.set()
+        thread.join()
+        old.close()
+        subscriber.close()
+    assert [b.seq for b in batches] == list(range(5)) and subscriber.state.snapshots == 0
 
 
 def test_an_unreadable_batch_asks_for_a_resync_and_later_ones_arrive():
@@ -207,3 +297,41 @@ def test_a_peer_that_asks_for_replays_and_never_reads_queues_one_replay_at_most(
     finally:
         dealer.close(0)
         publisher.close()
+
+
+def test_a_publisher_that_started_over_on_the_same_ports_is_joined_again():
+    """A worker restarted on its ports numbers its batches from 0 again: they read as
+    seen already, and the old engine's blocks stayed known until the router's next probe
+    noticed the new engine id. A heartbeat behind what was seen tells: resync, then the
+    new publisher's batches arrive."""
+    pub_port, replay_port = free_ports(2)
+    old = KVEventPublisher("127.0.0.1", pub_port, replay_port)
+    subscriber = KVEventSubscriber(f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}")
+    deadline = time.monotonic() + 5
+    while subscriber.state.next_seq is None or subscriber.state.next_seq < 20:
+        assert time.monotonic() < deadline, "the subscriber never connected"
+        old.publish([BlockStored([bytes(32)], None, [1], 16)])
+        subscriber.poll(10)
+    old.close()
+    new = None
+    while new is None:  # ZMQ lets go of the old sockets' ports in the background
+        try:
+            new = KVEventPublisher("127.0.0.1", pub_port, replay_port)
+        except zmq.ZMQError:
+            assert time.monotonic() < deadline + 5, "the ports never came free"
+            time.sleep(0.05)
+    fresh = (7).to_bytes(32, "big")
+    batches, resync = [], False
+    deadline = time.monotonic() + 20
+    while not any(fresh in getattr(e, "block_hashes", ()) for b in batches for e in b.events):
+        assert time.monotonic() < deadline, (subscriber.state, batches)
+        new.heartbeat()
+        if not new.next_seq:  # after the subscriber reconnected, so as not to be missed
+            time.sleep(0.3)
+            new.publish([BlockStored([fresh], None, [2], 16)])
+        got, flag = subscriber.poll(50)
+        batches += got
+        resync |= flag
+    assert resync and subscriber.state.resyncs == 1
+    new.close()
+    subscriber.close()

@@ -167,6 +167,37 @@ def test_a_registry_that_lost_its_entries_does_not_empty_the_pool(tmp_path):
     run_with_registry(tmp_path, scenario)
 
 
+@pytest.mark.timeout(60)
+def test_a_worker_of_another_block_size_is_not_placed_on(tmp_path, caplog):
+    """A worker started with another engine.block_size (a scale-out with the wrong
+    config) hashes its prefixes at other boundaries: none of the router's would ever
+    match, and pulls between it and the others fail at their handshake. It stays out of
+    the pool, with one error logged, until it comes back with the router's size."""
+    import dataclasses
+
+    async def scenario(registry: RedisRegistry) -> list[bool]:
+        server, info = await serve_decode(SlowDecode(), health.aio.HealthServicer())
+        pool = WorkerPool(registry, EventListener(PrefixIndex(), threading.Lock()), 60.0, 30.0,
+                          block_size=16)  # fmt: skip
+        seen = []
+        try:
+            registry.register(dataclasses.replace(info, block_size=32))
+            for _ in range(3):
+                await pool.refresh()
+                seen.append(pool.get(info.worker_id) is not None)
+            registry.register(dataclasses.replace(info, block_size=16, engine_id="fixed"))
+            await pool.refresh()
+            seen.append(pool.get(info.worker_id) is not None)
+        finally:
+            await pool.close()
+            await server.stop(None)
+        return seen
+
+    assert run_with_registry(tmp_path, scenario) == [False, False, False, True]
+    errors = [r for r in caplog.records if "block size 32, the router 16" in r.getMessage()]
+    assert len(errors) == 1
+
+
 class FreezableDecode(pb_grpc.DecodeServiceServicer):
     """Streams a token every 50 ms, and answers health checks, until frozen: then neither
     (a stopped process or a hung host looks the same from the router)."""
