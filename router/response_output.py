@@ -145,15 +145,22 @@ def _call_item(
 
 class ResponseStream:
     """Chat chunks in, Responses events out (each a dict with ``type`` and
-    ``sequence_number``). Items open as their first delta arrives and close when another
-    kind begins or the stream ends: thinking, then the answer's text, then each call."""
+    ``sequence_number``). An item opens at its first delta. The thinking's item closes
+    when the answer or a call begins (a client shows it done); the message and the calls
+    stay open to the end of the reply, one message and one item per call, whatever the
+    order of their pieces. Closing the message when a call began split the reply by how
+    its text came in deltas: text after a call became a second message, and a word
+    arriving in the call's chunk was cut over both (the whole response has one). Items
+    are numbered as they open, so text written after a call follows it, where the whole
+    response (from the chat message) puts the text first; thinking that resumes after
+    the answer began (Harmony: analysis after a preamble) opens a second reasoning item,
+    where the whole response joins them."""
 
     def __init__(self, shape: ResponseShape) -> None:
         self.shape = shape
         self.sequence_number = 0
-        self.output: list[dict[str, Any]] = []  # closed items
-        self._open: dict[str, Any] | None = None  # the item being streamed
-        self._open_key: object = None  # "reasoning", "message" or ("call", chat index)
+        self._closed: list[tuple[int, dict[str, Any]]] = []  # (output index, item)
+        self._open: dict[object, dict[str, Any]] = {}  # key -> item, in output order
         self._finish_reason: str | None = None
         # Token log-probs (asked for with include). A text delta carries every one not
         # sent yet (its chunk's, and those of chunks that showed no text: thinking, or
@@ -161,6 +168,12 @@ class ResponseStream:
         # tokens up to it (all of them, as a whole reply's text, unless calls follow).
         self._logprobs: list[dict[str, Any]] = []
         self._unsent: list[dict[str, Any]] = []
+
+    @property
+    def output(self) -> list[dict[str, Any]]:
+        """The closed items in output order (an item that opened earlier may close later:
+        the message, around thinking that resumed)."""
+        return [item for _, item in sorted(self._closed, key=lambda pair: pair[0])]
 
     def start(self) -> Iterator[dict[str, Any]]:
         response = self.shape.envelope("in_progress", [])
@@ -170,7 +183,7 @@ class ResponseStream:
     def chunk(self, chunk: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """The events of one chat chunk (an error chunk ends the response as failed)."""
         if "error" in chunk:
-            yield from self._close("incomplete")
+            yield from self._close_all("incomplete")
             error = chunk["error"]
             yield self._event("error", code=error.get("code"), message=error.get("message"),
                               param=responses_param(error.get("param")))  # fmt: skip
@@ -192,9 +205,9 @@ class ResponseStream:
                 self._finish_reason = choice["finish_reason"]
         if chunk.get("usage") is not None and not chunk.get("choices"):
             status = _status(self._finish_reason)
-            if self._open is None and not self.output:  # nothing at all: an empty answer
+            if not self._open and not self.output:  # nothing at all: an empty answer
                 yield from self._open_text("message")
-            yield from self._close(status)  # the last item: cut if the reply was
+            yield from self._close_all(status)  # the last item: cut if the reply was
             response = self.shape.envelope(status, self.output, _usage(chunk["usage"]))
             kind = "response.completed" if status == "completed" else "response.incomplete"
             yield self._event(kind, response=response)
@@ -208,15 +221,16 @@ class ResponseStream:
     def _text_delta(
         self, key: str, text: str, logprobs: list[dict[str, Any]] | None = None
     ) -> Iterator[dict[str, Any]]:
-        if self._open_key != key:
-            yield from self._close("completed")
+        if key == "message":
+            yield from self._close_thinking()
+        if key not in self._open:
             yield from self._open_text(key)
-        assert self._open is not None
-        self._open["_text"] += text
+        item = self._open[key]
+        item["_text"] += text
         kind = "response.reasoning_text.delta" if key == "reasoning" else (
             "response.output_text.delta")  # fmt: skip
         extra = {} if key == "reasoning" else {"logprobs": logprobs or []}
-        yield self._event(kind, item_id=self._open["id"], output_index=len(self.output),
+        yield self._event(kind, item_id=item["id"], output_index=item["_index"],
                           content_index=0, delta=text, **extra)  # fmt: skip
 
     def _open_text(self, key: str) -> Iterator[dict[str, Any]]:
@@ -227,38 +241,46 @@ class ResponseStream:
             item = _message_item(_new_id("msg"), None, "in_progress")
         yield from self._begin(key, item)
         yield self._event("response.content_part.added", item_id=item["id"],
-                          output_index=len(self.output), content_index=0,
+                          output_index=self._open[key]["_index"], content_index=0,
                           part=_part(key, ""))  # fmt: skip
 
     def _call_delta(self, call: dict[str, Any]) -> Iterator[dict[str, Any]]:
         key = ("call", call.get("index", 0))
         function = call.get("function") or {}
-        if self._open_key != key:
-            yield from self._close("completed")
+        yield from self._close_thinking()
+        if key not in self._open:
             item = _call_item(_new_id("fc"), call.get("id") or _new_id("call"),
                               function.get("name") or "", "", "in_progress")  # fmt: skip
             yield from self._begin(key, item)
-        assert self._open is not None
+        item = self._open[key]
         arguments = function.get("arguments") or ""
         if arguments:
-            self._open["_text"] += arguments
+            item["_text"] += arguments
             yield self._event("response.function_call_arguments.delta",
-                              item_id=self._open["id"], output_index=len(self.output),
+                              item_id=item["id"], output_index=item["_index"],
                               delta=arguments)  # fmt: skip
 
-    def _begin(self, key: object, item: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        self._open, self._open_key = {**item, "_text": ""}, key
-        yield self._event("response.output_item.added", output_index=len(self.output),
-                          item=item)  # fmt: skip
+    def _close_thinking(self) -> Iterator[dict[str, Any]]:
+        if "reasoning" in self._open:
+            yield from self._close("reasoning", "completed")
 
-    def _close(self, status: str) -> Iterator[dict[str, Any]]:
-        """Finish the open item (``status``: completed, or incomplete where the reply was
-        cut in it): its done events, and it joins the output."""
-        if self._open is None:
-            return
-        item, key = self._open, self._open_key
+    def _begin(self, key: object, item: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        index = len(self._closed) + len(self._open)
+        self._open[key] = {**item, "_text": "", "_index": index}
+        yield self._event("response.output_item.added", output_index=index, item=item)
+
+    def _close_all(self, status: str) -> Iterator[dict[str, Any]]:
+        """Finish the open items in output order, the last with ``status`` (completed, or
+        incomplete where the reply was cut), the others completed."""
+        keys = list(self._open)
+        for number, key in enumerate(keys):
+            yield from self._close(key, status if number == len(keys) - 1 else "completed")
+
+    def _close(self, key: object, status: str) -> Iterator[dict[str, Any]]:
+        """An open item's done events; it joins the output."""
+        item = self._open.pop(key)
         text = item.pop("_text")
-        index = len(self.output)
+        index = item.pop("_index")
         if key in ("reasoning", "message"):
             where = {"item_id": item["id"], "output_index": index, "content_index": 0}
             if key == "reasoning":
@@ -279,8 +301,7 @@ class ResponseStream:
                               output_index=index, name=item["name"], arguments=text)  # fmt: skip
             done = _call_item(item["id"], item["call_id"], item["name"], text, status)
         yield self._event("response.output_item.done", output_index=index, item=done)
-        self.output.append(done)
-        self._open = self._open_key = None
+        self._closed.append((index, done))
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"type": kind, "sequence_number": self.sequence_number, **fields}

@@ -58,7 +58,7 @@ from typing import Any
 from common.config import ToolCallParser
 from router.protocol import ChatCompletionRequest, FieldError, Tool
 from router.tags import partial_tag
-from router.tools import ToolCalls, call
+from router.tools import ToolCalls, call, json_members
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -98,19 +98,26 @@ def _parse_call(body: str) -> tuple[str, str] | None:
         value = json.loads(body)
     except ValueError:
         return None
-    return _name_and_arguments(value, ("arguments",))
+    return _name_and_arguments(value, ("arguments",), body)
 
 
-def _name_and_arguments(value: Any, argument_keys: tuple[str, ...]) -> tuple[str, str] | None:
-    """(name, arguments as JSON text) of a decoded call object; None if it is not one.
-    The arguments are under the first of ``argument_keys`` it has (none: ``{}``)."""
+def _name_and_arguments(
+    value: Any, argument_keys: tuple[str, ...], text: str
+) -> tuple[str, str] | None:
+    """(name, arguments as JSON text) of a call object decoded from ``text``; None if it
+    is not one. The arguments are under the first of ``argument_keys`` it has (none:
+    ``{}``), as the model wrote them: decoded and encoded again, a number too large for
+    a float became ``Infinity``, which is not JSON, and the rest were rounded."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     key = next((k for k in argument_keys if k in value), None)
-    arguments = value[key] if key is not None else {}
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
-    return value["name"], arguments
+    if key is None:
+        return value["name"], "{}"
+    if isinstance(value[key], str):
+        return value["name"], value[key]
+    start = len(text) - len(text.lstrip())
+    members = {k: (a, b) for k, a, b in json_members(text, start, "}")}
+    return value["name"], text[slice(*members[key])]
 
 
 def _one(parsed: tuple[str, str] | None) -> list[tuple[str, str]] | None:
@@ -144,16 +151,15 @@ def _parse_glm45_call(body: str, strings: dict[str, frozenset[str]]) -> tuple[st
         return None
     # The body is stripped: every part of it after the name must be an argument.
     arguments = _text_arguments(marker + rest, _GLM_ARGUMENT, strings.get(name, frozenset()))
-    return None if arguments is None else (name, json.dumps(arguments, ensure_ascii=False))
+    return None if arguments is None else (name, arguments)
 
 
-def _text_arguments(
-    text: str, pattern: re.Pattern[str], strings: frozenset[str]
-) -> dict[str, Any] | None:
-    """The arguments written as text one after another in ``text`` (GLM-4.5's,
-    MiniMax-M2's), each a match of ``pattern`` (groups: key, value), blanks between;
-    None if anything else is there. ``strings``: the keys the schema types as strings."""
-    arguments: dict[str, Any] = {}
+def _text_arguments(text: str, pattern: re.Pattern[str], strings: frozenset[str]) -> str | None:
+    """The JSON object of the arguments written as text one after another in ``text``
+    (GLM-4.5's, MiniMax-M2's), each a match of ``pattern`` (groups: key, value), blanks
+    between; None if anything else is there. ``strings``: the keys the schema types as
+    strings."""
+    arguments: dict[str, str] = {}  # key -> its value as JSON text
     at = 0
     while at < len(text):
         match = pattern.match(text, at)
@@ -162,18 +168,55 @@ def _text_arguments(
         key = match.group(1)
         arguments[key] = _argument(match.group(2), key in strings)
         at = match.end()
-    return arguments
+    pairs = arguments.items()
+    return "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {v}" for k, v in pairs) + "}"
 
 
-def _argument(value: str, is_string: bool) -> Any:
-    """An argument written as text (GLM-4.5's, MiniMax-M2's): the text for a string-typed
-    one, else its JSON value (the text when it is not JSON)."""
-    if is_string:
-        return value
-    try:
-        return json.loads(value)
-    except ValueError:
-        return value
+def _argument(value: str, is_string: bool) -> str:
+    """An argument written as text (GLM-4.5's, MiniMax-M2's), as JSON text: a string of
+    the text for a string-typed one, else the JSON value as written (a string of the
+    text when it is not JSON)."""
+    if not is_string:
+        try:
+            json.loads(value)
+            return value.strip()
+        except ValueError:
+            pass
+    return json.dumps(value, ensure_ascii=False)
+
+
+class _Blanks:
+    """Whitespace next to a call goes with it, streamed or whole alike: the whitespace a
+    piece of content ends with is held back, sent in front of the next text, dropped
+    when a call follows (or when the reply ends after calls), and the whitespace right
+    after a call is dropped. Decided per piece, whitespace arriving in a delta of its own
+    was dropped after a call and kept otherwise, so the text depended on how the tokens
+    came (every paragraph break after a call, gone one token at a time); and the whole
+    reply stripped its content where the stream did not."""
+
+    def __init__(self) -> None:
+        self.held = ""
+        self.after_call = False
+
+    def text(self, text: str) -> str:
+        """What of ``text`` to send now."""
+        if self.after_call:
+            text = text.lstrip()
+            if not text:
+                return ""
+            self.after_call = False
+        text = self.held + text
+        body = text.rstrip()
+        self.held = text[len(body) :]
+        return body
+
+    def call(self) -> None:
+        self.held, self.after_call = "", True
+
+    def end(self, called: bool) -> str:
+        """The rest, once the reply ended: nothing after calls."""
+        rest, self.held = ("" if called else self.held), ""
+        return rest
 
 
 class _Reader:
@@ -187,6 +230,7 @@ class _Reader:
         self.pending = ""
         self.in_call = False
         self.num_calls = 0
+        self.blanks = _Blanks()
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
         """Content to send and calls completed by ``text`` (all of it when ``final``)."""
@@ -199,31 +243,35 @@ class _Reader:
                 at = self.pending.find(start)
                 if at < 0:
                     keep = 0 if final else partial_tag(self.pending, start)
-                    self._content(self.pending[: len(self.pending) - keep], content)
+                    content.append(self.blanks.text(self.pending[: len(self.pending) - keep]))
                     self.pending = self.pending[len(self.pending) - keep :]
-                    return "".join(content), calls
-                self._content(self.pending[:at], content)
+                    return self._sent(content, calls, final)
+                content.append(self.blanks.text(self.pending[:at]))
                 self.pending = self.pending[at + len(start) :]
                 self.in_call = True
                 continue
             end = self.pending.find(end_tag)
             if end < 0:
                 if final:  # cut short: it stays text
-                    content.append(start + self.pending)
+                    content.append(self.blanks.text(start + self.pending))
                     self.pending = ""
-                return "".join(content), calls
+                return self._sent(content, calls, final)
             body, self.pending = self.pending[:end], self.pending[end + len(end_tag) :]
             self.in_call = False
             parsed = self.parse(body.strip())
             if parsed is None:
-                content.append(start + body + end_tag)
+                content.append(self.blanks.text(start + body + end_tag))
                 continue
             calls.extend(call(*p) for p in parsed)
             self.num_calls += len(parsed)
+            self.blanks.call()
 
-    def _content(self, text: str, into: list[str]) -> None:
-        if text and not (self.num_calls and not text.strip()):  # not whitespace between calls
-            into.append(text)
+    def _sent(
+        self, content: list[str], calls: list[dict[str, Any]], final: bool
+    ) -> tuple[str, list[dict[str, Any]]]:
+        if final:
+            content.append(self.blanks.end(called=self.num_calls > 0))
+        return "".join(content), calls
 
 
 def _calling(
@@ -231,7 +279,7 @@ def _calling(
 ) -> tuple[dict[str, Any], str | None]:
     """A whole reply that called: its calls, the text around them as content (None if
     blank), and ``tool_calls`` for a reply that stopped by itself."""
-    message = {"role": "assistant", "content": content.strip() or None, "tool_calls": calls}
+    message = {"role": "assistant", "content": content or None, "tool_calls": calls}
     return message, "tool_calls" if finish_reason == "stop" else finish_reason
 
 
@@ -305,7 +353,7 @@ def _parse_minimax_calls(
                                     strings.get(name, frozenset()))  # fmt: skip
         if arguments is None:
             return None
-        calls.append((name, json.dumps(arguments, ensure_ascii=False)))
+        calls.append((name, arguments))
         at = invoke.end()
     return calls or None
 
@@ -332,7 +380,7 @@ def _json_calls(text: str) -> list[dict[str, Any]] | None:
             value, end = _DECODER.raw_decode(text, at)
         except ValueError:
             return None
-        parsed = _name_and_arguments(value, ("parameters", "arguments"))
+        parsed = _name_and_arguments(value, ("parameters", "arguments"), text[at:end])
         if parsed is None:
             return None
         calls.append(call(*parsed))
@@ -405,7 +453,9 @@ def _mistral_calls(text: str) -> list[dict[str, Any]] | None:
             return None
         if not isinstance(listed, list) or not listed:
             return None
-        parsed = [_name_and_arguments(value, ("arguments", "parameters")) for value in listed]
+        spans = json_members(text, len(text) - len(text.lstrip()), "]")
+        parsed = [_name_and_arguments(value, ("arguments", "parameters"), text[a:b])
+                  for value, (_, a, b) in zip(listed, spans, strict=True)]  # fmt: skip
         if any(p is None for p in parsed):
             return None
         return [call(*p) for p in parsed if p is not None]
@@ -419,7 +469,7 @@ def _mistral_calls(text: str) -> list[dict[str, Any]] | None:
             return None
         if not isinstance(value, dict):
             return None
-        calls.append(call(name, json.dumps(value, ensure_ascii=False)))
+        calls.append(call(name, arguments.strip()))  # (as written: see _name_and_arguments)
     return calls
 
 
@@ -431,6 +481,7 @@ class _MarkedReader:
         self.marker, self.parse = marker, parse
         self.pending = ""
         self.held: str | None = None  # what follows the marker, once it came
+        self.blanks = _Blanks()  # (the whitespace before the marker goes with the calls)
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
         """Content to send and the calls (all at the end, when ``final``)."""
@@ -440,17 +491,20 @@ class _MarkedReader:
             at = self.pending.find(self.marker)
             if at < 0:
                 keep = 0 if final else partial_tag(self.pending, self.marker)
-                content, self.pending = (self.pending[: len(self.pending) - keep],
-                                         self.pending[len(self.pending) - keep :])  # fmt: skip
-                return content, []
-            content, self.held = self.pending[:at], self.pending[at + len(self.marker) :]
+                content = self.blanks.text(self.pending[: len(self.pending) - keep])
+                self.pending = self.pending[len(self.pending) - keep :]
+                return content + (self.blanks.end(called=False) if final else ""), []
+            content = self.blanks.text(self.pending[:at])
+            self.held = self.pending[at + len(self.marker) :]
         else:
             self.held += text
         if not final:
             return content, []
         calls = self.parse(self.held)
         if calls is None:  # not calls: text, as the model wrote it
-            return content + self.marker + self.held, []
+            text = self.blanks.text(self.marker + self.held) + self.blanks.end(called=False)
+            return content + text, []
+        self.blanks.call()
         return content, calls
 
 
@@ -532,7 +586,7 @@ def _json_call(name: str, arguments: str) -> tuple[str, str] | None:
         return None
     if _FUNCTION_NAME.fullmatch(name.strip()) is None or not isinstance(value, dict):
         return None
-    return name.strip(), json.dumps(value, ensure_ascii=False)
+    return name.strip(), arguments.strip()  # (as written: see _name_and_arguments)
 
 
 def _deepseek_call(head: str, arguments: str) -> tuple[str, str] | None:

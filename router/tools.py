@@ -162,7 +162,7 @@ def _next(text: str, at: int) -> int:
     return at
 
 
-def _members(text: str, at: int, closing: str) -> list[tuple[str | None, int, int]]:
+def json_members(text: str, at: int, closing: str) -> list[tuple[str | None, int, int]]:
     """(key, start, end) of each value of the array or object opening at ``at``: key
     None in an array. ``text`` is valid JSON (already parsed)."""
     members: list[tuple[str | None, int, int]] = []
@@ -183,8 +183,8 @@ def _listed_calls(text: str) -> list[tuple[str, str]]:
     generated, not parsed and encoded again: that would turn a number too large for a
     float into ``Infinity``, which is not JSON, and round the rest."""
     calls = []
-    for _, start, _end in _members(text, _next(text, 0), "]"):
-        fields = {key: (a, b) for key, a, b in _members(text, start, "}")}
+    for _, start, _end in json_members(text, _next(text, 0), "]"):
+        fields = {key: (a, b) for key, a, b in json_members(text, start, "}")}
         name = json.loads(text[slice(*fields["name"])])
         calls.append((name, text[slice(*fields["parameters"])]))
     return calls

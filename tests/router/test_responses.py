@@ -185,16 +185,41 @@ def test_streamed_chunks_become_ordered_events():
         "response.output_item.done",
         "response.output_item.added", "response.content_part.added",
         "response.output_text.delta", "response.output_text.delta",
-        "response.output_text.done", "response.content_part.done", "response.output_item.done",
         "response.output_item.added", "response.function_call_arguments.delta",
-        "response.function_call_arguments.delta", "response.function_call_arguments.done",
-        "response.output_item.done", "response.completed",
+        "response.function_call_arguments.delta",
+        # the message and the calls stay open to the end (text may follow a call)
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed",
     ]  # fmt: skip
     final = out[-1]["response"]
     assert [item["type"] for item in final["output"]] == ["reasoning", "message", "function_call"]
     assert final["output"][1]["content"][0]["text"] == "Hello"
     assert final["output"][2]["arguments"] == '{"a": 1}' and final["output"][2]["name"] == "f"
     assert [e["output_index"] for e in out if e["type"] == "response.output_item.done"] == [0, 1, 2]
+
+
+def test_text_after_a_call_joins_the_one_message_however_it_was_grouped():
+    """Text written after a call (Hermes-style replies) became a second message, and a
+    word that arrived in the call's chunk was cut over both; the whole response has one
+    message with all the text. Every grouping of the same reply gives the same items."""
+    call = {"index": 0, "id": "call_1", "type": "function",
+            "function": {"name": "f", "arguments": "{}"}}  # fmt: skip
+    text = "Checking now.\n\nOne moment."
+    groupings = [
+        [chunk({"tool_calls": [call], "content": text})],
+        [chunk({"tool_calls": [call], "content": text[:4]}), chunk({"content": text[4:]})],
+        [chunk({"tool_calls": [call]}), *(chunk({"content": c}) for c in text)],
+    ]
+    for pieces in groupings:
+        events = shape().events()
+        out = list(events.start())
+        for piece in [*pieces, chunk({}, finish_reason="tool_calls"), chunk(usage=USAGE)]:
+            out += events.chunk(piece)
+        final = out[-1]["response"]
+        assert sorted(item["type"] for item in final["output"]) == ["function_call", "message"]
+        (message,) = [item for item in final["output"] if item["type"] == "message"]
+        assert message["content"][0]["text"] == text, pieces
 
 
 def streamed(*pieces: dict, **body) -> list[dict]:

@@ -74,9 +74,60 @@ def test_a_stream_cut_anywhere_adds_up_to_the_whole_response(seed):
     cuts = sorted(rng.sample(range(1, len(TWO_CALLS)), rng.randint(1, 40)))
     content, calls, reason = _streamed(TWO_CALLS, cuts, "stop", calls_only=True)
     whole, _ = HermesCalls().message(TWO_CALLS, "stop")
-    assert reason == "tool_calls" and content.strip() == whole["content"]
+    assert reason == "tool_calls" and content == whole["content"]  # (not stripped)
     assert [c["index"] for c in calls] == [0, 1]
     assert _names_and_arguments(calls) == _names_and_arguments(whole["tool_calls"])
+
+
+CALL = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
+
+
+@pytest.mark.parametrize(
+    ("text", "content"),
+    [
+        (f"\n\n{CALL}", None),  # Qwen3's answer after its thinking: a blank line, a call
+        (f"{CALL}\nI called it.\n\nIt answers soon.\n", "I called it.\n\nIt answers soon."),
+        (f"Let me look.\n{CALL}\n\n{CALL}", "Let me look."),
+        (f"  Sure. {CALL}", "  Sure."),
+    ],
+)
+def test_whitespace_next_to_a_call_goes_with_it_however_the_text_came(text, content):
+    """Decided per delta, whitespace arriving alone after a call was dropped and kept
+    otherwise (every paragraph break after a call, gone one token at a time), and the
+    whole reply stripped its content where the stream did not. Whitespace on either side
+    of a call goes with it; the rest is the content, streamed at any cut or whole."""
+    whole, _ = HermesCalls().message(text, "stop")
+    assert whole["content"] == content
+    rng = random.Random(len(text))
+    cuts_list = [list(range(1, len(text))), [text.index("<tool")], []]
+    cuts_list += [sorted(rng.sample(range(1, len(text)), 6)) for _ in range(20)]
+    for cuts in cuts_list:
+        streamed, calls, _ = _streamed(text, cuts, "stop")
+        assert (streamed or None) == content and calls, cuts
+
+
+def test_arguments_are_passed_as_the_model_wrote_them():
+    """Decoded and encoded again, a number too large for a float became ``Infinity``
+    (not JSON) and the rest were rounded, in every free-text format."""
+    arguments = '{"n": 1e400, "p": 0.30000000000000001}'
+    texts = {
+        HermesCalls: f'<tool_call>{{"name": "f", "arguments": {arguments}}}</tool_call>',
+        JsonCalls: f'{{"name": "f", "parameters": {arguments}}}',
+        MistralCalls: f"[TOOL_CALLS]f[ARGS]{arguments}",
+        KimiCalls: f"{SB}{KB}functions.f:0{KA}{arguments}{KE}{SE}",
+    }
+    for parser, text in texts.items():
+        message, _ = parser().message(text, "stop")
+        (made,) = message["tool_calls"]
+        assert made["function"]["arguments"] == arguments, parser
+    listed, _ = MistralCalls().message(f'[TOOL_CALLS][{{"name": "f", "arguments": {arguments}}}]',
+                                       "stop")  # fmt: skip
+    assert listed["tool_calls"][0]["function"]["arguments"] == arguments
+    glm, _ = Glm45Calls({}).message(
+        "<tool_call>f<arg_key>n</arg_key><arg_value>1e400</arg_value>"
+        "<arg_key>s</arg_key><arg_value>a b</arg_value></tool_call>", "stop"
+    )  # fmt: skip
+    assert glm["tool_calls"][0]["function"]["arguments"] == '{"n": 1e400, "s": "a b"}'
 
 
 @pytest.mark.parametrize(
@@ -242,7 +293,7 @@ def assert_marked_calls(parser, text: str, expected) -> None:
     cuts_list += [sorted(rng.sample(range(1, len(text)), 4)) for _ in range(20)]
     for cuts in cuts_list:
         streamed, made, streamed_reason = _streamed(text, cuts, "stop", parser=parser)
-        assert (streamed.strip() or None) == content if calls else streamed == content
+        assert (streamed or None) == content if calls else streamed == content
         assert _names_and_arguments(made) == calls and streamed_reason == reason
         assert [c["index"] for c in made] == list(range(len(calls)))
 
@@ -255,7 +306,8 @@ def test_mistral_calls_whole_and_streamed_at_any_cut(text, expected):
 def test_mistral_content_streams_up_to_the_marker():
     calls = MistralCalls()
     delta, _ = calls.delta(0, "Sure, [TOOL", True, None)
-    assert delta == {"content": "Sure, "}  # "[TOOL" may begin the marker
+    # "[TOOL" may begin the marker; the blank waits for what follows (a call: dropped)
+    assert delta == {"content": "Sure,"}
     delta, _ = calls.delta(0, "_CALLS]get_time[ARGS]{}", False, None)
     assert delta == {"content": ""}
     delta, reason = calls.delta(0, "", False, "stop")
