@@ -61,14 +61,24 @@ def image_digest(data: bytes) -> bytes:
 
 def block_extra(spans: Sequence[ImageSpan], start: int, end: int) -> bytes | None:
     """The hash ``extra`` of the block of prompt positions ``[start, end)``: for each image
-    overlapping it, in prompt order, where its run starts relative to ``start`` and its
-    digest; None when it overlaps none (a text block's hash is then unchanged)."""
-    parts = [
-        struct.pack("<q", span.offset - start) + span.digest
-        for span in spans
-        if span.offset < end and span.end > start
-    ]
-    return b"".join(parts) or None
+    overlapping it, and each image chained to one of those by adjacency (one's run
+    ending where the next begins), in prompt order, where its run starts relative to
+    ``start`` and its digest; None when it overlaps none (a text block's hash is then
+    unchanged). ``spans`` are in prompt order. Adjacent images are one attention group
+    where images attend both ways (Gemma 3): the first's KV depends on the second, so
+    "[A][B]" and "[A][C]" shared the blocks of A alone, and the second served the
+    first's KV (a cached run's tokens differed from an uncached one's)."""
+    overlapping = [i for i, span in enumerate(spans) if span.offset < end and span.end > start]
+    if not overlapping:
+        return None
+    first, last = overlapping[0], overlapping[-1]
+    while first > 0 and spans[first - 1].end == spans[first].offset:
+        first -= 1
+    while last + 1 < len(spans) and spans[last].end == spans[last + 1].offset:
+        last += 1
+    return b"".join(
+        struct.pack("<q", span.offset - start) + span.digest for span in spans[first : last + 1]
+    )
 
 
 def placeholder_runs(token_ids: Sequence[int], image_token_id: int) -> list[tuple[int, int]]:

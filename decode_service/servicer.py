@@ -17,6 +17,7 @@ from worker.call_spans import call_span, output_attributes
 from worker.convert import (
     images_from_proto,
     logprobs_to_proto,
+    optional,
     prompt_logprobs_to_proto,
     sampling_from_proto,
     timings_to_proto,
@@ -87,6 +88,7 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServiceServicer):
                     params,
                     cache_salt=salt,
                     lora_name=lora_name,
+                    lora_fingerprint=optional(request, "lora_fingerprint"),
                     priority=request.priority,
                     remote_kv=remote_kv,
                     output_token_ids=list(request.output_token_ids),

@@ -240,6 +240,7 @@ class LLMEngine:
         lora_name: str | None = None,
         priority: int = 0,
         pooling: PoolingParams | None = None,
+        lora_fingerprint: str | None = None,
         draft_token_ids: Sequence[int] = (),
         images: Sequence[ImageInput | PromptImage] = (),
     ) -> Request:
@@ -250,7 +251,8 @@ class LLMEngine:
         token, sampled by a prefill worker); ``remote_kv``: where the prompt's KV is.
         ``grammar``: the request's matcher from ``self.grammars.prepare`` (prepared off
         the engine thread); None: prepared here, for a structured request. ``lora_name``:
-        one of the engine's LoRA adapters, or None for the base model. ``priority``: lower
+        one of the engine's LoRA adapters, or None for the base model; ``lora_fingerprint``:
+        its files' as the caller expects them (see ``lora_adapter``). ``priority``: lower
         values first, under ``scheduling_policy: priority`` only (elsewhere it must be 0).
         ``pooling``: an embedding request (``engine/pooling.py``): ``params`` must be
         ``EMBEDDING_SAMPLING``, and it finishes with ``RequestOutput.embedding`` once its
@@ -273,7 +275,14 @@ class LLMEngine:
             raise DuplicateRequestError(request_id)
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling params must be a SamplingParams", "params")
-        lora = self.lora_adapter(lora_name)
+        lora = self.lora_adapter(lora_name, lora_fingerprint)
+        if lora is not None and lora.vision_tensors_skipped and prepared:
+            raise InvalidRequestError(
+                f"LoRA adapter {lora_name!r} adapts the vision tower too, which this server "
+                "does not apply: its outputs for images would not be the adapter's. Send "
+                "images without it, or train it on the language model's modules only",
+                "images",
+            )  # fmt: skip
         priority = self.validate_priority(priority)
         if pooling is None and not self.runner.model.generates:
             raise InvalidRequestError(
@@ -472,9 +481,15 @@ class LLMEngine:
             )
         return priority
 
-    def lora_adapter(self, lora_name: str | None) -> LoraAdapter | None:
+    def lora_adapter(
+        self, lora_name: str | None, fingerprint: str | None = None
+    ) -> LoraAdapter | None:
         """The loaded adapter ``lora_name`` names (None: the base model). Raises
-        ``InvalidRequestError`` for a name not loaded."""
+        ``InvalidRequestError`` for a name not loaded, and for one whose files are not
+        ``fingerprint``'s (given): the adapter was reloaded under its name after the
+        router placed the request, and a prompt's KV pulled from a worker that computed
+        it with the old files would be decoded with the new ones and cached under their
+        key, serving every later request of the new files from it."""
         if lora_name is None:
             return None
         adapter = self.runner.lora_adapters.get(lora_name)
@@ -483,6 +498,11 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"unknown LoRA adapter {lora_name!r} (loaded: {loaded})", "lora_name"
             )
+        if fingerprint is not None and adapter.fingerprint != fingerprint:
+            raise InvalidRequestError(
+                f"LoRA adapter {lora_name!r} was loaded again with other files while the "
+                "request was placed; retry it", "lora_name",
+            )  # fmt: skip
         return adapter
 
     def read_lora_adapter(self, name: str, path: str | Path) -> LoraAdapter:

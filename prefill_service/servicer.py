@@ -24,6 +24,7 @@ from worker.call_spans import call_span, output_attributes
 from worker.convert import (
     images_from_proto,
     logprobs_to_proto,
+    optional,
     prompt_logprobs_to_proto,
     sampling_from_proto,
     timings_to_proto,
@@ -74,6 +75,7 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServiceServicer):
                     params,
                     cache_salt=salt,
                     lora_name=lora_name,
+                    lora_fingerprint=optional(request, "lora_fingerprint"),
                     priority=request.priority,
                     prefill_only=True,
                     images=images_from_proto(request.images),

@@ -67,6 +67,9 @@ class IncrementalDetokenizer:
         # every character before it, so the exempt text of the first min_tokens ended
         # late and a stop string matched inside it; and of two stop strings the one that
         # began first won, not the one completed first, as token by token.
+        if not self.stop:  # nothing to find: the same text, decoded in one go
+            self._decode(token_ids)
+            return self._take(final=False)
         for token_id in token_ids:
             self._decode([token_id])
             if len(self.token_ids) == self.min_tokens:

@@ -393,6 +393,7 @@ class Dispatcher:
             message.cache_salt = request.cache_salt
         if request.lora is not None:
             message.lora_name = request.lora.name
+            message.lora_fingerprint = request.lora.fingerprint
         for worker in [w for w in [chosen, *others] if w is not None]:
             if self.pool.retired(worker):
                 continue  # retired while an earlier try ran: its channel is closed
@@ -527,6 +528,7 @@ class Dispatcher:
                 message.cache_salt = request.cache_salt
             if request.lora is not None:
                 message.lora_name = request.lora.name
+                message.lora_fingerprint = request.lora.fingerprint
             if kv is not None:
                 message.kv.CopyFrom(kv)
             if first is not None and len(generated) == 1:  # the prefill worker's MTP drafts

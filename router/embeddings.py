@@ -78,6 +78,7 @@ async def embed(
         message.cache_salt = request.cache_salt
     if request.lora is not None:
         message.lora_name = request.lora.name
+        message.lora_fingerprint = request.lora.fingerprint
     metrics = dispatcher.metrics
     touched: set[str] = set()
     ran_on: str | None = None

@@ -136,9 +136,17 @@ class LoraAdapters:
             raise bad_request(f"{name!r} is the base model's name", "lora_name")
         if not path:
             raise bad_request("needs the adapter's directory (as the workers see it)", "lora_path")
+        retiring = bad_request(f"LoRA adapter {name!r} is being unloaded: retry after",
+                               "lora_name")  # fmt: skip
         if name in self.retiring:
-            raise bad_request(f"LoRA adapter {name!r} is being unloaded: retry after", "lora_name")
+            raise retiring
         async with self._lock:
+            # Again, under the lock: an unload queued before this load on a held lock
+            # took it first, and this load, answered 200, was then undone on every
+            # worker, leaving the name both loaded and unloaded here (loaded and
+            # unloaded again at every reconcile).
+            if name in self.retiring:
+                raise retiring
             workers = [w for w in self.pool.workers.values() if w.available]
             if not workers:
                 raise unavailable("no worker is available to load the adapter on")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, fields
+from typing import Any
 
 from common.multimodal import ImageInput
 from common.structured_output import STRUCTURED_OUTPUT, StructuredOutput, StructuredOutputError
@@ -12,6 +13,11 @@ from engine.outputs import RequestOutput
 from engine.request import RequestTimes, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from proto import pdserve_pb2 as pb
+
+
+def optional(message: Any, field: str) -> Any:
+    """A proto3 ``optional`` field's value; None when unset."""
+    return getattr(message, field) if message.HasField(field) else None
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:

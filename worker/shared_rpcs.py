@@ -19,7 +19,7 @@ from engine.outputs import RequestOutput
 from engine.pooling import EMBEDDING_SAMPLING, PoolingParams
 from proto import pdserve_pb2 as pb
 from worker.call_spans import call_span, output_attributes
-from worker.convert import timings_to_proto
+from worker.convert import optional, timings_to_proto
 from worker.grpc_errors import DisabledError, grpc_errors, raise_for_error
 from worker.runtime import WorkerRuntime
 from worker.stats import stats_reply
@@ -48,6 +48,7 @@ class WorkerRPCs:
                     EMBEDDING_SAMPLING,
                     cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
                     lora_name=request.lora_name if request.HasField("lora_name") else None,
+                    lora_fingerprint=optional(request, "lora_fingerprint"),
                     priority=request.priority,
                     pooling=PoolingParams(
                         normalize=request.normalize, token_ids=tuple(request.logit_token_ids)

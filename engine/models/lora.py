@@ -126,6 +126,10 @@ class LoraAdapter:
     # projection the adapter leaves alone is absent.
     layers: tuple[dict[str, LoraPair], ...]
     path: str = ""  # the directory it was read from (the other ranks read it too)
+    # Tensors of a multimodal base's vision tower the adapter has (PEFT's plain target
+    # names wrap the tower's projections too), left out: images under it would be
+    # encoded by the base tower, not PEFT's, so requests with images are refused.
+    vision_tensors_skipped: int = 0
 
     @property
     def key(self) -> str:
@@ -272,8 +276,8 @@ def load_lora_adapter(
             found.setdefault((layer, module), {})[which] = f.get_tensor(key)
     if skipped:
         logger.warning(
-            "%s: %d vision-tower tensors left out: the adapter applies to the language "
-            "model, and images under it are encoded by the base model's tower",
+            "%s: %d vision-tower tensors left out: the adapter serves text prompts; "
+            "prompts with images under it are refused (its tower is not applied)",
             weights, skipped,
         )  # fmt: skip
     if not found:
@@ -337,8 +341,9 @@ def load_lora_adapter(
             for layer, pairs in enumerate(layers)
         ]
     return LoraAdapter(
-        name=name, fingerprint=adapter_fingerprint(path), layers=tuple(layers), path=str(path)
-    )
+        name=name, fingerprint=adapter_fingerprint(path), layers=tuple(layers), path=str(path),
+        vision_tensors_skipped=skipped,
+    )  # fmt: skip
 
 
 # The engine's module holding each fused projection (its weights' names).

@@ -75,3 +75,21 @@ def test_blocks_are_keyed_by_the_images_they_overlap():
     names = transfer_block_hashes(tokens[:14], 4, images=with_a)
     assert names[:3] == hashes_a[:3] and len(names) == 4
     assert names[3] != transfer_block_hashes(tokens[:14], 4)[3]
+
+
+def test_a_block_of_an_image_is_keyed_by_the_images_adjacent_to_it_too():
+    """Adjacent images are one attention group where images attend both ways (Gemma 3):
+    the blocks of the first depend on the second, so "[A][B]" and "[A][C]" must not
+    share them. Images with text between stay apart."""
+    a, b, c = image_digest(b"a"), image_digest(b"b"), image_digest(b"c")
+    tokens = [1] * 4 + [IMG] * 16 + [2] * 4  # A at [4, 12), then B or C at [12, 20)
+    with_b = [ImageSpan(4, 8, a), ImageSpan(12, 8, b)]
+    with_c = [ImageSpan(4, 8, a), ImageSpan(12, 8, c)]
+    hashes_b = hash_blocks(tokens, 4, images=with_b)
+    hashes_c = hash_blocks(tokens, 4, images=with_c)
+    assert hashes_b[0] == hashes_c[0] and hashes_b[1] != hashes_c[1]  # [4, 8): A alone
+    assert block_extra(with_b, 4, 8) == (
+        (0).to_bytes(8, "little", signed=True) + a + (8).to_bytes(8, "little", signed=True) + b
+    )
+    apart = [ImageSpan(4, 8, a), ImageSpan(13, 7, b)]  # a token between them
+    assert block_extra(apart, 4, 8) == (0).to_bytes(8, "little", signed=True) + a

@@ -168,6 +168,24 @@ def test_a_prefix_hit_inside_an_image_gives_the_uncached_tokens(gemma3_mm):
     assert llm.engine.leak_report() == []
 
 
+def test_adjacent_images_share_no_cached_blocks_with_another_second_image(gemma3_mm):
+    """Two images with no token between them are one group attending both ways, so the
+    first's KV depends on the second: "[A][B]" and then "[A][C]" shared A's blocks (16
+    cached tokens) and gave other tokens than an uncached run."""
+    llm = LLM(gemma3_mm, block_size=16)
+    fresh = LLM(gemma3_mm, block_size=16, enable_prefix_caching=False)
+    image_id = llm.engine.arch.vision.image_token_id
+    ids = [1, 40, 41, *[image_id] * 32, 42, 43]  # A at 3..18, the second at 19..34
+    first = {"prompt_token_ids": ids, "multi_modal_data": {"image": IMAGES[:2]}}
+    second = {"prompt_token_ids": ids, "multi_modal_data": {"image": [IMAGES[0], IMAGES[2]]}}
+    llm.generate([first], GREEDY, use_tqdm=False)
+    (output,) = llm.generate([second], GREEDY, use_tqdm=False)
+    assert output.num_cached_tokens == 0
+    expected = fresh.generate([second], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert output.outputs[0].token_ids == expected
+    assert llm.engine.leak_report() == []
+
+
 def test_disaggregated_equals_colocated(gemma3_mm):
     """Prefill on one engine, decode on another (the KV pulled, once failed and
     recomputed there): the colocated tokens."""

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.errors import InvalidRequestError
 from engine.mrope import mrope_positions
 from tests.engine.helpers import save_plain_target_adapter
 from tests.engine.test_images import (
@@ -249,6 +250,11 @@ def test_a_peft_adapter_that_wraps_the_tower_serves_the_language_model(
     tuned = [o.outputs[0].token_ids for o in outputs]
     assert tuned == hf_greedy(model_dir, prompts, 8, adapter_dir=tmp_path / "adapter")
     assert tuned != hf_greedy(model_dir, prompts, 8)
+    # With images, PEFT applies the tower's tensors, which are not applied here: refused
+    # (it decoded the base tower's image rows, differing from PEFT's, with a log line).
+    with pytest.raises(InvalidRequestError, match="adapts the vision tower"):
+        llm.generate([{"prompt": PROMPT, "multi_modal_data": {"image": IMAGES[:2]}}], params,
+                     use_tqdm=False, lora_name="tuned")  # fmt: skip
     assert llm.engine.leak_report() == []
 
 

@@ -30,7 +30,7 @@ from router.metrics import RouterMetrics
 from router.policy import Placement, PlacementPolicy
 from router.prefix_index import PrefixIndex
 from router.protocol import EmbeddingRequest
-from router.workers import WorkerPool
+from router.workers import LoraRef, WorkerPool
 from tests.common.redis_server import run_with_registry
 from worker.grpc_errors import DrainingError, RequestFailedError, grpc_stream_errors
 
@@ -164,6 +164,55 @@ def test_a_retried_decode_recomputes_instead_of_pulling_again(tmp_path):
     assert failing.requests[0].HasField("kv")  # the first try pulls
     retried = healthy.requests[0]
     assert not retried.HasField("kv") and list(retried.output_token_ids) == [7]
+
+
+@pytest.mark.timeout(60)
+def test_both_calls_name_the_adapters_files_they_were_placed_for(tmp_path):
+    """A worker that has other files under the adapter's name now (reloaded meanwhile)
+    refuses the request instead of decoding KV computed with the old ones."""
+    decode = Decode(fail=False)
+    adapters = [pb.LoraAdapterInfo(name="alice", fingerprint="fp-1")]
+
+    async def stats(request, context):
+        return pb.StatsResponse(lora_adapters=adapters)
+
+    decode.Stats = stats  # it serves the adapter
+    prefill = LatePrefill()
+    prefill.go.set()
+    prefill.Stats = stats
+    requests: list[pb.PrefillRequest] = []
+    answer = prefill.Prefill
+
+    async def recording(request, context):
+        requests.append(request)
+        return await answer(request, context)
+
+    prefill.Prefill = recording
+
+    async def scenario(registry: RedisRegistry) -> None:
+        (server_p, info_p), (server_d, info_d) = await serve(prefill, registry), await serve(
+            decode, registry)  # fmt: skip
+        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex())
+        try:
+            await pool.refresh()
+            lora = LoraRef("alice", "fp-1")
+            request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams(),
+                                      lora=lora)  # fmt: skip
+            placement = Placement(info_d.worker_id, info_p.worker_id, 0, 0, 0.0)
+            first, _ = await dispatcher._prefill(request, placement)
+            lease = RemoteLease(lambda: None)
+            async for _ in dispatcher._decode(request, placement, first, lease, set()):
+                pass
+        finally:
+            await pool.close()
+            await server_p.stop(None)
+            await server_d.stop(None)
+
+    run_with_registry(tmp_path, scenario)
+    (prefilled,) = requests
+    (generated,) = decode.requests
+    for message in (prefilled, generated):
+        assert (message.lora_name, message.lora_fingerprint) == ("alice", "fp-1")
 
 
 @pytest.mark.timeout(60)

@@ -190,6 +190,31 @@ def test_an_unload_waits_for_the_adapters_requests_in_flight_here():
     assert (refused, reload, after) == (404, 400, {})
 
 
+def test_a_load_queued_behind_an_unload_is_refused_not_undone():
+    """The lock held (a reconcile), an unload and then a load of the same name queue on
+    it: the unload takes it first. The load, answered 200, was undone on every worker
+    and the router kept the name both loaded and unloaded (loaded and unloaded again at
+    every reconcile). Now the load is refused, and the router agrees with the workers."""
+    worker = AdapterWorker("f1")
+
+    async def scenario(adapters: LoraAdapters, states):
+        await adapters.load("alice", "/adapters/alice")
+        await adapters._lock.acquire()  # a reconcile holds the lock
+        unload = asyncio.create_task(adapters.unload("alice"))
+        await asyncio.sleep(0.01)
+        load = asyncio.create_task(adapters.load("alice", "/adapters/alice"))
+        await asyncio.sleep(0.01)
+        adapters._lock.release()
+        await unload
+        with pytest.raises(APIError) as refused:
+            await load
+        worker.calls.clear()
+        await adapters.reconcile()
+        return refused.value.status, sorted(adapters.loaded), dict(worker.adapters), worker.calls
+
+    assert run_with([worker], scenario) == (400, [], {}, [])
+
+
 def test_an_unload_goes_ahead_after_the_grace():
     worker = AdapterWorker("f1")
     settings = LoraSettings(runtime_loading=True, unload_grace_s=0.2)

@@ -10,9 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from common.config import EngineConfig
 from common.hashing import hash_blocks, prefix_salt
 from engine import LLM, SamplingParams
 from engine.errors import InvalidRequestError
+from engine.llm_engine import LLMEngine
 from engine.models.arch import ModelLoadError, read_arch_config
 from engine.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, load_lora_adapter
 from engine.models.lora_maker import make_lora_adapter
@@ -205,6 +207,42 @@ def test_an_adapter_unloaded_mid_request_serves_that_request_to_its_end(tiny_lla
     assert outputs["a"].outputs[0].token_ids == expected[0].outputs[0].token_ids
     assert sorted(engine.runner.lora_adapters) == ["some"]
     assert engine.leak_report() == []
+
+
+def test_a_pull_computed_with_an_adapters_old_files_is_refused_after_a_reload(tiny_llama, adapters):
+    """The prefill worker computed the prompt with ``alice``'s first files; the decode
+    worker had ``alice`` unloaded and loaded with other files meanwhile (another router,
+    an operator). By name alone it decoded the first files' KV with the second's weights
+    and cached it under their key, for every later request of the new files. The request
+    names the files it was placed for: refused, and nothing leaked."""
+    from engine.request import RemoteKV
+    from tests.engine.local_puller import LocalPuller
+
+    paths = adapters(tiny_llama, "llama")
+    puller = LocalPuller()
+    prefill = LLMEngine(tiny_llama, EngineConfig(), lora_adapters={"alice": paths["all"]})
+    decode = LLMEngine(tiny_llama, EngineConfig(), kv_puller=puller,
+                       lora_adapters={"alice": paths["all"]})  # fmt: skip
+    puller.sources["prefill-0"], puller.target = prefill, decode
+    placed = decode.lora_adapter("alice").fingerprint
+    prompt = random_prompts((40,), seed=8)[0]
+    prefill.add_request("r", prompt, GREEDY, prefill_only=True, lora_name="alice",
+                        lora_fingerprint=placed)  # fmt: skip
+    while prefill.has_unfinished_requests():
+        (first,) = [o for o in prefill.step() if o.finished] or [None]
+    assert decode.unload_lora_adapter("alice")
+    assert decode.add_lora_adapter(decode.read_lora_adapter("alice", paths["some"]))
+    remote = RemoteKV("l0", len(prompt), tuple(first.kv_block_ids), "prefill-0")
+    with pytest.raises(InvalidRequestError, match="loaded again with other files"):
+        decode.add_request("r", prompt, GREEDY, remote_kv=remote, lora_name="alice",
+                           lora_fingerprint=placed,
+                           output_token_ids=first.outputs[0].token_ids)  # fmt: skip
+    now = decode.lora_adapter("alice").fingerprint
+    decode.add_request("s", prompt, GREEDY, lora_name="alice", lora_fingerprint=now)
+    while decode.has_unfinished_requests():
+        decode.step()
+    assert prefill.release_kv("r")
+    assert prefill.leak_report() == [] and decode.leak_report() == []
 
 
 def test_bad_runtime_loads_are_refused_and_change_nothing(tiny_llama, adapters, tmp_path):
