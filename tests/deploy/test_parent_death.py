@@ -10,6 +10,7 @@ import sys
 import time
 
 from deploy.parent_death import PARENT_PID_ENV
+from tests.support.processes import is_running
 
 CHILD = (
     "import time; from deploy.parent_death import term_with_parent; term_with_parent(); "
@@ -35,9 +36,9 @@ def test_the_child_gets_sigterm_when_its_launcher_is_killed():
     launcher.kill()
     launcher.wait()
     deadline = time.monotonic() + 10
-    while _running(child_pid) and time.monotonic() < deadline:
+    while is_running(child_pid) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _running(child_pid)
+    assert not is_running(child_pid)
 
 
 def test_a_child_whose_launcher_is_already_gone_does_not_start():
@@ -65,12 +66,3 @@ def test_the_launchers_pid_is_not_handed_down():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip() == "None", done
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie waiting to be reaped."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
