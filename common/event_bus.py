@@ -2,12 +2,18 @@
 
 Wire format (msgpack via msgspec, never pickle):
 
-    PUB    [b"kv", seq: 8-byte big-endian, KVEventBatch]       one message per batch
-    PUB    [b"kv", last seq, b""]                                heartbeat (idle: ~1/s)
+    PUB    [b"kv" + epoch, seq: 8-byte big-endian, KVEventBatch]  one message per batch
+    PUB    [b"kv" + epoch, last seq, b""]                          heartbeat (idle: ~1/s)
     replay request  (DEALER → ROUTER)  [start_seq: 8 bytes]
     replay response                    [seq, KVEventBatch] ... then [seq = -1, b""]
     snapshot request                   [-2: 8 bytes]
     snapshot response                  [-2, KVEventBatch]: the whole cache, see below
+
+``epoch`` is 8 random bytes of the publisher's start: a worker restarted on its ports numbers
+its batches from 0 again, and a subscriber that saw the new numbers only once they passed
+the old ones took them for a continuation (the old engine's blocks stayed known until the
+router's probe saw the new engine id). It rides in the topic, which subscribers match by
+prefix, so routers from before it read the messages unchanged.
 
 The publisher keeps the last ``buffer_size`` batches. Heartbeats carry the last sequence
 number, so a subscriber also notices batches lost at the end of a burst. A subscriber that
@@ -35,10 +41,11 @@ subscriber then falls back to what that gives.
 from __future__ import annotations
 
 import logging
+import os
 import struct
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import msgspec
@@ -60,6 +67,8 @@ logger = logging.getLogger(__name__)
 TOPIC = b"kv"
 _END = struct.pack(">q", -1)
 _SNAPSHOT = struct.pack(">q", -2)
+_SNAPSHOT_REUSE_S = 1.0  # one encoded snapshot serves the requests of a second
+_SNAPSHOT_PEERS = 4096  # connections remembered as answered (one snapshot each)
 
 
 def _decode_or_none(payload: bytes) -> KVEventBatch | None:
@@ -77,6 +86,7 @@ class KVEventPublisher:
         self._ctx = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
+        self._topic = TOPIC + os.urandom(8)  # (its epoch: module docstring)
         self._pub.bind(f"tcp://{host}:{pub_port}")
         replay = self._ctx.socket(zmq.ROUTER)  # owned by the replay thread once it runs
         replay.setsockopt(zmq.LINGER, 0)
@@ -99,6 +109,13 @@ class KVEventPublisher:
         self._lock = threading.Lock()
         self._cached: dict[Medium, set[bytes]] = {medium: set() for medium in Medium}
         self._block_size = 0  # (BlockStored carries it; the router reads none of it)
+        # Snapshots are one message of the whole cache (3 MiB at 100,000 blocks), so the
+        # per-peer high-water mark, which counts messages, does not bound them: a peer
+        # asking again and again without reading queued thousands (150: +490 MB). Each
+        # connection gets one (a subscriber asks once per connection), and one encoded
+        # snapshot serves every request for a second (queued replies share its buffer).
+        self._snapshot_cache: tuple[float, bytes] | None = None  # (made at, payload)
+        self._snapshot_peers: OrderedDict[bytes, None] = OrderedDict()  # answered
         self.next_seq = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -115,7 +132,7 @@ class KVEventPublisher:
             self._keep(events)
             self._buffer.append((seq, payload))
             self.next_seq += 1
-        self._pub.send_multipart([TOPIC, struct.pack(">q", seq), payload], copy=False)
+        self._pub.send_multipart([self._topic, struct.pack(">q", seq), payload], copy=False)
 
     def _keep(self, events: list[KVEvent]) -> None:
         for event in events:
@@ -129,17 +146,25 @@ class KVEventPublisher:
                     cached.clear()
 
     def _snapshot(self) -> bytes:
+        """The encoded snapshot: the last one if made within ``_SNAPSHOT_REUSE_S`` (a
+        subscriber catches up on what followed from the buffer)."""
+        now = time.monotonic()
+        cache = self._snapshot_cache
+        if cache is not None and now - cache[0] < _SNAPSHOT_REUSE_S:
+            return cache[1]
         with self._lock:
             seq = self.next_seq - 1
             cached = {medium: list(hashes) for medium, hashes in self._cached.items()}
         events: list[KVEvent] = [AllBlocksCleared()]
         events += [BlockStored(hashes, None, [], self._block_size, medium)
                    for medium, hashes in cached.items() if hashes]  # fmt: skip
-        return encode_batch(KVEventBatch(seq=seq, ts=time.time(), events=events))
+        payload = encode_batch(KVEventBatch(seq=seq, ts=time.time(), events=events))
+        self._snapshot_cache = (now, payload)
+        return payload
 
     def heartbeat(self) -> None:
         """Tell subscribers the last sequence number (call about once a second)."""
-        self._pub.send_multipart([TOPIC, struct.pack(">q", self.next_seq - 1), b""])
+        self._pub.send_multipart([self._topic, struct.pack(">q", self.next_seq - 1), b""])
 
     def _serve_replays(self, replay: zmq.Socket) -> None:
         try:
@@ -150,13 +175,19 @@ class KVEventPublisher:
                 if len(frames) != 1 or len(frames[0]) != 8:
                     continue  # not our protocol: ignore
                 if frames[0] == _SNAPSHOT:
-                    replay.send_multipart([identity, _SNAPSHOT, self._snapshot()])
+                    if identity in self._snapshot_peers:
+                        continue  # asked on this connection already
+                    self._snapshot_peers[identity] = None
+                    if len(self._snapshot_peers) > _SNAPSHOT_PEERS:
+                        self._snapshot_peers.popitem(last=False)
+                    replay.send_multipart([identity, _SNAPSHOT, self._snapshot()], copy=False)
                     continue
                 (start,) = struct.unpack(">q", frames[0])
                 with self._lock:
                     buffered = [item for item in self._buffer if item[0] >= start]
-                for seq, payload in buffered:
-                    replay.send_multipart([identity, struct.pack(">q", seq), payload])
+                for seq, payload in buffered:  # (queued replies share the buffer's bytes)
+                    replay.send_multipart([identity, struct.pack(">q", seq), payload],
+                                          copy=False)  # fmt: skip
                 replay.send_multipart([identity, _END, b""])
         except zmq.ZMQError as exc:
             logger.warning("KV event replays stopped: %s", exc)
@@ -172,6 +203,8 @@ class KVEventPublisher:
 @dataclass(slots=True)
 class SubscriberState:
     next_seq: int | None = None
+    received: int | None = None  # the highest sequence number the SUB socket brought
+    epoch: bytes = b""  # the publisher's (module docstring)
     gaps: int = 0
     replayed: int = 0
     resyncs: int = 0
@@ -203,49 +236,56 @@ class KVEventSubscriber:
     def poll(self, timeout_ms: int = 0) -> tuple[list[KVEventBatch], bool]:
         batches: list[KVEventBatch] = []
         resync = False
+        state = self.state
         while self._sub.poll(timeout_ms):
             timeout_ms = 0
-            _, seq_bytes, payload = self._sub.recv_multipart()
+            topic, seq_bytes, payload = self._sub.recv_multipart()
             (seq,) = struct.unpack(">q", seq_bytes)
-            expected = self.state.next_seq
             heartbeat = not payload  # then ``seq`` is the publisher's last batch
-            if heartbeat and expected is not None and seq < expected - 1:
-                # Behind what was seen, on one ordered connection: the publisher started
-                # over (the worker restarted on the same ports). Its batches would read as
-                # seen already: forget the old ones and join the new.
-                self.state.resyncs += 1
-                batches, resync, expected = [], True, None
-            if expected is None:  # joining: the worker's cache as it is now
+            epoch = topic[len(TOPIC) :]  # (empty from a publisher before epochs)
+            if state.received is not None and (epoch != state.epoch or seq < state.received):
+                # Another epoch, or behind what this connection brought before (batches
+                # and heartbeats come in order on it, a heartbeat after the batch it
+                # names): the publisher started over (the worker restarted on the same
+                # ports). Its batches would read as seen already: forget the old ones and
+                # join the new. (Measured against ``next_seq`` instead, a heartbeat sent
+                # before a snapshot and read after it looked like a restart.)
+                state.resyncs += 1
+                batches, resync, state.next_seq = [], True, None
+                state.received = None
+            state.epoch = epoch
+            state.received = seq if state.received is None else max(state.received, seq)
+            if state.next_seq is None:  # joining: the worker's cache as it is now
                 batches += self._join(seq if heartbeat else seq - 1)
-                if heartbeat or seq < self.state.next_seq:
-                    continue  # (the snapshot holds this batch)
-            elif heartbeat:
-                if seq >= expected:
+            expected = state.next_seq
+            assert expected is not None
+            if heartbeat:
+                if seq >= expected:  # (a snapshot made a moment before is older than it)
                     batches, resync = self._catch_up(batches, resync, expected, seq + 1)
                 continue
-            elif seq < expected:
+            if seq < expected:
                 continue  # already seen (through a replay or a snapshot)
-            elif seq > expected:
+            if seq > expected:
                 batches, resync = self._catch_up(batches, resync, expected, seq)
-                if seq < self.state.next_seq:
+                if seq < state.next_seq:
                     continue  # (the snapshot it resynchronised from holds this batch)
             batch = _decode_or_none(payload)
             if batch is None:  # what it changed is unknown: resynchronise
-                self.state.resyncs += 1
+                state.resyncs += 1
                 snapshot = self._snapshot()
-                batches, resync = ([snapshot] if snapshot is not None else []), True
-                if snapshot is not None:
-                    self.state.next_seq = snapshot.seq + 1
+                if snapshot is not None and snapshot.seq >= seq:
+                    batches, resync, state.next_seq = [snapshot], True, snapshot.seq + 1
                     continue
+                batches, resync = [], True
             else:
                 batches.append(batch)
-            self.state.next_seq = seq + 1
+            state.next_seq = seq + 1
         return batches, resync
 
     def _join(self, last: int) -> list[KVEventBatch]:
         """The worker's blocks as a snapshot, and ``next_seq`` past it; from a publisher
         without snapshots, what its buffer holds up to ``last``, the batch before the
-        one being read."""
+        one being read (its replay read once to its end: the snapshot request got it)."""
         snapshot = self._snapshot()
         if snapshot is not None:
             self.state.next_seq = snapshot.seq + 1
@@ -258,7 +298,9 @@ class KVEventSubscriber:
     ) -> tuple[list[KVEventBatch], bool]:
         """Fill the gap [start, stop) after ``batches``, and set ``next_seq`` to ``stop``.
         If the replay had holes, the caller must resynchronise: from a snapshot (and
-        ``next_seq`` past it), else from the run of batches after the last hole."""
+        ``next_seq`` past it, or the batches after it when it is older than ``stop``:
+        one made for another subscriber within the second), else from the run of batches
+        after the last hole."""
         self.state.gaps += 1
         replayed, complete = self._replay(start, stop)
         self.state.next_seq = stop
@@ -266,10 +308,13 @@ class KVEventSubscriber:
             return batches + replayed, resync
         self.state.resyncs += 1
         snapshot = self._snapshot()
-        if snapshot is not None:
-            self.state.next_seq = max(stop, snapshot.seq + 1)
+        if snapshot is None:
+            return replayed, True
+        if snapshot.seq + 1 >= stop:
+            self.state.next_seq = snapshot.seq + 1
             return [snapshot], True
-        return replayed, True
+        after, complete = self._replay(snapshot.seq + 1, stop)
+        return ([snapshot, *after] if complete else after), True
 
     def _snapshot(self) -> KVEventBatch | None:
         """The publisher's snapshot; None if it has none to give (it predates them: it

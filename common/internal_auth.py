@@ -14,7 +14,12 @@ no check, no interceptor on any call, as before.
 this machine without one); compose passes the host's variable through; Kubernetes reads
 it from the Secret ``pdserve-internal-token`` when one exists, beside a NetworkPolicy that
 admits the internal ports only from the deployment's own pods (``deploy/k8s_pods.py``).
-Workers started by hand to join a deployment need the same value. The token is a bearer secret on a
+Workers started by hand to join a deployment need the same value. The KV-event ports
+(ZMQ) are not covered: they take no writes, and carry block hashes only (the blocks'
+tokens are not sent), which tell a listener which prompts it could guess are cached; keep
+them on the deployment's network (the NetworkPolicy does on Kubernetes). A router sends
+the token to every worker the registry lists, so the registry must be the deployment's
+too. The token is a bearer secret on a
 plaintext channel: it keeps out whoever cannot see the traffic, not whoever can sniff it.
 """
 
@@ -30,6 +35,8 @@ from typing import Any
 import grpc
 import grpc.aio
 
+from common.config import ConfigError
+
 TOKEN_ENV = "PDSERVE_INTERNAL_TOKEN"
 TOKEN_KEY = "x-pdserve-token"
 _OPEN_SERVICE = "/grpc.health.v1.Health/"
@@ -42,7 +49,14 @@ class InternalAuth:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> InternalAuth:
-        return cls(environ.get(TOKEN_ENV, ""))
+        """The token in ``PDSERVE_INTERNAL_TOKEN``, without the whitespace around it (a
+        Secret made ``--from-file`` ends with a newline). Raises ``ConfigError`` for
+        characters a gRPC header cannot carry: every call, health checks too, would fail
+        with "invalid metadata" (the router's start failed on an unrelated-looking error)."""
+        token = environ.get(TOKEN_ENV, "").strip()
+        if any(not " " < char <= "~" for char in token):
+            raise ConfigError(TOKEN_ENV, "must be printable ASCII without spaces")
+        return cls(token)
 
     def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         return [_CheckToken(self.token)] if self.token else []

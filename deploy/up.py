@@ -32,7 +32,7 @@ import yaml
 
 from common.config import ConfigError, PdserveConfig, Role
 from common.config_loader import to_dict
-from common.internal_auth import open_ports_warning
+from common.internal_auth import InternalAuth, open_ports_warning
 from common.model_info import cache_dir, made_model_dir, made_model_is_current
 from common.owned_paths import owner_tag, remove_dead_owners
 from common.prometheus_text import fetch, sample_totals
@@ -398,6 +398,11 @@ def run(
         return 2
     for warning in ephemeral_port_warnings(config, ephemeral_range()):
         print(f"warning: {warning}", flush=True)
+    try:  # (every child would refuse to start)
+        InternalAuth.from_env()
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     hosts = [config.role(role).host for role in Role]
     if (warning := open_ports_warning(hosts, os.environ)) is not None:
         print(f"warning: {warning}", flush=True)

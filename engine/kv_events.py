@@ -27,9 +27,10 @@ class KVEventCollector:
     ) -> None:
         hashes = [block.block_hash for block in blocks]
         assert all(h is not None for h in hashes)
-        self._events.append(
-            BlockStored(hashes, parent_hash, list(token_ids), block_size, self.medium)
-        )
+        # Without the blocks' tokens: nothing reads them (the router indexes hashes), and
+        # they put every cached prompt in the clear on the events port, which any peer
+        # on the network may subscribe to (``common/internal_auth.py`` covers gRPC only).
+        self._events.append(BlockStored(hashes, parent_hash, [], block_size, self.medium))
 
     def on_block_evicted(self, block: KVBlock, block_hash: BlockHash) -> None:
         last = self._events[-1] if self._events else None

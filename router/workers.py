@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import Role
 from common.hashing import lora_key
-from common.internal_auth import NO_AUTH, InternalAuth
+from common.internal_auth import NO_AUTH, TOKEN_ENV, InternalAuth
 from common.registry import Registry, WorkerInfo
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -85,6 +85,7 @@ class WorkerState:
     decode: pb_grpc.DecodeServiceStub | None
     health: health_pb2_grpc.HealthStub
     healthy: bool = False
+    refuses_us: bool = False  # its probes answer UNAUTHENTICATED (logged once)
     stats: pb.StatsResponse = field(default_factory=pb.StatsResponse)
     # The router's own accounting, exact between Stats polls.
     queued_prefill_tokens: int = 0
@@ -133,6 +134,7 @@ class WorkerState:
     def answered(self) -> None:
         self.answered_at = time.monotonic()
         self.missed_probes = 0
+        self.refuses_us = False
 
     def assign(self, num_blocks: int) -> Callable[[], None]:
         """Count one sequence placed here until the returned call ends that (once,
@@ -401,9 +403,17 @@ class WorkerPool:
                 if state.lora_version == lora_version:
                     state.lora_adapters = {a.name: a.fingerprint for a in stats.lora_adapters}
             state.answered()
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as exc:
             healthy = False
-            self._give_up_if_stalled(state)
+            if exc.code() is grpc.StatusCode.UNAUTHENTICATED:
+                # Answering, but not to this router: the tokens differ (common/internal_auth)
+                if not state.refuses_us:
+                    logger.error("worker %s refuses this router's calls: %s (is %s the same "
+                                 "in every process?)", state.worker_id, exc.details(),
+                                 TOKEN_ENV)  # fmt: skip
+                state.refuses_us = True
+            else:
+                self._give_up_if_stalled(state)
         if healthy != state.healthy:
             logger.info("worker %s is %s", state.worker_id, "up" if healthy else "down")
         state.healthy = healthy

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 import yaml
 
 from common.config import PORT_STRIDE
+from common.internal_auth import InternalAuth
 from deploy.health_cmd import check_http
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -86,7 +86,8 @@ def worker_stats(address: str, role: str) -> pb.StatsResponse:
     """The Stats of the ``role`` (prefill or decode) worker at ``address``; raises
     ``grpc.RpcError`` if it does not answer."""
     stub = pb_grpc.PrefillServiceStub if role == "prefill" else pb_grpc.DecodeServiceStub
-    with grpc.insecure_channel(address) as channel:
+    # (with the deployment's internal token, if this environment has one)
+    with InternalAuth.from_env().channel(address) as channel:
         return stub(channel).Stats(pb.StatsRequest(), timeout=5)
 
 

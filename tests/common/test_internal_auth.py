@@ -12,6 +12,7 @@ import grpc.aio
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from common.config import ConfigError
 from common.internal_auth import TOKEN_ENV, InternalAuth
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -112,3 +113,12 @@ def test_no_token_no_check():
 @pytest.mark.parametrize("value", ["", "tok"])
 def test_the_token_comes_from_the_environment(value):
     assert InternalAuth.from_env({TOKEN_ENV: value} if value else {}).token == value
+    # A Secret made --from-file ends with a newline: a header cannot carry it, and every
+    # call failed with "invalid metadata", health checks too.
+    assert InternalAuth.from_env({TOKEN_ENV: f" {value}\n"}).token == value
+
+
+@pytest.mark.parametrize("value", ["a b", "tök", "a\tb"])
+def test_a_token_a_header_cannot_carry_is_refused_at_start(value):
+    with pytest.raises(ConfigError, match=TOKEN_ENV):
+        InternalAuth.from_env({TOKEN_ENV: value})

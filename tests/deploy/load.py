@@ -12,6 +12,7 @@ import grpc
 import openai
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from common.internal_auth import InternalAuth
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
@@ -83,7 +84,7 @@ class StreamingLoad:
 
 
 async def worker_stats(address: str, role: str) -> pb.StatsResponse:
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with InternalAuth.from_env().aio_channel(address) as channel:
         stub_type = pb_grpc.PrefillServiceStub if role == "prefill" else pb_grpc.DecodeServiceStub
         return await stub_type(channel).Stats(pb.StatsRequest(), timeout=5)
 

@@ -198,6 +198,39 @@ def test_a_worker_of_another_block_size_is_not_placed_on(tmp_path, caplog):
     assert len(errors) == 1
 
 
+@pytest.mark.timeout(60)
+def test_a_worker_that_refuses_the_routers_token_is_down_and_says_why(tmp_path, caplog):
+    """Its health check answers (open to probes) but its Stats refuses the router's calls
+    (the tokens differ): down, with one error naming the variable, not silently."""
+    from common.internal_auth import TOKEN_ENV, InternalAuth
+
+    async def scenario(registry: RedisRegistry) -> list[bool]:
+        server = grpc.aio.server(interceptors=InternalAuth("theirs").server_interceptors())
+        pb_grpc.add_DecodeServiceServicer_to_server(SlowDecode(), server)
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        info = WorkerInfo(worker_id=f"decode@127.0.0.1:{port}", role=Role.DECODE,
+                          grpc_address=f"127.0.0.1:{port}", events_endpoint="tcp://127.0.0.1:1",
+                          replay_endpoint="tcp://127.0.0.1:2")  # fmt: skip
+        registry.register(info)
+        pool = WorkerPool(registry, EventListener(PrefixIndex(), threading.Lock()), 60.0, 30.0,
+                          auth=InternalAuth("ours"))  # fmt: skip
+        try:
+            healthy = []
+            for _ in range(3):
+                await pool.refresh()
+                healthy.append(pool.get(info.worker_id).healthy)
+            return healthy
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    assert run_with_registry(tmp_path, scenario) == [False, False, False]
+    errors = [r for r in caplog.records if "refuses this router's calls" in r.getMessage()]
+    assert len(errors) == 1 and TOKEN_ENV in errors[0].getMessage()
+
+
 class FreezableDecode(pb_grpc.DecodeServiceServicer):
     """Streams a token every 50 ms, and answers health checks, until frozen: then neither
     (a stopped process or a hung host looks the same from the router)."""
