@@ -178,9 +178,9 @@ async def _refuse_stream(request: Any, context: grpc.aio.ServicerContext):
 
 
 def _refusal(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of ``handler``'s kind that refuses the call."""
-    codecs = {"request_deserializer": handler.request_deserializer,
-              "response_serializer": handler.response_serializer}  # fmt: skip
+    """A handler of ``handler``'s kind that refuses the call, without parsing its request
+    (up to the server's message limit, 64 MiB or more: not for a caller refused anyway)."""
+    codecs = {"request_deserializer": None, "response_serializer": handler.response_serializer}
     if handler.unary_stream is not None:
         return grpc.unary_stream_rpc_method_handler(_refuse_stream, **codecs)
     if handler.stream_unary is not None:

@@ -266,6 +266,14 @@ class LLMEngine:
         """
         prompt = self.validate_prompt(prompt_token_ids)
         outputs = self.validate_prompt(output_token_ids, allow_empty=True)
+        lora = self.lora_adapter(lora_name, lora_fingerprint)
+        if lora is not None and lora.vision_tensors_skipped and images:
+            raise InvalidRequestError(
+                f"LoRA adapter {lora_name!r} adapts the vision tower too, which this server "
+                "does not apply: its outputs for images would not be the adapter's. Send "
+                "images without it, or train it on the language model's modules only",
+                "images",
+            )  # fmt: skip
         prepared = self.prepare_images(prompt, images, decode=remote_kv is None)
         self._check_image_groups(prepared)
         scheduler = self.scheduler
@@ -275,14 +283,6 @@ class LLMEngine:
             raise DuplicateRequestError(request_id)
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling params must be a SamplingParams", "params")
-        lora = self.lora_adapter(lora_name, lora_fingerprint)
-        if lora is not None and lora.vision_tensors_skipped and prepared:
-            raise InvalidRequestError(
-                f"LoRA adapter {lora_name!r} adapts the vision tower too, which this server "
-                "does not apply: its outputs for images would not be the adapter's. Send "
-                "images without it, or train it on the language model's modules only",
-                "images",
-            )  # fmt: skip
         priority = self.validate_priority(priority)
         if pooling is None and not self.runner.model.generates:
             raise InvalidRequestError(
