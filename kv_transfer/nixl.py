@@ -58,7 +58,12 @@ from kv_transfer.errors import (
     TransferRejectedError,
     TransferTimeoutError,
 )
-from kv_transfer.handshake import MetadataFetcher, decode_transport, fetch_peer_metadata
+from kv_transfer.handshake import (
+    MetadataFetcher,
+    decode_peer_metadata,
+    decode_transport,
+    fetch_peer_metadata,
+)
 from kv_transfer.layout import KVCaches
 from kv_transfer.nixl_lane import LanePeer, NixlLane, PartOutcome, ReadPart
 from kv_transfer.nixl_protocol import (
@@ -75,6 +80,8 @@ from kv_transfer.records import ExportRecord, FetchRecord, PeerRef
 logger = logging.getLogger(__name__)
 
 MAX_AUTO_LANES = 4
+_SILENT_PROBES = 3  # an idle peer unanswered this many times in a row is dropped
+_PROBE_RETRY_S = 2.0  # between those probes
 # Handshakes and idle probes at once: one per peer at most (both are deduplicated), each
 # blocking in the peer's metadata RPC for up to timeout_s when the peer froze. With 2
 # threads, two frozen prefill workers held back every other peer's handshake past its
@@ -90,6 +97,7 @@ class _RemotePeer:
     whole_blocks: bool  # both sides block-major: one descriptor per block
     last_used: float  # time.monotonic() of its last fetch, or of its last liveness answer
     probing: bool = False
+    silent_probes: int = 0  # probes in a row it did not answer
 
 
 @dataclass(slots=True)
@@ -272,7 +280,7 @@ class NixlConnector(KVConnector):
             result = exc
         except Exception as exc:
             result = HandshakeError(f"handshake with {peer.engine_id!r} failed: {exc}")
-        self._commands.put(("peer", peer.engine_id, result))
+        self._commands.put(("peer", peer.engine_id, peer.endpoint, result))
 
     # -- driver thread ------------------------------------------------------------------
 
@@ -306,26 +314,45 @@ class NixlConnector(KVConnector):
                 self._handshakes.submit(self._probe, PeerRef(peer_id, peer.endpoint))
 
     def _probe(self, peer: PeerRef) -> None:
-        """Handshake pool: does ``peer.endpoint`` still answer as ``peer.engine_id``?"""
+        """Handshake pool: does ``peer.endpoint`` still answer as ``peer.engine_id``?
+        True, False (another engine answers there: restarted), or None (no answer: the
+        peer may be gone, or the call failed once under load)."""
+        answer: bool | None
         try:
-            fetch_peer_metadata(
-                self._fetch_peer_metadata, peer, connector=self.name, local_layout=self.layout
-            )
-            alive = True
+            if self._fetch_peer_metadata is None:
+                raise HandshakeError("this connector was built without fetch_peer_metadata")
+            data = self._fetch_peer_metadata(peer.endpoint)
         except Exception as exc:
-            logger.info("NIXL peer %s is gone: %s", peer.engine_id, exc)
-            alive = False
-        self._commands.put(("probed", peer.engine_id, alive))
+            logger.info("NIXL peer %s did not answer: %s", peer.engine_id, exc)
+            answer = None
+        else:
+            try:
+                decode_peer_metadata(data, connector=self.name, local_layout=self.layout,
+                                     engine_id=peer.engine_id)  # fmt: skip
+                answer = True
+            except Exception as exc:
+                logger.info("NIXL peer %s is gone: %s", peer.engine_id, exc)
+                answer = False
+        self._commands.put(("probed", peer.engine_id, answer))
 
-    def _on_probed(self, peer_id: str, alive: bool) -> None:
+    def _on_probed(self, peer_id: str, answer: bool | None) -> None:
+        """Drop a peer another engine replaced, or one silent ``_SILENT_PROBES`` times in a
+        row (``_PROBE_RETRY_S`` apart): one failed call (a deadline under load) dropped a
+        live peer, and dropping a live one leaks its UCX connections
+        (``_probe_idle_peers``)."""
         peer = self._peers.get(peer_id)
         if peer is None:
             return
         peer.probing = False
-        if alive:
-            peer.last_used = time.monotonic()
-        else:
+        now = time.monotonic()
+        if answer:
+            peer.last_used, peer.silent_probes = now, 0
+            return
+        peer.silent_probes += 1
+        if answer is False or peer.silent_probes >= _SILENT_PROBES:
             self._drop_peer(peer_id)
+        else:  # asked again in _PROBE_RETRY_S
+            peer.last_used = now - self.config.peer_idle_s + _PROBE_RETRY_S
 
     def _drain_commands(self, block_s: float) -> None:
         try:
@@ -339,7 +366,7 @@ class NixlConnector(KVConnector):
             elif kind == "fetch":
                 self._dispatch(command[1])
             elif kind == "peer":
-                self._on_handshake_done(command[1], command[2])
+                self._on_handshake_done(command[1], command[2], command[3])
             elif kind == "probed":
                 self._on_probed(command[1], command[2])
             try:
@@ -357,7 +384,7 @@ class NixlConnector(KVConnector):
             self._waiting[peer_id] = [record]
             self._handshakes.submit(self._handshake, record.peer)
 
-    def _on_handshake_done(self, peer_id: str, result: object) -> None:
+    def _on_handshake_done(self, peer_id: str, endpoint: str, result: object) -> None:
         waiting = self._waiting.pop(peer_id, [])
         if isinstance(result, KVTransferError):
             for record in waiting:
@@ -381,7 +408,8 @@ class NixlConnector(KVConnector):
             for record in waiting:
                 self._fetches.fail(record.transfer_id, HandshakeError(f"loading peer: {exc}"))
             return
-        endpoint = waiting[0].peer.endpoint if waiting else ""
+        # (the handshake's own endpoint: its fetches may all have expired meanwhile, and an
+        # empty one left a restarted peer's old entry and probed "")
         for old_id in [i for i, p in self._peers.items() if p.endpoint == endpoint]:
             logger.info("forgetting NIXL peer %s: %s now answers as %s", old_id, endpoint,
                         peer_id)  # fmt: skip

@@ -35,6 +35,7 @@ reported only once no chunk can write its blocks any more.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import threading
 import time
@@ -77,17 +78,21 @@ _MAX_CHUNK_BYTES = 16 << 20
 Items = list[tuple[int, bytes]]  # (block id, block hash)
 
 
-def _failure_marker(path: Path) -> Path:
-    """Where an exporter that could not write ``path`` says so (removed once written)."""
-    return path.with_name(path.name + ".failed")
+def _failure_marker(path: Path, transfer_id: str) -> Path:
+    """Where the export ``transfer_id`` says it could not write ``path`` (removed once
+    written). Per transfer: a marker of the block alone, left by an export on a full disk,
+    failed every later fetch of that block at once, though a later export wrote it."""
+    tag = hashlib.sha256(transfer_id.encode()).hexdigest()[:16]
+    return path.with_name(f"{path.name}.{tag}.failed")
 
 
-def _leave_failure_marker(path: Path) -> None:
+def _leave_failure_marker(path: Path, transfer_id: str) -> None:
     """An empty marker (no data blocks needed, so it fits on a full disk) that tells the
-    readers waiting for ``path`` to give up now instead of at their deadline."""
+    readers waiting for ``path`` for ``transfer_id`` to give up now instead of at their
+    deadline."""
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        _failure_marker(path).touch()
+        _failure_marker(path, transfer_id).touch()
 
 
 class _Countdown:
@@ -226,18 +231,18 @@ class SharedStorageConnector(KVConnector):
             chunks,
             lambda chunk: self._write_chunk(tid, chunk),
             _Countdown(len(chunks), on_done),
-            self._mark_unwritten,
+            lambda chunk: self._mark_unwritten(tid, chunk),
         )
 
-    def _mark_unwritten(self, items: Items) -> None:
+    def _mark_unwritten(self, transfer_id: str, items: Items) -> None:
         """Leave failure markers for the blocks of an export's chunks skipped after one
         failed to write (a full disk fails the others too), so that their readers fail (and
-        recompute) at once instead of holding an I/O thread until their deadline. A later
-        good write of the block removes its marker."""
+        recompute) at once instead of holding an I/O thread until their deadline. A good
+        write of the block removes its marker."""
         for _, block_hash in items:
             path = self.path_for(block_hash)
             if not path.exists():
-                _leave_failure_marker(path)
+                _leave_failure_marker(path, transfer_id)
 
     def _mark_used(self, path: Path) -> bool:
         """Under a cap, bump ``path``'s mtime so that the janitor removes it last (a
@@ -271,11 +276,14 @@ class SharedStorageConnector(KVConnector):
                 path.parent.mkdir(parents=True, exist_ok=True)  # also if someone removed it
                 write_block_file(path, layout, block_hash, as_bytes(block))
             except OSError as exc:  # a full disk, say
-                _leave_failure_marker(path)
+                _leave_failure_marker(path, transfer_id)
+                # and the rest of the chunk, which will not be written either (its readers
+                # waited out their deadline)
+                self._mark_unwritten(transfer_id, items[j + 1 :])
                 if is_space_error(exc) and self._janitor is not None:
                     self._janitor.note_space_error()
                 raise
-            _failure_marker(path).unlink(missing_ok=True)
+            _failure_marker(path, transfer_id).unlink(missing_ok=True)
             if self._janitor is not None:
                 self._janitor.note_written(layout.block_bytes)
 
@@ -362,7 +370,7 @@ class SharedStorageConnector(KVConnector):
             # Its request is gone: stop waiting (and holding the request's blocks) for a
             # file that may never come (an export released unwritten).
             raise FetchAbortedError("the fetch was given up")
-        if _failure_marker(path).exists():
+        if _failure_marker(path, record.transfer_id).exists():
             raise TransferFailedError(f"the exporter could not write {path.name}")
         self._check_other_layouts(path)
         if record.remaining_s() <= 0:

@@ -25,13 +25,20 @@ class FetchTracker:
         self._active: dict[str, FetchRecord] = {}
         self._outcomes: dict[str, KVTransferError | None] = {}  # None: done
         self._aborted: set[str] = set()  # active fetches the fetcher gave up
+        self._writing: set[int] = set()  # local block ids active fetches write
 
     def add(self, record: FetchRecord) -> None:
+        """Raises ``DuplicateTransferError`` for an active id, ``ValueError`` for local
+        blocks an active fetch writes: both would be written, in either order, and both
+        reported done (a caller's bug, refused rather than silent)."""
         with self._cond:
             tid = record.transfer_id
             if tid in self._active or tid in self._outcomes:
                 raise DuplicateTransferError(tid)
+            if not self._writing.isdisjoint(record.local_block_ids):
+                raise ValueError("start_fetch local: an active fetch writes these blocks")
             self._active[tid] = record
+            self._writing.update(record.local_block_ids)
 
     def complete(self, transfer_id: str) -> bool:
         return self._settle(transfer_id, None)
@@ -42,8 +49,10 @@ class FetchTracker:
     def _settle(self, transfer_id: str, error: KVTransferError | None) -> bool:
         """Record an outcome; False if the transfer was not active (already settled)."""
         with self._cond:
-            if self._active.pop(transfer_id, None) is None:
+            record = self._active.pop(transfer_id, None)
+            if record is None:
                 return False
+            self._writing.difference_update(record.local_block_ids)
             self._aborted.discard(transfer_id)
             self._outcomes[transfer_id] = error
             self._cond.notify_all()

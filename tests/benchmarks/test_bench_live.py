@@ -136,5 +136,7 @@ def test_duration_bound_stops_sending(stack):
                          warmup_requests=0, progress=False)  # fmt: skip
     run = asyncio.run(run_benchmark(config)).runs[0]
     assert 5 <= len(run.results) <= 60 and run.not_sent == 1000 - len(run.results)
-    assert all(r.start_s < 1.0 + 0.2 for r in run.results)
+    # Nothing sent after the bound (at 20/s the rest would take 50 s); the slack is a
+    # loaded box's event-loop lag (a CI run beside other work sent one at 1.2 s).
+    assert all(r.start_s < 1.0 + 1.0 for r in run.results)
     assert not math.isnan(run.summary.request_throughput)

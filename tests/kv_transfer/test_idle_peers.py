@@ -163,6 +163,34 @@ def test_nixl_fetcher_keeps_a_live_idle_peer_and_forgets_a_gone_one():
 
 
 @pytest.mark.timeout(90)
+def test_nixl_fetcher_keeps_a_live_peer_whose_probe_failed_once():
+    """One failed metadata call (a deadline under load) dropped a live idle peer, and
+    dropping a live one leaks its connections: a peer is dropped when another engine
+    answers, or after three silent probes in a row."""
+    known: dict = {}
+    calls = []
+
+    def flaky(endpoint: str) -> bytes:
+        calls.append(endpoint)
+        if len(calls) == 2:  # the first probe (the first call was the handshake)
+            raise TimeoutError("deadline exceeded")
+        return known[endpoint]
+
+    dest = [torch.zeros(SHAPE) for _ in range(2)]
+    fetcher = create_connector(_config("nixl"), "decode", flaky)
+    fetcher.register_kv_caches(dest)
+    with fetcher:
+        exporter, source = _exporter("nixl", "prefill", known)
+        with exporter:
+            _transfer(exporter, "prefill", source, fetcher, dest, "first")
+            peer = fetcher._peers["prefill"]
+            assert eventually(lambda: len(calls) >= 3, IDLE_S + 10)  # failed, asked again
+            assert fetcher._peers.get("prefill") is peer
+            _transfer(exporter, "prefill", source, fetcher, dest, "after")
+            assert fetcher._peers.get("prefill") is peer and peer.silent_probes == 0
+
+
+@pytest.mark.timeout(90)
 def test_nixl_fetcher_drops_a_peer_whose_address_answers_as_a_new_engine():
     """A prefill worker restarted behind the same address (a new engine id): the old
     peer goes at the new one's handshake, without waiting to be idle."""

@@ -12,8 +12,22 @@ from kv_transfer.records import ExportRecord, FetchRecord, PeerRef
 from kv_transfer.tracker import ExportTracker, FetchTracker
 
 
-def fetch(tid: str) -> FetchRecord:
-    return FetchRecord(tid, PeerRef("p", "e"), (1,), (2,), None, time.monotonic() + 10)
+def fetch(tid: str, local: tuple[int, ...] | None = None) -> FetchRecord:
+    """A fetch into ``local`` (default: a block of its own, by its id's first letter)."""
+    local = (ord(tid[0]),) if local is None else local
+    return FetchRecord(tid, PeerRef("p", "e"), (1,) * len(local), local, None,
+                       time.monotonic() + 10)  # fmt: skip
+
+
+def test_fetches_into_blocks_an_active_fetch_writes_are_refused():
+    """Both would write the block, in either order, and both be reported done."""
+    tracker = FetchTracker()
+    tracker.add(fetch("a", (10, 11)))
+    with pytest.raises(ValueError, match="an active fetch writes these blocks"):
+        tracker.add(fetch("b", (11, 12)))
+    tracker.add(fetch("c", (12, 13)))  # (the refused one took nothing)
+    assert tracker.fail("a", TransferFailedError("gone"))
+    tracker.add(fetch("d", (10, 11)))  # settled: its blocks are free again
 
 
 def test_fetch_outcomes_are_reported_once():
