@@ -220,6 +220,12 @@ class KVCacheManager:
         self.snapshots_of.pop(request_id, None)  # (an earlier lookup's, while it waited)
         self.branch_points.pop(request_id, None)
         self.snapshot_loads.pop(request_id, None)
+        if cdiv(request.num_tokens, self.block_size) + self.num_state_blocks > self.pool.num_blocks:
+            # Restoring holds the snapshot's blocks beside the prompt's until the step
+            # copies them: a pool too small for both never admitted the request (nothing
+            # else ran to evict the snapshot, which every failed try kept warm), and under
+            # FCFS nothing behind it either. Recompute: a lone request always fits.
+            return StateHit([], [], [])
         loaded = self.get_secondary_hits(request, len(hits))
         num_cached = len(hits) + len(loaded)
         num_hits, blocks = 0, []

@@ -274,3 +274,29 @@ def test_an_evicted_prefix_and_its_snapshot_come_back_from_the_cpu_tier(hybrid, 
                  for h in event.block_hashes}  # fmt: skip
     assert tier._state_names and not announced & (names | tier._state_names)
     assert engine.leak_report() == []
+
+
+def test_a_prompt_whose_snapshot_cannot_fit_beside_it_recomputes_instead_of_waiting(qwen3_5):
+    """Restoring holds the snapshot's blocks beside the prompt's: in a pool too small for
+    both (7 blocks: a 90-token prompt's 6 and a 4-block snapshot), the prompt was never
+    admitted, nothing ran to evict the snapshot, and under FCFS the request behind it
+    waited too, for good. It recomputes now (a lone request always fits)."""
+    config = EngineConfig(block_size=16, num_blocks=7, max_model_len=96)
+    engine = LLMEngine(qwen3_5, config)
+    assert engine.scheduler.kv.num_state_blocks == 4
+    prompt = random_prompts([90], seed=31)[0]
+    engine.add_request("a", prompt[:40], SamplingParams(max_tokens=1, temperature=0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request("b", prompt, GREEDY)  # its first 32 tokens cached, with a snapshot
+    engine.add_request("c", [7, 8, 9], GREEDY)  # behind it
+    finished = {}
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert sorted(finished) == ["b", "c"]
+    alone = LLM(qwen3_5, block_size=16, num_blocks=7, max_model_len=96)
+    expected = alone.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert finished["b"].outputs[0].token_ids == expected
+    assert engine.leak_report() == []
