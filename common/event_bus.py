@@ -34,8 +34,8 @@ least evicted) were the ones a router that joined late, or lost history, never l
 again (a router restarted against long-running workers routed without them for good).
 The publisher keeps the snapshot as it publishes: the set of each tier's hashes, updated
 by its own events (the same bytes objects as the events', so a set entry each). A
-publisher that predates snapshots answers the request as a replay from the start; the
-subscriber then falls back to what that gives.
+publisher that predates snapshots answers the request as a replay from its start, which
+the subscriber reads to its end and sets aside; it then joins by a replay, as before.
 """
 
 from __future__ import annotations
