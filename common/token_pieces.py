@@ -46,10 +46,11 @@ class TokenPieces:
         twice = self._decode([token_id, token_id], False)
         return twice[len(alone) :] if twice.startswith(alone) else alone
 
-    def bytes(self, token_id: int) -> bytes:
+    def bytes(self, token_id: int, text: str | None = None) -> bytes:
         """The bytes the token stands for: its text's, unless the text holds U+FFFD (part
-        of a character), where the vocabulary's piece says which bytes."""
-        text = self.text(token_id)
+        of a character), where the vocabulary's piece says which bytes. ``text``: its
+        ``text``, when the caller has it already (two decodes each)."""
+        text = self.text(token_id) if text is None else text
         if "\ufffd" not in text:
             return text.encode()
         piece = self._piece(token_id) or ""

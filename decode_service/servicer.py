@@ -76,8 +76,8 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServiceServicer):
         with call_span(self.runtime.tracer, "decode", context, request.request_id) as span:
             async_engine = self.runtime.check_accepting()
             params = sampling_from_proto(request.sampling)
-            salt = request.cache_salt if request.HasField("cache_salt") else None
-            lora_name = request.lora_name if request.HasField("lora_name") else None
+            salt = optional(request, "cache_salt")
+            lora_name = optional(request, "lora_name")
             remote_kv = self._remote_kv(request)
             self.num_active += 1
             first = True

@@ -64,8 +64,8 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServiceServicer):
         with call_span(self.runtime.tracer, "prefill", context, request.request_id) as span:
             async_engine = self.runtime.check_accepting()
             params = sampling_from_proto(request.sampling)
-            salt = request.cache_salt if request.HasField("cache_salt") else None
-            lora_name = request.lora_name if request.HasField("lora_name") else None
+            salt = optional(request, "cache_salt")
+            lora_name = optional(request, "lora_name")
             self.num_active += 1
             final: RequestOutput | None = None
             try:

@@ -190,7 +190,8 @@ class RouterState:
         """The bytes a token stands for (chat logprobs' ``bytes``); cached alike."""
         raw = self._token_bytes.get(token_id)
         if raw is None:
-            raw = self._token_bytes[token_id] = self.tokenizer.pieces.bytes(token_id)
+            text = self.token_text(token_id)  # (cached: not decoded again)
+            raw = self._token_bytes[token_id] = self.tokenizer.pieces.bytes(token_id, text)
         return raw
 
     def sampling_params(

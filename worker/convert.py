@@ -31,16 +31,16 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         except StructuredOutputError as error:
             raise InvalidSamplingParamsError(str(error), STRUCTURED_OUTPUT) from error
     return SamplingParams(
-        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else None,
+        max_tokens=optional(msg, "max_tokens"),
         min_tokens=msg.min_tokens,
         temperature=msg.temperature,
         top_p=msg.top_p or 1.0,
         top_k=msg.top_k,
-        seed=msg.seed if msg.HasField("seed") else None,
+        seed=optional(msg, "seed"),
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
-        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
-        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
+        logprobs=optional(msg, "logprobs"),
+        prompt_logprobs=optional(msg, "prompt_logprobs"),
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
         repetition_penalty=msg.repetition_penalty or 1.0,

@@ -46,8 +46,8 @@ class WorkerRPCs:
                     request.request_id,
                     list(request.token_ids),
                     EMBEDDING_SAMPLING,
-                    cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
-                    lora_name=request.lora_name if request.HasField("lora_name") else None,
+                    cache_salt=optional(request, "cache_salt"),
+                    lora_name=optional(request, "lora_name"),
                     lora_fingerprint=optional(request, "lora_fingerprint"),
                     priority=request.priority,
                     pooling=PoolingParams(
