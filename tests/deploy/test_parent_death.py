@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 from deploy.parent_death import PARENT_PID_ENV
+from tests.support.polling import eventually
 from tests.support.processes import is_running
 
 CHILD = (
@@ -35,10 +35,7 @@ def test_the_child_gets_sigterm_when_its_launcher_is_killed():
     assert launcher.stdout.readline().strip() == "set"
     launcher.kill()
     launcher.wait()
-    deadline = time.monotonic() + 10
-    while is_running(child_pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not is_running(child_pid)
+    assert eventually(lambda: not is_running(child_pid), 10)
 
 
 def test_a_child_whose_launcher_is_already_gone_does_not_start():

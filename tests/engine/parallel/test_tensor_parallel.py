@@ -36,6 +36,7 @@ from tests.engine.helpers import (
     hf_last_logits,
     random_prompts,
 )
+from tests.support.polling import eventually
 from tests.support.processes import is_running
 
 NUM_TOKENS = 16
@@ -414,10 +415,7 @@ def _kill_a_starting_parent(script: str, own_tmp: Path) -> None:
     finally:
         parent.kill()
         parent.wait()
-    deadline = time.monotonic() + 10
-    while is_running(shard) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not is_running(shard)
+    assert eventually(lambda: not is_running(shard), 10)
     # Its socket directory, which a killed process cannot remove, goes with the next client.
     left = list(own_tmp.glob(f"pdserve-tp-{socket.gethostname()}-{parent.pid}-*"))
     assert len(left) == 1, left
