@@ -1042,6 +1042,8 @@ def live_leases(stack) -> int:
 
 
 def test_a_client_gone_from_a_non_streaming_request_stops_its_generation(stack):
+    aborted = lambda: metric(stack, "vllm:request_success_total", finished_reason="abort")  # noqa: E731
+    aborted_before = aborted()
     body = json.dumps({"model": MODEL, "prompt": "hello there", "max_tokens": 900,
                        "min_tokens": 900}).encode()  # fmt: skip
     host, port = stack.base_url.removeprefix("http://").split(":")
@@ -1060,6 +1062,9 @@ def test_a_client_gone_from_a_non_streaming_request_stops_its_generation(stack):
     while sum(s.num_running for s in worker_stats(stack, "decode")):
         assert time.monotonic() < deadline, "still generating for a client that left"
         time.sleep(0.1)
+    # ... and the router counts it as aborted (its count may land a moment after the
+    # worker stopped: the next test's counters once saw it move).
+    assert eventually(lambda: aborted() == aborted_before + 1, timeout_s=5)
 
 
 def test_the_router_bounds_heads_and_bodies(stack):
