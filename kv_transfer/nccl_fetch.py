@@ -147,6 +147,9 @@ class PeerFetcher(threading.Thread):
             self._fetches.fail(tid, TransferFailedError(f"{self._peer_id!r} dropped the pair"))
         except TransferRejectedError as exc:
             self._fetches.fail(tid, exc)  # nothing was sent: the connection is still good
+        except HandshakeError as exc:
+            self._fail_and_disconnect(record, exc)
+            self._fail_queued(exc)
         except KVTransferError as exc:
             self._fail_and_disconnect(record, exc)
         except Exception as exc:
@@ -159,6 +162,22 @@ class PeerFetcher(threading.Thread):
             self._send(self._conn, Abort(record.transfer_id))
         self._disconnect()  # before reporting: no receive may land after the failure
         self._fetches.fail(record.transfer_id, error)
+
+    def _fail_queued(self, error: HandshakeError) -> None:
+        """The peer failed a handshake (no metadata within the call's timeout, another
+        engine at its endpoint, a refused connection): every fetch queued behind this one
+        would wait for its own handshake to fail the same way, up to twice its deadline.
+        Fail them now, as NIXL fails the fetches that waited on one handshake; fetches
+        submitted later try a fresh one."""
+        while True:
+            try:
+                record = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if record is None:  # stop(): leave the rest to close()
+                self._jobs.put(None)
+                return
+            self._fetches.fail(record.transfer_id, HandshakeError(f"{error} (for the fetch before this one)"))
 
     # -- connection -------------------------------------------------------------------
 

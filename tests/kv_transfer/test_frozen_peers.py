@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kv_transfer import KVTransferConfig, PeerRef, create_connector
-from kv_transfer.errors import HandshakeError
+from kv_transfer.errors import HandshakeError, KVTransferError
 
 SHAPE = (16, 2, 4, 2, 8)  # 16 blocks
 TIMEOUT_S = 6.0
@@ -63,3 +63,37 @@ def test_frozen_peers_do_not_hold_back_a_healthy_one(connector):
         thawed.set()
         fetcher.close()
         exporter.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("connector", ["nixl", "nccl"])
+def test_fetches_queued_on_a_frozen_peer_fail_with_its_first_handshake(connector):
+    """A second fetch from a frozen peer, submitted while the first one's handshake hangs,
+    fails when that handshake does: NCCL's fetcher thread ran a second handshake for it
+    and failed it a whole timeout later, near twice its own deadline."""
+    timeout_s = 3.0
+    config = KVTransferConfig(connector=connector, timeout_s=timeout_s)
+    calls: list[str] = []
+
+    def fetch_metadata(endpoint: str) -> bytes:  # a hung peer: the gRPC deadline
+        calls.append(endpoint)
+        time.sleep(timeout_s)
+        raise TimeoutError(f"{endpoint} did not answer")
+
+    fetcher = create_connector(config, "fetcher", fetch_metadata)
+    try:
+        fetcher.register_kv_caches([torch.zeros(SHAPE) for _ in range(2)])
+        peer = PeerRef("frozen", "frozen")
+        started = time.monotonic()
+        fetcher.start_fetch("first", peer, [0], [0])
+        time.sleep(timeout_s / 2)
+        fetcher.start_fetch("second", peer, [1], [1])
+        for transfer_id in ("first", "second"):  # (or its deadline, a moment earlier)
+            with pytest.raises(KVTransferError):
+                fetcher.wait(transfer_id, timeout_s=30)
+        elapsed_s = time.monotonic() - started
+        assert elapsed_s < timeout_s * 1.6, f"the second fetch failed after {elapsed_s:.1f} s"
+        assert calls == ["frozen"]
+        assert fetcher.num_active_fetches == 0
+    finally:
+        fetcher.close()
