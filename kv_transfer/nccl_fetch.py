@@ -177,7 +177,8 @@ class PeerFetcher(threading.Thread):
             if record is None:  # stop(): leave the rest to close()
                 self._jobs.put(None)
                 return
-            self._fetches.fail(record.transfer_id, HandshakeError(f"{error} (for the fetch before this one)"))
+            queued_error = HandshakeError(f"{error} (for the fetch before this one)")
+            self._fetches.fail(record.transfer_id, queued_error)
 
     # -- connection -------------------------------------------------------------------
 
