@@ -107,7 +107,10 @@ def draft_segment(
     ``mtp_segment``): the tokens that became known, each at its own position, led by
     ``chunk.draft_lead`` (only the lead while it catches up); cut where the request's
     slots end (``capacity``: its blocks' positions, or ``max_model_len``), and then it
-    proposes nothing. None: no part."""
+    proposes nothing. None: no part. The draft reads up to ``start_pos +
+    len(token_ids)`` (``Request.draft_kv_end``): a cut segment short of the step's
+    last token (a prompt that fills its last block: no slot yet for the token it
+    sampled), empty when it reads nothing, and the next step leads with the rest."""
     lead = chunk.draft_lead
     if chunk.draft_catching_up:  # a part of what it has not read, no drafts yet
         return MtpSegment(chunk.request_id, lead, chunk.draft_lead_pos, chunk.block_ids,
@@ -121,4 +124,4 @@ def draft_segment(
     if len(segment.token_ids) > room:  # the last kept token has no slot yet
         segment.token_ids = segment.token_ids[:room]
         segment.num_drafts = 0
-    return segment if segment.token_ids else None
+    return segment

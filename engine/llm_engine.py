@@ -656,17 +656,14 @@ class LLMEngine:
         # The drafting model's drafts, set on the scheduled requests themselves: a prefill-only
         # one has finished by now, and its drafts go out with its output.
         draft_model = self.config.speculative_method is SpeculativeMethod.DRAFT_MODEL
-        for item, chunk in zip(scheduler_output.scheduled, chunks, strict=True):
+        for item in scheduler_output.scheduled:
             request = item.request
             drafts = result.drafts.get(request.request_id)
             if drafts is not None:
                 request.set_model_drafts(drafts)
-            if draft_model:  # it read every token the step made known, or caught up a part
-                request.draft_kv_end = (
-                    chunk.draft_lead_pos + len(chunk.draft_lead)
-                    if chunk.draft_catching_up
-                    else request.num_computed_tokens + 1
-                )
+            if draft_model:  # it read the tokens the step made known, up to its slots' end
+                end = result.draft_kv_end.get(request.request_id)
+                request.draft_kv_end = request.num_computed_tokens + 1 if end is None else end
         self.num_steps += 1
         for request, num_new in progressed:
             if request.request_id in self.grammars:

@@ -112,6 +112,9 @@ class StepResult:
     embeddings: dict[str, torch.Tensor] = field(default_factory=dict)
     # The MTP layer's drafts for each request's next step (``engine/mtp_drafts.py``).
     drafts: dict[str, list[int]] = field(default_factory=dict)
+    # With a draft model: the position up to which it has read each request's tokens
+    # (``Request.draft_kv_end``; ``engine/draft_model.py``).
+    draft_kv_end: dict[str, int] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -533,7 +536,7 @@ class ModelRunner:
             sampled = zip(sampling, results, strict=True)
             result.sampled = {c.request_id: r for (_, c), r in sampled}
         if self.shard.num_draft_layers or self.draft is not None:
-            result.drafts = self._model_drafts(chunks, batch, result.sampled)
+            result.drafts = self._model_drafts(chunks, batch, result)
         if self.expert_rebalance_interval:
             self._steps_since_rebalance += 1
             if self._steps_since_rebalance == self.expert_rebalance_interval:
@@ -573,13 +576,14 @@ class ModelRunner:
         self,
         chunks: list[SequenceChunk],
         batch: HostBatch,
-        sampled: dict[str, list[tuple[int, TokenLogprobs | None]]],
+        result: StepResult,
     ) -> dict[str, list[int]]:
         """The MTP layer's or the draft model's passes after a step (``mtp_drafts.py``,
-        ``draft_model.py``): each drafting request's drafts."""
+        ``draft_model.py``): each drafting request's drafts (and, with a draft model,
+        ``result.draft_kv_end``)."""
         segments = []
         for i, chunk in enumerate(chunks):
-            tokens = sampled.get(chunk.request_id)
+            tokens = result.sampled.get(chunk.request_id)
             known = None if tokens is None else [token for token, _ in tokens]
             first_row = batch.query_start_loc[i]
             if self.draft is None:
@@ -587,7 +591,10 @@ class ModelRunner:
             else:
                 capacity = slots_end(chunk.block_ids, self.block_size, self.max_model_len)
                 segment = draft_segment(chunk, known, first_row, capacity)
-            if segment is not None:
+                if segment is not None:
+                    end = segment.start_pos + len(segment.token_ids)
+                    result.draft_kv_end[chunk.request_id] = end
+            if segment is not None and segment.token_ids:
                 segments.append(segment)
         if not segments:
             return {}

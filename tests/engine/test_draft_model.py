@@ -53,6 +53,24 @@ def test_the_target_as_its_own_draft_keeps_every_draft(tiny_llama):
         assert llm.engine.leak_report() == []
 
 
+@pytest.mark.parametrize("max_num_batched_tokens", [2048, 16])
+def test_a_prompt_that_fills_its_blocks_keeps_every_draft(tiny_llama, max_num_batched_tokens):
+    """Prompts of whole blocks (16 tokens each): the step that computes the last of them
+    has no slot yet for the token it samples, so the draft reads that token in the
+    next step. It was recorded as read, its KV never written, and a third to a half of
+    the oracle's drafts were refused for the rest of the request. With 16-token chunks
+    every chunk of a prompt ends at a block boundary."""
+    prompts = random_prompts((32, 48), seed=4)
+    plain = _tokens(LLM(tiny_llama, **POOL).generate(prompts, PARAMS, use_tqdm=False))
+    more = dict(max_num_batched_tokens=max_num_batched_tokens)
+    with LLM(tiny_llama, **_drafting(tiny_llama, **more)) as llm:
+        assert _tokens(llm.generate(prompts, PARAMS, use_tqdm=False)) == plain
+        scheduler = llm.engine.scheduler
+        assert scheduler.num_draft_tokens > 0
+        assert scheduler.num_accepted_tokens == scheduler.num_draft_tokens
+        assert llm.engine.leak_report() == []
+
+
 def test_another_models_drafts_never_change_the_tokens(tiny_llama, tmp_path):
     """A different model (Qwen2, other weights) as the draft, greedy and seeded: drafts
     are kept only where they are the tokens the target samples."""
