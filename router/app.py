@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.admission import ARRIVAL_NS, Admission
 from router.choices import new_id
-from router.errors import APIError, bad_request, internal, unauthorized
+from router.errors import APIError, bad_request, internal, model_not_found, unauthorized
 from router.generation_routes import add_generation_routes
 from router.pooling_routes import add_pooling_routes
 from router.prompts import PromptTokenizer, tool_dicts
@@ -228,6 +228,8 @@ def create_app(state: RouterState) -> FastAPI:
 
     @app.get("/v1/models/{model:path}")
     async def retrieve_model(model: str) -> dict[str, Any]:
+        if not model:  # (a request body's empty name means the base model; a path's, none)
+            raise model_not_found(model)
         return model_card(admission.lora_name(model))
 
     @app.post("/tokenize")

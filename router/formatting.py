@@ -210,9 +210,12 @@ class Formatter:
         self._text_offsets[choice.index] = start + sum(len(token) for token in body["tokens"])
         return text, body
 
-    def chunk(self, event: ChoiceEvent, usage: bool = False) -> dict[str, Any]:
+    def chunk(self, event: ChoiceEvent, usage: bool = False) -> dict[str, Any] | None:
         """One choice's event; with ``usage`` (vLLM's continuous_usage_stats), the
-        choice's token counts so far too."""
+        choice's token counts so far too. None when it carries nothing: text held back
+        (a "required" tool call until its list parses, a reasoning tag or a stop string
+        still open) with no log-probs, token ids or usage asked for. Such chunks went out
+        as an empty delta for every token."""
         index = event.choice.index
         text, logprobs = self._text_and_logprobs(event.choice, event.text, event.logprobs)
         first = index not in self._started
@@ -232,6 +235,10 @@ class Formatter:
         else:
             choice = {"index": index, "text": text, "logprobs": logprobs,
                       "finish_reason": event.finish_reason}  # fmt: skip
+        empty = (choice["delta"] == {}) if self.chat else (text == "")
+        asked = logprobs is not None or self.token_ids or usage  # what each token's chunk has
+        if empty and not first and not asked and choice["finish_reason"] is None:
+            return None
         choice["stop_reason"] = event.choice.stop_reason if event.finish_reason else None
         if self.token_ids:
             choice["token_ids"] = list(event.token_ids)

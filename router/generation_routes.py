@@ -425,10 +425,11 @@ def add_generation_routes(
         end: _StreamEnd,
     ) -> AsyncIterator[bytes]:
         try:
-            if first is not None:
-                yield sse(formatter.chunk(first, continuous_usage))
+            if first is not None and (body := formatter.chunk(first, continuous_usage)) is not None:
+                yield sse(body)
             async for event in events:
-                yield sse(formatter.chunk(event, continuous_usage))
+                if (body := formatter.chunk(event, continuous_usage)) is not None:
+                    yield sse(body)
             if include_usage:
                 yield sse(formatter.usage_chunk(choices))
         except APIError as exc:

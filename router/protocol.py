@@ -4,7 +4,9 @@ Unknown fields are ignored (clients send many). Fields we cannot honour with a n
 value (tool_choice "auto" without a parser, legacy functions, client chat templates,
 and vLLM's extensions such as logits processors or beam search) are refused with a 400
 naming the field rather than silently ignored. ``null`` means the default for every field
-(OpenAI documents most of them as "X or null"). Sampling fields left unset (None) take
+(OpenAI documents most of them as "X or null") whose default is not itself a value: one
+that may be None keeps it (a completion's ``max_tokens: null`` is "up to the context", as
+in vLLM, where leaving it out is 16). Sampling fields left unset (None) take
 the checkpoint's ``generation_config.json`` defaults (see ``common.generation_config``).
 """
 
@@ -126,7 +128,10 @@ class _Body(BaseModel):
     fields other servers honour and pdserve does not, refused unless ``accepts`` their
     value (by default: absent, null, false or empty)."""
 
-    model_config = ConfigDict(extra="ignore")
+    # No float field means anything at infinity or NaN (JSON has neither, but Python's
+    # parser reads them): refused as not finite, not "less than or equal to 2", and never
+    # passed to a worker to refuse (an unbounded repetition_penalty reached the engine).
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     REFUSED_EXTRAS: ClassVar[dict[str, Callable[[Any], bool]]] = {}
 
     @model_validator(mode="before")
@@ -370,6 +375,22 @@ class ContentPart(_Body):
     text: str | None = None
     # type "image_url": OpenAI's {"url": ...}, or the URL alone (as vLLM also takes it).
     image_url: ImageUrl | str | None = None
+    # type "refusal": an assistant turn's refusal, as OpenAI returned it (a replayed
+    # conversation carries it); the template sees it as text, as vLLM renders it.
+    refusal: str | None = None
+
+    def template_text(self, role: str) -> str | None:
+        """The text a text part (or an assistant's refusal part) stands for; None for
+        other parts. Raises ValueError for a text or refusal part without its string."""
+        if self.type == "refusal" and role == "assistant":
+            if self.refusal is None:
+                raise ValueError("a content part of type 'refusal' needs its 'refusal' string")
+            return self.refusal
+        if self.type != "text":
+            return None
+        if self.text is None:
+            raise ValueError("a content part of type 'text' needs its 'text' string")
+        return self.text
 
     @property
     def url(self) -> str | None:
@@ -480,11 +501,10 @@ class ChatMessage(_Body):
             if part.type == "image_url" and image_text is not None:
                 parts.append(image_text)
                 continue
-            if part.type != "text":
+            text = part.template_text(self.role)
+            if text is None:
                 raise ValueError(f"content parts of type {part.type!r} are not supported")
-            if part.text is None:
-                raise ValueError("a content part of type 'text' needs its 'text' string")
-            parts.append(part.text)
+            parts.append(text)
         return "".join(parts)
 
     def parts_for_template(self) -> list[dict[str, str]]:
@@ -493,8 +513,8 @@ class ChatMessage(_Body):
         for part in self.content:
             if part.type == "image_url":
                 parts.append({"type": "image"})
-            elif part.type == "text" and part.text is not None:
-                parts.append({"type": "text", "text": part.text})
+            elif (text := part.template_text(self.role)) is not None:
+                parts.append({"type": "text", "text": text})
             else:
                 raise ValueError(f"content parts of type {part.type!r} are not supported")
         return parts

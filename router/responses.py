@@ -100,7 +100,7 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             if role == "user" and _has_images(content):
                 message = {"role": role, "content": _parts(content, where)}
             else:
-                message = {"role": role, "content": _text(content, where)}
+                message = {"role": role, "content": _text(content, where, role)}
         elif kind == "function_call":
             call = {"id": _required(item, "call_id", where), "type": "function",
                     "function": {"name": _required(item, "name", where),
@@ -178,8 +178,9 @@ def _required(item: dict[str, Any], key: str, where: str) -> str:
     return value
 
 
-def _text(content: Any, where: str) -> str:
-    """A message's (or a function output's) text: a string, or text parts."""
+def _text(content: Any, where: str, role: str | None = None) -> str:
+    """A message's (or a function output's) text: a string, or text parts (and an
+    assistant's refusal parts, as OpenAI returned them: text to the template)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -187,6 +188,9 @@ def _text(content: Any, where: str) -> str:
     texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "refusal" and role == "assistant" and isinstance(part.get("refusal"), str):
+            texts.append(part["refusal"])
+            continue
         if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
             raise FieldError(
                 f"{where}: content parts of type {kind!r} are not supported (text only)", "input"

@@ -56,7 +56,10 @@ def _json_text(value: Any, where: str) -> str:
 
 def _from_response_format(value: dict[str, Any]) -> StructuredOutput | None:
     kind = value.get("type")
-    if kind in (None, "text"):
+    if kind is None:  # (OpenAI's is required: a schema sent without it would go unenforced)
+        raise FieldError("response_format.type is required (text, json_object, json_schema or "
+                         "structural_tag)", "response_format")  # fmt: skip
+    if kind == "text":
         return None
     if kind == "json_object":
         return StructuredOutput("json", ANY_JSON_OBJECT)
@@ -177,7 +180,7 @@ def structured_output_of(body: Any) -> tuple[str, StructuredOutput] | None:
     """The request's one constraint and the field it came in; None for free text. Raises
     ``FieldError`` naming the field at fault. Cheap: ``check`` compiles it."""
     found: list[tuple[str, StructuredOutput]] = []
-    if body.response_format:
+    if body.response_format is not None:
         structured = _from_response_format(body.response_format)
         if structured is not None:
             found.append(("response_format", structured))

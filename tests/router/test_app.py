@@ -235,6 +235,8 @@ def test_the_model_card_is_vllms(state, tiny_llama):
     assert card["max_model_len"] == state.model.max_model_len
     (permission,) = card["permission"]
     assert permission["object"] == "model_permission" and permission["allow_sampling"]
+    # (an empty name in a body means the base model; an empty id in the path is no model)
+    assert error_of(post(state, "/v1/models/", method="GET"), 404)["code"] == "model_not_found"
 
 
 def test_a_body_that_is_not_json_is_a_415(state):

@@ -162,6 +162,33 @@ def test_a_message_author_name_reaches_the_template():
     ]
 
 
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("field", ["repetition_penalty", "temperature", "top_p"])
+def test_floats_that_are_not_finite_are_refused_as_such(field, value):
+    """Python's JSON reads Infinity, NaN and 1e400; an infinite repetition_penalty
+    passed (a worker refused it, counted as a failed request) and NaN was "not less
+    than or equal to 2"."""
+    with pytest.raises(pydantic.ValidationError, match="finite number") as refused:
+        CompletionRequest.model_validate({"prompt": "x", field: value})
+    assert refused.value.errors()[0]["loc"] == (field,)
+
+
+def test_an_assistant_turns_refusal_reaches_the_template_as_its_text():
+    """OpenAI's replies may carry a refusal part; a client replaying the conversation
+    sends it back (it was a 400)."""
+    refusal = {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]}
+    chat = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}, refusal]}
+    )
+    assert chat.messages[1].for_template() == {"role": "assistant", "content": "I can't."}
+    assert chat.messages[1].parts_for_template() == [{"type": "text", "text": "I can't."}]
+    for message in ({**refusal, "role": "user"},  # only an assistant refuses
+                    {"role": "assistant", "content": [{"type": "refusal"}]}):  # fmt: skip
+        chat = ChatCompletionRequest.model_validate({"messages": [message]})
+        with pytest.raises(ValueError, match="refusal"):
+            chat.messages[0].for_template()
+
+
 @pytest.mark.parametrize("role", ["system", "developer", "user", "tool"])
 def test_only_an_assistant_message_may_come_without_content(role):
     messages = [{"role": "user", "content": "hi"}, {"role": role, "content": None}]

@@ -59,6 +59,17 @@ def test_instructions_and_items_become_chat_turns():
     assert chat.tool_choice.name == "weather" and chat.tools[1].function.name == "time"
 
 
+def test_an_assistant_items_refusal_is_its_text():
+    chat = chat_of(input=[
+        {"role": "user", "content": "hi"},
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "refusal", "refusal": "I can't."}]},
+    ])  # fmt: skip
+    assert chat.messages[1].for_template() == {"role": "assistant", "content": "I can't."}
+    user_refusal = [{"role": "user", "content": [{"type": "refusal", "refusal": "no"}]}]
+    assert "'refusal' are not supported" in refused("input", input=user_refusal)
+
+
 @pytest.mark.parametrize(
     ("body", "message"),
     [

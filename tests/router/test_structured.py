@@ -78,6 +78,10 @@ def test_every_spelling_gives_the_same_constraint(chat):
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
          "response_format", "schema is required"),
         ({"response_format": {"type": "yaml"}}, "response_format", "not supported"),
+        # (a schema without its type went unenforced: free text, a 200)
+        ({"response_format": {"json_schema": {"name": "x", "schema": {"type": "object"}}}},
+         "response_format", "type is required"),
+        ({"response_format": {}}, "response_format", "type is required"),
         ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
          "only one"),
         ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs", "not JSON"),

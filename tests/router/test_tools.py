@@ -6,12 +6,16 @@ as the call so far, streamed or not."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 from llguidance import LLMatcher
 
 from common.structured_output import GrammarCompiler
 from common.tokenizer import Tokenizer
+from proto import pdserve_pb2 as pb
+from router.choices import Choice, ChoiceEvent
+from router.formatting import Formatter
 from router.protocol import ChatCompletionRequest
 from router.tools import ToolCalls
 
@@ -113,3 +117,27 @@ def test_a_named_call_cut_short_is_the_call_so_far_streamed_or_not(finish):
         == {"name": "f", "arguments": arguments}
         == {"name": "f", "arguments": '{"a":76'}
     )
+
+
+def test_a_required_stream_sends_no_empty_chunk_while_its_list_is_held():
+    """The list goes out whole once it parses; the tokens before it made a chunk each
+    with an empty delta (about one per token), which OpenAI and vLLM do not send.
+    With log-probs asked for, each token's chunk carries them."""
+    request = SimpleNamespace(prompt_token_ids=[7])
+    pieces = ['[{"name":', '"f0","par', 'ameters":{}}]']
+    for logprobs in (None, 0):
+        formatter = Formatter("chat-1", "m", chat=True, logprobs=logprobs,
+                              token_text=lambda token_id: "t",
+                              tools=_required({"type": "object"}))  # fmt: skip
+        choice = Choice(0, 0, request, None, token_ids=[1, 2, 3])
+        bodies = [
+            formatter.chunk(ChoiceEvent(choice, text, [i], [pb.TokenLogprobs(token_id=i)],
+                                        "stop" if i == 3 else None))
+            for i, text in enumerate(pieces, start=1)
+        ]  # fmt: skip
+        sent = [body["choices"][0] for body in bodies if body is not None]
+        if logprobs is None:
+            assert [c["delta"].keys() for c in sent] == [{"role"}, {"content", "tool_calls"}]
+        else:
+            assert len(sent) == 3 and all(c["logprobs"] is not None for c in sent)
+        assert sent[-1]["finish_reason"] == "tool_calls"
