@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.config import FailurePolicy, PdserveConfig, Role
+from common.config import FailurePolicy, PdserveConfig, Role, StateDType
 from common.event_bus import KVEventPublisher
 from common.gc_heap import freeze_startup_heap
 from common.internal_auth import NO_AUTH, InternalAuth
@@ -56,12 +56,17 @@ _EVENT_HEARTBEAT_S = 1.0
 _ENGINE_WATCH_S = 0.5  # how soon a failed engine takes the worker out of service
 
 
-def model_namespace(model_dir: Path) -> str:
+def model_namespace(model_dir: Path, state_dtype: StateDType = StateDType.FLOAT32) -> str:
     """A directory-safe name per model and weights, so shared-storage files of different
     models (or of one model's old weights) with equal token prefixes never mix. LoRA
     adapters need no part in it: their blocks' names are salted with their own weights
-    (``engine.models.lora.LoraAdapter.key``), which also covers adapters loaded later."""
-    return f"{model_dir.name}-{weights_fingerprint(model_dir)}"
+    (``engine.models.lora.LoraAdapter.key``), which also covers adapters loaded later.
+    A hybrid model's state files hold raw states in ``engine.linear_state_dtype``, which
+    the KV layout does not name: a 16-bit one gets its own namespace (a deployment moved
+    to bfloat16 read the float32 files an earlier one left, as bfloat16: NaN log-probs,
+    and no error)."""
+    name = f"{model_dir.name}-{weights_fingerprint(model_dir)}"
+    return name if state_dtype is StateDType.FLOAT32 else f"{name}-states-{state_dtype.value}"
 
 
 class WorkerRuntime:
@@ -169,7 +174,7 @@ class WorkerRuntime:
                 store_port=self.ports.kv_store,
                 timeout_s=transfer.timeout_s,
                 shared_dir=transfer.shared_dir,
-                shared_namespace=model_namespace(model_dir),
+                shared_namespace=model_namespace(model_dir, engine_config.linear_state_dtype),
                 shared_max_bytes=transfer.shared_max_bytes,
                 nixl_read_lanes=transfer.nixl_read_lanes,
                 nixl_pin_lanes=transfer.nixl_pin_lanes,

@@ -5,7 +5,10 @@ files keyed by token prefix), so its key must change whenever the weights do: a 
 updated in place, or a fine-tune that kept its base model's directory name and
 ``config.json``, would otherwise load the old weights' KV and decode wrong tokens.
 
-The fingerprint hashes ``config.json`` and, per safetensors file, its name, size and
+The fingerprint hashes ``config.json``, the image preprocessing files where the model has
+them (``PREPROCESSING_FILES``: an image's KV is keyed by its encoded bytes, and resizing or
+normalising them differently computes other KV at the same key), and, per safetensors
+file, its name, size and
 header (tensor names, dtypes, shapes, offsets), then from *every tensor* up to
 ``SAMPLES_PER_TENSOR`` slices of ``SAMPLE_BYTES`` (its start, middle and end). It reads
 a few KiB per tensor (about 2 MiB for a 300-tensor model) whatever the checkpoint's size,
@@ -26,6 +29,7 @@ from engine.models.arch import read_safetensors_header, safetensors_files
 
 SAMPLES_PER_TENSOR = 3
 SAMPLE_BYTES = 4 << 10
+PREPROCESSING_FILES = ("preprocessor_config.json", "processor_config.json")
 
 
 def _sample_offsets(begin: int, end: int) -> list[int]:
@@ -58,6 +62,10 @@ def _hash_safetensors(digest: hashlib._Hash, path: Path) -> None:
 def weights_fingerprint(model_dir: Path) -> str:
     """12 hex digits naming ``model_dir``'s config and weights (see the module docstring)."""
     digest = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for name in PREPROCESSING_FILES:
+        path = model_dir / name
+        if path.is_file():  # (a text model's fingerprint is what it was before these)
+            digest.update(f"{name}\0".encode() + path.read_bytes())
     for path in safetensors_files(model_dir):
         _hash_safetensors(digest, path)
     return digest.hexdigest()[:12]

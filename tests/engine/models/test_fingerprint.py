@@ -3,6 +3,7 @@ different after the weights change under the same directory name and config."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from common.config import StateDType
 from engine.models.arch import read_arch_config
 from engine.models.fingerprint import weights_fingerprint
 from engine.models.lora import load_lora_adapter
@@ -73,3 +75,22 @@ def test_an_adapters_kv_key_follows_its_weights_not_its_path(tiny_llama, tmp_pat
     assert key("alice", retrained) != key("alice", adapter)
     assert key("bob", adapter) != key("alice", adapter)
     assert prefix_salt(None, key("alice", retrained)) != prefix_salt(None, key("alice", adapter))
+
+
+def test_image_preprocessing_and_a_16_bit_state_dtype_get_their_own_namespace(tiny_llama, tmp_path):
+    """Two keys the KV layout does not carry. An image's blocks are keyed by its encoded
+    bytes: a new preprocessor config (another size or normalisation) computes other KV
+    under the same key. A hybrid model's state files are raw states in the configured
+    dtype: a bfloat16 deployment read the float32 files an earlier one left (NaN
+    log-probs, no error)."""
+    base = model_namespace(tiny_llama)
+    assert model_namespace(tiny_llama, StateDType.FLOAT32) == base
+    named = {model_namespace(tiny_llama, dtype) for dtype in StateDType}
+    assert len(named) == len(StateDType)
+    vision = tmp_path / "vision" / tiny_llama.name
+    shutil.copytree(tiny_llama, vision)
+    fingerprints = set()
+    for size in (224, 448):
+        (vision / "preprocessor_config.json").write_text(json.dumps({"size": size}))
+        fingerprints.add(weights_fingerprint(vision))
+    assert len(fingerprints) == 2 and weights_fingerprint(tiny_llama) not in fingerprints
