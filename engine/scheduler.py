@@ -311,11 +311,14 @@ class Scheduler:
         other choices of an ``n > 1`` request, a burst of requests sharing a system
         prompt) waits for that pull to land and then finds the blocks cached: it pulls
         only what differs, and shares the blocks instead of holding its own copy for its
-        whole decode. Nobody waits behind it meanwhile: the line passes it."""
+        whole decode. Nobody waits behind it meanwhile: the line passes it. Without
+        prefix caching nothing lands to share: each pulls its own at once (they pulled
+        one after another, each still everything)."""
+        waits = bool(self._pulling) and self.kv.enable_caching
         for request in self.waiting:
             if request.request_id in skip:
                 continue
-            if self._pulling and self._waits_for_pull(request):
+            if waits and self._waits_for_pull(request):
                 skip.add(request.request_id)
                 continue
             return request

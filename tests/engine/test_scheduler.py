@@ -205,6 +205,23 @@ def test_a_prompt_being_pulled_is_pulled_once():
     assert scheduler.leak_report() == []
 
 
+def test_without_prefix_caching_a_shared_prompt_is_pulled_by_each_at_once():
+    """Nothing a pull lands is cached for the others to share: waiting for it only
+    delayed each choice's own whole pull."""
+    scheduler = Scheduler(EngineConfig(block_size=4, enable_prefix_caching=False), num_blocks=32)
+    for i in range(3):
+        scheduler.add_request(remote_request(f"c{i}", 10, (10 * i, 10 * i + 1, 10 * i + 2)))
+    out = scheduler.schedule()
+    assert [(f.request.request_id, f.remote_block_ids) for f in out.fetches] == [
+        (f"c{i}", [10 * i, 10 * i + 1, 10 * i + 2]) for i in range(3)
+    ]
+    scheduler.update_from_output(out, {})
+    for i in range(3):
+        scheduler.finish_fetch(f"c{i}", ok=True)
+    drain(scheduler)
+    assert scheduler.leak_report() == []
+
+
 @pytest.mark.parametrize("recompute", [False, True])
 def test_a_failed_pull_releases_its_followers(recompute):
     scheduler = Scheduler(EngineConfig(block_size=4), num_blocks=32)
