@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -33,7 +34,7 @@ import yaml
 from common.config import ConfigError, PdserveConfig, Role
 from common.config_loader import to_dict
 from common.internal_auth import InternalAuth, open_ports_warning
-from common.model_info import cache_dir, made_model_dir, made_model_is_current
+from common.model_info import cache_dir, made_model_dir, made_model_is_current, model_dir_of
 from common.owned_paths import owner_tag, remove_dead_owners
 from common.prometheus_text import fetch, sample_totals
 from common.tracing import check_installed
@@ -207,12 +208,15 @@ class Stack:
         self, name: str, proc: subprocess.Popen, probe: Callable[[], bool], deadline: float
     ) -> None:
         """Until ``probe`` passes (the checks ``pdserve health`` runs); fails fast if the
-        process exits."""
+        process, or any other started so far, exits (the router refusing its port had
+        waited for every worker's model load), naming the cause its log ends with."""
         while time.monotonic() < deadline:
             if self.stop_signal:
                 raise StackError(f"stopped by signal {self.stop_signal} while starting")
-            if proc.poll() is not None:
-                raise StackError(f"{name} exited ({proc.returncode}); see {self._log(name)}")
+            for other, other_proc in self.children:
+                if other_proc.poll() is not None:
+                    raise StackError(f"{other} exited ({other_proc.returncode}){self._cause(other)}"
+                                     f"; see {self._log(other)}")  # fmt: skip
             if probe():
                 return
             time.sleep(0.2)
@@ -220,6 +224,20 @@ class Stack:
 
     def _log(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
+
+    def _cause(self, name: str) -> str:
+        """``": <what the process said last>"``: its ``error: ...`` line, else the last
+        line of its log (a traceback's exception); "" without a log."""
+        try:
+            with open(self._log(name), "rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - 16384))
+                lines = [line.strip() for line in log.read().decode(errors="replace").splitlines()]
+        except OSError:
+            return ""
+        lines = [line for line in lines if line]
+        errors = [line for line in lines if line.startswith("error: ")]
+        cause = errors[-1].removeprefix("error: ") if errors else (lines[-1] if lines else "")
+        return f": {cause[:500]}" if cause else ""
 
     @property
     def url_root(self) -> str:
@@ -238,8 +256,8 @@ class Stack:
                     return 1
                 # The router routes around a dead worker; the stack keeps serving (and
                 # workers keep theirs while a failed router comes back).
-                print(f"{name} exited ({proc.returncode}); see {self._log(name)}",
-                      file=sys.stderr)  # fmt: skip
+                print(f"{name} exited ({proc.returncode}){self._cause(name)}; see "
+                      f"{self._log(name)}", file=sys.stderr)  # fmt: skip
                 reported.add(name)
                 if self.restart and proc.returncode != 0 and name not in self._drained_by_plan:
                     self._schedule_restart(name)
@@ -373,6 +391,39 @@ class Stack:
         self.config_path.unlink(missing_ok=True)
 
 
+def local_problems(config: PdserveConfig) -> list[str]:
+    """What this machine lacks for the stack, checked before anything starts (``config
+    check`` cannot: it may run where the model is not): the model's directory, and the
+    ports the router and the workers listen on (a second stack, or any other process)."""
+    problems = []
+    model_dir = model_dir_of(config)
+    if not (model_dir / "config.json").is_file():
+        problems.append(f"model: {model_dir} is no checkpoint directory (no config.json)")
+    listeners = [("router.port", config.router.host, config.router.port)]
+    for role in Role:
+        section = config.role(role)
+        for index in range(section.replicas):
+            ports = section.ports(index)  # (the connector's own two: only some connectors)
+            for port in (ports.grpc, ports.events, ports.replay):
+                listeners.append((f"{role.value}.port", section.host, port))
+    for key, host, port in listeners:
+        if port and not _can_listen(host, port):
+            problems.append(f"{key}: {host}:{port} is in use (another process listens on it; "
+                            "another stack?) or not this machine's address")  # fmt: skip
+    return problems
+
+
+def _can_listen(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def _workers_available(metrics_url: str) -> float:
     """How many workers the router places new work on (its ``pdserve:worker_available``
     series); 0 while it does not answer."""
@@ -415,6 +466,10 @@ def run(
             print(f"error: planner.profile: {exc}", file=sys.stderr)
             return 2
     ensure_demo_model(config)
+    if problems := local_problems(config):  # (each child would fail on it, one by one)
+        for problem in problems:
+            print(f"error: {problem}", file=sys.stderr)
+        return 2
     stack = Stack(config, cache_dir() / "logs" / str(config.router.port), restart)
     stack.handle_signals()
     try:

@@ -19,12 +19,13 @@ def _runner(role: Role):
     def run(args: argparse.Namespace) -> int:
         from common.config_loader import load_config
         from common.registry import RegistryError
+        from engine.models.errors import ModelLoadError
         from worker.main import run as run_worker
 
         try:
             config = load_config(args.config, args.overrides)
             return run_worker(config, role, args.index)
-        except (ConfigError, RegistryError, ValueError) as exc:
+        except (ConfigError, RegistryError, ValueError, ModelLoadError, FileNotFoundError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
 
@@ -34,13 +35,14 @@ def _runner(role: Role):
 def _run_router(args: argparse.Namespace) -> int:
     from common.config_loader import load_config
     from common.registry import RegistryError
+    from common.tokenizer import TokenizerError
     from planner.profile_data import ProfileError
     from router.main import run as run_router
 
     try:
         config = load_config(args.config, args.overrides)
         return run_router(config)
-    except (ConfigError, RegistryError, FileNotFoundError, ProfileError) as exc:
+    except (ConfigError, RegistryError, FileNotFoundError, ProfileError, TokenizerError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

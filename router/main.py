@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import threading
 import time
 
 import uvicorn
 
-from common.config import PdserveConfig
+from common.config import ConfigError, PdserveConfig
 from common.gc_heap import freeze_startup_heap
 from common.internal_auth import InternalAuth
 from router.app import create_app
@@ -19,8 +20,29 @@ from router.state import RouterState
 logger = logging.getLogger(__name__)
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The router's socket, bound before anything starts: a port in use is one error
+    naming it (uvicorn binds after the app's start-up, which had printed "ready")."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (uvicorn's own choice)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError("router.port", f"cannot listen on {host}:{port}: {exc.strerror} "
+                          "(another process has the port, or the host is not this "
+                          "machine's)") from None  # fmt: skip
+    return sock
+
+
 def run(config: PdserveConfig) -> int:
-    state = RouterState.build(config, InternalAuth.from_env())
+    with listening_socket(config.router.host, config.router.port) as sock:
+        _server(config, RouterState.build(config, InternalAuth.from_env())).run(sockets=[sock])
+    return 0
+
+
+def _server(config: PdserveConfig, state: RouterState) -> DrainingServer:
     app = create_app(state)
 
     @contextlib.asynccontextmanager
@@ -39,7 +61,7 @@ def run(config: PdserveConfig) -> int:
             await state.stop()
 
     app.router.lifespan_context = lifespan
-    server = DrainingServer(
+    return DrainingServer(
         state,
         config.router.drain_grace_s,
         uvicorn.Config(
@@ -57,8 +79,6 @@ def run(config: PdserveConfig) -> int:
             lifespan="on",
         ),
     )
-    server.run()
-    return 0
 
 
 class DrainingServer(uvicorn.Server):

@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.config import FailurePolicy, PdserveConfig, Role, StateDType
+from common.config import ConfigError, FailurePolicy, PdserveConfig, Role, StateDType
 from common.event_bus import KVEventPublisher
 from common.gc_heap import freeze_startup_heap
 from common.internal_auth import NO_AUTH, InternalAuth
@@ -134,14 +134,21 @@ class WorkerRuntime:
         # request budget, and its prompt's ids, not gRPC's default of 4 MiB.
         limit = max(64 << 20, self.config.router.max_request_bytes + (32 << 20))
         self.server = grpc.aio.server(
-            options=[("grpc.max_receive_message_length", limit)],
+            # gRPC turns SO_REUSEPORT on by default: a second worker started on a serving
+            # one's port bound it too, took a share of its calls (health probes answered
+            # NOT_SERVING) while it loaded, and failed only later, on its events port.
+            options=[("grpc.max_receive_message_length", limit), ("grpc.so_reuseport", 0)],
             interceptors=self.auth.server_interceptors(),
         )
         add_servicer(self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        bound = self.server.add_insecure_port(self.address)
+        try:
+            bound = self.server.add_insecure_port(self.address)
+        except RuntimeError:  # (newer gRPC raises where older returned 0)
+            bound = 0
         if bound == 0:
-            raise RuntimeError(f"cannot listen on {self.address}: port in use?")
+            raise ConfigError(f"{self.role.value}.port", f"cannot listen on {self.address}: "
+                              "the port is in use (or the host is not this machine's)")  # fmt: skip
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
         logger.info("%s listening on %s, loading the model", self.worker_id, self.address)

@@ -1,0 +1,94 @@
+"""A port another process holds is one line naming it, before anything loads: the router
+had printed "ready" and then failed in uvicorn's bind (exit 3); a worker printed gRPC's
+38-line traceback. A second worker on a serving worker's port is refused at once (gRPC's
+SO_REUSEPORT let it bind beside the first and take a share of its calls)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import time
+
+import yaml
+
+from tests.deploy.test_cli import run_cli
+from tests.support.processes import WorkerProcess, start_workers, write_config
+from tests.support.stack import launch_up
+
+
+def _held_port() -> socket.socket:
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    return holder
+
+
+def test_a_router_port_in_use_is_one_line_before_it_starts(tiny_llama, tmp_path):
+    config = write_config(tmp_path / "config.yaml", tiny_llama)
+    with _held_port() as holder:
+        port = holder.getsockname()[1]
+        out = run_cli("router", "--config", str(config), "--set", f"router.port={port}")
+    assert out.returncode == 2, out.stderr
+    assert "ready" not in out.stdout
+    assert out.stderr.strip().splitlines() == [
+        f"error: router.port: cannot listen on 127.0.0.1:{port}: Address already in use "
+        "(another process has the port, or the host is not this machine's)"
+    ]
+
+
+def test_a_second_worker_on_a_serving_workers_port_is_refused_at_once(tiny_llama, tmp_path):
+    config = write_config(tmp_path / "config.yaml", tiny_llama)
+    (first,) = start_workers([WorkerProcess("prefill", 0, config, tmp_path / "first.log")])
+    try:
+        started = time.monotonic()
+        second = run_cli("prefill", "--config", str(config))
+        assert second.returncode == 2, second.stderr
+        assert f"error: prefill.port: cannot listen on {first.address}" in second.stderr
+        assert "Traceback" not in second.stderr and "loading the model" not in second.stderr
+        assert time.monotonic() - started < 60
+        with _held_port() as holder:  # any other process's
+            port = holder.getsockname()[1]
+            out = run_cli("decode", "--config", str(config), "--set", f"decode.port={port}")
+        assert out.returncode == 2 and "decode.port: cannot listen" in out.stderr, out.stderr
+    finally:
+        assert first.stop() == 0, first.log()
+
+
+def test_up_names_what_this_machine_lacks_before_starting_anything(tiny_llama, tmp_path):
+    """Held ports (the router's, a worker's) and a model directory that is not there:
+    each one line, exit 2, no child started."""
+    config = write_config(tmp_path / "config.yaml", tiny_llama)
+    raw = yaml.safe_load(config.read_text())
+    with _held_port() as router_holder, _held_port() as worker_holder:
+        router_port, worker_port = router_holder.getsockname()[1], worker_holder.getsockname()[1]
+        out = run_cli("up", "--config", str(config), "--set", f"router.port={router_port}",
+                      "--set", f"decode.port={worker_port - 1}",  # its events port held
+                      "--set", f"model={tmp_path / 'gone'}",
+                      env={"PDSERVE_HOME": str(tmp_path / "home")})  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.splitlines() == [
+        f"error: model: {tmp_path / 'gone'} is no checkpoint directory (no config.json)",
+        f"error: router.port: 127.0.0.1:{router_port} is in use (another process listens on "
+        "it; another stack?) or not this machine's address",
+        f"error: decode.port: 127.0.0.1:{worker_port} is in use (another process listens on "
+        "it; another stack?) or not this machine's address",
+    ]
+    assert not (tmp_path / "home" / "logs").exists() and raw["router"]["port"] != router_port
+
+
+def test_up_says_why_a_process_failed_to_start(tiny_llama, tmp_path):
+    """A checkpoint without its weights: the first process to fail is named with the
+    last thing it said (its exception), not only "exited (1); see <log>"."""
+    model = tmp_path / "no-weights"
+    model.mkdir()
+    for path in tiny_llama.iterdir():
+        if path.suffix != ".safetensors":
+            shutil.copy(path, model / path.name)
+    config = write_config(tmp_path / "config.yaml", model)
+    stack = launch_up(config, tmp_path / "home", restart=False)
+    try:
+        assert stack.proc.wait(120) == 1
+    finally:
+        stack.stop()
+    failed = [line for line in stack.log().splitlines() if " exited (" in line]
+    assert failed and "safetensors" in failed[0], stack.log()
