@@ -81,8 +81,14 @@ _DTYPES = {
 
 
 def resolve_device(config: EngineConfig) -> torch.device:
+    """``engine.device``; "cuda" where torch sees no CUDA device is a ``ConfigError`` (it
+    failed later, inside torch, as an assertion)."""
     if config.device.value == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if config.device.value == "cuda" and not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise ConfigError("engine.device", f"cuda, but torch ({torch.__version__}, {build}) "
+                          "sees no CUDA device here; use cpu or auto")  # fmt: skip
     return torch.device(config.device.value)
 
 

@@ -10,6 +10,12 @@ import sys
 import pytest
 
 
+def torch_sees_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "deploy.cli", *args],
@@ -127,3 +133,18 @@ def test_make_model_writes_a_gptq_checkpoint_that_generates(tmp_path, capsys):
     args = ["make-model", "--out", str(tmp_path / "both"), "--fp8", "fbgemm", "--int", "awq"]
     with pytest.raises(SystemExit):  # one quantization at a time
         main(args)
+
+
+@pytest.mark.skipif(torch_sees_cuda(), reason="this machine has a CUDA device")
+def test_a_device_this_machine_lacks_is_refused_before_serving(tmp_path):
+    """engine.device cuda without CUDA failed inside torch (an assertion's traceback);
+    the triton backend on a CPU without the interpreter started and then failed each
+    request's first step (a worker restarted over and over behind a 503)."""
+    env = {"PDSERVE_HOME": str(tmp_path), "TRITON_INTERPRET": "0"}
+    cases = [(["--device", "cuda"], "engine.device"),
+             (["--attention-backend", "triton"], "engine.attention_backend")]  # fmt: skip
+    for flags, key in cases:
+        out = run_cli("generate", "--prompt", "hi", "--max-tokens", "2", *flags, env=env)
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.strip().splitlines()[-1].startswith(f"error: {key}: ")
+        assert "Traceback" not in out.stderr
