@@ -10,6 +10,7 @@ int and ``--set model=null`` is None). ``to_dict`` gives back plain YAML-able da
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import types
 import typing
@@ -115,7 +116,7 @@ def build(cls: type[T], data: Any, prefix: str = "") -> T:
         key = f"{prefix}.{unknown[0]}" if prefix else str(unknown[0])
         if key in _RENAMED:
             raise ConfigError(key, f"renamed to {_RENAMED[key]} (see DESIGN_NOTES.md)")
-        raise ConfigError(key, f"unknown key (known: {', '.join(sorted(fields))})")
+        raise ConfigError(key, _unknown(str(unknown[0]), fields, "key"))
     kwargs = {}
     for name, value in data.items():
         key = f"{prefix}.{name}" if prefix else name
@@ -127,6 +128,16 @@ def build(cls: type[T], data: Any, prefix: str = "") -> T:
             key = f"{prefix}.{exc.key.split('.')[-1]}"
             raise ConfigError(key, str(exc).split(": ", 1)[1]) from None
         raise
+
+
+def _unknown(name: str, known: typing.Iterable[str], what: str) -> str:
+    """An unknown key's message: the known keys it is closest to (a typo's fix), else
+    all of them."""
+    known = sorted(known)
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    if close:
+        return f"unknown {what}; did you mean {' or '.join(close)}?"
+    return f"unknown {what} (known: {', '.join(known)})"
 
 
 def typed_role_engines(data: dict[str, Any]) -> dict[str, Any]:
@@ -148,7 +159,7 @@ def typed_role_engines(data: dict[str, Any]) -> dict[str, Any]:
         for name, value in section["engine"].items():
             key = f"{role}.engine.{name}"
             if name not in hints:
-                raise ConfigError(key, f"unknown engine setting (known: {', '.join(hints)})")
+                raise ConfigError(key, _unknown(str(name), hints, "engine setting"))
             converted[name] = _convert(value, hints[name], key)
         result[role] = {**section, "engine": converted}
     return result
@@ -172,8 +183,51 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(child, dict):
                 raise ConfigError(dotted, f"{key} is not a section")
             node = child
-        node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+        try:
+            node[keys[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            problem = getattr(exc, "problem", None) or "not valid YAML"
+            raise ConfigError(dotted, f"the value {raw!r} is not valid YAML ({problem}); "
+                              "quote it to give a string") from None  # fmt: skip
     return result
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping: PyYAML keeps the
+    last silently (a second ``engine:`` section dropped the first's settings)."""
+
+
+def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in seen:
+            line = key_node.start_mark.line + 1
+            raise ConfigError("config", f"line {line}: {key!r} is given twice in one mapping")
+        seen.add(key)
+    return loader.construct_mapping(node, deep=True)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def read_yaml(path: str) -> Any:
+    """A config file's data; ``ConfigError`` naming the file for what cannot be read,
+    is not UTF-8 or not YAML, or repeats a key."""
+    from pathlib import Path
+
+    try:
+        text = Path(path).read_bytes().decode()
+    except OSError as exc:
+        raise ConfigError("config", f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError("config", f"{path} is not UTF-8 text (byte {exc.start})") from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as exc:
+        raise ConfigError("config", f"{path} is not valid YAML: {exc}") from None
+    except ConfigError as exc:
+        raise ConfigError("config", f"{path}: {str(exc).split(': ', 1)[1]}") from None
 
 
 def _deep_copy(data: Any) -> Any:
@@ -202,20 +256,13 @@ def load_config(path: str | None = None, overrides: list[str] | None = None):
     validated as a whole: types, values, ports and, when the model's config.json is on this
     machine, whether each role's KV cache fits (``common.kv_budget``). Every entry point
     loads through here, so a bad config stops them all before anything starts."""
-    from pathlib import Path
 
     from common.config import PdserveConfig
     from common.kv_budget import check_kv_fit
 
     data: dict[str, Any] = {}
     if path is not None:
-        try:
-            loaded = yaml.safe_load(Path(path).read_text())
-        except OSError as exc:
-            raise ConfigError("config", f"cannot read {path}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError("config", f"{path} is not valid YAML: {exc}") from None
-        data = loaded or {}
+        data = read_yaml(path) or {}
     if not isinstance(data, dict):
         raise ConfigError("config", f"{path} must hold a mapping of sections, got {data!r}")
     data = typed_role_engines(apply_overrides(data, overrides or []))

@@ -101,7 +101,7 @@ class ModelShape:
                 num_mlp_layers=sum(t in ("mlp", "moe") for t in layer_types(cfg) or []),
                 text_cfg=cfg,
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # (not a mapping)
             raise ConfigError("model", f"{path} is not a usable checkpoint config: {exc}") from None
 
     def bytes_per_block(

@@ -116,7 +116,15 @@ BROKEN = [
     ("engine: {gpu_memory_utilization: 1.5}", "engine.gpu_memory_utilization", "(0, 1]"),
     ("- prefill\n- decode", "config", "must hold a mapping"),
     ("prefill: [1, 2", "config", "not valid YAML"),
-]
+    # A typo is answered with the key it is closest to (the list of all only without one).
+    ("engine: {blok_size: 32}", "engine.blok_size", "unknown key; did you mean block_size?"),
+    ("decode: {engine: {max_num_seq: 8}}", "decode.engine.max_num_seq",
+     "unknown engine setting; did you mean max_num_seqs"),
+    # PyYAML keeps a repeated key's last value, silently: the first engine section was lost.
+    ("engine: {max_num_seqs: 8}\nengine: {block_size: 32}", "config",
+     "line 2: 'engine' is given twice in one mapping"),
+    ("engine:\n  block_size: 16\n  block_size: 32", "config", "line 3: 'block_size' is given"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("text", "key", "message"), BROKEN, ids=[b[1] for b in BROKEN])
@@ -127,6 +135,18 @@ def test_broken_config_names_the_key(text, key, message, tmp_path):
         load_config(str(path))
     assert error.value.key == key
     assert message in str(error.value)
+
+
+def test_files_that_are_not_utf_8_and_overrides_that_are_not_yaml_are_named(tmp_path):
+    """Both were tracebacks (UnicodeDecodeError, yaml's ParserError)."""
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("model: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="is not UTF-8 text") as error:
+        load_config(str(path))
+    assert error.value.key == "config"
+    with pytest.raises(ConfigError, match="is not valid YAML") as error:
+        load_config(None, ["engine.block_size=[1"])
+    assert error.value.key == "engine.block_size"
 
 
 KV_BROKEN = [
@@ -278,3 +298,10 @@ def test_check_refuses_score_tokens_that_are_not_one_token(tiny_llama, capsys):
                  "--set", "router.score_method=token_logits",
                  "--set", 'router.score_tokens=["no", "yes"]']) == 0  # fmt: skip
     assert "router.score_tokens not checked" in capsys.readouterr().err
+
+
+def test_a_checkpoint_config_that_is_not_a_mapping_is_named(tmp_path):
+    (tmp_path / "config.json").write_text("[]")  # (an AttributeError's traceback)
+    with pytest.raises(ConfigError, match="is not a usable checkpoint config") as error:
+        load_config(None, [f"model={tmp_path}"])
+    assert error.value.key == "model"
