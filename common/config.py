@@ -827,14 +827,14 @@ class PdserveConfig:
             raise ConfigError("decode.replicas", "at least one decode worker is needed")
         if self.engine_for(Role.PREFILL).block_size != self.engine_for(Role.DECODE).block_size:
             raise ConfigError(
-                "decode.engine.block_size",
+                self._shared_key("block_size"),
                 "prefill and decode must use the same block size: KV blocks move between them "
                 "block for block, and the router hashes a prompt's blocks once for both",
             )
         tp_sizes = {role: self.engine_for(role).tensor_parallel_size for role in Role}
         if tp_sizes[Role.PREFILL] != tp_sizes[Role.DECODE]:
             raise ConfigError(
-                "decode.engine.tensor_parallel_size",
+                self._shared_key("tensor_parallel_size"),
                 f"prefill uses {tp_sizes[Role.PREFILL]} tensor-parallel ranks and decode "
                 f"{tp_sizes[Role.DECODE]}: KV moves rank to rank (each holds its KV heads), so "
                 "both roles need the same tensor_parallel_size",
@@ -843,7 +843,7 @@ class PdserveConfig:
         if kv_dtypes[Role.PREFILL] != kv_dtypes[Role.DECODE]:
             names = {role: self.engine_for(role).kv_cache_dtype.value for role in Role}
             raise ConfigError(
-                "decode.engine.kv_cache_dtype",
+                self._shared_key("kv_cache_dtype"),
                 f"prefill stores KV as {names[Role.PREFILL]} and decode as "
                 f"{names[Role.DECODE]}: KV blocks move between them byte for byte, so both "
                 "roles need the same kv_cache_dtype",
@@ -861,7 +861,7 @@ class PdserveConfig:
             values = {role: getattr(self.engine_for(role), key) for role in Role}
             if values[Role.PREFILL] is not values[Role.DECODE]:
                 raise ConfigError(
-                    f"decode.engine.{key}",
+                    self._shared_key(key),
                     f"prefill has {key} {values[Role.PREFILL].value} and decode "
                     f"{values[Role.DECODE].value}: {why}, so both roles need the same {key}",
                 )
@@ -869,7 +869,7 @@ class PdserveConfig:
         eagle3 = self.engine_for(Role.DECODE).speculative_method is SpeculativeMethod.EAGLE3
         if eagle3 and heads[Role.PREFILL] != heads[Role.DECODE]:
             raise ConfigError(
-                "decode.engine.draft_model",
+                self._shared_key("draft_model"),
                 f"prefill drafts with {heads[Role.PREFILL]} and decode with "
                 f"{heads[Role.DECODE]}: an EAGLE-3 head's KV moves with the prompt's blocks, "
                 "so both roles need the same head",
@@ -886,6 +886,14 @@ class PdserveConfig:
 
     def role(self, role: Role) -> WorkerRoleConfig:
         return self.prefill if role is Role.PREFILL else self.decode
+
+    def _shared_key(self, name: str) -> str:
+        """The key to blame for a setting both roles must share and do not: the role
+        section that overrides it (decode's if both do), as the operator wrote it."""
+        for role in (Role.DECODE, Role.PREFILL):
+            if name in self.role(role).engine:
+                return f"{role.value}.engine.{name}"
+        return f"decode.engine.{name}"
 
     def engine_for(self, role: Role) -> EngineConfig:
         overrides = {"cpu_offload_bytes": self.offload.cpu_bytes, **self.role(role).engine}

@@ -263,8 +263,14 @@ class ModelShard:
             # A hybrid model's linear-attention states come out of the same memory.
             num_blocks -= self.num_state_slots * self.blocks_per_slot
         if num_blocks < min_blocks:
+            if config.num_blocks is not None:
+                key = "engine.num_blocks"
+            elif self.device.type == "cuda":
+                key = "engine.gpu_memory_utilization"
+            else:
+                key = "engine.kv_cache_bytes"  # (what sized it: num_blocks was not set)
             raise ConfigError(
-                "engine.num_blocks",
+                key,
                 f"{num_blocks} KV blocks cannot hold one request of max_model_len="
                 f"{self.max_model_len} ({min_blocks} blocks of {self.block_size} tokens); "
                 "give the KV cache more memory or lower engine.max_model_len",

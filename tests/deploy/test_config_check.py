@@ -85,6 +85,13 @@ BROKEN = [
         "both roles need the same tensor_parallel_size",
     ),
     ("engine: {tensor_parallel_size: 0}", "engine.tensor_parallel_size", "must be > 0"),
+    # The role the operator set it for is blamed (it was decode's in every case).
+    (
+        "prefill: {engine: {tensor_parallel_size: 2}}",
+        "prefill.engine.tensor_parallel_size",
+        "both roles need the same tensor_parallel_size",
+    ),
+    ("prefill: {engine: {block_size: 32}}", "prefill.engine.block_size", "same block size"),
     (
         "prefill: {engine: {kv_cache_dtype: fp8_e5m2}}\ndecode: {engine: {kv_cache_dtype: fp8}}",
         "decode.engine.kv_cache_dtype",
@@ -118,13 +125,19 @@ BROKEN = [
     ("prefill: [1, 2", "config", "not valid YAML"),
     # A typo is answered with the key it is closest to (the list of all only without one).
     ("engine: {blok_size: 32}", "engine.blok_size", "unknown key; did you mean block_size?"),
-    ("decode: {engine: {max_num_seq: 8}}", "decode.engine.max_num_seq",
-     "unknown engine setting; did you mean max_num_seqs"),
+    (
+        "decode: {engine: {max_num_seq: 8}}",
+        "decode.engine.max_num_seq",
+        "unknown engine setting; did you mean max_num_seqs",
+    ),
     # PyYAML keeps a repeated key's last value, silently: the first engine section was lost.
-    ("engine: {max_num_seqs: 8}\nengine: {block_size: 32}", "config",
-     "line 2: 'engine' is given twice in one mapping"),
+    (
+        "engine: {max_num_seqs: 8}\nengine: {block_size: 32}",
+        "config",
+        "line 2: 'engine' is given twice in one mapping",
+    ),
     ("engine:\n  block_size: 16\n  block_size: 32", "config", "line 3: 'block_size' is given"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("text", "key", "message"), BROKEN, ids=[b[1] for b in BROKEN])

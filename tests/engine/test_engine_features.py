@@ -397,3 +397,19 @@ def test_text_prompts_and_order(tiny_llama):
         assert output.prompt_token_ids == llm.tokenizer.encode(text)
         assert output.outputs[0].text == llm.tokenizer.decode(output.outputs[0].token_ids)
     assert llm.engine.leak_report() == []
+
+
+@pytest.mark.parametrize(
+    ("memory", "key"),
+    [
+        ({"num_blocks": 4}, "engine.num_blocks"),
+        ({"kv_cache_bytes": 100_000}, "engine.kv_cache_bytes"),
+    ],
+)
+def test_a_pool_too_small_names_the_setting_that_sized_it(tiny_llama, memory, key):
+    """It always named engine.num_blocks, which the operator may never have set."""
+    from common.config import ConfigError
+
+    with pytest.raises(ConfigError, match="cannot hold one request") as error:
+        LLM(tiny_llama, device="cpu", **memory)
+    assert error.value.key == key
