@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--log-level",
         default=None,
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
         help="DEBUG, INFO, WARNING, ERROR (default: INFO for the services, WARNING otherwise)",
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -68,13 +70,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     args = build_parser().parse_args(argv)
     level = args.log_level or ("INFO" if args.command in SERVICES else "WARNING")
-    logging.basicConfig(
-        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.run(args)
     except KeyboardInterrupt:
         return 130
+    except OSError as exc:  # a path or address given that cannot be used: the user's to fix
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -26,12 +26,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     compose.add_argument("--variant", choices=("cpu", "cuda"), default="cpu")
     compose.add_argument(
         "--gpus",
-        type=int,
+        type=_count,
         default=0,
         help="cuda: GPUs on the host (0: as many as the workers' tensor_parallel_size need)",
     )
     k8s = targets.add_parser("k8s", help="render Kubernetes manifests (kustomize base + GPU)")
     _common(k8s, "directory for base/ and overlays/gpu/ (default: the base to stdout)")
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def _common(parser: argparse.ArgumentParser, out_help: str) -> None:

@@ -48,6 +48,8 @@ def check_http(url: str, timeout_s: float) -> tuple[bool, str]:
         return False, f"{url}: HTTP {exc.code}"
     except OSError as exc:
         return False, f"{url}: {exc}"
+    except ValueError as exc:  # not a URL at all
+        return False, f"{url}: {exc}"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -37,10 +37,17 @@ def run(args: argparse.Namespace) -> int:
     if args.rank < 1:
         print("error: --rank must be >= 1", file=sys.stderr)
         return 2
+    from engine.models.errors import ModelLoadError
+
     model = args.model or ensure_model()
-    path = make_lora_adapter(
-        model, args.out, rank=args.rank, alpha=args.alpha, targets=args.targets, seed=args.seed
-    )
+    try:
+        path = make_lora_adapter(
+            model, args.out, rank=args.rank, alpha=args.alpha, targets=args.targets,
+            seed=args.seed,
+        )  # fmt: skip
+    except ModelLoadError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(f"wrote a random rank-{args.rank} LoRA adapter for {model} to {path}")
     return 0
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from collections import Counter
@@ -95,12 +96,25 @@ def run(args: argparse.Namespace) -> int:
     if config is None:
         return 2
     try:
+        if args.out is not None:  # (before the measuring: a bad path lost the results)
+            _check_writable(args.out)
         if args.action == "profile":
             return _profile(config, args)
         return _size(config, args)
     except (ConfigError, ValueError, FileNotFoundError, RuntimeError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def _check_writable(path: Path) -> None:
+    """``--out`` can be written: its directory exists and is one, and the path is not one."""
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise ValueError(f"--out {path}: the directory {parent} does not exist")
+    if path.is_dir():
+        raise ValueError(f"--out {path} is a directory; give a file name")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"--out {path} cannot be written here (permissions)")
 
 
 def _profile(config: PdserveConfig, args: argparse.Namespace) -> int:

@@ -148,3 +148,30 @@ def test_a_device_this_machine_lacks_is_refused_before_serving(tmp_path):
         assert out.returncode == 2, out.stderr
         assert out.stderr.strip().splitlines()[-1].startswith(f"error: {key}: ")
         assert "Traceback" not in out.stderr
+
+
+def test_paths_and_values_the_user_got_wrong_are_one_line(tmp_path, capsys):
+    """Each was a traceback (run in this process: ``main``'s own handling is the test)."""
+    from deploy.cli import main
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    config = "deploy/configs/1p1d-demo.yaml"
+    cases = [
+        (["--log-level", "LOUD", "health", "--http", "x"], 2, "invalid choice: 'LOUD'"),
+        (["health", "--http", "notaurl"], 1, "notaurl: unknown url type"),
+        (["make-model", "--out", str(a_file / "m")], 2, "error: "),
+        (["make-lora", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "a")], 2,
+         "does not exist"),
+        (["deploy", "compose", "--config", config, "--variant", "cuda", "--gpus", "-1"], 2,
+         "must be >= 0"),
+        (["deploy", "k8s", "--config", config, "--out", str(a_file)], 2, "Not a directory"),
+    ]  # fmt: skip
+    for argv, code, message in cases:
+        try:
+            got = main(argv)
+        except SystemExit as exit_:  # argparse's own refusals
+            got = exit_.code
+        out = capsys.readouterr()
+        assert got == code, (argv, out.err)
+        assert message in out.err + out.out and "Traceback" not in out.err, (argv, out.err)

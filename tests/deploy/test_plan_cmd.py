@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import yaml
@@ -171,3 +172,13 @@ def test_predict_a_given_layout(profiled, tmp_path):
     assert "misses a target in 0 of 1 window" in fits.stdout
     bad = plan(*args, "--rate", "1", "--layout", "1,0")
     assert bad.returncode == 2 and "expected PREFILL,DECODE workers" in bad.stderr
+
+
+def test_an_out_path_that_cannot_be_written_is_refused_before_measuring(tmp_path):
+    """``plan profile`` measured for minutes, then failed to write and lost it all."""
+    for out, message in ((tmp_path / "gone" / "p.json", "does not exist"),
+                         (tmp_path, "is a directory")):  # fmt: skip
+        started = time.monotonic()
+        done = plan("plan", "profile", "--out", str(out))
+        assert done.returncode == 2 and message in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr and time.monotonic() - started < 30
