@@ -86,7 +86,8 @@ def container_config(config: PdserveConfig, redis_host: str) -> PdserveConfig:
         prefill=prefill,
         decode=decode,
         lora=dataclasses.replace(config.lora, adapters=adapters),
-        router=dataclasses.replace(config.router, host="0.0.0.0"),
+        # Keys are secrets: the router reads them from PDSERVE_API_KEYS (``common/api_keys.py``).
+        router=dataclasses.replace(config.router, host="0.0.0.0", api_keys=[]),
         registry=registry,
         kv_transfer=transfer,
     )

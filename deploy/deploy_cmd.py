@@ -55,6 +55,12 @@ def run(args: argparse.Namespace) -> int:
     source = Path(args.config).name
     for warning in planner_warnings(config, args.target):
         print(f"warning: {warning}", file=sys.stderr)
+    if config.router.api_keys:
+        where = ("the Secret: kubectl create secret generic pdserve-api-keys "
+                 "--from-literal=keys=KEY1,KEY2" if args.target == "k8s"
+                 else "the host's environment when compose starts")  # fmt: skip
+        print("note: router.api_keys are secrets and are not written into the rendered files; "
+              f"the router reads PDSERVE_API_KEYS from {where}", file=sys.stderr)  # fmt: skip
     if args.target == "compose":
         from deploy.render_compose import render
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from safetensors import SafetensorError
 
+from common.api_keys import API_KEYS_ENV, API_KEYS_SECRET
 from common.config import DType, PdserveConfig, Role
 from common.internal_auth import TOKEN_ENV
 from deploy import containers as c
@@ -47,6 +48,9 @@ UID = 1000  # the image's pdserve user
 INTERNAL_TOKEN_SECRET = "pdserve-internal-token"
 _INTERNAL_TOKEN = {"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {
     "name": INTERNAL_TOKEN_SECRET, "key": "token", "optional": True}}}  # fmt: skip
+# The router's client keys (``common/api_keys.py``), never in the ConfigMap.
+_API_KEYS = {"name": API_KEYS_ENV, "valueFrom": {"secretKeyRef": {
+    "name": API_KEYS_SECRET, "key": "keys", "optional": True}}}  # fmt: skip
 
 
 def labels(component: str) -> dict[str, str]:
@@ -111,7 +115,7 @@ def router(config: PdserveConfig, image: str, checksum: str) -> list[dict[str, A
         "name": "router",
         "image": image,
         "args": c.router_args(),
-        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}, _INTERNAL_TOKEN],
+        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}, _INTERNAL_TOKEN, _API_KEYS],
         "ports": [{"name": "http", "containerPort": port}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 2},
         "livenessProbe": {"httpGet": {"path": "/metrics", "port": "http"},

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from common.api_keys import API_KEYS_ENV
 from common.config import PdserveConfig, Role
 from common.internal_auth import TOKEN_ENV
 from deploy import containers as c
@@ -149,6 +150,8 @@ def _router(config: PdserveConfig, image: str, workers: list[str]) -> dict[str, 
         published = f"127.0.0.1:{published}"
     elif router.host not in ("0.0.0.0", "::"):
         published = f"{router.host}:{published}"
+    # Client keys (``common/api_keys.py``): the host's, never written here.
+    service["environment"][API_KEYS_ENV] = f"${{{API_KEYS_ENV}:-}}"
     depends = {name: {"condition": "service_healthy"} for name in workers}
     if c.uses_bundled_redis(config):
         depends = {"redis": {"condition": "service_healthy"}, **depends}

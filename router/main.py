@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import os
 import socket
 import threading
 import time
+from collections.abc import Mapping
 
 import uvicorn
 
+from common.api_keys import api_keys_from_env
 from common.config import ConfigError, PdserveConfig
 from common.gc_heap import freeze_startup_heap
 from common.internal_auth import InternalAuth
@@ -36,7 +40,20 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def with_env_api_keys(
+    config: PdserveConfig, environ: Mapping[str, str] = os.environ
+) -> PdserveConfig:
+    """``config`` with the keys ``PDSERVE_API_KEYS`` lists added to ``router.api_keys``
+    (rendered deployments give them only this way: ``common/api_keys.py``)."""
+    env_keys = api_keys_from_env(environ)
+    if not env_keys:
+        return config
+    router = dataclasses.replace(config.router, api_keys=[*config.router.api_keys, *env_keys])
+    return dataclasses.replace(config, router=router)
+
+
 def run(config: PdserveConfig) -> int:
+    config = with_env_api_keys(config)
     with listening_socket(config.router.host, config.router.port) as sock:
         _server(config, RouterState.build(config, InternalAuth.from_env())).run(sockets=[sock])
     return 0

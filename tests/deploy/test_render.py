@@ -272,6 +272,24 @@ def check_gpu_overlay(files: dict[str, str], image: str) -> None:
         assert patched["name"] in names
 
 
+def test_api_keys_are_never_written_into_the_rendered_files(tmp_path):
+    """They went into the ConfigMap (and compose's config) as plain text; the router reads
+    them from PDSERVE_API_KEYS: an optional Secret's, or the compose host's."""
+    config = load_config(str(DEMO), ["router.api_keys=[sk-secret-1]"])
+    document = yaml.safe_load(render(config, "demo.yaml", "cpu", "pdserve:cpu"))
+    assert "sk-secret" not in yaml.safe_dump(document)
+    router = document["services"]["router"]
+    assert router["environment"]["PDSERVE_API_KEYS"] == "${PDSERVE_API_KEYS:-}"
+    files = render_files(config, "demo.yaml", "pdserve:cpu")
+    assert not any("sk-secret" in text for text in files.values())
+    (deployment,) = [d for d in k8s_docs(files) if d["metadata"]["name"] == "pdserve-router"
+                     and d["kind"] == "Deployment"]  # fmt: skip
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    (keys,) = [e for e in container["env"] if e["name"] == "PDSERVE_API_KEYS"]
+    assert keys["valueFrom"]["secretKeyRef"] == {"name": "pdserve-api-keys", "key": "keys",
+                                                 "optional": True}  # fmt: skip
+
+
 def test_k8s_carries_each_config(tmp_path):
     for path in configs(tmp_path):
         config = load_config(str(path))
