@@ -200,8 +200,14 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
     seen: set[Any] = set()
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue  # ``<<: *anchor``: construct_mapping merges it (a key given beside wins)
         key = loader.construct_object(key_node, deep=True)
-        if key in seen:
+        try:
+            repeated = key in seen
+        except TypeError:
+            continue  # an unhashable key: construct_mapping refuses it as a YAMLError
+        if repeated:
             line = key_node.start_mark.line + 1
             raise ConfigError("config", f"line {line}: {key!r} is given twice in one mapping")
         seen.add(key)

@@ -85,7 +85,10 @@ class ModelShape:
         if not path.is_file():
             return None
         try:
-            cfg = text_config(json.loads(path.read_text()))
+            raw = json.loads(path.read_text())
+            if not isinstance(raw, dict):
+                raise TypeError(f"it holds a {type(raw).__name__}, not a mapping")
+            cfg = text_config(raw)
             num_kv_heads, head_dim = kv_cache_heads(cfg)
             return cls(
                 num_layers=int(cfg["num_hidden_layers"]),
@@ -101,7 +104,7 @@ class ModelShape:
                 num_mlp_layers=sum(t in ("mlp", "moe") for t in layer_types(cfg) or []),
                 text_cfg=cfg,
             )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # (not a mapping)
+        except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError("model", f"{path} is not a usable checkpoint config: {exc}") from None
 
     def bytes_per_block(

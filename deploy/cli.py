@@ -76,6 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except OSError as exc:  # a path or address given that cannot be used: the user's to fix
+        if args.command in SERVICES:
+            raise  # a service failing while it runs: its traceback is for the operator
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -48,9 +48,14 @@ UID = 1000  # the image's pdserve user
 INTERNAL_TOKEN_SECRET = "pdserve-internal-token"
 _INTERNAL_TOKEN = {"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {
     "name": INTERNAL_TOKEN_SECRET, "key": "token", "optional": True}}}  # fmt: skip
-# The router's client keys (``common/api_keys.py``), never in the ConfigMap.
-_API_KEYS = {"name": API_KEYS_ENV, "valueFrom": {"secretKeyRef": {
-    "name": API_KEYS_SECRET, "key": "keys", "optional": True}}}  # fmt: skip
+
+
+def _api_keys(config: PdserveConfig) -> dict[str, Any]:
+    """The router's client keys (``common/api_keys.py``), never in the ConfigMap: from a
+    Secret, required when the config has keys (the router must not start open)."""
+    required = bool(config.router.api_keys)
+    return {"name": API_KEYS_ENV, "valueFrom": {"secretKeyRef": {
+        "name": API_KEYS_SECRET, "key": "keys", "optional": not required}}}  # fmt: skip
 
 
 def labels(component: str) -> dict[str, str]:
@@ -115,7 +120,7 @@ def router(config: PdserveConfig, image: str, checksum: str) -> list[dict[str, A
         "name": "router",
         "image": image,
         "args": c.router_args(),
-        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}, _INTERNAL_TOKEN, _API_KEYS],
+        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}, _INTERNAL_TOKEN, _api_keys(config)],
         "ports": [{"name": "http", "containerPort": port}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 2},
         "livenessProbe": {"httpGet": {"path": "/metrics", "port": "http"},

@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_writable(path: Path) -> None:
     """``--out`` can be written: its directory exists and is one, and the path is not one."""
-    parent = path.parent if str(path.parent) else Path(".")
+    parent = path.parent  # (Path("p.json").parent is ".")
     if not parent.is_dir():
         raise ValueError(f"--out {path}: the directory {parent} does not exist")
     if path.is_dir():

@@ -150,8 +150,14 @@ def _router(config: PdserveConfig, image: str, workers: list[str]) -> dict[str, 
         published = f"127.0.0.1:{published}"
     elif router.host not in ("0.0.0.0", "::"):
         published = f"{router.host}:{published}"
-    # Client keys (``common/api_keys.py``): the host's, never written here.
-    service["environment"][API_KEYS_ENV] = f"${{{API_KEYS_ENV}:-}}"
+    # Client keys (``common/api_keys.py``): the host's, never written here; required when
+    # the config has keys (compose refuses to start without them: the router must not
+    # serve open).
+    if router.api_keys:
+        unset = f":?set {API_KEYS_ENV}: the config has router.api_keys"
+    else:
+        unset = ":-"
+    service["environment"][API_KEYS_ENV] = f"${{{API_KEYS_ENV}{unset}}}"
     depends = {name: {"condition": "service_healthy"} for name in workers}
     if c.uses_bundled_redis(config):
         depends = {"redis": {"condition": "service_healthy"}, **depends}

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ import yaml
 from common.config import ConfigError, PdserveConfig, Role
 from common.config_loader import to_dict
 from common.internal_auth import InternalAuth, open_ports_warning
+from common.listen_sockets import bind_listeners
 from common.model_info import cache_dir, made_model_dir, made_model_is_current, model_dir_of
 from common.owned_paths import owner_tag, remove_dead_owners
 from common.prometheus_text import fetch, sample_totals
@@ -87,6 +87,7 @@ class Stack:
         self.log_max_bytes = log_max_bytes  # per log file; one older part is kept
         self._next_log_check_at = 0.0
         self.children: list[tuple[str, subprocess.Popen]] = []
+        self._log_starts: dict[str, int] = {}  # where each child's log was at its last start
         self._restarts: dict[str, _Restarts] = {}
         self.stop_signal = 0  # set by SIGINT/SIGTERM (see ``handle_signals``)
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -130,6 +131,7 @@ class Stack:
         command = [sys.executable, "-m", "deploy.cli", "--log-level", "INFO", *args,
                    "--config", str(self.config_path)]  # fmt: skip
         with open_log(self._log(name), self.log_max_bytes) as log:  # the child keeps a copy
+            self._log_starts[name] = os.fstat(log.fileno()).st_size  # (``_cause`` reads on)
             # Its own session: a terminal's Ctrl-C (or hang-up) reaches the launcher alone,
             # which stops the router before the workers; a dead launcher still ends it
             # (``deploy/parent_death.py``: the child sets that up itself).
@@ -215,8 +217,7 @@ class Stack:
                 raise StackError(f"stopped by signal {self.stop_signal} while starting")
             for other, other_proc in self.children:
                 if other_proc.poll() is not None:
-                    raise StackError(f"{other} exited ({other_proc.returncode}){self._cause(other)}"
-                                     f"; see {self._log(other)}")  # fmt: skip
+                    raise StackError(self._exit_line(other, other_proc.returncode))
             if probe():
                 return
             time.sleep(0.2)
@@ -225,12 +226,20 @@ class Stack:
     def _log(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
 
-    def _cause(self, name: str) -> str:
-        """``": <what the process said last>"``: its ``error: ...`` line, else the last
-        line of its log (a traceback's exception); "" without a log."""
+    def _exit_line(self, name: str, returncode: int) -> str:
+        return f"{name} exited ({returncode}){self._cause(name, returncode)}; see {self._log(name)}"
+
+    def _cause(self, name: str, returncode: int) -> str:
+        """``": <why it ended>"``: the signal that killed it, else what it wrote since its
+        last start (logs are appended to across starts and stacks): its ``error: ...``
+        line, else its last line (a traceback's exception); "" when it wrote nothing."""
+        if returncode < 0:
+            return f": killed by {signal.Signals(-returncode).name}"
         try:
             with open(self._log(name), "rb") as log:
-                log.seek(max(0, log.seek(0, os.SEEK_END) - 16384))
+                end = log.seek(0, os.SEEK_END)
+                start = self._log_starts.get(name, 0)
+                log.seek(max(start if start <= end else 0, end - 16384))  # (cut: start over)
                 lines = [line.strip() for line in log.read().decode(errors="replace").splitlines()]
         except OSError:
             return ""
@@ -256,8 +265,7 @@ class Stack:
                     return 1
                 # The router routes around a dead worker; the stack keeps serving (and
                 # workers keep theirs while a failed router comes back).
-                print(f"{name} exited ({proc.returncode}){self._cause(name)}; see "
-                      f"{self._log(name)}", file=sys.stderr)  # fmt: skip
+                print(self._exit_line(name, proc.returncode), file=sys.stderr)
                 reported.add(name)
                 if self.restart and proc.returncode != 0 and name not in self._drained_by_plan:
                     self._schedule_restart(name)
@@ -407,21 +415,13 @@ def local_problems(config: PdserveConfig) -> list[str]:
             for port in (ports.grpc, ports.events, ports.replay):
                 listeners.append((f"{role.value}.port", section.host, port))
     for key, host, port in listeners:
-        if port and not _can_listen(host, port):
-            problems.append(f"{key}: {host}:{port} is in use (another process listens on it; "
-                            "another stack?) or not this machine's address")  # fmt: skip
-    return problems
-
-
-def _can_listen(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do
         try:
-            probe.bind((host, port))
-        except OSError:
-            return False
-    return True
+            for probe in bind_listeners(host, port):  # as the servers will
+                probe.close()
+        except OSError as exc:
+            problems.append(f"{key}: cannot listen on {host}:{port}: "
+                            f"{exc.strerror or exc} (another stack?)")  # fmt: skip
+    return problems
 
 
 def _workers_available(metrics_url: str) -> float:
@@ -466,6 +466,12 @@ def run(
             print(f"error: planner.profile: {exc}", file=sys.stderr)
             return 2
     ensure_demo_model(config)
+    if visible := visible_gpus():  # (the layout first: the config's problem, not the host's)
+        try:
+            worker_gpus(config, len(visible))
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     if problems := local_problems(config):  # (each child would fail on it, one by one)
         for problem in problems:
             print(f"error: {problem}", file=sys.stderr)

@@ -13,9 +13,10 @@ after each step, the draft reads each token that became known, at its own positi
 prompt token after a chunk, the drafts the step kept and the token it sampled), which
 writes its KV one position ahead of the target's; the last row's logits give the first
 draft, and each further draft is one single-token pass. So after any step in which a
-request took part, the draft holds KV for positions ``0 .. num_computed_tokens``
-(``Request.draft_kv_end``). A request's first chunk leads with the tokens the draft has
-not read (``SequenceChunk.draft_lead``): its own first token, and on a decode worker the
+request took part, the draft holds KV for positions ``0 .. num_computed_tokens``, or up
+to where the request's slots end when the step's last token has none yet (a prompt that
+fills its blocks): ``Request.draft_kv_end`` says which. A chunk leads with the tokens the
+draft has not read (``SequenceChunk.draft_lead``): its own first token, and on a decode worker the
 whole prompt, whose target KV came from the prefill worker but whose draft KV did not. A
 step's leads read at most ``max_num_batched_tokens`` tokens beyond one per request: a
 longer one catches up over several steps, proposing nothing until it has.

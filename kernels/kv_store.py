@@ -64,6 +64,13 @@ def _store_kv_kernel(
     tl.store(dst + stride_kv, value.to(kv_cache_ptr.dtype.element_ty), mask=mask)
 
 
+def kernels_interpreted() -> bool:
+    """Whether Triton's interpreter runs the kernels (``TRITON_INTERPRET=1`` when they were
+    imported: CPU tensors allowed), not compiled CUDA code. One kernel decides for all:
+    Triton reads the variable once per import."""
+    return is_interpreted(_store_kv_kernel)
+
+
 def store_kv(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]

@@ -17,6 +17,7 @@ from common.api_keys import api_keys_from_env
 from common.config import ConfigError, PdserveConfig
 from common.gc_heap import freeze_startup_heap
 from common.internal_auth import InternalAuth
+from common.listen_sockets import bind_listeners
 from router.app import create_app
 from router.http_protocol import guarded_protocol
 from router.state import RouterState
@@ -24,20 +25,17 @@ from router.state import RouterState
 logger = logging.getLogger(__name__)
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
-    """The router's socket, bound before anything starts: a port in use is one error
-    naming it (uvicorn binds after the app's start-up, which had printed "ready")."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (uvicorn's own choice)
+def listening_sockets(host: str, port: int) -> list[socket.socket]:
+    """The router's sockets, bound before anything starts (``common/listen_sockets.py``): a
+    port in use is one error naming it (uvicorn binds after the app's start-up, which had
+    printed "ready")."""
     try:
-        sock.bind((host, port))
+        return bind_listeners(host, port)
     except OSError as exc:
-        sock.close()
-        raise ConfigError("router.port", f"cannot listen on {host}:{port}: {exc.strerror} "
+        reason = exc.strerror or str(exc)
+        raise ConfigError("router.port", f"cannot listen on {host}:{port}: {reason} "
                           "(another process has the port, or the host is not this "
                           "machine's)") from None  # fmt: skip
-    return sock
 
 
 def with_env_api_keys(
@@ -54,8 +52,12 @@ def with_env_api_keys(
 
 def run(config: PdserveConfig) -> int:
     config = with_env_api_keys(config)
-    with listening_socket(config.router.host, config.router.port) as sock:
-        _server(config, RouterState.build(config, InternalAuth.from_env())).run(sockets=[sock])
+    sockets = listening_sockets(config.router.host, config.router.port)
+    try:
+        _server(config, RouterState.build(config, InternalAuth.from_env())).run(sockets=sockets)
+    finally:
+        for sock in sockets:
+            sock.close()
     return 0
 
 

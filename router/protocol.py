@@ -4,9 +4,9 @@ Unknown fields are ignored (clients send many). Fields we cannot honour with a n
 value (tool_choice "auto" without a parser, legacy functions, client chat templates,
 and vLLM's extensions such as logits processors or beam search) are refused with a 400
 naming the field rather than silently ignored. ``null`` means the default for every field
-(OpenAI documents most of them as "X or null") whose default is not itself a value: one
-that may be None keeps it (a completion's ``max_tokens: null`` is "up to the context", as
-in vLLM, where leaving it out is 16). Sampling fields left unset (None) take
+(OpenAI documents most of them as "X or null") whose type does not admit None; one that
+does keeps it (a completion's ``max_tokens: null`` is "up to the context", as in vLLM,
+where leaving it out is 16). Sampling fields left unset (None) take
 the checkpoint's ``generation_config.json`` defaults (see ``common.generation_config``).
 """
 
@@ -124,7 +124,8 @@ def token_lists_of(value: list) -> list[list[int]]:
 
 class _Body(BaseModel):
     """What every request body shares: unknown fields ignored, ``null`` taken as the
-    field's default, strings that are not valid Unicode refused, and ``REFUSED_EXTRAS``:
+    field's default (a field whose type admits None keeps it), strings that are not valid
+    Unicode refused, floats that are not finite refused, and ``REFUSED_EXTRAS``:
     fields other servers honour and pdserve does not, refused unless ``accepts`` their
     value (by default: absent, null, false or empty)."""
 

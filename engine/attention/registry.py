@@ -20,13 +20,12 @@ def _triton_backend(block_size: int, device: torch.device) -> AttentionBackend:
     them failed each request at its first step instead of refusing to start."""
     try:
         from engine.attention.triton_backend import TritonAttentionBackend
-        from kernels.kv_store import _store_kv_kernel
-        from kernels.triton_utils import is_interpreted
+        from kernels.kv_store import kernels_interpreted
     except ImportError as exc:
         raise RuntimeError(
             f"attention_backend=triton needs the triton package and its backend: {exc}"
         ) from exc
-    if device.type != "cuda" and not is_interpreted(_store_kv_kernel):
+    if device.type != "cuda" and not kernels_interpreted():
         raise ConfigError(
             "engine.attention_backend",
             f"triton needs a CUDA device (the engine runs on {device}); use torch or auto, "

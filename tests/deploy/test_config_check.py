@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from common.config import ConfigError, PdserveConfig
+from common.config import ConfigError, PdserveConfig, Role
 from common.config_loader import build, load_config, to_dict
 from deploy.cli import main
 from tests.support.processes import ROOT
@@ -311,6 +311,22 @@ def test_check_refuses_score_tokens_that_are_not_one_token(tiny_llama, capsys):
                  "--set", "router.score_method=token_logits",
                  "--set", 'router.score_tokens=["no", "yes"]']) == 0  # fmt: skip
     assert "router.score_tokens not checked" in capsys.readouterr().err
+
+
+def test_anchors_and_merge_keys_still_share_settings(tmp_path):
+    """The loader that refuses repeated keys keeps YAML's merge key (its first version
+    refused every config using one) and refuses unhashable keys in one line."""
+    path = tmp_path / "merged.yaml"
+    path.write_text("prefill:\n  engine: &shared {max_num_seqs: 8, block_size: 32}\n"
+                    "decode:\n  engine: {<<: *shared, max_num_seqs: 16}\n"
+                    "engine: {block_size: 32}\n")  # fmt: skip
+    config = load_config(str(path))
+    assert config.engine_for(Role.PREFILL).max_num_seqs == 8
+    assert config.engine_for(Role.DECODE).max_num_seqs == 16
+    assert config.engine_for(Role.DECODE).block_size == 32
+    path.write_text("? [a, b]\n: 1\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(str(path))
 
 
 def test_a_checkpoint_config_that_is_not_a_mapping_is_named(tmp_path):

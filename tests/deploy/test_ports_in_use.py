@@ -9,7 +9,7 @@ import shutil
 import socket
 import time
 
-import yaml
+import pytest
 
 from tests.deploy.test_cli import run_cli
 from tests.support.processes import WorkerProcess, start_workers, write_config
@@ -29,11 +29,11 @@ def test_a_router_port_in_use_is_one_line_before_it_starts(tiny_llama, tmp_path)
         port = holder.getsockname()[1]
         out = run_cli("router", "--config", str(config), "--set", f"router.port={port}")
     assert out.returncode == 2, out.stderr
-    assert "ready" not in out.stdout
-    assert out.stderr.strip().splitlines() == [
+    assert "ready" not in out.stdout and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
         f"error: router.port: cannot listen on 127.0.0.1:{port}: Address already in use "
         "(another process has the port, or the host is not this machine's)"
-    ]
+    )
 
 
 def test_a_second_worker_on_a_serving_workers_port_is_refused_at_once(tiny_llama, tmp_path):
@@ -58,22 +58,23 @@ def test_up_names_what_this_machine_lacks_before_starting_anything(tiny_llama, t
     """Held ports (the router's, a worker's) and a model directory that is not there:
     each one line, exit 2, no child started."""
     config = write_config(tmp_path / "config.yaml", tiny_llama)
-    raw = yaml.safe_load(config.read_text())
     with _held_port() as router_holder, _held_port() as worker_holder:
         router_port, worker_port = router_holder.getsockname()[1], worker_holder.getsockname()[1]
+        decode_base = worker_port - 1  # the held one is decode's events port
+        if decode_base <= router_port < decode_base + 5:
+            pytest.skip("the two free ports came too close for this layout")
         out = run_cli("up", "--config", str(config), "--set", f"router.port={router_port}",
-                      "--set", f"decode.port={worker_port - 1}",  # its events port held
-                      "--set", f"model={tmp_path / 'gone'}",
+                      "--set", f"decode.port={decode_base}", "--set", f"model={tmp_path / 'gone'}",
                       env={"PDSERVE_HOME": str(tmp_path / "home")})  # fmt: skip
     assert out.returncode == 2, out.stderr
     assert out.stderr.splitlines() == [
         f"error: model: {tmp_path / 'gone'} is no checkpoint directory (no config.json)",
-        f"error: router.port: 127.0.0.1:{router_port} is in use (another process listens on "
-        "it; another stack?) or not this machine's address",
-        f"error: decode.port: 127.0.0.1:{worker_port} is in use (another process listens on "
-        "it; another stack?) or not this machine's address",
+        f"error: router.port: cannot listen on 127.0.0.1:{router_port}: Address already in "
+        "use (another stack?)",
+        f"error: decode.port: cannot listen on 127.0.0.1:{worker_port}: Address already in "
+        "use (another stack?)",
     ]
-    assert not (tmp_path / "home" / "logs").exists() and raw["router"]["port"] != router_port
+    assert not (tmp_path / "home" / "logs").exists()
 
 
 def test_up_says_why_a_process_failed_to_start(tiny_llama, tmp_path):
@@ -92,3 +93,22 @@ def test_up_says_why_a_process_failed_to_start(tiny_llama, tmp_path):
         stack.stop()
     failed = [line for line in stack.log().splitlines() if " exited (" in line]
     assert failed and "safetensors" in failed[0], stack.log()
+
+
+def test_the_cause_is_what_this_start_wrote_or_the_signal_that_killed_it(tiny_llama, tmp_path):
+    """Logs are appended to across starts and stacks: an error an earlier start wrote was
+    named as the cause of a later failure."""
+    from common.config_loader import load_config
+    from deploy.up import Stack
+
+    stack = Stack(
+        load_config(str(write_config(tmp_path / "c.yaml", tiny_llama))), tmp_path / "logs"
+    )
+    (tmp_path / "logs" / "prefill-0.log").write_text("error: an earlier start's failure\n")
+    proc = stack._spawn("prefill-0", ["prefill", "--index", "7"])  # no such replica
+    line = stack._exit_line("prefill-0", proc.wait(60))
+    assert "no replica 7" in line and "earlier" not in line, line
+    proc = stack._spawn("prefill-0", ["prefill"])
+    proc.kill()
+    assert ": killed by SIGKILL; see " in stack._exit_line("prefill-0", proc.wait(60))
+    stack.config_path.unlink()

@@ -278,8 +278,9 @@ def test_api_keys_are_never_written_into_the_rendered_files(tmp_path):
     config = load_config(str(DEMO), ["router.api_keys=[sk-secret-1]"])
     document = yaml.safe_load(render(config, "demo.yaml", "cpu", "pdserve:cpu"))
     assert "sk-secret" not in yaml.safe_dump(document)
-    router = document["services"]["router"]
-    assert router["environment"]["PDSERVE_API_KEYS"] == "${PDSERVE_API_KEYS:-}"
+    router = document["services"]["router"]  # (required: the router must not start open)
+    required = "${PDSERVE_API_KEYS:?set PDSERVE_API_KEYS: the config has router.api_keys}"
+    assert router["environment"]["PDSERVE_API_KEYS"] == required
     files = render_files(config, "demo.yaml", "pdserve:cpu")
     assert not any("sk-secret" in text for text in files.values())
     (deployment,) = [d for d in k8s_docs(files) if d["metadata"]["name"] == "pdserve-router"
@@ -287,7 +288,13 @@ def test_api_keys_are_never_written_into_the_rendered_files(tmp_path):
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     (keys,) = [e for e in container["env"] if e["name"] == "PDSERVE_API_KEYS"]
     assert keys["valueFrom"]["secretKeyRef"] == {"name": "pdserve-api-keys", "key": "keys",
-                                                 "optional": True}  # fmt: skip
+                                                 "optional": False}  # fmt: skip
+    open_files = render_files(load_config(str(DEMO)), "demo.yaml", "pdserve:cpu")
+    assert "optional: true" in open_files["base/router.yaml"].split("PDSERVE_API_KEYS")[1][:200]
+    open_compose = yaml.safe_load(render(load_config(str(DEMO)), "demo.yaml", "cpu", "i"))
+    assert open_compose["services"]["router"]["environment"]["PDSERVE_API_KEYS"] == (
+        "${PDSERVE_API_KEYS:-}"
+    )
 
 
 def test_k8s_carries_each_config(tmp_path):

@@ -88,7 +88,8 @@ def _stream(formatter: Formatter, pieces: list[str]) -> list[dict]:
     for i, piece in enumerate(pieces):
         finish = "stop" if i == len(pieces) - 1 else None
         body = formatter.chunk(ChoiceEvent(choice, piece, [5], [], finish_reason=finish))
-        deltas.append(body["choices"][0])
+        if body is not None:  # (None: all of it held back, nothing to send)
+            deltas.append(body["choices"][0])
     return deltas
 
 

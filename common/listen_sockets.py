@@ -1,0 +1,30 @@
+"""Bound TCP sockets for a configured ``host`` and ``port``, before a server starts, as
+asyncio's ``create_server(host, port)`` binds them: one per address the host resolves
+to (``localhost``: 127.0.0.1 and ::1), IPv6 ones IPv6-only, ``SO_REUSEADDR`` on. Binding
+first lets a process refuse a port in use with one error naming it, before it loads
+anything (``router/main.py``), and lets ``pdserve up`` check every port first."""
+
+from __future__ import annotations
+
+import socket
+
+
+def bind_listeners(host: str, port: int) -> list[socket.socket]:
+    """The bound (not yet listening) sockets; ``OSError`` (its ``strerror`` says why:
+    in use, no such address) when any address cannot be bound, none left open."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    addresses = list(dict.fromkeys((family, address) for family, _, _, _, address in infos))
+    sockets: list[socket.socket] = []
+    try:
+        for family, address in addresses:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
