@@ -164,6 +164,9 @@ def _size(config: PdserveConfig, args: argparse.Namespace) -> int:
                 f"--isl {args.isl} + --osl {args.osl} exceed the profiled "
                 f"max_model_len ({max_model_len}): the engine would refuse them"
             )
+        if not 0 <= args.cached_tokens < args.isl:
+            raise ValueError(f"--cached-tokens must be in [0, --isl {args.isl}), "
+                             f"got {args.cached_tokens}")  # fmt: skip
         shape = RequestShape(args.isl, args.isl - args.cached_tokens, args.osl)
         demands = [Demand(args.rate, (shape,))]
     if args.layout is not None:
@@ -217,7 +220,10 @@ def _trace_requests(args: argparse.Namespace, profile):
         args.rate_scale, profile.prefill.engine.max_model_len, cache_tokens,
     )  # fmt: skip
     read = mooncake_requests if args.dataset == "mooncake" else azure_requests
-    return read(path, options)
+    try:
+        return read(path, options)
+    except (ValueError, KeyError, TypeError) as exc:  # (JSON's errors are ValueErrors)
+        raise ValueError(f"trace {path} is not a {args.dataset} trace: {exc}") from None
 
 
 def _profile_mismatches(config: PdserveConfig, profile) -> list[str]:

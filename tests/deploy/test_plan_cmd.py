@@ -116,7 +116,9 @@ def test_size_a_trace_window_by_window(profiled, tmp_path):
         (("--ttft-ms", "0", "--itl-ms", "10", "--rate", "1", "--isl", "10", "--osl", "2"),
          "ttft_s target must be"),
         (("--ttft-ms", "100", "--itl-ms", "10", "--rate", "1", "--isl", "10", "--osl", "2",
-          "--cached-tokens", "10"), "uncached_tokens must be"),
+          "--cached-tokens", "10"), "--cached-tokens must be in [0, --isl 10), got 10"),
+        (("--ttft-ms", "100", "--itl-ms", "10", "--rate", "1", "--isl", "10", "--osl", "2",
+          "--cached-tokens", "-1"), "--cached-tokens must be in [0, --isl 10), got -1"),
         (("--ttft-ms", "100", "--itl-ms", "10", "--rate", "1", "--isl", "10", "--osl", "2",
           "--dataset", "azure"), "one of them"),
         (("--ttft-ms", "100", "--itl-ms", "10", "--rate", "1", "--isl", "250", "--osl", "10"),
@@ -130,6 +132,15 @@ def test_bad_sizing_input_is_an_error_not_a_traceback(profiled, args, message):
     done = plan("plan", "size", "--profile", str(profile), *args)
     assert done.returncode == 2
     assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_trace_that_is_not_one_is_named(profiled, tmp_path):
+    _, profile = profiled
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("not json\n")
+    done = plan("plan", "size", "--profile", str(profile), "--ttft-ms", "100", "--itl-ms", "10",
+                "--dataset", "mooncake", "--trace", str(trace))  # fmt: skip
+    assert done.returncode == 2 and f"trace {trace} is not a mooncake trace" in done.stderr
 
 
 def test_a_file_that_is_not_a_profile_is_named(tmp_path):
