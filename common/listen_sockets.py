@@ -6,6 +6,7 @@ anything (``router/main.py``), and lets ``pdserve up`` check every port first.""
 
 from __future__ import annotations
 
+import errno
 import socket
 
 
@@ -15,6 +16,7 @@ def bind_listeners(host: str, port: int) -> list[socket.socket]:
     infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     addresses = list(dict.fromkeys((family, address) for family, _, _, _, address in infos))
     sockets: list[socket.socket] = []
+    unavailable: OSError | None = None
     try:
         for family, address in addresses:
             sock = socket.socket(family, socket.SOCK_STREAM)
@@ -22,7 +24,17 @@ def bind_listeners(host: str, port: int) -> list[socket.socket]:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-            sock.bind(address)
+            try:
+                sock.bind(address)
+            except OSError as exc:
+                if exc.errno != errno.EADDRNOTAVAIL:
+                    raise
+                # A family the host has turned off (::1 without IPv6), skipped as asyncio
+                # skips it; an error only when no address is left.
+                sockets.pop().close()
+                unavailable = exc
+        if not sockets and unavailable is not None:
+            raise unavailable
     except OSError:
         for sock in sockets:
             sock.close()

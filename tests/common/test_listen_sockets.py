@@ -4,6 +4,7 @@ OSError with nothing left bound."""
 
 from __future__ import annotations
 
+import errno
 import socket
 
 import pytest
@@ -29,3 +30,10 @@ def test_every_address_of_the_host_is_bound_and_a_held_port_leaves_nothing_bound
     again = bind_listeners("127.0.0.1", port)  # nothing of the failed try held it
     for sock in again:
         sock.close()
+
+
+def test_an_address_that_is_not_this_hosts_is_an_error_when_no_other_is_bound():
+    """(An unavailable one among others, ::1 without IPv6, is skipped, as asyncio does.)"""
+    with pytest.raises(OSError) as refused:
+        bind_listeners("192.0.2.1", 0)  # TEST-NET-1: never this host's
+    assert refused.value.errno == errno.EADDRNOTAVAIL
