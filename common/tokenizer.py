@@ -274,9 +274,14 @@ class Tokenizer:
         more variables for the template; they may not replace the ones set here.
         ``continue_final_message``: the text ends where the last message's content ends
         (its end-of-turn markup cut), so the model continues that message, as
-        transformers cuts it."""
+        transformers cuts it. OpenAI's ``developer`` role is ``system`` to a template
+        that never names it (Qwen3's, DeepSeek's and GLM's dropped such a message without
+        a word; Llama's wrote a header it was not trained on)."""
         if not self.chat_template:
             raise TokenizerError("this model has no chat template; use the completions API")
+        if "developer" not in self.chat_template:
+            messages = [{**m, "role": "system"} if m.get("role") == "developer" else m
+                        for m in messages]  # fmt: skip
         if any(m.get("tool_calls") for m in messages) and "tool_calls" not in self.chat_template:
             raise TokenizerError("this model's chat template does not render tool calls")
         variables = {

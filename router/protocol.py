@@ -521,12 +521,41 @@ class ChatMessage(_Body):
         return parts
 
 
+class TemplateArguments(dict):
+    """A tool call's arguments as a chat template sees them: the object most templates
+    read (``arguments | tojson``, ``arguments.items()``), which reads as the JSON text
+    the client sent where a template uses it as a string (``'...' + arguments``,
+    ``{{ arguments }}``: DeepSeek's, which refused every conversation with an earlier
+    call when given the object, as transformers renders the text)."""
+
+    def __init__(self, value: dict[str, Any], text: str) -> None:
+        super().__init__(value)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __add__(self, other: object) -> str:
+        if isinstance(other, str):
+            return self.text + other
+        return NotImplemented
+
+    def __radd__(self, other: object) -> str:
+        if isinstance(other, str):
+            return other + self.text
+        return NotImplemented
+
+
 def _call_for_template(call: ToolCall) -> dict[str, Any]:
+    text = call.function.arguments
+    if not text.strip():  # (a call without arguments, as clients send it; vLLM's {})
+        text = "{}"
     try:
-        arguments = json.loads(call.function.arguments)
+        value = json.loads(text)
     except ValueError:
         raise FieldError(f"tool call arguments must be JSON text; got {call.function.arguments!r}",
                          "messages") from None  # fmt: skip
+    arguments = TemplateArguments(value, text) if isinstance(value, dict) else value
     function = {"name": call.function.name, "arguments": arguments}
     return {"id": call.id, "type": "function", "function": function}
 

@@ -21,8 +21,9 @@ which the router's detokenizer keeps in the text for this parser) and the calls,
 either of Mistral's two formats: a JSON list of ``{"name": ..., "arguments": {...}}``
 (tokenizers before v11: Mistral-7B-v0.3, Mixtral-8x22B, Mistral-Nemo), or
 ``NAME[ARGS]{...}`` per call, each after its own ``[TOOL_CALLS]`` (v11 and later: Mistral
-Small 3.2, Magistral, Devstral; a ``[CALL_ID]id`` after the name is dropped: OpenAI's
-ids are the router's). Content streams up to the marker; the calls are held to the end
+Small 3.2, Magistral, Devstral; a ``[CALL_ID]id`` after the name is the call's id). Ids
+are nine letters or digits, the model's or new ones: Mistral's templates refuse others
+when the call comes back. Content streams up to the marker; the calls are held to the end
 and read whole; calls that do not parse are content, marker included, as the other
 parsers leave a broken call as text.
 
@@ -38,8 +39,9 @@ read like Mistral's (the markers kept in the text when the tokenizer makes them 
 
 ``kimi_k2`` (Kimi K2): the same shape with Kimi's markers: calls in a
 ``<|tool_calls_section_begin|>`` section, each ``<|tool_call_begin|>`` then its id
-``functions.NAME:N``, ``<|tool_call_argument_begin|>``, a JSON object and
-``<|tool_call_end|>`` (one section reader for both).
+``functions.NAME:N`` (kept as the call's id: Kimi's template writes it back so),
+``<|tool_call_argument_begin|>``, a JSON object and ``<|tool_call_end|>`` (one section
+reader for both).
 
 ``llama3_json`` (Llama 3.1-3.3's JSON tool calling): a reply that calls is nothing but
 calls, ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``), several joined by
@@ -58,7 +60,7 @@ from typing import Any
 from common.config import ToolCallParser
 from router.protocol import ChatCompletionRequest, FieldError, Tool
 from router.tags import partial_tag
-from router.tools import ToolCalls, call, json_members
+from router.tools import ToolCalls, call, json_members, mistral_call_id
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -111,10 +113,12 @@ def _name_and_arguments(
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     key = next((k for k in argument_keys if k in value), None)
-    if key is None:
+    if key is None or value[key] is None:
         return value["name"], "{}"
     if isinstance(value[key], str):
         return value["name"], value[key]
+    if not isinstance(value[key], dict):  # a list or a number is no function's arguments
+        return None
     start = len(text) - len(text.lstrip())
     members = {k: (a, b) for k, a, b in json_members(text, start, "}")}
     return value["name"], text[slice(*members[key])]
@@ -458,18 +462,20 @@ def _mistral_calls(text: str) -> list[dict[str, Any]] | None:
                   for value, (_, a, b) in zip(listed, spans, strict=True)]  # fmt: skip
         if any(p is None for p in parsed):
             return None
-        return [call(*p) for p in parsed if p is not None]
+        return [call(*p, id=mistral_call_id()) for p in parsed if p is not None]
     calls = []
-    for piece in text.split(TOOL_CALLS):  # v11 and later: NAME[ARGS]{...} per call
-        name, found, arguments = piece.partition(ARGS)
-        name = name.partition(CALL_ID)[0].strip()
+    for piece in text.split(TOOL_CALLS):  # v11 and later: NAME[CALL_ID]id[ARGS]{...} per call
+        head, found, arguments = piece.partition(ARGS)
+        name, _, given_id = (part.strip() for part in head.partition(CALL_ID))
         try:
             value = json.loads(arguments) if found and name else None
         except ValueError:
             return None
         if not isinstance(value, dict):
             return None
-        calls.append(call(name, arguments.strip()))  # (as written: see _name_and_arguments)
+        known = len(given_id) == 9 and given_id.isascii() and given_id.isalnum()
+        call_id = given_id if known else mistral_call_id()
+        calls.append(call(name, arguments.strip(), id=call_id))  # (as written: see below)
     return calls
 
 
@@ -556,11 +562,12 @@ DEEPSEEK_MARKERS = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, TOOL_SEP)
 def _section_calls(
     text: str,
     markers: tuple[str, str, str, str],  # section end, call begin, call end, separator
-    read_call: Callable[[str, str], tuple[str, str] | None],
+    read_call: Callable[[str, str], tuple[str, str] | tuple[str, str, str] | None],
 ) -> list[dict[str, Any]] | None:
     """The calls of a marked section (what follows its begin marker): calls up to the
     section's end marker, then nothing but blanks, each ``CALL_BEGIN head SEP arguments
-    CALL_END`` read by ``read_call(head, arguments)``; None if it is not that."""
+    CALL_END`` read by ``read_call(head, arguments)`` as (name, arguments) or (name,
+    arguments, the model's id for it); None if it is not that."""
     section_end, call_begin, call_end, separator = markers
     section, found, after = text.partition(section_end)
     pieces = section.split(call_begin)
@@ -573,7 +580,8 @@ def _section_calls(
         parsed = read_call(head, arguments) if found and sep and not between.strip() else None
         if parsed is None:
             return None
-        calls.append(call(*parsed))
+        name, arguments, *given_id = parsed
+        calls.append(call(name, arguments, id=given_id[0] if given_id else None))
     return calls
 
 
@@ -618,10 +626,12 @@ KIMI_MARKERS = (KIMI_SECTION_BEGIN, KIMI_SECTION_END, KIMI_CALL_BEGIN, KIMI_CALL
                 KIMI_ARGUMENTS)  # fmt: skip
 
 
-def _kimi_call(call_id: str, arguments: str) -> tuple[str, str] | None:
-    """Kimi K2 names a call ``functions.NAME:INDEX``: the function is NAME."""
-    name = call_id.strip().partition(":")[0].removeprefix("functions.")
-    return _json_call(name, arguments)
+def _kimi_call(call_id: str, arguments: str) -> tuple[str, str, str] | None:
+    """Kimi K2 names a call ``functions.NAME:INDEX``: the function is NAME, the name its
+    id (as vLLM's parser keeps it: Kimi's template writes it back into the prompt)."""
+    given_id = call_id.strip()
+    parsed = _json_call(given_id.partition(":")[0].removeprefix("functions."), arguments)
+    return None if parsed is None else (*parsed, given_id)
 
 
 def _kimi_calls(text: str) -> list[dict[str, Any]] | None:

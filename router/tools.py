@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 import uuid
 from typing import Any
 
@@ -34,6 +36,15 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 def call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+_ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+def mistral_call_id() -> str:
+    """Nine letters or digits: Mistral's templates refuse any other id when a client sends
+    the call back (vLLM's Mistral parser makes them so too)."""
+    return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
 
 
 def call_schemas(body: ChatCompletionRequest) -> dict[str, dict[str, Any]]:
@@ -190,8 +201,12 @@ def _listed_calls(text: str) -> list[tuple[str, str]]:
     return calls
 
 
-def call(name: str, arguments: str, index: int | None = None) -> dict[str, Any]:
-    """One of OpenAI's ``tool_calls`` (``index``: a stream delta's, by position)."""
+def call(
+    name: str, arguments: str, index: int | None = None, id: str | None = None
+) -> dict[str, Any]:
+    """One of OpenAI's ``tool_calls`` (``index``: a stream delta's, by position; ``id``:
+    the model's own, where its format names calls, else a new one)."""
     body: dict[str, Any] = {} if index is None else {"index": index}
-    body.update(id=call_id(), type="function", function={"name": name, "arguments": arguments})
+    function = {"name": name, "arguments": arguments}
+    body.update(id=id or call_id(), type="function", function=function)
     return body

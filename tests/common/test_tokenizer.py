@@ -293,3 +293,59 @@ def test_template_kwargs_render_as_in_transformers_and_cannot_replace_ours(model
     for taken in ("messages", "add_generation_prompt", "eos_token", "raise_exception", "namespace"):
         with pytest.raises(TokenizerError, match=f"chat_template_kwargs may not set {taken}"):
             ours.render_chat(MESSAGES, True, None, {taken: "x"})
+
+
+# DeepSeek-V3.1's way with a call: the arguments joined as text ('...' + arguments).
+STRING_ARGUMENTS_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}<call>{{ c['function']['name'] + '|' + "
+    "c['function']['arguments'] }}</call>{% endfor %}<|im_end|>\n{% endfor %}"
+)
+
+
+def test_call_arguments_render_as_text_where_a_template_joins_them(tiny_llama, tmp_path):
+    """DeepSeek's templates join a call's arguments to a string: given the object
+    (what most templates read), every conversation with an earlier call was a 400. Both
+    forms render as transformers renders the client's text; an empty one is {}."""
+    from transformers import AutoTokenizer
+
+    from router.protocol import ChatCompletionRequest
+
+    text = '{"city": "Paris",  "days": 2}'  # (as the client wrote it, spaces and all)
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": text}}]},
+                {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]  # fmt: skip
+    chat = ChatCompletionRequest.model_validate({"messages": messages})
+    for template in (STRING_ARGUMENTS_TEMPLATE, TOOL_TEMPLATE):
+        path = _with_template(tiny_llama, tmp_path / str(len(template)), template)
+        expected = AutoTokenizer.from_pretrained(path).apply_chat_template(
+            messages if template is STRING_ARGUMENTS_TEMPLATE else TOOL_MESSAGES,
+            tokenize=False, add_generation_prompt=False,
+        )  # fmt: skip
+        ours = Tokenizer(path).render_chat([m.for_template() for m in chat.messages], False)
+        if template is STRING_ARGUMENTS_TEMPLATE:
+            assert ours == expected and f"<call>get_weather|{text}</call>" in ours
+        else:
+            assert '{"city": "Paris", "days": 2}' in ours  # the object, as tojson writes it
+    empty = {**messages[1], "tool_calls": [{**messages[1]["tool_calls"][0], "function": {
+        "name": "get_time", "arguments": ""}}]}  # fmt: skip
+    chat = ChatCompletionRequest.model_validate({"messages": [messages[0], empty]})
+    path = tmp_path / str(len(STRING_ARGUMENTS_TEMPLATE))
+    rendered = Tokenizer(path).render_chat([m.for_template() for m in chat.messages], False)
+    assert "<call>get_time|{}</call>" in rendered
+
+
+def test_the_developer_role_is_system_to_a_template_that_never_names_it(tiny_llama, tmp_path):
+    """OpenAI's developer messages were dropped without a word by templates that render
+    only the roles they know (Qwen3's, DeepSeek's, GLM's)."""
+    known_roles = ("{% for m in messages %}{% if m['role'] in ['system', 'user'] %}"
+                   "[{{ m['role'] }}]{{ m['content'] }}{% endif %}{% endfor %}")  # fmt: skip
+    messages = [{"role": "developer", "content": "Answer in French."},
+                {"role": "user", "content": "Hi"}]  # fmt: skip
+    plain = Tokenizer(_with_template(tiny_llama, tmp_path / "plain", known_roles))
+    assert plain.render_chat(messages, False) == "[system]Answer in French.[user]Hi"
+    naming = known_roles.replace("'system', 'user'", "'developer', 'user'")
+    harmony = Tokenizer(_with_template(tiny_llama, tmp_path / "harmony", naming))
+    assert harmony.render_chat(messages, False) == "[developer]Answer in French.[user]Hi"

@@ -496,3 +496,39 @@ def test_kimi_k2_calls_whole_and_streamed_at_any_cut(text, expected):
     stay text."""
     assert_marked_calls(KimiCalls, text, expected)
     assert isinstance(tool_format_of(_body(), ToolCallParser.KIMI_K2), KimiCalls)
+
+
+def test_ids_the_models_templates_take_back():
+    """A call goes back to the model in the next turn under the id the reply gave it:
+    Mistral's templates refuse any id but nine letters or digits (ours were
+    chatcmpl-tool-<hex>: every second turn a 400), and Kimi's writes its own
+    ``functions.NAME:N`` into the prompt; so the model's ids are kept where it writes
+    them, and Mistral's otherwise made so."""
+    v11 = '[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris"}'
+    ((kept,),) = [MistralCalls().message(v11, "stop")[0]["tool_calls"]]
+    assert kept["id"] == "a1B2c3D4e"
+    for text in ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
+                 '[TOOL_CALLS]get_weather[CALL_ID]too-long-id[ARGS]{"city": "Paris"}',
+                 '[TOOL_CALLS][{"name": "get_weather", "arguments": {}}, '
+                 '{"name": "get_time", "arguments": {}}]'):  # fmt: skip
+        made = [c["id"] for c in MistralCalls().message(text, "stop")[0]["tool_calls"]]
+        assert all(len(i) == 9 and i.isascii() and i.isalnum() for i in made), made
+        assert len(set(made)) == len(made)
+    kimi = (f'{SB}{KB}functions.get_weather:0{KA}{{"city": "Paris"}}{KE}'
+            f"{KB}functions.f:1{KA}{{}}{KE}{SE}")  # fmt: skip
+    ids = [c["id"] for c in KimiCalls().message(kimi, "stop")[0]["tool_calls"]]
+    assert ids == ["functions.get_weather:0", "functions.f:1"]
+
+
+@pytest.mark.parametrize("arguments", ["[1, 2]", "7", '"text"', "null"])
+def test_arguments_that_are_no_object_are_no_call(arguments):
+    """OpenAI's arguments are an object (or its JSON text): a list or a number made a
+    call the client could not read; null is no arguments."""
+    text = f'<tool_call>{{"name": "f", "arguments": {arguments}}}</tool_call>'
+    message, reason = HermesCalls().message(text, "stop")
+    if arguments == "null":
+        assert message["tool_calls"][0]["function"]["arguments"] == "{}"
+    elif arguments == '"text"':  # a string stays the arguments' text, as before
+        assert message["tool_calls"][0]["function"]["arguments"] == "text"
+    else:
+        assert message == {"role": "assistant", "content": text} and reason == "stop"
