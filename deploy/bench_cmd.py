@@ -41,7 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("OPENAI_API_KEY"),
         help="bearer key (default: $OPENAI_API_KEY)",
     )
-    server.add_argument("--timeout", type=float, default=600.0, help="per request, seconds")
+    server.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="per request, seconds (the whole stream, not each read)",
+    )
     data = parser.add_argument_group("dataset")
     data.add_argument("--dataset", choices=DATASETS, default="random")
     data.add_argument("--num-requests", type=int, default=d.num_requests)

@@ -569,7 +569,9 @@ class Dispatcher:
                             # What the client's prompt cost where it was first computed,
                             # not what a migration's recompute found cached.
                             delta.usage.cached_tokens = cached_tokens or 0
-                            self.metrics.observe_decode(chunk.timings, chunk.num_blocks_pulled)
+                            self.metrics.observe_decode(
+                                chunk.timings, chunk.num_blocks_pulled, prefilled_here=scores_prompt
+                            )
                         yield delta
                 return
             except WorkerStalled:

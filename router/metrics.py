@@ -16,8 +16,12 @@ from router.policy import Placement
 if TYPE_CHECKING:
     from router.live_plan import LivePlan
 
+# Up to vLLM's longest (its e2e histogram's 7680 s): a request may run for the router's
+# request_timeout_s (600 s by default), and at 80 s, where these stopped, every longer
+# one read as 80 s in histogram_quantile.
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0,
+                    2560.0, 7680.0)  # fmt: skip
 _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3, 1e-2)
 
 
@@ -63,8 +67,11 @@ class RouterMetrics:
         self.decision_latency = histogram(
             "pdserve:routing_decision_seconds", "Time to place a request.", _DECISION_BUCKETS
         )
-        self.ttft_queue = histogram("pdserve:ttft_queue_seconds", "Prefill-side queueing.")
-        self.ttft_prefill = histogram("pdserve:ttft_prefill_seconds", "Prompt computation.")
+        self.ttft_queue = histogram("pdserve:ttft_queue_seconds", "Queueing before the prompt "
+                                    "is computed, where it is (a prefill worker, or the decode "
+                                    "worker for a local prefill).")  # fmt: skip
+        self.ttft_prefill = histogram("pdserve:ttft_prefill_seconds", "Prompt computation, "
+                                      "where it ran.")  # fmt: skip
         self.transfer = histogram("pdserve:kv_transfer_seconds", "KV pull on the decode side.")
         self.blocks_pulled = counter("pdserve:kv_blocks_pulled", "KV blocks moved.")
         self.prefill_failures = counter("pdserve:prefill_failures", "Failed prefill hops.")
@@ -80,6 +87,13 @@ class RouterMetrics:
         self._worker_gauges: tuple[tuple[Gauge, Callable[[pb.StatsResponse], float]], ...] = (
             (worker_gauge("pdserve:worker_kv_blocks_used", "Device KV blocks."),
              lambda stats: stats.kv_blocks_used),
+            (worker_gauge("pdserve:worker_kv_blocks_total", "Device KV blocks it has."),
+             lambda stats: stats.kv_blocks_total),
+            (worker_gauge("pdserve:worker_kv_cache_usage",
+                          "Used over total device KV blocks, 0 to 1 (vLLM's "
+                          "kv_cache_usage_perc, per worker)."),
+             lambda stats: stats.kv_blocks_used / stats.kv_blocks_total
+             if stats.kv_blocks_total else 0.0),
             (worker_gauge("pdserve:worker_requests_running", "Requests in its batch."),
              lambda stats: stats.num_running),
             (worker_gauge("pdserve:worker_requests_waiting",
@@ -164,9 +178,16 @@ class RouterMetrics:
         self.ttft_queue.observe(timings.queue_ms / 1000)
         self.ttft_prefill.observe(timings.prefill_ms / 1000)
 
-    def observe_decode(self, timings: pb.StageTimings, blocks_pulled: int) -> None:
+    def observe_decode(
+        self, timings: pb.StageTimings, blocks_pulled: int, prefilled_here: bool = False
+    ) -> None:
+        """A decode hop's end; ``prefilled_here``: it computed the prompt itself (a local
+        prefill), so its queueing and prefill are the request's (those of local prefills,
+        every one in a colocated deployment, went unrecorded)."""
         if timings.transfer_ms:
             self.transfer.observe(timings.transfer_ms / 1000)
+        if prefilled_here:
+            self.observe_prefill(timings)
         self.blocks_pulled.inc(blocks_pulled)
 
     def observe_workers(

@@ -17,6 +17,7 @@ Every token of a chunk gets the chunk's arrival time (``time.perf_counter`` when
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
@@ -84,6 +85,9 @@ class BenchClient:
         self.url = base_url.rstrip("/") + "/completions"
         self.model = model
         self.temperature = temperature
+        # The whole request's bound (vLLM's benchmark: a total timeout): httpx's own
+        # bounds each read alone, so a stream that kept sending ran past it.
+        self.timeout_s = timeout_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(
             headers=headers,
@@ -120,23 +124,10 @@ class BenchClient:
         usage_tokens: int | None = None
         done = False
         try:
-            body = self.body(prompt, result.expected_output_tokens, result.priority)
-            async with self._http.stream("POST", self.url, json=body) as response:
-                if response.status_code != 200:
-                    text = (await response.aread()).decode(errors="replace")
-                    result.error = f"HTTP {response.status_code}: {text[:300]}"
-                    return
-                async for line in response.aiter_lines():
-                    now = time.perf_counter() - start
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        done = True
-                        break
-                    usage_tokens = record_chunk(result, json.loads(data), now, usage_tokens)
-                    if result.error:
-                        return
+            async with asyncio.timeout(self.timeout_s):
+                done, usage_tokens = await self._stream(result, prompt, start)
+        except TimeoutError:
+            result.error = f"timed out after {self.timeout_s:g} s (--timeout)"
         except (httpx.HTTPError, json.JSONDecodeError) as exc:
             result.error = f"{type(exc).__name__}: {exc}"
         finally:
@@ -144,6 +135,29 @@ class BenchClient:
         if result.error is None and not done:  # cut short: its tokens are not the output
             result.error = "the stream ended without [DONE]"
         finish_counts(result, usage_tokens)
+
+    async def _stream(
+        self, result: RequestResult, prompt: list[int], start: float
+    ) -> tuple[bool, int | None]:
+        """(whether ``[DONE]`` came, the usage's token count) of one streamed request."""
+        usage_tokens: int | None = None
+        body = self.body(prompt, result.expected_output_tokens, result.priority)
+        async with self._http.stream("POST", self.url, json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {text[:300]}"
+                return False, usage_tokens
+            async for line in response.aiter_lines():
+                now = time.perf_counter() - start
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return True, usage_tokens
+                usage_tokens = record_chunk(result, json.loads(data), now, usage_tokens)
+                if result.error:
+                    return False, usage_tokens
+        return False, usage_tokens
 
 
 def record_chunk(

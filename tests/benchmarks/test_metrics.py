@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from benchmarks.loadgen.client import RequestResult, chunk_token_count, finish_counts, record_chunk
@@ -122,6 +124,41 @@ def test_a_stream_cut_before_done_is_a_failure():
 
     result = asyncio.run(scenario())
     assert result.error == "the stream ended without [DONE]" and not result.ok
+
+
+def test_the_timeout_bounds_the_whole_stream_not_each_read():
+    """A server that keeps sending a token every 50 ms: httpx's timeout bounds each read
+    alone, so a 0.3 s --timeout let it run on (a 1500-token stream took 6 s and passed)."""
+    import asyncio
+    import json
+    import time
+
+    from benchmarks.loadgen.client import BenchClient
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"connection: close\r\n\r\n")  # fmt: skip
+        chunk = {"choices": [{"text": "a", "token_ids": [7]}]}
+        with contextlib.suppress(ConnectionError):
+            for _ in range(100):
+                writer.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                await writer.drain()
+                await asyncio.sleep(0.05)
+        writer.close()
+
+    async def scenario() -> RequestResult:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        result = RequestResult(0, 0, 3, 100, 0.0)
+        async with server, BenchClient(f"http://127.0.0.1:{port}/v1", "m", timeout_s=0.3) as c:
+            await c.send(result, [1, 2, 3], 0.0)
+        return result
+
+    started = time.monotonic()
+    result = asyncio.run(scenario())
+    assert result.error == "timed out after 0.3 s (--timeout)" and not result.ok
+    assert 0 < result.output_tokens < 100 and time.monotonic() - started < 3
 
 
 @pytest.mark.parametrize("text", ["ttft", "ttft=0", "itl=5", "ttft=1,ttft=2", "ttft=abc"])

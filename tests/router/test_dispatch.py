@@ -53,7 +53,9 @@ class Decode(pb_grpc.DecodeServiceServicer):
             yield reply
         if self.fail:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine failed")
-        yield pb.GenerateResponse(token_ids=[42], finish_reason="length", usage=pb.Usage())
+        timings = pb.StageTimings(queue_ms=5, prefill_ms=7)
+        yield pb.GenerateResponse(token_ids=[42], finish_reason="length", usage=pb.Usage(),
+                                  timings=timings)  # fmt: skip
 
     async def Stats(self, request, context):
         return pb.StatsResponse()
@@ -248,15 +250,18 @@ def decode_through(
     first=None,
     sampling: pb.SamplingParams | None = None,
     deltas: list | None = None,
+    metrics: list | None = None,
 ):
     """Run one sequence's ``_decode`` over fake decode workers registered in this order,
     tried in this order: (tokens, error message or None, migrations counted, last usage).
-    ``deltas`` collects what the client side received."""
+    ``deltas`` collects what the client side received; ``metrics``, the router's."""
 
     async def scenario(registry: RedisRegistry) -> tuple:
         servers = [await serve(servicer, registry) for servicer in servicers]
         ids = [info.worker_id for _, info in servers]
         pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex(), config)
+        if metrics is not None:
+            metrics.append(dispatcher.metrics)
         tokens, error, usage = [], None, None
         try:
             await pool.refresh()
@@ -581,6 +586,25 @@ def test_only_a_local_prefill_scores_the_prompt(tmp_path):
     assert all(d.prompt_logprobs is None for d in deltas)  # the prefill's come via _journey
 
 
+def test_a_local_prefills_queueing_and_prefill_are_observed_and_a_pulled_ones_are_not(tmp_path):
+    """The decode worker's timings of a prompt it computed itself are the request's
+    queueing and prefill (those of local prefills, every request of a colocated
+    deployment, went unrecorded); after a pull they are not prompt work."""
+
+    def observed(first) -> tuple[float | None, float | None]:
+        got: list = []
+        decode_through(tmp_path, [Decode(False, (1,))], first=first, metrics=got)
+        labels = {"model_name": "m"}
+        sample = got[0].registry.get_sample_value
+        return (sample("pdserve:ttft_queue_seconds_count", labels),
+                sample("pdserve:ttft_prefill_seconds_sum", labels))  # fmt: skip
+
+    assert observed(None) == (1.0, 0.007)
+    pulled = pb.PrefillResponse(first_token_id=7)
+    pulled.kv.lease_id = "lease-1"
+    assert observed(pulled) == (0.0, 0.0)
+
+
 @pytest.mark.timeout(60)
 def test_a_prompt_to_score_is_placed_as_uncached(tmp_path):
     """A worker's cached prefix saves a scoring request nothing (it computes the whole
@@ -662,7 +686,9 @@ class HeldDecode(Decode):
     async def Generate(self, request, context):
         self.requests.append(request)
         await self.finish.acquire()
-        yield pb.GenerateResponse(token_ids=[42], finish_reason="length", usage=pb.Usage())
+        timings = pb.StageTimings(queue_ms=5, prefill_ms=7)
+        yield pb.GenerateResponse(token_ids=[42], finish_reason="length", usage=pb.Usage(),
+                                  timings=timings)  # fmt: skip
 
 
 # What lets only some of a burst of six 3-block prompts prefill while the decode worker

@@ -28,3 +28,18 @@ def test_expert_balance_gauges_show_the_workers_stats():
     text = metrics.render().decode()
     assert 'pdserve:worker_expert_imbalance{worker="decode@a:1"} 1.25' in text
     assert 'pdserve:worker_expert_moved_slots{worker="decode@a:1"} 14.0' in text
+
+
+def test_kv_usage_per_worker_and_latencies_past_80_s_are_told_apart():
+    """Used blocks alone cannot say "near full"; at 80 s, where the buckets stopped, a
+    600 s request read as 80 s in every quantile."""
+    metrics = RouterMetrics("test_kv_usage")
+    stats = pb.StatsResponse(kv_blocks_used=30, kv_blocks_total=40)
+    metrics.observe_workers({"decode@a:1": stats}, set())
+    text = metrics.render().decode()
+    assert 'pdserve:worker_kv_blocks_total{worker="decode@a:1"} 40.0' in text
+    assert 'pdserve:worker_kv_cache_usage{worker="decode@a:1"} 0.75' in text
+    metrics.e2e.observe(600.0)
+    assert 'vllm:e2e_request_latency_seconds_bucket{le="640.0",model_name="test_kv_usage"} 1.0' in (
+        metrics.render().decode()
+    )
