@@ -165,6 +165,11 @@ def typed_role_engines(data: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+# Mappings whose keys are names a user picks, which may hold dots (an adapter "my.v1"):
+# an override's keys past one of these are one name.
+_NAMED_MAPPINGS = (("lora", "adapters"),)
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """``["engine.block_size=32", ...]`` applied to a nested dict (a new one is returned)."""
     result = _deep_copy(data)
@@ -173,6 +178,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ConfigError(item, "an override must look like dotted.key=value")
         dotted, raw = item.split("=", 1)
         keys = dotted.strip().split(".")
+        for mapping in _NAMED_MAPPINGS:
+            if tuple(keys[: len(mapping)]) == mapping and len(keys) > len(mapping) + 1:
+                keys = [*mapping, ".".join(keys[len(mapping) :])]
         if not all(keys):
             raise ConfigError(dotted, "empty key in override")
         node = result

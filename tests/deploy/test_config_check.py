@@ -334,3 +334,11 @@ def test_a_checkpoint_config_that_is_not_a_mapping_is_named(tmp_path):
     with pytest.raises(ConfigError, match="is not a usable checkpoint config") as error:
         load_config(None, [f"model={tmp_path}"])
     assert error.value.key == "model"
+
+
+def test_an_adapter_name_with_dots_is_one_name_in_an_override():
+    """``--set lora.adapters.my.v1=...`` made an adapter "my" holding a key "v1"."""
+    from common.config_loader import apply_overrides
+
+    data = apply_overrides({}, ["lora.adapters.my.v1=/adapters/a", "engine.block_size=32"])
+    assert data == {"lora": {"adapters": {"my.v1": "/adapters/a"}}, "engine": {"block_size": 32}}
