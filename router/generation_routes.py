@@ -43,8 +43,8 @@ from router.responses import renamed, to_chat, without_oldest_turn
 from router.state import RouterState
 from router.structured import check as check_constraint
 from router.structured import structured_output_of
-from router.tool_parsers import MarkedCalls, tool_format_of
-from router.tools import call_schemas
+from router.tool_parsers import tool_format_of
+from router.tools import ToolCalls, call_schemas
 
 logger = logging.getLogger(__name__)
 
@@ -173,8 +173,9 @@ def add_generation_routes(
             return await respond(request, body, [prompt], chat=True, logprobs=logprobs,
                                  harmony=reader, lora_name=lora_name,
                                  keep_special=state.harmony_ids, images=images)  # fmt: skip
-        # A tool format whose markers are special tokens reads them in the text.
-        keep = state.tool_marker_ids if isinstance(tool_format, MarkedCalls) else frozenset()
+        # A parser whose markers are special tokens reads them in the text (state.py).
+        parsed = tool_format is not None and not isinstance(tool_format, ToolCalls)
+        keep = state.tool_marker_ids if parsed else frozenset()
         return await respond(request, body, [prompt], chat=True, logprobs=logprobs,
                              tool_format=tool_format, reasoning=reasoning_of(body, tail),
                              lora_name=lora_name, keep_special=keep, images=images)  # fmt: skip

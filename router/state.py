@@ -37,7 +37,13 @@ from router.metrics import RouterMetrics
 from router.policy import PlacementPolicy
 from router.prefix_index import PrefixIndex
 from router.scoring import EMBEDDING_SCORER, Scorer
-from router.tool_parsers import DEEPSEEK_MARKERS, KIMI_MARKERS, MISTRAL_MARKERS
+from router.tool_parsers import (
+    DEEPSEEK_MARKERS,
+    HERMES_MARKERS,
+    KIMI_MARKERS,
+    MINIMAX_MARKERS,
+    MISTRAL_MARKERS,
+)
 from router.workers import WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -224,10 +230,15 @@ def harmony_ids_of(
 
 
 # The tool-call parsers whose markers the detokenizer must keep when they are special tokens.
+# (Hermes's tags are plain text in Qwen's tokenizers, but some checkpoints make them
+# special, and decoding dropped them: the reply's calls came back as bare JSON content.)
 _TOOL_MARKERS = {
     ToolCallParser.MISTRAL: MISTRAL_MARKERS,
     ToolCallParser.DEEPSEEK_V3: DEEPSEEK_MARKERS,
     ToolCallParser.KIMI_K2: KIMI_MARKERS,
+    ToolCallParser.HERMES: HERMES_MARKERS,
+    ToolCallParser.GLM45: HERMES_MARKERS,
+    ToolCallParser.MINIMAX_M2: MINIMAX_MARKERS,
 }
 
 

@@ -63,6 +63,7 @@ from router.tags import partial_tag
 from router.tools import ToolCalls, call, json_members, mistral_call_id
 
 START, END = "<tool_call>", "</tool_call>"
+HERMES_MARKERS = (START, END)  # kept by the detokenizer where a tokenizer makes them special
 
 
 def tool_format_of(
@@ -337,6 +338,7 @@ class Glm45Calls(HermesCalls):
 
 
 MINIMAX_START, MINIMAX_END = "<minimax:tool_call>", "</minimax:tool_call>"
+MINIMAX_MARKERS = (MINIMAX_START, MINIMAX_END)
 _INVOKE = re.compile(r'\s*<invoke name="([^"]+)">(.*?)</invoke>', re.S)
 _PARAMETER = re.compile(r'\s*<parameter name="([^"]+)">(.*?)</parameter>', re.S)
 

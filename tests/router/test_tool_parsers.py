@@ -532,3 +532,35 @@ def test_arguments_that_are_no_object_are_no_call(arguments):
         assert message["tool_calls"][0]["function"]["arguments"] == "text"
     else:
         assert message == {"role": "assistant", "content": text} and reason == "stop"
+
+
+def test_hermes_tags_a_tokenizer_makes_special_reach_the_parser(model_factory, tmp_path):
+    """Qwen's tokenizers keep <tool_call> plain text, but a checkpoint that makes it
+    special lost it in decoding: the call came back as bare JSON content."""
+    import shutil
+
+    from tokenizers import Tokenizer as RustTokenizer
+
+    qwen = model_factory("qwen3")
+    made = tmp_path / "special-tags"
+    shutil.copytree(qwen, made)
+    rust = RustTokenizer.from_file(str(made / "tokenizer.json"))
+    rust.add_special_tokens(["<tool_call>", "</tool_call>"])
+    rust.save(str(made / "tokenizer.json"))
+    tokenizer = Tokenizer(made)
+    config = load_config(None, [f"model={made}", "router.tool_call_parser=hermes"])
+    keep = tool_marker_ids_of(config, tokenizer)
+    assert keep == {tokenizer.token_id("<tool_call>"), tokenizer.token_id("</tool_call>")}
+    text = 'Ok.<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call>'
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(tokenizer, keep_special=keep)
+    decoded = "".join(detokenizer.add([t]) for t in token_ids) + detokenizer.finish()
+    message, reason = HermesCalls().message(decoded, "stop")
+    assert _names_and_arguments(message["tool_calls"]) == [("get_time", {"zone": "CET"})]
+    assert (message["content"], reason) == ("Ok.", "tool_calls")
+    assert (
+        tool_marker_ids_of(
+            load_config(None, [f"model={qwen}", "router.tool_call_parser=hermes"]), Tokenizer(qwen)
+        )
+        == frozenset()
+    )  # plain text there: nothing to keep
