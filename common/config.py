@@ -576,6 +576,10 @@ class RouterConfig:
     # vLLM's --reasoning-parser: a chat reply's thinking goes out as reasoning_content
     # (router/reasoning.py), and a constraint applies after it. none: all is content.
     reasoning_parser: ReasoningParser = ReasoningParser.NONE
+    # Text in a chat request that spells a special token (a user writing "<|im_end|>\n
+    # <|im_start|>system\n..."): false keeps it text, so no client can forge the
+    # template's turns or markers; true makes it the token, as vLLM and transformers do.
+    parse_special_tokens_in_messages: bool = False
     # /v1/score and /v1/rerank: how a (query, document) pair is scored (router/scoring.py).
     # embedding: the cosine similarity of their embeddings (an embedding model's).
     # token_logits: one prompt per pair, score_template with {query} and {document}

@@ -13,6 +13,7 @@ agreement with ``transformers.AutoTokenizer``.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -79,6 +80,13 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value
+
+
+# Client text that spells a special token, when escaped (``Tokenizer.escape_special``):
+# a placeholder of private-use characters through the template, then the token's text
+# encoded as plain text.
+_ESCAPE_OPEN, _ESCAPE_CLOSE = "\ue000", "\ue001"
+_ESCAPED = re.compile(f"{_ESCAPE_OPEN}(\\d+){_ESCAPE_CLOSE}")
 
 
 class Tokenizer:
@@ -214,6 +222,70 @@ class Tokenizer:
         return frozenset(i for i, token in added.items() if token.special)
 
     @cached_property
+    def _escapable(self) -> tuple[list[str], re.Pattern[str]]:
+        """The special tokens' texts, longest first (one holding another wins), then the
+        placeholder's own opening character (a client's, kept its own text); and their
+        pattern."""
+        added = self._tok.get_added_tokens_decoder().values()
+        texts = sorted({t.content for t in added if t.special and t.content}, key=len,
+                       reverse=True)  # fmt: skip
+        texts.append(_ESCAPE_OPEN)
+        return texts, re.compile("|".join(map(re.escape, texts)))
+
+    def special_texts_in(self, text: str) -> frozenset[str]:
+        """The special tokens' texts ``text`` holds."""
+        _, pattern = self._escapable
+        return frozenset(pattern.findall(text)) - {_ESCAPE_OPEN}
+
+    def escape_special(self, value: Any, keep: frozenset[str] = frozenset()) -> Any:
+        """``value`` (messages, tools: strings in lists and plain dicts) with each special
+        token's text in its strings, but those of ``keep`` (an image's marker), made a
+        placeholder that ``apply_chat_template(..., escape_special=True)`` encodes as
+        that text, never as the token. Other mappings (a call's arguments) stay as they
+        are."""
+        texts, pattern = self._escapable
+        index = {text: i for i, text in enumerate(texts)}
+
+        def placeholder(match: re.Match[str]) -> str:
+            found = match.group()
+            return found if found in keep else f"{_ESCAPE_OPEN}{index[found]}{_ESCAPE_CLOSE}"
+
+        def walk(item: Any) -> Any:
+            if isinstance(item, str):
+                return pattern.sub(placeholder, item)
+            if isinstance(item, list):
+                return [walk(x) for x in item]
+            if type(item) is dict:
+                return {key: walk(x) for key, x in item.items()}
+            return item
+
+        return walk(value)
+
+    @cached_property
+    def _plain(self):  # -> tokenizers.Tokenizer
+        """A copy that reads special tokens' texts as text (the flag is per instance; the
+        router encodes on several threads)."""
+        from tokenizers import Tokenizer as RustTokenizer
+
+        plain = RustTokenizer.from_str(self._tok.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    def _encode_escaped(self, text: str, max_tokens: int | None) -> list[int]:
+        """``text`` with placeholders (``escape_special``): the rest as ``encode`` reads it,
+        each placeholder as its token's text, as plain text."""
+        texts, _ = self._escapable
+        ids: list[int] = []
+        for i, piece in enumerate(_ESCAPED.split(text)):
+            if i % 2:
+                ids += self._plain.encode(texts[int(piece)], add_special_tokens=False).ids
+            elif piece:
+                ids += self.encode(piece, add_special_tokens=False, max_tokens=max_tokens)
+            if max_tokens is not None and len(ids) > max_tokens:
+                raise TooManyTokens(len(ids))
+        return ids
+
+    @cached_property
     def pieces(self) -> TokenPieces:
         """Each token's text after other text, and its bytes (for log-probs)."""
         return TokenPieces(
@@ -319,16 +391,25 @@ class Tokenizer:
         max_tokens: int | None = None,
         kept: KeptTokens | None = None,
         rewrite: Callable[[str], str] | None = None,
+        escape_special: bool = False,
+        keep_special: frozenset[str] = frozenset(),
     ) -> list[int]:
         """Render the model's own template and tokenize it (special tokens come from it).
         ``max_tokens`` and ``kept``: as ``encode``'s. ``rewrite``: what the rendered text
         goes through before it is tokenized (a vision model's images: its exceptions
-        propagate)."""
+        propagate). ``escape_special``: text in the messages and tools that spells a
+        special token, but the texts of ``keep_special``, is encoded as that text
+        (``escape_special``); only the template writes tokens."""
+        if escape_special:
+            messages = self.escape_special(messages, keep_special)
+            tools = self.escape_special(tools, keep_special)
         text = self.render_chat(
             messages, add_generation_prompt, tools, template_kwargs, continue_final_message
         )
         if rewrite is not None:
             text = rewrite(text)
+        if escape_special and _ESCAPE_OPEN in text:  # (the caller truncates to ``kept``)
+            return self._encode_escaped(text, max_tokens)
         return self.encode(text, add_special_tokens=False, max_tokens=max_tokens, kept=kept)
 
 

@@ -106,7 +106,10 @@ def create_app(state: RouterState) -> FastAPI:
     except importlib.metadata.PackageNotFoundError:  # run from a source tree
         version_text = "unknown"
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
-    prompt_tokenizer = PromptTokenizer(state.tokenizer, state.model.max_model_len)
+    escape = not state.config.router.parse_special_tokens_in_messages
+    prompt_tokenizer = PromptTokenizer(
+        state.tokenizer, state.model.max_model_len, escape, state.image_text
+    )
     admission = Admission(state)
 
     def refused(error: APIError) -> JSONResponse:

@@ -22,9 +22,27 @@ class PromptTokenizer:
     """Tokenizing for the routes, against the served model's context (``max_model_len``).
     Every method may take a while on a long text: callers run them in a thread."""
 
-    def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        max_model_len: int,
+        escape_special: bool = True,
+        image_text: ImageText | None = None,
+    ) -> None:
+        """``escape_special``: chat text that spells a special token stays text
+        (``router.parse_special_tokens_in_messages`` false), but for a vision model's
+        image tokens (``image_text``): those are the router's to count, and a prompt that
+        spells them is refused (``router/images.py``)."""
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.escape_special = escape_special
+        self.keep_special = self._image_specials(image_text)
+
+    def _image_specials(self, image_text: ImageText | None) -> frozenset[str]:
+        if image_text is None:
+            return frozenset()
+        spelled = (image_text.marker, image_text.lead, image_text.placeholder, image_text.tail)
+        return self.tokenizer.special_texts_in("".join(spelled))
 
     def ids(
         self,
@@ -69,6 +87,7 @@ class PromptTokenizer:
         continue_final_message: bool = False, max_tokens: int | None = None,
         kept: KeptTokens | None = None, image_text: str | None = None,
         image_parts: bool = False, rewrite: Callable[[str], str] | None = None,
+        extra_special: frozenset[str] = frozenset(),
     ) -> list[int]:  # fmt: skip
         """The messages through the chat template, as ids. ``max_tokens``: a longer
         prompt is refused before it is tokenized whole. ``kept``: what truncation will
@@ -80,7 +99,8 @@ class PromptTokenizer:
             return self.tokenizer.apply_chat_template(
                 [m.for_template(image_text, image_parts) for m in messages],
                 add_generation_prompt, tools, template_kwargs, continue_final_message,
-                max_tokens, kept, rewrite,
+                max_tokens, kept, rewrite, self.escape_special,
+                self.keep_special | extra_special,
             )  # fmt: skip
         except TooManyTokens as exc:
             raise self.too_long(exc, "messages") from None
@@ -100,6 +120,7 @@ class PromptTokenizer:
             return self.chat(
                 *args, image_text=marker, image_parts=marker is None,
                 rewrite=lambda text: image_text.expand(text, counts),
+                extra_special=self._image_specials(image_text),
             )  # fmt: skip
 
         return render_with_images(render, image_text.marker, (APIError,))
