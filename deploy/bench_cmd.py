@@ -131,6 +131,13 @@ def build_loads(args: argparse.Namespace) -> list:
 
     if args.rate is not None and args.rates is not None:
         raise ValueError("give --rate or --rates, not both")
+    # Each of these was ignored beside the other, without a word.
+    rated = args.rate is not None or args.rates is not None
+    if args.concurrency is not None and (rated or args.max_concurrency is not None):
+        raise ValueError("--concurrency is a closed loop: give it without --rate, --rates or "
+                         "--max-concurrency")  # fmt: skip
+    if rated and args.time_scale != 1.0:
+        raise ValueError("--time-scale scales a trace's own times: give it without a rate")
     replay = args.replay if args.replay is not None else args.dataset in TRACE_DATASETS
     if replay and args.dataset not in TRACE_DATASETS:
         raise ValueError("--replay needs a trace dataset (mooncake, azure)")

@@ -70,6 +70,15 @@ def test_bad_flags_and_a_missing_server_are_clear_errors(tmp_path, capsys):
     assert code == 2 and "bad SLO item" in err
     code, err = bench("--dataset", "random", "--replay")
     assert code == 2 and "trace dataset" in err
+    # Flags one of which was ignored beside the other, without a word.
+    for flags in (
+        ("--concurrency", "4", "--rate", "2"),
+        ("--concurrency", "4", "--max-concurrency", "8"),
+    ):
+        code, err = bench(*flags)
+        assert code == 2 and "--concurrency is a closed loop" in err
+    code, err = bench("--dataset", "azure", "--rate", "2", "--time-scale", "0.5")
+    assert code == 2 and "--time-scale scales a trace's own times" in err
     port = free_port_base(1)
     code, err = bench("--base-url", f"http://127.0.0.1:{port}/v1", "--out", str(tmp_path))
     assert code == 1 and "error:" in err
