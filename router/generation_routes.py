@@ -199,9 +199,7 @@ def add_generation_routes(
             return await asyncio.to_thread(prompt_tokenizer.chat, *args), None
         assert vision is not None and state.image_text is not None
         counts = image_counts(images, vision)
-        prompt = await asyncio.to_thread(
-            prompt_tokenizer.chat_images, state.image_text, counts, *args
-        )
+        prompt = await asyncio.to_thread(prompt_tokenizer.chat_images, counts, *args)
         return place_images(prompt, images, vision, counts)
 
     @app.post("/v1/responses")

@@ -31,18 +31,17 @@ class PromptTokenizer:
     ) -> None:
         """``escape_special``: chat text that spells a special token stays text
         (``router.parse_special_tokens_in_messages`` false), but for a vision model's
-        image tokens (``image_text``): those are the router's to count, and a prompt that
-        spells them is refused (``router/images.py``)."""
+        image tokens (``image_text``, how its prompts hold images): those are the router's
+        to count, and a prompt that spells them is refused (``router/images.py``)."""
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.escape_special = escape_special
-        self.keep_special = self._image_specials(image_text)
-
-    def _image_specials(self, image_text: ImageText | None) -> frozenset[str]:
-        if image_text is None:
-            return frozenset()
-        spelled = (image_text.marker, image_text.lead, image_text.placeholder, image_text.tail)
-        return self.tokenizer.special_texts_in("".join(spelled))
+        self.image_text = image_text
+        self.keep_special = frozenset()
+        if image_text is not None:
+            spelled = (image_text.marker, image_text.lead, image_text.placeholder,
+                       image_text.tail)  # fmt: skip
+            self.keep_special = tokenizer.special_texts_in("".join(spelled))
 
     def ids(
         self,
@@ -87,7 +86,6 @@ class PromptTokenizer:
         continue_final_message: bool = False, max_tokens: int | None = None,
         kept: KeptTokens | None = None, image_text: str | None = None,
         image_parts: bool = False, rewrite: Callable[[str], str] | None = None,
-        extra_special: frozenset[str] = frozenset(),
     ) -> list[int]:  # fmt: skip
         """The messages through the chat template, as ids. ``max_tokens``: a longer
         prompt is refused before it is tokenized whole. ``kept``: what truncation will
@@ -99,8 +97,7 @@ class PromptTokenizer:
             return self.tokenizer.apply_chat_template(
                 [m.for_template(image_text, image_parts) for m in messages],
                 add_generation_prompt, tools, template_kwargs, continue_final_message,
-                max_tokens, kept, rewrite, self.escape_special,
-                self.keep_special | extra_special,
+                max_tokens, kept, rewrite, self.escape_special, self.keep_special,
             )  # fmt: skip
         except TooManyTokens as exc:
             raise self.too_long(exc, "messages") from None
@@ -109,18 +106,20 @@ class PromptTokenizer:
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
 
-    def chat_images(self, image_text: ImageText, counts: Sequence[int], *args) -> list[int]:
+    def chat_images(self, counts: Sequence[int], *args) -> list[int]:
         """``chat(*args)`` of messages with images of ``counts`` placeholders each, each
-        written as its marker and made its sequence in the text (``ImageText``). Images
+        written as its marker and made its sequence in the text (``self.image_text``). Images
         reach the template as content parts (what vision models' templates read); a
         template that does not write the marker for each (one that reads content as a
         string, or fails on a list) gets the marker's text in the string."""
+
+        image_text = self.image_text
+        assert image_text is not None, "a model without images"
 
         def render(marker: str | None) -> list[int]:
             return self.chat(
                 *args, image_text=marker, image_parts=marker is None,
                 rewrite=lambda text: image_text.expand(text, counts),
-                extra_special=self._image_specials(image_text),
             )  # fmt: skip
 
         return render_with_images(render, image_text.marker, (APIError,))

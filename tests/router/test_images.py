@@ -90,8 +90,12 @@ def test_string_templates_get_the_image_token_in_the_text(llava, vision, image_t
     messages = chat("What is in ", image(b"x"), " and ", image(b"y"), "?")
     args = (messages, True, None, None, False, None, None)
     token_id = vision.image_token_id
-    with_parts = PromptTokenizer(Tokenizer(llava), 4096).chat_images(image_text, [16] * 2, *args)
-    with_text = PromptTokenizer(Tokenizer(plain), 4096).chat_images(image_text, [16] * 2, *args)
+    with_parts = PromptTokenizer(Tokenizer(llava), 4096, image_text=image_text).chat_images(
+        [16] * 2, *args
+    )
+    with_text = PromptTokenizer(Tokenizer(plain), 4096, image_text=image_text).chat_images(
+        [16] * 2, *args
+    )
     assert with_parts == with_text and with_parts.count(token_id) == 2 * 16
     tokens, placed = place_images(with_parts, [b"x", b"y"], vision, [16, 16])
     runs = [s.offset for s in placed.spans]
@@ -102,4 +106,6 @@ def test_string_templates_get_the_image_token_in_the_text(llava, vision, image_t
         place_images(with_parts, [b"x"], vision, [16])
     spelled = chat("What is in <image> and ", image(b"y"), "?")
     with pytest.raises(APIError, match="markers for 1 images"):
-        PromptTokenizer(Tokenizer(llava), 4096).chat_images(image_text, [16], spelled, *args[1:])
+        PromptTokenizer(Tokenizer(llava), 4096, image_text=image_text).chat_images(
+            [16], spelled, *args[1:]
+        )
