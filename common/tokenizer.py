@@ -222,19 +222,20 @@ class Tokenizer:
         return frozenset(i for i, token in added.items() if token.special)
 
     @cached_property
-    def _escapable(self) -> tuple[list[str], re.Pattern[str]]:
+    def _escapable(self) -> tuple[list[str], dict[str, int], re.Pattern[str]]:
         """The special tokens' texts, longest first (one holding another wins), then the
-        placeholder's own opening character (a client's, kept its own text); and their
-        pattern."""
+        placeholder's own opening character (a client's, kept its own text); each one's
+        place in that list (its placeholder's number); and their pattern."""
         added = self._tok.get_added_tokens_decoder().values()
         texts = sorted({t.content for t in added if t.special and t.content}, key=len,
                        reverse=True)  # fmt: skip
         texts.append(_ESCAPE_OPEN)
-        return texts, re.compile("|".join(map(re.escape, texts)))
+        index = {text: i for i, text in enumerate(texts)}
+        return texts, index, re.compile("|".join(map(re.escape, texts)))
 
     def special_texts_in(self, text: str) -> frozenset[str]:
         """The special tokens' texts ``text`` holds."""
-        _, pattern = self._escapable
+        _, _, pattern = self._escapable
         return frozenset(pattern.findall(text)) - {_ESCAPE_OPEN}
 
     def escape_special(self, value: Any, keep: frozenset[str] = frozenset()) -> Any:
@@ -243,8 +244,7 @@ class Tokenizer:
         placeholder that ``apply_chat_template(..., escape_special=True)`` encodes as
         that text, never as the token. Other mappings (a call's arguments) stay as they
         are."""
-        texts, pattern = self._escapable
-        index = {text: i for i, text in enumerate(texts)}
+        _, index, pattern = self._escapable
 
         def placeholder(match: re.Match[str]) -> str:
             found = match.group()
@@ -274,7 +274,7 @@ class Tokenizer:
     def _encode_escaped(self, text: str, max_tokens: int | None) -> list[int]:
         """``text`` with placeholders (``escape_special``): the rest as ``encode`` reads it,
         each placeholder as its token's text, as plain text."""
-        texts, _ = self._escapable
+        texts, _, _ = self._escapable
         ids: list[int] = []
         for i, piece in enumerate(_ESCAPED.split(text)):
             if i % 2:
