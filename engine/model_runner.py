@@ -536,7 +536,7 @@ class ModelRunner:
             sampled = zip(sampling, results, strict=True)
             result.sampled = {c.request_id: r for (_, c), r in sampled}
         if self.shard.num_draft_layers or self.draft is not None:
-            result.drafts = self._model_drafts(chunks, batch, result)
+            self._model_drafts(chunks, batch, result)
         if self.expert_rebalance_interval:
             self._steps_since_rebalance += 1
             if self._steps_since_rebalance == self.expert_rebalance_interval:
@@ -577,10 +577,10 @@ class ModelRunner:
         chunks: list[SequenceChunk],
         batch: HostBatch,
         result: StepResult,
-    ) -> dict[str, list[int]]:
+    ) -> None:
         """The MTP layer's or the draft model's passes after a step (``mtp_drafts.py``,
-        ``draft_model.py``): each drafting request's drafts (and, with a draft model,
-        ``result.draft_kv_end``)."""
+        ``draft_model.py``): ``result.drafts``, each drafting request's drafts, and with a
+        draft model ``result.draft_kv_end``."""
         segments = []
         for i, chunk in enumerate(chunks):
             tokens = result.sampled.get(chunk.request_id)
@@ -597,9 +597,9 @@ class ModelRunner:
             if segment is not None and segment.token_ids:
                 segments.append(segment)
         if not segments:
-            return {}
+            return
         run_pass = self._mtp_pass if self.draft is None else self.draft.run_pass
-        return propose_drafts(
+        result.drafts = propose_drafts(
             run_pass, self._host_batch, segments, self.block_size, self.max_model_len
         )
 
