@@ -16,8 +16,9 @@ draft, and each further draft is one single-token pass. So after any step in whi
 request took part, the draft holds KV for positions ``0 .. num_computed_tokens``, or up
 to where the request's slots end when the step's last token has none yet (a prompt that
 fills its blocks): ``Request.draft_kv_end`` says which. A chunk leads with the tokens the
-draft has not read (``SequenceChunk.draft_lead``): its own first token, and on a decode worker the
-whole prompt, whose target KV came from the prefill worker but whose draft KV did not. A
+draft has not read (``SequenceChunk.draft_lead``): a request's first chunk its own first
+token, and on a decode worker the whole prompt, whose target KV came from the prefill
+worker but whose draft KV did not; the chunk after a cut step, the token it cut. A
 step's leads read at most ``max_num_batched_tokens`` tokens beyond one per request: a
 longer one catches up over several steps, proposing nothing until it has.
 """

@@ -477,7 +477,8 @@ def _mistral_calls(text: str) -> list[dict[str, Any]] | None:
             return None
         known = len(given_id) == 9 and given_id.isascii() and given_id.isalnum()
         call_id = given_id if known else mistral_call_id()
-        calls.append(call(name, arguments.strip(), id=call_id))  # (as written: see below)
+        # (the arguments as written: see _name_and_arguments)
+        calls.append(call(name, arguments.strip(), id=call_id))
     return calls
 
 

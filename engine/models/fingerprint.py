@@ -8,9 +8,9 @@ updated in place, or a fine-tune that kept its base model's directory name and
 The fingerprint hashes ``config.json``, the image preprocessing files where the model has
 them (``PREPROCESSING_FILES``: an image's KV is keyed by its encoded bytes, and resizing or
 normalising them differently computes other KV at the same key), and, per safetensors
-file, its name, size and
-header (tensor names, dtypes, shapes, offsets), then from *every tensor* up to
-``SAMPLES_PER_TENSOR`` slices of ``SAMPLE_BYTES`` (its start, middle and end). It reads
+file, its name, size and header (tensor names, dtypes, shapes, offsets), then from *every
+tensor* up to ``SAMPLES_PER_TENSOR`` slices of ``SAMPLE_BYTES`` (its start, middle and
+end). It reads
 a few KiB per tensor (about 2 MiB for a 300-tensor model) whatever the checkpoint's size,
 and is equal on every host with a copy of the same files (no paths, no mtimes), which
 prefill and decode workers need to find each other's files. A change that rewrites
