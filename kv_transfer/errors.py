@@ -20,6 +20,12 @@ class HandshakeError(KVTransferError):
     or another engine than the one asked for (a stale endpoint)."""
 
 
+class MetadataUnavailableError(HandshakeError):
+    """The peer's metadata could not be fetched at all (no answer, or no way to ask): it
+    may be gone, or the call failed once under load. Set apart from a peer that answered
+    as another engine, which is surely not the one asked for."""
+
+
 class LayoutMismatchError(HandshakeError):
     """The peer's KV layout differs from ours; nothing was transferred.
 

@@ -14,7 +14,7 @@ from typing import TypeVar
 import msgspec
 
 from kv_transfer.config import ConnectorName
-from kv_transfer.errors import HandshakeError
+from kv_transfer.errors import HandshakeError, MetadataUnavailableError
 from kv_transfer.layout import KVLayout
 from kv_transfer.records import PeerRef
 
@@ -82,13 +82,17 @@ def fetch_peer_metadata(
     connector: ConnectorName,
     local_layout: KVLayout,
 ) -> PeerMetadata:
-    """Fetch the peer's envelope through the control channel and validate it."""
+    """Fetch the peer's envelope through the control channel and validate it. Raises
+    ``MetadataUnavailableError`` when it could not be fetched, another ``HandshakeError``
+    when it does not validate."""
     if fetcher is None:
-        raise HandshakeError("this connector was built without fetch_peer_metadata")
+        raise MetadataUnavailableError("this connector was built without fetch_peer_metadata")
     try:
         data = fetcher(peer.endpoint)
     except Exception as exc:
-        raise HandshakeError(f"fetching metadata from {peer.endpoint!r} failed: {exc}") from exc
+        raise MetadataUnavailableError(
+            f"fetching metadata from {peer.endpoint!r} failed: {exc}"
+        ) from exc
     return decode_peer_metadata(
         data, connector=connector, local_layout=local_layout, engine_id=peer.engine_id
     )

@@ -54,16 +54,12 @@ from kv_transfer.config import ConnectorName, KVTransferConfig
 from kv_transfer.errors import (
     HandshakeError,
     KVTransferError,
+    MetadataUnavailableError,
     TransferFailedError,
     TransferRejectedError,
     TransferTimeoutError,
 )
-from kv_transfer.handshake import (
-    MetadataFetcher,
-    decode_peer_metadata,
-    decode_transport,
-    fetch_peer_metadata,
-)
+from kv_transfer.handshake import MetadataFetcher, decode_transport, fetch_peer_metadata
 from kv_transfer.layout import KVCaches
 from kv_transfer.nixl_lane import LanePeer, NixlLane, PartOutcome, ReadPart
 from kv_transfer.nixl_protocol import (
@@ -319,20 +315,16 @@ class NixlConnector(KVConnector):
         peer may be gone, or the call failed once under load)."""
         answer: bool | None
         try:
-            if self._fetch_peer_metadata is None:
-                raise HandshakeError("this connector was built without fetch_peer_metadata")
-            data = self._fetch_peer_metadata(peer.endpoint)
-        except Exception as exc:
+            fetch_peer_metadata(
+                self._fetch_peer_metadata, peer, connector=self.name, local_layout=self.layout
+            )
+            answer = True
+        except MetadataUnavailableError as exc:
             logger.info("NIXL peer %s did not answer: %s", peer.engine_id, exc)
             answer = None
-        else:
-            try:
-                decode_peer_metadata(data, connector=self.name, local_layout=self.layout,
-                                     engine_id=peer.engine_id)  # fmt: skip
-                answer = True
-            except Exception as exc:
-                logger.info("NIXL peer %s is gone: %s", peer.engine_id, exc)
-                answer = False
+        except Exception as exc:
+            logger.info("NIXL peer %s is gone: %s", peer.engine_id, exc)
+            answer = False
         self._commands.put(("probed", peer.engine_id, answer))
 
     def _on_probed(self, peer_id: str, answer: bool | None) -> None:
