@@ -34,10 +34,10 @@ from router.protocol import (
     LoadLoraAdapterRequest,
     TokenizeRequest,
     UnloadLoraAdapterRequest,
-    error_field,
 )
 from router.request_bodies import RequestBodies
 from router.state import RouterState
+from router.validation_errors import error_message
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def create_app(state: RouterState) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
-        message, param = error_field(first, field_at=1)  # after "body"
+        message, param = error_message(list(exc.errors()), field_at=1)  # after "body"
         if first.get("type") == "json_invalid":
             reason = first.get("ctx", {}).get("error", message)
             return await api_error(request, bad_request(f"the body is not valid JSON: {reason}"))

@@ -59,20 +59,6 @@ class FieldError(ValueError):
         self.param = param
 
 
-def error_field(error: dict[str, Any], field_at: int = 0) -> tuple[str, str | None]:
-    """One of pydantic's errors as (message, the top-level field at fault): ``loc[field_at]``
-    (FastAPI's locs start with "body"; deeper parts include union tags such as
-    "prompt.str", which mean nothing to a client), or else the field a check of the whole
-    request names (its ``FieldError``)."""
-    loc = error.get("loc", ())
-    message = error.get("msg", "invalid request").removeprefix("Value error, ")
-    param = loc[field_at] if len(loc) > field_at and isinstance(loc[field_at], str) else None
-    cause = error.get("ctx", {}).get("error")
-    if param is None and isinstance(cause, FieldError):
-        param = cause.param
-    return message, param
-
-
 def _nullable(field: FieldInfo) -> bool:
     annotation = field.annotation
     if annotation is Any:

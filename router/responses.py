@@ -34,8 +34,8 @@ from router.protocol import (
     FieldError,
     FunctionTool,
     ResponsesRequest,
-    error_field,
 )
+from router.validation_errors import describe
 
 # Chat request fields as the Responses request names them, for errors the chat path
 # raises (a 400's ``param`` must name what the client sent).
@@ -100,7 +100,7 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             if role == "user" and _has_images(content):
                 message = {"role": role, "content": _parts(content, where)}
             else:
-                message = {"role": role, "content": _text(content, where, role)}
+                message = {"role": role, "content": _text(content, f"{where}.content", role)}
         elif kind == "function_call":
             call = {"id": _required(item, "call_id", where), "type": "function",
                     "function": {"name": _required(item, "name", where),
@@ -112,7 +112,7 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             message = {"role": "assistant", "content": None, "tool_calls": [call]}
         elif kind == "function_call_output":
             message = {"role": "tool", "tool_call_id": _required(item, "call_id", where),
-                       "content": _text(item.get("output"), where)}  # fmt: skip
+                       "content": _text(item.get("output"), f"{where}.output")}  # fmt: skip
         else:
             raise FieldError(
                 f"{where}: items of type {kind!r} are not supported (message, "
@@ -150,7 +150,8 @@ def to_chat(body: ResponsesRequest) -> ChatCompletionRequest:
     except FieldError as error:
         raise bad_request(str(error), error.param) from None
     except ValidationError as error:
-        message, param = error_field(error.errors()[0])
+        # The message without its place: that is in the chat request, not in this one.
+        _, message, param = describe(list(error.errors()))
         raise bad_request(message, responses_param(param)) from None
 
 
@@ -180,23 +181,26 @@ def _required(item: dict[str, Any], key: str, where: str) -> str:
 
 def _text(content: Any, where: str, role: str | None = None) -> str:
     """A message's (or a function output's) text: a string, or text parts (and an
-    assistant's refusal parts, as OpenAI returned them: text to the template)."""
+    assistant's refusal parts, as OpenAI returned them: text to the template). ``where``
+    names ``content`` in the request."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise FieldError(f"{where}.content must be a string or a list of parts", "input")
-    texts = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "refusal" and role == "assistant" and isinstance(part.get("refusal"), str):
-            texts.append(part["refusal"])
-            continue
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise FieldError(
-                f"{where}: content parts of type {kind!r} are not supported (text only)", "input"
-            )
-        texts.append(part["text"])
-    return "".join(texts)
+        raise FieldError(f"{where} must be a string or a list of parts", "input")
+    return "".join(_part_text(part, f"{where}[{index}]", role)
+                   for index, part in enumerate(content))  # fmt: skip
+
+
+def _part_text(part: Any, where: str, role: str | None) -> str:
+    """One text part's text (or an assistant's refusal part's); ``where`` names the part."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    key = "refusal" if kind == "refusal" and role == "assistant" else "text"
+    if key == "text" and kind not in _TEXT_PARTS:
+        raise FieldError(f"{where}: content parts of type {kind!r} are not supported "
+                         "(text only)", "input")  # fmt: skip
+    if not isinstance(part.get(key), str):
+        raise FieldError(f"{where}: a part of type {kind!r} needs its {key!r} string", "input")
+    return part[key]
 
 
 def _has_images(content: Any) -> bool:
@@ -218,7 +222,8 @@ def _parts(content: list, where: str) -> list[dict[str, Any]]:
                                  "input")  # fmt: skip
             parts.append({"type": "image_url", "image_url": {"url": url}})
         else:
-            parts.append({"type": "text", "text": _text([part], where)})
+            text = _part_text(part, f"{where}.content[{index}]", "user")
+            parts.append({"type": "text", "text": text})
     return parts
 
 

@@ -112,6 +112,38 @@ def test_refusals_say_what_is_wrong(state):
         assert "sequences" in error["message"] and error["param"] == param
 
 
+def test_a_value_of_the_wrong_type_is_named_where_it_is_with_the_types_that_fit(state):
+    """pydantic reports a value that fits no member of a union once per member: the
+    first of them, passed on, said "Input should be a valid string" of a token id 1.5
+    and of a chat's image given as a number, and named no place in the body."""
+    chat = [{"role": "user", "content": "x"}]
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": 5}]}]
+    cases = [
+        ("/v1/embeddings", {"input": [1.5]},
+         "input[0]: expected a string, an integer or a list, got a number", "input"),
+        ("/v1/completions", {"prompt": [1, 2, "x"]},
+         "prompt[2]: expected an integer or a list, got a string", "prompt"),
+        ("/v1/completions", {"prompt": [[1], [2, None]]},
+         "prompt[1][1]: expected an integer, got null", "prompt"),
+        ("/v1/chat/completions", {"messages": image},
+         "messages[0].content[0].image_url: expected an object or a string, got an integer",
+         "messages"),
+        ("/v1/chat/completions", {"messages": [{"content": "x"}]},
+         "messages[0].role is required", "messages"),
+        ("/v1/chat/completions", {"messages": chat, "stop": 5},
+         "stop: expected a string or a list, got an integer", "stop"),
+        ("/v1/rerank", {"query": "q", "documents": ["a", True]},
+         "documents[1]: expected a string or an object, got a boolean", "documents"),
+        ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+         "input[0].content[0]: a part of type 'input_text' needs its 'text' string", "input"),
+        ("/v1/responses", {"input": [{"type": "function_call_output", "call_id": "c"}]},
+         "input[0].output must be a string or a list of parts", "input"),
+    ]  # fmt: skip
+    for path, body, message, param in cases:
+        error = error_of(post(state, path, json=body), 400)
+        assert (error["message"], error["param"]) == (message, param), (body, error)
+
+
 def test_lists_that_cost_work_per_entry_are_bounded(state, monkeypatch):
     """Lists the router tokenizes or compiles, or every worker goes over at every step,
     are bounded: a million bad words stalled the router for 31 s, four million repeats of
