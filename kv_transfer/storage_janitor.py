@@ -3,8 +3,10 @@
 The directory is a cache (any block can be computed again) that every worker mounting it
 writes to, so every worker runs a janitor and the first to need a sweep does it; the
 others skip while it holds ``<shared_dir>/.pdserve-janitor.lock`` (``flock``). A worker
-sweeps after it has written a twentieth of the cap since its last sweep, and after a write
-failed for want of space (``ENOSPC``/``EDQUOT``), cap or not.
+sweeps after it has written a twentieth of the cap since its last sweep, after a write
+failed for want of space (``ENOSPC``/``EDQUOT``), cap or not, and every ``STALE_S``
+seconds that passed without a sweep, cap or not (leftovers of dead writers go even where
+no cap ever calls a sweep: without one they stayed until the disk filled).
 
 "Recently used" is a file's mtime: writers set it and, under a cap, readers bump it after
 each good read (atime is not kept on ``noatime``/``relatime`` mounts). A sweep removes the oldest
@@ -47,6 +49,7 @@ class SweepResult:
     scanned_bytes: int = 0
     removed_files: int = 0
     removed_bytes: int = 0
+    removed_leftovers: int = 0
     skipped: bool = False  # another worker was sweeping
 
 
@@ -86,7 +89,8 @@ def _scan(root: Path, now: float) -> tuple[list[_BlockFile], list[Path]]:
 def sweep(root: Path, max_bytes: int | None) -> SweepResult:
     """Remove least recently used block files under ``root`` until it holds at most
     ``LOW_WATER * max_bytes``; ``max_bytes=None``: free a tenth of what it holds (a
-    write failed for space). Returns at once, skipped, if another worker is sweeping."""
+    write failed for space); ``max_bytes=0``: no cap, no block goes. Leftovers of dead
+    writers go in every case. Returns at once, skipped, if another worker is sweeping."""
     result = SweepResult()
     with open(root / LOCK_NAME, "a+b") as lock:
         try:
@@ -98,11 +102,12 @@ def sweep(root: Path, max_bytes: int | None) -> SweepResult:
         for path in stale:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
+                result.removed_leftovers += 1
         total = sum(block.size for block in blocks)
         result.scanned_bytes = total
         limit = max_bytes if max_bytes is not None else total
         target = int(LOW_WATER * limit)
-        if max_bytes is not None and total <= max_bytes:
+        if max_bytes is not None and (max_bytes == 0 or total <= max_bytes):
             return result
         blocks.sort(key=lambda block: block.mtime_ns)
         for block in blocks:
@@ -123,11 +128,15 @@ def sweep(root: Path, max_bytes: int | None) -> SweepResult:
 
 class StorageJanitor:
     """A background thread that sweeps ``root`` when told enough was written or a write
-    failed for space. ``max_bytes=0``: no cap (sweeps only after space errors)."""
+    failed for space, and every ``idle_sweep_s`` without a sweep. ``max_bytes=0``: no
+    cap (blocks go only after space errors; leftovers on every sweep)."""
 
-    def __init__(self, root: Path, max_bytes: int, name: str) -> None:
+    def __init__(
+        self, root: Path, max_bytes: int, name: str, idle_sweep_s: float = STALE_S
+    ) -> None:
         self.root = root
         self.max_bytes = max_bytes
+        self.idle_sweep_s = idle_sweep_s
         self._lock = threading.Lock()
         self._written = 0
         self._space_error = False
@@ -159,7 +168,7 @@ class StorageJanitor:
 
     def _run(self) -> None:
         while True:
-            self._wake.wait()
+            self._wake.wait(self.idle_sweep_s)  # woken, or idle that long: sweep
             self._wake.clear()
             if self._closed:
                 return
@@ -171,6 +180,9 @@ class StorageJanitor:
             except OSError as exc:
                 logger.warning("sweeping %s failed: %s", self.root, exc)
                 continue
+            if result.removed_leftovers:
+                logger.info("removed %d temporary files and failure markers of dead "
+                            "writers from %s", result.removed_leftovers, self.root)  # fmt: skip
             if result.removed_files:
                 logger.info(
                     "removed %d least recently used KV block files (%.1f MB) from %s",

@@ -1,6 +1,6 @@
 """The shared directory under its size cap: least recently used block files go first, one
-worker sweeps at a time, leftovers of dead writers go, and a connector with a cap keeps
-the blocks it reads."""
+worker sweeps at a time, leftovers of dead writers go (with no cap too), and a connector
+with a cap keeps the blocks it reads."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from common.hashing import hash_blocks
 from kv_transfer import KVTransferConfig, PeerRef
-from kv_transfer.storage_janitor import LOCK_NAME, STALE_S, sweep
+from kv_transfer.storage_janitor import LOCK_NAME, STALE_S, StorageJanitor, sweep
 from tests.kv_transfer.test_shared_storage_files import LAYOUT, _export, two_workers
 
 
@@ -65,6 +65,30 @@ def test_leftovers_of_dead_writers_go_and_live_ones_stay(tmp_path):
     sweep(tmp_path, 1 << 30)
     assert not stale_tmp.exists() and not stale_marker.exists()
     assert live_tmp.exists() and live_marker.exists()
+
+
+def test_without_a_cap_leftovers_of_dead_writers_go_when_idle_and_blocks_stay(tmp_path):
+    """No cap calls a sweep, so dead writers' temp files and markers stayed until the
+    disk filled; an idle janitor now sweeps them every ``idle_sweep_s``."""
+    blocks = _files(tmp_path, 3, 100)
+    stale = blocks[0].parent / f".{blocks[0].name}.7.tmp"
+    stale.write_bytes(b"x" * 100)
+    old = time.time() - STALE_S - 60
+    os.utime(stale, (old, old))
+    assert sweep(tmp_path, 0).removed_leftovers == 1  # a sweep without a cap
+    assert all(path.exists() for path in blocks)
+    stale.write_bytes(b"x" * 100)
+    os.utime(stale, (old, old))
+    janitor = StorageJanitor(tmp_path, 0, "test-janitor", idle_sweep_s=0.1)
+    try:
+        deadline = time.monotonic() + 10
+        while stale.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not stale.exists()
+        assert all(path.exists() for path in blocks)
+    finally:
+        janitor.close()
+    assert not janitor._thread.is_alive()
 
 
 def test_one_worker_sweeps_at_a_time(tmp_path):
