@@ -397,6 +397,11 @@ class Dispatcher:
         for worker in [w for w in [chosen, *others] if w is not None]:
             if self.pool.retired(worker):
                 continue  # retired while an earlier try ran: its channel is closed
+            if not worker.available or not worker.serves(request.lora):
+                # Down, draining or without the adapter since placement: the sequence may
+                # have waited seconds for room on its decode worker, or behind an earlier
+                # try (a worker the pool saw freeze was called, and held the prefill).
+                continue
             timeout = self.config.prefill_timeout_s
             if deadline is not None:
                 timeout = min(timeout, deadline - time.monotonic())

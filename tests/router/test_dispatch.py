@@ -464,6 +464,36 @@ def test_a_failed_pull_under_failure_policy_fail_is_the_clients_error_not_the_wo
     assert len(failing.requests) == 1 and not other.requests
 
 
+@pytest.mark.timeout(60)
+def test_a_prefill_worker_down_since_placement_is_passed_over(tmp_path):
+    """The placement's prefill worker went down (or began draining) while the sequence
+    waited for room on its decode worker: the prefill goes to the next one. The decode
+    hop skipped such a worker and the prefill hop called it: a frozen one held the
+    prefill until the pool's stall give-up."""
+    chosen, other = HeldPrefill(), HeldPrefill()
+    chosen.go.set()
+    other.go.set()
+
+    async def scenario(registry: RedisRegistry) -> tuple[int, int, bool]:
+        (server_a, info_a), (server_b, info_b) = await serve(chosen, registry), await serve(
+            other, registry)  # fmt: skip
+        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex())
+        try:
+            await pool.refresh()
+            request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams())
+            placement = Placement("decode@x", info_a.worker_id, 0, 0, 0.0)
+            pool.mark_unhealthy(info_a.worker_id)
+            reply, worker = await dispatcher._prefill(request, placement)
+            assert reply is not None and worker is not None
+            return chosen.num_calls, other.num_calls, worker.worker_id == info_b.worker_id
+        finally:
+            await pool.close()
+            await server_a.stop(None)
+            await server_b.stop(None)
+
+    assert run_with_registry(tmp_path, scenario) == (0, 1, True)
+
+
 class LatePrefill(HeldPrefill):
     """Answers after the router's deadline (it exported the prompt's KV all the same);
     records the releases it gets."""
