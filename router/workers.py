@@ -284,6 +284,7 @@ class WorkerPool:
             logger.warning("registry unreachable, keeping the last worker list: %s", exc)
             listed = [w.info for w in self.workers.values()]
         current = {info.worker_id: info for info in listed if self._fits(info)}
+        misfits = {info.worker_id for info in listed} - current.keys()
         now = time.monotonic()
         for worker_id in list(self.workers):
             state = self.workers[worker_id]
@@ -292,7 +293,11 @@ class WorkerPool:
                 continue
             if state.missing_since is None:
                 state.missing_since = now
-            if state.healthy and now - state.missing_since < self.missing_grace_s:
+            if (
+                state.healthy
+                and worker_id not in misfits  # listed, restarted with another block size
+                and now - state.missing_since < self.missing_grace_s
+            ):
                 continue  # still answering: probably back at its next heartbeat
             del self.workers[worker_id]
             self.events.remove(worker_id)

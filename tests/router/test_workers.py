@@ -178,7 +178,7 @@ def test_a_worker_of_another_block_size_is_not_placed_on(tmp_path, caplog):
     async def scenario(registry: RedisRegistry) -> list[bool]:
         server, info = await serve_decode(SlowDecode(), health.aio.HealthServicer())
         pool = WorkerPool(registry, EventListener(PrefixIndex(), threading.Lock()), 60.0, 30.0,
-                          block_size=16)  # fmt: skip
+                          block_size=16, missing_grace_s=30.0)  # fmt: skip
         seen = []
         try:
             registry.register(dataclasses.replace(info, block_size=32))
@@ -188,14 +188,20 @@ def test_a_worker_of_another_block_size_is_not_placed_on(tmp_path, caplog):
             registry.register(dataclasses.replace(info, block_size=16, engine_id="fixed"))
             await pool.refresh()
             seen.append(pool.get(info.worker_id) is not None)
+            # Restarted with the wrong size while in the pool: out at once. The grace a
+            # worker missing from the registry gets (it still answered) kept its old
+            # state, placed on, until registry.ttl_s passed.
+            registry.register(dataclasses.replace(info, block_size=32, engine_id="wrong"))
+            await pool.refresh()
+            seen.append(pool.get(info.worker_id) is not None)
         finally:
             await pool.close()
             await server.stop(None)
         return seen
 
-    assert run_with_registry(tmp_path, scenario) == [False, False, False, True]
+    assert run_with_registry(tmp_path, scenario) == [False, False, False, True, False]
     errors = [r for r in caplog.records if "block size 32, the router 16" in r.getMessage()]
-    assert len(errors) == 1
+    assert len(errors) == 2  # once per engine
 
 
 @pytest.mark.timeout(60)
