@@ -145,9 +145,10 @@ class SamplingParams:
 
     def ids_banned_before_min_tokens(self, eos_token_ids: frozenset[int]) -> frozenset[int]:
         """What may not be sampled while fewer than ``min_tokens`` were generated: the
-        stop token ids, and EOS unless ``ignore_eos``."""
-        eos = frozenset() if self.ignore_eos else eos_token_ids
-        return frozenset(self.stop_token_ids) | eos
+        stop token ids and EOS, with ``ignore_eos`` too (as in vLLM, whose min_tokens
+        bans every id it knows as a stop: benchmarks ask for exact lengths with both
+        set, and got the EOS ids among their first tokens here, unlike there)."""
+        return frozenset(self.stop_token_ids) | eos_token_ids
 
     @property
     def has_penalties(self) -> bool:

@@ -256,6 +256,11 @@ def test_eos_ignore_eos_and_min_tokens(eos_model, prompts, baseline):
     )[0].outputs[0]
     assert len(held.token_ids) >= min_tokens
     assert eos not in held.token_ids[:min_tokens]
+    # With ignore_eos too, EOS is banned before min_tokens (vLLM's rule), and allowed after.
+    exact = SamplingParams(max_tokens=24, min_tokens=min_tokens, temperature=0, ignore_eos=True)
+    both = llm.generate([prompts[0]], exact, use_tqdm=False)[0].outputs[0]
+    assert both.token_ids[:min_tokens] == held.token_ids[:min_tokens]
+    assert len(both.token_ids) == 24 and both.finish_reason == "length"
     assert llm.engine.leak_report() == []
 
 
