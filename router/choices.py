@@ -56,10 +56,13 @@ class Choice:
         return token_id in self.request.sampling.stop_token_ids or token_id in self.eos_token_ids
 
     def stop_reason_of(self, token_id: int) -> int | None:
-        """vLLM's ``stop_reason`` for the token that ended the choice: a stop token's id;
-        None for the tokenizer's EOS, another EOS's id (vLLM makes generation_config's
-        other EOS ids stop tokens, unless ``ignore_eos``)."""
+        """vLLM's ``stop_reason`` for the token that ended the choice, in its order of
+        checks: None for the tokenizer's EOS (unless ``ignore_eos``; also when the
+        request lists it among its stop tokens), a stop token's id, another EOS's id
+        (vLLM makes generation_config's other EOS ids stop tokens, unless ``ignore_eos``)."""
         sampling = self.request.sampling
+        if token_id == self.main_eos_id and not sampling.ignore_eos:
+            return None
         if token_id in sampling.stop_token_ids:
             return token_id
         return None if sampling.ignore_eos or token_id == self.main_eos_id else token_id

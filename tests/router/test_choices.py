@@ -93,3 +93,19 @@ def test_a_stop_string_in_text_held_to_the_end_ends_the_choice_with_stop(byte_le
     (a,) = byte_level.encode("a", add_special_tokens=False)
     choice, text = run(byte_level, [[a], [mixed[0]]], stop=[" "])
     assert outcome(choice, text) == ("a", "stop", " ", 2)
+
+
+def test_stop_reason_follows_vllms_order_of_checks(byte_level):
+    """The tokenizer's EOS is checked first (None), then the request's stop tokens (their
+    id), then the model's other EOS ids (their id); with ignore_eos only stop tokens
+    count. An EOS the request also listed as a stop token said its id, vLLM None."""
+    cases = [  # (stop_token_ids, ignore_eos, token) -> stop_reason
+        ((), False, 2, None), ((2,), False, 2, None), ((2,), True, 2, 2),
+        ((7,), False, 7, 7), ((), False, 9, 9), ((), True, 9, None), ((9,), True, 9, 9),
+    ]  # fmt: skip
+    for stop_token_ids, ignore_eos, token_id, reason in cases:
+        sampling = pb.SamplingParams(stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+        choice = Choice(0, 0, SequenceRequest("r", [1], [], sampling),
+                        IncrementalDetokenizer(byte_level, [], 0),
+                        eos_token_ids=frozenset({2, 9}), main_eos_id=2)  # fmt: skip
+        assert choice.stop_reason_of(token_id) == reason, (stop_token_ids, ignore_eos, token_id)
