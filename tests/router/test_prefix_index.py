@@ -6,9 +6,11 @@ import gc
 import random
 import subprocess
 import sys
+from types import SimpleNamespace
 
 from common.config import RouterConfig
 from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Medium
+from router import prefix_index
 from router.policy import PlacementPolicy, WorkerLoad
 from router.prefix_index import PrefixIndex, PrefixMatch
 
@@ -80,6 +82,24 @@ def test_renewed_claims_expire_at_their_last_renewal_and_queue_once():
     assert index.match(H[:1], ["d0"])["d0"].gpu_blocks == 1
     assert index.expire_optimistic(now=last + 5) == 1
     assert index.match(H[:1], ["d0"])["d0"] == PrefixMatch() and not index._expiries
+
+
+def test_a_renewed_claim_expires_on_time_behind_later_claims(monkeypatch):
+    """Claimed at 0 and renewed at 20 (expires at 50), then another claim at 29 (expires
+    at 59): the first is gone at 50. A queue in insertion order put the renewal, found at
+    the first expiry (30), behind the later claim, and the claim matched until 59."""
+    index = PrefixIndex(optimistic_ttl_s=30)
+    clock = [0.0]
+    monkeypatch.setattr(prefix_index, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    index.insert_optimistic("d0", H[:1])
+    clock[0] = 20.0
+    index.insert_optimistic("d0", H[:1])  # renewed
+    clock[0] = 29.0
+    index.insert_optimistic("d1", H[1:2])
+    assert index.expire_optimistic(now=30.0) == 0  # (its first expiry: renewed, kept)
+    assert index.expire_optimistic(now=51.0) == 1
+    assert index.match(H[:1], ["d0"])["d0"] == PrefixMatch()
+    assert index.match(H[1:2], ["d1"])["d1"].gpu_blocks == 1
 
 
 def oracle_match(held: dict[str, dict[bytes, str]], hashes, worker_ids):
