@@ -18,9 +18,9 @@ moves a request off the worker holding its prefix as soon as that worker's queue
 longer; the recomputation then lengthens every queue, and the conversation's later turns
 find their prefix split. The penalty makes a move pay for the work it wastes (see
 benchmarks/routing_sim.py for the trade-off on real traces). A prompt whose part the
-chosen decode worker does not cache is shorter than ``min_disagg_tokens`` is prefilled
-locally: moving its KV would cost more than computing it. Torch-free, no I/O: the router
-feeds it snapshots (``WorkerLoad``) and the prefix index's matches.
+chosen decode worker does not cache (in either tier) is shorter than ``min_disagg_tokens``
+is prefilled locally: moving its KV would cost more than computing it. Torch-free, no
+I/O: the router feeds it snapshots (``WorkerLoad``) and the prefix index's matches.
 """
 
 from __future__ import annotations
@@ -117,12 +117,16 @@ class PlacementPolicy:
             for w in decode
         ]
         _, decode_id = self._pick(decode_scores, Role.DECODE)
-        on_decode = decode_cached[decode_id]
-        if decode_confirmed is not None:
-            confirmed = decode_confirmed.get(decode_id, PrefixMatch())
-            on_decode = self.cached_tokens(confirmed, num_tokens)
+        held = (decode_confirmed if decode_confirmed is not None else decode_matches).get(
+            decode_id, PrefixMatch()
+        )
+        # Whole blocks, CPU tier too: its blocks are loaded, not computed, pulled prompt
+        # or not (the credit ranks workers; here it sent a prompt held whole in the CPU
+        # tier to be recomputed by a prefill worker).
+        on_decode = min((held.gpu_blocks + held.cpu_blocks) * self.block_size, num_tokens - 1)
+        on_decode = max(on_decode, 0)
         if not prefill or num_tokens - on_decode < self.config.min_disagg_tokens:
-            return Placement(decode_id, None, int(on_decode), 0, 0.0)
+            return Placement(decode_id, None, on_decode, 0, 0.0)
         prefill_cached = self._cached(prefill, prefill_matches, num_tokens)
         best = max(prefill_cached.values())
         prefill_scores = [
@@ -130,9 +134,7 @@ class PlacementPolicy:
             for w in prefill
         ]
         ttft, prefill_id = self._pick(prefill_scores, Role.PREFILL)
-        return Placement(
-            decode_id, prefill_id, int(on_decode), int(prefill_cached[prefill_id]), ttft
-        )
+        return Placement(decode_id, prefill_id, on_decode, int(prefill_cached[prefill_id]), ttft)
 
     def _cached(
         self, workers: Sequence[WorkerLoad], matches: dict[str, PrefixMatch], num_tokens: int

@@ -177,9 +177,14 @@ def test_policy_prefers_cache_then_load_and_keeps_short_prompts_local():
     claimed = policy.place(800, decode, prefill, {"d0": PrefixMatch(45, 0)}, {}, {})
     assert claimed.decode_worker == "d0" and claimed.disaggregated
     assert claimed.decode_cached_tokens == 0
-    # A CPU hit counts at its credit.
+    # A CPU hit counts at its credit when workers are ranked...
     cpu = policy.cached_tokens(PrefixMatch(0, 10), 800)
     assert cpu == 0.5 * 160
+    # ...but a prompt the decode worker holds whole in its CPU tier is loaded there, not
+    # recomputed on a prefill worker (the credit halved it: 512 of 1025 tokens "held").
+    tiered = policy.place(1025, decode, prefill, {"d0": PrefixMatch(0, 64)}, {})
+    assert tiered.decode_worker == "d0" and not tiered.disaggregated
+    assert tiered.decode_cached_tokens == 1024
 
 
 def test_ties_rotate_over_every_worker_of_each_role():
