@@ -184,6 +184,8 @@ def block_of(module: str, layer: int, arch: ModelArchConfig) -> str | None:
     if module in _MLP_MODULES:
         return "mlp"
     if module in _LINEAR_MODULES:
+        if module != "out_proj" and arch.architecture == "Qwen3NextForCausalLM":
+            return None  # its layers have in_proj_qkvz / in_proj_ba, Qwen3.5's names not
         return "linear_attn" if arch.is_linear(layer) else None
     return None if arch.is_linear(layer) else "self_attn"
 
@@ -206,7 +208,8 @@ def _read_config(path: Path) -> dict:
     targets = config.get("target_modules") or []
     if isinstance(targets, str):  # a regex over module names: checked by the keys instead
         targets = []
-    unknown = sorted(set(targets) - _TARGETS)
+    # PEFT matches a target by suffix: a module's full path adapts that module only.
+    unknown = sorted({target.rsplit(".", 1)[-1] for target in targets} - _TARGETS)
     if unknown:
         raise ModelLoadError(
             f"{path}: target_modules {unknown} are not supported (only the attention, "

@@ -394,3 +394,62 @@ def test_a_hybrid_models_adapter_must_name_its_layers_modules(model_factory, ada
         )
         with pytest.raises(ModelLoadError, match=message):
             load_lora_adapter("bad", bad, arch, torch.device("cpu"), torch.float32)
+
+
+def test_target_modules_given_as_full_paths_load_as_peft_reads_them(tiny_llama, adapters, tmp_path):
+    """PEFT matches ``target_modules`` by suffix: an adapter trained on chosen layers
+    names their full paths. Refused before ("not supported"); now the same tokens as
+    transformers + peft."""
+    source = adapters(tiny_llama, "llama")["all"]
+    chosen = ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.up_proj")
+    adapter = _copy_adapter(
+        source,
+        tmp_path / "chosen",
+        {"target_modules": list(chosen)},
+        lambda w: {k: v for k, v in w.items() if k.startswith(tuple(f"base_model.model.{m}."
+                                                                    for m in chosen))},
+    )  # fmt: skip
+    assert len(load_file(str(adapter / ADAPTER_WEIGHTS))) == 4
+    prompts = random_prompts(PROMPT_LENGTHS[:2])
+    llm = LLM(tiny_llama, lora_adapters={"chosen": adapter}, dtype="float32")
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_name="chosen")
+    expected = hf_greedy(tiny_llama, prompts, NUM_TOKENS, adapter_dir=adapter)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert expected != hf_greedy(tiny_llama, prompts, NUM_TOKENS)  # the adapter matters
+    assert llm.engine.leak_report() == []
+
+
+def test_qwen3_nexts_adapters_name_only_modules_it_has(model_factory, tmp_path):
+    """Qwen3-Next's linear-attention layers hold in_proj_qkvz and in_proj_ba, not Qwen3.5's
+    four input projections: the maker wrote those names for it (PEFT cannot load such an
+    adapter) and the loader applied them. The maker now adapts what it has, which PEFT
+    loads, and an adapter of Qwen3.5's names is refused."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model_dir = model_factory("qwen3_next")
+    arch = read_arch_config(model_dir)
+    adapter = make_lora_adapter(model_dir, tmp_path / "made", seed=3)
+    written = load_file(str(adapter / ADAPTER_WEIGHTS))
+    assert written and not any(".in_proj_" in key for key in written)
+    assert any(".linear_attn.out_proj." in key for key in written)
+    prompt = random_prompts([24], seed=4)[0]
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        model = PeftModel.from_pretrained(base, str(adapter))
+        reference = model(torch.tensor([prompt])).logits[0, :-1].log_softmax(-1)
+    llm = LLM(model_dir, dtype="float32", lora_adapters={"a": adapter})
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
+    (output,) = llm.generate([prompt], params, use_tqdm=False, lora_name=["a"])
+    for position, lp in enumerate(output.prompt_logprobs[1:]):
+        assert lp.logprob == pytest.approx(reference[position][lp.token_id].item(), abs=1e-4)
+    assert llm.engine.leak_report() == []
+    linear = arch.linear_attention.layers.index(True)
+    key = f"base_model.model.model.layers.{linear}.linear_attn.in_proj_z"
+    zeros = {"lora_A": torch.zeros(8, arch.hidden_size), "lora_B": torch.zeros(16, 8)}
+    bad = _copy_adapter(
+        adapter, tmp_path / "bad", tensors=lambda w: {**w, **{f"{key}.{n}.weight": t
+                                                              for n, t in zeros.items()}}
+    )  # fmt: skip
+    with pytest.raises(ModelLoadError, match=rf"layer {linear} .* has no linear_attn.in_proj_z"):
+        load_lora_adapter("bad", bad, arch, torch.device("cpu"), torch.float32)
