@@ -28,7 +28,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import grpc
 
@@ -150,6 +150,7 @@ class LoraAdapters:
             workers = [w for w in self.pool.workers.values() if w.available]
             if not workers:
                 raise unavailable("no worker is available to load the adapter on")
+            served_before = {w.worker_id for w in workers if name in w.lora_adapters}
             results = await asyncio.gather(
                 *(self._load_on(worker, name, path) for worker in workers),
                 return_exceptions=True,
@@ -164,7 +165,13 @@ class LoraAdapters:
             fingerprints = {reply.adapter.fingerprint for _, reply in replies}
             if failures or len(fingerprints) != 1:
                 added = [w for w, reply in replies if not reply.already_loaded]
-                await self._unload_from(added, name)  # all or nothing
+                # A worker whose call failed other than by refusing may have loaded it all
+                # the same (its answer lost, or the deadline passed as it finished): undone
+                # too, unless it served the name before. (A frozen one's unload ends with
+                # the pool's stall give-up.)
+                unsure = [w for w, exc in failures
+                          if not _refused(exc) and w.worker_id not in served_before]  # fmt: skip
+                await self._unload_from(added + unsure, name)  # all or nothing
                 raise _load_error(failures, len(workers), fingerprints)
             (fingerprint,) = fingerprints
             for worker, _ in replies:
@@ -335,10 +342,7 @@ def _load_error(
     (a bad path or adapter, a name taken by other files, the adapter limit); workers that
     read different files at the path as a 400; an unreachable worker as a 503."""
     for worker, exc in failures:
-        if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in (
-            grpc.StatusCode.INVALID_ARGUMENT,
-            grpc.StatusCode.FAILED_PRECONDITION,
-        ):
+        if _refused(exc):
             param = next((v for k, v in exc.trailing_metadata() or () if k == PARAM_KEY), None)
             return bad_request(f"{worker.worker_id}: {exc.details()}", param)
     if failures:
@@ -351,6 +355,15 @@ def _load_error(
         f"the workers read different files at lora_path (fingerprints "
         f"{', '.join(sorted(fingerprints))}): give a path every worker sees alike",
         "lora_path",
+    )
+
+
+def _refused(exc: BaseException) -> TypeGuard[grpc.aio.AioRpcError]:
+    """Whether a worker's load failed by refusing (a bad adapter, a taken name, the
+    limit): nothing was loaded there."""
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() in (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
     )
 
 

@@ -147,6 +147,33 @@ def test_an_undone_load_keeps_it_where_it_was_loaded_before():
     assert ("unload", "alice") not in had_it.calls
 
 
+class LoadsThenFails(AdapterWorker):
+    """Loads the adapter, then the call fails as a lost answer does (UNAVAILABLE)."""
+
+    async def LoadLoraAdapter(self, request, context):
+        await super().LoadLoraAdapter(request, context)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "connection reset")
+
+
+def test_a_load_whose_answer_was_lost_is_undone_there_too():
+    """A worker that loaded the adapter but whose answer never came (a deadline passed as
+    it finished) kept it, serving a name the client was told nothing was loaded under;
+    one that served the name before keeps it."""
+    good, lost, had_it = AdapterWorker("f1"), LoadsThenFails("f1"), LoadsThenFails("f1")
+    had_it.adapters["alice"] = "f1"
+
+    async def scenario(adapters: LoraAdapters, states):
+        with pytest.raises(APIError) as refused:
+            await adapters.load("alice", "/adapters/alice")
+        return refused.value
+
+    error = run_with([good, lost, had_it], scenario)
+    assert error.status == 503 and "nothing was loaded" in error.message
+    assert good.adapters == {} and lost.adapters == {}
+    assert lost.calls == [("load", "alice"), ("unload", "alice")]
+    assert had_it.adapters == {"alice": "f1"} and ("unload", "alice") not in had_it.calls
+
+
 def test_a_load_and_an_unload_reach_every_worker_and_the_placement():
     workers = [AdapterWorker("f1"), AdapterWorker("f1")]
 
