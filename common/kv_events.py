@@ -38,7 +38,9 @@ class BlockRemoved(msgspec.Struct, tag=True, frozen=True, array_like=True):
 
 
 class AllBlocksCleared(msgspec.Struct, tag=True, frozen=True, array_like=True):
-    """Every block of every tier is gone (reset or restart)."""
+    """Every block of every tier is gone: what a snapshot begins with (a worker that
+    joins or restarts). A pool's ``reset_prefix_cache`` removes its blocks one by one
+    instead, since a CPU tier keeps its own."""
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared

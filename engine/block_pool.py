@@ -50,7 +50,8 @@ class BlockPoolObserver(Protocol):
 
     def on_block_evicted(self, block: KVBlock, block_hash: BlockHash) -> None: ...
 
-    def on_all_cleared(self) -> None: ...
+    def on_all_cleared(self, block_hashes: Sequence[BlockHash]) -> None:
+        """``reset_prefix_cache`` forgot ``block_hashes``, every block this pool cached."""
 
 
 class BlockPool:
@@ -183,12 +184,13 @@ class BlockPool:
         lookups still hit there."""
         if self.num_used_blocks:
             return False
+        forgotten = list(self.cached_blocks)
         for block in self.blocks:
             block.block_hash = None
         self.cached_blocks.clear()
         self.state_blocks.clear()
         for observer in self.observers:
-            observer.on_all_cleared()
+            observer.on_all_cleared(forgotten)
         return True
 
     def leak_report(self) -> list[str]:

@@ -148,7 +148,7 @@ class CpuTier:
         self._pending.append((block.block_id, name))
         self._state_names.add(name)
 
-    def on_all_cleared(self) -> None:
+    def on_all_cleared(self, block_hashes: Sequence[BlockHash]) -> None:
         self._state_names.intersection_update(self._slots)
         self._pending.clear()
 

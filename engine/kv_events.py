@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from common.hashing import BlockHash
-from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Medium
+from common.kv_events import BlockRemoved, BlockStored, KVEvent, Medium
 from engine.block_pool import KVBlock
 
 
@@ -39,8 +39,11 @@ class KVEventCollector:
         else:
             self._events.append(BlockRemoved([block_hash], self.medium))
 
-    def on_all_cleared(self) -> None:
-        self._events.append(AllBlocksCleared())
+    def on_all_cleared(self, block_hashes: Sequence[BlockHash]) -> None:
+        # Removed one by one, not AllBlocksCleared: that says every tier is gone, and a
+        # CPU tier keeps its blocks (the router dropped them from its index).
+        if block_hashes:
+            self._events.append(BlockRemoved(list(block_hashes), self.medium))
 
     def emit(self, event: KVEvent) -> None:
         """An event from elsewhere (the CPU tier), kept in order with the pool's."""

@@ -27,5 +27,5 @@ class EventRecorder:
     def on_block_evicted(self, block: KVBlock, block_hash: BlockHash) -> None:
         self.removed.append(block_hash)
 
-    def on_all_cleared(self) -> None:
+    def on_all_cleared(self, block_hashes) -> None:
         self.cleared += 1

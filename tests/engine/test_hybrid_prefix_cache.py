@@ -92,7 +92,7 @@ def test_snapshots_are_evicted_and_preempted_requests_restart_from_theirs(
         def on_block_evicted(self, block, block_hash):
             evicted.append(block_hash)
 
-        def on_all_cleared(self):
+        def on_all_cleared(self, block_hashes):
             pass
 
     config = EngineConfig(num_blocks=40, block_size=8, max_model_len=96)

@@ -41,6 +41,13 @@ def test_engine_events_follow_the_prefix_cache(tiny_llama):
     removed = [h for e in collector.drain() if isinstance(e, BlockRemoved) for h in e.block_hashes]
     assert set(stored) & set(removed)
     assert engine.leak_report() == []
+    # A reset retracts the pool's blocks one by one: AllBlocksCleared said every tier was
+    # gone, and the router dropped a CPU tier's blocks, which the tier keeps.
+    cached = set(engine.scheduler.kv.pool.cached_blocks)
+    assert cached and engine.scheduler.kv.pool.reset_prefix_cache()
+    (reset,) = collector.drain()
+    assert isinstance(reset, BlockRemoved) and reset.medium is Medium.GPU
+    assert set(reset.block_hashes) == cached
 
 
 def test_event_batches_round_trip_through_msgpack():
