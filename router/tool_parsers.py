@@ -288,6 +288,15 @@ def _calling(
     return message, "tool_calls" if finish_reason == "stop" else finish_reason
 
 
+def _streamed(content: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """A streamed delta of text and calls: no content while text is held back (an empty
+    delta sends no chunk, as vLLM sends none: an empty string went out for each token of
+    a call), null beside calls."""
+    if calls:
+        return {"content": content or None, "tool_calls": calls}
+    return {"content": content} if content else {}
+
+
 class HermesCalls:
     """Hermes-format tool calls of one response (see the module docstring)."""
 
@@ -321,9 +330,7 @@ class HermesCalls:
         reader = self._readers[index]
         before = reader.num_calls
         content, calls = reader.feed(text, final=finish_reason is not None)
-        delta: dict[str, Any] = {"content": content if content or not calls else None}
-        if calls:
-            delta["tool_calls"] = [{"index": before + i, **c} for i, c in enumerate(calls)]
+        delta = _streamed(content, [{"index": before + i, **c} for i, c in enumerate(calls)])
         if finish_reason == "stop" and reader.num_calls:
             finish_reason = "tool_calls"
         return delta, finish_reason
@@ -539,10 +546,9 @@ class MarkedCalls:
         if index not in self._readers:
             self._readers[index] = _MarkedReader(self.marker, self.parse)
         content, calls = self._readers[index].feed(text, final=finish_reason is not None)
-        delta: dict[str, Any] = {"content": content if content or not calls else None}
+        delta = _streamed(content, [{"index": i, **c} for i, c in enumerate(calls)])
         if not calls:
             return delta, finish_reason
-        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
         return delta, "tool_calls" if finish_reason == "stop" else finish_reason
 
 
