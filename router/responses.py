@@ -163,9 +163,22 @@ def responses_param(param: str | None) -> str | None:
     return CHAT_TO_RESPONSES_PARAM.get(param, param) if param is not None else None
 
 
+# How the chat path's messages name a field, as this request names it (by the chat
+# field the error is about): a schema missing from text.format was refused as
+# "response_format.json_schema.schema is required".
+_MESSAGE_NAMES = {
+    "response_format": (("response_format.json_schema.", "text.format."),
+                        ("response_format", "text.format")),
+    "max_completion_tokens": (("max_completion_tokens", "max_output_tokens"),),
+    "reasoning_effort": (("reasoning_effort", "reasoning.effort"),),
+}  # fmt: skip
+
+
 def renamed(error: APIError) -> APIError:
-    """A 400 from the chat path, naming this request's field (in the message too, where
-    the chat path's names the messages)."""
+    """A 400 from the chat path, naming this request's field, in the message too (and
+    the input where the chat path's names the messages)."""
+    for chat_name, name in _MESSAGE_NAMES.get(error.param or "", ()):
+        error.message = error.message.replace(chat_name, name)
     error.param = responses_param(error.param)
     if error.code == "context_length_exceeded":
         error.message = error.message.replace("the messages", "the input")

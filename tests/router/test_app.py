@@ -144,6 +144,15 @@ def test_a_value_of_the_wrong_type_is_named_where_it_is_with_the_types_that_fit(
         assert (error["message"], error["param"]) == (message, param), (body, error)
 
 
+def test_a_responses_refusal_from_the_chat_path_names_the_responses_fields(state):
+    """Its param was renamed and its message was not: "response_format.json_schema.schema
+    is required", a field a Responses client never sent."""
+    body = {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}}
+    error = error_of(post(state, "/v1/responses", json=body), 400)
+    assert error["param"] == "text"
+    assert error["message"] == "text.format.schema is required with type json_schema"
+
+
 def test_lists_that_cost_work_per_entry_are_bounded(state, monkeypatch):
     """Lists the router tokenizes or compiles, or every worker goes over at every step,
     are bounded: a million bad words stalled the router for 31 s, four million repeats of
