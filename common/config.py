@@ -544,7 +544,7 @@ class RouterConfig:
     # fetches what clients name can be pointed at its own network: list only hosts that
     # serve images you mean to be read. Redirects are not followed.
     allowed_media_domains: list[str] = dataclasses.field(default_factory=list)
-    media_fetch_timeout_s: float = 10.0
+    media_fetch_timeout_s: float = 10.0  # one whole fetch
     prefill_timeout_s: float = 120.0  # one prefill try
     # A sequence's whole journey, from admission: waiting for room on a decode worker,
     # its prefill tries and its decode (a 503 once passed).

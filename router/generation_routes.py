@@ -159,7 +159,11 @@ def add_generation_routes(
             tool_format = None if harmony else tool_format_of(body, parser)
         except FieldError as error:
             raise bad_request(str(error), error.param) from None
-        prompt, images = await chat_prompt(body)
+        # Watched: fetching the images of a client that left went on (a slow host, 20 s).
+        prepared = await until_disconnected(request, chat_prompt(body))
+        if prepared is GONE:
+            return Response(status_code=499)
+        prompt, images = prepared
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         tail = state.tokenizer.decode(prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
         if harmony:

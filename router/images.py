@@ -32,7 +32,7 @@ from common.tokenizer import Tokenizer
 from common.vision_spec import VisionSpec
 from proto import pdserve_pb2 as pb
 from router.errors import bad_request
-from router.media_fetch import MediaFetcher
+from router.media_fetch import ImageBudget, MediaFetcher
 from router.protocol import ChatMessage
 
 logger = logging.getLogger(__name__)
@@ -101,22 +101,19 @@ async def read_images(
         else:
             fetcher.check(url, param)
             images.append(None)
-    left = max_bytes - sum(len(image) for image in images if image is not None)
+    budget = ImageBudget(max_bytes)
+    budget.take(sum(len(image) for image in images if image is not None), "messages")
     remote = [(i, param, url) for i, (param, url) in enumerate(refs) if images[i] is None]
     if remote:
         async with fetcher.client() as client:
             try:  # a failed fetch cancels the others
                 async with asyncio.TaskGroup() as group:
-                    tasks = [group.create_task(fetcher.fetch(client, url, param, left))
+                    tasks = [group.create_task(fetcher.fetch(client, url, param, budget))
                              for _, param, url in remote]  # fmt: skip
             except ExceptionGroup as failed:  # each is a 400 (MediaFetcher.fetch)
                 raise failed.exceptions[0] from None
         for (index, _, _), task in zip(remote, tasks, strict=True):
             images[index] = task.result()
-    total = sum(len(image) for image in images if image is not None)
-    if total > max_bytes:
-        raise bad_request(f"the request's images hold {total} bytes; at most {max_bytes} "
-                          "(router.max_request_bytes)", "messages")  # fmt: skip
     return [image for image in images if image is not None]
 
 

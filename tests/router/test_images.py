@@ -65,7 +65,7 @@ def test_images_are_read_in_order_and_refused_by_name(image_text):
     cases = [
         (lambda: read(messages, None), "messages[0].content[1].image_url", "no vision"),
         (lambda: read(messages, vision, max_images=1), "messages", "at most 1"),
-        (lambda: read(messages, vision, max_bytes=5), "messages", "at most 5"),
+        (lambda: read(messages, vision, max_bytes=5), "messages", "larger than the 5 bytes"),
         (lambda: read(chat({"type": "image_url"}), vision), part, "needs its url"),
         (lambda: read(chat({"type": "image_url", "image_url": "data:;base64,"}), vision),
          part, "empty"),

@@ -8,7 +8,9 @@ OpenAI error envelope."""
 from __future__ import annotations
 
 import base64
+import queue
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -25,9 +27,13 @@ MAX_REQUEST_BYTES = 1 << 20  # and so the most a request's images may hold
 
 
 class ImageHost(BaseHTTPRequestHandler):
-    """/0.png, /1.png: IMAGES; /moved: a redirect; /big: past the request's budget."""
+    """/0.png, /1.png: IMAGES; /moved: a redirect; /big: past the request's budget;
+    /drip: a byte every 0.1 s for 8 s, how long its reader kept reading put in DRIPPED."""
 
     def do_GET(self) -> None:
+        if self.path == "/drip":
+            self._drip()
+            return
         if self.path == "/moved":
             self.send_response(302)
             self.send_header("Location", "/0.png")
@@ -46,8 +52,25 @@ class ImageHost(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def _drip(self) -> None:
+        start = time.monotonic()
+        self.send_response(200)
+        self.send_header("Content-Length", "80")
+        self.end_headers()
+        try:
+            for _ in range(80):
+                self.wfile.write(b"x")
+                self.wfile.flush()
+                time.sleep(0.1)
+        except OSError:  # the reader went away
+            pass
+        DRIPPED.put(time.monotonic() - start)
+
     def log_message(self, *args) -> None:  # quiet
         pass
+
+
+DRIPPED: queue.Queue[float] = queue.Queue()
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +210,17 @@ def test_images_from_allowed_hosts_are_fetched(llava_and_stack, image_host):
         assert reply.status_code == 400, (url, reply.text)
         error = reply.json()["error"]
         assert error["param"] == second and words in error["message"], (url, error)
+
+
+def test_a_client_gone_while_its_images_are_fetched_stops_the_fetch(llava_and_stack, image_host):
+    """The router fetched on for a client that had left (the fetch came before the
+    disconnect watch): a slow host held it 20 s after a client gave up after 2."""
+    _, stack = llava_and_stack
+    body = {"model": MODEL, "max_tokens": 4,
+            "messages": messages(data_url(IMAGES[0]), f"http://{image_host}/drip")}  # fmt: skip
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=1.0)
+    assert DRIPPED.get(timeout=20) < 4.0  # read for about 1 s, not the host's 8
 
 
 def test_the_responses_api_takes_input_images(llava_and_stack):
