@@ -278,14 +278,16 @@ class KVCacheManager:
         step copies them before the step writes)."""
         blocks = None
         previous = self._rolling(request.request_id) if rolling else None
+        if (previous is None or not previous.blocks) and (
+            self.pool.num_free_blocks < self.num_state_blocks
+        ):
+            return None  # (a let-go previous one stays the request's: refreshed at its free)
         if previous is not None:  # replaced: its blocks reused, or (let go) left cached
             self.snapshots_of[request.request_id].remove(previous)
             if previous.blocks:
                 self.pool.uncache_state_blocks(previous.names)
                 blocks = previous.blocks
         if blocks is None:
-            if self.pool.num_free_blocks < self.num_state_blocks:
-                return None
             blocks = self.pool.allocate(self.num_state_blocks)
         names = self._snapshot_names(request, boundary)
         self.snapshotting[request.request_id] = _Snapshot(boundary, names, blocks, rolling)

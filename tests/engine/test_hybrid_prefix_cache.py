@@ -170,6 +170,28 @@ def test_a_rolling_snapshot_found_in_the_step_that_rewrites_it_is_copied_first(h
     assert kv.num_held_snapshot_blocks == 0 and engine.leak_report() == []
 
 
+def test_a_rolling_snapshot_with_no_room_for_the_next_stays_the_requests(hybrid):
+    """A let-go rolling snapshot was dropped from its request's snapshots before the
+    check for room for the next one: with none, the request forgot it, and its free
+    no longer put it back in the LRU right before the blocks it follows."""
+    engine = LLMEngine(hybrid, EngineConfig())
+    params = SamplingParams(max_tokens=40, min_tokens=40, temperature=0)
+    engine.add_request("decoding", random_prompts([20], seed=16)[0], params)
+    while engine.scheduler.requests["decoding"].num_computed_tokens < 33:
+        engine.step()
+    kv, decoding = engine.scheduler.kv, engine.scheduler.requests["decoding"]
+    assert kv.release_held_snapshots()  # let go: cached, held by no one
+    rolling = kv._rolling("decoding")
+    assert rolling is not None and not rolling.blocks
+    taken = kv.pool.allocate(kv.pool.num_free_blocks)  # no room for the next one
+    assert kv.take_snapshot_blocks(decoding, 48, rolling=True) is None
+    assert kv._rolling("decoding") is rolling
+    kv.pool.free(taken)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.leak_report() == []
+
+
 @pytest.mark.parametrize("chunk", [None, 20])
 def test_a_shared_system_prompt_is_snapshotted_where_a_second_request_branches(
     hybrid, uncached, chunk
