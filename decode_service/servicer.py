@@ -5,6 +5,7 @@ stream the tokens. A thin translator: proto → engine call → proto."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 
 from common.config import CLOCK_SKEW_S
@@ -27,12 +28,15 @@ from worker.grpc_errors import grpc_stream_errors, raise_for_error
 from worker.runtime import WorkerRuntime
 from worker.shared_rpcs import WorkerRPCs
 
+logger = logging.getLogger(__name__)
+
 
 class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServiceServicer):
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.runtime = runtime
         self.num_active = 0
         self.num_blocks_pulled = 0
+        self._tp_mismatch_logged = False
 
     def in_flight(self) -> int:
         return self.num_active
@@ -47,7 +51,20 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServiceServicer):
                 f"the KV handle is for connector {kv.connector!r}; this worker uses {ours!r}",
                 "kv",
             )
-        block_size = self.runtime.config.engine_for(self.runtime.role).block_size
+        engine_config = self.runtime.config.engine_for(self.runtime.role)
+        if kv.tp_size and kv.tp_size != engine_config.tensor_parallel_size:
+            # Each rank moves its own heads: nothing here matches the prefill worker's
+            # blocks. Computed here at once, as a failed pull is (shared storage waited
+            # out its timeout for files under another layout, for every prompt).
+            if not self._tp_mismatch_logged:
+                self._tp_mismatch_logged = True
+                logger.error(
+                    "a prefill worker has tensor_parallel_size %d, this decode worker %d: "
+                    "its prompts are computed here (give both roles the same size)",
+                    kv.tp_size, engine_config.tensor_parallel_size,
+                )  # fmt: skip
+            return None
+        block_size = engine_config.block_size
         if kv.block_size != block_size:
             raise InvalidRequestError(
                 f"the KV handle has block_size {kv.block_size}; this worker uses {block_size}",

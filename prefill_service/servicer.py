@@ -141,6 +141,7 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServiceServicer):
             block_hashes=names,
             lease_expires_at=lease.expires_at_unix,
             state_block_ids=state_ids,
+            tp_size=engine.config.tensor_parallel_size,
         )
 
     def _release(self, engine: LLMEngine, request_id: str, lease_id: str = "") -> bool:

@@ -88,7 +88,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., rank: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("engine_id", "endpoint", "connector", "block_ids", "num_tokens", "lease_id", "block_size", "block_hashes", "lease_expires_at", "state_block_ids")
+    __slots__ = ("engine_id", "endpoint", "connector", "block_ids", "num_tokens", "lease_id", "block_size", "block_hashes", "lease_expires_at", "state_block_ids", "tp_size")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     CONNECTOR_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,7 @@ class KVHandle(_message.Message):
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     STATE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     endpoint: str
     connector: str
@@ -109,7 +110,8 @@ class KVHandle(_message.Message):
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     lease_expires_at: float
     state_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, engine_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., connector: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., lease_expires_at: _Optional[float] = ..., state_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    tp_size: int
+    def __init__(self, engine_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., connector: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., lease_expires_at: _Optional[float] = ..., state_block_ids: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class StageTimings(_message.Message):
     __slots__ = ("queue_ms", "prefill_ms", "transfer_ms", "decode_ms")

@@ -256,6 +256,37 @@ def test_bad_requests_are_invalid_argument_and_the_worker_keeps_serving(stack, o
     run(with_client(stack, body))
 
 
+def test_a_handle_from_a_prefill_worker_of_another_tp_size_is_computed_at_once(stack, offline):
+    """Each rank moves its own heads, so a decode worker of another tensor_parallel_size
+    cannot use the blocks: NIXL failed the handshake, shared storage waited out its
+    timeout for files under another layout, for every prompt. The handle says the size
+    now, and the decode worker computes the prompt at once."""
+    prompt = random_prompts(LENGTHS, seed=21)[0]
+
+    async def body(client: PDClient):
+        first = await client.prefill.Prefill(
+            pb.PrefillRequest(request_id="tp", token_ids=prompt, sampling=GREEDY), timeout=10
+        )
+        assert first.kv.tp_size == 1
+        other = pb.KVHandle()
+        other.CopyFrom(first.kv)
+        other.tp_size = 2
+        request = pb.GenerateRequest(request_id="tp", prompt_token_ids=prompt, sampling=GREEDY,
+                                     output_token_ids=[first.first_token_id], kv=other)  # fmt: skip
+        _, before = await client.stats()
+        start = time.monotonic()
+        tokens = [first.first_token_id]
+        async for chunk in client.decode.Generate(request, timeout=30):
+            tokens.extend(chunk.token_ids)
+        assert tokens == offline[0] and time.monotonic() - start < 2.0
+        _, after = await client.stats()
+        assert after.blocks_pulled == before.blocks_pulled
+        await client.prefill.ReleaseKV(pb.ReleaseKVRequest(lease_id=first.kv.lease_id))
+        await assert_idle(client)
+
+    run(with_client(stack, body))
+
+
 def test_a_client_gone_while_the_prefill_reply_is_in_flight_leaves_no_lease(stack):
     """The router's task is cancelled after the worker granted the lease but before the
     reply was read (a busy router loop): the router releases by request id, and withdraws
