@@ -452,7 +452,7 @@ class ModelRunner:
             return
         adapter_id = self.shards.add_lora(adapter.name, adapter.path, adapter.fingerprint)
         self._adapter_ids[adapter] = adapter_id
-        weakref.finalize(adapter, self.shards.drop_lora_later, adapter_id)
+        weakref.finalize(adapter, self.shards.lora_dropper(), adapter_id)
 
     def _lora_rows(
         self, chunks: list[SequenceChunk], batch: HostBatch

@@ -94,6 +94,9 @@ class ShardClient:
         self.timeout_s = timeout_s
         self.failure: str | None = None
         self.on_failure: list[Callable[[str], None]] = []
+        # This process's torch threads before the ranks took their share: given back at
+        # close (each engine divided what the one before had left: 8, then 4, 2, 1).
+        self.threads_before = torch.get_num_threads()
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = decoder_of(FROM_SHARD + tuple(extension_types))
         self._extension_replies: deque[Any] = deque()
@@ -112,6 +115,7 @@ class ShardClient:
         self._processes: list[subprocess.Popen] = []
         self._closing = False
         self._stop_watch = threading.Event()
+        torch.set_num_threads(launch["num_threads"])  # this rank's share, as each shard's
         try:
             for rank in range(1, size):
                 self._spawn(rank, launch)
@@ -306,10 +310,12 @@ class ShardClient:
         self.send(Probe())
         return self._wait_all(ProbeReply, "answer a probe")
 
-    def drop_lora_later(self, adapter_id: int) -> None:
-        """Rank 0 let go of an adapter (any thread, e.g. the garbage collector's): the
-        shards drop it before the next command."""
-        self._dropped.append(adapter_id)
+    def lora_dropper(self) -> Callable[[int], None]:
+        """What to call with an adapter's id once rank 0 let go of it (any thread, e.g. the
+        garbage collector's): the shards drop it before the next command. It holds the
+        queue alone: a finalizer holding this client kept a dropped engine's ranks alive
+        for as long as its caller kept an adapter."""
+        return self._dropped.append
 
     def extension_replies(self) -> list[Any]:
         """The extension's replies that arrived so far (never blocks)."""
@@ -372,6 +378,7 @@ class ShardClient:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        torch.set_num_threads(self.threads_before)
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
             finalizer()  # the sockets and the directory
@@ -453,7 +460,6 @@ def launch_shards(
     # pods set it to the worker's cores; else this process's, torch's every core) are
     # shared out over its ranks: this one keeps its share, each shard gets the same.
     threads_per_rank = max(1, _worker_threads() // size)
-    torch.set_num_threads(threads_per_rank)
     launch = dict(
         model_dir=str(model_dir),
         engine=msgspec.to_builtins(config),
