@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             text = render(config, source, args.variant, args.image, args.gpus)
-        except ConfigError as exc:  # a worker needs more GPUs than --gpus gives
+        except ConfigError as exc:  # more GPUs than --gpus gives; a bad profile, say
             print(f"error: {exc}", file=sys.stderr)
             return 2
         if args.out is None:
@@ -78,10 +78,14 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from deploy.render_k8s import render_files, render_stream, write
 
-    if args.out is None:
-        sys.stdout.write(render_stream(config, source, args.image))
-        return 0
-    files = render_files(config, source, args.image)
+    try:  # (a planner profile or draft model the config names, read while rendering)
+        if args.out is None:
+            sys.stdout.write(render_stream(config, source, args.image))
+            return 0
+        files = render_files(config, source, args.image)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     write(files, args.out)
     print(f"wrote {len(files)} files under {args.out} (kubectl apply -k {args.out}/base)")
     return 0

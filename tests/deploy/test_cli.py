@@ -157,7 +157,13 @@ def test_paths_and_values_the_user_got_wrong_are_one_line(tmp_path, capsys):
     a_file = tmp_path / "a-file"
     a_file.write_text("")
     config = "deploy/configs/1p1d-demo.yaml"
+    not_a_profile = tmp_path / "profile.json"
+    not_a_profile.write_text('{"not": "a profile"}')
+    profile = ["--set", f"planner.profile={not_a_profile}"]
     cases = [
+        *((["deploy", target, "--config", config, *profile, *out], 2, "not a pdserve profile")
+          for target, out in [("compose", []), ("k8s", []),
+                              ("k8s", ["--out", str(tmp_path / "k8s")])]),
         (["--log-level", "LOUD", "health", "--http", "x"], 2, "invalid choice: 'LOUD'"),
         (["health", "--http", "notaurl"], 1, "notaurl: unknown url type"),
         (["make-model", "--out", str(a_file / "m")], 2, "error: "),
