@@ -19,6 +19,7 @@ starts each role's minimum and follows the router's plan (``deploy/autoscale.py`
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import yaml
 
+from common.api_keys import API_KEYS_ENV
 from common.config import ConfigError, PdserveConfig, Role
 from common.config_loader import to_dict
 from common.internal_auth import InternalAuth, open_ports_warning
@@ -108,7 +110,24 @@ class Stack:
         self._next_plan_at = 0.0
 
     def _write_config(self) -> None:
-        self.config_path.write_text(yaml.safe_dump(to_dict(self.config), sort_keys=False))
+        """The config the children read, without the client keys (secrets: the router
+        gets them in ``PDSERVE_API_KEYS``), readable by this user alone. It held the
+        keys in plain text, mode 0644, for the whole run."""
+        config = dataclasses.replace(
+            self.config, router=dataclasses.replace(self.config.router, api_keys=[])
+        )
+        text = yaml.safe_dump(to_dict(config), sort_keys=False)
+        fd = os.open(self.config_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as file:
+            file.write(text)
+
+    def _router_env(self) -> dict[str, str] | None:
+        """The config's client keys, beside any this process was given."""
+        keys = self.config.router.api_keys
+        if not keys:
+            return None
+        given = os.environ.get(API_KEYS_ENV, "")
+        return {API_KEYS_ENV: ",".join([*given.replace(",", " ").split(), *keys])}
 
     def handle_signals(self) -> None:
         """From now on SIGINT/SIGTERM/SIGHUP stop the stack: while it waits, and while it starts
@@ -161,7 +180,7 @@ class Stack:
                 workers.append((name, proc, f"{section.host}:{section.ports(index).grpc}"))
         # The router starts beside the workers, not after them, so its own start overlaps
         # their model loads; the stack is up once the router places work on every worker.
-        router = self._spawn("router", ["router"])
+        router = self._spawn("router", ["router"], self._router_env())
         print(f"starting {len(workers)} workers and the router (logs in {self.log_dir})",
               flush=True)  # fmt: skip
         deadline = time.monotonic() + timeout_s

@@ -71,3 +71,22 @@ def test_workers_reachable_from_elsewhere_without_a_token_are_warned_about():
     warning = open_ports_warning(["127.0.0.1", "10.0.0.5", "decode-host"], {})
     assert warning is not None and "10.0.0.5, decode-host" in warning and TOKEN_ENV in warning
     assert open_ports_warning(["10.0.0.5"], {TOKEN_ENV: "x"}) is None
+
+
+def test_the_launchers_config_file_holds_no_client_keys_and_only_its_user_reads_it(
+    tmp_path, monkeypatch
+):
+    """The children's config file held ``router.api_keys`` in plain text, mode 0644,
+    for the whole run (and after a killed launcher): the router gets them in
+    ``PDSERVE_API_KEYS`` now, beside any the launcher was given."""
+    from common.api_keys import API_KEYS_ENV
+    from common.config_loader import load_config
+    from deploy.up import Stack
+
+    config = load_config("deploy/configs/1p1d-demo.yaml", ["router.api_keys=[sk-secret]"])
+    stack = Stack(config, tmp_path)
+    assert "sk-secret" not in stack.config_path.read_text()
+    assert stack.config_path.stat().st_mode & 0o777 == 0o600
+    assert load_config(str(stack.config_path)).router.api_keys == []
+    monkeypatch.setenv(API_KEYS_ENV, "given")
+    assert stack._router_env() == {API_KEYS_ENV: "given,sk-secret"}
