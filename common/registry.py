@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, fields
 
 from common.config import PdserveConfig, Role
+from common.redis_password import password_from_env, without_password
 
 logger = logging.getLogger(__name__)
 
@@ -126,13 +127,16 @@ class RedisRegistry(Registry):
 
         self.ttl_ms = int(ttl_s * 1000)
         self.prefix = prefix
+        password = password_from_env()  # (rendered deployments keep it out of the URL)
         self._client = redis.Redis.from_url(
-            url, socket_timeout=2.0, socket_connect_timeout=2.0, decode_responses=True
-        )
+            url, socket_timeout=2.0, socket_connect_timeout=2.0, decode_responses=True,
+            **({"password": password} if password else {}),
+        )  # fmt: skip
         try:
             self._client.ping()
         except redis.RedisError as exc:
-            raise RegistryError(f"cannot reach the Redis registry at {url}: {exc}") from exc
+            shown = without_password(url, mask="***")  # error lines go to logs
+            raise RegistryError(f"cannot reach the Redis registry at {shown}: {exc}") from exc
 
     def _key(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{worker_id}"

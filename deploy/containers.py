@@ -33,6 +33,7 @@ import yaml
 
 from common.config import ConfigError, PdserveConfig, Role
 from common.config_loader import to_dict
+from common.redis_password import url_password, without_password
 
 CONFIG_PATH = "/etc/pdserve/config.yaml"
 PROFILE_PATH = "/etc/pdserve/profile.json"
@@ -56,12 +57,24 @@ def uses_bundled_redis(config: PdserveConfig) -> bool:
     return url is None or (urlparse(url).hostname or "") in _LOOPBACK
 
 
+def redis_password_needed(config: PdserveConfig) -> bool | None:
+    """Whether the containers need ``PDSERVE_REDIS_PASSWORD``: True when the config's
+    external Redis URL holds a password (kept out of the rendered files), False for an
+    external Redis without one (the variable may still give one), None for the bundled
+    Redis (no password)."""
+    if uses_bundled_redis(config):
+        return None
+    return url_password(config.registry.redis_url or "") is not None
+
+
 def container_config(config: PdserveConfig, redis_host: str) -> PdserveConfig:
     """The config every container reads (see the module docstring for what changes)."""
     registry = config.registry
     if uses_bundled_redis(config):
         url = f"redis://{redis_host}:{REDIS_PORT}/0"
         registry = dataclasses.replace(registry, redis_url=url)
+    elif registry.redis_url is not None:  # its password: PDSERVE_REDIS_PASSWORD's
+        registry = dataclasses.replace(registry, redis_url=without_password(registry.redis_url))
     transfer = config.kv_transfer
     if transfer.connector == "shared_storage":
         transfer = dataclasses.replace(transfer, shared_dir=SHARED_KV_DIR)

@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 
 from common.config import ConfigError, PdserveConfig
+from common.redis_password import REDIS_PASSWORD_ENV, REDIS_PASSWORD_SECRET
+from deploy import containers as c
 from deploy.config_args import add_overrides, load_or_report
 
 
@@ -61,6 +63,13 @@ def run(args: argparse.Namespace) -> int:
                  else "the host's environment when compose starts")  # fmt: skip
         print("note: router.api_keys are secrets and are not written into the rendered files; "
               f"the router reads PDSERVE_API_KEYS from {where}", file=sys.stderr)  # fmt: skip
+    if c.redis_password_needed(config):
+        where = (f"the Secret: kubectl create secret generic {REDIS_PASSWORD_SECRET} "
+                 "--from-literal=password=..." if args.target == "k8s"
+                 else "the host's environment when compose starts")  # fmt: skip
+        print("note: registry.redis_url's password is a secret and is not written into the "
+              f"rendered files; the containers read {REDIS_PASSWORD_ENV} from {where}",
+              file=sys.stderr)  # fmt: skip
     if args.target == "compose":
         from deploy.render_compose import render
 

@@ -24,6 +24,7 @@ from safetensors import SafetensorError
 from common.api_keys import API_KEYS_ENV, API_KEYS_SECRET
 from common.config import DType, PdserveConfig, Role
 from common.internal_auth import TOKEN_ENV
+from common.redis_password import REDIS_PASSWORD_ENV, REDIS_PASSWORD_SECRET
 from deploy import containers as c
 from engine.models.arch import ModelLoadError
 from engine.models.weight_count import loaded_weight_count
@@ -56,6 +57,16 @@ def _api_keys(config: PdserveConfig) -> dict[str, Any]:
     required = bool(config.router.api_keys)
     return {"name": API_KEYS_ENV, "valueFrom": {"secretKeyRef": {
         "name": API_KEYS_SECRET, "key": "keys", "optional": not required}}}  # fmt: skip
+
+
+def _redis_password(config: PdserveConfig) -> list[dict[str, Any]]:
+    """An external Redis's password (``common/redis_password.py``), never in the
+    ConfigMap: from a Secret, required when the config's URL had one."""
+    needed = c.redis_password_needed(config)
+    if needed is None:
+        return []
+    return [{"name": REDIS_PASSWORD_ENV, "valueFrom": {"secretKeyRef": {
+        "name": REDIS_PASSWORD_SECRET, "key": "password", "optional": not needed}}}]  # fmt: skip
 
 
 def labels(component: str) -> dict[str, str]:
@@ -120,7 +131,8 @@ def router(config: PdserveConfig, image: str, checksum: str) -> list[dict[str, A
         "name": "router",
         "image": image,
         "args": c.router_args(),
-        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}, _INTERNAL_TOKEN, _api_keys(config)],
+        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}, _INTERNAL_TOKEN, _api_keys(config),
+                *_redis_password(config)],
         "ports": [{"name": "http", "containerPort": port}],
         "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 2},
         "livenessProbe": {"httpGet": {"path": "/metrics", "port": "http"},
@@ -154,6 +166,7 @@ def worker(config: PdserveConfig, role: Role, image: str, checksum: str) -> dict
             {"name": "OMP_NUM_THREADS", "valueFrom": {"resourceFieldRef": {
                 "containerName": WORKER_CONTAINER, "resource": "requests.cpu"}}},
             _INTERNAL_TOKEN,
+            *_redis_password(config),
         ],
         "ports": [{"name": name, "containerPort": port} for name, port in named],
         "readinessProbe": {"grpc": {"port": ports.grpc}, "periodSeconds": 2},

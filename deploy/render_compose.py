@@ -17,6 +17,7 @@ from typing import Any
 from common.api_keys import API_KEYS_ENV
 from common.config import PdserveConfig, Role
 from common.internal_auth import TOKEN_ENV
+from common.redis_password import REDIS_PASSWORD_ENV
 from deploy import containers as c
 from deploy.gpus import worker_gpus
 from deploy.yaml_text import dump_all
@@ -105,6 +106,12 @@ def _common(config: PdserveConfig, image: str) -> dict[str, Any]:
     if config.model is not None:
         model = Path(config.model).resolve()
         service["volumes"] = [f"{model}:{c.container_model_path(config)}:ro"]
+    # An external Redis's password (``common/redis_password.py``): the host's, never
+    # written here; required when the config's URL had one.
+    needed = c.redis_password_needed(config)
+    if needed is not None:
+        unset = f":?set {REDIS_PASSWORD_ENV}: registry.redis_url has a password" if needed else ":-"
+        service["environment"][REDIS_PASSWORD_ENV] = f"${{{REDIS_PASSWORD_ENV}{unset}}}"
     return service
 
 

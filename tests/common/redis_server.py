@@ -21,9 +21,10 @@ def free_port() -> int:
 
 
 @contextmanager
-def redis_server(workdir: Path) -> Iterator[str]:
-    """Yields the server's URL. Fails loudly if redis-server is not installed (the README's
-    test command installs it)."""
+def redis_server(workdir: Path, password: str | None = None) -> Iterator[str]:
+    """Yields the server's URL (without ``password``, which the server then requires).
+    Fails loudly if redis-server is not installed (the README's test command installs
+    it)."""
     binary = shutil.which("redis-server")
     assert binary, "redis-server is not installed: apt-get install redis-server"
     port = free_port()
@@ -40,6 +41,7 @@ def redis_server(workdir: Path) -> Iterator[str]:
             "no",
             "--dir",
             str(workdir),
+            *(["--requirepass", password] if password else []),
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -66,3 +66,17 @@ def test_unreachable_redis_is_a_clear_error():
     url = f"redis://127.0.0.1:{free_port()}/0"
     with pytest.raises(RegistryError, match="cannot reach the Redis registry"):
         RedisRegistry(url, ttl_s=1)
+
+
+def test_a_redis_password_comes_from_the_environment_and_stays_out_of_errors(tmp_path, monkeypatch):
+    """Rendered deployments keep the password out of their files and give it in
+    PDSERVE_REDIS_PASSWORD; an error line showed the URL with its password."""
+    with redis_server(tmp_path, password="hunter2") as url:
+        with pytest.raises(RegistryError, match="cannot reach") as refused:
+            RedisRegistry(url.replace("redis://", "redis://:wrong@"), ttl_s=1)
+        assert "wrong" not in str(refused.value) and ":***@" in str(refused.value)
+        monkeypatch.setenv("PDSERVE_REDIS_PASSWORD", "hunter2")
+        registry = RedisRegistry(url, ttl_s=5, prefix="t")  # (the URL has none)
+        registry.register(info("prefill-a"))
+        assert [w.worker_id for w in registry.list_workers()] == ["prefill-a"]
+        registry.close()

@@ -297,6 +297,40 @@ def test_api_keys_are_never_written_into_the_rendered_files(tmp_path):
     )
 
 
+def test_a_redis_password_is_never_written_into_the_rendered_files():
+    """An external Redis URL's password went into the ConfigMap (and compose's config)
+    as plain text; every container reads it from PDSERVE_REDIS_PASSWORD now: a Secret's
+    (required), or the compose host's."""
+    url = "redis://default:hunter2@redis.internal:6379/0"
+    config = load_config(str(DEMO), [f"registry.redis_url={url}"])
+    document = yaml.safe_load(render(config, "demo.yaml", "cpu", "pdserve:cpu"))
+    assert "hunter2" not in yaml.safe_dump(document)
+    inner = yaml.safe_load(document["configs"]["pdserve-config"]["content"])
+    assert inner["registry"]["redis_url"] == "redis://default@redis.internal:6379/0"
+    required = (
+        "${PDSERVE_REDIS_PASSWORD:?set PDSERVE_REDIS_PASSWORD: registry.redis_url has a password}"
+    )
+    for service in document["services"].values():
+        assert service["environment"]["PDSERVE_REDIS_PASSWORD"] == required
+    files = render_files(config, "demo.yaml", "pdserve:cpu")
+    assert not any("hunter2" in text for text in files.values())
+    deployments = [d for d in k8s_docs(files) if d["kind"] == "Deployment"]
+    assert len(deployments) == 3  # the router and both roles (no bundled redis)
+    for deployment in deployments:
+        (container,) = deployment["spec"]["template"]["spec"]["containers"]
+        (password,) = [e for e in container["env"] if e["name"] == "PDSERVE_REDIS_PASSWORD"]
+        assert password["valueFrom"]["secretKeyRef"] == {
+            "name": "pdserve-redis", "key": "password", "optional": False}  # fmt: skip
+    # Without a password in the URL: the variable may still give one; bundled: none.
+    open_config = load_config(str(DEMO), ["registry.redis_url=redis://redis.internal:6379/0"])
+    open_compose = yaml.safe_load(render(open_config, "demo.yaml", "cpu", "i"))
+    assert open_compose["services"]["router"]["environment"]["PDSERVE_REDIS_PASSWORD"] == (
+        "${PDSERVE_REDIS_PASSWORD:-}"
+    )
+    bundled = yaml.safe_load(render(load_config(str(DEMO)), "demo.yaml", "cpu", "i"))
+    assert "PDSERVE_REDIS_PASSWORD" not in bundled["services"]["router"]["environment"]
+
+
 def test_k8s_carries_each_config(tmp_path):
     for path in configs(tmp_path):
         config = load_config(str(path))
