@@ -86,6 +86,12 @@ class Ahead:
         self.num_seqs = 0
         self._shared: Counter[Hashable] = Counter()  # full blocks: sequences holding each
         self._num_partial = 0
+        self._priorities: Counter[int] = Counter()  # sequences of each priority value
+
+    def num_seqs_not_after(self, priority: int) -> int:
+        """The sequences ahead that a sequence of ``priority`` cannot preempt: those of the
+        same or a smaller value (all of them under FCFS, where every value is 0)."""
+        return sum(count for value, count in self._priorities.items() if value <= priority)
 
     @property
     def num_blocks(self) -> int:
@@ -97,16 +103,22 @@ class Ahead:
         new = sum(1 for h in block_hashes if h not in self._shared)
         return self.num_blocks + new + num_blocks - len(block_hashes)
 
-    def join(self, block_hashes: Sequence[Hashable], num_blocks: int) -> Callable[[], None]:
+    def join(
+        self, block_hashes: Sequence[Hashable], num_blocks: int, priority: int = 0
+    ) -> Callable[[], None]:
         """Count one sequence until the returned call (idempotent) ends that."""
         hashes = list(block_hashes)
         num_partial = num_blocks - len(hashes)
         self.num_seqs += 1
         self._shared.update(hashes)
         self._num_partial += num_partial
+        self._priorities[priority] += 1
 
         def leave() -> None:
             self.num_seqs -= 1
+            self._priorities[priority] -= 1
+            if not self._priorities[priority]:
+                del self._priorities[priority]
             self._shared.subtract(hashes)
             for h in hashes:
                 if self._shared[h] <= 0:

@@ -339,9 +339,13 @@ class Dispatcher:
         on ``decode`` (in prefill for it, in its queue or batch) number fewer than
         ``decode_queue_factor * max_num_seqs`` and, with this prompt's ``num_blocks``,
         take at most ``decode_queue_factor`` times its KV cache; the first one ahead goes
-        whatever its size. Returns the call that ends this sequence's count, or None when
-        ``decode`` left the pool, is down or drains meanwhile (the caller places the
-        sequence again)."""
+        whatever its size. A sequence with sequences of a larger priority value ahead
+        (under priority scheduling) counts only those it cannot preempt: the decode
+        engine makes room for it by preempting the others, which it never did while the
+        sequence waited here (a priority-0 request waited for a priority-5 generation to
+        end). Returns the call that ends this sequence's count, or None when ``decode``
+        left the pool, is down or drains meanwhile (the caller places the sequence
+        again)."""
         factor = self.config.decode_queue_factor
         if not factor:
             return _nothing
@@ -357,6 +361,9 @@ class Dispatcher:
                 return True
             if not ahead.num_seqs:
                 return True
+            blocking = ahead.num_seqs_not_after(request.priority)
+            if blocking < ahead.num_seqs:  # some ahead the engine preempts for it
+                return blocking < max_seqs
             max_blocks = factor * current.kv_blocks_total
             blocks = ahead.num_blocks_with(request.block_hashes, num_blocks)
             return ahead.num_seqs < max_seqs and (not max_blocks or blocks <= max_blocks)
@@ -364,7 +371,7 @@ class Dispatcher:
         await decode.gate.enter(has_room, request.priority)
         if gone[0]:
             return None
-        leave = ahead.join(request.block_hashes, num_blocks)
+        leave = ahead.join(request.block_hashes, num_blocks, request.priority)
 
         def leave_and_wake() -> None:
             leave()

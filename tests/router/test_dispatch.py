@@ -1174,3 +1174,54 @@ def test_a_worker_that_ignores_logit_token_ids_is_a_503_not_a_score(tiny_llama, 
     assert reply.status_code == 503, reply.text
     assert "vectors of [4] floats where 2 were asked for" in reply.json()["error"]["message"]
     assert state.num_inflight == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_higher_priority_sequence_passes_a_line_full_of_lower_ones(tmp_path):
+    """Two priority-5 sequences fill the decode worker's room (0.25 x 8): a priority-0
+    one goes through at once, for its engine to preempt one of them; it waited for one
+    to end (the engine never saw it, so never preempted). Another priority-5 one waits."""
+    decode, prefill = HeldDecode(), HeldPrefill()
+    prefill.go.set()
+
+    async def scenario(registry: RedisRegistry) -> tuple[list[str], list[str]]:
+        servers = [await serve(decode, registry), await serve(prefill, registry)]
+        config = RouterConfig(min_disagg_tokens=0, decode_queue_factor=0.25)
+        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex(), config)
+        try:
+            await pool.refresh()
+
+            async def one(name: str, priority: int) -> None:
+                prompt = [1000 + len(name) + priority, *range(5, 40)]
+                request = SequenceRequest(name, prompt, hash_blocks(prompt, 16),
+                                          pb.SamplingParams(), priority=priority)  # fmt: skip
+                async for _ in dispatcher.generate(request):
+                    pass
+
+            async def reached(count: int) -> list[str]:
+                deadline = time.monotonic() + 10
+                while len(decode.requests) < count and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.3)  # and no more than that
+                return [r.request_id for r in decode.requests]
+
+            tasks = [asyncio.create_task(one(f"low{i}", 5)) for i in range(2)]
+            await reached(2)
+            tasks.append(asyncio.create_task(one("late", 5)))
+            await asyncio.sleep(0.1)
+            tasks.append(asyncio.create_task(one("urgent", 0)))
+            first = await reached(3)
+            for _ in range(4):
+                decode.finish.release()
+            await asyncio.gather(*tasks)
+            (state,) = pool.candidates(Role.DECODE)
+            assert (state.ahead.num_seqs, len(state.gate)) == (0, 0)
+            return first, [r.request_id for r in decode.requests]
+        finally:
+            await pool.close()
+            for server, _ in servers:
+                await server.stop(None)
+
+    first, every = run_with_registry(tmp_path, scenario)
+    assert sorted(first[:2]) == ["low0", "low1"] and first[2:] == ["urgent"]
+    assert every[3:] == ["late"]
