@@ -38,6 +38,9 @@ from router.workers import LoraRef, WorkerPool, WorkerStalled, WorkerState
 
 logger = logging.getLogger(__name__)
 
+_PAST_DEADLINE = "the request ran past router.request_timeout_s; retry shortly"
+# A call the router's own deadline ended may say so a little before its clock does.
+_DEADLINE_SLACK_S = 0.1
 _RETRYABLE = {
     grpc.StatusCode.ABORTED,  # a prefill released before its export (a decode's: _decode)
     grpc.StatusCode.UNAVAILABLE,
@@ -593,6 +596,11 @@ class Dispatcher:
                 client_error = _client_error(exc)
                 if client_error is not None:
                     raise client_error from None
+                if (
+                    exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                    and time.monotonic() >= deadline - _DEADLINE_SLACK_S
+                ):  # the router's own deadline: not the worker's failure, nothing to retry
+                    raise unavailable(_PAST_DEADLINE) from None
                 logger.warning("decode of %s on %s failed: %s %s", request.request_id,
                                worker.worker_id, exc.code().name, exc.details())  # fmt: skip
                 # Details stay in the log: they name hosts and internals.
@@ -635,7 +643,7 @@ class Dispatcher:
         if streamed and failure is not None:
             raise failure
         if time.monotonic() >= deadline:
-            raise unavailable("the request ran past router.request_timeout_s; retry shortly")
+            raise unavailable(_PAST_DEADLINE)
         raise unavailable("no decode worker could serve the request; retry shortly")
 
     def _lease(self, worker: WorkerState, lease_id: str) -> RemoteLease:

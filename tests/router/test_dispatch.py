@@ -1225,3 +1225,44 @@ def test_a_higher_priority_sequence_passes_a_line_full_of_lower_ones(tmp_path):
     first, every = run_with_registry(tmp_path, scenario)
     assert sorted(first[:2]) == ["low0", "low1"] and first[2:] == ["urgent"]
     assert every[3:] == ["late"]
+
+
+class Stalling(Decode):
+    """Sends one token, then nothing (a long generation the router's deadline cuts)."""
+
+    def __init__(self) -> None:
+        super().__init__(fail=False)
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        yield pb.GenerateResponse(token_ids=[7])
+        await asyncio.Event().wait()
+
+
+@pytest.mark.timeout(60)
+def test_a_stream_the_routers_deadline_cuts_says_so_and_blames_no_worker(tmp_path):
+    """The router's own deadline ended the decode call (DEADLINE_EXCEEDED): the client was
+    told "the decode worker failed", decode_failures counted it, and the healthy worker
+    was tried again."""
+    decode = Stalling()
+
+    async def scenario(registry: RedisRegistry) -> tuple[str, float, bool, int]:
+        server, info = await serve(decode, registry)
+        config = RouterConfig(min_disagg_tokens=10**6, request_timeout_s=0.5)
+        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex(), config)
+        try:
+            await pool.refresh()
+            request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams())
+            with pytest.raises(APIError) as cut:
+                async for _ in dispatcher.generate(request):
+                    pass
+            failures = dispatcher.metrics.decode_failures._value.get()
+            return cut.value.message, failures, pool.get(info.worker_id).healthy, len(
+                decode.requests)  # fmt: skip
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    message, failures, healthy, calls = run_with_registry(tmp_path, scenario)
+    assert "ran past router.request_timeout_s" in message
+    assert (failures, healthy, calls) == (0, True, 1)
