@@ -19,7 +19,7 @@ import dataclasses
 import hashlib
 from pathlib import Path
 
-from common.config import PdserveConfig, Role
+from common.config import ConfigError, PdserveConfig, Role
 from deploy import containers as c
 from deploy import k8s_pods as pods
 from deploy.yaml_text import dump_all
@@ -125,6 +125,9 @@ def gpu_overlay(image: str, gpus_per_pod: int = 1) -> dict[str, list[dict]]:
 # cluster's Prometheus (which must scrape the router's /metrics), to set in the overlay.
 PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
 KEDA_API = "keda.sh/v1alpha1"
+# The longest scale-down stabilization window Kubernetes' HPA accepts (its API refuses
+# more: a ScaledObject asking it would not apply).
+MAX_STABILIZATION_S = 3600
 
 
 def autoscale_overlay(config: PdserveConfig) -> dict[str, list[dict]]:
@@ -134,6 +137,10 @@ def autoscale_overlay(config: PdserveConfig) -> dict[str, list[dict]]:
     ``planner.scale_in_delay_s`` before pods go (the HPA's scale-down stabilization), and
     they drain on SIGTERM as any scaled-in worker does."""
     planner = config.planner
+    if planner.scale_in_delay_s > MAX_STABILIZATION_S:
+        raise ConfigError("planner.scale_in_delay_s", f"Kubernetes' HPA waits at most "
+                          f"{MAX_STABILIZATION_S} s before scaling in; got "
+                          f"{planner.scale_in_delay_s:g}")  # fmt: skip
     least = {Role.PREFILL: planner.min_prefill_replicas, Role.DECODE: planner.min_decode_replicas}
     scaled_objects = [
         {

@@ -555,6 +555,13 @@ def test_the_live_plans_profile_travels_with_the_config_and_keda_follows_it(tmp_
     other_config = planned_config(tmp_path / "other", other)
     assert router_annotations(config) == router_annotations(same_config)
     assert router_annotations(config) != router_annotations(other_config)
+    # A scale-in delay past what the HPA takes is refused (its API would reject it).
+    (tmp_path / "slow").mkdir()
+    slow = planned_config(tmp_path / "slow", text)
+    planner = dataclasses.replace(slow.planner, scale_in_delay_s=7200)
+    slow = dataclasses.replace(slow, planner=planner)
+    with pytest.raises(ConfigError, match="planner.scale_in_delay_s: .* at most 3600 s"):
+        render_files(slow, "planned.yaml")
 
     document = compose_document(config, "planned.yaml")
     assert document["configs"]["pdserve-profile"]["content"] == text.replace("$", "$$")
