@@ -495,7 +495,7 @@ class KVTransferSettings:
 @dataclass(frozen=True, slots=True)
 class OffloadConfig:
     # Size of each worker's CPU tier (pinned memory on CUDA); 0 disables it. A role's
-    # engine.cpu_offload_bytes overrides it.
+    # engine.cpu_offload_bytes overrides it (the shared engine section may not set it).
     cpu_bytes: int = 0
 
     def __post_init__(self) -> None:
@@ -827,6 +827,10 @@ class PdserveConfig:
             except ConfigError as exc:
                 message = str(exc).split(": ", 1)[-1]
                 raise ConfigError(f"{role}.engine.{exc.key.split('.')[-1]}", message) from None
+        if self.engine.cpu_offload_bytes:  # (was silently replaced by offload.cpu_bytes)
+            raise ConfigError("engine.cpu_offload_bytes", "a deployment's CPU tier is "
+                              "offload.cpu_bytes (a role's engine.cpu_offload_bytes overrides "
+                              "it for that role)")  # fmt: skip
         if self.decode.replicas < 1:
             raise ConfigError("decode.replicas", "at least one decode worker is needed")
         if self.engine_for(Role.PREFILL).block_size != self.engine_for(Role.DECODE).block_size:

@@ -62,6 +62,8 @@ BROKEN = [
     ("router: {port: '8000'}", "router.port", "must be an integer"),
     ("prefill: {replicas: -1}", "prefill.replicas", "must be >= 0"),
     ("decode: {replicas: 0}", "decode.replicas", "at least one decode worker"),
+    # (it was replaced by offload.cpu_bytes without a word: no CPU tier)
+    ("engine: {cpu_offload_bytes: 1000}", "engine.cpu_offload_bytes", "offload.cpu_bytes"),
     ("engine: {max_num_seqs: 0}", "engine.max_num_seqs", "must be > 0"),
     ("prefill: {replicas: 2, port: 18190}", "decode.port (replica 0)", "also used by prefill"),
     ("router: {port: 18100}", "prefill.port (replica 0)", "also used by router.port"),
