@@ -299,7 +299,9 @@ class Stack:
 
     def _follow_plan(self, reported: set[str]) -> None:
         """Start or drain each role's workers to the router's plan (``deploy/autoscale.py``).
-        Running: alive and not drained by the plan, or failed and due to restart."""
+        Running: alive and not drained by the plan, or failed and due to restart, or failed
+        under ``--no-restart`` (it stays down: the plan started it again every tick, with
+        no backoff)."""
         assert self.autoscaler is not None
         plan = read_plan(f"{self.url_root}/metrics")
         procs = dict(self.children)
@@ -308,7 +310,8 @@ class Stack:
                 index for index in range(self.config.role(role).replicas)
                 if (name := f"{role.value}-{index}") in procs
                 and name not in self._drained_by_plan
-                and (procs[name].poll() is None or self._restarts[name].due_at is not None)
+                and (procs[name].poll() is None or self._restarts[name].due_at is not None
+                     or (not self.restart and procs[name].returncode != 0))
             )  # fmt: skip
             target = self.autoscaler.target(role, plan.get(role), len(running), time.monotonic())
             if target > len(running):

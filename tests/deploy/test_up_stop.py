@@ -168,3 +168,27 @@ def test_a_worker_the_plan_starts_again_starts_its_backoff_over(tmp_path, monkey
             proc.kill()
             proc.wait()
         stack.config_path.unlink()
+
+
+def test_under_no_restart_a_failed_worker_stays_down_whatever_the_plan(tmp_path, monkeypatch):
+    """The plan counted a failed worker as missing and started it again at every tick
+    (every 0.1 s at interval_s 0.1), ignoring ``--no-restart`` and the backoff."""
+    overrides = ["planner.profile=/p.json", "planner.autoscale=true", "decode.replicas=2"]
+    stack = Stack(load_config(str(DEMO), overrides), tmp_path, restart=False)
+    monkeypatch.setattr(up, "read_plan", lambda url: {Role.PREFILL: 1, Role.DECODE: 2})
+    running = [subprocess.Popen(["sleep", "30"]) for _ in range(2)]
+    failed = subprocess.Popen(["false"])
+    failed.wait()
+    stack.children = [("prefill-0", running[0]), ("decode-0", running[1]),
+                      ("decode-1", failed)]  # fmt: skip
+    for name, _ in stack.children:
+        stack._restarts[name] = up._Restarts(name.replace("-", " --index ").split())
+    try:
+        stack._follow_plan(set())
+        assert dict(stack.children)["decode-1"] is failed
+    finally:
+        for _, proc in stack.children:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        stack.config_path.unlink()
