@@ -162,6 +162,8 @@ def predict(
     target it misses ("" where it meets them all)."""
     if decode_replicas < 1 or prefill_replicas < 0:
         raise ValueError("a layout needs at least one decode worker and no fewer than 0 prefill")
+    if not prefill_replicas:  # the router prefills every prompt on the decode workers
+        targets = dataclasses.replace(targets, min_disagg_tokens=math.inf)  # type: ignore[arg-type]
     model = _Model(profile, demand, targets)
     decode = model.decode(decode_replicas)
     return Sizing(model.prefill(prefill_replicas), decode, model.notes(decode))

@@ -143,6 +143,16 @@ def test_predict_a_given_layout_names_the_target_it_misses():
     assert (two.prefill.ttft_s, two.prefill.limit) == (pytest.approx(2.5), "ttft")
     with pytest.raises(ValueError, match="at least one decode worker"):
         predict(make_profile(), demand, targets, prefill_replicas=1, decode_replicas=0)
+    # Without prefill workers the router prefills every prompt on the decode workers
+    # (1.5 s of prompts a second: more than one can take); it was "prompt throughput"
+    # missed on a prefill side with no workers, and a decode side with no prefills.
+    alone = predict(make_profile(), demand, targets, prefill_replicas=0, decode_replicas=2)
+    assert alone.prefill.limit == "" and alone.decode.local_prefill_fraction == 0.75
+    # 0.3 s of prompts a second on one worker, 30 tokens/s: 11 / (1 - 0.3 - 0.03) ms
+    light = Demand(0.3, (RequestShape(1000, 1000, 101),))
+    alone = predict(make_profile(), light, targets, prefill_replicas=0, decode_replicas=1)
+    assert alone.decode.local_prefill_fraction == pytest.approx(0.3)
+    assert alone.decode.itl_s == pytest.approx(0.011 / (1 - 0.3 - 0.03), rel=1e-6)
 
 
 def test_decode_is_planned_below_the_knee_of_its_token_rate():
