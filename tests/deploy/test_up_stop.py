@@ -138,20 +138,35 @@ def test_the_start_timeout_is_a_flag_with_a_large_models_default(monkeypatch, ca
     assert "--start-timeout must be > 0" in capsys.readouterr().err
 
 
+def planned_stack(tmp_path, monkeypatch, last: list[str], restart: bool = True) -> Stack:
+    """A stack whose plan wants 1 prefill and 2 decode workers: prefill-0 and decode-0
+    running, decode-1 a process that ran ``last`` and ended."""
+    overrides = ["planner.profile=/p.json", "planner.autoscale=true", "decode.replicas=2"]
+    stack = Stack(load_config(str(DEMO), overrides), tmp_path, restart=restart)
+    monkeypatch.setattr(up, "read_plan", lambda url: {Role.PREFILL: 1, Role.DECODE: 2})
+    ended = subprocess.Popen(last)
+    ended.wait()
+    running = [subprocess.Popen(["sleep", "30"]) for _ in range(2)]
+    stack.children = [("prefill-0", running[0]), ("decode-0", running[1]), ("decode-1", ended)]
+    for name, _ in stack.children:
+        stack._restarts[name] = up._Restarts(name.replace("-", " --index ").split())
+    return stack
+
+
+def stop_planned(stack: Stack) -> None:
+    for _, proc in stack.children:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stack.config_path.unlink()
+
+
 def test_a_worker_the_plan_starts_again_starts_its_backoff_over(tmp_path, monkeypatch):
     """A worker that crash-looped (its backoff at 30 s), then was drained by the plan,
     is a new start when the plan brings it back: a failure soon after waits 1 s. (It
     waited 30 s: its backoff and start time were those of the old crash loop.)"""
-    overrides = ["planner.profile=/p.json", "planner.autoscale=true", "decode.replicas=2"]
-    stack = Stack(load_config(str(DEMO), overrides), tmp_path)
-    monkeypatch.setattr(up, "read_plan", lambda url: {Role.PREFILL: 1, Role.DECODE: 2})
-    running = [subprocess.Popen(["sleep", "30"]) for _ in range(2)]
-    drained = subprocess.Popen(["true"])
-    drained.wait()
-    stack.children = [("prefill-0", running[0]), ("decode-0", running[1]),
-                      ("decode-1", drained)]  # fmt: skip
-    for name, _ in stack.children:
-        stack._restarts[name] = up._Restarts(name.replace("-", " --index ").split())
+    stack = planned_stack(tmp_path, monkeypatch, ["true"])
+    drained = dict(stack.children)["decode-1"]
     stack._restarts["decode-1"].started_at = time.monotonic() - 20  # its last restart
     stack._restarts["decode-1"].backoff_s = 30.0
     stack._drained_by_plan.add("decode-1")
@@ -164,31 +179,16 @@ def test_a_worker_the_plan_starts_again_starts_its_backoff_over(tmp_path, monkey
         stack._schedule_restart("decode-1")
         assert stack._restarts["decode-1"].due_at - time.monotonic() < 1.5
     finally:
-        for proc in running:
-            proc.kill()
-            proc.wait()
-        stack.config_path.unlink()
+        stop_planned(stack)
 
 
 def test_under_no_restart_a_failed_worker_stays_down_whatever_the_plan(tmp_path, monkeypatch):
     """The plan counted a failed worker as missing and started it again at every tick
     (every 0.1 s at interval_s 0.1), ignoring ``--no-restart`` and the backoff."""
-    overrides = ["planner.profile=/p.json", "planner.autoscale=true", "decode.replicas=2"]
-    stack = Stack(load_config(str(DEMO), overrides), tmp_path, restart=False)
-    monkeypatch.setattr(up, "read_plan", lambda url: {Role.PREFILL: 1, Role.DECODE: 2})
-    running = [subprocess.Popen(["sleep", "30"]) for _ in range(2)]
-    failed = subprocess.Popen(["false"])
-    failed.wait()
-    stack.children = [("prefill-0", running[0]), ("decode-0", running[1]),
-                      ("decode-1", failed)]  # fmt: skip
-    for name, _ in stack.children:
-        stack._restarts[name] = up._Restarts(name.replace("-", " --index ").split())
+    stack = planned_stack(tmp_path, monkeypatch, ["false"], restart=False)
+    failed = dict(stack.children)["decode-1"]
     try:
         stack._follow_plan(set())
         assert dict(stack.children)["decode-1"] is failed
     finally:
-        for _, proc in stack.children:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        stack.config_path.unlink()
+        stop_planned(stack)
