@@ -161,6 +161,8 @@ def read_int_weights_config(config: dict[str, Any], path: Any) -> IntWeights | N
             raise ModelLoadError(f"{path}: gptq bits={bits!r} is not supported "
                                  f"({', '.join(map(str, _GPTQ_BITS))} are)")  # fmt: skip
         form = config.get("checkpoint_format") or "gptq"
+        if config.get("is_marlin_format"):  # AutoGPTQ's older way of saying it
+            form = "marlin"
         if form not in _GPTQ_FORMATS:
             raise ModelLoadError(f"{path}: gptq checkpoint_format {form!r} is not supported "
                                  f"({', '.join(_GPTQ_FORMATS)} are)")  # fmt: skip

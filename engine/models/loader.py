@@ -490,9 +490,17 @@ def load_model(
                 filled[target.param] += written
 
     bare = False  # the backbone saved alone (names without "model.")
+    # Names read so far: a tensor stored in two shards is read once (counted twice, it
+    # filled a fused parameter in place of a part missing from the files, left zero).
+    read: set[str] = set()
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for stored in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                if stored in read:
+                    logger.warning("%s: %s is stored again; the first copy is used",
+                                   path.name, stored)  # fmt: skip
+                    continue
+                read.add(stored)
                 name = _model_name(stored)
                 if name is not None:
                     name = _mtp_name(name, arch, num_mtp_layers)

@@ -121,6 +121,45 @@ def test_sharded_bf16_checkpoint(tiny_llama, tmp_path):
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(model_dir, prompts, 16)
 
 
+def test_a_tensor_stored_in_two_shards_is_read_once(tiny_llama, tmp_path):
+    """Counted twice, a tensor stored again in another shard filled its fused parameter
+    (k, v and q rows in one) in place of a part missing from the files: with k_proj
+    gone and v_proj stored twice, k's rows loaded as zeros, and with k_proj stored
+    twice a complete checkpoint was refused."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(tiny_llama / "model.safetensors"))
+    k, v = (f"model.layers.1.self_attn.{p}_proj.weight" for p in "kv")
+
+    def sharded(name: str, first: dict, second: dict) -> Path:
+        out = tmp_path / name
+        shutil.copytree(tiny_llama, out, ignore=shutil.ignore_patterns("*.safetensors"))
+        weight_map = {}
+        for number, part in enumerate((first, second), start=1):
+            file = f"model-0000{number}-of-00002.safetensors"
+            save_file(part, str(out / file), metadata={"format": "pt"})
+            weight_map |= dict.fromkeys(part, file)
+        (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        return out
+
+    names = sorted(weights)
+    first = {n: weights[n] for n in names[: len(names) // 2]}
+    second = {n: weights[n] for n in names[len(names) // 2 :]}
+    twice = sharded("k-twice", {**first, k: weights[k]}, {**second, k: weights[k]})
+    prompts = random_prompts((9,))
+    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0)
+    expected = LLM(tiny_llama, dtype="float32").generate(prompts, params, use_tqdm=False)
+    got = LLM(twice, dtype="float32").generate(prompts, params, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
+    without_k = {n: t for n, t in weights.items() if n != k}
+    rest = [n for n in sorted(without_k) if n != v]
+    halves = [{n: weights[n] for n in part} | {v: weights[v]}
+              for part in (rest[: len(rest) // 2], rest[len(rest) // 2 :])]  # fmt: skip
+    stale = sharded("v-twice", *halves)
+    with pytest.raises(ModelLoadError, match="missing from the checkpoint.*layers.1.self_attn"):
+        LLM(stale, dtype="float32")
+
+
 def test_legacy_rope_scaling_keys_are_read(tiny_llama, tmp_path):
     shutil.copytree(tiny_llama, tmp_path, dirs_exist_ok=True)
     config = json.loads((tmp_path / "config.json").read_text())
@@ -158,6 +197,11 @@ def test_missing_and_unsupported_are_named(tiny_llama, tmp_path):
                 r"quantized.*\(hqq\)",
             ),
             ("quantization_config", {"quant_method": "awq"}, "awq group_size must be"),
+            (  # AutoGPTQ's older key: refused by name, not as unexpected tensors
+                "quantization_config",
+                {"quant_method": "gptq", "bits": 4, "group_size": 128, "is_marlin_format": True},
+                "checkpoint_format 'marlin' is not supported",
+            ),
         )
     ):
         odd = tmp_path / f"odd-{case}"
