@@ -53,7 +53,13 @@ from common.vision_spec import (
 )
 from engine.models.bnb_config import Bnb4Bit, read_bnb_config
 from engine.models.errors import ModelLoadError
-from engine.models.fp8_config import Fp8Weights, read_fp8_config, read_quantization_config
+from engine.models.fp8_config import (
+    Fp8Weights,
+    fp8_kv_cache_declared,
+    kv_cache_only,
+    read_fp8_config,
+    read_quantization_config,
+)
 from engine.models.int_weights_config import IntWeights, read_int_weights_config
 from engine.models.rope_config import RopeConfig, gemma3_ropes, rope_config
 
@@ -420,6 +426,9 @@ class ModelArchConfig:
     norm_gain_in_float32: bool = False
     # FP8 weights (fp8_config.py), dequantized to the model dtype at load; None: none.
     fp8_weights: Fp8Weights | None = None
+    # Whether the checkpoint's KV-cache scales are FP8 ones (its quantization_config says
+    # so, whatever its weights; ``kv_scales.py``).
+    fp8_kv_scales: bool = False
     # GPTQ's, AWQ's or compressed-tensors' packed integer weights (int_weights_config.py),
     # dequantized at load.
     int_weights: IntWeights | None = None
@@ -832,8 +841,12 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
     bnb_weights = read_bnb_config(quantization, path) if quantization else None
     # GPT-OSS's MXFP4 experts are dequantized at load (gpt_oss_weights.py).
     mxfp4 = flags.gpt_oss and quantization and quantization.get("quant_method") == "mxfp4"
-    if quantization and int_weights is None and bnb_weights is None and not mxfp4:
+    weights_quantized = quantization and not kv_cache_only(quantization)
+    if weights_quantized and int_weights is None and bnb_weights is None and not mxfp4:
         fp8_weights = read_fp8_config(quantization, path)
+    # Whether its KV-cache scales are FP8 ones (``kv_scales.py``), whatever its weights.
+    fp8_kv_scales = (fp8_weights.fp8_kv_scales if fp8_weights is not None
+                     else bool(quantization) and fp8_kv_cache_declared(quantization))  # fmt: skip
     gemma3 = _gemma3_fields(cfg, num_layers, hidden_size, path) if flags.gemma3 else {}
     if flags.minimax_m2 and cfg.get("rotary_dim") and "partial_rotary_factor" not in cfg:
         # MiniMax-M2's released configs give the rotary width as rotary_dim.
@@ -871,6 +884,7 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
         attention_sinks=flags.gpt_oss,
         norm_gain_in_float32=flags.gpt_oss or flags.nemotron_h,
         fp8_weights=fp8_weights,
+        fp8_kv_scales=fp8_kv_scales,
         int_weights=int_weights,
         bnb_weights=bnb_weights,
         qk_norm_whole=flags.minimax_m2,

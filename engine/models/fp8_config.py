@@ -123,9 +123,26 @@ def _compressed_tensors(config: dict[str, Any], path: Any) -> Fp8Weights:
     block_sizes = blocks - {None}
     if len(block_sizes) > 1:
         raise ModelLoadError(f"{path}: config groups use different block sizes {block_sizes}")
+    return Fp8Weights("compressed-tensors", next(iter(block_sizes), None),
+                      fp8_kv_scales=fp8_kv_cache_declared(config))  # fmt: skip
+
+
+def fp8_kv_cache_declared(config: dict[str, Any]) -> bool:
+    """Whether a ``quantization_config`` says its KV-cache scales are FP8 ones, whatever
+    its weights: compressed-tensors' 8-bit float ``kv_cache_scheme``, ModelOpt's FP8
+    ``kv_cache_quant_algo``. (An integer-weight checkpoint may carry them: they were
+    refused as unexpected tensors.)"""
     kv = config.get("kv_cache_scheme")
-    fp8_kv = isinstance(kv, dict) and kv.get("num_bits") == 8 and kv.get("type") == "float"
-    return Fp8Weights("compressed-tensors", next(iter(block_sizes), None), fp8_kv_scales=fp8_kv)
+    if isinstance(kv, dict) and kv.get("num_bits") == 8 and kv.get("type") == "float":
+        return True
+    return config.get("kv_cache_quant_algo") == "FP8"
+
+
+def kv_cache_only(config: dict[str, Any]) -> bool:
+    """A compressed-tensors config that quantizes the KV cache alone (no config groups,
+    as compressed-tensors writes such a scheme): the weights are not quantized."""
+    compressed = config.get("quant_method") == "compressed-tensors"
+    return compressed and not config.get("config_groups") and bool(config.get("kv_cache_scheme"))
 
 
 def read_fp8_config(config: dict[str, Any], path: Any) -> Fp8Weights:
@@ -151,7 +168,7 @@ def read_fp8_config(config: dict[str, Any], path: Any) -> Fp8Weights:
         if algorithm not in _MODELOPT_FP8:
             raise ModelLoadError(f"{path}: modelopt quant_algo {algorithm!r} is not supported "
                                  f"({', '.join(_MODELOPT_FP8)} are)")  # fmt: skip
-        return Fp8Weights("modelopt", fp8_kv_scales=config.get("kv_cache_quant_algo") == "FP8")
+        return Fp8Weights("modelopt", fp8_kv_scales=fp8_kv_cache_declared(config))
     raise ModelLoadError(
         f"{path}: quantized checkpoints ({method}) are not supported; weight quantizations "
         f"that load: {SUPPORTED}, {INT_SUPPORTED}, bitsandbytes (4-bit nf4 or fp4), and GPT-OSS's "

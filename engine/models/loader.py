@@ -48,7 +48,7 @@ from engine.models.fp8_weights import FLOAT8_DTYPES, dequantize_fp8
 from engine.models.gpt_oss_weights import EXPERT_TENSOR, expert_pieces
 from engine.models.int_weights import dequantize_int
 from engine.models.int_weights_config import IntWeights
-from engine.models.kv_scales import KvScaleReader
+from engine.models.kv_scales import KvScaleReader, kv_scale_of
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mla import rope_rows_in_halves
 from engine.models.moe import DeepseekGate, SparseMoe
@@ -455,7 +455,7 @@ def load_model(
     ints, bnb = arch.int_weights, arch.bnb_weights
     scaled = gpt_oss or fp8 is not None or ints is not None or bnb is not None
     where = {name: path for path in files for name in _tensor_names(path)} if scaled else {}
-    kv_scales = KvScaleReader(declared=fp8 is not None and fp8.fp8_kv_scales)
+    kv_scales = KvScaleReader(declared=arch.fp8_kv_scales)
 
     def place(target: _Target, tensor: torch.Tensor, stored: str, path: Path) -> None:
         if target.param not in params:
@@ -515,6 +515,9 @@ def load_model(
                 bare = bare or stored.startswith(BARE_NAMES)
                 if fp8 is not None and name.endswith(SIDECAR_SUFFIXES) and name not in params:
                     _take_sidecar(name, stored, f, path, kv_scales)
+                    continue
+                if kv_scale_of(name) is not None and name not in params:  # any weights'
+                    kv_scales.add(name, lambda stored=stored, f=f: f.get_tensor(stored))
                     continue
                 if ints is not None and name.endswith(ints.names.sidecars) and name not in params:
                     continue  # read with the packed weight beside it

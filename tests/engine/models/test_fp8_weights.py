@@ -241,6 +241,38 @@ def test_kv_cache_scales_are_read_per_layer_under_each_name(fp8_checkpoints, tmp
     assert "7 KV-cache scales are ignored" in caplog.text
 
 
+def test_kv_cache_scales_of_checkpoints_whose_weights_are_not_fp8(tiny_llama, tmp_path):
+    """compressed-tensors declares an FP8 KV cache beside integer weights (W4A16 and a
+    kv_cache_scheme), or alone (no config groups, float weights): their scales were
+    refused as unexpected tensors, the second config as having no config groups."""
+    from engine.models.int_weights_maker import quantize_int_checkpoint
+
+    scheme = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+              "symmetric": True}  # fmt: skip
+
+    def add_kv_scales(tensors):
+        for layer in range(2):
+            tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(0.25 + layer)
+            tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(0.5 + layer)
+
+    def declare(config):
+        config["quantization_config"]["kv_cache_scheme"] = scheme
+
+    packed = quantize_int_checkpoint(tiny_llama, tmp_path / "w4a16", "ct-w4a16")
+    w4a16 = _edited(packed, tmp_path / "w4a16-kv", declare, add_kv_scales)
+    expected = {0: (0.25, 0.5), 1: (1.25, 1.5)}
+    assert _model(w4a16).checkpoint_kv_scales == expected
+    assert all(torch.equal(_weights(packed)[n], p) for n, p in _weights(w4a16).items())
+
+    def kv_only(config):
+        quantization = {"quant_method": "compressed-tensors", "config_groups": {}}
+        config["quantization_config"] = {**quantization, "kv_cache_scheme": scheme}
+
+    alone = _edited(tiny_llama, tmp_path / "kv-only", kv_only, add_kv_scales)
+    assert _model(alone).checkpoint_kv_scales == expected
+    assert all(torch.equal(_weights(tiny_llama)[n], p) for n, p in _weights(alone).items())
+
+
 def test_gpt_oss_experts_stored_in_fp8_are_refused(model_factory, tmp_path):
     """GPT-OSS's experts go their own way (MXFP4 or 16-bit, stacked, input-major): FP8 ones
     would be cast without their scales, so they are refused by name."""
