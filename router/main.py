@@ -94,7 +94,6 @@ def _server(config: PdserveConfig, state: RouterState) -> DrainingServer:
             # on a request's head (``router/http_protocol.py``).
             loop="uvloop",
             http=guarded_protocol(state.metrics.refused),
-            timeout_graceful_shutdown=int(config.router.drain_grace_s),
             lifespan="on",
         ),
     )
@@ -102,9 +101,15 @@ def _server(config: PdserveConfig, state: RouterState) -> DrainingServer:
 
 class DrainingServer(uvicorn.Server):
     """SIGTERM/SIGINT: answer 503 (Retry-After) to new requests and /health, let the
-    requests in flight finish (at most ``grace_s``), then stop."""
+    requests in flight finish (at most ``grace_s``), then stop: uvicorn closes what is
+    still open within ``CLOSE_S``. (Its own graceful wait was ``grace_s`` too, after the
+    drain's: a stop took twice the grace, past what ``pdserve up``, compose and
+    Kubernetes wait, so a router still busy at the end was killed before its cleanup.)"""
+
+    CLOSE_S = 2
 
     def __init__(self, state: RouterState, grace_s: float, config: uvicorn.Config) -> None:
+        config.timeout_graceful_shutdown = self.CLOSE_S
         super().__init__(config)
         self.state = state
         self.grace_s = grace_s
