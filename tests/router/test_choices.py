@@ -109,3 +109,38 @@ def test_stop_reason_follows_vllms_order_of_checks(byte_level):
                         IncrementalDetokenizer(byte_level, [], 0),
                         eos_token_ids=frozenset({2, 9}), main_eos_id=2)  # fmt: skip
         assert choice.stop_reason_of(token_id) == reason, (stop_token_ids, ignore_eos, token_id)
+
+
+def test_a_reader_that_falls_behind_holds_back_every_choice_of_its_request(byte_level):
+    """Several choices merge through a queue: unbounded, it drained each choice's stream
+    however slowly the client read, so the router held every choice's whole reply (n=8:
+    +33 MB in 45 s of a client not reading). Bounded, each choice waits for the reader,
+    as one choice's stream does (its decode worker is then held back by gRPC)."""
+    from router.choices import merge_choices
+
+    produced = [0, 0]
+
+    class Counting:
+        async def generate(self, request: SequenceRequest) -> AsyncIterator[TokenDelta]:
+            for _ in range(500):
+                produced[int(request.request_id)] += 1
+                yield TokenDelta([7], [pb.TokenLogprobs(token_id=7)])
+
+    sampling = pb.SamplingParams(max_tokens=1000)
+    choices = [Choice(i, 0, SequenceRequest(str(i), [1, 2, 3], [], sampling),
+                      IncrementalDetokenizer(byte_level, [], 0)) for i in range(2)]  # fmt: skip
+
+    async def read_slowly() -> int:
+        events = merge_choices(Counting(), choices, RouterMetrics("m"), 0.0)
+        read = 0
+        async for _ in events:
+            read += 1
+            if read == 5:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # a reader that stopped: the choices may not run ahead
+        ahead = sum(produced) - read
+        await events.aclose()
+        return ahead
+
+    assert asyncio.run(read_slowly()) <= 2 * len(choices) + len(choices)
