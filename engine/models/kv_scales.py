@@ -1,7 +1,8 @@
 """A checkpoint's calibrated KV-cache scales, collected as the loader meets them.
 
-Checkpoints (FP8 ones, and integer-weight or float ones quantizing only the KV cache)
-may carry one K and one V scale per layer, for an FP8 KV cache to store
+A checkpoint (of FP8 weights, integer weights, or float weights under a config that
+quantizes the KV cache alone) may carry one K and one V scale per layer, for an FP8 KV
+cache to store
 K / k_scale and V / v_scale (vLLM's meaning): llm-compressor's ``self_attn.k_scale``,
 ModelOpt's ``self_attn.k_proj.k_scale``, others' ``self_attn.attn.k_scale`` or
 ``self_attn.qkv_proj.k_scale``, older files' ``self_attn.k_proj.output_scale`` and
