@@ -2,16 +2,16 @@
 
 A checkpoint (of FP8 weights, integer weights, or float weights under a config that
 quantizes the KV cache alone) may carry one K and one V scale per layer, for an FP8 KV
-cache to store
-K / k_scale and V / v_scale (vLLM's meaning): llm-compressor's ``self_attn.k_scale``,
-ModelOpt's ``self_attn.k_proj.k_scale``, others' ``self_attn.attn.k_scale`` or
-``self_attn.qkv_proj.k_scale``, older files' ``self_attn.k_proj.output_scale`` and
-``self_attn.kv_scale`` (one scale for both; a layer with only one of K and V uses it for
-both, as vLLM does). They mean FP8 scales only where the config declares FP8 KV-cache
-quantization (``ModelArchConfig.fp8_kv_scales``); otherwise they are ignored, with a warning.
-Scales an FP8 cache could not use (per head, zero, negative, not finite) are recorded as
-problems, refused only when the cache is FP8 (``model_shard``): a 16- or 32-bit cache has
-no use for any of them.
+cache to store K / k_scale and V / v_scale (vLLM's meaning): llm-compressor's
+``self_attn.k_scale``, ModelOpt's ``self_attn.k_proj.k_scale``, others'
+``self_attn.attn.k_scale`` or ``self_attn.qkv_proj.k_scale``, older files'
+``self_attn.k_proj.output_scale`` and ``self_attn.kv_scale`` (one scale for both; a
+layer with only one of K and V uses it for both, as vLLM does). They mean FP8 scales
+only where the config declares FP8 KV-cache quantization
+(``ModelArchConfig.fp8_kv_scales``); otherwise they are ignored, with a warning. Scales
+an FP8 cache could not use (per head, zero, negative, not finite) are recorded as
+problems, refused only when the cache is FP8 (``model_shard``): a 16- or 32-bit cache
+has no use for any of them.
 """
 
 from __future__ import annotations
