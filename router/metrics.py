@@ -64,6 +64,7 @@ class RouterMetrics:
         self._model_name = model_name
         self.decisions = Counter("pdserve:routing_decisions", "Placements by kind.",
                                  ["kind", "worker"], registry=r)  # fmt: skip
+        self._decided: set[tuple[str, str]] = set()  # its series: (kind, worker)
         self.decision_latency = histogram(
             "pdserve:routing_decision_seconds", "Time to place a request.", _DECISION_BUCKETS
         )
@@ -155,6 +156,7 @@ class RouterMetrics:
         kind = "disaggregated" if placement.disaggregated else "local"
         worker = placement.prefill_worker or placement.decode_worker
         self.decisions.labels(kind=kind, worker=worker).inc()
+        self._decided.add((kind, worker))
         self.decision_latency.observe(seconds)
 
     def sequence_ended(self, finished_reason: str) -> None:
@@ -200,6 +202,9 @@ class RouterMetrics:
             for gauge, _ in self._worker_gauges:
                 gauge.remove(worker_id)
             self.worker_available.remove(worker_id)
+        for kind, worker_id in [d for d in self._decided if d[1] not in stats]:
+            self.decisions.remove(kind, worker_id)  # (they grew with every worker ever seen)
+            self._decided.discard((kind, worker_id))
         self._observed_workers = set(stats)
         for worker_id, worker in stats.items():
             for gauge, value in self._worker_gauges:
