@@ -125,12 +125,16 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServiceServicer):
                             reply.usage.CopyFrom(usage_to_proto(output))
                         if first:  # and, when asked, how likely the prompt was
                             reply.prompt_logprobs.extend(prompt_logprobs_to_proto(output))
-                            first = False
-                        if output.finished:
-                            reply.finish_reason = completion.finish_reason or ""
+                            # Its queueing, prefill and pull are over: said now, they count
+                            # for a sequence the router ends early too (a stop string, a
+                            # client gone), which the last reply never reaches.
                             reply.timings.CopyFrom(timings_to_proto(output.times))
                             reply.num_blocks_pulled = output.num_remote_blocks_pulled
                             self.num_blocks_pulled += output.num_remote_blocks_pulled
+                            first = False
+                        if output.finished:
+                            reply.finish_reason = completion.finish_reason or ""
+                            reply.timings.CopyFrom(timings_to_proto(output.times))  # + decode
                             self.runtime.timer.add(reply.timings)
                             if span.recording:
                                 span.set(output_attributes(output))

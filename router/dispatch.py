@@ -20,8 +20,9 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 _PAST_DEADLINE = "the request ran past router.request_timeout_s; retry shortly"
 # A call the router's own deadline ended may say so a little before its clock does.
 _DEADLINE_SLACK_S = 0.1
+_END_S = 2.0  # how long a finished decode call may take to end by itself
 _RETRYABLE = {
     grpc.StatusCode.ABORTED,  # a prefill released before its export (a decode's: _decode)
     grpc.StatusCode.UNAVAILABLE,
@@ -556,7 +558,7 @@ class Dispatcher:
             metadata = request.trace_headers or None
             call = worker.decode.Generate(message, timeout=timeout, metadata=metadata)
             pulling = kv is not None  # until its first chunk, it may be reading the lease
-            refused = False
+            refused = finished = False
             try:
                 with worker.tracking(call):
                     async for chunk in call:
@@ -575,6 +577,10 @@ class Dispatcher:
                         delta = TokenDelta(list(chunk.token_ids), list(chunk.logprobs))
                         if scores_prompt and first_chunk:
                             delta.prompt_logprobs = _prompt_logprobs(request, chunk.prompt_logprobs)
+                        if first_chunk and chunk.HasField("timings"):  # (said with it now)
+                            self.metrics.observe_decode(
+                                chunk.timings, chunk.num_blocks_pulled, prefilled_here=scores_prompt
+                            )
                         if cached_tokens is None and chunk.HasField("usage"):
                             cached_tokens = chunk.usage.cached_tokens  # prefilled there
                         delta.cached_tokens = cached_tokens
@@ -584,9 +590,7 @@ class Dispatcher:
                             # What the client's prompt cost where it was first computed,
                             # not what a migration's recompute found cached.
                             delta.usage.cached_tokens = cached_tokens or 0
-                            self.metrics.observe_decode(
-                                chunk.timings, chunk.num_blocks_pulled, prefilled_here=scores_prompt
-                            )
+                            finished = True
                         yield delta
                 return
             except WorkerStalled:
@@ -624,7 +628,10 @@ class Dispatcher:
                 worker.running -= 1
                 worker.kv_blocks_in_use -= blocks
                 if not call.done():
-                    call.cancel()
+                    if finished:  # its status is on its way: a cancel marked it cancelled
+                        self._let_end(call)
+                    else:
+                        call.cancel()
                 if pulling and not refused:
                     # Cut off (the client left, the worker failed or stalled) while it may
                     # be reading the prefill worker's blocks: freed now, they could be
@@ -665,6 +672,22 @@ class Dispatcher:
                 if channel is not None:
                     await channel.close()
 
-        task = asyncio.get_running_loop().create_task(release())
+        self._in_background(release())
+
+    def _let_end(self, call: grpc.aio.UnaryStreamCall) -> None:
+        """Let a decode call whose last reply came end by itself (its status follows at
+        once), cancelling it only if it does not within ``_END_S``: cancelled, the
+        worker saw a finished request's call cancelled, and its span said so."""
+
+        async def end() -> None:
+            try:
+                await asyncio.wait_for(call.code(), _END_S)
+            except (TimeoutError, grpc.aio.AioRpcError):
+                call.cancel()
+
+        self._in_background(end())
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)

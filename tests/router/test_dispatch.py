@@ -46,14 +46,16 @@ class Decode(pb_grpc.DecodeServiceServicer):
 
     async def Generate(self, request, context):
         self.requests.append(request)
+        timings = pb.StageTimings(queue_ms=5, prefill_ms=7)  # with the first reply, and last
         for i, token_id in enumerate(self.token_ids):
             reply = pb.GenerateResponse(token_ids=[token_id], usage=pb.Usage(cached_tokens=3))
-            if i == 0 and request.sampling.HasField("prompt_logprobs"):  # a local prefill
-                reply.prompt_logprobs.extend(scores(request.prompt_token_ids))
+            if i == 0:
+                reply.timings.CopyFrom(timings)
+                if request.sampling.HasField("prompt_logprobs"):  # a local prefill
+                    reply.prompt_logprobs.extend(scores(request.prompt_token_ids))
             yield reply
         if self.fail:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine failed")
-        timings = pb.StageTimings(queue_ms=5, prefill_ms=7)
         yield pb.GenerateResponse(token_ids=[42], finish_reason="length", usage=pb.Usage(),
                                   timings=timings)  # fmt: skip
 
@@ -633,6 +635,62 @@ def test_a_local_prefills_queueing_and_prefill_are_observed_and_a_pulled_ones_ar
     pulled = pb.PrefillResponse(first_token_id=7)
     pulled.kv.lease_id = "lease-1"
     assert observed(pulled) == (0.0, 0.0)
+
+
+class Lingering(Decode):
+    """Ends 0.2 s after its last reply (a handler unwinding), noting a cancellation."""
+
+    def __init__(self) -> None:
+        super().__init__(fail=False, token_ids=(1, 2, 3))
+        self.cancelled = False
+
+    async def Generate(self, request, context):
+        async for reply in super().Generate(request, context):
+            yield reply
+        try:
+            await asyncio.sleep(0.2)
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+
+
+@pytest.mark.timeout(60)
+def test_a_sequence_ended_early_is_observed_and_a_finished_call_ends_by_itself(tmp_path):
+    """The decode worker's stage timings and pulled blocks came with its last reply, which
+    a sequence the router ends early (a stop string, a client gone) never reaches: its
+    prompt went unobserved. They come with the first now. And a call whose last reply
+    came was cancelled while its handler unwound: the worker's span said cancelled."""
+    decode = Lingering()
+
+    async def scenario(registry: RedisRegistry) -> tuple[float | None, bool]:
+        server, info = await serve(decode, registry)
+        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex())
+        try:
+            await pool.refresh()
+            sampling = pb.SamplingParams(prompt_logprobs=0)  # (a local prefill's)
+            request = SequenceRequest("r1", list(range(5, 40)), [], sampling)
+            placement = Placement(info.worker_id, None, 0, 0, 0.0)
+            lease = RemoteLease(lambda: None)
+            early = dispatcher._decode(request, placement, None, lease, set())
+            await anext(early)  # a stop string in its first token: the router stops
+            await early.aclose()
+            queued = dispatcher.metrics.registry.get_sample_value(
+                "pdserve:ttft_queue_seconds_count", {"model_name": "m"}
+            )
+            await asyncio.sleep(0.5)  # (that call, cut short, is cancelled: as it should be)
+            decode.cancelled = False
+            whole = dispatcher._decode(request, placement, None, lease, set())
+            async for delta in whole:
+                if delta.finish_reason:
+                    break  # the client has its last token
+            await whole.aclose()
+            await asyncio.sleep(0.5)
+            return queued, decode.cancelled
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    assert run_with_registry(tmp_path, scenario) == (1.0, False)
 
 
 @pytest.mark.timeout(60)

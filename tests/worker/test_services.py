@@ -93,6 +93,7 @@ def test_disaggregated_tokens_equal_offline(stack, offline):
     prompts = random_prompts(LENGTHS, seed=21)
 
     async def body(client: PDClient):
+        _, before = await client.stats()
         results = await asyncio.gather(
             *(client.generate(f"parity-{i}", p, GREEDY) for i, p in enumerate(prompts))
         )
@@ -100,9 +101,15 @@ def test_disaggregated_tokens_equal_offline(stack, offline):
             assert result.token_ids == offline[i], f"prompt {i} ({len(prompts[i])} tokens)"
             assert result.finish_reason == "length"
             assert result.chunks[-1].usage.completion_tokens == 16
+            # The pull's time and blocks come with the first reply (a sequence the router
+            # ends early never sees the last).
+            assert result.chunks[0].HasField("timings")
         await assert_idle(client)
         prefill, decode = await client.stats()
-        assert decode.blocks_pulled > 0 and prefill.leases_released >= len(prompts)
+        assert decode.blocks_pulled > before.blocks_pulled
+        pulled = sum(result.chunks[0].num_blocks_pulled for result in results)
+        assert pulled == decode.blocks_pulled - before.blocks_pulled
+        assert prefill.leases_released >= len(prompts)
 
     run(with_client(stack, body))
 
