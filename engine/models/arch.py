@@ -533,6 +533,11 @@ def _require(cfg: dict[str, Any], key: str, path: Path) -> Any:
 # transformers' config defaults where a checkpoint's config.json leaves the key out.
 _DEFAULT_SLIDING_WINDOW = {"MistralForCausalLM": 4096}
 _DEFAULT_MAX_WINDOW_LAYERS = 28  # Qwen2Config, Qwen3Config
+# The architectures whose transformers model slides every layer's window by
+# ``sliding_window`` when the config has no ``layer_types``; the others ignore the key (a
+# Mistral checkpoint exported as Llama keeps "sliding_window": 4096, and was read with
+# every layer windowed: other tokens than transformers' from the first).
+_WINDOWED = frozenset({"MistralForCausalLM", "MixtralForCausalLM", "Phi3ForCausalLM"})
 
 
 def _gemma3_layer_types(cfg: dict[str, Any], num_layers: int) -> list[str]:
@@ -555,6 +560,11 @@ def _sliding_windows(cfg: dict[str, Any], architecture: str, num_layers: int) ->
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
     if architecture == "Qwen3MoeForCausalLM":  # every layer, with use_sliding_window
         return (window if cfg.get("use_sliding_window", False) else None,) * num_layers
+    if architecture == "Qwen2MoeForCausalLM":  # Qwen2MoeConfig's rule: every other layer
+        if not cfg.get("use_sliding_window", False):
+            return (None,) * num_layers
+        last = cfg.get("max_window_layers", _DEFAULT_MAX_WINDOW_LAYERS)
+        return tuple(window if (i + 1) % 2 and i < last else None for i in range(num_layers))
     if architecture.startswith("Qwen"):
         # Qwen2/3 before layer_types: sliding only with use_sliding_window, and only from
         # layer max_window_layers on.
@@ -562,7 +572,7 @@ def _sliding_windows(cfg: dict[str, Any], architecture: str, num_layers: int) ->
             return (None,) * num_layers
         first = cfg.get("max_window_layers", _DEFAULT_MAX_WINDOW_LAYERS)
         return tuple(window if i >= first else None for i in range(num_layers))
-    return (window,) * num_layers
+    return ((window if architecture in _WINDOWED else None),) * num_layers
 
 
 def _moe_config(
@@ -854,6 +864,8 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
     partial = flags.glm4_moe or flags.minimax_m2 or flags.qwen3_5 or flags.bamba
     if flags.qwen3_5 and "partial_rotary_factor" not in cfg:
         cfg = {**cfg, "partial_rotary_factor": 0.25}  # Qwen3_5TextConfig's default
+    if flags.glm4_moe and "partial_rotary_factor" not in cfg:
+        cfg = {**cfg, "partial_rotary_factor": 0.5}  # Glm4MoeConfig's default (it was 1)
     rope = gemma3.pop("rope") if gemma3 else rope_config(cfg, path, flags.phi3_rope, partial)
     if vision is not None and vision.mrope:
         rope = _mrope(rope, int(head_dim), vision, path)

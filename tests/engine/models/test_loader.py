@@ -243,6 +243,55 @@ def test_config_keys_left_out_take_transformers_defaults(tiny_llama, tmp_path):
             assert getattr(arch, field) == expected, name
 
 
+def test_keys_read_as_each_architectures_transformers_config_reads_them(model_factory, tmp_path):
+    """Qwen2-MoE's window before layer_types (every other layer below max_window_layers:
+    Qwen2MoeConfig's rule, not Qwen2's), and GLM-4.5's partial rotary factor left out
+    (0.5, Glm4MoeConfig's default: the whole head rotated here)."""
+    for arch_name, edit in [
+        ("qwen2_moe", {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 3,
+                       "num_hidden_layers": 4}),
+        ("glm4_moe", {}),
+    ]:  # fmt: skip
+        source = model_factory(arch_name)
+        config = {**json.loads((source / "config.json").read_text()), **edit}
+        for key in ("layer_types", "partial_rotary_factor"):
+            config.pop(key, None)
+        model_dir = tmp_path / arch_name
+        model_dir.mkdir()
+        (model_dir / "config.json").write_text(json.dumps(config))
+        arch = read_arch_config(model_dir)
+        theirs = transformers.AutoConfig.from_pretrained(model_dir)
+        if arch_name == "qwen2_moe":
+            windows = tuple(6 if t == "sliding_attention" else None for t in theirs.layer_types)
+            assert arch.sliding_windows == windows == (6, None, 6, None)
+        else:
+            assert theirs.rope_parameters["partial_rotary_factor"] == 0.5
+            explicit = model_dir.with_name("glm-explicit")
+            explicit.mkdir()
+            (explicit / "config.json").write_text(
+                json.dumps({**config, "partial_rotary_factor": 0.5})
+            )
+            assert arch.rope == read_arch_config(explicit).rope
+
+
+def test_a_llama_config_with_a_sliding_window_attends_as_transformers_llama(tiny_llama, tmp_path):
+    """transformers' Llama (as vLLM's) has no window: the key, which a Mistral exported
+    as Llama keeps, is ignored; every layer was windowed here, and the prompt's log-probs
+    past the window were other than the model's. (transformers' ``generate`` does slide
+    its cache by the key, while its forward pass does not: the forward is the oracle.)"""
+    model_dir = write_checkpoint(tmp_path, tiny_llama, transformers.LlamaConfig,
+                                 sliding_window=8)  # fmt: skip
+    assert read_arch_config(model_dir).sliding_windows == (None, None)
+    prompt = random_prompts((40,))[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        reference = model(torch.tensor([prompt])).logits[0, :-1].log_softmax(-1)
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    (output,) = LLM(model_dir, dtype="float32").generate([prompt], params, use_tqdm=False)
+    for position, lp in enumerate(output.prompt_logprobs[1:]):
+        assert lp.logprob == pytest.approx(reference[position][lp.token_id].item(), abs=1e-4)
+
+
 def test_a_tied_config_with_a_different_stored_head_uses_it_as_transformers_does(
     tiny_llama, tmp_path
 ):
