@@ -43,6 +43,13 @@ GEMMA3_TEXT_DEFAULTS: dict[str, Any] = {
     "sliding_window_pattern": 6,
 }
 GEMMA3_TEXT_MODEL_TYPES = ("gemma3_text", "gemma3")
+# transformers' literal head_dim defaults: a config saved with its defaults left out (as
+# save_pretrained writes one) has no head_dim, and hidden_size // num_attention_heads is
+# not it (Qwen3-0.6B: 1024 // 16 = 64, its heads 128 wide).
+HEAD_DIM_DEFAULTS: dict[str, int] = {
+    "qwen3": 128, "minimax_m2": 128, "qwen3_next": 256, "qwen3_5": 256, "qwen3_5_text": 256,
+    "qwen3_5_moe": 256, "qwen3_5_moe_text": 256,
+}  # fmt: skip
 # transformers' GptOssConfig defaults (5.x); layer_types and the rope: ``_gpt_oss``.
 GPT_OSS_DEFAULTS: dict[str, Any] = {
     "vocab_size": 201_088,
@@ -128,6 +135,9 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
         cfg = merged
     if cfg.get("model_type") in GEMMA3_TEXT_MODEL_TYPES:
         cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}  # absent keys only: an explicit null stays
+    head_dim = HEAD_DIM_DEFAULTS.get(cfg.get("model_type", ""))
+    if head_dim is not None and "head_dim" not in cfg:
+        cfg = {**cfg, "head_dim": head_dim}
     if cfg.get("model_type") == "gpt_oss":
         cfg = _gpt_oss(cfg)
     if cfg.get("model_type") == "granitemoehybrid":

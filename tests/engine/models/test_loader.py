@@ -274,6 +274,21 @@ def test_keys_read_as_each_architectures_transformers_config_reads_them(model_fa
             assert arch.rope == read_arch_config(explicit).rope
 
 
+@pytest.mark.parametrize("arch_name", ["qwen3", "minimax_m2", "qwen3_next", "qwen3_5"])
+def test_a_head_dim_left_out_is_transformers_default(model_factory, tmp_path, arch_name):
+    """save_pretrained leaves out keys equal to their defaults: a Qwen3 whose heads are
+    128 wide (its config class's default) has no head_dim, and hidden_size //
+    num_attention_heads (Qwen3-0.6B's: 64) is not its width."""
+    config = json.loads((model_factory(arch_name) / "config.json").read_text())
+    config.pop("head_dim", None)
+    config.get("text_config", {}).pop("head_dim", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    theirs = transformers.AutoConfig.from_pretrained(tmp_path)
+    theirs = getattr(theirs, "text_config", theirs)
+    assert read_arch_config(tmp_path).head_dim == theirs.head_dim
+    assert theirs.head_dim != theirs.hidden_size // theirs.num_attention_heads
+
+
 def test_a_llama_config_with_a_sliding_window_attends_as_transformers_llama(tiny_llama, tmp_path):
     """transformers' Llama (as vLLM's) has no window: the key, which a Mistral exported
     as Llama keeps, is ignored; every layer was windowed here, and the prompt's log-probs
