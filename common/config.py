@@ -545,6 +545,10 @@ class RouterConfig:
     # serve images you mean to be read. Redirects are not followed.
     allowed_media_domains: list[str] = dataclasses.field(default_factory=list)
     media_fetch_timeout_s: float = 10.0  # one whole fetch
+    # Web pages whose scripts may call the API from a browser (CORS), by origin
+    # ("https://chat.example.com"), or "*" for any (vLLM's default); empty: no CORS
+    # headers, so browsers keep other origins' pages from reading the answers.
+    allowed_origins: list[str] = dataclasses.field(default_factory=list)
     prefill_timeout_s: float = 120.0  # one prefill try
     # A sequence's whole journey, from admission: waiting for room on a decode worker,
     # its prefill tries and its decode (a 503 once passed).
@@ -617,6 +621,11 @@ class RouterConfig:
             raise ConfigError("router.max_images_per_request", "must be >= 0")
         if self.media_fetch_timeout_s <= 0:
             raise ConfigError("router.media_fetch_timeout_s", "must be > 0")
+        for origin in self.allowed_origins:
+            scheme, _, host = origin.partition("://")
+            if origin != "*" and (scheme not in ("http", "https") or not host or "/" in host):
+                raise ConfigError("router.allowed_origins", f"{origin!r} is not an origin "
+                                  "(scheme://host[:port], no path) or '*'")  # fmt: skip
         if self.max_decode_migrations < 0:
             raise ConfigError("router.max_decode_migrations", "must be >= 0")
         if self.decode_queue_factor < 0:

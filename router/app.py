@@ -18,6 +18,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -168,7 +169,11 @@ def create_app(state: RouterState) -> FastAPI:
     )
     app.add_middleware(_ApiKeyAuth, state=state, respond=refused)
     if state.tracer.enabled:
-        app.add_middleware(_Arrival)  # outermost: the first thing a request meets
+        app.add_middleware(_Arrival)  # the first thing a request meets (but CORS's)
+    origins = state.config.router.allowed_origins
+    if origins:  # outermost: a browser's preflight carries no key, and needs no trace
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"],
+                           allow_headers=["*"])  # fmt: skip
 
     @app.get("/health")
     async def health() -> Response:

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common.config import Role
+from common.config import ConfigError, Role
 from common.config_loader import load_config
 from common.registry import WorkerInfo
 from proto import pdserve_pb2 as pb
@@ -151,6 +151,34 @@ def test_a_responses_refusal_from_the_chat_path_names_the_responses_fields(state
     error = error_of(post(state, "/v1/responses", json=body), 400)
     assert error["param"] == "text"
     assert error["message"] == "text.format.schema is required with type json_schema"
+
+
+def test_browsers_of_the_allowed_origins_may_call_the_api(tiny_llama):
+    """``router.allowed_origins`` (vLLM answers every origin by default): a preflight is
+    answered before the key check (a browser sends none with it), and answers carry the
+    origin; without the setting no CORS header goes out (a preflight meets the key check)."""
+    keyed = [f"model={tiny_llama}", "router.api_keys=[sk-1]"]
+    state = RouterState.build(
+        load_config(None, [*keyed, "router.allowed_origins=[https://ui.example]"])
+    )
+    preflight = {"origin": "https://ui.example", "access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization, content-type"}  # fmt: skip
+    reply = post(state, "/v1/chat/completions", method="OPTIONS", headers=preflight)
+    assert reply.status_code == 200
+    assert reply.headers["access-control-allow-origin"] == "https://ui.example"
+    headers = {"origin": "https://ui.example", "authorization": "Bearer sk-1"}
+    reply = post(state, "/v1/models", method="GET", headers=headers)
+    assert reply.status_code == 200
+    assert reply.headers["access-control-allow-origin"] == "https://ui.example"
+    other = post(
+        state, "/v1/models", method="GET", headers={**headers, "origin": "https://x.example"}
+    )
+    assert "access-control-allow-origin" not in other.headers
+    closed = RouterState.build(load_config(None, keyed))
+    refused = post(closed, "/v1/chat/completions", method="OPTIONS", headers=preflight)
+    assert refused.status_code == 401 and "access-control-allow-origin" not in refused.headers
+    with pytest.raises(ConfigError, match="router.allowed_origins"):
+        load_config(None, [f"model={tiny_llama}", "router.allowed_origins=[ui.example/x]"])
 
 
 def test_lists_that_cost_work_per_entry_are_bounded(state, monkeypatch):
