@@ -125,6 +125,16 @@ def _pooled_rate(loads: list[WorkerLoad]) -> list[WorkerLoad]:
     return [dataclasses.replace(load, prefill_tokens_per_s=median) for load in loads]
 
 
+def _cut_by_deadline(exc: grpc.aio.AioRpcError, deadline: float | None) -> bool:
+    """Whether the sequence's own deadline (``time.monotonic``) ended the call: counted as
+    a worker's failure, it blamed healthy workers for every request that timed out."""
+    return (
+        exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        and deadline is not None
+        and time.monotonic() >= deadline - _DEADLINE_SLACK_S
+    )
+
+
 def _refused(exc: grpc.aio.AioRpcError) -> bool:
     """The worker turned the call away without starting it (``proto.REFUSED_KEY``)."""
     return any(key == REFUSED_KEY for key, _ in exc.trailing_metadata() or ())
@@ -437,6 +447,9 @@ class Dispatcher:
                 self.metrics.prefill_failures.inc()
                 continue
             except grpc.aio.AioRpcError as exc:
+                if _cut_by_deadline(exc, deadline):  # the router's own: not the worker's fault
+                    self._release_kv(worker, pb.ReleaseKVRequest(request_id=request.request_id))
+                    return None, None  # (the decode hop then finds the deadline passed)
                 self.failed_call(worker, exc, "prefill")
                 # Past its deadline or cut off, it may have exported: free that now.
                 self._release_kv(worker, pb.ReleaseKVRequest(request_id=request.request_id))
@@ -600,10 +613,7 @@ class Dispatcher:
                 client_error = _client_error(exc)
                 if client_error is not None:
                     raise client_error from None
-                if (
-                    exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-                    and time.monotonic() >= deadline - _DEADLINE_SLACK_S
-                ):  # the router's own deadline: not the worker's failure, nothing to retry
+                if _cut_by_deadline(exc, deadline):  # not the worker's failure: no retry
                     raise unavailable(_PAST_DEADLINE) from None
                 logger.warning("decode of %s on %s failed: %s %s", request.request_id,
                                worker.worker_id, exc.code().name, exc.details())  # fmt: skip

@@ -1324,3 +1324,33 @@ def test_a_stream_the_routers_deadline_cuts_says_so_and_blames_no_worker(tmp_pat
     message, failures, healthy, calls = run_with_registry(tmp_path, scenario)
     assert "ran past router.request_timeout_s" in message
     assert (failures, healthy, calls) == (0, True, 1)
+
+
+@pytest.mark.timeout(60)
+def test_a_prefill_the_routers_deadline_cuts_blames_no_worker(tmp_path):
+    """As for a decode call: the sequence's deadline ending a prefill call counted a
+    prefill failure and a fallback against a healthy worker, with a warning blaming it."""
+    prefill, decode = HeldPrefill(), Decode(fail=False, token_ids=(1, 2))  # never answers
+
+    async def scenario(registry: RedisRegistry) -> tuple:
+        (server_p, info_p), (server_d, _) = await serve(prefill, registry), await serve(
+            decode, registry)  # fmt: skip
+        config = RouterConfig(min_disagg_tokens=1, request_timeout_s=0.5)
+        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex(), config)
+        try:
+            await pool.refresh()
+            request = SequenceRequest("r1", list(range(5, 60)), [], pb.SamplingParams())
+            with pytest.raises(APIError) as cut:
+                async for _ in dispatcher.generate(request):
+                    pass
+            counted = [c._value.get() for c in (dispatcher.metrics.prefill_failures,
+                                                dispatcher.metrics.prefill_fallbacks)]  # fmt: skip
+            return cut.value.message, *counted, pool.get(info_p.worker_id).healthy
+        finally:
+            await pool.close()
+            await server_p.stop(None)
+            await server_d.stop(None)
+
+    message, failures, fallbacks, healthy = run_with_registry(tmp_path, scenario)
+    assert "ran past router.request_timeout_s" in message
+    assert (failures, fallbacks, healthy) == (0, 0, True)
