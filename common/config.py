@@ -621,6 +621,10 @@ class RouterConfig:
             raise ConfigError("router.max_images_per_request", "must be >= 0")
         if self.media_fetch_timeout_s <= 0:
             raise ConfigError("router.media_fetch_timeout_s", "must be > 0")
+        for key in self.api_keys:  # as PDSERVE_API_KEYS reads them (pdserve up passes them)
+            if not key or not key.isascii() or not key.isprintable() or "," in key or " " in key:
+                raise ConfigError("router.api_keys", "each key must be printable ASCII without "
+                                  "spaces or commas")  # fmt: skip
         for origin in self.allowed_origins:
             scheme, _, host = origin.partition("://")
             if origin != "*" and (scheme not in ("http", "https") or not host or "/" in host):

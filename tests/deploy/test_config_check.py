@@ -62,6 +62,11 @@ BROKEN = [
     ("router: {port: '8000'}", "router.port", "must be an integer"),
     ("prefill: {replicas: -1}", "prefill.replicas", "must be >= 0"),
     ("decode: {replicas: 0}", "decode.replicas", "at least one decode worker"),
+    # (pdserve up passes keys as PDSERVE_API_KEYS, split on commas and spaces: "sk-a b"
+    # became two keys, "b" among them)
+    ("router: {api_keys: ['sk-a b']}", "router.api_keys", "without spaces or commas"),
+    ("router: {api_keys: ['sk-a,b']}", "router.api_keys", "without spaces or commas"),
+    ("router: {api_keys: ['clé']}", "router.api_keys", "printable ASCII"),
     # (it was replaced by offload.cpu_bytes without a word: no CPU tier)
     ("engine: {cpu_offload_bytes: 1000}", "engine.cpu_offload_bytes", "offload.cpu_bytes"),
     ("engine: {max_num_seqs: 0}", "engine.max_num_seqs", "must be > 0"),
