@@ -127,9 +127,12 @@ class RedisRegistry(Registry):
 
         self.ttl_ms = int(ttl_s * 1000)
         self.prefix = prefix
-        password = password_from_env()  # (rendered deployments keep it out of the URL)
+        # Rendered deployments keep the password out of the URL and give it here; given,
+        # it outranks the URL's (redis-py's URL options outrank its keywords: stripped).
+        password = password_from_env()
         self._client = redis.Redis.from_url(
-            url, socket_timeout=2.0, socket_connect_timeout=2.0, decode_responses=True,
+            without_password(url) if password else url, socket_timeout=2.0,
+            socket_connect_timeout=2.0, decode_responses=True,
             **({"password": password} if password else {}),
         )  # fmt: skip
         try:

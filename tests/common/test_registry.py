@@ -77,6 +77,9 @@ def test_a_redis_password_comes_from_the_environment_and_stays_out_of_errors(tmp
         assert "wrong" not in str(refused.value) and ":***@" in str(refused.value)
         monkeypatch.setenv("PDSERVE_REDIS_PASSWORD", "hunter2")
         registry = RedisRegistry(url, ttl_s=5, prefix="t")  # (the URL has none)
+        registry.close()
+        stale = url.replace("redis://", "redis://:old@")  # the variable outranks the URL's
+        registry = RedisRegistry(stale, ttl_s=5, prefix="t")
         registry.register(info("prefill-a"))
         assert [w.worker_id for w in registry.list_workers()] == ["prefill-a"]
         registry.close()
