@@ -47,8 +47,8 @@ GEMMA3_TEXT_MODEL_TYPES = ("gemma3_text", "gemma3")
 # save_pretrained writes one) has no head_dim, and hidden_size // num_attention_heads is
 # not it (Qwen3-0.6B: 1024 // 16 = 64, its heads 128 wide).
 HEAD_DIM_DEFAULTS: dict[str, int] = {
-    "qwen3": 128, "minimax_m2": 128, "qwen3_next": 256, "qwen3_5": 256, "qwen3_5_text": 256,
-    "qwen3_5_moe": 256, "qwen3_5_moe_text": 256,
+    "qwen3": 128, "qwen3_vl": 128, "qwen3_vl_text": 128, "minimax_m2": 128, "qwen3_next": 256,
+    "qwen3_5": 256, "qwen3_5_text": 256, "qwen3_5_moe": 256, "qwen3_5_moe_text": 256,
 }  # fmt: skip
 # transformers' GptOssConfig defaults (5.x); layer_types and the rope: ``_gpt_oss``.
 GPT_OSS_DEFAULTS: dict[str, Any] = {
