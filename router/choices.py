@@ -265,9 +265,13 @@ async def merge_choices(
     async def pump(choice: Choice) -> None:
         """Its events, then None or its error (not when cancelled: nobody reads then, and
         a full queue would hold the cancelled task for good)."""
+        run = run_choice(dispatcher, choice, metrics, arrival)
         try:
-            async for event in run_choice(dispatcher, choice, metrics, arrival):
-                await queue.put(event)
+            # Closed with the pump: cancelled while waiting to put, it left the choice's
+            # generator suspended, its sequence's abort and metrics left to the collector.
+            async with contextlib.aclosing(run):
+                async for event in run:
+                    await queue.put(event)
         except Exception as exc:  # an APIError, or a bug to raise
             await queue.put(exc)
         else:

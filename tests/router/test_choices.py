@@ -130,8 +130,10 @@ def test_a_reader_that_falls_behind_holds_back_every_choice_of_its_request(byte_
     choices = [Choice(i, 0, SequenceRequest(str(i), [1, 2, 3], [], sampling),
                       IncrementalDetokenizer(byte_level, [], 0)) for i in range(2)]  # fmt: skip
 
-    async def read_slowly() -> int:
-        events = merge_choices(Counting(), choices, RouterMetrics("m"), 0.0)
+    metrics = RouterMetrics("m")
+
+    async def read_slowly() -> tuple[int, float | None]:
+        events = merge_choices(Counting(), choices, metrics, 0.0)
         read = 0
         async for _ in events:
             read += 1
@@ -141,6 +143,11 @@ def test_a_reader_that_falls_behind_holds_back_every_choice_of_its_request(byte_
         await asyncio.sleep(0.2)  # a reader that stopped: the choices may not run ahead
         ahead = sum(produced) - read
         await events.aclose()
-        return ahead
+        # Both sequences ended with the merge (their aborts and metrics), not later.
+        ended = metrics.registry.get_sample_value(
+            "vllm:request_success_total", {"model_name": "m", "finished_reason": "abort"}
+        )
+        return ahead, ended
 
-    assert asyncio.run(read_slowly()) <= 2 * len(choices) + len(choices)
+    ahead, ended = asyncio.run(read_slowly())
+    assert ahead <= 2 * len(choices) + len(choices) and ended == 2
