@@ -123,8 +123,9 @@ def test_decode_reuses_its_prefix_cache(stack):
         second = await client.generate("reuse-b", prefix + [8, 9, 10, 11], GREEDY)
         _, after = await client.stats()
         # 100 tokens = 7 blocks; the first 6 (96 tokens) are cached on the decode worker.
-        assert first.chunks[-1].num_blocks_pulled == 7
-        assert second.chunks[-1].num_blocks_pulled == 1
+        # (The first chunk says what was pulled.)
+        assert first.chunks[0].num_blocks_pulled == 7
+        assert second.chunks[0].num_blocks_pulled == 1
         assert after.blocks_pulled - before.blocks_pulled == 1
         assert after.blocks_reused_locally - before.blocks_reused_locally == 6
         assert second.prefill.num_cached_tokens == 96
