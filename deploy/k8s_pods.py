@@ -47,16 +47,22 @@ UID = 1000  # the image's pdserve user
 # when the operator made one (``kubectl create secret generic pdserve-internal-token
 # --from-literal=token=...``); without it the pods run without the check.
 INTERNAL_TOKEN_SECRET = "pdserve-internal-token"
-_INTERNAL_TOKEN = {"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {
-    "name": INTERNAL_TOKEN_SECRET, "key": "token", "optional": True}}}  # fmt: skip
+
+
+def _secret_env(name: str, secret: str, key: str, required: bool = False) -> dict[str, Any]:
+    """The variable ``name`` from the Secret ``secret``'s ``key``; where ``required``, the
+    pod does not start without it."""
+    return {"name": name, "valueFrom": {"secretKeyRef": {
+        "name": secret, "key": key, "optional": not required}}}  # fmt: skip
+
+
+_INTERNAL_TOKEN = _secret_env(TOKEN_ENV, INTERNAL_TOKEN_SECRET, "token")
 
 
 def _api_keys(config: PdserveConfig) -> dict[str, Any]:
     """The router's client keys (``common/api_keys.py``), never in the ConfigMap: from a
     Secret, required when the config has keys (the router must not start open)."""
-    required = bool(config.router.api_keys)
-    return {"name": API_KEYS_ENV, "valueFrom": {"secretKeyRef": {
-        "name": API_KEYS_SECRET, "key": "keys", "optional": not required}}}  # fmt: skip
+    return _secret_env(API_KEYS_ENV, API_KEYS_SECRET, "keys", bool(config.router.api_keys))
 
 
 def _redis_password(config: PdserveConfig) -> list[dict[str, Any]]:
@@ -65,8 +71,7 @@ def _redis_password(config: PdserveConfig) -> list[dict[str, Any]]:
     needed = c.redis_password_needed(config)
     if needed is None:
         return []
-    return [{"name": REDIS_PASSWORD_ENV, "valueFrom": {"secretKeyRef": {
-        "name": REDIS_PASSWORD_SECRET, "key": "password", "optional": not needed}}}]  # fmt: skip
+    return [_secret_env(REDIS_PASSWORD_ENV, REDIS_PASSWORD_SECRET, "password", needed)]
 
 
 def labels(component: str) -> dict[str, str]:

@@ -100,7 +100,7 @@ def _common(config: PdserveConfig, image: str) -> dict[str, Any]:
         "image": image,
         "configs": [{"source": CONFIG_NAME, "target": c.CONFIG_PATH}],
         # The internal ports' token (``common/internal_auth.py``): the host's, if set.
-        "environment": {"PYTHONUNBUFFERED": "1", TOKEN_ENV: f"${{{TOKEN_ENV}:-}}"},
+        "environment": {"PYTHONUNBUFFERED": "1", TOKEN_ENV: _from_host(TOKEN_ENV)},
         "restart": "unless-stopped",
     }
     if config.model is not None:
@@ -110,9 +110,16 @@ def _common(config: PdserveConfig, image: str) -> dict[str, Any]:
     # written here; required when the config's URL had one.
     needed = c.redis_password_needed(config)
     if needed is not None:
-        unset = f":?set {REDIS_PASSWORD_ENV}: registry.redis_url has a password" if needed else ":-"
-        service["environment"][REDIS_PASSWORD_ENV] = f"${{{REDIS_PASSWORD_ENV}{unset}}}"
+        because = "registry.redis_url has a password" if needed else None
+        service["environment"][REDIS_PASSWORD_ENV] = _from_host(REDIS_PASSWORD_ENV, because)
     return service
+
+
+def _from_host(name: str, required_because: str | None = None) -> str:
+    """The compose host's variable ``name``: empty when unset, or, given why it is
+    required, compose refuses to start without it (saying why)."""
+    unset = f":?set {name}: {required_because}" if required_because else ":-"
+    return f"${{{name}{unset}}}"
 
 
 def _worker(
@@ -160,11 +167,8 @@ def _router(config: PdserveConfig, image: str, workers: list[str]) -> dict[str, 
     # Client keys (``common/api_keys.py``): the host's, never written here; required when
     # the config has keys (compose refuses to start without them: the router must not
     # serve open).
-    if router.api_keys:
-        unset = f":?set {API_KEYS_ENV}: the config has router.api_keys"
-    else:
-        unset = ":-"
-    service["environment"][API_KEYS_ENV] = f"${{{API_KEYS_ENV}{unset}}}"
+    because = "the config has router.api_keys" if router.api_keys else None
+    service["environment"][API_KEYS_ENV] = _from_host(API_KEYS_ENV, because)
     depends = {name: {"condition": "service_healthy"} for name in workers}
     if c.uses_bundled_redis(config):
         depends = {"redis": {"condition": "service_healthy"}, **depends}
