@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from common.config import ConfigError
+from common.config import ConfigError, valid_api_key
 
 API_KEYS_ENV = "PDSERVE_API_KEYS"
 API_KEYS_SECRET = "pdserve-api-keys"  # Kubernetes: its key "keys" holds the list
@@ -21,7 +21,6 @@ API_KEYS_SECRET = "pdserve-api-keys"  # Kubernetes: its key "keys" holds the lis
 def api_keys_from_env(environ: Mapping[str, str] = os.environ) -> list[str]:
     """The keys ``PDSERVE_API_KEYS`` lists (none when unset or blank)."""
     keys = environ.get(API_KEYS_ENV, "").replace(",", " ").split()
-    for key in keys:
-        if not key.isprintable() or not key.isascii():
-            raise ConfigError(API_KEYS_ENV, "keys must be printable ASCII")
+    if not all(map(valid_api_key, keys)):
+        raise ConfigError(API_KEYS_ENV, "keys must be printable ASCII")
     return keys

@@ -503,6 +503,12 @@ class OffloadConfig:
             raise ConfigError("offload.cpu_bytes", f"must be >= 0, got {self.cpu_bytes}")
 
 
+def valid_api_key(key: str) -> bool:
+    """Whether ``key`` is one ``PDSERVE_API_KEYS`` can carry (its keys are separated by
+    commas or whitespace; a header carries printable ASCII alone)."""
+    return bool(key) and key.isascii() and key.isprintable() and not ("," in key or " " in key)
+
+
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
     host: str = "127.0.0.1"
@@ -621,10 +627,9 @@ class RouterConfig:
             raise ConfigError("router.max_images_per_request", "must be >= 0")
         if self.media_fetch_timeout_s <= 0:
             raise ConfigError("router.media_fetch_timeout_s", "must be > 0")
-        for key in self.api_keys:  # as PDSERVE_API_KEYS reads them (pdserve up passes them)
-            if not key or not key.isascii() or not key.isprintable() or "," in key or " " in key:
-                raise ConfigError("router.api_keys", "each key must be printable ASCII without "
-                                  "spaces or commas")  # fmt: skip
+        if not all(map(valid_api_key, self.api_keys)):  # (pdserve up passes them on so)
+            raise ConfigError("router.api_keys", "each key must be printable ASCII without "
+                              "spaces or commas")  # fmt: skip
         for origin in self.allowed_origins:
             scheme, _, host = origin.partition("://")
             if origin != "*" and (scheme not in ("http", "https") or not host or "/" in host):
