@@ -183,9 +183,10 @@ class RouterMetrics:
     def observe_decode(
         self, timings: pb.StageTimings, blocks_pulled: int, prefilled_here: bool = False
     ) -> None:
-        """A decode hop's end; ``prefilled_here``: it computed the prompt itself (a local
-        prefill), so its queueing and prefill are the request's (those of local prefills,
-        every one in a colocated deployment, went unrecorded)."""
+        """A decode hop's first reply, which says its stages up to its first token;
+        ``prefilled_here``: it computed the prompt itself (a local prefill), so its
+        queueing and prefill are the request's (those of local prefills, every one in a
+        colocated deployment, went unrecorded)."""
         if timings.transfer_ms:
             self.transfer.observe(timings.transfer_ms / 1000)
         if prefilled_here:
