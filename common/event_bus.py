@@ -28,7 +28,8 @@ worker's blocks, and its listener waits for it).
 
 A subscriber that joins, or must resynchronise, asks for a *snapshot* rather than the
 trailing batches: one batch, numbered as the last one published, holding
-``AllBlocksCleared`` and then every block the worker caches, per tier. Workers announce a
+``AllBlocksCleared`` and then every block the worker caches, per tier (and, for a hybrid
+model, every block a state snapshot follows). Workers announce a
 block when they store it, never when a request hits it, so the hottest prefixes (the
 least evicted) were the ones a router that joined late, or lost history, never learned
 again (a router restarted against long-running workers routed without them for good).
@@ -58,6 +59,8 @@ from common.kv_events import (
     KVEvent,
     KVEventBatch,
     Medium,
+    StateRemoved,
+    StateStored,
     decode_batch,
     encode_batch,
 )
@@ -108,6 +111,7 @@ class KVEventPublisher:
         # The buffer and the cached blocks: updated by publish, read by replays.
         self._lock = threading.Lock()
         self._cached: dict[Medium, set[bytes]] = {medium: set() for medium in Medium}
+        self._states: set[bytes] = set()  # blocks a state snapshot follows (hybrid models)
         self._block_size = 0  # (BlockStored carries it; the router reads none of it)
         # Snapshots are one message of the whole cache (3 MiB at 100,000 blocks), so the
         # per-peer high-water mark, which counts messages, does not bound them: a peer
@@ -141,9 +145,14 @@ class KVEventPublisher:
                 self._block_size = event.block_size
             elif isinstance(event, BlockRemoved):
                 self._cached[event.medium].difference_update(event.block_hashes)
+            elif isinstance(event, StateStored):
+                self._states.update(event.block_hashes)
+            elif isinstance(event, StateRemoved):
+                self._states.difference_update(event.block_hashes)
             elif isinstance(event, AllBlocksCleared):
                 for cached in self._cached.values():
                     cached.clear()
+                self._states.clear()
 
     def _snapshot(self) -> bytes:
         """The encoded snapshot: the last one if made within ``_SNAPSHOT_REUSE_S`` (a
@@ -155,9 +164,12 @@ class KVEventPublisher:
         with self._lock:
             seq = self.next_seq - 1
             cached = {medium: list(hashes) for medium, hashes in self._cached.items()}
+            states = list(self._states)
         events: list[KVEvent] = [AllBlocksCleared()]
         events += [BlockStored(hashes, None, [], self._block_size, medium)
                    for medium, hashes in cached.items() if hashes]  # fmt: skip
+        if states:
+            events.append(StateStored(states))
         payload = encode_batch(KVEventBatch(seq=seq, ts=time.time(), events=events))
         self._snapshot_cache = (now, payload)
         return payload

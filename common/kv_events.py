@@ -38,12 +38,29 @@ class BlockRemoved(msgspec.Struct, tag=True, frozen=True, array_like=True):
 
 
 class AllBlocksCleared(msgspec.Struct, tag=True, frozen=True, array_like=True):
-    """Every block of every tier is gone: what a snapshot begins with (a worker that
-    joins or restarts). A pool's ``reset_prefix_cache`` removes its blocks one by one
-    instead, since a CPU tier keeps its own."""
+    """Every block of every tier is gone, and every state snapshot: what a snapshot of
+    the cache begins with (a worker that joins or restarts). A pool's
+    ``reset_prefix_cache`` removes its blocks one by one instead, since a CPU tier keeps
+    its own."""
 
 
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+class StateStored(msgspec.Struct, tag=True, frozen=True, array_like=True):
+    """Hybrid models: the worker now caches a state snapshot (its linear-attention states)
+    after each of these blocks, on the device, so a prompt that runs past one of them can
+    start there instead of recomputing from its first token (``engine/kv_cache_manager.py``).
+    A prefix of cached blocks without one is KV the engine cannot resume from."""
+
+    block_hashes: list[bytes]
+
+
+class StateRemoved(msgspec.Struct, tag=True, frozen=True, array_like=True):
+    """Hybrid models: the snapshots after these blocks are gone from the device (evicted,
+    or moved on by a rolling snapshot)."""
+
+    block_hashes: list[bytes]
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | StateStored | StateRemoved
 
 
 class KVEventBatch(msgspec.Struct, frozen=True, array_like=True):

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import ConfigError, PdserveConfig, Role
-from common.hf_config import eos_token_ids, max_context_len, text_config
+from common.hf_config import eos_token_ids, layer_types, max_context_len, text_config
 from common.vision_spec import VisionSpec, served_vision_spec
 
 DEMO_ARCH, DEMO_SIZE = "llama", "tiny"
@@ -67,6 +67,8 @@ class ModelInfo:
     eos_token_ids: frozenset[int] = frozenset()
     # A vision-language model's image side (``common/vision_spec.py``); None: text only.
     vision: VisionSpec | None = None
+    # Linear-attention layers beside full attention (``common.hf_config.layer_types``).
+    hybrid: bool = False
 
 
 def model_info(config: PdserveConfig) -> ModelInfo:
@@ -92,7 +94,8 @@ def model_info(config: PdserveConfig) -> ModelInfo:
     vocab_size = int(hf_config.get("vocab_size", 0))
     eos = frozenset(i for i in eos_token_ids(hf_config, model_dir) if 0 <= i < vocab_size)
     return ModelInfo(model_dir, name, max_model_len, config.engine_for(Role.DECODE).block_size,
-                     vocab_size, str(hf_config.get("model_type") or ""), eos, vision)  # fmt: skip
+                     vocab_size, str(hf_config.get("model_type") or ""), eos, vision,
+                     hybrid=layer_types(hf_config) is not None)  # fmt: skip
 
 
 def check_text_parsers(config: PdserveConfig, hf_config: dict[str, Any]) -> None:

@@ -8,8 +8,10 @@ recently freed one and, if it was cached, evicts it from the cache first.
 A hybrid model's cache also keeps *state snapshots*: the linear-attention states after a
 cached prefix, in ordinary blocks registered under names derived from the prefix's last
 block (``common.hashing.state_block_hashes``; ``kv_cache_manager.py``). They are evicted
-like any cached block, but observers never see them (they are not KV a router could
-use); only ``on_state_evicted`` does (the CPU tier, which keeps snapshots too).
+like any cached block; observers see them only as whole snapshots, named by the block
+they follow (``on_states_stored`` / ``on_states_removed``: where a router may count a
+prefix as reusable), and ``on_state_evicted`` sees their blocks go (the CPU tier, which
+keeps snapshots too).
 
 Observers see every block that enters or leaves the cache. The KV-event publisher is one;
 the CPU offload tier is another (it copies a block out before its slot is reused).
@@ -53,6 +55,13 @@ class BlockPoolObserver(Protocol):
     def on_all_cleared(self, block_hashes: Sequence[BlockHash]) -> None:
         """``reset_prefix_cache`` forgot ``block_hashes``, every block this pool cached."""
 
+    def on_states_stored(self, follows: Sequence[BlockHash]) -> None:
+        """Hybrid models: a whole state snapshot is now cached after each of these blocks."""
+
+    def on_states_removed(self, follows: Sequence[BlockHash]) -> None:
+        """Hybrid models: the snapshots after these blocks are whole no more (a block of
+        each was evicted or renamed, or the cache was reset)."""
+
 
 class BlockPool:
     def __init__(
@@ -73,6 +82,10 @@ class BlockPool:
         )
         self.cached_blocks: dict[BlockHash, KVBlock] = {}
         self.state_blocks: dict[BlockHash, KVBlock] = {}
+        # Each whole snapshot's names by the block it follows, and back: observers hear
+        # of a snapshot once when it is cached and once when it stops being whole.
+        self._snapshot_names: dict[BlockHash, list[BlockHash]] = {}
+        self._snapshot_follows: dict[BlockHash, BlockHash] = {}
         self.observers: list[BlockPoolObserver] = list(observers)
         self.on_state_evicted = on_state_evicted
         self.num_evictions = 0
@@ -91,25 +104,44 @@ class BlockPool:
     def get_state_block(self, name: BlockHash) -> KVBlock | None:
         return self.state_blocks.get(name)
 
-    def cache_state_blocks(self, blocks: Sequence[KVBlock], names: Sequence[BlockHash]) -> bool:
-        """Register a state snapshot's blocks under their names, unless a snapshot under
-        those names is cached already (then they stay plain blocks). Observers are not
-        told. Returns whether they were registered."""
+    def cache_state_blocks(
+        self, blocks: Sequence[KVBlock], names: Sequence[BlockHash], follows: BlockHash
+    ) -> bool:
+        """Register a state snapshot's blocks under their names (derived from ``follows``,
+        the hash of the block it follows), unless a block under one of those names is
+        cached already (then they stay plain blocks). Returns whether they were
+        registered."""
         if not self.enable_caching or any(name in self.state_blocks for name in names):
             return False
         for block, name in zip(blocks, names, strict=True):
             assert block.block_hash is None, f"block {block.block_id} is cached already"
             block.block_hash = name
             self.state_blocks[name] = block
+            self._snapshot_follows[name] = follows
+        self._snapshot_names[follows] = list(names)
+        for observer in self.observers:
+            observer.on_states_stored([follows])
         return True
 
     def uncache_state_blocks(self, names: Sequence[BlockHash]) -> None:
         """Forget a state snapshot's names (its blocks are about to hold another one);
         names no longer cached are skipped."""
         for name in names:
+            self._break_snapshot(name)
             block = self.state_blocks.pop(name, None)
             if block is not None:
                 block.block_hash = None
+
+    def _break_snapshot(self, name: BlockHash) -> None:
+        """The snapshot with a block named ``name`` is whole no more: tell observers once
+        (its other blocks stay cached until evicted, found by no lookup)."""
+        follows = self._snapshot_follows.pop(name, None)
+        if follows is None:
+            return
+        for other in self._snapshot_names.pop(follows):
+            self._snapshot_follows.pop(other, None)
+        for observer in self.observers:
+            observer.on_states_removed([follows])
 
     def allocate(self, num_blocks: int) -> list[KVBlock]:
         """Take ``num_blocks`` free blocks, evicting cached ones least recently used first."""
@@ -185,11 +217,16 @@ class BlockPool:
         if self.num_used_blocks:
             return False
         forgotten = list(self.cached_blocks)
+        snapshots = list(self._snapshot_names)
         for block in self.blocks:
             block.block_hash = None
         self.cached_blocks.clear()
         self.state_blocks.clear()
+        self._snapshot_names.clear()
+        self._snapshot_follows.clear()
         for observer in self.observers:
+            if snapshots:
+                observer.on_states_removed(snapshots)
             observer.on_all_cleared(forgotten)
         return True
 
@@ -205,6 +242,8 @@ class BlockPool:
         for block_hash, block in [*self.cached_blocks.items(), *self.state_blocks.items()]:
             if block.block_hash != block_hash:
                 problems.append(f"cache entry for block {block.block_id} has a stale hash")
+        stale = [name for name in self._snapshot_follows if name not in self.state_blocks]
+        problems += [f"snapshot bookkeeping names uncached block {n.hex()[:12]}" for n in stale]
         return problems
 
     def _evict(self, block: KVBlock) -> None:
@@ -214,6 +253,7 @@ class BlockPool:
         block.block_hash = None
         if self.state_blocks.get(block_hash) is block:  # part of a snapshot: the rest
             del self.state_blocks[block_hash]  # stays until evicted, found by no lookup
+            self._break_snapshot(block_hash)
             self.num_evictions += 1
             if self.on_state_evicted is not None:
                 self.on_state_evicted(block, block_hash)

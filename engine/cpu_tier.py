@@ -152,6 +152,12 @@ class CpuTier:
         self._state_names.intersection_update(self._slots)
         self._pending.clear()
 
+    def on_states_stored(self, follows: Sequence[BlockHash]) -> None:
+        return None  # (a snapshot's blocks come through ``on_state_block_evicted``)
+
+    def on_states_removed(self, follows: Sequence[BlockHash]) -> None:
+        return None
+
     # ------------------------------------------------------------------ engine side
 
     def flush(self) -> None:

@@ -38,12 +38,13 @@ from engine.request import Request
 
 @dataclass(slots=True)
 class _Snapshot:
-    """A hybrid request's state snapshot after its first ``boundary`` tokens: its
-    names, the blocks the request holds (those of one it made, until it lets them go;
-    none of one it started from), and whether it is the one its decode rewrites at each
-    block boundary (``rolling``)."""
+    """A hybrid request's state snapshot after its first ``boundary`` tokens: the hash of
+    the block it follows (what KV events name it by), its names, the blocks the request
+    holds (those of one it made, until it lets them go; none of one it started from), and
+    whether it is the one its decode rewrites at each block boundary (``rolling``)."""
 
     boundary: int
+    follows: BlockHash
     names: list[BlockHash]
     blocks: list[KVBlock]
     rolling: bool = False
@@ -104,7 +105,7 @@ class KVCacheManager:
         # ... and the names of the snapshot a request starts from that the secondary
         # tier holds (``state_hit``): ``allocate_slots`` takes blocks for it (then in
         # ``restoring``), which ``take_snapshot_load`` orders loaded.
-        self.snapshot_loads: dict[str, list[BlockHash]] = {}
+        self.snapshot_loads: dict[str, _Snapshot] = {}
         # ... and the snapshots each request started from or made. Its own are held as
         # long as its blocks are (a snapshot freed at once was the first thing evicted
         # while the request ran, long before the prefix it needs); freeing the request
@@ -230,14 +231,16 @@ class KVCacheManager:
         num_cached = len(hits) + len(loaded)
         num_hits, blocks = 0, []
         for length in range(num_cached, 0, -1):
-            names = self._snapshot_names(request, length * self.block_size)
-            cached = self._cached_snapshot(names)
+            snapshot = self._snapshot(request, length * self.block_size)
+            cached = self._cached_snapshot(snapshot.names)
             if cached is None:
-                if self.secondary is None or self.secondary.lookup(names) < len(names):
+                if self.secondary is None or self.secondary.lookup(snapshot.names) < len(
+                    snapshot.names
+                ):
                     continue
-                self.snapshot_loads[request_id] = names
+                self.snapshot_loads[request_id] = snapshot
             num_hits, blocks = length, cached or []
-            self.snapshots_of[request_id] = [_Snapshot(length * self.block_size, names, [])]
+            self.snapshots_of[request_id] = [snapshot]
             break
         if num_hits < num_cached < self._max_hit_blocks(request):
             self.branch_points[request_id] = num_cached * self.block_size
@@ -259,7 +262,7 @@ class KVCacheManager:
 
     def has_snapshot(self, request: Request, boundary: int) -> bool:
         """Whether the snapshot after ``request``'s first ``boundary`` tokens is cached."""
-        return self._cached_snapshot(self._snapshot_names(request, boundary)) is not None
+        return self._cached_snapshot(self._snapshot(request, boundary).names) is not None
 
     def _cached_snapshot(self, names: list[BlockHash]) -> list[KVBlock] | None:
         """The blocks of the snapshot named ``names``; None unless all are cached."""
@@ -289,8 +292,8 @@ class KVCacheManager:
                 blocks = previous.blocks
         if blocks is None:
             blocks = self.pool.allocate(self.num_state_blocks)
-        names = self._snapshot_names(request, boundary)
-        self.snapshotting[request.request_id] = _Snapshot(boundary, names, blocks, rolling)
+        snapshot = self._snapshot(request, boundary, blocks, rolling)
+        self.snapshotting[request.request_id] = snapshot
         return [block.block_id for block in blocks]
 
     def cache_snapshot(self, request_id: str) -> None:
@@ -298,7 +301,7 @@ class KVCacheManager:
         request until it frees its blocks; or, when an equal one was cached meanwhile,
         free its blocks as plain ones."""
         snapshot = self.snapshotting.pop(request_id)
-        if not self.pool.cache_state_blocks(snapshot.blocks, snapshot.names):
+        if not self.pool.cache_state_blocks(snapshot.blocks, snapshot.names, snapshot.follows):
             self.pool.free(snapshot.blocks)
             snapshot.blocks = []
         self.snapshots_of.setdefault(request_id, []).append(snapshot)
@@ -336,21 +339,28 @@ class KVCacheManager:
         """For a request just given its blocks whose snapshot the secondary tier holds:
         (the snapshot's names, the device blocks to load it into, which it restores its
         states from); None for any other."""
-        names = self.snapshot_loads.pop(request_id, None)
-        if names is None:
+        snapshot = self.snapshot_loads.pop(request_id, None)
+        if snapshot is None:
             return None
-        return names, [block.block_id for block in self.restoring[request_id]]
+        return snapshot.names, [block.block_id for block in self.restoring[request_id]]
 
     def release_restore(self, request_id: str) -> None:
         """Let go of the snapshot a request started from (its copy is made); a no-op
         if it holds none."""
         self.pool.free(self.restoring.pop(request_id, ()))
 
-    def _snapshot_names(self, request: Request, num_tokens: int) -> list[BlockHash]:
-        """Names of the snapshot after the request's first ``num_tokens`` (a block
-        boundary): derived from the name of the block that ends there."""
-        last = request.block_hashes[num_tokens // self.block_size - 1]
-        return state_block_hashes(last, self.num_state_blocks)
+    def _snapshot(
+        self,
+        request: Request,
+        num_tokens: int,
+        blocks: list[KVBlock] | None = None,
+        rolling: bool = False,
+    ) -> _Snapshot:
+        """The snapshot after the request's first ``num_tokens`` (a block boundary): its
+        names derived from the name of the block that ends there."""
+        follows = request.block_hashes[num_tokens // self.block_size - 1]
+        names = state_block_hashes(follows, self.num_state_blocks)
+        return _Snapshot(num_tokens, follows, names, blocks or [], rolling)
 
     def _max_hit_blocks(self, request: Request) -> int:
         """0 for a request scoring its prompt: every prompt token's logits are needed."""
@@ -408,9 +418,10 @@ class KVCacheManager:
         if num_new_blocks > restoring:
             new_blocks = new_computed_blocks + self.pool.allocate(num_new_blocks - restoring)
         if restoring:  # a snapshot the secondary tier holds: blocks to load it into
-            snapshot = self.pool.allocate(restoring)
-            self.pool.cache_state_blocks(snapshot, self.snapshot_loads[request.request_id])
-            self.restoring[request.request_id] = snapshot
+            blocks = self.pool.allocate(restoring)
+            loading = self.snapshot_loads[request.request_id]
+            self.pool.cache_state_blocks(blocks, loading.names, loading.follows)
+            self.restoring[request.request_id] = blocks
         req_blocks.extend(new_blocks)
         req_block_ids.extend(block.block_id for block in new_blocks)
         if cache:

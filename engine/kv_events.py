@@ -9,7 +9,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from common.hashing import BlockHash
-from common.kv_events import BlockRemoved, BlockStored, KVEvent, Medium
+from common.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    Medium,
+    StateRemoved,
+    StateStored,
+)
 from engine.block_pool import KVBlock
 
 
@@ -44,6 +51,21 @@ class KVEventCollector:
         # CPU tier keeps its blocks (the router dropped them from its index).
         if block_hashes:
             self._events.append(BlockRemoved(list(block_hashes), self.medium))
+
+    def on_states_stored(self, follows: Sequence[BlockHash]) -> None:
+        self._add_states(StateStored, follows)
+
+    def on_states_removed(self, follows: Sequence[BlockHash]) -> None:
+        self._add_states(StateRemoved, follows)
+
+    def _add_states(
+        self, kind: type[StateStored] | type[StateRemoved], follows: Sequence[BlockHash]
+    ) -> None:
+        last = self._events[-1] if self._events else None
+        if isinstance(last, kind):
+            last.block_hashes.extend(follows)  # coalesce a step's snapshots
+        else:
+            self._events.append(kind(list(follows)))
 
     def emit(self, event: KVEvent) -> None:
         """An event from elsewhere (the CPU tier), kept in order with the pool's."""

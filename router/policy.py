@@ -21,6 +21,16 @@ benchmarks/routing_sim.py for the trade-off on real traces). A prompt whose part
 chosen decode worker does not cache (in either tier) is shorter than ``min_disagg_tokens``
 is prefilled locally: moving its KV would cost more than computing it. Torch-free, no
 I/O: the router feeds it snapshots (``WorkerLoad``) and the prefix index's matches.
+
+A hybrid model's worker resumes a prompt only where it caches a state snapshot, so for
+it "held on the decode worker" is the part of the match that ends at one
+(``PrefixMatch.resumable_blocks``): a decode worker holds a pulled prompt's KV but not the
+snapshot at its end (that stays on the prefill worker), and prefilling an exact repeat
+"locally" recomputed it whole inside the decode batch; it now goes to the prefill worker
+that resumes it, and the decode worker pulls the states. Scores still count every held
+block: the decode worker pulls none it holds, and a prefill worker that holds a shared
+prefix without a snapshot makes one there the second time (a branch point,
+``engine/kv_cache_manager.py``), so sending it that request is what makes the third hit.
 """
 
 from __future__ import annotations
@@ -58,10 +68,14 @@ class Placement:
 
 
 class PlacementPolicy:
-    def __init__(self, config: RouterConfig, block_size: int, max_running: int) -> None:
+    def __init__(
+        self, config: RouterConfig, block_size: int, max_running: int, hybrid: bool = False
+    ) -> None:
+        """``hybrid``: the model has linear-attention layers (resumes at snapshots only)."""
         self.config = config
         self.block_size = block_size
         self.max_running = max(max_running, 1)
+        self.hybrid = hybrid
         # Rotates the tie-break between equally good workers; one turn per role, since a
         # shared one stepped twice per disaggregated placement and with two tied workers
         # per role always landed on the same pair.
@@ -122,8 +136,9 @@ class PlacementPolicy:
         )
         # Whole blocks, CPU tier too: its blocks are loaded, not computed, pulled prompt
         # or not (the credit ranks workers; here it sent a prompt held whole in the CPU
-        # tier to be recomputed by a prefill worker).
-        on_decode = min((held.gpu_blocks + held.cpu_blocks) * self.block_size, num_tokens - 1)
+        # tier to be recomputed by a prefill worker). A hybrid model's: up to a snapshot.
+        held_blocks = held.resumable_blocks if self.hybrid else held.num_blocks
+        on_decode = min(held_blocks * self.block_size, num_tokens - 1)
         on_decode = max(on_decode, 0)
         if not prefill or num_tokens - on_decode < self.config.min_disagg_tokens:
             return Placement(decode_id, None, on_decode, 0, 0.0)

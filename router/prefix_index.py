@@ -2,11 +2,16 @@
 
     gpu / cpu:   block hash → bit mask of worker ids      (what events confirmed, per tier)
     optimistic:  block hash → {worker id → expiry}        (what we just sent there)
+    states:      block hash → bit mask of worker ids      (a state snapshot follows it there)
 
 A prompt's blocks form a chain (each hash covers its whole prefix), so a worker can reuse
 the *leading run* of the prompt's hashes it holds; ``match`` returns that run per worker,
 split by tier. Optimistic entries let a burst of requests sharing a prefix co-locate before
 the first one's events arrive; they expire unless events confirm them.
+
+A hybrid model's worker can resume a prompt only where it caches a state snapshot after a
+block of it (``StateStored``): ``match`` also says how much of each run ends at one
+(``resumable_blocks``). Other models send no such events.
 
 Not thread-safe by itself: the router applies events and queries under one lock.
 """
@@ -19,13 +24,24 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from common.hashing import BlockHash
-from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, Medium
+from common.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    Medium,
+    StateRemoved,
+    StateStored,
+)
 
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
     gpu_blocks: int = 0  # leading blocks held in the worker's primary pool (or in flight)
     cpu_blocks: int = 0  # leading blocks only in its CPU tier
+    # Hybrid models: the leading blocks of the run (either tier) that end where the
+    # worker caches a state snapshot: what it can resume from (0 for other models).
+    resumable_blocks: int = 0
 
     @property
     def num_blocks(self) -> int:
@@ -43,6 +59,8 @@ class PrefixIndex:
         # Per tier, block hash → bit mask of the workers holding it.
         self._gpu: dict[BlockHash, int] = {}
         self._cpu: dict[BlockHash, int] = {}
+        # Block hash → bit mask of the workers caching a state snapshot after it (device).
+        self._states: dict[BlockHash, int] = {}
         # Optimistic entries: block hash → {worker id → expiry}; ``expire_optimistic``
         # (called periodically) drops old ones, ``match`` takes the rest at face value.
         self._optimistic: dict[BlockHash, dict[str, float]] = {}
@@ -54,6 +72,7 @@ class PrefixIndex:
         self._expiries: list[tuple[float, BlockHash, str]] = []
         # Per worker, the hashes it holds in either tier (a dict used as an ordered set).
         self._worker_blocks: dict[str, dict[BlockHash, None]] = {}
+        self._worker_states: dict[str, dict[BlockHash, None]] = {}  # the same, for states
         self._bits: dict[str, int] = {}  # worker id → its bit (1 << slot)
         self._free_bits: list[int] = []
 
@@ -93,10 +112,28 @@ class PrefixIndex:
                         del tier[block_hash]
                     if not (self._gpu.get(block_hash, 0) | self._cpu.get(block_hash, 0)) & bit:
                         held.pop(block_hash, None)
+            elif isinstance(event, StateStored):
+                states = self._worker_states.setdefault(worker_id, {})
+                for block_hash in event.block_hashes:
+                    self._states[block_hash] = self._states.get(block_hash, 0) | bit
+                    states[block_hash] = None
+            elif isinstance(event, StateRemoved):
+                states = self._worker_states.get(worker_id, {})
+                for block_hash in event.block_hashes:
+                    if block_hash in states:
+                        del states[block_hash]
+                        self._drop_state(block_hash, bit)
             elif isinstance(event, AllBlocksCleared):
                 self.clear_worker(worker_id)
                 bit = self._bit(worker_id)
                 held = self._worker_blocks.setdefault(worker_id, {})
+
+    def _drop_state(self, block_hash: BlockHash, bit: int) -> None:
+        owners = self._states.get(block_hash, 0) & ~bit
+        if owners:
+            self._states[block_hash] = owners
+        else:
+            self._states.pop(block_hash, None)
 
     def insert_optimistic(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
         self._bit(worker_id)
@@ -131,6 +168,8 @@ class PrefixIndex:
                     tier[block_hash] = owners
                 else:
                     tier.pop(block_hash, None)
+        for block_hash in self._worker_states.pop(worker_id, {}):
+            self._drop_state(block_hash, bit)
         for block_hash in [h for h, o in self._optimistic.items() if worker_id in o]:
             self._drop_optimistic(block_hash, worker_id)
         if bit:
@@ -170,7 +209,8 @@ class PrefixIndex:
             active |= bit
         run: dict[int, int] = {}  # bit → depth where its run ended
         cpu: dict[int, int] = {}  # bit → CPU-only blocks in its run
-        gpu_tier, cpu_tier = self._gpu, self._cpu
+        resumable: dict[int, int] = {}  # bit → depth of the last state in its run
+        gpu_tier, cpu_tier, states = self._gpu, self._cpu, self._states
         optimistic_tier = self._optimistic if optimistic else {}
         depth = 0
         for depth, block_hash in enumerate(block_hashes):
@@ -184,6 +224,9 @@ class PrefixIndex:
                 for bit in _bits_of(cpu_only):
                     cpu[bit] = cpu.get(bit, 0) + 1
                 holders |= cpu_only
+            if states:
+                for bit in _bits_of(holders & states.get(block_hash, 0)):
+                    resumable[bit] = depth + 1
             for bit in _bits_of(active & ~holders):
                 run[bit] = depth
             active = holders
@@ -196,7 +239,7 @@ class PrefixIndex:
         result = {}
         for worker_id, bit in bits.items():
             matched, on_cpu = run.get(bit, 0), cpu.get(bit, 0)
-            result[worker_id] = PrefixMatch(matched - on_cpu, on_cpu)
+            result[worker_id] = PrefixMatch(matched - on_cpu, on_cpu, resumable.get(bit, 0))
         return result
 
     def num_blocks(self, worker_id: str) -> int:

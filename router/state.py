@@ -129,7 +129,8 @@ class RouterState:
             lambda: (len(pool.candidates(Role.PREFILL)), len(pool.candidates(Role.DECODE))),
         )  # fmt: skip
         decode_engine = config.engine_for(Role.DECODE)
-        policy = PlacementPolicy(config.router, model.block_size, decode_engine.max_num_seqs)
+        policy = PlacementPolicy(config.router, model.block_size, decode_engine.max_num_seqs,
+                                 hybrid=model.hybrid)  # fmt: skip
         dispatcher = Dispatcher(config.router, pool, index, lock, policy, metrics, model.block_size)
         adapters = LoraAdapters(config.lora, pool, model.served_name)
         tokenizer = Tokenizer(model.model_dir)

@@ -16,6 +16,8 @@ from common.kv_events import (
     BlockStored,
     KVEventBatch,
     Medium,
+    StateRemoved,
+    StateStored,
     encode_batch,
 )
 
@@ -144,10 +146,10 @@ def test_lost_history_asks_for_a_resync():
 
 
 def test_a_late_joiner_gets_the_whole_cache_as_one_snapshot():
-    """4000 batches stored 260,000 blocks and removed some: a subscriber that joins gets
-    one batch, numbered as the last, that clears and stores exactly what is cached now
-    (a replay gave only what the buffer still held: blocks stored before it, the hot
-    prefixes among them, were never learned)."""
+    """4000 batches stored 260,000 blocks and removed some (and state snapshots came and
+    went): a subscriber that joins gets one batch, numbered as the last, that clears and
+    stores exactly what is cached now (a replay gave only what the buffer still held:
+    blocks stored before it, the hot prefixes among them, were never learned)."""
     pub_port, replay_port = free_ports(2)
     publisher = KVEventPublisher("127.0.0.1", pub_port, replay_port, buffer_size=100)
     for i in range(4000):
@@ -155,16 +157,20 @@ def test_a_late_joiner_gets_the_whole_cache_as_one_snapshot():
         publisher.publish([BlockStored(hashes, None, list(range(1040)), 16)])
     gone = [(j).to_bytes(32, "big") for j in range(65)]  # batch 0's: long out of the buffer
     publisher.publish([BlockRemoved(gone), BlockStored(gone[:1], None, [1], 16, Medium.CPU)])
+    # A hybrid model's state snapshots: after two blocks, one of them gone since.
+    followed = [(65 * 7 + 64).to_bytes(32, "big"), (65 * 9 + 64).to_bytes(32, "big")]
+    publisher.publish([StateStored(followed), StateRemoved(followed[:1])])
     subscriber = KVEventSubscriber(f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}")
     batches, _ = serve_while_polling(publisher, subscriber, timeout_s=30,
                                           until=lambda b: len(b) >= 1)  # fmt: skip
     (snapshot,) = batches
-    assert snapshot.seq == 4000 and subscriber.state.next_seq == 4001
-    cleared, *stored = snapshot.events
+    assert snapshot.seq == 4001 and subscriber.state.next_seq == 4002
+    cleared, *stored, states = snapshot.events
     assert isinstance(cleared, AllBlocksCleared)
     by_medium = {event.medium: set(event.block_hashes) for event in stored}
     expected = {(i * 65 + j).to_bytes(32, "big") for i in range(4000) for j in range(65)}
     assert by_medium == {Medium.GPU: expected - set(gone), Medium.CPU: set(gone[:1])}
+    assert states == StateStored(followed[1:])
     publisher.close()
     subscriber.close()
 

@@ -13,6 +13,8 @@ class EventRecorder:
         self.stored: list[list[BlockHash]] = []
         self.removed: list[BlockHash] = []
         self.cleared = 0
+        self.states_stored: list[BlockHash] = []
+        self.states_removed: list[BlockHash] = []
 
     def on_blocks_stored(
         self,
@@ -29,3 +31,9 @@ class EventRecorder:
 
     def on_all_cleared(self, block_hashes) -> None:
         self.cleared += 1
+
+    def on_states_stored(self, follows: Sequence[BlockHash]) -> None:
+        self.states_stored.extend(follows)
+
+    def on_states_removed(self, follows: Sequence[BlockHash]) -> None:
+        self.states_removed.extend(follows)

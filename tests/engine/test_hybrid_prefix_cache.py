@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from common.config import EngineConfig
-from common.kv_events import BlockRemoved, BlockStored
+from common.hashing import state_block_hashes
+from common.kv_events import BlockRemoved, BlockStored, StateRemoved, StateStored
 from engine import LLM, SamplingParams
 from engine.kv_events import KVEventCollector
 from engine.llm_engine import LLMEngine
@@ -82,8 +83,10 @@ def test_snapshots_are_evicted_and_preempted_requests_restart_from_theirs(
     a time, twice, the second time in reverse, where the LRU kept the last ones'
     snapshots (or a CPU tier of 60 blocks kept more, whose prefixes and snapshots come
     back from there). Tokens stay the uncached engine's; observers (KV events, the
-    router's index) never see a snapshot's blocks."""
+    router's index) never see a snapshot's blocks, only whole snapshots, named by the
+    block they follow, announced once each time one is cached and once when it breaks."""
     stored, evicted = [], []
+    states: dict[bytes, int] = {}  # follows → times announced, less times withdrawn
 
     class Recorder:
         def on_blocks_stored(self, blocks, parent_hash, token_ids, block_size):
@@ -94,6 +97,15 @@ def test_snapshots_are_evicted_and_preempted_requests_restart_from_theirs(
 
         def on_all_cleared(self, block_hashes):
             pass
+
+        def on_states_stored(self, follows):
+            for block_hash in follows:
+                assert states.get(block_hash, 0) == 0, "announced twice"
+                states[block_hash] = 1
+
+        def on_states_removed(self, follows):
+            for block_hash in follows:
+                assert states.pop(block_hash) == 1, "withdrawn without being announced"
 
     config = EngineConfig(num_blocks=40, block_size=8, max_model_len=96)
     engine = LLMEngine(hybrid, config, observers=[Recorder()])
@@ -126,6 +138,9 @@ def test_snapshots_are_evicted_and_preempted_requests_restart_from_theirs(
     snapshot_names = set(pool.state_blocks)
     assert snapshot_names and not snapshot_names & (set(stored) | set(evicted))
     assert set(evicted) <= set(stored)
+    # What observers were told is what the pool holds whole: each snapshot's every name.
+    assert states and set(states) <= set(stored)
+    assert set(states) == whole_snapshots(engine, set(stored))
     assert engine.leak_report() == []
 
 
@@ -292,10 +307,29 @@ def test_an_evicted_prefix_and_its_snapshot_come_back_from_the_cpu_tier(hybrid, 
     computed = uncached.generate([turn], WITH_LOGPROBS, use_tqdm=False)[0]
     assert following.outputs[0].token_ids == computed.outputs[0].token_ids
     assert sampled_logprobs(following) == pytest.approx(sampled_logprobs(computed), abs=1e-4)
-    announced = {h for event in collector.drain() if isinstance(event, BlockStored | BlockRemoved)
+    events = collector.drain()
+    announced = {h for event in events if isinstance(event, BlockStored | BlockRemoved)
                  for h in event.block_hashes}  # fmt: skip
     assert tier._state_names and not announced & (names | tier._state_names)
+    # Snapshots are announced as the blocks they follow, while whole on the device: one
+    # loaded back from the tier too (registered on the device for the load).
+    on_device: set[bytes] = set()
+    for event in events:
+        if isinstance(event, StateStored):
+            assert not on_device & set(event.block_hashes)
+            on_device.update(event.block_hashes)
+        elif isinstance(event, StateRemoved):
+            assert set(event.block_hashes) <= on_device
+            on_device.difference_update(event.block_hashes)
+    assert on_device and on_device == whole_snapshots(engine, announced)
     assert engine.leak_report() == []
+
+
+def whole_snapshots(engine: LLMEngine, follows: set[bytes]) -> set[bytes]:
+    """Which of the blocks ``follows`` a whole state snapshot follows on the device."""
+    names = set(engine.scheduler.kv.pool.state_blocks)
+    num_state_blocks = engine.runner.shard.blocks_per_slot
+    return {h for h in follows if set(state_block_hashes(h, num_state_blocks)) <= names}
 
 
 def test_a_prompt_whose_snapshot_cannot_fit_beside_it_recomputes_instead_of_waiting(qwen3_5):

@@ -9,7 +9,14 @@ import sys
 from types import SimpleNamespace
 
 from common.config import RouterConfig
-from common.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Medium
+from common.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    Medium,
+    StateRemoved,
+    StateStored,
+)
 from router import prefix_index
 from router.policy import PlacementPolicy, WorkerLoad
 from router.prefix_index import PrefixIndex, PrefixMatch
@@ -102,31 +109,45 @@ def test_a_renewed_claim_expires_on_time_behind_later_claims(monkeypatch):
     assert index.match(H[1:2], ["d1"])["d1"].gpu_blocks == 1
 
 
-def oracle_match(held: dict[str, dict[bytes, str]], hashes, worker_ids):
-    """The leading run per worker, by brute force: ``held[w][h]`` is "gpu" or "cpu"."""
+def oracle_match(held: dict[str, dict[bytes, str]], states: dict[str, set[bytes]], hashes,
+                 worker_ids):  # fmt: skip
+    """The leading run per worker, by brute force: ``held[w][h]`` is "gpu" or "cpu";
+    ``states[w]`` the blocks a state snapshot follows on ``w``."""
     result = {}
     for worker_id in worker_ids:
-        blocks = held.get(worker_id, {})
+        blocks, snapshots = held.get(worker_id, {}), states.get(worker_id, set())
         run = 0
         while run < len(hashes) and hashes[run] in blocks:
             run += 1
         on_cpu = sum(blocks[h] == "cpu" for h in hashes[:run])
-        result[worker_id] = PrefixMatch(run - on_cpu, on_cpu)
+        resumable = max((i + 1 for i in range(run) if hashes[i] in snapshots), default=0)
+        result[worker_id] = PrefixMatch(run - on_cpu, on_cpu, resumable)
     return result
 
 
 def test_random_events_match_a_brute_force_oracle_across_many_workers():
     """70 workers (more bits than a machine word), random stores, removals in both tiers,
-    workers leaving and new ones taking their freed bits."""
+    state snapshots coming and going, workers leaving and new ones taking their freed
+    bits."""
     rng = random.Random(7)
     hashes = [i.to_bytes(8, "little") for i in range(40)]
-    index, held = PrefixIndex(), {}
+    index, held, states = PrefixIndex(), {}, {}
     workers = [f"w{i}" for i in range(70)]
     for step in range(3000):
         worker_id = rng.choice(workers)
         blocks = held.setdefault(worker_id, {})
+        snapshots = states.setdefault(worker_id, set())
         action = rng.random()
-        if action < 0.5:
+        if action < 0.1:  # (after any block, held or not: the engine's may outlive it)
+            follows = rng.sample(hashes, rng.randrange(1, 4))
+            fresh = [h for h in follows if h not in snapshots]  # announced once each
+            index.apply(worker_id, [StateStored(fresh)])
+            snapshots.update(fresh)
+        elif action < 0.15 and snapshots:
+            gone = rng.sample(sorted(snapshots), min(len(snapshots), rng.randrange(1, 3)))
+            index.apply(worker_id, [StateRemoved(gone)])
+            snapshots.difference_update(gone)
+        elif action < 0.5:
             start = rng.randrange(40)
             run = hashes[start : start + rng.randrange(1, 8)]
             medium = rng.choice([Medium.GPU, Medium.CPU])
@@ -143,16 +164,17 @@ def test_random_events_match_a_brute_force_oracle_across_many_workers():
         elif action < 0.95:
             index.clear_worker(worker_id)
             held.pop(worker_id)
+            states.pop(worker_id)
             workers.remove(worker_id)
             workers.append(f"w{70 + step}")  # a newcomer reuses the freed bit
         if step % 50 == 0:
             asked = rng.sample(workers, 12) + ["never-seen"]
             query = hashes[: rng.randrange(1, 40)]
-            assert index.match(query, asked) == oracle_match(held, query, asked)
+            assert index.match(query, asked) == oracle_match(held, states, query, asked)
     for worker_id in workers:
         assert index.num_blocks(worker_id) == len(held.get(worker_id, {}))
     # The big maps hold only bytes and ints: nothing for the cycle collector to traverse.
-    assert not gc.is_tracked(index._gpu) and not gc.is_tracked(index._cpu)
+    assert not any(gc.is_tracked(tier) for tier in (index._gpu, index._cpu, index._states))
 
 
 def test_policy_prefers_cache_then_load_and_keeps_short_prompts_local():
@@ -185,6 +207,28 @@ def test_policy_prefers_cache_then_load_and_keeps_short_prompts_local():
     tiered = policy.place(1025, decode, prefill, {"d0": PrefixMatch(0, 64)}, {})
     assert tiered.decode_worker == "d0" and not tiered.disaggregated
     assert tiered.decode_cached_tokens == 1024
+
+
+def test_a_hybrid_decode_worker_prefills_locally_only_what_it_can_resume():
+    """A hybrid model's decode worker holds a pulled prompt's KV but not the state
+    snapshot at its end: an exact repeat (all 50 blocks held) goes to a prefill worker,
+    which resumes it; a next turn whose first 49 blocks end at a snapshot there (a
+    rolling one) is prefilled where it is."""
+    policy = PlacementPolicy(RouterConfig(min_disagg_tokens=100), block_size=16,
+                             max_running=8, hybrid=True)  # fmt: skip
+    decode = [WorkerLoad("d0", kv_blocks_total=100), WorkerLoad("d1", kv_blocks_total=100)]
+    prefill = [WorkerLoad("p0")]
+    repeat = {"d0": PrefixMatch(50, 0, resumable_blocks=0)}
+    placed = policy.place(801, decode, prefill, repeat, {}, repeat)
+    assert placed.decode_worker == "d0" and placed.disaggregated  # (it pulls no KV block)
+    assert placed.decode_cached_tokens == 0
+    turn = {"d0": PrefixMatch(45, 5, resumable_blocks=49)}
+    placed = policy.place(801, decode, prefill, turn, {}, turn)
+    assert placed.decode_worker == "d0" and not placed.disaggregated
+    assert placed.decode_cached_tokens == 49 * 16
+    # A dense model's worker resumes from any block: the repeat stays local.
+    dense = PlacementPolicy(RouterConfig(min_disagg_tokens=100), block_size=16, max_running=8)
+    assert not dense.place(801, decode, prefill, repeat, {}, repeat).disaggregated
 
 
 def test_ties_rotate_over_every_worker_of_each_role():
