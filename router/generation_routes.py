@@ -232,7 +232,10 @@ def add_generation_routes(
     def reasoning_of(body: ChatCompletionRequest, tail: str) -> Reasoning | None:
         """How this reply's thinking is told apart (None: no reasoning parser).
         ``tail``: the prompt's end, special tokens kept."""
-        opening = opening_of(state.config.router.reasoning_parser, tail)
+        continued = None
+        if body.continue_final_message and isinstance(body.messages[-1].content, str):
+            continued = body.messages[-1].content
+        opening = opening_of(state.config.router.reasoning_parser, tail, continued)
         return None if opening is None else Reasoning(opening, body.include_reasoning)
 
     def echo_texts(body: CompletionRequest, prompts: list[list[int]]) -> list[str]:

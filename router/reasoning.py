@@ -14,6 +14,10 @@ read from the prompt's end first:
 - neither: ``deepseek_r1`` assumes the output starts thinking (R1 may or may not write
   the opening tag itself), ``qwen3`` that it thinks only if it opens with ``<think>``.
 
+A reply that continues the last assistant message (``continue_final_message``) goes on
+where that message stopped: inside its thinking if it opened ``<think>`` and did not
+close it, in its answer if it closed it (a tag in any other message is text).
+
 The thinking ends at the first ``</think>``; the answer is all that follows, whitespace
 included (as vLLM's parsers leave it: a constraint's own leading blanks are the
 answer's, and stripping could not tell them from the model's). Output that never closes
@@ -46,10 +50,19 @@ class Opening(Enum):
     ANSWER = "answer"  # no thinking
 
 
-def opening_of(parser: ReasoningParser, prompt_tail: str) -> Opening | None:
-    """None: no parser. ``prompt_tail`` is the end of the prompt's text."""
+def opening_of(
+    parser: ReasoningParser, prompt_tail: str, continued: str | None = None
+) -> Opening | None:
+    """None: no parser. ``prompt_tail`` is the end of the prompt's text; ``continued``
+    the assistant message the reply continues (``continue_final_message``), if any."""
     if parser is ReasoningParser.NONE:
         return None
+    if continued is not None:
+        start, end = continued.rfind(START), continued.rfind(END)
+        if start > end:
+            return Opening.THINKING
+        if end > start:
+            return Opening.ANSWER
     tail = prompt_tail.rstrip()
     if tail.endswith(START):
         return Opening.THINKING

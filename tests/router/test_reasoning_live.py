@@ -182,3 +182,22 @@ def test_thinking_switched_off_or_left_out(client, tokenizer):
             **_ask(tokenizer, extra_body={"chat_template_kwargs": {"messages": []}})
         )
     assert info.value.body["param"] == "chat_template_kwargs"
+
+
+@pytest.mark.parametrize(
+    ("started", "inside"), [("<think>\nLet me count:", True), ("<think>Eight.</think>So", False)]
+)
+def test_a_continued_reply_goes_on_where_its_message_stopped(client, tokenizer, started, inside):
+    """``continue_final_message``: a message that opened its thinking and left it open
+    goes on thinking (it was read as answer, ``</think>`` and all: the audit's case); one
+    that closed it goes on answering."""
+    messages = [*MESSAGES, {"role": "assistant", "content": started}]
+    ask = _ask(tokenizer, messages=messages, extra_body={
+        "continue_final_message": True, "add_generation_prompt": False,
+        "return_token_ids": True})  # fmt: skip
+    reply = client.chat.completions.create(**ask).choices[0]
+    text = tokenizer.decode(reply.model_extra["token_ids"])
+    thought, tag, answer = text.partition("</think>") if inside else ("", "", text)
+    assert "</think>" in text  # (the logit bias)
+    assert reply.message.model_extra.get("reasoning_content") == (thought or None)
+    assert reply.message.content == ((answer or None) if tag or not inside else None)
