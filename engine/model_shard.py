@@ -141,8 +141,11 @@ class ModelShard:
         self.dtype = dtype
         self.block_size = config.block_size
         self.max_model_len = max_model_len
+        latent_widths = None
+        if arch.mla is not None:
+            latent_widths = (arch.mla.kv_lora_rank, arch.mla.qk_rope_head_dim)
         self.backend = create_backend(
-            config.attention_backend, device, config.block_size, arch.mla is not None
+            config.attention_backend, device, config.block_size, latent_widths
         )
         self.cache_dtype = kv_cache_dtype(config, dtype, device, self.backend.name)
         # A drafting layer (``engine/mtp_drafts.py``): the checkpoint's MTP layer or an

@@ -12,12 +12,12 @@ import transformers
 from safetensors.torch import load_file
 
 from benchmarks.speculative import ReplayProposer
-from common.config import AttentionBackendName
+from common.config import AttentionBackendName, ConfigError
 from common.kv_budget import ModelShape
 from common.tensor_parallel import split_problem
 from engine import LLM, SamplingParams
 from engine.attention.backend import LatentAttention
-from engine.attention.registry import resolve_backend_name
+from engine.attention.registry import create_backend, resolve_backend_name
 from engine.models.arch import ModelLoadError, read_arch_config
 from engine.models.lora import load_lora_adapter
 from engine.models.moe import DeepseekGate
@@ -177,6 +177,10 @@ def test_auto_keeps_latent_attention_on_torch_and_lora_is_refused(model_factory,
     assert cuda_auto is AttentionBackendName.TORCH
     asked = resolve_backend_name(AttentionBackendName.TRITON, torch.device("cuda"), True)
     assert asked is AttentionBackendName.TRITON
+    # Latent widths its decode kernel cannot tile are refused at start, not at the first
+    # decode step (an audit's tiny deepseek_v2: kv_lora_rank 96, rope 48).
+    with pytest.raises(ConfigError, match="this model's: 96 and 48"):
+        create_backend(AttentionBackendName.TRITON, torch.device("cuda"), 16, (96, 48))
     arch = read_arch_config(model_factory("deepseek_v3"))
     with pytest.raises(ModelLoadError, match="LoRA adapters on models with latent attention"):
         load_lora_adapter("a", tmp_path, arch, torch.device("cpu"), torch.float32)
