@@ -641,6 +641,10 @@ class Scheduler:
         self._free_blocks(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        # The draft model's KV goes with the blocks: how far it had read says nothing of
+        # the blocks the re-admission takes (one taken fresh at a prefix hit's end held
+        # a position it had read, and no lead read it again: ``_draft_lead``).
+        request.draft_kv_end = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push(request)

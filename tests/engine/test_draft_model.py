@@ -17,6 +17,7 @@ from common.kv_budget import kv_budgets
 from deploy.cli import main
 from engine import LLM, LLMEngine, SamplingParams
 from engine.models.maker import make_model
+from engine.scheduler import SchedulerOutput
 from tests.engine.helpers import random_prompts
 from tests.engine.local_puller import LocalPuller
 from tests.engine.test_disaggregation import hand_off, run
@@ -198,6 +199,35 @@ def test_preempted_requests_draft_again(tiny_llama):
         assert scheduler.num_preemptions > 0
         assert scheduler.num_draft_tokens == scheduler.num_accepted_tokens > 0
         assert llm.engine.leak_report() == []
+
+
+def test_a_preemption_at_a_block_boundary_after_a_step_without_drafts(tiny_llama):
+    """The draft had read one token past what the target computed (a decode step that
+    kept no drafts, as when the pool had no room for them), at a block boundary; the
+    request was preempted, and its prefix hit ended right there. The draft's KV of that
+    position was in a block the re-admission took fresh, and no lead re-read it: every
+    later draft attended to garbage (an audit: 14 of 26 oracle drafts kept). The
+    preemption now forgets how far the draft had read."""
+    prompt = random_prompts((47,), seed=5)[0]
+    params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    engine = LLMEngine(tiny_llama, EngineConfig(**_drafting(tiny_llama)))
+    engine.add_request("a", prompt, params)
+    engine.step()  # the prompt: 47 tokens
+    request = engine.scheduler.requests["a"]
+    request.model_draft_ids = []  # a step without drafts
+    engine.step()
+    assert (request.num_computed_tokens, request.draft_kv_end) == (48, 49)
+    engine.scheduler.running.remove(request)
+    engine.scheduler._preempt(request, SchedulerOutput())  # (as its victims)
+    drafts, kept = engine.scheduler.num_draft_tokens, engine.scheduler.num_accepted_tokens
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+    (expected,) = _tokens(LLM(tiny_llama, **POOL).generate([prompt], params, use_tqdm=False))
+    assert outputs["a"].outputs[0].token_ids == expected
+    assert engine.scheduler.num_draft_tokens - drafts > 0
+    assert engine.scheduler.num_draft_tokens - drafts == engine.scheduler.num_accepted_tokens - kept
+    assert engine.leak_report() == []
 
 
 def test_bad_drafts_are_refused(tiny_llama, model_factory, tmp_path):
