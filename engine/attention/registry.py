@@ -60,13 +60,12 @@ def create_backend(
     widths than powers of two are refused here, at start: such an engine ran its prompts
     (the torch path) and failed every request at its first decode step."""
     resolved = resolve_backend_name(name, device, latent_widths is not None)
-    if resolved is AttentionBackendName.TRITON and latent_widths is not None:
-        if any(width <= 0 or width & (width - 1) for width in latent_widths):
-            kv_lora_rank, rope = latent_widths
-            raise ConfigError(
-                "engine.attention_backend",
-                f"triton's latent-attention decode needs kv_lora_rank and qk_rope_head_dim "
-                f"to be powers of two (this model's: {kv_lora_rank} and {rope}); use torch "
-                "or auto",
-            )
+    tiled = latent_widths is None or all(w > 0 and not w & (w - 1) for w in latent_widths)
+    if resolved is AttentionBackendName.TRITON and not tiled:
+        kv_lora_rank, rope = latent_widths
+        raise ConfigError(
+            "engine.attention_backend",
+            f"triton's latent-attention decode needs kv_lora_rank and qk_rope_head_dim "
+            f"to be powers of two (this model's: {kv_lora_rank} and {rope}); use torch or auto",
+        )
     return _BACKENDS[resolved](block_size, device)
