@@ -14,7 +14,10 @@ no check, no interceptor on any call, as before.
 this machine without one); compose passes the host's variable through; Kubernetes reads
 it from the Secret ``pdserve-internal-token`` when one exists, beside a NetworkPolicy that
 admits the internal ports only from the deployment's own pods (``deploy/k8s_pods.py``).
-Workers started by hand to join a deployment need the same value. The KV-event ports
+Workers started by hand to join a deployment need the same value. The NCCL connector's
+control socket (ZMQ) is covered through the handshake: a pair opens only for a peer that
+proves it knows a key the exporter hands out in its transfer metadata, a gRPC answer
+(``kv_transfer/nccl_protocol.py``). The KV-event ports
 (ZMQ) are not covered: they take no writes, and carry block hashes only (the blocks'
 tokens are not sent), which tell a listener which prompts it could guess are cached; keep
 them on the deployment's network (the NetworkPolicy does on Kubernetes). A router sends

@@ -12,6 +12,7 @@ only gloo (CPU caches) can be exercised.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -58,8 +59,14 @@ class NcclConnector(KVConnector):
             self._control_port = config.port
         else:
             self._control_port = router.bind_to_random_port(f"tcp://{config.host}")
+        self._pair_key = os.urandom(32)  # (``nccl_protocol.py``: who may open a pair)
         settings = ExportSettings(
-            config.host, self._store_port, self._backend, config.timeout_s, config.peer_idle_s
+            config.host,
+            self._store_port,
+            self._backend,
+            config.timeout_s,
+            config.peer_idle_s,
+            self._pair_key,
         )
         self._server = ExportServer(router, kv, self._exports, settings)
         self._server.start()
@@ -71,6 +78,7 @@ class NcclConnector(KVConnector):
                 control_port=self._control_port,
                 store_port=self._store_port,
                 backend=self._backend,
+                pair_key=self._pair_key,
             )
         )
 

@@ -20,6 +20,7 @@ fetch time out behind a killed one).
 from __future__ import annotations
 
 import datetime
+import hmac
 import logging
 import queue
 import threading
@@ -39,6 +40,7 @@ from kv_transfer.nccl_protocol import (
     FetchRequest,
     Rejected,
     abort_group,
+    connect_proof,
     decode_to_exporter,
     encode,
     open_pair_group,
@@ -72,6 +74,7 @@ class ExportSettings:
     backend: str
     timeout_s: float
     idle_s: float  # a pair without a fetch this long is dropped
+    pair_key: bytes  # a Connect's proof is keyed by it (``nccl_protocol.py``)
 
 
 class PairSender(threading.Thread):
@@ -205,6 +208,9 @@ class ExportServer(threading.Thread):
         self._router.send_multipart([identity, encode(reply)])
 
     def _connect(self, message: Connect) -> Accepted | Rejected:
+        expected = connect_proof(self._settings.pair_key, message.pair_id)
+        if not hmac.compare_digest(message.proof, expected):  # (nothing of ours in the reply)
+            return Rejected(message.pair_id, "not authorized: the Connect's proof is wrong")
         if message.layout != self._kv.layout:
             reason = f"layout mismatch: ours {self._kv.layout}, theirs {message.layout}"
             return Rejected(message.pair_id, reason, layout_mismatch=True)

@@ -44,6 +44,7 @@ from kv_transfer.nccl_protocol import (
     NcclPayload,
     Rejected,
     abort_group,
+    connect_proof,
     decode_to_fetcher,
     encode,
     open_pair_group,
@@ -190,7 +191,8 @@ class PeerFetcher(threading.Thread):
         dealer.connect(f"tcp://{payload.host}:{payload.control_port}")
         pair_id = uuid.uuid4().hex
         try:
-            dealer.send(encode(Connect(pair_id, self._settings.engine_id, self._kv.layout)))
+            proof = connect_proof(payload.pair_key, pair_id)
+            dealer.send(encode(Connect(pair_id, self._settings.engine_id, self._kv.layout, proof)))
             reply = self._await_reply(dealer, pair_id, record)
             if isinstance(reply, Rejected):
                 if reply.layout_mismatch:

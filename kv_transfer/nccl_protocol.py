@@ -4,7 +4,8 @@ process group that one (exporter, fetcher) pair shares.
 Control messages are msgspec-tagged structs over ZMQ (exporter ROUTER, fetcher DEALER):
 
     fetcher                                   exporter
-    Connect(pair_id, engine_id, layout)  -->  check layout, start the pair's sender
+    Connect(pair_id, engine_id, layout,  -->  check the proof, then the layout; start
+            proof)                              the pair's sender
                                          <--  Accepted(pair_id) | Rejected(pair_id, why)
     both open a 2-rank process group on the exporter's TCPStore, under prefix pair_id
     FetchRequest(pair_id, transfer_id,   -->  check the export holds those blocks
@@ -15,12 +16,22 @@ Control messages are msgspec-tagged structs over ZMQ (exporter ROUTER, fetcher D
 
 The process group is a dedicated ``ProcessGroupGloo`` / ``ProcessGroupNCCL`` object over a
 ``PrefixStore``: it never touches torch.distributed's global default group.
+
+``proof`` is HMAC-SHA256 of ``pair_id`` under the exporter's ``pair_key``, a random secret
+that travels only in its handshake section (``NcclPayload``), which peers get from the
+worker's gRPC ``GetTransferMetadata``: where ``PDSERVE_INTERNAL_TOKEN`` guards that call,
+a caller without the token can open no pair (256 junk Connects had filled every pair slot
+and turned real decode workers away) and learns nothing (a refusal named the layout).
+The TCPStore's port takes no token (torch's own); a pair's keys there are under its
+random ``pair_id``, which crosses the control socket only.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
+import hmac
 import time
 
 import msgspec
@@ -39,12 +50,18 @@ class NcclPayload(msgspec.Struct, frozen=True, kw_only=True):
     control_port: int
     store_port: int
     backend: str  # "gloo" (CPU caches) or "nccl" (CUDA caches)
+    pair_key: bytes = b""  # what a Connect proves it knows (module docstring)
 
 
 class Connect(msgspec.Struct, frozen=True, tag=True):
     pair_id: str
     engine_id: str
     layout: KVLayout
+    proof: bytes = b""  # connect_proof(pair_key, pair_id)
+
+
+def connect_proof(pair_key: bytes, pair_id: str) -> bytes:
+    return hmac.new(pair_key, pair_id.encode(), hashlib.sha256).digest()
 
 
 class FetchRequest(msgspec.Struct, frozen=True, tag=True):

@@ -15,15 +15,23 @@ import zmq
 
 from kv_transfer import KVConnector, KVTransferConfig, PeerRef
 from kv_transfer.handshake import PeerMetadata
-from kv_transfer.nccl_protocol import Accepted, Connect, NcclPayload, decode_to_fetcher, encode
+from kv_transfer.nccl_protocol import (
+    Accepted,
+    Connect,
+    NcclPayload,
+    Rejected,
+    connect_proof,
+    decode_to_fetcher,
+    encode,
+)
 from tests.kv_transfer.pair import wired_pair
 
 SHAPE = (8, 2, 4, 2, 16)
 
 
-def _control_port(exporter) -> int:
+def _payload(exporter) -> NcclPayload:
     envelope = msgspec.msgpack.decode(exporter.metadata(), type=PeerMetadata)
-    return msgspec.msgpack.decode(envelope.transport, type=NcclPayload).control_port
+    return msgspec.msgpack.decode(envelope.transport, type=NcclPayload)
 
 
 @dataclass
@@ -57,7 +65,7 @@ def wired_with_a_control_socket(name: str, timeout_s: float) -> Iterator[Setup]:
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     try:
-        sock.connect(f"tcp://127.0.0.1:{_control_port(exporter)}")
+        sock.connect(f"tcp://127.0.0.1:{_payload(exporter).control_port}")
         yield Setup(exporter, fetcher, peer, source, dest, sock)
     finally:
         sock.close(0)
@@ -84,9 +92,35 @@ def test_a_fetcher_that_connects_and_never_joins_does_not_stall_other_pairs():
     timeout_s = 8.0
     with wired_with_a_control_socket("stall", timeout_s) as setup:
         pair_id = uuid.uuid4().hex
-        setup.sock.send(encode(Connect(pair_id, "gone-fetcher", setup.exporter.layout)))
+        proof = connect_proof(_payload(setup.exporter).pair_key, pair_id)
+        setup.sock.send(encode(Connect(pair_id, "gone-fetcher", setup.exporter.layout, proof)))
         assert setup.sock.poll(10_000), "no reply to Connect"
         assert decode_to_fetcher(setup.sock.recv()) == Accepted(pair_id)
         time.sleep(0.3)  # the gone fetcher's sender is waiting for rank 1 now
         elapsed_s = setup.fetch_and_check()
         assert elapsed_s < timeout_s / 2, f"the healthy fetch waited {elapsed_s:.1f} s"
+
+
+@pytest.mark.timeout(60)
+def test_a_connect_without_the_exporters_key_opens_no_pair_and_learns_nothing():
+    """The control socket took any Connect: 256 of them, sent without the internal
+    token, filled every pair slot (real decode workers were turned away), and a wrong
+    layout was answered with the exporter's own. A Connect now proves it knows the
+    exporter's pair key, which only its handshake (gRPC, token-guarded) gives out."""
+    with wired_with_a_control_socket("keyed", timeout_s=10) as setup:
+        layout = setup.exporter.layout
+        wrong = msgspec.structs.replace(layout, num_layers=layout.num_layers + 1)
+        for proof in (b"", b"x" * 32, connect_proof(b"another key", "p")):
+            for asked in (layout, wrong):
+                pair_id = uuid.uuid4().hex
+                setup.sock.send(encode(Connect(pair_id, "stranger", asked, proof)))
+                assert setup.sock.poll(10_000), "no reply to Connect"
+                reply = decode_to_fetcher(setup.sock.recv())
+                assert isinstance(reply, Rejected) and not reply.layout_mismatch
+                assert "not authorized" in reply.reason and "KVLayout" not in reply.reason
+        for _ in range(300):  # more than the exporter's pair slots
+            setup.sock.send(encode(Connect(uuid.uuid4().hex, "stranger", layout)))
+        for _ in range(300):
+            assert setup.sock.poll(10_000)
+            assert isinstance(decode_to_fetcher(setup.sock.recv()), Rejected)
+        setup.fetch_and_check()  # the real fetcher still gets a pair
