@@ -58,6 +58,31 @@ class KeptTokens:
         return text[-num_chars:] if self.from_end else text[:num_chars]
 
 
+class TemplateArguments(dict):
+    """A tool call's arguments as a chat template sees them: the object most templates
+    read (``arguments | tojson``, ``arguments.items()``), which reads as the JSON text
+    the client sent where a template uses it as a string (``'...' + arguments``,
+    ``{{ arguments }}``: DeepSeek's, which refused every conversation with an earlier
+    call when given the object, as transformers renders the text)."""
+
+    def __init__(self, value: dict[str, Any], text: str) -> None:
+        super().__init__(value)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+    def __add__(self, other: object) -> str:
+        if isinstance(other, str):
+            return self.text + other
+        return NotImplemented
+
+    def __radd__(self, other: object) -> str:
+        if isinstance(other, str):
+            return other + self.text
+        return NotImplemented
+
+
 class TokenizerError(ValueError):
     """``param``: the request field at fault where it is not the messages (None)."""
 
@@ -239,11 +264,11 @@ class Tokenizer:
         return frozenset(pattern.findall(text)) - {_ESCAPE_OPEN}
 
     def escape_special(self, value: Any, keep: frozenset[str] = frozenset()) -> Any:
-        """``value`` (messages, tools: strings in lists and plain dicts) with each special
-        token's text in its strings, but those of ``keep`` (an image's marker), made a
-        placeholder that ``apply_chat_template(..., escape_special=True)`` encodes as
-        that text, never as the token. Other mappings (a call's arguments) stay as they
-        are."""
+        """``value`` (messages, tools, template arguments: strings in lists, plain dicts and
+        a call's ``TemplateArguments``) with each special token's text in its strings, but
+        those of ``keep`` (an image's marker), made a placeholder that
+        ``apply_chat_template(..., escape_special=True)`` encodes as that text, never as
+        the token. Other objects stay as they are."""
         _, index, pattern = self._escapable
 
         def placeholder(match: re.Match[str]) -> str:
@@ -255,6 +280,8 @@ class Tokenizer:
                 return pattern.sub(placeholder, item)
             if isinstance(item, list):
                 return [walk(x) for x in item]
+            if isinstance(item, TemplateArguments):  # (its text is what some templates print)
+                return TemplateArguments(walk(dict(item)), walk(item.text))
             if type(item) is dict:
                 return {key: walk(x) for key, x in item.items()}
             return item
@@ -399,10 +426,13 @@ class Tokenizer:
         goes through before it is tokenized (a vision model's images: its exceptions
         propagate). ``escape_special``: text in the messages and tools that spells a
         special token, but the texts of ``keep_special``, is encoded as that text
-        (``escape_special``); only the template writes tokens."""
-        if escape_special:
+        (``escape_special``), as is such text in the template's arguments (a client's
+        ``chat_template_kwargs``) and in tool calls' arguments: only the template writes
+        tokens."""
+        if escape_special:  # (everything the client wrote that the template prints)
             messages = self.escape_special(messages, keep_special)
             tools = self.escape_special(tools, keep_special)
+            template_kwargs = self.escape_special(template_kwargs, keep_special)
         text = self.render_chat(
             messages, add_generation_prompt, tools, template_kwargs, continue_final_message
         )

@@ -32,6 +32,8 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
+from common.tokenizer import TemplateArguments
+
 MAX_N = 128
 MAX_LOGPROBS = 20
 # The gRPC fields these values travel in (proto/pdserve.proto): bounds checked here give a
@@ -536,31 +538,6 @@ class ChatMessage(_Body):
             else:
                 raise ValueError(f"content parts of type {part.type!r} are not supported")
         return parts
-
-
-class TemplateArguments(dict):
-    """A tool call's arguments as a chat template sees them: the object most templates
-    read (``arguments | tojson``, ``arguments.items()``), which reads as the JSON text
-    the client sent where a template uses it as a string (``'...' + arguments``,
-    ``{{ arguments }}``: DeepSeek's, which refused every conversation with an earlier
-    call when given the object, as transformers renders the text)."""
-
-    def __init__(self, value: dict[str, Any], text: str) -> None:
-        super().__init__(value)
-        self.text = text
-
-    def __str__(self) -> str:
-        return self.text
-
-    def __add__(self, other: object) -> str:
-        if isinstance(other, str):
-            return self.text + other
-        return NotImplemented
-
-    def __radd__(self, other: object) -> str:
-        if isinstance(other, str):
-            return other + self.text
-        return NotImplemented
 
 
 def _call_for_template(call: ToolCall) -> dict[str, Any]:
