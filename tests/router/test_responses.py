@@ -59,6 +59,23 @@ def test_instructions_and_items_become_chat_turns():
     assert chat.tool_choice.name == "weather" and chat.tools[1].function.name == "time"
 
 
+def test_instructions_and_leading_developer_items_are_one_system_message():
+    """GPT-OSS's template reads only the first message as the developer's: instructions
+    and a developer item after them (an agent client's sandbox rules) were two messages,
+    and the second was dropped from the prompt (an audit)."""
+    chat = chat_of(instructions="Be brief.", input=[
+        {"role": "developer", "content": [{"type": "input_text", "text": "Read only."}]},
+        {"role": "system", "content": "No rm."},
+        {"role": "user", "content": "hi"},
+        {"role": "developer", "content": "Later rules stay where they are."},
+    ])  # fmt: skip
+    turns = [m.for_template() for m in chat.messages]
+    assert turns[0] == {"role": "system", "content": "Be brief.\n\nRead only.\n\nNo rm."}
+    assert [t["role"] for t in turns[1:]] == ["user", "developer"]
+    alone = chat_of(input=[{"role": "developer", "content": "a"}, {"role": "user", "content": "b"}])
+    assert [m.role for m in alone.messages] == ["developer", "user"]
+
+
 def test_an_assistant_items_refusal_is_its_text():
     chat = chat_of(input=[
         {"role": "user", "content": "hi"},
