@@ -931,9 +931,10 @@ class ResponsesRequest(_Body):
     include_reasoning: bool = True
     cache_salt: CacheSalt = None
     priority: int | None = None
+    skip_special_tokens: bool = True  # (vLLM's: false keeps special tokens' text)
 
     # The extensions handed to the chat request as they are.
     PASSED_ON: ClassVar = ("seed", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                            "repetition_penalty", "logit_bias", "stop", "min_tokens",
                            "chat_template_kwargs", "include_reasoning", "cache_salt",
-                           "priority")  # fmt: skip
+                           "priority", "skip_special_tokens")  # fmt: skip

@@ -188,8 +188,7 @@ class ResponseStream:
             yield self._event("error", code=error.get("code"), message=error.get("message"),
                               param=responses_param(error.get("param")))  # fmt: skip
             failed = self.shape.envelope("failed", self.output)
-            failed["error"] = {"code": error.get("code") or "server_error",
-                               "message": error.get("message", "")}  # fmt: skip
+            failed["error"] = {"code": _failed_code(error), "message": error.get("message", "")}
             yield self._event("response.failed", response=failed)
             return
         for choice in chunk.get("choices", ()):
@@ -307,6 +306,17 @@ class ResponseStream:
         event = {"type": kind, "sequence_number": self.sequence_number, **fields}
         self.sequence_number += 1
         return event
+
+
+def _failed_code(error: dict[str, Any]) -> str:
+    """A failed response's ``error.code``, one of the Responses API's (its schema names
+    them; a client that checks, the OpenAI SDK's ``Response.model_validate``, refused the
+    chat error's "service_unavailable"): the client's request at fault is
+    ``invalid_prompt``, a rate limit stays one, anything else is ``server_error``. The
+    ``error`` event before it keeps the chat error's own code."""
+    if error.get("code") == "rate_limit_exceeded":
+        return "rate_limit_exceeded"
+    return "invalid_prompt" if error.get("type") == "invalid_request_error" else "server_error"
 
 
 def sse_event(event: dict[str, Any]) -> bytes:

@@ -76,6 +76,11 @@ def test_instructions_and_leading_developer_items_are_one_system_message():
     assert [m.role for m in alone.messages] == ["developer", "user"]
 
 
+def test_skip_special_tokens_is_passed_on():
+    assert chat_of(input="hi").skip_special_tokens
+    assert not chat_of(input="hi", skip_special_tokens=False).skip_special_tokens
+
+
 def test_an_assistant_items_refusal_is_its_text():
     chat = chat_of(input=[
         {"role": "user", "content": "hi"},
@@ -268,6 +273,26 @@ def test_a_stream_error_fails_the_response_naming_the_responses_field():
     failed = out[-1]["response"]
     assert failed["status"] == "failed" and failed["output"][0]["status"] == "incomplete"
     assert failed["output"][0]["content"][0]["text"] == "{"
+    assert failed["error"]["code"] == "invalid_prompt"
+
+
+def test_a_failed_responses_code_is_one_the_responses_api_names():
+    """The chat error's own code ("service_unavailable") went into ``response.error``,
+    whose schema names a few (the OpenAI SDK's ``Response.model_validate`` refused it);
+    the ``error`` event keeps it."""
+    from openai.types.responses import Response
+
+    cases = [({"type": "service_unavailable", "code": "service_unavailable"}, "server_error"),
+             ({"type": "internal_error", "code": None}, "server_error"),
+             ({"type": "rate_limit_error", "code": "rate_limit_exceeded"}, "rate_limit_exceeded"),
+             ({"type": "invalid_request_error", "code": "context_length_exceeded"},
+              "invalid_prompt")]  # fmt: skip
+    for error, code in cases:
+        out = streamed(chunk({"content": "x"}), {"error": {"message": "m", **error}})
+        assert out[-2]["code"] == error["code"]
+        failed = out[-1]["response"]
+        assert failed["error"] == {"code": code, "message": "m"}
+        Response.model_validate(failed)
 
 
 def test_a_cut_reply_is_incomplete_in_its_last_item_streamed_or_whole():
