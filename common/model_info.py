@@ -69,6 +69,15 @@ class ModelInfo:
     vision: VisionSpec | None = None
     # Linear-attention layers beside full attention (``common.hf_config.layer_types``).
     hybrid: bool = False
+    # What a sentence-transformers checkpoint says it pools by (``sentence_pooling``).
+    pooling_modes: tuple[str, ...] = ()
+
+    @property
+    def foreign_pooling(self) -> str | None:
+        """The pooling modes the checkpoint names when the engine's (the last token's)
+        is not among them: its embeddings would not be the model's. None otherwise."""
+        modes = self.pooling_modes
+        return None if not modes or modes == ("lasttoken",) else " and ".join(modes)
 
 
 def model_info(config: PdserveConfig) -> ModelInfo:
@@ -95,7 +104,22 @@ def model_info(config: PdserveConfig) -> ModelInfo:
     eos = frozenset(i for i in eos_token_ids(hf_config, model_dir) if 0 <= i < vocab_size)
     return ModelInfo(model_dir, name, max_model_len, config.engine_for(Role.DECODE).block_size,
                      vocab_size, str(hf_config.get("model_type") or ""), eos, vision,
-                     hybrid=layer_types(hf_config) is not None)  # fmt: skip
+                     hybrid=layer_types(hf_config) is not None,
+                     pooling_modes=sentence_pooling(model_dir))  # fmt: skip
+
+
+def sentence_pooling(model_dir: Path) -> tuple[str, ...]:
+    """The pooling modes a sentence-transformers checkpoint names (the ``config.json`` of
+    the Pooling module ``modules.json`` lists: ``lasttoken``, ``mean_tokens``,
+    ``cls_token``...); none when it names none (not such a checkpoint, or unreadable)."""
+    try:
+        modules = json.loads((model_dir / "modules.json").read_text())
+        pooling = next(m for m in modules if str(m.get("type", "")).endswith(".Pooling"))
+        config = json.loads((model_dir / str(pooling.get("path", "")) / "config.json").read_text())
+        return tuple(key.removeprefix("pooling_mode_") for key, on in config.items()
+                     if key.startswith("pooling_mode_") and on is True)  # fmt: skip
+    except (OSError, ValueError, TypeError, AttributeError, StopIteration):
+        return ()
 
 
 def check_text_parsers(config: PdserveConfig, hf_config: dict[str, Any]) -> None:

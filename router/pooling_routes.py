@@ -34,6 +34,7 @@ def add_pooling_routes(
         placement picks (``router/embeddings.py``)."""
         lora_name = admission.lora_name(body.model)
         check_pooling(body)
+        check_last_token_pooling()
         response_id = new_id("embd")
         done = await pooled(request, body, body.input, "input", lora_name, response_id,
                             normalize=body.normalize)  # fmt: skip
@@ -82,6 +83,19 @@ def add_pooling_routes(
         admission.check_open()
         admission.check_priority(body.priority)
 
+    def check_last_token_pooling() -> None:
+        """The engine pools the last token (``engine/pooling.py``): a checkpoint whose
+        sentence-transformers config pools otherwise got last-token vectors, silently
+        (an audit: a mean-pooled model's vectors were off by 0.27)."""
+        modes = state.model.foreign_pooling
+        if modes is not None:
+            raise bad_request(
+                f"this model's sentence-transformers config pools by {modes} "
+                "(modules.json); pdserve pools by the last token only, which would not "
+                "give this model's embeddings",
+                "model",
+            )
+
     async def score_pairs(
         request: Request,
         body: ScoreRequest | RerankRequest,
@@ -97,6 +111,8 @@ def add_pooling_routes(
         scorer = state.scorer
         query_param, document_param = params
         logits = scorer.method is ScoreMethod.TOKEN_LOGITS
+        if not logits:
+            check_last_token_pooling()
         truncating = body.truncate_prompt_tokens is not None
         if logits or not truncating:  # each query fits, before 2,048 prompts copy it
             queries = list(dict.fromkeys(query for query, _ in pairs))

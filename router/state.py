@@ -108,6 +108,10 @@ class RouterState:
     def build(cls, config: PdserveConfig, auth: InternalAuth = NO_AUTH) -> RouterState:
         """``auth``: the token the router's calls to workers carry."""
         model = model_info(config)
+        if model.foreign_pooling is not None:
+            logger.warning("%s pools by %s (its sentence-transformers config); embeddings "
+                           "are refused (the engine pools by the last token)",
+                           model.model_dir, model.foreign_pooling)  # fmt: skip
         index = PrefixIndex()
         lock = threading.Lock()
         events = EventListener(index, lock)

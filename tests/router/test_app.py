@@ -619,3 +619,33 @@ def test_a_client_gone_while_its_prompt_was_tokenized_gets_nothing_run(state):
         asyncio.run(leave())
         assert statuses == [499], (path, statuses)
     assert state.num_inflight == 0
+
+
+def test_a_checkpoint_that_pools_otherwise_gets_no_last_token_embeddings(tiny_llama, tmp_path):
+    """A sentence-transformers checkpoint that pools by the mean of its tokens got the
+    last token's vector, silently (an audit: off by 0.27): its embeddings are refused,
+    and token-logits scoring, which pools nothing, still passes that check."""
+    model_dir = tmp_path / "mean-pooled"
+    model_dir.mkdir()
+    for path in tiny_llama.iterdir():
+        (model_dir / path.name).symlink_to(path)
+    modules = [{"idx": 0, "name": "0", "path": "",
+                "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling",
+                "type": "sentence_transformers.models.Pooling"}]  # fmt: skip
+    (model_dir / "modules.json").write_text(jsonlib.dumps(modules))
+    (model_dir / "1_Pooling").mkdir()
+    pooling = {"word_embedding_dimension": 64, "pooling_mode_mean_tokens": True,
+               "pooling_mode_lasttoken": False, "pooling_mode_cls_token": False}  # fmt: skip
+    (model_dir / "1_Pooling" / "config.json").write_text(jsonlib.dumps(pooling))
+    mean = RouterState.build(load_config(None, [f"model={model_dir}"]))
+    assert mean.model.pooling_modes == ("mean_tokens",)
+    for path, body in [("/v1/embeddings", {"input": "x"}),
+                       ("/v1/rerank", {"query": "q", "documents": ["a"]})]:  # fmt: skip
+        error = error_of(post(mean, path, json=body), 400)
+        assert "pools by mean_tokens" in error["message"] and error["param"] == "model"
+    pooling.update(pooling_mode_mean_tokens=False, pooling_mode_lasttoken=True)
+    (model_dir / "1_Pooling" / "config.json").write_text(jsonlib.dumps(pooling))
+    last = RouterState.build(load_config(None, [f"model={model_dir}"]))
+    assert last.model.foreign_pooling is None
+    assert post(last, "/v1/embeddings", json={"input": "x"}).status_code == 503  # (no worker)
