@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json as jsonlib
+import threading
 import time
 
 import httpx
@@ -286,6 +287,26 @@ def test_limits_name_the_prompt_field_and_min_tokens(state):
     chat = {"messages": [{"role": "user", "content": "x"}], "min_tokens": max_model_len}
     error = error_of(post(state, "/v1/chat/completions", json=chat), 400)
     assert error["param"] == "min_tokens" and "context leaves" in error["message"]
+
+
+def test_token_work_runs_off_the_event_loop(state, monkeypatch):
+    """8M ids to /detokenize held the event loop (every stream and health answer) for
+    6 s (a security audit): decoding and the id check run on a thread, as /tokenize's
+    encoding does, and its token strings too."""
+    loop_thread, seen = threading.get_ident(), []
+    tokenizer = state.tokenizer
+    for name in ("decode", "convert_ids_to_tokens"):
+        method = getattr(tokenizer, name)
+
+        def recording(*args, _method=method, **kwargs):
+            seen.append(threading.get_ident())
+            return _method(*args, **kwargs)
+
+        monkeypatch.setattr(tokenizer, name, recording)
+    assert post(state, "/detokenize", json={"tokens": [5, 6]}).status_code == 200
+    reply = post(state, "/tokenize", json={"prompt": "hi", "return_token_strs": True})
+    assert reply.status_code == 200
+    assert len(seen) == 2 and loop_thread not in seen
 
 
 def test_tokenize_version_and_ping_answer_as_vllm(state):
