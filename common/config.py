@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from common.redis_password import without_password
+
 
 class ConfigError(ValueError):
     """A config value is missing, of the wrong type or impossible. Names the dotted key."""
@@ -670,7 +672,8 @@ class RegistryConfig:
         if self.redis_url is not None and not self.redis_url.startswith(_REDIS_SCHEMES):
             raise ConfigError(
                 "registry.redis_url",
-                f"{self.redis_url!r} is not a Redis URL ({', '.join(_REDIS_SCHEMES)}...)",
+                f"{without_password(self.redis_url, mask='***')!r} is not a Redis URL "
+                f"({', '.join(_REDIS_SCHEMES)}...)",
             )
         if self.heartbeat_s <= 0 or self.heartbeat_s >= self.ttl_s:
             raise ConfigError("registry.heartbeat_s", "must be > 0 and below registry.ttl_s")

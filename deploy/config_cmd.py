@@ -24,6 +24,7 @@ from common.model_info import (
     checkpoint_text_config,
     model_dir_of,
 )
+from common.redis_password import without_password
 from common.tracing import check_installed
 from deploy.config_args import add_overrides
 from deploy.ephemeral_ports import ephemeral_port_warnings, ephemeral_range
@@ -115,7 +116,8 @@ def summary(config: PdserveConfig, budgets: list[KVBudget] | None) -> list[str]:
             )
     router = config.router
     lines.append(f"router    http://{router.host}:{router.port}/v1")
-    registry = config.registry.redis_url or "static list from this file"
+    url = config.registry.redis_url
+    registry = without_password(url, mask="***") if url else "static list from this file"
     lines.append(f"registry  {registry}")
     transfer = config.kv_transfer
     lines.append(

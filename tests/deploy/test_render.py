@@ -17,7 +17,9 @@ from safetensors.torch import load_file
 
 from common.config import ConfigError, PdserveConfig, Role
 from common.config_loader import build, load_config
+from common.redis_password import url_password, without_password
 from deploy import containers
+from deploy.cli import main as deploy_main
 from deploy.render_compose import render
 from deploy.render_k8s import render_files, render_stream
 from engine.models.fp8_maker import quantize_checkpoint
@@ -329,6 +331,31 @@ def test_a_redis_password_is_never_written_into_the_rendered_files():
     )
     bundled = yaml.safe_load(render(load_config(str(DEMO)), "demo.yaml", "cpu", "i"))
     assert "PDSERVE_REDIS_PASSWORD" not in bundled["services"]["router"]["environment"]
+
+
+def test_a_redis_password_in_the_urls_query_is_kept_out_too(capsys):
+    """redis-py reads ``?password=`` as well (the form ``unix://`` URLs take): it went
+    into the rendered files, ``config check``'s output and a bad URL's error (a security
+    audit)."""
+    url = "redis://redis.internal:6379/0?password=QPASS777&db=1"
+    config = load_config(str(DEMO), [f"registry.redis_url={url}"])
+    compose = yaml.safe_load(render(config, "demo.yaml", "cpu", "pdserve:cpu"))
+    inner = yaml.safe_load(compose["configs"]["pdserve-config"]["content"])
+    assert inner["registry"]["redis_url"] == "redis://redis.internal:6379/0?db=1"
+    files = render_files(config, "demo.yaml", "pdserve:cpu")
+    assert not any("QPASS777" in text for text in [yaml.safe_dump(compose), *files.values()])
+    assert compose["services"]["router"]["environment"]["PDSERVE_REDIS_PASSWORD"].startswith(
+        "${PDSERVE_REDIS_PASSWORD:?"
+    )
+    socket = "unix:///run/redis.sock?password=QPASS777"
+    assert (url_password(socket), without_password(socket)) == ("QPASS777", socket[:22])
+    both = "redis://u:UPASS555@r:6379/0?password=QPASS777"
+    assert deploy_main(["config", "check", str(DEMO), "--set", f"registry.redis_url={both}"]) == 0
+    shown = capsys.readouterr().out
+    assert "UPASS555" not in shown and "QPASS777" not in shown and "u:***@r" in shown
+    with pytest.raises(ConfigError) as refused:
+        load_config(str(DEMO), ["registry.redis_url=http://r/0?password=QPASS777"])
+    assert "QPASS777" not in str(refused.value)
 
 
 def test_k8s_carries_each_config(tmp_path):
