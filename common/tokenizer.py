@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
@@ -32,8 +32,10 @@ _MIN_SLICE_CHARS = 1 << 16
 _SLICE_CHARS = 1 << 20
 # Tokens a cut between slices may add (a prefix space, a word split differently).
 _CUT_SLACK_TOKENS = 8
-# Characters a kept token spans at most, for ``KeptTokens``: far above any vocabulary's
-# average (~4 for English text), so cutting there changes none of the tokens kept.
+# Characters a kept token spans, for ``KeptTokens``'s first cut: far above any vocabulary's
+# average (~4 for English text). Not a bound (cl100k's vocabulary has tokens of 64+
+# characters, separator lines and runs of spaces): a cut that yields too few tokens is
+# widened (``KeptTokens.cuts``).
 CHARS_PER_TOKEN_BOUND = 16
 
 
@@ -51,11 +53,23 @@ class KeptTokens:
         """The ids kept of a text's ids."""
         return token_ids[-self.num_tokens :] if self.from_end else token_ids[: self.num_tokens]
 
-    def cut(self, text: str) -> str:
+    def cuts(self, text: str) -> Iterator[str]:
+        """``text`` cut on the kept side to ``CHARS_PER_TOKEN_BOUND`` characters a kept
+        token, then to twice as many each time, up to the whole text: the caller takes the
+        first cut that holds more tokens than it keeps (``holds``), since a cut of long
+        tokens (a separator line of 32-character tokens) held fewer, and truncation kept
+        fewer tokens than asked, a BOS among them (an audit)."""
         num_chars = self.num_tokens * CHARS_PER_TOKEN_BOUND
-        if len(text) <= num_chars:
-            return text
-        return text[-num_chars:] if self.from_end else text[:num_chars]
+        while len(text) > num_chars:
+            yield text[-num_chars:] if self.from_end else text[:num_chars]
+            num_chars *= 2
+        yield text
+
+    def holds(self, num_text_tokens: int) -> bool:
+        """Whether a cut of ``num_text_tokens`` tokens (special ones not counted) gives
+        the kept tokens as the whole text's: all of them, and room for the tokens at the
+        cut, which may differ from the whole text's."""
+        return num_text_tokens >= self.num_tokens + _CUT_SLACK_TOKENS
 
 
 class TemplateArguments(dict):
@@ -182,9 +196,30 @@ class Tokenizer:
         only to be refused for a 2k-token context.
 
         ``kept``: the caller keeps only these tokens (``KeptTokens``); the text is cut
-        to them first, and the caller truncates the ids as it would have."""
-        if kept is not None:
-            text = kept.cut(text)
+        to them first (``KeptTokens.cuts``: the first cut that holds them), and the
+        caller truncates the ids as it would have."""
+        if kept is None:
+            return self._encode(text, add_special_tokens, max_tokens)
+        added = self.num_special_added if add_special_tokens else 0
+        for cut in kept.cuts(text):
+            ids = self._encode(cut, add_special_tokens, max_tokens)
+            if len(cut) == len(text) or kept.holds(len(ids) - added):
+                return ids
+        raise AssertionError("the last cut is the whole text")
+
+    def cut_to_kept(self, text: str, kept: KeptTokens) -> str:
+        """The shortest of ``kept.cuts(text)`` that holds what ``kept`` keeps."""
+        for cut in kept.cuts(text):
+            if len(cut) == len(text) or kept.holds(len(self._encode(cut, False, None))):
+                return cut
+        raise AssertionError("the last cut is the whole text")
+
+    @cached_property
+    def num_special_added(self) -> int:
+        """The special tokens ``encode(..., add_special_tokens=True)`` adds (a BOS...)."""
+        return len(self._tok.encode("", add_special_tokens=True).ids)
+
+    def _encode(self, text: str, add_special_tokens: bool, max_tokens: int | None) -> list[int]:
         if max_tokens is not None:
             slice_chars = min(_SLICE_CHARS, max(_MIN_SLICE_CHARS, 8 * max_tokens))
             if len(text) > slice_chars:

@@ -133,7 +133,7 @@ class Scorer:
         fitted = []
         for query, document in pairs:
             # Only what truncation can keep is read (a 24 MB document took 25 s whole).
-            document = KeptTokens(keep, from_end=False).cut(document)
+            document = tokenizer.cut_to_kept(document, KeptTokens(keep, from_end=False))
             num_tokens = length(query, document)
             document_ids = []
             if num_tokens > keep:

@@ -103,6 +103,15 @@ def test_truncation_reads_only_the_kept_side_and_keeps_the_same_tokens(model_fac
     kept = tokenizer.encode(huge, kept=KeptTokens(512))
     assert time.perf_counter() - started < 1.0, "tokenized whole (that takes seconds)"
     assert kept[-512:] == tokenizer.encode(huge[-100_000:])[-512:]
+    # Tokens longer than CHARS_PER_TOKEN_BOUND characters (the made tokenizers have one
+    # of 32 dashes): the first cut held 4 of the 8 kept, and a BOS (an audit).
+    ruled = "intro text here\n" + "-" * 3200
+    whole = tokenizer.encode(ruled)
+    assert len(whole) > 16 and max(len(t) for t in tokenizer.convert_ids_to_tokens(whole)) > 16
+    for kept in (KeptTokens(8), KeptTokens(8, from_end=False), KeptTokens(40)):
+        assert kept.ids(tokenizer.encode(ruled, kept=kept)) == kept.ids(whole)
+        cut = tokenizer.cut_to_kept(ruled, kept)
+        assert kept.ids(tokenizer.encode(cut)) == kept.ids(whole) and len(cut) < len(ruled)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
