@@ -168,6 +168,8 @@ class EngineConfig:
     # gpu_memory_utilization (CUDA) after the weights are loaded.
     num_blocks: int | None = None
     kv_cache_bytes: int = 1 << 30
+    # This instance's share of its GPU, for its weights and KV cache (vLLM's meaning: two
+    # workers at 0.4 share a card); activations and graphs come out of the rest.
     gpu_memory_utilization: float = 0.85
     # None: the checkpoint's context (max_position_embeddings; with YaRN, the pretraining
     # context times its factor: common.hf_config.max_context_len). Larger values are capped.

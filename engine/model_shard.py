@@ -122,6 +122,24 @@ class HostBatch:
         return self.query_start_loc[i + 1] - self.query_start_loc[i]
 
 
+# Of a card's memory, what the KV cache leaves free whatever the utilization (activations,
+# graphs, the CUDA context, other processes' growth).
+FREE_RESERVE = 0.05
+
+
+def _cuda_kv_budget(device: torch.device, utilization: float) -> int:
+    """Bytes for this instance's KV cache: its share of the card (``utilization`` of it,
+    vLLM's meaning) less what it holds already (its weights), and never past what is free
+    less ``FREE_RESERVE`` of the card. It was "what is free, less (1 - utilization) of the
+    card", which counted the other workers' memory against this one's share: two workers
+    at 0.4 on one card (``benchmarks/GPU_RUNBOOK.md``'s 1P1D) left the second a negative
+    budget (an audit). One worker alone gets what it got (a little more: its context)."""
+    torch.cuda.empty_cache()  # (what the allocator caches but does not use counts as free)
+    free, total = torch.cuda.mem_get_info(device)
+    share = int(total * utilization) - torch.cuda.memory_reserved(device)
+    return min(share, free - int(total * FREE_RESERVE))
+
+
 class ModelShard:
     def __init__(
         self,
@@ -258,10 +276,7 @@ class ModelShard:
         else:
             budget = config.kv_cache_bytes
             if self.device.type == "cuda":
-                # Memory torch's allocator caches but does not use counts as free.
-                torch.cuda.empty_cache()
-                free, total = torch.cuda.mem_get_info(self.device)
-                budget = free - int(total * (1.0 - config.gpu_memory_utilization))
+                budget = _cuda_kv_budget(self.device, config.gpu_memory_utilization)
             num_blocks = budget // (self.bytes_per_block + draft_bytes_per_block)
             # A hybrid model's linear-attention states come out of the same memory.
             num_blocks -= self.num_state_slots * self.blocks_per_slot

@@ -418,3 +418,35 @@ def test_a_pool_too_small_names_the_setting_that_sized_it(tiny_llama, memory, ke
     with pytest.raises(ConfigError, match="cannot hold one request") as error:
         LLM(tiny_llama, device="cpu", **memory)
     assert error.value.key == key
+
+
+def test_gpu_memory_utilization_is_each_instances_share_of_the_card(monkeypatch):
+    """Two workers at 0.4 on one 80 GiB card (the runbook's 1P1D on one GPU): the
+    budget was "what is free, less 0.6 of the card", which counted the first worker's
+    memory against the second and left it -2 GiB (an audit). Each gets 0.4 of the card
+    less its own weights now, and never past what is free less a reserve. (torch.cuda's
+    memory queries faked: no GPU here.)"""
+    import torch
+
+    from engine import model_shard
+
+    gib, total = 1 << 30, 80 << 30
+    card = {"used": 0, "own": 0}
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (total - card["used"], total))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: card["own"])
+    budgets = []
+    for _ in range(2):
+        card["own"] = 2 * gib  # this worker's weights, loaded before the pool is sized
+        card["used"] += card["own"]
+        budgets.append(model_shard._cuda_kv_budget(torch.device("cuda"), 0.4))
+        card["used"] += budgets[-1]
+    assert budgets == [int(0.4 * total) - 2 * gib] * 2
+    # Alone at 0.85 (the default): 0.85 of the card less its weights, as before.
+    card["used"] = card["own"] = 2 * gib
+    assert model_shard._cuda_kv_budget(torch.device("cuda"), 0.85) == int(0.85 * total) - 2 * gib
+    # Whatever the share, not past what is free less the reserve (another process holds
+    # 70 GiB here).
+    card["used"] = 72 * gib
+    free_less_reserve = 8 * gib - int(total * model_shard.FREE_RESERVE)
+    assert model_shard._cuda_kv_budget(torch.device("cuda"), 0.85) == free_less_reserve
