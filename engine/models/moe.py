@@ -180,6 +180,9 @@ class SparseMoe(nn.Module):
         # Pairs routed to each expert [num_experts] int64, counted while set (by
         # ``ModelShard``, for rebalancing); the reader zeroes it.
         self.expert_load: torch.Tensor | None = None
+        # While a decode graph runs this layer ([rows] int64: 1 for a real row, 0 for the
+        # padding up to its bucket), the pairs of each row count that much, not 1.
+        self.counted_rows: torch.Tensor | None = None
         self.shared_expert = shared_expert
         # Qwen2-MoE gates its shared expert per token; DeepSeek's shared experts are not.
         self.shared_expert_gate = None
@@ -217,7 +220,11 @@ class SparseMoe(nn.Module):
         expert_ids, weights = self.route(hidden)  # [T, k]
         if self.expert_load is not None:
             flat = expert_ids.flatten()
-            self.expert_load.index_add_(0, flat, torch.ones_like(flat))
+            counts = torch.ones_like(flat)
+            if self.counted_rows is not None:  # a decode graph's: its padding rows are 0
+                rows = self.counted_rows[: expert_ids.shape[0]]
+                counts = rows.repeat_interleave(expert_ids.shape[1])
+            self.expert_load.index_add_(0, flat, counts)
         other_experts = self.expert_placement is not None
         if other_experts:
             # Other ranks' slots are id num_local_experts, which the kernels skip: this
