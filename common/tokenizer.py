@@ -317,8 +317,8 @@ class Tokenizer:
                 return [walk(x) for x in item]
             if isinstance(item, TemplateArguments):  # (its text is what some templates print)
                 return TemplateArguments(walk(dict(item)), walk(item.text))
-            if type(item) is dict:
-                return {key: walk(x) for key, x in item.items()}
+            if type(item) is dict:  # keys too: ``tojson`` prints an argument's name
+                return {walk(key): walk(x) for key, x in item.items()}
             return item
 
         return walk(value)
