@@ -233,8 +233,8 @@ def add_generation_routes(
         """How this reply's thinking is told apart (None: no reasoning parser).
         ``tail``: the prompt's end, special tokens kept."""
         continued = None
-        if body.continue_final_message and isinstance(body.messages[-1].content, str):
-            continued = body.messages[-1].content
+        if body.continue_final_message:  # (as text parts too: the template joins them)
+            continued = body.messages[-1].text(image_text="")
         opening = opening_of(state.config.router.reasoning_parser, tail, continued)
         return None if opening is None else Reasoning(opening, body.include_reasoning)
 

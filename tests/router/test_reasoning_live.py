@@ -185,8 +185,10 @@ def test_thinking_switched_off_or_left_out(client, tokenizer):
 
 
 @pytest.mark.parametrize(
-    ("started", "inside"), [("<think>\nLet me count:", True), ("<think>Eight.</think>So", False)]
-)
+    ("started", "inside"),
+    [("<think>\nLet me count:", True), ("<think>Eight.</think>So", False),
+     ([{"type": "text", "text": "<think>\nLet "}, {"type": "text", "text": "me count:"}], True)],
+)  # fmt: skip
 def test_a_continued_reply_goes_on_where_its_message_stopped(client, tokenizer, started, inside):
     """``continue_final_message``: a message that opened its thinking and left it open
     goes on thinking (it was read as answer, ``</think>`` and all: the audit's case); one
