@@ -131,7 +131,7 @@ class KVEventPublisher:
         if not events:
             return
         seq = self.next_seq
-        payload = encode_batch(KVEventBatch(seq=seq, ts=time.time(), events=events))
+        payload = encode_batch(KVEventBatch.of(seq, time.time(), events))
         with self._lock:  # the snapshot and the sequence number move together
             self._keep(events)
             self._buffer.append((seq, payload))
@@ -170,7 +170,7 @@ class KVEventPublisher:
                    for medium, hashes in cached.items() if hashes]  # fmt: skip
         if states:
             events.append(StateStored(states))
-        payload = encode_batch(KVEventBatch(seq=seq, ts=time.time(), events=events))
+        payload = encode_batch(KVEventBatch.of(seq, time.time(), events))
         self._snapshot_cache = (now, payload)
         return payload
 

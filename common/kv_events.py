@@ -60,15 +60,35 @@ class StateRemoved(msgspec.Struct, tag=True, frozen=True, array_like=True):
     block_hashes: list[bytes]
 
 
-KVEvent = BlockStored | BlockRemoved | AllBlocksCleared | StateStored | StateRemoved
+BlockEvent = BlockStored | BlockRemoved | AllBlocksCleared
+StateEvent = StateStored | StateRemoved
+KVEvent = BlockEvent | StateEvent  # (in a process: one list, in order)
 
 
 class KVEventBatch(msgspec.Struct, frozen=True, array_like=True):
-    """The events of one engine step. ``seq`` increases by one per batch per publisher."""
+    """The events of one engine step. ``seq`` increases by one per batch per publisher.
+
+    A hybrid model's state events travel in ``states``, after the block events, not among
+    them: a router from before them decodes a batch's first three fields and skips the
+    rest, where an unknown tag among ``events`` made it refuse every batch and its
+    snapshot, and forget every block the worker holds (a review, 2026-12-01). Applied
+    after the batch's block events (the index keeps states apart from blocks)."""
 
     seq: int
     ts: float
-    events: list[KVEvent]
+    events: list[BlockEvent]
+    states: list[StateEvent] = []
+
+    @classmethod
+    def of(cls, seq: int, ts: float, events: list[KVEvent]) -> KVEventBatch:
+        """A batch of one step's ``events``, in order, each kind in its field."""
+        states = [event for event in events if isinstance(event, StateStored | StateRemoved)]
+        blocks = [event for event in events if not isinstance(event, StateStored | StateRemoved)]
+        return cls(seq, ts, blocks, states)
+
+    def all_events(self) -> list[KVEvent]:
+        """The block events, then the state events."""
+        return [*self.events, *self.states]
 
 
 # Built here, at import, on one thread: msgspec fills its per-type caches (the Medium

@@ -154,5 +154,5 @@ class _Feed:
                 listener.num_resyncs += 1
                 listener.index.clear_worker(worker_id)
             for batch in batches:
-                listener.index.apply(worker_id, batch.events)
+                listener.index.apply(worker_id, batch.all_events())
             listener.num_batches += len(batches)
