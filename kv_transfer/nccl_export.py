@@ -209,7 +209,10 @@ class ExportServer(threading.Thread):
 
     def _connect(self, message: Connect) -> Accepted | Rejected:
         expected = connect_proof(self._settings.pair_key, message.pair_id)
-        if not hmac.compare_digest(message.proof, expected):  # (nothing of ours in the reply)
+        if not message.proof:  # (nothing of ours in either reply)
+            reason = "not authorized: the Connect carries no proof (a fetcher older than "
+            return Rejected(message.pair_id, reason + "this exporter? upgrade it)")
+        if not hmac.compare_digest(message.proof, expected):
             return Rejected(message.pair_id, "not authorized: the Connect's proof is wrong")
         if message.layout != self._kv.layout:
             reason = f"layout mismatch: ours {self._kv.layout}, theirs {message.layout}"

@@ -118,6 +118,7 @@ def test_a_connect_without_the_exporters_key_opens_no_pair_and_learns_nothing():
                 reply = decode_to_fetcher(setup.sock.recv())
                 assert isinstance(reply, Rejected) and not reply.layout_mismatch
                 assert "not authorized" in reply.reason and "KVLayout" not in reply.reason
+                assert ("no proof" in reply.reason) == (proof == b"")
         for _ in range(300):  # more than the exporter's pair slots
             setup.sock.send(encode(Connect(uuid.uuid4().hex, "stranger", layout)))
         for _ in range(300):
