@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 REDIS_PASSWORD_ENV = "PDSERVE_REDIS_PASSWORD"
 REDIS_PASSWORD_SECRET = "pdserve-redis"  # Kubernetes: its key "password"
@@ -31,14 +31,16 @@ def without_password(url: str, mask: str = "") -> str:
     """``url`` without its password, wherever it is (``mask`` in its place, when given:
     for what is printed or logged). A password in the query was kept: rendered files,
     ``config check`` and error lines showed it (a security audit)."""
+    # By hand: urlunsplit writes "unix://:pw@/path" without its password as "unix:/path",
+    # which redis-py refuses.
     parts = urlsplit(url)
     if parts.password is not None:
         user = parts.username or ""
         secret = f":{mask}" if mask else ""
         host = parts.netloc.rpartition("@")[2]
         netloc = f"{user}{secret}@{host}" if user or secret else host
-        url = urlunsplit(parts._replace(netloc=netloc))
-    # The query by hand: urlunsplit writes "unix:///path" as "unix:/path".
+        start = len(parts.scheme) + 3  # past "scheme://"
+        url = url[:start] + netloc + url[start + len(parts.netloc) :]
     base, mark, rest = url.partition("?")
     query, hash_mark, fragment = rest.partition("#")
     pairs = parse_qsl(query, keep_blank_values=True)

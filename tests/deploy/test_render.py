@@ -349,6 +349,9 @@ def test_a_redis_password_in_the_urls_query_is_kept_out_too(capsys):
     )
     socket = "unix:///run/redis.sock?password=QPASS777"
     assert (url_password(socket), without_password(socket)) == ("QPASS777", socket[:22])
+    socket = "unix://:UPASS555@/run/redis.sock?db=1"  # (urlunsplit gave "unix:/run/...")
+    assert without_password(socket) == "unix:///run/redis.sock?db=1"
+    assert without_password(socket, "***") == "unix://:***@/run/redis.sock?db=1"
     both = "redis://u:UPASS555@r:6379/0?password=QPASS777"
     assert deploy_main(["config", "check", str(DEMO), "--set", f"registry.redis_url={both}"]) == 0
     shown = capsys.readouterr().out
