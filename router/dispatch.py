@@ -191,7 +191,10 @@ class Dispatcher:
             # logits): no worker saves it any work.
             reusable = [] if request.sampling.HasField("prompt_logprobs") else request.block_hashes
             matches = self.index.match(reusable, ids)
-            confirmed = self.index.match(reusable, [w.worker_id for w in decode], optimistic=False)
+            held = reusable
+            if self.policy.hybrid:  # the engine resumes before the last token's block ends
+                held = reusable[: (len(request.prompt_token_ids) - 1) // self.block_size]
+            confirmed = self.index.match(held, [w.worker_id for w in decode], optimistic=False)
             prefill_loads = [w.load() for w in prefill]
             if not self.config.per_worker_prefill_rate:
                 prefill_loads = _pooled_rate(prefill_loads)

@@ -17,7 +17,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 
 from common.config import Role, RouterConfig
 from common.hashing import hash_blocks
-from common.kv_events import BlockStored
+from common.kv_events import BlockStored, StateStored
 from common.registry import RedisRegistry, WorkerInfo
 from proto import PARAM_KEY
 from proto import pdserve_pb2 as pb
@@ -125,12 +125,15 @@ async def serve(
 
 
 def pool_and_dispatcher(
-    registry: RedisRegistry, index: PrefixIndex, config: RouterConfig | None = None
+    registry: RedisRegistry,
+    index: PrefixIndex,
+    config: RouterConfig | None = None,
+    hybrid: bool = False,
 ) -> tuple[WorkerPool, Dispatcher]:
     lock = threading.Lock()
     pool = WorkerPool(registry, EventListener(index, lock), 60.0, 30.0)
     config = config or RouterConfig()
-    policy = PlacementPolicy(config, 16, 8)
+    policy = PlacementPolicy(config, 16, 8, hybrid=hybrid)
     return pool, Dispatcher(config, pool, index, lock, policy, RouterMetrics("m"), 16)
 
 
@@ -719,6 +722,30 @@ def test_a_prompt_to_score_is_placed_as_uncached(tmp_path):
     plain, scoring = run_with_registry(tmp_path, scenario)
     assert plain.decode_cached_tokens > 0
     assert scoring.decode_cached_tokens == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_hybrid_decode_worker_counts_no_snapshot_past_what_its_engine_resumes(tmp_path):
+    """A 48-token prompt: the engine computes its last token, so it resumes at most from
+    the snapshot after block 2. One after block 3 (a rolling snapshot ending where the
+    prompt does) counted 47 tokens as held, and the decode worker recomputed all 48."""
+
+    async def scenario(registry: RedisRegistry) -> Placement:
+        server, info = await serve(Decode(fail=False), registry)
+        index = PrefixIndex()
+        pool, dispatcher = pool_and_dispatcher(registry, index, hybrid=True)
+        try:
+            await pool.refresh()
+            prompt = list(range(5, 53))
+            hashes = hash_blocks(prompt, 16)
+            snapshots = StateStored([hashes[0], hashes[2]])
+            index.apply(info.worker_id, [BlockStored(hashes, None, prompt, 16), snapshots])
+            return dispatcher.place(SequenceRequest("r", prompt, hashes, pb.SamplingParams()))
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    assert run_with_registry(tmp_path, scenario).decode_cached_tokens == 16
 
 
 @pytest.mark.timeout(60)
