@@ -57,15 +57,17 @@ def create_backend(
 ) -> AttentionBackend:
     """``latent_widths``: a latent-attention model's ``(kv_lora_rank, qk_rope_head_dim)``.
     Triton's latent decode kernel tiles each whole (``kernels/mla_decode.py``), so other
-    widths than powers of two are refused here, at start: such an engine ran its prompts
-    (the torch path) and failed every request at its first decode step."""
+    widths than powers of two (from 16) are refused here, at start: such an engine ran
+    its prompts (the torch path) and failed every request at its first decode step."""
     resolved = resolve_backend_name(name, device, latent_widths is not None)
-    tiled = latent_widths is None or all(w > 0 and not w & (w - 1) for w in latent_widths)
+    # (tl.dot's inner dimension is at least 16 on a GPU: smaller widths compile nowhere)
+    tiled = latent_widths is None or all(w >= 16 and not w & (w - 1) for w in latent_widths)
     if resolved is AttentionBackendName.TRITON and not tiled:
         kv_lora_rank, rope = latent_widths
         raise ConfigError(
             "engine.attention_backend",
             f"triton's latent-attention decode needs kv_lora_rank and qk_rope_head_dim "
-            f"to be powers of two (this model's: {kv_lora_rank} and {rope}); use torch or auto",
+            f"to be powers of two from 16 (this model's: {kv_lora_rank} and {rope}); use "
+            "torch or auto",
         )
     return _BACKENDS[resolved](block_size, device)

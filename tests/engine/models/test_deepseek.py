@@ -179,8 +179,9 @@ def test_auto_keeps_latent_attention_on_torch_and_lora_is_refused(model_factory,
     assert asked is AttentionBackendName.TRITON
     # Latent widths its decode kernel cannot tile are refused at start, not at the first
     # decode step (an audit's tiny deepseek_v2: kv_lora_rank 96, rope 48).
-    with pytest.raises(ConfigError, match="this model's: 96 and 48"):
-        create_backend(AttentionBackendName.TRITON, torch.device("cuda"), 16, (96, 48))
+    for widths in ((96, 48), (512, 8)):  # (8: tl.dot's inner dimension is 16 at least)
+        with pytest.raises(ConfigError, match=f"this model's: {widths[0]} and {widths[1]}"):
+            create_backend(AttentionBackendName.TRITON, torch.device("cuda"), 16, widths)
     arch = read_arch_config(model_factory("deepseek_v3"))
     with pytest.raises(ModelLoadError, match="LoRA adapters on models with latent attention"):
         load_lora_adapter("a", tmp_path, arch, torch.device("cpu"), torch.float32)
