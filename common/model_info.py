@@ -69,15 +69,22 @@ class ModelInfo:
     vision: VisionSpec | None = None
     # Linear-attention layers beside full attention (``common.hf_config.layer_types``).
     hybrid: bool = False
-    # What a sentence-transformers checkpoint says it pools by (``sentence_pooling``).
+    # What a sentence-transformers checkpoint says it pools by, and the other modules it
+    # runs after the transformer (``sentence_pooling``).
     pooling_modes: tuple[str, ...] = ()
+    extra_modules: tuple[str, ...] = ()
 
     @property
     def foreign_pooling(self) -> str | None:
-        """The pooling modes the checkpoint names when the engine's (the last token's)
-        is not among them: its embeddings would not be the model's. None otherwise."""
+        """How the checkpoint's sentence-transformers pipeline makes an embedding, when
+        the engine's (the last token's hidden state, normalized or not) is not it: its
+        embeddings would not be the model's. None otherwise."""
         modes = self.pooling_modes
-        return None if not modes or modes == ("lasttoken",) else " and ".join(modes)
+        if modes and modes != ("lasttoken",):
+            return "pools by " + " and ".join(modes)
+        if self.extra_modules:
+            return "runs " + " and ".join(self.extra_modules) + " after pooling"
+        return None
 
 
 def model_info(config: PdserveConfig) -> ModelInfo:
@@ -102,24 +109,35 @@ def model_info(config: PdserveConfig) -> ModelInfo:
         )
     vocab_size = int(hf_config.get("vocab_size", 0))
     eos = frozenset(i for i in eos_token_ids(hf_config, model_dir) if 0 <= i < vocab_size)
+    pooling_modes, extra_modules = sentence_pooling(model_dir)
     return ModelInfo(model_dir, name, max_model_len, config.engine_for(Role.DECODE).block_size,
                      vocab_size, str(hf_config.get("model_type") or ""), eos, vision,
-                     hybrid=layer_types(hf_config) is not None,
-                     pooling_modes=sentence_pooling(model_dir))  # fmt: skip
+                     hybrid=layer_types(hf_config) is not None, pooling_modes=pooling_modes,
+                     extra_modules=extra_modules)  # fmt: skip
 
 
-def sentence_pooling(model_dir: Path) -> tuple[str, ...]:
-    """The pooling modes a sentence-transformers checkpoint names (the ``config.json`` of
-    the Pooling module ``modules.json`` lists: ``lasttoken``, ``mean_tokens``,
-    ``cls_token``...); none when it names none (not such a checkpoint, or unreadable)."""
+# sentence-transformers modules the engine's embedding is (the rest change the vector).
+_OWN_MODULES = ("Transformer", "Pooling", "Normalize")
+
+
+def sentence_pooling(model_dir: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A sentence-transformers checkpoint's pooling modes (the ``config.json`` of the
+    Pooling module ``modules.json`` lists: ``lasttoken``, ``mean_tokens``, ``cls_token``...)
+    and its other modules (a ``Dense`` projection...); none when it names none (not such a
+    checkpoint, or unreadable)."""
     try:
         modules = json.loads((model_dir / "modules.json").read_text())
+        kinds = [str(module.get("type", "")).rpartition(".")[2] for module in modules]
+        extra = tuple(kind for kind in kinds if kind not in _OWN_MODULES)
         pooling = next(m for m in modules if str(m.get("type", "")).endswith(".Pooling"))
         config = json.loads((model_dir / str(pooling.get("path", "")) / "config.json").read_text())
-        return tuple(key.removeprefix("pooling_mode_") for key, on in config.items()
-                     if key.startswith("pooling_mode_") and on is True)  # fmt: skip
-    except (OSError, ValueError, TypeError, AttributeError, StopIteration):
-        return ()
+        modes = tuple(key.removeprefix("pooling_mode_") for key, on in config.items()
+                      if key.startswith("pooling_mode_") and on is True)  # fmt: skip
+        return modes, extra
+    except StopIteration:  # (no Pooling module)
+        return (), extra
+    except (OSError, ValueError, TypeError, AttributeError):
+        return (), ()
 
 
 def check_text_parsers(config: PdserveConfig, hf_config: dict[str, Any]) -> None:

@@ -87,12 +87,12 @@ def add_pooling_routes(
         """The engine pools the last token (``engine/pooling.py``): a checkpoint whose
         sentence-transformers config pools otherwise got last-token vectors, silently
         (an audit: a mean-pooled model's vectors were off by 0.27)."""
-        modes = state.model.foreign_pooling
-        if modes is not None:
+        foreign = state.model.foreign_pooling
+        if foreign is not None:
             raise bad_request(
-                f"this model's sentence-transformers config pools by {modes} "
-                "(modules.json); pdserve pools by the last token only, which would not "
-                "give this model's embeddings",
+                f"this model's sentence-transformers config {foreign} (modules.json); "
+                "pdserve embeds a prompt as its last token's hidden state, which would "
+                "not be this model's embedding",
                 "model",
             )
 

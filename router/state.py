@@ -109,8 +109,8 @@ class RouterState:
         """``auth``: the token the router's calls to workers carry."""
         model = model_info(config)
         if model.foreign_pooling is not None:
-            logger.warning("%s pools by %s (its sentence-transformers config); embeddings "
-                           "are refused (the engine pools by the last token)",
+            logger.warning("%s %s (its sentence-transformers config); embeddings are "
+                           "refused (the engine embeds by the last token's hidden state)",
                            model.model_dir, model.foreign_pooling)  # fmt: skip
         index = PrefixIndex()
         lock = threading.Lock()

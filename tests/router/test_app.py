@@ -676,3 +676,10 @@ def test_a_checkpoint_that_pools_otherwise_gets_no_last_token_embeddings(tiny_ll
     last = RouterState.build(load_config(None, [f"model={model_dir}"]))
     assert last.model.foreign_pooling is None
     assert post(last, "/v1/embeddings", json={"input": "x"}).status_code == 503  # (no worker)
+    # A Dense projection after pooling changes the vector too (a review).
+    modules.append({"idx": 2, "name": "2", "path": "2_Dense",
+                    "type": "sentence_transformers.models.Dense"})  # fmt: skip
+    (model_dir / "modules.json").write_text(jsonlib.dumps(modules))
+    dense = RouterState.build(load_config(None, [f"model={model_dir}"]))
+    error = error_of(post(dense, "/v1/embeddings", json={"input": "x"}), 400)
+    assert "runs Dense after pooling" in error["message"]
