@@ -125,25 +125,25 @@ def _messages(body: ResponsesRequest) -> list[dict[str, Any]]:
         messages.append(message)
     if not messages:
         raise FieldError("input must hold at least one message", "input")
-    return _with_instructions_first(messages) if body.instructions else messages
+    return _one_leading_system(messages)
 
 
-def _with_instructions_first(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``instructions`` (the first message) and the system / developer messages right
-    after it, joined into one system message, instructions first: templates that read
-    only the first message as the system prompt (GPT-OSS's) dropped the others, such as
-    an agent client's developer item with its sandbox rules (an audit)."""
-    end = 1
+def _one_leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The system / developer messages the conversation starts with (``instructions``
+    first), joined into one, in the first one's role: templates that read only the first
+    message as the system prompt (GPT-OSS's) dropped the others, such as an agent
+    client's developer item with its sandbox rules after its instructions (an audit)."""
+    end = 0
     while (
         end < len(messages)
         and messages[end]["role"] in ("system", "developer")
         and isinstance(messages[end]["content"], str)
     ):
         end += 1
-    if end == 1:
+    if end < 2:
         return messages
     joined = "\n\n".join(message["content"] for message in messages[:end])
-    return [{"role": "system", "content": joined}, *messages[end:]]
+    return [{"role": messages[0]["role"], "content": joined}, *messages[end:]]
 
 
 def without_oldest_turn(chat: ChatCompletionRequest) -> ChatCompletionRequest | None:

@@ -74,6 +74,10 @@ def test_instructions_and_leading_developer_items_are_one_system_message():
     assert [t["role"] for t in turns[1:]] == ["user", "developer"]
     alone = chat_of(input=[{"role": "developer", "content": "a"}, {"role": "user", "content": "b"}])
     assert [m.role for m in alone.messages] == ["developer", "user"]
+    two = chat_of(input=[{"role": "developer", "content": "a"}, {"role": "system", "content": "b"},
+                         {"role": "user", "content": "c"}])  # fmt: skip
+    assert two.messages[0].for_template() == {"role": "developer", "content": "a\n\nb"}
+    assert len(two.messages) == 2
 
 
 def test_skip_special_tokens_is_passed_on():
