@@ -230,6 +230,7 @@ class NixlConnector(KVConnector):
                     whole_descs,
                     lambda outcome: self._commands.put(("part", outcome)),
                     cpu,
+                    kv.device,
                 )
                 self._lanes.append(lane)
         except BaseException:

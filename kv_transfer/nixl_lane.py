@@ -27,9 +27,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from nixl._api import nixl_agent, nixl_agent_config
 
 from kv_transfer.errors import KVTransferError, TransferFailedError, TransferTimeoutError
+from kv_transfer.packing import bind_device
 
 logger = logging.getLogger(__name__)
 
@@ -93,12 +95,18 @@ class NixlLane:
         whole_descs: np.ndarray | None,
         on_done: PartReport,
         cpu: int | None = None,
+        device: torch.device | None = None,
     ) -> None:
         """``regions``: the KV memory to register, [R, 3] uint64 (addr, len, device).
         ``layer_descs`` / ``whole_descs``: this process's descriptor tables per (layer,
         block) and per whole block (None unless block-major), ``nixl_protocol.py``.
-        ``cpu``: the core the lane thread is pinned to (None: wherever the scheduler puts it)."""
+        ``cpu``: the core the lane thread is pinned to (None: wherever the scheduler puts it).
+        ``device``: the KV's, made current in the lane thread, which posts and progresses
+        the READs (UCX cuda_ipc uses the thread's current CUDA context; only the
+        connector's driver thread bound it, which matters where a process's KV is not on
+        cuda:0; unverified on a GPU so far)."""
         self.name = name
+        self._device = device
         self._agent = nixl_agent(name, agent_config)
         self._registration = self._agent.register_memory(regions, mem_type)
         self._local_dlists: dict[bool, object] = {}  # whole_blocks -> prepped local list
@@ -168,6 +176,8 @@ class NixlLane:
     # -- lane thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self._device is not None:
+            bind_device(self._device)
         while not self._stop.is_set():
             try:
                 # Idle, a lane sleeps until a command comes (close sends one).
