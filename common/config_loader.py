@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import types
 import typing
 from enum import Enum
@@ -138,6 +139,39 @@ def _unknown(name: str, known: typing.Iterable[str], what: str) -> str:
     if close:
         return f"unknown {what}; did you mean {' or '.join(close)}?"
     return f"unknown {what} (known: {', '.join(known)})"
+
+
+# The keys that name paths on this machine (and a LoRA adapter's, each value of
+# ``lora.adapters``), where "~" is the user's home, as a shell reads it: taken literally,
+# a model under ~/... was "no checkpoint directory" and ``shared_dir: ~/kv`` made a
+# directory named "~" in the working directory (an audit).
+_PATH_KEYS = (("model",), ("engine", "draft_model"), ("prefill", "engine", "draft_model"),
+              ("decode", "engine", "draft_model"), ("planner", "profile"),
+              ("kv_transfer", "shared_dir"))  # fmt: skip
+
+
+def with_home_expanded(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with a leading ``~`` of each path value expanded (``_PATH_KEYS``)."""
+
+    def expanded(value: Any) -> Any:
+        return os.path.expanduser(value) if isinstance(value, str) else value
+
+    def at(section: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+        head, *rest = keys
+        if head not in section:
+            return section
+        if not rest:
+            return {**section, head: expanded(section[head])}
+        inner = section[head]
+        return {**section, head: at(inner, tuple(rest))} if isinstance(inner, dict) else section
+
+    for keys in _PATH_KEYS:
+        data = at(data, keys)
+    lora = data.get("lora")
+    if isinstance(lora, dict) and isinstance(lora.get("adapters"), dict):
+        adapters = {name: expanded(path) for name, path in lora["adapters"].items()}
+        data = {**data, "lora": {**lora, "adapters": adapters}}
+    return data
 
 
 def typed_role_engines(data: dict[str, Any]) -> dict[str, Any]:
@@ -279,7 +313,7 @@ def load_config(path: str | None = None, overrides: list[str] | None = None):
         data = read_yaml(path) or {}
     if not isinstance(data, dict):
         raise ConfigError("config", f"{path} must hold a mapping of sections, got {data!r}")
-    data = typed_role_engines(apply_overrides(data, overrides or []))
+    data = with_home_expanded(typed_role_engines(apply_overrides(data, overrides or [])))
     config = build(PdserveConfig, data)
     check_kv_fit(config)
     return config

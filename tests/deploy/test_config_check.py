@@ -349,3 +349,26 @@ def test_an_adapter_name_with_dots_is_one_name_in_an_override():
 
     data = apply_overrides({}, ["lora.adapters.my.v1=/adapters/a", "engine.block_size=32"])
     assert data == {"lora": {"adapters": {"my.v1": "/adapters/a"}}, "engine": {"block_size": 32}}
+
+
+def test_a_tilde_in_a_path_is_the_users_home(tmp_path, monkeypatch):
+    """Taken literally, a model under ~/... was "no checkpoint directory" and
+    ``kv_transfer.shared_dir: ~/kv`` made a directory named "~" in the working directory
+    (an audit)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": "~/models/m", "kv_transfer": {"connector": "shared_storage", "shared_dir": "~/kv"},
+        "lora": {"adapters": {"a": "~/adapters/a"}}, "planner": {"profile": "~/plan.json"},
+        "decode": {"engine": {"speculative_method": "draft_model", "draft_model": "~/draft"}},
+    }))  # fmt: skip
+    overrides = ["engine.speculative_method=draft_model", "engine.draft_model=~/draft"]
+    config = load_config(str(path), overrides)
+    home = str(tmp_path)
+    assert config.model == f"{home}/models/m"
+    assert config.kv_transfer.shared_dir == f"{home}/kv"
+    assert config.lora.adapters == {"a": f"{home}/adapters/a"}
+    assert config.planner.profile == f"{home}/plan.json"
+    assert config.engine.draft_model == f"{home}/draft"
+    assert config.engine_for(Role.DECODE).draft_model == f"{home}/draft"
+    assert load_config(None, ["model=models/~x"]).model == "models/~x"  # (leading only)
