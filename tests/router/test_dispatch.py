@@ -355,10 +355,10 @@ class Stalled(Decode):
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("sent", [(), (1,)])
 def test_a_client_gone_mid_pull_leaves_the_lease_to_expire(tmp_path, sent):
-    """The client leaves while the decode worker has sent nothing: it may be reading the
-    prefill worker's blocks, so no early release (reused under a READ that then completes,
-    they would be cached as this prompt's). Once it has sent a chunk, it has the KV: the
-    lease was released then."""
+    """The client leaves while the decode worker has sent nothing (and never will): it may
+    be reading the prefill worker's blocks, so no early release (reused under a READ that
+    then completes, they would be cached as this prompt's). Once it has sent a chunk, it
+    has the KV: the lease was released then."""
     decode = Stalled(fail=False, token_ids=sent)
 
     async def scenario(registry: RedisRegistry) -> list[str]:
@@ -392,6 +392,69 @@ def test_a_client_gone_mid_pull_leaves_the_lease_to_expire(tmp_path, sent):
             await server.stop(None)
 
     assert run_with_registry(tmp_path, scenario) == (["early"] if sent else [])
+
+
+class SlowPull(Decode):
+    """Answers its first chunk only after ``delay_s`` (a pull), then holds the stream open;
+    notes when the router cancels it."""
+
+    delay_s = 0.5
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        try:
+            await asyncio.sleep(self.delay_s)
+            yield pb.GenerateResponse(token_ids=[1])
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+
+
+@pytest.mark.timeout(60)
+def test_a_client_gone_before_the_first_reply_still_frees_the_lease_when_the_pull_ends(tmp_path):
+    """Cancelled at once when its client left, the call often ended before the decode
+    worker admitted it, and no one released the lease: it held the prefill worker's
+    blocks for lease_s (an audit: 114 of 128 blocks held, 29.6 s to a first token). The
+    call is read on until its first reply (the pull's end): the lease is released then,
+    and the call cancelled."""
+    decode = SlowPull(fail=False)
+    decode.cancelled = False
+
+    async def scenario(registry: RedisRegistry) -> list[str]:
+        server, info = await serve(decode, registry)
+        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex())
+        released: list[str] = []
+        try:
+            await pool.refresh()
+            request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams())
+            placement = Placement(info.worker_id, "prefill@x", 0, 0, 0.0)
+            lease = RemoteLease(lambda: released.append("early"))
+
+            async def client() -> None:
+                async for _ in dispatcher._decode(request, placement, leased_first(), lease,
+                                                  set()):  # fmt: skip
+                    pass
+
+            task = asyncio.create_task(client())
+            await asyncio.sleep(0.05)  # sent, not answered
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert released == []  # (it may be reading)
+            for _ in range(200):
+                if decode.cancelled:
+                    break
+                await asyncio.sleep(0.02)
+            assert decode.cancelled and len(decode.requests) == 1
+            (state,) = pool.candidates(Role.DECODE)
+            assert (state.running, state.kv_blocks_in_use) == (0, 0)
+            return released
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    assert run_with_registry(tmp_path, scenario) == ["early"]
 
 
 @pytest.mark.timeout(60)
