@@ -18,6 +18,29 @@ from proto import PARAM_KEY, REFUSED_KEY
 logger = logging.getLogger(__name__)
 
 
+class _CancelledWrites(logging.Filter):
+    """gRPC's aio server logs an ERROR with a traceback ("ExecuteBatchError raised in core
+    by servicer method") when a streaming handler's message is written after its client
+    cancelled the call, a send that can only fail. The router cancels decode streams as
+    routine (a client gone, a stop string, a migration): a 15-minute soak left 58 such
+    tracebacks in the decode workers' logs, noise an operator reads as failures (an
+    audit). They go out at DEBUG; any other error gRPC logs stays an ERROR."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if type(error).__name__ == "ExecuteBatchError" and "SendMessageOperation" in str(error):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+def quiet_cancelled_writes() -> None:
+    """Install ``_CancelledWrites`` on gRPC's logger (once per process)."""
+    grpc_log = logging.getLogger("grpc._cython.cygrpc")
+    if not any(isinstance(f, _CancelledWrites) for f in grpc_log.filters):
+        grpc_log.addFilter(_CancelledWrites())
+
+
 class DrainingError(RuntimeError):
     """The worker is shutting down and takes no new requests."""
 

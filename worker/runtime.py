@@ -39,7 +39,7 @@ from engine.models.fingerprint import weights_fingerprint
 from engine.parallel.launch import ShardExtensionSpec
 from kv_transfer import KVConnector, KVTransferConfig, create_connector
 from worker.connector_puller import ConnectorPuller
-from worker.grpc_errors import DrainingError
+from worker.grpc_errors import DrainingError, quiet_cancelled_writes
 from worker.peer_metadata import PeerMetadataClient
 from worker.stats import StageTimer
 from worker.tp_connector import (
@@ -133,6 +133,7 @@ class WorkerRuntime:
         # A request may carry images (a vision-language model's): up to the router's
         # request budget, and its prompt's ids, not gRPC's default of 4 MiB.
         limit = max(64 << 20, self.config.router.max_request_bytes + (32 << 20))
+        quiet_cancelled_writes()
         self.server = grpc.aio.server(
             # gRPC turns SO_REUSEPORT on by default: a second worker started on a serving
             # one's port bound it too, took a share of its calls (health probes answered
