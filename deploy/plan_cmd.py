@@ -106,6 +106,28 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
+def _up_overrides(args: argparse.Namespace, prefill: int, decode: int) -> list[str]:
+    """The ``--set`` values of the ``pdserve up`` line that runs the sized layout: the
+    ones this command was given (the line ran another setup than the one sized, e.g.
+    without ``router.min_disagg_tokens``), the replica counts, and the decode workers'
+    base port moved past the prefill workers' where there are too many of those for the
+    default ports (16 prefill workers overlapped the decode ports: the line did not
+    start; an audit)."""
+    from common.config import PORT_STRIDE
+    from common.config_loader import load_config
+
+    overrides = [*args.overrides, f"prefill.replicas={prefill}", f"decode.replicas={decode}"]
+    try:
+        load_config(args.config, overrides)
+    except ConfigError as exc:
+        if not exc.key.startswith(("prefill.port", "decode.port")):
+            raise
+        config = load_config(args.config, args.overrides)
+        overrides.append(f"decode.port={config.prefill.port + prefill * PORT_STRIDE}")
+        load_config(args.config, overrides)  # (a clash with another port: said as it is)
+    return overrides
+
+
 def _check_writable(path: Path) -> None:
     """``--out`` can be written: its directory exists and is one, and the path is not one."""
     parent = path.parent  # (Path("p.json").parent is ".")
@@ -186,7 +208,8 @@ def _size(config: PdserveConfig, args: argparse.Namespace) -> int:
               f"{len(sizings)} window{'s' if len(sizings) > 1 else ''}")  # fmt: skip
     else:
         command = ["pdserve", "up"] + (["--config", args.config] if args.config else [])
-        command += ["--set", f"prefill.replicas={prefill}", "--set", f"decode.replicas={decode}"]
+        for override in _up_overrides(args, prefill, decode):
+            command += ["--set", override]
         print(f"layout: {prefill} prefill + {decode} decode\n  {shlex.join(command)}")
     sys.stdout.flush()
     for warning in describe(note for s in sizings for note in s.notes):

@@ -4,6 +4,7 @@ load and for a trace, as a user runs it."""
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -11,6 +12,7 @@ import time
 import pytest
 import yaml
 
+from common.config_loader import load_config
 from deploy.cli import main
 from planner.profile_data import read_profile
 
@@ -76,6 +78,24 @@ def test_size_a_steady_load_and_print_the_layout(profiled, tmp_path):
     (window,) = record["windows"]
     assert window["prefill"]["replicas"] == layout["prefill"] >= 1
     assert window["decode"]["context_tokens"] == pytest.approx(150 + 19 / 2)
+
+
+def test_the_printed_up_line_runs_the_sized_layout(profiled):
+    """The line dropped the ``--set`` values the sizing used (it ran another setup), and
+    past 10 prefill workers their default ports ran into the decode workers' (it did not
+    start; an audit): both are in the line now, and it loads."""
+    config, profile = profiled
+    done = plan("plan", "size", "--profile", str(profile), "--config", str(config),
+                "--ttft-ms", "10000", "--itl-ms", "1000", "--rate", "400", "--isl", "200",
+                "--osl", "4", "--set", "router.request_timeout_s=99")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    line = next(line for line in done.stdout.splitlines() if line.startswith("  pdserve up"))
+    words = shlex.split(line)
+    overrides = [words[i + 1] for i, word in enumerate(words) if word == "--set"]
+    prefill = int(next(o for o in overrides if o.startswith("prefill.replicas="))[17:])
+    assert prefill > 10 and "router.request_timeout_s=99" in overrides
+    assert any(o.startswith("decode.port=") for o in overrides)
+    assert load_config(str(config), overrides).prefill.replicas == prefill  # it loads
 
 
 def test_percentile_targets_are_sized_and_said(profiled, tmp_path):
