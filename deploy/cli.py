@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -78,7 +79,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:  # a path or address given that cannot be used: the user's to fix
         if args.command in SERVICES:
             raise  # a service failing while it runs: its traceback is for the operator
-        print(f"error: {exc}", file=sys.stderr)
+        home = os.environ.get("PDSERVE_HOME")
+        under_home = home and str(exc.filename or "").startswith(home)
+        print(f"error: {exc}" + (" (PDSERVE_HOME)" if under_home else ""), file=sys.stderr)
         return 2
 
 

@@ -240,7 +240,7 @@ class Stack:
             if probe():
                 return
             time.sleep(0.2)
-        raise StackError(f"{name} was not ready in time; see {self._log(name)}")
+        raise StackError(f"{name} was not ready in time (--start-timeout); see {self._log(name)}")
 
     def _log(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
@@ -427,7 +427,10 @@ def local_problems(config: PdserveConfig) -> list[str]:
     ports the router and the workers listen on (a second stack, or any other process)."""
     problems = []
     model_dir = model_dir_of(config)
-    if not (model_dir / "config.json").is_file():
+    if not model_dir.exists():  # (a hub id, say: nothing is downloaded)
+        problems.append(f"model: {model_dir} does not exist (pdserve serves a checkpoint "
+                        "directory on this machine; download the model first)")  # fmt: skip
+    elif not (model_dir / "config.json").is_file():
         problems.append(f"model: {model_dir} is no checkpoint directory (no config.json)")
     listeners = [("router.port", config.router.host, config.router.port)]
     for role in Role:

@@ -68,7 +68,8 @@ def test_up_names_what_this_machine_lacks_before_starting_anything(tiny_llama, t
                       env={"PDSERVE_HOME": str(tmp_path / "home")})  # fmt: skip
     assert out.returncode == 2, out.stderr
     assert out.stderr.splitlines() == [
-        f"error: model: {tmp_path / 'gone'} is no checkpoint directory (no config.json)",
+        f"error: model: {tmp_path / 'gone'} does not exist (pdserve serves a checkpoint "
+        "directory on this machine; download the model first)",
         f"error: router.port: cannot listen on 127.0.0.1:{router_port}: Address already in "
         "use (another stack?)",
         f"error: decode.port: cannot listen on 127.0.0.1:{worker_port}: Address already in "
@@ -112,3 +113,12 @@ def test_the_cause_is_what_this_start_wrote_or_the_signal_that_killed_it(tiny_ll
     proc.kill()
     assert ": killed by SIGKILL; see " in stack._exit_line("prefill-0", proc.wait(60))
     stack.config_path.unlink()
+
+
+def test_a_home_that_cannot_be_made_is_named(tmp_path):
+    """``PDSERVE_HOME`` where no directory can be made: the error named the path only."""
+    home = tmp_path / "file"
+    home.write_text("")  # (a file where the directory would go)
+    out = run_cli("up", env={"PDSERVE_HOME": str(home / "home")})
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.splitlines()[-1].endswith("(PDSERVE_HOME)"), out.stderr
