@@ -24,7 +24,9 @@ from deploy.config_args import add_overrides, load_or_report
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     targets = parser.add_subparsers(dest="target", required=True, metavar="TARGET")
     compose = targets.add_parser("compose", help="render a docker-compose file")
-    _common(compose, "the compose file to write (default: stdout)")
+    _common(
+        compose, "the compose file to write (default: stdout)", "image (default: pdserve:VARIANT)"
+    )
     compose.add_argument("--variant", choices=("cpu", "cuda"), default="cpu")
     compose.add_argument(
         "--gpus",
@@ -33,7 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cuda: GPUs on the host (0: as many as the workers' tensor_parallel_size need)",
     )
     k8s = targets.add_parser("k8s", help="render Kubernetes manifests (kustomize base + GPU)")
-    _common(k8s, "directory for base/ and overlays/gpu/ (default: the base to stdout)")
+    _common(
+        k8s,
+        "directory for base/ and overlays/gpu/ (default: the base to stdout)",
+        "image (default: pdserve:cpu in the base, pdserve:cuda in overlays/gpu)",
+    )
 
 
 def _count(text: str) -> int:
@@ -43,10 +49,10 @@ def _count(text: str) -> int:
     return value
 
 
-def _common(parser: argparse.ArgumentParser, out_help: str) -> None:
+def _common(parser: argparse.ArgumentParser, out_help: str, image_help: str) -> None:
     parser.add_argument("--config", required=True, help="deployment YAML")
     parser.add_argument("--out", type=Path, default=None, help=out_help)
-    parser.add_argument("--image", default="", help="image (default: pdserve:VARIANT)")
+    parser.add_argument("--image", default="", help=image_help)
     add_overrides(parser)
 
 
