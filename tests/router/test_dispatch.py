@@ -10,6 +10,7 @@ import dataclasses
 import struct
 import threading
 import time
+from collections.abc import Awaitable, Callable
 
 import grpc
 import pytest
@@ -352,6 +353,31 @@ class Stalled(Decode):
         yield pb.GenerateResponse()
 
 
+async def client_leaves(
+    pool: WorkerPool,
+    dispatcher: Dispatcher,
+    info: WorkerInfo,
+    lease: RemoteLease,
+    until: Callable[[], Awaitable[object]],
+) -> None:
+    """A client of one sequence whose KV ``lease`` the decode worker of ``info`` pulls,
+    gone once ``until`` returns; the worker's counts are back to zero after."""
+    request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams())
+    placement = Placement(info.worker_id, "prefill@x", 0, 0, 0.0)
+
+    async def client() -> None:
+        async for _ in dispatcher._decode(request, placement, leased_first(), lease, set()):
+            pass
+
+    task = asyncio.create_task(client())
+    await until()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    (state,) = pool.candidates(Role.DECODE)
+    assert (state.running, state.kv_blocks_in_use) == (0, 0)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("sent", [(), (1,)])
 def test_a_client_gone_mid_pull_leaves_the_lease_to_expire(tmp_path, sent):
@@ -367,25 +393,15 @@ def test_a_client_gone_mid_pull_leaves_the_lease_to_expire(tmp_path, sent):
         released: list[str] = []
         try:
             await pool.refresh()
-            request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams())
-            placement = Placement(info.worker_id, "prefill@x", 0, 0, 0.0)
             lease = RemoteLease(lambda: released.append("early"))
 
-            async def client() -> None:
-                async for _ in dispatcher._decode(request, placement, leased_first(), lease,
-                                                  set()):  # fmt: skip
-                    pass
+            async def until() -> None:
+                while not decode.requests or (sent and not released):
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.1)
 
-            task = asyncio.create_task(client())
-            while not decode.requests or (sent and not released):
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.1)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+            await client_leaves(pool, dispatcher, info, lease, until)
             lease.release()  # what _journey's finally does: nothing, if left to expire
-            (state,) = pool.candidates(Role.DECODE)
-            assert (state.running, state.kv_blocks_in_use) == (0, 0)
             return released
         finally:
             await pool.close()
@@ -427,28 +443,14 @@ def test_a_client_gone_before_the_first_reply_still_frees_the_lease_when_the_pul
         released: list[str] = []
         try:
             await pool.refresh()
-            request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams())
-            placement = Placement(info.worker_id, "prefill@x", 0, 0, 0.0)
             lease = RemoteLease(lambda: released.append("early"))
-
-            async def client() -> None:
-                async for _ in dispatcher._decode(request, placement, leased_first(), lease,
-                                                  set()):  # fmt: skip
-                    pass
-
-            task = asyncio.create_task(client())
-            await asyncio.sleep(0.05)  # sent, not answered
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            assert released == []  # (it may be reading)
+            await client_leaves(pool, dispatcher, info, lease, lambda: asyncio.sleep(0.05))
+            assert released == []  # sent, not answered: it may be reading
             for _ in range(200):
                 if decode.cancelled:
                     break
                 await asyncio.sleep(0.02)
             assert decode.cancelled and len(decode.requests) == 1
-            (state,) = pool.candidates(Role.DECODE)
-            assert (state.running, state.kv_blocks_in_use) == (0, 0)
             return released
         finally:
             await pool.close()
