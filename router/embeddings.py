@@ -35,7 +35,7 @@ from common.config import Role
 from common.hashing import hash_blocks, prefix_salt
 from proto import pdserve_pb2 as pb
 from router.dispatch import Dispatcher, SequenceRequest
-from router.errors import unavailable
+from router.errors import APIError, unavailable
 from router.workers import LoraRef, WorkerStalled, WorkerState
 
 logger = logging.getLogger(__name__)
@@ -213,6 +213,21 @@ async def all_or_none(calls: Sequence[Awaitable[T]]) -> list[T]:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+def check_finite(vectors: Sequence[bytes], what: str) -> None:
+    """A 500 naming the cause when a vector (float32 bytes) holds NaN or an infinity (a
+    model overflowing in float16, say): JSON has no such numbers, and the document came
+    out invalid, or Starlette refused it with an anonymous 500 mid-way."""
+    if not all(np.isfinite(np.frombuffer(raw, dtype="<f4")).all() for raw in vectors):
+        raise APIError(
+            500,
+            f"the model computed {what} that hold NaN or infinite values, which JSON "
+            "cannot carry (an overflow in the model's dtype?)",
+            "internal_error",
+            None,
+            "non_finite_output",
+        )
 
 
 def encoded(raw: bytes, encoding_format: str) -> list[float] | str:

@@ -15,7 +15,7 @@ from common.config import ScoreMethod
 from proto import pdserve_pb2 as pb
 from router.admission import GONE, Admission, record_error, until_disconnected
 from router.choices import new_id
-from router.embeddings import LANES, EmbeddingsBody, embed_all
+from router.embeddings import LANES, EmbeddingsBody, check_finite, embed_all
 from router.errors import APIError, bad_request, context_too_long, internal, unavailable
 from router.prompts import PromptTokenizer
 from router.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
@@ -43,6 +43,8 @@ def add_pooling_routes(
         prompts, replies = done
         name = lora_name or state.model.served_name
         num_tokens = sum(map(len, prompts))
+        if body.encoding_format == "float":  # (base64 carries any float32 bits)
+            check_finite([reply.embedding for reply in replies], "embeddings")
         document = EmbeddingsBody(response_id, name, replies, num_tokens, body.encoding_format)
         if document.small:
             return Response(document.whole(), media_type="application/json")
@@ -136,6 +138,7 @@ def add_pooling_routes(
         if done is None:
             return None
         prompts, replies = done
+        check_finite([reply.embedding for reply in replies], "scores")
         vectors = [np.frombuffer(reply.embedding, dtype="<f4") for reply in replies]
         expected = len(scorer.token_ids) if logits else len(vectors[0])
         if any(len(vector) != expected or not expected for vector in vectors):

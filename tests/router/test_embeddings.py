@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from proto import pdserve_pb2 as pb
-from router.embeddings import PIECE_FLOATS, EmbeddingsBody, all_or_none
+from router.embeddings import PIECE_FLOATS, EmbeddingsBody, all_or_none, check_finite
+from router.errors import APIError
 
 
 def replies(num: int, size: int) -> list[pb.EmbedResponse]:
@@ -100,3 +101,16 @@ def test_one_failure_cancels_the_other_calls():
     with pytest.raises(RuntimeError, match="refused"):
         asyncio.run(run())
     assert sorted(cancelled) == [0, 2]
+
+
+def test_a_vector_json_cannot_carry_is_a_500_that_says_why():
+    """NaN or an infinity (a model overflowing in float16) came out as invalid JSON, or
+    as Starlette's anonymous 500 mid-way through the document."""
+    finite = replies(2, 8)
+    check_finite([reply.embedding for reply in finite], "embeddings")  # (passes)
+    for bad in (np.nan, np.inf, -np.inf):
+        vector = np.ones(8, dtype="<f4")
+        vector[3] = bad
+        with pytest.raises(APIError) as refused:
+            check_finite([finite[0].embedding, vector.tobytes()], "scores")
+        assert refused.value.status == 500 and "NaN or infinite" in refused.value.message
