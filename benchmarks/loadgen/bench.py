@@ -1,8 +1,10 @@
 """A benchmark: one dataset offered under one or more loads (a sweep), each run summarized.
 
 Run i of a sweep uses token seed ``seed + i``: every run sends the same shapes (lengths,
-prefix structure, arrival pattern) with different token ids, so no run is served from
-the prefix cache another run filled. Before the first run, ``warmup_requests`` short
+prefix structure, arrival pattern, all from ``seed``) with different token ids, so no run
+is served from the prefix cache another run filled. (The shapes came from ``seed + i``
+too: each point of a latency-vs-rate curve had its own workload, ±6% of prompt tokens
+in a stored record; an audit.) Before the first run, ``warmup_requests`` short
 requests (not measured) wake the server's lazily built state.
 """
 
@@ -156,11 +158,12 @@ async def run_benchmark(config: BenchConfig) -> BenchReport:
         await warm_up(client, TokenSource(config.vocab_size, config.seed), config.warmup_requests)
         for index, load in enumerate(config.loads):
             seed = config.seed + index
-            tokens = TokenSource(config.vocab_size, seed)
+            tokens = TokenSource(config.vocab_size, seed, shape_seed=config.seed)
             workload = build_workload(config.dataset, tokens, server["max_model_len"])
             before = prefix_counters(base_url)
-            results = await run_load(client, workload, load, tokens, seed, config.progress,
-                                     config.priorities)  # fmt: skip
+            # (arrivals from the base seed too: the same pattern, scaled to each rate)
+            results = await run_load(client, workload, load, tokens, config.seed,
+                                     config.progress, config.priorities)  # fmt: skip
             results.sort(key=lambda r: r.start_s)
             by_priority = {}
             if config.priorities is not None:

@@ -30,10 +30,10 @@ def lengths(rng: np.random.Generator, mean: int, range_ratio: float, count: int)
 
 def random_dataset(spec: DatasetSpec, tokens: TokenSource) -> list[Session]:
     """Independent prompts of random tokens: no two share a cached block."""
-    rng = tokens.stream(1)
+    rng, shapes = tokens.stream(1), tokens.shape_stream(1)
     n = spec.num_requests
-    ins = lengths(rng, spec.input_len, spec.range_ratio, n)
-    outs = lengths(rng, spec.output_len, spec.range_ratio, n)
+    ins = lengths(shapes, spec.input_len, spec.range_ratio, n)
+    outs = lengths(shapes, spec.output_len, spec.range_ratio, n)
     return [Session(i, (Turn(tokens.draw(rng, ins[i]), outs[i]),)) for i in range(n)]
 
 
@@ -41,12 +41,12 @@ def prefix_repetition_dataset(spec: DatasetSpec, tokens: TokenSource) -> list[Se
     """Each prompt is one of ``num_prefixes`` shared prefixes (``prefix_len`` tokens, chosen
     at random) followed by a fresh suffix of ``input_len`` tokens: a prefix-cache workload
     (system prompts, few-shot examples)."""
-    rng = tokens.stream(2)
+    rng, shapes = tokens.stream(2), tokens.shape_stream(2)
     prefixes = [tokens.draw(rng, spec.prefix_len) for _ in range(spec.num_prefixes)]
     n = spec.num_requests
-    choice = rng.integers(0, spec.num_prefixes, size=n).tolist()
-    ins = lengths(rng, spec.input_len, spec.range_ratio, n)
-    outs = lengths(rng, spec.output_len, spec.range_ratio, n)
+    choice = shapes.integers(0, spec.num_prefixes, size=n).tolist()
+    ins = lengths(shapes, spec.input_len, spec.range_ratio, n)
+    outs = lengths(shapes, spec.output_len, spec.range_ratio, n)
     return [
         Session(i, (Turn(prefixes[choice[i]] + tokens.draw(rng, ins[i]), outs[i]),))
         for i in range(n)
@@ -58,13 +58,13 @@ def multi_turn_dataset(spec: DatasetSpec, tokens: TokenSource) -> list[Session]:
     (earlier prompts and the replies actually generated) is resent with every turn, so
     every turn after the first should hit the cache. The last conversation is shortened
     so that the total is ``num_requests`` requests."""
-    rng = tokens.stream(3)
+    rng, shapes = tokens.stream(3), tokens.shape_stream(3)
     sessions = []
     remaining = spec.num_requests
     while remaining > 0:
         count = min(spec.turns, remaining)
-        ins = lengths(rng, spec.input_len, spec.range_ratio, count)
-        outs = lengths(rng, spec.output_len, spec.range_ratio, count)
+        ins = lengths(shapes, spec.input_len, spec.range_ratio, count)
+        outs = lengths(shapes, spec.output_len, spec.range_ratio, count)
         turns = tuple(Turn(tokens.draw(rng, ins[k]), outs[k]) for k in range(count))
         sessions.append(Session(len(sessions), turns, think_time_s=spec.think_time_s))
         remaining -= count

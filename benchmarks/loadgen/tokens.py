@@ -17,18 +17,22 @@ from benchmarks.loadgen.spec import DEFAULT_VOCAB_SIZE
 FIRST_ID = 16
 
 # Separates the key spaces of trace blocks and fresh tokens, so a block id never collides
-# with a stream's draw.
+# with a stream's draw; and of shapes (lengths, choices), which do not follow ``seed``.
 _BLOCK_DOMAIN = 0x6B6C
+_SHAPE_DOMAIN = 0x5348
 
 
 @dataclass(frozen=True, slots=True)
 class TokenSource:
     """Deterministic token ids. ``seed`` names the universe: the same seed gives the same
     blocks and streams in every process; another seed gives unrelated ones (a sweep uses
-    one seed per run so that one run never hits the cache of another)."""
+    one seed per run so that one run never hits the cache of another). ``shape_seed``
+    (default: ``seed``) names the shapes a dataset draws from ``shape_stream``: its
+    lengths and which prefix each prompt takes, the same in every run of a sweep."""
 
     vocab_size: int = DEFAULT_VOCAB_SIZE
     seed: int = 0
+    shape_seed: int | None = None
 
     def __post_init__(self) -> None:
         if self.vocab_size <= FIRST_ID:
@@ -47,6 +51,11 @@ class TokenSource:
     def stream(self, stream_id: int) -> np.random.Generator:
         """A generator for fresh tokens of one dataset (use :meth:`draw` on it)."""
         return np.random.default_rng([self.seed, stream_id])
+
+    def shape_stream(self, stream_id: int) -> np.random.Generator:
+        """A generator for one dataset's shapes (lengths, choices), not its tokens."""
+        shape_seed = self.seed if self.shape_seed is None else self.shape_seed
+        return np.random.default_rng([shape_seed, _SHAPE_DOMAIN, stream_id])
 
     def draw(self, rng: np.random.Generator, num_tokens: int) -> tuple[int, ...]:
         """``num_tokens`` fresh ids from ``rng``."""

@@ -106,6 +106,23 @@ def test_random_prompts_share_nothing_and_lengths_stay_in_range():
     assert other_run[0].turns[0].new_tokens != prompts[0]
 
 
+def test_the_runs_of_a_sweep_send_the_same_shapes_with_other_tokens():
+    """Run i of a sweep draws its tokens from seed + i; its lengths and each prompt's
+    prefix came from there too, so each point of a latency-vs-rate curve had a workload
+    of its own (±6% of prompt tokens in a stored record; an audit)."""
+    spec = DatasetSpec("prefix-repetition", num_requests=30, prefix_len=16, num_prefixes=4,
+                       input_len=40, output_len=10, range_ratio=0.5)  # fmt: skip
+    runs = [build_workload(spec, TokenSource(500, 3 + i, shape_seed=3)).sessions for i in range(3)]
+    shapes = [[(len(s.turns[0].new_tokens), s.turns[0].output_tokens) for s in run] for run in runs]
+    assert shapes[0] == shapes[1] == shapes[2] and len(set(shapes[0])) > 5
+    groups = []
+    for run in runs:
+        firsts: dict[tuple, int] = {}
+        groups.append([firsts.setdefault(s.turns[0].new_tokens[:16], len(firsts)) for s in run])
+    assert groups[0] == groups[1] == groups[2]  # the same requests share a prefix
+    assert runs[0][0].turns[0].new_tokens != runs[1][0].turns[0].new_tokens
+
+
 def test_prefix_repetition_uses_few_prefixes_and_fresh_suffixes():
     spec = DatasetSpec("prefix-repetition", num_requests=40, prefix_len=64, num_prefixes=3,
                        input_len=8, output_len=4)  # fmt: skip
