@@ -25,7 +25,7 @@ import httpx
 from benchmarks.loadgen.arrivals import LoadSpec
 from benchmarks.loadgen.client import BenchClient, RequestResult
 from benchmarks.loadgen.datasets import DatasetSpec, build_workload
-from benchmarks.loadgen.metrics import SLO, Summary, summarize
+from benchmarks.loadgen.metrics import SLO, Summary, summarize, window_s
 from benchmarks.loadgen.priorities import PriorityMix
 from benchmarks.loadgen.runner import run_load
 from benchmarks.loadgen.tokens import DEFAULT_VOCAB_SIZE, TokenSource
@@ -169,7 +169,7 @@ async def run_benchmark(config: BenchConfig) -> BenchReport:
             if config.priorities is not None:
                 for priority in sorted({r.priority for r in results if r.priority is not None}):
                     chosen = [r for r in results if r.priority == priority]
-                    by_priority[priority] = summarize(chosen, config.slo)
+                    by_priority[priority] = summarize(chosen, config.slo, window_s(results))
             report.runs.append(
                 RunReport(
                     load.label,

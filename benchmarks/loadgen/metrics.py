@@ -178,9 +178,15 @@ def send_rate(results: Sequence[RequestResult]) -> float:
     return (len(starts) - 1) / span if span > 0 else 0.0
 
 
-def summarize(results: Sequence[RequestResult], slo: SLO) -> Summary:
+def summarize(
+    results: Sequence[RequestResult], slo: SLO, duration_s: float | None = None
+) -> Summary:
+    """``duration_s``: the window rates are per (default: ``results``' own). A subset of
+    a run (a priority class) takes the run's, so that the classes' rates add up to the
+    run's: over its own window, a class of two requests 0.1 s apart had 8.3 requests/s of
+    goodput in a run of 1.2 (an audit)."""
     done = [r for r in results if r.ok]
-    duration = window_s(results)
+    duration = window_s(results) if duration_s is None else duration_s
 
     def per_s(value: float) -> float:
         return value / duration if duration > 0 else 0.0
