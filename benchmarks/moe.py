@@ -89,7 +89,9 @@ def layer_sweep(
 
 
 def _engine_run(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace) -> dict:
-    llm = LLM(model_dir, max_num_seqs=max(len(prompts), 1), dtype=args.dtype)
+    # No prefix cache: the warm-up's and the latency probe's prompts are timed ones.
+    llm = LLM(model_dir, max_num_seqs=max(len(prompts), 1), dtype=args.dtype,
+              enable_prefix_caching=False)  # fmt: skip
     run_ours(llm, prompts[:2], 4)  # warm-up
     seconds, tokens = run_ours(llm, prompts, args.output_len)
     latency = per_token_latency(
@@ -97,7 +99,8 @@ def _engine_run(model_dir: Path, prompts: list[list[int]], args: argparse.Namesp
     )
     assert llm.engine.leak_report() == []
     return {"seconds": seconds, "tokens": tokens, "ms_per_token": latency * 1e3,
-            "dtype": llm.engine.dtype, "device": llm.engine.device}  # fmt: skip
+            "dtype": llm.engine.dtype, "device": llm.engine.device,
+            "cached_tokens": llm.engine.scheduler.kv.num_hit_tokens}  # fmt: skip
 
 
 def main() -> None:
@@ -170,6 +173,7 @@ def main() -> None:
         "prompt_len_range": [args.min_len, args.max_len],
         "output_len": args.output_len,
         "num_output_tokens": num_output_tokens,
+        "cached_prompt_tokens": dense["cached_tokens"] + moe["cached_tokens"],
         "seconds": {
             "pdserve_dense": dense["seconds"],
             "pdserve_moe": moe["seconds"],

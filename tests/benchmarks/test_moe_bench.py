@@ -15,6 +15,7 @@ def test_the_moe_benchmark_runs_and_records(tmp_path):
     run_benchmark("moe", *args)
     record = json.loads((tmp_path / "moe_smoke.json").read_text())
     assert record["identical_sequences"] == 3  # the MoE engine's tokens are transformers'
+    assert record["cached_prompt_tokens"] == 0  # (the warm-up's were reused: transformers' not)
     assert set(record["ratios"]) == {
         "moe_vs_dense_throughput", "moe_vs_dense_batch1",
         "moe_vs_transformers_throughput", "moe_vs_transformers_batch1",
