@@ -99,6 +99,16 @@ def _dist(stats: Stats, *fields: str) -> str:
     return " / ".join(_f(getattr(stats, name)) for name in fields)
 
 
+# What the table's latencies are, where they differ from ``vllm bench serve``'s (whose ITL
+# is one gap per chunk, the first skipped: merged chunks, under speculative decoding or a
+# router that lags, read 4x lower here than there; an audit).
+ITL_DEFINITION = (
+    "ITL here is per token: a chunk of k tokens after a gap g counts k gaps of g/k "
+    "(vLLM's bench counts one gap g per chunk); TPOT is (last - first token) / (n - 1), "
+    "as vLLM's; E2E ends at the stream's [DONE]."
+)
+
+
 def summary_table(report: BenchReport) -> str:
     """One Markdown row per run."""
     lines = [
@@ -174,6 +184,7 @@ def markdown(report: BenchReport, command: str | None = None, images: Sequence[s
         if extra:
             parts.append(f"- {run.label}: " + "; ".join(extra))
     parts += ["", summary_table(report), ""]
+    parts += [ITL_DEFINITION, ""]
     if report.runs and report.runs[0].by_priority:
         parts += ["By priority class (lower first where the server schedules by it):", "",
                   priority_table(report), ""]  # fmt: skip

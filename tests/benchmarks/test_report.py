@@ -54,6 +54,7 @@ def test_report_files_are_valid_and_keep_no_secret(tmp_path):
     markdown = (tmp_path / "hand.md").read_text()
     assert "| rate=1 |" in markdown and "| rate=inf |" in markdown
     assert "1 failed" in markdown and "hit rate 25.0%" in markdown
+    assert "ITL here is per token" in markdown  # (vLLM's bench: per chunk)
     assert "![hand_sweep](hand_sweep.png)" in markdown
     for png in paths[2:]:
         assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
