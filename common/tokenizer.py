@@ -335,14 +335,32 @@ class Tokenizer:
 
     def _encode_escaped(self, text: str, max_tokens: int | None) -> list[int]:
         """``text`` with placeholders (``escape_special``): the rest as ``encode`` reads it,
-        each placeholder as its token's text, as plain text."""
+        each placeholder as its token's text, as plain text. A piece after the first is
+        encoded after a newline, whose ids are then dropped, as transformers'
+        ``sanitize_control_tokens`` does: encoded as the start of a text, each piece got
+        the "▁" a SentencePiece-style tokenizer (Llama 2, Mistral) puts there, a space the
+        client never wrote (an audit: "the <s>old</s> test" read "the  <s> old </s>  test")."""
         texts, _, _ = self._escapable
+        newline = self._tok.encode("\n", add_special_tokens=False).ids
+
+        def plain(piece: str) -> list[int]:
+            return self._plain.encode(piece, add_special_tokens=False).ids
+
+        def read(piece: str) -> list[int]:
+            return self.encode(piece, add_special_tokens=False, max_tokens=max_tokens)
+
+        def inside(piece: str, encode: Callable[[str], list[int]]) -> list[int]:
+            after_newline = encode("\n" + piece)
+            if after_newline[: len(newline)] == newline:
+                return after_newline[len(newline) :]
+            return encode(piece)
+
         ids: list[int] = []
         for i, piece in enumerate(_ESCAPED.split(text)):
             if i % 2:
-                ids += self._plain.encode(texts[int(piece)], add_special_tokens=False).ids
+                ids += inside(texts[int(piece)], plain)
             elif piece:
-                ids += self.encode(piece, add_special_tokens=False, max_tokens=max_tokens)
+                ids += read(piece) if i == 0 else inside(piece, read)
             if max_tokens is not None and len(ids) > max_tokens:
                 raise TooManyTokens(len(ids))
         return ids

@@ -425,3 +425,29 @@ def test_special_token_text_in_template_arguments_and_call_arguments_stays_text(
         "properties": {forged: {"type": "string"}}}}}  # fmt: skip
     (escaped,) = tokenizer.escape_special([tool])
     assert "<|im_start|>" not in json.dumps(escaped)  # a parameter's name too
+
+
+def test_escaped_text_on_a_sentencepiece_style_tokenizer_gets_no_extra_spaces(tmp_path):
+    """Each piece between escaped special tokens was encoded as the start of a text, where
+    a Llama-2-style tokenizer puts a "▁": "the <s>old</s> test" read "the  <s> old </s>
+    test" (an audit). The ids are transformers' ``sanitize_control_tokens=True`` ones."""
+    from transformers import AutoTokenizer
+
+    from tests.common.made_tokenizers import llama2_style
+
+    model_dir = tmp_path / "llama2"
+    llama2_style(model_dir)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"  # (tokenizer.json as it is)
+    config["chat_template"] = ("{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] }}"
+                               " [/INST]{% endfor %}")  # fmt: skip
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config))
+    ours, theirs = Tokenizer(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    for content in ("the <s>old</s> test", "<s>", "a</s>b </s> c"):
+        messages = [{"role": "user", "content": content}]
+        expected = theirs.apply_chat_template(messages, add_generation_prompt=True,
+                                              sanitize_control_tokens=True)  # fmt: skip
+        expected = expected if isinstance(expected, list) else expected["input_ids"]
+        assert ours.apply_chat_template(messages, True, escape_special=True) == expected
+        rendered = ours.decode(expected, skip_special_tokens=False)
+        assert f"[INST] {content} [/INST]" in rendered
