@@ -147,3 +147,18 @@ def test_a_completion_keeps_what_it_owes_to_the_prompt(tmp_path):
     assert "".join(detok.add([t]) for t in generated) + detok.finish() == tokenizer.decode(
         generated
     )
+
+
+def test_a_prompt_ending_in_byte_tokens_keeps_the_replys_first_space(tmp_path):
+    """A byte-fallback decoder reads a run of byte tokens that starts mid-character as
+    replacement characters: the last 6 ids of a prompt ending in two emoji seemed to end
+    inside one, the context was dropped, and the reply lost its first space ("Hello
+    😀😀the test"; an audit). The window is widened to a character's start."""
+    tokenizer = made_tokenizers.llama2_style(tmp_path / "llama2")
+    generated = tokenizer.encode(" the test", add_special_tokens=False)[1:]
+    for prompt_text in ("Hello 😀", "Hello 😀😀", "😀" * 5):
+        prompt = tokenizer.encode(prompt_text)
+        detok = IncrementalDetokenizer(tokenizer, context=prompt)
+        streamed = "".join(detok.add([t]) for t in generated) + detok.finish()
+        whole, before = tokenizer.decode(prompt + generated), tokenizer.decode(prompt)
+        assert streamed == whole[len(before) :] == " the test", prompt_text
