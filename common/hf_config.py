@@ -250,17 +250,43 @@ def read_text_config(model_dir: str | Path) -> dict[str, Any]:
     return text_config(json.loads((Path(model_dir) / "config.json").read_text()))
 
 
+def rope_params(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A config's rotary parameters as transformers 5 reads them: a legacy ``rope_scaling``
+    (transformers 4's configs, or a block a model card says to add) replaces
+    ``rope_parameters`` whole, keeping only its ``rope_theta``. They were merged key by
+    key, ``rope_parameters`` first: a YaRN block added to a transformers-5 config came out
+    as the default rotary with a factor, other tokens and no longer context (an audit)."""
+    scaling = cfg.get("rope_scaling")
+    parameters = cfg.get("rope_parameters")
+    parameters = parameters if isinstance(parameters, dict) else {}
+    if not isinstance(scaling, dict) or not scaling:
+        return dict(parameters)
+    theta = parameters.get("rope_theta")
+    return {**({} if theta is None else {"rope_theta": theta}), **scaling}
+
+
 def max_context_len(cfg: dict[str, Any]) -> int:
-    """The longest context a (``text_config``) config serves: ``max_position_embeddings``,
-    or with YaRN the pretraining context times the factor, if longer. Qwen2.5 and Qwen3 keep
-    ``max_position_embeddings`` at the pretraining length and enable 4x more with a YaRN
-    ``rope_scaling``; vLLM derives the same limit."""
+    """The longest context a (``text_config``) config serves, as vLLM derives it:
+    ``max_position_embeddings``, or with YaRN the pretraining context times the factor, if
+    longer (Qwen2.5 and Qwen3 keep ``max_position_embeddings`` at the pretraining length
+    and enable 4x more with a YaRN ``rope_scaling``), or with linear scaling that times
+    the factor (vicuna-7b-v1.5-16k: 4,096 x 4; it was held at 4,096, and no setting could
+    raise it; an audit). Gemma 3's linear factor is already in its
+    ``max_position_embeddings``, as llama3's is."""
     limit = int(cfg.get("max_position_embeddings", 2048))
-    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
-    if params.get("rope_type", params.get("type")) == "yarn" and params.get("factor"):
+    params = rope_params(cfg)
+    rope_type = params.get("rope_type", params.get("type"))
+    factor = float(params.get("factor") or 0.0)
+    if rope_type == "yarn" and factor:
         original = (cfg.get("original_max_position_embeddings")
                     or params.get("original_max_position_embeddings") or limit)  # fmt: skip
-        limit = max(limit, int(original * float(params["factor"])))
+        limit = max(limit, int(original * factor))
+    elif (
+        rope_type == "linear"
+        and factor > 1
+        and cfg.get("model_type") not in GEMMA3_TEXT_MODEL_TYPES
+    ):
+        limit = int(limit * factor)
     return limit
 
 

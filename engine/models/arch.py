@@ -43,6 +43,7 @@ from common.hf_config import (
     max_context_len,
     mla_latent_dim,
     num_mtp_layers,
+    rope_params,
     text_config,
 )
 from common.vision_spec import (
@@ -771,7 +772,7 @@ def _deepseek_attention(cfg: dict[str, Any], architecture: str, rope: RopeConfig
         or bool(cfg.get("rope_interleave", True)),
     )
     scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
-    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    params = rope_params(cfg)
     if rope.rope_type != "default" and params.get("mscale_all_dim"):
         mscale = 0.1 * float(params["mscale_all_dim"]) * math.log(rope.factor) + 1.0
         scale *= (mscale if rope.factor > 1 else 1.0) ** 2

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from common.hf_config import rope_params
 from engine.models.errors import ModelLoadError
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -50,9 +51,7 @@ def rope_config(
 ) -> RopeConfig:
     """``phi3``: Phi-3's reading (a partial rotary, and its legacy names of longrope);
     ``partial``: the partial rotary only (GLM-4.5). Other models rotate whole heads."""
-    params = dict(cfg.get("rope_parameters") or {})
-    legacy = cfg.get("rope_scaling") or {}
-    params = {**legacy, **params}
+    params = rope_params(cfg)
     if phi3 or partial:  # partial_rotary_factor from rope_parameters or the top level
         params.setdefault("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     else:

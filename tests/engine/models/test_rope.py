@@ -124,3 +124,33 @@ def test_yarn_extends_the_served_context(tiny_llama, tmp_path):
     (output,) = llm.generate(prompts, params, use_tqdm=False)
     assert [output.outputs[0].token_ids] == hf_greedy(model_dir, prompts, 16)
     assert LLM(model_dir, dtype="float32", max_model_len=1000).engine.max_model_len == 128
+
+
+def test_linear_scaling_extends_the_served_context_and_a_legacy_block_replaces_the_new(
+    tiny_llama, tmp_path
+):
+    """Linear scaling was held at max_position_embeddings (vicuna-7b-v1.5-16k: 4,096 of its
+    16,384; vLLM multiplies by the factor). And a legacy ``rope_scaling`` added to a
+    transformers-5 config was merged key by key into its ``rope_parameters``: the default
+    rotary with a factor. transformers 5 takes ``rope_scaling`` whole; so does the engine,
+    whose tokens past the unscaled length are transformers' (an audit for both)."""
+    linear = {"max_position_embeddings": 32, "rope_scaling": {"type": "linear", "factor": 4.0}}
+    model_dir = write_checkpoint(tmp_path / "linear", tiny_llama, transformers.LlamaConfig,
+                                 **linear)  # fmt: skip
+    assert read_arch_config(model_dir).max_context_len == 128
+    assert ModelShape.read(model_dir).max_context_len == 128
+    model_dir = write_checkpoint(tmp_path / "both", tiny_llama, transformers.Qwen2Config,
+                                 max_position_embeddings=32)  # fmt: skip
+    config = json.loads((model_dir / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e4}
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0,
+                              "original_max_position_embeddings": 32}  # fmt: skip
+    (model_dir / "config.json").write_text(json.dumps(config))
+    assert transformers.AutoConfig.from_pretrained(model_dir).rope_parameters["rope_type"] == "yarn"
+    arch = read_arch_config(model_dir)
+    assert (arch.rope.rope_type, arch.max_context_len) == ("yarn", 128)
+    llm = LLM(model_dir, dtype="float32")
+    prompts = random_prompts((60,))
+    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0)
+    (output,) = llm.generate(prompts, params, use_tqdm=False)
+    assert [output.outputs[0].token_ids] == hf_greedy(model_dir, prompts, 8)
