@@ -102,14 +102,9 @@ class PrefixIndex:
                 tier = self._tier(event.medium)
                 for block_hash in event.block_hashes:
                     self._drop_optimistic(block_hash, worker_id)  # not there now, whatever we sent
-                    owners = tier.get(block_hash, 0)
-                    if not owners & bit:
+                    if not tier.get(block_hash, 0) & bit:
                         continue
-                    owners &= ~bit
-                    if owners:
-                        tier[block_hash] = owners
-                    else:
-                        del tier[block_hash]
+                    _without_bit(tier, block_hash, bit)
                     if not (self._gpu.get(block_hash, 0) | self._cpu.get(block_hash, 0)) & bit:
                         held.pop(block_hash, None)
             elif isinstance(event, StateStored):
@@ -122,18 +117,11 @@ class PrefixIndex:
                 for block_hash in event.block_hashes:
                     if block_hash in states:
                         del states[block_hash]
-                        self._drop_state(block_hash, bit)
+                        _without_bit(self._states, block_hash, bit)
             elif isinstance(event, AllBlocksCleared):
                 self.clear_worker(worker_id)
                 bit = self._bit(worker_id)
                 held = self._worker_blocks.setdefault(worker_id, {})
-
-    def _drop_state(self, block_hash: BlockHash, bit: int) -> None:
-        owners = self._states.get(block_hash, 0) & ~bit
-        if owners:
-            self._states[block_hash] = owners
-        else:
-            self._states.pop(block_hash, None)
 
     def insert_optimistic(self, worker_id: str, block_hashes: Sequence[BlockHash]) -> None:
         self._bit(worker_id)
@@ -163,13 +151,9 @@ class PrefixIndex:
         bit = self._bits.pop(worker_id, 0)
         for block_hash in self._worker_blocks.pop(worker_id, {}):
             for tier in (self._gpu, self._cpu):
-                owners = tier.get(block_hash, 0) & ~bit
-                if owners:
-                    tier[block_hash] = owners
-                else:
-                    tier.pop(block_hash, None)
+                _without_bit(tier, block_hash, bit)
         for block_hash in self._worker_states.pop(worker_id, {}):
-            self._drop_state(block_hash, bit)
+            _without_bit(self._states, block_hash, bit)
         for block_hash in [h for h, o in self._optimistic.items() if worker_id in o]:
             self._drop_optimistic(block_hash, worker_id)
         if bit:
@@ -244,6 +228,16 @@ class PrefixIndex:
 
     def num_blocks(self, worker_id: str) -> int:
         return len(self._worker_blocks.get(worker_id, ()))
+
+
+def _without_bit(owners: dict[BlockHash, int], block_hash: BlockHash, bit: int) -> None:
+    """``block_hash``'s mask in ``owners`` without ``bit``; the entry goes when none is
+    left (a tier's, or the state snapshots')."""
+    left = owners.get(block_hash, 0) & ~bit
+    if left:
+        owners[block_hash] = left
+    else:
+        owners.pop(block_hash, None)
 
 
 def _bits_of(mask: int) -> Iterator[int]:
