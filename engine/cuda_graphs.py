@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -42,7 +42,9 @@ class DecodeGraphs:
         max_model_len: int,
         block_size: int,
         device: torch.device,
+        counting: Sequence[SparseMoe] = (),
     ) -> None:
+        """``counting``: the MoE layers that count the pairs routed to their experts."""
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
@@ -58,8 +60,7 @@ class DecodeGraphs:
         self.block_table = new(size, self.max_blocks, dtype=torch.int32)
         self.query_start_loc = torch.arange(size + 1, dtype=torch.int32, device=device)
         self.real_rows = new(size, dtype=torch.int64)  # 1 for a step's rows, 0 for padding
-        self._counting = [m for m in model.modules()
-                          if isinstance(m, SparseMoe) and m.expert_load is not None]  # fmt: skip
+        self._counting = list(counting)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_replays = 0
 

@@ -337,9 +337,10 @@ class ModelShard:
         )  # fmt: skip
 
     def _capture(self) -> None:
+        counting = [moe for moe in self.moe_layers if moe.expert_load is not None]
         graphs = DecodeGraphs(
             self.model, self.backend, self.kv_caches, self.config.max_num_seqs,
-            self.max_model_len, self.block_size, self.device,
+            self.max_model_len, self.block_size, self.device, counting,
         )  # fmt: skip
         try:
             graphs.capture()
