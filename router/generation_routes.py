@@ -23,7 +23,7 @@ from common.tracing import NO_SPAN, Span
 from router.admission import GONE, Admission, record_error, until_disconnected
 from router.choices import Choice, build_choices, merge_choices, new_id
 from router.detokenizer import IncrementalDetokenizer
-from router.errors import APIError, bad_request, internal
+from router.errors import APIError, bad_request, internal, unavailable
 from router.formatting import SSE_DONE, Formatter, ToolFormat, sse, usage_body
 from router.harmony import Harmony, call_constraint
 from router.harmony import opening_of as harmony_opening
@@ -98,6 +98,11 @@ class _AdmittedStream(StreamingResponse):
             self._release()
             with anyio.CancelScope(shield=True):  # runs even when the client's gone
                 await self._events.aclose()
+
+
+def _stopped() -> APIError:
+    """A reply still running when the router's drain grace ended (``RouterState.stopping``)."""
+    return unavailable("the router stopped before this reply was done; send it again")
 
 
 def ended(span: Span, release: Callable[[], None], choices: list[Choice]) -> Callable[[], None]:
@@ -376,7 +381,8 @@ def add_generation_routes(
 
         async def collect() -> None:
             async for _ in events:
-                pass
+                if state.stopping:
+                    raise _stopped()
 
         # A stream's headers wait for its first event, so that what fails before anything
         # was generated (no worker, a worker refusing the input) is an HTTP status, as
@@ -436,6 +442,8 @@ def add_generation_routes(
             async for event in events:
                 if (body := formatter.chunk(event, continuous_usage)) is not None:
                     yield sse(body)
+                if state.stopping:
+                    raise _stopped()
             if include_usage:
                 yield sse(formatter.usage_chunk(choices))
         except APIError as exc:

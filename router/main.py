@@ -104,9 +104,12 @@ class DrainingServer(uvicorn.Server):
     requests in flight finish (at most ``grace_s``), then stop: uvicorn closes what is
     still open within ``CLOSE_S``. (Its own graceful wait was ``grace_s`` too, after the
     drain's: a stop took twice the grace, past what ``pdserve up``, compose and
-    Kubernetes wait, so a router still busy at the end was killed before its cleanup.)"""
+    Kubernetes wait, so a router still busy at the end was killed before its cleanup.)
+    Replies still running when the grace ends get ``CUT_S`` to end with an error
+    (``RouterState.stopping``) before the close."""
 
     CLOSE_S = 2
+    CUT_S = 0.5  # for the replies still running to write their error (``stopping``)
 
     def __init__(self, state: RouterState, grace_s: float, config: uvicorn.Config) -> None:
         config.timeout_graceful_shutdown = self.CLOSE_S
@@ -125,6 +128,12 @@ class DrainingServer(uvicorn.Server):
         def watch() -> None:
             while self.state.num_inflight and time.monotonic() < deadline:
                 time.sleep(0.05)
+            if self.state.num_inflight:  # cut what still runs, each with its error
+                logger.warning("drain grace over: ending %d sequences", self.state.num_inflight)
+                self.state.stopping = True
+                cut_by = time.monotonic() + self.CUT_S
+                while self.state.num_inflight and time.monotonic() < cut_by:
+                    time.sleep(0.05)
             self.should_exit = True
 
         threading.Thread(target=watch, daemon=True).start()

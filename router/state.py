@@ -76,6 +76,11 @@ class RouterState:
     adapters: LoraAdapters
     started_at: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
+    # The drain's grace ended with replies still running: each ends at its next event,
+    # a stream with an error event and [DONE], a whole reply as a 503 with Retry-After
+    # (the server's close cut them: a transport error, httpx's "incomplete chunked
+    # read", that a client cannot tell from a network fault).
+    stopping: bool = False
     num_inflight: int = 0  # sequences admitted and not yet ended (see admission.Admission.admit)
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     # The Harmony markers' token ids, where the model writes its chat replies in that

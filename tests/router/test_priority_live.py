@@ -3,7 +3,9 @@ worker, ``engine.scheduling_policy: priority``, one decode batch slot): a reques
 smaller priority value arriving while a long one decodes gets the slot at once (the long
 one is preempted and recomputes), finishes first, and neither sequence's tokens change.
 Under FCFS the short one would wait for the whole long one: the test would fail. And
-``pdserve bench --priority-mix`` reports each class against such a stack."""
+``pdserve bench --priority-mix`` reports each class against such a stack. Last, the
+stack stops (no drain grace) with a stream running: the stream ends with an error event
+and ``[DONE]`` (it was cut: httpx's "incomplete chunked read")."""
 
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def stack(tiny_llama, tmp_path_factory):
         tiny_llama,
         engine={"scheduling_policy": "priority"},
         decode={"engine": {"max_num_seqs": 1}},
-        router={"min_disagg_tokens": 0},
+        router={"min_disagg_tokens": 0, "drain_grace_s": 0},
     )
     with serving(config, tmp / "home") as stack:
         yield stack
@@ -117,3 +119,28 @@ def test_bench_reports_each_priority_class(stack):
     assert "| rate=inf | 0 | " in markdown(report) and "0:1,1:2" in markdown(report)
     # The urgent class waits less in the decode worker's one slot.
     assert run.by_priority[0].ttft_ms.median < run.by_priority[1].ttft_ms.median
+
+
+def test_a_stream_running_when_the_router_stops_ends_with_an_error_event(stack):
+    """Runs last: it stops the module's stack."""
+    prompt = random_prompts(seed=8)[0]
+    lines: list[str] = []
+
+    async def read() -> None:
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=120) as client:
+            body = _body(prompt, LONG_TOKENS, priority=0, stream=True)
+            async with client.stream("POST", "/v1/completions", json=body) as reply:
+                assert reply.status_code == 200
+                stopping = None
+                async for line in reply.aiter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line[6:])
+                    if len(lines) == 3:  # decoding: stop the stack (SIGTERM, as Ctrl-C)
+                        stopping = asyncio.create_task(asyncio.to_thread(stack.stop))
+                assert await stopping == 0
+
+    asyncio.run(read())
+    assert lines[-1] == "[DONE]"
+    error = json.loads(lines[-2])["error"]
+    assert error["code"] == "service_unavailable" and "stopped" in error["message"], error
+    assert all("choices" in json.loads(line) for line in lines[:-2])
