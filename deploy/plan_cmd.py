@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import sys
@@ -224,8 +225,20 @@ def _size(config: PdserveConfig, args: argparse.Namespace) -> int:
                 for d, s in zip(demands, sizings, strict=True)
             ],
         }  # fmt: skip
-        args.out.write_text(json.dumps(record, indent=2) + "\n")
+        args.out.write_text(json.dumps(_finite(record), indent=2, allow_nan=False) + "\n")
     return 0
+
+
+def _finite(value):
+    """``value`` with its infinite numbers (an overloaded role's predicted TTFT) as null:
+    JSON has no Infinity, and JavaScript's and strict parsers refuse the file."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item) for item in value]
+    return value
 
 
 def _trace_requests(args: argparse.Namespace, profile):
@@ -272,8 +285,14 @@ def _print_one(demand, sizing, targets, why: str = "one fewer") -> None:
     p, d = sizing.prefill, sizing.decode
     why_p = f" ({why}: {p.limit})" if p.limit else ""
     why_d = f" ({why}: {d.limit})" if d.limit else ""
-    print(f"prefill: {_workers(p.replicas)}, {p.utilization:.0%} busy, "
-          f"{targets.ttft_statistic} TTFT {p.ttft_s * 1000:.0f} ms{why_p}")  # fmt: skip
+    if p.replicas:
+        print(f"prefill: {_workers(p.replicas)}, {p.utilization:.0%} busy, "
+              f"{targets.ttft_statistic} TTFT {p.ttft_s * 1000:.0f} ms{why_p}")  # fmt: skip
+    elif p.ttft_s:
+        print(f"prefill: 0 workers: the decode workers prefill every prompt, "
+              f"{targets.ttft_statistic} TTFT {p.ttft_s * 1000:.0f} ms{why_p}")  # fmt: skip
+    else:
+        print("prefill: 0 workers: no prompt is long enough to disaggregate")
     print(f"decode:  {_workers(d.replicas)}, {d.utilization:.0%} busy, {d.batch:.1f} requests "
           f"in flight each, {targets.itl_statistic} ITL "
           f"{d.itl_s * 1000:.1f} ms, KV {d.kv_fraction:.0%}, prefilling short prompts "

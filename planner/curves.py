@@ -5,7 +5,7 @@ Between points both are linear. Beyond them each grows as its cost does: a promp
 per-token time grows linearly with its length (attention reads every earlier token), and a
 decode step's time grows linearly with batch and with context (each request reads its own
 KV). So the last segment is extended where it rises; the sizing says when its answer
-leans on that (``max_isl``, ``max_batch``, ``max_context``).
+leans on that (``max_isl``, ``max_batch_at``, ``max_context``).
 """
 
 from __future__ import annotations
@@ -69,9 +69,21 @@ class DecodeCurve:
             if len(set(batches)) != len(batches):
                 raise ValueError(f"decode points at context {context} repeat a batch: {batches}")
             self._rows.append((batches, [p.itl_s for p in row]))
-        self.max_batch = min(batches[-1] for batches, _ in self._rows)
         self.batches = sorted({b for batches, _ in self._rows for b in batches})
         self.max_context = self.contexts[-1]
+
+    def max_batch_at(self, context_tokens: float) -> int:
+        """The largest batch measured at ``context_tokens``: its row's, or between two
+        rows the smaller of theirs (past it, ``itl_s`` extends a row). Rows differ: the
+        profiler leaves out the batches whose KV does not fit at long contexts, and the
+        smallest over all rows held short contexts to the longest's (the shipped CPU
+        profile: 16 at context 256, measured to 64, so a worker 80% busy read 93%)."""
+        i = bisect.bisect_left(self.contexts, context_tokens)
+        if i < len(self.contexts) and self.contexts[i] == context_tokens:
+            return self._rows[i][0][-1]
+        below = self._rows[max(i - 1, 0)][0][-1]
+        above = self._rows[min(i, len(self._rows) - 1)][0][-1]
+        return min(below, above)
 
     def itl_s(self, batch: float, context_tokens: float) -> float:
         """One decode step's time for ``batch`` requests at a mean context of

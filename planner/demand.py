@@ -52,9 +52,13 @@ class TimedRequest:
 
 
 def windows(requests: list[TimedRequest], window_s: float) -> list[Demand]:
-    """The trace cut into ``window_s`` windows, each its own demand (its requests over its
-    length). The last window is as long as the trace's end is from its start (at least a
-    second), so a short tail does not read as a burst. Empty windows are left out."""
+    """The trace cut into ``window_s`` windows, each its own demand (its requests over
+    ``window_s``). A trace shorter than one window is one window as long as the trace (at
+    least a second). The last of several windows is a whole one too: a trace ends at an
+    arrival, so its tail's few requests over the time to the last of them read as a burst
+    (a steady 1/s read 2/s in a 2 s tail, and that window sized the layout; 6 of 122 cuts
+    of the Mooncake trace made their tail the busiest window, at up to 2.4x the true
+    peak). Empty windows are left out."""
     if not window_s > 0:
         raise ValueError(f"window must be > 0 seconds, got {window_s}")
     end_s = max(r.arrival_s for r in requests)
@@ -67,6 +71,6 @@ def windows(requests: list[TimedRequest], window_s: float) -> list[Demand]:
         if not shapes:
             continue
         start_s = i * window_s
-        length_s = window_s if i < num_windows - 1 else max(end_s - start_s, 1.0)
+        length_s = window_s if num_windows > 1 else max(end_s, 1.0)
         demands.append(Demand(len(shapes) / length_s, tuple(shapes), start_s))
     return demands

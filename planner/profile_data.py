@@ -11,21 +11,27 @@ tokens computed per second.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import msgspec
 
 PROFILE_VERSION = 1
 
 
+# A count the sizing divides by or sizes against: a 0 in a hand-edited file was a
+# ZeroDivisionError deep in the sizing (a router with ``planner.profile`` died at start).
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+
+
 class EngineFacts(msgspec.Struct, frozen=True):
     """The engine a role's points were measured on: what bounds a worker besides time."""
 
-    block_size: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    kv_capacity_tokens: int  # KV pool blocks x block size
-    max_model_len: int
-    tensor_parallel_size: int
+    block_size: Positive
+    max_num_seqs: Positive
+    max_num_batched_tokens: Positive
+    kv_capacity_tokens: Positive  # KV pool blocks x block size
+    max_model_len: Positive
+    tensor_parallel_size: Positive
     dtype: str
     device: str
 
@@ -120,4 +126,10 @@ def read_profile(path: Path) -> Profile:
     for point in profile.decode.decode:
         if point.batch < 1 or point.context_tokens < 1 or point.itl_s <= 0:
             raise ProfileError(f"{path}: decode point {point} is not a measurement")
+    isls = [p.isl for p in profile.prefill.prefill]
+    if len(set(isls)) < len(isls):
+        raise ProfileError(f"{path}: prefill points repeat a prompt length: {sorted(isls)}")
+    steps = [(p.context_tokens, p.batch) for p in profile.decode.decode]
+    if len(set(steps)) < len(steps):
+        raise ProfileError(f"{path}: decode points repeat a (context, batch): {sorted(steps)}")
     return profile

@@ -109,7 +109,8 @@ def statistic(percentile: float | None) -> str:
 class PrefillSizing:
     replicas: int
     utilization: float  # of each worker (>= 1: the queue grows without end)
-    ttft_s: float  # predicted, the target's statistic (0: no prompts; inf: no end)
+    ttft_s: float  # predicted, the target's statistic (0: no prompts; inf: no end); with
+    # 0 replicas in a given layout, that of the prompts the decode workers prefill
     limit: str  # sized: why one fewer worker is not enough; predicted: the target missed
 
 
@@ -162,11 +163,23 @@ def predict(
     target it misses ("" where it meets them all)."""
     if decode_replicas < 1 or prefill_replicas < 0:
         raise ValueError("a layout needs at least one decode worker and no fewer than 0 prefill")
-    if not prefill_replicas:  # the router prefills every prompt on the decode workers
-        targets = dataclasses.replace(targets, min_disagg_tokens=math.inf)  # type: ignore[arg-type]
-    model = _Model(profile, demand, targets)
+    if prefill_replicas:
+        model = _Model(profile, demand, targets)
+        decode = model.decode(decode_replicas)
+        return Sizing(model.prefill(prefill_replicas), decode, model.notes(decode))
+    # The router prefills every prompt on the decode workers. Their TTFT: each decode
+    # worker a queue of prompts at the profile's prefill speed (optimistic: its decode
+    # steps take their share of its time too). It was reported as 0 ms and no miss.
+    local = dataclasses.replace(targets, min_disagg_tokens=math.inf)  # type: ignore[arg-type]
+    model = _Model(profile, demand, local)
     decode = model.decode(decode_replicas)
-    return Sizing(model.prefill(prefill_replicas), decode, model.notes(decode))
+    prompts = _Model(profile, demand, targets, queue_all=True)
+    if not prompts.alone_counts:  # no prompt is long enough for the target (as ``size``)
+        return Sizing(PrefillSizing(0, 0.0, 0.0, ""), decode, model.notes(decode))
+    ttft_s = prompts.prefill(decode_replicas).ttft_s
+    prefill = PrefillSizing(0, 0.0, ttft_s, "ttft" if ttft_s > targets.ttft_s else "")
+    floor = tuple(n for n in prompts.notes(decode) if n.kind == "ttft_floor")
+    return Sizing(prefill, decode, model.notes(decode) + floor)
 
 
 class _OutOfReach(Exception):
@@ -219,10 +232,12 @@ class _Model:
 
     def __init__(
         self, profile: Profile, demand: Demand, targets: Targets,
-        out_of_reach: dict[str, float] | None = None,
+        out_of_reach: dict[str, float] | None = None, queue_all: bool = False,
     ) -> None:  # fmt: skip
         """``out_of_reach``: latency targets ("ttft", "itl") no layout meets, against
-        what ``MAX_WORKERS`` predict; sized without them (``_OutOfReach``)."""
+        what ``MAX_WORKERS`` predict; sized without them (``_OutOfReach``).
+        ``queue_all``: every prompt queues for the prefill side (a layout whose decode
+        workers prefill them all), the TTFT still that of the prompts the target is for."""
         self.targets = targets
         self.out_of_reach = dict(out_of_reach or {})
         self.prefill_curve = PrefillCurve(profile.prefill.prefill)
@@ -233,8 +248,9 @@ class _Model:
         remote = [s for s in demand.shapes if s.uncached_tokens >= targets.min_disagg_tokens]
         local = [s for s in demand.shapes if s.uncached_tokens < targets.min_disagg_tokens]
         # Prefill workers: each prompt's service time and latency alone.
-        service_s = [s.uncached_tokens * self.prefill_curve.token_s(s.isl) for s in remote]
-        self.prefill_rate_per_s = share * len(remote)
+        queued = demand.shapes if queue_all else remote
+        service_s = [s.uncached_tokens * self.prefill_curve.token_s(s.isl) for s in queued]
+        self.prefill_rate_per_s = share * len(queued)
         self.mean_service_s = _mean(service_s)
         self.mean_square_service_s2 = _mean([t * t for t in service_s])
         alone_s = [self.prefill_curve.latency_s(s.isl) * s.uncached_tokens / s.isl for s in remote]
@@ -262,7 +278,7 @@ class _Model:
         # ``max_utilization`` busy, as a prefill worker is.
         self.peak_tokens_per_s = max(
             b / self.decode_curve.itl_s(b, self.context)
-            for b in _batches(self.decode_curve, self.decode_curve.max_batch)
+            for b in _batches(self.decode_curve, self.decode_curve.max_batch_at(self.context))
         )
 
     def prefill(self, replicas: int) -> PrefillSizing:
@@ -348,8 +364,9 @@ class _Model:
         longest = max(s.isl for s in self.shapes)
         if longest > self.prefill_curve.max_isl:
             notes.append(Note("isl", longest, self.prefill_curve.max_isl))
-        if math.isfinite(decode.batch) and decode.batch > self.decode_curve.max_batch:
-            notes.append(Note("batch", decode.batch, self.decode_curve.max_batch))
+        measured = self.decode_curve.max_batch_at(self.context)
+        if math.isfinite(decode.batch) and decode.batch > measured:
+            notes.append(Note("batch", decode.batch, measured))
         if self.context > self.decode_curve.max_context:
             notes.append(Note("context", self.context, self.decode_curve.max_context))
         return tuple(notes)
@@ -450,7 +467,9 @@ def _batch_law(
     the same ratio, summed in closed form."""
     if tokens_per_s == 0:
         return _BatchLaw(0.0, {curve.itl_s(1, context): 1.0})
-    most = max(b / curve.itl_s(b, context) for b in _batches(curve, curve.max_batch * 4))
+    most = max(
+        b / curve.itl_s(b, context) for b in _batches(curve, curve.max_batch_at(context) * 4)
+    )
     if most < tokens_per_s:
         return None
     log_p, peak = 0.0, 0.0

@@ -238,11 +238,12 @@ class LivePlan:
         self.itl.set(sizing.decode.itl_s)
         for role, factor in self.correction.items():
             self.correction_gauge.labels(role=role).set(factor)
-        for warning in describe(sizing.notes):
-            kind = warning.split(":", 1)[0]
-            if kind not in self._warned:  # once per kind: the plan repeats every interval
-                self._warned.add(kind)
-                logger.warning("live plan: %s", warning)
+        for note in sizing.notes:
+            # Once per kind: the plan repeats every interval. (Keyed by the text before
+            # its first ":", the three "extrapolated beyond the profile" kinds were one.)
+            if note.kind not in self._warned:
+                self._warned.add(note.kind)
+                logger.warning("live plan: %s", describe([note])[0])
         self.last = sizing
         return sizing
 

@@ -184,6 +184,10 @@ def test_a_config_other_than_the_profiled_one_is_warned(profiled):
     assert "warning: decode.engine.max_num_seqs is 16 here but 8 in the profile" in done.stderr
 
 
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")
+
+
 def test_predict_a_given_layout(profiled, tmp_path):
     """``--layout P,D``: what that layout sees, and where it misses; a load the sizing
     needs more workers for misses on one worker each."""
@@ -194,9 +198,12 @@ def test_predict_a_given_layout(profiled, tmp_path):
     assert sizing.returncode == 0, sizing.stderr
     sized = json.loads((tmp_path / "sized.json").read_text())
     assert sized["layout"]["prefill"] > 1
-    done = plan(*args, "--rate", "400", "--layout", "1,1")
+    done = plan(*args, "--rate", "400", "--layout", "1,1", "--out", str(tmp_path / "1p1d.json"))
     assert done.returncode == 0, done.stderr
     assert "(misses: prompt throughput)" in done.stdout
+    # An overloaded role's infinite TTFT is null in the record (it was Infinity: not JSON).
+    strict = json.loads((tmp_path / "1p1d.json").read_text(), parse_constant=_not_json)
+    assert strict["windows"][0]["prefill"]["ttft_s"] is None
     assert "layout: 1 prefill + 1 decode misses a target in 1 of 1 window" in done.stdout
     fits = plan(*args, "--rate", "400", "--layout",
                 f"{sized['layout']['prefill']},{sized['layout']['decode']}")  # fmt: skip

@@ -40,7 +40,16 @@ def test_decode_step_time_is_bilinear_on_the_grid():
     assert curve.itl_s(1, 500) == pytest.approx(0.010)  # shorter contexts: the shortest's
     assert curve.itl_s(8, 5000) == pytest.approx(0.036 + 0.016)  # KV reads keep growing
     assert curve.itl_s(15, 1000) == pytest.approx(0.030)
-    assert (curve.max_batch, curve.max_context) == (8, 3000)
+    assert (curve.max_batch_at(2000), curve.max_context) == (8, 3000)
+
+
+def test_each_context_keeps_the_largest_batch_measured_there():
+    """The profiler leaves out batches whose KV does not fit at long contexts: a short
+    context measured to 32 is not held to the long one's 8."""
+    points = [DecodePoint(b, 256, 0.010 + 0.001 * b) for b in (1, 8, 32)]
+    points += [DecodePoint(b, 2048, 0.012 + 0.002 * b) for b in (1, 8)]
+    curve = DecodeCurve(points)
+    assert [curve.max_batch_at(c) for c in (100, 256, 1000, 2048, 4096)] == [32, 32, 8, 8, 8]
 
 
 def test_repeated_points_are_refused():

@@ -145,14 +145,24 @@ def test_predict_a_given_layout_names_the_target_it_misses():
         predict(make_profile(), demand, targets, prefill_replicas=1, decode_replicas=0)
     # Without prefill workers the router prefills every prompt on the decode workers
     # (1.5 s of prompts a second: more than one can take); it was "prompt throughput"
-    # missed on a prefill side with no workers, and a decode side with no prefills.
+    # missed on a prefill side with no workers, and a decode side with no prefills. Their
+    # TTFT is each decode worker's queue of prompts: 75% busy, 1 + 1.5 s, over the 2 s
+    # target (it was 0 ms and no miss).
     alone = predict(make_profile(), demand, targets, prefill_replicas=0, decode_replicas=2)
-    assert alone.prefill.limit == "" and alone.decode.local_prefill_fraction == 0.75
+    assert alone.decode.local_prefill_fraction == 0.75
+    assert (alone.prefill.ttft_s, alone.prefill.limit) == (pytest.approx(2.5), "ttft")
     # 0.3 s of prompts a second on one worker, 30 tokens/s: 11 / (1 - 0.3 - 0.03) ms
     light = Demand(0.3, (RequestShape(1000, 1000, 101),))
     alone = predict(make_profile(), light, targets, prefill_replicas=0, decode_replicas=1)
     assert alone.decode.local_prefill_fraction == pytest.approx(0.3)
     assert alone.decode.itl_s == pytest.approx(0.011 / (1 - 0.3 - 0.03), rel=1e-6)
+    assert alone.prefill.ttft_s == pytest.approx(1 + 0.3 / (2 * 0.7))
+    assert alone.prefill.limit == "" and not alone.notes
+    # A 3 s prompt against a 100 ms target: missed, and no layout can meet it.
+    slow = Demand(0.5, (RequestShape(3000, 3000, 101),))
+    alone = predict(make_profile(), slow, Targets(ttft_s=0.1, itl_s=0.1), 0, 2)
+    assert (alone.prefill.ttft_s, alone.prefill.limit) == (pytest.approx(7.5), "ttft")
+    assert [n.kind for n in alone.notes] == ["ttft_floor"]
 
 
 def test_decode_is_planned_below_the_knee_of_its_token_rate():
@@ -175,3 +185,19 @@ def test_decode_is_planned_below_the_knee_of_its_token_rate():
     assert one.limit == "step time" and one.batch == float("inf")
     capped = size(profile, demand, Targets(ttft_s=10.0, itl_s=0.05, max_utilization=0.4))
     assert (capped.decode.replicas, capped.decode.limit) == (3, "utilization")
+
+
+def test_decode_peak_is_read_up_to_the_batches_measured_at_its_context():
+    """The profiler leaves out batches whose KV does not fit at long contexts. A short
+    context measured to 64 (865 tokens/s) was held to the long one's 16 (615 tokens/s):
+    600 tokens/s at context 100 read 98% of one worker, and two were planned."""
+    profile = make_profile()
+    decode = [DecodePoint(b, 100, 0.010 + 0.001 * b) for b in (1, 16, 64)]
+    decode += [DecodePoint(b, 10_000, 0.010 + 0.001 * b) for b in (1, 16)]
+    profile = Profile("m", "cpu", "now", profile.prefill, RoleProfile(profile.decode.engine,
+                                                                      decode=decode))  # fmt: skip
+    demand = Demand(6.0, (RequestShape(50, 50, 101),))  # context 50 + 100 / 2
+    sizing = size(profile, demand, Targets(ttft_s=10.0, itl_s=0.05, min_disagg_tokens=0))
+    assert sizing.decode.replicas == 1
+    assert sizing.decode.utilization == pytest.approx(600 / (64 / 0.074), rel=1e-6)
+    assert not sizing.notes

@@ -145,3 +145,26 @@ def test_the_factor_stays_within_what_the_load_allows_and_its_bounds(tmp_path):
     serve(fast, fast_clock, itl_s=0.0001)
     fast.update()
     assert fast.correction["decode"] == pytest.approx(0.5 + 0.5 * 0.25)
+
+
+def test_each_kind_of_warning_is_logged_once(tmp_path, caplog):
+    """Keyed by the text before its first ":", the three "extrapolated beyond the
+    profile" notes were one kind: a long decode context after long prompts was never
+    logged."""
+    clock = Clock()
+    config = PlannerConfig(profile=str(tmp_path / "p.json"), correct=False)
+    write_profile(make_profile(), tmp_path / "p.json")
+    plan = LivePlan.from_config(config, 256, CollectorRegistry(), lambda: (1, 1), clock)
+    with caplog.at_level("WARNING", logger="router.live_plan"):
+        clock.now += 1.0
+        for _ in range(10):  # prompts past the profile's longest (10,000 tokens)
+            plan.sequence_served(12_000, 0, 2, 0.1, 0.01)
+        plan.update((1, 1))
+        clock.now += 200.0
+        for _ in range(10):  # short prompts, a decode context past the profile's
+            plan.sequence_served(300, 0, 30_000, 0.1, 0.01)
+        assert [n.kind for n in plan.update((1, 1)).notes] == ["context"]
+        plan.update((1, 1))  # the same again: not logged twice
+    logged = [r.getMessage() for r in caplog.records]
+    assert sum("prompts of 12000 tokens" in m for m in logged) == 1
+    assert sum("mean decode context" in m for m in logged) == 1, logged
