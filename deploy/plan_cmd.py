@@ -274,6 +274,11 @@ def _profile_mismatches(config: PdserveConfig, profile) -> list[str]:
             if getattr(engine, key) != getattr(facts, key):
                 problems.append(f"{role}.engine.{key} is {getattr(engine, key)} here but "
                                 f"{getattr(facts, key)} in the profile")  # fmt: skip
+        # None here is the model's context, what the profile's engine took (its own None).
+        if engine.max_model_len is not None and engine.max_model_len != facts.max_model_len:
+            problems.append(f"{role}.engine.max_model_len is {engine.max_model_len} here but "
+                            f"{facts.max_model_len} in the profile (the trace is clipped to "
+                            "the profile's)")  # fmt: skip
     return problems
 
 

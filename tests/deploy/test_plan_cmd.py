@@ -178,10 +178,12 @@ def test_a_file_that_is_not_a_profile_is_named(tmp_path):
 def test_a_config_other_than_the_profiled_one_is_warned(profiled):
     config, profile = profiled
     done = plan("plan", "size", "--profile", str(profile), "--config", str(config),
-                "--set", "decode.engine.max_num_seqs=16", "--ttft-ms", "1000", "--itl-ms",
-                "100", "--rate", "1", "--isl", "100", "--osl", "10")  # fmt: skip
+                "--set", "decode.engine.max_num_seqs=16", "--set", "engine.max_model_len=96",
+                "--ttft-ms", "1000", "--itl-ms", "100", "--rate", "1", "--isl", "50",
+                "--osl", "10")  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "warning: decode.engine.max_num_seqs is 16 here but 8 in the profile" in done.stderr
+    assert "warning: prefill.engine.max_model_len is 96 here but" in done.stderr
 
 
 def _not_json(constant: str):
