@@ -158,6 +158,9 @@ class Request:
     # a failure of the worker.
     error_param: str | None = None
     num_remote_blocks_pulled: int = 0
+    # A waiting pulled prompt held for another request's pull: the index of the block it
+    # waits for (``Scheduler._waits_for_pull``); None: not known to wait.
+    waits_for_block: int | None = None
     embedding: torch.Tensor | None = None  # an embedding request's, once computed
     token_counts: TokenCounts | None = None  # penalised requests: what the sampler counted
     # Speculating requests: their tokens as an array, for the n-gram proposer, and how

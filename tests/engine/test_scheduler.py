@@ -205,6 +205,39 @@ def test_a_prompt_being_pulled_is_pulled_once():
     assert scheduler.leak_report() == []
 
 
+def test_prompts_waiting_for_a_pull_are_not_looked_up_again_every_step(monkeypatch):
+    """Their cached prefixes were walked every step while the pull ran (5 ms a step at
+    256 waiting on a 192-block prompt); the block they wait for says enough until it
+    lands."""
+    scheduler = Scheduler(EngineConfig(block_size=4), num_blocks=64)
+    for i in range(4):
+        scheduler.add_request(remote_request(f"c{i}", 10, (10 * i, 10 * i + 1, 10 * i + 2)))
+    scheduler.update_from_output(scheduler.schedule(), {})  # c0 pulls, the others wait
+    looked_up: list[str] = []
+    lookup = scheduler.kv.get_computed_blocks
+
+    def counted(request):
+        looked_up.append(request.request_id)
+        return lookup(request)
+
+    monkeypatch.setattr(scheduler.kv, "get_computed_blocks", counted)
+    for _ in range(5):
+        out = scheduler.schedule()
+        assert out.fetches == [] and len(scheduler.waiting) == 3
+        scheduler.update_from_output(out, {})
+    assert looked_up == []
+    scheduler.finish_fetch("c0", ok=True)
+    out = scheduler.schedule()  # landed: each looks again and pulls its own last block
+    assert [(f.request.request_id, f.remote_block_ids) for f in out.fetches] == [
+        (f"c{i}", [10 * i + 2]) for i in (1, 2, 3)
+    ]
+    scheduler.update_from_output(out, {s.request.request_id: [(7, None)] for s in out.scheduled})
+    for i in (1, 2, 3):
+        scheduler.finish_fetch(f"c{i}", ok=True)
+    drain(scheduler)
+    assert scheduler.leak_report() == []
+
+
 def test_without_prefix_caching_a_shared_prompt_is_pulled_by_each_at_once():
     """Nothing a pull lands is cached for the others to share: waiting for it only
     delayed each choice's own whole pull."""
