@@ -10,6 +10,7 @@ down cleanly deletes its key at once. A draining worker keeps its key with
 from __future__ import annotations
 
 import logging
+import re
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, fields
 
@@ -162,7 +163,10 @@ class RedisRegistry(Registry):
 
     def list_workers(self, role: Role | None = None) -> list[WorkerInfo]:
         workers = []
-        for key in self._client.scan_iter(match=f"{self.prefix}:worker:*", count=100):
+        # The prefix is matched literally: SCAN reads a pattern, where "team[eu]" listed
+        # nothing and "prod*" listed prod-eu's workers too.
+        prefix = re.sub(r"([\\*?\[\]])", r"\\\1", self.prefix)
+        for key in self._client.scan_iter(match=f"{prefix}:worker:*", count=100):
             data = self._client.hgetall(key)
             if not data:
                 continue  # expired between scan and read

@@ -36,7 +36,7 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServiceServicer):
         self.runtime = runtime
         self.num_active = 0
         self.num_blocks_pulled = 0
-        self._tp_mismatch_logged = False
+        self._mismatches_logged: set[str] = set()  # a prefill worker's handle: once each
 
     def in_flight(self) -> int:
         return self.num_active
@@ -46,23 +46,24 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServiceServicer):
             return None
         kv = request.kv
         ours = self.runtime.config.kv_transfer.connector
-        if kv.connector != ours:
-            raise InvalidRequestError(
-                f"the KV handle is for connector {kv.connector!r}; this worker uses {ours!r}",
-                "kv",
-            )
         engine_config = self.runtime.config.engine_for(self.runtime.role)
-        if kv.tp_size and kv.tp_size != engine_config.tensor_parallel_size:
+        mismatch = None
+        if kv.connector != ours:
+            # A prefill worker of another deployment or config: its handle means nothing
+            # to this worker's connector. Computed here (it was a 400 to the client, for
+            # the router's pairing, and the lease held until it expired).
+            mismatch = f"uses connector {kv.connector!r}, this decode worker {ours!r}"
+        elif kv.tp_size and kv.tp_size != engine_config.tensor_parallel_size:
             # Each rank moves its own heads: nothing here matches the prefill worker's
             # blocks. Computed here at once, as a failed pull is (shared storage waited
             # out its timeout for files under another layout, for every prompt).
-            if not self._tp_mismatch_logged:
-                self._tp_mismatch_logged = True
-                logger.error(
-                    "a prefill worker has tensor_parallel_size %d, this decode worker %d: "
-                    "its prompts are computed here (give both roles the same size)",
-                    kv.tp_size, engine_config.tensor_parallel_size,
-                )  # fmt: skip
+            mismatch = (f"has tensor_parallel_size {kv.tp_size}, this decode worker "
+                        f"{engine_config.tensor_parallel_size}")  # fmt: skip
+        if mismatch is not None:
+            if mismatch not in self._mismatches_logged:
+                self._mismatches_logged.add(mismatch)
+                logger.error("a prefill worker %s: its prompts are computed here (give both "
+                             "roles the same setting)", mismatch)  # fmt: skip
             return None
         block_size = engine_config.block_size
         if kv.block_size != block_size:

@@ -131,6 +131,8 @@ class RouterState:
             missing_grace_s=config.registry.ttl_s if config.registry.redis_url else 0.0,
             auth=auth,
             block_size=model.block_size,
+            model=config.model or "demo",  # what workers register (``worker/runtime.py``)
+            connector=config.kv_transfer.connector,
         )
         metrics = RouterMetrics(model.served_name)
         metrics.live_plan = LivePlan.from_config(

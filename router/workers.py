@@ -203,13 +203,21 @@ class WorkerPool:
         missing_grace_s: float = 0.0,
         auth: InternalAuth = NO_AUTH,
         block_size: int = 0,
+        model: str = "",
+        connector: str = "",
     ) -> None:
         self.registry = registry
         self.auth = auth  # every channel to a worker carries its token
-        # The router's block size (0: any): a worker with another hashes its prefixes at
-        # other boundaries, so no prefix of the router's would ever match its cache, and
-        # a pull between it and a worker of the router's size fails at the handshake.
+        # What a worker must share with the router to join ("" or 0: anything). Its
+        # block size: with another it hashes its prefixes at other boundaries, so no
+        # prefix of the router's would ever match its cache, and a pull between it and a
+        # worker of the router's size fails at the handshake. Its model (the config's
+        # ``model``): two deployments under one Redis and the default key prefix shared
+        # their workers, and a request's tokens depended on where it was placed. Its
+        # connector: a decode worker of another cannot pull from the prefill workers.
         self.block_size = block_size
+        self.model = model
+        self.connector = connector
         self._mismatched: set[tuple[str, str]] = set()  # (worker id, engine id) logged
         self.events = events
         self.refresh_s = refresh_s
@@ -340,18 +348,25 @@ class WorkerPool:
         )
 
     def _fits(self, info: WorkerInfo) -> bool:
-        """Whether ``info``'s worker may join: its block size is the router's (one logged
-        error per engine otherwise; it stays out, as if unregistered)."""
-        if not self.block_size or not info.block_size or info.block_size == self.block_size:
-            return True
-        if (info.worker_id, info.engine_id) not in self._mismatched:
-            self._mismatched.add((info.worker_id, info.engine_id))
-            logger.error(
-                "worker %s has block size %d, the router %d: not placing on it (start it "
-                "with the deployment's engine.block_size)", info.worker_id, info.block_size,
-                self.block_size,
-            )  # fmt: skip
-        return False
+        """Whether ``info``'s worker may join: its block size, model and connector are the
+        router's (one logged error per engine otherwise; it stays out, as if
+        unregistered)."""
+        for what, ours, theirs, fix in (
+            ("block size", self.block_size, info.block_size,
+             "start it with the deployment's engine.block_size"),
+            ("model", self.model, info.model,
+             "another deployment's? give each its own registry.key_prefix"),
+            ("connector", self.connector, info.connector,
+             "start it with the deployment's kv_transfer.connector"),
+        ):  # fmt: skip
+            if not ours or not theirs or ours == theirs:
+                continue
+            if (info.worker_id, info.engine_id) not in self._mismatched:
+                self._mismatched.add((info.worker_id, info.engine_id))
+                logger.error("worker %s has %s %s, the router %s: not placing on it (%s)",
+                             info.worker_id, what, theirs, ours, fix)  # fmt: skip
+            return False
+        return True
 
     async def _probe_departed(self, state: WorkerState) -> None:
         """Its own channel is closing (``_retire``), so the probe gets a fresh one."""

@@ -62,6 +62,18 @@ def test_redis_entries_expire_without_heartbeat(tmp_path):
         registry.close()
 
 
+def test_each_prefix_lists_its_own_workers_whatever_its_characters(tmp_path):
+    """SCAN matches a glob: "team[eu]" listed nothing, "prod*" listed prod-eu's too."""
+    with redis_server(tmp_path) as url:
+        registries = {p: RedisRegistry(url, ttl_s=30, prefix=p)
+                      for p in ("team[eu]", "prod*", "prod-eu", "a?c", "a\\b")}  # fmt: skip
+        for prefix, registry in registries.items():
+            registry.register(info(f"decode-{prefix}", Role.DECODE))
+        for prefix, registry in registries.items():
+            assert [w.worker_id for w in registry.list_workers()] == [f"decode-{prefix}"]
+            registry.close()
+
+
 def test_unreachable_redis_is_a_clear_error():
     url = f"redis://127.0.0.1:{free_port()}/0"
     with pytest.raises(RegistryError, match="cannot reach the Redis registry"):

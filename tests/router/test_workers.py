@@ -205,6 +205,40 @@ def test_a_worker_of_another_block_size_is_not_placed_on(tmp_path, caplog):
 
 
 @pytest.mark.timeout(60)
+def test_another_deployments_worker_is_not_placed_on(tmp_path, caplog):
+    """Two deployments under one Redis and the default key prefix: the router placed on
+    the other's workers (another model: each request's tokens depended on where it went;
+    another connector: its decode worker refused the KV handle, a 400 to the client and
+    a lease pinned until it expired). Such a worker stays out, one error logged."""
+    import dataclasses
+
+    async def scenario(registry: RedisRegistry) -> list[bool]:
+        server, info = await serve_decode(SlowDecode(), health.aio.HealthServicer())
+        pool = WorkerPool(registry, EventListener(PrefixIndex(), threading.Lock()), 60.0, 30.0,
+                          block_size=16, model="/models/a", connector="nixl")  # fmt: skip
+        seen = []
+        try:
+            for engine_id, changes in (("b", {"model": "/models/b"}),
+                                       ("ss", {"connector": "shared_storage"}),
+                                       ("ours", {})):  # fmt: skip
+                ours = {"model": "/models/a", "connector": "nixl", "block_size": 16}
+                registry.register(dataclasses.replace(info, engine_id=engine_id,
+                                                      **{**ours, **changes}))  # fmt: skip
+                await pool.refresh()
+                seen.append(pool.get(info.worker_id) is not None)
+        finally:
+            await pool.close()
+            await server.stop(None)
+        return seen
+
+    assert run_with_registry(tmp_path, scenario) == [False, False, True]
+    logged = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any("has model /models/b, the router /models/a" in m and "key_prefix" in m
+               for m in logged), logged  # fmt: skip
+    assert any("has connector shared_storage, the router nixl" in m for m in logged), logged
+
+
+@pytest.mark.timeout(60)
 def test_a_worker_that_refuses_the_routers_token_is_down_and_says_why(tmp_path, caplog):
     """Its health check answers (open to probes) but its Stats refuses the router's calls
     (the tokens differ): down, with one error naming the variable, not silently."""

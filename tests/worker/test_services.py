@@ -264,11 +264,15 @@ def test_bad_requests_are_invalid_argument_and_the_worker_keeps_serving(stack, o
     run(with_client(stack, body))
 
 
-def test_a_handle_from_a_prefill_worker_of_another_tp_size_is_computed_at_once(stack, offline):
+@pytest.mark.parametrize("field", ["tp_size", "connector"])
+def test_a_handle_from_a_prefill_worker_of_another_tp_size_is_computed_at_once(
+    stack, offline, field
+):
     """Each rank moves its own heads, so a decode worker of another tensor_parallel_size
     cannot use the blocks: NIXL failed the handshake, shared storage waited out its
     timeout for files under another layout, for every prompt. The handle says the size
-    now, and the decode worker computes the prompt at once."""
+    now, and the decode worker computes the prompt at once. So too a handle of another
+    connector (it was a 400 to the client, and the lease pinned until it expired)."""
     prompt = random_prompts(LENGTHS, seed=21)[0]
 
     async def body(client: PDClient):
@@ -278,7 +282,10 @@ def test_a_handle_from_a_prefill_worker_of_another_tp_size_is_computed_at_once(s
         assert first.kv.tp_size == 1
         other = pb.KVHandle()
         other.CopyFrom(first.kv)
-        other.tp_size = 2
+        if field == "tp_size":
+            other.tp_size = 2
+        else:
+            other.connector = "nccl" if first.kv.connector != "nccl" else "nixl"
         request = pb.GenerateRequest(request_id="tp", prompt_token_ids=prompt, sampling=GREEDY,
                                      output_token_ids=[first.first_token_id], kv=other)  # fmt: skip
         _, before = await client.stats()
