@@ -21,7 +21,9 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -51,6 +53,7 @@ from worker.tp_connector import (
 )
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _EVENT_HEARTBEAT_S = 1.0
 _ENGINE_WATCH_S = 0.5  # how soon a failed engine takes the worker out of service
@@ -104,6 +107,9 @@ class WorkerRuntime:
         self.engine: LLMEngine | None = None
         self._metadata_client = PeerMetadataClient(config.kv_transfer.timeout_s, auth=auth)
         self._heartbeat_task: asyncio.Task | None = None
+        # Registry calls run in order on one thread: a heartbeat still running in its
+        # thread when ``stop`` deregistered found the entry gone and registered it again.
+        self._registry_thread = ThreadPoolExecutor(1, thread_name_prefix="registry")
         self.engine_failed = False  # its thread stopped after a step raised
         self.exit_code = 0  # 1 once the engine failed: the process exits to be restarted
         self._failure_stop: asyncio.Task | None = None
@@ -129,7 +135,7 @@ class WorkerRuntime:
         self, add_servicer: Callable[[grpc.aio.Server], None], freeze_heap: bool
     ) -> bool:
         # The registry first: an unreachable Redis fails the start before the model loads.
-        self.registry = await asyncio.to_thread(create_registry, self.config)
+        self.registry = await self._in_registry(create_registry, self.config)
         # A request may carry images (a vision-language model's): up to the router's
         # request budget, and its prompt's ids, not gRPC's default of 4 MiB.
         limit = max(64 << 20, self.config.router.max_request_bytes + (32 << 20))
@@ -159,7 +165,7 @@ class WorkerRuntime:
             return False
         if freeze_heap:
             freeze_startup_heap()
-        await asyncio.to_thread(self.registry.register, self.info())
+        await self._in_registry(self.registry.register, self.info())
         self._heartbeat_task = asyncio.create_task(self._heartbeat())
         self.ready = True
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -279,9 +285,13 @@ class WorkerRuntime:
                 self._failure_stop = asyncio.create_task(self.stop())
                 return
             try:
-                await asyncio.to_thread(self.registry.heartbeat, self.info())
+                await self._in_registry(self.registry.heartbeat, self.info())
             except Exception as exc:  # a registry outage must not kill the worker
                 logger.warning("registry heartbeat failed: %s", exc)
+
+    async def _in_registry(self, call: Callable[..., T], *args: object) -> T:
+        """``call(*args)`` on the registry's thread, after the calls before it."""
+        return await asyncio.get_running_loop().run_in_executor(self._registry_thread, call, *args)
 
     async def _wait_or_engine_failed(self, interval_s: float) -> None:
         """Sleep ``interval_s``, watching the engine: once its thread has failed, or has
@@ -345,7 +355,7 @@ class WorkerRuntime:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.ready and self.registry is not None:
             try:
-                await asyncio.to_thread(self.registry.register, self.info())
+                await self._in_registry(self.registry.register, self.info())
             except Exception as exc:
                 logger.warning("could not mark the registry entry draining: %s", exc)
         deadline = time.monotonic() + grace_s
@@ -370,10 +380,11 @@ class WorkerRuntime:
             self._heartbeat_task.cancel()
         if self.registry is not None:
             try:
-                await asyncio.to_thread(self.registry.deregister, self.worker_id)
+                await self._in_registry(self.registry.deregister, self.worker_id)
             except Exception as exc:
                 logger.warning("could not deregister: %s", exc)
             self.registry.close()
+        self._registry_thread.shutdown(wait=False)
         if self.server is not None:
             await self.server.stop(grace=1.0)
         if self.async_engine is not None:

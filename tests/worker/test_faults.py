@@ -274,3 +274,48 @@ def test_a_failed_engine_fails_its_streams_and_the_worker_exits_to_be_restarted(
     assert failed.code() == grpc.StatusCode.UNAVAILABLE and expected in failed.details()
     assert runtime.exit_code == 1 and not runtime.async_engine._thread.is_alive()
     assert not listened(runtime.ports.grpc)
+
+
+def test_a_heartbeat_running_when_the_worker_stops_does_not_bring_its_entry_back(
+    tiny_llama, tmp_path
+):
+    """The heartbeat ran in a thread that a cancel does not stop: one still running when
+    ``stop`` deregistered found the entry gone and registered it again (a draining
+    entry listed for one TTL). Registry calls now run in order on one thread."""
+    config = load_config(
+        str(write_config(tmp_path / "c.yaml", tiny_llama)), ["registry.heartbeat_s=0.05"]
+    )
+    runtime = WorkerRuntime(config, Role.DECODE, 0)
+    servicer = DecodeServicer(runtime)
+    calls: list[str] = []
+    in_heartbeat = threading.Event()
+
+    class SlowBeats:
+        """The worker's registry, with a heartbeat that takes a while (a slow Redis)."""
+
+        def __init__(self, registry) -> None:
+            self.registry, self.listed = registry, True
+
+        def heartbeat(self, info) -> None:
+            in_heartbeat.set()
+            time.sleep(0.5)
+            if not self.listed:  # what Redis's heartbeat does: re-create a missing entry
+                calls.append("registered again")
+            calls.append("heartbeat")
+
+        def deregister(self, worker_id: str) -> None:
+            self.listed = False
+            calls.append("deregister")
+
+        def __getattr__(self, name):
+            return getattr(self.registry, name)
+
+    async def body() -> None:
+        add = lambda server: pb_grpc.add_DecodeServiceServicer_to_server(servicer, server)  # noqa: E731
+        assert await runtime.start(add)
+        runtime.registry = SlowBeats(runtime.registry)
+        await asyncio.to_thread(in_heartbeat.wait, 10)
+        await runtime.stop()
+
+    asyncio.run(body())
+    assert calls == ["heartbeat", "deregister"], calls
