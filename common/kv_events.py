@@ -91,12 +91,24 @@ class KVEventBatch(msgspec.Struct, frozen=True, array_like=True):
         return [*self.events, *self.states]
 
 
+class _ReadBatch(msgspec.Struct, frozen=True, array_like=True):
+    """A batch as read off the wire: state events may also be among ``events``, where
+    workers of the builds between their introduction and ``states`` put them (a new
+    router refused each of their batches and snapshots, and forgot their blocks: a
+    rolling-upgrade audit, 2026-12-01)."""
+
+    seq: int
+    ts: float
+    events: list[KVEvent]
+    states: list[StateEvent] = []
+
+
 # Built here, at import, on one thread: msgspec fills its per-type caches (the Medium
 # enum's lookup table among them) the first time it meets a type, calling back into Python
 # as it does, and two router threads decoding their first batches at once crashed a test
 # process in that window (a segfault inside decode_batch, a CI run on 2026-11-29).
 # Decoders are immutable and thread-safe once built.
-_BATCH_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+_BATCH_DECODER = msgspec.msgpack.Decoder(_ReadBatch)
 _ENCODER = msgspec.msgpack.Encoder()
 
 
@@ -105,4 +117,7 @@ def encode_batch(batch: KVEventBatch) -> bytes:
 
 
 def decode_batch(data: bytes) -> KVEventBatch:
-    return _BATCH_DECODER.decode(data)
+    read = _BATCH_DECODER.decode(data)
+    if any(isinstance(event, StateStored | StateRemoved) for event in read.events):
+        return KVEventBatch.of(read.seq, read.ts, [*read.events, *read.states])
+    return KVEventBatch(read.seq, read.ts, read.events, read.states)  # type: ignore[arg-type]

@@ -53,6 +53,11 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServiceServicer):
             # to this worker's connector. Computed here (it was a 400 to the client, for
             # the router's pairing, and the lease held until it expired).
             mismatch = f"uses connector {kv.connector!r}, this decode worker {ours!r}"
+        elif kv.model_namespace and kv.model_namespace != self.runtime.model_namespace:
+            # Other weights (a deployment's prefill and decode workers given different
+            # checkpoints or linear_state_dtype): its KV is not this model's.
+            mismatch = (f"serves {kv.model_namespace!r}, this decode worker "
+                        f"{self.runtime.model_namespace!r}")  # fmt: skip
         elif kv.tp_size and kv.tp_size != engine_config.tensor_parallel_size:
             # Each rank moves its own heads: nothing here matches the prefill worker's
             # blocks. Computed here at once, as a failed pull is (shared storage waited
@@ -136,6 +141,8 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServiceServicer):
                         if output.finished:
                             reply.finish_reason = completion.finish_reason or ""
                             reply.timings.CopyFrom(timings_to_proto(output.times))  # + decode
+                            # (again: routers before the first reply's read the last's)
+                            reply.num_blocks_pulled = output.num_remote_blocks_pulled
                             self.runtime.timer.add(reply.timings)
                             if span.recording:
                                 span.set(output_attributes(output))

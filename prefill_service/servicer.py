@@ -142,6 +142,7 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServiceServicer):
             lease_expires_at=lease.expires_at_unix,
             state_block_ids=state_ids,
             tp_size=engine.config.tensor_parallel_size,
+            model_namespace=runtime.model_namespace,
         )
 
     def _release(self, engine: LLMEngine, request_id: str, lease_id: str = "") -> bool:

@@ -576,7 +576,7 @@ class Dispatcher:
                 message.kv.CopyFrom(kv)
             if first is not None and len(generated) == 1:  # the prefill worker's MTP drafts
                 message.draft_token_ids.extend(first.draft_token_ids)  # continue just that
-            started = False
+            started = timed = False
             num_tokens = len(request.prompt_token_ids) + len(generated)
             blocks = -(-num_tokens // self.block_size)
             worker.running += 1
@@ -619,7 +619,10 @@ class Dispatcher:
                         delta = TokenDelta(list(chunk.token_ids), list(chunk.logprobs))
                         if scores_prompt and first_chunk:
                             delta.prompt_logprobs = _prompt_logprobs(request, chunk.prompt_logprobs)
-                        if first_chunk and chunk.HasField("timings"):  # (said with it now)
+                        # Said with the first reply now; decode workers from before, with
+                        # the last only: the first that says them, once.
+                        if not timed and chunk.HasField("timings"):
+                            timed = True
                             self.metrics.observe_decode(
                                 chunk.timings, chunk.num_blocks_pulled, prefilled_here=scores_prompt
                             )

@@ -104,6 +104,9 @@ class WorkerRuntime:
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
         self.metadata_by_rank: list[bytes] = []  # the connector handshake of each TP rank
+        # Its model, weights and state dtype (``model_namespace``), once loaded: in every
+        # KV handle, so that a decode worker of other weights does not use the blocks.
+        self.model_namespace = ""
         self.engine: LLMEngine | None = None
         self._metadata_client = PeerMetadataClient(config.kv_transfer.timeout_s, auth=auth)
         self._heartbeat_task: asyncio.Task | None = None
@@ -180,6 +183,7 @@ class WorkerRuntime:
         transfer = self.config.kv_transfer
         engine_config = self.config.engine_for(self.role)
         tp_size = engine_config.tensor_parallel_size
+        self.model_namespace = model_namespace(model_dir, engine_config.linear_state_dtype)
         connector_config = rank_config(
             KVTransferConfig(
                 connector=transfer.connector,
@@ -188,7 +192,7 @@ class WorkerRuntime:
                 store_port=self.ports.kv_store,
                 timeout_s=transfer.timeout_s,
                 shared_dir=transfer.shared_dir,
-                shared_namespace=model_namespace(model_dir, engine_config.linear_state_dtype),
+                shared_namespace=self.model_namespace,
                 shared_max_bytes=transfer.shared_max_bytes,
                 nixl_read_lanes=transfer.nixl_read_lanes,
                 nixl_pin_lanes=transfer.nixl_pin_lanes,

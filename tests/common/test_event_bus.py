@@ -395,3 +395,27 @@ def test_a_router_from_before_state_events_reads_the_blocks_of_a_batch_with_them
     assert new.all_events() == [events[0], events[2], events[1], events[3]]
     plain = encode_batch(KVEventBatch.of(8, 1.0, [stored]))  # (no states: as before, + [])
     assert msgspec.msgpack.decode(plain, type=OldBatch).events == [stored]
+
+
+def test_a_batch_from_the_builds_that_sent_state_events_among_the_blocks_is_read():
+    """Between their introduction and ``states``, hybrid workers sent state events among
+    the block events: a router of today refused each batch and snapshot of theirs (an
+    unknown tag in ``events``) and forgot every block they held. Read, each kind in its
+    field."""
+
+    class MixedBatch(msgspec.Struct, frozen=True, array_like=True):
+        seq: int
+        ts: float
+        events: list[BlockStored | BlockRemoved | AllBlocksCleared | StateStored | StateRemoved]
+
+    stored = BlockStored([b"\1" * 32], None, [], 16)
+    state = StateStored([b"\1" * 32])
+    payload = msgspec.msgpack.encode(
+        MixedBatch(3, 1.0, [stored, state, BlockRemoved([b"\2" * 32])])
+    )
+    batch = decode_batch(payload)
+    assert (batch.seq, batch.events, batch.states) == (
+        3,
+        [stored, BlockRemoved([b"\2" * 32])],
+        [state],
+    )

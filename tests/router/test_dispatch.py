@@ -40,9 +40,11 @@ class Decode(pb_grpc.DecodeServiceServicer):
     """Streams ``token_ids`` one per chunk, then fails (as a worker whose engine failed
     answers) or finishes with 42."""
 
-    def __init__(self, fail: bool, token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(self, fail: bool, token_ids: tuple[int, ...] = (), old: bool = False) -> None:
+        """``old``: as a build from before the first reply said the timings."""
         self.fail = fail
         self.token_ids = token_ids
+        self.old = old
         self.requests: list[pb.GenerateRequest] = []
 
     async def Generate(self, request, context):
@@ -50,7 +52,7 @@ class Decode(pb_grpc.DecodeServiceServicer):
         timings = pb.StageTimings(queue_ms=5, prefill_ms=7)  # with the first reply, and last
         for i, token_id in enumerate(self.token_ids):
             reply = pb.GenerateResponse(token_ids=[token_id], usage=pb.Usage(cached_tokens=3))
-            if i == 0:
+            if i == 0 and not self.old:
                 reply.timings.CopyFrom(timings)
                 if request.sampling.HasField("prompt_logprobs"):  # a local prefill
                     reply.prompt_logprobs.extend(scores(request.prompt_token_ids))
@@ -691,9 +693,9 @@ def test_a_local_prefills_queueing_and_prefill_are_observed_and_a_pulled_ones_ar
     queueing and prefill (those of local prefills, every request of a colocated
     deployment, went unrecorded); after a pull they are not prompt work."""
 
-    def observed(first) -> tuple[float | None, float | None]:
+    def observed(first, old: bool = False) -> tuple[float | None, float | None]:
         got: list = []
-        decode_through(tmp_path, [Decode(False, (1,))], first=first, metrics=got)
+        decode_through(tmp_path, [Decode(False, (1, 2), old=old)], first=first, metrics=got)
         labels = {"model_name": "m"}
         sample = got[0].registry.get_sample_value
         return (sample("pdserve:ttft_queue_seconds_count", labels),
@@ -703,6 +705,9 @@ def test_a_local_prefills_queueing_and_prefill_are_observed_and_a_pulled_ones_ar
     pulled = pb.PrefillResponse(first_token_id=7)
     pulled.kv.lease_id = "lease-1"
     assert observed(pulled) == (0.0, 0.0)
+    # A decode worker of a build that said them with its last reply only (mid-upgrade):
+    # they were never observed.
+    assert observed(None, old=True) == (1.0, 0.007)
 
 
 class Lingering(Decode):

@@ -264,7 +264,7 @@ def test_bad_requests_are_invalid_argument_and_the_worker_keeps_serving(stack, o
     run(with_client(stack, body))
 
 
-@pytest.mark.parametrize("field", ["tp_size", "connector"])
+@pytest.mark.parametrize("field", ["tp_size", "connector", "model_namespace"])
 def test_a_handle_from_a_prefill_worker_of_another_tp_size_is_computed_at_once(
     stack, offline, field
 ):
@@ -272,7 +272,8 @@ def test_a_handle_from_a_prefill_worker_of_another_tp_size_is_computed_at_once(
     cannot use the blocks: NIXL failed the handshake, shared storage waited out its
     timeout for files under another layout, for every prompt. The handle says the size
     now, and the decode worker computes the prompt at once. So too a handle of another
-    connector (it was a 400 to the client, and the lease pinned until it expired)."""
+    connector (it was a 400 to the client, and the lease pinned until it expired), or of
+    other weights (another checkpoint, or linear_state_dtype: the KV is another model's)."""
     prompt = random_prompts(LENGTHS, seed=21)[0]
 
     async def body(client: PDClient):
@@ -284,8 +285,11 @@ def test_a_handle_from_a_prefill_worker_of_another_tp_size_is_computed_at_once(
         other.CopyFrom(first.kv)
         if field == "tp_size":
             other.tp_size = 2
-        else:
+        elif field == "connector":
             other.connector = "nccl" if first.kv.connector != "nccl" else "nixl"
+        else:
+            assert first.kv.model_namespace  # the prefill worker says it
+            other.model_namespace = first.kv.model_namespace + "-other"
         request = pb.GenerateRequest(request_id="tp", prompt_token_ids=prompt, sampling=GREEDY,
                                      output_token_ids=[first.first_token_id], kv=other)  # fmt: skip
         _, before = await client.stats()
