@@ -22,6 +22,7 @@ GONE = object()  # what ``until_disconnected`` returns when the client left firs
 # Where ``app.py`` stamps a request's arrival (``time.time_ns()``) in its ASGI scope when
 # tracing is on: a request's span starts there, its tokenizing and templating included.
 ARRIVAL_NS = "pdserve.arrival_ns"
+REQUEST_ID = "pdserve.request_id"  # the scope's: the response's id, once it has one
 
 
 class Admission:

@@ -12,6 +12,7 @@ import asyncio
 import hmac
 import importlib.metadata
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,9 +23,9 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.admission import ARRIVAL_NS, Admission
+from router.admission import ARRIVAL_NS, REQUEST_ID, Admission
 from router.choices import new_id
 from router.errors import APIError, bad_request, internal, model_not_found, unauthorized
 from router.generation_routes import add_generation_routes
@@ -101,6 +102,35 @@ class _Arrival:
         await self.app(scope, receive, send)
 
 
+_CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+class _RequestIds:
+    """``X-Request-Id`` on every response, errors and refusals included (OpenAI sends one;
+    the OpenAI SDK shows it as ``_request_id`` and in its errors): the client's own, when
+    it sent a plain one (vLLM's), else the response's id (``chatcmpl-...``, which a 500's
+    message and the router's log name), else a fresh one."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = Headers(scope=scope).get("x-request-id", "")
+        client_id = given if _CLIENT_REQUEST_ID.fullmatch(given) else None
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                request_id = client_id or scope.get(REQUEST_ID) or new_id("req")
+                headers = [*message.get("headers", ()), (b"x-request-id", request_id.encode())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def create_app(state: RouterState) -> FastAPI:
     try:
         version_text = importlib.metadata.version("pdserve")
@@ -168,6 +198,7 @@ def create_app(state: RouterState) -> FastAPI:
         exempt=_OPEN_PATHS,
     )
     app.add_middleware(_ApiKeyAuth, state=state, respond=refused)
+    app.add_middleware(_RequestIds)  # around the refusals too
     if state.tracer.enabled:
         app.add_middleware(_Arrival)  # the first thing a request meets (but CORS's)
     origins = state.config.router.allowed_origins

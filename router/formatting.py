@@ -188,6 +188,13 @@ class Formatter:
         self._started: set[int] = set()  # choices whose first chunk went out
 
     @property
+    def scores_tokens(self) -> bool:
+        """Whether the reply carries log-probs (of its tokens, or its prompt's): then it
+        may be large (a 100k-token prompt's top 20: 118 MB), and is built and encoded
+        off the event loop, which it held for seconds."""
+        return self.logprobs is not None or self.prompt_logprobs is not None
+
+    @property
     def object(self) -> str:
         return "chat.completion" if self.chat else "text_completion"
 
@@ -210,6 +217,44 @@ class Formatter:
         self._text_offsets[choice.index] = start + sum(len(token) for token in body["tokens"])
         return text, body
 
+    def opening(self, choices: list[Choice]) -> list[dict[str, Any]]:
+        """A chat stream's first chunks: each choice's role (and echo), in index order,
+        before any choice's tokens, as vLLM sends them. The OpenAI SDK's stream helper
+        fills its choices in the order they first come: when choice 1's text came before
+        choice 0's (held back for a tool call or a constraint) it failed with an
+        IndexError. None for completions."""
+        if not self.chat:
+            return []
+        bodies = []
+        for choice in sorted(choices, key=lambda c: c.index):
+            self._started.add(choice.index)
+            delta = {"role": "assistant", "content": self.echo[0] if self.echo else ""}
+            item = {"index": choice.index, "delta": delta, "logprobs": None,
+                    "finish_reason": None}  # fmt: skip
+            body = self._envelope([item], "chat.completion.chunk")
+            if self.token_ids:
+                item["token_ids"] = []
+                body["prompt_token_ids"] = list(choice.request.prompt_token_ids)
+            bodies.append(body)
+        return bodies
+
+    def chunks(self, event: ChoiceEvent, usage: bool = False) -> list[dict[str, Any]]:
+        """``chunk``'s, as the chunks to send: a chat choice's tool calls and its finish
+        reason in two, as OpenAI sends them (the OpenAI SDK's stream helper reads the
+        finish reason before a chunk's calls: the last call, sent with it, never had its
+        ``arguments.done`` event)."""
+        body = self.chunk(event, usage)
+        if body is None:
+            return []
+        choice = body["choices"][0]
+        if not self.chat or choice["finish_reason"] is None or "tool_calls" not in choice["delta"]:
+            return [body]
+        last = {**body, "choices": [{**choice, "delta": {}, "logprobs": None}]}
+        if self.token_ids:
+            last["choices"][0]["token_ids"] = []
+        body["choices"][0] = {**choice, "finish_reason": None, "stop_reason": None}
+        return [body, last]
+
     def chunk(self, event: ChoiceEvent, usage: bool = False) -> dict[str, Any] | None:
         """One choice's event; with ``usage`` (vLLM's continuous_usage_stats), the
         choice's token counts so far too. None when it carries nothing: text held back
@@ -226,7 +271,7 @@ class Formatter:
                 delta["tool_calls"] = [c for c in delta["tool_calls"] if c["index"] == 0]
                 if not delta["tool_calls"]:
                     del delta["tool_calls"]
-            if first:
+            if first:  # (a stream's choices began in ``opening``)
                 delta["role"] = "assistant"
                 if self.echo:
                     delta["content"] = self.echo[0] + (delta.get("content") or "")
@@ -364,6 +409,46 @@ def sse(body: dict[str, Any]) -> bytes:
     """One server-sent event: compact UTF-8 JSON, by msgspec (~10x ``json.dumps``; a
     stream writes one per chunk). A NaN or infinity, which JSON cannot hold, is null."""
     return b"data: " + _JSON.encode(body) + b"\n\n"
+
+
+def json_bytes(body: Any, sliced: bool = False) -> bytes:
+    """A whole response's body, as ``sse`` encodes a chunk's (msgspec; NaN is null).
+    ``sliced``: lists longer than ``_SLICE`` are encoded a slice at a time and the pieces
+    joined once, for a body built off the event loop: one encode holds the GIL
+    throughout, and so the loop (a 100k-token prompt's top-20 log-probs: 0.3 s in one
+    call)."""
+    if not sliced:
+        return _JSON.encode(body)
+    pieces: list[bytes] = []
+    _encode_sliced(body, pieces)
+    return b"".join(pieces)
+
+
+def _encode_sliced(value: Any, pieces: list[bytes]) -> None:
+    if isinstance(value, dict):
+        pieces.append(b"{")
+        for i, (key, item) in enumerate(value.items()):
+            pieces.append(b"," + _JSON.encode(key) + b":" if i else _JSON.encode(key) + b":")
+            _encode_sliced(item, pieces)
+        pieces.append(b"}")
+    elif isinstance(value, list) and len(value) > _SLICE:
+        pieces.append(b"[")
+        for i in range(0, len(value), _SLICE):
+            piece = _JSON.encode(value[i : i + _SLICE])
+            pieces.append(piece[1:-1] if i == 0 else b"," + piece[1:-1])
+        pieces.append(b"]")
+    elif isinstance(value, list) and any(isinstance(item, dict | list) for item in value):
+        pieces.append(b"[")
+        for i, item in enumerate(value):
+            if i:
+                pieces.append(b",")
+            _encode_sliced(item, pieces)
+        pieces.append(b"]")
+    else:
+        pieces.append(_JSON.encode(value))
+
+
+_SLICE = 2048
 
 
 SSE_DONE = b"data: [DONE]\n\n"

@@ -36,7 +36,7 @@ def post(state: RouterState, path: str, json: object = None, raises: bool = Fals
     server then logs its traceback) is raised here."""
     if json is not None:
         kwargs["content"] = jsonlib.dumps(json)
-        kwargs["headers"] = {"content-type": "application/json"}
+        kwargs["headers"] = {"content-type": "application/json", **kwargs.get("headers", {})}
 
     async def send() -> httpx.Response:
         transport = httpx.ASGITransport(create_app(state), raise_app_exceptions=raises)
@@ -683,3 +683,58 @@ def test_a_checkpoint_that_pools_otherwise_gets_no_last_token_embeddings(tiny_ll
     dense = RouterState.build(load_config(None, [f"model={model_dir}"]))
     error = error_of(post(dense, "/v1/embeddings", json={"input": "x"}), 400)
     assert "runs Dense after pooling" in error["message"]
+
+
+def test_every_response_carries_a_request_id(state):
+    """OpenAI sends ``X-Request-Id`` (the SDK's ``_request_id``, and in its errors): the
+    client's own when it sent a plain one, else the response's id (which a 500's message
+    and the log name), else a fresh one; refusals included."""
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    placed = post(state, "/v1/chat/completions", json=chat)  # 503 once placed: no worker
+    assert placed.status_code == 503 and placed.headers["x-request-id"].startswith("chatcmpl-")
+    refused = post(state, "/v1/chat/completions", json={"messages": []})
+    assert refused.status_code == 400 and refused.headers["x-request-id"].startswith("req-")
+    assert (
+        refused.headers["x-request-id"]
+        != post(state, "/v1/models", method="GET").headers["x-request-id"]
+    )
+    given = post(state, "/v1/chat/completions", json=chat, headers={"x-request-id": "trace-7"})
+    assert given.headers["x-request-id"] == "trace-7"
+    odd = post(state, "/v1/chat/completions", json=chat, headers={"x-request-id": "a b\\x"})
+    assert odd.headers["x-request-id"].startswith("chatcmpl-")  # not echoed as sent
+
+
+def test_a_reply_with_scores_is_built_and_encoded_off_the_event_loop(state, monkeypatch):
+    """A 100k-token prompt's top-20 ``prompt_logprobs`` held the event loop (every other
+    stream and health answer) 5.4 s: the body is built on a thread and encoded a slice
+    at a time (one json.dumps of it holds the GIL throughout)."""
+    from router.dispatch import TokenDelta
+    from router.formatting import Formatter
+
+    prompt = list(range(5, 45))
+    scores = [pb.TokenLogprobs(token_id=t, logprob=-1.5, rank=2, top_token_ids=[7, 8],
+                               top_logprobs=[-0.5, -1.0]) for t in prompt[1:]]  # fmt: skip
+
+    async def generate(request):
+        yield TokenDelta(token_ids=[42], finish_reason="length", prompt_logprobs=scores,
+                         cached_tokens=0, usage=pb.Usage(prompt_tokens=len(prompt),
+                                                         completion_tokens=1))  # fmt: skip
+
+    loop_thread, seen = threading.get_ident(), []
+    final = Formatter.final
+
+    def recording(self, choices):
+        seen.append(threading.get_ident())
+        return final(self, choices)
+
+    monkeypatch.setattr(state.dispatcher, "generate", generate)
+    monkeypatch.setattr(Formatter, "final", recording)
+    body = {"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2}
+    reply = post(state, "/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    scored = reply.json()["choices"][0]["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(prompt)
+    assert scored[1]["6"]["logprob"] == -1.5 and scored[1]["7"]["rank"] == 1
+    assert len(seen) == 1 and seen[0] != loop_thread
+    plain = post(state, "/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+    assert plain.status_code == 200 and seen[-1] == loop_thread  # (small: no thread hop)

@@ -110,3 +110,65 @@ def test_chat_logprobs_bytes_rebuild_a_character_split_across_tokens(tiny_llama)
     content = formatter.final([choice])["choices"][0]["logprobs"]["content"]
     assert "\ufffd" in "".join(entry["token"] for entry in content)
     assert bytes(b for entry in content for b in entry["bytes"]).decode() == "a 世界"
+
+
+def _sdk_events(bodies: list[dict]) -> tuple[list[str], object]:
+    """``bodies`` read by the OpenAI SDK's stream helper (``client.chat.completions
+    .stream``): its event types and its final completion."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    state = ChatCompletionStreamState()
+    kinds = [event.type for body in bodies
+             for event in state.handle_chunk(ChatCompletionChunk.model_validate(body))]  # fmt: skip
+    return kinds, state.get_final_completion()
+
+
+def test_a_stream_opens_every_choice_in_index_order():
+    """n = 2 with choice 1's text first (choice 0's held back for a tool call or a
+    constraint): the SDK's stream helper fills its choices in the order they first come
+    and failed with an IndexError. Each choice's role goes out first, as vLLM sends it."""
+    request = SimpleNamespace(prompt_token_ids=[1])
+    choices = [Choice(i, 0, request, SimpleNamespace(text=""), token_ids=[], logprobs=[])
+               for i in range(2)]  # fmt: skip
+    formatter = Formatter("chatcmpl-1", "m", chat=True, logprobs=None, token_text=str)
+    bodies = formatter.opening(choices)
+    assert [b["choices"][0]["delta"] for b in bodies] == [{"role": "assistant", "content": ""}] * 2
+    for index, text, finish in ((1, "one", None), (0, "zero", None), (1, "!", "stop"),
+                                (0, "?", "stop")):  # fmt: skip
+        bodies += formatter.chunks(ChoiceEvent(choices[index], text, [5], [], finish))
+    assert all("role" not in b["choices"][0]["delta"] for b in bodies[2:])
+    _, final = _sdk_events(bodies)
+    assert [c.message.content for c in final.choices] == ["zero?", "one!"]
+
+
+def test_a_call_and_the_finish_reason_go_out_in_two_chunks():
+    """The last call, in the chunk that said the finish reason: the SDK's stream helper
+    reads the reason first and never sent that call's ``arguments.done``."""
+    from router.tool_parsers import HermesCalls
+
+    call = '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+    request = SimpleNamespace(prompt_token_ids=[1])
+    choice = Choice(0, 0, request, SimpleNamespace(text=""), token_ids=[], logprobs=[])
+    formatter = Formatter("chatcmpl-1", "m", chat=True, logprobs=None, token_text=str,
+                          tools=HermesCalls())  # fmt: skip
+    bodies = [*formatter.opening([choice]), *formatter.chunks(ChoiceEvent(choice, "Hi", [5], []))]
+    last = formatter.chunks(ChoiceEvent(choice, call, [6], [], "stop"))
+    assert [(b["choices"][0]["finish_reason"], "tool_calls" in b["choices"][0]["delta"])
+            for b in last] == [(None, True), ("tool_calls", False)]  # fmt: skip
+    kinds, final = _sdk_events(bodies + last)
+    assert kinds.count("tool_calls.function.arguments.done") == 1, kinds
+    assert final.choices[0].message.tool_calls[0].function.arguments == '{"x": 1}'
+
+
+def test_a_body_encoded_in_slices_is_the_body_encoded_whole():
+    from router.formatting import json_bytes
+
+    long = [None, *({str(i): {"logprob": -0.5, "rank": i}} for i in range(5000))]
+    body = {"id": "x", "choices": [{"index": 0, "prompt_logprobs": long, "empty": [],
+                                    "nested": [[1, 2], [3]], "nan": float("nan")}],
+            "usage": {}, "text": "é\\n"}  # fmt: skip
+    assert json_bytes(body, sliced=True) == json_bytes(body)
+    assert json.loads(json_bytes(body, sliced=True))["choices"][0]["prompt_logprobs"] == json.loads(
+        json.dumps(long)
+    )
