@@ -182,9 +182,10 @@ class AsyncEngine:
         try:
             await self.call(admit)
             while not finished:
-                output = await outputs.get()
-                while not output.finished and not outputs.empty():
-                    output = _merged(output, outputs.get_nowait())
+                unread = [await outputs.get()]
+                while not unread[-1].finished and not outputs.empty():
+                    unread.append(outputs.get_nowait())
+                output = _merged(unread) if len(unread) > 1 else unread[0]
                 finished = output.finished
                 yield output
         finally:
@@ -354,10 +355,12 @@ def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
         outputs.put_nowait(output)
 
 
-def _merged(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """One output for two a reader had not read yet: the later one (every field but
-    ``new_token_ids`` says where the request stands, and the later is newer) with the
-    tokens both added. A reader that falls behind (a gRPC stream writing slower than the
-    engine steps) so sends one message for what it missed instead of one per step: what
-    it has to do shrinks just when it has too much to do, and no token waits for it."""
-    return replace(later, new_token_ids=earlier.new_token_ids + later.new_token_ids)
+def _merged(unread: list[RequestOutput]) -> RequestOutput:
+    """One output for those a reader had not read yet: the last one (every field but
+    ``new_token_ids`` says where the request stands, and the last is newest) with the
+    tokens all added, in one pass (merged two at a time, k outputs copied k^2 / 2
+    tokens). A reader that falls behind (a gRPC stream writing slower than the engine
+    steps) so sends one message for what it missed instead of one per step: what it has
+    to do shrinks just when it has too much to do, and no token waits for it."""
+    tokens = [token for output in unread for token in output.new_token_ids]
+    return replace(unread[-1], new_token_ids=tokens)
