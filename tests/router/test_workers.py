@@ -168,71 +168,50 @@ def test_a_registry_that_lost_its_entries_does_not_empty_the_pool(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_a_worker_of_another_block_size_is_not_placed_on(tmp_path, caplog):
+def test_a_worker_of_another_block_size_model_or_connector_is_not_placed_on(tmp_path, caplog):
     """A worker started with another engine.block_size (a scale-out with the wrong
     config) hashes its prefixes at other boundaries: none of the router's would ever
-    match, and pulls between it and the others fail at their handshake. It stays out of
-    the pool, with one error logged, until it comes back with the router's size."""
+    match, and pulls between it and the others fail at their handshake. Another model or
+    connector: two deployments under one Redis and the default key prefix shared their
+    workers (each request's tokens depended on where it went; the other connector's
+    decode worker refused the KV handle: a 400, and a lease pinned until it expired).
+    Such a worker stays out of the pool, one error logged per engine, until it comes back
+    as the router's."""
     import dataclasses
 
     async def scenario(registry: RedisRegistry) -> list[bool]:
         server, info = await serve_decode(SlowDecode(), health.aio.HealthServicer())
         pool = WorkerPool(registry, EventListener(PrefixIndex(), threading.Lock()), 60.0, 30.0,
-                          block_size=16, missing_grace_s=30.0)  # fmt: skip
+                          block_size=16, missing_grace_s=30.0, model="/models/a",
+                          connector="nixl")  # fmt: skip
+        ours = dataclasses.replace(info, block_size=16, model="/models/a", connector="nixl")
         seen = []
-        try:
-            registry.register(dataclasses.replace(info, block_size=32))
-            for _ in range(3):
-                await pool.refresh()
-                seen.append(pool.get(info.worker_id) is not None)
-            registry.register(dataclasses.replace(info, block_size=16, engine_id="fixed"))
+
+        async def registered(**changes) -> None:
+            registry.register(dataclasses.replace(ours, **changes))
             await pool.refresh()
             seen.append(pool.get(info.worker_id) is not None)
+
+        try:
+            for _ in range(3):
+                await registered(block_size=32)
+            await registered(engine_id="fixed")
             # Restarted with the wrong size while in the pool: out at once. The grace a
             # worker missing from the registry gets (it still answered) kept its old
             # state, placed on, until registry.ttl_s passed.
-            registry.register(dataclasses.replace(info, block_size=32, engine_id="wrong"))
-            await pool.refresh()
-            seen.append(pool.get(info.worker_id) is not None)
+            await registered(block_size=32, engine_id="wrong")
+            await registered(model="/models/b", engine_id="b")
+            await registered(connector="shared_storage", engine_id="ss")
+            await registered(engine_id="ours")
         finally:
             await pool.close()
             await server.stop(None)
         return seen
 
-    assert run_with_registry(tmp_path, scenario) == [False, False, False, True, False]
-    errors = [r for r in caplog.records if "block size 32, the router 16" in r.getMessage()]
-    assert len(errors) == 2  # once per engine
-
-
-@pytest.mark.timeout(60)
-def test_another_deployments_worker_is_not_placed_on(tmp_path, caplog):
-    """Two deployments under one Redis and the default key prefix: the router placed on
-    the other's workers (another model: each request's tokens depended on where it went;
-    another connector: its decode worker refused the KV handle, a 400 to the client and
-    a lease pinned until it expired). Such a worker stays out, one error logged."""
-    import dataclasses
-
-    async def scenario(registry: RedisRegistry) -> list[bool]:
-        server, info = await serve_decode(SlowDecode(), health.aio.HealthServicer())
-        pool = WorkerPool(registry, EventListener(PrefixIndex(), threading.Lock()), 60.0, 30.0,
-                          block_size=16, model="/models/a", connector="nixl")  # fmt: skip
-        seen = []
-        try:
-            for engine_id, changes in (("b", {"model": "/models/b"}),
-                                       ("ss", {"connector": "shared_storage"}),
-                                       ("ours", {})):  # fmt: skip
-                ours = {"model": "/models/a", "connector": "nixl", "block_size": 16}
-                registry.register(dataclasses.replace(info, engine_id=engine_id,
-                                                      **{**ours, **changes}))  # fmt: skip
-                await pool.refresh()
-                seen.append(pool.get(info.worker_id) is not None)
-        finally:
-            await pool.close()
-            await server.stop(None)
-        return seen
-
-    assert run_with_registry(tmp_path, scenario) == [False, False, True]
+    seen = run_with_registry(tmp_path, scenario)
+    assert seen == [False, False, False, True, False, False, False, True]
     logged = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert sum("block size 32, the router 16" in m for m in logged) == 2  # once per engine
     assert any("has model /models/b, the router /models/a" in m and "key_prefix" in m
                for m in logged), logged  # fmt: skip
     assert any("has connector shared_storage, the router nixl" in m for m in logged), logged
