@@ -1,6 +1,7 @@
 """Replay Mooncake traces through the router's own prefix index and placement policy.
 
     python -m benchmarks.routing_sim [--workers 8] [--capacity-blocks 0] [--trace FILE ...]
+    python -m benchmarks.routing_sim --hot-prefix 40 [--hot-requests 1500]
 
 No model runs. Each simulated prefill worker has a block cache (LRU of a configurable
 capacity; 0 = unbounded) and a FIFO queue that computes uncached prompt tokens at a fixed
@@ -9,8 +10,13 @@ rate. The router's real ``PrefixIndex`` learns the caches from synthetic KV even
 ``PlacementPolicy`` places each request. Compared side by side on the same trace:
 
 * ideal: one unbounded cache holding everything (the reuse ceiling);
-* pdserve: index + policy;
+* pdserve: index + policy, the prefix's recent uses dividing its charge
+  (``router/prefix_demand.py``), as the router places;
+* pdserve_undivided: the same, every prefix charged in full (``prefix_reuse_window_s: 0``);
 * round-robin and random placement over the same simulated workers.
+
+``--hot-prefix N``: instead of the traces, Poisson arrivals of requests sharing one
+N-block prefix (a long system prompt or document), each with its own 3 blocks after it.
 
 Reported: prompt-token hit ratio (and its fraction of the ideal), load imbalance (busiest
 worker's computed tokens over the mean, minus 1), and the decision latency (index match +
@@ -35,6 +41,7 @@ from benchmarks.loadgen.traces import MOONCAKE_BLOCK_TOKENS, traces_dir
 from common.config import RouterConfig
 from common.kv_events import BlockRemoved, BlockStored
 from router.policy import PlacementPolicy, WorkerLoad
+from router.prefix_demand import PrefixDemand
 from router.prefix_index import PrefixIndex
 
 TRACE_BLOCK = MOONCAKE_BLOCK_TOKENS  # tokens per Mooncake hash id
@@ -58,6 +65,19 @@ def load_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
             requests.append(TraceRequest(row["timestamp"] / 1000, row["input_length"], hashes))
             if limit and len(requests) >= limit:
                 break
+    return requests
+
+
+def hot_prefix_trace(prefix_blocks: int, num_requests: int, seed: int = 0) -> list[TraceRequest]:
+    """Requests sharing one ``prefix_blocks``-block prefix, each with 3 blocks of its own,
+    a second apart on average (the rate is set by the workers' speed, as for traces)."""
+    rng = random.Random(seed)
+    prefix = tuple(i.to_bytes(8, "little") for i in range(1, prefix_blocks + 1))
+    requests, now = [], 0.0
+    for i in range(num_requests):
+        now += rng.expovariate(1.0)
+        own = tuple((10**9 + 3 * i + j).to_bytes(8, "little") for j in range(3))
+        requests.append(TraceRequest(now, (prefix_blocks + 3) * TRACE_BLOCK, prefix + own))
     return requests
 
 
@@ -144,15 +164,21 @@ def simulate(trace, workers: list[SimWorker], choose: Chooser, index: PrefixInde
     return hits, (max(computed) / mean - 1.0) if mean else 0.0, ttft
 
 
-def pdserve_chooser(policy: PlacementPolicy, index: PrefixIndex, latencies: list[float]):
+def pdserve_chooser(
+    policy: PlacementPolicy, index: PrefixIndex, latencies: list[float], window_s: float
+):
     decode = [WorkerLoad("decode-0", kv_blocks_total=1)]
+    clock = [0.0]  # simulated time, for the prefixes' uses
+    demand = PrefixDemand(window_s, clock=lambda: clock[0])
 
     def choose(request: TraceRequest, now: float, workers: list[SimWorker]) -> SimWorker:
         start = time.perf_counter_ns()
+        clock[0] = now
         ids = [w.worker_id for w in workers]
         matches = index.match(request.hashes, ids)
+        uses = demand.use_deepest(request.hashes, matches.values())
         placement = policy.place(
-            request.input_length, decode, [w.load(now) for w in workers], {}, matches
+            request.input_length, decode, [w.load(now) for w in workers], {}, matches, None, uses
         )
         index.insert_optimistic(placement.prefill_worker, request.hashes)
         latencies.append((time.perf_counter_ns() - start) / 1000)
@@ -161,8 +187,12 @@ def pdserve_chooser(policy: PlacementPolicy, index: PrefixIndex, latencies: list
     return choose
 
 
-def run_trace(path: Path, args: argparse.Namespace) -> dict:
-    trace = load_trace(path, args.limit)
+def run_trace(path: Path | None, args: argparse.Namespace) -> dict:
+    """One trace's results (``path`` None: the hot-prefix workload)."""
+    if path is None:
+        trace = hot_prefix_trace(args.hot_prefix, args.hot_requests)
+    else:
+        trace = load_trace(path, args.limit)
     duration = max(trace[-1].arrival_s, 1.0)
     ideal = ideal_hits(trace)
     total = sum(r.input_length for r in trace)
@@ -172,18 +202,22 @@ def run_trace(path: Path, args: argparse.Namespace) -> dict:
     def fresh() -> list[SimWorker]:
         return [SimWorker(f"prefill-{i}", args.capacity_blocks, rate) for i in range(args.workers)]
 
-    results = {"trace": path.name, "requests": len(trace), "prompt_tokens": total,
+    name = path.name if path is not None else f"hot prefix of {args.hot_prefix} blocks"
+    results = {"trace": name, "requests": len(trace), "prompt_tokens": total,
                "ideal_hit_ratio": ideal / total}  # fmt: skip
     latencies: list[float] = []
-    index = PrefixIndex(optimistic_ttl_s=1e9)  # simulated time never expires entries
     router_config = RouterConfig(
         min_disagg_tokens=0, prefill_recompute_penalty=args.recompute_penalty
     )
     policy = PlacementPolicy(router_config, TRACE_BLOCK, max_running=1)
     rng = random.Random(0)
     turn = iter(range(10**9))
+    index = PrefixIndex(optimistic_ttl_s=1e9)  # simulated time never expires entries
+    undivided = PrefixIndex(optimistic_ttl_s=1e9)
+    window_s = router_config.prefix_reuse_window_s
     choosers: dict[str, tuple[Chooser, PrefixIndex | None]] = {
-        "pdserve": (pdserve_chooser(policy, index, latencies), index),
+        "pdserve": (pdserve_chooser(policy, index, latencies, window_s), index),
+        "pdserve_undivided": (pdserve_chooser(policy, undivided, [], 0.0), undivided),
         "round_robin": (lambda r, n, w: w[next(turn) % len(w)], None),
         "random": (lambda r, n, w: rng.choice(w), None),
     }
@@ -214,8 +248,17 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=None, help="first N requests only")
     parser.add_argument("--recompute-penalty", type=float,
                         default=RouterConfig().prefill_recompute_penalty)  # fmt: skip
+    parser.add_argument(
+        "--hot-prefix",
+        type=int,
+        default=0,
+        metavar="BLOCKS",
+        help="simulate requests sharing one prefix of BLOCKS instead",
+    )
+    parser.add_argument("--hot-requests", type=int, default=1500)
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
+    paths: list[Path | None] = [None] if args.hot_prefix else list(args.trace)
     report = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": platform.processor() or platform.machine(),
@@ -223,12 +266,12 @@ def main() -> None:
         "capacity_blocks": args.capacity_blocks,
         "utilization": args.utilization,
         "recompute_penalty": args.recompute_penalty,
-        "traces": [run_trace(path, args) for path in args.trace],
+        "traces": [run_trace(path, args) for path in paths],
     }
     for result in report["traces"]:
         print(f"\n{result['trace']}: {result['requests']} requests, ideal hit ratio "
               f"{result['ideal_hit_ratio']:.3f}")  # fmt: skip
-        for name in ("pdserve", "round_robin", "random"):
+        for name in ("pdserve", "pdserve_undivided", "round_robin", "random"):
             r = result[name]
             print(f"  {name:12s} hit {r['hit_ratio']:.3f}  ({r['fraction_of_ideal']:.3f} of "
                   f"ideal)  imbalance {r['load_imbalance']:+.1%}  TTFT mean "

@@ -538,6 +538,10 @@ class RouterConfig:
     prefill_recompute_penalty: float = 4.0
     # Decode score = load - decode_prefix_weight * (cached fraction of the prompt).
     decode_prefix_weight: float = 0.5
+    # Both prefix terms above are divided by the matched prefix's uses, decayed over
+    # this many seconds: a prefix many requests share is worth recomputing elsewhere
+    # (router/prefix_demand.py). 0: never divided.
+    prefix_reuse_window_s: float = 30.0
     # Sequences in flight (a request runs len(prompts) * n of them) beyond which new
     # requests get 429 (Retry-After); a single request asking for more gets 400.
     max_inflight_sequences: int = 1024
@@ -654,6 +658,9 @@ class RouterConfig:
                 raise ConfigError(f"router.{key}", "must be > 0")
         if self.drain_grace_s < 0:
             raise ConfigError("router.drain_grace_s", f"must be >= 0, got {self.drain_grace_s}")
+        for key in ("prefill_recompute_penalty", "decode_prefix_weight", "prefix_reuse_window_s"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"router.{key}", f"must be >= 0, got {getattr(self, key)}")
         if not self.host:
             raise ConfigError("router.host", "must not be empty")
 

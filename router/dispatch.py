@@ -34,6 +34,7 @@ from proto import pdserve_pb2_grpc as pb_grpc
 from router.errors import APIError, bad_request, unavailable
 from router.metrics import RouterMetrics
 from router.policy import Placement, PlacementPolicy, WorkerLoad
+from router.prefix_demand import PrefixDemand
 from router.prefix_index import PrefixIndex
 from router.workers import LoraRef, WorkerPool, WorkerStalled, WorkerState
 
@@ -180,6 +181,8 @@ class Dispatcher:
         self.policy = policy
         self.metrics = metrics
         self.block_size = block_size
+        # The matched prefixes' recent uses (under the index lock, as the index).
+        self.demand = PrefixDemand(config.prefix_reuse_window_s)
         self._background: set[asyncio.Task] = set()
         self._last_expiry = 0.0
 
@@ -208,6 +211,7 @@ class Dispatcher:
             prefill_loads = [w.load() for w in prefill]
             if not self.config.per_worker_prefill_rate:
                 prefill_loads = _pooled_rate(prefill_loads)
+            uses = self.demand.use_deepest(reusable, matches.values())
             placement = self.policy.place(
                 len(request.prompt_token_ids),
                 [w.load() for w in decode],
@@ -215,6 +219,7 @@ class Dispatcher:
                 matches,
                 matches,
                 confirmed,
+                uses,
             )
             # Optimistic: the next request with this prefix should find it here.
             self.index.insert_optimistic(placement.decode_worker, request.block_hashes)

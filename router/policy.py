@@ -13,7 +13,10 @@ another worker would not have to do:
             + prefill_recompute_penalty * (best_cached_tokens - cached_tokens))
            / prefill_tokens_per_s
 
-where a CPU-tier hit counts ``cpu_hit_credit`` of a GPU hit. Pure TTFT-greedy placement
+where a CPU-tier hit counts ``cpu_hit_credit`` of a GPU hit. Both prefix terms (the decode
+worker's bonus, the prefill worker's charge) are divided by the prefix's recent uses
+(``router/prefix_demand.py``): a prefix many requests share is worth recomputing once
+elsewhere, and held to its workers it herded every request onto them. Pure TTFT-greedy placement
 moves a request off the worker holding its prefix as soon as that worker's queue is a bit
 longer; the recomputation then lengthens every queue, and the conversation's later turns
 find their prefix split. The penalty makes a move pay for the work it wastes (see
@@ -88,17 +91,25 @@ class PlacementPolicy:
         )
         return min(tokens, num_tokens - 1)
 
-    def decode_score(self, load: WorkerLoad, cached: float, num_tokens: int) -> float:
+    def decode_score(
+        self, load: WorkerLoad, cached: float, num_tokens: int, uses: float = 1.0
+    ) -> float:
         kv_fraction = load.kv_blocks_in_use / load.kv_blocks_total if load.kv_blocks_total else 0
         running_fraction = load.running / self.max_running
         overlap = cached / max(num_tokens, 1)
-        return max(kv_fraction, running_fraction) - self.config.decode_prefix_weight * overlap
+        bonus = self.config.decode_prefix_weight * overlap / uses
+        return max(kv_fraction, running_fraction) - bonus
 
     def prefill_cost(
-        self, load: WorkerLoad, cached: float, num_tokens: int, best_cached: float = 0.0
+        self,
+        load: WorkerLoad,
+        cached: float,
+        num_tokens: int,
+        best_cached: float = 0.0,
+        uses: float = 1.0,
     ) -> float:
         rate = load.prefill_tokens_per_s or self.config.default_prefill_tokens_per_s
-        wasted = self.config.prefill_recompute_penalty * (best_cached - cached)
+        wasted = self.config.prefill_recompute_penalty * (best_cached - cached) / uses
         return (load.queued_prefill_tokens + num_tokens - cached + wasted) / rate
 
     def _pick(self, scores: list[tuple[float, str]], role: Role) -> tuple[float, str]:
@@ -115,8 +126,10 @@ class PlacementPolicy:
         decode_matches: dict[str, PrefixMatch],
         prefill_matches: dict[str, PrefixMatch],
         decode_confirmed: dict[str, PrefixMatch] | None = None,
+        uses: float = 1.0,
     ) -> Placement:
         """Choose workers for a prompt of ``num_tokens``. ``decode`` must not be empty.
+        ``uses``: the matched prefix's recent uses (``PrefixDemand.use``).
 
         Matches may count optimistic entries (blocks just sent somewhere): they steer a
         burst sharing a prefix to the same workers. Whether the decode worker prefills
@@ -127,7 +140,7 @@ class PlacementPolicy:
             raise ValueError("no decode worker available")
         decode_cached = self._cached(decode, decode_matches, num_tokens)
         decode_scores = [
-            (self.decode_score(w, decode_cached[w.worker_id], num_tokens), w.worker_id)
+            (self.decode_score(w, decode_cached[w.worker_id], num_tokens, uses), w.worker_id)
             for w in decode
         ]
         _, decode_id = self._pick(decode_scores, Role.DECODE)
@@ -145,7 +158,7 @@ class PlacementPolicy:
         prefill_cached = self._cached(prefill, prefill_matches, num_tokens)
         best = max(prefill_cached.values())
         prefill_scores = [
-            (self.prefill_cost(w, prefill_cached[w.worker_id], num_tokens, best), w.worker_id)
+            (self.prefill_cost(w, prefill_cached[w.worker_id], num_tokens, best, uses), w.worker_id)
             for w in prefill
         ]
         ttft, prefill_id = self._pick(prefill_scores, Role.PREFILL)

@@ -231,6 +231,22 @@ def test_a_hybrid_decode_worker_prefills_locally_only_what_it_can_resume():
     assert not dense.place(801, decode, prefill, repeat, {}, repeat).disaggregated
 
 
+def test_a_prefix_many_requests_share_is_spread_over_idle_workers():
+    """A 640-token prefix held by p0 (a queue of 2,000 tokens) and d0 (20 of 64 running):
+    a conversation's next turn (its one use) stays with them; a prefix 50 recent requests
+    used goes where the work is least (the full charge herded a routing simulation's
+    hot-prefix requests onto 2 of 4 prefill workers: TTFT p50 5.7 s against 0.16 s)."""
+    policy = PlacementPolicy(RouterConfig(min_disagg_tokens=0), block_size=16, max_running=64)
+    decode = [WorkerLoad("d0", running=20, kv_blocks_total=1000),
+              WorkerLoad("d1", running=0, kv_blocks_total=1000)]  # fmt: skip
+    prefill = [WorkerLoad("p0", queued_prefill_tokens=2000), WorkerLoad("p1")]
+    held = {"d0": PrefixMatch(40, 0), "p0": PrefixMatch(40, 0)}
+    turn = policy.place(800, decode, prefill, held, held, {}, uses=1.0)
+    assert (turn.decode_worker, turn.prefill_worker) == ("d0", "p0")
+    shared = policy.place(800, decode, prefill, held, held, {}, uses=50.0)
+    assert (shared.decode_worker, shared.prefill_worker) == ("d1", "p1")
+
+
 def test_ties_rotate_over_every_worker_of_each_role():
     policy = PlacementPolicy(RouterConfig(), block_size=16, max_running=64)
     decode = [WorkerLoad("d0", kv_blocks_total=1000), WorkerLoad("d1", kv_blocks_total=1000)]
