@@ -217,7 +217,7 @@ class Formatter:
         self._text_offsets[choice.index] = start + sum(len(token) for token in body["tokens"])
         return text, body
 
-    def opening(self, choices: list[Choice]) -> list[dict[str, Any]]:
+    def opening(self, choices: list[Choice], usage: bool = False) -> list[dict[str, Any]]:
         """A chat stream's first chunks: each choice's role (and echo), in index order,
         before any choice's tokens, as vLLM sends them. The OpenAI SDK's stream helper
         fills its choices in the order they first come: when choice 1's text came before
@@ -235,6 +235,8 @@ class Formatter:
             if self.token_ids:
                 item["token_ids"] = []
                 body["prompt_token_ids"] = list(choice.request.prompt_token_ids)
+            if usage:  # (continuous usage: every chunk says it)
+                body["usage"] = _token_counts(len(choice.request.prompt_token_ids), 0)
             bodies.append(body)
         return bodies
 

@@ -444,7 +444,7 @@ def add_generation_routes(
         end: _StreamEnd,
     ) -> AsyncIterator[bytes]:
         try:
-            for body in formatter.opening(choices):
+            for body in formatter.opening(choices, continuous_usage):
                 yield sse(body)
             if first is not None:
                 if formatter.echo is not None and formatter.logprobs is not None:

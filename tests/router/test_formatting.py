@@ -140,6 +140,9 @@ def test_a_stream_opens_every_choice_in_index_order():
     assert all("role" not in b["choices"][0]["delta"] for b in bodies[2:])
     _, final = _sdk_events(bodies)
     assert [c.message.content for c in final.choices] == ["zero?", "one!"]
+    counted = Formatter("chatcmpl-2", "m", chat=True, logprobs=None, token_text=str)
+    usage = counted.opening(choices, usage=True)[1]["usage"]  # (continuous usage stats)
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (1, 0)
 
 
 def test_a_call_and_the_finish_reason_go_out_in_two_chunks():
