@@ -23,6 +23,8 @@ GONE = object()  # what ``until_disconnected`` returns when the client left firs
 # tracing is on: a request's span starts there, its tokenizing and templating included.
 ARRIVAL_NS = "pdserve.arrival_ns"
 REQUEST_ID = "pdserve.request_id"  # the scope's: the response's id, once it has one
+# The scope's, on /v1/responses: the ``ResponseShape`` a whole chat reply is built as.
+RESPONSE_SHAPE = "pdserve.response_shape"
 
 
 class Admission:
@@ -101,11 +103,20 @@ def record_error(span: Span, exc: BaseException) -> None:
         span.fail(type(exc).__name__)
 
 
-async def until_disconnected(request: Request, work: Awaitable) -> Any:
+def stopped() -> APIError:
+    """A reply still running when the router's drain grace ended (``RouterState.stopping``)."""
+    return unavailable("the router stopped before this reply was done; send it again")
+
+
+async def until_disconnected(
+    request: Request, work: Awaitable, stopping: Callable[[], bool] = lambda: False
+) -> Any:
     """``work``'s result; if the client goes away first, cancel it (which aborts its
     sequences on the workers) and return ``GONE``. Streams notice a gone client when a
     write fails; before the first write, and for a non-streaming response, which writes
-    only at the end, the client is watched."""
+    only at the end, the client is watched. Once ``stopping`` (the drain's grace over),
+    ``stopped()`` is raised: a reply still waiting at the server's close got uvicorn's
+    plain-text 500."""
     task = asyncio.ensure_future(work)
     try:
         while True:
@@ -114,6 +125,8 @@ async def until_disconnected(request: Request, work: Awaitable) -> Any:
                 return task.result()
             if await request.is_disconnected():
                 return GONE
+            if stopping():
+                raise stopped()
     finally:
         if not task.done():
             task.cancel()

@@ -118,17 +118,22 @@ class _RequestIds:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        given = Headers(scope=scope).get("x-request-id", "")
-        client_id = given if _CLIENT_REQUEST_ID.fullmatch(given) else None
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                request_id = client_id or scope.get(REQUEST_ID) or new_id("req")
+                request_id = request_id_of(scope) or new_id("req")
                 headers = [*message.get("headers", ()), (b"x-request-id", request_id.encode())]
                 message = {**message, "headers": headers}
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+def request_id_of(scope: Scope) -> str | None:
+    """The request's id for its ``X-Request-Id``: the client's, when plain, else the
+    response's, once it has one."""
+    given = Headers(scope=scope).get("x-request-id", "")
+    return given if _CLIENT_REQUEST_ID.fullmatch(given) else scope.get(REQUEST_ID)
 
 
 def create_app(state: RouterState) -> FastAPI:
@@ -187,7 +192,10 @@ def create_app(state: RouterState) -> FastAPI:
         error_id = new_id("err")
         logger.error("request %s %s failed (%s): %r", request.method, request.url.path,
                      error_id, exc)  # fmt: skip
-        return await api_error(request, internal(error_id))
+        reply = await api_error(request, internal(error_id))
+        # Answered outside ``_RequestIds`` (Starlette's outermost middleware runs this).
+        reply.headers["x-request-id"] = request_id_of(request.scope) or error_id
+        return reply
 
     # Added first, so it runs after the key check: a stranger learns nothing from a 415
     # and sends no body the router reads.

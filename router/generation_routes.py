@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -15,15 +14,23 @@ from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from common.structured_output import STRUCTURED_OUTPUT
 from common.tracing import NO_SPAN, Span
-from router.admission import GONE, REQUEST_ID, Admission, record_error, until_disconnected
+from router.admission import (
+    GONE,
+    REQUEST_ID,
+    RESPONSE_SHAPE,
+    Admission,
+    record_error,
+    stopped,
+    until_disconnected,
+)
 from router.choices import Choice, build_choices, merge_choices, new_id
 from router.detokenizer import IncrementalDetokenizer
-from router.errors import APIError, bad_request, internal, unavailable
+from router.errors import APIError, bad_request, internal
 from router.formatting import SSE_DONE, Formatter, ToolFormat, json_bytes, sse, usage_body
 from router.harmony import Harmony, call_constraint
 from router.harmony import opening_of as harmony_opening
@@ -100,11 +107,6 @@ class _AdmittedStream(StreamingResponse):
                 await self._events.aclose()
 
 
-def _stopped() -> APIError:
-    """A reply still running when the router's drain grace ended (``RouterState.stopping``)."""
-    return unavailable("the router stopped before this reply was done; send it again")
-
-
 def ended(span: Span, release: Callable[[], None], choices: list[Choice]) -> Callable[[], None]:
     """``release``, which also ends ``span``, with the request's token counts: every path
     that ends a request that ran (done, failed, the client gone) releases it once."""
@@ -165,7 +167,7 @@ def add_generation_routes(
         except FieldError as error:
             raise bad_request(str(error), error.param) from None
         # Watched: fetching the images of a client that left went on (a slow host, 20 s).
-        prepared = await until_disconnected(request, chat_prompt(body))
+        prepared = await until_disconnected(request, chat_prompt(body), stopping)
         if prepared is GONE:
             return Response(status_code=499)
         prompt, images = prepared
@@ -188,6 +190,9 @@ def add_generation_routes(
         return await respond(request, body, [prompt], chat=True, logprobs=logprobs,
                              tool_format=tool_format, reasoning=reasoning_of(body, tail),
                              lora_name=lora_name, keep_special=keep, images=images)  # fmt: skip
+
+    def stopping() -> bool:
+        return state.stopping
 
     async def chat_prompt(body: ChatCompletionRequest) -> tuple[list[int], PromptImages | None]:
         """The messages through the chat template as ids (tokenized off the event loop),
@@ -216,6 +221,7 @@ def add_generation_routes(
         """OpenAI's Responses API, stateless, over the chat path (``router/responses.py``)."""
         chat = to_chat(body)
         shape = ResponseShape(body, body.model or state.model.served_name)
+        request.scope[RESPONSE_SHAPE] = shape  # a whole reply is built as this object
         while True:
             try:
                 reply = await chat_completions(chat, request)
@@ -231,8 +237,7 @@ def add_generation_routes(
             return reply
         if isinstance(reply, StreamingResponse):
             reply.body_iterator = translate_stream(shape, reply.body_iterator)
-            return reply
-        return JSONResponse(shape.resolved(json.loads(reply.body)))
+        return reply
 
     def reasoning_of(body: ChatCompletionRequest, tail: str) -> Reasoning | None:
         """How this reply's thinking is told apart (None: no reasoning parser).
@@ -383,14 +388,14 @@ def add_generation_routes(
         async def collect() -> None:
             async for _ in events:
                 if state.stopping:
-                    raise _stopped()
+                    raise stopped()
 
         # A stream's headers wait for its first event, so that what fails before anything
         # was generated (no worker, a worker refusing the input) is an HTTP status, as
         # without streaming, and not a 200 with an error event.
         work = anext(events, None) if body.stream else collect()
         try:
-            first = await until_disconnected(request, work)
+            first = await until_disconnected(request, work, stopping)
         except BaseException as exc:
             record_error(span, exc)
             release()
@@ -425,13 +430,18 @@ def add_generation_routes(
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         release()
+        shape = request.scope.get(RESPONSE_SHAPE)  # /v1/responses: its object, not chat's
+
+        def whole() -> bytes:
+            reply = formatter.final(choices)
+            return json_bytes(reply if shape is None else shape.resolved(reply),
+                              sliced=formatter.scores_tokens)  # fmt: skip
+
         if formatter.scores_tokens:
             # Built off the loop and encoded by msgspec a slice at a time: a 100k-token
             # prompt's top 20 held it 5.4 s (json.dumps is one C call holding the GIL).
-            content = await asyncio.to_thread(lambda: json_bytes(formatter.final(choices), True))
-        else:
-            content = json_bytes(formatter.final(choices))
-        return Response(content, media_type="application/json")
+            return Response(await asyncio.to_thread(whole), media_type="application/json")
+        return Response(whole(), media_type="application/json")
 
     async def stream(
         formatter: Formatter,
@@ -460,7 +470,7 @@ def add_generation_routes(
                 for body in formatter.chunks(event, continuous_usage):
                     yield sse(body)
                 if state.stopping:
-                    raise _stopped()
+                    raise stopped()
             if include_usage:
                 yield sse(formatter.usage_chunk(choices))
         except APIError as exc:

@@ -176,7 +176,9 @@ class _Reader:
         self.check_opener = opening.role_only
         self.kind, self.name = opening.kind, opening.name
         self.pending = ""
-        self.call_body = ""
+        # A call's body in the pieces it came in, joined at its end (one string grown a
+        # chunk at a time is copied whole at every chunk: quadratic in a long call).
+        self.call_body: list[str] = []
         self.num_calls = 0
         self.num_messages = 0  # messages ended
         self.last_kind = Kind.CONTENT  # of the message that ended last
@@ -241,15 +243,15 @@ class _Reader:
             self._add(self.pending[:cut], parts)
             self.pending = self.pending[cut:]
             if final and self.kind is Kind.CALL:  # cut short: not a call
-                self.kind, body, self.call_body = Kind.CONTENT, self.call_body, ""
+                self.kind, body, self.call_body = Kind.CONTENT, "".join(self.call_body), []
                 self._add(body, parts)
             return False
         self._add(self.pending[:at], parts)
         self.pending = self.pending[at + (0 if marker == START else len(marker)) :]
         if self.kind is Kind.CALL:
             assert self.name is not None
-            parts.calls.append((self.name, self.call_body.strip()))
-            self.call_body = ""
+            parts.calls.append((self.name, "".join(self.call_body).strip()))
+            self.call_body = []
             self.num_calls += 1
         self._ended(self.kind)
         return True
@@ -268,7 +270,7 @@ class _Reader:
         for marker in _STRAY:
             text = text.replace(marker, "")
         if self.kind is Kind.CALL:
-            self.call_body += text
+            self.call_body.append(text)
             return
         if not text:
             return
@@ -337,7 +339,9 @@ class Harmony:
         self, index: int, text: str, finish_reason: str | None
     ) -> tuple[dict[str, Any], str | None]:
         """Choice ``index``'s chunk delta for its new ``text``, and its finish reason."""
-        reader = self._readers.setdefault(index, self._reader())
+        reader = self._readers.get(index)
+        if reader is None:  # (not setdefault: that built a reader for every piece)
+            reader = self._readers[index] = self._reader()
         before = reader.num_calls
         parts = reader.feed(text, final=finish_reason is not None)
         delta: dict[str, Any] = {"content": parts.content} if parts.content else {}

@@ -192,7 +192,7 @@ def add_pooling_routes(
                              lora, body, lanes, normalize=normalize,
                              logit_token_ids=logit_token_ids,
                              trace_headers=span.headers)  # fmt: skip
-            replies = await until_disconnected(request, work)
+            replies = await until_disconnected(request, work, lambda: state.stopping)
             if replies is GONE:
                 span.set({"pdserve.cancelled": True})
         except BaseException as exc:

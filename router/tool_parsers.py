@@ -427,7 +427,10 @@ class JsonCalls:
     structured = None  # nothing constrains the text
 
     def __init__(self) -> None:
-        self._held: dict[int, str | None] = {}  # by choice: text held (None: content)
+        # By choice: the text held, in the pieces it came in (None: content, streamed),
+        # and whether it is known to open calls (held to the end, joined once there).
+        self._held: dict[int, list[str] | None] = {}
+        self._calling: set[int] = set()
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         calls = _json_calls(text)
@@ -439,18 +442,22 @@ class JsonCalls:
     def delta(
         self, index: int, text: str, first: bool, finish_reason: str | None
     ) -> tuple[dict[str, Any], str | None]:
-        held = self._held.get(index, "")
-        if held is None:  # content: it streams
+        pieces = self._held.setdefault(index, [])
+        if pieces is None:  # content: it streams
             return {"content": text}, finish_reason
-        held += text
+        pieces.append(text)
         if finish_reason is None:
+            if index in self._calling:
+                return {}, None
+            held = "".join(pieces)  # (short: until its first characters tell)
             opens = _opens_calls(held)
             if opens is not False:  # calls, or not yet known: held to the end
-                self._held[index] = held
+                if opens:
+                    self._calling.add(index)
                 return {}, None
             self._held[index] = None
             return {"content": held}, None
-        message, finish_reason = self.message(held, finish_reason)
+        message, finish_reason = self.message("".join(pieces), finish_reason)
         delta = {"content": message["content"]}
         if "tool_calls" in message:
             delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]

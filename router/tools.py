@@ -63,7 +63,8 @@ class ToolCalls:
     def __init__(self, named: str | None, structured: StructuredOutput) -> None:
         self.named = named  # the function tool_choice names; None: "required"
         self.structured: StructuredOutput | None = structured
-        self._held: dict[int, str] = {}  # "required" calls by choice, until they parse
+        # "Required" calls by choice, until they parse, in the pieces they came in.
+        self._held: dict[int, list[str]] = {}
 
     @classmethod
     def of(cls, body: ChatCompletionRequest) -> ToolCalls | None:
@@ -131,9 +132,11 @@ class ToolCalls:
             if first:
                 return {"content": None, "tool_calls": [call(self.named, text, index=0)]}, finish
             return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}, finish
-        held = self._held[index] = self._held.get(index, "") + text
+        # Joined once at the end: one string grown a chunk at a time was quadratic.
+        self._held.setdefault(index, []).append(text)
         if not finish_reason:
             return {}, None
+        held = "".join(self._held[index])
         calls = self.calls(held)
         if calls is None:  # cut short: the text as it is
             return {"content": held}, finish_reason

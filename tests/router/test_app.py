@@ -430,8 +430,12 @@ def test_a_bug_is_a_500_in_the_envelope_without_details(state, monkeypatch):
         raise RuntimeError("secret internals at /srv/x")
 
     monkeypatch.setattr(state.tokenizer, "encode", broken)
-    error = error_of(post(state, "/v1/completions", json={"prompt": "x"}), 500)
+    reply = post(state, "/v1/completions", json={"prompt": "x"})
+    error = error_of(reply, 500)
     assert error["code"] == "internal_error" and "secret" not in error["message"]
+    # Its id, the one its message and the log name, is its X-Request-Id too (answered
+    # outside the middleware that sets it, it had none).
+    assert reply.headers["x-request-id"] in error["message"]
 
 
 def test_queue_gauges_follow_the_workers_batches(tiny_llama):
@@ -738,3 +742,50 @@ def test_a_reply_with_scores_is_built_and_encoded_off_the_event_loop(state, monk
     assert len(seen) == 1 and seen[0] != loop_thread
     plain = post(state, "/v1/completions", json={"prompt": prompt, "max_tokens": 1})
     assert plain.status_code == 200 and seen[-1] == loop_thread  # (small: no thread hop)
+    # /v1/responses builds its own object there too (it parsed and re-encoded the chat
+    # reply on the loop: 1.2 s for 16k tokens' top 20).
+    from router.response_output import ResponseShape
+
+    resolve, resolved = ResponseShape.resolved, []
+
+    def recording_resolve(self, reply):
+        resolved.append(threading.get_ident())
+        return resolve(self, reply)
+
+    monkeypatch.setattr(ResponseShape, "resolved", recording_resolve)
+    asked = {"input": "hi", "top_logprobs": 2, "include": ["message.output_text.logprobs"]}
+    response = post(state, "/v1/responses", json=asked)
+    assert response.status_code == 200, response.text
+    assert response.json()["object"] == "response"
+    assert len(resolved) == 1 and resolved[0] != loop_thread
+
+
+def test_a_reply_still_waiting_when_the_drain_grace_ends_is_a_503(state, monkeypatch):
+    """A reply waiting for its first event (queued for a decode slot, a long prefill)
+    at the end of the drain's grace got uvicorn's plain-text 500 at the server's close:
+    a 503 in the envelope with Retry-After now."""
+
+    async def never(request):
+        await asyncio.sleep(60)
+        yield  # (a generator that yields nothing)
+
+    async def stop_soon() -> httpx.Response:
+        async def stop() -> None:
+            await asyncio.sleep(0.2)
+            state.stopping = True
+
+        transport = httpx.ASGITransport(create_app(state))
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            stopping = asyncio.create_task(stop())
+            body = {"prompt": "x", "max_tokens": 2}
+            reply = await asyncio.wait_for(client.post("/v1/completions", json=body), 10)
+            await stopping
+            return reply
+
+    monkeypatch.setattr(state.dispatcher, "generate", never)
+    try:
+        reply = asyncio.run(stop_soon())
+    finally:
+        state.stopping = False
+    assert error_of(reply, 503)["code"] == "service_unavailable"
+    assert reply.headers["retry-after"] and "stopped" in reply.json()["error"]["message"]
