@@ -161,7 +161,8 @@ async def one_stream(client, url: str, model: str, num_tokens: int) -> tuple[int
     seconds = time.perf_counter() - start
     events = [line[6:] for line in tail.split(b"\n") if line.startswith(b"data: {")]
     usage = json.loads(events[-1])["usage"]
-    return usage["completion_tokens"], num_chunks - 2, seconds  # less usage and [DONE]
+    # Less the opening chunk (the role: router/formatting.py ``opening``), usage, [DONE].
+    return usage["completion_tokens"], num_chunks - 3, seconds
 
 
 async def load(base_url: str, num_streams: int, num_tokens: int, pids: list[int]) -> dict:

@@ -22,6 +22,7 @@ from typing import Any
 from tqdm import tqdm
 
 from common.config import EngineConfig
+from common.detokenizer import IncrementalDetokenizer
 from common.generation_config import GenerationDefaults
 from common.multimodal import (
     ImageInput,
@@ -129,16 +130,31 @@ class LLM:
         if len(priorities) != len(prompt_list):
             raise ValueError(f"{len(priorities)} priorities for {len(prompt_list)} prompts")
         priorities = [self.engine.validate_priority(value) for value in priorities]
-        request_ids = []
         requests = zip(token_lists, params_list, lora_names, priorities, image_lists, strict=True)
-        for tokens, params, name, value, images in requests:
-            request_id = f"offline-{self._next_id}"
-            self._next_id += 1
-            self.engine.add_request(
+        request_ids = self._add_all(
+            lambda request_id, tokens, params, name, value, images: self.engine.add_request(
                 request_id, tokens, params, lora_name=name, priority=value, images=images
-            )
-            request_ids.append(request_id)
-        return self._run(request_ids, prompt_list, use_tqdm)
+            ),
+            requests,
+        )
+        return self._run(request_ids, prompt_list, token_lists, params_list, use_tqdm)
+
+    def _add_all(self, add: Any, requests: Any) -> list[str]:
+        """``add(request_id, *request)`` for every request, all or none: the checks only
+        ``add_request`` makes (ids in the vocabulary, a grammar that compiles) failing on
+        the k-th left the earlier ones queued, run by the next ``generate`` for nobody."""
+        request_ids: list[str] = []
+        try:
+            for request in requests:
+                request_id = f"offline-{self._next_id}"
+                self._next_id += 1
+                add(request_id, *request)
+                request_ids.append(request_id)
+        except BaseException:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
+        return request_ids
 
     def chat(
         self,
@@ -236,14 +252,14 @@ class LLM:
         states. Invalid input raises before anything runs."""
         prompt_list = _normalize_prompts(prompts)
         token_lists, lora_names, image_lists = self._prepare(prompt_list, lora_name)
-        request_ids = []
-        for tokens, name, images in zip(token_lists, lora_names, image_lists, strict=True):
-            request_id = f"offline-{self._next_id}"
-            self._next_id += 1
-            self.engine.add_request(request_id, tokens, EMBEDDING_SAMPLING, lora_name=name,
-                                    pooling=pooling or PoolingParams(), images=images)  # fmt: skip
-            request_ids.append(request_id)
-        return self._run(request_ids, prompt_list, use_tqdm)
+        request_ids = self._add_all(
+            lambda request_id, tokens, name, images: self.engine.add_request(
+                request_id, tokens, EMBEDDING_SAMPLING, lora_name=name,
+                pooling=pooling or PoolingParams(), images=images,
+            ),
+            zip(token_lists, lora_names, image_lists, strict=True),
+        )  # fmt: skip
+        return self._run(request_ids, prompt_list, token_lists, None, use_tqdm)
 
     def _prepare(
         self, prompts: list[Prompt], lora_name: str | Sequence[str | None] | None
@@ -274,7 +290,10 @@ class LLM:
             return list(prompt), []
         images = (prompt.get("multi_modal_data") or {}).get("image", [])
         images = images if isinstance(images, list | tuple) else [images]
-        if "prompt" in prompt:
+        # Ids first, as vLLM: beside them, "prompt" is only their text (it was encoded
+        # again, and the ids given ignored).
+        by_text = "prompt_token_ids" not in prompt
+        if by_text:
             tokens = [] if images else self.tokenizer.encode(prompt["prompt"])
         else:
             tokens = list(prompt["prompt_token_ids"])
@@ -285,7 +304,7 @@ class LLM:
             raise ValueError(f"{self.engine.model_dir.name} takes no images")
         data = [_image_bytes(image) for image in images]
         counts = image_token_counts(vision, data)
-        if "prompt" in prompt:  # markers become the images' sequences before tokenizing
+        if by_text:  # markers become the images' sequences before tokenizing
             tokens = self.tokenizer.encode(self._image_text().expand(prompt["prompt"], counts))
         elif tokens.count(vision.image_token_id) != sum(counts):
             tokens = self._image_text().expand_ids(tokens, counts)  # not expanded yet
@@ -302,8 +321,15 @@ class LLM:
         return self._image_text_cache
 
     def _run(
-        self, request_ids: list[str], prompts: list[Prompt], use_tqdm: bool
+        self,
+        request_ids: list[str],
+        prompts: list[Prompt],
+        token_lists: list[list[int]],
+        params_list: list[SamplingParams] | None,
+        use_tqdm: bool,
     ) -> list[RequestOutput]:
+        """Step until every request finished; their outputs in input order, each text
+        decoded after its prompt (``params_list`` None: embeddings, no text)."""
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="generate", unit="req", disable=not use_tqdm)
         try:
@@ -319,18 +345,46 @@ class LLM:
         finally:
             bar.close()
         results = []
-        for request_id, prompt in zip(request_ids, prompts, strict=True):
+        for i, (request_id, prompt) in enumerate(zip(request_ids, prompts, strict=True)):
             output = finished[request_id]
             if isinstance(prompt, Mapping):
                 prompt = prompt.get("prompt")
             output.prompt = prompt if isinstance(prompt, str) else None
-            completion = output.outputs[0]
-            shown = completion.token_ids  # a stop token's text is not output (as in vLLM)
-            if completion.stop_reason is not None:
-                shown = shown[:-1]
-            completion.text = self.tokenizer.decode(shown)
+            if params_list is not None:
+                self._finish_text(output, token_lists[i], params_list[i])
             results.append(output)
         return results
+
+    def _finish_text(
+        self, output: RequestOutput, prompt_token_ids: list[int], params: SamplingParams
+    ) -> None:
+        """The completion's text as the router makes it (``common/detokenizer.py``):
+        decoded after the prompt's last tokens (alone, a SentencePiece tokenizer's
+        completion lost its first space: "the" for " the"), without the token that
+        stopped it, and vLLM's ``stop_reason`` for that token (generation_config's other
+        EOS ids stop as stop tokens do, and an EOS that is not a special token left its
+        text in the output)."""
+        completion = output.outputs[0]
+        shown = completion.token_ids
+        if completion.finish_reason == "stop" and shown:
+            last = shown[-1]
+            if last in params.stop_token_ids or last in self.engine.eos_token_ids:
+                shown = shown[:-1]
+                completion.stop_reason = _stop_reason(last, params, self.tokenizer.eos_token_id)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, context=prompt_token_ids)
+        detokenizer.add(shown)
+        detokenizer.finish()
+        completion.text = detokenizer.text
+
+
+def _stop_reason(token_id: int, params: SamplingParams, main_eos_id: int | None) -> int | None:
+    """vLLM's ``stop_reason`` for the token that ended a completion (the router's
+    ``Choice.stop_reason_of``): None for the tokenizer's EOS, else the token's id."""
+    if token_id == main_eos_id and not params.ignore_eos:
+        return None
+    if token_id in params.stop_token_ids:
+        return token_id
+    return None if params.ignore_eos or token_id == main_eos_id else token_id
 
 
 def _chat_image(part: Mapping[str, Any]) -> Any:

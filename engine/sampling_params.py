@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -67,6 +68,7 @@ class SamplingParams:
     structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
+        self._check_types()
         # Lists without repeats (order kept): the sampler goes over them at every step,
         # and a request repeating one id millions of times slowed every batch it was in.
         object.__setattr__(self, "stop_token_ids", tuple(dict.fromkeys(self.stop_token_ids)))
@@ -77,6 +79,28 @@ class SamplingParams:
         words = tuple(dict.fromkeys(tuple(word) for word in self.bad_words_token_ids))
         object.__setattr__(self, "bad_words_token_ids", words)
         self._validate()
+
+    def _check_types(self) -> None:
+        """Counts are integers (a numpy one is made an int), not booleans; the rest are
+        numbers. Past the range checks, ``logprobs=1.5`` or ``top_k=2.5`` failed inside a
+        step, taking the requests batched with it down too, and ``max_tokens=2.5`` gave
+        3 tokens."""
+        for name in ("max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None and name in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):
+                continue
+            if not _is_integer(value):
+                raise InvalidSamplingParamsError(f"{name} must be an integer, got {value!r}", name)
+            object.__setattr__(self, name, int(value))
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "min_p"):  # fmt: skip
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise InvalidSamplingParamsError(f"{name} must be a number, got {value!r}", name)
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidSamplingParamsError(
+                f"ignore_eos must be true or false, got {self.ignore_eos!r}", "ignore_eos"
+            )
 
     def _validate(self) -> None:
         def bad(param: str, message: str) -> InvalidSamplingParamsError:
@@ -102,7 +126,7 @@ class SamplingParams:
                 raise bad(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise bad("seed", f"must fit in 64 bits, got {self.seed}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _is_integer(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -115,17 +139,17 @@ class SamplingParams:
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
         for token_id, bias in self.logit_bias:
-            if not isinstance(token_id, int) or token_id < 0:
+            if not _is_integer(token_id) or token_id < 0:
                 raise bad("logit_bias", f"keys must be token ids (integers >= 0), got {token_id!r}")
             if not -100.0 <= bias <= 100.0:  # NaN fails too
                 raise bad("logit_bias", f"values must be in [-100, 100], got {bias}")
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 raise bad("allowed_token_ids", "must not be empty")
-            if any(not isinstance(t, int) or t < 0 for t in self.allowed_token_ids):
+            if any(not _is_integer(t) or t < 0 for t in self.allowed_token_ids):
                 raise bad("allowed_token_ids", "must be non-negative integers")
         for word in self.bad_words_token_ids:
-            if not word or any(not isinstance(t, int) or t < 0 for t in word):
+            if not word or any(not _is_integer(t) or t < 0 for t in word):
                 raise bad("bad_words", "must be non-empty sequences of token ids")
         if self.structured_output is not None and not isinstance(
             self.structured_output, StructuredOutput
@@ -159,3 +183,8 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+
+def _is_integer(value: object) -> bool:
+    """An integer (Python's or numpy's), not a boolean."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

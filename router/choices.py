@@ -16,9 +16,9 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from common.detokenizer import IncrementalDetokenizer
 from common.hashing import hash_blocks, prefix_salt
 from proto import pdserve_pb2 as pb
-from router.detokenizer import IncrementalDetokenizer
 from router.dispatch import Dispatcher, SequenceRequest
 from router.errors import bad_request, context_too_long
 from router.images import PromptImages

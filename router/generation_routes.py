@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from common.detokenizer import IncrementalDetokenizer
 from common.structured_output import STRUCTURED_OUTPUT
 from common.tracing import NO_SPAN, Span
 from router.admission import (
@@ -29,7 +30,6 @@ from router.admission import (
     until_disconnected,
 )
 from router.choices import Choice, build_choices, merge_choices, new_id
-from router.detokenizer import IncrementalDetokenizer
 from router.errors import APIError, bad_request, internal
 from router.formatting import SSE_DONE, Formatter, ToolFormat, json_bytes, sse, usage_body
 from router.harmony import Harmony, call_constraint

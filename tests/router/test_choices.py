@@ -11,10 +11,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from common.detokenizer import IncrementalDetokenizer
 from common.tokenizer import Tokenizer
 from proto import pdserve_pb2 as pb
 from router.choices import Choice, ChoiceEvent, run_choice
-from router.detokenizer import IncrementalDetokenizer
 from router.dispatch import SequenceRequest, TokenDelta
 from router.metrics import RouterMetrics
 from tests.common import made_tokenizers

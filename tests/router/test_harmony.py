@@ -19,11 +19,11 @@ import pytest
 
 from common.config import ConfigError
 from common.config_loader import load_config
+from common.detokenizer import IncrementalDetokenizer
 from common.model_info import model_info
 from common.structured_output import GrammarCompiler, StructuredOutput
 from common.tokenizer import Tokenizer
 from router.choices import Choice, ChoiceEvent
-from router.detokenizer import IncrementalDetokenizer
 from router.formatting import Formatter
 from router.harmony import (
     MARKERS,

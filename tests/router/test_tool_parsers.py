@@ -13,9 +13,9 @@ import pytest
 
 from common.config import ToolCallParser
 from common.config_loader import load_config
+from common.detokenizer import IncrementalDetokenizer
 from common.tokenizer import Tokenizer
 from router.choices import Choice, ChoiceEvent
-from router.detokenizer import IncrementalDetokenizer
 from router.formatting import Formatter
 from router.protocol import ChatCompletionRequest, FieldError
 from router.state import tool_marker_ids_of

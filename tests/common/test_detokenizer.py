@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import random
 
+from common.detokenizer import IncrementalDetokenizer
 from common.tokenizer import Tokenizer
-from router.detokenizer import IncrementalDetokenizer
 from tests.common import made_tokenizers
 
 

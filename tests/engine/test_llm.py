@@ -1,0 +1,75 @@
+"""The offline API (``engine/llm.py``) as a vLLM script uses it: a batch all or none, the
+text the router would give, vLLM's prompt dicts and stop reasons. Each ends with nothing
+left in the engine."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.errors import InvalidRequestError
+from tests.common import made_tokenizers
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    with LLM(tiny_llama) as llm:
+        yield llm
+
+
+def test_a_bad_request_in_a_batch_leaves_none_of_it_queued(llm):
+    """Checks only ``add_request`` makes (a stop id outside the vocabulary) failing on
+    the second prompt left the first queued: run by the next ``generate``, for nobody."""
+    greedy = SamplingParams(max_tokens=2, temperature=0)
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        llm.generate(["hello", "world"], [greedy, SamplingParams(stop_token_ids=[999_999])],
+                     use_tqdm=False)  # fmt: skip
+    assert llm.engine.leak_report() == []
+    (alone,) = llm.generate(["again"], greedy, use_tqdm=False)
+    assert len(alone.outputs[0].token_ids) == 2 and llm.engine.leak_report() == []
+
+
+def test_token_ids_given_beside_their_text_are_the_prompt(llm):
+    """vLLM reads ``prompt_token_ids`` first; "prompt" beside them is their text. It was
+    encoded again, and the ids given ignored."""
+    ids = [1, 50, 60, 70]
+    (out,) = llm.generate({"prompt_token_ids": ids, "prompt": "something else"},
+                          SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)  # fmt: skip
+    assert out.prompt_token_ids == ids and out.prompt == "something else"
+    assert llm.engine.leak_report() == []
+
+
+def test_a_completion_keeps_the_space_its_prompt_gave_it(tiny_llama, tmp_path):
+    """A SentencePiece tokenizer (Llama 2, Mistral) strips the first space of what it
+    decodes alone: " the" after a prompt came out "the" offline (the router, decoding
+    after the prompt's last tokens as vLLM does, said " the")."""
+    model = Path(shutil.copytree(tiny_llama, tmp_path / "m"))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    tokenizer = made_tokenizers.llama2_style(model)
+    the = tokenizer.encode(" the", add_special_tokens=False)[-1]
+    with LLM(model) as llm:
+        params = SamplingParams(max_tokens=1, temperature=0, allowed_token_ids=[the])
+        (out,) = llm.generate(["Hello world, this is"], params, use_tqdm=False)
+        assert out.outputs[0].token_ids == [the] and out.outputs[0].text == " the"
+        assert llm.engine.leak_report() == []
+
+
+def test_generation_configs_other_eos_ids_stop_as_stop_tokens(tiny_llama, tmp_path):
+    """vLLM makes generation_config's other EOS ids stop tokens: the completion's
+    ``stop_reason`` is the id and its text is not in the output (it was None, and an EOS
+    that is not a special token left its text)."""
+    model = Path(shutil.copytree(tiny_llama, tmp_path / "m"))
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [2, 50]}))
+    with LLM(model) as llm:
+        assert 50 not in llm.tokenizer.special_ids  # an ordinary token, with a text
+        params = SamplingParams(max_tokens=4, temperature=0, logit_bias={50: 100})
+        (out,) = llm.generate(["Hello"], params, use_tqdm=False)
+        completion = out.outputs[0]
+        assert (completion.token_ids, completion.finish_reason) == ([50], "stop")
+        assert (completion.stop_reason, completion.text) == (50, "")
+        assert llm.engine.leak_report() == []
