@@ -60,8 +60,12 @@ class DecodeGate:
         try:  # passing the head, it looks for room at once (the head waits for a wake)
             while not (self._waiters[0] is entry and has_room()):
                 turn.clear()
+                # ``asyncio.timeout``, not ``wait_for``: on Python 3.11 a cancel that lands
+                # as the turn comes was swallowed by wait_for, and the sequence went through
+                # to decode to its end for a client that had left.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(turn.wait(), RECHECK_S)
+                    async with asyncio.timeout(RECHECK_S):
+                        await turn.wait()
         finally:
             self._waiters.remove(entry)
             self.wake()  # the next one may fit too, or this one left the head of the line

@@ -103,6 +103,30 @@ def _nothing() -> None:
     placed worker to count a sequence on."""
 
 
+@dataclass(slots=True)
+class _Seat:
+    """Where a sequence counts as ahead on a decode worker (``decode_gate.Ahead``) and how
+    it leaves that count. It moves with the sequence: a retry or a migration that took it
+    to another decode worker left it counted on the first (whose gate then held new
+    sequences back from that idle worker, a restarted one kept it too) and not where it
+    ran. ``worker_id`` None: no gate (``decode_queue_factor`` 0), nothing to move."""
+
+    worker_id: str | None = None
+    leave: Callable[[], None] = _nothing
+
+    def move_to(self, worker: WorkerState, request: SequenceRequest, num_blocks: int) -> None:
+        if self.worker_id is None or self.worker_id == worker.worker_id:
+            return
+        self.leave()  # (which wakes the old worker's line)
+        left = worker.ahead.join(request.block_hashes, num_blocks, request.priority)
+
+        def leave_and_wake() -> None:
+            left()
+            worker.gate.wake()
+
+        self.worker_id, self.leave = worker.worker_id, leave_and_wake
+
+
 class RemoteLease:
     """The router's side of a prefill worker's lease on a prompt's KV blocks: released
     early (``ReleaseKV``, fire and forget, once) when no decode worker can be reading
@@ -251,7 +275,7 @@ class Dispatcher:
         placement = self.place(request)
         touched, decode, arrived = self._claim(placement, blocks)
         counted = False
-        leave = _nothing
+        seat = _Seat()
         try:
             for attempt in range(_MAX_REPLACEMENTS + 1):
                 if decode is None:
@@ -265,7 +289,7 @@ class Dispatcher:
                         "worker; the service is overloaded, retry later"
                     ) from None
                 if room is not None:
-                    leave = room
+                    seat = _Seat(decode.worker_id if room is not _nothing else None, room)
                     break
                 # Its decode worker went down, left or drains while it waited: placed
                 # again, or refused, but never let past the line.
@@ -278,7 +302,7 @@ class Dispatcher:
                 touched, decode, arrived = self._claim(placement, blocks)
             # Closed with this generator (a stop string, a gone client), not when the
             # collector gets to it: its finally aborts the decode call and ends the lease.
-            journey = self._journey(request, placement, touched, arrived, deadline)
+            journey = self._journey(request, placement, touched, arrived, deadline, seat)
             async with contextlib.aclosing(journey):
                 async for delta in journey:
                     if not counted and delta.cached_tokens is not None:
@@ -296,7 +320,7 @@ class Dispatcher:
             raise
         finally:
             arrived()
-            leave()
+            seat.leave()
 
     def _claim(
         self, placement: Placement, num_blocks: int
@@ -321,9 +345,11 @@ class Dispatcher:
         touched: set[str],
         arrived: Callable[[], None],
         deadline: float,
+        seat: _Seat | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """The sequence's hops. ``arrived`` ends its count as the placed decode worker's
-        load once the decode hop takes over that count (its Generate call)."""
+        load once the decode hop takes over that count (its Generate call); ``seat``, its
+        place among what is ahead there, moves with it."""
         first: pb.PrefillResponse | None = None
         lease = RemoteLease(_nothing)
         if placement.disaggregated:
@@ -357,7 +383,7 @@ class Dispatcher:
                     return
                 yield delta
             arrived()  # no await before _decode counts its call as the worker's running
-            decode = self._decode(request, placement, first, lease, touched, deadline)
+            decode = self._decode(request, placement, first, lease, touched, deadline, seat)
             async with contextlib.aclosing(decode):  # (as ``generate`` closes this one)
                 async for delta in decode:
                     yield delta
@@ -523,6 +549,7 @@ class Dispatcher:
         lease: RemoteLease,
         touched: set[str],
         deadline: float | None = None,
+        seat: _Seat | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """Stream the sequence from a decode worker, by ``deadline`` (``time.monotonic``;
         None: ``request_timeout_s`` from now). Before a worker's first response a
@@ -558,6 +585,8 @@ class Dispatcher:
                 logger.warning("moving %s to %s after %d tokens", request.request_id,
                                worker.worker_id, len(generated))  # fmt: skip
             tried.add(worker.worker_id)
+            if seat is not None:  # counted ahead where it runs
+                seat.move_to(worker, request, -(-len(request.prompt_token_ids) // self.block_size))
             self._moved(request.block_hashes, holder, worker.worker_id)
             holder = worker.worker_id
             touched.add(holder)

@@ -100,3 +100,31 @@ def test_ahead_counts_shared_prompt_blocks_once():
     assert (ahead.num_seqs, ahead.num_blocks) == (1, 3)
     leave_c()
     assert (ahead.num_seqs, ahead.num_blocks, ahead.num_blocks_with(hashes[0], 3)) == (0, 0, 3)
+
+
+def test_a_cancel_as_the_turn_comes_is_not_swallowed():
+    """On Python 3.11 ``asyncio.wait_for`` returned its result when a cancel landed as
+    its wait finished: the sequence went through the gate cancelled (``cancelling()``
+    1, no CancelledError) and decoded to its end for a client that had left."""
+
+    async def main() -> tuple[str, int]:
+        gate, room = DecodeGate(), [False]
+
+        async def sequence() -> str:
+            await gate.enter(lambda: room[0])
+            return "through"
+
+        task = asyncio.create_task(sequence())
+        await asyncio.sleep(0.05)  # waiting in line
+        room[0] = True
+        gate.wake()  # room: the head is woken...
+        asyncio.get_running_loop().call_soon(task.cancel)  # ...as its client leaves
+        try:
+            return await task, task.cancelling()
+        except asyncio.CancelledError:
+            return "cancelled", 0
+
+    outcome, cancelling = asyncio.run(main())
+    # Through before the cancel came (it then lands at the caller's next await), or
+    # cancelled: never through with the cancel pending and dropped.
+    assert outcome == "cancelled" or cancelling == 0, (outcome, cancelling)

@@ -23,7 +23,7 @@ from common.registry import RedisRegistry, WorkerInfo
 from proto import PARAM_KEY
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from router.dispatch import Dispatcher, RemoteLease, SequenceRequest
+from router.dispatch import Dispatcher, RemoteLease, SequenceRequest, _nothing, _Seat
 from router.embeddings import embed, embed_all
 from router.errors import APIError
 from router.events import EventListener
@@ -1451,3 +1451,43 @@ def test_a_prefill_the_routers_deadline_cuts_blames_no_worker(tmp_path):
     message, failures, fallbacks, healthy = run_with_registry(tmp_path, scenario)
     assert "ran past router.request_timeout_s" in message
     assert (failures, fallbacks, healthy) == (0, 0, True)
+
+
+@pytest.mark.timeout(60)
+def test_a_sequence_another_decode_worker_takes_over_counts_ahead_there(tmp_path):
+    """A decode worker fails before its first token; the next one takes the sequence. It
+    stayed counted among what is ahead on the first (whose line then held new sequences
+    back from that idle worker, 9 s in an audit) and not where it ran."""
+    failing, streaming = Decode(fail=True), HeldDecode()
+
+    async def scenario(registry: RedisRegistry) -> list[tuple[int, int]]:
+        servers = [await serve(failing, registry), await serve(streaming, registry)]
+        ids = [info.worker_id for _, info in servers]
+        config = RouterConfig(min_disagg_tokens=0, decode_queue_factor=0.125)  # 1 ahead
+        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex(), config)
+        try:
+            await pool.refresh()
+            first, second = (pool.get(worker_id) for worker_id in ids)
+            prompt = list(range(5, 40))
+            request = SequenceRequest("r", prompt, hash_blocks(prompt, 16), pb.SamplingParams())
+            seat = _Seat(first.worker_id, await dispatcher._room_on(first, request, 3))
+            placement = Placement(first.worker_id, None, 0, 0, 0.0)
+            decode = dispatcher._decode(request, placement, None, RemoteLease(_nothing),
+                                        set(), None, seat)  # fmt: skip
+            counts = []
+            reading = asyncio.ensure_future(anext(decode))
+            while not streaming.requests:  # the second worker has it now
+                await asyncio.sleep(0.01)
+            counts.append((first.ahead.num_seqs, second.ahead.num_seqs))
+            streaming.finish.release()
+            await reading
+            await decode.aclose()
+            seat.leave()
+            counts.append((first.ahead.num_seqs, second.ahead.num_seqs))
+            return counts
+        finally:
+            await pool.close()
+            for server, _ in servers:
+                await server.stop(None)
+
+    assert run_with_registry(tmp_path, scenario) == [(0, 1), (0, 0)]
