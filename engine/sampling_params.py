@@ -7,6 +7,8 @@ import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from common.structured_output import STRUCTURED_OUTPUT, StructuredOutput
 from engine.errors import InvalidSamplingParamsError
 
@@ -97,10 +99,11 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise InvalidSamplingParamsError(f"{name} must be a number, got {value!r}", name)
-        if not isinstance(self.ignore_eos, bool):
+        if not isinstance(self.ignore_eos, bool | np.bool_):
             raise InvalidSamplingParamsError(
                 f"ignore_eos must be true or false, got {self.ignore_eos!r}", "ignore_eos"
             )
+        object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
 
     def _validate(self) -> None:
         def bad(param: str, message: str) -> InvalidSamplingParamsError:

@@ -189,12 +189,15 @@ def create_app(state: RouterState) -> FastAPI:
     async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
         """A bug: answered with the envelope and an id. Starlette raises the exception on
         after this answer, so the server logs its traceback right after this line."""
-        error_id = new_id("err")
-        logger.error("request %s %s failed (%s): %r", request.method, request.url.path,
-                     error_id, exc)  # fmt: skip
+        # The response's id once it has one, so its header, message and log line agree.
+        error_id = request.scope.get(REQUEST_ID) or new_id("err")
+        client_id = request_id_of(request.scope)
+        also = f", client id {client_id}" if client_id not in (None, error_id) else ""
+        logger.error("request %s %s failed (%s%s): %r", request.method, request.url.path,
+                     error_id, also, exc)  # fmt: skip
         reply = await api_error(request, internal(error_id))
         # Answered outside ``_RequestIds`` (Starlette's outermost middleware runs this).
-        reply.headers["x-request-id"] = request_id_of(request.scope) or error_id
+        reply.headers["x-request-id"] = client_id or error_id
         return reply
 
     # Added first, so it runs after the key check: a stranger learns nothing from a 415

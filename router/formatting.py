@@ -222,7 +222,7 @@ class Formatter:
         before any choice's tokens, as vLLM sends them. The OpenAI SDK's stream helper
         fills its choices in the order they first come: when choice 1's text came before
         choice 0's (held back for a tool call or a constraint) it failed with an
-        IndexError. None (an empty list) for completions."""
+        IndexError. An empty list for completions."""
         if not self.chat:
             return []
         bodies = []

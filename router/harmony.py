@@ -62,6 +62,9 @@ MARKERS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
 _ENDS = (END, RETURN, CALL)  # what ends a message
 _BODY_ENDS = (*_ENDS, START)  # what ends a body (a next message, with no end marker)
 _STRAY = (CHANNEL, MESSAGE, CONSTRAIN)  # header markers in a body: dropped, as decoding would
+# A header longer than this without its <|message|> is not one (a channel, a recipient and
+# a constraint take a few dozen characters).
+_MAX_HEADER_CHARS = 4096
 # How the header the prompt opens may begin (its role, ``assistant``, is in the prompt).
 _OPENERS = (CHANNEL, CONSTRAIN, " to=", "to=")
 _RECIPIENT = re.compile(r"to=([^\s<]+)")
@@ -228,6 +231,9 @@ class _Reader:
             self._ended(Kind.CONTENT)
             return True
         if at < 0:
+            if len(self.pending) > _MAX_HEADER_CHARS:  # no header writes that much: the
+                self._open(Kind.CONTENT, None)  # reply is bare content (searched whole at
+                return True  # every piece, an endless one was quadratic)
             return False
         self._open(*_classify(self.header + self.pending[:at], self.calls))
         self.pending = self.pending[at + len(MESSAGE) :]

@@ -90,8 +90,9 @@ class RequestBodies:
         pieces: list[bytes] = []
         size = 0
         while True:
-            try:
-                message = await asyncio.wait_for(receive(), self.idle_timeout_s)
+            try:  # (asyncio.timeout: 3.11's wait_for could swallow a cancel)
+                async with asyncio.timeout(self.idle_timeout_s):
+                    message = await receive()
             except TimeoutError:
                 raise _Refused(
                     APIError(408, f"the request body stalled for {self.idle_timeout_s:g} s")

@@ -431,6 +431,10 @@ class JsonCalls:
         # and whether it is known to open calls (held to the end, joined once there).
         self._held: dict[int, list[str] | None] = {}
         self._calling: set[int] = set()
+        # By choice, undecided: the held text without its leading blanks (what decides;
+        # the whole was joined and stripped at every piece, quadratic in a long run of
+        # blank lines).
+        self._head: dict[int, str] = {}
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         calls = _json_calls(text)
@@ -449,14 +453,14 @@ class JsonCalls:
         if finish_reason is None:
             if index in self._calling:
                 return {}, None
-            held = "".join(pieces)  # (short: until its first characters tell)
-            opens = _opens_calls(held)
+            head = self._head[index] = (self._head.get(index, "") + text).lstrip()
+            opens = _opens_calls(head)  # (the head is short until its first characters tell)
             if opens is not False:  # calls, or not yet known: held to the end
                 if opens:
                     self._calling.add(index)
                 return {}, None
             self._held[index] = None
-            return {"content": held}, None
+            return {"content": "".join(pieces)}, None
         message, finish_reason = self.message("".join(pieces), finish_reason)
         delta = {"content": message["content"]}
         if "tool_calls" in message:

@@ -43,5 +43,7 @@ def test_counts_are_integers_and_the_rest_numbers(kwargs, param):
 
 
 def test_numpy_counts_are_integers():
-    params = SamplingParams(max_tokens=np.int64(3), seed=np.int32(7), temperature=np.float32(0.5))
+    params = SamplingParams(max_tokens=np.int64(3), seed=np.int32(7), temperature=np.float32(0.5),
+                            ignore_eos=np.bool_(True))  # fmt: skip
     assert (type(params.max_tokens), type(params.seed)) == (int, int)
+    assert params.ignore_eos is True

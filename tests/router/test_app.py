@@ -434,8 +434,22 @@ def test_a_bug_is_a_500_in_the_envelope_without_details(state, monkeypatch):
     error = error_of(reply, 500)
     assert error["code"] == "internal_error" and "secret" not in error["message"]
     # Its id, the one its message and the log name, is its X-Request-Id too (answered
-    # outside the middleware that sets it, it had none).
+    # outside the middleware that sets it, it had none); past the point where the reply
+    # has its id, that id (the header and the message named two).
     assert reply.headers["x-request-id"] in error["message"]
+    monkeypatch.undo()
+    from router.dispatch import TokenDelta
+    from router.formatting import Formatter
+
+    async def generate(request):
+        yield TokenDelta(token_ids=[42], finish_reason="length", usage=pb.Usage())
+
+    monkeypatch.setattr(state.dispatcher, "generate", generate)
+    monkeypatch.setattr(Formatter, "final", broken)
+    late = post(state, "/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    late_error = error_of(late, 500)
+    assert late.headers["x-request-id"].startswith("cmpl-")
+    assert late.headers["x-request-id"] in late_error["message"]
 
 
 def test_queue_gauges_follow_the_workers_batches(tiny_llama):

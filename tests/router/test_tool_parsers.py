@@ -603,3 +603,26 @@ def test_a_long_call_streams_in_time_linear_in_its_length(kind):
     took = time.perf_counter() - start
     assert [json.loads(c["function"]["arguments"])["text"] for c in made] == [body]
     assert took < 6.0, took
+
+
+@pytest.mark.parametrize("kind", ["llama3_json", "harmony"])
+def test_a_reply_that_never_decides_streams_in_linear_time(kind):
+    """Degenerate replies a reader cannot place yet: 100k blank lines before a Llama 3
+    reply's first character (the whole held text was joined and stripped at every piece:
+    22 s), a Harmony header that never reaches ``<|message|>`` (searched whole at every
+    piece: 40 s; past 4096 characters it is no header, and the reply bare content)."""
+    if kind == "llama3_json":
+        reader, feed = JsonCalls(), lambda piece, end: reader.delta(0, piece, False, end)
+        pieces = ["\n\n"] * 100_000 + ["hello"]
+    else:
+        from router.harmony import Harmony, Opening
+
+        reader = Harmony(Opening("header", header="assistant"), calls=True)
+        feed = lambda piece, end: reader.delta(0, piece, end)  # noqa: E731
+        pieces = ["<|channel|>analysis"] + [" word"] * 100_000
+    start = time.perf_counter()
+    content = "".join(feed(piece, None)[0].get("content") or "" for piece in pieces)
+    content += feed(".", "length")[0].get("content") or ""
+    took = time.perf_counter() - start
+    assert content.endswith("word." if kind == "harmony" else "hello.")
+    assert took < 4.0, took
