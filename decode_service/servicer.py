@@ -90,6 +90,7 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServiceServicer):
             source=PeerRef(engine_id=kv.engine_id, endpoint=kv.endpoint),
             start_by=start_by,
             state_block_ids=tuple(kv.state_block_ids),
+            block_hashes=tuple(kv.block_hashes),
         )
 
     @grpc_stream_errors

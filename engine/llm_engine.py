@@ -129,6 +129,7 @@ class LLMEngine:
         self._generators: dict[str, RequestRandom] = {}
         # Requests whose images are not decoded yet (pulled prompts: ``engine/images.py``).
         self._undecoded_images: set[str] = set()
+        self._bad_handle_logged = False  # (``_pulls_this_prompt``)
         self.num_steps = 0
         # Wall time of the steps that ran a forward pass, whole (scheduling, the pass,
         # outputs): over a window, its growth is how busy the engine was.
@@ -221,7 +222,7 @@ class LLMEngine:
         already are taken as they are).
         """
         prompt = self.validate_prompt(prompt_token_ids)
-        outputs = self.validate_prompt(output_token_ids, allow_empty=True)
+        outputs = self.validate_prompt(output_token_ids, allow_empty=True, param="output_token_ids")
         lora = self.lora_adapter(lora_name, lora_fingerprint)
         if lora is not None and lora.vision_tensors_skipped and images:
             raise InvalidRequestError(
@@ -341,6 +342,8 @@ class LLMEngine:
             images=prepared,
             mrope=self._mrope(len(prompt), prepared),
         )
+        if remote_kv is not None and not self._pulls_this_prompt(request, remote_kv):
+            request.remote_kv = None  # computed here (its images decoded here too)
         if any(image.pixels is None for image in prepared):
             self._undecoded_images.add(request_id)
         if not params.greedy:
@@ -359,9 +362,39 @@ class LLMEngine:
         self.scheduler.add_request(request)
         return request
 
+    def _pulls_this_prompt(self, request: Request, remote: RemoteKV) -> bool:
+        """Whether ``remote``'s blocks are ``request``'s prompt's, as far as the handle
+        says: its block names are the ones this engine gives the prompt (salt, adapter
+        and images included), and no block is listed twice. Pulled blocks are cached
+        here under this prompt's names: a handle of another prompt's blocks (a router's
+        bug, a script) gave wrong tokens, and every later request sharing the prefix on
+        this worker got them too, until the blocks were evicted. Not, it is computed
+        here instead (one error logged per engine)."""
+        problem = None
+        if len(set(remote.block_ids)) != len(remote.block_ids):
+            problem = "lists a block twice"
+        elif remote.block_hashes:
+            names = transfer_block_hashes(
+                request.prompt_token_ids[: remote.num_tokens],
+                self.config.block_size,
+                request.prefix_salt,
+                request.image_spans,
+            )
+            if tuple(remote.block_hashes) != tuple(names):
+                problem = "names blocks of another prompt (or salt, adapter, images)"
+        if problem is None:
+            return True
+        if not self._bad_handle_logged:
+            self._bad_handle_logged = True
+            logger.error("a KV handle for %s %s: its prompt is computed here instead",
+                         request.request_id, problem)  # fmt: skip
+        return False
+
     def validate_prompt(
-        self, prompt_token_ids: Sequence[int], allow_empty: bool = False
+        self, prompt_token_ids: Sequence[int], allow_empty: bool = False, param: str = "prompt"
     ) -> list[int]:
+        """The ids as a list, checked: not empty (unless ``allow_empty``), within
+        max_model_len, in the vocabulary. ``param``: the field an error names."""
         prompt = list(prompt_token_ids)
         if not prompt and not allow_empty:
             raise EmptyPromptError()
@@ -371,8 +404,7 @@ class LLMEngine:
         bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab_size]
         if bad:
             raise InvalidRequestError(
-                f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:3]}",
-                "prompt",
+                f"{param} token ids must be integers in [0, {vocab_size}); got {bad[:3]}", param
             )
         return prompt
 
@@ -752,7 +784,9 @@ class LLMEngine:
                 continue
             try:
                 self._decode_pixels(request)
-            except ImageError as exc:
+            except Exception as exc:  # one request's images: never the whole step's fault
+                if not isinstance(exc, ImageError):
+                    logger.exception("decoding the images of %s failed", request_id)
                 request.error, request.error_param = f"images: {exc}", "images"
                 output = self.abort_request(request_id)
                 if output is not None:

@@ -89,6 +89,10 @@ class RemoteKV:
     # A hybrid model's: the remote blocks holding its linear-attention states after the
     # prompt (``engine/linear_state.py``); empty for other models.
     state_block_ids: tuple[int, ...] = ()
+    # The transfer names of the blocks (``common.hashing.transfer_block_hashes``) as the
+    # peer computed them for its prompt; empty: not said (an older peer). The engine pulls
+    # only when they are this request's own (``LLMEngine._pulls_this_prompt``).
+    block_hashes: tuple[bytes, ...] = ()
 
 
 @dataclass(slots=True)

@@ -147,12 +147,14 @@ def decode_image(data: bytes) -> Any:
     image = _open(data)
     try:
         image.load()
-    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        if image.mode == "RGB":
+            return image
+        # As transformers' convert_to_rgb: over a white background.
+        rgba = image.convert("RGBA")
+    except Exception as exc:  # Pillow raises SyntaxError, EOFError, struct and zlib
+        # errors too for a broken file past its header: one escaped a decode worker's
+        # step and took the worker down (a worker-input audit, 2026-12-01)
         raise ImageError(f"not a readable image: {exc}") from None
-    if image.mode == "RGB":
-        return image
-    # As transformers' convert_to_rgb: over a white background.
-    rgba = image.convert("RGBA")
     background = Image.new("RGBA", rgba.size, (255, 255, 255))
     return Image.alpha_composite(background, rgba).convert("RGB")
 

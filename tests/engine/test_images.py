@@ -369,14 +369,24 @@ def test_pulled_requests_preempted_on_the_decode_engine_decode_their_images(llav
     assert prefill.leak_report() == [] and decode.leak_report() == []
 
 
-def test_an_image_undecodable_at_recompute_fails_its_request_alone(llava):
-    """A pulled prompt's images are only header-checked: one whose data is cut short
-    passes. Its pull failing, the decode engine must compute the prompt, cannot decode
-    the image, and fails that request as invalid input; the other request, and the
-    engine, go on."""
+# A PNG whose header reads and whose last chunk is broken: Pillow raises SyntaxError
+# (not OSError) decoding it, which escaped a decode worker's step and took it down.
+BROKEN_PNG = bytes.fromhex(
+    "89504e470d0a1a0a0000000d494844520000001400000011080200000052261be900000013494441"
+    "54789c63601805a360658c0206060600040d0001b8b83a9a000000004945a944ae426082"
+)
+
+
+@pytest.mark.parametrize(("bad", "said"), [("truncated", "truncated"), ("broken", "broken PNG")])
+def test_an_image_undecodable_at_recompute_fails_its_request_alone(llava, bad, said):
+    """A pulled prompt's images are only header-checked: one whose data is cut short (or
+    broken past its header) passes. Its pull failing, the decode engine must compute the
+    prompt, cannot decode the image, and fails that request as invalid input; the other
+    request, and the engine, go on."""
     llm = LLM(llava)
     prompts = [request(llm, IMAGES[i : i + 2]) for i in (0, 1)]
-    truncated = ImageInput(prompts[0][1][1].offset, IMAGES[1][:120])
+    data = IMAGES[1][:120] if bad == "truncated" else BROKEN_PNG
+    truncated = ImageInput(prompts[0][1][1].offset, data)
     puller = LocalPuller()
     prefill = LLMEngine(llava, EngineConfig())
     decode = LLMEngine(llava, EngineConfig(), kv_puller=puller)
@@ -394,7 +404,7 @@ def test_an_image_undecodable_at_recompute_fails_its_request_alone(llava):
         decode.add_request(f"r{i}", token_ids, GREEDY, remote_kv=remote, images=sent,
                            output_token_ids=first.outputs[0].token_ids)  # fmt: skip
     outputs = run(decode)
-    assert outputs["r0"].error_param == "images" and "truncated" in outputs["r0"].error
+    assert outputs["r0"].error_param == "images" and said in outputs["r0"].error
     assert len(outputs["r1"].outputs[0].token_ids) == 12
     for i in range(2):
         assert prefill.release_kv(f"r{i}")

@@ -73,3 +73,13 @@ def test_generation_configs_other_eos_ids_stop_as_stop_tokens(tiny_llama, tmp_pa
         assert (completion.token_ids, completion.finish_reason) == ([50], "stop")
         assert (completion.stop_reason, completion.text) == (50, "")
         assert llm.engine.leak_report() == []
+
+
+def test_a_bad_generated_token_names_its_field(llm):
+    """A token id outside the vocabulary among the tokens generated elsewhere was
+    reported as a bad prompt ("prompt token ids", param prompt)."""
+    with pytest.raises(InvalidRequestError) as error:
+        llm.engine.add_request("x", [5, 6], SamplingParams(max_tokens=4),
+                               output_token_ids=[10**6])  # fmt: skip
+    assert error.value.param == "output_token_ids" and "output_token_ids" in error.value.message
+    assert llm.engine.leak_report() == []

@@ -306,6 +306,36 @@ def test_a_handle_from_a_prefill_worker_of_another_tp_size_is_computed_at_once(
     run(with_client(stack, body))
 
 
+def test_a_handle_to_another_prompts_blocks_is_computed_here_and_caches_nothing(stack, offline):
+    """A handle whose block names are not the prompt's (a router's bug, a script): the
+    blocks were pulled and cached under this prompt's names, so the request got the other
+    prompt's continuation and every later request sharing the prefix on this worker too.
+    The prompt is computed here instead, and a later request for it is right."""
+    prompt = random_prompts(LENGTHS, seed=21)[6]  # 48 tokens: 3 full blocks
+    other = [(t * 7 + 3) % 1000 + 5 for t in prompt]
+
+    async def body(client: PDClient):
+        leased = await client.prefill.Prefill(
+            pb.PrefillRequest(request_id="other", token_ids=other, sampling=GREEDY), timeout=10
+        )
+        request = pb.GenerateRequest(request_id="mixed", prompt_token_ids=prompt,
+                                     output_token_ids=[offline[6][0]], sampling=GREEDY,
+                                     kv=leased.kv)  # fmt: skip
+        _, before = await client.stats()
+        tokens = [offline[6][0]]
+        async for chunk in client.decode.Generate(request, timeout=30):
+            tokens.extend(chunk.token_ids)
+        assert tokens == offline[6]
+        _, after = await client.stats()
+        assert after.blocks_pulled == before.blocks_pulled
+        await client.prefill.ReleaseKV(pb.ReleaseKVRequest(lease_id=leased.kv.lease_id))
+        again = await client.generate("again", prompt, GREEDY)  # its prefix: not the other's
+        assert again.token_ids == offline[6]
+        await assert_idle(client)
+
+    run(with_client(stack, body))
+
+
 def test_a_client_gone_while_the_prefill_reply_is_in_flight_leaves_no_lease(stack):
     """The router's task is cancelled after the worker granted the lease but before the
     reply was read (a busy router loop): the router releases by request id, and withdraws
