@@ -368,8 +368,8 @@ class LLMEngine:
         and images included), and no block is listed twice. Pulled blocks are cached
         here under this prompt's names: a handle of another prompt's blocks (a router's
         bug, a script) gave wrong tokens, and every later request sharing the prefix on
-        this worker got them too, until the blocks were evicted. Not, it is computed
-        here instead (one error logged per engine)."""
+        this worker got them too, until the blocks were evicted. If not, the prompt is
+        computed here instead (one error logged per engine)."""
         problem = None
         if len(set(remote.block_ids)) != len(remote.block_ids):
             problem = "lists a block twice"
