@@ -32,6 +32,7 @@ from common.multimodal import (
     image_token_counts,
     render_with_images,
 )
+from common.stop_reasons import ended_by_token, stop_reason_of
 from common.tokenizer import Tokenizer
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -368,23 +369,15 @@ class LLM:
         shown = completion.token_ids
         if completion.finish_reason == "stop" and shown:
             last = shown[-1]
-            if last in params.stop_token_ids or last in self.engine.eos_token_ids:
+            if ended_by_token(last, params.stop_token_ids, self.engine.eos_token_ids):
                 shown = shown[:-1]
-                completion.stop_reason = _stop_reason(last, params, self.tokenizer.eos_token_id)
+                completion.stop_reason = stop_reason_of(
+                    last, params.stop_token_ids, params.ignore_eos, self.tokenizer.eos_token_id
+                )
         detokenizer = IncrementalDetokenizer(self.tokenizer, context=prompt_token_ids)
         detokenizer.add(shown)
         detokenizer.finish()
         completion.text = detokenizer.text
-
-
-def _stop_reason(token_id: int, params: SamplingParams, main_eos_id: int | None) -> int | None:
-    """vLLM's ``stop_reason`` for the token that ended a completion (the router's
-    ``Choice.stop_reason_of``): None for the tokenizer's EOS, else the token's id."""
-    if token_id == main_eos_id and not params.ignore_eos:
-        return None
-    if token_id in params.stop_token_ids:
-        return token_id
-    return None if params.ignore_eos or token_id == main_eos_id else token_id
 
 
 def _chat_image(part: Mapping[str, Any]) -> Any:

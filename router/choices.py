@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from common.detokenizer import IncrementalDetokenizer
 from common.hashing import hash_blocks, prefix_salt
+from common.stop_reasons import ended_by_token, stop_reason_of
 from proto import pdserve_pb2 as pb
 from router.dispatch import Dispatcher, SequenceRequest
 from router.errors import bad_request, context_too_long
@@ -50,22 +51,14 @@ class Choice:
     main_eos_id: int | None = None
 
     def ended_by_token(self, token_id: int) -> bool:
-        """Whether ``token_id``, the last token of a choice that finished with ``stop``,
-        is what stopped it: a stop token or an EOS (else a structured output completed at
-        it; with ``ignore_eos`` an EOS ends a choice only as its grammar's last token)."""
-        return token_id in self.request.sampling.stop_token_ids or token_id in self.eos_token_ids
+        """``common.stop_reasons.ended_by_token`` for this choice."""
+        return ended_by_token(token_id, self.request.sampling.stop_token_ids, self.eos_token_ids)
 
     def stop_reason_of(self, token_id: int) -> int | None:
-        """vLLM's ``stop_reason`` for the token that ended the choice, in its order of
-        checks: None for the tokenizer's EOS (unless ``ignore_eos``; also when the
-        request lists it among its stop tokens), a stop token's id, another EOS's id
-        (vLLM makes generation_config's other EOS ids stop tokens, unless ``ignore_eos``)."""
+        """``common.stop_reasons.stop_reason_of`` for this choice."""
         sampling = self.request.sampling
-        if token_id == self.main_eos_id and not sampling.ignore_eos:
-            return None
-        if token_id in sampling.stop_token_ids:
-            return token_id
-        return None if sampling.ignore_eos or token_id == self.main_eos_id else token_id
+        return stop_reason_of(token_id, sampling.stop_token_ids, sampling.ignore_eos,
+                              self.main_eos_id)  # fmt: skip
 
 
 @dataclass(slots=True)
