@@ -11,15 +11,8 @@ from planner.demand import Demand, RequestShape
 from planner.profile_data import ProfileError, scaled, write_profile
 from planner.sizing import Targets, predict, size
 from router.live_plan import DemandWindow, LivePlan
+from tests.support.clock import ManualClock
 from tests.support.profiles import make_profile
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_the_window_holds_the_last_window_s_of_sequences():
@@ -38,7 +31,7 @@ def test_the_window_holds_the_last_window_s_of_sequences():
 
 
 def test_the_plan_is_the_sizing_of_the_window_and_in_the_metrics(tmp_path):
-    clock = Clock()
+    clock = ManualClock()
     registry = CollectorRegistry()
     config = PlannerConfig(profile=str(tmp_path / "p.json"), ttft_ms=3000, itl_ms=25,
                            window_s=10.0, correct=False)  # fmt: skip
@@ -70,8 +63,8 @@ def test_no_profile_no_plan_and_a_bad_one_is_named(tmp_path):
                              lambda: (1, 1))  # fmt: skip
 
 
-def corrected_plan(tmp_path, correct: bool = True) -> tuple[LivePlan, Clock]:
-    clock = Clock()
+def corrected_plan(tmp_path, correct: bool = True) -> tuple[LivePlan, ManualClock]:
+    clock = ManualClock()
     tmp_path.mkdir(parents=True, exist_ok=True)
     write_profile(make_profile(), tmp_path / "p.json")
     config = PlannerConfig(profile=str(tmp_path / "p.json"), ttft_ms=10_000, itl_ms=25,
@@ -79,7 +72,7 @@ def corrected_plan(tmp_path, correct: bool = True) -> tuple[LivePlan, Clock]:
     return LivePlan.from_config(config, 256, CollectorRegistry(), lambda: (8, 1), clock), clock
 
 
-def serve(plan: LivePlan, clock: Clock, itl_s: float) -> None:
+def serve(plan: LivePlan, clock: ManualClock, itl_s: float) -> None:
     """5 requests/s for 10 s of 1000-token prompts and 101 tokens, at ``itl_s`` (the
     last call's sequences out of the window by then)."""
     clock.now += 10.5
@@ -115,7 +108,7 @@ def test_percentile_targets_plan_for_the_tail_corrected_on_the_means(tmp_path):
     """The same window as above under a p99 ITL target: the factor is solved on the
     window's mean, as before (71 / 62); the layout is sized for the tail, which needs
     more decode workers than the mean did, and the gauge shows the p99."""
-    clock = Clock()
+    clock = ManualClock()
     write_profile(make_profile(), tmp_path / "p.json")
     config = PlannerConfig(profile=str(tmp_path / "p.json"), ttft_ms=10_000, itl_ms=25,
                            itl_percentile=99, window_s=10.0)  # fmt: skip
@@ -151,7 +144,7 @@ def test_each_kind_of_warning_is_logged_once(tmp_path, caplog):
     """Keyed by the text before its first ":", the three "extrapolated beyond the
     profile" notes were one kind: a long decode context after long prompts was never
     logged."""
-    clock = Clock()
+    clock = ManualClock()
     config = PlannerConfig(profile=str(tmp_path / "p.json"), correct=False)
     write_profile(make_profile(), tmp_path / "p.json")
     plan = LivePlan.from_config(config, 256, CollectorRegistry(), lambda: (1, 1), clock)

@@ -8,18 +8,11 @@ import pytest
 
 from router.prefix_demand import PrefixDemand
 from router.prefix_index import PrefixMatch
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.clock import ManualClock
 
 
 def test_uses_add_up_and_decay_over_the_window():
-    clock = Clock()
+    clock = ManualClock(100.0)
     demand = PrefixDemand(window_s=30.0, clock=clock)
     assert [demand.use(b"a") for _ in range(3)] == [1.0, 2.0, 3.0]
     clock.now += 30.0
@@ -30,7 +23,7 @@ def test_uses_add_up_and_decay_over_the_window():
 
 
 def test_the_least_recently_used_prefix_goes_first_past_the_capacity():
-    demand = PrefixDemand(window_s=30.0, capacity=2, clock=Clock())
+    demand = PrefixDemand(window_s=30.0, capacity=2, clock=ManualClock(100.0))
     demand.use(b"a")
     demand.use(b"b")
     demand.use(b"a")  # a is the most recent now
@@ -45,7 +38,7 @@ def test_no_window_counts_every_use_as_one():
 
 
 def test_a_prompt_counts_a_use_of_the_deepest_prefix_any_worker_matched():
-    demand = PrefixDemand(window_s=30.0, clock=Clock())
+    demand = PrefixDemand(window_s=30.0, clock=ManualClock(100.0))
     hashes = [b"a", b"b", b"c"]
     assert demand.use_deepest(hashes, [PrefixMatch(1, 0), PrefixMatch(0, 2)]) == 1.0
     assert demand.use_deepest(hashes[:2], [PrefixMatch(2, 0)]) == 2.0  # the same prefix, b
