@@ -162,3 +162,31 @@ def test_a_prompt_ending_in_byte_tokens_keeps_the_replys_first_space(tmp_path):
         streamed = "".join(detok.add([t]) for t in generated) + detok.finish()
         whole, before = tokenizer.decode(prompt + generated), tokenizer.decode(prompt)
         assert streamed == whole[len(before) :] == " the test", prompt_text
+
+
+def test_a_long_reply_keeps_a_bounded_live_tail_and_its_stops(tiny_llama):
+    """The text of a long reply is kept as finished pieces and a live tail a stop string
+    can still cut (one growing string was copied whole every token: quadratic). Pieces,
+    whole text and a stop string far into the reply, in every grouping of tokens, are
+    what a one-string detokenizer gives."""
+    tokenizer = Tokenizer(tiny_llama)
+    rng = random.Random(3)
+    ids = [rng.randrange(5, tokenizer.vocab_size) for _ in range(6000)]
+    text = tokenizer.decode(ids)
+    assert len(text) > 5 * 4096
+    stop = text[4 * 4096 + 17 : 4 * 4096 + 29]
+    for stops, group in (((), 1), ((), 7), ((stop, "\0never"), 1), ((stop,), 5)):
+        detok = IncrementalDetokenizer(tokenizer, stop=stops, include_stop=bool(group % 2))
+        pieces, live = [], 0
+        for start in range(0, len(ids), group):
+            pieces.append(detok.add(ids[start : start + group]))
+            live = max(live, len(detok._live))
+            if detok.stopped:
+                break
+        pieces.append(detok.finish())
+        expected = text
+        if stops:
+            expected = text[: text.index(stop) + (len(stop) if group % 2 else 0)]
+            assert detok.stop_string == stop
+        assert "".join(pieces) == detok.text == expected, (stops, group)
+        assert live < 2 * 4096 + 64, live  # the live tail, not the whole reply
