@@ -9,14 +9,20 @@ Decode workers are scored by load minus prefix overlap:
 Prefill workers by estimated time to first token, in seconds, plus a charge for work that
 another worker would not have to do:
 
-    cost = (queued_prefill_tokens + uncached_tokens
-            + prefill_recompute_penalty * (best_cached_tokens - cached_tokens))
+    missing = best_cached_tokens - cached_tokens   (what another worker holds, this not)
+    cost = (queued_prefill_tokens + uncached_tokens - missing
+            + (1 + prefill_recompute_penalty) * missing / uses)
            / prefill_tokens_per_s
 
-where a CPU-tier hit counts ``cpu_hit_credit`` of a GPU hit. Both prefix terms (the decode
-worker's bonus, the prefill worker's charge) are divided by the prefix's recent uses
-(``router/prefix_demand.py``): a prefix many requests share is worth recomputing once
-elsewhere, and held to its workers it herded every request onto them. Pure TTFT-greedy placement
+where a CPU-tier hit counts ``cpu_hit_credit`` of a GPU hit, and ``uses`` is the prefix's
+recent uses (``router/prefix_demand.py``; the decode worker's bonus is divided by them
+too). With one use (a conversation's next turn) the missing part costs its recomputation
+plus the penalty. A prefix many requests share is worth recomputing once elsewhere, so
+its recomputation, not only the penalty, is spread over its users: held to its workers it
+herded every request onto them, and with only the penalty spread, a request still moved
+only when a holder's queue was longer than recomputing the prefix alone, so a hot prefix
+reached a new worker one long queue at a time (a routing simulation's 20k-token prefix:
+TTFT mean 19.9 s, round-robin 10.4 s; spread, 10.9 s). Pure TTFT-greedy placement
 moves a request off the worker holding its prefix as soon as that worker's queue is a bit
 longer; the recomputation then lengthens every queue, and the conversation's later turns
 find their prefix split. The penalty makes a move pay for the work it wastes (see
@@ -63,7 +69,7 @@ class Placement:
     prefill_worker: str | None  # None: prefill locally on the decode worker
     decode_cached_tokens: int
     prefill_cached_tokens: int
-    estimated_ttft_s: float
+    estimated_ttft_s: float  # the prefill worker's cost: a shared prefix's recompute spread
 
     @property
     def disaggregated(self) -> bool:
@@ -109,8 +115,9 @@ class PlacementPolicy:
         uses: float = 1.0,
     ) -> float:
         rate = load.prefill_tokens_per_s or self.config.default_prefill_tokens_per_s
-        wasted = self.config.prefill_recompute_penalty * (best_cached - cached) / uses
-        return (load.queued_prefill_tokens + num_tokens - cached + wasted) / rate
+        missing = best_cached - cached
+        spread = (1 + self.config.prefill_recompute_penalty) * missing / uses
+        return (load.queued_prefill_tokens + num_tokens - cached - missing + spread) / rate
 
     def _pick(self, scores: list[tuple[float, str]], role: Role) -> tuple[float, str]:
         best = min(score for score, _ in scores)

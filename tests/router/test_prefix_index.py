@@ -245,6 +245,12 @@ def test_a_prefix_many_requests_share_is_spread_over_idle_workers():
     assert (turn.decode_worker, turn.prefill_worker) == ("d0", "p0")
     shared = policy.place(800, decode, prefill, held, held, {}, uses=50.0)
     assert (shared.decode_worker, shared.prefill_worker) == ("d1", "p1")
+    # Its recomputation is spread over its uses as well, not only the penalty: p0 ahead
+    # by less than the prefix (400 tokens) still moves a hot prefix's request, which
+    # then serves the next ones there; a single use still stays.
+    ahead = [WorkerLoad("p0", queued_prefill_tokens=400), WorkerLoad("p1")]
+    assert policy.place(800, decode, ahead, held, held, {}, uses=50.0).prefill_worker == "p1"
+    assert policy.place(800, decode, ahead, held, held, {}, uses=1.0).prefill_worker == "p0"
 
 
 def test_ties_rotate_over_every_worker_of_each_role():
