@@ -167,9 +167,11 @@ class IncrementalDetokenizer:
             for marker in self._markers:
                 text = text.replace(marker, "\0" * len(marker))
         found = [(text.find(s, max(searched - len(s) + 1 - base, 0)), s) for s in self.stop]
-        found = [(i + base, s) for i, s in found if i >= 0]
+        # The first to begin; of two beginning together, the first listed (as vLLM
+        # checks them), not the first in alphabetical order.
+        found = [(i + base, order, s) for order, (i, s) in enumerate(found) if i >= 0]
         if found:
-            index, stop = min(found)
+            index, _, stop = min(found)
             end = index + len(stop) if self.include_stop else index
             self._live = self._live[: end - self._base]
             self.stopped = True

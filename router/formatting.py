@@ -32,11 +32,18 @@ def _token_counts(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def usage_body(choices: list[Choice], reasoning_tokens: int | None = None) -> dict[str, Any]:
-    """Token counts; the n samples of one prompt count its tokens once.
+    """Token counts; the n samples of one prompt count its tokens once, and its cached
+    tokens as its least cached sample's (the others reuse the blocks the first computed:
+    the last's count called a new prompt's n=2 96 of 101 tokens cached).
     ``reasoning_tokens`` (with a reasoning parser): those of the thinking, all choices."""
     prompts = {c.prompt_index: c for c in choices}
     prompt_tokens = sum(len(c.request.prompt_token_ids) for c in prompts.values())
-    cached = sum(c.usage.cached_tokens for c in prompts.values() if c.usage)
+    cached_of: dict[int, int] = {}
+    for c in choices:
+        if c.usage:
+            known = cached_of.get(c.prompt_index, c.usage.cached_tokens)
+            cached_of[c.prompt_index] = min(known, c.usage.cached_tokens)
+    cached = sum(cached_of.values())
     completion_tokens = sum(len(c.token_ids) for c in choices)
     body = {
         **_token_counts(prompt_tokens, completion_tokens),

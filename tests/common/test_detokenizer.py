@@ -55,6 +55,24 @@ def test_an_included_stop_string_ends_the_text_streamed_or_not(tiny_llama):
         assert detok.stop_string == stop
 
 
+def test_of_two_stop_strings_beginning_together_the_first_listed_wins(tiny_llama):
+    """Both complete in one token and begin at one character: the one listed first
+    matches (as vLLM checks them), whichever sorts first."""
+    tokenizer = Tokenizer(tiny_llama)
+    ids = tokenizer.encode("alpha beta gamma delta epsilon", add_special_tokens=False)
+    pieces = [tokenizer.decode(ids[:i]) for i in range(len(ids) + 1)]
+    # A token whose text adds a 3+ character word whose first two characters occur
+    # nowhere before it.
+    end, word = next((i, piece.split()[-1]) for i, piece in enumerate(pieces)
+                     if len(piece) - len(pieces[i - 1]) >= 3 and len(piece.split()[-1]) >= 3
+                     and piece.split()[-1][:2] not in pieces[i - 1])  # fmt: skip
+    for stops in ([word, word[:2]], [word[:2], word]):
+        detok = IncrementalDetokenizer(tokenizer, stop=stops, include_stop=True)
+        streamed = streamed_until_stopped(detok, ids)
+        assert detok.stop_string == stops[0], (stops, detok.stop_string)
+        assert streamed == pieces[end][: pieces[end].rindex(word)] + stops[0]
+
+
 def test_special_tokens_text_is_kept_when_not_skipped(tiny_llama):
     """vLLM's skip_special_tokens false: special tokens decode to their text, streamed
     token by token as in one decode, and a stop string matches in that text."""

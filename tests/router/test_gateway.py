@@ -1036,6 +1036,20 @@ def test_stop_strings(client):
         assert text == expected + stop
 
 
+def test_a_new_prompts_samples_report_none_of_it_cached(client):
+    """The n samples of one prompt count its cached tokens as its least cached sample's:
+    the others reuse the blocks the first computed (the last sample's count called a new
+    prompt 96 of 101 tokens cached); asked again, the prompt is cached."""
+    prompt = random_prompts((101,), seed=8108)[0]
+    fresh = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, n=3,
+                                      temperature=1.0, seed=1)  # fmt: skip
+    assert fresh.usage.prompt_tokens == 101
+    assert fresh.usage.prompt_tokens_details.cached_tokens == 0, fresh.usage
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, n=3,
+                                      temperature=1.0, seed=1)  # fmt: skip
+    assert again.usage.prompt_tokens_details.cached_tokens > 0, again.usage
+
+
 def live_leases(stack) -> int:
     """Prefill blocks held for decode workers, over every prefill worker."""
     return sum(stats.live_leases for stats in worker_stats(stack, "prefill"))
