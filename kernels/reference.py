@@ -328,18 +328,35 @@ def decode_attention(
     if query.shape[0] == 0:
         return query.new_empty(*query.shape[:2], latent_dim or query.shape[-1])
     padded = _padded_kv(kv_cache, seq_lens, block_table, workspace)
-    key, value = latent_kv(*padded, latent_dim)
+    key, value = _readable(*latent_kv(*padded, latent_dim), kv_cache, seq_lens, query.dtype)
     if attn_mask is None:
         attn_mask = decode_mask(seq_lens.to(query.device), key.shape[2], sliding_window)
-    out = _attend(
-        query[:, :, None, :],  # [B, Hq, 1, D]
-        key.to(query.dtype),
-        value.to(query.dtype),
-        attn_mask,
-        scale,
-        sinks,
-    )
+    out = _attend(query[:, :, None, :], key, value, attn_mask, scale, sinks)  # [B, Hq, 1, D]
     return out[:, :, 0, :]
+
+
+def _readable(
+    key: torch.Tensor,  # [B, Hkv, key slots, D]: padded (``_padded_kv``), a copy
+    value: torch.Tensor,  # [B, Hkv, key slots, Dv]
+    kv_cache: torch.Tensor,
+    seq_lens: torch.Tensor,  # [B]
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``key`` and ``value`` in ``dtype``, the slots past each sequence's length zeroed
+    when the cache is not float32. Those slots (its last block's tail, the padding
+    blocks of a shorter sequence) hold whatever the pool's blocks held, and only the mask
+    keeps them out, which it cannot do for a NaN (NaN + -inf is NaN, and so is 0 x NaN)
+    or for a key whose score overflows. A hybrid model's state snapshots are float32
+    bytes in KV blocks: read back as FP8 or 16-bit values after the block was reused,
+    they held NaNs, and a Qwen3.5 on an FP8 cache answered token 0 with NaN log-probs.
+    A float32 cache reads those bytes as the finite values they were."""
+    key, value = key.to(dtype), value.to(dtype)
+    if kv_cache.dtype != torch.float32:
+        slots = torch.arange(key.shape[2], device=key.device)
+        past_end = (slots[None, :] >= seq_lens.to(key.device)[:, None])[:, None, :, None]
+        key.masked_fill_(past_end, 0)
+        value.masked_fill_(past_end, 0)
+    return key, value
 
 
 def short_query_mask(
@@ -381,11 +398,11 @@ def short_query_attention(
     max_query_len = attn_mask.shape[2]
     num_q_heads, head_dim = query.shape[1:]
     padded_kv = _padded_kv(kv_cache, seq_lens, block_table, workspace)
-    key, value = latent_kv(*padded_kv, latent_dim)
+    key, value = _readable(*latent_kv(*padded_kv, latent_dim), kv_cache, seq_lens, query.dtype)
     padded = query.new_zeros(num_seqs * max_query_len, num_q_heads, head_dim)
     padded[padded_rows] = query
     padded = padded.view(num_seqs, max_query_len, num_q_heads, head_dim).transpose(1, 2)
-    out = _attend(padded, key.to(query.dtype), value.to(query.dtype), attn_mask, scale, sinks)
+    out = _attend(padded, key, value, attn_mask, scale, sinks)
     out = out.transpose(1, 2).reshape(num_seqs * max_query_len, num_q_heads, value.shape[-1])
     return out[padded_rows]
 

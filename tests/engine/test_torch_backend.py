@@ -56,3 +56,38 @@ def test_batched_paths_match_the_reference(segments, heads, block_size, sliding_
     batch = type(batch)(**{**{f: getattr(batch, f) for f in batch.__dataclass_fields__},
                            "kv_cache": kv_cache})  # fmt: skip
     torch.testing.assert_close(out, batch.expected(sliding_window), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_nan_past_the_sequences_ends_stays_out_of_a_low_precision_cache(kv_dtype):
+    """The padded paths read whole blocks, the slots past each sequence's end too: a
+    16-bit or FP8 cache's garbage there (a hybrid model's state snapshot, float32 bytes,
+    in a reused block) held NaNs the mask cannot keep out (NaN + -inf), and a Qwen3.5 on
+    an FP8 cache answered token 0 with NaN log-probs. Here every slot no segment owns is
+    NaN, in decodes and short segments both."""
+    segments = SEGMENTS["decodes+short"]
+    batch = make_batch(
+        segments, num_q_heads=8, num_kv_heads=2, head_dim=16, block_size=16,
+        dtype=torch.float32, device=torch.device("cpu"), seed=5, kv_dtype=kv_dtype,
+    )  # fmt: skip
+    assert batch.kv_cache.float().isnan().any()
+    starts = batch.query_start_loc.tolist()
+    layout = BatchLayout(
+        slot_mapping=torch.full((starts[-1],), -1, dtype=torch.int64),
+        query_start_loc=batch.query_start_loc,
+        seq_lens=batch.seq_lens,
+        block_table=batch.block_table,
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=batch.seq_lens.tolist(),
+        num_decodes=batch.num_decodes,
+        max_query_len=max(q for q, _ in segments),
+        max_seq_len=max(s for _, s in segments),
+    )
+    backend = TorchAttentionBackend(16)
+    metadata = backend.build_metadata(layout)
+    assert metadata.short is not None and batch.num_decodes == 2
+    empty = torch.empty(starts[-1], 2, 16)
+    out = backend.forward(batch.query, empty, empty, batch.kv_cache, metadata,
+                          LayerSpec(batch.scale, None))  # fmt: skip
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, batch.expected(), atol=2e-5, rtol=2e-5)
