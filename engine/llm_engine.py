@@ -748,8 +748,14 @@ class LLMEngine:
         """A pull ended (or will never start): the request continues, recomputes its
         prompt, or finishes with an error; that last one's output is returned."""
         given_up = request.status is RequestStatus.FINISHED_ABORTED  # aborted meanwhile
+        remote = request.remote_kv
         self.scheduler.finish_fetch(request.request_id, ok, self.recompute_on_pull_failure)
         if not ok and not given_up:  # an abort's pull fails by design
+            # Nothing here will read the peer's blocks now: it may free them at once. Left
+            # to its lease, a pair that never pulls (a layout or dtype refused at the
+            # handshake) held every prompt's blocks there for ``lease_s`` (30 s).
+            assert self.kv_puller is not None and remote is not None
+            self.kv_puller.abandon(remote)
             self.num_pull_failures += 1
             if request.error is not None:
                 request.error += f": {reason}"

@@ -192,9 +192,13 @@ def test_failed_pull_recomputes_or_fails(tiny_llama, pair, caplog):
     puller.target = fresh_decode
     try:
         puller.fail_next = True
+        abandoned = len(puller.abandoned)
         recomputed = disaggregated(prefill, fresh_decode, prompts, params)["r0"]
         assert recomputed.outputs[0].token_ids == expected and recomputed.error is None
         assert fresh_decode.num_pull_failures == 1
+        # Nothing will read the peer's blocks: it may free them now, not at its lease's
+        # end (a pair whose layouts differ held every prompt's blocks for lease_s).
+        assert len(puller.abandoned) == abandoned + 1
         (warning,) = [r for r in caplog.records if r.name == "engine.llm_engine"]
         assert "peer unreachable" in warning.message and "recomputed" in warning.message
         kv = fresh_decode.scheduler.kv  # the recompute is no second lookup
@@ -204,6 +208,7 @@ def test_failed_pull_recomputes_or_fails(tiny_llama, pair, caplog):
         failed = disaggregated(prefill, fresh_decode, fresh_prompt, params, policy=False)["r0"]
         assert failed.outputs[0].finish_reason == "abort"
         assert "pulling the prompt's KV" in failed.error and "peer unreachable" in failed.error
+        assert len(puller.abandoned) == abandoned + 2
     finally:
         puller.target = decode
     assert fresh_decode.leak_report() == [] and prefill.leak_report() == []
