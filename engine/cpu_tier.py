@@ -188,7 +188,11 @@ class CpuTier:
         if self._mirror is not None:
             self._mirror.save(device_blocks, slots)
         self.cache.save(device_blocks, slots)
-        for block_hash, slot in zip(stored, slots, strict=True):
+        # Recency in eviction order, the last evicted most recent: the device evicts a
+        # prompt's end before its start, and a lookup needs the run from the start. The
+        # most recent first (as slots were taken) made a prompt's first block the next to
+        # go, and the rest of it unreachable: a tier holding 9 of a prompt's blocks found 1.
+        for block_hash, slot in zip(reversed(stored), reversed(slots), strict=True):
             self._slots[block_hash] = slot
         self.stats.offloaded_blocks += len(stored)
         self.stats.offloaded_bytes += len(stored) * self.bytes_per_block
@@ -221,8 +225,9 @@ class CpuTier:
         return count
 
     def reserve(self, block_hashes: Sequence[BlockHash]) -> None:
-        """Keep these blocks until ``load`` reads them (the scheduler committed to it)."""
-        for block_hash in block_hashes:
+        """Keep these blocks until ``load`` reads them (the scheduler committed to it).
+        Used now: the first block the most recent (a run is found from its start)."""
+        for block_hash in reversed(block_hashes):
             self._slots.move_to_end(block_hash)
             self._reserved.add(block_hash)
 
@@ -232,9 +237,8 @@ class CpuTier:
         if not block_hashes:
             return
         start = time.perf_counter()
-        slots = []
-        for block_hash in block_hashes:
-            slots.append(self._slots[block_hash])
+        slots = [self._slots[block_hash] for block_hash in block_hashes]
+        for block_hash in reversed(block_hashes):  # (as ``reserve``)
             self._slots.move_to_end(block_hash)
         if self._mirror is not None:
             self._mirror.load(slots, device_block_ids)

@@ -162,7 +162,8 @@ def test_snapshot_blocks_are_kept_unannounced_and_come_back_bit_for_bit():
     tier.load(names, [5, 6])
     assert torch.equal(cache[5:7], source[1:3])
     # Full: the two least recently used go, the KV block (announced) and then a
-    # snapshot's (silently); the snapshot that came in is not announced either.
+    # snapshot's (silently: its last, the first block of a run being the most recently
+    # used); the snapshot that came in is not announced either.
     tier.on_block_evicted(KVBlock(3), b"x" * 32)
     tier.on_state_block_evicted(KVBlock(4), b"y" * 32)
     tier.flush()
@@ -170,5 +171,35 @@ def test_snapshot_blocks_are_kept_unannounced_and_come_back_bit_for_bit():
         (BlockRemoved, [kv_hash]),
         (BlockStored, [b"x" * 32]),
     ]
-    assert tier.lookup(names) == 0 and tier.lookup(names[1:]) == 1
+    assert tier.lookup(names) == 1 and tier.lookup(names[1:]) == 0
+    assert tier.leak_report() == []
+
+
+def test_a_spilled_prompt_loses_its_end_first():
+    """The device evicts a prompt's end before its start, and a lookup needs the run from
+    the start: the tier keeps the start longest, as blocks come in and as they are loaded
+    (the newest eviction made least recent, a tier holding 9 of a prompt's blocks lost
+    its first and found 1)."""
+    import torch
+
+    from engine.block_pool import KVBlock
+    from engine.cpu_tier import CpuTier
+
+    cache = torch.randn(16, 2, 4, 1, 2)
+    tier = CpuTier([cache], capacity_bytes=6 * cache[0].numel() * 4, emit=lambda _: None)
+    prompt = [bytes([i]) * 32 for i in range(6)]
+    for block_id in reversed(range(6)):  # its end first, as the device evicts
+        tier.on_block_evicted(KVBlock(block_id), prompt[block_id])
+    tier.flush()
+    assert tier.lookup(prompt) == 6
+    tier.on_block_evicted(KVBlock(6), b"o" * 32)
+    tier.on_block_evicted(KVBlock(7), b"p" * 32)
+    tier.flush()  # full: two of the prompt's go, its last two
+    assert tier.lookup(prompt) == 4
+    tier.reserve(prompt[:4])
+    tier.load(prompt[:4], [8, 9, 10, 11])  # used again: its start the most recent
+    for i, other in enumerate((b"q", b"r", b"s", b"t")):
+        tier.on_block_evicted(KVBlock(12 + i), other * 32)
+        tier.flush()
+    assert tier.lookup(prompt) == 2  # o, p, then the prompt's 4th and 3rd went
     assert tier.leak_report() == []
