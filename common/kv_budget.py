@@ -278,10 +278,13 @@ def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
     tier_block_bytes = bpb or cpu_bpb
     snapshot_blocks = shape.state_blocks(tier_block_bytes, 1, tp_size, itemsize)
     if 0 < engine.cpu_offload_bytes < tier_block_bytes:
-        warnings.append(
-            f"{_key(config, role, 'cpu_offload_bytes')}: {engine.cpu_offload_bytes} bytes hold "
-            f"no block of {tier_block_bytes} bytes; the offload tier would stay empty"
-        )
+        no_block = (f"{engine.cpu_offload_bytes} bytes hold no block of {tier_block_bytes} "
+                    "bytes")  # fmt: skip
+        if bpb is not None:  # the worker would refuse to start
+            raise ConfigError(_key(config, role, "cpu_offload_bytes"),
+                              f"{no_block} (0: no CPU tier)")  # fmt: skip
+        warnings.append(f"{_key(config, role, 'cpu_offload_bytes')}: {no_block} if the KV "
+                        "is float32 (it is where no CUDA device is found)")  # fmt: skip
     elif 0 < engine.cpu_offload_bytes < (snapshot_blocks + 1) * tier_block_bytes:
         # A hybrid model's cached prefix serves only with the states after it.
         warnings.append(

@@ -41,9 +41,11 @@ from typing import Protocol
 
 import torch
 
+from common.config import ConfigError
 from common.hashing import BlockHash
 from common.kv_events import BlockRemoved, BlockStored, KVEvent, Medium
 from engine.block_pool import KVBlock
+from engine.host_memory import host_memory_bytes
 from kernels import reference
 
 
@@ -103,6 +105,27 @@ class BlockCopies(Protocol):
     def load(self, slots: Sequence[int], block_ids: Sequence[int]) -> None: ...
 
 
+# The engine's key; a deployment sets it as offload.cpu_bytes (or a role's override).
+_KEY = "engine.cpu_offload_bytes (a deployment's offload.cpu_bytes)"
+
+
+def _check_host_memory(capacity_bytes: int, kv_caches: list[torch.Tensor]) -> None:
+    """Refuse a tier (with the KV cache, where that is on the host too) larger than the
+    memory this process may use. Its memory is committed as blocks are saved, so a tier
+    4x the host's started and would have got the worker killed under load, hours in."""
+    available = host_memory_bytes()
+    if available is None:
+        return
+    on_host = sum(c.numel() * c.element_size() for c in kv_caches if c.device.type == "cpu")
+    if capacity_bytes + on_host > available:
+        cache = f" beside a {on_host / 2**30:.1f} GiB KV cache" if on_host else ""
+        raise ConfigError(
+            _KEY,
+            f"{capacity_bytes / 2**30:.1f} GiB{cache} is more than this host's memory "
+            f"({available / 2**30:.1f} GiB, or its container's limit)",
+        )
+
+
 class CpuTier:
     def __init__(
         self,
@@ -116,9 +139,9 @@ class CpuTier:
         self.bytes_per_block = sum(cache[0].numel() * cache.element_size() for cache in kv_caches)
         self.num_blocks = capacity_bytes // self.bytes_per_block
         if self.num_blocks < 1:
-            raise ValueError(
-                f"offload.cpu_bytes={capacity_bytes} holds no block of {self.bytes_per_block} B"
-            )
+            raise ConfigError(_KEY, f"{capacity_bytes} bytes hold no block of "
+                                    f"{self.bytes_per_block} bytes (0: no CPU tier)")  # fmt: skip
+        _check_host_memory(capacity_bytes, kv_caches)
         self.cache = HostBlockCache(kv_caches, self.num_blocks)
         self._mirror = mirror
         if mirror is not None:

@@ -18,10 +18,13 @@ faults, on the CI host), and a cache holds memory as blocks are used (its first 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import math
 import mmap
+import os
+from pathlib import Path
 
 import torch
 
@@ -56,6 +59,22 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     offset = -raw.data_ptr() % HUGE_PAGE_BYTES
     _madvise_hugepage(raw.data_ptr() + offset, num_bytes - num_bytes % HUGE_PAGE_BYTES)
     return raw[offset : offset + num_bytes].view(dtype).view(shape)
+
+
+def host_memory_bytes() -> int | None:
+    """The memory this process may use: the host's physical memory, or its cgroup's
+    limit (a container's) where lower; None where neither is known."""
+    limits = []
+    with contextlib.suppress(ValueError, OSError):
+        limits.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:  # ("max", or v1's huge "no limit")
+            limits.append(int(text))
+    return min(limits, default=None)
 
 
 def zeros_for_kv_caches(

@@ -186,6 +186,9 @@ KV_BROKEN = [
     # Per rank: 2 of 4 ranks share each KV head, so a block costs 32 KiB per rank.
     (["engine.device=cpu", "engine.tensor_parallel_size=4", "engine.kv_cache_bytes=4194304"],
      "engine.kv_cache_bytes", "128 KV blocks, which cannot hold"),
+    # A CPU tier of less than a block: the worker refuses to start, so the check does too.
+    (["engine.device=cpu", "offload.cpu_bytes=100"], "offload.cpu_bytes",
+     "100 bytes hold no block of 65536 bytes"),
 ]  # fmt: skip
 
 

@@ -203,3 +203,24 @@ def test_a_spilled_prompt_loses_its_end_first():
         tier.flush()
     assert tier.lookup(prompt) == 2  # o, p, then the prompt's 4th and 3rd went
     assert tier.leak_report() == []
+
+
+def test_a_tier_of_no_block_or_past_the_hosts_memory_is_refused():
+    """Named by its key, before anything is allocated: a tier 4x the host's memory
+    started (its memory is committed as blocks are saved) and would have got the worker
+    killed under load."""
+    import pytest
+    import torch
+
+    from common.config import ConfigError
+    from engine.cpu_tier import CpuTier
+    from engine.host_memory import host_memory_bytes
+
+    cache = torch.zeros(4, 2, 4, 1, 2)
+    with pytest.raises(ConfigError, match="hold no block of 64 bytes"):
+        CpuTier([cache], capacity_bytes=10)
+    memory = host_memory_bytes()
+    assert memory is not None and memory > 2**28
+    with pytest.raises(ConfigError, match="more than this host's memory") as error:
+        CpuTier([cache], capacity_bytes=4 * memory)
+    assert error.value.key.startswith("engine.cpu_offload_bytes")
