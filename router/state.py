@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import threading
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from common.config import (
@@ -97,8 +99,11 @@ class RouterState:
     tracer: Tracer = field(default_factory=lambda: Tracer(TracingConfig(), ROUTER_SERVICE))
     _token_texts: dict[int, str] = field(default_factory=dict)
     _token_bytes: dict[int, bytes] = field(default_factory=dict)
-    # Compiles structured-output constraints as the workers will (router/structured.py).
+    # Compiles structured-output constraints as the workers will (router/structured.py),
+    # on threads of its own (``compile_pool``), so that slow compiles never hold the
+    # default pool the prompts are tokenized on.
     grammar_compiler: GrammarCompiler = field(init=False)
+    compile_pool: ThreadPoolExecutor = field(init=False)
     # Whether requests may carry a priority: the engines schedule by it (the config check
     # keeps both roles on one policy).
     takes_priority: bool = field(init=False)
@@ -106,6 +111,9 @@ class RouterState:
     def __post_init__(self) -> None:
         vocab_size = self.model.vocab_size or self.tokenizer.vocab_size
         self.grammar_compiler = GrammarCompiler(self.model.model_dir, vocab_size)
+        self.compile_pool = ThreadPoolExecutor(
+            max(2, (os.cpu_count() or 2) // 2), thread_name_prefix="grammar-compile"
+        )
         policy = self.config.engine_for(Role.DECODE).scheduling_policy
         self.takes_priority = policy is SchedulingPolicy.PRIORITY
 
@@ -173,6 +181,7 @@ class RouterState:
         await self.pool.close()
         self.events.stop()
         self.pool.registry.close()
+        self.compile_pool.shutdown(wait=False, cancel_futures=True)
         await asyncio.to_thread(self.tracer.shutdown)  # the last spans, sent
 
     @property

@@ -250,6 +250,35 @@ def test_lists_that_cost_work_per_entry_are_bounded(state, monkeypatch):
         assert "sequences" in error["message"] and error["param"] == "prompt"
 
 
+def test_a_tools_constraint_is_bounded_and_compiles_on_its_own_threads(state, monkeypatch):
+    """A named function's schema is bounded as ``guided_json`` is (a 590 KB one compiled
+    for 19 s where guided_json was a 400), and constraints compile on threads of their
+    own: on the shared pool, slow compiles held every request's tokenizing."""
+    import threading
+
+    import router.generation_routes as routes
+
+    properties = {f"field_{i:05d}": {"type": "string"} for i in range(12_000)}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": properties}}}  # fmt: skip
+    for choice in ({"type": "function", "function": {"name": "f"}}, "required"):
+        body = {"messages": [{"role": "user", "content": "x"}], "tools": [tool],
+                "tool_choice": choice}  # fmt: skip
+        error = error_of(post(state, "/v1/chat/completions", json=body), 400)
+        assert error["param"] == "tools" and "too large" in error["message"], error
+    threads = []
+    check = routes.check_constraint
+
+    def recorded(*args):
+        threads.append(threading.current_thread().name)
+        return check(*args)
+
+    monkeypatch.setattr(routes, "check_constraint", recorded)
+    body = {"prompt": "x", "guided_regex": "[ab]+"}
+    assert error_of(post(state, "/v1/completions", json=body), 503)  # (no worker here)
+    assert len(threads) == 1 and threads[0].startswith("grammar-compile"), threads
+
+
 def test_priority_passes_where_the_engines_schedule_by_it(tiny_llama):
     overrides = [f"model={tiny_llama}", "engine.scheduling_policy=priority"]
     state = RouterState.build(load_config(None, overrides))
