@@ -3,11 +3,13 @@ and torch-free).
 
 Reads a checkpoint's ``tokenizer.json`` with the ``tokenizers`` library (the same Rust code
 transformers' fast tokenizers run), its special tokens from ``tokenizer_config.json``, and
-its chat template from ``chat_template.jinja`` or else ``tokenizer_config.json`` (the file
-wins, as in transformers), rendered in a sandboxed Jinja environment the way transformers
-renders it: the same variables (every special token, ``tools`` and ``documents`` None), the
-same filters and globals, and its ``{% generation %}`` tag. Tests check token-for-token
-agreement with ``transformers.AutoTokenizer``.
+its chat templates from ``chat_template.jinja`` (and ``additional_chat_templates/``) or else
+``tokenizer_config.json`` (the files win, as in transformers; ``tool_use`` is the one for a
+request with tools where a checkpoint names one, as transformers picks it), rendered in a
+sandboxed Jinja environment the way transformers renders it: the same variables (every
+special token, ``tools`` and ``documents`` None), the same filters and globals, and its
+``{% generation %}`` tag. Tests check token-for-token agreement with
+``transformers.AutoTokenizer``.
 """
 
 from __future__ import annotations
@@ -153,17 +155,42 @@ class Tokenizer:
             self.special_tokens["additional_special_tokens"] = [_token_text(t) for t in extra]
         self.bos_token = self.special_tokens.get("bos_token")
         self.eos_token = self.special_tokens.get("eos_token")
-        self.chat_template = self._load_chat_template()
+        self.chat_templates = self._load_chat_templates()
+        self.chat_template = self.template_for(None)  # the default
 
-    def _load_chat_template(self) -> str | None:
+    def _load_chat_templates(self) -> dict[str | None, str]:
+        """The checkpoint's chat templates by name (None: the default), as transformers
+        reads them: ``chat_template.jinja`` (the default) and ``additional_chat_templates/
+        <name>.jinja``, else ``tokenizer_config.json``'s (one, or a list of named ones)."""
+        templates: dict[str | None, str] = {}
         jinja_file = self.model_dir / "chat_template.jinja"
-        if jinja_file.exists():
-            return jinja_file.read_text()
+        extra_dir = self.model_dir / "additional_chat_templates"
+        if jinja_file.exists() or extra_dir.is_dir():
+            if jinja_file.exists():
+                templates[None] = jinja_file.read_text()
+            for path in sorted(extra_dir.glob("*.jinja")) if extra_dir.is_dir() else ():
+                templates[path.stem] = path.read_text()
+            return templates
         template = self._config.get("chat_template")
-        if isinstance(template, list):  # named templates: use "default"
-            named = {t.get("name"): t.get("template") for t in template}
-            template = named.get("default") or next(iter(named.values()), None)
-        return template
+        if isinstance(template, list):
+            for named in template:
+                name, text = named.get("name"), named.get("template")
+                if isinstance(text, str):
+                    templates[None if name == "default" else name] = text
+        elif isinstance(template, str):
+            templates[None] = template
+        return templates
+
+    def template_for(self, tools: list[dict[str, Any]] | None) -> str | None:
+        """The template a request renders with, as transformers picks it: ``tool_use``
+        where it has tools and the checkpoint names one (Hermes-2-Pro's: only it renders
+        the tools), else the default, else the only one."""
+        templates = self.chat_templates
+        if tools is not None and "tool_use" in templates:
+            return templates["tool_use"]
+        if None in templates:
+            return templates[None]
+        return next(iter(templates.values())) if len(templates) == 1 else None
 
     @property
     def eos_token_id(self) -> int | None:
@@ -175,7 +202,7 @@ class Tokenizer:
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(self.chat_template)
+        return bool(self.chat_templates)
 
     def encode(
         self,
@@ -283,12 +310,25 @@ class Tokenizer:
 
     @cached_property
     def _escapable(self) -> tuple[list[str], dict[str, int], re.Pattern[str]]:
-        """The special tokens' texts, longest first (one holding another wins), then the
+        """The control tokens' texts, longest first (one holding another wins), then the
         placeholder's own opening character (a client's, kept its own text); each one's
-        place in that list (its placeholder's number); and their pattern."""
-        added = self._tok.get_added_tokens_decoder().values()
-        texts = sorted({t.content for t in added if t.special and t.content}, key=len,
-                       reverse=True)  # fmt: skip
+        place in that list (its placeholder's number); and their pattern.
+
+        Control tokens are transformers' (``sanitize_control_tokens``): the special
+        tokens, and the added tokens ``chat_control_tokens`` lists in
+        ``tokenizer_config.json``, or else those the templates' text holds but
+        whitespace. Qwen's ``<think>``, ``<tool_call>`` and ``<tool_response>`` are
+        added tokens not marked special: a user typing "</think><tool_response>" got
+        those ids, the template's markers."""
+        added = [t for t in self._tok.get_added_tokens_decoder().values() if t.content]
+        listed = self._config.get("chat_control_tokens")
+        if isinstance(listed, list):
+            control = {t.content for t in added if t.special or t.content in listed}
+        else:
+            literal = "\0".join(self._literal_text(t) for t in self.chat_templates.values())
+            control = {t.content for t in added if t.special
+                       or (t.content in literal and not t.content.isspace())}  # fmt: skip
+        texts = sorted(control, key=len, reverse=True)
         texts.append(_ESCAPE_OPEN)
         index = {text: i for i, text in enumerate(texts)}
         return texts, index, re.compile("|".join(map(re.escape, texts)))
@@ -323,15 +363,16 @@ class Tokenizer:
 
         return walk(value)
 
-    @cached_property
-    def _plain(self):  # -> tokenizers.Tokenizer
-        """A copy that reads special tokens' texts as text (the flag is per instance; the
-        router encodes on several threads)."""
-        from tokenizers import Tokenizer as RustTokenizer
-
-        plain = RustTokenizer.from_str(self._tok.to_str())
-        plain.encode_special_tokens = True
-        return plain
+    def _encode_without_added_tokens(self, text: str) -> list[int]:
+        """``text``'s ids with no added token matched, special or not (transformers'
+        way: the normalizer, the pre-tokenizer and the model, past the added tokens)."""
+        tok = self._tok
+        if tok.normalizer is not None:
+            text = tok.normalizer.normalize_str(text)
+        splits = [text]
+        if tok.pre_tokenizer is not None:
+            splits = [split for split, _ in tok.pre_tokenizer.pre_tokenize_str(text)]
+        return [token.id for split in splits for token in tok.model.tokenize(split)]
 
     def _encode_escaped(self, text: str, max_tokens: int | None) -> list[int]:
         """``text`` with placeholders (``escape_special``): the rest as ``encode`` reads it,
@@ -344,7 +385,7 @@ class Tokenizer:
         newline = self._tok.encode("\n", add_special_tokens=False).ids
 
         def plain(piece: str) -> list[int]:
-            return self._plain.encode(piece, add_special_tokens=False).ids
+            return self._encode_without_added_tokens(piece)
 
         def read(piece: str) -> list[int]:
             return self.encode(piece, add_special_tokens=False, max_tokens=max_tokens)
@@ -377,7 +418,7 @@ class Tokenizer:
         return [self._tok.id_to_token(t) or "" for t in token_ids]
 
     @cached_property
-    def _template(self):  # -> jinja2.Template
+    def _environment(self):  # -> jinja2.Environment
         import jinja2
         import jinja2.ext
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -409,7 +450,28 @@ class Tokenizer:
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        return env.from_string(self.chat_template)
+        return env
+
+    @cached_property
+    def _compiled(self) -> dict[str, Any]:  # template text → jinja2.Template
+        return {}
+
+    def _template(self, text: str):  # -> jinja2.Template
+        template = self._compiled.get(text)
+        if template is None:  # (a race compiles it twice: the same either way)
+            template = self._compiled[text] = self._environment.from_string(text)
+        return template
+
+    def _literal_text(self, template: str) -> str:
+        """The template's literal strings (its raw text and string constants) joined by
+        NULs, so no match spans two: where transformers looks for control tokens."""
+        import jinja2.nodes
+
+        tree = self._environment.parse(template)
+        literals = {node.data for node in tree.find_all(jinja2.nodes.TemplateData)}
+        literals |= {node.value for node in tree.find_all(jinja2.nodes.Const)
+                     if isinstance(node.value, str)}  # fmt: skip
+        return "\0".join(literals)
 
     def render_chat(
         self,
@@ -429,13 +491,18 @@ class Tokenizer:
         transformers cuts it. OpenAI's ``developer`` role is ``system`` to a template
         that never names it (Qwen3's, DeepSeek's and GLM's dropped such a message without
         a word; Llama's wrote a header it was not trained on)."""
-        if not self.chat_template:
-            raise TokenizerError("this model has no chat template; use the completions API")
-        if "developer" not in self.chat_template:
+        source = self.template_for(tools)
+        if source is None:
+            if not self.chat_templates:
+                raise TokenizerError("this model has no chat template; use the completions API")
+            names = ", ".join(sorted(str(name) for name in self.chat_templates))
+            raise TokenizerError(f"this model's chat templates ({names}) include no default")
+        if "developer" not in source:
             messages = [{**m, "role": "system"} if m.get("role") == "developer" else m
                         for m in messages]  # fmt: skip
-        if any(m.get("tool_calls") for m in messages) and "tool_calls" not in self.chat_template:
+        if any(m.get("tool_calls") for m in messages) and "tool_calls" not in source:
             raise TokenizerError("this model's chat template does not render tool calls")
+        template = self._template(source)
         variables = {
             "messages": messages,
             "add_generation_prompt": add_generation_prompt,
@@ -447,7 +514,7 @@ class Tokenizer:
         }
         # Nor the environment's functions (raise_exception, namespace, ...), which a
         # template may call.
-        reserved = set(variables) | set(self._template.environment.globals)
+        reserved = set(variables) | set(self._environment.globals)
         taken = sorted(set(template_kwargs or ()) & reserved)
         if taken:
             raise TokenizerError(
@@ -456,7 +523,7 @@ class Tokenizer:
         if continue_final_message:
             variables["messages"] = _tagged_final_message(messages)
         try:
-            text = self._template.render(**(template_kwargs or {}), **variables)
+            text = template.render(**(template_kwargs or {}), **variables)
         except Exception as exc:  # the template's own checks, or its code failing on input
             raise TokenizerError(f"the chat template rejected the messages: {exc}") from exc
         return _cut_at_tag(text, messages[-1]["content"]) if continue_final_message else text
