@@ -279,6 +279,20 @@ def test_a_tools_constraint_is_bounded_and_compiles_on_its_own_threads(state, mo
     assert len(threads) == 1 and threads[0].startswith("grammar-compile"), threads
 
 
+def test_a_messages_text_parts_are_joined_by_newlines(state):
+    """As vLLM joins them for a template that reads text: "Translate to French:" and
+    "Good morning" ran together as one line."""
+    parts = [{"type": "text", "text": "Translate to French:"},
+             {"type": "text", "text": "Good morning"}]  # fmt: skip
+
+    def tokens(content) -> list[int]:
+        body = {"messages": [{"role": "user", "content": content}]}
+        return post(state, "/tokenize", json=body).json()["tokens"]
+
+    assert tokens(parts) == tokens("Translate to French:\nGood morning")
+    assert tokens(parts) != tokens("Translate to French:Good morning")
+
+
 def test_priority_passes_where_the_engines_schedule_by_it(tiny_llama):
     overrides = [f"model={tiny_llama}", "engine.scheduling_policy=priority"]
     state = RouterState.build(load_config(None, overrides))
