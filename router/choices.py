@@ -146,6 +146,7 @@ def build_choices(
                         lora,
                         priority,
                         images=images.messages if images else (),
+                        sibling=sample > 0,
                     ),
                     detokenizer=detokenizer_factory(stop, prompt),
                     echo_only=echo_only,

@@ -71,6 +71,8 @@ class SequenceRequest:
     trace_headers: tuple[tuple[str, str], ...] = ()
     # A vision-language model's images, one per placeholder run (``router/images.py``).
     images: tuple[pb.Image, ...] = ()
+    # A later sample of its prompt (n > 1): the first counted the prompt's use.
+    sibling: bool = False
 
 
 @dataclass(slots=True)
@@ -235,7 +237,10 @@ class Dispatcher:
             prefill_loads = [w.load() for w in prefill]
             if not self.config.per_worker_prefill_rate:
                 prefill_loads = _pooled_rate(prefill_loads)
-            uses = self.demand.use_deepest(reusable, matches.values())
+            # One use per prompt, not per sample: counted per sample, a prompt asked for
+            # n=6 looked shared by 6 requests by its 6th sample, which then recomputed it
+            # on an idle prefill worker (twice the work, for no later request's gain).
+            uses = self.demand.use_deepest(reusable, matches.values(), not request.sibling)
             placement = self.policy.place(
                 len(request.prompt_token_ids),
                 [w.load() for w in decode],

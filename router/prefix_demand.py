@@ -44,25 +44,29 @@ class PrefixDemand:
         # in use order: a use re-inserts its key at the end.
         self._uses: dict[BlockHash, tuple[float, float]] = {}
 
-    def use(self, block_hash: BlockHash) -> float:
+    def use(self, block_hash: BlockHash, count: bool = True) -> float:
         """Count one more use of the prefix ending at ``block_hash``; its recent uses,
-        this one included (>= 1)."""
+        this one included (>= 1). ``count`` False: its recent uses, none counted (at
+        least 1)."""
         if self.window_s <= 0:
             return 1.0
         now = self.clock()
-        count, last = self._uses.pop(block_hash, (0.0, now))
-        count = count * math.exp(-(now - last) / self.window_s) + 1.0
-        self._uses[block_hash] = (count, now)
+        if not count:
+            uses, last = self._uses.get(block_hash, (0.0, now))
+            return max(uses * math.exp(-(now - last) / self.window_s), 1.0)
+        uses, last = self._uses.pop(block_hash, (0.0, now))
+        uses = uses * math.exp(-(now - last) / self.window_s) + 1.0
+        self._uses[block_hash] = (uses, now)
         if len(self._uses) > self.capacity:
             del self._uses[next(iter(self._uses))]
-        return count
+        return uses
 
     def use_deepest(
-        self, block_hashes: Sequence[BlockHash], matches: Iterable[PrefixMatch]
+        self, block_hashes: Sequence[BlockHash], matches: Iterable[PrefixMatch], count: bool = True
     ) -> float:
         """``use`` of the deepest prefix of ``block_hashes`` a worker matched (1: none)."""
         deepest = max((match.num_blocks for match in matches), default=0)
-        return self.use(block_hashes[deepest - 1]) if deepest else 1.0
+        return self.use(block_hashes[deepest - 1], count) if deepest else 1.0
 
     def __len__(self) -> int:
         return len(self._uses)

@@ -795,6 +795,46 @@ def test_a_prompt_to_score_is_placed_as_uncached(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_the_samples_of_one_prompt_count_one_use_of_it(tmp_path):
+    """n=8 samples of a 1,000-token prompt p0 holds, p0's queue the first sample's
+    prefill: every later sample stays with p0. Counted as 8 uses, the prompt looked shared
+    by 8 requests, and from the 6th sample on it was recomputed on the idle p1 (twice the
+    work); 8 requests asking for it do move it."""
+
+    async def scenario(registry: RedisRegistry) -> tuple[list[str], list[str]]:
+        servers = [await serve(s, registry) for s in (Decode(fail=False), HeldPrefill(),
+                                                       HeldPrefill())]  # fmt: skip
+        index = PrefixIndex()
+        pool, dispatcher = pool_and_dispatcher(registry, index,
+                                               RouterConfig(min_disagg_tokens=0))  # fmt: skip
+        try:
+            await pool.refresh()
+            holder = servers[1][1].worker_id
+            prompt = list(range(5, 1005))
+            hashes = hash_blocks(prompt, 16)
+            index.apply(holder, [BlockStored(hashes, None, prompt[: 16 * len(hashes)], 16)])
+            next(w for w in pool.candidates(Role.PREFILL)
+                 if w.worker_id == holder).queued_prefill_tokens = 1500  # fmt: skip
+            placed = {}
+            for sibling in (True, False):  # the samples of one prompt; then 8 requests
+                placed[sibling] = [
+                    dispatcher.place(SequenceRequest(f"r{i}", prompt, hashes, pb.SamplingParams(),
+                                                     sibling=sibling and i > 0)).prefill_worker
+                    for i in range(8)
+                ]  # fmt: skip
+            names = {holder: "holder"}
+            return tuple([names.get(w, "other") for w in placed[k]] for k in (True, False))
+        finally:
+            await pool.close()
+            for server, _ in servers:
+                await server.stop(None)
+
+    samples, requests = run_with_registry(tmp_path, scenario)
+    assert samples == ["holder"] * 8
+    assert "other" in requests
+
+
+@pytest.mark.timeout(60)
 def test_a_hybrid_decode_worker_counts_no_snapshot_past_what_its_engine_resumes(tmp_path):
     """A 48-token prompt: the engine computes its last token, so it resumes at most from
     the snapshot after block 2. One after block 3 (a rolling snapshot ending where the

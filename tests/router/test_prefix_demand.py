@@ -22,6 +22,18 @@ def test_uses_add_up_and_decay_over_the_window():
     assert demand.use(b"a") == pytest.approx(1.0)  # long unused: as new
 
 
+def test_a_look_counts_no_use():
+    """A prompt's later samples (n > 1) read its uses without adding one."""
+    clock = ManualClock(100.0)
+    demand = PrefixDemand(window_s=30.0, clock=clock)
+    assert demand.use(b"a", count=False) == 1.0 and len(demand) == 0  # (at least one)
+    assert [demand.use(b"a") for _ in range(3)] == [1.0, 2.0, 3.0]
+    clock.now += 30.0
+    assert demand.use(b"a", count=False) == pytest.approx(3 / math.e)
+    assert demand.use(b"a", count=False) == pytest.approx(3 / math.e)
+    assert demand.use(b"a") == pytest.approx(3 / math.e + 1)
+
+
 def test_the_least_recently_used_prefix_goes_first_past_the_capacity():
     demand = PrefixDemand(window_s=30.0, capacity=2, clock=ManualClock(100.0))
     demand.use(b"a")
