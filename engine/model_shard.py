@@ -241,13 +241,20 @@ class ModelShard:
             )
         if not scaled:
             return
-        if fp8:
-            use_kv_scales(self.model)
+        used = use_kv_scales(self.model) if fp8 else 0
         if self.group.rank != 0:  # one line per worker, not per rank
             return
         if fp8:
-            logger.info("the FP8 KV cache uses the checkpoint's calibrated K/V scales "
-                        "(%d of %d layers)", len(scaled), self.arch.num_layers)  # fmt: skip
+            if used:  # (it counted the layers that had scales, used or not)
+                logger.info("the FP8 KV cache uses the checkpoint's calibrated K/V scales "
+                            "(%d of %d layers)", used, self.arch.num_layers)  # fmt: skip
+            if used < len(scaled):
+                logger.warning(
+                    "the checkpoint's K/V scales of %d layers are unused: latent attention "
+                    "(MLA) and linear-attention layers store their cache unscaled, and a "
+                    "layer index past the model's %d is none of its", len(scaled) - used,
+                    self.arch.num_layers,
+                )  # fmt: skip
         else:
             logger.info("the checkpoint's calibrated K/V scales are unused: the KV cache is "
                         "%s, not FP8 (engine.kv_cache_dtype)", self.cache_dtype)  # fmt: skip

@@ -461,10 +461,15 @@ class LlamaForCausalLM(nn.Module):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
-def use_kv_scales(model: LlamaForCausalLM) -> None:
+def use_kv_scales(model: LlamaForCausalLM) -> int:
     """Make each attention layer store K/V divided by the checkpoint's calibrated scales
-    (for an FP8 cache); layers without them store K/V as they are."""
+    (for an FP8 cache); layers without them store K/V as they are. Returns how many
+    layers use them: latent attention (MLA) stores its latent unscaled, and a
+    linear-attention layer has no KV cache, so their scales (or a layer index past the
+    model's) go unused."""
+    used = 0
     for index, layer in enumerate(model.model.layers):
-        # MLA checkpoints have no K/V scales, nor linear-attention layers a KV cache.
         if isinstance(getattr(layer, "self_attn", None), Attention):
             layer.self_attn.kv_scales = model.checkpoint_kv_scales.get(index)
+            used += layer.self_attn.kv_scales is not None
+    return used

@@ -93,6 +93,21 @@ def test_an_fp8_cache_uses_the_checkpoints_calibrated_kv_scales(tiny_llama, tmp_
         LLM(model_dir, dtype="float32", kv_cache_dtype="fp8")
 
 
+def test_scales_no_layer_uses_are_told_apart_from_those_used(tiny_llama, tmp_path, caplog):
+    """The log counted every layer that had scales as using them: a latent-attention
+    (MLA) checkpoint's, which its layers never read, and a layer past the model's."""
+    import logging
+
+    model_dir = quantize_checkpoint(tiny_llama, tmp_path / "fp8", "fp8-block", (32, 64))
+    add_kv_scales(model_dir, {0: (0.0137, 0.0291), 99: (0.02, 0.02)})
+    with (caplog.at_level(logging.INFO, logger="engine.model_shard"),
+          LLM(model_dir, dtype="float32", kv_cache_dtype="fp8") as llm):  # fmt: skip
+        assert llm.engine.leak_report() == []
+    messages = [r.getMessage() for r in caplog.records if r.name == "engine.model_shard"]
+    assert any("calibrated K/V scales (1 of 4 layers)" in m for m in messages), messages
+    assert any("K/V scales of 1 layers are unused" in m for m in messages), messages
+
+
 def test_fp8_holds_four_times_the_float32_blocks(tiny_llama):
     """Same bytes, a quarter of the bytes per element: four times the blocks."""
     sizes = {}
