@@ -20,6 +20,22 @@ SEGMENTS = {
 }
 
 
+def layout_of(batch, segments: list[tuple[int, int]]) -> BatchLayout:
+    """The batch's layout, storing nothing (the cache is the batch's)."""
+    starts = batch.query_start_loc.tolist()
+    return BatchLayout(
+        slot_mapping=torch.full((starts[-1],), -1, dtype=torch.int64),
+        query_start_loc=batch.query_start_loc,
+        seq_lens=batch.seq_lens,
+        block_table=batch.block_table,
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=batch.seq_lens.tolist(),
+        num_decodes=batch.num_decodes,
+        max_query_len=max(q for q, _ in segments),
+        max_seq_len=max(s for _, s in segments),
+    )
+
+
 @pytest.mark.parametrize("segments", SEGMENTS.values(), ids=SEGMENTS.keys())
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (4, 1)], ids=["mha", "gqa4", "mqa"])
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -34,17 +50,7 @@ def test_batched_paths_match_the_reference(segments, heads, block_size, sliding_
     # poison a masked SDPA too: 0 x NaN).
     kv_cache = torch.nan_to_num(batch.kv_cache, nan=1e3)
     starts = batch.query_start_loc.tolist()
-    layout = BatchLayout(
-        slot_mapping=torch.full((starts[-1],), -1, dtype=torch.int64),  # nothing to store
-        query_start_loc=batch.query_start_loc,
-        seq_lens=batch.seq_lens,
-        block_table=batch.block_table,
-        query_start_loc_cpu=starts,
-        seq_lens_cpu=batch.seq_lens.tolist(),
-        num_decodes=batch.num_decodes,
-        max_query_len=max(q for q, _ in segments),
-        max_seq_len=max(s for _, s in segments),
-    )
+    layout = layout_of(batch, segments)
     backend = TorchAttentionBackend(block_size)
     metadata = backend.build_metadata(layout)
     num_short = sum(1 for q, _ in segments[batch.num_decodes :] if q <= SHORT_QUERY_LEN)
@@ -72,17 +78,7 @@ def test_nan_past_the_sequences_ends_stays_out_of_a_low_precision_cache(kv_dtype
     )  # fmt: skip
     assert batch.kv_cache.float().isnan().any()
     starts = batch.query_start_loc.tolist()
-    layout = BatchLayout(
-        slot_mapping=torch.full((starts[-1],), -1, dtype=torch.int64),
-        query_start_loc=batch.query_start_loc,
-        seq_lens=batch.seq_lens,
-        block_table=batch.block_table,
-        query_start_loc_cpu=starts,
-        seq_lens_cpu=batch.seq_lens.tolist(),
-        num_decodes=batch.num_decodes,
-        max_query_len=max(q for q, _ in segments),
-        max_seq_len=max(s for _, s in segments),
-    )
+    layout = layout_of(batch, segments)
     backend = TorchAttentionBackend(16)
     metadata = backend.build_metadata(layout)
     assert metadata.short is not None and batch.num_decodes == 2
