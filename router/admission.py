@@ -58,8 +58,12 @@ class Admission:
     def admit(self, num_sequences: int, lora_name: str | None) -> Callable[[], None]:
         """Take ``num_sequences`` of the router's in-flight room (429 when it has not that
         much left) and of ``lora_name``'s; returns the call that gives them back. Callers
-        check and take with no await between."""
+        check and take with no await between. Refused while the router drains: a request
+        that passed ``check_open`` before the drain began and then awaited (tokenizing,
+        compiling its grammar) was not yet counted, and the drain, seeing nothing in
+        flight, stopped the server under it (a cut stream, or uvicorn's plain 500)."""
         state = self.state
+        self.check_open()
         if state.num_inflight + num_sequences > state.config.router.max_inflight_sequences:
             raise overloaded()
         state.num_inflight += num_sequences

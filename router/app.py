@@ -105,6 +105,25 @@ class _Arrival:
 _CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
+class _OpenRequests:
+    """Counts the HTTP requests the router is answering (``RouterState.num_open_requests``):
+    the drain waits for them, not only for the sequences admitted (``router/main.py``)."""
+
+    def __init__(self, app: ASGIApp, state: RouterState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        self.state.num_open_requests += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.num_open_requests -= 1
+
+
 class _RequestIds:
     """``X-Request-Id`` on every response, errors and refusals included (OpenAI sends one;
     the OpenAI SDK shows it as ``_request_id`` and in its errors): the client's own, when
@@ -210,6 +229,7 @@ def create_app(state: RouterState) -> FastAPI:
     )
     app.add_middleware(_ApiKeyAuth, state=state, respond=refused)
     app.add_middleware(_RequestIds)  # around the refusals too
+    app.add_middleware(_OpenRequests, state=state)
     if state.tracer.enabled:
         app.add_middleware(_Arrival)  # the first thing a request meets (but CORS's)
     origins = state.config.router.allowed_origins
@@ -219,8 +239,9 @@ def create_app(state: RouterState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if state.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
+        if state.draining:  # (Retry-After: as new requests get it, deploy/README.md)
+            return JSONResponse({"status": "draining"}, status_code=503,
+                                headers={"Retry-After": "1"})  # fmt: skip
         ready = bool(state.pool.candidates_for_health())
         return JSONResponse({"status": "ok" if ready else "no_workers"},
                             status_code=200 if ready else 503)  # fmt: skip

@@ -118,15 +118,23 @@ class DrainingServer(uvicorn.Server):
         self.grace_s = grace_s
 
     def handle_exit(self, sig: int, frame) -> None:
-        if self.state.draining:  # a second signal: stop now
-            super().handle_exit(sig, frame)
+        if self.state.draining:  # a second signal: stop now, replies ending with an error
+            # Not uvicorn's own handler: it re-raised the signal once stopped, so the
+            # router died by it (exit -15), and ``pdserve up`` restarted it.
+            self.state.stopping = True
+            self.should_exit = True
             return
         logger.info("draining: %d sequences in flight", self.state.num_inflight)
         self.state.draining = True
         deadline = time.monotonic() + self.grace_s
 
+        def busy() -> bool:
+            # Requests still on their way to admission too (tokenizing, compiling): they
+            # get their 503 there; stopped under them, they got a cut stream.
+            return bool(self.state.num_inflight or self.state.num_open_requests)
+
         def watch() -> None:
-            while self.state.num_inflight and time.monotonic() < deadline:
+            while busy() and time.monotonic() < deadline:
                 time.sleep(0.05)
             if self.state.num_inflight:  # cut what still runs, each with its error
                 logger.warning("drain grace over: ending %d sequences", self.state.num_inflight)

@@ -31,7 +31,8 @@ class RouterMetrics:
         # The live plan (router/live_plan.py) when planner.profile is set: it sizes the
         # sequences served, and shows its plan in this registry.
         self.live_plan: LivePlan | None = None
-        self._observed_workers: set[str] = set()  # the workers the gauges have series for
+        self._observed_workers: set[str] = set()  # the workers ``worker_available`` lists
+        self._gauged_workers: set[str] = set()  # ... and those the load gauges have series for
         labels = {"model_name": model_name}
         r = self.registry
 
@@ -198,18 +199,23 @@ class RouterMetrics:
     ) -> None:
         """Per-worker gauges for the workers in ``stats`` (``available``: those the router
         places new work on); series of workers that left go (frozen values would read as
-        live ones, and worker ids churn)."""
+        live ones, and worker ids churn), and so do the load series of workers not
+        available (their stats stop coming once they drain or stall: a drained worker
+        read as 2 requests running for as long as it stayed listed)."""
         for worker_id in self._observed_workers - stats.keys():
+            self.worker_available.remove(worker_id)
+        for worker_id in self._gauged_workers - (stats.keys() & available):
             for gauge, _ in self._worker_gauges:
                 gauge.remove(worker_id)
-            self.worker_available.remove(worker_id)
         for kind, worker_id in [d for d in self._decided if d[1] not in stats]:
             self.decisions.remove(kind, worker_id)  # (they grew with every worker ever seen)
             self._decided.discard((kind, worker_id))
         self._observed_workers = set(stats)
+        self._gauged_workers = stats.keys() & available
         for worker_id, worker in stats.items():
-            for gauge, value in self._worker_gauges:
-                gauge.labels(worker=worker_id).set(value(worker))
+            if worker_id in available:
+                for gauge, value in self._worker_gauges:
+                    gauge.labels(worker=worker_id).set(value(worker))
             self.worker_available.labels(worker=worker_id).set(worker_id in available)
 
     def render(self) -> bytes:

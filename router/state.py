@@ -84,6 +84,7 @@ class RouterState:
     # read", that a client cannot tell from a network fault).
     stopping: bool = False
     num_inflight: int = 0  # sequences admitted and not yet ended (see admission.Admission.admit)
+    num_open_requests: int = 0  # HTTP requests being answered (``router/app.py``)
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     # The Harmony markers' token ids, where the model writes its chat replies in that
     # format (GPT-OSS; router/harmony.py); None: it does not.

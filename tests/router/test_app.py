@@ -510,7 +510,7 @@ def test_queue_gauges_follow_the_workers_batches(tiny_llama):
         info = WorkerInfo(worker_id=f"{role}@w", role=role, grpc_address="127.0.0.1:1",
                           events_endpoint="tcp://127.0.0.1:2",
                           replay_endpoint="tcp://127.0.0.1:3")  # fmt: skip
-        worker = WorkerState(info, None, None, None, None, stats=stats)
+        worker = WorkerState(info, None, None, None, None, stats=stats, healthy=True)
         worker.running = 56  # open Generate calls: the 16 running and the 40 queued
         state.pool.workers[info.worker_id] = worker
 
@@ -815,6 +815,31 @@ def test_a_reply_with_scores_is_built_and_encoded_off_the_event_loop(state, monk
     assert response.status_code == 200, response.text
     assert response.json()["object"] == "response"
     assert len(resolved) == 1 and resolved[0] != loop_thread
+
+
+def test_a_request_that_began_before_the_drain_is_refused_at_admission(state, monkeypatch):
+    """It passed the draining check, then awaited (its grammar compiling) while the drain
+    began: admission refuses it with a 503 in the envelope (it was let in uncounted, and
+    the drain stopped the server under it). /health says draining with Retry-After, as
+    new requests get it."""
+    import router.generation_routes as routes
+
+    check = routes.check_constraint
+
+    def drain_meanwhile(*args):
+        state.draining = True
+        return check(*args)
+
+    monkeypatch.setattr(routes, "check_constraint", drain_meanwhile)
+    try:
+        reply = post(state, "/v1/completions", json={"prompt": "x", "guided_regex": "[ab]+"})
+        health = post(state, "/health", method="GET")
+    finally:
+        state.draining = False
+    assert error_of(reply, 503)["code"] == "service_unavailable"
+    assert "draining" in reply.json()["error"]["message"] and reply.headers["retry-after"]
+    assert state.num_inflight == 0
+    assert health.status_code == 503 and health.headers["retry-after"] == "1"
 
 
 def test_a_reply_still_waiting_when_the_drain_grace_ends_is_a_503(state, monkeypatch):

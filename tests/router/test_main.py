@@ -28,7 +28,8 @@ async def forever(scope, receive, send) -> None:
 
 def test_a_drain_with_a_stream_still_running_ends_within_its_grace():
     grace_s = 1.0
-    state = SimpleNamespace(draining=False, num_inflight=1)  # the stream, never done
+    state = SimpleNamespace(draining=False, stopping=False, num_inflight=1,
+                            num_open_requests=0)  # the stream, never done  # fmt: skip
     config = uvicorn.Config(forever, host="127.0.0.1", port=0, lifespan="off",
                             log_level="warning")  # fmt: skip
     server = DrainingServer(state, grace_s, config)  # type: ignore[arg-type]
@@ -59,3 +60,51 @@ def test_a_drain_with_a_stream_still_running_ends_within_its_grace():
 
     took = asyncio.run(main())
     assert grace_s <= took < grace_s + DrainingServer.CLOSE_S + 1.0, took
+
+
+def serving(state: SimpleNamespace, app=forever) -> tuple[DrainingServer, asyncio.Task]:
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="off", log_level="warning")
+    server = DrainingServer(state, 30.0, config)  # type: ignore[arg-type]
+    return server, asyncio.create_task(server.serve())
+
+
+def test_the_drain_waits_for_requests_not_yet_admitted():
+    """A request that passed the draining check and then awaited (tokenizing, compiling
+    its grammar) was not yet counted as in flight: the drain, seeing nothing, stopped the
+    server under it (a cut stream, or uvicorn's plain 500). Open HTTP requests count."""
+    state = SimpleNamespace(draining=False, stopping=False, num_inflight=0, num_open_requests=1)
+
+    async def main() -> tuple[bool, bool]:
+        server, task = serving(state)
+        while not server.started:
+            await asyncio.sleep(0.01)
+        server.handle_exit(15, None)
+        await asyncio.sleep(0.5)
+        waited = not task.done()
+        state.num_open_requests = 0  # it got its 503 at admission
+        await asyncio.wait_for(task, 10)
+        return waited, state.stopping
+
+    assert asyncio.run(main()) == (True, False)
+
+
+def test_a_second_signal_stops_now_and_the_router_does_not_die_by_it():
+    """uvicorn's own handler re-raised the signal once stopped: the router died by it
+    (exit -15) and ``pdserve up`` restarted it. The replies still running end with their
+    error (``stopping``)."""
+    state = SimpleNamespace(draining=False, stopping=False, num_inflight=1, num_open_requests=1)
+
+    async def main() -> float:
+        server, task = serving(state)
+        while not server.started:
+            await asyncio.sleep(0.01)
+        server.handle_exit(15, None)
+        assert not state.stopping
+        start = time.monotonic()
+        server.handle_exit(15, None)
+        assert state.stopping and server.should_exit
+        assert server._captured_signals == []  # (what uvicorn raises again at its end)
+        await asyncio.wait_for(task, 10)
+        return time.monotonic() - start
+
+    assert asyncio.run(main()) < DrainingServer.CLOSE_S + 1.0

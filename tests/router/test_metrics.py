@@ -28,6 +28,24 @@ def test_series_of_workers_that_left_are_dropped():
     assert 'pdserve:worker_available{worker="decode@a:1"} 1.0' in text
 
 
+def test_a_worker_not_available_shows_no_load():
+    """Its stats stop coming once it drains or stalls: a drained worker read as 2
+    requests running for as long as it stayed listed. It comes back with its load."""
+    metrics = RouterMetrics("test_unavailable_metrics")
+    stats = pb.StatsResponse(num_running=2, kv_blocks_used=36)
+    metrics.observe_workers({"decode@a:1": stats}, {"decode@a:1"})
+    assert 'pdserve:worker_requests_running{worker="decode@a:1"} 2.0' in metrics.render().decode()
+    for available in (set(), set()):  # (twice: nothing left to remove the second time)
+        metrics.observe_workers({"decode@a:1": stats}, available)
+        text = metrics.render().decode()
+        assert "worker_requests_running{" not in text and "worker_kv_blocks_used{" not in text
+        assert 'pdserve:worker_available{worker="decode@a:1"} 0.0' in text
+    metrics.observe_workers({"decode@a:1": stats}, {"decode@a:1"})
+    assert 'pdserve:worker_requests_running{worker="decode@a:1"} 2.0' in metrics.render().decode()
+    metrics.observe_workers({}, set())  # gone
+    assert 'worker="decode@a:1"' not in metrics.render().decode()
+
+
 def test_expert_balance_gauges_show_the_workers_stats():
     metrics = RouterMetrics("test_expert_metrics")
     stats = pb.StatsResponse(expert_rebalances=3, expert_moved_slots=14, expert_imbalance=1.25)
@@ -42,7 +60,7 @@ def test_kv_usage_per_worker_and_latencies_past_80_s_are_told_apart():
     600 s request read as 80 s in every quantile."""
     metrics = RouterMetrics("test_kv_usage")
     stats = pb.StatsResponse(kv_blocks_used=30, kv_blocks_total=40)
-    metrics.observe_workers({"decode@a:1": stats}, set())
+    metrics.observe_workers({"decode@a:1": stats}, {"decode@a:1"})
     text = metrics.render().decode()
     assert 'pdserve:worker_kv_blocks_total{worker="decode@a:1"} 40.0' in text
     assert 'pdserve:worker_kv_cache_usage{worker="decode@a:1"} 0.75' in text
