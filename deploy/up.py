@@ -280,8 +280,10 @@ class Stack:
                 if proc.poll() is None or name in reported:
                     continue
                 if name == "router" and (proc.returncode == 0 or not self.restart):
+                    # Drained (its own SIGTERM): a stop, not a failure, which a supervisor
+                    # restarting on failure would have undone.
                     print(f"the router exited ({proc.returncode}); stopping", file=sys.stderr)
-                    return 1
+                    return 0 if proc.returncode == 0 else 1
                 # The router routes around a dead worker; the stack keeps serving (and
                 # workers keep theirs while a failed router comes back).
                 print(self._exit_line(name, proc.returncode), file=sys.stderr)

@@ -61,6 +61,18 @@ def test_every_worker_gets_its_deadline_at_once_and_the_router_stops_first(stack
     assert float(marker.read_text()) - started_wall >= 0.65  # after the router's 0.7 s
 
 
+def test_a_drained_router_stops_the_stack_with_success(stack):
+    """A router that exits 0 was drained on purpose (its own SIGTERM): the stack stops
+    with 0, so a supervisor restarting on failure leaves it stopped; one that failed
+    under --no-restart stops it with 1."""
+    for command, restart, code in ((["true"], True, 0), (["false"], False, 1)):
+        router = subprocess.Popen(command)
+        router.wait()
+        stack.children = [("router", router)]
+        stack.restart = restart
+        assert stack.wait() == code
+
+
 def test_a_second_signal_kills_what_is_left_at_once(stack, monkeypatch):
     monkeypatch.setattr(up, "_SHUTDOWN_S", 60.0)
     stack.children = [("router", stubborn()), ("decode-0", stubborn())]
