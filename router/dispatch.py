@@ -502,7 +502,8 @@ class Dispatcher:
                 self.failed_call(worker, exc, "prefill")
                 # Past its deadline or cut off, it may have exported: free that now.
                 self._release_kv(worker, pb.ReleaseKVRequest(request_id=request.request_id))
-                self.metrics.prefill_failures.inc()
+                if not _refused(exc):  # (a draining worker's refusal ran nothing)
+                    self.metrics.prefill_failures.inc()
                 continue
             finally:
                 worker.queued_prefill_tokens -= uncached
@@ -523,7 +524,10 @@ class Dispatcher:
             raise client_error from None
         if exc.code() not in _RETRYABLE:
             raise exc
-        logger.warning("%s on %s failed: %s", what, worker.worker_id, exc.details())
+        if _refused(exc):  # turned away unstarted (draining): expected, not a failure
+            logger.info("%s on %s refused: %s", what, worker.worker_id, exc.details())
+        else:
+            logger.warning("%s on %s failed: %s", what, worker.worker_id, exc.details())
         if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
             self.pool.mark_unhealthy(worker.worker_id)
 
@@ -702,7 +706,8 @@ class Dispatcher:
                 refused = _refused(exc)
                 if moving and refused:
                     migrations_left += 1  # it never held the sequence
-                self.metrics.decode_failures.inc()
+                if not refused:  # a draining worker's refusal is no failed hop (drain alerts)
+                    self.metrics.decode_failures.inc()
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
                     self.pool.mark_unhealthy(worker.worker_id)
             finally:

@@ -468,7 +468,7 @@ def test_a_decode_worker_that_refuses_leaves_the_kv_to_the_next(tmp_path):
     released once that one streams."""
     refusing, taking = Draining(), Decode(False, (1,))
 
-    async def scenario(registry: RedisRegistry) -> tuple[list[int], list[bool]]:
+    async def scenario(registry: RedisRegistry) -> tuple[list[int], list[bool], float]:
         servers = [await serve(refusing, registry), await serve(taking, registry)]
         ids = [info.worker_id for _, info in servers]
         pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex())
@@ -484,13 +484,14 @@ def test_a_decode_worker_that_refuses_leaves_the_kv_to_the_next(tmp_path):
             async for delta in dispatcher._decode(request, placement, leased_first(), lease,
                                                   set()):  # fmt: skip
                 tokens += delta.token_ids
-            return tokens, released
+            return tokens, released, dispatcher.metrics.decode_failures._value.get()
         finally:
             await pool.close()
             for server, _ in servers:
                 await server.stop(None)
 
-    assert run_with_registry(tmp_path, scenario) == ([1, 42], [True])
+    # A refusal is no failed hop: counted, every drain set off failure alerts.
+    assert run_with_registry(tmp_path, scenario) == ([1, 42], [True], 0)
     assert refusing.requests[0].HasField("kv") and taking.requests[0].HasField("kv")
     assert taking.requests[0].kv.lease_id == "lease-1"
 
