@@ -18,6 +18,7 @@ was encoded recently.
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -79,10 +80,21 @@ def _pixels(data: bytes, size: tuple[int, int], processing: ImageProcessing) -> 
 @dataclass(slots=True)
 class ChunkImages:
     """The images a chunk's positions overlap, and its request's store of encoder output
-    (image index -> [num_tokens, rows_width]) that the runner reads and updates."""
+    (image index -> [num_tokens, rows_width]) that the runner reads and updates.
+    ``cache_salt``: its request's tenant (``EncoderCache`` keys)."""
 
     images: tuple[tuple[int, PromptImage], ...]  # (index in the request, image)
     features: dict[int, torch.Tensor]
+    cache_salt: str | None = None
+
+    def cache_key(self, digest: bytes) -> bytes:
+        """An image's ``EncoderCache`` key: its digest, within its tenant. Shared across
+        salts, an image another tenant sent was not encoded again, and the time to first
+        token told a tenant so: the side channel ``cache_salt`` closes for the KV."""
+        if self.cache_salt is None:
+            return digest
+        salt = self.cache_salt.encode("utf-8", "surrogatepass")
+        return hashlib.sha256(len(salt).to_bytes(8, "little") + salt + digest).digest()
 
 
 class EncoderCache:
@@ -156,7 +168,11 @@ def prepare_images(
 
 
 def chunk_images(
-    images: tuple[PromptImage, ...], features: dict[int, torch.Tensor], start: int, end: int
+    images: tuple[PromptImage, ...],
+    features: dict[int, torch.Tensor],
+    start: int,
+    end: int,
+    cache_salt: str | None = None,
 ) -> ChunkImages | None:
     """What a chunk of positions ``[start, end)`` needs of its request's ``images``."""
     overlapping = tuple(
@@ -164,7 +180,7 @@ def chunk_images(
         for index, image in enumerate(images)
         if image.span.offset < end and image.span.end > start
     )
-    return ChunkImages(overlapping, features) if overlapping else None
+    return ChunkImages(overlapping, features, cache_salt) if overlapping else None
 
 
 def image_embeds(
@@ -187,7 +203,7 @@ def image_embeds(
         for index, image in store.images:
             if index in store.features:
                 continue
-            digest = image.span.digest
+            digest = store.cache_key(image.span.digest)
             cached = cache.get(digest)
             if cached is not None:
                 store.features[index] = cached

@@ -160,6 +160,28 @@ def test_prefix_cache_keys_blocks_by_their_images(llava):
     assert llm.engine.leak_report() == []
 
 
+def test_the_encoder_cache_is_kept_per_cache_salt(llava):
+    """An image another tenant sent was not encoded again (the encoder cache was keyed by
+    the image alone): the time to first token told a tenant what another had sent, the
+    side channel cache_salt closes for the KV. Within a salt (or none) it is reused."""
+    llm = LLM(llava, block_size=8)
+    engine = llm.engine
+    calls = counting_encoder(engine)
+    token_ids, inputs = request(llm, IMAGES[:2])
+
+    def encodes(request_id: str, salt: str | None) -> int:
+        calls.clear()
+        engine.add_request(request_id, token_ids, GREEDY, cache_salt=salt, images=inputs)
+        while engine.has_unfinished_requests():
+            engine.step()
+        return sum(calls)
+
+    assert [encodes("a", "tenant-a"), encodes("b", "tenant-b"), encodes("n", None)] == [2, 2, 2]
+    engine.scheduler.kv.pool.reset_prefix_cache()  # (the KV would serve the repeats)
+    assert [encodes("a2", "tenant-a"), encodes("n2", None)] == [0, 0]
+    assert engine.leak_report() == []
+
+
 def test_a_step_encodes_many_new_images_in_bounded_groups(llava, monkeypatch):
     """Six new images in one step are encoded in groups of at most ENCODER_BATCH (here
     4), or of ENCODER_BATCH_PIXELS (here 2 images' worth), with the tokens of one call
