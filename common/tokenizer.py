@@ -123,11 +123,26 @@ def _token_text(value: Any) -> str | None:
     return value
 
 
-# Client text that spells a special token, when escaped (``Tokenizer.escape_special``):
-# a placeholder of private-use characters through the template, then the token's text
-# encoded as plain text.
-_ESCAPE_OPEN, _ESCAPE_CLOSE = "\ue000", "\ue001"
-_ESCAPED = re.compile(f"{_ESCAPE_OPEN}(\\d+){_ESCAPE_CLOSE}")
+# Client text that spells a control token, when escaped (``Tokenizer.escape_special``):
+# the token's text between these private-use characters through the template (so its
+# string tests and splits still see it), then encoded as plain text. transformers'
+# markers (``sanitize_control_tokens``), so the ids are its ids.
+_MARK_START, _MARK_END = "\U000f0000", "\U000f0001"
+
+
+_ESCAPED_MARK_START, _ESCAPED_MARK_END = (json.dumps(m)[1:-1] for m in (_MARK_START, _MARK_END))
+
+
+@dataclass(frozen=True, slots=True)
+class _ControlTokens:
+    """A template's control tokens (``Tokenizer._control``): ``found`` matches one in
+    client text, ``marked`` one between the markers in the rendered text, or a lone
+    marker (a template's string method split a pair: dropped, but it still breaks the
+    text, so the text on either side cannot join into a token)."""
+
+    texts: frozenset[str]
+    found: re.Pattern[str]
+    marked: re.Pattern[str]
 
 
 class Tokenizer:
@@ -308,51 +323,60 @@ class Tokenizer:
         added = self._tok.get_added_tokens_decoder()
         return frozenset(i for i, token in added.items() if token.special)
 
-    @cached_property
-    def _escapable(self) -> tuple[list[str], dict[str, int], re.Pattern[str]]:
-        """The control tokens' texts, longest first (one holding another wins), then the
-        placeholder's own opening character (a client's, kept its own text); each one's
-        place in that list (its placeholder's number); and their pattern.
-
-        Control tokens are transformers' (``sanitize_control_tokens``): the special
-        tokens, and the added tokens ``chat_control_tokens`` lists in
-        ``tokenizer_config.json``, or else those the templates' text holds but
-        whitespace. Qwen's ``<think>``, ``<tool_call>`` and ``<tool_response>`` are
-        added tokens not marked special: a user typing "</think><tool_response>" got
-        those ids, the template's markers."""
+    def _control(self, template: str | None) -> _ControlTokens:
+        """The control tokens of ``template`` (None: the default), transformers' (its
+        ``sanitize_control_tokens``): the special tokens, and the added tokens
+        ``chat_control_tokens`` lists in ``tokenizer_config.json``, or else those the
+        template's text holds but whitespace. Qwen's ``<think>``, ``<tool_call>`` and
+        ``<tool_response>`` are added tokens not marked special: a user typing
+        "</think><tool_response>" got those ids, the template's markers."""
+        key = template if template is not None else self.chat_template
+        control = self._controls.get(key)
+        if control is not None:
+            return control
         added = [t for t in self._tok.get_added_tokens_decoder().values() if t.content]
         listed = self._config.get("chat_control_tokens")
         if isinstance(listed, list):
-            control = {t.content for t in added if t.special or t.content in listed}
+            texts = {t.content for t in added if t.special or t.content in listed}
         else:
-            literal = "\0".join(self._literal_text(t) for t in self.chat_templates.values())
-            control = {t.content for t in added if t.special
-                       or (t.content in literal and not t.content.isspace())}  # fmt: skip
-        texts = sorted(control, key=len, reverse=True)
-        texts.append(_ESCAPE_OPEN)
-        index = {text: i for i, text in enumerate(texts)}
-        return texts, index, re.compile("|".join(map(re.escape, texts)))
+            literal = self._literal_text(key) if key else ""
+            texts = {t.content for t in added if t.special
+                     or (t.content in literal and not t.content.isspace())}  # fmt: skip
+        longest = "|".join(map(re.escape, sorted(texts, key=len, reverse=True))) or "(?!)"
+        control = _ControlTokens(
+            frozenset(texts),
+            re.compile(longest),
+            re.compile(f"{_MARK_START}({longest}){_MARK_END}|[{_MARK_START}{_MARK_END}]"),
+        )
+        self._controls[key] = control  # (a race builds it twice: the same either way)
+        return control
+
+    @cached_property
+    def _controls(self) -> dict[str | None, _ControlTokens]:
+        return {}
 
     def special_texts_in(self, text: str) -> frozenset[str]:
-        """The special tokens' texts ``text`` holds."""
-        _, _, pattern = self._escapable
-        return frozenset(pattern.findall(text)) - {_ESCAPE_OPEN}
+        """The control tokens' texts ``text`` holds (the default template's)."""
+        return frozenset(self._control(None).found.findall(text))
 
-    def escape_special(self, value: Any, keep: frozenset[str] = frozenset()) -> Any:
+    def escape_special(
+        self, value: Any, keep: frozenset[str] = frozenset(), template: str | None = None
+    ) -> Any:
         """``value`` (messages, tools, template arguments: strings in lists, plain dicts and
-        a call's ``TemplateArguments``) with each special token's text in its strings, but
-        those of ``keep`` (an image's marker), made a placeholder that
-        ``apply_chat_template(..., escape_special=True)`` encodes as that text, never as
-        the token. Other objects stay as they are."""
-        _, index, pattern = self._escapable
+        a call's ``TemplateArguments``) with each control token's text in its strings
+        (``template``'s; None: the default's), but those of ``keep`` (an image's marker),
+        put between markers that ``apply_chat_template(..., escape_special=True)``
+        encodes as that text, never as the token. Markers a client wrote are dropped (they
+        would forge a marked token). Other objects stay as they are."""
+        found = self._control(template).found
 
-        def placeholder(match: re.Match[str]) -> str:
-            found = match.group()
-            return found if found in keep else f"{_ESCAPE_OPEN}{index[found]}{_ESCAPE_CLOSE}"
+        def mark(match: re.Match[str]) -> str:
+            text = match.group()
+            return text if text in keep else f"{_MARK_START}{text}{_MARK_END}"
 
         def walk(item: Any) -> Any:
             if isinstance(item, str):
-                return pattern.sub(placeholder, item)
+                return found.sub(mark, item.replace(_MARK_START, "").replace(_MARK_END, ""))
             if isinstance(item, list):
                 return [walk(x) for x in item]
             if isinstance(item, TemplateArguments):  # (its text is what some templates print)
@@ -374,14 +398,15 @@ class Tokenizer:
             splits = [split for split, _ in tok.pre_tokenizer.pre_tokenize_str(text)]
         return [token.id for split in splits for token in tok.model.tokenize(split)]
 
-    def _encode_escaped(self, text: str, max_tokens: int | None) -> list[int]:
-        """``text`` with placeholders (``escape_special``): the rest as ``encode`` reads it,
-        each placeholder as its token's text, as plain text. A piece after the first is
-        encoded after a newline, whose ids are then dropped, as transformers'
+    def _encode_escaped(
+        self, text: str, control: _ControlTokens, max_tokens: int | None
+    ) -> list[int]:
+        """``text`` with marked tokens (``escape_special``): the rest as ``encode`` reads
+        it, each marked token's text as plain text, lone markers dropped. A piece after
+        the first is encoded after a newline, whose ids are then dropped, as transformers'
         ``sanitize_control_tokens`` does: encoded as the start of a text, each piece got
         the "▁" a SentencePiece-style tokenizer (Llama 2, Mistral) puts there, a space the
         client never wrote (an audit: "the <s>old</s> test" read "the  <s> old </s>  test")."""
-        texts, _, _ = self._escapable
         newline = self._tok.encode("\n", add_special_tokens=False).ids
 
         def plain(piece: str) -> list[int]:
@@ -397,10 +422,13 @@ class Tokenizer:
             return encode(piece)
 
         ids: list[int] = []
-        for i, piece in enumerate(_ESCAPED.split(text)):
+        # [text, marked token or None (a lone marker), text, ...]
+        for i, piece in enumerate(control.marked.split(text)):
+            if not piece:
+                continue
             if i % 2:
-                ids += inside(texts[int(piece)], plain)
-            elif piece:
+                ids += inside(piece, plain)
+            else:
                 ids += read(piece) if i == 0 else inside(piece, read)
             if max_tokens is not None and len(ids) > max_tokens:
                 raise TooManyTokens(len(ids))
@@ -427,10 +455,14 @@ class Tokenizer:
             raise jinja2.exceptions.TemplateError(message)
 
         def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-            return json.dumps(
+            text = json.dumps(
                 x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                 sort_keys=sort_keys,
             )  # fmt: skip
+            if ensure_ascii:  # the markers as they are: escaped, a marked token read as one
+                text = text.replace(_ESCAPED_MARK_START, _MARK_START)
+                text = text.replace(_ESCAPED_MARK_END, _MARK_END)
+            return text
 
         class GenerationTag(jinja2.ext.Extension):
             """``{% generation %}...{% endgeneration %}`` marks assistant text for training
@@ -549,17 +581,19 @@ class Tokenizer:
         (``escape_special``), as is such text in the template's arguments (a client's
         ``chat_template_kwargs``) and in tool calls' arguments: only the template writes
         tokens."""
+        template = self.template_for(tools)
         if escape_special:  # (everything the client wrote that the template prints)
-            messages = self.escape_special(messages, keep_special)
-            tools = self.escape_special(tools, keep_special)
-            template_kwargs = self.escape_special(template_kwargs, keep_special)
+            messages = self.escape_special(messages, keep_special, template)
+            tools = self.escape_special(tools, keep_special, template)
+            template_kwargs = self.escape_special(template_kwargs, keep_special, template)
         text = self.render_chat(
             messages, add_generation_prompt, tools, template_kwargs, continue_final_message
         )
         if rewrite is not None:
             text = rewrite(text)
-        if escape_special and _ESCAPE_OPEN in text:  # (the caller truncates to ``kept``)
-            return self._encode_escaped(text, max_tokens)
+        if escape_special and (_MARK_START in text or _MARK_END in text):
+            # (the caller truncates to ``kept``)
+            return self._encode_escaped(text, self._control(template), max_tokens)
         return self.encode(text, add_special_tokens=False, max_tokens=max_tokens, kept=kept)
 
 

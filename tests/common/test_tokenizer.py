@@ -423,11 +423,51 @@ def test_text_a_client_writes_that_spells_a_special_token_stays_text(model_facto
     assert escaped.count(start) == 2  # the user turn's and the assistant's: the template's
     assert ours.decode(escaped, skip_special_tokens=False).count("\ue0001\ue001") == 1
     escaped_tools = ours.escape_special(tools)  # (tools' text reaches the template too)
-    assert "<|im_start|>" not in escaped_tools[0]["function"]["description"]
+    marked = "\U000f0000<|im_start|>\U000f0001"  # transformers' markers around its text
+    assert escaped_tools[0]["function"]["description"] == marked
+    # Markers a client writes are dropped: they would forge a marked token.
+    assert ours.escape_special(["\U000f0000x\U000f0001"]) == ["x"]
     kept = ours.escape_special(tools, keep=frozenset(["<|im_start|>"]))
     assert kept == tools  # an image's marker (the caller's) stays itself
     with pytest.raises(TooManyTokens):
         ours.apply_chat_template(messages, True, max_tokens=10, escape_special=True)
+
+
+def test_a_template_still_sees_the_control_tokens_a_client_wrote(model_factory, tmp_path):
+    """Qwen3's and DeepSeek-R1's templates drop an earlier reply's thinking by testing and
+    splitting its text at "</think>". Escaped as a numbered placeholder, the template saw
+    no "</think>" and every turn kept all past thinking; between transformers' markers,
+    the ids are transformers' (``sanitize_control_tokens=True``). A template printing
+    client text with ``tojson(ensure_ascii=True)`` keeps the markers too (escaped, the
+    token between them would have been read as the token)."""
+    from transformers import AutoTokenizer
+
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% set content = m['content'] %}"
+        "{% if m['role'] == 'assistant' and '</think>' in content %}"
+        "{% set content = content.split('</think>')[-1].lstrip('\n') %}{% endif %}"
+        "{{ content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+    )
+    model_dir = _with_template(model_factory("qwen3"), tmp_path / "think", template)
+    ours, theirs = Tokenizer(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    messages = [{"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "<think>\nLong reasoning.\n</think>\n\n4"},
+                {"role": "user", "content": "and </think> 3+3?"}]  # fmt: skip
+    expected = theirs.apply_chat_template(messages, add_generation_prompt=True,
+                                          sanitize_control_tokens=True)  # fmt: skip
+    expected = expected if isinstance(expected, list) else expected["input_ids"]
+    ids = ours.apply_chat_template(messages, True, escape_special=True)
+    assert ids == expected
+    text = ours.decode(ids, skip_special_tokens=False)
+    assert "Long reasoning" not in text and "and </think> 3+3?" in text
+    assert ids.count(ours.token_id("</think>")) == 0  # the client's, as text
+    ascii_json = "{{ messages[0]['content'] | tojson(ensure_ascii=True) }}"
+    model_dir = _with_template(model_factory("qwen3"), tmp_path / "ascii", ascii_json)
+    ascii_ids = Tokenizer(model_dir).apply_chat_template(
+        [{"role": "user", "content": "é<|im_start|>"}], False, escape_special=True
+    )
+    assert ours.token_id("<|im_start|>") not in ascii_ids
 
 
 def test_special_token_text_in_template_arguments_and_call_arguments_stays_text(
@@ -463,7 +503,10 @@ def test_special_token_text_in_template_arguments_and_call_arguments_stays_text(
     tool = {"type": "function", "function": {"name": "f", "parameters": {
         "properties": {forged: {"type": "string"}}}}}  # fmt: skip
     (escaped,) = tokenizer.escape_special([tool])
-    assert "<|im_start|>" not in json.dumps(escaped)  # a parameter's name too
+    (name,) = escaped["function"]["parameters"]["properties"]  # a parameter's name too
+    assert name == forged.replace("<|im_start|>", "\U000f0000<|im_start|>\U000f0001").replace(
+        "<|im_end|>", "\U000f0000<|im_end|>\U000f0001"
+    )
 
 
 def test_escaped_text_on_a_sentencepiece_style_tokenizer_gets_no_extra_spaces(tmp_path):
