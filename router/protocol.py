@@ -524,9 +524,11 @@ class ChatMessage(_Body):
         return isinstance(self.content, list) and any(p.type == "image_url" for p in self.content)
 
     def text(self, image_text: str | None = None) -> str:
-        """The content as text; image parts become ``image_text`` (None: refused). Parts
-        are joined by newlines, as vLLM joins them for a template that reads text:
-        "Translate to French:" and "Good morning" ran together as one line."""
+        """The content as text; image parts become ``image_text`` (None: refused). Text
+        parts alone are joined by newlines, as vLLM joins them for a template that reads
+        text ("Translate to French:" and "Good morning" ran together as one line); with
+        images, the parts run on as written, as templates that read parts render them
+        (so both kinds of template give one prompt the same ids)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
@@ -540,7 +542,7 @@ class ChatMessage(_Body):
             if text is None:
                 raise ValueError(f"content parts of type {part.type!r} are not supported")
             parts.append(text)
-        return "\n".join(parts)
+        return ("" if self.has_images else "\n").join(parts)
 
     def parts_for_template(self) -> list[dict[str, str]]:
         assert isinstance(self.content, list)
