@@ -847,8 +847,9 @@ class LLMEngine:
                     scoring=_prompt_scoring(request, start, end),
                     lora=request.lora,
                     pooling=request.pooling if item.samples else None,
-                    images=chunk_images(request.images, request.image_features, start, end,
-                                        request.cache_salt)
+                    images=chunk_images(
+                        request.images, request.image_features, start, end, request.cache_salt
+                    )
                     if request.images
                     else None,
                     rope_positions=None
