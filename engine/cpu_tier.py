@@ -109,20 +109,22 @@ class BlockCopies(Protocol):
 _KEY = "engine.cpu_offload_bytes (a deployment's offload.cpu_bytes)"
 
 
-def _check_host_memory(capacity_bytes: int, kv_caches: list[torch.Tensor]) -> None:
-    """Refuse a tier (with the KV cache, where that is on the host too) larger than the
-    memory this process may use. Its memory is committed as blocks are saved, so a tier
-    4x the host's started and would have got the worker killed under load, hours in."""
+def _check_host_memory(capacity_bytes: int, kv_caches: list[torch.Tensor], num_ranks: int) -> None:
+    """Refuse tiers (with the KV caches, where those are on the host too) larger than the
+    memory this process may use; ``num_ranks`` tensor-parallel ranks hold one each. Its
+    memory is committed as blocks are saved, so a tier 4x the host's started and would
+    have got the worker killed under load, hours in."""
     available = host_memory_bytes()
     if available is None:
         return
     on_host = sum(c.numel() * c.element_size() for c in kv_caches if c.device.type == "cpu")
-    if capacity_bytes + on_host > available:
+    if num_ranks * (capacity_bytes + on_host) > available:
         cache = f" beside a {on_host / 2**30:.1f} GiB KV cache" if on_host else ""
+        ranks = f" on each of {num_ranks} ranks" if num_ranks > 1 else ""
         raise ConfigError(
             _KEY,
-            f"{capacity_bytes / 2**30:.1f} GiB{cache} is more than this host's memory "
-            f"({available / 2**30:.1f} GiB, or its container's limit)",
+            f"{capacity_bytes / 2**30:.1f} GiB{cache}{ranks} is more than this host's "
+            f"memory ({available / 2**30:.1f} GiB, or its container's limit)",
         )
 
 
@@ -133,15 +135,17 @@ class CpuTier:
         capacity_bytes: int,
         emit: Callable[[KVEvent], None] | None = None,
         mirror: BlockCopies | None = None,
+        num_ranks: int = 1,
     ) -> None:
-        """``capacity_bytes`` per rank; ``mirror``: the other ranks' copies, if any."""
+        """``capacity_bytes`` per rank; ``mirror``: the other ranks' copies, if any (of
+        ``num_ranks`` in all, on this host)."""
         self.block_size = kv_caches[0].shape[2]
         self.bytes_per_block = sum(cache[0].numel() * cache.element_size() for cache in kv_caches)
         self.num_blocks = capacity_bytes // self.bytes_per_block
         if self.num_blocks < 1:
             raise ConfigError(_KEY, f"{capacity_bytes} bytes hold no block of "
                                     f"{self.bytes_per_block} bytes (0: no CPU tier)")  # fmt: skip
-        _check_host_memory(capacity_bytes, kv_caches)
+        _check_host_memory(capacity_bytes, kv_caches, num_ranks)
         self.cache = HostBlockCache(kv_caches, self.num_blocks)
         self._mirror = mirror
         if mirror is not None:
@@ -186,11 +190,11 @@ class CpuTier:
     def flush(self) -> None:
         """Copy the blocks evicted since the last flush into the tier. Must run before the
         forward pass that may overwrite them (the engine calls it after scheduling)."""
-        pending = [(b, h) for b, h in self._pending if h not in self._slots]
-        for _, block_hash in self._pending:
+        evicted, self._pending = self._pending, []
+        pending = [(b, h) for b, h in evicted if h not in self._slots]
+        for _, block_hash in evicted:  # (held ones first made recent: no victims below)
             if block_hash in self._slots:
                 self._slots.move_to_end(block_hash)
-        self._pending.clear()
         if not pending:
             return
         start = time.perf_counter()
@@ -211,12 +215,19 @@ class CpuTier:
         if self._mirror is not None:
             self._mirror.save(device_blocks, slots)
         self.cache.save(device_blocks, slots)
-        # Recency in eviction order, the last evicted most recent: the device evicts a
-        # prompt's end before its start, and a lookup needs the run from the start. The
-        # most recent first (as slots were taken) made a prompt's first block the next to
-        # go, and the rest of it unreachable: a tier holding 9 of a prompt's blocks found 1.
-        for block_hash, slot in zip(reversed(stored), reversed(slots), strict=True):
-            self._slots[block_hash] = slot
+        # Recency in eviction order, held and new blocks alike, the last evicted most
+        # recent: the device evicts a prompt's end before its start, and a lookup needs
+        # the run from the start. The most recent first (as slots were taken) made a
+        # prompt's first block the next to go, and the rest of it unreachable (a tier
+        # holding 9 of a prompt's blocks found 1); held blocks (a turn's prefix loaded
+        # back, spilled again with the turn) made recent before the new ones did the same.
+        taken = dict(zip(stored, slots, strict=True))
+        for _, block_hash in evicted:
+            slot = taken.pop(block_hash, None)
+            if slot is not None:
+                self._slots[block_hash] = slot
+            elif block_hash in self._slots:
+                self._slots.move_to_end(block_hash)
         self.stats.offloaded_blocks += len(stored)
         self.stats.offloaded_bytes += len(stored) * self.bytes_per_block
         self.stats.offload_seconds += time.perf_counter() - start

@@ -156,6 +156,7 @@ class LLMEngine:
                 self.config.cpu_offload_bytes,
                 kv_events.emit if kv_events is not None else None,
                 mirror=self.runner.shards,
+                num_ranks=self.config.tensor_parallel_size,  # (shards run on this host)
             )
             observers.append(self.cpu_tier)
         vision = self.arch.vision

@@ -205,7 +205,33 @@ def test_a_spilled_prompt_loses_its_end_first():
     assert tier.leak_report() == []
 
 
-def test_a_tier_of_no_block_or_past_the_hosts_memory_is_refused():
+def test_a_prompt_spilled_again_over_its_held_start_keeps_its_start():
+    """A turn's prefix the tier holds, spilled again with the turn (its end new): recency
+    in eviction order over held and new blocks alike. Held ones were made recent first,
+    then the new end after them, and the start went first (3 held, 0 found)."""
+    import torch
+
+    from engine.block_pool import KVBlock
+    from engine.cpu_tier import CpuTier
+
+    cache = torch.randn(32, 2, 4, 1, 2)
+    tier = CpuTier([cache], capacity_bytes=6 * cache[0].numel() * 4, emit=lambda _: None)
+    prompt = [bytes([i]) * 32 for i in range(6)]
+    for block_id in reversed(range(3)):  # the first turn's 3 blocks
+        tier.on_block_evicted(KVBlock(block_id), prompt[block_id])
+    tier.flush()
+    for block_id in reversed(range(6)):  # the next turn's 6, its first 3 held already
+        tier.on_block_evicted(KVBlock(10 + block_id), prompt[block_id])
+    tier.flush()
+    assert [h[0] for h in tier._slots] == [5, 4, 3, 2, 1, 0]  # least recent first
+    for i, other in enumerate((b"q", b"r", b"s")):
+        tier.on_block_evicted(KVBlock(20 + i), other * 32)
+        tier.flush()
+    assert tier.lookup(prompt) == 3
+    assert tier.leak_report() == []
+
+
+def test_a_tier_of_no_block_or_past_the_hosts_memory_is_refused(monkeypatch):
     """Named by its key, before anything is allocated: a tier 4x the host's memory
     started (its memory is committed as blocks are saved) and would have got the worker
     killed under load."""
@@ -213,6 +239,7 @@ def test_a_tier_of_no_block_or_past_the_hosts_memory_is_refused():
     import torch
 
     from common.config import ConfigError
+    from engine import cpu_tier
     from engine.cpu_tier import CpuTier
     from engine.host_memory import host_memory_bytes
 
@@ -224,3 +251,8 @@ def test_a_tier_of_no_block_or_past_the_hosts_memory_is_refused():
     with pytest.raises(ConfigError, match="more than this host's memory") as error:
         CpuTier([cache], capacity_bytes=4 * memory)
     assert error.value.key.startswith("engine.cpu_offload_bytes")
+    # Per rank: 3 tensor-parallel ranks on the host hold one each (a host of 1 MiB here).
+    monkeypatch.setattr(cpu_tier, "host_memory_bytes", lambda: 2**20)
+    CpuTier([cache], capacity_bytes=2**19)
+    with pytest.raises(ConfigError, match="on each of 3 ranks"):
+        CpuTier([cache], capacity_bytes=2**19, num_ranks=3)
