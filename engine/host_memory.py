@@ -63,18 +63,44 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
 
 def host_memory_bytes() -> int | None:
     """The memory this process may use: the host's physical memory, or its cgroup's
-    limit (a container's) where lower; None where neither is known."""
+    limit (a container's, or any cgroup above it) where lower; None where neither is
+    known."""
     limits = []
     with contextlib.suppress(ValueError, OSError):
         limits.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = Path(path).read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit() and int(text) < 1 << 60:  # ("max", or v1's huge "no limit")
-            limits.append(int(text))
+    limits += _cgroup_limits()
     return min(limits, default=None)
+
+
+def _cgroup_limits(
+    root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")
+) -> list[int]:
+    """The memory limits of this process's cgroup and those above it (``/proc/self/cgroup``
+    names it: the root's own files are another cgroup's unless a namespace made it ours),
+    cgroup v2's ``memory.max`` or v1's ``memory.limit_in_bytes``."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        return []
+    places = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2, unified
+            places.append((root / path.lstrip("/"), root, "memory.max"))
+        elif "memory" in controllers.split(","):  # v1
+            base = root / "memory"
+            places.append((base / path.lstrip("/"), base, "memory.limit_in_bytes"))
+    limits = []
+    for directory, top, name in places:
+        while True:
+            with contextlib.suppress(OSError, ValueError):
+                text = (directory / name).read_text().strip()
+                if text.isdigit() and int(text) < 1 << 60:  # ("max", or v1's "no limit")
+                    limits.append(int(text))
+            if directory == top or top not in directory.parents:
+                break
+            directory = directory.parent
+    return limits
 
 
 def zeros_for_kv_caches(

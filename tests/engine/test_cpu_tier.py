@@ -256,3 +256,25 @@ def test_a_tier_of_no_block_or_past_the_hosts_memory_is_refused(monkeypatch):
     CpuTier([cache], capacity_bytes=2**19)
     with pytest.raises(ConfigError, match="on each of 3 ranks"):
         CpuTier([cache], capacity_bytes=2**19, num_ranks=3)
+
+
+def test_the_cgroup_limit_is_this_processs_cgroups(tmp_path):
+    """The cgroup /proc/self/cgroup names, and those above it (the root's own files are
+    another cgroup's unless a namespace made it this one's); "max" and v1's huge "no
+    limit" are none."""
+    from engine.host_memory import _cgroup_limits
+
+    root = tmp_path / "cgroup"
+    (root / "a" / "b").mkdir(parents=True)
+    (root / "memory.max").write_text("max\n")
+    (root / "a" / "memory.max").write_text("1000\n")
+    (root / "a" / "b" / "memory.max").write_text("max\n")
+    (root / "memory" / "x").mkdir(parents=True)
+    (root / "memory" / "x" / "memory.limit_in_bytes").write_text("2000\n")
+    (root / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    membership = tmp_path / "self_cgroup"
+    membership.write_text("0::/a/b\n")
+    assert _cgroup_limits(root, membership) == [1000]
+    membership.write_text("4:memory:/x\n3:cpuset:/\n0::/\n")
+    assert _cgroup_limits(root, membership) == [2000]
+    assert _cgroup_limits(root, tmp_path / "missing") == []
