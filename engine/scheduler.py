@@ -545,9 +545,12 @@ class Scheduler:
         self._order_loads(request.request_id, plan, out)
         first = len(plan.hits) + len(plan.loaded)
         last = cdiv(remote.num_tokens, self.block_size)
-        pulled = request.block_hashes[first : remote.num_tokens // self.block_size]
-        self._pulling.update(pulled)
-        self._pulled_hashes[request.request_id] = pulled
+        # What lands on the device when the fetch ends, the CPU tier's loads too (they are
+        # cached with the pulled blocks): a prompt sharing them waits for them, where it
+        # waited only on pulled blocks and so loaded and pulled them all over again.
+        landing = request.block_hashes[len(plan.hits) : remote.num_tokens // self.block_size]
+        self._pulling.update(landing)
+        self._pulled_hashes[request.request_id] = landing
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         request.times.fetch_started = time.monotonic()
         self.fetching[request.request_id] = request

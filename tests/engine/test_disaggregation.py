@@ -181,6 +181,36 @@ def test_decode_loads_what_its_cpu_tier_holds_and_pulls_the_rest(tiny_llama, pai
     assert decode.leak_report() == [] and prefill.leak_report() == []
 
 
+def test_a_prompt_whose_tier_load_and_pull_are_under_way_waits_for_them(tiny_llama, pair):
+    """Two samples of one prompt (n=2) whose prefix the decode worker's CPU tier holds:
+    the first loads the prefix and pulls the rest; the second waits for both to land
+    and finds it all cached. It waited only on blocks being pulled, so it loaded the
+    prefix again and pulled the rest again (twice the network for the same blocks)."""
+    prefill, _, puller = pair
+    small = dict(num_blocks=24, max_model_len=256)
+    decode = LLMEngine(tiny_llama, EngineConfig(cpu_offload_bytes=64 << 20, **small),
+                       kv_puller=puller)  # fmt: skip
+    puller.target = decode
+    try:
+        prefix = random_prompts((160,), seed=95)[0]  # 10 full blocks
+        params = SamplingParams(max_tokens=4, min_tokens=4, temperature=0)
+        disaggregated(prefill, decode, [prefix + [7]], params)
+        for filler in random_prompts((200, 200), seed=96):  # push the prefix out
+            decode.add_request("fill", filler, params)
+            run(decode)
+        question = prefix + list(range(8, 25))  # 177 tokens: 10 blocks held, 2 to pull
+        before = (puller.num_blocks_pulled, decode.cpu_tier.stats.hit_blocks)
+        outs = disaggregated(prefill, decode, [question, question], params)
+        assert decode.cpu_tier.stats.hit_blocks - before[1] == 10  # loaded once
+        # The full block pulled once; the partial last one by each (never cached): 4 before.
+        assert puller.num_blocks_pulled - before[0] == 3
+        assert outs["r1"].num_cached_tokens == 176
+        assert outs["r0"].outputs[0].token_ids == outs["r1"].outputs[0].token_ids
+    finally:
+        puller.target = pair[1]
+    assert decode.leak_report() == [] and prefill.leak_report() == []
+
+
 def test_failed_pull_recomputes_or_fails(tiny_llama, pair, caplog):
     """Either way the failure is logged with its reason: recomputing hides a peer that
     refuses every pull (a KV layout mismatch) from the client, not from the operator."""
