@@ -43,8 +43,12 @@ STRUCTURED_OUTPUT = "structured_output"
 
 # JSON is generated without optional whitespace: a model that may put any number of spaces
 # or newlines between tokens can fill its whole budget with them (vLLM's
-# ``disable_any_whitespace`` option, made the default).
-JSON_OPTIONS = {"whitespace_flexible": False}
+# ``disable_any_whitespace`` option, made the default). Its separators are ``json.dumps``'s
+# (", " and ": "), as xgrammar's are without whitespace (vLLM's default backend) and as
+# chat templates print arguments (``tojson``): generated compact, a tool call's arguments
+# came back re-printed with spaces in the next turn's prompt, whose prefix then broke at
+# every call (GPT-OSS's every constrained call; a prefix-stability audit).
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class StructuredOutputError(ValueError):
@@ -58,13 +62,16 @@ class StructuredOutput:
     ``<think>``, ``</think>``) the constraint applies after the model's thinking: the
     output starts inside it (and may write the start tag first), or, with
     ``reasoning_optional``, either opens it with the start tag or goes straight to the
-    constrained part."""
+    constrained part, writing ``reasoning_skip`` first (GPT-OSS's final channel header:
+    without it an answer with no analysis was no Harmony, and the next turn's prompt, which
+    renders the header, broke its prefix at the reply's first token)."""
 
     kind: str
     spec: str
     reasoning_start: str = ""
     reasoning_end: str = ""
     reasoning_optional: bool = False
+    reasoning_skip: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -77,6 +84,8 @@ class StructuredOutput:
             raise StructuredOutputError("reasoning_start and reasoning_end go together")
         if self.reasoning_optional and not self.reasoning_end:
             raise StructuredOutputError("reasoning_optional needs the reasoning tags")
+        if self.reasoning_skip and not self.reasoning_optional:
+            raise StructuredOutputError("reasoning_skip needs reasoning_optional")
 
 
 def require_llguidance() -> Any:
@@ -163,13 +172,16 @@ def _after_reasoning(grammar: str, structured: StructuredOutput, tag_tokens: dic
     else:
         body = f"thought[lazy]: TEXT {tag(end)}"
     optional = structured.reasoning_optional
+    skip = structured.reasoning_skip
+    head = "(thinking | skipped)" if skip else f"thinking{'?' if optional else ''}"
     lark = "\n".join([
-        f"start: thinking{'?' if optional else ''} @constrained",
+        f"start: {head} @constrained",
         # Optional: the block opens with the start tag. Else the output is in it already,
         # and may write the start tag first.
         f"thinking: {tag(start)}{'' if optional else '?'} thought",
         body,
         "TEXT: /(.|\\n)*/",
+        *([f"skipped: {tag(skip)}"] if skip else []),
     ])  # fmt: skip
     return json.dumps({"grammars": [{"lark_grammar": lark}, {**inner, "name": "constrained"}]})
 
@@ -233,7 +245,7 @@ def _tag_tokens(tokenizer: Any, structured: StructuredOutput) -> dict[str, int]:
     """The added tokens of ``tokenizer`` in the thinking tags of ``structured``, by
     their text."""
     found = {}
-    for text in (structured.reasoning_start, structured.reasoning_end):
+    for text in (structured.reasoning_start, structured.reasoning_end, structured.reasoning_skip):
         for token in tokenizer.tokenize_str(text) if text else ():
             if tokenizer.is_special_token(token):
                 found[tokenizer.decode_str([token])] = token

@@ -54,18 +54,20 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words_token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
-    __slots__ = ("kind", "spec", "reasoning_start", "reasoning_end", "reasoning_optional")
+    __slots__ = ("kind", "spec", "reasoning_start", "reasoning_end", "reasoning_optional", "reasoning_skip")
     KIND_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     REASONING_START_FIELD_NUMBER: _ClassVar[int]
     REASONING_END_FIELD_NUMBER: _ClassVar[int]
     REASONING_OPTIONAL_FIELD_NUMBER: _ClassVar[int]
+    REASONING_SKIP_FIELD_NUMBER: _ClassVar[int]
     kind: str
     spec: str
     reasoning_start: str
     reasoning_end: str
     reasoning_optional: bool
-    def __init__(self, kind: _Optional[str] = ..., spec: _Optional[str] = ..., reasoning_start: _Optional[str] = ..., reasoning_end: _Optional[str] = ..., reasoning_optional: _Optional[bool] = ...) -> None: ...
+    reasoning_skip: str
+    def __init__(self, kind: _Optional[str] = ..., spec: _Optional[str] = ..., reasoning_start: _Optional[str] = ..., reasoning_end: _Optional[str] = ..., reasoning_optional: _Optional[bool] = ..., reasoning_skip: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("token_ids",)

@@ -73,7 +73,8 @@ FUNCTIONS = "functions."
 # A constrained reply's thinking (``Harmony.constrained``): an analysis message, ended by
 # the header of the final one, whose body is the constrained answer.
 ANALYSIS = CHANNEL + "analysis" + MESSAGE
-THEN_FINAL = END + START + "assistant" + CHANNEL + "final" + MESSAGE
+FINAL = CHANNEL + "final" + MESSAGE  # an answer with no analysis before it
+THEN_FINAL = END + START + "assistant" + FINAL
 
 
 def marker_ids(tokenizer: Tokenizer) -> frozenset[int] | None:
@@ -326,7 +327,7 @@ class Harmony:
         if structured is self.structured or not self.opening.role_only:
             return structured  # the calls' grammar has the thinking in it already
         return replace(structured, reasoning_start=ANALYSIS, reasoning_end=THEN_FINAL,
-                       reasoning_optional=True)  # fmt: skip
+                       reasoning_optional=True, reasoning_skip=FINAL)  # fmt: skip
 
     def _reader(self) -> _Reader:
         return _Reader(self.opening, self.calls)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.structured_output import StructuredOutput
+from common.structured_output import JSON_OPTIONS, StructuredOutput
 from engine import LLM, InvalidRequestError, LLMEngine, SamplingParams
 from engine.models.arch import read_arch_config
 from tests.engine.helpers import random_prompts
@@ -95,7 +95,7 @@ def test_constrained_greedy_is_transformers_best_allowed_token(tiny_llama, llm, 
     arch = read_arch_config(tiny_llama)
     text = Tokenizer.from_file(str(tiny_llama / "tokenizer.json")).to_str()
     tokenizer = LLTokenizer(text, n_vocab=arch.vocab_size, eos_token=list(arch.eos_token_ids))
-    grammar = LLMatcher.grammar_from_json_schema(SCHEMA, defaults={"whitespace_flexible": False})
+    grammar = LLMatcher.grammar_from_json_schema(SCHEMA, defaults=JSON_OPTIONS)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
     for prompt, output in zip(prompts[:2], served, strict=True):
         matcher = LLMatcher(tokenizer, grammar)

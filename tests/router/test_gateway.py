@@ -559,7 +559,7 @@ def test_tool_calls_by_constraint(client):
     tools' schemas, as OpenAI's tool_calls; streamed deltas add up to the same calls."""
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     ask = {"model": MODEL, "messages": messages, "tools": [WEATHER, CLOCK], "temperature": 0,
-           "max_tokens": 64}  # fmt: skip
+           "max_tokens": 128}  # fmt: skip
     named = {"type": "function", "function": {"name": "get_weather"}}
     whole = client.chat.completions.create(**ask, tool_choice=named)
     message = whole.choices[0].message

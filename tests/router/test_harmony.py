@@ -272,8 +272,10 @@ def test_a_gpt_oss_checkpoint_is_read_in_harmony_with_no_parser_set(model_factor
 
 def test_a_constraint_applies_to_the_final_answer_after_the_analysis(tokenizer, model_factory):
     """The grammar (llguidance, the made tokenizer): an analysis message, then the final
-    header, then the constrained answer; or the answer at once (read as bare content).
-    The markers are matched as tokens, so text that spells them cannot end the thinking."""
+    header, then the constrained answer; or the final channel's header at once, then the
+    answer (it went on at once, no Harmony, and the next turn's prompt, which renders the
+    header, broke its prefix at the reply's first token). The markers are matched as
+    tokens, so text that spells them cannot end the thinking."""
     compiler = GrammarCompiler(model_factory("gpt_oss"), tokenizer.vocab_size)
     structured = Harmony(HEADER, calls=False).constrained(StructuredOutput("regex", "[a-z]{2,5}"))
     assert (structured.reasoning_start, structured.reasoning_optional) == (
@@ -287,10 +289,13 @@ def test_a_constraint_applies_to_the_final_answer_after_the_analysis(tokenizer, 
     thought = "<|channel|>analysis<|message|>let me see: assistant final<end> no<|end|>"
     final = "<|start|>assistant<|channel|>final<|message|>"
     assert accepts(thought + final + "abc")
-    assert accepts("abc")
+    assert accepts("<|channel|>final<|message|>abc")
+    assert not accepts("abc")
     assert not accepts(thought + final + "abcdefg")  # the answer is constrained
     assert not accepts(thought + "abc")  # no final header: no answer
-    assert not accepts("<|channel|>final<|message|>abc")
+    direct, _ = Harmony(HEADER, calls=False).message("<|channel|>final<|message|>abc<|return|>",
+                                                     "stop")  # fmt: skip
+    assert direct["content"] == "abc" and not direct.get("reasoning_content")
     message, _ = Harmony(HEADER, calls=False).message(thought + final + "abc<|return|>", "stop")
     assert (message["reasoning_content"], message["content"]) == (
         "let me see: assistant final<end> no",

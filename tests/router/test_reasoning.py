@@ -177,7 +177,7 @@ def test_the_grammar_frees_the_thinking_and_constrains_the_answer(model_factory,
     schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
                          "required": ["a"], "additionalProperties": False})  # fmt: skip
     for kind, spec, good, bad in [
-        ("json", schema, '{"a":12}', '{"a":"x"}'),
+        ("json", schema, '{"a": 12}', '{"a": "x"}'),
         ("regex", "[a-z]{2,5}", "abc", "abcdefg"),
         ("choice", '["yes", " no"]', " no", "no"),  # an option's own blank is kept
         ("grammar", 'start: "(" /[0-9]+/ ")"', "(42)", "(4 2)"),

@@ -62,13 +62,13 @@ def test_local_refs_still_resolve_in_the_required_list(tiny_llama):
     compiler, tokenizer = GrammarCompiler(tiny_llama, 2048), Tokenizer(tiny_llama)
     calls = _required(REC, LOC)
     assert _accepts(compiler, tokenizer, calls,
-                    '[{"name":"f0","parameters":{"child":{"child":null}}},'
-                    '{"name":"f1","parameters":{"loc":{"city":"Rome"}}}]')  # fmt: skip
+                    '[{"name": "f0", "parameters": {"child": {"child": null}}}, '
+                    '{"name": "f1", "parameters": {"loc": {"city": "Rome"}}}]')  # fmt: skip
     assert not _accepts(compiler, tokenizer, calls,
-                        '[{"name":"f0","parameters":{"child":[{"name":"f0",'
-                        '"parameters":{"child":null}}]}}]')  # fmt: skip
+                        '[{"name": "f0", "parameters": {"child": [{"name": "f0", '
+                        '"parameters": {"child": null}}]}}]')  # fmt: skip
     assert not _accepts(compiler, tokenizer, calls,
-                        '[{"name":"f1","parameters":{"loc":{"city":"Oslo"}}}]')  # fmt: skip
+                        '[{"name": "f1", "parameters": {"loc": {"city": "Oslo"}}}]')  # fmt: skip
 
 
 def test_arguments_are_the_generated_text():
