@@ -35,7 +35,29 @@ from router.protocol import FieldError
 ANY_JSON_OBJECT = '{"type": "object"}'
 # vLLM's structured_outputs options that change nothing here: JSON is already generated
 # without optional whitespace, and there is one backend, with no fallback.
+# (``disable_additional_properties`` is served: ``_without_additional_properties``.)
 _NO_OP_OPTIONS = ("disable_any_whitespace", "disable_fallback", "disable_additional_properties")
+
+
+def _without_additional_properties(schema_text: str) -> str:
+    """The schema with ``additionalProperties: false`` on every object schema that lists
+    properties and says nothing of others: vLLM's ``disable_additional_properties`` for
+    its llguidance backend (which follows JSON Schema's default, as llguidance here
+    does), so objects hold only their declared keys, as xgrammar makes them. Accepted
+    and ignored, it let a schema's objects take keys it never declared."""
+
+    schema = json.loads(schema_text)
+    stack = [schema]  # (a loop: a deep schema would pass the recursion limit)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            listed = "properties" in node or "patternProperties" in node
+            if listed and "additionalProperties" not in node:
+                node["additionalProperties"] = False
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return json.dumps(schema)
 
 
 def _json_text(value: Any, where: str) -> str:
@@ -142,7 +164,10 @@ def _from_structured_outputs(value: dict[str, Any]) -> StructuredOutput | None:
         if item is None or key in _NO_OP_OPTIONS or key == "backend":
             continue
         if key == "json":
-            found.append(StructuredOutput("json", _json_text(item, f"{param}.json")))
+            schema = _json_text(item, f"{param}.json")
+            if value.get("disable_additional_properties") is True:
+                schema = _without_additional_properties(schema)
+            found.append(StructuredOutput("json", schema))
         elif key == "json_object":
             if item is not True:
                 raise FieldError(f"{param}.json_object must be true when given", param)

@@ -147,6 +147,32 @@ def test_a_structural_tag_leaves_text_free_and_holds_the_tagged_call_to_its_sche
     assert plain.try_consume_tokens(token_ids) == len(token_ids) and plain.is_accepting()
 
 
+def test_disable_additional_properties_holds_objects_to_their_declared_keys(compiler, tiny_llama):
+    """vLLM's option for its llguidance backend: every object schema that lists
+    properties and says nothing of others gets ``additionalProperties: false`` (explicit
+    ones kept). Accepted and ignored, objects took keys the schema never declared."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {
+        "type": "object", "properties": {"c": {"type": "string"}}}, "d": {
+        "type": "object", "properties": {}, "additionalProperties": True}}}  # fmt: skip
+    plain = _of(structured_outputs={"json": schema})
+    strict = _of(structured_outputs={"json": schema, "disable_additional_properties": True})
+    assert plain.spec == json.dumps(schema)
+    held = json.loads(strict.spec)
+    assert held["additionalProperties"] is False
+    assert held["properties"]["b"]["additionalProperties"] is False
+    assert held["properties"]["d"]["additionalProperties"] is True  # (said so: kept)
+    tokenizer = Tokenizer(tiny_llama)
+
+    def accepts(structured, text: str) -> bool:
+        token_ids = tokenizer.encode(text, add_special_tokens=False)
+        matcher = compiler.matcher(structured)
+        return matcher.try_consume_tokens(token_ids) == len(token_ids)
+
+    extra = '{"a": 1, "z": 2}'
+    assert accepts(plain, extra) and not accepts(strict, extra)
+    assert accepts(strict, '{"a": 1, "b": {"c": "x"}}')
+
+
 def test_what_only_the_tokenizer_shows_is_refused_too(compiler):
     """Grammars naming a token id or a special token the vocabulary lacks: without the
     tokenizer they compile, and a worker would refuse them after admission."""
