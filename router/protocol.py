@@ -215,6 +215,7 @@ class _SamplingFields(_Body):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0)  # (vLLM: any, > 0)
     n: int = Field(default=1, ge=1, le=MAX_N)
+    best_of: int | None = None  # (only n: see ``_unsupported``)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -330,6 +331,10 @@ class _SamplingFields(_Body):
 
     @model_validator(mode="after")
     def _unsupported(self) -> _SamplingFields:
+        # vLLM takes best_of on chat too: ignored there, a client asking best-of-3 got one
+        # plain sample without a word.
+        if self.best_of not in (None, self.n):
+            raise FieldError("best_of is not supported (it must equal n)", "best_of")
         if self.prompt_logprobs is not None and self.stream:
             raise FieldError("prompt_logprobs is not available with stream=true", "prompt_logprobs")
         if self.stream_options is not None and not self.stream:
@@ -362,7 +367,6 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(default=16, ge=0, le=UINT32_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
     suffix: str | None = None
 
     @property
@@ -383,8 +387,6 @@ class CompletionRequest(_SamplingFields):
     def _checks(self) -> CompletionRequest:
         if self.suffix:
             raise FieldError("suffix is not supported", "suffix")
-        if self.best_of not in (None, self.n):
-            raise FieldError("best_of is not supported (it must equal n)", "best_of")
         if isinstance(self.prompt, list) and not self.prompt:
             raise FieldError("prompt must not be empty", "prompt")
         if self.max_tokens == 0 and not self.echo:
