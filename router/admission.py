@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
+from starlette.datastructures import Headers
 
 from common.tracing import NO_SPAN, Span
 from router.errors import APIError, bad_request, model_not_found, overloaded, unavailable
@@ -23,6 +25,16 @@ GONE = object()  # what ``until_disconnected`` returns when the client left firs
 # tracing is on: a request's span starts there, its tokenizing and templating included.
 ARRIVAL_NS = "pdserve.arrival_ns"
 REQUEST_ID = "pdserve.request_id"  # the scope's: the response's id, once it has one
+# A client's own request id (``X-Request-Id``, vLLM's body ``request_id``): taken when plain.
+CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+def client_request_id(scope: Any) -> str | None:
+    """The client's ``X-Request-Id``, when plain; else None."""
+    given = Headers(scope=scope).get("x-request-id", "")
+    return given if CLIENT_REQUEST_ID.fullmatch(given) else None
+
+
 # The scope's, on /v1/responses: the ``ResponseShape`` a whole chat reply is built as.
 RESPONSE_SHAPE = "pdserve.response_shape"
 

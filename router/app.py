@@ -12,7 +12,6 @@ import asyncio
 import hmac
 import importlib.metadata
 import logging
-import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +24,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router.admission import ARRIVAL_NS, REQUEST_ID, Admission
+from router.admission import ARRIVAL_NS, REQUEST_ID, Admission, client_request_id
 from router.choices import new_id
 from router.errors import APIError, bad_request, internal, model_not_found, unauthorized
 from router.generation_routes import add_generation_routes
@@ -102,9 +101,6 @@ class _Arrival:
         await self.app(scope, receive, send)
 
 
-_CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
-
-
 class _OpenRequests:
     """Counts the HTTP requests the router is answering (``RouterState.num_open_requests``):
     the drain waits for them, not only for the sequences admitted (``router/main.py``)."""
@@ -151,8 +147,7 @@ class _RequestIds:
 def request_id_of(scope: Scope) -> str | None:
     """The request's id for its ``X-Request-Id``: the client's, when plain, else the
     response's, once it has one."""
-    given = Headers(scope=scope).get("x-request-id", "")
-    return given if _CLIENT_REQUEST_ID.fullmatch(given) else scope.get(REQUEST_ID)
+    return client_request_id(scope) or scope.get(REQUEST_ID)
 
 
 def create_app(state: RouterState) -> FastAPI:

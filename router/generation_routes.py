@@ -25,6 +25,7 @@ from router.admission import (
     REQUEST_ID,
     RESPONSE_SHAPE,
     Admission,
+    client_request_id,
     record_error,
     stopped,
     until_disconnected,
@@ -333,11 +334,16 @@ def add_generation_routes(
             sampling.max_tokens = 1
         if await request.is_disconnected():  # it left while its prompt was tokenized
             return Response(status_code=499)
-        response_id = new_id("chatcmpl" if chat else "cmpl")
+        # The client's id where it gave one, as vLLM (its header, else its body's
+        # request_id): the response is "chatcmpl-<id>". The workers' sequence ids stay
+        # unique whatever a client sends again (a retry under its id).
+        prefix = "chatcmpl" if chat else "cmpl"
+        client_id = client_request_id(request.scope) or body.request_id
+        response_id = new_id(prefix) if client_id is None else f"{prefix}-{client_id}"
         request.scope[REQUEST_ID] = response_id  # its X-Request-Id (``router/app.py``)
         keep = keep_special or frozenset()
         choices = build_choices(
-            response_id,
+            response_id if client_id is None else new_id(response_id),
             prompts,
             body.n,
             sampling,

@@ -1008,6 +1008,33 @@ def test_a_stream_the_client_leaves_ends_its_spans_as_cancelled(client, traces):
     assert decode.attributes.get("pdserve.cancelled") is True and not decode.failed
 
 
+def test_a_clients_request_id_names_the_response(client, aclient):
+    """vLLM's: the response is "chatcmpl-<id>" (or "cmpl-") for the client's X-Request-Id,
+    else its body's request_id; the same id twice at once serves both (the workers' ids
+    stay unique)."""
+    body = client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                     extra_body={"request_id": "mine-1"})  # fmt: skip
+    assert body.id == "cmpl-mine-1"
+    chat = [{"role": "user", "content": "x"}]
+    header = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=chat, max_tokens=2, extra_headers={"X-Request-Id": "trace-2"},
+        extra_body={"request_id": "body-2"})  # fmt: skip
+    assert header.parse().id == "chatcmpl-trace-2" and header.headers["x-request-id"] == "trace-2"
+
+    async def twice() -> list[str]:
+        replies = await asyncio.gather(*(
+            aclient.completions.create(model=MODEL, prompt="x", max_tokens=8,
+                                       extra_body={"request_id": "again", "min_tokens": 8})
+            for _ in range(2)))  # fmt: skip
+        return [r.id for r in replies]
+
+    assert asyncio.run(twice()) == ["cmpl-again", "cmpl-again"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2,
+                                  extra_body={"request_id": "a b"})  # fmt: skip
+    assert refused.value.body["param"] == "request_id"
+
+
 def test_stop_strings(client):
     prompt = random_prompts((20,), seed=82)[0]
     full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
