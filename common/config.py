@@ -63,7 +63,9 @@ class SpeculativeMethod(StrEnum):
 
 
 class DType(StrEnum):
-    AUTO = "auto"  # the checkpoint's dtype on CUDA, float32 on CPU (no fast bf16 there)
+    # On CUDA the checkpoint's 16-bit dtype (bfloat16 for a float32 checkpoint); float32
+    # on CPU (no fast bf16 there).
+    AUTO = "auto"
     FLOAT32 = "float32"
     FLOAT16 = "float16"
     BFLOAT16 = "bfloat16"
@@ -96,6 +98,18 @@ class KVCacheDType(StrEnum):
             KVCacheDType.FP8_E4M3: "float8_e4m3fn",
             KVCacheDType.FP8_E5M2: "float8_e5m2",
         }.get(self)
+
+
+_SOME_16_BIT = "a 16-bit dtype (the checkpoint's)"
+
+
+def _kv_element(engine: EngineConfig) -> str | None:
+    """What ``engine``'s KV cache holds, as far as the config says (None: unknown)."""
+    if engine.kv_cache_dtype.storage_name is not None:
+        return engine.kv_cache_dtype.storage_name
+    if engine.dtype is not DType.AUTO:
+        return engine.dtype.value
+    return {Device.CPU: "float32", Device.CUDA: _SOME_16_BIT}.get(engine.device)
 
 
 class StateDType(StrEnum):
@@ -886,6 +900,7 @@ class PdserveConfig:
                 f"{names[Role.DECODE]}: KV blocks move between them byte for byte, so both "
                 "roles need the same kv_cache_dtype",
             )
+        self._check_kv_elements()
         # Settings both roles must share, and why.
         for key, why in (
             ("scheduling_policy", "the router takes a request's priority only when both "
@@ -924,6 +939,27 @@ class PdserveConfig:
 
     def role(self, role: Role) -> WorkerRoleConfig:
         return self.prefill if role is Role.PREFILL else self.decode
+
+    def _check_kv_elements(self) -> None:
+        """The roles' KV elements where ``kv_cache_dtype`` leaves them to the model's dtype
+        (auto): a ``dtype`` or ``device`` override that makes them differ fails every pull
+        at the handshake (every prompt recomputed, or failed under failure_policy fail), so
+        it is refused here, where the key can be named. On CUDA auto is a 16-bit dtype
+        (which one: the checkpoint's), on CPU float32; on an auto device, unknown."""
+        elements = {role: _kv_element(self.engine_for(role)) for role in Role}
+        prefill, decode = elements[Role.PREFILL], elements[Role.DECODE]
+        if prefill is None or decode is None or prefill == decode:
+            return
+        if _SOME_16_BIT in (prefill, decode) and "float32" not in (prefill, decode):
+            return  # (auto on CUDA may be the other's 16-bit dtype)
+        engines = {role: self.engine_for(role) for role in Role}
+        differs = "dtype" if engines[Role.PREFILL].dtype != engines[Role.DECODE].dtype else "device"
+        raise ConfigError(
+            self._shared_key(differs),
+            f"prefill's KV cache holds {prefill} and decode's {decode}: KV blocks move between "
+            "them byte for byte, so both roles need the same KV element (set the same dtype "
+            "and device, or kv_cache_dtype)",
+        )
 
     def _shared_key(self, name: str) -> str:
         """The key to blame for a setting both roles must share and do not: the role

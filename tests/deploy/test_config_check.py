@@ -186,6 +186,11 @@ KV_BROKEN = [
     # Per rank: 2 of 4 ranks share each KV head, so a block costs 32 KiB per rank.
     (["engine.device=cpu", "engine.tensor_parallel_size=4", "engine.kv_cache_bytes=4194304"],
      "engine.kv_cache_bytes", "128 KV blocks, which cannot hold"),
+    # KV elements the roles' dtype or device make differ: every pull failed at handshake.
+    (["prefill.engine.device=cpu", "decode.engine.device=cuda"], "decode.engine.device",
+     "prefill's KV cache holds float32 and decode's a 16-bit dtype"),
+    (["engine.device=cpu", "prefill.engine.dtype=bfloat16"], "prefill.engine.dtype",
+     "holds bfloat16 and decode's float32"),
     # A CPU tier of less than a block: the worker refuses to start, so the check does too.
     (["engine.device=cpu", "offload.cpu_bytes=100"], "offload.cpu_bytes",
      "100 bytes hold no block of 65536 bytes"),
