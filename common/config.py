@@ -101,6 +101,9 @@ class KVCacheDType(StrEnum):
 
 
 _SOME_16_BIT = "a 16-bit dtype (the checkpoint's)"
+# A host name as a URL names it (an IPv6 address in brackets is not one here).
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,62}[A-Za-z0-9])?"
+_HOST_NAME = re.compile(rf"{_LABEL}(\.{_LABEL})*")
 
 
 def _kv_element(engine: EngineConfig) -> str | None:
@@ -652,6 +655,11 @@ class RouterConfig:
         if not all(map(valid_api_key, self.api_keys)):  # (pdserve up passes them on so)
             raise ConfigError("router.api_keys", "each key must be printable ASCII without "
                               "spaces or commas")  # fmt: skip
+        for domain in self.allowed_media_domains:  # (a URL, port or wildcard never matched)
+            if not _HOST_NAME.fullmatch(domain):
+                raise ConfigError("router.allowed_media_domains", f"{domain!r} is not a host "
+                                  "name (images.example.com: no scheme, port, path or "
+                                  "wildcard)")  # fmt: skip
         for origin in self.allowed_origins:
             scheme, _, host = origin.partition("://")
             if origin != "*" and (scheme not in ("http", "https") or not host or "/" in host):
@@ -690,16 +698,17 @@ class RegistryConfig:
     key_prefix: str = "pdserve"
 
     def __post_init__(self) -> None:
-        if self.ttl_s <= 0:
-            raise ConfigError("registry.ttl_s", f"must be > 0, got {self.ttl_s}")
+        if not self.ttl_s >= 1:  # (Redis keeps whole milliseconds: 0.0009 s deleted at once)
+            raise ConfigError("registry.ttl_s", f"must be at least 1 (seconds), got {self.ttl_s}")
         if self.redis_url is not None and not self.redis_url.startswith(_REDIS_SCHEMES):
             raise ConfigError(
                 "registry.redis_url",
                 f"{without_password(self.redis_url, mask='***')!r} is not a Redis URL "
                 f"({', '.join(_REDIS_SCHEMES)}...)",
             )
-        if self.heartbeat_s <= 0 or self.heartbeat_s >= self.ttl_s:
-            raise ConfigError("registry.heartbeat_s", "must be > 0 and below registry.ttl_s")
+        if not 0 < self.heartbeat_s <= self.ttl_s / 2:  # one late heartbeat is no expiry
+            raise ConfigError("registry.heartbeat_s", "must be > 0 and at most half of "
+                                                      f"registry.ttl_s ({self.ttl_s})")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

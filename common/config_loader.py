@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import types
 import typing
 from enum import Enum
@@ -45,7 +46,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
                 return _convert(value, arg, key)
             except ConfigError as exc:
                 errors.append(str(exc))
-        raise ConfigError(key, f"{value!r} is not a valid {_union_name(args)}")
+        raise ConfigError(key, f"{value!r} is not a valid {_union_name(args)}{_yaml_hint(value)}")
     if value is None:
         raise ConfigError(key, "must not be null")
     if dataclasses.is_dataclass(tp):
@@ -71,7 +72,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(key, f"must be a number, got {value!r}")
+            raise ConfigError(key, f"must be a number, got {value!r}{_yaml_hint(value)}")
         if not math.isfinite(value):  # NaN passes every "< 0" check and fails later
             raise ConfigError(key, f"must be a finite number, got {value!r}")
         return float(value)
@@ -317,3 +318,17 @@ def load_config(path: str | None = None, overrides: list[str] | None = None):
     config = build(PdserveConfig, data)
     check_kv_fit(config)
     return config
+
+
+_YAML_TEXT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def _yaml_hint(value: Any) -> str:
+    """Why a number came as text: YAML 1.1 (PyYAML) reads 6e2 and 1.2e3 as strings."""
+    if not isinstance(value, str) or not _YAML_TEXT_FLOAT.fullmatch(value.strip()):
+        return ""
+    mantissa, _, exponent = value.strip().lower().partition("e")
+    mantissa += "" if "." in mantissa else ".0"
+    exponent = exponent if exponent[0] in "+-" else "+" + exponent
+    return (f" (YAML reads an exponent without a '.' and a sign as text: write "
+            f"{mantissa}e{exponent})")  # fmt: skip

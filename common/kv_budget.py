@@ -217,6 +217,9 @@ def _key(config: PdserveConfig, role: Role, name: str) -> str:
     return "offload.cpu_bytes" if name == "cpu_offload_bytes" else f"engine.{name}"
 
 
+_MAX_BLOCK_TABLE_BYTES = 4 << 30
+
+
 def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
     engine = config.engine_for(role)
     tp_size = engine.tensor_parallel_size
@@ -238,6 +241,15 @@ def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
         raise ConfigError(_key(config, role, "tensor_parallel_size"), problem)
     max_model_len = min(engine.max_model_len or shape.max_context_len, shape.max_context_len)
     min_blocks = -(-max_model_len // engine.block_size)
+    # The block table is allocated whole at start (a row of int32 block ids per sequence):
+    # a max_num_seqs of 10^8 passed here and failed the worker's start on a 100 GB alloc.
+    table_bytes = 4 * (engine.max_num_seqs + 32) * (min_blocks + 2)
+    if table_bytes > _MAX_BLOCK_TABLE_BYTES:
+        raise ConfigError(
+            _key(config, role, "max_num_seqs"),
+            f"{engine.max_num_seqs} sequences of up to {max_model_len} tokens need a "
+            f"{table_bytes / 2**30:.1f} GiB block table; lower it (or max_model_len)",
+        )
     method = engine.speculative_method
     if method is SpeculativeMethod.MTP and not shape.num_mtp_layers:
         raise ConfigError(

@@ -126,7 +126,24 @@ BROKEN = [
     ("kv_transfer: {nixl_read_lanes: -2}", "kv_transfer.nixl_read_lanes", "must be >= 0"),
     ("kv_transfer: {nixl_pin_lanes: 2}", "kv_transfer.nixl_pin_lanes", "must be true or false"),
     ("registry: {redis_url: 'localhost:6379'}", "registry.redis_url", "not a Redis URL"),
-    ("registry: {ttl_s: 2, heartbeat_s: 2}", "registry.heartbeat_s", "below registry.ttl_s"),
+    ("registry: {ttl_s: 2, heartbeat_s: 2}", "registry.heartbeat_s", "at most half of"),
+    ("registry: {ttl_s: 4, heartbeat_s: 2.5}", "registry.heartbeat_s", "at most half of"),
+    # Compared with a URL's host: these never matched, and every fetch was refused.
+    (
+        "router: {allowed_media_domains: ['https://images.example.com']}",
+        "router.allowed_media_domains",
+        "is not a host name",
+    ),
+    (
+        "router: {allowed_media_domains: ['images.example.com:8443']}",
+        "router.allowed_media_domains",
+        "is not a host name",
+    ),
+    ("router: {allowed_media_domains: ['*']}", "router.allowed_media_domains", "host name"),
+    # YAML 1.1 reads 1.2e3 as text: the message says so.
+    ("router: {request_timeout_s: 1.2e3}", "router.request_timeout_s", "write 1.2e+3"),
+    # Redis keeps whole milliseconds: 0.0009 s deleted every entry as it was registered.
+    ("registry: {ttl_s: 0.0009, heartbeat_s: 0.0001}", "registry.ttl_s", "at least 1"),
     ("engine: {gpu_memory_utilization: 1.5}", "engine.gpu_memory_utilization", "(0, 1]"),
     ("- prefill\n- decode", "config", "must hold a mapping"),
     ("prefill: [1, 2", "config", "not valid YAML"),
@@ -186,6 +203,8 @@ KV_BROKEN = [
     # Per rank: 2 of 4 ranks share each KV head, so a block costs 32 KiB per rank.
     (["engine.device=cpu", "engine.tensor_parallel_size=4", "engine.kv_cache_bytes=4194304"],
      "engine.kv_cache_bytes", "128 KV blocks, which cannot hold"),
+    # A block table past reason: the worker's start failed on a 100 GB allocation.
+    (["engine.max_num_seqs=100000000"], "engine.max_num_seqs", "block table"),
     # KV elements the roles' dtype or device make differ: every pull failed at handshake.
     (["prefill.engine.device=cpu", "decode.engine.device=cuda"], "decode.engine.device",
      "prefill's KV cache holds float32 and decode's a 16-bit dtype"),
