@@ -50,7 +50,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
-from common.structured_output import StructuredOutput
+from common.structured_output import JSON_OPTIONS, StructuredOutput
 from common.tokenizer import Tokenizer
 from router.reasoning import reasoning_fields
 from router.tags import partial_tag
@@ -89,7 +89,8 @@ def call_constraint(schemas: dict[str, dict[str, Any]], tokenizer: Tokenizer) ->
     call one of ``schemas`` (function name -> its parameters' JSON schema), for
     ``tool_choice`` "required" or a named function: an analysis message if the model
     writes one, then one call's message, its arguments matching the function's schema
-    (without free whitespace, as ``common/structured_output.py`` generates JSON), ended
+    (as ``common/structured_output.py`` generates JSON: no free whitespace, json.dumps's
+    separators, as the template prints the arguments back next turn), ended
     by ``<|call|>``, an end of sequence: a Harmony reply makes one call per turn."""
     token = {marker: f"<[{tokenizer.token_id(marker)}]>" for marker in MARKERS}
     alternatives = " | ".join(f"call{i}" for i in range(len(schemas)))
@@ -103,8 +104,8 @@ def call_constraint(schemas: dict[str, dict[str, Any]], tokenizer: Tokenizer) ->
     for i, (name, schema) in enumerate(schemas.items()):
         rules.append(f"call{i}: {json.dumps(name + ' ')} {token[CONSTRAIN]} \"json\" "
                      f"{token[MESSAGE]} arguments{i} {token[CALL]}")  # fmt: skip
-        compact = {**schema, "x-guidance": {"whitespace_flexible": False}}
-        rules.append(f"arguments{i}: %json {json.dumps(compact)}")
+        held = {**schema, "x-guidance": JSON_OPTIONS}  # (json.dumps's separators)
+        rules.append(f"arguments{i}: %json {json.dumps(held)}")
     return StructuredOutput("grammar", "\n".join(rules))
 
 
