@@ -618,7 +618,11 @@ def _cut_at_tag(text: str, content: str) -> str:
     """``text`` (rendered with the tag) up to where the last message's content ends; where
     the template trimmed the tag's trailing space, the content's trailing space went too."""
     tag = _CONTINUE_TAG.strip()
-    if tag not in text or content.strip() not in text:
+    # Past its last marked control token: a template that splits the content at one
+    # (Qwen3's at "</think>") gets the markers where the pieces meet, and they keep its
+    # strip()s from trimming there, so the whole content rendered otherwise (a 400).
+    tail = content.rsplit(_MARK_END, 1)[-1].strip()
+    if tag not in text or tail not in text:
         raise TokenizerError(
             "continue_final_message: the chat template does not render the last message's "
             "content as given",

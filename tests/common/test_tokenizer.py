@@ -462,6 +462,12 @@ def test_a_template_still_sees_the_control_tokens_a_client_wrote(model_factory, 
     text = ours.decode(ids, skip_special_tokens=False)
     assert "Long reasoning" not in text and "and </think> 3+3?" in text
     assert ids.count(ours.token_id("</think>")) == 0  # the client's, as text
+    # A reply to continue whose thinking the template splits off: the markers where the
+    # pieces meet made its "content as given" check refuse it (a 400).
+    prefill = [*messages[:1], {"role": "assistant", "content": "<think>\nx\n</think>\n\nIt is"}]
+    continued = ours.apply_chat_template(prefill, False, continue_final_message=True,
+                                         escape_special=True)  # fmt: skip
+    assert ours.decode(continued, skip_special_tokens=False).endswith("It is")
     ascii_json = "{{ messages[0]['content'] | tojson(ensure_ascii=True) }}"
     model_dir = _with_template(model_factory("qwen3"), tmp_path / "ascii", ascii_json)
     ascii_ids = Tokenizer(model_dir).apply_chat_template(
