@@ -102,7 +102,7 @@ class KVCacheDType(StrEnum):
 
 _SOME_16_BIT = "a 16-bit dtype (the checkpoint's)"
 # A host name as a URL names it (an IPv6 address in brackets is not one here).
-_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,62}[A-Za-z0-9])?"
+_LABEL = r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}[A-Za-z0-9_])?"  # (_: compose's service names)
 _HOST_NAME = re.compile(rf"{_LABEL}(\.{_LABEL})*")
 
 

@@ -329,6 +329,7 @@ def _yaml_hint(value: Any) -> str:
         return ""
     mantissa, _, exponent = value.strip().lower().partition("e")
     mantissa += "" if "." in mantissa else ".0"
+    mantissa = re.sub(r"^([-+]?)\.", r"\g<1>0.", mantissa)  # (PyYAML: a digit before the '.')
     exponent = exponent if exponent[0] in "+-" else "+" + exponent
     return (f" (YAML reads an exponent without a '.' and a sign as text: write "
             f"{mantissa}e{exponent})")  # fmt: skip

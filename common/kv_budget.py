@@ -217,7 +217,7 @@ def _key(config: PdserveConfig, role: Role, name: str) -> str:
     return "offload.cpu_bytes" if name == "cpu_offload_bytes" else f"engine.{name}"
 
 
-_MAX_BLOCK_TABLE_BYTES = 4 << 30
+_MAX_BLOCK_TABLE_BYTES = 64 << 30  # (Llama 4 Scout's 10M context x 2048 sequences: 5 GiB)
 
 
 def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:

@@ -120,9 +120,9 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame) -> None:
         if self.state.draining:  # a second signal: stop now, replies ending with an error
             # Not uvicorn's own handler: it re-raised the signal once stopped, so the
-            # router died by it (exit -15), and ``pdserve up`` restarted it. Once
-            # stopping, another skips the close's waits (uvicorn's force_exit).
-            self.force_exit = self.state.stopping
+            # router died by it (exit -15), and ``pdserve up`` restarted it. (Not
+            # force_exit either: it skips the lifespan's shutdown, the router's cleanup;
+            # the close waits at most CLOSE_S.)
             self.state.stopping = True
             self.should_exit = True
             return

@@ -216,8 +216,9 @@ class _SamplingFields(_Body):
     repetition_penalty: float | None = Field(default=None, gt=0.0)  # (vLLM: any, > 0)
     n: int = Field(default=1, ge=1, le=MAX_N)
     best_of: int | None = None  # (only n: see ``_unsupported``)
-    # vLLM's: the response's id is "chatcmpl-<it>" (an X-Request-Id header wins).
-    request_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9._:\-]{1,128}$")
+    # vLLM's: the response's id is "chatcmpl-<it>" when plain (an X-Request-Id header
+    # wins); any string is taken, as vLLM takes it, and one not plain is not used.
+    request_id: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
