@@ -14,7 +14,9 @@ another worker would not have to do:
             + (1 + prefill_recompute_penalty) * missing / uses)
            / prefill_tokens_per_s
 
-where a CPU-tier hit counts ``cpu_hit_credit`` of a GPU hit, and ``uses`` is the prefix's
+over the prefill workers with free blocks for the prompt (their last Stats, less the
+prefills sent and not done), where any has; where a CPU-tier hit counts
+``cpu_hit_credit`` of a GPU hit, and ``uses`` is the prefix's
 recent uses (``router/prefix_demand.py``; the decode worker's bonus is divided by them
 too). With one use (a conversation's next turn) the missing part costs its recomputation
 plus the penalty. A prefix many requests share is worth recomputing once elsewhere, so
@@ -61,6 +63,9 @@ class WorkerLoad:
     running: int = 0  # decode: requests in flight
     kv_blocks_in_use: int = 0  # decode: blocks its in-flight requests hold (estimated)
     kv_blocks_total: int = 0
+    # prefill: free KV blocks at its last Stats (cached ones included: evictable); None:
+    # not known. Blocks held under leases for decode workers are not free.
+    kv_blocks_free: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,12 +169,26 @@ class PlacementPolicy:
             return Placement(decode_id, None, on_decode, 0, 0.0)
         prefill_cached = self._cached(prefill, prefill_matches, num_tokens)
         best = max(prefill_cached.values())
+        # Workers that have the room for the prompt, where some have: one whose pool is
+        # full of leased blocks (a decode worker frozen or gone mid-hand-off) looked idle
+        # and held its request until a lease expired (30 s) beside an idle worker.
+        roomy = [w for w in prefill if self._has_room(w, prefill_matches, num_tokens)]
         prefill_scores = [
             (self.prefill_cost(w, prefill_cached[w.worker_id], num_tokens, best, uses), w.worker_id)
-            for w in prefill
+            for w in roomy or prefill
         ]
         ttft, prefill_id = self._pick(prefill_scores, Role.PREFILL)
         return Placement(decode_id, prefill_id, on_decode, int(prefill_cached[prefill_id]), ttft)
+
+    def _has_room(self, load: WorkerLoad, matches: dict[str, PrefixMatch], num_tokens: int) -> bool:
+        """Whether ``load``'s free blocks, less those of the prefills sent it and not done,
+        hold the blocks of the prompt it does not cache (unknown: yes)."""
+        if load.kv_blocks_free is None:
+            return True
+        held = matches.get(load.worker_id, PrefixMatch())
+        needed = -(-num_tokens // self.block_size) - held.gpu_blocks
+        queued = -(-load.queued_prefill_tokens // self.block_size)
+        return load.kv_blocks_free - queued >= needed
 
     def _cached(
         self, workers: Sequence[WorkerLoad], matches: dict[str, PrefixMatch], num_tokens: int

@@ -180,6 +180,7 @@ class WorkerState:
             running=self.running + self.assigned,
             kv_blocks_in_use=self.kv_blocks_in_use + self.assigned_blocks,
             kv_blocks_total=self.kv_blocks_total,
+            kv_blocks_free=self.stats.kv_blocks_free if self.stats.kv_blocks_total else None,
         )
 
     @property

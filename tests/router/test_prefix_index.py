@@ -253,6 +253,27 @@ def test_a_prefix_many_requests_share_is_spread_over_idle_workers():
     assert policy.place(800, decode, ahead, held, held, {}, uses=1.0).prefill_worker == "p0"
 
 
+def test_a_prefill_worker_without_room_for_the_prompt_is_passed_over():
+    """Its pool full of leased blocks (a decode worker frozen mid-hand-off), p0 looked
+    idle, and its request waited for a lease to expire (19 s at lease_s 20) beside an
+    idle p1. Where no worker has the room, or its room is not known, the cost decides."""
+    policy = PlacementPolicy(RouterConfig(min_disagg_tokens=0), block_size=16, max_running=64)
+    decode = [WorkerLoad("d0", kv_blocks_total=1000)]
+    held = {"p0": PrefixMatch(10, 0)}  # p0 caches 10 of the prompt's 50 blocks
+    full = [WorkerLoad("p0", kv_blocks_free=26), WorkerLoad("p1", kv_blocks_free=64)]
+    assert policy.place(800, decode, full, {}, held).prefill_worker == "p1"
+    # 40 more blocks fit p0 once it has 40 free, less what is queued there.
+    fits = [WorkerLoad("p0", kv_blocks_free=40), WorkerLoad("p1", kv_blocks_free=64)]
+    assert policy.place(800, decode, fits, {}, held).prefill_worker == "p0"
+    queued = [WorkerLoad("p0", queued_prefill_tokens=16, kv_blocks_free=40),
+              WorkerLoad("p1", kv_blocks_free=64)]  # fmt: skip
+    assert policy.place(800, decode, queued, {}, held).prefill_worker == "p1"
+    neither = [WorkerLoad("p0", kv_blocks_free=5), WorkerLoad("p1", kv_blocks_free=5)]
+    unknown = [WorkerLoad("p0"), WorkerLoad("p1", kv_blocks_free=64)]
+    for loads in (neither, unknown):
+        assert policy.place(800, decode, loads, {}, held).prefill_worker == "p0"
+
+
 def test_ties_rotate_over_every_worker_of_each_role():
     policy = PlacementPolicy(RouterConfig(), block_size=16, max_running=64)
     decode = [WorkerLoad("d0", kv_blocks_total=1000), WorkerLoad("d1", kv_blocks_total=1000)]
