@@ -152,21 +152,31 @@ def test_decode_pulls_only_blocks_it_does_not_cache(pair):
     assert decode.leak_report() == [] and prefill.leak_report() == []
 
 
+TIER_PARAMS = SamplingParams(max_tokens=4, min_tokens=4, temperature=0)
+
+
+def tiered_decode(model, prefill, puller, seed: int) -> tuple[LLMEngine, list[int]]:
+    """A decode engine with a small pool and a CPU tier (the puller's target now), and a
+    160-token (10-block) prefix it pulled and then offloaded to the tier."""
+    small = dict(num_blocks=24, max_model_len=256)  # 384 tokens of device KV
+    decode = LLMEngine(model, EngineConfig(cpu_offload_bytes=64 << 20, **small),
+                       kv_puller=puller)  # fmt: skip
+    puller.target = decode
+    prefix = random_prompts((160,), seed=seed)[0]
+    disaggregated(prefill, decode, [prefix + [7]], TIER_PARAMS)
+    for filler in random_prompts((200, 200), seed=seed + 1):  # push the prefix out
+        decode.add_request("fill", filler, TIER_PARAMS)
+        run(decode)
+    return decode, prefix
+
+
 def test_decode_loads_what_its_cpu_tier_holds_and_pulls_the_rest(tiny_llama, pair):
     """A prefix the decode worker pulled before and then offloaded to its CPU tier comes
     back from CPU memory; only the blocks after it cross the network. Same tokens."""
     prefill, _, puller = pair
-    small = dict(num_blocks=24, max_model_len=256)  # 384 tokens of device KV
-    decode = LLMEngine(tiny_llama, EngineConfig(cpu_offload_bytes=64 << 20, **small),
-                       kv_puller=puller)  # fmt: skip
-    puller.target = decode
+    decode, prefix = tiered_decode(tiny_llama, prefill, puller, seed=93)
+    params = TIER_PARAMS
     try:
-        prefix = random_prompts((160,), seed=93)[0]  # 10 full blocks
-        params = SamplingParams(max_tokens=4, min_tokens=4, temperature=0)
-        disaggregated(prefill, decode, [prefix + [7]], params)
-        for filler in random_prompts((200, 200), seed=94):  # push the prefix out
-            decode.add_request("fill", filler, params)
-            run(decode)
         question = prefix + [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24]
         before = (puller.num_blocks_pulled, decode.cpu_tier.stats.hit_blocks)
         out = disaggregated(prefill, decode, [question], params)["r0"]
@@ -187,17 +197,9 @@ def test_a_prompt_whose_tier_load_and_pull_are_under_way_waits_for_them(tiny_lla
     and finds it all cached. It waited only on blocks being pulled, so it loaded the
     prefix again and pulled the rest again (twice the network for the same blocks)."""
     prefill, _, puller = pair
-    small = dict(num_blocks=24, max_model_len=256)
-    decode = LLMEngine(tiny_llama, EngineConfig(cpu_offload_bytes=64 << 20, **small),
-                       kv_puller=puller)  # fmt: skip
-    puller.target = decode
+    decode, prefix = tiered_decode(tiny_llama, prefill, puller, seed=95)
+    params = TIER_PARAMS
     try:
-        prefix = random_prompts((160,), seed=95)[0]  # 10 full blocks
-        params = SamplingParams(max_tokens=4, min_tokens=4, temperature=0)
-        disaggregated(prefill, decode, [prefix + [7]], params)
-        for filler in random_prompts((200, 200), seed=96):  # push the prefix out
-            decode.add_request("fill", filler, params)
-            run(decode)
         question = prefix + list(range(8, 25))  # 177 tokens: 10 blocks held, 2 to pull
         before = (puller.num_blocks_pulled, decode.cpu_tier.stats.hit_blocks)
         outs = disaggregated(prefill, decode, [question, question], params)
