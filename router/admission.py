@@ -29,10 +29,14 @@ REQUEST_ID = "pdserve.request_id"  # the scope's: the response's id, once it has
 CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 
+def plain_request_id(given: str | None) -> str | None:
+    """``given`` when it is a plain id (``CLIENT_REQUEST_ID``); else None."""
+    return given if given is not None and CLIENT_REQUEST_ID.fullmatch(given) else None
+
+
 def client_request_id(scope: Any) -> str | None:
     """The client's ``X-Request-Id``, when plain; else None."""
-    given = Headers(scope=scope).get("x-request-id", "")
-    return given if CLIENT_REQUEST_ID.fullmatch(given) else None
+    return plain_request_id(Headers(scope=scope).get("x-request-id"))
 
 
 # The scope's, on /v1/responses: the ``ResponseShape`` a whole chat reply is built as.

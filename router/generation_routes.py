@@ -21,12 +21,12 @@ from common.detokenizer import IncrementalDetokenizer
 from common.structured_output import STRUCTURED_OUTPUT
 from common.tracing import NO_SPAN, Span
 from router.admission import (
-    CLIENT_REQUEST_ID,
     GONE,
     REQUEST_ID,
     RESPONSE_SHAPE,
     Admission,
     client_request_id,
+    plain_request_id,
     record_error,
     stopped,
     until_disconnected,
@@ -339,10 +339,7 @@ def add_generation_routes(
         # request_id): the response is "chatcmpl-<id>". The workers' sequence ids stay
         # unique whatever a client sends again (a retry under its id).
         prefix = "chatcmpl" if chat else "cmpl"
-        given = body.request_id if body.request_id is not None else ""
-        client_id = client_request_id(request.scope) or (
-            given if CLIENT_REQUEST_ID.fullmatch(given) else None
-        )
+        client_id = client_request_id(request.scope) or plain_request_id(body.request_id)
         response_id = new_id(prefix) if client_id is None else f"{prefix}-{client_id}"
         request.scope[REQUEST_ID] = response_id  # its X-Request-Id (``router/app.py``)
         keep = keep_special or frozenset()
