@@ -125,7 +125,7 @@ def grammar_of(structured: StructuredOutput, tag_tokens: dict[str, int] | None =
             strings = isinstance(choices, list) and all(isinstance(c, str) for c in choices)
             if not strings or not choices:
                 raise StructuredOutputError("choice must be a non-empty list of strings")
-            grammar = llguidance.grammar_from("choice", spec)
+            grammar = llguidance.grammar_from("lark", _choice_lark(choices))
         else:
             grammar = llguidance.grammar_from("grammar", spec)
     except StructuredOutputError:
@@ -140,6 +140,14 @@ def grammar_of(structured: StructuredOutput, tag_tokens: dict[str, int] | None =
     if structured.reasoning_end:
         grammar = _after_reasoning(grammar, structured, tag_tokens or {})
     return grammar
+
+
+def _choice_lark(choices: list[str]) -> str:
+    """One of ``choices`` as the whole text, as one terminal: the lexer matches the
+    alternation. llguidance's own ``choice`` grammar makes each string a rule of its own,
+    one Earley item each, and its parser stops at 2,000 items in a row: a choice of 2,500
+    compiled, then failed on the first token generated."""
+    return "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(choice) for choice in choices)
 
 
 def _after_reasoning(grammar: str, structured: StructuredOutput, tag_tokens: dict[str, int]) -> str:

@@ -184,3 +184,22 @@ def test_what_only_the_tokenizer_shows_is_refused_too(compiler):
         assert info.value.param == param
         assert "\n" not in str(info.value) and len(str(info.value)) < 400  # no grammar dump
     _checked(compiler, guided_regex="a{1,100}")  # and what is fine passes
+
+
+def test_a_choice_of_thousands_of_strings_holds_past_the_first_token(compiler, tiny_llama):
+    """Each string of a choice one alternative of a terminal: as rules of their own (what
+    llguidance's ``choice`` grammar builds), 2,500 strings compiled, then the parser
+    refused the first token generated (2,500 items in a row, 2,000 allowed)."""
+    choices = [f"option number {index} of many" for index in range(2500)] + ["", "😀 é\t\\d"]
+    structured = _of(guided_choice=choices)
+    check(compiler, "guided_choice", structured)
+    tokenizer = Tokenizer(tiny_llama)
+    for text in (choices[0], choices[1234], choices[-1]):
+        matcher = compiler.matcher(structured)
+        token_ids = tokenizer.encode(text, add_special_tokens=False)
+        assert matcher.try_consume_tokens(token_ids) == len(token_ids), matcher.get_error()
+        assert matcher.is_accepting()
+    assert compiler.matcher(structured).is_accepting()  # the empty string is one of them
+    wrong = tokenizer.encode("option number 2500 of many", add_special_tokens=False)
+    matcher = compiler.matcher(structured)
+    assert matcher.try_consume_tokens(wrong) < len(wrong)
