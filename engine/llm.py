@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -112,9 +112,10 @@ class LLM:
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, or a list of token ids). Outputs come back in
-        input order with ``text`` decoded. Invalid input raises before anything runs.
-        ``lora_name``: the adapter of every prompt, or one per prompt (None: the base).
-        ``priority``: one per prompt, lower first (``scheduling_policy: priority``)."""
+        input order with ``text`` decoded, a prompt's ``n`` samples in its ``outputs``.
+        Invalid input raises before anything runs. ``lora_name``: the adapter of every
+        prompt, or one per prompt (None: the base). ``priority``: one per prompt, lower
+        first (``scheduling_policy: priority``)."""
         prompt_list = _normalize_prompts(prompts)
         if sampling_params is None:
             sampling_params = self.default_sampling_params()
@@ -131,31 +132,64 @@ class LLM:
         if len(priorities) != len(prompt_list):
             raise ValueError(f"{len(priorities)} priorities for {len(prompt_list)} prompts")
         priorities = [self.engine.validate_priority(value) for value in priorities]
-        requests = zip(token_lists, params_list, lora_names, priorities, image_lists, strict=True)
-        request_ids = self._add_all(
+        parent_ids = [self._new_id() for _ in prompt_list]
+        samples: list[list[_Sample]] = []
+        requests = []
+        for i, (params, parent_id) in enumerate(zip(params_list, parent_ids, strict=True)):
+            samples.append([])
+            for index in range(params.n):
+                request_id = parent_id if params.n == 1 else f"{parent_id}-{index}"
+                detokenizer = self._detokenizer(params, token_lists[i])
+                samples[-1].append(_Sample(request_id, index, params, detokenizer,
+                                           frozenset(self.engine.eos_token_ids),
+                                           self.tokenizer.eos_token_id))  # fmt: skip
+                one = dataclasses.replace(params, n=1, stop=(), include_stop_str_in_output=False,
+                                          seed=_sample_seed(params.seed, index))  # fmt: skip
+                requests.append((request_id, token_lists[i], one, lora_names[i],
+                                 priorities[i], image_lists[i]))  # fmt: skip
+        self._add_all(
             lambda request_id, tokens, params, name, value, images: self.engine.add_request(
                 request_id, tokens, params, lora_name=name, priority=value, images=images
             ),
             requests,
         )
-        return self._run(request_ids, prompt_list, token_lists, params_list, use_tqdm)
+        by_id = {sample.request_id: sample for group in samples for sample in group}
+        self._run(list(by_id), use_tqdm, lambda output: by_id[output.request_id].read(output))
+        return [
+            _combined(parent_id, [sample.output for sample in group], prompt)  # type: ignore[misc]
+            for parent_id, group, prompt in zip(parent_ids, samples, prompt_list, strict=True)
+        ]
 
-    def _add_all(self, add: Any, requests: Any) -> list[str]:
-        """``add(request_id, *request)`` for every request, all or none: the checks only
-        ``add_request`` makes (ids in the vocabulary, a grammar that compiles) failing on
-        the k-th left the earlier ones queued, run by the next ``generate`` for nobody."""
-        request_ids: list[str] = []
+    def _new_id(self) -> str:
+        request_id = f"offline-{self._next_id}"
+        self._next_id += 1
+        return request_id
+
+    def _detokenizer(
+        self, params: SamplingParams, prompt_token_ids: list[int]
+    ) -> IncrementalDetokenizer:
+        """A sample's text as the router makes it (``common/detokenizer.py``): decoded
+        after the prompt's last tokens (alone, a SentencePiece tokenizer's completion lost
+        its first space: "the" for " the"), stop strings looked for as tokens come."""
+        return IncrementalDetokenizer(
+            self.tokenizer, params.stop, params.min_tokens,
+            include_stop=params.include_stop_str_in_output, context=prompt_token_ids,
+        )  # fmt: skip
+
+    def _add_all(self, add: Any, requests: list[tuple]) -> None:
+        """``add(request_id, *rest)`` for every ``(request_id, *rest)``, all or none: the
+        checks only ``add_request`` makes (ids in the vocabulary, a grammar that compiles)
+        failing on the k-th left the earlier ones queued, run by the next ``generate`` for
+        nobody."""
+        added: list[str] = []
         try:
-            for request in requests:
-                request_id = f"offline-{self._next_id}"
-                self._next_id += 1
-                add(request_id, *request)
-                request_ids.append(request_id)
+            for request_id, *rest in requests:
+                add(request_id, *rest)
+                added.append(request_id)
         except BaseException:
-            for request_id in request_ids:
+            for request_id in added:
                 self.engine.abort_request(request_id)
             raise
-        return request_ids
 
     def chat(
         self,
@@ -253,14 +287,20 @@ class LLM:
         states. Invalid input raises before anything runs."""
         prompt_list = _normalize_prompts(prompts)
         token_lists, lora_names, image_lists = self._prepare(prompt_list, lora_name)
-        request_ids = self._add_all(
+        request_ids = [self._new_id() for _ in prompt_list]
+        self._add_all(
             lambda request_id, tokens, name, images: self.engine.add_request(
                 request_id, tokens, EMBEDDING_SAMPLING, lora_name=name,
                 pooling=pooling or PoolingParams(), images=images,
             ),
-            zip(token_lists, lora_names, image_lists, strict=True),
+            list(zip(request_ids, token_lists, lora_names, image_lists, strict=True)),
         )  # fmt: skip
-        return self._run(request_ids, prompt_list, token_lists, None, use_tqdm)
+        finished = self._run(request_ids, use_tqdm, lambda output: output if output.finished
+                             else None)  # fmt: skip
+        outputs = [finished[request_id] for request_id in request_ids]
+        for output, prompt in zip(outputs, prompt_list, strict=True):
+            output.prompt = _prompt_text(prompt)
+        return outputs
 
     def _prepare(
         self, prompts: list[Prompt], lora_name: str | Sequence[str | None] | None
@@ -324,60 +364,109 @@ class LLM:
     def _run(
         self,
         request_ids: list[str],
-        prompts: list[Prompt],
-        token_lists: list[list[int]],
-        params_list: list[SamplingParams] | None,
         use_tqdm: bool,
-    ) -> list[RequestOutput]:
-        """Step until every request finished; their outputs in input order, each text
-        decoded after its prompt (``params_list`` None: embeddings, no text)."""
+        read: Callable[[RequestOutput], RequestOutput | None],
+    ) -> dict[str, RequestOutput]:
+        """Step until every request ended; each one's final output, by id. ``read``
+        takes each output as it comes and returns the request's final output once it
+        ended, which may be before the engine finished it (a stop string): it is
+        aborted then."""
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="generate", unit="req", disable=not use_tqdm)
         try:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
-                        bar.update(1)
+                    if output.request_id in finished:
+                        continue
+                    final = read(output)
+                    if final is None:
+                        continue
+                    finished[output.request_id] = final
+                    bar.update(1)
+                    if not output.finished:
+                        self.engine.abort_request(output.request_id)
         except BaseException:
             for request_id in request_ids:
                 self.engine.abort_request(request_id)
             raise
         finally:
             bar.close()
-        results = []
-        for i, (request_id, prompt) in enumerate(zip(request_ids, prompts, strict=True)):
-            output = finished[request_id]
-            if isinstance(prompt, Mapping):
-                prompt = prompt.get("prompt")
-            output.prompt = prompt if isinstance(prompt, str) else None
-            if params_list is not None:
-                self._finish_text(output, token_lists[i], params_list[i])
-            results.append(output)
-        return results
+        return finished
 
-    def _finish_text(
-        self, output: RequestOutput, prompt_token_ids: list[int], params: SamplingParams
-    ) -> None:
-        """The completion's text as the router makes it (``common/detokenizer.py``):
-        decoded after the prompt's last tokens (alone, a SentencePiece tokenizer's
-        completion lost its first space: "the" for " the"), without the token that
-        stopped it, and vLLM's ``stop_reason`` for that token (generation_config's other
-        EOS ids stop as stop tokens do, and an EOS that is not a special token left its
-        text in the output)."""
+
+@dataclasses.dataclass(slots=True)
+class _Sample:
+    """One sequence of an offline prompt: its engine request and its text so far."""
+
+    request_id: str
+    index: int  # among the prompt's n
+    params: SamplingParams  # the prompt's (n, stop strings)
+    detokenizer: IncrementalDetokenizer
+    eos_token_ids: frozenset[int]  # the engine's (generation_config's too)
+    main_eos_id: int | None  # the tokenizer's
+    num_read: int = 0  # tokens of the engine's output read so far
+    output: RequestOutput | None = None  # the final one, once ended
+
+    def read(self, output: RequestOutput) -> RequestOutput | None:
+        """Take the engine's latest output; the final one once the sequence ended, as
+        the router ends it (``router/choices.py``): the token that stopped it has no
+        text (unless ``include_stop_str_in_output``) and vLLM's ``stop_reason``; a stop
+        string ends it at the token that completed it, the tokens after it (a step's
+        speculated ones) dropped, its text cut before it."""
         completion = output.outputs[0]
-        shown = completion.token_ids
-        if completion.finish_reason == "stop" and shown:
-            last = shown[-1]
-            if ended_by_token(last, params.stop_token_ids, self.engine.eos_token_ids):
+        params, detokenizer = self.params, self.detokenizer
+        new_ids = completion.token_source[self.num_read : completion.num_tokens]
+        num_before = self.num_read
+        self.num_read = completion.num_tokens
+        shown, stop_reason = new_ids, completion.stop_reason
+        ended = output.finished and completion.finish_reason == "stop" and shown
+        if ended and ended_by_token(shown[-1], params.stop_token_ids, self.eos_token_ids):
+            stop_reason = stop_reason_of(
+                shown[-1], params.stop_token_ids, params.ignore_eos, self.main_eos_id
+            )
+            if not params.include_stop_str_in_output:
                 shown = shown[:-1]
-                completion.stop_reason = stop_reason_of(
-                    last, params.stop_token_ids, params.ignore_eos, self.tokenizer.eos_token_id
-                )
-        detokenizer = IncrementalDetokenizer(self.tokenizer, context=prompt_token_ids)
+        num_decoded = len(detokenizer.token_ids)
         detokenizer.add(shown)
-        detokenizer.finish()
+        if detokenizer.stopped:  # the tokens after the one that completed it are dropped
+            completion.num_tokens = num_before + len(detokenizer.token_ids) - num_decoded
+        if not output.finished and not detokenizer.stopped:
+            return None
+        detokenizer.finish()  # (which may find a stop string in the text held back)
+        if detokenizer.stopped:
+            completion.finish_reason, stop_reason = "stop", detokenizer.stop_string
+        completion.num_logprobs = min(completion.num_logprobs, completion.num_tokens)
+        completion.index, completion.stop_reason = self.index, stop_reason
         completion.text = detokenizer.text
+        output.finished = True
+        self.output = output
+        return output
+
+
+def _sample_seed(seed: int | None, index: int) -> int | None:
+    """The seed of a prompt's sample ``index``: the router's (``router/choices.py``), so
+    that n seeded samples differ, reproducibly, and equal a server's; wrapped to stay an
+    int64. Sample 0 keeps the prompt's."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index + 2**63) % 2**64 - 2**63
+
+
+def _prompt_text(prompt: Prompt) -> str | None:
+    if isinstance(prompt, Mapping):
+        prompt = prompt.get("prompt")
+    return prompt if isinstance(prompt, str) else None
+
+
+def _combined(request_id: str, outputs: list[RequestOutput], prompt: Prompt) -> RequestOutput:
+    """A prompt's samples as one output (vLLM's ``n``): the first's, every sample's
+    completion in ``outputs`` in index order, cached tokens the least any had."""
+    first = outputs[0]
+    first.outputs = [output.outputs[0] for output in outputs]
+    first.num_cached_tokens = min(output.num_cached_tokens for output in outputs)
+    first.request_id = request_id
+    first.prompt = _prompt_text(prompt)
+    return first
 
 
 def _chat_image(part: Mapping[str, Any]) -> Any:

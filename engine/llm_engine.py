@@ -241,6 +241,12 @@ class LLMEngine:
             raise DuplicateRequestError(request_id)
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling params must be a SamplingParams", "params")
+        if params.n != 1 or params.stop:
+            raise InvalidRequestError(
+                "an engine request is one sequence and reads no text: n and stop are the "
+                "offline API's (LLM.generate)",
+                "n" if params.n != 1 else "stop",
+            )
         priority = self.validate_priority(priority)
         if pooling is None and not self.runner.model.generates:
             raise InvalidRequestError(

@@ -27,7 +27,8 @@ class CompletionOutput:
     num_tokens: int
     text: str = ""
     finish_reason: str | None = None  # "stop" | "length" | "abort" once finished
-    stop_reason: int | None = None  # the stop token id that ended it, if any
+    # The stop token id that ended it, if any (offline, ``engine/llm.py``: or stop string).
+    stop_reason: int | str | None = None
     # The request's log-prob list (``logprobs``): None when it did not ask for them.
     logprob_source: list[TokenLogprobs] | None = field(default=None, repr=False)
     num_logprobs: int = 0

@@ -48,6 +48,12 @@ class SamplingParams:
     (EOS banned by ``min_tokens`` where only EOS completes it), only the grammar applies;
     and once the output is complete (nothing but EOS may follow) the request stops there,
     whatever ``min_tokens`` and ``ignore_eos`` say.
+
+    ``n``, ``stop`` and ``include_stop_str_in_output`` are the offline API's
+    (``engine/llm.py``, vLLM's meanings): ``n`` samples of the prompt, text stop strings
+    (the sequence ends at the first to appear, its text cut before it unless
+    ``include_stop_str_in_output``). An engine request is one sequence and reads no text:
+    ``LLMEngine.add_request`` refuses them (the router applies its requests' own).
     """
 
     max_tokens: int | None = 16
@@ -68,9 +74,14 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     structured_output: StructuredOutput | None = None
+    n: int = 1
+    stop: str | Sequence[str] | None = ()
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         self._check_types()
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        object.__setattr__(self, "stop", tuple(dict.fromkeys(stop)))
         # Lists without repeats (order kept): the sampler goes over them at every step,
         # and a request repeating one id millions of times slowed every batch it was in.
         object.__setattr__(self, "stop_token_ids", tuple(dict.fromkeys(self.stop_token_ids)))
@@ -87,7 +98,8 @@ class SamplingParams:
         numbers. Past the range checks, ``logprobs=1.5`` or ``top_k=2.5`` failed inside a
         step, taking the requests batched with it down too, and ``max_tokens=2.5`` gave
         3 tokens."""
-        for name in ("max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs"):
+        for name in ("max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs",
+                     "n"):  # fmt: skip
             value = getattr(self, name)
             if value is None and name in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):
                 continue
@@ -99,11 +111,13 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise InvalidSamplingParamsError(f"{name} must be a number, got {value!r}", name)
-        if not isinstance(self.ignore_eos, bool | np.bool_):
-            raise InvalidSamplingParamsError(
-                f"ignore_eos must be true or false, got {self.ignore_eos!r}", "ignore_eos"
-            )
-        object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            value = getattr(self, name)
+            if not isinstance(value, bool | np.bool_):
+                raise InvalidSamplingParamsError(
+                    f"{name} must be true or false, got {value!r}", name
+                )
+            object.__setattr__(self, name, bool(value))
 
     def _validate(self) -> None:
         def bad(param: str, message: str) -> InvalidSamplingParamsError:
@@ -154,6 +168,10 @@ class SamplingParams:
         for word in self.bad_words_token_ids:
             if not word or any(not _is_integer(t) or t < 0 for t in word):
                 raise bad("bad_words", "must be non-empty sequences of token ids")
+        if self.n < 1:
+            raise bad("n", f"must be at least 1, got {self.n}")
+        if any(not isinstance(text, str) or not text for text in self.stop):
+            raise bad("stop", "must be non-empty strings")
         if self.structured_output is not None and not isinstance(
             self.structured_output, StructuredOutput
         ):

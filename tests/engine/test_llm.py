@@ -4,6 +4,7 @@ left in the engine."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -82,4 +83,53 @@ def test_a_bad_generated_token_names_its_field(llm):
         llm.engine.add_request("x", [5, 6], SamplingParams(max_tokens=4),
                                output_token_ids=[10**6])  # fmt: skip
     assert error.value.param == "output_token_ids" and "output_token_ids" in error.value.message
+    assert llm.engine.leak_report() == []
+
+
+def test_a_stop_string_ends_the_sequence_where_it_appears(llm):
+    """vLLM's ``SamplingParams(stop=...)``: the engine stops generating at the token that
+    completes the string (it is not run to max_tokens and cut after), the text ends
+    before it (or with it: ``include_stop_str_in_output``), the stop reason is the
+    string. The offline API had no stop strings."""
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    (free,) = llm.generate(["Hello world"], greedy, use_tqdm=False)
+    text, token_ids = free.outputs[0].text, free.outputs[0].token_ids
+    start = next(i for i in range(4, len(text) - 3) if text.index(text[i : i + 3]) == i)
+    stop = text[start : start + 3]
+    for include in (False, True):
+        params = dataclasses.replace(greedy, stop=["never there", stop],
+                                     include_stop_str_in_output=include)  # fmt: skip
+        (out,) = llm.generate(["Hello world"], params, use_tqdm=False)
+        completion = out.outputs[0]
+        assert completion.text == text[: start + (3 if include else 0)]
+        assert (completion.finish_reason, completion.stop_reason) == ("stop", stop)
+        kept = completion.token_ids
+        assert kept == token_ids[: len(kept)] and len(kept) < len(token_ids)
+        assert llm.engine.leak_report() == []
+
+
+def test_n_samples_of_a_prompt_are_its_seeded_sequences(llm):
+    """vLLM's ``n``: one output per prompt with n completions (index 0..n-1); sample i
+    seeded as the router seeds it (the seed + i), so a seeded run is reproducible and
+    sample 0 is the n=1 run's."""
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=7, n=3)
+    first, second = llm.generate(["Hello", "Other prompt"], params, use_tqdm=False)
+    assert [c.index for c in first.outputs] == [0, 1, 2] and len(second.outputs) == 3
+    assert first.request_id != second.request_id
+    for index, completion in enumerate(first.outputs):
+        alone = dataclasses.replace(params, n=1, seed=7 + index)
+        (single,) = llm.generate(["Hello"], alone, use_tqdm=False)
+        assert single.outputs[0].token_ids == completion.token_ids
+        assert single.outputs[0].text == completion.text
+    assert len({tuple(c.token_ids) for c in first.outputs}) > 1
+    assert llm.engine.leak_report() == []
+
+
+def test_an_engine_request_refuses_what_only_the_offline_api_reads(llm):
+    """The engine runs one sequence and reads no text: n and stop strings given to it
+    were silently ignored."""
+    for params, param in ((SamplingParams(n=2), "n"), (SamplingParams(stop="x"), "stop")):
+        with pytest.raises(InvalidRequestError) as error:
+            llm.engine.add_request("x", [5, 6], params)
+        assert error.value.param == param
     assert llm.engine.leak_report() == []
