@@ -36,6 +36,7 @@ from common.hf_config import MTP_LAYER_ARCHITECTURES
 from common.model_info import BARE_NAMES
 from engine.attention.backend import AttentionBackend
 from engine.models.arch import (
+    IN_PROJ_PARTS,
     ModelArchConfig,
     ModelLoadError,
     safetensors_files,
@@ -147,11 +148,15 @@ def _granite_name(name: str, arch: ModelArchConfig) -> str:
 
 @dataclass(frozen=True, slots=True)
 class _Target:
-    """Where a stored tensor goes: rows ``row_start..`` of ``param`` (of ``param[expert]``)."""
+    """Where a stored tensor goes: rows ``row_start ..+ rows`` of ``param`` (of
+    ``param[expert]``); ``rows`` None: all rows from ``row_start`` on. The stored tensor
+    must have exactly that many: checked only to fit, a q_proj 64 rows too long beside a
+    k_proj 64 rows too short loaded, the fused qkv_proj's last rows never written."""
 
     param: str
     row_start: int = 0
     expert: int | None = None
+    rows: int | None = None
 
 
 def _target(name: str, arch: ModelArchConfig, shapes: dict[str, tuple[int, ...]]) -> _Target:
@@ -171,12 +176,14 @@ def _target(name: str, arch: ModelArchConfig, shapes: dict[str, tuple[int, ...]]
         stacked = f"{prefix}.gate_up_proj"
         half = shapes[stacked][1] // 2 if stacked in shapes else 0
         if arch.moe is not None and arch.moe.expert_activation == "relu2":
-            half = 0  # up rows alone (Nemotron-H's ungated experts)
-        return _Target(stacked, 0 if part == "gate" else half, int(index))
+            return _Target(stacked, 0, int(index))  # up rows alone (Nemotron-H's ungated)
+        return _Target(stacked, 0 if part == "gate" else half, int(index), half)
     linear = _LINEAR_IN.match(name) if arch.linear_attention is not None else None
     if linear is not None:
         module, which = linear.groups()
-        return _Target(f"{module}.in_proj.weight", arch.linear_attention.in_proj_start(which))
+        widths = arch.linear_attention.in_proj_widths
+        return _Target(f"{module}.in_proj.weight", arch.linear_attention.in_proj_start(which),
+                       rows=widths[IN_PROJ_PARTS.index(which)])  # fmt: skip
     fused = _FUSED.match(name)
     if fused is None or name in shapes:
         # (a projection the model holds as stored: latent attention's q_proj, Nemotron-H's
@@ -186,10 +193,11 @@ def _target(name: str, arch: ModelArchConfig, shapes: dict[str, tuple[int, ...]]
     if which in ("q", "k", "v"):
         q_rows = arch.q_size * (2 if arch.attention_output_gate else 1)  # Qwen3.5's gate
         starts = {"q": 0, "k": q_rows, "v": q_rows + arch.kv_size}
-        return _Target(f"{module}.qkv_proj.{kind}", starts[which])
+        rows = q_rows if which == "q" else arch.kv_size
+        return _Target(f"{module}.qkv_proj.{kind}", starts[which], rows=rows)
     stacked = f"{module}.gate_up_proj.{kind}"
     half = shapes[stacked][0] // 2 if stacked in shapes else 0
-    return _Target(stacked, 0 if which == "gate" else half)
+    return _Target(stacked, 0 if which == "gate" else half, rows=half)
 
 
 def _mtp_name(name: str, arch: ModelArchConfig, num_mtp_layers: int) -> str | None:
@@ -242,7 +250,7 @@ def _qwen3_next_in_proj(
                              f"this config needs {groups * sum(widths)}")  # fmt: skip
     parts = tensor.reshape(groups, sum(widths), -1).split(widths, dim=1)
     rows = torch.cat([part.reshape(-1, tensor.shape[-1]) for part in parts])
-    return _Target(f"{module}.in_proj.weight", linear.in_proj_start(first)), rows
+    return _Target(f"{module}.in_proj.weight", linear.in_proj_start(first), rows=len(rows)), rows
 
 
 def _model_name(name: str) -> str | None:
@@ -478,11 +486,12 @@ def load_model(
             for expert in range(tensor.shape[0]):
                 place(dataclasses.replace(target, expert=expert), tensor[expert], stored, path)
             return
-        rows = tensor.shape[0]
-        if tuple(tensor.shape[1:]) != full[1:] or target.row_start + rows > full[0]:
+        rows = full[0] - target.row_start if target.rows is None else target.rows
+        if tuple(tensor.shape) != (rows, *full[1:]) or target.row_start + rows > full[0]:
+            part = "" if target.rows is None else f" (its rows {target.row_start}..+{rows})"
             raise ModelLoadError(
-                f"{path.name}: {stored} has shape {tuple(tensor.shape)}, which does not "
-                f"fit {target.param} {shapes[target.param]}"
+                f"{path.name}: {stored} has shape {tuple(tensor.shape)}; this config needs "
+                f"{(rows, *full[1:])} for {target.param} {shapes[target.param]}{part}"
             )
         with torch.no_grad():  # copy_ casts to the model dtype
             for dest in dests:
@@ -538,7 +547,7 @@ def load_model(
                         prefix, which, f.get_tensor(stored), shapes[name], f"{path.name}: {stored}"
                     )
                     for param, index, row_start, rows in pieces:
-                        place(_Target(param, row_start, index), rows, stored, path)
+                        place(_Target(param, row_start, index, len(rows)), rows, stored, path)
                     continue
                 expert = EXPERT_TENSOR.match(name) if gpt_oss else None
                 if expert is None:
@@ -575,7 +584,7 @@ def load_model(
                     scales = _partner(stored, "_blocks", "_scales", where, path)
                 pieces = expert_pieces(prefix, which, suffix, f.get_tensor(stored), scales, dtype)
                 for param, index, row_start, rows in pieces:
-                    place(_Target(param, row_start, index), rows, stored, path)
+                    place(_Target(param, row_start, index, len(rows)), rows, stored, path)
     model.checkpoint_kv_scales = kv_scales.per_layer(model_dir)
     model.kv_scale_problems = tuple(kv_scales.problems)
     dequantized = _dequantized_kind(arch)
