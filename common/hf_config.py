@@ -291,17 +291,22 @@ def max_context_len(cfg: dict[str, Any]) -> int:
 
 
 def eos_token_ids(cfg: dict[str, Any], model_dir: str | Path) -> tuple[int, ...]:
-    """The ids that end a sequence: generation_config.json's ``eos_token_id`` (one or a list)
-    where it names any, else the (``text_config``) config's, as transformers' ``generate``
-    does. The engine stops on them; the router keeps their text out of the output."""
+    """The ids that end a sequence, as vLLM stops: the tokenizer's EOS, then
+    generation_config.json's ``eos_token_id`` (one or a list) where it names any, else the
+    (``text_config``) config's. The engine stops on them; the router keeps their text out
+    of the output. Without the tokenizer's, a ChatML fine-tune (EOS ``<|im_end|>`` in its
+    tokenizer_config, ``</s>`` in config.json, no generation_config) never stopped."""
+    from common.tokenizer import tokenizer_eos_token_id
+
     eos = cfg.get("eos_token_id")
     gen_path = Path(model_dir) / "generation_config.json"
     if gen_path.exists():
         gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
         eos = gen_eos if gen_eos is not None else eos
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    listed = [] if eos is None else [int(i) for i in eos] if isinstance(eos, list) else [int(eos)]
+    tokenizer_eos = tokenizer_eos_token_id(model_dir)
+    found = ([tokenizer_eos] if tokenizer_eos is not None else []) + listed
+    return tuple(dict.fromkeys(found))
 
 
 # Checkpoints that store multi-token-prediction layers after ``num_hidden_layers`` (V3's

@@ -2,10 +2,12 @@
 and torch-free).
 
 Reads a checkpoint's ``tokenizer.json`` with the ``tokenizers`` library (the same Rust code
-transformers' fast tokenizers run), its special tokens from ``tokenizer_config.json``, and
-its chat templates from ``chat_template.jinja`` (and ``additional_chat_templates/``) or else
-``tokenizer_config.json`` (the files win, as in transformers; ``tool_use`` is the one for a
-request with tools where a checkpoint names one, as transformers picks it), rendered in a
+transformers' fast tokenizers run), its special tokens from ``special_tokens_map.json`` and
+``tokenizer_config.json``, and its chat templates from ``chat_template.jinja`` (and
+``additional_chat_templates/``) or else ``tokenizer_config.json`` (the files win, as in
+transformers; ``tool_use`` is the one for a request with tools where a checkpoint names
+one, as transformers picks it; a processor's ``chat_template.json`` first for a request
+without tools, as vLLM picks it), rendered in a
 sandboxed Jinja environment the way transformers renders it: the same variables (every
 special token, ``tools`` and ``documents`` None), the same filters and globals, and its
 ``{% generation %}`` tag. Tests check token-for-token agreement with
@@ -145,6 +147,43 @@ class _ControlTokens:
     marked: re.Pattern[str]
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file's contents; {} when it is absent or not an object."""
+    if not path.exists():
+        return {}
+    value = json.loads(path.read_text())
+    return value if isinstance(value, dict) else {}
+
+
+def special_tokens_of(model_dir: Path) -> dict[str, Any]:
+    """A checkpoint's special tokens by role (``bos_token``, ``eos_token``, ...,
+    ``additional_special_tokens``), as transformers merges them: ``special_tokens_map.json``'s,
+    then ``tokenizer_config.json``'s over them. Older checkpoints keep bos and eos only in
+    the map: read from the config alone, their templates rendered ``bos_token`` as "" and
+    their EOS stopped nothing."""
+    special: dict[str, Any] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        for key, value in _read_json(model_dir / name).items():
+            if key.endswith("_token") and (text := _token_text(value)) is not None:
+                special[key] = text
+            elif key == "additional_special_tokens" and isinstance(value, list):
+                special[key] = [_token_text(token) for token in value]
+    return special
+
+
+def tokenizer_eos_token_id(model_dir: str | Path) -> int | None:
+    """The id of the tokenizer's ``eos_token`` (``special_tokens_of``) in
+    ``tokenizer.json``; None when it names none, or the checkpoint has no tokenizer."""
+    from tokenizers import Tokenizer as RustTokenizer
+
+    model_dir = Path(model_dir)
+    eos = special_tokens_of(model_dir).get("eos_token")
+    path = model_dir / "tokenizer.json"
+    if not isinstance(eos, str) or not path.exists():
+        return None
+    return RustTokenizer.from_file(str(path)).token_to_id(eos)
+
+
 class Tokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         from tokenizers import Tokenizer as RustTokenizer
@@ -154,23 +193,18 @@ class Tokenizer:
         if not path.exists():
             raise TokenizerError(f"{self.model_dir} has no tokenizer.json")
         self._tok = RustTokenizer.from_file(str(path))
-        config_path = self.model_dir / "tokenizer_config.json"
-        self._config: dict[str, Any] = (
-            json.loads(config_path.read_text()) if config_path.exists() else {}
-        )
+        self._config = _read_json(self.model_dir / "tokenizer_config.json")
         # What templates see as bos_token, eos_token, pad_token, ... (transformers passes
         # its whole special-tokens map).
-        self.special_tokens: dict[str, Any] = {
-            key: text
-            for key, value in self._config.items()
-            if key.endswith("_token") and (text := _token_text(value)) is not None
-        }
-        extra = self._config.get("additional_special_tokens")
-        if isinstance(extra, list):
-            self.special_tokens["additional_special_tokens"] = [_token_text(t) for t in extra]
+        self.special_tokens = special_tokens_of(self.model_dir)
         self.bos_token = self.special_tokens.get("bos_token")
         self.eos_token = self.special_tokens.get("eos_token")
         self.chat_templates = self._load_chat_templates()
+        # A processor's template (``chat_template.json``, as older vision-language
+        # checkpoints ship theirs): vLLM's second choice, before the tokenizer's, for a
+        # request without tools.
+        processor = _read_json(self.model_dir / "chat_template.json").get("chat_template")
+        self.processor_template: str | None = processor if isinstance(processor, str) else None
         self.chat_template = self.template_for(None)  # the default
 
     def _load_chat_templates(self) -> dict[str | None, str]:
@@ -201,11 +235,15 @@ class Tokenizer:
         where it has tools and the checkpoint names one (Hermes-2-Pro's: only it renders
         the tools), else the default, else the only one."""
         templates = self.chat_templates
+        if tools is None and self.processor_template is not None:
+            return self.processor_template
         if tools is not None and "tool_use" in templates:
             return templates["tool_use"]
         if None in templates:
             return templates[None]
-        return next(iter(templates.values())) if len(templates) == 1 else None
+        if len(templates) == 1:
+            return next(iter(templates.values()))
+        return self.processor_template if not templates else None
 
     @property
     def eos_token_id(self) -> int | None:
@@ -217,7 +255,7 @@ class Tokenizer:
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(self.chat_templates)
+        return bool(self.chat_templates) or self.processor_template is not None
 
     def encode(
         self,
@@ -525,7 +563,7 @@ class Tokenizer:
         a word; Llama's wrote a header it was not trained on)."""
         source = self.template_for(tools)
         if source is None:
-            if not self.chat_templates:
+            if not self.has_chat_template:
                 raise TokenizerError("this model has no chat template; use the completions API")
             names = ", ".join(sorted(str(name) for name in self.chat_templates))
             raise TokenizerError(f"this model's chat templates ({names}) include no default")

@@ -12,6 +12,7 @@ from common.config import ConfigError
 from common.config_loader import load_config
 from common.hf_config import eos_token_ids, read_text_config
 from common.model_info import model_info
+from common.tokenizer import Tokenizer
 
 
 def test_per_role_engine_overrides_reach_the_router(tiny_llama):
@@ -40,17 +41,40 @@ def test_lora_adapter_names_are_checked(tiny_llama):
 
 
 def test_the_router_reads_the_eos_ids_the_engine_stops_at(tiny_llama, tmp_path):
-    """generation_config.json's list wins over config.json's id (as for the engine), and
-    an id past the vocabulary is dropped by both."""
+    """The tokenizer's EOS (``</s>``, 2, here), then generation_config.json's list, which
+    wins over config.json's id (as for the engine); an id past the vocabulary is dropped
+    by both."""
     shutil.copytree(tiny_llama, tmp_path, dirs_exist_ok=True)
     config = read_text_config(tmp_path)
     vocab = int(config["vocab_size"])
     generation = {"eos_token_id": [7, 9, vocab + 5]}
     (tmp_path / "generation_config.json").write_text(json.dumps(generation))
-    assert eos_token_ids(config, tmp_path) == (7, 9, vocab + 5)
+    assert eos_token_ids(config, tmp_path) == (2, 7, 9, vocab + 5)
     info = model_info(load_config(None, [f"model={tmp_path}"]))
-    assert info.eos_token_ids == {7, 9}
+    assert info.eos_token_ids == {2, 7, 9}
     (tmp_path / "generation_config.json").unlink()
     assert model_info(load_config(None, [f"model={tmp_path}"])).eos_token_ids == {
         config["eos_token_id"]
     }
+
+
+def test_the_tokenizers_eos_ends_sequences_as_in_vllm(tiny_llama, tmp_path):
+    """vLLM stops at the tokenizer's EOS as well as generation_config's (config.json's
+    without one). A ChatML fine-tune's layout: ``<|im_end|>`` (4) the tokenizer's EOS,
+    ``</s>`` (2) config.json's, no generation_config: 4 never stopped anything. Older
+    checkpoints name it in special_tokens_map.json only, which was not read."""
+    shutil.copytree(tiny_llama, tmp_path, dirs_exist_ok=True)
+    (tmp_path / "generation_config.json").unlink()
+    tokenizer_config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    chatml = {**tokenizer_config, "eos_token": {"content": "<|im_end|>", "special": True}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(chatml))
+    config = read_text_config(tmp_path)
+    assert eos_token_ids(config, tmp_path) == (4, 2)
+    assert model_info(load_config(None, [f"model={tmp_path}"])).eos_token_ids == {4, 2}
+    without = {k: v for k, v in tokenizer_config.items() if k not in ("eos_token", "bos_token")}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(without))
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "<|im_end|>"}))  # fmt: skip
+    assert eos_token_ids(config, tmp_path) == (4, 2)
+    tokenizer = Tokenizer(tmp_path)
+    assert (tokenizer.bos_token, tokenizer.eos_token_id) == ("<s>", 4)

@@ -319,6 +319,38 @@ def test_a_checkpoints_tool_use_template_renders_a_request_with_tools(tiny_llama
     assert files.render_chat(TOOL_MESSAGES[:1], True) == ours.render_chat(TOOL_MESSAGES[:1], True)
 
 
+def test_a_processors_chat_template_json_is_read_as_vllm_reads_it(tiny_llama, tmp_path):
+    """Older vision-language checkpoints (llava-hf's, Qwen2-VL's) ship their template in
+    the processor's ``chat_template.json`` only: every chat request was a 400 ("no chat
+    template"). vLLM takes the processor's first for a request without tools, the
+    tokenizer's (its ``tool_use`` or default) for one with tools."""
+    (tmp_path / "tokenizer.json").write_bytes((tiny_llama / "tokenizer.json").read_bytes())
+    config = json.loads((tiny_llama / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": TOOL_TEMPLATE}))
+    alone = Tokenizer(tmp_path)
+    assert alone.has_chat_template
+    (tmp_path / "chat_template.jinja").write_text(TOOL_TEMPLATE)
+    as_file = Tokenizer(tmp_path)
+    (tmp_path / "chat_template.jinja").unlink()
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    for messages, tool_list in ((TOOL_MESSAGES[:1], None), (TOOL_MESSAGES, tools)):
+        assert alone.render_chat(messages, True, tool_list) == as_file.render_chat(
+            messages, True, tool_list
+        )
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": CHATML}))
+    with_tools = {**config, "chat_template": TOOL_TEMPLATE}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(with_tools))
+    both = Tokenizer(tmp_path)
+    assert both.render_chat(TOOL_MESSAGES[:1], True) == (
+        "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert both.render_chat(TOOL_MESSAGES, True, tools) == as_file.render_chat(
+        TOOL_MESSAGES, True, tools
+    )
+
+
 def test_template_kwargs_render_as_in_transformers_and_cannot_replace_ours(model_factory):
     """The made qwen3 model's template opens the thinking, or closes it empty with
     ``enable_thinking: false`` (Qwen3's switch), as transformers renders it."""

@@ -133,3 +133,20 @@ def test_an_engine_request_refuses_what_only_the_offline_api_reads(llm):
             llm.engine.add_request("x", [5, 6], params)
         assert error.value.param == param
     assert llm.engine.leak_report() == []
+
+
+def test_the_tokenizers_eos_stops_a_sequence(tiny_llama, tmp_path):
+    """A ChatML fine-tune's layout (``<|im_end|>`` the tokenizer's EOS, ``</s>``
+    config.json's, no generation_config): vLLM stops at ``<|im_end|>``; the engine ran on
+    to max_tokens ("<|im_end|>" 5 times, finish_reason length)."""
+    model = Path(shutil.copytree(tiny_llama, tmp_path / "m"))
+    (model / "generation_config.json").unlink()
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|im_end|>"}))
+    with LLM(model) as llm:
+        params = SamplingParams(max_tokens=5, temperature=0, logit_bias={4: 100})
+        (out,) = llm.generate(["Hello"], params, use_tqdm=False)
+        completion = out.outputs[0]
+        assert (completion.token_ids, completion.finish_reason) == ([4], "stop")
+        assert (completion.stop_reason, completion.text) == (None, "")
+        assert llm.engine.leak_report() == []
