@@ -127,10 +127,11 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
         top = {key: cfg[key] for key in _TOP_LEVEL_KEYS if cfg.get(key) is not None}
         # The text_config's own values win, except for what transformers takes from the top.
         merged = {**top, **nested}
-        # The top-level model owns the head: its setting ties it, not the text_config's
-        # (Gemma3Config's default is on, LlavaConfig's off).
-        tied_default = cfg.get("model_type") == "gemma3"
-        merged["tie_word_embeddings"] = top.get("tie_word_embeddings", tied_default)
+        # The top-level model owns the head: its setting ties it. Without one, Gemma3Config
+        # ties (whatever its text_config says); LlavaConfig and Qwen2.5-VL's take the
+        # text_config's (a tied Qwen2-0.5B inside LLaVA stores no head), else untied.
+        tied = cfg.get("model_type") == "gemma3" or bool(nested.get("tie_word_embeddings"))
+        merged["tie_word_embeddings"] = top.get("tie_word_embeddings", tied)
         merged.setdefault("model_type", "gemma3_text" if cfg.get("model_type") == "gemma3" else "")
         cfg = merged
     if cfg.get("model_type") in GEMMA3_TEXT_MODEL_TYPES:

@@ -245,6 +245,23 @@ def test_a_tensor_of_the_wrong_shape_is_named_with_the_shape_it_needs(tiny_llama
                    for name in changes), error.value  # fmt: skip
 
 
+@pytest.mark.parametrize("model_type", ["llava", "gemma3", "qwen2_5_vl"])
+def test_a_nested_configs_tie_is_read_as_transformers_reads_it(model_type):
+    """Without a top-level key, LlavaConfig and Qwen2.5-VL's tie the head as their
+    text_config says (a tied Qwen2-0.5B inside LLaVA stores no head: it was refused as
+    missing lm_head.weight), Gemma3Config ties whatever its text_config says. (Where
+    the two disagree, transformers' composite configs each have their own rule.)"""
+    for top in (None, True, False):
+        for nested in (None, True, False):
+            if None not in (top, nested) and top != nested:
+                continue
+            inner = {} if nested is None else {"tie_word_embeddings": nested}
+            outer = {} if top is None else {"tie_word_embeddings": top}
+            theirs = transformers.AutoConfig.for_model(model_type, text_config=inner, **outer)
+            ours = text_config({"model_type": model_type, **outer, "text_config": inner})
+            assert ours["tie_word_embeddings"] == theirs.tie_word_embeddings, (top, nested)
+
+
 def test_config_keys_left_out_take_transformers_defaults(tiny_llama, tmp_path):
     """config.json written with use_diff leaves out keys equal to transformers' defaults:
     Mistral's 4096-token window, Qwen's max_window_layers=28, llama3's original context
