@@ -3,8 +3,9 @@
 vLLM applies these (``--generation-config auto``, its default) to every request field the
 client leaves unset, and transformers' ``generate`` applies them too; a checkpoint such as
 Qwen2.5-Instruct ships ``repetition_penalty: 1.05`` and its own temperature and top-p.
-The keys read are vLLM's (``do_sample`` is not one of them). Torch-free: the router reads
-it.
+The keys read are vLLM's (``do_sample`` is not one of them); ``max_new_tokens`` is the
+completion limit of a request that sets none (vLLM's ``get_max_tokens``: never more than
+the context leaves). Torch-free: the router reads it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class GenerationDefaults:
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    max_tokens: int | None = None  # generation_config's max_new_tokens
 
     @classmethod
     def read(cls, model_dir: str | Path) -> GenerationDefaults:
@@ -45,4 +47,12 @@ class GenerationDefaults:
             top_k=number("top_k", int),
             min_p=number("min_p", float),
             repetition_penalty=number("repetition_penalty", float),
+            max_tokens=_max_new_tokens(values.get("max_new_tokens")),
         )
+
+
+def _max_new_tokens(value: object) -> int | None:
+    """``max_new_tokens`` when it is a positive integer (transformers' default is none)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        return None
+    return value

@@ -93,6 +93,7 @@ def build_choices(
     eos_token_ids: frozenset[int] = frozenset(),
     main_eos_id: int | None = None,
     images: PromptImages | None = None,
+    default_max_tokens: int | None = None,
 ) -> list[Choice]:
     """One choice per (prompt, sample); checks each prompt against the context limit, and
     ``min_tokens`` against what the context leaves when ``max_tokens`` is unset.
@@ -100,7 +101,9 @@ def build_choices(
     ``prompt_param`` names the request's prompt field in errors. ``priority``: every
     choice's (lower first). ``echo_only``: every choice ends at its first token, showing
     nothing generated (``echo`` with ``max_tokens`` 0). ``eos_token_ids``: the model's;
-    ``main_eos_id``: the tokenizer's. ``images``: a chat prompt's (one prompt)."""
+    ``main_eos_id``: the tokenizer's. ``images``: a chat prompt's (one prompt).
+    ``default_max_tokens``: the limit of a request that sets none (generation_config's
+    ``max_new_tokens``), at most what the context leaves, as vLLM's ``get_max_tokens``."""
     choices = []
     for prompt_index, prompt in enumerate(prompts):
         limit = sampling.max_tokens if sampling.HasField("max_tokens") else 0
@@ -110,6 +113,15 @@ def build_choices(
             shown = 0 if echo_only else limit
             raise context_too_long(len(prompt), shown, max_model_len, prompt_param)
         room = max_model_len - len(prompt)
+        if default_max_tokens is not None and default_max_tokens < room:
+            room = default_max_tokens
+            if not sampling.HasField("max_tokens") and sampling.min_tokens > room:
+                raise bad_request(
+                    f"min_tokens must be <= {room}, the checkpoint's max_new_tokens "
+                    f"(generation_config.json) when max_tokens is unset, got "
+                    f"{sampling.min_tokens}",
+                    "min_tokens",
+                )
         if not sampling.HasField("max_tokens") and sampling.min_tokens > room:
             raise bad_request(
                 f"min_tokens must be <= {room}, what the context leaves after the "

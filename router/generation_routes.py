@@ -368,6 +368,7 @@ def add_generation_routes(
             eos_token_ids=state.model.eos_token_ids,
             images=images,
             main_eos_id=state.tokenizer.eos_token_id,
+            default_max_tokens=state.generation_defaults.max_tokens,
         )
         formatter = Formatter(
             response_id,

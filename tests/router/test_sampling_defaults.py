@@ -50,3 +50,36 @@ def test_a_top_p_too_small_for_float32_stays_a_nucleus_of_one(tmp_path):
     params = sampling_params(asked, defaults, None, chat=True)
     assert 0 < params.top_p < 1e-37
     assert sampling_from_proto(params).top_p == params.top_p
+
+
+def test_max_new_tokens_limits_a_request_that_sets_no_max_tokens(tmp_path):
+    """vLLM's ``get_max_tokens``: generation_config's ``max_new_tokens`` is the limit of a
+    request without ``max_tokens`` (never more than the context leaves); a request's own
+    limit wins. It was ignored: such a request ran to the end of the context."""
+    from router.choices import build_choices
+    from router.errors import APIError
+
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 10}))
+    defaults = GenerationDefaults.read(tmp_path)
+    assert defaults.max_tokens == 10
+    messages = [{"role": "user", "content": "hi"}]
+
+    def limit(body: ChatCompletionRequest, default: int | None, max_model_len: int = 100) -> int:
+        sampling = sampling_params(body, defaults, None, chat=True)
+        (choice,) = build_choices(
+            "c", [[1, 2, 3]], 1, sampling, [], max_model_len, 16, lambda stop, prompt: None,
+            default_max_tokens=default,
+        )  # fmt: skip
+        return choice.request.sampling.max_tokens
+
+    unset = ChatCompletionRequest(messages=messages)
+    assert limit(unset, defaults.max_tokens) == 10
+    assert limit(unset, defaults.max_tokens, max_model_len=8) == 5  # what the context leaves
+    assert limit(unset, None) == 97
+    assert limit(ChatCompletionRequest(messages=messages, max_tokens=50), 10) == 50
+    with pytest.raises(APIError, match="max_new_tokens") as error:
+        limit(ChatCompletionRequest(messages=messages, min_tokens=20), 10)
+    assert error.value.param == "min_tokens"
+    for value in (0, -3, True, 2.5, "64"):
+        (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": value}))
+        assert GenerationDefaults.read(tmp_path).max_tokens is None
