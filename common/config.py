@@ -957,6 +957,18 @@ class PdserveConfig:
         (which one: the checkpoint's), on CPU float32; on an auto device, unknown."""
         elements = {role: _kv_element(self.engine_for(role)) for role in Role}
         prefill, decode = elements[Role.PREFILL], elements[Role.DECODE]
+        dtypes = {self.engine_for(role).dtype for role in Role}
+        if (prefill is None) != (decode is None) and len(dtypes) > 1:
+            # One role's dtype set, the other's auto on an auto device: float32 on a CPU,
+            # 16-bit on a GPU; either way not what the other says on one of them. Passed,
+            # a decode dtype of bfloat16 alone recomputed every prompt.
+            unknown = Role.PREFILL if prefill is None else Role.DECODE
+            raise ConfigError(
+                self._shared_key("dtype"),
+                f"{unknown}'s dtype is auto on an auto device (float32 on a CPU, 16-bit on a "
+                f"GPU) and the other role's is {prefill or decode}: KV blocks move between "
+                "them byte for byte, so set the same dtype on both roles (or a device)",
+            )
         if prefill is None or decode is None or prefill == decode:
             return
         if _SOME_16_BIT in (prefill, decode) and "float32" not in (prefill, decode):

@@ -210,6 +210,11 @@ KV_BROKEN = [
      "prefill's KV cache holds float32 and decode's a 16-bit dtype"),
     (["engine.device=cpu", "prefill.engine.dtype=bfloat16"], "prefill.engine.dtype",
      "holds bfloat16 and decode's float32"),
+    # One role's dtype on an auto device: float32 on a CPU, 16-bit on a GPU, never both.
+    (["decode.engine.dtype=bfloat16"], "decode.engine.dtype",
+     "prefill's dtype is auto on an auto device"),
+    (["prefill.engine.dtype=float32"], "prefill.engine.dtype",
+     "decode's dtype is auto on an auto device"),
     # A CPU tier of less than a block: the worker refuses to start, so the check does too.
     (["engine.device=cpu", "offload.cpu_bytes=100"], "offload.cpu_bytes",
      "100 bytes hold no block of 65536 bytes"),
