@@ -16,10 +16,10 @@ from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from worker.call_spans import call_span, output_attributes
 from worker.convert import (
+    add_prompt_logprobs,
     images_from_proto,
     logprobs_to_proto,
     optional,
-    prompt_logprobs_to_proto,
     sampling_from_proto,
     timings_to_proto,
     usage_to_proto,
@@ -131,7 +131,7 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServiceServicer):
                         if output.finished or first:  # the first reply says what was cached
                             reply.usage.CopyFrom(usage_to_proto(output))
                         if first:  # and, when asked, how likely the prompt was
-                            reply.prompt_logprobs.extend(prompt_logprobs_to_proto(output))
+                            await add_prompt_logprobs(reply.prompt_logprobs, output)
                             # Its queueing, prefill and pull are over: said now, they count
                             # for a sequence the router ends early too (a stop string, a
                             # client gone), which the last reply never reaches.

@@ -22,10 +22,10 @@ from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from worker.call_spans import call_span, output_attributes
 from worker.convert import (
+    add_prompt_logprobs,
     images_from_proto,
     logprobs_to_proto,
     optional,
-    prompt_logprobs_to_proto,
     sampling_from_proto,
     timings_to_proto,
 )
@@ -91,9 +91,9 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServiceServicer):
                     finish_reason=completion.finish_reason or "",
                     num_cached_tokens=final.num_cached_tokens,
                     timings=timings_to_proto(final.times),
-                    prompt_logprobs=prompt_logprobs_to_proto(final),
                     draft_token_ids=final.draft_token_ids,
                 )
+                await add_prompt_logprobs(reply.prompt_logprobs, final)
                 if completion.logprobs:
                     reply.first_logprobs.CopyFrom(logprobs_to_proto(completion.logprobs[0]))
                 if final.kv_block_ids is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import asdict, fields
 from typing import Any
@@ -90,6 +91,14 @@ def prompt_logprobs_to_proto(output: RequestOutput) -> list[pb.TokenLogprobs]:
     """Prompt tokens 1.. scored (the engine's leading None has no wire form)."""
     scored = output.prompt_logprobs or []
     return [logprobs_to_proto(lp) for lp in scored if lp is not None]
+
+
+async def add_prompt_logprobs(field: Any, output: RequestOutput) -> None:
+    """Extend the repeated ``field`` with ``output``'s prompt log-probs, built on a thread
+    when there are any: a 32k-token prompt's top-20 took 0.25 s, 100k's 0.8 s, on the
+    service's event loop, where no other call of the worker was answered meanwhile."""
+    if output.prompt_logprobs:
+        await asyncio.to_thread(lambda: field.extend(prompt_logprobs_to_proto(output)))
 
 
 def logprobs_to_proto(lp: TokenLogprobs) -> pb.TokenLogprobs:
