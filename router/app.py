@@ -221,6 +221,7 @@ def create_app(state: RouterState) -> FastAPI:
         respond=refused,
         max_bytes=state.config.router.max_request_bytes,
         exempt=_OPEN_PATHS,
+        routes=app.routes,
     )
     app.add_middleware(_ApiKeyAuth, state=state, respond=refused)
     app.add_middleware(_RequestIds)  # around the refusals too

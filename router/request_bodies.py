@@ -20,7 +20,8 @@ and handed to the route as one message.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
 
 from starlette.datastructures import Headers
 from starlette.responses import Response
@@ -46,7 +47,10 @@ class _Refused(Exception):
 
 class RequestBodies:
     """ASGI middleware for POSTs outside ``exempt`` (paths that take no body): refusals
-    go out as ``respond(error)`` (the OpenAI envelope)."""
+    go out as ``respond(error)`` (the OpenAI envelope). ``routes`` (None: every path):
+    the app's, read on each call, so only a path some POST route serves is guarded; a
+    POST to a path nobody serves is the app's 404 (a client without a Content-Type got
+    415 for ``/v1/responses/{id}/cancel``, which does not exist)."""
 
     def __init__(
         self,
@@ -55,12 +59,22 @@ class RequestBodies:
         max_bytes: int,
         exempt: Collection[str] = (),
         idle_timeout_s: float = BODY_IDLE_TIMEOUT_S,
+        routes: Sequence[Any] | None = None,
     ) -> None:
         self.app, self.respond, self.exempt = app, respond, exempt
         self.max_bytes, self.idle_timeout_s = max_bytes, idle_timeout_s
+        self.routes = routes
+
+    def _guards(self, path: str) -> bool:
+        if path in self.exempt:
+            return False
+        if self.routes is None:
+            return True
+        return any(getattr(route, "path", None) == path and "POST" in (getattr(
+            route, "methods", None) or ()) for route in self.routes)  # fmt: skip
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] in self.exempt:
+        if scope["type"] != "http" or scope["method"] != "POST" or not self._guards(scope["path"]):
             await self.app(scope, receive, send)
             return
         try:

@@ -422,6 +422,10 @@ def test_a_body_that_is_not_json_is_a_415(state):
         assert error_of(reply, 503)  # past validation: no worker
     ping = post(state, "/ping", content=b"x", headers={"content-type": "text/plain"})
     assert ping.status_code != 415
+    # A path no POST route serves is a 404 (or a 405 for a GET route's), whatever the body.
+    nowhere = post(state, "/v1/responses/resp_1/cancel", content=b"", headers={})
+    assert error_of(nowhere, 404)
+    assert post(state, "/v1/models", content=b"x", headers={}).status_code == 405
     rejected = [
         line for line in post(state, "/metrics", method="GET").text.splitlines()
         if line.startswith("pdserve:requests_rejected_total") and '"415"' in line
