@@ -132,6 +132,8 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
         # text_config's (a tied Qwen2-0.5B inside LLaVA stores no head), else untied.
         tied = cfg.get("model_type") == "gemma3" or bool(nested.get("tie_word_embeddings"))
         merged["tie_word_embeddings"] = top.get("tie_word_embeddings", tied)
+        if cfg.get("model_type") in ("llava", "qwen2_5_vl") and nested.get("tie_word_embeddings"):
+            merged["tie_word_embeddings"] = True  # (their text_config's tie wins over False)
         merged.setdefault("model_type", "gemma3_text" if cfg.get("model_type") == "gemma3" else "")
         cfg = merged
     if cfg.get("model_type") in GEMMA3_TEXT_MODEL_TYPES:

@@ -453,7 +453,7 @@ def test_worker_memory_requests_count_the_weights_as_held_on_cpu(tiny_llama, tmp
     config_path = tmp_path / "local.yaml"
     config_path.write_text(yaml.safe_dump({
         "model": str(tiny_llama),
-        "engine": {"kv_cache_bytes": 256 << 20},
+        "engine": {"kv_cache_bytes": 256 << 20, "kv_cache_dtype": "fp8"},  # (one KV element)
         "decode": {"engine": {"dtype": "bfloat16"}},
     }))  # fmt: skip
     config = load_config(str(config_path))

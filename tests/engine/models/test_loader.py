@@ -253,7 +253,7 @@ def test_a_nested_configs_tie_is_read_as_transformers_reads_it(model_type):
     the two disagree, transformers' composite configs each have their own rule.)"""
     for top in (None, True, False):
         for nested in (None, True, False):
-            if None not in (top, nested) and top != nested:
+            if None not in (top, nested) and top != nested and model_type == "gemma3":
                 continue
             inner = {} if nested is None else {"tie_word_embeddings": nested}
             outer = {} if top is None else {"tie_word_embeddings": top}
