@@ -955,10 +955,10 @@ class PdserveConfig:
         at the handshake (every prompt recomputed, or failed under failure_policy fail), so
         it is refused here, where the key can be named. On CUDA auto is a 16-bit dtype
         (which one: the checkpoint's), on CPU float32; on an auto device, unknown."""
-        elements = {role: _kv_element(self.engine_for(role)) for role in Role}
-        prefill, decode = elements[Role.PREFILL], elements[Role.DECODE]
-        dtypes = {self.engine_for(role).dtype for role in Role}
-        if (prefill is None) != (decode is None) and len(dtypes) > 1:
+        engines = {role: self.engine_for(role) for role in Role}
+        prefill, decode = (_kv_element(engines[role]) for role in (Role.PREFILL, Role.DECODE))
+        dtype_differs = engines[Role.PREFILL].dtype != engines[Role.DECODE].dtype
+        if (prefill is None) != (decode is None) and dtype_differs:
             # One role's dtype set, the other's auto on an auto device: float32 on a CPU,
             # 16-bit on a GPU; either way not what the other says on one of them. Passed,
             # a decode dtype of bfloat16 alone recomputed every prompt.
@@ -973,8 +973,7 @@ class PdserveConfig:
             return
         if _SOME_16_BIT in (prefill, decode) and "float32" not in (prefill, decode):
             return  # (auto on CUDA may be the other's 16-bit dtype)
-        engines = {role: self.engine_for(role) for role in Role}
-        differs = "dtype" if engines[Role.PREFILL].dtype != engines[Role.DECODE].dtype else "device"
+        differs = "dtype" if dtype_differs else "device"
         raise ConfigError(
             self._shared_key(differs),
             f"prefill's KV cache holds {prefill} and decode's {decode}: KV blocks move between "

@@ -127,14 +127,18 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
         top = {key: cfg[key] for key in _TOP_LEVEL_KEYS if cfg.get(key) is not None}
         # The text_config's own values win, except for what transformers takes from the top.
         merged = {**top, **nested}
-        # The top-level model owns the head: its setting ties it. Without one, Gemma3Config
-        # ties (whatever its text_config says); LlavaConfig and Qwen2.5-VL's take the
-        # text_config's (a tied Qwen2-0.5B inside LLaVA stores no head), else untied.
-        tied = cfg.get("model_type") == "gemma3" or bool(nested.get("tie_word_embeddings"))
-        merged["tie_word_embeddings"] = top.get("tie_word_embeddings", tied)
-        if cfg.get("model_type") in ("llava", "qwen2_5_vl") and nested.get("tie_word_embeddings"):
-            merged["tie_word_embeddings"] = True  # (their text_config's tie wins over False)
-        merged.setdefault("model_type", "gemma3_text" if cfg.get("model_type") == "gemma3" else "")
+        # The top-level model owns the head: its setting ties it. LlavaConfig and
+        # Qwen2.5-VL's tie where either level says so (a tied Qwen2-0.5B inside LLaVA
+        # stores no head, under a top-level false); without a top-level key Gemma3Config
+        # ties (whatever its text_config says), the others as their text_config says.
+        model_type = cfg.get("model_type")
+        nested_tie = bool(nested.get("tie_word_embeddings"))
+        if model_type in ("llava", "qwen2_5_vl"):
+            tied = bool(top.get("tie_word_embeddings")) or nested_tie
+        else:
+            tied = top.get("tie_word_embeddings", model_type == "gemma3" or nested_tie)
+        merged["tie_word_embeddings"] = tied
+        merged.setdefault("model_type", "gemma3_text" if model_type == "gemma3" else "")
         cfg = merged
     if cfg.get("model_type") in GEMMA3_TEXT_MODEL_TYPES:
         cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}  # absent keys only: an explicit null stays

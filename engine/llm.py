@@ -141,7 +141,7 @@ class LLM:
                 request_id = parent_id if params.n == 1 else f"{parent_id}-{index}"
                 detokenizer = self._detokenizer(params, token_lists[i])
                 samples[-1].append(_Sample(request_id, index, params, detokenizer,
-                                           frozenset(self.engine.eos_token_ids),
+                                           self.engine.eos_token_ids,
                                            self.tokenizer.eos_token_id))  # fmt: skip
                 one = dataclasses.replace(params, n=1, stop=(), include_stop_str_in_output=False,
                                           seed=_sample_seed(params.seed, index))  # fmt: skip

@@ -113,19 +113,14 @@ def build_choices(
             shown = 0 if echo_only else limit
             raise context_too_long(len(prompt), shown, max_model_len, prompt_param)
         room = max_model_len - len(prompt)
+        limited_by = f"what the context leaves after the {len(prompt)} prompt tokens"
         if default_max_tokens is not None and default_max_tokens < room:
             room = default_max_tokens
-            if not sampling.HasField("max_tokens") and sampling.min_tokens > room:
-                raise bad_request(
-                    f"min_tokens must be <= {room}, the checkpoint's max_new_tokens "
-                    f"(generation_config.json) when max_tokens is unset, got "
-                    f"{sampling.min_tokens}",
-                    "min_tokens",
-                )
+            limited_by = ("the checkpoint's max_new_tokens (generation_config.json) when "
+                          "max_tokens is unset")  # fmt: skip
         if not sampling.HasField("max_tokens") and sampling.min_tokens > room:
             raise bad_request(
-                f"min_tokens must be <= {room}, what the context leaves after the "
-                f"{len(prompt)} prompt tokens, got {sampling.min_tokens}",
+                f"min_tokens must be <= {room}, {limited_by}, got {sampling.min_tokens}",
                 "min_tokens",
             )
         salt = prefix_salt(cache_salt, lora and lora.key)
