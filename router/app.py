@@ -28,6 +28,7 @@ from router.admission import ARRIVAL_NS, REQUEST_ID, Admission, client_request_i
 from router.choices import new_id
 from router.errors import APIError, bad_request, internal, model_not_found, unauthorized
 from router.generation_routes import add_generation_routes
+from router.json_body import Body
 from router.pooling_routes import add_pooling_routes
 from router.prompts import PromptTokenizer, tool_dicts
 from router.protocol import (
@@ -285,12 +286,12 @@ def create_app(state: RouterState) -> FastAPI:
         return {"object": "list", "data": [model_card(), *map(model_card, adapters)]}
 
     @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(body: LoadLoraAdapterRequest) -> dict[str, Any]:
+    async def load_lora_adapter(body: Body[LoadLoraAdapterRequest]) -> dict[str, Any]:
         """Load an adapter on every worker (``router/lora_adapters.py``)."""
         return await state.adapters.load(body.lora_name, body.lora_path)
 
     @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(body: UnloadLoraAdapterRequest) -> dict[str, Any]:
+    async def unload_lora_adapter(body: Body[UnloadLoraAdapterRequest]) -> dict[str, Any]:
         return await state.adapters.unload(body.lora_name)
 
     @app.get("/v1/models/{model:path}")
@@ -300,7 +301,7 @@ def create_app(state: RouterState) -> FastAPI:
         return model_card(admission.lora_name(model))
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(body: Body[TokenizeRequest]) -> dict[str, Any]:
         admission.lora_name(body.model)
         if body.messages is not None:
             tokens = await asyncio.to_thread(
@@ -318,7 +319,7 @@ def create_app(state: RouterState) -> FastAPI:
         return reply
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+    async def detokenize(body: Body[DetokenizeRequest]) -> dict[str, Any]:
         """On a thread, as ``/tokenize``: 8M ids held the event loop (every stream and
         health answer) for 6 s (a security audit)."""
         admission.lora_name(body.model)

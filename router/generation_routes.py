@@ -37,6 +37,7 @@ from router.formatting import SSE_DONE, Formatter, ToolFormat, json_bytes, sse, 
 from router.harmony import Harmony, call_constraint
 from router.harmony import opening_of as harmony_opening
 from router.images import PromptImages, image_counts, image_refs, place_images, read_images
+from router.json_body import Body
 from router.media_fetch import MediaFetcher
 from router.prompts import PromptTokenizer, tool_dicts
 from router.protocol import (
@@ -146,7 +147,7 @@ def add_generation_routes(
                          state.config.router.media_fetch_timeout_s)  # fmt: skip
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def completions(body: Body[CompletionRequest], request: Request) -> Response:
         lora_name = admission.lora_name(body.model)
         # Before tokenizing: a million prompts took 13 s of the router's work to refuse.
         limit = state.config.router.max_inflight_sequences
@@ -159,7 +160,7 @@ def add_generation_routes(
         )
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    async def chat_completions(body: Body[ChatCompletionRequest], request: Request) -> Response:
         lora_name = admission.lora_name(body.model)
         # A Harmony reply (GPT-OSS) is read by the one format, its tool calls included.
         harmony = state.harmony_ids is not None
@@ -219,9 +220,9 @@ def add_generation_routes(
         return place_images(prompt, images, vision, counts)
 
     @app.post("/v1/responses")
-    async def responses(body: ResponsesRequest, request: Request) -> Response:
+    async def responses(body: Body[ResponsesRequest], request: Request) -> Response:
         """OpenAI's Responses API, stateless, over the chat path (``router/responses.py``)."""
-        chat = to_chat(body)
+        chat = await asyncio.to_thread(to_chat, body)  # (a validation as long as the body's)
         shape = ResponseShape(body, body.model or state.model.served_name)
         request.scope[RESPONSE_SHAPE] = shape  # a whole reply is built as this object
         while True:

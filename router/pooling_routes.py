@@ -17,6 +17,7 @@ from router.admission import GONE, Admission, record_error, until_disconnected
 from router.choices import new_id
 from router.embeddings import LANES, EmbeddingsBody, check_finite, embed_all
 from router.errors import APIError, bad_request, context_too_long, internal, unavailable
+from router.json_body import Body
 from router.prompts import PromptTokenizer
 from router.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from router.scoring import NoRoomForDocument, pairs_of, rerank_document, score_document
@@ -29,7 +30,7 @@ def add_pooling_routes(
     app: FastAPI, state: RouterState, prompt_tokenizer: PromptTokenizer, admission: Admission
 ) -> None:
     @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+    async def embeddings(body: Body[EmbeddingRequest], request: Request) -> Response:
         """Each input's embedding: its last token's hidden state, from whichever worker
         placement picks (``router/embeddings.py``)."""
         lora_name = admission.lora_name(body.model)
@@ -52,7 +53,7 @@ def add_pooling_routes(
 
     @app.post("/v1/score")
     @app.post("/score")
-    async def score(body: ScoreRequest, request: Request) -> Response:
+    async def score(body: Body[ScoreRequest], request: Request) -> Response:
         """vLLM's score API: each (query, document) pair's relevance, by the configured
         method (``router/scoring.py``); the sides under any of vLLM's namings."""
         sides = body.sides
@@ -69,7 +70,7 @@ def add_pooling_routes(
     @app.post("/v1/rerank")
     @app.post("/rerank")
     @app.post("/v2/rerank")
-    async def rerank(body: RerankRequest, request: Request) -> Response:
+    async def rerank(body: Body[RerankRequest], request: Request) -> Response:
         """Jina's and Cohere's rerank (as vLLM serves it): the documents by relevance to
         the query, best first, the ``top_n`` best (0: all)."""
         documents = body.texts()

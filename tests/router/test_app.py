@@ -19,7 +19,13 @@ from common.config_loader import load_config
 from common.registry import WorkerInfo
 from proto import pdserve_pb2 as pb
 from router.app import create_app
-from router.protocol import CompletionRequest
+from router.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    ResponsesRequest,
+    TokenizeRequest,
+)
 from router.state import RouterState
 from router.workers import WorkerState
 
@@ -431,6 +437,48 @@ def test_a_body_that_is_not_json_is_a_415(state):
         if line.startswith("pdserve:requests_rejected_total") and '"415"' in line
     ]  # fmt: skip
     assert rejected and float(rejected[0].split()[-1]) >= 3
+
+
+def test_a_body_that_does_not_parse_is_a_400_saying_why(state):
+    """JSON that does not parse, no body at all, bytes that are not UTF-8: each a 400 in
+    the envelope saying what is wrong (FastAPI said "There was an error parsing the body"
+    for the last)."""
+    json_type = {"content-type": "application/json"}
+    cases = [(b'{"prompt": ', "the body is not valid JSON: Expecting value"),
+             (b"", "the request needs a JSON body"),
+             (b'{"prompt": "\xff"}', "the body is not valid JSON: not utf-8 text"),
+             (b"[1, 2]", "expected an object, got a list")]  # fmt: skip
+    for content, message in cases:
+        reply = post(state, "/v1/completions", content=content, headers=json_type)
+        assert error_of(reply, 400)["message"] == message, content
+
+
+def test_bodies_are_validated_off_the_event_loop(state, monkeypatch):
+    """A 7 MB chat of 100k short messages took 2.6 s of pydantic's validation, which
+    FastAPI runs on the event loop: every stream and health answer of the router waited.
+    Each route's body model is validated on a thread (``router/json_body.py``)."""
+    loop_thread, seen = threading.get_ident(), []
+    models = (CompletionRequest, ChatCompletionRequest, ResponsesRequest, EmbeddingRequest,
+              TokenizeRequest)  # fmt: skip
+    for model in models:
+
+        def recording(value, *args, _validate=model.model_validate, _name=model.__name__,
+                      **kwargs):  # fmt: skip
+            seen.append((_name, threading.get_ident()))
+            return _validate(value, *args, **kwargs)
+
+        monkeypatch.setattr(model, "model_validate", recording)
+    chat = [{"role": "user", "content": "x"}]
+    for path, body in [("/v1/completions", {"prompt": "x"}),
+                       ("/v1/chat/completions", {"messages": chat}),
+                       ("/v1/responses", {"input": "x"}),
+                       ("/v1/embeddings", {"input": "x"}),
+                       ("/tokenize", {"prompt": "x"})]:  # fmt: skip
+        assert post(state, path, json=body).status_code in (200, 503), path
+    names = [name for name, _ in seen]
+    assert names == ["CompletionRequest", "ChatCompletionRequest", "ResponsesRequest",
+                     "ChatCompletionRequest", "EmbeddingRequest", "TokenizeRequest"]  # fmt: skip
+    assert loop_thread not in {thread for _, thread in seen}
 
 
 def test_nesting_past_the_recursion_limit_is_a_400_and_echoes_are_bounded(state, monkeypatch):
