@@ -12,6 +12,7 @@ from common.config import CLOCK_SKEW_S
 from engine.errors import InvalidRequestError
 from engine.request import RemoteKV
 from kv_transfer import PeerRef
+from proto import ADMITTED_KEY
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from worker.call_spans import call_span, output_attributes
@@ -105,6 +106,12 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServiceServicer):
             remote_kv = self._remote_kv(request)
             self.num_active += 1
             first = True
+
+            async def admitted() -> None:
+                """Said at once: a router whose client left may cancel the call now,
+                the engine frees the lease (``proto.ADMITTED_KEY``)."""
+                await context.send_initial_metadata(((ADMITTED_KEY, "1"),))
+
             try:
                 outputs = async_engine.generate(
                     request.request_id,
@@ -118,6 +125,7 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServiceServicer):
                     output_token_ids=list(request.output_token_ids),
                     draft_token_ids=list(request.draft_token_ids),
                     images=images_from_proto(request.images),
+                    on_admitted=admitted if remote_kv is not None else None,
                 )
                 # Closed with this stream (a cancelled write), not when the collector gets
                 # to it: its finally aborts the request in the engine.

@@ -26,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -142,26 +142,32 @@ class AsyncEngine:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        on_admitted: Callable[[], Awaitable[None]] | None = None,
         **kwargs: Any,
     ) -> AsyncIterator[RequestOutput]:
         """Admit a request and yield its outputs until it finishes. Outputs that arrived
         since the last read come as one (``_merged``: ``new_token_ids`` holds all their
         tokens), so a slow reader never falls further behind. Leaving the iterator early
-        (the caller was cancelled or disconnected) aborts the request."""
+        (the caller was cancelled or disconnected) aborts the request; one left before
+        the engine held it gives up its ``remote_kv`` (the peer may free it at once).
+        ``on_admitted``: awaited once the engine holds the request."""
         loop = asyncio.get_running_loop()
-        if params.structured_output is not None and kwargs.get("grammar") is None:
-            # Compiling a large schema takes a while: not on the engine thread, which
-            # would stall every sequence in the batch meanwhile.
-            kwargs["grammar"] = await asyncio.to_thread(
-                self.engine.grammars.prepare,
-                params.structured_output,
-                kwargs.get("output_token_ids", ()),
-            )
-        if kwargs.get("images"):  # decoding large images takes milliseconds: likewise
-            decode = kwargs.get("remote_kv") is None  # a pulled prompt's: when needed
-            kwargs["images"] = await asyncio.to_thread(
-                self.engine.prepare_images, prompt_token_ids, kwargs["images"], decode
-            )
+
+        async def prepare() -> None:
+            if params.structured_output is not None and kwargs.get("grammar") is None:
+                # Compiling a large schema takes a while: not on the engine thread, which
+                # would stall every sequence in the batch meanwhile.
+                kwargs["grammar"] = await asyncio.to_thread(
+                    self.engine.grammars.prepare,
+                    params.structured_output,
+                    kwargs.get("output_token_ids", ()),
+                )
+            if kwargs.get("images"):  # decoding large images takes milliseconds: likewise
+                decode = kwargs.get("remote_kv") is None  # a pulled prompt's: when needed
+                kwargs["images"] = await asyncio.to_thread(
+                    self.engine.prepare_images, prompt_token_ids, kwargs["images"], decode
+                )
+
         outputs: asyncio.Queue[RequestOutput] = asyncio.Queue()
         admitted = [False]  # written on the engine thread
 
@@ -177,10 +183,18 @@ class AsyncEngine:
                 # A prefill-only request may have finished with its final output unread:
                 # its held blocks are then nobody's (a held request of this id is ours).
                 engine.release_kv(request_id)
+            elif kwargs.get("remote_kv") is not None:
+                # Left while its grammar or images were prepared (or refused): nothing
+                # here will read the peer's blocks. Left to the lease, a queue of such
+                # requests held the prefill worker's blocks for ``lease_s``.
+                engine.abandon_remote_kv(kwargs["remote_kv"])
 
         finished = False
         try:
+            await prepare()
             await self.call(admit)
+            if on_admitted is not None:
+                await on_admitted()
             while not finished:
                 unread = [await outputs.get()]
                 while not unread[-1].finished and not outputs.empty():
@@ -189,7 +203,7 @@ class AsyncEngine:
                 finished = output.finished
                 yield output
         finally:
-            if not finished:  # cancelled, even between admit and its reply: abort it
+            if not finished:  # cancelled (before admit too), or refused: abort it
                 with contextlib.suppress(EngineFailedError):
                     await asyncio.shield(self.call(abort_if_admitted))
 

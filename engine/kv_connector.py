@@ -35,10 +35,12 @@ class KVPuller(Protocol):
         ...
 
     def abandon(self, remote: RemoteKV) -> None:
-        """A request holding ``remote`` was aborted before its pull started: nothing here
-        reads the peer's blocks, so the peer may free them now rather than when its lease
-        expires (the router leaves a lease to expire when the decode call ends before its
-        first response, since a pull may be in flight). Must not block; best effort."""
+        """Nothing here will read ``remote``'s blocks, and no transfer will tell the peer
+        so: the request was aborted (or left) before its pull started, its handle was
+        refused, or every block was cached here. The peer may free them now rather than
+        when its lease expires; a caller that leaves once the engine holds the request
+        (``proto.ADMITTED_KEY``) counts on it. A pull that ran is the transport's to
+        report. Must not block; best effort."""
         ...
 
     def poll_fetches(self) -> tuple[list[str], dict[str, str]]:

@@ -351,6 +351,7 @@ class LLMEngine:
         )
         if remote_kv is not None and not self._pulls_this_prompt(request, remote_kv):
             request.remote_kv = None  # computed here (its images decoded here too)
+            self.abandon_remote_kv(remote_kv)
         if any(image.pixels is None for image in prepared):
             self._undecoded_images.add(request_id)
         if not params.greedy:
@@ -555,10 +556,16 @@ class LLMEngine:
         if request_id in self.scheduler.fetching:  # its blocks stay until the pull ends
             assert self.kv_puller is not None
             self.kv_puller.abort_fetch(request_id)
-        elif request.remote_kv is not None and self.kv_puller is not None:
-            self.kv_puller.abandon(request.remote_kv)  # never pulled: the peer may free it
+        elif request.remote_kv is not None:
+            self.abandon_remote_kv(request.remote_kv)  # never pulled: the peer may free it
         self._forget(request_id)
         return self._output(request, [])
+
+    def abandon_remote_kv(self, remote: RemoteKV) -> None:
+        """Nothing here will read ``remote``'s blocks: the peer may free them now rather
+        than when its lease expires (``KVPuller.abandon``)."""
+        if self.kv_puller is not None:
+            self.kv_puller.abandon(remote)
 
     def _forget(self, request_id: str) -> None:
         """Drop a finished request's sampling state and its block-table row."""
@@ -702,7 +709,10 @@ class LLMEngine:
             # Everything was in the local prefix cache (a hybrid model's states are not:
             # they are pulled whatever the KV hits).
             if not order.local_block_ids and self.runner.state_slots is None:
+                remote = request.remote_kv
                 self.scheduler.finish_fetch(request.request_id, ok=True)
+                if remote is not None:  # nothing pulled: no transfer tells the peer
+                    self.abandon_remote_kv(remote)
                 continue
             assert self.kv_puller is not None and request.remote_kv is not None
             remote = request.remote_kv

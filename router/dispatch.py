@@ -28,7 +28,7 @@ import grpc
 
 from common.config import Role, RouterConfig
 from common.hashing import BlockHash
-from proto import PARAM_KEY, REFUSED_KEY
+from proto import ADMITTED_KEY, PARAM_KEY, REFUSED_KEY
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from router.errors import APIError, bad_request, unavailable
@@ -777,20 +777,30 @@ class Dispatcher:
         self, read: asyncio.Future, call: grpc.aio.UnaryStreamCall, lease: RemoteLease
     ) -> None:
         """A decode call whose client left before its first reply, while the decode
-        worker may be pulling the lease: read on for that reply (it has the KV then, and
-        the lease is released) or the call's end, then cancel it. Cancelled at once, the
-        call often ended before the decode worker had admitted it, so no one released
-        the lease: it held the prefill worker's blocks for ``lease_s`` (an audit: three
-        clients that left after their first streamed token held 114 of 128 blocks, and
-        the next request's first token took 29.6 s)."""
+        worker may be pulling the lease: read on until its engine holds the request
+        (``ADMITTED_KEY``: cancelled, it frees the lease itself) or, from a worker that
+        does not say so, until the first reply (the KV is there: the lease is released
+        here), then cancel it. Cancelled at once, the call often ended before the decode
+        worker had admitted it, so no one released the lease: it held the prefill
+        worker's blocks for ``lease_s`` (an audit: three clients that left after their
+        first streamed token held 114 of 128 blocks, and the next request's first token
+        took 29.6 s). Read on for the first reply alone, a request queued behind a full
+        decode batch held the lease, and then a slot, a pull and a step, for nothing."""
+        # Its outcome is read even when nobody awaits it (no "never retrieved" log).
+        read.add_done_callback(lambda done: done.cancelled() or done.exception())
+        reply = None
         try:
-            reply = await asyncio.wait_for(read, _SETTLE_PULL_S)
+            async with asyncio.timeout(_SETTLE_PULL_S):
+                metadata = await call.initial_metadata()
+                if not any(key == ADMITTED_KEY for key, _ in metadata or ()):
+                    reply = await read  # (its headers came with its first reply)
         except (TimeoutError, asyncio.CancelledError, grpc.aio.AioRpcError):
-            reply = None
+            pass
         if reply is not None:
             lease.release()  # the pull is over
-        else:  # (no reply: it may be reading still, as the finally above says)
+        else:  # its engine frees the lease, or the lease expires: it may be reading
             lease.leave_to_expire()
+        read.cancel()
         call.cancel()
 
     def _in_background(self, work: Coroutine[Any, Any, None]) -> None:

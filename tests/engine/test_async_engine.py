@@ -5,6 +5,7 @@ spin."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -138,6 +139,70 @@ def test_a_stream_cancelled_with_its_final_output_unread_holds_nothing(tiny_llam
         assert engine.scheduler.held == {} and engine.leak_report() == []
     finally:
         may_step.set()
+        async_engine.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_request_left_before_the_engine_held_it_gives_up_its_kv_handle(tiny_llama):
+    """Left while its grammar compiled (before the engine held it), a request that came
+    with a KV handle gives it up: nothing here will pull it, and the peer may free its
+    blocks at once (it held them for ``lease_s``). Held, it says so (``on_admitted``,
+    the decode worker's admission header) and its abort gives the handle up."""
+    import threading
+
+    from common.structured_output import StructuredOutput
+    from engine.request import RemoteKV
+    from tests.engine.local_puller import LocalPuller
+
+    puller = LocalPuller()
+    engine = LLMEngine(tiny_llama, EngineConfig(max_model_len=256, num_blocks=64),
+                       kv_puller=puller)  # fmt: skip
+    compiling, prepare = threading.Event(), engine.grammars.prepare
+
+    def slow_prepare(*args):
+        compiling.set()
+        time.sleep(0.5)
+        return prepare(*args)
+
+    engine.grammars.prepare = slow_prepare
+    async_engine = AsyncEngine(engine)
+    prompt = list(range(5, 45))
+    remote = RemoteKV("lease-1", len(prompt), (0, 1, 2), "prefill-0")
+    choice = StructuredOutput("choice", '["yes", "no"]')
+    held: list[bool] = []
+
+    async def admitted() -> None:
+        held.append("r2" in engine.scheduler.requests)
+
+    async def scenario() -> None:
+        async_engine.start()
+        params = SamplingParams(max_tokens=8, temperature=0, structured_output=choice)
+        stream = async_engine.generate("r1", prompt, params, remote_kv=remote,
+                                       output_token_ids=[7])  # fmt: skip
+        task = asyncio.create_task(anext(stream))
+        await asyncio.to_thread(compiling.wait, 10)
+        task.cancel()  # while its grammar compiles
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await stream.aclose()
+        assert puller.abandoned == ["lease-1"] and not engine.scheduler.requests
+        # Held first (queued: the engine never steps it here), then left.
+        engine.step = lambda: []
+        stream = async_engine.generate("r2", prompt, PARAMS, remote_kv=remote,
+                                       output_token_ids=[7], on_admitted=admitted)  # fmt: skip
+        task = asyncio.create_task(anext(stream))
+        while not held:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await stream.aclose()
+
+    try:
+        asyncio.run(scenario())
+        assert held == [True] and puller.abandoned == ["lease-1", "lease-1"]
+        assert engine.scheduler.requests == {}
+    finally:
         async_engine.stop()
 
 

@@ -295,6 +295,35 @@ def test_abort_before_the_pull_abandons_the_remote_kv_and_during_it_does_not(pai
     assert prefill.release_kv("y") and prefill.leak_report() == []
 
 
+def test_a_handle_nothing_will_pull_is_given_up_at_once(pair):
+    """A handle whose blocks are all cached here, or one the engine refuses (a block
+    listed twice), is never pulled, so no transfer tells the peer it may free them: the
+    engine gives it up at once. A router whose client left once the engine held the
+    request leaves the lease to it (``proto.ADMITTED_KEY``); left to expire, it held the
+    prefill worker's blocks for ``lease_s``."""
+    prefill, decode, puller = pair
+    block_size = decode.config.block_size
+    prompt = random_prompts((2 * block_size,), seed=21)[0]  # full blocks only: all cached
+    params = SamplingParams(max_tokens=4, temperature=0)
+    expected = disaggregated(prefill, decode, [prompt], params)["r0"].outputs[0].token_ids
+    before = (len(puller.abandoned), puller.num_blocks_pulled)
+    again = disaggregated(prefill, decode, [prompt], params)["r0"]
+    assert again.outputs[0].token_ids == expected and again.num_cached_tokens == len(prompt)
+    assert puller.num_blocks_pulled == before[1]  # nothing pulled...
+    assert puller.abandoned[before[0] :] == ["lease-0"]  # ...so given up at once
+    other = random_prompts((50,), seed=22)[0]
+    prefill.add_request("z", other, params, prefill_only=True)
+    first = run(prefill)["z"]
+    block = first.kv_block_ids[0]
+    twice = RemoteKV("lease-z", len(other), (block,) * len(first.kv_block_ids), "prefill-0")
+    decode.add_request("z", other, params, remote_kv=twice,
+                       output_token_ids=first.outputs[0].token_ids)  # fmt: skip
+    assert puller.abandoned[before[0] :] == ["lease-0", "lease-z"]  # refused: computed here
+    run(decode)
+    assert prefill.release_kv("z")
+    assert decode.leak_report() == [] and prefill.leak_report() == []
+
+
 def test_first_token_that_finishes_needs_no_decode(pair):
     prefill, _, _ = pair
     prompt = random_prompts((20,), seed=3)[0]

@@ -20,7 +20,7 @@ from common.config import Role, RouterConfig
 from common.hashing import hash_blocks
 from common.kv_events import BlockStored, StateStored
 from common.registry import RedisRegistry, WorkerInfo
-from proto import PARAM_KEY
+from proto import ADMITTED_KEY, PARAM_KEY
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from router.dispatch import Dispatcher, RemoteLease, SequenceRequest, _nothing, _Seat
@@ -459,6 +459,59 @@ def test_a_client_gone_before_the_first_reply_still_frees_the_lease_when_the_pul
             await server.stop(None)
 
     assert run_with_registry(tmp_path, scenario) == ["early"]
+
+
+class Queued(Decode):
+    """Says its engine holds the request (``ADMITTED_KEY``), then sends nothing: queued
+    behind a full batch. Notes when the router cancels it."""
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        await context.send_initial_metadata(((ADMITTED_KEY, "1"),))
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled_at = time.monotonic()
+            raise
+        yield pb.GenerateResponse()
+
+
+@pytest.mark.timeout(60)
+def test_a_client_gone_while_queued_on_the_decode_worker_is_cancelled_at_once(tmp_path):
+    """Once the decode worker's engine holds the request, its abort frees the lease (at
+    once if it never pulled, by the transport's notice after a pull): the call is
+    cancelled as soon as the client leaves, and the router leaves the lease to it. Read
+    on for a first reply, a request queued behind a full batch held the lease (and then
+    a slot, a pull and a step) for up to 30 s after its client left."""
+    decode = Queued(fail=False)
+    decode.cancelled_at = None
+
+    async def scenario(registry: RedisRegistry) -> tuple[list[str], float]:
+        server, info = await serve(decode, registry)
+        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex())
+        released: list[str] = []
+        try:
+            await pool.refresh()
+            lease = RemoteLease(lambda: released.append("early"))
+
+            async def until() -> None:
+                while not decode.requests:
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.2)  # the admission header is in
+
+            await client_leaves(pool, dispatcher, info, lease, until)
+            left_at = time.monotonic()
+            while decode.cancelled_at is None:
+                assert time.monotonic() - left_at < 5, "the queued call was not cancelled"
+                await asyncio.sleep(0.01)
+            lease.release()  # what _journey's finally does: nothing, the worker has it
+            return released, decode.cancelled_at - left_at
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    released, cancelled_after_s = run_with_registry(tmp_path, scenario)
+    assert released == [] and cancelled_after_s < 2
 
 
 @pytest.mark.timeout(60)

@@ -121,6 +121,51 @@ def test_bench_reports_each_priority_class(stack):
     assert run.by_priority[0].ttft_ms.median < run.by_priority[1].ttft_ms.median
 
 
+def test_a_client_gone_while_queued_for_the_decode_slot_holds_nothing(stack):
+    """A request queued behind the one decode slot whose client leaves after its first
+    token (the prefill worker's) is gone from the decode worker's queue, and its prefill
+    lease released, while the long one still decodes: the router cancels the call once
+    the decode worker says its engine holds the request (which then frees the lease).
+    Read on for the decode worker's first reply, it held both until the slot freed."""
+    long_prompt, queued_prompt = random_prompts(seed=9)[:2]
+    seen: dict[str, object] = {}
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=120) as client:
+            started, released = asyncio.Event(), asyncio.Event()
+
+            async def long_one() -> None:
+                body = _body(long_prompt, LONG_TOKENS, priority=5, stream=True)
+                async with client.stream("POST", "/v1/completions", json=body) as reply:
+                    async for line in reply.aiter_lines():
+                        if line.startswith("data: {"):
+                            started.set()
+                seen["long_done_at"] = time.monotonic()
+
+            async def queued_one() -> None:
+                await started.wait()
+                body = _body(queued_prompt, 8, priority=9, stream=True)  # less urgent
+                async with client.stream("POST", "/v1/completions", json=body) as reply:
+                    async for line in reply.aiter_lines():
+                        if line.startswith("data: {"):
+                            break  # the first token: the client leaves
+                seen["left_at"] = time.monotonic()
+                while True:
+                    stats = [*worker_stats(stack, "prefill"), *worker_stats(stack, "decode")]
+                    if all(s.num_waiting == 0 and s.live_leases == 0 for s in stats):
+                        seen["freed_at"] = time.monotonic()
+                        released.set()
+                        return
+                    await asyncio.sleep(0.05)
+
+            await asyncio.wait_for(asyncio.gather(long_one(), queued_one()), 120)
+            assert released.is_set()
+
+    asyncio.run(scenario())
+    assert seen["freed_at"] < seen["long_done_at"], seen
+    assert seen["freed_at"] - seen["left_at"] < 5, seen
+
+
 def test_a_stream_running_when_the_router_stops_ends_with_an_error_event(stack):
     """Runs last: it stops the module's stack."""
     prompt = random_prompts(seed=8)[0]
