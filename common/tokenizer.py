@@ -629,10 +629,26 @@ class Tokenizer:
         )
         if rewrite is not None:
             text = rewrite(text)
+        if not _unicode(text):  # (tokenizers raised a TypeError: a 500)
+            raise TokenizerError(
+                "the messages hold a lone surrogate (a \\ud800-style escape), which is not "
+                "text; a tool call's JSON arguments may hold it"
+            )
         if escape_special and (_MARK_START in text or _MARK_END in text):
             # (the caller truncates to ``kept``)
             return self._encode_escaped(text, self._control(template), max_tokens)
         return self.encode(text, add_special_tokens=False, max_tokens=max_tokens, kept=kept)
+
+
+def _unicode(text: str) -> bool:
+    """Whether ``text`` is Unicode (no lone surrogate, which UTF-8 cannot encode). Request
+    bodies are checked where they are read; a tool call's arguments are JSON text there,
+    and parsed for the template they may hold one."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 # transformers' way to find where the last message's content ends in the rendered text:

@@ -11,6 +11,8 @@ headers), which no ASGI middleware sees until it is complete.
   gets a 408 and the connection closes, instead of holding a socket for ever (20,000
   such connections used up the router's file descriptors). Between requests uvicorn's
   own keep-alive timeout applies.
+- **A head that is not HTTP** (raw UTF-8 in the request target, a NUL in a header) is a
+  400 in the error envelope, counted with the other refusals (uvicorn's was plain text).
 """
 
 from __future__ import annotations
@@ -78,6 +80,12 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._head_done()
         super().on_headers_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        """httptools could not parse the head (uvicorn's ``msg`` says only that)."""
+        message = ("the request is not valid HTTP/1.1 (its request line or a header); a "
+                   "URL's non-ASCII characters must be %-encoded")  # fmt: skip
+        self._refuse(400, "Bad Request", message)
 
     def _arm_head_timer(self) -> None:
         self._head_timer = self.loop.call_later(

@@ -56,6 +56,8 @@ def parse_body(model: type[Model], body: bytes) -> Model:
         raise _not_json(error.msg, error.pos) from None
     except UnicodeDecodeError as error:  # (FastAPI answered "an error parsing the body")
         raise _not_json(f"not {error.encoding} text", error.start) from None
+    except ValueError as error:  # an integer past Python's 4,300 digits (it was a 500)
+        raise _not_json(str(error), 0) from None
     try:
         return model.model_validate(value)
     except ValidationError as error:

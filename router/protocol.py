@@ -222,7 +222,7 @@ class _SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None  # (as prompt ids: not "1", true, 1.0)
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0, le=UINT32_MAX)
@@ -248,7 +248,7 @@ class _SamplingFields(_Body):
     # OpenAI's: token id (a JSON key, so a string of digits) -> bias in [-100, 100].
     logit_bias: dict[int, float] | None = None
     # vLLM's: only these tokens may be generated; and words that may not be.
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
     bad_words: list[str] | None = None
     # vLLM's detokenization options. skip_special_tokens false keeps special tokens' text
     # (not the EOS or stop token that ends the output, unless include_stop_str_in_output).
@@ -695,7 +695,7 @@ class TokenizeRequest(_Body):
 
 class DetokenizeRequest(_Body):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on the inputs of one embeddings request

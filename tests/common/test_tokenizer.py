@@ -176,6 +176,28 @@ def test_continuing_the_final_message_renders_as_in_transformers(model_factory, 
     assert info.value.param == "continue_final_message"
 
 
+def test_a_lone_surrogate_in_call_arguments_is_a_tokenizer_error(tiny_llama, tmp_path):
+    """A call's arguments are JSON text in the body (``"{\\"a\\": \\"\\ud800\\"}"`` is
+    clean ASCII there) and an object for the template, which prints the lone surrogate:
+    the tokenizer raised a TypeError (a 500). It is the request's fault (a 400)."""
+    from router.protocol import ChatCompletionRequest
+
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "f", "arguments": '{"a": "\\ud800"}'}}  # fmt: skip
+    messages = [{"role": "user", "content": "x"},
+                {"role": "assistant", "content": "", "tool_calls": [call]}]  # fmt: skip
+    chat = ChatCompletionRequest.model_validate({"messages": messages})
+    tokenizer = Tokenizer(_with_template(tiny_llama, tmp_path, TOOL_TEMPLATE))
+    with pytest.raises(TokenizerError, match="lone surrogate"):
+        tokenizer.apply_chat_template([m.for_template() for m in chat.messages], False)
+    fine = {**call, "function": {"name": "f", "arguments": '{"a": "\\u00e9"}'}}
+    chat = ChatCompletionRequest.model_validate(
+        {"messages": [messages[0], {**messages[1], "tool_calls": [fine]}]}
+    )
+    ids = tokenizer.apply_chat_template([m.for_template() for m in chat.messages], False)
+    assert "é" in tokenizer.decode(ids)
+
+
 def _with_template(model_dir: Path, out: Path, template: str) -> Path:
     """A copy of ``model_dir``'s tokenizer with ``template`` as its chat template."""
     import json

@@ -137,3 +137,22 @@ def test_a_slow_or_absent_head_is_a_408_and_the_connection_closes(port, refused)
                 sock.sendall(bytes([byte]))
                 time.sleep(0.02)
         assert time.monotonic() - started < 3
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"GET /v1/models/d\xc3\xa9mo HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n",
+    ],
+)
+def test_a_head_that_is_not_http_is_a_400_in_the_envelope(port, refused, head):
+    """Raw UTF-8 in the request target, a NUL in a header: uvicorn answered a plain-text
+    400 that no client library reads as an API error, and nothing counted it."""
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(head)
+        reply = _read_all(sock)
+    assert reply.startswith(b"HTTP/1.1 400") and b"application/json" in reply, reply
+    error = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
+    assert "not valid HTTP" in error["message"] and error["type"] == "invalid_request_error"
+    assert refused.pop() == 400
