@@ -87,6 +87,13 @@ class EventListener:
             feeds = [*self._feeds.values(), *self._ending]
         return sum(feed.is_alive() for feed in feeds)
 
+    def sweep(self) -> None:
+        """A slice of cleared workers' blocks (``PrefixIndex.sweep``), on a feed's thread:
+        the lock is held ~3 ms at a time, not for a whole worker's blocks."""
+        if self.index.sweeping:  # (a read without the lock: at worst one poll late)
+            with self.lock:
+                self.index.sweep()
+
     def _end(self, worker_id: str) -> None:
         """Under ``lock``: stop the worker's feed, if any, and forget its blocks."""
         feed = self._feeds.pop(worker_id, None)
@@ -141,6 +148,7 @@ class _Feed:
                     batches, resync = [], True
                 if batches or resync:
                     self._apply(batches, resync)
+                self.listener.sweep()
         finally:
             subscriber.close()
 

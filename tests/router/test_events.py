@@ -170,6 +170,8 @@ def test_remove_and_replace_forget_a_workers_blocks_at_once(listener: EventListe
         assert num_blocks(listener, "decode-0") == 0
         worker.publish(2)
         wait_for(lambda: num_blocks(listener, "decode-0") >= 1, 10)
+        # The replaced worker's bit is swept off its blocks by a feed's thread.
+        wait_for(lambda: not listener.index.sweeping, 10)
         listener.remove("decode-0")
         assert num_blocks(listener, "decode-0") == 0
     finally:
