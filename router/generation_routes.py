@@ -19,7 +19,7 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from common.detokenizer import IncrementalDetokenizer
-from common.structured_output import STRUCTURED_OUTPUT
+from common.structured_output import STRUCTURED_OUTPUT, StructuredOutput
 from common.tracing import NO_SPAN, Span
 from router.admission import (
     GONE,
@@ -170,7 +170,9 @@ def add_generation_routes(
         harmony = state.harmony_ids is not None
         try:
             parser = state.config.router.tool_call_parser
-            tool_format = None if harmony else tool_format_of(body, parser)
+            tool_format = None
+            if body.tools and not harmony:  # (a constraint of every schema: off the loop)
+                tool_format = await asyncio.to_thread(tool_format_of, body, parser)
         except FieldError as error:
             raise bad_request(str(error), error.param) from None
         # Watched: fetching the images of a client that left went on (a slow host, 20 s).
@@ -184,7 +186,7 @@ def add_generation_routes(
             calls = bool(body.tools) and body.tool_choice != "none"
             forced = None  # "required" or a named function: a grammar makes the call
             if body.calls_tools:
-                forced = call_constraint(call_schemas(body), state.tokenizer)
+                forced = await asyncio.to_thread(harmony_calls, body)
             named = isinstance(body.tool_choice, NamedToolChoice)
             reader = Harmony(harmony_opening(tail, calls), calls, body.include_reasoning,
                              forced, named)  # fmt: skip
@@ -200,6 +202,9 @@ def add_generation_routes(
 
     def stopping() -> bool:
         return state.stopping
+
+    def harmony_calls(body: ChatCompletionRequest) -> StructuredOutput:
+        return call_constraint(call_schemas(body), state.tokenizer)
 
     async def chat_prompt(body: ChatCompletionRequest) -> tuple[list[int], PromptImages | None]:
         """The messages through the chat template as ids (tokenized off the event loop),
@@ -219,9 +224,10 @@ def add_generation_routes(
         if not images:
             return await asyncio.to_thread(prompt_tokenizer.chat, *args), None
         assert vision is not None and state.image_text is not None
-        counts = image_counts(images, vision)
+        # (On threads: an image's header read, its sha256 (50 ms for 24 MB).)
+        counts = await asyncio.to_thread(image_counts, images, vision)
         prompt = await asyncio.to_thread(prompt_tokenizer.chat_images, counts, *args)
-        return place_images(prompt, images, vision, counts)
+        return await asyncio.to_thread(place_images, prompt, images, vision, counts)
 
     @app.post("/v1/responses")
     async def responses(body: Body[ResponsesRequest], request: Request) -> Response:

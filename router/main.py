@@ -94,6 +94,7 @@ def _server(config: PdserveConfig, state: RouterState) -> DrainingServer:
             # on a request's head (``router/http_protocol.py``).
             loop="uvloop",
             http=guarded_protocol(state.metrics.refused),
+            timeout_keep_alive=config.router.keep_alive_s,  # type: ignore[arg-type]
             lifespan="on",
         ),
     )

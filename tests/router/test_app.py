@@ -513,6 +513,37 @@ def test_long_prompts_choices_are_built_off_the_event_loop(state, monkeypatch):
     assert len(seen) == 2 and seen[0] != loop_thread and seen[1] == loop_thread
 
 
+def test_a_tools_format_is_built_off_the_event_loop(state, monkeypatch):
+    """ "required" makes one JSON schema of every tool's (each rebased, all dumped): for
+    a body of large schemas, that was the event loop's time."""
+    import router.generation_routes as routes
+
+    loop_thread, seen = threading.get_ident(), []
+    build = routes.tool_format_of
+
+    def recording(*args, **kwargs):
+        seen.append(threading.get_ident())
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(routes, "tool_format_of", recording)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": [tool],
+            "tool_choice": "required"}  # fmt: skip
+    assert error_of(post(state, "/v1/chat/completions", json=body), 503)  # no worker
+    assert len(seen) == 1 and seen[0] != loop_thread
+
+
+def test_idle_connections_outlive_the_pools_in_front(state):
+    """uvicorn closes an idle connection after 5 s by default: a client (or balancer)
+    that sent on it just then got a connection error (1 in 16 at ~5 s idle)."""
+    from router.main import _server
+
+    server = _server(state.config, state)
+    assert server.config.timeout_keep_alive == state.config.router.keep_alive_s == 75.0
+    with pytest.raises(ConfigError, match="keep_alive_s"):
+        load_config(None, [f"model={state.config.model}", "router.keep_alive_s=0"])
+
+
 def test_nesting_past_the_recursion_limit_is_a_400_and_echoes_are_bounded(state, monkeypatch):
     """A JSON schema some 480 levels deep parses, then breaks whatever walks it (a 500
     before; the depth that does so depends on the stack, so the walk is made to fail
