@@ -157,13 +157,18 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 def special_tokens_of(model_dir: Path) -> dict[str, Any]:
     """A checkpoint's special tokens by role (``bos_token``, ``eos_token``, ...,
-    ``additional_special_tokens``), as transformers merges them: ``special_tokens_map.json``'s,
-    then ``tokenizer_config.json``'s over them. Older checkpoints keep bos and eos only in
-    the map: read from the config alone, their templates rendered ``bos_token`` as "" and
-    their EOS stopped nothing."""
+    ``additional_special_tokens``), as transformers (4.x and 5) reads them:
+    ``tokenizer_config.json``'s; where it has no ``added_tokens_decoder`` (a checkpoint
+    saved before transformers 4.34), ``special_tokens_map.json``'s over them. Older
+    checkpoints keep bos and eos only in the map: read from the config alone, their
+    templates rendered ``bos_token`` as "" and their EOS stopped nothing."""
+    config = _read_json(model_dir / "tokenizer_config.json")
+    sources = [config]
+    if "added_tokens_decoder" not in config:  # (transformers' legacy path: the map wins)
+        sources.append(_read_json(model_dir / "special_tokens_map.json"))
     special: dict[str, Any] = {}
-    for name in ("special_tokens_map.json", "tokenizer_config.json"):
-        for key, value in _read_json(model_dir / name).items():
+    for source in sources:
+        for key, value in source.items():
             if key.endswith("_token") and (text := _token_text(value)) is not None:
                 special[key] = text
             elif key == "additional_special_tokens" and isinstance(value, list):
@@ -173,7 +178,10 @@ def special_tokens_of(model_dir: Path) -> dict[str, Any]:
 
 def tokenizer_eos_token_id(model_dir: str | Path) -> int | None:
     """The id of the tokenizer's ``eos_token`` (``special_tokens_of``) in
-    ``tokenizer.json``; None when it names none, or the checkpoint has no tokenizer."""
+    ``tokenizer.json``; None when it names none, or the checkpoint has no tokenizer.
+    Found in ``tokenizer_config.json``'s ``added_tokens_decoder`` where it is listed
+    there (an EOS is an added token), without loading a large vocabulary (a 150k one
+    takes ~0.3 s, at each worker's and the router's start)."""
     from tokenizers import Tokenizer as RustTokenizer
 
     model_dir = Path(model_dir)
@@ -181,6 +189,10 @@ def tokenizer_eos_token_id(model_dir: str | Path) -> int | None:
     path = model_dir / "tokenizer.json"
     if not isinstance(eos, str) or not path.exists():
         return None
+    added = _read_json(model_dir / "tokenizer_config.json").get("added_tokens_decoder")
+    for token_id, token in (added if isinstance(added, dict) else {}).items():
+        if _token_text(token) == eos and token_id.isdigit():
+            return int(token_id)
     return RustTokenizer.from_file(str(path)).token_to_id(eos)
 
 

@@ -78,3 +78,14 @@ def test_the_tokenizers_eos_ends_sequences_as_in_vllm(tiny_llama, tmp_path):
     assert eos_token_ids(config, tmp_path) == (4, 2)
     tokenizer = Tokenizer(tmp_path)
     assert (tokenizer.bos_token, tokenizer.eos_token_id) == ("<s>", 4)
+    # As transformers reads them: the map over the config, unless the config lists its
+    # added tokens (saved by transformers >= 4.34), when the map is not read at all.
+    from transformers import AutoTokenizer
+
+    for extra in ({"eos_token": "</s>"}, {"added_tokens_decoder": {}}):
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({**without, **extra}))
+        expected = AutoTokenizer.from_pretrained(tmp_path)
+        tokenizer = Tokenizer(tmp_path)
+        assert (tokenizer.bos_token, tokenizer.eos_token) == (
+            expected.bos_token, expected.eos_token)  # fmt: skip
+    assert (tokenizer.bos_token, tokenizer.eos_token) == (None, None)
