@@ -915,6 +915,24 @@ class PdserveConfig:
                 f"{names[Role.DECODE]}: KV blocks move between them byte for byte, so both "
                 "roles need the same kv_cache_dtype",
             )
+        engines = {role: self.engine_for(role) for role in Role}
+        computes = {(e.dtype, e.device) for e in engines.values()}
+        if (
+            kv_dtypes[Role.PREFILL]
+            and self.kv_transfer.connector == "shared_storage"
+            and (len(computes) > 1)
+        ):
+            differs = (
+                "dtype" if engines[Role.PREFILL].dtype != engines[Role.DECODE].dtype else "device"
+            )
+            raise ConfigError(
+                self._shared_key(differs),
+                f"with kv_cache_dtype {engines[Role.PREFILL].kv_cache_dtype} the shared_storage "
+                "files are kept apart by the dtype that computed them (KV rounded from float32 "
+                "and from bfloat16 differs: another deployment's would change this one's "
+                "tokens), so the decode workers read only blocks of their own dtype: both "
+                "roles need the same dtype and device",
+            )
         self._check_kv_elements()
         # Settings both roles must share, and why.
         for key, why in (

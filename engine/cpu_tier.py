@@ -191,7 +191,11 @@ class CpuTier:
         """Copy the blocks evicted since the last flush into the tier. Must run before the
         forward pass that may overwrite them (the engine calls it after scheduling)."""
         evicted, self._pending = self._pending, []
-        pending = [(b, h) for b, h in evicted if h not in self._slots]
+        # Each hash once, at its last eviction: one evicted twice since the last flush
+        # took two slots, and the second leaked.
+        last = {h: i for i, (_, h) in enumerate(evicted)}
+        pending = [(b, h) for i, (b, h) in enumerate(evicted)
+                   if last[h] == i and h not in self._slots]  # fmt: skip
         for _, block_hash in evicted:  # (held ones first made recent: no victims below)
             if block_hash in self._slots:
                 self._slots.move_to_end(block_hash)

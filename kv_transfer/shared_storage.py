@@ -87,8 +87,9 @@ def _failure_marker(path: Path, transfer_id: str) -> Path:
 
 
 def _leave_failure_marker(path: Path, transfer_id: str) -> None:
-    """An empty marker (no data blocks needed, so it fits on a full disk) that tells the
-    readers waiting for ``path`` for ``transfer_id`` to give up now instead of at their
+    """An empty marker (no data blocks needed, so it fits on a full disk: its directory
+    is made at registration, as a new directory needs a block) that tells the readers
+    waiting for ``path`` for ``transfer_id`` to give up now instead of at their
     deadline."""
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -142,6 +143,9 @@ class SharedStorageConnector(KVConnector):
             + (f"-tp{layout.tp_rank}of{layout.tp_size}" if layout.tp_size > 1 else "")
         )
         self.root.mkdir(parents=True, exist_ok=True)
+        for prefix in range(256):  # so that a failure marker fits on a full disk (below)
+            with contextlib.suppress(OSError):
+                (self.root / f"{prefix:02x}").mkdir(exist_ok=True)
         self._pool = ThreadPoolExecutor(
             self.config.io_threads, thread_name_prefix=f"kv-storage-{self.engine_id}"
         )
@@ -328,6 +332,12 @@ class SharedStorageConnector(KVConnector):
             nonlocal found
             while found < len(paths) and countdown.error is None:
                 if not self._file_ready(paths[found], record):
+                    # A later block's failure marker fails the chunk now: one missing
+                    # file with none of its own (removed by a sweep) hid them all, and
+                    # the fetch waited out its deadline.
+                    for later in paths[found + 1 :]:
+                        if _failure_marker(later, record.transfer_id).exists():
+                            raise TransferFailedError(f"the exporter could not write {later.name}")
                     return False
                 found += 1
             return True
@@ -386,7 +396,11 @@ class SharedStorageConnector(KVConnector):
         deployment: both roles of one deployment have the same size (a config rule)."""
         relative = path.relative_to(self.root)
         ours = self.layout
-        for other in self.namespace_dir.iterdir():
+        try:
+            others = list(self.namespace_dir.iterdir())
+        except (FileNotFoundError, NotADirectoryError):  # removed under us: the export
+            return  # makes it again (it failed every fetch at once, with a traceback)
+        for other in others:
             if other == self.root:
                 continue
             found = read_block_header(other / relative)

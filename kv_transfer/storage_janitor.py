@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 LOCK_NAME = ".pdserve-janitor.lock"
 STALE_S = 600.0  # a temp file or failure marker this old has no live writer
+# A block file this young may be a hand-off its reader has not read yet (a pull waits
+# ``kv_transfer.timeout_s`` for it, 10 s by default): no sweep removes it.
+FRESH_S = 60.0
 LOW_WATER = 0.9  # a sweep brings the directory down to this fraction of its target
 _SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 
@@ -98,7 +101,8 @@ def sweep(root: Path, max_bytes: int | None) -> SweepResult:
         except BlockingIOError:
             result.skipped = True
             return result
-        blocks, stale = _scan(root, time.time())
+        now_ns = _filesystem_now_ns(lock.fileno())
+        blocks, stale = _scan(root, now_ns / 1e9)
         for path in stale:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
@@ -110,9 +114,13 @@ def sweep(root: Path, max_bytes: int | None) -> SweepResult:
         if max_bytes is not None and (max_bytes == 0 or total <= max_bytes):
             return result
         blocks.sort(key=lambda block: block.mtime_ns)
+        # After a failed write, the young blocks stay: a disk full of other data left a
+        # tenth that was the hand-off just written, and its reader waited its deadline.
+        # (Under a cap, only a cap far too small for the traffic reaches them.)
+        young_ns = now_ns - int(FRESH_S * 1e9) if max_bytes is None else now_ns
         for block in blocks:
-            if total <= target:
-                break
+            if total <= target or block.mtime_ns > young_ns:
+                break  # (the rest are younger)
             try:
                 if block.path.stat().st_mtime_ns != block.mtime_ns:
                     continue  # used (or rewritten) since the scan
@@ -124,6 +132,17 @@ def sweep(root: Path, max_bytes: int | None) -> SweepResult:
                 result.removed_bytes += block.size
             total -= block.size
     return result
+
+
+def _filesystem_now_ns(fd: int) -> int:
+    """Now by the clock that stamps the directory's mtimes (an NFS server's, not this
+    host's): the lock file touched and read back. Compared with this host's clock, one
+    11 minutes fast removed a write's temp file and a fresh failure marker as stale."""
+    try:
+        os.utime(fd)
+        return os.fstat(fd).st_mtime_ns
+    except OSError:  # (a read-only mount: nothing is written there anyway)
+        return time.time_ns()
 
 
 class StorageJanitor:

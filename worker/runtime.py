@@ -28,7 +28,14 @@ from typing import TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.config import ConfigError, FailurePolicy, PdserveConfig, Role, StateDType
+from common.config import (
+    ConfigError,
+    EngineConfig,
+    FailurePolicy,
+    PdserveConfig,
+    Role,
+    StateDType,
+)
 from common.event_bus import KVEventPublisher
 from common.gc_heap import freeze_startup_heap
 from common.internal_auth import NO_AUTH, InternalAuth
@@ -37,8 +44,10 @@ from common.tracing import Tracer
 from engine.async_engine import AsyncEngine
 from engine.kv_events import KVEventCollector
 from engine.llm_engine import LLMEngine
+from engine.models.arch import read_arch_config
 from engine.models.fingerprint import weights_fingerprint
 from engine.parallel.launch import ShardExtensionSpec
+from engine.resolve import resolve_device, resolve_dtype
 from kv_transfer import KVConnector, KVTransferConfig, create_connector
 from worker.connector_puller import ConnectorPuller
 from worker.grpc_errors import DrainingError, quiet_cancelled_writes
@@ -70,6 +79,20 @@ def model_namespace(model_dir: Path, state_dtype: StateDType = StateDType.FLOAT3
     and no error)."""
     name = f"{model_dir.name}-{weights_fingerprint(model_dir)}"
     return name if state_dtype is StateDType.FLOAT32 else f"{name}-states-{state_dtype.value}"
+
+
+def storage_namespace(model_namespace: str, engine: EngineConfig, model_dir: Path) -> str:
+    """The shared-storage directory of this worker's blocks: ``model_namespace``, and,
+    where the KV cache rounds what the model computes (fp8), the dtype that computed it.
+    Two deployments of one model under one directory, float32 and bfloat16 with an fp8
+    cache, read each other's blocks (the second found the first's and did not write its
+    own): a quarter of its replies changed, with no error. (A deployment's roles share one
+    dtype there: the config check.)"""
+    if engine.kv_cache_dtype.storage_name is None:  # the KV element is the dtype itself
+        return model_namespace
+    device = resolve_device(engine)
+    computed = resolve_dtype(engine, read_arch_config(model_dir), device)
+    return f"{model_namespace}-computed-{str(computed).removeprefix('torch.')}"
 
 
 class WorkerRuntime:
@@ -192,7 +215,7 @@ class WorkerRuntime:
                 store_port=self.ports.kv_store,
                 timeout_s=transfer.timeout_s,
                 shared_dir=transfer.shared_dir,
-                shared_namespace=self.model_namespace,
+                shared_namespace=storage_namespace(self.model_namespace, engine_config, model_dir),
                 shared_max_bytes=transfer.shared_max_bytes,
                 nixl_read_lanes=transfer.nixl_read_lanes,
                 nixl_pin_lanes=transfer.nixl_pin_lanes,

@@ -105,6 +105,13 @@ BROKEN = [
         "both roles need the same kv_cache_dtype",
     ),
     ("engine: {kv_cache_dtype: int8}", "engine.kv_cache_dtype", "not one of: auto, fp8"),
+    # Shared storage keeps fp8 blocks apart by the dtype that computed them.
+    (
+        "kv_transfer: {connector: shared_storage, shared_dir: /tmp/kv}\n"
+        "engine: {kv_cache_dtype: fp8}\ndecode: {engine: {dtype: bfloat16}}",
+        "decode.engine.dtype",
+        "kept apart by the dtype that computed them",
+    ),
     (
         "decode: {engine: {scheduling_policy: priority}}",
         "decode.engine.scheduling_policy",

@@ -205,6 +205,27 @@ def test_a_spilled_prompt_loses_its_end_first():
     assert tier.leak_report() == []
 
 
+def test_a_block_evicted_twice_before_a_flush_takes_one_slot():
+    """Two evictions of one hash between flushes took two slots and kept one: a leak."""
+    import torch
+
+    from engine.block_pool import KVBlock
+    from engine.cpu_tier import CpuTier
+
+    cache = torch.randn(8, 2, 4, 1, 2)
+    tier = CpuTier([cache], capacity_bytes=4 * cache[0].numel() * 4, emit=lambda _: None)
+    block_hash = b"h" * 32
+    tier.on_block_evicted(KVBlock(3), block_hash)
+    tier.on_block_evicted(KVBlock(5), block_hash)
+    tier.flush()
+    assert tier.num_used_blocks == 1 and tier.lookup([block_hash]) == 1
+    assert tier.leak_report() == []
+    tier.reserve([block_hash])
+    tier.load([block_hash], [0])  # the last eviction's copy (block 5)
+    assert torch.equal(cache[0], cache[5])
+    assert tier.leak_report() == []
+
+
 def test_a_prompt_spilled_again_over_its_held_start_keeps_its_start():
     """A turn's prefix the tier holds, spilled again with the turn (its end new): recency
     in eviction order over held and new blocks alike. Held ones were made recent first,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -269,3 +270,41 @@ def test_other_tensor_parallel_layouts_are_no_mismatch_another_dtype_is(tmp_path
         _export(single_exporter, "lease2", [4], others)  # float16, where wide is float32
         with pytest.raises(LayoutMismatchError):
             wide.wait("g", 5)
+
+
+def test_a_missing_block_does_not_hide_the_failure_markers_after_it(tmp_path):
+    """A chunk's files were checked in order: one missing without a marker (a sweep took
+    it) hid the markers of every later block, and the fetch waited out its deadline. And
+    every prefix directory is made at registration, so that a marker fits on a full disk
+    (a new directory needs a data block)."""
+    from kv_transfer.shared_storage import _leave_failure_marker
+
+    config = KVTransferConfig(connector="shared_storage", shared_dir=str(tmp_path),
+                              timeout_s=30.0)  # fmt: skip
+    hashes = hash_blocks(list(range(3 * LAYOUT.block_size)), LAYOUT.block_size, salt="hid")
+    a, b, _, _ = two_workers(tmp_path, config)
+    with a, b:
+        assert sorted(d.name for d in b.root.iterdir()) == [f"{i:02x}" for i in range(256)]
+        for block_hash in hashes[1:]:
+            _leave_failure_marker(b.path_for(block_hash), "t")
+        started = time.monotonic()
+        b.start_fetch("t", PeerRef("a", "unused"), [5, 6, 7], [1, 2, 3], hashes)
+        with pytest.raises(TransferFailedError, match="could not write"):
+            b.wait("t", 30)
+        assert time.monotonic() - started < 5  # not the 30 s timeout
+
+
+def test_a_namespace_removed_under_a_fetch_is_a_wait_not_a_failure(tmp_path):
+    """The directory removed (an operator's cleanup): the check for other layouts raised
+    FileNotFoundError, and every fetch failed at once with a traceback. It waits for the
+    export, which makes the directories again."""
+    hashes = hash_blocks(list(range(LAYOUT.block_size)), LAYOUT.block_size, salt="gone")
+    a, b, src, dst = two_workers(tmp_path)
+    with a, b:
+        shutil.rmtree(b.namespace_dir)
+        b.start_fetch("f", PeerRef("a", "unused"), [5], [1], hashes)
+        time.sleep(0.3)
+        assert b.num_active_fetches == 1  # still waiting
+        _export(a, "f", [5], hashes)
+        b.wait("f", 10)
+        assert all(torch.equal(dst[layer][1], src[layer][5]) for layer in range(2))

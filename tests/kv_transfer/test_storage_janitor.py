@@ -13,13 +13,14 @@ import torch
 
 from common.hashing import hash_blocks
 from kv_transfer import KVTransferConfig, PeerRef
-from kv_transfer.storage_janitor import LOCK_NAME, STALE_S, StorageJanitor, sweep
+from kv_transfer.storage_janitor import FRESH_S, LOCK_NAME, STALE_S, StorageJanitor, sweep
 from tests.kv_transfer.test_shared_storage_files import LAYOUT, _export, two_workers
 
 
-def _files(root: Path, count: int, size: int) -> list[Path]:
-    """``count`` block files of ``size`` bytes, oldest first (mtimes one second apart)."""
-    now = time.time()
+def _files(root: Path, count: int, size: int, age_s: float = 0.0) -> list[Path]:
+    """``count`` block files of ``size`` bytes, oldest first (mtimes one second apart,
+    the newest ``age_s`` old)."""
+    now = time.time() - age_s
     paths = []
     for i in range(count):
         path = root / "ns" / "layout" / f"{i:02x}" / f"{i:064x}.kvblock"
@@ -46,10 +47,32 @@ def test_a_sweep_removes_the_least_recently_used_down_to_ninety_percent(tmp_path
 
 
 def test_a_sweep_after_a_space_error_frees_a_tenth_without_a_cap(tmp_path):
-    paths = _files(tmp_path, 20, 500)
+    paths = _files(tmp_path, 20, 500, age_s=FRESH_S)
     result = sweep(tmp_path, None)
     assert result.removed_files == 2 and not paths[0].exists() and not paths[1].exists()
     assert all(p.exists() for p in paths[2:])
+
+
+def test_a_space_error_sweep_keeps_the_blocks_just_written(tmp_path):
+    """A disk full of other data: the oldest tenth of the few blocks stored was the
+    hand-off an export had just written, and its reader waited out its deadline."""
+    paths = _files(tmp_path, 5, 500)
+    assert sweep(tmp_path, None).removed_files == 0 and all(p.exists() for p in paths)
+
+
+def test_the_filesystems_clock_says_what_is_stale(tmp_path, monkeypatch):
+    """mtimes come from the file server's clock (NFS): a janitor whose host ran 11
+    minutes fast removed a write's temp file and a fresh failure marker as stale."""
+    directory = tmp_path / "ns" / "layout" / "ab"
+    directory.mkdir(parents=True)
+    live_tmp, live_marker = directory / ".ab.kvblock.1.tmp", directory / "cd.kvblock.x.failed"
+    for path in (live_tmp, live_marker):
+        path.write_bytes(b"")
+    fast = time.time() + 660
+    monkeypatch.setattr(time, "time", lambda: fast)
+    monkeypatch.setattr(time, "time_ns", lambda: int(fast * 1e9))
+    assert sweep(tmp_path, 1 << 30).removed_leftovers == 0
+    assert live_tmp.exists() and live_marker.exists()
 
 
 def test_leftovers_of_dead_writers_go_and_live_ones_stay(tmp_path):

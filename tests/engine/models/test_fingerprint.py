@@ -94,3 +94,21 @@ def test_image_preprocessing_and_a_16_bit_state_dtype_get_their_own_namespace(ti
         (vision / "preprocessor_config.json").write_text(json.dumps({"size": size}))
         fingerprints.add(weights_fingerprint(vision))
     assert len(fingerprints) == 2 and weights_fingerprint(tiny_llama) not in fingerprints
+
+
+def test_fp8_blocks_in_shared_storage_are_kept_apart_by_the_dtype_that_computed_them(tiny_llama):
+    """A float32 and a bfloat16 deployment with an fp8 cache under one directory read each
+    other's blocks (a quarter of the second's replies changed, no error): where the KV
+    cache rounds what the model computes, the directory names the dtype that computed it."""
+    from common.config import DType, EngineConfig, KVCacheDType
+    from worker.runtime import storage_namespace
+
+    base = model_namespace(tiny_llama)
+    assert storage_namespace(base, EngineConfig(), tiny_llama) == base  # (the KV dtype says it)
+    named = {
+        storage_namespace(
+            base, EngineConfig(dtype=dtype, kv_cache_dtype=KVCacheDType.FP8), tiny_llama
+        )
+        for dtype in (DType.FLOAT32, DType.BFLOAT16, DType.AUTO)  # (auto: float32 on a CPU)
+    }
+    assert named == {f"{base}-computed-float32", f"{base}-computed-bfloat16"}
