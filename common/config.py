@@ -982,16 +982,19 @@ class PdserveConfig:
         engines = {role: self.engine_for(role) for role in Role}
         prefill, decode = (_kv_element(engines[role]) for role in (Role.PREFILL, Role.DECODE))
         dtype_differs = engines[Role.PREFILL].dtype != engines[Role.DECODE].dtype
-        if (prefill is None) != (decode is None) and dtype_differs:
-            # One role's dtype set, the other's auto on an auto device: float32 on a CPU,
-            # 16-bit on a GPU; either way not what the other says on one of them. Passed,
-            # a decode dtype of bfloat16 alone recomputed every prompt.
+        if (prefill is None) != (decode is None) and (
+            dtype_differs or "float32" in (prefill, decode)
+        ):
+            # One role's dtype (or a CPU device) set, the other's auto on an auto device:
+            # float32 on a CPU, 16-bit on a GPU; either way not what the other says on one
+            # of them. Passed, a decode dtype of bfloat16 alone recomputed every prompt, as
+            # did a prefill device of cpu beside a decode worker's GPU.
             unknown = Role.PREFILL if prefill is None else Role.DECODE
             raise ConfigError(
-                self._shared_key("dtype"),
+                self._shared_key("dtype" if dtype_differs else "device"),
                 f"{unknown}'s dtype is auto on an auto device (float32 on a CPU, 16-bit on a "
-                f"GPU) and the other role's is {prefill or decode}: KV blocks move between "
-                "them byte for byte, so set the same dtype on both roles (or a device)",
+                f"GPU) and the other role's KV holds {prefill or decode}: KV blocks move "
+                "between them byte for byte, so set the same dtype (or device) on both roles",
             )
         if prefill is None or decode is None or prefill == decode:
             return

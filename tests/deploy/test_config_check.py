@@ -201,7 +201,7 @@ KV_BROKEN = [
      "15 KV blocks, which cannot hold one request"),
     (["engine.device=cpu", "engine.num_blocks=100000"], "engine.num_blocks",
      "need 6250.0 MiB, more than engine.kv_cache_bytes=1073741824"),
-    (["prefill.engine.device=cpu", "prefill.engine.kv_cache_bytes=4194304"],
+    (["engine.device=cpu", "prefill.engine.kv_cache_bytes=4194304"],
      "prefill.engine.kv_cache_bytes", "64 KV blocks"),
     (["engine.tensor_parallel_size=3"], "engine.tensor_parallel_size",
      "4 attention heads do not split over 3 ranks"),
@@ -221,6 +221,9 @@ KV_BROKEN = [
     (["decode.engine.dtype=bfloat16"], "decode.engine.dtype",
      "prefill's dtype is auto on an auto device"),
     (["prefill.engine.dtype=float32"], "prefill.engine.dtype",
+     "decode's dtype is auto on an auto device"),
+    # One role on a CPU (float32), the other on an auto device (16-bit on a GPU host).
+    (["prefill.engine.device=cpu"], "prefill.engine.device",
      "decode's dtype is auto on an auto device"),
     # A CPU tier of less than a block: the worker refuses to start, so the check does too.
     (["engine.device=cpu", "offload.cpu_bytes=100"], "offload.cpu_bytes",
