@@ -106,10 +106,9 @@ _LABEL = r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}[A-Za-z0-9_])?"  # (_: compose's serv
 _HOST_NAME = re.compile(rf"{_LABEL}(\.{_LABEL})*")
 
 
-def _kv_element(engine: EngineConfig) -> str | None:
-    """What ``engine``'s KV cache holds, as far as the config says (None: unknown)."""
-    if engine.kv_cache_dtype.storage_name is not None:
-        return engine.kv_cache_dtype.storage_name
+def _compute_dtype(engine: EngineConfig) -> str | None:
+    """The dtype ``engine`` computes in (and, with ``kv_cache_dtype`` auto, its KV cache
+    holds), as far as the config says (None: unknown)."""
     if engine.dtype is not DType.AUTO:
         return engine.dtype.value
     return {Device.CPU: "float32", Device.CUDA: _SOME_16_BIT}.get(engine.device)
@@ -606,7 +605,9 @@ class RouterConfig:
     # How long an idle client connection stays open for its next request. Above the idle
     # timeouts of the pools and load balancers in front (AWS ALB 60 s; nginx upstream
     # keepalive 60 s): a client that sends just as the router closes the connection gets
-    # a connection error (uvicorn's 5 s: 1 in 16 requests sent ~5 s after the last).
+    # a connection error (uvicorn's 5 s: 1 in 16 requests sent ~5 s after the last). Each
+    # idle connection holds a file descriptor that long (raise the router's fd limit for
+    # many short-lived clients).
     keep_alive_s: float = 75.0
     # How tool calls are read from a model's free text, for tool_choice "auto" (the
     # default when a request gives tools): the model family's own call format, as
@@ -915,25 +916,7 @@ class PdserveConfig:
                 f"{names[Role.DECODE]}: KV blocks move between them byte for byte, so both "
                 "roles need the same kv_cache_dtype",
             )
-        engines = {role: self.engine_for(role) for role in Role}
-        computes = {(e.dtype, e.device) for e in engines.values()}
-        if (
-            kv_dtypes[Role.PREFILL]
-            and self.kv_transfer.connector == "shared_storage"
-            and (len(computes) > 1)
-        ):
-            differs = (
-                "dtype" if engines[Role.PREFILL].dtype != engines[Role.DECODE].dtype else "device"
-            )
-            raise ConfigError(
-                self._shared_key(differs),
-                f"with kv_cache_dtype {engines[Role.PREFILL].kv_cache_dtype} the shared_storage "
-                "files are kept apart by the dtype that computed them (KV rounded from float32 "
-                "and from bfloat16 differs: another deployment's would change this one's "
-                "tokens), so the decode workers read only blocks of their own dtype: both "
-                "roles need the same dtype and device",
-            )
-        self._check_kv_elements()
+        self._check_compute_dtypes()
         # Settings both roles must share, and why.
         for key, why in (
             ("scheduling_policy", "the router takes a request's priority only when both "
@@ -973,14 +956,18 @@ class PdserveConfig:
     def role(self, role: Role) -> WorkerRoleConfig:
         return self.prefill if role is Role.PREFILL else self.decode
 
-    def _check_kv_elements(self) -> None:
-        """The roles' KV elements where ``kv_cache_dtype`` leaves them to the model's dtype
-        (auto): a ``dtype`` or ``device`` override that makes them differ fails every pull
-        at the handshake (every prompt recomputed, or failed under failure_policy fail), so
-        it is refused here, where the key can be named. On CUDA auto is a 16-bit dtype
-        (which one: the checkpoint's), on CPU float32; on an auto device, unknown."""
+    def _check_compute_dtypes(self) -> None:
+        """The roles compute in one dtype. With ``kv_cache_dtype`` auto the KV cache holds
+        it and blocks move between the roles byte for byte: a ``dtype`` or ``device``
+        override that made them differ failed every pull at the handshake. With an fp8
+        cache the blocks are rounded from it: a float32 prefill's blocks gave a bfloat16
+        decode worker other tokens than it computes itself (a disaggregated reply was no
+        colocated one), and shared storage keeps such blocks apart by the dtype that
+        computed them, where the decode workers never found the prefill workers'. Refused
+        here, where the key can be named. On CUDA auto is a 16-bit dtype (which one: the
+        checkpoint's), on CPU float32; on an auto device, unknown."""
         engines = {role: self.engine_for(role) for role in Role}
-        prefill, decode = (_kv_element(engines[role]) for role in (Role.PREFILL, Role.DECODE))
+        prefill, decode = (_compute_dtype(engines[role]) for role in (Role.PREFILL, Role.DECODE))
         dtype_differs = engines[Role.PREFILL].dtype != engines[Role.DECODE].dtype
         if (prefill is None) != (decode is None) and (
             dtype_differs or "float32" in (prefill, decode)
@@ -993,8 +980,8 @@ class PdserveConfig:
             raise ConfigError(
                 self._shared_key("dtype" if dtype_differs else "device"),
                 f"{unknown}'s dtype is auto on an auto device (float32 on a CPU, 16-bit on a "
-                f"GPU) and the other role's KV holds {prefill or decode}: KV blocks move "
-                "between them byte for byte, so set the same dtype (or device) on both roles",
+                f"GPU) and the other role computes in {prefill or decode}: decode continues "
+                "from prefill's KV blocks, so set the same dtype (or device) on both roles",
             )
         if prefill is None or decode is None or prefill == decode:
             return
@@ -1003,9 +990,9 @@ class PdserveConfig:
         differs = "dtype" if dtype_differs else "device"
         raise ConfigError(
             self._shared_key(differs),
-            f"prefill's KV cache holds {prefill} and decode's {decode}: KV blocks move between "
-            "them byte for byte, so both roles need the same KV element (set the same dtype "
-            "and device, or kv_cache_dtype)",
+            f"prefill computes in {prefill} and decode in {decode}: decode continues from "
+            "prefill's KV blocks (moved byte for byte, or rounded to the fp8 cache from "
+            "prefill's dtype), so both roles need one dtype (set the same dtype and device)",
         )
 
     def _shared_key(self, name: str) -> str:

@@ -179,9 +179,8 @@ def special_tokens_of(model_dir: Path) -> dict[str, Any]:
 def tokenizer_eos_token_id(model_dir: str | Path) -> int | None:
     """The id of the tokenizer's ``eos_token`` (``special_tokens_of``) in
     ``tokenizer.json``; None when it names none, or the checkpoint has no tokenizer.
-    Found in ``tokenizer_config.json``'s ``added_tokens_decoder`` where it is listed
-    there (an EOS is an added token), without loading a large vocabulary (a 150k one
-    takes ~0.3 s, at each worker's and the router's start)."""
+    (Not from ``added_tokens_decoder``, which would spare loading the vocabulary: a stale
+    one gave the engine another EOS than the router's and transformers'.)"""
     from tokenizers import Tokenizer as RustTokenizer
 
     model_dir = Path(model_dir)
@@ -189,10 +188,6 @@ def tokenizer_eos_token_id(model_dir: str | Path) -> int | None:
     path = model_dir / "tokenizer.json"
     if not isinstance(eos, str) or not path.exists():
         return None
-    added = _read_json(model_dir / "tokenizer_config.json").get("added_tokens_decoder")
-    for token_id, token in (added if isinstance(added, dict) else {}).items():
-        if _token_text(token) == eos and token_id.isdigit():
-            return int(token_id)
     return RustTokenizer.from_file(str(path)).token_to_id(eos)
 
 

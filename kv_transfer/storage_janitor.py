@@ -12,7 +12,9 @@ no cap ever calls a sweep: without one they stayed until the disk filled).
 each good read (atime is not kept on ``noatime``/``relatime`` mounts). A sweep removes the oldest
 files until the directory is at 90% of the cap (at 90% of what it holds after a failed
 write), re-reading each file's mtime just before removing it so that a block used since
-the scan stays. It also removes temporary files and failure markers older than
+the scan stays; after a failed write, blocks younger than ``FRESH_S`` (maybe hand-offs
+not yet read) go only where no older ones are. It also removes temporary files and
+failure markers older than
 ``STALE_S``: those of writers that died. A reader that has the file open keeps reading it
 after removal (POSIX); one that comes later misses it, which its fetch treats as any miss.
 """
@@ -34,7 +36,8 @@ logger = logging.getLogger(__name__)
 LOCK_NAME = ".pdserve-janitor.lock"
 STALE_S = 600.0  # a temp file or failure marker this old has no live writer
 # A block file this young may be a hand-off its reader has not read yet (a pull waits
-# ``kv_transfer.timeout_s`` for it, 10 s by default): no sweep removes it.
+# ``kv_transfer.timeout_s`` for it, 10 s by default): a sweep after a space error removes
+# one only where every block is this young.
 FRESH_S = 60.0
 LOW_WATER = 0.9  # a sweep brings the directory down to this fraction of its target
 _SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
@@ -114,13 +117,17 @@ def sweep(root: Path, max_bytes: int | None) -> SweepResult:
         if max_bytes is not None and (max_bytes == 0 or total <= max_bytes):
             return result
         blocks.sort(key=lambda block: block.mtime_ns)
-        # After a failed write, the young blocks stay: a disk full of other data left a
-        # tenth that was the hand-off just written, and its reader waited its deadline.
-        # (Under a cap, only a cap far too small for the traffic reaches them.)
-        young_ns = now_ns - int(FRESH_S * 1e9) if max_bytes is None else now_ns
+        if max_bytes is None:
+            # After a failed write, blocks younger than FRESH_S go only if no older one
+            # does: a disk full of other data left a tenth that was the hand-off just
+            # written (its reader waited out its deadline), and a disk that fills within
+            # FRESH_S must still free some. (Under a cap, only a cap far too small for
+            # the traffic reaches the young ones.)
+            young_ns = now_ns - int(FRESH_S * 1e9)
+            blocks = [block for block in blocks if block.mtime_ns <= young_ns] or blocks
         for block in blocks:
-            if total <= target or block.mtime_ns > young_ns:
-                break  # (the rest are younger)
+            if total <= target:
+                break
             try:
                 if block.path.stat().st_mtime_ns != block.mtime_ns:
                     continue  # used (or rewritten) since the scan

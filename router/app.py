@@ -28,7 +28,7 @@ from router.admission import ARRIVAL_NS, REQUEST_ID, Admission, client_request_i
 from router.choices import new_id
 from router.errors import APIError, bad_request, internal, model_not_found, unauthorized
 from router.generation_routes import add_generation_routes
-from router.json_body import Body
+from router.json_body import Body, document_bodies
 from router.pooling_routes import add_pooling_routes
 from router.prompts import PromptTokenizer, tool_dicts
 from router.protocol import (
@@ -243,7 +243,8 @@ def create_app(state: RouterState) -> FastAPI:
         return JSONResponse({"status": "ok" if ready else "no_workers"},
                             status_code=200 if ready else 503)  # fmt: skip
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/ping", operation_id="ping_get")
+    @app.post("/ping", operation_id="ping_post")  # (one id for both: a duplicate in OpenAPI)
     async def ping() -> Response:
         """vLLM's (SageMaker's) liveness route: the same answer as /health."""
         return await health()
@@ -335,4 +336,5 @@ def create_app(state: RouterState) -> FastAPI:
 
     add_generation_routes(app, state, prompt_tokenizer, admission)
     add_pooling_routes(app, state, prompt_tokenizer, admission)
+    document_bodies(app)
     return app

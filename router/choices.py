@@ -76,6 +76,11 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+# Prompts longer than this (in all) have their blocks hashed on a thread (~0.12 ms per 1k
+# tokens: 0.24 s for 2M ids on the event loop), for choices and pooled sequences alike.
+THREADED_PROMPT_TOKENS = 16_384
+
+
 def build_choices(
     request_id: str,
     prompts: list[list[int]],

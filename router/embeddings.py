@@ -34,6 +34,7 @@ import numpy as np
 from common.config import Role
 from common.hashing import hash_blocks, prefix_salt
 from proto import pdserve_pb2 as pb
+from router.choices import THREADED_PROMPT_TOKENS
 from router.dispatch import Dispatcher, SequenceRequest
 from router.errors import APIError, unavailable
 from router.workers import LoraRef, WorkerStalled, WorkerState
@@ -181,13 +182,18 @@ async def embed_all(
     (``all_or_none``), with at most ``lanes`` calls in flight; prompt ``i`` runs as request
     ``<response_id>-<i>``. ``trace_headers``: the trace context the calls carry."""
     salt = prefix_salt(body.cache_salt, lora and lora.key)
-    # Nothing to sample: placement reads of the sampling only whether it scores a prompt.
-    sequences = [
-        SequenceRequest(f"{response_id}-{index}", tokens, hash_blocks(tokens, block_size, salt),
-                        pb.SamplingParams(), body.cache_salt, lora, body.priority,
-                        trace_headers)
-        for index, tokens in enumerate(prompts)
-    ]  # fmt: skip
+
+    def build() -> list[SequenceRequest]:
+        # Nothing to sample: placement reads of the sampling only whether it scores a prompt.
+        return [
+            SequenceRequest(f"{response_id}-{index}", tokens, hash_blocks(tokens, block_size,
+                            salt), pb.SamplingParams(), body.cache_salt, lora, body.priority,
+                            trace_headers)
+            for index, tokens in enumerate(prompts)
+        ]  # fmt: skip
+
+    long = sum(map(len, prompts)) > THREADED_PROMPT_TOKENS  # (hashing off the event loop)
+    sequences = await asyncio.to_thread(build) if long else build()
     replies = [pb.EmbedResponse()] * len(sequences)  # each lane fills its inputs' places
     next_index = 0
 

@@ -32,7 +32,7 @@ from router.admission import (
     stopped,
     until_disconnected,
 )
-from router.choices import Choice, build_choices, merge_choices, new_id
+from router.choices import THREADED_PROMPT_TOKENS, Choice, build_choices, merge_choices, new_id
 from router.errors import APIError, bad_request, internal
 from router.formatting import SSE_DONE, Formatter, ToolFormat, json_bytes, sse, usage_body
 from router.harmony import Harmony, call_constraint
@@ -58,9 +58,6 @@ from router.tool_parsers import tool_format_of
 from router.tools import ToolCalls, call_schemas
 
 logger = logging.getLogger(__name__)
-
-# Prompts longer than this (in all) get their choices built on a thread (``respond``).
-THREADED_PROMPT_TOKENS = 16_384
 
 
 async def _blaming(events: AsyncIterator, param: str) -> AsyncIterator:

@@ -93,12 +93,7 @@ async def read_images(
     """The bytes of each image ``image_refs`` found: ``data:`` URLs decoded (on a thread:
     24 MB of base64 took 0.23 s), http(s) ones fetched (all at once), at most
     ``max_bytes`` in all. Raises a 400 naming the part."""
-    for param, url in refs:
-        if not url:
-            raise bad_request("an image_url part needs its url", param)
-        if not url.startswith("data:"):
-            fetcher.check(url, param)
-    images: list[bytes | None] = await asyncio.to_thread(_read_data_urls, refs)  # None: to fetch
+    images = await asyncio.to_thread(_read_inline, refs, fetcher)
     budget = ImageBudget(max_bytes)
     budget.take(sum(len(image) for image in images if image is not None), "messages")
     remote = [(i, param, url) for i, (param, url) in enumerate(refs) if images[i] is None]
@@ -115,9 +110,19 @@ async def read_images(
     return [image for image in images if image is not None]
 
 
-def _read_data_urls(refs: list[tuple[str, str | None]]) -> list[bytes | None]:
-    return [read_data_url(url, param) if url and url.startswith("data:") else None
-            for param, url in refs]  # fmt: skip
+def _read_inline(refs: list[tuple[str, str | None]], fetcher: MediaFetcher) -> list[bytes | None]:
+    """Each part's ``data:`` URL decoded, an http(s) one checked (None: to fetch), in the
+    parts' order: the first bad part is the one a 400 names."""
+    images: list[bytes | None] = []
+    for param, url in refs:
+        if not url:
+            raise bad_request("an image_url part needs its url", param)
+        if url.startswith("data:"):
+            images.append(read_data_url(url, param))
+        else:
+            fetcher.check(url, param)
+            images.append(None)
+    return images
 
 
 def read_data_url(url: str, param: str) -> bytes:

@@ -81,18 +81,19 @@ def model_namespace(model_dir: Path, state_dtype: StateDType = StateDType.FLOAT3
     return name if state_dtype is StateDType.FLOAT32 else f"{name}-states-{state_dtype.value}"
 
 
-def storage_namespace(model_namespace: str, engine: EngineConfig, model_dir: Path) -> str:
-    """The shared-storage directory of this worker's blocks: ``model_namespace``, and,
-    where the KV cache rounds what the model computes (fp8), the dtype that computed it.
-    Two deployments of one model under one directory, float32 and bfloat16 with an fp8
-    cache, read each other's blocks (the second found the first's and did not write its
-    own): a quarter of its replies changed, with no error. (A deployment's roles share one
-    dtype there: the config check.)"""
+def kv_namespace(engine: EngineConfig, model_dir: Path) -> str:
+    """``model_namespace``, and, where the KV cache rounds what the model computes (fp8),
+    the dtype that computed it: in every KV handle (a decode worker of another computes
+    the prompt itself, at once) and in the shared-storage directory. Two deployments of
+    one model under one directory, float32 and bfloat16 with an fp8 cache, read each
+    other's blocks (the second found the first's and wrote none): 4 of 4 of its replies
+    changed, with no error. (A deployment's roles compute in one dtype: the config
+    check; this catches hosts whose auto differs, and a rolling upgrade.)"""
+    name = model_namespace(model_dir, engine.linear_state_dtype)
     if engine.kv_cache_dtype.storage_name is None:  # the KV element is the dtype itself
-        return model_namespace
-    device = resolve_device(engine)
-    computed = resolve_dtype(engine, read_arch_config(model_dir), device)
-    return f"{model_namespace}-computed-{str(computed).removeprefix('torch.')}"
+        return name
+    computed = resolve_dtype(engine, read_arch_config(model_dir), resolve_device(engine))
+    return f"{name}-computed-{str(computed).removeprefix('torch.')}"
 
 
 class WorkerRuntime:
@@ -127,8 +128,9 @@ class WorkerRuntime:
         self.server: grpc.aio.Server | None = None
         self.health = health.aio.HealthServicer()
         self.metadata_by_rank: list[bytes] = []  # the connector handshake of each TP rank
-        # Its model, weights and state dtype (``model_namespace``), once loaded: in every
-        # KV handle, so that a decode worker of other weights does not use the blocks.
+        # Its model, weights, state dtype and (fp8 cache) compute dtype (``kv_namespace``),
+        # once loaded: in every KV handle, so that a decode worker of other weights or
+        # arithmetic does not use the blocks.
         self.model_namespace = ""
         self.engine: LLMEngine | None = None
         self._metadata_client = PeerMetadataClient(config.kv_transfer.timeout_s, auth=auth)
@@ -206,7 +208,7 @@ class WorkerRuntime:
         transfer = self.config.kv_transfer
         engine_config = self.config.engine_for(self.role)
         tp_size = engine_config.tensor_parallel_size
-        self.model_namespace = model_namespace(model_dir, engine_config.linear_state_dtype)
+        self.model_namespace = kv_namespace(engine_config, model_dir)
         connector_config = rank_config(
             KVTransferConfig(
                 connector=transfer.connector,
@@ -215,7 +217,7 @@ class WorkerRuntime:
                 store_port=self.ports.kv_store,
                 timeout_s=transfer.timeout_s,
                 shared_dir=transfer.shared_dir,
-                shared_namespace=storage_namespace(self.model_namespace, engine_config, model_dir),
+                shared_namespace=self.model_namespace,
                 shared_max_bytes=transfer.shared_max_bytes,
                 nixl_read_lanes=transfer.nixl_read_lanes,
                 nixl_pin_lanes=transfer.nixl_pin_lanes,

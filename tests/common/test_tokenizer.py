@@ -593,32 +593,3 @@ def test_escaped_text_on_a_sentencepiece_style_tokenizer_gets_no_extra_spaces(tm
         assert ours.apply_chat_template(messages, True, escape_special=True) == expected
         rendered = ours.decode(expected, skip_special_tokens=False)
         assert f"[INST] {content} [/INST]" in rendered
-
-
-def test_the_eos_id_is_read_from_the_added_tokens_without_loading_the_vocabulary(
-    tiny_llama, tmp_path, monkeypatch
-):
-    """The EOS is an added token, listed with its id in tokenizer_config.json by every
-    transformers since 4.34: found there, no worker or router start loads a 150k-entry
-    tokenizer.json (~0.3 s) a second time for it."""
-    import shutil
-
-    import tokenizers
-
-    from common.tokenizer import tokenizer_eos_token_id
-
-    shutil.copytree(tiny_llama, tmp_path, dirs_exist_ok=True)
-    loaded = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
-    eos_id = tokenizer_eos_token_id(tmp_path)  # (no added_tokens_decoder: the vocabulary's)
-    assert eos_id == loaded.token_to_id(Tokenizer(tmp_path).eos_token) is not None
-    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    listed = {"content": config["eos_token"] if isinstance(config["eos_token"], str)
-              else config["eos_token"]["content"], "special": True}  # fmt: skip
-    config["added_tokens_decoder"] = {str(eos_id): listed}
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
-
-    def not_loaded(*args, **kwargs):
-        raise AssertionError("tokenizer.json was loaded")
-
-    monkeypatch.setattr(tokenizers.Tokenizer, "from_file", not_loaded)
-    assert tokenizer_eos_token_id(tmp_path) == eos_id

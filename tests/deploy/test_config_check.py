@@ -105,12 +105,13 @@ BROKEN = [
         "both roles need the same kv_cache_dtype",
     ),
     ("engine: {kv_cache_dtype: int8}", "engine.kv_cache_dtype", "not one of: auto, fp8"),
-    # Shared storage keeps fp8 blocks apart by the dtype that computed them.
+    # An fp8 cache: blocks rounded from float32 continued in bfloat16 (and, on shared
+    # storage, kept apart by the dtype that computed them: never found).
     (
         "kv_transfer: {connector: shared_storage, shared_dir: /tmp/kv}\n"
-        "engine: {kv_cache_dtype: fp8}\ndecode: {engine: {dtype: bfloat16}}",
+        "engine: {kv_cache_dtype: fp8, device: cpu}\ndecode: {engine: {dtype: bfloat16}}",
         "decode.engine.dtype",
-        "kept apart by the dtype that computed them",
+        "rounded to the fp8 cache from prefill's dtype",
     ),
     (
         "decode: {engine: {scheduling_policy: priority}}",
@@ -214,9 +215,9 @@ KV_BROKEN = [
     (["engine.max_num_seqs=100000000"], "engine.max_num_seqs", "block table"),
     # KV elements the roles' dtype or device make differ: every pull failed at handshake.
     (["prefill.engine.device=cpu", "decode.engine.device=cuda"], "decode.engine.device",
-     "prefill's KV cache holds float32 and decode's a 16-bit dtype"),
+     "prefill computes in float32 and decode in a 16-bit dtype"),
     (["engine.device=cpu", "prefill.engine.dtype=bfloat16"], "prefill.engine.dtype",
-     "holds bfloat16 and decode's float32"),
+     "prefill computes in bfloat16 and decode in float32"),
     # One role's dtype on an auto device: float32 on a CPU, 16-bit on a GPU, never both.
     (["decode.engine.dtype=bfloat16"], "decode.engine.dtype",
      "prefill's dtype is auto on an auto device"),

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from common.config import ConfigError, PdserveConfig, Role
+from common.config import ConfigError, DType, PdserveConfig, Role
 from common.config_loader import build, load_config
 from common.redis_password import url_password, without_password
 from deploy import containers
@@ -453,8 +453,7 @@ def test_worker_memory_requests_count_the_weights_as_held_on_cpu(tiny_llama, tmp
     config_path = tmp_path / "local.yaml"
     config_path.write_text(yaml.safe_dump({
         "model": str(tiny_llama),
-        "engine": {"kv_cache_bytes": 256 << 20, "kv_cache_dtype": "fp8"},  # (one KV element)
-        "decode": {"engine": {"dtype": "bfloat16"}},
+        "engine": {"kv_cache_bytes": 256 << 20, "kv_cache_dtype": "fp8"},
     }))  # fmt: skip
     config = load_config(str(config_path))
     num_weights = sum(t.numel() for t in load_file(tiny_llama / "model.safetensors").values())
@@ -466,6 +465,8 @@ def test_worker_memory_requests_count_the_weights_as_held_on_cpu(tiny_llama, tmp
 
     base_mib = 256 + 1024
     assert requested_mib("pdserve-prefill") == base_mib + (num_weights * 4) // 2**20
+    half = dataclasses.replace(config, engine=config.engine.replace(dtype=DType.BFLOAT16))
+    docs = {d["metadata"]["name"]: d for d in k8s_docs(render_files(half, "local.yaml"))}
     assert requested_mib("pdserve-decode") == base_mib + (num_weights * 2) // 2**20
     fp8 = quantize_checkpoint(tiny_llama, tmp_path / "fp8", "fp8-block")
     assert sum(p.stat().st_size for p in fp8.glob("*.safetensors")) < 0.6 * sum(

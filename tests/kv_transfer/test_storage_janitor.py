@@ -55,9 +55,14 @@ def test_a_sweep_after_a_space_error_frees_a_tenth_without_a_cap(tmp_path):
 
 def test_a_space_error_sweep_keeps_the_blocks_just_written(tmp_path):
     """A disk full of other data: the oldest tenth of the few blocks stored was the
-    hand-off an export had just written, and its reader waited out its deadline."""
-    paths = _files(tmp_path, 5, 500)
-    assert sweep(tmp_path, None).removed_files == 0 and all(p.exists() for p in paths)
+    hand-off an export had just written, and its reader waited out its deadline. Only
+    where every block is young (a disk that fills within FRESH_S) do young ones go."""
+    old = _files(tmp_path / "old", 2, 500, age_s=FRESH_S)
+    young = _files(tmp_path / "young", 18, 500)
+    result = sweep(tmp_path, None)
+    assert result.removed_files == 2 and not any(p.exists() for p in old)
+    assert all(p.exists() for p in young)
+    assert sweep(tmp_path, None).removed_files == 2  # all young now: the oldest go
 
 
 def test_the_filesystems_clock_says_what_is_stale(tmp_path, monkeypatch):

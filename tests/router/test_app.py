@@ -467,7 +467,11 @@ def test_a_body_that_does_not_parse_is_a_400_saying_why(state):
 def test_bodies_are_validated_off_the_event_loop(state, monkeypatch):
     """A 7 MB chat of 100k short messages took 2.6 s of pydantic's validation, which
     FastAPI runs on the event loop: every stream and health answer of the router waited.
-    Each route's body model is validated on a thread (``router/json_body.py``)."""
+    Each route's body model is validated on a thread (``router/json_body.py``), but for
+    bodies of at most ``INLINE_BYTES`` (queued behind big ones in the shared pool, a tiny
+    request waited seconds)."""
+    from router.json_body import INLINE_BYTES
+
     loop_thread, seen = threading.get_ident(), []
     models = (CompletionRequest, ChatCompletionRequest, ResponsesRequest, EmbeddingRequest,
               TokenizeRequest)  # fmt: skip
@@ -485,32 +489,60 @@ def test_bodies_are_validated_off_the_event_loop(state, monkeypatch):
                        ("/v1/responses", {"input": "x"}),
                        ("/v1/embeddings", {"input": "x"}),
                        ("/tokenize", {"prompt": "x"})]:  # fmt: skip
-        assert post(state, path, json=body).status_code in (200, 503), path
+        big = jsonlib.dumps(body) + " " * INLINE_BYTES  # (JSON's whitespace: as large)
+        reply = post(state, path, content=big, headers={"content-type": "application/json"})
+        assert reply.status_code in (200, 503), path
     names = [name for name, _ in seen]
     assert names == ["CompletionRequest", "ChatCompletionRequest", "ResponsesRequest",
                      "ChatCompletionRequest", "EmbeddingRequest", "TokenizeRequest"]  # fmt: skip
     assert loop_thread not in {thread for _, thread in seen}
+    seen.clear()
+    assert post(state, "/tokenize", json={"prompt": "x"}).status_code == 200
+    assert seen == [("TokenizeRequest", loop_thread)]
 
 
-def test_long_prompts_choices_are_built_off_the_event_loop(state, monkeypatch):
-    """Building the choices hashes every prompt block (0.24 s for 2M ids) before the
-    request is admitted: past ``THREADED_PROMPT_TOKENS`` on a thread, short ones inline."""
+def test_openapi_documents_every_request_body(state):
+    """Bodies read by ``Body[Model]`` (a dependency) were missing from /openapi.json."""
+    document = post(state, "/openapi.json", method="GET").json()
+    schemas = document["components"]["schemas"]
+    for path, model in [("/v1/completions", "CompletionRequest"),
+                        ("/v1/chat/completions", "ChatCompletionRequest"),
+                        ("/v1/responses", "ResponsesRequest"), ("/v1/score", "ScoreRequest"),
+                        ("/detokenize", "DetokenizeRequest")]:  # fmt: skip
+        body = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]
+        assert body["schema"] == {"$ref": f"#/components/schemas/{model}"}
+    text = jsonlib.dumps(document)
+    refs = {ref.split('"', 1)[0] for ref in text.split('"$ref": "#/components/schemas/')[1:]}
+    assert refs and refs <= set(schemas)  # none dangling
+
+
+def test_long_prompts_blocks_are_hashed_off_the_event_loop(state, monkeypatch):
+    """Building the choices (or an embedding's sequences) hashes every prompt block (0.24 s
+    for 2M ids): past ``THREADED_PROMPT_TOKENS`` on a thread, short ones inline."""
+    import router.embeddings as embeddings
     import router.generation_routes as routes
+    from router.choices import THREADED_PROMPT_TOKENS
 
     loop_thread, seen = threading.get_ident(), []
-    build = routes.build_choices
+    for module, name in ((routes, "build_choices"), (embeddings, "hash_blocks")):
+        call = getattr(module, name)
 
-    def recording(*args, **kwargs):
-        seen.append(threading.get_ident())
-        return build(*args, **kwargs)
+        def recording(*args, _call=call, **kwargs):
+            seen.append(threading.get_ident())
+            return _call(*args, **kwargs)
 
-    monkeypatch.setattr(routes, "build_choices", recording)
+        monkeypatch.setattr(module, name, recording)
     length = state.model.max_model_len // 2
-    num_prompts = routes.THREADED_PROMPT_TOKENS // length + 1
-    long = {"prompt": [[5] * length] * num_prompts, "max_tokens": 1}
-    for body in (long, {"prompt": [5, 6], "max_tokens": 1}):
-        assert error_of(post(state, "/v1/completions", json=body), 503)  # no worker
-    assert len(seen) == 2 and seen[0] != loop_thread and seen[1] == loop_thread
+    many = [[5] * length] * (THREADED_PROMPT_TOKENS // length + 1)
+    for path, field, prompts, inline in [("/v1/completions", "prompt", many, False),
+                                         ("/v1/completions", "prompt", [5, 6], True),
+                                         ("/v1/embeddings", "input", many, False),
+                                         ("/v1/embeddings", "input", [5, 6], True)]:  # fmt: skip
+        before = len(seen)
+        body = {field: prompts, **({"max_tokens": 1} if field == "prompt" else {})}
+        assert error_of(post(state, path, json=body), 503)  # no worker
+        threads = set(seen[before:])
+        assert threads and (loop_thread in threads) == inline, (path, inline)
 
 
 def test_a_tools_format_is_built_off_the_event_loop(state, monkeypatch):

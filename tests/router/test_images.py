@@ -78,6 +78,12 @@ def test_images_are_read_in_order_and_refused_by_name(image_text):
         with pytest.raises(APIError) as raised:
             call()
         assert raised.value.param == param and words in raised.value.message
+    # Of two bad parts, the first is named (the data: URLs are decoded on a thread).
+    two = chat({"type": "image_url", "image_url": "data:;base64,"}, image(b"x"),
+               {"type": "image_url", "image_url": "ftp://x/y.png"})  # fmt: skip
+    with pytest.raises(APIError) as raised:
+        read(two, vision, max_images=3)
+    assert raised.value.param == part and "empty" in raised.value.message
 
 
 def test_data_urls_are_decoded_off_the_event_loop(image_text, monkeypatch):

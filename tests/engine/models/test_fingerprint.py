@@ -101,14 +101,12 @@ def test_fp8_blocks_in_shared_storage_are_kept_apart_by_the_dtype_that_computed_
     other's blocks (a quarter of the second's replies changed, no error): where the KV
     cache rounds what the model computes, the directory names the dtype that computed it."""
     from common.config import DType, EngineConfig, KVCacheDType
-    from worker.runtime import storage_namespace
+    from worker.runtime import kv_namespace
 
     base = model_namespace(tiny_llama)
-    assert storage_namespace(base, EngineConfig(), tiny_llama) == base  # (the KV dtype says it)
+    assert kv_namespace(EngineConfig(), tiny_llama) == base  # (the KV dtype says it)
     named = {
-        storage_namespace(
-            base, EngineConfig(dtype=dtype, kv_cache_dtype=KVCacheDType.FP8), tiny_llama
-        )
+        kv_namespace(EngineConfig(dtype=dtype, kv_cache_dtype=KVCacheDType.FP8), tiny_llama)
         for dtype in (DType.FLOAT32, DType.BFLOAT16, DType.AUTO)  # (auto: float32 on a CPU)
     }
     assert named == {f"{base}-computed-float32", f"{base}-computed-bfloat16"}
