@@ -74,14 +74,7 @@ _SNAPSHOT_REUSE_S = 1.0  # one encoded snapshot serves the requests of a second
 _SNAPSHOT_PEERS = 4096  # connections remembered as answered (one snapshot each)
 
 
-def _decode_or_none(payload: bytes) -> KVEventBatch | None:
-    """A batch, or None if this process cannot read it (a newer worker's event type
-    during a rolling upgrade, a damaged message)."""
-    try:
-        return decode_batch(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        logger.warning("dropping an unreadable KV event batch", exc_info=True)
-        return None
+_UNREADABLE_LOG_S = 60.0  # how often one subscriber says it drops unreadable batches
 
 
 class KVEventPublisher:
@@ -237,9 +230,29 @@ class KVEventSubscriber:
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
         self._sub.connect(pub_endpoint)
+        self._pub_endpoint = pub_endpoint
         self._replay_endpoint = replay_endpoint
         self._replay_timeout_ms = int(replay_timeout_s * 1000)
         self.state = SubscriberState()
+        self._num_unreadable = 0
+        self._unreadable_logged_at = -_UNREADABLE_LOG_S
+
+    def _decode_or_none(self, payload: bytes) -> KVEventBatch | None:
+        """A batch, or None if this process cannot read it (a newer worker's event type
+        during a rolling upgrade, a damaged message). Said once a minute per worker, with
+        a count: a traceback per batch filled the router's log as the worker's cache
+        changed (200 batches: 1800 lines)."""
+        try:
+            return decode_batch(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self._num_unreadable += 1
+            now = time.monotonic()
+            if now - self._unreadable_logged_at >= _UNREADABLE_LOG_S:
+                self._unreadable_logged_at = now
+                logger.warning("dropping KV event batches from %s that this process cannot "
+                               "read (%d so far; a newer worker's events?): %s",
+                               self._pub_endpoint, self._num_unreadable, exc)  # fmt: skip
+            return None
 
     @property
     def socket(self) -> zmq.Socket:
@@ -281,7 +294,7 @@ class KVEventSubscriber:
                 batches, resync = self._catch_up(batches, resync, expected, seq)
                 if seq < state.next_seq:
                     continue  # (the snapshot it resynchronised from holds this batch)
-            batch = _decode_or_none(payload)
+            batch = self._decode_or_none(payload)
             if batch is None:  # what it changed is unknown: resynchronise
                 state.resyncs += 1
                 snapshot = self._snapshot()
@@ -339,7 +352,7 @@ class KVEventSubscriber:
             while dealer.poll(self._replay_timeout_ms):
                 seq_bytes, payload = dealer.recv_multipart()
                 if seq_bytes == _SNAPSHOT:
-                    snapshot = _decode_or_none(payload)
+                    snapshot = self._decode_or_none(payload)
                     self.state.snapshots += snapshot is not None
                     return snapshot
                 if seq_bytes == _END:
@@ -364,7 +377,7 @@ class KVEventSubscriber:
                 if seq_bytes == _END:
                     break
                 (seq,) = struct.unpack(">q", seq_bytes)
-                batch = _decode_or_none(payload) if start <= seq < stop else None
+                batch = self._decode_or_none(payload) if start <= seq < stop else None
                 if batch is not None:  # an unreadable one counts as a hole
                     got.append(batch)
         finally:

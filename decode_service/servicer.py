@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 
 from common.config import CLOCK_SKEW_S
@@ -77,13 +78,19 @@ class DecodeServicer(WorkerRPCs, pb_grpc.DecodeServiceServicer):
                 f"the KV handle has block_size {kv.block_size}; this worker uses {block_size}",
                 "kv",
             )
-        # The pull must start early enough to end before the lease does, even if this
-        # host's clock is behind the prefill worker's by up to CLOCK_SKEW_S (NTP keeps
-        # them within milliseconds; the margin covers a host that lost sync for a while).
+        # The pull must start early enough to end before the lease does. The router says
+        # how long is left of it on monotonic clocks (``lease_left_s``): wall clocks of
+        # two hosts 25 s apart let a decode worker pull blocks freed and reused (wrong
+        # tokens, no error), or refuse every pull when ahead. CLOCK_SKEW_S covers the
+        # call's transit. Without it (a router or prefill worker from before), the
+        # prefill worker's wall clock.
         timeout_s = self.runtime.config.kv_transfer.timeout_s
         start_by = None
-        if kv.lease_expires_at:
-            start_by = kv.lease_expires_at - timeout_s - CLOCK_SKEW_S
+        now = time.monotonic()
+        if kv.HasField("lease_left_s"):
+            start_by = now + kv.lease_left_s - timeout_s - CLOCK_SKEW_S
+        elif kv.lease_expires_at:
+            start_by = now + (kv.lease_expires_at - time.time()) - timeout_s - CLOCK_SKEW_S
         return RemoteKV(
             transfer_id=kv.lease_id,
             num_tokens=kv.num_tokens,

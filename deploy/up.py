@@ -245,6 +245,15 @@ class Stack:
     def _log(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
 
+    def _note(self, name: str, line: str) -> None:
+        """``line`` in ``name``'s own log too, timestamped as its lines are: the log of a
+        killed worker just began again ("listening on ..."), saying nothing of why."""
+        try:
+            with open(self._log(name), "a") as log:
+                log.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} ERROR launcher: {line}\n")
+        except OSError:  # (its log directory gone: the line is on stderr anyway)
+            pass
+
     def _exit_line(self, name: str, returncode: int) -> str:
         return f"{name} exited ({returncode}){self._cause(name, returncode)}; see {self._log(name)}"
 
@@ -286,7 +295,9 @@ class Stack:
                     return 0 if proc.returncode == 0 else 1
                 # The router routes around a dead worker; the stack keeps serving (and
                 # workers keep theirs while a failed router comes back).
-                print(self._exit_line(name, proc.returncode), file=sys.stderr)
+                line = self._exit_line(name, proc.returncode)
+                print(line, file=sys.stderr)
+                self._note(name, line)
                 reported.add(name)
                 if self.restart and proc.returncode != 0 and name not in self._drained_by_plan:
                     self._schedule_restart(name)
@@ -347,6 +358,7 @@ class Stack:
             restarts.backoff_s = _FIRST_BACKOFF_S
         restarts.due_at = now + restarts.backoff_s
         print(f"  restarting {name} in {restarts.backoff_s:.0f} s", file=sys.stderr, flush=True)
+        self._note(name, f"restarting {name} in {restarts.backoff_s:.0f} s")
         restarts.backoff_s = min(restarts.backoff_s * 2, _MAX_BACKOFF_S)
 
     def _restart_due(self, reported: set[str]) -> None:

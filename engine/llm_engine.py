@@ -703,7 +703,7 @@ class LLMEngine:
 
     def _start_fetches(self, scheduler_output: SchedulerOutput) -> list[RequestOutput]:
         outputs = []
-        now = time.time()
+        now = time.monotonic()
         for order in scheduler_output.fetches:
             request = order.request
             # Everything was in the local prefix cache (a hybrid model's states are not:

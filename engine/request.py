@@ -81,7 +81,7 @@ class RemoteKV:
     num_tokens: int
     block_ids: tuple[int, ...]
     source: object = None
-    # Wall clock (time.time()) after which the pull may not start: the peer's lease would
+    # time.monotonic() after which the pull may not start: the peer's lease would
     # run out before the pull could finish, and a pull from released blocks reads whatever
     # the peer put there since. The request then recomputes its prompt instead (or fails,
     # without recompute). None: no limit.

@@ -91,7 +91,7 @@ def fetch_peer_metadata(
         data = fetcher(peer.endpoint)
     except Exception as exc:
         raise MetadataUnavailableError(
-            f"fetching metadata from {peer.endpoint!r} failed: {exc}"
+            f"fetching metadata from {peer.endpoint!r} failed: {_one_line(exc)}"
         ) from exc
     return decode_peer_metadata(
         data, connector=connector, local_layout=local_layout, engine_id=peer.engine_id
@@ -104,3 +104,12 @@ def decode_transport(data: bytes, kind: type[T]) -> T:
         return msgspec.msgpack.decode(data, type=kind)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise HandshakeError(f"undecodable {kind.__name__}: {exc}") from exc
+
+
+def _one_line(exc: Exception) -> str:
+    """A gRPC error as its code and details (its repr spans lines, and broke the
+    line-per-record logs that quote it)."""
+    code, details = getattr(exc, "code", None), getattr(exc, "details", None)
+    if callable(code) and callable(details):
+        return f"{code().name}: {details()}"
+    return str(exc)

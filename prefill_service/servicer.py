@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 import grpc
 
@@ -62,6 +63,7 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServiceServicer):
     @grpc_errors
     async def Prefill(self, request: pb.PrefillRequest, context) -> pb.PrefillResponse:
         with call_span(self.runtime.tracer, "prefill", context, request.request_id) as span:
+            arrived = time.monotonic()  # (the lease's time is said from here: lease_ttl_s)
             async_engine = self.runtime.check_accepting()
             params = sampling_from_proto(request.sampling)
             salt = optional(request, "cache_salt")
@@ -97,7 +99,7 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServiceServicer):
                 if completion.logprobs:
                     reply.first_logprobs.CopyFrom(logprobs_to_proto(completion.logprobs[0]))
                 if final.kv_block_ids is not None:
-                    handle = await async_engine.call(lambda e: self._export(e, final))
+                    handle = await async_engine.call(lambda e: self._export(e, final, arrived))
                     reply.kv.CopyFrom(handle)
                 self.runtime.timer.add(reply.timings)
                 if span.recording:
@@ -116,8 +118,9 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServiceServicer):
             finally:
                 self.num_active -= 1
 
-    def _export(self, engine: LLMEngine, output: RequestOutput) -> pb.KVHandle:
-        """Engine thread: put the prompt's blocks under a lease and offer them to peers."""
+    def _export(self, engine: LLMEngine, output: RequestOutput, arrived: float) -> pb.KVHandle:
+        """Engine thread: put the prompt's blocks under a lease and offer them to peers.
+        ``arrived``: when the Prefill call came (``time.monotonic``)."""
         if not engine.holds_kv(output.request_id):  # released meanwhile (ReleaseKV by id)
             raise RequestFailedError("the prompt's blocks were released before the export")
         runtime = self.runtime
@@ -140,6 +143,7 @@ class PrefillServicer(WorkerRPCs, pb_grpc.PrefillServiceServicer):
             block_size=engine.config.block_size,
             block_hashes=names,
             lease_expires_at=lease.expires_at_unix,
+            lease_ttl_s=lease.expires_at - arrived,
             state_block_ids=state_ids,
             tp_size=engine.config.tensor_parallel_size,
             model_namespace=runtime.model_namespace,

@@ -90,7 +90,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., rank: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class KVHandle(_message.Message):
-    __slots__ = ("engine_id", "endpoint", "connector", "block_ids", "num_tokens", "lease_id", "block_size", "block_hashes", "lease_expires_at", "state_block_ids", "tp_size", "model_namespace")
+    __slots__ = ("engine_id", "endpoint", "connector", "block_ids", "num_tokens", "lease_id", "block_size", "block_hashes", "lease_expires_at", "state_block_ids", "tp_size", "model_namespace", "lease_ttl_s", "lease_left_s")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     CONNECTOR_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,8 @@ class KVHandle(_message.Message):
     STATE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    LEASE_LEFT_S_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     endpoint: str
     connector: str
@@ -115,7 +117,9 @@ class KVHandle(_message.Message):
     state_block_ids: _containers.RepeatedScalarFieldContainer[int]
     tp_size: int
     model_namespace: str
-    def __init__(self, engine_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., connector: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., lease_expires_at: _Optional[float] = ..., state_block_ids: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ..., model_namespace: _Optional[str] = ...) -> None: ...
+    lease_ttl_s: float
+    lease_left_s: float
+    def __init__(self, engine_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., connector: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_id: _Optional[str] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., lease_expires_at: _Optional[float] = ..., state_block_ids: _Optional[_Iterable[int]] = ..., tp_size: _Optional[int] = ..., model_namespace: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., lease_left_s: _Optional[float] = ...) -> None: ...
 
 class StageTimings(_message.Message):
     __slots__ = ("queue_ms", "prefill_ms", "transfer_ms", "decode_ms")

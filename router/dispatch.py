@@ -40,7 +40,7 @@ from router.workers import LoraRef, WorkerPool, WorkerStalled, WorkerState
 
 logger = logging.getLogger(__name__)
 
-_PAST_DEADLINE = "the request ran past router.request_timeout_s; retry shortly"
+PAST_DEADLINE = "the request ran past router.request_timeout_s; retry shortly"
 # A call the router's own deadline ended may say so a little before its clock does.
 _DEADLINE_SLACK_S = 0.1
 _END_S = 2.0  # how long a finished decode call may take to end by itself
@@ -134,8 +134,11 @@ class RemoteLease:
     early (``ReleaseKV``, fire and forget, once) when no decode worker can be reading
     them, or left to expire on the prefill worker where one may still be."""
 
-    def __init__(self, release: Callable[[], None]) -> None:
+    def __init__(self, release: Callable[[], None], ends_by: float | None = None) -> None:
         self._release: Callable[[], None] | None = release
+        # The earliest the prefill worker's lease may end (``time.monotonic`` here: when
+        # the Prefill call left, plus the worker's ``lease_ttl_s``); None: not said.
+        self.ends_by = ends_by
 
     def release(self) -> None:
         if self._release is not None:
@@ -148,7 +151,7 @@ class RemoteLease:
     def hand_over(self) -> RemoteLease:
         """A lease that now holds this one's release (``_settle_pull``'s): this one's
         ``release`` does nothing any more, whoever calls it."""
-        taken = RemoteLease(self._release or _nothing)
+        taken = RemoteLease(self._release or _nothing, self.ends_by)
         self._release = None
         return taken
 
@@ -358,13 +361,15 @@ class Dispatcher:
         first: pb.PrefillResponse | None = None
         lease = RemoteLease(_nothing)
         if placement.disaggregated:
-            first, prefill_worker = await self._prefill(request, placement, deadline)
+            first, prefill_worker, sent_at = await self._prefill(request, placement, deadline)
             actual = prefill_worker.worker_id if prefill_worker is not None else None
             self._moved(request.block_hashes, placement.prefill_worker, actual)
             if actual is not None:
                 touched.add(actual)
             if first is not None and prefill_worker is not None and first.kv.lease_id:
-                lease = self._lease(prefill_worker, first.kv.lease_id)
+                ttl_s = first.kv.lease_ttl_s  # (0: a prefill worker from before)
+                lease = self._lease(prefill_worker, first.kv.lease_id,
+                                    sent_at + ttl_s if ttl_s else None)  # fmt: skip
         # However the choice ends (a client gone, a stop string on the first token, a decode
         # worker refusing it), the prefill worker's blocks are freed now, not at expiry,
         # unless a decode worker may still be reading them (``_decode``).
@@ -445,10 +450,11 @@ class Dispatcher:
 
     async def _prefill(
         self, request: SequenceRequest, placement: Placement, deadline: float | None = None
-    ) -> tuple[pb.PrefillResponse | None, WorkerState | None]:
+    ) -> tuple[pb.PrefillResponse | None, WorkerState | None, float]:
         """First token and KV handle from a prefill worker, or (None, None) to prefill
-        locally on the decode worker. Each try takes at most ``prefill_timeout_s`` and
-        ends by the sequence's ``deadline`` (``time.monotonic``)."""
+        locally on the decode worker, and when the answered call left (``time.monotonic``:
+        the handle's lease is timed from then). Each try takes at most
+        ``prefill_timeout_s`` and ends by the sequence's ``deadline``."""
         chosen = self.pool.get(placement.prefill_worker or "")
         others = [w for w in self.pool.candidates(Role.PREFILL, request.lora) if w is not chosen]
         others.sort(key=lambda w: w.queued_prefill_tokens)
@@ -479,6 +485,7 @@ class Dispatcher:
                 if timeout <= 0:
                     break  # (the decode try then finds the deadline passed too)
             worker.queued_prefill_tokens += uncached  # taken back in the finally below
+            sent_at = time.monotonic()
             call = worker.prefill.Prefill(message, timeout=timeout,
                                           metadata=request.trace_headers or None)  # fmt: skip
             try:
@@ -498,8 +505,8 @@ class Dispatcher:
             except grpc.aio.AioRpcError as exc:
                 if _cut_by_deadline(exc, deadline):  # the router's own: not the worker's fault
                     self._release_kv(worker, pb.ReleaseKVRequest(request_id=request.request_id))
-                    return None, None  # (the decode hop then finds the deadline passed)
-                self.failed_call(worker, exc, "prefill")
+                    return None, None, 0.0  # (the decode hop then finds the deadline passed)
+                self.failed_call(worker, exc, f"prefill of {request.request_id}")
                 # Past its deadline or cut off, it may have exported: free that now.
                 self._release_kv(worker, pb.ReleaseKVRequest(request_id=request.request_id))
                 if not _refused(exc):  # (a draining worker's refusal ran nothing)
@@ -510,9 +517,9 @@ class Dispatcher:
                 if not call.done():
                     call.cancel()
             self.metrics.observe_prefill(reply.timings)
-            return reply, worker
+            return reply, worker, sent_at
         self.metrics.prefill_fallbacks.inc()
-        return None, None
+        return None, None, 0.0
 
     def failed_call(self, worker: WorkerState, exc: grpc.aio.AioRpcError, what: str) -> None:
         """A unary call (a prefill; an embedding, ``router/embeddings.py``) to ``worker``
@@ -617,6 +624,8 @@ class Dispatcher:
                 message.lora_fingerprint = request.lora.fingerprint
             if kv is not None:
                 message.kv.CopyFrom(kv)
+                if lease.ends_by is not None:  # (monotonic clocks: hosts' wall clocks differ)
+                    message.kv.lease_left_s = lease.ends_by - time.monotonic()
             if first is not None and len(generated) == 1:  # the prefill worker's MTP drafts
                 message.draft_token_ids.extend(first.draft_token_ids)  # continue just that
             started = timed = False
@@ -689,7 +698,7 @@ class Dispatcher:
                 if client_error is not None:
                     raise client_error from None
                 if _cut_by_deadline(exc, deadline):  # not the worker's failure: no retry
-                    raise unavailable(_PAST_DEADLINE) from None
+                    raise unavailable(PAST_DEADLINE) from None
                 logger.warning("decode of %s on %s failed: %s %s", request.request_id,
                                worker.worker_id, exc.code().name, exc.details())  # fmt: skip
                 # Details stay in the log: they name hosts and internals.
@@ -736,12 +745,13 @@ class Dispatcher:
         if streamed and failure is not None:
             raise failure
         if time.monotonic() >= deadline:
-            raise unavailable(_PAST_DEADLINE)
+            raise unavailable(PAST_DEADLINE)
         raise unavailable("no decode worker could serve the request; retry shortly")
 
-    def _lease(self, worker: WorkerState, lease_id: str) -> RemoteLease:
+    def _lease(self, worker: WorkerState, lease_id: str, ends_by: float | None) -> RemoteLease:
         """``lease_id`` on the prefill ``worker``, released by ``ReleaseKV``."""
-        return RemoteLease(lambda: self._release_kv(worker, pb.ReleaseKVRequest(lease_id=lease_id)))
+        message = pb.ReleaseKVRequest(lease_id=lease_id)
+        return RemoteLease(lambda: self._release_kv(worker, message), ends_by)
 
     def _release_kv(self, worker: WorkerState, message: pb.ReleaseKVRequest) -> None:
         """Fire and forget ``ReleaseKV``: if it fails, the lease just expires."""

@@ -35,7 +35,7 @@ from common.config import Role
 from common.hashing import hash_blocks, prefix_salt
 from proto import pdserve_pb2 as pb
 from router.choices import THREADED_PROMPT_TOKENS
-from router.dispatch import Dispatcher, SequenceRequest
+from router.dispatch import PAST_DEADLINE, Dispatcher, SequenceRequest
 from router.errors import APIError, unavailable
 from router.workers import LoraRef, WorkerStalled, WorkerState
 
@@ -84,12 +84,18 @@ async def embed(
     touched: set[str] = set()
     ran_on: str | None = None
     ended = "abort"
+    # Every try ends by the sequence's deadline, as a generation's: with a full
+    # prefill_timeout_s each, 4 frozen workers took 20 s past a request_timeout_s of 2.
+    deadline = time.monotonic() + dispatcher.config.request_timeout_s
     try:
         placement = dispatcher.place(request)
         touched = {w for w in (placement.decode_worker, placement.prefill_worker) if w}
         planned = placement.prefill_worker or placement.decode_worker
         for worker in _workers_to_try(dispatcher, planned, request.lora):
-            reply = await _embed_on(dispatcher, worker, message, request.trace_headers)
+            timeout_s = min(dispatcher.config.prefill_timeout_s, deadline - time.monotonic())
+            if timeout_s <= 0:
+                raise unavailable(PAST_DEADLINE)
+            reply = await _embed_on(dispatcher, worker, message, timeout_s, request.trace_headers)
             if reply is not None:
                 ran_on, ended = worker.worker_id, "stop"
                 num_tokens = len(request.prompt_token_ids)
@@ -128,6 +134,7 @@ async def _embed_on(
     dispatcher: Dispatcher,
     worker: WorkerState,
     message: pb.EmbedRequest,
+    timeout_s: float,
     trace_headers: tuple[tuple[str, str], ...] = (),
 ) -> pb.EmbedResponse | None:
     """The reply, or None when ``worker`` failed in a way another may not (marked down
@@ -146,7 +153,7 @@ async def _embed_on(
         def done() -> None:
             worker.queued_prefill_tokens -= num_tokens
 
-    call = worker.stub.Embed(message, timeout=dispatcher.config.prefill_timeout_s,
+    call = worker.stub.Embed(message, timeout=timeout_s,
                              metadata=trace_headers or None)  # fmt: skip
     try:
         with worker.tracking(call):
@@ -157,7 +164,7 @@ async def _embed_on(
         if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # a worker older than Embed (an
             logger.warning("%s has no Embed; trying another", worker.worker_id)  # upgrade)
             return None
-        dispatcher.failed_call(worker, exc, "embedding")
+        dispatcher.failed_call(worker, exc, f"embedding of {message.request_id}")
         return None
     finally:
         done()

@@ -66,8 +66,12 @@ class LoraAdapters:
         self.retiring: set[str] = set()
         self._inflight: Counter[str] = Counter()  # sequences of each adapter, admitted here
         # (engine id, name) of workers found to read other files at a loaded adapter's
-        # path (changed on disk since): not retried until it is loaded again.
+        # path (changed on disk since), or that refused its files (gone, unreadable): not
+        # retried until it is loaded again.
         self._changed: set[tuple[str, str]] = set()
+        # (engine id, name) whose catch-up failed for a passing cause (the worker busy,
+        # unreachable): retried every refresh, said once until it succeeds.
+        self._failing: set[tuple[str, str]] = set()
         self._lock = asyncio.Lock()  # one load, unload or reconcile at a time
         self._task: asyncio.Task | None = None
 
@@ -319,9 +323,24 @@ class LoraAdapters:
         try:
             reply = await self._load_on(worker, name, want.path)
         except (grpc.aio.AioRpcError, WorkerStalled) as exc:
-            logger.warning("loading LoRA adapter %s on %s failed (retried next refresh): %s",
-                           name, worker.worker_id, _detail(exc))  # fmt: skip
+            # Said once, not at every refresh (a line a second, for ever, per adapter).
+            refused = (
+                isinstance(exc, grpc.aio.AioRpcError)
+                and exc.code() is grpc.StatusCode.INVALID_ARGUMENT
+            )
+            if refused:  # its files: no retry will do until they change
+                self._changed.add(changed)
+                logger.error("%s cannot load LoRA adapter %s: %s; not retried there until "
+                             "the adapter is loaded again (restore its files at %s and load "
+                             "it, or unload it)", worker.worker_id, name, _detail(exc),
+                             want.path)  # fmt: skip
+            elif changed not in self._failing:
+                self._failing.add(changed)
+                logger.warning("loading LoRA adapter %s on %s failed (retried at each "
+                               "refresh, said once): %s", name, worker.worker_id,
+                               _detail(exc))  # fmt: skip
             return
+        self._failing.discard(changed)
         if reply.adapter.fingerprint != want.fingerprint:  # the files changed on disk
             logger.error("LoRA adapter %s at %s is not the files loaded before (%s, now %s), "
                          "so %s does not serve it; to serve the new files everywhere, unload "

@@ -19,7 +19,7 @@ from common.gc_heap import freeze_startup_heap
 from common.internal_auth import InternalAuth
 from common.listen_sockets import bind_listeners
 from router.app import create_app
-from router.http_protocol import guarded_protocol
+from router.http_protocol import guarded_protocol, quiet_client_noise
 from router.state import RouterState
 
 logger = logging.getLogger(__name__)
@@ -63,6 +63,7 @@ def run(config: PdserveConfig) -> int:
 
 def _server(config: PdserveConfig, state: RouterState) -> DrainingServer:
     app = create_app(state)
+    quiet_client_noise()
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -88,6 +89,8 @@ def _server(config: PdserveConfig, state: RouterState) -> DrainingServer:
             host=config.router.host,
             port=config.router.port,
             log_level="warning",
+            # (uvicorn's own lines through the process's handler: timestamped, as ours)
+            log_config=None,
             # uvicorn's "auto" would fall back to asyncio + h11 when these are missing,
             # quietly spending more CPU per streamed token (``benchmarks/router_stream.py
             # --before-plain``; DESIGN_NOTES, Router). httptools' protocol, with bounds

@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from common.config import Role
 from common.hashing import lora_key
 from common.internal_auth import NO_AUTH, TOKEN_ENV, InternalAuth
+from common.outage_log import OutageLog
 from common.registry import Registry, WorkerInfo
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -235,6 +236,8 @@ class WorkerPool:
         self._departed: dict[str, WorkerState] = {}
         self._task: asyncio.Task | None = None
         self._retiring: set[asyncio.Task] = set()  # channels closing with a grace period
+        self._registry_outage = OutageLog(logger, "registry unreachable, keeping the last "
+                                          "worker list")  # fmt: skip
 
     async def start(self) -> None:
         await self.refresh()
@@ -290,8 +293,10 @@ class WorkerPool:
         try:
             listed = await asyncio.to_thread(self.registry.list_workers)
         except Exception as exc:
-            logger.warning("registry unreachable, keeping the last worker list: %s", exc)
+            self._registry_outage.failed(exc)
             listed = [w.info for w in self.workers.values()]
+        else:
+            self._registry_outage.succeeded()
         current = {info.worker_id: info for info in listed if self._fits(info)}
         misfits = {info.worker_id for info in listed} - current.keys()
         now = time.monotonic()
@@ -436,7 +441,8 @@ class WorkerPool:
             else:
                 self._give_up_if_stalled(state)
         if healthy != state.healthy:
-            logger.info("worker %s is %s", state.worker_id, "up" if healthy else "down")
+            log = logger.info if healthy else logger.warning
+            log("worker %s is %s", state.worker_id, "up" if healthy else "down")
         state.healthy = healthy
 
     def _give_up_if_stalled(self, state: WorkerState) -> None:
@@ -459,7 +465,9 @@ class WorkerPool:
             call.cancel()
 
     def mark_unhealthy(self, worker_id: str) -> None:
-        """A call to the worker failed as if it were down: skip it until the next probe."""
+        """A call to the worker failed as if it were down: skip it until the next probe.
+        Said here (the probe then finds it down already, and said nothing)."""
         state = self.workers.get(worker_id)
-        if state is not None:
+        if state is not None and state.healthy:
+            logger.warning("worker %s is down (a call to it failed)", worker_id)
             state.healthy = False

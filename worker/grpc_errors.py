@@ -70,7 +70,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, exc.message
     if isinstance(exc, DrainingError):
-        return grpc.StatusCode.UNAVAILABLE, f"worker is draining: {exc}"
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, DisabledError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, RequestFailedError):  # the request's failure, not the worker's:

@@ -39,6 +39,7 @@ from common.config import (
 from common.event_bus import KVEventPublisher
 from common.gc_heap import freeze_startup_heap
 from common.internal_auth import NO_AUTH, InternalAuth
+from common.outage_log import OutageLog
 from common.registry import Registry, WorkerInfo, create_registry, worker_id
 from common.tracing import Tracer
 from engine.async_engine import AsyncEngine
@@ -135,6 +136,7 @@ class WorkerRuntime:
         self.engine: LLMEngine | None = None
         self._metadata_client = PeerMetadataClient(config.kv_transfer.timeout_s, auth=auth)
         self._heartbeat_task: asyncio.Task | None = None
+        self._registry_outage = OutageLog(logger, "registry heartbeats failing")
         # Registry calls run in order on one thread: a heartbeat still running in its
         # thread when ``stop`` deregistered found the entry gone and registered it again.
         self._registry_thread = ThreadPoolExecutor(1, thread_name_prefix="registry")
@@ -316,7 +318,9 @@ class WorkerRuntime:
             try:
                 await self._in_registry(self.registry.heartbeat, self.info())
             except Exception as exc:  # a registry outage must not kill the worker
-                logger.warning("registry heartbeat failed: %s", exc)
+                self._registry_outage.failed(exc)
+            else:
+                self._registry_outage.succeeded()
 
     async def _in_registry(self, call: Callable[..., T], *args: object) -> T:
         """``call(*args)`` on the registry's thread, after the calls before it."""
@@ -365,7 +369,7 @@ class WorkerRuntime:
     def check_accepting(self) -> AsyncEngine:
         """The engine, if this worker takes new requests; raises ``DrainingError`` else."""
         if self.draining or self.engine_failed:
-            raise DrainingError(self.worker_id)
+            raise DrainingError(f"{self.worker_id} is draining")
         return self.check_ready()
 
     # ------------------------------------------------------------------ stop

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import socket
+import struct
 import threading
 import time
 
@@ -10,7 +12,7 @@ import msgspec
 import zmq
 
 from common import event_bus
-from common.event_bus import KVEventPublisher, KVEventSubscriber
+from common.event_bus import TOPIC, KVEventPublisher, KVEventSubscriber
 from common.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -419,3 +421,31 @@ def test_a_batch_from_the_builds_that_sent_state_events_among_the_blocks_is_read
         [stored, BlockRemoved([b"\2" * 32])],
         [state],
     )
+
+
+def test_unreadable_batches_are_said_once_a_minute_per_worker(caplog):
+    """A newer worker's event type (a rolling upgrade) is unreadable here: a traceback per
+    batch filled the router's log as the worker's cache changed (200 batches: 1800
+    lines). One line a minute per worker, naming it, with a count."""
+    context = zmq.Context.instance()
+    pub, replay = context.socket(zmq.PUB), context.socket(zmq.ROUTER)
+    pub.bind("tcp://127.0.0.1:0")
+    replay.bind("tcp://127.0.0.1:0")
+    endpoint = pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+    subscriber = KVEventSubscriber(endpoint, replay.getsockopt(zmq.LAST_ENDPOINT).decode(),
+                                   replay_timeout_s=0.05)  # fmt: skip
+    try:
+        time.sleep(0.3)  # (the subscription reaches the publisher)
+        with caplog.at_level(logging.WARNING, logger="common.event_bus"):
+            for seq in range(20):
+                pub.send_multipart([TOPIC, struct.pack(">q", seq), b"\x99not a batch"])
+                subscriber.poll(50)
+                while replay.poll(0):  # (no replay: the test answers nothing)
+                    replay.recv_multipart()
+        lines = [r for r in caplog.records if r.name == "common.event_bus"]
+        assert len(lines) == 1 and endpoint in lines[0].getMessage()
+        assert lines[0].exc_info is None
+    finally:
+        subscriber.close()
+        pub.close()
+        replay.close()

@@ -131,6 +131,9 @@ def test_a_killed_worker_or_router_is_restarted_and_serves_again(tiny_llama, tmp
         os.kill(stack.children()["decode-0"], signal.SIGKILL)
         assert wait_for(lambda: "decode-0 restarted" in stack.log(), 30), stack.log()
         assert "decode-0 exited (-9)" in stack.log()
+        # Said in the worker's own log too (it just began again, saying nothing of why).
+        (own_log,) = (tmp_path / "home" / "logs").glob("*/decode-0.log")
+        assert "ERROR launcher: decode-0 exited (-9): killed by SIGKILL" in own_log.read_text()
         assert wait_for(lambda: probe("--grpc", decode_0).returncode == 0, 120), stack.log()
         assert wait_for(lambda: probe("--http", f"{stack.base_url}/health").returncode == 0,
                         30)  # fmt: skip

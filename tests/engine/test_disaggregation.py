@@ -409,7 +409,7 @@ def test_a_handle_past_its_start_by_is_never_pulled(tiny_llama, recompute):
     prefill.add_request("r", prompt, params, prefill_only=True)
     first = run(prefill)["r"]
     stale = RemoteKV("lease-r", len(prompt), tuple(first.kv_block_ids), "prefill-0",
-                     start_by=time.time() - 1)  # fmt: skip
+                     start_by=time.monotonic() - 1)  # fmt: skip
     decode.add_request("r", prompt, params, remote_kv=stale,
                        output_token_ids=first.outputs[0].token_ids)  # fmt: skip
     out = run(decode)["r"]

@@ -209,7 +209,7 @@ def test_both_calls_name_the_adapters_files_they_were_placed_for(tmp_path):
             request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams(),
                                       lora=lora)  # fmt: skip
             placement = Placement(info_d.worker_id, info_p.worker_id, 0, 0, 0.0)
-            first, _ = await dispatcher._prefill(request, placement)
+            first, _, _ = await dispatcher._prefill(request, placement)
             lease = RemoteLease(lambda: None)
             async for _ in dispatcher._decode(request, placement, first, lease, set()):
                 pass
@@ -259,10 +259,12 @@ def decode_through(
     sampling: pb.SamplingParams | None = None,
     deltas: list | None = None,
     metrics: list | None = None,
+    lease_left_s: float | None = None,
 ):
     """Run one sequence's ``_decode`` over fake decode workers registered in this order,
     tried in this order: (tokens, error message or None, migrations counted, last usage).
-    ``deltas`` collects what the client side received; ``metrics``, the router's."""
+    ``deltas`` collects what the client side received; ``metrics``, the router's.
+    ``lease_left_s``: how long the prefill worker's lease has left (None: not said)."""
 
     async def scenario(registry: RedisRegistry) -> tuple:
         servers = [await serve(servicer, registry) for servicer in servicers]
@@ -279,7 +281,8 @@ def decode_through(
             request = SequenceRequest("r1", list(range(5, 40)), [], params)
             placement = Placement(ids[0], "prefill@x", 0, 0, 0.0)
             try:
-                lease = RemoteLease(lambda: None)
+                ends_by = None if lease_left_s is None else time.monotonic() + lease_left_s
+                lease = RemoteLease(lambda: None, ends_by)
                 async for delta in dispatcher._decode(request, placement, first, lease, set()):
                     tokens += delta.token_ids
                     usage = delta.usage or usage
@@ -335,6 +338,24 @@ def test_a_worker_that_refuses_a_moving_sequence_costs_no_migration(tmp_path):
     assert (tokens, error, moved) == ([1, 2, 42], None, 1)
     assert [len(s.requests) for s in servicers] == [1, 1, 1]
     assert list(servicers[2].requests[0].output_token_ids) == [1, 2]
+
+
+@pytest.mark.timeout(60)
+def test_the_lease_left_is_said_on_monotonic_clocks(tmp_path):
+    """The decode worker timed its pull's start from the prefill worker's wall clock
+    (``lease_expires_at``): hosts 25 s apart pulled blocks freed and reused (wrong tokens,
+    no error), or refused every pull. The router says how long the lease has left as the
+    call leaves, from its own clock (the Prefill call's start plus ``lease_ttl_s``)."""
+    said = Decode(False, (1,))
+    first = leased_first()
+    first.kv.lease_expires_at = time.time() + 3600  # (a prefill host an hour ahead)
+    tokens, error, _, _ = decode_through(tmp_path, [said], first=first, lease_left_s=20.0)
+    assert (tokens, error) == ([1, 42], None)
+    left_s = said.requests[0].kv.lease_left_s
+    assert said.requests[0].kv.HasField("lease_left_s") and 15 < left_s <= 20
+    unsaid = Decode(False, (1,))  # a prefill worker from before: nothing to say
+    decode_through(tmp_path, [unsaid], first=leased_first())
+    assert not unsaid.requests[0].kv.HasField("lease_left_s")
 
 
 def leased_first() -> pb.PrefillResponse:
@@ -609,7 +630,7 @@ def test_a_prefill_worker_down_since_placement_is_passed_over(tmp_path):
             request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams())
             placement = Placement("decode@x", info_a.worker_id, 0, 0, 0.0)
             pool.mark_unhealthy(info_a.worker_id)
-            reply, worker = await dispatcher._prefill(request, placement)
+            reply, worker, _ = await dispatcher._prefill(request, placement)
             assert reply is not None and worker is not None
             return chosen.num_calls, other.num_calls, worker.worker_id == info_b.worker_id
         finally:
@@ -652,7 +673,7 @@ def test_a_prefill_past_its_deadline_is_released_by_request_id(tmp_path):
             await pool.refresh()
             request = SequenceRequest("r9", list(range(5, 40)), [], pb.SamplingParams())
             placement = Placement("decode@x", info.worker_id, 0, 0, 0.0)
-            assert await dispatcher._prefill(request, placement) == (None, None)  # local
+            assert (await dispatcher._prefill(request, placement))[:2] == (None, None)  # local
             while not prefill.released:
                 await asyncio.sleep(0.01)
             return prefill.released
@@ -682,7 +703,7 @@ def test_a_prefill_try_past_the_deadline_counts_no_queued_tokens(tmp_path):
             request = SequenceRequest("r1", list(range(5, 305)), [], pb.SamplingParams())
             placement = Placement("decode@x", info_a.worker_id, 0, 0, 0.0)
             deadline = time.monotonic() + 0.5
-            assert await dispatcher._prefill(request, placement, deadline) == (None, None)
+            assert (await dispatcher._prefill(request, placement, deadline))[:2] == (None, None)
             queued = [w.queued_prefill_tokens for w in pool.workers.values()]
             return [first.num_calls, second.num_calls], queued
         finally:
@@ -1245,10 +1266,12 @@ class EmbeddingDecode(Decode):
         return pb.EmbedResponse(embedding=vector(self.value))
 
 
-def embed_through(tmp_path, servicers) -> tuple[object, dict[str, int]]:
+def embed_through(
+    tmp_path, servicers, config: RouterConfig | None = None
+) -> tuple[object, dict[str, int]]:
     """One embedding over fake workers (every prompt placed on a prefill worker): the
     reply or the APIError, and each worker's prefix claims after it, by servicer index."""
-    config = RouterConfig(min_disagg_tokens=0)
+    config = config or RouterConfig(min_disagg_tokens=0)
 
     async def scenario(registry: RedisRegistry) -> tuple:
         servers = [await serve(servicer, registry) for servicer in servicers]
@@ -1278,6 +1301,20 @@ def embed_through(tmp_path, servicers) -> tuple[object, dict[str, int]]:
                 await server.stop(None)
 
     return run_with_registry(tmp_path, scenario)
+
+
+@pytest.mark.timeout(60)
+def test_an_embedding_ends_by_the_request_timeout_as_a_generation_does(tmp_path):
+    """Each try took a whole prefill_timeout_s: four frozen workers held an embedding 20 s
+    past a request_timeout_s of 2 (a clocks audit). The tries share the deadline."""
+    frozen = [EmbeddingDecode(1.0), EmbeddingDecode(2.0)]
+    for servicer in frozen:
+        servicer.go.clear()  # (it never answers)
+    config = RouterConfig(min_disagg_tokens=0, request_timeout_s=1.0, prefill_timeout_s=5.0)
+    started = time.monotonic()
+    error, _ = embed_through(tmp_path, frozen, config)
+    assert isinstance(error, APIError) and "request_timeout_s" in error.message
+    assert time.monotonic() - started < 4  # not 2 x 5 s
 
 
 @pytest.mark.timeout(60)

@@ -156,3 +156,33 @@ def test_a_head_that_is_not_http_is_a_400_in_the_envelope(port, refused, head):
     error = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
     assert "not valid HTTP" in error["message"] and error["type"] == "invalid_request_error"
     assert refused.pop() == 400
+
+
+def test_what_a_client_sends_writes_nothing_to_the_log(port, refused):
+    """uvicorn wrote a WARNING for every head it could not parse and two for every
+    ``Upgrade`` header (curl --http2 sends one each call): any client could fill the
+    router's log (1000 requests: 183 KB). Refusals are counted; upgrades are ignored."""
+    import logging
+
+    from router.http_protocol import quiet_client_noise
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    uvicorn_logger = logging.getLogger("uvicorn.error")
+    uvicorn_logger.addHandler(handler)
+    quiet_client_noise()
+    try:
+        for head in (b"GARBAGE\r\n\r\n",
+                     b"GET /x HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\n"
+                     b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n"
+                     b"Content-Length: 0\r\n\r\n"):  # fmt: skip
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(head)
+                sock.shutdown(socket.SHUT_WR)
+                reply = _read_all(sock)
+            assert reply.startswith((b"HTTP/1.1 400", b"HTTP/1.1 200")), reply
+        assert refused.pop() == 400
+    finally:
+        uvicorn_logger.removeHandler(handler)
+    assert [r.getMessage() for r in records if r.levelno >= logging.WARNING] == []

@@ -6,6 +6,7 @@ cannot produce); ``reconcile`` bringing a worker that missed a load or an unload
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import grpc
 import pytest
@@ -308,6 +309,25 @@ def test_reconcile_does_not_serve_files_that_changed_on_disk():
     seen = run_with([changed], scenario)
     assert seen == {} and changed.adapters == {}
     assert changed.calls == [("load", "alice"), ("unload", "alice")]
+
+
+def test_a_catch_up_the_worker_refuses_is_said_once_and_not_retried(caplog):
+    """The adapter's files gone (a restarted worker cannot read them): the reconcile asked
+    again and logged a WARNING at every refresh, a line a second for ever. Refused, it is
+    said once, with what to do, and not retried until the adapter is loaded again."""
+    refusing = AdapterWorker(None)
+
+    async def scenario(adapters: LoraAdapters, states):
+        adapters.loaded["alice"] = _Loaded("/adapters/alice", "f1")
+        with caplog.at_level(logging.WARNING, logger="router.lora_adapters"):
+            for _ in range(3):
+                await adapters.reconcile()
+        return states[0].lora_adapters
+
+    assert run_with([refusing], scenario) == {}
+    assert refusing.calls == [("load", "alice")]
+    (line,) = [r for r in caplog.records if r.name == "router.lora_adapters"]
+    assert line.levelno == logging.ERROR and "restore its files" in line.getMessage()
 
 
 def test_requests_run_with_the_files_most_workers_serve():
