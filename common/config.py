@@ -456,8 +456,10 @@ class DecodeRoleConfig(WorkerRoleConfig):
 CONNECTORS = ("nixl", "nccl", "shared_storage")
 
 
-# How far the clocks of two workers may disagree: a decode worker starts a pull only if it
-# can end this long before the prefill worker's lease does.
+# A decode worker starts a pull only if it can end this long before the prefill worker's
+# lease does: the Generate call's transit (the lease is timed on monotonic clocks, from
+# the router's send), or, with a router or prefill worker from before, how far two
+# hosts' wall clocks may disagree.
 CLOCK_SKEW_S = 1.0
 
 
@@ -508,7 +510,7 @@ class KVTransferSettings:
             raise ConfigError(
                 "kv_transfer.timeout_s",
                 f"must be below lease_s={self.lease_s} by more than {CLOCK_SKEW_S:g} s (the "
-                "allowance for clock skew): a pull may not outlive its lease",
+                "allowance for a call's transit): a pull may not outlive its lease",
             )
 
 

@@ -128,6 +128,7 @@ class RedisRegistry(Registry):
 
         self.ttl_ms = int(ttl_s * 1000)
         self.prefix = prefix
+        self._malformed: set[str] = set()  # entries said to be unreadable (once each)
         # Rendered deployments keep the password out of the URL and give it here; given,
         # it outranks the URL's (redis-py's URL options outrank its keywords: stripped).
         password = password_from_env()
@@ -172,8 +173,11 @@ class RedisRegistry(Registry):
                 continue  # expired between scan and read
             try:
                 info = WorkerInfo.from_redis(data)
-            except (KeyError, ValueError, TypeError):
-                logger.warning("ignoring a malformed registry entry at %s", key)
+            except (KeyError, ValueError, TypeError) as exc:
+                if key not in self._malformed:  # (not at every refresh: a line a second)
+                    self._malformed.add(key)
+                    logger.warning("ignoring a registry entry this process cannot read at %s "
+                                   "(a newer worker's?): %r", key, exc)  # fmt: skip
                 continue
             if role is None or info.role is role:
                 workers.append(info)

@@ -295,9 +295,10 @@ class Stack:
                     return 0 if proc.returncode == 0 else 1
                 # The router routes around a dead worker; the stack keeps serving (and
                 # workers keep theirs while a failed router comes back).
-                line = self._exit_line(name, proc.returncode)
-                print(line, file=sys.stderr)
-                self._note(name, line)
+                print(self._exit_line(name, proc.returncode), file=sys.stderr)
+                if proc.returncode != 0:  # (a drain's exit 0 is in its own log already)
+                    signal_name = self._cause(name, proc.returncode) if proc.returncode < 0 else ""
+                    self._note(name, f"{name} exited ({proc.returncode}){signal_name}")
                 reported.add(name)
                 if self.restart and proc.returncode != 0 and name not in self._drained_by_plan:
                     self._schedule_restart(name)

@@ -165,7 +165,7 @@ def _pooled_rate(loads: list[WorkerLoad]) -> list[WorkerLoad]:
     return [dataclasses.replace(load, prefill_tokens_per_s=median) for load in loads]
 
 
-def _cut_by_deadline(exc: grpc.aio.AioRpcError, deadline: float | None) -> bool:
+def cut_by_deadline(exc: grpc.aio.AioRpcError, deadline: float | None) -> bool:
     """Whether the sequence's own deadline (``time.monotonic``) ended the call: counted as
     a worker's failure, it blamed healthy workers for every request that timed out."""
     return (
@@ -503,7 +503,7 @@ class Dispatcher:
                 self.metrics.prefill_failures.inc()
                 continue
             except grpc.aio.AioRpcError as exc:
-                if _cut_by_deadline(exc, deadline):  # the router's own: not the worker's fault
+                if cut_by_deadline(exc, deadline):  # the router's own: not the worker's fault
                     self._release_kv(worker, pb.ReleaseKVRequest(request_id=request.request_id))
                     return None, None, 0.0  # (the decode hop then finds the deadline passed)
                 self.failed_call(worker, exc, f"prefill of {request.request_id}")
@@ -536,7 +536,7 @@ class Dispatcher:
         else:
             logger.warning("%s on %s failed: %s", what, worker.worker_id, exc.details())
         if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
-            self.pool.mark_unhealthy(worker.worker_id)
+            self.pool.mark_unhealthy(worker.worker_id, refused=_refused(exc))
 
     def _next_decode_worker(
         self, preferred: str, tried: set[str], lora: LoraRef | None
@@ -697,7 +697,7 @@ class Dispatcher:
                 client_error = _client_error(exc)
                 if client_error is not None:
                     raise client_error from None
-                if _cut_by_deadline(exc, deadline):  # not the worker's failure: no retry
+                if cut_by_deadline(exc, deadline):  # not the worker's failure: no retry
                     raise unavailable(PAST_DEADLINE) from None
                 logger.warning("decode of %s on %s failed: %s %s", request.request_id,
                                worker.worker_id, exc.code().name, exc.details())  # fmt: skip
@@ -718,7 +718,7 @@ class Dispatcher:
                 if not refused:  # a draining worker's refusal is no failed hop (drain alerts)
                     self.metrics.decode_failures.inc()
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
-                    self.pool.mark_unhealthy(worker.worker_id)
+                    self.pool.mark_unhealthy(worker.worker_id, refused)
             finally:
                 worker.running -= 1
                 worker.kv_blocks_in_use -= blocks

@@ -35,7 +35,7 @@ from common.config import Role
 from common.hashing import hash_blocks, prefix_salt
 from proto import pdserve_pb2 as pb
 from router.choices import THREADED_PROMPT_TOKENS
-from router.dispatch import PAST_DEADLINE, Dispatcher, SequenceRequest
+from router.dispatch import PAST_DEADLINE, Dispatcher, SequenceRequest, cut_by_deadline
 from router.errors import APIError, unavailable
 from router.workers import LoraRef, WorkerStalled, WorkerState
 
@@ -59,6 +59,7 @@ async def embed(
     request: SequenceRequest,
     normalize: bool,
     logit_token_ids: Sequence[int] = (),
+    deadline: float | None = None,
 ) -> pb.EmbedResponse:
     """One input's embedding (``Embed``, which both roles answer). Placed as a
     generation's prompt would be: where its prefix is cached, and past
@@ -84,18 +85,19 @@ async def embed(
     touched: set[str] = set()
     ran_on: str | None = None
     ended = "abort"
-    # Every try ends by the sequence's deadline, as a generation's: with a full
-    # prefill_timeout_s each, 4 frozen workers took 20 s past a request_timeout_s of 2.
-    deadline = time.monotonic() + dispatcher.config.request_timeout_s
+    # Every try ends by the request's ``deadline`` (``time.monotonic``; None:
+    # request_timeout_s from now), as a generation's: with a full prefill_timeout_s each,
+    # 4 frozen workers took 20 s past a request_timeout_s of 2.
+    if deadline is None:
+        deadline = time.monotonic() + dispatcher.config.request_timeout_s
     try:
         placement = dispatcher.place(request)
         touched = {w for w in (placement.decode_worker, placement.prefill_worker) if w}
         planned = placement.prefill_worker or placement.decode_worker
         for worker in _workers_to_try(dispatcher, planned, request.lora):
-            timeout_s = min(dispatcher.config.prefill_timeout_s, deadline - time.monotonic())
-            if timeout_s <= 0:
+            if time.monotonic() >= deadline:
                 raise unavailable(PAST_DEADLINE)
-            reply = await _embed_on(dispatcher, worker, message, timeout_s, request.trace_headers)
+            reply = await _embed_on(dispatcher, worker, message, deadline, request.trace_headers)
             if reply is not None:
                 ran_on, ended = worker.worker_id, "stop"
                 num_tokens = len(request.prompt_token_ids)
@@ -103,6 +105,8 @@ async def embed(
                 metrics.prompt_tokens.inc(num_tokens)
                 metrics.observe_prefill(reply.timings)  # prompt work, as a prefill's
                 return reply
+        if time.monotonic() >= deadline:  # (the last try was cut by it)
+            raise unavailable(PAST_DEADLINE)
         raise unavailable("no worker could compute the embedding; retry shortly")
     except Exception:
         ended = "error"
@@ -134,7 +138,7 @@ async def _embed_on(
     dispatcher: Dispatcher,
     worker: WorkerState,
     message: pb.EmbedRequest,
-    timeout_s: float,
+    deadline: float,
     trace_headers: tuple[tuple[str, str], ...] = (),
 ) -> pb.EmbedResponse | None:
     """The reply, or None when ``worker`` failed in a way another may not (marked down
@@ -153,6 +157,7 @@ async def _embed_on(
         def done() -> None:
             worker.queued_prefill_tokens -= num_tokens
 
+    timeout_s = min(dispatcher.config.prefill_timeout_s, deadline - time.monotonic())
     call = worker.stub.Embed(message, timeout=timeout_s,
                              metadata=trace_headers or None)  # fmt: skip
     try:
@@ -164,6 +169,8 @@ async def _embed_on(
         if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # a worker older than Embed (an
             logger.warning("%s has no Embed; trying another", worker.worker_id)  # upgrade)
             return None
+        if cut_by_deadline(exc, deadline):  # the router's own: not the worker's fault
+            return None  # (the next try finds the deadline passed)
         dispatcher.failed_call(worker, exc, f"embedding of {message.request_id}")
         return None
     finally:
@@ -199,6 +206,7 @@ async def embed_all(
             for index, tokens in enumerate(prompts)
         ]  # fmt: skip
 
+    deadline = time.monotonic() + dispatcher.config.request_timeout_s  # (all inputs')
     long = sum(map(len, prompts)) > THREADED_PROMPT_TOKENS  # (hashing off the event loop)
     sequences = await asyncio.to_thread(build) if long else build()
     replies = [pb.EmbedResponse()] * len(sequences)  # each lane fills its inputs' places
@@ -209,7 +217,7 @@ async def embed_all(
         while next_index < len(sequences):
             index, next_index = next_index, next_index + 1
             replies[index] = await embed(dispatcher, sequences[index], normalize,
-                                         logit_token_ids)  # fmt: skip
+                                         logit_token_ids, deadline)  # fmt: skip
 
     await all_or_none([lane() for _ in range(min(lanes, len(sequences)))])
     return replies

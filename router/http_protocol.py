@@ -17,7 +17,8 @@ headers), which no ASGI middleware sees until it is complete.
   wrote a WARNING for each head it could not parse and two for each ``Upgrade`` header
   (``curl --http2`` sends one on every call), so any client could fill the router's log
   (1000 requests: 183 KB). Refused heads are counted in the metrics; an upgrade is
-  ignored, and the request served over HTTP/1.1.
+  ignored, the request served over HTTP/1.1, where the parser loses a body sent with
+  it: ``request_bodies.py`` refuses such a request, saying so.
 """
 
 from __future__ import annotations

@@ -69,9 +69,9 @@ class LoraAdapters:
         # path (changed on disk since), or that refused its files (gone, unreadable): not
         # retried until it is loaded again.
         self._changed: set[tuple[str, str]] = set()
-        # (engine id, name) whose catch-up failed for a passing cause (the worker busy,
-        # unreachable): retried every refresh, said once until it succeeds.
-        self._failing: set[tuple[str, str]] = set()
+        # (engine id, name, what) of reconcile problems already said: each is retried at
+        # every refresh (a line a second, for ever, per adapter), said once until it ends.
+        self._said: set[tuple[str, str, str]] = set()
         self._lock = asyncio.Lock()  # one load, unload or reconcile at a time
         self._task: asyncio.Task | None = None
 
@@ -248,8 +248,11 @@ class LoraAdapters:
         with worker.tracking(call):
             return await call
 
-    async def _unload_from(self, workers: list[WorkerState], name: str) -> list[str]:
-        """Unload ``name`` from ``workers``; the ids of those that did not answer."""
+    async def _unload_from(
+        self, workers: list[WorkerState], name: str, log: bool = True
+    ) -> list[str]:
+        """Unload ``name`` from ``workers``; the ids of those that did not answer (each
+        logged unless ``log`` is False: the reconcile says its own, once)."""
 
         async def unload(worker: WorkerState) -> None:
             request = pb.UnloadLoraAdapterRequest(name=name)
@@ -262,8 +265,9 @@ class LoraAdapters:
         failed = []
         for worker, result in zip(workers, results, strict=True):
             if isinstance(result, BaseException):
-                logger.warning("unloading LoRA adapter %s from %s failed: %r",
-                               name, worker.worker_id, result)  # fmt: skip
+                if log:
+                    logger.warning("unloading LoRA adapter %s from %s failed: %s",
+                                   name, worker.worker_id, _detail(result))  # fmt: skip
                 failed.append(worker.worker_id)
         return failed
 
@@ -299,17 +303,25 @@ class LoraAdapters:
                                            return_exceptions=True)  # fmt: skip
             for worker, result in zip(workers, results, strict=True):
                 if isinstance(result, Exception):
-                    logger.warning("reconciling LoRA adapters on %s failed: %r",
-                                   worker.worker_id, result)  # fmt: skip
+                    logger.warning("reconciling LoRA adapters on %s failed: %s",
+                                   worker.worker_id, _detail(result))  # fmt: skip
 
     async def _reconcile_one(self, worker: WorkerState) -> None:
-        for name, want in list(self.loaded.items()):
-            await self._catch_up(worker, name, want)
+        # Unloads first: a stale adapter may hold the slot a missed load needs.
         stale = [name for name in self.unloaded if name in worker.lora_adapters]
         for name in stale:
-            if not await self._unload_from([worker], name):
+            key = (worker.stats.engine_id or worker.worker_id, name, "unload")
+            if not await self._unload_from([worker], name, log=False):
+                self._said.discard(key)
                 logger.info("LoRA adapter %s unloaded from %s, which still served it",
                             name, worker.worker_id)  # fmt: skip
+            elif key not in self._said:
+                self._said.add(key)
+                logger.warning("unloading LoRA adapter %s from %s, which still serves it, "
+                               "failed (retried at each refresh, said once)", name,
+                               worker.worker_id)  # fmt: skip
+        for name, want in list(self.loaded.items()):
+            await self._catch_up(worker, name, want)
 
     async def _catch_up(self, worker: WorkerState, name: str, want: _Loaded) -> None:
         have = worker.lora_adapters.get(name)
@@ -317,30 +329,28 @@ class LoraAdapters:
         if have == want.fingerprint or changed in self._changed:
             return
         if have is not None:  # other files under the name: loaded through another router
-            logger.warning("worker %s serves LoRA adapter %s with other files (%s, not %s)",
-                           worker.worker_id, name, have, want.fingerprint)  # fmt: skip
+            if (*changed, "other files") not in self._said:
+                self._said.add((*changed, "other files"))
+                logger.warning("worker %s serves LoRA adapter %s with other files (%s, not "
+                               "%s)", worker.worker_id, name, have, want.fingerprint)  # fmt: skip
             return
         try:
             reply = await self._load_on(worker, name, want.path)
         except (grpc.aio.AioRpcError, WorkerStalled) as exc:
             # Said once, not at every refresh (a line a second, for ever, per adapter).
-            refused = (
-                isinstance(exc, grpc.aio.AioRpcError)
-                and exc.code() is grpc.StatusCode.INVALID_ARGUMENT
-            )
-            if refused:  # its files: no retry will do until they change
+            if _refused_files(exc):  # no retry will do until they change
                 self._changed.add(changed)
                 logger.error("%s cannot load LoRA adapter %s: %s; not retried there until "
                              "the adapter is loaded again (restore its files at %s and load "
                              "it, or unload it)", worker.worker_id, name, _detail(exc),
                              want.path)  # fmt: skip
-            elif changed not in self._failing:
-                self._failing.add(changed)
+            elif (*changed, "load") not in self._said:  # (the worker's limit, say: it passes)
+                self._said.add((*changed, "load"))
                 logger.warning("loading LoRA adapter %s on %s failed (retried at each "
                                "refresh, said once): %s", name, worker.worker_id,
                                _detail(exc))  # fmt: skip
             return
-        self._failing.discard(changed)
+        self._said.discard((*changed, "load"))
         if reply.adapter.fingerprint != want.fingerprint:  # the files changed on disk
             logger.error("LoRA adapter %s at %s is not the files loaded before (%s, now %s), "
                          "so %s does not serve it; to serve the new files everywhere, unload "
@@ -374,6 +384,16 @@ def _load_error(
         f"the workers read different files at lora_path (fingerprints "
         f"{', '.join(sorted(fingerprints))}): give a path every worker sees alike",
         "lora_path",
+    )
+
+
+def _refused_files(exc: BaseException) -> bool:
+    """Whether a worker refused an adapter's files (missing, unreadable, another base):
+    the worker names ``lora_path``. Its limit of adapters is refused too, but passes."""
+    if not isinstance(exc, grpc.aio.AioRpcError):
+        return False
+    return exc.code() is grpc.StatusCode.INVALID_ARGUMENT and any(
+        key == PARAM_KEY and value == "lora_path" for key, value in exc.trailing_metadata() or ()
     )
 
 

@@ -119,7 +119,20 @@ class RequestBodies:
                 raise _Refused(self._too_large())
             pieces.append(piece)
             if not message.get("more_body", False):
-                return b"".join(pieces)
+                body = b"".join(pieces)
+                if (
+                    not body
+                    and "upgrade" in headers
+                    and (declared not in ("", "0") or "transfer-encoding" in headers)
+                ):
+                    # The HTTP parser took what followed an Upgrade head (curl --http2 on
+                    # http://) for the new protocol: the body is lost, and the route
+                    # said "the request needs a JSON body".
+                    raise _Refused(APIError(400, "the request asks to upgrade its connection "
+                                            "(Upgrade: h2c); this server speaks HTTP/1.1, "
+                                            "and a body sent with an upgrade is lost: send "
+                                            "it without one (curl --http1.1)"))  # fmt: skip
+                return body
 
     def _too_large(self) -> APIError:
         return APIError(

@@ -441,7 +441,8 @@ class WorkerPool:
             else:
                 self._give_up_if_stalled(state)
         if healthy != state.healthy:
-            log = logger.info if healthy else logger.warning
+            draining = state.info.draining or state.stats.draining  # (planned: no alarm)
+            log = logger.info if healthy or draining else logger.warning
             log("worker %s is %s", state.worker_id, "up" if healthy else "down")
         state.healthy = healthy
 
@@ -464,10 +465,12 @@ class WorkerPool:
             state.abandoned.add(call)
             call.cancel()
 
-    def mark_unhealthy(self, worker_id: str) -> None:
-        """A call to the worker failed as if it were down: skip it until the next probe.
-        Said here (the probe then finds it down already, and said nothing)."""
+    def mark_unhealthy(self, worker_id: str, refused: bool = False) -> None:
+        """A call to the worker failed as if it were down (``refused``: it turned the call
+        away, draining): skip it until the next probe. Said here (the probe then finds it
+        down already, and said nothing), a refusal as the planned thing it is."""
         state = self.workers.get(worker_id)
         if state is not None and state.healthy:
-            logger.warning("worker %s is down (a call to it failed)", worker_id)
+            log = logger.info if refused else logger.warning
+            log("worker %s is %s", worker_id, "draining" if refused else "down (a call failed)")
             state.healthy = False

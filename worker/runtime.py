@@ -369,7 +369,8 @@ class WorkerRuntime:
     def check_accepting(self) -> AsyncEngine:
         """The engine, if this worker takes new requests; raises ``DrainingError`` else."""
         if self.draining or self.engine_failed:
-            raise DrainingError(f"{self.worker_id} is draining")
+            state = "draining" if self.draining else "out of service (its engine failed)"
+            raise DrainingError(f"{self.worker_id} is {state}")
         return self.check_ready()
 
     # ------------------------------------------------------------------ stop

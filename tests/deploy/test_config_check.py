@@ -128,7 +128,7 @@ BROKEN = [
     ("kv_transfer: {connector: rdma}", "kv_transfer.connector", "not one of: nixl"),
     ("kv_transfer: {connector: shared_storage}", "kv_transfer.shared_dir", "needs a dir"),
     ("kv_transfer: {lease_s: 5, timeout_s: 5}", "kv_transfer.timeout_s", "below lease_s"),
-    ("kv_transfer: {lease_s: 5, timeout_s: 4.5}", "kv_transfer.timeout_s", "clock skew"),
+    ("kv_transfer: {lease_s: 5, timeout_s: 4.5}", "kv_transfer.timeout_s", "a call's transit"),
     ("kv_transfer: {shared_max_bytes: -1}", "kv_transfer.shared_max_bytes", "must be >= 0"),
     ("kv_transfer: {failure_policy: retry}", "kv_transfer.failure_policy", "not one of"),
     ("kv_transfer: {nixl_read_lanes: -2}", "kv_transfer.nixl_read_lanes", "must be >= 0"),

@@ -86,9 +86,10 @@ class Draining(Decode):
 class HeldPrefill(pb_grpc.PrefillServiceServicer):
     """Answers every prompt (first token 7, a lease) once ``go`` is set; counts the calls."""
 
-    def __init__(self) -> None:
+    def __init__(self, lease_ttl_s: float = 0.0) -> None:
         self.go = asyncio.Event()
         self.num_calls = 0
+        self.lease_ttl_s = lease_ttl_s  # (0: not said, as a worker from before)
 
     async def Prefill(self, request, context):
         self.num_calls += 1
@@ -96,6 +97,7 @@ class HeldPrefill(pb_grpc.PrefillServiceServicer):
         reply = pb.PrefillResponse(first_token_id=7)
         reply.kv.lease_id = f"lease-{request.request_id}"
         reply.kv.num_tokens = len(request.token_ids)
+        reply.kv.lease_ttl_s = self.lease_ttl_s
         return reply
 
     async def ReleaseKV(self, request, context):
@@ -259,12 +261,10 @@ def decode_through(
     sampling: pb.SamplingParams | None = None,
     deltas: list | None = None,
     metrics: list | None = None,
-    lease_left_s: float | None = None,
 ):
     """Run one sequence's ``_decode`` over fake decode workers registered in this order,
     tried in this order: (tokens, error message or None, migrations counted, last usage).
-    ``deltas`` collects what the client side received; ``metrics``, the router's.
-    ``lease_left_s``: how long the prefill worker's lease has left (None: not said)."""
+    ``deltas`` collects what the client side received; ``metrics``, the router's."""
 
     async def scenario(registry: RedisRegistry) -> tuple:
         servers = [await serve(servicer, registry) for servicer in servicers]
@@ -281,8 +281,7 @@ def decode_through(
             request = SequenceRequest("r1", list(range(5, 40)), [], params)
             placement = Placement(ids[0], "prefill@x", 0, 0, 0.0)
             try:
-                ends_by = None if lease_left_s is None else time.monotonic() + lease_left_s
-                lease = RemoteLease(lambda: None, ends_by)
+                lease = RemoteLease(lambda: None)
                 async for delta in dispatcher._decode(request, placement, first, lease, set()):
                     tokens += delta.token_ids
                     usage = delta.usage or usage
@@ -341,21 +340,36 @@ def test_a_worker_that_refuses_a_moving_sequence_costs_no_migration(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_the_lease_left_is_said_on_monotonic_clocks(tmp_path):
+@pytest.mark.parametrize("ttl_s", [20.0, 0.0])
+def test_the_lease_left_is_said_on_monotonic_clocks(tmp_path, ttl_s):
     """The decode worker timed its pull's start from the prefill worker's wall clock
     (``lease_expires_at``): hosts 25 s apart pulled blocks freed and reused (wrong tokens,
     no error), or refused every pull. The router says how long the lease has left as the
-    call leaves, from its own clock (the Prefill call's start plus ``lease_ttl_s``)."""
-    said = Decode(False, (1,))
-    first = leased_first()
-    first.kv.lease_expires_at = time.time() + 3600  # (a prefill host an hour ahead)
-    tokens, error, _, _ = decode_through(tmp_path, [said], first=first, lease_left_s=20.0)
-    assert (tokens, error) == ([1, 42], None)
-    left_s = said.requests[0].kv.lease_left_s
-    assert said.requests[0].kv.HasField("lease_left_s") and 15 < left_s <= 20
-    unsaid = Decode(False, (1,))  # a prefill worker from before: nothing to say
-    decode_through(tmp_path, [unsaid], first=leased_first())
-    assert not unsaid.requests[0].kv.HasField("lease_left_s")
+    Generate call leaves: the prefill worker's ``lease_ttl_s`` from when the router sent
+    the Prefill call, on its own clock. A prefill worker from before (0) says nothing."""
+    decode, prefill = Decode(fail=False, token_ids=(1,)), HeldPrefill(lease_ttl_s=ttl_s)
+    prefill.go.set()
+
+    async def scenario(registry: RedisRegistry) -> None:
+        servers = [await serve(s, registry) for s in (decode, prefill)]
+        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex(),
+                                               RouterConfig(min_disagg_tokens=0))  # fmt: skip
+        try:
+            await pool.refresh()
+            prompt = list(range(5, 40))
+            request = SequenceRequest("r1", prompt, hash_blocks(prompt, 16), pb.SamplingParams())
+            async for _ in dispatcher.generate(request):
+                pass
+        finally:
+            await pool.close()
+            for server, _ in servers:
+                await server.stop(None)
+
+    run_with_registry(tmp_path, scenario)
+    (sent,) = decode.requests
+    assert sent.HasField("kv") and sent.kv.HasField("lease_left_s") == (ttl_s > 0)
+    if ttl_s:
+        assert ttl_s - 5 < sent.kv.lease_left_s <= ttl_s
 
 
 def leased_first() -> pb.PrefillResponse:
@@ -1315,6 +1329,40 @@ def test_an_embedding_ends_by_the_request_timeout_as_a_generation_does(tmp_path)
     error, _ = embed_through(tmp_path, frozen, config)
     assert isinstance(error, APIError) and "request_timeout_s" in error.message
     assert time.monotonic() - started < 4  # not 2 x 5 s
+
+
+class SlowEmbedding(EmbeddingDecode):
+    async def Embed(self, request, context):
+        await asyncio.sleep(0.7)
+        return await super().Embed(request, context)
+
+
+@pytest.mark.timeout(60)
+def test_an_embeddings_inputs_share_one_deadline(tmp_path):
+    """Each input's deadline began when its lane took it: 4 inputs of 0.7 s on 1 lane ran
+    2.8 s past a request_timeout_s of 1. They share the request's."""
+    config = RouterConfig(min_disagg_tokens=0, request_timeout_s=1.0, prefill_timeout_s=5.0)
+
+    async def scenario(registry: RedisRegistry) -> tuple[object, float]:
+        server, _ = await serve(SlowEmbedding(1.0), registry)
+        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex(), config)
+        try:
+            await pool.refresh()
+            body = EmbeddingRequest(input="x")
+            started = time.monotonic()
+            try:
+                outcome = await embed_all(dispatcher, [list(range(5, 40))] * 4, "e", 16, None,
+                                          body, lanes=1, normalize=True)  # fmt: skip
+            except APIError as exc:
+                outcome = exc
+            return outcome, time.monotonic() - started
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    outcome, took_s = run_with_registry(tmp_path, scenario)
+    assert isinstance(outcome, APIError) and "request_timeout_s" in outcome.message
+    assert took_s < 2
 
 
 @pytest.mark.timeout(60)

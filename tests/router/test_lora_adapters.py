@@ -330,6 +330,36 @@ def test_a_catch_up_the_worker_refuses_is_said_once_and_not_retried(caplog):
     assert line.levelno == logging.ERROR and "restore its files" in line.getMessage()
 
 
+class LimitedWorker(AdapterWorker):
+    """Refuses a load past ``max_adapters`` as the engine does (a passing cause: an
+    unload frees the slot; the refusal names lora_name, not the files)."""
+
+    max_adapters = 1
+
+    async def LoadLoraAdapter(self, request, context):
+        if request.name not in self.adapters and len(self.adapters) >= self.max_adapters:
+            self.calls.append(("load", request.name))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the most allowed",
+                                trailing_metadata=((PARAM_KEY, "lora_name"),))  # fmt: skip
+        return await super().LoadLoraAdapter(request, context)
+
+
+def test_a_catch_up_the_workers_limit_refuses_is_retried_after_the_stale_unload():
+    """A worker that missed an unload (unreachable then) held the stale adapter in its
+    one slot; the load it also missed was refused for the limit, taken for its files and
+    never retried. Stale adapters go first, and a limit's refusal is retried."""
+    worker = LimitedWorker("f1", adapters={"x": "fx"})
+
+    async def scenario(adapters: LoraAdapters, states):
+        adapters.loaded["alice"] = _Loaded("/adapters/alice", "f1")
+        adapters.unloaded.add("x")
+        await adapters.reconcile()
+        return states[0].lora_adapters
+
+    assert run_with([worker], scenario) == {"alice": "f1"}
+    assert worker.calls == [("unload", "x"), ("load", "alice")]
+
+
 def test_requests_run_with_the_files_most_workers_serve():
     states = [
         offline_state("p0", Role.PREFILL, {"alice": "f1"}),

@@ -82,3 +82,14 @@ def test_only_declared_json_and_only_outside_exempt_paths():
         status, body, routed = _call([b"{}"], headers)
         assert status == 415 and "application/json" in body["error"]["message"] and not routed
     assert _call([b""], {}, path="/ping")[0] == 200
+
+
+def test_a_body_the_parser_lost_to_an_upgrade_is_refused_saying_so():
+    """``curl --http2`` on http:// sends ``Upgrade: h2c``: httptools takes what follows the
+    head for the new protocol, and the route got no body ("the request needs a JSON
+    body"). As uvicorn delivers it: the declared body, none received."""
+    upgrade = {**JSON, "upgrade": "h2c", "connection": "Upgrade, HTTP2-Settings"}
+    status, body, routed = _call([b""], {**upgrade, "content-length": "9"})
+    assert status == 400 and "curl --http1.1" in body["error"]["message"] and routed == []
+    status, _, routed = _call([b'{"a": 1}'], {**upgrade, "content-length": "8"})
+    assert (status, routed) == (200, [b'{"a": 1}'])  # (a body that arrived is kept)
