@@ -41,6 +41,41 @@ except ImportError:
 _TMP = Path(os.environ.get("TMPDIR", "/tmp"))
 os.environ.setdefault("PDSERVE_HOME", str(_TMP / "pdserve-test-home"))
 
+# The files that take longest (CPU-s each, every process they start included; measured
+# 2026-12-02), first: xdist handed files out most tests first, so single-test files
+# starting whole stacks came last, one process running one while the other idled.
+# Longest first keeps the two busy to the end. The rest keep their collection order.
+LONGEST_FILES = (
+    "engine/parallel/test_tensor_parallel.py",  # 129
+    "router/test_archs_live.py",  # 91
+    "deploy/test_drain_scale.py",  # 88
+    "worker/test_tensor_parallel_workers.py",  # 75
+    "engine/test_parity.py",  # 66
+    "router/test_gateway.py",  # 66
+    "worker/test_services.py",  # 46
+    "router/test_migration.py",  # 36
+    "kernels/test_paged_attention.py",  # 33
+    "worker/test_faults.py",  # 28
+    "deploy/test_autoscale_live.py",  # 25
+    "router/test_eagle3_live.py",  # 20
+    "router/test_draft_model_live.py",  # 20
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """``LONGEST_FILES`` first, each file's tests together and in order (a stable sort:
+    both xdist processes collect the same order, as they must)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    tests = Path(__file__).parent
+
+    def first(item: pytest.Item) -> int:
+        path = Path(str(item.fspath))
+        name = path.relative_to(tests).as_posix() if path.is_relative_to(tests) else ""
+        return rank.get(name, len(rank))
+
+    items.sort(key=first)
+
+
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "qwen3_5",
          "qwen3_5_moe", "qwen3_next", "gemma3", "phi3", "gpt_oss", "deepseek_v2", "deepseek_v3",
          "glm4_moe", "minimax_m2", "granite", "granite_hybrid", "granite_hybrid_dense",
