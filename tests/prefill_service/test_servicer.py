@@ -45,6 +45,16 @@ def _servicer(model) -> tuple[LLMEngine, AsyncEngine, object, PrefillServicer]:
     return engine, async_engine, connector, servicer
 
 
+def _run_holding_nothing(scenario, engine, async_engine, connector, servicer) -> None:
+    """Run ``scenario()``; then no lease and no held block is left, whatever it did."""
+    try:
+        asyncio.run(scenario())
+        assert len(servicer.leases) == 0 and engine.scheduler.held == {}
+    finally:
+        async_engine.stop()
+        connector.close()
+
+
 @pytest.mark.timeout(60)
 def test_a_lease_says_how_long_after_the_call_arrived_it_ends(tiny_llama):
     """On the worker's monotonic clock (``lease_ttl_s``): the router times the pull's
@@ -52,7 +62,7 @@ def test_a_lease_says_how_long_after_the_call_arrived_it_ends(tiny_llama):
     is granted after the call arrived: it ends at least ``lease_s`` after that."""
     engine, async_engine, connector, servicer = _servicer(tiny_llama)
 
-    async def scenario() -> float:
+    async def scenario() -> None:
         async_engine.start()
         sampling = pb.SamplingParams(max_tokens=8, temperature=0)
         request = pb.PrefillRequest(request_id="p1", token_ids=[*range(5, 45)], sampling=sampling)
@@ -64,12 +74,7 @@ def test_a_lease_says_how_long_after_the_call_arrived_it_ends(tiny_llama):
         assert (await servicer.ReleaseKV(release, types.SimpleNamespace())).released
         await asyncio.sleep(0.3)
 
-    try:
-        asyncio.run(scenario())
-        assert len(servicer.leases) == 0 and engine.scheduler.held == {}
-    finally:
-        async_engine.stop()
-        connector.close()
+    _run_holding_nothing(scenario, engine, async_engine, connector, servicer)
 
 
 @pytest.mark.timeout(60)
@@ -107,9 +112,4 @@ def test_a_cancelled_prefill_holds_no_blocks(tiny_llama, cancel_after_s):
             release = pb.ReleaseKVRequest(lease_id=task.result().kv.lease_id)
             assert (await servicer.ReleaseKV(release, types.SimpleNamespace())).released
 
-    try:
-        asyncio.run(scenario())
-        assert len(servicer.leases) == 0 and engine.scheduler.held == {}
-    finally:
-        async_engine.stop()
-        connector.close()
+    _run_holding_nothing(scenario, engine, async_engine, connector, servicer)
