@@ -18,15 +18,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _runner(role: Role):
     def run(args: argparse.Namespace) -> int:
         from common.config_loader import load_config
-        from common.registry import RegistryError, create_registry
-        from engine.models.errors import ModelLoadError  # (torch-free)
+        from common.registry import RegistryError
+        from engine.models.errors import ModelLoadError
+        from worker.main import run as run_worker
 
         try:
             config = load_config(args.config, args.overrides)
-            # An unreachable Redis said before torch's import (2.6 s of CPU to say it).
-            create_registry(config).close()
-            from worker.main import run as run_worker
-
             return run_worker(config, role, args.index)
         except (ConfigError, RegistryError, ValueError, ModelLoadError, FileNotFoundError) as exc:
             print(f"error: {exc}", file=sys.stderr)

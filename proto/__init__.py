@@ -2,7 +2,8 @@
 
 # Trailing-metadata key of a call a worker turned away without starting it (it drains, or
 # its engine failed): the caller may try another worker knowing this one did no work and
-# holds nothing. Value: the reason ("draining").
+# holds nothing. Value: the reason ("draining"; "starting"; "engine_failed", a fault the
+# caller should say as one).
 REFUSED_KEY = "pdserve-refused"
 
 # Initial-metadata key a decode worker sends once its engine holds a request that came with a

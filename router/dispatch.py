@@ -180,6 +180,13 @@ def _refused(exc: grpc.aio.AioRpcError) -> bool:
     return any(key == REFUSED_KEY for key, _ in exc.trailing_metadata() or ())
 
 
+def _draining(exc: grpc.aio.AioRpcError) -> bool:
+    """It turned the call away as planned (draining, starting): no fault to alarm on.
+    An engine that failed refuses too, and is one."""
+    return any(key == REFUSED_KEY and value in ("draining", "starting")
+               for key, value in exc.trailing_metadata() or ())  # fmt: skip
+
+
 def _client_error(exc: grpc.aio.AioRpcError) -> APIError | None:
     """A worker's INVALID_ARGUMENT as a 400 naming the field it named (``PARAM_KEY``)."""
     if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
@@ -531,12 +538,12 @@ class Dispatcher:
             raise client_error from None
         if exc.code() not in _RETRYABLE:
             raise exc
-        if _refused(exc):  # turned away unstarted (draining): expected, not a failure
+        if _draining(exc):  # turned away unstarted, as planned: not a failure
             logger.info("%s on %s refused: %s", what, worker.worker_id, exc.details())
         else:
             logger.warning("%s on %s failed: %s", what, worker.worker_id, exc.details())
         if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
-            self.pool.mark_unhealthy(worker.worker_id, refused=_refused(exc))
+            self.pool.mark_unhealthy(worker.worker_id, draining=_draining(exc))
 
     def _next_decode_worker(
         self, preferred: str, tried: set[str], lora: LoraRef | None
@@ -699,8 +706,9 @@ class Dispatcher:
                     raise client_error from None
                 if cut_by_deadline(exc, deadline):  # not the worker's failure: no retry
                     raise unavailable(PAST_DEADLINE) from None
-                logger.warning("decode of %s on %s failed: %s %s", request.request_id,
-                               worker.worker_id, exc.code().name, exc.details())  # fmt: skip
+                log = logger.info if _draining(exc) else logger.warning  # (a drain: planned)
+                log("decode of %s on %s failed: %s %s", request.request_id, worker.worker_id,
+                    exc.code().name, exc.details())  # fmt: skip
                 # Details stay in the log: they name hosts and internals.
                 if exc.code() == grpc.StatusCode.ABORTED:
                     # It gave the request up (its pull failed under failure_policy: fail):
@@ -718,7 +726,7 @@ class Dispatcher:
                 if not refused:  # a draining worker's refusal is no failed hop (drain alerts)
                     self.metrics.decode_failures.inc()
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
-                    self.pool.mark_unhealthy(worker.worker_id, refused)
+                    self.pool.mark_unhealthy(worker.worker_id, _draining(exc))
             finally:
                 worker.running -= 1
                 worker.kv_blocks_in_use -= blocks

@@ -183,6 +183,7 @@ class LoraAdapters:
             self.loaded[name] = _Loaded(path, fingerprint)
             self.unloaded.discard(name)
             self._changed = {entry for entry in self._changed if entry[1] != name}
+            self._forget_said(name)
         logger.info("LoRA adapter %s loaded from %s on %d workers (%s)",
                     name, path, len(replies), fingerprint)  # fmt: skip
         return {"object": "lora_adapter", "id": name, "fingerprint": fingerprint,
@@ -209,6 +210,7 @@ class LoraAdapters:
                 raise APIError(404, f"LoRA adapter {name!r} is not loaded", param="lora_name",
                                code="model_not_found")  # fmt: skip
             self.loaded.pop(name, None)
+            self._forget_said(name)
             self.retiring.add(name)
         try:
             deadline = time.monotonic() + self.settings.unload_grace_s
@@ -306,6 +308,11 @@ class LoraAdapters:
                     logger.warning("reconciling LoRA adapters on %s failed: %s",
                                    worker.worker_id, _detail(result))  # fmt: skip
 
+    def _forget_said(self, name: str) -> None:
+        """A load or unload of ``name`` through this router starts its story afresh: a
+        problem after it is said again."""
+        self._said = {said for said in self._said if said[1] != name}
+
     async def _reconcile_one(self, worker: WorkerState) -> None:
         # Unloads first: a stale adapter may hold the slot a missed load needs.
         stale = [name for name in self.unloaded if name in worker.lora_adapters]
@@ -326,7 +333,10 @@ class LoraAdapters:
     async def _catch_up(self, worker: WorkerState, name: str, want: _Loaded) -> None:
         have = worker.lora_adapters.get(name)
         changed = (worker.stats.engine_id or worker.worker_id, name)
-        if have == want.fingerprint or changed in self._changed:
+        if have == want.fingerprint:
+            self._said.discard((*changed, "other files"))
+            return
+        if changed in self._changed:
             return
         if have is not None:  # other files under the name: loaded through another router
             if (*changed, "other files") not in self._said:

@@ -120,18 +120,15 @@ class RequestBodies:
             pieces.append(piece)
             if not message.get("more_body", False):
                 body = b"".join(pieces)
-                if (
-                    not body
-                    and "upgrade" in headers
-                    and (declared not in ("", "0") or "transfer-encoding" in headers)
-                ):
+                if not body and _lost_to_an_upgrade(headers, declared):
                     # The HTTP parser took what followed an Upgrade head (curl --http2 on
                     # http://) for the new protocol: the body is lost, and the route
                     # said "the request needs a JSON body".
                     raise _Refused(APIError(400, "the request asks to upgrade its connection "
-                                            "(Upgrade: h2c); this server speaks HTTP/1.1, "
-                                            "and a body sent with an upgrade is lost: send "
-                                            "it without one (curl --http1.1)"))  # fmt: skip
+                                            f"(Upgrade: {headers['upgrade']}); this server "
+                                            "speaks HTTP/1.1, and a body sent with an "
+                                            "upgrade is lost: send it without one (curl "
+                                            "--http1.1)"))  # fmt: skip
                 return body
 
     def _too_large(self) -> APIError:
@@ -140,6 +137,14 @@ class RequestBodies:
             f"the request body is larger than this server's limit of {self.max_bytes} "
             "bytes (router.max_request_bytes)",
         )
+
+
+def _lost_to_an_upgrade(headers: Headers, declared: str) -> bool:
+    """Whether the parser upgraded (an ``Upgrade`` header, ``upgrade`` among the
+    ``Connection`` tokens) a request that declared a body."""
+    tokens = {token.strip().lower() for token in headers.get("connection", "").split(",")}
+    asks = "upgrade" in headers and "upgrade" in tokens
+    return asks and (declared not in ("", "0") or "transfer-encoding" in headers)
 
 
 def _replaying(body: bytes, receive: Receive) -> Receive:

@@ -465,12 +465,12 @@ class WorkerPool:
             state.abandoned.add(call)
             call.cancel()
 
-    def mark_unhealthy(self, worker_id: str, refused: bool = False) -> None:
-        """A call to the worker failed as if it were down (``refused``: it turned the call
-        away, draining): skip it until the next probe. Said here (the probe then finds it
-        down already, and said nothing), a refusal as the planned thing it is."""
+    def mark_unhealthy(self, worker_id: str, draining: bool = False) -> None:
+        """A call to the worker failed as if it were down (``draining``: it turned the
+        call away as planned): skip it until the next probe. Said here (the probe then
+        finds it down already, and said nothing), a drain as the planned thing it is."""
         state = self.workers.get(worker_id)
         if state is not None and state.healthy:
-            log = logger.info if refused else logger.warning
-            log("worker %s is %s", worker_id, "draining" if refused else "down (a call failed)")
+            log = logger.info if draining else logger.warning
+            log("worker %s is %s", worker_id, "draining" if draining else "down (a call failed)")
             state.healthy = False

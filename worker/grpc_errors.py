@@ -42,7 +42,12 @@ def quiet_cancelled_writes() -> None:
 
 
 class DrainingError(RuntimeError):
-    """The worker is shutting down and takes no new requests."""
+    """The worker takes no new requests: it drains, is still starting, or its engine
+    failed (``reason``, said to the caller as ``proto.REFUSED_KEY``)."""
+
+    def __init__(self, message: str, reason: str = "draining") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class DisabledError(RuntimeError):
@@ -89,7 +94,7 @@ def _abort_details(exc: BaseException, method: str) -> tuple[grpc.StatusCode, st
         logger.exception("%s failed", method)
     metadata: tuple = ()
     if isinstance(exc, DrainingError):
-        metadata = ((REFUSED_KEY, "draining"),)
+        metadata = ((REFUSED_KEY, exc.reason),)
     elif isinstance(exc, InvalidRequestError) and exc.param:
         metadata = ((PARAM_KEY, exc.param),)
     return code, message, metadata

@@ -363,14 +363,16 @@ class WorkerRuntime:
     def check_ready(self) -> AsyncEngine:
         """The engine, once started (draining included: in-flight work still needs it)."""
         if not self.ready or self.async_engine is None:
-            raise DrainingError(f"{self.worker_id} is still starting")
+            raise DrainingError(f"{self.worker_id} is still starting", "starting")
         return self.async_engine
 
     def check_accepting(self) -> AsyncEngine:
         """The engine, if this worker takes new requests; raises ``DrainingError`` else."""
         if self.draining or self.engine_failed:
-            state = "draining" if self.draining else "out of service (its engine failed)"
-            raise DrainingError(f"{self.worker_id} is {state}")
+            if self.draining:
+                raise DrainingError(f"{self.worker_id} is draining")
+            raise DrainingError(f"{self.worker_id} is out of service (its engine failed)",
+                                "engine_failed")  # fmt: skip
         return self.check_ready()
 
     # ------------------------------------------------------------------ stop

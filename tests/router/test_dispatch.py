@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import struct
 import threading
 import time
@@ -73,13 +74,14 @@ def scores(prompt_token_ids) -> list[pb.TokenLogprobs]:
 class Draining(Decode):
     """Turns every call away as a draining worker does (the real error mapping)."""
 
-    def __init__(self) -> None:
+    def __init__(self, reason: str = "draining") -> None:
         super().__init__(fail=True)
+        self.reason = reason
 
     @grpc_stream_errors
     async def Generate(self, request, context):
         self.requests.append(request)
-        raise DrainingError("decode@test")
+        raise DrainingError("decode@test", self.reason)
         yield  # an async generator, like the real method
 
 
@@ -325,6 +327,22 @@ def test_a_sequence_migrates_with_the_tokens_sent_so_far(tmp_path, max_migration
     )
     assert servicers[0].requests[0].HasField("kv")
     assert not any(s.requests[0].HasField("kv") for s in servicers[1:] if s.requests)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("reason", ["draining", "engine_failed"])
+def test_a_drain_is_said_as_planned_and_a_failed_engine_as_a_fault(tmp_path, caplog, reason):
+    """Both turn the call away unstarted (the next worker serves it), but only a drain is
+    planned: it was a WARNING per call ("failed", "down"), and an engine that failed is
+    one; its refusal said "draining" too, and the router logged it at INFO."""
+    with caplog.at_level(logging.INFO, logger="router"):
+        tokens, error, _, _ = decode_through(tmp_path, [Draining(reason), Decode(False, (1,))])
+    assert (tokens, error) == ([1, 42], None)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    if reason == "draining":
+        assert warnings == []
+    else:
+        assert any("is down" in line for line in warnings), warnings
 
 
 @pytest.mark.timeout(60)
@@ -1318,17 +1336,20 @@ def embed_through(
 
 
 @pytest.mark.timeout(60)
-def test_an_embedding_ends_by_the_request_timeout_as_a_generation_does(tmp_path):
+def test_an_embedding_ends_by_the_request_timeout_as_a_generation_does(tmp_path, caplog):
     """Each try took a whole prefill_timeout_s: four frozen workers held an embedding 20 s
-    past a request_timeout_s of 2 (a clocks audit). The tries share the deadline."""
+    past a request_timeout_s of 2 (a clocks audit). The tries share the deadline, and the
+    one it cut is not the worker's failure."""
     frozen = [EmbeddingDecode(1.0), EmbeddingDecode(2.0)]
     for servicer in frozen:
         servicer.go.clear()  # (it never answers)
     config = RouterConfig(min_disagg_tokens=0, request_timeout_s=1.0, prefill_timeout_s=5.0)
     started = time.monotonic()
-    error, _ = embed_through(tmp_path, frozen, config)
+    with caplog.at_level(logging.WARNING, logger="router"):
+        error, _ = embed_through(tmp_path, frozen, config)
     assert isinstance(error, APIError) and "request_timeout_s" in error.message
     assert time.monotonic() - started < 4  # not 2 x 5 s
+    assert not [r for r in caplog.records if "failed" in r.getMessage()]
 
 
 class SlowEmbedding(EmbeddingDecode):

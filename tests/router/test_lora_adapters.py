@@ -360,6 +360,28 @@ def test_a_catch_up_the_workers_limit_refuses_is_retried_after_the_stale_unload(
     assert worker.calls == [("unload", "x"), ("load", "alice")]
 
 
+def test_a_catch_up_the_limit_refuses_is_retried_and_said_once(caplog):
+    """The worker's one slot held by an adapter this router knows nothing of: the load is
+    refused for the limit at every refresh (said once), and made once the slot frees
+    (another router unloaded it). Taken for refused files, it was never retried."""
+    worker = LimitedWorker("f1", adapters={"other": "fo"})
+
+    async def scenario(adapters: LoraAdapters, states):
+        adapters.loaded["alice"] = _Loaded("/adapters/alice", "f1")
+        with caplog.at_level(logging.WARNING, logger="router.lora_adapters"):
+            await adapters.reconcile()
+            await adapters.reconcile()
+            worker.adapters.pop("other")
+            states[0].set_lora_adapters({})  # (as its next Stats says)
+            await adapters.reconcile()
+        return states[0].lora_adapters
+
+    assert run_with([worker], scenario) == {"alice": "f1"}
+    assert [c for c in worker.calls if c[0] == "load"] == [("load", "alice")] * 3
+    said = [r for r in caplog.records if r.name == "router.lora_adapters"]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+
+
 def test_requests_run_with_the_files_most_workers_serve():
     states = [
         offline_state("p0", Role.PREFILL, {"alice": "f1"}),

@@ -93,3 +93,9 @@ def test_a_body_the_parser_lost_to_an_upgrade_is_refused_saying_so():
     assert status == 400 and "curl --http1.1" in body["error"]["message"] and routed == []
     status, _, routed = _call([b'{"a": 1}'], {**upgrade, "content-length": "8"})
     assert (status, routed) == (200, [b'{"a": 1}'])  # (a body that arrived is kept)
+    # Without "upgrade" among the Connection tokens the parser does not upgrade: an empty
+    # chunked body is just empty (the route's own 400 then).
+    plain = {**JSON, "upgrade": "h2c", "transfer-encoding": "chunked"}
+    assert _call([b""], plain)[0] == 200
+    status, body, _ = _call([b""], {**upgrade, "upgrade": "websocket", "content-length": "9"})
+    assert status == 400 and "Upgrade: websocket" in body["error"]["message"]
