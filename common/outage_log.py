@@ -34,6 +34,6 @@ class OutageLog:
     def succeeded(self) -> None:
         if self._since is not None:
             self.logger.info("%s: over after %.1f s (%d failures)", self.what,
-                                time.monotonic() - self._since, self.num_failures)  # fmt: skip
+                             time.monotonic() - self._since, self.num_failures)  # fmt: skip
             self._since = None
             self.num_failures = 0

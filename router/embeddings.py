@@ -34,7 +34,7 @@ import numpy as np
 from common.config import Role
 from common.hashing import hash_blocks, prefix_salt
 from proto import pdserve_pb2 as pb
-from router.choices import THREADED_PROMPT_TOKENS
+from router.choices import hashing
 from router.dispatch import PAST_DEADLINE, Dispatcher, SequenceRequest, cut_by_deadline
 from router.errors import APIError, unavailable
 from router.workers import LoraRef, WorkerStalled, WorkerState
@@ -207,8 +207,7 @@ async def embed_all(
         ]  # fmt: skip
 
     deadline = time.monotonic() + dispatcher.config.request_timeout_s  # (all inputs')
-    long = sum(map(len, prompts)) > THREADED_PROMPT_TOKENS  # (hashing off the event loop)
-    sequences = await asyncio.to_thread(build) if long else build()
+    sequences = await hashing(prompts, build)
     replies = [pb.EmbedResponse()] * len(sequences)  # each lane fills its inputs' places
     next_index = 0
 

@@ -32,7 +32,7 @@ from router.admission import (
     stopped,
     until_disconnected,
 )
-from router.choices import THREADED_PROMPT_TOKENS, Choice, build_choices, merge_choices, new_id
+from router.choices import Choice, build_choices, hashing, merge_choices, new_id
 from router.errors import APIError, bad_request, internal
 from router.formatting import SSE_DONE, Formatter, ToolFormat, json_bytes, sse, usage_body
 from router.harmony import Harmony, call_constraint
@@ -221,10 +221,14 @@ def add_generation_routes(
         if not images:
             return await asyncio.to_thread(prompt_tokenizer.chat, *args), None
         assert vision is not None and state.image_text is not None
-        # (On threads: an image's header read, its sha256 (50 ms for 24 MB).)
-        counts = await asyncio.to_thread(image_counts, images, vision)
-        prompt = await asyncio.to_thread(prompt_tokenizer.chat_images, counts, *args)
-        return await asyncio.to_thread(place_images, prompt, images, vision, counts)
+
+        def with_images() -> tuple[list[int], PromptImages]:
+            # (On a thread: the images' headers read, their sha256s: 50 ms for 24 MB.)
+            counts = image_counts(images, vision)
+            prompt = prompt_tokenizer.chat_images(counts, *args)
+            return place_images(prompt, images, vision, counts)
+
+        return await asyncio.to_thread(with_images)
 
     @app.post("/v1/responses")
     async def responses(body: Body[ResponsesRequest], request: Request) -> Response:
@@ -379,12 +383,7 @@ def add_generation_routes(
             main_eos_id=state.tokenizer.eos_token_id,
             default_max_tokens=state.generation_defaults.max_tokens,
         )
-        # Hashing the prompts' blocks takes ~0.12 ms per 1k tokens: long ones (2M ids,
-        # 0.24 s) off the event loop, where every other stream would wait for them.
-        if sum(map(len, prompts)) > THREADED_PROMPT_TOKENS:
-            choices = await asyncio.to_thread(build)
-        else:
-            choices = build()
+        choices = await hashing(prompts, build)
         formatter = Formatter(
             response_id,
             lora_name or state.model.served_name,

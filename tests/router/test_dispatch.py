@@ -433,6 +433,25 @@ async def client_leaves(
     assert (state.running, state.kv_blocks_in_use) == (0, 0)
 
 
+def with_a_leased_decode(tmp_path, decode: Decode, body: Callable[..., Awaitable[object]]):
+    """``body(pool, dispatcher, info, lease, released)`` with ``decode`` served and
+    registered; ``released`` holds "early" once ``lease`` was released."""
+
+    async def scenario(registry: RedisRegistry) -> object:
+        server, info = await serve(decode, registry)
+        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex())
+        released: list[str] = []
+        try:
+            await pool.refresh()
+            lease = RemoteLease(lambda: released.append("early"))
+            return await body(pool, dispatcher, info, lease, released)
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    return run_with_registry(tmp_path, scenario)
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("sent", [(), (1,)])
 def test_a_client_gone_mid_pull_leaves_the_lease_to_expire(tmp_path, sent):
@@ -442,27 +461,17 @@ def test_a_client_gone_mid_pull_leaves_the_lease_to_expire(tmp_path, sent):
     has the KV: the lease was released then."""
     decode = Stalled(fail=False, token_ids=sent)
 
-    async def scenario(registry: RedisRegistry) -> list[str]:
-        server, info = await serve(decode, registry)
-        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex())
-        released: list[str] = []
-        try:
-            await pool.refresh()
-            lease = RemoteLease(lambda: released.append("early"))
+    async def body(pool, dispatcher, info, lease, released) -> list[str]:
+        async def until() -> None:
+            while not decode.requests or (sent and not released):
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)
 
-            async def until() -> None:
-                while not decode.requests or (sent and not released):
-                    await asyncio.sleep(0.01)
-                await asyncio.sleep(0.1)
+        await client_leaves(pool, dispatcher, info, lease, until)
+        lease.release()  # what _journey's finally does: nothing, if left to expire
+        return released
 
-            await client_leaves(pool, dispatcher, info, lease, until)
-            lease.release()  # what _journey's finally does: nothing, if left to expire
-            return released
-        finally:
-            await pool.close()
-            await server.stop(None)
-
-    assert run_with_registry(tmp_path, scenario) == (["early"] if sent else [])
+    assert with_a_leased_decode(tmp_path, decode, body) == (["early"] if sent else [])
 
 
 class SlowPull(Decode):
@@ -492,26 +501,17 @@ def test_a_client_gone_before_the_first_reply_still_frees_the_lease_when_the_pul
     decode = SlowPull(fail=False)
     decode.cancelled = False
 
-    async def scenario(registry: RedisRegistry) -> list[str]:
-        server, info = await serve(decode, registry)
-        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex())
-        released: list[str] = []
-        try:
-            await pool.refresh()
-            lease = RemoteLease(lambda: released.append("early"))
-            await client_leaves(pool, dispatcher, info, lease, lambda: asyncio.sleep(0.05))
-            assert released == []  # sent, not answered: it may be reading
-            for _ in range(200):
-                if decode.cancelled:
-                    break
-                await asyncio.sleep(0.02)
-            assert decode.cancelled and len(decode.requests) == 1
-            return released
-        finally:
-            await pool.close()
-            await server.stop(None)
+    async def body(pool, dispatcher, info, lease, released) -> list[str]:
+        await client_leaves(pool, dispatcher, info, lease, lambda: asyncio.sleep(0.05))
+        assert released == []  # sent, not answered: it may be reading
+        for _ in range(200):
+            if decode.cancelled:
+                break
+            await asyncio.sleep(0.02)
+        assert decode.cancelled and len(decode.requests) == 1
+        return released
 
-    assert run_with_registry(tmp_path, scenario) == ["early"]
+    assert with_a_leased_decode(tmp_path, decode, body) == ["early"]
 
 
 class Queued(Decode):
@@ -539,31 +539,21 @@ def test_a_client_gone_while_queued_on_the_decode_worker_is_cancelled_at_once(tm
     decode = Queued(fail=False)
     decode.cancelled_at = None
 
-    async def scenario(registry: RedisRegistry) -> tuple[list[str], float]:
-        server, info = await serve(decode, registry)
-        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex())
-        released: list[str] = []
-        try:
-            await pool.refresh()
-            lease = RemoteLease(lambda: released.append("early"))
-
-            async def until() -> None:
-                while not decode.requests:
-                    await asyncio.sleep(0.01)
-                await asyncio.sleep(0.2)  # the admission header is in
-
-            await client_leaves(pool, dispatcher, info, lease, until)
-            left_at = time.monotonic()
-            while decode.cancelled_at is None:
-                assert time.monotonic() - left_at < 5, "the queued call was not cancelled"
+    async def body(pool, dispatcher, info, lease, released) -> tuple[list[str], float]:
+        async def until() -> None:
+            while not decode.requests:
                 await asyncio.sleep(0.01)
-            lease.release()  # what _journey's finally does: nothing, the worker has it
-            return released, decode.cancelled_at - left_at
-        finally:
-            await pool.close()
-            await server.stop(None)
+            await asyncio.sleep(0.2)  # the admission header is in
 
-    released, cancelled_after_s = run_with_registry(tmp_path, scenario)
+        await client_leaves(pool, dispatcher, info, lease, until)
+        left_at = time.monotonic()
+        while decode.cancelled_at is None:
+            assert time.monotonic() - left_at < 5, "the queued call was not cancelled"
+            await asyncio.sleep(0.01)
+        lease.release()  # what _journey's finally does: nothing, the worker has it
+        return released, decode.cancelled_at - left_at
+
+    released, cancelled_after_s = with_a_leased_decode(tmp_path, decode, body)
     assert released == [] and cancelled_after_s < 2
 
 
