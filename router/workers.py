@@ -419,8 +419,12 @@ class WorkerPool:
                 health_pb2.HealthCheckRequest(), timeout=PROBE_TIMEOUT_S
             )
             healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
+            # Asked out of service too, its Stats says whether that is a drain (planned),
+            # which a static registry has no flag for; kept only from a serving worker,
+            # whose engine id is the one to compare a restart's with.
+            stats = await state.stub.Stats(pb.StatsRequest(), timeout=PROBE_TIMEOUT_S)
+            draining = stats.draining
             if healthy:
-                stats = await state.stub.Stats(pb.StatsRequest(), timeout=PROBE_TIMEOUT_S)
                 if state.stats.engine_id and stats.engine_id != state.stats.engine_id:
                     # Restarted behind the same address: its cache and event stream are new.
                     logger.info("worker %s restarted", state.worker_id)
@@ -430,7 +434,7 @@ class WorkerPool:
                     state.lora_adapters = {a.name: a.fingerprint for a in stats.lora_adapters}
             state.answered()
         except grpc.aio.AioRpcError as exc:
-            healthy = False
+            healthy = draining = False
             if exc.code() is grpc.StatusCode.UNAUTHENTICATED:
                 # Answering, but not to this router: the tokens differ (common/internal_auth)
                 if not state.refuses_us:
@@ -441,9 +445,10 @@ class WorkerPool:
             else:
                 self._give_up_if_stalled(state)
         if healthy != state.healthy:
-            draining = state.info.draining or state.stats.draining  # (planned: no alarm)
-            log = logger.info if healthy or draining else logger.warning
-            log("worker %s is %s", state.worker_id, "up" if healthy else "down")
+            planned = draining or state.info.draining  # (no alarm)
+            log = logger.info if healthy or planned else logger.warning
+            said = "up" if healthy else "draining" if planned else "down"
+            log("worker %s is %s", state.worker_id, said)
         state.healthy = healthy
 
     def _give_up_if_stalled(self, state: WorkerState) -> None:

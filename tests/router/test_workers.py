@@ -5,12 +5,13 @@ stall timeout even though its registry entry expired first."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.config import Role
 from common.registry import RedisRegistry, WorkerInfo
@@ -248,6 +249,44 @@ def test_a_worker_that_refuses_the_routers_token_is_down_and_says_why(tmp_path, 
     assert run_with_registry(tmp_path, scenario) == [False, False, False]
     errors = [r for r in caplog.records if "refuses this router's calls" in r.getMessage()]
     assert len(errors) == 1 and TOKEN_ENV in errors[0].getMessage()
+
+
+class DrainableDecode(SlowDecode):
+    def __init__(self) -> None:
+        self.draining = False
+
+    async def Stats(self, request, context):
+        return pb.StatsResponse(engine_id="e1", draining=self.draining)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("draining", [True, False])
+def test_a_drain_the_registry_does_not_show_is_said_as_planned(tmp_path, caplog, draining):
+    """A worker goes out of service while its registry entry says nothing (a static
+    registry has no draining flag, or the probe came first): its Stats tells a drain
+    (INFO "draining") from a fault (WARNING "down"). It was WARNING "down" for both."""
+
+    async def scenario(registry: RedisRegistry) -> list[bool]:
+        decode, health_servicer = DrainableDecode(), health.aio.HealthServicer()
+        server, info = await serve_decode(decode, health_servicer)
+        registry.register(info)
+        pool = WorkerPool(registry, EventListener(PrefixIndex(), threading.Lock()), 60.0, 30.0)
+        try:
+            await pool.refresh()
+            healthy = [pool.get(info.worker_id).healthy]
+            decode.draining = draining
+            await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+            await pool.refresh()
+            return healthy + [pool.get(info.worker_id).healthy]
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    with caplog.at_level(logging.INFO, logger="router"):
+        assert run_with_registry(tmp_path, scenario) == [True, False]
+    said = [(r.levelno, r.getMessage().rsplit(" ", 1)[1]) for r in caplog.records
+            if r.getMessage().startswith("worker decode@")]  # fmt: skip
+    assert said[-1] == ((logging.INFO, "draining") if draining else (logging.WARNING, "down"))
 
 
 class FreezableDecode(pb_grpc.DecodeServiceServicer):
