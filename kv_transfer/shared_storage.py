@@ -35,8 +35,10 @@ reported only once no chunk can write its blocks any more.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -46,6 +48,7 @@ from pathlib import Path
 import msgspec
 import torch
 
+from common.config import ConfigError
 from kernels.reference import scatter_blocks
 from kv_transfer.base import KVConnector
 from kv_transfer.blockfile import (
@@ -114,6 +117,25 @@ class _Countdown:
             self._on_done(self.error)
 
 
+def _check_writable(root: Path) -> None:
+    """Make ``root`` and check this process may write there. A directory it may not
+    write to (a read-only mount, another user's) failed no start: every hand-off then
+    failed to write, and without a failure marker (unwritable too) every reader waited
+    out ``timeout_s`` before computing the prompt itself. Any other error (a full disk)
+    can pass, and the markers cover it."""
+    probe = root / f".pdserve-write-probe-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise ConfigError("kv_transfer.shared_dir",
+                              f"this worker cannot write to {root}: {exc.strerror}"
+                              ) from exc  # fmt: skip
+        raise
+
+
 class SharedStorageConnector(KVConnector):
     name = ConnectorName.SHARED_STORAGE
 
@@ -142,7 +164,7 @@ class SharedStorageConnector(KVConnector):
             f"-h{layout.num_kv_heads}-d{layout.head_dim}"
             + (f"-tp{layout.tp_rank}of{layout.tp_size}" if layout.tp_size > 1 else "")
         )
-        self.root.mkdir(parents=True, exist_ok=True)
+        _check_writable(self.root)
         for prefix in range(256):  # so that a failure marker fits on a full disk (below)
             with contextlib.suppress(OSError):
                 (self.root / f"{prefix:02x}").mkdir(exist_ok=True)

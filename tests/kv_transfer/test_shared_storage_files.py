@@ -153,6 +153,49 @@ with SharedStorageConnector(config, "full") as connector:
 """
 
 
+_READ_ONLY_REGISTRATION = """
+import sys, torch
+from common.config import ConfigError
+from kv_transfer import KVTransferConfig
+from kv_transfer.shared_storage import SharedStorageConnector
+config = KVTransferConfig(connector="shared_storage", shared_dir=sys.argv[1])
+SHAPE = tuple(int(size) for size in sys.argv[2:])
+try:
+    SharedStorageConnector(config, "ro").register_kv_caches(
+        [torch.zeros(SHAPE).half() for _ in range(2)])
+except ConfigError as exc:
+    sys.exit(str(exc))
+"""
+
+
+@pytest.mark.parametrize("made", [True, False])
+def test_a_directory_the_worker_cannot_write_to_fails_its_start(tmp_path, made):
+    """A shared directory this worker may not write (a read-only mount, another user's)
+    is refused at registration, naming the key. It registered: every hand-off then failed
+    to write, with no marker either, and each reader waited out ``timeout_s``. A real
+    kernel refusal: a child without root's capabilities (``setpriv``) on a 0555 dir."""
+    if made:  # an operator's existing dir, with its layout dir even
+        config = KVTransferConfig(connector="shared_storage", shared_dir=str(tmp_path))
+        with SharedStorageConnector(config, "a") as writer:
+            writer.register_kv_caches([torch.zeros(SHAPE).half() for _ in range(2)])
+    os.chmod(tmp_path, 0o555)
+    for path in tmp_path.rglob("*"):
+        os.chmod(path, 0o555)
+    prefix = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root without setpriv: no way to be refused a write")
+        prefix = ["setpriv", "--inh-caps=-all", "--bounding-set=-all"]
+    child = subprocess.run(
+        [*prefix, sys.executable, "-c", _READ_ONLY_REGISTRATION, str(tmp_path), *map(str, SHAPE)],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )  # fmt: skip
+    for path in [tmp_path, *tmp_path.rglob("*")]:
+        os.chmod(path, 0o755)  # (for the cleanup, without root)
+    assert child.returncode == 1, child.stderr
+    assert "kv_transfer.shared_dir" in child.stderr and "cannot write" in child.stderr
+
+
 def test_a_block_the_exporter_could_not_write_fails_its_readers_at_once(tmp_path):
     """An exporter on a full disk (a real kernel limit: RLIMIT_FSIZE in a child process)
     leaves a failure marker per block of the transfer; the transfer's reader fails fast
