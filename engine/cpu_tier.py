@@ -55,9 +55,7 @@ class CpuTierStats:
     offloaded_bytes: int = 0
     evicted_blocks: int = 0  # gone from the CPU tier
     hit_blocks: int = 0  # blocks loaded back instead of recomputed
-    loaded_bytes: int = 0
     load_seconds: float = 0.0
-    offload_seconds: float = 0.0
 
 
 class HostBlockCache:
@@ -201,7 +199,6 @@ class CpuTier:
                 self._slots.move_to_end(block_hash)
         if not pending:
             return
-        start = time.perf_counter()
         stored: list[BlockHash] = []
         slots: list[int] = []
         device_blocks: list[int] = []
@@ -234,7 +231,6 @@ class CpuTier:
                 self._slots.move_to_end(block_hash)
         self.stats.offloaded_blocks += len(stored)
         self.stats.offloaded_bytes += len(stored) * self.bytes_per_block
-        self.stats.offload_seconds += time.perf_counter() - start
         announced = [block_hash for block_hash in stored if block_hash not in self._state_names]
         if announced:
             self._emit(BlockStored(announced, None, [], self.block_size, Medium.CPU))
@@ -283,7 +279,6 @@ class CpuTier:
         self.cache.load(slots, device_block_ids)
         self._reserved.difference_update(block_hashes)
         self.stats.hit_blocks += len(slots)
-        self.stats.loaded_bytes += len(slots) * self.bytes_per_block
         self.stats.load_seconds += time.perf_counter() - start
 
     @property

@@ -941,7 +941,6 @@ class LLMEngine:
             error=request.error,
             error_param=request.error_param,
             kv_block_ids=self.scheduler.kv.get_block_ids(request.request_id) if held else None,
-            kv_block_hashes=list(request.block_hashes) if held else None,
             num_remote_blocks_pulled=request.num_remote_blocks_pulled,
             times=request.times,
             prompt_logprobs=prompt_logprobs,
@@ -963,13 +962,6 @@ class LLMEngine:
         if self._undecoded_images:
             problems.append(f"{len(self._undecoded_images)} requests' undecoded images held")
         return problems
-
-    @property
-    def status_counts(self) -> dict[RequestStatus, int]:
-        counts: dict[RequestStatus, int] = {}
-        for request in self.scheduler.requests.values():
-            counts[request.status] = counts.get(request.status, 0) + 1
-        return counts
 
 
 def _prompt_scoring(request: Request, start: int, end: int) -> PromptScoring | None:

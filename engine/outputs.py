@@ -79,7 +79,6 @@ class RequestOutput:
     # A finished prefill-only request: the blocks holding its prompt's KV, kept for a
     # decode worker until the engine's release_kv(request_id).
     kv_block_ids: list[int] | None = None
-    kv_block_hashes: list[bytes] | None = None
     # A finished prefill-only request with an MTP layer: its drafts after the first token,
     # for the decode worker's first step (``LLMEngine.add_request(draft_token_ids=...)``).
     draft_token_ids: list[int] = field(default_factory=list)

@@ -51,8 +51,8 @@ def decode_peer_metadata(
     """Decode and validate a peer's envelope.
 
     Raises ``HandshakeError`` for undecodable bytes, another version, another connector,
-    or (when ``engine_id`` is given) another engine; ``LayoutMismatchError`` for a layout
-    that differs from ``local_layout``.
+    (when ``engine_id`` is given) another engine, or a block count no cache has;
+    ``LayoutMismatchError`` for a layout that differs from ``local_layout``.
     """
     try:
         metadata = msgspec.msgpack.decode(data, type=PeerMetadata)

@@ -458,8 +458,8 @@ class Dispatcher:
     async def _prefill(
         self, request: SequenceRequest, placement: Placement, deadline: float | None = None
     ) -> tuple[pb.PrefillResponse | None, WorkerState | None, float]:
-        """First token and KV handle from a prefill worker, or (None, None) to prefill
-        locally on the decode worker, and when the answered call left (``time.monotonic``:
+        """First token and KV handle from a prefill worker, or (None, None, 0.0) to
+        prefill locally on the decode worker, and when the answered call left (``time.monotonic``:
         the handle's lease is timed from then). Each try takes at most
         ``prefill_timeout_s`` and ends by the sequence's ``deadline``."""
         chosen = self.pool.get(placement.prefill_worker or "")

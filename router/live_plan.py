@@ -40,7 +40,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Gauge
 
-from common.config import PlannerConfig
+from common.config import PlannerConfig, Role
 from planner.demand import Demand, RequestShape
 from planner.profile_data import Profile, read_profile, scaled
 from planner.sizing import Sizing, Targets, describe, predict, size
@@ -167,7 +167,7 @@ class LivePlan:
         self.layout = layout
         self.clock = clock
         self.window = DemandWindow(config.window_s, clock())
-        self.correction = {"prefill": 1.0, "decode": 1.0}
+        self.correction = {Role.PREFILL: 1.0, Role.DECODE: 1.0}
 
         def gauge(name: str, doc: str, *labels: str) -> Gauge:
             return Gauge(name, doc, labels, registry=registry)
@@ -229,10 +229,10 @@ class LivePlan:
         if demand is not None and self.config.correct:
             observed = self.window.observed(now, self.targets.min_disagg_tokens)
             self._correct(demand, observed, layout or self.layout())
-        profile = scaled(self.profile, self.correction["prefill"], self.correction["decode"])
+        profile = scaled(self.profile, self.correction[Role.PREFILL], self.correction[Role.DECODE])
         sizing = size(profile, demand or Demand(0.0, (RequestShape(1, 1, 1),)), self.targets)
-        self.replicas.labels(role="prefill").set(sizing.prefill.replicas)
-        self.replicas.labels(role="decode").set(sizing.decode.replicas)
+        self.replicas.labels(role=Role.PREFILL).set(sizing.prefill.replicas)
+        self.replicas.labels(role=Role.DECODE).set(sizing.decode.replicas)
         self.rate.set(demand.rate_per_s if demand else 0.0)
         self.ttft.set(sizing.prefill.ttft_s)
         self.itl.set(sizing.decode.itl_s)
@@ -259,15 +259,15 @@ class LivePlan:
         step = max(1, len(demand.shapes) // CORRECTION_SHAPES)
         sample = Demand(demand.rate_per_s, demand.shapes[::step])
         means = self.targets.means()
-        for role, seen in (("prefill", observed.ttft_s), ("decode", observed.itl_s)):
-            if seen is None or (role == "prefill" and num_prefill < 1):
+        for role, seen in ((Role.PREFILL, observed.ttft_s), (Role.DECODE, observed.itl_s)):
+            if seen is None or (role is Role.PREFILL and num_prefill < 1):
                 continue
 
-            def predicted(factor: float, role: str = role) -> float:
-                factors = (factor, 1.0) if role == "prefill" else (1.0, factor)
+            def predicted(factor: float, role: Role = role) -> float:
+                factors = (factor, 1.0) if role is Role.PREFILL else (1.0, factor)
                 profile = scaled(self.profile, *factors)
                 sizing = predict(profile, sample, means, num_prefill, num_decode)
-                return sizing.prefill.ttft_s if role == "prefill" else sizing.decode.itl_s
+                return sizing.prefill.ttft_s if role is Role.PREFILL else sizing.decode.itl_s
 
             factor = _solve(predicted, seen)
             if factor is not None:

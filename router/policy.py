@@ -74,7 +74,6 @@ class Placement:
     prefill_worker: str | None  # None: prefill locally on the decode worker
     decode_cached_tokens: int
     prefill_cached_tokens: int
-    estimated_ttft_s: float  # the prefill worker's cost: a shared prefix's recompute spread
 
     @property
     def disaggregated(self) -> bool:
@@ -166,7 +165,7 @@ class PlacementPolicy:
         on_decode = min(held_blocks * self.block_size, num_tokens - 1)
         on_decode = max(on_decode, 0)
         if not prefill or num_tokens - on_decode < self.config.min_disagg_tokens:
-            return Placement(decode_id, None, on_decode, 0, 0.0)
+            return Placement(decode_id, None, on_decode, 0)
         prefill_cached = self._cached(prefill, prefill_matches, num_tokens)
         best = max(prefill_cached.values())
         # Workers that have the room for the prompt, where some have: one whose pool is
@@ -177,8 +176,8 @@ class PlacementPolicy:
             (self.prefill_cost(w, prefill_cached[w.worker_id], num_tokens, best, uses), w.worker_id)
             for w in roomy or prefill
         ]
-        ttft, prefill_id = self._pick(prefill_scores, Role.PREFILL)
-        return Placement(decode_id, prefill_id, on_decode, int(prefill_cached[prefill_id]), ttft)
+        _, prefill_id = self._pick(prefill_scores, Role.PREFILL)
+        return Placement(decode_id, prefill_id, on_decode, int(prefill_cached[prefill_id]))
 
     def _has_room(self, load: WorkerLoad, matches: dict[str, PrefixMatch], num_tokens: int) -> bool:
         """Whether ``load``'s free blocks, less those of the prefills sent it and not done,

@@ -111,16 +111,6 @@ def logprobs_to_proto(lp: TokenLogprobs) -> pb.TokenLogprobs:
     )
 
 
-def logprobs_from_proto(msg: pb.TokenLogprobs) -> TokenLogprobs:
-    return TokenLogprobs(
-        token_id=msg.token_id,
-        logprob=msg.logprob,
-        rank=msg.rank,
-        top_token_ids=tuple(msg.top_token_ids),
-        top_logprobs=tuple(msg.top_logprobs),
-    )
-
-
 def _ms(start: float | None, end: float | None) -> float:
     return (end - start) * 1000.0 if start is not None and end is not None else 0.0
 

@@ -22,7 +22,7 @@ norms span whole projections: their gains are cut like the projections' rows, an
 mean square is summed across ranks (``norms.SplitRMSNorm``).
 
 The loader copies each stored tensor through these specs, so a rank reads only the rows
-(or columns) it keeps; LoRA adapters are cut by the same specs (``lora.shard_adapter``).
+(or columns) it keeps; LoRA adapters are cut by the same specs (``lora._shard_pair``).
 """
 
 from __future__ import annotations

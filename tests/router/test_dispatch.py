@@ -159,7 +159,7 @@ def test_a_retried_decode_recomputes_instead_of_pulling_again(tmp_path):
             first = pb.PrefillResponse(first_token_id=7)
             first.kv.lease_id = "lease-1"
             first.kv.num_tokens = 35
-            placement = Placement(ids[0], "prefill@x", 0, 0, 0.0)
+            placement = Placement(ids[0], "prefill@x", 0, 0)
             tokens = []
             lease = RemoteLease(lambda: released.append(True))
             async for delta in dispatcher._decode(request, placement, first, lease, set()):
@@ -212,7 +212,7 @@ def test_both_calls_name_the_adapters_files_they_were_placed_for(tmp_path):
             lora = LoraRef("alice", "fp-1")
             request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams(),
                                       lora=lora)  # fmt: skip
-            placement = Placement(info_d.worker_id, info_p.worker_id, 0, 0, 0.0)
+            placement = Placement(info_d.worker_id, info_p.worker_id, 0, 0)
             first, _, _ = await dispatcher._prefill(request, placement)
             lease = RemoteLease(lambda: None)
             async for _ in dispatcher._decode(request, placement, first, lease, set()):
@@ -281,7 +281,7 @@ def decode_through(
                 state.running = ids.index(state.worker_id)  # the least busy is tried first
             params = sampling or pb.SamplingParams()
             request = SequenceRequest("r1", list(range(5, 40)), [], params)
-            placement = Placement(ids[0], "prefill@x", 0, 0, 0.0)
+            placement = Placement(ids[0], "prefill@x", 0, 0)
             try:
                 lease = RemoteLease(lambda: None)
                 async for delta in dispatcher._decode(request, placement, first, lease, set()):
@@ -418,7 +418,7 @@ async def client_leaves(
     """A client of one sequence whose KV ``lease`` the decode worker of ``info`` pulls,
     gone once ``until`` returns; the worker's counts are back to zero after."""
     request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams())
-    placement = Placement(info.worker_id, "prefill@x", 0, 0, 0.0)
+    placement = Placement(info.worker_id, "prefill@x", 0, 0)
 
     async def client() -> None:
         async for _ in dispatcher._decode(request, placement, leased_first(), lease, set()):
@@ -574,7 +574,7 @@ def test_a_decode_worker_that_refuses_leaves_the_kv_to_the_next(tmp_path):
             for state in pool.candidates(Role.DECODE):
                 state.running = ids.index(state.worker_id)  # the refusing one first
             request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams())
-            placement = Placement(ids[0], "prefill@x", 0, 0, 0.0)
+            placement = Placement(ids[0], "prefill@x", 0, 0)
             lease = RemoteLease(lambda: released.append(True))
             tokens = []
             async for delta in dispatcher._decode(request, placement, leased_first(), lease,
@@ -617,7 +617,7 @@ def test_a_failed_pull_under_failure_policy_fail_is_the_clients_error_not_the_wo
             for state in pool.candidates(Role.DECODE):
                 state.running = ids.index(state.worker_id)
             request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams())
-            placement = Placement(ids[0], "prefill@x", 0, 0, 0.0)
+            placement = Placement(ids[0], "prefill@x", 0, 0)
             with pytest.raises(APIError) as failed:
                 async for _ in dispatcher._decode(request, placement, leased_first(),
                                                   RemoteLease(lambda: None), set()):  # fmt: skip
@@ -650,7 +650,7 @@ def test_a_prefill_worker_down_since_placement_is_passed_over(tmp_path):
         try:
             await pool.refresh()
             request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams())
-            placement = Placement("decode@x", info_a.worker_id, 0, 0, 0.0)
+            placement = Placement("decode@x", info_a.worker_id, 0, 0)
             pool.mark_unhealthy(info_a.worker_id)
             reply, worker, _ = await dispatcher._prefill(request, placement)
             assert reply is not None and worker is not None
@@ -694,7 +694,7 @@ def test_a_prefill_past_its_deadline_is_released_by_request_id(tmp_path):
         try:
             await pool.refresh()
             request = SequenceRequest("r9", list(range(5, 40)), [], pb.SamplingParams())
-            placement = Placement("decode@x", info.worker_id, 0, 0, 0.0)
+            placement = Placement("decode@x", info.worker_id, 0, 0)
             assert (await dispatcher._prefill(request, placement))[:2] == (None, None)  # local
             while not prefill.released:
                 await asyncio.sleep(0.01)
@@ -723,7 +723,7 @@ def test_a_prefill_try_past_the_deadline_counts_no_queued_tokens(tmp_path):
         try:
             await pool.refresh()
             request = SequenceRequest("r1", list(range(5, 305)), [], pb.SamplingParams())
-            placement = Placement("decode@x", info_a.worker_id, 0, 0, 0.0)
+            placement = Placement("decode@x", info_a.worker_id, 0, 0)
             deadline = time.monotonic() + 0.5
             assert (await dispatcher._prefill(request, placement, deadline))[:2] == (None, None)
             queued = [w.queued_prefill_tokens for w in pool.workers.values()]
@@ -839,7 +839,7 @@ def test_a_sequence_ended_early_is_observed_and_a_finished_call_ends_by_itself(t
             await pool.refresh()
             sampling = pb.SamplingParams(prompt_logprobs=0)  # (a local prefill's)
             request = SequenceRequest("r1", list(range(5, 40)), [], sampling)
-            placement = Placement(info.worker_id, None, 0, 0, 0.0)
+            placement = Placement(info.worker_id, None, 0, 0)
             lease = RemoteLease(lambda: None)
             early = dispatcher._decode(request, placement, None, lease, set())
             await anext(early)  # a stop string in its first token: the router stops
@@ -1661,7 +1661,7 @@ def test_a_sequence_another_decode_worker_takes_over_counts_ahead_there(tmp_path
             prompt = list(range(5, 40))
             request = SequenceRequest("r", prompt, hash_blocks(prompt, 16), pb.SamplingParams())
             seat = _Seat(first.worker_id, await dispatcher._room_on(first, request, 3))
-            placement = Placement(first.worker_id, None, 0, 0, 0.0)
+            placement = Placement(first.worker_id, None, 0, 0)
             decode = dispatcher._decode(request, placement, None, RemoteLease(_nothing),
                                         set(), None, seat)  # fmt: skip
             counts = []

@@ -18,8 +18,8 @@ def test_series_of_workers_that_left_are_dropped():
     assert 'pdserve:worker_available{worker="decode@b:1"} 1.0' in text
     # Routing decisions too (they grew with every worker id ever seen: 200 series after
     # 50 generations of 4 workers).
-    metrics.observe_placement(Placement("decode@b:1", None, 0, 0, 0.0), 0.001)
-    metrics.observe_placement(Placement("decode@a:1", "prefill@c:1", 0, 0, 0.0), 0.001)
+    metrics.observe_placement(Placement("decode@b:1", None, 0, 0), 0.001)
+    metrics.observe_placement(Placement("decode@a:1", "prefill@c:1", 0, 0), 0.001)
     assert 'worker="decode@b:1"' in metrics.render().decode()
     metrics.observe_workers({"decode@a:1": stats}, {"decode@a:1"})
     text = metrics.render().decode()
