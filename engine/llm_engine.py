@@ -46,7 +46,6 @@ from engine.images import (
     decode_pixels,
     prepare_images,
 )
-from engine.kv_cache_manager import cdiv
 from engine.kv_connector import KVPuller
 from engine.kv_events import KVEventCollector
 from engine.model_runner import ModelRunner, PromptScoring, SequenceChunk
@@ -58,8 +57,9 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.parallel.launch import ShardExtensionSpec
 from engine.parallel.shard_client import ShardError
 from engine.penalties import TokenCounts
-from engine.pooling import EMBEDDING_SAMPLING, PoolingParams
+from engine.pooling import PoolingParams
 from engine.request import FINISH_REASONS, RemoteKV, Request, RequestStatus
+from engine.request_checks import check_pooling, check_remote_kv, check_resume, check_sampling
 from engine.resolve import check_hybrid, resolve_device, resolve_dtype, resolve_max_model_len
 from engine.sampler import SamplingRow
 from engine.sampling_ops import RequestRandom
@@ -239,98 +239,27 @@ class LLMEngine:
             raise DuplicateRequestError(request_id)
         if request_id in scheduler.fetching:  # aborted, but its pull still writes its blocks
             raise DuplicateRequestError(request_id)
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("sampling params must be a SamplingParams", "params")
-        if params.n != 1 or params.stop:
-            raise InvalidRequestError(
-                "an engine request is one sequence and reads no text: n and stop are the "
-                "offline API's (LLM.generate)",
-                "n" if params.n != 1 else "stop",
-            )
+        check_sampling(params, self.arch.vocab_size, self.eos_token_ids)
         priority = self.validate_priority(priority)
-        if pooling is None and not self.runner.model.generates:
-            raise InvalidRequestError(
-                f"{self.model_dir.name} has no language-model head (lm_head.weight), as "
-                "embedding checkpoints do: it serves embeddings only",
-                "model",
-            )
-        if pooling is not None and (
-            params != EMBEDDING_SAMPLING or prefill_only or remote_kv is not None or outputs
-        ):
-            raise InvalidRequestError(
-                "an embedding request samples nothing (EMBEDDING_SAMPLING), computes its "
-                "whole prompt here and has no output tokens",
-                "pooling",
-            )
-        if pooling is not None and pooling.token_ids:
-            if not self.runner.model.generates:
-                raise InvalidRequestError(
-                    f"{self.model_dir.name} has no language-model head: it has no logits to "
-                    "score tokens by",
-                    "pooling",
-                )
-            if any(not 0 <= t < self.arch.vocab_size for t in pooling.token_ids):
-                raise InvalidRequestError(
-                    f"pooling token ids must be in [0, {self.arch.vocab_size})", "pooling"
-                )
-        if outputs and len(prompt) + len(outputs) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"{len(prompt)} prompt + {len(outputs)} output tokens leave no room below "
-                f"max_model_len={self.max_model_len}: nothing is left to generate",
-                "output_token_ids",
-            )
-        vocab_size = self.arch.vocab_size
-        for name, token_ids in (
-            ("stop_token_ids", params.stop_token_ids),
-            ("logit_bias", [t for t, _ in params.logit_bias]),
-            ("allowed_token_ids", params.allowed_token_ids or ()),
-            ("bad_words", [t for word in params.bad_words_token_ids for t in word]),
-        ):
-            if any(t >= vocab_size for t in token_ids):
-                raise InvalidRequestError(f"{name} must be in [0, {vocab_size}) (token ids)", name)
-        banned = params.ids_banned_before_min_tokens(self.eos_token_ids)
-        allowed = params.allowed_token_ids
-        if params.min_tokens and allowed is None and len(banned) >= vocab_size:
-            raise InvalidRequestError(
-                "stop_token_ids and EOS cover the whole vocabulary: nothing could be sampled "
-                "before min_tokens",
-                "stop_token_ids",
-            )
-        if params.min_tokens and allowed is not None and set(allowed) <= banned:
-            raise InvalidRequestError(
-                "stop_token_ids and EOS cover every allowed_token_ids: nothing could be "
-                "sampled before min_tokens",
-                "allowed_token_ids",
-            )
-        if params.max_tokens is not None and len(outputs) >= params.max_tokens:
-            raise InvalidRequestError(
-                f"{len(outputs)} tokens were already generated; max_tokens is "
-                f"{params.max_tokens}: nothing is left to generate",
-                "output_token_ids",
-            )
+        computes_here = not (prefill_only or remote_kv is not None or outputs)
+        check_pooling(
+            pooling,
+            params,
+            model_name=self.model_dir.name,
+            generates=self.runner.model.generates,
+            vocab_size=self.arch.vocab_size,
+            computes_here=computes_here,
+        )
+        check_resume(len(prompt), len(outputs), params, self.max_model_len)
         if remote_kv is not None:
-            if params.prompt_logprobs is not None:
-                raise InvalidRequestError(
-                    "prompt_logprobs needs the prompt computed here, not pulled (the worker "
-                    "that prefilled it scores it)",
-                    "prompt_logprobs",
-                )
-            if self.kv_puller is None:
-                raise InvalidRequestError("this engine cannot pull remote KV", "kv")
-            if not outputs:
-                raise InvalidRequestError(
-                    "a KV handle comes with the token sampled after the prompt "
-                    "(output_token_ids), which the KV does not cover",
-                    "output_token_ids",
-                )
-            if remote_kv.num_tokens != len(prompt) or len(remote_kv.block_ids) != cdiv(
-                len(prompt), self.config.block_size
-            ):
-                raise InvalidRequestError(
-                    f"the KV handle covers {remote_kv.num_tokens} tokens in "
-                    f"{len(remote_kv.block_ids)} blocks; the prompt has {len(prompt)}",
-                    "kv",
-                )
+            check_remote_kv(
+                remote_kv,
+                prompt,
+                len(outputs),
+                params,
+                block_size=self.config.block_size,
+                can_pull=self.kv_puller is not None,
+            )
         if params.structured_output is not None and grammar is None:  # the last check
             grammar = self.grammars.prepare(params.structured_output, outputs)
         request = Request(
