@@ -29,9 +29,9 @@ import time
 import torch
 
 from benchmarks import revisions
+from common.intmath import cdiv
 from engine.block_pool import KVBlock
 from engine.block_table import BlockTable
-from engine.kv_cache_manager import cdiv
 
 BLOCK_SIZE = 16
 

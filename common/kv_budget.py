@@ -43,6 +43,7 @@ from common.hf_config import (
     num_mtp_layers,
     text_config,
 )
+from common.intmath import cdiv
 from common.model_info import model_dir_of
 from common.tensor_parallel import (
     expert_split_problem,
@@ -126,7 +127,7 @@ class ModelShape:
         draft slots: ``EngineConfig.num_draft_state_groups``), each
         of whole blocks of one rank's (which holds its heads' share of the states:
         ``engine.model_shard``)."""
-        return num_slots * -(-self.rank_state_bytes(tp_size, itemsize) // bytes_per_block)
+        return num_slots * cdiv(self.rank_state_bytes(tp_size, itemsize), bytes_per_block)
 
     def rank_state_bytes(self, tp_size: int = 1, itemsize: int = 4) -> int:
         """Bytes of one request's linear-attention states on one of ``tp_size`` ranks,
@@ -240,7 +241,7 @@ def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
     if problem is not None:
         raise ConfigError(_key(config, role, "tensor_parallel_size"), problem)
     max_model_len = min(engine.max_model_len or shape.max_context_len, shape.max_context_len)
-    min_blocks = -(-max_model_len // engine.block_size)
+    min_blocks = cdiv(max_model_len, engine.block_size)
     # The block table is allocated whole at start (a row of int32 block ids per sequence):
     # a max_num_seqs of 10^8 passed here and failed the worker's start on a 100 GB alloc.
     table_bytes = 4 * (engine.max_num_seqs + 32) * (min_blocks + 2)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from common.hashing import BlockHash, hash_blocks, state_block_hashes
+from common.intmath import cdiv
 from engine.block_pool import BlockPool, BlockPoolObserver, KVBlock
 from engine.request import Request
 
@@ -69,10 +70,6 @@ class SecondaryTier(Protocol):
     def reserve(self, block_hashes: Sequence[BlockHash]) -> None: ...
 
     def on_state_block_evicted(self, block: KVBlock, name: BlockHash) -> None: ...
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class KVCacheManager:

@@ -26,12 +26,12 @@ import numpy as np
 import torch
 
 from common.config import EngineConfig, SpeculativeMethod
+from common.intmath import cdiv
 from engine.attention.backend import AttentionBackend
 from engine.block_table import BlockTable
 from engine.cuda_graphs import DecodeGraphs
 from engine.draft_model import DraftModel, draft_segment
 from engine.images import ChunkImages, EncoderCache, image_embeds, image_key_ends
-from engine.kv_cache_manager import cdiv
 from engine.linear_state import DraftGroups, StateSlots
 from engine.model_shard import HostBatch, ModelShard
 from engine.models.arch import ModelArchConfig, ModelLoadError

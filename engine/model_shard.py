@@ -21,11 +21,11 @@ import numpy as np
 import torch
 
 from common.config import ConfigError, EngineConfig, SpeculativeMethod
+from common.intmath import cdiv
 from engine.attention.backend import BatchLayout
 from engine.attention.registry import create_backend
 from engine.cuda_graphs import DecodeGraphs
 from engine.host_memory import zeros_for_kv_caches
-from engine.kv_cache_manager import cdiv
 from engine.linear_state import LinearStep, StatePool, bytes_per_slot, verify_plan
 from engine.models.arch import ModelArchConfig, ModelLoadError
 from engine.models.eagle3 import Eagle3Head, load_eagle3_head

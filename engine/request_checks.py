@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from common.intmath import cdiv
 from engine.errors import InvalidRequestError
-from engine.kv_cache_manager import cdiv
 from engine.pooling import EMBEDDING_SAMPLING, PoolingParams
 from engine.request import RemoteKV
 from engine.sampling_params import SamplingParams

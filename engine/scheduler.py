@@ -51,10 +51,11 @@ from typing import TYPE_CHECKING
 
 from common.config import EngineConfig
 from common.hashing import BlockHash
+from common.intmath import cdiv
 from engine.block_pool import BlockPoolObserver, KVBlock
 from engine.draft_budget import DraftBudget
 from engine.images import whole_image_end
-from engine.kv_cache_manager import KVCacheManager, SecondaryTier, cdiv
+from engine.kv_cache_manager import KVCacheManager, SecondaryTier
 from engine.ngram_proposer import DraftProposer, ModelDraftProposer, NgramProposer
 from engine.request import Request, RequestStatus, TokenLogprobs
 from engine.request_queue import RequestQueue

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.triton_utils import cdiv, next_pow2
+from common.intmath import cdiv
+from kernels.triton_utils import next_pow2
 
 # Split-KV: aim for this many programs per SM, and give each split at least this many tiles
 # (a split's fixed cost is its q load and one partial row written and merged). On the H100,

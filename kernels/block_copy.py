@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_utils import cdiv, require_runnable
+from common.intmath import cdiv
+from kernels.triton_utils import require_runnable
 
 CHUNK = 4096  # elements per program
 

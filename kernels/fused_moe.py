@@ -24,8 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from common.intmath import cdiv
 from kernels.reference import swiglu
-from kernels.triton_utils import cdiv, dot_dtype, dot_precision, require_runnable
+from kernels.triton_utils import dot_dtype, dot_precision, require_runnable
 
 
 def align_by_expert(

@@ -24,9 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
+from common.intmath import cdiv
 from kernels.attention_config import device_num_sms, num_kv_splits
 from kernels.paged_attention_kernel import merge_splits_kernel
-from kernels.triton_utils import cdiv, dot_dtype, dot_precision, require_runnable
+from kernels.triton_utils import dot_dtype, dot_precision, require_runnable
 
 LOG2_E = 1.4426950408889634
 BLOCK_H = 16  # heads per program (tl.dot's smallest M)

@@ -63,7 +63,3 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)

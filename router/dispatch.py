@@ -28,6 +28,7 @@ import grpc
 
 from common.config import Role, RouterConfig
 from common.hashing import BlockHash
+from common.intmath import cdiv
 from proto import ADMITTED_KEY, PARAM_KEY, REFUSED_KEY
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -283,7 +284,7 @@ class Dispatcher:
     # ------------------------------------------------------------------ the journey
 
     async def generate(self, request: SequenceRequest) -> AsyncIterator[TokenDelta]:
-        blocks = -(-len(request.prompt_token_ids) // self.block_size)
+        blocks = cdiv(len(request.prompt_token_ids), self.block_size)
         # One deadline for the whole sequence, from its admission: the wait for room on a
         # decode worker, every prefill try and every decode try share it.
         deadline = time.monotonic() + self.config.request_timeout_s
@@ -609,7 +610,7 @@ class Dispatcher:
                                worker.worker_id, len(generated))  # fmt: skip
             tried.add(worker.worker_id)
             if seat is not None:  # counted ahead where it runs
-                seat.move_to(worker, request, -(-len(request.prompt_token_ids) // self.block_size))
+                seat.move_to(worker, request, cdiv(len(request.prompt_token_ids), self.block_size))
             self._moved(request.block_hashes, holder, worker.worker_id)
             holder = worker.worker_id
             touched.add(holder)
@@ -637,7 +638,7 @@ class Dispatcher:
                 message.draft_token_ids.extend(first.draft_token_ids)  # continue just that
             started = timed = False
             num_tokens = len(request.prompt_token_ids) + len(generated)
-            blocks = -(-num_tokens // self.block_size)
+            blocks = cdiv(num_tokens, self.block_size)
             worker.running += 1
             worker.kv_blocks_in_use += blocks
             metadata = request.trace_headers or None
@@ -672,7 +673,7 @@ class Dispatcher:
                                 self.metrics.decode_migrations.inc()
                         generated.extend(chunk.token_ids)
                         num_tokens += len(chunk.token_ids)
-                        grown = -(-num_tokens // self.block_size) - blocks
+                        grown = cdiv(num_tokens, self.block_size) - blocks
                         worker.kv_blocks_in_use += grown
                         blocks += grown
                         delta = TokenDelta(list(chunk.token_ids), list(chunk.logprobs))

@@ -33,6 +33,7 @@ import numpy as np
 
 from common.config import Role
 from common.hashing import hash_blocks, prefix_salt
+from common.intmath import cdiv
 from proto import pdserve_pb2 as pb
 from router.choices import hashing
 from router.dispatch import PAST_DEADLINE, Dispatcher, SequenceRequest, cut_by_deadline
@@ -150,7 +151,7 @@ async def _embed_on(
     num_tokens = len(message.token_ids)
     done: Callable[[], None]
     if worker.info.role is Role.DECODE:
-        done = worker.assign(-(-num_tokens // dispatcher.block_size))
+        done = worker.assign(cdiv(num_tokens, dispatcher.block_size))
     else:
         worker.queued_prefill_tokens += num_tokens
 

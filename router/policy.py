@@ -50,6 +50,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from common.config import Role, RouterConfig
+from common.intmath import cdiv
 from router.prefix_index import PrefixMatch
 
 
@@ -185,8 +186,8 @@ class PlacementPolicy:
         if load.kv_blocks_free is None:
             return True
         held = matches.get(load.worker_id, PrefixMatch())
-        needed = -(-num_tokens // self.block_size) - held.gpu_blocks
-        queued = -(-load.queued_prefill_tokens // self.block_size)
+        needed = cdiv(num_tokens, self.block_size) - held.gpu_blocks
+        queued = cdiv(load.queued_prefill_tokens, self.block_size)
         return load.kv_blocks_free - queued >= needed
 
     def _cached(
