@@ -101,6 +101,45 @@ def _unscored(sampling: pb.SamplingParams) -> pb.SamplingParams:
     return copy
 
 
+def _set_salt_and_adapter(
+    message: pb.PrefillRequest | pb.GenerateRequest, request: SequenceRequest
+) -> None:
+    if request.cache_salt is not None:
+        message.cache_salt = request.cache_salt
+    if request.lora is not None:
+        message.lora_name = request.lora.name
+        message.lora_fingerprint = request.lora.fingerprint
+
+
+def _generate_message(
+    request: SequenceRequest,
+    generated: list[int],
+    kv: pb.KVHandle | None,
+    lease: RemoteLease,
+    first: pb.PrefillResponse | None,
+    scores_prompt: bool,
+) -> pb.GenerateRequest:
+    """A decode try's call: the prompt, the tokens the client has (``generated``), and
+    the prefill worker's KV handle while it may still be pulled, with the lease's time
+    left as this host's monotonic clock says (hosts' wall clocks differ)."""
+    message = pb.GenerateRequest(
+        request_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids,
+        output_token_ids=generated,
+        sampling=request.sampling if scores_prompt else _unscored(request.sampling),
+        priority=request.priority,
+        images=request.images,
+    )
+    _set_salt_and_adapter(message, request)
+    if kv is not None:
+        message.kv.CopyFrom(kv)
+        if lease.ends_by is not None:
+            message.kv.lease_left_s = lease.ends_by - time.monotonic()
+    if first is not None and len(generated) == 1:  # the prefill worker's MTP drafts
+        message.draft_token_ids.extend(first.draft_token_ids)  # continue just that
+    return message
+
+
 def _nothing() -> None:
     """Nothing to end: no lease to release (the prompt was not prefilled elsewhere), or no
     placed worker to count a sequence on."""
@@ -474,11 +513,7 @@ class Dispatcher:
             priority=request.priority,
             images=request.images,
         )
-        if request.cache_salt is not None:
-            message.cache_salt = request.cache_salt
-        if request.lora is not None:
-            message.lora_name = request.lora.name
-            message.lora_fingerprint = request.lora.fingerprint
+        _set_salt_and_adapter(message, request)
         for worker in [w for w in [chosen, *others] if w is not None]:
             if self.pool.retired(worker):
                 continue  # retired while an earlier try ran: its channel is closed
@@ -617,25 +652,7 @@ class Dispatcher:
             # Only a local prefill scores the prompt: after a prefill worker's or an earlier
             # decode worker's first token the client has the prompt's log-probs.
             scores_prompt = kv is None and not generated
-            message = pb.GenerateRequest(
-                request_id=request.request_id,
-                prompt_token_ids=request.prompt_token_ids,
-                output_token_ids=generated,
-                sampling=request.sampling if scores_prompt else _unscored(request.sampling),
-                priority=request.priority,
-                images=request.images,
-            )
-            if request.cache_salt is not None:
-                message.cache_salt = request.cache_salt
-            if request.lora is not None:
-                message.lora_name = request.lora.name
-                message.lora_fingerprint = request.lora.fingerprint
-            if kv is not None:
-                message.kv.CopyFrom(kv)
-                if lease.ends_by is not None:  # (monotonic clocks: hosts' wall clocks differ)
-                    message.kv.lease_left_s = lease.ends_by - time.monotonic()
-            if first is not None and len(generated) == 1:  # the prefill worker's MTP drafts
-                message.draft_token_ids.extend(first.draft_token_ids)  # continue just that
+            message = _generate_message(request, generated, kv, lease, first, scores_prompt)
             started = timed = False
             num_tokens = len(request.prompt_token_ids) + len(generated)
             blocks = cdiv(num_tokens, self.block_size)
@@ -702,32 +719,10 @@ class Dispatcher:
                 self.metrics.decode_failures.inc()
                 failure = unavailable("the decode worker stopped responding")
             except grpc.aio.AioRpcError as exc:
-                client_error = _client_error(exc)
-                if client_error is not None:
-                    raise client_error from None
-                if cut_by_deadline(exc, deadline):  # not the worker's failure: no retry
-                    raise unavailable(PAST_DEADLINE) from None
-                log = logger.info if _draining(exc) else logger.warning  # (a drain: planned)
-                log("decode of %s on %s failed: %s %s", request.request_id, worker.worker_id,
-                    exc.code().name, exc.details())  # fmt: skip
-                # Details stay in the log: they name hosts and internals.
-                if exc.code() == grpc.StatusCode.ABORTED:
-                    # It gave the request up (its pull failed under failure_policy: fail):
-                    # the worker is well, and recomputing elsewhere is what `fail` declines.
-                    self.metrics.decode_failures.inc()
-                    raise unavailable(
-                        "moving the prompt's KV to the decode worker failed; retry the request"
-                    ) from None
-                failure = unavailable("the decode worker failed; retry the request")
-                if exc.code() not in _RETRYABLE:
-                    raise failure from None
+                failure = self._decode_failed(exc, request, worker, deadline)
                 refused = _refused(exc)
                 if moving and refused:
                     migrations_left += 1  # it never held the sequence
-                if not refused:  # a draining worker's refusal is no failed hop (drain alerts)
-                    self.metrics.decode_failures.inc()
-                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
-                    self.pool.mark_unhealthy(worker.worker_id, _draining(exc))
             finally:
                 worker.running -= 1
                 worker.kv_blocks_in_use -= blocks
@@ -756,6 +751,42 @@ class Dispatcher:
         if time.monotonic() >= deadline:
             raise unavailable(PAST_DEADLINE)
         raise unavailable("no decode worker could serve the request; retry shortly")
+
+    def _decode_failed(
+        self,
+        exc: grpc.aio.AioRpcError,
+        request: SequenceRequest,
+        worker: WorkerState,
+        deadline: float,
+    ) -> APIError:
+        """What the client gets for ``exc`` from a decode try if no other worker takes
+        over; raised at once where no other try may (the client's own error, the
+        deadline, a pull ``failure_policy: fail`` gave up, a status retrying cannot
+        help). Logs it, counts it and marks the worker down as the status says."""
+        client_error = _client_error(exc)
+        if client_error is not None:
+            raise client_error from None
+        if cut_by_deadline(exc, deadline):  # not the worker's failure: no retry
+            raise unavailable(PAST_DEADLINE) from None
+        log = logger.info if _draining(exc) else logger.warning  # (a drain: planned)
+        log("decode of %s on %s failed: %s %s", request.request_id, worker.worker_id,
+            exc.code().name, exc.details())  # fmt: skip
+        # Details stay in the log: they name hosts and internals.
+        if exc.code() == grpc.StatusCode.ABORTED:
+            # It gave the request up (its pull failed under failure_policy: fail): the
+            # worker is well, and recomputing elsewhere is what `fail` declines.
+            self.metrics.decode_failures.inc()
+            raise unavailable(
+                "moving the prompt's KV to the decode worker failed; retry the request"
+            ) from None
+        failure = unavailable("the decode worker failed; retry the request")
+        if exc.code() not in _RETRYABLE:
+            raise failure from None
+        if not _refused(exc):  # a draining worker's refusal is no failed hop (drain alerts)
+            self.metrics.decode_failures.inc()
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
+            self.pool.mark_unhealthy(worker.worker_id, _draining(exc))
+        return failure
 
     def _lease(self, worker: WorkerState, lease_id: str, ends_by: float | None) -> RemoteLease:
         """``lease_id`` on the prefill ``worker``, released by ``ReleaseKV``."""
