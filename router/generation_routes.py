@@ -20,6 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from common.detokenizer import IncrementalDetokenizer
 from common.structured_output import STRUCTURED_OUTPUT, StructuredOutput
+from common.tokenizer import Tokenizer
 from common.tracing import NO_SPAN, Span
 from router.admission import (
     GONE,
@@ -139,6 +140,66 @@ def check_num_sequences(num_sequences: int, n: int, limit: int) -> None:
             f"runs at most {limit} at once",
             "n" if n > 1 else "prompt",
         )
+
+
+def _check_token_ids(body: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> None:
+    """Token ids of the body in the model's vocabulary (what the engine checks too)."""
+    for name, token_ids in (("stop_token_ids", body.stop_token_ids),
+                            ("logit_bias", body.logit_bias),
+                            ("allowed_token_ids", body.allowed_token_ids)):  # fmt: skip
+        if any(t >= vocab_size for t in token_ids or ()):
+            raise bad_request(f"{name} must be in [0, {vocab_size}) (token ids)", name)
+
+
+async def _output_constraint(
+    state: RouterState,
+    body: CompletionRequest | ChatCompletionRequest,
+    calls_format: ToolFormat | Harmony | None,
+    thinks: Reasoning | Harmony | None,
+) -> tuple[str, StructuredOutput] | None:
+    """What constrains the output, and the parameter that asked for it: the body's
+    structured output, or the tool calls ``calls_format`` forces (never both), applied
+    after any thinking; compiled once here so that a bad one is a 400 before admission.
+    ``calls_format``: what may constrain the output to calls; ``thinks``: what tells
+    this reply's thinking apart."""
+    try:
+        constraint = structured_output_of(body)
+        if calls_format is not None and calls_format.structured is not None:
+            if constraint is not None:  # the calls are the output's constraint
+                raise FieldError(f"{constraint[0]} cannot be combined with tool_choice "
+                                 "required or a named function", constraint[0])  # fmt: skip
+            constraint = ("tools", calls_format.structured)
+        if constraint is not None and thinks is not None:  # it applies after thinking
+            constraint = (constraint[0], thinks.constrained(constraint[1]))
+        if constraint is not None:  # a large schema compiles for a while: off the loop
+            # On threads of their own: on the shared pool, 12 slow compiles held every
+            # request's tokenizing (a plain completion waited 11.7 s).
+            await asyncio.get_running_loop().run_in_executor(
+                state.compile_pool, check_constraint, state.grammar_compiler, *constraint
+            )
+    except FieldError as error:
+        raise bad_request(str(error), error.param) from None
+    return constraint
+
+
+def _echo_texts(
+    body: CompletionRequest, prompts: list[list[int]], tokenizer: Tokenizer
+) -> list[str]:
+    """What ``echo`` repeats of each prompt: the text sent, or token ids decoded (and
+    what truncation kept of them)."""
+    texts = body.prompt_texts
+    if texts is not None and body.truncate_prompt_tokens is None:
+        return texts
+    return [tokenizer.decode(tokens, skip_special_tokens=False) for tokens in prompts]
+
+
+def _continued_message(body: ChatCompletionRequest) -> list[str] | None:
+    """What a chat's ``echo`` repeats: the assistant message the reply continues (an
+    image in it has no text to repeat; a content of null stays null)."""
+    if body.messages[-1].role != "assistant":
+        return None
+    continued = body.messages[-1].text(image_text="")
+    return [continued] if continued else None
 
 
 def add_generation_routes(
@@ -262,14 +323,6 @@ def add_generation_routes(
         opening = opening_of(state.config.router.reasoning_parser, tail, continued)
         return None if opening is None else Reasoning(opening, body.include_reasoning)
 
-    def echo_texts(body: CompletionRequest, prompts: list[list[int]]) -> list[str]:
-        """What ``echo`` repeats of each prompt: the text sent, or token ids decoded (and
-        what truncation kept of them)."""
-        texts = body.prompt_texts
-        if texts is not None and body.truncate_prompt_tokens is None:
-            return texts
-        return [state.tokenizer.decode(tokens, skip_special_tokens=False) for tokens in prompts]
-
     async def respond(
         request: Request,
         body,
@@ -286,37 +339,15 @@ def add_generation_routes(
         """``lora_name``: the adapter the request's ``model`` named; None: the base model.
         ``keep_special``: special tokens kept in the text (markers a parser reads)."""
         admission.check_open()
-        vocab = state.model.vocab_size or state.tokenizer.vocab_size  # what the engine checks
-        for name, token_ids in (("stop_token_ids", body.stop_token_ids),
-                                ("logit_bias", body.logit_bias),
-                                ("allowed_token_ids", body.allowed_token_ids)):  # fmt: skip
-            if any(t >= vocab for t in token_ids or ()):
-                raise bad_request(f"{name} must be in [0, {vocab}) (token ids)", name)
+        _check_token_ids(body, state.model.vocab_size or state.tokenizer.vocab_size)
         window = prompt_tokenizer.window(body)
         if window is not None:
             prompts = [window.ids(prompt) for prompt in prompts]
         admission.check_priority(body.priority)
         num_sequences = len(prompts) * body.n
         check_num_sequences(num_sequences, body.n, state.config.router.max_inflight_sequences)
-        try:
-            constraint = structured_output_of(body)
-            calls_format = tool_format or harmony  # what may constrain the output to calls
-            if calls_format is not None and calls_format.structured is not None:
-                if constraint is not None:  # the calls are the output's constraint
-                    raise FieldError(f"{constraint[0]} cannot be combined with tool_choice "
-                                     "required or a named function", constraint[0])  # fmt: skip
-                constraint = ("tools", calls_format.structured)
-            thinks = reasoning or harmony
-            if constraint is not None and thinks is not None:  # it applies after thinking
-                constraint = (constraint[0], thinks.constrained(constraint[1]))
-            if constraint is not None:  # a large schema compiles for a while: off the loop
-                # On threads of their own: on the shared pool, 12 slow compiles held every
-                # request's tokenizing (a plain completion waited 11.7 s).
-                await asyncio.get_running_loop().run_in_executor(
-                    state.compile_pool, check_constraint, state.grammar_compiler, *constraint
-                )
-        except FieldError as error:
-            raise bad_request(str(error), error.param) from None
+        constraint = await _output_constraint(state, body, tool_format or harmony,
+                                               reasoning or harmony)  # fmt: skip
         structured = constraint[1] if constraint is not None else None
         if body.bad_words:  # tokenized (up to MAX_BAD_WORDS of them): off the event loop
             sampling = await asyncio.to_thread(
@@ -327,13 +358,11 @@ def add_generation_routes(
         echo = None
         scored = [] if body.prompt_logprobs is None else [body.prompt_logprobs]
         if not chat and body.echo:
-            echo = await asyncio.to_thread(echo_texts, body, prompts)
+            echo = await asyncio.to_thread(_echo_texts, body, prompts, state.tokenizer)
             if logprobs is not None:  # the prompt's log-probs come first
                 scored.append(logprobs)
-        elif chat and body.echo and body.messages[-1].role == "assistant":
-            # The message the reply continues (an image in it has no text to repeat).
-            continued = body.messages[-1].text(image_text="")
-            echo = [continued] if continued else None  # (a content of null stays null)
+        elif chat and body.echo:
+            echo = _continued_message(body)
         if scored:  # the engine scores once, with the larger top n; each use cuts its own
             sampling.prompt_logprobs = max(scored)
         if sampling.HasField("max_tokens") and sampling.min_tokens > sampling.max_tokens:
