@@ -106,6 +106,8 @@ class WorkerState:
     # cancelled because it stopped answering.
     answered_at: float = field(default_factory=time.monotonic)
     missed_probes: int = 0
+    ever_answered: bool = False  # else unreachable since it joined: said once (_probe)
+    said_unreachable: bool = False
     calls: set[grpc.aio.Call] = field(default_factory=set)
     abandoned: set[grpc.aio.Call] = field(default_factory=set)
     departed_channel: grpc.aio.Channel | None = None  # probes it once out of the registry
@@ -136,6 +138,7 @@ class WorkerState:
         self.answered_at = time.monotonic()
         self.missed_probes = 0
         self.refuses_us = False
+        self.ever_answered = True
 
     def assign(self, num_blocks: int) -> Callable[[], None]:
         """Count one sequence placed here until the returned call ends that (once,
@@ -444,12 +447,25 @@ class WorkerPool:
                 state.refuses_us = True
             else:
                 self._give_up_if_stalled(state)
+                self._say_if_never_reached(state)
         if healthy != state.healthy:
             planned = draining or state.info.draining  # (no alarm)
             log = logger.info if healthy or planned else logger.warning
             said = "up" if healthy else "draining" if planned else "down"
             log("worker %s is %s", state.worker_id, said)
         state.healthy = healthy
+
+    def _say_if_never_reached(self, state: WorkerState) -> None:
+        """One warning for a worker in the registry that has answered no probe for
+        ``stall_timeout_s`` since it joined: a wrong advertised address, a firewall. It
+        starts down, so it never went down, and nothing was said while it was skipped."""
+        silent_s = time.monotonic() - state.answered_at
+        if state.ever_answered or state.said_unreachable or silent_s < self.stall_timeout_s:
+            return
+        state.said_unreachable = True
+        logger.warning("worker %s has not answered since it joined %.0f s ago: can this "
+                       "router reach %s?", state.worker_id, silent_s,
+                       state.info.grpc_address)  # fmt: skip
 
     def _give_up_if_stalled(self, state: WorkerState) -> None:
         """A worker that has answered no probe for ``stall_timeout_s`` (frozen: a stopped

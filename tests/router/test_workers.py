@@ -5,6 +5,7 @@ stall timeout even though its registry entry expired first."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -287,6 +288,53 @@ def test_a_drain_the_registry_does_not_show_is_said_as_planned(tmp_path, caplog,
     said = [(r.levelno, r.getMessage().rsplit(" ", 1)[1]) for r in caplog.records
             if r.getMessage().startswith("worker decode@")]  # fmt: skip
     assert said[-1] == ((logging.INFO, "draining") if draining else (logging.WARNING, "down"))
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_never_reached_since_it_joined_is_said_once(tmp_path, caplog):
+    """A registry entry whose address accepts connections and never answers (a wrong
+    advertised address, a firewall dropping replies): the worker started down, so it
+    never went down, and nothing was logged while it was skipped. Now one warning naming
+    the address, after the stall timeout; none for a worker that answers."""
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(listener.accept()[0])  # and never a byte back
+
+    threading.Thread(target=accept, daemon=True).start()
+
+    async def scenario(registry: RedisRegistry) -> None:
+        server, answering = await serve_decode(SlowDecode(), health.aio.HealthServicer())
+        silent = WorkerInfo(worker_id=f"decode@127.0.0.1:{port}", role=Role.DECODE,
+                            grpc_address=f"127.0.0.1:{port}",
+                            events_endpoint="tcp://127.0.0.1:1",
+                            replay_endpoint="tcp://127.0.0.1:2")  # fmt: skip
+        registry.register(answering)
+        registry.register(silent)
+        pool = WorkerPool(registry, EventListener(PrefixIndex(), threading.Lock()), 60.0, 30.0,
+                          stall_timeout_s=1.5)  # fmt: skip
+        try:
+            for _ in range(4):  # a probe each: up to its 1 s timeout
+                await pool.refresh()
+        finally:
+            await pool.close()
+            await server.stop(None)
+
+    try:
+        run_with_registry(tmp_path, scenario)
+    finally:
+        listener.close()
+        for connection in held:
+            connection.close()
+    said = [r for r in caplog.records if "has not answered since it joined" in r.getMessage()]
+    assert len(said) == 1 and f"127.0.0.1:{port}" in said[0].getMessage(), said
+    assert said[0].levelno == logging.WARNING
 
 
 class FreezableDecode(pb_grpc.DecodeServiceServicer):
