@@ -9,6 +9,8 @@ from __future__ import annotations
 import errno
 import socket
 
+from common.config import WorkerPorts
+
 
 def bind_listeners(host: str, port: int) -> list[socket.socket]:
     """The bound (not yet listening) sockets; ``OSError`` (its ``strerror`` says why:
@@ -40,3 +42,25 @@ def bind_listeners(host: str, port: int) -> list[socket.socket]:
             sock.close()
         raise
     return sockets
+
+
+def worker_listeners(ports: WorkerPorts, connector: str) -> list[tuple[str, int]]:
+    """What a worker listens on, named, on its role's host: gRPC, the KV events and their
+    replay, and the NCCL connector's control socket and rendezvous store (the other
+    connectors have no port of their own)."""
+    listeners = [("gRPC", ports.grpc), ("KV events", ports.events), ("replay", ports.replay)]
+    if connector == "nccl":
+        listeners += [("kv_transfer", ports.kv_transfer), ("kv_store", ports.kv_store)]
+    return listeners
+
+
+def port_in_use(host: str, listeners: list[tuple[str, int]]) -> str | None:
+    """The first of ``listeners`` that cannot listen on ``host`` now, said as
+    ``"<host>:<port> (<name>): <why>"``; None when all can (each probed and closed)."""
+    for name, port in listeners:
+        try:
+            for probe in bind_listeners(host, port):  # as the servers will
+                probe.close()
+        except OSError as exc:
+            return f"{host}:{port} ({name}): {exc.strerror or exc}"
+    return None

@@ -35,7 +35,7 @@ from common.api_keys import API_KEYS_ENV
 from common.config import ConfigError, PdserveConfig, Role
 from common.config_loader import to_dict
 from common.internal_auth import InternalAuth, open_ports_warning
-from common.listen_sockets import bind_listeners
+from common.listen_sockets import bind_listeners, worker_listeners
 from common.model_info import cache_dir, made_model_dir, made_model_is_current, model_dir_of
 from common.owned_paths import owner_tag, remove_dead_owners
 from common.prometheus_text import fetch, sample_totals
@@ -451,8 +451,7 @@ def local_problems(config: PdserveConfig) -> list[str]:
     for role in Role:
         section = config.role(role)
         for index in range(section.replicas):
-            ports = section.ports(index)  # (the connector's own two: only some connectors)
-            for port in (ports.grpc, ports.events, ports.replay):
+            for _, port in worker_listeners(section.ports(index), config.kv_transfer.connector):
                 listeners.append((f"{role.value}.port", section.host, port))
     for key, host, port in listeners:
         try:

@@ -54,11 +54,15 @@ class NcclConnector(KVConnector):
         router = self._context.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE_BYTES)
-        if config.port:
-            router.bind(f"tcp://{config.host}:{config.port}")
-            self._control_port = config.port
-        else:
-            self._control_port = router.bind_to_random_port(f"tcp://{config.host}")
+        try:
+            if config.port:
+                router.bind(f"tcp://{config.host}:{config.port}")
+                self._control_port = config.port
+            else:
+                self._control_port = router.bind_to_random_port(f"tcp://{config.host}")
+        except zmq.ZMQError:
+            router.close(0)  # else close()'s context.term() waits for it for ever
+            raise
         self._pair_key = os.urandom(32)  # (``nccl_protocol.py``: who may open a pair)
         settings = ExportSettings(
             config.host,

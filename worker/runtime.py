@@ -39,6 +39,7 @@ from common.config import (
 from common.event_bus import KVEventPublisher
 from common.gc_heap import freeze_startup_heap
 from common.internal_auth import NO_AUTH, InternalAuth
+from common.listen_sockets import port_in_use, worker_listeners
 from common.outage_log import OutageLog
 from common.registry import Registry, WorkerInfo, create_registry, worker_id
 from common.tracing import Tracer
@@ -186,6 +187,12 @@ class WorkerRuntime:
         if bound == 0:
             raise ConfigError(f"{self.role.value}.port", f"cannot listen on {self.address}: "
                               "the port is in use (or the host is not this machine's)")  # fmt: skip
+        # Its other ports too, before the model loads: they are bound only after it (a
+        # port in use failed then, with a traceback, or hung the NCCL connector's exit).
+        others = worker_listeners(self.ports, self.config.kv_transfer.connector)[1:]
+        busy = port_in_use(self.host, others)
+        if busy is not None:
+            raise ConfigError(f"{self.role.value}.port", f"cannot listen on {busy}")
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
         logger.info("%s listening on %s, loading the model", self.worker_id, self.address)

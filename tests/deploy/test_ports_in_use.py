@@ -54,6 +54,28 @@ def test_a_second_worker_on_a_serving_workers_port_is_refused_at_once(tiny_llama
         assert first.stop() == 0, first.log()
 
 
+@pytest.mark.parametrize(("offset", "name", "connector"),
+                         [(1, "KV events", "nixl"), (3, "kv_transfer", "nccl")])  # fmt: skip
+def test_a_workers_other_port_in_use_is_one_line_before_it_loads(
+    tiny_llama, tmp_path, offset, name, connector
+):
+    """Its events, replay and (NCCL) connector ports were bound only after the model
+    loaded: a port in use failed then with a traceback, and the NCCL one hung the
+    worker's exit for ever (``pdserve up`` waited out its 30 min start timeout)."""
+    config = write_config(tmp_path / "config.yaml", tiny_llama)
+    with _held_port() as holder:
+        port = holder.getsockname()[1]
+        started = time.monotonic()
+        out = run_cli("prefill", "--config", str(config), "--set", f"prefill.port={port - offset}",
+                      "--set", f"kv_transfer.connector={connector}")  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"error: prefill.port: cannot listen on 127.0.0.1:{port} ({name}): Address already in use"
+    )
+    assert "Traceback" not in out.stderr and "loading the model" not in out.stderr
+    assert time.monotonic() - started < 60
+
+
 def test_up_names_what_this_machine_lacks_before_starting_anything(tiny_llama, tmp_path):
     """Held ports (the router's, a worker's) and a model directory that is not there:
     each one line, exit 2, no child started."""

@@ -67,3 +67,35 @@ def test_listeners_stay_on_loopback_and_close_with_the_connector(connector):
         left = {k: v for k, v in listening_addresses().items() if k not in before}
         assert not left, f"still listening after close: {left}"
         assert exporter and fetcher  # still alive here
+
+
+_CONTROL_PORT_IN_USE = """
+import socket, sys, torch, zmq
+from kv_transfer import KVTransferConfig
+from kv_transfer.nccl import NcclConnector
+held = socket.create_server(("127.0.0.1", 0))
+connector = NcclConnector(KVTransferConfig(connector="nccl", port=held.getsockname()[1]), "e")
+try:
+    connector.register_kv_caches([torch.zeros(SHAPE) for _ in range(2)])
+except zmq.ZMQError as exc:
+    print("refused:", exc, flush=True)
+    connector.close()  # as a worker does: its traceback (and the frame) still alive
+    print("closed", flush=True)
+"""
+
+
+def test_a_control_port_in_use_fails_registration_and_close_returns():
+    """The NCCL connector's control port in use: registration fails, and close() then
+    returns. The socket that failed to bind was left open (held by the traceback's
+    frame while the failure was handled) and the context's term() waited on it for
+    ever: a worker hung at exit instead of failing."""
+    import subprocess
+    import sys
+
+    from tests.support.processes import ROOT
+
+    code = _CONTROL_PORT_IN_USE.replace("SHAPE", repr(SHAPE))
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=60, cwd=ROOT)  # fmt: skip
+    assert child.returncode == 0, child.stderr
+    assert "refused: Address already in use" in child.stdout and "closed" in child.stdout
