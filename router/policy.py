@@ -46,6 +46,7 @@ prefix without a snapshot makes one there the second time (a branch point,
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -92,8 +93,10 @@ class PlacementPolicy:
         self.hybrid = hybrid
         # Rotates the tie-break between equally good workers; one turn per role, since a
         # shared one stepped twice per disaggregated placement and with two tied workers
-        # per role always landed on the same pair.
-        self._turns = {Role.PREFILL: 0, Role.DECODE: 0}
+        # per role always landed on the same pair. Started at random: routers started
+        # alike picked alike, all on one worker, until their Stats told them apart.
+        start = random.randrange(1 << 16)
+        self._turns = {Role.PREFILL: start, Role.DECODE: start}
 
     def cached_tokens(self, match: PrefixMatch, num_tokens: int) -> float:
         """Prefill work a worker saves, in tokens (CPU hits at their credit)."""

@@ -177,12 +177,19 @@ class WorkerState:
         self.lora_version += 1
 
     def load(self) -> WorkerLoad:
+        """Its load for placement: this router's own count (exact, and ahead of the
+        worker's for what is on its way), or the worker's last Stats where that is more
+        (other routers' work: routers that counted only their own sent a shared prefix's
+        every request to its holder while another worker idled), plus what this router
+        placed that has not reached it."""
+        stats = self.stats
         return WorkerLoad(
             worker_id=self.worker_id,
-            queued_prefill_tokens=self.queued_prefill_tokens,
-            prefill_tokens_per_s=self.stats.prefill_tokens_per_s,
-            running=self.running + self.assigned,
-            kv_blocks_in_use=self.kv_blocks_in_use + self.assigned_blocks,
+            queued_prefill_tokens=max(self.queued_prefill_tokens, stats.queued_prefill_tokens),
+            prefill_tokens_per_s=stats.prefill_tokens_per_s,
+            running=max(self.running, stats.num_running + stats.num_waiting) + self.assigned,
+            kv_blocks_in_use=max(self.kv_blocks_in_use, stats.kv_blocks_used)
+            + self.assigned_blocks,
             kv_blocks_total=self.kv_blocks_total,
             kv_blocks_free=self.stats.kv_blocks_free if self.stats.kv_blocks_total else None,
         )

@@ -14,13 +14,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.config import Role
+from common.config import Role, RouterConfig
 from common.registry import RedisRegistry, WorkerInfo
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from router.events import EventListener
-from router.prefix_index import PrefixIndex
-from router.workers import WorkerPool, WorkerStalled
+from router.prefix_index import PrefixIndex, PrefixMatch
+from router.workers import WorkerPool, WorkerStalled, WorkerState
 from tests.common.redis_server import run_with_registry
 
 NUM_CHUNKS = 6
@@ -335,6 +335,34 @@ def test_a_worker_never_reached_since_it_joined_is_said_once(tmp_path, caplog):
     said = [r for r in caplog.records if "has not answered since it joined" in r.getMessage()]
     assert len(said) == 1 and f"127.0.0.1:{port}" in said[0].getMessage(), said
     assert said[0].levelno == logging.WARNING
+
+
+def test_the_load_placement_sees_counts_other_routers_work():
+    """Several routers share the workers: a worker's load is this router's own count or
+    its last Stats, whichever is more, plus what this router placed on its way. Counting
+    only its own, each router saw a worker others had filled as idle."""
+    from router.policy import PlacementPolicy
+
+    def decode_state(worker_id: str, **stats) -> WorkerState:
+        info = WorkerInfo(worker_id=worker_id, role=Role.DECODE, grpc_address="127.0.0.1:1",
+                          events_endpoint="tcp://127.0.0.1:1",
+                          replay_endpoint="tcp://127.0.0.1:2")  # fmt: skip
+        state = WorkerState(info, None, None, None, None)  # type: ignore[arg-type]
+        state.stats = pb.StatsResponse(kv_blocks_total=1000, **stats)
+        return state
+
+    busy = decode_state("d0", num_running=60, num_waiting=4, kv_blocks_used=990)
+    idle = decode_state("d1")
+    load = busy.load()
+    assert (load.running, load.kv_blocks_in_use) == (64, 990)
+    busy.running, busy.assigned, busy.assigned_blocks = 70, 2, 5  # its own count is ahead
+    assert (busy.load().running, busy.load().kv_blocks_in_use) == (72, 995)
+    prefill = decode_state("p0", queued_prefill_tokens=200_000)
+    assert prefill.load().queued_prefill_tokens == 200_000
+    # A prefix the busy worker holds no longer draws every request to it.
+    policy = PlacementPolicy(RouterConfig(), block_size=16, max_running=64)
+    placed = policy.place(1000, [busy.load(), idle.load()], [], {"d0": PrefixMatch(1, 0)}, {})
+    assert placed.decode_worker == "d1"
 
 
 class FreezableDecode(pb_grpc.DecodeServiceServicer):
