@@ -560,8 +560,9 @@ class RouterConfig:
     # this many seconds: a prefix many requests share is worth recomputing elsewhere
     # (router/prefix_demand.py). 0: never divided.
     prefix_reuse_window_s: float = 30.0
-    # Sequences in flight (a request runs len(prompts) * n of them) beyond which new
-    # requests get 429 (Retry-After); a single request asking for more gets 400.
+    # Sequences in flight through this router (a request runs len(prompts) * n of them)
+    # beyond which new requests get 429 (Retry-After); a single request asking for more
+    # gets 400. Per router: N routers in front of one pool admit up to N times this.
     max_inflight_sequences: int = 1024
     # A request body larger than this is a 413, refused before the router reads it.
     # 32 MiB holds a 1M-token prompt's text (~4 characters a token) even if every

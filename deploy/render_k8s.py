@@ -131,11 +131,16 @@ MAX_STABILIZATION_S = 3600
 
 
 def autoscale_overlay(config: PdserveConfig) -> dict[str, list[dict]]:
-    """The base plus a KEDA ScaledObject per role: replicas = the router's plan
+    """The base plus a KEDA ScaledObject per role: replicas = the routers' plans summed
     (``pdserve:planned_replicas{role}``, threshold 1), between ``planner.min_<role>_replicas``
     and the role's ``replicas``, polled every ``planner.interval_s``; a lower plan must hold
     ``planner.scale_in_delay_s`` before pods go (the HPA's scale-down stabilization), and
-    they drain on SIGTERM as any scaled-in worker does."""
+    they drain on SIGTERM as any scaled-in worker does.
+
+    Summed, not the largest: each router sizes the traffic it served, so with the router
+    Deployment scaled to N, each plans for about 1/N of it, and the largest plan would
+    under-provision N-fold; the sum over-provisions by at most N - 1 workers (each plan
+    rounded up), the safe side. With one router the two are the same."""
     planner = config.planner
     if planner.scale_in_delay_s > MAX_STABILIZATION_S:
         raise ConfigError("planner.scale_in_delay_s", f"Kubernetes' HPA waits at most "
@@ -167,7 +172,7 @@ def autoscale_overlay(config: PdserveConfig) -> dict[str, list[dict]]:
                         "type": "prometheus",
                         "metadata": {
                             "serverAddress": PROMETHEUS,
-                            "query": f'max(pdserve:planned_replicas{{role="{role.value}"}})',
+                            "query": f'sum(pdserve:planned_replicas{{role="{role.value}"}})',
                             "threshold": "1",
                         },
                     }

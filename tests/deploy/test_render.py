@@ -572,7 +572,7 @@ def test_the_live_plans_profile_travels_with_the_config_and_keda_follows_it(tmp_
     assert (decode["minReplicaCount"], decode["maxReplicaCount"]) == (2, 4)
     assert decode["scaleTargetRef"] == {"name": "pdserve-decode"}
     assert decode["triggers"][0]["metadata"]["query"] == (
-        'max(pdserve:planned_replicas{role="decode"})'
+        'sum(pdserve:planned_replicas{role="decode"})'  # one plan per router, summed
     )
     behavior = decode["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
     assert behavior["scaleDown"]["stabilizationWindowSeconds"] == 90
