@@ -42,16 +42,11 @@ from router.images import PromptImages, image_counts, image_refs, place_images, 
 from router.json_body import Body
 from router.media_fetch import MediaFetcher
 from router.prompts import PromptTokenizer, tool_dicts
-from router.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    FieldError,
-    NamedToolChoice,
-    ResponsesRequest,
-)
+from router.protocol import ChatCompletionRequest, CompletionRequest, FieldError, NamedToolChoice
 from router.reasoning import PROMPT_TAIL_TOKENS, Reasoning, opening_of
 from router.response_output import ResponseShape, translate_stream
 from router.responses import renamed, to_chat, without_oldest_turn
+from router.responses_protocol import ResponsesRequest
 from router.state import RouterState
 from router.structured import check as check_constraint
 from router.structured import structured_output_of

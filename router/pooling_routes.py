@@ -18,8 +18,8 @@ from router.choices import new_id
 from router.embeddings import LANES, EmbeddingsBody, check_finite, embed_all
 from router.errors import APIError, bad_request, context_too_long, internal, unavailable
 from router.json_body import Body
+from router.pooling_protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from router.prompts import PromptTokenizer
-from router.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from router.scoring import NoRoomForDocument, pairs_of, rerank_document, score_document
 from router.state import RouterState
 

@@ -135,7 +135,7 @@ def _lone_surrogate(value: Any) -> bool:
     return False
 
 
-def _absent(value: Any) -> bool:
+def absent(value: Any) -> bool:
     return value is None or value is False or (isinstance(value, list | dict | str) and not value)
 
 
@@ -154,7 +154,7 @@ def token_lists_of(value: list) -> list[list[int]]:
     return [list(item) for item in value]
 
 
-class _Body(BaseModel):
+class Body(BaseModel):
     """What every request body shares: unknown fields ignored, ``null`` taken as the
     field's default (a field whose type admits None keeps it), strings that are not valid
     Unicode refused, floats that are not finite refused, and ``REFUSED_EXTRAS``:
@@ -186,7 +186,7 @@ class _Body(BaseModel):
         }
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool = False
     # vLLM's: with include_usage, every chunk carries its choice's usage so far.
     continuous_usage_stats: bool = False
@@ -194,15 +194,15 @@ class StreamOptions(_Body):
 
 # vLLM's extensions that change what is generated or returned (whitespace patterns, beam
 # search, log-probs of chosen ids, ...), refused unless absent, null, false or empty.
-_VLLM_OUTPUT_FIELDS = (
+VLLM_OUTPUT_FIELDS = (
     "guided_whitespace_pattern", "logits_processors", "use_beam_search", "prompt_embeds",
     "mm_processor_kwargs", "kv_transfer_params", "vllm_xargs", "logprob_token_ids",
 )  # fmt: skip
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(Body):
     REFUSED_EXTRAS: ClassVar[dict[str, Callable[[Any], bool]]] = {
-        **dict.fromkeys(_VLLM_OUTPUT_FIELDS, _absent),
+        **dict.fromkeys(VLLM_OUTPUT_FIELDS, absent),
         "length_penalty": lambda value: value is None or value == 1,
     }
 
@@ -403,12 +403,12 @@ class CompletionRequest(_SamplingFields):
         return self.echo and self.max_tokens == 0
 
 
-class ImageUrl(_Body):
+class ImageUrl(Body):
     url: str
     detail: str | None = None  # OpenAI's "low" | "high" | "auto": every image is read whole
 
 
-class ContentPart(_Body):
+class ContentPart(Body):
     type: str
     text: str | None = None
     # type "image_url": OpenAI's {"url": ...}, or the URL alone (as vLLM also takes it).
@@ -438,18 +438,18 @@ class ContentPart(_Body):
         return self.image_url if isinstance(self.image_url, str) else self.image_url.url
 
 
-class FunctionCall(_Body):
+class FunctionCall(Body):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class ToolCall(_Body):
+class ToolCall(Body):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class FunctionDefinition(_Body):
+class FunctionDefinition(Body):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for the name
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; None: any object
@@ -463,12 +463,12 @@ class FunctionDefinition(_Body):
         return value
 
 
-class Tool(_Body):
+class Tool(Body):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(Body):
     type: Literal["function"]
     function: dict[str, Any] = Field(default_factory=dict)  # {"name": ...}
 
@@ -480,7 +480,7 @@ class NamedToolChoice(_Body):
         return name
 
 
-class ChatMessage(_Body):
+class ChatMessage(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -595,7 +595,7 @@ def _check_contents(messages: list[ChatMessage]) -> None:
 class ChatCompletionRequest(_SamplingFields):
     REFUSED_EXTRAS = {
         **_SamplingFields.REFUSED_EXTRAS,
-        "documents": _absent,
+        "documents": absent,
         "add_special_tokens": lambda value: value is None or value is False,
     }
 
@@ -672,7 +672,7 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)  # as chat's
@@ -693,270 +693,19 @@ class TokenizeRequest(_Body):
         return self
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(Body):
     model: str | None = None
     tokens: list[StrictInt]
 
 
-MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on the inputs of one embeddings request
-
-
-class EmbeddingRequest(_Body):
-    """OpenAI's ``POST /v1/embeddings`` body, with vLLM's extensions that apply: each
-    input's embedding is its last token's hidden state (``engine/pooling.py``). vLLM's
-    other encodings of base64 (``embed_dtype``, ``endianness``) are refused unless they
-    name what is sent (float32, little-endian): a client would decode them wrong."""
-
-    REFUSED_EXTRAS: ClassVar[dict[str, Callable[[Any], bool]]] = {
-        "embed_dtype": lambda value: value in (None, "float32"),
-        "endianness": lambda value: value in (None, "native", "little"),
-    }
-
-    model: str | None = None
-    # Strict: "1", true and 1.0 are not token ids (pydantic's lax mode took them).
-    input: Prompts
-    encoding_format: Literal["float", "base64"] = "float"
-    # Matryoshka truncation: not offered (a model not trained for it gives meaningless
-    # vectors cut short, and none of ours says it was).
-    dimensions: int | None = None
-    user: str | None = None
-    # vLLM's: unit length (the default), or the raw hidden state.
-    normalize: bool = True
-    add_special_tokens: bool = True
-    cache_salt: CacheSalt = None
-    priority: int = Field(default=0, ge=INT32_MIN, le=INT32_MAX)
-    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT32_MAX)
-    truncation_side: Literal["left", "right"] | None = None
-
-    @model_validator(mode="after")
-    def _checks(self) -> EmbeddingRequest:
-        if self.dimensions is not None:
-            raise FieldError("dimensions is not supported: embeddings have the model's hidden "
-                             "size; leave it unset", "dimensions")  # fmt: skip
-        inputs = [self.input] if isinstance(self.input, str) else self.input
-        if not inputs or any(isinstance(item, str | list) and not item for item in inputs):
-            raise FieldError("input must not be empty (nor any of its items)", "input")
-        if len(inputs) > MAX_EMBEDDING_INPUTS and not all(isinstance(i, int) for i in inputs):
-            raise FieldError(f"input holds {len(inputs)} items; at most "
-                             f"{MAX_EMBEDDING_INPUTS} per request", "input")  # fmt: skip
-        if self.truncate_prompt_tokens == 0:
-            raise FieldError("truncate_prompt_tokens must be >= 1 (tokens kept) or -1 "
-                             "(max_model_len of them)", "truncate_prompt_tokens")  # fmt: skip
-        return self
-
-
-class _ScoringFields(_Body):
-    """What ``/v1/score`` and ``/v1/rerank`` share (``router/scoring.py``): texts only,
-    none empty, at most ``MAX_EMBEDDING_INPUTS`` pairs, and the embeddings' extensions
-    that apply to every prompt they make. Refused unless absent (or asking for what is
-    done anyway): vLLM's raw-logit switches and per-request label tokens (the scores are
-    probabilities of the configured tokens), and Cohere's per-document limits and
-    structured-document fields."""
-
-    REFUSED_EXTRAS: ClassVar[dict[str, Callable[[Any], bool]]] = {
-        **dict.fromkeys(("use_activation", "activation", "softmax"),
-                        lambda value: value in (None, True)),
-        **dict.fromkeys(("label_token_ids", "mm_processor_kwargs", "max_tokens_per_doc",
-                         "rank_fields", "max_chunks_per_doc"), _absent),
-    }  # fmt: skip
-
-    model: str | None = None
-    add_special_tokens: bool = True
-    cache_salt: CacheSalt = None
-    priority: int = Field(default=0, ge=INT32_MIN, le=INT32_MAX)
-    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, le=INT32_MAX)
-    truncation_side: Literal["left", "right"] | None = None
-    user: str | None = None
-
-    def _check_texts(self, **fields: str | list[str]) -> None:
-        for name, value in fields.items():
-            texts = [value] if isinstance(value, str) else value
-            if not texts or not all(texts):
-                raise FieldError(f"{name} must not be empty (nor any of its texts)", name)
-            if len(texts) > MAX_EMBEDDING_INPUTS:
-                raise FieldError(f"{name} holds {len(texts)} texts; at most "
-                                 f"{MAX_EMBEDDING_INPUTS} per request", name)  # fmt: skip
-        if self.truncate_prompt_tokens == 0:
-            raise FieldError("truncate_prompt_tokens must be >= 1 (tokens kept) or -1 "
-                             "(max_model_len of them)", "truncate_prompt_tokens")  # fmt: skip
-
-
-# The names vLLM's ``/score`` has given its two sides, each pair served: the first is
-# the query side (one text, or as many as the second side's, paired in order).
-SCORE_SIDES = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"),
-               ("data_1", "data_2"))  # fmt: skip
-_SIDE_NAMES = tuple(dict.fromkeys(name for pair in SCORE_SIDES for name in pair))
-
-
-class ScoreRequest(_ScoringFields):
-    """vLLM's ``POST /v1/score``: the query side against the document side, one text
-    against each of a list, or two lists of one length pairwise. The sides come under
-    one of the ``SCORE_SIDES`` namings (``text_1``/``text_2`` in older vLLM,
-    ``queries``/``documents`` in newer); ``sides`` says which, so that errors name the
-    fields the client sent."""
-
-    text_1: str | list[str] | None = None
-    text_2: str | list[str] | None = None
-    queries: str | list[str] | None = None
-    documents: str | list[str] | None = None
-    items: str | list[str] | None = None
-    data_1: str | list[str] | None = None
-    data_2: str | list[str] | None = None
-
-    @property
-    def sides(self) -> tuple[str, str]:
-        """The names the two sides came under, query side first."""
-        given = {name for name in _SIDE_NAMES if getattr(self, name) is not None}
-        for pair in SCORE_SIDES:
-            if given == set(pair):
-                return pair
-        raise FieldError(*_sides_error(given))
-
-    def texts(self) -> tuple[str | list[str], str | list[str]]:
-        """The query side's text(s) and the document side's."""
-        first, second = self.sides
-        return getattr(self, first), getattr(self, second)
-
-    @model_validator(mode="after")
-    def _checks(self) -> ScoreRequest:
-        first, second = self.sides
-        self._check_texts(**{first: getattr(self, first), second: getattr(self, second)})
-        return self
-
-
-def _sides_error(given: set[str]) -> tuple[str, str]:
-    """Why ``given`` (the side fields present) name no pair, and the field to blame: a
-    field stray from the naming most of them are in, else that naming's missing half."""
-    namings = ", ".join(f"{first} and {second}" for first, second in SCORE_SIDES)
-    if not given:
-        return f"the request needs the two sides to score: {namings}", "text_1"
-    best = max(SCORE_SIDES, key=lambda pair: len(given & set(pair)))  # the first of a tie
-    stray = sorted(given - set(best))
-    if stray:
-        return f"give the two sides under one naming ({namings}); got {sorted(given)}", stray[0]
-    missing, present = (best[1], best[0]) if best[0] in given else best
-    return f"{missing} is required with {present}", missing
-
-
-class TextDocument(_Body):
-    """A document as Jina's and Cohere v1's clients may send it: ``{"text": ...}``."""
-
-    text: str
-
-
-class RerankRequest(_ScoringFields):
-    """``POST /v1/rerank`` (Jina's and Cohere's shape, as vLLM serves it): ``documents``
-    (texts, or ``{"text": ...}`` objects) by relevance to ``query``, the ``top_n`` best
-    (0: all)."""
-
-    query: str
-    documents: list[str | TextDocument]
-    top_n: int = Field(default=0, ge=0)
-    return_documents: bool = True  # Jina's and Cohere v1's: each result's text back
-
-    def texts(self) -> list[str]:
-        return [d if isinstance(d, str) else d.text for d in self.documents]
-
-    @model_validator(mode="after")
-    def _checks(self) -> RerankRequest:
-        self._check_texts(query=self.query, documents=self.texts())
-        return self
-
-
-class LoadLoraAdapterRequest(_Body):
+class LoadLoraAdapterRequest(Body):
     """vLLM's ``POST /v1/load_lora_adapter`` body."""
 
     lora_name: str
     lora_path: str  # a PEFT adapter directory, as the workers see it
 
 
-class UnloadLoraAdapterRequest(_Body):
+class UnloadLoraAdapterRequest(Body):
     """vLLM's ``POST /v1/unload_lora_adapter`` body (its ``lora_int_id`` is ignored)."""
 
     lora_name: str
-
-
-class FunctionTool(_Body):
-    """A Responses function tool: flat, not nested in ``function`` as in chat."""
-
-    type: str
-    name: str | None = None
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ReasoningOptions(_Body):
-    effort: Literal["low", "medium", "high"] | None = None
-    summary: Literal["auto", "concise", "detailed"] | None = None  # the thinking comes whole
-
-
-class TextOptions(_Body):
-    format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema"}
-    verbosity: Literal["medium"] | None = None  # no way to ask a model for more or less
-
-
-# What a Responses ``include`` may ask for (``ResponsesRequest``).
-RESPONSES_INCLUDES = {"reasoning.encrypted_content", "message.output_text.logprobs"}
-# Responses fields refused unless absent (``ResponsesRequest``); vLLM's structural_tag
-# too, which its chat request does not pass on.
-_STATEFUL_OR_HOSTED = ("previous_response_id", "conversation", "background", "prompt",
-                       "max_tool_calls", "structural_tag")  # fmt: skip
-
-
-class ResponsesRequest(_Body):
-    """OpenAI's Responses API, stateless (``router/responses.py`` turns it into a chat
-    request): what needs earlier turns kept by the server, background runs, stored
-    prompt templates, and output or limits not served here are refused unless absent.
-    ``include: ["reasoning.encrypted_content"]`` (what stateless clients send to get
-    reasoning back) is accepted: reasoning comes back as plain text anyway.
-    ``include: ["message.output_text.logprobs"]`` puts the reply's log-probs (with
-    ``top_logprobs`` alternatives each) on its output text."""
-
-    REFUSED_EXTRAS: ClassVar = {
-        **dict.fromkeys(_VLLM_OUTPUT_FIELDS, _absent),
-        **dict.fromkeys(_STATEFUL_OR_HOSTED, _absent),
-        "include": lambda value: not value or set(value) <= RESPONSES_INCLUDES,
-        "service_tier": lambda value: value in (None, "auto", "default"),
-    }
-
-    model: str | None = None
-    input: str | list[dict[str, Any]]
-    instructions: str | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1, le=UINT32_MAX)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    stream: bool = False
-    store: bool = True  # accepted; nothing is stored (responses say "store": false)
-    metadata: dict[str, str] | None = None
-    user: str | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
-    reasoning: ReasoningOptions | None = None
-    text: TextOptions | None = None
-    # "auto": a conversation past the context loses its oldest turns until it fits.
-    truncation: Literal["auto", "disabled"] = "disabled"
-    include: list[str] | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    # Extensions (as in chat completions), passed on to the chat request, which checks them.
-    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    stop: str | list[str] | None = None
-    min_tokens: int | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # {"enable_thinking": false}, say
-    include_reasoning: bool = True
-    cache_salt: CacheSalt = None
-    priority: int | None = None
-    skip_special_tokens: bool = True  # (vLLM's: false keeps special tokens' text)
-
-    # The extensions handed to the chat request as they are.
-    PASSED_ON: ClassVar = ("seed", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                           "repetition_penalty", "logit_bias", "stop", "min_tokens",
-                           "chat_template_kwargs", "include_reasoning", "cache_salt",
-                           "priority", "skip_special_tokens")  # fmt: skip

@@ -14,8 +14,8 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from router.protocol import ResponsesRequest
 from router.responses import responses_param
+from router.responses_protocol import ResponsesRequest
 
 
 def _new_id(prefix: str) -> str:

@@ -1,6 +1,6 @@
 """OpenAI's Responses API (``POST /v1/responses``) as a thin layer over chat completions.
 
-A Responses request (``protocol.ResponsesRequest``) becomes a chat request
+A Responses request (``responses_protocol.ResponsesRequest``) becomes a chat request
 (``chat_request``): the ``instructions`` a system message first, ``input`` items chat
 turns (messages, function calls and their outputs, reasoning given back), ``text.format``
 the ``response_format``, ``reasoning.effort`` the ``reasoning_effort``, flat function
@@ -29,12 +29,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from router.errors import APIError, bad_request
-from router.protocol import (
-    ChatCompletionRequest,
-    FieldError,
-    FunctionTool,
-    ResponsesRequest,
-)
+from router.protocol import ChatCompletionRequest, FieldError
+from router.responses_protocol import FunctionTool, ResponsesRequest
 from router.validation_errors import describe
 
 # Chat request fields as the Responses request names them, for errors the chat path

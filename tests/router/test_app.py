@@ -19,13 +19,9 @@ from common.config_loader import load_config
 from common.registry import WorkerInfo
 from proto import pdserve_pb2 as pb
 from router.app import create_app
-from router.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    EmbeddingRequest,
-    ResponsesRequest,
-    TokenizeRequest,
-)
+from router.pooling_protocol import EmbeddingRequest
+from router.protocol import ChatCompletionRequest, CompletionRequest, TokenizeRequest
+from router.responses_protocol import ResponsesRequest
 from router.state import RouterState
 from router.workers import WorkerState
 

@@ -30,8 +30,8 @@ from router.errors import APIError
 from router.events import EventListener
 from router.metrics import RouterMetrics
 from router.policy import Placement, PlacementPolicy
+from router.pooling_protocol import EmbeddingRequest
 from router.prefix_index import PrefixIndex
-from router.protocol import EmbeddingRequest
 from router.workers import LoraRef, WorkerPool
 from tests.common.redis_server import run_with_registry
 from worker.grpc_errors import DrainingError, RequestFailedError, grpc_stream_errors

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from router.errors import APIError
-from router.protocol import ResponsesRequest
 from router.response_output import ResponseShape
 from router.responses import to_chat, without_oldest_turn
+from router.responses_protocol import ResponsesRequest
 
 
 def chat_of(**body):
