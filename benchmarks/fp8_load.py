@@ -28,7 +28,8 @@ import torch
 from benchmarks.records import write_record
 from benchmarks.side_by_side import add_model_args, model_dir, record_header
 from engine.attention.torch_backend import TorchAttentionBackend
-from engine.models.arch import read_arch_config, safetensors_files
+from engine.models.arch import read_arch_config
+from engine.models.checkpoint_files import safetensors_files
 from engine.models.fp8_config import SCHEMES
 from engine.models.fp8_maker import quantize_checkpoint
 from engine.models.int_weights_config import SCHEMES as INT_SCHEMES

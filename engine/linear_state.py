@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.models.arch import LinearAttentionConfig, Mamba2Config
+from engine.models.arch_parts import LinearAttentionConfig, Mamba2Config
 
 
 @dataclass(frozen=True, slots=True)

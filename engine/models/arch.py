@@ -30,10 +30,9 @@ import dataclasses
 import json
 import logging
 import math
-import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from common.hf_config import (
     LINEAR_ATTENTION_DEFAULTS,
@@ -52,8 +51,11 @@ from common.vision_spec import (
     served_vision_spec,
     vision_architecture,
 )
+from engine.models.arch_flags import ARCHITECTURES, BY_MODEL_TYPE, ArchFlags
+from engine.models.arch_parts import LinearAttentionConfig, Mamba2Config, MlaConfig, MoeConfig
 from engine.models.bnb_config import Bnb4Bit, read_bnb_config
-from engine.models.errors import ModelLoadError
+from engine.models.checkpoint_files import read_safetensors_header, safetensors_files
+from engine.models.errors import ModelLoadError, require
 from engine.models.fp8_config import (
     Fp8Weights,
     fp8_kv_cache_declared,
@@ -62,328 +64,10 @@ from engine.models.fp8_config import (
     read_quantization_config,
 )
 from engine.models.int_weights_config import IntWeights, read_int_weights_config
+from engine.models.moe_arch import DEEPSEEK_DEFAULTS, moe_config
 from engine.models.rope_config import RopeConfig, gemma3_ropes, rope_config
 
 logger = logging.getLogger(__name__)
-
-_MAX_SAFETENSORS_HEADER_BYTES = 100 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class ArchFlags:
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    moe: bool = False
-    # Qwen2-MoE adds a shared expert, gated per token by a sigmoid, to the routed ones.
-    shared_expert: bool = False
-    # Qwen's routers cast the top-k weights to the model dtype before weighting the
-    # experts' outputs; Mixtral's keeps them in float32 (same in float32, not in bf16).
-    routing_weights_in_model_dtype: bool = True
-    # Default of norm_topk_prob when config.json leaves it out (transformers' configs).
-    norm_topk_prob: bool = False
-    gemma3: bool = False  # see ModelArchConfig's Gemma 3 fields
-    # Phi-3's rope: reads partial_rotary_factor, and its legacy "su"/"yarn" mean longrope.
-    phi3_rope: bool = False
-    gpt_oss: bool = False  # attention sinks, biased router and experts, clamped SwiGLU
-    # 2 or 3: DeepSeek-V2's or -V3's router (``MoeConfig.deepseek_scoring``), with ungated
-    # shared experts and dense first layers; GLM-4.5 routes as V3.
-    deepseek_router: int = 0
-    latent_attention: bool = False  # DeepSeek's MLA (``MlaConfig``)
-    # GLM-4.5: partial_rotary_factor read (as Phi-3, without its longrope names), q/k
-    # RMSNorm as use_qk_norm says, attention_bias on q/k/v only.
-    glm4_moe: bool = False
-    # MiniMax-M2: q/k RMSNorm over each token's whole projection (all heads at once), a
-    # partial rotary (its configs' rotary_dim), experts intermediate_size wide.
-    minimax_m2: bool = False
-    # Qwen3.5: gated delta-rule (linear attention) layers between full-attention ones
-    # (``LinearAttentionConfig``), a sigmoid gate on the attention output, RMSNorm by
-    # 1 + weight, a partial rotary.
-    qwen3_5: bool = False
-    # Granite: the embeddings, each block's output and the logits scaled by the config's
-    # multipliers, attention scaled by attention_multiplier.
-    granite: bool = False
-    # Granite 4.0-H: Mamba-2 layers between full-attention ones (``Mamba2Config``), each
-    # layer's MLP a shared one (plus routed experts when the config has any), attention
-    # maybe without rotary positions.
-    granite_hybrid: bool = False
-    # Nemotron-H: each layer one block (``ModelArchConfig.block_kinds``): Mamba-2,
-    # rotary-free attention or a squared-ReLU MLP; norm gains multiplied in float32.
-    nemotron_h: bool = False
-    # Bamba: Granite 4.0-H's layout (``hf_config._bamba`` reads it into Granite's keys)
-    # with rotary attention over ``partial_rotary_factor`` of each head.
-    bamba: bool = False
-
-
-ARCHITECTURES: dict[str, ArchFlags] = {
-    "LlamaForCausalLM": ArchFlags(),
-    "MistralForCausalLM": ArchFlags(),
-    "Qwen2ForCausalLM": ArchFlags(qkv_bias=True),
-    "Qwen3ForCausalLM": ArchFlags(qk_norm=True),
-    # Mixtral always renormalizes its top-k weights (it has no norm_topk_prob key).
-    "MixtralForCausalLM": ArchFlags(
-        moe=True, routing_weights_in_model_dtype=False, norm_topk_prob=True
-    ),
-    "Qwen2MoeForCausalLM": ArchFlags(qkv_bias=True, moe=True, shared_expert=True),
-    "Qwen3MoeForCausalLM": ArchFlags(qk_norm=True, moe=True),
-    # Qwen3-VL-MoE's language model: Qwen3-MoE's, whose router always renormalizes (its
-    # config has no norm_topk_prob); its experts stored stacked (``stacked_experts.py``).
-    "Qwen3VLMoeForConditionalGeneration": ArchFlags(qk_norm=True, moe=True, norm_topk_prob=True),
-    "Qwen3_5ForCausalLM": ArchFlags(qk_norm=True, qwen3_5=True),
-    "Qwen3_5ForConditionalGeneration": ArchFlags(qk_norm=True, qwen3_5=True),
-    # Qwen3.5's mixture of experts: every layer sparse, a sigmoid-gated shared expert beside
-    # the routed ones (Qwen2-MoE's), whose top-k weights are always renormalized.
-    "Qwen3_5MoeForCausalLM": ArchFlags(
-        qk_norm=True, qwen3_5=True, moe=True, shared_expert=True, norm_topk_prob=True
-    ),
-    "Qwen3_5MoeForConditionalGeneration": ArchFlags(
-        qk_norm=True, qwen3_5=True, moe=True, shared_expert=True, norm_topk_prob=True
-    ),
-    # Qwen3-Next: Qwen3.5-MoE's layers, the delta-rule layer's input projections stored
-    # as two, interleaved per key head (``loader._qwen3_next_in_proj``); its router
-    # renormalizes as its config says.
-    "Qwen3NextForCausalLM": ArchFlags(qk_norm=True, qwen3_5=True, moe=True, shared_expert=True),
-    # Granite 3.x: Llama with multipliers.
-    "GraniteForCausalLM": ArchFlags(granite=True),
-    # Granite 4.0-H: see ArchFlags.granite_hybrid; experts only where num_local_experts > 0.
-    "GraniteMoeHybridForCausalLM": ArchFlags(granite=True, granite_hybrid=True),
-    "NemotronHForCausalLM": ArchFlags(nemotron_h=True),
-    "BambaForCausalLM": ArchFlags(granite=True, granite_hybrid=True, bamba=True),
-    # Phi-3 / Phi-4: Llama with fused qkv_proj and gate_up_proj in the checkpoint (loaded as
-    # they are) and maybe a partial rotary.
-    "Phi3ForCausalLM": ArchFlags(phi3_rope=True),
-    # GPT-OSS: attention with biases and sinks on alternating windowed / full layers, YaRN;
-    # its router picks the top k logits and softmaxes over them (in the model dtype).
-    "GptOssForCausalLM": ArchFlags(moe=True, gpt_oss=True),
-    "Gemma3ForCausalLM": ArchFlags(qk_norm=True, gemma3=True),
-    # The multimodal checkpoint's language model; the loader skips the vision weights.
-    "Gemma3ForConditionalGeneration": ArchFlags(qk_norm=True, gemma3=True),
-    # Latent attention; shared experts beside routed ones, picked within groups of experts.
-    "DeepseekV2ForCausalLM": ArchFlags(moe=True, deepseek_router=2, latent_attention=True),
-    "DeepseekV3ForCausalLM": ArchFlags(
-        moe=True, deepseek_router=3, latent_attention=True, norm_topk_prob=True
-    ),
-    # GLM-4.5 / 4.6 (and -Air): GQA attention with a partial rotary, DeepSeek-V3's router.
-    "Glm4MoeForCausalLM": ArchFlags(
-        moe=True, deepseek_router=3, norm_topk_prob=True, glm4_moe=True
-    ),
-    # MiniMax-M2: GQA with whole-projection q/k norms, V3's router without groups or shared
-    # experts, every layer sparse.
-    "MiniMaxM2ForCausalLM": ArchFlags(
-        moe=True, deepseek_router=3, norm_topk_prob=True, minimax_m2=True
-    ),
-}
-
-_BY_MODEL_TYPE = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM",
-    "gemma3_text": "Gemma3ForCausalLM",
-    "phi3": "Phi3ForCausalLM",
-    "gpt_oss": "GptOssForCausalLM",
-    "gemma3": "Gemma3ForConditionalGeneration",
-    "deepseek_v2": "DeepseekV2ForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
-    "glm4_moe": "Glm4MoeForCausalLM",
-    "minimax_m2": "MiniMaxM2ForCausalLM",
-    # Qwen2.5-VL's language model: transformers 4's flat config, and 5's text_config.
-    "qwen2_5_vl": "Qwen2ForCausalLM",
-    "qwen2_5_vl_text": "Qwen2ForCausalLM",
-    "qwen3_vl": "Qwen3ForCausalLM",  # Qwen3-VL's: Qwen3's (q/k norms)
-    "qwen3_vl_text": "Qwen3ForCausalLM",
-    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
-    "qwen3_5_text": "Qwen3_5ForCausalLM",
-    "qwen3_5": "Qwen3_5ForConditionalGeneration",
-    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
-    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
-    "qwen3_next": "Qwen3NextForCausalLM",
-    "granite": "GraniteForCausalLM",
-    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
-    "nemotron_h": "NemotronHForCausalLM",
-    "bamba": "BambaForCausalLM",
-}
-
-
-@dataclass(frozen=True, slots=True)
-class MoeConfig:
-    """The sparse MLP of a mixture-of-experts model (``moe.py``)."""
-
-    num_experts: int
-    top_k: int  # experts per token
-    expert_intermediate_size: int
-    norm_topk_prob: bool  # renormalize the top-k softmax weights to sum to 1
-    routing_weights_in_model_dtype: bool
-    shared_expert_intermediate_size: int  # 0: no shared expert
-    # Per layer: the sparse MLP (True) or a dense one of ``intermediate_size`` (False).
-    sparse_layers: tuple[bool, ...]
-    # GPT-OSS: biases on the router and the experts, softmax over the top k logits (not
-    # top k of the softmax: the same weights up to rounding), and the experts' SwiGLU
-    # clamped: gate <= limit, |up| <= limit, out = (up + 1) * gate * sigmoid(alpha * gate).
-    router_bias: bool = False
-    expert_bias: bool = False
-    softmax_over_top_k: bool = False
-    # Qwen2-MoE's shared expert is gated per token by a sigmoid; Granite's is not (nor
-    # DeepSeek's, which ``deepseek_scoring`` says).
-    shared_expert_gated: bool = True
-    # The experts' MLP: "swiglu" (gate and up rows), or Nemotron-H's "relu2" (up rows
-    # alone, squared ReLU).
-    expert_activation: str = "swiglu"
-    swiglu_limit: float | None = None  # None: plain SwiGLU
-    swiglu_alpha: float = 1.0
-    # Nemotron 3 Super's latent experts: they run ``latent_size`` wide, between
-    # ``fc1_latent_proj`` (hidden -> latent, after the router read the hidden states) and
-    # ``fc2_latent_proj`` (latent -> hidden, after their weighted sum); None: hidden wide.
-    latent_size: int | None = None
-    # DeepSeek's router (None: the softmax-top-k one above). Scores are the softmax of the
-    # logits (V2) or their sigmoids (V3, where a learned per-expert bias is added for the
-    # choice only, not to the weights); the k experts are chosen within the best
-    # ``topk_groups`` of ``num_groups`` equal groups (ranked by their best score, V2, or the
-    # sum of their two best, V3); the weights (renormalized with ``norm_topk_prob``) are
-    # multiplied by ``routed_scaling_factor``, in float32. The shared experts are ungated.
-    deepseek_scoring: str | None = None  # "softmax" | "sigmoid"
-    num_groups: int = 1
-    topk_groups: int = 1
-    routed_scaling_factor: float = 1.0
-    # Expert parallelism (``engine.expert_parallel``): the expert in each physical slot,
-    # all ranks' in rank order (``engine/parallel/expert_placement.py``), of which rank
-    # ``expert_rank`` holds its ``1 / num_expert_ranks``, whole; None: every expert.
-    expert_placement: tuple[int, ...] | None = None
-    expert_rank: int = 0
-    num_expert_ranks: int = 1
-
-    @property
-    def local_experts(self) -> int:
-        """The expert slots this rank holds."""
-        if self.expert_placement is None:
-            return self.num_experts
-        return len(self.expert_placement) // self.num_expert_ranks
-
-
-@dataclass(frozen=True, slots=True)
-class MlaConfig:
-    """DeepSeek's multi-head latent attention (``mla.py``). Each token caches one latent
-    vector per layer: ``kv_lora_rank`` elements that every head's key and value are
-    projections of (by ``kv_b_proj``), then ``qk_rope_head_dim`` of a rotated key part that
-    every head shares."""
-
-    q_lora_rank: int | None  # None: one q_proj (V2-Lite); else q_a_proj, a norm, q_b_proj
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    # The checkpoint's rotary dims come in pairs (x0, x1), (x2, x3), ... (DeepSeek's
-    # layout): the loader reorders those rows to the halves layout ``rope.py`` rotates.
-    rope_interleaved: bool = True
-
-    @property
-    def latent_dim(self) -> int:
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-
-# The checkpoint's input projections of a linear-attention layer, in the fused one's order.
-IN_PROJ_PARTS = ("qkv", "z", "b", "a")
-
-
-@dataclass(frozen=True, slots=True)
-class LinearAttentionConfig:
-    """Gated delta-rule layers (Qwen3.5's ``linear_attention``; ``gated_delta_net.py``):
-    instead of a KV cache each keeps, per request, a convolution state (the last
-    ``conv_kernel - 1`` inputs of its q/k/v channels) and a recurrent state
-    (``num_value_heads`` matrices of ``key_head_dim x value_head_dim``), of a fixed size
-    whatever the context's length."""
-
-    num_key_heads: int
-    num_value_heads: int
-    key_head_dim: int
-    value_head_dim: int
-    conv_kernel: int
-    layers: tuple[bool, ...]  # per layer: linear attention (else full attention)
-
-    @property
-    def key_dim(self) -> int:
-        return self.num_key_heads * self.key_head_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self.num_value_heads * self.value_head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        """Channels of the causal convolution: q, k and v."""
-        return 2 * self.key_dim + self.value_dim
-
-    @property
-    def in_proj_widths(self) -> tuple[int, int, int, int]:
-        """Output rows of the layer's one input projection (``gated_delta_net.py``), the
-        checkpoint's four fused in this order: ``in_proj_qkv`` (the convolution's
-        channels), ``in_proj_z`` (the output gate), ``in_proj_b`` (beta) and
-        ``in_proj_a`` (the decay), the last two one row per value head."""
-        return (self.conv_dim, self.value_dim, self.num_value_heads, self.num_value_heads)
-
-    def in_proj_start(self, which: str) -> int:
-        """The fused projection's first row of the checkpoint's ``in_proj_{which}``."""
-        index = IN_PROJ_PARTS.index(which)
-        return sum(self.in_proj_widths[:index])
-
-    @property
-    def conv_shape(self) -> tuple[int, int]:
-        """A request's convolution state in one layer: [channels, kernel - 1]."""
-        return (self.conv_dim, self.conv_kernel - 1)
-
-    @property
-    def ssm_shape(self) -> tuple[int, int, int]:
-        """A request's recurrent state in one layer: [value heads, key dim, value dim]."""
-        return (self.num_value_heads, self.key_head_dim, self.value_head_dim)
-
-
-@dataclass(frozen=True, slots=True)
-class Mamba2Config:
-    """Mamba-2 layers (Granite 4.0-H's and Nemotron-H's; ``mamba2.py``): per request a
-    convolution state (the last ``conv_kernel - 1`` inputs of its x, B and C channels) and
-    an SSM state (``num_heads`` matrices of ``head_dim x state_size``). The heads share
-    B and C within ``num_groups`` groups; the output's gated RMSNorm normalizes each of
-    those groups' channels on its own (``norm_group_size`` of them)."""
-
-    num_heads: int
-    head_dim: int
-    state_size: int
-    num_groups: int
-    conv_kernel: int
-    layers: tuple[bool, ...]  # per layer: Mamba-2 (else attention, or Nemotron-H's MLP)
-    norm_group_size: int  # channels per norm group, the full model's (intermediate / groups)
-    conv_bias: bool = True
-    proj_bias: bool = False
-    dt_min: float = 0.0  # time steps are clamped to [dt_min, dt_max] (time_step_limit)
-    dt_max: float = math.inf
-    # Tensor parallelism with fewer groups than ranks: each group's channels span this many
-    # ranks (its B and C replicated on each), so its norm sums squares across them.
-    group_ranks: int = 1
-
-    @property
-    def intermediate_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        """Channels of the causal convolution: x, B and C."""
-        return self.intermediate_size + 2 * self.num_groups * self.state_size
-
-    @property
-    def in_proj_widths(self) -> tuple[int, int, int]:
-        """Output rows of ``in_proj``: the gate z, the convolution's channels (x, B, C),
-        one time step per head."""
-        return (self.intermediate_size, self.conv_dim, self.num_heads)
-
-    @property
-    def conv_shape(self) -> tuple[int, int]:
-        return (self.conv_dim, self.conv_kernel - 1)
-
-    @property
-    def ssm_shape(self) -> tuple[int, int, int]:
-        return (self.num_heads, self.head_dim, self.state_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -517,18 +201,12 @@ class ModelArchConfig:
 
 def _dense_width(cfg: dict[str, Any], flags: ArchFlags, path: Path) -> int:
     """The dense MLP's width; 0 for a mixture-of-experts config without one (Qwen3.5-MoE's:
-    every layer sparse, which ``_moe_config`` checks)."""
+    every layer sparse, which ``moe_config`` checks)."""
     if "intermediate_size" not in cfg and flags.moe:
         return 0
     if flags.granite_hybrid and int(cfg["num_local_experts"] or 0):
         return 0  # every layer's MLP: the experts and the shared MLP (``_granite_moe``)
-    return int(_require(cfg, "intermediate_size", path))
-
-
-def _require(cfg: dict[str, Any], key: str, path: Path) -> Any:
-    if key not in cfg:
-        raise ModelLoadError(f"{path}: config.json has no {key!r}")
-    return cfg[key]
+    return int(require(cfg, "intermediate_size", path))
 
 
 # transformers' config defaults where a checkpoint's config.json leaves the key out.
@@ -576,186 +254,13 @@ def _sliding_windows(cfg: dict[str, Any], architecture: str, num_layers: int) ->
     return ((window if architecture in _WINDOWED else None),) * num_layers
 
 
-def _moe_config(
-    cfg: dict[str, Any], architecture: str, num_layers: int, path: Path
-) -> MoeConfig | None:
-    flags = ARCHITECTURES[architecture]
-    if flags.granite_hybrid:
-        return _granite_moe(cfg, num_layers, path)
-    if flags.nemotron_h:
-        return _nemotron_h_moe(cfg, num_layers, path)
-    if not flags.moe:
-        return None
-    if flags.deepseek_router:
-        return _deepseek_moe(cfg, architecture, flags, num_layers, path)
-    # Mixtral and transformers 5 write num_local_experts; Qwen's checkpoints num_experts.
-    num_experts = cfg.get("num_local_experts", cfg.get("num_experts"))
-    if num_experts is None:
-        raise ModelLoadError(f"{path}: config.json has no 'num_experts' or 'num_local_experts'")
-    top_k = int(_require(cfg, "num_experts_per_tok", path))
-    if not 0 < top_k <= int(num_experts):
-        raise ModelLoadError(f"{path}: num_experts_per_tok={top_k} of {num_experts} experts")
-    # Mixtral's experts are intermediate_size wide; Qwen's moe_intermediate_size, and
-    # intermediate_size is then the width of their dense layers.
-    width_key = "moe_intermediate_size" if "moe_intermediate_size" in cfg else "intermediate_size"
-    step = int(cfg.get("decoder_sparse_step", 1))
-    dense = set(cfg.get("mlp_only_layers") or ())
-    if step < 1:
-        raise ModelLoadError(f"{path}: decoder_sparse_step={step} must be >= 1")
-    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
-    if not all(sparse) and "intermediate_size" not in cfg:
-        raise ModelLoadError(f"{path}: config.json has no 'intermediate_size' for its dense layers")
-    return MoeConfig(
-        num_experts=int(num_experts),
-        top_k=top_k,
-        expert_intermediate_size=int(_require(cfg, width_key, path)),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", flags.norm_topk_prob)),
-        routing_weights_in_model_dtype=flags.routing_weights_in_model_dtype,
-        shared_expert_intermediate_size=(
-            int(_require(cfg, "shared_expert_intermediate_size", path))
-            if flags.shared_expert
-            else 0
-        ),
-        sparse_layers=sparse,
-        **(_gpt_oss_moe(cfg) if flags.gpt_oss else {}),
-    )
-
-
-def _granite_moe(cfg: dict[str, Any], num_layers: int, path: Path) -> MoeConfig | None:
-    """Granite 4.0-H's experts (``text_config``'s keys), None without any: every layer
-    routes to the top ``num_experts_per_tok``, weighted by the softmax over their logits,
-    and adds its shared MLP, ungated."""
-    num_experts = int(cfg["num_local_experts"] or 0)
-    if not num_experts:
-        return None
-    top_k = int(cfg["num_experts_per_tok"])
-    if not 0 < top_k <= num_experts:
-        raise ModelLoadError(f"{path}: num_experts_per_tok={top_k} of {num_experts} experts")
-    return MoeConfig(
-        num_experts=num_experts,
-        top_k=top_k,
-        expert_intermediate_size=int(cfg["moe_intermediate_size"]),
-        norm_topk_prob=False,
-        routing_weights_in_model_dtype=True,
-        shared_expert_intermediate_size=int(cfg["shared_expert_intermediate_size"]),
-        sparse_layers=(True,) * num_layers,
-        softmax_over_top_k=True,
-        shared_expert_gated=False,
-    )
-
-
-def _check_expert_groups(
-    num_experts: int, top_k: int, num_groups: int, topk_groups: int, path: Path
-) -> None:
-    """DeepSeek's router's choice (``DeepseekGate``) is possible: the experts split into
-    ``num_groups`` equal groups, ``topk_groups`` of them kept, and those hold ``top_k``
-    experts. Raises ``ModelLoadError``."""
-    if num_experts % num_groups or not 0 < topk_groups <= num_groups:
-        raise ModelLoadError(f"{path}: {num_experts} experts in n_group={num_groups} groups, "
-                             f"topk_group={topk_groups}")  # fmt: skip
-    if not 0 < top_k <= num_experts * topk_groups // num_groups:
-        raise ModelLoadError(f"{path}: num_experts_per_tok={top_k} of the {topk_groups} "
-                             "groups' experts")  # fmt: skip
-
-
-def _nemotron_h_moe(cfg: dict[str, Any], num_layers: int, path: Path) -> MoeConfig | None:
-    """Nemotron 3's mixture-of-experts layers ("moe" in ``layer_types``), None without any:
-    DeepSeek-V3's router (sigmoid scores, a choice-only bias, groups, scaled weights) over
-    ungated squared-ReLU experts, and one ungated shared expert of its own width; with
-    ``moe_latent_size`` (Nemotron 3 Super) the experts run that wide, between latent
-    projections."""
-    sparse = tuple(t == "moe" for t in cfg["layer_types"][:num_layers])
-    if not any(sparse):
-        return None
-    latent = cfg.get("moe_latent_size")
-    num_experts, top_k = int(cfg["n_routed_experts"]), int(cfg["num_experts_per_tok"])
-    num_groups, topk_groups = int(cfg.get("n_group", 1)), int(cfg.get("topk_group", 1))
-    _check_expert_groups(num_experts, top_k, num_groups, topk_groups, path)
-    return MoeConfig(
-        num_experts=num_experts,
-        top_k=top_k,
-        expert_intermediate_size=int(cfg["moe_intermediate_size"]),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-        routing_weights_in_model_dtype=False,
-        shared_expert_intermediate_size=int(cfg["moe_shared_expert_intermediate_size"]),
-        sparse_layers=sparse,
-        deepseek_scoring="sigmoid",
-        num_groups=num_groups,
-        topk_groups=topk_groups,
-        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-        shared_expert_gated=False,
-        expert_activation="relu2",
-        latent_size=None if latent is None else int(latent),
-    )
-
-
-# DeepseekV2Config's, DeepseekV3Config's and Glm4MoeConfig's defaults (transformers 5) for
-# the keys below.
-_DEEPSEEK_DEFAULTS: dict[str, dict[str, Any]] = {
-    "DeepseekV2ForCausalLM": {
-        "n_routed_experts": 64, "n_shared_experts": 2, "routed_scaling_factor": 1.0,
-        "first_k_dense_replace": 0, "topk_method": "greedy", "q_lora_rank": 1536,
-    },
-    "DeepseekV3ForCausalLM": {
-        "n_routed_experts": 256, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
-        "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4, "q_lora_rank": 1536,
-    },
-    "Glm4MoeForCausalLM": {
-        "n_routed_experts": 128, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
-        "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
-    },
-    "MiniMaxM2ForCausalLM": {
-        "n_routed_experts": 256, "n_shared_experts": 0, "routed_scaling_factor": 1.0,
-        "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1,
-    },
-}  # fmt: skip
-
-
-def _deepseek_moe(
-    cfg: dict[str, Any], architecture: str, flags: ArchFlags, num_layers: int, path: Path
-) -> MoeConfig:
-    """DeepSeek's experts: ``n_routed_experts`` routed (``MoeConfig.deepseek_scoring``) and
-    ``n_shared_experts`` of ``moe_intermediate_size`` run by every token as one MLP; the
-    first ``first_k_dense_replace`` layers (then all but every ``moe_layer_freq``-th) dense."""
-    cfg = {**_DEEPSEEK_DEFAULTS[architecture], **{k: v for k, v in cfg.items() if v is not None}}
-    num_experts = int(cfg.get("num_local_experts", cfg["n_routed_experts"]))
-    top_k = int(_require(cfg, "num_experts_per_tok", path))
-    # MiniMax-M2's experts are intermediate_size wide (it has no dense MLP).
-    width_key = "intermediate_size" if flags.minimax_m2 else "moe_intermediate_size"
-    width = int(_require(cfg, width_key, path))
-    num_groups, topk_groups = int(cfg.get("n_group", 1)), int(cfg.get("topk_group", 1))
-    if flags.deepseek_router == 2:  # V2's topk_method says whether groups limit the choice
-        method = cfg["topk_method"]
-        if method not in ("greedy", "group_limited_greedy"):
-            raise ModelLoadError(f"{path}: topk_method {method!r} is not supported for "
-                                 "DeepSeek-V2 (greedy, group_limited_greedy)")  # fmt: skip
-        if method == "greedy":
-            num_groups = topk_groups = 1
-    _check_expert_groups(num_experts, top_k, num_groups, topk_groups, path)
-    first_dense = int(cfg["first_k_dense_replace"])
-    frequency = int(cfg.get("moe_layer_freq", 1))
-    return MoeConfig(
-        num_experts=num_experts,
-        top_k=top_k,
-        expert_intermediate_size=width,
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", flags.norm_topk_prob)),
-        routing_weights_in_model_dtype=False,
-        shared_expert_intermediate_size=width * int(cfg["n_shared_experts"] or 0),
-        sparse_layers=tuple(i >= first_dense and i % frequency == 0 for i in range(num_layers)),
-        deepseek_scoring="softmax" if flags.deepseek_router == 2 else "sigmoid",
-        num_groups=num_groups,
-        topk_groups=topk_groups,
-        routed_scaling_factor=float(cfg["routed_scaling_factor"]),
-    )
-
-
 def _deepseek_attention(cfg: dict[str, Any], architecture: str, rope: RopeConfig,
                         path: Path) -> dict[str, Any]:  # fmt: skip
     """ModelArchConfig's fields for latent attention: ``mla``, the cache's one KV head of
     half a latent (``hf_config.kv_cache_heads``), and the softmax scale: over the
     ``qk_nope_head_dim + qk_rope_head_dim`` dims a head's query and key have, times
     YaRN's ``mscale_all_dim`` correction squared (as transformers)."""
-    cfg = {**_DEEPSEEK_DEFAULTS[architecture], **cfg}
+    cfg = {**DEEPSEEK_DEFAULTS[architecture], **cfg}
     latent_dim = mla_latent_dim(cfg)
     if latent_dim is None or latent_dim % 2:
         raise ModelLoadError(f"{path}: kv_lora_rank + qk_rope_head_dim must be a positive "
@@ -781,17 +286,6 @@ def _deepseek_attention(cfg: dict[str, Any], architecture: str, rope: RopeConfig
             "head_dim": head_dim}  # fmt: skip
 
 
-def _gpt_oss_moe(cfg: dict[str, Any]) -> dict[str, Any]:
-    """MoeConfig's GPT-OSS fields (``swiglu_alpha`` is not in its configs: 1.702 always)."""
-    return {
-        "router_bias": True,
-        "expert_bias": True,
-        "softmax_over_top_k": True,
-        "swiglu_limit": float(cfg.get("swiglu_limit", 7.0)),
-        "swiglu_alpha": float(cfg.get("swiglu_alpha", 1.702)),
-    }
-
-
 def read_arch_config(model_dir: str | Path) -> ModelArchConfig:
     model_dir = Path(model_dir)
     path = model_dir / "config.json"
@@ -808,7 +302,7 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
     names it in messages."""
     path = model_dir / "config.json"
     # transformers falls back to model_type when a config names no architectures.
-    architectures = raw.get("architectures") or [_BY_MODEL_TYPE.get(raw.get("model_type"), "")]
+    architectures = raw.get("architectures") or [BY_MODEL_TYPE.get(raw.get("model_type"), "")]
     cfg = text_config(raw)
     vision = served_vision_spec(raw, path)
     if vision is not None and not _has_vision_weights(model_dir):
@@ -817,7 +311,7 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
         vision = None
     if vision_architecture(raw) and not any(a in ARCHITECTURES for a in architectures):
         # LLaVA's: the language model is the text_config's (Gemma 3's is named as such).
-        architectures = [_BY_MODEL_TYPE.get(cfg.get("model_type"), str(cfg.get("model_type")))]
+        architectures = [BY_MODEL_TYPE.get(cfg.get("model_type"), str(cfg.get("model_type")))]
     architecture = next((a for a in architectures if a in ARCHITECTURES), None)
     if architecture is None:
         raise ModelLoadError(
@@ -825,10 +319,10 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
             f"(supported: {', '.join(ARCHITECTURES)})"
         )
     flags = ARCHITECTURES[architecture]
-    num_layers = int(_require(cfg, "num_hidden_layers", path))
+    num_layers = int(require(cfg, "num_hidden_layers", path))
     mtp_layers = num_mtp_layers(cfg)  # stored after num_layers; per-layer tuples cover them
-    hidden_size = int(_require(cfg, "hidden_size", path))
-    num_q_heads = int(_require(cfg, "num_attention_heads", path))
+    hidden_size = int(require(cfg, "hidden_size", path))
+    num_q_heads = int(require(cfg, "num_attention_heads", path))
     head_dim = cfg.get("head_dim") or hidden_size // num_q_heads
     # Llama and Qwen3 put attention_bias on q/k/v/o; Qwen2 always biases q/k/v only;
     # Mistral and Mixtral never have attention biases.
@@ -876,7 +370,7 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
         attention = _deepseek_attention(cfg, architecture, rope, path)
     return ModelArchConfig(
         architecture=architecture,
-        vocab_size=int(_require(cfg, "vocab_size", path)),
+        vocab_size=int(require(cfg, "vocab_size", path)),
         hidden_size=hidden_size,
         intermediate_size=_dense_width(cfg, flags, path),
         num_layers=num_layers,
@@ -892,7 +386,7 @@ def arch_from_config(raw: dict[str, Any], model_dir: Path) -> ModelArchConfig:
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
         eos_token_ids=eos_token_ids(cfg, model_dir),
         bos_token_id=cfg.get("bos_token_id"),
-        moe=_moe_config(cfg, architecture, num_layers + mtp_layers, path),
+        moe=moe_config(cfg, architecture, num_layers + mtp_layers, path),
         max_context_len=max_context_len(cfg),
         attention_sinks=flags.gpt_oss,
         norm_gain_in_float32=flags.gpt_oss or flags.nemotron_h,
@@ -1102,34 +596,3 @@ def _has_vision_weights(model_dir: Path) -> bool:
             with open(path, "rb") as f:
                 names.update(json.loads(read_safetensors_header(f)))
     return any(name.startswith(_VISION_PREFIXES) for name in names)
-
-
-def read_safetensors_header(f: BinaryIO) -> bytes:
-    """The JSON header of the safetensors file ``f`` (binary, read from its start), as
-    stored: the format is an 8-byte little-endian length, then that many bytes of JSON
-    (at most 100 MiB, the format's own limit), then the tensors' data. Read by hand, not
-    through ``safe_open``, so that reading headers needs no torch."""
-    (num_bytes,) = struct.unpack("<Q", f.read(8))
-    return f.read(min(num_bytes, _MAX_SAFETENSORS_HEADER_BYTES))
-
-
-def safetensors_files(model_dir: Path) -> list[Path]:
-    """A checkpoint's safetensors files: the shards its index lists, or the files present."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({model_dir / name for name in weight_map.values()})
-        missing = [str(f.name) for f in files if not f.exists()]
-        if missing:
-            raise ModelLoadError(f"{model_dir}: shards listed in the index are missing: {missing}")
-        return files
-    single = model_dir / "model.safetensors"
-    if single.exists():
-        return [single]
-    others = sorted(model_dir.glob("*.safetensors"))
-    if others:
-        return others
-    raise ModelLoadError(
-        f"{model_dir}: no model.safetensors or model.safetensors.index.json "
-        "(only safetensors checkpoints are loaded)"
-    )

@@ -42,12 +42,8 @@ from common.hf_config import (
 )
 from common.tensor_parallel import split_problem
 from engine.attention.backend import AttentionBackend
-from engine.models.arch import (
-    ModelArchConfig,
-    ModelLoadError,
-    arch_from_config,
-    safetensors_files,
-)
+from engine.models.arch import ModelArchConfig, ModelLoadError, arch_from_config
+from engine.models.checkpoint_files import safetensors_files
 from engine.models.empty_init import materialize
 from engine.models.llama import DecoderLayer, LlamaForCausalLM
 from engine.models.loader import copy_shard

@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 
 from common.model_info import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from engine.models.arch import read_safetensors_header, safetensors_files
+from engine.models.checkpoint_files import read_safetensors_header, safetensors_files
 
 SAMPLES_PER_TENSOR = 3
 SAMPLE_BYTES = 4 << 10

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.models.arch import safetensors_files
+from engine.models.checkpoint_files import safetensors_files
 from engine.models.fp8_config import SCHEMES
 from engine.models.fp8_weights import expand_block_scales
 

@@ -35,14 +35,11 @@ from safetensors import safe_open
 from common.hf_config import MTP_LAYER_ARCHITECTURES
 from common.model_info import BARE_NAMES
 from engine.attention.backend import AttentionBackend
-from engine.models.arch import (
-    IN_PROJ_PARTS,
-    ModelArchConfig,
-    ModelLoadError,
-    safetensors_files,
-)
+from engine.models.arch import ModelArchConfig, ModelLoadError
+from engine.models.arch_parts import IN_PROJ_PARTS
 from engine.models.bnb_config import SIDECAR_SUFFIXES as BNB_SIDECARS
 from engine.models.bnb_weights import dequantize_bnb4
+from engine.models.checkpoint_files import safetensors_files
 from engine.models.empty_init import materialize
 from engine.models.fp8_config import SCALE_SUFFIXES, SIDECAR_SUFFIXES
 from engine.models.fp8_weights import FLOAT8_DTYPES, dequantize_fp8

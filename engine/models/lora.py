@@ -56,7 +56,8 @@ from safetensors import safe_open
 
 from common.hashing import lora_key
 from common.model_info import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from engine.models.arch import LinearAttentionConfig, ModelArchConfig, ModelLoadError
+from engine.models.arch import ModelArchConfig, ModelLoadError
+from engine.models.arch_parts import LinearAttentionConfig
 from engine.models.fingerprint import adapter_fingerprint
 from engine.parallel.shard_spec import TensorParallel, shard_spec
 

@@ -5,7 +5,7 @@ experts of highest softmax probability each run a SwiGLU MLP on it, and their ou
 summed weighted by those probabilities (renormalized over the k with ``norm_topk_prob``).
 Qwen2-MoE adds a shared expert that every token runs, scaled by
 ``sigmoid(shared_expert_gate(x))``. GPT-OSS biases the router and the experts, softmaxes over
-the top k logits, and clamps its experts' SwiGLU (``arch.MoeConfig``). DeepSeek's router
+the top k logits, and clamps its experts' SwiGLU (``arch_parts.MoeConfig``). DeepSeek's router
 (``DeepseekGate``) scores by softmax (V2) or sigmoid plus a choice-only bias (V3), limits
 the choice to the best groups of experts and scales the weights; its shared experts,
 one MLP, are ungated. Nemotron 3 Super's experts run in a narrower latent space
@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.arch import ModelArchConfig, MoeConfig
+from engine.models.arch import ModelArchConfig
+from engine.models.arch_parts import MoeConfig
 from engine.parallel.expert_placement import replica_table
 from kernels.reference import moe_experts
 

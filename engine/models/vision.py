@@ -29,7 +29,7 @@ from torch import nn
 
 from common.vision_spec import Qwen3TowerSpec, QwenTower, VisionSpec, VisionTowerSpec
 from engine.models.activations import activation
-from engine.models.arch import safetensors_files
+from engine.models.checkpoint_files import safetensors_files
 from engine.models.empty_init import materialize
 from engine.models.errors import ModelLoadError
 from engine.models.norms import UnitOffsetRMSNorm

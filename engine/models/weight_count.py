@@ -9,9 +9,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from common.hf_config import text_config
-from engine.models.arch import read_safetensors_header, safetensors_files
 from engine.models.bnb_config import SIDECAR_SUFFIXES as BNB_SIDECARS
 from engine.models.bnb_config import read_bnb_config
+from engine.models.checkpoint_files import read_safetensors_header, safetensors_files
 from engine.models.fp8_config import SIDECAR_SUFFIXES, read_quantization_config
 from engine.models.int_weights_config import read_int_weights_config
 

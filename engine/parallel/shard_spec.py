@@ -39,7 +39,8 @@ from common.tensor_parallel import (
     mamba_split_problem,
     split_problem,
 )
-from engine.models.arch import Mamba2Config, ModelArchConfig, ModelLoadError
+from engine.models.arch import ModelArchConfig, ModelLoadError
+from engine.models.arch_parts import Mamba2Config
 from engine.parallel.expert_placement import Placement, loaded_placement, rank_slots
 
 
