@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class ArchFlags:
+    """How one architecture departs from Llama's (every flag off: Llama itself)."""
+
     qkv_bias: bool = False
     qk_norm: bool = False
     moe: bool = False

@@ -15,6 +15,8 @@ from engine.models.errors import ModelLoadError, require
 def moe_config(
     cfg: dict[str, Any], architecture: str, num_layers: int, path: Path
 ) -> MoeConfig | None:
+    """The experts of ``architecture``'s config ``cfg`` over ``num_layers`` layers (the
+    MTP layers' too), or None for a dense model; ``path`` names the file in errors."""
     flags = ARCHITECTURES[architecture]
     if flags.granite_hybrid:
         return _granite_moe(cfg, num_layers, path)
