@@ -22,6 +22,7 @@ from common.detokenizer import IncrementalDetokenizer
 from common.structured_output import STRUCTURED_OUTPUT, StructuredOutput
 from common.tokenizer import Tokenizer
 from common.tracing import NO_SPAN, Span
+from proto import pdserve_pb2 as pb
 from router.admission import (
     GONE,
     REQUEST_ID,
@@ -52,6 +53,7 @@ from router.structured import check as check_constraint
 from router.structured import structured_output_of
 from router.tool_parsers import tool_format_of
 from router.tools import ToolCalls, call_schemas
+from router.workers import LoraRef
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +197,90 @@ def _continued_message(body: ChatCompletionRequest) -> list[str] | None:
         return None
     continued = body.messages[-1].text(image_text="")
     return [continued] if continued else None
+
+
+async def _sampling(
+    state: RouterState,
+    body: CompletionRequest | ChatCompletionRequest,
+    prompts: list[list[int]],
+    chat: bool,
+    logprobs: int | None,
+    structured: StructuredOutput | None,
+) -> tuple[pb.SamplingParams, list[str] | None]:
+    """The request's sampling parameters as the workers take them, and what ``echo``
+    repeats (None: nothing). The prompt is scored once, with the larger top n of
+    ``prompt_logprobs`` and an echo's ``logprobs``; each use cuts its own. ``echo_only``
+    computes one token (with the prompt's scores), which is not shown."""
+    if body.bad_words:  # tokenized (up to MAX_BAD_WORDS of them): off the event loop
+        sampling = await asyncio.to_thread(state.sampling_params, body, logprobs, chat,
+                                           structured)  # fmt: skip
+    else:
+        sampling = state.sampling_params(body, logprobs, chat, structured)
+    echo = None
+    scored = [] if body.prompt_logprobs is None else [body.prompt_logprobs]
+    if not chat and body.echo:
+        echo = await asyncio.to_thread(_echo_texts, body, prompts, state.tokenizer)
+        if logprobs is not None:  # the prompt's log-probs come first
+            scored.append(logprobs)
+    elif chat and body.echo:
+        echo = _continued_message(body)
+    if scored:
+        sampling.prompt_logprobs = max(scored)
+    if sampling.HasField("max_tokens") and sampling.min_tokens > sampling.max_tokens:
+        raise bad_request(f"min_tokens must be <= max_tokens={sampling.max_tokens}, got "
+                          f"{sampling.min_tokens}", "min_tokens")  # fmt: skip
+    if not chat and body.echo_only:
+        sampling.max_tokens = 1
+    return sampling, echo
+
+
+def _choice_builder(
+    state: RouterState,
+    body: CompletionRequest | ChatCompletionRequest,
+    choice_id: str,
+    prompts: list[list[int]],
+    sampling: pb.SamplingParams,
+    chat: bool,
+    keep_special: frozenset[int],
+    lora: LoraRef | None,
+    images: PromptImages | None,
+    echo_only: bool,
+) -> Callable[[], list[Choice]]:
+    """``build_choices`` for this request's ``prompts``, to call later (``choices.hashing``
+    calls it, off the event loop for long prompts); each choice's detokenizer keeps
+    ``keep_special`` (markers a parser reads)."""
+
+    def detokenizer(stop: list[str], prompt: list[int]) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(state.tokenizer, stop, body.min_tokens, keep_special,
+                                      body.include_stop_str_in_output,
+                                      body.skip_special_tokens, context=prompt)  # fmt: skip
+
+    return functools.partial(
+        build_choices, choice_id, prompts, n=body.n, sampling=sampling, stop=body.stop_strings,
+        max_model_len=state.model.max_model_len, block_size=state.model.block_size,
+        detokenizer_factory=detokenizer, cache_salt=body.cache_salt, lora=lora,
+        prompt_param="messages" if chat else "prompt", priority=body.priority,
+        echo_only=echo_only, eos_token_ids=state.model.eos_token_ids, images=images,
+        main_eos_id=state.tokenizer.eos_token_id,
+        default_max_tokens=state.generation_defaults.max_tokens,
+    )  # fmt: skip
+
+
+async def _whole_reply(
+    formatter: Formatter, choices: list[Choice], shape: ResponseShape | None
+) -> Response:
+    """A reply without streaming, as chat's object or (``/v1/responses``) ``shape``'s.
+    With the prompt's scores, built off the loop and encoded by msgspec a slice at a
+    time: a 100k-token prompt's top 20 held it 5.4 s (json.dumps is one C call holding
+    the GIL)."""
+
+    def whole() -> bytes:
+        reply = formatter.final(choices)
+        return json_bytes(reply if shape is None else shape.resolved(reply),
+                          sliced=formatter.scores_tokens)  # fmt: skip
+
+    body = await asyncio.to_thread(whole) if formatter.scores_tokens else whole()
+    return Response(body, media_type="application/json")
 
 
 def add_generation_routes(
@@ -344,31 +430,8 @@ def add_generation_routes(
         constraint = await _output_constraint(state, body, tool_format or harmony,
                                                reasoning or harmony)  # fmt: skip
         structured = constraint[1] if constraint is not None else None
-        if body.bad_words:  # tokenized (up to MAX_BAD_WORDS of them): off the event loop
-            sampling = await asyncio.to_thread(
-                state.sampling_params, body, logprobs, chat, structured
-            )
-        else:
-            sampling = state.sampling_params(body, logprobs, chat, structured)
-        echo = None
-        scored = [] if body.prompt_logprobs is None else [body.prompt_logprobs]
-        if not chat and body.echo:
-            echo = await asyncio.to_thread(_echo_texts, body, prompts, state.tokenizer)
-            if logprobs is not None:  # the prompt's log-probs come first
-                scored.append(logprobs)
-        elif chat and body.echo:
-            echo = _continued_message(body)
-        if scored:  # the engine scores once, with the larger top n; each use cuts its own
-            sampling.prompt_logprobs = max(scored)
-        if sampling.HasField("max_tokens") and sampling.min_tokens > sampling.max_tokens:
-            raise bad_request(
-                f"min_tokens must be <= max_tokens={sampling.max_tokens}, got "
-                f"{sampling.min_tokens}",
-                "min_tokens",
-            )
+        sampling, echo = await _sampling(state, body, prompts, chat, logprobs, structured)
         echo_only = not chat and body.echo_only
-        if echo_only:  # one token is computed with the prompt's scores; it is not shown
-            sampling.max_tokens = 1
         if await request.is_disconnected():  # it left while its prompt was tokenized
             return Response(status_code=499)
         # The client's id where it gave one, as vLLM (its header, else its body's
@@ -378,52 +441,18 @@ def add_generation_routes(
         client_id = client_request_id(request.scope) or plain_request_id(body.request_id)
         response_id = new_id(prefix) if client_id is None else f"{prefix}-{client_id}"
         request.scope[REQUEST_ID] = response_id  # its X-Request-Id (``router/app.py``)
-        keep = keep_special or frozenset()
-        build = functools.partial(
-            build_choices,
-            response_id if client_id is None else new_id(response_id),
-            prompts,
-            body.n,
-            sampling,
-            body.stop_strings,
-            state.model.max_model_len,
-            state.model.block_size,
-            lambda stop, prompt: IncrementalDetokenizer(
-                state.tokenizer,
-                stop,
-                body.min_tokens,
-                keep,
-                body.include_stop_str_in_output,
-                body.skip_special_tokens,
-                context=prompt,
-            ),
-            body.cache_salt,
-            state.adapters.resolve(lora_name) if lora_name is not None else None,
-            prompt_param="messages" if chat else "prompt",
-            priority=body.priority,
-            echo_only=echo_only,
-            eos_token_ids=state.model.eos_token_ids,
-            images=images,
-            main_eos_id=state.tokenizer.eos_token_id,
-            default_max_tokens=state.generation_defaults.max_tokens,
-        )
+        choice_id = response_id if client_id is None else new_id(response_id)
+        lora = state.adapters.resolve(lora_name) if lora_name is not None else None
+        build = _choice_builder(state, body, choice_id, prompts, sampling, chat,
+                                keep_special or frozenset(), lora, images, echo_only)  # fmt: skip
         choices = await hashing(prompts, build)
         formatter = Formatter(
-            response_id,
-            lora_name or state.model.served_name,
-            chat,
-            logprobs,
-            state.token_text,
-            body.return_token_ids,
-            echo,
-            body.prompt_logprobs,
-            tool_format,
-            reasoning,
-            harmony,
-            body.return_tokens_as_token_ids,
+            response_id, lora_name or state.model.served_name, chat, logprobs,
+            state.token_text, body.return_token_ids, echo, body.prompt_logprobs, tool_format,
+            reasoning, harmony, body.return_tokens_as_token_ids,
             parallel_tool_calls=not chat or body.parallel_tool_calls,
             token_bytes=state.token_bytes,
-        )
+        )  # fmt: skip
         release = admission.admit(num_sequences, lora_name)  # no await since: nothing else got in
         span = admission.span(request, response_id, lora_name, num_sequences)
         if span.headers:  # every worker call of the request carries its trace context
@@ -480,18 +509,7 @@ def add_generation_routes(
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         release()
-        shape = request.scope.get(RESPONSE_SHAPE)  # /v1/responses: its object, not chat's
-
-        def whole() -> bytes:
-            reply = formatter.final(choices)
-            return json_bytes(reply if shape is None else shape.resolved(reply),
-                              sliced=formatter.scores_tokens)  # fmt: skip
-
-        if formatter.scores_tokens:
-            # Built off the loop and encoded by msgspec a slice at a time: a 100k-token
-            # prompt's top 20 held it 5.4 s (json.dumps is one C call holding the GIL).
-            return Response(await asyncio.to_thread(whole), media_type="application/json")
-        return Response(whole(), media_type="application/json")
+        return await _whole_reply(formatter, choices, request.scope.get(RESPONSE_SHAPE))
 
     async def stream(
         formatter: Formatter,
