@@ -45,6 +45,16 @@ class InvalidSamplingParamsError(InvalidRequestError):
     pass
 
 
+class UnknownLoraAdapterError(InvalidRequestError):
+    """The request names an adapter this engine does not serve: unloaded after the router
+    placed it, most often (a worker says it as NOT_FOUND, the router as a 404)."""
+
+    def __init__(self, lora_name: str, loaded: list[str]) -> None:
+        shown = ", ".join(sorted(loaded)) or "none"
+        super().__init__(f"unknown LoRA adapter {lora_name!r} (loaded: {shown})", "lora_name")
+        self.lora_name = lora_name
+
+
 class DuplicateRequestError(InvalidRequestError):
     def __init__(self, request_id: str) -> None:
         super().__init__(f"request id {request_id!r} is already in the engine", "request_id")

@@ -37,6 +37,7 @@ from engine.errors import (
     EmptyPromptError,
     InvalidRequestError,
     PromptTooLongError,
+    UnknownLoraAdapterError,
 )
 from engine.grammar import Grammars
 from engine.images import (
@@ -419,10 +420,7 @@ class LLMEngine:
             return None
         adapter = self.runner.lora_adapters.get(lora_name)
         if adapter is None:
-            loaded = ", ".join(sorted(self.runner.lora_adapters)) or "none"
-            raise InvalidRequestError(
-                f"unknown LoRA adapter {lora_name!r} (loaded: {loaded})", "lora_name"
-            )
+            raise UnknownLoraAdapterError(lora_name, list(self.runner.lora_adapters))
         if fingerprint is not None and adapter.fingerprint != fingerprint:
             raise InvalidRequestError(
                 f"LoRA adapter {lora_name!r} was loaded again with other files while the "

@@ -228,7 +228,12 @@ def _draining(exc: grpc.aio.AioRpcError) -> bool:
 
 
 def _client_error(exc: grpc.aio.AioRpcError) -> APIError | None:
-    """A worker's INVALID_ARGUMENT as a 400 naming the field it named (``PARAM_KEY``)."""
+    """A worker's INVALID_ARGUMENT as a 400 naming the field it named (``PARAM_KEY``);
+    its NOT_FOUND (the request's LoRA adapter, unloaded since the request was placed)
+    as the 404 a request naming no such model gets: retrying elsewhere is no cure."""
+    if exc.code() == grpc.StatusCode.NOT_FOUND:
+        return APIError(404, exc.details() or "no such model", param="model",
+                        code="model_not_found")  # fmt: skip
     if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
         return None
     param = next((v for k, v in exc.trailing_metadata() or () if k == PARAM_KEY), None)

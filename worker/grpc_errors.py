@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 
 from engine.async_engine import EngineFailedError
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, UnknownLoraAdapterError
 from engine.outputs import RequestOutput
 from proto import PARAM_KEY, REFUSED_KEY
 
@@ -72,6 +72,8 @@ def raise_for_error(output: RequestOutput) -> None:
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, UnknownLoraAdapterError):  # (unloaded meanwhile: a 404, not a 400)
+        return grpc.StatusCode.NOT_FOUND, exc.message
     if isinstance(exc, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, exc.message
     if isinstance(exc, DrainingError):

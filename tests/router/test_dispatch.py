@@ -21,6 +21,7 @@ from common.config import Role, RouterConfig
 from common.hashing import hash_blocks
 from common.kv_events import BlockStored, StateStored
 from common.registry import RedisRegistry, WorkerInfo
+from engine.errors import UnknownLoraAdapterError
 from proto import ADMITTED_KEY, PARAM_KEY
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
@@ -34,7 +35,7 @@ from router.pooling_protocol import EmbeddingRequest
 from router.prefix_index import PrefixIndex
 from router.workers import LoraRef, WorkerPool
 from tests.common.redis_server import run_with_registry
-from worker.grpc_errors import DrainingError, RequestFailedError, grpc_stream_errors
+from worker.grpc_errors import DrainingError, RequestFailedError, grpc_errors, grpc_stream_errors
 
 
 class Decode(pb_grpc.DecodeServiceServicer):
@@ -227,6 +228,68 @@ def test_both_calls_name_the_adapters_files_they_were_placed_for(tmp_path):
     (generated,) = decode.requests
     for message in (prefilled, generated):
         assert (message.lora_name, message.lora_fingerprint) == ("alice", "fp-1")
+
+
+class UnloadedAdapter(Decode):
+    """Serves ``alice`` by its Stats, but its engine no longer has it (unloaded through
+    another router after the request was placed): refuses both calls through the real
+    error mapping."""
+
+    async def Stats(self, request, context):
+        return pb.StatsResponse(lora_adapters=[pb.LoraAdapterInfo(name="alice",
+                                                                  fingerprint="fp-1")])  # fmt: skip
+
+    @grpc_stream_errors
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        raise UnknownLoraAdapterError(request.lora_name, [])
+        yield  # an async generator, like the real method
+
+
+class UnloadedAdapterPrefill(HeldPrefill):
+    Stats = UnloadedAdapter.Stats
+
+    @grpc_errors
+    async def Prefill(self, request, context):
+        raise UnknownLoraAdapterError(request.lora_name, ["bob"])
+
+
+@pytest.mark.timeout(60)
+def test_an_adapter_unloaded_after_placement_is_a_404_model_not_found(tmp_path):
+    """A request raced an unload: the worker's refusal reaches the client as the 404 a
+    request of an unknown model gets (OpenAI's envelope), from a prefill and a decode
+    worker alike; it was a 400 naming lora_name, a field the client never sent."""
+
+    async def scenario(registry: RedisRegistry) -> list[APIError]:
+        (server_p, info_p), (server_d, info_d) = (
+            await serve(UnloadedAdapterPrefill(), registry),
+            await serve(UnloadedAdapter(fail=False), registry),
+        )
+        pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex())
+        errors = []
+        try:
+            await pool.refresh()
+            request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams(),
+                                      lora=LoraRef("alice", "fp-1"))  # fmt: skip
+            placement = Placement(info_d.worker_id, info_p.worker_id, 0, 0)
+            with pytest.raises(APIError) as prefill:
+                await dispatcher._prefill(request, placement)
+            errors.append(prefill.value)
+            with pytest.raises(APIError) as decode:
+                lease = RemoteLease(lambda: None)
+                async for _ in dispatcher._decode(request, placement, None, lease, set()):
+                    pass
+            errors.append(decode.value)
+            return errors
+        finally:
+            await pool.close()
+            await server_p.stop(None)
+            await server_d.stop(None)
+
+    for error in run_with_registry(tmp_path, scenario):
+        assert (error.status, error.param, error.code) == (404, "model", "model_not_found")
+        assert error.body()["error"]["type"] == "invalid_request_error"
+        assert "unknown LoRA adapter 'alice'" in error.message
 
 
 @pytest.mark.timeout(60)
