@@ -5,6 +5,11 @@ Redis layout: one hash per worker at ``{prefix}:worker:{worker_id}`` with the fi
 worker killed without warning therefore disappears within one TTL; a worker that shuts
 down cleanly deletes its key at once. A draining worker keeps its key with
 ``draining=1`` until it exits, so routers stop placing new work on it.
+
+Runtime LoRA intents (``common/lora_intents.py``) live in one hash,
+``{prefix}:lora_intents`` (adapter name -> the intent as JSON), numbered by the counter
+``{prefix}:lora_intents:seq``; both change in one transaction. They never expire: an
+unloaded adapter's tombstone is what keeps a late router from loading it again.
 """
 
 from __future__ import annotations
@@ -14,7 +19,10 @@ import re
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, fields
 
+import msgspec
+
 from common.config import PdserveConfig, Role
+from common.lora_intents import LocalLoraIntents, LoraIntent, decode_intent, encode_intent
 from common.redis_password import password_from_env, without_password
 
 logger = logging.getLogger(__name__)
@@ -99,6 +107,14 @@ class Registry(ABC):
     @abstractmethod
     def list_workers(self, role: Role | None = None) -> list[WorkerInfo]: ...
 
+    @abstractmethod
+    def lora_intents(self) -> dict[str, LoraIntent]:
+        """The routers' runtime LoRA intents (``common.lora_intents.LoraIntentStore``)."""
+
+    @abstractmethod
+    def set_lora_intent(self, intent: LoraIntent, if_seq: int | None = None) -> LoraIntent | None:
+        """Write one (``common.lora_intents.LoraIntentStore``)."""
+
     def close(self) -> None:
         return None
 
@@ -108,6 +124,7 @@ class StaticRegistry(Registry):
 
     def __init__(self, config: PdserveConfig) -> None:
         self._workers = static_workers(config)
+        self._intents = LocalLoraIntents()  # one router: in process is exact
 
     def register(self, info: WorkerInfo) -> None:
         return None
@@ -120,6 +137,12 @@ class StaticRegistry(Registry):
 
     def list_workers(self, role: Role | None = None) -> list[WorkerInfo]:
         return [w for w in self._workers if role is None or w.role is role]
+
+    def lora_intents(self) -> dict[str, LoraIntent]:
+        return self._intents.lora_intents()
+
+    def set_lora_intent(self, intent: LoraIntent, if_seq: int | None = None) -> LoraIntent | None:
+        return self._intents.set_lora_intent(intent, if_seq)
 
 
 class RedisRegistry(Registry):
@@ -183,8 +206,63 @@ class RedisRegistry(Registry):
                 workers.append(info)
         return sorted(workers, key=lambda w: w.worker_id)
 
+    def _intents_key(self) -> str:
+        return f"{self.prefix}:lora_intents"
+
+    def lora_intents(self) -> dict[str, LoraIntent]:
+        import redis
+
+        try:
+            raw = self._client.hgetall(self._intents_key())
+        except redis.RedisError as exc:
+            raise RegistryError(f"cannot read the LoRA intents: {exc}") from exc
+        intents = {}
+        for name, value in raw.items():
+            try:
+                intents[name] = decode_intent(value)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                where = f"{self._intents_key()} {name}"
+                if where not in self._malformed:  # (not at every refresh)
+                    self._malformed.add(where)
+                    logger.warning("ignoring the LoRA intent of %s in the registry, which "
+                                   "this process cannot read (a newer router's?): %s",
+                                   name, exc)  # fmt: skip
+        return intents
+
+    def set_lora_intent(self, intent: LoraIntent, if_seq: int | None = None) -> LoraIntent | None:
+        """One optimistic transaction (WATCH, then MULTI): the write and its ``seq`` agree,
+        and ``if_seq`` is checked against the intent the write replaces."""
+        import redis
+
+        key, seq_key = self._intents_key(), f"{self._intents_key()}:seq"
+
+        def write(pipe: redis.client.Pipeline) -> LoraIntent | None:
+            if if_seq is not None and _seq_of(pipe.hget(key, intent.name)) != if_seq:
+                return None
+            written = msgspec.structs.replace(intent, seq=int(pipe.get(seq_key) or 0) + 1)
+            pipe.multi()
+            pipe.set(seq_key, written.seq)
+            pipe.hset(key, intent.name, encode_intent(written))
+            return written
+
+        try:
+            return self._client.transaction(write, key, seq_key, value_from_callable=True)
+        except redis.RedisError as exc:
+            raise RegistryError(f"cannot write the LoRA intent of {intent.name}: {exc}") from exc
+
     def close(self) -> None:
         self._client.close()
+
+
+def _seq_of(raw: str | None) -> int:
+    """The ``seq`` of a stored intent; 0 for none, -1 for one this process cannot read
+    (which no ``if_seq`` names)."""
+    if raw is None:
+        return 0
+    try:
+        return decode_intent(raw).seq
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return -1
 
 
 def create_registry(config: PdserveConfig) -> Registry:

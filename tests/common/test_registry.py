@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import threading
 import time
 
 import pytest
 
 from common.config import Role
 from common.config_loader import load_config
+from common.lora_intents import LoraIntent, LoraIntentState
 from common.registry import (
     RedisRegistry,
+    Registry,
     RegistryError,
     StaticRegistry,
     WorkerInfo,
@@ -95,3 +99,57 @@ def test_a_redis_password_comes_from_the_environment_and_stays_out_of_errors(tmp
         registry.register(info("prefill-a"))
         assert [w.worker_id for w in registry.list_workers()] == ["prefill-a"]
         registry.close()
+
+
+def intent(name: str, state: str = "loaded") -> LoraIntent:
+    return LoraIntent(name=name, path=f"/adapters/{name}", fingerprint="f1",
+                      state=LoraIntentState(state))  # fmt: skip
+
+
+def writes_in_order(registry: Registry) -> list:
+    """Writes through ``registry``: each numbered after the last, ``if_seq`` kept."""
+    first = registry.set_lora_intent(intent("alice"))
+    other = registry.set_lora_intent(intent("bob"))
+    stale = registry.set_lora_intent(intent("alice", "retiring"), if_seq=first.seq - 1)
+    retiring = registry.set_lora_intent(intent("alice", "retiring"), if_seq=first.seq)
+    fresh = registry.set_lora_intent(intent("carol"), if_seq=0)  # none yet
+    taken = registry.set_lora_intent(intent("carol"), if_seq=0)
+    return [first.seq, other.seq, stale, retiring.seq, fresh.seq, taken]
+
+
+def test_lora_intents_in_one_process_under_a_static_list():
+    registry = create_registry(load_config(None, []))
+    assert writes_in_order(registry) == [1, 2, None, 3, 4, None]
+    read = registry.lora_intents()["alice"]
+    assert (read.state, read.seq, read.path) == (LoraIntentState.RETIRING, 3, "/adapters/alice")
+
+
+def test_lora_intents_are_shared_through_redis_as_json(tmp_path):
+    """One router's write is every router's read; the value is JSON (no pickle), and
+    writes from two clients at once each get their own seq, the hash the last."""
+    with redis_server(tmp_path) as url:
+        one, two = RedisRegistry(url, ttl_s=5, prefix="t"), RedisRegistry(url, ttl_s=5, prefix="t")
+        assert writes_in_order(one) == [1, 2, None, 3, 4, None]
+        read = two.lora_intents()
+        assert sorted(read) == ["alice", "bob", "carol"]
+        assert (read["alice"].state, read["alice"].seq) == (LoraIntentState.RETIRING, 3)
+        raw = one._client.hget("t:lora_intents", "alice")
+        assert json.loads(raw)["state"] == "retiring"
+        one._client.hset("t:lora_intents", mapping={"mallory": "not json", "eve": '{"name": 1}'})
+        assert sorted(two.lora_intents()) == ["alice", "bob", "carol"]  # (said once)
+        seqs: list[int] = []
+
+        def write(registry: RedisRegistry, name: str) -> None:
+            for _ in range(20):
+                seqs.append(registry.set_lora_intent(intent(name)).seq)
+
+        threads = [threading.Thread(target=write, args=(r, n)) for r, n in ((one, "x"), (two, "y"))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert sorted(seqs) == list(range(5, 45))
+        read = one.lora_intents()
+        assert max(read["x"].seq, read["y"].seq) == 44
+        one.close()
+        two.close()
