@@ -152,7 +152,8 @@ class RouterState:
         policy = PlacementPolicy(config.router, model.block_size, decode_engine.max_num_seqs,
                                  hybrid=model.hybrid)  # fmt: skip
         dispatcher = Dispatcher(config.router, pool, index, lock, policy, metrics, model.block_size)
-        adapters = LoraAdapters(config.lora, pool, model.served_name)
+        adapters = LoraAdapters(config.lora, pool, model.served_name, pool.registry,
+                                config.router.refresh_interval_s)  # fmt: skip
         tokenizer = Tokenizer(model.model_dir)
         return cls(config, model, tokenizer, index, lock, events, pool, metrics, dispatcher,
                    adapters, generation_defaults=GenerationDefaults.read(model.model_dir),
@@ -166,7 +167,7 @@ class RouterState:
     async def start(self) -> None:
         self.events.start()
         await self.pool.start()
-        self.adapters.start(self.config.router.refresh_interval_s)
+        self.adapters.start()
         if self.metrics.live_plan is not None:
             self.metrics.live_plan.start()
         # llguidance's tokenizer (~1 s for a 128k vocabulary) now, not at the first

@@ -1,7 +1,8 @@
 """The router's LoRA adapter table: which files a request of an adapter runs with and on
 which workers, and runtime loads that are all or nothing across workers, with workers
 over real gRPC that refuse or read other files (failures two real workers on one machine
-cannot produce); ``reconcile`` bringing a worker that missed a load or an unload back."""
+cannot produce); ``reconcile`` bringing a worker that missed a load or an unload back to
+the intents (one router's, in process: tests/router/test_lora_shared.py shares them)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,13 @@ import grpc
 import pytest
 
 from common.config import LoraSettings, Role
+from common.lora_intents import LocalLoraIntents, LoraIntent, LoraIntentState
 from common.registry import WorkerInfo
 from proto import PARAM_KEY
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from router.errors import APIError
-from router.lora_adapters import LoraAdapters, _Loaded
+from router.lora_adapters import LoraAdapters
 from router.workers import LoraRef, WorkerPool, WorkerState
 
 ENABLED = LoraSettings(adapters={"bob": "/adapters/bob"}, runtime_loading=True)
@@ -54,6 +56,17 @@ class FrozenAdapterWorker(AdapterWorker):
     async def LoadLoraAdapter(self, request, context):
         self.calls.append(("load", request.name))
         await asyncio.Event().wait()
+
+
+def adapters_of(states: list[WorkerState], settings: LoraSettings = ENABLED) -> LoraAdapters:
+    return LoraAdapters(settings, pool_of(states), "base", LocalLoraIntents(), 0.0)
+
+
+def intend(adapters: LoraAdapters, name: str, state: str = "loaded", fingerprint: str = "f1"):
+    """Write ``name``'s intent as a load or unload through another router would."""
+    adapters.store.set_lora_intent(LoraIntent(name=name, path=f"/adapters/{name}",
+                                              fingerprint=fingerprint,
+                                              state=LoraIntentState(state)))  # fmt: skip
 
 
 def pool_of(states: list[WorkerState]) -> WorkerPool:
@@ -96,7 +109,7 @@ def run_with(workers: list[AdapterWorker], scenario, settings: LoraSettings = EN
     async def main():
         servers, states = await serve(workers)
         try:
-            return await scenario(LoraAdapters(settings, pool_of(states), "base"), states)
+            return await scenario(adapters_of(states, settings), states)
         finally:
             for state in states:
                 await state.channel.close()
@@ -127,12 +140,12 @@ def test_workers_that_read_other_files_at_the_path_undo_the_load():
     async def scenario(adapters: LoraAdapters, states):
         with pytest.raises(APIError) as refused:
             await adapters.load("alice", "/adapters/alice")
-        return refused.value, adapters.loaded, [s.lora_adapters for s in states]
+        return refused.value, adapters.store.lora_intents(), [s.lora_adapters for s in states]
 
-    error, loaded, seen = run_with([one, other], scenario)
+    error, intents, seen = run_with([one, other], scenario)
     assert (error.status, error.param) == (400, "lora_path")
     assert "different files" in error.message
-    assert one.adapters == {} and other.adapters == {} and loaded == {}
+    assert one.adapters == {} and other.adapters == {} and intents == {}
     assert seen == [{}, {}]
 
 
@@ -238,9 +251,10 @@ def test_a_load_queued_behind_an_unload_is_refused_not_undone():
             await load
         worker.calls.clear()
         await adapters.reconcile()
-        return refused.value.status, sorted(adapters.loaded), dict(worker.adapters), worker.calls
+        state = adapters.store.lora_intents()["alice"].state
+        return refused.value.status, state, dict(worker.adapters), worker.calls
 
-    assert run_with([worker], scenario) == (400, [], {}, [])
+    assert run_with([worker], scenario) == (400, LoraIntentState.UNLOADED, {}, [])
 
 
 def test_an_unload_goes_ahead_after_the_grace():
@@ -251,9 +265,9 @@ def test_an_unload_goes_ahead_after_the_grace():
         await adapters.load("alice", "/adapters/alice")
         adapters.admit("alice", 1)  # never released
         await asyncio.wait_for(adapters.unload("alice"), 5.0)
-        return dict(worker.adapters), adapters.retiring
+        return dict(worker.adapters), adapters.intents["alice"].state
 
-    assert run_with([worker], scenario, settings) == ({}, set())
+    assert run_with([worker], scenario, settings) == ({}, LoraIntentState.UNLOADED)
 
 
 def test_reconcile_loads_what_a_worker_lacks_and_unloads_what_it_missed():
@@ -263,7 +277,7 @@ def test_reconcile_loads_what_a_worker_lacks_and_unloads_what_it_missed():
         await adapters.load("alice", "/adapters/alice")  # both: alice
         restarted.adapters.clear()  # it restarted: runtime loads are gone
         states[0].lora_adapters = {}  # as its next Stats says
-        adapters.unloaded.add("old")  # unloaded here while the second was unreachable
+        intend(adapters, "old", "unloaded")  # unloaded while the second was unreachable
         await adapters.reconcile()
         return [dict(s.lora_adapters) for s in states]
 
@@ -279,7 +293,7 @@ def test_reconcile_is_not_held_back_by_a_frozen_worker():
     frozen, healthy = FrozenAdapterWorker("f1"), AdapterWorker("f1")
 
     async def scenario(adapters: LoraAdapters, states):
-        adapters.loaded["alice"] = _Loaded("/adapters/alice", "f1")
+        intend(adapters, "alice")
         reconcile = asyncio.create_task(adapters.reconcile())
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 10
@@ -301,7 +315,7 @@ def test_reconcile_does_not_serve_files_that_changed_on_disk():
     changed = AdapterWorker("f2")
 
     async def scenario(adapters: LoraAdapters, states):
-        adapters.loaded["alice"] = _Loaded("/adapters/alice", "f1")  # loaded as f1 before
+        intend(adapters, "alice")  # loaded as f1 before
         await adapters.reconcile()
         await adapters.reconcile()  # found changed once: not read again every refresh
         return states[0].lora_adapters
@@ -318,15 +332,15 @@ def test_a_catch_up_the_worker_refuses_is_said_once_and_not_retried(caplog):
     refusing = AdapterWorker(None)
 
     async def scenario(adapters: LoraAdapters, states):
-        adapters.loaded["alice"] = _Loaded("/adapters/alice", "f1")
-        with caplog.at_level(logging.WARNING, logger="router.lora_adapters"):
+        intend(adapters, "alice")
+        with caplog.at_level(logging.WARNING, logger="router.lora_reconcile"):
             for _ in range(3):
                 await adapters.reconcile()
         return states[0].lora_adapters
 
     assert run_with([refusing], scenario) == {}
     assert refusing.calls == [("load", "alice")]
-    (line,) = [r for r in caplog.records if r.name == "router.lora_adapters"]
+    (line,) = [r for r in caplog.records if r.name == "router.lora_reconcile"]
     assert line.levelno == logging.ERROR and "restore its files" in line.getMessage()
 
 
@@ -351,8 +365,8 @@ def test_a_catch_up_the_workers_limit_refuses_is_retried_after_the_stale_unload(
     worker = LimitedWorker("f1", adapters={"x": "fx"})
 
     async def scenario(adapters: LoraAdapters, states):
-        adapters.loaded["alice"] = _Loaded("/adapters/alice", "f1")
-        adapters.unloaded.add("x")
+        intend(adapters, "alice")
+        intend(adapters, "x", "unloaded", "fx")
         await adapters.reconcile()
         return states[0].lora_adapters
 
@@ -367,8 +381,8 @@ def test_a_catch_up_the_limit_refuses_is_retried_and_said_once(caplog):
     worker = LimitedWorker("f1", adapters={"other": "fo"})
 
     async def scenario(adapters: LoraAdapters, states):
-        adapters.loaded["alice"] = _Loaded("/adapters/alice", "f1")
-        with caplog.at_level(logging.WARNING, logger="router.lora_adapters"):
+        intend(adapters, "alice")
+        with caplog.at_level(logging.WARNING, logger="router.lora_reconcile"):
             await adapters.reconcile()
             await adapters.reconcile()
             worker.adapters.pop("other")
@@ -378,7 +392,7 @@ def test_a_catch_up_the_limit_refuses_is_retried_and_said_once(caplog):
 
     assert run_with([worker], scenario) == {"alice": "f1"}
     assert [c for c in worker.calls if c[0] == "load"] == [("load", "alice")] * 3
-    said = [r for r in caplog.records if r.name == "router.lora_adapters"]
+    said = [r for r in caplog.records if r.name == "router.lora_reconcile"]
     assert len(said) == 1 and said[0].levelno == logging.WARNING
 
 
@@ -389,7 +403,7 @@ def test_requests_run_with_the_files_most_workers_serve():
         offline_state("d1", Role.DECODE, {"alice": "f2"}),
         offline_state("d2", Role.DECODE, {}),
     ]
-    adapters = LoraAdapters(ENABLED, pool_of(states), "base")
+    adapters = adapters_of(states)
     assert adapters.resolve("alice") == LoraRef("alice", "f1")
     assert [w.worker_id for w in adapters.pool.candidates(Role.DECODE, LoraRef("alice", "f1"))] == [
         "d0"
@@ -406,8 +420,8 @@ def test_requests_run_with_the_files_most_workers_serve():
 
 
 def test_refusals_before_any_worker_is_asked():
-    adapters = LoraAdapters(ENABLED, pool_of([]), "base")
-    off = LoraAdapters(LoraSettings(), pool_of([]), "base")
+    adapters = adapters_of([])
+    off = adapters_of([], LoraSettings())
 
     async def refusal(call) -> tuple[int, str | None]:
         with pytest.raises(APIError) as error:
