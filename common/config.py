@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from common.redis_password import without_password
+from common.redis_url import redis_url_problem
 
 
 class ConfigError(ValueError):
@@ -697,9 +697,6 @@ class RouterConfig:
             raise ConfigError("router.host", "must not be empty")
 
 
-_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
-
-
 @dataclass(frozen=True, slots=True)
 class RegistryConfig:
     redis_url: str | None = None  # None: the static list this config implies
@@ -710,12 +707,9 @@ class RegistryConfig:
     def __post_init__(self) -> None:
         if not self.ttl_s >= 1:  # (Redis keeps whole milliseconds: 0.0009 s deleted at once)
             raise ConfigError("registry.ttl_s", f"must be at least 1 (seconds), got {self.ttl_s}")
-        if self.redis_url is not None and not self.redis_url.startswith(_REDIS_SCHEMES):
-            raise ConfigError(
-                "registry.redis_url",
-                f"{without_password(self.redis_url, mask='***')!r} is not a Redis URL "
-                f"({', '.join(_REDIS_SCHEMES)}...)",
-            )
+        problem = None if self.redis_url is None else redis_url_problem(self.redis_url)
+        if problem is not None:
+            raise ConfigError("registry.redis_url", problem)
         if not 0 < self.heartbeat_s <= self.ttl_s / 2:  # one late heartbeat is no expiry
             raise ConfigError("registry.heartbeat_s", "must be > 0 and at most half of "
                                                       f"registry.ttl_s ({self.ttl_s})")  # fmt: skip

@@ -134,6 +134,13 @@ BROKEN = [
     ("kv_transfer: {nixl_read_lanes: -2}", "kv_transfer.nixl_read_lanes", "must be >= 0"),
     ("kv_transfer: {nixl_pin_lanes: 2}", "kv_transfer.nixl_pin_lanes", "must be true or false"),
     ("registry: {redis_url: 'localhost:6379'}", "registry.redis_url", "not a Redis URL"),
+    # redis-py took these for localhost:6379 (or database 0), without a word.
+    ("registry: {redis_url: 'redis://'}", "registry.redis_url", "names no host"),
+    ("registry: {redis_url: 'redis://r:0/0'}", "registry.redis_url", "port 0"),
+    ("registry: {redis_url: 'redis://r/one'}", "registry.redis_url", "database 'one'"),
+    ("registry: {redis_url: 'redis://r:63790x/0'}", "registry.redis_url", "port that is no"),
+    ("registry: {redis_url: 'redis://::1:6379/0'}", "registry.redis_url", "without brackets"),
+    ("registry: {redis_url: 'unix://redis.sock'}", "registry.redis_url", "names no socket path"),
     ("registry: {ttl_s: 2, heartbeat_s: 2}", "registry.heartbeat_s", "at most half of"),
     ("registry: {ttl_s: 4, heartbeat_s: 2.5}", "registry.heartbeat_s", "at most half of"),
     # Compared with a URL's host: these never matched, and every fetch was refused.
