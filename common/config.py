@@ -13,6 +13,13 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from common.hosts import (
+    HostError,
+    IPAddress,
+    addresses_overlap,
+    host_addresses,
+    ip_literal,
+)
 from common.redis_url import redis_url_problem
 
 
@@ -784,8 +791,6 @@ class PlannerConfig:
                               "is sized from a profile (`pdserve plan profile`)")  # fmt: skip
 
 
-_WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "*"})
-
 # What a LoRA adapter may be called: it is the "model" clients pass and a path segment in
 # the containers (/adapters/<name>).
 _LORA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -860,21 +865,6 @@ class PdserveConfig:
             section = self.role(role)
             if section.replicas < 0:
                 raise ConfigError(f"{role}.replicas", f"must be >= 0, got {section.replicas}")
-            if not section.host:
-                raise ConfigError(f"{role}.host", "must not be empty")
-            if ":" in section.host and section.host not in _WILDCARD_HOSTS:
-                raise ConfigError(
-                    f"{role}.host",
-                    f"{section.host}: IPv6 worker addresses are not supported yet (gRPC, ZMQ "
-                    "and UCX endpoints are formed for IPv4); give an IPv4 address or a name",
-                )
-            if section.host in _WILDCARD_HOSTS:
-                raise ConfigError(
-                    f"{role}.host",
-                    f"{section.host} cannot be reached: a worker's host is both where it "
-                    "listens and the address it registers for the router and its peers; "
-                    "give this machine's address (the pod IP, the compose service name)",
-                )
             if section.drain_grace_s < 0:
                 raise ConfigError(
                     f"{role}.drain_grace_s", f"must be >= 0, got {section.drain_grace_s}"
@@ -884,6 +874,7 @@ class PdserveConfig:
             except ConfigError as exc:
                 message = str(exc).split(": ", 1)[-1]
                 raise ConfigError(f"{role}.engine.{exc.key.split('.')[-1]}", message) from None
+        addresses = self._host_addresses()
         if self.engine.cpu_offload_bytes:  # (was silently replaced by offload.cpu_bytes)
             raise ConfigError("engine.cpu_offload_bytes", "a deployment's CPU tier is "
                               "offload.cpu_bytes (a role's engine.cpu_offload_bytes overrides "
@@ -948,10 +939,27 @@ class PdserveConfig:
                     f"{least} is above {role}.replicas ({self.role(role).replicas}), the most "
                     "workers of the role autoscaling runs",
                 )
-        self._check_ports()
+        self._check_ports(addresses)
 
     def role(self, role: Role) -> WorkerRoleConfig:
         return self.prefill if role is Role.PREFILL else self.decode
+
+    def _host_addresses(self) -> dict[str, frozenset[IPAddress]]:
+        """Each configured host's addresses on this machine (``common/hosts.py``: literals
+        need no lookup, a name is looked up once). ``ConfigError`` naming the key of a host
+        that has none, or that a worker cannot use."""
+        keyed = [("router.host", self.router.host)]
+        keyed += [(f"{role}.host", self.role(role).host) for role in Role]
+        addresses: dict[str, frozenset[IPAddress]] = {}
+        for key, host in keyed:
+            if host not in addresses:
+                try:
+                    addresses[host] = host_addresses(host)
+                except HostError as exc:
+                    raise ConfigError(key, str(exc)) from None
+        for key, host in keyed[1:]:
+            _check_worker_host(key, host, addresses[host])
+        return addresses
 
     def _check_compute_dtypes(self) -> None:
         """The roles compute in one dtype. With ``kv_cache_dtype`` auto the KV cache holds
@@ -1016,15 +1024,36 @@ class PdserveConfig:
                 bound += [(section.host, port, owner) for port in ports]
         return bound
 
-    def _check_ports(self) -> None:
-        """Every port the layout binds on one machine is distinct. A wildcard host (0.0.0.0,
-        ::) binds every interface, so it clashes with the same port on any host."""
+    def _check_ports(self, addresses: dict[str, frozenset[IPAddress]]) -> None:
+        """Every port the layout binds on one machine is distinct where the hosts' addresses
+        overlap (``addresses_overlap``: ``localhost`` is 127.0.0.1, a wildcard is every
+        address), given each host's ``addresses``."""
         owners: dict[int, list[tuple[str, str]]] = {}
         for host, port, owner in self.bound_ports():
             if not 0 < port < 65536:
                 raise ConfigError(owner, f"port {port} is outside 1-65535")
-            host = "127.0.0.1" if host == "localhost" else host
             for other_host, other in owners.setdefault(port, []):
-                if other != owner and (other_host == host or _WILDCARD_HOSTS & {host, other_host}):
-                    raise ConfigError(owner, f"port {port} on {host} is also used by {other}")
+                if other != owner and addresses_overlap(addresses[host], addresses[other_host]):
+                    where = "" if other_host == host else f" on {other_host}"
+                    raise ConfigError(owner, f"port {port} on {host} is also used by {other}"
+                                      f"{where}")  # fmt: skip
             owners[port].append((host, owner))
+
+
+def _check_worker_host(key: str, host: str, addresses: frozenset[IPAddress]) -> None:
+    """A worker's host is both where it listens and the address it registers: no wildcard
+    (0.0.0.0, ::, or a name for one); and no IPv6 literal yet."""
+    if any(address.is_unspecified for address in addresses):
+        raise ConfigError(
+            key,
+            f"{host} cannot be reached: a worker's host is both where it listens and the "
+            "address it registers for the router and its peers; give this machine's address "
+            "(the pod IP, the compose service name)",
+        )
+    literal = ip_literal(host)
+    if literal is not None and literal.version == 6:
+        raise ConfigError(
+            key,
+            f"{host}: IPv6 worker addresses are not supported yet (the ZMQ sockets, the NCCL "
+            "store and UCX are set up for IPv4); give an IPv4 address or a name",
+        )

@@ -84,6 +84,20 @@ BROKEN = [
     ("router: {max_inflight_requests: 8}", "router.max_inflight_requests", "renamed to"),
     ("router: {max_inflight_sequences: 0}", "router.max_inflight_sequences", "must be >= 1"),
     ("decode: {host: 'fd00::5'}", "decode.host", "IPv6 worker addresses are not supported"),
+    # A host that stands for no address: a bind or connect error much later, or none at all
+    # (a router that retried a worker it would never reach).
+    ("router: {host: localhst}", "router.host", "cannot resolve 'localhst': "),
+    ("router: {host: 127.0.0.l}", "router.host", "cannot resolve '127.0.0.l': "),
+    ("prefill: {host: localhst}", "prefill.host", "cannot resolve 'localhst': "),
+    ("router: {host: '[::1]'}", "router.host", "without brackets ('::1')"),
+    ("router: {host: '*'}", "router.host", "'0.0.0.0' is every IPv4 interface"),
+    ("decode: {host: 'localhost:18200'}", "decode.host", "a host without its port"),
+    # Another spelling of an address in use clashes too (only equal strings did).
+    (
+        "router: {host: '127.1', port: 18201}",
+        "decode.port (replica 0)",
+        "port 18201 on 127.0.0.1 is also used by router.port on 127.1",
+    ),
     ("1: a\nfoo: b", "1", "unknown key"),
     ("decode: {engine: {block_size: 32}}", "decode.engine.block_size", "same block size"),
     (
