@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
+from common.hosts import host_port
 from common.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -83,7 +84,7 @@ class KVEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._topic = TOPIC + os.urandom(8)  # (its epoch: module docstring)
-        self._pub.bind(f"tcp://{host}:{pub_port}")
+        self._pub.bind(f"tcp://{host_port(host, pub_port)}")
         replay = self._ctx.socket(zmq.ROUTER)  # owned by the replay thread once it runs
         replay.setsockopt(zmq.LINGER, 0)
         # A replay is up to buffer_size messages and its end in one burst; past the
@@ -95,7 +96,7 @@ class KVEventPublisher:
         replay.setsockopt(zmq.SNDHWM, buffer_size + 1)
         replay.setsockopt(zmq.MAXMSGSIZE, 64)
         try:
-            replay.bind(f"tcp://{host}:{replay_port}")
+            replay.bind(f"tcp://{host_port(host, replay_port)}")
         except zmq.ZMQError:
             replay.close(0)
             self._pub.close(0)

@@ -10,6 +10,7 @@ import errno
 import socket
 
 from common.config import WorkerPorts
+from common.hosts import host_port
 
 
 def bind_listeners(host: str, port: int) -> list[socket.socket]:
@@ -62,5 +63,5 @@ def port_in_use(host: str, listeners: list[tuple[str, int]]) -> str | None:
             for probe in bind_listeners(host, port):  # as the servers will
                 probe.close()
         except OSError as exc:
-            return f"{host}:{port} ({name}): {exc.strerror or exc}"
+            return f"{host_port(host, port)} ({name}): {exc.strerror or exc}"
     return None

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, fields
 import msgspec
 
 from common.config import PdserveConfig, Role
+from common.hosts import host_port
 from common.lora_intents import LocalLoraIntents, LoraIntent, decode_intent, encode_intent
 from common.redis_password import password_from_env, without_password
 
@@ -68,7 +69,7 @@ class WorkerInfo:
 
 
 def worker_id(role: Role, host: str, grpc_port: int) -> str:
-    return f"{role.value}@{host}:{grpc_port}"
+    return f"{role.value}@{host_port(host, grpc_port)}"
 
 
 def static_workers(config: PdserveConfig) -> list[WorkerInfo]:
@@ -82,9 +83,9 @@ def static_workers(config: PdserveConfig) -> list[WorkerInfo]:
                 WorkerInfo(
                     worker_id=worker_id(role, section.host, ports.grpc),
                     role=role,
-                    grpc_address=f"{section.host}:{ports.grpc}",
-                    events_endpoint=f"tcp://{section.host}:{ports.events}",
-                    replay_endpoint=f"tcp://{section.host}:{ports.replay}",
+                    grpc_address=host_port(section.host, ports.grpc),
+                    events_endpoint=f"tcp://{host_port(section.host, ports.events)}",
+                    replay_endpoint=f"tcp://{host_port(section.host, ports.replay)}",
                     model=config.model or "demo",
                     block_size=config.engine_for(role).block_size,
                     connector=config.kv_transfer.connector,

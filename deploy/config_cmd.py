@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from common.config import ConfigError, PdserveConfig, Role, ScoreMethod
+from common.hosts import host_port
 from common.kv_budget import KVBudget, kv_budgets
 from common.model_info import (
     ADAPTER_CONFIG,
@@ -115,7 +116,7 @@ def summary(config: PdserveConfig, budgets: list[KVBudget] | None) -> list[str]:
                 f"{section.port}-{last} (drain grace {section.drain_grace_s:g}s)"
             )
     router = config.router
-    lines.append(f"router    http://{router.host}:{router.port}/v1")
+    lines.append(f"router    http://{host_port(router.host, router.port)}/v1")
     url = config.registry.redis_url
     registry = without_password(url, mask="***") if url else "static list from this file"
     lines.append(f"registry  {registry}")

@@ -33,6 +33,7 @@ import yaml
 
 from common.config import ConfigError, PdserveConfig, Role
 from common.config_loader import to_dict
+from common.hosts import host_port
 from common.redis_password import url_password, without_password
 
 CONFIG_PATH = "/etc/pdserve/config.yaml"
@@ -71,7 +72,7 @@ def container_config(config: PdserveConfig, redis_host: str) -> PdserveConfig:
     """The config every container reads (see the module docstring for what changes)."""
     registry = config.registry
     if uses_bundled_redis(config):
-        url = f"redis://{redis_host}:{REDIS_PORT}/0"
+        url = f"redis://{host_port(redis_host, REDIS_PORT)}/0"
         registry = dataclasses.replace(registry, redis_url=url)
     elif registry.redis_url is not None:  # its password: PDSERVE_REDIS_PASSWORD's
         registry = dataclasses.replace(registry, redis_url=without_password(registry.redis_url))

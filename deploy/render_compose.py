@@ -16,6 +16,7 @@ from typing import Any
 
 from common.api_keys import API_KEYS_ENV
 from common.config import PdserveConfig, Role
+from common.hosts import is_wildcard, url_host
 from common.internal_auth import TOKEN_ENV
 from common.redis_password import REDIS_PASSWORD_ENV
 from deploy import containers as c
@@ -162,8 +163,8 @@ def _router(config: PdserveConfig, image: str, workers: list[str]) -> dict[str, 
     published = f"{router.port}:{router.port}"
     if router.host in _LOOPBACK:
         published = f"127.0.0.1:{published}"
-    elif router.host not in ("0.0.0.0", "::"):
-        published = f"{router.host}:{published}"
+    elif not is_wildcard(router.host):
+        published = f"{url_host(router.host)}:{published}"
     # Client keys (``common/api_keys.py``): the host's, never written here; required when
     # the config has keys (compose refuses to start without them: the router must not
     # serve open).

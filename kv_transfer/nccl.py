@@ -19,6 +19,7 @@ import time
 import msgspec
 import zmq
 
+from common.hosts import host_port, url_host
 from common.tcp_store import bound_tcp_store
 from kv_transfer.base import KVConnector
 from kv_transfer.config import ConnectorName, KVTransferConfig
@@ -56,10 +57,10 @@ class NcclConnector(KVConnector):
         router.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE_BYTES)
         try:
             if config.port:
-                router.bind(f"tcp://{config.host}:{config.port}")
+                router.bind(f"tcp://{host_port(config.host, config.port)}")
                 self._control_port = config.port
             else:
-                self._control_port = router.bind_to_random_port(f"tcp://{config.host}")
+                self._control_port = router.bind_to_random_port(f"tcp://{url_host(config.host)}")
         except zmq.ZMQError:
             router.close(0)  # else close()'s context.term() waits for it for ever
             raise

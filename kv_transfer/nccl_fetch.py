@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from common.hosts import host_port
 from kv_transfer.errors import (
     HandshakeError,
     KVTransferError,
@@ -188,7 +189,7 @@ class PeerFetcher(threading.Thread):
         payload = decode_transport(section, NcclPayload)
         dealer = self._context.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(f"tcp://{payload.host}:{payload.control_port}")
+        dealer.connect(f"tcp://{host_port(payload.host, payload.control_port)}")
         pair_id = uuid.uuid4().hex
         try:
             proof = connect_proof(payload.pair_key, pair_id)

@@ -33,6 +33,7 @@ from benchmarks.loadgen.bench import server_info
 from benchmarks.loadgen.client import BenchClient, RequestResult
 from benchmarks.loadgen.pinned_stack import worker_stats
 from common.config import PdserveConfig, Role
+from common.hosts import host_port
 from planner.grid import Grid, Progress, decode_run, loaded_prompt_count
 from planner.profile_data import DecodePoint, EngineFacts, PrefillPoint, Profile, RoleProfile
 
@@ -45,7 +46,7 @@ def stack_facts(config: PdserveConfig, role: Role, max_model_len: int) -> Engine
     section = config.role(role) if config.role(role).replicas else config.decode
     role = role if config.role(role).replicas else Role.DECODE
     engine = config.engine_for(role)
-    address = f"{section.host}:{section.ports(0).grpc}"
+    address = host_port(section.host, section.ports(0).grpc)
     try:
         stats = worker_stats(address, str(role))
     except grpc.RpcError as exc:

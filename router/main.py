@@ -16,6 +16,7 @@ import uvicorn
 from common.api_keys import api_keys_from_env
 from common.config import ConfigError, PdserveConfig
 from common.gc_heap import freeze_startup_heap
+from common.hosts import host_port
 from common.internal_auth import InternalAuth
 from common.listen_sockets import bind_listeners
 from router.app import create_app
@@ -33,7 +34,7 @@ def listening_sockets(host: str, port: int) -> list[socket.socket]:
         return bind_listeners(host, port)
     except OSError as exc:
         reason = exc.strerror or str(exc)
-        raise ConfigError("router.port", f"cannot listen on {host}:{port}: {reason} "
+        raise ConfigError("router.port", f"cannot listen on {host_port(host, port)}: {reason} "
                           "(another process has the port, or the host is not this "
                           "machine's)") from None  # fmt: skip
 
@@ -65,16 +66,14 @@ def _server(config: PdserveConfig, state: RouterState) -> DrainingServer:
     app = create_app(state)
     quiet_client_noise()
 
+    address = host_port(config.router.host, config.router.port)
+
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         await state.start()
         freeze_startup_heap()
-        logger.info(
-            "router on http://%s:%d serving %s", config.router.host, config.router.port,
-            state.model.served_name,
-        )  # fmt: skip
-        print(f"pdserve router ready on http://{config.router.host}:{config.router.port}/v1",
-              flush=True)  # fmt: skip
+        logger.info("router on http://%s serving %s", address, state.model.served_name)
+        print(f"pdserve router ready on http://{address}/v1", flush=True)
         try:
             yield
         finally:

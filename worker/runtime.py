@@ -38,6 +38,7 @@ from common.config import (
 )
 from common.event_bus import KVEventPublisher
 from common.gc_heap import freeze_startup_heap
+from common.hosts import host_port
 from common.internal_auth import NO_AUTH, InternalAuth
 from common.listen_sockets import port_in_use, worker_listeners
 from common.outage_log import OutageLog
@@ -118,7 +119,7 @@ class WorkerRuntime:
         self.ports = section.ports(index)
         self.engine_id = f"{role.value}-{index}-{uuid.uuid4().hex[:8]}"
         self.worker_id = worker_id(role, self.host, self.ports.grpc)
-        self.address = f"{self.host}:{self.ports.grpc}"
+        self.address = host_port(self.host, self.ports.grpc)
         self.tracer = Tracer(config.tracing, f"pdserve-{role.value}", self.worker_id)
         self.ready = False
         self.draining = False
@@ -301,8 +302,8 @@ class WorkerRuntime:
             worker_id=self.worker_id,
             role=self.role,
             grpc_address=self.address,
-            events_endpoint=f"tcp://{self.host}:{self.ports.events}",
-            replay_endpoint=f"tcp://{self.host}:{self.ports.replay}",
+            events_endpoint=f"tcp://{host_port(self.host, self.ports.events)}",
+            replay_endpoint=f"tcp://{host_port(self.host, self.ports.replay)}",
             model=self.config.model or "demo",
             engine_id=self.engine_id,
             kv_blocks_total=engine.runner.num_blocks if engine else 0,

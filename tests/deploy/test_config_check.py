@@ -43,6 +43,12 @@ def test_check_summarises_the_layout(capsys):
     assert "decode    3 x 127.0.0.1, ports 18200-18224" in out
 
 
+def test_an_ipv6_router_host_is_bracketed_in_its_url(capsys):
+    path = ROOT / "deploy" / "configs" / "1p1d-demo.yaml"
+    assert main(["config", "check", str(path), "--set", "router.host='::1'"]) == 0
+    assert "router    http://[::1]:8000/v1" in capsys.readouterr().out
+
+
 def test_show_prints_every_default_and_round_trips(tmp_path, capsys):
     path = ROOT / "deploy" / "configs" / "1p2d-long-output.yaml"
     assert main(["config", "show", str(path), "--set", "router.port=9000"]) == 0

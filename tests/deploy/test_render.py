@@ -108,6 +108,18 @@ def test_compose_carries_each_config(tmp_path):
             check_compose(yaml.safe_load(text), config, f"pdserve:{variant}")
 
 
+@pytest.mark.parametrize(
+    ("host", "published"),
+    [("127.0.0.1", "127.0.0.1:8000:8000"), ("::1", "[::1]:8000:8000"), ("::", "8000:8000"),
+     ("10.1.2.3", "10.1.2.3:8000:8000")],
+)  # fmt: skip
+def test_compose_publishes_the_router_on_its_host(host, published):
+    """An IPv6 host in brackets, as compose reads it (``::1:8000:8000`` is ambiguous)."""
+    config = load_config(str(DEMO), [f"router.host='{host}'"])
+    document = yaml.safe_load(render(config, "demo.yaml", "cpu", "i"))
+    assert document["services"]["router"]["ports"] == [published]
+
+
 def test_compose_details_of_an_unusual_layout(tmp_path):
     path = unusual_config(tmp_path)
     document = yaml.safe_load(render(load_config(str(path)), path.name, "cuda", gpus=2))

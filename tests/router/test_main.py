@@ -6,6 +6,9 @@ what the supervisors wait, and the router was killed before its cleanup)."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -14,6 +17,7 @@ import httpx
 import uvicorn
 
 from router.main import DrainingServer
+from tests.support.processes import ROOT, write_config
 
 
 async def forever(scope, receive, send) -> None:
@@ -110,3 +114,26 @@ def test_a_second_signal_stops_now_and_the_router_does_not_die_by_it():
         return time.monotonic() - start
 
     assert asyncio.run(main()) < DrainingServer.CLOSE_S + 1.0
+
+
+def test_a_router_on_ipv6_loopback_says_its_url_in_brackets(tiny_llama, tmp_path):
+    """It printed ``http://::1:8000/v1``, which no client reads as a URL; it answers there."""
+    with socket.socket(socket.AF_INET6) as probe:  # a free port on ::1
+        probe.bind(("::1", 0))
+        port = probe.getsockname()[1]
+    config = write_config(tmp_path / "config.yaml", tiny_llama, router={"port": port})
+    router = subprocess.Popen(
+        [sys.executable, "-m", "deploy.cli", "router", "--config", str(config),
+         "--set", "router.host='::1'"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        assert router.stdout is not None
+        lines = iter(router.stdout.readline, "")
+        ready = next((line for line in lines if "ready on" in line), "")
+        assert ready.strip() == f"pdserve router ready on http://[::1]:{port}/v1"
+        models = httpx.get(f"http://[::1]:{port}/v1/models", timeout=30)
+        assert models.status_code == 200, models.text
+    finally:
+        router.terminate()
+        router.wait(60)
