@@ -20,8 +20,10 @@ starts each role's minimum and follows the router's plan (``deploy/autoscale.py`
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -32,8 +34,9 @@ from pathlib import Path
 import yaml
 
 from common.api_keys import API_KEYS_ENV
-from common.config import ConfigError, PdserveConfig, Role
+from common.config import ConfigError, PdserveConfig, Role, RouterConfig
 from common.config_loader import to_dict
+from common.hosts import host_port, ip_literal, local_host
 from common.internal_auth import InternalAuth, open_ports_warning
 from common.listen_sockets import bind_listeners, worker_listeners
 from common.model_info import cache_dir, made_model_dir, made_model_is_current, model_dir_of
@@ -177,7 +180,7 @@ class Stack:
             count = self.autoscaler.initial(role) if self.autoscaler else section.replicas
             for index in range(count):
                 name, proc = self._start_worker(role, index)
-                workers.append((name, proc, f"{section.host}:{section.ports(index).grpc}"))
+                workers.append((name, proc, host_port(section.host, section.ports(index).grpc)))
         # The router starts beside the workers, not after them, so its own start overlaps
         # their model loads; the stack is up once the router places work on every worker.
         router = self._spawn("router", ["router"], self._router_env())
@@ -278,7 +281,10 @@ class Stack:
 
     @property
     def url_root(self) -> str:
-        return f"http://{self.config.router.host}:{self.config.router.port}"
+        """Where this machine reaches the router: a wildcard ``router.host`` (0.0.0.0, ::)
+        is no address to connect to, its family's loopback is."""
+        router = self.config.router
+        return f"http://{host_port(local_host(router.host), router.port)}"
 
     def wait(self) -> int:
         """Until a signal, or until the router stops for good: failed processes, the
@@ -454,13 +460,43 @@ def local_problems(config: PdserveConfig) -> list[str]:
             for _, port in worker_listeners(section.ports(index), config.kv_transfer.connector):
                 listeners.append((f"{role.value}.port", section.host, port))
     for key, host, port in listeners:
-        try:
-            for probe in bind_listeners(host, port):  # as the servers will
-                probe.close()
-        except OSError as exc:
-            problems.append(f"{key}: cannot listen on {host}:{port}: "
-                            f"{exc.strerror or exc} (another stack?)")  # fmt: skip
+        problem = _listen_problem(key, host, port)
+        if problem is not None and problem not in problems:  # (a host's line: once)
+            problems.append(problem)
     return problems
+
+
+def _listen_problem(key: str, host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on now, or None (probed and closed): blamed on
+    the port (``key``) when it is in use ("another stack?": that alone says so) or refused,
+    on the section's host when the host is none of this machine's addresses or resolves
+    no more."""
+    try:
+        for probe in bind_listeners(host, port):  # as the servers will
+            probe.close()
+    except socket.gaierror as exc:
+        return f"{_host_key(key)}: cannot resolve {host!r}: {exc.strerror or exc}"
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        if exc.errno == errno.EADDRNOTAVAIL:
+            return f"{_host_key(key)}: {host} is not an address of this machine ({reason})"
+        busy = " (another stack?)" if exc.errno == errno.EADDRINUSE else ""
+        return f"{key}: cannot listen on {host_port(host, port)}: {reason}{busy}"
+    return None
+
+
+def _host_key(port_key: str) -> str:
+    """``router.port`` -> ``router.host``."""
+    return f"{port_key.partition('.')[0]}.host"
+
+
+def _wildcard_note(router: RouterConfig) -> str | None:
+    """For a wildcard ``router.host``: how other machines reach the router."""
+    literal = ip_literal(router.host)
+    if literal is None or not literal.is_unspecified:
+        return None
+    return (f"  router.host {router.host} is every IPv{literal.version} interface: from other "
+            f"machines, http://<this machine's address>:{router.port}/v1")  # fmt: skip
 
 
 def _workers_available(metrics_url: str) -> float:
@@ -520,6 +556,8 @@ def run(
     try:
         stack.start(start_timeout_s)
         print(f"pdserve is up: {stack.url_root}/v1  (OpenAI API; Ctrl-C stops)", flush=True)
+        if (note := _wildcard_note(config.router)) is not None:
+            print(note, flush=True)
         return stack.wait()
     except ConfigError as exc:  # a worker needs more GPUs than the host has: nothing started
         print(f"error: {exc}", file=sys.stderr)

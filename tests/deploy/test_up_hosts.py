@@ -1,0 +1,61 @@
+"""``pdserve up`` and the configured hosts: a wildcard ``router.host`` is polled (and
+shown) at its family's loopback, not at ``http://0.0.0.0:port``; an IPv6 one in
+brackets; and a host that is none of this machine's addresses is named as the host,
+once, without the "(another stack?)" that a port in use alone is."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.config_loader import load_config
+from common.listen_sockets import bind_listeners
+from deploy.health_cmd import check_http
+from deploy.up import Stack, _wildcard_note, local_problems
+from tests.common.test_hosts import _serve_one_http_reply
+from tests.support.processes import write_config
+
+
+@pytest.mark.parametrize(
+    ("host", "root"),
+    [
+        ("0.0.0.0", "http://127.0.0.1:8000"),
+        ("::", "http://[::1]:8000"),
+        ("::1", "http://[::1]:8000"),
+        ("localhost", "http://localhost:8000"),
+    ],
+)
+def test_the_router_is_polled_where_this_machine_reaches_it(host, root, tmp_path):
+    stack = Stack(load_config(None, [f"router.host='{host}'"]), tmp_path / "logs")
+    try:
+        assert stack.url_root == root
+    finally:
+        stack.config_path.unlink()
+
+
+def test_a_router_on_every_ipv6_interface_answers_at_the_url_up_polls(tmp_path):
+    (sock,) = bind_listeners("::", 0)  # (IPv6 only, as the router binds it)
+    with sock:
+        port = sock.getsockname()[1]
+        config = load_config(None, ["router.host='::'", f"router.port={port}"])
+        stack = Stack(config, tmp_path / "logs")
+        stack.config_path.unlink()
+        thread = _serve_one_http_reply(sock)
+        healthy, line = check_http(f"{stack.url_root}/health", 5.0)
+        assert healthy, line
+        thread.join(5)
+    note = _wildcard_note(config.router)
+    assert note is not None and "every IPv6 interface" in note and f":{port}/v1" in note
+    assert _wildcard_note(load_config(None, []).router) is None
+
+
+def test_a_host_that_is_not_this_machines_is_named_as_the_host_once(tiny_llama, tmp_path):
+    """Every bind failure said "(another stack?)": a router.host of another machine
+    (Cannot assign requested address) too, once for each of a worker's five ports."""
+    path = write_config(tmp_path / "config.yaml", tiny_llama)
+    config = load_config(str(path), ["router.host=192.0.2.1", "prefill.host=192.0.2.1"])
+    assert local_problems(config) == [
+        "router.host: 192.0.2.1 is not an address of this machine (Cannot assign requested "
+        "address)",
+        "prefill.host: 192.0.2.1 is not an address of this machine (Cannot assign requested "
+        "address)",
+    ]
