@@ -12,7 +12,7 @@ from benchmarks.offline_runs import run_all
 from benchmarks.records import write_record
 from benchmarks.side_by_side import RESULTS, record_header
 from benchmarks.speculative import alternating_run, vs_baseline
-from common.config import EngineConfig
+from common.engine_config import EngineConfig
 from engine import LLMEngine, SamplingParams
 
 

@@ -64,7 +64,7 @@ def long_context_model(context: int, workdir: Path) -> Path:
 
 
 def run_case(batch: int, context: int, shape: str, steps: int, workdir: Path) -> dict:
-    from common.config import EngineConfig
+    from common.engine_config import EngineConfig
     from engine.llm_engine import LLMEngine
     from engine.model_runner import StepResult
     from engine.sampling_params import SamplingParams

@@ -25,7 +25,7 @@ import torch
 from benchmarks.engine_throughput import make_prompts
 from benchmarks.records import write_record
 from benchmarks.side_by_side import add_model_args, model_dir, record_header
-from common.config import EngineConfig
+from common.engine_config import EngineConfig
 from common.kv_budget import ModelShape
 from engine import LLMEngine, SamplingParams
 from engine.models.arch import read_arch_config

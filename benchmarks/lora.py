@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.offline_runs import run_all
-from common.config import EngineConfig
+from common.engine_config import EngineConfig
 from engine import LLMEngine, SamplingParams
 from engine.models.lora_maker import make_lora_adapter
 from engine.models.maker import ensure_model

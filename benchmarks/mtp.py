@@ -40,7 +40,7 @@ from safetensors.torch import load_file, save_file
 
 from benchmarks.offline_runs import run_all
 from benchmarks.speculative import alternating_run, vs_baseline
-from common.config import EngineConfig
+from common.engine_config import EngineConfig
 from engine import LLMEngine, SamplingParams
 from engine.models.maker import add_qwen_mtp_layer, ensure_model
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.loadgen.traces import traces_dir
-from common.config import EngineConfig
+from common.engine_config import EngineConfig
 from engine.cpu_tier import CpuTier
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request

@@ -38,8 +38,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from benchmarks.loadgen.traces import MOONCAKE_BLOCK_TOKENS, traces_dir
-from common.config import RouterConfig
 from common.kv_events import BlockRemoved, BlockStored
+from common.router_config import RouterConfig
 from router.policy import PlacementPolicy, WorkerLoad
 from router.prefix_demand import PrefixDemand
 from router.prefix_index import PrefixIndex

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.offline_runs import run_all
-from common.config import EngineConfig
+from common.engine_config import EngineConfig
 from engine import LLMEngine, SamplingParams
 from engine.models.maker import ensure_model
 from engine.request import Request

@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from common.config import ConfigError, valid_api_key
+from common.config_base import ConfigError
+from common.router_config import valid_api_key
 
 API_KEYS_ENV = "PDSERVE_API_KEYS"
 API_KEYS_SECRET = "pdserve-api-keys"  # Kubernetes: its key "keys" holds the list

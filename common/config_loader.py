@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from common.config import ConfigError
+from common.config_base import ConfigError
 
 T = TypeVar("T")
 
@@ -182,7 +182,7 @@ def typed_role_engines(data: dict[str, Any]) -> dict[str, Any]:
     ``decode.engine.max_num_seqs: lots`` would reach the engine as a string. Unknown or
     mistyped settings are named as ``decode.engine.<key>``.
     """
-    from common.config import EngineConfig
+    from common.engine_config import EngineConfig
 
     hints = typing.get_type_hints(EngineConfig)
     result = dict(data)

@@ -38,7 +38,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from common.config import ConfigError
+from common.config_base import ConfigError
 
 TOKEN_ENV = "PDSERVE_INTERNAL_TOKEN"
 TOKEN_KEY = "x-pdserve-token"

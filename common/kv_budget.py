@@ -21,15 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.config import (
-    ConfigError,
-    Device,
-    DType,
-    EngineConfig,
-    PdserveConfig,
-    Role,
-    SpeculativeMethod,
-)
+from common.config import PdserveConfig, Role
+from common.config_base import ConfigError
+from common.engine_config import Device, DType, EngineConfig, SpeculativeMethod
 from common.hf_config import (
     MAMBA2_MODEL_TYPES,
     draft_vocab_problem,

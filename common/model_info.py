@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, PdserveConfig, Role
+from common.config import PdserveConfig, Role
+from common.config_base import ConfigError
 from common.hf_config import eos_token_ids, layer_types, max_context_len, text_config
 from common.vision_spec import VisionSpec, served_vision_spec
 

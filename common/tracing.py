@@ -17,7 +17,8 @@ import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from common.config import ConfigError, TracingConfig
+from common.config import TracingConfig
+from common.config_base import ConfigError
 
 logger = logging.getLogger(__name__)
 

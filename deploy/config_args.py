@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common.config import ConfigError, PdserveConfig
+from common.config import PdserveConfig
+from common.config_base import ConfigError
 
 
 def add_overrides(parser: argparse.ArgumentParser) -> None:

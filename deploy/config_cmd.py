@@ -15,7 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from common.config import ConfigError, PdserveConfig, Role, ScoreMethod
+from common.config import PdserveConfig, Role
+from common.config_base import ConfigError
 from common.hosts import host_port
 from common.kv_budget import KVBudget, kv_budgets
 from common.model_info import (
@@ -26,6 +27,7 @@ from common.model_info import (
     model_dir_of,
 )
 from common.redis_password import without_password
+from common.router_config import ScoreMethod
 from common.tracing import check_installed
 from deploy.config_args import add_overrides
 from deploy.ephemeral_ports import ephemeral_port_warnings, ephemeral_range

@@ -31,7 +31,8 @@ from urllib.parse import urlparse
 
 import yaml
 
-from common.config import ConfigError, PdserveConfig, Role
+from common.config import PdserveConfig, Role
+from common.config_base import ConfigError
 from common.config_loader import to_dict
 from common.hosts import host_port
 from common.redis_password import url_password, without_password

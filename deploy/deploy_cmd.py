@@ -15,7 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from common.config import ConfigError, PdserveConfig
+from common.config import PdserveConfig
+from common.config_base import ConfigError
 from common.redis_password import REDIS_PASSWORD_ENV, REDIS_PASSWORD_SECRET
 from deploy import containers as c
 from deploy.config_args import add_overrides, load_or_report

@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from common.config import ConfigError
+    from common.config_base import ConfigError
     from engine import LLM, InvalidRequestError, SamplingParams
     from engine.models.arch import ModelLoadError
 

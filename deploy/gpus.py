@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from common.config import ConfigError, PdserveConfig, Role
+from common.config import PdserveConfig, Role
+from common.config_base import ConfigError
 
 
 def worker_gpus(config: PdserveConfig, num_gpus: int = 0) -> dict[tuple[Role, int], list[int]]:

@@ -22,7 +22,8 @@ from typing import Any
 from safetensors import SafetensorError
 
 from common.api_keys import API_KEYS_ENV, API_KEYS_SECRET
-from common.config import DType, PdserveConfig, Role
+from common.config import PdserveConfig, Role
+from common.engine_config import DType
 from common.internal_auth import TOKEN_ENV
 from common.redis_password import REDIS_PASSWORD_ENV, REDIS_PASSWORD_SECRET
 from deploy import containers as c

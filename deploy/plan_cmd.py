@@ -22,7 +22,8 @@ from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
-from common.config import ConfigError, PdserveConfig, Role
+from common.config import PdserveConfig, Role
+from common.config_base import ConfigError
 from deploy.config_args import add_overrides, int_list, load_or_report
 
 

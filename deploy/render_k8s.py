@@ -19,7 +19,8 @@ import dataclasses
 import hashlib
 from pathlib import Path
 
-from common.config import ConfigError, PdserveConfig, Role
+from common.config import PdserveConfig, Role
+from common.config_base import ConfigError
 from deploy import containers as c
 from deploy import k8s_pods as pods
 from deploy.yaml_text import dump_all

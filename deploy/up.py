@@ -34,7 +34,8 @@ from pathlib import Path
 import yaml
 
 from common.api_keys import API_KEYS_ENV
-from common.config import ConfigError, PdserveConfig, Role, RouterConfig
+from common.config import PdserveConfig, Role
+from common.config_base import ConfigError
 from common.config_loader import to_dict
 from common.hosts import host_port, ip_literal, local_host
 from common.internal_auth import InternalAuth, open_ports_warning
@@ -42,6 +43,7 @@ from common.listen_sockets import bind_listeners, worker_listeners
 from common.model_info import cache_dir, made_model_dir, made_model_is_current, model_dir_of
 from common.owned_paths import owner_tag, remove_dead_owners
 from common.prometheus_text import fetch, sample_totals
+from common.router_config import RouterConfig
 from common.tracing import check_installed
 from deploy.autoscale import Autoscaler, read_plan
 from deploy.cpu_threads import usable_cores, worker_threads

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common.config import ConfigError, Role
+from common.config import Role
+from common.config_base import ConfigError
 from deploy.config_args import add_overrides, load_or_report
 
 

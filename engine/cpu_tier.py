@@ -41,7 +41,7 @@ from typing import Protocol
 
 import torch
 
-from common.config import ConfigError
+from common.config_base import ConfigError
 from common.hashing import BlockHash
 from common.kv_events import BlockRemoved, BlockStored, KVEvent, Medium
 from engine.block_pool import KVBlock

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.config import ConfigError, EngineConfig, SpeculativeMethod
+from common.config_base import ConfigError
+from common.engine_config import EngineConfig, SpeculativeMethod
 from common.hf_config import draft_vocab_problem
 from engine.model_shard import HostBatch, ModelShard
 from engine.models.arch import ModelArchConfig, ModelLoadError, read_arch_config

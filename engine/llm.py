@@ -21,8 +21,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from common.config import EngineConfig
 from common.detokenizer import IncrementalDetokenizer
+from common.engine_config import EngineConfig
 from common.generation_config import GenerationDefaults
 from common.multimodal import (
     ImageInput,

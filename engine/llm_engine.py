@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from common.config import (
+from common.engine_config import (
     MAX_PRIORITY,
     MAX_SPECULATIVE_TOKENS,
     MIN_PRIORITY,

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.config import EngineConfig, SpeculativeMethod
+from common.engine_config import EngineConfig, SpeculativeMethod
 from common.intmath import cdiv
 from engine.attention.backend import AttentionBackend
 from engine.block_table import BlockTable

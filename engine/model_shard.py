@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.config import ConfigError, EngineConfig, SpeculativeMethod
+from common.config_base import ConfigError
+from common.engine_config import EngineConfig, SpeculativeMethod
 from common.intmath import cdiv
 from engine.attention.backend import BatchLayout
 from engine.attention.registry import create_backend

@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from common.config import ConfigError, EngineConfig, SpeculativeMethod
+from common.config_base import ConfigError
+from common.engine_config import EngineConfig, SpeculativeMethod
 from engine.model_shard import HostBatch
 from engine.models.arch import ModelArchConfig
 

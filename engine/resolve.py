@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from common.config import ConfigError, DType, EngineConfig
+from common.config_base import ConfigError
+from common.engine_config import DType, EngineConfig
 from engine.models.arch import ModelArchConfig
 
 logger = logging.getLogger(__name__)

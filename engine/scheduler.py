@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from common.config import EngineConfig
+from common.engine_config import EngineConfig
 from common.hashing import BlockHash
 from common.intmath import cdiv
 from engine.block_pool import BlockPoolObserver, KVBlock

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from common.config import ConfigError
+from common.config_base import ConfigError
 
 
 class ConnectorName(StrEnum):

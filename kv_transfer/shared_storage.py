@@ -48,7 +48,7 @@ from pathlib import Path
 import msgspec
 import torch
 
-from common.config import ConfigError
+from common.config_base import ConfigError
 from kernels.reference import scatter_blocks
 from kv_transfer.base import KVConnector
 from kv_transfer.blockfile import (

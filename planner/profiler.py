@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.records import machine
-from common.config import EngineConfig, PdserveConfig, Role
+from common.config import PdserveConfig, Role
+from common.engine_config import EngineConfig
 from common.model_info import model_dir_of
 from engine import LLMEngine, SamplingParams
 from planner.grid import Grid, Progress, decode_run, loaded_prompt_count

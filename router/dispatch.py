@@ -26,9 +26,10 @@ from typing import Any
 
 import grpc
 
-from common.config import Role, RouterConfig
+from common.config import Role
 from common.hashing import BlockHash
 from common.intmath import cdiv
+from common.router_config import RouterConfig
 from proto import ADMITTED_KEY, PARAM_KEY, REFUSED_KEY
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc

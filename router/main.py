@@ -14,7 +14,8 @@ from collections.abc import Mapping
 import uvicorn
 
 from common.api_keys import api_keys_from_env
-from common.config import ConfigError, PdserveConfig
+from common.config import PdserveConfig
+from common.config_base import ConfigError
 from common.gc_heap import freeze_startup_heap
 from common.hosts import host_port
 from common.internal_auth import InternalAuth

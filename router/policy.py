@@ -50,8 +50,9 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from common.config import Role, RouterConfig
+from common.config import Role
 from common.intmath import cdiv
+from common.router_config import RouterConfig
 from router.prefix_index import PrefixMatch
 
 

@@ -11,7 +11,7 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from common.config import ScoreMethod
+from common.router_config import ScoreMethod
 from proto import pdserve_pb2 as pb
 from router.admission import GONE, Admission, record_error, until_disconnected
 from router.choices import new_id

@@ -32,7 +32,7 @@ from dataclasses import replace
 from enum import Enum
 from typing import Any
 
-from common.config import ReasoningParser
+from common.router_config import ReasoningParser
 from common.structured_output import StructuredOutput
 from router.tags import partial_tag
 

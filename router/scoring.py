@@ -28,8 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from common.config import DEFAULT_SCORE_TEMPLATE, ConfigError, RouterConfig, ScoreMethod
+from common.config_base import ConfigError
 from common.model_info import serves_embeddings_only
+from common.router_config import DEFAULT_SCORE_TEMPLATE, RouterConfig, ScoreMethod
 from common.tokenizer import KeptTokens, Tokenizer
 
 _FIELD = re.compile(r"\{(query|document)\}")

@@ -13,18 +13,14 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from common.config import (
-    PdserveConfig,
-    Role,
-    SchedulingPolicy,
-    ToolCallParser,
-    TracingConfig,
-)
+from common.config import PdserveConfig, Role, TracingConfig
+from common.engine_config import SchedulingPolicy
 from common.generation_config import GenerationDefaults
 from common.internal_auth import NO_AUTH, InternalAuth
 from common.model_info import ModelInfo, model_info
 from common.multimodal import ImageText
 from common.registry import create_registry
+from common.router_config import ToolCallParser
 from common.structured_output import GrammarCompiler, StructuredOutput, StructuredOutputError
 from common.tokenizer import Tokenizer
 from common.tracing import Tracer

@@ -57,7 +57,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from common.config import ToolCallParser
+from common.router_config import ToolCallParser
 from router.protocol import ChatCompletionRequest, FieldError, Tool
 from router.tags import partial_tag
 from router.tools import ToolCalls, call, json_members, mistral_call_id

@@ -34,8 +34,8 @@ def test_the_qwen3_reranker_example_is_its_reference_prompt():
 
     import yaml
 
-    from common.config import RouterConfig
     from common.config_loader import build
+    from common.router_config import RouterConfig
 
     text = (ROOT / "README.md").read_text()
     block = text.split("For Qwen3-Reranker:", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]

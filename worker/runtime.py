@@ -28,14 +28,9 @@ from typing import TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.config import (
-    ConfigError,
-    EngineConfig,
-    FailurePolicy,
-    PdserveConfig,
-    Role,
-    StateDType,
-)
+from common.config import FailurePolicy, PdserveConfig, Role
+from common.config_base import ConfigError
+from common.engine_config import EngineConfig, StateDType
 from common.event_bus import KVEventPublisher
 from common.gc_heap import freeze_startup_heap
 from common.hosts import host_port

@@ -9,7 +9,8 @@ from collections.abc import Callable
 
 import torch
 
-from common.config import AttentionBackendName, ConfigError
+from common.config_base import ConfigError
+from common.engine_config import AttentionBackendName
 from engine.attention.backend import AttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 

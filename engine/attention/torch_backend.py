@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from common.config import MAX_SPECULATIVE_TOKENS
+from common.engine_config import MAX_SPECULATIVE_TOKENS
 from engine.attention.backend import AttentionBackend, BatchLayout, LatentAttention, LayerSpec
 from kernels import reference
 

@@ -33,7 +33,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from common.config import ConfigError
+from common.config_base import ConfigError
 from common.hf_config import (
     EAGLE3_ARCHITECTURES,
     eagle3_aux_layer_ids,

@@ -27,7 +27,7 @@ class ShardLaunch(msgspec.Struct, frozen=True, kw_only=True):
     commands_endpoint: str  # ZMQ ipc: rank 0 PUSHes this shard's commands here
     replies_endpoint: str  # ZMQ ipc: the shards PUSH their replies to rank 0 here
     model_dir: str
-    engine: dict  # common.config.EngineConfig's fields
+    engine: dict  # common.engine_config.EngineConfig's fields
     device: str  # "cpu" or "cuda:RANK"
     dtype: str  # torch dtype name: "float32", "bfloat16", ...
     max_model_len: int

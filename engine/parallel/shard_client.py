@@ -35,7 +35,8 @@ import msgspec
 import torch
 import zmq
 
-from common.config import ConfigError, EngineConfig
+from common.config_base import ConfigError
+from common.engine_config import EngineConfig
 from common.owned_paths import owner_tag, remove_dead_owners
 from common.tcp_store import bound_tcp_store
 from engine.models.arch import ModelArchConfig

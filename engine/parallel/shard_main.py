@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import zmq
 
-from common.config import EngineConfig
+from common.engine_config import EngineConfig
 from common.gc_heap import freeze_startup_heap
 from engine.cpu_tier import HostBlockCache
 from engine.model_shard import HostBatch, ModelShard

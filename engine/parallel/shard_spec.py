@@ -31,7 +31,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from common.config import EngineConfig
+from common.engine_config import EngineConfig
 from common.tensor_parallel import (
     HeadSplit,
     expert_split_problem,

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from common.api_keys import api_keys_from_env
-from common.config import ConfigError, PdserveConfig
+from common.config import PdserveConfig
+from common.config_base import ConfigError
 from common.config_loader import build
 from router.main import with_env_api_keys
 

@@ -12,7 +12,7 @@ import grpc.aio
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.config import ConfigError
+from common.config_base import ConfigError
 from common.internal_auth import TOKEN_ENV, InternalAuth
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc

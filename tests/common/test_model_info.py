@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from common.config import ConfigError
+from common.config_base import ConfigError
 from common.config_loader import load_config
 from common.hf_config import eos_token_ids, read_text_config
 from common.model_info import model_info

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import ConfigError, RegistryConfig
+from common.config import RegistryConfig
+from common.config_base import ConfigError
 from common.redis_url import redis_url_problem, shown_url
 
 GOOD = [

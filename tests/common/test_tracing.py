@@ -11,7 +11,8 @@ from collections.abc import Mapping
 
 import pytest
 
-from common.config import ConfigError, TracingConfig
+from common.config import TracingConfig
+from common.config_base import ConfigError
 from common.config_loader import load_config
 from common.tracing import NO_SPAN, Tracer, check_installed
 from tests.support.otlp_receiver import otlp_receiver

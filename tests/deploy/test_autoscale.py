@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from common.config import ConfigError, Role
+from common.config import Role
+from common.config_base import ConfigError
 from common.config_loader import load_config
 from deploy.autoscale import Autoscaler, planned_replicas
 

@@ -9,7 +9,8 @@ import sys
 import pytest
 import yaml
 
-from common.config import ConfigError, PdserveConfig, Role
+from common.config import PdserveConfig, Role
+from common.config_base import ConfigError
 from common.config_loader import build, load_config, to_dict
 from deploy.cli import main
 from tests.support.processes import ROOT

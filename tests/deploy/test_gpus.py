@@ -39,7 +39,7 @@ def test_a_worker_needing_more_gpus_than_the_host_has_is_refused(monkeypatch, tm
     """Its ranks would share a GPU (NCCL refuses): an error before anything starts."""
     import pytest
 
-    from common.config import ConfigError
+    from common.config_base import ConfigError
     from deploy.cli import main
     from deploy.gpus import worker_gpus
 

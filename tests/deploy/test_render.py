@@ -15,8 +15,10 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from common.config import ConfigError, DType, PdserveConfig, Role
+from common.config import PdserveConfig, Role
+from common.config_base import ConfigError
 from common.config_loader import build, load_config
+from common.engine_config import DType
 from common.redis_password import url_password, without_password
 from deploy import containers
 from deploy.cli import main as deploy_main

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from common.config import EngineConfig
+from common.engine_config import EngineConfig
 from engine import LLMEngine, SamplingParams
 from engine.async_engine import AsyncEngine, EngineFailedError
 from worker.stats import StageTimer, stats_reply

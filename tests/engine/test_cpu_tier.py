@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from common.config import EngineConfig
+from common.engine_config import EngineConfig
 from common.hashing import hash_blocks
 from common.kv_events import BlockRemoved, BlockStored, Medium
 from engine import LLMEngine, SamplingParams
@@ -259,7 +259,7 @@ def test_a_tier_of_no_block_or_past_the_hosts_memory_is_refused(monkeypatch):
     import pytest
     import torch
 
-    from common.config import ConfigError
+    from common.config_base import ConfigError
     from engine import cpu_tier
     from engine.cpu_tier import CpuTier
     from engine.host_memory import host_memory_bytes

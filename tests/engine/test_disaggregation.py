@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from common.config import EngineConfig
+from common.engine_config import EngineConfig
 from engine import LLMEngine, SamplingParams
 from engine.errors import InvalidRequestError
 from engine.request import RemoteKV

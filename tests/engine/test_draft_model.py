@@ -11,8 +11,10 @@ import pytest
 import yaml
 from safetensors.torch import load_file, save_file
 
-from common.config import ConfigError, EngineConfig, PdserveConfig, Role
+from common.config import PdserveConfig, Role
+from common.config_base import ConfigError
 from common.config_loader import build
+from common.engine_config import EngineConfig
 from common.kv_budget import kv_budgets
 from deploy.cli import main
 from engine import LLM, LLMEngine, SamplingParams

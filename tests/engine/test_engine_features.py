@@ -413,7 +413,7 @@ def test_text_prompts_and_order(tiny_llama):
 )
 def test_a_pool_too_small_names_the_setting_that_sized_it(tiny_llama, memory, key):
     """It always named engine.num_blocks, which the operator may never have set."""
-    from common.config import ConfigError
+    from common.config_base import ConfigError
 
     with pytest.raises(ConfigError, match="cannot hold one request") as error:
         LLM(tiny_llama, device="cpu", **memory)

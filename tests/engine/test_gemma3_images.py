@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.config import EngineConfig
+from common.engine_config import EngineConfig
 from engine import LLM, LLMEngine, SamplingParams
 from engine.images import whole_image_end
 from tests.engine.test_images import (

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.config import ConfigError, EngineConfig
+from common.config_base import ConfigError
+from common.engine_config import EngineConfig
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
 from engine.models.maker import add_qwen_mtp_layer

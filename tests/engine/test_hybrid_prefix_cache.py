@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import EngineConfig
+from common.engine_config import EngineConfig
 from common.hashing import state_block_hashes
 from common.kv_events import BlockRemoved, BlockStored, StateRemoved, StateStored
 from engine import LLM, SamplingParams

@@ -18,7 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from benchmarks.mtp import oracle_qwen_mtp_checkpoint
 from benchmarks.speculative import ReplayProposer
-from common.config import ConfigError, EngineConfig
+from common.config_base import ConfigError
+from common.engine_config import EngineConfig
 from engine import LLM, LLMEngine, SamplingParams
 from engine.models.maker import add_qwen_mtp_layer
 from tests.engine.helpers import random_prompts, sampled_logprobs

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.config import EngineConfig
+from common.engine_config import EngineConfig
 from common.multimodal import ImageInput
 from engine import LLM, LLMEngine, SamplingParams
 from engine.errors import InvalidRequestError

@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.config import ConfigError, EngineConfig
+from common.config_base import ConfigError
+from common.engine_config import EngineConfig
 from engine import LLM, SamplingParams
 from engine.models.arch import ModelLoadError
 from engine.models.fp8_maker import quantize_checkpoint

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from common.config import EngineConfig
+from common.engine_config import EngineConfig
 from common.hashing import hash_blocks
 from common.kv_events import (
     BlockRemoved,

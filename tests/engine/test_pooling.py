@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from common.config import EngineConfig
+from common.engine_config import EngineConfig
 from engine import LLM, PoolingParams, SamplingParams
 from engine.errors import InvalidRequestError
 from engine.llm_engine import LLMEngine

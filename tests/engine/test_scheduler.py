@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import EngineConfig
+from common.engine_config import EngineConfig
 from engine.request import RemoteKV, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler

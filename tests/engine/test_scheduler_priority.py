@@ -4,7 +4,7 @@ blocks (never of equal ones). Each test ends with nothing leaked."""
 
 from __future__ import annotations
 
-from common.config import EngineConfig, SchedulingPolicy
+from common.engine_config import EngineConfig, SchedulingPolicy
 from engine.request import RemoteKV, Request, RequestStatus
 from engine.scheduler import Scheduler
 from tests.engine.test_scheduler import drain, make_request, run_step

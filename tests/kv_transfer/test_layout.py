@@ -6,7 +6,7 @@ import msgspec
 import pytest
 import torch
 
-from common.config import ConfigError
+from common.config_base import ConfigError
 from kv_transfer import (
     ConnectorName,
     HandshakeError,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.config import ConfigError
+from common.config_base import ConfigError
 from kv_transfer import KVTransferConfig
 from kv_transfer.nixl import MAX_AUTO_LANES, lane_cpus, read_lane_count, split_parts
 from tests.kv_transfer.pair import wired_pair

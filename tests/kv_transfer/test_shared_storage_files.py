@@ -155,7 +155,7 @@ with SharedStorageConnector(config, "full") as connector:
 
 _READ_ONLY_REGISTRATION = """
 import sys, torch
-from common.config import ConfigError
+from common.config_base import ConfigError
 from kv_transfer import KVTransferConfig
 from kv_transfer.shared_storage import SharedStorageConnector
 config = KVTransferConfig(connector="shared_storage", shared_dir=sys.argv[1])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import EngineConfig
+from common.engine_config import EngineConfig
 from engine import LLMEngine
 from planner.grid import Grid
 from planner.profiler import engine_facts, profile_engine

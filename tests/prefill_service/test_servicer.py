@@ -11,7 +11,8 @@ import types
 
 import pytest
 
-from common.config import EngineConfig, TracingConfig
+from common.config import TracingConfig
+from common.engine_config import EngineConfig
 from common.tracing import Tracer
 from engine import LLMEngine
 from engine.async_engine import AsyncEngine

@@ -14,7 +14,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
-from common.config import ConfigError, Role
+from common.config import Role
+from common.config_base import ConfigError
 from common.config_loader import load_config
 from common.registry import WorkerInfo
 from proto import pdserve_pb2 as pb

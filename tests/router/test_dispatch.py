@@ -17,10 +17,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2_grpc
 
-from common.config import Role, RouterConfig
+from common.config import Role
 from common.hashing import hash_blocks
 from common.kv_events import BlockStored, StateStored
 from common.registry import RedisRegistry, WorkerInfo
+from common.router_config import RouterConfig
 from engine.errors import UnknownLoraAdapterError
 from proto import ADMITTED_KEY, PARAM_KEY
 from proto import pdserve_pb2 as pb

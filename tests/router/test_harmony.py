@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from common.config import ConfigError
+from common.config_base import ConfigError
 from common.config_loader import load_config
 from common.detokenizer import IncrementalDetokenizer
 from common.model_info import model_info

@@ -8,7 +8,6 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-from common.config import RouterConfig
 from common.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -17,6 +16,7 @@ from common.kv_events import (
     StateRemoved,
     StateStored,
 )
+from common.router_config import RouterConfig
 from router import prefix_index
 from router.policy import PlacementPolicy, WorkerLoad
 from router.prefix_index import PrefixIndex, PrefixMatch

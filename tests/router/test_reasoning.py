@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from common.config import ReasoningParser
+from common.router_config import ReasoningParser
 from common.structured_output import GrammarCompiler, StructuredOutput
 from common.tokenizer import Tokenizer
 from router.choices import Choice, ChoiceEvent

@@ -8,7 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from common.config import ConfigError, RouterConfig, ScoreMethod
+from common.config_base import ConfigError
+from common.router_config import RouterConfig, ScoreMethod
 from common.tokenizer import Tokenizer
 from router.scoring import (
     EMBEDDING_SCORER,

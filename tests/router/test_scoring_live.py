@@ -83,7 +83,7 @@ def test_a_document_past_the_context_is_cut_to_fit_with_the_template_whole(stack
     """``truncate_prompt_tokens`` under ``token_logits`` cuts the document's end, not the
     prompt's head or tail: the score is the offline engine's on the prompt that fits.
     Without it the pair is a 400 naming ``documents``."""
-    from common.config import RouterConfig
+    from common.router_config import RouterConfig
     from router.scoring import Scorer
 
     tokenizer = Tokenizer(tiny_llama)

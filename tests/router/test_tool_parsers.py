@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from common.config import ToolCallParser
 from common.config_loader import load_config
 from common.detokenizer import IncrementalDetokenizer
+from common.router_config import ToolCallParser
 from common.tokenizer import Tokenizer
 from router.choices import Choice, ChoiceEvent
 from router.formatting import Formatter

@@ -14,8 +14,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from common.config import Role, RouterConfig
+from common.config import Role
 from common.registry import RedisRegistry, WorkerInfo
+from common.router_config import RouterConfig
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from router.events import EventListener

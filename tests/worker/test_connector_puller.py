@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
-from common.config import EngineConfig
+from common.engine_config import EngineConfig
 from engine import LLMEngine, SamplingParams
 from engine.request import RemoteKV
 from kv_transfer import KVTransferConfig, PeerRef, create_connector

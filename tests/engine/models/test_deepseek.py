@@ -12,7 +12,8 @@ import transformers
 from safetensors.torch import load_file
 
 from benchmarks.speculative import ReplayProposer
-from common.config import AttentionBackendName, ConfigError
+from common.config_base import ConfigError
+from common.engine_config import AttentionBackendName
 from common.kv_budget import ModelShape
 from common.tensor_parallel import split_problem
 from engine import LLM, SamplingParams

@@ -16,8 +16,10 @@ from safetensors.torch import load_file, save_file
 
 from benchmarks.draft_model import bigram_checkpoint
 from benchmarks.eagle3 import oracle_eagle3_head
-from common.config import ConfigError, EngineConfig, PdserveConfig, Role
+from common.config import PdserveConfig, Role
+from common.config_base import ConfigError
 from common.config_loader import build
+from common.engine_config import EngineConfig
 from common.kv_budget import ModelShape, kv_budgets
 from deploy.cli import main
 from engine import LLM, LLMEngine, SamplingParams

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from common.config import StateDType
+from common.engine_config import StateDType
 from engine.models.arch import read_arch_config
 from engine.models.fingerprint import weights_fingerprint
 from engine.models.lora import load_lora_adapter
@@ -100,7 +100,7 @@ def test_fp8_blocks_in_shared_storage_are_kept_apart_by_the_dtype_that_computed_
     """A float32 and a bfloat16 deployment with an fp8 cache under one directory read each
     other's blocks (a quarter of the second's replies changed, no error): where the KV
     cache rounds what the model computes, the directory names the dtype that computed it."""
-    from common.config import DType, EngineConfig, KVCacheDType
+    from common.engine_config import DType, EngineConfig, KVCacheDType
     from worker.runtime import kv_namespace
 
     base = model_namespace(tiny_llama)

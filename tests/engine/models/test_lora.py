@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.config import EngineConfig
+from common.engine_config import EngineConfig
 from common.hashing import hash_blocks, prefix_salt
 from engine import LLM, SamplingParams
 from engine.errors import InvalidRequestError

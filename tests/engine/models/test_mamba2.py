@@ -14,8 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from common.config import ConfigError, EngineConfig
+from common.config_base import ConfigError
 from common.config_loader import load_config
+from common.engine_config import EngineConfig
 from common.kv_budget import ModelShape, kv_budgets
 from common.tensor_parallel import mamba_split_problem
 from deploy.config_cmd import summary

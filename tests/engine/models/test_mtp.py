@@ -14,8 +14,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from benchmarks.mtp import oracle_mtp_checkpoint
-from common.config import ConfigError, EngineConfig, PdserveConfig, Role, SpeculativeMethod
+from common.config import PdserveConfig, Role
+from common.config_base import ConfigError
 from common.config_loader import build
+from common.engine_config import EngineConfig, SpeculativeMethod
 from common.kv_budget import ModelShape
 from deploy.cli import main
 from engine import LLM, LLMEngine, SamplingParams

@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from common.config import ConfigError, EngineConfig
+from common.config_base import ConfigError
+from common.engine_config import EngineConfig
 from common.tensor_parallel import expert_split_problem
 from engine.parallel.expert_placement import (
     imbalance,

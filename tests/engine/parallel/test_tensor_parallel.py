@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.config import EngineConfig
+from common.engine_config import EngineConfig
 from common.owned_paths import remove_dead_owners
 from engine import LLM, LLMEngine, PoolingParams, SamplingParams
 from engine.attention.registry import create_backend
@@ -470,7 +470,7 @@ def _children_of(parent: int) -> set[int]:
 def test_a_rank_that_fails_to_start_is_reported_at_once(model_factory, tmp_path):
     """A shard that cannot load its weights says why; rank 0 raises that at its next wait
     (not at a timeout), and closing leaves no process behind."""
-    from common.config import EngineConfig
+    from common.engine_config import EngineConfig
     from engine.models.arch import read_arch_config
     from engine.parallel.shard_client import launch_shards
 
