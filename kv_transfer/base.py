@@ -28,14 +28,19 @@ Contract, for every transport:
   After either, the connector has forgotten the export and never reads those blocks
   again. A fetcher gives up ``timeout_s`` after ``start_fetch``, so a lease longer than
   that plus the KVHandle's trip to the fetcher guarantees that no one-sided read (NIXL)
-  races with the blocks' reuse.
+  races with the blocks' reuse; one still running then (late, below) may read reused
+  blocks, but its fetch fails whatever it reads.
 * ``start_fetch`` never blocks (handshakes run on background threads). Each fetch is
   reported exactly once, by ``poll_fetches`` or by ``wait``: done means every local block
   holds the remote block's bytes, bit for bit, and the exporter's notification is on its
   way; failed carries a ``KVTransferError`` and means the local blocks hold undefined data
   that nothing writes any more. Every fetch settles within ``timeout_s`` of
   ``start_fetch``, provided ``fetch_peer_metadata`` honours a deadline of its own (plus
-  at most one in-progress copy on transports that copy synchronously).
+  at most one in-progress copy on transports that copy synchronously), except a NIXL
+  fetch whose READ is still running then: UCX cannot cancel a READ, so the fetch fails
+  only once its READ ends (the peer answers, or its connection fails), or the local
+  blocks could be written after the failure. A peer frozen for good holds such a fetch,
+  and its blocks, for good (``NixlConnector.num_late_reads_running``).
 * ``block_hashes`` (32-byte digests from ``common.hashing``) are required by
   ``shared_storage``, which names its files by them; the other transports ignore them.
 * ``abort_fetch`` gives a fetch up early where the transport can stop safely; the fetch is
@@ -194,7 +199,8 @@ class KVConnector(ABC):
         ``FetchAbortedError`` (or done, if it finished meanwhile), and its local blocks
         must stay reserved until then, as for any fetch. Transports look at
         ``self._fetches.is_aborted`` where they wait; NIXL and NCCL fetches run to their
-        end (milliseconds once the peer answers; their timeout bounds one that does not)."""
+        end (milliseconds once the peer answers; their timeout bounds one that does not,
+        except a NIXL READ still running: see the contract above)."""
         self._fetches.abort(transfer_id)
 
     def poll_fetches(self) -> FetchResults:

@@ -29,6 +29,12 @@ released; that copy is the one thing a deadline cannot interrupt. UCX's own prog
 thread spins and halves CPU bandwidth, so each lane drives progress itself, only while its
 READs are in flight.
 
+Late READs. UCX cannot cancel a READ, so one still running at its fetch's deadline (a
+frozen or very slow peer) keeps its fetch unsettled, and the engine keeps its blocks,
+until it ends; the fetch then fails as timed out. Reported at the deadline, the peer's
+answer could land in blocks already handed to another request (``nixl_lane.py``,
+``tests/kv_transfer/test_late_reads.py``). ``num_late_reads_running`` counts those held.
+
 On GPUs, UCX 1.23 turns off cuda_ipc reads when it sees no NVLink and falls back to active
 messages over TCP; single-GPU or PCIe hosts must run with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y.
 """
@@ -240,6 +246,18 @@ class NixlConnector(KVConnector):
             self._agent.deregister_memory(self._registration)
             raise
         self._driver.start()
+
+    @property
+    def num_late_reads(self) -> int:
+        """READs ever still running at their deadline (or when their peer was dropped):
+        each held its fetch, and the fetch's blocks, until it ended (``nixl_lane.py``)."""
+        return sum(lane.num_late_reads for lane in self._lanes)
+
+    @property
+    def num_late_reads_running(self) -> int:
+        """Late READs not ended yet: their fetches' blocks stay reserved. One that never
+        ends (a peer frozen for good) holds them for good."""
+        return sum(lane.num_late_reads_running for lane in self._lanes)
 
     def _transport_metadata(self) -> bytes:
         return msgspec.msgpack.encode(
@@ -516,7 +534,7 @@ class NixlConnector(KVConnector):
         if self._driver.is_alive():
             self._driver.join()
         self._handshakes.shutdown(wait=False, cancel_futures=True)
-        for lane in self._lanes:  # releases the READs still in flight
+        for lane in self._lanes:  # destroys their agents, then fails their parts
             lane.close()
         self._inflight.clear()
         for peer_id in list(self._peers):

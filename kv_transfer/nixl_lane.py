@@ -13,7 +13,23 @@ A lane takes commands in order (peer added, peer dropped, read a part, stop), dr
 progress only while its READs are in flight (idle, it sleeps on its queue), and reports
 every part it was given exactly once through ``on_done``: DONE, failed, past its
 deadline, dropped with its peer, or abandoned at close. Reports are called on the lane
-thread and must not block.
+thread (at close, on the closing one) and must not block.
+
+A part is reported only once no byte of its READ can land any more: the engine frees a
+failed fetch's blocks and hands them to other requests. UCX cannot cancel a READ.
+Releasing a running one's NIXL handle only frees the handle: over TCP the peer's answer,
+sent once a frozen peer resumes, still landed in the blocks at the lane's next progress
+(``tests/kv_transfer/test_late_reads.py``). Destroying the lane's agent would stop it,
+but a peer answering over TCP then aborts (UCX 1.23's software GET reply meets the closed
+endpoint: "Fatal: unexpected error", seen with a prototype that replaced such lanes), so
+a slow prefill worker would be killed by a decode worker's timeout. So a READ still
+running at its deadline, or when its peer is dropped, is *late*: its outcome is decided
+then (failed), but it stays in flight and polled (every ``_LATE_POLL_S``) until NIXL says
+DONE or ERR, and only then is it reported; its peer's remote agent stays loaded until
+then, since forgetting it turns the READ's state to ERR while the bytes may still come.
+A peer frozen for good holds its late READs, and their fetches' blocks, for good:
+counted (``num_late_reads_running``) and logged. ERR counts as ended: UCX fails a READ
+when its endpoint fails, which completes every request on it.
 """
 
 from __future__ import annotations
@@ -36,6 +52,8 @@ from kv_transfer.packing import bind_device
 logger = logging.getLogger(__name__)
 
 _BUSY_POLL_S = 50e-6  # between state checks while a READ is in flight
+_LATE_POLL_S = 0.01  # between state checks while only late READs are (a frozen peer's)
+_LATE_LOG_S = 10.0  # at most one warning per lane this often about new late READs
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +94,8 @@ class LanePeer:
 class _Flight:
     part: ReadPart
     handle: object  # nixl_xfer_handle
-    outcome: PartOutcome | None = None  # decided, but the handle is not released yet
+    # Decided while the READ still ran (late): reported once the READ has ended.
+    late: PartOutcome | None = None
 
 
 class NixlLane:
@@ -122,11 +141,15 @@ class NixlLane:
             self._agent.deregister_memory(self._registration)
             raise
         self._on_done = on_done
+        self.num_late_reads = 0  # READs ever late (module docstring); lane thread writes
+        self.num_late_reads_running = 0  # late READs not ended yet
+        self._late_logged_at = -_LATE_LOG_S
         self._commands: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._stop = threading.Event()
         # Owned by the lane thread:
         # peer id -> (agent name, its dlist, whether both use whole-block descriptors)
         self._peers: dict[str, tuple[str, object, bool]] = {}
+        self._dropped: dict[str, tuple[str, object, bool]] = {}  # kept for their late READs
         self._inflight: list[_Flight] = []
         self._thread = threading.Thread(target=self._run, name=f"nixl-{name}", daemon=True)
         self._thread.start()
@@ -148,30 +171,40 @@ class NixlLane:
         self._commands.put(("read", part))
 
     def close(self) -> None:
-        """Stop the thread; parts still in flight are released and reported failed."""
+        """Stop the thread and destroy the agent, then report each part it still had as
+        failed (a late one with the outcome decided when it became late): with the
+        agent's UCX worker gone, none of its READs can land any more."""
         self._stop.set()
         self._commands.put(("wake",))
         self._thread.join()
-        for flight in self._inflight:
-            try:
-                flight.handle.release()
-            except Exception as exc:
-                logger.warning("%s: releasing a READ at close: %s", self.name, exc)
-            self._report(flight.outcome or _failed(flight.part, "connector closed"))
-        self._inflight.clear()
+        outcomes = [f.late or _failed(f.part, "connector closed") for f in self._inflight]
         while True:  # parts that never started
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
             if command[0] == "read":
-                self._report(_failed(command[1], "connector closed"))
-        for peer_id in list(self._peers):
+                outcomes.append(_failed(command[1], "connector closed"))
+        self._destroy_agent()
+        for outcome in outcomes:
+            self._report(outcome)
+
+    def _destroy_agent(self) -> None:
+        """Free what holds the agent (transfer and descriptor-list handles), then the agent:
+        its UCX worker, endpoints and listener go now, not at garbage collection."""
+        for flight in self._inflight:
+            try:
+                flight.handle.release()
+            except Exception as exc:
+                logger.warning("%s: releasing a READ at close: %s", self.name, exc)
+        self._inflight.clear()
+        for peer_id in [*self._peers, *self._dropped]:
             self._forget(peer_id)
         for dlist in self._local_dlists.values():
             dlist.release()
+        self._local_dlists.clear()
         self._agent.deregister_memory(self._registration)
-        del self._agent  # its UCX worker and listener go now, not at garbage collection
+        del self._agent
 
     # -- lane thread ---------------------------------------------------------------------
 
@@ -180,13 +213,19 @@ class NixlLane:
             bind_device(self._device)
         while not self._stop.is_set():
             try:
-                # Idle, a lane sleeps until a command comes (close sends one).
-                self._drain(0.0 if self._inflight else None)
+                # Idle, a lane sleeps until a command comes (close sends one); with only
+                # late READs in flight, it checks them every _LATE_POLL_S.
+                self._drain(self._command_wait_s())
                 self._progress()
             except Exception:
                 logger.exception("%s: lane step failed", self.name)
-            if self._inflight:
+            if any(flight.late is None for flight in self._inflight):
                 time.sleep(_BUSY_POLL_S)
+
+    def _command_wait_s(self) -> float | None:
+        if any(flight.late is None for flight in self._inflight):
+            return 0.0
+        return _LATE_POLL_S if self._inflight else None
 
     def _drain(self, block_s: float | None) -> None:
         """Run queued commands; wait up to ``block_s`` for the first (None: for ever)."""
@@ -213,6 +252,9 @@ class NixlLane:
 
     def _add(self, peer_id: str, peer: LanePeer) -> None:
         if peer_id in self._peers:
+            return
+        if peer_id in self._dropped:  # the same engine again: its agent is still loaded
+            self._peers[peer_id] = self._dropped.pop(peer_id)
             return
         try:
             agent_name = self._agent.add_remote_agent(peer.agent_metadata)
@@ -242,53 +284,78 @@ class NixlLane:
         self._inflight.append(flight)
         try:
             state = self._agent.transfer(handle)  # on cma, the whole copy happens here
-        except Exception as exc:
-            self._settle(flight, _failed(part, f"READ from {part.peer_id!r} failed: {exc}", True))
+        except Exception as exc:  # (a failed post: UCX failed the endpoint's requests)
+            self._end(flight, _failed(part, f"READ from {part.peer_id!r} failed: {exc}", True))
             return
         self._on_state(flight, state)
 
     def _progress(self) -> None:
         for flight in list(self._inflight):
-            if flight.outcome is not None:
-                self._settle(flight, flight.outcome)  # retry releasing the handle
-                continue
             try:
                 state = self._agent.check_xfer_state(flight.handle)
             except Exception as exc:
-                self._settle(flight, _failed(flight.part, f"READ failed: {exc}", True))
+                self._end(flight, _failed(flight.part, f"READ failed: {exc}", True))
                 continue
             self._on_state(flight, state)
 
     def _on_state(self, flight: _Flight, state: str) -> None:
         if state == "DONE":
-            self._settle(flight, PartOutcome(flight.part, None, False))
+            self._end(flight, PartOutcome(flight.part, None, False))
         elif state != "PROC":
-            self._settle(flight, _failed(flight.part, f"READ ended in state {state}", True))
-        elif flight.part.deadline <= time.monotonic():
+            self._end(flight, _failed(flight.part, f"READ ended in state {state}", True))
+        elif flight.late is None and flight.part.deadline <= time.monotonic():
             error = TransferTimeoutError("READ still running at the deadline")
-            self._settle(flight, PartOutcome(flight.part, error, False))
+            self._make_late(flight, PartOutcome(flight.part, error, False))
 
-    def _settle(self, flight: _Flight, outcome: PartOutcome) -> None:
-        """Report once the handle is released (releasing cancels a running READ); until
-        then the local blocks may still change, so keep trying."""
-        flight.outcome = outcome
+    def _end(self, flight: _Flight, outcome: PartOutcome) -> None:
+        """The READ has ended: no byte of it can land any more, so its blocks may be
+        reused. Release the handle, then report (a late READ's decided outcome)."""
+        self._inflight.remove(flight)
         try:
             flight.handle.release()
-        except Exception as exc:
-            tid = outcome.part.transfer_id
-            logger.warning("%s: cannot release READ %s yet: %s", self.name, tid, exc)
-            return
-        self._inflight.remove(flight)
+        except Exception as exc:  # (the READ is over: only the handle's memory is lost)
+            logger.warning("%s: releasing READ %s: %s", self.name, flight.part.transfer_id, exc)
+        if flight.late is not None:
+            self.num_late_reads_running -= 1
+            past_s = time.monotonic() - flight.part.deadline
+            logger.info("%s: late READ of %s ended %.1f s past its deadline; its fetch is "
+                        "reported now", self.name, flight.part.transfer_id, past_s)  # fmt: skip
+            outcome = flight.late
+        peer_id = flight.part.peer_id
+        if peer_id in self._dropped and not any(f.part.peer_id == peer_id for f in self._inflight):
+            self._forget(peer_id)
         self._report(outcome)
 
+    def _make_late(self, flight: _Flight, outcome: PartOutcome) -> None:
+        """Decide the outcome of a READ that still runs; report it once the READ ends."""
+        flight.late = outcome
+        self.num_late_reads += 1
+        self.num_late_reads_running += 1
+        now = time.monotonic()
+        if now - self._late_logged_at >= _LATE_LOG_S:
+            self._late_logged_at = now
+            logger.warning(
+                "%s: READ of %s from %s is late (%s); UCX cannot cancel it, so its fetch "
+                "fails and frees its blocks only once it ends (the peer answers or its "
+                "connection fails). %d late READs running, %d so far",
+                self.name, flight.part.transfer_id, flight.part.peer_id, outcome.error,
+                self.num_late_reads_running, self.num_late_reads,
+            )  # fmt: skip
+
     def _drop(self, peer_id: str) -> None:
-        for flight in [f for f in self._inflight if f.part.peer_id == peer_id]:
-            if flight.outcome is None:
-                self._settle(flight, _failed(flight.part, f"peer {peer_id!r} disconnected"))
-        self._forget(peer_id)
+        """Forget a peer; its READs still running are late. Its remote agent stays loaded
+        until they end (see the module docstring)."""
+        flights = [f for f in self._inflight if f.part.peer_id == peer_id]
+        for flight in flights:
+            if flight.late is None:
+                self._make_late(flight, _failed(flight.part, f"peer {peer_id!r} disconnected"))
+        if flights and peer_id in self._peers:
+            self._dropped[peer_id] = self._peers.pop(peer_id)
+        elif not flights:
+            self._forget(peer_id)
 
     def _forget(self, peer_id: str) -> None:
-        peer = self._peers.pop(peer_id, None)
+        peer = self._peers.pop(peer_id, None) or self._dropped.pop(peer_id, None)
         if peer is None:
             return
         try:
