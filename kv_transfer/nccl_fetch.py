@@ -3,8 +3,12 @@
 The thread owns everything about that peer: the DEALER socket, the TCPStore client, the
 pair's process group and two staging buffers. It runs the peer's fetches one after the
 other (one connection per peer, reused), receiving layer group ``g + 1`` while it scatters
-group ``g``. Any transport error or timeout tears the connection down (aborting the group,
-so no pending receive can land later) and fails the fetch; the next fetch reconnects with
+group ``g``. Receives land only in the staging buffers; this thread scatters them into
+the KV blocks itself, before the fetch settles (on CUDA: queued on the current stream,
+ahead of anything later queued there). Any transport error or timeout tears the
+connection down (aborting the group, so no pending receive can land later) and fails the
+fetch, so nothing writes a failed fetch's blocks afterwards, whenever the exporter sends
+(``tests/kv_transfer/test_late_reads.py``); the next fetch reconnects with
 a fresh handshake, which also picks up a restarted peer. An exporter that dropped the
 pair (idle too long) says so, and the fetch reconnects once, within its deadline. The
 connector stops fetchers whose peer has had no fetch for ``idle_s``.

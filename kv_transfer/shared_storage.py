@@ -100,7 +100,11 @@ def _leave_failure_marker(path: Path, transfer_id: str) -> None:
 
 
 class _Countdown:
-    """Settles a chunked transfer once, when its last chunk is done; keeps the first error."""
+    """Settles a chunked transfer once, when its last chunk is done; keeps the first error.
+
+    A chunk is done once its synchronous read (or write) has returned, or once it is known
+    never to start, so a fetch that failed has no read left to land in its blocks
+    (``tests/kv_transfer/test_late_reads.py``)."""
 
     def __init__(self, num_chunks: int, on_done: Callable[[KVTransferError | None], None]):
         self._lock = threading.Lock()
