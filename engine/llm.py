@@ -34,9 +34,11 @@ from common.multimodal import (
 )
 from common.stop_reasons import ended_by_token, stop_reason_of
 from common.tokenizer import Tokenizer
+from engine.attention.registry import create_backend, resolve_backend_name
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.pooling import EMBEDDING_SAMPLING, PoolingParams
+from engine.resolve import resolve_device
 from engine.sampling_params import SamplingParams
 
 # Text, token ids, or a dict with "prompt" or "prompt_token_ids" and "multi_modal_data".
@@ -52,6 +54,15 @@ def _normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return prompts
 
 
+def _check_runnable(config: EngineConfig) -> None:
+    """``ConfigError`` for a device or an attention backend this machine cannot run (the
+    engine says so too, once the model is there). The demo model is a Llama: no latent
+    attention changes the backend ``auto`` picks."""
+    device = resolve_device(config)
+    create_backend(resolve_backend_name(config.attention_backend, device), device,
+                   config.block_size)  # fmt: skip
+
+
 class LLM:
     def __init__(
         self,
@@ -62,11 +73,12 @@ class LLM:
         """``model``: a local Hugging Face checkpoint directory; None makes and uses the
         built-in demo model. ``lora_adapters``: name -> PEFT adapter directory, for
         ``generate(lora_name=...)``. Keyword arguments override ``EngineConfig`` fields."""
+        config = EngineConfig().replace(**engine_overrides)
         if model is None:
             from engine.models.maker import ensure_model
 
+            _check_runnable(config)  # before seconds of making the demo model
             model = ensure_model()
-        config = EngineConfig().replace(**engine_overrides)
         self.model_dir = Path(model)
         adapters = {name: Path(path) for name, path in (lora_adapters or {}).items()}
         self.engine = LLMEngine(model, config, lora_adapters=adapters)

@@ -139,7 +139,8 @@ def test_make_model_writes_a_gptq_checkpoint_that_generates(tmp_path, capsys):
 def test_a_device_this_machine_lacks_is_refused_before_serving(tmp_path):
     """engine.device cuda without CUDA failed inside torch (an assertion's traceback);
     the triton backend on a CPU without the interpreter started and then failed each
-    request's first step (a worker restarted over and over behind a 503)."""
+    request's first step (a worker restarted over and over behind a 503). Both are said
+    before the demo model is made (seconds: nothing is written)."""
     env = {"PDSERVE_HOME": str(tmp_path), "TRITON_INTERPRET": "0"}
     cases = [(["--device", "cuda"], "engine.device"),
              (["--attention-backend", "triton"], "engine.attention_backend")]  # fmt: skip
@@ -148,6 +149,7 @@ def test_a_device_this_machine_lacks_is_refused_before_serving(tmp_path):
         assert out.returncode == 2, out.stderr
         assert out.stderr.strip().splitlines()[-1].startswith(f"error: {key}: ")
         assert "Traceback" not in out.stderr
+        assert not any(tmp_path.iterdir())
 
 
 def test_paths_and_values_the_user_got_wrong_are_one_line(tmp_path, capsys):
