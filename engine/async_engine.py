@@ -98,13 +98,13 @@ class AsyncEngine:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the engine thread; streams still open end with an error, and every call
         from now on raises ``EngineFailedError`` instead of waiting forever."""
         self._stop.set()
         self._commands.put((concurrent.futures.Future(), lambda engine: None))  # a wake-up
         if self._thread.is_alive():
-            self._thread.join(timeout)
+            self._thread.join(timeout_s)
         if not self._thread.is_alive() and self.failure is None:
             self._fail("the engine was stopped")
 

@@ -604,7 +604,7 @@ class Dispatcher:
         ):  # one the pool saw die: no prefill pays for a try
             return chosen
         others = [w for w in self.pool.candidates(Role.DECODE, lora) if w.worker_id not in tried]
-        return min(others, key=lambda w: w.running, default=None)
+        return min(others, key=lambda w: w.num_running, default=None)
 
     async def _decode(
         self,
@@ -662,7 +662,7 @@ class Dispatcher:
             started = timed = False
             num_tokens = len(request.prompt_token_ids) + len(generated)
             blocks = cdiv(num_tokens, self.block_size)
-            worker.running += 1
+            worker.num_running += 1
             worker.kv_blocks_in_use += blocks
             metadata = request.trace_headers or None
             call = worker.decode.Generate(message, timeout=timeout, metadata=metadata)
@@ -730,7 +730,7 @@ class Dispatcher:
                 if moving and refused:
                     migrations_left += 1  # it never held the sequence
             finally:
-                worker.running -= 1
+                worker.num_running -= 1
                 worker.kv_blocks_in_use -= blocks
                 if not call.done() and not settling:
                     if finished:  # its status is on its way: a cancel marked it cancelled

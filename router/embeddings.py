@@ -130,7 +130,7 @@ def _workers_to_try(
     pool = dispatcher.pool
     chosen = pool.get(planned)
     prefill = sorted(pool.candidates(Role.PREFILL, lora), key=lambda w: w.queued_prefill_tokens)
-    decode = sorted(pool.candidates(Role.DECODE, lora), key=lambda w: w.load().running)
+    decode = sorted(pool.candidates(Role.DECODE, lora), key=lambda w: w.load().num_running)
     rest = [w for w in prefill + decode if w is not chosen]
     return rest if chosen is None else [chosen, *rest]
 

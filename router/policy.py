@@ -3,7 +3,7 @@ prompt first (disaggregated) or the decode worker does it itself (local).
 
 Decode workers are scored by load minus prefix overlap:
 
-    score = max(kv_blocks_in_use / kv_blocks_total, running / max_running)
+    score = max(kv_blocks_in_use / kv_blocks_total, num_running / max_running)
             - decode_prefix_weight * cached_tokens / prompt_tokens
 
 Prefill workers by estimated time to first token, in seconds, plus a charge for work that
@@ -63,7 +63,7 @@ class WorkerLoad:
     worker_id: str
     queued_prefill_tokens: int = 0  # prefill: uncached prompt tokens sent, not yet done
     prefill_tokens_per_s: float = 0.0  # prefill: measured speed (0: unknown)
-    running: int = 0  # decode: requests in flight
+    num_running: int = 0  # decode: requests in flight
     kv_blocks_in_use: int = 0  # decode: blocks its in-flight requests hold (estimated)
     kv_blocks_total: int = 0
     # prefill: free KV blocks at its last Stats (cached ones included: evictable); None:
@@ -110,7 +110,7 @@ class PlacementPolicy:
         self, load: WorkerLoad, cached: float, num_tokens: int, uses: float = 1.0
     ) -> float:
         kv_fraction = load.kv_blocks_in_use / load.kv_blocks_total if load.kv_blocks_total else 0
-        running_fraction = load.running / self.max_running
+        running_fraction = load.num_running / self.max_running
         overlap = cached / max(num_tokens, 1)
         bonus = self.config.decode_prefix_weight * overlap / uses
         return max(kv_fraction, running_fraction) - bonus

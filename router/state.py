@@ -191,7 +191,7 @@ class RouterState:
         in its gate or in prefill reports none running)."""
         return min(
             sum(
-                min(w.stats.num_running, w.running)
+                min(w.stats.num_running, w.num_running)
                 for w in self.pool.workers.values()
                 if w.info.role == Role.DECODE
             ),

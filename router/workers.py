@@ -90,7 +90,7 @@ class WorkerState:
     stats: pb.StatsResponse = field(default_factory=pb.StatsResponse)
     # The router's own accounting, exact between Stats polls.
     queued_prefill_tokens: int = 0
-    running: int = 0
+    num_running: int = 0
     kv_blocks_in_use: int = 0
     # Sequences placed on this decode worker that have not reached it yet (in prefill or
     # before their Generate call), and the blocks their prompts will take there: a burst
@@ -183,11 +183,12 @@ class WorkerState:
         every request to its holder while another worker idled), plus what this router
         placed that has not reached it."""
         stats = self.stats
+        num_running = max(self.num_running, stats.num_running + stats.num_waiting)
         return WorkerLoad(
             worker_id=self.worker_id,
             queued_prefill_tokens=max(self.queued_prefill_tokens, stats.queued_prefill_tokens),
             prefill_tokens_per_s=stats.prefill_tokens_per_s,
-            running=max(self.running, stats.num_running + stats.num_waiting) + self.assigned,
+            num_running=num_running + self.assigned,
             kv_blocks_in_use=max(self.kv_blocks_in_use, stats.kv_blocks_used)
             + self.assigned_blocks,
             kv_blocks_total=self.kv_blocks_total,

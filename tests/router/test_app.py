@@ -655,7 +655,7 @@ def test_queue_gauges_follow_the_workers_batches(tiny_llama):
                           events_endpoint="tcp://127.0.0.1:2",
                           replay_endpoint="tcp://127.0.0.1:3")  # fmt: skip
         worker = WorkerState(info, None, None, None, None, stats=stats, healthy=True)
-        worker.running = 56  # open Generate calls: the 16 running and the 40 queued
+        worker.num_running = 56  # open Generate calls: the 16 running and the 40 queued
         state.pool.workers[info.worker_id] = worker
 
     def scrape() -> dict[tuple[str, str], float]:
@@ -675,7 +675,7 @@ def test_queue_gauges_follow_the_workers_batches(tiny_llama):
     # The workers also serve another router's requests; of this router's 10, 4 have
     # reached the decode worker and 6 wait in its gate or in prefill.
     state.num_inflight = 10
-    state.pool.workers[f"{Role.DECODE}@w"].running = 4
+    state.pool.workers[f"{Role.DECODE}@w"].num_running = 4
     values = scrape()
     assert (values["vllm:num_requests_running", ""], values["vllm:num_requests_waiting", ""]) == (
         4, 6,

@@ -342,7 +342,7 @@ def decode_through(
         try:
             await pool.refresh()
             for state in pool.candidates(Role.DECODE):
-                state.running = ids.index(state.worker_id)  # the least busy is tried first
+                state.num_running = ids.index(state.worker_id)  # the least busy is tried first
             params = sampling or pb.SamplingParams()
             request = SequenceRequest("r1", list(range(5, 40)), [], params)
             placement = Placement(ids[0], "prefill@x", 0, 0)
@@ -494,7 +494,7 @@ async def client_leaves(
     with pytest.raises(asyncio.CancelledError):
         await task
     (state,) = pool.candidates(Role.DECODE)
-    assert (state.running, state.kv_blocks_in_use) == (0, 0)
+    assert (state.num_running, state.kv_blocks_in_use) == (0, 0)
 
 
 def with_a_leased_decode(tmp_path, decode: Decode, body: Callable[..., Awaitable[object]]):
@@ -636,7 +636,7 @@ def test_a_decode_worker_that_refuses_leaves_the_kv_to_the_next(tmp_path):
         try:
             await pool.refresh()
             for state in pool.candidates(Role.DECODE):
-                state.running = ids.index(state.worker_id)  # the refusing one first
+                state.num_running = ids.index(state.worker_id)  # the refusing one first
             request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams())
             placement = Placement(ids[0], "prefill@x", 0, 0)
             lease = RemoteLease(lambda: released.append(True))
@@ -679,7 +679,7 @@ def test_a_failed_pull_under_failure_policy_fail_is_the_clients_error_not_the_wo
         try:
             await pool.refresh()
             for state in pool.candidates(Role.DECODE):
-                state.running = ids.index(state.worker_id)
+                state.num_running = ids.index(state.worker_id)
             request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams())
             placement = Placement(ids[0], "prefill@x", 0, 0)
             with pytest.raises(APIError) as failed:
@@ -1049,7 +1049,7 @@ def test_a_burst_sharing_a_prefix_spreads_while_it_prefills(tmp_path):
                 await asyncio.sleep(0.01)
             prefill.go.set()
             await asyncio.gather(*burst)
-            return [(w.assigned, w.running) for w in pool.candidates(Role.DECODE)]
+            return [(w.assigned, w.num_running) for w in pool.candidates(Role.DECODE)]
         finally:
             await pool.close()
             for server, _ in servers:
@@ -1137,7 +1137,7 @@ def test_prefills_wait_in_line_while_their_decode_worker_is_full(tmp_path, limit
             await asyncio.gather(*burst)
             (state,) = pool.candidates(Role.DECODE)
             ahead = state.ahead
-            return [(state.assigned, state.running, len(state.gate), ahead.num_seqs,
+            return [(state.assigned, state.num_running, len(state.gate), ahead.num_seqs,
                      ahead.num_blocks)]  # fmt: skip
         finally:
             await pool.close()
@@ -1189,7 +1189,7 @@ def test_a_sequence_waits_for_room_no_longer_than_request_timeout_s(tmp_path):
             decode.finish.release()
             assert await held is None
             (state,) = pool.candidates(Role.DECODE)
-            counts = (state.assigned, state.running, len(state.gate), state.ahead.num_seqs)
+            counts = (state.assigned, state.num_running, len(state.gate), state.ahead.num_seqs)
             return waited, elapsed, prefill.num_calls, counts
         finally:
             await pool.close()
@@ -1481,7 +1481,7 @@ def test_embeddings_in_flight_count_in_a_decode_workers_load(tmp_path):
         try:
             await pool.refresh()
             states = pool.candidates(Role.DECODE)
-            states[0].running = 1  # one looks busier to begin with
+            states[0].num_running = 1  # one looks busier to begin with
             calls = [
                 asyncio.ensure_future(embed(dispatcher, SequenceRequest(
                     f"e{i}", [5 + i] * 20, hash_blocks([5 + i] * 20, 16), pb.SamplingParams()),

@@ -212,8 +212,8 @@ def test_a_cleared_workers_blocks_are_swept_a_slice_at_a_time():
 
 def test_policy_prefers_cache_then_load_and_keeps_short_prompts_local():
     policy = PlacementPolicy(RouterConfig(min_disagg_tokens=100), block_size=16, max_running=8)
-    decode = [WorkerLoad("d0", running=1, kv_blocks_total=100),
-              WorkerLoad("d1", running=0, kv_blocks_total=100)]  # fmt: skip
+    decode = [WorkerLoad("d0", num_running=1, kv_blocks_total=100),
+              WorkerLoad("d1", num_running=0, kv_blocks_total=100)]  # fmt: skip
     prefill = [WorkerLoad("p0", queued_prefill_tokens=0),
                WorkerLoad("p1", queued_prefill_tokens=0)]  # fmt: skip
     # 800 tokens; p1 caches 30 blocks (480 tokens): cheaper TTFT there.
@@ -270,8 +270,8 @@ def test_a_prefix_many_requests_share_is_spread_over_idle_workers():
     used goes where the work is least (the full charge herded a routing simulation's
     hot-prefix requests onto 2 of 4 prefill workers: TTFT p50 5.7 s against 0.16 s)."""
     policy = PlacementPolicy(RouterConfig(min_disagg_tokens=0), block_size=16, max_running=64)
-    decode = [WorkerLoad("d0", running=20, kv_blocks_total=1000),
-              WorkerLoad("d1", running=0, kv_blocks_total=1000)]  # fmt: skip
+    decode = [WorkerLoad("d0", num_running=20, kv_blocks_total=1000),
+              WorkerLoad("d1", num_running=0, kv_blocks_total=1000)]  # fmt: skip
     prefill = [WorkerLoad("p0", queued_prefill_tokens=2000), WorkerLoad("p1")]
     held = {"d0": PrefixMatch(40, 0), "p0": PrefixMatch(40, 0)}
     turn = policy.place(800, decode, prefill, held, held, {}, uses=1.0)

@@ -96,7 +96,7 @@ def test_a_worker_back_in_the_registry_keeps_the_load_of_its_running_calls(tmp_p
         try:
             await pool.refresh()
             state = pool.get(info.worker_id)
-            state.running += 1  # as the dispatcher counts a stream it starts
+            state.num_running += 1  # as the dispatcher counts a stream it starts
             call = state.decode.Generate(pb.GenerateRequest(request_id="r1"))
             tokens = []
             with state.tracking(call):
@@ -108,12 +108,12 @@ def test_a_worker_back_in_the_registry_keeps_the_load_of_its_running_calls(tmp_p
                         assert pool.get(info.worker_id) is None
                         registry.register(info)  # the next heartbeat
                         await pool.refresh()
-                        assert pool.get(info.worker_id) is state and state.running == 1
-            state.running -= 1
+                        assert pool.get(info.worker_id) is state and state.num_running == 1
+            state.num_running -= 1
             second = [
                 t async for c in state.decode.Generate(pb.GenerateRequest()) for t in c.token_ids
             ]
-            assert second == list(range(NUM_CHUNKS)) and state.running == 0
+            assert second == list(range(NUM_CHUNKS)) and state.num_running == 0
             # Leaving again mid-stream: the pool keeps refreshing (a closed probe channel
             # used to fail every refresh from then on).
             call = state.decode.Generate(pb.GenerateRequest(request_id="r2"))
@@ -355,9 +355,9 @@ def test_the_load_placement_sees_counts_other_routers_work():
     busy = decode_state("d0", num_running=60, num_waiting=4, kv_blocks_used=990)
     idle = decode_state("d1")
     load = busy.load()
-    assert (load.running, load.kv_blocks_in_use) == (64, 990)
-    busy.running, busy.assigned, busy.assigned_blocks = 70, 2, 5  # its own count is ahead
-    assert (busy.load().running, busy.load().kv_blocks_in_use) == (72, 995)
+    assert (load.num_running, load.kv_blocks_in_use) == (64, 990)
+    busy.num_running, busy.assigned, busy.assigned_blocks = 70, 2, 5  # its own count is ahead
+    assert (busy.load().num_running, busy.load().kv_blocks_in_use) == (72, 995)
     prefill = decode_state("p0", queued_prefill_tokens=200_000)
     assert prefill.load().queued_prefill_tokens == 200_000
     # A prefix the busy worker holds no longer draws every request to it.
