@@ -283,11 +283,15 @@ class PeerFetcher(threading.Thread):
             for i, layers in enumerate(groups)
         ]
         pending = [conn.group.recv([views[0]], 0, tag(conn.seq, 0, len(groups)))]
-        for i, layers in enumerate(groups):
-            if i + 1 < len(groups):
-                next_tag = tag(conn.seq, i + 1, len(groups))
-                pending.append(conn.group.recv([views[i + 1]], 0, next_tag))
-            wait_work(pending[i], record.deadline, kv.device)
-            scatter_layers(views[i], kv, layers, ids)
-        if kv.device.type == "cuda":
-            torch.cuda.current_stream(kv.device).synchronize()
+        try:
+            for i, layers in enumerate(groups):
+                if i + 1 < len(groups):
+                    next_tag = tag(conn.seq, i + 1, len(groups))
+                    pending.append(conn.group.recv([views[i + 1]], 0, next_tag))
+                wait_work(pending[i], record.deadline, kv.device)
+                scatter_layers(views[i], kv, layers, ids)
+        finally:
+            # Failed partway too: the groups scattered so far are queued on this thread's
+            # stream, and the fetch's blocks go back to the engine once it is reported.
+            if kv.device.type == "cuda":
+                torch.cuda.current_stream(kv.device).synchronize()
