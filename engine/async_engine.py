@@ -58,6 +58,9 @@ class EngineStats:
     kv_blocks_used: int = 0
     kv_blocks_free: int = 0
     kv_blocks_total: int = 0
+    # Of the used: held for failed pulls whose transfer may still write them (late ones),
+    # until it has ended (``engine.kv_connector``).
+    kv_blocks_quarantined: int = 0
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
     prefill_tokens_per_s: float = 0.0  # exponentially averaged over busy steps
@@ -264,7 +267,9 @@ class AsyncEngine:
                 if engine.num_steps == num_steps and not outputs:
                     # Nothing could run (only pulls in flight, or no room until a lease
                     # is released): do not spin; a command (release, abort) wakes it.
-                    wait_s = _PULL_WAIT_S
+                    # Only quarantined blocks (a frozen peer's, maybe for good): poll for
+                    # their release as rarely as when idle.
+                    wait_s = _PULL_WAIT_S if engine.has_pulls_or_requests() else _IDLE_WAIT_S
             for hook in self.hooks:
                 try:
                     hook()
@@ -347,6 +352,7 @@ class AsyncEngine:
             kv_blocks_used=kv.pool.num_used_blocks - kv.num_held_snapshot_blocks,
             kv_blocks_free=kv.pool.num_free_blocks + kv.num_held_snapshot_blocks,
             kv_blocks_total=kv.pool.num_blocks,
+            kv_blocks_quarantined=kv.num_quarantined_blocks,
             prefix_query_tokens=kv.num_query_tokens,
             prefix_hit_tokens=kv.num_hit_tokens,
             prefill_tokens_per_s=self._prefill_rate,

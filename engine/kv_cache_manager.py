@@ -111,6 +111,9 @@ class KVCacheManager:
         # ... and where a request's cached KV ran past the snapshot it started from: its
         # states are snapshotted there too (``state_hit``).
         self.branch_points: dict[str, int] = {}
+        # Blocks a failed pull's transfer may still write (a late one), by transfer id:
+        # one reference each, so no one allocates them until ``release_quarantine``.
+        self.quarantined: dict[str, list[KVBlock]] = {}
         # Prefix-cache statistics, in tokens.
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
@@ -491,6 +494,29 @@ class KVCacheManager:
                 self.pool.refresh(block for block in cached if block is not None)
         self.pool.free(reversed(blocks[:end]))
 
+    def quarantine(self, request_id: str, first: int, last: int, transfer_id: str) -> None:
+        """Keep the request's blocks ``first .. last`` (those its failed pull may still
+        write) out of circulation under ``transfer_id``: a reference of their own, so
+        freeing the request (as it then is) leaves them allocated, and no prefix-cache
+        entry can name them (pulled blocks are cached only once their pull is done)."""
+        assert transfer_id not in self.quarantined, transfer_id
+        blocks = self.req_to_blocks[request_id][first:last]
+        assert all(block.block_hash is None for block in blocks)
+        self.pool.touch(blocks)
+        self.quarantined[transfer_id] = blocks
+
+    def release_quarantine(self, transfer_id: str) -> int:
+        """Nothing writes the blocks quarantined under ``transfer_id`` any more: back to
+        the free pool (unless another reference holds them). Returns how many there were
+        (0 for an unknown id)."""
+        blocks = self.quarantined.pop(transfer_id, [])
+        self.pool.free(reversed(blocks))
+        return len(blocks)
+
+    @property
+    def num_quarantined_blocks(self) -> int:
+        return sum(len(blocks) for blocks in self.quarantined.values())
+
     def get_block_ids(self, request_id: str) -> list[int]:
         """A copy of the request's block ids, in token order."""
         return list(self.req_to_block_ids.get(request_id, ()))
@@ -511,6 +537,8 @@ class KVCacheManager:
         problems += [f"request {rid} still has a branch point" for rid in self.branch_points]
         problems += [f"request {rid} still has a snapshot to load"
                      for rid in self.snapshot_loads]  # fmt: skip
+        problems += [f"{len(blocks)} blocks quarantined for late pull {tid}"
+                     for tid, blocks in self.quarantined.items()]  # fmt: skip
         return problems + self.pool.leak_report()
 
     def cache_full_blocks(self, request: Request, num_tokens: int) -> None:

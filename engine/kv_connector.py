@@ -3,16 +3,33 @@
 The engine orders pulls when it admits a request with ``remote_kv`` and polls for their
 end once per step; it never blocks on a transfer. A pull writes into local blocks the
 engine has allocated and keeps reserved until the pull is reported done or failed, even
-if the request is aborted meanwhile, so a late write can never land in reused blocks.
-``kv_transfer`` adapts each transport to this protocol.
+if the request is aborted meanwhile, so a late write can never land in reused blocks. A
+pull reported failed *late* (a transport write it cannot cancel may still land: a NIXL
+READ from a frozen peer) fails its request at once, but the engine keeps its blocks out
+of use (quarantined, under its transfer id) until the puller reports that transfer
+released. ``kv_transfer`` adapts each transport to this protocol.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from common.hashing import BlockHash
 from engine.request import RemoteKV
+
+
+@dataclass(slots=True)
+class PullResults:
+    """What ``KVPuller.poll_fetches`` returns. ``late`` names the failed pulls whose blocks
+    may still be written; each one's transfer id comes back once in ``released`` of this
+    or a later poll, when nothing writes them any more. Transfer ids, not request ids:
+    the request has moved on (recomputes, or finished) by then."""
+
+    done: list[str] = field(default_factory=list)  # request ids
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> reason
+    late: set[str] = field(default_factory=set)  # request ids, among ``failed``
+    released: list[str] = field(default_factory=list)  # transfer ids of late pulls
 
 
 class KVPuller(Protocol):
@@ -43,6 +60,6 @@ class KVPuller(Protocol):
         report. Must not block; best effort."""
         ...
 
-    def poll_fetches(self) -> tuple[list[str], dict[str, str]]:
-        """Pulls that ended since the last poll: (done request ids, failed id → reason)."""
+    def poll_fetches(self) -> PullResults:
+        """Pulls that ended since the last poll, and late ones released since."""
         ...

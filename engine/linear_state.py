@@ -246,6 +246,14 @@ class StateSlots:
             )
         return slot, False
 
+    def rename(self, request_id: str, holder: str) -> None:
+        """Hand the request's slot (if any) to ``holder``, which keeps it until released
+        under its own name: a late pull may still write the slot's state blocks."""
+        slot = self._slots.pop(request_id, None)
+        if slot is not None:
+            assert holder not in self._slots, holder
+            self._slots[holder] = slot
+
     def release(self, request_id: str) -> None:
         """The request's blocks were freed; a no-op if it holds no slot."""
         slot = self._slots.pop(request_id, None)

@@ -538,8 +538,13 @@ class LLMEngine:
         return self.scheduler.num_unfinished > 0
 
     def has_work(self) -> bool:
-        """Unfinished requests or KV pulls in flight: keep calling ``step``."""
+        """Unfinished requests, KV pulls in flight, or blocks quarantined for late pulls
+        (a step polls for their release): keep calling ``step``."""
         return self.scheduler.has_work
+
+    def has_pulls_or_requests(self) -> bool:
+        """``has_work`` less quarantined blocks: what a caller should step for promptly."""
+        return bool(self.scheduler.requests or self.scheduler.fetching)
 
     # ------------------------------------------------------------------ the loop
 
@@ -675,25 +680,36 @@ class LLMEngine:
         return outputs
 
     def _poll_fetches(self) -> list[RequestOutput]:
-        if self.kv_puller is None or not self.scheduler.fetching:
+        if self.kv_puller is None or not (self.scheduler.fetching or self.scheduler.kv.quarantined):
             return []
-        done, failed = self.kv_puller.poll_fetches()
+        pulls = self.kv_puller.poll_fetches()
         outputs = []
-        for request_id, ok in [(r, True) for r in done] + [(r, False) for r in failed]:
+        for request_id, ok in [(r, True) for r in pulls.done] + [(r, False) for r in pulls.failed]:
             request = self.scheduler.fetching.get(request_id)
             if request is None:
                 continue
-            output = self._end_fetch(request, ok, "" if ok else failed[request_id])
+            reason = "" if ok else pulls.failed[request_id]
+            output = self._end_fetch(request, ok, reason, request_id in pulls.late)
             if output is not None:
                 outputs.append(output)
+        for transfer_id in pulls.released:  # (after the failures: the same poll may say both)
+            self.scheduler.release_quarantine(transfer_id)
+            self.runner.release_state(_quarantine_holder(transfer_id))
         return outputs
 
-    def _end_fetch(self, request: Request, ok: bool, reason: str) -> RequestOutput | None:
+    def _end_fetch(
+        self, request: Request, ok: bool, reason: str, late: bool = False
+    ) -> RequestOutput | None:
         """A pull ended (or will never start): the request continues, recomputes its
-        prompt, or finishes with an error; that last one's output is returned."""
+        prompt, or finishes with an error; that last one's output is returned. A ``late``
+        failure's blocks (a hybrid model's state slot too) stay quarantined until the
+        puller reports its transfer released."""
         given_up = request.status is RequestStatus.FINISHED_ABORTED  # aborted meanwhile
         remote = request.remote_kv
-        self.scheduler.finish_fetch(request.request_id, ok, self.recompute_on_pull_failure)
+        if late:
+            assert remote is not None
+            self.runner.park_state(request.request_id, _quarantine_holder(remote.transfer_id))
+        self.scheduler.finish_fetch(request.request_id, ok, self.recompute_on_pull_failure, late)
         if not ok and not given_up:  # an abort's pull fails by design
             # Nothing here will read the peer's blocks now: it may free them at once. Left
             # to its lease, a pair that never pulls (a layout or dtype refused at the
@@ -889,6 +905,11 @@ class LLMEngine:
         if self._undecoded_images:
             problems.append(f"{len(self._undecoded_images)} requests' undecoded images held")
         return problems
+
+
+def _quarantine_holder(transfer_id: str) -> str:
+    """The name a late pull's state slot is kept under: no request id looks like it."""
+    return f"quarantine:{transfer_id}"
 
 
 def _prompt_scoring(request: Request, start: int, end: int) -> PromptScoring | None:

@@ -266,6 +266,12 @@ class ModelRunner:
         if self.draft_groups is not None:
             self.draft_groups.release(request_id)
 
+    def park_state(self, request_id: str, holder: str) -> None:
+        """The request's state slot, which its late pull may still write, stays out of use
+        under ``holder`` until ``release_state(holder)`` (a no-op without such layers)."""
+        if self.state_slots is not None:
+            self.state_slots.rename(request_id, holder)
+
     def reserve_state(self, request_id: str) -> list[int]:
         """A state slot for a request whose states are about to be pulled: the KV blocks
         to pull them into."""

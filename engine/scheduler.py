@@ -25,7 +25,11 @@ Two role-specific paths, both at the edges of the same loop:
   what the local prefix cache holds, and asking for the rest to be pulled (``fetches`` of
   the step's output). It waits in ``fetching`` without blocking anyone until
   ``finish_fetch`` says the KV landed (it then continues like any request) or failed
-  (it is prefilled locally, or fails, as the caller decides). One whose next missing
+  (it is prefilled locally, or fails, as the caller decides). A pull failed *late* (its
+  transport may still write the blocks: ``engine.kv_connector``) leaves its pulled blocks
+  quarantined under its transfer id, out of everyone's reach, while the request moves
+  on with fresh ones; ``release_quarantine`` frees them once the write has ended. One
+  whose next missing
   block another pull is writing is not admitted until that pull ends (then it finds the
   block cached); the line passes it meanwhile (``_next_admissible``);
 * a ``prefill_only`` request finishes after its first token but keeps its blocks in
@@ -258,8 +262,9 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        """Anything the engine loop must keep stepping for (pulls in flight included)."""
-        return bool(self.requests or self.fetching)
+        """Anything the engine loop must keep stepping for (pulls in flight included, and
+        quarantined blocks: a step polls for their release)."""
+        return bool(self.requests or self.fetching or self.kv.quarantined)
 
     @property
     def num_queued_prefill_tokens(self) -> int:
@@ -587,14 +592,21 @@ class Scheduler:
         self._num_admissions += 1
         bisect.insort(self.running, request, key=running_order)
 
-    def finish_fetch(self, request_id: str, ok: bool, recompute_on_failure: bool = True) -> None:
+    def finish_fetch(
+        self, request_id: str, ok: bool, recompute_on_failure: bool = True, late: bool = False
+    ) -> None:
         """The pull of ``request_id`` ended. On success the request continues from the end
         of its remote prompt; on failure it is prefilled locally (``recompute_on_failure``)
-        or finishes aborted with an error."""
+        or finishes aborted with an error. A ``late`` failure (its transport may still
+        write the pulled blocks) quarantines them under the pull's transfer id first:
+        the request lets them go, and ``release_quarantine`` frees them."""
         request = self.fetching.pop(request_id)
         request.times.fetch_finished = time.monotonic()
         self._pulling.subtract(self._pulled_hashes.pop(request_id))
         self._pulling = +self._pulling  # drop the zeros: an empty Counter means no pulls
+        if late:
+            assert not ok
+            self._quarantine_pulled(request)
         if request.status is RequestStatus.FINISHED_ABORTED:  # aborted while pulling
             self._free_blocks(request)
             return
@@ -625,6 +637,20 @@ class Scheduler:
         else:
             request.error = f"pulling the prompt's KV from {remote.transfer_id} failed"
             self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def _quarantine_pulled(self, request: Request) -> None:
+        """Quarantine the blocks the request's pull writes (after its hits and loads, up
+        to its remote prompt's end) under the pull's transfer id."""
+        remote = request.remote_kv
+        assert remote is not None
+        first = cdiv(request.num_cached_tokens, self.block_size)
+        last = cdiv(remote.num_tokens, self.block_size)
+        self.kv.quarantine(request.request_id, first, last, remote.transfer_id)
+
+    def release_quarantine(self, transfer_id: str) -> int:
+        """A late pull's write has ended: its quarantined blocks go back to the free pool.
+        Returns how many (0 for an unknown transfer id)."""
+        return self.kv.release_quarantine(transfer_id)
 
     def _free_blocks(self, request: Request) -> None:
         self.kv.free(request)

@@ -29,18 +29,22 @@ Contract, for every transport:
   again. A fetcher gives up ``timeout_s`` after ``start_fetch``, so a lease longer than
   that plus the KVHandle's trip to the fetcher guarantees that no one-sided read (NIXL)
   races with the blocks' reuse; one still running then (late, below) may read reused
-  blocks, but its fetch fails whatever it reads.
+  blocks, but its fetch has failed whatever it reads.
 * ``start_fetch`` never blocks (handshakes run on background threads). Each fetch is
   reported exactly once, by ``poll_fetches`` or by ``wait``: done means every local block
   holds the remote block's bytes, bit for bit, and the exporter's notification is on its
   way; failed carries a ``KVTransferError`` and means the local blocks hold undefined data
-  that nothing writes any more. Every fetch settles within ``timeout_s`` of
-  ``start_fetch``, provided ``fetch_peer_metadata`` honours a deadline of its own (plus
-  at most one in-progress copy on transports that copy synchronously), except a NIXL
-  fetch whose READ is still running then: UCX cannot cancel a READ, so the fetch fails
-  only once its READ ends (the peer answers, or its connection fails), or the local
-  blocks could be written after the failure. A peer frozen for good holds such a fetch,
-  and its blocks, for good (``NixlConnector.num_late_reads_running``).
+  that nothing writes any more, unless the fetch is also reported *late*. Every fetch
+  settles within ``timeout_s`` of ``start_fetch``, provided ``fetch_peer_metadata``
+  honours a deadline of its own (plus at most one in-progress copy on transports that
+  copy synchronously).
+* A late fetch (``FetchResults.late``; only NIXL: UCX cannot cancel a READ still running
+  at the deadline, or when its peer is dropped) failed, but its local blocks may still
+  be written: the peer's answer lands whenever a frozen peer resumes. The caller must
+  keep those blocks out of use (quarantined) until the transfer id comes back, once, in
+  ``FetchResults.released`` of a later poll (or the same one): the write has ended. A
+  peer frozen for good keeps its late fetches' blocks quarantined for good
+  (``num_late_fetches``); ``close`` releases them all (nothing writes after it).
 * ``block_hashes`` (32-byte digests from ``common.hashing``) are required by
   ``shared_storage``, which names its files by them; the other transports ignore them.
 * ``abort_fetch`` gives a fetch up early where the transport can stop safely; the fetch is
@@ -200,11 +204,12 @@ class KVConnector(ABC):
         must stay reserved until then, as for any fetch. Transports look at
         ``self._fetches.is_aborted`` where they wait; NIXL and NCCL fetches run to their
         end (milliseconds once the peer answers; their timeout bounds one that does not,
-        except a NIXL READ still running: see the contract above)."""
+        and a NIXL READ still running then fails late: see the contract above)."""
         self._fetches.abort(transfer_id)
 
     def poll_fetches(self) -> FetchResults:
-        """Fetches settled since the last call (done ids, failed id -> error). Non-blocking."""
+        """Fetches settled since the last call (done ids, failed id -> error, which of
+        those are late) and late fetches released since. Non-blocking."""
         return self._fetches.drain()
 
     def wait(self, transfer_id: str, timeout_s: float | None = None) -> None:
@@ -221,16 +226,26 @@ class KVConnector(ABC):
         return len(self._fetches)
 
     @property
+    def num_late_fetches(self) -> int:
+        """Fetches reported failed and late whose write has not ended: their local blocks
+        are quarantined by the caller until released."""
+        return len(self._fetches.late())
+
+    @property
     def num_active_exports(self) -> int:
         return len(self._exports)
 
     def close(self) -> None:
+        """Fail the fetches still running and release the late ones: once ``_close`` has
+        stopped the transport, nothing writes any local block."""
         if self._closed:
             return
         self._closed = True
         self._close()
         for record in self._fetches.active():
             self._fetches.fail(record.transfer_id, ConnectorClosedError("connector closed"))
+        for transfer_id in self._fetches.late():
+            self._fetches.release(transfer_id)
 
     def __enter__(self) -> KVConnector:
         return self

@@ -30,10 +30,11 @@ thread spins and halves CPU bandwidth, so each lane drives progress itself, only
 READs are in flight.
 
 Late READs. UCX cannot cancel a READ, so one still running at its fetch's deadline (a
-frozen or very slow peer) keeps its fetch unsettled, and the engine keeps its blocks,
-until it ends; the fetch then fails as timed out. Reported at the deadline, the peer's
-answer could land in blocks already handed to another request (``nixl_lane.py``,
-``tests/kv_transfer/test_late_reads.py``). ``num_late_reads_running`` counts those held.
+frozen or very slow peer) fails its fetch at once as timed out but *late*
+(``FetchResults.late``): the peer's answer may still land in its blocks, so the engine
+quarantines them until the READ ends and the fetch comes back in
+``FetchResults.released`` (``nixl_lane.py``, ``tests/kv_transfer/test_late_reads.py``).
+``num_late_reads_running`` counts the late READs not ended yet.
 
 On GPUs, UCX 1.23 turns off cuda_ipc reads when it sees no NVLink and falls back to active
 messages over TCP; single-GPU or PCIe hosts must run with UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y.
@@ -67,7 +68,7 @@ from kv_transfer.errors import (
 )
 from kv_transfer.handshake import MetadataFetcher, decode_transport, fetch_peer_metadata
 from kv_transfer.layout import KVCaches
-from kv_transfer.nixl_lane import LanePeer, NixlLane, PartOutcome, ReadPart
+from kv_transfer.nixl_lane import LanePeer, LateReadEnded, NixlLane, PartOutcome, ReadPart
 from kv_transfer.nixl_protocol import (
     NixlPayload,
     Notif,
@@ -108,6 +109,7 @@ class _InFlight:
     peer_id: str
     pending_parts: int
     error: KVTransferError | None = None  # the first part's error
+    writing_parts: int = 0  # parts reported late whose READ has not ended
 
 
 def _restrict_ucx_net_devices(config: KVTransferConfig) -> None:
@@ -192,6 +194,7 @@ class NixlConnector(KVConnector):
         self._peers: dict[str, _RemotePeer] = {}
         self._waiting: dict[str, list[FetchRecord]] = {}  # peer id -> fetches awaiting handshake
         self._inflight: dict[str, _InFlight] = {}
+        self._writing: dict[str, int] = {}  # late fetch id -> its parts' READs still running
         self._next_lane = 0
 
     # -- setup (engine thread, before the driver starts) ---------------------------------
@@ -250,13 +253,14 @@ class NixlConnector(KVConnector):
     @property
     def num_late_reads(self) -> int:
         """READs ever still running at their deadline (or when their peer was dropped):
-        each held its fetch, and the fetch's blocks, until it ended (``nixl_lane.py``)."""
+        each failed its fetch late, its blocks quarantined until it ended
+        (``nixl_lane.py``)."""
         return sum(lane.num_late_reads for lane in self._lanes)
 
     @property
     def num_late_reads_running(self) -> int:
-        """Late READs not ended yet: their fetches' blocks stay reserved. One that never
-        ends (a peer frozen for good) holds them for good."""
+        """Late READs not ended yet: their fetches' blocks stay quarantined. One that
+        never ends (a peer frozen for good) keeps them for good."""
         return sum(lane.num_late_reads_running for lane in self._lanes)
 
     def _transport_metadata(self) -> bytes:
@@ -463,13 +467,19 @@ class NixlConnector(KVConnector):
             self._next_lane = (self._next_lane + 1) % len(self._lanes)
             lane.read(ReadPart(tid, index, peer_id, local, remote, record.deadline))
 
-    def _on_part(self, outcome: PartOutcome) -> None:
-        """A lane finished a part; the fetch settles once all its parts have."""
+    def _on_part(self, outcome: PartOutcome | LateReadEnded) -> None:
+        """A lane finished a part (or a late part's READ ended); the fetch settles once
+        all its parts have, late if any part's READ still runs, and a late fetch is
+        released once all of those have ended."""
+        if isinstance(outcome, LateReadEnded):
+            self._on_late_read_ended(outcome.part.transfer_id)
+            return
         tid = outcome.part.transfer_id
         flight = self._inflight.get(tid)
         if flight is None:
             return
         flight.pending_parts -= 1
+        flight.writing_parts += outcome.late
         if outcome.error is not None and flight.error is None:
             flight.error = outcome.error
         if outcome.peer_broken:
@@ -482,9 +492,24 @@ class NixlConnector(KVConnector):
             self._fetches.complete(tid)
             # Standalone, not attached to the READ: see the module docstring.
             self._notify(flight.peer_id, Notif("done", tid))
+            return
+        if flight.writing_parts:
+            self._writing[tid] = flight.writing_parts
+            self._fetches.fail_late(tid, flight.error)
         else:
             self._fetches.fail(tid, flight.error)
-            self._notify(flight.peer_id, Notif("abort", tid))  # if the peer is still known
+        self._notify(flight.peer_id, Notif("abort", tid))  # if the peer is still known
+
+    def _on_late_read_ended(self, tid: str) -> None:
+        flight = self._inflight.get(tid)
+        if flight is not None:  # other parts still run: the fetch has not settled yet
+            flight.writing_parts -= 1
+            return
+        left = self._writing.get(tid, 0) - 1
+        if left > 0:
+            self._writing[tid] = left
+        elif self._writing.pop(tid, None) is not None:
+            self._fetches.release(tid)
 
     def _expire_waiting(self) -> None:
         for peer_id, records in self._waiting.items():
@@ -537,6 +562,7 @@ class NixlConnector(KVConnector):
         for lane in self._lanes:  # destroys their agents, then fails their parts
             lane.close()
         self._inflight.clear()
+        self._writing.clear()  # (released by ``close``: no READ lands after the lanes')
         for peer_id in list(self._peers):
             self._drop_peer(peer_id)
         if self._kv is not None:

@@ -12,28 +12,32 @@ endpoints), used by its own thread only, so no NIXL call is ever made from two t
 A lane takes commands in order (peer added, peer dropped, read a part, stop), drives UCX
 progress only while its READs are in flight (idle, it sleeps on its queue), and reports
 every part it was given exactly once through ``on_done``: DONE, failed, past its
-deadline, dropped with its peer, or abandoned at close. Reports are called on the lane
-thread (at close, on the closing one) and must not block.
+deadline, dropped with its peer, or abandoned at close; a part reported *late* is
+reported once more, as ``LateReadEnded``, when its READ has ended. Reports are called on
+the lane thread (at close, on the closing one) and must not block.
 
-A part is reported only once no byte of its READ can land any more: the engine frees a
-failed fetch's blocks and hands them to other requests. UCX cannot cancel a READ.
+A part reported failed may still be written to while its READ runs: the engine would hand
+a failed fetch's blocks to other requests. UCX cannot cancel a READ.
 Releasing a running one's NIXL handle only frees the handle: over TCP the peer's answer,
 sent once a frozen peer resumes, still landed in the blocks at the lane's next progress
 (``tests/kv_transfer/test_late_reads.py``). Destroying the lane's agent would stop it,
 but a peer answering over TCP then aborts (UCX 1.23's software GET reply meets the closed
 endpoint: "Fatal: unexpected error", seen with a prototype that replaced such lanes), so
 a slow prefill worker would be killed by a decode worker's timeout. So a READ still
-running at its deadline, or when its peer is dropped, is *late*: its outcome is decided
-then (failed), but it stays in flight and polled (every ``_LATE_POLL_S``) until NIXL says
-DONE or ERR, and only then is it reported; its peer's remote agent stays loaded until
-then, since forgetting it turns the READ's state to ERR while the bytes may still come.
-A peer frozen for good holds its late READs, and their fetches' blocks, for good:
-counted (``num_late_reads_running``) and logged. ERR counts as ended: UCX fails a READ
-when its endpoint fails, which completes every request on it.
+running at its deadline, or when its peer is dropped, is *late*: it is reported failed
+then, flagged late (``PartOutcome.late``: the fetch fails at once, and the engine
+quarantines its blocks), but it stays in flight and polled (every ``_LATE_POLL_S``)
+until NIXL says DONE or ERR, and only then is ``LateReadEnded`` reported (the engine
+frees the blocks); its peer's remote agent stays loaded until then, since forgetting it
+turns the READ's state to ERR while the bytes may still come. A peer frozen for good
+keeps its late READs, and their blocks quarantined, for good: counted
+(``num_late_reads_running``) and logged. ERR counts as ended: UCX fails a READ when its
+endpoint fails, which completes every request on it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -73,9 +77,18 @@ class PartOutcome:
     part: ReadPart
     error: KVTransferError | None
     peer_broken: bool  # a transport error: the connector should forget the peer
+    # Failed while its READ still runs: ``LateReadEnded`` follows once it has ended.
+    late: bool = False
 
 
-PartReport = Callable[[PartOutcome], None]
+@dataclass(frozen=True, slots=True)
+class LateReadEnded:
+    """A part reported late earlier: its READ has ended, no byte of it lands any more."""
+
+    part: ReadPart
+
+
+PartReport = Callable[[PartOutcome | LateReadEnded], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +107,7 @@ class LanePeer:
 class _Flight:
     part: ReadPart
     handle: object  # nixl_xfer_handle
-    # Decided while the READ still ran (late): reported once the READ has ended.
-    late: PartOutcome | None = None
+    late: bool = False  # reported failed while the READ still ran
 
 
 class NixlLane:
@@ -172,12 +184,15 @@ class NixlLane:
 
     def close(self) -> None:
         """Stop the thread and destroy the agent, then report each part it still had as
-        failed (a late one with the outcome decided when it became late): with the
-        agent's UCX worker gone, none of its READs can land any more."""
+        failed (a late one as ended): with the agent's UCX worker gone, none of its READs
+        can land any more."""
         self._stop.set()
         self._commands.put(("wake",))
         self._thread.join()
-        outcomes = [f.late or _failed(f.part, "connector closed") for f in self._inflight]
+        outcomes: list[PartOutcome | LateReadEnded] = [
+            LateReadEnded(f.part) if f.late else _failed(f.part, "connector closed")
+            for f in self._inflight
+        ]
         while True:  # parts that never started
             try:
                 command = self._commands.get_nowait()
@@ -219,11 +234,11 @@ class NixlLane:
                 self._progress()
             except Exception:
                 logger.exception("%s: lane step failed", self.name)
-            if any(flight.late is None for flight in self._inflight):
+            if any(not flight.late for flight in self._inflight):
                 time.sleep(_BUSY_POLL_S)
 
     def _command_wait_s(self) -> float | None:
-        if any(flight.late is None for flight in self._inflight):
+        if any(not flight.late for flight in self._inflight):
             return 0.0
         return _LATE_POLL_S if self._inflight else None
 
@@ -303,32 +318,34 @@ class NixlLane:
             self._end(flight, PartOutcome(flight.part, None, False))
         elif state != "PROC":
             self._end(flight, _failed(flight.part, f"READ ended in state {state}", True))
-        elif flight.late is None and flight.part.deadline <= time.monotonic():
+        elif not flight.late and flight.part.deadline <= time.monotonic():
             error = TransferTimeoutError("READ still running at the deadline")
             self._make_late(flight, PartOutcome(flight.part, error, False))
 
     def _end(self, flight: _Flight, outcome: PartOutcome) -> None:
         """The READ has ended: no byte of it can land any more, so its blocks may be
-        reused. Release the handle, then report (a late READ's decided outcome)."""
+        reused. Release the handle, then report ``outcome`` (a late READ: that it ended,
+        its outcome was reported when it became late)."""
         self._inflight.remove(flight)
         try:
             flight.handle.release()
         except Exception as exc:  # (the READ is over: only the handle's memory is lost)
             logger.warning("%s: releasing READ %s: %s", self.name, flight.part.transfer_id, exc)
-        if flight.late is not None:
+        report: PartOutcome | LateReadEnded = outcome
+        if flight.late:
             self.num_late_reads_running -= 1
             past_s = time.monotonic() - flight.part.deadline
-            logger.info("%s: late READ of %s ended %.1f s past its deadline; its fetch is "
-                        "reported now", self.name, flight.part.transfer_id, past_s)  # fmt: skip
-            outcome = flight.late
+            logger.info("%s: late READ of %s ended %.1f s past its deadline; its blocks "
+                        "are released now", self.name, flight.part.transfer_id, past_s)  # fmt: skip
+            report = LateReadEnded(flight.part)
         peer_id = flight.part.peer_id
         if peer_id in self._dropped and not any(f.part.peer_id == peer_id for f in self._inflight):
             self._forget(peer_id)
-        self._report(outcome)
+        self._report(report)
 
     def _make_late(self, flight: _Flight, outcome: PartOutcome) -> None:
-        """Decide the outcome of a READ that still runs; report it once the READ ends."""
-        flight.late = outcome
+        """Report a READ that still runs failed, flagged late; its end is reported later."""
+        flight.late = True
         self.num_late_reads += 1
         self.num_late_reads_running += 1
         now = time.monotonic()
@@ -336,18 +353,19 @@ class NixlLane:
             self._late_logged_at = now
             logger.warning(
                 "%s: READ of %s from %s is late (%s); UCX cannot cancel it, so its fetch "
-                "fails and frees its blocks only once it ends (the peer answers or its "
-                "connection fails). %d late READs running, %d so far",
+                "fails now but its blocks stay quarantined until it ends (the peer answers "
+                "or its connection fails). %d late READs running, %d so far",
                 self.name, flight.part.transfer_id, flight.part.peer_id, outcome.error,
                 self.num_late_reads_running, self.num_late_reads,
             )  # fmt: skip
+        self._report(dataclasses.replace(outcome, late=True))
 
     def _drop(self, peer_id: str) -> None:
         """Forget a peer; its READs still running are late. Its remote agent stays loaded
         until they end (see the module docstring)."""
         flights = [f for f in self._inflight if f.part.peer_id == peer_id]
         for flight in flights:
-            if flight.late is None:
+            if not flight.late:
                 self._make_late(flight, _failed(flight.part, f"peer {peer_id!r} disconnected"))
         if flights and peer_id in self._peers:
             self._dropped[peer_id] = self._peers.pop(peer_id)
@@ -364,7 +382,7 @@ class NixlLane:
         except Exception as exc:
             logger.warning("%s: forgetting peer %s: %s", self.name, peer_id, exc)
 
-    def _report(self, outcome: PartOutcome) -> None:
+    def _report(self, outcome: PartOutcome | LateReadEnded) -> None:
         try:
             self._on_done(outcome)
         except Exception:

@@ -38,10 +38,17 @@ class ExportRecord:
 
 @dataclass(slots=True)
 class FetchResults:
-    """What ``poll_fetches`` returns: transfers that landed and transfers that failed."""
+    """What ``poll_fetches`` returns: transfers that landed, transfers that failed, and
+    for late ones (failed while a write into their local blocks may still run: a NIXL
+    READ UCX cannot cancel) when that write has ended.
+
+    ``late`` is a subset of ``failed``'s ids: their local blocks must stay out of use
+    until the id comes back in ``released`` of a later poll (each exactly once)."""
 
     done: list[str] = field(default_factory=list)
     failed: dict[str, KVTransferError] = field(default_factory=dict)
+    late: set[str] = field(default_factory=set)
+    released: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.done or self.failed)
+        return bool(self.done or self.failed or self.released)

@@ -25,7 +25,11 @@ class FetchTracker:
         self._active: dict[str, FetchRecord] = {}
         self._outcomes: dict[str, KVTransferError | None] = {}  # None: done
         self._aborted: set[str] = set()  # active fetches the fetcher gave up
-        self._writing: set[int] = set()  # local block ids active fetches write
+        self._writing: set[int] = set()  # local block ids active (or late) fetches write
+        # Failed, but a write into their blocks may still run: until ``release``.
+        self._late: dict[str, FetchRecord] = {}
+        self._late_failed: set[str] = set()  # late ids whose failure is not drained yet
+        self._released: list[str] = []  # late ids released, not drained yet
 
     def add(self, record: FetchRecord) -> None:
         """Raises ``DuplicateTransferError`` for an active id, ``ValueError`` for local
@@ -33,7 +37,7 @@ class FetchTracker:
         reported done (a caller's bug, refused rather than silent)."""
         with self._cond:
             tid = record.transfer_id
-            if tid in self._active or tid in self._outcomes:
+            if tid in self._active or tid in self._outcomes or tid in self._late:
                 raise DuplicateTransferError(tid)
             if not self._writing.isdisjoint(record.local_block_ids):
                 raise ValueError("start_fetch local: an active fetch writes these blocks")
@@ -46,13 +50,40 @@ class FetchTracker:
     def fail(self, transfer_id: str, error: KVTransferError) -> bool:
         return self._settle(transfer_id, error)
 
-    def _settle(self, transfer_id: str, error: KVTransferError | None) -> bool:
+    def fail_late(self, transfer_id: str, error: KVTransferError) -> bool:
+        """Fail a fetch whose local blocks may still be written (a READ that cannot be
+        cancelled): reported failed and late now, its blocks stay marked written until
+        ``release``. False if the transfer was not active."""
+        return self._settle(transfer_id, error, late=True)
+
+    def release(self, transfer_id: str) -> bool:
+        """A late fetch's write has ended: its blocks are free to reuse, and the id comes
+        back once in ``released``. False if it was not late (or released already)."""
+        with self._cond:
+            record = self._late.pop(transfer_id, None)
+            if record is None:
+                return False
+            self._writing.difference_update(record.local_block_ids)
+            self._released.append(transfer_id)
+            self._cond.notify_all()
+            return True
+
+    def late(self) -> list[str]:
+        """Late fetches not released yet."""
+        with self._cond:
+            return list(self._late)
+
+    def _settle(self, transfer_id: str, error: KVTransferError | None, late: bool = False) -> bool:
         """Record an outcome; False if the transfer was not active (already settled)."""
         with self._cond:
             record = self._active.pop(transfer_id, None)
             if record is None:
                 return False
-            self._writing.difference_update(record.local_block_ids)
+            if late:
+                self._late[transfer_id] = record
+                self._late_failed.add(transfer_id)
+            else:
+                self._writing.difference_update(record.local_block_ids)
             self._aborted.discard(transfer_id)
             self._outcomes[transfer_id] = error
             self._cond.notify_all()
@@ -83,6 +114,8 @@ class FetchTracker:
                 else:
                     results.failed[tid] = error
             self._outcomes.clear()
+            results.late, self._late_failed = self._late_failed, set()
+            results.released, self._released = self._released, []
             return results
 
     def wait(self, transfer_id: str, timeout_s: float | None) -> KVTransferError | None:
@@ -100,6 +133,7 @@ class FetchTracker:
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(f"fetch {transfer_id!r} still running")
                 self._cond.wait(remaining)
+            self._late_failed.discard(transfer_id)  # (still late: ``release`` reports it)
             return self._outcomes.pop(transfer_id)
 
     def __len__(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from common.hashing import BlockHash
+from engine.kv_connector import PullResults
 from engine.request import RemoteKV
 from kv_transfer import KVConnector, PeerRef
 
@@ -55,14 +56,17 @@ class ConnectorPuller:
         if self.release_remote is not None:
             self.release_remote(remote.source.endpoint, remote.transfer_id)
 
-    def poll_fetches(self) -> tuple[list[str], dict[str, str]]:
+    def poll_fetches(self) -> PullResults:
         results = self.connector.poll_fetches()
-        done = [self._request_of.pop(t) for t in results.done if t in self._request_of]
-        failed = {
-            self._request_of.pop(t): f"{type(e).__name__}: {e}"
-            for t, e in results.failed.items()
-            if t in self._request_of
-        }
-        failed.update(self._refused)
+        pulls = PullResults(released=results.released)
+        pulls.done = [self._request_of.pop(t) for t in results.done if t in self._request_of]
+        for transfer_id, error in results.failed.items():
+            request_id = self._request_of.pop(transfer_id, None)
+            if request_id is None:
+                continue
+            pulls.failed[request_id] = f"{type(error).__name__}: {error}"
+            if transfer_id in results.late:
+                pulls.late.add(request_id)
+        pulls.failed.update(self._refused)
         self._refused.clear()
-        return done, failed
+        return pulls

@@ -12,7 +12,9 @@ prefill worker pairs with rank r of a decode worker of the same size (``KVLayout
       poll: settled on every rank?      ◄─ replies ──   ExportsFinished / FetchesSettled
 
 Rank 0 reports an export finished, or a fetch done or failed, only once every rank has:
-until then some rank may still read or write those blocks. Commands travel in the same
+until then some rank may still read or write those blocks. A fetch that failed late on
+some rank (its write may still land there) is reported late, and released once every
+such rank has released it. Commands travel in the same
 ordered stream as the steps (``engine.parallel.messages``), so a release or an abort
 reaches a shard before any later step can reuse its blocks, as on rank 0.
 
@@ -79,6 +81,8 @@ class FetchesSettled(msgspec.Struct, tag="kv_fetches_settled", frozen=True):
     rank: int
     done: list[str]
     failed: dict[str, str]  # transfer id -> "ErrorType: message"
+    late: list[str] = []  # of ``failed``: their blocks may still be written on this rank
+    released: list[str] = []  # late earlier (or in ``failed`` here): nothing writes now
 
 
 MESSAGE_TYPES = (Export, ReleaseExport, StartFetch, AbortFetch, ExportsFinished, FetchesSettled)
@@ -171,13 +175,21 @@ class ConnectorExtension:
         results = self.connector.poll_fetches()
         if results:
             failed = {t: f"{type(e).__name__}: {e}" for t, e in results.failed.items()}
-            replies.append(FetchesSettled(self.rank, results.done, failed))
+            replies.append(
+                FetchesSettled(
+                    self.rank, results.done, failed, sorted(results.late), results.released
+                )
+            )
         return replies
 
     @property
     def busy(self) -> bool:
         connector = self.connector
-        return bool(connector.num_active_fetches or connector.num_active_exports)
+        return bool(
+            connector.num_active_fetches
+            or connector.num_active_exports
+            or connector.num_late_fetches
+        )
 
     def close(self) -> None:
         self.connector.close()
@@ -188,11 +200,12 @@ class ConnectorExtension:
 
 
 class _Fetch:
-    __slots__ = ("error", "pending")
+    __slots__ = ("error", "pending", "writing")
 
     def __init__(self, ranks: set[int]) -> None:
         self.pending = ranks
         self.error: KVTransferError | None = None
+        self.writing: set[int] = set()  # ranks that failed it late, not released yet
 
 
 class TensorParallelConnector:
@@ -208,6 +221,7 @@ class TensorParallelConnector:
         self._shard_metadata: list[bytes] = []
         self._exports: dict[str, set[int]] = {}  # transfer id -> ranks still holding it
         self._fetches: dict[str, _Fetch] = {}
+        self._late: dict[str, set[int]] = {}  # settled late: ranks still writing
         self._finished_exports: list[str] = []
         self._settled = FetchResults()
 
@@ -308,15 +322,21 @@ class TensorParallelConnector:
         for transfer_id in results.done:
             self._fetch_settled(transfer_id, 0, None)
         for transfer_id, error in results.failed.items():
-            self._fetch_settled(transfer_id, 0, error)
+            self._fetch_settled(transfer_id, 0, error, transfer_id in results.late)
+        for transfer_id in results.released:
+            self._fetch_released(transfer_id, 0)
         settled, self._settled = self._settled, FetchResults()
         return settled
 
-    def _fetch_settled(self, transfer_id: str, rank: int, error: KVTransferError | None) -> None:
+    def _fetch_settled(
+        self, transfer_id: str, rank: int, error: KVTransferError | None, late: bool = False
+    ) -> None:
         fetch = self._fetches.get(transfer_id)
         if fetch is None:
             return
         fetch.pending.discard(rank)
+        if late:
+            fetch.writing.add(rank)
         if error is not None and fetch.error is None:
             fetch.error = error
         if fetch.pending:
@@ -324,8 +344,26 @@ class TensorParallelConnector:
         del self._fetches[transfer_id]
         if fetch.error is None:
             self._settled.done.append(transfer_id)
-        else:
-            self._settled.failed[transfer_id] = fetch.error
+            return
+        self._settled.failed[transfer_id] = fetch.error
+        if fetch.writing:
+            self._settled.late.add(transfer_id)
+            self._late[transfer_id] = fetch.writing
+
+    def _fetch_released(self, transfer_id: str, rank: int) -> None:
+        """Rank ``rank`` no longer writes a fetch it failed late; released once no rank
+        does (before it settled everywhere, it simply is not late there any more)."""
+        fetch = self._fetches.get(transfer_id)
+        if fetch is not None:
+            fetch.writing.discard(rank)
+            return
+        writing = self._late.get(transfer_id)
+        if writing is None:
+            return
+        writing.discard(rank)
+        if not writing:
+            del self._late[transfer_id]
+            self._settled.released.append(transfer_id)
 
     def _drain(self) -> None:
         for reply in self._shards.extension_replies():
@@ -335,15 +373,22 @@ class TensorParallelConnector:
             elif isinstance(reply, FetchesSettled):
                 for transfer_id in reply.done:
                     self._fetch_settled(transfer_id, reply.rank, None)
+                late = set(reply.late)
                 for transfer_id, reason in reply.failed.items():
                     error = TransferFailedError(f"tensor-parallel rank {reply.rank}: {reason}")
-                    self._fetch_settled(transfer_id, reply.rank, error)
+                    self._fetch_settled(transfer_id, reply.rank, error, transfer_id in late)
+                for transfer_id in reply.released:
+                    self._fetch_released(transfer_id, reply.rank)
 
     # -- lifecycle
 
     @property
     def num_active_fetches(self) -> int:
         return len(self._fetches)
+
+    @property
+    def num_late_fetches(self) -> int:
+        return len(self._late)
 
     @property
     def num_active_exports(self) -> int:

@@ -8,6 +8,7 @@ real transports are tested in tests/kv_transfer and through the services.
 from __future__ import annotations
 
 from common.hashing import BlockHash
+from engine.kv_connector import PullResults
 from engine.llm_engine import LLMEngine
 from engine.request import RemoteKV
 from kernels import reference
@@ -39,7 +40,7 @@ class LocalPuller:
     def abandon(self, remote: RemoteKV) -> None:
         self.abandoned.append(remote.transfer_id)
 
-    def poll_fetches(self) -> tuple[list[str], dict[str, str]]:
+    def poll_fetches(self) -> PullResults:
         done, failed = [], {}
         assert self.target is not None
         for request_id, remote, remote_ids, local_ids in self.pending:
@@ -56,7 +57,7 @@ class LocalPuller:
             self.num_blocks_pulled += len(remote_ids)
             done.append(request_id)
         self.pending = []
-        return done, failed
+        return PullResults(done, failed)
 
 
 def _ids(block_ids: list[int]):

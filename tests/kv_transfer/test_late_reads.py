@@ -3,19 +3,22 @@
 The decode worker frees a failed pull's blocks and hands them to other requests (or
 recomputes the prompt into them), so a READ that outlived its fetch's failure would
 overwrite someone else's KV when the frozen prefill worker resumes. The exporter here is a
-process SIGSTOPped between a warm-up fetch and the doomed one. A connector may report the
-doomed fetch failed at its deadline, or hold it (and its blocks) while its READ may still
-land; either way, once it is reported failed its blocks get a known pattern, the exporter
-is resumed, more fetches from it drive the fetcher's transport (a late answer lands only
-when the fetcher progresses it), and the pattern must survive.
+process SIGSTOPped between a warm-up fetch and the doomed one. The doomed fetch fails at
+its deadline, the exporter still frozen; NIXL reports it late (its READ may still land),
+and the blocks may be reused only once it is released. Then they get a known pattern,
+the exporter is resumed (if it was not already), more fetches from it drive the
+fetcher's transport (a late answer lands only when the fetcher progresses it), and the
+pattern must survive.
 
 NIXL runs over UCX's TCP transport, as between hosts without RDMA: a READ is a request the
 exporter answers, and UCX cannot cancel one. NIXL reported such a READ failed at its
 deadline, after releasing its handle, and the answer landed later: the bug this caught.
-It now holds the fetch until the READ ends (``kv_transfer/nixl_lane.py``). NCCL (gloo
-here) receives into staging buffers and scatters them in the fetch thread before the
-fetch settles, after tearing the pair's group down on a failure; shared storage reads
-files synchronously, also before the fetch settles: both were safe already.
+A fix held the fetch (and its request) until the READ ended; it now fails at the deadline
+as late, and comes back released once the READ has ended (``kv_transfer/nixl_lane.py``;
+the engine quarantines the blocks meanwhile: ``tests/worker/test_late_pull_quarantine.py``).
+NCCL (gloo here) receives into staging buffers and scatters them in the fetch thread
+before the fetch settles, after tearing the pair's group down on a failure; shared
+storage reads files synchronously, also before the fetch settles: both were safe already.
 """
 
 from __future__ import annotations
@@ -56,6 +59,18 @@ def reuse(caches: list[torch.Tensor], block_ids: list[int]) -> list[str]:
     for layer in caches:
         layer.view(torch.int16)[block_ids] = PATTERN
     return [block_digest(caches, b) for b in block_ids]
+
+
+def released(connector: KVConnector, transfer_id: str, wait_s: float) -> bool:
+    """True once a late fetch comes back released, False if not within ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        results = connector.poll_fetches()
+        assert not results.done and not results.failed, results
+        if transfer_id in results.released:
+            return True
+        time.sleep(0.01)
+    return False
 
 
 def settles_failed(connector: KVConnector, transfer_id: str, wait_s: float) -> bool:
@@ -105,14 +120,18 @@ def test_a_timed_out_pull_does_not_write_its_blocks_after_the_peer_resumes(
                       block_hashes=None)  # fmt: skip
         exporter.process.send_signal(signal.SIGSTOP)
         frozen = True
+        started = time.monotonic()
         fetcher.start_fetch("doomed", peer, remote_ids[:16], doomed)
-        held = not settles_failed(fetcher, "doomed", TIMEOUT_S + 1)
-        if held:  # its READ may still land: it settles once the exporter answers
-            assert connector.startswith("nixl"), "only NIXL holds a late fetch"
-            assert fetcher.num_late_reads_running >= 1
+        # Fails at its deadline, the exporter still frozen (it was held until the resume).
+        assert settles_failed(fetcher, "doomed", TIMEOUT_S + 1)
+        assert time.monotonic() - started < TIMEOUT_S + 1
+        if connector.startswith("nixl"):  # its READ may still land: quarantined
+            assert fetcher.num_late_reads_running >= 1 and fetcher.num_late_fetches == 1
+            assert not released(fetcher, "doomed", 0.5), "released while the READ runs"
             exporter.process.send_signal(signal.SIGCONT)
             frozen = False
-            assert settles_failed(fetcher, "doomed", 10.0), "still held after the resume"
+            assert released(fetcher, "doomed", 10.0), "not released after the resume"
+        assert fetcher.num_late_fetches == 0
         reused = reuse(dest, doomed)  # the engine freed them: another request's KV now
 
         if frozen:
@@ -176,11 +195,12 @@ def test_a_pull_from_a_peer_replaced_behind_its_address_does_not_write_its_block
         address["addr"] = known["new"]  # handshaking there forgets "old"
         pull(new, "new", "takeover", [41], [later[1]])
         fetcher.wait("takeover", timeout_s=TIMEOUT_S + 10)
-        if not settles_failed(fetcher, "doomed", 1.0):  # held while its READ may land
-            assert fetcher.num_late_reads_running >= 1
-            old.process.send_signal(signal.SIGCONT)
-            frozen = False
-            assert settles_failed(fetcher, "doomed", 10.0), "still held after the resume"
+        assert settles_failed(fetcher, "doomed", 1.0), "not failed with its peer dropped"
+        assert fetcher.num_late_reads_running >= 1 and fetcher.num_late_fetches == 1
+        assert not released(fetcher, "doomed", 0.5), "released while the READ runs"
+        old.process.send_signal(signal.SIGCONT)
+        frozen = False
+        assert released(fetcher, "doomed", 10.0), "not released after the resume"
         reused = reuse(dest, doomed)
 
         if frozen:
