@@ -79,3 +79,23 @@ def test_finished_exports_are_reported_once_then_forgotten():
     assert tracker.finish("x") and not tracker.finish("x")
     assert tracker.drain_finished() == ["x"]
     assert tracker.drain_finished() == [] and len(tracker) == 0
+
+
+def test_a_late_fetch_fails_at_once_and_keeps_its_blocks_until_released():
+    """Reported failed and late in one poll, released (once) in a later one; its blocks
+    and its id stay taken until then."""
+    tracker = FetchTracker()
+    tracker.add(fetch("a", (10, 11)))
+    assert tracker.fail_late("a", TransferFailedError("READ still running"))
+    results = tracker.drain()
+    assert list(results.failed) == ["a"] and results.late == {"a"} and not results.released
+    with pytest.raises(ValueError, match="an active fetch writes these blocks"):
+        tracker.add(fetch("b", (11,)))
+    with pytest.raises(DuplicateTransferError):
+        tracker.add(fetch("a", (20,)))
+    assert tracker.late() == ["a"] and len(tracker) == 0
+    assert tracker.release("a") and not tracker.release("a")
+    results = tracker.drain()
+    assert results.released == ["a"] and not results.failed and not results.late
+    assert not tracker.drain()
+    tracker.add(fetch("b", (10, 11)))  # released: its blocks are free again
