@@ -29,9 +29,8 @@ Two role-specific paths, both at the edges of the same loop:
   transport may still write the blocks: ``engine.kv_connector``) leaves its pulled blocks
   quarantined under its transfer id, out of everyone's reach, while the request moves
   on with fresh ones; ``release_quarantine`` frees them once the write has ended. One
-  whose next missing
-  block another pull is writing is not admitted until that pull ends (then it finds the
-  block cached); the line passes it meanwhile (``_next_admissible``);
+  whose next missing block another pull is writing is not admitted until that pull ends
+  (then it finds the block cached); the line passes it meanwhile (``_next_admissible``);
 * a ``prefill_only`` request finishes after its first token but keeps its blocks in
   ``held`` until ``release_held`` (the decode worker pulled them, or the lease expired).
 

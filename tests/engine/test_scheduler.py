@@ -170,6 +170,35 @@ def remote_request(request_id: str, num_tokens: int, block_ids: tuple[int, ...])
     return request
 
 
+@pytest.mark.parametrize("aborted", [False, True])
+def test_a_late_pull_failure_quarantines_its_pulled_blocks_until_released(aborted):
+    """Failed late (its transport may still write them), the pulled blocks stay allocated
+    to no one, and out of the free pool, while the request recomputes with fresh ones
+    (or is gone, aborted meanwhile); released, they go back to the free pool."""
+    scheduler = Scheduler(EngineConfig(block_size=4), num_blocks=8)
+    scheduler.add_request(make_request("local", 5))
+    drain(scheduler)  # its first block is cached: the pull reuses it
+    scheduler.add_request(remote_request("remote", 10, (4, 5, 6)))
+    (order,) = scheduler.schedule().fetches
+    pulled = set(order.local_block_ids)
+    assert order.remote_block_ids == [5, 6] and len(pulled) == 2
+    if aborted:
+        scheduler.abort_request("remote")
+    scheduler.finish_fetch("remote", ok=False, late=True)
+    assert scheduler.kv.num_quarantined_blocks == 2 and scheduler.has_work
+    assert "2 blocks quarantined for late pull lease-remote" in scheduler.leak_report()
+    assert scheduler.kv.num_free_blocks == 8 - 2
+    scheduler.add_request(make_request("filler", 20, start=100))  # 6 blocks with its token
+    while scheduler.num_unfinished:
+        run_step(scheduler)
+        in_use = {b for ids in scheduler.kv.req_to_block_ids.values() for b in ids}
+        assert not in_use & pulled
+    assert scheduler.release_quarantine("lease-remote") == 2
+    assert scheduler.release_quarantine("lease-remote") == 0
+    assert not scheduler.has_work and scheduler.leak_report() == []
+    assert scheduler.kv.num_free_blocks == 8
+
+
 def test_a_prompt_being_pulled_is_pulled_once():
     # Three choices of one prompt (n=3) and an unrelated pulled prompt behind them.
     scheduler = Scheduler(EngineConfig(block_size=4), num_blocks=32)
