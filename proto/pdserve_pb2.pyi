@@ -310,7 +310,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("engine_id", "role", "queued_prefill_tokens", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_free", "live_leases", "leases_expired", "leases_released", "prefill_tokens_per_s", "prefix_query_tokens", "prefix_hit_tokens", "blocks_pulled", "blocks_reused_locally", "transfer_failures", "requests_finished", "mean_timings", "draining", "kv_blocks_total", "cpu_blocks_total", "cpu_blocks_used", "offloaded_blocks", "offloaded_bytes", "cpu_hit_blocks", "cpu_load_ms_total", "num_preemptions", "draft_tokens", "accepted_draft_tokens", "lora_adapters", "expert_rebalances", "expert_moved_slots", "expert_imbalance", "images_encoded", "engine_steps", "engine_busy_seconds")
+    __slots__ = ("engine_id", "role", "queued_prefill_tokens", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_free", "live_leases", "leases_expired", "leases_released", "prefill_tokens_per_s", "prefix_query_tokens", "prefix_hit_tokens", "blocks_pulled", "blocks_reused_locally", "transfer_failures", "requests_finished", "mean_timings", "draining", "kv_blocks_total", "cpu_blocks_total", "cpu_blocks_used", "offloaded_blocks", "offloaded_bytes", "cpu_hit_blocks", "cpu_load_ms_total", "num_preemptions", "draft_tokens", "accepted_draft_tokens", "lora_adapters", "expert_rebalances", "expert_moved_slots", "expert_imbalance", "images_encoded", "engine_steps", "engine_busy_seconds", "kv_blocks_quarantined")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -347,6 +347,7 @@ class StatsResponse(_message.Message):
     IMAGES_ENCODED_FIELD_NUMBER: _ClassVar[int]
     ENGINE_STEPS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_QUARANTINED_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     role: str
     queued_prefill_tokens: int
@@ -383,7 +384,8 @@ class StatsResponse(_message.Message):
     images_encoded: int
     engine_steps: int
     engine_busy_seconds: float
-    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., queued_prefill_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., live_leases: _Optional[int] = ..., leases_expired: _Optional[int] = ..., leases_released: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., blocks_pulled: _Optional[int] = ..., blocks_reused_locally: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., requests_finished: _Optional[int] = ..., mean_timings: _Optional[_Union[StageTimings, _Mapping]] = ..., draining: _Optional[bool] = ..., kv_blocks_total: _Optional[int] = ..., cpu_blocks_total: _Optional[int] = ..., cpu_blocks_used: _Optional[int] = ..., offloaded_blocks: _Optional[int] = ..., offloaded_bytes: _Optional[int] = ..., cpu_hit_blocks: _Optional[int] = ..., cpu_load_ms_total: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ..., expert_rebalances: _Optional[int] = ..., expert_moved_slots: _Optional[int] = ..., expert_imbalance: _Optional[float] = ..., images_encoded: _Optional[int] = ..., engine_steps: _Optional[int] = ..., engine_busy_seconds: _Optional[float] = ...) -> None: ...
+    kv_blocks_quarantined: int
+    def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., queued_prefill_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., live_leases: _Optional[int] = ..., leases_expired: _Optional[int] = ..., leases_released: _Optional[int] = ..., prefill_tokens_per_s: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., blocks_pulled: _Optional[int] = ..., blocks_reused_locally: _Optional[int] = ..., transfer_failures: _Optional[int] = ..., requests_finished: _Optional[int] = ..., mean_timings: _Optional[_Union[StageTimings, _Mapping]] = ..., draining: _Optional[bool] = ..., kv_blocks_total: _Optional[int] = ..., cpu_blocks_total: _Optional[int] = ..., cpu_blocks_used: _Optional[int] = ..., offloaded_blocks: _Optional[int] = ..., offloaded_bytes: _Optional[int] = ..., cpu_hit_blocks: _Optional[int] = ..., cpu_load_ms_total: _Optional[float] = ..., num_preemptions: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ..., expert_rebalances: _Optional[int] = ..., expert_moved_slots: _Optional[int] = ..., expert_imbalance: _Optional[float] = ..., images_encoded: _Optional[int] = ..., engine_steps: _Optional[int] = ..., engine_busy_seconds: _Optional[float] = ..., kv_blocks_quarantined: _Optional[int] = ...) -> None: ...
 
 class LoraAdapterInfo(_message.Message):
     __slots__ = ("name", "fingerprint")

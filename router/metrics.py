@@ -91,6 +91,10 @@ class RouterMetrics:
              lambda stats: stats.kv_blocks_used),
             (worker_gauge("pdserve:worker_kv_blocks_total", "Device KV blocks it has."),
              lambda stats: stats.kv_blocks_total),
+            (worker_gauge("pdserve:worker_kv_blocks_quarantined",
+                          "Device KV blocks a failed pull may still write (a frozen peer's "
+                          "late READ), out of use until it ends."),
+             lambda stats: stats.kv_blocks_quarantined),
             (worker_gauge("pdserve:worker_kv_cache_usage",
                           "Used over total device KV blocks, 0 to 1 (vLLM's "
                           "kv_cache_usage_perc, per worker)."),

@@ -55,6 +55,7 @@ def stats_reply(
         kv_blocks_used=stats.kv_blocks_used,
         kv_blocks_free=stats.kv_blocks_free,
         kv_blocks_total=stats.kv_blocks_total,
+        kv_blocks_quarantined=stats.kv_blocks_quarantined,
         prefill_tokens_per_s=stats.prefill_tokens_per_s,
         prefix_query_tokens=stats.prefix_query_tokens,
         prefix_hit_tokens=stats.prefix_hit_tokens,

@@ -68,3 +68,13 @@ def test_kv_usage_per_worker_and_latencies_past_80_s_are_told_apart():
     assert 'vllm:e2e_request_latency_seconds_bucket{le="640.0",model_name="test_kv_usage"} 1.0' in (
         metrics.render().decode()
     )
+
+
+def test_quarantined_blocks_are_a_worker_gauge():
+    """Blocks a frozen peer's late pull may still write are out of use until it ends: an
+    operator sees them per worker (a peer frozen for good keeps them)."""
+    metrics = RouterMetrics("test_quarantine")
+    stats = pb.StatsResponse(kv_blocks_used=9, kv_blocks_quarantined=4)
+    metrics.observe_workers({"decode@a:1": stats}, {"decode@a:1"})
+    text = metrics.render().decode()
+    assert 'pdserve:worker_kv_blocks_quarantined{worker="decode@a:1"} 4.0' in text
