@@ -788,7 +788,8 @@ def test_embeddings_equal_offline_on_either_role(stack, client, tiny_llama):
     """``/v1/embeddings`` through the stack: every input's vector is the offline engine's
     (floats or base64, text or token ids, unit length or raw), computed on the prefill
     workers (min_disagg_tokens 0: every prompt goes there). A decode worker answers
-    ``Embed`` too, with the same vector; an unknown adapter is its INVALID_ARGUMENT."""
+    ``Embed`` too, with the same vector; an unknown adapter is its NOT_FOUND (unloaded
+    since the router placed it, most often: the router's 404)."""
     texts = ["The capital of France is", "a longer text, " * 30]
     llm = LLM(tiny_llama)
     expected = [o.embedding.tolist() for o in llm.embed(texts, use_tqdm=False)]
@@ -830,7 +831,7 @@ def test_embeddings_equal_offline_on_either_role(stack, client, tiny_llama):
         assert reply.timings.prefill_ms > 0  # the worker's stage timings, as a prefill's
         with pytest.raises(grpc.RpcError) as refused:
             embed(pb.EmbedRequest(request_id="x", token_ids=[5], lora_name="nope"), timeout=30)
-        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND
     with pytest.raises(openai.BadRequestError) as too_long:
         client.embeddings.create(model=MODEL, input=[[5] * 10_000])
     assert too_long.value.body["param"] == "input"
