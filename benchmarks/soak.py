@@ -67,13 +67,14 @@ WORDS = (
     "zulu",
 )
 SHARED_PREFIX = " ".join(random.Random(7).choice(WORDS) for _ in range(420))
+MODEL = "<model>"  # stands for the served model in the bodies below
 INVALID_BODIES = (
-    ("/v1/completions", {"model": "demo", "prompt": "x", "temperature": -1}),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}),
     ("/v1/completions", {"model": "nope", "prompt": "x"}),
-    ("/v1/chat/completions", {"model": "demo"}),
-    ("/v1/completions", {"model": "demo", "prompt": "x", "max_tokens": 10**7}),
-    ("/v1/completions", {"model": "demo", "prompt": "x", "n": 0}),
-    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "x"}],
+    ("/v1/chat/completions", {"model": MODEL}),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10**7}),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                               "response_format": {"type": "json_schema", "json_schema": {
                                   "name": "a", "schema": {"type": "bogus"}}}}),
 )  # fmt: skip
@@ -92,13 +93,15 @@ class SoakConfig:
     interval_s: float
     out: str
     seed: int
+    model: str  # the served model's name
 
 
 class Mix:
     """One request of the mix per call; returns its outcome's name (counted)."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, model: str) -> None:
         self.rng = random.Random(seed)
+        self.model = model
         self.kinds: list[Callable[[httpx.AsyncClient], Awaitable[str]]] = [
             *[self.completion] * 6, *[self.shared_chat] * 4, *[self.leave_stream] * 2,
             self.leave_before_reply, *[self.invalid] * 2, self.garbage, self.embed,
@@ -120,7 +123,7 @@ class Mix:
             return f"{name}-stream:{reply.status_code}"
 
     async def completion(self, client: httpx.AsyncClient) -> str:
-        body = {"model": "demo", "prompt": self.text(self.rng.choice([20, 80, 300, 600])),
+        body = {"model": self.model, "prompt": self.text(self.rng.choice([20, 80, 300, 600])),
                 "max_tokens": self.rng.randint(4, 24), "stream": self.rng.random() < 0.5,
                 "n": self.rng.choice([1, 1, 2, 3]), "temperature": 0.8}  # fmt: skip
         return await self.send(client, "/v1/completions", body)
@@ -128,7 +131,7 @@ class Mix:
     async def shared_chat(self, client: httpx.AsyncClient) -> str:
         messages = [{"role": "system", "content": SHARED_PREFIX},
                     {"role": "user", "content": self.text(10)}]  # fmt: skip
-        body = {"model": "demo", "messages": messages, "max_tokens": self.rng.randint(4, 24),
+        body = {"model": self.model, "messages": messages, "max_tokens": self.rng.randint(4, 24),
                 "stream": self.rng.random() < 0.5}  # fmt: skip
         if self.rng.random() < 0.5:
             body["cache_salt"] = f"salt-{self.rng.getrandbits(32):x}"
@@ -138,7 +141,7 @@ class Mix:
 
     async def leave_stream(self, client: httpx.AsyncClient) -> str:
         """A streaming client that reads a few chunks and goes."""
-        body = {"model": "demo", "prompt": self.text(self.rng.choice([30, 400])),
+        body = {"model": self.model, "prompt": self.text(self.rng.choice([30, 400])),
                 "max_tokens": 64, "stream": True, "n": self.rng.choice([1, 2]),
                 "ignore_eos": True}  # fmt: skip
         async with client.stream("POST", "/v1/completions", json=body) as reply:
@@ -150,7 +153,7 @@ class Mix:
         return "left-stream"
 
     async def leave_before_reply(self, client: httpx.AsyncClient) -> str:
-        body = {"model": "demo", "prompt": self.text(300), "max_tokens": 64, "ignore_eos": True}
+        body = {"model": self.model, "prompt": self.text(300), "max_tokens": 64, "ignore_eos": True}
         try:
             await client.post("/v1/completions", json=body, timeout=0.3)
             return "replied-before-leaving"
@@ -159,6 +162,7 @@ class Mix:
 
     async def invalid(self, client: httpx.AsyncClient) -> str:
         path, body = self.rng.choice(INVALID_BODIES)
+        body = {k: self.model if v == MODEL else v for k, v in body.items()}
         return f"invalid:{(await client.post(path, json=body)).status_code}"
 
     async def garbage(self, client: httpx.AsyncClient) -> str:
@@ -168,21 +172,21 @@ class Mix:
 
     async def embed(self, client: httpx.AsyncClient) -> str:
         inputs = [self.text(self.rng.choice([10, 50])) for _ in range(self.rng.randint(1, 3))]
-        reply = await client.post("/v1/embeddings", json={"model": "demo", "input": inputs})
+        reply = await client.post("/v1/embeddings", json={"model": self.model, "input": inputs})
         return f"embeddings:{reply.status_code}"
 
     async def tokenize(self, client: httpx.AsyncClient) -> str:
-        reply = await client.post("/tokenize", json={"model": "demo", "prompt": self.text(30)})
+        reply = await client.post("/tokenize", json={"model": self.model, "prompt": self.text(30)})
         return f"tokenize:{reply.status_code}"
 
     async def responses(self, client: httpx.AsyncClient) -> str:
-        body = {"model": "demo", "input": self.text(20), "max_output_tokens": 8}
+        body = {"model": self.model, "input": self.text(20), "max_output_tokens": 8}
         return f"responses:{(await client.post('/v1/responses', json=body)).status_code}"
 
 
 async def run_load(config: SoakConfig) -> dict[str, int]:
     """``config.concurrency`` clients sending the mix until ``config.load_s`` has passed."""
-    mix, outcomes = Mix(config.seed), collections.Counter()
+    mix, outcomes = Mix(config.seed, config.model), collections.Counter()
     end = time.monotonic() + config.load_s
     limits = httpx.Limits(max_connections=config.concurrency + 2)
 
@@ -275,6 +279,7 @@ def main() -> None:
     parser.add_argument("--interval-s", type=float, default=30)
     parser.add_argument("--out", default="soak.jsonl")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--model", default="demo", help="the served model's name")
     config = SoakConfig(**{k: v for k, v in vars(parser.parse_args()).items()})
     phase, stop = ["load"], threading.Event()
     sampler = threading.Thread(target=sample_until, args=(config, phase, stop))
