@@ -10,6 +10,7 @@ import errno
 import socket
 
 from common.config import WorkerPorts
+from common.config_base import ConfigError
 from common.hosts import host_port
 
 
@@ -43,6 +44,23 @@ def bind_listeners(host: str, port: int) -> list[socket.socket]:
             sock.close()
         raise
     return sockets
+
+
+def listen_error(
+    port_key: str, host: str, port: int, exc: OSError, in_use: str = "another process has it"
+) -> ConfigError:
+    """Why ``host:port`` could not be bound, blamed on the key a user would change: the
+    section's host when it resolves no more or is none of this machine's addresses, else
+    the port (``port_key``), with ``in_use`` said only where it is (a port below 1024
+    refused without privileges is not another process's)."""
+    host_key = f"{port_key.partition('.')[0]}.host"
+    reason = exc.strerror or str(exc)
+    if isinstance(exc, socket.gaierror):
+        return ConfigError(host_key, f"cannot resolve {host!r}: {reason}")
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return ConfigError(host_key, f"{host} is not an address of this machine ({reason})")
+    busy = f" ({in_use})" if exc.errno == errno.EADDRINUSE else ""
+    return ConfigError(port_key, f"cannot listen on {host_port(host, port)}: {reason}{busy}")
 
 
 def worker_listeners(ports: WorkerPorts, connector: str) -> list[tuple[str, int]]:

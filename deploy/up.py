@@ -20,10 +20,8 @@ starts each role's minimum and follows the router's plan (``deploy/autoscale.py`
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,7 +37,7 @@ from common.config_base import ConfigError
 from common.config_loader import to_dict
 from common.hosts import host_port, ip_literal, local_host
 from common.internal_auth import InternalAuth, open_ports_warning
-from common.listen_sockets import bind_listeners, worker_listeners
+from common.listen_sockets import bind_listeners, listen_error, worker_listeners
 from common.model_info import cache_dir, made_model_dir, made_model_is_current, model_dir_of
 from common.owned_paths import owner_tag, remove_dead_owners
 from common.prometheus_text import fetch, sample_totals
@@ -469,27 +467,14 @@ def local_problems(config: PdserveConfig) -> list[str]:
 
 
 def _listen_problem(key: str, host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be listened on now, or None (probed and closed): blamed on
-    the port (``key``) when it is in use ("another stack?": that alone says so) or refused,
-    on the section's host when the host is none of this machine's addresses or resolves
-    no more."""
+    """Why ``host:port`` cannot be listened on now, or None (probed and closed; blamed as
+    ``listen_error`` says, "another stack?" where the port is in use)."""
     try:
         for probe in bind_listeners(host, port):  # as the servers will
             probe.close()
-    except socket.gaierror as exc:
-        return f"{_host_key(key)}: cannot resolve {host!r}: {exc.strerror or exc}"
     except OSError as exc:
-        reason = exc.strerror or str(exc)
-        if exc.errno == errno.EADDRNOTAVAIL:
-            return f"{_host_key(key)}: {host} is not an address of this machine ({reason})"
-        busy = " (another stack?)" if exc.errno == errno.EADDRINUSE else ""
-        return f"{key}: cannot listen on {host_port(host, port)}: {reason}{busy}"
+        return str(listen_error(key, host, port, exc, in_use="another stack?"))
     return None
-
-
-def _host_key(port_key: str) -> str:
-    """``router.port`` -> ``router.host``."""
-    return f"{port_key.partition('.')[0]}.host"
 
 
 def _wildcard_note(router: RouterConfig) -> str | None:

@@ -15,11 +15,10 @@ import uvicorn
 
 from common.api_keys import api_keys_from_env
 from common.config import PdserveConfig
-from common.config_base import ConfigError
 from common.gc_heap import freeze_startup_heap
 from common.hosts import host_port
 from common.internal_auth import InternalAuth
-from common.listen_sockets import bind_listeners
+from common.listen_sockets import bind_listeners, listen_error
 from router.app import create_app
 from router.http_protocol import guarded_protocol, quiet_client_noise
 from router.state import RouterState
@@ -34,10 +33,7 @@ def listening_sockets(host: str, port: int) -> list[socket.socket]:
     try:
         return bind_listeners(host, port)
     except OSError as exc:
-        reason = exc.strerror or str(exc)
-        raise ConfigError("router.port", f"cannot listen on {host_port(host, port)}: {reason} "
-                          "(another process has the port, or the host is not this "
-                          "machine's)") from None  # fmt: skip
+        raise listen_error("router.port", host, port, exc) from None
 
 
 def with_env_api_keys(
