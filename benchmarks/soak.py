@@ -35,6 +35,7 @@ import grpc
 import httpx
 import psutil
 
+from common.prometheus_text import sample_totals
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
@@ -230,14 +231,10 @@ def worker_stats(address: str, stub_type: type) -> dict[str, int]:
 
 def router_figures(router: str) -> dict[str, float]:
     """The router's /metrics series (label sets) and its sequences in flight."""
-    lines = [line for line in httpx.get(f"{router}/metrics", timeout=10).text.splitlines()
-             if line and not line.startswith("#")]  # fmt: skip
-    figures: dict[str, float] = {"series": len(lines)}
-    for line in lines:
-        name = line.split("{", 1)[0]
-        if name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
-            figures[name] = float(line.rsplit(" ", 1)[1])
-    return figures
+    text = httpx.get(f"{router}/metrics", timeout=10).text
+    series = sum(1 for line in text.splitlines() if line and not line.startswith("#"))
+    in_flight = sample_totals(text, ("vllm:num_requests_running", "vllm:num_requests_waiting"))
+    return {"series": series, **in_flight}
 
 
 def redis_keys(port: int | None) -> int | None:

@@ -51,15 +51,6 @@ def host_addresses(host: str) -> frozenset[IPAddress]:
     )
 
 
-def host_problem(host: str) -> str | None:
-    """None when ``host`` is an IP literal or resolves here, else the one-line reason."""
-    try:
-        host_addresses(host)
-    except HostError as exc:
-        return str(exc)
-    return None
-
-
 def _hint(host: str) -> str | None:
     """What an unresolvable host was probably meant as, where its form says so."""
     if host == "*":

@@ -544,7 +544,7 @@ class LLMEngine:
 
     def has_pulls_or_requests(self) -> bool:
         """``has_work`` less quarantined blocks: what a caller should step for promptly."""
-        return bool(self.scheduler.requests or self.scheduler.fetching)
+        return self.scheduler.has_requests_or_pulls
 
     # ------------------------------------------------------------------ the loop
 

@@ -260,10 +260,15 @@ class Scheduler:
         return len(self.requests)
 
     @property
+    def has_requests_or_pulls(self) -> bool:
+        """Requests or pulls in flight: what the engine loop steps for promptly."""
+        return bool(self.requests or self.fetching)
+
+    @property
     def has_work(self) -> bool:
         """Anything the engine loop must keep stepping for (pulls in flight included, and
         quarantined blocks: a step polls for their release)."""
-        return bool(self.requests or self.fetching or self.kv.quarantined)
+        return self.has_requests_or_pulls or bool(self.kv.quarantined)
 
     @property
     def num_queued_prefill_tokens(self) -> int:

@@ -12,10 +12,10 @@ from urllib.parse import urlsplit
 import pytest
 
 from common.hosts import (
+    HostError,
     addresses_overlap,
     host_addresses,
     host_port,
-    host_problem,
     local_host,
     url_host,
 )
@@ -30,7 +30,7 @@ def test_literals_and_resolvable_names_have_addresses():
     assert host_addresses("::1") == {V6("::1")}
     assert host_addresses("0.0.0.0") == {V4("0.0.0.0")}
     assert V4("127.0.0.1") in host_addresses("localhost")
-    assert host_problem("localhost") is None and host_problem("::") is None
+    assert host_addresses("::") == {V6("::")}
 
 
 @pytest.mark.parametrize(
@@ -46,8 +46,10 @@ def test_literals_and_resolvable_names_have_addresses():
     ],
 )
 def test_a_host_without_addresses_is_one_line_saying_why(host, reason):
-    problem = host_problem(host)
-    assert problem is not None and reason in problem, problem
+    with pytest.raises(HostError) as error:
+        host_addresses(host)
+    problem = str(error.value)
+    assert reason in problem, problem
     assert "\n" not in problem
 
 
