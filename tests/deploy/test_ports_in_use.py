@@ -11,8 +11,9 @@ import time
 
 import pytest
 
+from common.config import PORT_STRIDE
 from tests.deploy.test_cli import run_cli
-from tests.support.processes import WorkerProcess, start_workers, write_config
+from tests.support.processes import WorkerProcess, free_port_base, start_workers, write_config
 from tests.support.stack import launch_up
 
 
@@ -63,10 +64,13 @@ def test_a_workers_other_port_in_use_is_one_line_before_it_loads(
     loaded: a port in use failed then with a traceback, and the NCCL one hung the
     worker's exit for ever (``pdserve up`` waited out its 30 min start timeout)."""
     config = write_config(tmp_path / "config.yaml", tiny_llama)
-    with _held_port() as holder:
-        port = holder.getsockname()[1]
+    # Below the ephemeral range, all of the worker's ports free: a held ephemeral port's
+    # neighbour (the worker's gRPC port) was once taken by another process's connection.
+    base = free_port_base(PORT_STRIDE)
+    port = base + offset
+    with socket.create_server(("127.0.0.1", port)):
         started = time.monotonic()
-        out = run_cli("prefill", "--config", str(config), "--set", f"prefill.port={port - offset}",
+        out = run_cli("prefill", "--config", str(config), "--set", f"prefill.port={base}",
                       "--set", f"kv_transfer.connector={connector}")  # fmt: skip
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines()[-1] == (
