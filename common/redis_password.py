@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from urllib.parse import parse_qsl, urlencode, urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 REDIS_PASSWORD_ENV = "PDSERVE_REDIS_PASSWORD"
 REDIS_PASSWORD_SECRET = "pdserve-redis"  # Kubernetes: its key "password"
@@ -30,26 +30,27 @@ def url_password(url: str) -> str | None:
 def without_password(url: str, mask: str = "") -> str:
     """``url`` without its password, wherever it is (``mask`` in its place, when given:
     for what is printed or logged). A password in the query was kept: rendered files,
-    ``config check`` and error lines showed it (a security audit)."""
-    # By hand: urlunsplit writes "unix://:pw@/path" without its password as "unix:/path",
-    # which redis-py refuses.
-    parts = urlsplit(url)
-    if parts.password is not None:
-        user = parts.username or ""
+    ``config check`` and error lines showed it (a security audit).
+
+    By hand, not through urlsplit: a "/" in the password ends urlsplit's host part early,
+    so a URL the config refuses would show it; and urlunsplit writes "unix://:pw@/path"
+    without its password as "unix:/path", which redis-py refuses. Everything but the
+    password stays as written."""
+    scheme, separator, rest = url.partition("://")
+    head, mark, query = rest.partition("?")
+    userinfo, at, address = head.rpartition("@")
+    if at and ":" in userinfo:
+        user = userinfo.partition(":")[0]
         secret = f":{mask}" if mask else ""
-        host = parts.netloc.rpartition("@")[2]
-        netloc = f"{user}{secret}@{host}" if user or secret else host
-        start = len(parts.scheme) + 3  # past "scheme://"
-        url = url[:start] + netloc + url[start + len(parts.netloc) :]
-    base, mark, rest = url.partition("?")
-    query, hash_mark, fragment = rest.partition("#")
-    pairs = parse_qsl(query, keep_blank_values=True)
-    if not mark or all(key != _QUERY_KEY for key, _ in pairs):
-        return url
-    kept = [(key, mask if key == _QUERY_KEY else value)
-            for key, value in pairs if mask or key != _QUERY_KEY]  # fmt: skip
-    query = urlencode(kept, safe="*")
-    return f"{base}{'?' if query else ''}{query}{hash_mark}{fragment}"
+        head = f"{user}{secret}@{address}" if user or secret else address
+    pairs = query.split("&") if mark else []
+    kept = [f"{_QUERY_KEY}={mask}" if _is_password(pair) else pair
+            for pair in pairs if mask or not _is_password(pair)]  # fmt: skip
+    return f"{scheme}{separator}{head}{'?' if kept else ''}{'&'.join(kept)}"
+
+
+def _is_password(pair: str) -> bool:
+    return pair.partition("=")[0] == _QUERY_KEY
 
 
 def password_from_env(environ: Mapping[str, str] = os.environ) -> str | None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
+from common.redis_password import without_password
+
 _SCHEMES = ("redis", "rediss", "unix")
 _EXAMPLE = "redis://host:6379/0"
 
@@ -18,7 +20,7 @@ def redis_url_problem(url: str) -> str | None:
     """None for a URL redis-py connects by as written, else the reason, starting with the
     URL (its password masked)."""
     problem = _problem(url)
-    return None if problem is None else f"{shown_url(url)!r} {problem}"
+    return None if problem is None else f"{without_password(url, mask='***')!r} {problem}"
 
 
 def _problem(url: str) -> str | None:
@@ -46,16 +48,3 @@ def _problem(url: str) -> str | None:
     if database and not database.isdigit():
         return f"has database {database!r}: the path is the database's number ({_EXAMPLE})"
     return None
-
-
-def shown_url(url: str) -> str:
-    """``url`` as an error may show it: a password before the host or in the query masked,
-    by hand, so that a URL that does not parse (a "/" in the password ends urlsplit's
-    host part early) cannot leak one."""
-    scheme, separator, rest = url.partition("://")
-    head, mark, query = rest.partition("?")
-    userinfo, at, address = head.rpartition("@")
-    if at and ":" in userinfo:
-        head = f"{userinfo.partition(':')[0]}:***@{address}"
-    pairs = ["password=***" if pair.startswith("password=") else pair for pair in query.split("&")]
-    return f"{scheme}{separator}{head}{mark}{'&'.join(pairs)}"

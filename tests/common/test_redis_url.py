@@ -7,7 +7,8 @@ import pytest
 
 from common.config import RegistryConfig
 from common.config_base import ConfigError
-from common.redis_url import redis_url_problem, shown_url
+from common.redis_password import without_password
+from common.redis_url import redis_url_problem
 
 GOOD = [
     "redis://127.0.0.1:6379/0",
@@ -47,8 +48,14 @@ def test_a_refused_url_never_shows_its_password(url):
 
 
 def test_the_shown_url_keeps_all_but_the_password():
-    assert shown_url("redis://u:pw@r:6379/0?db=1") == "redis://u:***@r:6379/0?db=1"
-    assert shown_url("unix:///run/r.sock?password=pw&db=1") == (
-        "unix:///run/r.sock?password=***&db=1"
-    )
-    assert shown_url("redis://r:6379/0") == "redis://r:6379/0"
+    def shown(url: str) -> str:
+        return without_password(url, mask="***")
+
+    assert shown("redis://u:pw@r:6379/0?db=1") == "redis://u:***@r:6379/0?db=1"
+    assert shown("unix:///run/r.sock?password=pw&db=1") == "unix:///run/r.sock?password=***&db=1"
+    assert shown("redis://r:6379/0") == "redis://r:6379/0"
+    assert shown("redis://:pw/x@r:6379/0") == "redis://:***@r:6379/0"  # "/" in it: by hand
+    assert shown("redis://u@r/0?db=1&password=a%26b") == "redis://u@r/0?db=1&password=***"
+    # Without a mask, the password goes and everything else stays as written.
+    assert without_password("redis://:pw@r/0?a=%2F&password=x&b=1") == "redis://r/0?a=%2F&b=1"
+    assert without_password("redis://u:pw@r/0?password=x") == "redis://u@r/0"
