@@ -133,6 +133,19 @@ async def serve(
     return server, info
 
 
+async def refreshed(pool: WorkerPool, timeout_s: float = 10.0) -> None:
+    """``pool.refresh()``, again until every registered worker has answered a probe (or
+    ``timeout_s``). A probe gets 1 s; the first call on a new channel missed it on a
+    loaded 2-core CI run, and the test found no candidate."""
+    deadline = time.monotonic() + timeout_s
+    await pool.refresh()
+    while not all(state.ever_answered for state in pool.workers.values()):
+        if time.monotonic() > deadline:
+            return
+        await asyncio.sleep(0.05)
+        await pool.refresh()
+
+
 def pool_and_dispatcher(
     registry: RedisRegistry,
     index: PrefixIndex,
@@ -156,7 +169,7 @@ def test_a_retried_decode_recomputes_instead_of_pulling_again(tmp_path):
         pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex())
         released: list[bool] = []
         try:
-            await pool.refresh()
+            await refreshed(pool)
             request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams())
             first = pb.PrefillResponse(first_token_id=7)
             first.kv.lease_id = "lease-1"
@@ -210,7 +223,7 @@ def test_both_calls_name_the_adapters_files_they_were_placed_for(tmp_path):
             decode, registry)  # fmt: skip
         pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex())
         try:
-            await pool.refresh()
+            await refreshed(pool)
             lora = LoraRef("alice", "fp-1")
             request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams(),
                                       lora=lora)  # fmt: skip
@@ -269,7 +282,7 @@ def test_an_adapter_unloaded_after_placement_is_a_404_model_not_found(tmp_path):
         pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex())
         errors = []
         try:
-            await pool.refresh()
+            await refreshed(pool)
             request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams(),
                                       lora=LoraRef("alice", "fp-1"))  # fmt: skip
             placement = Placement(info_d.worker_id, info_p.worker_id, 0, 0)
@@ -303,7 +316,7 @@ def test_a_finished_request_keeps_its_prefix_claims(tmp_path):
         index = PrefixIndex()
         pool, dispatcher = pool_and_dispatcher(registry, index)
         try:
-            await pool.refresh()
+            await refreshed(pool)
             hashes = hash_blocks(list(range(5, 53)), 16)
             stream = dispatcher.generate(SequenceRequest("r1", list(range(5, 53)), hashes,
                                                          pb.SamplingParams()))  # fmt: skip
@@ -340,7 +353,7 @@ def decode_through(
             metrics.append(dispatcher.metrics)
         tokens, error, usage = [], None, None
         try:
-            await pool.refresh()
+            await refreshed(pool)
             for state in pool.candidates(Role.DECODE):
                 state.num_running = ids.index(state.worker_id)  # the least busy is tried first
             params = sampling or pb.SamplingParams()
@@ -437,7 +450,7 @@ def test_the_lease_left_is_said_on_monotonic_clocks(tmp_path, ttl_s):
         pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex(),
                                                RouterConfig(min_disagg_tokens=0))  # fmt: skip
         try:
-            await pool.refresh()
+            await refreshed(pool)
             prompt = list(range(5, 40))
             request = SequenceRequest("r1", prompt, hash_blocks(prompt, 16), pb.SamplingParams())
             async for _ in dispatcher.generate(request):
@@ -506,7 +519,7 @@ def with_a_leased_decode(tmp_path, decode: Decode, body: Callable[..., Awaitable
         pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex())
         released: list[str] = []
         try:
-            await pool.refresh()
+            await refreshed(pool)
             lease = RemoteLease(lambda: released.append("early"))
             return await body(pool, dispatcher, info, lease, released)
         finally:
@@ -634,7 +647,7 @@ def test_a_decode_worker_that_refuses_leaves_the_kv_to_the_next(tmp_path):
         pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex())
         released: list[bool] = []
         try:
-            await pool.refresh()
+            await refreshed(pool)
             for state in pool.candidates(Role.DECODE):
                 state.num_running = ids.index(state.worker_id)  # the refusing one first
             request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams())
@@ -677,7 +690,7 @@ def test_a_failed_pull_under_failure_policy_fail_is_the_clients_error_not_the_wo
         ids = [info.worker_id for _, info in servers]
         pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex())
         try:
-            await pool.refresh()
+            await refreshed(pool)
             for state in pool.candidates(Role.DECODE):
                 state.num_running = ids.index(state.worker_id)
             request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams())
@@ -712,7 +725,7 @@ def test_a_prefill_worker_down_since_placement_is_passed_over(tmp_path):
             other, registry)  # fmt: skip
         pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex())
         try:
-            await pool.refresh()
+            await refreshed(pool)
             request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams())
             placement = Placement("decode@x", info_a.worker_id, 0, 0)
             pool.mark_unhealthy(info_a.worker_id)
@@ -756,7 +769,7 @@ def test_a_prefill_past_its_deadline_is_released_by_request_id(tmp_path):
         config = RouterConfig(prefill_timeout_s=0.1)
         pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex(), config)
         try:
-            await pool.refresh()
+            await refreshed(pool)
             request = SequenceRequest("r9", list(range(5, 40)), [], pb.SamplingParams())
             placement = Placement("decode@x", info.worker_id, 0, 0)
             assert (await dispatcher._prefill(request, placement))[:2] == (None, None)  # local
@@ -785,7 +798,7 @@ def test_a_prefill_try_past_the_deadline_counts_no_queued_tokens(tmp_path):
         config = RouterConfig(prefill_timeout_s=120.0)
         pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex(), config)
         try:
-            await pool.refresh()
+            await refreshed(pool)
             request = SequenceRequest("r1", list(range(5, 305)), [], pb.SamplingParams())
             placement = Placement("decode@x", info_a.worker_id, 0, 0)
             deadline = time.monotonic() + 0.5
@@ -812,7 +825,7 @@ def test_a_worker_that_left_during_a_call_is_not_claimed_for(tmp_path):
         index = PrefixIndex()
         pool, dispatcher = pool_and_dispatcher(registry, index)
         try:
-            await pool.refresh()
+            await refreshed(pool)
             hashes = [b"h" * 32]
             dispatcher._moved(hashes, None, info.worker_id)  # still in the pool: claimed
             claimed = info.worker_id in index._bits
@@ -900,7 +913,7 @@ def test_a_sequence_ended_early_is_observed_and_a_finished_call_ends_by_itself(t
         server, info = await serve(decode, registry)
         pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex())
         try:
-            await pool.refresh()
+            await refreshed(pool)
             sampling = pb.SamplingParams(prompt_logprobs=0)  # (a local prefill's)
             request = SequenceRequest("r1", list(range(5, 40)), [], sampling)
             placement = Placement(info.worker_id, None, 0, 0)
@@ -937,7 +950,7 @@ def test_a_prompt_to_score_is_placed_as_uncached(tmp_path):
         index = PrefixIndex()
         pool, dispatcher = pool_and_dispatcher(registry, index)
         try:
-            await pool.refresh()
+            await refreshed(pool)
             prompt = list(range(5, 53))
             hashes = hash_blocks(prompt, 16)
             index.apply(info.worker_id, [BlockStored(hashes, None, prompt, 16)])
@@ -969,7 +982,7 @@ def test_the_samples_of_one_prompt_count_one_use_of_it(tmp_path):
         pool, dispatcher = pool_and_dispatcher(registry, index,
                                                RouterConfig(min_disagg_tokens=0))  # fmt: skip
         try:
-            await pool.refresh()
+            await refreshed(pool)
             holder = servers[1][1].worker_id
             prompt = list(range(5, 1005))
             hashes = hash_blocks(prompt, 16)
@@ -1006,7 +1019,7 @@ def test_a_hybrid_decode_worker_counts_no_snapshot_past_what_its_engine_resumes(
         index = PrefixIndex()
         pool, dispatcher = pool_and_dispatcher(registry, index, hybrid=True)
         try:
-            await pool.refresh()
+            await refreshed(pool)
             prompt = list(range(5, 53))
             hashes = hash_blocks(prompt, 16)
             snapshots = StateStored([hashes[0], hashes[2]])
@@ -1033,7 +1046,7 @@ def test_a_burst_sharing_a_prefix_spreads_while_it_prefills(tmp_path):
         config = RouterConfig(min_disagg_tokens=0)
         pool, dispatcher = pool_and_dispatcher(registry, index, config)
         try:
-            await pool.refresh()
+            await refreshed(pool)
             index.apply(servers[0][1].worker_id, [BlockStored(hash_blocks(shared, 16), None,
                                                                shared, 16)])  # fmt: skip
 
@@ -1103,7 +1116,7 @@ def test_prefills_wait_in_line_while_their_decode_worker_is_full(tmp_path, limit
         config = RouterConfig(min_disagg_tokens=0, decode_queue_factor=factor)
         pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex(), config)
         try:
-            await pool.refresh()
+            await refreshed(pool)
 
             async def one(i: int) -> None:
                 mine = [1000 + i]
@@ -1167,7 +1180,7 @@ def test_a_sequence_waits_for_room_no_longer_than_request_timeout_s(tmp_path):
                              dispatcher.index, dispatcher.index_lock, dispatcher.policy,
                              dispatcher.metrics, 16)  # fmt: skip
         try:
-            await pool.refresh()
+            await refreshed(pool)
 
             async def one(i: int, through: Dispatcher) -> str | None:
                 prompt = [1000 + i, *range(5, 40)]
@@ -1214,7 +1227,7 @@ def test_sequences_waiting_for_a_decode_worker_that_went_down_are_placed_again(t
         config = RouterConfig(min_disagg_tokens=0, decode_queue_factor=0.125)  # 1 ahead
         pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex(), config)
         try:
-            await pool.refresh()
+            await refreshed(pool)
             (state,) = pool.candidates(Role.DECODE)
 
             async def one(i: int) -> None:
@@ -1268,7 +1281,7 @@ def test_a_sequence_whose_decode_workers_keep_going_down_never_skips_the_line(tm
 
         dispatcher._room_on = gone
         try:
-            await pool.refresh()
+            await refreshed(pool)
             (state,) = pool.candidates(Role.DECODE)
             prompt = list(range(5, 40))
             request = SequenceRequest("r", prompt, hash_blocks(prompt, 16), pb.SamplingParams())
@@ -1294,11 +1307,11 @@ def test_a_restarted_decode_worker_keeps_its_line_and_what_is_ahead(tmp_path):
         server, info = await serve(decode, registry)
         pool, _ = pool_and_dispatcher(registry, PrefixIndex())
         try:
-            await pool.refresh()
+            await refreshed(pool)
             (old,) = pool.candidates(Role.DECODE)
             leave = old.ahead.join([], 1)
             registry.register(dataclasses.replace(info, engine_id="restarted"))
-            await pool.refresh()
+            await refreshed(pool)
             (new,) = pool.candidates(Role.DECODE)
             kept = [new is not old, new.ahead is old.ahead, new.gate is old.gate,
                     new.ahead.num_seqs == 1]  # fmt: skip
@@ -1364,7 +1377,7 @@ def embed_through(
         index = PrefixIndex()
         pool, dispatcher = pool_and_dispatcher(registry, index, config)
         try:
-            await pool.refresh()
+            await refreshed(pool)
             prompt = list(range(5, 53))
             hashes = hash_blocks(prompt, 16)
             request = SequenceRequest("e1", prompt, hashes, pb.SamplingParams())
@@ -1422,7 +1435,7 @@ def test_an_embeddings_inputs_share_one_deadline(tmp_path):
         server, _ = await serve(SlowEmbedding(1.0), registry)
         pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex(), config)
         try:
-            await pool.refresh()
+            await refreshed(pool)
             body = EmbeddingRequest(input="x")
             started = time.monotonic()
             try:
@@ -1479,7 +1492,7 @@ def test_embeddings_in_flight_count_in_a_decode_workers_load(tmp_path):
         servers = [await serve(worker, registry) for worker in workers]
         pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex())
         try:
-            await pool.refresh()
+            await refreshed(pool)
             states = pool.candidates(Role.DECODE)
             states[0].num_running = 1  # one looks busier to begin with
             calls = [
@@ -1530,7 +1543,7 @@ def test_a_requests_inputs_run_a_few_lanes_at_a_time_and_come_back_in_order(tmp_
         server, _ = await serve(worker, registry)
         pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex())
         try:
-            await pool.refresh()
+            await refreshed(pool)
             body = EmbeddingRequest(input=prompts)
             replies = await embed_all(
                 dispatcher, prompts, "r", 16, None, body, lanes=8, normalize=True
@@ -1544,7 +1557,7 @@ def test_a_requests_inputs_run_a_few_lanes_at_a_time_and_come_back_in_order(tmp_
     assert worker.most_at_once == 8
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(120)  # (its first use of tiny_llama makes the model)
 def test_a_worker_that_ignores_logit_token_ids_is_a_503_not_a_score(tiny_llama, tmp_path):
     """A worker from before ``logit_token_ids`` (mid-upgrade) answers a hidden state; read
     as two logits it would give a confident, wrong score. The router refuses it (503,
@@ -1598,7 +1611,7 @@ def test_a_higher_priority_sequence_passes_a_line_full_of_lower_ones(tmp_path):
         config = RouterConfig(min_disagg_tokens=0, decode_queue_factor=0.25)
         pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex(), config)
         try:
-            await pool.refresh()
+            await refreshed(pool)
 
             async def one(name: str, priority: int) -> None:
                 prompt = [1000 + len(name) + priority, *range(5, 40)]
@@ -1660,7 +1673,7 @@ def test_a_stream_the_routers_deadline_cuts_says_so_and_blames_no_worker(tmp_pat
         config = RouterConfig(min_disagg_tokens=10**6, request_timeout_s=0.5)
         pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex(), config)
         try:
-            await pool.refresh()
+            await refreshed(pool)
             request = SequenceRequest("r1", list(range(5, 40)), [], pb.SamplingParams())
             with pytest.raises(APIError) as cut:
                 async for _ in dispatcher.generate(request):
@@ -1689,7 +1702,7 @@ def test_a_prefill_the_routers_deadline_cuts_blames_no_worker(tmp_path):
         config = RouterConfig(min_disagg_tokens=1, request_timeout_s=0.5)
         pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex(), config)
         try:
-            await pool.refresh()
+            await refreshed(pool)
             request = SequenceRequest("r1", list(range(5, 60)), [], pb.SamplingParams())
             with pytest.raises(APIError) as cut:
                 async for _ in dispatcher.generate(request):
@@ -1720,7 +1733,7 @@ def test_a_sequence_another_decode_worker_takes_over_counts_ahead_there(tmp_path
         config = RouterConfig(min_disagg_tokens=0, decode_queue_factor=0.125)  # 1 ahead
         pool, dispatcher = pool_and_dispatcher(registry, PrefixIndex(), config)
         try:
-            await pool.refresh()
+            await refreshed(pool)
             first, second = (pool.get(worker_id) for worker_id in ids)
             prompt = list(range(5, 40))
             request = SequenceRequest("r", prompt, hash_blocks(prompt, 16), pb.SamplingParams())
