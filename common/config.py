@@ -22,7 +22,6 @@ from common.hosts import (
     IPAddress,
     addresses_overlap,
     host_addresses,
-    ip_literal,
 )
 from common.redis_url import redis_url_problem
 from common.router_config import RouterConfig
@@ -495,18 +494,13 @@ class PdserveConfig:
 
 def _check_worker_host(key: str, host: str, addresses: frozenset[IPAddress]) -> None:
     """A worker's host is both where it listens and the address it registers: no wildcard
-    (0.0.0.0, ::, or a name for one); and no IPv6 literal yet."""
+    (0.0.0.0, ::, or a name for one). IPv4 and IPv6 addresses both serve (an IPv6-only
+    cluster's pod IP): gRPC, the ZMQ sockets (``common/zmq_tcp.py``), the NCCL store
+    (``common/tcp_store.py``) and gloo take either."""
     if any(address.is_unspecified for address in addresses):
         raise ConfigError(
             key,
             f"{host} cannot be reached: a worker's host is both where it listens and the "
             "address it registers for the router and its peers; give this machine's address "
             "(the pod IP, the compose service name)",
-        )
-    literal = ip_literal(host)
-    if literal is not None and literal.version == 6:
-        raise ConfigError(
-            key,
-            f"{host}: IPv6 worker addresses are not supported yet (the ZMQ sockets, the NCCL "
-            "store and UCX are set up for IPv4); give an IPv4 address or a name",
         )

@@ -65,6 +65,7 @@ from common.kv_events import (
     decode_batch,
     encode_batch,
 )
+from common.zmq_tcp import tcp_socket
 
 logger = logging.getLogger(__name__)
 
@@ -81,12 +82,10 @@ _UNREADABLE_LOG_S = 60.0  # how often one subscriber says it drops unreadable ba
 class KVEventPublisher:
     def __init__(self, host: str, pub_port: int, replay_port: int, buffer_size: int = 4096):
         self._ctx = zmq.Context.instance()
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub = tcp_socket(self._ctx, zmq.PUB)
         self._topic = TOPIC + os.urandom(8)  # (its epoch: module docstring)
         self._pub.bind(f"tcp://{host_port(host, pub_port)}")
-        replay = self._ctx.socket(zmq.ROUTER)  # owned by the replay thread once it runs
-        replay.setsockopt(zmq.LINGER, 0)
+        replay = tcp_socket(self._ctx, zmq.ROUTER)  # owned by the replay thread once it runs
         # A replay is up to buffer_size messages and its end in one burst; past the
         # default high-water mark a ROUTER drops the rest silently, leaving holes. The
         # mark is per peer (each replay is a socket of its own), and not unlimited: a
@@ -227,8 +226,7 @@ class KVEventSubscriber:
 
     def __init__(self, pub_endpoint: str, replay_endpoint: str, replay_timeout_s: float = 2.0):
         self._ctx = zmq.Context.instance()
-        self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub = tcp_socket(self._ctx, zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
         self._sub.connect(pub_endpoint)
         self._pub_endpoint = pub_endpoint
@@ -345,8 +343,7 @@ class KVEventSubscriber:
     def _snapshot(self) -> KVEventBatch | None:
         """The publisher's snapshot; None if it has none to give (it predates them: it
         replays instead, which is read to its end) or does not answer in time."""
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
+        dealer = tcp_socket(self._ctx, zmq.DEALER)
         dealer.connect(self._replay_endpoint)
         try:
             dealer.send(_SNAPSHOT)
@@ -366,8 +363,7 @@ class KVEventSubscriber:
         """Batches [start, stop) from the replay socket; complete=False if some are gone.
         Then only the run of batches that ends at ``stop - 1`` without a hole comes back:
         a block removed in a hole would otherwise stay known for good."""
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
+        dealer = tcp_socket(self._ctx, zmq.DEALER)
         dealer.setsockopt(zmq.RCVHWM, 0)
         dealer.connect(self._replay_endpoint)
         got: list[KVEventBatch] = []

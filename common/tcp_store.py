@@ -3,8 +3,10 @@
 ``TCPStore(host, port, is_master=True)`` ignores ``host`` for its own listening socket and
 binds every interface: anyone who can reach the machine could read, write or delete the
 group's rendezvous keys (NCCL's communicator ids among them) while it runs. Handing it a
-socket already bound to ``host`` (``master_listen_fd``) keeps it there. torch is imported
-when called, so this module stays importable where torch is not installed.
+socket already bound to ``host`` (``master_listen_fd``) keeps it there, in the host's
+family: an IPv6 address, or a name with IPv6 addresses only, gets an IPv6 socket (torch's
+clients connect to either). torch is imported when called, so this module stays importable
+where torch is not installed.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import datetime
 import socket
 from typing import Any
 
+from common.hosts import ip_literal
+
 
 def bound_tcp_store(
     host: str, port: int, world_size: int | None, timeout_s: float, backlog: int = 128
@@ -20,7 +24,7 @@ def bound_tcp_store(
     """The store's server on ``host``:``port`` (0: a free port; read ``.port``)."""
     import torch.distributed as dist
 
-    listener = socket.create_server((host, port), backlog=backlog)
+    listener = socket.create_server((host, port), family=_family(host), backlog=backlog)
     return dist.TCPStore(
         host,
         listener.getsockname()[1],
@@ -30,3 +34,14 @@ def bound_tcp_store(
         wait_for_workers=False,
         master_listen_fd=listener.detach(),
     )
+
+
+def _family(host: str) -> socket.AddressFamily:
+    """The family of ``host``'s socket: an IP literal's own; for a name IPv4 where it has
+    an IPv4 address (as before IPv6 hosts were served), else IPv6."""
+    literal = ip_literal(host)
+    if literal is not None:
+        return socket.AF_INET6 if literal.version == 6 else socket.AF_INET
+    infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    families = {family for family, *_ in infos}
+    return socket.AF_INET if socket.AF_INET in families or not families else socket.AF_INET6

@@ -11,8 +11,11 @@ those, so the layout (replicas, ports, engine, connector, timeouts) stays the us
   host *and* advertises that same address to the router and to peers, so it must be an
   address others can reach: never 0.0.0.0. Each worker container therefore gets its own
   host on its command line (``--set prefill.host=...``): its service name in compose
-  (resolvable by every container, and bindable in its own), its pod IP in Kubernetes.
-  The router is advertised nowhere, so it binds 0.0.0.0.
+  (resolvable by every container, and bindable in its own), its pod IP in Kubernetes,
+  IPv4 or IPv6. The router is advertised nowhere, so it binds every interface: 0.0.0.0,
+  or in Kubernetes ``::`` when the config's ``router.host`` is ``::`` (an IPv6-only
+  cluster, whose probes and Services reach the pod's IPv6 address). Compose keeps
+  0.0.0.0: Docker forwards a published port to the container's IPv4 address.
 - **Paths.** The shared-storage directory is a shared volume at ``SHARED_KV_DIR``; a
   local model directory is mounted read-only under ``MODELS_DIR`` with its name kept (the
   served model name defaults to it). Without a model, the image's baked-in demo is used.
@@ -69,8 +72,11 @@ def redis_password_needed(config: PdserveConfig) -> bool | None:
     return url_password(config.registry.redis_url or "") is not None
 
 
-def container_config(config: PdserveConfig, redis_host: str) -> PdserveConfig:
-    """The config every container reads (see the module docstring for what changes)."""
+def container_config(
+    config: PdserveConfig, redis_host: str, router_host: str = "0.0.0.0"
+) -> PdserveConfig:
+    """The config every container reads (see the module docstring for what changes);
+    ``router_host``: the wildcard the router binds."""
     registry = config.registry
     if uses_bundled_redis(config):
         url = f"redis://{host_port(redis_host, REDIS_PORT)}/0"
@@ -102,7 +108,7 @@ def container_config(config: PdserveConfig, redis_host: str) -> PdserveConfig:
         decode=decode,
         lora=dataclasses.replace(config.lora, adapters=adapters),
         # Keys are secrets: the router reads them from PDSERVE_API_KEYS (``common/api_keys.py``).
-        router=dataclasses.replace(config.router, host="0.0.0.0", api_keys=[]),
+        router=dataclasses.replace(config.router, host=router_host, api_keys=[]),
         registry=registry,
         kv_transfer=transfer,
     )

@@ -62,7 +62,9 @@ def write(files: dict[str, str], out_dir: Path) -> None:
 
 def base_resources(config: PdserveConfig, source: str, image: str) -> dict[str, list[dict]]:
     """File name → the resources it holds, in apply order."""
-    inner = c.container_config(config, redis_host=pods.REDIS)
+    # An IPv6-only cluster's router listens on "::" (``deploy/containers.py``).
+    router_host = "::" if config.router.host == "::" else "0.0.0.0"
+    inner = c.container_config(config, redis_host=pods.REDIS, router_host=router_host)
     config_text = c.config_yaml(inner, source)
     # What the pods run on: scaling a role (1 -> 3 replicas) must not roll every pod, so
     # replica counts enter the checksum only as "runs or not".

@@ -21,6 +21,7 @@ import zmq
 
 from common.hosts import host_port, url_host
 from common.tcp_store import bound_tcp_store
+from common.zmq_tcp import tcp_socket
 from kv_transfer.base import KVConnector
 from kv_transfer.config import ConnectorName, KVTransferConfig
 from kv_transfer.handshake import MetadataFetcher, fetch_peer_metadata
@@ -52,8 +53,7 @@ class NcclConnector(KVConnector):
         # (TCPStore alone would listen on every interface: ``common/tcp_store.py``.)
         self._store = bound_tcp_store(config.host, config.store_port, None, config.timeout_s)
         self._store_port = self._store.port
-        router = self._context.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
+        router = tcp_socket(self._context, zmq.ROUTER)
         router.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE_BYTES)
         try:
             if config.port:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import zmq
 
 from common.hosts import host_port
+from common.zmq_tcp import tcp_socket
 from kv_transfer.errors import (
     HandshakeError,
     KVTransferError,
@@ -191,8 +192,7 @@ class PeerFetcher(threading.Thread):
     def _connect(self, record: FetchRecord) -> _Connection:
         num_blocks, section = self._lookup(record)
         payload = decode_transport(section, NcclPayload)
-        dealer = self._context.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
+        dealer = tcp_socket(self._context, zmq.DEALER)
         dealer.connect(f"tcp://{host_port(payload.host, payload.control_port)}")
         pair_id = uuid.uuid4().hex
         try:

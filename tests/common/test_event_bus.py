@@ -13,6 +13,7 @@ import zmq
 
 from common import event_bus
 from common.event_bus import TOPIC, KVEventPublisher, KVEventSubscriber
+from common.hosts import host_port
 from common.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -26,20 +27,22 @@ from common.kv_events import (
 )
 
 
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sockets = [socket.socket(family) for _ in range(n)]
     for s in sockets:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
     ports = [s.getsockname()[1] for s in sockets]
     for s in sockets:
         s.close()
     return ports
 
 
-def connected_pair(buffer_size: int = 4096):
-    pub_port, replay_port = free_ports(2)
-    publisher = KVEventPublisher("127.0.0.1", pub_port, replay_port, buffer_size)
-    subscriber = KVEventSubscriber(f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}")
+def connected_pair(buffer_size: int = 4096, host: str = "127.0.0.1"):
+    pub_port, replay_port = free_ports(2, host)
+    publisher = KVEventPublisher(host, pub_port, replay_port, buffer_size)
+    endpoints = (f"tcp://{host_port(host, port)}" for port in (pub_port, replay_port))
+    subscriber = KVEventSubscriber(*endpoints)
     # Slow joiner: publish until the subscriber sees something.
     deadline = time.monotonic() + 5
     seen: list = []
@@ -91,6 +94,22 @@ def test_events_arrive_in_order_and_late_joiners_catch_up():
     assert not resync
     assert [b.seq for b in batches] == list(range(first_seq, first_seq + 5))
     assert batches[2].events[0].block_hashes == [bytes([2]) * 32]
+    publisher.close()
+    subscriber.close()
+
+
+def test_a_worker_on_an_ipv6_address_publishes_and_replays():
+    """An IPv6 worker host (ZMQ's sockets took IPv4 alone: "No such device"): events
+    arrive, and a gap is replayed from the replay socket."""
+    publisher, subscriber = connected_pair(host="::1")
+    start = subscriber.state.next_seq
+    publisher.publish([BlockRemoved([b"\1" * 32])])
+    publish_unseen(publisher, subscriber, 3)
+    publisher.publish([BlockRemoved([b"\2" * 32])])
+    batches, resync = serve_while_polling(publisher, subscriber, until=lambda b: len(b) == 5)
+    assert not resync
+    assert [b.seq for b in batches] == list(range(start, start + 5))
+    assert subscriber.state.gaps == 1 and subscriber.state.replayed >= 3
     publisher.close()
     subscriber.close()
 

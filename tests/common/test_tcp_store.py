@@ -29,3 +29,18 @@ def test_the_store_listens_on_its_host_alone():
     store.set("key", b"value")
     assert store.get("key") == b"value"
     assert listening_addresses(store.port) == {"0100007F"}
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp6").exists(), reason="needs IPv6")
+def test_an_ipv6_host_gets_an_ipv6_store_that_a_client_reaches():
+    """(The listener was made IPv4: an IPv6 address failed to bind, "Address family for
+    hostname not supported".)"""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = bound_tcp_store("::1", 0, None, timeout_s=5)
+    client = dist.TCPStore("::1", store.port, None, False, datetime.timedelta(seconds=5))
+    client.set("key", b"value")
+    assert store.get("key") == b"value"
+    assert listening_addresses(store.port) == {"00000000000000000000000001000000"}  # ::1

@@ -400,6 +400,20 @@ def test_k8s_volumes_of_an_unusual_layout(tmp_path):
     assert prefill["terminationGracePeriodSeconds"] == 105
 
 
+@pytest.mark.parametrize(("host", "bound"), [("127.0.0.1", "0.0.0.0"), ("::", "::")])
+def test_an_ipv6_clusters_router_listens_on_ipv6_in_kubernetes_only(host, bound):
+    """``router.host: '::'`` (an IPv6-only cluster: its probes and Services reach the
+    pod's IPv6 address, where a router on 0.0.0.0 listened not) is kept in Kubernetes;
+    compose keeps 0.0.0.0 (Docker forwards a published port over IPv4)."""
+    config = load_config(str(DEMO), [f"router.host='{host}'"])
+    (configmap,) = [d for d in k8s_docs(render_files(config, "demo.yaml"))
+                    if d["metadata"]["name"] == "pdserve-config"]  # fmt: skip
+    assert yaml.safe_load(configmap["data"]["config.yaml"])["router"]["host"] == bound
+    document = yaml.safe_load(render(config, "demo.yaml", "cpu", "i"))
+    inner = yaml.safe_load(document["configs"]["pdserve-config"]["content"])
+    assert inner["router"]["host"] == "0.0.0.0"
+
+
 def test_k8s_schema(tmp_path):
     from kubernetes_validate import validate  # a test dependency: bundled k8s schemas
 

@@ -5,14 +5,19 @@ once, without the "(another stack?)" that a port in use alone is."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from common.config_loader import load_config
 from common.listen_sockets import bind_listeners
 from deploy.health_cmd import check_http
 from deploy.up import Stack, _wildcard_note, local_problems
+from engine import LLM, SamplingParams
 from tests.common.test_hosts import _serve_one_http_reply
+from tests.support.polling import eventually
 from tests.support.processes import write_config
+from tests.support.stack import serving, worker_stats
 
 
 @pytest.mark.parametrize(
@@ -59,3 +64,39 @@ def test_a_host_that_is_not_this_machines_is_named_as_the_host_once(tiny_llama, 
         "prefill.host: 192.0.2.1 is not an address of this machine (Cannot assign requested "
         "address)",
     ]
+
+
+def _established_to(port: int) -> bool:
+    """Whether some TCP connection over IPv6 (``/proc/net/tcp6``) is established to
+    ``port`` on this machine."""
+    for line in Path("/proc/net/tcp6").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "01" and int(fields[2].rsplit(":", 1)[1], 16) == port:
+            return True
+    return False
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp6").exists(), reason="needs IPv6")
+def test_a_stack_on_ipv6_addresses_serves_disaggregated(tiny_llama, tmp_path):
+    """Router and workers on ::1, as in an IPv6-only cluster (worker hosts were refused:
+    ZMQ's sockets and the NCCL store took IPv4 alone): the prompt's KV moves to the
+    decode worker over NIXL, the reply is the offline engine's, and the router is
+    subscribed to each worker's KV events over IPv6."""
+    on_ipv6 = {"host": "::1"}
+    config = write_config(tmp_path / "config.yaml", tiny_llama, prefill=on_ipv6,
+                          decode=on_ipv6, router={**on_ipv6, "min_disagg_tokens": 0})  # fmt: skip
+    prompt = "The quick brown fox jumps over the lazy dog " * 4
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    (reference,) = LLM(tiny_llama).generate([prompt], params, use_tqdm=False)
+    with serving(config, tmp_path / "home") as stack:
+        assert stack.base_url.startswith("http://[::1]:")
+        client = stack.openai_client()
+        reply = client.completions.create(
+            model=client.models.list().data[0].id, prompt=prompt, max_tokens=8, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )  # fmt: skip
+        assert reply.choices[0].model_extra["token_ids"] == reference.outputs[0].token_ids
+        assert worker_stats(stack, "decode")[0].blocks_pulled > 0
+        loaded = load_config(str(config))
+        for section in (loaded.prefill, loaded.decode):
+            assert eventually(lambda s=section: _established_to(s.ports(0).events))

@@ -45,10 +45,15 @@ def is_loopback(hex_address: str) -> bool:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("connector", ["nixl", "nccl"])
-def test_listeners_stay_on_loopback_and_close_with_the_connector(connector):
+@pytest.mark.parametrize(
+    ("connector", "host"), [("nixl", "127.0.0.1"), ("nccl", "127.0.0.1"), ("nccl", "::1")]
+)
+def test_listeners_stay_on_loopback_and_close_with_the_connector(connector, host):
+    """On an IPv6 host too (an IPv6-only cluster's pod IP): the NCCL connector's store,
+    control socket and gloo pairs took IPv4 alone. (NIXL's own sockets are UCX's: the
+    host only keeps them on loopback, as the IPv4 case checks.)"""
     before = listening_addresses()
-    config = KVTransferConfig(connector=connector, timeout_s=10)
+    config = KVTransferConfig(connector=connector, host=host, timeout_s=10)
     src = [torch.randn(SHAPE) for _ in range(2)]
     dst = [torch.zeros(SHAPE) for _ in range(2)]
     exporter, fetcher, peer = wired_pair(config, f"bind-{connector}", src, dst)
@@ -60,6 +65,8 @@ def test_listeners_stay_on_loopback_and_close_with_the_connector(connector):
         opened = {k: v for k, v in listening_addresses().items() if k not in before}
         assert opened, "expected the connector to listen somewhere"
         assert all(is_loopback(address) for address in opened.values()), opened
+        if host == "::1":  # (/proc prints ::1 as 16 bytes: 4-byte words, little-endian)
+            assert set(opened.values()) == {"00000000000000000000000001000000"}, opened
     finally:
         exporter.close()
         fetcher.close()

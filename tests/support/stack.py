@@ -18,6 +18,7 @@ import yaml
 
 from benchmarks.loadgen.pinned_stack import worker_stats as worker_stats_at
 from common.config_loader import load_config
+from common.hosts import host_port, local_host
 from proto import pdserve_pb2 as pb
 from tests.support.processes import ROOT
 
@@ -34,7 +35,8 @@ class UpStack:
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.config['router']['port']}"
+        router = self.config["router"]
+        return f"http://{host_port(local_host(router.get('host', '127.0.0.1')), router['port'])}"
 
     def children(self) -> dict[str, int]:
         """Child process name (role-index or router) → pid."""
@@ -140,7 +142,7 @@ def worker_stats(stack: UpStack, role: str) -> list[pb.StatsResponse]:
     config = load_config(str(stack.config_path))
     section = config.prefill if role == "prefill" else config.decode
     return [
-        worker_stats_at(f"{section.host}:{section.ports(index).grpc}", role)
+        worker_stats_at(host_port(section.host, section.ports(index).grpc), role)
         for index in range(section.replicas)
     ]
 
