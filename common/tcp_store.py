@@ -44,4 +44,4 @@ def _family(host: str) -> socket.AddressFamily:
         return socket.AF_INET6 if literal.version == 6 else socket.AF_INET
     infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     families = {family for family, *_ in infos}
-    return socket.AF_INET if socket.AF_INET in families or not families else socket.AF_INET6
+    return socket.AF_INET6 if families == {socket.AF_INET6} else socket.AF_INET
