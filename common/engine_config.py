@@ -98,6 +98,16 @@ def compute_dtype(engine: EngineConfig) -> str | None:
     return {Device.CPU: "float32", Device.CUDA: SOME_16_BIT}.get(engine.device)
 
 
+def max_model_len_problem(max_model_len: int, context_len: int) -> str | None:
+    """Why a ``max_model_len`` cannot be served by a model whose context is
+    ``context_len`` tokens (None: it can). Said by the engine and by ``config check``."""
+    if max_model_len <= context_len:
+        return None
+    return (f"{max_model_len} is beyond the model's context of {context_len} tokens (its "
+            "max_position_embeddings, or what its rope scaling reaches); set at most "
+            f"{context_len}, or leave it unset for {context_len}")  # fmt: skip
+
+
 class StateDType(StrEnum):
     """What a hybrid model's linear-attention states are kept in (``engine/linear_state.py``):
     float32 (exact; transformers' float32 models, and FLA's Qwen3.5 kernels, carry float32

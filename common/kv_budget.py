@@ -23,7 +23,13 @@ from typing import Any
 
 from common.config import PdserveConfig, Role
 from common.config_base import ConfigError
-from common.engine_config import Device, DType, EngineConfig, SpeculativeMethod
+from common.engine_config import (
+    Device,
+    DType,
+    EngineConfig,
+    SpeculativeMethod,
+    max_model_len_problem,
+)
 from common.hf_config import (
     MAMBA2_MODEL_TYPES,
     draft_vocab_problem,
@@ -234,7 +240,10 @@ def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
         problem = shape.linear_split_problem(tp_size)
     if problem is not None:
         raise ConfigError(_key(config, role, "tensor_parallel_size"), problem)
-    max_model_len = min(engine.max_model_len or shape.max_context_len, shape.max_context_len)
+    max_model_len = engine.max_model_len or shape.max_context_len
+    problem = max_model_len_problem(max_model_len, shape.max_context_len)
+    if problem is not None:
+        raise ConfigError(_key(config, role, "max_model_len"), problem)
     min_blocks = cdiv(max_model_len, engine.block_size)
     # The block table is allocated whole at start (a row of int32 block ids per sequence):
     # a max_num_seqs of 10^8 passed here and failed the worker's start on a 100 GB alloc.

@@ -71,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"    output ({len(completion.token_ids)} tokens, {completion.finish_reason}):")
         print(f"    {completion.text!r}")
     print(
-        f"{len(outputs)} requests, {num_tokens} tokens in {elapsed:.2f}s "
+        f"{len(outputs)} request{'' if len(outputs) == 1 else 's'}, {num_tokens} tokens in "
+        f"{elapsed:.2f}s "
         f"({num_tokens / elapsed:.1f} tokens/s)",
         file=sys.stderr,
     )

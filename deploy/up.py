@@ -184,8 +184,9 @@ class Stack:
         # The router starts beside the workers, not after them, so its own start overlaps
         # their model loads; the stack is up once the router places work on every worker.
         router = self._spawn("router", ["router"], self._router_env())
-        print(f"starting {len(workers)} workers and the router (logs in {self.log_dir})",
-              flush=True)  # fmt: skip
+        plural = "" if len(workers) == 1 else "s"
+        print(f"starting {len(workers)} worker{plural} and the router (logs in "
+              f"{self.log_dir})", flush=True)  # fmt: skip
         deadline = time.monotonic() + timeout_s
         for name, proc, address in workers:
             self._wait_ready(name, proc, lambda a=address: check_grpc(a, "", 1.0)[0], deadline)

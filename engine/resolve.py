@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from common.config_base import ConfigError
-from common.engine_config import DType, EngineConfig
+from common.engine_config import DType, EngineConfig, max_model_len_problem
 from engine.models.arch import ModelArchConfig
 
 logger = logging.getLogger(__name__)
@@ -45,13 +45,17 @@ def resolve_dtype(config: EngineConfig, arch: ModelArchConfig, device: torch.dev
 
 
 def resolve_max_model_len(config: EngineConfig, arch: ModelArchConfig) -> int:
+    """``max_model_len``, or the model's context when unset. Beyond the model's context
+    it is a ``ConfigError``, as in vLLM: it was cut to the context with a warning in the
+    worker's log, so a deployment configured for 100k tokens came up serving 4k and
+    refused longer prompts as too long."""
     limit = arch.max_context_len or arch.max_position_embeddings
     if config.max_model_len is None:
         return limit
-    if config.max_model_len > limit:
-        logger.warning("max_model_len %d is beyond the model's context (%d): using %d",
-                       config.max_model_len, limit, limit)  # fmt: skip
-    return min(config.max_model_len, limit)
+    problem = max_model_len_problem(config.max_model_len, limit)
+    if problem is not None:
+        raise ConfigError("engine.max_model_len", problem)
+    return config.max_model_len
 
 
 def check_hybrid(config: EngineConfig, arch: ModelArchConfig, model_dir: Path) -> None:

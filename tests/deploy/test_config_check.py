@@ -269,6 +269,9 @@ KV_BROKEN = [
     # A CPU tier of less than a block: the worker refuses to start, so the check does too.
     (["engine.device=cpu", "offload.cpu_bytes=100"], "offload.cpu_bytes",
      "100 bytes hold no block of 65536 bytes"),
+    # Past the model's context (4096): it was cut to 4096 with a warning in the worker's log.
+    (["decode.engine.max_model_len=100000"], "decode.engine.max_model_len",
+     "100000 is beyond the model's context of 4096 tokens"),
 ]  # fmt: skip
 
 

@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 
+from common.config_base import ConfigError
 from engine import LLM, SamplingParams
 from engine.errors import (
     EmptyPromptError,
@@ -311,6 +312,15 @@ def test_prompt_logprobs_match_transformers(tiny_llama, prompts, overrides):
     (plain,) = llm.generate([prompt], GREEDY, use_tqdm=False)
     assert plain.prompt_logprobs is None and plain.num_cached_tokens > 0
     assert llm.engine.leak_report() == []
+
+
+def test_a_max_model_len_past_the_models_context_is_refused_by_name(tiny_llama):
+    """As in vLLM: it was cut to the context (4096) with a warning, so an engine asked for
+    100k tokens served 4k and called longer prompts too long."""
+    with pytest.raises(ConfigError, match="beyond the model's context of 4096") as error:
+        LLM(tiny_llama, max_model_len=4097)
+    assert error.value.key == "engine.max_model_len"
+    assert LLM(tiny_llama, max_model_len=4096, num_blocks=300).engine.max_model_len == 4096
 
 
 def test_bad_input_is_rejected_and_engine_keeps_serving(tiny_llama, prompts, baseline):
