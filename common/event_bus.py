@@ -77,12 +77,18 @@ _SNAPSHOT_PEERS = 4096  # connections remembered as answered (one snapshot each)
 
 
 _UNREADABLE_LOG_S = 60.0  # how often one subscriber says it drops unreadable batches
+_MAX_SUBSCRIPTION_BYTES = 64  # a subscription message: 1 byte + the topic (b"kv")
 
 
 class KVEventPublisher:
     def __init__(self, host: str, pub_port: int, replay_port: int, buffer_size: int = 4096):
         self._ctx = zmq.Context.instance()
         self._pub = tcp_socket(self._ctx, zmq.PUB)
+        # Subscribers write too: each subscription is a message, and libzmq keeps every
+        # one it is sent, at ~50x its size. Ours is 3 bytes; without this bound one peer
+        # sending 190 MiB of long subscriptions grew a worker by 9 GB (a security audit,
+        # 2026-12-02). A peer whose message is longer is disconnected instead.
+        self._pub.setsockopt(zmq.MAXMSGSIZE, _MAX_SUBSCRIPTION_BYTES)
         self._topic = TOPIC + os.urandom(8)  # (its epoch: module docstring)
         self._pub.bind(f"tcp://{host_port(host, pub_port)}")
         replay = tcp_socket(self._ctx, zmq.ROUTER)  # owned by the replay thread once it runs

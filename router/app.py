@@ -24,9 +24,17 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from common.tokenizer import TooManyTokens
 from router.admission import ARRIVAL_NS, REQUEST_ID, Admission, client_request_id
 from router.choices import new_id
-from router.errors import APIError, bad_request, internal, model_not_found, unauthorized
+from router.errors import (
+    APIError,
+    bad_request,
+    context_too_long,
+    internal,
+    model_not_found,
+    unauthorized,
+)
 from router.generation_routes import add_generation_routes
 from router.json_body import Body, document_bodies
 from router.pooling_routes import add_pooling_routes
@@ -303,16 +311,19 @@ def create_app(state: RouterState) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(body: Body[TokenizeRequest]) -> dict[str, Any]:
+        """Up to the context, as vLLM: a text past it is a 400 before it is tokenized
+        whole (a 31 MB prompt grew the router by 4.5 GB and held its tokenizing threads
+        25 s; a security audit, 2026-12-02)."""
         admission.lora_name(body.model)
+        limit = state.model.max_model_len
         if body.messages is not None:
             tokens = await asyncio.to_thread(
                 prompt_tokenizer.chat, body.messages, body.add_generation_prompt,
                 tool_dicts(body.tools), body.chat_template_kwargs, body.continue_final_message,
+                limit,
             )  # fmt: skip
         else:
-            tokens = await asyncio.to_thread(
-                state.tokenizer.encode, body.prompt or "", body.add_special_tokens
-            )
+            tokens = await asyncio.to_thread(prompt_text_ids, body.prompt or "", body)
         reply = {"tokens": tokens, "count": len(tokens), "max_model_len": state.model.max_model_len}
         if body.return_token_strs:
             strings = state.tokenizer.convert_ids_to_tokens
@@ -325,6 +336,16 @@ def create_app(state: RouterState) -> FastAPI:
         health answer) for 6 s (a security audit)."""
         admission.lora_name(body.model)
         return {"prompt": await asyncio.to_thread(detokenized, body.tokens)}
+
+    def prompt_text_ids(text: str, body: TokenizeRequest) -> list[int]:
+        limit = state.model.max_model_len
+        try:
+            tokens = state.tokenizer.encode(text, body.add_special_tokens, limit)
+        except TooManyTokens as exc:
+            raise prompt_tokenizer.too_long(exc, "prompt") from None
+        if len(tokens) > limit:
+            raise context_too_long(len(tokens), None, limit, "prompt")
+        return tokens
 
     def detokenized(tokens: list[int]) -> str:
         vocab_size = state.tokenizer.vocab_size  # (once: it asks the tokenizer each time)

@@ -114,6 +114,34 @@ def test_a_worker_on_an_ipv6_address_publishes_and_replays():
     subscriber.close()
 
 
+def test_a_peer_sending_long_subscriptions_is_cut_off_and_others_still_served():
+    """libzmq kept every subscription a peer sent, at ~50x its size, with no bound: one
+    peer's 190 MiB of them grew a worker by 9 GB. Now a subscription past 64 bytes
+    disconnects its sender (whose "kv" subscription, on the same socket, then never
+    takes), and a real subscriber is served."""
+    publisher, subscriber = connected_pair()
+    pub_port = int(subscriber._pub_endpoint.rsplit(":", 1)[1])
+    flood = zmq.Context.instance().socket(zmq.SUB)
+    flood.setsockopt(zmq.LINGER, 0)
+    flood.setsockopt(zmq.SUBSCRIBE, b"kv")
+    for i in range(20):
+        flood.setsockopt(zmq.SUBSCRIBE, b"x" * 100_000 + bytes([i]))
+    flood.connect(f"tcp://127.0.0.1:{pub_port}")
+    try:
+        got_flood = False
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            publisher.publish([BlockRemoved([b"\3" * 32])])
+            got_flood |= bool(flood.poll(20))
+        batches, _ = serve_while_polling(publisher, subscriber, until=lambda b: len(b) > 3)
+        assert len(batches) > 3
+        assert not got_flood
+    finally:
+        flood.close(0)
+        publisher.close()
+        subscriber.close()
+
+
 def publish_unseen(publisher, subscriber, count: int) -> None:
     """Publish ``count`` batches the subscriber does not receive (it unsubscribes)."""
     subscriber.socket.setsockopt(zmq.UNSUBSCRIBE, b"kv")
