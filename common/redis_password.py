@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, unquote_plus, urlsplit
 
 REDIS_PASSWORD_ENV = "PDSERVE_REDIS_PASSWORD"
 REDIS_PASSWORD_SECRET = "pdserve-redis"  # Kubernetes: its key "password"
@@ -50,7 +50,9 @@ def without_password(url: str, mask: str = "") -> str:
 
 
 def _is_password(pair: str) -> bool:
-    return pair.partition("=")[0] == _QUERY_KEY
+    """Whether a query pair is the password's, its key read as redis-py reads it
+    (percent-decoded, "+" a space): ``passw%6Frd=...`` was written into rendered files."""
+    return unquote_plus(pair.partition("=")[0]) == _QUERY_KEY
 
 
 def password_from_env(environ: Mapping[str, str] = os.environ) -> str | None:

@@ -6,6 +6,11 @@ check."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import grpc
 import grpc.aio
@@ -16,6 +21,7 @@ from common.config_base import ConfigError
 from common.internal_auth import TOKEN_ENV, InternalAuth
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
+from tests.support.processes import ROOT
 
 
 class Decode(pb_grpc.DecodeServiceServicer):
@@ -27,8 +33,11 @@ class Decode(pb_grpc.DecodeServiceServicer):
             yield pb.GenerateResponse(token_ids=[token_id])
 
 
-async def serve(auth: InternalAuth) -> tuple[grpc.aio.Server, str]:
-    server = grpc.aio.server(interceptors=auth.server_interceptors())
+async def serve(auth: InternalAuth, receive_limit: int = -1) -> tuple[grpc.aio.Server, str]:
+    """A decode servicer behind ``auth`` on a free port (``receive_limit``: the largest
+    request it takes, as a worker's 64 MiB; -1: gRPC's default of 4 MiB)."""
+    options = [("grpc.max_receive_message_length", receive_limit)] if receive_limit > 0 else []
+    server = grpc.aio.server(interceptors=auth.server_interceptors(), options=options)
     pb_grpc.add_DecodeServiceServicer_to_server(Decode(), server)
     health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -122,3 +131,61 @@ def test_the_token_comes_from_the_environment(value):
 def test_a_token_a_header_cannot_carry_is_refused_at_start(value):
     with pytest.raises(ConfigError, match=TOKEN_ENV):
         InternalAuth.from_env({TOKEN_ENV: value})
+
+
+_SERVER = """
+import asyncio
+from common.internal_auth import InternalAuth
+from tests.common.test_internal_auth import serve
+
+async def main():
+    server, address = await serve(InternalAuth("s3cret"), receive_limit=64 << 20)
+    print(address, flush=True)
+    await server.wait_for_termination()
+
+asyncio.run(main())
+"""
+
+
+def _rss_mib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return (
+        int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1])
+        // 1024
+    )
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_a_refused_call_is_refused_before_its_request_is_read():
+    """A caller without the token sending large requests: the refusal ran once the whole
+    request was in (up to the 64 MiB message limit), so 32 such calls at once grew a
+    worker by 2.3 GB. Now it runs on the call's headers: 8 calls of 32 MiB to a server
+    taking 64 MiB requests (a worker's limit) grow it by little, and each is refused."""
+    server = subprocess.Popen([sys.executable, "-c", _SERVER], cwd=ROOT, stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    try:
+        address = server.stdout.readline().strip()
+        before = peak = _rss_mib(server.pid)
+        payload = b"\x0a" + b"\xff" * (32 << 20)
+        codes: list[object] = []
+
+        def call() -> None:
+            options = [("grpc.max_send_message_length", -1)]
+            with grpc.insecure_channel(address, options=options) as channel:
+                stats = channel.unary_unary("/pdserve.v1.DecodeService/Stats")
+                try:
+                    stats(payload, timeout=30)
+                except grpc.RpcError as exc:
+                    codes.append(exc.code())
+
+        threads = [threading.Thread(target=call) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        while any(thread.is_alive() for thread in threads):
+            peak = max(peak, _rss_mib(server.pid))
+            time.sleep(0.02)
+        assert codes == [grpc.StatusCode.UNAUTHENTICATED] * 8
+        assert peak - before < 64, (before, peak)
+    finally:
+        server.kill()
+        server.wait()

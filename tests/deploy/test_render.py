@@ -373,6 +373,11 @@ def test_a_redis_password_in_the_urls_query_is_kept_out_too(capsys):
     with pytest.raises(ConfigError) as refused:
         load_config(str(DEMO), ["registry.redis_url=http://r/0?password=QPASS777"])
     assert "QPASS777" not in str(refused.value)
+    # A key written percent-encoded or with "+" (redis-py decodes both): it was kept.
+    for key in ("passw%6Frd", "pass%77ord", "%70assword"):
+        encoded = f"redis://redis:6379/0?{key}=QPASS222&db=1"
+        assert url_password(encoded) == "QPASS222"
+        assert without_password(encoded) == "redis://redis:6379/0?db=1"
 
 
 def test_k8s_carries_each_config(tmp_path):

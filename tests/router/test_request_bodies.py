@@ -77,6 +77,39 @@ def test_a_stalled_body_is_a_408():
     assert status == 408 and "stalled" in body["error"]["message"] and routed == []
 
 
+def test_a_body_trickled_below_the_least_rate_is_a_408_once_its_grace_is_over():
+    """A byte every 40 s never stalled past the idle bound: a thousand such clients held
+    a thousand connections as long as they liked. Here: a byte every 50 ms (20 B/s)
+    against 100 B/s after 0.3 s of grace; a body sent at once passes."""
+    sent: list[float] = []
+
+    async def run() -> tuple[int, str]:
+        async def receive() -> dict:
+            await asyncio.sleep(0.05)
+            sent.append(asyncio.get_running_loop().time())
+            return {"type": "http.request", "body": b"x", "more_body": True}
+
+        replies: list[dict] = []
+
+        async def send(message) -> None:
+            replies.append(message)
+
+        async def route(scope, receive, send) -> None:
+            raise AssertionError("routed")
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/x",
+                 "headers": [(b"content-type", b"application/json")]}  # fmt: skip
+        guard = RequestBodies(route, _respond, 10_000, idle_timeout_s=5, grace_s=0.3,
+                              min_bytes_per_s=100)  # fmt: skip
+        await guard(scope, receive, send)
+        return replies[0]["status"], json.loads(replies[1]["body"])["error"]["message"]
+
+    status, message = asyncio.run(run())
+    assert status == 408 and "under 100 bytes/s" in message
+    assert 0.3 <= sent[-1] - sent[0] < 1.5  # (not the idle bound's 5 s)
+    assert _call([b'{"prompt": "x"}'], JSON)[0] == 200
+
+
 def test_only_declared_json_and_only_outside_exempt_paths():
     for headers in ({}, {"content-type": "text/plain"}):
         status, body, routed = _call([b"{}"], headers)
