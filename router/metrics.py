@@ -1,14 +1,27 @@
 """Prometheus metrics: vLLM's names where they exist, ``pdserve:*`` for the rest.
 
-Each router owns one registry (no global state), served at /metrics.
+Each router owns one registry (no global state), served at /metrics. A vLLM dashboard
+reads what it reads there: request latencies and their parts (queue, prefill, decode,
+time per output token), token counts and their histograms, running and waiting
+sequences, prefix-cache queries and hits, and per worker (label ``worker``) the KV cache
+usage and preemptions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily
 
 from proto import pdserve_pb2 as pb
 from router.policy import Placement
@@ -25,8 +38,63 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
 _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 5e-3, 1e-2)
 
 
-class RouterMetrics:
+def token_buckets(max_model_len: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50... up to ``max_model_len`` (vLLM's token-count buckets)."""
+    buckets: list[float] = []
+    scale = 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > max_model_len:
+                return tuple(buckets)
+            buckets.append(float(step * scale))
+        scale *= 10
+
+
+@dataclass(frozen=True)
+class _PerWorker:
+    """A gauge with a series per worker showing one figure of its last Stats; ``fixed``:
+    the label values before the worker's (the model name of a vLLM-named gauge)."""
+
+    gauge: Gauge
+    value: Callable[[pb.StatsResponse], float]
+    fixed: tuple[str, ...] = ()
+
+    def set(self, worker_id: str, stats: pb.StatsResponse) -> None:
+        self.gauge.labels(*self.fixed, worker_id).set(self.value(stats))
+
+    def remove(self, worker_id: str) -> None:
+        self.gauge.remove(*self.fixed, worker_id)
+
+
+class _WorkerCounters:
+    """Cumulative figures of the workers' last Stats as counters (a worker's restart
+    starts its series over, which ``rate`` reads as a reset): vLLM's
+    ``vllm:num_preemptions_total``, per worker."""
+
     def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.stats: Mapping[str, pb.StatsResponse] = {}
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        preemptions = CounterMetricFamily(
+            "vllm:num_preemptions", "Requests a worker put back to recompute (its KV cache "
+            "was full).", labels=["model_name", "worker"],
+        )  # fmt: skip
+        for worker_id, stats in self.stats.items():
+            preemptions.add_metric([self.model_name, worker_id], stats.num_preemptions)
+        yield preemptions
+
+
+def _kv_usage(stats: pb.StatsResponse) -> float:
+    return stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
+
+
+class RouterMetrics:
+    def __init__(self, model_name: str, max_model_len: int = 1 << 17) -> None:
+        # A ``*_created`` series beside every counter and histogram doubles what is
+        # scraped for nothing a dashboard reads; vLLM turns them off too. (A flag of
+        # prometheus_client's, the same for every registry of the process.)
+        disable_created_metrics()
         self.registry = CollectorRegistry()
         # The live plan (router/live_plan.py) when planner.profile is set: it sizes the
         # sequences served, and shows its plan in this registry.
@@ -47,6 +115,22 @@ class RouterMetrics:
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.")
         self.itl = histogram("vllm:inter_token_latency_seconds", "Time between tokens.")
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Request latency.")
+        # Per sequence served (vLLM's request histograms): its parts and its sizes.
+        self.queue_time = histogram("vllm:request_queue_time_seconds", "Queueing before the "
+                                    "prompt is computed (pdserve:ttft_queue_seconds).")  # fmt: skip
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds", "Prompt "
+                                      "computation (pdserve:ttft_prefill_seconds).")  # fmt: skip
+        self.decode_time = histogram("vllm:request_decode_time_seconds", "From a sequence's "
+                                     "first token to its last.")  # fmt: skip
+        self.time_per_output_token = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "A sequence's decode time over its tokens after the first.",
+        )
+        tokens = token_buckets(max_model_len)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens "
+                                               "of each sequence served.", tokens)  # fmt: skip
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens", "Tokens "
+                                                   "each sequence generated.", tokens)  # fmt: skip
         gauge = lambda name, doc: Gauge(name, doc, ["model_name"], registry=r).labels(**labels)  # noqa: E731
         self.running = gauge(
             "vllm:num_requests_running", "Sequences in a decode worker's batch (its last Stats)."
@@ -86,7 +170,7 @@ class RouterMetrics:
         )
         worker_gauge = lambda name, doc: Gauge(name, doc, ["worker"], registry=r)  # noqa: E731
         # Per worker: a gauge and the StatsResponse value it shows.
-        self._worker_gauges: tuple[tuple[Gauge, Callable[[pb.StatsResponse], float]], ...] = (
+        pairs: tuple[tuple[Gauge, Callable[[pb.StatsResponse], float]], ...] = (
             (worker_gauge("pdserve:worker_kv_blocks_used", "Device KV blocks."),
              lambda stats: stats.kv_blocks_used),
             (worker_gauge("pdserve:worker_kv_blocks_total", "Device KV blocks it has."),
@@ -96,10 +180,9 @@ class RouterMetrics:
                           "late READ), out of use until it ends."),
              lambda stats: stats.kv_blocks_quarantined),
             (worker_gauge("pdserve:worker_kv_cache_usage",
-                          "Used over total device KV blocks, 0 to 1 (vLLM's "
-                          "kv_cache_usage_perc, per worker)."),
-             lambda stats: stats.kv_blocks_used / stats.kv_blocks_total
-             if stats.kv_blocks_total else 0.0),
+                          "Used over total device KV blocks, 0 to 1 (as "
+                          "vllm:kv_cache_usage_perc)."),
+             _kv_usage),
             (worker_gauge("pdserve:worker_requests_running", "Requests in its batch."),
              lambda stats: stats.num_running),
             (worker_gauge("pdserve:worker_requests_waiting",
@@ -145,6 +228,12 @@ class RouterMetrics:
                           "Images run through the vision encoder (cumulative)."),
              lambda stats: stats.images_encoded),
         )  # fmt: skip
+        kv_usage = Gauge("vllm:kv_cache_usage_perc", "Used over total device KV blocks of "
+                         "a worker, 0 to 1.", ["model_name", "worker"], registry=r)  # fmt: skip
+        self._worker_gauges = (*(_PerWorker(gauge, value) for gauge, value in pairs),
+                               _PerWorker(kv_usage, _kv_usage, (model_name,)))  # fmt: skip
+        self._worker_counters = _WorkerCounters(model_name)
+        r.register(self._worker_counters)
         # Separate from the stats gauges: it is the router's view (probes answered, not
         # draining), not a figure the worker reports.
         self.worker_available = worker_gauge(
@@ -172,7 +261,12 @@ class RouterMetrics:
         decode_s: float,
     ) -> None:  # fmt: skip
         """A sequence that ended with its output: its shape, its time to first token and
-        from its first token to its last (for the live plan)."""
+        from its first token to its last (vLLM's request histograms, and the live plan)."""
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(output_tokens)
+        self.decode_time.observe(decode_s)
+        if output_tokens > 1:
+            self.time_per_output_token.observe(decode_s / (output_tokens - 1))
         if self.live_plan is not None:
             self.live_plan.sequence_served(prompt_tokens, cached_tokens, output_tokens, ttft_s,
                                            decode_s)  # fmt: skip
@@ -182,8 +276,10 @@ class RouterMetrics:
         self.prefix_hits.inc(cached_tokens)
 
     def observe_prefill(self, timings: pb.StageTimings) -> None:
-        self.ttft_queue.observe(timings.queue_ms / 1000)
-        self.ttft_prefill.observe(timings.prefill_ms / 1000)
+        for queue, prefill in ((self.ttft_queue, self.ttft_prefill),
+                               (self.queue_time, self.prefill_time)):  # fmt: skip
+            queue.observe(timings.queue_ms / 1000)
+            prefill.observe(timings.prefill_ms / 1000)
 
     def observe_decode(
         self, timings: pb.StageTimings, blocks_pulled: int, prefilled_here: bool = False
@@ -209,17 +305,18 @@ class RouterMetrics:
         for worker_id in self._observed_workers - stats.keys():
             self.worker_available.remove(worker_id)
         for worker_id in self._gauged_workers - (stats.keys() & available):
-            for gauge, _ in self._worker_gauges:
+            for gauge in self._worker_gauges:
                 gauge.remove(worker_id)
         for kind, worker_id in [d for d in self._decided if d[1] not in stats]:
             self.decisions.remove(kind, worker_id)  # (they grew with every worker ever seen)
             self._decided.discard((kind, worker_id))
         self._observed_workers = set(stats)
         self._gauged_workers = stats.keys() & available
+        self._worker_counters.stats = {w: stats[w] for w in self._gauged_workers}
         for worker_id, worker in stats.items():
             if worker_id in available:
-                for gauge, value in self._worker_gauges:
-                    gauge.labels(worker=worker_id).set(value(worker))
+                for gauge in self._worker_gauges:
+                    gauge.set(worker_id, worker)
             self.worker_available.labels(worker=worker_id).set(worker_id in available)
 
     def render(self) -> bytes:

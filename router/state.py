@@ -139,7 +139,7 @@ class RouterState:
             model=config.model or "demo",  # what workers register (``worker/runtime.py``)
             connector=config.kv_transfer.connector,
         )
-        metrics = RouterMetrics(model.served_name)
+        metrics = RouterMetrics(model.served_name, model.max_model_len)
         metrics.live_plan = LivePlan.from_config(
             config.planner, config.router.min_disagg_tokens, metrics.registry,
             lambda: (len(pool.candidates(Role.PREFILL)), len(pool.candidates(Role.DECODE))),

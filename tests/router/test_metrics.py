@@ -78,3 +78,34 @@ def test_quarantined_blocks_are_a_worker_gauge():
     metrics.observe_workers({"decode@a:1": stats}, {"decode@a:1"})
     text = metrics.render().decode()
     assert 'pdserve:worker_kv_blocks_quarantined{worker="decode@a:1"} 4.0' in text
+
+
+def test_vllm_dashboards_find_their_series():
+    """What a vLLM dashboard reads beyond latencies and token counts (a docs audit found
+    them missing): the request histograms (sizes, queue, prefill, decode, time per output
+    token), per worker the KV cache usage and preemptions (a counter: a worker's figure
+    is cumulative), and no ``*_created`` series beside each."""
+    metrics = RouterMetrics("m", max_model_len=4096)
+    stats = pb.StatsResponse(kv_blocks_used=30, kv_blocks_total=40, num_preemptions=5)
+    metrics.observe_workers({"decode@a:1": stats}, {"decode@a:1"})
+    metrics.sequence_served(100, 0, 11, 0.5, 2.0)
+    metrics.observe_prefill(pb.StageTimings(queue_ms=250, prefill_ms=40))
+    text = metrics.render().decode()
+    for line in (
+        'vllm:kv_cache_usage_perc{model_name="m",worker="decode@a:1"} 0.75',
+        "# TYPE vllm:num_preemptions_total counter",
+        'vllm:num_preemptions_total{model_name="m",worker="decode@a:1"} 5.0',
+        'vllm:request_prompt_tokens_bucket{le="50.0",model_name="m"} 0.0',
+        'vllm:request_prompt_tokens_bucket{le="100.0",model_name="m"} 1.0',
+        'vllm:request_generation_tokens_sum{model_name="m"} 11.0',
+        'vllm:request_decode_time_seconds_sum{model_name="m"} 2.0',
+        'vllm:request_time_per_output_token_seconds_sum{model_name="m"} 0.2',
+        'vllm:request_queue_time_seconds_sum{model_name="m"} 0.25',
+        'vllm:request_prefill_time_seconds_count{model_name="m"} 1.0',
+    ):
+        assert line in text, line
+    assert 'le="2000.0"' in text and 'le="5000.0"' not in text  # up to max_model_len
+    assert "_created" not in text
+    metrics.observe_workers({"decode@a:1": stats}, set())  # drained: no load series
+    text = metrics.render().decode()
+    assert "vllm:kv_cache_usage_perc{" not in text and "vllm:num_preemptions_total{" not in text
