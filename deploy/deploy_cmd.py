@@ -20,6 +20,7 @@ from common.config_base import ConfigError
 from common.redis_password import REDIS_PASSWORD_ENV, REDIS_PASSWORD_SECRET
 from deploy import containers as c
 from deploy.config_args import add_overrides, load_or_report
+from deploy.gpus import sharing_warning
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
     if args.target == "compose":
         from deploy.render_compose import render
 
+        shared = sharing_warning(config, args.gpus) if args.variant == "cuda" else None
+        if shared is not None:
+            print(f"warning: {shared}", file=sys.stderr)
         try:
             text = render(config, source, args.variant, args.image, args.gpus)
         except ConfigError as exc:  # more GPUs than --gpus gives; a bad profile, say

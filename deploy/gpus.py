@@ -36,6 +36,25 @@ def gpus_needed(config: PdserveConfig) -> int:
     return sum(len(gpus) for gpus in worker_gpus(config).values())
 
 
+def sharing_warning(config: PdserveConfig, num_gpus: int) -> str | None:
+    """What a GPU shared by workers costs (None when none is): each worker sizes its KV
+    cache to ``gpu_memory_utilization`` of its GPU's memory, so at the default the
+    second worker to start on a GPU runs out of memory (``deploy compose --gpus`` gave
+    this without a word; ``pdserve up`` refuses it)."""
+    needed = gpus_needed(config)
+    if not num_gpus or needed <= num_gpus:
+        return None
+    per_gpu = -(-needed // num_gpus)
+    utilization = max(config.engine_for(role).gpu_memory_utilization for role in Role)
+    return (
+        f"the workers' ranks need {needed} GPUs and --gpus gives {num_gpus}: up to "
+        f"{per_gpu} share a GPU, each sizing its KV cache to gpu_memory_utilization "
+        f"({utilization:g}) of its memory, so the later ones run out of memory; set "
+        f"engine.gpu_memory_utilization to at most {0.9 / per_gpu:.2f} (with the weights "
+        "of every worker on it fitting), or give each rank a GPU of its own"
+    )
+
+
 def visible_gpus() -> list[str]:
     """This host's GPUs as ``CUDA_VISIBLE_DEVICES`` entries: that variable's list when set,
     else the NVIDIA driver's devices (torch-free: the launcher does not import torch)."""

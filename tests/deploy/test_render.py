@@ -145,11 +145,17 @@ def test_compose_details_of_an_unusual_layout(tmp_path):
 
 def test_tensor_parallel_workers_get_their_own_gpus(tmp_path):
     """Each worker its tensor_parallel_size GPUs, consecutively; wrapping past the host's."""
-    from deploy.gpus import worker_gpus
+    from deploy.gpus import sharing_warning, worker_gpus
 
     config = load_config(str(DEMO), ["engine.tensor_parallel_size=2", "decode.replicas=2"])
     assert list(worker_gpus(config).values()) == [[0, 1], [2, 3], [4, 5]]
     assert list(worker_gpus(config, 4).values()) == [[0, 1], [2, 3], [0, 1]]
+    # Shared GPUs are said (each worker takes gpu_memory_utilization of its GPU: the
+    # later ones ran out of memory, and compose rendered it without a word).
+    assert sharing_warning(config, 6) is None and sharing_warning(config, 0) is None
+    warning = sharing_warning(config, 4)
+    assert warning is not None and "need 6 GPUs and --gpus gives 4: up to 2 share" in warning
+    assert "gpu_memory_utilization to at most 0.45" in warning
     document = yaml.safe_load(render(config, "demo.yaml", "cuda"))
     devices = {name: s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
                for name, s in document["services"].items() if name[-1].isdigit()}  # fmt: skip
