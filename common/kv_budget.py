@@ -190,6 +190,9 @@ class KVBudget:
     # The pool size, when known before start (explicit, or from kv_cache_bytes on CPU).
     num_blocks: int | None
     warnings: tuple[str, ...] = ()
+    # (key, message) for what its pool cannot hold if it runs on a CPU (its device is
+    # auto): warnings above; errors where the host surely has no CUDA (``pdserve up``).
+    cpu_problems: tuple[tuple[str, str], ...] = ()
     # A hybrid model's state slots (``max_num_seqs`` + draft groups x drafts) and
     # one slot's bytes on each rank, in ``engine.linear_state_dtype``; 0 for other models.
     state_slots: int = 0
@@ -314,8 +317,8 @@ def _budget(config: PdserveConfig, role: Role, shape: ModelShape) -> KVBudget:
         num_blocks = engine.kv_cache_bytes // cpu_bpb - state_blocks
     state_bytes = shape.rank_state_bytes(tp_size, itemsize)
     return KVBudget(role, engine.block_size, max_model_len, min_blocks, bpb, cpu_bpb,
-                    num_blocks, tuple(warnings), num_slots if state_bytes else 0,
-                    state_bytes)  # fmt: skip
+                    num_blocks, tuple(warnings), tuple(problems),
+                    num_slots if state_bytes else 0, state_bytes)  # fmt: skip
 
 
 def _draft_shape(config: PdserveConfig, role: Role, target: ModelShape) -> ModelShape | None:

@@ -37,6 +37,7 @@ from common.config_base import ConfigError
 from common.config_loader import to_dict
 from common.hosts import host_port, ip_literal, local_host
 from common.internal_auth import InternalAuth, open_ports_warning
+from common.kv_budget import kv_budgets
 from common.listen_sockets import bind_listeners, listen_error, worker_listeners
 from common.model_info import cache_dir, made_model_dir, made_model_is_current, model_dir_of
 from common.owned_paths import owner_tag, remove_dead_owners
@@ -445,8 +446,11 @@ class Stack:
 
 def local_problems(config: PdserveConfig) -> list[str]:
     """What this machine lacks for the stack, checked before anything starts (``config
-    check`` cannot: it may run where the model is not): the model's directory, and the
-    ports the router and the workers listen on (a second stack, or any other process)."""
+    check`` cannot: it may run where the model is not): the model's directory; a KV pool
+    that cannot hold one request (on a host without CUDA, where ``config check`` can only
+    warn, the workers surely run on the CPU); the LoRA adapters' directories; and the
+    ports the router and the workers listen on (a second stack, or any other process).
+    Each failed a worker 10-20 s after the start, the adapter's without its key."""
     problems = []
     model_dir = model_dir_of(config)
     if not model_dir.exists():  # (a hub id, say: nothing is downloaded)
@@ -454,6 +458,11 @@ def local_problems(config: PdserveConfig) -> list[str]:
                         "directory on this machine; download the model first)")  # fmt: skip
     elif not (model_dir / "config.json").is_file():
         problems.append(f"model: {model_dir} is no checkpoint directory (no config.json)")
+    else:
+        problems += _pool_problems(config, on_cpu=not visible_gpus())
+    for name, path in config.lora.adapters.items():
+        if not Path(path).is_dir():
+            problems.append(f"lora.adapters.{name}: {path} is no directory on this machine")
     listeners = [("router.port", config.router.host, config.router.port)]
     for role in Role:
         section = config.role(role)
@@ -465,6 +474,20 @@ def local_problems(config: PdserveConfig) -> list[str]:
         if problem is not None and problem not in problems:  # (a host's line: once)
             problems.append(problem)
     return problems
+
+
+def _pool_problems(config: PdserveConfig, on_cpu: bool) -> list[str]:
+    """The roles' KV pools as ``config check`` sizes them; ``on_cpu``: the host has no
+    CUDA device, so what only a CPU worker cannot hold is an error too."""
+    try:
+        budgets = kv_budgets(config) or []
+    except ConfigError as exc:
+        return [str(exc)]
+    if not on_cpu:
+        return []
+    lines = [f"{key}: {message} (this host has no CUDA device: its workers run on the CPU)"
+             for budget in budgets for key, message in budget.cpu_problems]  # fmt: skip
+    return list(dict.fromkeys(lines))  # (a key both roles share: once)
 
 
 def _listen_problem(key: str, host: str, port: int) -> str | None:

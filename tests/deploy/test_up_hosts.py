@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from common.config_base import ConfigError
 from common.config_loader import load_config
 from common.listen_sockets import bind_listeners
 from deploy.health_cmd import check_http
-from deploy.up import Stack, _wildcard_note, local_problems
+from deploy.up import Stack, _pool_problems, _wildcard_note, local_problems
 from engine import LLM, SamplingParams
 from tests.common.test_hosts import _serve_one_http_reply
 from tests.support.polling import eventually
@@ -100,3 +101,21 @@ def test_a_stack_on_ipv6_addresses_serves_disaggregated(tiny_llama, tmp_path):
         loaded = load_config(str(config))
         for section in (loaded.prefill, loaded.decode):
             assert eventually(lambda s=section: _established_to(s.ports(0).events))
+
+
+def test_what_a_worker_would_fail_on_later_is_said_before_anything_starts(tiny_llama, tmp_path):
+    """A KV pool that cannot hold one request on a host without CUDA (``config check``
+    can only warn: it may run elsewhere) and a LoRA adapter directory that is not here:
+    each failed a worker 10-20 s after the start, the adapter's without naming its key."""
+    path = write_config(tmp_path / "config.yaml", tiny_llama)
+    small = load_config(str(path), ["engine.kv_cache_bytes=1000000"])
+    (problem,) = _pool_problems(small, on_cpu=True)  # (both roles: said once)
+    assert problem.startswith("engine.kv_cache_bytes: 1.0 MiB is 15 KV blocks, which cannot")
+    assert _pool_problems(small, on_cpu=False) == []  # (a GPU host sizes it from its GPU)
+    with pytest.raises(ConfigError, match="5000 is beyond the model's context") as error:
+        load_config(str(path), ["decode.engine.max_model_len=5000"])  # (at load, then)
+    assert error.value.key == "decode.engine.max_model_len"
+    adapter = load_config(str(path), [f"lora.adapters={{alice: {tmp_path / 'none'}}}"])
+    assert f"lora.adapters.alice: {tmp_path / 'none'} is no directory on this machine" in (
+        local_problems(adapter)
+    )
