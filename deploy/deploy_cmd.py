@@ -1,12 +1,13 @@
 """``pdserve deploy compose|k8s --config FILE``: render the container deployment of a config.
 
     pdserve deploy compose --config F [--out FILE] [--variant cpu|cuda] [--image I] [--gpus N]
-    pdserve deploy k8s     --config F [--out DIR]  [--image I]
+    pdserve deploy k8s     --config F [--out DIR]  [--image I] [--prometheus-url URL]
 
 The config is validated first (exit 2 with the named key, as ``pdserve config check``).
 Without ``--out`` the result goes to stdout: the compose file, or the Kubernetes base as
 one stream for ``kubectl apply -f -``. With ``--out DIR`` the k8s command writes a
-kustomize tree: ``DIR/base`` and ``DIR/overlays/gpu``.
+kustomize tree: ``DIR/base`` and ``DIR/overlays/gpu`` (and ``DIR/overlays/autoscale``
+with ``planner.profile``, KEDA asking the Prometheus ``--prometheus-url`` names).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from common.redis_password import REDIS_PASSWORD_ENV, REDIS_PASSWORD_SECRET
 from deploy import containers as c
 from deploy.config_args import add_overrides, load_or_report
 from deploy.gpus import sharing_warning
+from deploy.render_k8s import PROMETHEUS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         k8s,
         "directory for base/ and overlays/gpu/ (default: the base to stdout)",
         "image (default: pdserve:cpu in the base, pdserve:cuda in overlays/gpu)",
+    )
+    k8s.add_argument(
+        "--prometheus-url",
+        default="",
+        help="with planner.profile: the Prometheus (scraping the routers) that KEDA asks, in "
+        f"overlays/autoscale (default: {PROMETHEUS})",
     )
 
 
@@ -102,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         if args.out is None:
             sys.stdout.write(render_stream(config, source, args.image))
             return 0
-        files = render_files(config, source, args.image)
+        files = render_files(config, source, args.image, args.prometheus_url)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -117,9 +125,11 @@ def planner_warnings(config: PdserveConfig, target: str) -> list[str]:
     if not config.planner.autoscale:
         return []
     if target == "k8s":
-        return ["planner.autoscale is `pdserve up`'s: the base runs every replica; "
-                "overlays/autoscale scales the roles with KEDA on the router's "
-                "pdserve:planned_replicas (set its Prometheus address)"]  # fmt: skip
+        return [
+            "planner.autoscale is `pdserve up`'s: the base runs every replica; "
+            "overlays/autoscale scales the roles with KEDA on the router's "
+            "pdserve:planned_replicas (from the Prometheus --prometheus-url names)"
+        ]
     return ["planner.autoscale is `pdserve up`'s: compose runs every replica (the router "
             "still shows its plan: pdserve:planned_replicas)"]  # fmt: skip
 

@@ -19,6 +19,8 @@ import dataclasses
 import hashlib
 from pathlib import Path
 
+import yaml
+
 from common.config import PdserveConfig, Role
 from common.config_base import ConfigError
 from deploy import containers as c
@@ -28,8 +30,12 @@ from deploy.yaml_text import dump_all
 KUSTOMIZE_API = "kustomize.config.k8s.io/v1beta1"
 
 
-def render_files(config: PdserveConfig, source: str, image: str = "") -> dict[str, str]:
-    """Relative path → YAML text: ``base/...`` and ``overlays/gpu/...``."""
+def render_files(
+    config: PdserveConfig, source: str, image: str = "", prometheus_url: str = ""
+) -> dict[str, str]:
+    """Relative path → YAML text: ``base/...``, ``overlays/gpu/...`` and, with
+    ``planner.profile``, ``overlays/autoscale/...`` (KEDA asking ``prometheus_url``, or
+    ``PROMETHEUS`` when it is empty)."""
     image = image or c.default_image()
     base = base_resources(config, source, image)
     header = f"# Rendered by `pdserve deploy k8s` from {source}; re-render, do not edit.\n"
@@ -41,7 +47,7 @@ def render_files(config: PdserveConfig, source: str, image: str = "") -> dict[st
     for name, docs in gpu_overlay(image, gpus_per_pod).items():
         files[f"overlays/gpu/{name}"] = header + dump_all(docs)
     if config.planner.profile is not None:
-        for name, docs in autoscale_overlay(config).items():
+        for name, docs in autoscale_overlay(config, prometheus_url or PROMETHEUS).items():
             files[f"overlays/autoscale/{name}"] = header + dump_all(docs)
     return files
 
@@ -124,8 +130,8 @@ def gpu_overlay(image: str, gpus_per_pod: int = 1) -> dict[str, list[dict]]:
     return {"kustomization.yaml": [kustomization], "gpu-workers.yaml": [patch]}
 
 
-# Where KEDA's Prometheus scaler asks for the router's metrics: a placeholder for the
-# cluster's Prometheus (which must scrape the router's /metrics), to set in the overlay.
+# Where KEDA's Prometheus scaler asks for the router's metrics when ``--prometheus-url``
+# does not say: the Prometheus Operator's default (it must scrape the router's /metrics).
 PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
 KEDA_API = "keda.sh/v1alpha1"
 # The longest scale-down stabilization window Kubernetes' HPA accepts (its API refuses
@@ -133,12 +139,14 @@ KEDA_API = "keda.sh/v1alpha1"
 MAX_STABILIZATION_S = 3600
 
 
-def autoscale_overlay(config: PdserveConfig) -> dict[str, list[dict]]:
+def autoscale_overlay(config: PdserveConfig, prometheus_url: str) -> dict[str, list[dict]]:
     """The base plus a KEDA ScaledObject per role: replicas = the routers' plans summed
     (``pdserve:planned_replicas{role}``, threshold 1), between ``planner.min_<role>_replicas``
     and the role's ``replicas``, polled every ``planner.interval_s``; a lower plan must hold
     ``planner.scale_in_delay_s`` before pods go (the HPA's scale-down stabilization), and
-    they drain on SIGTERM as any scaled-in worker does.
+    they drain on SIGTERM as any scaled-in worker does. The scaled Deployments lose
+    their ``spec.replicas`` (a patch): with it, every ``kubectl apply -k`` of the overlay
+    set the role back to the config's count, undoing the autoscaler's.
 
     Summed, not the largest: each router sizes the traffic it served, so with the router
     Deployment scaled to N, each plans for about 1/N of it, and the largest plan would
@@ -174,7 +182,7 @@ def autoscale_overlay(config: PdserveConfig) -> dict[str, list[dict]]:
                     {
                         "type": "prometheus",
                         "metadata": {
-                            "serverAddress": PROMETHEUS,
+                            "serverAddress": prometheus_url,
                             "query": f'sum(pdserve:planned_replicas{{role="{role.value}"}})',
                             "threshold": "1",
                         },
@@ -185,6 +193,10 @@ def autoscale_overlay(config: PdserveConfig) -> dict[str, list[dict]]:
         for role in Role
         if config.role(role).replicas
     ]
+    unpinned = [{"target": {"kind": "Deployment", "name": pods.worker_name(role)},
+                 "patch": yaml.safe_dump([{"op": "remove", "path": "/spec/replicas"}])}
+                for role in Role if config.role(role).replicas]  # fmt: skip
     kustomization = {"apiVersion": KUSTOMIZE_API, "kind": "Kustomization",
-                     "resources": ["../../base", "scaledobjects.yaml"]}  # fmt: skip
+                     "resources": ["../../base", "scaledobjects.yaml"],
+                     "patches": unpinned}  # fmt: skip
     return {"kustomization.yaml": [kustomization], "scaledobjects.yaml": scaled_objects}

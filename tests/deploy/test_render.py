@@ -23,7 +23,7 @@ from common.redis_password import url_password, without_password
 from deploy import containers
 from deploy.cli import main as deploy_main
 from deploy.render_compose import render
-from deploy.render_k8s import render_files, render_stream
+from deploy.render_k8s import PROMETHEUS, render_files, render_stream
 from engine.models.fp8_maker import quantize_checkpoint
 from tests.support.processes import ROOT
 
@@ -605,6 +605,11 @@ def test_the_live_plans_profile_travels_with_the_config_and_keda_follows_it(tmp_
         validate(doc, "1.30.0", strict=True)
     overlay = yaml.safe_load(files["overlays/autoscale/kustomization.yaml"])
     assert overlay["resources"] == ["../../base", "scaledobjects.yaml"]
+    # The scaled Deployments lose spec.replicas: every apply of the overlay set the
+    # roles back to the config's counts, undoing KEDA's.
+    unpinned = {p["target"]["name"]: yaml.safe_load(p["patch"]) for p in overlay["patches"]}
+    remove = [{"op": "remove", "path": "/spec/replicas"}]
+    assert unpinned == {"pdserve-prefill": remove, "pdserve-decode": remove}
     objects = yaml.safe_load_all(files["overlays/autoscale/scaledobjects.yaml"])
     scaled = {d["metadata"]["name"]: d["spec"] for d in objects}
     decode = scaled["pdserve-decode"]
@@ -613,6 +618,11 @@ def test_the_live_plans_profile_travels_with_the_config_and_keda_follows_it(tmp_
     assert decode["triggers"][0]["metadata"]["query"] == (
         'sum(pdserve:planned_replicas{role="decode"})'  # one plan per router, summed
     )
+    assert decode["triggers"][0]["metadata"]["serverAddress"] == PROMETHEUS
+    url = "http://prom.obs.svc:9090"
+    asked = render_files(config, "planned.yaml", prometheus_url=url)
+    (scaled_object, _) = yaml.safe_load_all(asked["overlays/autoscale/scaledobjects.yaml"])
+    assert scaled_object["spec"]["triggers"][0]["metadata"]["serverAddress"] == url
     behavior = decode["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
     assert behavior["scaleDown"]["stabilizationWindowSeconds"] == 90
     assert scaled["pdserve-prefill"]["minReplicaCount"] == 0
