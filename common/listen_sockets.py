@@ -47,12 +47,18 @@ def bind_listeners(host: str, port: int) -> list[socket.socket]:
 
 
 def listen_error(
-    port_key: str, host: str, port: int, exc: OSError, in_use: str = "another process has it"
+    port_key: str,
+    host: str,
+    port: int,
+    exc: OSError,
+    in_use: str = "another process has it",
+    name: str = "",
 ) -> ConfigError:
     """Why ``host:port`` could not be bound, blamed on the key a user would change: the
     section's host when it resolves no more or is none of this machine's addresses, else
     the port (``port_key``), with ``in_use`` said only where it is (a port below 1024
-    refused without privileges is not another process's)."""
+    refused without privileges is not another process's). ``name``: which of a
+    worker's ports, after the address (``decode.port`` names five)."""
     host_key = f"{port_key.partition('.')[0]}.host"
     reason = exc.strerror or str(exc)
     if isinstance(exc, socket.gaierror):
@@ -60,7 +66,8 @@ def listen_error(
     if exc.errno == errno.EADDRNOTAVAIL:
         return ConfigError(host_key, f"{host} is not an address of this machine ({reason})")
     busy = f" ({in_use})" if exc.errno == errno.EADDRINUSE else ""
-    return ConfigError(port_key, f"cannot listen on {host_port(host, port)}: {reason}{busy}")
+    what = f" ({name})" if name else ""
+    return ConfigError(port_key, f"cannot listen on {host_port(host, port)}{what}: {reason}{busy}")
 
 
 def worker_listeners(ports: WorkerPorts, connector: str) -> list[tuple[str, int]]:

@@ -40,7 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("show", "print the resolved config (defaults filled in, overrides applied)"),
     ):
         sub = actions.add_parser(name, help=help_text, description=help_text)
-        sub.add_argument("file", help="deployment YAML")
+        sub.add_argument(
+            "file", nargs="?", default=None,
+            help="deployment YAML (default: the built-in config, as for pdserve up)",
+        )  # fmt: skip
         add_overrides(sub)
 
 
@@ -67,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "show":
         print(yaml.safe_dump(to_dict(config), sort_keys=False), end="")
         return 0
-    print(f"{args.file}: ok")
+    print(f"{args.file or 'the built-in config'}: ok")
     for line in summary(config, budgets):
         print(f"  {line}")
     for budget in budgets or []:
@@ -140,7 +143,9 @@ def summary(config: PdserveConfig, budgets: list[KVBudget] | None) -> list[str]:
     lines.append(f"model     {model}")
     for name, path in sorted(config.lora.adapters.items()):
         lines.append(f"lora      {name}: {_adapter(Path(path))}")
-    if budgets is None:
+    if budgets is None and config.model is None:
+        lines.append("kv cache  not sized: the demo model is made on first use (pdserve up)")
+    elif budgets is None:
         lines.append("kv cache  not sized: the model's config.json is not on this machine")
     for budget in budgets or []:
         lines.append(f"kv cache  {budget.role.value}: {_pool(config, budget)}")

@@ -428,6 +428,9 @@ class Stack:
                 time.sleep(0.05)
 
         procs = dict(self.children)
+        if any(proc.poll() is None for proc in procs.values()):  # (its console said nothing)
+            print("stopping: the router drains, then the workers (a second Ctrl-C stops them "
+                  "at once)", flush=True)  # fmt: skip
         router = procs.get("router")
         if router is not None and router.poll() is None:
             router.send_signal(signal.SIGTERM)
@@ -442,6 +445,7 @@ class Stack:
             deadlines.append((proc, min(deadline, self._drain_deadlines.get(name, deadline))))
         wait_all(deadlines)
         self.config_path.unlink(missing_ok=True)
+        print("stopped", flush=True)
 
 
 def local_problems(config: PdserveConfig) -> list[str]:
@@ -463,14 +467,14 @@ def local_problems(config: PdserveConfig) -> list[str]:
     for name, path in config.lora.adapters.items():
         if not Path(path).is_dir():
             problems.append(f"lora.adapters.{name}: {path} is no directory on this machine")
-    listeners = [("router.port", config.router.host, config.router.port)]
+    listeners = [("router.port", config.router.host, config.router.port, "")]
     for role in Role:
         section = config.role(role)
         for index in range(section.replicas):
-            for _, port in worker_listeners(section.ports(index), config.kv_transfer.connector):
-                listeners.append((f"{role.value}.port", section.host, port))
-    for key, host, port in listeners:
-        problem = _listen_problem(key, host, port)
+            for name, port in worker_listeners(section.ports(index), config.kv_transfer.connector):
+                listeners.append((f"{role.value}.port", section.host, port, name))
+    for key, host, port, name in listeners:
+        problem = _listen_problem(key, host, port, name)
         if problem is not None and problem not in problems:  # (a host's line: once)
             problems.append(problem)
     return problems
@@ -490,14 +494,15 @@ def _pool_problems(config: PdserveConfig, on_cpu: bool) -> list[str]:
     return list(dict.fromkeys(lines))  # (a key both roles share: once)
 
 
-def _listen_problem(key: str, host: str, port: int) -> str | None:
+def _listen_problem(key: str, host: str, port: int, name: str) -> str | None:
     """Why ``host:port`` cannot be listened on now, or None (probed and closed; blamed as
-    ``listen_error`` says, "another stack?" where the port is in use)."""
+    ``listen_error`` says, "another stack?" where the port is in use; ``name``: which of
+    a worker's ports it is, as the worker itself says it)."""
     try:
         for probe in bind_listeners(host, port):  # as the servers will
             probe.close()
     except OSError as exc:
-        return str(listen_error(key, host, port, exc, in_use="another stack?"))
+        return str(listen_error(key, host, port, exc, in_use="another stack?", name=name))
     return None
 
 

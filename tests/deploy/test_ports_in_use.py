@@ -98,8 +98,8 @@ def test_up_names_what_this_machine_lacks_before_starting_anything(tiny_llama, t
         "directory on this machine; download the model first)",
         f"error: router.port: cannot listen on 127.0.0.1:{router_port}: Address already in "
         "use (another stack?)",
-        f"error: decode.port: cannot listen on 127.0.0.1:{worker_port}: Address already in "
-        "use (another stack?)",
+        f"error: decode.port: cannot listen on 127.0.0.1:{worker_port} (KV events): Address "
+        "already in use (another stack?)",
     ]
     assert not (tmp_path / "home" / "logs").exists()
 
