@@ -98,6 +98,11 @@ class RouterConfig:
     # ("https://chat.example.com"), or "*" for any (vLLM's default); empty: no CORS
     # headers, so browsers keep other origins' pages from reading the answers.
     allowed_origins: list[str] = dataclasses.field(default_factory=list)
+    # Host names a router on a loopback address without API keys answers besides
+    # localhost, 127.0.0.1 and ::1 (a reverse proxy's public name that it passes on as
+    # Host), or "*" for any: other Host headers are refused, against DNS rebinding
+    # (router/host_check.py).
+    allowed_hosts: list[str] = dataclasses.field(default_factory=list)
     prefill_timeout_s: float = 120.0  # one prefill try
     # A sequence's whole journey, from admission: waiting for room on a decode worker,
     # its prefill tries and its decode (a 503 once passed).
@@ -185,6 +190,10 @@ class RouterConfig:
                 raise ConfigError("router.allowed_media_domains", f"{domain!r} is not a host "
                                   "name (images.example.com: no scheme, port, path or "
                                   "wildcard)")  # fmt: skip
+        for name in self.allowed_hosts:
+            if name != "*" and (not name or any(c in name for c in "/:@ ")):
+                raise ConfigError("router.allowed_hosts", f"{name!r} is not a host name "
+                                  "(api.example.com: no scheme, port or path) or '*'")  # fmt: skip
         for origin in self.allowed_origins:
             scheme, _, host = origin.partition("://")
             if origin != "*" and (scheme not in ("http", "https") or not host or "/" in host):

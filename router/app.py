@@ -36,6 +36,7 @@ from router.errors import (
     unauthorized,
 )
 from router.generation_routes import add_generation_routes
+from router.host_check import LoopbackHosts, guards_hosts
 from router.json_body import Body, document_bodies
 from router.pooling_routes import add_pooling_routes
 from router.prompts import PromptTokenizer, tool_dicts
@@ -238,9 +239,12 @@ def create_app(state: RouterState) -> FastAPI:
     if state.tracer.enabled:
         app.add_middleware(_Arrival)  # the first thing a request meets (but CORS's)
     origins = state.config.router.allowed_origins
-    if origins:  # outermost: a browser's preflight carries no key, and needs no trace
+    if origins:  # outside these: a browser's preflight carries no key, and needs no trace
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["*"],
                            allow_headers=["*"])  # fmt: skip
+    router = state.config.router
+    if guards_hosts(router.host, router.api_keys, router.allowed_hosts):  # outermost
+        app.add_middleware(LoopbackHosts, allowed=router.allowed_hosts, respond=refused)
 
     @app.get("/health")
     async def health() -> Response:

@@ -43,7 +43,7 @@ def post(state: RouterState, path: str, json: object = None, raises: bool = Fals
 
     async def send() -> httpx.Response:
         transport = httpx.ASGITransport(create_app(state), raise_app_exceptions=raises)
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
             return await client.request(kwargs.pop("method", "POST"), path, **kwargs)
 
     return asyncio.run(send())
@@ -855,7 +855,7 @@ def test_a_client_gone_while_its_prompt_was_tokenized_gets_nothing_run(state):
                      "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
                      "query_string": b"", "root_path": "", "server": ("router", 80),
                      "client": ("127.0.0.1", 5), "headers": [
-                         (b"content-type", b"application/json"), (b"host", b"router")]}  # fmt: skip
+                         (b"content-type", b"application/json"), (b"host", b"[::1]")]}  # fmt: skip
             await create_app(state)(scope, receive, send)
 
         asyncio.run(leave())
@@ -1011,7 +1011,7 @@ def test_a_reply_still_waiting_when_the_drain_grace_ends_is_a_503(state, monkeyp
             state.stopping = True
 
         transport = httpx.ASGITransport(create_app(state))
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
             stopping = asyncio.create_task(stop())
             body = {"prompt": "x", "max_tokens": 2}
             reply = await asyncio.wait_for(client.post("/v1/completions", json=body), 10)
@@ -1025,3 +1025,27 @@ def test_a_reply_still_waiting_when_the_drain_grace_ends_is_a_503(state, monkeyp
         state.stopping = False
     assert error_of(reply, 503)["code"] == "service_unavailable"
     assert reply.headers["retry-after"] and "stopped" in reply.json()["error"]["message"]
+
+
+def test_a_keyless_loopback_router_answers_loopback_host_names_only(state, tiny_llama):
+    """DNS rebinding: a page on another site points its own name at 127.0.0.1 and its
+    browser's requests reach the router as same-origin, with that name as ``Host``
+    (a keyless router ran them). Loopback names and ``router.allowed_hosts`` pass; a
+    router with keys, or on another address, takes any ``Host``."""
+    models = {"method": "GET"}
+    error = error_of(post(state, "/v1/models", headers={"host": "evil.example:8000"}, **models),
+                     400)  # fmt: skip
+    assert "'evil.example'" in error["message"] and "router.allowed_hosts" in error["message"]
+    assert error_of(post(state, "/health", headers={"host": "evil.example"}, **models), 400)
+    for host in ("localhost:8000", "LOCALHOST", "127.0.0.1", "127.0.0.2:80", "[::1]:8000"):
+        assert post(state, "/v1/models", headers={"host": host}, **models).status_code == 200
+    for overrides, headers in (
+        (["router.allowed_hosts=[api.example.com]"], {"host": "API.example.com:443"}),
+        (["router.allowed_hosts=['*']"], {"host": "evil.example"}),
+        (["router.api_keys=[k]"], {"host": "evil.example", "authorization": "Bearer k"}),
+        (["router.host=0.0.0.0"], {"host": "evil.example"}),
+    ):
+        other = RouterState.build(load_config(None, [f"model={tiny_llama}", *overrides]))
+        assert post(other, "/v1/models", headers=headers, **models).status_code == 200
+    with pytest.raises(ConfigError, match="router.allowed_hosts: 'https://a.example'"):
+        load_config(None, ["router.allowed_hosts=['https://a.example']"])

@@ -1582,7 +1582,9 @@ def test_a_worker_that_ignores_logit_token_ids_is_a_503_not_a_score(tiny_llama, 
             try:
                 await state.pool.refresh()
                 transport = httpx.ASGITransport(create_app(state))
-                async with httpx.AsyncClient(transport=transport, base_url="http://r") as client:
+                async with httpx.AsyncClient(
+                    transport=transport, base_url="http://127.0.0.1"
+                ) as client:
                     return await client.post("/v1/rerank", json=body)
             finally:
                 await state.pool.close()

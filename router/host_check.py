@@ -1,0 +1,67 @@
+"""Which ``Host`` headers a router on a loopback address answers, against DNS rebinding.
+
+A web page on another site can make a visitor's browser send requests to a router on
+127.0.0.1 by pointing its own host name at 127.0.0.1 after the page has loaded (DNS
+rebinding): the browser then counts the router as the page's own origin, so CORS does not
+stop it, and a router without API keys ran whatever the page asked (a security audit,
+2026-12-02; Ollama's CVE-2024-28224 is the same attack). The one thing such a request
+cannot hide is its ``Host`` header, which names the attacker's host. So a router whose
+``router.host`` is a loopback address and that has no API keys answers only requests
+whose ``Host`` is a loopback name (``localhost``, 127.0.0.0/8, ``::1``) or one of
+``router.allowed_hosts`` (a reverse proxy's public name, say; ``"*"``: any). A router on
+another address, or one with keys, takes any ``Host`` (a key is what a page cannot know).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+
+from starlette.datastructures import Headers
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from common.hosts import ip_literal
+from router.errors import APIError
+
+
+def guards_hosts(router_host: str, api_keys: Collection[str], allowed: Collection[str]) -> bool:
+    """Whether a router with these settings checks ``Host`` headers (module docstring)."""
+    return is_loopback_name(router_host) and not api_keys and "*" not in allowed
+
+
+def is_loopback_name(host: str) -> bool:
+    literal = ip_literal(host)
+    return host.lower().rstrip(".") == "localhost" or (literal is not None and literal.is_loopback)
+
+
+def host_name(header: str) -> str:
+    """The host a ``Host`` header names, without its port or an IPv6 address's brackets."""
+    if header.startswith("["):
+        return header[1:].partition("]")[0]
+    name, colon, port = header.rpartition(":")
+    return name if colon and port.isdigit() else header
+
+
+class LoopbackHosts:
+    """ASGI middleware refusing (400, the OpenAI envelope) HTTP requests whose ``Host``
+    names neither a loopback address nor one of ``allowed`` (lower case). A request
+    without ``Host`` (HTTP/1.0) is answered: browsers always send one."""
+
+    def __init__(
+        self, app: ASGIApp, allowed: Collection[str], respond: Callable[[APIError], Response]
+    ) -> None:
+        self.app, self.respond = app, respond
+        self.allowed = frozenset(name.lower() for name in allowed)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        header = Headers(scope=scope).get("host") if scope["type"] == "http" else None
+        if header:
+            name = host_name(header).lower()
+            if not is_loopback_name(name) and name not in self.allowed:
+                error = APIError(400, f"this router (on a loopback address, without API keys) "
+                                 f"answers requests to localhost, 127.0.0.1 or [::1], not to "
+                                 f"{name!r}: add the name to router.allowed_hosts (a reverse "
+                                 "proxy's), or set router.api_keys")  # fmt: skip
+                await self.respond(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
