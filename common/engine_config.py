@@ -156,7 +156,7 @@ class EngineConfig:
     # workers at 0.4 share a card); activations and graphs come out of the rest.
     gpu_memory_utilization: float = 0.85
     # None: the checkpoint's context (max_position_embeddings; with YaRN, the pretraining
-    # context times its factor: common.hf_config.max_context_len). Larger values are capped.
+    # context times its factor: common.hf_config.max_context_len). Larger is a ConfigError.
     max_model_len: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048

@@ -65,7 +65,7 @@ from common.kv_events import (
     decode_batch,
     encode_batch,
 )
-from common.zmq_tcp import tcp_socket
+from common.zmq_tcp import endpoint_host, tcp_socket
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ _MAX_SUBSCRIPTION_BYTES = 64  # a subscription message: 1 byte + the topic (b"kv
 class KVEventPublisher:
     def __init__(self, host: str, pub_port: int, replay_port: int, buffer_size: int = 4096):
         self._ctx = zmq.Context.instance()
-        self._pub = tcp_socket(self._ctx, zmq.PUB)
+        self._pub = tcp_socket(self._ctx, zmq.PUB, host)
         # Subscribers write too: each subscription is a message, and libzmq keeps every
         # one it is sent, at ~50x its size. Ours is 3 bytes; without this bound one peer
         # sending 190 MiB of long subscriptions grew a worker by 9 GB (a security audit,
@@ -91,7 +91,7 @@ class KVEventPublisher:
         self._pub.setsockopt(zmq.MAXMSGSIZE, _MAX_SUBSCRIPTION_BYTES)
         self._topic = TOPIC + os.urandom(8)  # (its epoch: module docstring)
         self._pub.bind(f"tcp://{host_port(host, pub_port)}")
-        replay = tcp_socket(self._ctx, zmq.ROUTER)  # owned by the replay thread once it runs
+        replay = tcp_socket(self._ctx, zmq.ROUTER, host)  # the replay thread's once it runs
         # A replay is up to buffer_size messages and its end in one burst; past the
         # default high-water mark a ROUTER drops the rest silently, leaving holes. The
         # mark is per peer (each replay is a socket of its own), and not unlimited: a
@@ -232,11 +232,12 @@ class KVEventSubscriber:
 
     def __init__(self, pub_endpoint: str, replay_endpoint: str, replay_timeout_s: float = 2.0):
         self._ctx = zmq.Context.instance()
-        self._sub = tcp_socket(self._ctx, zmq.SUB)
+        self._sub = tcp_socket(self._ctx, zmq.SUB, endpoint_host(pub_endpoint))
         self._sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
         self._sub.connect(pub_endpoint)
         self._pub_endpoint = pub_endpoint
         self._replay_endpoint = replay_endpoint
+        self._replay_host = endpoint_host(replay_endpoint)
         self._replay_timeout_ms = int(replay_timeout_s * 1000)
         self.state = SubscriberState()
         self._num_unreadable = 0
@@ -349,7 +350,7 @@ class KVEventSubscriber:
     def _snapshot(self) -> KVEventBatch | None:
         """The publisher's snapshot; None if it has none to give (it predates them: it
         replays instead, which is read to its end) or does not answer in time."""
-        dealer = tcp_socket(self._ctx, zmq.DEALER)
+        dealer = tcp_socket(self._ctx, zmq.DEALER, self._replay_host)
         dealer.connect(self._replay_endpoint)
         try:
             dealer.send(_SNAPSHOT)
@@ -369,7 +370,7 @@ class KVEventSubscriber:
         """Batches [start, stop) from the replay socket; complete=False if some are gone.
         Then only the run of batches that ends at ``stop - 1`` without a hole comes back:
         a block removed in a hole would otherwise stay known for good."""
-        dealer = tcp_socket(self._ctx, zmq.DEALER)
+        dealer = tcp_socket(self._ctx, zmq.DEALER, self._replay_host)
         dealer.setsockopt(zmq.RCVHWM, 0)
         dealer.connect(self._replay_endpoint)
         got: list[KVEventBatch] = []

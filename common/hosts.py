@@ -63,6 +63,22 @@ def _hint(host: str) -> str | None:
     return None
 
 
+def socket_family(host: str) -> socket.AddressFamily:
+    """The family a socket to or on ``host`` takes: an IP literal's own; for a name IPv4
+    where it has an IPv4 address (as before IPv6 hosts were served: ``localhost`` stays
+    127.0.0.1 where /etc/hosts also maps it to ::1), IPv6 where it has IPv6 ones only;
+    IPv4 for a name that does not resolve (the socket's own error then says so)."""
+    literal = ip_literal(host)
+    if literal is not None:
+        return socket.AF_INET6 if literal.version == 6 else socket.AF_INET
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return socket.AF_INET
+    families = {family for family, *_ in infos}
+    return socket.AF_INET6 if families == {socket.AF_INET6} else socket.AF_INET
+
+
 def url_host(host: str) -> str:
     """``host`` as it is written before ``:port``: an IPv6 literal in brackets."""
     literal = ip_literal(host)

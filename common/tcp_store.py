@@ -15,7 +15,7 @@ import datetime
 import socket
 from typing import Any
 
-from common.hosts import ip_literal
+from common.hosts import socket_family
 
 
 def bound_tcp_store(
@@ -24,7 +24,7 @@ def bound_tcp_store(
     """The store's server on ``host``:``port`` (0: a free port; read ``.port``)."""
     import torch.distributed as dist
 
-    listener = socket.create_server((host, port), family=_family(host), backlog=backlog)
+    listener = socket.create_server((host, port), family=socket_family(host), backlog=backlog)
     return dist.TCPStore(
         host,
         listener.getsockname()[1],
@@ -34,14 +34,3 @@ def bound_tcp_store(
         wait_for_workers=False,
         master_listen_fd=listener.detach(),
     )
-
-
-def _family(host: str) -> socket.AddressFamily:
-    """The family of ``host``'s socket: an IP literal's own; for a name IPv4 where it has
-    an IPv4 address (as before IPv6 hosts were served), else IPv6."""
-    literal = ip_literal(host)
-    if literal is not None:
-        return socket.AF_INET6 if literal.version == 6 else socket.AF_INET
-    infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    families = {family for family, *_ in infos}
-    return socket.AF_INET6 if families == {socket.AF_INET6} else socket.AF_INET

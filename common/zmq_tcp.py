@@ -2,21 +2,34 @@
 
 libzmq's sockets are IPv4-only by default: ``tcp://[::1]:port`` fails to bind or connect
 ("No such device"), so a worker on an IPv6 address (an IPv6-only Kubernetes cluster's pod
-IP) could not publish its KV events or answer a KV pull's control messages. With the
-``IPV6`` option on, a socket takes IPv6 addresses and IPv4 ones alike, so every TCP socket
-the project opens to a configured host is made here, with the option set, whatever the host.
+IP) could not publish its KV events or answer a KV pull's control messages. Every TCP
+socket the project opens to a configured host is made here, with ``zmq.IPV6`` on where the
+host's family is IPv6 (``common.hosts.socket_family``). Only there: with it on, libzmq
+resolves a name to its first IPv6 address, so a worker on ``localhost`` would publish on
+::1 alone where /etc/hosts maps both, and one on a name with an unroutable AAAA record
+would be unreachable; IPv4 hosts keep the sockets they had.
 """
 
 from __future__ import annotations
 
+import socket
+
 import zmq
 
+from common.hosts import socket_family
 
-def tcp_socket(context: zmq.Context, kind: int) -> zmq.Socket:
+
+def tcp_socket(context: zmq.Context, kind: int, host: str) -> zmq.Socket:
     """A ``kind`` socket (``zmq.PUB``, ``zmq.DEALER``...) of ``context`` that binds or
-    connects to IPv4 and IPv6 endpoints, lingering 0 ms at close (no socket here waits
-    to deliver what its peer will never read)."""
+    connects to ``host`` (an IPv6 one too), lingering 0 ms at close (no socket here
+    waits to deliver what its peer will never read)."""
     sock = context.socket(kind)
-    sock.setsockopt(zmq.IPV6, 1)
+    sock.setsockopt(zmq.IPV6, int(socket_family(host) == socket.AF_INET6))
     sock.setsockopt(zmq.LINGER, 0)
     return sock
+
+
+def endpoint_host(endpoint: str) -> str:
+    """The host of a ``tcp://host:port`` endpoint (an IPv6 address without brackets)."""
+    address = endpoint.removeprefix("tcp://").rpartition(":")[0]
+    return address[1:-1] if address.startswith("[") else address

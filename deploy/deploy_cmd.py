@@ -106,6 +106,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from deploy.render_k8s import render_files, render_stream, write
 
+    if args.prometheus_url and (args.out is None or config.planner.profile is None):
+        print("warning: --prometheus-url is for overlays/autoscale, which only --out writes, "
+              "and only with planner.profile", file=sys.stderr)  # fmt: skip
+
     try:  # (a planner profile or draft model the config names, read while rendering)
         if args.out is None:
             sys.stdout.write(render_stream(config, source, args.image))

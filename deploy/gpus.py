@@ -40,7 +40,7 @@ def sharing_warning(config: PdserveConfig, num_gpus: int) -> str | None:
     """What a GPU shared by workers costs (None when none is): each worker sizes its KV
     cache to ``gpu_memory_utilization`` of its GPU's memory, so at the default the
     second worker to start on a GPU runs out of memory (``deploy compose --gpus`` gave
-    this without a word; ``pdserve up`` refuses it)."""
+    this without a word)."""
     needed = gpus_needed(config)
     if not num_gpus or needed <= num_gpus:
         return None
@@ -50,8 +50,8 @@ def sharing_warning(config: PdserveConfig, num_gpus: int) -> str | None:
         f"the workers' ranks need {needed} GPUs and --gpus gives {num_gpus}: up to "
         f"{per_gpu} share a GPU, each sizing its KV cache to gpu_memory_utilization "
         f"({utilization:g}) of its memory, so the later ones run out of memory; set "
-        f"engine.gpu_memory_utilization to at most {0.9 / per_gpu:.2f} (with the weights "
-        "of every worker on it fitting), or give each rank a GPU of its own"
+        f"engine.gpu_memory_utilization to at most {utilization / per_gpu:.2f} (the weights "
+        "of every worker on a GPU beside), or give each rank a GPU of its own"
     )
 
 
@@ -64,3 +64,14 @@ def visible_gpus() -> list[str]:
     driver = Path("/proc/driver/nvidia/gpus")
     count = len(list(driver.iterdir())) if driver.is_dir() else 0
     return [str(i) for i in range(count)]
+
+
+def surely_no_cuda() -> bool:
+    """Whether workers on this host surely find no CUDA device: ``CUDA_VISIBLE_DEVICES``
+    lists none, or, unset, neither the NVIDIA driver lists a GPU nor a device node of
+    one is there (``/dev/nvidiactl``; WSL's ``/dev/dxg``, where ``/proc`` lists none)."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return not any(entry.strip() for entry in listed.split(","))
+    nodes = (Path("/dev/nvidiactl"), Path("/dev/dxg"))
+    return not visible_gpus() and not any(node.exists() for node in nodes)

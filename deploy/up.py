@@ -19,6 +19,7 @@ starts each role's minimum and follows the router's plan (``deploy/autoscale.py`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -47,7 +48,7 @@ from common.tracing import check_installed
 from deploy.autoscale import Autoscaler, read_plan
 from deploy.cpu_threads import usable_cores, worker_threads
 from deploy.ephemeral_ports import ephemeral_port_warnings, ephemeral_range
-from deploy.gpus import gpus_needed, visible_gpus, worker_gpus
+from deploy.gpus import gpus_needed, surely_no_cuda, visible_gpus, worker_gpus
 from deploy.health_cmd import check_grpc, check_http
 from deploy.log_files import LOG_MAX_BYTES, cut_if_full, open_log
 from deploy.parent_death import PARENT_PID_ENV
@@ -428,9 +429,9 @@ class Stack:
                 time.sleep(0.05)
 
         procs = dict(self.children)
-        if any(proc.poll() is None for proc in procs.values()):  # (its console said nothing)
-            print("stopping: the router drains, then the workers (a second Ctrl-C stops them "
-                  "at once)", flush=True)  # fmt: skip
+        running = any(proc.poll() is None for proc in procs.values())
+        if running:  # (the console said nothing while the stack drained)
+            _say("stopping: the workers drain and exit (a second Ctrl-C stops them at once)")
         router = procs.get("router")
         if router is not None and router.poll() is None:
             router.send_signal(signal.SIGTERM)
@@ -445,7 +446,15 @@ class Stack:
             deadlines.append((proc, min(deadline, self._drain_deadlines.get(name, deadline))))
         wait_all(deadlines)
         self.config_path.unlink(missing_ok=True)
-        print("stopped", flush=True)
+        if running:
+            _say("stopped")
+
+
+def _say(line: str) -> None:
+    """A line on the console, if there still is one: after SIGHUP (the terminal, an ssh
+    session, went away) writing to it raises EIO, which must not cut the stop short."""
+    with contextlib.suppress(OSError):
+        print(line, flush=True)
 
 
 def local_problems(config: PdserveConfig) -> list[str]:
@@ -463,7 +472,7 @@ def local_problems(config: PdserveConfig) -> list[str]:
     elif not (model_dir / "config.json").is_file():
         problems.append(f"model: {model_dir} is no checkpoint directory (no config.json)")
     else:
-        problems += _pool_problems(config, on_cpu=not visible_gpus())
+        problems += _pool_problems(config, on_cpu=surely_no_cuda())
     for name, path in config.lora.adapters.items():
         if not Path(path).is_dir():
             problems.append(f"lora.adapters.{name}: {path} is no directory on this machine")
@@ -580,7 +589,6 @@ def run(
         return 2
     except StackError as exc:
         if stack.stop_signal:  # Ctrl-C or SIGTERM while starting: a normal stop
-            print("stopping", flush=True)
             return 0
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -44,7 +44,7 @@ class BadWordIndex:
 
     def bans(self, output_token_ids: Sequence[int]) -> list[int]:
         bans = list(self.always)
-        if not output_token_ids or not self.by_length:
+        if len(output_token_ids) == 0 or not self.by_length:
             return bans
         last, num_tokens = output_token_ids[-1], len(output_token_ids)
         for length, lasts, table in self.by_length:

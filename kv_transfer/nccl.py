@@ -53,7 +53,7 @@ class NcclConnector(KVConnector):
         # (TCPStore alone would listen on every interface: ``common/tcp_store.py``.)
         self._store = bound_tcp_store(config.host, config.store_port, None, config.timeout_s)
         self._store_port = self._store.port
-        router = tcp_socket(self._context, zmq.ROUTER)
+        router = tcp_socket(self._context, zmq.ROUTER, config.host)
         router.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE_BYTES)
         try:
             if config.port:

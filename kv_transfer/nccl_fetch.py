@@ -192,7 +192,7 @@ class PeerFetcher(threading.Thread):
     def _connect(self, record: FetchRecord) -> _Connection:
         num_blocks, section = self._lookup(record)
         payload = decode_transport(section, NcclPayload)
-        dealer = tcp_socket(self._context, zmq.DEALER)
+        dealer = tcp_socket(self._context, zmq.DEALER, payload.host)
         dealer.connect(f"tcp://{host_port(payload.host, payload.control_port)}")
         pair_id = uuid.uuid4().hex
         try:

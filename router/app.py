@@ -30,7 +30,6 @@ from router.choices import new_id
 from router.errors import (
     APIError,
     bad_request,
-    context_too_long,
     internal,
     model_not_found,
     unauthorized,
@@ -53,6 +52,9 @@ from router.validation_errors import error_message
 logger = logging.getLogger(__name__)
 
 _OPEN_PATHS = {"/health", "/ping", "/version", "/metrics"}  # as vLLM: probes need no key
+# The most tokens /tokenize counts (when the context is shorter): ~40 MB of the router's
+# memory for the ids and their JSON.
+MAX_TOKENIZE_TOKENS = 1 << 20
 
 
 def model_permission(created: int) -> dict[str, Any]:
@@ -315,19 +317,22 @@ def create_app(state: RouterState) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(body: Body[TokenizeRequest]) -> dict[str, Any]:
-        """Up to the context, as vLLM: a text past it is a 400 before it is tokenized
-        whole (a 31 MB prompt grew the router by 4.5 GB and held its tokenizing threads
-        25 s; a security audit, 2026-12-02)."""
+        """Any length up to ``MAX_TOKENIZE_TOKENS`` (or the context, if longer): a text
+        past it is a 400 before it is tokenized whole (a 31 MB prompt grew the router by
+        4.5 GB and held its tokenizing threads 25 s; a security audit, 2026-12-02). Past
+        the context is counted, as in vLLM: a client may count a document to cut it."""
         admission.lora_name(body.model)
-        limit = state.model.max_model_len
+        limit = max(state.model.max_model_len, MAX_TOKENIZE_TOKENS)
         if body.messages is not None:
             tokens = await asyncio.to_thread(
                 prompt_tokenizer.chat, body.messages, body.add_generation_prompt,
                 tool_dicts(body.tools), body.chat_template_kwargs, body.continue_final_message,
-                limit,
+                limit, too_long=lambda exc, param: too_many_to_count(exc.at_least, param),
             )  # fmt: skip
         else:
-            tokens = await asyncio.to_thread(prompt_text_ids, body.prompt or "", body)
+            tokens = await asyncio.to_thread(prompt_text_ids, body.prompt or "", body, limit)
+        if len(tokens) > limit:
+            raise too_many_to_count(len(tokens), "prompt" if body.messages is None else "messages")
         reply = {"tokens": tokens, "count": len(tokens), "max_model_len": state.model.max_model_len}
         if body.return_token_strs:
             strings = state.tokenizer.convert_ids_to_tokens
@@ -341,15 +346,16 @@ def create_app(state: RouterState) -> FastAPI:
         admission.lora_name(body.model)
         return {"prompt": await asyncio.to_thread(detokenized, body.tokens)}
 
-    def prompt_text_ids(text: str, body: TokenizeRequest) -> list[int]:
-        limit = state.model.max_model_len
+    def prompt_text_ids(text: str, body: TokenizeRequest, limit: int) -> list[int]:
         try:
-            tokens = state.tokenizer.encode(text, body.add_special_tokens, limit)
+            return state.tokenizer.encode(text, body.add_special_tokens, limit)
         except TooManyTokens as exc:
-            raise prompt_tokenizer.too_long(exc, "prompt") from None
-        if len(tokens) > limit:
-            raise context_too_long(len(tokens), None, limit, "prompt")
-        return tokens
+            raise too_many_to_count(exc.at_least, "prompt") from None
+
+    def too_many_to_count(at_least: int, param: str) -> APIError:
+        limit = max(state.model.max_model_len, MAX_TOKENIZE_TOKENS)
+        return bad_request(f"the {param} has at least {at_least} tokens; /tokenize counts up "
+                           f"to {limit}", param)  # fmt: skip
 
     def detokenized(tokens: list[int]) -> str:
         vocab_size = state.tokenizer.vocab_size  # (once: it asks the tokenizer each time)

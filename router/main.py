@@ -12,6 +12,7 @@ import time
 from collections.abc import Mapping
 
 import uvicorn
+from prometheus_client import disable_created_metrics
 
 from common.api_keys import api_keys_from_env
 from common.config import PdserveConfig
@@ -49,6 +50,10 @@ def with_env_api_keys(
 
 
 def run(config: PdserveConfig) -> int:
+    # No ``*_created`` series beside every counter and histogram: they double what is
+    # scraped for nothing a dashboard reads (vLLM turns them off too). A flag of
+    # prometheus_client's for the whole process, so set here, where the process starts.
+    disable_created_metrics()
     config = with_env_api_keys(config)
     sockets = listening_sockets(config.router.host, config.router.port)
     try:

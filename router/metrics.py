@@ -18,7 +18,6 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
-    disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily
@@ -91,10 +90,6 @@ def _kv_usage(stats: pb.StatsResponse) -> float:
 
 class RouterMetrics:
     def __init__(self, model_name: str, max_model_len: int = 1 << 17) -> None:
-        # A ``*_created`` series beside every counter and histogram doubles what is
-        # scraped for nothing a dashboard reads; vLLM turns them off too. (A flag of
-        # prometheus_client's, the same for every registry of the process.)
-        disable_created_metrics()
         self.registry = CollectorRegistry()
         # The live plan (router/live_plan.py) when planner.profile is set: it sizes the
         # sequences served, and shows its plan in this registry.

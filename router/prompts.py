@@ -86,9 +86,11 @@ class PromptTokenizer:
         continue_final_message: bool = False, max_tokens: int | None = None,
         kept: KeptTokens | None = None, image_text: str | None = None,
         image_parts: bool = False, rewrite: Callable[[str], str] | None = None,
+        too_long: Callable[[TooManyTokens, str], APIError] | None = None,
     ) -> list[int]:  # fmt: skip
         """The messages through the chat template, as ids. ``max_tokens``: a longer
-        prompt is refused before it is tokenized whole. ``kept``: what truncation will
+        prompt is refused before it is tokenized whole (as ``too_long`` says, by default
+        as a prompt past the context). ``kept``: what truncation will
         keep (only that much of the text is tokenized). ``image_text``, ``image_parts``:
         how images reach the template (``ChatMessage.for_template``; neither: refused);
         ``rewrite``: what the rendered text goes through before it is tokenized (its
@@ -100,7 +102,7 @@ class PromptTokenizer:
                 max_tokens, kept, rewrite, self.escape_special, self.keep_special,
             )  # fmt: skip
         except TooManyTokens as exc:
-            raise self.too_long(exc, "messages") from None
+            raise (too_long or self.too_long)(exc, "messages") from None
         except TokenizerError as exc:
             raise bad_request(str(exc), exc.param or "messages") from None
         except ValueError as exc:

@@ -18,7 +18,9 @@ and handed to the route as one message.
   average once ``grace_s`` has passed (Kestrel's rule, with its 240 B/s): a byte every
   40 s never paused past the idle bound, so a thousand such clients held a thousand
   connections (and file descriptors) as long as they liked (a security audit,
-  2026-12-02). A JSON body of any real client arrives within the grace.
+  2026-12-02). The grace is a credit of ``grace_s * min_bytes_per_s`` bytes (2400): a
+  JSON body of any real client arrives within it, but one that pauses past the grace
+  before its first byte is refused (the idle bound alone allowed 60 s).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ once, without the "(another stack?)" that a port in use alone is."""
 
 from __future__ import annotations
 
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 from common.config_base import ConfigError
 from common.config_loader import load_config
 from common.listen_sockets import bind_listeners
+from deploy.gpus import surely_no_cuda
 from deploy.health_cmd import check_http
 from deploy.up import Stack, _pool_problems, _wildcard_note, local_problems
 from engine import LLM, SamplingParams
@@ -98,6 +100,9 @@ def test_a_stack_on_ipv6_addresses_serves_disaggregated(tiny_llama, tmp_path):
         )  # fmt: skip
         assert reply.choices[0].model_extra["token_ids"] == reference.outputs[0].token_ids
         assert worker_stats(stack, "decode")[0].blocks_pulled > 0
+        # (And the router's process exports no ``*_created`` series: ``router/main.py``.)
+        exported = urllib.request.urlopen(f"{stack.base_url}/metrics", timeout=10).read()
+        assert b"vllm:request_prompt_tokens_count" in exported and b"_created" not in exported
         loaded = load_config(str(config))
         for section in (loaded.prefill, loaded.decode):
             assert eventually(lambda s=section: _established_to(s.ports(0).events))
@@ -119,3 +124,15 @@ def test_what_a_worker_would_fail_on_later_is_said_before_anything_starts(tiny_l
     assert f"lora.adapters.alice: {tmp_path / 'none'} is no directory on this machine" in (
         local_problems(adapter)
     )
+
+
+def test_a_host_surely_without_cuda_is_told_by_its_visible_devices(monkeypatch):
+    """Only then are a CPU pool's problems errors: WSL2 lists no GPU under /proc (its
+    /dev/dxg does), and a GPU host's workers would size their pools from the GPU."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert surely_no_cuda()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert not surely_no_cuda()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    devices = (Path("/dev/nvidiactl"), Path("/dev/dxg"), Path("/proc/driver/nvidia/gpus"))
+    assert surely_no_cuda() == (not any(path.exists() for path in devices))

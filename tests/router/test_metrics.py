@@ -83,8 +83,9 @@ def test_quarantined_blocks_are_a_worker_gauge():
 def test_vllm_dashboards_find_their_series():
     """What a vLLM dashboard reads beyond latencies and token counts (a docs audit found
     them missing): the request histograms (sizes, queue, prefill, decode, time per output
-    token), per worker the KV cache usage and preemptions (a counter: a worker's figure
-    is cumulative), and no ``*_created`` series beside each."""
+    token), and per worker the KV cache usage and preemptions (a counter: a worker's
+    figure is cumulative). (No ``*_created`` series: the router's process turns them off,
+    ``tests/deploy/test_up_hosts.py``.)"""
     metrics = RouterMetrics("m", max_model_len=4096)
     stats = pb.StatsResponse(kv_blocks_used=30, kv_blocks_total=40, num_preemptions=5)
     metrics.observe_workers({"decode@a:1": stats}, {"decode@a:1"})
@@ -105,7 +106,6 @@ def test_vllm_dashboards_find_their_series():
     ):
         assert line in text, line
     assert 'le="2000.0"' in text and 'le="5000.0"' not in text  # up to max_model_len
-    assert "_created" not in text
     metrics.observe_workers({"decode@a:1": stats}, set())  # drained: no load series
     text = metrics.render().decode()
     assert "vllm:kv_cache_usage_perc{" not in text and "vllm:num_preemptions_total{" not in text
