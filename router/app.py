@@ -27,13 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from common.tokenizer import TooManyTokens
 from router.admission import ARRIVAL_NS, REQUEST_ID, Admission, client_request_id
 from router.choices import new_id
-from router.errors import (
-    APIError,
-    bad_request,
-    internal,
-    model_not_found,
-    unauthorized,
-)
+from router.errors import APIError, bad_request, internal, model_not_found, unauthorized
 from router.generation_routes import add_generation_routes
 from router.host_check import LoopbackHosts, guards_hosts
 from router.json_body import Body, document_bodies

@@ -4,7 +4,7 @@ A web page on another site can make a visitor's browser send requests to a route
 127.0.0.1 by pointing its own host name at 127.0.0.1 after the page has loaded (DNS
 rebinding): the browser then counts the router as the page's own origin, so CORS does not
 stop it, and a router without API keys ran whatever the page asked (a security audit,
-2026-12-02; Ollama's CVE-2024-28224 is the same attack). The one thing such a request
+2026-12-02; a local Ollama server had the same hole in 2024). The one thing such a request
 cannot hide is its ``Host`` header, which names the attacker's host. So a router whose
 ``router.host`` is a loopback address and that has no API keys answers only requests
 whose ``Host`` is a loopback name (``localhost``, 127.0.0.0/8, ``::1``) or one of
