@@ -73,7 +73,7 @@ TOPIC = b"kv"
 _END = struct.pack(">q", -1)
 _SNAPSHOT = struct.pack(">q", -2)
 _SNAPSHOT_REUSE_S = 1.0  # one encoded snapshot serves the requests of a second
-_SNAPSHOT_PEERS = 4096  # connections remembered as answered (one snapshot each)
+_ANSWERED_PEERS = 4096  # connections remembered as answered (one reply each)
 
 
 _UNREADABLE_LOG_S = 60.0  # how often one subscriber says it drops unreadable batches
@@ -118,7 +118,7 @@ class KVEventPublisher:
         # connection gets one (a subscriber asks once per connection), and one encoded
         # snapshot serves every request for a second (queued replies share its buffer).
         self._snapshot_cache: tuple[float, bytes] | None = None  # (made at, payload)
-        self._snapshot_peers: OrderedDict[bytes, None] = OrderedDict()  # answered
+        self._answered_peers: OrderedDict[bytes, None] = OrderedDict()
         self.next_seq = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(
@@ -185,12 +185,15 @@ class KVEventPublisher:
                 identity, *frames = replay.recv_multipart()
                 if len(frames) != 1 or len(frames[0]) != 8:
                     continue  # not our protocol: ignore
+                # One answer per connection, as a subscriber asks (a socket per replay or
+                # snapshot): a peer asking again and again on one connection had the whole
+                # buffer replayed each time, ~27 ms of this thread per 8-byte request.
+                if identity in self._answered_peers:
+                    continue
+                self._answered_peers[identity] = None
+                if len(self._answered_peers) > _ANSWERED_PEERS:
+                    self._answered_peers.popitem(last=False)
                 if frames[0] == _SNAPSHOT:
-                    if identity in self._snapshot_peers:
-                        continue  # asked on this connection already
-                    self._snapshot_peers[identity] = None
-                    if len(self._snapshot_peers) > _SNAPSHOT_PEERS:
-                        self._snapshot_peers.popitem(last=False)
                     replay.send_multipart([identity, _SNAPSHOT, self._snapshot()], copy=False)
                     continue
                 (start,) = struct.unpack(">q", frames[0])

@@ -17,10 +17,10 @@ admits the internal ports only from the deployment's own pods (``deploy/k8s_pods
 Workers started by hand to join a deployment need the same value. The NCCL connector's
 control socket (ZMQ) is covered through the handshake: a pair opens only for a peer that
 proves it knows a key the exporter hands out in its transfer metadata, a gRPC answer
-(``kv_transfer/nccl_protocol.py``). The KV-event ports
-(ZMQ) are not covered: they take no writes but subscriptions (bounded at 64 bytes each:
-``common/event_bus.py``) and replay requests (8 bytes), and carry block hashes only (the
-blocks' tokens are not sent), which tell a listener which prompts it could guess are cached; keep
+(``kv_transfer/nccl_protocol.py``). The KV-event ports (ZMQ) are not covered: they take no
+writes but subscriptions (bounded at 64 bytes each: ``common/event_bus.py``) and replay
+requests (8 bytes, one answered per connection), and carry block hashes only (the blocks'
+tokens are not sent), which tell a listener which prompts it could guess are cached; keep
 them on the deployment's network (the NetworkPolicy does on Kubernetes). A router sends
 the token to every worker the registry lists, so the registry must be the deployment's
 too. The token is a bearer secret on a

@@ -26,9 +26,9 @@ from kv_transfer.base import KVConnector
 from kv_transfer.config import ConnectorName, KVTransferConfig
 from kv_transfer.handshake import MetadataFetcher, fetch_peer_metadata
 from kv_transfer.layout import KVCaches
-from kv_transfer.nccl_export import MAX_CONTROL_MESSAGE_BYTES, ExportServer, ExportSettings
+from kv_transfer.nccl_export import ExportServer, ExportSettings
 from kv_transfer.nccl_fetch import FetchSettings, PeerFetcher
-from kv_transfer.nccl_protocol import NcclPayload, backend_for
+from kv_transfer.nccl_protocol import NcclPayload, backend_for, control_message_limit
 from kv_transfer.records import ExportRecord, FetchRecord
 
 
@@ -54,7 +54,7 @@ class NcclConnector(KVConnector):
         self._store = bound_tcp_store(config.host, config.store_port, None, config.timeout_s)
         self._store_port = self._store.port
         router = tcp_socket(self._context, zmq.ROUTER, config.host)
-        router.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_MESSAGE_BYTES)
+        router.setsockopt(zmq.MAXMSGSIZE, control_message_limit(kv.num_blocks))
         try:
             if config.port:
                 router.bind(f"tcp://{host_port(config.host, config.port)}")

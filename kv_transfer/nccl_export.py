@@ -63,8 +63,9 @@ _POLL_MS = 50  # control loop wake-up, bounds the close() latency
 # Fetcher processes connected at once. One per decode worker in practice; the bound keeps a
 # misbehaving peer from starting sender threads without end.
 MAX_PAIRS = 256
-# Control messages list block ids: a few bytes each. Larger frames are dropped by ZMQ.
-MAX_CONTROL_MESSAGE_BYTES = 16 << 20
+# Malformed control messages are said at most this often (with how many were not): one
+# line each let an unauthenticated peer write 75 MiB of log with five messages.
+_MALFORMED_LOG_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +169,8 @@ class ExportServer(threading.Thread):
         self._exports, self._settings = exports, settings
         self._pairs: dict[str, PairSender] = {}
         self._stopping = threading.Event()
+        self._num_malformed = 0
+        self._malformed_logged_at = -_MALFORMED_LOG_S
 
     def stop(self) -> None:
         self._stopping.set()
@@ -179,8 +182,9 @@ class ExportServer(threading.Thread):
                     frames = self._router.recv_multipart()
                     try:  # one bad message, or one failed reply, must not end the loop
                         if len(frames) != 2:
-                            raise ValueError(f"{len(frames) - 1} payload frames, expected 1")
-                        self._handle(frames[0], frames[1])
+                            self._malformed(f"{len(frames) - 1} payload frames, expected 1")
+                        else:
+                            self._handle(frames[0], frames[1])
                     except Exception:
                         logger.exception("dropping a control message")
                 self._reap()
@@ -193,7 +197,7 @@ class ExportServer(threading.Thread):
         try:
             message = decode_to_exporter(payload)
         except Exception as exc:
-            logger.warning("ignoring a malformed control message: %s", exc)
+            self._malformed(str(exc)[:200])
             return
         if isinstance(message, Connect):
             reply = self._connect(message)
@@ -201,11 +205,20 @@ class ExportServer(threading.Thread):
             reply = self._fetch(message)
         else:
             assert isinstance(message, Done | Abort)
-            if isinstance(message, Abort):
+            if isinstance(message, Abort) and self._exports.get(message.transfer_id):
                 logger.info("peer aborted transfer %s", message.transfer_id)
             self._exports.finish(message.transfer_id)
             return
         self._router.send_multipart([identity, encode(reply)])
+
+    def _malformed(self, why: str) -> None:
+        """A control message that is none of ours: said once a minute at most."""
+        self._num_malformed += 1
+        now = time.monotonic()
+        if now - self._malformed_logged_at >= _MALFORMED_LOG_S:
+            logger.warning("ignoring malformed control messages (%d since the last said): %s",
+                           self._num_malformed, why)  # fmt: skip
+            self._num_malformed, self._malformed_logged_at = 0, now
 
     def _connect(self, message: Connect) -> Accepted | Rejected:
         expected = connect_proof(self._settings.pair_key, message.pair_id)

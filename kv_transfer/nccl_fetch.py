@@ -51,6 +51,7 @@ from kv_transfer.nccl_protocol import (
     Rejected,
     abort_group,
     connect_proof,
+    control_message_limit,
     decode_to_fetcher,
     encode,
     open_pair_group,
@@ -193,6 +194,7 @@ class PeerFetcher(threading.Thread):
         num_blocks, section = self._lookup(record)
         payload = decode_transport(section, NcclPayload)
         dealer = tcp_socket(self._context, zmq.DEALER, payload.host)
+        dealer.setsockopt(zmq.MAXMSGSIZE, control_message_limit(0))  # (replies: no block ids)
         dealer.connect(f"tcp://{host_port(payload.host, payload.control_port)}")
         pair_id = uuid.uuid4().hex
         try:

@@ -24,6 +24,13 @@ a caller without the token can open no pair (256 junk Connects had filled every 
 and turned real decode workers away) and learns nothing (a refusal named the layout).
 The TCPStore's port takes no token (torch's own); a pair's keys there are under its
 random ``pair_id``, which crosses the control socket only.
+
+A message is bounded before its proof is checked (a security audit, 2026-12-02): its
+ids are at most ``MAX_ID_CHARS`` (a peer's 15 MiB ``pair_id`` came back in each
+``Rejected``, 586 MiB held for 40 of them), and its frame at most
+``control_message_limit(num_blocks)`` bytes, what the longest ``FetchRequest`` this
+exporter can take needs (frames of 16 MiB of block ids took 0.25 s each to decode, and
+a 15 s flood held a worker's CPU for minutes).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import datetime
 import hashlib
 import hmac
 import time
+from typing import Annotated
 
 import msgspec
 import torch
@@ -53,9 +61,20 @@ class NcclPayload(msgspec.Struct, frozen=True, kw_only=True):
     pair_key: bytes = b""  # what a Connect proves it knows (module docstring)
 
 
+MAX_ID_CHARS = 256  # pair, transfer and engine ids: a prefix and a uuid's hex
+Id = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
+
+
+def control_message_limit(num_blocks: int) -> int:
+    """The largest control frame an exporter of ``num_blocks`` blocks takes: a
+    ``FetchRequest`` naming each block once (at most 5 bytes an id in msgpack), and room
+    for the rest (a ``Connect``'s layout, the ids)."""
+    return (64 << 10) + 5 * num_blocks
+
+
 class Connect(msgspec.Struct, frozen=True, tag=True):
-    pair_id: str
-    engine_id: str
+    pair_id: Id
+    engine_id: Id
     layout: KVLayout
     proof: bytes = b""  # connect_proof(pair_key, pair_id)
 
@@ -65,27 +84,27 @@ def connect_proof(pair_key: bytes, pair_id: str) -> bytes:
 
 
 class FetchRequest(msgspec.Struct, frozen=True, tag=True):
-    pair_id: str
-    transfer_id: str
+    pair_id: Id
+    transfer_id: Id
     block_ids: list[int]
     layers_per_group: int
     seq: int  # per pair, so that tags of consecutive transfers never collide
 
 
 class Done(msgspec.Struct, frozen=True, tag=True):
-    transfer_id: str
+    transfer_id: Id
 
 
 class Abort(msgspec.Struct, frozen=True, tag=True):
-    transfer_id: str
+    transfer_id: Id
 
 
 class Accepted(msgspec.Struct, frozen=True, tag=True):
-    request_id: str  # pair id or transfer id
+    request_id: Id  # pair id or transfer id
 
 
 class Rejected(msgspec.Struct, frozen=True, tag=True):
-    request_id: str
+    request_id: Id
     reason: str
     layout_mismatch: bool = False
     unknown_pair: bool = False  # the exporter dropped the pair (idle, failed): reconnect

@@ -361,6 +361,29 @@ def test_a_peer_that_asks_for_replays_and_never_reads_queues_one_replay_at_most(
         publisher.close()
 
 
+def test_one_connection_gets_one_replay_however_often_it_asks():
+    """Each 8-byte request replayed the whole buffer (~27 ms of the replay thread at 4096
+    batches), so one connection asking in a loop kept it busy; a subscriber asks once
+    per connection (a socket per replay), so a connection gets one answer."""
+    publisher, subscriber = connected_pair(buffer_size=16)
+    for i in range(5):
+        publisher.publish([BlockRemoved([bytes([i]) * 32])])
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(subscriber._replay_endpoint)
+    try:
+        for _ in range(3):
+            dealer.send((0).to_bytes(8, "big"))
+        ends = 0
+        while dealer.poll(1000):
+            ends += dealer.recv_multipart()[0] == struct.pack(">q", -1)
+        assert ends == 1
+    finally:
+        dealer.close(0)
+        publisher.close()
+        subscriber.close()
+
+
 def test_a_publisher_that_started_over_on_the_same_ports_is_joined_again():
     """A worker restarted on its ports numbers its batches from 0 again: they read as
     seen already, and the old engine's blocks stayed known until the router's next probe

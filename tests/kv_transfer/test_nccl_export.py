@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -16,11 +17,14 @@ import zmq
 from kv_transfer import KVConnector, KVTransferConfig, PeerRef
 from kv_transfer.handshake import PeerMetadata
 from kv_transfer.nccl_protocol import (
+    MAX_ID_CHARS,
+    Abort,
     Accepted,
     Connect,
     NcclPayload,
     Rejected,
     connect_proof,
+    control_message_limit,
     decode_to_fetcher,
     encode,
 )
@@ -125,3 +129,32 @@ def test_a_connect_without_the_exporters_key_opens_no_pair_and_learns_nothing():
             assert setup.sock.poll(10_000)
             assert isinstance(decode_to_fetcher(setup.sock.recv()), Rejected)
         setup.fetch_and_check()  # the real fetcher still gets a pair
+
+
+@pytest.mark.timeout(60)
+def test_an_unauthenticated_peers_messages_are_bounded_and_said_once(caplog):
+    """Before a proof is checked: a frame past what the longest FetchRequest needs is
+    dropped by ZMQ (16 MiB frames took 0.25 s each to decode), an id past 256 characters
+    is malformed (a 15 MiB pair id came back in each Rejected), and malformed messages
+    are said once a minute, not each (five made 75 MiB of log)."""
+    with wired_with_a_control_socket("bounded", timeout_s=10) as setup:
+        layout = setup.exporter.layout
+        # 8 blocks: the limit is 64 KiB + 40 bytes. ZMQ drops the sender for a longer
+        # frame; a fresh socket reaches the exporter again.
+        setup.sock.send(b"\x00" * (control_message_limit(8) + 1))
+        long_id = "p" * (MAX_ID_CHARS + 1)
+        with caplog.at_level(logging.INFO, logger="kv_transfer.nccl_export"):
+            for _ in range(50):
+                sock = setup.sock.context.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(setup.sock.getsockopt_string(zmq.LAST_ENDPOINT))
+                sock.send(encode(Connect(long_id, "stranger", layout, b"x" * 32)))
+                sock.send(encode(Abort("lease-unknown")))
+                sock.send_multipart([b"two", b"frames"])
+                assert not sock.poll(200), "a reply to a malformed Connect"
+                sock.close(0)
+            setup.fetch_and_check()
+        said = [r for r in caplog.records if "malformed" in r.getMessage()]
+        assert len(said) == 1, [r.getMessage() for r in said]
+        assert not [r for r in caplog.records if "lease-unknown" in r.getMessage()]
+        assert all(len(r.getMessage()) < 1000 for r in caplog.records)
