@@ -11,6 +11,7 @@ import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
+from common.config_base import ConfigError
 from common.kv_budget import ModelShape
 from engine import LLM, SamplingParams
 from engine.models.arch import ModelLoadError, read_arch_config
@@ -123,7 +124,8 @@ def test_yarn_extends_the_served_context(tiny_llama, tmp_path):
     params = SamplingParams(max_tokens=16, min_tokens=16, temperature=0)
     (output,) = llm.generate(prompts, params, use_tqdm=False)
     assert [output.outputs[0].token_ids] == hf_greedy(model_dir, prompts, 16)
-    assert LLM(model_dir, dtype="float32", max_model_len=1000).engine.max_model_len == 128
+    with pytest.raises(ConfigError, match="1000 is beyond the model's context of 128"):
+        LLM(model_dir, dtype="float32", max_model_len=1000)  # (a config error, as in vLLM)
 
 
 def test_linear_scaling_extends_the_served_context_and_a_legacy_block_replaces_the_new(
