@@ -240,7 +240,8 @@ def create_app(state: RouterState) -> FastAPI:
                            allow_headers=["*"])  # fmt: skip
     router = state.config.router
     if guards_hosts(router.host, router.api_keys, router.allowed_hosts):  # outermost
-        app.add_middleware(LoopbackHosts, allowed=router.allowed_hosts, respond=refused)
+        allowed = [*router.allowed_hosts, router.host]
+        app.add_middleware(LoopbackHosts, allowed=allowed, respond=refused)
 
     @app.get("/health")
     async def health() -> Response:

@@ -1037,7 +1037,8 @@ def test_a_keyless_loopback_router_answers_loopback_host_names_only(state, tiny_
                      400)  # fmt: skip
     assert "'evil.example'" in error["message"] and "router.allowed_hosts" in error["message"]
     assert error_of(post(state, "/health", headers={"host": "evil.example"}, **models), 400)
-    for host in ("localhost:8000", "LOCALHOST", "127.0.0.1", "127.0.0.2:80", "[::1]:8000"):
+    assert error_of(post(state, "/health", headers={"host": "[::1]evil.example"}, **models), 400)
+    for host in ("localhost:8000", "LOCALHOST", "localhost.", "127.0.0.2:80", "[::1]:8000"):
         assert post(state, "/v1/models", headers={"host": host}, **models).status_code == 200
     for overrides, headers in (
         (["router.allowed_hosts=[api.example.com]"], {"host": "API.example.com:443"}),
