@@ -297,7 +297,9 @@ def test_reconcile_is_not_held_back_by_a_frozen_worker():
         reconcile = asyncio.create_task(adapters.reconcile())
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 10
-        while "alice" not in healthy.adapters:
+        # (Both calls go out at once: on a loaded box the healthy one may finish before
+        # the frozen one has even arrived, so wait for that too.)
+        while "alice" not in healthy.adapters or not frozen.calls:
             assert loop.time() < deadline, "the healthy worker never got alice"
             await asyncio.sleep(0.01)
         assert frozen.calls == [("load", "alice")] and not reconcile.done()
