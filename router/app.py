@@ -322,12 +322,13 @@ def create_app(state: RouterState) -> FastAPI:
             tokens = await asyncio.to_thread(
                 prompt_tokenizer.chat, body.messages, body.add_generation_prompt,
                 tool_dicts(body.tools), body.chat_template_kwargs, body.continue_final_message,
-                limit, too_long=lambda exc, param: too_many_to_count(exc.at_least, param),
+                limit, too_long=lambda exc, param: too_many_to_count(exc.at_least, limit, param),
             )  # fmt: skip
         else:
             tokens = await asyncio.to_thread(prompt_text_ids, body.prompt or "", body, limit)
         if len(tokens) > limit:
-            raise too_many_to_count(len(tokens), "prompt" if body.messages is None else "messages")
+            param = "prompt" if body.messages is None else "messages"
+            raise too_many_to_count(len(tokens), limit, param)
         reply = {"tokens": tokens, "count": len(tokens), "max_model_len": state.model.max_model_len}
         if body.return_token_strs:
             strings = state.tokenizer.convert_ids_to_tokens
@@ -345,10 +346,9 @@ def create_app(state: RouterState) -> FastAPI:
         try:
             return state.tokenizer.encode(text, body.add_special_tokens, limit)
         except TooManyTokens as exc:
-            raise too_many_to_count(exc.at_least, "prompt") from None
+            raise too_many_to_count(exc.at_least, limit, "prompt") from None
 
-    def too_many_to_count(at_least: int, param: str) -> APIError:
-        limit = max(state.model.max_model_len, MAX_TOKENIZE_TOKENS)
+    def too_many_to_count(at_least: int, limit: int, param: str) -> APIError:
         return bad_request(f"the {param} has at least {at_least} tokens; /tokenize counts up "
                            f"to {limit}", param)  # fmt: skip
 
